@@ -1,0 +1,22 @@
+"""Kiln: an LLM inference engine built around torch.compile, with vLLM's public API shape."""
+from kiln.version import __version__
+
+__all__ = ["LLM", "SamplingParams", "CompilationConfig", "RequestOutput", "CompletionOutput",
+           "__version__"]
+
+
+def __getattr__(name):
+    # Lazy, so `import kiln` stays cheap and subpackages import without cycles.
+    if name == "LLM":
+        from kiln.entrypoints.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from kiln.sampling_params import SamplingParams
+        return SamplingParams
+    if name == "CompilationConfig":
+        from kiln.config.compilation_config import CompilationConfig
+        return CompilationConfig
+    if name in ("RequestOutput", "CompletionOutput"):
+        from kiln import outputs
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'kiln' has no attribute {name!r}")

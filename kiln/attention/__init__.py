@@ -1,0 +1,1 @@
+"""Attention backends behind one interface; the portable one is plain torch (CPU and GPU)."""

@@ -1,0 +1,28 @@
+"""KV cache configuration: block size, memory budget, prefix caching."""
+from dataclasses import dataclass
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    # CPU: GiB of host memory for the KV cache (None: KILN_CPU_KVCACHE_SPACE, else 4 GiB).
+    kv_cache_memory: float | None = None
+    # CUDA: fraction of total device memory the engine may use (weights + activations + KV).
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    # Overrides the memory-derived block count (tests use it to force preemption).
+    num_gpu_blocks_override: int | None = None
+    # Filled in by the worker after it sized the cache.
+    num_blocks: int | None = None
+
+    def __post_init__(self):
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(
+                f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")

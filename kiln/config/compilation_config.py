@@ -1,0 +1,87 @@
+"""torch.compile configuration, with vLLM's names so users' flags carry over.
+
+`mode` picks the level of compilation; the rest tunes the piecewise stack (kiln/compilation/).
+"""
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class CompilationMode(enum.IntEnum):
+    NONE = 0  # eager
+    STOCK_TORCH_COMPILE = 1  # plain torch.compile, normal guards
+    DYNAMO_TRACE_ONCE = 2  # one Dynamo trace, guards dropped, no split, no cache
+    KILN_COMPILE = 3  # the piecewise stack: split at attention, per-shape artifacts, disk cache
+
+
+DEFAULT_SPLITTING_OPS = ["kiln::unified_attention"]
+
+
+@dataclass
+class CompilationConfig:
+    mode: int | None = None  # None: KILN_COMPILE, or NONE with enforce_eager
+    backend: str = "inductor"  # "inductor" | "eager"
+    splitting_ops: list[str] | None = None
+    compile_sizes: list[int] = field(default_factory=list)
+    cudagraph_mode: Any = None  # a CUDAGraphMode name or value; None: platform default
+    cudagraph_capture_sizes: list[int] | None = None
+    max_cudagraph_capture_size: int | None = None
+    custom_ops: list[str] = field(default_factory=list)
+    pass_config: dict = field(default_factory=dict)
+    inductor_compile_config: dict = field(default_factory=dict)
+    cache_dir: str = ""  # "" -> <KILN_CACHE_ROOT>/torch_compile_cache
+    debug_dump_path: str = ""
+
+    # Filled at model construction: layer name -> Attention module (not part of the hash).
+    static_forward_context: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.mode is not None:
+            try:
+                self.mode = CompilationMode(int(self.mode))
+            except ValueError:
+                raise ValueError(f"compilation_config.mode must be 0, 1, 2 or 3; got {self.mode!r}")
+        if self.backend not in ("inductor", "eager"):
+            raise ValueError(
+                f"compilation_config.backend must be 'inductor' or 'eager'; got {self.backend!r}")
+        if self.splitting_ops is None:
+            self.splitting_ops = list(DEFAULT_SPLITTING_OPS)
+        for size in self.compile_sizes:
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"compilation_config.compile_sizes entries must be positive "
+                                 f"integers; got {size!r}")
+        self.compile_sizes = sorted(set(self.compile_sizes))
+
+    @classmethod
+    def from_cli(cls, value: "str | int | dict | CompilationConfig | None") -> "CompilationConfig":
+        """Accept 3, "3", '{"mode": 3, ...}', a dict, or a CompilationConfig."""
+        if value is None:
+            return cls()
+        if isinstance(value, CompilationConfig):
+            return value
+        if isinstance(value, int):
+            return cls(mode=value)
+        if isinstance(value, dict):
+            known = set(cls.__dataclass_fields__) - {"static_forward_context"}
+            unknown = set(value) - known
+            if unknown:
+                raise ValueError(f"unknown compilation_config field(s) {sorted(unknown)}; "
+                                 f"known: {sorted(known)}")
+            return cls(**value)
+        text = str(value).strip()
+        if text.isdigit():
+            return cls(mode=int(text))
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--compilation-config must be a mode number or JSON: {e}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("--compilation-config JSON must be an object")
+        return cls.from_cli(parsed)
+
+    def resolve_mode(self, enforce_eager: bool) -> None:
+        if enforce_eager:
+            self.mode = CompilationMode.NONE
+        elif self.mode is None:
+            self.mode = CompilationMode.KILN_COMPILE

@@ -1,0 +1,80 @@
+"""`KilnConfig`: every sub-config in one object, cross-checked, plus the 'current' config.
+
+Layers read the current config while the model is built (e.g. Attention registers itself).
+"""
+import contextlib
+import hashlib
+from dataclasses import dataclass, field
+
+from kiln.config.cache_config import CacheConfig
+from kiln.config.compilation_config import CompilationConfig
+from kiln.config.device_config import DeviceConfig
+from kiln.config.load_config import LoadConfig
+from kiln.config.model_config import ModelConfig
+from kiln.config.parallel_config import ParallelConfig
+from kiln.config.scheduler_config import SchedulerConfig
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class KilnConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    load_config: LoadConfig = field(default_factory=LoadConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    enforce_eager: bool = False
+
+    def __post_init__(self):
+        sched = self.scheduler_config
+        sched.max_model_len = self.model_config.max_model_len
+        if sched.max_num_batched_tokens is None:
+            sched.max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, sched.max_num_seqs)
+        if sched.max_num_batched_tokens < sched.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({sched.max_num_seqs}); raise --max-num-batched-tokens or lower --max-num-seqs")
+        if self.load_config.load_format == "auto":
+            self.load_config.load_format = self.model_config.load_format
+        else:
+            self.model_config.load_format = self.load_config.load_format
+        self.compilation_config.resolve_mode(self.enforce_eager)
+        for size in self.compilation_config.compile_sizes:
+            if size > sched.max_num_batched_tokens:
+                raise ValueError(f"compile size {size} exceeds max_num_batched_tokens "
+                                 f"({sched.max_num_batched_tokens}); drop it from compile_sizes")
+
+    def compute_hash(self) -> str:
+        """Hash of the factors that change the traced graph (part of the compile cache key)."""
+        m, c = self.model_config, self.compilation_config
+        factors = [
+            m.architecture, repr(sorted(m.hf_config.to_dict().items()))
+            if hasattr(m.hf_config, "to_dict") else repr(m.hf_config),
+            str(m.torch_dtype), self.device_config.device, self.cache_config.block_size,
+            self.parallel_config.tensor_parallel_size, self.scheduler_config.max_num_batched_tokens,
+            int(c.mode), c.backend, c.splitting_ops, c.custom_ops, sorted(c.pass_config.items()),
+            sorted(c.inductor_compile_config.items()),
+        ]
+        return hashlib.sha256(repr(factors).encode()).hexdigest()[:16]
+
+
+_current: KilnConfig | None = None
+
+
+@contextlib.contextmanager
+def set_current_kiln_config(config: KilnConfig):
+    global _current
+    previous, _current = _current, config
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def get_current_kiln_config() -> KilnConfig:
+    if _current is None:
+        raise RuntimeError("no current KilnConfig: build models inside set_current_kiln_config()")
+    return _current

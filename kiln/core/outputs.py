@@ -1,0 +1,73 @@
+"""The messages that cross the executor boundary each step (picklable, no torch).
+
+Scheduler -> runner: `SchedulerOutput`. Runner -> scheduler: `ModelRunnerOutput`.
+Core -> engine front: `EngineCoreOutput` per request that produced something this step.
+"""
+from dataclasses import dataclass, field
+
+from kiln.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or must rebuild after preemption)."""
+    req_id: str
+    # Every token the runner must know: prompt + already generated (non-empty after preemption).
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already holds: only what changed since last step."""
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)  # appended to the block table
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens to run this step (prefill chunk length, or 1 for decode).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the runner must forget (finished, aborted or preempted since last step).
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class LogprobsLists:
+    """Per sampled token: the sampled token then the top-N, with their logprobs and ranks."""
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int  # 1-based rank of the sampled token in the distribution
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # One list per req (same order); empty when the request only ran a partial prefill chunk.
+    sampled_token_ids: list[list[int]]
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[LogprobsLists] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

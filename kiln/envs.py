@@ -1,0 +1,26 @@
+"""Environment variables Kiln reads, in one place, with their defaults.
+
+Read them through these functions (not at import time) so tests can set them per case.
+"""
+import os
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """Root of everything Kiln caches: the default model, compiled artifacts."""
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kiln"
+    return Path(os.environ.get("KILN_CACHE_ROOT", default)).expanduser()
+
+
+def cpu_kvcache_space_gib() -> float | None:
+    """GiB of host memory for the KV cache on CPU (`KILN_CPU_KVCACHE_SPACE`)."""
+    value = os.environ.get("KILN_CPU_KVCACHE_SPACE")
+    return float(value) if value else None
+
+
+def disable_compile_cache() -> bool:
+    return os.environ.get("KILN_DISABLE_COMPILE_CACHE", "0") not in ("", "0", "false", "False")
+
+
+def api_key() -> str | None:
+    return os.environ.get("KILN_API_KEY") or None

@@ -1,0 +1,16 @@
+"""What differs between CPU and CUDA, behind `current_platform`.
+
+No other module calls `torch.cuda.is_available()`; they ask the platform instead.
+"""
+from kiln.platforms.interface import Platform, CpuPlatform, CudaPlatform
+
+
+def _detect() -> Platform:
+    import torch
+
+    return CudaPlatform() if torch.cuda.is_available() else CpuPlatform()
+
+
+current_platform: Platform = _detect()
+
+__all__ = ["Platform", "CpuPlatform", "CudaPlatform", "current_platform"]

@@ -1,0 +1,51 @@
+"""Platform classes: device name, default dtype, graph support, memory and distributed backend."""
+import torch
+
+
+class Platform:
+    device_type: str = "cpu"
+    default_dtype: torch.dtype = torch.float32
+    supports_cudagraph: bool = False
+    dist_backend: str = "gloo"
+
+    def is_cuda(self) -> bool:
+        return self.device_type == "cuda"
+
+    def is_cpu(self) -> bool:
+        return self.device_type == "cpu"
+
+    def synchronize(self) -> None:
+        pass
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the device's memory."""
+        raise NotImplementedError
+
+    def seed_everything(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+
+class CpuPlatform(Platform):
+    def mem_get_info(self) -> tuple[int, int]:
+        import os
+
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return avail, pages
+
+
+class CudaPlatform(Platform):
+    device_type = "cuda"
+    default_dtype = torch.bfloat16
+    supports_cudagraph = True
+    dist_backend = "nccl"
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return torch.cuda.mem_get_info()
+
+    def seed_everything(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        torch.cuda.manual_seed_all(seed)

@@ -1,0 +1,100 @@
+"""`SamplingParams`: how one request is decoded, validated up front with vLLM's field names.
+
+Every invalid value raises ValueError naming the field and its allowed range.
+"""
+import enum
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    CUMULATIVE = 0  # every output carries all text so far
+    DELTA = 1  # every output carries only what is new (streaming)
+    FINAL_ONLY = 2  # one output when the request finishes (LLM.generate)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Filled by the engine: every token id that ends the request (eos + stop_token_ids).
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _validate(self) -> None:
+        def check(ok: bool, name: str, rule: str, value) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+        check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1", self.n)
+        check(self.temperature >= 0, "temperature", ">= 0", self.temperature)
+        check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
+              "-1, 0 (off) or a positive integer", self.top_k)
+        check(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        check(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]",
+              self.presence_penalty)
+        check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]",
+              self.frequency_penalty)
+        check(0 < self.repetition_penalty <= 2, "repetition_penalty", "in (0, 2]",
+              self.repetition_penalty)
+        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+              "max_tokens", "an integer >= 1 or None", self.max_tokens)
+        check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+              "an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None:
+            check(self.min_tokens <= self.max_tokens, "min_tokens", "<= max_tokens",
+                  self.min_tokens)
+        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+              "logprobs", "None or an integer in [0, 20]", self.logprobs)
+        check(self.seed is None or isinstance(self.seed, int), "seed", "an integer or None",
+              self.seed)
+        check(all(isinstance(s, str) and s for s in self.stop), "stop",
+              "a non-empty string or a list of them", self.stop)
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+              "a list of non-negative integers", self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def update_from_tokenizer(self, eos_token_id: int | None, vocab_size: int) -> None:
+        """Resolve the stop token set once the engine knows the tokenizer and vocabulary."""
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary "
+                                 f"[0, {vocab_size})")
+        self.all_stop_token_ids = set(self.stop_token_ids)
+        if eos_token_id is not None and not self.ignore_eos:
+            self.all_stop_token_ids.add(eos_token_id)
+
+    def clone(self) -> "SamplingParams":
+        import copy
+
+        return copy.deepcopy(self)
