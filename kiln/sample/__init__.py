@@ -1,0 +1,1 @@
+"""Token sampling: penalties, sampling filters, seeded per-request draws and logprobs."""

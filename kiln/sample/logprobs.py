@@ -1,0 +1,33 @@
+"""Logprobs of the sampled token and the top-N alternatives, from the raw model distribution.
+
+As in vLLM's default, they come from the logits before penalties, temperature or filters.
+"""
+import torch
+
+from kiln.core.outputs import LogprobsLists
+
+
+def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
+                    max_num_logprobs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: ids [N, 1 + K] and logprobs [N, 1 + K] (column 0 the sampled token, then the
+    top-K), and the sampled token's 1-based rank [N]. raw_logprobs [N, V], sampled [N]."""
+    sampled_lp = raw_logprobs.gather(1, sampled.unsqueeze(1))  # [N, 1]
+    top_lp, top_ids = raw_logprobs.topk(max_num_logprobs, dim=1)  # [N, K]
+    ranks = (raw_logprobs > sampled_lp).sum(dim=1) + 1  # [N]
+    ids = torch.cat([sampled.unsqueeze(1), top_ids], dim=1)
+    lps = torch.cat([sampled_lp, top_lp], dim=1)
+    return ids, lps, ranks
+
+
+def to_logprobs_lists(ids: torch.Tensor, lps: torch.Tensor, ranks: torch.Tensor,
+                      num_logprobs: list[int | None]) -> list[LogprobsLists | None]:
+    """One `LogprobsLists` per row that asked for logprobs (None for the others)."""
+    ids_l, lps_l, ranks_l = ids.tolist(), lps.tolist(), ranks.tolist()
+    out: list[LogprobsLists | None] = []
+    for i, k in enumerate(num_logprobs):
+        if k is None:
+            out.append(None)
+        else:
+            out.append(LogprobsLists(token_ids=ids_l[i][:1 + k], logprobs=lps_l[i][:1 + k],
+                                     sampled_rank=int(ranks_l[i])))
+    return out

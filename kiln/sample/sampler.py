@@ -1,0 +1,79 @@
+"""`Sampler`: from last-token logits and `SamplingMetadata` to one sampled token per request.
+
+Order: raw logprobs, penalties, min_tokens mask, greedy argmax / temperature, top-k, top-p,
+min-p, then an exponential race (argmax of probs / q, q ~ Exp(1)) drawn per seeded row.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from kiln.sample.filters import apply_min_p, apply_top_k, apply_top_p
+from kiln.sample.logprobs import gather_logprobs
+from kiln.sample.penalties import apply_all_penalties, mask_min_tokens
+from kiln.sample.sampling_metadata import SamplingMetadata
+
+# Exp(1) draws of exactly 0 would turn masked tokens (prob 0) into 0/0 = NaN, which argmax picks.
+_MIN_EXP = 1e-20
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [N] int64
+    # Only when some row asked for logprobs: column 0 is the sampled token, then the top-K.
+    logprob_token_ids: torch.Tensor | None = None  # [N, 1 + K] int64
+    logprobs: torch.Tensor | None = None  # [N, 1 + K] float32
+    sampled_ranks: torch.Tensor | None = None  # [N] int64
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
+                  default_generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token per row from probs [N, V]; rows in `generators` use their own generator,
+    so a seeded row's draw does not depend on the other rows of the batch."""
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_(generator=default_generator)
+    for row, gen in generators.items():
+        q[row].exponential_(generator=gen)
+    return probs.div_(q.clamp_min_(_MIN_EXP)).argmax(dim=1)
+
+
+class Sampler(torch.nn.Module):
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()  # [N, V]
+        raw_logprobs = None
+        if meta.max_num_logprobs is not None:
+            raw_logprobs = logits.log_softmax(dim=1)
+
+        if not meta.no_penalties:
+            logits = apply_all_penalties(logits, meta.prompt_token_ids, meta.output_token_ids,
+                                         meta.repetition_penalty, meta.presence_penalty,
+                                         meta.frequency_penalty)
+        if meta.min_tokens_rows is not None:
+            # The in-place mask must not write into the model's logits buffer.
+            logits = mask_min_tokens(logits.clone() if meta.no_penalties else logits,
+                                     meta.min_tokens_rows, meta.min_tokens_cols)
+
+        sampled = self.sample(logits, meta)
+        out = SamplerOutput(sampled_token_ids=sampled)
+        if raw_logprobs is not None:
+            out.logprob_token_ids, out.logprobs, out.sampled_ranks = gather_logprobs(
+                raw_logprobs, sampled, meta.max_num_logprobs)
+        return out
+
+    @staticmethod
+    def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        if meta.all_greedy:
+            return logits.argmax(dim=1)
+        greedy = None if meta.all_random else logits.argmax(dim=1)
+        logits = logits / meta.temperature.unsqueeze(1)
+        if meta.top_k is not None:
+            logits = apply_top_k(logits, meta.top_k)
+        if meta.top_p is not None:
+            logits = apply_top_p(logits, meta.top_p)
+        if meta.min_p is not None:
+            logits = apply_min_p(logits, meta.min_p)
+        probs = logits.softmax(dim=1, dtype=torch.float32)
+        sampled = random_sample(probs, meta.generators, meta.default_generator)
+        if greedy is not None:
+            sampled = torch.where(meta.greedy_mask, greedy, sampled)
+        return sampled

@@ -1,0 +1,115 @@
+"""`SamplingMetadata`: the per-step sampling parameters of a batch, as tensors on the device.
+
+Built once per step from the requests that sample; the sampler reads only this object.
+"""
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kiln.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingMetadata:
+    num_reqs: int
+    all_greedy: bool
+    all_random: bool
+    temperature: torch.Tensor | None  # [N] float32; greedy rows hold 1.0 (never divided by 0)
+    greedy_mask: torch.Tensor | None  # [N] bool; None when all rows are greedy or all random
+    top_k: torch.Tensor | None  # [N] int64, 0 = off; None when no row uses it
+    top_p: torch.Tensor | None  # [N] float32, 1.0 = off
+    min_p: torch.Tensor | None  # [N] float32, 0.0 = off
+    # Seeded rows: row -> its request's own generator. Other random rows use default_generator.
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    default_generator: torch.Generator | None = None
+    # Penalties (None when no row uses any); token tensors are padded with vocab_size.
+    repetition_penalty: torch.Tensor | None = None  # [N] float32
+    presence_penalty: torch.Tensor | None = None  # [N] float32
+    frequency_penalty: torch.Tensor | None = None  # [N] float32
+    prompt_token_ids: torch.Tensor | None = None  # [N, max_prompt_len] int64
+    output_token_ids: torch.Tensor | None = None  # [N, max_output_len] int64
+    # min_tokens: (row indices, token ids) pairs to mask with -inf this step.
+    min_tokens_rows: torch.Tensor | None = None  # [M] int64
+    min_tokens_cols: torch.Tensor | None = None  # [M] int64
+    # logprobs: per row the number of top logprobs wanted (None: none); max over rows.
+    num_logprobs: list[int | None] = field(default_factory=list)
+    max_num_logprobs: int | None = None
+
+    @property
+    def no_penalties(self) -> bool:
+        return self.repetition_penalty is None
+
+
+def _pad_tokens(seqs: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max((len(s) for s in seqs), default=0)
+    out = np.full((len(seqs), max(width, 1)), pad, dtype=np.int64)
+    for i, s in enumerate(seqs):
+        out[i, :len(s)] = s
+    return torch.from_numpy(out).to(device)
+
+
+def build_sampling_metadata(
+    params: Sequence[SamplingParams],
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    generators: Sequence[torch.Generator | None],
+    default_generator: torch.Generator | None,
+    vocab_size: int,
+    device: torch.device,
+) -> SamplingMetadata:
+    """Gather one step's sampling parameters; rows follow `params` order.
+
+    Token id lists are only read when a row uses penalties or min_tokens, so the common
+    greedy batch costs one pass over the params and no token copies.
+    """
+    n = len(params)
+    greedy = [p.greedy for p in params]
+    all_greedy, all_random = all(greedy), not any(greedy)
+
+    def floats(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    temperature = greedy_mask = top_k = top_p = min_p = None
+    if not all_greedy:
+        temperature = floats([1.0 if g else p.temperature for p, g in zip(params, greedy)])
+        if not all_random:
+            greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
+        # Sampling filters only matter for rows that sample at random.
+        if any(p.top_k > 0 and not g for p, g in zip(params, greedy)):
+            top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
+        if any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)):
+            top_p = floats([p.top_p for p in params])
+        if any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)):
+            min_p = floats([p.min_p for p in params])
+
+    meta = SamplingMetadata(
+        num_reqs=n, all_greedy=all_greedy, all_random=all_random, temperature=temperature,
+        greedy_mask=greedy_mask, top_k=top_k, top_p=top_p, min_p=min_p,
+        default_generator=default_generator)
+    meta.generators = {i: g for i, g in enumerate(generators)
+                       if g is not None and not greedy[i]}
+
+    if any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+           or p.frequency_penalty != 0.0 for p in params):
+        meta.repetition_penalty = floats([p.repetition_penalty for p in params])
+        meta.presence_penalty = floats([p.presence_penalty for p in params])
+        meta.frequency_penalty = floats([p.frequency_penalty for p in params])
+        meta.prompt_token_ids = _pad_tokens(prompt_token_ids, vocab_size, device)
+        meta.output_token_ids = _pad_tokens(output_token_ids, vocab_size, device)
+
+    rows, cols = [], []
+    for i, p in enumerate(params):
+        if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
+            stops = [t for t in p.all_stop_token_ids if 0 <= t < vocab_size]
+            rows.extend([i] * len(stops))
+            cols.extend(stops)
+    if rows:
+        meta.min_tokens_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+        meta.min_tokens_cols = torch.tensor(cols, dtype=torch.int64, device=device)
+
+    meta.num_logprobs = [p.logprobs for p in params]
+    wanted = [k for k in meta.num_logprobs if k is not None]
+    meta.max_num_logprobs = max(wanted) if wanted else None
+    return meta
