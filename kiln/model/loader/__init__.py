@@ -1,0 +1,63 @@
+"""Model loading: build the architecture's class on the device and dtype, then fill its weights.
+
+`get_model(kiln_config)` is the one entry point the worker uses.
+"""
+import contextlib
+
+import torch
+from torch import nn
+
+from kiln.config import KilnConfig, set_current_kiln_config
+from kiln.model.registry import get_model_class
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(kiln_config: KilnConfig) -> nn.Module:
+    """The model with uninitialised weights, on the configured device and dtype."""
+    model_config = kiln_config.model_config
+    model_cls = get_model_class(model_config.architecture)
+    with set_current_kiln_config(kiln_config), _default_dtype(model_config.torch_dtype), \
+            kiln_config.device_config.device_obj:
+        return model_cls(kiln_config=kiln_config)
+
+
+def load_weights_into(model: nn.Module, kiln_config: KilnConfig) -> None:
+    model_config = kiln_config.model_config
+    load_format = kiln_config.load_config.load_format
+    if load_format == "auto":
+        load_format = model_config.load_format
+    if load_format == "dummy":
+        from kiln.model.loader.dummy_loader import init_dummy_weights
+        init_dummy_weights(model, model_config.seed)
+    elif load_format == "gguf":
+        from kiln.model.loader.gguf_loader import load_gguf_weights
+        if model_config.gguf_file is None:
+            raise FileNotFoundError(f"load_format='gguf' but {model_config.model_path} is not a "
+                                    ".gguf file or a directory holding exactly one")
+        load_gguf_weights(model, model_config.gguf_file, model_config.hf_config)
+    elif load_format == "safetensors":
+        from kiln.model.loader.hf_loader import load_hf_weights
+        load_hf_weights(model, model_config.model_path)
+    else:
+        raise ValueError(f"load_format {load_format!r} is not supported; use safetensors, gguf "
+                         "or dummy")
+
+
+def get_model(kiln_config: KilnConfig) -> nn.Module:
+    """Build, load and return the model in eval mode."""
+    model = build_model(kiln_config)
+    with torch.no_grad():
+        load_weights_into(model, kiln_config)
+    return model.eval()
+
+
+__all__ = ["get_model", "build_model", "load_weights_into"]

@@ -1,0 +1,54 @@
+"""The attention backend interface: KV cache layout, capabilities, and the impl class.
+
+A backend is a class with static methods; the Attention layer builds one impl per layer from it.
+"""
+import torch
+
+from kiln.attention.metadata import AttentionMetadata
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                   head_size: int) -> tuple[int, int, int, int, int]:
+    """Shape of one layer's paged KV cache: [2 (K, V), num_blocks, block_size, kv_heads, head]."""
+    return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+
+class AttentionImpl:
+    """Per-layer attention computation over the paged cache."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                             f"({num_kv_heads})")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor | None, attn_metadata: AttentionMetadata | None,
+                out: torch.Tensor) -> None:
+        """Write this step's K/V into kv_cache and fill out [T, nh*hd] in place."""
+        raise NotImplementedError
+
+
+class AttentionBackend:
+    name: str = "base"
+    # True when the whole forward (attention included) may be captured in one CUDA graph.
+    supports_full_cudagraph: bool = False
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        raise NotImplementedError
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_size: int) -> tuple[int, ...]:
+        return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+
+
+def get_attn_backend() -> type[AttentionBackend]:
+    """The backend for the current platform (only the portable torch one exists so far)."""
+    from kiln.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend

@@ -1,0 +1,123 @@
+"""Portable attention in plain torch (CPU and GPU): paged KV write, then causal attention.
+
+Mixed batches loop over requests; a batch of single-token decodes takes one padded SDPA call.
+"""
+import torch
+import torch.nn.functional as F
+
+from kiln.attention.backend import AttentionBackend, AttentionImpl
+from kiln.attention.metadata import AttentionMetadata
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Scatter k/v [T, nkv, hd] into kv_cache [2, nb, bs, nkv, hd] at slot_mapping [T]; skip -1."""
+    num_kv_heads, head_size = kv_cache.shape[-2:]
+    key_cache = kv_cache[0].view(-1, num_kv_heads, head_size)  # [nb*bs, nkv, hd]
+    value_cache = kv_cache[1].view(-1, num_kv_heads, head_size)
+    slots = slot_mapping[:k.shape[0]]
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, k, v = slots[valid], k[valid], v[valid]
+    key_cache.index_copy_(0, slots, k.to(key_cache.dtype))
+    value_cache.index_copy_(0, slots, v.to(value_cache.dtype))
+
+
+def _expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[..., nkv, S, hd] -> [..., nkv*group, S, hd]; head h reads kv head h // group."""
+    if group == 1:
+        return x
+    return x.repeat_interleave(group, dim=-3)
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache [nb, bs, nkv, hd], blocks [..., n] -> [..., n*bs, nkv, hd]."""
+    gathered = cache[blocks]  # [..., n, bs, nkv, hd]
+    return gathered.flatten(-4, -3)
+
+
+class TorchAttentionImpl(AttentionImpl):
+    def forward(self, q, k, v, kv_cache, attn_metadata, out) -> None:
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_size
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, nh, hd)
+        k = k.view(num_tokens, nkv, hd)
+        v = v.view(num_tokens, nkv, hd)
+        out = out.view(num_tokens, nh, hd)
+        if attn_metadata is None:
+            self._whole_batch_causal(q, k, v, out)
+            return
+        if kv_cache is None:
+            raise RuntimeError("attention has metadata but its layer has no kv_cache; the worker "
+                               "must allocate the KV cache before running real steps")
+        n = attn_metadata.num_actual_tokens
+        write_kv_cache(k[:n], v[:n], kv_cache, attn_metadata.slot_mapping[:n])
+        if n < num_tokens:
+            out[n:].zero_()  # padding rows belong to no request
+        if attn_metadata.uniform_decode or attn_metadata.max_query_len == 1:
+            self._batched_decode(q, kv_cache, attn_metadata, out)
+        else:
+            self._per_request(q, kv_cache, attn_metadata, out)
+
+    def _whole_batch_causal(self, q, k, v, out) -> None:
+        # Warm-up / profiling: the batch is one causal sequence; the cache is left alone.
+        group = self.num_heads // self.num_kv_heads
+        qh = q.transpose(0, 1)  # [nh, T, hd]
+        kh = _expand_kv(k.transpose(0, 1), group)
+        vh = _expand_kv(v.transpose(0, 1), group)
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
+        out.copy_(o.transpose(0, 1))
+
+    def _per_request(self, q, kv_cache, md: AttentionMetadata, out) -> None:
+        group = self.num_heads // self.num_kv_heads
+        block_size = kv_cache.shape[2]
+        starts = md.query_start_loc_cpu.tolist()
+        seq_lens = md.seq_lens_cpu.tolist()
+        for i in range(md.num_reqs):
+            qs, qe, seq_len = starts[i], starts[i + 1], seq_lens[i]
+            q_len = qe - qs
+            if q_len == 0:
+                continue
+            ctx_len = seq_len - q_len
+            num_blocks = (seq_len + block_size - 1) // block_size
+            blocks = md.block_table[i, :num_blocks].long()
+            kc = _gather_blocks(kv_cache[0], blocks)[:seq_len]  # [S, nkv, hd]
+            vc = _gather_blocks(kv_cache[1], blocks)[:seq_len]
+            qh = q[qs:qe].transpose(0, 1)  # [nh, q_len, hd]
+            kh = _expand_kv(kc.transpose(0, 1), group).to(qh.dtype)  # [nh, S, hd]
+            vh = _expand_kv(vc.transpose(0, 1), group).to(qh.dtype)
+            if ctx_len == 0:
+                o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
+            else:
+                # Query j sits at absolute position ctx_len + j and sees keys up to it.
+                key_pos = torch.arange(seq_len, device=q.device)
+                query_pos = torch.arange(ctx_len, seq_len, device=q.device)
+                mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, S]
+                o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
+            out[qs:qe] = o.transpose(0, 1)
+
+    def _batched_decode(self, q, kv_cache, md: AttentionMetadata, out) -> None:
+        group = self.num_heads // self.num_kv_heads
+        block_size = kv_cache.shape[2]
+        num_reqs = md.num_reqs
+        num_blocks = (md.max_seq_len + block_size - 1) // block_size
+        blocks = md.block_table[:num_reqs, :num_blocks].long()  # [B, n]
+        kc = _gather_blocks(kv_cache[0], blocks)  # [B, S_pad, nkv, hd]
+        vc = _gather_blocks(kv_cache[1], blocks)
+        qh = q[:num_reqs].unsqueeze(2)  # [B, nh, 1, hd]
+        kh = _expand_kv(kc.transpose(1, 2), group).to(qh.dtype)  # [B, nh, S_pad, hd]
+        vh = _expand_kv(vc.transpose(1, 2), group).to(qh.dtype)
+        key_pos = torch.arange(kh.shape[2], device=q.device)
+        mask = key_pos[None, :] < md.seq_lens[:num_reqs, None]  # [B, S_pad]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None, None, :],
+                                           scale=self.scale)
+        out[:num_reqs] = o.squeeze(2)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+    supports_full_cudagraph = False
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TorchAttentionImpl

@@ -1,0 +1,32 @@
+"""The Attention layer: registers itself by name and calls the opaque `kiln::unified_attention` op.
+
+Its KV cache tensor and backend impl live on the module, found by the op via the forward context.
+"""
+import torch
+from torch import nn
+
+import kiln.attention.ops  # noqa: F401  registers torch.ops.kiln.unified_attention
+from kiln.attention.backend import get_attn_backend
+from kiln.config import get_current_kiln_config
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 prefix: str):
+        super().__init__()
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, scale
+        self.num_kv_heads = num_kv_heads
+        self.layer_name = prefix
+        self.backend = get_attn_backend()
+        self.impl = self.backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads)
+        # [2, num_blocks, block_size, nkv, hd], assigned by the worker once the cache is sized.
+        self.kv_cache: torch.Tensor | None = None
+        table = get_current_kiln_config().compilation_config.static_forward_context
+        if prefix in table:
+            raise ValueError(f"duplicate attention layer name {prefix!r}")
+        table[prefix] = self
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(q)  # [T, nh*hd]
+        torch.ops.kiln.unified_attention(q, k, v, out, self.layer_name)
+        return out

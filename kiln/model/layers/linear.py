@@ -1,0 +1,146 @@
+"""Linear layers shaped for tensor parallelism: replicated, column-, row-parallel, merged QKV/gate-up.
+
+Each weight carries a `weight_loader(param, loaded, shard_id=None)` that places an HF tensor
+into its slice (merged shards, and this rank's part when tp_size > 1).
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"weight shape mismatch: parameter {tuple(param.shape)} vs checkpoint "
+                         f"{tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b) with W [output_size_per_rank, input_size_per_rank]."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_rank: int = 0,
+                 tp_size: int = 1):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.weight = nn.Parameter(torch.empty(self._out_local(), self._in_local()),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self._out_local()), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def _out_local(self) -> int:
+        return self.output_size
+
+    def _in_local(self) -> int:
+        return self.input_size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        default_weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """The full weight on every rank."""
+
+
+def _split(size: int, tp_size: int, what: str) -> int:
+    if size % tp_size:
+        raise ValueError(f"{what} ({size}) is not divisible by tensor_parallel_size ({tp_size})")
+    return size // tp_size
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; each rank keeps its slice of the output."""
+
+    def _out_local(self) -> int:
+        return _split(self.output_size, self.tp_size, "output size")
+
+    def weight_loader(self, param, loaded, shard_id=None) -> None:
+        size = param.shape[0]
+        default_weight_loader(param, loaded.narrow(0, self.tp_rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs are summed across ranks."""
+
+    def _in_local(self) -> int:
+        return _split(self.input_size, self.tp_size, "input size")
+
+    def weight_loader(self, param, loaded, shard_id=None) -> None:
+        if param.dim() == 1:  # the bias is added once, whole
+            default_weight_loader(param, loaded)
+            return
+        size = param.shape[1]
+        default_weight_loader(param, loaded.narrow(1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp_rank == 0 else None
+        out = F.linear(x, self.weight, bias)
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(out)
+        return out
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs (e.g. gate and up) in one matmul; shard_id is the index."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, tp_rank: int = 0,
+                 tp_size: int = 1):
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+
+    def weight_loader(self, param, loaded, shard_id=None) -> None:
+        if shard_id is None:
+            raise ValueError("merged linear weights load per shard; shard_id is required")
+        local = [_split(s, self.tp_size, "merged output size") for s in self.output_sizes]
+        offset, size = sum(local[:shard_id]), local[shard_id]
+        loaded = loaded.narrow(0, self.tp_rank * size, size)
+        default_weight_loader(param.data.narrow(0, offset, size), loaded)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matmul: output = [q heads | k heads | v heads] * head_size."""
+
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
+                 total_num_kv_heads: int, bias: bool, tp_rank: int = 0, tp_size: int = 1):
+        self.head_size = head_size
+        self.num_heads = _split(total_num_heads, tp_size, "num_attention_heads")
+        # With more ranks than KV heads, KV heads are replicated across ranks.
+        if tp_size >= total_num_kv_heads:
+            if tp_size % total_num_kv_heads:
+                raise ValueError(f"tensor_parallel_size ({tp_size}) must divide or be a multiple "
+                                 f"of num_key_value_heads ({total_num_kv_heads})")
+            self.num_kv_heads, self.kv_replicas = 1, tp_size // total_num_kv_heads
+        else:
+            self.num_kv_heads = _split(total_num_kv_heads, tp_size, "num_key_value_heads")
+            self.kv_replicas = 1
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp_size
+        super().__init__(hidden_size, output_size, bias, tp_rank, tp_size)
+
+    def _out_local(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_size
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_size
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_size
+
+    def weight_loader(self, param, loaded, shard_id=None) -> None:
+        if shard_id not in ("q", "k", "v"):
+            raise ValueError(f"QKV weights load per shard 'q', 'k' or 'v'; got {shard_id!r}")
+        if shard_id == "q":
+            offset, size, rank = 0, self.q_size, self.tp_rank
+        else:
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, rank = self.kv_size, self.tp_rank // self.kv_replicas
+        loaded = loaded.narrow(0, rank * size, size)
+        default_weight_loader(param.data.narrow(0, offset, size), loaded)

@@ -1,0 +1,80 @@
+"""Rotary position embedding (neox style, as HF Llama): a cos/sin cache indexed by positions.
+
+Reads rope settings from either transformers' `rope_parameters` (5.x) or rope_theta/rope_scaling.
+"""
+import math
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def get_rope_config(hf_config) -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict or None) from a transformers config of any recent version."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+        scaling = dict(params)
+    else:
+        theta = getattr(hf_config, "rope_theta", None)
+        scaling = getattr(hf_config, "rope_scaling", None)
+        scaling = dict(scaling) if scaling else None
+    if theta is None:
+        theta = 10000.0
+    if scaling is not None:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+        scaling["rope_type"] = rope_type
+        if rope_type == "default":
+            scaling = None
+    return float(theta), scaling
+
+
+def compute_inv_freq(rotary_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim // 2] in float32, with HF's formulas for each rope type."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    inv_freq = 1.0 / (base ** exponents)
+    if scaling is None:
+        return inv_freq
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: long wavelengths slowed by `factor`, short kept, a smooth blend in between.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_size: int, max_position: int, base: float,
+                 scaling: dict | None = None):
+        super().__init__()
+        self.head_size = head_size
+        inv_freq = compute_inv_freq(head_size, base, scaling)
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_pos, hd/2]
+        # float32 whatever the model dtype; cast at use, as HF does.
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+                             .to(torch.float32), persistent=False)  # [max_pos, hd]
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        x = x.view(num_tokens, -1, self.head_size)  # [T, heads, hd]
+        x1, x2 = x.chunk(2, dim=-1)
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return out.view(num_tokens, -1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions [T]; q [T, nh*hd], k [T, nkv*hd] -> rotated (q, k)."""
+        cos_sin = self.cos_sin_cache.index_select(0, positions).to(q.dtype)
+        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, hd/2] each
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -1,0 +1,206 @@
+"""Llama (also Mistral-style and SmolLM): decoder layers over merged QKV / gate-up projections.
+
+`LlamaStyleModel` is the undecorated backbone the Qwen models reuse; each architecture's
+backbone is its own class so the compile decorator can wrap each one once.
+"""
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kiln.logger import init_logger
+from kiln.model.layers.activation import SiluAndMul
+from kiln.model.layers.attention import Attention
+from kiln.model.layers.layernorm import RMSNorm
+from kiln.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                      RowParallelLinear)
+from kiln.model.layers.rotary_embedding import RotaryEmbedding, get_rope_config
+from kiln.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+logger = init_logger(__name__)
+
+
+def head_dim_of(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hf_config, prefix: str):
+        super().__init__()
+        bias = bool(getattr(hf_config, "mlp_bias", False))
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"{prefix}: hidden_act {act!r} is not supported; only 'silu'")
+        inter = hf_config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(hf_config.hidden_size, [inter, inter], bias)
+        self.down_proj = RowParallelLinear(inter, hf_config.hidden_size, bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hf_config, prefix: str):
+        super().__init__()
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(hf_config)
+        self.qkv_proj = QKVParallelLinear(hf_config.hidden_size, self.head_dim, self.num_heads,
+                                          self.num_kv_heads, self.qkv_bias(hf_config))
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, hf_config.hidden_size,
+                                        self.o_proj_bias(hf_config))
+        self.q_size = self.qkv_proj.q_size
+        self.kv_size = self.qkv_proj.kv_size
+        theta, scaling = get_rope_config(hf_config)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, hf_config.max_position_embeddings,
+                                          theta, scaling)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
+                              self.num_kv_heads, prefix=f"{prefix}.attn")
+
+    def qkv_bias(self, hf_config) -> bool:
+        return bool(getattr(hf_config, "attention_bias", False))
+
+    def o_proj_bias(self, hf_config) -> bool:
+        return bool(getattr(hf_config, "attention_bias", False))
+
+    def split_qkv(self, x: torch.Tensor):
+        qkv = self.qkv_proj(x)  # [T, (nh + 2 nkv) * hd]
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split_qkv(x)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention
+
+    def __init__(self, hf_config, prefix: str):
+        super().__init__()
+        self.self_attn = self.attention_cls(hf_config, prefix=f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(hf_config, prefix=f"{prefix}.mlp")
+        eps = hf_config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps)
+
+    def forward(self, positions, hidden, residual):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaStyleModel(nn.Module):
+    """Embedding, decoder layers, final norm: forward(input_ids [T], positions [T]) -> [T, H]."""
+    layer_cls = LlamaDecoderLayer
+
+    def __init__(self, *, kiln_config, prefix: str = "model"):
+        super().__init__()
+        cfg = kiln_config.model_config.hf_config
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            self.layer_cls(cfg, prefix=f"{prefix}.layers.{i}")
+            for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaModel(LlamaStyleModel):
+    pass
+
+
+# (merged param, HF name part, shard id)
+STACKED_PARAMS = [
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+    (".gate_up_proj", ".gate_proj", 0),
+    (".gate_up_proj", ".up_proj", 1),
+]
+
+
+class LlamaStyleForCausalLM(nn.Module):
+    """Backbone + LM head, with HF-name weight loading into the merged parameters."""
+    model_cls = LlamaModel
+
+    def __init__(self, *, kiln_config, prefix: str = ""):
+        super().__init__()
+        cfg = kiln_config.model_config.hf_config
+        self.config = cfg
+        self.model = self.model_cls(kiln_config=kiln_config, prefix="model")
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if self.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)  # [N, V] float32
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; raises naming any parameter the checkpoint did not provide."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue  # some tied checkpoints still store the head
+            for merged, part, shard_id in STACKED_PARAMS:
+                if part in name:
+                    target = name.replace(part, merged)
+                    if target in params:
+                        param = params[target]
+                        param.weight_loader(param, tensor, shard_id)
+                        loaded.add(f"{target}#{shard_id}")
+                        break
+            else:
+                if name not in params:
+                    logger.warning("checkpoint tensor %s has no matching parameter; ignored", name)
+                    continue
+                param = params[name]
+                loader = getattr(param, "weight_loader", None)
+                if loader is None:
+                    raise ValueError(f"parameter {name} has no weight_loader")
+                try:
+                    loader(param, tensor)
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
+                loaded.add(name)
+        self._check_complete(params, loaded)
+        return loaded
+
+    def _check_complete(self, params: dict, loaded: set[str]) -> None:
+        missing = []
+        for name in params:
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            merged = [(m, s) for m, _, s in STACKED_PARAMS if m + "." in name]
+            if merged:
+                missing += [f"{name} (shard {s})" for m, s in merged
+                            if f"{name}#{s}" not in loaded]
+            elif name not in loaded:
+                missing.append(name)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} parameter(s): "
+                             f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+
+
+class LlamaForCausalLM(LlamaStyleForCausalLM):
+    model_cls = LlamaModel

@@ -1,0 +1,98 @@
+"""Loads a GGUF file: dequantizes each tensor with `gguf` and renames llama.cpp names to HF ones.
+
+llama.cpp stores Llama's q/k rows permuted for its rope layout; that permutation is undone here.
+"""
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# llama.cpp permutes q/k rows only for the architectures it ropes in the "normal" (GPT-J) style.
+_PERMUTED_ARCHITECTURES = ("llama", "mistral")
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """HF parameter name for a llama.cpp tensor name; None for tensors Kiln does not use."""
+    m = _BLOCK_RE.match(name)
+    if m:
+        layer, part, kind = m.groups()
+        hf = _BLOCK_NAMES.get(part)
+        return f"model.layers.{layer}.{hf}.{kind}" if hf else None
+    m = _GLOBAL_RE.match(name)
+    if m and m.group(1) in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
+    return None
+
+
+def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Invert llama.cpp's q/k permutation: per head, rows [pairs interleaved] -> [halves]."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_architecture(reader) -> str:
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise ValueError("GGUF file has no general.architecture field")
+    return str(field.contents())
+
+
+def iterate_gguf(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor of a GGUF file Kiln has a parameter for."""
+    import gguf
+
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    reader = gguf.GGUFReader(str(path))
+    arch = gguf_architecture(reader)
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+    num_heads = hf_config.num_attention_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    for tensor in reader.tensors:
+        hf_name = gguf_to_hf_name(tensor.name)
+        if hf_name is None:
+            logger.debug("GGUF tensor %s has no Kiln parameter; skipped", tensor.name)
+            continue
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        values = np.array(values, dtype=np.float32)  # own, writable copy (F32 data is a memmap)
+        if arch in _PERMUTED_ARCHITECTURES:
+            if ".attn_q." in tensor.name:
+                values = unpermute_rope_rows(values, num_heads)
+            elif ".attn_k." in tensor.name:
+                values = unpermute_rope_rows(values, num_kv_heads)
+        yield hf_name, torch.from_numpy(np.ascontiguousarray(values))
+
+
+def load_gguf_weights(model: nn.Module, path: Path, hf_config) -> None:
+    model.load_weights(iterate_gguf(path, hf_config))
