@@ -1,0 +1,32 @@
+"""The executor interface the engine core talks to, whatever runs the workers behind it.
+
+Uniproc runs one worker in-process; multiprocess and Ray executors fan the same calls out.
+"""
+from abc import ABC, abstractmethod
+
+from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    def __init__(self, kiln_config):
+        self.kiln_config = kiln_config
+
+    @abstractmethod
+    def determine_num_blocks(self) -> int:
+        """KV cache blocks every worker can hold (the minimum over workers)."""
+
+    @abstractmethod
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate `num_blocks` KV blocks on every worker."""
+
+    @abstractmethod
+    def compile_or_warm_up_model(self) -> None:
+        """Compile / warm up every shape the engine will run (and capture graphs)."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; returns the (driver) worker's sampled tokens."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release workers and their resources; safe to call twice."""

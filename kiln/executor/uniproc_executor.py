@@ -1,0 +1,33 @@
+"""`UniprocExecutor`: the engine's single worker, in this process (no IPC, no distribution)."""
+from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kiln.executor.abstract import Executor
+from kiln.worker.worker import Worker
+
+
+class UniprocExecutor(Executor):
+    def __init__(self, kiln_config):
+        super().__init__(kiln_config)
+        tp = kiln_config.parallel_config.tensor_parallel_size
+        if tp != 1:
+            raise ValueError(f"UniprocExecutor runs one worker; tensor_parallel_size={tp} needs "
+                             "the multiprocess executor (--distributed-executor-backend mp)")
+        self.worker = Worker(kiln_config, rank=0, local_rank=0)
+        self.worker.init_device()
+        self.worker.load_model()
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_cache(num_blocks)
+
+    def compile_or_warm_up_model(self) -> None:
+        self.worker.compile_or_warm_up_model()
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+            self.worker = None

@@ -1,0 +1,50 @@
+"""Pure functions that turn a step's schedule into flat model inputs (numpy, no state).
+
+Batch layout (interfaces.md): requests one after another, each contributing its scheduled
+tokens; a token's position is its index in the request's sequence; padding has slot -1.
+"""
+import numpy as np
+
+
+def query_start_loc(num_scheduled: np.ndarray) -> np.ndarray:
+    """[R] tokens per request -> [R + 1] int32 cumulative offsets starting at 0."""
+    out = np.zeros(len(num_scheduled) + 1, dtype=np.int32)
+    np.cumsum(num_scheduled, out=out[1:])
+    return out
+
+
+def token_request_indices(num_scheduled: np.ndarray) -> np.ndarray:
+    """[T] the batch row (0..R-1) each flat token belongs to."""
+    return np.repeat(np.arange(len(num_scheduled), dtype=np.int64), num_scheduled)
+
+
+def positions(num_computed: np.ndarray, num_scheduled: np.ndarray) -> np.ndarray:
+    """[T] int64 positions: request r runs num_computed[r] .. num_computed[r] + num_scheduled[r]."""
+    req_idx = token_request_indices(num_scheduled)
+    starts = query_start_loc(num_scheduled)[:-1]
+    offsets = np.arange(req_idx.size, dtype=np.int64) - starts[req_idx]
+    return num_computed.astype(np.int64)[req_idx] + offsets
+
+
+def slot_mapping(block_table: np.ndarray, req_idx: np.ndarray, pos: np.ndarray,
+                 block_size: int) -> np.ndarray:
+    """[T] int64 cache slot of each token: block_table[req][pos // bs] * bs + pos % bs.
+    block_table: [R, max_blocks] rows in batch order."""
+    blocks = block_table[req_idx, pos // block_size].astype(np.int64)
+    return blocks * block_size + pos % block_size
+
+
+def logits_indices(qsl: np.ndarray, samples: np.ndarray) -> np.ndarray:
+    """Flat index of the last scheduled token of every request that samples this step."""
+    return (qsl[1:] - 1)[samples].astype(np.int64)
+
+
+def sampling_mask(num_computed: np.ndarray, num_scheduled: np.ndarray,
+                  num_tokens: np.ndarray) -> np.ndarray:
+    """[R] bool: the step reaches the end of the request's known tokens (a partial prefill
+    chunk does not, and samples nothing)."""
+    return num_computed + num_scheduled >= num_tokens
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

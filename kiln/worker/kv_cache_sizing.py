@@ -1,0 +1,35 @@
+"""How many KV blocks fit: pure arithmetic over the cache layout and a memory budget.
+
+The worker supplies the budget (CPU: configured GiB; CUDA: measured after a profiling run).
+"""
+from typing import Iterable
+
+import torch
+
+GiB = 1 << 30
+DEFAULT_CPU_KV_CACHE_GIB = 4.0
+
+
+def bytes_per_block(block_size: int, layer_shapes: Iterable[tuple[int, int]],
+                    dtype: torch.dtype) -> int:
+    """K and V of one block across every layer; layer_shapes: (num_kv_heads, head_size) each."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum(2 * block_size * nkv * hd * elem for nkv, hd in layer_shapes)
+
+
+def cpu_kv_cache_bytes(kv_cache_memory_gib: float | None, env_gib: float | None) -> int:
+    """CPU budget: cache_config.kv_cache_memory, else KILN_CPU_KVCACHE_SPACE, else 4 GiB."""
+    for gib in (kv_cache_memory_gib, env_gib):
+        if gib is not None:
+            return int(gib * GiB)
+    return int(DEFAULT_CPU_KV_CACHE_GIB * GiB)
+
+
+def cuda_kv_cache_bytes(total: int, used: int, gpu_memory_utilization: float) -> int:
+    """CUDA budget: the utilisation share of the device minus what is in use after profiling
+    (weights, peak activations held by the allocator, other processes)."""
+    return int(gpu_memory_utilization * total) - used
+
+
+def num_blocks_for(budget_bytes: int, block_bytes: int) -> int:
+    return max(budget_bytes, 0) // block_bytes

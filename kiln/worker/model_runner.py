@@ -1,0 +1,288 @@
+"""`ModelRunner`: turns a `SchedulerOutput` into tensors, runs the model, samples.
+
+It keeps its own per-request state (tokens, blocks, generator), fills persistent input buffers
+each step, and calls the model through `_run_model`, the seam for compile and CUDA graphs.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kiln.attention.metadata import AttentionMetadata
+from kiln.core.outputs import (EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput,
+                               SchedulerOutput)
+from kiln.forward_context import set_forward_context
+from kiln.logger import init_logger
+from kiln.sample.logprobs import to_logprobs_lists
+from kiln.sample.sampler import Sampler
+from kiln.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata
+from kiln.worker import input_prep
+from kiln.worker.input_batch import CachedRequestState, InputBatch
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class StepInputs:
+    req_ids: list[str]  # scheduled requests, in batch order
+    num_tokens: int  # real tokens this step
+    num_input_tokens: int  # tokens passed to the model (>= num_tokens when padded)
+    input_ids: torch.Tensor  # [num_input_tokens] int64, device
+    positions: torch.Tensor  # [num_input_tokens] int64, device
+    attn_metadata: AttentionMetadata
+    sample_req_ids: list[str]  # requests whose step reaches their last known token
+    logits_indices: torch.Tensor  # [len(sample_req_ids)] int64, device
+
+
+class ModelRunner:
+    def __init__(self, kiln_config, device: torch.device):
+        self.kiln_config = kiln_config
+        self.device = device
+        sched, cache = kiln_config.scheduler_config, kiln_config.cache_config
+        self.block_size = cache.block_size
+        self.max_model_len = kiln_config.model_config.max_model_len
+        self.max_num_reqs = sched.max_num_seqs
+        # The graph helper may raise this (padding past the token budget); buffers follow it.
+        self.max_num_tokens = sched.max_num_batched_tokens
+        self.max_blocks_per_req = input_prep.cdiv(self.max_model_len, self.block_size)
+
+        self.model: torch.nn.Module | None = None
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len,
+                                      self.max_blocks_per_req)
+        # Generators of preempted seeded requests, so a resumed request continues its stream.
+        self._parked_generators: dict[str, torch.Generator] = {}
+        self.default_generator = torch.Generator(device=device)
+        self.default_generator.manual_seed(kiln_config.model_config.seed)
+        self._allocate_buffers()
+
+    # ---- buffers -------------------------------------------------------------------------
+    def _allocate_buffers(self) -> None:
+        on_host = self.device.type == "cpu"
+        pin = not on_host
+
+        def host(*shape, dtype):
+            return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
+
+        t, r, b = self.max_num_tokens, self.max_num_reqs, self.max_blocks_per_req
+        self.input_ids_cpu = host(t, dtype=torch.int64)
+        self.positions_cpu = host(t, dtype=torch.int64)
+        self.slot_mapping_cpu = host(t, dtype=torch.int64)
+        self.query_start_loc_cpu = host(r + 1, dtype=torch.int32)
+        self.seq_lens_cpu = host(r, dtype=torch.int32)
+        self.block_table_cpu = host(r, b, dtype=torch.int32)
+        self.logits_indices_cpu = host(r, dtype=torch.int64)
+        # numpy views for filling without per-element torch calls
+        self.input_ids_np = self.input_ids_cpu.numpy()
+        self.positions_np = self.positions_cpu.numpy()
+        self.slot_mapping_np = self.slot_mapping_cpu.numpy()
+        self.query_start_loc_np = self.query_start_loc_cpu.numpy()
+        self.seq_lens_np = self.seq_lens_cpu.numpy()
+        self.block_table_np = self.block_table_cpu.numpy()
+        self.logits_indices_np = self.logits_indices_cpu.numpy()
+
+        def dev(cpu: torch.Tensor) -> torch.Tensor:
+            # On CPU the host buffer is the device buffer; on CUDA a fixed device copy (stable
+            # addresses for graph capture) is refreshed from the pinned host one each step.
+            return cpu if on_host else torch.zeros_like(cpu, device=self.device)
+
+        self.input_ids = dev(self.input_ids_cpu)
+        self.positions = dev(self.positions_cpu)
+        self.slot_mapping = dev(self.slot_mapping_cpu)
+        self.query_start_loc = dev(self.query_start_loc_cpu)
+        self.seq_lens = dev(self.seq_lens_cpu)
+        self.block_table = dev(self.block_table_cpu)
+        self.logits_indices = dev(self.logits_indices_cpu)
+
+    def _to_device(self, dst: torch.Tensor, src: torch.Tensor, n: int) -> torch.Tensor:
+        if dst is not src:
+            dst[:n].copy_(src[:n], non_blocking=True)
+        return dst[:n]
+
+    # ---- model ---------------------------------------------------------------------------
+    def load_model(self) -> None:
+        from kiln.model.loader import get_model
+
+        self.model = get_model(self.kiln_config)
+
+    def padded_num_tokens(self, num_tokens: int) -> int:
+        """Tokens the model runs for `num_tokens` real ones (the CUDA graph helper pads)."""
+        return num_tokens
+
+    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   attn_metadata: AttentionMetadata | None, num_tokens: int) -> torch.Tensor:
+        """One forward of the model over `num_tokens` (possibly padded) tokens -> hidden
+        [num_tokens, H]. The compile / graph helpers override or wrap this."""
+        with set_forward_context(attn_metadata, self.kiln_config):
+            return self.model(input_ids, positions)
+
+    @torch.inference_mode()
+    def dummy_run(self, num_tokens: int) -> torch.Tensor:
+        """A forward over `num_tokens` dummy tokens without attention metadata (warm-up and
+        memory profiling: no KV cache reads or writes)."""
+        if not 1 <= num_tokens <= self.max_num_tokens:
+            raise ValueError(f"dummy run of {num_tokens} tokens outside [1, "
+                             f"max_num_batched_tokens={self.max_num_tokens}]")
+        self.input_ids_np[:num_tokens] = 0
+        self.positions_np[:num_tokens] = np.arange(num_tokens) % self.max_model_len
+        input_ids = self._to_device(self.input_ids, self.input_ids_cpu, num_tokens)
+        positions = self._to_device(self.positions, self.positions_cpu, num_tokens)
+        return self._run_model(input_ids, positions, None, num_tokens)
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """The largest step the engine can take: a full token budget forward, then logits and
+        sampling for max_num_seqs requests (peak activation memory)."""
+        hidden = self.dummy_run(self.max_num_tokens)
+        n = min(self.max_num_reqs, self.max_num_tokens)
+        logits = self.model.compute_logits(hidden[:n])
+        logits.softmax(dim=1).argmax(dim=1)
+
+    # ---- state ---------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                self.input_batch.remove(state.row)
+                if req_id in so.preempted_req_ids and state.generator is not None:
+                    self._parked_generators[req_id] = state.generator
+            if req_id not in so.preempted_req_ids:
+                self._parked_generators.pop(req_id, None)
+
+        for new in so.scheduled_new_reqs:
+            if new.req_id in self.requests:  # re-sent after preemption without a forget
+                self.input_batch.remove(self.requests.pop(new.req_id).row)
+            params = new.sampling_params
+            generator = self._parked_generators.pop(new.req_id, None)
+            if generator is None and params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
+            state = CachedRequestState(
+                req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
+                output_token_ids=list(new.output_token_ids), sampling_params=params,
+                generator=generator, block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens)
+            self.input_batch.add(state)
+            self.requests[new.req_id] = state
+
+        cached = so.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                                    cached.num_computed_tokens):
+            state = self.requests.get(req_id)
+            if state is None:
+                raise RuntimeError(f"scheduler sent cached request {req_id!r} the model runner "
+                                   "does not hold (was it sent as a new request?)")
+            state.num_computed_tokens = num_computed
+            if new_blocks:
+                state.block_ids.extend(new_blocks)
+                self.input_batch.append_block_ids(state.row, new_blocks)
+
+    # ---- inputs --------------------------------------------------------------------------
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        req_ids = list(so.num_scheduled_tokens)
+        states = [self.requests[r] for r in req_ids]
+        num_reqs = len(req_ids)
+        batch = self.input_batch
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
+        num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
+        num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64,
+                                   count=num_reqs)
+        known = batch.num_tokens[rows]
+        over = np.nonzero(num_computed + num_sched > known)[0]
+        if over.size:
+            i = int(over[0])
+            raise RuntimeError(
+                f"request {req_ids[i]!r} scheduled {num_sched[i]} tokens from position "
+                f"{num_computed[i]} but only {known[i]} tokens are known")
+        short = np.nonzero((num_computed + num_sched - 1) // self.block_size
+                           >= batch.num_blocks[rows])[0]
+        if short.size:
+            i = int(short[0])
+            raise RuntimeError(f"request {req_ids[i]!r} runs to position "
+                               f"{num_computed[i] + num_sched[i] - 1} but holds only "
+                               f"{batch.num_blocks[rows[i]]} KV blocks of {self.block_size}")
+        num_tokens = int(num_sched.sum())
+        num_input = self.padded_num_tokens(num_tokens)
+        if num_input > self.max_num_tokens:
+            raise RuntimeError(f"step of {num_input} tokens exceeds the input buffers "
+                               f"(max_num_batched_tokens={self.max_num_tokens})")
+
+        qsl = input_prep.query_start_loc(num_sched)
+        req_idx = input_prep.token_request_indices(num_sched)
+        pos = input_prep.positions(num_computed, num_sched)
+        self.block_table_np[:num_reqs] = batch.block_table[rows]
+        self.input_ids_np[:num_tokens] = batch.token_ids[rows[req_idx], pos]
+        self.positions_np[:num_tokens] = pos
+        self.slot_mapping_np[:num_tokens] = input_prep.slot_mapping(
+            self.block_table_np, req_idx, pos, self.block_size)
+        # Padding tokens: valid ids and positions, but they write no cache slot.
+        self.input_ids_np[num_tokens:num_input] = 0
+        self.positions_np[num_tokens:num_input] = 0
+        self.slot_mapping_np[num_tokens:num_input] = -1
+        self.query_start_loc_np[:num_reqs + 1] = qsl
+        seq_lens = num_computed + num_sched
+        self.seq_lens_np[:num_reqs] = seq_lens
+
+        samples = input_prep.sampling_mask(num_computed, num_sched, known)
+        n_sample = int(samples.sum())
+        self.logits_indices_np[:n_sample] = input_prep.logits_indices(qsl, samples)
+
+        attn_metadata = AttentionMetadata(
+            num_actual_tokens=num_tokens, num_reqs=num_reqs,
+            max_query_len=int(num_sched.max()), max_seq_len=int(seq_lens.max()),
+            query_start_loc=self._to_device(self.query_start_loc, self.query_start_loc_cpu,
+                                            num_reqs + 1),
+            seq_lens=self._to_device(self.seq_lens, self.seq_lens_cpu, num_reqs),
+            block_table=self._to_device(self.block_table, self.block_table_cpu, num_reqs),
+            slot_mapping=self._to_device(self.slot_mapping, self.slot_mapping_cpu, num_input),
+            query_start_loc_cpu=self.query_start_loc_cpu[:num_reqs + 1],
+            seq_lens_cpu=self.seq_lens_cpu[:num_reqs],
+            uniform_decode=bool((num_sched == 1).all()))
+        return StepInputs(
+            req_ids=req_ids, num_tokens=num_tokens, num_input_tokens=num_input,
+            input_ids=self._to_device(self.input_ids, self.input_ids_cpu, num_input),
+            positions=self._to_device(self.positions, self.positions_cpu, num_input),
+            attn_metadata=attn_metadata,
+            sample_req_ids=[r for r, s in zip(req_ids, samples) if s],
+            logits_indices=self._to_device(self.logits_indices, self.logits_indices_cpu,
+                                           n_sample))
+
+    def _sampling_metadata(self, states: list[CachedRequestState],
+                           vocab_size: int) -> SamplingMetadata:
+        return build_sampling_metadata(
+            [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states], [s.generator for s in states],
+            self.default_generator, vocab_size, self.device)
+
+    # ---- step ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        inputs = self._prepare_inputs(so)
+        hidden = self._run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata,
+                                 inputs.num_input_tokens)  # [num_input_tokens, H]
+
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, LogprobsLists] = {}
+        if inputs.sample_req_ids:
+            states = [self.requests[r] for r in inputs.sample_req_ids]
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
+            meta = self._sampling_metadata(states, logits.shape[1])
+            out = self.sampler(logits, meta)
+            token_ids = out.sampled_token_ids.tolist()
+            if out.logprobs is not None:
+                lists = to_logprobs_lists(out.logprob_token_ids, out.logprobs,
+                                          out.sampled_ranks, meta.num_logprobs)
+                logprobs = {s.req_id: lp for s, lp in zip(states, lists) if lp is not None}
+            for state, token in zip(states, token_ids):
+                state.output_token_ids.append(token)
+                self.input_batch.append_token(state.row, token)
+                sampled[state.req_id] = token
+
+        return ModelRunnerOutput(
+            req_ids=inputs.req_ids,
+            sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in inputs.req_ids],
+            logprobs=logprobs)

@@ -1,0 +1,117 @@
+"""`Worker`: one device's share of the engine: device set-up, model, KV cache, warm-up, steps.
+
+The executor drives it: init_device, load_model, determine_num_blocks, initialize_cache,
+compile_or_warm_up_model, then execute_model once per engine step.
+"""
+import torch
+
+from kiln import envs
+from kiln.attention.backend import kv_cache_shape
+from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kiln.logger import init_logger
+from kiln.platforms import current_platform
+from kiln.worker import kv_cache_sizing
+from kiln.worker.input_prep import cdiv
+from kiln.worker.model_runner import ModelRunner
+
+logger = init_logger(__name__)
+
+
+class Worker:
+    def __init__(self, kiln_config, rank: int = 0, local_rank: int = 0):
+        self.kiln_config = kiln_config
+        self.rank, self.local_rank = rank, local_rank
+        self.device: torch.device | None = None
+        self.model_runner: ModelRunner | None = None
+
+    def init_device(self) -> None:
+        device = self.kiln_config.device_config.device_obj
+        if device.type == "cuda":
+            device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(device)
+        self.device = device
+        current_platform.seed_everything(self.kiln_config.model_config.seed)
+        self.model_runner = ModelRunner(self.kiln_config, device)
+
+    def load_model(self) -> None:
+        self.model_runner.load_model()
+
+    # ---- KV cache --------------------------------------------------------------------------
+    def _attention_layers(self) -> dict:
+        layers = self.kiln_config.compilation_config.static_forward_context
+        if not layers:
+            raise RuntimeError("no Attention layers registered in compilation_config."
+                               "static_forward_context; was the model loaded?")
+        return layers
+
+    def kv_cache_block_bytes(self) -> int:
+        layers = self._attention_layers().values()
+        return kv_cache_sizing.bytes_per_block(
+            self.kiln_config.cache_config.block_size,
+            [(layer.num_kv_heads, layer.head_size) for layer in layers],
+            self.kiln_config.model_config.torch_dtype)
+
+    def determine_num_blocks(self) -> int:
+        cache = self.kiln_config.cache_config
+        if cache.num_gpu_blocks_override is not None:
+            logger.info("KV cache: %d blocks (num_gpu_blocks_override)",
+                        cache.num_gpu_blocks_override)
+            return cache.num_gpu_blocks_override
+        block_bytes = self.kv_cache_block_bytes()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            self.model_runner.profile_run()
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = kv_cache_sizing.cuda_kv_cache_bytes(total, total - free,
+                                                         cache.gpu_memory_utilization)
+            knob = "--gpu-memory-utilization"
+        else:
+            budget = kv_cache_sizing.cpu_kv_cache_bytes(cache.kv_cache_memory,
+                                                        envs.cpu_kvcache_space_gib())
+            knob = "--kv-cache-memory (or KILN_CPU_KVCACHE_SPACE)"
+        num_blocks = kv_cache_sizing.num_blocks_for(budget, block_bytes)
+        max_len = self.kiln_config.model_config.max_model_len
+        needed = cdiv(max_len, cache.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache budget of {budget / kv_cache_sizing.GiB:.2f} GiB holds {num_blocks} "
+                f"blocks, fewer than the {needed} one request of max_model_len={max_len} needs; "
+                f"raise {knob} or lower --max-model-len")
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %d bytes per block)",
+                    num_blocks, cache.block_size, num_blocks * block_bytes / kv_cache_sizing.GiB,
+                    block_bytes)
+        return num_blocks
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate one KV cache tensor per Attention layer and hand it to the layer."""
+        cache = self.kiln_config.cache_config
+        dtype = self.kiln_config.model_config.torch_dtype
+        for layer in self._attention_layers().values():
+            shape = kv_cache_shape(num_blocks, cache.block_size, layer.num_kv_heads,
+                                   layer.head_size)
+            layer.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        cache.num_blocks = num_blocks
+
+    # ---- warm-up ---------------------------------------------------------------------------
+    def warmup_sizes(self) -> list[int]:
+        """Token counts the warm-up forward runs at (largest first)."""
+        sched = self.kiln_config.scheduler_config
+        limit = sched.max_num_batched_tokens
+        sizes = {1, min(sched.max_num_seqs, limit), limit}
+        sizes.update(s for s in self.kiln_config.compilation_config.compile_sizes if s <= limit)
+        return sorted(sizes, reverse=True)
+
+    def compile_or_warm_up_model(self) -> None:
+        for size in self.warmup_sizes():
+            self.model_runner.dummy_run(size)
+        current_platform.synchronize()
+        # Warm-up must not change the sampling stream users see.
+        current_platform.seed_everything(self.kiln_config.model_config.seed)
+
+    # ---- steps -----------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        self.model_runner = None
