@@ -24,3 +24,9 @@ def disable_compile_cache() -> bool:
 
 def api_key() -> str | None:
     return os.environ.get("KILN_API_KEY") or None
+
+
+def cudagraph_debug() -> bool:
+    """`KILN_CUDAGRAPH_DEBUG=1`: check at every graph replay that inputs sit where they did at
+    capture (a moved input makes a replay read stale memory)."""
+    return os.environ.get("KILN_CUDAGRAPH_DEBUG", "0") not in ("", "0", "false", "False")
