@@ -1,0 +1,147 @@
+"""Offline throughput: fixed-length random-token requests through Kiln, and optionally HF generate.
+
+Both backends get the same prompts, dtype and greedy decoding with exactly `output_len` new tokens
+per request; engine construction (load, compile, warm-up) is outside the timed region.
+"""
+import random
+import time
+from dataclasses import dataclass
+
+from kiln.engine.arg_utils import EngineArgs
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class RunResult:
+    elapsed_s: float
+    num_requests: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+    def figures(self, prefix: str = "") -> dict:
+        e = self.elapsed_s
+        return {f"{prefix}elapsed_s": round(e, 4),
+                f"{prefix}requests_per_s": round(self.num_requests / e, 4),
+                f"{prefix}output_tokens_per_s": round(self.num_output_tokens / e, 4),
+                f"{prefix}total_tokens_per_s":
+                    round((self.num_prompt_tokens + self.num_output_tokens) / e, 4)}
+
+
+def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int,
+                   exclude: set[int] = frozenset()) -> list[list[int]]:
+    """Seeded random token ids, avoiding special tokens so no prompt holds an early eos."""
+    if num_prompts < 1 or input_len < 1:
+        raise ValueError(f"--num-prompts and --input-len must be >= 1, got {num_prompts} and "
+                         f"{input_len}")
+    choices = [t for t in range(vocab_size) if t not in exclude]
+    rng = random.Random(seed)
+    return [[rng.choice(choices) for _ in range(input_len)] for _ in range(num_prompts)]
+
+
+def check_lengths(input_len: int, output_len: int, max_model_len: int) -> None:
+    if output_len < 1:
+        raise ValueError(f"--output-len must be >= 1, got {output_len}")
+    if input_len + output_len > max_model_len:
+        raise ValueError(f"--input-len {input_len} + --output-len {output_len} exceeds "
+                         f"max_model_len {max_model_len}; shorten them or raise --max-model-len")
+
+
+def run_kiln(engine, prompts: list[list[int]], output_len: int) -> RunResult:
+    from kiln.sampling_params import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len,
+                            min_tokens=output_len, output_kind=RequestOutputKind.FINAL_ONLY)
+    processed = [engine.process_inputs({"prompt_token_ids": p}, params) for p in prompts]
+    num_out = 0
+    start = time.perf_counter()
+    for i, item in enumerate(processed):
+        engine.add_processed_request(f"bench-{i}", item)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            num_out += sum(len(c.token_ids) for c in out.outputs)
+    elapsed = time.perf_counter() - start
+    return RunResult(elapsed, len(prompts), sum(map(len, prompts)), num_out)
+
+
+def load_hf_model(kiln_config):
+    """The same checkpoint through transformers (random weights for --load-format dummy)."""
+    from transformers import AutoModelForCausalLM
+
+    mc = kiln_config.model_config
+    if kiln_config.load_config.load_format == "dummy":
+        model = AutoModelForCausalLM.from_config(mc.hf_config, dtype=mc.torch_dtype)
+    elif mc.gguf_file is not None:
+        model = AutoModelForCausalLM.from_pretrained(mc.gguf_file.parent,
+                                                     gguf_file=mc.gguf_file.name,
+                                                     dtype=mc.torch_dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(mc.model_path, dtype=mc.torch_dtype)
+    return model.to(kiln_config.device_config.device_obj).eval()
+
+
+def left_pad(batch: list[list[int]], pad_id: int):
+    import torch
+
+    width = max(map(len, batch))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    return ids, mask
+
+
+def run_hf(model, prompts: list[list[int]], output_len: int, batch_size: int,
+           pad_id: int) -> RunResult:
+    import torch
+
+    device = next(model.parameters()).device
+    num_out = 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch_size):
+            ids, mask = left_pad(prompts[i:i + batch_size], pad_id)
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                 do_sample=False, max_new_tokens=output_len,
+                                 min_new_tokens=output_len, pad_token_id=pad_id)
+            num_out += (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    return RunResult(elapsed, len(prompts), sum(map(len, prompts)), num_out)
+
+
+def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, output_len: int,
+                   backend: str = "kiln") -> dict:
+    """Benchmark; returns the one-line JSON report as a dict."""
+    from kiln.engine.llm_engine import LLMEngine
+
+    if backend not in ("kiln", "hf"):
+        raise ValueError(f"--backend must be kiln or hf, got {backend!r}")
+    kiln_config = engine_args.create_kiln_config()
+    mc = kiln_config.model_config
+    check_lengths(input_len, output_len, mc.max_model_len)
+    engine = LLMEngine(kiln_config)
+    tokenizer = engine.tokenizer
+    exclude = set(getattr(tokenizer, "all_special_ids", []))
+    prompts = random_prompts(num_prompts, input_len, mc.vocab_size, engine_args.seed, exclude)
+    try:
+        result = run_kiln(engine, prompts, output_len)
+    finally:
+        engine.shutdown()
+    report = {"backend": backend, "num_prompts": num_prompts, "input_len": input_len,
+              "output_len": output_len, **result.figures(),
+              "num_output_tokens": result.num_output_tokens, "model": mc.model,
+              "dtype": str(mc.torch_dtype).removeprefix("torch."),
+              "device": kiln_config.device_config.device,
+              "compilation_mode": int(kiln_config.compilation_config.mode),
+              "max_num_seqs": kiln_config.scheduler_config.max_num_seqs}
+    if backend == "hf":
+        model = load_hf_model(kiln_config)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
+            tokenizer.eos_token_id or 0)
+        hf = run_hf(model, prompts, output_len, kiln_config.scheduler_config.max_num_seqs, pad_id)
+        report.update(hf.figures("hf_"), hf_num_output_tokens=hf.num_output_tokens,
+                      kiln_vs_hf_output_tokens_per_s=round(
+                          result.num_output_tokens / result.elapsed_s
+                          / (hf.num_output_tokens / hf.elapsed_s), 4))
+    return report

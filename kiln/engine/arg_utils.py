@@ -1,0 +1,103 @@
+"""`EngineArgs`: every engine knob with vLLM's names, its CLI flags, and the KilnConfig it builds.
+
+The LLM class, the CLI and the server all build their configuration through this one dataclass.
+"""
+import argparse
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kiln.config import (CacheConfig, CompilationConfig, DeviceConfig, KilnConfig, LoadConfig,
+                         ModelConfig, ParallelConfig, SchedulerConfig)
+from kiln.config.load_config import LOAD_FORMATS
+
+_DEFAULT_MAX_NUM_SEQS = SchedulerConfig.__dataclass_fields__["max_num_seqs"].default
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # None: the embedded default model
+    tokenizer: str | None = None  # None: the model's own tokenizer
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = _DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = False
+    compilation_config: Any = None  # int | dict | str (mode or JSON) | CompilationConfig
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    seed: int = 0
+    load_format: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: float | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    device: str = "auto"
+
+    def create_kiln_config(self) -> KilnConfig:
+        # Cheap checks first so a bad flag fails before the checkpoint is read.
+        load_config = LoadConfig(load_format=self.load_format)
+        cache_config = CacheConfig(
+            block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_gpu_blocks_override=self.num_gpu_blocks_override)
+        scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                           max_num_batched_tokens=self.max_num_batched_tokens)
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend)
+        compilation_config = CompilationConfig.from_cli(self.compilation_config)
+        if compilation_config is self.compilation_config:
+            # KilnConfig resolves the mode and layers register in it: never share a caller's copy.
+            compilation_config = dataclasses.replace(compilation_config, static_forward_context={})
+        device_config = DeviceConfig(device=self.device)
+        model_config = ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
+                                   max_model_len=self.max_model_len, seed=self.seed,
+                                   load_format=self.load_format)
+        return KilnConfig(model_config=model_config, cache_config=cache_config,
+                          scheduler_config=scheduler_config, parallel_config=parallel_config,
+                          load_config=load_config, device_config=device_config,
+                          compilation_config=compilation_config, enforce_eager=self.enforce_eager)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        d = EngineArgs()
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", default=d.model,
+                       help="local HF checkpoint directory or .gguf file (default: built-in model)")
+        g.add_argument("--tokenizer", default=d.tokenizer,
+                       help="tokenizer directory or .gguf (default: the model's)")
+        g.add_argument("--dtype", default=d.dtype,
+                       choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+        g.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                       help="context length (prompt + output); default: the model's")
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                       help="most sequences in one step")
+        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                       help="token budget of one step")
+        g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
+                       help="run eagerly: no torch.compile, no graphs")
+        g.add_argument("-O", "--compilation-config", dest="compilation_config",
+                       default=d.compilation_config,
+                       help="compilation mode (-O3) or CompilationConfig JSON "
+                            "(-O '{\"mode\": 3, \"compile_sizes\": [1, 8]}')")
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
+        g.add_argument("--distributed-executor-backend", default=d.distributed_executor_backend,
+                       choices=["uni", "mp", "ray"])
+        g.add_argument("--seed", type=int, default=d.seed)
+        g.add_argument("--load-format", default=d.load_format, choices=list(LOAD_FORMATS))
+        g.add_argument("--block-size", type=int, default=d.block_size)
+        g.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory,
+                       help="GiB of host memory for the KV cache (CPU)")
+        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=d.enable_prefix_caching)
+        g.add_argument("--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks_override)
+        g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})

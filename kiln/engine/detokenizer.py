@@ -1,0 +1,139 @@
+"""Incremental detokenization and stop strings for one sequence.
+
+Text is decoded over a small sliding window of token ids (prefix/read offsets) so each step costs
+O(window), leading spaces and multi-byte characters split over several tokens come out right, and
+the concatenated stream equals decoding all tokens at once.
+"""
+import re
+from dataclasses import dataclass, field
+
+# Prompt tokens kept as left context, so the first output token decodes with its leading space.
+INITIAL_CONTEXT_TOKENS = 5
+_INCOMPLETE = "\ufffd"  # what a partial UTF-8 sequence decodes to
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def byte_fallback_token_ids(tokenizer) -> frozenset[int]:
+    """Ids of SentencePiece byte-fallback tokens ("<0xE4>"), cached on the tokenizer.
+
+    A run of them decodes as one unit (an invalid run turns every byte into U+FFFD), so text
+    ending in such a run may still change and is held back until the run ends.
+    """
+    cached = getattr(tokenizer, "_kiln_byte_token_ids", None)
+    if cached is None:
+        cached = frozenset(i for tok, i in tokenizer.get_vocab().items()
+                           if _BYTE_TOKEN.fullmatch(tok))
+        try:
+            tokenizer._kiln_byte_token_ids = cached
+        except AttributeError:
+            pass
+    return cached
+
+
+def find_stop_string(text: str, num_new_chars: int, stop: list[str],
+                     include_stop_str_in_output: bool) -> tuple[str, int] | None:
+    """(stop string, length to truncate text to) if a stop string ends in the new characters.
+
+    Only matches overlapping the last `num_new_chars` are new, so earlier text is not re-scanned.
+    """
+    best: tuple[str, int, int] | None = None  # (stop, index, cut)
+    for s in stop:
+        idx = text.find(s, max(0, len(text) - num_new_chars - len(s) + 1))
+        if idx != -1 and (best is None or idx < best[1]):
+            best = (s, idx, idx + len(s) if include_stop_str_in_output else idx)
+    return None if best is None else (best[0], best[2])
+
+
+@dataclass
+class IncrementalDetokenizer:
+    tokenizer: object
+    skip_special_tokens: bool = True
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    # All ids decoded so far: the prompt's last few tokens (context) then the output tokens.
+    token_ids: list[int] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0
+    output_text: str = ""
+    # Characters held back from DELTA streams because they may start a stop string.
+    stop_buffer_length: int = 0
+    _num_streamed_chars: int = 0
+    _byte_token_ids: frozenset = frozenset()
+    _skipped_ids: frozenset = frozenset()
+
+    def __post_init__(self):
+        self._byte_token_ids = byte_fallback_token_ids(self.tokenizer)
+        if self.skip_special_tokens:
+            self._skipped_ids = frozenset(getattr(self.tokenizer, "all_special_ids", ()))
+
+    @classmethod
+    def for_request(cls, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                    stop: list[str] | None = None,
+                    include_stop_str_in_output: bool = False) -> "IncrementalDetokenizer":
+        context = list(prompt_token_ids[-INITIAL_CONTEXT_TOKENS:])
+        stop = list(stop or [])
+        buffer = 0 if include_stop_str_in_output or not stop else max(map(len, stop)) - 1
+        return cls(tokenizer=tokenizer, skip_special_tokens=skip_special_tokens, stop=stop,
+                   include_stop_str_in_output=include_stop_str_in_output, token_ids=context,
+                   prefix_offset=0, read_offset=len(context), stop_buffer_length=buffer)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _ends_in_byte_run(self) -> bool:
+        for tid in reversed(self.token_ids):
+            if tid in self._skipped_ids:
+                continue  # skipped specials vanish before decoding, joining the runs around them
+            return tid in self._byte_token_ids
+        return False
+
+    def _decode_next(self, final: bool) -> str:
+        """Text the window gained since read_offset; '' while it ends in a partial character."""
+        if not final and self._ends_in_byte_run():
+            return ""  # inside a byte run: its text is not settled until the run ends
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset:])
+        if len(full_text) <= len(prefix_text):
+            return ""
+        if full_text.endswith(_INCOMPLETE) and not final:
+            return ""  # wait for the rest of the multi-byte character
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return full_text[len(prefix_text):]
+
+    def update(self, new_token_ids: list[int], final: bool = False) -> str | None:
+        """Append tokens; returns the stop string if one appeared (text is then truncated).
+
+        `final` flushes a trailing partial character (the request ends after these tokens).
+        """
+        new_chars = 0
+        for i, tid in enumerate(new_token_ids):
+            self.token_ids.append(tid)
+            piece = self._decode_next(final and i == len(new_token_ids) - 1)
+            self.output_text += piece
+            new_chars += len(piece)
+        if not new_token_ids and final:
+            piece = self._flush()
+            self.output_text += piece
+            new_chars += len(piece)
+        if self.stop and new_chars:
+            hit = find_stop_string(self.output_text, new_chars, self.stop,
+                                   self.include_stop_str_in_output)
+            if hit is not None:
+                self.output_text = self.output_text[:hit[1]]
+                return hit[0]
+        return None
+
+    def _flush(self) -> str:
+        if self.read_offset >= len(self.token_ids):
+            return ""
+        return self._decode_next(final=True)
+
+    def get_next_output_text(self, finished: bool, delta: bool) -> str:
+        """All text so far, or (delta) only text not yet streamed, holding back a possible stop."""
+        if not delta:
+            return self.output_text
+        end = len(self.output_text) if finished else max(
+            self._num_streamed_chars, len(self.output_text) - self.stop_buffer_length)
+        text = self.output_text[self._num_streamed_chars:end]
+        self._num_streamed_chars = end
+        return text

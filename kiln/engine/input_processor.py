@@ -1,0 +1,79 @@
+"""Turns a user prompt and its SamplingParams into a validated core request.
+
+Every check happens here, before anything is queued, so a bad request never half-enters the engine.
+"""
+from dataclasses import dataclass
+
+from kiln.config.model_config import ModelConfig
+from kiln.sampling_params import SamplingParams
+
+PromptType = str | dict
+
+
+@dataclass
+class ProcessedPrompt:
+    prompt: str | None  # the text, when the user gave text
+    prompt_token_ids: list[int]
+    params: SamplingParams  # a private copy, resolved against the tokenizer and max_model_len
+
+
+def clip_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int) -> None:
+    """Bound max_tokens so prompt + output fits max_model_len (None: up to max_model_len)."""
+    room = max_model_len - prompt_len
+    if params.max_tokens is None or params.max_tokens > room:
+        params.max_tokens = room
+    params.min_tokens = min(params.min_tokens, params.max_tokens)
+
+
+def validate_prompt_token_ids(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    if not token_ids:
+        raise ValueError("prompt is empty: give at least one token (text or prompt_token_ids)")
+    if len(token_ids) >= max_model_len:
+        raise ValueError(
+            f"prompt length {len(token_ids)} leaves no room to generate within max_model_len "
+            f"{max_model_len} (prompt must be shorter than max_model_len); shorten the prompt "
+            "or raise --max-model-len")
+    for t in token_ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab_size})")
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, tokenizer, extra_eos_token_ids=()):
+        self.tokenizer = tokenizer
+        self.max_model_len = model_config.max_model_len
+        self.vocab_size = model_config.vocab_size
+        self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
+        self.extra_eos_token_ids = set(extra_eos_token_ids)
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self._encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)):
+                    raise ValueError("prompt_token_ids must be a list of integers, got "
+                                     f"{type(ids).__name__}")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return prompt["prompt"], self._encode(prompt["prompt"])
+            raise ValueError("a dict prompt needs 'prompt' (str) or 'prompt_token_ids' (list of "
+                             f"int); got keys {sorted(prompt)}")
+        raise ValueError(f"prompt must be a str or a dict, got {type(prompt).__name__}")
+
+    def _encode(self, text: str) -> list[int]:
+        if not text:
+            raise ValueError("prompt is empty: give at least one token (text or prompt_token_ids)")
+        # add_special_tokens: BOS where the tokenizer adds one (Llama), nothing for Qwen.
+        return list(self.tokenizer(text, add_special_tokens=True).input_ids)
+
+    def process(self, prompt: PromptType, params: SamplingParams | None) -> ProcessedPrompt:
+        text, token_ids = self.tokenize(prompt)
+        validate_prompt_token_ids(token_ids, self.vocab_size, self.max_model_len)
+        params = (params or SamplingParams()).clone()
+        params.update_from_tokenizer(self.eos_token_id, self.vocab_size)
+        if not params.ignore_eos:
+            params.all_stop_token_ids |= self.extra_eos_token_ids
+        clip_max_tokens(params, len(token_ids), self.max_model_len)
+        return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids, params=params)

@@ -1,0 +1,156 @@
+"""`LLMEngine`: the synchronous engine front: tokenize and validate, feed the core, detokenize.
+
+One `step()` runs one core step (schedule -> execute -> update) and returns the RequestOutputs
+it produced; the LLM class and the CLI drive it in a loop.
+"""
+import time
+
+from kiln.config import KilnConfig, ParallelConfig
+from kiln.core.request import Request, RequestStatus
+from kiln.engine.arg_utils import EngineArgs
+from kiln.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from kiln.engine.output_processor import OutputProcessor, child_params, child_request_id
+from kiln.engine.tokenizer import generation_eos_token_ids, get_tokenizer
+from kiln.logger import init_logger
+from kiln.outputs import RequestOutput
+from kiln.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+
+def get_executor_class(parallel_config: ParallelConfig) -> type:
+    """The executor for a parallel config: in-process for one rank, else processes or Ray."""
+    backend = parallel_config.distributed_executor_backend
+    if backend is None:
+        backend = "mp" if parallel_config.tensor_parallel_size > 1 else "uni"
+    if backend == "uni":
+        if parallel_config.tensor_parallel_size > 1:
+            raise ValueError("distributed_executor_backend 'uni' runs one rank; use 'mp' or 'ray' "
+                             "with --tensor-parallel-size > 1")
+        from kiln.executor.uniproc_executor import UniprocExecutor
+        return UniprocExecutor
+    if backend == "mp":
+        from kiln.executor.multiproc_executor import MultiprocExecutor
+        return MultiprocExecutor
+    from kiln.executor.ray_executor import RayExecutor
+    return RayExecutor
+
+
+class LLMEngine:
+    def __init__(self, kiln_config: KilnConfig, executor_class: type | None = None):
+        from kiln.core.engine_core import EngineCore
+
+        self.kiln_config = kiln_config
+        self.model_config = kiln_config.model_config
+        # The tokenizer first: it is cheap and a bad path should fail before the model loads.
+        self.tokenizer = get_tokenizer(self.model_config)
+        self.input_processor = InputProcessor(self.model_config, self.tokenizer,
+                                              generation_eos_token_ids(self.model_config))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        if executor_class is None:
+            executor_class = get_executor_class(kiln_config.parallel_config)
+        self.engine_core = EngineCore(kiln_config, executor_class)
+        self.num_finished_requests = 0
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
+        return cls(engine_args.create_kiln_config())
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ---- requests in -------------------------------------------------------------------------
+
+    def process_inputs(self, prompt: PromptType, params: SamplingParams | None) -> ProcessedPrompt:
+        """Tokenize and validate without touching engine state (raises ValueError)."""
+        return self.input_processor.process(prompt, params)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        self.add_processed_request(request_id, self.process_inputs(prompt, params), arrival_time)
+
+    def add_processed_request(self, request_id: str, processed: ProcessedPrompt,
+                              arrival_time: float | None = None) -> None:
+        params = processed.params
+        if params.n == 1:
+            samples = [(request_id, params)]
+        else:
+            samples = [(child_request_id(i, request_id), child_params(params, i))
+                       for i in range(params.n)]
+        in_use = [cid for cid, _ in samples if cid in self.output_processor.samples]
+        if request_id in self.output_processor.requests or in_use:
+            raise ValueError(f"request id {request_id!r} is already in use by an unfinished "
+                             "request; pick a unique request_id")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        core_requests = [Request(request_id=cid, prompt_token_ids=list(processed.prompt_token_ids),
+                                 sampling_params=p, arrival_time=arrival) for cid, p in samples]
+        self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
+                                          samples, params.output_kind)
+        added = []
+        try:
+            for req in core_requests:
+                self.engine_core.add_request(req)
+                added.append(req.request_id)
+        except BaseException:
+            # Leave no half-added request behind: other requests must be unaffected.
+            self.output_processor.abort_requests([request_id])
+            if added:
+                self.engine_core.abort_requests(added)
+            raise
+
+    def abort_request(self, request_ids: list[str] | str) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        core_ids = self.output_processor.abort_requests(list(request_ids))
+        if core_ids:
+            self.engine_core.abort_requests(core_ids)
+
+    # ---- stepping ----------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        if not self.engine_core.has_unfinished_requests():
+            return []
+        processed = self.output_processor.process_outputs(self.engine_core.step())
+        if processed.reqs_to_abort:
+            # Stop strings are found here, not in the core: release those requests' blocks now.
+            self.engine_core.finish_requests(processed.reqs_to_abort,
+                                             RequestStatus.FINISHED_STOPPED)
+        self.num_finished_requests += sum(o.finished for o in processed.request_outputs)
+        return processed.request_outputs
+
+    def get_stats(self) -> dict:
+        stats = self.engine_core.make_stats().to_dict()
+        stats.update(prompt_tokens_total=self.output_processor.num_prompt_tokens,
+                     generation_tokens_total=self.output_processor.num_generation_tokens,
+                     num_unfinished_requests=self.get_num_unfinished_requests())
+        return stats
+
+    # ---- chat --------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None, **kwargs) -> str:
+        """Render a conversation with the tokenizer's chat template (HF's sandboxed Jinja)."""
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer of {self.model_config.model!r} has no chat template; "
+                             "pass chat_template= or use a chat/instruct model")
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template, **kwargs)
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    chat_template: str | None = None, **kwargs) -> dict:
+        """A rendered conversation as a prompt; the template already wrote BOS, so no extra one."""
+        text = self.apply_chat_template(messages, add_generation_prompt, chat_template, **kwargs)
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        return {"prompt": text, "prompt_token_ids": list(ids)}
+
+    def shutdown(self) -> None:
+        core, self.engine_core = getattr(self, "engine_core", None), None
+        if core is not None:
+            core.shutdown()

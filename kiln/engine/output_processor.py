@@ -1,0 +1,202 @@
+"""Turns the core's per-step EngineCoreOutputs into the RequestOutputs users see.
+
+Owns each request's detokenizer, stop-string checks, logprobs, and the fan-in of n > 1 samples
+(child core requests) into one RequestOutput per user request, per output kind.
+"""
+from dataclasses import dataclass, field
+
+from kiln.core.outputs import EngineCoreOutput, LogprobsLists
+from kiln.engine.detokenizer import IncrementalDetokenizer
+from kiln.outputs import CompletionOutput, Logprob, RequestOutput
+from kiln.sampling_params import RequestOutputKind, SamplingParams
+
+
+def child_request_id(index: int, request_id: str) -> str:
+    return f"{index}_{request_id}"
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Params of sample `index` of an n > 1 request: n=1, and distinct seeds if seeded."""
+    child = params.clone()
+    child.n = 1
+    if params.seed is not None:
+        child.seed = params.seed + index
+    return child
+
+
+def to_logprob_dict(lists: LogprobsLists, decode) -> dict[int, Logprob]:
+    """The sampled token (with its rank) first, then the top-N by rank."""
+    sampled, sampled_lp = lists.token_ids[0], lists.logprobs[0]
+    out = {sampled: Logprob(sampled_lp, lists.sampled_rank, decode(sampled))}
+    for rank, (tid, lp) in enumerate(zip(lists.token_ids[1:], lists.logprobs[1:]), start=1):
+        out.setdefault(tid, Logprob(lp, rank, decode(tid)))
+    return out
+
+
+@dataclass
+class SampleState:
+    """One core request: sample `index` of a user request."""
+    core_id: str
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # Tokens / logprobs not yet sent (DELTA) and whether this sample changed this step.
+    num_sent_tokens: int = 0
+    updated: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def completion(self, delta: bool) -> CompletionOutput:
+        start = self.num_sent_tokens if delta else 0
+        text = self.detokenizer.get_next_output_text(self.finished, delta)
+        if delta:
+            self.num_sent_tokens = len(self.token_ids)
+        return CompletionOutput(
+            index=self.index, text=text, token_ids=self.token_ids[start:],
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else self.logprobs[start:],
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+
+
+@dataclass
+class RequestState:
+    """One user request and its samples (one per n)."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    output_kind: RequestOutputKind
+    samples: list[SampleState]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+    def make_output(self) -> RequestOutput | None:
+        finished = self.finished
+        if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = self.output_kind == RequestOutputKind.DELTA
+        chosen = [s for s in self.samples if s.updated] if delta else self.samples
+        for s in self.samples:
+            s.updated = False
+        if not chosen:
+            return None
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt,
+                             prompt_token_ids=self.prompt_token_ids,
+                             outputs=[s.completion(delta) for s in chosen], finished=finished,
+                             num_cached_tokens=self.num_cached_tokens)
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    # Core requests that hit a stop string: the engine must abort them so they free their blocks.
+    reqs_to_abort: list[str]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.samples: dict[str, tuple[RequestState, SampleState]] = {}  # by core request id
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    samples: list[tuple[str, SamplingParams]],
+                    output_kind: RequestOutputKind) -> None:
+        """Track a user request; `samples` is (core request id, params) for each of its n."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        states = []
+        for index, (core_id, params) in enumerate(samples):
+            detok = IncrementalDetokenizer.for_request(
+                self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+            want_logprobs = params.logprobs is not None
+            states.append(SampleState(core_id=core_id, index=index, params=params,
+                                      detokenizer=detok,
+                                      logprobs=[] if want_logprobs else None,
+                                      cumulative_logprob=0.0 if want_logprobs else None))
+        state = RequestState(request_id, prompt, list(prompt_token_ids), output_kind, states)
+        self.requests[request_id] = state
+        for s in states:
+            self.samples[s.core_id] = (state, s)
+        self.num_prompt_tokens += len(prompt_token_ids) * len(states)
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forget user requests; returns the unfinished core request ids to abort in the core."""
+        core_ids = []
+        for rid in request_ids:
+            state = self.requests.pop(rid, None)
+            if state is None:
+                continue
+            for s in state.samples:
+                self.samples.pop(s.core_id, None)
+                if not s.finished:
+                    core_ids.append(s.core_id)
+        return core_ids
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        touched: dict[str, RequestState] = {}
+        to_abort: list[str] = []
+        for out in outputs:
+            entry = self.samples.get(out.request_id)
+            if entry is None:
+                continue  # aborted or already finished by a stop string
+            state, sample = entry
+            if self._update_sample(sample, out):
+                to_abort.append(sample.core_id)
+            if out.num_cached_tokens and sample.index == 0:
+                state.num_cached_tokens = out.num_cached_tokens
+            touched[state.request_id] = state
+        results = []
+        for state in touched.values():
+            result = state.make_output()
+            if result is not None:
+                results.append(result)
+            if state.finished:
+                del self.requests[state.request_id]
+                for s in state.samples:
+                    self.samples.pop(s.core_id, None)
+        return ProcessedOutputs(results, to_abort)
+
+    def _update_sample(self, sample: SampleState, out: EngineCoreOutput) -> bool:
+        """Apply one core output; True if a stop string ended a request the core still runs."""
+        new_ids = list(out.new_token_ids)
+        sample.token_ids.extend(new_ids)
+        self.num_generation_tokens += len(new_ids)
+        if sample.logprobs is not None:
+            for lists in out.new_logprobs:
+                sample.logprobs.append(to_logprob_dict(lists, self._decode_token))
+                sample.cumulative_logprob += lists.logprobs[0]
+        sample.updated = True
+        # The text of the eos / stop token that ended the request is not part of the output.
+        detok_ids = new_ids
+        ended_by_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+        if ended_by_token and new_ids and not sample.params.include_stop_str_in_output:
+            detok_ids = new_ids[:-1]
+        stop_str = sample.detokenizer.update(detok_ids, final=out.finished)
+        if stop_str is not None:
+            sample.finish_reason, sample.stop_reason = "stop", stop_str
+            return not out.finished
+        if out.finished:
+            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+        return False

@@ -1,0 +1,58 @@
+"""Loads the tokenizer for a model: HF AutoTokenizer from a directory, or from a GGUF file.
+
+For GGUF, transformers rebuilds the tokenizer and chat template from the file's metadata.
+"""
+from pathlib import Path
+
+from kiln.config.model_config import ModelConfig, find_gguf_file
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def load_tokenizer(path: str | Path):
+    """A HF tokenizer from a checkpoint directory, a tokenizer directory, or a .gguf file."""
+    from transformers import AutoTokenizer
+
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer {str(path)!r}: no such file or directory; "
+                                "pass a tokenizer directory or .gguf file with --tokenizer")
+    gguf = find_gguf_file(path)
+    if gguf is not None:
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"could not load a tokenizer from {str(path)!r} ({e}); "
+                         "pass one with --tokenizer") from None
+
+
+def get_tokenizer(model_config: ModelConfig):
+    """The tokenizer a model config names: its own --tokenizer, else the checkpoint's."""
+    if model_config.tokenizer:
+        return load_tokenizer(model_config.tokenizer_path)
+    if model_config.gguf_file is not None:
+        return load_tokenizer(model_config.gguf_file)
+    return load_tokenizer(model_config.model_path)
+
+
+def eos_token_id(tokenizer) -> int | None:
+    return getattr(tokenizer, "eos_token_id", None)
+
+
+def generation_eos_token_ids(model_config: ModelConfig) -> set[int]:
+    """Extra end-of-sequence ids from generation_config.json (chat models often list several)."""
+    import json
+
+    path = model_config.model_path / "generation_config.json"
+    if not path.is_file():
+        return set()
+    try:
+        value = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        logger.warning("ignoring unreadable %s", path)
+        return set()
+    if value is None:
+        return set()
+    return {int(v) for v in (value if isinstance(value, list) else [value])}

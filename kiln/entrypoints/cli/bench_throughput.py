@@ -1,0 +1,34 @@
+"""`kiln bench throughput`: offline throughput on random prompts; prints one JSON line.
+
+`--backend hf` also times HF transformers generate on the same prompts and adds the ratio.
+"""
+import argparse
+import json
+
+from kiln.engine.arg_utils import EngineArgs
+
+
+def register(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks",
+                                  description="Benchmarks; see `kiln bench throughput -h`.")
+    kinds = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
+    parser = kinds.add_parser("throughput", help="offline throughput on random prompts",
+                              description="Offline throughput on seeded random-token prompts "
+                                          "with a fixed output length (ignore_eos, greedy).")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--backend", choices=["kiln", "hf"], default="kiln",
+                        help="hf: also run HF transformers generate and report kiln/hf")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(func=run)
+    bench.set_defaults(func=lambda args: bench.print_help() or 2)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kiln.benchmarks.throughput import run_throughput
+
+    report = run_throughput(EngineArgs.from_cli_args(args), args.num_prompts, args.input_len,
+                            args.output_len, args.backend)
+    print(json.dumps(report), flush=True)
+    return 0

@@ -1,0 +1,77 @@
+"""`kiln chat`: an interactive conversation, streaming each reply token by token.
+
+Reads one user turn per stdin line until EOF or "exit"; keeps the history for the chat template.
+"""
+import argparse
+import sys
+
+from kiln.engine.arg_utils import EngineArgs
+from kiln.entrypoints.cli.sampling_args import add_sampling_args, sampling_params_from_args
+from kiln.sampling_params import RequestOutputKind
+
+EXIT_WORDS = ("exit", "quit")
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("chat", help="chat interactively, streaming replies",
+                                   description="Chat with a model; one user turn per line, "
+                                               "'exit' or end of input to stop.")
+    parser.add_argument("--system", default=None, help="system prompt")
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template overriding the tokenizer's")
+    add_sampling_args(parser, max_tokens=512)
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(func=run)
+
+
+def stream_reply(engine, request_id: str, prompt: dict, params, out=sys.stdout) -> str:
+    """Run one request, writing text deltas to `out` as they come; returns the whole reply."""
+    engine.add_request(request_id, prompt, params)
+    pieces = []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            text = output.outputs[0].text
+            if text:
+                pieces.append(text)
+                out.write(text)
+                out.flush()
+    out.write("\n")
+    out.flush()
+    return "".join(pieces)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kiln.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    turn = 0
+    try:
+        while True:
+            if interactive:
+                print("user> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            if not line:
+                break
+            line = line.rstrip("\n")
+            if line.strip().lower() in EXIT_WORDS:
+                break
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": line})
+            try:
+                prompt = engine.chat_prompt(history, chat_template=args.chat_template)
+                params = sampling_params_from_args(args, output_kind=RequestOutputKind.DELTA)
+                reply = stream_reply(engine, f"chat-{turn}", prompt, params)
+            except ValueError as e:
+                history.pop()
+                if turn == 0 and "chat template" in str(e):
+                    raise  # no template at all: nothing later can work
+                print(f"error: {e}", file=sys.stderr)
+                continue
+            history.append({"role": "assistant", "content": reply})
+            turn += 1
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,48 @@
+"""`kiln generate "prompt"`: one completion (or n) printed to stdout; logs go to stderr.
+
+With --logprobs N, each token's top-N logprobs go to stderr as JSON lines (stdout stays text only).
+"""
+import argparse
+import json
+import sys
+
+from kiln.engine.arg_utils import EngineArgs
+from kiln.entrypoints.cli.sampling_args import add_sampling_args, sampling_params_from_args
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("generate", help="complete a prompt and print the text",
+                                   description="Complete a prompt and print the text.")
+    parser.add_argument("prompt", nargs="?", default=None,
+                        help="the prompt text (default: read stdin)")
+    add_sampling_args(parser, max_tokens=128)
+    parser.add_argument("--n", type=int, default=1, help="completions to generate")
+    parser.add_argument("--logprobs", type=int, default=None,
+                        help="print the top-N logprobs of every token to stderr")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kiln.entrypoints.llm import LLM
+
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt:
+        raise ValueError("prompt is empty: pass it as an argument or on stdin")
+    params = sampling_params_from_args(args, n=args.n, logprobs=args.logprobs)
+    engine_args = EngineArgs.from_cli_args(args)
+    llm = LLM(**vars(engine_args))
+    try:
+        (output,) = llm.generate(prompt, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for completion in output.outputs:
+        sys.stdout.write(completion.text + "\n")
+        if completion.logprobs is not None:
+            for token_id, entry in zip(completion.token_ids, completion.logprobs):
+                top = {str(t): {"logprob": lp.logprob, "rank": lp.rank, "token": lp.decoded_token}
+                       for t, lp in entry.items()}
+                print(json.dumps({"index": completion.index, "token_id": token_id, "top": top}),
+                      file=sys.stderr)
+    sys.stdout.flush()
+    return 0

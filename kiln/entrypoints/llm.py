@@ -1,0 +1,110 @@
+"""`LLM`: the offline batch API (vLLM's shape): build an engine, generate or chat, get outputs.
+
+Every prompt is validated before any is queued, so a bad prompt leaves the engine untouched.
+"""
+import itertools
+import sys
+from collections.abc import Sequence
+
+from kiln.engine.arg_utils import EngineArgs
+from kiln.engine.input_processor import ProcessedPrompt, PromptType
+from kiln.engine.llm_engine import LLMEngine
+from kiln.outputs import RequestOutput
+from kiln.sampling_params import RequestOutputKind, SamplingParams
+
+_DEFAULT_MAX_NUM_SEQS = EngineArgs.max_num_seqs
+
+
+class LLM:
+    def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",
+                 max_model_len: int | None = None, max_num_seqs: int = _DEFAULT_MAX_NUM_SEQS,
+                 max_num_batched_tokens: int | None = None, enforce_eager: bool = False,
+                 compilation_config=None, tensor_parallel_size: int = 1, seed: int = 0,
+                 load_format: str = "auto", **kwargs):
+        known = set(EngineArgs.__dataclass_fields__)
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown LLM argument(s) {unknown}; engine arguments are "
+                             f"{sorted(known)}")
+        engine_args = EngineArgs(
+            model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enforce_eager=enforce_eager, compilation_config=compilation_config,
+            tensor_parallel_size=tensor_parallel_size, seed=seed, load_format=load_format,
+            **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(engine_args)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} "
+                                 "prompts; pass one SamplingParams or one per prompt")
+        processed = []
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            try:
+                item = self.llm_engine.process_inputs(prompt, params)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            item.params.output_kind = RequestOutputKind.FINAL_ONLY
+            processed.append(item)
+        return self._run(processed, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, via the chat template."""
+        if not messages:
+            raise ValueError("messages is empty: give a list of {'role', 'content'} dicts")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = [self.llm_engine.chat_prompt(conv, add_generation_prompt, chat_template,
+                                               **(chat_template_kwargs or {}))
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, processed: list[ProcessedPrompt], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm import tqdm
+
+        engine = self.llm_engine
+        ids = [str(next(self._request_counter)) for _ in processed]
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        pending = set()
+        try:
+            for rid, item in zip(ids, processed):
+                engine.add_processed_request(rid, item)
+                pending.add(rid)
+            with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
+                      file=sys.stderr, dynamic_ncols=True) as bar:
+                while pending:
+                    for out in engine.step():
+                        if out.finished and out.request_id in pending:
+                            results[order[out.request_id]] = out
+                            pending.discard(out.request_id)
+                            bar.update(1)
+                    if pending and not engine.has_unfinished_requests():
+                        raise RuntimeError(f"engine dropped requests {sorted(pending)}")
+        finally:
+            if pending:
+                # Interrupted or failed: do not leave our requests running into the next call.
+                engine.abort_request(sorted(pending))
+        return results
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()

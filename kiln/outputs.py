@@ -1,0 +1,41 @@
+"""What the public API returns: `RequestOutput` per request, one `CompletionOutput` per sample.
+
+Field names follow vLLM so callers can switch engines by changing an import.
+"""
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """One candidate token's log-probability, its 1-based rank and its text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One entry per generated token: token id -> Logprob (the sampled token and the top-N).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    num_cached_tokens: int = 0

@@ -1,0 +1,81 @@
+"""EngineArgs -> KilnConfig mapping and vLLM-named CLI flags."""
+import argparse
+
+import pytest
+
+from kiln.config import CompilationConfig, CompilationMode
+from kiln.engine.arg_utils import EngineArgs
+
+
+def parse(*argv) -> EngineArgs:
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    return EngineArgs.from_cli_args(parser.parse_args(list(argv)))
+
+
+def test_defaults_match_dataclass():
+    assert parse() == EngineArgs()
+
+
+def test_flags_map_to_fields():
+    a = parse("--model", "m", "--tokenizer", "t", "--dtype", "bfloat16", "--max-model-len", "99",
+              "--max-num-seqs", "4", "--max-num-batched-tokens", "128", "--enforce-eager",
+              "-tp", "2", "--seed", "3", "--load-format", "dummy", "--block-size", "32",
+              "--kv-cache-memory", "0.5", "--no-enable-prefix-caching",
+              "--num-gpu-blocks-override", "7", "--gpu-memory-utilization", "0.5")
+    assert (a.model, a.tokenizer, a.dtype, a.max_model_len) == ("m", "t", "bfloat16", 99)
+    assert (a.max_num_seqs, a.max_num_batched_tokens, a.enforce_eager) == (4, 128, True)
+    assert (a.tensor_parallel_size, a.seed, a.load_format, a.block_size) == (2, 3, "dummy", 32)
+    assert (a.kv_cache_memory, a.enable_prefix_caching, a.num_gpu_blocks_override) == (0.5, False, 7)
+    assert a.gpu_memory_utilization == 0.5
+    assert parse("--tensor-parallel-size", "4").tensor_parallel_size == 4
+
+
+@pytest.mark.parametrize("argv,mode", [(["-O3"], 3), (["-O", "0"], 0),
+                                       (["-O", '{"mode": 2}'], 2),
+                                       (["--compilation-config", '{"mode":1}'], 1)])
+def test_compilation_flag(argv, mode):
+    assert CompilationConfig.from_cli(parse(*argv).compilation_config).mode == mode
+
+
+def test_create_kiln_config(stories_dir):
+    args = EngineArgs(model=str(stories_dir), max_model_len=128, max_num_seqs=8,
+                      max_num_batched_tokens=256, compilation_config='{"mode": 3, '
+                      '"compile_sizes": [1, 4]}', seed=5, block_size=32, kv_cache_memory=0.25,
+                      enable_prefix_caching=False, num_gpu_blocks_override=10, device="cpu")
+    c = args.create_kiln_config()
+    assert c.model_config.max_model_len == 128 and c.scheduler_config.max_model_len == 128
+    assert c.model_config.seed == 5 and c.model_config.load_format == "safetensors"
+    assert (c.scheduler_config.max_num_seqs, c.scheduler_config.max_num_batched_tokens) == (8, 256)
+    assert (c.cache_config.block_size, c.cache_config.kv_cache_memory) == (32, 0.25)
+    assert not c.cache_config.enable_prefix_caching and c.cache_config.num_gpu_blocks_override == 10
+    assert c.compilation_config.mode == CompilationMode.KILN_COMPILE
+    assert c.compilation_config.compile_sizes == [1, 4]
+    assert c.device_config.device == "cpu"
+
+
+def test_enforce_eager_and_shared_compilation_config(stories_dir):
+    shared = CompilationConfig(mode=3)
+    c = EngineArgs(model=str(stories_dir), enforce_eager=True,
+                   compilation_config=shared).create_kiln_config()
+    assert c.compilation_config.mode == CompilationMode.NONE
+    assert shared.mode == CompilationMode.KILN_COMPILE  # the caller's object is untouched
+    assert EngineArgs(model=str(stories_dir), compilation_config={"mode": 1}
+                      ).create_kiln_config().compilation_config.mode == 1
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(load_format="pickle"), "load_format"),
+    (dict(block_size=12), "block_size"),
+    (dict(compilation_config="{bad json"), "compilation-config"),
+    (dict(compilation_config={"nope": 1}), "nope"),
+    (dict(max_model_len=100000), "--max-model-len"),
+    (dict(max_num_seqs=64, max_num_batched_tokens=8), "--max-num-batched-tokens"),
+])
+def test_bad_values_raise_naming_the_field(stories_dir, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model=str(stories_dir), **kwargs).create_kiln_config()
+
+
+def test_missing_model_is_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        EngineArgs(model=str(tmp_path / "nope")).create_kiln_config()

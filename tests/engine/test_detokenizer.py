@@ -1,0 +1,94 @@
+"""Incremental detokenization equals a full decode; stop strings truncate and report."""
+import random
+
+import pytest
+
+from kiln.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+
+
+def stream(tokenizer, ids, rng, prompt=(), **kw):
+    """Feed ids in random-sized chunks; return (concatenated deltas, detokenizer)."""
+    d = IncrementalDetokenizer.for_request(tokenizer, list(prompt), **kw)
+    text, i = "", 0
+    while i < len(ids):
+        k = rng.randint(1, 3)
+        chunk, i = ids[i:i + k], i + k
+        d.update(chunk, final=i >= len(ids))
+        text += d.get_next_output_text(i >= len(ids), delta=True)
+    return text, d
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_incremental_equals_full_decode_on_random_ids(tokenizer, skip):
+    # Random ids hit byte-fallback runs, broken UTF-8 and specials inside byte runs.
+    for seed in range(150):
+        rng = random.Random(seed)
+        ids = [rng.randrange(len(tokenizer)) for _ in range(40)]
+        text, d = stream(tokenizer, ids, rng, skip_special_tokens=skip)
+        full = tokenizer.decode(ids, skip_special_tokens=skip)
+        assert text == full, (seed, ids)
+        assert d.output_text == full
+
+
+def test_multibyte_character_is_not_streamed_half_done(tokenizer):
+    ids = tokenizer("é ü 日本", add_special_tokens=False).input_ids
+    d = IncrementalDetokenizer.for_request(tokenizer, [])
+    pieces = []
+    for t in ids:
+        d.update([t])
+        pieces.append(d.get_next_output_text(False, delta=True))
+    d.update([], final=True)
+    pieces.append(d.get_next_output_text(True, delta=True))
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_prompt_context_keeps_leading_space(tokenizer):
+    prompt = tokenizer("Once upon a time").input_ids
+    full = tokenizer("Once upon a time there was a dog").input_ids
+    assert full[:len(prompt)] == prompt
+    d = IncrementalDetokenizer.for_request(tokenizer, prompt)
+    for t in full[len(prompt):]:
+        d.update([t])
+    assert d.output_text == " there was a dog"
+
+
+def test_find_stop_string_only_in_new_text():
+    assert find_stop_string("abc STOP def", 12, ["STOP"], False) == ("STOP", 4)
+    assert find_stop_string("abc STOP def", 12, ["STOP"], True) == ("STOP", 8)
+    # Already scanned: "STOP" lies entirely before the last 3 new characters.
+    assert find_stop_string("abc STOP def", 3, ["STOP"], False) is None
+    # Straddles the boundary between old and new text.
+    assert find_stop_string("abc STOP", 2, ["STOP"], False) == ("STOP", 4)
+    # The earliest of several stop strings wins.
+    assert find_stop_string("x b a", 5, ["a", "b"], False) == ("b", 2)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_truncates_output(tokenizer, include):
+    ids = tokenizer("the dog ran to the park and sat", add_special_tokens=False).input_ids
+    d = IncrementalDetokenizer.for_request(tokenizer, [], stop=["park"],
+                                           include_stop_str_in_output=include)
+    hit = None
+    for n, t in enumerate(ids):
+        hit = d.update([t])
+        if hit:
+            break
+    assert hit == "park"
+    assert n < len(ids) - 1
+    assert d.output_text == ("the dog ran to the park" if include else "the dog ran to the ")
+
+
+def test_delta_holds_back_possible_stop_prefix(tokenizer):
+    # "sto" could be the start of "stop!": it must not be streamed before the match resolves.
+    ids = tokenizer("we stop! now", add_special_tokens=False).input_ids
+    d = IncrementalDetokenizer.for_request(tokenizer, [], stop=["stop!"])
+    streamed = ""
+    for t in ids:
+        hit = d.update([t])
+        streamed += d.get_next_output_text(bool(hit), delta=True)
+        assert "st" not in streamed
+        if hit:
+            break
+    assert hit == "stop!"
+    assert streamed == "we "

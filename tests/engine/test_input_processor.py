@@ -1,0 +1,68 @@
+"""Prompt validation and SamplingParams resolution, before anything reaches the core."""
+import pytest
+
+from kiln.config import ModelConfig
+from kiln.engine.input_processor import InputProcessor, clip_max_tokens
+from kiln.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def proc(stories_dir, tokenizer):
+    mc = ModelConfig(model=str(stories_dir), max_model_len=64)
+    return InputProcessor(mc, tokenizer, extra_eos_token_ids={7})
+
+
+def test_text_prompt_gets_bos(proc, tokenizer):
+    out = proc.process("Hello world", SamplingParams())
+    assert out.prompt == "Hello world"
+    assert out.prompt_token_ids[0] == tokenizer.bos_token_id
+    assert out.prompt_token_ids == tokenizer("Hello world").input_ids
+
+
+def test_token_and_dict_prompts(proc):
+    assert proc.process({"prompt_token_ids": [1, 5, 9]}, None).prompt_token_ids == [1, 5, 9]
+    assert proc.process({"prompt": "Hi"}, None).prompt == "Hi"
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        proc.process({"text": "x"}, None)
+
+
+@pytest.mark.parametrize("prompt", ["", {"prompt_token_ids": []}])
+def test_empty_prompt(proc, prompt):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        proc.process(prompt, None)
+
+
+def test_too_long_prompt_names_lengths_and_flag(proc):
+    with pytest.raises(ValueError, match=r"64.*max_model_len 64.*--max-model-len"):
+        proc.process({"prompt_token_ids": [5] * 64}, None)
+    assert proc.process({"prompt_token_ids": [5] * 63}, None).params.max_tokens == 1
+
+
+@pytest.mark.parametrize("bad", [512, -1, 10**9])
+def test_token_outside_vocab_names_it(proc, bad):
+    with pytest.raises(ValueError, match=rf"{bad}.*\[0, 512\)"):
+        proc.process({"prompt_token_ids": [1, bad]}, None)
+
+
+def test_params_are_resolved_on_a_copy(proc, tokenizer):
+    user = SamplingParams(max_tokens=None, stop_token_ids=[9])
+    out = proc.process({"prompt_token_ids": [1, 2, 3, 4]}, user)
+    assert out.params is not user and user.max_tokens is None
+    assert out.params.max_tokens == 60  # up to max_model_len
+    assert out.params.all_stop_token_ids == {9, tokenizer.eos_token_id, 7}
+    ignore = proc.process({"prompt_token_ids": [1]}, SamplingParams(ignore_eos=True))
+    assert ignore.params.all_stop_token_ids == set()
+
+
+def test_stop_token_outside_vocab(proc):
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        proc.process("Hi", SamplingParams(stop_token_ids=[9999]))
+
+
+def test_clip_max_tokens():
+    p = SamplingParams(max_tokens=100, min_tokens=50)
+    clip_max_tokens(p, prompt_len=90, max_model_len=120)
+    assert (p.max_tokens, p.min_tokens) == (30, 30)
+    p = SamplingParams(max_tokens=5)
+    clip_max_tokens(p, prompt_len=3, max_model_len=120)
+    assert p.max_tokens == 5
