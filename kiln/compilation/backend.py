@@ -1,0 +1,136 @@
+"""`KilnBackend`: the Dynamo backend of mode 3 (KILN_COMPILE).
+
+It keys the disk cache, installs the post-grad pass manager, splits the graph at the splitting
+ops, compiles (or loads) each non-splitting piece per shape, and returns the stitched graph.
+"""
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from kiln import envs
+from kiln.compilation import monitor
+from kiln.compilation.cache import CompileCache, cache_base_dir, compute_cache_key
+from kiln.compilation.compiler_interface import make_compiler
+from kiln.compilation.counters import compilation_counter
+from kiln.compilation.passes import PostGradPassManager
+from kiln.compilation.piecewise import PieceCompiler, PiecewiseBackend
+from kiln.compilation.split import SplitItem, split_graph
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def wrap_piece(piece_callable: Callable, piece_index: int, is_last: bool,
+               kiln_config=None) -> Callable:
+    """Seam for CUDA graphs (kiln/compilation/cuda_graph.py): wrap a compiled piece for capture
+    when a piecewise graph mode asks for it. Without graph support the piece runs as is."""
+    return piece_callable
+
+
+def fake_example_inputs(example_inputs: list[Any]) -> list[Any]:
+    """Fake copies of Dynamo's real example inputs in the tracing context's fake mode, keeping
+    their symbolic dims (running on Dynamo's own fakes mixes fake modes)."""
+    from torch._dynamo.source import ConstantSource
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.get()
+    fake_mode = ctx.fake_mode
+    fakes = []
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, torch.Tensor) and not isinstance(x, torch._subclasses.FakeTensor):
+            sym_ctx = ctx.tensor_to_context.get(x) if hasattr(ctx, "tensor_to_context") else None
+            fakes.append(fake_mode.from_tensor(x, symbolic_context=sym_ctx,
+                                               source=ConstantSource(f"kiln_input_{i}")))
+        else:
+            fakes.append(x)
+    return fakes
+
+
+class KilnBackend:
+    """One instance per compiled model instance; `prefix` names its cache subdirectory."""
+
+    def __init__(self, kiln_config, prefix: str):
+        self.kiln_config, self.prefix = kiln_config, prefix
+        cc = kiln_config.compilation_config
+        self.pass_manager = PostGradPassManager(cc.pass_config)
+        self.compiler = make_compiler(cc.backend, self.pass_manager)
+        self.pieces: dict[int, PiecewiseBackend] = {}  # piece index -> compiled piece
+        self.split_items: list[SplitItem] = []
+        self.cache: CompileCache | None = None
+        self.cache_key: str | None = None
+
+    def traced_files(self) -> list[str]:
+        from torch._guards import TracingContext
+
+        codes = TracingContext.get().traced_code or []
+        return sorted({c.co_filename for c in codes if os.path.exists(c.co_filename)})
+
+    def key_for(self, traced_files: list[str]) -> str:
+        return compute_cache_key(self.kiln_config.compute_hash(), traced_files,
+                                 self.compiler.compute_hash(), self.kiln_config.device_config.device)
+
+    def _open_cache(self, key: str) -> CompileCache | None:
+        if envs.disable_compile_cache():
+            logger.info("compile cache disabled by KILN_DISABLE_COMPILE_CACHE")
+            return None
+        cc = self.kiln_config.compilation_config
+        key_dir = cache_base_dir(cc.cache_dir) / key
+        cache = CompileCache(key_dir, self.kiln_config.parallel_config.rank, self.prefix)
+        # Inductor's cache (compiled .so files) lives under the key so a warm start runs no gcc.
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache.inductor_cache_dir)
+        monitor.log_cache_dir(cache.dir, cache.was_warm)
+        return cache
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        compilation_counter.num_graphs_seen += 1
+        cc = self.kiln_config.compilation_config
+        self.cache_key = self.key_for(self.traced_files())
+        self.cache = self._open_cache(self.cache_key)
+        split_gm, self.split_items = split_graph(gm, cc.splitting_ops)
+        compiled_items = [it for it in self.split_items if not it.is_splitting_graph]
+        compilation_counter.num_piecewise_graphs_seen += len(self.split_items)
+        compilation_counter.num_piecewise_capturable_graphs_seen += len(compiled_items)
+        if self.cache is not None:
+            self.cache.write_text("split_graph.py", split_gm.print_readable(print_output=False))
+        self._dump(split_gm)
+
+        piece_compiler = PieceCompiler(self.compiler, self.cache, dict(cc.inductor_compile_config))
+        max_tokens = self.kiln_config.scheduler_config.max_num_batched_tokens
+        names = {it.submod_name: it for it in compiled_items}
+        last = compiled_items[-1].graph_id if compiled_items else -1
+        backend = self
+
+        class _Compile(torch.fx.Interpreter):
+            # Propagates fake inputs through the split graph; each compiled piece is compiled
+            # with the fake inputs it receives, then replaced by its PiecewiseBackend.
+            def call_module(self, target, args, kwargs):
+                output = super().call_module(target, args, kwargs)
+                item = names.get(target)
+                if item is not None:
+                    piece = PiecewiseBackend(item.graph, item.graph_id, list(args),
+                                             piece_compiler, cc.compile_sizes, max_tokens)
+                    backend.pieces[item.graph_id] = piece
+                    split_gm.__dict__[target] = wrap_piece(piece, item.graph_id,
+                                                           item.graph_id == last, backend.kiln_config)
+                return output
+
+        fakes = fake_example_inputs(example_inputs)
+        from torch._guards import TracingContext
+        with TracingContext.get().fake_mode:
+            _Compile(split_gm).run(*fakes)
+        return split_gm
+
+    def _dump(self, split_gm: fx.GraphModule) -> None:
+        path = self.kiln_config.compilation_config.debug_dump_path
+        if not path:
+            return
+        out = Path(path) / f"rank_{self.kiln_config.parallel_config.rank}" / self.prefix
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "split_graph.py").write_text(split_gm.print_readable(print_output=False))
+        for it in self.split_items:
+            kind = "splitting" if it.is_splitting_graph else "compiled"
+            (out / f"piece_{it.graph_id}_{kind}.py").write_text(
+                it.graph.print_readable(print_output=False))

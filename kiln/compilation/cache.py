@@ -1,0 +1,114 @@
+"""The on-disk compile cache: its key, its directory layout, and its index of artifacts.
+
+<cache_root>/torch_compile_cache/<key>/rank_<r>/<prefix>/{index.json, split_graph.py, artifacts/}
+with Inductor's own cache at <key>/inductor_cache, so a warm start runs no C++ compiler.
+"""
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from kiln import envs
+from kiln.logger import init_logger
+from kiln.version import __version__
+
+logger = init_logger(__name__)
+
+
+def source_hash(files: list[str]) -> str:
+    """Hash of the contents of the traced source files (missing files hash by name)."""
+    h = hashlib.sha256()
+    for name in sorted(set(files)):
+        h.update(name.encode())
+        try:
+            h.update(Path(name).read_bytes())
+        except OSError:
+            h.update(b"<unreadable>")
+    return h.hexdigest()
+
+
+def compute_cache_key(config_hash: str, traced_files: list[str], compiler_hash: str,
+                      device: str) -> str:
+    """The cache key; pure, so tests can check what changes it."""
+    factors = [__version__, config_hash, source_hash(traced_files), compiler_hash,
+               torch.__version__, device, platform.machine(), sys.version_info[:2]]
+    return hashlib.sha256(repr(factors).encode()).hexdigest()[:16]
+
+
+def cache_base_dir(configured: str) -> Path:
+    return Path(configured).expanduser() if configured else (
+        envs.cache_root() / "torch_compile_cache")
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def index_key(shape: int | None, piece: int, compiler: str) -> str:
+    return f"{'range' if shape is None else shape}/piece_{piece}/{compiler}"
+
+
+class CompileCache:
+    """One (key, rank, prefix) directory: the index of saved artifacts and the artifacts."""
+
+    def __init__(self, key_dir: Path, rank: int, prefix: str):
+        self.key_dir = key_dir
+        self.dir = key_dir / f"rank_{rank}" / prefix
+        self.artifact_dir = self.dir / "artifacts"
+        self.index_path = self.dir / "index.json"
+        self.artifact_dir.mkdir(parents=True, exist_ok=True)
+        self.index = self._read_index()
+        self.was_warm = bool(self.index)
+
+    @property
+    def inductor_cache_dir(self) -> Path:
+        return self.key_dir / "inductor_cache"
+
+    def _read_index(self) -> dict:
+        try:
+            return json.loads(self.index_path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            logger.warning("compile cache index %s unreadable (%s); starting it afresh",
+                           self.index_path, e)
+            return {}
+
+    def lookup(self, shape: int | None, piece: int, compiler: str) -> dict | None:
+        return self.index.get(index_key(shape, piece, compiler))
+
+    def artifact_path(self, name: str) -> Path:
+        return self.artifact_dir / name
+
+    def record(self, shape: int | None, piece: int, compiler: str, handle: dict) -> None:
+        """Add an entry, merging with what other processes wrote meanwhile (under a file lock)."""
+        self.index[index_key(shape, piece, compiler)] = handle
+        with self._locked():
+            on_disk = self._read_index()
+            on_disk.update(self.index)
+            self.index = on_disk
+            atomic_write_text(self.index_path, json.dumps(on_disk, indent=1, sort_keys=True))
+
+    def forget(self, shape: int | None, piece: int, compiler: str) -> None:
+        self.index.pop(index_key(shape, piece, compiler), None)
+
+    def write_text(self, name: str, text: str) -> None:
+        atomic_write_text(self.dir / name, text)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        with open(self.dir / "index.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)

@@ -1,0 +1,115 @@
+"""Compilers behind one contract: compile a piece for a shape, save it, load it back.
+
+`InductorStandaloneAdaptor` uses torch._inductor.standalone_compile; `EagerAdaptor` runs the
+piece's FX graph as is (debugging, and measuring what compiling buys).
+"""
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from kiln.compilation.counters import compilation_counter
+
+Handle = dict  # JSON-able description of a saved artifact, stored in the cache index
+
+
+class CompilerInterface:
+    name: str = ""
+
+    def compute_hash(self) -> str:
+        """Hash of everything about the compiler that changes its output."""
+        raise NotImplementedError
+
+    def compile(self, graph: fx.GraphModule, example_inputs: list[Any], config: dict[str, Any],
+                shape: int | None, save_path: Path | None = None) -> tuple[Callable, Handle | None]:
+        """Compile `graph` for `shape` (None: the dynamic range). With `save_path`, also write
+        the artifact there (atomically) and return a handle to it."""
+        raise NotImplementedError
+
+    def load(self, handle: Handle, path: Path, graph: fx.GraphModule) -> Callable:
+        """Rebuild the callable a previous compile saved at `path`."""
+        raise NotImplementedError
+
+
+class EagerAdaptor(CompilerInterface):
+    name = "eager"
+
+    def compute_hash(self) -> str:
+        return hashlib.sha256(b"eager").hexdigest()[:16]
+
+    def compile(self, graph, example_inputs, config, shape, save_path=None):
+        return graph, None  # nothing to save: the graph itself is the "artifact"
+
+    def load(self, handle, path, graph):
+        return graph
+
+
+def inductor_config_hash() -> str:
+    from torch._inductor import config as inductor_config
+    from torch._inductor.codecache import torch_key
+
+    factors = [torch.__version__, torch_key(), repr(sorted(
+        (k, v) for k, v in inductor_config.save_config_portable().items()
+        if not k.startswith("post_grad_custom")))]
+    return hashlib.sha256(repr(factors).encode()).hexdigest()[:16]
+
+
+class InductorStandaloneAdaptor(CompilerInterface):
+    name = "inductor_standalone"
+
+    def __init__(self, pass_manager=None):
+        self.pass_manager = pass_manager
+
+    def compute_hash(self) -> str:
+        uuid = ""
+        if self.pass_manager is not None:
+            self.pass_manager.set_shape(None)
+            uuid = self.pass_manager.uuid()
+        return hashlib.sha256(f"{inductor_config_hash()}|{uuid}".encode()).hexdigest()[:16]
+
+    def compile(self, graph, example_inputs, config, shape, save_path=None):
+        patches = dict(config)
+        if self.pass_manager is not None:
+            self.pass_manager.set_shape(shape)
+            patches["post_grad_custom_pre_pass"] = self.pass_manager
+        dynamic = "from_tracing_context" if shape is None else "from_example_inputs"
+        artifact = torch._inductor.standalone_compile(
+            graph, example_inputs, dynamic_shapes=dynamic, options={"config_patches": patches})
+        compilation_counter.num_inductor_compiles += 1
+        handle = None
+        if save_path is not None:
+            save_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = save_path.with_name(f".{save_path.name}.{os.getpid()}.tmp")
+            artifact.save(path=str(tmp), format="binary")
+            digest = file_sha256(tmp)
+            os.replace(tmp, save_path)  # atomic: readers see a whole file or none
+            compilation_counter.num_compiled_artifacts_saved += 1
+            handle = {"file": save_path.name, "sha256": digest, "format": "binary"}
+        return artifact, handle
+
+    def load(self, handle, path, graph):
+        if file_sha256(path) != handle["sha256"]:
+            raise ValueError(f"compiled artifact {path} does not match its recorded checksum "
+                             "(truncated or corrupted)")
+        artifact = torch._inductor.CompiledArtifact.load(path=str(path), format=handle["format"])
+        compilation_counter.num_compiled_artifacts_loaded += 1
+        return artifact
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def make_compiler(backend: str, pass_manager=None) -> CompilerInterface:
+    if backend == "eager":
+        return EagerAdaptor()
+    if backend == "inductor":
+        return InductorStandaloneAdaptor(pass_manager)
+    raise ValueError(f"compilation_config.backend must be 'inductor' or 'eager'; got {backend!r}")

@@ -1,0 +1,45 @@
+"""`PostGradPassManager`: Kiln's passes, installed as Inductor's post_grad_custom_pre_pass.
+
+Pre, not post: on CPU Inductor's own post-grad passes fold adds into addmm before a post pass
+could match them. Its uuid (pass sources + pass config + shape) enters Inductor's cache key.
+"""
+import hashlib
+import inspect
+import json
+
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+
+class KilnInductorPass:
+    """Base of a Kiln pass: a callable on an FX graph whose uuid is the hash of its source."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        raise NotImplementedError
+
+    def uuid(self) -> str:
+        return hashlib.sha256(inspect.getsource(type(self)).encode()).hexdigest()[:16]
+
+
+class PostGradPassManager(CustomGraphPass):
+    def __init__(self, pass_config: dict | None = None):
+        self.passes: list[KilnInductorPass] = []
+        self.pass_config = dict(pass_config or {})
+        self.shape: int | None = None  # the piece's compile size; None: the dynamic range
+
+    def add(self, graph_pass: KilnInductorPass) -> None:
+        self.passes.append(graph_pass)
+
+    def set_shape(self, shape: int | None) -> None:
+        self.shape = shape
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for graph_pass in self.passes:
+            graph_pass(graph)
+
+    def uuid(self) -> str:
+        factors = {"manager": hashlib.sha256(inspect.getsource(type(self)).encode()).hexdigest(),
+                   "passes": [p.uuid() for p in self.passes],
+                   "pass_config": self.pass_config, "shape": self.shape}
+        return hashlib.sha256(json.dumps(factors, sort_keys=True, default=str).encode()
+                              ).hexdigest()[:16]

@@ -1,0 +1,172 @@
+"""`PiecewiseBackend`: one compiled piece, with an artifact per shape chosen at call time.
+
+The range artifact serves [1, max_num_batched_tokens]; each compile size gets its own; an exact
+size wins. `PieceCompiler` compiles or loads artifacts, sharing them between identical pieces.
+"""
+import collections
+import hashlib
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from kiln.compilation import monitor
+from kiln.compilation.cache import CompileCache
+from kiln.compilation.compiler_interface import CompilerInterface
+from kiln.compilation.counters import compilation_counter
+from kiln.compilation.phase import check_may_compile
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def _target_name(target) -> str:
+    if isinstance(target, str):
+        return target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}"
+
+
+def _input_meta(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"T{list(x.shape)}{list(x.stride())}{x.dtype}{x.device.type}"
+    return f"{type(x).__name__}"
+
+
+def graph_fingerprint(gm: fx.GraphModule, example_inputs: list[Any]) -> str:
+    """Hash of a piece's computation, blind to node names: identical layers hash the same."""
+    names = {node: f"n{i}" for i, node in enumerate(gm.graph.nodes)}
+    parts = [",".join(_input_meta(x) for x in example_inputs)]
+    for node in gm.graph.nodes:
+        target = "" if node.op == "placeholder" else _target_name(node.target)
+        args = fx.node.map_arg((node.args, node.kwargs), lambda n: names[n])
+        parts.append(f"{node.op}|{target}|{args!r}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
+
+
+def find_size_arg(example_inputs: list[Any]) -> tuple[int, int | None] | None:
+    """Where the token count lives in a piece's inputs: (arg index, dim or None for a SymInt)."""
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, torch.SymInt):
+            return i, None
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, torch.Tensor):
+            for dim, size in enumerate(x.shape):
+                if isinstance(size, torch.SymInt):
+                    return i, dim
+    return None
+
+
+class PieceCompiler:
+    """Compiles or loads (piece, shape) artifacts through one compiler and one disk cache."""
+
+    def __init__(self, compiler: CompilerInterface, cache: CompileCache | None,
+                 inductor_config: dict):
+        self.compiler, self.cache, self.inductor_config = compiler, cache, inductor_config
+        self._memo: dict[tuple[str, int | None], Callable] = {}
+        self._handles: dict[tuple[str, int | None], dict] = {}  # same keys, saved artifacts
+
+    def get(self, piece: int, fingerprint: str, graph: fx.GraphModule, example_inputs: list,
+            shape: int | None) -> Callable:
+        label = "range" if shape is None else str(shape)
+        memo_key = (fingerprint, shape)
+        if memo_key in self._memo:
+            compilation_counter.num_cache_hits += 1
+            monitor.log_piece(piece, shape, "reused", 0.0)
+            self._record(shape, piece, self._handles.get(memo_key))
+            return self._memo[memo_key]
+        fn = self.load(piece, fingerprint, graph, shape)
+        if fn is None:
+            check_may_compile(f"compiling piece {piece} for shape {label}")
+            save_path = None
+            if self.cache is not None and self.compiler.name != "eager":
+                save_path = self.cache.artifact_path(f"{fingerprint}_{label}.bin")
+            with monitor.Timer() as t:
+                fn, handle = self.compiler.compile(graph, example_inputs, self.inductor_config,
+                                                   shape, save_path)
+            compilation_counter.num_backend_compilations += 1
+            monitor.log_piece(piece, shape, "compiled", t.seconds)
+            if handle is not None:
+                handle["fingerprint"] = fingerprint
+                self._handles[memo_key] = handle
+                self._record(shape, piece, handle)
+        self._memo[memo_key] = fn
+        return fn
+
+    def _record(self, shape, piece, handle) -> None:
+        if self.cache is not None and handle is not None:
+            self.cache.record(shape, piece, self.compiler.name, handle)
+
+    def load(self, piece: int, fingerprint: str, graph, shape) -> Callable | None:
+        """The artifact from memory (identical piece) or disk, or None when it must compile."""
+        if (fingerprint, shape) in self._memo:
+            compilation_counter.num_cache_hits += 1
+            return self._memo[(fingerprint, shape)]
+        if self.cache is None or self.compiler.name == "eager":
+            return None
+        handle = self.cache.lookup(shape, piece, self.compiler.name)
+        if handle is None or handle.get("fingerprint") != fingerprint:
+            compilation_counter.num_cache_misses += 1
+            return None
+        path = self.cache.artifact_path(handle["file"])
+        try:
+            with monitor.Timer() as t:
+                fn = self.compiler.load(handle, path, graph)
+        except Exception as e:  # a corrupt artifact must not stop serving: recompile instead
+            compilation_counter.num_corrupt_artifacts += 1
+            logger.warning("compiled artifact %s for piece %d (%s) failed to load (%s: %s); "
+                           "recompiling it", path, piece, "range" if shape is None else shape,
+                           type(e).__name__, e)
+            self.cache.forget(shape, piece, self.compiler.name)
+            return None
+        compilation_counter.num_cache_hits += 1
+        self._handles[(fingerprint, shape)] = handle
+        self._memo[(fingerprint, shape)] = fn
+        monitor.log_piece(piece, shape, "loaded", t.seconds)
+        return fn
+
+
+class PiecewiseBackend:
+    """Callable standing in for one compiled piece of the split graph."""
+
+    def __init__(self, graph: fx.GraphModule, piece: int, example_inputs: list,
+                 compiler: PieceCompiler, compile_sizes: list[int], max_num_tokens: int):
+        self.graph, self.piece, self.compiler = graph, piece, compiler
+        self.compile_sizes, self.max_num_tokens = set(compile_sizes), max_num_tokens
+        self.fingerprint = graph_fingerprint(graph, example_inputs)
+        self.size_arg = find_size_arg(example_inputs)
+        self.range_fn = compiler.get(piece, self.fingerprint, graph, example_inputs, None)
+        self.by_size: dict[int, Callable] = {}
+        if self.size_arg is not None:
+            for size in sorted(self.compile_sizes):
+                if compiler.cache is not None and compiler.cache.lookup(
+                        size, piece, compiler.compiler.name) is not None:
+                    fn = compiler.load(piece, self.fingerprint, graph, size)
+                    if fn is not None:
+                        self.by_size[size] = fn
+        self.dispatch_counts: collections.Counter = collections.Counter()  # size|"range" -> n
+
+    def num_tokens(self, args) -> int | None:
+        if self.size_arg is None:
+            return None
+        index, dim = self.size_arg
+        return int(args[index]) if dim is None else args[index].shape[dim]
+
+    def __call__(self, *args):
+        n = self.num_tokens(args)
+        fn = self.by_size.get(n)
+        if fn is not None:
+            self.dispatch_counts[n] += 1
+            return fn(*args)
+        if n is not None and n in self.compile_sizes:
+            fn = self.compiler.get(self.piece, self.fingerprint, self.graph, list(args), n)
+            self.by_size[n] = fn
+            self.dispatch_counts[n] += 1
+            return fn(*args)
+        if n is not None and n > self.max_num_tokens:
+            raise ValueError(f"a batch of {n} tokens exceeds max_num_batched_tokens "
+                             f"({self.max_num_tokens}), the range piece {self.piece} was compiled "
+                             "for; raise --max-num-batched-tokens")
+        self.dispatch_counts["range"] += 1
+        return self.range_fn(*args)

@@ -1,0 +1,106 @@
+"""Trace a model's forward once with Dynamo, then call Dynamo's transformed bytecode directly.
+
+After the first call no step re-enters Dynamo (no guards, no frame hook); inputs are checked
+against what was traced, since a mismatch would otherwise run compiled code on the wrong types.
+"""
+import types
+from typing import Any, Callable
+
+import torch
+
+from kiln.compilation import monitor
+from kiln.compilation.counters import compilation_counter
+from kiln.compilation.phase import RecompileAfterWarmupError, check_may_compile, is_serving
+
+
+def fresh_function(fn: types.FunctionType) -> types.FunctionType:
+    """A copy of `fn` with its own code object, so Dynamo's cache entries for it belong to one
+    model instance (another instance of the class gets its own trace and backend)."""
+    code = fn.__code__.replace(co_name=fn.__code__.co_name)
+    copy = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    def one(x):
+        if isinstance(x, torch.Tensor):
+            return (x.dtype, x.dim(), x.device)
+        return None if x is None else type(x)
+    return tuple(one(a) for a in args), tuple((k, one(v)) for k, v in sorted(kwargs.items()))
+
+
+class TraceOnceWrapper:
+    """Compiles `forward` (an unbound function) for `module` on the first call; afterwards
+    calls the transformed bytecode. `backend` is a Dynamo backend (KilnBackend, "inductor")."""
+
+    def __init__(self, module: torch.nn.Module, forward: types.FunctionType, backend: Any,
+                 prefix: str):
+        self.module, self.backend, self.prefix = module, backend, prefix
+        self.source_fn = fresh_function(forward)
+        self.direct: Callable | None = None
+        self.traced_signature: tuple | None = None
+
+    def __call__(self, *args, **kwargs):
+        if self.direct is not None:
+            signature = _signature(args, kwargs)
+            if signature != self.traced_signature:
+                raise RecompileAfterWarmupError(self._mismatch(signature))
+            return self.direct(self.module, *args, **kwargs)
+        return self._trace(args, kwargs)
+
+    def _trace(self, args: tuple, kwargs: dict):
+        check_may_compile(f"tracing {self.prefix}.forward")
+        captured: list[types.CodeType] = []
+
+        def hook(code: types.CodeType, new_code: types.CodeType):
+            if code is self.source_fn.__code__:
+                captured.append(new_code)
+
+        handle = torch._dynamo.convert_frame.register_bytecode_hook(hook)
+        compiled = torch.compile(self.source_fn, fullgraph=True, backend=self.backend)
+        try:
+            with monitor.Timer() as t:
+                output = compiled(self.module, *args, **kwargs)
+        finally:
+            handle.remove()
+        compilation_counter.num_dynamo_traces += 1
+        if not captured:
+            raise RuntimeError(f"Dynamo produced no bytecode for {self.prefix}.forward")
+        fn = self.source_fn
+        self.direct = types.FunctionType(captured[-1], fn.__globals__, fn.__name__,
+                                         fn.__defaults__, fn.__closure__)
+        self.direct.__kwdefaults__ = fn.__kwdefaults__
+        self.traced_signature = _signature(args, kwargs)
+        monitor.log_trace(self.prefix, t.seconds)
+        return output
+
+    def _mismatch(self, signature: tuple) -> str:
+        return (f"{self.prefix}.forward was traced for inputs {self.traced_signature} and got "
+                f"{signature} (dtype, ndim, device per argument); that would need a recompile, "
+                "which Kiln does not do once traced. Call the model with the traced dtypes, or "
+                "run with enforce_eager=True.")
+
+
+class GuardedCompileWrapper:
+    """Mode 1 (stock torch.compile): Dynamo with its normal guards on every call; once warm-up
+    is over a recompile raises (torch.compiler stance "fail_on_recompile")."""
+
+    def __init__(self, module: torch.nn.Module, forward: types.FunctionType, backend: str,
+                 prefix: str):
+        self.module, self.prefix = module, prefix
+        self.compiled = torch.compile(fresh_function(forward), fullgraph=True, backend=backend)
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        if not is_serving():
+            self.calls += 1
+            return self.compiled(self.module, *args, **kwargs)
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self.compiled(self.module, *args, **kwargs)
+        except RuntimeError as e:
+            if "fail_on_recompile" not in str(e) and "Detected recompile" not in str(e):
+                raise
+            raise RecompileAfterWarmupError(
+                f"{self.prefix}.forward would recompile after warm-up ended: {e}") from e
