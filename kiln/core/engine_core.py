@@ -1,0 +1,85 @@
+"""`EngineCore`: owns the executor and the scheduler and runs schedule -> execute -> update.
+
+Built once per engine: it sizes the KV cache through the executor, warms the model up, then
+serves steps. The engine front talks to it through add/abort/step only.
+"""
+import time
+from collections.abc import Iterable
+
+from kiln.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, EngineCoreOutput
+from kiln.core.request import Request, RequestStatus
+from kiln.core.scheduler import Scheduler
+from kiln.core.stats import SchedulerStats
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+class EngineCore:
+    def __init__(self, kiln_config, executor_class: type):
+        self.kiln_config = kiln_config
+        self.executor = executor_class(kiln_config)
+        try:
+            num_blocks = self._initialize_kv_cache()
+            start = time.perf_counter()
+            self.executor.compile_or_warm_up_model()
+            logger.info("model compiled / warmed up in %.2f s", time.perf_counter() - start)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.scheduler = Scheduler(kiln_config)
+        logger.info("engine core ready: %d KV blocks of %d tokens", num_blocks,
+                    kiln_config.cache_config.block_size)
+
+    def _initialize_kv_cache(self) -> int:
+        cache = self.kiln_config.cache_config
+        # Profile even with an override: the worker may rely on the profiling run having happened.
+        num_blocks = self.executor.determine_num_blocks()
+        if cache.num_gpu_blocks_override is not None:
+            logger.info("num_gpu_blocks_override=%d replaces the measured %d KV blocks",
+                        cache.num_gpu_blocks_override, num_blocks)
+            num_blocks = cache.num_gpu_blocks_override
+        if num_blocks < 1:
+            raise ValueError(f"no memory left for the KV cache (num_blocks={num_blocks}); raise "
+                             "--kv-cache-memory / --gpu-memory-utilization or use a smaller model")
+        cache.num_blocks = num_blocks
+        self.executor.initialize_cache(num_blocks)
+        max_model_len = self.kiln_config.scheduler_config.max_model_len
+        capacity = num_blocks * cache.block_size
+        if capacity < max_model_len:
+            logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: longer "
+                           "requests will be cut short. Raise --kv-cache-memory or lower "
+                           "--max-model-len", capacity, max_model_len)
+        return num_blocks
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, req_ids: str | Iterable[str]) -> None:
+        self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, req_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """End requests with a given status (the output processor uses it for stop strings)."""
+        self.scheduler.finish_requests(req_ids, finished_status)
+
+    def step(self) -> list[EngineCoreOutput]:
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            # Nothing to run, but requests the scheduler ended on its own still need reporting.
+            return self.scheduler.update_from_output(scheduler_output, EMPTY_MODEL_RUNNER_OUTPUT)
+        model_runner_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, model_runner_output)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,124 @@
+"""`KVCacheManager`: per-request block tables over the block pool, with prefix caching.
+
+The scheduler asks it which leading blocks of a request are already cached, to allocate slots
+for the tokens it schedules, and to free a request's blocks when it finishes or is preempted.
+"""
+from dataclasses import dataclass
+
+from kiln.core.block_pool import BlockPool
+from kiln.core.kv_cache_utils import KVCacheBlock, cdiv, update_block_hashes
+from kiln.core.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up (one lookup per admitted request)
+    hits: int = 0  # of those, tokens found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # req_id -> how many leading blocks of the request were already offered to the cache.
+        self._num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.block_pool.usage()
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(req_id, [])]
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of leading full blocks found in the prefix cache, and the tokens they hold.
+
+        Never covers the whole request: the last token must be computed to get its logits.
+        Pure lookup: no references are taken until `allocate_slots` accepts the blocks.
+        """
+        if not self.enable_caching:
+            return [], 0
+        hashes = update_block_hashes(request, self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hit: list[KVCacheBlock] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hit.append(block)
+        return hit, len(hit) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None = None) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones.
+
+        `new_computed_blocks` are prefix-cache hits (from `get_computed_blocks`) for a request being
+        admitted; they sit before the new tokens. Returns the ids of freshly allocated blocks (the
+        hits are not included), or None, changing nothing, when too few blocks are free.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        req_id = request.request_id
+        is_new = req_id not in self.req_to_blocks
+        held = self.req_to_blocks.get(req_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_total = num_computed + num_new_tokens
+        num_new_blocks = max(0, self.num_blocks_for(num_total) - len(held) - len(new_computed_blocks))
+        # Hits that nobody holds are on the free list too: reviving them uses up free blocks.
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + num_revived > self.block_pool.num_free_blocks:
+            return None
+
+        if is_new and self.enable_caching:
+            self.prefix_cache_stats.queries += request.num_tokens
+            self.prefix_cache_stats.hits += len(new_computed_blocks) * self.block_size
+        # Touch the hits before taking new blocks so eviction cannot recycle them under us.
+        self.block_pool.touch(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        blocks = self.req_to_blocks.setdefault(req_id, [])
+        if is_new:
+            self._num_cached_blocks[req_id] = len(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        blocks.extend(new_blocks)
+        self._cache_full_blocks(request, min(num_total, request.num_tokens))
+        return [b.block_id for b in new_blocks]
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks. Its full blocks stay findable by hash until reused."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            # Tail blocks first: they are the least likely to be shared, so evict them sooner.
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        # Blocks are registered as soon as they are scheduled full: a request that hits them in
+        # the same step reads them only after the attention op wrote the whole batch's K/V.
+        if not self.enable_caching:
+            return
+        req_id = request.request_id
+        start = self._num_cached_blocks[req_id]
+        num_full = num_tokens // self.block_size
+        if num_full <= start:
+            return
+        hashes = update_block_hashes(request, self.block_size)
+        blocks = self.req_to_blocks[req_id]
+        for i in range(start, num_full):
+            self.block_pool.cache_block(blocks[i], hashes[i])
+        self._num_cached_blocks[req_id] = num_full

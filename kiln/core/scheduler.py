@@ -1,0 +1,263 @@
+"""`Scheduler`: picks, each step, which requests run and how many of their tokens.
+
+FCFS with a per-step token budget, chunked prefill, running requests before waiting ones, and
+preemption by recompute (latest-arrived first) when the KV cache runs out of blocks.
+"""
+import bisect
+import itertools
+from collections import deque
+from collections.abc import Iterable
+
+from kiln.core.kv_cache_manager import KVCacheManager
+from kiln.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                               NewRequestData, SchedulerOutput)
+from kiln.core.request import Request, RequestStatus
+from kiln.core.stats import SchedulerStats
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """After a token was appended: set the finished status (and stop_reason) if the request ends."""
+    params = request.sampling_params
+    token = request.output_token_ids[-1]
+    if request.num_output_tokens >= params.min_tokens and token in params.all_stop_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+        # As in vLLM: an explicit stop token is reported, the end-of-sequence token is not.
+        request.stop_reason = token if token in params.stop_token_ids else None
+    elif params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    elif request.num_tokens >= max_model_len:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    else:
+        return False
+    return True
+
+
+class Scheduler:
+    def __init__(self, kiln_config):
+        sched, cache = kiln_config.scheduler_config, kiln_config.cache_config
+        if cache.num_blocks is None:
+            raise ValueError("cache_config.num_blocks is not set: size the KV cache (EngineCore "
+                             "does) or pass num_gpu_blocks_override before building the Scheduler")
+        self.max_num_seqs = sched.max_num_seqs
+        self.max_num_batched_tokens = sched.max_num_batched_tokens
+        self.max_model_len = sched.max_model_len
+        self.kv_cache_manager = KVCacheManager(cache.block_size, cache.num_blocks,
+                                               cache.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # kept in priority order: earliest arrival first
+        # Ids the runner must forget, reported in the next SchedulerOutput.
+        self.finished_req_ids: set[str] = set()
+        self.preempted_req_ids: set[str] = set()
+        # Requests the scheduler itself ended while scheduling (too long for the cache).
+        self._finished_outputs: list[EngineCoreOutput] = []
+        self._priority: dict[str, tuple[float, int]] = {}
+        self._arrival_counter = itertools.count()
+        self.num_preemptions = 0
+
+    # ---- requests in and out ------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._priority[request.request_id] = (request.arrival_time, next(self._arrival_counter))
+        self.waiting.append(request)
+
+    def finish_requests(self, req_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """End requests from outside (abort, stop string); unknown or finished ids are ignored."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status!r}")
+        if isinstance(req_ids, str):
+            req_ids = [req_ids]
+        ending = [self.requests[r] for r in set(req_ids) if r in self.requests]
+        if not ending:
+            return
+        gone = {id(r) for r in ending}
+        self.running = [r for r in self.running if id(r) not in gone]
+        self.waiting = deque(r for r in self.waiting if id(r) not in gone)
+        for request in ending:
+            request.status = finished_status
+            self._release(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        cached = CachedRequestData()
+        new_reqs: list[NewRequestData] = []
+        preemptions_before = self.num_preemptions
+
+        # Running requests first, in priority order: decodes take 1 token, prefills a chunk.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_block_ids = self._allocate_or_preempt(request, num_new)
+            if new_block_ids is None:
+                break  # `request` was the last running one and had to go
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append(new_block_ids)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            index += 1
+
+        # Then waiting ones in arrival order; after a preemption the cache is too tight to admit.
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and self.num_preemptions == preemptions_before):
+            request = self.waiting[0]
+            if self._cannot_ever_fit(request):
+                self.waiting.popleft()
+                self._finish_unschedulable(request, request.num_tokens)
+                continue
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if kv.allocate_slots(request, num_new, hit_blocks) is None:
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            bisect.insort(self.running, request, key=lambda r: self._priority[r.request_id])
+            new_reqs.append(NewRequestData(
+                req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=kv.get_block_ids(request.request_id), num_computed_tokens=num_hit))
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        for req_id, num_new in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += num_new
+        total = sum(num_scheduled.values())
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=total,
+            finished_req_ids=set(self.finished_req_ids),
+            preempted_req_ids=set(self.preempted_req_ids))
+        # An empty step is not executed, so its forget-lists must ride on the next one.
+        if total > 0:
+            self.finished_req_ids.clear()
+            self.preempted_req_ids.clear()
+        return output
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop checks, free finished requests, report progress."""
+        outputs, self._finished_outputs = self._finished_outputs, []
+        row = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
+        finished: list[Request] = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue  # ended between schedule and update
+            i = row.get(req_id)
+            sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
+            if not sampled:
+                if request.num_computed_tokens >= request.num_tokens:
+                    raise RuntimeError(f"request {req_id!r} finished its prefill but the runner "
+                                       "returned no sampled token for it")
+                continue  # a partial prefill chunk: nothing to report yet
+            new_token_ids = []
+            for token in sampled:
+                request.output_token_ids.append(token)
+                new_token_ids.append(token)
+                if check_stop(request, self.max_model_len):
+                    finished.append(request)
+                    break
+            logprobs = model_runner_output.logprobs.get(req_id)
+            outputs.append(EngineCoreOutput(
+                request_id=req_id, new_token_ids=new_token_ids,
+                new_logprobs=[logprobs] if logprobs is not None else [],
+                finish_reason=request.get_finish_reason(), stop_reason=request.stop_reason,
+                num_cached_tokens=max(request.num_cached_tokens, 0)))
+        if finished:
+            gone = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in gone]
+            for request in finished:
+                self._release(request)
+        return outputs
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage(), num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_blocks, prefix_cache_queries=kv.prefix_cache_stats.queries,
+            prefix_cache_hits=kv.prefix_cache_stats.hits, num_preemptions=self.num_preemptions)
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
+        """Allocate for a running request, preempting lower-priority ones until it fits.
+
+        Returns the new block ids, or None when `request` itself was preempted or ended.
+        """
+        kv = self.kv_cache_manager
+        while True:
+            new_block_ids = kv.allocate_slots(request, num_new)
+            if new_block_ids is not None:
+                return new_block_ids
+            # The last running request has the lowest priority and was not scheduled this step.
+            victim = self.running.pop()
+            if victim is not request:
+                self._preempt(victim)
+                continue
+            needed = request.num_computed_tokens + num_new
+            if kv.num_blocks_for(needed) > kv.num_blocks:
+                self._finish_unschedulable(request, needed)
+            else:
+                self._preempt(request)
+            return None
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self.preempted_req_ids.add(request.request_id)
+        self.finished_req_ids.add(request.request_id)
+        logger.info("preempted request %s (KV cache full; it will be recomputed); "
+                    "%d preemptions so far", request.request_id, self.num_preemptions)
+
+    def _cannot_ever_fit(self, request: Request) -> bool:
+        kv = self.kv_cache_manager
+        return (request.num_tokens > self.max_model_len
+                or kv.num_blocks_for(request.num_tokens) > kv.num_blocks)
+
+    def _finish_unschedulable(self, request: Request, num_tokens: int) -> None:
+        """End a request the cache can never hold, instead of letting it block the queue."""
+        kv = self.kv_cache_manager
+        capacity = kv.num_blocks * kv.block_size
+        # With output already produced, running out of room is a length limit; otherwise abort.
+        request.status = (RequestStatus.FINISHED_LENGTH_CAPPED if request.num_output_tokens
+                          else RequestStatus.FINISHED_ABORTED)
+        logger.error("request %s needs %d tokens of KV cache (max_model_len=%d) but the cache "
+                     "holds %d; ending it as %s. Raise --kv-cache-memory or lower "
+                     "--max-model-len", request.request_id, num_tokens, self.max_model_len,
+                     capacity, request.get_finish_reason())
+        self._finished_outputs.append(EngineCoreOutput(
+            request_id=request.request_id, new_token_ids=[],
+            finish_reason=request.get_finish_reason(),
+            num_cached_tokens=max(request.num_cached_tokens, 0)))
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        """Forget a finished request (already off the queues): blocks back, runner told."""
+        self.kv_cache_manager.free(request)
+        self.requests.pop(request.request_id, None)
+        self._priority.pop(request.request_id, None)
+        self.finished_req_ids.add(request.request_id)
