@@ -282,6 +282,11 @@ class ModelRunner:
                 self.input_batch.append_token(state.row, token)
                 sampled[state.req_id] = token
 
+        elif self.device.type != "cpu":
+            # Nothing was read back, so nothing waited for this step's copies from the pinned
+            # host buffers; the next step must not overwrite them while a copy is in flight.
+            torch.cuda.current_stream(self.device).synchronize()
+
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
             sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in inputs.req_ids],

@@ -11,7 +11,6 @@ from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kiln.logger import init_logger
 from kiln.platforms import current_platform
 from kiln.worker import kv_cache_sizing
-from kiln.worker.input_prep import cdiv
 from kiln.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
@@ -52,11 +51,9 @@ class Worker:
             self.kiln_config.model_config.torch_dtype)
 
     def determine_num_blocks(self) -> int:
+        """KV blocks that fit this worker's budget (CUDA: measured after a profiling forward).
+        cache_config.num_gpu_blocks_override, when set, wins over the measurement."""
         cache = self.kiln_config.cache_config
-        if cache.num_gpu_blocks_override is not None:
-            logger.info("KV cache: %d blocks (num_gpu_blocks_override)",
-                        cache.num_gpu_blocks_override)
-            return cache.num_gpu_blocks_override
         block_bytes = self.kv_cache_block_bytes()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -71,16 +68,14 @@ class Worker:
                                                         envs.cpu_kvcache_space_gib())
             knob = "--kv-cache-memory (or KILN_CPU_KVCACHE_SPACE)"
         num_blocks = kv_cache_sizing.num_blocks_for(budget, block_bytes)
+        logger.info("KV cache budget %.3f GiB: %d blocks of %d tokens (%d bytes per block)",
+                    budget / kv_cache_sizing.GiB, num_blocks, cache.block_size, block_bytes)
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
         max_len = self.kiln_config.model_config.max_model_len
-        needed = cdiv(max_len, cache.block_size)
-        if num_blocks < needed:
-            raise ValueError(
-                f"the KV cache budget of {budget / kv_cache_sizing.GiB:.2f} GiB holds {num_blocks} "
-                f"blocks, fewer than the {needed} one request of max_model_len={max_len} needs; "
-                f"raise {knob} or lower --max-model-len")
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %d bytes per block)",
-                    num_blocks, cache.block_size, num_blocks * block_bytes / kv_cache_sizing.GiB,
-                    block_bytes)
+        if num_blocks * cache.block_size < max_len:
+            logger.warning("%d KV blocks hold fewer tokens than max_model_len=%d; raise %s or "
+                           "lower --max-model-len", num_blocks, max_len, knob)
         return num_blocks
 
     def initialize_cache(self, num_blocks: int) -> None:

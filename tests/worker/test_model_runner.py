@@ -51,8 +51,19 @@ def test_cache_sized_and_assigned(executor):
         assert tuple(layer.kv_cache.shape) == (2, num_blocks, BS, 2, 16)
 
 
-def test_chunked_prefill_decode_matches_hf(executor, prompts_and_oracle):
+@pytest.mark.parametrize("pad", [0, 3], ids=["exact", "padded"])
+def test_chunked_prefill_decode_matches_hf(executor, prompts_and_oracle, monkeypatch, pad):
     prompts, expected = prompts_and_oracle
+    runner = executor.worker.model_runner
+    # The CUDA graph helper pads the token count; padding tokens must not disturb results.
+    monkeypatch.setattr(runner, "padded_num_tokens", lambda n: min(n + pad, runner.max_num_tokens))
+    seen, run_model = [], runner._run_model
+
+    def spy(input_ids, positions, attn_metadata, num_tokens):
+        seen.append((num_tokens, attn_metadata.num_actual_tokens, input_ids.shape[0]))
+        return run_model(input_ids, positions, attn_metadata, num_tokens)
+
+    monkeypatch.setattr(runner, "_run_model", spy)
     drv = ScheduleDriver(executor, BS)
     for rid, p in zip("abc", prompts):
         drv.add(rid, p, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
@@ -68,6 +79,7 @@ def test_chunked_prefill_decode_matches_hf(executor, prompts_and_oracle):
             drv.finish(r)
         drv.step(plan)
     assert [drv.tokens(r) for r in "abc"] == expected
+    assert seen[0] == (5 + 6 + 8 + pad, 5 + 6 + 8, 5 + 6 + 8 + pad)
     drv.finish_all()
     assert executor.worker.model_runner.requests == {}
 

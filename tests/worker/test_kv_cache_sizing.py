@@ -1,0 +1,25 @@
+"""KV cache sizing arithmetic: bytes per block, CPU budget precedence, CUDA budget."""
+import torch
+
+from kiln.worker import kv_cache_sizing as kvs
+
+
+def test_bytes_per_block_sums_layers():
+    # 2 (K, V) * 16 tokens * 8 heads * 64 dims * 2 bytes, per layer, two layers
+    assert kvs.bytes_per_block(16, [(8, 64), (8, 64)], torch.bfloat16) == 2 * 2 * 16 * 8 * 64 * 2
+    assert kvs.bytes_per_block(16, [(2, 128)], torch.float32) == 2 * 16 * 2 * 128 * 4
+
+
+def test_cpu_budget_precedence():
+    assert kvs.cpu_kv_cache_bytes(1.5, 8.0) == int(1.5 * kvs.GiB)
+    assert kvs.cpu_kv_cache_bytes(None, 2.0) == 2 * kvs.GiB
+    assert kvs.cpu_kv_cache_bytes(None, None) == 4 * kvs.GiB
+
+
+def test_cuda_budget_and_block_count():
+    total = 80 * kvs.GiB
+    budget = kvs.cuda_kv_cache_bytes(total, used=20 * kvs.GiB, gpu_memory_utilization=0.5)
+    assert budget == 20 * kvs.GiB
+    assert kvs.num_blocks_for(budget, kvs.GiB // 4) == 80
+    # Over budget already: no blocks rather than a negative count.
+    assert kvs.num_blocks_for(kvs.cuda_kv_cache_bytes(total, 79 * kvs.GiB, 0.5), 1024) == 0
