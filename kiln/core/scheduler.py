@@ -260,4 +260,6 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.requests.pop(request.request_id, None)
         self._priority.pop(request.request_id, None)
+        # A finished request is forgotten for good, not parked as a preempted one would be.
+        self.preempted_req_ids.discard(request.request_id)
         self.finished_req_ids.add(request.request_id)
