@@ -1,0 +1,101 @@
+"""The model runner's CUDA graph steps: resolve and build the dispatcher, record every graph.
+
+`setup_cudagraphs` runs before the model is compiled; `capture_model` at the end of warm-up.
+"""
+import numpy as np
+import torch
+
+from kiln.attention.metadata import AttentionMetadata
+from kiln.compilation.cuda_graph import BatchDescriptor, CUDAGraphMode, capture_phase
+from kiln.compilation.cudagraph_dispatcher import CudagraphDispatcher, resolve_cudagraph_config
+from kiln.forward_context import set_forward_context
+
+
+def setup_cudagraphs(kiln_config, platform=None) -> CudagraphDispatcher:
+    """Resolve cudagraph_mode / capture sizes in the config (the piecewise backend reads them
+    when it compiles), and build the dispatcher from the result."""
+    resolve_cudagraph_config(kiln_config, platform)
+    return CudagraphDispatcher.from_config(kiln_config)
+
+
+def dummy_query_lens(desc: BatchDescriptor, max_num_reqs: int, max_model_len: int) -> np.ndarray:
+    """Query length per request of the dummy batch a FULL graph is recorded with.
+
+    All-decode keys: desc.num_reqs requests of one token. Token-count keys: the tokens spread
+    over min(num_tokens, max_num_reqs) requests, then zero-length requests up to max_num_reqs
+    (a FULL mixed graph always sees max_num_reqs metadata rows; see the runner's padding).
+    """
+    n = desc.num_tokens
+    if desc.uniform_decode:
+        return np.ones(desc.num_reqs, dtype=np.int64)
+    busy = min(n, max_num_reqs)
+    lens = np.zeros(max_num_reqs, dtype=np.int64)
+    lens[:busy] = n // busy
+    lens[busy - 1] += n % busy
+    if lens.max() > max_model_len:
+        raise ValueError(f"a FULL graph of {n} tokens needs requests longer than max_model_len "
+                         f"({max_model_len}); lower compilation_config.max_cudagraph_capture_size")
+    return lens
+
+
+def _stage(device_buf: torch.Tensor, host_buf: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n entries of a persistent device buffer, refreshed from its host twin."""
+    if device_buf is not host_buf:
+        device_buf[:n].copy_(host_buf[:n], non_blocking=True)
+    return device_buf[:n]
+
+
+def fill_dummy_step(runner, desc: BatchDescriptor, with_metadata: bool):
+    """Write a dummy step for `desc` into the runner's persistent buffers.
+
+    Returns (input_ids, positions, attn_metadata); metadata (FULL graphs only: attention is
+    inside them) describes requests starting at position 0 whose tokens write no cache slot.
+    """
+    n = desc.num_tokens
+    if not with_metadata:
+        runner.input_ids_np[:n] = 0
+        runner.positions_np[:n] = np.arange(n) % runner.max_model_len
+        return (_stage(runner.input_ids, runner.input_ids_cpu, n),
+                _stage(runner.positions, runner.positions_cpu, n), None)
+    lens = dummy_query_lens(desc, runner.max_num_reqs, runner.max_model_len)
+    r = len(lens)
+    qsl = np.zeros(r + 1, dtype=np.int32)
+    np.cumsum(lens, out=qsl[1:])
+    runner.input_ids_np[:n] = 0
+    runner.positions_np[:n] = np.arange(n) - np.repeat(qsl[:-1], lens)
+    runner.slot_mapping_np[:n] = -1
+    runner.query_start_loc_np[:r + 1] = qsl
+    runner.seq_lens_np[:r] = lens
+    runner.block_table_np[:r] = 0
+    md = AttentionMetadata(
+        num_actual_tokens=n, num_reqs=r, max_query_len=int(lens.max()),
+        max_seq_len=int(lens.max()),
+        query_start_loc=_stage(runner.query_start_loc, runner.query_start_loc_cpu, r + 1),
+        seq_lens=_stage(runner.seq_lens, runner.seq_lens_cpu, r),
+        block_table=_stage(runner.block_table, runner.block_table_cpu, r),
+        slot_mapping=_stage(runner.slot_mapping, runner.slot_mapping_cpu, n),
+        query_start_loc_cpu=runner.query_start_loc_cpu[:r + 1],
+        seq_lens_cpu=runner.seq_lens_cpu[:r], uniform_decode=desc.uniform_decode)
+    return (_stage(runner.input_ids, runner.input_ids_cpu, n),
+            _stage(runner.positions, runner.positions_cpu, n), md)
+
+
+@torch.inference_mode()
+def capture_model(runner, dispatcher: CudagraphDispatcher, platform=None) -> int:
+    """Record every key of the dispatcher's plan (PIECEWISE before FULL, largest first), each
+    after one eager run of the same batch so lazy initialisation happens outside capture.
+    Returns the number of keys recorded."""
+    if platform is None:
+        from kiln.platforms import current_platform as platform
+    plan = dispatcher.capture_plan()
+    if not plan:
+        return 0
+    with capture_phase(mem_get_info=platform.mem_get_info):
+        for mode, desc in plan:
+            ids, pos, md = fill_dummy_step(runner, desc, with_metadata=mode is CUDAGraphMode.FULL)
+            for step_mode in (CUDAGraphMode.NONE, mode):
+                with set_forward_context(md, runner.kiln_config, batch_descriptor=desc,
+                                         cudagraph_runtime_mode=step_mode):
+                    runner.model(ids, pos)
+    platform.synchronize()
+    return len(plan)
