@@ -68,7 +68,11 @@ class Worker:
                                                         envs.cpu_kvcache_space_gib())
             knob = "--kv-cache-memory (or KILN_CPU_KVCACHE_SPACE)"
         num_blocks = kv_cache_sizing.num_blocks_for(budget, block_bytes)
-        logger.info("KV cache budget %.3f GiB: %d blocks of %d tokens (%d bytes per block)",
+        if self.device.type == "cpu":
+            sched = self.kiln_config.scheduler_config
+            num_blocks = min(num_blocks, kv_cache_sizing.useful_block_cap(
+                sched.max_num_seqs, self.kiln_config.model_config.max_model_len, cache.block_size))
+        logger.info("KV cache budget %.3f GiB; using %d blocks of %d tokens (%d bytes per block)",
                     budget / kv_cache_sizing.GiB, num_blocks, cache.block_size, block_bytes)
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
