@@ -85,3 +85,29 @@ def run_step(model, kiln_config, input_ids, positions, attn_metadata) -> torch.T
     with torch.no_grad(), set_forward_context(attn_metadata, kiln_config):
         hidden = model(input_ids, positions)
     return model.compute_logits(hidden)
+
+
+def greedy_generate(model, kiln_config, prompt: list[int], max_new_tokens: int,
+                    num_blocks: int = 64, block_size: int = 16) -> list[int]:
+    """Greedy tokens after `prompt`: one prefill step, then one decode step per token."""
+    allocate_kv_caches(kiln_config, num_blocks, block_size)
+    pool = BlockPool(num_blocks, block_size)
+    req = PagedRequest(list(prompt))
+    new_tokens: list[int] = []
+    query_len = len(prompt)
+    for _ in range(max_new_tokens):
+        ids, pos, md = build_step(pool, [req], [query_len])
+        logits = run_step(model, kiln_config, ids, pos, md)
+        token = int(logits[-1].argmax())
+        new_tokens.append(token)
+        req.token_ids.append(token)
+        query_len = 1
+    return new_tokens
+
+
+def kiln_config_for(model_path, dtype: str = "float32", **kwargs):
+    """A CPU, eager KilnConfig for a local checkpoint (dir or .gguf)."""
+    from kiln.config import DeviceConfig, KilnConfig, ModelConfig
+
+    return KilnConfig(ModelConfig(model=str(model_path), dtype=dtype, **kwargs),
+                      device_config=DeviceConfig("cpu"), enforce_eager=True)

@@ -15,6 +15,15 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+def take_shard(loaded: torch.Tensor, dim: int, rank: int, size: int,
+               num_shards: int) -> torch.Tensor:
+    """This rank's `size` slice of `loaded` along dim, after checking the full extent."""
+    if loaded.shape[dim] != size * num_shards:
+        raise ValueError(f"weight shape mismatch: checkpoint {tuple(loaded.shape)} has "
+                         f"{loaded.shape[dim]} along dim {dim}, expected {size * num_shards}")
+    return loaded.narrow(dim, rank * size, size)
+
+
 class LinearBase(nn.Module):
     """y = x W^T (+ b) with W [output_size_per_rank, input_size_per_rank]."""
 
@@ -63,7 +72,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         size = param.shape[0]
-        default_weight_loader(param, loaded.narrow(0, self.tp_rank * size, size))
+        default_weight_loader(param, take_shard(loaded, 0, self.tp_rank, size, self.tp_size))
 
 
 class RowParallelLinear(LinearBase):
@@ -77,7 +86,7 @@ class RowParallelLinear(LinearBase):
             default_weight_loader(param, loaded)
             return
         size = param.shape[1]
-        default_weight_loader(param, loaded.narrow(1, self.tp_rank * size, size))
+        default_weight_loader(param, take_shard(loaded, 1, self.tp_rank, size, self.tp_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
@@ -100,7 +109,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             raise ValueError("merged linear weights load per shard; shard_id is required")
         local = [_split(s, self.tp_size, "merged output size") for s in self.output_sizes]
         offset, size = sum(local[:shard_id]), local[shard_id]
-        loaded = loaded.narrow(0, self.tp_rank * size, size)
+        loaded = take_shard(loaded, 0, self.tp_rank, size, self.tp_size)
         default_weight_loader(param.data.narrow(0, offset, size), loaded)
 
 
@@ -142,5 +151,6 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
             size, rank = self.kv_size, self.tp_rank // self.kv_replicas
-        loaded = loaded.narrow(0, rank * size, size)
+        shards = self.tp_size if shard_id == "q" else self.tp_size // self.kv_replicas
+        loaded = take_shard(loaded, 0, rank, size, shards)
         default_weight_loader(param.data.narrow(0, offset, size), loaded)

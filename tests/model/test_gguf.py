@@ -1,0 +1,162 @@
+"""GGUF loading: llama.cpp names and quant types on a GGUF written here, and the real default model.
+
+The tiny file is made from an HF checkpoint the way llama.cpp's converter does (q/k rows permuted).
+"""
+import numpy as np
+import pytest
+import torch
+
+from kiln.model.loader import build_model
+from kiln.model.loader.gguf_loader import gguf_to_hf_name, load_gguf_weights, unpermute_rope_rows
+from model._attn_helper import greedy_generate, kiln_config_for
+
+# HF name part -> llama.cpp name part, and the storage type each gets in the test file.
+_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_TYPES = {"token_embd": "Q8_0", "attn_q": "Q8_0", "attn_k": "F16", "attn_v": "BF16",
+          "attn_output": "F32", "ffn_gate": "Q4_0", "ffn_up": "Q4_1", "ffn_down": "Q8_0",
+          "output": "F32"}
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf does to q/k rows (written independently here)."""
+    out = np.empty_like(w)
+    head_dim = w.shape[0] // n_head
+    half = head_dim // 2
+    for h in range(n_head):
+        rows = w[h * head_dim:(h + 1) * head_dim]
+        for i in range(half):  # interleave the two rope halves: row pairs (i, half + i)
+            out[h * head_dim + 2 * i] = rows[i]
+            out[h * head_dim + 2 * i + 1] = rows[half + i]
+    return out
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name.startswith("model.layers."):
+        parts = hf_name.split(".")
+        inner = ".".join(parts[3:-1])
+        return f"blk.{parts[2]}.{_BLOCK[inner]}.{parts[-1]}"
+    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+            "output_norm.weight", "lm_head.weight": "output.weight"}[hf_name]
+
+
+def write_tiny_gguf(path, hf_state: dict, hf_config) -> dict:
+    """Write hf_state as a llama GGUF; returns the float32 values a correct loader must produce."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(hf_config.num_hidden_layers)
+    expected = {}
+    for name, t in hf_state.items():
+        gname = gguf_name(name)
+        w = t.float().numpy()
+        if ".attn_q." in gname:
+            w = llama_cpp_permute(w, hf_config.num_attention_heads)
+        elif ".attn_k." in gname:
+            w = llama_cpp_permute(w, hf_config.num_key_value_heads)
+        qtype = getattr(gguf.GGMLQuantizationType, _TYPES.get(gname.split(".")[-2], "F32"))
+        data = w if qtype == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(w, qtype)
+        writer.add_tensor(gname, data, raw_dtype=qtype)
+        back = gguf.quants.dequantize(data, qtype).astype(np.float32).reshape(w.shape)
+        if ".attn_q." in gname or ".attn_k." in gname:  # expected in HF row order
+            heads = hf_config.num_attention_heads if ".attn_q." in gname else \
+                hf_config.num_key_value_heads
+            back = unpermute_rope_rows(back, heads)
+        expected[name] = torch.from_numpy(back)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    w = np.random.default_rng(0).standard_normal((3 * 8, 5)).astype(np.float32)
+    assert np.array_equal(unpermute_rope_rows(llama_cpp_permute(w, 3), 3), w)
+    assert not np.array_equal(llama_cpp_permute(w, 3), w)
+
+
+def test_name_mapping():
+    assert gguf_to_hf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
+    assert gguf_to_hf_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
+    assert gguf_to_hf_name("blk.1.attn_k_norm.weight") == "model.layers.1.self_attn.k_norm.weight"
+    assert gguf_to_hf_name("output.weight") == "lm_head.weight"
+    assert gguf_to_hf_name("rope_freqs.weight") is None
+
+
+def test_tiny_gguf_loads_dequantized_weights(tiny_llama_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    cfg = kiln_config_for(tiny_llama_dir)
+    hf_config = cfg.model_config.hf_config
+    state = load_file(str(tiny_llama_dir / "model.safetensors"))
+    expected = write_tiny_gguf(tmp_path / "tiny.gguf", state, hf_config)
+    model = build_model(cfg)
+    with torch.no_grad():
+        load_gguf_weights(model, tmp_path / "tiny.gguf", hf_config)
+    params = dict(model.named_parameters())
+    for i in range(hf_config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        qkv = torch.cat([expected[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        assert torch.equal(params[p + "self_attn.qkv_proj.weight"], qkv)
+        gate_up = torch.cat([expected[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")])
+        assert torch.equal(params[p + "mlp.gate_up_proj.weight"], gate_up)
+        assert torch.equal(params[p + "self_attn.o_proj.weight"], state[p + "self_attn.o_proj.weight"])
+    assert torch.equal(params["model.embed_tokens.weight"], expected["model.embed_tokens.weight"])
+    assert torch.equal(params["lm_head.weight"], state["lm_head.weight"])
+    # The F32 tensors are exact and the quantized ones close: rope rows must be in HF order.
+    assert (params["model.layers.0.self_attn.qkv_proj.weight"][:16]
+            - state["model.layers.0.self_attn.q_proj.weight"][:16]).abs().max() < 0.01
+
+
+def test_missing_gguf_file_names_path(tiny_llama_dir, tmp_path):
+    cfg = kiln_config_for(tiny_llama_dir)
+    model = build_model(cfg)
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        load_gguf_weights(model, tmp_path / "nope.gguf", cfg.model_config.hf_config)
+
+
+@pytest.mark.slow
+def test_default_model_greedy_paris():
+    from transformers import AutoTokenizer
+
+    from kiln.model.loader import get_model
+    from kiln.model.loader.default_model import default_model_path
+
+    path = default_model_path()
+    cfg = kiln_config_for(path)
+    model = get_model(cfg)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    prompt = tok("The capital of France is")["input_ids"]
+    out = greedy_generate(model, cfg, prompt, max_new_tokens=8)
+    assert "Paris" in tok.decode(out)
+
+
+@pytest.mark.slow
+def test_default_model_matches_transformers():
+    """transformers' own GGUF dequantization of the same file gives the same logits."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from kiln.model.loader import get_model
+    from kiln.model.loader.default_model import default_model_path
+    from model._attn_helper import BlockPool, PagedRequest, allocate_kv_caches, build_step, run_step
+
+    path = default_model_path()
+    cfg = kiln_config_for(path)
+    model = get_model(cfg)
+    # (HF's from_pretrained(gguf_file=...) needs accelerate; its converter alone does not.)
+    hf = AutoModelForCausalLM.from_config(cfg.model_config.hf_config, dtype=torch.float32).eval()
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf)["tensors"]
+    missing, _ = hf.load_state_dict(tensors, strict=False)
+    assert not [m for m in missing if m != "lm_head.weight"]
+    hf.tie_weights()
+    prompt = [1, 504, 3575, 282, 4649, 314, 7042, 30, 198]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    allocate_kv_caches(cfg, 16, 16)
+    ids, pos, md = build_step(BlockPool(16, 16), [PagedRequest(prompt)], [len(prompt)])
+    diff = (run_step(model, cfg, ids, pos, md) - ref).abs().max().item()
+    assert diff < 1e-3, diff
