@@ -95,6 +95,10 @@ def run_hf(model, prompts: list[list[int]], output_len: int, batch_size: int,
     import torch
 
     device = next(model.parameters()).device
+    with torch.inference_mode():  # untimed warm-up, as Kiln warms up while it is built
+        ids, mask = left_pad(prompts[:1], pad_id)
+        model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                       max_new_tokens=2, min_new_tokens=2, pad_token_id=pad_id)
     num_out = 0
     start = time.perf_counter()
     with torch.inference_mode():

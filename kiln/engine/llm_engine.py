@@ -138,7 +138,7 @@ class LLMEngine:
         """Render a conversation with the tokenizer's chat template (HF's sandboxed Jinja)."""
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"the tokenizer of {self.model_config.model!r} has no chat template; "
-                             "pass chat_template= or use a chat/instruct model")
+                             "pass one (chat_template=, --chat-template) or use a chat model")
         return self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt,
             chat_template=chat_template, **kwargs)

@@ -1,0 +1,102 @@
+"""The `kiln` command run as a user would: a subprocess; stdout carries only results."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kiln.entrypoints.cli.main import build_parser
+
+STORIES = Path("/work/shared/models/stories260K")
+ENGINE = ["--enforce-eager", "--kv-cache-memory", "0.02", "--max-model-len", "128"]
+
+
+def kiln(*argv, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kiln.entrypoints.cli.main", *argv],
+                          input=stdin, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def stories():
+    if not STORIES.exists():
+        pytest.skip("stories260K is not available")
+    return str(STORIES)
+
+
+def test_subcommands_registered():
+    parser = build_parser()
+    args = parser.parse_args(["generate", "hi", "-O3", "--stop", "a", "--stop", "b", "--n", "2"])
+    assert (args.prompt, args.compilation_config, args.stop, args.n) == ("hi", "3", ["a", "b"], 2)
+    args = parser.parse_args(["bench", "throughput", "--num-prompts", "3", "-tp", "2"])
+    assert (args.num_prompts, args.tensor_parallel_size, args.backend) == (3, 2, "kiln")
+
+
+def test_generate_prints_only_text(stories):
+    from kiln.entrypoints.llm import LLM
+    from kiln.sampling_params import SamplingParams
+
+    r = kiln("generate", "Once upon a time", "--model", stories, "--temperature", "0",
+             "--max-tokens", "16", *ENGINE)
+    assert r.returncode == 0, r.stderr
+    llm = LLM(model=stories, enforce_eager=True, kv_cache_memory=0.02, max_model_len=128)
+    (expected,) = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=16),
+                               use_tqdm=False)
+    llm.shutdown()
+    assert r.stdout == expected.outputs[0].text + "\n"
+    assert "INFO" in r.stderr and "INFO" not in r.stdout
+
+
+def test_generate_logprobs_go_to_stderr(stories):
+    r = kiln("generate", "Tom", "--model", stories, "--max-tokens", "3", "--logprobs", "2",
+             *ENGINE)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
+    assert len(rows) == 3 and all(len(row["top"]) >= 2 for row in rows)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "/no/such/model"], "no such file"),
+    (["-O", "{bad"], "--compilation-config"),
+    (["--max-model-len", "100000"], "--max-model-len"),
+])
+def test_user_errors_exit_2_without_traceback(stories, argv, message):
+    argv = argv if argv[0] == "--model" else ["--model", stories, *argv]
+    r = kiln("generate", "hi", *argv)
+    assert r.returncode == 2
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0]
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_chat_streams_and_keeps_history(stories):
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }} {% endfor %}"
+    r = kiln("chat", "--model", stories, "--temperature", "0", "--max-tokens", "6",
+             "--chat-template", template, *ENGINE, stdin="Lily saw a\nThen\nexit\nignored\n")
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.splitlines()) == 2  # one reply per turn, none after "exit"
+
+
+def test_chat_without_template_is_a_user_error(stories):
+    r = kiln("chat", "--model", stories, *ENGINE, stdin="Hi\n")
+    assert r.returncode == 2 and "chat template" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_throughput_dummy_with_hf(stories):
+    r = kiln("bench", "throughput", "--model", stories, "--load-format", "dummy",
+             "--num-prompts", "4", "--input-len", "8", "--output-len", "4", "--backend", "hf",
+             *ENGINE)
+    assert r.returncode == 0, r.stderr
+    (line,) = r.stdout.splitlines()
+    report = json.loads(line)
+    assert report["backend"] == "hf" and report["num_prompts"] == 4
+    assert report["num_output_tokens"] == report["hf_num_output_tokens"] == 16
+    for key in ("elapsed_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
+                "hf_output_tokens_per_s", "kiln_vs_hf_output_tokens_per_s"):
+        assert report[key] > 0
+
+
+def test_bench_rejects_lengths_over_max_model_len(stories):
+    r = kiln("bench", "throughput", "--model", stories, "--input-len", "100", "--output-len",
+             "100", *ENGINE)
+    assert r.returncode == 2 and "--max-model-len" in r.stderr

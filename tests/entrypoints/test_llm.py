@@ -1,0 +1,162 @@
+"""End to end through LLM / LLMEngine on tiny checkpoints (eager, CPU): outputs match HF greedy,
+bad prompts leave the engine untouched, stop strings free their blocks, output kinds agree."""
+import pytest
+
+from checkpoints import hf_greedy, random_prompts
+from kiln.entrypoints.llm import LLM
+from kiln.sampling_params import RequestOutputKind, SamplingParams
+
+NEW_TOKENS = 12
+ENGINE = dict(enforce_eager=True, max_model_len=128, max_num_seqs=4, kv_cache_memory=0.02)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def stories_llm():
+    from pathlib import Path
+
+    path = Path("/work/shared/models/stories260K")
+    if not path.exists():
+        pytest.skip("stories260K is not available")
+    llm = LLM(model=str(path), **ENGINE)
+    yield llm
+    llm.shutdown()
+
+
+def assert_idle(llm):
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    stats = engine.get_stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_generate_greedy_matches_hf(llm, tiny_llama_dir):
+    prompts = random_prompts(5, [3, 9, 17, 30, 6], seed=1)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    expected = hf_greedy(tiny_llama_dir, prompts, NEW_TOKENS)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert [o.prompt_token_ids for o in outs] == prompts  # input order
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+    assert_idle(llm)
+
+
+def test_bad_prompt_in_batch_adds_nothing_and_next_call_works(llm):
+    good = {"prompt_token_ids": [5, 6, 7]}
+    params = SamplingParams(temperature=0, max_tokens=4)
+    for bad, match in [({"prompt_token_ids": [5, 512]}, "512"), ("", "prompt is empty"),
+                       ({"prompt_token_ids": [5] * 128}, "max-model-len")]:
+        with pytest.raises(ValueError, match=match):
+            llm.generate([good, good, bad], params, use_tqdm=False)
+        assert_idle(llm)
+    (out,) = llm.generate(good, params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_params_list_and_n_samples(llm):
+    prompts = [{"prompt_token_ids": [9, 8, 7]}, {"prompt_token_ids": [3, 4]}]
+    params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+              SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=5, ignore_eos=True)]
+    a, b = llm.generate(prompts, params, use_tqdm=False)
+    assert len(a.outputs) == 1 and len(a.outputs[0].token_ids) == 3
+    assert [o.index for o in b.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) == 5 for o in b.outputs)
+    # Child i is seeded with seed + i: a re-run reproduces every sample exactly.
+    _, again = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in b.outputs]
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(prompts, params[:1], use_tqdm=False)
+    assert_idle(llm)
+
+
+def test_max_tokens_none_runs_to_max_model_len(llm):
+    (out,) = llm.generate({"prompt_token_ids": [4] * 120},
+                          SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                          use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
+
+
+def test_stop_string_finishes_and_frees_blocks(stories_llm):
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    (full,) = stories_llm.generate("Once upon a time", greedy, use_tqdm=False)
+    text = full.outputs[0].text
+    assert "." in text
+    stop = SamplingParams(temperature=0, max_tokens=40, stop=["."])
+    (cut,) = stories_llm.generate("Once upon a time", stop, use_tqdm=False)
+    c = cut.outputs[0]
+    assert c.text == text[:text.index(".")]
+    assert c.finish_reason == "stop" and c.stop_reason == "."
+    assert len(c.token_ids) < len(full.outputs[0].token_ids)
+    assert_idle(stories_llm)
+
+
+def test_stream_kinds_agree(stories_llm):
+    engine = stories_llm.llm_engine
+    texts = {}
+    for kind in RequestOutputKind:
+        params = SamplingParams(temperature=0, max_tokens=20, output_kind=kind)
+        engine.add_request(f"k{int(kind)}", "The cat", params)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        if kind == RequestOutputKind.DELTA:
+            texts[kind] = "".join(o.outputs[0].text for o in outs)
+        else:
+            texts[kind] = outs[-1].outputs[0].text
+        if kind == RequestOutputKind.FINAL_ONLY:
+            assert len(outs) == 1
+    assert len(set(texts.values())) == 1 and texts[RequestOutputKind.FINAL_ONLY]
+
+
+def test_failed_add_request_leaves_running_requests_intact(stories_llm):
+    engine = stories_llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=16)
+    (solo,) = stories_llm.generate("Lily liked", params, use_tqdm=False)
+    engine.add_request("a", "Lily liked", params)
+    engine.step()
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", "Lily liked", params)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("b", {"prompt_token_ids": [1, 99999]}, params)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out
+    assert final.request_id == "a" and final.outputs[0].text == solo.outputs[0].text
+    assert_idle(stories_llm)
+
+
+def test_abort_request(stories_llm):
+    engine = stories_llm.llm_engine
+    engine.add_request("x", "Tom", SamplingParams(max_tokens=50, n=2, seed=1))
+    engine.step()
+    engine.abort_request(["x"])
+    assert engine.step() == []
+    assert_idle(stories_llm)
+
+
+def test_chat_uses_template(stories_llm):
+    with pytest.raises(ValueError, match="chat template"):
+        stories_llm.chat([{"role": "user", "content": "Hi"}])
+    template = "{% for m in messages %}{{ m.content }} {% endfor %}"
+    outs = stories_llm.chat([[{"role": "user", "content": "Lily saw a"}],
+                             [{"role": "user", "content": "Tom had a"}]],
+                            SamplingParams(temperature=0, max_tokens=5), use_tqdm=False,
+                            chat_template=template)
+    assert [o.prompt for o in outs] == ["Lily saw a ", "Tom had a "]
+    # The rendered text is tokenized without an extra BOS.
+    assert outs[0].prompt_token_ids == stories_llm.get_tokenizer()(
+        "Lily saw a ", add_special_tokens=False).input_ids
+    assert all(o.outputs[0].token_ids for o in outs)
+
+
+def test_unknown_llm_argument():
+    with pytest.raises(ValueError, match="max_num_seq"):
+        LLM(model="x", max_num_seq=3)
