@@ -61,6 +61,10 @@ class KilnBackend:
         self.split_items: list[SplitItem] = []
         self.cache: CompileCache | None = None
         self.cache_key: str | None = None
+        self.traced: list[str] = []  # source files Dynamo traced (part of the cache key)
+        if cc.debug_dump_path and hasattr(self.compiler, "dump_dir"):
+            self.compiler.dump_dir = (Path(cc.debug_dump_path) / f"rank_"
+                                      f"{kiln_config.parallel_config.rank}" / prefix)
 
     def traced_files(self) -> list[str]:
         from torch._guards import TracingContext
@@ -87,7 +91,8 @@ class KilnBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         compilation_counter.num_graphs_seen += 1
         cc = self.kiln_config.compilation_config
-        self.cache_key = self.key_for(self.traced_files())
+        self.traced = self.traced_files()
+        self.cache_key = self.key_for(self.traced)
         self.cache = self._open_cache(self.cache_key)
         split_gm, self.split_items = split_graph(gm, cc.splitting_ops)
         compiled_items = [it for it in self.split_items if not it.is_splitting_graph]

@@ -62,6 +62,7 @@ class InductorStandaloneAdaptor(CompilerInterface):
 
     def __init__(self, pass_manager=None):
         self.pass_manager = pass_manager
+        self.dump_dir: Path | None = None  # set by the backend when debug_dump_path is given
 
     def compute_hash(self) -> str:
         uuid = ""
@@ -76,9 +77,14 @@ class InductorStandaloneAdaptor(CompilerInterface):
             self.pass_manager.set_shape(shape)
             patches["post_grad_custom_pre_pass"] = self.pass_manager
         dynamic = "from_tracing_context" if shape is None else "from_example_inputs"
+        from torch._inductor.codecache import PyCodeCache
+
+        known_modules = len(PyCodeCache.modules)
         artifact = torch._inductor.standalone_compile(
             graph, example_inputs, dynamic_shapes=dynamic, options={"config_patches": patches})
         compilation_counter.num_inductor_compiles += 1
+        if self.dump_dir is not None:
+            self._dump_output_code(PyCodeCache.modules[known_modules:], shape, save_path)
         handle = None
         if save_path is not None:
             save_path.parent.mkdir(parents=True, exist_ok=True)
@@ -89,6 +95,15 @@ class InductorStandaloneAdaptor(CompilerInterface):
             compilation_counter.num_compiled_artifacts_saved += 1
             handle = {"file": save_path.name, "sha256": digest, "format": "binary"}
         return artifact, handle
+
+    def _dump_output_code(self, modules, shape, save_path) -> None:
+        """Write the Python module(s) Inductor generated for this compile (its output code)."""
+        stem = save_path.stem if save_path is not None else f"shape_{shape}"
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        for i, module in enumerate(modules):
+            source = getattr(module, "__file__", None)
+            if source and os.path.exists(source):
+                (self.dump_dir / f"output_code_{stem}_{i}.py").write_text(Path(source).read_text())
 
     def load(self, handle, path, graph):
         if file_sha256(path) != handle["sha256"]:

@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from kiln.compilation.phase import reset_warmup
 from kiln.config import CompilationMode, get_current_kiln_config
 
 NUM_TOKENS_SHAPE_ID = "kiln_num_tokens"
@@ -77,7 +78,7 @@ def support_torch_compile(cls: type | None = None, *,
 
         def __init__(self, *args, **kwargs):
             original_init(self, *args, **kwargs)
-            config = get_current_kiln_config()
+            config = kwargs.get("kiln_config") or get_current_kiln_config()
             mode = config.compilation_config.mode
             self._kiln_config = config
             self._kiln_compile = None
@@ -85,6 +86,8 @@ def support_torch_compile(cls: type | None = None, *,
             enabled = (mode != CompilationMode.NONE and not type(self)._kiln_ignore_compile
                        and (enable_if is None or enable_if(config)))
             self._kiln_compile_enabled = enabled
+            if enabled:
+                reset_warmup()  # a new model starts a new warm-up (its first call compiles)
 
         def __call__(self, *args, **kwargs):
             if not self._kiln_compile_enabled or torch.compiler.is_compiling():

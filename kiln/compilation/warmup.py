@@ -1,0 +1,26 @@
+"""Warm-up driver: run the model at every shape the compile stack serves, then end warm-up.
+
+The worker passes its dummy-run function; after this, a compile is an error.
+"""
+from typing import Callable
+
+from kiln.compilation import monitor
+from kiln.compilation.phase import end_warmup
+
+
+def warmup_sizes(max_num_batched_tokens: int, compile_sizes: list[int]) -> list[int]:
+    """Largest first: the first call traces (and compiles the range) at the full budget, then
+    each compile size gets its specialised artifact."""
+    sizes = {max_num_batched_tokens, *(s for s in compile_sizes if s <= max_num_batched_tokens)}
+    return sorted(sizes, reverse=True)
+
+
+def compile_and_warm_up(run: Callable[[int], object], kiln_config,
+                        extra_sizes: list[int] = ()) -> None:
+    """Call `run(num_tokens)` for every compiled shape (plus `extra_sizes`), then end warm-up."""
+    sched, cc = kiln_config.scheduler_config, kiln_config.compilation_config
+    sizes = set(warmup_sizes(sched.max_num_batched_tokens, cc.compile_sizes)) | set(extra_sizes)
+    for size in sorted(sizes, reverse=True):
+        run(size)
+    end_warmup()
+    monitor.log_total()

@@ -1,0 +1,123 @@
+"""Decorator and wrapper behaviour in every mode, on the eager compiler (no Inductor cost)."""
+from typing import Optional
+
+import pytest
+import torch
+
+import toy_model as tm
+from kiln.compilation import phase
+from kiln.compilation.counters import compilation_counter
+from kiln.compilation.decorator import (ignore_torch_compile, infer_dynamic_arg_dims,
+                                        support_torch_compile)
+from kiln.compilation.phase import RecompileAfterWarmupError
+from kiln.compilation.warmup import compile_and_warm_up, warmup_sizes
+
+
+@pytest.fixture(autouse=True)
+def _no_disk_cache(monkeypatch):
+    monkeypatch.setenv("KILN_DISABLE_COMPILE_CACHE", "1")
+
+
+def _check(model, reference, sizes):
+    with torch.no_grad():
+        for n in sizes:
+            torch.testing.assert_close(model(*tm.inputs(n)), reference(*tm.inputs(n)))
+
+
+def test_dynamic_dims_default_to_dim0_of_tensor_args():
+    def forward(self, ids: torch.Tensor, pos: Optional[torch.Tensor], scale: float,
+                extra: "torch.Tensor | None" = None):
+        pass
+    assert infer_dynamic_arg_dims(forward) == {"ids": [0], "pos": [0], "extra": [0]}
+
+
+def test_decorator_rejects_bad_dynamic_arg_dims():
+    class NoTensors(torch.nn.Module):
+        def forward(self, x):
+            return x
+    with pytest.raises(ValueError, match="dynamic_arg_dims"):
+        support_torch_compile(NoTensors)
+    with pytest.raises(ValueError, match="nope"):
+        support_torch_compile(dynamic_arg_dims={"nope": 0})(tm.ToyLayer)
+
+
+def test_mode0_runs_eager_and_never_traces():
+    with compilation_counter.expect(num_dynamo_traces=0, num_graphs_seen=0):
+        model = tm.build(tm.toy_config(mode=0))
+        _check(model, tm.build(tm.toy_config(mode=0)), [5, 1])
+    assert model._kiln_compile is None
+
+
+def test_ignore_torch_compile_and_enable_if():
+    @ignore_torch_compile
+    class Ignored(tm.ToyModel):
+        pass
+    @support_torch_compile(enable_if=lambda config: config.compilation_config.mode == 2)
+    class Off(torch.nn.Module):
+        def __init__(self, num_layers):
+            super().__init__()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 1
+    off = Off
+    from kiln.config import set_current_kiln_config
+    with set_current_kiln_config(tm.toy_config(mode=3, backend="eager")):
+        assert not Ignored(num_layers=1)._kiln_compile_enabled
+        assert not off(num_layers=1)._kiln_compile_enabled
+        assert tm.ToyModel(num_layers=1)._kiln_compile_enabled
+
+
+@pytest.mark.parametrize("mode", [1, 2, 3])
+def test_modes_match_eager_and_refuse_recompiles_after_warmup(mode):
+    model = tm.build(tm.toy_config(mode=mode, backend="eager"))
+    reference = tm.build(tm.toy_config(mode=0))
+    _check(model, reference, [16, 1, 7])
+    phase.end_warmup()
+    _check(model, reference, [2, 1, 9])  # new sizes: served without recompiling
+    ids, positions = tm.inputs(4)
+    with torch.no_grad(), pytest.raises(RecompileAfterWarmupError, match="int32|input_ids"):
+        model(ids.int(), positions)
+
+
+def test_mode3_counts_pieces_and_shares_identical_layers():
+    with compilation_counter.expect(num_graphs_seen=1, num_piecewise_graphs_seen=7,
+                                    num_piecewise_capturable_graphs_seen=4,
+                                    num_backend_compilations=3, num_cache_hits=1):
+        model = tm.build(tm.toy_config(mode=3, backend="eager", num_layers=3))
+        _check(model, tm.build(tm.toy_config(mode=0, num_layers=3)), [8])
+
+
+def test_no_dynamo_entry_after_first_call():
+    from torch._dynamo.convert_frame import register_bytecode_hook
+
+    model = tm.build(tm.toy_config(mode=3, backend="eager"))
+    reference = tm.build(tm.toy_config(mode=0))
+    _check(model, reference, [8])
+    conversions = []
+    handle = register_bytecode_hook(lambda code, new: conversions.append(code))
+    try:
+        torch._dynamo.reset()  # with Dynamo's caches gone, any entry into Dynamo would retrace
+        with compilation_counter.expect(num_graphs_seen=0, num_dynamo_traces=0):
+            _check(model, reference, [3, 1, 64])
+    finally:
+        handle.remove()
+    assert conversions == []
+
+
+def test_compile_size_beyond_budget_is_an_error():
+    model = tm.build(tm.toy_config(mode=3, backend="eager", max_num_batched_tokens=16))
+    _check(model, tm.build(tm.toy_config(mode=0)), [16])
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        model(*tm.inputs(17))
+
+
+def test_warmup_driver_runs_every_shape_then_ends_warmup():
+    assert warmup_sizes(64, [1, 8, 128]) == [64, 8, 1]
+    config = tm.toy_config(mode=3, backend="eager", compile_sizes=[1, 8])
+    model = tm.build(config)
+    seen = []
+    with torch.no_grad():
+        compile_and_warm_up(lambda n: seen.append(model(*tm.inputs(n)).shape[0]), config)
+    assert seen == [64, 8, 1] and phase.is_serving()
+    pieces = model._kiln_compile.backend.pieces
+    assert all(set(p.by_size) == {1, 8} for p in pieces.values())

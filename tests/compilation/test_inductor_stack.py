@@ -1,0 +1,152 @@
+"""Mode 3 on Inductor: shape dispatch, disk cache (warm start in a second process, key, corrupt
+artifacts, concurrent writers), debug dumps. One cold compile is shared by the module."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import toy_model as tm
+from _child import SIZES
+from kiln.compilation import phase
+from kiln.compilation.backend import KilnBackend
+from kiln.compilation.cache import CompileCache, cache_base_dir, compute_cache_key
+from kiln.compilation.counters import compilation_counter
+from kiln.compilation.warmup import compile_and_warm_up
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory):
+    """Cold-compile the toy model (range + sizes 1 and 8) into an empty cache."""
+    os.environ.pop("KILN_DISABLE_COMPILE_CACHE", None)
+    root = tmp_path_factory.mktemp("compile")
+    config = tm.toy_config(mode=3, compile_sizes=[1, 8], cache_dir=str(root / "cache"),
+                           debug_dump_path=str(root / "dump"))
+    model = tm.build(config)
+    before = compilation_counter.clone()
+    with torch.no_grad():
+        compile_and_warm_up(lambda n: model(*tm.inputs(n)), config)
+    deltas = {k: getattr(compilation_counter, k) - getattr(before, k) for k in vars(before)}
+    phase.reset_warmup()
+    return {"root": root, "config": config, "model": model, "deltas": deltas,
+            "reference": tm.build(tm.toy_config(mode=0))}
+
+
+def _run(model, n):
+    with torch.no_grad():
+        return model(*tm.inputs(n))
+
+
+def test_cold_compile_counts(cold):
+    d = cold["deltas"]
+    assert d["num_graphs_seen"] == 1
+    assert d["num_piecewise_graphs_seen"] == 5 and d["num_piecewise_capturable_graphs_seen"] == 3
+    assert d["num_inductor_compiles"] == 9  # 3 distinct pieces x (range, 1, 8)
+    assert d["num_compiled_artifacts_saved"] == 9 and d["num_compiled_artifacts_loaded"] == 0
+
+
+def test_exact_size_wins_else_range(cold):
+    model, reference = cold["model"], cold["reference"]
+    pieces = model._kiln_compile.backend.pieces.values()
+    phase.end_warmup()
+    for n, label in [(1, 1), (8, 8), (3, "range"), (64, "range")]:
+        before = [p.dispatch_counts[label] for p in pieces]
+        with compilation_counter.expect(num_inductor_compiles=0, num_graphs_seen=0):
+            torch.testing.assert_close(_run(model, n), _run(reference, n))
+        assert [p.dispatch_counts[label] - b for p, b in zip(pieces, before)] == [1, 1, 1]
+
+
+def test_cache_layout_and_debug_dump(cold):
+    backend: KilnBackend = cold["model"]._kiln_compile.backend
+    cache_dir = Path(backend.cache.dir)
+    assert cache_dir == cold["root"] / "cache" / backend.cache_key / "rank_0" / "ToyModel"
+    assert (cache_dir / "split_graph.py").read_text().count("submod_") >= 5
+    assert len(backend.cache.index) == 9 and len(list((cache_dir / "artifacts").iterdir())) == 9
+    assert any(p.name.endswith("toy_model.py") for p in map(Path, backend.traced))
+    assert (cache_dir.parent.parent / "inductor_cache").is_dir()
+    dump = cold["root"] / "dump" / "rank_0" / "ToyModel"
+    assert (dump / "split_graph.py").exists() and len(list(dump.glob("piece_*.py"))) == 5
+    assert list(dump.glob("output_code_*.py"))
+
+
+def test_warm_start_in_second_process_compiles_nothing(cold, tmp_path):
+    out = tmp_path / "out.pt"
+    subprocess.run([sys.executable, str(HERE / "_child.py"), str(cold["root"] / "cache"),
+                    str(out)], check=True, cwd=HERE, timeout=240)
+    result = torch.load(out)
+    c = result["counters"]
+    assert c["num_inductor_compiles"] == 0 and c["num_compiled_artifacts_loaded"] == 9
+    for n in SIZES:
+        assert torch.equal(result["outputs"][n], _run(cold["model"], n))
+
+
+def test_cache_key_follows_config_source_and_compiler(cold, tmp_path):
+    backend: KilnBackend = cold["model"]._kiln_compile.backend
+    files = list(backend.traced)
+    assert backend.key_for(files) == backend.cache_key
+    other = KilnBackend(tm.toy_config(mode=3, max_num_batched_tokens=128), "ToyModel")
+    assert other.key_for(files) != backend.cache_key
+    same = KilnBackend(tm.toy_config(mode=3, compile_sizes=[2]), "ToyModel")
+    assert same.key_for(files) == backend.cache_key  # compile sizes only add artifacts
+    source = tmp_path / "model.py"
+    source.write_text("x = 1\n")
+    key = compute_cache_key("cfg", [str(source)], "compiler", "cpu")
+    source.write_text("x = 2\n")
+    assert compute_cache_key("cfg", [str(source)], "compiler", "cpu") != key
+    assert compute_cache_key("cfg", [str(source)], "other", "cpu") != key
+
+
+def test_cache_root_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
+    assert cache_base_dir("") == tmp_path / "torch_compile_cache"
+    assert cache_base_dir(str(tmp_path / "x")) == tmp_path / "x"
+
+
+def test_corrupt_artifact_warns_recompiles_and_serves(cold, tmp_path, kiln_logs):
+    cache = tmp_path / "cache"
+    shutil.copytree(cold["root"] / "cache", cache)
+    artifacts = sorted(cache.glob("*/rank_0/ToyModel/artifacts/*_range.bin"))
+    artifacts[0].write_bytes(artifacts[0].read_bytes()[:100])  # truncated
+    config = tm.toy_config(mode=3, compile_sizes=[1, 8], cache_dir=str(cache))
+    model = tm.build(config)
+    with compilation_counter.expect(num_corrupt_artifacts=1, num_inductor_compiles=1,
+                                    num_compiled_artifacts_loaded=8):
+        with torch.no_grad():
+            compile_and_warm_up(lambda n: model(*tm.inputs(n)), config)
+    assert "failed to load" in kiln_logs.text
+    for n in (3, 1):
+        torch.testing.assert_close(_run(model, n), _run(cold["reference"], n))
+
+
+def _record_many(args):
+    cache_dir, worker = args
+    cache = CompileCache(Path(cache_dir), 0, "M")
+    for i in range(20):
+        cache.record(i, worker, "c", {"file": f"{worker}_{i}"})
+
+
+def test_concurrent_index_writers_keep_every_entry(tmp_path):
+    import multiprocessing as mp
+    with mp.get_context("spawn").Pool(2) as pool:
+        pool.map(_record_many, [(str(tmp_path), 0), (str(tmp_path), 1)])
+    assert len(CompileCache(tmp_path, 0, "M").index) == 40
+
+
+@pytest.mark.slow
+def test_two_processes_on_an_empty_cache_both_succeed(tmp_path):
+    outs = [tmp_path / f"out{i}.pt" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(HERE / "_child.py"), str(tmp_path / "cache"),
+                               str(o)], cwd=HERE) for o in outs]
+    assert [p.wait(timeout=500) for p in procs] == [0, 0]
+    results = [torch.load(o) for o in outs]
+    for n in SIZES:
+        assert torch.equal(results[0]["outputs"][n], results[1]["outputs"][n])
+    out = tmp_path / "warm.pt"
+    subprocess.run([sys.executable, str(HERE / "_child.py"), str(tmp_path / "cache"), str(out)],
+                   check=True, cwd=HERE, timeout=240)
+    assert torch.load(out)["counters"]["num_inductor_compiles"] == 0
