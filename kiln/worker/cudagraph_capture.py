@@ -22,16 +22,15 @@ def dummy_query_lens(desc: BatchDescriptor, max_num_reqs: int, max_model_len: in
     """Query length per request of the dummy batch a FULL graph is recorded with.
 
     All-decode keys: desc.num_reqs requests of one token. Token-count keys: the tokens spread
-    over min(num_tokens, max_num_reqs) requests, then zero-length requests up to max_num_reqs
-    (a FULL mixed graph always sees max_num_reqs metadata rows; see the runner's padding).
+    over min(num_tokens, max_num_reqs) requests (the remainder on the last); at serving such a
+    graph sees the real request count, so a FULL-capable backend must not bake it in.
     """
     n = desc.num_tokens
     if desc.uniform_decode:
         return np.ones(desc.num_reqs, dtype=np.int64)
     busy = min(n, max_num_reqs)
-    lens = np.zeros(max_num_reqs, dtype=np.int64)
-    lens[:busy] = n // busy
-    lens[busy - 1] += n % busy
+    lens = np.full(busy, n // busy, dtype=np.int64)
+    lens[-1] += n % busy
     if lens.max() > max_model_len:
         raise ValueError(f"a FULL graph of {n} tokens needs requests longer than max_model_len "
                          f"({max_model_len}); lower compilation_config.max_cudagraph_capture_size")

@@ -20,7 +20,7 @@ B = BatchDescriptor
 
 def test_dummy_query_lens():
     assert dummy_query_lens(B(4, 4, True), 8, 64).tolist() == [1, 1, 1, 1]
-    assert dummy_query_lens(B(2), 4, 64).tolist() == [1, 1, 0, 0]
+    assert dummy_query_lens(B(2), 4, 64).tolist() == [1, 1]
     assert dummy_query_lens(B(11), 4, 64).tolist() == [2, 2, 2, 5]
     assert dummy_query_lens(B(16), 1, 64).tolist() == [16]
     with pytest.raises(ValueError, match="max_cudagraph_capture_size"):
