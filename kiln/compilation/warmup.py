@@ -23,4 +23,5 @@ def compile_and_warm_up(run: Callable[[int], object], kiln_config,
     for size in sorted(sizes, reverse=True):
         run(size)
     end_warmup()
-    monitor.log_total()
+    if cc.mode:  # mode 0 compiled nothing
+        monitor.log_total()

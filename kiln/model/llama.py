@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from kiln.compilation.decorator import support_torch_compile
 from kiln.logger import init_logger
 from kiln.model.layers.activation import SiluAndMul
 from kiln.model.layers.attention import Attention
@@ -119,6 +120,7 @@ class LlamaStyleModel(nn.Module):
         return hidden
 
 
+@support_torch_compile
 class LlamaModel(LlamaStyleModel):
     pass
 

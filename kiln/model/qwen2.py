@@ -2,6 +2,7 @@
 
 Reuses the Llama blocks; only the attention's bias choice differs.
 """
+from kiln.compilation.decorator import support_torch_compile
 from kiln.model.llama import (LlamaAttention, LlamaDecoderLayer, LlamaStyleForCausalLM,
                               LlamaStyleModel)
 
@@ -18,6 +19,7 @@ class Qwen2DecoderLayer(LlamaDecoderLayer):
     attention_cls = Qwen2Attention
 
 
+@support_torch_compile
 class Qwen2Model(LlamaStyleModel):
     layer_cls = Qwen2DecoderLayer
 

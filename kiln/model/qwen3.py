@@ -4,6 +4,7 @@ Biases follow `attention_bias` (off in released Qwen3 checkpoints).
 """
 import torch
 
+from kiln.compilation.decorator import support_torch_compile
 from kiln.model.layers.layernorm import RMSNorm
 from kiln.model.llama import (LlamaAttention, LlamaDecoderLayer, LlamaStyleForCausalLM,
                               LlamaStyleModel)
@@ -29,6 +30,7 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
     attention_cls = Qwen3Attention
 
 
+@support_torch_compile
 class Qwen3Model(LlamaStyleModel):
     layer_cls = Qwen3DecoderLayer
 

@@ -102,8 +102,11 @@ class Worker:
         return sorted(sizes, reverse=True)
 
     def compile_or_warm_up_model(self) -> None:
-        for size in self.warmup_sizes():
-            self.model_runner.dummy_run(size)
+        from kiln.compilation.warmup import compile_and_warm_up
+
+        # Every compiled shape (range + compile_sizes) is built here; afterwards a compile raises.
+        compile_and_warm_up(self.model_runner.dummy_run, self.kiln_config,
+                            extra_sizes=self.warmup_sizes())
         current_platform.synchronize()
         # Warm-up must not change the sampling stream users see.
         current_platform.seed_everything(self.kiln_config.model_config.seed)
