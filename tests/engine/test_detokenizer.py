@@ -92,3 +92,22 @@ def test_delta_holds_back_possible_stop_prefix(tokenizer):
             break
     assert hit == "stop!"
     assert streamed == "we "
+
+
+def test_incremental_equals_full_decode_byte_level_bpe():
+    # GPT-2 / Qwen / SmolLM style tokenizers decode bytes lossily rather than by fallback runs.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["héllo wörld 日本語 once upon a time there was a cat"] * 20, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    for seed in range(100):
+        rng = random.Random(seed)
+        ids = [rng.randrange(len(tokenizer)) for _ in range(30)]
+        text, _ = stream(tokenizer, ids, rng, skip_special_tokens=True)
+        assert text == tokenizer.decode(ids, skip_special_tokens=True), (seed, ids)
