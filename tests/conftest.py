@@ -1,54 +1,9 @@
-"""Shared test fixtures: tiny random-weight HF checkpoints (Llama, Qwen2, Qwen3) and HF oracles.
-
-Checkpoints are built once per session with `transformers` and saved to a temp dir.
-"""
-import os
+"""Shared test fixtures: tiny random-weight HF checkpoints, built once per session."""
 from pathlib import Path
 
 import pytest
-import torch
 
-STORIES_DIR = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
-
-# Keep tests deterministic and light on a 2-core machine.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-
-
-def _tokenizer_dir() -> Path | None:
-    return STORIES_DIR if (STORIES_DIR / "tokenizer.json").exists() else None
-
-
-def make_tiny_checkpoint(path: Path, arch: str, *, tie: bool, seed: int = 0, **overrides) -> Path:
-    """Save a tiny random `arch` ("llama" | "qwen2" | "qwen3") checkpoint (and a tokenizer)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
-
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
-                  max_position_embeddings=512, tie_word_embeddings=tie, bos_token_id=1,
-                  eos_token_id=2)
-    common.update(overrides)
-    if arch == "llama":
-        config = LlamaConfig(**common)
-    elif arch == "qwen2":
-        config = Qwen2Config(**common)  # q/k/v projections carry a bias
-    elif arch == "qwen3":
-        config = Qwen3Config(head_dim=16, **common)  # per-head q/k RMSNorm, explicit head_dim
-    else:
-        raise ValueError(arch)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Random init is tiny; widen it so greedy tokens are decisive rather than near-ties.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.08)
-    model.save_pretrained(path, safe_serialization=True)
-    tok = _tokenizer_dir()
-    if tok is not None:
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if (tok / name).exists():
-                (path / name).write_bytes((tok / name).read_bytes())
-    return path
+from checkpoints import STORIES_DIR, hf_greedy, make_tiny_checkpoint, random_prompts  # noqa: F401 (re-exported)
 
 
 @pytest.fixture(scope="session")
@@ -64,24 +19,3 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", tie=False)
-
-
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """HF transformers' greedy continuation of each prompt (run one at a time: no padding)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = model.generate(x, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                               do_sample=False, pad_token_id=0)
-            outs.append(y[0, len(ids):].tolist())
-    return outs
-
-
-def random_prompts(n: int, lengths: list[int], vocab: int = 512, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=g).tolist()
-            for i in range(n)]

@@ -3,7 +3,7 @@ prefill, decode, preemption with and without kept prefix) must give HF's greedy 
 import pytest
 import torch
 
-from conftest import hf_greedy, random_prompts
+from checkpoints import hf_greedy, random_prompts
 from kiln.config import CacheConfig, KilnConfig, ModelConfig, SchedulerConfig
 from kiln.executor.uniproc_executor import UniprocExecutor
 from kiln.sampling_params import SamplingParams
