@@ -1,0 +1,264 @@
+"""`AsyncLLM`: many coroutines share one `LLMEngine`; a background task runs its step loop.
+
+Every engine call (add, abort, step, stats, tokenizer work) runs on one worker thread, in order,
+so the event loop stays responsive and an abort never races a running step.
+"""
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+from kiln.engine.output_merge import merge_delta, num_new_tokens
+from kiln.engine.request_stats import IterationStats, RequestTimer, StatLogger
+from kiln.logger import init_logger
+from kiln.outputs import RequestOutput
+from kiln.sampling_params import RequestOutputKind, SamplingParams
+
+logger = init_logger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop raised (or the engine shut down); in-flight and later requests get this."""
+
+
+class RequestStream:
+    """One request's outputs, in the kind its SamplingParams asked for."""
+
+    def __init__(self, request_id: str, kind: RequestOutputKind, arrival_time: float):
+        self.request_id = request_id
+        self.kind = kind
+        self.finished = False
+        self.timer = RequestTimer(arrival_time)
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._merged: RequestOutput | None = None  # CUMULATIVE / FINAL_ONLY accumulator
+
+    def put_delta(self, delta: RequestOutput) -> None:
+        """Feed one DELTA output from the engine; emit what this stream's kind wants."""
+        if self.kind == RequestOutputKind.DELTA:
+            self._queue.put_nowait(delta)
+            return
+        self._merged = merge_delta(self._merged, delta)
+        if self.kind == RequestOutputKind.CUMULATIVE or delta.finished:
+            self._queue.put_nowait(self._merged)
+
+    def put_error(self, error: BaseException) -> None:
+        self._queue.put_nowait(error)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+
+class AsyncLLM:
+    def __init__(self, engine, stat_loggers: Iterable[StatLogger] = ()):
+        self.engine = engine
+        self.stat_loggers = list(stat_loggers)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kiln-engine")
+        self._streams: dict[str, RequestStream] = {}
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._dead: BaseException | None = None
+        self._closed = False
+        self._pool_closed = False
+        self.last_stats: dict = {}
+
+    @classmethod
+    def from_engine_args(cls, engine_args, stat_loggers: Iterable[StatLogger] = ()) -> "AsyncLLM":
+        from kiln.engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine.from_engine_args(engine_args), stat_loggers)
+
+    # ---- properties the server reads -------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def kiln_config(self):
+        return self.engine.kiln_config
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None and not self._closed
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ---- engine-thread helpers -------------------------------------------------------------
+    async def run_in_engine(self, fn: Callable, *args, **kwargs) -> Any:
+        """Run `fn` on the engine thread, between steps (tokenizer and engine are not shared)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop failed: {self._dead!r}; restart the server")
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
+
+    # ---- requests --------------------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt, params: SamplingParams,
+                          arrival_time: float | None = None) -> RequestStream:
+        """Queue a request; raises ValueError (bad prompt or params) before anything is queued."""
+        self._check_alive()
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in flight; ids must be unique")
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        stream = RequestStream(request_id, params.output_kind, arrival_time)
+        # The engine always streams deltas to us; the stream rebuilds the kind the caller wants.
+        engine_params = params.clone()
+        engine_params.output_kind = RequestOutputKind.DELTA
+        self._streams[request_id] = stream
+        try:
+            await self.run_in_engine(self.engine.add_request, request_id, prompt, engine_params)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        self._start_loop()
+        return stream
+
+    async def generate(self, prompt, sampling_params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request; leaving the loop early (or being cancelled) aborts it."""
+        stream = await self.add_request(request_id, prompt, sampling_params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if not stream.finished:
+                self.abort_nowait(request_id)
+
+    async def abort(self, request_ids: str | list[str]) -> None:
+        """Abort requests and wait until the engine has freed their KV blocks."""
+        ids = self._forget(request_ids)
+        if ids:
+            await self.run_in_engine(self.engine.abort_request, ids)
+
+    def abort_nowait(self, request_ids: str | list[str]) -> None:
+        """Abort from code that cannot await (a cancelled coroutine's cleanup)."""
+        ids = self._forget(request_ids)
+        if ids and not self._pool_closed:
+            self._pool.submit(self._abort_logged, ids)
+
+    def _abort_logged(self, ids: list[str]) -> None:
+        try:
+            self.engine.abort_request(ids)
+        except Exception:  # noqa: BLE001 - an abort must never kill the engine thread
+            logger.exception("aborting %s failed", ids)
+
+    def _forget(self, request_ids: str | list[str]) -> list[str]:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None and not stream.finished:
+                self._record_abort(stream)
+        return ids
+
+    def _record_abort(self, stream: RequestStream) -> None:
+        stats = IterationStats()
+        stats.finished_reasons.append("abort")
+        stats.e2e_latencies.append(time.monotonic() - stream.timer.arrival_time)
+        for sl in self.stat_loggers:
+            sl.record(stats, self.last_stats)
+
+    async def get_stats(self) -> dict:
+        """Fresh engine stats, taken between steps (after any queued abort has run)."""
+        self.last_stats = await self.run_in_engine(self.engine.get_stats)
+        return self.last_stats
+
+    async def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
+        return await self.run_in_engine(self.engine.apply_chat_template, messages, **kwargs)
+
+    async def chat_prompt(self, messages: list[dict], **kwargs) -> dict:
+        """{"prompt": rendered text, "prompt_token_ids": ids} for a conversation."""
+        return await self.run_in_engine(self.engine.chat_prompt, messages, **kwargs)
+
+    # ---- the step loop ---------------------------------------------------------------------
+    def _start_loop(self) -> None:
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(),
+                                                                     name="kiln-engine-loop")
+        self._wake.set()
+
+    def _step(self) -> tuple[list[RequestOutput], bool, dict]:
+        outputs = self.engine.step()
+        return outputs, self.engine.has_unfinished_requests(), self.engine.get_stats()
+
+    async def _run_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while not self._closed:
+                await self._wake.wait()
+                # Cleared before stepping: an add that lands during the steps below sets it again.
+                self._wake.clear()
+                more = True
+                while more and not self._closed:
+                    outputs, more, self.last_stats = await loop.run_in_executor(self._pool,
+                                                                                self._step)
+                    self._dispatch(outputs)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - every waiter must learn the engine died
+            logger.exception("engine step loop failed; failing all in-flight requests")
+            self._dead = e
+            err = EngineDeadError(f"the engine loop failed: {e!r}")
+            for stream in self._streams.values():
+                stream.put_error(err)
+            self._streams.clear()
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        stats = IterationStats()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # aborted while the step ran
+                continue
+            stream.timer.observe(out, num_new_tokens(out), now, stats)
+            stream.put_delta(out)
+            if out.finished:
+                del self._streams[out.request_id]
+        for sl in self.stat_loggers:
+            sl.record(stats, self.last_stats)
+
+    # ---- shutdown --------------------------------------------------------------------------
+    async def shutdown(self, drain_timeout: float = 0.0) -> None:
+        """Let in-flight requests finish for up to `drain_timeout` s, abort the rest, stop."""
+        if self._closed:
+            return
+        deadline = time.monotonic() + drain_timeout
+        while self._streams and self._dead is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._streams and self._dead is None:
+            ids = list(self._streams)
+            streams = [self._streams[i] for i in ids]
+            await self.abort(ids)
+            for stream in streams:
+                stream.put_error(EngineDeadError("the engine shut down; request aborted"))
+        self._closed = True
+        if self._wake is not None:
+            self._wake.set()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - already logged
+                pass
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            await self.run_in_engine(shutdown)
+        self._pool_closed = True
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,70 @@
+"""`kiln serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) on one engine.
+
+Takes every engine flag of `kiln generate`, plus the server's own (host, port, key, limits).
+"""
+import argparse
+
+from kiln.engine.arg_utils import EngineArgs
+from kiln.envs import api_key as env_api_key
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from kiln.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES
+
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $KILN_API_KEY)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use (default: the --model value)")
+    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="refuse larger request bodies with HTTP 413")
+    g.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    g.add_argument("--disable-access-log", action="store_true",
+                   help="do not log one line per HTTP request")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace):
+    from kiln.entrypoints.openai.api_server import ServerSettings
+
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be >= 1, got "
+                         f"{args.max_request_body_bytes}")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    return ServerSettings(host=args.host, port=args.port, api_key=args.api_key or env_api_key(),
+                          served_model_names=args.served_model_name,
+                          max_request_body_bytes=args.max_request_body_bytes,
+                          graceful_shutdown_timeout=args.graceful_shutdown_timeout,
+                          access_log=not args.disable_access_log,
+                          log_level=args.uvicorn_log_level)
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("serve", help="serve the OpenAI HTTP API",
+                                   description="Serve a model over the OpenAI-compatible HTTP "
+                                               "API (completions, chat, models, metrics).")
+    parser.add_argument("model_tag", nargs="?", default=None,
+                        help="the model (same as --model)")
+    add_server_args(parser)
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kiln.engine.async_llm import AsyncLLM
+    from kiln.entrypoints.openai.api_server import serve
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    settings = settings_from_args(args)  # cheap checks before the model loads
+    llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+    serve(llm, settings)
+    return 0

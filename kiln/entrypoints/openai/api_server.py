@@ -1,0 +1,142 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app around one AsyncLLM, run by uvicorn.
+
+SIGINT / SIGTERM: uvicorn stops accepting, gives in-flight requests the grace period, then the
+app's shutdown aborts whatever is left and stops the engine; the process exits with 0.
+"""
+import contextlib
+import signal
+import threading
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from kiln.engine.async_llm import AsyncLLM
+from kiln.entrypoints.openai.errors import install_error_handlers
+from kiln.entrypoints.openai.metrics import ServerMetrics
+from kiln.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from kiln.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                              DetokenizeRequest, TokenizeRequest)
+from kiln.entrypoints.openai.serving_chat import ServingChat
+from kiln.entrypoints.openai.serving_completion import ServingCompletion
+from kiln.entrypoints.openai.serving_models import ServingModels
+from kiln.entrypoints.openai.serving_tokenization import ServingTokenization
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_names: list[str] | None = None  # None: the --model value
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    graceful_shutdown_timeout: float = 5.0  # seconds in-flight requests get on SIGTERM
+    access_log: bool = True
+    log_level: str = "info"
+
+
+def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
+    model_config = llm.kiln_config.model_config
+    models = ServingModels(settings.served_model_names or [str(model_config.model)],
+                           str(model_config.model), model_config.max_model_len)
+    metrics = ServerMetrics(models.default_name)
+    llm.stat_loggers.append(metrics)
+    completion = ServingCompletion(llm, models)
+    chat = ServingChat(llm, models)
+    tokenization = ServingTokenization(llm, models, model_config.vocab_size)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        logger.info("shutting down: aborting %d in-flight request(s)", llm.num_in_flight)
+        await llm.shutdown()
+
+    app = FastAPI(title="Kiln OpenAI-compatible server", lifespan=lifespan)
+    app.state.llm = llm
+    app.state.metrics = metrics
+    app.state.models = models
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if llm.is_running else 503)
+
+    @app.get("/version")
+    async def version():
+        from kiln.version import __version__
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def list_models():
+        return JSONResponse(models.list_models().model_dump())
+
+    @app.post("/v1/completions")
+    async def create_completion(req: CompletionRequest, raw: Request):
+        return await completion.create(req, raw)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(req: ChatCompletionRequest, raw: Request):
+        return await chat.create(req, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        return JSONResponse((await tokenization.tokenize(req)).model_dump(exclude_none=True))
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        return JSONResponse((await tokenization.detokenize(req)).model_dump())
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        if llm.is_running:
+            metrics.update_gauges(await llm.get_stats())
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    # Outermost first: auth refuses before the body is read; the size limit guards the rest.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, minus re-raising the caught signal after a graceful shutdown."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        originals = {sig: signal.signal(sig, self._on_signal)
+                     for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig, frame) -> None:
+        logger.info("received %s: finishing in-flight requests, then exiting",
+                    signal.Signals(sig).name)
+        self.handle_exit(sig, frame)
+
+
+def serve(llm: AsyncLLM, settings: ServerSettings) -> None:
+    """Serve until SIGINT / SIGTERM (blocking)."""
+    app = build_app(llm, settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port,
+                            log_level=settings.log_level, access_log=settings.access_log,
+                            timeout_graceful_shutdown=settings.graceful_shutdown_timeout,
+                            timeout_keep_alive=5, lifespan="on")
+    server = _Server(config)
+    server.run()
+    if not server.started:
+        raise RuntimeError(f"the server did not start on {settings.host}:{settings.port} "
+                           "(port in use?); pick another with --port")
+    logger.info("server stopped")

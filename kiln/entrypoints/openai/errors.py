@@ -1,0 +1,126 @@
+"""OpenAI-style errors: one exception type, its JSON body, and FastAPI handlers that emit it.
+
+Validation failures become HTTP 400 (not FastAPI's 422) and name the offending field in `param`.
+"""
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kiln.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+          404: "invalid_request_error", 405: "invalid_request_error",
+          413: "invalid_request_error", 500: "internal_server_error",
+          503: "service_unavailable"}
+
+
+class OpenAIError(Exception):
+    """An error a handler returns to the client as {"error": {message, type, param, code}}."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 code: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def error_body(message: str, status: int, param: str | None = None,
+               code: str | None = None) -> dict:
+    return OpenAIError(message, status=status, param=param, code=code).body()
+
+
+def param_from_message(message: str, fields: dict[str, str]) -> str | None:
+    """The request field a ValueError names: its first word, mapped through `fields`.
+
+    `fields` maps engine names (SamplingParams fields, "prompt") to the API field to report.
+    """
+    first = message.split(" ", 1)[0].strip(":,")
+    if first in fields:
+        return fields[first]
+    for name, api_name in fields.items():
+        if message.startswith(name + " ") or f" {name} " in f" {message} ":
+            return api_name
+    return None
+
+
+def _loc_to_param(loc: tuple) -> str | None:
+    """("body", "messages", 0, "content") -> "messages[0].content"; None for the whole body."""
+    parts = [p for p in loc if p != "body"]
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            if not out:  # a position in malformed JSON, not a field
+                return None
+            out += f"[{p}]"
+        elif "[" in p or p in ("str", "int", "float", "bool", "list", "dict", "none"):
+            break  # a union member tag pydantic appends; stop at the real field
+        else:
+            out += f".{p}" if out else p
+    return out or None
+
+
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    errors = exc.errors()
+    if not errors:
+        return OpenAIError("invalid request", param=None, code="invalid_request")
+    first = errors[0]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        detail = first.get("ctx", {}).get("error", first.get("msg", ""))
+        return OpenAIError(f"request body is not valid JSON: {detail}", code="json_invalid")
+    param = _loc_to_param(tuple(first.get("loc", ())))
+    msg = first.get("msg", "invalid value")
+    if kind == "missing":
+        text = f"missing required field {param!r}" if param else "missing request body"
+    elif param is None:
+        text = f"request body: {msg} (expected a JSON object)"
+    else:
+        shown = repr(first.get("input"))
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        text = f"{param}: {msg} (got {shown})"
+    if len(errors) > 1:
+        text += f" (and {len(errors) - 1} more problem(s))"
+    return OpenAIError(text, param=param, code=kind or "invalid_type")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        try:
+            phrase = HTTPStatus(exc.status_code).phrase
+        except ValueError:
+            phrase = "error"
+        message = exc.detail if isinstance(exc.detail, str) else phrase
+        err = OpenAIError(message, status=exc.status_code,
+                          code=phrase.lower().replace(" ", "_"))
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        logger.exception("unhandled error while serving a request")
+        return OpenAIError(f"internal error: {type(exc).__name__}: {exc}", status=500,
+                           code="internal_error").response()

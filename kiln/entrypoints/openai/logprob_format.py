@@ -1,0 +1,67 @@
+"""Engine logprobs -> the two OpenAI shapes: legacy completions and chat `content` entries.
+
+JSON has no -inf, so impossible tokens report a large negative number instead.
+"""
+import math
+
+from kiln.entrypoints.openai.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
+from kiln.outputs import Logprob
+
+_FLOOR = -9999.0
+
+
+def _finite(x: float) -> float:
+    return _FLOOR if math.isinf(x) or math.isnan(x) else max(float(x), _FLOOR)
+
+
+def token_text(token_id: int, lp: Logprob | None, tokenizer) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return tokenizer.decode([token_id])
+
+
+def _sampled(token_id: int, step: dict[int, Logprob]) -> Logprob | None:
+    return step.get(token_id)
+
+
+def _top(step: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k best candidates by rank (ties by logprob)."""
+    ranked = sorted(step.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None
+                                                  else math.inf, -kv[1].logprob))
+    return ranked[:k]
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], tokenizer,
+                        num_top: int, text_offset_start: int = 0) -> CompletionLogprobs:
+    """Legacy shape: parallel lists; `text_offset` counts characters from `text_offset_start`."""
+    out = CompletionLogprobs()
+    offset = text_offset_start
+    for tid, step in zip(token_ids, logprobs):
+        sampled = _sampled(tid, step)
+        text = token_text(tid, sampled, tokenizer)
+        out.tokens.append(text)
+        out.token_logprobs.append(None if sampled is None else _finite(sampled.logprob))
+        top = {}
+        for cand_id, cand in _top(step, num_top):
+            top[token_text(cand_id, cand, tokenizer)] = _finite(cand.logprob)
+        if sampled is not None:  # OpenAI always lists the sampled token among the candidates
+            top.setdefault(text, _finite(sampled.logprob))
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], tokenizer,
+                  num_top: int) -> list[TokenLogprob]:
+    entries = []
+    for tid, step in zip(token_ids, logprobs):
+        sampled = _sampled(tid, step)
+        text = token_text(tid, sampled, tokenizer)
+        top = [TopLogprob(token=(t := token_text(cid, c, tokenizer)),
+                          logprob=_finite(c.logprob), bytes=list(t.encode("utf-8")))
+               for cid, c in _top(step, num_top)]
+        entries.append(TokenLogprob(
+            token=text, logprob=_finite(sampled.logprob) if sampled is not None else _FLOOR,
+            bytes=list(text.encode("utf-8")), top_logprobs=top))
+    return entries

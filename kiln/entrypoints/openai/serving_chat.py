@@ -1,0 +1,151 @@
+"""POST /v1/chat/completions: messages -> the model's chat template -> one request of n samples.
+
+The template renders through the tokenizer's sandboxed Jinja environment (LLMEngine.chat_prompt,
+which tokenizes without extra special tokens, since templates write their own BOS).
+"""
+import time
+import uuid
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request
+
+from kiln.engine.async_llm import AsyncLLM, RequestStream
+from kiln.entrypoints.openai.errors import OpenAIError
+from kiln.entrypoints.openai.logprob_format import chat_logprobs
+from kiln.entrypoints.openai.protocol import (ChatCompletionChoice, ChatCompletionRequest,
+                                              ChatCompletionResponse,
+                                              ChatCompletionStreamResponse, ChatLogprobs,
+                                              ChatMessage, ChatResponseMessage, ChatStreamChoice,
+                                              DeltaMessage, make_usage)
+from kiln.entrypoints.openai.sampling import chat_sampling_params
+from kiln.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected,
+                                                    abort_unfinished, engine_error_event,
+                                                    merge_streams, sse, submit, until_disconnect)
+from kiln.entrypoints.openai.serving_models import ServingModels
+from kiln.outputs import CompletionOutput
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as plain dicts for the template; content parts other than text are refused."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise OpenAIError(f"content part type {part.type!r} is not supported (text "
+                                      "only)", param=f"messages[{i}].content[{j}]",
+                                      code="unsupported_content")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        entry = {"role": m.role, "content": content if content is not None else ""}
+        if m.name is not None:
+            entry["name"] = m.name
+        out.append(entry)
+    return out
+
+
+async def render_chat_prompt(llm: AsyncLLM, messages: list[ChatMessage],
+                             add_generation_prompt: bool, continue_final_message: bool = False,
+                             template_kwargs: dict | None = None) -> dict:
+    """The engine prompt for a conversation: {"prompt": text, "prompt_token_ids": ids}."""
+    if not messages:
+        raise OpenAIError("messages is empty: give at least one message", param="messages",
+                          code="invalid_value")
+    plain = template_messages(messages)
+    kwargs = dict(template_kwargs or {})
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
+        add_generation_prompt = False
+    try:
+        return await llm.chat_prompt(plain, add_generation_prompt=add_generation_prompt,
+                                     **kwargs)
+    except Exception as e:  # noqa: BLE001 - jinja errors, sandbox violations, no template
+        raise OpenAIError(f"could not render the chat template: {type(e).__name__}: {e}",
+                          param="messages", code="chat_template_error") from None
+
+
+class ServingChat:
+    def __init__(self, llm: AsyncLLM, models: ServingModels):
+        self.llm = llm
+        self.models = models
+
+    def _check_unsupported(self, req: ChatCompletionRequest) -> None:
+        if req.tools:
+            raise OpenAIError("tools (function calling) are not supported by this server",
+                              param="tools", code="unsupported_parameter")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise OpenAIError(f"response_format {req.response_format.type!r} is not supported; "
+                              "only 'text'", param="response_format",
+                              code="unsupported_parameter")
+
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        model = self.models.resolve(req.model)
+        self._check_unsupported(req)
+        params = chat_sampling_params(req)
+        prompt = await render_chat_prompt(self.llm, req.messages, req.add_generation_prompt,
+                                          req.continue_final_message, req.chat_template_kwargs)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await submit(self.llm, request_id, [prompt], params, "messages")
+        if req.stream:
+            return StreamingResponse(self._stream(req, model, request_id, streams),
+                                     media_type="text/event-stream")
+        try:
+            final = await until_disconnect(raw, self._collect(streams[0]))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        finally:
+            abort_unfinished(self.llm, streams)
+        choices = [ChatCompletionChoice(
+            index=o.index, message=ChatResponseMessage(content=o.text),
+            logprobs=self._logprobs(req, o), finish_reason=o.finish_reason,
+            stop_reason=o.stop_reason) for o in final.outputs]
+        usage = make_usage(len(final.prompt_token_ids), sum(len(o.token_ids)
+                                                            for o in final.outputs))
+        body = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+        return JSONResponse(body.model_dump())
+
+    async def _collect(self, stream: RequestStream):
+        final = None
+        async for out in stream:
+            final = out
+        return final
+
+    def _logprobs(self, req: ChatCompletionRequest, o: CompletionOutput) -> ChatLogprobs | None:
+        if not req.logprobs or o.logprobs is None:
+            return None
+        return ChatLogprobs(content=chat_logprobs(o.token_ids, o.logprobs, self.llm.tokenizer,
+                                                  req.top_logprobs or 0))
+
+    async def _stream(self, req, model, request_id, streams):
+        created = int(time.time())
+
+        def chunk(choices, usage=None) -> str:
+            return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
+                                                    choices=choices, usage=usage))
+
+        prompt_tokens = completion_tokens = 0
+        try:
+            # Every choice opens with the assistant role, as OpenAI's stream does.
+            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
+                                                                      content=""))
+                         for i in range(req.n)])
+            async for _, out in merge_streams(streams):
+                if out.prompt_token_ids:
+                    prompt_tokens = len(out.prompt_token_ids)
+                for o in out.outputs:
+                    completion_tokens += len(o.token_ids)
+                    if not o.text and not o.token_ids and o.finish_reason is None:
+                        continue
+                    yield chunk([ChatStreamChoice(
+                        index=o.index, delta=DeltaMessage(content=o.text),
+                        logprobs=self._logprobs(req, o), finish_reason=o.finish_reason,
+                        stop_reason=o.stop_reason)])
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield chunk([], make_usage(prompt_tokens, completion_tokens))
+        except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
+            yield engine_error_event(e)
+        finally:
+            abort_unfinished(self.llm, streams)
+        yield SSE_DONE

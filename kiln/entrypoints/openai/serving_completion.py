@@ -1,0 +1,126 @@
+"""POST /v1/completions: prompts (text or token ids, one or many) -> choices, whole or streamed.
+
+Choice index = prompt index * n + sample index, as OpenAI numbers them.
+"""
+import time
+import uuid
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request
+
+from kiln.engine.async_llm import AsyncLLM, RequestStream
+from kiln.entrypoints.openai.errors import OpenAIError
+from kiln.entrypoints.openai.logprob_format import completion_logprobs
+from kiln.entrypoints.openai.protocol import (CompletionChoice, CompletionRequest,
+                                              CompletionResponse, make_usage)
+from kiln.entrypoints.openai.sampling import completion_sampling_params
+from kiln.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected,
+                                                    abort_unfinished, engine_error_event,
+                                                    merge_streams, sse, submit, until_disconnect)
+from kiln.entrypoints.openai.serving_models import ServingModels
+from kiln.outputs import CompletionOutput, RequestOutput
+
+
+def engine_prompts(prompt) -> list:
+    """The OpenAI `prompt` field as a list of engine prompts (text or token-id dicts)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise OpenAIError("prompt is empty: give a string, a list of strings or token ids",
+                          param="prompt", code="invalid_value")
+    if all(isinstance(p, int) for p in prompt):
+        return [{"prompt_token_ids": list(prompt)}]
+    if all(isinstance(p, list) for p in prompt):
+        return [{"prompt_token_ids": list(p)} for p in prompt]
+    return list(prompt)
+
+
+class ServingCompletion:
+    def __init__(self, llm: AsyncLLM, models: ServingModels):
+        self.llm = llm
+        self.models = models
+
+    async def create(self, req: CompletionRequest, raw: Request) -> Response:
+        model = self.models.resolve(req.model)
+        params = completion_sampling_params(req)
+        prompts = engine_prompts(req.prompt)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await submit(self.llm, request_id, prompts, params, "prompt")
+        if req.stream:
+            return StreamingResponse(self._stream(req, model, request_id, prompts, streams),
+                                     media_type="text/event-stream")
+        try:
+            finals = await until_disconnect(raw, self._collect(streams))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        finally:
+            abort_unfinished(self.llm, streams)
+        return JSONResponse((await self._response(req, model, request_id, prompts,
+                                                  finals)).model_dump())
+
+    async def _collect(self, streams: list[RequestStream]) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async for i, out in merge_streams(streams):
+            finals[i] = out
+        return finals
+
+    async def _prompt_text(self, prompt, out: RequestOutput) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return await self.llm.run_in_engine(self.llm.tokenizer.decode, out.prompt_token_ids)
+
+    def _logprobs(self, req: CompletionRequest, o: CompletionOutput, offset: int):
+        if req.logprobs is None or o.logprobs is None:
+            return None
+        return completion_logprobs(o.token_ids, o.logprobs, self.llm.tokenizer, req.logprobs,
+                                   offset)
+
+    async def _response(self, req, model, request_id, prompts,
+                        finals: list[RequestOutput]) -> CompletionResponse:
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for i, out in enumerate(finals):
+            prompt_tokens += len(out.prompt_token_ids)
+            prefix = await self._prompt_text(prompts[i], out) if req.echo else ""
+            for o in out.outputs:
+                completion_tokens += len(o.token_ids)
+                choices.append(CompletionChoice(
+                    index=i * req.n + o.index, text=prefix + o.text,
+                    logprobs=self._logprobs(req, o, 0), finish_reason=o.finish_reason,
+                    stop_reason=o.stop_reason))
+        choices.sort(key=lambda c: c.index)
+        return CompletionResponse(id=request_id, model=model, choices=choices,
+                                  usage=make_usage(prompt_tokens, completion_tokens))
+
+    async def _stream(self, req, model, request_id, prompts, streams):
+        created = int(time.time())
+        prompt_tokens: dict[int, int] = {}
+        completion_tokens = 0
+        offsets: dict[int, int] = {}  # choice index -> characters sent (for text_offset)
+        try:
+            async for i, out in merge_streams(streams):
+                if out.prompt_token_ids:
+                    prompt_tokens[i] = len(out.prompt_token_ids)
+                for o in out.outputs:
+                    index = i * req.n + o.index
+                    text = o.text
+                    if req.echo and index not in offsets:
+                        text = await self._prompt_text(prompts[i], out) + text
+                    completion_tokens += len(o.token_ids)
+                    lp = self._logprobs(req, o, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + len(text)
+                    if not text and not o.token_ids and o.finish_reason is None:
+                        continue
+                    choice = CompletionChoice(index=index, text=text, logprobs=lp,
+                                              finish_reason=o.finish_reason,
+                                              stop_reason=o.stop_reason)
+                    yield sse(CompletionResponse(id=request_id, created=created, model=model,
+                                                 choices=[choice]))
+            if req.stream_options is not None and req.stream_options.include_usage:
+                usage = make_usage(sum(prompt_tokens.values()), completion_tokens)
+                yield sse(CompletionResponse(id=request_id, created=created, model=model,
+                                             choices=[], usage=usage))
+        except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
+            yield engine_error_event(e)
+        finally:
+            abort_unfinished(self.llm, streams)
+        yield SSE_DONE

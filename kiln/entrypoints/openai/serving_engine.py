@@ -1,0 +1,125 @@
+"""What the completion and chat handlers share: submitting prompts, merging their streams,
+server-sent events, and aborting when the client goes away.
+"""
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+
+from pydantic import BaseModel
+from starlette.requests import Request
+
+from kiln.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from kiln.entrypoints.openai.errors import OpenAIError, param_from_message
+from kiln.outputs import RequestOutput
+from kiln.sampling_params import SamplingParams
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: BaseModel | dict) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+def add_request_error(e: ValueError, prompt_param: str) -> OpenAIError:
+    """A ValueError from LLMEngine.add_request as a 400 naming the request field."""
+    message = str(e)
+    param = param_from_message(message, {"stop_token_ids": "stop_token_ids",
+                                         "prompt": prompt_param}) or prompt_param
+    code = "context_length_exceeded" if "max_model_len" in message else "invalid_value"
+    return OpenAIError(message, param=param, code=code)
+
+
+async def submit(llm: AsyncLLM, base_id: str, prompts: list, params: SamplingParams,
+                 prompt_param: str) -> list[RequestStream]:
+    """Add every prompt as its own request; if one is refused, none stays queued."""
+    streams: list[RequestStream] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            streams.append(await llm.add_request(rid, prompt, params))
+    except ValueError as e:
+        await llm.abort([s.request_id for s in streams])
+        raise add_request_error(e, prompt_param) from None
+    except EngineDeadError as e:
+        await llm.abort([s.request_id for s in streams])
+        raise OpenAIError(str(e), status=503, code="engine_dead") from None
+    except BaseException:
+        llm.abort_nowait([s.request_id for s in streams])
+        raise
+    return streams
+
+
+def abort_unfinished(llm: AsyncLLM, streams: list[RequestStream]) -> None:
+    ids = [s.request_id for s in streams if not s.finished]
+    if ids:
+        llm.abort_nowait(ids)
+
+
+async def merge_streams(streams: list[RequestStream]
+                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from every stream as they come; the caller aborts leftovers."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer below
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request: Request, work: Awaitable):
+    """Run `work`; if the client disconnects first, cancel it (its cleanup aborts requests)."""
+    work_task = asyncio.ensure_future(work)
+    watch = asyncio.create_task(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work_task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work_task not in done:
+        work_task.cancel()
+        try:
+            await work_task
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone anyway
+            pass
+        raise ClientDisconnected()
+    return work_task.result()
+
+
+class ClientDisconnected(Exception):
+    """The client hung up before a non-streaming response was ready."""
+
+
+def engine_error_event(e: Exception) -> str:
+    status = 503 if isinstance(e, EngineDeadError) else 500
+    err = OpenAIError(str(e), status=status, code="engine_error")
+    return sse(err.body())

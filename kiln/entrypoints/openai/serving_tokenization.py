@@ -1,0 +1,45 @@
+"""POST /tokenize and /detokenize: the server's tokenizer, for clients that count tokens.
+
+A tokenize request gives either `prompt` text or chat `messages` (rendered by the template).
+"""
+from kiln.engine.async_llm import AsyncLLM
+from kiln.entrypoints.openai.errors import OpenAIError
+from kiln.entrypoints.openai.protocol import (DetokenizeRequest, DetokenizeResponse,
+                                              TokenizeRequest, TokenizeResponse)
+from kiln.entrypoints.openai.serving_chat import render_chat_prompt
+from kiln.entrypoints.openai.serving_models import ServingModels
+
+
+class ServingTokenization:
+    def __init__(self, llm: AsyncLLM, models: ServingModels, vocab_size: int):
+        self.llm = llm
+        self.models = models
+        self.vocab_size = vocab_size
+
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        self.models.resolve(req.model)
+        tokenizer = self.llm.tokenizer
+        if (req.prompt is None) == (req.messages is None):
+            raise OpenAIError("give exactly one of prompt or messages", param="prompt",
+                              code="invalid_value")
+        if req.messages is not None:
+            ids = (await render_chat_prompt(self.llm, req.messages,
+                                            req.add_generation_prompt))["prompt_token_ids"]
+        else:
+            ids = await self.llm.run_in_engine(
+                lambda: list(tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)
+                             .input_ids))
+        strs = None
+        if req.return_token_strs:
+            strs = await self.llm.run_in_engine(tokenizer.convert_ids_to_tokens, ids)
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.models.max_model_len,
+                                token_strs=strs)
+
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self.models.resolve(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise OpenAIError(f"tokens contains {bad[0]}, outside the vocabulary "
+                              f"[0, {self.vocab_size})", param="tokens", code="invalid_value")
+        text = await self.llm.run_in_engine(self.llm.tokenizer.decode, req.tokens)
+        return DetokenizeResponse(prompt=text)

@@ -1,0 +1,142 @@
+"""A test double of LLMEngine for server tests that need no model: deterministic fake tokens.
+
+Token k of a request is (sum(prompt ids) + 7 * k) % vocab, detokenized as "<id> "; one token per
+request per step; it honours the DELTA output kind (the only one AsyncLLM asks for).
+"""
+import contextlib
+import threading
+import time
+from types import SimpleNamespace
+
+from kiln.outputs import CompletionOutput, Logprob, RequestOutput
+from kiln.sampling_params import SamplingParams
+
+VOCAB = 100
+EOS = 2
+
+
+class FakeTokenizer:
+    eos_token_id = EOS
+    chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = [3 + (ord(c) % (VOCAB - 3)) for c in text]
+        return SimpleNamespace(input_ids=([1] if add_special_tokens else []) + ids)
+
+    def decode(self, ids):
+        return "".join(f"{i} " for i in ids)
+
+    def convert_ids_to_tokens(self, ids):
+        return [f"<{i}>" for i in ids]
+
+
+class FakeEngine:
+    def __init__(self, max_model_len: int = 64, step_delay: float = 0.0):
+        self.tokenizer = FakeTokenizer()
+        model_config = SimpleNamespace(model="fake-model", max_model_len=max_model_len,
+                                       vocab_size=VOCAB)
+        self.kiln_config = SimpleNamespace(model_config=model_config)
+        self.step_delay = step_delay
+        self.requests: dict[str, dict] = {}
+        self.num_total_blocks = 32
+        self.aborted: list[str] = []
+        self.shut_down = False
+        self.busy = threading.Lock()  # proves no two engine calls overlap
+        self.fail_next_step = False
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        if not self.busy.acquire(blocking=False):
+            raise AssertionError("two engine calls ran at the same time")
+        try:
+            yield
+        finally:
+            self.busy.release()
+
+    def add_request(self, request_id, prompt, params: SamplingParams, arrival_time=None):
+        with self._exclusive():
+            if isinstance(prompt, str):
+                text, ids = prompt, self.tokenizer(prompt).input_ids
+            else:
+                text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if not ids:
+                raise ValueError("prompt is empty: give at least one token")
+            if len(ids) >= self.kiln_config.model_config.max_model_len:
+                raise ValueError(f"prompt length {len(ids)} leaves no room to generate within "
+                                 f"max_model_len {self.kiln_config.model_config.max_model_len}")
+            if request_id in self.requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            room = self.kiln_config.model_config.max_model_len - len(ids)
+            max_tokens = min(params.max_tokens or room, room)
+            self.requests[request_id] = dict(prompt=text, ids=ids, params=params, k=0,
+                                             max_tokens=max_tokens,
+                                             out=[[] for _ in range(params.n)])
+
+    def abort_request(self, request_ids):
+        with self._exclusive():
+            for rid in request_ids:
+                if self.requests.pop(rid, None) is not None:
+                    self.aborted.append(rid)
+
+    def _token(self, req, index):
+        return (sum(req["ids"]) + 7 * req["k"] + 13 * index) % (VOCAB - 3) + 3
+
+    def step(self):
+        with self._exclusive():
+            if self.fail_next_step:
+                raise RuntimeError("injected engine failure")
+            if self.step_delay:
+                time.sleep(self.step_delay)
+            outputs = []
+            for rid, req in list(self.requests.items()):
+                params = req["params"]
+                samples = []
+                for i in range(params.n):
+                    tid = self._token(req, i)
+                    text = f"{tid} "
+                    finish = None
+                    if req["k"] + 1 >= req["max_tokens"]:
+                        finish = "length"
+                    for s in params.stop:
+                        if s in "".join(f"{t} " for t in req["out"][i]) + text:
+                            finish, text = "stop", ""
+                    req["out"][i].append(tid)
+                    lps = None
+                    if params.logprobs is not None:
+                        lps = [{tid: Logprob(-0.5, 1, f"{tid} "),
+                                **{t: Logprob(-1.0 - r, r + 1, f"{t} ")
+                                   for r, t in enumerate(range(3, 3 + params.logprobs))
+                                   if t != tid}}]
+                    samples.append(CompletionOutput(index=i, text=text, token_ids=[tid],
+                                                    cumulative_logprob=-0.5 * (req["k"] + 1),
+                                                    logprobs=lps, finish_reason=finish))
+                req["k"] += 1
+                finished = all(s.finish_reason for s in samples)
+                outputs.append(RequestOutput(rid, req["prompt"], req["ids"], samples, finished))
+                if finished:
+                    del self.requests[rid]
+            return outputs
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def get_stats(self):
+        used = sum(1 for _ in self.requests)
+        return dict(num_running=len(self.requests), num_waiting=0,
+                    kv_cache_usage=used / self.num_total_blocks,
+                    num_free_blocks=self.num_total_blocks - used,
+                    num_total_blocks=self.num_total_blocks)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, **kw):
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment()
+        text = env.from_string(self.tokenizer.chat_template).render(messages=messages)
+        return text + ("assistant:" if add_generation_prompt else "")
+
+    def chat_prompt(self, messages, add_generation_prompt=True, **kw):
+        text = self.apply_chat_template(messages, add_generation_prompt, **kw)
+        return {"prompt": text, "prompt_token_ids": self.tokenizer(text, False).input_ids}
+
+    def shutdown(self):
+        self.shut_down = True

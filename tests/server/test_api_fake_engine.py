@@ -1,0 +1,215 @@
+"""The HTTP layer against a fake engine (no model): shapes, SSE, errors, auth, limits, metrics."""
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from kiln.engine.async_llm import AsyncLLM
+from kiln.entrypoints.openai.api_server import ServerSettings, build_app
+from kiln.entrypoints.openai.errors import _loc_to_param, param_from_message
+
+from .fake_engine import FakeEngine
+
+MODEL = "fake-model"
+
+
+@pytest.fixture(scope="module")
+def client():
+    llm = AsyncLLM(FakeEngine(max_model_len=64))
+    app = build_app(llm, ServerSettings(max_request_body_bytes=2000))
+    with TestClient(app) as c:
+        yield c
+
+
+def sse_events(client, path, body, headers=None):
+    with client.stream("POST", path, json=body, headers=headers) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def assert_error(r, status, param, code=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def test_health_models_version(client):
+    assert client.get("/health").status_code == 200
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == MODEL
+    assert client.get("/version").json()["version"]
+
+
+def test_completion_whole_and_streamed_agree(client):
+    body = dict(model=MODEL, prompt="hello", max_tokens=5, temperature=0)
+    whole = client.post("/v1/completions", json=body).json()
+    assert whole["object"] == "text_completion"
+    (choice,) = whole["choices"]
+    assert choice["finish_reason"] == "length" and len(choice["text"].split()) == 5
+    assert whole["usage"] == {"prompt_tokens": 6, "completion_tokens": 5, "total_tokens": 11}
+    events = sse_events(client, "/v1/completions",
+                        {**body, "stream": True, "stream_options": {"include_usage": True}})
+    text = "".join(c["text"] for e in events for c in e["choices"])
+    assert text == choice["text"]
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_completion_n_multi_prompt_token_ids_echo(client):
+    r = client.post("/v1/completions", json=dict(prompt=["ab", "cd"], n=2, max_tokens=3)).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+    assert r["choices"][0]["text"] != r["choices"][1]["text"]  # samples differ
+    r = client.post("/v1/completions", json=dict(prompt=[5, 6, 7], max_tokens=2, echo=True))
+    assert r.json()["choices"][0]["text"].startswith("5 6 7 ")
+    events = sse_events(client, "/v1/completions", dict(prompt=["ab", "cd"], n=2, max_tokens=3,
+                                                        stream=True))
+    assert {c["index"] for e in events for c in e["choices"]} == {0, 1, 2, 3}
+
+
+def test_completion_stop_and_logprobs(client):
+    r = client.post("/v1/completions", json=dict(prompt="hello", max_tokens=6, logprobs=2)).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 6
+    assert lp["text_offset"][1] == len(lp["tokens"][0])
+    assert all(lp["tokens"][i] in lp["top_logprobs"][i] for i in range(6))
+    second = r["choices"][0]["text"].split()[1]
+    r = client.post("/v1/completions", json=dict(prompt="hello", max_tokens=6, stop=second))
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_whole_streamed_and_logprobs(client):
+    body = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                logprobs=True, top_logprobs=2)
+    whole = client.post("/v1/chat/completions", json=body).json()
+    assert whole["object"] == "chat.completion"
+    msg = whole["choices"][0]["message"]
+    assert msg["role"] == "assistant" and len(msg["content"].split()) == 4
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4 and len(content[0]["top_logprobs"]) == 2
+    assert content[0]["bytes"] == list(content[0]["token"].encode())
+    events = sse_events(client, "/v1/chat/completions", {**body, "stream": True, "n": 2})
+    assert events[0]["object"] == "chat.completion.chunk"
+    assert [c["delta"]["role"] for c in events[0]["choices"]] == ["assistant", "assistant"]
+    text0 = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"]
+                    if c["index"] == 0)
+    assert text0 == msg["content"]
+    # multi-part text content is accepted; images are not
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    r = client.post("/v1/chat/completions", json=dict(messages=[{"role": "user",
+                                                                 "content": parts}]))
+    assert r.status_code == 200
+    r = client.post("/v1/chat/completions", json=dict(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]))
+    assert_error(r, 400, "messages[0].content[0]")
+
+
+@pytest.mark.parametrize("path,body,param,code", [
+    ("/v1/completions", dict(model="nope", prompt="x"), "model", "model_not_found"),
+    ("/v1/completions", dict(prompt="x" * 80), "prompt", "context_length_exceeded"),
+    ("/v1/completions", dict(prompt=[]), "prompt", None),
+    ("/v1/completions", dict(prompt="x", temperature=-1), "temperature", "invalid_value"),
+    ("/v1/completions", dict(prompt="x", top_p=5), "top_p", "invalid_value"),
+    ("/v1/completions", dict(prompt="x", n=0), "n", None),
+    ("/v1/completions", dict(prompt="x", max_tokens=0), "max_tokens", None),
+    ("/v1/completions", dict(prompt="x", logprobs=99), "logprobs", None),
+    ("/v1/completions", dict(prompt="x", presence_penalty=3), "presence_penalty", None),
+    ("/v1/completions", dict(prompt="x", temperature="hot"), "temperature", None),
+    ("/v1/completions", dict(prompt="x", stop=5), "stop", None),
+    ("/v1/completions", dict(temperature=0.5), "prompt", "missing"),
+    ("/v1/completions", dict(prompt="x", logit_bias={"5": 1}), "logit_bias", None),
+    ("/v1/chat/completions", dict(messages="hi"), "messages", None),
+    ("/v1/chat/completions", dict(messages=[]), "messages", None),
+    ("/v1/chat/completions", dict(messages=[{"content": "x"}]), "messages[0].role", "missing"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], logprobs=True,
+                                  top_logprobs=30), "top_logprobs", "invalid_value"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}],
+                                  max_completion_tokens=0), "max_completion_tokens", None),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x" * 80}]),
+     "messages", "context_length_exceeded"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], model="gpt-4"),
+     "model", "model_not_found"),
+    ("/detokenize", dict(tokens=[1, 10_000]), "tokens", None),
+])
+def test_bad_input_is_400_naming_the_field(client, path, body, param, code):
+    err = assert_error(client.post(path, json=body), 400, param, code)
+    assert err["type"] == "invalid_request_error"
+    # and the server keeps serving
+    assert client.post("/v1/completions", json=dict(prompt="x", max_tokens=1)).status_code == 200
+
+
+def test_malformed_json_wrong_body_unknown_route(client):
+    r = client.post("/v1/completions", content=b'{"prompt": "x",',
+                    headers={"content-type": "application/json"})
+    assert_error(r, 400, None, "json_invalid")
+    assert_error(client.post("/v1/completions", json=[1, 2]), 400, None)
+    assert_error(client.get("/v1/nothing"), 404, None)
+    assert_error(client.post("/v1/completions", content=b"x" * 5000,
+                             headers={"content-type": "application/json"}), 413, None,
+                 "request_too_large")
+
+
+def test_tokenize_detokenize(client):
+    r = client.post("/tokenize", json=dict(prompt="ab", return_token_strs=True)).json()
+    assert r["count"] == len(r["tokens"]) == 3 and r["max_model_len"] == 64
+    assert len(r["token_strs"]) == 3
+    chat = client.post("/tokenize", json=dict(messages=[{"role": "user", "content": "a"}])).json()
+    assert chat["count"] > 3
+    assert client.post("/detokenize", json=dict(tokens=[7, 8])).json() == {"prompt": "7 8 "}
+    assert_error(client.post("/tokenize", json=dict(model=MODEL)), 400, "prompt")
+
+
+def _samples(client) -> dict:
+    text = client.get("/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[s.name] = out.get(s.name, 0) + s.value
+    return out
+
+
+def test_metrics_parse_and_move(client):
+    before = _samples(client)
+    for name in ("kiln:num_requests_running", "kiln:num_requests_waiting",
+                 "kiln:kv_cache_usage_perc", "kiln:prompt_tokens_total",
+                 "kiln:generation_tokens_total", "kiln:time_to_first_token_seconds_count",
+                 "kiln:inter_token_latency_seconds_count"):
+        assert name in before, name
+    client.post("/v1/completions", json=dict(prompt="abc", max_tokens=4))
+    after = _samples(client)
+    assert after["kiln:generation_tokens_total"] - before["kiln:generation_tokens_total"] == 4
+    assert after["kiln:prompt_tokens_total"] - before["kiln:prompt_tokens_total"] == 4
+    assert after["kiln:time_to_first_token_seconds_count"] == \
+        before["kiln:time_to_first_token_seconds_count"] + 1
+    assert after["kiln:inter_token_latency_seconds_count"] == \
+        before["kiln:inter_token_latency_seconds_count"] + 3
+    assert after["kiln:num_requests_running"] == 0
+
+
+def test_api_key():
+    llm = AsyncLLM(FakeEngine())
+    with TestClient(build_app(llm, ServerSettings(api_key="sekrit"))) as c:
+        body = dict(prompt="x", max_tokens=1)
+        assert_error(c.post("/v1/completions", json=body), 401, None, "invalid_api_key")
+        assert_error(c.get("/v1/models", headers={"Authorization": "Bearer nope"}), 401, None)
+        ok = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer sekrit"})
+        assert ok.status_code == 200
+        assert c.get("/health").status_code == 200  # probes stay open
+
+
+def test_error_helpers():
+    fields = {"temperature": "temperature", "logprobs": "top_logprobs"}
+    assert param_from_message("temperature must be >= 0, got -1", fields) == "temperature"
+    assert param_from_message("logprobs must be None or an integer", fields) == "top_logprobs"
+    assert param_from_message("something else", fields) is None
+    assert _loc_to_param(("body", "messages", 0, "content")) == "messages[0].content"
+    assert _loc_to_param(("body", "stop", "str")) == "stop"
+    assert _loc_to_param(("body", 12)) is None

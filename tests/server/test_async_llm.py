@@ -1,0 +1,177 @@
+"""AsyncLLM against a fake engine: concurrency, output kinds, abort, cancellation, failures."""
+import asyncio
+
+import pytest
+
+from kiln.engine.async_llm import AsyncLLM, EngineDeadError
+from kiln.engine.output_merge import merge_delta
+from kiln.outputs import CompletionOutput, RequestOutput
+from kiln.sampling_params import RequestOutputKind, SamplingParams
+
+from .fake_engine import FakeEngine
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def params(kind=RequestOutputKind.DELTA, **kw):
+    return SamplingParams(temperature=0, output_kind=kind, **kw)
+
+
+def test_merge_delta_accumulates_text_tokens_and_logprobs():
+    a = RequestOutput("r", "p", [1, 2], [CompletionOutput(0, "he", [5], -1.0, [{5: None}])])
+    b = RequestOutput("r", None, [], [CompletionOutput(0, "llo", [6, 7], -3.0, [{6: None},
+                                                                               {7: None}],
+                                                       finish_reason="stop", stop_reason=2)],
+                      finished=True)
+    m = merge_delta(merge_delta(None, a), b)
+    (o,) = m.outputs
+    assert (o.text, o.token_ids, o.cumulative_logprob, len(o.logprobs)) == ("hello", [5, 6, 7],
+                                                                            -3.0, 3)
+    assert (o.finish_reason, o.stop_reason, m.finished, m.prompt, m.prompt_token_ids) == (
+        "stop", 2, True, "p", [1, 2])
+    assert a.outputs[0].text == "he"  # inputs untouched
+
+
+def test_output_kinds_and_many_concurrent_requests():
+    async def main():
+        llm = AsyncLLM(FakeEngine())
+        delta_ids, cumulative, finals = [], [], []
+
+        async def consume(i):
+            async for out in llm.generate(f"prompt {i}", params(max_tokens=5), f"d{i}"):
+                delta_ids.append((i, out.outputs[0].token_ids))
+
+        async def consume_cumulative():
+            async for out in llm.generate("abc", params(RequestOutputKind.CUMULATIVE,
+                                                        max_tokens=4), "c"):
+                cumulative.append(list(out.outputs[0].token_ids))
+
+        async def consume_final():
+            async for out in llm.generate("abc", params(RequestOutputKind.FINAL_ONLY,
+                                                        max_tokens=4), "f"):
+                finals.append(out)
+
+        await asyncio.gather(*(consume(i) for i in range(16)), consume_cumulative(),
+                             consume_final())
+        await llm.shutdown()
+        return delta_ids, cumulative, finals
+
+    delta_ids, cumulative, finals = run(main())
+    for i in range(16):
+        mine = [ids for j, ids in delta_ids if j == i]
+        assert len(mine) == 5 and all(len(ids) == 1 for ids in mine)
+    assert [len(c) for c in cumulative] == [1, 2, 3, 4]
+    assert cumulative[-1][:3] == cumulative[2]
+    assert len(finals) == 1 and finals[0].finished
+    assert finals[0].outputs[0].token_ids == cumulative[-1]  # same prompt, same tokens
+
+
+def test_add_request_error_surfaces_and_others_continue():
+    async def main():
+        engine = FakeEngine(max_model_len=16)
+        llm = AsyncLLM(engine)
+        good = asyncio.create_task(_collect(llm.generate("ok", params(max_tokens=6), "good")))
+        with pytest.raises(ValueError, match="max_model_len"):
+            await _collect(llm.generate("x" * 40, params(), "bad"))
+        with pytest.raises(ValueError, match="already in flight"):
+            await llm.add_request("good", "ok", params())
+        outs = await good
+        await llm.shutdown()
+        return outs
+
+    outs = run(main())
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == 6 and outs[-1].finished
+
+
+async def _collect(agen):
+    return [o async for o in agen]
+
+
+def test_cancelling_the_consumer_aborts_the_request():
+    async def main():
+        engine = FakeEngine(step_delay=0.01)
+        llm = AsyncLLM(engine)
+        seen = []
+
+        async def consume():
+            async for out in llm.generate("long", params(max_tokens=1000), "victim"):
+                seen.append(out)
+
+        task = asyncio.create_task(consume())
+        while len(seen) < 3:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        stats = await llm.get_stats()  # runs after the queued abort, on the engine thread
+        await llm.shutdown()
+        return engine, stats
+
+    engine, stats = run(main())
+    assert engine.aborted == ["victim"]
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_abort_ends_stream_and_frees_at_once():
+    async def main():
+        engine = FakeEngine(step_delay=0.01)
+        llm = AsyncLLM(engine)
+        stream = await llm.add_request("a", "x", params(max_tokens=1000))
+        await stream.__anext__()
+        await llm.abort("a")
+        running = engine.has_unfinished_requests()
+        await llm.shutdown()
+        return running, engine
+
+    running, engine = run(main())
+    assert not running and engine.aborted == ["a"]
+
+
+def test_engine_failure_fails_in_flight_requests_and_later_ones():
+    async def main():
+        engine = FakeEngine(step_delay=0.01)
+        llm = AsyncLLM(engine)
+        stream = await llm.add_request("a", "x", params(max_tokens=1000))
+        await stream.__anext__()
+        engine.fail_next_step = True
+        with pytest.raises(EngineDeadError, match="injected"):
+            async for _ in stream:
+                pass
+        assert not llm.is_running
+        with pytest.raises(EngineDeadError):
+            await llm.add_request("b", "x", params())
+        await llm.shutdown()
+
+    run(main())
+
+
+def test_shutdown_aborts_in_flight_and_stops_engine():
+    async def main():
+        engine = FakeEngine(step_delay=0.01)
+        llm = AsyncLLM(engine)
+        stream = await llm.add_request("a", "x", params(max_tokens=1000))
+        await stream.__anext__()
+        await llm.shutdown()
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for _ in stream:
+                pass
+        return engine
+
+    engine = run(main())
+    assert engine.aborted == ["a"] and engine.shut_down
+
+
+def test_shutdown_drain_lets_short_requests_finish():
+    async def main():
+        engine = FakeEngine(step_delay=0.005)
+        llm = AsyncLLM(engine)
+        task = asyncio.create_task(_collect(llm.generate("x", params(max_tokens=5), "a")))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0.01)
+        await llm.shutdown(drain_timeout=5.0)
+        return await task, engine
+
+    outs, engine = run(main())
+    assert outs[-1].finished and engine.aborted == []
