@@ -77,8 +77,9 @@ class ModelConfig:
 
     def _resolve_dtype(self, platform_default: torch.dtype) -> torch.dtype:
         if self.dtype == "auto":
-            config_dtype = getattr(self.hf_config, "torch_dtype", None) or getattr(
-                self.hf_config, "dtype", None)
+            # transformers 5 names it `dtype` (reading `torch_dtype` there logs a deprecation).
+            config_dtype = getattr(self.hf_config, "dtype", None) or getattr(
+                self.hf_config, "torch_dtype", None)
             if isinstance(config_dtype, str):
                 config_dtype = _DTYPES.get(config_dtype)
             if config_dtype == torch.float32 or config_dtype is None:

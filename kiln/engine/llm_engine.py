@@ -29,11 +29,10 @@ def get_executor_class(parallel_config: ParallelConfig) -> type:
                              "with --tensor-parallel-size > 1")
         from kiln.executor.uniproc_executor import UniprocExecutor
         return UniprocExecutor
-    if backend == "mp":
-        from kiln.executor.multiproc_executor import MultiprocExecutor
-        return MultiprocExecutor
-    from kiln.executor.ray_executor import RayExecutor
-    return RayExecutor
+    # Multi-process (mp) and Ray executors are not built yet: say so rather than fail to import.
+    raise ValueError(f"distributed_executor_backend {backend!r} (tensor_parallel_size="
+                     f"{parallel_config.tensor_parallel_size}) is not available in this version of "
+                     "Kiln; run with --tensor-parallel-size 1")
 
 
 class LLMEngine:
