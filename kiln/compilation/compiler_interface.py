@@ -91,6 +91,9 @@ class InductorStandaloneAdaptor(CompilerInterface):
             tmp = save_path.with_name(f".{save_path.name}.{os.getpid()}.tmp")
             artifact.save(path=str(tmp), format="binary")
             digest = file_sha256(tmp)
+            # Content-addressed name: two processes compiling the same piece write different
+            # bytes, and each index entry must keep naming the file whose checksum it holds.
+            save_path = save_path.with_name(f"{save_path.stem}_{digest[:12]}{save_path.suffix}")
             os.replace(tmp, save_path)  # atomic: readers see a whole file or none
             compilation_counter.num_compiled_artifacts_saved += 1
             handle = {"file": save_path.name, "sha256": digest, "format": "binary"}

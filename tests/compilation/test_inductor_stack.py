@@ -110,7 +110,7 @@ def test_cache_root_env(monkeypatch, tmp_path):
 def test_corrupt_artifact_warns_recompiles_and_serves(cold, tmp_path, kiln_logs):
     cache = tmp_path / "cache"
     shutil.copytree(cold["root"] / "cache", cache)
-    artifacts = sorted(cache.glob("*/rank_0/ToyModel/artifacts/*_range.bin"))
+    artifacts = sorted(cache.glob("*/rank_0/ToyModel/artifacts/*_range_*.bin"))
     artifacts[0].write_bytes(artifacts[0].read_bytes()[:100])  # truncated
     config = tm.toy_config(mode=3, compile_sizes=[1, 8], cache_dir=str(cache))
     model = tm.build(config)
