@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from kiln.attention.metadata import AttentionMetadata
+from kiln.compilation.cuda_graph import BatchDescriptor, CUDAGraphMode, wrap_model_for_full_cudagraph
 from kiln.core.outputs import (EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput,
                                SchedulerOutput)
 from kiln.forward_context import set_forward_context
@@ -17,6 +18,7 @@ from kiln.sample.logprobs import to_logprobs_lists
 from kiln.sample.sampler import Sampler
 from kiln.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from kiln.worker import input_prep
+from kiln.worker.cudagraph_capture import setup_cudagraphs
 from kiln.worker.input_batch import CachedRequestState, InputBatch
 
 logger = init_logger(__name__)
@@ -32,6 +34,8 @@ class StepInputs:
     attn_metadata: AttentionMetadata
     sample_req_ids: list[str]  # requests whose step reaches their last known token
     logits_indices: torch.Tensor  # [len(sample_req_ids)] int64, device
+    cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
+    batch_descriptor: BatchDescriptor | None = None
 
 
 class ModelRunner:
@@ -56,6 +60,10 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(kiln_config.model_config.seed)
         self._allocate_buffers()
+        # Before the model compiles: the piecewise backend reads the resolved mode.
+        self.cudagraph_dispatcher = setup_cudagraphs(kiln_config)
+        self._cudagraph_step: tuple[CUDAGraphMode, BatchDescriptor | None] = \
+            (CUDAGraphMode.NONE, None)
 
     # ---- buffers -------------------------------------------------------------------------
     def _allocate_buffers(self) -> None:
@@ -104,7 +112,8 @@ class ModelRunner:
     def load_model(self) -> None:
         from kiln.model.loader import get_model
 
-        self.model = get_model(self.kiln_config)
+        self.model = wrap_model_for_full_cudagraph(get_model(self.kiln_config),
+                                                   self.kiln_config.compilation_config)
 
     def padded_num_tokens(self, num_tokens: int) -> int:
         """Tokens the model runs for `num_tokens` real ones (the CUDA graph helper pads)."""
@@ -113,8 +122,11 @@ class ModelRunner:
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    attn_metadata: AttentionMetadata | None, num_tokens: int) -> torch.Tensor:
         """One forward of the model over `num_tokens` (possibly padded) tokens -> hidden
-        [num_tokens, H]. The compile / graph helpers override or wrap this."""
-        with set_forward_context(attn_metadata, self.kiln_config):
+        [num_tokens, H], as the graph the dispatcher chose for this step (self._cudagraph_step:
+        (mode, descriptor), set by execute_model; NONE for dummy runs)."""
+        mode, desc = self._cudagraph_step
+        with set_forward_context(attn_metadata, self.kiln_config, batch_descriptor=desc,
+                                 cudagraph_runtime_mode=mode):
             return self.model(input_ids, positions)
 
     @torch.inference_mode()
@@ -203,7 +215,15 @@ class ModelRunner:
                                f"{num_computed[i] + num_sched[i] - 1} but holds only "
                                f"{batch.num_blocks[rows[i]]} KV blocks of {self.block_size}")
         num_tokens = int(num_sched.sum())
-        num_input = self.padded_num_tokens(num_tokens)
+        uniform_decode = bool((num_sched == 1).all())
+        cg_mode, desc = self.cudagraph_dispatcher.dispatch(num_tokens, num_reqs, uniform_decode)
+        # With a graph the key fixes the size; eagerly, the padded_num_tokens hook does.
+        num_input = desc.num_tokens if cg_mode is not CUDAGraphMode.NONE \
+            else self.padded_num_tokens(num_tokens)
+        # A FULL all-decode graph was recorded for desc.num_reqs one-token requests: pad the
+        # metadata with dummy requests (1 token, seq_len 1, block 0, slot -1) to match.
+        md_reqs = desc.num_reqs if cg_mode is CUDAGraphMode.FULL and desc.uniform_decode \
+            else num_reqs
         if num_input > self.max_num_tokens:
             raise RuntimeError(f"step of {num_input} tokens exceeds the input buffers "
                                f"(max_num_batched_tokens={self.max_num_tokens})")
@@ -223,22 +243,27 @@ class ModelRunner:
         self.query_start_loc_np[:num_reqs + 1] = qsl
         seq_lens = num_computed + num_sched
         self.seq_lens_np[:num_reqs] = seq_lens
+        if md_reqs > num_reqs:
+            self.query_start_loc_np[num_reqs + 1:md_reqs + 1] = \
+                num_tokens + np.arange(1, md_reqs - num_reqs + 1)
+            self.seq_lens_np[num_reqs:md_reqs] = 1
+            self.block_table_np[num_reqs:md_reqs] = 0
 
         samples = input_prep.sampling_mask(num_computed, num_sched, known)
         n_sample = int(samples.sum())
         self.logits_indices_np[:n_sample] = input_prep.logits_indices(qsl, samples)
 
         attn_metadata = AttentionMetadata(
-            num_actual_tokens=num_tokens, num_reqs=num_reqs,
+            num_actual_tokens=num_tokens, num_reqs=md_reqs,
             max_query_len=int(num_sched.max()), max_seq_len=int(seq_lens.max()),
             query_start_loc=self._to_device(self.query_start_loc, self.query_start_loc_cpu,
-                                            num_reqs + 1),
-            seq_lens=self._to_device(self.seq_lens, self.seq_lens_cpu, num_reqs),
-            block_table=self._to_device(self.block_table, self.block_table_cpu, num_reqs),
+                                            md_reqs + 1),
+            seq_lens=self._to_device(self.seq_lens, self.seq_lens_cpu, md_reqs),
+            block_table=self._to_device(self.block_table, self.block_table_cpu, md_reqs),
             slot_mapping=self._to_device(self.slot_mapping, self.slot_mapping_cpu, num_input),
-            query_start_loc_cpu=self.query_start_loc_cpu[:num_reqs + 1],
-            seq_lens_cpu=self.seq_lens_cpu[:num_reqs],
-            uniform_decode=bool((num_sched == 1).all()))
+            query_start_loc_cpu=self.query_start_loc_cpu[:md_reqs + 1],
+            seq_lens_cpu=self.seq_lens_cpu[:md_reqs],
+            uniform_decode=uniform_decode)
         return StepInputs(
             req_ids=req_ids, num_tokens=num_tokens, num_input_tokens=num_input,
             input_ids=self._to_device(self.input_ids, self.input_ids_cpu, num_input),
@@ -246,7 +271,8 @@ class ModelRunner:
             attn_metadata=attn_metadata,
             sample_req_ids=[r for r, s in zip(req_ids, samples) if s],
             logits_indices=self._to_device(self.logits_indices, self.logits_indices_cpu,
-                                           n_sample))
+                                           n_sample),
+            cudagraph_mode=cg_mode, batch_descriptor=desc)
 
     def _sampling_metadata(self, states: list[CachedRequestState],
                            vocab_size: int) -> SamplingMetadata:
@@ -262,8 +288,12 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens:
             return EMPTY_MODEL_RUNNER_OUTPUT
         inputs = self._prepare_inputs(so)
-        hidden = self._run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata,
-                                 inputs.num_input_tokens)  # [num_input_tokens, H]
+        self._cudagraph_step = (inputs.cudagraph_mode, inputs.batch_descriptor)
+        try:
+            hidden = self._run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata,
+                                     inputs.num_input_tokens)  # [num_input_tokens, H]
+        finally:
+            self._cudagraph_step = (CUDAGraphMode.NONE, None)
 
         sampled: dict[str, int] = {}
         logprobs: dict[str, LogprobsLists] = {}

@@ -11,6 +11,7 @@ from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kiln.logger import init_logger
 from kiln.platforms import current_platform
 from kiln.worker import kv_cache_sizing
+from kiln.worker.cudagraph_capture import capture_model
 from kiln.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
@@ -107,6 +108,8 @@ class Worker:
         # Every compiled shape (range + compile_sizes) is built here; afterwards a compile raises.
         compile_and_warm_up(self.model_runner.dummy_run, self.kiln_config,
                             extra_sizes=self.warmup_sizes())
+        # Record every CUDA graph now, after compiling and before serving (no-op on CPU).
+        capture_model(self.model_runner, self.model_runner.cudagraph_dispatcher)
         current_platform.synchronize()
         # Warm-up must not change the sampling stream users see.
         current_platform.seed_everything(self.kiln_config.model_config.seed)
