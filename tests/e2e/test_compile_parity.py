@@ -1,0 +1,66 @@
+"""Compiled engines equal HF transformers token for token (float32), in every compile mode.
+
+Mixed-length batch with chunked prefill; mode 3 also checks the piece counters and that serving
+neither compiles nor enters Dynamo.
+"""
+import pytest
+import torch
+
+from checkpoints import hf_greedy, make_tiny_checkpoint, random_prompts
+from kiln import LLM, SamplingParams
+from kiln.compilation.counters import compilation_counter
+
+LENGTHS = [1, 9, 40, 150]  # 150 > the 64-token budget: chunked prefill
+NEW_TOKENS = 16
+NUM_LAYERS = 4  # deep enough for identical middle pieces (layers 1-3) to share a compile
+
+
+@pytest.fixture(scope="module")
+def llama4_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama4"), "llama", tie=False,
+                                num_hidden_layers=NUM_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def oracle(llama4_dir):
+    prompts = random_prompts(len(LENGTHS), LENGTHS, seed=11)
+    return prompts, hf_greedy(llama4_dir, prompts, NEW_TOKENS)
+
+
+def _generate(llm, prompts):
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _llm(model_dir, tmp_path, compilation_config):
+    return LLM(model=str(model_dir), dtype="float32", max_num_batched_tokens=64, max_num_seqs=8,
+               kv_cache_memory=0.05,
+               compilation_config={**compilation_config, "cache_dir": str(tmp_path / "cc")})
+
+
+@pytest.mark.parametrize("config", [
+    {"mode": 0}, {"mode": 1}, {"mode": 2}, {"mode": 3, "backend": "eager"},
+], ids=["mode0", "mode1", "mode2", "mode3-eager"])
+def test_modes_match_hf(llama4_dir, tmp_path, oracle, config):
+    prompts, expected = oracle
+    llm = _llm(llama4_dir, tmp_path, config)
+    assert _generate(llm, prompts) == expected
+
+
+def test_mode3_inductor_matches_hf_and_serves_without_compiling(llama4_dir, tmp_path, oracle):
+    prompts, expected = oracle
+    before = compilation_counter.clone()
+    llm = _llm(llama4_dir, tmp_path, {"mode": 3, "backend": "inductor"})
+    c = compilation_counter
+    assert c.num_piecewise_graphs_seen - before.num_piecewise_graphs_seen == 2 * NUM_LAYERS + 1
+    assert (c.num_piecewise_capturable_graphs_seen
+            - before.num_piecewise_capturable_graphs_seen) == NUM_LAYERS + 1
+    # One shape (the range): identical middle pieces share a compile, so fewer than N+1.
+    assert 0 < c.num_inductor_compiles - before.num_inductor_compiles < NUM_LAYERS + 1
+    dynamo_frames = sum(torch._dynamo.utils.counters["frames"].values())
+    with compilation_counter.expect(num_inductor_compiles=0, num_backend_compilations=0,
+                                    num_dynamo_traces=0, num_graphs_seen=0):
+        got = _generate(llm, prompts)
+    assert sum(torch._dynamo.utils.counters["frames"].values()) == dynamo_frames
+    assert got == expected
