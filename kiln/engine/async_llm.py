@@ -123,8 +123,14 @@ class AsyncLLM:
         self._streams[request_id] = stream
         try:
             await self.run_in_engine(self.engine.add_request, request_id, prompt, engine_params)
+        except ValueError:
+            self._streams.pop(request_id, None)  # refused: nothing entered the engine
+            raise
         except BaseException:
+            # Cancelled while the engine thread was adding it: it may be in; take it out again.
             self._streams.pop(request_id, None)
+            if not self._pool_closed:
+                self._pool.submit(self._abort_logged, [request_id])
             raise
         self._start_loop()
         return stream

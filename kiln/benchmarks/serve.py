@@ -1,0 +1,166 @@
+"""Online serving benchmark: streaming clients on loopback, Poisson arrivals, latency percentiles.
+
+Prompts are seeded random token ids of exactly `input_len` tokens; every request generates
+exactly `output_len` tokens (ignore_eos), so runs are comparable across engines and flags.
+"""
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft: float = 0.0  # seconds from send to the first token
+    itls: list[float] = field(default_factory=list)  # gaps between token-bearing chunks
+    latency: float = 0.0
+    output_tokens: int = 0
+    error: str = ""
+
+
+def random_token_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Skip the first ids (specials in most vocabularies).
+    low = min(3, vocab_size - 1)
+    return [[rng.randrange(low, vocab_size) for _ in range(input_len)] for _ in range(num)]
+
+
+def arrival_delays(num: int, rate: float, seed: int) -> list[float]:
+    """Gaps between sends: exponential (Poisson process) at `rate`/s; all zero for inf."""
+    if math.isinf(rate):
+        return [0.0] * num
+    if rate <= 0:
+        raise ValueError(f"--request-rate must be > 0 (or inf), got {rate}")
+    rng = random.Random(seed + 1)
+    return [rng.expovariate(rate) for _ in range(num)]
+
+
+def percentiles(values: list[float], qs=(50, 90, 99)) -> dict[str, float]:
+    """Linear-interpolated percentiles in milliseconds (NaN-free: 0 for no data)."""
+    out = {}
+    data = sorted(values)
+    for q in qs:
+        if not data:
+            out[f"p{q}"] = 0.0
+            continue
+        pos = (len(data) - 1) * q / 100
+        lo, hi = math.floor(pos), math.ceil(pos)
+        v = data[lo] + (data[hi] - data[lo]) * (pos - lo)
+        out[f"p{q}"] = round(v * 1000, 3)
+    out["mean"] = round(sum(data) / len(data) * 1000, 3) if data else 0.0
+    return out
+
+
+async def _one_request(session: aiohttp.ClientSession, url: str, model: str,
+                       prompt: list[int], output_len: int, headers: dict) -> RequestResult:
+    body = dict(model=model, prompt=prompt, max_tokens=output_len, temperature=0,
+                ignore_eos=True, stream=True, stream_options={"include_usage": True})
+    start = time.perf_counter()
+    result = RequestResult(ok=False)
+    last = None
+    try:
+        async with session.post(url, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return result
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", "error")
+                    return result
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices"):
+                    now = time.perf_counter()
+                    if last is None:
+                        result.ttft = now - start
+                    else:
+                        result.itls.append(now - last)
+                    last = now
+        result.latency = time.perf_counter() - start
+        result.ok = last is not None
+        if not result.ok:
+            result.error = "no tokens received"
+    except aiohttp.ClientError as e:
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+async def run_benchmark(base_url: str, num_prompts: int, input_len: int, output_len: int,
+                        request_rate: float, max_concurrency: int | None, seed: int = 0,
+                        api_key: str | None = None, vocab_size: int | None = None) -> dict:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    base_url = base_url.rstrip("/")
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        async with session.get(f"{base_url}/v1/models", headers=headers) as r:
+            r.raise_for_status()
+            model = (await r.json())["data"][0]["id"]
+        vocab = vocab_size or await _vocab_size(session, base_url)
+        prompts = random_token_prompts(num_prompts, input_len, vocab, seed)
+        delays = arrival_delays(num_prompts, request_rate, seed)
+        gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        url = f"{base_url}/v1/completions"
+
+        async def limited(prompt):
+            if gate is None:
+                return await _one_request(session, url, model, prompt, output_len, headers)
+            async with gate:
+                return await _one_request(session, url, model, prompt, output_len, headers)
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt, delay in zip(prompts, delays):
+            if delay:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(limited(prompt)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return summarize(results, duration, dict(
+        num_prompts=num_prompts, input_len=input_len, output_len=output_len,
+        request_rate=request_rate if not math.isinf(request_rate) else "inf",
+        max_concurrency=max_concurrency, model=model, base_url=base_url))
+
+
+async def _vocab_size(session, base_url: str) -> int:
+    """One past the largest id /detokenize accepts, by bisection (OpenAI has no vocab field)."""
+    async with session.post(f"{base_url}/detokenize", json={"tokens": [0]}) as r:
+        if r.status != 200:
+            raise ValueError(f"{base_url}/detokenize answered HTTP {r.status}; pass --vocab-size")
+    good, bad = 0, 1 << 22  # an id known to decode, and one assumed not to
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        async with session.post(f"{base_url}/detokenize", json={"tokens": [mid]}) as r:
+            if r.status == 200:
+                good = mid
+            else:
+                bad = mid
+    return bad
+
+
+def summarize(results: list[RequestResult], duration: float, config: dict) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    errors = sorted({r.error for r in results if not r.ok})
+    return {
+        **config,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": errors[:5],
+        "duration_s": round(duration, 3),
+        "requests_per_s": round(len(ok) / duration, 3) if duration else 0.0,
+        "output_tokens_per_s": round(out_tokens / duration, 3) if duration else 0.0,
+        "total_output_tokens": out_tokens,
+        "ttft_ms": percentiles([r.ttft for r in ok]),
+        "itl_ms": percentiles([g for r in ok for g in r.itls]),
+        "e2e_latency_ms": percentiles([r.latency for r in ok]),
+    }

@@ -1,0 +1,129 @@
+"""`kiln bench serve`: the online benchmark against --base-url, or against a `kiln serve` it
+starts itself with the given engine flags; prints one JSON line.
+"""
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import fields
+
+from kiln.engine.arg_utils import EngineArgs
+
+
+def _bench_subparsers(subparsers):
+    """The `kiln bench` subcommand group (created here if `bench throughput` did not)."""
+    bench = subparsers.choices.get("bench")
+    if bench is None:
+        bench = subparsers.add_parser("bench", help="benchmarks")
+        bench.set_defaults(func=lambda args: bench.print_help() or 2)
+    for action in bench._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action
+    return bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
+
+
+def register(subparsers) -> None:
+    parser = _bench_subparsers(subparsers).add_parser(
+        "serve", help="online serving benchmark over HTTP",
+        description="Streaming clients on loopback send random-token prompts at a Poisson rate; "
+                    "reports requests/s, output tokens/s, TTFT and ITL percentiles as JSON.")
+    parser.add_argument("--base-url", default=None,
+                        help="a running server (default: start `kiln serve` with the engine flags)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--request-rate", type=float, default=float("inf"),
+                        help="requests per second (Poisson); inf sends all at once")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="most requests in flight at once (default: no limit)")
+    parser.add_argument("--prompt-seed", dest="bench_seed", type=int, default=0,
+                        help="seed of the prompts and arrival times (--seed is the engine's)")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="prompt token ids are drawn below this (default: ask the server)")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--server-start-timeout", type=float, default=600.0)
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(func=run)
+
+
+def engine_flags(engine_args: EngineArgs) -> list[str]:
+    """CLI flags that rebuild `engine_args` in a `kiln serve` child (non-defaults only)."""
+    default = EngineArgs()
+    argv = []
+    for f in fields(EngineArgs):
+        value = getattr(engine_args, f.name)
+        if value == getattr(default, f.name):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"`kiln serve` exited with code {proc.returncode} before it was "
+                               "ready; see its log above")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"`kiln serve` not ready after {timeout:.0f} s; raise "
+                       "--server-start-timeout")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kiln.benchmarks.serve import run_benchmark
+
+    if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
+        raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    proc = None
+    base_url = args.base_url
+    if base_url is None:
+        port = _free_port()
+        base_url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "kiln.entrypoints.cli.main", "serve", "--port", str(port),
+               "--disable-access-log", *engine_flags(EngineArgs.from_cli_args(args))]
+        if args.api_key:
+            cmd += ["--api-key", args.api_key]
+        print("starting: " + " ".join(cmd), file=sys.stderr, flush=True)
+        proc = subprocess.Popen(cmd, stdout=sys.stderr, env=os.environ.copy())
+    try:
+        if proc is not None:
+            _wait_healthy(base_url, proc, args.server_start_timeout)
+        report = asyncio.run(run_benchmark(
+            base_url, args.num_prompts, args.input_len, args.output_len, args.request_rate,
+            args.max_concurrency, seed=args.bench_seed, api_key=args.api_key,
+            vocab_size=args.vocab_size))
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    print(json.dumps(report), flush=True)
+    return 0 if report["failed"] == 0 else 1

@@ -1,0 +1,47 @@
+"""`kiln bench serve`'s pure parts: arrivals, prompts, percentiles, flags for the child server."""
+import math
+
+from kiln.benchmarks.serve import (RequestResult, arrival_delays, percentiles,
+                                   random_token_prompts, summarize)
+from kiln.engine.arg_utils import EngineArgs
+from kiln.entrypoints.cli.bench_serve import engine_flags
+from kiln.entrypoints.cli.main import build_parser
+
+
+def test_arrivals_are_poisson_at_the_rate_and_zero_for_inf():
+    assert arrival_delays(5, math.inf, 0) == [0.0] * 5
+    gaps = arrival_delays(4000, 20.0, 0)
+    assert abs(sum(gaps) / len(gaps) - 1 / 20) < 0.005
+    assert gaps == arrival_delays(4000, 20.0, 0)  # seeded
+
+
+def test_prompts_have_the_length_and_stay_in_vocab():
+    prompts = random_token_prompts(3, 7, 50, seed=1)
+    assert [len(p) for p in prompts] == [7, 7, 7]
+    assert all(3 <= t < 50 for p in prompts for t in p)
+
+
+def test_percentiles_in_ms():
+    p = percentiles([0.001 * i for i in range(1, 101)])
+    assert p["p50"] == 50.5 and p["p99"] == 99.01 and p["mean"] == 50.5
+    assert percentiles([]) == {"p50": 0.0, "p90": 0.0, "p99": 0.0, "mean": 0.0}
+
+
+def test_summary_counts_only_completed_requests():
+    results = [RequestResult(ok=True, ttft=0.1, itls=[0.01, 0.02], latency=0.2,
+                             output_tokens=3),
+               RequestResult(ok=False, error="HTTP 500: boom")]
+    s = summarize(results, 2.0, {"num_prompts": 2})
+    assert (s["completed"], s["failed"], s["errors"]) == (1, 1, ["HTTP 500: boom"])
+    assert s["requests_per_s"] == 0.5 and s["output_tokens_per_s"] == 1.5
+    assert s["ttft_ms"]["p50"] == 100.0 and s["itl_ms"]["p50"] == 15.0
+
+
+def test_engine_flags_round_trip_through_kiln_serve_parser():
+    ea = EngineArgs(model="/m", enforce_eager=True, max_model_len=256, compilation_config="0",
+                    enable_prefix_caching=False, kv_cache_memory=0.5)
+    argv = engine_flags(ea)
+    args = build_parser().parse_args(["serve", *argv])
+    assert EngineArgs.from_cli_args(args) == ea
+    bench = build_parser().parse_args(["bench", "serve", "--num-prompts", "3", *argv])
+    assert bench.num_prompts == 3 and EngineArgs.from_cli_args(bench) == ea
