@@ -10,6 +10,8 @@ SUBCOMMANDS = [
     "kiln.entrypoints.cli.generate",
     "kiln.entrypoints.cli.chat",
     "kiln.entrypoints.cli.bench_throughput",
+    "kiln.entrypoints.cli.serve",
+    "kiln.entrypoints.cli.bench_serve",
 ]
 
 # A user error (bad flag value, missing file) exits with this code and one line, no traceback.
