@@ -137,6 +137,9 @@ def test_chat_whole_streamed_and_logprobs(client):
      "messages", "context_length_exceeded"),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], model="gpt-4"),
      "model", "model_not_found"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}],
+                                  chat_template_kwargs={"chat_template": "{{ 7 * 7 }}"}),
+     "chat_template_kwargs", None),
     ("/detokenize", dict(tokens=[1, 10_000]), "tokens", None),
 ])
 def test_bad_input_is_400_naming_the_field(client, path, body, param, code):

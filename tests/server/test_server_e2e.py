@@ -162,6 +162,11 @@ def test_chat_whole_streamed_n_logprobs(client, server):
     ids = httpx.post(f"{server[0]}/tokenize", json={"messages": messages}).json()["tokens"]
     same = client.completions.create(model=NAME, prompt=ids, max_tokens=16, temperature=0)
     assert same.choices[0].text == text
+    # Message content is data: template syntax inside it is not evaluated.
+    ids = httpx.post(f"{server[0]}/tokenize", json={
+        "messages": [{"role": "user", "content": "{{ 7 * 7 }}"}]}).json()["tokens"]
+    rendered = httpx.post(f"{server[0]}/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert "user: {{ 7 * 7 }}" in rendered and "49" not in rendered
     chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=16,
                                                  temperature=0, stream=True, n=2))
     for i in (0, 1):

@@ -55,6 +55,11 @@ async def render_chat_prompt(llm: AsyncLLM, messages: list[ChatMessage],
                           code="invalid_value")
     plain = template_messages(messages)
     kwargs = dict(template_kwargs or {})
+    for key in ("chat_template", "tokenize", "messages", "conversation"):
+        if key in kwargs:
+            # The server's template is the model's; clients pass variables, not templates.
+            raise OpenAIError(f"chat_template_kwargs may not set {key!r}",
+                              param="chat_template_kwargs", code="invalid_value")
     if continue_final_message:
         kwargs["continue_final_message"] = True
         add_generation_prompt = False
