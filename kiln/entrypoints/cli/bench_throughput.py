@@ -3,9 +3,16 @@
 `--backend hf` also times HF transformers generate on the same prompts and adds the ratio.
 """
 import argparse
+import importlib
 import json
 
 from kiln.engine.arg_utils import EngineArgs
+
+# Other benchmarks: modules whose register_bench(kinds) adds their parser under `kiln bench`.
+BENCHMARKS = [
+    "kiln.entrypoints.cli.bench_latency",
+    "kiln.entrypoints.cli.bench_compile",
+]
 
 
 def register(subparsers) -> None:
@@ -22,6 +29,8 @@ def register(subparsers) -> None:
                         help="hf: also run HF transformers generate and report kiln/hf")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run)
+    for name in BENCHMARKS:
+        importlib.import_module(name).register_bench(kinds)
     bench.set_defaults(func=lambda args: bench.print_help() or 2)
 
 

@@ -10,6 +10,7 @@ SUBCOMMANDS = [
     "kiln.entrypoints.cli.generate",
     "kiln.entrypoints.cli.chat",
     "kiln.entrypoints.cli.bench_throughput",
+    "kiln.entrypoints.cli.compile",
     "kiln.entrypoints.cli.serve",
     "kiln.entrypoints.cli.bench_serve",
 ]

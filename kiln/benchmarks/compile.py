@@ -1,0 +1,275 @@
+"""Compile start-up, measured: run everything the engine does before serving and report it
+(`kiln compile`), and cold vs warm start-up, each in its own process (`kiln bench compile`).
+"""
+import dataclasses
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kiln import envs
+from kiln.compilation import monitor
+from kiln.compilation.counters import compilation_counter
+from kiln.config import CompilationConfig, CompilationMode
+from kiln.engine.arg_utils import EngineArgs
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
+
+# Flags the `kiln compile` child of `kiln bench compile` is started with, besides engine flags.
+CHILD_COMMAND = [sys.executable, "-m", "kiln.entrypoints.cli.main", "compile", "--json"]
+
+
+# ---- compilation-config specs ---------------------------------------------------------------
+
+def spec_to_dict(value) -> dict:
+    """A compilation-config spec (None, 3, "3", JSON text, dict, CompilationConfig) as a dict of
+    the fields it sets, checked by CompilationConfig.from_cli (ValueError names the field)."""
+    if value is None:
+        return {}
+    if isinstance(value, CompilationConfig):
+        out = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)
+               if f.name != "static_forward_context"}
+        out["mode"] = None if value.mode is None else int(value.mode)
+        return out
+    if isinstance(value, bool):
+        raise ValueError(f"a compilation config must be a mode or JSON object, got {value!r}")
+    if isinstance(value, int):
+        out = {"mode": value}
+    elif isinstance(value, dict):
+        out = dict(value)
+    else:
+        text = str(value).strip()
+        if text.isdigit():
+            out = {"mode": int(text)}
+        else:
+            try:
+                out = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"compilation config {text!r} is neither a mode number nor "
+                                 f"JSON: {e}") from None
+            if not isinstance(out, dict):
+                raise ValueError(f"compilation config JSON must be an object, got {text!r}")
+    CompilationConfig.from_cli(dict(out))  # validate now, before any model is loaded
+    return out
+
+
+# ---- one start-up, in this process ----------------------------------------------------------
+
+def _timed_executor_class(base: type, timings: dict) -> type:
+    """`base` with each pre-serving stage timed into `timings`."""
+
+    class TimedExecutor(base):
+        def __init__(self, kiln_config):
+            start = time.perf_counter()
+            super().__init__(kiln_config)
+            timings["load_model_s"] = time.perf_counter() - start
+
+        def determine_num_blocks(self) -> int:
+            # On CUDA this includes the profiling forward, which is the first call: it compiles.
+            start = time.perf_counter()
+            try:
+                return super().determine_num_blocks()
+            finally:
+                timings["profile_kv_cache_s"] = time.perf_counter() - start
+
+        def compile_or_warm_up_model(self) -> None:
+            start = time.perf_counter()
+            try:
+                super().compile_or_warm_up_model()
+            finally:
+                timings["warmup_s"] = time.perf_counter() - start
+
+    return TimedExecutor
+
+
+def _counter_deltas(before) -> dict:
+    return {f.name: getattr(compilation_counter, f.name) - getattr(before, f.name)
+            for f in dataclasses.fields(compilation_counter)}
+
+
+def per_shape_summary(events: list[dict]) -> list[dict]:
+    """Monitor events (one per piece and shape) grouped by shape: range first, then sizes."""
+    rows: dict[str, dict] = {}
+    for e in events:
+        row = rows.setdefault(e["shape"], {"shape": e["shape"], "compiled": 0, "loaded": 0,
+                                           "reused": 0, "compile_s": 0.0, "load_s": 0.0})
+        row[e["action"]] += 1
+        row["load_s" if e["action"] == "loaded" else "compile_s"] += e["s"]
+
+    def order(label: str):
+        return (0, 0) if label == "range" else (1, int(label.removeprefix("size ")))
+
+    out = [rows[k] for k in sorted(rows, key=order)]
+    for row in out:
+        row["compile_s"], row["load_s"] = round(row["compile_s"], 4), round(row["load_s"], 4)
+    return out
+
+
+def compile_report(engine_args: EngineArgs) -> dict:
+    """Build the engine's config, load the model, size the KV cache, compile and warm up every
+    shape (all the engine does before serving), and report what the compile stack did."""
+    from kiln.core.engine_core import EngineCore
+    from kiln.engine.llm_engine import get_executor_class
+
+    start = time.perf_counter()
+    kiln_config = engine_args.create_kiln_config()
+    config_s = time.perf_counter() - start
+    counters_before = compilation_counter.clone()
+    s = monitor.stats
+    events_before, dirs_before = len(s.events), set(s.cache_dirs)
+    trace0, compile0, load0 = s.trace_s, s.compile_s, s.load_s
+    timings: dict[str, float] = {}
+    executor_class = _timed_executor_class(get_executor_class(kiln_config.parallel_config),
+                                           timings)
+    core = EngineCore(kiln_config, executor_class)
+    total_s = time.perf_counter() - start
+    try:
+        mc, cc = kiln_config.model_config, kiln_config.compilation_config
+        d = _counter_deltas(counters_before)
+        cache_dirs = {p: state for p, state in s.cache_dirs.items() if p not in dirs_before}
+        events = s.events[events_before:]
+        return {
+            "model": mc.model, "architecture": mc.architecture, "num_layers": mc.num_layers,
+            "device": kiln_config.device_config.device,
+            "dtype": str(mc.torch_dtype).removeprefix("torch."),
+            "compilation_mode": int(cc.mode), "compilation_mode_name": CompilationMode(cc.mode).name,
+            "backend": cc.backend, "splitting_ops": list(cc.splitting_ops),
+            "pieces": {"total": d["num_piecewise_graphs_seen"],
+                       "compiled": d["num_piecewise_capturable_graphs_seen"],
+                       "graphs": d["num_graphs_seen"]},
+            "shapes": {"range": [1, kiln_config.scheduler_config.max_num_batched_tokens],
+                       "compile_sizes": list(cc.compile_sizes)},
+            "per_shape": per_shape_summary(events),
+            "events": [{**e, "s": round(e["s"], 4)} for e in events],
+            "cache": {"enabled": not envs.disable_compile_cache(), "dirs": cache_dirs,
+                      "key_dirs": sorted({str(Path(p).parents[1]) for p in cache_dirs}),
+                      "inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+                      "hits": d["num_cache_hits"], "misses": d["num_cache_misses"],
+                      "corrupt": d["num_corrupt_artifacts"]},
+            "inductor": {"compiles": d["num_inductor_compiles"],
+                         "artifacts_loaded": d["num_compiled_artifacts_loaded"],
+                         "artifacts_saved": d["num_compiled_artifacts_saved"]},
+            "counters": d,
+            "times": {"total_s": round(total_s, 4), "config_s": round(config_s, 4),
+                      **{k: round(v, 4) for k, v in timings.items()},
+                      "trace_s": round(s.trace_s - trace0, 4),
+                      "compile_s": round(s.compile_s - compile0, 4),
+                      "artifact_load_s": round(s.load_s - load0, 4)},
+        }
+    finally:
+        core.shutdown()
+
+
+# ---- cold vs warm, each in a fresh process --------------------------------------------------
+
+def engine_cli_args(engine_args: EngineArgs) -> list[str]:
+    """The engine flags that rebuild `engine_args` (non-default fields only)."""
+    default = EngineArgs()
+    argv: list[str] = []
+    for f in dataclasses.fields(EngineArgs):
+        value = getattr(engine_args, f.name)
+        if value == getattr(default, f.name):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "enforce_eager":
+            argv.append(flag)
+        elif f.name == "enable_prefix_caching":
+            argv.append(flag if value else "--no-enable-prefix-caching")
+        elif f.name == "compilation_config":
+            argv += [flag, json.dumps(spec_to_dict(value))]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def child_env(base: dict, root: Path) -> dict:
+    """The environment of a `kiln compile` child: the compile cache on, and any Inductor cache
+    use before Kiln points it under its own cache landing in `root`, where it is visible."""
+    if envs.disable_compile_cache():
+        raise ValueError("KILN_DISABLE_COMPILE_CACHE is set: a warm start would compile again; "
+                         "unset it to run `kiln bench compile`")
+    env = dict(base)
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor_outside_kiln_cache")
+    env.pop("TRITON_CACHE_DIR", None)  # Triton's cache then follows Inductor's
+    return env
+
+
+def _run_child(argv: list[str], env: dict, timeout: float | None) -> tuple[dict, float]:
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"`{shlex.join(argv)}` ran past --timeout {timeout} s") from None
+    wall = time.perf_counter() - start
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"`{shlex.join(argv)}` failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(lines[-1]), wall
+
+
+def _files_under(path: Path) -> int:
+    return sum(1 for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def start_figures(report: dict, wall_s: float) -> dict:
+    t = report["times"]
+    return {"process_wall_s": round(wall_s, 4), "startup_s": t["total_s"],
+            "load_model_s": t.get("load_model_s"), "warmup_s": t.get("warmup_s"),
+            "torch_compile_s": round(t["trace_s"] + t["compile_s"] + t["artifact_load_s"], 4),
+            "trace_s": t["trace_s"], "compile_s": t["compile_s"],
+            "artifact_load_s": t["artifact_load_s"],
+            "num_inductor_compiles": report["inductor"]["compiles"],
+            "num_compiled_artifacts_loaded": report["inductor"]["artifacts_loaded"],
+            "num_compiled_artifacts_saved": report["inductor"]["artifacts_saved"],
+            "cache_hits": report["cache"]["hits"], "cache_misses": report["cache"]["misses"],
+            "cache_dirs": report["cache"]["dirs"]}
+
+
+def _ratio(a, b):
+    return round(a / b, 4) if a is not None and b else None
+
+
+def run_compile_bench(engine_args: EngineArgs, keep_cache: bool = False,
+                      timeout: float | None = None) -> dict:
+    """Cold start on an empty cache, then a warm start on the same cache, in two processes."""
+    base = spec_to_dict(engine_args.compilation_config)
+    if CompilationConfig.from_cli(dict(base)).mode == CompilationMode.NONE or \
+            engine_args.enforce_eager:
+        raise ValueError("`kiln bench compile` needs compilation on: drop --enforce-eager / -O0")
+    engine_args.create_kiln_config()  # a bad flag fails here, as a usage error, not in a child
+    root = Path(tempfile.mkdtemp(prefix="kiln-bench-compile-"))
+    try:
+        spec = {**base, "cache_dir": str(root / "torch_compile_cache")}
+        args = dataclasses.replace(engine_args, compilation_config=spec)
+        argv = CHILD_COMMAND + engine_cli_args(args)
+        env = child_env(dict(os.environ), root)
+        runs = {}
+        for name in ("cold", "warm"):
+            logger.info("bench compile: %s start: %s", name, shlex.join(argv))
+            report, wall = _run_child(argv, env, timeout)
+            runs[name] = start_figures(report, wall)
+        # Model, pieces and shapes are the same in both reports; take them from the last.
+        cold, warm = runs["cold"], runs["warm"]
+        return {
+            "benchmark": "compile", "model": report["model"], "device": report["device"],
+            "dtype": report["dtype"], "compilation_mode": report["compilation_mode"],
+            "pieces": report["pieces"], "shapes": report["shapes"],
+            "cold": cold, "warm": warm,
+            "warm_vs_cold_startup": _ratio(warm["startup_s"], cold["startup_s"]),
+            "warm_vs_cold_torch_compile": _ratio(warm["torch_compile_s"],
+                                                 cold["torch_compile_s"]),
+            "warm_vs_cold_process": _ratio(warm["process_wall_s"], cold["process_wall_s"]),
+            "cache_dir": str(root / "torch_compile_cache"), "cache_kept": keep_cache,
+            "inductor_files_outside_kiln_cache": _files_under(root / "inductor_outside_kiln_cache"),
+            "command": argv,
+        }
+    finally:
+        if not keep_cache:
+            shutil.rmtree(root, ignore_errors=True)

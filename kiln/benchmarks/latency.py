@@ -1,0 +1,191 @@
+"""Per-step decode latency of LLMEngine.step at fixed batch sizes, for several compilation
+configs in one process (one engine per config, freed before the next), with speedups vs the first.
+"""
+import dataclasses
+import gc
+import math
+import statistics
+import time
+
+from kiln.benchmarks.compile import spec_to_dict
+from kiln.benchmarks.throughput import random_prompts
+from kiln.engine.arg_utils import EngineArgs
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
+
+DEFAULT_COMPARE = ["0", "3"]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated q-th percentile (0..100) of a non-empty list."""
+    data = sorted(values)
+    pos = (len(data) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def summarize_ms(seconds: list[float]) -> dict:
+    ms = [s * 1000 for s in seconds]
+    return {"median_ms": round(statistics.median(ms), 4), "p90_ms": round(percentile(ms, 90), 4),
+            "mean_ms": round(statistics.fmean(ms), 4), "min_ms": round(min(ms), 4),
+            "max_ms": round(max(ms), 4), "num_steps": len(ms)}
+
+
+def merge_spec(base, spec) -> dict:
+    """A --compare item on top of the engine's -O: the item's fields win."""
+    return {**spec_to_dict(base), **spec_to_dict(spec)}
+
+
+def check_plan(batch_sizes: list[int], input_len: int, num_steps: int, warmup_steps: int,
+               max_num_seqs: int, max_model_len: int) -> None:
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError(f"--batch-sizes must be positive integers, got {batch_sizes}")
+    if input_len < 1 or num_steps < 1 or warmup_steps < 0:
+        raise ValueError(f"--input-len and --num-steps must be >= 1 and --warmup-steps >= 0, got "
+                         f"{input_len}, {num_steps}, {warmup_steps}")
+    if max(batch_sizes) > max_num_seqs:
+        raise ValueError(f"batch size {max(batch_sizes)} exceeds max_num_seqs ({max_num_seqs}): "
+                         "raise --max-num-seqs so the whole batch decodes in one step")
+    if input_len + warmup_steps + num_steps + 2 > max_model_len:
+        raise ValueError(f"--input-len {input_len} + --warmup-steps {warmup_steps} + --num-steps "
+                         f"{num_steps} (+2) exceeds max_model_len {max_model_len}; shorten them "
+                         "or raise --max-model-len")
+
+
+def check_kv_capacity(batch_size: int, tokens_per_request: int, num_blocks: int,
+                      block_size: int) -> None:
+    need = batch_size * math.ceil(tokens_per_request / block_size)
+    if need > num_blocks:
+        raise ValueError(f"batch {batch_size} x {tokens_per_request} tokens needs {need} KV blocks, "
+                         f"the cache has {num_blocks}: requests would be preempted mid-measurement. "
+                         "Raise --kv-cache-memory (CPU) / --gpu-memory-utilization, or lower "
+                         "--batch-sizes / --num-steps")
+
+
+def _check_decode_step(outs, batch_size: int, what: str) -> None:
+    tokens = [len(o.outputs[0].token_ids) for o in outs if o.outputs]
+    if len(outs) != batch_size or tokens != [1] * batch_size or any(o.finished for o in outs):
+        raise RuntimeError(f"{what}: expected {batch_size} requests each decoding one token, got "
+                           f"{len(outs)} outputs with {tokens} new tokens (preempted or finished "
+                           "early?); raise --kv-cache-memory or --max-model-len")
+
+
+def measure_batch(engine, prompts: list[list[int]], num_steps: int, warmup_steps: int,
+                  max_tokens: int, tag: str) -> list[float]:
+    """Seconds per LLMEngine.step for `num_steps` steps in which every prompt decodes one token."""
+    from kiln.sampling_params import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens,
+                            output_kind=RequestOutputKind.DELTA)
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    try:
+        started: set[str] = set()
+        for _ in range(sum(map(len, prompts)) + 1):  # a prefill step computes >= 1 token
+            started.update(o.request_id for o in engine.step()
+                           if o.outputs and o.outputs[0].token_ids)
+            if len(started) == len(prompts):
+                break
+        else:
+            raise RuntimeError(f"{tag}: prefill did not finish for every request")
+        for i in range(warmup_steps):
+            _check_decode_step(engine.step(), len(prompts), f"{tag} warm-up step {i}")
+        times = []
+        for i in range(num_steps):
+            start = time.perf_counter()
+            outs = engine.step()  # returns sampled tokens on the host: the step has finished
+            times.append(time.perf_counter() - start)
+            _check_decode_step(outs, len(prompts), f"{tag} step {i}")
+        return times
+    finally:
+        engine.abort_request(ids)
+
+
+def model_weight_bytes(engine) -> int | None:
+    """Bytes of the model's parameters and buffers (what one decode step must read at least)."""
+    executor = getattr(engine.engine_core, "executor", None)
+    worker = getattr(executor, "worker", None)
+    model = getattr(getattr(worker, "model_runner", None), "model", None)
+    if model is None:
+        return None
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _free(engine) -> None:
+    import torch
+
+    engine.shutdown()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def run_config(engine_args: EngineArgs, batch_sizes: list[int], input_len: int, num_steps: int,
+               warmup_steps: int) -> dict:
+    """Build one engine, measure every batch size, free it; returns this config's figures."""
+    from kiln.engine.llm_engine import LLMEngine
+
+    kiln_config = engine_args.create_kiln_config()
+    mc, sched, cache = (kiln_config.model_config, kiln_config.scheduler_config,
+                        kiln_config.cache_config)
+    check_plan(batch_sizes, input_len, num_steps, warmup_steps, sched.max_num_seqs,
+               mc.max_model_len)
+    start = time.perf_counter()
+    engine = LLMEngine(kiln_config)
+    startup_s = time.perf_counter() - start
+    try:
+        exclude = set(getattr(engine.tokenizer, "all_special_ids", []))
+        max_tokens = mc.max_model_len - input_len
+        results = {}
+        for b in batch_sizes:
+            check_kv_capacity(b, input_len + warmup_steps + num_steps + 2, cache.num_blocks,
+                              cache.block_size)
+            prompts = random_prompts(b, input_len, mc.vocab_size, engine_args.seed + b, exclude)
+            times = measure_batch(engine, prompts, num_steps, warmup_steps, max_tokens,
+                                  f"latency-b{b}")
+            results[str(b)] = summarize_ms(times)
+            logger.info("bench latency: %s batch %d: median %.3f ms/step",
+                        engine_args.compilation_config, b, results[str(b)]["median_ms"])
+        cc = kiln_config.compilation_config
+        return {"compilation_mode": int(cc.mode),
+                "cudagraph_mode": getattr(cc.cudagraph_mode, "name", cc.cudagraph_mode),
+                "startup_s": round(startup_s, 4), "model_weight_bytes": model_weight_bytes(engine),
+                "model": mc.model, "dtype": str(mc.torch_dtype).removeprefix("torch."),
+                "device": kiln_config.device_config.device, "results": results}
+    finally:
+        _free(engine)
+
+
+def speedups(first: dict, other: dict) -> dict:
+    """first's median over other's, per batch size (> 1: other is faster)."""
+    return {b: round(first[b]["median_ms"] / other[b]["median_ms"], 4) for b in first}
+
+
+def run_latency(engine_args: EngineArgs, batch_sizes: list[int], input_len: int, num_steps: int,
+                compare: list[str] | None = None, warmup_steps: int = 3) -> dict:
+    """Benchmark; returns the one-line JSON report as a dict."""
+    compare = list(compare or DEFAULT_COMPARE)
+    if engine_args.enforce_eager:
+        raise ValueError("--enforce-eager forces mode 0 on every --compare config; drop it and "
+                         "list the configs in --compare")
+    specs = [merge_spec(engine_args.compilation_config, item) for item in compare]  # checks all
+    configs = []
+    for label, spec in zip(compare, specs):
+        args = dataclasses.replace(engine_args, compilation_config=spec)
+        figures = run_config(args, batch_sizes, input_len, num_steps, warmup_steps)
+        configs.append({"spec": label, "compilation_config": spec, **figures})
+    first = configs[0]["results"]
+    for c in configs:
+        c["speedup_vs_first"] = speedups(first, c["results"])
+    import torch
+
+    head = configs[0]
+    return {"benchmark": "latency", "model": head["model"], "dtype": head["dtype"],
+            "device": head["device"], "num_threads": torch.get_num_threads(),
+            "batch_sizes": batch_sizes, "input_len": input_len,
+            "num_steps": num_steps, "warmup_steps": warmup_steps,
+            "model_weight_bytes": head["model_weight_bytes"], "configs": configs}

@@ -1,0 +1,38 @@
+"""`kiln bench latency`: per-step decode latency at fixed batch sizes for several compilation
+configs in one invocation (default: mode 0 vs mode 3); prints one JSON line.
+"""
+import argparse
+import json
+
+from kiln.engine.arg_utils import EngineArgs
+
+
+def register_bench(kinds) -> None:
+    parser = kinds.add_parser(
+        "latency", help="decode latency per engine step, compilation configs compared",
+        description="For each config in --compare (one engine at a time) and each batch size: "
+                    "add that many random prompts of --input-len tokens, step until all decode, "
+                    "then time --num-steps decode steps (LLMEngine.step). Reports median/p90 ms "
+                    "per step and each config's speedup over the first.")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--num-steps", type=int, default=32, help="timed decode steps per batch")
+    parser.add_argument("--warmup-steps", type=int, default=3,
+                        help="untimed decode steps before the timed ones")
+    parser.add_argument("--compare", nargs="+", default=None, metavar="SPEC",
+                        help="compilation configs to compare, each a mode or CompilationConfig "
+                             "JSON applied on top of -O, e.g. --compare 0 3 or --compare "
+                             "'{\"mode\":3,\"cudagraph_mode\":\"NONE\"}' "
+                             "'{\"mode\":3,\"cudagraph_mode\":\"FULL_AND_PIECEWISE\"}' "
+                             "(default: 0 3)")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kiln.benchmarks.latency import run_latency
+
+    report = run_latency(EngineArgs.from_cli_args(args), args.batch_sizes, args.input_len,
+                         args.num_steps, args.compare, args.warmup_steps)
+    print(json.dumps(report), flush=True)
+    return 0

@@ -1,0 +1,70 @@
+"""`kiln compile`: compile and warm the cache for a model (all the engine does before serving),
+then print what the compile stack did: pieces, shapes, per-shape times, cache, counters.
+"""
+import argparse
+import json
+
+from kiln.engine.arg_utils import EngineArgs
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "compile", help="compile and warm the compile cache for a model; print a report",
+        description="Build the engine (load the model, size the KV cache, compile and warm up "
+                    "every shape) and report pieces, shapes, per-shape compile/load times, the "
+                    "cache directory, hits and misses, and Inductor compiles vs loads.")
+    parser.add_argument("--json", action="store_true",
+                        help="print the report as one JSON object instead of text")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(func=run)
+
+
+def _s(value) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
+def format_report(r: dict) -> str:
+    """The human-readable report (pure: tests check it on a hand-made dict)."""
+    t, c = r["times"], r["cache"]
+    lines = [f"model      {r['model']} ({r['architecture']}, {r['num_layers']} layers) on "
+             f"{r['device']}, {r['dtype']}",
+             f"mode       {r['compilation_mode']} ({r['compilation_mode_name']}), backend "
+             f"{r['backend']}"]
+    if r["compilation_mode"] == 0:
+        lines.append("           nothing compiled (mode 0 runs eagerly)")
+    else:
+        p = r["pieces"]
+        lines.append(f"pieces     {p['total']} total, {p['compiled']} compiled (split at "
+                     f"{', '.join(r['splitting_ops']) or 'nothing'})")
+        lo, hi = r["shapes"]["range"]
+        sizes = ", ".join(map(str, r["shapes"]["compile_sizes"])) or "none"
+        lines.append(f"shapes     range [{lo}, {hi}]; compile sizes: {sizes}")
+        for i, row in enumerate(r["per_shape"]):
+            parts = [f"{row[a]} {a}" for a in ("compiled", "loaded", "reused") if row[a]]
+            lines.append(f"{'per shape' if i == 0 else '':<10} {row['shape']:<10} "
+                         f"{', '.join(parts)}; compile {_s(row['compile_s'])}, load "
+                         f"{_s(row['load_s'])}")
+        if not c["enabled"]:
+            lines.append("cache      disabled (KILN_DISABLE_COMPILE_CACHE)")
+        for path, state in c["dirs"].items():
+            lines.append(f"cache      {path} [{state}]")
+        lines.append(f"           {c['hits']} hits, {c['misses']} misses, {c['corrupt']} corrupt "
+                     f"artifacts; Inductor cache {c['inductor_cache_dir']}")
+        ind = r["inductor"]
+        lines.append(f"inductor   {ind['compiles']} compiles, {ind['artifacts_loaded']} artifacts "
+                     f"loaded, {ind['artifacts_saved']} saved")
+    lines.append(f"time       total {_s(t['total_s'])}: config {_s(t['config_s'])}, load model "
+                 f"{_s(t.get('load_model_s'))}, profile + KV cache "
+                 f"{_s(t.get('profile_kv_cache_s'))}, warm-up {_s(t.get('warmup_s'))}")
+    if r["compilation_mode"] != 0:
+        lines.append(f"           of which Dynamo trace {_s(t['trace_s'])}, compile "
+                     f"{_s(t['compile_s'])}, artifact load {_s(t['artifact_load_s'])}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kiln.benchmarks.compile import compile_report
+
+    report = compile_report(EngineArgs.from_cli_args(args))
+    print(json.dumps(report) if args.json else format_report(report), flush=True)
+    return 0

@@ -1,0 +1,100 @@
+"""`kiln compile`: a cold run compiles and reports pieces/shapes/cache; a second process on the
+same cache directory loads every artifact and compiles nothing."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kiln.benchmarks.compile import per_shape_summary
+from kiln.entrypoints.cli.compile import format_report
+from kiln.entrypoints.cli.main import build_parser
+
+NUM_LAYERS = 2  # the tiny_llama_dir fixture's checkpoint
+SMALL = ["--kv-cache-memory", "0.01", "--max-model-len", "64", "--max-num-seqs", "8",
+         "--max-num-batched-tokens", "32"]
+
+
+def kiln_compile(model: Path, cache_dir: Path, *extra: str) -> dict:
+    spec = json.dumps({"mode": 3, "cache_dir": str(cache_dir)})
+    r = subprocess.run([sys.executable, "-m", "kiln.entrypoints.cli.main", "compile", "--json",
+                        "--model", str(model), *SMALL, "-O", spec, *extra],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert len(lines) == 1, r.stdout  # stdout holds the report only; logs go to stderr
+    return json.loads(lines[0])
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("compile_cache")
+
+
+@pytest.fixture(scope="module")
+def cold(tiny_llama_dir, cache_dir) -> dict:
+    return kiln_compile(tiny_llama_dir, cache_dir)
+
+
+def test_cold_run_reports_pieces_shapes_and_compiles(cold, cache_dir):
+    n = NUM_LAYERS
+    assert cold["compilation_mode"] == 3 and cold["num_layers"] == n
+    assert cold["pieces"] == {"total": 2 * n + 1, "compiled": n + 1, "graphs": 1}
+    assert cold["shapes"] == {"range": [1, 32], "compile_sizes": []}
+    (row,) = cold["per_shape"]
+    assert row["shape"] == "range" and row["loaded"] == 0 and row["compiled"] >= 1
+    assert row["compiled"] + row["reused"] == n + 1  # every compiled piece got the range shape
+    ind = cold["inductor"]
+    assert 1 <= ind["compiles"] <= n + 1 and ind["artifacts_saved"] == ind["compiles"]
+    assert ind["artifacts_loaded"] == 0
+    ((path, state),) = cold["cache"]["dirs"].items()
+    assert state == "miss" and Path(path).is_relative_to(cache_dir)
+    assert cold["cache"]["misses"] >= 1
+    (key_dir,) = cold["cache"]["key_dirs"]
+    assert Path(cold["cache"]["inductor_cache_dir"]).is_relative_to(key_dir)
+    t = cold["times"]
+    assert t["compile_s"] > 0 and t["artifact_load_s"] == 0
+    assert t["total_s"] >= t["warmup_s"] >= t["compile_s"]
+
+
+def test_second_process_same_cache_compiles_nothing(cold, tiny_llama_dir, cache_dir):
+    warm = kiln_compile(tiny_llama_dir, cache_dir)
+    assert warm["pieces"] == cold["pieces"]
+    assert warm["inductor"]["compiles"] == 0 and warm["counters"]["num_backend_compilations"] == 0
+    assert warm["inductor"]["artifacts_loaded"] == cold["inductor"]["artifacts_saved"]
+    assert list(warm["cache"]["dirs"].values()) == ["hit"] and warm["cache"]["misses"] == 0
+    assert warm["cache"]["key_dirs"] == cold["cache"]["key_dirs"]
+    (row,) = warm["per_shape"]
+    assert row["compiled"] == 0 and row["loaded"] == cold["inductor"]["artifacts_saved"]
+    assert warm["times"]["compile_s"] == 0 and warm["times"]["artifact_load_s"] > 0
+
+
+def test_text_report_names_pieces_cache_and_times(cold):
+    text = format_report(cold)
+    assert f"pieces     {2 * NUM_LAYERS + 1} total, {NUM_LAYERS + 1} compiled" in text
+    assert "range [1, 32]; compile sizes: none" in text
+    assert f"{next(iter(cold['cache']['dirs']))} [miss]" in text
+    assert f"inductor   {cold['inductor']['compiles']} compiles, 0 artifacts loaded" in text
+    assert "total" in text and "Dynamo trace" in text
+
+
+def test_mode0_text_report_in_process(tiny_llama_dir, capsys):
+    args = build_parser().parse_args(["compile", "--model", str(tiny_llama_dir), *SMALL, "-O0"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "mode       0 (NONE)" in out and "nothing compiled" in out
+    assert "pieces" not in out and "load model" in out
+
+
+def test_per_shape_summary_groups_and_orders_shapes():
+    events = [{"piece": 0, "shape": "size 8", "action": "compiled", "s": 1.0},
+              {"piece": 0, "shape": "range", "action": "loaded", "s": 0.5},
+              {"piece": 2, "shape": "size 8", "action": "reused", "s": 0.0},
+              {"piece": 0, "shape": "size 1", "action": "compiled", "s": 2.0},
+              {"piece": 2, "shape": "range", "action": "loaded", "s": 0.25}]
+    rows = per_shape_summary(events)
+    assert [r["shape"] for r in rows] == ["range", "size 1", "size 8"]
+    assert rows[0] == {"shape": "range", "compiled": 0, "loaded": 2, "reused": 0,
+                       "compile_s": 0.0, "load_s": 0.75}
+    assert (rows[2]["compiled"], rows[2]["reused"], rows[2]["compile_s"]) == (1, 1, 1.0)
