@@ -1,0 +1,90 @@
+"""`kiln bench compile`: the child command and environment it builds, and (slow) a real cold
+then warm start in two processes."""
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kiln.benchmarks.compile import (child_env, engine_cli_args, run_compile_bench, spec_to_dict,
+                                     start_figures)
+from kiln.config import CompilationConfig
+from kiln.engine.arg_utils import EngineArgs
+
+
+def test_engine_cli_args_round_trip():
+    args = EngineArgs(model="/m", dtype="bfloat16", max_model_len=64, max_num_seqs=4,
+                      enforce_eager=True, enable_prefix_caching=False, kv_cache_memory=0.5,
+                      compilation_config='{"mode": 3, "compile_sizes": [1, 8]}', seed=7,
+                      load_format="dummy", num_gpu_blocks_override=10, device="cpu")
+    argv = engine_cli_args(args)
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    back = EngineArgs.from_cli_args(parser.parse_args(argv))
+    assert spec_to_dict(back.compilation_config) == {"mode": 3, "compile_sizes": [1, 8]}
+    back.compilation_config = args.compilation_config
+    assert back == args
+    assert engine_cli_args(EngineArgs()) == []
+
+
+def test_spec_to_dict_accepts_every_form():
+    assert spec_to_dict(None) == {}
+    assert spec_to_dict(3) == spec_to_dict("3") == {"mode": 3}
+    assert spec_to_dict({"backend": "eager"}) == {"backend": "eager"}
+    full = spec_to_dict(CompilationConfig(mode=3, compile_sizes=[4]))
+    assert full["mode"] == 3 and full["compile_sizes"] == [4]
+    assert "static_forward_context" not in full
+    assert CompilationConfig.from_cli(full).compile_sizes == [4]
+    with pytest.raises(ValueError, match="JSON must be an object"):
+        spec_to_dict("[1]")
+
+
+def test_child_env_keeps_inductor_cache_visible(tmp_path, monkeypatch):
+    monkeypatch.delenv("KILN_DISABLE_COMPILE_CACHE", raising=False)
+    env = child_env({"TRITON_CACHE_DIR": "/elsewhere", "PATH": "/bin"}, tmp_path)
+    assert Path(env["TORCHINDUCTOR_CACHE_DIR"]).parent == tmp_path
+    assert "TRITON_CACHE_DIR" not in env and env["PATH"] == "/bin"
+    monkeypatch.setenv("KILN_DISABLE_COMPILE_CACHE", "1")
+    with pytest.raises(ValueError, match="KILN_DISABLE_COMPILE_CACHE"):
+        child_env({}, tmp_path)
+
+
+def test_mode0_is_refused():
+    with pytest.raises(ValueError, match="-O0"):
+        run_compile_bench(EngineArgs(compilation_config=0))
+
+
+def test_start_figures_split_compile_from_load():
+    report = {"times": {"total_s": 10.0, "load_model_s": 1.0, "warmup_s": 8.0, "trace_s": 1.0,
+                        "compile_s": 6.0, "artifact_load_s": 0.5},
+              "inductor": {"compiles": 3, "artifacts_loaded": 0, "artifacts_saved": 3},
+              "cache": {"hits": 0, "misses": 3, "dirs": {"/c": "miss"}}}
+    f = start_figures(report, 12.0)
+    assert (f["startup_s"], f["process_wall_s"], f["torch_compile_s"]) == (10.0, 12.0, 7.5)
+    assert (f["compile_s"], f["artifact_load_s"], f["num_inductor_compiles"]) == (6.0, 0.5, 3)
+
+
+@pytest.mark.slow
+def test_bench_compile_cold_then_warm(tiny_llama_dir):
+    r = subprocess.run([sys.executable, "-m", "kiln.entrypoints.cli.main", "bench", "compile",
+                        "--model", str(tiny_llama_dir), "--kv-cache-memory", "0.01",
+                        "--max-model-len", "64", "--max-num-seqs", "8",
+                        "--max-num-batched-tokens", "32"],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (line,) = r.stdout.splitlines()
+    report = json.loads(line)
+    cold, warm = report["cold"], report["warm"]
+    assert report["pieces"] == {"total": 5, "compiled": 3, "graphs": 1}
+    assert cold["num_inductor_compiles"] >= 1 and cold["compile_s"] > 0
+    assert cold["num_compiled_artifacts_saved"] == cold["num_inductor_compiles"]
+    assert warm["num_inductor_compiles"] == 0 and warm["compile_s"] == 0
+    assert warm["num_compiled_artifacts_loaded"] == cold["num_compiled_artifacts_saved"]
+    assert list(cold["cache_dirs"].values()) == ["miss"]
+    assert list(warm["cache_dirs"].values()) == ["hit"]
+    assert cold["cache_dirs"].keys() == warm["cache_dirs"].keys()
+    assert report["warm_vs_cold_startup"] == pytest.approx(
+        warm["startup_s"] / cold["startup_s"], rel=1e-3)
+    assert report["inductor_files_outside_kiln_cache"] == 0  # Inductor's cache under Kiln's
+    assert not Path(report["cache_dir"]).exists()  # removed without --keep-cache

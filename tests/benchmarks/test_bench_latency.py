@@ -1,0 +1,87 @@
+"""`kiln bench latency`: the pure decisions (percentiles, spec merging, plan checks) and one real
+run comparing two compilation configs in one process."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kiln.benchmarks.latency import (check_kv_capacity, check_plan, merge_spec, percentile,
+                                     run_latency, speedups, summarize_ms)
+from kiln.engine.arg_utils import EngineArgs
+
+SMALL = ["--kv-cache-memory", "0.01", "--max-model-len", "64", "--max-num-seqs", "8",
+         "--max-num-batched-tokens", "32"]
+
+
+def test_percentile_interpolates():
+    assert percentile([3.0], 90) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert percentile([4.0, 1.0, 3.0, 2.0], 90) == pytest.approx(3.7)
+    s = summarize_ms([0.001, 0.003, 0.002])
+    assert (s["median_ms"], s["min_ms"], s["max_ms"], s["num_steps"]) == (2.0, 1.0, 3.0, 3)
+    assert s["p90_ms"] == pytest.approx(2.8)
+
+
+def test_merge_spec_item_wins_over_base():
+    assert merge_spec(None, "0") == {"mode": 0}
+    assert merge_spec('{"mode": 3, "compile_sizes": [1]}', "2") == {"mode": 2,
+                                                                     "compile_sizes": [1]}
+    assert merge_spec(3, '{"cudagraph_mode": "NONE"}') == {"mode": 3, "cudagraph_mode": "NONE"}
+    with pytest.raises(ValueError, match="no_such_field"):
+        merge_spec(None, '{"no_such_field": 1}')
+    with pytest.raises(ValueError, match="mode"):
+        merge_spec(None, "7")
+    with pytest.raises(ValueError, match="neither a mode number nor JSON"):
+        merge_spec(None, "{bad")
+
+
+def test_plan_checks_name_the_flag():
+    check_plan([1, 8], 32, 10, 3, max_num_seqs=8, max_model_len=128)
+    with pytest.raises(ValueError, match="--max-num-seqs"):
+        check_plan([1, 16], 32, 10, 3, max_num_seqs=8, max_model_len=128)
+    with pytest.raises(ValueError, match="--max-model-len"):
+        check_plan([1], 100, 30, 3, max_num_seqs=8, max_model_len=128)
+    with pytest.raises(ValueError, match="--batch-sizes"):
+        check_plan([0], 4, 1, 0, max_num_seqs=8, max_model_len=128)
+    check_kv_capacity(4, 33, num_blocks=12, block_size=16)  # 4 x 3 blocks
+    with pytest.raises(ValueError, match="--kv-cache-memory"):
+        check_kv_capacity(4, 33, num_blocks=11, block_size=16)
+
+
+def test_speedups_are_first_over_other():
+    first = {"1": {"median_ms": 3.0}, "8": {"median_ms": 6.0}}
+    assert speedups(first, {"1": {"median_ms": 1.5}, "8": {"median_ms": 6.0}}) == {"1": 2.0,
+                                                                                  "8": 1.0}
+
+
+def test_enforce_eager_is_refused():
+    with pytest.raises(ValueError, match="--enforce-eager"):
+        run_latency(EngineArgs(enforce_eager=True), [1], 4, 2)
+
+
+def test_bench_latency_compares_two_configs_in_one_run(tiny_llama_dir):
+    spec = json.dumps({"mode": 3, "backend": "eager"})  # traced and split, no Inductor: fast
+    r = subprocess.run([sys.executable, "-m", "kiln.entrypoints.cli.main", "bench", "latency",
+                        "--model", str(tiny_llama_dir), *SMALL, "--load-format", "dummy",
+                        "--batch-sizes", "1", "2", "--input-len", "4", "--num-steps", "3",
+                        "--warmup-steps", "1", "--compare", "0", spec],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (line,) = r.stdout.splitlines()
+    report = json.loads(line)
+    assert report["batch_sizes"] == [1, 2] and report["num_steps"] == 3
+    assert report["model_weight_bytes"] > 0
+    first, second = report["configs"]
+    assert (first["spec"], first["compilation_mode"]) == ("0", 0)
+    assert (second["spec"], second["compilation_mode"]) == (spec, 3)
+    assert second["compilation_config"] == {"mode": 3, "backend": "eager"}
+    for config in report["configs"]:
+        assert set(config["results"]) == {"1", "2"}
+        for figures in config["results"].values():
+            assert figures["num_steps"] == 3
+            assert 0 < figures["min_ms"] <= figures["median_ms"] <= figures["p90_ms"]
+    assert first["speedup_vs_first"] == {"1": 1.0, "2": 1.0}
+    for b, ratio in second["speedup_vs_first"].items():
+        expected = first["results"][b]["median_ms"] / second["results"][b]["median_ms"]
+        assert ratio == pytest.approx(expected, rel=1e-3)
