@@ -53,6 +53,9 @@ def format_report(r: dict) -> str:
         ind = r["inductor"]
         lines.append(f"inductor   {ind['compiles']} compiles, {ind['artifacts_loaded']} artifacts "
                      f"loaded, {ind['artifacts_saved']} saved")
+        captured = r["counters"].get("num_cudagraph_captured", 0)
+        if captured:
+            lines.append(f"cudagraphs {captured} captured")
     lines.append(f"time       total {_s(t['total_s'])}: config {_s(t['config_s'])}, load model "
                  f"{_s(t.get('load_model_s'))}, profile + KV cache "
                  f"{_s(t.get('profile_kv_cache_s'))}, warm-up {_s(t.get('warmup_s'))}")
