@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kiln.model.layers.cpu_gemm  # noqa: F401  (registers torch.ops.kiln.linear)
+
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
@@ -26,6 +28,9 @@ def take_shard(loaded: torch.Tensor, dim: int, rank: int, size: int,
 
 class LinearBase(nn.Module):
     """y = x W^T (+ b) with W [output_size_per_rank, input_size_per_rank]."""
+
+    supports_cpu_packing = True  # see kiln/model/layers/cpu_gemm.py
+    use_packed_gemm = False
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_rank: int = 0,
                  tp_size: int = 1):
@@ -50,8 +55,13 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         default_weight_loader(param, loaded)
 
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.use_packed_gemm:
+            return torch.ops.kiln.linear(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -90,7 +100,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        out = F.linear(x, self.weight, bias)
+        out = self._matmul(x, bias)
         if self.tp_size > 1:
             torch.distributed.all_reduce(out)
         return out

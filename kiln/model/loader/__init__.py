@@ -54,9 +54,12 @@ def load_weights_into(model: nn.Module, kiln_config: KilnConfig) -> None:
 
 def get_model(kiln_config: KilnConfig) -> nn.Module:
     """Build, load and return the model in eval mode."""
+    from kiln.model.layers.cpu_gemm import prepack_for_cpu
+
     model = build_model(kiln_config)
     with torch.no_grad():
         load_weights_into(model, kiln_config)
+        prepack_for_cpu(model)
     return model.eval()
 
 
