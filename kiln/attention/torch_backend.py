@@ -1,6 +1,7 @@
 """Portable attention in plain torch (CPU and GPU): paged KV write, then causal attention.
 
-Mixed batches loop over requests; a batch of single-token decodes takes one padded SDPA call.
+Mixed batches loop over requests; a batch of single-token decodes takes batched matmuls. What
+every layer would recompute from the metadata is computed once per step (`step_cache`).
 """
 import torch
 import torch.nn.functional as F
@@ -9,16 +10,28 @@ from kiln.attention.backend import AttentionBackend, AttentionImpl
 from kiln.attention.metadata import AttentionMetadata
 
 
+def _valid_slots(slot_mapping: torch.Tensor, num_tokens: int,
+                 step_cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(slots to write, indices of the tokens that own them or None when all do); -1 = nowhere."""
+    if step_cache is not None and "slots" in step_cache:
+        return step_cache["slots"]
+    slots = slot_mapping[:num_tokens]
+    valid = slots >= 0
+    plan = (slots, None) if bool(valid.all()) else (slots[valid], valid.nonzero().squeeze(1))
+    if step_cache is not None:
+        step_cache["slots"] = plan
+    return plan
+
+
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, step_cache: dict | None = None) -> None:
     """Scatter k/v [T, nkv, hd] into kv_cache [2, nb, bs, nkv, hd] at slot_mapping [T]; skip -1."""
     num_kv_heads, head_size = kv_cache.shape[-2:]
     key_cache = kv_cache[0].view(-1, num_kv_heads, head_size)  # [nb*bs, nkv, hd]
     value_cache = kv_cache[1].view(-1, num_kv_heads, head_size)
-    slots = slot_mapping[:k.shape[0]]
-    valid = slots >= 0
-    if not bool(valid.all()):
-        slots, k, v = slots[valid], k[valid], v[valid]
+    slots, owners = _valid_slots(slot_mapping, k.shape[0], step_cache)
+    if owners is not None:
+        k, v = k.index_select(0, owners), v.index_select(0, owners)
     key_cache.index_copy_(0, slots, k.to(key_cache.dtype))
     value_cache.index_copy_(0, slots, v.to(value_cache.dtype))
 
@@ -50,7 +63,8 @@ class TorchAttentionImpl(AttentionImpl):
             raise RuntimeError("attention has metadata but its layer has no kv_cache; the worker "
                                "must allocate the KV cache before running real steps")
         n = attn_metadata.num_actual_tokens
-        write_kv_cache(k[:n], v[:n], kv_cache, attn_metadata.slot_mapping[:n])
+        write_kv_cache(k[:n], v[:n], kv_cache, attn_metadata.slot_mapping[:n],
+                       attn_metadata.step_cache)
         if n < num_tokens:
             out[n:].zero_()  # padding rows belong to no request
         if attn_metadata.uniform_decode or attn_metadata.max_query_len == 1:
@@ -100,19 +114,33 @@ class TorchAttentionImpl(AttentionImpl):
         # head, beat SDPA's CPU kernel (built for long queries) several times over.
         nkv, hd = self.num_kv_heads, self.head_size
         group = self.num_heads // nkv
-        block_size = kv_cache.shape[2]
         num_reqs, max_seq = md.num_reqs, md.max_seq_len
-        blocks = md.block_table[:num_reqs, :(max_seq + block_size - 1) // block_size].long()
+        blocks, bias = _decode_plan(md, kv_cache.shape[2], q.dtype)
         k = _gather_context(kv_cache[0], blocks, max_seq).to(q.dtype)  # [B, nkv, S, hd]
         v = _gather_context(kv_cache[1], blocks, max_seq).to(q.dtype)
-        qg = q[:num_reqs].view(num_reqs, nkv, group, hd)
-        scores = torch.matmul(qg, k.transpose(-1, -2)) * self.scale  # [B, nkv, group, S]
-        key_pos = torch.arange(max_seq, device=q.device)
-        padding = key_pos[None, :] >= md.seq_lens[:num_reqs, None]  # [B, S]
-        scores.masked_fill_(padding[:, None, None, :], float("-inf"))
+        qg = q[:num_reqs].view(num_reqs, nkv, group, hd) * self.scale
+        scores = torch.matmul(qg, k.transpose(-1, -2))  # [B, nkv, group, S]
+        scores += bias  # -inf past each request's length
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         o = torch.matmul(probs, v)  # [B, nkv, group, hd]
         out[:num_reqs] = o.view(num_reqs, nkv * group, hd)
+
+
+def _decode_plan(md: AttentionMetadata, block_size: int,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per step, shared by every layer: each request's block ids [B, n] (int64) and an additive
+    mask [B, 1, 1, S] that hides the padded keys past its length."""
+    key = ("decode", block_size, dtype)
+    if key not in md.step_cache:
+        num_reqs, max_seq = md.num_reqs, md.max_seq_len
+        num_blocks = (max_seq + block_size - 1) // block_size
+        blocks = md.block_table[:num_reqs, :num_blocks].long()
+        key_pos = torch.arange(max_seq, device=md.seq_lens.device)
+        padding = key_pos[None, :] >= md.seq_lens[:num_reqs, None]  # [B, S]
+        bias = torch.zeros(padding.shape, dtype=dtype, device=padding.device)
+        bias.masked_fill_(padding, float("-inf"))
+        md.step_cache[key] = (blocks, bias[:, None, None, :])
+    return md.step_cache[key]
 
 
 class TorchAttentionBackend(AttentionBackend):
