@@ -22,6 +22,11 @@ run: setup
 test: setup
 	$(PY) -m pytest -q -m "not slow and not gpu" tests
 
+# Issue-2 throughput check: Kiln against HF transformers on the default model, same run.
+bench: setup
+	$(VENV)/bin/kiln bench throughput --num-prompts 32 --input-len 128 --output-len 128 \
+		--max-model-len 512 --enforce-eager --backend hf
+
 test-all: setup
 	$(PY) -m pytest -q tests
 

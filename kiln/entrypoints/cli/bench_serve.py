@@ -16,20 +16,8 @@ from dataclasses import fields
 from kiln.engine.arg_utils import EngineArgs
 
 
-def _bench_subparsers(subparsers):
-    """The `kiln bench` subcommand group (created here if `bench throughput` did not)."""
-    bench = subparsers.choices.get("bench")
-    if bench is None:
-        bench = subparsers.add_parser("bench", help="benchmarks")
-        bench.set_defaults(func=lambda args: bench.print_help() or 2)
-    for action in bench._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return action
-    return bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
-
-
-def register(subparsers) -> None:
-    parser = _bench_subparsers(subparsers).add_parser(
+def register_bench(kinds) -> None:
+    parser = kinds.add_parser(
         "serve", help="online serving benchmark over HTTP",
         description="Streaming clients on loopback send random-token prompts at a Poisson rate; "
                     "reports requests/s, output tokens/s, TTFT and ITL percentiles as JSON.")

@@ -12,6 +12,7 @@ from kiln.engine.arg_utils import EngineArgs
 BENCHMARKS = [
     "kiln.entrypoints.cli.bench_latency",
     "kiln.entrypoints.cli.bench_compile",
+    "kiln.entrypoints.cli.bench_serve",
 ]
 
 

@@ -12,7 +12,6 @@ SUBCOMMANDS = [
     "kiln.entrypoints.cli.bench_throughput",
     "kiln.entrypoints.cli.compile",
     "kiln.entrypoints.cli.serve",
-    "kiln.entrypoints.cli.bench_serve",
 ]
 
 # A user error (bad flag value, missing file) exits with this code and one line, no traceback.
