@@ -13,8 +13,21 @@ STORIES_DIR = Path(__file__).resolve().parents[2] / "shared" / "models" / "stori
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
-def _tokenizer_dir() -> Path | None:
-    return STORIES_DIR if (STORIES_DIR / "tokenizer.json").exists() else None
+def save_tiny_tokenizer(path: Path, vocab_size: int = 512) -> None:
+    """A word-level tokenizer over `vocab_size` made-up words ("w3" ... ), with <unk>, <s>, </s>
+    at ids 0, 1, 2, so tests need no files from outside the repository."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
+                                  unk_token="<unk>")
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                         "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    tok.save_pretrained(path)
 
 
 def make_tiny_checkpoint(path: Path, arch: str, *, tie: bool, seed: int = 0, **overrides) -> Path:
@@ -42,11 +55,7 @@ def make_tiny_checkpoint(path: Path, arch: str, *, tie: bool, seed: int = 0, **o
             if p.dim() > 1:
                 p.normal_(0, 0.08)
     model.save_pretrained(path, safe_serialization=True)
-    tok = _tokenizer_dir()
-    if tok is not None:
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if (tok / name).exists():
-                (path / name).write_bytes((tok / name).read_bytes())
+    save_tiny_tokenizer(path, common["vocab_size"])
     return path
 
 
