@@ -4,10 +4,10 @@ It finds its layer, KV cache and metadata in the forward context, so the graph s
 """
 import torch
 
+from kiln.custom_ops import register_op
 from kiln.forward_context import get_forward_context
 
 
-@torch.library.custom_op("kiln::unified_attention", mutates_args=["out"])
 def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       layer_name: str) -> None:
     context = get_forward_context()
@@ -19,6 +19,10 @@ def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
     layer.impl.forward(q, k, v, layer.kv_cache, context.attn_metadata, out)
 
 
-@unified_attention.register_fake
 def _unified_attention_fake(q, k, v, out, layer_name) -> None:
     return None
+
+
+register_op("unified_attention",
+            "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, str layer_name) -> ()",
+            unified_attention, _unified_attention_fake)

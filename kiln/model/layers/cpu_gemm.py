@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.custom_ops import register_op
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -22,7 +23,6 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 _BATCH_HINT = 32
 
 
-@torch.library.custom_op("kiln::linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     packed = _PACKED.get(weight.data_ptr())
@@ -34,9 +34,12 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor,
     return out.view(*shape[:-1], weight.shape[0])
 
 
-@packed_linear.register_fake
 def _packed_linear_fake(x, weight, bias=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+register_op("linear", "(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor", packed_linear,
+            _packed_linear_fake)
 
 
 def cpu_packing_available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -1,0 +1,18 @@
+"""Registering Kiln's custom ops (`kiln::...`) through torch.library's low-level API.
+
+`torch.library.custom_op`'s Python wrapper costs ~15 us a call against ~6 us for a
+`Library.define` + `impl` op (measured on this CPU); a decode step calls Kiln's ops ~150 times.
+"""
+from collections.abc import Callable
+
+import torch
+
+_LIB = torch.library.Library("kiln", "FRAGMENT")
+
+
+def register_op(name: str, schema: str, impl: Callable, fake: Callable) -> None:
+    """Define `kiln::<name><schema>` with one implementation for every device, plus its fake
+    (shape-only) version for tracing. Mutated arguments are marked in the schema: `Tensor(a!)`."""
+    _LIB.define(f"{name}{schema}")
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"kiln::{name}", fake, lib=_LIB)
