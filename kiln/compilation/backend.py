@@ -4,6 +4,7 @@ It keys the disk cache, installs the post-grad pass manager, splits the graph at
 ops, compiles (or loads) each non-splitting piece per shape, and returns the stitched graph.
 """
 import os
+import pickle
 from pathlib import Path
 from typing import Any, Callable
 
@@ -11,7 +12,7 @@ import torch
 from torch import fx
 
 from kiln import envs
-from kiln.compilation import monitor
+from kiln.compilation import graph_cache, monitor
 from kiln.compilation.cache import CompileCache, cache_base_dir, compute_cache_key
 from kiln.compilation.compiler_interface import make_compiler
 from kiln.compilation.counters import compilation_counter
@@ -67,6 +68,8 @@ class KilnBackend:
         self.cache: CompileCache | None = None
         self.cache_key: str | None = None
         self.traced: list[str] = []  # source files Dynamo traced (part of the cache key)
+        self.saved_graph: dict | None = None  # what a cold trace saves for warm starts
+        self.graph_outputs: Any = None  # the stitched graph's first outputs (see save_traced)
         if cc.debug_dump_path and hasattr(self.compiler, "dump_dir"):
             self.compiler.dump_dir = (Path(cc.debug_dump_path) / f"rank_"
                                       f"{kiln_config.parallel_config.rank}" / prefix)
@@ -99,7 +102,9 @@ class KilnBackend:
         self.traced = self.traced_files()
         self.cache_key = self.key_for(self.traced)
         self.cache = self._open_cache(self.cache_key)
+        inputs = graph_cache.graph_inputs(gm)
         split_gm, self.split_items = split_graph(gm, cc.splitting_ops)
+        self.saved_graph = self._pickle_split_graph(split_gm, inputs)
         compiled_items = [it for it in self.split_items if not it.is_splitting_graph]
         compilation_counter.num_piecewise_graphs_seen += len(self.split_items)
         compilation_counter.num_piecewise_capturable_graphs_seen += len(compiled_items)
@@ -131,7 +136,40 @@ class KilnBackend:
         from torch._guards import TracingContext
         with TracingContext.get().fake_mode:
             _Compile(split_gm).run(*fakes)
-        return split_gm
+        if self.saved_graph is None:
+            return split_gm
+
+        def first_outputs(*args):
+            # Keeps the stitched graph's outputs so save_traced can tell, by identity, which
+            # of them the forward returns.
+            outputs = split_gm(*args)
+            if backend.saved_graph is not None and backend.graph_outputs is None:
+                backend.graph_outputs = outputs
+            return outputs
+        return first_outputs
+
+    def _pickle_split_graph(self, split_gm: fx.GraphModule, inputs) -> dict | None:
+        if self.cache is None or inputs is None:
+            return None
+        try:
+            return {"bytes": pickle.dumps(split_gm), "sources": inputs[0], "meta": inputs[1]}
+        except Exception as e:  # an unpicklable target: warm starts will trace again
+            logger.info("traced graph of %s not saved for warm starts (%s: %s)", self.prefix,
+                        type(e).__name__, e)
+            return None
+
+    def save_traced(self, forward, result: Any, signature: str, bytecode) -> None:
+        """Called by the wrapper after the cold trace's first call (see warm_start.py)."""
+        from kiln.compilation import warm_start
+
+        warm_start.save_traced(self, forward, result, signature, bytecode)
+
+    def load_saved(self, module, forward, args: tuple, kwargs: dict,
+                   signature: str) -> Callable | None:
+        """Called by the wrapper instead of tracing; None means trace (see warm_start.py)."""
+        from kiln.compilation import warm_start
+
+        return warm_start.load_saved(self, module, forward, args, kwargs, signature)
 
     def _dump(self, split_gm: fx.GraphModule) -> None:
         path = self.kiln_config.compilation_config.debug_dump_path

@@ -19,6 +19,7 @@ class CompilationCounter:
     num_cache_misses: int = 0  # (piece, shape) the disk cache did not hold
     num_corrupt_artifacts: int = 0  # artifacts that failed their checksum or load
     num_dynamo_traces: int = 0  # first-call traces by the support_torch_compile wrapper
+    num_saved_graph_loads: int = 0  # warm starts that ran a saved graph instead of tracing
     num_cudagraph_captured: int = 0
     num_cudagraph_replays_piecewise: int = 0  # piece-graph replays (one per piece per step)
     num_cudagraph_replays_full: int = 0  # whole-forward graph replays (one per step)

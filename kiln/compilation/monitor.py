@@ -27,6 +27,12 @@ def log_trace(prefix: str, seconds: float) -> None:
     logger.info("Dynamo traced %s in %.2f s", prefix, seconds)
 
 
+def log_graph_load(prefix: str, seconds: float) -> None:
+    """A saved traced graph replaced the Dynamo trace; its load counts as loading."""
+    stats.load_s += seconds
+    logger.info("loaded the saved graph of %s in %.2f s (no Dynamo trace)", prefix, seconds)
+
+
 def log_cache_dir(path, warm: bool) -> None:
     stats.cache_dirs[str(path)] = "hit" if warm else "miss"
     logger.info("compile cache %s: %s", "hit" if warm else "miss", path)

@@ -130,13 +130,26 @@ class PieceCompiler:
 class PiecewiseBackend:
     """Callable standing in for one compiled piece of the split graph."""
 
-    def __init__(self, graph: fx.GraphModule, piece: int, example_inputs: list,
-                 compiler: PieceCompiler, compile_sizes: list[int], max_num_tokens: int):
+    def __init__(self, graph: fx.GraphModule, piece: int, example_inputs: list | None,
+                 compiler: PieceCompiler, compile_sizes: list[int], max_num_tokens: int,
+                 saved: dict | None = None):
+        """`saved` ({"fingerprint", "size_arg"}, from a saved graph) replaces example inputs;
+        then the range artifact must load from the cache (compiling it needs Dynamo's fakes)."""
         self.graph, self.piece, self.compiler = graph, piece, compiler
         self.compile_sizes, self.max_num_tokens = set(compile_sizes), max_num_tokens
-        self.fingerprint = graph_fingerprint(graph, example_inputs)
-        self.size_arg = find_size_arg(example_inputs)
-        self.range_fn = compiler.get(piece, self.fingerprint, graph, example_inputs, None)
+        if saved is None:
+            self.fingerprint = graph_fingerprint(graph, example_inputs)
+            self.size_arg = find_size_arg(example_inputs)
+            self.range_fn = compiler.get(piece, self.fingerprint, graph, example_inputs, None)
+        else:
+            self.fingerprint = saved["fingerprint"]
+            self.size_arg = tuple(saved["size_arg"]) if saved["size_arg"] is not None else None
+            if compiler.compiler.name == "eager":
+                self.range_fn = compiler.get(piece, self.fingerprint, graph, [], None)
+            else:
+                self.range_fn = compiler.load(piece, self.fingerprint, graph, None)
+            if self.range_fn is None:
+                raise LookupError(f"piece {piece}: no loadable range artifact in the cache")
         self.by_size: dict[int, Callable] = {}
         if self.size_arg is not None:
             for size in sorted(self.compile_sizes):

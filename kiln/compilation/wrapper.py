@@ -1,4 +1,5 @@
-"""Trace a model's forward once with Dynamo, then call Dynamo's transformed bytecode directly.
+"""Trace a model's forward once with Dynamo, then call Dynamo's transformed bytecode directly
+(or, on a warm start, the graph an earlier process traced and the backend saved).
 
 After the first call no step re-enters Dynamo (no guards, no frame hook); inputs are checked
 against what was traced, since a mismatch would otherwise run compiled code on the wrong types.
@@ -11,6 +12,9 @@ import torch
 from kiln.compilation import monitor
 from kiln.compilation.counters import compilation_counter
 from kiln.compilation.phase import RecompileAfterWarmupError, check_may_compile, is_serving
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 def fresh_function(fn: types.FunctionType) -> types.FunctionType:
@@ -47,10 +51,30 @@ class TraceOnceWrapper:
             if signature != self.traced_signature:
                 raise RecompileAfterWarmupError(self._mismatch(signature))
             return self.direct(self.module, *args, **kwargs)
+        check_may_compile(f"tracing {self.prefix}.forward")
+        if self._load_saved(args, kwargs):
+            return self.direct(self.module, *args, **kwargs)
         return self._trace(args, kwargs)
 
+    def _load_saved(self, args: tuple, kwargs: dict) -> bool:
+        """A warm start: take the graph an earlier process traced (same cache key), if the
+        backend saved one, instead of tracing."""
+        load = getattr(self.backend, "load_saved", None)
+        if load is None:
+            return False
+        signature = _signature(args, kwargs)
+        try:
+            runner = load(self.module, self.source_fn, args, kwargs, repr(signature))
+        except Exception as e:  # a damaged cache must not stop the model: trace instead
+            logger.warning("saved graph of %s unusable (%s: %s); tracing with Dynamo instead",
+                           self.prefix, type(e).__name__, e)
+            runner = None
+        if runner is None:
+            return False
+        self.direct, self.traced_signature = runner, signature
+        return True
+
     def _trace(self, args: tuple, kwargs: dict):
-        check_may_compile(f"tracing {self.prefix}.forward")
         captured: list[types.CodeType] = []
 
         def hook(code: types.CodeType, new_code: types.CodeType):
@@ -73,6 +97,13 @@ class TraceOnceWrapper:
                                          fn.__defaults__, fn.__closure__)
         self.direct.__kwdefaults__ = fn.__kwdefaults__
         self.traced_signature = _signature(args, kwargs)
+        save = getattr(self.backend, "save_traced", None)
+        if save is not None:
+            try:
+                save(self.source_fn, output, repr(self.traced_signature), captured[-1])
+            except Exception as e:  # saving is an optimisation; serving goes on without it
+                logger.warning("could not save the traced graph of %s for warm starts (%s: %s)",
+                               self.prefix, type(e).__name__, e)
         # The backend's compiles/loads ran inside the trace; report them apart.
         monitor.log_trace(self.prefix, t.seconds - (monitor.stats.compile_s + monitor.stats.load_s
                                                     - spent_before))

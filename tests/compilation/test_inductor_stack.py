@@ -1,5 +1,6 @@
 """Mode 3 on Inductor: shape dispatch, disk cache (warm start in a second process, key, corrupt
 artifacts, concurrent writers), debug dumps. One cold compile is shared by the module."""
+import json
 import os
 import shutil
 import subprocess
@@ -81,8 +82,57 @@ def test_warm_start_in_second_process_compiles_nothing(cold, tmp_path):
     result = torch.load(out)
     c = result["counters"]
     assert c["num_inductor_compiles"] == 0 and c["num_compiled_artifacts_loaded"] == 9
+    # The saved graph replaced Dynamo: nothing traced, no graph handed to the backend.
+    assert c["num_dynamo_traces"] == 0 and c["num_graphs_seen"] == 0
+    assert c["num_saved_graph_loads"] == 1
     for n in SIZES:
         assert torch.equal(result["outputs"][n], _run(cold["model"], n))
+
+
+def _warm_model(cache: Path, deltas: dict):
+    config = tm.toy_config(mode=3, compile_sizes=[1, 8], cache_dir=str(cache))
+    model = tm.build(config)
+    with compilation_counter.expect(**deltas):
+        with torch.no_grad():
+            compile_and_warm_up(lambda n: model(*tm.inputs(n)), config)
+    return model
+
+
+def test_saved_graph_warm_start_in_process_matches_cold(cold, tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(cold["root"] / "cache", cache)
+    model = _warm_model(cache, dict(num_dynamo_traces=0, num_saved_graph_loads=1,
+                                    num_inductor_compiles=0, num_graphs_seen=0))
+    assert sorted(model._kiln_compile.backend.pieces) == [0, 2, 4]
+    phase.end_warmup()
+    for n in (64, 8, 3, 1):
+        assert torch.equal(_run(model, n), _run(cold["model"], n))
+    with pytest.raises(phase.RecompileAfterWarmupError, match="traced for inputs"):
+        model(tm.inputs(4)[0].int(), tm.inputs(4)[1])
+
+
+def test_corrupt_saved_graph_warns_and_traces(cold, tmp_path, kiln_logs):
+    cache = tmp_path / "cache"
+    shutil.copytree(cold["root"] / "cache", cache)
+    saved = next(cache.glob("*/rank_0/ToyModel/saved_graph.pkl"))
+    saved.write_bytes(saved.read_bytes()[:50])
+    model = _warm_model(cache, dict(num_dynamo_traces=1, num_saved_graph_loads=0,
+                                    num_inductor_compiles=0, num_compiled_artifacts_loaded=9))
+    assert "saved graph" in kiln_logs.text and "failed to load" in kiln_logs.text
+    for n in (8, 3):
+        assert torch.equal(_run(model, n), _run(cold["model"], n))
+
+
+def test_stale_saved_graph_entry_traces(cold, tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(cold["root"] / "cache", cache)
+    entry = next((cache / "saved_graphs").glob("*.json"))
+    source = tmp_path / "changed.py"
+    source.write_text("x = 1\n")  # a traced file whose contents no longer match the key
+    data = json.loads(entry.read_text())
+    entry.write_text(json.dumps({**data, "traced_files": data["traced_files"] + [str(source)]}))
+    _warm_model(cache, dict(num_dynamo_traces=1, num_saved_graph_loads=0,
+                            num_inductor_compiles=0))
 
 
 def test_cache_key_follows_config_source_and_compiler(cold, tmp_path):

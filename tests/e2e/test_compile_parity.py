@@ -64,3 +64,16 @@ def test_mode3_inductor_matches_hf_and_serves_without_compiling(llama4_dir, tmp_
         got = _generate(llm, prompts)
     assert sum(torch._dynamo.utils.counters["frames"].values()) == dynamo_frames
     assert got == expected
+
+
+@pytest.mark.parametrize("backend", ["inductor", "eager"])
+def test_mode3_warm_start_skips_dynamo_and_matches_hf(llama4_dir, tmp_path, oracle, backend):
+    """A second engine on the same compile cache runs the saved graph: no Dynamo trace."""
+    prompts, expected = oracle
+    cold = _llm(llama4_dir, tmp_path, {"mode": 3, "backend": backend})
+    assert _generate(cold, prompts) == expected
+    del cold
+    with compilation_counter.expect(num_dynamo_traces=0, num_graphs_seen=0,
+                                    num_saved_graph_loads=1, num_inductor_compiles=0):
+        warm = _llm(llama4_dir, tmp_path, {"mode": 3, "backend": backend})
+    assert _generate(warm, prompts) == expected
