@@ -142,7 +142,8 @@ def compile_report(engine_args: EngineArgs) -> dict:
             "backend": cc.backend, "splitting_ops": list(cc.splitting_ops),
             "pieces": {"total": d["num_piecewise_graphs_seen"],
                        "compiled": d["num_piecewise_capturable_graphs_seen"],
-                       "graphs": d["num_graphs_seen"]},
+                       # Traced by Dynamo (cold) or loaded from the saved graph (warm).
+                       "graphs": d["num_graphs_seen"] + d["num_saved_graph_loads"]},
             "shapes": {"range": [1, kiln_config.scheduler_config.max_num_batched_tokens],
                        "compile_sizes": list(cc.compile_sizes)},
             "per_shape": per_shape_summary(events),
