@@ -70,7 +70,7 @@ class TorchAttentionImpl(AttentionImpl):
         if attn_metadata.uniform_decode or attn_metadata.max_query_len == 1:
             self._batched_decode(q, kv_cache, attn_metadata, out)
         else:
-            self._per_request(q, kv_cache, attn_metadata, out)
+            self._per_request(q, k, v, kv_cache, attn_metadata, out)
 
     def _whole_batch_causal(self, q, k, v, out) -> None:
         # Warm-up / profiling: the batch is one causal sequence; the cache is left alone.
@@ -81,7 +81,7 @@ class TorchAttentionImpl(AttentionImpl):
                                            enable_gqa=group > 1)
         out.copy_(o.transpose(0, 1))
 
-    def _per_request(self, q, kv_cache, md: AttentionMetadata, out) -> None:
+    def _per_request(self, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
         group = self.num_heads // self.num_kv_heads
         block_size = kv_cache.shape[2]
         starts = md.query_start_loc_cpu.tolist()
@@ -92,15 +92,18 @@ class TorchAttentionImpl(AttentionImpl):
             if q_len == 0:
                 continue
             ctx_len = seq_len - q_len
-            num_blocks = (seq_len + block_size - 1) // block_size
-            blocks = md.block_table[i:i + 1, :num_blocks].long()  # [1, n]
-            kh = _gather_context(kv_cache[0], blocks, seq_len)[0].to(q.dtype)  # [nkv, S, hd]
-            vh = _gather_context(kv_cache[1], blocks, seq_len)[0].to(q.dtype)
             qh = q[qs:qe].transpose(0, 1)  # [nh, q_len, hd]
             if ctx_len == 0:
+                # A fresh prefill attends only to its own tokens: they are this step's k/v, no
+                # need to read them back out of the cache.
+                kh, vh = k[qs:qe].transpose(0, 1), v[qs:qe].transpose(0, 1)  # [nkv, S, hd]
                 o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale,
                                                    enable_gqa=group > 1)
             else:
+                num_blocks = (seq_len + block_size - 1) // block_size
+                blocks = md.block_table[i:i + 1, :num_blocks].long()  # [1, n]
+                kh = _gather_context(kv_cache[0], blocks, seq_len)[0].to(q.dtype)  # [nkv, S, hd]
+                vh = _gather_context(kv_cache[1], blocks, seq_len)[0].to(q.dtype)
                 # Query j sits at absolute position ctx_len + j and sees keys up to it.
                 key_pos = torch.arange(seq_len, device=q.device)
                 query_pos = torch.arange(ctx_len, seq_len, device=q.device)
