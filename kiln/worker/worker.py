@@ -94,20 +94,14 @@ class Worker:
         cache.num_blocks = num_blocks
 
     # ---- warm-up ---------------------------------------------------------------------------
-    def warmup_sizes(self) -> list[int]:
-        """Token counts the warm-up forward runs at (largest first)."""
-        sched = self.kiln_config.scheduler_config
-        limit = sched.max_num_batched_tokens
-        sizes = {1, min(sched.max_num_seqs, limit), limit}
-        sizes.update(s for s in self.kiln_config.compilation_config.compile_sizes if s <= limit)
-        return sorted(sizes, reverse=True)
-
     def compile_or_warm_up_model(self) -> None:
         from kiln.compilation.warmup import compile_and_warm_up
 
         # Every compiled shape (range + compile_sizes) is built here; afterwards a compile raises.
+        # One token and a full decode batch run too, so their eager paths are warm as well.
+        sched = self.kiln_config.scheduler_config
         compile_and_warm_up(self.model_runner.dummy_run, self.kiln_config,
-                            extra_sizes=self.warmup_sizes())
+                            extra_sizes=[1, min(sched.max_num_seqs, sched.max_num_batched_tokens)])
         # Record every CUDA graph now, after compiling and before serving (no-op on CPU).
         capture_model(self.model_runner, self.model_runner.cudagraph_dispatcher)
         current_platform.synchronize()
