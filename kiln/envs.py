@@ -30,3 +30,14 @@ def cudagraph_debug() -> bool:
     """`KILN_CUDAGRAPH_DEBUG=1`: check at every graph replay that inputs sit where they did at
     capture (a moved input makes a replay read stale memory)."""
     return os.environ.get("KILN_CUDAGRAPH_DEBUG", "0") not in ("", "0", "false", "False")
+
+
+def attention_backend() -> str | None:
+    """`KILN_ATTENTION_BACKEND`: force an attention backend (torch | cpu); unset = by platform."""
+    return os.environ.get("KILN_ATTENTION_BACKEND") or None
+
+
+def native_cpu_ops() -> bool:
+    """`KILN_NATIVE_CPU_OPS=0`: eager CPU layers keep their torch code instead of the fused C
+    kernels (RMSNorm, SiLU-and-mul, rotary)."""
+    return os.environ.get("KILN_NATIVE_CPU_OPS", "1") not in ("", "0", "false", "False")

@@ -47,8 +47,27 @@ class AttentionBackend:
         return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
 
 
+BACKENDS = ("torch", "cpu")
+
+
 def get_attn_backend() -> type[AttentionBackend]:
-    """The backend for the current platform (only the portable torch one exists so far)."""
+    """The backend for the current platform; `KILN_ATTENTION_BACKEND` (torch | cpu) overrides.
+
+    On CPU the default is `cpu` (the C kernel for short queries) when its kernel builds."""
+    from kiln import envs
+    from kiln.platforms import current_platform
+
+    name = envs.attention_backend()
+    if name is None:
+        from kiln.native import paged_attention as native_kernel
+
+        name = "cpu" if current_platform.is_cpu() and native_kernel.available() else "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"KILN_ATTENTION_BACKEND={name!r} is not one of {', '.join(BACKENDS)}")
+    if name == "cpu":
+        from kiln.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend
     from kiln.attention.torch_backend import TorchAttentionBackend
 
     return TorchAttentionBackend

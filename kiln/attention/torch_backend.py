@@ -67,10 +67,14 @@ class TorchAttentionImpl(AttentionImpl):
                        attn_metadata.step_cache)
         if n < num_tokens:
             out[n:].zero_()  # padding rows belong to no request
-        if attn_metadata.uniform_decode or attn_metadata.max_query_len == 1:
-            self._batched_decode(q, kv_cache, attn_metadata, out)
+        self._attend(q, k, v, kv_cache, attn_metadata, out)
+
+    def _attend(self, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
+        """Attention of the real tokens, with this step's k/v already in the cache."""
+        if md.uniform_decode or md.max_query_len == 1:
+            self._batched_decode(q, kv_cache, md, out)
         else:
-            self._per_request(q, k, v, kv_cache, attn_metadata, out)
+            self._per_request(q, k, v, kv_cache, md, out, range(md.num_reqs))
 
     def _whole_batch_causal(self, q, k, v, out) -> None:
         # Warm-up / profiling: the batch is one causal sequence; the cache is left alone.
@@ -81,12 +85,12 @@ class TorchAttentionImpl(AttentionImpl):
                                            enable_gqa=group > 1)
         out.copy_(o.transpose(0, 1))
 
-    def _per_request(self, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
+    def _per_request(self, q, k, v, kv_cache, md: AttentionMetadata, out, requests) -> None:
         group = self.num_heads // self.num_kv_heads
         block_size = kv_cache.shape[2]
         starts = md.query_start_loc_cpu.tolist()
         seq_lens = md.seq_lens_cpu.tolist()
-        for i in range(md.num_reqs):
+        for i in requests:
             qs, qe, seq_len = starts[i], starts[i + 1], seq_lens[i]
             q_len = qe - qs
             if q_len == 0:

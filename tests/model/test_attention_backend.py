@@ -1,17 +1,25 @@
-"""The portable torch attention backend and the unified_attention op, on random tensors.
+"""The attention backends (portable torch; CPU with the C kernel) and the unified_attention op.
 
 Checks paths against a dense reference: per-request, batched decode, padding, no-metadata warm-up.
 """
+import pytest
 import torch
 import torch.nn.functional as F
 
+from kiln.native import paged_attention as native_kernel
 from kiln.attention.backend import get_attn_backend, kv_cache_shape
-from kiln.attention.torch_backend import TorchAttentionImpl, write_kv_cache
+from kiln.attention.cpu_backend import CpuAttentionBackend, CpuAttentionImpl, split_requests
+from kiln.attention.torch_backend import (TorchAttentionBackend, TorchAttentionImpl,
+                                          write_kv_cache)
 from kiln.config import CompilationConfig, set_current_kiln_config
 from kiln.forward_context import set_forward_context
 from model._attn_helper import BlockPool, PagedRequest, build_step
 
 NH, NKV, HD, BS = 4, 2, 8, 4
+
+needs_kernel = pytest.mark.skipif(not native_kernel.available(),
+                                  reason="no C compiler: the CPU attention kernel cannot be built")
+IMPLS = [TorchAttentionImpl, pytest.param(CpuAttentionImpl, marks=needs_kernel)]
 
 
 def dense_reference(q, k, v):
@@ -24,14 +32,15 @@ def dense_reference(q, k, v):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def run_steps(lengths_per_step: list[list[int]], total: list[int], num_padding: int = 0):
+def run_steps(lengths_per_step: list[list[int]], total: list[int], num_padding: int = 0,
+              impl_cls=TorchAttentionImpl, dtype=torch.float32):
     """Feed random q/k/v for each step; returns the final step's output and expected rows."""
     g = torch.Generator().manual_seed(0)
-    seqs = [(torch.randn(n, NH, HD, generator=g), torch.randn(n, NKV, HD, generator=g),
-             torch.randn(n, NKV, HD, generator=g)) for n in total]
-    impl = TorchAttentionImpl(NH, HD, HD ** -0.5, NKV)
-    cache = torch.zeros(kv_cache_shape(32, BS, NKV, HD))
-    pool = BlockPool(32, BS)
+    seqs = [tuple(torch.randn(n, h, HD, generator=g).to(dtype) for h in (NH, NKV, NKV))
+            for n in total]
+    impl = impl_cls(NH, HD, HD ** -0.5, NKV)
+    cache = torch.zeros(kv_cache_shape(64, BS, NKV, HD), dtype=dtype)
+    pool = BlockPool(64, BS)
     reqs = [PagedRequest(list(range(n))) for n in total]
     for step, q_lens in enumerate(lengths_per_step):
         pad = num_padding if step == len(lengths_per_step) - 1 else 0
@@ -40,25 +49,69 @@ def run_steps(lengths_per_step: list[list[int]], total: list[int], num_padding: 
         parts = [[t[s:s + n] for t in seq] for seq, s, n in zip(seqs, starts, q_lens)]
         q, k, v = (torch.cat([p[i] for p in parts] + [torch.full((pad,) + parts[0][i].shape[1:],
                                                                   7.0)]) for i in range(3))
-        out = torch.empty(q.shape[0], NH * HD)
+        out = torch.empty(q.shape[0], NH * HD, dtype=dtype)
         impl.forward(q.flatten(1), k.flatten(1), v.flatten(1), cache, md, out)
-    expected = [dense_reference(*seq)[s:s + n] for seq, s, n in zip(seqs, starts, q_lens)]
+    expected = [dense_reference(*(t.float() for t in seq))[s:s + n]
+                for seq, s, n in zip(seqs, starts, q_lens)]
     return out.view(-1, NH, HD), torch.cat(expected), cache, md
 
 
-def test_chunked_and_mixed_match_dense():
-    out, expected, _, _ = run_steps([[5, 3, 7], [6, 1, 2]], total=[11, 4, 9])
+@pytest.mark.parametrize("impl_cls", IMPLS)
+def test_chunked_and_mixed_match_dense(impl_cls):
+    out, expected, _, _ = run_steps([[5, 3, 7], [6, 1, 2]], total=[11, 4, 9], impl_cls=impl_cls)
     assert torch.allclose(out, expected, atol=1e-5)
 
 
-def test_uniform_decode_fast_path_matches_dense():
-    out, expected, _, md = run_steps([[6, 13, 2], [1, 1, 1]], total=[7, 14, 3])
+@pytest.mark.parametrize("impl_cls", IMPLS)
+def test_uniform_decode_fast_path_matches_dense(impl_cls):
+    out, expected, _, md = run_steps([[6, 13, 2], [1, 1, 1]], total=[7, 14, 3], impl_cls=impl_cls)
     assert md.uniform_decode
     assert torch.allclose(out, expected, atol=1e-5)
 
 
-def test_padding_tokens_write_nothing_and_output_zero():
-    out, expected, cache, md = run_steps([[5, 3]], total=[5, 3], num_padding=4)
+@needs_kernel
+def test_cpu_kernel_and_sdpa_share_a_mixed_batch():
+    # 70-token queries go to SDPA, the rest to the kernel, in the same step (with context).
+    out, expected, _, md = run_steps([[30, 2, 70], [70, 1, 3]], total=[100, 3, 73],
+                                     impl_cls=CpuAttentionImpl)
+    assert md.step_cache["cpu_split"][1] == [0]
+    assert torch.allclose(out, expected, atol=1e-5)
+
+
+@needs_kernel
+def test_cpu_kernel_bfloat16_within_rounding():
+    out, expected, _, _ = run_steps([[6, 13, 2], [1, 1, 1]], total=[7, 14, 3],
+                                    impl_cls=CpuAttentionImpl, dtype=torch.bfloat16)
+    ref, _, _, _ = run_steps([[6, 13, 2], [1, 1, 1]], total=[7, 14, 3], dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    # bf16 keeps 8 mantissa bits: outputs of magnitude ~1 round at ~1e-2.
+    assert torch.allclose(out.float(), expected, atol=2e-2)
+    assert torch.allclose(out.float(), ref.float(), atol=2e-2)
+
+
+@needs_kernel
+def test_cpu_kernel_reads_strided_queries():
+    # q arrives as a column slice of the fused qkv projection: rows are not NH*HD apart.
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, (NH + 2 * NKV) * HD, generator=g)
+    q, k, v = qkv.split([NH * HD, NKV * HD, NKV * HD], dim=-1)
+    pool, reqs = BlockPool(32, BS), [PagedRequest(list(range(5)))]
+    _, _, md = build_step(pool, reqs, [5])
+    cache = torch.zeros(kv_cache_shape(32, BS, NKV, HD))
+    out = torch.empty(5, NH * HD)
+    CpuAttentionImpl(NH, HD, HD ** -0.5, NKV).forward(q, k, v, cache, md, out)
+    expected = dense_reference(q.reshape(5, NH, HD), k.reshape(5, NKV, HD), v.reshape(5, NKV, HD))
+    assert torch.allclose(out.view(5, NH, HD), expected, atol=1e-5)
+
+
+def test_split_requests_by_query_length():
+    assert split_requests([1, 64, 65, 0, 3], max_kernel_len=64) == ([0, 1, 4], [2])
+
+
+@pytest.mark.parametrize("impl_cls", IMPLS)
+def test_padding_tokens_write_nothing_and_output_zero(impl_cls):
+    out, expected, cache, md = run_steps([[5, 3]], total=[5, 3], num_padding=4,
+                                         impl_cls=impl_cls)
     n = md.num_actual_tokens
     assert torch.allclose(out[:n], expected, atol=1e-5)
     assert torch.all(out[n:] == 0)
@@ -74,11 +127,23 @@ def test_write_kv_cache_skips_negative_slots():
     assert cache.view(2, -1, NKV, HD)[:, [1, 2, 3, 4, 6, 7]].eq(0).all()
 
 
-def test_backend_interface():
+def test_backend_interface(monkeypatch):
+    monkeypatch.setenv("KILN_ATTENTION_BACKEND", "torch")
     backend = get_attn_backend()
+    assert backend is TorchAttentionBackend
     assert backend.supports_full_cudagraph is False
     assert backend.get_impl_cls() is TorchAttentionImpl
     assert backend.get_kv_cache_shape(10, 16, 2, 64) == (2, 10, 16, 2, 64)
+
+
+@needs_kernel
+def test_cpu_backend_is_the_cpu_default(monkeypatch):
+    monkeypatch.delenv("KILN_ATTENTION_BACKEND", raising=False)
+    assert get_attn_backend() is CpuAttentionBackend
+    assert CpuAttentionBackend.get_impl_cls() is CpuAttentionImpl
+    monkeypatch.setenv("KILN_ATTENTION_BACKEND", "flash")
+    with pytest.raises(ValueError, match="KILN_ATTENTION_BACKEND='flash' is not one of torch, cpu"):
+        get_attn_backend()
 
 
 class _FakeKilnConfig:
@@ -102,3 +167,32 @@ def test_op_traces_under_compile_and_uses_context():
         q.view(6, NH, HD).transpose(0, 1), k.view(6, NKV, HD).transpose(0, 1),
         v.view(6, NKV, HD).transpose(0, 1), is_causal=True, enable_gqa=True)
     assert torch.allclose(got, ref.transpose(0, 1).reshape(6, -1), atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_size", [64, 128, 40])  # the two unrolled sizes and the generic one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_head_sizes_match_dense(head_size, dtype):
+    nh, nkv, bs = 6, 2, 16
+    g = torch.Generator().manual_seed(head_size)
+    lens = [37, 1, 70]
+    seqs = [tuple(torch.randn(n, h, head_size, generator=g).to(dtype) for h in (nh, nkv, nkv))
+            for n in lens]
+    pool, reqs = BlockPool(64, bs), [PagedRequest(list(range(n))) for n in lens]
+    _, _, md = build_step(pool, reqs, [n - 1 for n in lens])
+    cache = torch.zeros(kv_cache_shape(64, bs, nkv, head_size), dtype=dtype)
+    impl = CpuAttentionImpl(nh, head_size, head_size ** -0.5, nkv)
+    for first, q_lens in ((True, [n - 1 for n in lens]), (False, [1, 1, 1])):
+        if not first:
+            _, _, md = build_step(pool, reqs, q_lens)
+        rows = [slice(n - 1, n) if not first else slice(0, n - 1) for n in lens]
+        q, k, v = (torch.cat([seq[i][r] for seq, r in zip(seqs, rows)]) for i in range(3))
+        out = torch.empty(q.shape[0], nh * head_size, dtype=dtype)
+        impl.forward(q.flatten(1), k.flatten(1), v.flatten(1), cache, md, out)
+    k_rep = [s[1].float().repeat_interleave(nh // nkv, 1) for s in seqs]
+    v_rep = [s[2].float().repeat_interleave(nh // nkv, 1) for s in seqs]
+    for i, seq in enumerate(seqs):  # the decode step: each request's last token sees all keys
+        scores = torch.einsum("hd,khd->hk", seq[0][-1].float(), k_rep[i]) * head_size ** -0.5
+        expected = torch.einsum("hk,khd->hd", scores.softmax(-1), v_rep[i])
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(out[i].view(nh, head_size).float(), expected, atol=tol)

@@ -1,11 +1,13 @@
 """RMSNorm, optionally fused with the residual add that precedes it in a decoder layer.
 
-Normalises in float32 and scales in the input dtype, as Hugging Face's Llama does.
+Normalises in float32 and scales in the input dtype, as Hugging Face's Llama does; eager CPU
+forwards take the fused C kernel (kiln/native/layer_ops.py), which rounds the same way.
 """
 import torch
 from torch import nn
 
 from kiln.model.layers.linear import default_weight_loader
+from kiln.native import layer_ops
 
 
 class RMSNorm(nn.Module):
@@ -23,6 +25,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with residual: (norm(x + residual), x + residual)."""
+        if layer_ops.usable(x, self.weight, *(() if residual is None else (residual,))):
+            return layer_ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from kiln.native import layer_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -75,6 +77,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T]; q [T, nh*hd], k [T, nkv*hd] -> rotated (q, k)."""
+        if layer_ops.usable(q, k):
+            return layer_ops.rotary(positions, q, k, self.cos_sin_cache, self.head_size)
         cos_sin = self.cos_sin_cache.index_select(0, positions).to(q.dtype)
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, hd/2] each
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

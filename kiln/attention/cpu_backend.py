@@ -1,0 +1,54 @@
+"""CPU attention: the torch backend with short queries (decodes, small chunks) sent to the C kernel.
+
+The kernel reads each request's K/V blocks in place, once; long queries keep SDPA's blocked
+kernel, which beats a per-token loop there.
+"""
+import torch
+
+from kiln.native import build, paged_attention as native_kernel
+from kiln.attention.backend import AttentionImpl
+from kiln.attention.metadata import AttentionMetadata
+from kiln.attention.torch_backend import TorchAttentionBackend, TorchAttentionImpl
+
+# Queries up to this many tokens go to the kernel (a decode is 1); measured on 2 cores, SDPA
+# wins from a few hundred query tokens on.
+KERNEL_MAX_QUERY_LEN = 64
+
+
+def split_requests(query_lens: list[int],
+                   max_kernel_len: int = KERNEL_MAX_QUERY_LEN) -> tuple[list[int], list[int]]:
+    """(requests for the kernel, requests for SDPA) by query length; empty queries in neither."""
+    short = [i for i, n in enumerate(query_lens) if 0 < n <= max_kernel_len]
+    long = [i for i, n in enumerate(query_lens) if n > max_kernel_len]
+    return short, long
+
+
+class CpuAttentionImpl(TorchAttentionImpl):
+    def _attend(self, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
+        if q.dtype not in build.DTYPES or kv_cache.dtype != q.dtype:
+            super()._attend(q, k, v, kv_cache, md, out)
+            return
+        short, long = self._plan(md)
+        if short.numel():
+            native_kernel.paged_attention(q, kv_cache[0], kv_cache[1], md.block_table,
+                                          md.query_start_loc, md.seq_lens, short,
+                                          md.max_seq_len, self.scale, out)
+        if long:
+            self._per_request(q, k, v, kv_cache, md, out, long)
+
+    @staticmethod
+    def _plan(md: AttentionMetadata) -> tuple[torch.Tensor, list[int]]:
+        # Once per step, shared by every layer.
+        if "cpu_split" not in md.step_cache:
+            starts = md.query_start_loc_cpu[:md.num_reqs + 1].tolist()
+            short, long = split_requests([e - s for s, e in zip(starts, starts[1:])])
+            md.step_cache["cpu_split"] = (torch.tensor(short, dtype=torch.int32), long)
+        return md.step_cache["cpu_split"]
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return CpuAttentionImpl

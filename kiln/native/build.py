@@ -1,0 +1,103 @@
+"""Builds Kiln's C kernels (csrc/*.c) into shared libraries at first use and loads them (ctypes).
+
+Compiled with the C compiler Inductor also uses, cached under Kiln's cache root keyed by the
+sources, compiler and CPU flags (-march=native); None, with one warning, when it cannot be done.
+"""
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kiln import envs
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+# -ffast-math: dot products end in a vector tree instead of 16 scalar adds, and expf vectorizes
+# (glibc's libmvec). Safe here: the kernels never produce inf or NaN from finite inputs.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffast-math"]
+# torch dtype -> the kernels' dtype code (csrc/dtype.h).
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def compiler() -> str | None:
+    """$CC, else cc/gcc on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _cpu_flags() -> str:
+    # -march=native bakes the CPU in, so a cache shared between machines must not mix builds.
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_key(name: str, cc: str) -> str:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    h = hashlib.sha256()
+    for part in (name.encode(), *(p.read_bytes() for p in sorted(CSRC.iterdir())),
+                 version.encode(), " ".join(FLAGS).encode(), platform.machine().encode(),
+                 _cpu_flags().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def build(name: str, cc: str) -> Path:
+    """csrc/<name>.c as a shared library in the cache, compiled on first use (atomic rename, so
+    processes building at once each leave a whole file)."""
+    target = envs.cache_root() / "kernels" / build_key(name, cc) / f"libkiln_{name}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *FLAGS, f"-I{CSRC}", str(CSRC / f"{name}.c"), "-o", tmp, "-lm"],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    logger.info("built the CPU kernels %s: %s", name, target)
+    return target
+
+
+@functools.cache
+def load(name: str, signatures: tuple[tuple[str, tuple], ...]) -> ctypes.CDLL | None:
+    """The library of csrc/<name>.c with each (function, argtypes) declared (restype int: 0 on
+    success), or None (with one warning saying why) when it cannot be built."""
+    cc = compiler()
+    if cc is None:
+        logger.warning("no C compiler found (set CC or install gcc): the CPU kernels %s are off "
+                       "and the slower torch code runs instead", name)
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(name, cc)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        logger.warning("could not build the CPU kernels %s (%s); the slower torch code runs "
+                       "instead", name, e)
+        return None
+    for fn, argtypes in signatures:
+        getattr(lib, fn).argtypes = list(argtypes)
+        getattr(lib, fn).restype = ctypes.c_int
+    return lib
+
+
+def check(rc: int, fn: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{fn} failed with code {rc} (1 = bad shapes, 2 = out of memory)")

@@ -1,0 +1,42 @@
+/* The element types Kiln's CPU kernels read and write: float32 (0) and bfloat16 (1).
+ * Kernels compute in float32 and round on store, as torch's CPU kernels do. */
+#ifndef KILN_DTYPE_H
+#define KILN_DTYPE_H
+
+#include <stdint.h>
+#include <string.h>
+
+enum { KILN_F32 = 0, KILN_BF16 = 1 };
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float load_elem(const void *base, int64_t i, int dtype) {
+    return dtype == KILN_F32 ? ((const float *)base)[i] : bf16_to_f32(((const uint16_t *)base)[i]);
+}
+
+static inline void store_elem(void *base, int64_t i, float v, int dtype) {
+    if (dtype == KILN_F32)
+        ((float *)base)[i] = v;
+    else
+        ((uint16_t *)base)[i] = f32_to_bf16(v);
+}
+
+/* v as the dtype would hold it (what a torch op in that dtype would have produced). */
+static inline float round_to(float v, int dtype) {
+    return dtype == KILN_F32 ? v : bf16_to_f32(f32_to_bf16(v));
+}
+
+#endif

@@ -1,0 +1,188 @@
+/* Paged causal attention for CPU, reading K and V straight out of the block cache.
+ *
+ * The torch path gathers each request's blocks into a contiguous copy and transposes it before
+ * its matmuls: three passes over the KV bytes. This kernel makes one, which is what a decode
+ * step (memory-bound on the KV cache) needs. Built at run time by kiln/native/build.py
+ * and called through ctypes; OpenMP comes from the libgomp torch has already loaded.
+ *
+ * Layouts (element strides given where a tensor may be a view):
+ *   q, out       [tokens, num_heads, head_size], token stride q_stride / out_stride
+ *   k/v_cache    [num_blocks, block_size, num_kv_heads, head_size], contiguous
+ *   block_table  [num_reqs, bt_stride] int32
+ *   query_start  [num_reqs + 1] int32; seq_lens [num_reqs] int32 (context incl. this step)
+ *   reqs         [num_sel] int32: the requests this call computes (the rest are left alone)
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dtype.h"
+
+/* n values at element offset `off` of `base` as floats: a pointer into base for float32, else
+ * converted into buf. */
+static inline const float *row_f32(const void *base, int64_t off, int n, int dtype, float *buf) {
+    if (dtype == KILN_F32) return (const float *)base + off;
+    const uint16_t *src = (const uint16_t *)base + off;
+    for (int i = 0; i < n; ++i) buf[i] = bf16_to_f32(src[i]);
+    return buf;
+}
+
+static inline void store_row(void *base, int64_t off, const float *src, float mul, int n,
+                             int dtype) {
+    if (dtype == KILN_F32) {
+        float *dst = (float *)base + off;
+        for (int i = 0; i < n; ++i) dst[i] = src[i] * mul;
+    } else {
+        uint16_t *dst = (uint16_t *)base + off;
+        for (int i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i] * mul);
+    }
+}
+
+/* Asks for key s + PREFETCH_AHEAD's rows while key s is computed: blocks are scattered, so the
+ * hardware prefetcher loses the stream at every block boundary. */
+#define PREFETCH_AHEAD 8
+
+static inline void prefetch_rows(const void *cache, const int32_t *blocks, int block_size,
+                                 int s, int n_keys, int64_t slot_stride, int64_t head_off,
+                                 int64_t n, int elem) {
+    if (s >= n_keys) return;
+    const int64_t slot = (int64_t)blocks[s / block_size] * block_size + s % block_size;
+    const char *p = (const char *)cache + (slot * slot_stride + head_off) * elem;
+    for (int64_t b = 0; b < n * elem; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
+/* One query token against keys [0, n_keys) of kv heads [h0, h0 + nh_kv), each shared by `group`
+ * query heads. qs [nh_kv * group, hd] is pre-scaled; scores [nh_kv * group, n_keys]; acc like qs.
+ * A key's heads sit next to each other, so taking them together reads the cache in whole rows. */
+static inline __attribute__((always_inline)) void attend_token(
+    const float *qs, const void *k_cache, const void *v_cache, const int32_t *blocks,
+    int block_size, int n_keys, int h0, int nh_kv, int64_t slot_stride, int group, int dtype,
+    float *scores, float *acc, float *buf, float *denom, const int hd) {
+    const int rows = nh_kv * group, elem = dtype == KILN_F32 ? 4 : 2;
+    const int64_t head_off = (int64_t)h0 * hd, span = (int64_t)nh_kv * hd;
+    for (int s = 0; s < n_keys; ++s) {
+        prefetch_rows(k_cache, blocks, block_size, s + PREFETCH_AHEAD, n_keys, slot_stride,
+                      head_off, span, elem);
+        const int64_t slot = (int64_t)blocks[s / block_size] * block_size + s % block_size;
+        for (int h = 0; h < nh_kv; ++h) {
+            const float *kr = row_f32(k_cache, slot * slot_stride + (int64_t)(h0 + h) * hd, hd,
+                                      dtype, buf);
+            for (int g = 0; g < group; ++g) {
+                const float *qg = qs + (int64_t)(h * group + g) * hd;
+                float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                for (int d = 0; d < hd; ++d) dot += qg[d] * kr[d];
+                scores[(int64_t)(h * group + g) * n_keys + s] = dot;
+            }
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+        float *sr = scores + (int64_t)r * n_keys;
+        float m = sr[0], sum = 0.f;
+        for (int s = 1; s < n_keys; ++s) m = sr[s] > m ? sr[s] : m;
+        for (int s = 0; s < n_keys; ++s) {
+            sr[s] = expf(sr[s] - m);
+            sum += sr[s];
+        }
+        denom[r] = sum;
+    }
+    memset(acc, 0, sizeof(float) * rows * hd);
+    for (int s = 0; s < n_keys; ++s) {
+        prefetch_rows(v_cache, blocks, block_size, s + PREFETCH_AHEAD, n_keys, slot_stride,
+                      head_off, span, elem);
+        const int64_t slot = (int64_t)blocks[s / block_size] * block_size + s % block_size;
+        for (int h = 0; h < nh_kv; ++h) {
+            const float *vr = row_f32(v_cache, slot * slot_stride + (int64_t)(h0 + h) * hd, hd,
+                                      dtype, buf);
+            for (int g = 0; g < group; ++g) {
+                const float p = scores[(int64_t)(h * group + g) * n_keys + s];
+                float *ar = acc + (int64_t)(h * group + g) * hd;
+#pragma omp simd
+                for (int d = 0; d < hd; ++d) ar[d] += p * vr[d];
+            }
+        }
+    }
+}
+
+/* Copies of attend_token with the head size fixed, so its inner loops unroll into whole vector
+ * registers: the common sizes, and any other through the generic one. */
+#define ATTEND_TOKEN_ARGS                                                                    \
+    const float *qs, const void *k_cache, const void *v_cache, const int32_t *blocks,        \
+        int block_size, int n_keys, int h0, int nh_kv, int64_t slot_stride, int group,       \
+        int dtype, float *scores, float *acc, float *buf, float *denom
+#define ATTEND_TOKEN_PASS                                                                    \
+    qs, k_cache, v_cache, blocks, block_size, n_keys, h0, nh_kv, slot_stride, group, dtype,  \
+        scores, acc, buf, denom
+static void attend_token_64(ATTEND_TOKEN_ARGS) { attend_token(ATTEND_TOKEN_PASS, 64); }
+static void attend_token_128(ATTEND_TOKEN_ARGS) { attend_token(ATTEND_TOKEN_PASS, 128); }
+static void attend_token_any(ATTEND_TOKEN_ARGS, int hd) { attend_token(ATTEND_TOKEN_PASS, hd); }
+
+int kiln_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
+                         const void *v_cache, const int32_t *block_table, int64_t bt_stride,
+                         const int32_t *query_start, const int32_t *seq_lens,
+                         const int32_t *reqs, int32_t num_sel, void *out, int64_t out_stride,
+                         int32_t num_heads, int32_t num_kv_heads, int32_t head_size,
+                         int32_t block_size, int32_t max_seq_len, float scale, int32_t dtype,
+                         int32_t num_threads) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads || block_size <= 0 || head_size <= 0)
+        return 1;
+    const int group = num_heads / num_kv_heads, hd = head_size;
+    const int64_t slot_stride = (int64_t)num_kv_heads * hd;
+    /* Work items: a request with all its kv heads when there are enough requests to keep every
+     * thread busy (whole cache rows), else one (request, kv head) each. */
+    const int split_heads = num_sel < 2 * num_threads;
+    const int heads_per_item = split_heads ? 1 : num_kv_heads;
+    const int64_t items = (int64_t)num_sel * (num_kv_heads / heads_per_item);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        const size_t rows = (size_t)heads_per_item * group;
+        float *scores = malloc(sizeof(float) * rows * (size_t)max_seq_len);
+        float *qs = malloc(sizeof(float) * rows * (size_t)hd);
+        float *acc = malloc(sizeof(float) * rows * (size_t)hd);
+        float *buf = malloc(sizeof(float) * (size_t)hd);
+        float *denom = malloc(sizeof(float) * rows);
+        failed = !scores || !qs || !acc || !buf || !denom;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; ++item) {
+            if (failed) continue;
+            const int per_req = num_kv_heads / heads_per_item;
+            const int r = reqs[item / per_req], h0 = (int)(item % per_req) * heads_per_item;
+            const int q_begin = query_start[r], q_end = query_start[r + 1];
+            const int ctx = seq_lens[r] - (q_end - q_begin);
+            const int32_t *blocks = block_table + (int64_t)r * bt_stride;
+            for (int t = q_begin; t < q_end; ++t) {
+                const int n_keys = ctx + (t - q_begin) + 1;  /* causal: keys up to its position */
+                /* the query heads of kv heads [h0, h0 + heads_per_item) are contiguous in q */
+                const int64_t q_off = (int64_t)t * q_stride + (int64_t)h0 * group * hd;
+                for (size_t i = 0; i < rows; ++i) {
+                    const float *qr = row_f32(q, q_off + (int64_t)i * hd, hd, dtype, buf);
+                    for (int d = 0; d < hd; ++d) qs[i * hd + d] = qr[d] * scale;
+                }
+                if (hd == 64)
+                    attend_token_64(qs, k_cache, v_cache, blocks, block_size, n_keys, h0,
+                                    heads_per_item, slot_stride, group, dtype, scores, acc, buf,
+                                    denom);
+                else if (hd == 128)
+                    attend_token_128(qs, k_cache, v_cache, blocks, block_size, n_keys, h0,
+                                     heads_per_item, slot_stride, group, dtype, scores, acc, buf,
+                                     denom);
+                else
+                    attend_token_any(qs, k_cache, v_cache, blocks, block_size, n_keys, h0,
+                                     heads_per_item, slot_stride, group, dtype, scores, acc, buf,
+                                     denom, hd);
+                const int64_t o_off = (int64_t)t * out_stride + (int64_t)h0 * group * hd;
+                for (size_t i = 0; i < rows; ++i)
+                    store_row(out, o_off + (int64_t)i * hd, acc + i * hd, 1.f / denom[i], hd,
+                              dtype);
+            }
+        }
+        free(scores);
+        free(qs);
+        free(acc);
+        free(buf);
+        free(denom);
+    }
+    return failed ? 2 : 0;
+}
