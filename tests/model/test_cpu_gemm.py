@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from kiln.model.layers import cpu_gemm
 from kiln.model.layers.linear import ReplicatedLinear
+from kiln.native import gemv
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemm.cpu_packing_available(torch.device("cpu"), torch.float32),
@@ -46,3 +47,24 @@ def test_packed_op_traces_whole_graph_under_dynamo():
     x = torch.randn(5, 32)
     torch.testing.assert_close(compiled(x), F.linear(x, layer.weight, layer.bias),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not gemv.available(), reason="no C compiler: the GEMV kernel cannot be built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_one_or_two_rows_take_the_gemv_kernel(monkeypatch, dtype, rows):
+    layer = _packed_layer(out_features=200, in_features=96).to(dtype)
+    cpu_gemm.prepack_for_cpu(layer)
+    x = torch.randn(rows, 96).to(dtype)
+    calls = []
+    monkeypatch.setattr(gemv, "skinny_linear",
+                        lambda *a: calls.append(1) or gemv_impl(*a))
+    got = layer(x)
+    assert calls, "the GEMV kernel was not used"
+    ref = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2  # bf16 output keeps 8 mantissa bits
+    torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol)
+    assert got.dtype == dtype and got.shape == (rows, 200)
+
+
+gemv_impl = gemv.skinny_linear

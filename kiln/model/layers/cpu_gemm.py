@@ -4,7 +4,9 @@ On x86 CPUs a weight reordered once into oneDNN's blocked layout multiplies 2-3x
 aten's dense `linear` at serving batch sizes (measured: [32, 576] x [576, 3072] fp32, 2 cores,
 0.6 ms vs 2.2 ms). The packed copy is kept beside the dense weight, keyed by the dense weight's
 address, so a traced graph still carries only the ordinary weight (identical layers stay
-identical for the compile cache) and the op finds the packed one at run time.
+identical for the compile cache) and the op finds the packed one at run time. Steps of one or
+two rows take the C GEMV kernel on the dense weight instead (kiln/native/gemv.py), which reads
+the weights faster than oneDNN does at that size.
 """
 import weakref
 
@@ -14,6 +16,7 @@ from torch import nn
 
 from kiln.custom_ops import register_op
 from kiln.logger import init_logger
+from kiln.native import gemv
 
 logger = init_logger(__name__)
 
@@ -26,6 +29,8 @@ _BATCH_HINT = 32
 def packed_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     packed = _PACKED.get(weight.data_ptr())
+    if packed is not None and gemv.usable(x, weight, bias):
+        return gemv.skinny_linear(x, weight, bias)
     if packed is None or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     shape = x.shape
