@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
-from kiln.engine.output_merge import merge_delta, num_new_tokens
+from kiln.engine.output_merge import DeltaAccumulator, num_new_tokens
 from kiln.engine.request_stats import IterationStats, RequestTimer, StatLogger
 from kiln.logger import init_logger
 from kiln.outputs import RequestOutput
@@ -31,16 +31,16 @@ class RequestStream:
         self.finished = False
         self.timer = RequestTimer(arrival_time)
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._merged: RequestOutput | None = None  # CUMULATIVE / FINAL_ONLY accumulator
+        self._merged = DeltaAccumulator()  # for CUMULATIVE / FINAL_ONLY
 
     def put_delta(self, delta: RequestOutput) -> None:
         """Feed one DELTA output from the engine; emit what this stream's kind wants."""
         if self.kind == RequestOutputKind.DELTA:
             self._queue.put_nowait(delta)
             return
-        self._merged = merge_delta(self._merged, delta)
+        self._merged.add(delta)
         if self.kind == RequestOutputKind.CUMULATIVE or delta.finished:
-            self._queue.put_nowait(self._merged)
+            self._queue.put_nowait(self._merged.snapshot())
 
     def put_error(self, error: BaseException) -> None:
         self._queue.put_nowait(error)

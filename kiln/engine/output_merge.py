@@ -1,7 +1,12 @@
-"""Folds the engine's DELTA outputs into CUMULATIVE ones: text, tokens and logprobs per sample.
+"""Folds the engine's DELTA outputs into CUMULATIVE / FINAL_ONLY ones: text, tokens and logprobs.
 
-Pure functions on `RequestOutput`s, so `AsyncLLM` can always ask the engine for deltas.
+`AsyncLLM` always asks the engine for deltas (its metrics need each step's new tokens, whatever
+the caller wants) and rebuilds the caller's kind here. The accumulator grows in place, so a
+FINAL_ONLY request costs time linear in its length; a CUMULATIVE one copies its lists once per
+output, as the engine's own CUMULATIVE outputs do.
 """
+from dataclasses import dataclass, field
+
 from kiln.outputs import CompletionOutput, RequestOutput
 
 
@@ -10,33 +15,64 @@ def num_new_tokens(delta: RequestOutput) -> int:
     return sum(len(o.token_ids) for o in delta.outputs)
 
 
-def _merge_sample(acc: CompletionOutput | None, d: CompletionOutput) -> CompletionOutput:
-    if acc is None:
-        return CompletionOutput(index=d.index, text=d.text, token_ids=list(d.token_ids),
-                                cumulative_logprob=d.cumulative_logprob,
-                                logprobs=None if d.logprobs is None else list(d.logprobs),
-                                finish_reason=d.finish_reason, stop_reason=d.stop_reason)
-    if d.logprobs is None:
-        logprobs = acc.logprobs
-    else:
-        logprobs = (acc.logprobs or []) + list(d.logprobs)
-    return CompletionOutput(
-        index=d.index, text=acc.text + d.text, token_ids=acc.token_ids + list(d.token_ids),
-        cumulative_logprob=(d.cumulative_logprob if d.cumulative_logprob is not None
-                            else acc.cumulative_logprob),
-        logprobs=logprobs, finish_reason=d.finish_reason or acc.finish_reason,
-        stop_reason=d.stop_reason if d.stop_reason is not None else acc.stop_reason)
+@dataclass
+class _Sample:
+    index: int
+    text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, d: CompletionOutput) -> None:
+        self.text_parts.append(d.text)
+        self.token_ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(d.logprobs)
+        if d.cumulative_logprob is not None:
+            self.cumulative_logprob = d.cumulative_logprob
+        self.finish_reason = d.finish_reason or self.finish_reason
+        if d.stop_reason is not None:
+            self.stop_reason = d.stop_reason
+
+    def snapshot(self) -> CompletionOutput:
+        text = "".join(self.text_parts)
+        self.text_parts = [text]  # joined once, not again at every snapshot
+        return CompletionOutput(
+            index=self.index, text=text, token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason)
 
 
-def merge_delta(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
-    """A new RequestOutput = `acc` + `delta` (neither is modified; samples ordered by index)."""
-    samples = {o.index: o for o in acc.outputs} if acc is not None else {}
-    for d in delta.outputs:
-        samples[d.index] = _merge_sample(samples.get(d.index), d)
-    return RequestOutput(
-        request_id=delta.request_id,
-        prompt=delta.prompt if delta.prompt is not None else (acc.prompt if acc else None),
-        prompt_token_ids=(delta.prompt_token_ids or (acc.prompt_token_ids if acc else []) or []),
-        outputs=[samples[i] for i in sorted(samples)],
-        finished=delta.finished,
-        num_cached_tokens=max(delta.num_cached_tokens, acc.num_cached_tokens if acc else 0))
+class DeltaAccumulator:
+    """One request's deltas so far; `snapshot()` is the cumulative RequestOutput (fresh lists,
+    so a caller holding an earlier snapshot never sees it change)."""
+
+    def __init__(self):
+        self._samples: dict[int, _Sample] = {}
+        self._last: RequestOutput | None = None
+        self._prompt: str | None = None
+        self._prompt_token_ids: list[int] = []
+        self._num_cached_tokens = 0
+
+    def add(self, delta: RequestOutput) -> None:
+        for d in delta.outputs:
+            self._samples.setdefault(d.index, _Sample(d.index)).add(d)
+        if delta.prompt is not None:
+            self._prompt = delta.prompt
+        self._prompt_token_ids = delta.prompt_token_ids or self._prompt_token_ids
+        self._num_cached_tokens = max(self._num_cached_tokens, delta.num_cached_tokens)
+        self._last = delta
+
+    def snapshot(self) -> RequestOutput:
+        if self._last is None:
+            raise ValueError("no delta has been added yet")
+        return RequestOutput(
+            request_id=self._last.request_id, prompt=self._prompt,
+            prompt_token_ids=self._prompt_token_ids,
+            outputs=[self._samples[i].snapshot() for i in sorted(self._samples)],
+            finished=self._last.finished, num_cached_tokens=self._num_cached_tokens)

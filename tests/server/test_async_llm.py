@@ -4,7 +4,7 @@ import asyncio
 import pytest
 
 from kiln.engine.async_llm import AsyncLLM, EngineDeadError
-from kiln.engine.output_merge import merge_delta
+from kiln.engine.output_merge import DeltaAccumulator
 from kiln.outputs import CompletionOutput, RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
@@ -25,7 +25,12 @@ def test_merge_delta_accumulates_text_tokens_and_logprobs():
                                                                                {7: None}],
                                                        finish_reason="stop", stop_reason=2)],
                       finished=True)
-    m = merge_delta(merge_delta(None, a), b)
+    acc = DeltaAccumulator()
+    acc.add(a)
+    first = acc.snapshot()
+    acc.add(b)
+    m = acc.snapshot()
+    assert first.outputs[0].token_ids == [5] and first.outputs[0].text == "he"  # a snapshot stays
     (o,) = m.outputs
     assert (o.text, o.token_ids, o.cumulative_logprob, len(o.logprobs)) == ("hello", [5, 6, 7],
                                                                             -3.0, 3)
