@@ -1,0 +1,54 @@
+"""Building the C kernels: cached by key, rebuilt when the key changes, and a clean fallback to
+the torch code (one warning, nothing else changes) when no compiler is there."""
+import logging
+
+import pytest
+import torch
+
+from kiln.attention.backend import get_attn_backend
+from kiln.attention.torch_backend import TorchAttentionBackend
+from kiln.native import build, gemv, layer_ops, paged_attention
+
+
+@pytest.fixture
+def fresh_kernels(monkeypatch, tmp_path):
+    """An empty kernel cache and a cleared load() memo (restored after the test)."""
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
+    build.load.cache_clear()
+    yield tmp_path
+    build.load.cache_clear()
+
+
+@pytest.mark.skipif(build.compiler() is None, reason="no C compiler")
+def test_build_once_then_reuse(fresh_kernels):
+    cc = build.compiler()
+    first = build.build("gemv", cc)
+    assert first.is_relative_to(fresh_kernels / "kernels") and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert build.build("gemv", cc) == first and first.stat().st_mtime_ns == mtime
+    assert build.build_key("gemv", cc) != build.build_key("layer_ops", cc)
+    assert not list(first.parent.glob("*.so.tmp*")) and len(list(first.parent.iterdir())) == 1
+
+
+def test_no_compiler_falls_back_to_torch(fresh_kernels, monkeypatch, caplog):
+    monkeypatch.setattr(build, "compiler", lambda: None)
+    monkeypatch.delenv("KILN_ATTENTION_BACKEND", raising=False)
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        assert not paged_attention.available()
+        assert get_attn_backend() is TorchAttentionBackend
+        x = torch.randn(1, 8)
+        assert not layer_ops.usable(x)
+        assert not gemv.usable(x, torch.randn(4, 8), None)
+    assert "no C compiler found (set CC or install gcc)" in caplog.text
+
+
+def test_failed_build_falls_back_with_the_compiler_error(fresh_kernels, monkeypatch, caplog,
+                                                         tmp_path):
+    broken = tmp_path / "cc"
+    broken.write_text("#!/bin/sh\necho 'cc: error: no such flag' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        assert not gemv.available()
+    assert "could not build the CPU kernels gemv" in caplog.text
+    assert "no such flag" in caplog.text
