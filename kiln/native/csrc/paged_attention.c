@@ -39,6 +39,11 @@ static inline void store_row(void *base, int64_t off, const float *src, float mu
     }
 }
 
+/* Cache slot of key s: its block from the request's table, then the offset inside the block. */
+static inline int64_t key_slot(const int32_t *blocks, int block_size, int s) {
+    return (int64_t)blocks[s / block_size] * block_size + s % block_size;
+}
+
 /* Asks for key s + PREFETCH_AHEAD's rows while key s is computed: blocks are scattered, so the
  * hardware prefetcher loses the stream at every block boundary. */
 #define PREFETCH_AHEAD 8
@@ -47,8 +52,8 @@ static inline void prefetch_rows(const void *cache, const int32_t *blocks, int b
                                  int s, int n_keys, int64_t slot_stride, int64_t head_off,
                                  int64_t n, int elem) {
     if (s >= n_keys) return;
-    const int64_t slot = (int64_t)blocks[s / block_size] * block_size + s % block_size;
-    const char *p = (const char *)cache + (slot * slot_stride + head_off) * elem;
+    const char *p = (const char *)cache +
+                    (key_slot(blocks, block_size, s) * slot_stride + head_off) * elem;
     for (int64_t b = 0; b < n * elem; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
@@ -64,7 +69,7 @@ static inline __attribute__((always_inline)) void attend_token(
     for (int s = 0; s < n_keys; ++s) {
         prefetch_rows(k_cache, blocks, block_size, s + PREFETCH_AHEAD, n_keys, slot_stride,
                       head_off, span, elem);
-        const int64_t slot = (int64_t)blocks[s / block_size] * block_size + s % block_size;
+        const int64_t slot = key_slot(blocks, block_size, s);
         for (int h = 0; h < nh_kv; ++h) {
             const float *kr = row_f32(k_cache, slot * slot_stride + (int64_t)(h0 + h) * hd, hd,
                                       dtype, buf);
@@ -91,7 +96,7 @@ static inline __attribute__((always_inline)) void attend_token(
     for (int s = 0; s < n_keys; ++s) {
         prefetch_rows(v_cache, blocks, block_size, s + PREFETCH_AHEAD, n_keys, slot_stride,
                       head_off, span, elem);
-        const int64_t slot = (int64_t)blocks[s / block_size] * block_size + s % block_size;
+        const int64_t slot = key_slot(blocks, block_size, s);
         for (int h = 0; h < nh_kv; ++h) {
             const float *vr = row_f32(v_cache, slot * slot_stride + (int64_t)(h0 + h) * hd, hd,
                                       dtype, buf);
