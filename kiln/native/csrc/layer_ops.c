@@ -11,7 +11,8 @@
 
 #include "dtype.h"
 
-/* Rows below this run on one thread: forking costs more than a decode batch's work. */
+/* Fewer rows stay on one thread: a decode batch's few microseconds of work here are of the order
+ * of waking the OpenMP team. */
 #define PARALLEL_MIN_ROWS 64
 
 /* out = weight * dtype(x32 * rsqrt(mean(x32^2) + eps)), and with a residual first
