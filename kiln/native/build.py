@@ -100,4 +100,5 @@ def load(name: str, signatures: tuple[tuple[str, tuple], ...]) -> ctypes.CDLL | 
 
 def check(rc: int, fn: str) -> None:
     if rc != 0:
-        raise RuntimeError(f"{fn} failed with code {rc} (1 = bad shapes, 2 = out of memory)")
+        raise RuntimeError(f"{fn} failed with code {rc} (1 = bad shapes or indices, "
+                           "2 = out of memory)")

@@ -14,7 +14,8 @@ _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_f
 SIGNATURES = (
     ("kiln_rms_norm", (_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I32, _F, _I32, _I32)),
     ("kiln_silu_and_mul", (_P, _I64, _P, _I64, _I32, _I32, _I32)),
-    ("kiln_rotary", (_P, _P, _I64, _P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32)),
+    ("kiln_rotary", (_P, _P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I32, _I32, _I32, _I32,
+                     _I32)),
 )
 
 
@@ -77,9 +78,13 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     positions = positions.to(torch.int64).contiguous()
     cache = cos_sin_cache.to(torch.float32).contiguous()
     q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
-    build.check(_lib().kiln_rotary(
+    rc = _lib().kiln_rotary(
         positions.data_ptr(), q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
-        q_out.data_ptr(), k_out.data_ptr(), cache.data_ptr(), q.shape[0],
+        q_out.data_ptr(), k_out.data_ptr(), cache.data_ptr(), cache.shape[0], q.shape[0],
         q.shape[1] // head_size, k.shape[1] // head_size, head_size, build.DTYPES[q.dtype],
-        torch.get_num_threads()), "kiln_rotary")
+        torch.get_num_threads())
+    if rc == 1:
+        raise IndexError(f"rotary: a position is outside [0, {cache.shape[0]}) (the rope cache's "
+                         "max_position_embeddings)")
+    build.check(rc, "kiln_rotary")
     return q_out, k_out

@@ -47,10 +47,13 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
             raise ValueError(f"paged_attention: {name} must be [T, nh, hd] with contiguous heads")
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("paged_attention: the KV caches must be contiguous")
+    if max_seq_len > block_table.shape[1] * block_size:
+        raise ValueError(f"paged_attention: max_seq_len {max_seq_len} needs more blocks than the "
+                         f"block table's {block_table.shape[1]} columns")
     build.check(lib.kiln_paged_attention(
         q.data_ptr(), q.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
         _int32_ptr("block_table", block_table), block_table.stride(0),
         _int32_ptr("query_start_loc", query_start_loc), _int32_ptr("seq_lens", seq_lens),
         _int32_ptr("reqs", reqs), reqs.numel(), out.data_ptr(), out.stride(0), q.shape[1], nkv,
         hd, block_size, max_seq_len, scale, build.DTYPES[q.dtype], torch.get_num_threads()),
-        "kiln_paged_attention")
+        "kiln_paged_attention (1: a seq_len above max_seq_len or below its query length)")

@@ -196,3 +196,17 @@ def test_cpu_kernel_head_sizes_match_dense(head_size, dtype):
         expected = torch.einsum("hk,khd->hd", scores.softmax(-1), v_rep[i])
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert torch.allclose(out[i].view(nh, head_size).float(), expected, atol=tol)
+
+
+@needs_kernel
+def test_cpu_kernel_refuses_lengths_its_buffers_cannot_hold():
+    pool, reqs = BlockPool(32, BS), [PagedRequest(list(range(9)))]
+    _, _, md = build_step(pool, reqs, [9])
+    cache = torch.zeros(kv_cache_shape(32, BS, NKV, HD))
+    q, out = torch.randn(9, NH, HD), torch.empty(9, NH, HD)
+    args = (q, cache[0], cache[1], md.block_table, md.query_start_loc, md.seq_lens,
+            torch.tensor([0], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="code 1"):  # seq_len 9 > the stated max of 5
+        native_kernel.paged_attention(*args, 5, HD ** -0.5, out)
+    with pytest.raises(ValueError, match="block table's 64 columns"):
+        native_kernel.paged_attention(*args, 64 * BS + 1, HD ** -0.5, out)

@@ -86,3 +86,10 @@ def test_traced_forward_keeps_the_torch_code():
 
     torch.compile(norm, backend=backend, fullgraph=True)(torch.randn(2, 8))
     assert any("rsqrt" in t for t in seen)
+
+
+def test_rotary_position_outside_the_cache_is_an_index_error():
+    rope = RotaryEmbedding(8, max_position=16, base=10000.0)
+    q, k = torch.randn(2, 16), torch.randn(2, 8)
+    with pytest.raises(IndexError, match=r"outside \[0, 16\)"):
+        rope(torch.tensor([3, 16]), q, k)

@@ -74,19 +74,25 @@ static inline void rotate_row(const void *x, int64_t off, void *out, int64_t out
 }
 
 /* q_out [T, nq*hd], k_out [T, nk*hd] = rotary(q, k) at positions [T] (int64), with cos_sin_cache
- * [max_pos, hd] float32 (cos | sin halves). */
+ * [max_pos, hd] float32 (cos | sin halves). A position outside the cache fails with 1. */
 int kiln_rotary(const int64_t *positions, const void *q, int64_t q_stride, const void *k,
                 int64_t k_stride, void *q_out, void *k_out, const float *cos_sin_cache,
-                int64_t num_tokens, int32_t nq, int32_t nk, int32_t hd, int32_t dtype,
-                int32_t num_threads) {
+                int64_t max_pos, int64_t num_tokens, int32_t nq, int32_t nk, int32_t hd,
+                int32_t dtype, int32_t num_threads) {
     if (hd % 2) return 1;
-#pragma omp parallel for num_threads(num_threads) if (num_tokens >= PARALLEL_MIN_ROWS)
+    int bad = 0;
+#pragma omp parallel for num_threads(num_threads) if (num_tokens >= PARALLEL_MIN_ROWS) \
+    reduction(| : bad)
     for (int64_t t = 0; t < num_tokens; ++t) {
+        if (positions[t] < 0 || positions[t] >= max_pos) {
+            bad = 1;
+            continue;
+        }
         float cs[hd];
         const float *src = cos_sin_cache + positions[t] * hd;
         for (int i = 0; i < hd; ++i) cs[i] = round_to(src[i], dtype);
         rotate_row(q, t * q_stride, q_out, t * (int64_t)nq * hd, nq, hd, cs, dtype);
         rotate_row(k, t * k_stride, k_out, t * (int64_t)nk * hd, nk, hd, cs, dtype);
     }
-    return 0;
+    return bad;
 }

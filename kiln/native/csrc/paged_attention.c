@@ -148,7 +148,7 @@ int kiln_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
         float *acc = malloc(sizeof(float) * rows * (size_t)hd);
         float *buf = malloc(sizeof(float) * (size_t)hd);
         float *denom = malloc(sizeof(float) * rows);
-        failed = !scores || !qs || !acc || !buf || !denom;
+        failed = (!scores || !qs || !acc || !buf || !denom) ? 2 : 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; ++item) {
             if (failed) continue;
@@ -156,6 +156,10 @@ int kiln_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
             const int r = reqs[item / per_req], h0 = (int)(item % per_req) * heads_per_item;
             const int q_begin = query_start[r], q_end = query_start[r + 1];
             const int ctx = seq_lens[r] - (q_end - q_begin);
+            if (seq_lens[r] > max_seq_len || ctx < 0) { /* the scores buffer would overflow */
+                failed = 1;
+                continue;
+            }
             const int32_t *blocks = block_table + (int64_t)r * bt_stride;
             for (int t = q_begin; t < q_end; ++t) {
                 const int n_keys = ctx + (t - q_begin) + 1;  /* causal: keys up to its position */
@@ -189,5 +193,5 @@ int kiln_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
         free(buf);
         free(denom);
     }
-    return failed ? 2 : 0;
+    return failed; /* 1 bad lengths, 2 out of memory, 3 both */
 }
