@@ -59,9 +59,9 @@ def get_attn_backend() -> type[AttentionBackend]:
 
     name = envs.attention_backend()
     if name is None:
-        from kiln.native import paged_attention as native_kernel
+        from kiln.native import paged_attention
 
-        name = "cpu" if current_platform.is_cpu() and native_kernel.available() else "torch"
+        name = "cpu" if current_platform.is_cpu() and paged_attention.available() else "torch"
     if name not in BACKENDS:
         raise ValueError(f"KILN_ATTENTION_BACKEND={name!r} is not one of {', '.join(BACKENDS)}")
     if name == "cpu":

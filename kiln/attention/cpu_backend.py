@@ -5,7 +5,7 @@ kernel, which beats the kernel's per-token loop there.
 """
 import torch
 
-from kiln.native import build, paged_attention as native_kernel
+from kiln.native import build, paged_attention
 from kiln.attention.backend import AttentionImpl
 from kiln.attention.metadata import AttentionMetadata
 from kiln.attention.torch_backend import TorchAttentionBackend, TorchAttentionImpl
@@ -31,9 +31,9 @@ class CpuAttentionImpl(TorchAttentionImpl):
             return
         short, long = self._plan(md)
         if short.numel():
-            native_kernel.paged_attention(q, kv_cache[0], kv_cache[1], md.block_table,
-                                          md.query_start_loc, md.seq_lens, short,
-                                          md.max_seq_len, self.scale, out)
+            paged_attention.paged_attention(q, kv_cache[0], kv_cache[1], md.block_table,
+                                            md.query_start_loc, md.seq_lens, short,
+                                            md.max_seq_len, self.scale, out)
         if long:
             self._per_request(q, k, v, kv_cache, md, out, long)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.native import paged_attention as native_kernel
+from kiln.native import paged_attention
 from kiln.attention.backend import get_attn_backend, kv_cache_shape
 from kiln.attention.cpu_backend import CpuAttentionBackend, CpuAttentionImpl, split_requests
 from kiln.attention.torch_backend import (TorchAttentionBackend, TorchAttentionImpl,
@@ -17,7 +17,7 @@ from model._attn_helper import BlockPool, PagedRequest, build_step
 
 NH, NKV, HD, BS = 4, 2, 8, 4
 
-needs_kernel = pytest.mark.skipif(not native_kernel.available(),
+needs_kernel = pytest.mark.skipif(not paged_attention.available(),
                                   reason="no C compiler: the CPU attention kernel cannot be built")
 IMPLS = [TorchAttentionImpl, pytest.param(CpuAttentionImpl, marks=needs_kernel)]
 
@@ -207,6 +207,6 @@ def test_cpu_kernel_refuses_lengths_its_buffers_cannot_hold():
     args = (q, cache[0], cache[1], md.block_table, md.query_start_loc, md.seq_lens,
             torch.tensor([0], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="code 1"):  # seq_len 9 > the stated max of 5
-        native_kernel.paged_attention(*args, 5, HD ** -0.5, out)
+        paged_attention.paged_attention(*args, 5, HD ** -0.5, out)
     with pytest.raises(ValueError, match="block table's 64 columns"):
-        native_kernel.paged_attention(*args, 64 * BS + 1, HD ** -0.5, out)
+        paged_attention.paged_attention(*args, 64 * BS + 1, HD ** -0.5, out)

@@ -25,7 +25,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with residual: (norm(x + residual), x + residual)."""
-        if layer_ops.usable(x, self.weight, *(() if residual is None else (residual,))):
+        operands = (x, self.weight) if residual is None else (x, self.weight, residual)
+        if layer_ops.usable(*operands):
             return layer_ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
