@@ -34,7 +34,7 @@ def spec_to_dict(value) -> dict:
         return {}
     if isinstance(value, CompilationConfig):
         out = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)
-               if f.name != "static_forward_context"}
+               if f.name not in CompilationConfig.RUNTIME_FIELDS}
         out["mode"] = None if value.mode is None else int(value.mode)
         return out
     if isinstance(value, bool):

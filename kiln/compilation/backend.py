@@ -96,6 +96,11 @@ class KilnBackend:
         monitor.log_cache_dir(cache.dir, cache.was_warm)
         return cache
 
+    def piece_compiler(self) -> PieceCompiler:
+        cc = self.kiln_config.compilation_config
+        return PieceCompiler(self.compiler, self.cache, dict(cc.inductor_compile_config),
+                             cc.warmup_phase)
+
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         compilation_counter.num_graphs_seen += 1
         cc = self.kiln_config.compilation_config
@@ -112,7 +117,7 @@ class KilnBackend:
             self.cache.write_text("split_graph.py", split_gm.print_readable(print_output=False))
         self._dump(split_gm)
 
-        piece_compiler = PieceCompiler(self.compiler, self.cache, dict(cc.inductor_compile_config))
+        piece_compiler = self.piece_compiler()
         max_tokens = self.kiln_config.scheduler_config.max_num_batched_tokens
         names = {it.submod_name: it for it in compiled_items}
         last = compiled_items[-1].graph_id if compiled_items else -1

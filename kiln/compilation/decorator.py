@@ -9,7 +9,6 @@ from typing import Callable
 
 import torch
 
-from kiln.compilation.phase import reset_warmup
 from kiln.config import CompilationMode, get_current_kiln_config
 
 NUM_TOKENS_SHAPE_ID = "kiln_num_tokens"
@@ -87,7 +86,8 @@ def support_torch_compile(cls: type | None = None, *,
                        and (enable_if is None or enable_if(config)))
             self._kiln_compile_enabled = enabled
             if enabled:
-                reset_warmup()  # a new model starts a new warm-up (its first call compiles)
+                # A new model starts a new warm-up for its engine (its first call compiles).
+                config.compilation_config.warmup_phase.reset()
 
         def __call__(self, *args, **kwargs):
             if not self._kiln_compile_enabled or torch.compiler.is_compiling():
@@ -109,10 +109,10 @@ def _make_wrapper(module: torch.nn.Module, config) -> Callable:
     from kiln.compilation.backend import KilnBackend
     from kiln.compilation.wrapper import GuardedCompileWrapper, TraceOnceWrapper
 
-    mode, backend = config.compilation_config.mode, config.compilation_config.backend
-    forward, prefix = type(module).forward, type(module).__name__
-    if mode == CompilationMode.STOCK_TORCH_COMPILE:
-        return GuardedCompileWrapper(module, forward, backend, prefix)
-    if mode == CompilationMode.DYNAMO_TRACE_ONCE:
-        return TraceOnceWrapper(module, forward, backend, prefix)
-    return TraceOnceWrapper(module, forward, KilnBackend(config, prefix), prefix)
+    cc = config.compilation_config
+    forward, prefix, phase = type(module).forward, type(module).__name__, cc.warmup_phase
+    if cc.mode == CompilationMode.STOCK_TORCH_COMPILE:
+        return GuardedCompileWrapper(module, forward, cc.backend, prefix, phase)
+    if cc.mode == CompilationMode.DYNAMO_TRACE_ONCE:
+        return TraceOnceWrapper(module, forward, cc.backend, prefix, phase)
+    return TraceOnceWrapper(module, forward, KilnBackend(config, prefix), prefix, phase)

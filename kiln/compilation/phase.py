@@ -1,47 +1,35 @@
-"""Warm-up vs serving: compiling is allowed only while warming up.
+"""Warm-up vs serving, per engine: compiling is allowed only while an engine warms up.
 
-The worker calls `end_warmup()` once every shape is compiled; a compile after that is a bug.
+Each engine's phase lives on its CompilationConfig (`warmup_phase`), so two engines in one
+process (a benchmark comparing modes, a test) keep their own; the worker ends it once every shape
+is compiled, and a compile after that is a bug.
 """
-import contextlib
 
 
 class RecompileAfterWarmupError(RuntimeError):
     """Something asked for a (re)compile after warm-up ended; the message names the cause."""
 
 
-_serving = False
+class WarmupPhase:
+    """Whether one engine has finished warming up."""
 
+    def __init__(self):
+        self.serving = False
 
-def end_warmup() -> None:
-    """Declare warm-up over: from now on every compile raises RecompileAfterWarmupError."""
-    global _serving
-    _serving = True
+    def __repr__(self) -> str:
+        return f"WarmupPhase(serving={self.serving})"
 
+    def end(self) -> None:
+        """Warm-up is over: from now on every compile raises RecompileAfterWarmupError."""
+        self.serving = True
 
-def is_serving() -> bool:
-    return _serving
+    def reset(self) -> None:
+        """Back to warm-up (a new model built under this config compiles on its first call)."""
+        self.serving = False
 
-
-def reset_warmup() -> None:
-    """Back to warm-up (a new engine in the same process, or tests)."""
-    global _serving
-    _serving = False
-
-
-@contextlib.contextmanager
-def warming_up():
-    """Run a block as warm-up (compiles allowed), restoring the previous phase after."""
-    global _serving
-    previous, _serving = _serving, False
-    try:
-        yield
-    finally:
-        _serving = previous
-
-
-def check_may_compile(what: str) -> None:
-    if _serving:
-        raise RecompileAfterWarmupError(
-            f"{what} after warm-up ended (kiln.compilation.phase.end_warmup() was called): every "
-            "shape must be compiled during warm-up. Add the size to compilation_config."
-            "compile_sizes / stay within max_num_batched_tokens, or run with enforce_eager=True.")
+    def check_may_compile(self, what: str) -> None:
+        if self.serving:
+            raise RecompileAfterWarmupError(
+                f"{what} after warm-up ended (the worker compiles every shape before serving): "
+                "add the size to compilation_config.compile_sizes / stay within "
+                "max_num_batched_tokens, or run with enforce_eager=True.")

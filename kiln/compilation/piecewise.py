@@ -14,7 +14,7 @@ from kiln.compilation import monitor
 from kiln.compilation.cache import CompileCache
 from kiln.compilation.compiler_interface import CompilerInterface
 from kiln.compilation.counters import compilation_counter
-from kiln.compilation.phase import check_may_compile
+from kiln.compilation.phase import WarmupPhase
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -62,8 +62,9 @@ class PieceCompiler:
     """Compiles or loads (piece, shape) artifacts through one compiler and one disk cache."""
 
     def __init__(self, compiler: CompilerInterface, cache: CompileCache | None,
-                 inductor_config: dict):
+                 inductor_config: dict, phase: WarmupPhase):
         self.compiler, self.cache, self.inductor_config = compiler, cache, inductor_config
+        self.phase = phase  # the engine's warm-up: compiling after it is an error
         self._memo: dict[tuple[str, int | None], Callable] = {}
         self._handles: dict[tuple[str, int | None], dict] = {}  # same keys, saved artifacts
 
@@ -78,7 +79,7 @@ class PieceCompiler:
             return self._memo[memo_key]
         fn = self.load(piece, fingerprint, graph, shape)
         if fn is None:
-            check_may_compile(f"compiling piece {piece} for shape {label}")
+            self.phase.check_may_compile(f"compiling piece {piece} for shape {label}")
             save_path = None
             if self.cache is not None and self.compiler.name != "eager":
                 save_path = self.cache.artifact_path(f"{fingerprint}_{label}.bin")

@@ -11,7 +11,7 @@ from kiln.compilation import graph_cache, monitor
 from kiln.compilation.cache import CompileCache, cache_base_dir
 from kiln.compilation.compiler_interface import file_sha256
 from kiln.compilation.counters import compilation_counter
-from kiln.compilation.piecewise import PieceCompiler, PiecewiseBackend
+from kiln.compilation.piecewise import PiecewiseBackend
 from kiln.compilation.split import SplitItem
 from kiln.logger import init_logger
 
@@ -122,9 +122,7 @@ def _rebuild(backend, key: str, traced: list[str], module, forward, args, kwargs
 def _install_pieces(backend, split_gm: fx.GraphModule, pieces: list[dict]) -> None:
     from kiln.compilation.backend import wrap_piece
 
-    cc = backend.kiln_config.compilation_config
-    piece_compiler = PieceCompiler(backend.compiler, backend.cache,
-                                   dict(cc.inductor_compile_config))
+    piece_compiler = backend.piece_compiler()
     max_tokens = backend.kiln_config.scheduler_config.max_num_batched_tokens
     compiled = {p["submod"] for p in pieces}
     backend.split_items = [SplitItem(name, int(name.replace("submod_", "")),
@@ -135,7 +133,8 @@ def _install_pieces(backend, split_gm: fx.GraphModule, pieces: list[dict]) -> No
     last = pieces[-1]["graph_id"] if pieces else -1
     for p in pieces:
         graph = getattr(split_gm, p["submod"])
-        piece = PiecewiseBackend(graph, p["graph_id"], None, piece_compiler, cc.compile_sizes,
+        piece = PiecewiseBackend(graph, p["graph_id"], None, piece_compiler,
+                                 backend.kiln_config.compilation_config.compile_sizes,
                                  max_tokens, saved=p)
         backend.pieces[p["graph_id"]] = piece
         split_gm.__dict__[p["submod"]] = wrap_piece(piece, p["graph_id"],

@@ -5,7 +5,6 @@ The worker passes its dummy-run function; after this, a compile is an error.
 from typing import Callable
 
 from kiln.compilation import monitor
-from kiln.compilation.phase import end_warmup
 
 
 def warmup_sizes(max_num_batched_tokens: int, compile_sizes: list[int]) -> list[int]:
@@ -22,6 +21,6 @@ def compile_and_warm_up(run: Callable[[int], object], kiln_config,
     sizes = set(warmup_sizes(sched.max_num_batched_tokens, cc.compile_sizes)) | set(extra_sizes)
     for size in sorted(sizes, reverse=True):
         run(size)
-    end_warmup()
+    cc.warmup_phase.end()
     if cc.mode:  # mode 0 compiled nothing
         monitor.log_total()

@@ -11,7 +11,7 @@ import torch
 
 from kiln.compilation import monitor
 from kiln.compilation.counters import compilation_counter
-from kiln.compilation.phase import RecompileAfterWarmupError, check_may_compile, is_serving
+from kiln.compilation.phase import RecompileAfterWarmupError, WarmupPhase
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -39,8 +39,8 @@ class TraceOnceWrapper:
     calls the transformed bytecode. `backend` is a Dynamo backend (KilnBackend, "inductor")."""
 
     def __init__(self, module: torch.nn.Module, forward: types.FunctionType, backend: Any,
-                 prefix: str):
-        self.module, self.backend, self.prefix = module, backend, prefix
+                 prefix: str, phase: WarmupPhase):
+        self.module, self.backend, self.prefix, self.phase = module, backend, prefix, phase
         self.source_fn = fresh_function(forward)
         self.direct: Callable | None = None
         self.traced_signature: tuple | None = None
@@ -51,7 +51,7 @@ class TraceOnceWrapper:
             if signature != self.traced_signature:
                 raise RecompileAfterWarmupError(self._mismatch(signature))
             return self.direct(self.module, *args, **kwargs)
-        check_may_compile(f"tracing {self.prefix}.forward")
+        self.phase.check_may_compile(f"tracing {self.prefix}.forward")
         if self._load_saved(args, kwargs):
             return self.direct(self.module, *args, **kwargs)
         return self._trace(args, kwargs)
@@ -121,13 +121,13 @@ class GuardedCompileWrapper:
     is over a recompile raises (torch.compiler stance "fail_on_recompile")."""
 
     def __init__(self, module: torch.nn.Module, forward: types.FunctionType, backend: str,
-                 prefix: str):
-        self.module, self.prefix = module, prefix
+                 prefix: str, phase: WarmupPhase):
+        self.module, self.prefix, self.phase = module, prefix, phase
         self.compiled = torch.compile(fresh_function(forward), fullgraph=True, backend=backend)
         self.calls = 0
 
     def __call__(self, *args, **kwargs):
-        if not is_serving():
+        if not self.phase.serving:
             self.calls += 1
             return self.compiled(self.module, *args, **kwargs)
         try:

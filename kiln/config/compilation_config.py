@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.compilation.phase import WarmupPhase
+
 
 class CompilationMode(enum.IntEnum):
     NONE = 0  # eager
@@ -33,8 +35,13 @@ class CompilationConfig:
     cache_dir: str = ""  # "" -> <KILN_CACHE_ROOT>/torch_compile_cache
     debug_dump_path: str = ""
 
-    # Filled at model construction: layer name -> Attention module (not part of the hash).
+    # Runtime state, not settings (not part of the hash, never copied between engines):
+    # layer name -> Attention module, filled at model construction; this engine's warm-up.
     static_forward_context: dict = field(default_factory=dict, repr=False, compare=False)
+    warmup_phase: WarmupPhase = field(default_factory=WarmupPhase, init=False, repr=False,
+                                      compare=False)
+
+    RUNTIME_FIELDS = frozenset({"static_forward_context", "warmup_phase"})
 
     def __post_init__(self):
         if self.mode is not None:
@@ -63,7 +70,7 @@ class CompilationConfig:
         if isinstance(value, int):
             return cls(mode=value)
         if isinstance(value, dict):
-            known = set(cls.__dataclass_fields__) - {"static_forward_context"}
+            known = set(cls.__dataclass_fields__) - cls.RUNTIME_FIELDS
             unknown = set(value) - known
             if unknown:
                 raise ValueError(f"unknown compilation_config field(s) {sorted(unknown)}; "

@@ -1,16 +1,7 @@
-"""Shared fixtures for the compile-stack tests: warm-up phase reset, kiln log capture."""
+"""Shared fixtures for the compile-stack tests: kiln log capture."""
 import logging
 
 import pytest
-
-from kiln.compilation import phase
-
-
-@pytest.fixture(autouse=True)
-def _warmup_phase():
-    phase.reset_warmup()
-    yield
-    phase.reset_warmup()
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import toy_model as tm
-from kiln.compilation import phase
 from kiln.compilation.counters import compilation_counter
 from kiln.compilation.decorator import (ignore_torch_compile, infer_dynamic_arg_dims,
                                         support_torch_compile)
@@ -72,12 +71,30 @@ def test_modes_match_eager_and_refuse_recompiles_after_warmup(mode):
     model = tm.build(tm.toy_config(mode=mode, backend="eager"))
     reference = tm.build(tm.toy_config(mode=0))
     _check(model, reference, [16, 1, 7])
-    phase.end_warmup()
+    model._kiln_config.compilation_config.warmup_phase.end()
     _check(model, reference, [2, 1, 9])  # new sizes: served without recompiling
     ids, positions = tm.inputs(4)
     with torch.no_grad(), pytest.raises(RecompileAfterWarmupError, match="int32|input_ids"):
         model(ids.int(), positions)
 
+
+def test_each_engine_keeps_its_own_warmup_phase():
+    """A second engine warming up in the same process neither relaxes the first one's
+    no-recompile rule nor inherits it (mode 1: a dtype change is a Dynamo recompile)."""
+    first_config = tm.toy_config(mode=1, backend="eager")
+    first, reference = tm.build(first_config), tm.build(tm.toy_config(mode=0))
+    with torch.no_grad():
+        compile_and_warm_up(lambda n: first(*tm.inputs(n)), first_config)
+    second_config = tm.toy_config(mode=1, backend="eager")
+    second = tm.build(second_config)
+    assert first_config.compilation_config.warmup_phase.serving
+    assert not second_config.compilation_config.warmup_phase.serving
+    ids, positions = tm.inputs(4)
+    with torch.no_grad():
+        second(ids.int(), positions)  # still warming up: this recompile is allowed
+        with pytest.raises(RecompileAfterWarmupError, match="recompile"):
+            first(ids.int(), positions)
+    _check(first, reference, [5, 1])
 
 def test_mode3_counts_pieces_and_shares_identical_layers():
     with compilation_counter.expect(num_graphs_seen=1, num_piecewise_graphs_seen=7,
@@ -118,6 +135,6 @@ def test_warmup_driver_runs_every_shape_then_ends_warmup():
     seen = []
     with torch.no_grad():
         compile_and_warm_up(lambda n: seen.append(model(*tm.inputs(n)).shape[0]), config)
-    assert seen == [64, 8, 1] and phase.is_serving()
+    assert seen == [64, 8, 1] and config.compilation_config.warmup_phase.serving
     pieces = model._kiln_compile.backend.pieces
     assert all(set(p.by_size) == {1, 8} for p in pieces.values())

@@ -12,7 +12,7 @@ import torch
 
 import toy_model as tm
 from _child import SIZES
-from kiln.compilation import phase
+from kiln.compilation.phase import RecompileAfterWarmupError
 from kiln.compilation.backend import KilnBackend
 from kiln.compilation.cache import CompileCache, cache_base_dir, compute_cache_key
 from kiln.compilation.counters import compilation_counter
@@ -33,7 +33,6 @@ def cold(tmp_path_factory):
     with torch.no_grad():
         compile_and_warm_up(lambda n: model(*tm.inputs(n)), config)
     deltas = {k: getattr(compilation_counter, k) - getattr(before, k) for k in vars(before)}
-    phase.reset_warmup()
     return {"root": root, "config": config, "model": model, "deltas": deltas,
             "reference": tm.build(tm.toy_config(mode=0))}
 
@@ -54,7 +53,7 @@ def test_cold_compile_counts(cold):
 def test_exact_size_wins_else_range(cold):
     model, reference = cold["model"], cold["reference"]
     pieces = model._kiln_compile.backend.pieces.values()
-    phase.end_warmup()
+    assert cold["config"].compilation_config.warmup_phase.serving
     for n, label in [(1, 1), (8, 8), (3, "range"), (64, "range")]:
         before = [p.dispatch_counts[label] for p in pieces]
         with compilation_counter.expect(num_inductor_compiles=0, num_graphs_seen=0):
@@ -104,10 +103,9 @@ def test_saved_graph_warm_start_in_process_matches_cold(cold, tmp_path):
     model = _warm_model(cache, dict(num_dynamo_traces=0, num_saved_graph_loads=1,
                                     num_inductor_compiles=0, num_graphs_seen=0))
     assert sorted(model._kiln_compile.backend.pieces) == [0, 2, 4]
-    phase.end_warmup()
     for n in (64, 8, 3, 1):
         assert torch.equal(_run(model, n), _run(cold["model"], n))
-    with pytest.raises(phase.RecompileAfterWarmupError, match="traced for inputs"):
+    with pytest.raises(RecompileAfterWarmupError, match="traced for inputs"):
         model(tm.inputs(4)[0].int(), tm.inputs(4)[1])
 
 
