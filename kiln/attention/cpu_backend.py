@@ -1,4 +1,5 @@
-"""CPU attention: the torch backend with short queries (decodes, small chunks) sent to the C kernel.
+"""CPU attention: the torch backend with short queries (decodes, small chunks) sent to the C kernel,
+and the step's K/V written into the cache by one C call.
 
 The kernel reads each request's K/V blocks in place, once; longer queries keep SDPA's blocked
 kernel, which beats the kernel's per-token loop there.
@@ -25,6 +26,12 @@ def split_requests(query_lens: list[int],
 
 
 class CpuAttentionImpl(TorchAttentionImpl):
+    def _write_kv(self, k, v, kv_cache, slot_mapping, step_cache) -> None:
+        if k.dtype not in build.DTYPES or kv_cache.dtype != k.dtype:
+            super()._write_kv(k, v, kv_cache, slot_mapping, step_cache)
+            return
+        paged_attention.write_kv_cache(k, v, kv_cache[0], kv_cache[1], slot_mapping)
+
     def _attend(self, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
         if q.dtype not in build.DTYPES or kv_cache.dtype != q.dtype:
             super()._attend(q, k, v, kv_cache, md, out)

@@ -63,11 +63,14 @@ class TorchAttentionImpl(AttentionImpl):
             raise RuntimeError("attention has metadata but its layer has no kv_cache; the worker "
                                "must allocate the KV cache before running real steps")
         n = attn_metadata.num_actual_tokens
-        write_kv_cache(k[:n], v[:n], kv_cache, attn_metadata.slot_mapping[:n],
+        self._write_kv(k[:n], v[:n], kv_cache, attn_metadata.slot_mapping[:n],
                        attn_metadata.step_cache)
         if n < num_tokens:
             out[n:].zero_()  # padding rows belong to no request
         self._attend(q, k, v, kv_cache, attn_metadata, out)
+
+    def _write_kv(self, k, v, kv_cache, slot_mapping, step_cache) -> None:
+        write_kv_cache(k, v, kv_cache, slot_mapping, step_cache)
 
     def _attend(self, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
         """Attention of the real tokens, with this step's k/v already in the cache."""

@@ -24,23 +24,26 @@ def available() -> bool:
     return _lib() is not None
 
 
-def usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """True for a CPU linear of at most MAX_ROWS rows with contiguous weights in a kernel dtype."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return (0 < rows <= MAX_ROWS and x.device.type == "cpu" and x.dtype == weight.dtype
-            and x.dtype in build.DTYPES and weight.is_contiguous()
-            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+def serves(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """True when the kernel can run this CPU layer's steps of few rows: a contiguous weight (and
+    bias) in a kernel dtype, the kernels on (KILN_NATIVE_CPU_OPS) and built. Decided once per
+    layer, when its weight is packed, so a step checks only its row count."""
+    return (weight.device.type == "cpu" and weight.dtype in build.DTYPES
+            and weight.is_contiguous() and weight.dim() == 2 and weight.shape[1] > 0
+            and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()))
             and envs.native_cpu_ops() and _lib() is not None)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., k] with at most MAX_ROWS rows @ weight [n, k]^T (+ bias) -> [..., n]."""
+    """x [..., k] with 1..MAX_ROWS rows @ weight [n, k]^T (+ bias) -> [..., n], all in one dtype
+    (a layer `serves` accepted)."""
     n, k = weight.shape
-    rows = x.reshape(-1, k).to(torch.float32).contiguous()  # [m, k]
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
-    build.check(_lib().kiln_gemv(rows.data_ptr(), weight.data_ptr(),
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out = x.new_empty((*x.shape[:-1], n))
+    build.check(_lib().kiln_gemv(x.data_ptr(), weight.data_ptr(),
                                  bias.data_ptr() if bias is not None else None, out.data_ptr(),
-                                 rows.shape[0], n, k, build.DTYPES[x.dtype],
-                                 torch.get_num_threads()), "kiln_gemv")
+                                 x.numel() // k, n, k, build.DTYPES[x.dtype],
+                                 torch.get_num_threads()), "kiln_gemv (1: bad row count)")
     return out

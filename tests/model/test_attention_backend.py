@@ -210,3 +210,23 @@ def test_cpu_kernel_refuses_lengths_its_buffers_cannot_hold():
         paged_attention.paged_attention(*args, 5, HD ** -0.5, out)
     with pytest.raises(ValueError, match="block table's 64 columns"):
         paged_attention.paged_attention(*args, 64 * BS + 1, HD ** -0.5, out)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kv_write_matches_torch_and_refuses_bad_slots(dtype):
+    # k and v as the model hands them over: column slices of one qkv row per token.
+    qkv = torch.randn(4, (NH + 2 * NKV) * HD).to(dtype)
+    k = qkv[:, NH * HD:(NH + NKV) * HD].view(4, NKV, HD)
+    v = qkv[:, (NH + NKV) * HD:].view(4, NKV, HD)
+    slots = torch.tensor([7, -1, 0, 5])
+    expected = torch.zeros(kv_cache_shape(2, BS, NKV, HD), dtype=dtype)
+    write_kv_cache(k, v, expected, slots)
+    cache = torch.zeros_like(expected)
+    paged_attention.write_kv_cache(k, v, cache[0], cache[1], slots)
+    assert torch.equal(cache, expected)
+    with pytest.raises(IndexError, match=r"outside \[-1, 8\)"):
+        paged_attention.write_kv_cache(k, v, cache[0], cache[1], torch.tensor([0, 1, 2, 8]))
+    assert torch.equal(cache, expected)  # refused before writing anything
+    with pytest.raises(ValueError, match="one slot per token"):
+        paged_attention.write_kv_cache(k, v, cache[0], cache[1], slots[:3])

@@ -20,7 +20,8 @@ from kiln.native import gemv
 
 logger = init_logger(__name__)
 
-_PACKED: dict[int, torch.Tensor] = {}  # dense weight data_ptr -> oneDNN-packed weight
+# dense weight data_ptr -> (oneDNN-packed weight, whether the GEMV kernel serves it)
+_PACKED: dict[int, tuple[torch.Tensor, bool]] = {}
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # Batch-size hint for oneDNN's reorder; any number of rows works with the packed weight.
 _BATCH_HINT = 32
@@ -28,12 +29,15 @@ _BATCH_HINT = 32
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    packed = _PACKED.get(weight.data_ptr())
-    if packed is not None and gemv.usable(x, weight, bias):
-        return gemv.skinny_linear(x, weight, bias)
-    if packed is None or x.dtype != weight.dtype:
+    entry = _PACKED.get(weight.data_ptr())
+    if entry is None or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
+    packed, gemv_serves = entry
     shape = x.shape
+    # Per call only what can change between calls: the row count (and, rarely, the bias).
+    if (gemv_serves and 0 < x.numel() <= gemv.MAX_ROWS * shape[-1]
+            and (bias is None or bias.is_contiguous() and bias.dtype == x.dtype)):
+        return gemv.skinny_linear(x, weight, bias)
     out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), packed, bias, "none",
                                               [], "")
     return out.view(*shape[:-1], weight.shape[0])
@@ -67,7 +71,8 @@ def prepack_for_cpu(model: nn.Module) -> int:
             continue
         ptr = weight.data_ptr()
         if ptr not in _PACKED:
-            _PACKED[ptr] = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
+            _PACKED[ptr] = (packed, gemv.serves(weight, getattr(module, "bias", None)))
             # The address is reused once the weight is freed: forget the packed copy with it.
             weakref.finalize(weight, _PACKED.pop, ptr, None)
         module.use_packed_gemm = True

@@ -3,10 +3,12 @@
  * With one to four rows a linear layer is a pass over its weight, bound by memory bandwidth;
  * streaming each weight row once and dotting it with every x row reads the weights at close to
  * the machine's bandwidth, where a GEMM library tuned for larger m does not.
- * x comes as float32 (the caller converts its few rows); weight, bias and out are in dtype
- * (0 float32, 1 bfloat16); accumulation in float32, as oneDNN does.
+ * x, weight, bias and out are in dtype (0 float32, 1 bfloat16); accumulation in float32, as
+ * oneDNN does. x's few rows are widened to float32 once, here rather than in torch, whose
+ * conversion op costs more per call than this whole kernel's bookkeeping.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "dtype.h"
 
@@ -37,16 +39,20 @@ static inline __attribute__((always_inline)) void dot_rows(const float *xs, int 
     }
 }
 
-/* out [m, n] (contiguous) = x [m, k] (float32, contiguous) @ weight [n, k]^T (+ bias [n]). */
-int kiln_gemv(const float *x, const void *weight, const void *bias, void *out, int32_t m,
+/* out [m, n] (contiguous) = x [m, k] (contiguous) @ weight [n, k]^T (+ bias [n]). */
+int kiln_gemv(const void *x, const void *weight, const void *bias, void *out, int32_t m,
               int64_t n, int64_t k, int32_t dtype, int32_t num_threads) {
-    if (m < 1 || m > MAX_ROWS) return 1;
+    if (m < 1 || m > MAX_ROWS || k < 1) return 1;
+    float *xs = malloc((size_t)m * (size_t)k * sizeof(float)); /* [m, k] */
+    if (!xs) return 2;
+    for (int64_t i = 0; i < m * k; ++i) xs[i] = load_elem(x, i, dtype);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t o = 0; o < n; ++o) {
         float acc[MAX_ROWS];
-        dot_rows(x, m, k, weight, o * k, dtype, acc);
+        dot_rows(xs, m, k, weight, o * k, dtype, acc);
         const float b = bias ? load_elem(bias, o, dtype) : 0.f;
         for (int r = 0; r < m; ++r) store_elem(out, r * n + o, acc[r] + b, dtype);
     }
+    free(xs);
     return 0;
 }

@@ -195,3 +195,22 @@ int kiln_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
     }
     return failed; /* 1 bad lengths, 2 out of memory, 3 both */
 }
+
+/* The step's new keys and values into their cache slots: row t of k and v (num_kv_heads *
+ * head_size contiguous values, rows k_stride / v_stride apart) to slot slots[t] of the caches;
+ * slot -1 writes nowhere (a padding token). One call instead of torch's two index_copy_ ops,
+ * whose per-call cost exceeds the copy itself at decode sizes. */
+int kiln_write_kv_cache(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
+                        void *k_cache, void *v_cache, const int64_t *slots, int64_t num_tokens,
+                        int64_t num_slots, int64_t row_len, int32_t dtype) {
+    const size_t elem = dtype == KILN_F32 ? 4 : 2, row_bytes = (size_t)row_len * elem;
+    for (int64_t t = 0; t < num_tokens; ++t)
+        if (slots[t] < -1 || slots[t] >= num_slots) return 1; /* check all before writing any */
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const int64_t s = slots[t];
+        if (s < 0) continue;
+        memcpy((char *)k_cache + s * row_bytes, (const char *)k + t * k_stride * elem, row_bytes);
+        memcpy((char *)v_cache + s * row_bytes, (const char *)v + t * v_stride * elem, row_bytes);
+    }
+    return 0;
+}
