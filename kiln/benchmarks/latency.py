@@ -1,5 +1,5 @@
 """Per-step decode latency of LLMEngine.step at fixed batch sizes, for several compilation
-configs in one process (one engine per config, freed before the next), with speedups vs the first.
+configs in one process, with speedups vs the first; on CPU the engines take turns on each batch.
 """
 import dataclasses
 import gc
@@ -71,9 +71,18 @@ def _check_decode_step(outs, batch_size: int, what: str) -> None:
                            "early?); raise --kv-cache-memory or --max-model-len")
 
 
-def measure_batch(engine, prompts: list[list[int]], num_steps: int, warmup_steps: int,
-                  max_tokens: int, tag: str) -> list[float]:
-    """Seconds per LLMEngine.step for `num_steps` steps in which every prompt decodes one token."""
+STEPS_PER_TURN = 4  # interleaved runs: timed steps each engine takes per turn
+
+
+def turn_lengths(num_steps: int, per_turn: int = STEPS_PER_TURN) -> list[int]:
+    """num_steps cut into turns of per_turn (the last may be shorter)."""
+    return [min(per_turn, num_steps - i) for i in range(0, num_steps, per_turn)]
+
+
+def start_batch(engine, prompts: list[list[int]], warmup_steps: int, max_tokens: int,
+                tag: str) -> list[str]:
+    """Add the prompts, step until every one has its first token, then `warmup_steps` untimed
+    decode steps; returns the request ids (abort them when done)."""
     from kiln.sampling_params import RequestOutputKind, SamplingParams
 
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens,
@@ -92,13 +101,29 @@ def measure_batch(engine, prompts: list[list[int]], num_steps: int, warmup_steps
             raise RuntimeError(f"{tag}: prefill did not finish for every request")
         for i in range(warmup_steps):
             _check_decode_step(engine.step(), len(prompts), f"{tag} warm-up step {i}")
-        times = []
-        for i in range(num_steps):
-            start = time.perf_counter()
-            outs = engine.step()  # returns sampled tokens on the host: the step has finished
-            times.append(time.perf_counter() - start)
-            _check_decode_step(outs, len(prompts), f"{tag} step {i}")
-        return times
+    except BaseException:
+        engine.abort_request(ids)
+        raise
+    return ids
+
+
+def time_steps(engine, num_steps: int, batch_size: int, tag: str) -> list[float]:
+    """Seconds per LLMEngine.step for num_steps steps in which every request decodes one token."""
+    times = []
+    for i in range(num_steps):
+        start = time.perf_counter()
+        outs = engine.step()  # returns sampled tokens on the host: the step has finished
+        times.append(time.perf_counter() - start)
+        _check_decode_step(outs, batch_size, f"{tag} step {i}")
+    return times
+
+
+def measure_batch(engine, prompts: list[list[int]], num_steps: int, warmup_steps: int,
+                  max_tokens: int, tag: str) -> list[float]:
+    """Seconds per LLMEngine.step for `num_steps` steps in which every prompt decodes one token."""
+    ids = start_batch(engine, prompts, warmup_steps, max_tokens, tag)
+    try:
+        return time_steps(engine, num_steps, len(prompts), tag)
     finally:
         engine.abort_request(ids)
 
@@ -124,40 +149,115 @@ def _free(engine) -> None:
         torch.cuda.empty_cache()
 
 
-def run_config(engine_args: EngineArgs, batch_sizes: list[int], input_len: int, num_steps: int,
-               warmup_steps: int) -> dict:
-    """Build one engine, measure every batch size, free it; returns this config's figures."""
+@dataclasses.dataclass
+class Subject:
+    """One compilation config's engine under test, with what the report says about it."""
+    label: str
+    spec: dict
+    engine_args: EngineArgs
+    engine: object
+    kiln_config: object
+    startup_s: float
+    weight_bytes: int | None
+    results: dict = dataclasses.field(default_factory=dict)
+
+    def prompts(self, batch_size: int, input_len: int) -> list[list[int]]:
+        mc = self.kiln_config.model_config
+        exclude = set(getattr(self.engine.tokenizer, "all_special_ids", []))
+        return random_prompts(batch_size, input_len, mc.vocab_size,
+                              self.engine_args.seed + batch_size, exclude)
+
+    def record(self, batch_size: int, times: list[float]) -> None:
+        self.results[str(batch_size)] = summarize_ms(times)
+        logger.info("bench latency: %s batch %d: median %.3f ms/step", self.label, batch_size,
+                    self.results[str(batch_size)]["median_ms"])
+
+    def report(self) -> dict:
+        cc, mc = self.kiln_config.compilation_config, self.kiln_config.model_config
+        return {"spec": self.label, "compilation_config": self.spec,
+                "compilation_mode": int(cc.mode),
+                "cudagraph_mode": getattr(cc.cudagraph_mode, "name", cc.cudagraph_mode),
+                "startup_s": round(self.startup_s, 4),
+                "model_weight_bytes": self.weight_bytes, "model": mc.model,
+                "dtype": str(mc.torch_dtype).removeprefix("torch."),
+                "device": self.kiln_config.device_config.device, "results": self.results}
+
+
+def start_subject(label: str, spec: dict, engine_args: EngineArgs, batch_sizes: list[int],
+                  input_len: int, num_steps: int, warmup_steps: int) -> Subject:
+    """Check the plan against this config's limits, then build its engine."""
     from kiln.engine.llm_engine import LLMEngine
 
-    kiln_config = engine_args.create_kiln_config()
+    args = dataclasses.replace(engine_args, compilation_config=spec)
+    kiln_config = args.create_kiln_config()
     mc, sched, cache = (kiln_config.model_config, kiln_config.scheduler_config,
                         kiln_config.cache_config)
     check_plan(batch_sizes, input_len, num_steps, warmup_steps, sched.max_num_seqs,
                mc.max_model_len)
     start = time.perf_counter()
     engine = LLMEngine(kiln_config)
-    startup_s = time.perf_counter() - start
+    subject = Subject(label, spec, args, engine, kiln_config, time.perf_counter() - start,
+                      model_weight_bytes(engine))
     try:
-        exclude = set(getattr(engine.tokenizer, "all_special_ids", []))
-        max_tokens = mc.max_model_len - input_len
-        results = {}
         for b in batch_sizes:
             check_kv_capacity(b, input_len + warmup_steps + num_steps + 2, cache.num_blocks,
                               cache.block_size)
-            prompts = random_prompts(b, input_len, mc.vocab_size, engine_args.seed + b, exclude)
-            times = measure_batch(engine, prompts, num_steps, warmup_steps, max_tokens,
-                                  f"latency-b{b}")
-            results[str(b)] = summarize_ms(times)
-            logger.info("bench latency: %s batch %d: median %.3f ms/step",
-                        engine_args.compilation_config, b, results[str(b)]["median_ms"])
-        cc = kiln_config.compilation_config
-        return {"compilation_mode": int(cc.mode),
-                "cudagraph_mode": getattr(cc.cudagraph_mode, "name", cc.cudagraph_mode),
-                "startup_s": round(startup_s, 4), "model_weight_bytes": model_weight_bytes(engine),
-                "model": mc.model, "dtype": str(mc.torch_dtype).removeprefix("torch."),
-                "device": kiln_config.device_config.device, "results": results}
-    finally:
+    except ValueError:
         _free(engine)
+        raise
+    return subject
+
+
+def max_tokens(subject: Subject, input_len: int) -> int:
+    return subject.kiln_config.model_config.max_model_len - input_len
+
+
+def run_one_after_another(configs: list[tuple[str, dict]], plan: dict,
+                          engine_args: EngineArgs) -> list[Subject]:
+    """One engine at a time (what fits on one GPU): build, every batch size, free."""
+    done = []
+    for label, spec in configs:
+        subject = start_subject(label, spec, engine_args, **plan)
+        try:
+            for b in plan["batch_sizes"]:
+                subject.record(b, measure_batch(
+                    subject.engine, subject.prompts(b, plan["input_len"]), plan["num_steps"],
+                    plan["warmup_steps"], max_tokens(subject, plan["input_len"]),
+                    f"latency-b{b}"))
+        finally:
+            _free(subject.engine)
+        done.append(subject)
+    return done
+
+
+def run_interleaved(configs: list[tuple[str, dict]], plan: dict,
+                    engine_args: EngineArgs) -> list[Subject]:
+    """Every engine alive at once, taking turns of STEPS_PER_TURN timed steps on the same batch,
+    so a host whose speed drifts (a shared CPU) slows every config alike."""
+    subjects: list[Subject] = []
+    try:
+        for label, spec in configs:
+            subjects.append(start_subject(label, spec, engine_args, **plan))
+        for b in plan["batch_sizes"]:
+            tag, started = f"latency-b{b}", []
+            try:
+                for s in subjects:
+                    started.append((s, start_batch(
+                        s.engine, s.prompts(b, plan["input_len"]), plan["warmup_steps"],
+                        max_tokens(s, plan["input_len"]), tag)))
+                times: dict[int, list[float]] = {id(s): [] for s in subjects}
+                for turn in turn_lengths(plan["num_steps"]):
+                    for s in subjects:
+                        times[id(s)] += time_steps(s.engine, turn, b, tag)
+            finally:
+                for s, ids in started:
+                    s.engine.abort_request(ids)
+            for s in subjects:
+                s.record(b, times[id(s)])
+    finally:
+        for s in subjects:
+            _free(s.engine)
+    return subjects
 
 
 def speedups(first: dict, other: dict) -> dict:
@@ -165,19 +265,30 @@ def speedups(first: dict, other: dict) -> dict:
     return {b: round(first[b]["median_ms"] / other[b]["median_ms"], 4) for b in first}
 
 
+def default_interleave(engine_args: EngineArgs) -> bool:
+    """Interleave where engines fit side by side: on CPU (host memory); on a GPU each engine
+    would size its KV cache from the same free memory."""
+    from kiln.platforms import current_platform
+
+    device = engine_args.device if engine_args.device not in (None, "auto") else None
+    return (device or current_platform.device_type) == "cpu"
+
+
 def run_latency(engine_args: EngineArgs, batch_sizes: list[int], input_len: int, num_steps: int,
-                compare: list[str] | None = None, warmup_steps: int = 3) -> dict:
-    """Benchmark; returns the one-line JSON report as a dict."""
+                compare: list[str] | None = None, warmup_steps: int = 3,
+                interleave: bool | None = None) -> dict:
+    """Benchmark; returns the one-line JSON report as a dict. interleave None: on CPU only."""
     compare = list(compare or DEFAULT_COMPARE)
     if engine_args.enforce_eager:
         raise ValueError("--enforce-eager forces mode 0 on every --compare config; drop it and "
                          "list the configs in --compare")
     specs = [merge_spec(engine_args.compilation_config, item) for item in compare]  # checks all
-    configs = []
-    for label, spec in zip(compare, specs):
-        args = dataclasses.replace(engine_args, compilation_config=spec)
-        figures = run_config(args, batch_sizes, input_len, num_steps, warmup_steps)
-        configs.append({"spec": label, "compilation_config": spec, **figures})
+    if interleave is None:
+        interleave = default_interleave(engine_args)
+    plan = {"batch_sizes": batch_sizes, "input_len": input_len, "num_steps": num_steps,
+            "warmup_steps": warmup_steps}
+    runner = run_interleaved if interleave else run_one_after_another
+    configs = [s.report() for s in runner(list(zip(compare, specs)), plan, engine_args)]
     first = configs[0]["results"]
     for c in configs:
         c["speedup_vs_first"] = speedups(first, c["results"])
@@ -186,6 +297,7 @@ def run_latency(engine_args: EngineArgs, batch_sizes: list[int], input_len: int,
     head = configs[0]
     return {"benchmark": "latency", "model": head["model"], "dtype": head["dtype"],
             "device": head["device"], "num_threads": torch.get_num_threads(),
+            "interleaved": interleave, "steps_per_turn": STEPS_PER_TURN if interleave else None,
             "batch_sizes": batch_sizes, "input_len": input_len,
             "num_steps": num_steps, "warmup_steps": warmup_steps,
             "model_weight_bytes": head["model_weight_bytes"], "configs": configs}

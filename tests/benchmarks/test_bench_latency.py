@@ -6,8 +6,9 @@ import sys
 
 import pytest
 
+from kiln.benchmarks import latency
 from kiln.benchmarks.latency import (check_kv_capacity, check_plan, merge_spec, percentile,
-                                     run_latency, speedups, summarize_ms)
+                                     run_latency, speedups, summarize_ms, turn_lengths)
 from kiln.engine.arg_utils import EngineArgs
 
 SMALL = ["--kv-cache-memory", "0.01", "--max-model-len", "64", "--max-num-seqs", "8",
@@ -55,22 +56,32 @@ def test_speedups_are_first_over_other():
                                                                                   "8": 1.0}
 
 
+def test_turns_cover_every_step():
+    assert turn_lengths(10, 4) == [4, 4, 2]
+    assert turn_lengths(3, 4) == [3] and turn_lengths(8, 4) == [4, 4]
+
+
 def test_enforce_eager_is_refused():
     with pytest.raises(ValueError, match="--enforce-eager"):
         run_latency(EngineArgs(enforce_eager=True), [1], 4, 2)
 
 
-def test_bench_latency_compares_two_configs_in_one_run(tiny_llama_dir):
-    spec = json.dumps({"mode": 3, "backend": "eager"})  # traced and split, no Inductor: fast
+EAGER_MODE3 = json.dumps({"mode": 3, "backend": "eager"})  # traced and split, no Inductor: fast
+
+
+@pytest.mark.parametrize("interleave", ["--interleave", "--no-interleave"])
+def test_bench_latency_compares_two_configs_in_one_run(tiny_llama_dir, interleave):
+    spec = EAGER_MODE3
     r = subprocess.run([sys.executable, "-m", "kiln.entrypoints.cli.main", "bench", "latency",
                         "--model", str(tiny_llama_dir), *SMALL, "--load-format", "dummy",
                         "--batch-sizes", "1", "2", "--input-len", "4", "--num-steps", "3",
-                        "--warmup-steps", "1", "--compare", "0", spec],
+                        "--warmup-steps", "1", "--compare", "0", spec, interleave],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     (line,) = r.stdout.splitlines()
     report = json.loads(line)
     assert report["batch_sizes"] == [1, 2] and report["num_steps"] == 3
+    assert report["interleaved"] is (interleave == "--interleave")
     assert report["model_weight_bytes"] > 0
     first, second = report["configs"]
     assert (first["spec"], first["compilation_mode"]) == ("0", 0)
@@ -85,3 +96,17 @@ def test_bench_latency_compares_two_configs_in_one_run(tiny_llama_dir):
     for b, ratio in second["speedup_vs_first"].items():
         expected = first["results"][b]["median_ms"] / second["results"][b]["median_ms"]
         assert ratio == pytest.approx(expected, rel=1e-3)
+
+
+def test_interleaved_engines_take_turns_on_the_same_batch(tiny_llama_dir, monkeypatch):
+    turns, real = [], latency.time_steps
+    monkeypatch.setattr(latency, "time_steps", lambda engine, n, b, tag: turns.append(
+        (id(engine), n, b)) or real(engine, n, b, tag))
+    args = EngineArgs(model=str(tiny_llama_dir), load_format="dummy", kv_cache_memory=0.01,
+                      max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32)
+    report = run_latency(args, [2], 4, 6, ["0", EAGER_MODE3], warmup_steps=1, interleave=True)
+    assert report["interleaved"] and report["steps_per_turn"] == latency.STEPS_PER_TURN == 4
+    first, second = turns[0][0], turns[1][0]
+    assert first != second
+    assert turns == [(first, 4, 2), (second, 4, 2), (first, 2, 2), (second, 2, 2)]
+    assert [c["results"]["2"]["num_steps"] for c in report["configs"]] == [6, 6]

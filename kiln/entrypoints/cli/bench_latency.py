@@ -10,10 +10,12 @@ from kiln.engine.arg_utils import EngineArgs
 def register_bench(kinds) -> None:
     parser = kinds.add_parser(
         "latency", help="decode latency per engine step, compilation configs compared",
-        description="For each config in --compare (one engine at a time) and each batch size: "
-                    "add that many random prompts of --input-len tokens, step until all decode, "
-                    "then time --num-steps decode steps (LLMEngine.step). Reports median/p90 ms "
-                    "per step and each config's speedup over the first.")
+        description="For each config in --compare and each batch size: add that many random "
+                    "prompts of --input-len tokens, step until all decode, then time --num-steps "
+                    "decode steps (LLMEngine.step). Reports median/p90 ms per step and each "
+                    "config's speedup over the first. On CPU every config's engine is built up "
+                    "front and they take turns of 4 timed steps (--no-interleave: one engine "
+                    "at a time, the GPU default).")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--num-steps", type=int, default=32, help="timed decode steps per batch")
@@ -25,6 +27,8 @@ def register_bench(kinds) -> None:
                              "'{\"mode\":3,\"cudagraph_mode\":\"NONE\"}' "
                              "'{\"mode\":3,\"cudagraph_mode\":\"FULL_AND_PIECEWISE\"}' "
                              "(default: 0 3)")
+    parser.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
+                        help="engines side by side, taking turns (default: on CPU only)")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run)
 
@@ -33,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from kiln.benchmarks.latency import run_latency
 
     report = run_latency(EngineArgs.from_cli_args(args), args.batch_sizes, args.input_len,
-                         args.num_steps, args.compare, args.warmup_steps)
+                         args.num_steps, args.compare, args.warmup_steps,
+                         args.interleave)
     print(json.dumps(report), flush=True)
     return 0
