@@ -62,7 +62,8 @@ class KilnBackend:
         self.kiln_config, self.prefix = kiln_config, prefix
         cc = kiln_config.compilation_config
         self.pass_manager = PostGradPassManager(cc.pass_config)
-        self.compiler = make_compiler(cc.backend, self.pass_manager)
+        self.compiler = make_compiler(cc.backend, self.pass_manager,
+                                      kiln_config.device_config.device)
         self.pieces: dict[int, PiecewiseBackend] = {}  # piece index -> compiled piece
         self.split_items: list[SplitItem] = []
         self.cache: CompileCache | None = None

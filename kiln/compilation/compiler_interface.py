@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
+from kiln.compilation import vec_isa
 from kiln.compilation.counters import compilation_counter
 
 Handle = dict  # JSON-able description of a saved artifact, stored in the cache index
@@ -60,11 +61,14 @@ def inductor_config_hash() -> str:
 class InductorStandaloneAdaptor(CompilerInterface):
     name = "inductor_standalone"
 
-    def __init__(self, pass_manager=None):
+    def __init__(self, pass_manager=None, device: str = "cpu"):
         self.pass_manager = pass_manager
+        self.device = device
         self.dump_dir: Path | None = None  # set by the backend when debug_dump_path is given
 
     def compute_hash(self) -> str:
+        if self.device == "cpu":
+            vec_isa.settle()  # may set an Inductor flag: before hashing Inductor's config
         uuid = ""
         if self.pass_manager is not None:
             self.pass_manager.set_shape(None)
@@ -125,9 +129,9 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def make_compiler(backend: str, pass_manager=None) -> CompilerInterface:
+def make_compiler(backend: str, pass_manager=None, device: str = "cpu") -> CompilerInterface:
     if backend == "eager":
         return EagerAdaptor()
     if backend == "inductor":
-        return InductorStandaloneAdaptor(pass_manager)
+        return InductorStandaloneAdaptor(pass_manager, device)
     raise ValueError(f"compilation_config.backend must be 'inductor' or 'eager'; got {backend!r}")

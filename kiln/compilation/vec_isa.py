@@ -1,0 +1,80 @@
+"""Inductor's CPU vector-ISA probe, run once per machine instead of once per process.
+
+Before its first CPU kernel, Inductor builds a test library per candidate ISA (AVX2, AVX-512, ...)
+and dlopens each in a child process: ~0.4 s apiece, 1.1 s of every warm start on the 2-core dev
+host. The answer depends only on the CPU, the C++ compiler and torch, so Kiln keeps it under its
+cache root; when every candidate passed, later processes set Inductor's `cpp.vec_isa_ok` (what the
+probe would have concluded) and skip it. Any surprise leaves Inductor to probe as usual.
+"""
+import hashlib
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+from kiln import envs
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+def _compiler_identity() -> str:
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    compiler = get_cpp_compiler()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    return f"{compiler}\n{version}"
+
+
+def machine_key() -> str:
+    """What the probe's answer depends on: torch, the CPU's ISA flags, the C++ compiler."""
+    from torch._inductor.cpu_vec_isa import x86_isa_checker
+
+    factors = [torch.__version__, platform.machine(), sorted(x86_isa_checker()),
+               _compiler_identity()]
+    return hashlib.sha256(repr(factors).encode()).hexdigest()[:16]
+
+
+def _probed_equals_assumed() -> bool:
+    """Probe every candidate ISA (Inductor's own valid_vec_isa_list), and compare with what
+    Inductor assumes when told `vec_isa_ok`: the same list means the flag changes nothing."""
+    from torch._inductor import config
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    probed = [str(isa) for isa in valid_vec_isa_list()]
+    with config.patch({"cpp.vec_isa_ok": True}):
+        assumed = [str(isa) for isa in valid_vec_isa_list.__wrapped__()]
+    return bool(probed) and probed == assumed
+
+
+def settle(verdict_dir: Path | None = None) -> bool:
+    """Set `cpp.vec_isa_ok` when this machine's probe is known (or now proved) to pass for
+    every candidate; returns whether it did. Call before hashing Inductor's config, in every
+    process alike, so the compile cache key does not depend on which process probed."""
+    from torch._inductor import config
+
+    if config.cpp.vec_isa_ok is not None or platform.machine() not in ("x86_64", "AMD64"):
+        return False  # the user decided (TORCHINDUCTOR_VEC_ISA_OK), or no probe to save
+    if envs.disable_compile_cache():
+        return False
+    try:
+        verdict = (verdict_dir or envs.cache_root() / "inductor_vec_isa") / f"{machine_key()}.json"
+        if not verdict.exists():
+            if not _probed_equals_assumed():
+                return False
+            verdict.parent.mkdir(parents=True, exist_ok=True)
+            tmp = verdict.with_name(f".{verdict.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"all_candidates_pass": True}))
+            tmp.replace(verdict)
+        elif not json.loads(verdict.read_text()).get("all_candidates_pass"):
+            return False
+    except (OSError, ValueError, subprocess.SubprocessError, ImportError, AttributeError) as e:
+        logger.debug("vector-ISA verdict unavailable (%s: %s); Inductor probes", type(e).__name__,
+                     e)
+        return False
+    config.cpp.vec_isa_ok = True
+    return True

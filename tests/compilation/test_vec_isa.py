@@ -1,0 +1,62 @@
+"""The vector-ISA verdict: probed once per machine, then read back instead of probing, and
+never set when the user decided, the cache is off, or a candidate failed."""
+import json
+import platform
+
+import pytest
+from torch._inductor import config
+
+from kiln.compilation import vec_isa
+from kiln.compilation.compiler_interface import InductorStandaloneAdaptor
+
+pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
+                                reason="Inductor probes vector ISAs on x86 only")
+
+
+@pytest.fixture(autouse=True)
+def _inductor_flag(monkeypatch):
+    monkeypatch.delenv("KILN_DISABLE_COMPILE_CACHE", raising=False)
+    with config.patch({"cpp.vec_isa_ok": None}):  # restored after the test
+        yield
+
+
+def test_probe_once_then_read_the_verdict(tmp_path, monkeypatch):
+    probes, real = [], vec_isa._probed_equals_assumed
+    monkeypatch.setattr(vec_isa, "_probed_equals_assumed", lambda: probes.append(1) or real())
+    assert vec_isa.settle(tmp_path) and config.cpp.vec_isa_ok is True
+    (verdict,) = tmp_path.iterdir()
+    assert verdict.name == f"{vec_isa.machine_key()}.json" and probes == [1]
+    config.cpp.vec_isa_ok = None  # a new process
+    assert vec_isa.settle(tmp_path) and config.cpp.vec_isa_ok is True
+    assert probes == [1]  # read back, not probed again
+
+
+def test_cache_key_is_the_same_whoever_probed(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
+    probing = InductorStandaloneAdaptor(device="cpu").compute_hash()  # probes, writes
+    config.cpp.vec_isa_ok = None
+    reading = InductorStandaloneAdaptor(device="cpu").compute_hash()  # reads the verdict
+    assert probing == reading and config.cpp.vec_isa_ok is True
+
+
+def test_left_alone_when_decided_elsewhere_or_failed(tmp_path, monkeypatch):
+    (tmp_path / f"{vec_isa.machine_key()}.json").write_text(
+        json.dumps({"all_candidates_pass": False}))
+    assert not vec_isa.settle(tmp_path) and config.cpp.vec_isa_ok is None
+    other = tmp_path / "other"
+    monkeypatch.setattr(vec_isa, "_probed_equals_assumed", lambda: False)  # a candidate failed
+    assert not vec_isa.settle(other) and not other.exists()
+    monkeypatch.setenv("KILN_DISABLE_COMPILE_CACHE", "1")
+    assert not vec_isa.settle(other)
+    monkeypatch.delenv("KILN_DISABLE_COMPILE_CACHE")
+    config.cpp.vec_isa_ok = False  # the user's TORCHINDUCTOR_VEC_ISA_OK=0
+    assert not vec_isa.settle(other) and config.cpp.vec_isa_ok is False
+
+
+def test_only_cpu_compiles_settle_the_probe(monkeypatch):
+    calls = []
+    monkeypatch.setattr(vec_isa, "settle", lambda: calls.append(1))
+    InductorStandaloneAdaptor(device="cuda").compute_hash()
+    assert calls == []
+    InductorStandaloneAdaptor(device="cpu").compute_hash()
+    assert calls == [1]
