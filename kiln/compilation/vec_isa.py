@@ -72,7 +72,7 @@ def settle(verdict_dir: Path | None = None) -> bool:
             tmp.replace(verdict)
         elif not json.loads(verdict.read_text()).get("all_candidates_pass"):
             return False
-    except (OSError, ValueError, subprocess.SubprocessError, ImportError, AttributeError) as e:
+    except Exception as e:  # an optimisation only: on any surprise Inductor probes as usual
         logger.debug("vector-ISA verdict unavailable (%s: %s); Inductor probes", type(e).__name__,
                      e)
         return False
