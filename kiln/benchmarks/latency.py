@@ -167,6 +167,10 @@ class Subject:
         return random_prompts(batch_size, input_len, mc.vocab_size,
                               self.engine_args.seed + batch_size, exclude)
 
+    def max_tokens(self, input_len: int) -> int:
+        """Generation budget of a prompt of input_len (the bench aborts long before it)."""
+        return self.kiln_config.model_config.max_model_len - input_len
+
     def record(self, batch_size: int, times: list[float]) -> None:
         self.results[str(batch_size)] = summarize_ms(times)
         logger.info("bench latency: %s batch %d: median %.3f ms/step", self.label, batch_size,
@@ -208,10 +212,6 @@ def start_subject(label: str, spec: dict, engine_args: EngineArgs, batch_sizes: 
     return subject
 
 
-def max_tokens(subject: Subject, input_len: int) -> int:
-    return subject.kiln_config.model_config.max_model_len - input_len
-
-
 def run_one_after_another(configs: list[tuple[str, dict]], plan: dict,
                           engine_args: EngineArgs) -> list[Subject]:
     """One engine at a time (what fits on one GPU): build, every batch size, free."""
@@ -222,7 +222,7 @@ def run_one_after_another(configs: list[tuple[str, dict]], plan: dict,
             for b in plan["batch_sizes"]:
                 subject.record(b, measure_batch(
                     subject.engine, subject.prompts(b, plan["input_len"]), plan["num_steps"],
-                    plan["warmup_steps"], max_tokens(subject, plan["input_len"]),
+                    plan["warmup_steps"], subject.max_tokens(plan["input_len"]),
                     f"latency-b{b}"))
         finally:
             _free(subject.engine)
@@ -244,16 +244,16 @@ def run_interleaved(configs: list[tuple[str, dict]], plan: dict,
                 for s in subjects:
                     started.append((s, start_batch(
                         s.engine, s.prompts(b, plan["input_len"]), plan["warmup_steps"],
-                        max_tokens(s, plan["input_len"]), tag)))
-                times: dict[int, list[float]] = {id(s): [] for s in subjects}
+                        s.max_tokens(plan["input_len"]), tag)))
+                times: list[list[float]] = [[] for _ in subjects]
                 for turn in turn_lengths(plan["num_steps"]):
-                    for s in subjects:
-                        times[id(s)] += time_steps(s.engine, turn, b, tag)
+                    for s, own in zip(subjects, times):
+                        own += time_steps(s.engine, turn, b, tag)
             finally:
                 for s, ids in started:
                     s.engine.abort_request(ids)
-            for s in subjects:
-                s.record(b, times[id(s)])
+            for s, own in zip(subjects, times):
+                s.record(b, own)
     finally:
         for s in subjects:
             _free(s.engine)

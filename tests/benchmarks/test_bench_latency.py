@@ -61,6 +61,11 @@ def test_turns_cover_every_step():
     assert turn_lengths(3, 4) == [3] and turn_lengths(8, 4) == [4, 4]
 
 
+def test_interleaving_defaults_to_cpu_only():
+    assert latency.default_interleave(EngineArgs(device="cpu"))
+    assert not latency.default_interleave(EngineArgs(device="cuda"))
+
+
 def test_enforce_eager_is_refused():
     with pytest.raises(ValueError, match="--enforce-eager"):
         run_latency(EngineArgs(enforce_eager=True), [1], 4, 2)
