@@ -62,8 +62,11 @@ class InductorStandaloneAdaptor(CompilerInterface):
     name = "inductor_standalone"
 
     def __init__(self, pass_manager=None, device: str = "cpu"):
+        from kiln.platforms import for_device
+
         self.pass_manager = pass_manager
         self.device = device
+        self.defaults = dict(for_device(device).inductor_compile_defaults)
         self.dump_dir: Path | None = None  # set by the backend when debug_dump_path is given
 
     def compute_hash(self) -> str:
@@ -73,10 +76,19 @@ class InductorStandaloneAdaptor(CompilerInterface):
         if self.pass_manager is not None:
             self.pass_manager.set_shape(None)
             uuid = self.pass_manager.uuid()
-        return hashlib.sha256(f"{inductor_config_hash()}|{uuid}".encode()).hexdigest()[:16]
+        factors = f"{inductor_config_hash()}|{uuid}|{sorted(self.defaults.items())}"
+        return hashlib.sha256(factors.encode()).hexdigest()[:16]
+
+    def config_patches(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The platform's defaults where this torch has the option, under the user's values."""
+        from torch._inductor import config as inductor_config
+
+        patches = {k: v for k, v in self.defaults.items() if hasattr(inductor_config, k)}
+        patches.update(config)
+        return patches
 
     def compile(self, graph, example_inputs, config, shape, save_path=None):
-        patches = dict(config)
+        patches = self.config_patches(config)
         if self.pass_manager is not None:
             self.pass_manager.set_shape(shape)
             patches["post_grad_custom_pre_pass"] = self.pass_manager

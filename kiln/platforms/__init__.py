@@ -13,4 +13,10 @@ def _detect() -> Platform:
 
 current_platform: Platform = _detect()
 
-__all__ = ["Platform", "CpuPlatform", "CudaPlatform", "current_platform"]
+
+def for_device(device: str) -> Platform:
+    """The platform of a device name ("cpu" | "cuda"), e.g. a CPU engine on a GPU machine."""
+    return CudaPlatform() if device == "cuda" else CpuPlatform()
+
+
+__all__ = ["Platform", "CpuPlatform", "CudaPlatform", "current_platform", "for_device"]

@@ -14,6 +14,7 @@ import toy_model as tm
 from _child import SIZES
 from kiln.compilation.phase import RecompileAfterWarmupError
 from kiln.compilation.backend import KilnBackend
+from kiln.compilation.compiler_interface import InductorStandaloneAdaptor
 from kiln.compilation.cache import CompileCache, cache_base_dir, compute_cache_key
 from kiln.compilation.counters import compilation_counter
 from kiln.compilation.warmup import compile_and_warm_up
@@ -71,7 +72,21 @@ def test_cache_layout_and_debug_dump(cold):
     assert (cache_dir.parent.parent / "inductor_cache").is_dir()
     dump = cold["root"] / "dump" / "rank_0" / "ToyModel"
     assert (dump / "split_graph.py").exists() and len(list(dump.glob("piece_*.py"))) == 5
-    assert list(dump.glob("output_code_*.py"))
+    codes = [f.read_text() for f in dump.glob("output_code_*.py")]
+    assert codes
+    # The CPU platform's Inductor defaults: no per-call input checks in the compiled code.
+    assert not any("assert_size_stride(" in c or "assert_alignment(" in c for c in codes)
+
+
+def test_platform_inductor_defaults_hash_and_yield_to_the_user():
+    cpu, cuda = InductorStandaloneAdaptor(device="cpu"), InductorStandaloneAdaptor(device="cuda")
+    assert cpu.defaults["size_asserts"] is False and cuda.defaults == {}
+    assert cpu.compute_hash() != cuda.compute_hash()
+    assert cpu.config_patches({"size_asserts": True, "max_autotune": False}) == {
+        "size_asserts": True, "alignment_asserts": False, "scalar_asserts": False,
+        "max_autotune": False}
+    cpu.defaults["no_such_inductor_option"] = 1  # an option an older torch lacks is skipped
+    assert "no_such_inductor_option" not in cpu.config_patches({})
 
 
 def test_warm_start_in_second_process_compiles_nothing(cold, tmp_path):
