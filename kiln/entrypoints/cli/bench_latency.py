@@ -28,7 +28,9 @@ def register_bench(kinds) -> None:
                              "'{\"mode\":3,\"cudagraph_mode\":\"FULL_AND_PIECEWISE\"}' "
                              "(default: 0 3)")
     parser.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
-                        help="engines side by side, taking turns (default: on CPU only)")
+                        help="engines side by side, taking turns (default: on CPU only); "
+                             "every engine and its KV cache are held at once, which "
+                             "--kv-cache-memory bounds")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run)
 
