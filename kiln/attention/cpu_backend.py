@@ -12,9 +12,10 @@ from kiln.attention.metadata import AttentionMetadata
 from kiln.attention.torch_backend import TorchAttentionBackend, TorchAttentionImpl
 
 # Queries up to this many tokens go to the kernel (a decode is 1). Measured on 2 cores (one
-# request, 256 tokens of context, 9 heads of 64): the kernel takes 0.27 ms for 8 query tokens
-# where SDPA takes 0.6, they meet near 32, and SDPA wins from 48 on.
-KERNEL_MAX_QUERY_LEN = 32
+# request, 256 tokens of context, 9 heads of 64, ms per layer): kernel / SDPA (4-D, its flash
+# kernel) 0.14-0.17 / 0.26-0.38 at 4 tokens, 0.22-0.28 / 0.33-0.41 at 8, 0.44-0.48 / 0.39-0.50
+# at 16 (they meet), 0.69 / 0.59-0.60 at 24.
+KERNEL_MAX_QUERY_LEN = 16
 
 
 def split_requests(query_lens: list[int],

@@ -81,15 +81,19 @@ class TorchAttentionImpl(AttentionImpl):
 
     def _whole_batch_causal(self, q, k, v, out) -> None:
         # Warm-up / profiling: the batch is one causal sequence; the cache is left alone.
-        group = self.num_heads // self.num_kv_heads
         qh = q.transpose(0, 1)  # [nh, T, hd]
         kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [nkv, T, hd]
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale,
-                                           enable_gqa=group > 1)
-        out.copy_(o.transpose(0, 1))
+        out.copy_(self._sdpa(qh, kh, vh, is_causal=True).transpose(0, 1))
+
+    def _sdpa(self, qh, kh, vh, **mask) -> torch.Tensor:
+        """SDPA over one sequence: qh [nh, L, hd], kh/vh [nkv, S, hd] -> [nh, L, hd]. Given a
+        batch dim, CPU torch takes its flash kernel (3-D inputs fall back to the math path:
+        measured 6x slower for a 2048-token prompt, 3x for 16 tokens)."""
+        o = F.scaled_dot_product_attention(qh[None], kh[None], vh[None], scale=self.scale,
+                                           enable_gqa=self.num_heads > self.num_kv_heads, **mask)
+        return o[0]
 
     def _per_request(self, q, k, v, kv_cache, md: AttentionMetadata, out, requests) -> None:
-        group = self.num_heads // self.num_kv_heads
         block_size = kv_cache.shape[2]
         starts = md.query_start_loc_cpu.tolist()
         seq_lens = md.seq_lens_cpu.tolist()
@@ -104,8 +108,7 @@ class TorchAttentionImpl(AttentionImpl):
                 # A fresh prefill attends only to its own tokens: they are this step's k/v, no
                 # need to read them back out of the cache.
                 kh, vh = k[qs:qe].transpose(0, 1), v[qs:qe].transpose(0, 1)  # [nkv, S, hd]
-                o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale,
-                                                   enable_gqa=group > 1)
+                o = self._sdpa(qh, kh, vh, is_causal=True)
             else:
                 num_blocks = (seq_len + block_size - 1) // block_size
                 blocks = md.block_table[i:i + 1, :num_blocks].long()  # [1, n]
@@ -115,8 +118,7 @@ class TorchAttentionImpl(AttentionImpl):
                 key_pos = torch.arange(seq_len, device=q.device)
                 query_pos = torch.arange(ctx_len, seq_len, device=q.device)
                 mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, S]
-                o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale,
-                                                   enable_gqa=group > 1)
+                o = self._sdpa(qh, kh, vh, attn_mask=mask)
             out[qs:qe] = o.transpose(0, 1)
 
     def _batched_decode(self, q, kv_cache, md: AttentionMetadata, out) -> None:

@@ -230,3 +230,16 @@ def test_cpu_kv_write_matches_torch_and_refuses_bad_slots(dtype):
     assert torch.equal(cache, expected)  # refused before writing anything
     with pytest.raises(ValueError, match="one slot per token"):
         paged_attention.write_kv_cache(k, v, cache[0], cache[1], slots[:3])
+
+
+@pytest.mark.parametrize("impl_cls", IMPLS)
+def test_sdpa_gets_batched_inputs(impl_cls, monkeypatch):
+    # CPU torch runs 3-D SDPA inputs on its math path, 3-6x slower than the flash kernel it
+    # picks for 4-D ones (measured); every SDPA call here must hand over a batch dim.
+    import kiln.attention.torch_backend as tb
+    dims, real = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(tb.F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: dims.append((q.dim(), k.dim())) or real(q, k, v, **kw))
+    out, expected, _, _ = run_steps([[40, 3], [40, 40]], total=[80, 43], impl_cls=impl_cls)
+    assert torch.allclose(out, expected, atol=1e-5)
+    assert dims and set(dims) == {(4, 4)}
