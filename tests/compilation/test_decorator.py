@@ -9,7 +9,7 @@ from kiln.compilation.counters import compilation_counter
 from kiln.compilation.decorator import (ignore_torch_compile, infer_dynamic_arg_dims,
                                         support_torch_compile)
 from kiln.compilation.phase import RecompileAfterWarmupError
-from kiln.compilation.warmup import compile_and_warm_up, warmup_sizes
+from kiln.compilation.warmup import compile_and_warm_up, sizes_to_run, warmup_sizes
 
 
 @pytest.fixture(autouse=True)
@@ -130,6 +130,8 @@ def test_compile_size_beyond_budget_is_an_error():
 
 def test_warmup_driver_runs_every_shape_then_ends_warmup():
     assert warmup_sizes(64, [1, 8, 128]) == [64, 8, 1]
+    assert sizes_to_run(64, [1, 8], compiled=True, extra_sizes=[1, 16]) == [64, 16, 8, 1]
+    assert sizes_to_run(64, [8], compiled=False, extra_sizes=[1, 16]) == [16, 1]  # eager
     config = tm.toy_config(mode=3, backend="eager", compile_sizes=[1, 8])
     model = tm.build(config)
     seen = []
