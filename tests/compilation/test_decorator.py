@@ -9,7 +9,7 @@ from kiln.compilation.counters import compilation_counter
 from kiln.compilation.decorator import (ignore_torch_compile, infer_dynamic_arg_dims,
                                         support_torch_compile)
 from kiln.compilation.phase import RecompileAfterWarmupError
-from kiln.compilation.warmup import compile_and_warm_up, sizes_to_run, warmup_sizes
+from kiln.compilation.warmup import compile_and_warm_up, sizes_to_run
 
 
 @pytest.fixture(autouse=True)
@@ -129,14 +129,19 @@ def test_compile_size_beyond_budget_is_an_error():
 
 
 def test_warmup_driver_runs_every_shape_then_ends_warmup():
-    assert warmup_sizes(64, [1, 8, 128]) == [64, 8, 1]
-    assert sizes_to_run(64, [1, 8], compiled=True, extra_sizes=[1, 16]) == [64, 16, 8, 1]
+    assert sizes_to_run(64, [1, 8, 128], compiled=True) == [8, 1]  # 128 is over the budget
+    assert sizes_to_run(64, [1, 8], compiled=True, extra_sizes=[1, 16]) == [16, 8, 1]
+    assert sizes_to_run(64, [1], compiled=True, extra_sizes=[1]) == [2, 1]  # never trace at 1
+    assert sizes_to_run(1, [], compiled=True, extra_sizes=[1]) == [1]  # a 1-token budget
     assert sizes_to_run(64, [8], compiled=False, extra_sizes=[1, 16]) == [16, 1]  # eager
     config = tm.toy_config(mode=3, backend="eager", compile_sizes=[1, 8])
     model = tm.build(config)
     seen = []
     with torch.no_grad():
         compile_and_warm_up(lambda n: seen.append(model(*tm.inputs(n)).shape[0]), config)
-    assert seen == [64, 8, 1] and config.compilation_config.warmup_phase.serving
+    assert seen == [8, 1] and config.compilation_config.warmup_phase.serving
     pieces = model._kiln_compile.backend.pieces
     assert all(set(p.by_size) == {1, 8} for p in pieces.values())
+    # Traced at 8 tokens, the range artifact serves the whole budget with nothing compiled.
+    with compilation_counter.expect(num_backend_compilations=0, num_dynamo_traces=0):
+        _check(model, tm.build(tm.toy_config(mode=0)), [64, 40, 2])
