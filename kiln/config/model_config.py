@@ -69,7 +69,9 @@ class ModelConfig:
         from transformers import AutoConfig
 
         if self.gguf_file is not None:
-            return AutoConfig.from_pretrained(self.gguf_file.parent, gguf_file=self.gguf_file.name)
+            from kiln.config import gguf_metadata
+
+            return gguf_metadata.load_config(self.gguf_file)
         if not (self.model_path / "config.json").exists():
             raise FileNotFoundError(f"model {self.model!r}: missing config.json (expected a Hugging "
                                     "Face checkpoint directory or a .gguf file)")

@@ -1,9 +1,11 @@
 """Loads the tokenizer for a model: HF AutoTokenizer from a directory, or from a GGUF file.
 
-For GGUF, transformers rebuilds the tokenizer and chat template from the file's metadata.
+For GGUF, transformers rebuilds the tokenizer and chat template from the file's metadata (once:
+kiln/config/gguf_metadata.py keeps the result).
 """
 from pathlib import Path
 
+from kiln.config import gguf_metadata
 from kiln.config.model_config import ModelConfig, find_gguf_file
 from kiln.logger import init_logger
 
@@ -20,7 +22,7 @@ def load_tokenizer(path: str | Path):
                                 "pass a tokenizer directory or .gguf file with --tokenizer")
     gguf = find_gguf_file(path)
     if gguf is not None:
-        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        return gguf_metadata.load_tokenizer(gguf)
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:

@@ -1,0 +1,69 @@
+"""A GGUF file's config and tokenizer: converted by transformers once, then read back from
+Kiln's cache without parsing the file, identical in every way the engine uses them."""
+import os
+
+import pytest
+
+from kiln.config import gguf_metadata
+
+
+@pytest.fixture(scope="module")
+def default_gguf():
+    from kiln.model.loader.default_model import default_model_path
+
+    return default_model_path()  # under the real cache root, before a test moves it
+
+
+def _no_gguf_parsing(monkeypatch):
+    import gguf.gguf_reader
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the GGUF file was parsed again")
+    monkeypatch.setattr(gguf.gguf_reader.GGUFReader, "__init__", refuse)
+
+
+def test_second_load_reads_the_cache_and_matches_transformers(default_gguf, tmp_path,
+                                                              monkeypatch):
+    from transformers import AutoConfig, AutoTokenizer
+
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
+    direct_tok = AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+    direct_cfg = AutoConfig.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+    gguf_metadata.load_config(default_gguf)  # converts and keeps
+    gguf_metadata.load_tokenizer(default_gguf)
+    with monkeypatch.context() as m:
+        _no_gguf_parsing(m)
+        cfg = gguf_metadata.load_config(default_gguf)
+        tok = gguf_metadata.load_tokenizer(default_gguf)
+    strip = lambda d: {k: v for k, v in d.items() if k != "transformers_version"}
+    assert type(cfg) is type(direct_cfg) and strip(cfg.to_dict()) == strip(direct_cfg.to_dict())
+    assert type(tok) is type(direct_tok) and tok.get_vocab() == direct_tok.get_vocab()
+    assert tok.all_special_ids == direct_tok.all_special_ids
+    assert tok.name_or_path == direct_tok.name_or_path
+    assert tok.eos_token_id == direct_tok.eos_token_id and tok.bos_token_id == direct_tok.bos_token_id
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        direct_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    for text in ["The capital of France is", " leading space, émigré 日本 <|im_end|>"]:
+        ids = direct_tok(text)["input_ids"]
+        assert tok(text)["input_ids"] == ids and tok.decode(ids) == direct_tok.decode(ids)
+
+
+def test_damaged_copy_is_converted_again(default_gguf, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
+    part = gguf_metadata.converted_dir(default_gguf) / "config"
+    part.mkdir(parents=True)
+    (part / "config.json").write_text("{ not json")
+    cfg = gguf_metadata.load_config(default_gguf)
+    assert cfg.num_hidden_layers == 30 and "config.json" in os.listdir(part)
+    assert '"num_hidden_layers": 30' in (part / "config.json").read_text()
+
+
+def test_a_changed_file_gets_a_new_conversion(tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF")
+    first = gguf_metadata.converted_dir(f)
+    assert first.parent == tmp_path / "gguf" and first.name.startswith("m-")
+    f.write_bytes(b"GGUF v2")
+    assert gguf_metadata.converted_dir(f) != first
