@@ -36,8 +36,9 @@ def _cached(part: Path, load: Callable[[Path], Any], convert: Callable[[], Any],
     if part.is_dir():
         try:
             return load(part)
-        except (OSError, ValueError) as e:
-            logger.warning("cached GGUF conversion %s unusable (%s); converting again", part, e)
+        except Exception as e:  # a damaged copy (any parser's error) must not stop the engine
+            logger.warning("cached GGUF conversion %s unusable (%s: %s); converting again", part,
+                           type(e).__name__, e)
             shutil.rmtree(part, ignore_errors=True)
     value = convert()
     tmp = None

@@ -57,6 +57,11 @@ def test_damaged_copy_is_converted_again(default_gguf, tmp_path, monkeypatch, ca
     cfg = gguf_metadata.load_config(default_gguf)
     assert cfg.num_hidden_layers == 30 and "config.json" in os.listdir(part)
     assert '"num_hidden_layers": 30' in (part / "config.json").read_text()
+    gguf_metadata.load_tokenizer(default_gguf)
+    tokenizer_json = gguf_metadata.converted_dir(default_gguf) / "tokenizer" / "tokenizer.json"
+    tokenizer_json.write_text('{"model": {"type": "nothing like a tokenizer"}}')
+    tok = gguf_metadata.load_tokenizer(default_gguf)
+    assert tok("The capital of France is")["input_ids"] == [504, 3575, 282, 4649, 314]
 
 
 def test_a_changed_file_gets_a_new_conversion(tmp_path, monkeypatch):
