@@ -268,10 +268,9 @@ def speedups(first: dict, other: dict) -> dict:
 def default_interleave(engine_args: EngineArgs) -> bool:
     """Interleave where engines fit side by side: on CPU (host memory); on a GPU each engine
     would size its KV cache from the same free memory."""
-    from kiln.platforms import current_platform
+    from kiln.config.device_config import DeviceConfig
 
-    device = engine_args.device if engine_args.device not in (None, "auto") else None
-    return (device or current_platform.device_type) == "cpu"
+    return DeviceConfig(device=engine_args.device).device == "cpu"  # resolves "auto"
 
 
 def run_latency(engine_args: EngineArgs, batch_sizes: list[int], input_len: int, num_steps: int,

@@ -8,7 +8,6 @@ probe would have concluded) and skip it. Any surprise leaves Inductor to probe a
 """
 import hashlib
 import json
-import os
 import platform
 import subprocess
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import torch
 
 from kiln import envs
+from kiln.compilation.cache import atomic_write_text
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -66,10 +66,7 @@ def settle(verdict_dir: Path | None = None) -> bool:
         if not verdict.exists():
             if not _probed_equals_assumed():
                 return False
-            verdict.parent.mkdir(parents=True, exist_ok=True)
-            tmp = verdict.with_name(f".{verdict.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"all_candidates_pass": True}))
-            tmp.replace(verdict)
+            atomic_write_text(verdict, json.dumps({"all_candidates_pass": True}))
         elif not json.loads(verdict.read_text()).get("all_candidates_pass"):
             return False
     except Exception as e:  # an optimisation only: on any surprise Inductor probes as usual

@@ -71,7 +71,7 @@ def test_uniform_decode_fast_path_matches_dense(impl_cls):
 
 @needs_kernel
 def test_cpu_kernel_and_sdpa_share_a_mixed_batch():
-    # 70-token queries go to SDPA, the rest to the kernel, in the same step (with context).
+    # Last step: the 70-token query goes to SDPA, the 1- and 3-token ones to the kernel.
     out, expected, _, md = run_steps([[30, 2, 70], [70, 1, 3]], total=[100, 3, 73],
                                      impl_cls=CpuAttentionImpl)
     assert md.step_cache["cpu_split"][1] == [0]
