@@ -12,6 +12,7 @@ import torch
 from torch import fx
 
 from kiln.compilation import vec_isa
+from kiln.compilation.precompiled_header import headers_not_precompiled
 from kiln.compilation.counters import compilation_counter
 
 Handle = dict  # JSON-able description of a saved artifact, stored in the cache index
@@ -128,7 +129,9 @@ class InductorStandaloneAdaptor(CompilerInterface):
         if file_sha256(path) != handle["sha256"]:
             raise ValueError(f"compiled artifact {path} does not match its recorded checksum "
                              "(truncated or corrupted)")
-        artifact = torch._inductor.CompiledArtifact.load(path=str(path), format=handle["format"])
+        with headers_not_precompiled():  # its libraries are built: no compiler run needed
+            artifact = torch._inductor.CompiledArtifact.load(path=str(path),
+                                                             format=handle["format"])
         compilation_counter.num_compiled_artifacts_loaded += 1
         return artifact
 

@@ -4,7 +4,9 @@ Before its first CPU kernel, Inductor builds a test library per candidate ISA (A
 and dlopens each in a child process: ~0.4 s apiece, 1.1 s of every warm start on the 2-core dev
 host. The answer depends only on the CPU, the C++ compiler and torch, so Kiln keeps it under its
 cache root; when every candidate passed, later processes set Inductor's `cpp.vec_isa_ok` (what the
-probe would have concluded) and skip it. Any surprise leaves Inductor to probe as usual.
+probe would have concluded) and skip it. The AVX-512 and VNNI candidates probe extensions on top
+(bf16 conversions, dot products: ~0.07 s apiece) whatever the flag says; their results are kept
+in the same verdict. Any surprise leaves Inductor to probe as usual.
 """
 import hashlib
 import json
@@ -74,4 +76,40 @@ def settle(verdict_dir: Path | None = None) -> bool:
                      e)
         return False
     config.cpp.vec_isa_ok = True
+    _remember_extension_probes(verdict)
     return True
+
+
+# The verdict file the extension probes are remembered in (the latest settle's), and whether
+# Inductor's probe is wrapped; one process has one machine, so this state is process-wide.
+_probe_memo: dict = {"verdict": None, "installed": False}
+
+
+def _remember_extension_probes(verdict: Path) -> None:
+    """Wrap Inductor's per-ISA build probe (`VecISA.check_build`: compile a test library with the
+    ISA's flags, dlopen it in a child) so an answer this machine gave is read from `verdict`."""
+    from torch._inductor.cpu_vec_isa import VecISA
+
+    _probe_memo["verdict"] = verdict
+    if _probe_memo["installed"] or not callable(getattr(VecISA, "check_build", None)):
+        return
+    probe = VecISA.check_build
+
+    def check_build(isa, code: str) -> bool:
+        path = _probe_memo["verdict"]
+        key = hashlib.sha256(f"{isa}|{isa.build_arch_flags()}|{code}".encode()).hexdigest()[:16]
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return probe(isa, code)
+        builds = known.setdefault("builds", {})
+        if key not in builds:
+            builds[key] = bool(probe(isa, code))
+            try:
+                atomic_write_text(path, json.dumps(known))
+            except OSError as e:  # unremembered, not wrong: the next process probes again
+                logger.debug("could not record a vector-ISA probe in %s: %s", path, e)
+        return builds[key]
+
+    VecISA.check_build = check_build
+    _probe_memo["installed"] = True

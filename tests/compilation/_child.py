@@ -1,10 +1,12 @@
 """Child process for the cache tests: build the toy model on a cache dir, warm it up, report.
 
-Usage: python _child.py <cache_dir> <out.pt>; writes outputs and counters to out.pt.
+Usage: python _child.py <cache_dir> <out.pt>; writes outputs, counters and the C++ builds
+Inductor ran (compiles and preprocessing alike) to out.pt.
 """
 import sys
 
 import torch
+from torch._inductor import cpp_builder
 
 import toy_model as tm
 from kiln.compilation.counters import compilation_counter
@@ -14,9 +16,12 @@ SIZES = [64, 8, 1, 3]
 
 if __name__ == "__main__":
     cache_dir, out_path = sys.argv[1], sys.argv[2]
+    builds, build = [], cpp_builder.CppBuilder.build
+    cpp_builder.CppBuilder.build = lambda self: builds.append(self.get_command_line()) or build(self)
     config = tm.toy_config(mode=3, compile_sizes=[1, 8], cache_dir=cache_dir)
     model = tm.build(config)
     with torch.no_grad():
         compile_and_warm_up(lambda n: model(*tm.inputs(n)), config)
         outputs = {n: model(*tm.inputs(n)) for n in SIZES}
-    torch.save({"outputs": outputs, "counters": vars(compilation_counter.clone())}, out_path)
+    torch.save({"outputs": outputs, "counters": vars(compilation_counter.clone()),
+                "cpp_builds": builds}, out_path)

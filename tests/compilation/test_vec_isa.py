@@ -60,3 +60,19 @@ def test_only_cpu_compiles_settle_the_probe(monkeypatch):
     assert calls == []
     InductorStandaloneAdaptor(device="cpu").compute_hash()
     assert calls == [1]
+
+
+def test_extension_probes_are_remembered_in_the_verdict(tmp_path):
+    from torch._inductor.cpu_vec_isa import VecISA, pick_vec_isa
+
+    assert vec_isa.settle(tmp_path)
+    isa = pick_vec_isa()
+    assert VecISA.check_build(isa, VecISA._avx_code) is True  # probed, then recorded
+    verdict = tmp_path / f"{vec_isa.machine_key()}.json"
+    (key, built), = json.loads(verdict.read_text())["builds"].items()
+    assert built is True
+    # Read back, not probed again: a recorded answer is what the next process gets.
+    verdict.write_text(json.dumps({"all_candidates_pass": True, "builds": {key: False}}))
+    assert VecISA.check_build(isa, VecISA._avx_code) is False
+    verdict.unlink()  # no verdict: Inductor's own probe answers
+    assert VecISA.check_build(isa, VecISA._avx_code) is True
