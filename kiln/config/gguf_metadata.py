@@ -1,11 +1,13 @@
-"""A GGUF file's HF config and tokenizer, converted once and kept as Hugging Face files.
+"""A GGUF file's HF config, tokenizer and tensor table, converted once and kept as files.
 
-transformers rebuilds both by parsing all of the file's metadata: 2.5 s per parse for the default
-model on 2 cores (its 49k-token vocabulary), once for the config and once for the tokenizer, on
-every start. The first start saves what it converted under <cache root>/gguf/<key>/ (key: the
-file's path, size and mtime, and the transformers version); later starts read those files.
+Each needs all of the file's metadata parsed: 2.5 s per parse for the default model on 2 cores
+(its 49k-token vocabulary), by transformers for the config and the tokenizer and by `gguf` for
+the weights' table, on every start. The first start saves what it converted under
+<cache root>/gguf/<key>/ (key: the file's path, size and mtime, and the transformers version);
+later starts read those files.
 """
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -76,3 +78,42 @@ def load_tokenizer(gguf: Path):
     from transformers import AutoTokenizer
 
     return _load(gguf, "tokenizer", AutoTokenizer)
+
+
+def _tensor_table(gguf_path: Path) -> dict:
+    """Where each tensor's bytes lie, as gguf's reader lays them out: {"architecture",
+    "tensors": [{name, type, dtype, shape, offset, nbytes}]}, offsets absolute in the file."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    field = reader.fields.get("general.architecture")
+    return {"architecture": None if field is None else str(field.contents()),
+            "tensors": [{"name": t.name, "type": int(t.tensor_type), "dtype": t.data.dtype.str,
+                         "shape": list(t.data.shape), "offset": int(t.data_offset),
+                         "nbytes": int(t.n_bytes)} for t in reader.tensors]}
+
+
+def _table_text(table: dict) -> str:
+    # With its own checksum: a table edited or damaged into other valid offsets would load
+    # the wrong bytes as weights without a word.
+    body = json.dumps(table, sort_keys=True)
+    return json.dumps({"sha256": hashlib.sha256(body.encode()).hexdigest(), "table": table})
+
+
+def _read_table(part: Path, file_size: int) -> dict:
+    saved = json.loads((part / "tensors.json").read_text())
+    table = saved["table"]
+    if hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest() != saved["sha256"]:
+        raise ValueError("tensor table does not match its checksum")
+    for t in table["tensors"]:
+        if t["offset"] + t["nbytes"] > file_size:
+            raise ValueError(f"tensor {t['name']} lies past the end of the file")
+    return table
+
+
+def load_tensor_table(gguf_path: Path) -> dict:
+    """The file's architecture and tensor table (see `_tensor_table`)."""
+    return _cached(converted_dir(gguf_path) / "tensors",
+                   lambda part: _read_table(part, gguf_path.stat().st_size),
+                   lambda: _tensor_table(gguf_path),
+                   lambda table, path: (path / "tensors.json").write_text(_table_text(table)))

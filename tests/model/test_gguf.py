@@ -2,6 +2,8 @@
 
 The tiny file is made from an HF checkpoint the way llama.cpp's converter does (q/k rows permuted).
 """
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -86,9 +88,10 @@ def test_name_mapping():
     assert gguf_to_hf_name("rope_freqs.weight") is None
 
 
-def test_tiny_gguf_loads_dequantized_weights(tiny_llama_dir, tmp_path):
+def test_tiny_gguf_loads_dequantized_weights(tiny_llama_dir, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
     cfg = kiln_config_for(tiny_llama_dir)
     hf_config = cfg.model_config.hf_config
     state = load_file(str(tiny_llama_dir / "model.safetensors"))
@@ -109,6 +112,42 @@ def test_tiny_gguf_loads_dequantized_weights(tiny_llama_dir, tmp_path):
     # The F32 tensors are exact and the quantized ones close: rope rows must be in HF order.
     assert (params["model.layers.0.self_attn.qkv_proj.weight"][:16]
             - state["model.layers.0.self_attn.q_proj.weight"][:16]).abs().max() < 0.01
+
+
+def test_second_load_reads_the_tensor_table_not_the_file(tiny_llama_dir, tmp_path, monkeypatch):
+    import gguf.gguf_reader
+    from safetensors.torch import load_file
+
+    from kiln.config import gguf_metadata
+
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
+    cfg = kiln_config_for(tiny_llama_dir)
+    hf_config = cfg.model_config.hf_config
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, load_file(str(tiny_llama_dir / "model.safetensors")), hf_config)
+
+    model = build_model(cfg)
+
+    def load():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+            load_gguf_weights(model, path, hf_config)
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    first = load()  # parses the file, keeps the table
+    table = gguf_metadata.converted_dir(path) / "tensors" / "tensors.json"
+    with monkeypatch.context() as m:
+        m.setattr(gguf.gguf_reader.GGUFReader, "__init__",
+                  lambda *a, **k: pytest.fail("the GGUF file was parsed again"))
+        second = load()
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    # A damaged table (here: an offset moved) is rebuilt from the file, not trusted.
+    table.write_text(table.read_text().replace('"offset": ', '"offset": 1', 1))
+    third = load()
+    assert all(torch.equal(first[k], third[k]) for k in first)
+    assert json.loads(table.read_text())["table"] == gguf_metadata._tensor_table(path)
 
 
 def test_missing_gguf_file_names_path(tiny_llama_dir, tmp_path):

@@ -59,37 +59,37 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_architecture(reader) -> str:
-    field = reader.fields.get("general.architecture")
-    if field is None:
-        raise ValueError("GGUF file has no general.architecture field")
-    return str(field.contents())
-
-
 def iterate_gguf(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every tensor of a GGUF file Kiln has a parameter for."""
     import gguf
 
+    from kiln.config.gguf_metadata import load_tensor_table
+
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
-    reader = gguf.GGUFReader(str(path))
-    arch = gguf_architecture(reader)
+    table = load_tensor_table(path)  # parsed once per file, then read from Kiln's cache
+    arch = table["architecture"]
+    if arch is None:
+        raise ValueError(f"GGUF file {path} has no general.architecture field")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    for tensor in reader.tensors:
-        hf_name = gguf_to_hf_name(tensor.name)
+    data = np.memmap(path, mode="r")
+    for t in table["tensors"]:
+        hf_name = gguf_to_hf_name(t["name"])
         if hf_name is None:
-            logger.debug("GGUF tensor %s has no Kiln parameter; skipped", tensor.name)
+            logger.debug("GGUF tensor %s has no Kiln parameter; skipped", t["name"])
             continue
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        # The bytes as gguf's reader presents them: elements, or rows of quantized blocks.
+        raw = data[t["offset"]:t["offset"] + t["nbytes"]].view(t["dtype"]).reshape(t["shape"])
+        values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t["type"]))
         values = np.array(values, dtype=np.float32)  # own, writable copy (F32 data is a memmap)
         if arch in _PERMUTED_ARCHITECTURES:
-            if ".attn_q." in tensor.name:
+            if ".attn_q." in t["name"]:
                 values = unpermute_rope_rows(values, num_heads)
-            elif ".attn_k." in tensor.name:
+            elif ".attn_k." in t["name"]:
                 values = unpermute_rope_rows(values, num_kv_heads)
         yield hf_name, torch.from_numpy(np.ascontiguousarray(values))
 
