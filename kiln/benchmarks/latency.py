@@ -8,6 +8,7 @@ import statistics
 import time
 
 from kiln.benchmarks.compile import spec_to_dict
+from kiln.benchmarks.linear_floor import LinearFloor, above_floor, speedup_ceiling
 from kiln.benchmarks.throughput import random_prompts
 from kiln.engine.arg_utils import EngineArgs
 from kiln.logger import init_logger
@@ -128,11 +129,16 @@ def measure_batch(engine, prompts: list[list[int]], num_steps: int, warmup_steps
         engine.abort_request(ids)
 
 
-def model_weight_bytes(engine) -> int | None:
-    """Bytes of the model's parameters and buffers (what one decode step must read at least)."""
+def engine_model(engine):
+    """The model of an in-process engine's worker (None behind other executors)."""
     executor = getattr(engine.engine_core, "executor", None)
     worker = getattr(executor, "worker", None)
-    model = getattr(getattr(worker, "model_runner", None), "model", None)
+    return getattr(getattr(worker, "model_runner", None), "model", None)
+
+
+def model_weight_bytes(engine) -> int | None:
+    """Bytes of the model's parameters and buffers (what one decode step must read at least)."""
+    model = engine_model(engine)
     if model is None:
         return None
     tensors = list(model.parameters()) + list(model.buffers())
@@ -213,8 +219,9 @@ def start_subject(label: str, spec: dict, engine_args: EngineArgs, batch_sizes: 
 
 
 def run_one_after_another(configs: list[tuple[str, dict]], plan: dict,
-                          engine_args: EngineArgs) -> list[Subject]:
-    """One engine at a time (what fits on one GPU): build, every batch size, free."""
+                          engine_args: EngineArgs) -> tuple[list[Subject], None]:
+    """One engine at a time (what fits on one GPU): build, every batch size, free. No linear
+    floor: on a GPU, kernels launched one by one are no floor for a replayed graph."""
     done = []
     for label, spec in configs:
         subject = start_subject(label, spec, engine_args, **plan)
@@ -227,17 +234,22 @@ def run_one_after_another(configs: list[tuple[str, dict]], plan: dict,
         finally:
             _free(subject.engine)
         done.append(subject)
-    return done
+    return done, None
 
 
 def run_interleaved(configs: list[tuple[str, dict]], plan: dict,
-                    engine_args: EngineArgs) -> list[Subject]:
+                    engine_args: EngineArgs) -> tuple[list[Subject], dict | None]:
     """Every engine alive at once, taking turns of STEPS_PER_TURN timed steps on the same batch,
-    so a host whose speed drifts (a shared CPU) slows every config alike."""
+    so a host whose speed drifts (a shared CPU) slows every config alike. On CPU the linear
+    floor (linear_floor.py) takes its turns too; returns the subjects and the floor's figures."""
     subjects: list[Subject] = []
+    floor, floor_results = None, {}
     try:
         for label, spec in configs:
             subjects.append(start_subject(label, spec, engine_args, **plan))
+        model = engine_model(subjects[0].engine)
+        if subjects[0].kiln_config.device_config.device == "cpu" and model is not None:
+            floor = LinearFloor(model)
         for b in plan["batch_sizes"]:
             tag, started = f"latency-b{b}", []
             try:
@@ -246,18 +258,25 @@ def run_interleaved(configs: list[tuple[str, dict]], plan: dict,
                         s.engine, s.prompts(b, plan["input_len"]), plan["warmup_steps"],
                         s.max_tokens(plan["input_len"]), tag)))
                 times: list[list[float]] = [[] for _ in subjects]
+                floor_times: list[float] = []
+                if floor is not None:
+                    floor.run(b)  # its inputs made and its kernels warm before timing
                 for turn in turn_lengths(plan["num_steps"]):
                     for s, own in zip(subjects, times):
                         own += time_steps(s.engine, turn, b, tag)
+                    if floor is not None:
+                        floor_times += floor.time(b, turn)
             finally:
                 for s, ids in started:
                     s.engine.abort_request(ids)
             for s, own in zip(subjects, times):
                 s.record(b, own)
+            if floor is not None:
+                floor_results[str(b)] = summarize_ms(floor_times)
     finally:
         for s in subjects:
             _free(s.engine)
-    return subjects
+    return subjects, (floor_results if floor is not None else None)
 
 
 def speedups(first: dict, other: dict) -> dict:
@@ -287,10 +306,13 @@ def run_latency(engine_args: EngineArgs, batch_sizes: list[int], input_len: int,
     plan = {"batch_sizes": batch_sizes, "input_len": input_len, "num_steps": num_steps,
             "warmup_steps": warmup_steps}
     runner = run_interleaved if interleave else run_one_after_another
-    configs = [s.report() for s in runner(list(zip(compare, specs)), plan, engine_args)]
+    subjects, floor = runner(list(zip(compare, specs)), plan, engine_args)
+    configs = [s.report() for s in subjects]
     first = configs[0]["results"]
     for c in configs:
         c["speedup_vs_first"] = speedups(first, c["results"])
+        if floor is not None:
+            c["above_linear_floor_ms"] = above_floor(c["results"], floor)
     import torch
 
     head = configs[0]
@@ -299,4 +321,8 @@ def run_latency(engine_args: EngineArgs, batch_sizes: list[int], input_len: int,
             "interleaved": interleave, "steps_per_turn": STEPS_PER_TURN if interleave else None,
             "batch_sizes": batch_sizes, "input_len": input_len,
             "num_steps": num_steps, "warmup_steps": warmup_steps,
-            "model_weight_bytes": head["model_weight_bytes"], "configs": configs}
+            "model_weight_bytes": head["model_weight_bytes"],
+            # The linear layers and LM head alone (see linear_floor.py); null off CPU.
+            "linear_floor": floor,
+            "speedup_ceiling_vs_first": None if floor is None else speedup_ceiling(first, floor),
+            "configs": configs}

@@ -98,6 +98,17 @@ def test_bench_latency_compares_two_configs_in_one_run(tiny_llama_dir, interleav
             assert figures["num_steps"] == 3
             assert 0 < figures["min_ms"] <= figures["median_ms"] <= figures["p90_ms"]
     assert first["speedup_vs_first"] == {"1": 1.0, "2": 1.0}
+    floor = report["linear_floor"]
+    if interleave == "--interleave":  # CPU: the floor took its turns beside the engines
+        assert set(floor) == {"1", "2"} and all(f["num_steps"] == 3 for f in floor.values())
+        for b in ("1", "2"):
+            assert report["speedup_ceiling_vs_first"][b] == pytest.approx(
+                first["results"][b]["median_ms"] / floor[b]["median_ms"], rel=1e-3)
+            for config in report["configs"]:
+                assert config["above_linear_floor_ms"][b] == pytest.approx(
+                    config["results"][b]["median_ms"] - floor[b]["median_ms"], abs=1e-3)
+    else:
+        assert floor is None and report["speedup_ceiling_vs_first"] is None
     for b, ratio in second["speedup_vs_first"].items():
         expected = first["results"][b]["median_ms"] / second["results"][b]["median_ms"]
         assert ratio == pytest.approx(expected, rel=1e-3)
@@ -115,3 +126,30 @@ def test_interleaved_engines_take_turns_on_the_same_batch(tiny_llama_dir, monkey
     assert first != second
     assert turns == [(first, 4, 2), (second, 4, 2), (first, 2, 2), (second, 2, 2)]
     assert [c["results"]["2"]["num_steps"] for c in report["configs"]] == [6, 6]
+
+
+def test_linear_floor_runs_every_linear_and_the_head(tiny_llama_dir, monkeypatch):
+    import torch
+
+    from kiln.benchmarks.linear_floor import LinearFloor, above_floor, speedup_ceiling
+    from kiln.model.layers.linear import LinearBase
+    from kiln.model.loader import build_model
+    from model._attn_helper import kiln_config_for
+
+    model = build_model(kiln_config_for(tiny_llama_dir))
+    calls = []
+    real_linear, real_head = LinearBase._matmul, type(model).compute_logits
+    monkeypatch.setattr(LinearBase, "_matmul", lambda m, x, b: calls.append((m, x.shape)) or
+                        real_linear(m, x, b))
+    monkeypatch.setattr(type(model), "compute_logits", lambda m, h: calls.append(("head",
+                        h.shape)) or real_head(m, h))
+    floor = LinearFloor(model)
+    assert len(floor.time(3, 2)) == 2
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    hidden = model.lm_head.weight.shape[1]
+    one_pass = [(m, torch.Size([3, m.weight.shape[1]])) for m in linears] + [
+        ("head", torch.Size([3, hidden]))]
+    assert calls == one_pass * 2
+    ms = lambda v: {"median_ms": v}
+    assert above_floor({"1": ms(5.0)}, {"1": ms(3.5)}) == {"1": 1.5}
+    assert speedup_ceiling({"1": ms(5.0)}, {"1": ms(4.0)}) == {"1": 1.25}
