@@ -15,6 +15,9 @@ class Logprob:
 
 # One entry per generated token: token id -> Logprob (the sampled token and the top-N).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first (nothing predicts it), then the prompt token's
+# Logprob and the top-N.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -39,3 +42,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs is set

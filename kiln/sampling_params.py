@@ -31,6 +31,8 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    # Per prompt token after the first: its logprob and rank, and the top-N (N = this value).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -73,6 +75,9 @@ class SamplingParams:
                   self.min_tokens)
         check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
               "logprobs", "None or an integer in [0, 20]", self.logprobs)
+        check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                               and 0 <= self.prompt_logprobs <= 20),
+              "prompt_logprobs", "None or an integer in [0, 20]", self.prompt_logprobs)
         check(self.seed is None or isinstance(self.seed, int), "seed", "an integer or None",
               self.seed)
         check(all(isinstance(s, str) and s for s in self.stop), "stop",

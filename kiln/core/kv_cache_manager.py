@@ -50,7 +50,8 @@ class KVCacheManager:
         Never covers the whole request: the last token must be computed to get its logits.
         Pure lookup: no references are taken until `allocate_slots` accepts the blocks.
         """
-        if not self.enable_caching:
+        # Prompt logprobs need every prompt position computed (vLLM skips the cache alike).
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         hashes = update_block_hashes(request, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -54,6 +54,8 @@ class ModelRunnerOutput:
     # One list per req (same order); empty when the request only ran a partial prefill chunk.
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # req_id -> this step's prompt logprobs (kiln/sample/prompt_logprobs.PromptLogprobsChunk).
+    prompt_logprobs: dict = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -67,6 +69,8 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # With the request's first token: one entry per prompt token after the first.
+    prompt_logprobs: list[LogprobsLists] | None = None
 
     @property
     def finished(self) -> bool:

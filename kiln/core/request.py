@@ -42,6 +42,30 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     # Chained hashes of the request's full blocks (filled by the KV cache manager).
     block_hashes: list = field(default_factory=list)
+    # Prompt logprobs so far (when asked for), one per prompt token after the first; sent with
+    # the first generated token.
+    prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False
+
+    def __post_init__(self):
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = []
+
+    def add_prompt_logprobs(self, start: int, entries: list) -> None:
+        """Entries predicting prompt tokens start + 1, ...; positions already held (recomputed
+        after a preemption) are skipped."""
+        have = len(self.prompt_logprobs)
+        if start > have:
+            raise RuntimeError(f"request {self.request_id!r}: prompt logprobs from position "
+                               f"{start} arrived with only {have} before it")
+        self.prompt_logprobs.extend(entries[have - start:])
+
+    def take_prompt_logprobs(self) -> list | None:
+        """The prompt logprobs, once (None when not asked for or already taken)."""
+        if self.prompt_logprobs is None or self.prompt_logprobs_sent:
+            return None
+        self.prompt_logprobs_sent = True
+        return self.prompt_logprobs
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -164,6 +164,9 @@ class Scheduler:
             if request is None or request.is_finished():
                 continue  # ended between schedule and update
             i = row.get(req_id)
+            chunk = model_runner_output.prompt_logprobs.get(req_id)
+            if chunk is not None and request.prompt_logprobs is not None:
+                request.add_prompt_logprobs(chunk.start, chunk.entries)
             sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
             if not sampled:
                 if request.num_computed_tokens >= request.num_tokens:
@@ -182,7 +185,8 @@ class Scheduler:
                 request_id=req_id, new_token_ids=new_token_ids,
                 new_logprobs=[logprobs] if logprobs is not None else [],
                 finish_reason=request.get_finish_reason(), stop_reason=request.stop_reason,
-                num_cached_tokens=max(request.num_cached_tokens, 0)))
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                prompt_logprobs=request.take_prompt_logprobs()))
         if finished:
             gone = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in gone]

@@ -58,6 +58,7 @@ class DeltaAccumulator:
         self._prompt: str | None = None
         self._prompt_token_ids: list[int] = []
         self._num_cached_tokens = 0
+        self._prompt_logprobs = None
 
     def add(self, delta: RequestOutput) -> None:
         for d in delta.outputs:
@@ -66,6 +67,8 @@ class DeltaAccumulator:
             self._prompt = delta.prompt
         self._prompt_token_ids = delta.prompt_token_ids or self._prompt_token_ids
         self._num_cached_tokens = max(self._num_cached_tokens, delta.num_cached_tokens)
+        if delta.prompt_logprobs is not None:  # a DELTA stream carries them once
+            self._prompt_logprobs = delta.prompt_logprobs
         self._last = delta
 
     def snapshot(self) -> RequestOutput:
@@ -75,4 +78,5 @@ class DeltaAccumulator:
             request_id=self._last.request_id, prompt=self._prompt,
             prompt_token_ids=self._prompt_token_ids,
             outputs=[self._samples[i].snapshot() for i in sorted(self._samples)],
-            finished=self._last.finished, num_cached_tokens=self._num_cached_tokens)
+            finished=self._last.finished, num_cached_tokens=self._num_cached_tokens,
+            prompt_logprobs=self._prompt_logprobs)

@@ -74,6 +74,8 @@ class RequestState:
     output_kind: RequestOutputKind
     samples: list[SampleState]
     num_cached_tokens: int = 0
+    prompt_logprobs: list | None = None  # PromptLogprobs, once the core has sent them
+    prompt_logprobs_sent: bool = False  # DELTA outputs carry them once
 
     @property
     def finished(self) -> bool:
@@ -89,10 +91,15 @@ class RequestState:
             s.updated = False
         if not chosen:
             return None
+        prompt_logprobs = self.prompt_logprobs
+        if delta and self.prompt_logprobs_sent:
+            prompt_logprobs = None
+        self.prompt_logprobs_sent = self.prompt_logprobs is not None
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids,
                              outputs=[s.completion(delta) for s in chosen], finished=finished,
-                             num_cached_tokens=self.num_cached_tokens)
+                             num_cached_tokens=self.num_cached_tokens,
+                             prompt_logprobs=prompt_logprobs)
 
 
 @dataclass
@@ -166,6 +173,10 @@ class OutputProcessor:
                 to_abort.append(sample.core_id)
             if out.num_cached_tokens and sample.index == 0:
                 state.num_cached_tokens = out.num_cached_tokens
+            # Every sample computes them (each may start first); the first to arrive is kept.
+            if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+                state.prompt_logprobs = [None] + [to_logprob_dict(lists, self._decode_token)
+                                                  for lists in out.prompt_logprobs]
             touched[state.request_id] = state
         results = []
         for state in touched.values():

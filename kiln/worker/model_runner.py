@@ -15,6 +15,8 @@ from kiln.core.outputs import (EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRu
 from kiln.forward_context import set_forward_context
 from kiln.logger import init_logger
 from kiln.sample.logprobs import to_logprobs_lists
+from kiln.sample.prompt_logprobs import (PromptLogprobsChunk, compute_prompt_logprobs,
+                                         hidden_rows, predicting_positions)
 from kiln.sample.sampler import Sampler
 from kiln.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from kiln.worker import input_prep
@@ -36,6 +38,9 @@ class StepInputs:
     logits_indices: torch.Tensor  # [len(sample_req_ids)] int64, device
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
     batch_descriptor: BatchDescriptor | None = None
+    # req_id -> (positions whose hidden state predicts a prompt token, their rows): requests
+    # that asked for prompt logprobs and run prompt positions this step.
+    prompt_logprob_rows: dict[str, tuple[range, np.ndarray]] | None = None
 
 
 class ModelRunner:
@@ -264,8 +269,18 @@ class ModelRunner:
             query_start_loc_cpu=self.query_start_loc_cpu[:md_reqs + 1],
             seq_lens_cpu=self.seq_lens_cpu[:md_reqs],
             uniform_decode=uniform_decode)
+        prompt_rows = {}
+        for i, state in enumerate(states):
+            if state.sampling_params.prompt_logprobs is None:
+                continue
+            where = predicting_positions(int(num_computed[i]), int(num_sched[i]),
+                                         len(state.prompt_token_ids))
+            if where:
+                prompt_rows[state.req_id] = (where, hidden_rows(int(qsl[i]), int(num_computed[i]),
+                                                                where))
         return StepInputs(
             req_ids=req_ids, num_tokens=num_tokens, num_input_tokens=num_input,
+            prompt_logprob_rows=prompt_rows or None,
             input_ids=self._to_device(self.input_ids, self.input_ids_cpu, num_input),
             positions=self._to_device(self.positions, self.positions_cpu, num_input),
             attn_metadata=attn_metadata,
@@ -320,4 +335,16 @@ class ModelRunner:
         return ModelRunnerOutput(
             req_ids=inputs.req_ids,
             sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in inputs.req_ids],
-            logprobs=logprobs)
+            logprobs=logprobs, prompt_logprobs=self._prompt_logprobs(inputs, hidden))
+
+    def _prompt_logprobs(self, inputs: StepInputs,
+                         hidden: torch.Tensor) -> dict[str, PromptLogprobsChunk]:
+        chunks = {}
+        for req_id, (where, rows) in (inputs.prompt_logprob_rows or {}).items():
+            state = self.requests[req_id]
+            targets = state.prompt_token_ids[where.start + 1:where.stop + 1]
+            index = torch.from_numpy(rows).to(hidden.device)
+            chunks[req_id] = PromptLogprobsChunk(where.start, compute_prompt_logprobs(
+                self.model.compute_logits, hidden[index], targets,
+                state.sampling_params.prompt_logprobs))
+        return chunks

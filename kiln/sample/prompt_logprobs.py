@@ -1,0 +1,52 @@
+"""Prompt logprobs (vLLM's `SamplingParams.prompt_logprobs`): for every prompt token after the
+first, its log-probability given the tokens before it, its rank, and the top-N alternatives.
+
+A step that runs prompt positions [start, end) of a request has, in the hidden state at position
+p, the prediction of prompt token p + 1; chunked prefills deliver them a chunk per step.
+"""
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from kiln.core.outputs import LogprobsLists
+from kiln.sample.logprobs import gather_logprobs, to_logprobs_lists
+
+# Rows of logits ([rows, vocab] float32) made at once: a 2048-token prompt chunk with a 150k
+# vocabulary would otherwise take 1.2 GB.
+ROWS_PER_CHUNK = 256
+
+
+@dataclass
+class PromptLogprobsChunk:
+    """Entries for prompt tokens start + 1 .. start + len(entries) (one per predicted token)."""
+    start: int  # position of the first hidden state used; predicts prompt token start + 1
+    entries: list[LogprobsLists]
+
+
+def predicting_positions(num_computed: int, num_scheduled: int, num_prompt: int) -> range:
+    """Positions run this step whose hidden state predicts a prompt token (p -> token p + 1)."""
+    return range(num_computed, min(num_computed + num_scheduled, num_prompt - 1))
+
+
+def compute_prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                            hidden: torch.Tensor, targets: list[int],
+                            num_logprobs: int) -> list[LogprobsLists]:
+    """One entry per row of hidden [P, H]: the target token's logprob and rank, then the top
+    num_logprobs, from the raw distribution (as sampled-token logprobs are)."""
+    out: list[LogprobsLists] = []
+    for lo in range(0, hidden.shape[0], ROWS_PER_CHUNK):
+        rows = hidden[lo:lo + ROWS_PER_CHUNK]
+        logprobs = compute_logits(rows).float().log_softmax(dim=1)  # [rows, V]
+        target = torch.tensor(targets[lo:lo + ROWS_PER_CHUNK], dtype=torch.int64,
+                              device=logprobs.device)
+        ids, lps, ranks = gather_logprobs(logprobs, target, num_logprobs)
+        out += to_logprobs_lists(ids, lps, ranks, [num_logprobs] * rows.shape[0])
+    return out
+
+
+def hidden_rows(query_start: int, num_computed: int, positions: range) -> np.ndarray:
+    """Rows of the step's hidden states holding `positions` of a request whose scheduled tokens
+    start at row `query_start` and at position `num_computed`."""
+    return np.arange(positions.start, positions.stop) - num_computed + query_start
