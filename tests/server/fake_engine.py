@@ -110,9 +110,14 @@ class FakeEngine:
                     samples.append(CompletionOutput(index=i, text=text, token_ids=[tid],
                                                     cumulative_logprob=-0.5 * (req["k"] + 1),
                                                     logprobs=lps, finish_reason=finish))
+                prompt_lps = None
+                if params.prompt_logprobs is not None and req["k"] == 0:  # once, as the engine
+                    prompt_lps = [None] + [{t: Logprob(-0.25, 2, f"{t} ")}
+                                           for t in req["ids"][1:]]
                 req["k"] += 1
                 finished = all(s.finish_reason for s in samples)
-                outputs.append(RequestOutput(rid, req["prompt"], req["ids"], samples, finished))
+                outputs.append(RequestOutput(rid, req["prompt"], req["ids"], samples, finished,
+                                             prompt_logprobs=prompt_lps))
                 if finished:
                     del self.requests[rid]
             return outputs

@@ -86,6 +86,23 @@ def test_completion_stop_and_logprobs(client):
     assert r.json()["choices"][0]["finish_reason"] == "stop"
 
 
+def test_completion_echo_with_logprobs_covers_the_prompt(client):
+    body = dict(prompt=[5, 6, 7], max_tokens=2, echo=True, logprobs=1)
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"].startswith("5 6 7 ")
+    assert lp["tokens"][:3] == ["5 ", "6 ", "7 "] and len(lp["tokens"]) == 5
+    # The first prompt token has nothing before it: null, as OpenAI reports it.
+    assert lp["token_logprobs"][:3] == [None, -0.25, -0.25] and lp["top_logprobs"][0] is None
+    assert lp["top_logprobs"][1] == {"6 ": -0.25} and lp["text_offset"][:4] == [0, 2, 4, 6]
+    events = sse_events(client, "/v1/completions", {**body, "stream": True, "n": 2})
+    for index in (0, 1):
+        chunks = [c["logprobs"] for e in events for c in e["choices"] if c["index"] == index]
+        tokens = [t for chunk in chunks for t in chunk["tokens"]]
+        assert tokens[:3] == ["5 ", "6 ", "7 "] and len(tokens) == 5
+        assert chunks[0]["token_logprobs"][:3] == [None, -0.25, -0.25]
+
+
 def test_chat_whole_streamed_and_logprobs(client):
     body = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                 logprobs=True, top_logprobs=2)

@@ -149,6 +149,26 @@ def test_completion_n_stop_logprobs(client, reference):
         assert tok in top and max(top.values()) == pytest.approx(best)  # greedy = top-1
 
 
+def test_completion_echo_logprobs_scores_the_prompt(client):
+    plain = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=4,
+                                      temperature=0, logprobs=2)
+    r = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=4, temperature=0,
+                                  logprobs=2, echo=True)
+    lp, n_prompt = r.choices[0].logprobs, r.usage.prompt_tokens
+    assert r.choices[0].text == PROMPTS[2] + plain.choices[0].text
+    assert len(lp.tokens) == n_prompt + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert all(len(top) >= 2 for top in lp.top_logprobs[1:n_prompt])
+    assert lp.token_logprobs[n_prompt:] == pytest.approx(plain.choices[0].logprobs.token_logprobs,
+                                                         abs=1e-4)
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=4,
+                                            temperature=0, logprobs=2, echo=True, stream=True))
+    streamed = [x for c in chunks if c.choices and c.choices[0].logprobs
+                for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+
+
 def test_chat_whole_streamed_n_logprobs(client, server):
     messages = [{"role": "user", "content": "Tell me a story."}]
     r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=16,

@@ -31,12 +31,21 @@ def _top(step: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return ranked[:k]
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], tokenizer,
-                        num_top: int, text_offset_start: int = 0) -> CompletionLogprobs:
-    """Legacy shape: parallel lists; `text_offset` counts characters from `text_offset_start`."""
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] | None],
+                        tokenizer, num_top: int, text_offset_start: int = 0) -> CompletionLogprobs:
+    """Legacy shape: parallel lists; `text_offset` counts characters from `text_offset_start`.
+    A None step (an echoed prompt's first token: nothing predicts it) reports null logprobs."""
     out = CompletionLogprobs()
     offset = text_offset_start
     for tid, step in zip(token_ids, logprobs):
+        if step is None:
+            text = tokenizer.decode([tid])
+            out.tokens.append(text)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(offset)
+            offset += len(text)
+            continue
         sampled = _sampled(tid, step)
         text = token_text(tid, sampled, tokenizer)
         out.tokens.append(text)

@@ -46,11 +46,10 @@ def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
     if req.best_of is not None and req.best_of != req.n:
         raise OpenAIError(f"best_of must equal n ({req.n}) on this server, got {req.best_of}",
                           param="best_of", code="unsupported_parameter")
-    if req.echo and req.logprobs is not None:
-        raise OpenAIError("echo with logprobs needs prompt logprobs, which this server does not "
-                          "compute; drop one of them", param="echo", code="unsupported_parameter")
     kw = _common_kwargs(req)
     kw.update(max_tokens=req.max_tokens, logprobs=req.logprobs)
+    if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too
+        kw["prompt_logprobs"] = req.logprobs
     names = {name: name for name in _SHARED_FIELDS}
     return _build(kw, names, req.stream)
 

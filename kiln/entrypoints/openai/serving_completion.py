@@ -69,10 +69,19 @@ class ServingCompletion:
             return prompt
         return await self.llm.run_in_engine(self.llm.tokenizer.decode, out.prompt_token_ids)
 
-    def _logprobs(self, req: CompletionRequest, o: CompletionOutput, offset: int):
+    def _logprobs(self, req: CompletionRequest, o: CompletionOutput, offset: int,
+                  echoed: RequestOutput | None = None):
+        """The choice's logprobs; with `echoed` (echo: the prompt goes first in the text), the
+        prompt's tokens and logprobs go first too."""
         if req.logprobs is None or o.logprobs is None:
             return None
-        return completion_logprobs(o.token_ids, o.logprobs, self.llm.tokenizer, req.logprobs,
+        token_ids, logprobs = o.token_ids, o.logprobs
+        if echoed is not None:
+            if echoed.prompt_logprobs is None:
+                raise RuntimeError("echo with logprobs: the engine sent no prompt logprobs")
+            token_ids = echoed.prompt_token_ids + token_ids
+            logprobs = echoed.prompt_logprobs + logprobs
+        return completion_logprobs(token_ids, logprobs, self.llm.tokenizer, req.logprobs,
                                    offset)
 
     async def _response(self, req, model, request_id, prompts,
@@ -85,7 +94,8 @@ class ServingCompletion:
                 completion_tokens += len(o.token_ids)
                 choices.append(CompletionChoice(
                     index=i * req.n + o.index, text=prefix + o.text,
-                    logprobs=self._logprobs(req, o, 0), finish_reason=o.finish_reason,
+                    logprobs=self._logprobs(req, o, 0, out if req.echo else None),
+                    finish_reason=o.finish_reason,
                     stop_reason=o.stop_reason))
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(id=request_id, model=model, choices=choices,
@@ -96,17 +106,22 @@ class ServingCompletion:
         prompt_tokens: dict[int, int] = {}
         completion_tokens = 0
         offsets: dict[int, int] = {}  # choice index -> characters sent (for text_offset)
+        # Prompt i's output carrying its prompt logprobs (they come once, with the first token).
+        with_prompt_logprobs: dict[int, RequestOutput] = {}
         try:
             async for i, out in merge_streams(streams):
                 if out.prompt_token_ids:
                     prompt_tokens[i] = len(out.prompt_token_ids)
+                if out.prompt_logprobs is not None:
+                    with_prompt_logprobs[i] = out
                 for o in out.outputs:
                     index = i * req.n + o.index
-                    text = o.text
+                    text, echoed = o.text, None
                     if req.echo and index not in offsets:
                         text = await self._prompt_text(prompts[i], out) + text
+                        echoed = with_prompt_logprobs.get(i, out)
                     completion_tokens += len(o.token_ids)
-                    lp = self._logprobs(req, o, offsets.get(index, 0))
+                    lp = self._logprobs(req, o, offsets.get(index, 0), echoed)
                     offsets[index] = offsets.get(index, 0) + len(text)
                     if not text and not o.token_ids and o.finish_reason is None:
                         continue
