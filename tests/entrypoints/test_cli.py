@@ -53,6 +53,14 @@ def test_generate_logprobs_go_to_stderr(stories):
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
     assert len(rows) == 3 and all(len(row["top"]) >= 2 for row in rows)
+    r = kiln("generate", "Tom went", "--model", stories, "--max-tokens", "2",
+             "--prompt-logprobs", "1", *ENGINE)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
+    prompt = [row for row in rows if "prompt_position" in row]
+    assert len(prompt) >= 2 and prompt[0]["top"] is None
+    for row in prompt[1:]:
+        assert str(row["token_id"]) in row["top"] and len(row["top"]) <= 2
 
 
 @pytest.mark.parametrize("argv,message", [

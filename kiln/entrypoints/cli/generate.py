@@ -1,6 +1,7 @@
 """`kiln generate "prompt"`: one completion (or n) printed to stdout; logs go to stderr.
 
-With --logprobs N, each token's top-N logprobs go to stderr as JSON lines (stdout stays text only).
+With --logprobs N, each token's top-N logprobs go to stderr as JSON lines (stdout stays text only);
+with --prompt-logprobs N, each prompt token's too (the first has none), before them.
 """
 import argparse
 import json
@@ -19,6 +20,8 @@ def register(subparsers) -> None:
     parser.add_argument("--n", type=int, default=1, help="completions to generate")
     parser.add_argument("--logprobs", type=int, default=None,
                         help="print the top-N logprobs of every token to stderr")
+    parser.add_argument("--prompt-logprobs", type=int, default=None,
+                        help="print each prompt token's logprob and the top-N to stderr")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run)
 
@@ -29,20 +32,30 @@ def run(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt:
         raise ValueError("prompt is empty: pass it as an argument or on stdin")
-    params = sampling_params_from_args(args, n=args.n, logprobs=args.logprobs)
+    params = sampling_params_from_args(args, n=args.n, logprobs=args.logprobs,
+                                       prompt_logprobs=args.prompt_logprobs)
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**vars(engine_args))
     try:
         (output,) = llm.generate(prompt, params, use_tqdm=False)
     finally:
         llm.shutdown()
+    if output.prompt_logprobs is not None:
+        for pos, (token_id, entry) in enumerate(zip(output.prompt_token_ids,
+                                                    output.prompt_logprobs)):
+            print(json.dumps({"prompt_position": pos, "token_id": token_id,
+                              "top": _top(entry) if entry is not None else None}),
+                  file=sys.stderr)
     for completion in output.outputs:
         sys.stdout.write(completion.text + "\n")
         if completion.logprobs is not None:
             for token_id, entry in zip(completion.token_ids, completion.logprobs):
-                top = {str(t): {"logprob": lp.logprob, "rank": lp.rank, "token": lp.decoded_token}
-                       for t, lp in entry.items()}
-                print(json.dumps({"index": completion.index, "token_id": token_id, "top": top}),
-                      file=sys.stderr)
+                print(json.dumps({"index": completion.index, "token_id": token_id,
+                                  "top": _top(entry)}), file=sys.stderr)
     sys.stdout.flush()
     return 0
+
+
+def _top(entry: dict) -> dict:
+    return {str(t): {"logprob": lp.logprob, "rank": lp.rank, "token": lp.decoded_token}
+            for t, lp in entry.items()}
