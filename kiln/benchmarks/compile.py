@@ -93,24 +93,6 @@ def _counter_deltas(before) -> dict:
             for f in dataclasses.fields(compilation_counter)}
 
 
-def per_shape_summary(events: list[dict]) -> list[dict]:
-    """Monitor events (one per piece and shape) grouped by shape: range first, then sizes."""
-    rows: dict[str, dict] = {}
-    for e in events:
-        row = rows.setdefault(e["shape"], {"shape": e["shape"], "compiled": 0, "loaded": 0,
-                                           "reused": 0, "compile_s": 0.0, "load_s": 0.0})
-        row[e["action"]] += 1
-        row["load_s" if e["action"] == "loaded" else "compile_s"] += e["s"]
-
-    def order(label: str):
-        return (0, 0) if label == "range" else (1, int(label.removeprefix("size ")))
-
-    out = [rows[k] for k in sorted(rows, key=order)]
-    for row in out:
-        row["compile_s"], row["load_s"] = round(row["compile_s"], 4), round(row["load_s"], 4)
-    return out
-
-
 def compile_report(engine_args: EngineArgs) -> dict:
     """Build the engine's config, load the model, size the KV cache, compile and warm up every
     shape (all the engine does before serving), and report what the compile stack did."""
@@ -146,7 +128,7 @@ def compile_report(engine_args: EngineArgs) -> dict:
                        "graphs": d["num_graphs_seen"] + d["num_saved_graph_loads"]},
             "shapes": {"range": [1, kiln_config.scheduler_config.max_num_batched_tokens],
                        "compile_sizes": list(cc.compile_sizes)},
-            "per_shape": per_shape_summary(events),
+            "per_shape": monitor.per_shape(events),
             "events": [{**e, "s": round(e["s"], 4)} for e in events],
             "cache": {"enabled": not envs.disable_compile_cache(), "dirs": cache_dirs,
                       "key_dirs": sorted({str(Path(p).parents[1]) for p in cache_dirs}),

@@ -49,7 +49,30 @@ def log_piece(piece: int, shape: int | None, action: str, seconds: float) -> Non
     logger.debug("piece %d (%s) %s in %.2f s", piece, label, action, seconds)
 
 
-def log_total() -> None:
+def per_shape(events: list[dict]) -> list[dict]:
+    """Events (one per piece and shape) grouped by shape: range first, then sizes ascending."""
+    rows: dict[str, dict] = {}
+    for e in events:
+        row = rows.setdefault(e["shape"], {"shape": e["shape"], "compiled": 0, "loaded": 0,
+                                           "reused": 0, "compile_s": 0.0, "load_s": 0.0})
+        row[e["action"]] += 1
+        row["load_s" if e["action"] == "loaded" else "compile_s"] += e["s"]
+
+    def order(label: str):
+        return (0, 0) if label == "range" else (1, int(label.removeprefix("size ")))
+
+    out = [rows[k] for k in sorted(rows, key=order)]
+    for row in out:
+        row["compile_s"], row["load_s"] = round(row["compile_s"], 4), round(row["load_s"], 4)
+    return out
+
+
+def log_total(since: int = 0) -> None:
+    """The process's totals, and one line per shape for the events from index `since` on."""
+    for row in per_shape(stats.events[since:]):
+        logger.info("shape %s: %d compiled in %.2f s, %d loaded in %.2f s, %d reused",
+                    row["shape"], row["compiled"], row["compile_s"], row["loaded"],
+                    row["load_s"], row["reused"])
     counts = {a: sum(e["action"] == a for e in stats.events) for a in ("compiled", "loaded",
                                                                          "reused")}
     logger.info("torch.compile took %.2f s in all (trace %.2f s, compile %.2f s, load %.2f s; "

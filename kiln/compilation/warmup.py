@@ -27,9 +27,10 @@ def compile_and_warm_up(run: Callable[[int], object], kiln_config,
                         extra_sizes: list[int] = ()) -> None:
     """Call `run(num_tokens)` for every compiled shape (plus `extra_sizes`), then end warm-up."""
     sched, cc = kiln_config.scheduler_config, kiln_config.compilation_config
+    first_event = len(monitor.stats.events)
     for size in sizes_to_run(sched.max_num_batched_tokens, cc.compile_sizes, bool(cc.mode),
                              extra_sizes):
         run(size)
     cc.warmup_phase.end()
     if cc.mode:  # mode 0 compiled nothing
-        monitor.log_total()
+        monitor.log_total(since=first_event)

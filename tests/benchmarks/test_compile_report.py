@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.benchmarks.compile import per_shape_summary
+from kiln.compilation.monitor import per_shape
 from kiln.entrypoints.cli.compile import format_report
 from kiln.entrypoints.cli.main import build_parser
 
@@ -87,13 +87,13 @@ def test_mode0_text_report_in_process(tiny_llama_dir, capsys):
     assert "pieces" not in out and "load model" in out
 
 
-def test_per_shape_summary_groups_and_orders_shapes():
+def test_per_shape_groups_and_orders_shapes():
     events = [{"piece": 0, "shape": "size 8", "action": "compiled", "s": 1.0},
               {"piece": 0, "shape": "range", "action": "loaded", "s": 0.5},
               {"piece": 2, "shape": "size 8", "action": "reused", "s": 0.0},
               {"piece": 0, "shape": "size 1", "action": "compiled", "s": 2.0},
               {"piece": 2, "shape": "range", "action": "loaded", "s": 0.25}]
-    rows = per_shape_summary(events)
+    rows = per_shape(events)
     assert [r["shape"] for r in rows] == ["range", "size 1", "size 8"]
     assert rows[0] == {"shape": "range", "compiled": 0, "loaded": 2, "reused": 0,
                        "compile_s": 0.0, "load_s": 0.75}

@@ -2,6 +2,7 @@
 artifacts, concurrent writers), debug dumps. One cold compile is shared by the module."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -117,11 +118,16 @@ def _warm_model(cache: Path, deltas: dict):
     return model
 
 
-def test_saved_graph_warm_start_in_process_matches_cold(cold, tmp_path):
+def test_saved_graph_warm_start_in_process_matches_cold(cold, tmp_path, kiln_logs):
     cache = tmp_path / "cache"
     shutil.copytree(cold["root"] / "cache", cache)
+    kiln_logs.set_level("INFO", logger="kiln")
     model = _warm_model(cache, dict(num_dynamo_traces=0, num_saved_graph_loads=1,
                                     num_inductor_compiles=0, num_graphs_seen=0))
+    # One line per shape with its load time (3 distinct pieces each).
+    for shape in ("range", "size 1", "size 8"):
+        assert re.search(rf"shape {shape}: 0 compiled in 0.00 s, 3 loaded in \d+\.\d\d s",
+                         kiln_logs.text), shape
     assert sorted(model._kiln_compile.backend.pieces) == [0, 2, 4]
     for n in (64, 8, 3, 1):
         assert torch.equal(_run(model, n), _run(cold["model"], n))
