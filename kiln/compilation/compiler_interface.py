@@ -12,8 +12,8 @@ import torch
 from torch import fx
 
 from kiln.compilation import vec_isa
-from kiln.compilation.precompiled_header import headers_not_precompiled
 from kiln.compilation.counters import compilation_counter
+from kiln.compilation.precompiled_header import headers_not_precompiled
 
 Handle = dict  # JSON-able description of a saved artifact, stored in the cache index
 
