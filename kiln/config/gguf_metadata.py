@@ -3,10 +3,11 @@
 Each needs all of the file's metadata parsed: 2.5 s per parse for the default model on 2 cores
 (its 49k-token vocabulary), by transformers for the config and the tokenizer and by `gguf` for
 the weights' table, on every start. The first start saves what it converted under
-<cache root>/gguf/<key>/ (key: the file's path, size and mtime, and the transformers version);
-later starts read those files.
+<cache root>/gguf/<key>/ (key: the file's path, size and mtime, the transformers and gguf
+versions); later starts read those files.
 """
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -26,7 +27,9 @@ def converted_dir(gguf: Path) -> Path:
 
     gguf = gguf.resolve()
     stat = gguf.stat()
-    factors = f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    # Both libraries parse the file: a new gguf may lay its tensors out differently.
+    factors = (f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|"
+               f"{importlib.metadata.version('gguf')}")
     key = hashlib.sha256(factors.encode()).hexdigest()[:16]
     return envs.cache_root() / "gguf" / f"{gguf.stem}-{key}"
 
@@ -93,17 +96,20 @@ def _tensor_table(gguf_path: Path) -> dict:
                          "nbytes": int(t.n_bytes)} for t in reader.tensors]}
 
 
+def _table_digest(table: dict) -> str:
+    # The table keeps its own checksum: one edited or damaged into other valid offsets would
+    # load the wrong bytes as weights without a word.
+    return hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest()
+
+
 def _table_text(table: dict) -> str:
-    # With its own checksum: a table edited or damaged into other valid offsets would load
-    # the wrong bytes as weights without a word.
-    body = json.dumps(table, sort_keys=True)
-    return json.dumps({"sha256": hashlib.sha256(body.encode()).hexdigest(), "table": table})
+    return json.dumps({"sha256": _table_digest(table), "table": table})
 
 
 def _read_table(part: Path, file_size: int) -> dict:
     saved = json.loads((part / "tensors.json").read_text())
     table = saved["table"]
-    if hashlib.sha256(json.dumps(table, sort_keys=True).encode()).hexdigest() != saved["sha256"]:
+    if _table_digest(table) != saved["sha256"]:
         raise ValueError("tensor table does not match its checksum")
     for t in table["tensors"]:
         if t["offset"] + t["nbytes"] > file_size:

@@ -42,10 +42,9 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     # Chained hashes of the request's full blocks (filled by the KV cache manager).
     block_hashes: list = field(default_factory=list)
-    # Prompt logprobs so far (when asked for), one per prompt token after the first; sent with
-    # the first generated token.
+    # Prompt logprobs so far (when asked for), one per prompt token after the first; handed
+    # over with the first generated token, after which this is None again.
     prompt_logprobs: list | None = None
-    prompt_logprobs_sent: bool = False
 
     def __post_init__(self):
         if self.sampling_params.prompt_logprobs is not None:
@@ -62,10 +61,8 @@ class Request:
 
     def take_prompt_logprobs(self) -> list | None:
         """The prompt logprobs, once (None when not asked for or already taken)."""
-        if self.prompt_logprobs is None or self.prompt_logprobs_sent:
-            return None
-        self.prompt_logprobs_sent = True
-        return self.prompt_logprobs
+        taken, self.prompt_logprobs = self.prompt_logprobs, None
+        return taken
 
     @property
     def all_token_ids(self) -> list[int]:

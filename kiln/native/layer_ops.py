@@ -86,5 +86,7 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     if rc == 1:
         raise IndexError(f"rotary: a position is outside [0, {cache.shape[0]}) (the rope cache's "
                          "max_position_embeddings)")
+    if rc == 3:
+        raise ValueError(f"rotary: head_size must be even, got {head_size}")
     build.check(rc, "kiln_rotary")
     return q_out, k_out

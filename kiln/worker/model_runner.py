@@ -271,7 +271,9 @@ class ModelRunner:
             uniform_decode=uniform_decode)
         prompt_rows = {}
         for i, state in enumerate(states):
-            if state.sampling_params.prompt_logprobs is None:
+            # A request with output tokens sent its prompt logprobs already (a recompute after
+            # preemption runs the prompt again; its scores are not needed twice).
+            if state.sampling_params.prompt_logprobs is None or state.output_token_ids:
                 continue
             where = predicting_positions(int(num_computed[i]), int(num_sched[i]),
                                          len(state.prompt_token_ids))

@@ -93,3 +93,9 @@ def test_rotary_position_outside_the_cache_is_an_index_error():
     q, k = torch.randn(2, 16), torch.randn(2, 8)
     with pytest.raises(IndexError, match=r"outside \[0, 16\)"):
         rope(torch.tensor([3, 16]), q, k)
+
+
+def test_rotary_odd_head_size_is_named_not_taken_for_a_bad_position():
+    q, k, cache = torch.randn(2, 6), torch.randn(2, 3), torch.randn(16, 3)
+    with pytest.raises(ValueError, match="head_size must be even, got 3"):
+        layer_ops.rotary(torch.tensor([0, 1]), q, k, cache, 3)

@@ -74,12 +74,13 @@ static inline void rotate_row(const void *x, int64_t off, void *out, int64_t out
 }
 
 /* q_out [T, nq*hd], k_out [T, nk*hd] = rotary(q, k) at positions [T] (int64), with cos_sin_cache
- * [max_pos, hd] float32 (cos | sin halves). A position outside the cache fails with 1. */
+ * [max_pos, hd] float32 (cos | sin halves). A position outside the cache fails with 1, an odd
+ * head size with 3. */
 int kiln_rotary(const int64_t *positions, const void *q, int64_t q_stride, const void *k,
                 int64_t k_stride, void *q_out, void *k_out, const float *cos_sin_cache,
                 int64_t max_pos, int64_t num_tokens, int32_t nq, int32_t nk, int32_t hd,
                 int32_t dtype, int32_t num_threads) {
-    if (hd % 2) return 1;
+    if (hd % 2) return 3;
     int bad = 0;
 #pragma omp parallel for num_threads(num_threads) if (num_tokens >= PARALLEL_MIN_ROWS) \
     reduction(| : bad)
