@@ -10,7 +10,6 @@ import hashlib
 import inspect
 import json
 import os
-import pickle
 import types
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,7 +18,9 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
+from kiln.compilation import graph_pickle
 from kiln.compilation.cache import atomic_write_text
+from kiln.compilation.graph_pickle import CodeOnlyGraph
 
 FORMAT_VERSION = 1
 PLAN_FILE = "saved_graph.json"
@@ -211,15 +212,16 @@ def save_plan(directory: Path, plan: SavedPlan, graph_bytes: bytes) -> None:
     atomic_write_text(directory / PLAN_FILE, json.dumps(data, indent=1))
 
 
-def load_plan(directory: Path) -> tuple[SavedPlan, fx.GraphModule]:
-    """Raises (FileNotFoundError, ValueError, unpickling errors) when absent or damaged."""
+def load_plan(directory: Path) -> tuple[SavedPlan, CodeOnlyGraph]:
+    """The plan and its split graph, code-only (see graph_pickle.py). Raises
+    (FileNotFoundError, ValueError, unpickling errors) when absent or damaged."""
     data = json.loads((directory / PLAN_FILE).read_text())
     if data.get("format") != FORMAT_VERSION:
         raise ValueError(f"saved graph format {data.get('format')} != {FORMAT_VERSION}")
     graph_bytes = (directory / GRAPH_FILE).read_bytes()
     if hashlib.sha256(graph_bytes).hexdigest() != data.pop("graph_sha256", None):
         raise ValueError(f"{directory / GRAPH_FILE} does not match its recorded checksum")
-    graph = pickle.loads(graph_bytes)
-    if not isinstance(graph, fx.GraphModule):
+    graph = graph_pickle.loads(graph_bytes)
+    if not isinstance(graph, CodeOnlyGraph):
         raise ValueError(f"{directory / GRAPH_FILE} holds {type(graph).__name__}, not a graph")
     return SavedPlan(**data), graph

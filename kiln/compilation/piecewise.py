@@ -135,7 +135,7 @@ class PiecewiseBackend:
                  compiler: PieceCompiler, compile_sizes: list[int], max_num_tokens: int,
                  saved: dict | None = None):
         """`saved` ({"fingerprint", "size_arg"}, from a saved graph) replaces example inputs;
-        then the range artifact must load from the cache (compiling it needs Dynamo's fakes)."""
+        then every artifact must load from the cache (a saved graph is not compiled again)."""
         self.graph, self.piece, self.compiler = graph, piece, compiler
         self.compile_sizes, self.max_num_tokens = set(compile_sizes), max_num_tokens
         if saved is None:
@@ -159,6 +159,10 @@ class PiecewiseBackend:
                     fn = compiler.load(piece, self.fingerprint, graph, size)
                     if fn is not None:
                         self.by_size[size] = fn
+                if (saved is not None and size not in self.by_size
+                        and compiler.compiler.name != "eager"):
+                    # A saved graph is code-only and cannot be compiled (see graph_pickle.py).
+                    raise LookupError(f"piece {piece}: no loadable artifact for size {size}")
         self.dispatch_counts: collections.Counter = collections.Counter()  # size|"range" -> n
 
     def num_tokens(self, args) -> int | None:

@@ -4,13 +4,12 @@ rebuild the stitched graph from the cache and feed it straight from the forward'
 from pathlib import Path
 from typing import Any, Callable
 
-from torch import fx
-
 from kiln import envs
 from kiln.compilation import graph_cache, monitor
 from kiln.compilation.cache import CompileCache, cache_base_dir
 from kiln.compilation.compiler_interface import file_sha256
 from kiln.compilation.counters import compilation_counter
+from kiln.compilation.graph_pickle import CodeOnlyGraph
 from kiln.compilation.piecewise import PiecewiseBackend
 from kiln.compilation.split import SplitItem
 from kiln.logger import init_logger
@@ -92,11 +91,13 @@ def _rebuild(backend, key: str, traced: list[str], module, forward, args, kwargs
         logger.info("%s was traced for inputs %s, called with %s; tracing again",
                     backend.prefix, plan.signature, signature)
         return None
-    missing = [p["graph_id"] for p in plan.pieces if not saved_range_ok(
-        cache, backend.compiler, p)]
+    # A saved graph cannot be compiled (see graph_pickle.py): every artifact must be there.
+    missing = missing_artifacts(cache, backend.compiler, plan.pieces,
+                                backend.kiln_config.compilation_config.compile_sizes)
     if missing:
-        logger.warning("compiled range artifacts of pieces %s in %s are missing or damaged; "
-                       "tracing with Dynamo to recompile them", missing, cache.dir)
+        log = logger.warning if "range" in missing else logger.info  # new sizes are no damage
+        log("compiled artifacts in %s are missing or damaged ({shape: pieces} %s); tracing with "
+            "Dynamo to compile them", cache.dir, missing)
         return None
     try:
         runner = graph_cache.SavedGraphRunner(
@@ -119,7 +120,7 @@ def _rebuild(backend, key: str, traced: list[str], module, forward, args, kwargs
     return runner
 
 
-def _install_pieces(backend, split_gm: fx.GraphModule, pieces: list[dict]) -> None:
+def _install_pieces(backend, split_gm: CodeOnlyGraph, pieces: list[dict]) -> None:
     from kiln.compilation.backend import wrap_piece
 
     piece_compiler = backend.piece_compiler()
@@ -141,11 +142,25 @@ def _install_pieces(backend, split_gm: fx.GraphModule, pieces: list[dict]) -> No
                                                     p["graph_id"] == last, backend.kiln_config)
 
 
-def saved_range_ok(cache: CompileCache, compiler, piece: dict) -> bool:
-    """Whether a piece's range artifact is indexed, of the same graph and intact on disk."""
+def missing_artifacts(cache: CompileCache, compiler, pieces: list[dict],
+                      compile_sizes: list[int]) -> dict[str | int, list[int]]:
+    """{"range" or compile size: [piece ids]} whose saved artifact is absent or damaged."""
+    missing: dict[str | int, list[int]] = {}
+    for piece in pieces:
+        sizes = compile_sizes if piece["size_arg"] is not None else []
+        for shape in [None, *sizes]:
+            if not saved_artifact_ok(cache, compiler, piece, shape):
+                missing.setdefault("range" if shape is None else shape, []).append(
+                    piece["graph_id"])
+    return missing
+
+
+def saved_artifact_ok(cache: CompileCache, compiler, piece: dict, shape: int | None) -> bool:
+    """Whether a piece's artifact for `shape` (None: the range) is indexed, of the same graph
+    and intact on disk."""
     if compiler.name == "eager":
         return True
-    handle = cache.lookup(None, piece["graph_id"], compiler.name)
+    handle = cache.lookup(shape, piece["graph_id"], compiler.name)
     if handle is None or handle.get("fingerprint") != piece["fingerprint"]:
         return False
     path = cache.artifact_path(handle["file"])

@@ -145,3 +145,17 @@ def test_warmup_driver_runs_every_shape_then_ends_warmup():
     # Traced at 8 tokens, the range artifact serves the whole budget with nothing compiled.
     with compilation_counter.expect(num_backend_compilations=0, num_dynamo_traces=0):
         _check(model, tm.build(tm.toy_config(mode=0)), [64, 40, 2])
+
+
+def test_eager_warm_start_runs_the_code_only_saved_graph(monkeypatch, tmp_path):
+    # The eager compiler "compiles" a saved (code-only) piece by running it as it is.
+    monkeypatch.delenv("KILN_DISABLE_COMPILE_CACHE")
+    reference = tm.build(tm.toy_config(mode=0))
+    for deltas in (dict(num_dynamo_traces=1, num_saved_graph_loads=0),
+                   dict(num_dynamo_traces=0, num_saved_graph_loads=1)):
+        config = tm.toy_config(mode=3, backend="eager", compile_sizes=[1, 8],
+                               cache_dir=str(tmp_path))
+        model = tm.build(config)
+        with compilation_counter.expect(**deltas), torch.no_grad():
+            compile_and_warm_up(lambda n: model(*tm.inputs(n)), config)
+        _check(model, reference, [8, 3, 1])

@@ -109,8 +109,8 @@ def test_warm_start_in_second_process_compiles_nothing(cold, tmp_path):
         assert torch.equal(result["outputs"][n], _run(cold["model"], n))
 
 
-def _warm_model(cache: Path, deltas: dict):
-    config = tm.toy_config(mode=3, compile_sizes=[1, 8], cache_dir=str(cache))
+def _warm_model(cache: Path, deltas: dict, compile_sizes=(1, 8)):
+    config = tm.toy_config(mode=3, compile_sizes=list(compile_sizes), cache_dir=str(cache))
     model = tm.build(config)
     with compilation_counter.expect(**deltas):
         with torch.no_grad():
@@ -194,6 +194,22 @@ def test_corrupt_artifact_warns_recompiles_and_serves(cold, tmp_path, kiln_logs)
             compile_and_warm_up(lambda n: model(*tm.inputs(n)), config)
     assert "failed to load" in kiln_logs.text
     for n in (3, 1):
+        torch.testing.assert_close(_run(model, n), _run(cold["reference"], n))
+
+
+def test_warm_start_missing_a_size_artifact_traces_and_compiles_it(cold, tmp_path, kiln_logs):
+    # A saved graph is code-only and never compiled: a damaged size artifact, or a compile size
+    # added since the cold start, sends the warm start back to Dynamo, which compiles just those.
+    cache = tmp_path / "cache"
+    shutil.copytree(cold["root"] / "cache", cache)
+    artifact = sorted(cache.glob("*/rank_0/ToyModel/artifacts/*_8_*.bin"))[0]
+    artifact.write_bytes(artifact.read_bytes()[:100])
+    kiln_logs.set_level("INFO", logger="kiln")
+    model = _warm_model(cache, dict(num_dynamo_traces=1, num_saved_graph_loads=0,
+                                    num_corrupt_artifacts=1, num_inductor_compiles=1 + 3,
+                                    num_compiled_artifacts_loaded=8), compile_sizes=(1, 8, 4))
+    assert "{shape: pieces} {4: [0, 2, 4], 8: [0]}" in kiln_logs.text
+    for n in (8, 4, 3):
         torch.testing.assert_close(_run(model, n), _run(cold["reference"], n))
 
 
