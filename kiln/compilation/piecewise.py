@@ -131,11 +131,12 @@ class PieceCompiler:
 class PiecewiseBackend:
     """Callable standing in for one compiled piece of the split graph."""
 
-    def __init__(self, graph: fx.GraphModule, piece: int, example_inputs: list | None,
+    def __init__(self, graph: torch.nn.Module, piece: int, example_inputs: list | None,
                  compiler: PieceCompiler, compile_sizes: list[int], max_num_tokens: int,
                  saved: dict | None = None):
         """`saved` ({"fingerprint", "size_arg"}, from a saved graph) replaces example inputs;
-        then every artifact must load from the cache (a saved graph is not compiled again)."""
+        `graph` is then code-only (graph_pickle.py) and every artifact must load from the cache
+        (the eager compiler aside, which runs the graph as it is)."""
         self.graph, self.piece, self.compiler = graph, piece, compiler
         self.compile_sizes, self.max_num_tokens = set(compile_sizes), max_num_tokens
         if saved is None:

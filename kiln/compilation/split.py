@@ -16,7 +16,7 @@ class SplitItem:
     submod_name: str
     graph_id: int
     is_splitting_graph: bool
-    graph: fx.GraphModule
+    graph: torch.nn.Module  # an fx.GraphModule; on a warm start a code-only copy of one
 
 
 def op_names(target) -> set[str]:
