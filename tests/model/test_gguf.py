@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from kiln.model.layers import cpu_gemm
 from kiln.model.loader import build_model
+from kiln.native import gguf_matmul
 from kiln.model.loader.gguf_loader import gguf_to_hf_name, load_gguf_weights, unpermute_rope_rows
 from model._attn_helper import greedy_generate, kiln_config_for
 
@@ -44,8 +46,9 @@ def gguf_name(hf_name: str) -> str:
             "output_norm.weight", "lm_head.weight": "output.weight"}[hf_name]
 
 
-def write_tiny_gguf(path, hf_state: dict, hf_config) -> dict:
-    """Write hf_state as a llama GGUF; returns the float32 values a correct loader must produce."""
+def write_tiny_gguf(path, hf_state: dict, hf_config, types: dict = _TYPES) -> dict:
+    """Write hf_state as a llama GGUF (llama.cpp name part -> storage type in `types`, F32 when
+    absent); returns the float32 values a correct loader must produce."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -58,7 +61,7 @@ def write_tiny_gguf(path, hf_state: dict, hf_config) -> dict:
             w = llama_cpp_permute(w, hf_config.num_attention_heads)
         elif ".attn_k." in gname:
             w = llama_cpp_permute(w, hf_config.num_key_value_heads)
-        qtype = getattr(gguf.GGMLQuantizationType, _TYPES.get(gname.split(".")[-2], "F32"))
+        qtype = getattr(gguf.GGMLQuantizationType, types.get(gname.split(".")[-2], "F32"))
         data = w if qtype == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(w, qtype)
         writer.add_tensor(gname, data, raw_dtype=qtype)
         back = gguf.quants.dequantize(data, qtype).astype(np.float32).reshape(w.shape)
@@ -112,6 +115,62 @@ def test_tiny_gguf_loads_dequantized_weights(tiny_llama_dir, tmp_path, monkeypat
     # The F32 tensors are exact and the quantized ones close: rope rows must be in HF order.
     assert (params["model.layers.0.self_attn.qkv_proj.weight"][:16]
             - state["model.layers.0.self_attn.q_proj.weight"][:16]).abs().max() < 0.01
+
+
+def _load_tiny(tiny_llama_dir, tmp_path, types: dict):
+    """The tiny checkpoint written as GGUF with `types` and loaded as get_model would."""
+    from safetensors.torch import load_file
+
+    from kiln.model.layers.cpu_gemm import prepack_for_cpu
+
+    cfg = kiln_config_for(tiny_llama_dir)
+    hf_config = cfg.model_config.hf_config
+    write_tiny_gguf(tmp_path / "tiny.gguf", load_file(str(tiny_llama_dir / "model.safetensors")),
+                    hf_config, types)
+    model = build_model(cfg)
+    with torch.no_grad():
+        load_gguf_weights(model, tmp_path / "tiny.gguf", hf_config)
+        prepack_for_cpu(model)
+    return model, cfg
+
+
+@pytest.mark.skipif(not gguf_matmul.available(), reason="the GGUF kernel needs AVX-512")
+def test_blocks_kept_only_where_every_part_has_one_kernel_type(tiny_llama_dir, tmp_path,
+                                                              monkeypatch):
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
+    model, _ = _load_tiny(tiny_llama_dir, tmp_path, _TYPES)
+    kept = {name for name, p in model.named_parameters()
+            if p.data_ptr() in cpu_gemm._GGUF_BLOCKS}
+    # q Q8_0 / k F16 / v BF16 and gate Q4_0 / up Q4_1 do not merge into one type; o_proj is F32;
+    # the Q8_0 embedding is no matmul weight here (this model's head has its own, F32).
+    assert kept == {"model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"}
+
+
+@pytest.mark.skipif(not gguf_matmul.available(), reason="the GGUF kernel needs AVX-512")
+@pytest.mark.parametrize("linear_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_decode_steps_read_the_blocks_and_match_the_float_weights(
+        tiny_llama_dir, tmp_path, monkeypatch, linear_type):
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
+    types = {part: linear_type for part in ("attn_q", "attn_k", "attn_v", "attn_output",
+                                            "ffn_gate", "ffn_up", "ffn_down", "output")}
+    model, cfg = _load_tiny(tiny_llama_dir, tmp_path, {**types, "token_embd": "Q8_0"})
+    blocks = dict(cpu_gemm._GGUF_BLOCKS)
+    linears = [m.weight for m in model.modules() if hasattr(m, "use_packed_gemm")]
+    assert len(linears) == 2 * 4 + 1 and all(w.data_ptr() in blocks for w in linears)
+    for w in linears:  # blocks in the float weight's row order (q/k un-permuted, parts merged)
+        qtype, rows = blocks[w.data_ptr()]
+        x = torch.randn(3, w.shape[1])
+        got = gguf_matmul.quantized_linear(x, rows, qtype, w.shape[0])
+        torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-5)
+    calls = []
+    real = gguf_matmul.quantized_linear
+    monkeypatch.setattr(gguf_matmul, "quantized_linear",
+                        lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    prompt = [5, 17, 3, 99, 42, 7, 1, 250, 31, 8, 64]  # 11 tokens: the prefill takes the floats
+    with_blocks = greedy_generate(model, cfg, prompt, max_new_tokens=6)
+    assert calls and set(calls) == {1}  # every decode step's linears, and nothing else
+    monkeypatch.setattr(cpu_gemm, "_GGUF_BLOCKS", {})
+    assert greedy_generate(model, cfg, prompt, max_new_tokens=6) == with_blocks
 
 
 def test_second_load_reads_the_tensor_table_not_the_file(tiny_llama_dir, tmp_path, monkeypatch):

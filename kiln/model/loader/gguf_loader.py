@@ -1,6 +1,8 @@
 """Loads a GGUF file: dequantizes each tensor with `gguf` and renames llama.cpp names to HF ones.
 
 llama.cpp stores Llama's q/k rows permuted for its rope layout; that permutation is undone here.
+On CPU, linear weights in Q4_0 / Q4_1 / Q8_0 also keep the file's blocks, which small decode
+steps read instead of the float32 copy (kiln/model/layers/cpu_gemm.py).
 """
 import re
 from collections.abc import Iterator
@@ -59,8 +61,13 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iterate_gguf(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor of a GGUF file Kiln has a parameter for."""
+def iterate_gguf(path: Path, hf_config,
+                 blocks: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor of a GGUF file Kiln has a parameter for.
+
+    With `blocks`, each tensor stored in a type the CPU kernel reads is also put there as
+    {HF name: (ggml type id, uint8 [rows, row_bytes] blocks, rows in HF order)}."""
+    from kiln.native.gguf_matmul import QTYPES
     import gguf
 
     from kiln.config.gguf_metadata import load_tensor_table
@@ -84,15 +91,61 @@ def iterate_gguf(path: Path, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
             continue
         # The bytes as gguf's reader presents them: elements, or rows of quantized blocks.
         raw = data[t["offset"]:t["offset"] + t["nbytes"]].view(t["dtype"]).reshape(t["shape"])
-        values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t["type"]))
+        qtype = gguf.GGMLQuantizationType(t["type"])
+        values = gguf.quants.dequantize(raw, qtype)
         values = np.array(values, dtype=np.float32)  # own, writable copy (F32 data is a memmap)
+        heads = None
         if arch in _PERMUTED_ARCHITECTURES:
-            if ".attn_q." in t["name"]:
-                values = unpermute_rope_rows(values, num_heads)
-            elif ".attn_k." in t["name"]:
-                values = unpermute_rope_rows(values, num_kv_heads)
+            heads = num_heads if ".attn_q." in t["name"] else \
+                num_kv_heads if ".attn_k." in t["name"] else None
+        if heads is not None:
+            values = unpermute_rope_rows(values, heads)
+        if blocks is not None and qtype.name in QTYPES and raw.ndim == 2:
+            rows = raw if heads is None else unpermute_rope_rows(raw, heads)  # rows of blocks
+            blocks[hf_name] = (QTYPES[qtype.name], torch.from_numpy(np.array(rows)))
         yield hf_name, torch.from_numpy(np.ascontiguousarray(values))
 
 
 def load_gguf_weights(model: nn.Module, path: Path, hf_config) -> None:
-    model.load_weights(iterate_gguf(path, hf_config))
+    from kiln.native import gguf_matmul
+
+    weight = next(model.parameters())
+    keep = weight.device.type == "cpu" and gguf_matmul.available()
+    blocks: dict | None = {} if keep else None
+    model.load_weights(iterate_gguf(path, hf_config, blocks))
+    if blocks:
+        attach_blocks(model, blocks)
+
+
+def attach_blocks(model: nn.Module, blocks: dict[str, tuple[int, torch.Tensor]]) -> int:
+    """Give each linear weight whose every part the file stores in one kernel type its blocks
+    (merged parts, such as q/k/v, concatenated in the merged order); returns how many."""
+    from kiln.model.layers.cpu_gemm import attach_gguf_blocks
+    from kiln.model.llama import STACKED_PARAMS
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if getattr(model, "tie_word_embeddings", False):
+        blocks = {k: v for k, v in blocks.items() if k != "lm_head.weight"}  # not loaded
+    # Only weights that multiply (linears, the LM head; a tied embedding is the head's weight).
+    matmul_weights = {id(m.weight) for m in model.modules()
+                      if getattr(m, "supports_cpu_packing", False)}
+    parts: dict[str, list[str | None]] = {}
+    for name in blocks:
+        merged = [(m, p) for m, p, _ in STACKED_PARAMS if p in name]
+        if not merged:
+            parts[name] = [name]
+            continue
+        target = name.replace(merged[0][1], merged[0][0])
+        parts[target] = [name.replace(merged[0][1], p) for m, p, _ in STACKED_PARAMS
+                         if m == merged[0][0]]
+    count = 0
+    for target, names in parts.items():
+        param = params.get(target)
+        if id(param) not in matmul_weights or any(n not in blocks for n in names):
+            continue
+        qtypes = {blocks[n][0] for n in names}
+        if len(qtypes) == 1 and attach_gguf_blocks(
+                param, qtypes.pop(), torch.cat([blocks[n][1] for n in names])):
+            count += 1
+    logger.info("kept the GGUF blocks of %d weights for small-batch CPU matmuls", count)
+    return count

@@ -1,0 +1,61 @@
+"""Python entry point of csrc/gguf_matmul.c: decode-step linears read straight from a GGUF file's
+Q4_0 / Q4_1 / Q8_0 blocks on CPU (see cpu_gemm.py for when a layer takes it).
+
+At one to eight rows a linear is a pass over its weight; its 4-bit blocks are 6.4x fewer bytes
+than the float32 copy (measured, 2 cores, the default model's 210 Q4_1 tensors: 7.5 ms at 1-2
+rows, 19 ms at 8, against ~19 ms and ~24 ms for the float32 kernels).
+"""
+import ctypes
+
+import torch
+
+from kiln import envs
+from kiln.native import build
+
+MAX_ROWS = 8
+BLOCK_VALUES = 32
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # the types the kernel reads, by ggml type id
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+SIGNATURES = (("kiln_gguf_matmul", (_P, _P, _I32, _P, _P, _I32, _I64, _I64, _I32, _I32)),
+              ("kiln_gguf_simd", ()), ("kiln_gguf_block_bytes", (_I32,)))
+
+
+def _lib() -> ctypes.CDLL | None:
+    return build.load("gguf_matmul", SIGNATURES)
+
+
+def available() -> bool:
+    """The kernels on (KILN_NATIVE_CPU_OPS), built, and built with their vector code (AVX-512):
+    without it the float32 kernels are faster."""
+    lib = _lib() if envs.native_cpu_ops() else None
+    return lib is not None and lib.kiln_gguf_simd() == 1
+
+
+def row_bytes(qtype: int, in_features: int) -> int:
+    """Bytes of one output row of blocks."""
+    return in_features // BLOCK_VALUES * _lib().kiln_gguf_block_bytes(qtype)
+
+
+def serves(qtype: int, rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `rows` (uint8 [out, row_bytes], the blocks of `weight`) can stand in for the
+    float32 `weight` [out, in] in this kernel."""
+    out_features, in_features = weight.shape
+    return (qtype in QTYPES.values() and available() and weight.dtype in build.DTYPES
+            and in_features % BLOCK_VALUES == 0 and rows.dtype == torch.uint8
+            and rows.is_contiguous() and tuple(rows.shape) == (
+                out_features, row_bytes(qtype, in_features)))
+
+
+def quantized_linear(x: torch.Tensor, rows: torch.Tensor, qtype: int, out_features: int,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., k] with 1..MAX_ROWS rows @ the blocks' values^T (+ bias) -> [..., out_features],
+    in x's dtype (a weight `serves` accepted)."""
+    k = x.shape[-1]
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out = x.new_empty((*x.shape[:-1], out_features))
+    build.check(_lib().kiln_gguf_matmul(
+        x.data_ptr(), rows.data_ptr(), qtype, bias.data_ptr() if bias is not None else None,
+        out.data_ptr(), x.numel() // k, out_features, k, build.DTYPES[x.dtype],
+        torch.get_num_threads()), "kiln_gguf_matmul (1: bad row count or type)")
+    return out
