@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from kiln.model.layers import cpu_gemm
 from kiln.model.layers.linear import ReplicatedLinear
-from kiln.native import gemv
+from kiln.native import gemv, gguf_matmul
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemm.cpu_packing_available(torch.device("cpu"), torch.float32),
@@ -64,3 +64,36 @@ def test_one_or_two_rows_take_the_gemv_kernel(monkeypatch, dtype, rows):
     tol = 1e-4 if dtype == torch.float32 else 3e-2  # bf16 output keeps 8 mantissa bits
     torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol)
     assert got.dtype == dtype and got.shape == (rows, 200)
+
+
+@pytest.mark.skipif(not gguf_matmul.available(), reason="the GGUF kernel needs AVX-512")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gguf_blocks_take_the_few_row_steps_they_win(monkeypatch, dtype):
+    import gguf
+    import numpy as np
+
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    torch.manual_seed(0)
+    blocks = gguf.quants.quantize(torch.randn(48, 64).numpy(), q8)
+    values = torch.from_numpy(gguf.quants.dequantize(blocks, q8).reshape(48, 64).copy())
+    layer = ReplicatedLinear(64, 48, bias=True).to(dtype)
+    layer.weight.data.copy_(values)  # the float weight the blocks were dequantized into
+    torch.nn.init.normal_(layer.bias)
+    assert cpu_gemm.prepack_for_cpu(layer) == 1
+    assert cpu_gemm.attach_gguf_blocks(layer.weight, gguf_matmul.QTYPES["Q8_0"],
+                                       torch.from_numpy(np.ascontiguousarray(blocks)))
+    rows_seen = []
+    real = gguf_matmul.quantized_linear
+    monkeypatch.setattr(gguf_matmul, "quantized_linear",
+                        lambda x, *a: rows_seen.append(x.shape[0]) or real(x, *a))
+    limit = gguf_matmul.ROWS_WORTH_IT[dtype]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16: its rounding of the weights
+    for rows in (1, limit, limit + 1):
+        x = torch.randn(rows, 64).to(dtype)
+        want = x.float() @ values.T + layer.bias.float()
+        torch.testing.assert_close(layer(x).float(), want, rtol=tol, atol=tol * 8)
+    assert rows_seen == [1, limit]  # more rows than pay off take the dense weights
+    ptr = layer.weight.data_ptr()
+    del layer
+    gc.collect()
+    assert ptr not in cpu_gemm._GGUF_BLOCKS
