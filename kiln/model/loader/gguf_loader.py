@@ -67,10 +67,10 @@ def iterate_gguf(path: Path, hf_config,
 
     With `blocks`, each tensor stored in a type the CPU kernel reads is also put there as
     {HF name: (ggml type id, uint8 [rows, row_bytes] blocks, rows in HF order)}."""
-    from kiln.native.gguf_matmul import QTYPES
     import gguf
 
     from kiln.config.gguf_metadata import load_tensor_table
+    from kiln.native.gguf_matmul import QTYPES
 
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
@@ -129,7 +129,7 @@ def attach_blocks(model: nn.Module, blocks: dict[str, tuple[int, torch.Tensor]])
     # Only weights that multiply (linears, the LM head; a tied embedding is the head's weight).
     matmul_weights = {id(m.weight) for m in model.modules()
                       if getattr(m, "supports_cpu_packing", False)}
-    parts: dict[str, list[str | None]] = {}
+    parts: dict[str, list[str]] = {}  # weight name -> the HF names of its parts, in order
     for name in blocks:
         merged = [(m, p) for m, p, _ in STACKED_PARAMS if p in name]
         if not merged:
