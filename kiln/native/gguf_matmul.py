@@ -1,9 +1,8 @@
 """Python entry point of csrc/gguf_matmul.c: decode-step linears read straight from a GGUF file's
 Q4_0 / Q4_1 / Q8_0 blocks on CPU (see cpu_gemm.py for when a layer takes it).
 
-At one to eight rows a linear is a pass over its weight; its 4-bit blocks are 6.4x fewer bytes
-than the float32 copy (measured, 2 cores, the default model's 210 Q4_1 tensors: 7.5 ms at 1-2
-rows, 19 ms at 8, against ~19 ms and ~24 ms for the float32 kernels).
+At a few rows a linear is a pass over its weight, and Q4_1 blocks are 6.4x fewer bytes than
+the float32 copy (the row limits per dtype, below, are where that stops paying).
 """
 import ctypes
 
