@@ -146,22 +146,27 @@ def missing_artifacts(cache: CompileCache, compiler, pieces: list[dict],
                       compile_sizes: list[int]) -> dict[str | int, list[int]]:
     """{"range" or compile size: [piece ids]} whose saved artifact is absent or damaged."""
     missing: dict[str | int, list[int]] = {}
+    intact: dict[str, bool] = {}  # artifact file -> checksum holds (identical pieces share one)
     for piece in pieces:
         sizes = compile_sizes if piece["size_arg"] is not None else []
         for shape in [None, *sizes]:
-            if not saved_artifact_ok(cache, compiler, piece, shape):
+            if not saved_artifact_ok(cache, compiler, piece, shape, intact):
                 missing.setdefault("range" if shape is None else shape, []).append(
                     piece["graph_id"])
     return missing
 
 
-def saved_artifact_ok(cache: CompileCache, compiler, piece: dict, shape: int | None) -> bool:
+def saved_artifact_ok(cache: CompileCache, compiler, piece: dict, shape: int | None,
+                      intact: dict[str, bool]) -> bool:
     """Whether a piece's artifact for `shape` (None: the range) is indexed, of the same graph
-    and intact on disk."""
+    and intact on disk (each file checked once, its verdict kept in `intact`)."""
     if compiler.name == "eager":
         return True
     handle = cache.lookup(shape, piece["graph_id"], compiler.name)
     if handle is None or handle.get("fingerprint") != piece["fingerprint"]:
         return False
-    path = cache.artifact_path(handle["file"])
-    return path.exists() and ("sha256" not in handle or file_sha256(path) == handle["sha256"])
+    if handle["file"] not in intact:
+        path = cache.artifact_path(handle["file"])
+        intact[handle["file"]] = path.exists() and (
+            "sha256" not in handle or file_sha256(path) == handle["sha256"])
+    return intact[handle["file"]]

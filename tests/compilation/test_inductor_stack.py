@@ -15,7 +15,7 @@ import toy_model as tm
 from _child import SIZES
 from kiln.compilation.phase import RecompileAfterWarmupError
 from kiln.compilation.backend import KilnBackend
-from kiln.compilation.compiler_interface import InductorStandaloneAdaptor
+from kiln.compilation.compiler_interface import InductorStandaloneAdaptor, file_sha256
 from kiln.compilation.cache import CompileCache, cache_base_dir, compute_cache_key
 from kiln.compilation.counters import compilation_counter
 from kiln.compilation.warmup import compile_and_warm_up
@@ -211,6 +211,22 @@ def test_warm_start_missing_a_size_artifact_traces_and_compiles_it(cold, tmp_pat
     assert "{shape: pieces} {4: [0, 2, 4], 8: [0]}" in kiln_logs.text
     for n in (8, 4, 3):
         torch.testing.assert_close(_run(model, n), _run(cold["reference"], n))
+
+
+def test_warm_start_checks_each_artifact_file_once(cold, monkeypatch):
+    from kiln.compilation import graph_cache, warm_start
+
+    backend: KilnBackend = cold["model"]._kiln_compile.backend
+    plan, _ = graph_cache.load_plan(backend.cache.dir)
+    hashed = []
+    monkeypatch.setattr(warm_start, "file_sha256",
+                        lambda path: hashed.append(path.name) or file_sha256(path))
+    # Listed twice, as identical layers sharing artifact files are in a real model.
+    assert warm_start.missing_artifacts(backend.cache, backend.compiler, plan.pieces * 2,
+                                        [1, 8]) == {}
+    assert sorted(hashed) == sorted({p.name for p in backend.cache.dir.glob("artifacts/*.bin")})
+    assert warm_start.missing_artifacts(backend.cache, backend.compiler, plan.pieces, [2]) == {
+        2: [0, 2, 4]}  # a size never compiled
 
 
 def _record_many(args):

@@ -38,23 +38,16 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] 
     out = CompletionLogprobs()
     offset = text_offset_start
     for tid, step in zip(token_ids, logprobs):
-        if step is None:
-            text = tokenizer.decode([tid])
-            out.tokens.append(text)
-            out.token_logprobs.append(None)
-            out.top_logprobs.append(None)
-            out.text_offset.append(offset)
-            offset += len(text)
-            continue
-        sampled = _sampled(tid, step)
+        sampled = _sampled(tid, step) if step is not None else None
         text = token_text(tid, sampled, tokenizer)
         out.tokens.append(text)
         out.token_logprobs.append(None if sampled is None else _finite(sampled.logprob))
-        top = {}
-        for cand_id, cand in _top(step, num_top):
-            top[token_text(cand_id, cand, tokenizer)] = _finite(cand.logprob)
-        if sampled is not None:  # OpenAI always lists the sampled token among the candidates
-            top.setdefault(text, _finite(sampled.logprob))
+        top = None
+        if step is not None:
+            top = {token_text(cand_id, cand, tokenizer): _finite(cand.logprob)
+                   for cand_id, cand in _top(step, num_top)}
+            if sampled is not None:  # OpenAI always lists the sampled token among the candidates
+                top.setdefault(text, _finite(sampled.logprob))
         out.top_logprobs.append(top)
         out.text_offset.append(offset)
         offset += len(text)
