@@ -5,6 +5,7 @@ At a few rows a linear is a pass over its weight, and Q4_1 blocks are 6.4x fewer
 the float32 copy (the row limits per dtype, below, are where that stops paying).
 """
 import ctypes
+import functools
 
 import torch
 
@@ -12,16 +13,19 @@ from kiln import envs
 from kiln.native import build
 
 MAX_ROWS = 8  # the kernel's limit
-# Up to how many rows the blocks beat the dense weights' kernels, by activation dtype. Measured,
-# default model, 2 cores, all linears + LM head, ms blocks / dense: float32 7.9 / 25.0 at 1 row,
-# 14.2 / 31.9 at 4, 25.6 / 31.4 at 8; bfloat16 8.2 / 12.0 at 1, 14.4 / 16.6 at 4, 18.0 / 16.3
-# at 5, 25.9 / 18.9 at 8 (bfloat16 weights are half as many bytes to stream as float32).
-ROWS_WORTH_IT = {torch.float32: 8, torch.bfloat16: 4}
+# Up to how many rows the blocks beat the dense weights' kernels. Measured, default model, 2
+# cores, all linears + LM head, ms blocks / dense: float32 7.8 / 18.3 at 1 row, 12.0 / 30.6 at
+# 4, 21.5 / 31.6 at 8; bfloat16 with the dot-product instructions 8.0 / 14.7 at 1, 10.3 / 17.2
+# at 4, 14.2 / 19.0 at 8. Without them the kernel widens bfloat16 x to float32 and lost from 5
+# rows on (18.0 / 16.3 at 5, 25.9 / 18.9 at 8: bfloat16 weights are half the bytes of float32).
+_ROWS_WORTH_IT = {torch.float32: 8, torch.bfloat16: 8}
+_ROWS_WORTH_IT_NO_BF16_DOT = {torch.float32: 8, torch.bfloat16: 4}
 BLOCK_VALUES = 32
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # the types the kernel reads, by ggml type id
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 SIGNATURES = (("kiln_gguf_matmul", (_P, _P, _I32, _P, _P, _I32, _I64, _I64, _I32, _I32)),
-              ("kiln_gguf_simd", ()), ("kiln_gguf_block_bytes", (_I32,)))
+              ("kiln_gguf_simd", ()), ("kiln_gguf_bf16_dot", ()),
+              ("kiln_gguf_block_bytes", (_I32,)))
 
 
 def _lib() -> ctypes.CDLL | None:
@@ -33,6 +37,15 @@ def available() -> bool:
     without it the float32 kernels are faster."""
     lib = _lib() if envs.native_cpu_ops() else None
     return lib is not None and lib.kiln_gguf_simd() == 1
+
+
+@functools.cache
+def rows_worth_it(dtype: torch.dtype) -> int:
+    """The most rows of x in `dtype` for which the blocks beat the dense weight (0: never)."""
+    if not available():
+        return 0
+    table = _ROWS_WORTH_IT if _lib().kiln_gguf_bf16_dot() else _ROWS_WORTH_IT_NO_BF16_DOT
+    return table.get(dtype, 0)
 
 
 def row_bytes(qtype: int, in_features: int) -> int:
