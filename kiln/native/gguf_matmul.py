@@ -1,5 +1,5 @@
 """Python entry point of csrc/gguf_matmul.c: decode-step linears read straight from a GGUF file's
-Q4_0 / Q4_1 / Q8_0 blocks on CPU (see cpu_gemm.py for when a layer takes it).
+Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks on CPU (see cpu_gemm.py for when a layer takes it).
 
 At a few rows a linear is a pass over its weight, and Q4_1 blocks are 6.4x fewer bytes than
 the float32 copy (the row limits per dtype, below, are where that stops paying).
@@ -13,19 +13,26 @@ from kiln import envs
 from kiln.native import build
 
 MAX_ROWS = 8  # the kernel's limit
-# Up to how many rows the blocks beat the dense weights' kernels. Measured, default model, 2
-# cores, all linears + LM head, ms blocks / dense: float32 7.8 / 18.3 at 1 row, 12.0 / 30.6 at
-# 4, 21.5 / 31.6 at 8; bfloat16 with the dot-product instructions 8.0 / 14.7 at 1, 10.3 / 17.2
-# at 4, 14.2 / 19.0 at 8. Without them the kernel widens bfloat16 x to float32 and lost from 5
-# rows on (18.0 / 16.3 at 5, 25.9 / 18.9 at 8: bfloat16 weights are half the bytes of float32).
-_ROWS_WORTH_IT = {torch.float32: 8, torch.bfloat16: 8}
-_ROWS_WORTH_IT_NO_BF16_DOT = {torch.float32: 8, torch.bfloat16: 4}
-BLOCK_VALUES = 32
-QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}  # the types the kernel reads, by ggml type id
+# the types the kernel reads, by ggml type id
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+_F32, _BF16 = torch.float32, torch.bfloat16
+# Up to how many rows the blocks beat the dense weights' kernels (oneDNN), by type and activation
+# dtype; measured on 2 cores, ms blocks / dense. 32-value types, the default model's linears + LM
+# head: float32 7.8 / 18.3 at 1 row, 12.0 / 30.6 at 4, 21.5 / 31.6 at 8; bfloat16 8.0 / 14.7 at
+# 1, 10.3 / 17.2 at 4, 14.2 / 19.0 at 8. K-quants, 16 random [6144, 1536] weights: Q4_K float32
+# 18.9 / 30.0 at 4, 32.2 / 36.1 at 8, bfloat16 15.5 / 19.0 at 2, 19.0 / 14.0 at 4; Q6_K float32
+# 20.2 / 27.7 at 4, 28.9 / 25.1 at 6, bfloat16 14.3 / 18.3 at 2, 20.0 / 13.3 at 4 (their
+# decoding costs more work per value; bfloat16 weights are half the bytes of float32).
+_ROWS_WORTH_IT = {"Q4_0": {_F32: 8, _BF16: 8}, "Q4_1": {_F32: 8, _BF16: 8},
+                  "Q8_0": {_F32: 8, _BF16: 8}, "Q4_K": {_F32: 8, _BF16: 2},
+                  "Q6_K": {_F32: 4, _BF16: 2}}
+# Without the bfloat16 dot-product instructions the kernel widens bfloat16 x to float32: the
+# 32-value types lost from 5 rows on (18.0 / 16.3 ms at 5, 25.9 / 18.9 at 8).
+_BF16_ROWS_WITHOUT_DOT = 4
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 SIGNATURES = (("kiln_gguf_matmul", (_P, _P, _I32, _P, _P, _I32, _I64, _I64, _I32, _I32)),
               ("kiln_gguf_simd", ()), ("kiln_gguf_bf16_dot", ()),
-              ("kiln_gguf_block_bytes", (_I32,)))
+              ("kiln_gguf_block_bytes", (_I32,)), ("kiln_gguf_block_values", (_I32,)))
 
 
 def _lib() -> ctypes.CDLL | None:
@@ -40,17 +47,22 @@ def available() -> bool:
 
 
 @functools.cache
-def rows_worth_it(dtype: torch.dtype) -> int:
-    """The most rows of x in `dtype` for which the blocks beat the dense weight (0: never)."""
-    if not available():
+def rows_worth_it(dtype: torch.dtype, qtype: int) -> int:
+    """The most rows of x in `dtype` for which blocks of `qtype` beat the dense weight (0:
+    never)."""
+    name = next((n for n, t in QTYPES.items() if t == qtype), None)
+    if not available() or name is None:
         return 0
-    table = _ROWS_WORTH_IT if _lib().kiln_gguf_bf16_dot() else _ROWS_WORTH_IT_NO_BF16_DOT
-    return table.get(dtype, 0)
+    rows = _ROWS_WORTH_IT[name].get(dtype, 0)
+    if dtype == torch.bfloat16 and not _lib().kiln_gguf_bf16_dot():
+        rows = min(rows, _BF16_ROWS_WITHOUT_DOT)
+    return rows
 
 
 def row_bytes(qtype: int, in_features: int) -> int:
     """Bytes of one output row of blocks."""
-    return in_features // BLOCK_VALUES * _lib().kiln_gguf_block_bytes(qtype)
+    lib = _lib()
+    return in_features // lib.kiln_gguf_block_values(qtype) * lib.kiln_gguf_block_bytes(qtype)
 
 
 def serves(qtype: int, rows: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -58,7 +70,8 @@ def serves(qtype: int, rows: torch.Tensor, weight: torch.Tensor) -> bool:
     float32 `weight` [out, in] in this kernel."""
     out_features, in_features = weight.shape
     return (qtype in QTYPES.values() and available() and weight.dtype in build.DTYPES
-            and in_features % BLOCK_VALUES == 0 and rows.dtype == torch.uint8
+            and in_features % _lib().kiln_gguf_block_values(qtype) == 0
+            and rows.dtype == torch.uint8
             and rows.is_contiguous() and tuple(rows.shape) == (
                 out_features, row_bytes(qtype, in_features)))
 

@@ -86,7 +86,7 @@ def test_gguf_blocks_take_the_few_row_steps_they_win(monkeypatch, dtype):
     real = gguf_matmul.quantized_linear
     monkeypatch.setattr(gguf_matmul, "quantized_linear",
                         lambda x, *a: rows_seen.append(x.shape[0]) or real(x, *a))
-    limit = gguf_matmul.rows_worth_it(dtype)
+    limit = gguf_matmul.rows_worth_it(dtype, gguf_matmul.QTYPES["Q8_0"])
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16: its rounding of the weights
     for rows in (1, limit, limit + 1):
         x = torch.randn(rows, 64).to(dtype)

@@ -10,21 +10,39 @@ pytestmark = pytest.mark.skipif(not gguf_matmul.available(),
                                 reason="the GGUF kernel needs a C compiler and AVX-512")
 
 
+# Where each K-quant block keeps its fp16 super-scales (gguf-py cannot quantize to K-quants, so
+# their blocks are random bytes with these set to small finite values).
+_K_SCALE_OFFSETS = {"Q4_K": (0, 2), "Q6_K": (208,)}
+
+
 def _blocks(qtype_name: str, out_features: int, in_features: int, seed: int = 0):
     """(uint8 blocks, float32 values they hold) for a random weight."""
-    w = np.random.default_rng(seed).standard_normal((out_features, in_features))
+    rng = np.random.default_rng(seed)
     qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
-    blocks = gguf.quants.quantize(w.astype(np.float32), qtype)
-    values = gguf.quants.dequantize(blocks, qtype).astype(np.float32).reshape(w.shape)
-    return torch.from_numpy(np.ascontiguousarray(blocks)), torch.from_numpy(values)
+    if qtype_name in _K_SCALE_OFFSETS:
+        block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, (out_features, in_features // block_values, block_bytes),
+                           dtype=np.uint8)
+        for offset in _K_SCALE_OFFSETS[qtype_name]:
+            scale = rng.uniform(0.001, 0.01, raw.shape[:2]).astype(np.float16)
+            raw[:, :, offset:offset + 2] = scale[..., None].view(np.uint8)
+        blocks = raw.reshape(out_features, -1)
+    else:
+        w = rng.standard_normal((out_features, in_features)).astype(np.float32)
+        blocks = gguf.quants.quantize(w, qtype)
+    values = gguf.quants.dequantize(blocks, qtype).astype(np.float32)
+    return (torch.from_numpy(np.ascontiguousarray(blocks)),
+            torch.from_numpy(values.reshape(out_features, in_features)))
 
 
 @pytest.mark.parametrize("qtype_name", sorted(gguf_matmul.QTYPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_dequantize_then_matmul(qtype_name, dtype):
     qtype = gguf_matmul.QTYPES[qtype_name]
-    # 3 blocks a row: the bfloat16 kernel's block pairs leave one over
-    for out_features, in_features in ((96, 64), (40, 1536), (24, 96)):
+    # 3 blocks (32-value types) a row: the bfloat16 kernel's block pairs leave one over
+    shapes = ((96, 256), (40, 1536), (24, 768)) if "_K" in qtype_name else (
+        (96, 64), (40, 1536), (24, 96))
+    for out_features, in_features in shapes:
         blocks, values = _blocks(qtype_name, out_features, in_features)
         assert gguf_matmul.serves(qtype, blocks, values.to(dtype))
         for rows in range(1, gguf_matmul.MAX_ROWS + 1):
@@ -40,13 +58,37 @@ def test_matches_dequantize_then_matmul(qtype_name, dtype):
     assert gguf_matmul.quantized_linear(x3, blocks, qtype, out_features).shape == (2, 3, 24)
 
 
+@pytest.mark.parametrize("qtype_name", sorted(gguf_matmul.QTYPES))
+def test_uses_exactly_the_dequantized_values(qtype_name):
+    """One-hot rows pick single weights: each must be dequantize's value to the bit."""
+    blocks, values = _blocks(qtype_name, 16, 512, seed=1)
+    picked = torch.eye(512)  # [512, 512]: row i picks input column i
+    got = torch.cat([gguf_matmul.quantized_linear(picked[i:i + 8], blocks,
+                                                  gguf_matmul.QTYPES[qtype_name], 16)
+                     for i in range(0, 512, 8)])
+    assert torch.equal(got, values.T)
+
+
 def test_what_it_refuses():
     blocks, values = _blocks("Q4_1", 8, 64)
     q41 = gguf_matmul.QTYPES["Q4_1"]
     assert not gguf_matmul.serves(q41, blocks, values[:, :32])  # blocks of another width
     assert not gguf_matmul.serves(q41, blocks[:4], values)  # other row count
     assert not gguf_matmul.serves(gguf_matmul.QTYPES["Q8_0"], blocks, values)  # other type
-    assert not gguf_matmul.serves(14, blocks, values)  # a type the kernel does not read (Q6_K)
+    assert not gguf_matmul.serves(13, blocks, values)  # a type the kernel does not read (Q5_K)
+    # K-quant blocks hold 256 values: a width that is no multiple of it is refused
+    k_blocks, k_values = _blocks("Q4_K", 8, 512)
+    q4k = gguf_matmul.QTYPES["Q4_K"]
+    assert gguf_matmul.serves(q4k, k_blocks, k_values)
+    assert not gguf_matmul.serves(q4k, k_blocks[:, :216], k_values[:, :384])
     assert not gguf_matmul.serves(q41, blocks, values.half())  # a dtype the kernel lacks
     with pytest.raises(RuntimeError, match="bad row count"):
         gguf_matmul.quantized_linear(torch.randn(gguf_matmul.MAX_ROWS + 1, 64), blocks, q41, 8)
+
+
+def test_row_limits_cover_every_type_and_dtype():
+    for qtype in gguf_matmul.QTYPES.values():
+        for dtype in (torch.float32, torch.bfloat16):
+            assert 1 <= gguf_matmul.rows_worth_it(dtype, qtype) <= gguf_matmul.MAX_ROWS
+        assert gguf_matmul.rows_worth_it(torch.float16, qtype) == 0  # no kernel for float16
+    assert gguf_matmul.rows_worth_it(torch.float32, 13) == 0  # Q5_K: not read by the kernel

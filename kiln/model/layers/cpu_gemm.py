@@ -6,10 +6,10 @@ aten's dense `linear` at serving batch sizes (measured: [32, 576] x [576, 3072] 
 address, so a traced graph still carries only the ordinary weight (identical layers stay
 identical for the compile cache) and the op finds the packed one at run time. Steps of one or
 two rows take the C GEMV kernel on the dense weight instead (kiln/native/gemv.py), which reads
-the weights faster than oneDNN does at that size. A weight loaded from a GGUF file in Q4_0, Q4_1 or
-Q8_0 also keeps the file's blocks (`attach_gguf_blocks`): steps of a few rows (up to 8, see
-gguf_matmul.rows_worth_it) read those instead, 6.4x fewer bytes than float32 for Q4_1
-(kiln/native/gguf_matmul.py).
+the weights faster than oneDNN does at that size. A weight loaded from a GGUF file in Q4_0,
+Q4_1, Q8_0, Q4_K or Q6_K also keeps the file's blocks (`attach_gguf_blocks`): steps of a few
+rows (2 to 8 by type and dtype, gguf_matmul.rows_worth_it) read those instead, 6.4x fewer bytes
+than float32 for Q4_1 (kiln/native/gguf_matmul.py).
 """
 import weakref
 
@@ -37,7 +37,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor,
     ptr = weight.data_ptr()
     blocks = _GGUF_BLOCKS.get(ptr)
     if (blocks is not None and x.dtype == weight.dtype
-            and 0 < x.numel() <= gguf_matmul.rows_worth_it(x.dtype) * x.shape[-1]
+            and 0 < x.numel() <= gguf_matmul.rows_worth_it(x.dtype, blocks[0]) * x.shape[-1]
             and (bias is None or bias.is_contiguous() and bias.dtype == x.dtype)):
         return gguf_matmul.quantized_linear(x, blocks[1], blocks[0], weight.shape[0], bias)
     entry = _PACKED.get(ptr)

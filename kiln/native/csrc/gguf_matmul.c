@@ -1,14 +1,17 @@
 /* Small-batch matmul on GGUF-quantized weights: out [m, n] = x [m, k] @ W^T, W in llama.cpp's
- * Q4_0, Q4_1 or Q8_0 blocks, for the few rows of a decode step.
+ * Q4_0, Q4_1, Q8_0, Q4_K or Q6_K blocks, for the few rows of a decode step.
  *
  * There a linear layer is a pass over its weight, bound by memory bandwidth: a Q4_1 weight is
  * 0.625 bytes per value against 4 for float32, so reading the blocks and widening them in
  * registers beats streaming the dequantized float32 copy. Values are exactly the blocks'
- * (d * q + m, d * (q - 8), d * q, as gguf's dequantize computes them). float32 activations
+ * (d * q + m, d * (q - 8), d * q, (d * sc) * q - dmin * m, (d * sc) * (q - 32), rounded as
+ * gguf's dequantize rounds them). float32 activations
  * multiply them in float32; bfloat16 activations multiply them rounded to bfloat16, as the
  * dequantized bfloat16 weight would hold them, with float32 accumulation (AVX512-BF16), as a
  * bfloat16 GEMM does. No activation quantization, unlike llama.cpp's integer dot products.
- * The weight is [n, k / 32] blocks, row-major; x, bias and out are in dtype (dtype.h).
+ * The weight is [n, k / block values] blocks, row-major; x, bias and out are in dtype (dtype.h).
+ * Blocks are read 32 values (a unit) at a time: a 32-value block is one unit, a K-quant block of
+ * 256 eight.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -33,7 +36,7 @@
 #define MAX_ROWS 8
 #define QK 32 /* values per block */
 
-enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8 }; /* ggml's type ids */
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q6_K = 14 }; /* ggml's ids */
 
 /* 1 when the vector kernel is compiled in; the caller keeps float32 weights otherwise. */
 int kiln_gguf_simd(void) { return KILN_GGUF_SIMD; }
@@ -46,8 +49,14 @@ int kiln_gguf_block_bytes(int32_t qtype) {
         case GGML_Q4_0: return 18; /* fp16 d, 16 bytes of nibbles */
         case GGML_Q4_1: return 20; /* fp16 d, fp16 m, 16 bytes of nibbles */
         case GGML_Q8_0: return 34; /* fp16 d, 32 int8 */
+        case GGML_Q4_K: return 144; /* fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 */
+        case GGML_Q6_K: return 210; /* 128 low 4 bits, 64 high 2 bits, 16 int8 scales, fp16 d */
         default: return 0;
     }
+}
+
+int kiln_gguf_block_values(int32_t qtype) {
+    return qtype == GGML_Q4_K || qtype == GGML_Q6_K ? 256 : QK;
 }
 
 #if KILN_GGUF_SIMD
@@ -91,30 +100,111 @@ static inline void load_block(const uint8_t *blk, int qtype, __m512 *lo, __m512 
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
 }
 
-/* Output rows [o0, o1) for M rows of float32 x; M is a compile-time constant at each call
- * site, so the M accumulators stay in registers. */
+/* A K-quant block's scales as dequantize computes them, in float32: Q4_K's 8 sub-blocks of 32
+ * get d * sc (a) and dmin * m (b); Q6_K's 16 groups of 16 get d * scale (a). */
+typedef struct { float a[16], b[8]; } KScales;
+
+static inline void k_scales(const uint8_t *blk, int qtype, KScales *s) {
+    if (qtype == GGML_Q6_K) {
+        const __m512 d = _mm512_set1_ps(half_at(blk + 208));
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128((const __m128i *)(blk + 192))));
+        _mm512_storeu_ps(s->a, _mm512_mul_ps(d, sc));
+        return;
+    }
+    const float d = half_at(blk), dmin = half_at(blk + 2);
+    const uint8_t *q = blk + 4; /* 6-bit scales and mins, packed as llama.cpp's get_scale_min */
+    for (int j = 0; j < 8; ++j) {
+        const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4);
+        const int m = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+        s->a[j] = d * (float)sc;
+        s->b[j] = dmin * (float)m;
+    }
+}
+
+/* Values 32u .. 32u + 31 of a K-quant block (lo = the first 16). */
+static inline void load_unit_k(const uint8_t *blk, int qtype, int u, const KScales *s,
+                               __m512 *lo, __m512 *hi) {
+    if (qtype == GGML_Q4_K) {
+        /* Sub-block u: the low (u even) or high nibbles of bytes 32 (u / 2) .. + 31. */
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512 table = _mm512_sub_round_ps(
+            _mm512_mul_round_ps(_mm512_set1_ps(s->a[u]), iota, EXACT), _mm512_set1_ps(s->b[u]),
+            EXACT);
+        const uint8_t *q = blk + 16 + (u >> 1) * 32;
+        __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+        __m512i i1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
+        if (u & 1) {
+            i0 = _mm512_srli_epi32(i0, 4);
+            i1 = _mm512_srli_epi32(i1, 4);
+        }
+        *lo = _mm512_permutexvar_ps(i0, table);
+        *hi = _mm512_permutexvar_ps(i1, table);
+        return;
+    }
+    /* Q6_K, value 32u + t: 4 low bits from ql[64 (u / 4) + 32 (u % 2) + t] (high nibble when
+     * u / 2 is odd), 2 high bits from qh[32 (u / 4) + t] >> 2 (u % 4); minus 32. */
+    const __m256i nib = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(0x03);
+    __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + (u >> 2) * 64 + (u & 1) * 32));
+    if ((u >> 1) & 1) ql = _mm256_srli_epi16(ql, 4);
+    __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + (u >> 2) * 32));
+    qh = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * (u & 3))), two);
+    const __m256i q = _mm256_sub_epi8(
+        _mm256_or_si256(_mm256_and_si256(ql, nib), _mm256_slli_epi16(qh, 4)),
+        _mm256_set1_epi8(32));
+    *lo = _mm512_mul_ps(_mm512_set1_ps(s->a[2 * u]),
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
+    *hi = _mm512_mul_ps(_mm512_set1_ps(s->a[2 * u + 1]),
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))));
+}
+
+/* Values 32g .. 32g + 31 of a row: unit g of its blocks, `units` (1, or K_UNITS for K-quants) to
+ * a block. Units are asked for in order, so a K-quant block's scales are computed at its first. */
+#define K_UNITS 8
+static inline __attribute__((always_inline)) void load_unit(
+        const uint8_t *row, int qtype, int bb, int units, int64_t g, KScales *s, __m512 *lo,
+        __m512 *hi) {
+    if (units == 1) {
+        load_block(row + g * bb, qtype, lo, hi);
+        return;
+    }
+    const uint8_t *blk = row + (g / K_UNITS) * bb;
+    const int u = (int)(g % K_UNITS);
+    if (u == 0) k_scales(blk, qtype, s);
+    load_unit_k(blk, qtype, u, s, lo, hi);
+}
+
+/* Output rows [o0, o1) for M rows of float32 x; M and units are compile-time constants at each
+ * call site, so the M accumulators stay in registers and 32-value types skip the K-quant path. */
 static inline __attribute__((always_inline)) void rows_f32(
         const float *x, const uint8_t *weight, int qtype, int bb, const void *bias, void *out,
-        const int M, int64_t o0, int64_t o1, int64_t n, int64_t k, int dtype) {
-    const int64_t nb = k / QK;
+        const int M, const int units, int64_t o0, int64_t o1, int64_t n, int64_t k, int dtype) {
+    const int64_t nb = k / QK, row_bytes = nb / units * bb; /* nb: units of 32 values */
+    KScales s;
     for (int64_t o = o0; o < o1; ++o) {
-        const uint8_t *row = weight + o * nb * bb;
-        /* Two accumulators a row: one chain of FMAs would wait on each one's latency. */
+        const uint8_t *row = weight + o * row_bytes;
+        /* Below 4 rows, two accumulators a row: a single chain of FMAs would wait on each one's
+         * latency. From 4 rows on the rows' chains overlap, and 2 M accumulators spill. */
         __m512 acc[MAX_ROWS], acc2[MAX_ROWS];
-        for (int r = 0; r < M; ++r) acc[r] = acc2[r] = _mm512_setzero_ps();
+        for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+        for (int r = 0; r < M && M < 4; ++r) acc2[r] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
             __m512 lo, hi;
-            load_block(row + b * bb, qtype, &lo, &hi);
+            load_unit(row, qtype, bb, units, b, &s, &lo, &hi);
             for (int r = 0; r < M; ++r) {
                 const float *xr = x + r * k + b * QK;
                 acc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[r]);
-                acc2[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), acc2[r]);
+                if (M < 4)
+                    acc2[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), acc2[r]);
+                else
+                    acc[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), acc[r]);
             }
         }
         const float bv = bias ? load_elem(bias, o, dtype) : 0.f;
-        for (int r = 0; r < M; ++r)
-            store_elem(out, r * n + o, _mm512_reduce_add_ps(_mm512_add_ps(acc[r], acc2[r])) + bv,
-                       dtype);
+        for (int r = 0; r < M; ++r) {
+            const __m512 sum = M < 4 ? _mm512_add_ps(acc[r], acc2[r]) : acc[r];
+            store_elem(out, r * n + o, _mm512_reduce_add_ps(sum) + bv, dtype);
+        }
     }
 }
 
@@ -123,18 +213,20 @@ static inline __attribute__((always_inline)) void rows_f32(
  * into float32 lanes; x and the weights share one value order, so the pairing is immaterial. */
 static inline __attribute__((always_inline)) void rows_bf16(
         const uint16_t *x, const uint8_t *weight, int qtype, int bb, const void *bias,
-        void *out, const int M, int64_t o0, int64_t o1, int64_t n, int64_t k, int dtype) {
-    const int64_t nb = k / QK;
+        void *out, const int M, const int units, int64_t o0, int64_t o1, int64_t n, int64_t k,
+        int dtype) {
+    const int64_t nb = k / QK, row_bytes = nb / units * bb; /* nb: units of 32 values */
+    KScales s;
     for (int64_t o = o0; o < o1; ++o) {
-        const uint8_t *row = weight + o * nb * bb;
-        /* Blocks in pairs, one accumulator each, for two chains of dot products. */
+        const uint8_t *row = weight + o * row_bytes;
+        /* Units in pairs, one accumulator each, for two chains of dot products. */
         __m512 acc[MAX_ROWS], acc2[MAX_ROWS];
         for (int r = 0; r < M; ++r) acc[r] = acc2[r] = _mm512_setzero_ps();
         int64_t b = 0;
         for (; b + 1 < nb; b += 2) {
             __m512 lo, hi, lo2, hi2;
-            load_block(row + b * bb, qtype, &lo, &hi);
-            load_block(row + (b + 1) * bb, qtype, &lo2, &hi2);
+            load_unit(row, qtype, bb, units, b, &s, &lo, &hi);
+            load_unit(row, qtype, bb, units, b + 1, &s, &lo2, &hi2);
             const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo); /* values 0-31 in order */
             const __m512bh w2 = _mm512_cvtne2ps_pbh(hi2, lo2);
             for (int r = 0; r < M; ++r) {
@@ -145,7 +237,7 @@ static inline __attribute__((always_inline)) void rows_bf16(
         }
         if (b < nb) {
             __m512 lo, hi;
-            load_block(row + b * bb, qtype, &lo, &hi);
+            load_unit(row, qtype, bb, units, b, &s, &lo, &hi);
             const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);
             for (int r = 0; r < M; ++r)
                 acc[r] = _mm512_dpbf16_ps(acc[r], w,
@@ -163,16 +255,17 @@ static inline __attribute__((always_inline)) void rows_bf16(
 static void matmul(const void *x, int x_f32, const uint8_t *weight, int qtype, int bb,
                    const void *bias, void *out, int m, int64_t n, int64_t k, int dtype,
                    int64_t o0, int64_t o1) {
-#define ROWS(M) case M: KERNEL(M); break;
+    const int units = kiln_gguf_block_values(qtype) / QK;
+#define ROWS(M) case M: if (units == 1) KERNEL(M, 1); else KERNEL(M, K_UNITS); break;
 #define CASES switch (m) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8) }
     if (x_f32) {
-#define KERNEL(M) rows_f32(x, weight, qtype, bb, bias, out, M, o0, o1, n, k, dtype)
+#define KERNEL(M, U) rows_f32(x, weight, qtype, bb, bias, out, M, U, o0, o1, n, k, dtype)
         CASES
 #undef KERNEL
     }
 #if KILN_GGUF_BF16
     else {
-#define KERNEL(M) rows_bf16(x, weight, qtype, bb, bias, out, M, o0, o1, n, k, dtype)
+#define KERNEL(M, U) rows_bf16(x, weight, qtype, bb, bias, out, M, U, o0, o1, n, k, dtype)
         CASES
 #undef KERNEL
     }
@@ -182,12 +275,14 @@ static void matmul(const void *x, int x_f32, const uint8_t *weight, int qtype, i
 }
 #endif
 
-/* out [m, n] = x [m, k] @ W^T (+ bias [n]), 1 <= m <= MAX_ROWS, k a multiple of 32. */
+/* out [m, n] = x [m, k] @ W^T (+ bias [n]), 1 <= m <= MAX_ROWS, k a multiple of the type's
+ * block values (32, or 256 for K-quants). */
 int kiln_gguf_matmul(const void *x, const uint8_t *weight, int32_t qtype, const void *bias,
                      void *out, int32_t m, int64_t n, int64_t k, int32_t dtype,
                      int32_t num_threads) {
     const int bb = kiln_gguf_block_bytes(qtype);
-    if (!KILN_GGUF_SIMD || bb == 0 || m < 1 || m > MAX_ROWS || k < QK || k % QK) return 1;
+    const int vpb = kiln_gguf_block_values(qtype);
+    if (!KILN_GGUF_SIMD || bb == 0 || m < 1 || m > MAX_ROWS || k < vpb || k % vpb) return 1;
 #if KILN_GGUF_SIMD
     const void *xin = x;
     float *xf = NULL;
