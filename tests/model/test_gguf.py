@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from checkpoints import make_tiny_checkpoint
+from gguf_blocks import quantized_blocks
 from kiln.model.layers import cpu_gemm
 from kiln.model.loader import build_model
 from kiln.native import gguf_matmul
@@ -48,7 +50,8 @@ def gguf_name(hf_name: str) -> str:
 
 def write_tiny_gguf(path, hf_state: dict, hf_config, types: dict = _TYPES) -> dict:
     """Write hf_state as a llama GGUF (llama.cpp name part -> storage type in `types`, F32 when
-    absent); returns the float32 values a correct loader must produce."""
+    absent; K-quant tensors hold random blocks, see gguf_blocks); returns the float32 values a
+    correct loader must produce."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -62,7 +65,7 @@ def write_tiny_gguf(path, hf_state: dict, hf_config, types: dict = _TYPES) -> di
         elif ".attn_k." in gname:
             w = llama_cpp_permute(w, hf_config.num_key_value_heads)
         qtype = getattr(gguf.GGMLQuantizationType, types.get(gname.split(".")[-2], "F32"))
-        data = w if qtype == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(w, qtype)
+        data = w if qtype == gguf.GGMLQuantizationType.F32 else quantized_blocks(w, qtype.name)
         writer.add_tensor(gname, data, raw_dtype=qtype)
         back = gguf.quants.dequantize(data, qtype).astype(np.float32).reshape(w.shape)
         if ".attn_q." in gname or ".attn_k." in gname:  # expected in HF row order
@@ -91,6 +94,21 @@ def test_name_mapping():
     assert gguf_to_hf_name("rope_freqs.weight") is None
 
 
+def _assert_loaded(model, expected: dict, num_layers: int) -> None:
+    """Every parameter holds what write_tiny_gguf wrote for it, merged parts in order."""
+    params = dict(model.named_parameters())
+    merged = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        for fused, parts in merged.items():
+            prefix = p + fused.split(".")[0] + "."
+            want = torch.cat([expected[f"{prefix}{x}_proj.weight"] for x in parts])
+            assert torch.equal(params[f"{p}{fused}.weight"], want), f"{p}{fused}"
+    for name, want in expected.items():
+        if name in params:
+            assert torch.equal(params[name], want), name
+
+
 def test_tiny_gguf_loads_dequantized_weights(tiny_llama_dir, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
@@ -102,15 +120,10 @@ def test_tiny_gguf_loads_dequantized_weights(tiny_llama_dir, tmp_path, monkeypat
     model = build_model(cfg)
     with torch.no_grad():
         load_gguf_weights(model, tmp_path / "tiny.gguf", hf_config)
+    _assert_loaded(model, expected, hf_config.num_hidden_layers)
     params = dict(model.named_parameters())
-    for i in range(hf_config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        qkv = torch.cat([expected[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
-        assert torch.equal(params[p + "self_attn.qkv_proj.weight"], qkv)
-        gate_up = torch.cat([expected[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")])
-        assert torch.equal(params[p + "mlp.gate_up_proj.weight"], gate_up)
-        assert torch.equal(params[p + "self_attn.o_proj.weight"], state[p + "self_attn.o_proj.weight"])
-    assert torch.equal(params["model.embed_tokens.weight"], expected["model.embed_tokens.weight"])
+    assert torch.equal(params["model.layers.0.self_attn.o_proj.weight"],
+                       state["model.layers.0.self_attn.o_proj.weight"])  # F32: as saved
     assert torch.equal(params["lm_head.weight"], state["lm_head.weight"])
     # The F32 tensors are exact and the quantized ones close: rope rows must be in HF order.
     assert (params["model.layers.0.self_attn.qkv_proj.weight"][:16]
@@ -125,12 +138,14 @@ def _load_tiny(tiny_llama_dir, tmp_path, types: dict):
 
     cfg = kiln_config_for(tiny_llama_dir)
     hf_config = cfg.model_config.hf_config
-    write_tiny_gguf(tmp_path / "tiny.gguf", load_file(str(tiny_llama_dir / "model.safetensors")),
-                    hf_config, types)
+    expected = write_tiny_gguf(tmp_path / "tiny.gguf",
+                               load_file(str(tiny_llama_dir / "model.safetensors")), hf_config,
+                               types)
     model = build_model(cfg)
     with torch.no_grad():
         load_gguf_weights(model, tmp_path / "tiny.gguf", hf_config)
         prepack_for_cpu(model)
+    _assert_loaded(model, expected, hf_config.num_hidden_layers)
     return model, cfg
 
 
@@ -169,6 +184,31 @@ def test_decode_steps_read_the_blocks_and_match_the_float_weights(
     prompt = [5, 17, 3, 99, 42, 7, 1, 250, 31, 8, 64]  # 11 tokens: the prefill takes the floats
     with_blocks = greedy_generate(model, cfg, prompt, max_new_tokens=6)
     assert calls and set(calls) == {1}  # every decode step's linears, and nothing else
+    monkeypatch.setattr(cpu_gemm, "_GGUF_BLOCKS", {})
+    assert greedy_generate(model, cfg, prompt, max_new_tokens=6) == with_blocks
+
+
+@pytest.mark.skipif(not gguf_matmul.available(), reason="the GGUF kernel needs AVX-512")
+def test_k_quant_file_loads_and_decodes_from_its_blocks(tmp_path, monkeypatch):
+    """A Q4_K_M-style file (Q4_K, Q6_K for the down projections and the head; K-quant rows need
+    256-multiple widths, hence a wider tiny model): every tensor loads as dequantize gives it,
+    every linear keeps its blocks, and decode steps read them, with the float weights' tokens."""
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
+    model_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False, hidden_size=256,
+                                     intermediate_size=512)
+    types = {part: "Q4_K" for part in ("token_embd", "attn_q", "attn_k", "attn_v",
+                                       "attn_output", "ffn_gate", "ffn_up")}
+    model, cfg = _load_tiny(model_dir, tmp_path, {**types, "ffn_down": "Q6_K", "output": "Q6_K"})
+    blocks = dict(cpu_gemm._GGUF_BLOCKS)
+    linears = [m.weight for m in model.modules() if hasattr(m, "use_packed_gemm")]
+    assert len(linears) == 2 * 4 + 1 and all(w.data_ptr() in blocks for w in linears)
+    calls = []
+    real = gguf_matmul.quantized_linear
+    monkeypatch.setattr(gguf_matmul, "quantized_linear",
+                        lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    prompt = [5, 17, 3, 99, 42, 7, 1, 250, 31, 8, 64]  # 11 tokens: the prefill takes the floats
+    with_blocks = greedy_generate(model, cfg, prompt, max_new_tokens=6)
+    assert calls and set(calls) == {1}
     monkeypatch.setattr(cpu_gemm, "_GGUF_BLOCKS", {})
     assert greedy_generate(model, cfg, prompt, max_new_tokens=6) == with_blocks
 

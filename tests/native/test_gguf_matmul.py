@@ -4,32 +4,18 @@ import numpy as np
 import pytest
 import torch
 
+from gguf_blocks import quantized_blocks
 from kiln.native import gguf_matmul
 
 pytestmark = pytest.mark.skipif(not gguf_matmul.available(),
                                 reason="the GGUF kernel needs a C compiler and AVX-512")
 
 
-# Where each K-quant block keeps its fp16 super-scales (gguf-py cannot quantize to K-quants, so
-# their blocks are random bytes with these set to small finite values).
-_K_SCALE_OFFSETS = {"Q4_K": (0, 2), "Q6_K": (208,)}
-
-
 def _blocks(qtype_name: str, out_features: int, in_features: int, seed: int = 0):
     """(uint8 blocks, float32 values they hold) for a random weight."""
-    rng = np.random.default_rng(seed)
+    w = np.random.default_rng(seed).standard_normal((out_features, in_features))
+    blocks = quantized_blocks(w, qtype_name, seed)
     qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
-    if qtype_name in _K_SCALE_OFFSETS:
-        block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-        raw = rng.integers(0, 256, (out_features, in_features // block_values, block_bytes),
-                           dtype=np.uint8)
-        for offset in _K_SCALE_OFFSETS[qtype_name]:
-            scale = rng.uniform(0.001, 0.01, raw.shape[:2]).astype(np.float16)
-            raw[:, :, offset:offset + 2] = scale[..., None].view(np.uint8)
-        blocks = raw.reshape(out_features, -1)
-    else:
-        w = rng.standard_normal((out_features, in_features)).astype(np.float32)
-        blocks = gguf.quants.quantize(w, qtype)
     values = gguf.quants.dequantize(blocks, qtype).astype(np.float32)
     return (torch.from_numpy(np.ascontiguousarray(blocks)),
             torch.from_numpy(values.reshape(out_features, in_features)))
