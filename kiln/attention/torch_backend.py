@@ -63,10 +63,12 @@ class TorchAttentionImpl(AttentionImpl):
             raise RuntimeError("attention has metadata but its layer has no kv_cache; the worker "
                                "must allocate the KV cache before running real steps")
         n = attn_metadata.num_actual_tokens
-        self._write_kv(k[:n], v[:n], kv_cache, attn_metadata.slot_mapping[:n],
-                       attn_metadata.step_cache)
-        if n < num_tokens:
-            out[n:].zero_()  # padding rows belong to no request
+        if n < num_tokens:  # padded batch (CUDA graphs): the padding rows belong to no request
+            self._write_kv(k[:n], v[:n], kv_cache, attn_metadata.slot_mapping[:n],
+                           attn_metadata.step_cache)
+            out[n:].zero_()
+        else:
+            self._write_kv(k, v, kv_cache, attn_metadata.slot_mapping, attn_metadata.step_cache)
         self._attend(q, k, v, kv_cache, attn_metadata, out)
 
     def _write_kv(self, k, v, kv_cache, slot_mapping, step_cache) -> None:

@@ -243,3 +243,30 @@ def test_sdpa_gets_batched_inputs(impl_cls, monkeypatch):
     out, expected, _, _ = run_steps([[40, 3], [40, 40]], total=[80, 43], impl_cls=impl_cls)
     assert torch.allclose(out, expected, atol=1e-5)
     assert dims and set(dims) == {(4, 4)}
+
+
+@needs_kernel
+def test_cpu_impl_checks_caches_once_per_layer_and_metadata_once_per_step(monkeypatch):
+    counts = {"cache_args": 0, "step_args": 0}
+    for name in counts:
+        real = getattr(paged_attention, name)
+        monkeypatch.setattr(paged_attention, name, lambda *a, _n=name, _r=real: counts.update(
+            {_n: counts[_n] + 1}) or _r(*a))
+    g = torch.Generator().manual_seed(0)
+    layers = [[CpuAttentionImpl(NH, HD, HD ** -0.5, NKV),
+               torch.zeros(kv_cache_shape(64, BS, NKV, HD))] for _ in range(3)]
+    dense = [torch.zeros(kv_cache_shape(64, BS, NKV, HD)) for _ in layers]
+    pool = BlockPool(64, BS)
+    reqs = [PagedRequest(list(range(8))), PagedRequest(list(range(8)))]
+    for step, q_lens in enumerate([[5, 3], [1, 1], [1, 1]]):
+        if step == 2:  # a layer's cache replaced by a copy: its arguments are made anew
+            layers[0][1] = layers[0][1].clone()
+        _, _, md = build_step(pool, reqs, q_lens)
+        tokens = sum(q_lens)
+        for (impl, cache), reference_cache in zip(layers, dense):
+            q, k, v = (torch.randn(tokens, h * HD, generator=g) for h in (NH, NKV, NKV))
+            out, want = torch.empty(tokens, NH * HD), torch.empty(tokens, NH * HD)
+            impl.forward(q, k, v, cache, md, out)
+            TorchAttentionImpl(NH, HD, HD ** -0.5, NKV).forward(q, k, v, reference_cache, md, want)
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert counts == {"cache_args": 3 + 1, "step_args": 3}
