@@ -46,7 +46,9 @@ def test_matches_dequantize_then_matmul(qtype_name, dtype):
 
 @pytest.mark.parametrize("qtype_name", sorted(gguf_matmul.QTYPES))
 def test_uses_exactly_the_dequantized_values(qtype_name):
-    """One-hot rows pick single weights: each must be dequantize's value to the bit."""
+    """One-hot rows pick single weights: each must be dequantize's value to the bit (in steps
+    of 8 rows: a single row on 4-bit blocks takes the dot product by linearity, equal up to
+    rounding, which test_matches_dequantize_then_matmul checks)."""
     blocks, values = _blocks(qtype_name, 16, 512, seed=1)
     picked = torch.eye(512)  # [512, 512]: row i picks input column i
     got = torch.cat([gguf_matmul.quantized_linear(picked[i:i + 8], blocks,

@@ -5,10 +5,11 @@
  * 0.625 bytes per value against 4 for float32, so reading the blocks and widening them in
  * registers beats streaming the dequantized float32 copy. Values are exactly the blocks'
  * (d * q + m, d * (q - 8), d * q, (d * sc) * q - dmin * m, (d * sc) * (q - 32), rounded as
- * gguf's dequantize rounds them). float32 activations
- * multiply them in float32; bfloat16 activations multiply them rounded to bfloat16, as the
- * dequantized bfloat16 weight would hold them, with float32 accumulation (AVX512-BF16), as a
- * bfloat16 GEMM does. No activation quantization, unlike llama.cpp's integer dot products.
+ * gguf's dequantize rounds them). float32 activations multiply them in float32; bfloat16
+ * activations multiply them rounded to bfloat16, as the dequantized bfloat16 weight holds them,
+ * with float32 accumulation (AVX512-BF16), as a bfloat16 GEMM does. One row on 4-bit blocks is
+ * computed in float32 by linearity instead (one_row_q4), equal up to float32 rounding. No
+ * activation quantization, unlike llama.cpp's integer dot products.
  * The weight is [n, k / block values] blocks, row-major; x, bias and out are in dtype (dtype.h).
  * Blocks are read 32 values (a unit) at a time: a 32-value block is one unit, a K-quant block of
  * 256 eight.
@@ -174,6 +175,37 @@ static inline __attribute__((always_inline)) void load_unit(
     load_unit_k(blk, qtype, u, s, lo, hi);
 }
 
+/* Output rows [o0, o1) for one row of x (float32) on 4-bit blocks, by linearity: a block's
+ * w . x = d (q . x) + m sum(x) (m = -8 d for Q4_0), the nibbles converted as integers and
+ * sum(x) per block precomputed (xsum). Equal to the values' dot product up to float32 rounding;
+ * a decode step's commonest case, and there a table lookup per block costs more than the read. */
+static void one_row_q4(const float *x, const float *xsum, const uint8_t *weight, int qtype,
+                       int bb, const void *bias, void *out, int64_t o0, int64_t o1, int64_t k,
+                       int dtype) {
+    const int64_t nb = k / QK;
+    const int q41 = qtype == GGML_Q4_1;
+    const __m512i low = _mm512_set1_epi32(0x0f);
+    for (int64_t o = o0; o < o1; ++o) {
+        const uint8_t *row = weight + o * nb * bb;
+        __m512 acc = _mm512_setzero_ps();
+        float offset = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = row + b * bb;
+            const float d = half_at(blk);
+            const __m512i q = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(blk + (q41 ? 4 : 2))));
+            const __m512 qx = _mm512_fmadd_ps(
+                _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), _mm512_loadu_ps(x + b * QK + 16),
+                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)),
+                              _mm512_loadu_ps(x + b * QK)));
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(d), qx, acc);
+            offset += (q41 ? half_at(blk + 2) : -8.f * d) * xsum[b];
+        }
+        const float bv = bias ? load_elem(bias, o, dtype) : 0.f;
+        store_elem(out, o, _mm512_reduce_add_ps(acc) + offset + bv, dtype);
+    }
+}
+
 /* Output rows [o0, o1) for M rows of float32 x; M and units are compile-time constants at each
  * call site, so the M accumulators stay in registers and 32-value types skip the K-quant path. */
 static inline __attribute__((always_inline)) void rows_f32(
@@ -286,20 +318,41 @@ int kiln_gguf_matmul(const void *x, const uint8_t *weight, int32_t qtype, const 
 #if KILN_GGUF_SIMD
     const void *xin = x;
     float *xf = NULL;
-    if (dtype != KILN_F32 && !KILN_GGUF_BF16) { /* no bfloat16 dot product: widen x once */
+    const int one_row_q4s = m == 1 && (qtype == GGML_Q4_0 || qtype == GGML_Q4_1);
+    /* bfloat16 x is widened once where the float32 code takes it: without the bfloat16 dot
+     * product, and for one_row_q4 */
+    if (dtype != KILN_F32 && (!KILN_GGUF_BF16 || one_row_q4s)) {
         xf = malloc(sizeof(float) * (size_t)m * (size_t)k);
         if (!xf) return 2;
         for (int64_t i = 0; i < m * k; ++i) xf[i] = load_elem(x, i, dtype);
         xin = xf;
     }
     const int x_f32 = dtype == KILN_F32 || xf != NULL;
+    float *xsum = NULL; /* one row on 4-bit blocks: each block's sum of x */
+    if (one_row_q4s) {
+        xsum = malloc(sizeof(float) * (size_t)(k / QK));
+        if (!xsum) {
+            free(xf);
+            return 2;
+        }
+        const float *xv = xin;
+        for (int64_t b = 0; b < k / QK; ++b) {
+            float sum = 0.f;
+            for (int i = 0; i < QK; ++i) sum += xv[b * QK + i];
+            xsum[b] = sum;
+        }
+    }
 #pragma omp parallel num_threads(num_threads)
     {
         /* Static split of the output rows, as `omp for schedule(static)` would make. */
         const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-        matmul(xin, x_f32, weight, qtype, bb, bias, out, m, n, k, dtype, n * t / nt,
-               n * (t + 1) / nt);
+        const int64_t o0 = n * t / nt, o1 = n * (t + 1) / nt;
+        if (xsum)
+            one_row_q4(xin, xsum, weight, qtype, bb, bias, out, o0, o1, k, dtype);
+        else
+            matmul(xin, x_f32, weight, qtype, bb, bias, out, m, n, k, dtype, o0, o1);
     }
+    free(xsum);
     free(xf);
 #endif
     return 0;
