@@ -4,6 +4,8 @@ and the step's K/V written into the cache by one C call.
 The kernel reads each request's K/V blocks in place, once; longer queries keep SDPA's blocked
 kernel, which beats the kernel's per-token loop there.
 """
+import weakref
+
 import torch
 
 from kiln.native import build, paged_attention
@@ -30,15 +32,17 @@ class CpuAttentionImpl(TorchAttentionImpl):
     # A decode step calls this once per layer, so what does not change between calls is checked
     # and turned into kernel arguments once: the layer's caches when first seen, the step's
     # metadata at its first layer (measured: ~60 us a layer before, at one decode token).
-    _cache: tuple[torch.Tensor, int, paged_attention.CacheArgs | None] | None = None
+    # (weak reference to the cache tensor, its data pointer, its arguments): weak, so that a
+    # replaced cache is freed at once, not when the next step comes.
+    _cache: tuple[weakref.ref, int, paged_attention.CacheArgs | None] | None = None
 
     def _cache_args(self, kv_cache: torch.Tensor) -> paged_attention.CacheArgs | None:
         """The kernels' view of kv_cache [2, nb, bs, nkv, hd]; None when they cannot read it."""
         ptr = kv_cache.data_ptr()  # the same tensor with new storage is another cache
-        if self._cache is None or self._cache[0] is not kv_cache or self._cache[1] != ptr:
+        if self._cache is None or self._cache[0]() is not kv_cache or self._cache[1] != ptr:
             args = (paged_attention.cache_args(kv_cache[0], kv_cache[1])
                     if kv_cache.dtype in build.DTYPES else None)
-            self._cache = (kv_cache, ptr, args)
+            self._cache = (weakref.ref(kv_cache), ptr, args)
         return self._cache[2]
 
     def _write_kv(self, k, v, kv_cache, slot_mapping, step_cache) -> None:

@@ -2,6 +2,8 @@
 
 Checks paths against a dense reference: per-request, batched decode, padding, no-metadata warm-up.
 """
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -259,8 +261,10 @@ def test_cpu_impl_checks_caches_once_per_layer_and_metadata_once_per_step(monkey
     pool = BlockPool(64, BS)
     reqs = [PagedRequest(list(range(8))), PagedRequest(list(range(8)))]
     for step, q_lens in enumerate([[5, 3], [1, 1], [1, 1]]):
-        if step == 2:  # a layer's cache replaced by a copy: its arguments are made anew
+        if step == 2:  # a layer's cache replaced by a copy: its arguments are made anew,
+            replaced = weakref.ref(layers[0][1])  # and the impl does not keep the old one
             layers[0][1] = layers[0][1].clone()
+            assert replaced() is None
         _, _, md = build_step(pool, reqs, q_lens)
         tokens = sum(q_lens)
         for (impl, cache), reference_cache in zip(layers, dense):
