@@ -32,8 +32,8 @@ class CpuAttentionImpl(TorchAttentionImpl):
     # A decode step calls this once per layer, so what does not change between calls is checked
     # and turned into kernel arguments once: the layer's caches when first seen, the step's
     # metadata at its first layer (measured: ~60 us a layer before, at one decode token).
-    # (weak reference to the cache tensor, its data pointer, its arguments): weak, so that a
-    # replaced cache is freed at once, not when the next step comes.
+    # _cache: (weak reference to the cache tensor, its data pointer, its arguments); weak, so
+    # that a replaced cache is freed at once, not when the next step comes.
     _cache: tuple[weakref.ref, int, paged_attention.CacheArgs | None] | None = None
 
     def _cache_args(self, kv_cache: torch.Tensor) -> paged_attention.CacheArgs | None:

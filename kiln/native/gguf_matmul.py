@@ -2,7 +2,7 @@
 Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks on CPU (see cpu_gemm.py for when a layer takes it).
 
 At a few rows a linear is a pass over its weight, and Q4_1 blocks are 6.4x fewer bytes than
-the float32 copy (the row limits per dtype, below, are where that stops paying).
+the float32 copy (the row limits by type and dtype, below, are where that stops paying).
 """
 import ctypes
 import functools
