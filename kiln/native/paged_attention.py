@@ -102,17 +102,6 @@ def attend(q: torch.Tensor, cache: CacheArgs, step: StepArgs, scale: float,
         "kiln_paged_attention (1: a seq_len above max_seq_len or below its query length)")
 
 
-def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    block_table: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, reqs: torch.Tensor, max_seq_len: int, scale: float,
-                    out: torch.Tensor) -> None:
-    """Fill out [T, nh, hd] for the tokens of requests `reqs` (int32) from q [T, nh, hd] and the
-    paged caches [nb, bs, nkv, hd]; the int32 metadata is the step's (CPU tensors)."""
-    cache = cache_args(key_cache, value_cache)
-    attend(q, cache, step_args(block_table, query_start_loc, seq_lens, reqs, max_seq_len,
-                               cache.block_size), scale, out)
-
-
 def write(k: torch.Tensor, v: torch.Tensor, cache: CacheArgs,
           slot_mapping: torch.Tensor) -> None:
     """k, v [T, nkv, hd] (rows may be strided) into the caches at slot_mapping [T] (int64; -1
@@ -138,9 +127,3 @@ def write(k: torch.Tensor, v: torch.Tensor, cache: CacheArgs,
                          "(the cache's blocks x block_size)")
     build.check(rc, "kiln_write_kv_cache")
 
-
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor,
-                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k, v [T, nkv, hd] (rows may be strided) into the caches [nb, bs, nkv, hd] at slot_mapping
-    [T] (int64; -1 writes nowhere), all in one kernel dtype."""
-    write(k, v, cache_args(key_cache, value_cache), slot_mapping)

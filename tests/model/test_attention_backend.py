@@ -206,12 +206,18 @@ def test_cpu_kernel_refuses_lengths_its_buffers_cannot_hold():
     _, _, md = build_step(pool, reqs, [9])
     cache = torch.zeros(kv_cache_shape(32, BS, NKV, HD))
     q, out = torch.randn(9, NH, HD), torch.empty(9, NH, HD)
-    args = (q, cache[0], cache[1], md.block_table, md.query_start_loc, md.seq_lens,
-            torch.tensor([0], dtype=torch.int32))
+    caches = paged_attention.cache_args(cache[0], cache[1])
+    reqs = torch.tensor([0], dtype=torch.int32)
+
+    def attend(max_seq_len):
+        step = paged_attention.step_args(md.block_table, md.query_start_loc, md.seq_lens, reqs,
+                                         max_seq_len, BS)
+        paged_attention.attend(q, caches, step, HD ** -0.5, out)
+
     with pytest.raises(RuntimeError, match="code 1"):  # seq_len 9 > the stated max of 5
-        paged_attention.paged_attention(*args, 5, HD ** -0.5, out)
+        attend(5)
     with pytest.raises(ValueError, match="block table's 64 columns"):
-        paged_attention.paged_attention(*args, 64 * BS + 1, HD ** -0.5, out)
+        attend(64 * BS + 1)
 
 
 @needs_kernel
@@ -225,13 +231,14 @@ def test_cpu_kv_write_matches_torch_and_refuses_bad_slots(dtype):
     expected = torch.zeros(kv_cache_shape(2, BS, NKV, HD), dtype=dtype)
     write_kv_cache(k, v, expected, slots)
     cache = torch.zeros_like(expected)
-    paged_attention.write_kv_cache(k, v, cache[0], cache[1], slots)
+    caches = paged_attention.cache_args(cache[0], cache[1])
+    paged_attention.write(k, v, caches, slots)
     assert torch.equal(cache, expected)
     with pytest.raises(IndexError, match=r"outside \[-1, 8\)"):
-        paged_attention.write_kv_cache(k, v, cache[0], cache[1], torch.tensor([0, 1, 2, 8]))
+        paged_attention.write(k, v, caches, torch.tensor([0, 1, 2, 8]))
     assert torch.equal(cache, expected)  # refused before writing anything
     with pytest.raises(ValueError, match="one slot per token"):
-        paged_attention.write_kv_cache(k, v, cache[0], cache[1], slots[:3])
+        paged_attention.write(k, v, caches, slots[:3])
 
 
 @pytest.mark.parametrize("impl_cls", IMPLS)

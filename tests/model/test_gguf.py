@@ -169,14 +169,21 @@ def test_decode_steps_read_the_blocks_and_match_the_float_weights(
     types = {part: linear_type for part in ("attn_q", "attn_k", "attn_v", "attn_output",
                                             "ffn_gate", "ffn_up", "ffn_down", "output")}
     model, cfg = _load_tiny(tiny_llama_dir, tmp_path, {**types, "token_embd": "Q8_0"})
+    _assert_decode_reads_blocks(model, cfg, monkeypatch)
+
+
+def _assert_decode_reads_blocks(model, cfg, monkeypatch, atol: float = 1e-5) -> None:
+    """Every linear of the 2-layer tiny model keeps blocks in its float weight's row order (q/k
+    un-permuted, parts merged; products within `atol`); decode steps, and only they, read them,
+    with the floats' tokens."""
     blocks = dict(cpu_gemm._GGUF_BLOCKS)
     linears = [m.weight for m in model.modules() if hasattr(m, "use_packed_gemm")]
     assert len(linears) == 2 * 4 + 1 and all(w.data_ptr() in blocks for w in linears)
-    for w in linears:  # blocks in the float weight's row order (q/k un-permuted, parts merged)
-        qtype, rows = blocks[w.data_ptr()]
+    for w in linears:
+        qtype, rows, _ = blocks[w.data_ptr()]
         x = torch.randn(3, w.shape[1])
         got = gguf_matmul.quantized_linear(x, rows, qtype, w.shape[0])
-        torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=atol)
     calls = []
     real = gguf_matmul.quantized_linear
     monkeypatch.setattr(gguf_matmul, "quantized_linear",
@@ -199,18 +206,8 @@ def test_k_quant_file_loads_and_decodes_from_its_blocks(tmp_path, monkeypatch):
     types = {part: "Q4_K" for part in ("token_embd", "attn_q", "attn_k", "attn_v",
                                        "attn_output", "ffn_gate", "ffn_up")}
     model, cfg = _load_tiny(model_dir, tmp_path, {**types, "ffn_down": "Q6_K", "output": "Q6_K"})
-    blocks = dict(cpu_gemm._GGUF_BLOCKS)
-    linears = [m.weight for m in model.modules() if hasattr(m, "use_packed_gemm")]
-    assert len(linears) == 2 * 4 + 1 and all(w.data_ptr() in blocks for w in linears)
-    calls = []
-    real = gguf_matmul.quantized_linear
-    monkeypatch.setattr(gguf_matmul, "quantized_linear",
-                        lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
-    prompt = [5, 17, 3, 99, 42, 7, 1, 250, 31, 8, 64]  # 11 tokens: the prefill takes the floats
-    with_blocks = greedy_generate(model, cfg, prompt, max_new_tokens=6)
-    assert calls and set(calls) == {1}
-    monkeypatch.setattr(cpu_gemm, "_GGUF_BLOCKS", {})
-    assert greedy_generate(model, cfg, prompt, max_new_tokens=6) == with_blocks
+    # random K-quant weights reach tens, so a 256-wide row's products reach the hundreds
+    _assert_decode_reads_blocks(model, cfg, monkeypatch, atol=1e-3)
 
 
 def test_second_load_reads_the_tensor_table_not_the_file(tiny_llama_dir, tmp_path, monkeypatch):

@@ -26,8 +26,9 @@ logger = init_logger(__name__)
 # dense weight data_ptr -> (oneDNN-packed weight, whether the GEMV kernel serves it)
 _PACKED: dict[int, tuple[torch.Tensor, bool]] = {}
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-# dense weight data_ptr -> (ggml type id, the GGUF blocks [out, row_bytes] uint8)
-_GGUF_BLOCKS: dict[int, tuple[int, torch.Tensor]] = {}
+# dense weight data_ptr -> (ggml type id, the GGUF blocks [out, row_bytes] uint8, the most
+# rows they take: gguf_matmul.rows_worth_it for the weight's dtype, decided once)
+_GGUF_BLOCKS: dict[int, tuple[int, torch.Tensor, int]] = {}
 # Batch-size hint for oneDNN's reorder; any number of rows works with the packed weight.
 _BATCH_HINT = 32
 
@@ -37,7 +38,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor,
     ptr = weight.data_ptr()
     blocks = _GGUF_BLOCKS.get(ptr)
     if (blocks is not None and x.dtype == weight.dtype
-            and 0 < x.numel() <= gguf_matmul.rows_worth_it(x.dtype, blocks[0]) * x.shape[-1]
+            and 0 < x.numel() <= blocks[2] * x.shape[-1]
             and (bias is None or bias.is_contiguous() and bias.dtype == x.dtype)):
         return gguf_matmul.quantized_linear(x, blocks[1], blocks[0], weight.shape[0], bias)
     entry = _PACKED.get(ptr)
@@ -99,6 +100,6 @@ def attach_gguf_blocks(weight: torch.Tensor, qtype: int, blocks: torch.Tensor) -
     if not gguf_matmul.serves(qtype, blocks, weight):
         return False
     ptr = weight.data_ptr()
-    _GGUF_BLOCKS[ptr] = (qtype, blocks)
+    _GGUF_BLOCKS[ptr] = (qtype, blocks, gguf_matmul.rows_worth_it(weight.dtype, qtype))
     weakref.finalize(weight, _GGUF_BLOCKS.pop, ptr, None)  # the address is reused once freed
     return True
