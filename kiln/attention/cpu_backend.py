@@ -1,5 +1,5 @@
 """CPU attention: the torch backend with short queries (decodes, small chunks) sent to the C kernel,
-and the step's K/V written into the cache by one C call.
+which also writes the step's K/V into the cache, in one call per layer.
 
 The kernel reads each request's K/V blocks in place, once; longer queries keep SDPA's blocked
 kernel, which beats the kernel's per-token loop there.
@@ -31,51 +31,54 @@ def split_requests(query_lens: list[int],
 class CpuAttentionImpl(TorchAttentionImpl):
     # A decode step calls this once per layer, so what does not change between calls is checked
     # and turned into kernel arguments once: the layer's caches when first seen, the step's
-    # metadata at its first layer (measured: ~60 us a layer before, at one decode token).
+    # metadata at its first layer; a call then crosses into C once, for the K/V write and the
+    # attention together (measured at one decode token: ~60 us a layer with per-call checks and
+    # two calls, ~42 with arguments kept, ~15 with one call).
     # _cache: (weak reference to the cache tensor, its data pointer, its arguments); weak, so
     # that a replaced cache is freed at once, not when the next step comes.
     _cache: tuple[weakref.ref, int, paged_attention.CacheArgs | None] | None = None
 
     def _cache_args(self, kv_cache: torch.Tensor) -> paged_attention.CacheArgs | None:
-        """The kernels' view of kv_cache [2, nb, bs, nkv, hd]; None when they cannot read it."""
+        """The kernel's view of kv_cache [2, nb, bs, nkv, hd]; None when it cannot read it."""
         ptr = kv_cache.data_ptr()  # the same tensor with new storage is another cache
         if self._cache is None or self._cache[0]() is not kv_cache or self._cache[1] != ptr:
-            args = (paged_attention.cache_args(kv_cache[0], kv_cache[1])
+            args = (paged_attention.CacheArgs(kv_cache[0], kv_cache[1])
                     if kv_cache.dtype in build.DTYPES else None)
             self._cache = (weakref.ref(kv_cache), ptr, args)
         return self._cache[2]
 
-    def _write_kv(self, k, v, kv_cache, slot_mapping, step_cache) -> None:
-        cache = self._cache_args(kv_cache)
-        if cache is None or k.dtype != cache.dtype:
-            super()._write_kv(k, v, kv_cache, slot_mapping, step_cache)
-            return
-        paged_attention.write(k, v, cache, slot_mapping)
-
-    def _attend(self, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
-        cache = self._cache_args(kv_cache)
+    def forward(self, q, k, v, kv_cache, attn_metadata, out) -> None:
+        md = attn_metadata
+        cache = self._cache_args(kv_cache) if md is not None and kv_cache is not None else None
         if cache is None or q.dtype != cache.dtype:
-            super()._attend(q, k, v, kv_cache, md, out)
+            super().forward(q, k, v, kv_cache, md, out)
             return
-        short, long = self._plan(md, cache.block_size)
-        if short is not None:
-            paged_attention.attend(q, cache, short, self.scale, out)
-        if long:
-            self._per_request(q, k, v, kv_cache, md, out, long)
+        step, long = self._plan(md, cache.block_size)
+        # Writes every real token's k/v, then attends the short queries.
+        paged_attention.run(q, k, v, out, cache, step, self.scale)
+        num_tokens = q.shape[0]
+        if long:  # their k/v are in the cache now
+            nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_size
+            self._per_request(q.view(num_tokens, nh, hd), k.view(num_tokens, nkv, hd),
+                              v.view(num_tokens, nkv, hd), kv_cache, md,
+                              out.view(num_tokens, nh, hd), long)
+        if md.num_actual_tokens < num_tokens:  # padding rows (CUDA graphs) belong to no request
+            out[md.num_actual_tokens:].zero_()
 
     @staticmethod
     def _plan(md: AttentionMetadata,
-              block_size: int) -> tuple[paged_attention.StepArgs | None, list[int]]:
-        """(the kernel's arguments for the short queries or None, the long queries' requests);
-        once per step, shared by every layer."""
+              block_size: int) -> tuple[paged_attention.StepArgs, list[int]]:
+        """(the kernel's arguments: every real token's slot, the short queries' requests; the
+        long queries' requests); once per step, shared by every layer."""
         if "cpu_split" not in md.step_cache:
             starts = md.query_start_loc_cpu[:md.num_reqs + 1].tolist()
             short, long = split_requests([e - s for s, e in zip(starts, starts[1:])])
-            reqs = torch.tensor(short, dtype=torch.int32)
-            args = paged_attention.step_args(md.block_table, md.query_start_loc, md.seq_lens,
-                                             reqs, md.max_seq_len, block_size) if short else None
-            md.step_cache["cpu_split"] = (args, long, reqs)  # reqs: alive while args point at it
-        return md.step_cache["cpu_split"][:2]
+            args = paged_attention.StepArgs(
+                md.block_table, md.query_start_loc, md.seq_lens,
+                torch.tensor(short, dtype=torch.int32), md.max_seq_len, block_size,
+                md.slot_mapping, md.num_actual_tokens)
+            md.step_cache["cpu_split"] = (args, long)
+        return md.step_cache["cpu_split"]
 
 
 class CpuAttentionBackend(TorchAttentionBackend):

@@ -205,19 +205,24 @@ def test_cpu_kernel_refuses_lengths_its_buffers_cannot_hold():
     pool, reqs = BlockPool(32, BS), [PagedRequest(list(range(9)))]
     _, _, md = build_step(pool, reqs, [9])
     cache = torch.zeros(kv_cache_shape(32, BS, NKV, HD))
-    q, out = torch.randn(9, NH, HD), torch.empty(9, NH, HD)
-    caches = paged_attention.cache_args(cache[0], cache[1])
+    q, out = torch.randn(9, NH * HD), torch.empty(9, NH * HD)
+    k = v = torch.randn(9, NKV * HD)
+    caches = paged_attention.CacheArgs(cache[0], cache[1])
     reqs = torch.tensor([0], dtype=torch.int32)
 
-    def attend(max_seq_len):
-        step = paged_attention.step_args(md.block_table, md.query_start_loc, md.seq_lens, reqs,
-                                         max_seq_len, BS)
-        paged_attention.attend(q, caches, step, HD ** -0.5, out)
+    def run(max_seq_len):
+        step = paged_attention.StepArgs(md.block_table, md.query_start_loc, md.seq_lens, reqs,
+                                        max_seq_len, BS, md.slot_mapping, 9)
+        paged_attention.run(q, k, v, out, caches, step, HD ** -0.5)
 
-    with pytest.raises(RuntimeError, match="code 1"):  # seq_len 9 > the stated max of 5
-        attend(5)
+    with pytest.raises(RuntimeError, match="code 1: a seq_len above max_seq_len"):
+        run(5)  # seq_len 9 > the stated max of 5
     with pytest.raises(ValueError, match="block table's 64 columns"):
-        attend(64 * BS + 1)
+        run(64 * BS + 1)
+    with pytest.raises(ValueError, match=r"out must be torch.float32 \[>= 9, 32\]"):
+        paged_attention.run(q, k, v, out[:4], caches, paged_attention.StepArgs(
+            md.block_table, md.query_start_loc, md.seq_lens, reqs, 9, BS, md.slot_mapping, 9),
+            HD ** -0.5)
 
 
 @needs_kernel
@@ -225,20 +230,28 @@ def test_cpu_kernel_refuses_lengths_its_buffers_cannot_hold():
 def test_cpu_kv_write_matches_torch_and_refuses_bad_slots(dtype):
     # k and v as the model hands them over: column slices of one qkv row per token.
     qkv = torch.randn(4, (NH + 2 * NKV) * HD).to(dtype)
-    k = qkv[:, NH * HD:(NH + NKV) * HD].view(4, NKV, HD)
-    v = qkv[:, (NH + NKV) * HD:].view(4, NKV, HD)
+    q, k, v = qkv.split([NH * HD, NKV * HD, NKV * HD], dim=-1)
     slots = torch.tensor([7, -1, 0, 5])
     expected = torch.zeros(kv_cache_shape(2, BS, NKV, HD), dtype=dtype)
-    write_kv_cache(k, v, expected, slots)
+    write_kv_cache(k.view(4, NKV, HD), v.view(4, NKV, HD), expected, slots)
     cache = torch.zeros_like(expected)
-    caches = paged_attention.cache_args(cache[0], cache[1])
-    paged_attention.write(k, v, caches, slots)
+    caches = paged_attention.CacheArgs(cache[0], cache[1])
+    no_reqs = torch.zeros(0, dtype=torch.int32)  # write only
+
+    def write(slot_mapping):
+        step = paged_attention.StepArgs(torch.zeros(1, 1, dtype=torch.int32),
+                                        torch.zeros(1, dtype=torch.int32),
+                                        torch.zeros(0, dtype=torch.int32), no_reqs, 0, BS,
+                                        slot_mapping, 4)
+        paged_attention.run(q, k, v, torch.empty(4, NH * HD, dtype=dtype), caches, step, 1.0)
+
+    write(slots)
     assert torch.equal(cache, expected)
     with pytest.raises(IndexError, match=r"outside \[-1, 8\)"):
-        paged_attention.write(k, v, caches, torch.tensor([0, 1, 2, 8]))
+        write(torch.tensor([0, 1, 2, 8]))
     assert torch.equal(cache, expected)  # refused before writing anything
     with pytest.raises(ValueError, match="one slot per token"):
-        paged_attention.write(k, v, caches, slots[:3])
+        write(slots[:3])
 
 
 @pytest.mark.parametrize("impl_cls", IMPLS)
@@ -256,7 +269,7 @@ def test_sdpa_gets_batched_inputs(impl_cls, monkeypatch):
 
 @needs_kernel
 def test_cpu_impl_checks_caches_once_per_layer_and_metadata_once_per_step(monkeypatch):
-    counts = {"cache_args": 0, "step_args": 0}
+    counts = {"CacheArgs": 0, "StepArgs": 0}
     for name in counts:
         real = getattr(paged_attention, name)
         monkeypatch.setattr(paged_attention, name, lambda *a, _n=name, _r=real: counts.update(
@@ -280,4 +293,4 @@ def test_cpu_impl_checks_caches_once_per_layer_and_metadata_once_per_step(monkey
             impl.forward(q, k, v, cache, md, out)
             TorchAttentionImpl(NH, HD, HD ** -0.5, NKV).forward(q, k, v, reference_cache, md, want)
             torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    assert counts == {"cache_args": 3 + 1, "step_args": 3}
+    assert counts == {"CacheArgs": 3 + 1, "StepArgs": 3}

@@ -6,11 +6,13 @@
  * and called through ctypes; OpenMP comes from the libgomp torch has already loaded.
  *
  * Layouts (element strides given where a tensor may be a view):
- *   q, out       [tokens, num_heads, head_size], token stride q_stride / out_stride
+ *   q, out       [tokens, num_heads * head_size], token stride q_stride / out_stride
+ *   k, v         [tokens, num_kv_heads * head_size], token stride k_stride / v_stride
  *   k/v_cache    [num_blocks, block_size, num_kv_heads, head_size], contiguous
  *   block_table  [num_reqs, bt_stride] int32
  *   query_start  [num_reqs + 1] int32; seq_lens [num_reqs] int32 (context incl. this step)
  *   reqs         [num_sel] int32: the requests this call computes (the rest are left alone)
+ *   slots        [num_tokens] int64: each token's cache slot, -1 for none (padding)
  */
 #include <math.h>
 #include <stdint.h>
@@ -18,6 +20,23 @@
 #include <string.h>
 
 #include "dtype.h"
+
+/* A layer's caches and one step's metadata, checked and built once (paged_attention.py's
+ * cache_args and step_args) and passed by pointer: a layer's call hands over only its tensors. */
+typedef struct {
+    void *key, *value;
+    int64_t num_slots; /* num_blocks * block_size */
+    int32_t num_kv_heads, head_size, block_size, dtype;
+} KilnKvCache;
+
+typedef struct {
+    const int32_t *block_table;
+    int64_t bt_stride;
+    const int32_t *query_start, *seq_lens, *reqs;
+    const int64_t *slots;
+    int64_t num_tokens; /* the tokens whose k/v are written */
+    int32_t num_sel, max_seq_len;
+} KilnAttnStep;
 
 /* n values at element offset `off` of `base` as floats: a pointer into base for float32, else
  * converted into buf. */
@@ -123,15 +142,18 @@ static void attend_token_64(ATTEND_TOKEN_ARGS) { attend_token(ATTEND_TOKEN_PASS,
 static void attend_token_128(ATTEND_TOKEN_ARGS) { attend_token(ATTEND_TOKEN_PASS, 128); }
 static void attend_token_any(ATTEND_TOKEN_ARGS, int hd) { attend_token(ATTEND_TOKEN_PASS, hd); }
 
-int kiln_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
-                         const void *v_cache, const int32_t *block_table, int64_t bt_stride,
-                         const int32_t *query_start, const int32_t *seq_lens,
-                         const int32_t *reqs, int32_t num_sel, void *out, int64_t out_stride,
-                         int32_t num_heads, int32_t num_kv_heads, int32_t head_size,
-                         int32_t block_size, int32_t max_seq_len, float scale, int32_t dtype,
-                         int32_t num_threads) {
+/* Attention of the step's selected requests (their k/v already in the cache) into out. */
+static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride, int num_heads,
+                  float scale, const KilnKvCache *c, const KilnAttnStep *st, int num_threads) {
+    const void *k_cache = c->key, *v_cache = c->value;
+    const int32_t *block_table = st->block_table, *query_start = st->query_start;
+    const int32_t *seq_lens = st->seq_lens, *reqs = st->reqs;
+    const int64_t bt_stride = st->bt_stride;
+    const int num_sel = st->num_sel, max_seq_len = st->max_seq_len;
+    const int num_kv_heads = c->num_kv_heads, head_size = c->head_size;
+    const int block_size = c->block_size, dtype = c->dtype;
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || block_size <= 0 || head_size <= 0)
-        return 1;
+        return 8;
     const int group = num_heads / num_kv_heads, hd = head_size;
     const int64_t slot_stride = (int64_t)num_kv_heads * hd;
     /* Work items: a request with all its kv heads when there are enough requests to keep every
@@ -196,21 +218,34 @@ int kiln_paged_attention(const void *q, int64_t q_stride, const void *k_cache,
     return failed; /* 1 bad lengths, 2 out of memory, 3 both */
 }
 
-/* The step's new keys and values into their cache slots: row t of k and v (num_kv_heads *
- * head_size contiguous values, rows k_stride / v_stride apart) to slot slots[t] of the caches;
- * slot -1 writes nowhere (a padding token). One call instead of torch's two index_copy_ ops,
- * whose per-call cost exceeds the copy itself at decode sizes. */
-int kiln_write_kv_cache(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
-                        void *k_cache, void *v_cache, const int64_t *slots, int64_t num_tokens,
-                        int64_t num_slots, int64_t row_len, int32_t dtype) {
-    const size_t elem = dtype == KILN_F32 ? 4 : 2, row_bytes = (size_t)row_len * elem;
-    for (int64_t t = 0; t < num_tokens; ++t)
-        if (slots[t] < -1 || slots[t] >= num_slots) return 1; /* check all before writing any */
-    for (int64_t t = 0; t < num_tokens; ++t) {
-        const int64_t s = slots[t];
+/* Row t of k and v (num_kv_heads * head_size values each) into cache slot slots[t]; slot -1
+ * writes nowhere (a padding token). All slots are checked before any is written. */
+static int write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
+                    const KilnKvCache *c, const KilnAttnStep *st) {
+    const size_t elem = c->dtype == KILN_F32 ? 4 : 2;
+    const size_t row_bytes = (size_t)c->num_kv_heads * c->head_size * elem;
+    for (int64_t t = 0; t < st->num_tokens; ++t)
+        if (st->slots[t] < -1 || st->slots[t] >= c->num_slots) return 4;
+    for (int64_t t = 0; t < st->num_tokens; ++t) {
+        const int64_t s = st->slots[t];
         if (s < 0) continue;
-        memcpy((char *)k_cache + s * row_bytes, (const char *)k + t * k_stride * elem, row_bytes);
-        memcpy((char *)v_cache + s * row_bytes, (const char *)v + t * v_stride * elem, row_bytes);
+        memcpy((char *)c->key + s * row_bytes, (const char *)k + t * k_stride * elem, row_bytes);
+        memcpy((char *)c->value + s * row_bytes, (const char *)v + t * v_stride * elem,
+               row_bytes);
     }
     return 0;
+}
+
+/* One layer's attention for a step: its new keys and values into the cache, then the selected
+ * requests' queries against their whole context. One call per layer, since crossing from
+ * Python costs more than a decode's work here. Returns 0, or bits: 1 a seq_len above
+ * max_seq_len or below its query length, 2 out of memory, 4 a slot outside the cache (then
+ * nothing is written), 8 bad head counts. */
+int kiln_paged_attention(const void *q, int64_t q_stride, const void *k, int64_t k_stride,
+                         const void *v, int64_t v_stride, void *out, int64_t out_stride,
+                         int32_t num_heads, float scale, const KilnKvCache *cache,
+                         const KilnAttnStep *step, int32_t num_threads) {
+    const int rc = write_kv(k, k_stride, v, v_stride, cache, step);
+    if (rc || step->num_sel == 0) return rc;
+    return attend(q, q_stride, out, out_stride, num_heads, scale, cache, step, num_threads);
 }
