@@ -1,7 +1,8 @@
-"""Builds Kiln's C kernels (csrc/*.c) into shared libraries at first use and loads them (ctypes).
+"""Builds Kiln's C kernels (csrc/*.c) into shared libraries at first use and loads them (ctypes),
+and its C++ torch ops (csrc/*.cpp) into libraries torch loads (`load_torch_op`).
 
-Compiled with the C compiler Inductor also uses, cached under Kiln's cache root keyed by the
-sources, compiler and CPU flags (-march=native); None, with one warning, when it cannot be done.
+Cached under Kiln's cache root keyed by the sources, compiler and CPU flags (-march=native), and
+torch's version for the C++ ones; None / False, with one warning, when it cannot be done.
 """
 import ctypes
 import functools
@@ -24,6 +25,8 @@ CSRC = Path(__file__).parent / "csrc"
 # -ffast-math: dot products end in a vector tree instead of 16 scalar adds, and expf vectorizes
 # (glibc's libmvec). Safe here: the kernels never produce inf or NaN from finite inputs.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffast-math"]
+# The C++ ops only dispatch (their arithmetic is in the C kernels): no -march or fast-math.
+CXX_FLAGS = ["-O2", "-fPIC", "-shared"]
 # torch dtype -> the kernels' dtype code (csrc/dtype.h).
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -31,6 +34,19 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 def compiler() -> str | None:
     """$CC, else cc/gcc on PATH."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def cxx_compiler() -> str | None:
+    """$CXX, else c++/g++ on PATH (the compiler Inductor's CPU code needs too)."""
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
+def _torch_flags() -> list[str]:
+    """Compiling and linking against the running torch (its headers, ABI and libraries)."""
+    root = Path(torch.__file__).parent
+    return ["-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+            f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+            f"-L{root / 'lib'}", f"-Wl,-rpath,{root / 'lib'}", "-ltorch_cpu", "-lc10"]
 
 
 def _cpu_flags() -> str:
@@ -44,28 +60,31 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def build_key(name: str, cc: str) -> str:
+def build_key(name: str, cc: str, flags: list[str] = FLAGS) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     h = hashlib.sha256()
     for part in (name.encode(), *(p.read_bytes() for p in sorted(CSRC.iterdir())),
-                 version.encode(), " ".join(FLAGS).encode(), platform.machine().encode(),
-                 _cpu_flags().encode()):
+                 version.encode(), " ".join(flags).encode(), platform.machine().encode(),
+                 _cpu_flags().encode(), torch.__version__.encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:16]
 
 
-def build(name: str, cc: str) -> Path:
-    """csrc/<name>.c as a shared library in the cache, compiled on first use (atomic rename, so
-    processes building at once each leave a whole file)."""
-    target = envs.cache_root() / "kernels" / build_key(name, cc) / f"libkiln_{name}.so"
+def build(name: str, cc: str, cpp: bool = False) -> Path:
+    """csrc/<name>.c (or, cpp, csrc/<name>.cpp against torch) as a shared library in the cache,
+    compiled on first use (atomic rename, so processes building at once each leave a whole
+    file)."""
+    flags = CXX_FLAGS + _torch_flags() if cpp else FLAGS
+    target = envs.cache_root() / "kernels" / build_key(name, cc, flags) / f"libkiln_{name}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
+    source = CSRC / f"{name}.{'cpp' if cpp else 'c'}"
     try:
-        proc = subprocess.run([cc, *FLAGS, f"-I{CSRC}", str(CSRC / f"{name}.c"), "-o", tmp, "-lm"],
+        proc = subprocess.run([cc, f"-I{CSRC}", str(source), "-o", tmp, *flags, "-lm"],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
@@ -96,6 +115,24 @@ def load(name: str, signatures: tuple[tuple[str, tuple], ...]) -> ctypes.CDLL | 
         getattr(lib, fn).argtypes = list(argtypes)
         getattr(lib, fn).restype = ctypes.c_int
     return lib
+
+
+@functools.cache
+def load_torch_op(name: str) -> bool:
+    """Load csrc/<name>.cpp's torch ops (built on first use); False, with one warning saying
+    why, when it cannot be built."""
+    cxx = cxx_compiler()
+    if cxx is None:
+        logger.warning("no C++ compiler found (set CXX or install g++): the C++ op %s is off and "
+                       "the slower torch code runs instead", name)
+        return False
+    try:
+        torch.ops.load_library(str(build(name, cxx, cpp=True)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        logger.warning("could not build the C++ op %s (%s); the slower torch code runs instead",
+                       name, e)
+        return False
+    return True
 
 
 def check(rc: int, fn: str) -> None:

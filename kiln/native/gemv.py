@@ -1,4 +1,5 @@
-"""Python entry point of csrc/gemv.c: linear layers for decode steps of one or two rows on CPU.
+"""csrc/gemv.c, the kernel `kiln::linear` (csrc/linear_op.cpp) runs decode steps of one or two
+rows with on CPU: its build, and which weights it can take.
 
 There a linear is a pass over its weight; this kernel streams the dense weight at close to memory
 bandwidth (measured, 2 cores: a 135M-parameter model's weights in 21 ms vs oneDNN's 30 ms, fp32).
@@ -32,18 +33,3 @@ def serves(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
             and weight.is_contiguous() and weight.dim() == 2 and weight.shape[1] > 0
             and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()))
             and envs.native_cpu_ops() and _lib() is not None)
-
-
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., k] with 1..MAX_ROWS rows @ weight [n, k]^T (+ bias) -> [..., n], all in one dtype
-    (a layer `serves` accepted)."""
-    n, k = weight.shape
-    if not x.is_contiguous():
-        x = x.contiguous()
-    out = x.new_empty((*x.shape[:-1], n))
-    build.check(_lib().kiln_gemv(x.data_ptr(), weight.data_ptr(),
-                                 bias.data_ptr() if bias is not None else None, out.data_ptr(),
-                                 x.numel() // k, n, k, build.DTYPES[x.dtype],
-                                 torch.get_num_threads()), "kiln_gemv (1: bad row count)")
-    return out

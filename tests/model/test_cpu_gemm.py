@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from kiln.model.layers import cpu_gemm
 from kiln.model.layers.linear import ReplicatedLinear
-from kiln.native import gemv, gguf_matmul
+from kiln.native import gemv, gguf_matmul, linear_op
 
 pytestmark = pytest.mark.skipif(
     not cpu_gemm.cpu_packing_available(torch.device("cpu"), torch.float32),
@@ -31,13 +31,23 @@ def test_packed_matches_dense(rows):
                                rtol=1e-5, atol=1e-5)
 
 
+def _paths_taken(call) -> list[str]:
+    """The paths kiln::linear took during call()."""
+    before = linear_op.path_counts()
+    call()
+    return [p for p, n in linear_op.path_counts().items() if n > before[p] for _ in
+            range(n - before[p])]
+
+
 def test_packed_copy_is_forgotten_with_its_weight():
     layer = _packed_layer()
     ptr = layer.weight.data_ptr()
-    assert ptr in cpu_gemm._PACKED
+    assert linear_op.attached(layer.weight).packed
+    x = torch.randn(40, 32)
+    assert _paths_taken(lambda: layer(x)) == ["packed"]
     del layer
     gc.collect()
-    assert ptr not in cpu_gemm._PACKED  # a new weight at this address must not find it
+    assert not any(linear_op.attached(ptr))  # a new weight at this address must not find it
 
 
 def test_packed_op_traces_whole_graph_under_dynamo():
@@ -56,10 +66,12 @@ def test_one_or_two_rows_take_the_gemv_kernel(monkeypatch, dtype, rows):
     layer = _packed_layer(out_features=200, in_features=96).to(dtype)
     cpu_gemm.prepack_for_cpu(layer)
     x = torch.randn(rows, 96).to(dtype)
-    calls, real = [], gemv.skinny_linear
-    monkeypatch.setattr(gemv, "skinny_linear", lambda *a: calls.append(1) or real(*a))
-    got = layer(x)
-    assert calls, "the GEMV kernel was not used"
+    got = None
+
+    def call():
+        nonlocal got
+        got = layer(x)
+    assert _paths_taken(call) == ["gemv"]
     ref = F.linear(x.float(), layer.weight.float(), layer.bias.float())
     tol = 1e-4 if dtype == torch.float32 else 3e-2  # bf16 output keeps 8 mantissa bits
     torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol)
@@ -82,18 +94,13 @@ def test_gguf_blocks_take_the_few_row_steps_they_win(monkeypatch, dtype):
     assert cpu_gemm.prepack_for_cpu(layer) == 1
     assert cpu_gemm.attach_gguf_blocks(layer.weight, gguf_matmul.QTYPES["Q8_0"],
                                        torch.from_numpy(np.ascontiguousarray(blocks)))
-    rows_seen = []
-    real = gguf_matmul.quantized_linear
-    monkeypatch.setattr(gguf_matmul, "quantized_linear",
-                        lambda x, *a: rows_seen.append(x.shape[0]) or real(x, *a))
     limit = gguf_matmul.rows_worth_it(dtype, gguf_matmul.QTYPES["Q8_0"])
+    assert linear_op.attached(layer.weight).block_rows == limit
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16: its rounding of the weights
+    paths = []
     for rows in (1, limit, limit + 1):
         x = torch.randn(rows, 64).to(dtype)
         want = x.float() @ values.T + layer.bias.float()
-        torch.testing.assert_close(layer(x).float(), want, rtol=tol, atol=tol * 8)
-    assert rows_seen == [1, limit]  # more rows than pay off take the dense weights
-    ptr = layer.weight.data_ptr()
-    del layer
-    gc.collect()
-    assert ptr not in cpu_gemm._GGUF_BLOCKS
+        paths += _paths_taken(lambda: torch.testing.assert_close(
+            layer(x).float(), want, rtol=tol, atol=tol * 8))
+    assert paths == ["blocks", "blocks", "packed"]  # more rows than pay off take the dense ones

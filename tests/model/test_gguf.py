@@ -10,9 +10,8 @@ import torch
 
 from checkpoints import make_tiny_checkpoint
 from gguf_blocks import quantized_blocks
-from kiln.model.layers import cpu_gemm
 from kiln.model.loader import build_model
-from kiln.native import gguf_matmul
+from kiln.native import gguf_matmul, linear_op
 from kiln.model.loader.gguf_loader import gguf_to_hf_name, load_gguf_weights, unpermute_rope_rows
 from model._attn_helper import greedy_generate, kiln_config_for
 
@@ -154,8 +153,7 @@ def test_blocks_kept_only_where_every_part_has_one_kernel_type(tiny_llama_dir, t
                                                               monkeypatch):
     monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
     model, _ = _load_tiny(tiny_llama_dir, tmp_path, _TYPES)
-    kept = {name for name, p in model.named_parameters()
-            if p.data_ptr() in cpu_gemm._GGUF_BLOCKS}
+    kept = {name for name, p in model.named_parameters() if linear_op.attached(p).blocks}
     # q Q8_0 / k F16 / v BF16 and gate Q4_0 / up Q4_1 do not merge into one type; o_proj is F32;
     # the Q8_0 embedding is no matmul weight here (this model's head has its own, F32).
     assert kept == {"model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"}
@@ -169,29 +167,30 @@ def test_decode_steps_read_the_blocks_and_match_the_float_weights(
     types = {part: linear_type for part in ("attn_q", "attn_k", "attn_v", "attn_output",
                                             "ffn_gate", "ffn_up", "ffn_down", "output")}
     model, cfg = _load_tiny(tiny_llama_dir, tmp_path, {**types, "token_embd": "Q8_0"})
-    _assert_decode_reads_blocks(model, cfg, monkeypatch)
+    _assert_decode_reads_blocks(model, cfg)
 
 
-def _assert_decode_reads_blocks(model, cfg, monkeypatch, atol: float = 1e-5) -> None:
+def _assert_decode_reads_blocks(model, cfg, atol: float = 1e-5) -> None:
     """Every linear of the 2-layer tiny model keeps blocks in its float weight's row order (q/k
     un-permuted, parts merged; products within `atol`); decode steps, and only they, read them,
     with the floats' tokens."""
-    blocks = dict(cpu_gemm._GGUF_BLOCKS)
     linears = [m.weight for m in model.modules() if hasattr(m, "use_packed_gemm")]
-    assert len(linears) == 2 * 4 + 1 and all(w.data_ptr() in blocks for w in linears)
+    assert len(linears) == 2 * 4 + 1 and all(linear_op.attached(w).blocks for w in linears)
     for w in linears:
-        qtype, rows, _ = blocks[w.data_ptr()]
-        x = torch.randn(3, w.shape[1])
-        got = gguf_matmul.quantized_linear(x, rows, qtype, w.shape[0])
+        x = torch.randn(min(3, linear_op.attached(w).block_rows), w.shape[1])
+        before = linear_op.path_counts()["blocks"]
+        got = torch.ops.kiln.linear(x, w)
+        assert linear_op.path_counts()["blocks"] == before + 1
         torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=atol)
-    calls = []
-    real = gguf_matmul.quantized_linear
-    monkeypatch.setattr(gguf_matmul, "quantized_linear",
-                        lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     prompt = [5, 17, 3, 99, 42, 7, 1, 250, 31, 8, 64]  # 11 tokens: the prefill takes the floats
+    before = linear_op.path_counts()
     with_blocks = greedy_generate(model, cfg, prompt, max_new_tokens=6)
-    assert calls and set(calls) == {1}  # every decode step's linears, and nothing else
-    monkeypatch.setattr(cpu_gemm, "_GGUF_BLOCKS", {})
+    calls = {p: n - before[p] for p, n in linear_op.path_counts().items()}
+    # The prefill's 9 calls (8 linears, the head over all 11 rows) take the floats; the 5
+    # decode steps' 9 each the blocks.
+    assert calls == {"blocks": 5 * 9, "gemv": 0, "packed": 9, "dense": 0}
+    for w in linears:  # the same model without its blocks: the float weights' tokens
+        linear_op.attach_blocks(w, torch.empty(0, dtype=torch.uint8), 0, max_rows=0)
     assert greedy_generate(model, cfg, prompt, max_new_tokens=6) == with_blocks
 
 
@@ -207,7 +206,7 @@ def test_k_quant_file_loads_and_decodes_from_its_blocks(tmp_path, monkeypatch):
                                        "attn_output", "ffn_gate", "ffn_up")}
     model, cfg = _load_tiny(model_dir, tmp_path, {**types, "ffn_down": "Q6_K", "output": "Q6_K"})
     # random K-quant weights reach tens, so a 256-wide row's products reach the hundreds
-    _assert_decode_reads_blocks(model, cfg, monkeypatch, atol=1e-3)
+    _assert_decode_reads_blocks(model, cfg, atol=1e-3)
 
 
 def test_second_load_reads_the_tensor_table_not_the_file(tiny_llama_dir, tmp_path, monkeypatch):

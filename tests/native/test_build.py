@@ -53,3 +53,19 @@ def test_failed_build_falls_back_with_the_compiler_error(fresh_kernels, monkeypa
         assert not gemv.available()
     assert "could not build the CPU kernels gemv" in caplog.text
     assert "no such flag" in caplog.text
+
+
+def test_cpp_op_without_a_working_cxx_compiler_is_off_with_a_warning(fresh_kernels, monkeypatch,
+                                                                   caplog, tmp_path):
+    load = build.load_torch_op.__wrapped__  # uncached: the real op stays loaded in this process
+    monkeypatch.setattr(build, "cxx_compiler", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        assert not load("linear_op")
+    assert "no C++ compiler found (set CXX or install g++)" in caplog.text
+    broken = tmp_path / "cxx"
+    broken.write_text("#!/bin/sh\necho 'c++: error: no such flag' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(build, "cxx_compiler", lambda: str(broken))
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        assert not load("linear_op")
+    assert "could not build the C++ op linear_op" in caplog.text and "no such flag" in caplog.text

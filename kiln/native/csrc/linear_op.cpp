@@ -1,0 +1,170 @@
+/* The CPU kernel of the `kiln::linear` op: per call it picks, for the weight at hand, the GGUF
+ * blocks kernel, the GEMV kernel or oneDNN's packed GEMM, from what was attached to the weight
+ * once at load (kiln/model/layers/cpu_gemm.py). In C++ because a decode step makes ~120 of these
+ * calls, and the dispatcher reaches a C++ kernel in ~1.5 us against ~8 us through a Python
+ * kernel and ctypes (measured on 2 cores). The C kernels come as function pointers from their
+ * own builds (kiln/native/gemv.py, gguf_matmul.py), so each is compiled once. */
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <mutex>
+#include <shared_mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+/* csrc/gemv.c's kiln_gemv and csrc/gguf_matmul.c's kiln_gguf_matmul: 0 on success. */
+using GemvFn = int (*)(const void *x, const void *weight, const void *bias, void *out, int32_t m,
+                       int64_t n, int64_t k, int32_t dtype, int32_t num_threads);
+using GgufFn = int (*)(const void *x, const uint8_t *blocks, int32_t qtype, const void *bias,
+                       void *out, int32_t m, int64_t n, int64_t k, int32_t dtype,
+                       int32_t num_threads);
+
+/* What a weight carries besides its dense values. */
+struct Attached {
+    at::Tensor packed;       /* oneDNN's blocked copy; undefined: none */
+    int64_t gemv_rows = 0;   /* up to how many rows the GEMV kernel takes it; 0: never */
+    at::Tensor blocks;       /* the GGUF blocks [out, row_bytes] uint8; undefined: none */
+    int64_t qtype = 0;       /* their ggml type id */
+    int64_t block_rows = 0;  /* up to how many rows they beat the dense weight; 0: never */
+};
+
+std::shared_mutex registry_mutex;
+std::unordered_map<const void *, Attached> registry;  /* by the dense weight's data pointer */
+std::atomic<GemvFn> gemv_fn{nullptr};
+std::atomic<GgufFn> gguf_fn{nullptr};
+/* Calls by path (blocks, GEMV, packed, dense), for tests and benchmarks to see the choice. */
+enum { PATH_BLOCKS, PATH_GEMV, PATH_PACKED, PATH_DENSE, NUM_PATHS };
+std::atomic<int64_t> path_calls[NUM_PATHS];
+
+int32_t dtype_code(at::ScalarType t) {  /* csrc/dtype.h's codes; -1: no kernel dtype */
+    return t == at::kFloat ? 0 : t == at::kBFloat16 ? 1 : -1;
+}
+
+void count(int path) { path_calls[path].fetch_add(1, std::memory_order_relaxed); }
+
+at::Tensor packed_gemm(const at::Tensor &x, const at::Tensor &packed, int64_t out_features,
+                       const std::optional<at::Tensor> &bias) {
+    static const c10::OperatorHandle op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    std::vector<c10::IValue> stack{x.reshape({-1, x.size(-1)}), packed, bias,
+                                   std::string("none"), c10::List<std::optional<at::Scalar>>(),
+                                   std::optional<std::string>("")};
+    op.callBoxed(&stack);
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = out_features;
+    return stack[0].toTensor().view(shape);
+}
+
+at::Tensor linear(const at::Tensor &x, const at::Tensor &weight,
+                  const std::optional<at::Tensor> &bias) {
+    Attached a;
+    bool found;
+    {
+        std::shared_lock lock(registry_mutex);
+        auto it = registry.find(weight.data_ptr());
+        found = it != registry.end();
+        if (found) a = it->second;
+    }
+    if (!found || x.scalar_type() != weight.scalar_type()) {
+        count(PATH_DENSE);
+        return at::linear(x, weight, bias);
+    }
+    const int64_t k = x.size(-1), n = weight.size(0);
+    const int64_t rows = k > 0 ? x.numel() / k : 0;
+    const int32_t dtype = dtype_code(x.scalar_type());
+    const bool bias_ok = !bias || (bias->is_contiguous() && bias->scalar_type() == x.scalar_type());
+    GgufFn gguf = gguf_fn.load(std::memory_order_relaxed);
+    GemvFn gemv = gemv_fn.load(std::memory_order_relaxed);
+    const bool blocks = a.blocks.defined() && gguf && rows <= a.block_rows;
+    if (rows > 0 && dtype >= 0 && bias_ok && (blocks || (gemv && rows <= a.gemv_rows))) {
+        const at::Tensor xc = x.contiguous();
+        std::vector<int64_t> shape = x.sizes().vec();
+        shape.back() = n;
+        at::Tensor out = at::empty(shape, x.options());
+        const void *b = bias ? bias->data_ptr() : nullptr;
+        const int threads = at::get_num_threads();
+        int rc;
+        if (blocks) {
+            count(PATH_BLOCKS);
+            rc = gguf(xc.data_ptr(), static_cast<const uint8_t *>(a.blocks.data_ptr()),
+                      static_cast<int32_t>(a.qtype), b, out.data_ptr(),
+                      static_cast<int32_t>(rows), n, k, dtype, threads);
+        } else {
+            count(PATH_GEMV);
+            rc = gemv(xc.data_ptr(), weight.data_ptr(), b, out.data_ptr(),
+                      static_cast<int32_t>(rows), n, k, dtype, threads);
+        }
+        TORCH_CHECK(rc == 0, "kiln::linear: the ", blocks ? "GGUF blocks" : "GEMV",
+                    " kernel failed with code ", rc, " on x ", x.sizes(), ", weight ",
+                    weight.sizes());
+        return out;
+    }
+    if (a.packed.defined()) {
+        count(PATH_PACKED);
+        return packed_gemm(x, a.packed, n, bias);
+    }
+    count(PATH_DENSE);
+    return at::linear(x, weight, bias);
+}
+
+void attach_packed(const at::Tensor &weight, const at::Tensor &packed, int64_t gemv_rows) {
+    std::unique_lock lock(registry_mutex);
+    Attached &a = registry[weight.data_ptr()];
+    a.packed = packed;
+    a.gemv_rows = gemv_rows;
+}
+
+void attach_blocks(const at::Tensor &weight, const at::Tensor &blocks, int64_t qtype,
+                   int64_t max_rows) {
+    std::unique_lock lock(registry_mutex);
+    Attached &a = registry[weight.data_ptr()];
+    a.blocks = blocks;
+    a.qtype = qtype;
+    a.block_rows = max_rows;
+}
+
+void detach(int64_t address) {  /* the weight is gone: a new one at its address starts clean */
+    std::unique_lock lock(registry_mutex);
+    registry.erase(reinterpret_cast<const void *>(address));
+}
+
+std::vector<int64_t> attached(int64_t address) {
+    std::shared_lock lock(registry_mutex);
+    auto it = registry.find(reinterpret_cast<const void *>(address));
+    if (it == registry.end()) return {0, 0, 0, 0, 0};
+    const Attached &a = it->second;
+    return {a.packed.defined(), a.gemv_rows, a.blocks.defined(), a.qtype, a.block_rows};
+}
+
+void set_kernels(int64_t gemv, int64_t gguf) {
+    gemv_fn.store(reinterpret_cast<GemvFn>(gemv));
+    gguf_fn.store(reinterpret_cast<GgufFn>(gguf));
+}
+
+std::vector<int64_t> path_counts() {
+    std::vector<int64_t> counts;
+    for (auto &c : path_calls) counts.push_back(c.load());
+    return counts;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kiln, m) {
+    m.def("_cpu_linear_attach_packed(Tensor weight, Tensor packed, int gemv_rows) -> ()",
+          &attach_packed);
+    m.def("_cpu_linear_attach_blocks(Tensor weight, Tensor blocks, int qtype, int max_rows) -> ()",
+          &attach_blocks);
+    m.def("_cpu_linear_detach(int address) -> ()", &detach);
+    m.def("_cpu_linear_attached(int address) -> int[]", &attached);
+    m.def("_cpu_linear_set_kernels(int gemv, int gguf) -> ()", &set_kernels);
+    m.def("_cpu_linear_path_counts() -> int[]", &path_counts);
+}
+
+TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("linear", &linear); }

@@ -1,0 +1,69 @@
+"""Python side of csrc/linear_op.cpp, the C++ CPU kernel of `kiln::linear`: loading it, and
+attaching to a weight what its calls choose from (oneDNN's packed copy, the GGUF blocks).
+
+The op finds these by the weight's address at run time, so a traced graph carries only the
+ordinary weight. A weight's attachments are dropped when it is freed (its address is reused).
+"""
+import ctypes
+import functools
+import weakref
+from typing import NamedTuple
+
+import torch
+
+from kiln.native import build, gemv, gguf_matmul
+
+PATHS = ("blocks", "gemv", "packed", "dense")  # the op's choices, in its order of preference
+
+
+@functools.cache
+def available() -> bool:
+    """The C++ kernel built and loaded, with the C kernels it calls handed over (those that
+    built); False (with one warning) when it cannot be built."""
+    if not build.load_torch_op("linear_op"):
+        return False
+
+    def address(lib, fn):
+        return ctypes.cast(getattr(lib, fn), ctypes.c_void_p).value if lib is not None else 0
+
+    torch.ops.kiln._cpu_linear_set_kernels(address(gemv._lib(), "kiln_gemv"),
+                                           address(gguf_matmul._lib(), "kiln_gguf_matmul"))
+    return True
+
+
+class Attached(NamedTuple):
+    packed: bool  # a oneDNN-packed copy
+    gemv_rows: int  # up to how many rows the GEMV kernel takes the weight (0: never)
+    blocks: bool  # GGUF blocks
+    qtype: int  # their ggml type id
+    block_rows: int  # up to how many rows they serve (0: never)
+
+
+def attached(weight: torch.Tensor | int) -> Attached:
+    """What the weight (or the weight at this address) carries."""
+    address = weight if isinstance(weight, int) else weight.data_ptr()
+    packed, gemv_rows, blocks, qtype, block_rows = torch.ops.kiln._cpu_linear_attached(address)
+    return Attached(bool(packed), gemv_rows, bool(blocks), qtype, block_rows)
+
+
+def _forget_when_freed(weight: torch.Tensor) -> None:
+    done = weakref.finalize(weight, torch.ops.kiln._cpu_linear_detach, weight.data_ptr())
+    done.atexit = False  # the process is ending: nothing to reuse the address
+
+
+def attach_packed(weight: torch.Tensor, packed: torch.Tensor, gemv_rows: int) -> None:
+    """Calls with more rows than gemv_rows (or with GEMV off: 0) take oneDNN's `packed` copy
+    of `weight`; those with fewer, the GEMV kernel on the dense weight."""
+    torch.ops.kiln._cpu_linear_attach_packed(weight, packed, gemv_rows)
+    _forget_when_freed(weight)
+
+
+def attach_blocks(weight: torch.Tensor, blocks: torch.Tensor, qtype: int, max_rows: int) -> None:
+    """Calls of up to max_rows rows read `blocks` (that `gguf_matmul.serves` accepted)."""
+    torch.ops.kiln._cpu_linear_attach_blocks(weight, blocks, qtype, max_rows)
+    _forget_when_freed(weight)
+
+
+def path_counts() -> dict[str, int]:
+    """Calls so far by the path the op took (process-wide), for tests and benchmarks."""
+    return dict(zip(PATHS, torch.ops.kiln._cpu_linear_path_counts()))
