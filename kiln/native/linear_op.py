@@ -2,7 +2,8 @@
 attaching to a weight what its calls choose from (oneDNN's packed copy, the GGUF blocks).
 
 The op finds these by the weight's address at run time, so a traced graph carries only the
-ordinary weight. A weight's attachments are dropped when it is freed (its address is reused).
+ordinary weight; it checks that the tensor is still that weight (same storage, shape, dtype).
+A weight's attachments are dropped when it is freed.
 """
 import ctypes
 import functools
@@ -39,10 +40,10 @@ class Attached(NamedTuple):
     block_rows: int  # up to how many rows they serve (0: never)
 
 
-def attached(weight: torch.Tensor | int) -> Attached:
-    """What the weight (or the weight at this address) carries."""
-    address = weight if isinstance(weight, int) else weight.data_ptr()
-    packed, gemv_rows, blocks, qtype, block_rows = torch.ops.kiln._cpu_linear_attached(address)
+def attached(weight: torch.Tensor) -> Attached:
+    """What the weight carries (nothing for another tensor at its address: a view of it, or a
+    later tensor once it is freed)."""
+    packed, gemv_rows, blocks, qtype, block_rows = torch.ops.kiln._cpu_linear_attached(weight)
     return Attached(bool(packed), gemv_rows, bool(blocks), qtype, block_rows)
 
 
@@ -62,6 +63,11 @@ def attach_blocks(weight: torch.Tensor, blocks: torch.Tensor, qtype: int, max_ro
     """Calls of up to max_rows rows read `blocks` (that `gguf_matmul.serves` accepted)."""
     torch.ops.kiln._cpu_linear_attach_blocks(weight, blocks, qtype, max_rows)
     _forget_when_freed(weight)
+
+
+def num_attached() -> int:
+    """Weights with something attached, process-wide (a freed weight's entry goes with it)."""
+    return torch.ops.kiln._cpu_linear_num_attached()
 
 
 def path_counts() -> dict[str, int]:

@@ -39,15 +39,26 @@ def _paths_taken(call) -> list[str]:
             range(n - before[p])]
 
 
-def test_packed_copy_is_forgotten_with_its_weight():
+def test_packed_copy_is_found_only_by_its_weight_and_forgotten_with_it():
+    from torch.utils import dlpack
+
+    gc.collect()  # earlier tests' weights
+    count = linear_op.num_attached()
     layer = _packed_layer()
-    ptr = layer.weight.data_ptr()
-    assert linear_op.attached(layer.weight).packed
+    assert linear_op.attached(layer.weight).packed and linear_op.num_attached() == count + 1
     x = torch.randn(40, 32)
     assert _paths_taken(lambda: layer(x)) == ["packed"]
-    del layer
+    # Tensors at the weight's address that are not the weight: a view, and a tensor with its
+    # own storage over the same memory (as a new weight at a freed one's address would be).
+    w = layer.weight.detach()
+    for other in (w[:24], dlpack.from_dlpack(dlpack.to_dlpack(w))):
+        assert other.data_ptr() == w.data_ptr() and not any(linear_op.attached(other))
+        want = F.linear(x, other)
+        assert _paths_taken(lambda: torch.testing.assert_close(
+            torch.ops.kiln.linear(x, other), want, rtol=1e-5, atol=1e-5)) == ["dense"]
+    del layer, w, other
     gc.collect()
-    assert not any(linear_op.attached(ptr))  # a new weight at this address must not find it
+    assert linear_op.num_attached() == count
 
 
 def test_packed_op_traces_whole_graph_under_dynamo():

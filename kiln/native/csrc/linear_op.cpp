@@ -28,6 +28,13 @@ using GgufFn = int (*)(const void *x, const uint8_t *blocks, int32_t qtype, cons
 
 /* What a weight carries besides its dense values. */
 struct Attached {
+    /* The weight it was attached to: its storage (held weakly, so it cannot be mistaken for a
+     * later storage at the same address after being freed, say by `module.to(dtype)`), shape
+     * and dtype (a view such as weight.t() shares the address). */
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::weak_intrusive_ptr<c10::StorageImpl>(
+        c10::intrusive_ptr<c10::StorageImpl>())};
+    std::vector<int64_t> sizes;
+    at::ScalarType dtype = at::kFloat;
     at::Tensor packed;       /* oneDNN's blocked copy; undefined: none */
     int64_t gemv_rows = 0;   /* up to how many rows the GEMV kernel takes it; 0: never */
     at::Tensor blocks;       /* the GGUF blocks [out, row_bytes] uint8; undefined: none */
@@ -49,6 +56,23 @@ int32_t dtype_code(at::ScalarType t) {  /* csrc/dtype.h's codes; -1: no kernel d
 
 void count(int path) { path_calls[path].fetch_add(1, std::memory_order_relaxed); }
 
+bool is_for(const Attached &a, const at::Tensor &weight) {
+    return a.storage._unsafe_get_target() == weight.storage().unsafeGetStorageImpl() &&
+           a.dtype == weight.scalar_type() && weight.sizes().equals(a.sizes);
+}
+
+/* The registry entry for weight, (re)started when it was another weight's. Lock held. */
+Attached &entry_for(const at::Tensor &weight) {
+    Attached &a = registry[weight.data_ptr()];
+    if (!is_for(a, weight)) {
+        a = Attached();
+        a.storage = weight.storage().getWeakStorageImpl();
+        a.sizes = weight.sizes().vec();
+        a.dtype = weight.scalar_type();
+    }
+    return a;
+}
+
 at::Tensor packed_gemm(const at::Tensor &x, const at::Tensor &packed, int64_t out_features,
                        const std::optional<at::Tensor> &bias) {
     static const c10::OperatorHandle op =
@@ -69,7 +93,7 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &weight,
     {
         std::shared_lock lock(registry_mutex);
         auto it = registry.find(weight.data_ptr());
-        found = it != registry.end();
+        found = it != registry.end() && is_for(it->second, weight);
         if (found) a = it->second;
     }
     if (!found || x.scalar_type() != weight.scalar_type()) {
@@ -116,7 +140,7 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &weight,
 
 void attach_packed(const at::Tensor &weight, const at::Tensor &packed, int64_t gemv_rows) {
     std::unique_lock lock(registry_mutex);
-    Attached &a = registry[weight.data_ptr()];
+    Attached &a = entry_for(weight);
     a.packed = packed;
     a.gemv_rows = gemv_rows;
 }
@@ -124,7 +148,7 @@ void attach_packed(const at::Tensor &weight, const at::Tensor &packed, int64_t g
 void attach_blocks(const at::Tensor &weight, const at::Tensor &blocks, int64_t qtype,
                    int64_t max_rows) {
     std::unique_lock lock(registry_mutex);
-    Attached &a = registry[weight.data_ptr()];
+    Attached &a = entry_for(weight);
     a.blocks = blocks;
     a.qtype = qtype;
     a.block_rows = max_rows;
@@ -135,10 +159,10 @@ void detach(int64_t address) {  /* the weight is gone: a new one at its address 
     registry.erase(reinterpret_cast<const void *>(address));
 }
 
-std::vector<int64_t> attached(int64_t address) {
+std::vector<int64_t> attached(const at::Tensor &weight) {
     std::shared_lock lock(registry_mutex);
-    auto it = registry.find(reinterpret_cast<const void *>(address));
-    if (it == registry.end()) return {0, 0, 0, 0, 0};
+    auto it = registry.find(weight.data_ptr());
+    if (it == registry.end() || !is_for(it->second, weight)) return {0, 0, 0, 0, 0};
     const Attached &a = it->second;
     return {a.packed.defined(), a.gemv_rows, a.blocks.defined(), a.qtype, a.block_rows};
 }
@@ -146,6 +170,11 @@ std::vector<int64_t> attached(int64_t address) {
 void set_kernels(int64_t gemv, int64_t gguf) {
     gemv_fn.store(reinterpret_cast<GemvFn>(gemv));
     gguf_fn.store(reinterpret_cast<GgufFn>(gguf));
+}
+
+int64_t num_attached() {
+    std::shared_lock lock(registry_mutex);
+    return static_cast<int64_t>(registry.size());
 }
 
 std::vector<int64_t> path_counts() {
@@ -162,7 +191,8 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
     m.def("_cpu_linear_attach_blocks(Tensor weight, Tensor blocks, int qtype, int max_rows) -> ()",
           &attach_blocks);
     m.def("_cpu_linear_detach(int address) -> ()", &detach);
-    m.def("_cpu_linear_attached(int address) -> int[]", &attached);
+    m.def("_cpu_linear_attached(Tensor weight) -> int[]", &attached);
+    m.def("_cpu_linear_num_attached() -> int", &num_attached);
     m.def("_cpu_linear_set_kernels(int gemv, int gguf) -> ()", &set_kernels);
     m.def("_cpu_linear_path_counts() -> int[]", &path_counts);
 }
