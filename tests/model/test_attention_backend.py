@@ -172,7 +172,7 @@ def test_op_traces_under_compile_and_uses_context():
 
 
 @needs_kernel
-@pytest.mark.parametrize("head_size", [64, 128, 40])  # the two unrolled sizes and the generic one
+@pytest.mark.parametrize("head_size", [64, 128, 40, 80, 256])  # unrolled; generic; SIMD widths
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernel_head_sizes_match_dense(head_size, dtype):
     nh, nkv, bs = 6, 2, 16
