@@ -117,17 +117,58 @@ def is_safe_source(expr: str) -> bool:
     return ok(tree.body)
 
 
-def make_input_fn(sources: list[str]) -> Callable[[dict], list]:
-    """One compiled function that gathers every graph input from the forward's locals `L`,
-    fetching parameters on each call as Dynamo's own bytecode does."""
-    bad = [s for s in sources if not is_safe_source(s)]
-    if bad:
-        raise ValueError(f"graph input source(s) not supported for a saved graph: {bad[:3]}")
-    body = ",\n        ".join(sources) if sources else ""
-    namespace: dict = {}
-    exec(compile(f"def graph_inputs(L):\n    return [\n        {body}]\n",
-                 "<kiln saved graph inputs>", "exec"), namespace)
-    return namespace["graph_inputs"]
+def _leaf_container(source: str) -> tuple[str, str] | None:
+    """(the dict expression, the key) of a parameter or buffer source: `L['self']`, then
+    `._modules[...]` steps, then `._parameters[k]` or `._buffers[k]`; None for other sources."""
+    node = ast.parse(source, mode="eval").body
+    if not (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr in ("_parameters", "_buffers")):
+        return None
+    step = node.value.value
+    while isinstance(step, ast.Subscript) and isinstance(step.value, ast.Attribute) and (
+            step.value.attr == "_modules" and isinstance(step.slice, ast.Constant)):
+        step = step.value.value
+    if not (isinstance(step, ast.Subscript) and isinstance(step.value, ast.Name)
+            and step.value.id == "L" and step.slice.value == "self"):
+        return None
+    return ast.unparse(node.value), node.slice.value
+
+
+class InputGatherer:
+    """Gathers every graph input from the forward's locals `L`, as one compiled function.
+
+    A parameter or buffer is read from its module's `_parameters` / `_buffers` dict on every
+    call, so a replaced parameter is seen; the dicts themselves are looked up once per `self`
+    (walking ~200 `._modules` chains took ~0.35 ms of a decode step, measured). A submodule
+    replaced after tracing is not seen: its traced code would not fit it anyway."""
+
+    def __init__(self, sources: list[str]):
+        bad = [s for s in sources if not is_safe_source(s)]
+        if bad:
+            raise ValueError(f"graph input source(s) not supported for a saved graph: {bad[:3]}")
+        containers: dict[str, int] = {}  # dict expression -> index in C
+        items = []
+        for source in sources:
+            leaf = _leaf_container(source)
+            if leaf is None:
+                items.append(source)
+            else:
+                index = containers.setdefault(leaf[0], len(containers))
+                items.append(f"C[{index}][{leaf[1]!r}]")
+        namespace: dict = {}
+        exec(compile(f"def graph_inputs(L, C):\n    return [{', '.join(items)}]\n\n"
+                     f"def containers(L):\n    return [{', '.join(containers)}]\n",
+                     "<kiln saved graph inputs>", "exec"), namespace)
+        self._gather, self._containers = namespace["graph_inputs"], namespace["containers"]
+        self._root: object = None  # the `self` the containers were looked up for
+        self._cached: list = []
+
+    def __call__(self, L: dict) -> list:
+        root = L.get("self")
+        if root is None or root is not self._root:
+            self._cached, self._root = self._containers(L), root
+        return self._gather(L, self._cached)
 
 
 def has_side_effects(code: types.CodeType) -> bool:

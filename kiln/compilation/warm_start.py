@@ -101,7 +101,7 @@ def _rebuild(backend, key: str, traced: list[str], module, forward, args, kwargs
         return None
     try:
         runner = graph_cache.SavedGraphRunner(
-            split_gm, graph_cache.make_input_fn(plan.sources), plan.output, forward)
+            split_gm, graph_cache.InputGatherer(plan.sources), plan.output, forward)
         # Dynamo would guard on these; a model whose weights differ in dtype or shape
         # under the same key (another quantization, say) must be traced afresh.
         mismatch = graph_cache.meta_mismatch(plan.input_meta, [

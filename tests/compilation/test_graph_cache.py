@@ -15,16 +15,27 @@ def test_safe_sources_are_lookup_chains_from_L():
     assert not gc.is_safe_source("L[")
 
 
-def test_input_fn_reads_params_and_args_on_every_call():
-    module = torch.nn.Linear(2, 2)
-    fn = gc.make_input_fn(["L['self']._parameters['weight']", "L['x'].size()[0]", "L['x']"])
+def test_input_gatherer_reads_params_and_args_on_every_call():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    fn = gc.InputGatherer(["L['self']._modules['0']._parameters['weight']", "L['x'].size()[0]",
+                           "L['x']", "L['self']._modules['0']._parameters['bias']"])
     x = torch.ones(5, 2)
-    w, n, same = fn({"self": module, "x": x})
-    assert w is module.weight and n == 5 and same is x
-    module.weight = torch.nn.Parameter(torch.zeros(2, 2))  # replaced: the next call sees it
-    assert fn({"self": module, "x": x})[0] is module.weight
+    w, n, same, b = fn({"self": model, "x": x})
+    assert w is model[0].weight and n == 5 and same is x and b is model[0].bias
+    model[0].weight = torch.nn.Parameter(torch.zeros(2, 2))  # replaced: the next call sees it
+    assert fn({"self": model, "x": x})[0] is model[0].weight
+    other = torch.nn.Sequential(torch.nn.Linear(2, 2))  # another module: its own parameters
+    assert fn({"self": other, "x": x})[0] is other[0].weight
     with pytest.raises(ValueError, match="not supported"):
-        gc.make_input_fn(["open('f')"])
+        gc.InputGatherer(["open('f')"])
+
+
+def test_parameter_sources_read_their_dict_directly():
+    assert gc._leaf_container("L['self']._modules['a']._modules['0']._buffers['cos']") == (
+        "L['self']._modules['a']._modules['0']._buffers", "cos")
+    for other in ("L['x']", "L['x'].size()[0]", "L['x']._parameters['w']",
+                  "L['self']._modules['a'].weight"):
+        assert gc._leaf_container(other) is None
 
 
 def test_output_spec_by_identity():
@@ -59,7 +70,7 @@ def test_runner_binds_args_kwargs_and_defaults():
         seen.append(inputs)
         return (inputs[0] * inputs[2], inputs[1])
 
-    fn = gc.make_input_fn(["L['a']", "L['b']", "L['scale']"])
+    fn = gc.InputGatherer(["L['a']", "L['b']", "L['scale']"])
     runner = gc.SavedGraphRunner(graph, fn, 0, forward)
     assert runner(object(), 3) == 6 and seen[-1] == (3, None, 2)
     assert gc.SavedGraphRunner(graph, fn, [1, 0], forward)(object(), 3, b=4, scale=5) == (4, 15)
