@@ -1,5 +1,5 @@
-"""csrc/gemv.c, the kernel `kiln::linear` (csrc/linear_op.cpp) runs decode steps of one or two
-rows with on CPU: its build, and which weights it can take.
+"""csrc/gemv.c, the CPU kernel `kiln::linear` (csrc/linear_op.cpp) uses for decode steps of one or
+two rows: its build, and which weights it can take.
 
 There a linear is a pass over its weight; this kernel streams the dense weight at close to memory
 bandwidth (measured, 2 cores: a 135M-parameter model's weights in 21 ms vs oneDNN's 30 ms, fp32).

@@ -1,5 +1,6 @@
 """Python entry point of csrc/gguf_matmul.c: decode-step linears read straight from a GGUF file's
-Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks on CPU (see cpu_gemm.py for when a layer takes it).
+Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks on CPU (see cpu_gemm.py for when a layer takes it; the
+layers reach it through kiln::linear's C++ kernel, `quantized_linear` runs it directly).
 
 At a few rows a linear is a pass over its weight, and Q4_1 blocks are 6.4x fewer bytes than
 the float32 copy (the row limits by type and dtype, below, are where that stops paying).
