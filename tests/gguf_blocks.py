@@ -4,7 +4,7 @@ import gguf
 import numpy as np
 
 # Where each K-quant block keeps its fp16 super-scales: random bytes there get small finite values.
-K_SCALE_OFFSETS = {"Q4_K": (0, 2), "Q6_K": (208,)}
+K_SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def quantized_blocks(values: np.ndarray, qtype_name: str, seed: int = 0) -> np.ndarray:

@@ -1,6 +1,7 @@
 """oneDNN-packed CPU GEMMs: same numbers as aten's linear, and no stale packing after a free."""
 import gc
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -115,3 +116,19 @@ def test_gguf_blocks_take_the_few_row_steps_they_win(monkeypatch, dtype):
         paths += _paths_taken(lambda: torch.testing.assert_close(
             layer(x).float(), want, rtol=tol, atol=tol * 8))
     assert paths == ["blocks", "blocks", "packed"]  # more rows than pay off take the dense ones
+
+
+@pytest.mark.skipif(not gguf_matmul.available(), reason="the GGUF kernel needs AVX-512")
+def test_blocks_that_never_pay_in_a_dtype_are_not_kept():
+    import gguf
+    from gguf_blocks import quantized_blocks
+
+    q5k = gguf_matmul.QTYPES["Q5_K"]
+    assert gguf_matmul.rows_worth_it(torch.bfloat16, q5k) == 0 < gguf_matmul.rows_worth_it(
+        torch.float32, q5k)
+    blocks = quantized_blocks(np.zeros((16, 256), dtype=np.float32), "Q5_K")
+    values = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q5_K).reshape(16, 256)
+    for dtype, kept in ((torch.float32, True), (torch.bfloat16, False)):
+        weight = torch.from_numpy(values.copy()).to(dtype)
+        assert cpu_gemm.attach_gguf_blocks(weight, q5k, torch.from_numpy(blocks)) is kept
+        assert linear_op.attached(weight).blocks is kept

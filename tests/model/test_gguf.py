@@ -195,15 +195,17 @@ def _assert_decode_reads_blocks(model, cfg, atol: float = 1e-5) -> None:
 
 
 @pytest.mark.skipif(not gguf_matmul.available(), reason="the GGUF kernel needs AVX-512")
-def test_k_quant_file_loads_and_decodes_from_its_blocks(tmp_path, monkeypatch):
-    """A Q4_K_M-style file (Q4_K, Q6_K for the down projections and the head; K-quant rows need
-    256-multiple widths, hence a wider tiny model): every tensor loads as dequantize gives it,
-    every linear keeps its blocks, and decode steps read them, with the float weights' tokens."""
+@pytest.mark.parametrize("main_type", ["Q4_K", "Q5_K"])
+def test_k_quant_file_loads_and_decodes_from_its_blocks(tmp_path, monkeypatch, main_type):
+    """A Q4_K_M- or Q5_K_M-style file (Q6_K for the down projections and the head; K-quant rows
+    need 256-multiple widths, hence a wider tiny model): every tensor loads as dequantize gives
+    it, every linear keeps its blocks, and decode steps read them, with the float weights'
+    tokens."""
     monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
     model_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False, hidden_size=256,
                                      intermediate_size=512)
-    types = {part: "Q4_K" for part in ("token_embd", "attn_q", "attn_k", "attn_v",
-                                       "attn_output", "ffn_gate", "ffn_up")}
+    types = {part: main_type for part in ("token_embd", "attn_q", "attn_k", "attn_v",
+                                          "attn_output", "ffn_gate", "ffn_up")}
     model, cfg = _load_tiny(model_dir, tmp_path, {**types, "ffn_down": "Q6_K", "output": "Q6_K"})
     # random K-quant weights reach tens, so a 256-wide row's products reach the hundreds
     _assert_decode_reads_blocks(model, cfg, atol=1e-3)

@@ -6,8 +6,8 @@ aten's dense `linear` at serving batch sizes (measured: [32, 576] x [576, 3072] 
 traced graph still carries only the ordinary weight (identical layers stay identical for the
 compile cache) and the op finds the packed one at run time. Steps of one or two rows take the C
 GEMV kernel on the dense weight instead (kiln/native/gemv.py), which reads the weights faster
-than oneDNN does at that size. A weight loaded from a GGUF file in Q4_0, Q4_1, Q8_0, Q4_K or
-Q6_K also keeps the file's blocks (`attach_gguf_blocks`): steps of a few rows (2 to 8 by type
+than oneDNN does at that size. A weight loaded from a GGUF file in Q4_0, Q4_1, Q8_0, Q4_K, Q5_K
+or Q6_K also keeps the file's blocks (`attach_gguf_blocks`): steps of a few rows (up to 8 by type
 and dtype, gguf_matmul.rows_worth_it) read those instead, 6.4x fewer bytes than float32 for Q4_1
 (kiln/native/gguf_matmul.py). The choice per call is made in C++ (kiln/native/linear_op.py);
 without a C++ compiler nothing is attached and the layers keep aten's linear.
@@ -73,8 +73,12 @@ def prepack_for_cpu(model: nn.Module) -> int:
 
 def attach_gguf_blocks(weight: torch.Tensor, qtype: int, blocks: torch.Tensor) -> bool:
     """Keep `blocks` (uint8 [out, row_bytes], the GGUF blocks `weight` was dequantized from) for
-    the small-batch kernel; False (nothing kept) when the kernel cannot read them for it."""
+    the small-batch kernel; False (nothing kept) when the kernel cannot read them for it, or they
+    would not pay in its dtype."""
     if not (linear_op.available() and gguf_matmul.serves(qtype, blocks, weight)):
         return False
-    linear_op.attach_blocks(weight, blocks, qtype, gguf_matmul.rows_worth_it(weight.dtype, qtype))
+    rows = gguf_matmul.rows_worth_it(weight.dtype, qtype)
+    if rows == 0:  # they would never beat the dense weight in this dtype
+        return False
+    linear_op.attach_blocks(weight, blocks, qtype, rows)
     return True

@@ -1,5 +1,5 @@
 /* Small-batch matmul on GGUF-quantized weights: out [m, n] = x [m, k] @ W^T, W in llama.cpp's
- * Q4_0, Q4_1, Q8_0, Q4_K or Q6_K blocks, for the few rows of a decode step.
+ * Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K blocks, for the few rows of a decode step.
  *
  * There a linear layer is a pass over its weight, bound by memory bandwidth: a Q4_1 weight is
  * 0.625 bytes per value against 4 for float32, so reading the blocks and widening them in
@@ -37,7 +37,8 @@
 #define MAX_ROWS 8
 #define QK 32 /* values per block */
 
-enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q6_K = 14 }; /* ggml's ids */
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13,
+       GGML_Q6_K = 14 }; /* ggml's ids */
 
 /* 1 when the vector kernel is compiled in; the caller keeps float32 weights otherwise. */
 int kiln_gguf_simd(void) { return KILN_GGUF_SIMD; }
@@ -51,13 +52,14 @@ int kiln_gguf_block_bytes(int32_t qtype) {
         case GGML_Q4_1: return 20; /* fp16 d, fp16 m, 16 bytes of nibbles */
         case GGML_Q8_0: return 34; /* fp16 d, 32 int8 */
         case GGML_Q4_K: return 144; /* fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 */
+        case GGML_Q5_K: return 176; /* as Q4_K, with 32 bytes of fifth bits before the 128 */
         case GGML_Q6_K: return 210; /* 128 low 4 bits, 64 high 2 bits, 16 int8 scales, fp16 d */
         default: return 0;
     }
 }
 
 int kiln_gguf_block_values(int32_t qtype) {
-    return qtype == GGML_Q4_K || qtype == GGML_Q6_K ? 256 : QK;
+    return qtype == GGML_Q4_K || qtype == GGML_Q5_K || qtype == GGML_Q6_K ? 256 : QK;
 }
 
 #if KILN_GGUF_SIMD
@@ -101,8 +103,8 @@ static inline void load_block(const uint8_t *blk, int qtype, __m512 *lo, __m512 
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
 }
 
-/* A K-quant block's scales as dequantize computes them, in float32: Q4_K's 8 sub-blocks of 32
- * get d * sc (a) and dmin * m (b); Q6_K's 16 groups of 16 get d * scale (a). */
+/* A K-quant block's scales as dequantize computes them, in float32: Q4_K's and Q5_K's 8
+ * sub-blocks of 32 get d * sc (a) and dmin * m (b); Q6_K's 16 groups of 16 get d * scale (a). */
 typedef struct { float a[16], b[8]; } KScales;
 
 static inline void k_scales(const uint8_t *blk, int qtype, KScales *s) {
@@ -141,6 +143,30 @@ static inline void load_unit_k(const uint8_t *blk, int qtype, int u, const KScal
         }
         *lo = _mm512_permutexvar_ps(i0, table);
         *hi = _mm512_permutexvar_ps(i1, table);
+        return;
+    }
+    if (qtype == GGML_Q5_K) {
+        /* Sub-block u: as Q4_K's nibbles (bytes 48 + 32 (u / 2) ..), plus 16 for bit u of
+         * qh[t] (bytes 16 .. 47): 32 levels, looked up in two 16-entry tables by index bit 4. */
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512 a = _mm512_set1_ps(s->a[u]), b = _mm512_set1_ps(s->b[u]);
+        const __m512 low = _mm512_sub_round_ps(_mm512_mul_round_ps(a, iota, EXACT), b, EXACT);
+        const __m512 high = _mm512_sub_round_ps(
+            _mm512_mul_round_ps(a, _mm512_add_ps(iota, _mm512_set1_ps(16.f)), EXACT), b, EXACT);
+        const __m512i nib = _mm512_set1_epi32(0x0f), one = _mm512_set1_epi32(1);
+        const uint8_t *q = blk + 48 + (u >> 1) * 32;
+        __m512i idx[2];
+        for (int half = 0; half < 2; ++half) {
+            __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * half)));
+            const __m512i h = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(blk + 16 + 16 * half)));
+            if (u & 1) i = _mm512_srli_epi32(i, 4);
+            idx[half] = _mm512_or_si512(_mm512_and_si512(i, nib),
+                                        _mm512_slli_epi32(_mm512_and_si512(
+                                            _mm512_srli_epi32(h, (unsigned)u), one), 4));
+        }
+        *lo = _mm512_permutex2var_ps(low, idx[0], high);
+        *hi = _mm512_permutex2var_ps(low, idx[1], high);
         return;
     }
     /* Q6_K, value 32u + t: 4 low bits from ql[64 (u / 4) + 32 (u % 2) + t] (high nibble when
