@@ -174,8 +174,9 @@ def test_op_traces_under_compile_and_uses_context():
 @needs_kernel
 @pytest.mark.parametrize("head_size", [64, 128, 40, 80, 256])  # unrolled; generic; SIMD widths
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_kernel_head_sizes_match_dense(head_size, dtype):
-    nh, nkv, bs = 6, 2, 16
+@pytest.mark.parametrize("nh, nkv", [(6, 2), (8, 1), (4, 4)])  # groups of 3, 8, 1 query heads
+def test_cpu_kernel_head_sizes_match_dense(head_size, dtype, nh, nkv):
+    bs = 16
     g = torch.Generator().manual_seed(head_size)
     lens = [37, 1, 70]
     seqs = [tuple(torch.randn(n, h, head_size, generator=g).to(dtype) for h in (nh, nkv, nkv))
