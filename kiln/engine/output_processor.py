@@ -116,9 +116,16 @@ class OutputProcessor:
         self.samples: dict[str, tuple[RequestState, SampleState]] = {}  # by core request id
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        # Each logprob entry names its token's text; a prompt's top-k logprobs decode thousands
+        # of ids, mostly the same few, one tokenizer call each. The text of a lone token id
+        # does not depend on its neighbours, so it is decoded once (at most a vocabulary).
+        self._token_texts: dict[int, str] = {}
 
     def _decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -153,6 +153,29 @@ def test_logprobs_dicts_and_cumulative(tokenizer):
     assert c.logprobs[1][302].decoded_token == tokenizer.decode([302])
 
 
+def test_logprob_token_texts_are_decoded_once_per_id(tokenizer):
+    class Counting:
+        def __init__(self):
+            self.calls = []
+
+        def decode(self, ids, **kw):
+            self.calls.append(list(ids))
+            return tokenizer.decode(ids, **kw)
+
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+    counting = Counting()
+    proc = OutputProcessor(counting)
+    add(proc, "r", tokenizer, logprobs=2)
+    for step in range(3):  # the same three ids at every step
+        lists = LogprobsLists(token_ids=[300, 301, 302], logprobs=[-0.5, -1.0, -2.0],
+                              sampled_rank=1)
+        proc.process_outputs([EngineCoreOutput("r", [300], new_logprobs=[lists])])
+    # 301 and 302 are never sampled: only the logprob entries decode them
+    assert sorted(c for c in counting.calls if c in ([301], [302])) == [[301], [302]]
+
+
 def test_no_logprobs_requested_gives_none(tokenizer):
     proc = OutputProcessor(tokenizer)
     add(proc, "r", tokenizer)
