@@ -171,21 +171,18 @@ def test_op_traces_under_compile_and_uses_context():
     assert torch.allclose(got, ref.transpose(0, 1).reshape(6, -1), atol=1e-5)
 
 
-@needs_kernel
-@pytest.mark.parametrize("head_size", [64, 128, 40, 80, 256])  # unrolled; generic; SIMD widths
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("nh, nkv", [(6, 2), (8, 1), (4, 4)])  # groups of 3, 8, 1 query heads
-def test_cpu_kernel_head_sizes_match_dense(head_size, dtype, nh, nkv):
+def _assert_decode_matches_dense(nh, nkv, head_size, dtype, lens, seed=0):
+    """The CPU impl over a prefill of each request's first n - 1 tokens, then one decode step:
+    each request's last token against all its keys, as dense attention gives it."""
     bs = 16
-    g = torch.Generator().manual_seed(head_size)
-    lens = [37, 1, 70]
+    g = torch.Generator().manual_seed(seed)
     seqs = [tuple(torch.randn(n, h, head_size, generator=g).to(dtype) for h in (nh, nkv, nkv))
             for n in lens]
-    pool, reqs = BlockPool(64, bs), [PagedRequest(list(range(n))) for n in lens]
+    pool, reqs = BlockPool(128, bs), [PagedRequest(list(range(n))) for n in lens]
     _, _, md = build_step(pool, reqs, [n - 1 for n in lens])
-    cache = torch.zeros(kv_cache_shape(64, bs, nkv, head_size), dtype=dtype)
+    cache = torch.zeros(kv_cache_shape(128, bs, nkv, head_size), dtype=dtype)
     impl = CpuAttentionImpl(nh, head_size, head_size ** -0.5, nkv)
-    for first, q_lens in ((True, [n - 1 for n in lens]), (False, [1, 1, 1])):
+    for first, q_lens in ((True, [n - 1 for n in lens]), (False, [1] * len(lens))):
         if not first:
             _, _, md = build_step(pool, reqs, q_lens)
         rows = [slice(n - 1, n) if not first else slice(0, n - 1) for n in lens]
@@ -199,6 +196,29 @@ def test_cpu_kernel_head_sizes_match_dense(head_size, dtype, nh, nkv):
         expected = torch.einsum("hk,khd->hd", scores.softmax(-1), v_rep[i])
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert torch.allclose(out[i].view(nh, head_size).float(), expected, atol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_size", [64, 128, 40, 80, 256])  # unrolled; generic; SIMD widths
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nh, nkv", [(6, 2), (8, 1), (4, 4)])  # groups of 3, 8, 1 query heads
+def test_cpu_kernel_head_sizes_match_dense(head_size, dtype, nh, nkv):
+    _assert_decode_matches_dense(nh, nkv, head_size, dtype, [37, 1, 70], seed=head_size)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nh, nkv, head_size, lens, threads", [
+    (9, 3, 64, [700], 2),  # 3 kv heads for 2 threads: each head's keys in 2 parts
+    (8, 1, 128, [2, 600], 4),  # 2 items for 4 threads: 4 parts, some empty for the short one
+    (4, 2, 40, [300], 2)])  # the scalar loops
+def test_long_decodes_split_their_keys_across_threads(dtype, nh, nkv, head_size, lens, threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _assert_decode_matches_dense(nh, nkv, head_size, dtype, lens)
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_kernel

@@ -107,23 +107,24 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 
 
 #if KILN_ATTN_SIMD
-/* o [rows, hd] = sum over keys s of p [rows, n_keys] (s) * the value row of key s (at head
- * offset h_off), for `rows` query heads sharing that kv head. hd <= 128, a multiple of 16. */
+/* o [rows, hd] = sum over keys k0 + s (s < nk) of p [rows, nk] (s) * that key's value row (at
+ * head offset h_off), for `rows` query heads sharing that kv head; slots relative to k0 too.
+ * hd <= 128, a multiple of 16. */
 static inline __attribute__((always_inline)) void pv_tile(
-    const float *p, int n_keys, const void *v_cache, const int64_t *slots, int64_t slot_stride,
-    int64_t h_off, const int32_t *blocks, int block_size, int dtype, float *o, const int rows,
-    const int hd) {
+    const float *p, int k0, int nk, const void *v_cache, const int64_t *slots,
+    int64_t slot_stride, int64_t h_off, const int32_t *blocks, int block_size, int dtype,
+    float *o, const int rows, const int hd) {
     __m512 out[4][8];
     for (int r = 0; r < rows; ++r)
         for (int c = 0; c < hd / 16; ++c) out[r][c] = _mm512_setzero_ps();
-    for (int s = 0; s < n_keys; ++s) {
-        prefetch_rows(v_cache, blocks, block_size, s + PREFETCH_AHEAD, n_keys, slot_stride, h_off,
-                      hd, dtype == KILN_F32 ? 4 : 2);
+    for (int s = 0; s < nk; ++s) {
+        prefetch_rows(v_cache, blocks, block_size, k0 + s + PREFETCH_AHEAD, k0 + nk, slot_stride,
+                      h_off, hd, dtype == KILN_F32 ? 4 : 2);
         const int64_t off = slots[s] * slot_stride + h_off;
         for (int c = 0; c < hd / 16; ++c) {
             const __m512 v = load16(v_cache, off + 16 * c, dtype);
             for (int r = 0; r < rows; ++r)
-                out[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[(int64_t)r * n_keys + s]), v,
+                out[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[(int64_t)r * nk + s]), v,
                                             out[r][c]);
         }
     }
@@ -132,23 +133,25 @@ static inline __attribute__((always_inline)) void pv_tile(
 }
 #endif
 
-/* One query token against keys [0, n_keys) of kv heads [h0, h0 + nh_kv), each shared by `group`
- * query heads. qs [nh_kv * group, hd] is pre-scaled; scores [nh_kv * group, n_keys]; acc like qs;
- * slots [n_keys]: each key's cache slot. A key's heads sit next to each other, so taking them
- * together reads the cache in whole rows. */
+/* One query token against keys [k0, n_keys) of kv heads [h0, h0 + nh_kv), each shared by `group`
+ * query heads. qs [nh_kv * group, hd] is pre-scaled; scores [nh_kv * group, n_keys - k0]; slots
+ * [n_keys - k0]: each key's cache slot. Out: acc (like qs) = sum of exp(score - mx) * value,
+ * denom = sum of exp(score - mx), mx = the row's largest score. A key's heads sit next to each
+ * other, so taking them together reads the cache in whole rows. */
 static inline __attribute__((always_inline)) void attend_token(
     const float *qs, const void *k_cache, const void *v_cache, const int32_t *blocks,
     int block_size, int n_keys, int h0, int nh_kv, int64_t slot_stride, int group, int dtype,
-    float *scores, float *acc, float *buf, float *denom, int64_t *slots, const int hd) {
-    const int rows = nh_kv * group, elem = dtype == KILN_F32 ? 4 : 2;
+    float *scores, float *acc, float *buf, float *denom, int64_t *slots, int k0, float *mx,
+    const int hd) {
+    const int rows = nh_kv * group, elem = dtype == KILN_F32 ? 4 : 2, nk = n_keys - k0;
     const int64_t head_off = (int64_t)h0 * hd, span = (int64_t)nh_kv * hd;
-    for (int s = 0; s < n_keys; ++s) slots[s] = key_slot(blocks, block_size, s);
-    int done = 0; /* keys whose scores are in */
+    for (int s = 0; s < nk; ++s) slots[s] = key_slot(blocks, block_size, k0 + s);
+    int done = 0; /* keys whose scores are in (relative to k0) */
 #if KILN_ATTN_SIMD
     if (hd % 16 == 0) {  /* four keys at a time, their dot products reduced together */
-        for (int s = 0; s + 4 <= n_keys; s += 4, done = s) {
+        for (int s = 0; s + 4 <= nk; s += 4, done = s) {
             for (int j = 0; j < 4; ++j)
-                prefetch_rows(k_cache, blocks, block_size, s + j + PREFETCH_AHEAD, n_keys,
+                prefetch_rows(k_cache, blocks, block_size, k0 + s + j + PREFETCH_AHEAD, n_keys,
                               slot_stride, head_off, span, elem);
             for (int h = 0; h < nh_kv; ++h) {
                 int64_t off[4];
@@ -163,15 +166,15 @@ static inline __attribute__((always_inline)) void attend_token(
                         a2 = _mm512_fmadd_ps(qv, load16(k_cache, off[2] + d, dtype), a2);
                         a3 = _mm512_fmadd_ps(qv, load16(k_cache, off[3] + d, dtype), a3);
                     }
-                    _mm_storeu_ps(scores + (int64_t)(h * group + g) * n_keys + s,
+                    _mm_storeu_ps(scores + (int64_t)(h * group + g) * nk + s,
                                   sum4(a0, a1, a2, a3));
                 }
             }
         }
     }
 #endif
-    for (int s = done; s < n_keys; ++s) {
-        prefetch_rows(k_cache, blocks, block_size, s + PREFETCH_AHEAD, n_keys, slot_stride,
+    for (int s = done; s < nk; ++s) {
+        prefetch_rows(k_cache, blocks, block_size, k0 + s + PREFETCH_AHEAD, n_keys, slot_stride,
                       head_off, span, elem);
         for (int h = 0; h < nh_kv; ++h) {
             const float *kr = row_f32(k_cache, slots[s] * slot_stride + (int64_t)(h0 + h) * hd,
@@ -181,19 +184,20 @@ static inline __attribute__((always_inline)) void attend_token(
                 float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
                 for (int d = 0; d < hd; ++d) dot += qg[d] * kr[d];
-                scores[(int64_t)(h * group + g) * n_keys + s] = dot;
+                scores[(int64_t)(h * group + g) * nk + s] = dot;
             }
         }
     }
     for (int r = 0; r < rows; ++r) {
-        float *sr = scores + (int64_t)r * n_keys;
+        float *sr = scores + (int64_t)r * nk;
         float m = sr[0], sum = 0.f;
-        for (int s = 1; s < n_keys; ++s) m = sr[s] > m ? sr[s] : m;
-        for (int s = 0; s < n_keys; ++s) {
+        for (int s = 1; s < nk; ++s) m = sr[s] > m ? sr[s] : m;
+        for (int s = 0; s < nk; ++s) {
             sr[s] = expf(sr[s] - m);
             sum += sr[s];
         }
         denom[r] = sum;
+        mx[r] = m;
     }
 #if KILN_ATTN_SIMD
     if (hd % 16 == 0 && hd <= 128) {
@@ -203,17 +207,17 @@ static inline __attribute__((always_inline)) void attend_token(
         for (int h = 0; h < nh_kv; ++h)
             for (int g = 0; g < group; g += tile) {
                 const int r = h * group + g, n = group - g < tile ? group - g : tile;
-                const float *p = scores + (int64_t)r * n_keys;
+                const float *p = scores + (int64_t)r * nk;
                 float *o = acc + (int64_t)r * hd;
                 const int64_t h_off = (int64_t)(h0 + h) * hd;
                 switch (n) { /* constant tile sizes, so the outputs stay in registers */
-                    case 4: pv_tile(p, n_keys, v_cache, slots, slot_stride, h_off, blocks,
+                    case 4: pv_tile(p, k0, nk, v_cache, slots, slot_stride, h_off, blocks,
                                     block_size, dtype, o, 4, hd); break;
-                    case 3: pv_tile(p, n_keys, v_cache, slots, slot_stride, h_off, blocks,
+                    case 3: pv_tile(p, k0, nk, v_cache, slots, slot_stride, h_off, blocks,
                                     block_size, dtype, o, 3, hd); break;
-                    case 2: pv_tile(p, n_keys, v_cache, slots, slot_stride, h_off, blocks,
+                    case 2: pv_tile(p, k0, nk, v_cache, slots, slot_stride, h_off, blocks,
                                     block_size, dtype, o, 2, hd); break;
-                    default: pv_tile(p, n_keys, v_cache, slots, slot_stride, h_off, blocks,
+                    default: pv_tile(p, k0, nk, v_cache, slots, slot_stride, h_off, blocks,
                                      block_size, dtype, o, 1, hd);
                 }
             }
@@ -221,14 +225,14 @@ static inline __attribute__((always_inline)) void attend_token(
     }
 #endif
     memset(acc, 0, sizeof(float) * rows * hd);
-    for (int s = 0; s < n_keys; ++s) {
-        prefetch_rows(v_cache, blocks, block_size, s + PREFETCH_AHEAD, n_keys, slot_stride,
+    for (int s = 0; s < nk; ++s) {
+        prefetch_rows(v_cache, blocks, block_size, k0 + s + PREFETCH_AHEAD, n_keys, slot_stride,
                       head_off, span, elem);
         for (int h = 0; h < nh_kv; ++h) {
             const float *vr = row_f32(v_cache, slots[s] * slot_stride + (int64_t)(h0 + h) * hd,
                                       hd, dtype, buf);
             for (int g = 0; g < group; ++g) {
-                const float p = scores[(int64_t)(h * group + g) * n_keys + s];
+                const float p = scores[(int64_t)(h * group + g) * nk + s];
                 float *ar = acc + (int64_t)(h * group + g) * hd;
 #pragma omp simd
                 for (int d = 0; d < hd; ++d) ar[d] += p * vr[d];
@@ -242,13 +246,38 @@ static inline __attribute__((always_inline)) void attend_token(
 #define ATTEND_TOKEN_ARGS                                                                    \
     const float *qs, const void *k_cache, const void *v_cache, const int32_t *blocks,        \
         int block_size, int n_keys, int h0, int nh_kv, int64_t slot_stride, int group,       \
-        int dtype, float *scores, float *acc, float *buf, float *denom, int64_t *slots
+        int dtype, float *scores, float *acc, float *buf, float *denom, int64_t *slots, int k0, \
+        float *mx
 #define ATTEND_TOKEN_PASS                                                                    \
     qs, k_cache, v_cache, blocks, block_size, n_keys, h0, nh_kv, slot_stride, group, dtype,  \
-        scores, acc, buf, denom, slots
+        scores, acc, buf, denom, slots, k0, mx
 static void attend_token_64(ATTEND_TOKEN_ARGS) { attend_token(ATTEND_TOKEN_PASS, 64); }
 static void attend_token_128(ATTEND_TOKEN_ARGS) { attend_token(ATTEND_TOKEN_PASS, 128); }
 static void attend_token_any(ATTEND_TOKEN_ARGS, int hd) { attend_token(ATTEND_TOKEN_PASS, hd); }
+
+static void attend_token_hd(ATTEND_TOKEN_ARGS, int hd) {
+    if (hd == 64)
+        attend_token_64(ATTEND_TOKEN_PASS);
+    else if (hd == 128)
+        attend_token_128(ATTEND_TOKEN_PASS);
+    else
+        attend_token_any(ATTEND_TOKEN_PASS, hd);
+}
+
+/* Decodes whose work items are fewer than twice the threads (one request's few kv heads: 3 over
+ * 2 threads left one with twice the work) split each item's keys into parts of at least this
+ * many, computed apart and merged by their softmax maxima, as flash-decoding does. */
+#define SPLIT_MIN_KEYS 128
+
+/* How many parts each item's keys are split into (1: none). */
+static int key_parts(int64_t items, int num_threads, int max_seq_len, const int32_t *reqs,
+                     int num_sel, const int32_t *query_start) {
+    if (items >= 2 * num_threads || max_seq_len < 2 * SPLIT_MIN_KEYS) return 1;
+    for (int i = 0; i < num_sel; ++i)
+        if (query_start[reqs[i] + 1] - query_start[reqs[i]] != 1) return 1; /* decodes only */
+    const int64_t want = (2 * num_threads + items - 1) / items, most = max_seq_len / SPLIT_MIN_KEYS;
+    return (int)(want < most ? want : most);
+}
 
 /* Attention of the step's selected requests (their k/v already in the cache) into out. */
 static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride, int num_heads,
@@ -268,54 +297,99 @@ static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride
      * thread busy (whole cache rows), else one (request, kv head) each. */
     const int split_heads = num_sel < 2 * num_threads;
     const int heads_per_item = split_heads ? 1 : num_kv_heads;
-    const int64_t items = (int64_t)num_sel * (num_kv_heads / heads_per_item);
-    int failed = 0;
+    const int per_req = num_kv_heads / heads_per_item;
+    const int64_t items = (int64_t)num_sel * per_req;
+    const size_t rows = (size_t)heads_per_item * group, unit_floats = rows * ((size_t)hd + 2);
+    const int parts = key_parts(items, num_threads, max_seq_len, reqs, num_sel, query_start);
+    /* parts > 1: per (item, part), rows x hd unnormalized outputs, then rows sums and maxima */
+    float *partial = parts > 1 ? malloc(sizeof(float) * (size_t)(items * parts) * unit_floats)
+                               : NULL;
+    if (parts > 1 && !partial) return 2;
+    int failed = 0, any_failed = 0; /* any_failed: shared, so every thread skips the merge */
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        const size_t rows = (size_t)heads_per_item * group;
         float *scores = malloc(sizeof(float) * rows * (size_t)max_seq_len);
         float *qs = malloc(sizeof(float) * rows * (size_t)hd);
         float *acc = malloc(sizeof(float) * rows * (size_t)hd);
         float *buf = malloc(sizeof(float) * (size_t)hd);
         float *denom = malloc(sizeof(float) * rows);
+        float *mx = malloc(sizeof(float) * rows);
         int64_t *slots = malloc(sizeof(int64_t) * (size_t)max_seq_len);
-        failed = (!scores || !qs || !acc || !buf || !denom || !slots) ? 2 : 0;
+        failed = (!scores || !qs || !acc || !buf || !denom || !mx || !slots) ? 2 : 0;
+        if (failed) {
+#pragma omp atomic write
+            any_failed = 1;
+        }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < items; ++item) {
+        for (int64_t unit = 0; unit < items * parts; ++unit) {
             if (failed) continue;
-            const int per_req = num_kv_heads / heads_per_item;
+            const int64_t item = unit / parts;
+            const int part = (int)(unit % parts);
             const int r = reqs[item / per_req], h0 = (int)(item % per_req) * heads_per_item;
             const int q_begin = query_start[r], q_end = query_start[r + 1];
             const int ctx = seq_lens[r] - (q_end - q_begin);
             if (seq_lens[r] > max_seq_len || ctx < 0) { /* the scores buffer would overflow */
                 failed = 1;
+#pragma omp atomic write
+                any_failed = 1;
                 continue;
             }
             const int32_t *blocks = block_table + (int64_t)r * bt_stride;
             for (int t = q_begin; t < q_end; ++t) {
                 const int n_keys = ctx + (t - q_begin) + 1;  /* causal: keys up to its position */
+                const int k0 = (int)((int64_t)n_keys * part / parts);
+                const int k1 = (int)((int64_t)n_keys * (part + 1) / parts);
+                float *u = parts > 1 ? partial + unit * unit_floats : NULL;
+                float *o = parts > 1 ? u : acc, *sums = parts > 1 ? u + rows * hd : denom;
+                float *maxima = parts > 1 ? sums + rows : mx;
+                if (k1 == k0) { /* a part of a short request's keys can be empty */
+                    for (size_t i = 0; i < rows; ++i) sums[i] = 0.f;
+                    continue;
+                }
                 /* the query heads of kv heads [h0, h0 + heads_per_item) are contiguous in q */
                 const int64_t q_off = (int64_t)t * q_stride + (int64_t)h0 * group * hd;
                 for (size_t i = 0; i < rows; ++i) {
                     const float *qr = row_f32(q, q_off + (int64_t)i * hd, hd, dtype, buf);
                     for (int d = 0; d < hd; ++d) qs[i * hd + d] = qr[d] * scale;
                 }
-                if (hd == 64)
-                    attend_token_64(qs, k_cache, v_cache, blocks, block_size, n_keys, h0,
-                                    heads_per_item, slot_stride, group, dtype, scores, acc, buf,
-                                    denom, slots);
-                else if (hd == 128)
-                    attend_token_128(qs, k_cache, v_cache, blocks, block_size, n_keys, h0,
-                                     heads_per_item, slot_stride, group, dtype, scores, acc, buf,
-                                     denom, slots);
-                else
-                    attend_token_any(qs, k_cache, v_cache, blocks, block_size, n_keys, h0,
-                                     heads_per_item, slot_stride, group, dtype, scores, acc, buf,
-                                     denom, slots, hd);
+                attend_token_hd(qs, k_cache, v_cache, blocks, block_size, k1, h0, heads_per_item,
+                                slot_stride, group, dtype, scores, o, buf, sums, slots, k0,
+                                maxima, hd);
+                if (parts > 1) continue;
                 const int64_t o_off = (int64_t)t * out_stride + (int64_t)h0 * group * hd;
                 for (size_t i = 0; i < rows; ++i)
                     store_row(out, o_off + (int64_t)i * hd, acc + i * hd, 1.f / denom[i], hd,
                               dtype);
+            }
+        }
+        if (parts > 1) { /* after the loop's barrier: every part is in */
+            int skip;
+#pragma omp atomic read
+            skip = any_failed;
+#pragma omp for schedule(static)
+            for (int64_t item = 0; item < items; ++item) {
+                if (skip || !acc) continue;
+                const int r = reqs[item / per_req], h0 = (int)(item % per_req) * heads_per_item;
+                const int64_t o_off = (int64_t)query_start[r] * out_stride +
+                                      (int64_t)h0 * group * hd;
+                const float *first = partial + item * parts * unit_floats;
+                for (size_t i = 0; i < rows; ++i) {
+                    float m = -INFINITY, sum = 0.f;
+                    for (int p = 0; p < parts; ++p) {
+                        const float *u = first + p * unit_floats;
+                        if (u[rows * hd + i] > 0.f && u[rows * hd + rows + i] > m)
+                            m = u[rows * hd + rows + i];
+                    }
+                    for (int d = 0; d < hd; ++d) acc[d] = 0.f;
+                    for (int p = 0; p < parts; ++p) {
+                        const float *u = first + p * unit_floats;
+                        if (u[rows * hd + i] == 0.f) continue; /* an empty part */
+                        const float w = expf(u[rows * hd + rows + i] - m);
+                        sum += w * u[rows * hd + i];
+                        for (int d = 0; d < hd; ++d) acc[d] += w * u[i * hd + d];
+                    }
+                    store_row(out, o_off + (int64_t)i * hd, acc, 1.f / sum, hd, dtype);
+                }
             }
         }
         free(scores);
@@ -323,8 +397,10 @@ static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride
         free(acc);
         free(buf);
         free(denom);
+        free(mx);
         free(slots);
     }
+    free(partial);
     return failed; /* 1 bad lengths, 2 out of memory, 3 both */
 }
 
