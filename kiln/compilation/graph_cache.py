@@ -130,7 +130,8 @@ def _leaf_container(source: str) -> tuple[str, str] | None:
             step.value.attr == "_modules" and isinstance(step.slice, ast.Constant)):
         step = step.value.value
     if not (isinstance(step, ast.Subscript) and isinstance(step.value, ast.Name)
-            and step.value.id == "L" and step.slice.value == "self"):
+            and step.value.id == "L" and isinstance(step.slice, ast.Constant)
+            and step.slice.value == "self"):
         return None
     return ast.unparse(node.value), node.slice.value
 
@@ -141,7 +142,7 @@ class InputGatherer:
     A parameter or buffer is read from its module's `_parameters` / `_buffers` dict on every
     call, so a replaced parameter is seen; the dicts themselves are looked up once per `self`
     (walking ~200 `._modules` chains took ~0.35 ms of a decode step, measured). A submodule
-    replaced after tracing is not seen: its traced code would not fit it anyway."""
+    replaced after tracing is not seen, as the traced graph is not re-traced for it either."""
 
     def __init__(self, sources: list[str]):
         bad = [s for s in sources if not is_safe_source(s)]
