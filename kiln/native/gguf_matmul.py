@@ -1,6 +1,6 @@
 """Python entry point of csrc/gguf_matmul.c: decode-step linears read straight from a GGUF file's
-Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks on CPU (see cpu_gemm.py for when a layer takes it; the
-layers reach it through kiln::linear's C++ kernel, `quantized_linear` runs it directly).
+Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks on CPU (see cpu_gemm.py for when a layer takes
+it; the layers reach it through kiln::linear's C++ kernel, `quantized_linear` runs it directly).
 
 At a few rows a linear is a pass over its weight, and Q4_1 blocks are 6.4x fewer bytes than
 the float32 copy (the row limits by type and dtype, below, are where that stops paying).
@@ -17,14 +17,15 @@ MAX_ROWS = 8  # the kernel's limit
 # the types the kernel reads, by ggml type id
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 _F32, _BF16 = torch.float32, torch.bfloat16
-# Up to how many rows the blocks beat the dense weights' kernels (oneDNN), by type and activation
-# dtype; measured on 2 cores, ms blocks / dense. 32-value types, the default model's linears + LM
-# head: float32 7.8 / 18.3 at 1 row, 12.0 / 30.6 at 4, 21.5 / 31.6 at 8; bfloat16 8.0 / 14.7 at
-# 1, 10.3 / 17.2 at 4, 14.2 / 19.0 at 8. K-quants, 16 random [6144, 1536] weights: Q4_K float32
-# 18.9 / 30.0 at 4, 32.2 / 36.1 at 8, bfloat16 15.5 / 19.0 at 2, 19.0 / 14.0 at 4; Q6_K float32
-# 20.2 / 27.7 at 4, 28.9 / 25.1 at 6, bfloat16 14.3 / 18.3 at 2, 20.0 / 13.3 at 4; Q5_K float32
-# 20.6 / 25.5 at 1, 19.8 / 27.8 at 4, 27.5 / 24.6 at 6, bfloat16 13.0 / 7.8-11.1 at 1 (their
-# decoding costs more work per value; bfloat16 weights are half the bytes of float32).
+# Up to how many rows the blocks beat the dense weight's kernels (GEMV, oneDNN), by type and
+# activation dtype; measured on 2 cores, ms blocks / dense. 32-value types, the default model's
+# linears + LM head: float32 7.8 / 18.3 at 1 row, 12.0 / 30.6 at 4, 21.5 / 31.6 at 8; bfloat16
+# 8.0 / 14.7 at 1, 10.3 / 17.2 at 4, 14.2 / 19.0 at 8. K-quants, 16 random [6144, 1536] weights:
+# Q4_K float32 18.9 / 30.0 at 4, 32.2 / 36.1 at 8, bfloat16 15.5 / 19.0 at 2, 19.0 / 14.0 at 4;
+# Q6_K float32 20.2 / 27.7 at 4, 28.9 / 25.1 at 6, bfloat16 14.3 / 18.3 at 2, 20.0 / 13.3 at 4;
+# Q5_K float32 20.6 / 25.5 at 1, 19.8 / 27.8 at 4, 27.5 / 24.6 at 6, bfloat16 13.0 / 7.8-11.1
+# at 1 (their decoding costs more work per value; bfloat16 weights are half the bytes of
+# float32).
 _ROWS_WORTH_IT = {"Q4_0": {_F32: 8, _BF16: 8}, "Q4_1": {_F32: 8, _BF16: 8},
                   "Q8_0": {_F32: 8, _BF16: 8}, "Q4_K": {_F32: 8, _BF16: 2},
                   "Q5_K": {_F32: 4, _BF16: 0}, "Q6_K": {_F32: 4, _BF16: 2}}

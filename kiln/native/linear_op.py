@@ -48,7 +48,11 @@ def attached(weight: torch.Tensor) -> Attached:
 
 
 def _forget_when_freed(weight: torch.Tensor) -> None:
-    done = weakref.finalize(weight, torch.ops.kiln._cpu_linear_detach, weight.data_ptr())
+    # By address and storage (its StorageImpl's address), so that a weight freed after another
+    # took its address over (module.to(dtype) frees the storage, not the Parameter) leaves the
+    # newcomer's entry alone.
+    done = weakref.finalize(weight, torch.ops.kiln._cpu_linear_detach, weight.data_ptr(),
+                            weight.untyped_storage()._cdata)
     done.atexit = False  # the process is ending: nothing to reuse the address
 
 

@@ -1,9 +1,8 @@
 """Python entry point of csrc/paged_attention.c: one call per layer writes the step's K/V into
 the paged cache and attends the short queries (decodes, small chunks) straight from it.
 
-What is fixed for a layer's cache (`cache_args`) or for a step (`step_args`) is checked once and
-handed to C as a struct (`CacheArgs`, `StepArgs`); a layer's call (`run`) checks and passes
-only its own tensors.
+What is fixed for a layer's cache (`CacheArgs`) or for a step (`StepArgs`) is checked once and
+handed to C as a struct; a layer's call (`run`) checks and passes only its own tensors.
 """
 import ctypes
 

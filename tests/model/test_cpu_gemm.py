@@ -62,6 +62,23 @@ def test_packed_copy_is_found_only_by_its_weight_and_forgotten_with_it():
     assert linear_op.num_attached() == count
 
 
+def test_a_freed_weight_leaves_the_entry_of_the_weight_now_at_its_address():
+    # `param.data = ...` (as module.to(dtype) does) moves a weight off its storage, but its
+    # Parameter lives on; when that Parameter goes later, a weight that took the old address
+    # over in between keeps its attachments.
+    from torch.utils import dlpack
+
+    param = torch.nn.Parameter(torch.randn(48, 32), requires_grad=False)
+    linear_op.attach_packed(param, torch.ops.mkldnn._reorder_linear_weight(param, 32), 0)
+    old = param.data
+    newcomer = dlpack.from_dlpack(dlpack.to_dlpack(old))  # the old address, its own storage
+    param.data = torch.randn(48, 32)
+    linear_op.attach_packed(newcomer, torch.ops.mkldnn._reorder_linear_weight(newcomer, 32), 0)
+    del param, old
+    gc.collect()
+    assert linear_op.attached(newcomer).packed
+
+
 def test_packed_op_traces_whole_graph_under_dynamo():
     # fullgraph=True fails if the op (fake impl included) breaks the trace.
     layer = _packed_layer()

@@ -1,8 +1,8 @@
 """Loads a GGUF file: dequantizes each tensor with `gguf` and renames llama.cpp names to HF ones.
 
 llama.cpp stores Llama's q/k rows permuted for its rope layout; that permutation is undone here.
-On CPU, linear weights in Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K also keep the file's blocks, which
-small decode steps read instead of the float32 copy (kiln/model/layers/cpu_gemm.py).
+On CPU, linear weights in Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K also keep the file's blocks,
+which small decode steps read instead of the float32 copy (kiln/model/layers/cpu_gemm.py).
 """
 import re
 from collections.abc import Iterator

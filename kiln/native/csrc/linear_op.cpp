@@ -88,13 +88,17 @@ at::Tensor packed_gemm(const at::Tensor &x, const at::Tensor &packed, int64_t ou
 
 at::Tensor linear(const at::Tensor &x, const at::Tensor &weight,
                   const std::optional<at::Tensor> &bias) {
-    Attached a;
+    struct { at::Tensor packed, blocks; int64_t gemv_rows = 0, qtype = 0, block_rows = 0; } a;
     bool found;
     {
         std::shared_lock lock(registry_mutex);
         auto it = registry.find(weight.data_ptr());
         found = it != registry.end() && is_for(it->second, weight);
-        if (found) a = it->second;
+        if (found) { /* what the call picks from, not the identity (its shape is a vector) */
+            const Attached &e = it->second;
+            a.packed = e.packed, a.blocks = e.blocks;
+            a.gemv_rows = e.gemv_rows, a.qtype = e.qtype, a.block_rows = e.block_rows;
+        }
     }
     if (!found || x.scalar_type() != weight.scalar_type()) {
         count(PATH_DENSE);
@@ -154,9 +158,15 @@ void attach_blocks(const at::Tensor &weight, const at::Tensor &blocks, int64_t q
     a.block_rows = max_rows;
 }
 
-void detach(int64_t address) {  /* the weight is gone: a new one at its address starts clean */
+/* The weight whose storage was `storage` is gone: forget its entry, unless the address has
+ * been taken over since by another weight's (whose storage differs: the entry's weak reference
+ * keeps a dead storage's object, so no live one can share its address). */
+void detach(int64_t address, int64_t storage) {
     std::unique_lock lock(registry_mutex);
-    registry.erase(reinterpret_cast<const void *>(address));
+    auto it = registry.find(reinterpret_cast<const void *>(address));
+    if (it != registry.end() &&
+        it->second.storage._unsafe_get_target() == reinterpret_cast<c10::StorageImpl *>(storage))
+        registry.erase(it);
 }
 
 std::vector<int64_t> attached(const at::Tensor &weight) {
@@ -190,7 +200,7 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
           &attach_packed);
     m.def("_cpu_linear_attach_blocks(Tensor weight, Tensor blocks, int qtype, int max_rows) -> ()",
           &attach_blocks);
-    m.def("_cpu_linear_detach(int address) -> ()", &detach);
+    m.def("_cpu_linear_detach(int address, int storage) -> ()", &detach);
     m.def("_cpu_linear_attached(Tensor weight) -> int[]", &attached);
     m.def("_cpu_linear_num_attached() -> int", &num_attached);
     m.def("_cpu_linear_set_kernels(int gemv, int gguf) -> ()", &set_kernels);
