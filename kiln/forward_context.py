@@ -4,7 +4,8 @@ The attention custom op looks up its layer by name here, which keeps per-step an
 out of the traced graph. Setting a context while one is active is an error.
 """
 import contextlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.attention.metadata import AttentionMetadata
@@ -17,6 +18,8 @@ class ForwardContext:
     attn_metadata: AttentionMetadata | None  # None: profiling / warm-up run, no KV I/O
     batch_descriptor: Any = None  # kiln.compilation.cuda_graph.BatchDescriptor
     cudagraph_runtime_mode: Any = None  # kiln.compilation.cuda_graph.CUDAGraphMode
+    # Called as the context closes, even on an error: undo per-step state kept elsewhere.
+    on_exit: list[Callable[[], None]] = field(default_factory=list)
 
 
 _forward_context: ForwardContext | None = None
@@ -43,7 +46,10 @@ def set_forward_context(attn_metadata: AttentionMetadata | None, kiln_config,
         no_compile_layers=kiln_config.compilation_config.static_forward_context,
         attn_metadata=attn_metadata, batch_descriptor=batch_descriptor,
         cudagraph_runtime_mode=cudagraph_runtime_mode)
+    context = _forward_context
     try:
-        yield _forward_context
+        yield context
     finally:
         _forward_context = None
+        for callback in context.on_exit:
+            callback()

@@ -2,13 +2,16 @@
 which also writes the step's K/V into the cache, in one call per layer.
 
 The kernel reads each request's K/V blocks in place, once; longer queries keep SDPA's blocked
-kernel, which beats the kernel's per-token loop there.
+kernel, which beats the kernel's per-token loop there. A step of short queries only is handed to
+the op's C++ kernel at its first layer, and its other layers reach the C kernel without Python.
 """
 import weakref
 
 import torch
 
-from kiln.native import build, paged_attention
+from kiln.forward_context import get_forward_context, is_forward_context_available
+from kiln.model.layers.attention import Attention
+from kiln.native import attention_op, build, paged_attention
 from kiln.attention.backend import AttentionImpl
 from kiln.attention.metadata import AttentionMetadata
 from kiln.attention.torch_backend import TorchAttentionBackend, TorchAttentionImpl
@@ -38,6 +41,10 @@ class CpuAttentionImpl(TorchAttentionImpl):
     # that a replaced cache is freed at once, not when the next step comes.
     _cache: tuple[weakref.ref, int, paged_attention.CacheArgs | None] | None = None
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        attention_op.available()  # built (once) and registered before any step runs
+
     def _cache_args(self, kv_cache: torch.Tensor) -> paged_attention.CacheArgs | None:
         """The kernel's view of kv_cache [2, nb, bs, nkv, hd]; None when it cannot read it."""
         ptr = kv_cache.data_ptr()  # the same tensor with new storage is another cache
@@ -54,6 +61,8 @@ class CpuAttentionImpl(TorchAttentionImpl):
             super().forward(q, k, v, kv_cache, md, out)
             return
         step, long = self._plan(md, cache.block_size)
+        if not long:
+            _hand_over(md, step)
         # Writes every real token's k/v, then attends the short queries.
         paged_attention.run(q, k, v, out, cache, step, self.scale)
         num_tokens = q.shape[0]
@@ -79,6 +88,50 @@ class CpuAttentionImpl(TorchAttentionImpl):
                 md.slot_mapping, md.num_actual_tokens)
             md.step_cache["cpu_split"] = (args, long)
         return md.step_cache["cpu_split"]
+
+
+# id(an engine's layer dict) -> (the KV caches' generation when built, its LayerTable); a few
+# engines at most share a process.
+_tables: dict[int, tuple[int, attention_op.LayerTable]] = {}
+_MAX_TABLES = 8
+
+
+def _layer_table(layers: dict) -> attention_op.LayerTable | None:
+    """The C++ kernel's table of the layers it can serve, rebuilt after any layer's cache was
+    assigned anew; None when it can serve none."""
+    generation = Attention.kv_cache_generation
+    known = _tables.get(id(layers))
+    if known is not None and known[0] == generation:
+        return known[1]
+    entries = {}
+    for name, layer in layers.items():
+        impl, kv_cache = getattr(layer, "impl", None), getattr(layer, "kv_cache", None)
+        if isinstance(impl, CpuAttentionImpl) and kv_cache is not None:
+            cache = impl._cache_args(kv_cache)
+            if cache is not None:
+                entries[name] = (kv_cache, cache, impl.scale)
+    table = attention_op.LayerTable(entries) if entries else None
+    if len(_tables) >= _MAX_TABLES:
+        _tables.pop(next(iter(_tables)))
+    _tables[id(layers)] = (generation, table)
+    return table
+
+
+def _hand_over(md: AttentionMetadata, step: paged_attention.StepArgs) -> None:
+    """Once per step: let the C++ kernel of kiln::unified_attention serve the step's other layers
+    with `step` until the forward context closes (kiln/native/attention_op.py)."""
+    if "cpu_handed_over" in md.step_cache:
+        return
+    md.step_cache["cpu_handed_over"] = True
+    if not (attention_op.available() and is_forward_context_available()):
+        return
+    context = get_forward_context()
+    if context.attn_metadata is not md:
+        return
+    table = _layer_table(context.no_compile_layers)
+    if table is not None:
+        attention_op.begin_step(table, step, md.num_actual_tokens)
+        context.on_exit.append(attention_op.end_step)
 
 
 class CpuAttentionBackend(TorchAttentionBackend):

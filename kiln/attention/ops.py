@@ -23,6 +23,8 @@ def _unified_attention_fake(q, k, v, out, layer_name) -> None:
     return None
 
 
-register_op("unified_attention",
-            "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, str layer_name) -> ()",
-            unified_attention, _unified_attention_fake)
+_SCHEMA = "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, str layer_name) -> ()"
+register_op("unified_attention", _SCHEMA, unified_attention, _unified_attention_fake)
+# The same, for the C++ CPU kernel of unified_attention (kiln/native/csrc/attention_op.cpp) to
+# send back what it does not serve itself.
+register_op("unified_attention_python", _SCHEMA, unified_attention, _unified_attention_fake)

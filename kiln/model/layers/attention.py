@@ -11,6 +11,10 @@ from kiln.config import get_current_kiln_config
 
 
 class Attention(nn.Module):
+    # Counts assignments of any layer's kv_cache: what keeps views of the caches (the CPU
+    # backend's layer table for its C++ kernel) rebuilds them when this changed.
+    kv_cache_generation = 0
+
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  prefix: str):
         super().__init__()
@@ -25,6 +29,15 @@ class Attention(nn.Module):
         if prefix in table:
             raise ValueError(f"duplicate attention layer name {prefix!r}")
         table[prefix] = self
+
+    @property
+    def kv_cache(self) -> torch.Tensor | None:
+        return self.__dict__["_kv_cache"]
+
+    @kv_cache.setter
+    def kv_cache(self, value: torch.Tensor | None) -> None:
+        self.__dict__["_kv_cache"] = value
+        Attention.kv_cache_generation += 1
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(q)  # [T, nh*hd]

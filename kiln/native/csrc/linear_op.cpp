@@ -17,6 +17,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "aten_dtype.h"
+
 namespace {
 
 /* csrc/gemv.c's kiln_gemv and csrc/gguf_matmul.c's kiln_gguf_matmul: 0 on success. */
@@ -49,10 +51,6 @@ std::atomic<GgufFn> gguf_fn{nullptr};
 /* Calls by path (blocks, GEMV, packed, dense), for tests and benchmarks to see the choice. */
 enum { PATH_BLOCKS, PATH_GEMV, PATH_PACKED, PATH_DENSE, NUM_PATHS };
 std::atomic<int64_t> path_calls[NUM_PATHS];
-
-int32_t dtype_code(at::ScalarType t) {  /* csrc/dtype.h's codes; -1: no kernel dtype */
-    return t == at::kFloat ? 0 : t == at::kBFloat16 ? 1 : -1;
-}
 
 void count(int path) { path_calls[path].fetch_add(1, std::memory_order_relaxed); }
 
@@ -106,7 +104,7 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &weight,
     }
     const int64_t k = x.size(-1), n = weight.size(0);
     const int64_t rows = k > 0 ? x.numel() / k : 0;
-    const int32_t dtype = dtype_code(x.scalar_type());
+    const int32_t dtype = kiln_dtype_code(x.scalar_type());
     const bool bias_ok = !bias || (bias->is_contiguous() && bias->scalar_type() == x.scalar_type());
     GgufFn gguf = gguf_fn.load(std::memory_order_relaxed);
     GemvFn gemv = gemv_fn.load(std::memory_order_relaxed);

@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "dtype.h"
+#include "paged_attention.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -28,22 +29,6 @@
 #define KILN_ATTN_SIMD 0
 #endif
 
-/* A layer's caches and one step's metadata, checked and built once (paged_attention.py's
- * cache_args and step_args) and passed by pointer: a layer's call hands over only its tensors. */
-typedef struct {
-    void *key, *value;
-    int64_t num_slots; /* num_blocks * block_size */
-    int32_t num_kv_heads, head_size, block_size, dtype;
-} KilnKvCache;
-
-typedef struct {
-    const int32_t *block_table;
-    int64_t bt_stride;
-    const int32_t *query_start, *seq_lens, *reqs;
-    const int64_t *slots;
-    int64_t num_tokens; /* the tokens whose k/v are written */
-    int32_t num_sel, max_seq_len;
-} KilnAttnStep;
 
 /* n values at element offset `off` of `base` as floats: a pointer into base for float32, else
  * converted into buf. */
@@ -290,7 +275,7 @@ static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride
     const int num_kv_heads = c->num_kv_heads, head_size = c->head_size;
     const int block_size = c->block_size, dtype = c->dtype;
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || block_size <= 0 || head_size <= 0)
-        return 8;
+        return KILN_ATTN_BAD_HEADS;
     const int group = num_heads / num_kv_heads, hd = head_size;
     const int64_t slot_stride = (int64_t)num_kv_heads * hd;
     /* Work items: a request with all its kv heads when there are enough requests to keep every
@@ -304,7 +289,7 @@ static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride
     /* parts > 1: per (item, part), rows x hd unnormalized outputs, then rows sums and maxima */
     float *partial = parts > 1 ? malloc(sizeof(float) * (size_t)(items * parts) * unit_floats)
                                : NULL;
-    if (parts > 1 && !partial) return 2;
+    if (parts > 1 && !partial) return KILN_ATTN_NO_MEMORY;
     int failed = 0, any_failed = 0; /* any_failed: shared, so every thread skips the merge */
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -315,7 +300,7 @@ static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride
         float *denom = malloc(sizeof(float) * rows);
         float *mx = malloc(sizeof(float) * rows);
         int64_t *slots = malloc(sizeof(int64_t) * (size_t)max_seq_len);
-        failed = (!scores || !qs || !acc || !buf || !denom || !mx || !slots) ? 2 : 0;
+        failed = (!scores || !qs || !acc || !buf || !denom || !mx || !slots) ? KILN_ATTN_NO_MEMORY : 0;
         if (failed) {
 #pragma omp atomic write
             any_failed = 1;
@@ -329,7 +314,7 @@ static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride
             const int q_begin = query_start[r], q_end = query_start[r + 1];
             const int ctx = seq_lens[r] - (q_end - q_begin);
             if (seq_lens[r] > max_seq_len || ctx < 0) { /* the scores buffer would overflow */
-                failed = 1;
+                failed = KILN_ATTN_BAD_LENGTHS;
 #pragma omp atomic write
                 any_failed = 1;
                 continue;
@@ -401,7 +386,7 @@ static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride
         free(slots);
     }
     free(partial);
-    return failed; /* 1 bad lengths, 2 out of memory, 3 both */
+    return failed; /* KILN_ATTN_BAD_LENGTHS and/or KILN_ATTN_NO_MEMORY */
 }
 
 /* Row t of k and v (num_kv_heads * head_size values each) into cache slot slots[t]; slot -1
@@ -411,7 +396,7 @@ static int write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_st
     const size_t elem = c->dtype == KILN_F32 ? 4 : 2;
     const size_t row_bytes = (size_t)c->num_kv_heads * c->head_size * elem;
     for (int64_t t = 0; t < st->num_tokens; ++t)
-        if (st->slots[t] < -1 || st->slots[t] >= c->num_slots) return 4;
+        if (st->slots[t] < -1 || st->slots[t] >= c->num_slots) return KILN_ATTN_BAD_SLOT;
     for (int64_t t = 0; t < st->num_tokens; ++t) {
         const int64_t s = st->slots[t];
         if (s < 0) continue;

@@ -1,0 +1,47 @@
+/* The CPU paged-attention kernel's argument structs and entry point, shared by its C source
+ * (paged_attention.c) and the C++ op that calls it without Python (attention_op.cpp). */
+#ifndef KILN_PAGED_ATTENTION_H
+#define KILN_PAGED_ATTENTION_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* A layer's caches and one step's metadata, checked and built once (paged_attention.py's
+ * CacheArgs and StepArgs) and passed by pointer: a layer's call hands over only its tensors. */
+typedef struct {
+    void *key, *value;
+    int64_t num_slots; /* num_blocks * block_size */
+    int32_t num_kv_heads, head_size, block_size, dtype;
+} KilnKvCache;
+
+typedef struct {
+    const int32_t *block_table;
+    int64_t bt_stride;
+    const int32_t *query_start, *seq_lens, *reqs;
+    const int64_t *slots;
+    int64_t num_tokens; /* the tokens whose k/v are written */
+    int32_t num_sel, max_seq_len;
+} KilnAttnStep;
+
+/* Error bits of kiln_paged_attention's result. */
+enum {
+    KILN_ATTN_BAD_LENGTHS = 1, /* a seq_len above max_seq_len or below its query length */
+    KILN_ATTN_NO_MEMORY = 2,
+    KILN_ATTN_BAD_SLOT = 4, /* a slot outside the cache: nothing was written */
+    KILN_ATTN_BAD_HEADS = 8 /* num_heads not a multiple of num_kv_heads */
+};
+
+typedef int (*KilnPagedAttentionFn)(const void *q, int64_t q_stride, const void *k,
+                                    int64_t k_stride, const void *v, int64_t v_stride, void *out,
+                                    int64_t out_stride, int32_t num_heads, float scale,
+                                    const KilnKvCache *cache, const KilnAttnStep *step,
+                                    int32_t num_threads);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

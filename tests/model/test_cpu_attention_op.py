@@ -1,0 +1,155 @@
+"""The C++ CPU kernel of kiln::unified_attention (kiln/native/csrc/attention_op.cpp): a step of
+short queries is handed to it at its first layer, and its other layers never reach Python."""
+import pytest
+import torch
+
+from kiln.attention.backend import kv_cache_shape
+from kiln.attention.cpu_backend import CpuAttentionImpl
+from kiln.attention.torch_backend import TorchAttentionImpl
+from kiln.config import CompilationConfig, set_current_kiln_config
+from kiln.forward_context import set_forward_context
+from kiln.model.layers.attention import Attention
+from kiln.native import attention_op
+from model._attn_helper import BlockPool, PagedRequest, build_step
+
+NH, NKV, HD, BS, NUM_BLOCKS = 4, 2, 16, 4, 64
+
+pytestmark = pytest.mark.skipif(not attention_op.available(),
+                                reason="no C/C++ compiler: the C++ attention op cannot be built")
+
+
+class _Config:
+    def __init__(self):
+        self.compilation_config = CompilationConfig()
+
+
+class Engine:
+    """Attention layers as a model builds them, their caches, and a torch-backend reference
+    run over copies of the same caches."""
+
+    def __init__(self, num_layers: int = 3, dtype=torch.float32, seed: int = 0):
+        self.cfg, self.dtype = _Config(), dtype
+        with set_current_kiln_config(self.cfg):
+            self.layers = [Attention(NH, HD, HD ** -0.5, NKV, prefix=f"model.layers.{i}.attn")
+                           for i in range(num_layers)]
+        assert all(isinstance(layer.impl, CpuAttentionImpl) for layer in self.layers)
+        for layer in self.layers:
+            layer.kv_cache = torch.zeros(kv_cache_shape(NUM_BLOCKS, BS, NKV, HD), dtype=dtype)
+        self.reference = [torch.zeros_like(layer.kv_cache) for layer in self.layers]
+        self.torch_impl = TorchAttentionImpl(NH, HD, HD ** -0.5, NKV)
+        self.pool, self.g = BlockPool(NUM_BLOCKS, BS), torch.Generator().manual_seed(seed)
+        self.reqs = [PagedRequest(list(range(40))) for _ in range(2)]
+
+    def step(self, q_lens: list[int], num_padding: int = 0) -> tuple[dict, list, list]:
+        """One forward of every layer; (call counts of the step, outputs, reference outputs)."""
+        _, _, md = build_step(self.pool, self.reqs, q_lens, num_padding=num_padding)
+        tokens = sum(q_lens) + num_padding
+        before = attention_op.call_counts()
+        outs, wants = [], []
+        with set_forward_context(md, self.cfg):
+            for layer, ref_cache in zip(self.layers, self.reference):
+                q, k, v = (torch.randn(tokens, h * HD, generator=self.g).to(self.dtype)
+                           for h in (NH, NKV, NKV))
+                outs.append(layer(q, k, v))
+                want = torch.empty_like(q)
+                self.torch_impl.forward(q, k, v, ref_cache, md, want)
+                wants.append(want)
+        after = attention_op.call_counts()
+        return {kind: after[kind] - before[kind] for kind in after}, outs, wants
+
+
+def assert_same(outs, wants):
+    for out, want in zip(outs, wants):
+        torch.testing.assert_close(out.float(), want.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_steps_take_the_cpp_kernel_after_their_first_layer():
+    engine = Engine(num_layers=3)
+    counts, outs, wants = engine.step([9, 5])  # prefill chunks of up to 16 tokens: short queries,
+    assert_same(outs, wants)  # so this step is handed over too
+    assert counts == {"kernel": 2, "python": 1}
+    for _ in range(3):
+        counts, outs, wants = engine.step([1, 1])
+        assert_same(outs, wants)
+        assert counts == {"kernel": 2, "python": 1}
+
+
+def test_a_step_with_long_queries_stays_in_python():
+    engine = Engine(num_layers=3)
+    counts, outs, wants = engine.step([20, 3])  # 20 tokens: SDPA's share, in Python
+    assert_same(outs, wants)
+    assert counts == {"kernel": 0, "python": 3}
+
+
+def test_padding_rows_are_zeroed_by_the_cpp_kernel():
+    engine = Engine(num_layers=2)
+    engine.step([4, 4])
+    counts, outs, wants = engine.step([1, 1], num_padding=3)
+    assert counts == {"kernel": 1, "python": 1}
+    for out, want in zip(outs, wants):
+        assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+        torch.testing.assert_close(out[:2], want[:2], rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_steps_match_the_torch_backend():
+    engine = Engine(num_layers=2, dtype=torch.bfloat16)
+    engine.step([6, 2])
+    counts, outs, wants = engine.step([1, 1])
+    assert counts == {"kernel": 1, "python": 1}
+    for out, want in zip(outs, wants):
+        torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_reassigned_cache_is_used_and_the_old_one_left_alone():
+    engine = Engine(num_layers=2)
+    engine.step([5, 5])
+    old = engine.layers[1].kv_cache
+    engine.layers[1].kv_cache = old.clone()  # the old tensor stays alive: it must not be written
+    snapshot = old.clone()
+    counts, outs, wants = engine.step([1, 1])
+    assert counts == {"kernel": 1, "python": 1}
+    assert_same(outs, wants)
+    assert torch.equal(old, snapshot)
+    assert not torch.equal(engine.layers[1].kv_cache, snapshot)  # this step's k/v went there
+
+
+def test_a_cache_whose_storage_moved_goes_back_to_python():
+    engine = Engine(num_layers=2)
+    engine.step([5, 5])
+    cache = engine.layers[1].kv_cache
+    cache.data = cache.clone()  # same tensor object, new storage: the table's address is stale
+    counts, outs, wants = engine.step([1, 1])
+    assert counts == {"kernel": 0, "python": 2}
+    assert_same(outs, wants)
+
+
+def test_engines_with_the_same_layer_names_keep_their_own_caches():
+    a, b = Engine(num_layers=2, seed=1), Engine(num_layers=2, seed=2)
+    for q_lens in ([4, 6], [1, 1], [1, 1]):
+        for engine in (a, b):
+            counts, outs, wants = engine.step(q_lens)
+            assert counts == {"kernel": 1, "python": 1}
+            assert_same(outs, wants)
+
+
+def test_the_step_ends_with_its_forward_context():
+    engine = Engine(num_layers=2)
+    engine.step([3, 3])
+    q, k, v = (torch.randn(2, h * HD) for h in (NH, NKV, NKV))
+    with pytest.raises(RuntimeError, match="outside a forward context"):
+        engine.layers[1](q, k, v)
+
+
+def test_the_cpp_kernel_names_what_is_wrong():
+    engine = Engine(num_layers=2)
+    _, _, md = build_step(engine.pool, engine.reqs, [1, 1])
+    good = [torch.randn(2, h * HD) for h in (NH, NKV, NKV)]
+    with set_forward_context(md, engine.cfg):
+        engine.layers[0](*good)  # the Python path hands the step over
+        with pytest.raises(ValueError, match="k must be Float"):
+            engine.layers[1](good[0], torch.randn(2, NKV * HD + 1), good[2])
+        md_slots = md.slot_mapping.clone()
+        md.slot_mapping[0] = NUM_BLOCKS * BS  # one past the cache, read through the plan
+        with pytest.raises(IndexError, match=r"slot is outside \[-1, 256\)"):
+            engine.layers[1](*good)
+        md.slot_mapping.copy_(md_slots)
