@@ -61,7 +61,8 @@ void python_path(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
     calls[1].fetch_add(1, std::memory_order_relaxed);
     static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow(
         "kiln::unified_attention_python", "");
-    std::vector<c10::IValue> stack{q, k, v, out, std::string(layer_name)};
+    std::vector<c10::IValue> stack{q, k, v, out,
+                                   std::string(layer_name.data(), layer_name.size())};
     op.callBoxed(&stack);
 }
 
@@ -84,7 +85,7 @@ void unified_attention(const at::Tensor &q, const at::Tensor &k, const at::Tenso
     const KilnPagedAttentionFn kernel = kernel_fn.load(std::memory_order_relaxed);
     const Layer *layer = nullptr;
     if (s.table && kernel) {
-        auto it = s.table->find(std::string(layer_name));
+        auto it = s.table->find(std::string(layer_name.data(), layer_name.size()));
         if (it != s.table->end() && it->second.cache_alive()) layer = &it->second;
     }
     if (!layer || kiln_dtype_code(q.scalar_type()) != layer->cache->dtype || q.dim() != 2)
