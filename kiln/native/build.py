@@ -4,6 +4,7 @@ and its C++ torch ops (csrc/*.cpp) into libraries torch loads (`load_torch_op`).
 Cached under Kiln's cache root keyed by the sources, compiler and CPU flags (-march=native), and
 torch's version for the C++ ones; None / False, with one warning, when it cannot be done.
 """
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -12,6 +13,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -117,6 +119,27 @@ def load(name: str, signatures: tuple[tuple[str, tuple], ...]) -> ctypes.CDLL | 
     return lib
 
 
+# C++ op builds by (name, compiler, cache root), started together: a compiler run mostly parses
+# torch's headers (~7 s on 2 cores), so the ops' first builds overlap instead of queueing.
+_torch_op_builds: dict[tuple[str, str, Path], concurrent.futures.Future] = {}
+_torch_op_builds_lock = threading.Lock()
+
+
+def _torch_op_library(name: str, cxx: str) -> Path:
+    """csrc/<name>.cpp's library, built if needed, together with every other C++ op not yet
+    asked for; raises what build() raises."""
+    root = envs.cache_root()
+    with _torch_op_builds_lock:
+        if (name, cxx, root) not in _torch_op_builds:
+            names = sorted({name, *(p.stem for p in CSRC.glob("*.cpp"))})
+            pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(names))
+            for other in names:
+                if (other, cxx, root) not in _torch_op_builds:
+                    _torch_op_builds[other, cxx, root] = pool.submit(build, other, cxx, True)
+            pool.shutdown(wait=False)
+    return _torch_op_builds[name, cxx, root].result()
+
+
 @functools.cache
 def load_torch_op(name: str) -> bool:
     """Load csrc/<name>.cpp's torch ops (built on first use); False, with one warning saying
@@ -127,7 +150,7 @@ def load_torch_op(name: str) -> bool:
                        "the slower torch code runs instead", name)
         return False
     try:
-        torch.ops.load_library(str(build(name, cxx, cpp=True)))
+        torch.ops.load_library(str(_torch_op_library(name, cxx)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("could not build the C++ op %s (%s); the slower torch code runs instead",
                        name, e)

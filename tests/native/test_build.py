@@ -1,6 +1,7 @@
 """Building the C kernels: cached by key, rebuilt when the key changes, and a clean fallback to
 the torch code (one warning, nothing else changes) when no compiler is there."""
 import logging
+import threading
 
 import pytest
 import torch
@@ -69,3 +70,20 @@ def test_cpp_op_without_a_working_cxx_compiler_is_off_with_a_warning(fresh_kerne
     with caplog.at_level(logging.WARNING, logger="kiln"):
         assert not load("linear_op")
     assert "could not build the C++ op linear_op" in caplog.text and "no such flag" in caplog.text
+
+
+def test_cpp_op_builds_run_at_once_and_each_only_once(fresh_kernels, monkeypatch):
+    ops = sorted(p.stem for p in build.CSRC.glob("*.cpp"))
+    assert len(ops) >= 2
+    barrier, calls = threading.Barrier(len(ops)), []
+
+    def fake_build(name, cc, cpp=False):
+        calls.append(name)
+        barrier.wait(timeout=10)  # returns only once every op's build is running
+        return fresh_kernels / f"{name}.so"
+
+    monkeypatch.setattr(build, "build", fake_build)
+    monkeypatch.setattr(build, "_torch_op_builds", {})
+    assert build._torch_op_library(ops[0], "c++") == fresh_kernels / f"{ops[0]}.so"
+    assert build._torch_op_library(ops[1], "c++") == fresh_kernels / f"{ops[1]}.so"
+    assert sorted(calls) == ops
