@@ -122,7 +122,10 @@ static inline __attribute__((always_inline)) void pv_tile(
 #endif
 
 /* One query token against keys [k0, n_keys) of kv heads [h0, h0 + nh_kv), each shared by `group`
- * query heads. qs [nh_kv * group, hd] is pre-scaled; scores [nh_kv * group, n_keys - k0]; slots
+ * query heads. The value rows are prefetched with the key rows, so that memory is read in one
+ * stream and the value pass finds them in L2 or L3 (measured on top of the prefetch distance
+ * above: 32 requests of 1000 keys 2.86 / 2.32 ms, 8 of 2000 1.67 / 1.30, 8 of 250 0.195 /
+ * 0.168; no loss at 8000 keys, whose values outgrow L2). qs [nh_kv * group, hd] is pre-scaled; scores [nh_kv * group, n_keys - k0]; slots
  * [n_keys - k0]: each key's cache slot. Out: acc (like qs) = sum of exp(score - mx) * value,
  * denom = sum of exp(score - mx), mx = the row's largest score. A key's heads sit next to each
  * other, so taking them together reads the cache in whole rows. */
@@ -138,9 +141,12 @@ static inline __attribute__((always_inline)) void attend_token(
 #if KILN_ATTN_SIMD
     if (hd % 16 == 0) {  /* four keys at a time, their dot products reduced together */
         for (int s = 0; s + 4 <= nk; s += 4, done = s) {
-            for (int j = 0; j < 4; ++j)
+            for (int j = 0; j < 4; ++j) {
                 prefetch_rows(k_cache, blocks, block_size, k0 + s + j + PREFETCH_AHEAD, n_keys,
                               slot_stride, head_off, span, elem);
+                prefetch_rows(v_cache, blocks, block_size, k0 + s + j + PREFETCH_AHEAD, n_keys,
+                              slot_stride, head_off, span, elem);
+            }
             for (int h = 0; h < nh_kv; ++h) {
                 int64_t off[4];
                 for (int j = 0; j < 4; ++j) off[j] = slots[s + j] * slot_stride + (h0 + h) * hd;
@@ -163,6 +169,8 @@ static inline __attribute__((always_inline)) void attend_token(
 #endif
     for (int s = done; s < nk; ++s) {
         prefetch_rows(k_cache, blocks, block_size, k0 + s + PREFETCH_AHEAD, n_keys, slot_stride,
+                      head_off, span, elem);
+        prefetch_rows(v_cache, blocks, block_size, k0 + s + PREFETCH_AHEAD, n_keys, slot_stride,
                       head_off, span, elem);
         for (int h = 0; h < nh_kv; ++h) {
             const float *kr = row_f32(k_cache, slots[s] * slot_stride + (int64_t)(h0 + h) * hd,
