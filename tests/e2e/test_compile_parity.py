@@ -9,6 +9,7 @@ import torch
 from checkpoints import hf_greedy, make_tiny_checkpoint, random_prompts
 from kiln import LLM, SamplingParams
 from kiln.compilation.counters import compilation_counter
+from kiln.native import attention_op
 
 LENGTHS = [1, 9, 40, 150]  # 150 > the 64-token budget: chunked prefill
 NEW_TOKENS = 16
@@ -29,7 +30,10 @@ def oracle(llama4_dir):
 
 def _generate(llm, prompts):
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    before = attention_op.call_counts() if attention_op.available() else None
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    if before is not None:  # decode steps reach the C kernel from C++ after their first layer
+        assert attention_op.call_counts()["kernel"] > before["kernel"]
     return [o.outputs[0].token_ids for o in outs]
 
 
