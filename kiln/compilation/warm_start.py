@@ -121,7 +121,7 @@ def _rebuild(backend, key: str, traced: list[str], module, forward, args, kwargs
 
 
 def _install_pieces(backend, split_gm: CodeOnlyGraph, pieces: list[dict]) -> None:
-    from kiln.compilation.backend import wrap_piece
+    from kiln.compilation.backend import call_splitting_pieces_directly, wrap_piece
 
     piece_compiler = backend.piece_compiler()
     max_tokens = backend.kiln_config.scheduler_config.max_num_batched_tokens
@@ -140,6 +140,7 @@ def _install_pieces(backend, split_gm: CodeOnlyGraph, pieces: list[dict]) -> Non
         backend.pieces[p["graph_id"]] = piece
         split_gm.__dict__[p["submod"]] = wrap_piece(piece, p["graph_id"],
                                                     p["graph_id"] == last, backend.kiln_config)
+    call_splitting_pieces_directly(split_gm)
 
 
 def missing_artifacts(cache: CompileCache, compiler, pieces: list[dict],

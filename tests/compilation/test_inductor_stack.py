@@ -135,6 +135,28 @@ def test_saved_graph_warm_start_in_process_matches_cold(cold, tmp_path, kiln_log
         model(tm.inputs(4)[0].int(), tm.inputs(4)[1])
 
 
+def _module_calls_of_splitting_pieces(model, n: int) -> tuple[int, int]:
+    """(splitting-op pieces, calls that went through their nn.Module.__call__) in one forward."""
+    calls = []
+    items = [it for it in model._kiln_compile.backend.split_items if it.is_splitting_graph]
+    handles = [it.graph.register_forward_pre_hook(lambda m, a: calls.append(m)) for it in items]
+    try:
+        _run(model, n)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return len(items), len(calls)
+
+
+def test_splitting_pieces_skip_module_call_cold_and_warm(cold, tmp_path):
+    assert _module_calls_of_splitting_pieces(cold["model"], 3) == (2, 0)
+    cache = tmp_path / "cache"
+    shutil.copytree(cold["root"] / "cache", cache)
+    warm = _warm_model(cache, dict(num_saved_graph_loads=1, num_inductor_compiles=0))
+    assert _module_calls_of_splitting_pieces(warm, 3) == (2, 0)
+    assert torch.equal(_run(warm, 3), _run(cold["model"], 3))
+
+
 def test_corrupt_saved_graph_warns_and_traces(cold, tmp_path, kiln_logs):
     cache = tmp_path / "cache"
     shutil.copytree(cold["root"] / "cache", cache)
