@@ -69,10 +69,13 @@ class RotaryEmbedding(nn.Module):
                              .to(torch.float32), persistent=False)  # [max_pos, hd]
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) for each head's halves, written as one
+        elementwise expression of x and x with its halves swapped: no concatenation, which
+        Inductor's CPU backend lowers to views of one buffer, each made per call."""
         num_tokens = x.shape[0]
-        x = x.view(num_tokens, -1, self.head_size)  # [T, heads, hd]
-        x1, x2 = x.chunk(2, dim=-1)
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        x = x.view(num_tokens, -1, 2, self.head_size // 2)  # [T, heads, 2 halves, hd/2]
+        sign = torch.arange(2, dtype=x.dtype, device=x.device).view(2, 1) * 2 - 1  # -1, +1
+        out = x * cos + x.flip(2) * sin * sign
         return out.view(num_tokens, -1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
@@ -80,5 +83,5 @@ class RotaryEmbedding(nn.Module):
         if layer_ops.usable(q, k):
             return layer_ops.rotary(positions, q, k, self.cos_sin_cache, self.head_size)
         cos_sin = self.cos_sin_cache.index_select(0, positions).to(q.dtype)
-        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, hd/2] each
+        cos, sin = cos_sin.view(-1, 1, 1, self.head_size).chunk(2, dim=-1)  # [T, 1, 1, hd/2]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
