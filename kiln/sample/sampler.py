@@ -16,6 +16,15 @@ from kiln.sample.sampling_metadata import SamplingMetadata
 _MIN_EXP = 1e-20
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [N, V].argmax(dim=1) (int64; the first maximum, NaN counting as the largest). On CPU in
+    float32 through numpy: torch's reduction took 44 us for one row of 49152 values and 337 us
+    for 8, numpy's 3.3 us for one (2 cores)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not (x.requires_grad or x.is_neg()):
+        return torch.from_numpy(x.numpy().argmax(axis=1))
+    return x.argmax(dim=1)
+
+
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [N] int64
@@ -34,7 +43,7 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
         q.exponential_(generator=default_generator)
     for row, gen in generators.items():
         q[row].exponential_(generator=gen)
-    return probs.div_(q.clamp_min_(_MIN_EXP)).argmax(dim=1)
+    return row_argmax(probs.div_(q.clamp_min_(_MIN_EXP)))
 
 
 class Sampler(torch.nn.Module):
@@ -63,8 +72,8 @@ class Sampler(torch.nn.Module):
     @staticmethod
     def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         if meta.all_greedy:
-            return logits.argmax(dim=1)
-        greedy = None if meta.all_random else logits.argmax(dim=1)
+            return row_argmax(logits)
+        greedy = None if meta.all_random else row_argmax(logits)
         logits = logits / meta.temperature.unsqueeze(1)
         if meta.top_k is not None:
             logits = apply_top_k(logits, meta.top_k)

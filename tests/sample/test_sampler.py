@@ -2,7 +2,7 @@
 independent of batch composition, distribution sanity, and logprobs against log_softmax."""
 import torch
 
-from kiln.sample.sampler import Sampler
+from kiln.sample.sampler import Sampler, row_argmax
 from kiln.sample.sampling_metadata import build_sampling_metadata
 from kiln.sampling_params import SamplingParams
 
@@ -136,3 +136,15 @@ def test_logprobs_from_raw_logits():
     third = lists[2]
     assert len(third.token_ids) == 1 and len(third.logprobs) == 1
     assert abs(third.logprobs[0] - ref[2, third.token_ids[0]].item()) < 1e-5
+
+
+def test_row_argmax_matches_torch_ties_nan_and_inf():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 300, generator=g)
+    x[1, [7, 200]] = 9.0  # a tie: the first wins
+    x[2, 50], x[2, 10] = float("nan"), 1e30  # NaN counts as the largest
+    x[3] = float("-inf")
+    x[4, 299] = float("inf")
+    for t in (x, x[:, ::2], x.to(torch.bfloat16), x[0:1]):
+        got = row_argmax(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim=1))
