@@ -122,13 +122,14 @@ static inline __attribute__((always_inline)) void pv_tile(
 #endif
 
 /* One query token against keys [k0, n_keys) of kv heads [h0, h0 + nh_kv), each shared by `group`
- * query heads. The value rows are prefetched with the key rows, so that memory is read in one
- * stream and the value pass finds them in L2 or L3 (measured on top of the prefetch distance
- * above: 32 requests of 1000 keys 2.86 / 2.32 ms, 8 of 2000 1.67 / 1.30, 8 of 250 0.195 /
- * 0.168; no loss at 8000 keys, whose values outgrow L2). qs [nh_kv * group, hd] is pre-scaled; scores [nh_kv * group, n_keys - k0]; slots
+ * query heads. qs [nh_kv * group, hd] is pre-scaled; scores [nh_kv * group, n_keys - k0]; slots
  * [n_keys - k0]: each key's cache slot. Out: acc (like qs) = sum of exp(score - mx) * value,
  * denom = sum of exp(score - mx), mx = the row's largest score. A key's heads sit next to each
- * other, so taking them together reads the cache in whole rows. */
+ * other, so taking them together reads the cache in whole rows.
+ * The value rows are prefetched with the key rows, so that memory is read in one stream and the
+ * value pass finds them in L2 or L3 (measured on top of the prefetch distance above, ms: 32
+ * requests of 1000 keys 2.86 / 2.32, 8 of 2000 1.67 / 1.30, 8 of 250 0.195 / 0.168; no loss at
+ * 8000 keys, whose values outgrow L2). */
 static inline __attribute__((always_inline)) void attend_token(
     const float *qs, const void *k_cache, const void *v_cache, const int32_t *blocks,
     int block_size, int n_keys, int h0, int nh_kv, int64_t slot_stride, int group, int dtype,
@@ -311,7 +312,8 @@ static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride
         float *denom = malloc(sizeof(float) * rows);
         float *mx = malloc(sizeof(float) * rows);
         int64_t *slots = malloc(sizeof(int64_t) * (size_t)max_seq_len);
-        failed = (!scores || !qs || !acc || !buf || !denom || !mx || !slots) ? KILN_ATTN_NO_MEMORY : 0;
+        failed = (!scores || !qs || !acc || !buf || !denom || !mx || !slots) ? KILN_ATTN_NO_MEMORY
+                                                                             : 0;
         if (failed) {
 #pragma omp atomic write
             any_failed = 1;
