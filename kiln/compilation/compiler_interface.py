@@ -12,6 +12,7 @@ import torch
 from torch import fx
 
 from kiln.compilation import vec_isa
+from kiln.compilation.artifact_call import direct_callable
 from kiln.compilation.counters import compilation_counter
 from kiln.compilation.precompiled_header import headers_not_precompiled
 
@@ -114,7 +115,10 @@ class InductorStandaloneAdaptor(CompilerInterface):
             os.replace(tmp, save_path)  # atomic: readers see a whole file or none
             compilation_counter.num_compiled_artifacts_saved += 1
             handle = {"file": save_path.name, "sha256": digest, "format": "binary"}
-        return artifact, handle
+            # Served as loaded, like a warm start's: the loaded form's call can skip the runtime
+            # wrapper (artifact_call.py), the freshly compiled one's is built differently.
+            artifact = _load_artifact(save_path, "binary")
+        return direct_callable(artifact), handle
 
     def _dump_output_code(self, modules, shape, save_path) -> None:
         """Write the Python module(s) Inductor generated for this compile (its output code)."""
@@ -129,11 +133,14 @@ class InductorStandaloneAdaptor(CompilerInterface):
         if file_sha256(path) != handle["sha256"]:
             raise ValueError(f"compiled artifact {path} does not match its recorded checksum "
                              "(truncated or corrupted)")
-        with headers_not_precompiled():  # its libraries are built: no compiler run needed
-            artifact = torch._inductor.CompiledArtifact.load(path=str(path),
-                                                             format=handle["format"])
+        artifact = _load_artifact(path, handle["format"])
         compilation_counter.num_compiled_artifacts_loaded += 1
-        return artifact
+        return direct_callable(artifact)
+
+
+def _load_artifact(path: Path, fmt: str):
+    with headers_not_precompiled():  # its libraries are built: no compiler run needed
+        return torch._inductor.CompiledArtifact.load(path=str(path), format=fmt)
 
 
 def file_sha256(path: Path) -> str:
