@@ -24,20 +24,26 @@ def _plain(x, w):
 def test_plain_graph_is_called_directly_with_the_same_outputs(monkeypatch, tmp_path):
     x, w = torch.randn(4, 8), torch.randn(8, 8)
     artifact = _compile_and_load(tmp_path, _plain, x, w)
+    with torch.inference_mode():
+        expected = artifact(x, w)
     call = direct_callable(artifact)
     assert isinstance(call, DirectCall)
-    inner_calls = []
-    real_inner = call.inner
-    monkeypatch.setattr(call, "inner", lambda args: inner_calls.append(1) or real_inner(args))
+    through_artifact, generated_calls = [], []
+    monkeypatch.setattr(call, "artifact",
+                        lambda *a: through_artifact.append(1) or artifact(*a))
+    generated = call.inner.current_callable
+    monkeypatch.setattr(call.inner, "current_callable",
+                        lambda args: generated_calls.append(1) or generated(args))
     with torch.inference_mode():
         first, second = call(x, w), call(x, w)  # the first goes through the artifact
-        assert len(inner_calls) == 1
-        expected = artifact(x, w)
+    assert len(through_artifact) == 1 and len(generated_calls) == 2
     assert isinstance(second, list) and torch.equal(first[0], expected[0])
     assert torch.equal(second[0], expected[0])
     with torch.enable_grad():  # grad on: the artifact's call, which turns it off inside
-        call(x, w)
-    assert len(inner_calls) == 1
+        assert not call(x, w)[0].requires_grad
+    with torch.inference_mode(), torch.profiler.profile() as prof:
+        call(x, w)  # under the profiler: through the CompiledFxGraph, which labels the run
+    assert any("CompiledFxGraph" in e.name for e in prof.events())
 
 
 def _artifact_like(generated_globals: dict):
