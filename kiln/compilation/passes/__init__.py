@@ -1,4 +1,5 @@
 """Post-grad FX passes run inside Inductor, managed by `PostGradPassManager`."""
+from kiln.compilation.passes.fuse_rms_norm_linear import FuseAddRmsNormLinear
 from kiln.compilation.passes.pass_manager import KilnInductorPass, PostGradPassManager
 
-__all__ = ["KilnInductorPass", "PostGradPassManager"]
+__all__ = ["FuseAddRmsNormLinear", "KilnInductorPass", "PostGradPassManager"]

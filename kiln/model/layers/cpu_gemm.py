@@ -42,6 +42,23 @@ register_op("linear", "(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor", 
             _linear_fake)
 
 
+def _add_rms_norm_linear(a, b, norm_weight, eps: float, weight, bias=None):
+    # Tensors off the CPU; on the CPU csrc/linear_op.cpp's kernel runs. Only compiled graphs
+    # call it (kiln/compilation/passes/fuse_rms_norm_linear.py), each op as the graph had it.
+    residual = a + b
+    normed = norm_weight * (residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + eps))
+    return torch.ops.kiln.linear(normed, weight, bias), residual
+
+
+def _add_rms_norm_linear_fake(a, b, norm_weight, eps, weight, bias=None):
+    return a.new_empty((*a.shape[:-1], weight.shape[0])), torch.empty_like(a)
+
+
+register_op("add_rms_norm_linear", "(Tensor a, Tensor b, Tensor norm_weight, float eps, "
+            "Tensor weight, Tensor? bias=None) -> (Tensor, Tensor)", _add_rms_norm_linear,
+            _add_rms_norm_linear_fake)
+
+
 def cpu_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     return (device.type == "cpu" and dtype in _PACKABLE_DTYPES
             and torch.backends.mkldnn.is_available()

@@ -3,15 +3,24 @@
  * once at load (kiln/model/layers/cpu_gemm.py). In C++ because a decode step makes ~120 of these
  * calls, and the dispatcher reaches a C++ kernel in ~1.5 us against ~8 us through a Python
  * kernel and ctypes (measured on 2 cores). The C kernels come as function pointers from their
- * own builds (kiln/native/gemv.py, gguf_matmul.py), so each is compiled once. */
+ * own builds (kiln/native/gemv.py, gguf_matmul.py), so each is compiled once. Also the CPU
+ * kernel of `kiln::add_rms_norm_linear`, the residual add and RMSNorm that compiled graphs fold
+ * into the linear after them. */
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
+#include <ATen/ops/mean.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/pow.h>
+#include <ATen/ops/rsqrt.h>
 #include <torch/library.h>
 
 #include <atomic>
+#include <cmath>
+#include <tuple>
 #include <mutex>
 #include <shared_mutex>
 #include <unordered_map>
@@ -84,8 +93,8 @@ at::Tensor packed_gemm(const at::Tensor &x, const at::Tensor &packed, int64_t ou
     return stack[0].toTensor().view(shape);
 }
 
-at::Tensor linear(const at::Tensor &x, const at::Tensor &weight,
-                  const std::optional<at::Tensor> &bias) {
+at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &weight,
+                      const std::optional<at::Tensor> &bias) {
     struct { at::Tensor packed, blocks; int64_t gemv_rows = 0, qtype = 0, block_rows = 0; } a;
     bool found;
     {
@@ -138,6 +147,47 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &weight,
     }
     count(PATH_DENSE);
     return at::linear(x, weight, bias);
+}
+
+/* (linear(rms_norm(a + b) * norm_weight), a + b): a residual add and the RMSNorm after it,
+ * done here instead of in one of Inductor's kernels before the linear (compiled graphs only:
+ * kiln/compilation/passes/fuse_rms_norm_linear.py). The same float32 operations in the same
+ * order per element as that kernel; the sum of squares is summed in another order. */
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_linear(const at::Tensor &a, const at::Tensor &b,
+                                                       const at::Tensor &norm_weight, double eps,
+                                                       const at::Tensor &weight,
+                                                       const std::optional<at::Tensor> &bias) {
+    const int64_t h = a.size(-1);
+    const bool direct = a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat &&
+                        norm_weight.scalar_type() == at::kFloat && a.sizes().equals(b.sizes()) &&
+                        norm_weight.dim() == 1 && norm_weight.size(0) == h && h > 0;
+    if (!direct) { /* what the graph computed, in aten */
+        at::Tensor residual = at::add(a, b);
+        at::Tensor normed = at::mul(norm_weight, at::mul(residual, at::rsqrt(at::add(
+            at::mean(at::pow(residual, 2), {-1}, true), eps))));
+        return {linear_cpu(normed, weight, bias), residual};
+    }
+    const at::Tensor ac = a.contiguous(), bc = b.contiguous(), wc = norm_weight.contiguous();
+    at::Tensor residual = at::empty(a.sizes(), a.options());
+    at::Tensor normed = at::empty(a.sizes(), a.options());
+    const float *pa = ac.data_ptr<float>(), *pb = bc.data_ptr<float>(), *pw = wc.data_ptr<float>();
+    float *pr = residual.data_ptr<float>(), *pn = normed.data_ptr<float>();
+    const float feps = static_cast<float>(eps), fh = static_cast<float>(h);
+    /* Rows apart: serial for a decode's few rows, in parallel for a prefill's thousands. */
+    at::parallel_for(0, a.numel() / h, 64, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const int64_t o = r * h;
+            float ss = 0.f;
+            for (int64_t i = 0; i < h; ++i) {
+                const float v = pa[o + i] + pb[o + i];
+                pr[o + i] = v;
+                ss += v * v;
+            }
+            const float scale = 1.f / std::sqrt(ss / fh + feps);
+            for (int64_t i = 0; i < h; ++i) pn[o + i] = pw[i] * (pr[o + i] * scale);
+        }
+    });
+    return {linear_cpu(normed, weight, bias), residual};
 }
 
 void attach_packed(const at::Tensor &weight, const at::Tensor &packed, int64_t gemv_rows) {
@@ -205,4 +255,7 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
     m.def("_cpu_linear_path_counts() -> int[]", &path_counts);
 }
 
-TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("linear", &linear); }
+TORCH_LIBRARY_IMPL(kiln, CPU, m) {
+    m.impl("linear", &linear_cpu);
+    m.impl("add_rms_norm_linear", &add_rms_norm_linear);
+}
