@@ -16,7 +16,8 @@ from kiln.compilation import graph_cache, monitor
 from kiln.compilation.cache import CompileCache, cache_base_dir, compute_cache_key
 from kiln.compilation.compiler_interface import make_compiler
 from kiln.compilation.counters import compilation_counter
-from kiln.compilation.passes import FuseAddRmsNormLinear, PostGradPassManager
+from kiln.compilation.passes import (FuseAddRmsNormLinear, FuseSiluMulLinear,
+                                     PostGradPassManager)
 from kiln.compilation.piecewise import PieceCompiler, PiecewiseBackend
 from kiln.compilation.split import SplitItem, split_graph
 from kiln.logger import init_logger
@@ -36,10 +37,10 @@ def wrap_piece(piece_callable: Callable, piece_index: int, is_last: bool,
                                     is_last=is_last, name=f"piece_{piece_index}")
 
 
-def fusion_pass_applies(kiln_config) -> bool:
-    """Whether compiled graphs get FuseAddRmsNormLinear: on CPU, where the fused op's C++ kernel
-    runs (elsewhere its torch fallback would be slower than Inductor's kernel), unless
-    pass_config {"enable_fusion": false}."""
+def fusion_passes_apply(kiln_config) -> bool:
+    """Whether compiled graphs get the passes that fold what comes before a linear into it: on
+    CPU, where the fused ops' C++ kernels run (elsewhere their torch fallbacks would be slower
+    than Inductor's kernels), unless pass_config {"enable_fusion": false}."""
     from kiln.native import linear_op
 
     cc = kiln_config.compilation_config
@@ -84,8 +85,9 @@ class KilnBackend:
         self.kiln_config, self.prefix = kiln_config, prefix
         cc = kiln_config.compilation_config
         self.pass_manager = PostGradPassManager(cc.pass_config)
-        if fusion_pass_applies(kiln_config):
+        if fusion_passes_apply(kiln_config):
             self.pass_manager.add(FuseAddRmsNormLinear())
+            self.pass_manager.add(FuseSiluMulLinear())
         self.compiler = make_compiler(cc.backend, self.pass_manager,
                                       kiln_config.device_config.device)
         self.pieces: dict[int, PiecewiseBackend] = {}  # piece index -> compiled piece

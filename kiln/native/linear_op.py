@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from kiln.native import build, gemv, gguf_matmul
+from kiln.native import build, gemv, gguf_matmul, layer_ops
 
 PATHS = ("blocks", "gemv", "packed", "dense")  # the op's choices, in its order of preference
 
@@ -28,7 +28,8 @@ def available() -> bool:
         return ctypes.cast(getattr(lib, fn), ctypes.c_void_p).value if lib is not None else 0
 
     torch.ops.kiln._cpu_linear_set_kernels(address(gemv._lib(), "kiln_gemv"),
-                                           address(gguf_matmul._lib(), "kiln_gguf_matmul"))
+                                           address(gguf_matmul._lib(), "kiln_gguf_matmul"),
+                                           address(layer_ops._lib(), "kiln_silu_and_mul"))
     return True
 
 

@@ -10,63 +10,47 @@ import operator
 import torch
 from torch import fx
 
+from kiln.compilation.passes.fx_match import (all_float32, fake_value, is_call, linear_bias,
+                                              linear_op, only_user)
 from kiln.compilation.passes.pass_manager import KilnInductorPass
 
 aten = torch.ops.aten
-
-
-def _is(node, target) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target == target
-
-
-def _only_user(node: fx.Node, user: fx.Node) -> bool:
-    return list(node.users) == [user]
-
-
-def _other_arg(mul: fx.Node, known: fx.Node):
-    """mul's operand that is not `known` (either order), or None."""
-    a, b = mul.args[:2]
-    return b if a is known else a if b is known else None
-
-
-def _val(node):
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
 def match(linear: fx.Node) -> dict | None:
     """The pieces of add -> RMSNorm -> `linear` when that is what feeds it, else None:
     linear(w * (x * rsqrt(mean(x ** 2, -1, keepdim) + eps))), x = a + b, all float32."""
     normed = linear.args[0]
-    if not (_is(normed, aten.mul.Tensor) and _only_user(normed, linear)):
+    if not (is_call(normed, aten.mul.Tensor) and only_user(normed, linear)):
         return None
     for scaled, norm_weight in (normed.args[:2], normed.args[1::-1]):
-        if not (_is(scaled, aten.mul.Tensor) and _only_user(scaled, normed)):
+        if not (is_call(scaled, aten.mul.Tensor) and only_user(scaled, normed)):
             continue
         for x, rsqrt in (scaled.args[:2], scaled.args[1::-1]):
-            if not (_is(rsqrt, aten.rsqrt.default) and _only_user(rsqrt, scaled)):
+            if not (is_call(rsqrt, aten.rsqrt.default) and only_user(rsqrt, scaled)):
                 continue
             plus_eps = rsqrt.args[0]
-            if not (_is(plus_eps, aten.add.Tensor) and _only_user(plus_eps, rsqrt)
+            if not (is_call(plus_eps, aten.add.Tensor) and only_user(plus_eps, rsqrt)
                     and isinstance(plus_eps.args[1], float)):
                 continue
             mean, eps = plus_eps.args[0], plus_eps.args[1]
-            if not (_is(mean, aten.mean.dim) and _only_user(mean, plus_eps)
-                    and list(mean.args[1]) in ([-1], [len(_val(x).shape) - 1])
+            if not (is_call(mean, aten.mean.dim) and only_user(mean, plus_eps)
+                    and list(mean.args[1]) in ([-1], [len(fake_value(x).shape) - 1])
                     and (mean.args[2:3] == (True,) or mean.kwargs.get("keepdim"))):
                 continue
             square = mean.args[0]
-            if not (_is(square, aten.pow.Tensor_Scalar) and square.args == (x, 2)
-                    and _only_user(square, mean)):
+            if not (is_call(square, aten.pow.Tensor_Scalar) and square.args == (x, 2)
+                    and only_user(square, mean)):
                 continue
-            if not (_is(x, aten.add.Tensor) and len(x.args) == 2 and not x.kwargs):
+            if not (is_call(x, aten.add.Tensor) and len(x.args) == 2 and not x.kwargs):
                 return None
             a, b = x.args
-            vals = [_val(n) for n in (a, b, x, norm_weight, linear.args[1])]
-            if any(not isinstance(v, torch.Tensor) or v.dtype != torch.float32 for v in vals):
+            if not all_float32(a, b, x, norm_weight, linear.args[1]):
                 return None
-            if vals[0].shape != vals[2].shape or vals[1].shape != vals[2].shape:
+            shape = fake_value(x).shape
+            if fake_value(a).shape != shape or fake_value(b).shape != shape:
                 return None
-            if vals[3].dim() != 1:
+            if fake_value(norm_weight).dim() != 1:
                 return None
             return {"x": x, "a": a, "b": b, "norm_weight": norm_weight, "eps": eps,
                     "dead": [normed, scaled, rsqrt, plus_eps, mean, square]}
@@ -75,12 +59,11 @@ def match(linear: fx.Node) -> dict | None:
 
 class FuseAddRmsNormLinear(KilnInductorPass):
     def __call__(self, graph: fx.Graph) -> None:
-        packet = getattr(torch.ops.kiln, "linear", None)  # registered with the model's layers
-        if packet is None:
+        target = linear_op()
+        if target is None:
             return
-        linear_op = packet.default
         order = {node: i for i, node in enumerate(graph.nodes)}
-        for linear in [n for n in graph.nodes if _is(n, linear_op)]:
+        for linear in [n for n in graph.nodes if is_call(n, target)]:
             found = match(linear)
             if found is None:
                 continue
@@ -89,8 +72,7 @@ class FuseAddRmsNormLinear(KilnInductorPass):
             others = [u for u in x.users if u not in found["dead"]]
             if any(order[u] < order[linear] for u in others):
                 continue
-            weight = linear.args[1]
-            bias = linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+            weight, bias = linear.args[1], linear_bias(linear)
             with graph.inserting_before(linear):
                 fused = graph.call_function(
                     torch.ops.kiln.add_rms_norm_linear.default,

@@ -54,6 +54,19 @@ def _add_rms_norm_linear_fake(a, b, norm_weight, eps, weight, bias=None):
     return a.new_empty((*a.shape[:-1], weight.shape[0])), torch.empty_like(a)
 
 
+def _silu_mul_linear(x, weight, bias=None):
+    # Tensors off the CPU; on the CPU csrc/linear_op.cpp's kernel runs. Only compiled graphs
+    # call it (kiln/compilation/passes/fuse_silu_mul_linear.py).
+    d = x.shape[-1] // 2
+    return torch.ops.kiln.linear(F.silu(x[..., :d]) * x[..., d:], weight, bias)
+
+
+def _silu_mul_linear_fake(x, weight, bias=None):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+register_op("silu_mul_linear", "(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor",
+            _silu_mul_linear, _silu_mul_linear_fake)
 register_op("add_rms_norm_linear", "(Tensor a, Tensor b, Tensor norm_weight, float eps, "
             "Tensor weight, Tensor? bias=None) -> (Tensor, Tensor)", _add_rms_norm_linear,
             _add_rms_norm_linear_fake)

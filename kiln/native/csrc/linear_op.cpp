@@ -4,8 +4,8 @@
  * calls, and the dispatcher reaches a C++ kernel in ~1.5 us against ~8 us through a Python
  * kernel and ctypes (measured on 2 cores). The C kernels come as function pointers from their
  * own builds (kiln/native/gemv.py, gguf_matmul.py), so each is compiled once. Also the CPU
- * kernel of `kiln::add_rms_norm_linear`, the residual add and RMSNorm that compiled graphs fold
- * into the linear after them. */
+ * kernels of `kiln::add_rms_norm_linear` and `kiln::silu_mul_linear`, what compiled graphs fold
+ * into a linear from before it (a residual add and RMSNorm; SiLU-and-mul). */
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -16,6 +16,7 @@
 #include <ATen/ops/mul.h>
 #include <ATen/ops/pow.h>
 #include <ATen/ops/rsqrt.h>
+#include <ATen/ops/silu.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -36,6 +37,9 @@ using GemvFn = int (*)(const void *x, const void *weight, const void *bias, void
 using GgufFn = int (*)(const void *x, const uint8_t *blocks, int32_t qtype, const void *bias,
                        void *out, int32_t m, int64_t n, int64_t k, int32_t dtype,
                        int32_t num_threads);
+/* csrc/layer_ops.c's kiln_silu_and_mul. */
+using SiluMulFn = int (*)(const void *x, int64_t x_stride, void *out, int64_t rows, int32_t d,
+                          int32_t dtype, int32_t num_threads);
 
 /* What a weight carries besides its dense values. */
 struct Attached {
@@ -57,6 +61,7 @@ std::shared_mutex registry_mutex;
 std::unordered_map<const void *, Attached> registry;  /* by the dense weight's data pointer */
 std::atomic<GemvFn> gemv_fn{nullptr};
 std::atomic<GgufFn> gguf_fn{nullptr};
+std::atomic<SiluMulFn> silu_mul_fn{nullptr};
 /* Calls by path (blocks, GEMV, packed, dense), for tests and benchmarks to see the choice. */
 enum { PATH_BLOCKS, PATH_GEMV, PATH_PACKED, PATH_DENSE, NUM_PATHS };
 std::atomic<int64_t> path_calls[NUM_PATHS];
@@ -190,6 +195,27 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_linear(const at::Tensor &a, cons
     return {linear_cpu(normed, weight, bias), residual};
 }
 
+/* linear(silu(x[..., :d]) * x[..., d:]): the SiLU-and-mul before a down projection, done by
+ * csrc/layer_ops.c's kernel (the eager forward's) instead of one of Inductor's kernels
+ * (compiled graphs only: kiln/compilation/passes/fuse_silu_mul_linear.py). */
+at::Tensor silu_mul_linear(const at::Tensor &x, const at::Tensor &weight,
+                           const std::optional<at::Tensor> &bias) {
+    const int64_t d = x.size(-1) / 2;
+    const int32_t dtype = kiln_dtype_code(x.scalar_type());
+    SiluMulFn silu_mul = silu_mul_fn.load(std::memory_order_relaxed);
+    if (!silu_mul || dtype < 0 || x.size(-1) != 2 * d || d == 0 || x.stride(-1) != 1)
+        return linear_cpu(at::mul(at::silu(x.narrow(-1, 0, d)), x.narrow(-1, d, d)), weight,
+                          bias);
+    const at::Tensor rows = x.reshape({-1, 2 * d});
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = d;
+    at::Tensor act = at::empty(shape, x.options());
+    const int rc = silu_mul(rows.data_ptr(), rows.stride(0), act.data_ptr(), rows.size(0),
+                            static_cast<int32_t>(d), dtype, at::get_num_threads());
+    TORCH_CHECK(rc == 0, "kiln::silu_mul_linear: the SiLU-and-mul kernel failed with code ", rc);
+    return linear_cpu(act, weight, bias);
+}
+
 void attach_packed(const at::Tensor &weight, const at::Tensor &packed, int64_t gemv_rows) {
     std::unique_lock lock(registry_mutex);
     Attached &a = entry_for(weight);
@@ -225,9 +251,10 @@ std::vector<int64_t> attached(const at::Tensor &weight) {
     return {a.packed.defined(), a.gemv_rows, a.blocks.defined(), a.qtype, a.block_rows};
 }
 
-void set_kernels(int64_t gemv, int64_t gguf) {
+void set_kernels(int64_t gemv, int64_t gguf, int64_t silu_mul) {
     gemv_fn.store(reinterpret_cast<GemvFn>(gemv));
     gguf_fn.store(reinterpret_cast<GgufFn>(gguf));
+    silu_mul_fn.store(reinterpret_cast<SiluMulFn>(silu_mul));
 }
 
 int64_t num_attached() {
@@ -251,11 +278,12 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
     m.def("_cpu_linear_detach(int address, int storage) -> ()", &detach);
     m.def("_cpu_linear_attached(Tensor weight) -> int[]", &attached);
     m.def("_cpu_linear_num_attached() -> int", &num_attached);
-    m.def("_cpu_linear_set_kernels(int gemv, int gguf) -> ()", &set_kernels);
+    m.def("_cpu_linear_set_kernels(int gemv, int gguf, int silu_mul) -> ()", &set_kernels);
     m.def("_cpu_linear_path_counts() -> int[]", &path_counts);
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
     m.impl("linear", &linear_cpu);
     m.impl("add_rms_norm_linear", &add_rms_norm_linear);
+    m.impl("silu_mul_linear", &silu_mul_linear);
 }
