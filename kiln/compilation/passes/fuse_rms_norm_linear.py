@@ -10,8 +10,9 @@ import operator
 import torch
 from torch import fx
 
+from kiln.compilation.passes import fx_match
 from kiln.compilation.passes.fx_match import (all_float32, fake_value, is_call, linear_bias,
-                                              linear_op, only_user)
+                                              linear_nodes, only_user)
 from kiln.compilation.passes.pass_manager import KilnInductorPass
 
 aten = torch.ops.aten
@@ -58,12 +59,11 @@ def match(linear: fx.Node) -> dict | None:
 
 
 class FuseAddRmsNormLinear(KilnInductorPass):
+    helper_modules = (fx_match,)
+
     def __call__(self, graph: fx.Graph) -> None:
-        target = linear_op()
-        if target is None:
-            return
         order = {node: i for i, node in enumerate(graph.nodes)}
-        for linear in [n for n in graph.nodes if is_call(n, target)]:
+        for linear in linear_nodes(graph):
             found = match(linear)
             if found is None:
                 continue

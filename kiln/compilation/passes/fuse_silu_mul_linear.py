@@ -5,8 +5,9 @@ forward's C kernel), saving Inductor's kernel between the two linears. Float32 g
 import torch
 from torch import fx
 
+from kiln.compilation.passes import fx_match
 from kiln.compilation.passes.fx_match import (all_float32, fake_value, is_call, linear_bias,
-                                              linear_op, only_user)
+                                              linear_nodes, only_user)
 from kiln.compilation.passes.pass_manager import KilnInductorPass
 
 aten = torch.ops.aten
@@ -57,11 +58,10 @@ def match(linear: fx.Node) -> dict | None:
 
 
 class FuseSiluMulLinear(KilnInductorPass):
+    helper_modules = (fx_match,)
+
     def __call__(self, graph: fx.Graph) -> None:
-        target = linear_op()
-        if target is None:
-            return
-        for linear in [n for n in graph.nodes if is_call(n, target)]:
+        for linear in linear_nodes(graph):
             found = match(linear)
             if found is None:
                 continue

@@ -21,10 +21,10 @@ def all_float32(*nodes) -> bool:
     return all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in values)
 
 
-def linear_op():
-    """kiln::linear's overload, or None where the model's layers did not register it."""
+def linear_nodes(graph: fx.Graph) -> list[fx.Node]:
+    """The graph's kiln::linear calls (none where the model's layers did not register it)."""
     packet = getattr(torch.ops.kiln, "linear", None)
-    return None if packet is None else packet.default
+    return [] if packet is None else [n for n in graph.nodes if is_call(n, packet.default)]
 
 
 def linear_bias(linear: fx.Node):

@@ -12,13 +12,17 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 
 class KilnInductorPass:
-    """Base of a Kiln pass: a callable on an FX graph whose uuid is the hash of its source."""
+    """Base of a Kiln pass: a callable on an FX graph whose uuid is the hash of its module's
+    source and of the modules in `helper_modules` (what it calls there changes its output)."""
+    helper_modules: tuple = ()
 
     def __call__(self, graph: fx.Graph) -> None:
         raise NotImplementedError
 
     def uuid(self) -> str:
-        return hashlib.sha256(inspect.getsource(type(self)).encode()).hexdigest()[:16]
+        modules = (inspect.getmodule(type(self)), *self.helper_modules)
+        source = "".join(inspect.getsource(m) for m in modules)
+        return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
 class PostGradPassManager(CustomGraphPass):
