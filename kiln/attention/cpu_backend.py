@@ -61,8 +61,6 @@ class CpuAttentionImpl(TorchAttentionImpl):
             super().forward(q, k, v, kv_cache, md, out)
             return
         step, long = self._plan(md, cache.block_size)
-        if not long:
-            _hand_over(md, step)
         # Writes every real token's k/v, then attends the short queries.
         paged_attention.run(q, k, v, out, cache, step, self.scale)
         num_tokens = q.shape[0]
@@ -78,7 +76,8 @@ class CpuAttentionImpl(TorchAttentionImpl):
     def _plan(md: AttentionMetadata,
               block_size: int) -> tuple[paged_attention.StepArgs, list[int]]:
         """(the kernel's arguments: every real token's slot, the short queries' requests; the
-        long queries' requests); once per step, shared by every layer."""
+        long queries' requests); once per step, shared by every layer. A step of short queries
+        only is handed to the C++ kernel as it is planned."""
         if "cpu_split" not in md.step_cache:
             starts = md.query_start_loc_cpu[:md.num_reqs + 1].tolist()
             short, long = split_requests([e - s for s, e in zip(starts, starts[1:])])
@@ -87,6 +86,8 @@ class CpuAttentionImpl(TorchAttentionImpl):
                 torch.tensor(short, dtype=torch.int32), md.max_seq_len, block_size,
                 md.slot_mapping, md.num_actual_tokens)
             md.step_cache["cpu_split"] = (args, long)
+            if not long:
+                _hand_over(md, args)
         return md.step_cache["cpu_split"]
 
 
@@ -118,11 +119,8 @@ def _layer_table(layers: dict) -> attention_op.LayerTable | None:
 
 
 def _hand_over(md: AttentionMetadata, step: paged_attention.StepArgs) -> None:
-    """Once per step: let the C++ kernel of kiln::unified_attention serve the step's other layers
-    with `step` until the forward context closes (kiln/native/attention_op.py)."""
-    if "cpu_handed_over" in md.step_cache:
-        return
-    md.step_cache["cpu_handed_over"] = True
+    """Let the C++ kernel of kiln::unified_attention serve the step's other layers with `step`
+    until the forward context closes (kiln/native/attention_op.py)."""
     if not (attention_op.available() and is_forward_context_available()):
         return
     context = get_forward_context()

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+from kiln import envs
 from kiln.native import build, gemv, gguf_matmul, layer_ops
 
 PATHS = ("blocks", "gemv", "packed", "dense")  # the op's choices, in its order of preference
@@ -20,7 +21,8 @@ PATHS = ("blocks", "gemv", "packed", "dense")  # the op's choices, in its order 
 @functools.cache
 def available() -> bool:
     """The C++ kernel built and loaded, with the C kernels it calls handed over (those that
-    built); False (with one warning) when it cannot be built."""
+    built; the SiLU-and-mul one not under KILN_NATIVE_CPU_OPS=0); False (with one warning) when
+    it cannot be built."""
     if not build.load_torch_op("linear_op"):
         return False
 
@@ -29,7 +31,8 @@ def available() -> bool:
 
     torch.ops.kiln._cpu_linear_set_kernels(address(gemv._lib(), "kiln_gemv"),
                                            address(gguf_matmul._lib(), "kiln_gguf_matmul"),
-                                           address(layer_ops._lib(), "kiln_silu_and_mul"))
+                                           address(layer_ops._lib() if envs.native_cpu_ops()
+                                                   else None, "kiln_silu_and_mul"))
     return True
 
 

@@ -1,11 +1,15 @@
 """The add + RMSNorm + kiln::linear fusion pass: what it matches, what it leaves, and that the
 fused op computes what the three did."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import kiln.model.layers.cpu_gemm  # noqa: F401  (registers kiln::linear, kiln::add_rms_norm_linear)
+from kiln.compilation.backend import fusion_passes_apply
 from kiln.compilation.passes import FuseAddRmsNormLinear
+from kiln.config import CompilationConfig
 from kiln.native import linear_op
 
 needs_op = pytest.mark.skipif(not linear_op.available(), reason="no C++ compiler")
@@ -87,3 +91,13 @@ def test_fused_op_falls_back_to_torch_for_other_dtypes_and_shapes():
     out, _ = torch.ops.kiln.add_rms_norm_linear(a.t().contiguous().t(), b, w, EPS, weight, bias)
     torch.testing.assert_close(out, torch.nn.functional.linear(rms_norm(a + b, w), weight, bias),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_fusion_passes_apply_on_cpu_unless_switched_off():
+    def config(device, pass_config):
+        return SimpleNamespace(compilation_config=CompilationConfig(pass_config=pass_config),
+                               device_config=SimpleNamespace(device=device))
+
+    assert fusion_passes_apply(config("cpu", {})) == linear_op.available()
+    assert not fusion_passes_apply(config("cpu", {"enable_fusion": False}))
+    assert not fusion_passes_apply(config("cuda", {}))
