@@ -4,6 +4,7 @@ One `step()` runs one core step (schedule -> execute -> update) and returns the 
 it produced; the LLM class and the CLI drive it in a loop.
 """
 import time
+import weakref
 
 from kiln.config import KilnConfig, ParallelConfig
 from kiln.core.request import Request, RequestStatus
@@ -49,6 +50,10 @@ class LLMEngine:
         if executor_class is None:
             executor_class = get_executor_class(kiln_config.parallel_config)
         self.engine_core = EngineCore(kiln_config, executor_class)
+        # Dropped without shutdown(), the engine still shuts its workers down: a worker keeps
+        # the start-up heap out of the garbage collector's reach until then (worker.py).
+        self._shutdown = weakref.finalize(self, self.engine_core.shutdown)
+        self._shutdown.atexit = False
         self.num_finished_requests = 0
 
     @classmethod
@@ -150,6 +155,6 @@ class LLMEngine:
         return {"prompt": text, "prompt_token_ids": list(ids)}
 
     def shutdown(self) -> None:
-        core, self.engine_core = getattr(self, "engine_core", None), None
-        if core is not None:
-            core.shutdown()
+        self.engine_core = None
+        if hasattr(self, "_shutdown"):
+            self._shutdown()  # EngineCore.shutdown, once

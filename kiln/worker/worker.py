@@ -3,6 +3,8 @@
 The executor drives it: init_device, load_model, determine_num_blocks, initialize_cache,
 compile_or_warm_up_model, then execute_model once per engine step.
 """
+import gc
+
 import torch
 
 from kiln import envs
@@ -32,9 +34,11 @@ class Worker:
         self.device = device
         current_platform.seed_everything(self.kiln_config.model_config.seed)
         self.model_runner = ModelRunner(self.kiln_config, device)
+        freeze_gc_heap()
 
     def load_model(self) -> None:
         self.model_runner.load_model()
+        freeze_gc_heap()
 
     # ---- KV cache --------------------------------------------------------------------------
     def _attention_layers(self) -> dict:
@@ -107,6 +111,7 @@ class Worker:
         current_platform.synchronize()
         # Warm-up must not change the sampling stream users see.
         current_platform.seed_everything(self.kiln_config.model_config.seed)
+        freeze_gc_heap(collect=True)
 
     # ---- steps -----------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -114,3 +119,20 @@ class Worker:
 
     def shutdown(self) -> None:
         self.model_runner = None
+        # What start-up froze may now be garbage (this engine's model and caches, in cycles).
+        gc.unfreeze()
+
+
+def freeze_gc_heap(collect: bool = False) -> None:
+    """Move every object alive now out of the garbage collector's reach, until shutdown.
+
+    Start-up builds a large heap that lives as long as the engine (imported modules, the model,
+    compiled graphs). Left tracked, each full collection rescans all of it: 0.1-0.2 s a time,
+    about 0.85 s of a warm start of the default model on 2 cores, one collection inside the
+    compile window. Frozen, later collections only scan what was allocated since.
+    `collect=True` first frees the cyclic garbage that compiling leaves, which freezing would
+    otherwise keep.
+    """
+    if collect:
+        gc.collect()
+    gc.freeze()

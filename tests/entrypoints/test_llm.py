@@ -160,3 +160,21 @@ def test_chat_uses_template(stories_llm):
 def test_unknown_llm_argument():
     with pytest.raises(ValueError, match="max_num_seq"):
         LLM(model="x", max_num_seq=3)
+
+
+def test_startup_heap_frozen_until_the_engine_goes(tiny_llama_dir):
+    """Start-up leaves its heap frozen (full collections skip it); dropping the LLM without
+    shutdown() unfreezes it, so the engine's cyclic garbage (its KV cache) can be freed."""
+    import gc
+    import weakref
+
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE)
+    layer = next(iter(llm.llm_engine.kiln_config.compilation_config
+                      .static_forward_context.values()))
+    assert gc.get_freeze_count() > 0
+    kv_cache = weakref.ref(layer.kv_cache)
+    layer.back_reference = layer  # make the engine cyclic garbage, freed only by a collection
+    del llm, layer
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert kv_cache() is None
