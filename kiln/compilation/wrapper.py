@@ -89,11 +89,12 @@ class TraceOnceWrapper:
                 output = compiled(self.module, *args, **kwargs)
         finally:
             handle.remove()
+            _forget_backend(self.backend)
         compilation_counter.num_dynamo_traces += 1
         if not captured:
             raise RuntimeError(f"Dynamo produced no bytecode for {self.prefix}.forward")
         fn = self.source_fn
-        self.direct = types.FunctionType(captured[-1], fn.__globals__, fn.__name__,
+        self.direct = types.FunctionType(captured[-1], _detached_globals(fn), fn.__name__,
                                          fn.__defaults__, fn.__closure__)
         self.direct.__kwdefaults__ = fn.__kwdefaults__
         self.traced_signature = _signature(args, kwargs)
@@ -138,3 +139,30 @@ class GuardedCompileWrapper:
                 raise
             raise RecompileAfterWarmupError(
                 f"{self.prefix}.forward would recompile after warm-up ended: {e}") from e
+
+
+def _forget_backend(backend: Any) -> None:
+    """Take `backend` out of Dynamo's `cached_backends`, where torch.compile keeps every backend
+    it is given until torch._dynamo.reset(). Kiln's holds the engine's config, and through it
+    the model and its KV caches, which would outlive the engine. Nothing re-enters Dynamo for
+    this forward once its trace is done (a recompile is an error), so nothing needs it there."""
+    cached = getattr(torch._dynamo.eval_frame, "cached_backends", None)
+    if not isinstance(cached, dict):
+        return
+    for key, value in list(cached.items()):
+        if value is backend or getattr(value, "compiler_fn", None) is backend:
+            del cached[key]
+
+
+def _detached_globals(fn: types.FunctionType) -> dict[str, Any]:
+    """Globals for the traced bytecode of `fn` that do not keep the model alive.
+
+    Dynamo stores the compiled graph in `fn`'s module globals, where the bytecode looks it up,
+    and removes it only when the code's cache entries go; the graph reaches the backend, the
+    model and its KV caches, so those would outlive the engine. The bytecode gets a copy of the
+    globals, taken now, and the entries of `fn`'s code (its own: fresh_function) are dropped,
+    which takes the graph out of the module. Kiln calls the bytecode directly from here on.
+    """
+    scope = dict(fn.__globals__)
+    torch._dynamo.reset_code(fn.__code__)
+    return scope
