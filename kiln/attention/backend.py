@@ -46,6 +46,11 @@ class AttentionBackend:
                            head_size: int) -> tuple[int, ...]:
         return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
 
+    @staticmethod
+    def begin_step(attn_metadata, block_size: int) -> None:
+        """Called by the model runner in a step's forward context, before the model runs: work
+        every layer of the step shares (none by default)."""
+
 
 BACKENDS = ("torch", "cpu")
 

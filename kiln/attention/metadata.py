@@ -24,6 +24,6 @@ class AttentionMetadata:
     seq_lens_cpu: torch.Tensor  # [num_reqs] int32
     # True when every request decodes one token (enables the batched decode path).
     uniform_decode: bool = False
-    # Tensors a backend derives from the above once per step (first layer) and every other layer
-    # reuses: gather indices, masks. Keyed by the backend; never part of a traced graph.
+    # Tensors a backend derives from the above once per step (begin_step or first layer) and
+    # every layer reuses: gather indices, masks. Keyed by the backend; never part of a traced graph.
     step_cache: dict = field(default_factory=dict, repr=False, compare=False)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kiln.attention.backend import AttentionBackend
 from kiln.attention.metadata import AttentionMetadata
 from kiln.compilation.cuda_graph import BatchDescriptor, CUDAGraphMode, wrap_model_for_full_cudagraph
 from kiln.core.outputs import (EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput,
@@ -56,6 +57,7 @@ class ModelRunner:
         self.max_blocks_per_req = input_prep.cdiv(self.max_model_len, self.block_size)
 
         self.model: torch.nn.Module | None = None
+        self.attn_backend: type[AttentionBackend] = AttentionBackend
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len,
@@ -119,6 +121,9 @@ class ModelRunner:
 
         self.model = wrap_model_for_full_cudagraph(get_model(self.kiln_config),
                                                    self.kiln_config.compilation_config)
+        # The layers' attention backend (one for all), whose per-step work runs before them.
+        layers = self.kiln_config.compilation_config.static_forward_context
+        self.attn_backend = next(iter(layers.values())).backend if layers else AttentionBackend
 
     def padded_num_tokens(self, num_tokens: int) -> int:
         """Tokens the model runs for `num_tokens` real ones (the CUDA graph helper pads)."""
@@ -132,6 +137,8 @@ class ModelRunner:
         mode, desc = self._cudagraph_step
         with set_forward_context(attn_metadata, self.kiln_config, batch_descriptor=desc,
                                  cudagraph_runtime_mode=mode):
+            if attn_metadata is not None:
+                self.attn_backend.begin_step(attn_metadata, self.block_size)
             return self.model(input_ids, positions)
 
     @torch.inference_mode()

@@ -1,10 +1,11 @@
 """The C++ CPU kernel of kiln::unified_attention (kiln/native/csrc/attention_op.cpp): a step of
-short queries is handed to it at its first layer, and its other layers never reach Python."""
+short queries is handed to it before its first layer (or at it, unplanned), and its layers then
+never reach Python."""
 import pytest
 import torch
 
 from kiln.attention.backend import kv_cache_shape
-from kiln.attention.cpu_backend import CpuAttentionImpl
+from kiln.attention.cpu_backend import CpuAttentionBackend, CpuAttentionImpl
 from kiln.attention.torch_backend import TorchAttentionImpl
 from kiln.config import CompilationConfig, set_current_kiln_config
 from kiln.forward_context import set_forward_context
@@ -40,13 +41,17 @@ class Engine:
         self.pool, self.g = BlockPool(NUM_BLOCKS, BS), torch.Generator().manual_seed(seed)
         self.reqs = [PagedRequest(list(range(40))) for _ in range(2)]
 
-    def step(self, q_lens: list[int], num_padding: int = 0) -> tuple[dict, list, list]:
-        """One forward of every layer; (call counts of the step, outputs, reference outputs)."""
+    def step(self, q_lens: list[int], num_padding: int = 0,
+             begin_step: bool = False) -> tuple[dict, list, list]:
+        """One forward of every layer; (call counts of the step, outputs, reference outputs).
+        begin_step: the backend plans the step first, as the model runner has it do."""
         _, _, md = build_step(self.pool, self.reqs, q_lens, num_padding=num_padding)
         tokens = sum(q_lens) + num_padding
         before = attention_op.call_counts()
         outs, wants = [], []
         with set_forward_context(md, self.cfg):
+            if begin_step:
+                CpuAttentionBackend.begin_step(md, BS)
             for layer, ref_cache in zip(self.layers, self.reference):
                 q, k, v = (torch.randn(tokens, h * HD, generator=self.g).to(self.dtype)
                            for h in (NH, NKV, NKV))
@@ -72,6 +77,32 @@ def test_decode_steps_take_the_cpp_kernel_after_their_first_layer():
         counts, outs, wants = engine.step([1, 1])
         assert_same(outs, wants)
         assert counts == {"kernel": 2, "python": 1}
+
+
+def test_a_step_planned_before_its_layers_takes_the_cpp_kernel_in_all():
+    engine = Engine(num_layers=3)
+    for q_lens in ([9, 5], [1, 1], [1, 1]):
+        counts, outs, wants = engine.step(q_lens, begin_step=True)
+        assert_same(outs, wants)
+        assert counts == {"kernel": 3, "python": 0}
+    counts, outs, wants = engine.step([20, 1], begin_step=True)  # long queries: Python
+    assert_same(outs, wants)
+    assert counts == {"kernel": 0, "python": 3}
+
+
+def test_the_model_runner_plans_each_step_before_its_layers(tiny_llama_dir):
+    from kiln.entrypoints.llm import LLM
+    from kiln.sampling_params import SamplingParams
+
+    llm = LLM(model=str(tiny_llama_dir), enforce_eager=True, max_model_len=64,
+              kv_cache_memory=0.01)
+    before = attention_op.call_counts()
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}, {"prompt_token_ids": [5, 6]}],
+                 SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    after = attention_op.call_counts()
+    llm.shutdown()
+    assert after["python"] == before["python"]  # every step's queries are short
+    assert after["kernel"] - before["kernel"] == 2 * 4  # 2 layers, 4 steps
 
 
 def test_a_step_with_long_queries_stays_in_python():

@@ -3,9 +3,10 @@
  *
  * Through Python, a layer cost ~19 us a step besides the kernel (the dispatcher's trip into
  * Python, the forward-context lookup, the checks, ctypes): ~0.55 ms of a batch-1 step of the
- * 30-layer default model. The Python path (kiln/attention/cpu_backend.py) still takes each
- * step's first layer: it plans the step (StepArgs), then hands the plan and a table of the
- * engine's layers (name -> caches, scale) to this file for the step's other layers. Whatever
+ * 30-layer default model. Python (kiln/attention/cpu_backend.py) plans each step (StepArgs)
+ * before its first layer (the model runner asks it to; called without that, at its first
+ * layer), then hands the plan and a table of the engine's layers (name -> caches, scale) to
+ * this file for the step's layers. Whatever
  * the plan does not cover (no step handed over, a layer not in the table, another dtype) goes
  * to the Python implementation, registered as `kiln::unified_attention_python`. */
 #include <ATen/Parallel.h>
