@@ -1,20 +1,18 @@
 """`Sampler`: from last-token logits and `SamplingMetadata` to one sampled token per request.
 
 Order: raw logprobs, penalties, min_tokens mask, greedy argmax / temperature, top-k, top-p,
-min-p, then an exponential race (argmax of probs / q, q ~ Exp(1)) drawn per seeded row.
+min-p, then one draw a row from the probabilities (inverse_cdf.py), from the row's own generator
+when the request is seeded.
 """
 from dataclasses import dataclass
 
 import torch
 
 from kiln.sample.filters import apply_min_p, apply_top_k, apply_top_p
+from kiln.sample.inverse_cdf import inverse_cdf
 from kiln.sample.logprobs import gather_logprobs
 from kiln.sample.penalties import apply_all_penalties, mask_min_tokens
 from kiln.sample.sampling_metadata import SamplingMetadata
-
-# Exp(1) draws of exactly 0 would turn masked tokens (prob 0) into 0/0 = NaN, which argmax picks.
-_MIN_EXP = 1e-20
-
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """x [N, V].argmax(dim=1) (int64; the first maximum, NaN counting as the largest). On CPU in
@@ -38,12 +36,12 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
                   default_generator: torch.Generator | None) -> torch.Tensor:
     """Draw one token per row from probs [N, V]; rows in `generators` use their own generator,
     so a seeded row's draw does not depend on the other rows of the batch."""
-    q = torch.empty_like(probs)
+    u = torch.empty(probs.shape[0], dtype=torch.float64, device=probs.device)  # [N] in [0, 1)
     if len(generators) < probs.shape[0]:
-        q.exponential_(generator=default_generator)
+        u.uniform_(generator=default_generator)
     for row, gen in generators.items():
-        q[row].exponential_(generator=gen)
-    return row_argmax(probs.div_(q.clamp_min_(_MIN_EXP)))
+        u[row:row + 1].uniform_(generator=gen)
+    return inverse_cdf(probs, u)
 
 
 class Sampler(torch.nn.Module):
