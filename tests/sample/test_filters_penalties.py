@@ -28,6 +28,44 @@ def test_top_p_keeps_smallest_nucleus():
     assert torch.equal(out[2], logits[2])
 
 
+def _top_p_by_sort(logits, top_p):
+    """Reference: sort each row; a token stays when the tokens above it hold less than top_p."""
+    probs = logits.softmax(dim=1)
+    out = logits.clone()
+    for r in range(logits.shape[0]):
+        if top_p[r] >= 1.0:
+            continue
+        ordered, idx = probs[r].sort(descending=True)
+        above = ordered.double().cumsum(0) - ordered.double()
+        drop = above >= top_p[r].item()
+        drop[0] = False
+        out[r, idx[drop]] = NEG
+    return out
+
+
+def test_top_p_matches_sorting_the_whole_row():
+    """Peaked rows find their nucleus in the top 256, flatter ones in the top 2048, the
+    flattest by sorting; rows with top_p off are left alone."""
+    g = torch.Generator().manual_seed(11)
+    scales = [8.0, 3.0, 0.05, 8.0, 1.0, 3.0]
+    logits = torch.cat([torch.randn(1, 5000, generator=g) * s for s in scales])
+    top_p = torch.tensor([0.9, 0.9, 0.95, 1.0, 0.5, 0.999])
+    assert torch.equal(apply_top_p(logits, top_p), _top_p_by_sort(logits, top_p))
+
+
+def test_top_k_matches_sorting_the_whole_row():
+    g = torch.Generator().manual_seed(12)
+    logits = torch.randn(5, 3000, generator=g)
+    top_k = torch.tensor([1, 0, 700, 3000, 5000])  # 0 and >= vocab: off
+    out = apply_top_k(logits, top_k)
+    for r, k in enumerate(top_k.tolist()):
+        keep = torch.isfinite(out[r])
+        if not 0 < k < 3000:
+            assert keep.all()
+        else:
+            assert keep.sum() == k and logits[r][keep].min() >= logits[r][~keep].max()
+
+
 def test_min_p_relative_to_top_token():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]])
     out = apply_min_p(probs.log(), torch.tensor([0.35, 0.0]))
