@@ -5,7 +5,7 @@ import torch
 
 from kiln.sample.filters import apply_min_p, apply_top_k, apply_top_p
 from kiln.sample.penalties import (apply_all_penalties, apply_presence_frequency_penalties,
-                                   apply_repetition_penalty, mask_min_tokens, token_counts)
+                                   apply_repetition_penalty, first_occurrences, mask_min_tokens)
 
 NEG = float("-inf")
 
@@ -74,25 +74,25 @@ def test_min_p_relative_to_top_token():
     assert torch.isfinite(out[1]).all()
 
 
-def test_token_counts_ignore_padding():
-    ids = torch.tensor([[1, 1, 3, 5], [0, 5, 5, 5]])  # 5 == vocab_size is padding
-    counts = token_counts(ids, 5)
-    assert counts.tolist() == [[0, 2, 0, 1, 0], [1, 0, 0, 0, 0]]
+def test_first_occurrences():
+    ids = torch.tensor([[1, 1, 3, 5, 3], [0, 5, 5, 5, 2]])
+    assert first_occurrences(ids).tolist() == [[True, False, True, True, False],
+                                                [True, True, False, False, True]]
 
 
 def test_repetition_penalty_hf_semantics():
-    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0]])
-    seen = torch.tensor([[True, True, False, False]])
+    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.0]])  # last column: the padding id's
+    seen = torch.tensor([[0, 1, 1, 4]])
     out = apply_repetition_penalty(logits, seen, torch.tensor([2.0]))
-    assert out.tolist() == [[1.0, -4.0, 1.0, -1.0]]
+    assert out[:, :4].tolist() == [[1.0, -4.0, 1.0, -1.0]]
 
 
 def test_presence_frequency_by_hand():
-    logits = torch.zeros(1, 4)
-    counts = torch.tensor([[0, 1, 3, 0]])
-    out = apply_presence_frequency_penalties(logits, counts, torch.tensor([0.5]),
+    logits = torch.zeros(1, 5)
+    output = torch.tensor([[2, 1, 2, 4, 2]])  # 4: padding
+    out = apply_presence_frequency_penalties(logits, output, torch.tensor([0.5]),
                                              torch.tensor([0.25]))
-    assert out.tolist() == [[0.0, -0.75, -1.25, 0.0]]
+    assert out[:, :4].tolist() == [[0.0, -0.75, -1.25, 0.0]]
 
 
 def test_all_penalties_prompt_only_for_repetition():
@@ -104,6 +104,31 @@ def test_all_penalties_prompt_only_for_repetition():
                               torch.tensor([0.5]))
     expected = [3 / 1.5, 3 / 1.5 - 0.5 * 2 - 1.0, 3.0, -3 * 1.5, 3.0, 3.0]
     assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(out[0].tolist(), expected))
+    assert logits[0, 0] == 3.0  # the input is left alone
+
+
+def test_all_penalties_match_the_whole_vocabulary_form():
+    """Against the dense definition: counts over the vocabulary, penalties on every token."""
+    g = torch.Generator().manual_seed(13)
+    n, vocab = 4, 300
+    logits = torch.randn(n, vocab, generator=g) * 3
+    prompt = torch.randint(0, vocab + 1, (n, 40), generator=g)  # vocab: padding
+    output = torch.randint(0, 30, (n, 25), generator=g)  # repeats
+    output[:, -3:] = vocab
+    rep, pres, freq = (torch.tensor([1.0, 1.3, 0.8, 2.0]), torch.tensor([0.0, 0.5, -0.2, 1.0]),
+                       torch.tensor([0.0, 0.25, 0.1, -0.5]))
+
+    def counts(ids):
+        c = torch.zeros(n, vocab + 1).scatter_add_(1, ids, torch.ones(ids.shape))
+        return c[:, :vocab]
+
+    out_counts = counts(output)
+    seen = (counts(prompt) > 0) | (out_counts > 0)
+    p = rep.unsqueeze(1)
+    want = torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
+    want = want - freq.unsqueeze(1) * out_counts - pres.unsqueeze(1) * (out_counts > 0)
+    got = apply_all_penalties(logits, prompt, output, rep, pres, freq)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
 
 
 def test_mask_min_tokens():
