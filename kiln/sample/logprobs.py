@@ -5,6 +5,7 @@ As in vLLM's default, they come from the logits before penalties, temperature or
 import torch
 
 from kiln.core.outputs import LogprobsLists
+from kiln.sample.row_reductions import count_above
 
 
 def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
@@ -13,7 +14,7 @@ def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
     top-K), and the sampled token's 1-based rank [N]. raw_logprobs [N, V], sampled [N]."""
     sampled_lp = raw_logprobs.gather(1, sampled.unsqueeze(1))  # [N, 1]
     top_lp, top_ids = raw_logprobs.topk(max_num_logprobs, dim=1)  # [N, K]
-    ranks = (raw_logprobs > sampled_lp).sum(dim=1) + 1  # [N]
+    ranks = count_above(raw_logprobs, sampled_lp) + 1  # [N]
     ids = torch.cat([sampled.unsqueeze(1), top_ids], dim=1)
     lps = torch.cat([sampled_lp, top_lp], dim=1)
     return ids, lps, ranks

@@ -2,7 +2,8 @@
 independent of batch composition, distribution sanity, and logprobs against log_softmax."""
 import torch
 
-from kiln.sample.sampler import Sampler, row_argmax
+from kiln.sample.row_reductions import count_above, row_argmax
+from kiln.sample.sampler import Sampler
 from kiln.sample.sampling_metadata import build_sampling_metadata
 from kiln.sampling_params import SamplingParams
 
@@ -148,3 +149,16 @@ def test_row_argmax_matches_torch_ties_nan_and_inf():
     for t in (x, x[:, ::2], x.to(torch.bfloat16), x[0:1]):
         got = row_argmax(t)
         assert got.dtype == torch.int64 and torch.equal(got, t.argmax(dim=1))
+
+
+def test_count_above_matches_torch_on_cpu_and_other_dtypes():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 3000, generator=g)
+    x[1, :10] = float("nan")
+    x[2, 5] = float("inf")
+    value = x[:, 7:8].clone()
+    want = (x > value).sum(dim=1)
+    assert torch.equal(count_above(x, value), want)
+    assert torch.equal(count_above(x.t().contiguous().t(), value), want)  # strided rows
+    assert torch.equal(count_above(x.bfloat16(), value.bfloat16()),
+                       (x.bfloat16() > value.bfloat16()).sum(dim=1))
