@@ -13,9 +13,18 @@ import torch
 from kiln.core.outputs import LogprobsLists
 from kiln.sample.logprobs import gather_logprobs, to_logprobs_lists
 
-# Rows of logits ([rows, vocab] float32) made at once: a 2048-token prompt chunk with a 150k
-# vocabulary would otherwise take 1.2 GB.
-ROWS_PER_CHUNK = 256
+# Bytes of float32 logits made at once. A 2048-token prompt chunk with a 150k vocabulary would
+# otherwise take 1.2 GB. Under glibc's largest mmap threshold (32 MiB), the logits and their
+# log_softmax can reuse freed heap memory; above it each chunk maps (and page-faults) fresh
+# memory, the likely reason why log_softmax of 256 rows of 49152 (50 MB) took 70 ms in the
+# engine against 18 ms alone. A 512-token prompt's logprobs: 1.12 s in chunks of 256 rows,
+# 0.85-0.99 s in chunks of 128.
+LOGITS_BYTES_PER_CHUNK = 24 << 20
+
+
+def rows_per_chunk(vocab_size: int) -> int:
+    """Prompt positions whose logits are made at once."""
+    return max(1, LOGITS_BYTES_PER_CHUNK // (4 * vocab_size))
 
 
 @dataclass
@@ -31,15 +40,16 @@ def predicting_positions(num_computed: int, num_scheduled: int, num_prompt: int)
 
 
 def compute_prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor],
-                            hidden: torch.Tensor, targets: list[int],
-                            num_logprobs: int) -> list[LogprobsLists]:
+                            hidden: torch.Tensor, targets: list[int], num_logprobs: int,
+                            vocab_size: int) -> list[LogprobsLists]:
     """One entry per row of hidden [P, H]: the target token's logprob and rank, then the top
     num_logprobs, from the raw distribution (as sampled-token logprobs are)."""
     out: list[LogprobsLists] = []
-    for lo in range(0, hidden.shape[0], ROWS_PER_CHUNK):
-        rows = hidden[lo:lo + ROWS_PER_CHUNK]
+    step = rows_per_chunk(vocab_size)
+    for lo in range(0, hidden.shape[0], step):
+        rows = hidden[lo:lo + step]
         logprobs = compute_logits(rows).float().log_softmax(dim=1)  # [rows, V]
-        target = torch.tensor(targets[lo:lo + ROWS_PER_CHUNK], dtype=torch.int64,
+        target = torch.tensor(targets[lo:lo + step], dtype=torch.int64,
                               device=logprobs.device)
         ids, lps, ranks = gather_logprobs(logprobs, target, num_logprobs)
         out += to_logprobs_lists(ids, lps, ranks, [num_logprobs] * rows.shape[0])

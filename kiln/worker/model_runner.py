@@ -355,5 +355,5 @@ class ModelRunner:
             index = torch.from_numpy(rows).to(hidden.device)
             chunks[req_id] = PromptLogprobsChunk(where.start, compute_prompt_logprobs(
                 self.model.compute_logits, hidden[index], targets,
-                state.sampling_params.prompt_logprobs))
+                state.sampling_params.prompt_logprobs, self.kiln_config.model_config.vocab_size))
         return chunks
