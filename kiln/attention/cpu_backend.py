@@ -35,9 +35,10 @@ def split_requests(query_lens: list[int],
 class CpuAttentionImpl(TorchAttentionImpl):
     # A decode step calls this once per layer, so what does not change between calls is checked
     # and turned into kernel arguments once: the layer's caches when first seen, the step's
-    # metadata once a step (begin_step, else its first layer); a call then crosses into C once, for the K/V write and the
-    # attention together (measured in the engine at one decode token, this method: ~60 us a
-    # layer with per-call checks and two calls, ~39 with arguments kept, ~28 with one call).
+    # metadata once a step (begin_step, else at its first layer); a call then crosses into C
+    # once, for the K/V write and the attention together (measured in the engine at one decode
+    # token, this method: ~60 us a layer with per-call checks and two calls, ~39 with arguments
+    # kept, ~28 with one call).
     # _cache: (weak reference to the cache tensor, its data pointer, its arguments); weak, so
     # that a replaced cache is freed at once, not when the next step comes.
     _cache: tuple[weakref.ref, int, paged_attention.CacheArgs | None] | None = None

@@ -51,7 +51,7 @@ class LLMEngine:
             executor_class = get_executor_class(kiln_config.parallel_config)
         self.engine_core = EngineCore(kiln_config, executor_class)
         # Dropped without shutdown(), the engine still shuts its workers down: a worker keeps
-        # the start-up heap out of the garbage collector's reach until then (worker.py).
+        # the start-up heap out of the garbage collector's reach until then (host_memory.py).
         self._shutdown = weakref.finalize(self, self.engine_core.shutdown)
         self._shutdown.atexit = False
         self.num_finished_requests = 0
