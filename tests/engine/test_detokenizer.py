@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from kiln.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from kiln.engine.detokenizer import IncrementalDetokenizer, fast_decode, find_stop_string
 
 
 def stream(tokenizer, ids, rng, prompt=(), **kw):
@@ -94,8 +94,8 @@ def test_delta_holds_back_possible_stop_prefix(tokenizer):
     assert streamed == "we "
 
 
-def test_incremental_equals_full_decode_byte_level_bpe():
-    # GPT-2 / Qwen / SmolLM style tokenizers decode bytes lossily rather than by fallback runs.
+def _byte_level_bpe(**kwargs):
+    """A small GPT-2 / Qwen / SmolLM style tokenizer: bytes decode lossily, no fallback runs."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -105,9 +105,33 @@ def test_incremental_equals_full_decode_byte_level_bpe():
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(["héllo wörld 日本語 once upon a time there was a cat"] * 20, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", **kwargs)
+
+
+def test_incremental_equals_full_decode_byte_level_bpe():
+    tokenizer = _byte_level_bpe()
+    assert getattr(fast_decode(tokenizer), "__self__", None) is not tokenizer  # the backend's
     for seed in range(100):
         rng = random.Random(seed)
         ids = [rng.randrange(len(tokenizer)) for _ in range(30)]
         text, _ = stream(tokenizer, ids, rng, skip_special_tokens=True)
         assert text == tokenizer.decode(ids, skip_special_tokens=True), (seed, ids)
+
+
+def test_transformers_decode_kept_where_it_does_more_than_the_backend():
+    from transformers import PreTrainedTokenizerFast
+
+    cleaned = _byte_level_bpe(clean_up_tokenization_spaces=True)
+    assert fast_decode(cleaned) == cleaned.decode
+
+    class Custom(PreTrainedTokenizerFast):
+        def decode(self, *args, **kwargs):
+            return super().decode(*args, **kwargs).upper()
+
+    base = _byte_level_bpe()
+    custom = Custom(tokenizer_object=base.backend_tokenizer, eos_token="<|endoftext|>")
+    assert fast_decode(custom) == custom.decode
+    ids = base("once upon a time", add_special_tokens=False).input_ids
+    d = IncrementalDetokenizer.for_request(custom, [])
+    d.update(ids, final=True)
+    assert d.output_text == "ONCE UPON A TIME"
