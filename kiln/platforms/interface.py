@@ -35,11 +35,21 @@ class CpuPlatform(Platform):
                                  "scalar_asserts": False}
 
     def mem_get_info(self) -> tuple[int, int]:
+        """(available, total) bytes of host memory. Available is Linux's MemAvailable (free
+        pages plus what the kernel can reclaim, such as the page cache) where /proc has it,
+        else the free pages."""
         import os
 
-        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return avail, pages
+        page = os.sysconf("SC_PAGE_SIZE")
+        total = os.sysconf("SC_PHYS_PAGES") * page
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024, total
+        except OSError:
+            pass
+        return os.sysconf("SC_AVPHYS_PAGES") * page, total
 
 
 class CudaPlatform(Platform):

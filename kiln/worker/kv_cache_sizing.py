@@ -39,3 +39,14 @@ def useful_block_cap(max_num_seqs: int, max_model_len: int, block_size: int) -> 
     """Blocks past this only hold extra prefix cache: twice what max_num_seqs full-length
     sequences can use at once. Caps the CPU cache so a small model does not zero gigabytes."""
     return 2 * max_num_seqs * -(-max_model_len // block_size)
+
+
+def cpu_budget_warning(cache_bytes: int, available_bytes: int) -> str | None:
+    """A warning when the CPU KV cache could outgrow the memory available at start-up. Its
+    pages are committed as blocks are first used (host_memory.zeros_on_first_touch), so such a
+    cache starts fine and runs out of memory later, under load."""
+    if cache_bytes <= available_bytes:
+        return None
+    return (f"the KV cache ({cache_bytes / GiB:.2f} GiB) is larger than the memory available "
+            f"now ({available_bytes / GiB:.2f} GiB): it is committed as blocks are first used, "
+            "so the process may run out of memory under load")

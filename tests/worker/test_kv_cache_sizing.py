@@ -23,3 +23,16 @@ def test_cuda_budget_and_block_count():
     assert kvs.num_blocks_for(budget, kvs.GiB // 4) == 80
     # Over budget already: no blocks rather than a negative count.
     assert kvs.num_blocks_for(kvs.cuda_kv_cache_bytes(total, 79 * kvs.GiB, 0.5), 1024) == 0
+
+
+def test_cpu_budget_warning_only_past_available_memory():
+    assert kvs.cpu_budget_warning(4 * kvs.GiB, 4 * kvs.GiB) is None
+    warning = kvs.cpu_budget_warning(6 * kvs.GiB, 2 * kvs.GiB)
+    assert "6.00 GiB" in warning and "2.00 GiB" in warning
+
+
+def test_cpu_platform_reports_available_and_total_memory():
+    from kiln.platforms.interface import CpuPlatform
+
+    available, total = CpuPlatform().mem_get_info()
+    assert 0 < available <= total
