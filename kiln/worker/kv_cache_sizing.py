@@ -37,7 +37,8 @@ def num_blocks_for(budget_bytes: int, block_bytes: int) -> int:
 
 def useful_block_cap(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
     """Blocks past this only hold extra prefix cache: twice what max_num_seqs full-length
-    sequences can use at once. Caps the CPU cache so a small model does not zero gigabytes."""
+    sequences can use at once. Caps the CPU cache so a small model does not map gigabytes it
+    cannot use."""
     return 2 * max_num_seqs * -(-max_model_len // block_size)
 
 

@@ -128,4 +128,3 @@ class Worker:
         self.model_runner = None
         # What start-up froze may now be garbage (this engine's model and caches, in cycles).
         gc.unfreeze()
-
