@@ -2,8 +2,9 @@
 Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks on CPU (see cpu_gemm.py for when a layer takes
 it; the layers reach it through kiln::linear's C++ kernel, `quantized_linear` runs it directly).
 
-At a few rows a linear is a pass over its weight, and Q4_1 blocks are 6.4x fewer bytes than
-the float32 copy (the row limits by type and dtype, below, are where that stops paying).
+At a few rows a linear is a pass over its weight, and Q4_1 blocks are 5.3x fewer bytes than
+the float32 copy even with their scales widened to float32 (`kernel_blocks`); the row limits by
+type and dtype, below, are where that stops paying.
 """
 import ctypes
 import functools
@@ -35,7 +36,9 @@ _BF16_ROWS_WITHOUT_DOT = 4
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 SIGNATURES = (("kiln_gguf_matmul", (_P, _P, _I32, _P, _P, _I32, _I64, _I64, _I32, _I32)),
               ("kiln_gguf_simd", ()), ("kiln_gguf_bf16_dot", ()),
-              ("kiln_gguf_block_bytes", (_I32,)), ("kiln_gguf_block_values", (_I32,)))
+              ("kiln_gguf_block_bytes", (_I32,)), ("kiln_gguf_block_values", (_I32,)),
+              ("kiln_gguf_kernel_block_bytes", (_I32,)),
+              ("kiln_gguf_to_kernel_layout", (_P, _I32, _I64, _P)))
 
 
 def _lib() -> ctypes.CDLL | None:
@@ -62,10 +65,29 @@ def rows_worth_it(dtype: torch.dtype, qtype: int) -> int:
     return rows
 
 
-def row_bytes(qtype: int, in_features: int) -> int:
-    """Bytes of one output row of blocks."""
+def row_bytes(qtype: int, in_features: int, kernel_layout: bool = False) -> int:
+    """Bytes of one output row of blocks, as the file stores them or in the kernel's layout."""
     lib = _lib()
-    return in_features // lib.kiln_gguf_block_values(qtype) * lib.kiln_gguf_block_bytes(qtype)
+    block = (lib.kiln_gguf_kernel_block_bytes if kernel_layout else lib.kiln_gguf_block_bytes)
+    return in_features // lib.kiln_gguf_block_values(qtype) * block(qtype)
+
+
+def kernel_blocks(qtype: int, rows: torch.Tensor) -> torch.Tensor:
+    """The file's blocks `rows` (uint8 [out, row_bytes], as `serves` accepts them) in the layout
+    the kernel reads: 4-bit blocks with their fp16 scales widened to float32 once, here, instead
+    of in every decode step (csrc/gguf_matmul.c); other types as they are."""
+    per_block = _lib().kiln_gguf_block_bytes(qtype)
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or per_block == 0 or not rows.is_contiguous():
+        raise ValueError(f"expected contiguous uint8 [out, row_bytes] blocks of ggml type {qtype}, "
+                         f"got {rows.dtype} {tuple(rows.shape)}")
+    nblocks = rows.numel() // per_block
+    in_features = rows.shape[1] // per_block * _lib().kiln_gguf_block_values(qtype)
+    out = torch.empty(rows.shape[0], row_bytes(qtype, in_features, kernel_layout=True),
+                      dtype=torch.uint8)
+    build.check(_lib().kiln_gguf_to_kernel_layout(rows.data_ptr(), qtype, nblocks,
+                                                  out.data_ptr()),
+                "kiln_gguf_to_kernel_layout (1: a type it does not read)")
+    return out
 
 
 def serves(qtype: int, rows: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -82,8 +104,11 @@ def serves(qtype: int, rows: torch.Tensor, weight: torch.Tensor) -> bool:
 def quantized_linear(x: torch.Tensor, rows: torch.Tensor, qtype: int, out_features: int,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., k] with 1..MAX_ROWS rows @ the blocks' values^T (+ bias) -> [..., out_features],
-    in x's dtype (a weight `serves` accepted)."""
+    in x's dtype; `rows` in the kernel's layout (`kernel_blocks` of blocks `serves` accepted)."""
     k = x.shape[-1]
+    if tuple(rows.shape) != (out_features, row_bytes(qtype, k, kernel_layout=True)):
+        raise ValueError(f"blocks {tuple(rows.shape)} are not the kernel layout of a "
+                         f"[{out_features}, {k}] weight of ggml type {qtype} (see kernel_blocks)")
     if not x.is_contiguous():
         x = x.contiguous()
     out = x.new_empty((*x.shape[:-1], out_features))

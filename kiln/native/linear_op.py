@@ -68,7 +68,8 @@ def attach_packed(weight: torch.Tensor, packed: torch.Tensor, gemv_rows: int) ->
 
 
 def attach_blocks(weight: torch.Tensor, blocks: torch.Tensor, qtype: int, max_rows: int) -> None:
-    """Calls of up to max_rows rows read `blocks` (that `gguf_matmul.serves` accepted)."""
+    """Calls of up to max_rows rows read `blocks` (that `gguf_matmul.serves` accepted, in the
+    kernel's layout: `gguf_matmul.kernel_blocks`)."""
     torch.ops.kiln._cpu_linear_attach_blocks(weight, blocks, qtype, max_rows)
     _forget_when_freed(weight)
 

@@ -31,17 +31,18 @@ def test_matches_dequantize_then_matmul(qtype_name, dtype):
     for out_features, in_features in shapes:
         blocks, values = _blocks(qtype_name, out_features, in_features)
         assert gguf_matmul.serves(qtype, blocks, values.to(dtype))
+        kernel_rows = gguf_matmul.kernel_blocks(qtype, blocks)
         for rows in range(1, gguf_matmul.MAX_ROWS + 1):
             x = torch.randn(rows, in_features).to(dtype)
             bias = torch.randn(out_features).to(dtype)
-            got = gguf_matmul.quantized_linear(x, blocks, qtype, out_features, bias)
+            got = gguf_matmul.quantized_linear(x, kernel_rows, qtype, out_features, bias)
             # bfloat16 multiplies the values as the dequantized bfloat16 weight holds them
             want = x.float() @ values.to(dtype).float().T + bias.float()  # [rows, out]
             assert got.dtype == dtype and got.shape == (rows, out_features)
             tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
             assert (got.float() - want).abs().max() <= tol * want.abs().max()
     x3 = torch.randn(2, 3, in_features).to(dtype)  # leading dims are rows too
-    assert gguf_matmul.quantized_linear(x3, blocks, qtype, out_features).shape == (2, 3, 24)
+    assert gguf_matmul.quantized_linear(x3, kernel_rows, qtype, out_features).shape == (2, 3, 24)
 
 
 @pytest.mark.parametrize("qtype_name", sorted(gguf_matmul.QTYPES))
@@ -51,7 +52,8 @@ def test_uses_exactly_the_dequantized_values(qtype_name):
     rounding, which test_matches_dequantize_then_matmul checks)."""
     blocks, values = _blocks(qtype_name, 16, 512, seed=1)
     picked = torch.eye(512)  # [512, 512]: row i picks input column i
-    got = torch.cat([gguf_matmul.quantized_linear(picked[i:i + 8], blocks,
+    kernel_rows = gguf_matmul.kernel_blocks(gguf_matmul.QTYPES[qtype_name], blocks)
+    got = torch.cat([gguf_matmul.quantized_linear(picked[i:i + 8], kernel_rows,
                                                   gguf_matmul.QTYPES[qtype_name], 16)
                      for i in range(0, 512, 8)])
     assert torch.equal(got, values.T)
@@ -70,8 +72,32 @@ def test_what_it_refuses():
     assert gguf_matmul.serves(q4k, k_blocks, k_values)
     assert not gguf_matmul.serves(q4k, k_blocks[:, :216], k_values[:, :384])
     assert not gguf_matmul.serves(q41, blocks, values.half())  # a dtype the kernel lacks
+    kernel_rows = gguf_matmul.kernel_blocks(q41, blocks)
     with pytest.raises(RuntimeError, match="bad row count"):
-        gguf_matmul.quantized_linear(torch.randn(gguf_matmul.MAX_ROWS + 1, 64), blocks, q41, 8)
+        gguf_matmul.quantized_linear(torch.randn(gguf_matmul.MAX_ROWS + 1, 64), kernel_rows, q41,
+                                     8)
+    with pytest.raises(ValueError, match="kernel layout"):  # the file's blocks, unconverted
+        gguf_matmul.quantized_linear(torch.randn(1, 64), blocks, q41, 8)
+
+
+def test_kernel_layout_widens_4_bit_scales_once():
+    """4-bit blocks become [float32 d][float32 m][nibbles] (m = -8 d for Q4_0), 24 bytes a
+    block; the other types keep the file's bytes."""
+    for name, offset in (("Q4_0", 2), ("Q4_1", 4)):
+        blocks, _ = _blocks(name, 4, 96)
+        file_block = blocks.shape[1] // 3
+        got = gguf_matmul.kernel_blocks(gguf_matmul.QTYPES[name], blocks).view(4, 3, 24)
+        raw = blocks.view(4, 3, file_block)
+        d = raw[..., :2].contiguous().view(torch.float16).float()[..., 0]
+        m = raw[..., 2:4].contiguous().view(torch.float16).float()[..., 0] if name == "Q4_1" \
+            else -8 * d
+        assert torch.equal(got[..., :4].contiguous().view(torch.float32)[..., 0], d)
+        assert torch.equal(got[..., 4:8].contiguous().view(torch.float32)[..., 0], m)
+        assert torch.equal(got[..., 8:], raw[..., offset:])
+    q8, _ = _blocks("Q8_0", 4, 96)
+    assert torch.equal(gguf_matmul.kernel_blocks(gguf_matmul.QTYPES["Q8_0"], q8), q8)
+    with pytest.raises(ValueError, match="uint8"):
+        gguf_matmul.kernel_blocks(gguf_matmul.QTYPES["Q4_1"], q8.float())
 
 
 def test_row_limits_cover_every_type_and_dtype():

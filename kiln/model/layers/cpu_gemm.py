@@ -110,5 +110,5 @@ def attach_gguf_blocks(weight: torch.Tensor, qtype: int, blocks: torch.Tensor) -
     rows = gguf_matmul.rows_worth_it(weight.dtype, qtype)
     if rows == 0:  # they would never beat the dense weight in this dtype
         return False
-    linear_op.attach_blocks(weight, blocks, qtype, rows)
+    linear_op.attach_blocks(weight, gguf_matmul.kernel_blocks(qtype, blocks), qtype, rows)
     return True
