@@ -252,6 +252,9 @@ static void one_row_q4(const float *x, const float *xsum, const uint8_t *weight,
         float offset = 0.f;
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t *blk = row + b * Q4_KERNEL_BYTES; /* d, m, nibbles */
+            /* A decode step streams every weight from DRAM once: asking 16 blocks ahead took
+             * the default model's 120 linears from 3.6 to 3.45 ms a step on 2 cores. */
+            _mm_prefetch((const char *)(blk + 16 * Q4_KERNEL_BYTES), _MM_HINT_T0);
             const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 8)));
             const __m512 qx = _mm512_fmadd_ps(
                 _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), _mm512_loadu_ps(x + b * QK + 16),
@@ -297,6 +300,44 @@ static inline __attribute__((always_inline)) void rows_f32(
             store_elem(out, r * n + o, _mm512_reduce_add_ps(sum) + bv, dtype);
         }
     }
+}
+
+/* rows_f32 for 4-bit blocks and 4 or more rows, two output rows at a time: each load of x
+ * feeds both. At 8 rows the loads of x were a limit, beyond L1 for a 1536-wide x (48 KB).
+ * The default model's 120 linears at 8 rows on 2 cores, in one process: 14.1 -> 13.0 ms, and
+ * 12.7 with the prefetch (its weights stream from DRAM). Q8_0 (the default model's LM head) lost
+ * (3.55 -> 3.9 ms) and stays on rows_f32, as do fewer rows (2: 4.7 -> 5.4 ms). The same
+ * operations per output as rows_f32's, which takes an odd last row. */
+static inline __attribute__((always_inline)) void rows_f32_pairs(
+        const float *x, const uint8_t *weight, int qtype, int bb, const void *bias, void *out,
+        const int M, int64_t o0, int64_t o1, int64_t n, int64_t k, int dtype) {
+    const int64_t nb = k / QK, row_bytes = nb * bb;
+    int64_t o = o0;
+    for (; o + 1 < o1; o += 2) {
+        const uint8_t *row = weight + o * row_bytes, *row2 = row + row_bytes;
+        __m512 acc[MAX_ROWS], acc2[MAX_ROWS]; /* output rows o and o + 1 */
+        for (int r = 0; r < M; ++r) acc[r] = acc2[r] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            __m512 lo, hi, lo2, hi2;
+            _mm_prefetch((const char *)(row + (b + 8) * bb), _MM_HINT_T0);
+            _mm_prefetch((const char *)(row2 + (b + 8) * bb), _MM_HINT_T0);
+            load_block(row + b * bb, qtype, &lo, &hi);
+            load_block(row2 + b * bb, qtype, &lo2, &hi2);
+            for (int r = 0; r < M; ++r) {
+                const float *xr = x + r * k + b * QK;
+                const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
+                acc[r] = _mm512_fmadd_ps(hi, x1, _mm512_fmadd_ps(lo, x0, acc[r]));
+                acc2[r] = _mm512_fmadd_ps(hi2, x1, _mm512_fmadd_ps(lo2, x0, acc2[r]));
+            }
+        }
+        const float bv = bias ? load_elem(bias, o, dtype) : 0.f;
+        const float bv2 = bias ? load_elem(bias, o + 1, dtype) : 0.f;
+        for (int r = 0; r < M; ++r) {
+            store_elem(out, r * n + o, _mm512_reduce_add_ps(acc[r]) + bv, dtype);
+            store_elem(out, r * n + o + 1, _mm512_reduce_add_ps(acc2[r]) + bv2, dtype);
+        }
+    }
+    if (o < o1) rows_f32(x, weight, qtype, bb, bias, out, M, 1, o, o1, n, k, dtype);
 }
 
 #if KILN_GGUF_BF16
@@ -350,7 +391,13 @@ static void matmul(const void *x, int x_f32, const uint8_t *weight, int qtype, i
 #define ROWS(M) case M: if (units == 1) KERNEL(M, 1); else KERNEL(M, K_UNITS); break;
 #define CASES switch (m) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8) }
     if (x_f32) {
-#define KERNEL(M, U) rows_f32(x, weight, qtype, bb, bias, out, M, U, o0, o1, n, k, dtype)
+#define KERNEL(M, U)                                                                      \
+    do {                                                                                  \
+        if (U == 1 && M >= 4 && qtype != GGML_Q8_0)                                       \
+            rows_f32_pairs(x, weight, qtype, bb, bias, out, M, o0, o1, n, k, dtype);      \
+        else                                                                              \
+            rows_f32(x, weight, qtype, bb, bias, out, M, U, o0, o1, n, k, dtype);         \
+    } while (0)
         CASES
 #undef KERNEL
     }
