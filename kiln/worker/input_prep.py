@@ -39,6 +39,14 @@ def logits_indices(qsl: np.ndarray, samples: np.ndarray) -> np.ndarray:
     return (qsl[1:] - 1)[samples].astype(np.int64)
 
 
+def as_slice(indices: np.ndarray) -> slice | None:
+    """Increasing `indices` as a slice when they are consecutive (a decode step's logits rows),
+    else None: a slice takes a view where a tensor index gathers (aten::index, ~40 us on CPU)."""
+    if indices.size == 0 or indices[-1] - indices[0] != indices.size - 1:
+        return None
+    return slice(int(indices[0]), int(indices[-1]) + 1)
+
+
 def sampling_mask(num_computed: np.ndarray, num_scheduled: np.ndarray,
                   num_tokens: np.ndarray) -> np.ndarray:
     """[R] bool: the step reaches the end of the request's known tokens (a partial prefill

@@ -36,7 +36,8 @@ class StepInputs:
     positions: torch.Tensor  # [num_input_tokens] int64, device
     attn_metadata: AttentionMetadata
     sample_req_ids: list[str]  # requests whose step reaches their last known token
-    logits_indices: torch.Tensor  # [len(sample_req_ids)] int64, device
+    # [len(sample_req_ids)] int64 on the device, or a slice where they are consecutive
+    logits_indices: torch.Tensor | slice
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.NONE
     batch_descriptor: BatchDescriptor | None = None
     # req_id -> (positions whose hidden state predicts a prompt token, their rows): requests
@@ -263,7 +264,9 @@ class ModelRunner:
 
         samples = input_prep.sampling_mask(num_computed, num_sched, known)
         n_sample = int(samples.sum())
-        self.logits_indices_np[:n_sample] = input_prep.logits_indices(qsl, samples)
+        sample_rows = input_prep.logits_indices(qsl, samples)
+        self.logits_indices_np[:n_sample] = sample_rows
+        logits_rows = input_prep.as_slice(sample_rows)
 
         attn_metadata = AttentionMetadata(
             num_actual_tokens=num_tokens, num_reqs=md_reqs,
@@ -294,8 +297,8 @@ class ModelRunner:
             positions=self._to_device(self.positions, self.positions_cpu, num_input),
             attn_metadata=attn_metadata,
             sample_req_ids=[r for r, s in zip(req_ids, samples) if s],
-            logits_indices=self._to_device(self.logits_indices, self.logits_indices_cpu,
-                                           n_sample),
+            logits_indices=logits_rows if logits_rows is not None else self._to_device(
+                self.logits_indices, self.logits_indices_cpu, n_sample),
             cudagraph_mode=cg_mode, batch_descriptor=desc)
 
     def _sampling_metadata(self, states: list[CachedRequestState],

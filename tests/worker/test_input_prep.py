@@ -38,6 +38,19 @@ def test_sampling_mask_and_logits_indices():
     assert mask.tolist() == [False, True, True]
     qsl = input_prep.query_start_loc(num_sched)
     assert input_prep.logits_indices(qsl, mask).tolist() == [4, 7]
+    assert input_prep.as_slice(input_prep.logits_indices(qsl, mask)) is None  # 4, 7: a gap
+
+
+def test_consecutive_logits_rows_become_a_slice():
+    decode = input_prep.query_start_loc(np.array([1, 1, 1]))  # three one-token requests
+    rows = input_prep.logits_indices(decode, np.array([True, True, True]))
+    assert input_prep.as_slice(rows) == slice(0, 3)
+    assert input_prep.as_slice(np.array([7])) == slice(7, 8)  # one request's last token
+    assert input_prep.as_slice(np.array([0, 2])) is None
+    assert input_prep.as_slice(np.array([], dtype=np.int64)) is None
+    hidden = np.arange(12).reshape(6, 2)
+    for idx in ([1, 2, 3], [5], [0, 1]):  # the slice picks the rows the index would
+        assert (hidden[input_prep.as_slice(np.array(idx))] == hidden[idx]).all()
 
 
 def _state(rid, prompt, out=(), blocks=(0,)):
