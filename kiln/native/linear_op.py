@@ -70,6 +70,12 @@ def attach_packed(weight: torch.Tensor, packed: torch.Tensor, gemv_rows: int) ->
 def attach_blocks(weight: torch.Tensor, blocks: torch.Tensor, qtype: int, max_rows: int) -> None:
     """Calls of up to max_rows rows read `blocks` (that `gguf_matmul.serves` accepted, in the
     kernel's layout: `gguf_matmul.kernel_blocks`)."""
+    if max_rows > 0:  # the kernel reads the whole shape without bounds: refuse any other
+        want = (weight.shape[0], gguf_matmul.row_bytes(qtype, weight.shape[1], kernel_layout=True))
+        if tuple(blocks.shape) != want or blocks.dtype != torch.uint8:
+            raise ValueError(f"blocks {blocks.dtype} {tuple(blocks.shape)} are not the kernel "
+                             f"layout {want} of weight {tuple(weight.shape)} (ggml type {qtype}): "
+                             "convert the file's blocks with gguf_matmul.kernel_blocks")
     torch.ops.kiln._cpu_linear_attach_blocks(weight, blocks, qtype, max_rows)
     _forget_when_freed(weight)
 

@@ -149,3 +149,18 @@ def test_blocks_that_never_pay_in_a_dtype_are_not_kept():
         weight = torch.from_numpy(values.copy()).to(dtype)
         assert cpu_gemm.attach_gguf_blocks(weight, q5k, torch.from_numpy(blocks)) is kept
         assert linear_op.attached(weight).blocks is kept
+
+
+@pytest.mark.skipif(not gguf_matmul.available(), reason="the GGUF kernel needs AVX-512")
+def test_blocks_not_in_the_kernel_layout_are_refused():
+    """The op reads attached blocks without bounds: the file's 20-byte Q4_1 blocks (the kernel
+    reads 24) must not get through."""
+    from gguf_blocks import quantized_blocks
+
+    q41 = gguf_matmul.QTYPES["Q4_1"]
+    weight = torch.randn(8, 64)
+    blocks = torch.from_numpy(quantized_blocks(weight.numpy(), "Q4_1"))  # [8, 2 * 20]
+    with pytest.raises(ValueError, match="kernel_blocks"):
+        linear_op.attach_blocks(weight, blocks, q41, max_rows=8)
+    linear_op.attach_blocks(weight, gguf_matmul.kernel_blocks(q41, blocks), q41, max_rows=8)
+    assert linear_op.attached(weight).blocks
