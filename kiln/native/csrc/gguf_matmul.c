@@ -225,6 +225,14 @@ static inline void load_unit_k(const uint8_t *blk, int qtype, int u, const KScal
 /* Values 32g .. 32g + 31 of a row: unit g of its blocks, `units` (1, or K_UNITS for K-quants) to
  * a block. Units are asked for in order, so a K-quant block's scales are computed at its first. */
 #define K_UNITS 8
+
+/* A decode step streams every weight from DRAM once, faster than the hardware prefetcher asks
+ * for it: the loops ask for the unit this many ahead (a hint; past the end it reads nothing).
+ * The default model on 2 cores, one process, ms a step (its 120 linears / LM head): one row,
+ * 16 ahead, 3.6 -> 3.45 / = (32: 3.7); 8 rows, 8 ahead 12.7 / 3.55, 48 ahead 11.5 / 2.8;
+ * 2 rows, 48 ahead, 4.8 -> 4.6; bfloat16, 48 ahead, 8 rows 8.6 / 2.5 -> 8.1 / 2.1. */
+#define PREFETCH_UNITS 48
+#define PREFETCH_ONE_ROW 16
 static inline __attribute__((always_inline)) void load_unit(
         const uint8_t *row, int qtype, int bb, int units, int64_t g, KScales *s, __m512 *lo,
         __m512 *hi) {
@@ -252,9 +260,7 @@ static void one_row_q4(const float *x, const float *xsum, const uint8_t *weight,
         float offset = 0.f;
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t *blk = row + b * Q4_KERNEL_BYTES; /* d, m, nibbles */
-            /* A decode step streams every weight from DRAM once: asking 16 blocks ahead took
-             * the default model's 120 linears from 3.6 to 3.45 ms a step on 2 cores. */
-            _mm_prefetch((const char *)(blk + 16 * Q4_KERNEL_BYTES), _MM_HINT_T0);
+            _mm_prefetch((const char *)(blk + PREFETCH_ONE_ROW * Q4_KERNEL_BYTES), _MM_HINT_T0);
             const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 8)));
             const __m512 qx = _mm512_fmadd_ps(
                 _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), _mm512_loadu_ps(x + b * QK + 16),
@@ -284,6 +290,8 @@ static inline __attribute__((always_inline)) void rows_f32(
         for (int r = 0; r < M && M < 4; ++r) acc2[r] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
             __m512 lo, hi;
+            if (units == 1)
+                _mm_prefetch((const char *)(row + (b + PREFETCH_UNITS) * bb), _MM_HINT_T0);
             load_unit(row, qtype, bb, units, b, &s, &lo, &hi);
             for (int r = 0; r < M; ++r) {
                 const float *xr = x + r * k + b * QK;
@@ -304,10 +312,10 @@ static inline __attribute__((always_inline)) void rows_f32(
 
 /* rows_f32 for 4-bit blocks and 4 or more rows, two output rows at a time: each load of x
  * feeds both. At 8 rows the loads of x were a limit, beyond L1 for a 1536-wide x (48 KB).
- * The default model's 120 linears at 8 rows on 2 cores, in one process: 14.1 -> 13.0 ms, and
- * 12.7 with the prefetch (its weights stream from DRAM). Q8_0 (the default model's LM head) lost
- * (3.55 -> 3.9 ms) and stays on rows_f32, as do fewer rows (2: 4.7 -> 5.4 ms). The same
- * operations per output as rows_f32's, which takes an odd last row. */
+ * The default model's 120 linears at 8 rows on 2 cores, in one process: 14.1 -> 13.0 ms
+ * before prefetching. Q8_0 (the default model's LM head) lost (3.55 -> 3.9 ms) and stays on
+ * rows_f32, as do fewer rows (2: 4.7 -> 5.4 ms). The same operations per output as rows_f32's,
+ * which takes an odd last row. */
 static inline __attribute__((always_inline)) void rows_f32_pairs(
         const float *x, const uint8_t *weight, int qtype, int bb, const void *bias, void *out,
         const int M, int64_t o0, int64_t o1, int64_t n, int64_t k, int dtype) {
@@ -319,8 +327,8 @@ static inline __attribute__((always_inline)) void rows_f32_pairs(
         for (int r = 0; r < M; ++r) acc[r] = acc2[r] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
             __m512 lo, hi, lo2, hi2;
-            _mm_prefetch((const char *)(row + (b + 8) * bb), _MM_HINT_T0);
-            _mm_prefetch((const char *)(row2 + (b + 8) * bb), _MM_HINT_T0);
+            _mm_prefetch((const char *)(row + (b + PREFETCH_UNITS) * bb), _MM_HINT_T0);
+            _mm_prefetch((const char *)(row2 + (b + PREFETCH_UNITS) * bb), _MM_HINT_T0);
             load_block(row + b * bb, qtype, &lo, &hi);
             load_block(row2 + b * bb, qtype, &lo2, &hi2);
             for (int r = 0; r < M; ++r) {
@@ -357,6 +365,8 @@ static inline __attribute__((always_inline)) void rows_bf16(
         int64_t b = 0;
         for (; b + 1 < nb; b += 2) {
             __m512 lo, hi, lo2, hi2;
+            if (units == 1)
+                _mm_prefetch((const char *)(row + (b + PREFETCH_UNITS) * bb), _MM_HINT_T0);
             load_unit(row, qtype, bb, units, b, &s, &lo, &hi);
             load_unit(row, qtype, bb, units, b + 1, &s, &lo2, &hi2);
             const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo); /* values 0-31 in order */
