@@ -14,21 +14,25 @@ import torch
 from kiln import envs
 from kiln.native import build
 
-MAX_ROWS = 8  # the kernel's limit
+TILE_ROWS = 8  # rows of x the kernel takes at a time; it goes through more in tiles of 8
 # the types the kernel reads, by ggml type id
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 _F32, _BF16 = torch.float32, torch.bfloat16
 # Up to how many rows the blocks beat the dense weight's kernels (GEMV, oneDNN), by type and
 # activation dtype; measured on 2 cores, ms blocks / dense. 32-value types, the default model's
 # linears + LM head: float32 7.8 / 18.3 at 1 row, 12.0 / 30.6 at 4, 21.5 / 31.6 at 8; bfloat16
-# 8.0 / 14.7 at 1, 10.3 / 17.2 at 4, 14.2 / 19.0 at 8. K-quants, 16 random [6144, 1536] weights:
+# 8.0 / 14.7 at 1, 10.3 / 17.2 at 4, 14.2 / 19.0 at 8. In tiles of 8 rows, its 120 Q4_1 linears
+# alone: float32 (20.0 / 31.9 with the head at 9 rows) 23.9 / 31.2 at 16, 34.5 / 39.1 at 24,
+# 44.8 / 46.5 at 32; bfloat16 15.0 / 16.7 at 12, 15.3 / 18.4 at 16, 22.3 / 20.7 at 20. Its Q8_0
+# LM head alone: float32 5.6 / 6.2 at 16, 8.4 / 8.2 at 24; bfloat16 3.7 / 3.0 at 12.
+# K-quants, 16 random [6144, 1536] weights:
 # Q4_K float32 18.9 / 30.0 at 4, 32.2 / 36.1 at 8, bfloat16 15.5 / 19.0 at 2, 19.0 / 14.0 at 4;
 # Q6_K float32 20.2 / 27.7 at 4, 28.9 / 25.1 at 6, bfloat16 14.3 / 18.3 at 2, 20.0 / 13.3 at 4;
 # Q5_K float32 20.6 / 25.5 at 1, 19.8 / 27.8 at 4, 27.5 / 24.6 at 6, bfloat16 13.0 / 7.8-11.1
 # at 1 (their decoding costs more work per value; bfloat16 weights are half the bytes of
 # float32).
-_ROWS_WORTH_IT = {"Q4_0": {_F32: 8, _BF16: 8}, "Q4_1": {_F32: 8, _BF16: 8},
-                  "Q8_0": {_F32: 8, _BF16: 8}, "Q4_K": {_F32: 8, _BF16: 2},
+_ROWS_WORTH_IT = {"Q4_0": {_F32: 24, _BF16: 16}, "Q4_1": {_F32: 24, _BF16: 16},
+                  "Q8_0": {_F32: 16, _BF16: 8}, "Q4_K": {_F32: 8, _BF16: 2},
                   "Q5_K": {_F32: 4, _BF16: 0}, "Q6_K": {_F32: 4, _BF16: 2}}
 # Without the bfloat16 dot-product instructions the kernel widens bfloat16 x to float32: the
 # 32-value types lost from 5 rows on (18.0 / 16.3 ms at 5, 25.9 / 18.9 at 8).
@@ -103,7 +107,7 @@ def serves(qtype: int, rows: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def quantized_linear(x: torch.Tensor, rows: torch.Tensor, qtype: int, out_features: int,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., k] with 1..MAX_ROWS rows @ the blocks' values^T (+ bias) -> [..., out_features],
+    """x [..., k] with 1 or more rows @ the blocks' values^T (+ bias) -> [..., out_features],
     in x's dtype; `rows` in the kernel's layout (`kernel_blocks` of blocks `serves` accepted)."""
     k = x.shape[-1]
     if tuple(rows.shape) != (out_features, row_bytes(qtype, k, kernel_layout=True)):
@@ -115,5 +119,5 @@ def quantized_linear(x: torch.Tensor, rows: torch.Tensor, qtype: int, out_featur
     build.check(_lib().kiln_gguf_matmul(
         x.data_ptr(), rows.data_ptr(), qtype, bias.data_ptr() if bias is not None else None,
         out.data_ptr(), x.numel() // k, out_features, k, build.DTYPES[x.dtype],
-        torch.get_num_threads()), "kiln_gguf_matmul (1: bad row count or type)")
+        torch.get_num_threads()), "kiln_gguf_matmul (1: no rows, or a bad type or width)")
     return out

@@ -33,7 +33,8 @@ def test_matches_dequantize_then_matmul(qtype_name, dtype):
         blocks, values = _blocks(qtype_name, out_features, in_features)
         assert gguf_matmul.serves(qtype, blocks, values.to(dtype))
         kernel_rows = gguf_matmul.kernel_blocks(qtype, blocks)
-        for rows in range(1, gguf_matmul.MAX_ROWS + 1):
+        # every tile size, and more rows than a tile: whole tiles plus a partial one
+        for rows in [*range(1, gguf_matmul.TILE_ROWS + 1), 9, 13, 17]:
             x = torch.randn(rows, in_features).to(dtype)
             bias = torch.randn(out_features).to(dtype)
             got = gguf_matmul.quantized_linear(x, kernel_rows, qtype, out_features, bias)
@@ -49,14 +50,14 @@ def test_matches_dequantize_then_matmul(qtype_name, dtype):
 @pytest.mark.parametrize("qtype_name", sorted(gguf_matmul.QTYPES))
 def test_uses_exactly_the_dequantized_values(qtype_name):
     """One-hot rows pick single weights: each must be dequantize's value to the bit (in steps
-    of 8 rows: a single row on 4-bit blocks takes the dot product by linearity, equal up to
-    rounding, which test_matches_dequantize_then_matmul checks)."""
+    of 16 rows, two tiles: a single row on 4-bit blocks takes the dot product by linearity,
+    equal up to rounding, which test_matches_dequantize_then_matmul checks)."""
     blocks, values = _blocks(qtype_name, 16, 512, seed=1)
     picked = torch.eye(512)  # [512, 512]: row i picks input column i
     kernel_rows = gguf_matmul.kernel_blocks(gguf_matmul.QTYPES[qtype_name], blocks)
-    got = torch.cat([gguf_matmul.quantized_linear(picked[i:i + 8], kernel_rows,
+    got = torch.cat([gguf_matmul.quantized_linear(picked[i:i + 16], kernel_rows,
                                                   gguf_matmul.QTYPES[qtype_name], 16)
-                     for i in range(0, 512, 8)])
+                     for i in range(0, 512, 16)])
     assert torch.equal(got, values.T)
 
 
@@ -74,9 +75,8 @@ def test_what_it_refuses():
     assert not gguf_matmul.serves(q4k, k_blocks[:, :216], k_values[:, :384])
     assert not gguf_matmul.serves(q41, blocks, values.half())  # a dtype the kernel lacks
     kernel_rows = gguf_matmul.kernel_blocks(q41, blocks)
-    with pytest.raises(RuntimeError, match="bad row count"):
-        gguf_matmul.quantized_linear(torch.randn(gguf_matmul.MAX_ROWS + 1, 64), kernel_rows, q41,
-                                     8)
+    with pytest.raises(RuntimeError, match="no rows"):
+        gguf_matmul.quantized_linear(torch.randn(0, 64), kernel_rows, q41, 8)
     with pytest.raises(ValueError, match="kernel layout"):  # the file's blocks, unconverted
         gguf_matmul.quantized_linear(torch.randn(1, 64), blocks, q41, 8)
 
@@ -103,8 +103,8 @@ def test_kernel_layout_widens_4_bit_scales_once():
 
 def test_row_limits_cover_every_type_and_dtype():
     for qtype in gguf_matmul.QTYPES.values():
-        assert 1 <= gguf_matmul.rows_worth_it(torch.float32, qtype) <= gguf_matmul.MAX_ROWS
+        assert 1 <= gguf_matmul.rows_worth_it(torch.float32, qtype) <= 32
         # 0: the blocks never beat the bfloat16 weight (Q5_K's decoding, measured)
-        assert 0 <= gguf_matmul.rows_worth_it(torch.bfloat16, qtype) <= gguf_matmul.MAX_ROWS
+        assert 0 <= gguf_matmul.rows_worth_it(torch.bfloat16, qtype) <= 32
         assert gguf_matmul.rows_worth_it(torch.float16, qtype) == 0  # no kernel for float16
     assert gguf_matmul.rows_worth_it(torch.float32, 11) == 0  # Q3_K: not read by the kernel

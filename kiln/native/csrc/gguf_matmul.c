@@ -2,8 +2,9 @@
  * Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K blocks, for the few rows of a decode step.
  *
  * There a linear layer is a pass over its weight, bound by memory bandwidth: a Q4_1 weight is
- * 0.625 bytes per value against 4 for float32, so reading the blocks and widening them in
- * registers beats streaming the dequantized float32 copy. Values are exactly the blocks'
+ * 0.75 bytes per value in the kernel's layout against 4 for float32, so reading the blocks and
+ * widening them in registers beats streaming the dequantized float32 copy (up to a few tiles of
+ * 8 rows, where the float32 GEMM's arithmetic wins). Values are exactly the blocks'
  * (d * q + m, d * (q - 8), d * q, (d * sc) * q - dmin * m, (d * sc) * (q - 32), rounded as
  * gguf's dequantize rounds them). float32 activations multiply them in float32; bfloat16
  * activations multiply them rounded to bfloat16, as the dequantized bfloat16 weight holds them,
@@ -34,7 +35,7 @@
 #define KILN_GGUF_BF16 0
 #endif
 
-#define MAX_ROWS 8
+#define MAX_ROWS 8 /* rows of x a register tile takes; more go through in tiles of 8 */
 #define QK 32 /* values per block */
 
 enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13,
@@ -431,14 +432,16 @@ int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t nblock
 }
 #endif
 
-/* out [m, n] = x [m, k] @ W^T (+ bias [n]), W in the kernel's layout, 1 <= m <= MAX_ROWS, k a
- * multiple of the type's block values (32, or 256 for K-quants). */
+/* out [m, n] = x [m, k] @ W^T (+ bias [n]), W in the kernel's layout, m >= 1, k a multiple of
+ * the type's block values (32, or 256 for K-quants). Above MAX_ROWS rows each thread takes its
+ * output rows for one tile of x's rows after another: its share of the weight, read from DRAM
+ * for the first tile, is then mostly in its L2 for the next. */
 int kiln_gguf_matmul(const void *x, const uint8_t *weight, int32_t qtype, const void *bias,
                      void *out, int32_t m, int64_t n, int64_t k, int32_t dtype,
                      int32_t num_threads) {
     const int bb = kiln_gguf_kernel_block_bytes(qtype);
     const int vpb = kiln_gguf_block_values(qtype);
-    if (!KILN_GGUF_SIMD || bb == 0 || m < 1 || m > MAX_ROWS || k < vpb || k % vpb) return 1;
+    if (!KILN_GGUF_SIMD || bb == 0 || m < 1 || k < vpb || k % vpb) return 1;
 #if KILN_GGUF_SIMD
     const void *xin = x;
     float *xf = NULL;
@@ -474,7 +477,13 @@ int kiln_gguf_matmul(const void *x, const uint8_t *weight, int32_t qtype, const 
         if (xsum)
             one_row_q4(xin, xsum, weight, out, bias, o0, o1, k, dtype);
         else
-            matmul(xin, x_f32, weight, qtype, bb, bias, out, m, n, k, dtype, o0, o1);
+            for (int r0 = 0; r0 < m; r0 += MAX_ROWS) {
+                const size_t x_elem = x_f32 ? sizeof(float) : sizeof(uint16_t);
+                const size_t out_elem = dtype == KILN_F32 ? sizeof(float) : sizeof(uint16_t);
+                matmul((const char *)xin + (size_t)r0 * (size_t)k * x_elem, x_f32, weight,
+                       qtype, bb, bias, (char *)out + (size_t)r0 * (size_t)n * out_elem,
+                       m - r0 < MAX_ROWS ? m - r0 : MAX_ROWS, n, k, dtype, o0, o1);
+            }
     }
     free(xsum);
     free(xf);
