@@ -138,6 +138,16 @@ static inline __attribute__((always_inline)) void attend_token(
     const int rows = nh_kv * group, elem = dtype == KILN_F32 ? 4 : 2, nk = n_keys - k0;
     const int64_t head_off = (int64_t)h0 * hd, span = (int64_t)nh_kv * hd;
     for (int s = 0; s < nk; ++s) slots[s] = key_slot(blocks, block_size, k0 + s);
+    /* The loops below ask for key s + PREFETCH_AHEAD while on key s: ask for the first ones
+     * here, or they are read with nothing in flight (a short context is mostly those). Per
+     * layer, caches out of L3, 2 threads: 8 requests of 56 keys 48 -> 40 us, 32 of 40 143 ->
+     * 108, 1 of 56 13.3 -> 11.6, 8 of 250 165 -> 155. */
+    for (int s = 0; s < PREFETCH_AHEAD && s < nk; ++s) {
+        prefetch_rows(k_cache, blocks, block_size, k0 + s, n_keys, slot_stride, head_off, span,
+                      elem);
+        prefetch_rows(v_cache, blocks, block_size, k0 + s, n_keys, slot_stride, head_off, span,
+                      elem);
+    }
     int done = 0; /* keys whose scores are in (relative to k0) */
 #if KILN_ATTN_SIMD
     if (hd % 16 == 0) {  /* four keys at a time, their dot products reduced together */
