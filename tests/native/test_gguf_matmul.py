@@ -83,7 +83,8 @@ def test_what_it_refuses():
 
 def test_kernel_layout_widens_4_bit_scales_once():
     """4-bit blocks become [float32 d][float32 m][nibbles] (m = -8 d for Q4_0), 24 bytes a
-    block; the other types keep the file's bytes."""
+    block, and a Q4_K block 8 of them; the other types keep the file's bytes (their values are
+    checked against dequantize by the tests above)."""
     for name, offset in (("Q4_0", 2), ("Q4_1", 4)):
         blocks, _ = _blocks(name, 4, 96)
         file_block = blocks.shape[1] // 3
@@ -95,6 +96,9 @@ def test_kernel_layout_widens_4_bit_scales_once():
         assert torch.equal(got[..., :4].contiguous().view(torch.float32)[..., 0], d)
         assert torch.equal(got[..., 4:8].contiguous().view(torch.float32)[..., 0], m)
         assert torch.equal(got[..., 8:], raw[..., offset:])
+    q4k, _ = _blocks("Q4_K", 4, 512)  # 2 blocks of 256 a row -> 16 Q4_1-like blocks
+    q4k_kernel = gguf_matmul.kernel_blocks(gguf_matmul.QTYPES["Q4_K"], q4k)
+    assert q4k.shape == (4, 2 * 144) and q4k_kernel.shape == (4, 16 * 24)
     q8, _ = _blocks("Q8_0", 4, 96)
     assert torch.equal(gguf_matmul.kernel_blocks(gguf_matmul.QTYPES["Q8_0"], q8), q8)
     with pytest.raises(ValueError, match="uint8"):
