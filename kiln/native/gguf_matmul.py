@@ -25,15 +25,17 @@ _F32, _BF16 = torch.float32, torch.bfloat16
 # alone: float32 (20.0 / 31.9 with the head at 9 rows) 23.9 / 31.2 at 16, 34.5 / 39.1 at 24,
 # 44.8 / 46.5 at 32; bfloat16 15.0 / 16.7 at 12, 15.3 / 18.4 at 16, 22.3 / 20.7 at 20. Its Q8_0
 # LM head alone: float32 5.6 / 6.2 at 16, 8.4 / 8.2 at 24; bfloat16 3.7 / 3.0 at 12.
-# Q4_K runs as Q4_1 does (csrc/gguf_matmul.c converts it): its limits. The other K-quants, 16
-# random [6144, 1536] weights:
+# Q4_K runs as Q4_1 does (csrc/gguf_matmul.c converts it): its limits. Q5_K runs as 5-bit
+# 32-value blocks, ns per 32 values on random [2048, 2048] weights against Q4_1's: float32 3.9 /
+# 3.6 at 8 rows, bfloat16 3.2 / 2.4 at 8 and 5.4 / 4.6 at 16: Q4_1's limits, less the margin
+# they had. Before (its own K-quant decoding), and Q6_K still, 16 random [6144, 1536] weights:
 # Q6_K float32 20.2 / 27.7 at 4, 28.9 / 25.1 at 6, bfloat16 14.3 / 18.3 at 2, 20.0 / 13.3 at 4;
 # Q5_K float32 20.6 / 25.5 at 1, 19.8 / 27.8 at 4, 27.5 / 24.6 at 6, bfloat16 13.0 / 7.8-11.1
 # at 1 (their decoding costs more work per value; bfloat16 weights are half the bytes of
 # float32).
 _ROWS_WORTH_IT = {"Q4_0": {_F32: 24, _BF16: 16}, "Q4_1": {_F32: 24, _BF16: 16},
                   "Q8_0": {_F32: 16, _BF16: 8}, "Q4_K": {_F32: 24, _BF16: 16},
-                  "Q5_K": {_F32: 4, _BF16: 0}, "Q6_K": {_F32: 4, _BF16: 2}}
+                  "Q5_K": {_F32: 16, _BF16: 8}, "Q6_K": {_F32: 4, _BF16: 2}}
 # Without the bfloat16 dot-product instructions the kernel widens bfloat16 x to float32: the
 # 32-value types lost from 5 rows on (18.0 / 16.3 ms at 5, 25.9 / 18.9 at 8).
 _BF16_ROWS_WITHOUT_DOT = 4

@@ -136,11 +136,16 @@ def test_gguf_blocks_take_the_few_row_steps_they_win(monkeypatch, dtype):
 
 
 @pytest.mark.skipif(not gguf_matmul.available(), reason="the GGUF kernel needs AVX-512")
-def test_blocks_that_never_pay_in_a_dtype_are_not_kept():
+def test_blocks_that_never_pay_in_a_dtype_are_not_kept(monkeypatch):
     import gguf
     from gguf_blocks import quantized_blocks
 
     q5k = gguf_matmul.QTYPES["Q5_K"]
+    # A type whose blocks lose to the dense weight in bfloat16 at every row count (Q5_K's were,
+    # before the kernel ran it as 32-value blocks)
+    monkeypatch.setitem(gguf_matmul._ROWS_WORTH_IT["Q5_K"], torch.bfloat16, 0)
+    gguf_matmul.rows_worth_it.cache_clear()
+    monkeypatch.setattr(gguf_matmul, "rows_worth_it", gguf_matmul.rows_worth_it.__wrapped__)
     assert gguf_matmul.rows_worth_it(torch.bfloat16, q5k) == 0 < gguf_matmul.rows_worth_it(
         torch.float32, q5k)
     blocks = quantized_blocks(np.zeros((16, 256), dtype=np.float32), "Q5_K")

@@ -9,7 +9,7 @@
  * gguf's dequantize rounds them). float32 activations multiply them in float32; bfloat16
  * activations multiply them rounded to bfloat16, as the dequantized bfloat16 weight holds them,
  * with float32 accumulation (AVX512-BF16), as a bfloat16 GEMM does. One row on 4-bit blocks is
- * computed in float32 by linearity instead (one_row_q4), equal up to float32 rounding. No
+ * computed in float32 by linearity instead (one_row_lin), equal up to float32 rounding. No
  * activation quantization, unlike llama.cpp's integer dot products.
  * The weight is [n, k / block values] blocks, row-major, in the kernel's layout (below); x, bias
  * and out are in dtype (dtype.h). Blocks are read 32 values (a unit) at a time: a 32-value block
@@ -66,20 +66,37 @@ int kiln_gguf_block_values(int32_t qtype) {
 
 /* The kernel's layout of a block, made once at load (kiln_gguf_to_kernel_layout): 4-bit blocks
  * become [float32 d][float32 m][16 bytes of nibbles] (m = -8 d for Q4_0), 24 bytes; the other
- * types keep the file's. Widening a block's two fp16 scales took a quarter of one_row_q4's time
+ * types keep the file's. Widening a block's two fp16 scales took a quarter of one_row_lin's time
  * (1.9 -> 1.5 ns a block on one core): more than the 4 extra bytes cost to read.
  * A Q4_K block becomes 8 such blocks, one per sub-block: d = d * sc, m = -(dmin * m) (both
  * exact in float32, and a * q + -b rounds as a * q - b), so it runs as Q4_1 does: 2.1 -> 0.9 ns
  * per 32 values at one row, 5.7 -> 3.5 at 8 ([2048, 2048] weights, 2 cores), for 6 bits a
  * value instead of 4.5. */
 #define Q4_KERNEL_BYTES 24
+/* A Q5_K block likewise becomes 8 blocks of 5-bit values, d * q + m with q = nibble + 16 *
+ * fifth bit: [float32 d][float32 m][16 bytes of nibbles, as Q4_1's][4 bytes, bit j value j's
+ * fifth bit], 28 bytes; the kernel knows them by ggml's Q5_1 id (their form). 3.3 -> 1.4 ns
+ * per 32 values at one row, 5.5 -> 3.9 at 8 ([2048, 2048], 2 cores); 7 bits a value, not 5.5. */
+#define Q5_KERNEL_BYTES 28
+enum { KERNEL_Q5 = 7 };
 
 /* The types held in the 4-bit kernel layout, Q4_K run as Q4_1 (see kiln_gguf_matmul). */
 static int is_q4(int32_t qtype) { return qtype == GGML_Q4_0 || qtype == GGML_Q4_1; }
 
 int kiln_gguf_kernel_block_bytes(int32_t qtype) {
     if (qtype == GGML_Q4_K) return K_SUBBLOCKS * Q4_KERNEL_BYTES;
+    if (qtype == GGML_Q5_K) return K_SUBBLOCKS * Q5_KERNEL_BYTES;
     return is_q4(qtype) ? Q4_KERNEL_BYTES : kiln_gguf_block_bytes(qtype);
+}
+
+/* The type the kernel runs a weight of `qtype` as, once in the kernel's layout. */
+static int kernel_type(int32_t qtype) {
+    return qtype == GGML_Q4_K ? GGML_Q4_1 : qtype == GGML_Q5_K ? KERNEL_Q5 : qtype;
+}
+
+/* Bytes of one block of the type the kernel runs (kernel_type). */
+static int kernel_type_bytes(int kt) {
+    return kt == KERNEL_Q5 ? Q5_KERNEL_BYTES : kiln_gguf_kernel_block_bytes(kt);
 }
 
 static inline float f32_at(const uint8_t *p) {
@@ -109,8 +126,27 @@ static inline void load_block(const uint8_t *blk, int qtype, __m512 *lo, __m512 
         *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
         return;
     }
-    /* A 4-bit block in the kernel's layout: float32 d, m, then the nibbles. */
+    /* A 4- or 5-bit block in the kernel's layout: float32 d, m, the nibbles (5 bits: then the
+     * fifth bits). */
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    if (qtype == KERNEL_Q5) {
+        /* 32 levels in two 16-entry tables; index bit 4 (the fifth bit) picks the table */
+        const __m512 d = _mm512_set1_ps(f32_at(blk)), m = _mm512_set1_ps(f32_at(blk + 4));
+        const __m512 low = _mm512_add_round_ps(_mm512_mul_round_ps(d, iota, EXACT), m, EXACT);
+        const __m512 high = _mm512_add_round_ps(
+            _mm512_mul_round_ps(d, _mm512_add_ps(iota, _mm512_set1_ps(16.f)), EXACT), m, EXACT);
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 8)));
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        uint32_t bits;
+        memcpy(&bits, blk + 24, sizeof bits);
+        const __m512i i0 = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0f));
+        const __m512i i1 = _mm512_srli_epi32(bytes, 4);
+        *lo = _mm512_permutex2var_ps(
+            low, _mm512_mask_or_epi32(i0, (__mmask16)bits, i0, sixteen), high);
+        *hi = _mm512_permutex2var_ps(
+            low, _mm512_mask_or_epi32(i1, (__mmask16)(bits >> 16), i1, sixteen), high);
+        return;
+    }
     const __m512 d4 = _mm512_set1_ps(f32_at(blk));
     const uint8_t *nibbles = blk + 8;
     /* Rounding-mode forms so the compiler cannot fuse them into one FMA: dequantize rounds
@@ -153,13 +189,15 @@ int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t nblock
                                uint8_t *dst) {
     const int bb = kiln_gguf_block_bytes(qtype);
     if (bb == 0 || nblocks < 0) return 1;
-    if (qtype == GGML_Q4_K) {
+    if (qtype == GGML_Q4_K || qtype == GGML_Q5_K) {
+        const int five = qtype == GGML_Q5_K, out_bytes = five ? Q5_KERNEL_BYTES : Q4_KERNEL_BYTES;
         for (int64_t b = 0; b < nblocks; ++b) {
-            const uint8_t *s = src + b * bb, *q = s + 16; /* 128 bytes: 2 sub-blocks per 32 */
+            /* 128 bytes of nibbles, 2 sub-blocks per 32; Q5_K's 32 bytes of fifth bits first */
+            const uint8_t *s = src + b * bb, *q = s + (five ? 48 : 16), *qh = s + 16;
             KScales sc;
             k_scales(s, qtype, &sc);
             for (int u = 0; u < K_SUBBLOCKS; ++u) {
-                uint8_t *o = dst + (b * K_SUBBLOCKS + u) * Q4_KERNEL_BYTES;
+                uint8_t *o = dst + (b * K_SUBBLOCKS + u) * out_bytes;
                 const float m = -sc.b[u];
                 memcpy(o, &sc.a[u], sizeof(float));
                 memcpy(o + 4, &m, sizeof m);
@@ -168,7 +206,13 @@ int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t nblock
                 const uint8_t *p = q + (u >> 1) * 32;
                 const int shift = (u & 1) * 4;
                 for (int j = 0; j < 16; ++j)
-                    o[8 + j] = (uint8_t)(((p[j] >> shift) & 15) | (((p[j + 16] >> shift) & 15) << 4));
+                    o[8 + j] = (uint8_t)(((p[j] >> shift) & 15) |
+                                         (((p[j + 16] >> shift) & 15) << 4));
+                if (five) { /* value t's fifth bit: bit u of qh[t] */
+                    uint32_t bits = 0;
+                    for (int t = 0; t < 32; ++t) bits |= (uint32_t)((qh[t] >> u) & 1) << t;
+                    memcpy(o + 24, &bits, sizeof bits);
+                }
             }
         }
         return 0;
@@ -190,33 +234,10 @@ int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t nblock
     return 0;
 }
 
-/* Values 32u .. 32u + 31 of a Q5_K or Q6_K block (lo = the first 16). */
+/* Values 32u .. 32u + 31 of a Q6_K block (lo = the first 16); the other K-quants run as
+ * 32-value blocks (see the kernel's layout). */
 static inline void load_unit_k(const uint8_t *blk, int qtype, int u, const KScales *s,
                                __m512 *lo, __m512 *hi) {
-    if (qtype == GGML_Q5_K) {
-        /* Sub-block u: as Q4_K's nibbles (bytes 48 + 32 (u / 2) ..), plus 16 for bit u of
-         * qh[t] (bytes 16 .. 47): 32 levels, looked up in two 16-entry tables by index bit 4. */
-        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        const __m512 a = _mm512_set1_ps(s->a[u]), b = _mm512_set1_ps(s->b[u]);
-        const __m512 low = _mm512_sub_round_ps(_mm512_mul_round_ps(a, iota, EXACT), b, EXACT);
-        const __m512 high = _mm512_sub_round_ps(
-            _mm512_mul_round_ps(a, _mm512_add_ps(iota, _mm512_set1_ps(16.f)), EXACT), b, EXACT);
-        const __m512i nib = _mm512_set1_epi32(0x0f), one = _mm512_set1_epi32(1);
-        const uint8_t *q = blk + 48 + (u >> 1) * 32;
-        __m512i idx[2];
-        for (int half = 0; half < 2; ++half) {
-            __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * half)));
-            const __m512i h = _mm512_cvtepu8_epi32(
-                _mm_loadu_si128((const __m128i *)(blk + 16 + 16 * half)));
-            if (u & 1) i = _mm512_srli_epi32(i, 4);
-            idx[half] = _mm512_or_si512(_mm512_and_si512(i, nib),
-                                        _mm512_slli_epi32(_mm512_and_si512(
-                                            _mm512_srli_epi32(h, (unsigned)u), one), 4));
-        }
-        *lo = _mm512_permutex2var_ps(low, idx[0], high);
-        *hi = _mm512_permutex2var_ps(low, idx[1], high);
-        return;
-    }
     /* Q6_K, value 32u + t: 4 low bits from ql[64 (u / 4) + 32 (u % 2) + t] (high nibble when
      * u / 2 is odd), 2 high bits from qh[32 (u / 4) + t] >> 2 (u % 4); minus 32. */
     const __m256i nib = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(0x03);
@@ -257,26 +278,35 @@ static inline __attribute__((always_inline)) void load_unit(
     load_unit_k(blk, qtype, u, s, lo, hi);
 }
 
-/* Output rows [o0, o1) for one row of x (float32) on 4-bit blocks, by linearity: a block's
- * w . x = d (q . x) + m sum(x) (m = -8 d for Q4_0), the nibbles converted as integers and
- * sum(x) per block precomputed (xsum). Equal to the values' dot product up to float32 rounding;
- * a decode step's commonest case, and there a table lookup per block costs more than the read. */
-static void one_row_q4(const float *x, const float *xsum, const uint8_t *weight, void *out,
-                       const void *bias, int64_t o0, int64_t o1, int64_t k, int dtype) {
-    const int64_t nb = k / QK;
+/* Output rows [o0, o1) for one row of x (float32) on 4- or 5-bit blocks (`five`, a constant at
+ * each call site), by linearity: a block's w . x = d (q . x) + m sum(x) (m = -8 d for Q4_0), the
+ * nibbles converted as integers (a fifth bit adds 16 x) and sum(x) per block precomputed (xsum).
+ * Equal to the values' dot product up to float32 rounding; a decode step's commonest case, and
+ * there a table lookup per block costs more than the read. */
+static inline __attribute__((always_inline)) void one_row_lin(
+        const float *x, const float *xsum, const uint8_t *weight, void *out, const void *bias,
+        int64_t o0, int64_t o1, int64_t k, int dtype, const int five) {
+    const int64_t nb = k / QK, bb = five ? Q5_KERNEL_BYTES : Q4_KERNEL_BYTES;
     const __m512i low = _mm512_set1_epi32(0x0f);
+    const __m512 sixteen = _mm512_set1_ps(16.f);
     for (int64_t o = o0; o < o1; ++o) {
-        const uint8_t *row = weight + o * nb * Q4_KERNEL_BYTES;
+        const uint8_t *row = weight + o * nb * bb;
         __m512 acc = _mm512_setzero_ps();
         float offset = 0.f;
         for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *blk = row + b * Q4_KERNEL_BYTES; /* d, m, nibbles */
-            _mm_prefetch((const char *)(blk + PREFETCH_ONE_ROW * Q4_KERNEL_BYTES), _MM_HINT_T0);
+            const uint8_t *blk = row + b * bb; /* d, m, nibbles (, fifth bits) */
+            _mm_prefetch((const char *)(blk + PREFETCH_ONE_ROW * bb), _MM_HINT_T0);
             const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 8)));
-            const __m512 qx = _mm512_fmadd_ps(
-                _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), _mm512_loadu_ps(x + b * QK + 16),
-                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)),
-                              _mm512_loadu_ps(x + b * QK)));
+            const __m512 x0 = _mm512_loadu_ps(x + b * QK), x1 = _mm512_loadu_ps(x + b * QK + 16);
+            __m512 qx = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), x1,
+                                        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)),
+                                                      x0));
+            if (five) { /* lanes whose value has its fifth bit: + 16 x */
+                uint32_t bits;
+                memcpy(&bits, blk + 24, sizeof bits);
+                qx = _mm512_mask3_fmadd_ps(sixteen, x0, qx, (__mmask16)bits);
+                qx = _mm512_mask3_fmadd_ps(sixteen, x1, qx, (__mmask16)(bits >> 16));
+            }
             acc = _mm512_fmadd_ps(_mm512_set1_ps(f32_at(blk)), qx, acc);
             offset += f32_at(blk + 4) * xsum[b];
         }
@@ -452,23 +482,24 @@ int kiln_gguf_matmul(const void *x, const uint8_t *weight, int32_t qtype, const 
     const int bb = kiln_gguf_kernel_block_bytes(qtype);
     const int vpb = kiln_gguf_block_values(qtype);
     if (!KILN_GGUF_SIMD || bb == 0 || m < 1 || k < vpb || k % vpb) return 1;
-    if (qtype == GGML_Q4_K) /* its kernel layout is Q4_1's, 8 blocks per file block */
-        return kiln_gguf_matmul(x, weight, GGML_Q4_1, bias, out, m, n, k, dtype, num_threads);
+    /* Q4_K and Q5_K run as the 32-value blocks their kernel layout holds */
+    qtype = kernel_type(qtype);
+    const int kbb = kernel_type_bytes(qtype);
 #if KILN_GGUF_SIMD
     const void *xin = x;
     float *xf = NULL;
-    const int one_row_q4s = m == 1 && is_q4(qtype);
+    const int one_row = m == 1 && (is_q4(qtype) || qtype == KERNEL_Q5);
     /* bfloat16 x is widened once where the float32 code takes it: without the bfloat16 dot
-     * product, and for one_row_q4 */
-    if (dtype != KILN_F32 && (!KILN_GGUF_BF16 || one_row_q4s)) {
+     * product, and for one_row_lin */
+    if (dtype != KILN_F32 && (!KILN_GGUF_BF16 || one_row)) {
         xf = malloc(sizeof(float) * (size_t)m * (size_t)k);
         if (!xf) return 2;
         for (int64_t i = 0; i < m * k; ++i) xf[i] = load_elem(x, i, dtype);
         xin = xf;
     }
     const int x_f32 = dtype == KILN_F32 || xf != NULL;
-    float *xsum = NULL; /* one row on 4-bit blocks: each block's sum of x */
-    if (one_row_q4s) {
+    float *xsum = NULL; /* one row on 4- or 5-bit blocks: each block's sum of x */
+    if (one_row) {
         xsum = malloc(sizeof(float) * (size_t)(k / QK));
         if (!xsum) {
             free(xf);
@@ -486,14 +517,16 @@ int kiln_gguf_matmul(const void *x, const uint8_t *weight, int32_t qtype, const 
         /* Static split of the output rows, as `omp for schedule(static)` would make. */
         const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t o0 = n * t / nt, o1 = n * (t + 1) / nt;
-        if (xsum)
-            one_row_q4(xin, xsum, weight, out, bias, o0, o1, k, dtype);
+        if (xsum && qtype == KERNEL_Q5)
+            one_row_lin(xin, xsum, weight, out, bias, o0, o1, k, dtype, 1);
+        else if (xsum)
+            one_row_lin(xin, xsum, weight, out, bias, o0, o1, k, dtype, 0);
         else
             for (int r0 = 0; r0 < m; r0 += MAX_ROWS) {
                 const size_t x_elem = x_f32 ? sizeof(float) : sizeof(uint16_t);
                 const size_t out_elem = dtype == KILN_F32 ? sizeof(float) : sizeof(uint16_t);
                 matmul((const char *)xin + (size_t)r0 * (size_t)k * x_elem, x_f32, weight,
-                       qtype, bb, bias, (char *)out + (size_t)r0 * (size_t)n * out_elem,
+                       qtype, kbb, bias, (char *)out + (size_t)r0 * (size_t)n * out_elem,
                        m - r0 < MAX_ROWS ? m - r0 : MAX_ROWS, n, k, dtype, o0, o1);
             }
     }
