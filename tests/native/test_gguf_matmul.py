@@ -52,12 +52,13 @@ def test_uses_exactly_the_dequantized_values(qtype_name):
     """One-hot rows pick single weights: each must be dequantize's value to the bit (in steps
     of 16 rows, two tiles: a single row on 4-bit blocks takes the dot product by linearity,
     equal up to rounding, which test_matches_dequantize_then_matmul checks)."""
-    blocks, values = _blocks(qtype_name, 16, 512, seed=1)
-    picked = torch.eye(512)  # [512, 512]: row i picks input column i
+    # 1024 wide: 8 rows of x outgrow L1 and every type takes its widest path (output pairs)
+    blocks, values = _blocks(qtype_name, 16, 1024, seed=1)
+    picked = torch.eye(1024)  # [1024, 1024]: row i picks input column i
     kernel_rows = gguf_matmul.kernel_blocks(gguf_matmul.QTYPES[qtype_name], blocks)
     got = torch.cat([gguf_matmul.quantized_linear(picked[i:i + 16], kernel_rows,
                                                   gguf_matmul.QTYPES[qtype_name], 16)
-                     for i in range(0, 512, 16)])
+                     for i in range(0, 1024, 16)])
     assert torch.equal(got, values.T)
 
 

@@ -354,9 +354,11 @@ static inline __attribute__((always_inline)) void rows_f32(
 /* rows_f32 for 4-bit blocks and 4 or more rows, two output rows at a time: each load of x
  * feeds both. At 8 rows the loads of x were a limit, beyond L1 for a 1536-wide x (48 KB).
  * The default model's 120 linears at 8 rows on 2 cores, in one process: 14.1 -> 13.0 ms
- * before prefetching. Q8_0 (the default model's LM head) lost (3.55 -> 3.9 ms) and stays on
- * rows_f32, as do fewer rows (2: 4.7 -> 5.4 ms). The same operations per output as rows_f32's,
- * which takes an odd last row. */
+ * before prefetching. Fewer rows stay on rows_f32 (2: 4.7 -> 5.4 ms), and Q8_0 blocks unless
+ * 8 rows of x outgrow L1: its [49152, 576] LM head lost (2.76 -> 2.87 ms), random [2048, 1024]
+ * / [2048, 2048] weights gained (4.1 -> 3.9 / 6.6 -> 4.6 ns per 32 values), and at 4 rows of
+ * 2048 lost (2.3 -> 3.2). The same operations per output as rows_f32's, which takes an odd
+ * last row. */
 static inline __attribute__((always_inline)) void rows_f32_pairs(
         const float *x, const uint8_t *weight, int qtype, int bb, const void *bias, void *out,
         const int M, int64_t o0, int64_t o1, int64_t n, int64_t k, int dtype) {
@@ -444,7 +446,7 @@ static void matmul(const void *x, int x_f32, const uint8_t *weight, int qtype, i
     if (x_f32) {
 #define KERNEL(M, U)                                                                      \
     do {                                                                                  \
-        if (U == 1 && M >= 4 && qtype != GGML_Q8_0)                                       \
+        if (U == 1 && M >= 4 && (qtype != GGML_Q8_0 || (M == 8 && k >= 1024)))            \
             rows_f32_pairs(x, weight, qtype, bb, bias, out, M, o0, o1, n, k, dtype);      \
         else                                                                              \
             rows_f32(x, weight, qtype, bb, bias, out, M, U, o0, o1, n, k, dtype);         \
