@@ -28,14 +28,15 @@ _F32, _BF16 = torch.float32, torch.bfloat16
 # Q4_K runs as Q4_1 does (csrc/gguf_matmul.c converts it): its limits. Q5_K runs as 5-bit
 # 32-value blocks, ns per 32 values on random [2048, 2048] weights against Q4_1's: float32 3.9 /
 # 3.6 at 8 rows, bfloat16 3.2 / 2.4 at 8 and 5.4 / 4.6 at 16: Q4_1's limits, less the margin
-# they had. Before (its own K-quant decoding), and Q6_K still, 16 random [6144, 1536] weights:
-# Q6_K float32 20.2 / 27.7 at 4, 28.9 / 25.1 at 6, bfloat16 14.3 / 18.3 at 2, 20.0 / 13.3 at 4;
-# Q5_K float32 20.6 / 25.5 at 1, 19.8 / 27.8 at 4, 27.5 / 24.6 at 6, bfloat16 13.0 / 7.8-11.1
-# at 1 (their decoding costs more work per value; bfloat16 weights are half the bytes of
-# float32).
+# they had. Q6_K runs as int8 blocks with two scales (40 bytes per 32 values): 5.6 ns per 32
+# values at 8 rows, where the dense float32 weight's 128 bytes take ~5 at the machine's
+# bandwidth (bfloat16's 64, ~2.6). Before (their own K-quant decoding), 16 random [6144, 1536]
+# weights: Q6_K float32 20.2 / 27.7 at 4, 28.9 / 25.1 at 6, bfloat16 14.3 / 18.3 at 2, 20.0 /
+# 13.3 at 4; Q5_K float32 20.6 / 25.5 at 1, 19.8 / 27.8 at 4, 27.5 / 24.6 at 6, bfloat16 13.0 /
+# 7.8-11.1 at 1.
 _ROWS_WORTH_IT = {"Q4_0": {_F32: 24, _BF16: 16}, "Q4_1": {_F32: 24, _BF16: 16},
                   "Q8_0": {_F32: 16, _BF16: 8}, "Q4_K": {_F32: 24, _BF16: 16},
-                  "Q5_K": {_F32: 16, _BF16: 8}, "Q6_K": {_F32: 4, _BF16: 2}}
+                  "Q5_K": {_F32: 16, _BF16: 8}, "Q6_K": {_F32: 8, _BF16: 4}}
 # Without the bfloat16 dot-product instructions the kernel widens bfloat16 x to float32: the
 # 32-value types lost from 5 rows on (18.0 / 16.3 ms at 5, 25.9 / 18.9 at 8).
 _BF16_ROWS_WITHOUT_DOT = 4

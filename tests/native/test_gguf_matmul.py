@@ -84,8 +84,8 @@ def test_what_it_refuses():
 
 def test_kernel_layout_widens_4_bit_scales_once():
     """4-bit blocks become [float32 d][float32 m][nibbles] (m = -8 d for Q4_0), 24 bytes a
-    block, and a Q4_K block 8 of them; the other types keep the file's bytes (their values are
-    checked against dequantize by the tests above)."""
+    block, and a Q4_K block 8 of them; K-quants become 32-value blocks; Q8_0 keeps the file's
+    bytes (the values of all are checked against dequantize by the tests above)."""
     for name, offset in (("Q4_0", 2), ("Q4_1", 4)):
         blocks, _ = _blocks(name, 4, 96)
         file_block = blocks.shape[1] // 3
@@ -100,6 +100,12 @@ def test_kernel_layout_widens_4_bit_scales_once():
     q4k, _ = _blocks("Q4_K", 4, 512)  # 2 blocks of 256 a row -> 16 Q4_1-like blocks
     q4k_kernel = gguf_matmul.kernel_blocks(gguf_matmul.QTYPES["Q4_K"], q4k)
     assert q4k.shape == (4, 2 * 144) and q4k_kernel.shape == (4, 16 * 24)
+    # Q5_K: 16 blocks of 28 bytes (5-bit values); Q6_K: 16 of 40 (int8 values, two scales)
+    for name, file_bytes, kernel_bytes in (("Q5_K", 176, 28), ("Q6_K", 210, 40)):
+        k_blocks, _ = _blocks(name, 4, 512)
+        assert k_blocks.shape == (4, 2 * file_bytes)
+        assert gguf_matmul.kernel_blocks(gguf_matmul.QTYPES[name], k_blocks).shape == (
+            4, 16 * kernel_bytes)
     q8, _ = _blocks("Q8_0", 4, 96)
     assert torch.equal(gguf_matmul.kernel_blocks(gguf_matmul.QTYPES["Q8_0"], q8), q8)
     with pytest.raises(ValueError, match="uint8"):

@@ -8,12 +8,12 @@
  * (d * q + m, d * (q - 8), d * q, (d * sc) * q - dmin * m, (d * sc) * (q - 32), rounded as
  * gguf's dequantize rounds them). float32 activations multiply them in float32; bfloat16
  * activations multiply them rounded to bfloat16, as the dequantized bfloat16 weight holds them,
- * with float32 accumulation (AVX512-BF16), as a bfloat16 GEMM does. One row on 4-bit blocks is
- * computed in float32 by linearity instead (one_row_lin), equal up to float32 rounding. No
- * activation quantization, unlike llama.cpp's integer dot products.
- * The weight is [n, k / block values] blocks, row-major, in the kernel's layout (below); x, bias
- * and out are in dtype (dtype.h). Blocks are read 32 values (a unit) at a time: a 32-value block
- * is one unit, a K-quant block of 256 eight.
+ * with float32 accumulation (AVX512-BF16), as a bfloat16 GEMM does. One row on 4- and 5-bit
+ * blocks is computed in float32 by linearity instead (one_row_lin), equal up to float32 rounding.
+ * No activation quantization, unlike llama.cpp's integer dot products.
+ * The weight is [n, k / block values] blocks, row-major, in the kernel's layout (below), where
+ * a K-quant block of 256 values is 8 blocks of 32: every loop reads 32-value blocks. x, bias and
+ * out are in dtype (dtype.h).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -78,7 +78,13 @@ int kiln_gguf_block_values(int32_t qtype) {
  * fifth bit], 28 bytes; the kernel knows them by ggml's Q5_1 id (their form). 3.3 -> 1.4 ns
  * per 32 values at one row, 5.5 -> 3.9 at 8 ([2048, 2048], 2 cores); 7 bits a value, not 5.5. */
 #define Q5_KERNEL_BYTES 28
-enum { KERNEL_Q5 = 7 };
+/* And a Q6_K block becomes 8 blocks of int8 values q - 32 with a scale per 16, d * scale (exact
+ * in float32): [float32 a0][float32 a1][32 int8], 40 bytes per 32 values against 26.25, as
+ * Q8_0 is read: ns per 32 values ([2048, 2048], 2 cores, alternating with the old decoding)
+ * 2.4 -> 1.5 at one row, 4.3 -> 2.5 at 2, 10.5 -> 5.6 at 8. Every type then runs as 32-value
+ * blocks. */
+#define Q6_KERNEL_BYTES 40
+enum { KERNEL_Q5 = 7, KERNEL_Q8X2 = 1000 }; /* Q5_1's id (its form); an id of Kiln's own */
 
 /* The types held in the 4-bit kernel layout, Q4_K run as Q4_1 (see kiln_gguf_matmul). */
 static int is_q4(int32_t qtype) { return qtype == GGML_Q4_0 || qtype == GGML_Q4_1; }
@@ -86,17 +92,24 @@ static int is_q4(int32_t qtype) { return qtype == GGML_Q4_0 || qtype == GGML_Q4_
 int kiln_gguf_kernel_block_bytes(int32_t qtype) {
     if (qtype == GGML_Q4_K) return K_SUBBLOCKS * Q4_KERNEL_BYTES;
     if (qtype == GGML_Q5_K) return K_SUBBLOCKS * Q5_KERNEL_BYTES;
+    if (qtype == GGML_Q6_K) return K_SUBBLOCKS * Q6_KERNEL_BYTES;
     return is_q4(qtype) ? Q4_KERNEL_BYTES : kiln_gguf_block_bytes(qtype);
 }
 
 /* The type the kernel runs a weight of `qtype` as, once in the kernel's layout. */
 static int kernel_type(int32_t qtype) {
-    return qtype == GGML_Q4_K ? GGML_Q4_1 : qtype == GGML_Q5_K ? KERNEL_Q5 : qtype;
+    switch (qtype) {
+        case GGML_Q4_K: return GGML_Q4_1;
+        case GGML_Q5_K: return KERNEL_Q5;
+        case GGML_Q6_K: return KERNEL_Q8X2;
+        default: return qtype;
+    }
 }
 
-/* Bytes of one block of the type the kernel runs (kernel_type). */
+/* Bytes of one 32-value block of the type the kernel runs (kernel_type). */
 static int kernel_type_bytes(int kt) {
-    return kt == KERNEL_Q5 ? Q5_KERNEL_BYTES : kiln_gguf_kernel_block_bytes(kt);
+    return kt == KERNEL_Q5 ? Q5_KERNEL_BYTES
+         : kt == KERNEL_Q8X2 ? Q6_KERNEL_BYTES : kiln_gguf_kernel_block_bytes(kt);
 }
 
 static inline float f32_at(const uint8_t *p) {
@@ -118,6 +131,15 @@ static inline float half_at(const uint8_t *p) {
  * nibbles first). A 4-bit block has only 16 distinct values: they are computed once into a
  * table, exactly as dequantize does (d * q, then + m), and each nibble picks its entry. */
 static inline void load_block(const uint8_t *blk, int qtype, __m512 *lo, __m512 *hi) {
+    if (qtype == KERNEL_Q8X2) { /* a converted Q6_K sub-block: a scale per 16 int8 */
+        const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 8));
+        const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 24));
+        *lo = _mm512_mul_ps(_mm512_set1_ps(f32_at(blk)),
+                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
+        *hi = _mm512_mul_ps(_mm512_set1_ps(f32_at(blk + 4)),
+                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
+        return;
+    }
     if (qtype == GGML_Q8_0) {
         const __m512 d = _mm512_set1_ps(half_at(blk));
         const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));
@@ -217,6 +239,26 @@ int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t nblock
         }
         return 0;
     }
+    if (qtype == GGML_Q6_K) {
+        for (int64_t b = 0; b < nblocks; ++b) {
+            const uint8_t *s = src + b * bb;
+            KScales sc;
+            k_scales(s, qtype, &sc);
+            for (int u = 0; u < K_SUBBLOCKS; ++u) {
+                uint8_t *o = dst + (b * K_SUBBLOCKS + u) * Q6_KERNEL_BYTES;
+                memcpy(o, &sc.a[2 * u], 2 * sizeof(float)); /* groups 2u and 2u + 1 */
+                /* value 32u + t: 4 low bits from ql[64 (u / 4) + 32 (u % 2) + t] (high nibble
+                 * when u / 2 is odd), 2 high bits from qh[32 (u / 4) + t] >> 2 (u % 4) */
+                const uint8_t *ql = s + (u >> 2) * 64 + (u & 1) * 32, *qh = s + 128 + (u >> 2) * 32;
+                const int lshift = ((u >> 1) & 1) * 4, hshift = 2 * (u & 3);
+                for (int t = 0; t < 32; ++t) {
+                    const int q = ((ql[t] >> lshift) & 15) | (((qh[t] >> hshift) & 3) << 4);
+                    o[8 + t] = (uint8_t)(int8_t)(q - 32);
+                }
+            }
+        }
+        return 0;
+    }
     if (!is_q4(qtype)) {
         memcpy(dst, src, (size_t)nblocks * (size_t)bb);
         return 0;
@@ -234,50 +276,13 @@ int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t nblock
     return 0;
 }
 
-/* Values 32u .. 32u + 31 of a Q6_K block (lo = the first 16); the other K-quants run as
- * 32-value blocks (see the kernel's layout). */
-static inline void load_unit_k(const uint8_t *blk, int qtype, int u, const KScales *s,
-                               __m512 *lo, __m512 *hi) {
-    /* Q6_K, value 32u + t: 4 low bits from ql[64 (u / 4) + 32 (u % 2) + t] (high nibble when
-     * u / 2 is odd), 2 high bits from qh[32 (u / 4) + t] >> 2 (u % 4); minus 32. */
-    const __m256i nib = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(0x03);
-    __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + (u >> 2) * 64 + (u & 1) * 32));
-    if ((u >> 1) & 1) ql = _mm256_srli_epi16(ql, 4);
-    __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + (u >> 2) * 32));
-    qh = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * (u & 3))), two);
-    const __m256i q = _mm256_sub_epi8(
-        _mm256_or_si256(_mm256_and_si256(ql, nib), _mm256_slli_epi16(qh, 4)),
-        _mm256_set1_epi8(32));
-    *lo = _mm512_mul_ps(_mm512_set1_ps(s->a[2 * u]),
-                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
-    *hi = _mm512_mul_ps(_mm512_set1_ps(s->a[2 * u + 1]),
-                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))));
-}
-
-/* Values 32g .. 32g + 31 of a row: unit g of its blocks, `units` (1, or K_UNITS for K-quants) to
- * a block. Units are asked for in order, so a K-quant block's scales are computed at its first. */
-#define K_UNITS K_SUBBLOCKS
-
 /* A decode step streams every weight from DRAM once, faster than the hardware prefetcher asks
- * for it: the loops ask for the unit this many ahead (a hint; past the end it reads nothing).
+ * for it: the loops ask for the block this many ahead (a hint; past the end it reads nothing).
  * The default model on 2 cores, one process, ms a step (its 120 linears / LM head): one row,
  * 16 ahead, 3.6 -> 3.45 / = (32: 3.7); 8 rows, 8 ahead 12.7 / 3.55, 48 ahead 11.5 / 2.8;
  * 2 rows, 48 ahead, 4.8 -> 4.6; bfloat16, 48 ahead, 8 rows 8.6 / 2.5 -> 8.1 / 2.1. */
-#define PREFETCH_UNITS 48
+#define PREFETCH_BLOCKS 48
 #define PREFETCH_ONE_ROW 16
-static inline __attribute__((always_inline)) void load_unit(
-        const uint8_t *row, int qtype, int bb, int units, int64_t g, KScales *s, __m512 *lo,
-        __m512 *hi) {
-    if (units == 1) {
-        load_block(row + g * bb, qtype, lo, hi);
-        return;
-    }
-    const uint8_t *blk = row + (g / K_UNITS) * bb;
-    const int u = (int)(g % K_UNITS);
-    if (u == 0) k_scales(blk, qtype, s);
-    load_unit_k(blk, qtype, u, s, lo, hi);
-}
-
 /* Output rows [o0, o1) for one row of x (float32) on 4- or 5-bit blocks (`five`, a constant at
  * each call site), by linearity: a block's w . x = d (q . x) + m sum(x) (m = -8 d for Q4_0), the
  * nibbles converted as integers (a fifth bit adds 16 x) and sum(x) per block precomputed (xsum).
@@ -315,13 +320,12 @@ static inline __attribute__((always_inline)) void one_row_lin(
     }
 }
 
-/* Output rows [o0, o1) for M rows of float32 x; M and units are compile-time constants at each
- * call site, so the M accumulators stay in registers and 32-value types skip the K-quant path. */
+/* Output rows [o0, o1) for M rows of float32 x; M is a compile-time constant at each call site,
+ * so the M accumulators stay in registers. */
 static inline __attribute__((always_inline)) void rows_f32(
         const float *x, const uint8_t *weight, int qtype, int bb, const void *bias, void *out,
-        const int M, const int units, int64_t o0, int64_t o1, int64_t n, int64_t k, int dtype) {
-    const int64_t nb = k / QK, row_bytes = nb / units * bb; /* nb: units of 32 values */
-    KScales s;
+        const int M, int64_t o0, int64_t o1, int64_t n, int64_t k, int dtype) {
+    const int64_t nb = k / QK, row_bytes = nb * bb;
     for (int64_t o = o0; o < o1; ++o) {
         const uint8_t *row = weight + o * row_bytes;
         /* Below 4 rows, two accumulators a row: a single chain of FMAs would wait on each one's
@@ -331,9 +335,8 @@ static inline __attribute__((always_inline)) void rows_f32(
         for (int r = 0; r < M && M < 4; ++r) acc2[r] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
             __m512 lo, hi;
-            if (units == 1)
-                _mm_prefetch((const char *)(row + (b + PREFETCH_UNITS) * bb), _MM_HINT_T0);
-            load_unit(row, qtype, bb, units, b, &s, &lo, &hi);
+            _mm_prefetch((const char *)(row + (b + PREFETCH_BLOCKS) * bb), _MM_HINT_T0);
+            load_block(row + b * bb, qtype, &lo, &hi);
             for (int r = 0; r < M; ++r) {
                 const float *xr = x + r * k + b * QK;
                 acc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[r]);
@@ -370,8 +373,8 @@ static inline __attribute__((always_inline)) void rows_f32_pairs(
         for (int r = 0; r < M; ++r) acc[r] = acc2[r] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
             __m512 lo, hi, lo2, hi2;
-            _mm_prefetch((const char *)(row + (b + PREFETCH_UNITS) * bb), _MM_HINT_T0);
-            _mm_prefetch((const char *)(row2 + (b + PREFETCH_UNITS) * bb), _MM_HINT_T0);
+            _mm_prefetch((const char *)(row + (b + PREFETCH_BLOCKS) * bb), _MM_HINT_T0);
+            _mm_prefetch((const char *)(row2 + (b + PREFETCH_BLOCKS) * bb), _MM_HINT_T0);
             load_block(row + b * bb, qtype, &lo, &hi);
             load_block(row2 + b * bb, qtype, &lo2, &hi2);
             for (int r = 0; r < M; ++r) {
@@ -388,7 +391,7 @@ static inline __attribute__((always_inline)) void rows_f32_pairs(
             store_elem(out, r * n + o + 1, _mm512_reduce_add_ps(acc2[r]) + bv2, dtype);
         }
     }
-    if (o < o1) rows_f32(x, weight, qtype, bb, bias, out, M, 1, o, o1, n, k, dtype);
+    if (o < o1) rows_f32(x, weight, qtype, bb, bias, out, M, o, o1, n, k, dtype);
 }
 
 #if KILN_GGUF_BF16
@@ -396,22 +399,19 @@ static inline __attribute__((always_inline)) void rows_f32_pairs(
  * into float32 lanes; x and the weights share one value order, so the pairing is immaterial. */
 static inline __attribute__((always_inline)) void rows_bf16(
         const uint16_t *x, const uint8_t *weight, int qtype, int bb, const void *bias,
-        void *out, const int M, const int units, int64_t o0, int64_t o1, int64_t n, int64_t k,
-        int dtype) {
-    const int64_t nb = k / QK, row_bytes = nb / units * bb; /* nb: units of 32 values */
-    KScales s;
+        void *out, const int M, int64_t o0, int64_t o1, int64_t n, int64_t k, int dtype) {
+    const int64_t nb = k / QK, row_bytes = nb * bb;
     for (int64_t o = o0; o < o1; ++o) {
         const uint8_t *row = weight + o * row_bytes;
-        /* Units in pairs, one accumulator each, for two chains of dot products. */
+        /* Blocks in pairs, one accumulator each, for two chains of dot products. */
         __m512 acc[MAX_ROWS], acc2[MAX_ROWS];
         for (int r = 0; r < M; ++r) acc[r] = acc2[r] = _mm512_setzero_ps();
         int64_t b = 0;
         for (; b + 1 < nb; b += 2) {
             __m512 lo, hi, lo2, hi2;
-            if (units == 1)
-                _mm_prefetch((const char *)(row + (b + PREFETCH_UNITS) * bb), _MM_HINT_T0);
-            load_unit(row, qtype, bb, units, b, &s, &lo, &hi);
-            load_unit(row, qtype, bb, units, b + 1, &s, &lo2, &hi2);
+            _mm_prefetch((const char *)(row + (b + PREFETCH_BLOCKS) * bb), _MM_HINT_T0);
+            load_block(row + b * bb, qtype, &lo, &hi);
+            load_block(row + (b + 1) * bb, qtype, &lo2, &hi2);
             const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo); /* values 0-31 in order */
             const __m512bh w2 = _mm512_cvtne2ps_pbh(hi2, lo2);
             for (int r = 0; r < M; ++r) {
@@ -422,7 +422,7 @@ static inline __attribute__((always_inline)) void rows_bf16(
         }
         if (b < nb) {
             __m512 lo, hi;
-            load_unit(row, qtype, bb, units, b, &s, &lo, &hi);
+            load_block(row + b * bb, qtype, &lo, &hi);
             const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);
             for (int r = 0; r < M; ++r)
                 acc[r] = _mm512_dpbf16_ps(acc[r], w,
@@ -440,23 +440,24 @@ static inline __attribute__((always_inline)) void rows_bf16(
 static void matmul(const void *x, int x_f32, const uint8_t *weight, int qtype, int bb,
                    const void *bias, void *out, int m, int64_t n, int64_t k, int dtype,
                    int64_t o0, int64_t o1) {
-    const int units = kiln_gguf_block_values(qtype) / QK;
-#define ROWS(M) case M: if (units == 1) KERNEL(M, 1); else KERNEL(M, K_UNITS); break;
+    /* int8 blocks (Q8_0, converted Q6_K) take output pairs only where x outgrows L1 */
+    const int int8 = qtype == GGML_Q8_0 || qtype == KERNEL_Q8X2;
+#define ROWS(M) case M: KERNEL(M); break;
 #define CASES switch (m) { ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8) }
     if (x_f32) {
-#define KERNEL(M, U)                                                                      \
+#define KERNEL(M)                                                                         \
     do {                                                                                  \
-        if (U == 1 && M >= 4 && (qtype != GGML_Q8_0 || (M == 8 && k >= 1024)))            \
+        if (M >= 4 && (!int8 || (M == 8 && k >= 1024)))                                   \
             rows_f32_pairs(x, weight, qtype, bb, bias, out, M, o0, o1, n, k, dtype);      \
         else                                                                              \
-            rows_f32(x, weight, qtype, bb, bias, out, M, U, o0, o1, n, k, dtype);         \
+            rows_f32(x, weight, qtype, bb, bias, out, M, o0, o1, n, k, dtype);            \
     } while (0)
         CASES
 #undef KERNEL
     }
 #if KILN_GGUF_BF16
     else {
-#define KERNEL(M, U) rows_bf16(x, weight, qtype, bb, bias, out, M, U, o0, o1, n, k, dtype)
+#define KERNEL(M) rows_bf16(x, weight, qtype, bb, bias, out, M, o0, o1, n, k, dtype)
         CASES
 #undef KERNEL
     }
