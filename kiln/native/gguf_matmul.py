@@ -1,6 +1,7 @@
 """Python entry point of csrc/gguf_matmul.c: decode-step linears read straight from a GGUF file's
 Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks on CPU (see cpu_gemm.py for when a layer takes
-it; the layers reach it through kiln::linear's C++ kernel, `quantized_linear` runs it directly).
+it; the layers reach it through kiln::linear's C++ kernel, `quantized_linear` runs it directly),
+once csrc/gguf_layout.c has put them in the kernel's layout (`kernel_blocks`).
 
 At a few rows a linear is a pass over its weight, and Q4_1 blocks are 5.3x fewer bytes than
 the float32 copy even with their scales widened to float32 (`kernel_blocks`); the row limits by
@@ -25,7 +26,7 @@ _F32, _BF16 = torch.float32, torch.bfloat16
 # alone: float32 (20.0 / 31.9 with the head at 9 rows) 23.9 / 31.2 at 16, 34.5 / 39.1 at 24,
 # 44.8 / 46.5 at 32; bfloat16 15.0 / 16.7 at 12, 15.3 / 18.4 at 16, 22.3 / 20.7 at 20. Its Q8_0
 # LM head alone: float32 5.6 / 6.2 at 16, 8.4 / 8.2 at 24; bfloat16 3.7 / 3.0 at 12.
-# Q4_K runs as Q4_1 does (csrc/gguf_matmul.c converts it): its limits. Q5_K runs as 5-bit
+# Q4_K runs as Q4_1 does (csrc/gguf_layout.c converts it): its limits. Q5_K runs as 5-bit
 # 32-value blocks, ns per 32 values on random [2048, 2048] weights against Q4_1's: float32 3.9 /
 # 3.6 at 8 rows, bfloat16 3.2 / 2.4 at 8 and 5.4 / 4.6 at 16: Q4_1's limits, less the margin
 # they had. Q6_K runs as int8 blocks with two scales (40 bytes per 32 values): 5.6 ns per 32
@@ -44,19 +45,23 @@ _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 SIGNATURES = (("kiln_gguf_matmul", (_P, _P, _I32, _P, _P, _I32, _I64, _I64, _I32, _I32)),
               ("kiln_gguf_simd", ()), ("kiln_gguf_bf16_dot", ()),
               ("kiln_gguf_block_bytes", (_I32,)), ("kiln_gguf_block_values", (_I32,)),
-              ("kiln_gguf_kernel_block_bytes", (_I32,)),
-              ("kiln_gguf_to_kernel_layout", (_P, _I32, _I64, _P)))
+              ("kiln_gguf_kernel_block_bytes", (_I32,)))
+LAYOUT_SIGNATURES = (("kiln_gguf_to_kernel_layout", (_P, _I32, _I64, _P)),)
 
 
 def _lib() -> ctypes.CDLL | None:
     return build.load("gguf_matmul", SIGNATURES)
 
 
+def _layout_lib() -> ctypes.CDLL | None:
+    return build.load("gguf_layout", LAYOUT_SIGNATURES)
+
+
 def available() -> bool:
     """The kernels on (KILN_NATIVE_CPU_OPS), built, and built with their vector code (AVX-512):
     without it the float32 kernels are faster."""
     lib = _lib() if envs.native_cpu_ops() else None
-    return lib is not None and lib.kiln_gguf_simd() == 1
+    return lib is not None and lib.kiln_gguf_simd() == 1 and _layout_lib() is not None
 
 
 @functools.cache
@@ -81,8 +86,8 @@ def row_bytes(qtype: int, in_features: int, kernel_layout: bool = False) -> int:
 
 def kernel_blocks(qtype: int, rows: torch.Tensor) -> torch.Tensor:
     """The file's blocks `rows` (uint8 [out, row_bytes], as `serves` accepts them) in the layout
-    the kernel reads: 4-bit blocks with their fp16 scales widened to float32 once, here, instead
-    of in every decode step (csrc/gguf_matmul.c); other types as they are."""
+    the kernel reads (csrc/gguf_blocks.h): fp16 scales widened to float32 and K-quant blocks cut
+    into 32-value ones once, here, instead of in every decode step; Q8_0 as it is."""
     per_block = _lib().kiln_gguf_block_bytes(qtype)
     if rows.dtype != torch.uint8 or rows.dim() != 2 or per_block == 0 or not rows.is_contiguous():
         raise ValueError(f"expected contiguous uint8 [out, row_bytes] blocks of ggml type {qtype}, "
@@ -91,8 +96,8 @@ def kernel_blocks(qtype: int, rows: torch.Tensor) -> torch.Tensor:
     in_features = rows.shape[1] // per_block * _lib().kiln_gguf_block_values(qtype)
     out = torch.empty(rows.shape[0], row_bytes(qtype, in_features, kernel_layout=True),
                       dtype=torch.uint8)
-    build.check(_lib().kiln_gguf_to_kernel_layout(rows.data_ptr(), qtype, nblocks,
-                                                  out.data_ptr()),
+    build.check(_layout_lib().kiln_gguf_to_kernel_layout(rows.data_ptr(), qtype, nblocks,
+                                                         out.data_ptr()),
                 "kiln_gguf_to_kernel_layout (1: a type it does not read)")
     return out
 

@@ -11,9 +11,9 @@
  * with float32 accumulation (AVX512-BF16), as a bfloat16 GEMM does. One row on 4- and 5-bit
  * blocks is computed in float32 by linearity instead (one_row_lin), equal up to float32 rounding.
  * No activation quantization, unlike llama.cpp's integer dot products.
- * The weight is [n, k / block values] blocks, row-major, in the kernel's layout (below), where
- * a K-quant block of 256 values is 8 blocks of 32: every loop reads 32-value blocks. x, bias and
- * out are in dtype (dtype.h).
+ * The weight is [n, k / block values] blocks, row-major, in the kernel's layout (gguf_blocks.h:
+ * a K-quant block of 256 values is 8 blocks of 32, so every loop reads 32-value blocks). x, bias
+ * and out are in dtype (dtype.h).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,12 +35,9 @@
 #define KILN_GGUF_BF16 0
 #endif
 
-#define MAX_ROWS 8 /* rows of x a register tile takes; more go through in tiles of 8 */
-#define QK 32 /* values per block */
-#define K_SUBBLOCKS 8 /* 32-value sub-blocks of a K-quant block */
+#include "gguf_blocks.h"
 
-enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13,
-       GGML_Q6_K = 14 }; /* ggml's ids */
+#define MAX_ROWS 8 /* rows of x a register tile takes; more go through in tiles of 8 */
 
 /* 1 when the vector kernel is compiled in; the caller keeps float32 weights otherwise. */
 int kiln_gguf_simd(void) { return KILN_GGUF_SIMD; }
@@ -48,84 +45,13 @@ int kiln_gguf_simd(void) { return KILN_GGUF_SIMD; }
 /* 1 when bfloat16 x takes the bfloat16 dot products; else it is widened to float32 first. */
 int kiln_gguf_bf16_dot(void) { return KILN_GGUF_BF16; }
 
-int kiln_gguf_block_bytes(int32_t qtype) {
-    switch (qtype) {
-        case GGML_Q4_0: return 18; /* fp16 d, 16 bytes of nibbles */
-        case GGML_Q4_1: return 20; /* fp16 d, fp16 m, 16 bytes of nibbles */
-        case GGML_Q8_0: return 34; /* fp16 d, 32 int8 */
-        case GGML_Q4_K: return 144; /* fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 */
-        case GGML_Q5_K: return 176; /* as Q4_K, with 32 bytes of fifth bits before the 128 */
-        case GGML_Q6_K: return 210; /* 128 low 4 bits, 64 high 2 bits, 16 int8 scales, fp16 d */
-        default: return 0;
-    }
-}
-
-int kiln_gguf_block_values(int32_t qtype) {
-    return qtype == GGML_Q4_K || qtype == GGML_Q5_K || qtype == GGML_Q6_K ? 256 : QK;
-}
-
-/* The kernel's layout of a block, made once at load (kiln_gguf_to_kernel_layout): 4-bit blocks
- * become [float32 d][float32 m][16 bytes of nibbles] (m = -8 d for Q4_0), 24 bytes; the other
- * types keep the file's. Widening a block's two fp16 scales took a quarter of one_row_lin's time
- * (1.9 -> 1.5 ns a block on one core): more than the 4 extra bytes cost to read.
- * A Q4_K block becomes 8 such blocks, one per sub-block: d = d * sc, m = -(dmin * m) (both
- * exact in float32, and a * q + -b rounds as a * q - b), so it runs as Q4_1 does: 2.1 -> 0.9 ns
- * per 32 values at one row, 5.7 -> 3.5 at 8 ([2048, 2048] weights, 2 cores), for 6 bits a
- * value instead of 4.5. */
-#define Q4_KERNEL_BYTES 24
-/* A Q5_K block likewise becomes 8 blocks of 5-bit values, d * q + m with q = nibble + 16 *
- * fifth bit: [float32 d][float32 m][16 bytes of nibbles, as Q4_1's][4 bytes, bit j value j's
- * fifth bit], 28 bytes; the kernel knows them by ggml's Q5_1 id (their form). 3.3 -> 1.4 ns
- * per 32 values at one row, 5.5 -> 3.9 at 8 ([2048, 2048], 2 cores); 7 bits a value, not 5.5. */
-#define Q5_KERNEL_BYTES 28
-/* And a Q6_K block becomes 8 blocks of int8 values q - 32 with a scale per 16, d * scale (exact
- * in float32): [float32 a0][float32 a1][32 int8], 40 bytes per 32 values against 26.25, as
- * Q8_0 is read: ns per 32 values ([2048, 2048], 2 cores, alternating with the old decoding)
- * 2.4 -> 1.5 at one row, 4.3 -> 2.5 at 2, 10.5 -> 5.6 at 8. Every type then runs as 32-value
- * blocks. */
-#define Q6_KERNEL_BYTES 40
-enum { KERNEL_Q5 = 7, KERNEL_Q8X2 = 1000 }; /* Q5_1's id (its form); an id of Kiln's own */
-
-/* The types held in the 4-bit kernel layout, Q4_K run as Q4_1 (see kiln_gguf_matmul). */
-static int is_q4(int32_t qtype) { return qtype == GGML_Q4_0 || qtype == GGML_Q4_1; }
-
-int kiln_gguf_kernel_block_bytes(int32_t qtype) {
-    if (qtype == GGML_Q4_K) return K_SUBBLOCKS * Q4_KERNEL_BYTES;
-    if (qtype == GGML_Q5_K) return K_SUBBLOCKS * Q5_KERNEL_BYTES;
-    if (qtype == GGML_Q6_K) return K_SUBBLOCKS * Q6_KERNEL_BYTES;
-    return is_q4(qtype) ? Q4_KERNEL_BYTES : kiln_gguf_block_bytes(qtype);
-}
-
-/* The type the kernel runs a weight of `qtype` as, once in the kernel's layout. */
-static int kernel_type(int32_t qtype) {
-    switch (qtype) {
-        case GGML_Q4_K: return GGML_Q4_1;
-        case GGML_Q5_K: return KERNEL_Q5;
-        case GGML_Q6_K: return KERNEL_Q8X2;
-        default: return qtype;
-    }
-}
-
-/* Bytes of one 32-value block of the type the kernel runs (kernel_type). */
-static int kernel_type_bytes(int kt) {
-    return kt == KERNEL_Q5 ? Q5_KERNEL_BYTES
-         : kt == KERNEL_Q8X2 ? Q6_KERNEL_BYTES : kiln_gguf_kernel_block_bytes(kt);
-}
-
-static inline float f32_at(const uint8_t *p) {
-    float f;
-    memcpy(&f, p, sizeof f);
-    return f;
-}
+/* gguf_blocks.h's sizes, for the Python side */
+int kiln_gguf_block_bytes(int32_t qtype) { return gguf_block_bytes(qtype); }
+int kiln_gguf_block_values(int32_t qtype) { return gguf_block_values(qtype); }
+int kiln_gguf_kernel_block_bytes(int32_t qtype) { return gguf_kernel_block_bytes(qtype); }
 
 #if KILN_GGUF_SIMD
 #define EXACT (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-
-static inline float half_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
 
 /* One block's 32 values: lo = values 0-15, hi = values 16-31, as ggml lays them out (low
  * nibbles first). A 4-bit block has only 16 distinct values: they are computed once into a
@@ -182,98 +108,6 @@ static inline void load_block(const uint8_t *blk, int qtype, __m512 *lo, __m512 
     const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)nibbles));
     *lo = _mm512_permutexvar_ps(idx, table);
     *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
-}
-
-/* A K-quant block's scales as dequantize computes them, in float32: Q4_K's and Q5_K's 8
- * sub-blocks of 32 get d * sc (a) and dmin * m (b); Q6_K's 16 groups of 16 get d * scale (a). */
-typedef struct { float a[16], b[8]; } KScales;
-
-static inline void k_scales(const uint8_t *blk, int qtype, KScales *s) {
-    if (qtype == GGML_Q6_K) {
-        const __m512 d = _mm512_set1_ps(half_at(blk + 208));
-        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128((const __m128i *)(blk + 192))));
-        _mm512_storeu_ps(s->a, _mm512_mul_ps(d, sc));
-        return;
-    }
-    const float d = half_at(blk), dmin = half_at(blk + 2);
-    const uint8_t *q = blk + 4; /* 6-bit scales and mins, packed as llama.cpp's get_scale_min */
-    for (int j = 0; j < 8; ++j) {
-        const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4);
-        const int m = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-        s->a[j] = d * (float)sc;
-        s->b[j] = dmin * (float)m;
-    }
-}
-
-/* dst (nblocks * kiln_gguf_kernel_block_bytes) = the file's blocks src in the kernel's layout. */
-int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t nblocks,
-                               uint8_t *dst) {
-    const int bb = kiln_gguf_block_bytes(qtype);
-    if (bb == 0 || nblocks < 0) return 1;
-    if (qtype == GGML_Q4_K || qtype == GGML_Q5_K) {
-        const int five = qtype == GGML_Q5_K, out_bytes = five ? Q5_KERNEL_BYTES : Q4_KERNEL_BYTES;
-        for (int64_t b = 0; b < nblocks; ++b) {
-            /* 128 bytes of nibbles, 2 sub-blocks per 32; Q5_K's 32 bytes of fifth bits first */
-            const uint8_t *s = src + b * bb, *q = s + (five ? 48 : 16), *qh = s + 16;
-            KScales sc;
-            k_scales(s, qtype, &sc);
-            for (int u = 0; u < K_SUBBLOCKS; ++u) {
-                uint8_t *o = dst + (b * K_SUBBLOCKS + u) * out_bytes;
-                const float m = -sc.b[u];
-                memcpy(o, &sc.a[u], sizeof(float));
-                memcpy(o + 4, &m, sizeof m);
-                /* sub-block u: the low (u even) or high nibbles of bytes 32 (u / 2) .. + 31;
-                 * as Q4_1 holds them: value j in byte j's low nibble, j + 16 in its high */
-                const uint8_t *p = q + (u >> 1) * 32;
-                const int shift = (u & 1) * 4;
-                for (int j = 0; j < 16; ++j)
-                    o[8 + j] = (uint8_t)(((p[j] >> shift) & 15) |
-                                         (((p[j + 16] >> shift) & 15) << 4));
-                if (five) { /* value t's fifth bit: bit u of qh[t] */
-                    uint32_t bits = 0;
-                    for (int t = 0; t < 32; ++t) bits |= (uint32_t)((qh[t] >> u) & 1) << t;
-                    memcpy(o + 24, &bits, sizeof bits);
-                }
-            }
-        }
-        return 0;
-    }
-    if (qtype == GGML_Q6_K) {
-        for (int64_t b = 0; b < nblocks; ++b) {
-            const uint8_t *s = src + b * bb;
-            KScales sc;
-            k_scales(s, qtype, &sc);
-            for (int u = 0; u < K_SUBBLOCKS; ++u) {
-                uint8_t *o = dst + (b * K_SUBBLOCKS + u) * Q6_KERNEL_BYTES;
-                memcpy(o, &sc.a[2 * u], 2 * sizeof(float)); /* groups 2u and 2u + 1 */
-                /* value 32u + t: 4 low bits from ql[64 (u / 4) + 32 (u % 2) + t] (high nibble
-                 * when u / 2 is odd), 2 high bits from qh[32 (u / 4) + t] >> 2 (u % 4) */
-                const uint8_t *ql = s + (u >> 2) * 64 + (u & 1) * 32, *qh = s + 128 + (u >> 2) * 32;
-                const int lshift = ((u >> 1) & 1) * 4, hshift = 2 * (u & 3);
-                for (int t = 0; t < 32; ++t) {
-                    const int q = ((ql[t] >> lshift) & 15) | (((qh[t] >> hshift) & 3) << 4);
-                    o[8 + t] = (uint8_t)(int8_t)(q - 32);
-                }
-            }
-        }
-        return 0;
-    }
-    if (!is_q4(qtype)) {
-        memcpy(dst, src, (size_t)nblocks * (size_t)bb);
-        return 0;
-    }
-    const int nibbles = qtype == GGML_Q4_1 ? 4 : 2; /* after d (and m) */
-    for (int64_t b = 0; b < nblocks; ++b) {
-        const uint8_t *s = src + b * bb;
-        uint8_t *o = dst + b * Q4_KERNEL_BYTES;
-        const float d = half_at(s);
-        const float m = qtype == GGML_Q4_1 ? half_at(s + 2) : -8.f * d; /* exact */
-        memcpy(o, &d, sizeof d);
-        memcpy(o + 4, &m, sizeof m);
-        memcpy(o + 8, s + nibbles, 16);
-    }
-    return 0;
 }
 
 /* A decode step streams every weight from DRAM once, faster than the hardware prefetcher asks
@@ -467,13 +301,6 @@ static void matmul(const void *x, int x_f32, const uint8_t *weight, int qtype, i
 }
 #endif
 
-#if !KILN_GGUF_SIMD
-int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t nblocks,
-                               uint8_t *dst) {
-    (void)src, (void)qtype, (void)nblocks, (void)dst;
-    return 1; /* no kernel to read it */
-}
-#endif
 
 /* out [m, n] = x [m, k] @ W^T (+ bias [n]), W in the kernel's layout, m >= 1, k a multiple of
  * the type's block values (32, or 256 for K-quants). Above MAX_ROWS rows each thread takes its
@@ -482,8 +309,8 @@ int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t nblock
 int kiln_gguf_matmul(const void *x, const uint8_t *weight, int32_t qtype, const void *bias,
                      void *out, int32_t m, int64_t n, int64_t k, int32_t dtype,
                      int32_t num_threads) {
-    const int bb = kiln_gguf_kernel_block_bytes(qtype);
-    const int vpb = kiln_gguf_block_values(qtype);
+    const int bb = gguf_kernel_block_bytes(qtype);
+    const int vpb = gguf_block_values(qtype);
     if (!KILN_GGUF_SIMD || bb == 0 || m < 1 || k < vpb || k % vpb) return 1;
     /* Q4_K and Q5_K run as the 32-value blocks their kernel layout holds */
     qtype = kernel_type(qtype);

@@ -1,0 +1,98 @@
+/* GGUF block types as Kiln's CPU kernels see them: ggml's type ids, the file's block sizes, and
+ * the layout gguf_layout.c converts a weight's blocks into once, which gguf_matmul.c reads. */
+#ifndef KILN_GGUF_BLOCKS_H
+#define KILN_GGUF_BLOCKS_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+
+/* The file's fp16 at p, as float32. */
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+#endif
+
+#define QK 32 /* values per block */
+#define K_SUBBLOCKS 8 /* 32-value sub-blocks of a K-quant block */
+
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13,
+       GGML_Q6_K = 14 }; /* ggml's ids */
+
+/* Bytes of one of the file's blocks of `qtype`; 0 for a type Kiln does not read. */
+static inline int gguf_block_bytes(int32_t qtype) {
+    switch (qtype) {
+        case GGML_Q4_0: return 18; /* fp16 d, 16 bytes of nibbles */
+        case GGML_Q4_1: return 20; /* fp16 d, fp16 m, 16 bytes of nibbles */
+        case GGML_Q8_0: return 34; /* fp16 d, 32 int8 */
+        case GGML_Q4_K: return 144; /* fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 */
+        case GGML_Q5_K: return 176; /* as Q4_K, with 32 bytes of fifth bits before the 128 */
+        case GGML_Q6_K: return 210; /* 128 low 4 bits, 64 high 2 bits, 16 int8 scales, fp16 d */
+        default: return 0;
+    }
+}
+
+static inline int gguf_block_values(int32_t qtype) {
+    return qtype == GGML_Q4_K || qtype == GGML_Q5_K || qtype == GGML_Q6_K ? 256 : QK;
+}
+
+/* The kernel's layout of a block, made once at load (gguf_layout.c): 4-bit blocks
+ * become [float32 d][float32 m][16 bytes of nibbles] (m = -8 d for Q4_0), 24 bytes; the other
+ * types keep the file's. Widening a block's two fp16 scales took a quarter of one_row_lin's time
+ * (1.9 -> 1.5 ns a block on one core): more than the 4 extra bytes cost to read.
+ * A Q4_K block becomes 8 such blocks, one per sub-block: d = d * sc, m = -(dmin * m) (both
+ * exact in float32, and a * q + -b rounds as a * q - b), so it runs as Q4_1 does: 2.1 -> 0.9 ns
+ * per 32 values at one row, 5.7 -> 3.5 at 8 ([2048, 2048] weights, 2 cores), for 6 bits a
+ * value instead of 4.5. */
+#define Q4_KERNEL_BYTES 24
+/* A Q5_K block likewise becomes 8 blocks of 5-bit values, d * q + m with q = nibble + 16 *
+ * fifth bit: [float32 d][float32 m][16 bytes of nibbles, as Q4_1's][4 bytes, bit j value j's
+ * fifth bit], 28 bytes; the kernel knows them by ggml's Q5_1 id (their form). 3.3 -> 1.4 ns
+ * per 32 values at one row, 5.5 -> 3.9 at 8 ([2048, 2048], 2 cores); 7 bits a value, not 5.5. */
+#define Q5_KERNEL_BYTES 28
+/* And a Q6_K block becomes 8 blocks of int8 values q - 32 with a scale per 16, d * scale (exact
+ * in float32): [float32 a0][float32 a1][32 int8], 40 bytes per 32 values against 26.25, as
+ * Q8_0 is read: ns per 32 values ([2048, 2048], 2 cores, alternating with the old decoding)
+ * 2.4 -> 1.5 at one row, 4.3 -> 2.5 at 2, 10.5 -> 5.6 at 8. Every type then runs as 32-value
+ * blocks. */
+#define Q6_KERNEL_BYTES 40
+enum { KERNEL_Q5 = 7, KERNEL_Q8X2 = 1000 }; /* Q5_1's id (its form); an id of Kiln's own */
+
+/* The types held in the 4-bit kernel layout, Q4_K run as Q4_1 (see gguf_matmul.c). */
+static inline int is_q4(int32_t qtype) { return qtype == GGML_Q4_0 || qtype == GGML_Q4_1; }
+
+/* Bytes of one of the file's blocks of `qtype` in the kernel's layout. */
+static inline int gguf_kernel_block_bytes(int32_t qtype) {
+    if (qtype == GGML_Q4_K) return K_SUBBLOCKS * Q4_KERNEL_BYTES;
+    if (qtype == GGML_Q5_K) return K_SUBBLOCKS * Q5_KERNEL_BYTES;
+    if (qtype == GGML_Q6_K) return K_SUBBLOCKS * Q6_KERNEL_BYTES;
+    return is_q4(qtype) ? Q4_KERNEL_BYTES : gguf_block_bytes(qtype);
+}
+
+/* The type the kernel runs a weight of `qtype` as, once in the kernel's layout. */
+static inline int kernel_type(int32_t qtype) {
+    switch (qtype) {
+        case GGML_Q4_K: return GGML_Q4_1;
+        case GGML_Q5_K: return KERNEL_Q5;
+        case GGML_Q6_K: return KERNEL_Q8X2;
+        default: return qtype;
+    }
+}
+
+/* Bytes of one 32-value block of the type the kernel runs (kernel_type). */
+static inline int kernel_type_bytes(int kt) {
+    return kt == KERNEL_Q5 ? Q5_KERNEL_BYTES
+         : kt == KERNEL_Q8X2 ? Q6_KERNEL_BYTES : gguf_kernel_block_bytes(kt);
+}
+
+static inline float f32_at(const uint8_t *p) {
+    float f;
+    memcpy(&f, p, sizeof f);
+    return f;
+}
+
+#endif

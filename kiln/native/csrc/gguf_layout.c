@@ -1,0 +1,107 @@
+/* A weight's GGUF blocks into the layout the matmul kernel reads (gguf_blocks.h), once at load:
+ * fp16 scales widened to float32, K-quant blocks cut into 32-value blocks. Exact: the kernel's
+ * values stay those of gguf's dequantize. Called through kiln/native/gguf_matmul.py. */
+#include <stdint.h>
+#include <string.h>
+
+#include "gguf_blocks.h"
+
+#if defined(__F16C__)
+/* A K-quant block's scales as dequantize computes them, in float32: Q4_K's and Q5_K's 8
+ * sub-blocks of 32 get d * sc (a) and dmin * m (b); Q6_K's 16 groups of 16 get d * scale (a). */
+typedef struct { float a[16], b[8]; } KScales;
+
+static void k_scales(const uint8_t *blk, int qtype, KScales *s) {
+    if (qtype == GGML_Q6_K) {
+        const float d = half_at(blk + 208);
+        for (int g = 0; g < 16; ++g) s->a[g] = d * (float)(int8_t)blk[192 + g];
+        return;
+    }
+    const float d = half_at(blk), dmin = half_at(blk + 2);
+    const uint8_t *q = blk + 4; /* 6-bit scales and mins, packed as llama.cpp's get_scale_min */
+    for (int j = 0; j < 8; ++j) {
+        const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4);
+        const int m = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+        s->a[j] = d * (float)sc;
+        s->b[j] = dmin * (float)m;
+    }
+}
+
+/* dst (nblocks * gguf_kernel_block_bytes) = the file's blocks src in the kernel's layout; 1 for a
+ * type it does not read (or without F16C, which the kernel needs too). */
+int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t nblocks,
+                               uint8_t *dst) {
+    const int bb = gguf_block_bytes(qtype);
+    if (bb == 0 || nblocks < 0) return 1;
+    if (qtype == GGML_Q4_K || qtype == GGML_Q5_K) {
+        const int five = qtype == GGML_Q5_K, out_bytes = five ? Q5_KERNEL_BYTES : Q4_KERNEL_BYTES;
+        for (int64_t b = 0; b < nblocks; ++b) {
+            /* 128 bytes of nibbles, 2 sub-blocks per 32; Q5_K's 32 bytes of fifth bits first */
+            const uint8_t *s = src + b * bb, *q = s + (five ? 48 : 16), *qh = s + 16;
+            KScales sc;
+            k_scales(s, qtype, &sc);
+            for (int u = 0; u < K_SUBBLOCKS; ++u) {
+                uint8_t *o = dst + (b * K_SUBBLOCKS + u) * out_bytes;
+                const float m = -sc.b[u];
+                memcpy(o, &sc.a[u], sizeof(float));
+                memcpy(o + 4, &m, sizeof m);
+                /* sub-block u: the low (u even) or high nibbles of bytes 32 (u / 2) .. + 31;
+                 * as Q4_1 holds them: value j in byte j's low nibble, j + 16 in its high */
+                const uint8_t *p = q + (u >> 1) * 32;
+                const int shift = (u & 1) * 4;
+                for (int j = 0; j < 16; ++j)
+                    o[8 + j] = (uint8_t)(((p[j] >> shift) & 15) |
+                                         (((p[j + 16] >> shift) & 15) << 4));
+                if (five) { /* value t's fifth bit: bit u of qh[t] */
+                    uint32_t bits = 0;
+                    for (int t = 0; t < 32; ++t) bits |= (uint32_t)((qh[t] >> u) & 1) << t;
+                    memcpy(o + 24, &bits, sizeof bits);
+                }
+            }
+        }
+        return 0;
+    }
+    if (qtype == GGML_Q6_K) {
+        for (int64_t b = 0; b < nblocks; ++b) {
+            const uint8_t *s = src + b * bb;
+            KScales sc;
+            k_scales(s, qtype, &sc);
+            for (int u = 0; u < K_SUBBLOCKS; ++u) {
+                uint8_t *o = dst + (b * K_SUBBLOCKS + u) * Q6_KERNEL_BYTES;
+                memcpy(o, &sc.a[2 * u], 2 * sizeof(float)); /* groups 2u and 2u + 1 */
+                /* value 32u + t: 4 low bits from ql[64 (u / 4) + 32 (u % 2) + t] (high nibble
+                 * when u / 2 is odd), 2 high bits from qh[32 (u / 4) + t] >> 2 (u % 4) */
+                const uint8_t *ql = s + (u >> 2) * 64 + (u & 1) * 32, *qh = s + 128 + (u >> 2) * 32;
+                const int lshift = ((u >> 1) & 1) * 4, hshift = 2 * (u & 3);
+                for (int t = 0; t < 32; ++t) {
+                    const int q = ((ql[t] >> lshift) & 15) | (((qh[t] >> hshift) & 3) << 4);
+                    o[8 + t] = (uint8_t)(int8_t)(q - 32);
+                }
+            }
+        }
+        return 0;
+    }
+    if (!is_q4(qtype)) {
+        memcpy(dst, src, (size_t)nblocks * (size_t)bb);
+        return 0;
+    }
+    const int nibbles = qtype == GGML_Q4_1 ? 4 : 2; /* after d (and m) */
+    for (int64_t b = 0; b < nblocks; ++b) {
+        const uint8_t *s = src + b * bb;
+        uint8_t *o = dst + b * Q4_KERNEL_BYTES;
+        const float d = half_at(s);
+        const float m = qtype == GGML_Q4_1 ? half_at(s + 2) : -8.f * d; /* exact */
+        memcpy(o, &d, sizeof d);
+        memcpy(o + 4, &m, sizeof m);
+        memcpy(o + 8, s + nibbles, 16);
+    }
+    return 0;
+}
+
+#else
+int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t nblocks,
+                               uint8_t *dst) {
+    (void)src, (void)qtype, (void)nblocks, (void)dst;
+    return 1;
+}
+#endif
