@@ -20,23 +20,22 @@ TILE_ROWS = 8  # rows of x the kernel takes at a time; it goes through more in t
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 _F32, _BF16 = torch.float32, torch.bfloat16
 # Up to how many rows the blocks beat the dense weight's kernels (GEMV, oneDNN), by type and
-# activation dtype; measured on 2 cores, ms blocks / dense. 32-value types, the default model's
-# linears + LM head: float32 7.8 / 18.3 at 1 row, 12.0 / 30.6 at 4, 21.5 / 31.6 at 8; bfloat16
-# 8.0 / 14.7 at 1, 10.3 / 17.2 at 4, 14.2 / 19.0 at 8. In tiles of 8 rows, its 120 Q4_1 linears
-# alone: float32 (20.0 / 31.9 with the head at 9 rows) 23.9 / 31.2 at 16, 34.5 / 39.1 at 24,
-# 44.8 / 46.5 at 32; bfloat16 15.0 / 16.7 at 12, 15.3 / 18.4 at 16, 22.3 / 20.7 at 20. Its Q8_0
-# LM head alone: float32 5.6 / 6.2 at 16, 8.4 / 8.2 at 24; bfloat16 3.7 / 3.0 at 12.
-# Q4_K runs as Q4_1 does (csrc/gguf_layout.c converts it): its limits. Q5_K runs as 5-bit
-# 32-value blocks, ns per 32 values on random [2048, 2048] weights against Q4_1's: float32 3.9 /
-# 3.6 at 8 rows, bfloat16 3.2 / 2.4 at 8 and 5.4 / 4.6 at 16: Q4_1's limits, less the margin
-# they had. Q6_K runs as int8 blocks with two scales (40 bytes per 32 values): 5.6 ns per 32
-# values at 8 rows, where the dense float32 weight's 128 bytes take ~5 at the machine's
-# bandwidth (bfloat16's 64, ~2.6). Before (their own K-quant decoding), 16 random [6144, 1536]
-# weights: Q6_K float32 20.2 / 27.7 at 4, 28.9 / 25.1 at 6, bfloat16 14.3 / 18.3 at 2, 20.0 /
-# 13.3 at 4; Q5_K float32 20.6 / 25.5 at 1, 19.8 / 27.8 at 4, 27.5 / 24.6 at 6, bfloat16 13.0 /
-# 7.8-11.1 at 1.
-_ROWS_WORTH_IT = {"Q4_0": {_F32: 24, _BF16: 16}, "Q4_1": {_F32: 24, _BF16: 16},
-                  "Q8_0": {_F32: 16, _BF16: 8}, "Q4_K": {_F32: 24, _BF16: 16},
+# activation dtype; measured on 2 cores, blocks / dense. The default model's linears + LM head
+# (Q4_1, Q8_0 head), ms: float32 7.8 / 18.3 at 1 row, 12.0 / 30.6 at 4, 21.5 / 31.6 at 8;
+# bfloat16 8.0 / 14.7 at 1, 10.3 / 17.2 at 4, 14.2 / 19.0 at 8. In tiles of 8 rows, its 120
+# Q4_1 linears alone: float32 23.9 / 31.2 at 16, 34.5 / 39.1 at 24, 44.8 / 46.5 at 32;
+# bfloat16 15.3 / 18.4 at 16, 22.3 / 20.7 at 20; its Q8_0 head: float32 5.6 / 6.2 at 16,
+# 8.4 / 8.2 at 24. 40 random [2048, 2048] weights, us per weight, blocks / dense:
+#   float32   Q4_K 465 / 785 at 8, 869 / 967 at 16, 1281 / 1323 at 24
+#             Q5_K 520 / 783 at 8, 976 / 977 at 16, 1478 / 1348 at 24
+#             Q6_K 590 / 771 at 8, 860 / 873 at 12, 1041 / 984 at 16
+#             Q8_0 573 / 795 at 8, 817 / 833 at 12, 1011 / 1006 at 16
+#   bfloat16  Q4_K 303 / 428 at 8, 498 / 471 at 12; Q5_K 363 / 433 at 8, 611 / 514 at 12
+#             Q6_K 266 / 313 at 4, 382 / 376 at 8
+# (bfloat16's dense GEMM gains on wider weights: the default model's won to 16 rows, these
+# lose from 12, so the limits keep to what both show.)
+_ROWS_WORTH_IT = {"Q4_0": {_F32: 24, _BF16: 8}, "Q4_1": {_F32: 24, _BF16: 8},
+                  "Q8_0": {_F32: 16, _BF16: 8}, "Q4_K": {_F32: 24, _BF16: 8},
                   "Q5_K": {_F32: 16, _BF16: 8}, "Q6_K": {_F32: 8, _BF16: 4}}
 # Without the bfloat16 dot-product instructions the kernel widens bfloat16 x to float32: the
 # 32-value types lost from 5 rows on (18.0 / 16.3 ms at 5, 25.9 / 18.9 at 8).
