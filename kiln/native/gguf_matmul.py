@@ -88,7 +88,8 @@ def kernel_blocks(qtype: int, rows: torch.Tensor) -> torch.Tensor:
     the kernel reads (csrc/gguf_blocks.h): fp16 scales widened to float32 and K-quant blocks cut
     into 32-value ones once, here, instead of in every decode step; Q8_0 as it is."""
     per_block = _lib().kiln_gguf_block_bytes(qtype)
-    if rows.dtype != torch.uint8 or rows.dim() != 2 or per_block == 0 or not rows.is_contiguous():
+    if (rows.dtype != torch.uint8 or rows.dim() != 2 or per_block == 0
+            or rows.shape[1] % per_block or not rows.is_contiguous()):
         raise ValueError(f"expected contiguous uint8 [out, row_bytes] blocks of ggml type {qtype}, "
                          f"got {rows.dtype} {tuple(rows.shape)}")
     nblocks = rows.numel() // per_block

@@ -110,6 +110,8 @@ def test_kernel_layout_widens_4_bit_scales_once():
     assert torch.equal(gguf_matmul.kernel_blocks(gguf_matmul.QTYPES["Q8_0"], q8), q8)
     with pytest.raises(ValueError, match="uint8"):
         gguf_matmul.kernel_blocks(gguf_matmul.QTYPES["Q4_1"], q8.float())
+    with pytest.raises(ValueError, match="row_bytes"):  # rows of 3 Q8_0 blocks are no Q4_1 rows
+        gguf_matmul.kernel_blocks(gguf_matmul.QTYPES["Q4_1"], q8)
 
 
 def test_row_limits_cover_every_type_and_dtype():
