@@ -312,7 +312,7 @@ int kiln_gguf_matmul(const void *x, const uint8_t *weight, int32_t qtype, const 
     const int bb = gguf_kernel_block_bytes(qtype);
     const int vpb = gguf_block_values(qtype);
     if (!KILN_GGUF_SIMD || bb == 0 || m < 1 || k < vpb || k % vpb) return 1;
-    /* Q4_K and Q5_K run as the 32-value blocks their kernel layout holds */
+    /* K-quants run as the 32-value blocks their kernel layout holds */
     qtype = kernel_type(qtype);
     const int kbb = kernel_type_bytes(qtype);
 #if KILN_GGUF_SIMD
