@@ -53,9 +53,10 @@ int kiln_gguf_kernel_block_bytes(int32_t qtype) { return gguf_kernel_block_bytes
 #if KILN_GGUF_SIMD
 #define EXACT (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
-/* One block's 32 values: lo = values 0-15, hi = values 16-31, as ggml lays them out (low
- * nibbles first). A 4-bit block has only 16 distinct values: they are computed once into a
- * table, exactly as dequantize does (d * q, then + m), and each nibble picks its entry. */
+/* One block's 32 values in the kernel's layout: lo = values 0-15, hi = values 16-31, as ggml
+ * lays them out (low nibbles first). A 4-bit block has only 16 distinct values (a 5-bit one
+ * 32): they are computed once into a table, exactly as dequantize does (d * q, then + m), and
+ * each value's bits pick its entry. int8 blocks are widened and scaled. */
 static inline void load_block(const uint8_t *blk, int qtype, __m512 *lo, __m512 *hi) {
     if (qtype == KERNEL_Q8X2) { /* a converted Q6_K sub-block: a scale per 16 int8 */
         const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 8));
@@ -117,6 +118,7 @@ static inline void load_block(const uint8_t *blk, int qtype, __m512 *lo, __m512 
  * 2 rows, 48 ahead, 4.8 -> 4.6; bfloat16, 48 ahead, 8 rows 8.6 / 2.5 -> 8.1 / 2.1. */
 #define PREFETCH_BLOCKS 48
 #define PREFETCH_ONE_ROW 16
+
 /* Output rows [o0, o1) for one row of x (float32) on 4- or 5-bit blocks (`five`, a constant at
  * each call site), by linearity: a block's w . x = d (q . x) + m sum(x) (m = -8 d for Q4_0), the
  * nibbles converted as integers (a fifth bit adds 16 x) and sum(x) per block precomputed (xsum).
