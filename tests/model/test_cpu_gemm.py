@@ -144,7 +144,7 @@ def test_blocks_that_never_pay_in_a_dtype_are_not_kept(monkeypatch):
     # A type whose blocks lose to the dense weight in bfloat16 at every row count (Q5_K's were,
     # before the kernel ran it as 32-value blocks)
     monkeypatch.setitem(gguf_matmul._ROWS_WORTH_IT["Q5_K"], torch.bfloat16, 0)
-    gguf_matmul.rows_worth_it.cache_clear()
+    # uncached, so the patched table is read (and no cached answer outlives the test)
     monkeypatch.setattr(gguf_matmul, "rows_worth_it", gguf_matmul.rows_worth_it.__wrapped__)
     assert gguf_matmul.rows_worth_it(torch.bfloat16, q5k) == 0 < gguf_matmul.rows_worth_it(
         torch.float32, q5k)

@@ -6,9 +6,9 @@
  * 30-layer default model. Python (kiln/attention/cpu_backend.py) plans each step (StepArgs)
  * before its first layer (the model runner asks it to; called without that, at its first
  * layer), then hands the plan and a table of the engine's layers (name -> caches, scale) to
- * this file for the step's layers. Whatever
- * the plan does not cover (no step handed over, a layer not in the table, another dtype) goes
- * to the Python implementation, registered as `kiln::unified_attention_python`. */
+ * this file for the step's layers. Whatever the plan does not cover (no step handed over, a
+ * layer not in the table, another dtype) goes to the Python implementation, registered as
+ * `kiln::unified_attention_python`. */
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>

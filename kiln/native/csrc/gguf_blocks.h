@@ -41,8 +41,8 @@ static inline int gguf_block_values(int32_t qtype) {
 }
 
 /* The kernel's layout of a block, made once at load (gguf_layout.c): 4-bit blocks
- * become [float32 d][float32 m][16 bytes of nibbles] (m = -8 d for Q4_0), 24 bytes; the other
- * types keep the file's. Widening a block's two fp16 scales took a quarter of one_row_lin's time
+ * become [float32 d][float32 m][16 bytes of nibbles] (m = -8 d for Q4_0), 24 bytes; the
+ * K-quants become 32-value blocks (below); Q8_0 keeps the file's. Widening a block's two fp16 scales took a quarter of one_row_lin's time
  * (1.9 -> 1.5 ns a block on one core): more than the 4 extra bytes cost to read.
  * A Q4_K block becomes 8 such blocks, one per sub-block: d = d * sc, m = -(dmin * m) (both
  * exact in float32, and a * q + -b rounds as a * q - b), so it runs as Q4_1 does: 2.1 -> 0.9 ns
@@ -81,12 +81,6 @@ static inline int kernel_type(int32_t qtype) {
         case GGML_Q6_K: return KERNEL_Q8X2;
         default: return qtype;
     }
-}
-
-/* Bytes of one 32-value block of the type the kernel runs (kernel_type). */
-static inline int kernel_type_bytes(int kt) {
-    return kt == KERNEL_Q5 ? Q5_KERNEL_BYTES
-         : kt == KERNEL_Q8X2 ? Q6_KERNEL_BYTES : gguf_kernel_block_bytes(kt);
 }
 
 static inline float f32_at(const uint8_t *p) {

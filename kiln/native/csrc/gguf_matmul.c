@@ -190,8 +190,8 @@ static inline __attribute__((always_inline)) void rows_f32(
     }
 }
 
-/* rows_f32 for 4-bit blocks and 4 or more rows, two output rows at a time: each load of x
- * feeds both. At 8 rows the loads of x were a limit, beyond L1 for a 1536-wide x (48 KB).
+/* rows_f32 for 4 or more rows, two output rows at a time: each load of x feeds both (int8
+ * blocks only at 8 rows of a wide x, see matmul). At 8 rows the loads of x were a limit, beyond L1 for a 1536-wide x (48 KB).
  * The default model's 120 linears at 8 rows on 2 cores, in one process: 14.1 -> 13.0 ms
  * before prefetching. Fewer rows stay on rows_f32 (2: 4.7 -> 5.4 ms), and Q8_0 blocks unless
  * 8 rows of x outgrow L1: its [49152, 576] LM head lost (2.76 -> 2.87 ms), random [2048, 1024]
@@ -316,7 +316,7 @@ int kiln_gguf_matmul(const void *x, const uint8_t *weight, int32_t qtype, const 
     if (!KILN_GGUF_SIMD || bb == 0 || m < 1 || k < vpb || k % vpb) return 1;
     /* K-quants run as the 32-value blocks their kernel layout holds */
     qtype = kernel_type(qtype);
-    const int kbb = kernel_type_bytes(qtype);
+    const int kbb = bb / (vpb / QK); /* bytes of one 32-value block */
 #if KILN_GGUF_SIMD
     const void *xin = x;
     float *xf = NULL;
@@ -330,6 +330,9 @@ int kiln_gguf_matmul(const void *x, const uint8_t *weight, int32_t qtype, const 
         xin = xf;
     }
     const int x_f32 = dtype == KILN_F32 || xf != NULL;
+    /* a tile of rows starts r0 rows into x and out */
+    const size_t x_elem = x_f32 ? sizeof(float) : sizeof(uint16_t);
+    const size_t out_elem = dtype == KILN_F32 ? sizeof(float) : sizeof(uint16_t);
     float *xsum = NULL; /* one row on 4- or 5-bit blocks: each block's sum of x */
     if (one_row) {
         xsum = malloc(sizeof(float) * (size_t)(k / QK));
@@ -354,13 +357,10 @@ int kiln_gguf_matmul(const void *x, const uint8_t *weight, int32_t qtype, const 
         else if (xsum)
             one_row_lin(xin, xsum, weight, out, bias, o0, o1, k, dtype, 0);
         else
-            for (int r0 = 0; r0 < m; r0 += MAX_ROWS) {
-                const size_t x_elem = x_f32 ? sizeof(float) : sizeof(uint16_t);
-                const size_t out_elem = dtype == KILN_F32 ? sizeof(float) : sizeof(uint16_t);
+            for (int r0 = 0; r0 < m; r0 += MAX_ROWS)
                 matmul((const char *)xin + (size_t)r0 * (size_t)k * x_elem, x_f32, weight,
                        qtype, kbb, bias, (char *)out + (size_t)r0 * (size_t)n * out_elem,
                        m - r0 < MAX_ROWS ? m - r0 : MAX_ROWS, n, k, dtype, o0, o1);
-            }
     }
     free(xsum);
     free(xf);
