@@ -5,7 +5,9 @@ once csrc/gguf_layout.c has put them in the kernel's layout (`kernel_blocks`).
 
 At a few rows a linear is a pass over its weight, and Q4_1 blocks are 5.3x fewer bytes than
 the float32 copy even with their scales widened to float32 (`kernel_blocks`); the row limits by
-type and dtype, below, are where that stops paying.
+type and dtype, below, are where that stops paying. 4- and 5-bit blocks take integer dot
+products against x cut into int8 limbs, within a few times float32's rounding
+(csrc/gguf_int_dot.h).
 """
 import ctypes
 import functools
@@ -20,32 +22,28 @@ TILE_ROWS = 8  # rows of x the kernel takes at a time; it goes through more in t
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 _F32, _BF16 = torch.float32, torch.bfloat16
 # Up to how many rows the blocks beat the dense weight's kernels (GEMV, oneDNN), by type and
-# activation dtype; measured on 2 cores, blocks / dense. The default model's linears + LM head
-# (Q4_1, Q8_0 head), ms: float32 7.8 / 18.3 at 1 row, 12.0 / 30.6 at 4, 21.5 / 31.6 at 8;
-# bfloat16 8.0 / 14.7 at 1, 10.3 / 17.2 at 4, 14.2 / 19.0 at 8. In tiles of 8 rows, its 120
-# Q4_1 linears alone: float32 23.9 / 31.2 at 16, 34.5 / 39.1 at 24, 44.8 / 46.5 at 32;
-# bfloat16 15.3 / 18.4 at 16, 22.3 / 20.7 at 20; its Q8_0 head: float32 5.6 / 6.2 at 16,
-# 8.4 / 8.2 at 24. 40 random [2048, 2048] weights, us per weight, blocks / dense:
-#   float32   Q4_K 465 / 785 at 8, 869 / 967 at 16, 1281 / 1323 at 24
-#             Q5_K 520 / 783 at 8, 976 / 977 at 16, 1478 / 1348 at 24
-#             Q6_K 590 / 771 at 8, 860 / 873 at 12, 1041 / 984 at 16
-#             Q8_0 573 / 795 at 8, 817 / 833 at 12, 1011 / 1006 at 16
-#   bfloat16  Q4_K 303 / 428 at 8, 498 / 471 at 12; Q5_K 363 / 433 at 8, 611 / 514 at 12
-#             Q6_K 266 / 313 at 4, 382 / 376 at 8
-# (bfloat16's dense GEMM gains on wider weights: the default model's won to 16 rows, these
-# lose from 12, so the limits keep to what both show.)
-_ROWS_WORTH_IT = {"Q4_0": {_F32: 24, _BF16: 8}, "Q4_1": {_F32: 24, _BF16: 8},
-                  "Q8_0": {_F32: 16, _BF16: 8}, "Q4_K": {_F32: 24, _BF16: 8},
-                  "Q5_K": {_F32: 16, _BF16: 8}, "Q6_K": {_F32: 8, _BF16: 4}}
-# Without the bfloat16 dot-product instructions the kernel widens bfloat16 x to float32: the
-# 32-value types lost from 5 rows on (18.0 / 16.3 ms at 5, 25.9 / 18.9 at 8).
+# activation dtype; measured on 2 cores, blocks / dense.
+# - 4- and 5-bit types (the integer kernel): the default model's linears + LM head, float32 50.8
+#   / 58.4 ms at 32 rows, 75.0 / 79.9 at 48; bfloat16 17.9 / 22.0 at 16, 26.3 / 27.5 at 24,
+#   33.9 / 32.8 at 32. 40 random [2048, 2048] weights, us per weight: float32 Q4_K 1468 / 1560
+#   at 32, 2183 / 2161 at 48, Q5_K 1489 / 1550 at 32; bfloat16 Q4_K 489 / 509 at 16, 943 / 805
+#   at 32, Q5_K 500 / 510 at 16, 737 / 665 at 24.
+# - int8 types: the default model's Q8_0 LM head, float32 5.6 / 6.2 ms at 16 rows, 8.4 / 8.2 at
+#   24. Random [2048, 2048], us per weight: float32 Q6_K 860 / 873 at 12, 1041 / 984 at 16; Q8_0
+#   1011 / 1006 at 16; bfloat16 Q6_K 382 / 376 at 8.
+_ROWS_WORTH_IT = {"Q4_0": {_F32: 32, _BF16: 16}, "Q4_1": {_F32: 32, _BF16: 16},
+                  "Q8_0": {_F32: 16, _BF16: 8}, "Q4_K": {_F32: 32, _BF16: 16},
+                  "Q5_K": {_F32: 32, _BF16: 16}, "Q6_K": {_F32: 8, _BF16: 4}}
+# Without the bfloat16 dot-product instructions the kernel widens bfloat16 x to float32 for int8
+# blocks, which lost from 5 rows on (18.0 / 16.3 ms at 5, 25.9 / 18.9 at 8). (The integer kernel
+# of the others takes bfloat16 x as it is.)
 _BF16_ROWS_WITHOUT_DOT = 4
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 SIGNATURES = (("kiln_gguf_matmul", (_P, _P, _I32, _P, _P, _I32, _I64, _I64, _I32, _I32)),
               ("kiln_gguf_simd", ()), ("kiln_gguf_bf16_dot", ()),
               ("kiln_gguf_block_bytes", (_I32,)), ("kiln_gguf_block_values", (_I32,)),
-              ("kiln_gguf_kernel_block_bytes", (_I32,)))
-LAYOUT_SIGNATURES = (("kiln_gguf_to_kernel_layout", (_P, _I32, _I64, _P)),)
+              ("kiln_gguf_kernel_block_bytes", (_I32,)), ("kiln_gguf_group_rows", (_I32,)))
+LAYOUT_SIGNATURES = (("kiln_gguf_to_kernel_layout", (_P, _I32, _I64, _I64, _P)),)
 
 
 def _lib() -> ctypes.CDLL | None:
@@ -71,7 +69,7 @@ def rows_worth_it(dtype: torch.dtype, qtype: int) -> int:
     if not available() or name is None:
         return 0
     rows = _ROWS_WORTH_IT[name].get(dtype, 0)
-    if dtype == torch.bfloat16 and not _lib().kiln_gguf_bf16_dot():
+    if dtype == torch.bfloat16 and group_rows(qtype) == 1 and not _lib().kiln_gguf_bf16_dot():
         rows = min(rows, _BF16_ROWS_WITHOUT_DOT)
     return rows
 
@@ -83,22 +81,32 @@ def row_bytes(qtype: int, in_features: int, kernel_layout: bool = False) -> int:
     return in_features // lib.kiln_gguf_block_values(qtype) * block(qtype)
 
 
+def group_rows(qtype: int) -> int:
+    """Output rows the kernel's layout holds a weight of `qtype` in groups of (1: in rows)."""
+    return _lib().kiln_gguf_group_rows(qtype)
+
+
 def kernel_blocks(qtype: int, rows: torch.Tensor) -> torch.Tensor:
     """The file's blocks `rows` (uint8 [out, row_bytes], as `serves` accepts them) in the layout
     the kernel reads (csrc/gguf_blocks.h): fp16 scales widened to float32 and K-quant blocks cut
-    into 32-value ones once, here, instead of in every decode step; Q8_0 as it is."""
+    into 32-value ones once, here, instead of in every decode step; Q8_0 as it is. 4- and 5-bit
+    blocks are interleaved in groups of 16 rows (`serves` asks for whole groups): the result
+    keeps the shape [out, kernel row bytes], but not a row per row."""
     per_block = _lib().kiln_gguf_block_bytes(qtype)
     if (rows.dtype != torch.uint8 or rows.dim() != 2 or per_block == 0
             or rows.shape[1] % per_block or not rows.is_contiguous()):
         raise ValueError(f"expected contiguous uint8 [out, row_bytes] blocks of ggml type {qtype}, "
                          f"got {rows.dtype} {tuple(rows.shape)}")
-    nblocks = rows.numel() // per_block
+    group = group_rows(qtype)
+    if rows.shape[0] % group:
+        raise ValueError(f"ggml type {qtype} is held in groups of {group} rows: "
+                         f"{rows.shape[0]} rows are not whole groups")
     in_features = rows.shape[1] // per_block * _lib().kiln_gguf_block_values(qtype)
     out = torch.empty(rows.shape[0], row_bytes(qtype, in_features, kernel_layout=True),
                       dtype=torch.uint8)
-    build.check(_layout_lib().kiln_gguf_to_kernel_layout(rows.data_ptr(), qtype, nblocks,
-                                                         out.data_ptr()),
-                "kiln_gguf_to_kernel_layout (1: a type it does not read)")
+    build.check(_layout_lib().kiln_gguf_to_kernel_layout(
+        rows.data_ptr(), qtype, rows.shape[0], rows.shape[1] // per_block, out.data_ptr()),
+        "kiln_gguf_to_kernel_layout (1: a type it does not read, 3: out of memory)")
     return out
 
 
@@ -108,6 +116,7 @@ def serves(qtype: int, rows: torch.Tensor, weight: torch.Tensor) -> bool:
     out_features, in_features = weight.shape
     return (qtype in QTYPES.values() and available() and weight.dtype in build.DTYPES
             and in_features % _lib().kiln_gguf_block_values(qtype) == 0
+            and out_features % group_rows(qtype) == 0
             and rows.dtype == torch.uint8
             and rows.is_contiguous() and tuple(rows.shape) == (
                 out_features, row_bytes(qtype, in_features)))

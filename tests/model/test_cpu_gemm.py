@@ -163,8 +163,8 @@ def test_blocks_not_in_the_kernel_layout_are_refused():
     from gguf_blocks import quantized_blocks
 
     q41 = gguf_matmul.QTYPES["Q4_1"]
-    weight = torch.randn(8, 64)
-    blocks = torch.from_numpy(quantized_blocks(weight.numpy(), "Q4_1"))  # [8, 2 * 20]
+    weight = torch.randn(16, 64)
+    blocks = torch.from_numpy(quantized_blocks(weight.numpy(), "Q4_1"))  # [16, 2 * 20]
     with pytest.raises(ValueError, match="kernel_blocks"):
         linear_op.attach_blocks(weight, blocks, q41, max_rows=8)
     linear_op.attach_blocks(weight, gguf_matmul.kernel_blocks(q41, blocks), q41, max_rows=8)

@@ -25,10 +25,15 @@ def _blocks(qtype_name: str, out_features: int, in_features: int, seed: int = 0)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_dequantize_then_matmul(qtype_name, dtype):
     qtype = gguf_matmul.QTYPES[qtype_name]
-    # 3 blocks (32-value types) a row: the bfloat16 kernel's block pairs leave one over; 23
-    # outputs: the float32 kernel's output pairs leave one over
-    shapes = ((96, 256), (40, 1536), (24, 768)) if "_K" in qtype_name else (
-        (96, 64), (40, 1536), (23, 64), (24, 96))
+    # int8 blocks in rows: 3 blocks (32-value types) a row leave one over from the bfloat16
+    # kernel's block pairs, 23 outputs one from the float32 kernel's output pairs; 4- and 5-bit
+    # blocks come in groups of 16 rows
+    if gguf_matmul.group_rows(qtype) > 1:
+        shapes = ((96, 256), (48, 1536), (16, 768)) if "_K" in qtype_name else (
+            (96, 64), (48, 1536), (16, 96))
+    else:
+        shapes = ((96, 256), (40, 1536), (24, 768)) if "_K" in qtype_name else (
+            (96, 64), (40, 1536), (23, 64), (24, 96))
     for out_features, in_features in shapes:
         blocks, values = _blocks(qtype_name, out_features, in_features)
         assert gguf_matmul.serves(qtype, blocks, values.to(dtype))
@@ -38,13 +43,15 @@ def test_matches_dequantize_then_matmul(qtype_name, dtype):
             x = torch.randn(rows, in_features).to(dtype)
             bias = torch.randn(out_features).to(dtype)
             got = gguf_matmul.quantized_linear(x, kernel_rows, qtype, out_features, bias)
-            # bfloat16 multiplies the values as the dequantized bfloat16 weight holds them
+            # bfloat16 multiplies int8 blocks' values as the dequantized bfloat16 weight holds
+            # them; 4- and 5-bit blocks take x to 2^-14 of each 32 values' largest
             want = x.float() @ values.to(dtype).float().T + bias.float()  # [rows, out]
             assert got.dtype == dtype and got.shape == (rows, out_features)
             tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
             assert (got.float() - want).abs().max() <= tol * want.abs().max()
     x3 = torch.randn(2, 3, in_features).to(dtype)  # leading dims are rows too
-    assert gguf_matmul.quantized_linear(x3, kernel_rows, qtype, out_features).shape == (2, 3, 24)
+    assert gguf_matmul.quantized_linear(x3, kernel_rows, qtype, out_features).shape == (
+        2, 3, out_features)
 
 
 @pytest.mark.parametrize("qtype_name", sorted(gguf_matmul.QTYPES))
@@ -62,50 +69,101 @@ def test_uses_exactly_the_dequantized_values(qtype_name):
     assert torch.equal(got, values.T)
 
 
+@pytest.mark.parametrize("qtype_name", ["Q4_0", "Q4_1", "Q4_K", "Q5_K"])
+def test_integer_kernel_stays_near_float32_rounding(qtype_name):
+    """4- and 5-bit blocks multiply x cut into int8 limbs (csrc/gguf_int_dot.h), to 2^-20 of
+    each 32 values' largest: the result must stay within a few times float32's own rounding,
+    also where a rare large value sets a block's scale."""
+    blocks, values = _blocks(qtype_name, 64, 1536)
+    qtype = gguf_matmul.QTYPES[qtype_name]
+    kernel_rows = gguf_matmul.kernel_blocks(qtype, blocks)
+    torch.manual_seed(0)
+    for outlier in (1.0, 100.0):
+        x = torch.randn(8, 1536) * torch.where(torch.rand(8, 1536) < 0.01, outlier, 1.0)
+        exact = x.double() @ values.double().T  # [8, 64]
+        scale = exact.abs().max()
+        err = (gguf_matmul.quantized_linear(x, kernel_rows, qtype, 64).double() - exact).abs().max()
+        dense_err = ((x @ values.T).double() - exact).abs().max()  # measured 3-5e-7 of scale
+        assert err <= 5e-6 * scale, (err / scale, dense_err / scale)
+
+
+def test_integer_kernel_passes_nan_and_inf_on():
+    """x cut into limbs must not turn a NaN or inf into a finite result."""
+    blocks, values = _blocks("Q4_1", 16, 256)
+    q41 = gguf_matmul.QTYPES["Q4_1"]
+    x = torch.randn(2, 256)
+    x[0, 5], x[1, 100] = float("nan"), float("inf")
+    got = gguf_matmul.quantized_linear(x, gguf_matmul.kernel_blocks(q41, blocks), q41, 16)
+    assert not got.isfinite().any()
+
+
 def test_what_it_refuses():
-    blocks, values = _blocks("Q4_1", 8, 64)
+    blocks, values = _blocks("Q4_1", 16, 64)
     q41 = gguf_matmul.QTYPES["Q4_1"]
     assert not gguf_matmul.serves(q41, blocks, values[:, :32])  # blocks of another width
     assert not gguf_matmul.serves(q41, blocks[:4], values)  # other row count
     assert not gguf_matmul.serves(gguf_matmul.QTYPES["Q8_0"], blocks, values)  # other type
     assert not gguf_matmul.serves(11, blocks, values)  # a type the kernel does not read (Q3_K)
     # K-quant blocks hold 256 values: a width that is no multiple of it is refused
-    k_blocks, k_values = _blocks("Q4_K", 8, 512)
+    k_blocks, k_values = _blocks("Q4_K", 16, 512)
     q4k = gguf_matmul.QTYPES["Q4_K"]
     assert gguf_matmul.serves(q4k, k_blocks, k_values)
     assert not gguf_matmul.serves(q4k, k_blocks[:, :216], k_values[:, :384])
     assert not gguf_matmul.serves(q41, blocks, values.half())  # a dtype the kernel lacks
+    # 4-bit blocks are held in groups of 16 rows: 40 rows are not whole groups (Q8_0's are rows)
+    q41_40, values_40 = _blocks("Q4_1", 40, 64)
+    assert not gguf_matmul.serves(q41, q41_40, values_40)
+    with pytest.raises(ValueError, match="groups of 16 rows"):
+        gguf_matmul.kernel_blocks(q41, q41_40)
+    q8_40, values_40 = _blocks("Q8_0", 40, 64)
+    assert gguf_matmul.serves(gguf_matmul.QTYPES["Q8_0"], q8_40, values_40)
     kernel_rows = gguf_matmul.kernel_blocks(q41, blocks)
     with pytest.raises(RuntimeError, match="no rows"):
-        gguf_matmul.quantized_linear(torch.randn(0, 64), kernel_rows, q41, 8)
+        gguf_matmul.quantized_linear(torch.randn(0, 64), kernel_rows, q41, 16)
     with pytest.raises(ValueError, match="kernel layout"):  # the file's blocks, unconverted
-        gguf_matmul.quantized_linear(torch.randn(1, 64), blocks, q41, 8)
+        gguf_matmul.quantized_linear(torch.randn(1, 64), blocks, q41, 16)
+
+
+def _ungroup(kernel: torch.Tensor, nblocks: int, block_bytes: int) -> torch.Tensor:
+    """A weight held in groups of 16 rows back in rows: [rows, nblocks, block_bytes] (d, m, 16
+    bytes of nibbles, and for 5-bit blocks 4 bytes of fifth bits (not undone here))."""
+    groups = kernel.view(-1, nblocks, 16 * block_bytes)  # [group, block, bytes]
+    d = groups[..., :64].reshape(-1, nblocks, 16, 4)  # [group, block, row, 4 bytes]
+    m = groups[..., 64:128].reshape(-1, nblocks, 16, 4)
+    # nibble vector j holds row c's bytes 4 j .. 4 j + 3 at 64 j + 4 c
+    nibbles = groups[..., 128:384].reshape(-1, nblocks, 4, 16, 4).transpose(2, 3).reshape(
+        -1, nblocks, 16, 16)
+    rows = torch.cat([d, m, nibbles], dim=-1)  # [group, block, row, 24]
+    return rows.transpose(1, 2).reshape(-1, nblocks, 24)
 
 
 def test_kernel_layout_widens_4_bit_scales_once():
     """4-bit blocks become [float32 d][float32 m][nibbles] (m = -8 d for Q4_0), 24 bytes a
-    block, and a Q4_K block 8 of them; K-quants become 32-value blocks; Q8_0 keeps the file's
-    bytes (the values of all are checked against dequantize by the tests above)."""
+    block, interleaved in groups of 16 rows, and a Q4_K block 8 of them; K-quants become
+    32-value blocks; Q8_0 keeps the file's bytes (the values of all are checked against
+    dequantize by the tests above)."""
     for name, offset in (("Q4_0", 2), ("Q4_1", 4)):
-        blocks, _ = _blocks(name, 4, 96)
+        blocks, _ = _blocks(name, 32, 96)
         file_block = blocks.shape[1] // 3
-        got = gguf_matmul.kernel_blocks(gguf_matmul.QTYPES[name], blocks).view(4, 3, 24)
-        raw = blocks.view(4, 3, file_block)
+        kernel = gguf_matmul.kernel_blocks(gguf_matmul.QTYPES[name], blocks)
+        assert kernel.shape == (32, 3 * 24)
+        got = _ungroup(kernel, 3, 24)  # [32 rows, 3 blocks, 24]
+        raw = blocks.view(32, 3, file_block)
         d = raw[..., :2].contiguous().view(torch.float16).float()[..., 0]
         m = raw[..., 2:4].contiguous().view(torch.float16).float()[..., 0] if name == "Q4_1" \
             else -8 * d
         assert torch.equal(got[..., :4].contiguous().view(torch.float32)[..., 0], d)
         assert torch.equal(got[..., 4:8].contiguous().view(torch.float32)[..., 0], m)
         assert torch.equal(got[..., 8:], raw[..., offset:])
-    q4k, _ = _blocks("Q4_K", 4, 512)  # 2 blocks of 256 a row -> 16 Q4_1-like blocks
+    q4k, _ = _blocks("Q4_K", 16, 512)  # 2 blocks of 256 a row -> 16 Q4_1-like blocks
     q4k_kernel = gguf_matmul.kernel_blocks(gguf_matmul.QTYPES["Q4_K"], q4k)
-    assert q4k.shape == (4, 2 * 144) and q4k_kernel.shape == (4, 16 * 24)
+    assert q4k.shape == (16, 2 * 144) and q4k_kernel.shape == (16, 16 * 24)
     # Q5_K: 16 blocks of 28 bytes (5-bit values); Q6_K: 16 of 40 (int8 values, two scales)
     for name, file_bytes, kernel_bytes in (("Q5_K", 176, 28), ("Q6_K", 210, 40)):
-        k_blocks, _ = _blocks(name, 4, 512)
-        assert k_blocks.shape == (4, 2 * file_bytes)
+        k_blocks, _ = _blocks(name, 16, 512)
+        assert k_blocks.shape == (16, 2 * file_bytes)
         assert gguf_matmul.kernel_blocks(gguf_matmul.QTYPES[name], k_blocks).shape == (
-            4, 16 * kernel_bytes)
+            16, 16 * kernel_bytes)
     q8, _ = _blocks("Q8_0", 4, 96)
     assert torch.equal(gguf_matmul.kernel_blocks(gguf_matmul.QTYPES["Q8_0"], q8), q8)
     with pytest.raises(ValueError, match="uint8"):

@@ -51,8 +51,8 @@ static inline int gguf_block_values(int32_t qtype) {
 #define Q4_KERNEL_BYTES 24
 /* A Q5_K block likewise becomes 8 blocks of 5-bit values, d * q + m with q = nibble + 16 *
  * fifth bit: [float32 d][float32 m][16 bytes of nibbles, as Q4_1's][4 bytes, bit j value j's
- * fifth bit], 28 bytes; the kernel knows them by ggml's Q5_1 id (their form). 3.3 -> 1.4 ns
- * per 32 values at one row, 5.5 -> 3.9 at 8 ([2048, 2048], 2 cores); 7 bits a value, not 5.5. */
+ * fifth bit], 28 bytes. 3.3 -> 1.4 ns per 32 values at one row, 5.5 -> 3.9 at 8 ([2048, 2048],
+ * 2 cores); 7 bits a value, not 5.5. */
 #define Q5_KERNEL_BYTES 28
 /* And a Q6_K block becomes 8 blocks of int8 values q - 32 with a scale per 16, d * scale (exact
  * in float32): [float32 a0][float32 a1][32 int8], 40 bytes per 32 values against 26.25, as
@@ -60,9 +60,19 @@ static inline int gguf_block_values(int32_t qtype) {
  * 2.4 -> 1.5 at one row, 4.3 -> 2.5 at 2, 10.5 -> 5.6 at 8. Every type then runs as 32-value
  * blocks. */
 #define Q6_KERNEL_BYTES 40
-enum { KERNEL_Q5 = 7, KERNEL_Q8X2 = 1000 }; /* Q5_1's id (its form); an id of Kiln's own */
+enum { KERNEL_Q8X2 = 1000 }; /* an id of Kiln's own for converted Q6_K blocks */
 
-/* The types held in the 4-bit kernel layout, Q4_K run as Q4_1 (see gguf_matmul.c). */
+/* 4- and 5-bit weights are held in groups of GROUP_ROWS output rows, their blocks interleaved
+ * (gguf_int_dot.h): the integer kernel computes a group's 16 outputs in one register. Their
+ * bytes per 32 values are the row layout's (Q4_KERNEL_BYTES, Q5_KERNEL_BYTES). */
+#define GROUP_ROWS 16
+
+/* Whether a weight of the file's `qtype` is held in groups (else in rows of blocks). */
+static inline int is_grouped(int32_t qtype) {
+    return qtype == GGML_Q4_0 || qtype == GGML_Q4_1 || qtype == GGML_Q4_K || qtype == GGML_Q5_K;
+}
+
+/* Q4_0 and Q4_1: each of the file's blocks is one 24-byte kernel block (a Q4_K block is 8). */
 static inline int is_q4(int32_t qtype) { return qtype == GGML_Q4_0 || qtype == GGML_Q4_1; }
 
 /* Bytes of one of the file's blocks of `qtype` in the kernel's layout. */
@@ -73,15 +83,8 @@ static inline int gguf_kernel_block_bytes(int32_t qtype) {
     return is_q4(qtype) ? Q4_KERNEL_BYTES : gguf_block_bytes(qtype);
 }
 
-/* The type the kernel runs a weight of `qtype` as, once in the kernel's layout. */
-static inline int kernel_type(int32_t qtype) {
-    switch (qtype) {
-        case GGML_Q4_K: return GGML_Q4_1;
-        case GGML_Q5_K: return KERNEL_Q5;
-        case GGML_Q6_K: return KERNEL_Q8X2;
-        default: return qtype;
-    }
-}
+/* The type the kernel runs a weight of int8 blocks as, once in the kernel's layout. */
+static inline int kernel_type(int32_t qtype) { return qtype == GGML_Q6_K ? KERNEL_Q8X2 : qtype; }
 
 static inline float f32_at(const uint8_t *p) {
     float f;

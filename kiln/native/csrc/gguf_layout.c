@@ -1,7 +1,9 @@
 /* A weight's GGUF blocks into the layout the matmul kernel reads (gguf_blocks.h), once at load:
- * fp16 scales widened to float32, K-quant blocks cut into 32-value blocks. Exact: the kernel's
- * values stay those of gguf's dequantize. Called through kiln/native/gguf_matmul.py. */
+ * fp16 scales widened to float32, K-quant blocks cut into 32-value blocks, 4- and 5-bit blocks
+ * interleaved in groups of 16 rows. Exact: the kernel's values stay those of gguf's dequantize.
+ * Called through kiln/native/gguf_matmul.py. */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "gguf_blocks.h"
@@ -27,12 +29,9 @@ static void k_scales(const uint8_t *blk, int qtype, KScales *s) {
     }
 }
 
-/* dst (nblocks * gguf_kernel_block_bytes) = the file's blocks src in the kernel's layout; 1 for a
- * type it does not read (or without F16C, which the kernel needs too). */
-int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t nblocks,
-                               uint8_t *dst) {
+/* dst (nblocks * gguf_kernel_block_bytes) = the file's blocks src as rows of kernel blocks. */
+static void to_rows(const uint8_t *src, int32_t qtype, int64_t nblocks, uint8_t *dst) {
     const int bb = gguf_block_bytes(qtype);
-    if (bb == 0 || nblocks < 0) return 1;
     if (qtype == GGML_Q4_K || qtype == GGML_Q5_K) {
         const int five = qtype == GGML_Q5_K, out_bytes = five ? Q5_KERNEL_BYTES : Q4_KERNEL_BYTES;
         for (int64_t b = 0; b < nblocks; ++b) {
@@ -59,7 +58,7 @@ int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t nblock
                 }
             }
         }
-        return 0;
+        return;
     }
     if (qtype == GGML_Q6_K) {
         for (int64_t b = 0; b < nblocks; ++b) {
@@ -79,11 +78,11 @@ int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t nblock
                 }
             }
         }
-        return 0;
+        return;
     }
     if (!is_q4(qtype)) {
         memcpy(dst, src, (size_t)nblocks * (size_t)bb);
-        return 0;
+        return;
     }
     const int nibbles = qtype == GGML_Q4_1 ? 4 : 2; /* after d (and m) */
     for (int64_t b = 0; b < nblocks; ++b) {
@@ -95,13 +94,63 @@ int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t nblock
         memcpy(o + 4, &m, sizeof m);
         memcpy(o + 8, s + nibbles, 16);
     }
+}
+
+/* GROUP_ROWS rows of nb 32-value blocks (bb bytes each: [d][m][nibbles](, fifth bits)) into
+ * one group as gguf_int_dot.h reads it: per block, the 16 rows' d, their m, 4 vectors of
+ * nibbles (row c's bytes 4j .. 4j + 3 at 64 j + 4 c), then for 5-bit blocks 8 masks (bit
+ * 4 c + i of mask j: the fifth bit of row c's value 4 j + i). */
+static void interleave(const uint8_t *rows, int64_t nb, int bb, uint8_t *dst) {
+    const int five = bb == Q5_KERNEL_BYTES;
+    for (int64_t b = 0; b < nb; ++b) {
+        uint8_t *o = dst + b * GROUP_ROWS * bb;
+        uint64_t masks[8] = {0};
+        for (int c = 0; c < GROUP_ROWS; ++c) {
+            const uint8_t *blk = rows + (c * nb + b) * bb;
+            memcpy(o + 4 * c, blk, 4);
+            memcpy(o + 64 + 4 * c, blk + 4, 4);
+            for (int j = 0; j < 16; ++j) o[128 + (j / 4) * 64 + 4 * c + j % 4] = blk[8 + j];
+            if (five) {
+                uint32_t bits;
+                memcpy(&bits, blk + 24, sizeof bits);
+                for (int t = 0; t < QK; ++t)
+                    masks[t / 4] |= (uint64_t)((bits >> t) & 1) << (4 * c + t % 4);
+            }
+        }
+        if (five) memcpy(o + 384, masks, sizeof masks);
+    }
+}
+
+/* dst (rows * row_blocks * gguf_kernel_block_bytes) = the file's blocks src ([rows,
+ * row_blocks]) in the kernel's layout. 1 for a type it does not read (or without F16C, which
+ * the kernel needs too); 2 when a type held in groups has rows that are no multiple of
+ * GROUP_ROWS; 3 when out of memory. */
+int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t rows,
+                               int64_t row_blocks, uint8_t *dst) {
+    if (gguf_block_bytes(qtype) == 0 || rows < 0 || row_blocks < 0) return 1;
+    if (!is_grouped(qtype)) {
+        to_rows(src, qtype, rows * row_blocks, dst);
+        return 0;
+    }
+    if (rows % GROUP_ROWS) return 2;
+    /* 32-value blocks a row, and bytes of each */
+    const int64_t nb = row_blocks * (gguf_block_values(qtype) / QK);
+    const int bb = gguf_kernel_block_bytes(qtype) / (gguf_block_values(qtype) / QK);
+    uint8_t *group = malloc((size_t)(GROUP_ROWS * nb * bb));
+    if (!group) return 3;
+    const int64_t file_group = GROUP_ROWS * row_blocks * gguf_block_bytes(qtype);
+    for (int64_t g = 0; g < rows / GROUP_ROWS; ++g) {
+        to_rows(src + g * file_group, qtype, GROUP_ROWS * row_blocks, group);
+        interleave(group, nb, bb, dst + g * GROUP_ROWS * nb * bb);
+    }
+    free(group);
     return 0;
 }
 
 #else
-int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t nblocks,
-                               uint8_t *dst) {
-    (void)src, (void)qtype, (void)nblocks, (void)dst;
+int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t rows,
+                               int64_t row_blocks, uint8_t *dst) {
+    (void)src, (void)qtype, (void)rows, (void)row_blocks, (void)dst;
     return 1;
 }
 #endif
