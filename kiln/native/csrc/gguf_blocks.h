@@ -40,10 +40,11 @@ static inline int gguf_block_values(int32_t qtype) {
     return qtype == GGML_Q4_K || qtype == GGML_Q5_K || qtype == GGML_Q6_K ? 256 : QK;
 }
 
-/* The kernel's layout of a block, made once at load (gguf_layout.c): 4-bit blocks
- * become [float32 d][float32 m][16 bytes of nibbles] (m = -8 d for Q4_0), 24 bytes; the
- * K-quants become 32-value blocks (below); Q8_0 keeps the file's. Widening a block's two fp16 scales took a quarter of one_row_lin's time
- * (1.9 -> 1.5 ns a block on one core): more than the 4 extra bytes cost to read.
+/* The kernel's layout of a block, made once at load (gguf_layout.c): 4-bit blocks become
+ * [float32 d][float32 m][16 bytes of nibbles] (m = -8 d for Q4_0), 24 bytes; the K-quants
+ * become 32-value blocks (below); Q8_0 keeps the file's. Widening a block's two fp16 scales
+ * took a quarter of the one-row kernel's time (1.9 -> 1.5 ns a block on one core): more than
+ * the 4 extra bytes cost to read.
  * A Q4_K block becomes 8 such blocks, one per sub-block: d = d * sc, m = -(dmin * m) (both
  * exact in float32, and a * q + -b rounds as a * q - b), so it runs as Q4_1 does: 2.1 -> 0.9 ns
  * per 32 values at one row, 5.7 -> 3.5 at 8 ([2048, 2048] weights, 2 cores), for 6 bits a
