@@ -23,17 +23,18 @@ QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 _F32, _BF16 = torch.float32, torch.bfloat16
 # Up to how many rows the blocks beat the dense weight's kernels (GEMV, oneDNN), by type and
 # activation dtype; measured on 2 cores, blocks / dense.
-# - 4- and 5-bit types (the integer kernel): the default model's linears + LM head, float32 50.8
-#   / 58.4 ms at 32 rows, 75.0 / 79.9 at 48; bfloat16 17.9 / 22.0 at 16, 26.3 / 27.5 at 24,
-#   33.9 / 32.8 at 32. 40 random [2048, 2048] weights, us per weight: float32 Q4_K 1468 / 1560
-#   at 32, 2183 / 2161 at 48, Q5_K 1489 / 1550 at 32; bfloat16 Q4_K 489 / 509 at 16, 943 / 805
-#   at 32, Q5_K 500 / 510 at 16, 737 / 665 at 24.
+# - 4- and 5-bit types (the integer kernel): the default model's linears + LM head, float32 70.9
+#   / 90.6 ms at 48 rows, 91.3 / 100.4 at 64, 131.1 / 141.5 at 96, 179.0 / 182.1 at 128;
+#   bfloat16 17.9 / 22.0 at 16, 26.3 / 27.5 at 24, 33.9 / 32.8 at 32. 40 random [2048, 2048]
+#   weights, us per weight: float32 Q4_K 1858 / 2165 at 48, 2465 / 2795 at 64, Q5_K 2625 /
+#   2920 at 64; bfloat16 Q4_K 471 / 495 at 16, 700 / 689 at 24, Q5_K 501 / 582 at 16, 750 /
+#   668 at 24.
 # - int8 types: the default model's Q8_0 LM head, float32 5.6 / 6.2 ms at 16 rows, 8.4 / 8.2 at
 #   24. Random [2048, 2048], us per weight: float32 Q6_K 860 / 873 at 12, 1041 / 984 at 16; Q8_0
 #   1011 / 1006 at 16; bfloat16 Q6_K 382 / 376 at 8.
-_ROWS_WORTH_IT = {"Q4_0": {_F32: 32, _BF16: 16}, "Q4_1": {_F32: 32, _BF16: 16},
-                  "Q8_0": {_F32: 16, _BF16: 8}, "Q4_K": {_F32: 32, _BF16: 16},
-                  "Q5_K": {_F32: 32, _BF16: 16}, "Q6_K": {_F32: 8, _BF16: 4}}
+_ROWS_WORTH_IT = {"Q4_0": {_F32: 64, _BF16: 16}, "Q4_1": {_F32: 64, _BF16: 16},
+                  "Q8_0": {_F32: 16, _BF16: 8}, "Q4_K": {_F32: 64, _BF16: 16},
+                  "Q5_K": {_F32: 64, _BF16: 16}, "Q6_K": {_F32: 8, _BF16: 4}}
 # Without the bfloat16 dot-product instructions the kernel widens bfloat16 x to float32 for int8
 # blocks, which lost from 5 rows on (18.0 / 16.3 ms at 5, 25.9 / 18.9 at 8). (The integer kernel
 # of the others takes bfloat16 x as it is.)

@@ -182,13 +182,13 @@ def _assert_decode_reads_blocks(model, cfg, atol: float = 1e-5) -> None:
         got = torch.ops.kiln.linear(x, w)
         assert linear_op.path_counts()["blocks"] == before + 1
         torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=atol)
-    # 33 tokens, more than any type's block rows: the prefill takes the floats
-    prompt = [5, 17, 3, 99, 42, 7, 1, 250, 31, 8, 64] * 3
+    # 66 tokens, more than any type's block rows: the prefill takes the floats
+    prompt = [5, 17, 3, 99, 42, 7, 1, 250, 31, 8, 64] * 6
     assert len(prompt) > max(linear_op.attached(w).block_rows for w in linears)
     before = linear_op.path_counts()
     with_blocks = greedy_generate(model, cfg, prompt, max_new_tokens=6)
     calls = {p: n - before[p] for p, n in linear_op.path_counts().items()}
-    # The prefill's 9 calls (8 linears, the head over all 33 rows) take the floats; the 5
+    # The prefill's 9 calls (8 linears, the head over all 66 rows) take the floats; the 5
     # decode steps' 9 each the blocks.
     assert calls == {"blocks": 5 * 9, "gemv": 0, "packed": 9, "dense": 0}
     for w in linears:  # the same model without its blocks: the float weights' tokens
