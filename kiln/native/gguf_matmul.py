@@ -5,7 +5,7 @@ once csrc/gguf_layout.c has put them in the kernel's layout (`kernel_blocks`).
 
 At a few rows a linear is a pass over its weight, and Q4_1 blocks are 5.3x fewer bytes than
 the float32 copy even with their scales widened to float32 (`kernel_blocks`); the row limits by
-type and dtype, below, are where that stops paying. 4- and 5-bit blocks take integer dot
+type and dtype, below, are where that stops paying. All types but Q6_K take integer dot
 products against x cut into int8 limbs, within a few times float32's rounding
 (csrc/gguf_int_dot.h).
 """
@@ -29,15 +29,18 @@ _F32, _BF16 = torch.float32, torch.bfloat16
 #   weights, us per weight: float32 Q4_K 1858 / 2165 at 48, 2465 / 2795 at 64, Q5_K 2625 /
 #   2920 at 64; bfloat16 Q4_K 471 / 495 at 16, 700 / 689 at 24, Q5_K 501 / 582 at 16, 750 /
 #   668 at 24.
-# - int8 types: the default model's Q8_0 LM head, float32 5.6 / 6.2 ms at 16 rows, 8.4 / 8.2 at
-#   24. Random [2048, 2048], us per weight: float32 Q6_K 860 / 873 at 12, 1041 / 984 at 16; Q8_0
-#   1011 / 1006 at 16; bfloat16 Q6_K 382 / 376 at 8.
+# - Q8_0 (the integer kernel too): the default model's [49152, 576] LM head, ms, float32 12.0 /
+#   14.9 at 48 rows, 18.8 / 18.8 at 64; bfloat16 3.5 / 4.0 at 16, 5.6 / 5.3 at 24. Random
+#   [2048, 2048], us per weight: float32 2610 / 2973 at 64; bfloat16 501 / 511 at 16, 717 / 662
+#   at 24.
+# - Q6_K (the float kernel): random [2048, 2048], float32 860 / 873 at 12, 1041 / 984 at 16;
+#   bfloat16 382 / 376 at 8.
 _ROWS_WORTH_IT = {"Q4_0": {_F32: 64, _BF16: 16}, "Q4_1": {_F32: 64, _BF16: 16},
-                  "Q8_0": {_F32: 16, _BF16: 8}, "Q4_K": {_F32: 64, _BF16: 16},
+                  "Q8_0": {_F32: 48, _BF16: 16}, "Q4_K": {_F32: 64, _BF16: 16},
                   "Q5_K": {_F32: 64, _BF16: 16}, "Q6_K": {_F32: 8, _BF16: 4}}
-# Without the bfloat16 dot-product instructions the kernel widens bfloat16 x to float32 for int8
-# blocks, which lost from 5 rows on (18.0 / 16.3 ms at 5, 25.9 / 18.9 at 8). (The integer kernel
-# of the others takes bfloat16 x as it is.)
+# Without the bfloat16 dot-product instructions the float kernel (Q6_K) widens bfloat16 x to
+# float32; 32-value types lost there from 5 rows on (18.0 / 16.3 ms at 5, 25.9 / 18.9 at 8).
+# (The integer kernel of the others takes bfloat16 x as it is.)
 _BF16_ROWS_WITHOUT_DOT = 4
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 SIGNATURES = (("kiln_gguf_matmul", (_P, _P, _I32, _P, _P, _I32, _I64, _I64, _I32, _I32)),
@@ -90,9 +93,9 @@ def group_rows(qtype: int) -> int:
 def kernel_blocks(qtype: int, rows: torch.Tensor) -> torch.Tensor:
     """The file's blocks `rows` (uint8 [out, row_bytes], as `serves` accepts them) in the layout
     the kernel reads (csrc/gguf_blocks.h): fp16 scales widened to float32 and K-quant blocks cut
-    into 32-value ones once, here, instead of in every decode step; Q8_0 as it is. 4- and 5-bit
-    blocks are interleaved in groups of 16 rows (`serves` asks for whole groups): the result
-    keeps the shape [out, kernel row bytes], but not a row per row."""
+    into 32-value ones once, here, instead of in every decode step. All types but Q6_K are
+    interleaved in groups of 16 rows (`serves` asks for whole groups): the result keeps the
+    shape [out, kernel row bytes], but not a row per row."""
     per_block = _lib().kiln_gguf_block_bytes(qtype)
     if (rows.dtype != torch.uint8 or rows.dim() != 2 or per_block == 0
             or rows.shape[1] % per_block or not rows.is_contiguous()):

@@ -25,15 +25,14 @@ def _blocks(qtype_name: str, out_features: int, in_features: int, seed: int = 0)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_dequantize_then_matmul(qtype_name, dtype):
     qtype = gguf_matmul.QTYPES[qtype_name]
-    # int8 blocks in rows: 3 blocks (32-value types) a row leave one over from the bfloat16
-    # kernel's block pairs, 23 outputs one from the float32 kernel's output pairs; 4- and 5-bit
-    # blocks come in groups of 16 rows
+    # Q6_K's blocks are in rows: 3 blocks a row leave one over from the bfloat16 kernel's block
+    # pairs, 23 outputs one from the float32 kernel's output pairs; the others come in groups
+    # of 16 rows
     if gguf_matmul.group_rows(qtype) > 1:
         shapes = ((96, 256), (48, 1536), (16, 768)) if "_K" in qtype_name else (
             (96, 64), (48, 1536), (16, 96))
     else:
-        shapes = ((96, 256), (40, 1536), (24, 768)) if "_K" in qtype_name else (
-            (96, 64), (40, 1536), (23, 64), (24, 96))
+        shapes = ((96, 256), (40, 1536), (24, 768), (23, 768))
     for out_features, in_features in shapes:
         blocks, values = _blocks(qtype_name, out_features, in_features)
         assert gguf_matmul.serves(qtype, blocks, values.to(dtype))
@@ -43,8 +42,8 @@ def test_matches_dequantize_then_matmul(qtype_name, dtype):
             x = torch.randn(rows, in_features).to(dtype)
             bias = torch.randn(out_features).to(dtype)
             got = gguf_matmul.quantized_linear(x, kernel_rows, qtype, out_features, bias)
-            # bfloat16 multiplies int8 blocks' values as the dequantized bfloat16 weight holds
-            # them; 4- and 5-bit blocks take x to 2^-14 of each 32 values' largest
+            # bfloat16 multiplies Q6_K's values as the dequantized bfloat16 weight holds them;
+            # the others take x to 2^-13 of each 32 values' largest
             want = x.float() @ values.to(dtype).float().T + bias.float()  # [rows, out]
             assert got.dtype == dtype and got.shape == (rows, out_features)
             tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
@@ -69,9 +68,9 @@ def test_uses_exactly_the_dequantized_values(qtype_name):
     assert torch.equal(got, values.T)
 
 
-@pytest.mark.parametrize("qtype_name", ["Q4_0", "Q4_1", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("qtype_name", ["Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q8_0"])
 def test_integer_kernel_stays_near_float32_rounding(qtype_name):
-    """4- and 5-bit blocks multiply x cut into int8 limbs (csrc/gguf_int_dot.h), to 2^-20 of
+    """All types but Q6_K multiply x cut into int8 limbs (csrc/gguf_int_dot.h), to 2^-20 of
     each 32 values' largest: the result must stay within a few times float32's own rounding,
     also where a rare large value sets a block's scale."""
     blocks, values = _blocks(qtype_name, 64, 1536)
@@ -110,13 +109,13 @@ def test_what_it_refuses():
     assert gguf_matmul.serves(q4k, k_blocks, k_values)
     assert not gguf_matmul.serves(q4k, k_blocks[:, :216], k_values[:, :384])
     assert not gguf_matmul.serves(q41, blocks, values.half())  # a dtype the kernel lacks
-    # 4-bit blocks are held in groups of 16 rows: 40 rows are not whole groups (Q8_0's are rows)
+    # all but Q6_K are held in groups of 16 rows: 40 rows are not whole groups (Q6_K's are rows)
     q41_40, values_40 = _blocks("Q4_1", 40, 64)
     assert not gguf_matmul.serves(q41, q41_40, values_40)
     with pytest.raises(ValueError, match="groups of 16 rows"):
         gguf_matmul.kernel_blocks(q41, q41_40)
-    q8_40, values_40 = _blocks("Q8_0", 40, 64)
-    assert gguf_matmul.serves(gguf_matmul.QTYPES["Q8_0"], q8_40, values_40)
+    q6k_40, values_40 = _blocks("Q6_K", 40, 256)
+    assert gguf_matmul.serves(gguf_matmul.QTYPES["Q6_K"], q6k_40, values_40)
     kernel_rows = gguf_matmul.kernel_blocks(q41, blocks)
     with pytest.raises(RuntimeError, match="no rows"):
         gguf_matmul.quantized_linear(torch.randn(0, 64), kernel_rows, q41, 16)
@@ -140,8 +139,8 @@ def _ungroup(kernel: torch.Tensor, nblocks: int, block_bytes: int) -> torch.Tens
 def test_kernel_layout_widens_4_bit_scales_once():
     """4-bit blocks become [float32 d][float32 m][nibbles] (m = -8 d for Q4_0), 24 bytes a
     block, interleaved in groups of 16 rows, and a Q4_K block 8 of them; K-quants become
-    32-value blocks; Q8_0 keeps the file's bytes (the values of all are checked against
-    dequantize by the tests above)."""
+    32-value blocks; Q8_0 blocks become float32 d and q + 128 in groups of 16 rows (the values
+    of all are checked against dequantize by the tests above)."""
     for name, offset in (("Q4_0", 2), ("Q4_1", 4)):
         blocks, _ = _blocks(name, 32, 96)
         file_block = blocks.shape[1] // 3
@@ -164,8 +163,14 @@ def test_kernel_layout_widens_4_bit_scales_once():
         assert k_blocks.shape == (16, 2 * file_bytes)
         assert gguf_matmul.kernel_blocks(gguf_matmul.QTYPES[name], k_blocks).shape == (
             16, 16 * kernel_bytes)
-    q8, _ = _blocks("Q8_0", 4, 96)
-    assert torch.equal(gguf_matmul.kernel_blocks(gguf_matmul.QTYPES["Q8_0"], q8), q8)
+    # Q8_0: float32 d, then q + 128 (unsigned), in groups of 16 rows
+    q8, _ = _blocks("Q8_0", 16, 96)
+    groups = gguf_matmul.kernel_blocks(gguf_matmul.QTYPES["Q8_0"], q8).view(3, 16 * 36)
+    raw = q8.view(16, 3, 34)
+    d = raw[..., :2].contiguous().view(torch.float16).float()[..., 0]  # [row, block]
+    assert torch.equal(groups[:, :64].contiguous().view(torch.float32), d.T)
+    q = groups[:, 64:].reshape(3, 8, 16, 4).transpose(1, 2).reshape(3, 16, 32)  # [block, row, 32]
+    assert torch.equal(q.transpose(0, 1).int() - 128, raw[..., 2:].contiguous().view(torch.int8).int())
     with pytest.raises(ValueError, match="uint8"):
         gguf_matmul.kernel_blocks(gguf_matmul.QTYPES["Q4_1"], q8.float())
     with pytest.raises(ValueError, match="row_bytes"):  # rows of 3 Q8_0 blocks are no Q4_1 rows

@@ -42,7 +42,7 @@ static inline int gguf_block_values(int32_t qtype) {
 
 /* The kernel's layout of a block, made once at load (gguf_layout.c): 4-bit blocks become
  * [float32 d][float32 m][16 bytes of nibbles] (m = -8 d for Q4_0), 24 bytes; the K-quants
- * become 32-value blocks (below); Q8_0 keeps the file's. Widening a block's two fp16 scales
+ * become 32-value blocks (below); Q8_0 ones float32 d and q + 128 (below). Widening a block's two fp16 scales
  * took a quarter of the one-row kernel's time (1.9 -> 1.5 ns a block on one core): more than
  * the 4 extra bytes cost to read.
  * A Q4_K block becomes 8 such blocks, one per sub-block: d = d * sc, m = -(dmin * m) (both
@@ -56,21 +56,23 @@ static inline int gguf_block_values(int32_t qtype) {
  * 2 cores); 7 bits a value, not 5.5. */
 #define Q5_KERNEL_BYTES 28
 /* And a Q6_K block becomes 8 blocks of int8 values q - 32 with a scale per 16, d * scale (exact
- * in float32): [float32 a0][float32 a1][32 int8], 40 bytes per 32 values against 26.25, as
- * Q8_0 is read: ns per 32 values ([2048, 2048], 2 cores, alternating with the old decoding)
+ * in float32): [float32 a0][float32 a1][32 int8], 40 bytes per 32 values against 26.25, widened
+ * to float32 by the float kernel: ns per 32 values ([2048, 2048], 2 cores, against decoding)
  * 2.4 -> 1.5 at one row, 4.3 -> 2.5 at 2, 10.5 -> 5.6 at 8. Every type then runs as 32-value
  * blocks. */
 #define Q6_KERNEL_BYTES 40
-enum { KERNEL_Q8X2 = 1000 }; /* an id of Kiln's own for converted Q6_K blocks */
 
-/* 4- and 5-bit weights are held in groups of GROUP_ROWS output rows, their blocks interleaved
- * (gguf_int_dot.h): the integer kernel computes a group's 16 outputs in one register. Their
- * bytes per 32 values are the row layout's (Q4_KERNEL_BYTES, Q5_KERNEL_BYTES). */
+/* 4-, 5- and 8-bit weights (all but Q6_K) are held in groups of GROUP_ROWS output rows, their
+ * blocks interleaved (gguf_int_dot.h): the integer kernel computes a group's 16 outputs in one
+ * register. 4- and 5-bit ones take the row layout's bytes per 32 values (Q4_KERNEL_BYTES,
+ * Q5_KERNEL_BYTES); Q8_0 takes Q8_KERNEL_BYTES: float32 d, 32 bytes q + 128. */
 #define GROUP_ROWS 16
+#define Q8_KERNEL_BYTES 36
 
 /* Whether a weight of the file's `qtype` is held in groups (else in rows of blocks). */
 static inline int is_grouped(int32_t qtype) {
-    return qtype == GGML_Q4_0 || qtype == GGML_Q4_1 || qtype == GGML_Q4_K || qtype == GGML_Q5_K;
+    return qtype == GGML_Q4_0 || qtype == GGML_Q4_1 || qtype == GGML_Q4_K || qtype == GGML_Q5_K
+        || qtype == GGML_Q8_0;
 }
 
 /* Q4_0 and Q4_1: each of the file's blocks is one 24-byte kernel block (a Q4_K block is 8). */
@@ -81,11 +83,10 @@ static inline int gguf_kernel_block_bytes(int32_t qtype) {
     if (qtype == GGML_Q4_K) return K_SUBBLOCKS * Q4_KERNEL_BYTES;
     if (qtype == GGML_Q5_K) return K_SUBBLOCKS * Q5_KERNEL_BYTES;
     if (qtype == GGML_Q6_K) return K_SUBBLOCKS * Q6_KERNEL_BYTES;
+    if (qtype == GGML_Q8_0) return Q8_KERNEL_BYTES;
     return is_q4(qtype) ? Q4_KERNEL_BYTES : gguf_block_bytes(qtype);
 }
 
-/* The type the kernel runs a weight of int8 blocks as, once in the kernel's layout. */
-static inline int kernel_type(int32_t qtype) { return qtype == GGML_Q6_K ? KERNEL_Q8X2 : qtype; }
 
 static inline float f32_at(const uint8_t *p) {
     float f;

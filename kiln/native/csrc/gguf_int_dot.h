@@ -1,5 +1,6 @@
-/* gguf_matmul.c's kernel for 4- and 5-bit blocks: x cut into int8 limbs, integer dot products
- * (AVX512-VNNI) against the weight's small unsigned integers, 16 output rows per register.
+/* gguf_matmul.c's kernel for Q4_0, Q4_1, Q4_K, Q5_K and Q8_0 blocks: x cut into int8 limbs,
+ * integer dot products (AVX512-VNNI) against the weight's integers, made unsigned, 16 output
+ * rows per register (Q8_0's differences: group_rows_q8).
  *
  * A block's w . x = d (q . x) + m sum(x). With x held in integers, q . x is exact, and vpdpbusd
  * does 64 of its products an instruction against a float32 FMA's 16 (at the same rate here,
@@ -51,9 +52,10 @@ static inline __m512i dot_add(__m512i acc, __m512i u8, __m512i s8) {
 }
 
 /* Limbs of x [m, k] (dtype): xq [m, k / 32, limbs, 32] int8, the block's scale 2^(e - 7
- * (limbs - 1)) in dx and its sum of x as the limbs hold it in sx, both [m, k / 32]. */
+ * (limbs - 1)) in dx and its sum of x as the limbs hold it in sx; the sums of its first limb in
+ * hs and of its others, combined, ((l1 << 7) + l2), in ls; all [m, k / 32]. */
 static void quantize_x(const void *x, int dtype, int64_t m, int64_t k, int limbs, int8_t *xq,
-                       float *dx, float *sx) {
+                       float *dx, float *sx, int32_t *hs, int32_t *ls) {
     const int64_t nb = k / QK;
     const __m512 limb = _mm512_set1_ps((float)(1 << LIMB_SHIFT));
     for (int64_t i = 0; i < m * nb; ++i) {
@@ -69,6 +71,7 @@ static void quantize_x(const void *x, int dtype, int64_t m, int64_t k, int limbs
             /* inf or NaN: the block's outputs are NaN, as a float32 dot product's would be */
             memset(xq + i * QK * limbs, 0, (size_t)(QK * limbs));
             dx[i] = sx[i] = NAN;
+            hs[i] = ls[i] = 0;
             continue;
         }
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
@@ -81,23 +84,39 @@ static void quantize_x(const void *x, int dtype, int64_t m, int64_t k, int limbs
         dx[i] = zero ? 0.f : ldexpf(1.f, e - LIMB_SHIFT * (limbs - 1));
         const __m512 inv = _mm512_set1_ps(zero ? 0.f : ldexpf(1.f, -e));
         int8_t *q = xq + i * QK * limbs;
-        __m512i held = _mm512_setzero_si512(); /* x as the limbs hold it, / dx */
+        __m512i first = _mm512_setzero_si512(), rest = _mm512_setzero_si512();
         for (int h = 0; h < 2; ++h) {
             __m512 t = _mm512_mul_ps(v[h], inv); /* exact: a power of two */
-            __m512i value = _mm512_setzero_si512();
             for (int l = 0; l < limbs; ++l) {
                 const __m512 r = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
                 const __m512i ri = _mm512_cvtps_epi32(r);
                 _mm_storeu_si128((__m128i *)(q + l * QK + 16 * h), _mm512_cvtepi32_epi8(ri));
-                value = _mm512_add_epi32(_mm512_slli_epi32(value, LIMB_SHIFT), ri);
+                if (l == 0)
+                    first = _mm512_add_epi32(first, ri);
+                else /* limb l counts 128^(limbs - 1 - l) in rest */
+                    rest = _mm512_add_epi32(rest, _mm512_sllv_epi32(
+                        ri, _mm512_set1_epi32(LIMB_SHIFT * (limbs - 1 - l))));
                 t = _mm512_mul_ps(_mm512_sub_ps(t, r), limb); /* the remainder, exactly */
             }
-            held = _mm512_add_epi32(held, value);
         }
+        hs[i] = _mm512_reduce_add_epi32(first);
+        ls[i] = _mm512_reduce_add_epi32(rest);
         /* The sum of x as the limbs hold it (exact in int32: at most 32 * 65 * 128^2), so that
          * d (q . x) + m sum(x) is w . x for that x: summing x itself would weigh its rounding by
          * q (0..15 for Q4_0) instead of q - 8. */
-        sx[i] = (float)_mm512_reduce_add_epi32(held) * dx[i];
+        sx[i] = (float)(hs[i] * (1 << (LIMB_SHIFT * (limbs - 1))) + ls[i]) * dx[i];
+    }
+}
+
+/* out [M, o .. o + 16) = acc (+ bias) in dtype; out's rows are n wide. */
+static inline void store_group(const __m512 *acc, int M, const void *bias, void *out, int64_t o,
+                               int64_t n, int dtype) {
+    for (int r = 0; r < M; ++r) {
+        float v[GROUP_ROWS];
+        _mm512_storeu_ps(v, acc[r]);
+        for (int c = 0; c < GROUP_ROWS; ++c)
+            store_elem(out, r * n + o + c, v[c] + (bias ? load_elem(bias, o + c, dtype) : 0.f),
+                       dtype);
     }
 }
 
@@ -160,14 +179,58 @@ static inline __attribute__((always_inline)) void group_rows(
                 acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sx[i]), acc[r]);
             }
         }
-        const int64_t o = g * GROUP_ROWS;
-        for (int r = 0; r < M; ++r) {
-            float v[GROUP_ROWS];
-            _mm512_storeu_ps(v, acc[r]);
-            for (int c = 0; c < GROUP_ROWS; ++c)
-                store_elem(out, r * n + o + c, v[c] + (bias ? load_elem(bias, o + c, dtype) : 0.f),
-                           dtype);
+        store_group(acc, M, bias, out, g * GROUP_ROWS, n, dtype);
+    }
+}
+
+/* group_rows for Q8_0 (Q8_KERNEL_BYTES a value block, q + 128 in 8 vectors as above). The
+ * true q . x can outgrow int32 here (32 * 127 * 64 * 128^2), so the first limb's dot product
+ * and the others' are kept apart and each corrected for the + 128 exactly in integers (hs, ls:
+ * x's limb sums), then joined in float32. */
+static inline __attribute__((always_inline)) void group_rows_q8(
+        const int8_t *xq, const float *dx, const int32_t *hs, const int32_t *ls,
+        const uint8_t *weight, const void *bias, void *out, const int M, const int limbs,
+        int64_t g0, int64_t g1, int64_t n, int64_t k, int dtype) {
+    const int64_t nb = k / QK, gbb = GROUP_ROWS * Q8_KERNEL_BYTES;
+    const float first_weight = (float)(1 << (LIMB_SHIFT * (limbs - 1)));
+    for (int64_t g = g0; g < g1; ++g) {
+        const uint8_t *wg = weight + g * nb * gbb;
+        __m512 acc[MAX_ROWS];
+        for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *blk = wg + b * gbb;
+            for (int64_t line = 0; line < gbb; line += 64)
+                _mm_prefetch((const char *)(blk + GROUP_PREFETCH_BLOCKS * gbb + line),
+                             _MM_HINT_T0);
+            const __m512 d = _mm512_loadu_ps(blk);
+            __m512i q[8]; /* q[j]: values 4j .. 4j + 3 of the 16 rows, + 128 */
+            for (int j = 0; j < 8; ++j) q[j] = _mm512_loadu_si512(blk + 64 + 64 * j);
+            for (int r = 0; r < M; ++r) {
+                const int64_t i = r * nb + b;
+                const int32_t *xr = (const int32_t *)(xq + i * QK * limbs);
+                __m512i first = _mm512_setzero_si512(), rest = _mm512_setzero_si512();
+                for (int l = 0; l < limbs; ++l) { /* two chains a limb, as group_rows */
+                    __m512i low_half = _mm512_setzero_si512(), high_half = _mm512_setzero_si512();
+                    for (int j = 0; j < 4; ++j) {
+                        low_half = dot_add(low_half, q[j], _mm512_set1_epi32(xr[8 * l + j]));
+                        high_half = dot_add(high_half, q[j + 4],
+                                            _mm512_set1_epi32(xr[8 * l + j + 4]));
+                    }
+                    const __m512i dot = _mm512_add_epi32(low_half, high_half);
+                    if (l == 0)
+                        first = dot;
+                    else
+                        rest = _mm512_add_epi32(_mm512_slli_epi32(rest, LIMB_SHIFT), dot);
+                }
+                first = _mm512_sub_epi32(first, _mm512_set1_epi32(128 * hs[i]));
+                rest = _mm512_sub_epi32(rest, _mm512_set1_epi32(128 * ls[i]));
+                const __m512 s = _mm512_mul_ps(d, _mm512_set1_ps(dx[i])); /* exact */
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rest), s, acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first),
+                                         _mm512_mul_ps(s, _mm512_set1_ps(first_weight)), acc[r]);
+            }
         }
+        store_group(acc, M, bias, out, g * GROUP_ROWS, n, dtype);
     }
 }
 

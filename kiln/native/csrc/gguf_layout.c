@@ -1,5 +1,5 @@
 /* A weight's GGUF blocks into the layout the matmul kernel reads (gguf_blocks.h), once at load:
- * fp16 scales widened to float32, K-quant blocks cut into 32-value blocks, 4- and 5-bit blocks
+ * fp16 scales widened to float32, K-quant blocks cut into 32-value blocks, all but Q6_K's
  * interleaved in groups of 16 rows. Exact: the kernel's values stay those of gguf's dequantize.
  * Called through kiln/native/gguf_matmul.py. */
 #include <stdint.h>
@@ -29,7 +29,8 @@ static void k_scales(const uint8_t *blk, int qtype, KScales *s) {
     }
 }
 
-/* dst (nblocks * gguf_kernel_block_bytes) = the file's blocks src as rows of kernel blocks. */
+/* dst (nblocks * gguf_kernel_block_bytes) = the file's blocks src (4-, 5-bit or Q6_K) as rows of
+ * kernel blocks. */
 static void to_rows(const uint8_t *src, int32_t qtype, int64_t nblocks, uint8_t *dst) {
     const int bb = gguf_block_bytes(qtype);
     if (qtype == GGML_Q4_K || qtype == GGML_Q5_K) {
@@ -80,10 +81,6 @@ static void to_rows(const uint8_t *src, int32_t qtype, int64_t nblocks, uint8_t 
         }
         return;
     }
-    if (!is_q4(qtype)) {
-        memcpy(dst, src, (size_t)nblocks * (size_t)bb);
-        return;
-    }
     const int nibbles = qtype == GGML_Q4_1 ? 4 : 2; /* after d (and m) */
     for (int64_t b = 0; b < nblocks; ++b) {
         const uint8_t *s = src + b * bb;
@@ -121,6 +118,22 @@ static void interleave(const uint8_t *rows, int64_t nb, int bb, uint8_t *dst) {
     }
 }
 
+/* GROUP_ROWS rows of nb of the file's Q8_0 blocks (fp16 d, 32 int8 q) into one group: per
+ * block, the 16 rows' d in float32, then 8 vectors of q + 128 (row c's values 4 j .. 4 j + 3
+ * at 64 j + 4 c), unsigned as the integer dot product wants them. */
+static void interleave_q8(const uint8_t *rows, int64_t nb, uint8_t *dst) {
+    for (int64_t b = 0; b < nb; ++b) {
+        uint8_t *o = dst + b * GROUP_ROWS * Q8_KERNEL_BYTES;
+        for (int c = 0; c < GROUP_ROWS; ++c) {
+            const uint8_t *blk = rows + (c * nb + b) * gguf_block_bytes(GGML_Q8_0);
+            const float d = half_at(blk);
+            memcpy(o + 4 * c, &d, sizeof d);
+            for (int t = 0; t < QK; ++t)
+                o[64 + (t / 4) * 64 + 4 * c + t % 4] = (uint8_t)((int8_t)blk[2 + t] + 128);
+        }
+    }
+}
+
 /* dst (rows * row_blocks * gguf_kernel_block_bytes) = the file's blocks src ([rows,
  * row_blocks]) in the kernel's layout. 1 for a type it does not read (or without F16C, which
  * the kernel needs too); 2 when a type held in groups has rows that are no multiple of
@@ -133,6 +146,13 @@ int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t rows,
         return 0;
     }
     if (rows % GROUP_ROWS) return 2;
+    if (qtype == GGML_Q8_0) {
+        const int64_t group = GROUP_ROWS * row_blocks;
+        for (int64_t g = 0; g < rows / GROUP_ROWS; ++g)
+            interleave_q8(src + g * group * gguf_block_bytes(qtype), row_blocks,
+                          dst + g * group * Q8_KERNEL_BYTES);
+        return 0;
+    }
     /* 32-value blocks a row, and bytes of each */
     const int64_t nb = row_blocks * (gguf_block_values(qtype) / QK);
     const int bb = gguf_kernel_block_bytes(qtype) / (gguf_block_values(qtype) / QK);

@@ -5,15 +5,15 @@
  * 0.75 bytes per value in the kernel's layout against 4 for float32, so reading the blocks and
  * widening them in registers beats streaming the dequantized float32 copy (up to a few tiles of
  * 8 rows, where the float32 GEMM's arithmetic wins).
- * - 4- and 5-bit blocks (Q4_0, Q4_1, Q4_K, Q5_K) take integer dot products against x cut into
- *   int8 limbs (gguf_int_dot.h), within a few times float32's rounding for float32 x.
- * - int8 blocks (Q8_0, Q6_K) are widened to their values exactly as gguf's dequantize computes
- *   them (d * q, (d * sc) * (q - 32)). float32 x multiplies them in float32; bfloat16 x
- *   multiplies them rounded to bfloat16, as the dequantized bfloat16 weight holds them, with
- *   float32 accumulation (AVX512-BF16), as a bfloat16 GEMM does.
+ * - Q4_0, Q4_1, Q4_K, Q5_K and Q8_0 blocks take integer dot products against x cut into int8
+ *   limbs (gguf_int_dot.h), within a few times float32's rounding for float32 x.
+ * - Q6_K blocks are widened to their values exactly as gguf's dequantize computes them
+ *   ((d * sc) * (q - 32)). float32 x multiplies them in float32; bfloat16 x multiplies them
+ *   rounded to bfloat16, as the dequantized bfloat16 weight holds them, with float32
+ *   accumulation (AVX512-BF16), as a bfloat16 GEMM does.
  * The weight is in the kernel's layout (gguf_blocks.h): a K-quant block of 256 values is 8
- * blocks of 32, so every loop reads 32-value blocks; int8 blocks in rows, [n, k / 32], the
- * others in groups of 16 rows. x, bias and out are in dtype (dtype.h).
+ * blocks of 32, so every loop reads 32-value blocks; Q6_K's in rows, [n, k / 32], the others
+ * in groups of 16 rows. x, bias and out are in dtype (dtype.h).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -57,23 +57,14 @@ int kiln_gguf_kernel_block_bytes(int32_t qtype) { return gguf_kernel_block_bytes
 int kiln_gguf_group_rows(int32_t qtype) { return is_grouped(qtype) ? GROUP_ROWS : 1; }
 
 #if KILN_GGUF_SIMD
-/* One int8 block's 32 values in the kernel's layout, widened and scaled: lo = values 0-15,
- * hi = values 16-31. */
-static inline void load_block(const uint8_t *blk, int qtype, __m512 *lo, __m512 *hi) {
-    if (qtype == KERNEL_Q8X2) { /* a converted Q6_K sub-block: a scale per 16 int8 */
-        const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 8));
-        const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 24));
-        *lo = _mm512_mul_ps(_mm512_set1_ps(f32_at(blk)),
-                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
-        *hi = _mm512_mul_ps(_mm512_set1_ps(f32_at(blk + 4)),
-                            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
-    } else { /* Q8_0 */
-        const __m512 d = _mm512_set1_ps(half_at(blk));
-        const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));
-        const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 18));
-        *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
-        *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
-    }
+/* One converted Q6_K sub-block's 32 values (gguf_blocks.h), widened and scaled, a scale per 16:
+ * lo = values 0-15, hi = values 16-31. */
+static inline void load_block(const uint8_t *blk, __m512 *lo, __m512 *hi) {
+    const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 8));
+    const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 24));
+    *lo = _mm512_mul_ps(_mm512_set1_ps(f32_at(blk)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
+    *hi = _mm512_mul_ps(_mm512_set1_ps(f32_at(blk + 4)),
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
 }
 
 /* A decode step streams every weight from DRAM once, faster than the hardware prefetcher asks
@@ -86,7 +77,7 @@ static inline void load_block(const uint8_t *blk, int qtype, __m512 *lo, __m512 
 /* Output rows [o0, o1) for M rows of float32 x; M is a compile-time constant at each call site,
  * so the M accumulators stay in registers. */
 static inline __attribute__((always_inline)) void rows_f32(
-        const float *x, const uint8_t *weight, int qtype, int bb, const void *bias, void *out,
+        const float *x, const uint8_t *weight, int bb, const void *bias, void *out,
         const int M, int64_t o0, int64_t o1, int64_t n, int64_t k, int dtype) {
     const int64_t nb = k / QK, row_bytes = nb * bb;
     for (int64_t o = o0; o < o1; ++o) {
@@ -99,7 +90,7 @@ static inline __attribute__((always_inline)) void rows_f32(
         for (int64_t b = 0; b < nb; ++b) {
             __m512 lo, hi;
             _mm_prefetch((const char *)(row + (b + PREFETCH_BLOCKS) * bb), _MM_HINT_T0);
-            load_block(row + b * bb, qtype, &lo, &hi);
+            load_block(row + b * bb, &lo, &hi);
             for (int r = 0; r < M; ++r) {
                 const float *xr = x + r * k + b * QK;
                 acc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[r]);
@@ -118,12 +109,12 @@ static inline __attribute__((always_inline)) void rows_f32(
 }
 
 /* rows_f32 for 8 rows of a wide x (k >= 1024), two output rows at a time: each load of x feeds
- * both. 8 rows of a 1024-wide x (32 KB) outgrow L1, and the loads of x become the limit: Q8_0,
- * random [2048, 1024] / [2048, 2048] weights, 4.1 -> 3.9 / 6.6 -> 4.6 ns per 32 values (2
- * cores). Narrower x lost (the default model's [49152, 576] LM head: 2.76 -> 2.87 ms), and so
- * did 4 rows of 2048 (2.3 -> 3.2). rows_f32 takes an odd last row. */
+ * both. 8 rows of a 1024-wide x (32 KB) outgrow L1, and the loads of x become the limit:
+ * int8 blocks (Q8_0 then), random [2048, 1024] / [2048, 2048] weights, 4.1 -> 3.9 / 6.6 -> 4.6
+ * ns per 32 values (2 cores). Narrower x lost ([49152, 576]: 2.76 -> 2.87 ms), and so did 4
+ * rows of 2048 (2.3 -> 3.2). rows_f32 takes an odd last row. */
 static inline __attribute__((always_inline)) void rows_f32_pairs(
-        const float *x, const uint8_t *weight, int qtype, int bb, const void *bias, void *out,
+        const float *x, const uint8_t *weight, int bb, const void *bias, void *out,
         const int M, int64_t o0, int64_t o1, int64_t n, int64_t k, int dtype) {
     const int64_t nb = k / QK, row_bytes = nb * bb;
     int64_t o = o0;
@@ -135,8 +126,8 @@ static inline __attribute__((always_inline)) void rows_f32_pairs(
             __m512 lo, hi, lo2, hi2;
             _mm_prefetch((const char *)(row + (b + PREFETCH_BLOCKS) * bb), _MM_HINT_T0);
             _mm_prefetch((const char *)(row2 + (b + PREFETCH_BLOCKS) * bb), _MM_HINT_T0);
-            load_block(row + b * bb, qtype, &lo, &hi);
-            load_block(row2 + b * bb, qtype, &lo2, &hi2);
+            load_block(row + b * bb, &lo, &hi);
+            load_block(row2 + b * bb, &lo2, &hi2);
             for (int r = 0; r < M; ++r) {
                 const float *xr = x + r * k + b * QK;
                 const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
@@ -151,14 +142,14 @@ static inline __attribute__((always_inline)) void rows_f32_pairs(
             store_elem(out, r * n + o + 1, _mm512_reduce_add_ps(acc2[r]) + bv2, dtype);
         }
     }
-    if (o < o1) rows_f32(x, weight, qtype, bb, bias, out, M, o, o1, n, k, dtype);
+    if (o < o1) rows_f32(x, weight, bb, bias, out, M, o, o1, n, k, dtype);
 }
 
 #if KILN_GGUF_BF16
 /* The same for bfloat16 x: the block's values rounded to bfloat16, pairs multiplied and summed
  * into float32 lanes; x and the weights share one value order, so the pairing is immaterial. */
 static inline __attribute__((always_inline)) void rows_bf16(
-        const uint16_t *x, const uint8_t *weight, int qtype, int bb, const void *bias,
+        const uint16_t *x, const uint8_t *weight, int bb, const void *bias,
         void *out, const int M, int64_t o0, int64_t o1, int64_t n, int64_t k, int dtype) {
     const int64_t nb = k / QK, row_bytes = nb * bb;
     for (int64_t o = o0; o < o1; ++o) {
@@ -170,8 +161,8 @@ static inline __attribute__((always_inline)) void rows_bf16(
         for (; b + 1 < nb; b += 2) {
             __m512 lo, hi, lo2, hi2;
             _mm_prefetch((const char *)(row + (b + PREFETCH_BLOCKS) * bb), _MM_HINT_T0);
-            load_block(row + b * bb, qtype, &lo, &hi);
-            load_block(row + (b + 1) * bb, qtype, &lo2, &hi2);
+            load_block(row + b * bb, &lo, &hi);
+            load_block(row + (b + 1) * bb, &lo2, &hi2);
             const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo); /* values 0-31 in order */
             const __m512bh w2 = _mm512_cvtne2ps_pbh(hi2, lo2);
             for (int r = 0; r < M; ++r) {
@@ -182,7 +173,7 @@ static inline __attribute__((always_inline)) void rows_bf16(
         }
         if (b < nb) {
             __m512 lo, hi;
-            load_block(row + b * bb, qtype, &lo, &hi);
+            load_block(row + b * bb, &lo, &hi);
             const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);
             for (int r = 0; r < M; ++r)
                 acc[r] = _mm512_dpbf16_ps(acc[r], w,
@@ -196,9 +187,9 @@ static inline __attribute__((always_inline)) void rows_bf16(
 }
 #endif
 
-/* Output rows [o0, o1) of an int8 weight; x in float32 when x_f32, else bfloat16; out and bias
+/* Output rows [o0, o1) of a Q6_K weight; x in float32 when x_f32, else bfloat16; out and bias
  * in dtype. */
-static void matmul_rows(const void *x, int x_f32, const uint8_t *weight, int qtype, int bb,
+static void matmul_rows(const void *x, int x_f32, const uint8_t *weight, int bb,
                         const void *bias, void *out, int m, int64_t n, int64_t k, int dtype,
                         int64_t o0, int64_t o1) {
 #define ROWS(M) case M: KERNEL(M); break;
@@ -207,39 +198,48 @@ static void matmul_rows(const void *x, int x_f32, const uint8_t *weight, int qty
 #define KERNEL(M)                                                                         \
     do {                                                                                  \
         if (M == 8 && k >= 1024)                                                          \
-            rows_f32_pairs(x, weight, qtype, bb, bias, out, M, o0, o1, n, k, dtype);      \
+            rows_f32_pairs(x, weight, bb, bias, out, M, o0, o1, n, k, dtype);      \
         else                                                                              \
-            rows_f32(x, weight, qtype, bb, bias, out, M, o0, o1, n, k, dtype);            \
+            rows_f32(x, weight, bb, bias, out, M, o0, o1, n, k, dtype);            \
     } while (0)
         CASES
 #undef KERNEL
     }
 #if KILN_GGUF_BF16
     else {
-#define KERNEL(M) rows_bf16(x, weight, qtype, bb, bias, out, M, o0, o1, n, k, dtype)
+#define KERNEL(M) rows_bf16(x, weight, bb, bias, out, M, o0, o1, n, k, dtype)
         CASES
 #undef KERNEL
     }
 #endif
 }
 
-/* Groups [g0, g1) of a 4- or 5-bit weight (five) for m rows of x in limbs (quantize_x): 3 for
- * float32 x, else 2. */
-static void matmul_groups(const int8_t *xq, const float *dx, const float *sx, int limbs,
-                          const uint8_t *weight, int five, const void *bias, void *out, int m,
-                          int64_t n, int64_t k, int dtype, int64_t g0, int64_t g1) {
+/* Groups [g0, g1) of a weight of `qtype` held in groups, for m rows of x in limbs (quantize_x):
+ * 3 for float32 x, else 2. */
+static void matmul_groups(const int8_t *xq, const float *dx, const float *sx, const int32_t *hs,
+                          const int32_t *ls, int limbs, const uint8_t *weight, int qtype,
+                          const void *bias, void *out, int m, int64_t n, int64_t k, int dtype,
+                          int64_t g0, int64_t g1) {
+    const int five = qtype == GGML_Q5_K;
+#define GROUPS(M, FIVE, L) \
+    group_rows(xq, dx, sx, weight, FIVE, bias, out, M, L, g0, g1, n, k, dtype)
 #define KERNEL(M)                                                                         \
     do {                                                                                  \
-        if (five && limbs == 3)                                                           \
-            group_rows(xq, dx, sx, weight, 1, bias, out, M, 3, g0, g1, n, k, dtype);      \
+        if (qtype == GGML_Q8_0 && limbs == 3)                                             \
+            group_rows_q8(xq, dx, hs, ls, weight, bias, out, M, 3, g0, g1, n, k, dtype);  \
+        else if (qtype == GGML_Q8_0)                                                      \
+            group_rows_q8(xq, dx, hs, ls, weight, bias, out, M, 2, g0, g1, n, k, dtype);  \
+        else if (five && limbs == 3)                                                      \
+            GROUPS(M, 1, 3);                                                              \
         else if (five)                                                                    \
-            group_rows(xq, dx, sx, weight, 1, bias, out, M, 2, g0, g1, n, k, dtype);      \
+            GROUPS(M, 1, 2);                                                              \
         else if (limbs == 3)                                                              \
-            group_rows(xq, dx, sx, weight, 0, bias, out, M, 3, g0, g1, n, k, dtype);      \
+            GROUPS(M, 0, 3);                                                              \
         else                                                                              \
-            group_rows(xq, dx, sx, weight, 0, bias, out, M, 2, g0, g1, n, k, dtype);      \
+            GROUPS(M, 0, 2);                                                              \
     } while (0)
     CASES
+#undef GROUPS
 #undef KERNEL
 #undef CASES
 #undef ROWS
@@ -253,11 +253,13 @@ static void matmul_groups(const int8_t *xq, const float *dx, const float *sx, in
 static int grouped_matmul(const void *x, const uint8_t *weight, int32_t qtype, const void *bias,
                           void *out, int32_t m, int64_t n, int64_t k, int32_t dtype,
                           int32_t num_threads) {
-    const int limbs = dtype == KILN_F32 ? 3 : 2, five = qtype == GGML_Q5_K;
+    const int limbs = dtype == KILN_F32 ? 3 : 2;
     const int64_t nb = k / QK, ng = n / GROUP_ROWS;
     const size_t elem = dtype == KILN_F32 ? sizeof(float) : sizeof(uint16_t);
     int8_t *xq = malloc((size_t)m * (size_t)k * (size_t)limbs);
-    float *dx = malloc(sizeof(float) * 2 * (size_t)m * (size_t)nb), *sx = dx + m * nb;
+    /* per block of x: dx, sx (float), hs, ls (int32) */
+    float *dx = malloc(4 * sizeof(float) * (size_t)m * (size_t)nb), *sx = dx + m * nb;
+    int32_t *hs = (int32_t *)(sx + m * nb), *ls = hs + m * nb;
     if (!xq || !dx) {
         free(xq);
         free(dx);
@@ -266,14 +268,14 @@ static int grouped_matmul(const void *x, const uint8_t *weight, int32_t qtype, c
 #pragma omp parallel num_threads(num_threads)
     {
         const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t r0 = m * t / nt, r1 = m * (t + 1) / nt;
+        const int64_t r0 = m * t / nt, r1 = m * (t + 1) / nt, i0 = r0 * nb;
         quantize_x((const char *)x + (size_t)(r0 * k) * elem, dtype, r1 - r0, k, limbs,
-                   xq + r0 * k * limbs, dx + r0 * nb, sx + r0 * nb);
+                   xq + r0 * k * limbs, dx + i0, sx + i0, hs + i0, ls + i0);
 #pragma omp barrier
         const int64_t g0 = ng * t / nt, g1 = ng * (t + 1) / nt;
         for (int r = 0; r < m; r += MAX_ROWS)
-            matmul_groups(xq + r * k * limbs, dx + r * nb, sx + r * nb, limbs, weight, five,
-                          bias, (char *)out + (size_t)(r * n) * elem,
+            matmul_groups(xq + r * k * limbs, dx + r * nb, sx + r * nb, hs + r * nb, ls + r * nb,
+                          limbs, weight, qtype, bias, (char *)out + (size_t)(r * n) * elem,
                           m - r < MAX_ROWS ? m - r : MAX_ROWS, n, k, dtype, g0, g1);
     }
     free(xq);
@@ -281,13 +283,13 @@ static int grouped_matmul(const void *x, const uint8_t *weight, int32_t qtype, c
     return 0;
 }
 
-/* kiln_gguf_matmul for a weight of int8 blocks in rows: each thread takes its output rows for
+/* kiln_gguf_matmul for a weight of blocks in rows (Q6_K): each thread takes its output rows for
  * one tile of x's rows after another. */
 static int row_matmul(const void *x, const uint8_t *weight, int32_t qtype, const void *bias,
                       void *out, int32_t m, int64_t n, int64_t k, int32_t dtype,
                       int32_t num_threads) {
+    /* Q6_K runs as the 32-value blocks its layout holds */
     const int bb = gguf_kernel_block_bytes(qtype) / (gguf_block_values(qtype) / QK);
-    qtype = kernel_type(qtype); /* Q6_K runs as the 32-value blocks its layout holds */
     const void *xin = x;
     float *xf = NULL;
     /* bfloat16 x is widened once where the bfloat16 dot product is missing */
@@ -308,7 +310,7 @@ static int row_matmul(const void *x, const uint8_t *weight, int32_t qtype, const
         const int64_t o0 = n * t / nt, o1 = n * (t + 1) / nt;
         for (int r0 = 0; r0 < m; r0 += MAX_ROWS)
             matmul_rows((const char *)xin + (size_t)r0 * (size_t)k * x_elem, x_f32, weight,
-                        qtype, bb, bias, (char *)out + (size_t)r0 * (size_t)n * out_elem,
+                        bb, bias, (char *)out + (size_t)r0 * (size_t)n * out_elem,
                         m - r0 < MAX_ROWS ? m - r0 : MAX_ROWS, n, k, dtype, o0, o1);
     }
     free(xf);
