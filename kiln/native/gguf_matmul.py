@@ -5,9 +5,8 @@ once csrc/gguf_layout.c has put them in the kernel's layout (`kernel_blocks`).
 
 At a few rows a linear is a pass over its weight, and Q4_1 blocks are 5.3x fewer bytes than
 the float32 copy even with their scales widened to float32 (`kernel_blocks`); the row limits by
-type and dtype, below, are where that stops paying. All types but Q6_K take integer dot
-products against x cut into int8 limbs, within a few times float32's rounding
-(csrc/gguf_int_dot.h).
+type and dtype, below, are where that stops paying. The kernel takes integer dot products
+against x cut into int8 limbs, within a few times float32's rounding (csrc/gguf_int_dot.h).
 """
 import ctypes
 import functools
@@ -23,30 +22,26 @@ QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 _F32, _BF16 = torch.float32, torch.bfloat16
 # Up to how many rows the blocks beat the dense weight's kernels (GEMV, oneDNN), by type and
 # activation dtype; measured on 2 cores, blocks / dense.
-# - 4- and 5-bit types (the integer kernel): the default model's linears + LM head, float32 70.9
+# - 4- and 5-bit types: the default model's linears + LM head, float32 70.9
 #   / 90.6 ms at 48 rows, 91.3 / 100.4 at 64, 131.1 / 141.5 at 96, 179.0 / 182.1 at 128;
 #   bfloat16 17.9 / 22.0 at 16, 26.3 / 27.5 at 24, 33.9 / 32.8 at 32. 40 random [2048, 2048]
 #   weights, us per weight: float32 Q4_K 1858 / 2165 at 48, 2465 / 2795 at 64, Q5_K 2625 /
 #   2920 at 64; bfloat16 Q4_K 471 / 495 at 16, 700 / 689 at 24, Q5_K 501 / 582 at 16, 750 /
 #   668 at 24.
-# - Q8_0 (the integer kernel too): the default model's [49152, 576] LM head, ms, float32 12.0 /
+# - Q8_0: the default model's [49152, 576] LM head, ms, float32 12.0 /
 #   14.9 at 48 rows, 18.8 / 18.8 at 64; bfloat16 3.5 / 4.0 at 16, 5.6 / 5.3 at 24. Random
 #   [2048, 2048], us per weight: float32 2610 / 2973 at 64; bfloat16 501 / 511 at 16, 717 / 662
 #   at 24.
-# - Q6_K (the float kernel): random [2048, 2048], float32 860 / 873 at 12, 1041 / 984 at 16;
-#   bfloat16 382 / 376 at 8.
+# - Q6_K: random [2048, 2048], us per weight, float32 1993 / 2196 at 48, 2708 / 2835 at 64;
+#   bfloat16 316 / 400 at 8, 548 / 511 at 16.
 _ROWS_WORTH_IT = {"Q4_0": {_F32: 64, _BF16: 16}, "Q4_1": {_F32: 64, _BF16: 16},
                   "Q8_0": {_F32: 48, _BF16: 16}, "Q4_K": {_F32: 64, _BF16: 16},
-                  "Q5_K": {_F32: 64, _BF16: 16}, "Q6_K": {_F32: 8, _BF16: 4}}
-# Without the bfloat16 dot-product instructions the float kernel (Q6_K) widens bfloat16 x to
-# float32; 32-value types lost there from 5 rows on (18.0 / 16.3 ms at 5, 25.9 / 18.9 at 8).
-# (The integer kernel of the others takes bfloat16 x as it is.)
-_BF16_ROWS_WITHOUT_DOT = 4
+                  "Q5_K": {_F32: 64, _BF16: 16}, "Q6_K": {_F32: 48, _BF16: 8}}
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 SIGNATURES = (("kiln_gguf_matmul", (_P, _P, _I32, _P, _P, _I32, _I64, _I64, _I32, _I32)),
-              ("kiln_gguf_simd", ()), ("kiln_gguf_bf16_dot", ()),
+              ("kiln_gguf_simd", ()),
               ("kiln_gguf_block_bytes", (_I32,)), ("kiln_gguf_block_values", (_I32,)),
-              ("kiln_gguf_kernel_block_bytes", (_I32,)), ("kiln_gguf_group_rows", (_I32,)))
+              ("kiln_gguf_kernel_block_bytes", (_I32,)), ("kiln_gguf_group_rows", ()))
 LAYOUT_SIGNATURES = (("kiln_gguf_to_kernel_layout", (_P, _I32, _I64, _I64, _P)),)
 
 
@@ -72,10 +67,7 @@ def rows_worth_it(dtype: torch.dtype, qtype: int) -> int:
     name = next((n for n, t in QTYPES.items() if t == qtype), None)
     if not available() or name is None:
         return 0
-    rows = _ROWS_WORTH_IT[name].get(dtype, 0)
-    if dtype == torch.bfloat16 and group_rows(qtype) == 1 and not _lib().kiln_gguf_bf16_dot():
-        rows = min(rows, _BF16_ROWS_WITHOUT_DOT)
-    return rows
+    return _ROWS_WORTH_IT[name].get(dtype, 0)
 
 
 def row_bytes(qtype: int, in_features: int, kernel_layout: bool = False) -> int:
@@ -85,25 +77,25 @@ def row_bytes(qtype: int, in_features: int, kernel_layout: bool = False) -> int:
     return in_features // lib.kiln_gguf_block_values(qtype) * block(qtype)
 
 
-def group_rows(qtype: int) -> int:
-    """Output rows the kernel's layout holds a weight of `qtype` in groups of (1: in rows)."""
-    return _lib().kiln_gguf_group_rows(qtype)
+def group_rows() -> int:
+    """Output rows the kernel's layout holds a weight in groups of: its out_features must be a
+    multiple."""
+    return _lib().kiln_gguf_group_rows()
 
 
 def kernel_blocks(qtype: int, rows: torch.Tensor) -> torch.Tensor:
     """The file's blocks `rows` (uint8 [out, row_bytes], as `serves` accepts them) in the layout
     the kernel reads (csrc/gguf_blocks.h): fp16 scales widened to float32 and K-quant blocks cut
-    into 32-value ones once, here, instead of in every decode step. All types but Q6_K are
-    interleaved in groups of 16 rows (`serves` asks for whole groups): the result keeps the
-    shape [out, kernel row bytes], but not a row per row."""
+    into 32-value ones once, here, instead of in every decode step, and interleaved in groups
+    of 16 rows (`serves` asks for whole groups): the result keeps the shape [out, kernel row
+    bytes], but not a row per row."""
     per_block = _lib().kiln_gguf_block_bytes(qtype)
     if (rows.dtype != torch.uint8 or rows.dim() != 2 or per_block == 0
             or rows.shape[1] % per_block or not rows.is_contiguous()):
         raise ValueError(f"expected contiguous uint8 [out, row_bytes] blocks of ggml type {qtype}, "
                          f"got {rows.dtype} {tuple(rows.shape)}")
-    group = group_rows(qtype)
-    if rows.shape[0] % group:
-        raise ValueError(f"ggml type {qtype} is held in groups of {group} rows: "
+    if rows.shape[0] % group_rows():
+        raise ValueError(f"the kernel holds weights in groups of {group_rows()} rows: "
                          f"{rows.shape[0]} rows are not whole groups")
     in_features = rows.shape[1] // per_block * _lib().kiln_gguf_block_values(qtype)
     out = torch.empty(rows.shape[0], row_bytes(qtype, in_features, kernel_layout=True),
@@ -120,7 +112,7 @@ def serves(qtype: int, rows: torch.Tensor, weight: torch.Tensor) -> bool:
     out_features, in_features = weight.shape
     return (qtype in QTYPES.values() and available() and weight.dtype in build.DTYPES
             and in_features % _lib().kiln_gguf_block_values(qtype) == 0
-            and out_features % group_rows(qtype) == 0
+            and out_features % group_rows() == 0
             and rows.dtype == torch.uint8
             and rows.is_contiguous() and tuple(rows.shape) == (
                 out_features, row_bytes(qtype, in_features)))

@@ -40,40 +40,22 @@ static inline int gguf_block_values(int32_t qtype) {
     return qtype == GGML_Q4_K || qtype == GGML_Q5_K || qtype == GGML_Q6_K ? 256 : QK;
 }
 
-/* The kernel's layout of a block, made once at load (gguf_layout.c): 4-bit blocks become
- * [float32 d][float32 m][16 bytes of nibbles] (m = -8 d for Q4_0), 24 bytes; the K-quants
- * become 32-value blocks (below); Q8_0 ones float32 d and q + 128 (below). Widening a block's two fp16 scales
- * took a quarter of the one-row kernel's time (1.9 -> 1.5 ns a block on one core): more than
- * the 4 extra bytes cost to read.
- * A Q4_K block becomes 8 such blocks, one per sub-block: d = d * sc, m = -(dmin * m) (both
- * exact in float32, and a * q + -b rounds as a * q - b), so it runs as Q4_1 does: 2.1 -> 0.9 ns
- * per 32 values at one row, 5.7 -> 3.5 at 8 ([2048, 2048] weights, 2 cores), for 6 bits a
- * value instead of 4.5. */
+/* The kernel's layout, made once at load (gguf_layout.c). Each 32 values first become a block
+ * with float32 scales (widening a block's fp16 scales took a quarter of a kernel's time):
+ * - Q4_0, Q4_1: [float32 d][float32 m][16 bytes of nibbles] (m = -8 d for Q4_0), 24 bytes;
+ * - a Q4_K sub-block: the same, d = d * sc and m = -(dmin * m) (both exact in float32, and
+ *   a * q + -b rounds as a * q - b);
+ * - a Q5_K sub-block: [d][m][nibbles][4 bytes: bit j value j's fifth bit], 28 bytes;
+ * - a Q6_K sub-block: [float32 a0][float32 a1][32 int8 q - 32], a scale (d * scale, exact) per
+ *   16 values, 40 bytes;
+ * - Q8_0: [float32 d][32 bytes q + 128], 36 bytes.
+ * Then every weight's blocks are interleaved in groups of GROUP_ROWS output rows (gguf_int_dot.h
+ * describes a group), so the integer kernel computes a group's 16 outputs in one register. */
 #define Q4_KERNEL_BYTES 24
-/* A Q5_K block likewise becomes 8 blocks of 5-bit values, d * q + m with q = nibble + 16 *
- * fifth bit: [float32 d][float32 m][16 bytes of nibbles, as Q4_1's][4 bytes, bit j value j's
- * fifth bit], 28 bytes. 3.3 -> 1.4 ns per 32 values at one row, 5.5 -> 3.9 at 8 ([2048, 2048],
- * 2 cores); 7 bits a value, not 5.5. */
 #define Q5_KERNEL_BYTES 28
-/* And a Q6_K block becomes 8 blocks of int8 values q - 32 with a scale per 16, d * scale (exact
- * in float32): [float32 a0][float32 a1][32 int8], 40 bytes per 32 values against 26.25, widened
- * to float32 by the float kernel: ns per 32 values ([2048, 2048], 2 cores, against decoding)
- * 2.4 -> 1.5 at one row, 4.3 -> 2.5 at 2, 10.5 -> 5.6 at 8. Every type then runs as 32-value
- * blocks. */
 #define Q6_KERNEL_BYTES 40
-
-/* 4-, 5- and 8-bit weights (all but Q6_K) are held in groups of GROUP_ROWS output rows, their
- * blocks interleaved (gguf_int_dot.h): the integer kernel computes a group's 16 outputs in one
- * register. 4- and 5-bit ones take the row layout's bytes per 32 values (Q4_KERNEL_BYTES,
- * Q5_KERNEL_BYTES); Q8_0 takes Q8_KERNEL_BYTES: float32 d, 32 bytes q + 128. */
-#define GROUP_ROWS 16
 #define Q8_KERNEL_BYTES 36
-
-/* Whether a weight of the file's `qtype` is held in groups (else in rows of blocks). */
-static inline int is_grouped(int32_t qtype) {
-    return qtype == GGML_Q4_0 || qtype == GGML_Q4_1 || qtype == GGML_Q4_K || qtype == GGML_Q5_K
-        || qtype == GGML_Q8_0;
-}
+#define GROUP_ROWS 16
 
 /* Q4_0 and Q4_1: each of the file's blocks is one 24-byte kernel block (a Q4_K block is 8). */
 static inline int is_q4(int32_t qtype) { return qtype == GGML_Q4_0 || qtype == GGML_Q4_1; }
@@ -86,7 +68,6 @@ static inline int gguf_kernel_block_bytes(int32_t qtype) {
     if (qtype == GGML_Q8_0) return Q8_KERNEL_BYTES;
     return is_q4(qtype) ? Q4_KERNEL_BYTES : gguf_block_bytes(qtype);
 }
-
 
 static inline float f32_at(const uint8_t *p) {
     float f;

@@ -1,110 +1,57 @@
-/* gguf_matmul.c's kernel for Q4_0, Q4_1, Q4_K, Q5_K and Q8_0 blocks: x cut into int8 limbs,
- * integer dot products (AVX512-VNNI) against the weight's integers, made unsigned, 16 output
- * rows per register (Q8_0's differences: group_rows_q8).
+/* gguf_matmul.c's kernel: integer dot products (AVX512-VNNI) of x cut into int8 limbs
+ * (gguf_limbs.h) against a weight's integers, made unsigned, 16 output rows per register.
  *
- * A block's w . x = d (q . x) + m sum(x). With x held in integers, q . x is exact, and vpdpbusd
- * does 64 of its products an instruction against a float32 FMA's 16 (at the same rate here,
- * one a cycle). Three limbs take 24 of them per 16 outputs, 32 values and row of x, against the
- * float32 kernel's 32 FMAs, and no table lookups. The default model's 120 linear shapes (random
- * Q4_1 weights, 2 cores, the float32 kernel's time / this one's): float32 1.01-1.05x at 1 row
- * (bound by memory), 1.30x at 2, 1.49-1.52x at 4, 1.44-1.49x at 8, 1.47x at 16, 1.19x at 32;
- * bfloat16 1.12x at 1, 1.28x at 4, 1.34x at 8, 1.43x at 16.
+ * A 4- or 5-bit block's w . x = d (q . x) + m sum(x); a Q8_0 block's d (q . x); a Q6_K block's
+ * a0 (q . x over values 0-15) + a1 (over 16-31), q - 32 its values. With x held in integers,
+ * q . x is exact, and vpdpbusd does 64 of its products an instruction against a float32 FMA's
+ * 16 (at the same rate here, one a cycle). Three limbs take 24 of them per 16 outputs, 32 values
+ * and row of x, against the float32 FMA's 32, and no table lookups or widening. The default
+ * model's 120 linear shapes (random Q4_1 weights, 2 cores, the float32 kernel's time / this
+ * one's): float32 1.01-1.05x at 1 row (bound by memory), 1.30x at 2, 1.49-1.52x at 4,
+ * 1.44-1.49x at 8, 1.47x at 16, 1.19x at 32; bfloat16 1.12x at 1, 1.28x at 4, 1.34x at 8, 1.43x
+ * at 16. Its Q8_0 LM head [49152, 576]: 2.98 -> 2.16 ms at 8 rows.
  *
- * Each 32 values of a row of x become `limbs` int8 vectors with a power-of-two scale 2^e chosen
- * so |x| / 2^e < 64: x = 2^e (h + l1 / 128 + l2 / 128^2), h and each l in [-64, 64], every limb
- * rounded to nearest. Three limbs (float32 x) hold x to 2^-20 of the block's largest value: a
- * linear's outputs come within 1-4e-6 of the largest of the exact ones, where a float32 GEMM's
- * come within 3-5e-7. Two limbs (bfloat16 x) hold it to 2^-13, finer than bfloat16 does. The
- * limbs' dot products are summed in one int32 lane each, ((q.h << 7) + q.l1) << 7 + q.l2, at
- * most 32 * 31 * 64 * 128^2 + ... < 2^31 for 5-bit q. The power-of-two scale keeps exact inputs
- * exact: a one-hot x yields a weight's value to the bit, d * q + m rounded once as dequantize
- * rounds it.
+ * The limbs' dot products are summed in int32 lanes, ((q.h << 7) + q.l1) << 7 + q.l2: at most
+ * 32 * 31 * 64 * 128^2 + ... < 2^31 for 5-bit q, and 16 * 63 * ... per half for Q6_K's q + 32.
+ * Q8_0's could outgrow int32 (32 * 255 * ...): its first limb is summed apart from the others.
+ * Each type's offset that made q unsigned (+ 128, + 32) comes off in integers, from x's limb
+ * sums. A one-hot x yields a weight's value to the bit, rounded once as dequantize rounds it.
  *
- * The weight comes in groups of GROUP_ROWS output rows (gguf_layout.c), a group's 32-value
- * block as [16 float32 d][16 float32 m][4 x 64 bytes of nibbles] (+ 8 x 64-bit fifth-bit masks
- * for 5-bit blocks): byte 4c + i of nibble vector j holds values 4j + i (low) and 16 + 4j + i
- * (high) of row c. Low nibbles of vector j and high ones of vector j are then values 4j .. 4j +
- * 3 and 4 (j + 4) .. + 3 of all 16 rows, against x's dwords j and j + 4, broadcast. */
+ * The weight comes in groups of GROUP_ROWS output rows (gguf_layout.c). A group's 32-value
+ * block holds its 16 rows' scales, float32 (d and m; d; a0 and a1), then their values, 4 per
+ * row in each 64-byte vector: byte 4c + i of vector j is row c's value 4j + i, so vector j
+ * meets x's dword j, broadcast. 4- and 5-bit values are packed two to a byte, vector j's low
+ * nibbles values 4j + i and high ones 16 + 4j + i (vectors j and j + 4 once split), 5-bit
+ * values' fifth bits after them, as 8 64-bit masks of vector j's bytes. */
 #ifndef KILN_GGUF_INT_DOT_H
 #define KILN_GGUF_INT_DOT_H
 
 #include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "dtype.h"
 #include "gguf_blocks.h"
+#include "gguf_limbs.h"
 
-#define LIMB_SHIFT 7
-/* Group blocks a loop asks for ahead of the one it reads (see PREFETCH_BLOCKS). */
+/* Group blocks a loop asks for ahead of the one it reads: a decode step streams every weight
+ * from DRAM once, faster than the hardware prefetcher asks for it. At 1-2 rows the loop is
+ * quick enough that only asking further ahead, into L2, kept up with DRAM: random [2048, 2048]
+ * Q4_K at 1 row, us, 130 (8 blocks ahead into L1) -> 112 (16 into L2; 110 the float kernel's).
+ * From 3 rows on, 8 into L1 did better (the default model's linears at 8 rows 1.29-1.35x ->
+ * 1.44-1.49x the float kernel's speed). */
 #define GROUP_PREFETCH_BLOCKS 8
+#define GROUP_PREFETCH_L2_BLOCKS 16
 
-/* acc + the sums of 4 products u8 * s8 in each int32 lane (vpdpbusd). Without AVX512-VNNI, two
- * multiply-adds do it exactly: a pair of products here is at most 31 * 64 * 2 in magnitude, far
- * from int16's saturation. */
-static inline __m512i dot_add(__m512i acc, __m512i u8, __m512i s8) {
-#if defined(__AVX512VNNI__)
-    return _mm512_dpbusd_epi32(acc, u8, s8);
-#else
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u8, s8),
-                                                   _mm512_set1_epi16(1)));
-#endif
-}
+enum { GROUP_Q4, GROUP_Q5, GROUP_Q8, GROUP_Q6 }; /* how a group holds its values */
 
-/* Limbs of x [m, k] (dtype): xq [m, k / 32, limbs, 32] int8, the block's scale 2^(e - 7
- * (limbs - 1)) in dx and its sum of x as the limbs hold it in sx; the sums of its first limb in
- * hs and of its others, combined, ((l1 << 7) + l2), in ls; all [m, k / 32]. */
-static void quantize_x(const void *x, int dtype, int64_t m, int64_t k, int limbs, int8_t *xq,
-                       float *dx, float *sx, int32_t *hs, int32_t *ls) {
-    const int64_t nb = k / QK;
-    const __m512 limb = _mm512_set1_ps((float)(1 << LIMB_SHIFT));
-    for (int64_t i = 0; i < m * nb; ++i) {
-        __m512 v[2];
-        for (int h = 0; h < 2; ++h)
-            v[h] = dtype == KILN_F32
-                ? _mm512_loadu_ps((const float *)x + i * QK + 16 * h)
-                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                      (const __m256i *)((const uint16_t *)x + i * QK + 16 * h))), 16));
-        const __m512 a0 = _mm512_abs_ps(v[0]), a1 = _mm512_abs_ps(v[1]);
-        const __m512 inf = _mm512_set1_ps(INFINITY);
-        if (_mm512_cmp_ps_mask(a0, inf, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(a1, inf, _CMP_NLT_UQ)) {
-            /* inf or NaN: the block's outputs are NaN, as a float32 dot product's would be */
-            memset(xq + i * QK * limbs, 0, (size_t)(QK * limbs));
-            dx[i] = sx[i] = NAN;
-            hs[i] = ls[i] = 0;
-            continue;
-        }
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
-        int e = 0;
-        if (amax > 0.f) frexpf(amax, &e); /* amax < 2^e */
-        e -= 6;
-        /* Below 2^-100 the block counts as zero (its scale 2^-e would overflow): 1e-30 of any
-         * other value's contribution */
-        const int zero = amax == 0.f || e < -100;
-        dx[i] = zero ? 0.f : ldexpf(1.f, e - LIMB_SHIFT * (limbs - 1));
-        const __m512 inv = _mm512_set1_ps(zero ? 0.f : ldexpf(1.f, -e));
-        int8_t *q = xq + i * QK * limbs;
-        __m512i first = _mm512_setzero_si512(), rest = _mm512_setzero_si512();
-        for (int h = 0; h < 2; ++h) {
-            __m512 t = _mm512_mul_ps(v[h], inv); /* exact: a power of two */
-            for (int l = 0; l < limbs; ++l) {
-                const __m512 r = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                const __m512i ri = _mm512_cvtps_epi32(r);
-                _mm_storeu_si128((__m128i *)(q + l * QK + 16 * h), _mm512_cvtepi32_epi8(ri));
-                if (l == 0)
-                    first = _mm512_add_epi32(first, ri);
-                else /* limb l counts 128^(limbs - 1 - l) in rest */
-                    rest = _mm512_add_epi32(rest, _mm512_sllv_epi32(
-                        ri, _mm512_set1_epi32(LIMB_SHIFT * (limbs - 1 - l))));
-                t = _mm512_mul_ps(_mm512_sub_ps(t, r), limb); /* the remainder, exactly */
-            }
-        }
-        hs[i] = _mm512_reduce_add_epi32(first);
-        ls[i] = _mm512_reduce_add_epi32(rest);
-        /* The sum of x as the limbs hold it (exact in int32: at most 32 * 65 * 128^2), so that
-         * d (q . x) + m sum(x) is w . x for that x: summing x itself would weigh its rounding by
-         * q (0..15 for Q4_0) instead of q - 8. */
-        sx[i] = (float)(hs[i] * (1 << (LIMB_SHIFT * (limbs - 1))) + ls[i]) * dx[i];
+/* How a weight of the file's `qtype` is held in groups. */
+static inline int group_kind(int32_t qtype) {
+    switch (qtype) {
+        case GGML_Q5_K: return GROUP_Q5;
+        case GGML_Q8_0: return GROUP_Q8;
+        case GGML_Q6_K: return GROUP_Q6;
+        default: return GROUP_Q4;
     }
 }
 
@@ -120,36 +67,48 @@ static inline void store_group(const __m512 *acc, int M, const void *bias, void 
     }
 }
 
-/* Bytes of a group's 32-value block, 4- or 5-bit (five). */
-static inline int64_t group_block_bytes(int five) {
-    return GROUP_ROWS * (five ? Q5_KERNEL_BYTES : Q4_KERNEL_BYTES);
+/* Bytes of a group's 32-value block. */
+static inline int64_t group_block_bytes(int kind) {
+    const int bytes[] = {Q4_KERNEL_BYTES, Q5_KERNEL_BYTES, Q8_KERNEL_BYTES, Q6_KERNEL_BYTES};
+    return GROUP_ROWS * bytes[kind];
 }
 
-/* Output rows [g0, g1) * GROUP_ROWS for M rows of x in limbs (quantize_x); M and limbs are
- * compile-time constants at each call site, so the accumulators stay in registers. */
+/* Output rows [g0, g1) * GROUP_ROWS for M rows of x in limbs; kind, M and limbs are compile-time
+ * constants at each call site, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void group_rows(
-        const int8_t *xq, const float *dx, const float *sx, const uint8_t *weight,
-        const int five, const void *bias, void *out, const int M, const int limbs, int64_t g0,
-        int64_t g1, int64_t n, int64_t k, int dtype) {
-    const int64_t nb = k / QK, gbb = group_block_bytes(five);
+        const XLimbs *x, const uint8_t *weight, const int kind, const void *bias, void *out,
+        const int M, const int limbs, int64_t g0, int64_t g1, int64_t n, int64_t k, int dtype) {
+    const int64_t nb = k / QK, gbb = group_block_bytes(kind);
     const __m512i low = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(16);
+    const __m512 first_unit = _mm512_set1_ps((float)(1 << (LIMB_SHIFT * (limbs - 1))));
     for (int64_t g = g0; g < g1; ++g) {
         const uint8_t *wg = weight + g * nb * gbb;
         __m512 acc[MAX_ROWS];
         for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t *blk = wg + b * gbb;
-            for (int64_t line = 0; line < gbb; line += 64)
-                _mm_prefetch((const char *)(blk + GROUP_PREFETCH_BLOCKS * gbb + line),
-                             _MM_HINT_T0);
-            const __m512 d = _mm512_loadu_ps(blk), mv = _mm512_loadu_ps(blk + 64);
-            __m512i q[8]; /* q[j]: values 4j .. 4j + 3 of the 16 rows */
-            for (int j = 0; j < 4; ++j) {
-                const __m512i v = _mm512_loadu_si512(blk + 128 + 64 * j);
-                q[j] = _mm512_and_si512(v, low);
-                q[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            for (int64_t line = 0; line < gbb; line += 64) {
+                if (M <= 2)
+                    _mm_prefetch((const char *)(blk + GROUP_PREFETCH_L2_BLOCKS * gbb + line),
+                                 _MM_HINT_T1);
+                else
+                    _mm_prefetch((const char *)(blk + GROUP_PREFETCH_BLOCKS * gbb + line),
+                                 _MM_HINT_T0);
             }
-            if (five)
+            /* d and m; d; a0 and a1 */
+            const __m512 s0 = _mm512_loadu_ps(blk), s1 = _mm512_loadu_ps(blk + 64);
+            __m512i q[8]; /* q[j]: values 4j .. 4j + 3 of the 16 rows */
+            if (kind == GROUP_Q4 || kind == GROUP_Q5) {
+                for (int j = 0; j < 4; ++j) {
+                    const __m512i v = _mm512_loadu_si512(blk + 128 + 64 * j);
+                    q[j] = _mm512_and_si512(v, low);
+                    q[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                }
+            } else {
+                for (int j = 0; j < 8; ++j)
+                    q[j] = _mm512_loadu_si512(blk + (kind == GROUP_Q8 ? 64 : 128) + 64 * j);
+            }
+            if (kind == GROUP_Q5)
                 for (int j = 0; j < 8; ++j) {
                     uint64_t bits;
                     memcpy(&bits, blk + 384 + 8 * j, sizeof bits);
@@ -157,77 +116,48 @@ static inline __attribute__((always_inline)) void group_rows(
                 }
             for (int r = 0; r < M; ++r) {
                 const int64_t i = r * nb + b;
-                const int32_t *xr = (const int32_t *)(xq + i * QK * limbs);
+                const int32_t *xr = (const int32_t *)(x->q + i * QK * limbs);
                 /* Two chains of dot products per limb, values 0-15 and 16-31: one chain of all
-                 * 24 waited on each (8 rows: 1.14x the float32 kernel with one, 1.39x with
-                 * one per limb, 1.47x with these six). */
-                __m512i dot = _mm512_setzero_si512();
+                 * 24 waited on each (8 rows, Q4_1: 1.14x the float32 kernel with one, 1.39x
+                 * with one per limb, 1.47x with these six). */
+                __m512i lo[3], hi[3];
                 for (int l = 0; l < limbs; ++l) {
-                    __m512i low_half = _mm512_setzero_si512(), high_half = _mm512_setzero_si512();
+                    lo[l] = hi[l] = _mm512_setzero_si512();
                     for (int j = 0; j < 4; ++j) {
-                        low_half = dot_add(low_half, q[j], _mm512_set1_epi32(xr[8 * l + j]));
-                        high_half = dot_add(high_half, q[j + 4],
-                                            _mm512_set1_epi32(xr[8 * l + j + 4]));
+                        lo[l] = dot_add(lo[l], q[j], _mm512_set1_epi32(xr[8 * l + j]));
+                        hi[l] = dot_add(hi[l], q[j + 4], _mm512_set1_epi32(xr[8 * l + j + 4]));
                     }
-                    /* ((h << 7) + l1) << 7 + l2 */
-                    dot = _mm512_add_epi32(_mm512_slli_epi32(dot, LIMB_SHIFT),
-                                           _mm512_add_epi32(low_half, high_half));
                 }
-                /* d * 2^e exact, so d (q . x) rounds once */
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                         _mm512_mul_ps(d, _mm512_set1_ps(dx[i])), acc[r]);
-                acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sx[i]), acc[r]);
-            }
-        }
-        store_group(acc, M, bias, out, g * GROUP_ROWS, n, dtype);
-    }
-}
-
-/* group_rows for Q8_0 (Q8_KERNEL_BYTES a value block, q + 128 in 8 vectors as above). The
- * true q . x can outgrow int32 here (32 * 127 * 64 * 128^2), so the first limb's dot product
- * and the others' are kept apart and each corrected for the + 128 exactly in integers (hs, ls:
- * x's limb sums), then joined in float32. */
-static inline __attribute__((always_inline)) void group_rows_q8(
-        const int8_t *xq, const float *dx, const int32_t *hs, const int32_t *ls,
-        const uint8_t *weight, const void *bias, void *out, const int M, const int limbs,
-        int64_t g0, int64_t g1, int64_t n, int64_t k, int dtype) {
-    const int64_t nb = k / QK, gbb = GROUP_ROWS * Q8_KERNEL_BYTES;
-    const float first_weight = (float)(1 << (LIMB_SHIFT * (limbs - 1)));
-    for (int64_t g = g0; g < g1; ++g) {
-        const uint8_t *wg = weight + g * nb * gbb;
-        __m512 acc[MAX_ROWS];
-        for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t *blk = wg + b * gbb;
-            for (int64_t line = 0; line < gbb; line += 64)
-                _mm_prefetch((const char *)(blk + GROUP_PREFETCH_BLOCKS * gbb + line),
-                             _MM_HINT_T0);
-            const __m512 d = _mm512_loadu_ps(blk);
-            __m512i q[8]; /* q[j]: values 4j .. 4j + 3 of the 16 rows, + 128 */
-            for (int j = 0; j < 8; ++j) q[j] = _mm512_loadu_si512(blk + 64 + 64 * j);
-            for (int r = 0; r < M; ++r) {
-                const int64_t i = r * nb + b;
-                const int32_t *xr = (const int32_t *)(xq + i * QK * limbs);
-                __m512i first = _mm512_setzero_si512(), rest = _mm512_setzero_si512();
-                for (int l = 0; l < limbs; ++l) { /* two chains a limb, as group_rows */
-                    __m512i low_half = _mm512_setzero_si512(), high_half = _mm512_setzero_si512();
-                    for (int j = 0; j < 4; ++j) {
-                        low_half = dot_add(low_half, q[j], _mm512_set1_epi32(xr[8 * l + j]));
-                        high_half = dot_add(high_half, q[j + 4],
-                                            _mm512_set1_epi32(xr[8 * l + j + 4]));
+                const __m512 unit = _mm512_mul_ps(s0, _mm512_set1_ps(x->dx[i])); /* exact */
+                if (kind == GROUP_Q6) { /* each half ((h << 7) + l1) << 7 + l2, less 32 x */
+                    __m512i dlo = lo[0], dhi = hi[0];
+                    for (int l = 1; l < limbs; ++l) {
+                        dlo = _mm512_add_epi32(_mm512_slli_epi32(dlo, LIMB_SHIFT), lo[l]);
+                        dhi = _mm512_add_epi32(_mm512_slli_epi32(dhi, LIMB_SHIFT), hi[l]);
                     }
-                    const __m512i dot = _mm512_add_epi32(low_half, high_half);
-                    if (l == 0)
-                        first = dot;
-                    else
-                        rest = _mm512_add_epi32(_mm512_slli_epi32(rest, LIMB_SHIFT), dot);
+                    dlo = _mm512_sub_epi32(dlo, _mm512_set1_epi32(32 * x->half[2 * i]));
+                    dhi = _mm512_sub_epi32(dhi, _mm512_set1_epi32(32 * x->half[2 * i + 1]));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dlo), unit, acc[r]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dhi),
+                                             _mm512_mul_ps(s1, _mm512_set1_ps(x->dx[i])), acc[r]);
+                } else if (kind == GROUP_Q8) { /* the first limb apart, each less 128 x */
+                    __m512i first = _mm512_add_epi32(lo[0], hi[0]), rest = _mm512_setzero_si512();
+                    for (int l = 1; l < limbs; ++l)
+                        rest = _mm512_add_epi32(_mm512_slli_epi32(rest, LIMB_SHIFT),
+                                                _mm512_add_epi32(lo[l], hi[l]));
+                    first = _mm512_sub_epi32(first, _mm512_set1_epi32(128 * x->first[i]));
+                    rest = _mm512_sub_epi32(rest, _mm512_set1_epi32(128 * x->rest[i]));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rest), unit, acc[r]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first),
+                                             _mm512_mul_ps(unit, first_unit), acc[r]);
+                } else { /* ((h << 7) + l1) << 7 + l2, then + m sum(x) */
+                    __m512i dot = _mm512_add_epi32(lo[0], hi[0]);
+                    for (int l = 1; l < limbs; ++l)
+                        dot = _mm512_add_epi32(_mm512_slli_epi32(dot, LIMB_SHIFT),
+                                               _mm512_add_epi32(lo[l], hi[l]));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), unit, acc[r]);
+                    acc[r] = _mm512_fmadd_ps(s1, _mm512_set1_ps(x->sx[i]), acc[r]);
                 }
-                first = _mm512_sub_epi32(first, _mm512_set1_epi32(128 * hs[i]));
-                rest = _mm512_sub_epi32(rest, _mm512_set1_epi32(128 * ls[i]));
-                const __m512 s = _mm512_mul_ps(d, _mm512_set1_ps(dx[i])); /* exact */
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(rest), s, acc[r]);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first),
-                                         _mm512_mul_ps(s, _mm512_set1_ps(first_weight)), acc[r]);
             }
         }
         store_group(acc, M, bias, out, g * GROUP_ROWS, n, dtype);

@@ -1,6 +1,6 @@
 /* A weight's GGUF blocks into the layout the matmul kernel reads (gguf_blocks.h), once at load:
- * fp16 scales widened to float32, K-quant blocks cut into 32-value blocks, all but Q6_K's
- * interleaved in groups of 16 rows. Exact: the kernel's values stay those of gguf's dequantize.
+ * fp16 scales widened to float32, K-quant blocks cut into 32-value blocks, interleaved in
+ * groups of 16 rows. Exact: the kernel's values stay those of gguf's dequantize.
  * Called through kiln/native/gguf_matmul.py. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -29,8 +29,8 @@ static void k_scales(const uint8_t *blk, int qtype, KScales *s) {
     }
 }
 
-/* dst (nblocks * gguf_kernel_block_bytes) = the file's blocks src (4-, 5-bit or Q6_K) as rows of
- * kernel blocks. */
+/* dst = the file's nblocks blocks src (all types but Q8_0) as rows of 32-value blocks with
+ * float32 scales (gguf_blocks.h). */
 static void to_rows(const uint8_t *src, int32_t qtype, int64_t nblocks, uint8_t *dst) {
     const int bb = gguf_block_bytes(qtype);
     if (qtype == GGML_Q4_K || qtype == GGML_Q5_K) {
@@ -93,12 +93,13 @@ static void to_rows(const uint8_t *src, int32_t qtype, int64_t nblocks, uint8_t 
     }
 }
 
-/* GROUP_ROWS rows of nb 32-value blocks (bb bytes each: [d][m][nibbles](, fifth bits)) into
- * one group as gguf_int_dot.h reads it: per block, the 16 rows' d, their m, 4 vectors of
- * nibbles (row c's bytes 4j .. 4j + 3 at 64 j + 4 c), then for 5-bit blocks 8 masks (bit
- * 4 c + i of mask j: the fifth bit of row c's value 4 j + i). */
+/* GROUP_ROWS rows of nb 32-value blocks of to_rows (bb bytes each) into one group as
+ * gguf_int_dot.h reads it: per block, the 16 rows' first scales, their second ones, then their
+ * values, row c's 4 j .. 4 j + 3 at 64 j + 4 c of the values: 4-bit blocks' nibbles as they
+ * are (two values a byte), then for 5-bit blocks 8 masks (bit 4 c + i of mask j: the fifth bit
+ * of row c's value 4 j + i); Q6_K's int8 q - 32 as q, unsigned. */
 static void interleave(const uint8_t *rows, int64_t nb, int bb, uint8_t *dst) {
-    const int five = bb == Q5_KERNEL_BYTES;
+    const int five = bb == Q5_KERNEL_BYTES, six = bb == Q6_KERNEL_BYTES;
     for (int64_t b = 0; b < nb; ++b) {
         uint8_t *o = dst + b * GROUP_ROWS * bb;
         uint64_t masks[8] = {0};
@@ -106,7 +107,9 @@ static void interleave(const uint8_t *rows, int64_t nb, int bb, uint8_t *dst) {
             const uint8_t *blk = rows + (c * nb + b) * bb;
             memcpy(o + 4 * c, blk, 4);
             memcpy(o + 64 + 4 * c, blk + 4, 4);
-            for (int j = 0; j < 16; ++j) o[128 + (j / 4) * 64 + 4 * c + j % 4] = blk[8 + j];
+            for (int j = 0; j < (six ? QK : 16); ++j)
+                o[128 + (j / 4) * 64 + 4 * c + j % 4] =
+                    six ? (uint8_t)((int8_t)blk[8 + j] + 32) : blk[8 + j];
             if (five) {
                 uint32_t bits;
                 memcpy(&bits, blk + 24, sizeof bits);
@@ -136,15 +139,10 @@ static void interleave_q8(const uint8_t *rows, int64_t nb, uint8_t *dst) {
 
 /* dst (rows * row_blocks * gguf_kernel_block_bytes) = the file's blocks src ([rows,
  * row_blocks]) in the kernel's layout. 1 for a type it does not read (or without F16C, which
- * the kernel needs too); 2 when a type held in groups has rows that are no multiple of
- * GROUP_ROWS; 3 when out of memory. */
+ * the kernel needs too); 2 when rows are no multiple of GROUP_ROWS; 3 when out of memory. */
 int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t rows,
                                int64_t row_blocks, uint8_t *dst) {
     if (gguf_block_bytes(qtype) == 0 || rows < 0 || row_blocks < 0) return 1;
-    if (!is_grouped(qtype)) {
-        to_rows(src, qtype, rows * row_blocks, dst);
-        return 0;
-    }
     if (rows % GROUP_ROWS) return 2;
     if (qtype == GGML_Q8_0) {
         const int64_t group = GROUP_ROWS * row_blocks;
