@@ -6,7 +6,7 @@
  * q . x is exact, and vpdpbusd does 64 of its products an instruction against a float32 FMA's
  * 16 (at the same rate here, one a cycle). Three limbs take 24 of them per 16 outputs, 32 values
  * and row of x, against the float32 FMA's 32, and no table lookups or widening. The default
- * model's 120 linear shapes (random Q4_1 weights, 2 cores, the float32 kernel's time / this
+ * model's 120 linear shapes (random Q4_1 weights, 2 cores, the float kernel it replaced / this
  * one's): float32 1.01-1.05x at 1 row (bound by memory), 1.30x at 2, 1.49-1.52x at 4,
  * 1.44-1.49x at 8, 1.47x at 16, 1.19x at 32; bfloat16 1.12x at 1, 1.28x at 4, 1.34x at 8, 1.43x
  * at 16. Its Q8_0 LM head [49152, 576]: 2.98 -> 2.16 ms at 8 rows.
@@ -37,9 +37,9 @@
 /* Group blocks a loop asks for ahead of the one it reads: a decode step streams every weight
  * from DRAM once, faster than the hardware prefetcher asks for it. At 1-2 rows the loop is
  * quick enough that only asking further ahead, into L2, kept up with DRAM: random [2048, 2048]
- * Q4_K at 1 row, us, 130 (8 blocks ahead into L1) -> 112 (16 into L2; 110 the float kernel's).
+ * Q4_K at 1 row, us, 130 (8 blocks ahead into L1) -> 112 (16 into L2; 110 the old float kernel).
  * From 3 rows on, 8 into L1 did better (the default model's linears at 8 rows 1.29-1.35x ->
- * 1.44-1.49x the float kernel's speed). */
+ * 1.44-1.49x the old float kernel's speed). */
 #define GROUP_PREFETCH_BLOCKS 8
 #define GROUP_PREFETCH_L2_BLOCKS 16
 
