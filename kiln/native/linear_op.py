@@ -42,13 +42,15 @@ class Attached(NamedTuple):
     blocks: bool  # GGUF blocks
     qtype: int  # their ggml type id
     block_rows: int  # up to how many rows they serve (0: never)
+    limbs: int  # float32 x's int8 limbs in their kernel (gguf_matmul.float32_limbs; 0: none)
 
 
 def attached(weight: torch.Tensor) -> Attached:
     """What the weight carries (nothing for another tensor at its address: a view of it, or a
     later tensor once it is freed)."""
-    packed, gemv_rows, blocks, qtype, block_rows = torch.ops.kiln._cpu_linear_attached(weight)
-    return Attached(bool(packed), gemv_rows, bool(blocks), qtype, block_rows)
+    packed, gemv_rows, blocks, qtype, block_rows, limbs = torch.ops.kiln._cpu_linear_attached(
+        weight)
+    return Attached(bool(packed), gemv_rows, bool(blocks), qtype, block_rows, limbs)
 
 
 def _forget_when_freed(weight: torch.Tensor) -> None:
@@ -67,16 +69,18 @@ def attach_packed(weight: torch.Tensor, packed: torch.Tensor, gemv_rows: int) ->
     _forget_when_freed(weight)
 
 
-def attach_blocks(weight: torch.Tensor, blocks: torch.Tensor, qtype: int, max_rows: int) -> None:
+def attach_blocks(weight: torch.Tensor, blocks: torch.Tensor, qtype: int, max_rows: int,
+                  limbs: int = 3) -> None:
     """Calls of up to max_rows rows read `blocks` (that `gguf_matmul.serves` accepted, in the
-    kernel's layout: `gguf_matmul.kernel_blocks`)."""
+    kernel's layout: `gguf_matmul.kernel_blocks`), float32 x in `limbs` limbs
+    (`gguf_matmul.float32_limbs`)."""
     if max_rows > 0:  # the kernel reads the whole shape without bounds: refuse any other
         want = (weight.shape[0], gguf_matmul.row_bytes(qtype, weight.shape[1], kernel_layout=True))
         if tuple(blocks.shape) != want or blocks.dtype != torch.uint8:
             raise ValueError(f"blocks {blocks.dtype} {tuple(blocks.shape)} are not the kernel "
                              f"layout {want} of weight {tuple(weight.shape)} (ggml type {qtype}): "
                              "convert the file's blocks with gguf_matmul.kernel_blocks")
-    torch.ops.kiln._cpu_linear_attach_blocks(weight, blocks, qtype, max_rows)
+    torch.ops.kiln._cpu_linear_attach_blocks(weight, blocks, qtype, max_rows, limbs)
     _forget_when_freed(weight)
 
 

@@ -136,6 +136,23 @@ def test_gguf_blocks_take_the_few_row_steps_they_win(monkeypatch, dtype):
 
 
 @pytest.mark.skipif(not gguf_matmul.available(), reason="the GGUF kernel needs AVX-512")
+def test_float32_matmul_precision_at_load_sets_the_blocks_limbs():
+    from gguf_blocks import quantized_blocks
+
+    q41 = gguf_matmul.QTYPES["Q4_1"]
+    before = torch.get_float32_matmul_precision()
+    try:
+        for precision, limbs in (("highest", 3), ("high", 2), ("medium", 2)):
+            torch.set_float32_matmul_precision(precision)
+            weight = torch.randn(16, 64)
+            blocks = torch.from_numpy(quantized_blocks(weight.numpy(), "Q4_1"))
+            assert cpu_gemm.attach_gguf_blocks(weight, q41, blocks)
+            assert linear_op.attached(weight).limbs == limbs
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.skipif(not gguf_matmul.available(), reason="the GGUF kernel needs AVX-512")
 def test_blocks_that_never_pay_in_a_dtype_are_not_kept(monkeypatch):
     import gguf
     from gguf_blocks import quantized_blocks

@@ -81,6 +81,27 @@ def test_integer_kernel_stays_near_float32_rounding(qtype_name):
         assert err <= 5e-6 * scale, (err / scale, dense_err / scale)
 
 
+def test_float32_matmul_precision_high_takes_two_limbs():
+    """torch.set_float32_matmul_precision("high") lets float32 x be held to 2^-13 of each 32
+    values' largest (two limbs), as bfloat16 x is: coarser than at "highest", within TF32's
+    rounding (2^-11), which "high" allows on a GPU."""
+    blocks, values = _blocks("Q4_1", 64, 1536)
+    q41 = gguf_matmul.QTYPES["Q4_1"]
+    kernel_rows = gguf_matmul.kernel_blocks(q41, blocks)
+    x = torch.randn(8, 1536, generator=torch.Generator().manual_seed(0))
+    exact = x.double() @ values.double().T
+    errors = {}
+    before = torch.get_float32_matmul_precision()
+    try:
+        for precision in ("highest", "high"):
+            torch.set_float32_matmul_precision(precision)
+            got = gguf_matmul.quantized_linear(x, kernel_rows, q41, 64).double()
+            errors[precision] = ((got - exact).abs().max() / exact.abs().max()).item()
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert errors["highest"] <= 5e-6 < errors["high"] <= 2 ** -11, errors
+
+
 def test_integer_kernel_passes_nan_and_inf_on():
     """x cut into limbs must not turn a NaN or inf into a finite result."""
     blocks, values = _blocks("Q4_1", 16, 256)

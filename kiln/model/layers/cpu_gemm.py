@@ -111,5 +111,7 @@ def attach_gguf_blocks(weight: torch.Tensor, qtype: int, blocks: torch.Tensor) -
     rows = gguf_matmul.rows_worth_it(weight.dtype, qtype)
     if rows == 0:  # they would never beat the dense weight in this dtype
         return False
-    linear_op.attach_blocks(weight, gguf_matmul.kernel_blocks(qtype, blocks), qtype, rows)
+    # torch's float32 matmul precision as the model loads sets how precisely float32 x is held
+    linear_op.attach_blocks(weight, gguf_matmul.kernel_blocks(qtype, blocks), qtype, rows,
+                            gguf_matmul.float32_limbs())
     return True

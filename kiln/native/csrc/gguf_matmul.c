@@ -65,8 +65,8 @@ static void matmul_groups(const XLimbs *x, int limbs, const uint8_t *weight, int
  * mostly in its L2 for the next. */
 static int grouped_matmul(const void *x, const uint8_t *weight, int32_t qtype, const void *bias,
                           void *out, int32_t m, int64_t n, int64_t k, int32_t dtype,
-                          int32_t num_threads) {
-    const int limbs = dtype == KILN_F32 ? 3 : 2, kind = group_kind(qtype);
+                          int32_t limbs, int32_t num_threads) {
+    const int kind = group_kind(qtype);
     const int64_t ng = n / GROUP_ROWS;
     const size_t elem = dtype == KILN_F32 ? sizeof(float) : sizeof(uint16_t);
     XLimbs xl;
@@ -89,17 +89,20 @@ static int grouped_matmul(const void *x, const uint8_t *weight, int32_t qtype, c
 #endif
 
 /* out [m, n] = x [m, k] @ W^T (+ bias [n]), W in the kernel's layout, m >= 1, k a multiple of
- * the type's block values (32, or 256 for K-quants), n a multiple of GROUP_ROWS. 1 for
- * arguments it cannot take, 2 when out of memory. */
+ * the type's block values (32, or 256 for K-quants), n a multiple of GROUP_ROWS. float32 x is
+ * cut into f32_limbs limbs: 3 for float32 precision, 2 where torch's float32 matmul precision
+ * allows less (bfloat16 x always takes 2). 1 for arguments it cannot take, 2 when out of
+ * memory. */
 int kiln_gguf_matmul(const void *x, const uint8_t *weight, int32_t qtype, const void *bias,
                      void *out, int32_t m, int64_t n, int64_t k, int32_t dtype,
-                     int32_t num_threads) {
+                     int32_t f32_limbs, int32_t num_threads) {
     const int vpb = gguf_block_values(qtype);
     if (!KILN_GGUF_SIMD || gguf_block_bytes(qtype) == 0 || m < 1 || k < vpb || k % vpb
-            || n % GROUP_ROWS)
+            || n % GROUP_ROWS || (f32_limbs != 2 && f32_limbs != 3))
         return 1;
 #if KILN_GGUF_SIMD
-    return grouped_matmul(x, weight, qtype, bias, out, m, n, k, dtype, num_threads);
+    return grouped_matmul(x, weight, qtype, bias, out, m, n, k, dtype,
+                          dtype == KILN_F32 ? f32_limbs : 2, num_threads);
 #else
     (void)x, (void)weight, (void)bias, (void)out, (void)dtype, (void)num_threads;
     return 1;

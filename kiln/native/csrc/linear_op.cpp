@@ -36,7 +36,7 @@ using GemvFn = int (*)(const void *x, const void *weight, const void *bias, void
                        int64_t n, int64_t k, int32_t dtype, int32_t num_threads);
 using GgufFn = int (*)(const void *x, const uint8_t *blocks, int32_t qtype, const void *bias,
                        void *out, int32_t m, int64_t n, int64_t k, int32_t dtype,
-                       int32_t num_threads);
+                       int32_t f32_limbs, int32_t num_threads);
 /* csrc/layer_ops.c's kiln_silu_and_mul. */
 using SiluMulFn = int (*)(const void *x, int64_t x_stride, void *out, int64_t rows, int32_t d,
                           int32_t dtype, int32_t num_threads);
@@ -55,6 +55,7 @@ struct Attached {
     at::Tensor blocks;       /* the GGUF blocks [out, row_bytes] uint8; undefined: none */
     int64_t qtype = 0;       /* their ggml type id */
     int64_t block_rows = 0;  /* up to how many rows they beat the dense weight; 0: never */
+    int64_t limbs = 3;       /* float32 x's limbs in their kernel (gguf_matmul.c) */
 };
 
 std::shared_mutex registry_mutex;
@@ -100,7 +101,10 @@ at::Tensor packed_gemm(const at::Tensor &x, const at::Tensor &packed, int64_t ou
 
 at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &weight,
                       const std::optional<at::Tensor> &bias) {
-    struct { at::Tensor packed, blocks; int64_t gemv_rows = 0, qtype = 0, block_rows = 0; } a;
+    struct {
+        at::Tensor packed, blocks;
+        int64_t gemv_rows = 0, qtype = 0, block_rows = 0, limbs = 3;
+    } a;
     bool found;
     {
         std::shared_lock lock(registry_mutex);
@@ -110,6 +114,7 @@ at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &weight,
             const Attached &e = it->second;
             a.packed = e.packed, a.blocks = e.blocks;
             a.gemv_rows = e.gemv_rows, a.qtype = e.qtype, a.block_rows = e.block_rows;
+            a.limbs = e.limbs;
         }
     }
     if (!found || x.scalar_type() != weight.scalar_type()) {
@@ -135,7 +140,8 @@ at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &weight,
             count(PATH_BLOCKS);
             rc = gguf(xc.data_ptr(), static_cast<const uint8_t *>(a.blocks.data_ptr()),
                       static_cast<int32_t>(a.qtype), b, out.data_ptr(),
-                      static_cast<int32_t>(rows), n, k, dtype, threads);
+                      static_cast<int32_t>(rows), n, k, dtype, static_cast<int32_t>(a.limbs),
+                      threads);
         } else {
             count(PATH_GEMV);
             rc = gemv(xc.data_ptr(), weight.data_ptr(), b, out.data_ptr(),
@@ -224,12 +230,14 @@ void attach_packed(const at::Tensor &weight, const at::Tensor &packed, int64_t g
 }
 
 void attach_blocks(const at::Tensor &weight, const at::Tensor &blocks, int64_t qtype,
-                   int64_t max_rows) {
+                   int64_t max_rows, int64_t limbs) {
+    TORCH_CHECK(limbs == 2 || limbs == 3, "attach_blocks: limbs must be 2 or 3, got ", limbs);
     std::unique_lock lock(registry_mutex);
     Attached &a = entry_for(weight);
     a.blocks = blocks;
     a.qtype = qtype;
     a.block_rows = max_rows;
+    a.limbs = limbs;
 }
 
 /* The weight whose storage was `storage` is gone: forget its entry, unless the address has
@@ -246,9 +254,10 @@ void detach(int64_t address, int64_t storage) {
 std::vector<int64_t> attached(const at::Tensor &weight) {
     std::shared_lock lock(registry_mutex);
     auto it = registry.find(weight.data_ptr());
-    if (it == registry.end() || !is_for(it->second, weight)) return {0, 0, 0, 0, 0};
+    if (it == registry.end() || !is_for(it->second, weight)) return {0, 0, 0, 0, 0, 0};
     const Attached &a = it->second;
-    return {a.packed.defined(), a.gemv_rows, a.blocks.defined(), a.qtype, a.block_rows};
+    return {a.packed.defined(), a.gemv_rows, a.blocks.defined(), a.qtype, a.block_rows,
+            a.blocks.defined() ? a.limbs : 0};
 }
 
 void set_kernels(int64_t gemv, int64_t gguf, int64_t silu_mul) {
@@ -273,7 +282,8 @@ std::vector<int64_t> path_counts() {
 TORCH_LIBRARY_FRAGMENT(kiln, m) {
     m.def("_cpu_linear_attach_packed(Tensor weight, Tensor packed, int gemv_rows) -> ()",
           &attach_packed);
-    m.def("_cpu_linear_attach_blocks(Tensor weight, Tensor blocks, int qtype, int max_rows) -> ()",
+    m.def("_cpu_linear_attach_blocks(Tensor weight, Tensor blocks, int qtype, int max_rows, "
+          "int limbs=3) -> ()",
           &attach_blocks);
     m.def("_cpu_linear_detach(int address, int storage) -> ()", &detach);
     m.def("_cpu_linear_attached(Tensor weight) -> int[]", &attached);
