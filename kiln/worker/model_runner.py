@@ -265,8 +265,10 @@ class ModelRunner:
         samples = input_prep.sampling_mask(num_computed, num_sched, known)
         n_sample = int(samples.sum())
         sample_rows = input_prep.logits_indices(qsl, samples)
-        self.logits_indices_np[:n_sample] = sample_rows
         logits_rows = input_prep.as_slice(sample_rows)
+        if logits_rows is None:  # rows with gaps: a tensor index on the device
+            self.logits_indices_np[:n_sample] = sample_rows
+            logits_rows = self._to_device(self.logits_indices, self.logits_indices_cpu, n_sample)
 
         attn_metadata = AttentionMetadata(
             num_actual_tokens=num_tokens, num_reqs=md_reqs,
@@ -297,8 +299,7 @@ class ModelRunner:
             positions=self._to_device(self.positions, self.positions_cpu, num_input),
             attn_metadata=attn_metadata,
             sample_req_ids=[r for r, s in zip(req_ids, samples) if s],
-            logits_indices=logits_rows if logits_rows is not None else self._to_device(
-                self.logits_indices, self.logits_indices_cpu, n_sample),
+            logits_indices=logits_rows,
             cudagraph_mode=cg_mode, batch_descriptor=desc)
 
     def _sampling_metadata(self, states: list[CachedRequestState],

@@ -78,13 +78,12 @@ class Worker:
             sched = self.kiln_config.scheduler_config
             num_blocks = min(num_blocks, kv_cache_sizing.useful_block_cap(
                 sched.max_num_seqs, self.kiln_config.model_config.max_model_len, cache.block_size))
-        logger.info("KV cache budget %.3f GiB; using %d blocks of %d tokens (%d bytes per block)",
-                    budget / kv_cache_sizing.GiB, num_blocks, cache.block_size, block_bytes)
-        if self.device.type == "cpu":
             warning = kv_cache_sizing.cpu_budget_warning(num_blocks * block_bytes,
                                                          current_platform.mem_get_info()[0])
             if warning:
                 logger.warning("%s; lower %s", warning, knob)
+        logger.info("KV cache budget %.3f GiB; using %d blocks of %d tokens (%d bytes per block)",
+                    budget / kv_cache_sizing.GiB, num_blocks, cache.block_size, block_bytes)
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         max_len = self.kiln_config.model_config.max_model_len

@@ -46,8 +46,8 @@ static inline int gguf_block_values(int32_t qtype) {
  * - a Q4_K sub-block: the same, d = d * sc and m = -(dmin * m) (both exact in float32, and
  *   a * q + -b rounds as a * q - b);
  * - a Q5_K sub-block: [d][m][nibbles][4 bytes: bit j value j's fifth bit], 28 bytes;
- * - a Q6_K sub-block: [float32 a0][float32 a1][32 int8 q - 32], a scale (d * scale, exact) per
- *   16 values, 40 bytes;
+ * - a Q6_K sub-block: [float32 a0][float32 a1][32 bytes q, the values + 32], a scale (d * scale,
+ *   exact) per 16 values, 40 bytes;
  * - Q8_0: [float32 d][32 bytes q + 128], 36 bytes.
  * Then every weight's blocks are interleaved in groups of GROUP_ROWS output rows (gguf_int_dot.h
  * describes a group), so the integer kernel computes a group's 16 outputs in one register. */
@@ -67,12 +67,6 @@ static inline int gguf_kernel_block_bytes(int32_t qtype) {
     if (qtype == GGML_Q6_K) return K_SUBBLOCKS * Q6_KERNEL_BYTES;
     if (qtype == GGML_Q8_0) return Q8_KERNEL_BYTES;
     return is_q4(qtype) ? Q4_KERNEL_BYTES : gguf_block_bytes(qtype);
-}
-
-static inline float f32_at(const uint8_t *p) {
-    float f;
-    memcpy(&f, p, sizeof f);
-    return f;
 }
 
 #endif

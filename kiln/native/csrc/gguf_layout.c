@@ -29,8 +29,8 @@ static void k_scales(const uint8_t *blk, int qtype, KScales *s) {
     }
 }
 
-/* dst = the file's nblocks blocks src (all types but Q8_0) as rows of 32-value blocks with
- * float32 scales (gguf_blocks.h). */
+/* dst = the file's nblocks blocks src as rows of 32-value blocks with float32 scales and
+ * unsigned values (gguf_blocks.h). */
 static void to_rows(const uint8_t *src, int32_t qtype, int64_t nblocks, uint8_t *dst) {
     const int bb = gguf_block_bytes(qtype);
     if (qtype == GGML_Q4_K || qtype == GGML_Q5_K) {
@@ -73,11 +73,19 @@ static void to_rows(const uint8_t *src, int32_t qtype, int64_t nblocks, uint8_t 
                  * when u / 2 is odd), 2 high bits from qh[32 (u / 4) + t] >> 2 (u % 4) */
                 const uint8_t *ql = s + (u >> 2) * 64 + (u & 1) * 32, *qh = s + 128 + (u >> 2) * 32;
                 const int lshift = ((u >> 1) & 1) * 4, hshift = 2 * (u & 3);
-                for (int t = 0; t < 32; ++t) {
-                    const int q = ((ql[t] >> lshift) & 15) | (((qh[t] >> hshift) & 3) << 4);
-                    o[8 + t] = (uint8_t)(int8_t)(q - 32);
-                }
+                for (int t = 0; t < 32; ++t) /* q, the value + 32 */
+                    o[8 + t] = (uint8_t)(((ql[t] >> lshift) & 15) | (((qh[t] >> hshift) & 3) << 4));
             }
+        }
+        return;
+    }
+    if (qtype == GGML_Q8_0) {
+        for (int64_t b = 0; b < nblocks; ++b) {
+            const uint8_t *s = src + b * bb;
+            uint8_t *o = dst + b * Q8_KERNEL_BYTES;
+            const float d = half_at(s);
+            memcpy(o, &d, sizeof d);
+            for (int t = 0; t < QK; ++t) o[4 + t] = (uint8_t)((int8_t)s[2 + t] + 128);
         }
         return;
     }
@@ -94,46 +102,28 @@ static void to_rows(const uint8_t *src, int32_t qtype, int64_t nblocks, uint8_t 
 }
 
 /* GROUP_ROWS rows of nb 32-value blocks of to_rows (bb bytes each) into one group as
- * gguf_int_dot.h reads it: per block, the 16 rows' first scales, their second ones, then their
- * values, row c's 4 j .. 4 j + 3 at 64 j + 4 c of the values: 4-bit blocks' nibbles as they
- * are (two values a byte), then for 5-bit blocks 8 masks (bit 4 c + i of mask j: the fifth bit
- * of row c's value 4 j + i); Q6_K's int8 q - 32 as q, unsigned. */
+ * gguf_int_dot.h reads it: per block, the 16 rows' first scales (and their second ones), then
+ * their values, row c's bytes 4 j .. 4 j + 3 at 64 j + 4 c of the values (4-bit ones two
+ * values a byte), then for 5-bit blocks 8 masks (bit 4 c + i of mask j: the fifth bit of row
+ * c's value 4 j + i). */
 static void interleave(const uint8_t *rows, int64_t nb, int bb, uint8_t *dst) {
-    const int five = bb == Q5_KERNEL_BYTES, six = bb == Q6_KERNEL_BYTES;
+    const int five = bb == Q5_KERNEL_BYTES, scales = bb == Q8_KERNEL_BYTES ? 1 : 2;
+    const int value_bytes = bb == Q4_KERNEL_BYTES || five ? 16 : QK;
     for (int64_t b = 0; b < nb; ++b) {
-        uint8_t *o = dst + b * GROUP_ROWS * bb;
+        uint8_t *o = dst + b * GROUP_ROWS * bb, *values = o + 64 * scales;
         uint64_t masks[8] = {0};
         for (int c = 0; c < GROUP_ROWS; ++c) {
-            const uint8_t *blk = rows + (c * nb + b) * bb;
-            memcpy(o + 4 * c, blk, 4);
-            memcpy(o + 64 + 4 * c, blk + 4, 4);
-            for (int j = 0; j < (six ? QK : 16); ++j)
-                o[128 + (j / 4) * 64 + 4 * c + j % 4] =
-                    six ? (uint8_t)((int8_t)blk[8 + j] + 32) : blk[8 + j];
+            const uint8_t *blk = rows + (c * nb + b) * bb, *v = blk + 4 * scales;
+            for (int sc = 0; sc < scales; ++sc) memcpy(o + 64 * sc + 4 * c, blk + 4 * sc, 4);
+            for (int j = 0; j < value_bytes; ++j) values[(j / 4) * 64 + 4 * c + j % 4] = v[j];
             if (five) {
                 uint32_t bits;
-                memcpy(&bits, blk + 24, sizeof bits);
+                memcpy(&bits, v + 16, sizeof bits);
                 for (int t = 0; t < QK; ++t)
                     masks[t / 4] |= (uint64_t)((bits >> t) & 1) << (4 * c + t % 4);
             }
         }
-        if (five) memcpy(o + 384, masks, sizeof masks);
-    }
-}
-
-/* GROUP_ROWS rows of nb of the file's Q8_0 blocks (fp16 d, 32 int8 q) into one group: per
- * block, the 16 rows' d in float32, then 8 vectors of q + 128 (row c's values 4 j .. 4 j + 3
- * at 64 j + 4 c), unsigned as the integer dot product wants them. */
-static void interleave_q8(const uint8_t *rows, int64_t nb, uint8_t *dst) {
-    for (int64_t b = 0; b < nb; ++b) {
-        uint8_t *o = dst + b * GROUP_ROWS * Q8_KERNEL_BYTES;
-        for (int c = 0; c < GROUP_ROWS; ++c) {
-            const uint8_t *blk = rows + (c * nb + b) * gguf_block_bytes(GGML_Q8_0);
-            const float d = half_at(blk);
-            memcpy(o + 4 * c, &d, sizeof d);
-            for (int t = 0; t < QK; ++t)
-                o[64 + (t / 4) * 64 + 4 * c + t % 4] = (uint8_t)((int8_t)blk[2 + t] + 128);
-        }
+        if (five) memcpy(values + 256, masks, sizeof masks);
     }
 }
 
@@ -144,13 +134,6 @@ int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t rows,
                                int64_t row_blocks, uint8_t *dst) {
     if (gguf_block_bytes(qtype) == 0 || rows < 0 || row_blocks < 0) return 1;
     if (rows % GROUP_ROWS) return 2;
-    if (qtype == GGML_Q8_0) {
-        const int64_t group = GROUP_ROWS * row_blocks;
-        for (int64_t g = 0; g < rows / GROUP_ROWS; ++g)
-            interleave_q8(src + g * group * gguf_block_bytes(qtype), row_blocks,
-                          dst + g * group * Q8_KERNEL_BYTES);
-        return 0;
-    }
     /* 32-value blocks a row, and bytes of each */
     const int64_t nb = row_blocks * (gguf_block_values(qtype) / QK);
     const int bb = gguf_kernel_block_bytes(qtype) / (gguf_block_values(qtype) / QK);

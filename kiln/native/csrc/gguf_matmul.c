@@ -11,8 +11,6 @@
  * are in dtype (dtype.h).
  */
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
 #include <omp.h>
 
