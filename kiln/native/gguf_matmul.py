@@ -87,28 +87,29 @@ def row_bytes(qtype: int, in_features: int, kernel_layout: bool = False) -> int:
 
 
 def group_rows() -> int:
-    """Output rows the kernel's layout holds a weight in groups of: its out_features must be a
-    multiple."""
+    """Output rows the kernel's layout holds a weight in groups of."""
     return _lib().kiln_gguf_group_rows()
+
+
+def kernel_shape(qtype: int, out_features: int, in_features: int) -> tuple[int, int]:
+    """Shape of a [out_features, in_features] weight's blocks in the kernel's layout: its rows
+    rounded up to whole groups (the last one padded with zero rows), of kernel row bytes."""
+    groups = -(-out_features // group_rows())
+    return groups * group_rows(), row_bytes(qtype, in_features, kernel_layout=True)
 
 
 def kernel_blocks(qtype: int, rows: torch.Tensor) -> torch.Tensor:
     """The file's blocks `rows` (uint8 [out, row_bytes], as `serves` accepts them) in the layout
     the kernel reads (csrc/gguf_blocks.h): fp16 scales widened to float32 and K-quant blocks cut
     into 32-value ones once, here, instead of in every decode step, and interleaved in groups
-    of 16 rows (`serves` asks for whole groups): the result keeps the shape [out, kernel row
-    bytes], but not a row per row."""
+    of 16 rows, the last one padded with zero rows: [`kernel_shape`], but not a row per row."""
     per_block = _lib().kiln_gguf_block_bytes(qtype)
     if (rows.dtype != torch.uint8 or rows.dim() != 2 or per_block == 0
             or rows.shape[1] % per_block or not rows.is_contiguous()):
         raise ValueError(f"expected contiguous uint8 [out, row_bytes] blocks of ggml type {qtype}, "
                          f"got {rows.dtype} {tuple(rows.shape)}")
-    if rows.shape[0] % group_rows():
-        raise ValueError(f"the kernel holds weights in groups of {group_rows()} rows: "
-                         f"{rows.shape[0]} rows are not whole groups")
     in_features = rows.shape[1] // per_block * _lib().kiln_gguf_block_values(qtype)
-    out = torch.empty(rows.shape[0], row_bytes(qtype, in_features, kernel_layout=True),
-                      dtype=torch.uint8)
+    out = torch.empty(kernel_shape(qtype, rows.shape[0], in_features), dtype=torch.uint8)
     build.check(_layout_lib().kiln_gguf_to_kernel_layout(
         rows.data_ptr(), qtype, rows.shape[0], rows.shape[1] // per_block, out.data_ptr()),
         "kiln_gguf_to_kernel_layout (1: a type it does not read, 3: out of memory)")
@@ -121,7 +122,6 @@ def serves(qtype: int, rows: torch.Tensor, weight: torch.Tensor) -> bool:
     out_features, in_features = weight.shape
     return (qtype in QTYPES.values() and available() and weight.dtype in build.DTYPES
             and in_features % _lib().kiln_gguf_block_values(qtype) == 0
-            and out_features % group_rows() == 0
             and rows.dtype == torch.uint8
             and rows.is_contiguous() and tuple(rows.shape) == (
                 out_features, row_bytes(qtype, in_features)))
@@ -132,7 +132,7 @@ def quantized_linear(x: torch.Tensor, rows: torch.Tensor, qtype: int, out_featur
     """x [..., k] with 1 or more rows @ the blocks' values^T (+ bias) -> [..., out_features],
     in x's dtype; `rows` in the kernel's layout (`kernel_blocks` of blocks `serves` accepted)."""
     k = x.shape[-1]
-    if tuple(rows.shape) != (out_features, row_bytes(qtype, k, kernel_layout=True)):
+    if tuple(rows.shape) != kernel_shape(qtype, out_features, k):
         raise ValueError(f"blocks {tuple(rows.shape)} are not the kernel layout of a "
                          f"[{out_features}, {k}] weight of ggml type {qtype} (see kernel_blocks)")
     if not x.is_contiguous():

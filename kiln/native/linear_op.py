@@ -75,7 +75,7 @@ def attach_blocks(weight: torch.Tensor, blocks: torch.Tensor, qtype: int, max_ro
     kernel's layout: `gguf_matmul.kernel_blocks`), float32 x in `limbs` limbs
     (`gguf_matmul.float32_limbs`)."""
     if max_rows > 0:  # the kernel reads the whole shape without bounds: refuse any other
-        want = (weight.shape[0], gguf_matmul.row_bytes(qtype, weight.shape[1], kernel_layout=True))
+        want = gguf_matmul.kernel_shape(qtype, *weight.shape)
         if tuple(blocks.shape) != want or blocks.dtype != torch.uint8:
             raise ValueError(f"blocks {blocks.dtype} {tuple(blocks.shape)} are not the kernel "
                              f"layout {want} of weight {tuple(weight.shape)} (ggml type {qtype}): "

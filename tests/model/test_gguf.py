@@ -298,3 +298,16 @@ def test_default_model_matches_transformers():
     ids, pos, md = build_step(BlockPool(16, 16), [PagedRequest(prompt)], [len(prompt)])
     diff = (run_step(model, cfg, ids, pos, md) - ref).abs().max().item()
     assert diff < 1e-3, diff
+
+
+@pytest.mark.skipif(not gguf_matmul.available(), reason="the GGUF kernel needs AVX-512")
+def test_vocabulary_of_no_whole_groups_keeps_the_heads_blocks(tmp_path, monkeypatch):
+    """The kernel holds weights in groups of 16 rows; a 500-word vocabulary (like Llama
+    fine-tunes' 32001) pads the head's last group, and its decode steps still read the blocks."""
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
+    model_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False, vocab_size=500)
+    types = {part: "Q8_0" for part in ("token_embd", "attn_q", "attn_k", "attn_v",
+                                       "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output")}
+    model, cfg = _load_tiny(model_dir, tmp_path, types)
+    assert model.lm_head.weight.shape[0] == 500
+    _assert_decode_reads_blocks(model, cfg)

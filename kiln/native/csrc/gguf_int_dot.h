@@ -55,13 +55,15 @@ static inline int group_kind(int32_t qtype) {
     }
 }
 
-/* out [M, o .. o + 16) = acc (+ bias) in dtype; out's rows are n wide. */
+/* out [M, o .. o + 16) = acc (+ bias) in dtype; out's rows are n wide, and the last group's
+ * columns past n (the layout's zero rows) are not written. */
 static inline void store_group(const __m512 *acc, int M, const void *bias, void *out, int64_t o,
                                int64_t n, int dtype) {
+    const int cols = n - o < GROUP_ROWS ? (int)(n - o) : GROUP_ROWS;
     for (int r = 0; r < M; ++r) {
         float v[GROUP_ROWS];
         _mm512_storeu_ps(v, acc[r]);
-        for (int c = 0; c < GROUP_ROWS; ++c)
+        for (int c = 0; c < cols; ++c)
             store_elem(out, r * n + o + c, v[c] + (bias ? load_elem(bias, o + c, dtype) : 0.f),
                        dtype);
     }

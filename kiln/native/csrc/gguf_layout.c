@@ -127,21 +127,24 @@ static void interleave(const uint8_t *rows, int64_t nb, int bb, uint8_t *dst) {
     }
 }
 
-/* dst (rows * row_blocks * gguf_kernel_block_bytes) = the file's blocks src ([rows,
- * row_blocks]) in the kernel's layout. 1 for a type it does not read (or without F16C, which
- * the kernel needs too); 2 when rows are no multiple of GROUP_ROWS; 3 when out of memory. */
+/* dst (padded rows * row_blocks * gguf_kernel_block_bytes, rows rounded up to whole groups of
+ * GROUP_ROWS) = the file's blocks src ([rows, row_blocks]) in the kernel's layout. The last
+ * group's missing rows are zeros: every scale 0, so their outputs are 0 and go unwritten.
+ * 1 for a type it does not read (or without F16C, which the kernel needs too); 3 when out of
+ * memory. */
 int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t rows,
                                int64_t row_blocks, uint8_t *dst) {
     if (gguf_block_bytes(qtype) == 0 || rows < 0 || row_blocks < 0) return 1;
-    if (rows % GROUP_ROWS) return 2;
     /* 32-value blocks a row, and bytes of each */
     const int64_t nb = row_blocks * (gguf_block_values(qtype) / QK);
     const int bb = gguf_kernel_block_bytes(qtype) / (gguf_block_values(qtype) / QK);
     uint8_t *group = malloc((size_t)(GROUP_ROWS * nb * bb));
     if (!group) return 3;
-    const int64_t file_group = GROUP_ROWS * row_blocks * gguf_block_bytes(qtype);
-    for (int64_t g = 0; g < rows / GROUP_ROWS; ++g) {
-        to_rows(src + g * file_group, qtype, GROUP_ROWS * row_blocks, group);
+    const int64_t row_bytes = row_blocks * gguf_block_bytes(qtype);
+    for (int64_t g = 0; g * GROUP_ROWS < rows; ++g) {
+        const int64_t left = rows - g * GROUP_ROWS, have = left < GROUP_ROWS ? left : GROUP_ROWS;
+        if (have < GROUP_ROWS) memset(group, 0, (size_t)(GROUP_ROWS * nb * bb));
+        to_rows(src + g * GROUP_ROWS * row_bytes, qtype, have * row_blocks, group);
         interleave(group, nb, bb, dst + g * GROUP_ROWS * nb * bb);
     }
     free(group);

@@ -65,7 +65,7 @@ static int grouped_matmul(const void *x, const uint8_t *weight, int32_t qtype, c
                           void *out, int32_t m, int64_t n, int64_t k, int32_t dtype,
                           int32_t limbs, int32_t num_threads) {
     const int kind = group_kind(qtype);
-    const int64_t ng = n / GROUP_ROWS;
+    const int64_t ng = (n + GROUP_ROWS - 1) / GROUP_ROWS; /* the last one padded with zeros */
     const size_t elem = dtype == KILN_F32 ? sizeof(float) : sizeof(uint16_t);
     XLimbs xl;
     if (!xlimbs_alloc(&xl, m, k, limbs)) return 2;
@@ -86,17 +86,17 @@ static int grouped_matmul(const void *x, const uint8_t *weight, int32_t qtype, c
 }
 #endif
 
-/* out [m, n] = x [m, k] @ W^T (+ bias [n]), W in the kernel's layout, m >= 1, k a multiple of
- * the type's block values (32, or 256 for K-quants), n a multiple of GROUP_ROWS. float32 x is
- * cut into f32_limbs limbs: 3 for float32 precision, 2 where torch's float32 matmul precision
- * allows less (bfloat16 x always takes 2). 1 for arguments it cannot take, 2 when out of
- * memory. */
+/* out [m, n] = x [m, k] @ W^T (+ bias [n]), W in the kernel's layout (its n rows padded to whole
+ * groups of GROUP_ROWS), m >= 1, k a multiple of the type's block values (32, or 256 for
+ * K-quants). float32 x is cut into f32_limbs limbs: 3 for float32 precision, 2 where torch's
+ * float32 matmul precision allows less (bfloat16 x always takes 2). 1 for arguments it cannot
+ * take, 2 when out of memory. */
 int kiln_gguf_matmul(const void *x, const uint8_t *weight, int32_t qtype, const void *bias,
                      void *out, int32_t m, int64_t n, int64_t k, int32_t dtype,
                      int32_t f32_limbs, int32_t num_threads) {
     const int vpb = gguf_block_values(qtype);
     if (!KILN_GGUF_SIMD || gguf_block_bytes(qtype) == 0 || m < 1 || k < vpb || k % vpb
-            || n % GROUP_ROWS || (f32_limbs != 2 && f32_limbs != 3))
+            || n < 1 || (f32_limbs != 2 && f32_limbs != 3))
         return 1;
 #if KILN_GGUF_SIMD
     return grouped_matmul(x, weight, qtype, bias, out, m, n, k, dtype,

@@ -52,7 +52,7 @@ struct Attached {
     at::ScalarType dtype = at::kFloat;
     at::Tensor packed;       /* oneDNN's blocked copy; undefined: none */
     int64_t gemv_rows = 0;   /* up to how many rows the GEMV kernel takes it; 0: never */
-    at::Tensor blocks;       /* the GGUF blocks [out, row_bytes] uint8; undefined: none */
+    at::Tensor blocks;       /* the GGUF blocks, gguf_matmul.kernel_shape, uint8; undefined: none */
     int64_t qtype = 0;       /* their ggml type id */
     int64_t block_rows = 0;  /* up to how many rows they beat the dense weight; 0: never */
     int64_t limbs = 3;       /* float32 x's limbs in their kernel (gguf_matmul.c) */
