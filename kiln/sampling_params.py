@@ -3,9 +3,13 @@
 Every invalid value raises ValueError naming the field and its allowed range.
 """
 import enum
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+# The sampler divides logits by the penalty in float32: a smaller one overflows them.
+_MIN_REPETITION_PENALTY = 1e-6
+_INT64 = (-2 ** 63, 2 ** 63 - 1)  # seeds: torch generators take 64 bits
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -55,7 +59,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be {rule}, got {value!r}")
 
         check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1", self.n)
-        check(self.temperature >= 0, "temperature", ">= 0", self.temperature)
+        check(self.temperature >= 0 and math.isfinite(self.temperature), "temperature",
+              "a finite number >= 0", self.temperature)
         check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
               "-1, 0 (off) or a positive integer", self.top_k)
@@ -64,8 +69,8 @@ class SamplingParams:
               self.presence_penalty)
         check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]",
               self.frequency_penalty)
-        check(0 < self.repetition_penalty <= 2, "repetition_penalty", "in (0, 2]",
-              self.repetition_penalty)
+        check(_MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2, "repetition_penalty",
+              f"in [{_MIN_REPETITION_PENALTY}, 2]", self.repetition_penalty)
         check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
               "max_tokens", "an integer >= 1 or None", self.max_tokens)
         check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
@@ -78,8 +83,9 @@ class SamplingParams:
         check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
                                                and 0 <= self.prompt_logprobs <= 20),
               "prompt_logprobs", "None or an integer in [0, 20]", self.prompt_logprobs)
-        check(self.seed is None or isinstance(self.seed, int), "seed", "an integer or None",
-              self.seed)
+        check(self.seed is None or (isinstance(self.seed, int)
+                                    and _INT64[0] <= self.seed <= _INT64[1]),
+              "seed", f"None or an integer in [{_INT64[0]}, {_INT64[1]}]", self.seed)
         check(all(isinstance(s, str) and s for s in self.stop), "stop",
               "a non-empty string or a list of them", self.stop)
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
@@ -96,6 +102,8 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary "
                                  f"[0, {vocab_size})")
         self.all_stop_token_ids = set(self.stop_token_ids)
+        if self.top_k >= vocab_size:  # keeps every token: the same as off
+            self.top_k = 0
         if eos_token_id is not None and not self.ignore_eos:
             self.all_stop_token_ids.add(eos_token_id)
 

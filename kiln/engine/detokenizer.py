@@ -86,6 +86,10 @@ class IncrementalDetokenizer:
     output_text: str = ""
     # Characters held back from DELTA streams because they may start a stop string.
     stop_buffer_length: int = 0
+    # Stop strings count only once this many output tokens are out (as min_tokens holds back
+    # eos and stop_token_ids in the sampler): they must end in text of later tokens.
+    min_tokens: int = 0
+    _num_output_tokens: int = 0
     _num_streamed_chars: int = 0
     _byte_token_ids: frozenset = frozenset()
     _skipped_ids: frozenset = frozenset()
@@ -99,14 +103,15 @@ class IncrementalDetokenizer:
 
     @classmethod
     def for_request(cls, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
-                    stop: list[str] | None = None,
-                    include_stop_str_in_output: bool = False) -> "IncrementalDetokenizer":
+                    stop: list[str] | None = None, include_stop_str_in_output: bool = False,
+                    min_tokens: int = 0) -> "IncrementalDetokenizer":
         context = list(prompt_token_ids[-INITIAL_CONTEXT_TOKENS:])
         stop = list(stop or [])
         buffer = 0 if include_stop_str_in_output or not stop else max(map(len, stop)) - 1
         return cls(tokenizer=tokenizer, skip_special_tokens=skip_special_tokens, stop=stop,
                    include_stop_str_in_output=include_stop_str_in_output, token_ids=context,
-                   prefix_offset=0, read_offset=len(context), stop_buffer_length=buffer)
+                   prefix_offset=0, read_offset=len(context), stop_buffer_length=buffer,
+                   min_tokens=min_tokens)
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_ids(ids, skip_special_tokens=self.skip_special_tokens)
@@ -139,9 +144,11 @@ class IncrementalDetokenizer:
         new_chars = 0
         for i, tid in enumerate(new_token_ids):
             self.token_ids.append(tid)
+            self._num_output_tokens += 1
             piece = self._decode_next(final and i == len(new_token_ids) - 1)
             self.output_text += piece
-            new_chars += len(piece)
+            # text up to the min_tokens-th token cannot end a stop string
+            new_chars = 0 if self._num_output_tokens <= self.min_tokens else new_chars + len(piece)
         if not new_token_ids and final:
             piece = self._flush()
             self.output_text += piece

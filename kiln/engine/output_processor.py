@@ -143,7 +143,8 @@ class OutputProcessor:
         for index, (core_id, params) in enumerate(samples):
             detok = IncrementalDetokenizer.for_request(
                 self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens)
             want_logprobs = params.logprobs is not None
             states.append(SampleState(core_id=core_id, index=index, params=params,
                                       detokenizer=detok,

@@ -182,7 +182,8 @@ class ModelRunner:
             generator = self._parked_generators.pop(new.req_id, None)
             if generator is None and params.seed is not None:
                 generator = torch.Generator(device=self.device)
-                generator.manual_seed(params.seed)
+                # 64 bits, as torch takes them: an n > 1 request's samples add their index
+                generator.manual_seed(params.seed % 2 ** 64)
             state = CachedRequestState(
                 req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
                 output_token_ids=list(new.output_token_ids), sampling_params=params,

@@ -79,6 +79,25 @@ def test_stop_string_truncates_output(tokenizer, include):
     assert d.output_text == ("the dog ran to the park" if include else "the dog ran to the ")
 
 
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    """As vLLM: a stop string counts only if it ends in text of a token after the
+    min_tokens-th (eos and stop_token_ids wait the same way, in the sampler)."""
+    text = "a b a b a b"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    cut_at = {}
+    for min_tokens in (0, 1, 3):
+        d = IncrementalDetokenizer.for_request(tokenizer, [], stop=["b"], min_tokens=min_tokens)
+        for n, t in enumerate(ids, start=1):
+            if d.update([t]):
+                cut_at[min_tokens] = (n, d.output_text)
+                break
+    first_b = next(n for n in range(1, len(ids) + 1)
+                   if "b" in tokenizer.decode(ids[:n]))
+    assert cut_at[0][0] == cut_at[1][0] == first_b
+    assert cut_at[3][0] > 3 and cut_at[3][0] > first_b
+    assert cut_at[3][1] == tokenizer.decode(ids[:cut_at[3][0]]).rsplit("b", 1)[0]
+
+
 def test_delta_holds_back_possible_stop_prefix(tokenizer):
     # "sto" could be the start of "stop!": it must not be streamed before the match resolves.
     ids = tokenizer("we stop! now", add_special_tokens=False).input_ids

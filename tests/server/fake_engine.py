@@ -100,6 +100,9 @@ class FakeEngine:
                     for s in params.stop:
                         if s in "".join(f"{t} " for t in req["out"][i]) + text:
                             finish, text = "stop", ""
+                    if params.stop:  # as the engine holds back what may start a stop string
+                        held = req.setdefault("held", [""] * params.n)
+                        text, held[i] = (held[i] + text, "") if finish else (held[i], text)
                     req["out"][i].append(tid)
                     lps = None
                     if params.logprobs is not None:

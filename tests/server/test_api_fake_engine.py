@@ -86,6 +86,18 @@ def test_completion_stop_and_logprobs(client):
     assert r.json()["choices"][0]["finish_reason"] == "stop"
 
 
+def test_streamed_text_offsets_count_text_held_back_for_stop_strings(client):
+    """With stop strings the engine sends a token's text later than its logprobs; offsets
+    must still count every token's characters, as the whole response does."""
+    body = dict(prompt="hello", max_tokens=6, logprobs=1, stop=["never"])
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]
+    events = sse_events(client, "/v1/completions", {**body, "stream": True})
+    offsets = [x for e in events for c in e["choices"] if c["logprobs"]
+               for x in c["logprobs"]["text_offset"]]
+    assert offsets == whole["logprobs"]["text_offset"]
+    assert "".join(c["text"] for e in events for c in e["choices"]) == whole["text"]
+
+
 def test_completion_echo_with_logprobs_covers_the_prompt(client):
     body = dict(prompt=[5, 6, 7], max_tokens=2, echo=True, logprobs=1)
     choice = client.post("/v1/completions", json=body).json()["choices"][0]
@@ -158,12 +170,51 @@ def test_chat_whole_streamed_and_logprobs(client):
                                   chat_template_kwargs={"chat_template": "{{ 7 * 7 }}"}),
      "chat_template_kwargs", None),
     ("/detokenize", dict(tokens=[1, 10_000]), "tokens", None),
+    # OpenAI's cap: each choice is built in the engine at once
+    ("/v1/completions", dict(prompt="x", n=129), "n", None),
+    ("/v1/completions", dict(prompt=[True, False]), "prompt", None),  # no token ids
+    ("/v1/completions", dict(prompt="x", seed=2 ** 64), "seed", "invalid_value"),
+    ("/v1/completions", dict(prompt="x", repetition_penalty=1e-50), "repetition_penalty",
+     "invalid_value"),
 ])
 def test_bad_input_is_400_naming_the_field(client, path, body, param, code):
     err = assert_error(client.post(path, json=body), 400, param, code)
     assert err["type"] == "invalid_request_error"
     # and the server keeps serving
     assert client.post("/v1/completions", json=dict(prompt="x", max_tokens=1)).status_code == 200
+
+
+def test_null_means_the_default(client):
+    """OpenAI clients send explicit nulls for fields they leave unset."""
+    body = dict(prompt="hello", max_tokens=3, n=None, stream=None, presence_penalty=None,
+                echo=None, min_tokens=None, ignore_eos=None, skip_special_tokens=None)
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1
+    chat = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=2, logprobs=None,
+                n=None, add_generation_prompt=None, frequency_penalty=None)
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    assert_error(client.post("/v1/completions", json=dict(prompt=None)), 400, "prompt")
+
+
+def test_errors_name_the_field_the_client_sent(client):
+    chat = dict(messages=[{"role": "user", "content": "x"}])
+    err = assert_error(client.post("/v1/chat/completions",
+                                   json={**chat, "max_completion_tokens": 0}),
+                       400, "max_completion_tokens")
+    assert err["message"].startswith("max_completion_tokens must be")
+    err = assert_error(client.post("/v1/chat/completions",
+                                   json={**chat, "logprobs": True, "top_logprobs": 21}),
+                       400, "top_logprobs")
+    assert err["message"].startswith("top_logprobs must be")
+
+
+def test_engine_death_while_collecting_is_503():
+    llm = AsyncLLM(FakeEngine(step_delay=0.01))
+    with TestClient(build_app(llm, ServerSettings())) as c:
+        llm.engine.fail_next_step = True
+        r = c.post("/v1/completions", json=dict(prompt="x", max_tokens=5))
+        assert_error(r, 503, None, "engine_dead")
 
 
 def test_malformed_json_wrong_body_unknown_route(client):

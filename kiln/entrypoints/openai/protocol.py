@@ -5,11 +5,25 @@ Unknown request fields are ignored, as OpenAI-compatible servers do; wrong types
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+# OpenAI's limit on choices per prompt; each is a sequence in the engine, built at once.
+MAX_N = 128
 
 
 class OpenAIBase(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """An explicit null takes the field's default, as OpenAI and vLLM treat it (clients
+        send `"n": null`); a required field stays required."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in cls.model_fields
+                    or cls.model_fields[k].is_required()}
+        return data
 
 
 # ---- requests -------------------------------------------------------------------------------
@@ -23,7 +37,7 @@ class SamplingFields(OpenAIBase):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
@@ -43,7 +57,8 @@ class SamplingFields(OpenAIBase):
     include_stop_str_in_output: bool = False
 
 
-PromptInput = str | list[str] | list[int] | list[list[int]]
+# Strict: JSON true / false are no token ids.
+PromptInput = str | list[str] | list[StrictInt] | list[list[StrictInt]]
 
 
 class CompletionRequest(SamplingFields):

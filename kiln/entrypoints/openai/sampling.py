@@ -35,8 +35,12 @@ def _build(kw: dict, field_names: dict[str, str], stream: bool) -> SamplingParam
     try:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as e:
-        param = param_from_message(str(e), field_names)
-        raise OpenAIError(str(e), param=param, code="invalid_value") from None
+        message = str(e)
+        param = param_from_message(message, field_names)
+        first = message.split(" ", 1)[0]
+        if param and first in field_names and first != param:  # say the name the user sent
+            message = param + message[len(first):]
+        raise OpenAIError(message, param=param, code="invalid_value") from None
 
 
 def completion_sampling_params(req: CompletionRequest) -> SamplingParams:

@@ -45,7 +45,11 @@ class ServingCompletion:
         params = completion_sampling_params(req)
         prompts = engine_prompts(req.prompt)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await submit(self.llm, request_id, prompts, params, "prompt")
+        try:  # a long list of prompts takes a while to add: a client that leaves stops it
+            streams = await until_disconnect(
+                raw, submit(self.llm, request_id, prompts, params, "prompt"))
+        except ClientDisconnected:
+            return Response(status_code=499)
         if req.stream:
             return StreamingResponse(self._stream(req, model, request_id, prompts, streams),
                                      media_type="text/event-stream")
@@ -105,7 +109,9 @@ class ServingCompletion:
         created = int(time.time())
         prompt_tokens: dict[int, int] = {}
         completion_tokens = 0
-        offsets: dict[int, int] = {}  # choice index -> characters sent (for text_offset)
+        # choice index -> characters of its tokens so far (text_offset; text held back for a
+        # possible stop string is not sent yet, but its tokens' logprobs are)
+        offsets: dict[int, int] = {}
         # Prompt i's output carrying its prompt logprobs (they come once, with the first token).
         with_prompt_logprobs: dict[int, RequestOutput] = {}
         try:
@@ -122,7 +128,8 @@ class ServingCompletion:
                         echoed = with_prompt_logprobs.get(i, out)
                     completion_tokens += len(o.token_ids)
                     lp = self._logprobs(req, o, offsets.get(index, 0), echoed)
-                    offsets[index] = offsets.get(index, 0) + len(text)
+                    offsets[index] = (lp.text_offset[-1] + len(lp.tokens[-1]) if lp and lp.tokens
+                                      else offsets.get(index, 0))
                     if not text and not o.token_ids and o.finish_reason is None:
                         continue
                     choice = CompletionChoice(index=index, text=text, logprobs=lp,

@@ -43,11 +43,15 @@ async def submit(llm: AsyncLLM, base_id: str, prompts: list, params: SamplingPar
         raise add_request_error(e, prompt_param) from None
     except EngineDeadError as e:
         await llm.abort([s.request_id for s in streams])
-        raise OpenAIError(str(e), status=503, code="engine_dead") from None
+        raise _engine_dead(e) from None
     except BaseException:
         llm.abort_nowait([s.request_id for s in streams])
         raise
     return streams
+
+
+def _engine_dead(e: EngineDeadError) -> OpenAIError:
+    return OpenAIError(str(e), status=503, code="engine_dead")
 
 
 def abort_unfinished(llm: AsyncLLM, streams: list[RequestStream]) -> None:
@@ -98,7 +102,8 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def until_disconnect(request: Request, work: Awaitable):
-    """Run `work`; if the client disconnects first, cancel it (its cleanup aborts requests)."""
+    """Run `work`; if the client disconnects first, cancel it (its cleanup aborts requests).
+    An engine that dies meanwhile is a 503, as at submission."""
     work_task = asyncio.ensure_future(work)
     watch = asyncio.create_task(_wait_for_disconnect(request))
     try:
@@ -112,7 +117,10 @@ async def until_disconnect(request: Request, work: Awaitable):
         except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone anyway
             pass
         raise ClientDisconnected()
-    return work_task.result()
+    try:
+        return work_task.result()
+    except EngineDeadError as e:
+        raise _engine_dead(e) from None
 
 
 class ClientDisconnected(Exception):

@@ -1,0 +1,39 @@
+"""SamplingParams' validation: every bad value is a ValueError naming the field and its range."""
+import math
+
+import pytest
+
+from kiln.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n", 0), ("temperature", -0.5), ("temperature", math.inf), ("temperature", math.nan),
+    ("top_p", 0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
+    ("presence_penalty", 3), ("frequency_penalty", -3),
+    # 1e-50 is 0 in float32: the sampler's logits would become NaN
+    ("repetition_penalty", 0), ("repetition_penalty", 1e-50), ("repetition_penalty", 3),
+    ("max_tokens", 0), ("min_tokens", -1), ("logprobs", 21), ("prompt_logprobs", -1),
+    # torch generators take 64 bits
+    ("seed", 2 ** 63), ("seed", -2 ** 63 - 1), ("seed", 1.5),
+    ("stop", [""]), ("stop_token_ids", [-1]),
+])
+def test_bad_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"^{field} must be"):
+        SamplingParams(**{field: value})
+
+
+def test_edges_that_are_allowed():
+    SamplingParams(seed=2 ** 63 - 1, n=4)  # the samples' seeds go past int64: fine for torch
+    SamplingParams(seed=-2 ** 63, temperature=0, repetition_penalty=1e-6, top_k=-1)
+    assert SamplingParams(min_tokens=16, max_tokens=16).min_tokens == 16
+    with pytest.raises(ValueError, match="min_tokens must be <= max_tokens"):
+        SamplingParams(min_tokens=17, max_tokens=16)
+
+
+def test_top_k_of_the_vocabulary_or_more_is_off():
+    p = SamplingParams(top_k=10 ** 30)  # past int64: the sampler never sees it
+    p.update_from_tokenizer(eos_token_id=2, vocab_size=512)
+    assert p.top_k == 0
+    p = SamplingParams(top_k=511)
+    p.update_from_tokenizer(eos_token_id=2, vocab_size=512)
+    assert p.top_k == 511
