@@ -44,10 +44,17 @@ class SamplingParams:
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self):
+        self.verify()
+
+    def verify(self) -> None:
+        """Normalize (stop as a list, top_k -1 as 0) and check every field, raising ValueError
+        that names it. The engine calls it again on its copy: the dataclass is mutable."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.stop, (list, tuple)) or self.stop is None:
+            self.stop = list(self.stop or [])
+        if isinstance(self.stop_token_ids, (list, tuple)) or self.stop_token_ids is None:
+            self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -58,38 +65,49 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {value!r}")
 
-        check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1", self.n)
-        check(self.temperature >= 0 and math.isfinite(self.temperature), "temperature",
-              "a finite number >= 0", self.temperature)
-        check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
-        check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
+        def integer(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def number(v) -> bool:  # finite, so that comparisons below are meaningful
+            return (isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and math.isfinite(v))
+
+        def in_range(name: str, lo: float, hi: float, rule: str) -> None:
+            v = getattr(self, name)
+            check(number(v) and lo <= v <= hi, name, rule, v)
+
+        check(integer(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
+        in_range("temperature", 0, math.inf, "a finite number >= 0")
+        v = self.top_p
+        check(number(v) and 0 < v <= 1, "top_p", "in (0, 1]", v)
+        check(integer(self.top_k) and self.top_k >= 0, "top_k",
               "-1, 0 (off) or a positive integer", self.top_k)
-        check(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
-        check(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]",
-              self.presence_penalty)
-        check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]",
-              self.frequency_penalty)
-        check(_MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2, "repetition_penalty",
-              f"in [{_MIN_REPETITION_PENALTY}, 2]", self.repetition_penalty)
-        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+        in_range("min_p", 0, 1, "in [0, 1]")
+        in_range("presence_penalty", -2, 2, "in [-2, 2]")
+        in_range("frequency_penalty", -2, 2, "in [-2, 2]")
+        in_range("repetition_penalty", _MIN_REPETITION_PENALTY, 2,
+                 f"in [{_MIN_REPETITION_PENALTY}, 2]")
+        check(self.max_tokens is None or (integer(self.max_tokens) and self.max_tokens >= 1),
               "max_tokens", "an integer >= 1 or None", self.max_tokens)
-        check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+        check(integer(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
               "an integer >= 0", self.min_tokens)
         if self.max_tokens is not None:
             check(self.min_tokens <= self.max_tokens, "min_tokens", "<= max_tokens",
                   self.min_tokens)
-        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-              "logprobs", "None or an integer in [0, 20]", self.logprobs)
-        check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
-                                               and 0 <= self.prompt_logprobs <= 20),
-              "prompt_logprobs", "None or an integer in [0, 20]", self.prompt_logprobs)
-        check(self.seed is None or (isinstance(self.seed, int)
-                                    and _INT64[0] <= self.seed <= _INT64[1]),
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            check(v is None or (integer(v) and 0 <= v <= 20), name,
+                  "None or an integer in [0, 20]", v)
+        check(self.seed is None or (integer(self.seed) and _INT64[0] <= self.seed <= _INT64[1]),
               "seed", f"None or an integer in [{_INT64[0]}, {_INT64[1]}]", self.seed)
-        check(all(isinstance(s, str) and s for s in self.stop), "stop",
-              "a non-empty string or a list of them", self.stop)
-        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+        check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+              "stop", "a non-empty string or a list of them", self.stop)
+        check(isinstance(self.stop_token_ids, list)
+              and all(integer(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "a list of non-negative integers", self.stop_token_ids)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            check(isinstance(getattr(self, name), bool), name, "True or False",
+                  getattr(self, name))
 
     @property
     def greedy(self) -> bool:

@@ -287,9 +287,9 @@ def speedups(first: dict, other: dict) -> dict:
 def default_interleave(engine_args: EngineArgs) -> bool:
     """Interleave where engines fit side by side: on CPU (host memory); on a GPU each engine
     would size its KV cache from the same free memory."""
-    from kiln.config.device_config import DeviceConfig
+    from kiln.config.device_config import resolve_device
 
-    return DeviceConfig(device=engine_args.device).device == "cpu"  # resolves "auto"
+    return resolve_device(engine_args.device) == "cpu"
 
 
 def run_latency(engine_args: EngineArgs, batch_sizes: list[int], input_len: int, num_steps: int,

@@ -76,6 +76,11 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached[block_hash] = block
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Make blocks unfindable by hash (their K/V is not what the hash promises)."""
+        for block in blocks:
+            self._evict(block)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is in use (returns success)."""
         if len(self._free) != self.num_blocks:

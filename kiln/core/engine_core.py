@@ -65,11 +65,19 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if not self.scheduler.has_unfinished_requests():
             return []
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.total_num_scheduled_tokens == 0:
-            # Nothing to run, but requests the scheduler ended on its own still need reporting.
-            return self.scheduler.update_from_output(scheduler_output, EMPTY_MODEL_RUNNER_OUTPUT)
-        model_runner_output = self.executor.execute_model(scheduler_output)
+        kv = self.scheduler.kv_cache_manager
+        try:
+            scheduler_output = self.scheduler.schedule()
+            model_runner_output = EMPTY_MODEL_RUNNER_OUTPUT
+            # With nothing to run, requests the scheduler ended on its own still need reporting.
+            if scheduler_output.total_num_scheduled_tokens:
+                model_runner_output = self.executor.execute_model(scheduler_output)
+        except BaseException:
+            # Ctrl-C in LLM.generate, a failed forward: the prefix cache must not keep blocks
+            # this step registered but never wrote, or a later prompt reads garbage K/V.
+            kv.forget_unwritten()
+            raise
+        kv.mark_written()
         return self.scheduler.update_from_output(scheduler_output, model_runner_output)
 
     def has_unfinished_requests(self) -> bool:

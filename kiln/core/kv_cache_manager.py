@@ -29,6 +29,9 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # req_id -> how many leading blocks of the request were already offered to the cache.
         self._num_cached_blocks: dict[str, int] = {}
+        # Blocks registered since the last step's forward finished: their K/V is written only
+        # by that forward, so a step that fails or is interrupted must take them back.
+        self._unwritten: list[KVCacheBlock] = []
         self.prefix_cache_stats = PrefixCacheStats()
 
     @property
@@ -108,6 +111,16 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
 
+    def mark_written(self) -> None:
+        """The step's forward ran: the blocks registered for it hold their K/V."""
+        self._unwritten.clear()
+
+    def forget_unwritten(self) -> None:
+        """The step's forward failed or was interrupted: the blocks registered for it may hold
+        anything, so no later prompt may hit them."""
+        self.block_pool.uncache_blocks(self._unwritten)
+        self._unwritten.clear()
+
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         # Blocks are registered as soon as they are scheduled full: a request that hits them in
         # the same step reads them only after the attention op wrote the whole batch's K/V.
@@ -121,5 +134,6 @@ class KVCacheManager:
         hashes = update_block_hashes(request, self.block_size)
         blocks = self.req_to_blocks[req_id]
         for i in range(start, num_full):
+            self._unwritten.append(blocks[i])  # first: an interrupt may come between the two
             self.block_pool.cache_block(blocks[i], hashes[i])
         self._num_cached_blocks[req_id] = num_full

@@ -2,6 +2,7 @@
 
 Every check happens here, before anything is queued, so a bad request never half-enters the engine.
 """
+import numbers
 from dataclasses import dataclass
 
 from kiln.config.model_config import ModelConfig
@@ -45,6 +46,8 @@ class InputProcessor:
         self.vocab_size = model_config.vocab_size
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.extra_eos_token_ids = set(extra_eos_token_ids)
+        # Tokens the whole KV cache holds, once the engine sized it (None: not known yet).
+        self.kv_cache_tokens: int | None = None
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -55,7 +58,9 @@ class InputProcessor:
                 if not isinstance(ids, (list, tuple)):
                     raise ValueError("prompt_token_ids must be a list of integers, got "
                                      f"{type(ids).__name__}")
-                return prompt.get("prompt"), list(ids)
+                # numpy integers (token ids from an array) are ints too
+                return prompt.get("prompt"), [int(t) if isinstance(t, numbers.Integral)
+                                              and not isinstance(t, bool) else t for t in ids]
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
                 return prompt["prompt"], self._encode(prompt["prompt"])
             raise ValueError("a dict prompt needs 'prompt' (str) or 'prompt_token_ids' (list of "
@@ -71,7 +76,15 @@ class InputProcessor:
     def process(self, prompt: PromptType, params: SamplingParams | None) -> ProcessedPrompt:
         text, token_ids = self.tokenize(prompt)
         validate_prompt_token_ids(token_ids, self.vocab_size, self.max_model_len)
+        if self.kv_cache_tokens is not None and len(token_ids) > self.kv_cache_tokens:
+            raise ValueError(f"prompt length {len(token_ids)} is more than the whole KV cache "
+                             f"holds ({self.kv_cache_tokens} tokens); raise --kv-cache-memory "
+                             "(CPU) or --gpu-memory-utilization, or shorten the prompt")
+        if params is not None and not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams (or one per prompt), "
+                             f"got {type(params).__name__}")
         params = (params or SamplingParams()).clone()
+        params.verify()  # fields may have changed since the user built it
         params.update_from_tokenizer(self.eos_token_id, self.vocab_size)
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.extra_eos_token_ids

@@ -50,6 +50,8 @@ class LLMEngine:
         if executor_class is None:
             executor_class = get_executor_class(kiln_config.parallel_config)
         self.engine_core = EngineCore(kiln_config, executor_class)
+        cache = kiln_config.cache_config
+        self.input_processor.kv_cache_tokens = cache.num_blocks * cache.block_size
         # Dropped without shutdown(), the engine still shuts its workers down: a worker keeps
         # the start-up heap out of the garbage collector's reach until then (host_memory.py).
         self._shutdown = weakref.finalize(self, self.engine_core.shutdown)
@@ -140,12 +142,22 @@ class LLMEngine:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None, **kwargs) -> str:
         """Render a conversation with the tokenizer's chat template (HF's sandboxed Jinja)."""
+        from jinja2 import TemplateError
+
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"the tokenizer of {self.model_config.model!r} has no chat template; "
                              "pass one (chat_template=, --chat-template) or use a chat model")
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template, **kwargs)
+        for i, m in enumerate(messages):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
+                raise ValueError(f"messages[{i}] must be a dict with 'role' (str) and 'content', "
+                                 f"got {m!r}")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template, **kwargs)
+        except TemplateError as e:  # a broken template, or one that raise_exception()s
+            raise ValueError(f"the chat template does not render: {type(e).__name__}: {e}") \
+                from None
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     chat_template: str | None = None, **kwargs) -> dict:

@@ -44,11 +44,17 @@ class LLM:
         """Run every prompt to completion; outputs come back in input order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError("prompts must be a str, a {'prompt_token_ids': [...]} dict or a "
+                             f"list of them, got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
+        elif not isinstance(sampling_params, (list, tuple)):
+            raise ValueError("sampling_params must be a SamplingParams or a list of them, got "
+                             f"{type(sampling_params).__name__}")
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):

@@ -74,6 +74,7 @@ class PagedTokenExecutor:
         self.calls: list[str] = []
         self.outputs: list[SchedulerOutput] = []
         self.shut_down = False
+        self.fail_next_step = False  # the next forward raises before it writes anything
 
     def determine_num_blocks(self) -> int:
         self.calls.append("determine_num_blocks")
@@ -93,6 +94,9 @@ class PagedTokenExecutor:
         return req.block_ids[pos // self.block_size], pos % self.block_size
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise KeyboardInterrupt("injected: Ctrl-C during the forward")
         sched = self.config.scheduler_config
         assert 0 < so.total_num_scheduled_tokens <= sched.max_num_batched_tokens
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())

@@ -85,3 +85,23 @@ def test_abort_and_stop_string_finish_through_core():
     results = run_until_done(core)
     assert set(results) == {"r2"} and results["r2"][1] == "length"
     assert core.make_stats().num_free_blocks == PagedTokenExecutor.measured_blocks
+
+
+def test_interrupted_step_leaves_no_unwritten_blocks_in_the_prefix_cache():
+    """Blocks are registered by hash when scheduled; a forward that never ran must take them
+    back, or the same prompt afterwards hits blocks nobody wrote."""
+    core = EngineCore(make_config(), PagedTokenExecutor)
+    prompt = list(range(3, 23))  # 5 full blocks of 4
+    core.add_request(make_request("first", prompt, max_tokens=2))
+    core.executor.fail_next_step = True
+    with pytest.raises(KeyboardInterrupt):
+        core.step()
+    core.abort_requests(["first"])  # as LLM.generate does when interrupted
+    core.add_request(make_request("again", prompt, max_tokens=2))
+    outs = core.step()
+    assert outs[0].num_cached_tokens == 0
+    # the double checks every read against the tokens written, so this also proves the K/V
+    assert run_until_done(core)["again"][0] == reference_tokens(prompt, 2)[1:]
+    # blocks written by a forward that ran stay cached
+    core.add_request(make_request("third", prompt + [99], max_tokens=1))
+    assert core.step()[0].num_cached_tokens == 20

@@ -79,3 +79,17 @@ def test_bad_values_raise_naming_the_field(stories_dir, kwargs, match):
 def test_missing_model_is_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such file"):
         EngineArgs(model=str(tmp_path / "nope")).create_kiln_config()
+
+
+def test_device_cuda_without_cuda_names_the_flag():
+    import torch
+
+    from kiln.config.device_config import DeviceConfig, resolve_device
+
+    assert resolve_device("cuda") == "cuda" and resolve_device("cpu") == "cpu"
+    with pytest.raises(ValueError, match="device must be"):
+        resolve_device("tpu")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="--device cpu"):
+        DeviceConfig("cuda")

@@ -38,6 +38,17 @@ def test_too_long_prompt_names_lengths_and_flag(proc):
     assert proc.process({"prompt_token_ids": [5] * 63}, None).params.max_tokens == 1
 
 
+def test_prompt_larger_than_the_whole_kv_cache(proc):
+    """Known at submission: a request that can never be scheduled is refused, not aborted."""
+    proc.kv_cache_tokens = 16
+    try:
+        with pytest.raises(ValueError, match=r"17 is more than the whole KV cache.*16 tokens"):
+            proc.process({"prompt_token_ids": [5] * 17}, None)
+        assert proc.process({"prompt_token_ids": [5] * 16}, None).params.max_tokens == 16
+    finally:
+        proc.kv_cache_tokens = None
+
+
 @pytest.mark.parametrize("bad", [512, -1, 10**9])
 def test_token_outside_vocab_names_it(proc, bad):
     with pytest.raises(ValueError, match=rf"{bad}.*\[0, 512\)"):

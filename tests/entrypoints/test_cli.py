@@ -90,6 +90,24 @@ def test_chat_without_template_is_a_user_error(stories):
     assert r.returncode == 2 and "chat template" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_chat_template_file_and_bad_flags(tiny_llama_dir, tmp_path):
+    """--chat-template takes a file, as vLLM's does; a broken template or a bad sampling flag
+    is a usage error before any turn, not a traceback or an error per turn."""
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }} {% endfor %}")
+    model = ["--model", str(tiny_llama_dir), *ENGINE]
+    r = kiln("chat", *model, "--chat-template", str(template), "--temperature", "0",
+             "--max-tokens", "3", stdin="w5 w6\nexit\n")
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.splitlines()) == 1
+    for flags, message in ((["--chat-template", "{% for m in messages %}"], "chat template"),
+                           (["--chat-template", str(tmp_path / "missing.jinja")], "no such file"),
+                           (["--temperature", "-1"], "temperature must be")):
+        r = kiln("chat", *model, *flags, stdin="w5\n")
+        assert r.returncode == 2, (flags, r.stderr)
+        assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_bench_throughput_dummy_with_hf(stories):
     r = kiln("bench", "throughput", "--model", stories, "--load-format", "dummy",
              "--num-prompts", "4", "--input-len", "8", "--output-len", "4", "--backend", "hf",

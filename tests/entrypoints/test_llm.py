@@ -60,6 +60,40 @@ def test_bad_prompt_in_batch_adds_nothing_and_next_call_works(llm):
     assert len(out.outputs[0].token_ids) == 4
 
 
+def test_inputs_of_the_wrong_kind_name_what_is_wrong(llm):
+    """Mutated params are checked again (n = 0 used to spin generate() forever); wrong types
+    and malformed messages are ValueErrors that name the argument, not errors from inside."""
+    good = {"prompt_token_ids": [5, 6, 7]}
+    params = SamplingParams(temperature=0, max_tokens=3)
+    params.n = 0
+    with pytest.raises(ValueError, match="n must be"):
+        llm.generate(good, params, use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    params.seed = "7"  # used to fail inside the step (and poison the prefix cache)
+    with pytest.raises(ValueError, match="seed must be"):
+        llm.generate(good, params, use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    params.stop = "w9"  # a string set later is one stop string, not its characters
+    (out,) = llm.generate(good, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params must be"):
+        llm.generate(good, {"temperature": 0}, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompts must be"):
+        llm.generate(None, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"messages\[0\] must be"):
+        llm.chat([{"content": "hi"}], chat_template="{{ messages }}", use_tqdm=False)
+    with pytest.raises(ValueError, match="chat template does not render"):
+        llm.chat([{"role": "user", "content": "hi"}], chat_template="{% for m in messages %}")
+    # numpy token ids (from an array) are token ids
+    import numpy as np
+    (np_out,) = llm.generate({"prompt_token_ids": list(np.array([5, 6, 7]))},
+                             SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert np_out.prompt_token_ids == [5, 6, 7] and all(
+        type(t) is int for t in np_out.prompt_token_ids)
+    cache = llm.llm_engine.kiln_config.cache_config  # prompts past it are refused up front
+    assert llm.llm_engine.input_processor.kv_cache_tokens == cache.num_blocks * cache.block_size
+    assert_idle(llm)
+
+
 def test_params_list_and_n_samples(llm):
     prompts = [{"prompt_token_ids": [9, 8, 7]}, {"prompt_token_ids": [3, 4]}]
     params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),

@@ -4,6 +4,7 @@ Each start is a separate `kiln compile --json` process on a fresh temporary cach
 """
 import argparse
 import json
+import sys
 
 from kiln.engine.arg_utils import EngineArgs
 
@@ -25,6 +26,12 @@ def register_bench(kinds) -> None:
 def run(args: argparse.Namespace) -> int:
     from kiln.benchmarks.compile import run_compile_bench
 
-    report = run_compile_bench(EngineArgs.from_cli_args(args), args.keep_cache, args.timeout)
+    if args.timeout is not None and args.timeout <= 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    try:
+        report = run_compile_bench(EngineArgs.from_cli_args(args), args.keep_cache, args.timeout)
+    except RuntimeError as e:  # a start-up process failed or ran past --timeout: say which
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(json.dumps(report), flush=True)
     return 0

@@ -4,6 +4,7 @@ Reads one user turn per stdin line until EOF or "exit"; keeps the history for th
 """
 import argparse
 import sys
+from pathlib import Path
 
 from kiln.engine.arg_utils import EngineArgs
 from kiln.entrypoints.cli.sampling_args import add_sampling_args, sampling_params_from_args
@@ -18,7 +19,8 @@ def register(subparsers) -> None:
                                                "'exit' or end of input to stop.")
     parser.add_argument("--system", default=None, help="system prompt")
     parser.add_argument("--chat-template", default=None,
-                        help="a Jinja chat template overriding the tokenizer's")
+                        help="a Jinja chat template overriding the tokenizer's: a file, or "
+                             "the template itself")
     add_sampling_args(parser, max_tokens=512)
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run)
@@ -40,9 +42,25 @@ def stream_reply(engine, request_id: str, prompt: dict, params, out=sys.stdout) 
     return "".join(pieces)
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template as vLLM takes it: a path to a Jinja file, or the template's text."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{" not in value:  # no Jinja in it: meant as a file that is not there
+        raise FileNotFoundError(f"--chat-template {value!r}: no such file (give a Jinja "
+                                "template file or the template text)")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
     from kiln.engine.llm_engine import LLMEngine
 
+    # Checked before the model loads: a bad flag is a usage error, not one per turn.
+    params = sampling_params_from_args(args, output_kind=RequestOutputKind.DELTA)
+    chat_template = load_chat_template(args.chat_template)
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     history = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
@@ -61,13 +79,12 @@ def run(args: argparse.Namespace) -> int:
                 continue
             history.append({"role": "user", "content": line})
             try:
-                prompt = engine.chat_prompt(history, chat_template=args.chat_template)
-                params = sampling_params_from_args(args, output_kind=RequestOutputKind.DELTA)
+                prompt = engine.chat_prompt(history, chat_template=chat_template)
                 reply = stream_reply(engine, f"chat-{turn}", prompt, params)
             except ValueError as e:
                 history.pop()
                 if turn == 0 and "chat template" in str(e):
-                    raise  # no template at all: nothing later can work
+                    raise  # no template, or a broken one: nothing later can work
                 print(f"error: {e}", file=sys.stderr)
                 continue
             history.append({"role": "assistant", "content": reply})
