@@ -4,6 +4,8 @@ The LLM class, the CLI and the server all build their configuration through this
 """
 import argparse
 import dataclasses
+import os
+import typing
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -35,8 +37,36 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     device: str = "auto"
 
+    def _check_types(self) -> None:
+        """A value of the wrong type names its argument (LLM(max_model_len="64") used to fail
+        deep inside a config)."""
+        def fits(value, kind) -> bool:
+            if kind is type(None):
+                return value is None
+            if kind is bool:
+                return isinstance(value, bool)
+            if kind is int:
+                return isinstance(value, int) and not isinstance(value, bool)
+            if kind is float:
+                return isinstance(value, (int, float)) and not isinstance(value, bool)
+            return isinstance(value, kind)
+
+        for name in ("model", "tokenizer"):  # a pathlib.Path is a path too
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
+        for f in fields(self):
+            if f.type is Any:
+                continue
+            kinds = typing.get_args(f.type) or (f.type,)
+            value = getattr(self, f.name)
+            if not any(fits(value, kind) for kind in kinds):
+                names = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+                raise ValueError(f"{f.name} must be {names}, got {value!r} "
+                                 f"({type(value).__name__})")
+
     def create_kiln_config(self) -> KilnConfig:
         # Cheap checks first so a bad flag fails before the checkpoint is read.
+        self._check_types()
         load_config = LoadConfig(load_format=self.load_format)
         cache_config = CacheConfig(
             block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,

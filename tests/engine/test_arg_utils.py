@@ -70,6 +70,9 @@ def test_enforce_eager_and_shared_compilation_config(stories_dir):
     (dict(compilation_config={"nope": 1}), "nope"),
     (dict(max_model_len=100000), "--max-model-len"),
     (dict(max_num_seqs=64, max_num_batched_tokens=8), "--max-num-batched-tokens"),
+    (dict(max_model_len="64"), "max_model_len must be int or None"),
+    (dict(max_num_seqs=2.5), "max_num_seqs must be int"),
+    (dict(enforce_eager="no"), "enforce_eager must be bool"),
 ])
 def test_bad_values_raise_naming_the_field(stories_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):
