@@ -55,18 +55,21 @@ class AttentionBackend:
 BACKENDS = ("torch", "cpu")
 
 
-def get_attn_backend() -> type[AttentionBackend]:
-    """The backend for the current platform; `KILN_ATTENTION_BACKEND` (torch | cpu) overrides.
+def get_attn_backend(platform=None) -> type[AttentionBackend]:
+    """The backend for `platform` (default: the machine's); `KILN_ATTENTION_BACKEND` (torch |
+    cpu) overrides.
 
     On CPU the default is `cpu` (the C kernel for short queries) when its kernel builds."""
     from kiln import envs
-    from kiln.platforms import current_platform
+
+    if platform is None:
+        from kiln.platforms import current_platform as platform
 
     name = envs.attention_backend()
     if name is None:
         from kiln.native import paged_attention
 
-        name = "cpu" if current_platform.is_cpu() and paged_attention.available() else "torch"
+        name = "cpu" if platform.is_cpu() and paged_attention.available() else "torch"
     if name not in BACKENDS:
         raise ValueError(f"KILN_ATTENTION_BACKEND={name!r} is not one of {', '.join(BACKENDS)}")
     if name == "cpu":

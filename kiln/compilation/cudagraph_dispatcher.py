@@ -114,11 +114,11 @@ def resolve_cudagraph_mode(requested, *, platform_supports_cudagraph: bool, enfo
     return mode, reasons
 
 
-def attention_supports_full_cudagraph() -> bool:
+def attention_supports_full_cudagraph(platform=None) -> bool:
     """The `supports_full_cudagraph` flag of the platform's attention backend."""
     from kiln.attention.backend import get_attn_backend
 
-    return bool(getattr(get_attn_backend(), "supports_full_cudagraph", False))
+    return bool(getattr(get_attn_backend(platform), "supports_full_cudagraph", False))
 
 
 def resolve_cudagraph_config(kiln_config, platform=None,
@@ -130,10 +130,10 @@ def resolve_cudagraph_config(kiln_config, platform=None,
     mode differs from the request.
     """
     if platform is None:
-        from kiln.platforms import current_platform as platform
+        platform = kiln_config.platform
     cc, sched = kiln_config.compilation_config, kiln_config.scheduler_config
     if attn_supports_full is None:
-        attn_supports_full = attention_supports_full_cudagraph()
+        attn_supports_full = attention_supports_full_cudagraph(platform)
     requested = cc.cudagraph_mode
     compilation_mode = cc.mode if cc.mode is not None else (
         CompilationMode.NONE if kiln_config.enforce_eager else CompilationMode.KILN_COMPILE)

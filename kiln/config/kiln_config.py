@@ -29,6 +29,10 @@ class KilnConfig:
     enforce_eager: bool = False
 
     def __post_init__(self):
+        # "auto" dtype follows the configured device's platform, not the machine's: a CPU
+        # engine on a GPU host keeps float32.
+        self.model_config.torch_dtype = self.model_config.resolve_dtype(
+            self.platform.default_dtype)
         sched = self.scheduler_config
         sched.max_model_len = self.model_config.max_model_len
         if sched.max_num_batched_tokens is None:
@@ -46,6 +50,13 @@ class KilnConfig:
             if size > sched.max_num_batched_tokens:
                 raise ValueError(f"compile size {size} exceeds max_num_batched_tokens "
                                  f"({sched.max_num_batched_tokens}); drop it from compile_sizes")
+
+    @property
+    def platform(self):
+        """The platform of the configured device (--device cpu on a GPU host: the CPU's)."""
+        from kiln.platforms import for_device
+
+        return for_device(self.device_config.device)
 
     def compute_hash(self) -> str:
         """Hash of the factors that change the traced graph (part of the compile cache key)."""

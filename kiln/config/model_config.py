@@ -55,7 +55,7 @@ class ModelConfig:
             self.hf_config = self._load_hf_config()
         if self.load_format == "auto":
             self.load_format = "gguf" if self.gguf_file else "safetensors"
-        self.torch_dtype = self._resolve_dtype(current_platform.default_dtype)
+        self.torch_dtype = self.resolve_dtype(current_platform.default_dtype)
         limit = self.derived_max_model_len
         if self.max_model_len is None:
             self.max_model_len = limit
@@ -77,7 +77,8 @@ class ModelConfig:
                                     "Face checkpoint directory or a .gguf file)")
         return AutoConfig.from_pretrained(self.model_path)
 
-    def _resolve_dtype(self, platform_default: torch.dtype) -> torch.dtype:
+    def resolve_dtype(self, platform_default: torch.dtype) -> torch.dtype:
+        """torch dtype of `dtype` on a platform whose default is platform_default."""
         if self.dtype == "auto":
             # transformers 5 names it `dtype` (reading `torch_dtype` there logs a deprecation).
             config_dtype = getattr(self.hf_config, "dtype", None) or getattr(

@@ -48,8 +48,9 @@ class EngineCore:
         capacity = num_blocks * cache.block_size
         if capacity < max_model_len:
             logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: longer "
-                           "requests will be cut short. Raise --kv-cache-memory or lower "
-                           "--max-model-len", capacity, max_model_len)
+                           "requests will be cut short. Raise --kv-cache-memory (CPU) or "
+                           "--gpu-memory-utilization, or lower --max-model-len", capacity,
+                           max_model_len)
         return num_blocks
 
     def add_request(self, request: Request) -> None:
@@ -57,6 +58,10 @@ class EngineCore:
 
     def abort_requests(self, req_ids: str | Iterable[str]) -> None:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash; False (nothing done) while requests hold blocks."""
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def finish_requests(self, req_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
         """End requests with a given status (the output processor uses it for stop strings)."""

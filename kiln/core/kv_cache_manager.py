@@ -15,10 +15,6 @@ class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up (one lookup per admitted request)
     hits: int = 0  # of those, tokens found in the cache
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
 
 class KVCacheManager:
     def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = True):

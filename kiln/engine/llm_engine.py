@@ -56,7 +56,6 @@ class LLMEngine:
         # the start-up heap out of the garbage collector's reach until then (host_memory.py).
         self._shutdown = weakref.finalize(self, self.engine_core.shutdown)
         self._shutdown.atexit = False
-        self.num_finished_requests = 0
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
@@ -104,6 +103,9 @@ class LLMEngine:
                 self.engine_core.abort_requests(added)
             raise
 
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
     def abort_request(self, request_ids: list[str] | str) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
@@ -123,11 +125,10 @@ class LLMEngine:
         if not self.engine_core.has_unfinished_requests():
             return []
         processed = self.output_processor.process_outputs(self.engine_core.step())
-        if processed.reqs_to_abort:
+        if processed.reqs_to_finish:
             # Stop strings are found here, not in the core: release those requests' blocks now.
-            self.engine_core.finish_requests(processed.reqs_to_abort,
+            self.engine_core.finish_requests(processed.reqs_to_finish,
                                              RequestStatus.FINISHED_STOPPED)
-        self.num_finished_requests += sum(o.finished for o in processed.request_outputs)
         return processed.request_outputs
 
     def get_stats(self) -> dict:

@@ -105,8 +105,8 @@ class RequestState:
 @dataclass
 class ProcessedOutputs:
     request_outputs: list[RequestOutput]
-    # Core requests that hit a stop string: the engine must abort them so they free their blocks.
-    reqs_to_abort: list[str]
+    # Core requests that hit a stop string: the engine finishes them (stopped) to free blocks.
+    reqs_to_finish: list[str]
 
 
 class OutputProcessor:

@@ -39,10 +39,6 @@ def get_tokenizer(model_config: ModelConfig):
     return load_tokenizer(model_config.model_path)
 
 
-def eos_token_id(tokenizer) -> int | None:
-    return getattr(tokenizer, "eos_token_id", None)
-
-
 def generation_eos_token_ids(model_config: ModelConfig) -> set[int]:
     """Extra end-of-sequence ids from generation_config.json (chat models often list several)."""
     import json

@@ -112,5 +112,10 @@ class LLM:
                 engine.abort_request(sorted(pending))
         return results
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (as vLLM's), e.g. between benchmark runs; False while
+        requests are in flight."""
+        return self.llm_engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         self.llm_engine.shutdown()

@@ -85,7 +85,7 @@ def capture_model(runner, dispatcher: CudagraphDispatcher, platform=None) -> int
     after one eager run of the same batch so lazy initialisation happens outside capture.
     Returns the number of keys recorded."""
     if platform is None:
-        from kiln.platforms import current_platform as platform
+        platform = runner.kiln_config.platform
     plan = dispatcher.capture_plan()
     if not plan:
         return 0

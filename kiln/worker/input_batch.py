@@ -41,19 +41,15 @@ class InputBatch:
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
-    @property
-    def num_free_rows(self) -> int:
-        return len(self._free_rows)
-
     def add(self, state: CachedRequestState) -> int:
         if not self._free_rows:
             raise RuntimeError(f"the model runner already holds max_num_seqs={self.max_num_seqs} "
                                f"requests; cannot add {state.req_id!r} (scheduler bug?)")
-        row = self._free_rows.pop()
         n = state.num_tokens
         if n > self.max_model_len:
             raise ValueError(f"request {state.req_id!r} has {n} tokens, more than "
                              f"max_model_len={self.max_model_len}; raise --max-model-len")
+        row = self._free_rows.pop()  # only once nothing can refuse it
         self.token_ids[row, :len(state.prompt_token_ids)] = state.prompt_token_ids
         self.token_ids[row, len(state.prompt_token_ids):n] = state.output_token_ids
         self.num_tokens[row] = n

@@ -53,8 +53,7 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.max_model_len = kiln_config.model_config.max_model_len
         self.max_num_reqs = sched.max_num_seqs
-        # The graph helper may raise this (padding past the token budget); buffers follow it.
-        self.max_num_tokens = sched.max_num_batched_tokens
+        self.max_num_tokens = sched.max_num_batched_tokens  # the step buffers' length
         self.max_blocks_per_req = input_prep.cdiv(self.max_model_len, self.block_size)
 
         self.model: torch.nn.Module | None = None
@@ -127,7 +126,8 @@ class ModelRunner:
         self.attn_backend = next(iter(layers.values())).backend if layers else AttentionBackend
 
     def padded_num_tokens(self, num_tokens: int) -> int:
-        """Tokens the model runs for `num_tokens` real ones (the CUDA graph helper pads)."""
+        """Tokens an eager step runs for `num_tokens` real ones: no padding (a CUDA graph's
+        key sets its own size); a seam for tests of padded steps."""
         return num_tokens
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -8,10 +8,8 @@ import gc
 import torch
 
 from kiln import envs
-from kiln.attention.backend import kv_cache_shape
 from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kiln.logger import init_logger
-from kiln.platforms import current_platform
 from kiln.worker import kv_cache_sizing
 from kiln.worker.cudagraph_capture import capture_model
 from kiln.worker.host_memory import freeze_gc_heap, zeros_on_first_touch
@@ -33,7 +31,8 @@ class Worker:
             device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(device)
         self.device = device
-        current_platform.seed_everything(self.kiln_config.model_config.seed)
+        self.platform = self.kiln_config.platform
+        self.platform.seed_everything(self.kiln_config.model_config.seed)
         self.model_runner = ModelRunner(self.kiln_config, device)
         freeze_gc_heap()
 
@@ -58,38 +57,33 @@ class Worker:
 
     def determine_num_blocks(self) -> int:
         """KV blocks that fit this worker's budget (CUDA: measured after a profiling forward).
-        cache_config.num_gpu_blocks_override, when set, wins over the measurement."""
+        The engine core applies num_gpu_blocks_override and warns when they hold less than
+        max_model_len."""
         cache = self.kiln_config.cache_config
         block_bytes = self.kv_cache_block_bytes()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             self.model_runner.profile_run()
             torch.cuda.synchronize()
-            free, total = torch.cuda.mem_get_info(self.device)
+            free, total = self.platform.mem_get_info()
             budget = kv_cache_sizing.cuda_kv_cache_bytes(total, total - free,
                                                          cache.gpu_memory_utilization)
-            knob = "--gpu-memory-utilization"
+            num_blocks = kv_cache_sizing.num_blocks_for(budget, block_bytes)
         else:
             budget = kv_cache_sizing.cpu_kv_cache_bytes(cache.kv_cache_memory,
                                                         envs.cpu_kvcache_space_gib())
-            knob = "--kv-cache-memory (or KILN_CPU_KVCACHE_SPACE)"
-        num_blocks = kv_cache_sizing.num_blocks_for(budget, block_bytes)
-        if self.device.type == "cpu":
             sched = self.kiln_config.scheduler_config
-            num_blocks = min(num_blocks, kv_cache_sizing.useful_block_cap(
-                sched.max_num_seqs, self.kiln_config.model_config.max_model_len, cache.block_size))
+            num_blocks = min(kv_cache_sizing.num_blocks_for(budget, block_bytes),
+                             kv_cache_sizing.useful_block_cap(
+                                 sched.max_num_seqs, self.kiln_config.model_config.max_model_len,
+                                 cache.block_size))
             warning = kv_cache_sizing.cpu_budget_warning(num_blocks * block_bytes,
-                                                         current_platform.mem_get_info()[0])
+                                                         self.platform.mem_get_info()[0])
             if warning:
-                logger.warning("%s; lower %s", warning, knob)
-        logger.info("KV cache budget %.3f GiB; using %d blocks of %d tokens (%d bytes per block)",
-                    budget / kv_cache_sizing.GiB, num_blocks, cache.block_size, block_bytes)
-        if cache.num_gpu_blocks_override is not None:
-            return cache.num_gpu_blocks_override
-        max_len = self.kiln_config.model_config.max_model_len
-        if num_blocks * cache.block_size < max_len:
-            logger.warning("%d KV blocks hold fewer tokens than max_model_len=%d; raise %s or "
-                           "lower --max-model-len", num_blocks, max_len, knob)
+                logger.warning("%s; lower --kv-cache-memory (or KILN_CPU_KVCACHE_SPACE)", warning)
+        logger.info("KV cache budget %.3f GiB; room for %d blocks of %d tokens (%d bytes per "
+                    "block)", budget / kv_cache_sizing.GiB, num_blocks, cache.block_size,
+                    block_bytes)
         return num_blocks
 
     def initialize_cache(self, num_blocks: int) -> None:
@@ -97,11 +91,11 @@ class Worker:
         cache = self.kiln_config.cache_config
         dtype = self.kiln_config.model_config.torch_dtype
         for layer in self._attention_layers().values():
-            shape = kv_cache_shape(num_blocks, cache.block_size, layer.num_kv_heads,
-                                   layer.head_size)
+            shape = layer.backend.get_kv_cache_shape(num_blocks, cache.block_size,
+                                                     layer.num_kv_heads, layer.head_size)
             layer.kv_cache = (zeros_on_first_touch(shape, dtype) if self.device.type == "cpu"
                               else torch.zeros(shape, dtype=dtype, device=self.device))
-        cache.num_blocks = num_blocks
+        cache.num_blocks = num_blocks  # this process's config (a worker may have its own)
 
     # ---- warm-up ---------------------------------------------------------------------------
     def compile_or_warm_up_model(self) -> None:
@@ -113,10 +107,10 @@ class Worker:
         compile_and_warm_up(self.model_runner.dummy_run, self.kiln_config,
                             extra_sizes=[1, min(sched.max_num_seqs, sched.max_num_batched_tokens)])
         # Record every CUDA graph now, after compiling and before serving (no-op on CPU).
-        capture_model(self.model_runner, self.model_runner.cudagraph_dispatcher)
-        current_platform.synchronize()
+        capture_model(self.model_runner, self.model_runner.cudagraph_dispatcher, self.platform)
+        self.platform.synchronize()
         # Warm-up must not change the sampling stream users see.
-        current_platform.seed_everything(self.kiln_config.model_config.seed)
+        self.platform.seed_everything(self.kiln_config.model_config.seed)
         freeze_gc_heap(collect=True)
 
     # ---- steps -----------------------------------------------------------------------------

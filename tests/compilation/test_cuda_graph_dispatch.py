@@ -193,3 +193,27 @@ def test_capture_plan_piecewise_first_largest_first():
     assert _dispatcher(M.NONE).capture_plan() == []
     assert _dispatcher(M.NONE).max_capture_size == 0
     assert [d.num_tokens for _, d in _dispatcher(M.FULL).capture_plan()] == [16, 8, 4, 2, 1]
+
+
+def test_cpu_engine_on_a_gpu_host_takes_the_cpu_platform(monkeypatch):
+    """The machine's platform is CUDA wherever a GPU is; an engine configured for the CPU must
+    still get the CPU's dtype, attention backend and no CUDA graphs."""
+    import torch
+
+    import kiln.platforms
+    from kiln.attention.backend import get_attn_backend
+    from kiln.config import DeviceConfig, KilnConfig, ModelConfig
+    from transformers import LlamaConfig
+
+    monkeypatch.setattr(kiln.platforms, "current_platform", CudaPlatform())
+    hf = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                     max_position_embeddings=512, dtype="bfloat16")
+    model_config = ModelConfig(model="unused", hf_config=hf, load_format="dummy")
+    assert model_config.torch_dtype == torch.bfloat16  # what the machine's platform gives
+    cfg = KilnConfig(model_config=model_config, device_config=DeviceConfig("cpu"),
+                     compilation_config=CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE"))
+    assert isinstance(cfg.platform, CpuPlatform)
+    assert cfg.model_config.torch_dtype == torch.float32
+    assert resolve_cudagraph_config(cfg) is M.NONE
+    assert get_attn_backend(cfg.platform) is get_attn_backend(CpuPlatform())

@@ -90,7 +90,7 @@ def test_stop_string_finishes_and_asks_core_to_abort(tokenizer, include):
     aborts, final = [], None
     for t in ids:
         res = proc.process_outputs([EngineCoreOutput("r", [t])])
-        aborts += res.reqs_to_abort
+        aborts += res.reqs_to_finish
         if res.request_outputs and res.request_outputs[0].finished:
             final = res.request_outputs[0]
             break

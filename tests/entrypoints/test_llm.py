@@ -89,6 +89,13 @@ def test_inputs_of_the_wrong_kind_name_what_is_wrong(llm):
                              SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert np_out.prompt_token_ids == [5, 6, 7] and all(
         type(t) is int for t in np_out.prompt_token_ids)
+    # vLLM's reset_prefix_cache: the same prompt again finds nothing cached
+    llm.generate({"prompt_token_ids": list(range(3, 40))}, SamplingParams(max_tokens=1),
+                 use_tqdm=False)
+    assert llm.reset_prefix_cache()
+    (again,) = llm.generate({"prompt_token_ids": list(range(3, 40))},
+                            SamplingParams(max_tokens=1), use_tqdm=False)
+    assert again.num_cached_tokens == 0
     cache = llm.llm_engine.kiln_config.cache_config  # prompts past it are refused up front
     assert llm.llm_engine.input_processor.kv_cache_tokens == cache.num_blocks * cache.block_size
     assert_idle(llm)

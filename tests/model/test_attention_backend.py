@@ -150,7 +150,10 @@ def test_cpu_backend_is_the_cpu_default(monkeypatch):
 
 class _FakeKilnConfig:
     def __init__(self):
+        from kiln.platforms import CpuPlatform
+
         self.compilation_config = CompilationConfig()
+        self.platform = CpuPlatform()
 
 
 def test_op_traces_under_compile_and_uses_context():

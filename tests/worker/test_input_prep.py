@@ -80,3 +80,4 @@ def test_input_batch_rejects_too_long_request():
     batch = InputBatch(max_num_seqs=1, max_model_len=4, max_blocks_per_req=1)
     with pytest.raises(ValueError, match="max_model_len"):
         batch.add(_state("x", [1] * 5))
+    assert batch.add(_state("y", [1] * 4)) == 0  # the refusal kept the only row free

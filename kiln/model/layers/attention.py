@@ -21,7 +21,7 @@ class Attention(nn.Module):
         self.num_heads, self.head_size, self.scale = num_heads, head_size, scale
         self.num_kv_heads = num_kv_heads
         self.layer_name = prefix
-        self.backend = get_attn_backend()
+        self.backend = get_attn_backend(get_current_kiln_config().platform)
         self.impl = self.backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads)
         # [2, num_blocks, block_size, nkv, hd], assigned by the worker once the cache is sized.
         self.kv_cache: torch.Tensor | None = None
