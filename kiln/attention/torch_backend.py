@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from kiln.attention.backend import AttentionBackend, AttentionImpl
 from kiln.attention.metadata import AttentionMetadata
+from kiln.core.kv_cache_utils import cdiv
 
 
 def _valid_slots(slot_mapping: torch.Tensor, num_tokens: int,
@@ -112,7 +113,7 @@ class TorchAttentionImpl(AttentionImpl):
                 kh, vh = k[qs:qe].transpose(0, 1), v[qs:qe].transpose(0, 1)  # [nkv, S, hd]
                 o = self._sdpa(qh, kh, vh, is_causal=True)
             else:
-                num_blocks = (seq_len + block_size - 1) // block_size
+                num_blocks = cdiv(seq_len, block_size)
                 blocks = md.block_table[i:i + 1, :num_blocks].long()  # [1, n]
                 kh = _gather_context(kv_cache[0], blocks, seq_len)[0].to(q.dtype)  # [nkv, S, hd]
                 vh = _gather_context(kv_cache[1], blocks, seq_len)[0].to(q.dtype)
@@ -147,7 +148,7 @@ def _decode_plan(md: AttentionMetadata, block_size: int,
     key = ("decode", block_size, dtype)
     if key not in md.step_cache:
         num_reqs, max_seq = md.num_reqs, md.max_seq_len
-        num_blocks = (max_seq + block_size - 1) // block_size
+        num_blocks = cdiv(max_seq, block_size)
         blocks = md.block_table[:num_reqs, :num_blocks].long()
         key_pos = torch.arange(max_seq, device=md.seq_lens.device)
         padding = key_pos[None, :] >= md.seq_lens[:num_reqs, None]  # [B, S]

@@ -58,4 +58,5 @@ def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
 
 
 def cdiv(a: int, b: int) -> int:
+    """a / b rounded up: blocks for a number of tokens."""
     return -(-a // b)

@@ -52,7 +52,3 @@ def sampling_mask(num_computed: np.ndarray, num_scheduled: np.ndarray,
     """[R] bool: the step reaches the end of the request's known tokens (a partial prefill
     chunk does not, and samples nothing)."""
     return num_computed + num_scheduled >= num_tokens
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)

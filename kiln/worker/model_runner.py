@@ -11,6 +11,7 @@ import torch
 from kiln.attention.backend import AttentionBackend
 from kiln.attention.metadata import AttentionMetadata
 from kiln.compilation.cuda_graph import BatchDescriptor, CUDAGraphMode, wrap_model_for_full_cudagraph
+from kiln.core.kv_cache_utils import cdiv
 from kiln.core.outputs import (EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput,
                                SchedulerOutput)
 from kiln.forward_context import set_forward_context
@@ -54,7 +55,7 @@ class ModelRunner:
         self.max_model_len = kiln_config.model_config.max_model_len
         self.max_num_reqs = sched.max_num_seqs
         self.max_num_tokens = sched.max_num_batched_tokens  # the step buffers' length
-        self.max_blocks_per_req = input_prep.cdiv(self.max_model_len, self.block_size)
+        self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
 
         self.model: torch.nn.Module | None = None
         self.attn_backend: type[AttentionBackend] = AttentionBackend
