@@ -56,6 +56,25 @@ def compute_prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tenso
     return out
 
 
+def prompt_logprob_rows(states, num_computed: np.ndarray, num_scheduled: np.ndarray,
+                        query_start_loc: np.ndarray) -> dict[str, tuple[range, np.ndarray]] | None:
+    """For each request of a step that wants prompt logprobs: the prompt positions this step
+    predicts and the hidden-state rows that predict them (None when no request wants any).
+    `states` are the runner's request states, in the step's order."""
+    rows = {}
+    for i, state in enumerate(states):
+        # A request with output tokens sent its prompt logprobs already (a recompute after
+        # preemption runs the prompt again; its scores are not needed twice).
+        if state.sampling_params.prompt_logprobs is None or state.output_token_ids:
+            continue
+        where = predicting_positions(int(num_computed[i]), int(num_scheduled[i]),
+                                     len(state.prompt_token_ids))
+        if where:
+            rows[state.req_id] = (where, hidden_rows(int(query_start_loc[i]),
+                                                     int(num_computed[i]), where))
+    return rows or None
+
+
 def hidden_rows(query_start: int, num_computed: int, positions: range) -> np.ndarray:
     """Rows of the step's hidden states holding `positions` of a request whose scheduled tokens
     start at row `query_start` and at position `num_computed`."""

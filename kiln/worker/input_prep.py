@@ -47,6 +47,23 @@ def as_slice(indices: np.ndarray) -> slice | None:
     return slice(int(indices[0]), int(indices[-1]) + 1)
 
 
+def check_step(req_ids: list[str], num_computed: np.ndarray, num_scheduled: np.ndarray,
+               num_known: np.ndarray, num_blocks: np.ndarray, block_size: int) -> None:
+    """Raise if the scheduler sent a step the runner's tables cannot hold: tokens past those
+    it knows, or positions past the blocks it holds (a scheduler / runner mismatch)."""
+    end = num_computed + num_scheduled  # [R]
+    over = np.nonzero(end > num_known)[0]
+    if over.size:
+        i = int(over[0])
+        raise RuntimeError(f"request {req_ids[i]!r} scheduled {num_scheduled[i]} tokens from "
+                           f"position {num_computed[i]} but only {num_known[i]} tokens are known")
+    short = np.nonzero((end - 1) // block_size >= num_blocks)[0]
+    if short.size:
+        i = int(short[0])
+        raise RuntimeError(f"request {req_ids[i]!r} runs to position {end[i] - 1} but holds "
+                           f"only {num_blocks[i]} KV blocks of {block_size}")
+
+
 def sampling_mask(num_computed: np.ndarray, num_scheduled: np.ndarray,
                   num_tokens: np.ndarray) -> np.ndarray:
     """[R] bool: the step reaches the end of the request's known tokens (a partial prefill

@@ -18,7 +18,7 @@ from kiln.forward_context import set_forward_context
 from kiln.logger import init_logger
 from kiln.sample.logprobs import to_logprobs_lists
 from kiln.sample.prompt_logprobs import (PromptLogprobsChunk, compute_prompt_logprobs,
-                                         hidden_rows, predicting_positions)
+                                         prompt_logprob_rows)
 from kiln.sample.sampler import Sampler
 from kiln.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from kiln.worker import input_prep
@@ -216,19 +216,8 @@ class ModelRunner:
         num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64,
                                    count=num_reqs)
         known = batch.num_tokens[rows]
-        over = np.nonzero(num_computed + num_sched > known)[0]
-        if over.size:
-            i = int(over[0])
-            raise RuntimeError(
-                f"request {req_ids[i]!r} scheduled {num_sched[i]} tokens from position "
-                f"{num_computed[i]} but only {known[i]} tokens are known")
-        short = np.nonzero((num_computed + num_sched - 1) // self.block_size
-                           >= batch.num_blocks[rows])[0]
-        if short.size:
-            i = int(short[0])
-            raise RuntimeError(f"request {req_ids[i]!r} runs to position "
-                               f"{num_computed[i] + num_sched[i] - 1} but holds only "
-                               f"{batch.num_blocks[rows[i]]} KV blocks of {self.block_size}")
+        input_prep.check_step(req_ids, num_computed, num_sched, known, batch.num_blocks[rows],
+                              self.block_size)
         num_tokens = int(num_sched.sum())
         uniform_decode = bool((num_sched == 1).all())
         cg_mode, desc = self.cudagraph_dispatcher.dispatch(num_tokens, num_reqs, uniform_decode)
@@ -283,20 +272,9 @@ class ModelRunner:
             query_start_loc_cpu=self.query_start_loc_cpu[:md_reqs + 1],
             seq_lens_cpu=self.seq_lens_cpu[:md_reqs],
             uniform_decode=uniform_decode)
-        prompt_rows = {}
-        for i, state in enumerate(states):
-            # A request with output tokens sent its prompt logprobs already (a recompute after
-            # preemption runs the prompt again; its scores are not needed twice).
-            if state.sampling_params.prompt_logprobs is None or state.output_token_ids:
-                continue
-            where = predicting_positions(int(num_computed[i]), int(num_sched[i]),
-                                         len(state.prompt_token_ids))
-            if where:
-                prompt_rows[state.req_id] = (where, hidden_rows(int(qsl[i]), int(num_computed[i]),
-                                                                where))
         return StepInputs(
             req_ids=req_ids, num_tokens=num_tokens, num_input_tokens=num_input,
-            prompt_logprob_rows=prompt_rows or None,
+            prompt_logprob_rows=prompt_logprob_rows(states, num_computed, num_sched, qsl),
             input_ids=self._to_device(self.input_ids, self.input_ids_cpu, num_input),
             positions=self._to_device(self.positions, self.positions_cpu, num_input),
             attn_metadata=attn_metadata,

@@ -81,3 +81,15 @@ def test_input_batch_rejects_too_long_request():
     with pytest.raises(ValueError, match="max_model_len"):
         batch.add(_state("x", [1] * 5))
     assert batch.add(_state("y", [1] * 4)) == 0  # the refusal kept the only row free
+
+
+def test_check_step_names_the_request_the_tables_cannot_hold():
+    ids = ["a", "b"]
+    computed, known, blocks = np.array([0, 8]), np.array([5, 9]), np.array([2, 3])
+    input_prep.check_step(ids, computed, np.array([5, 1]), known, blocks, block_size=4)
+    with pytest.raises(RuntimeError, match=r"'a' scheduled 6 tokens from position 0 but only 5"):
+        input_prep.check_step(ids, computed, np.array([6, 1]), known, blocks, block_size=4)
+    # b runs to position 8, in its third block: it holds two
+    with pytest.raises(RuntimeError, match=r"'b' runs to position 8 but holds only 2 KV blocks"):
+        input_prep.check_step(ids, computed, np.array([5, 1]), known, np.array([2, 2]),
+                              block_size=4)
