@@ -117,7 +117,14 @@ class KilnBackend:
             return None
         cc = self.kiln_config.compilation_config
         key_dir = cache_base_dir(cc.cache_dir) / key
-        cache = CompileCache(key_dir, self.kiln_config.parallel_config.rank, self.prefix)
+        try:
+            cache = CompileCache(key_dir, self.kiln_config.parallel_config.rank, self.prefix)
+            cache.check_writable()
+        except OSError as e:  # read-only, full, or not a directory: serve, compiling afresh
+            logger.warning("compile cache %s cannot be written (%s); compiling without a cache. "
+                           "Point KILN_CACHE_ROOT (or compilation_config.cache_dir) at a "
+                           "writable directory", key_dir, e)
+            return None
         # Inductor's cache (compiled .so files) lives under the key so a warm start runs no gcc.
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache.inductor_cache_dir)
         monitor.log_cache_dir(cache.dir, cache.was_warm)

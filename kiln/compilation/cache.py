@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import sys
 from pathlib import Path
 
@@ -73,18 +74,42 @@ class CompileCache:
     def inductor_cache_dir(self) -> Path:
         return self.key_dir / "inductor_cache"
 
+    def check_writable(self) -> None:
+        """Raise OSError unless artifacts, the index and Inductor's cache can be written here
+        (loading an artifact writes too: Inductor unpacks it into its cache)."""
+        for directory in (self.dir, self.inductor_cache_dir):
+            directory.mkdir(parents=True, exist_ok=True)
+            probe = directory / f".write_probe.{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+
+    def clear_inductor_cache(self) -> None:
+        """Remove Inductor's cache under the key (it is rebuilt by compiling); Inductor's
+        in-process memo of loaded modules goes too, so nothing is read from the old files."""
+        from torch._inductor.codecache import PyCodeCache
+
+        shutil.rmtree(self.inductor_cache_dir, ignore_errors=True)
+        PyCodeCache.cache_clear()
+
     def _read_index(self) -> dict:
         try:
-            return json.loads(self.index_path.read_text())
+            index = json.loads(self.index_path.read_text())
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as e:
             logger.warning("compile cache index %s unreadable (%s); starting it afresh",
                            self.index_path, e)
             return {}
+        if not isinstance(index, dict):
+            logger.warning("compile cache index %s is not a JSON object; starting it afresh",
+                           self.index_path)
+            return {}
+        return index
 
     def lookup(self, shape: int | None, piece: int, compiler: str) -> dict | None:
-        return self.index.get(index_key(shape, piece, compiler))
+        entry = self.index.get(index_key(shape, piece, compiler))
+        # an entry of another shape (a hand-edited or damaged index) is no artifact
+        return entry if isinstance(entry, dict) and isinstance(entry.get("file"), str) else None
 
     def artifact_path(self, name: str) -> Path:
         return self.artifact_dir / name

@@ -15,6 +15,9 @@ from kiln.compilation import vec_isa
 from kiln.compilation.artifact_call import direct_callable
 from kiln.compilation.counters import compilation_counter
 from kiln.compilation.precompiled_header import headers_not_precompiled
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
 
 Handle = dict  # JSON-able description of a saved artifact, stored in the cache index
 
@@ -105,20 +108,33 @@ class InductorStandaloneAdaptor(CompilerInterface):
             self._dump_output_code(PyCodeCache.modules[known_modules:], shape, save_path)
         handle = None
         if save_path is not None:
-            save_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = save_path.with_name(f".{save_path.name}.{os.getpid()}.tmp")
+            try:
+                handle = self._save(artifact, save_path)
+            except Exception as e:  # noqa: BLE001 - serve the compiled piece all the same
+                logger.warning("compiled artifact %s could not be saved (%s: %s); the next start "
+                               "compiles it again", save_path, type(e).__name__, e)
+            else:
+                # Served as loaded, like a warm start's: the loaded form's call can skip the
+                # runtime wrapper (artifact_call.py), the fresh one's is built differently.
+                artifact = _load_artifact(save_path.with_name(handle["file"]), "binary")
+        return direct_callable(artifact), handle
+
+    @staticmethod
+    def _save(artifact, save_path: Path) -> dict:
+        """Write the artifact atomically under a content-addressed name; its index handle."""
+        save_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = save_path.with_name(f".{save_path.name}.{os.getpid()}.tmp")
+        try:
             artifact.save(path=str(tmp), format="binary")
             digest = file_sha256(tmp)
             # Content-addressed name: two processes compiling the same piece write different
             # bytes, and each index entry must keep naming the file whose checksum it holds.
             save_path = save_path.with_name(f"{save_path.stem}_{digest[:12]}{save_path.suffix}")
             os.replace(tmp, save_path)  # atomic: readers see a whole file or none
-            compilation_counter.num_compiled_artifacts_saved += 1
-            handle = {"file": save_path.name, "sha256": digest, "format": "binary"}
-            # Served as loaded, like a warm start's: the loaded form's call can skip the runtime
-            # wrapper (artifact_call.py), the freshly compiled one's is built differently.
-            artifact = _load_artifact(save_path, "binary")
-        return direct_callable(artifact), handle
+        finally:
+            tmp.unlink(missing_ok=True)
+        compilation_counter.num_compiled_artifacts_saved += 1
+        return {"file": save_path.name, "sha256": digest, "format": "binary"}
 
     def _dump_output_code(self, modules, shape, save_path) -> None:
         """Write the Python module(s) Inductor generated for this compile (its output code)."""

@@ -84,8 +84,7 @@ class PieceCompiler:
             if self.cache is not None and self.compiler.name != "eager":
                 save_path = self.cache.artifact_path(f"{fingerprint}_{label}.bin")
             with monitor.Timer() as t:
-                fn, handle = self.compiler.compile(graph, example_inputs, self.inductor_config,
-                                                   shape, save_path)
+                fn, handle = self._compile(piece, graph, example_inputs, shape, save_path)
             compilation_counter.num_backend_compilations += 1
             monitor.log_piece(piece, shape, "compiled", t.seconds)
             if handle is not None:
@@ -94,6 +93,22 @@ class PieceCompiler:
                 self._record(shape, piece, handle)
         self._memo[memo_key] = fn
         return fn
+
+    def _compile(self, piece: int, graph, example_inputs, shape, save_path):
+        try:
+            return self.compiler.compile(graph, example_inputs, self.inductor_config, shape,
+                                         save_path)
+        except Exception as e:  # noqa: BLE001 - retried once below, then raised
+            if self.cache is None or not self.cache.inductor_cache_dir.exists():
+                raise
+            # Inductor's own cache under the key may hold a damaged file (a truncated .so)
+            # that every compile of this piece would load again: start it afresh, once.
+            logger.warning("compiling piece %d (%s) failed (%s: %s); clearing Inductor's cache "
+                           "%s and compiling again", piece, "range" if shape is None else shape,
+                           type(e).__name__, e, self.cache.inductor_cache_dir)
+            self.cache.clear_inductor_cache()
+            return self.compiler.compile(graph, example_inputs, self.inductor_config, shape,
+                                         save_path)
 
     def _record(self, shape, piece, handle) -> None:
         if self.cache is not None and handle is not None:

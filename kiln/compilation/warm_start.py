@@ -77,11 +77,11 @@ def load_saved(backend, module, forward, args: tuple, kwargs: dict,
 
 def _rebuild(backend, key: str, traced: list[str], module, forward, args, kwargs,
              signature: str):
-    cache = CompileCache(cache_base_dir(backend.kiln_config.compilation_config.cache_dir) / key,
-                         backend.kiln_config.parallel_config.rank, backend.prefix)
     try:
+        cache = CompileCache(cache_base_dir(backend.kiln_config.compilation_config.cache_dir)
+                             / key, backend.kiln_config.parallel_config.rank, backend.prefix)
         plan, split_gm = graph_cache.load_plan(cache.dir)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except Exception as e:
         logger.warning("saved graph in %s failed to load (%s: %s); tracing with Dynamo "
@@ -111,6 +111,8 @@ def _rebuild(backend, key: str, traced: list[str], module, forward, args, kwargs
                         backend.prefix, mismatch)
             return None
         backend.cache, backend.cache_key, backend.traced = backend._open_cache(key), key, traced
+        if backend.cache is None:  # unwritable: its artifacts cannot load (see _open_cache)
+            return None
         _install_pieces(backend, split_gm, plan.pieces)
     except Exception as e:
         logger.warning("saved graph in %s could not be rebuilt (%s: %s); tracing with "

@@ -219,6 +219,60 @@ def test_corrupt_artifact_warns_recompiles_and_serves(cold, tmp_path, kiln_logs)
         torch.testing.assert_close(_run(model, n), _run(cold["reference"], n))
 
 
+def test_damaged_inductor_cache_is_cleared_and_compiled_again(cold, tmp_path):
+    """Inductor's own cache under the key held truncated .so files: in a fresh process the
+    artifacts fail to load and compiling them again reads the same files, so the recompile
+    must start that cache afresh (a second process: this one has the libraries loaded)."""
+    cache = tmp_path / "cache"
+    shutil.copytree(cold["root"] / "cache", cache)
+    libraries = list(cache.glob("*/inductor_cache/**/*.so"))
+    assert libraries
+    for lib in libraries:
+        lib.write_bytes(lib.read_bytes()[:64])
+    for run in ("damaged", "after"):
+        out = tmp_path / f"{run}.pt"
+        child = subprocess.run([sys.executable, str(HERE / "_child.py"), str(cache), str(out)],
+                               cwd=HERE, timeout=400, capture_output=True, text=True)
+        assert child.returncode == 0, child.stderr[-3000:]
+        result = torch.load(out)
+        for n in SIZES:
+            assert torch.equal(result["outputs"][n], _run(cold["model"], n))
+        if run == "damaged":
+            assert "clearing Inductor's cache" in child.stderr
+        else:  # the cache it left behind serves a start without compiling
+            assert result["counters"]["num_inductor_compiles"] == 0
+
+
+def test_unwritable_cache_serves_without_it(cold, tmp_path, kiln_logs, monkeypatch):
+    """A read-only or full cache directory (root cannot make one read-only here: the probe is
+    made to fail) is a warning, then a compile as without a cache; never a crash."""
+    import errno
+
+    def read_only(self):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    cache = tmp_path / "cache"
+    shutil.copytree(cold["root"] / "cache", cache)
+    monkeypatch.setattr(CompileCache, "check_writable", read_only)
+    model = _warm_model(cache, dict(num_saved_graph_loads=0, num_compiled_artifacts_loaded=0,
+                                    num_compiled_artifacts_saved=0))
+    assert "cannot be written" in kiln_logs.text and "KILN_CACHE_ROOT" in kiln_logs.text
+    for n in (8, 3):
+        torch.testing.assert_close(_run(model, n), _run(cold["reference"], n))
+
+
+def test_cache_index_of_the_wrong_shape_starts_afresh(cold, tmp_path, kiln_logs):
+    cache = tmp_path / "cache"
+    shutil.copytree(cold["root"] / "cache", cache)
+    index = next(cache.glob("*/rank_0/ToyModel/index.json"))
+    index.write_text("[]")
+    compile_cache = CompileCache(index.parent.parent.parent, 0, "ToyModel")
+    assert compile_cache.index == {} and "not a JSON object" in kiln_logs.text
+    index.write_text(json.dumps({"range/piece_0/inductor_standalone": "x"}))
+    assert CompileCache(index.parent.parent.parent, 0, "ToyModel").lookup(
+        None, 0, "inductor_standalone") is None
+
+
 def test_warm_start_missing_a_size_artifact_traces_and_compiles_it(cold, tmp_path, kiln_logs):
     # A saved graph is code-only and never compiled: a damaged size artifact, or a compile size
     # added since the cold start, sends the warm start back to Dynamo, which compiles just those.
