@@ -216,9 +216,14 @@ class KilnBackend:
         if not path:
             return
         out = Path(path) / f"rank_{self.kiln_config.parallel_config.rank}" / self.prefix
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "split_graph.py").write_text(split_gm.print_readable(print_output=False))
-        for it in self.split_items:
-            kind = "splitting" if it.is_splitting_graph else "compiled"
-            (out / f"piece_{it.graph_id}_{kind}.py").write_text(
-                it.graph.print_readable(print_output=False))
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "split_graph.py").write_text(split_gm.print_readable(print_output=False))
+            for it in self.split_items:
+                kind = "splitting" if it.is_splitting_graph else "compiled"
+                (out / f"piece_{it.graph_id}_{kind}.py").write_text(
+                    it.graph.print_readable(print_output=False))
+        except OSError as e:  # a debugging aid: never a reason not to serve
+            logger.warning("debug_dump_path %s cannot be written (%s); not dumping", path, e)
+            if hasattr(self.compiler, "dump_dir"):
+                self.compiler.dump_dir = None

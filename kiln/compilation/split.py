@@ -10,6 +10,10 @@ import torch
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
+
 
 @dataclass
 class SplitItem:
@@ -98,6 +102,9 @@ def split_graph(gm: fx.GraphModule, splitting_ops: list[str]) -> tuple[fx.GraphM
                                                                       list[SplitItem]]:
     """Split `gm` (modified in place) into a stitching module whose children are the pieces."""
     piece_of, splitting_ids = assign_pieces(gm.graph, splitting_ops)
+    if splitting_ops and not splitting_ids:
+        logger.warning("no op of compilation_config.splitting_ops %s is in the traced graph: it "
+                       "stays one piece (is the op name right?)", splitting_ops)
     _localise_size_nodes(gm.graph, piece_of)
     gm.recompile()
     split_gm = split_module(gm, None, lambda node: piece_of[node], keep_original_order=True,

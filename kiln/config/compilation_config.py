@@ -20,6 +20,13 @@ class CompilationMode(enum.IntEnum):
 DEFAULT_SPLITTING_OPS = ["kiln::unified_attention"]
 
 
+def _inductor_options() -> set[str]:
+    """Every option torch._inductor.config has, dotted names of its sub-configs included."""
+    from torch._inductor import config
+
+    return set(config._config)
+
+
 @dataclass
 class CompilationConfig:
     mode: int | None = None  # None: KILN_COMPILE, or NONE with enforce_eager
@@ -44,21 +51,36 @@ class CompilationConfig:
     RUNTIME_FIELDS = frozenset({"static_forward_context", "warmup_phase"})
 
     def __post_init__(self):
+        def fail(name: str, rule: str, value) -> None:
+            raise ValueError(f"compilation_config.{name} must be {rule}; got {value!r}")
+
+        def integer(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
         if self.mode is not None:
-            try:
-                self.mode = CompilationMode(int(self.mode))
-            except ValueError:
-                raise ValueError(f"compilation_config.mode must be 0, 1, 2 or 3; got {self.mode!r}")
+            if not integer(self.mode) or self.mode not in CompilationMode.__members__.values():
+                fail("mode", "0, 1, 2 or 3", self.mode)
+            self.mode = CompilationMode(self.mode)
         if self.backend not in ("inductor", "eager"):
-            raise ValueError(
-                f"compilation_config.backend must be 'inductor' or 'eager'; got {self.backend!r}")
+            fail("backend", "'inductor' or 'eager'", self.backend)
         if self.splitting_ops is None:
             self.splitting_ops = list(DEFAULT_SPLITTING_OPS)
-        for size in self.compile_sizes:
-            if not isinstance(size, int) or size < 1:
-                raise ValueError(f"compilation_config.compile_sizes entries must be positive "
-                                 f"integers; got {size!r}")
+        if not (isinstance(self.splitting_ops, (list, tuple))
+                and all(isinstance(op, str) and "::" in op for op in self.splitting_ops)):
+            fail("splitting_ops", 'a list of op names such as ["kiln::unified_attention"]',
+                 self.splitting_ops)
+        self.splitting_ops = list(self.splitting_ops)
+        if not (isinstance(self.compile_sizes, (list, tuple))
+                and all(integer(size) and size >= 1 for size in self.compile_sizes)):
+            fail("compile_sizes", "a list of positive integers", self.compile_sizes)
         self.compile_sizes = sorted(set(self.compile_sizes))
+        for name in ("pass_config", "inductor_compile_config"):
+            if not isinstance(getattr(self, name), dict):
+                fail(name, "a JSON object (dict)", getattr(self, name))
+        unknown = sorted(set(self.inductor_compile_config) - _inductor_options())
+        if unknown:
+            fail("inductor_compile_config", "options of torch._inductor.config (unknown: "
+                 f"{unknown})", self.inductor_compile_config)
 
     @classmethod
     def from_cli(cls, value: "str | int | dict | CompilationConfig | None") -> "CompilationConfig":

@@ -62,7 +62,8 @@ class KilnConfig:
         """Hash of the factors that change the traced graph (part of the compile cache key)."""
         m, c = self.model_config, self.compilation_config
         factors = [
-            m.architecture, repr(sorted(m.hf_config.to_dict().items()))
+            m.architecture, repr(sorted((k, v) for k, v in m.hf_config.to_dict().items()
+                                        if k != "_name_or_path"))  # the same model moved
             if hasattr(m.hf_config, "to_dict") else repr(m.hf_config),
             str(m.torch_dtype), self.device_config.device, self.cache_config.block_size,
             self.parallel_config.tensor_parallel_size, self.scheduler_config.max_num_batched_tokens,
