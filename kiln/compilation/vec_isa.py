@@ -65,11 +65,12 @@ def settle(verdict_dir: Path | None = None) -> bool:
         return False
     try:
         verdict = (verdict_dir or envs.cache_root() / "inductor_vec_isa") / f"{machine_key()}.json"
-        if not verdict.exists():
+        passes = _read_verdict(verdict)
+        if passes is None:  # none yet, or damaged: probe and write it (again)
             if not _probed_equals_assumed():
                 return False
             atomic_write_text(verdict, json.dumps({"all_candidates_pass": True}))
-        elif not json.loads(verdict.read_text()).get("all_candidates_pass"):
+        elif not passes:
             return False
     except Exception as e:  # an optimisation only: on any surprise Inductor probes as usual
         logger.debug("vector-ISA verdict unavailable (%s: %s); Inductor probes", type(e).__name__,
@@ -78,6 +79,22 @@ def settle(verdict_dir: Path | None = None) -> bool:
     config.cpp.vec_isa_ok = True
     _remember_extension_probes(verdict)
     return True
+
+
+def _read_verdict(verdict: Path) -> bool | None:
+    """The verdict's all_candidates_pass; None when there is no file or it is damaged (a
+    damaged one changes Inductor's config hash, so every compile cache would miss: say so)."""
+    try:
+        data = json.loads(verdict.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        logger.warning("vector-ISA verdict %s is damaged (%s); probing again", verdict, e)
+        return None
+    if not isinstance(data, dict):
+        logger.warning("vector-ISA verdict %s is damaged (not an object); probing again", verdict)
+        return None
+    return bool(data.get("all_candidates_pass"))
 
 
 # The verdict file the extension probes are remembered in (the latest settle's), and whether

@@ -31,6 +31,16 @@ def test_probe_once_then_read_the_verdict(tmp_path, monkeypatch):
     assert probes == [1]  # read back, not probed again
 
 
+def test_damaged_verdict_is_probed_and_written_again(tmp_path, kiln_logs):
+    verdict = tmp_path / f"{vec_isa.machine_key()}.json"
+    for damage in ("garbage{", "[]"):
+        verdict.write_text(damage)
+        config.cpp.vec_isa_ok = None
+        assert vec_isa.settle(tmp_path) and config.cpp.vec_isa_ok is True
+        assert json.loads(verdict.read_text()) == {"all_candidates_pass": True}
+    assert "verdict" in kiln_logs.text and "damaged" in kiln_logs.text
+
+
 def test_cache_key_is_the_same_whoever_probed(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
     probing = InductorStandaloneAdaptor(device="cpu").compute_hash()  # probes, writes
