@@ -21,7 +21,10 @@ pytestmark = pytest.mark.skipif(not attention_op.available(),
 
 class _Config:
     def __init__(self):
+        from kiln.platforms import CpuPlatform
+
         self.compilation_config = CompilationConfig()
+        self.platform = CpuPlatform()
 
 
 class Engine:
