@@ -87,6 +87,14 @@ def test_mode0_text_report_in_process(tiny_llama_dir, capsys):
     assert "pieces" not in out and "load model" in out
 
 
+def test_mode1_text_report_does_not_claim_pieces(cold):
+    """Modes 1 and 2 are torch.compile's own path: no split, no Kiln cache, no trace split."""
+    text = format_report({**cold, "compilation_mode": 1,
+                          "compilation_mode_name": "STOCK_TORCH_COMPILE"})
+    assert "plain torch.compile" in text
+    assert "pieces     " not in text and "Dynamo trace" not in text and "cache      " not in text
+
+
 def test_per_shape_groups_and_orders_shapes():
     events = [{"piece": 0, "shape": "size 8", "action": "compiled", "s": 1.0},
               {"piece": 0, "shape": "range", "action": "loaded", "s": 0.5},

@@ -30,8 +30,12 @@ def format_report(r: dict) -> str:
              f"{r['device']}, {r['dtype']}",
              f"mode       {r['compilation_mode']} ({r['compilation_mode_name']}), backend "
              f"{r['backend']}"]
+    piecewise = r["compilation_mode"] == 3
     if r["compilation_mode"] == 0:
         lines.append("           nothing compiled (mode 0 runs eagerly)")
+    elif not piecewise:  # torch.compile's own path: no pieces, no Kiln cache to report
+        lines.append("           plain torch.compile, without Kiln's split, shapes or cache; "
+                     "its compile time is in the warm-up below")
     else:
         p = r["pieces"]
         lines.append(f"pieces     {p['total']} total, {p['compiled']} compiled (split at "
@@ -59,7 +63,7 @@ def format_report(r: dict) -> str:
     lines.append(f"time       total {_s(t['total_s'])}: config {_s(t['config_s'])}, load model "
                  f"{_s(t.get('load_model_s'))}, profile + KV cache "
                  f"{_s(t.get('profile_kv_cache_s'))}, warm-up {_s(t.get('warmup_s'))}")
-    if r["compilation_mode"] != 0:
+    if piecewise:
         lines.append(f"           of which Dynamo trace {_s(t['trace_s'])}, compile "
                      f"{_s(t['compile_s'])}, artifact load {_s(t['artifact_load_s'])}")
     return "\n".join(lines)
