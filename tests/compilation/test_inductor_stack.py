@@ -261,6 +261,26 @@ def test_unwritable_cache_serves_without_it(cold, tmp_path, kiln_logs, monkeypat
         torch.testing.assert_close(_run(model, n), _run(cold["reference"], n))
 
 
+def test_failed_save_and_unwritable_dump_still_serve(cold, tmp_path, kiln_logs, monkeypatch):
+    """An artifact Inductor compiled but could not save (as with freezing), and a debug dump
+    path that cannot be written: warnings, then a served model."""
+    def cannot_save(artifact, save_path):
+        raise RuntimeError("no aot_autograd artifacts to save")
+
+    monkeypatch.setattr(InductorStandaloneAdaptor, "_save", staticmethod(cannot_save))
+    not_a_dir = tmp_path / "a_file"
+    not_a_dir.write_text("")
+    config = tm.toy_config(mode=3, cache_dir=str(tmp_path / "cache"),
+                           debug_dump_path=str(not_a_dir / "dump"))
+    model = tm.build(config)
+    with compilation_counter.expect(num_compiled_artifacts_saved=0, num_inductor_compiles=3):
+        with torch.no_grad():
+            compile_and_warm_up(lambda n: model(*tm.inputs(n)), config)
+    assert "could not be saved" in kiln_logs.text and "cannot be written" in kiln_logs.text
+    for n in (8, 3):
+        torch.testing.assert_close(_run(model, n), _run(cold["reference"], n))
+
+
 def test_cache_index_of_the_wrong_shape_starts_afresh(cold, tmp_path, kiln_logs):
     cache = tmp_path / "cache"
     shutil.copytree(cold["root"] / "cache", cache)

@@ -96,6 +96,10 @@ def test_inputs_of_the_wrong_kind_name_what_is_wrong(llm):
     (again,) = llm.generate({"prompt_token_ids": list(range(3, 40))},
                             SamplingParams(max_tokens=1), use_tqdm=False)
     assert again.num_cached_tokens == 0
+    # the largest seed, n = 2: the second sample's seed passes int64 (torch takes 64 bits)
+    (top,) = llm.generate(good, SamplingParams(n=2, seed=2 ** 63 - 1, temperature=1.0,
+                                               max_tokens=2), use_tqdm=False)
+    assert len(top.outputs) == 2
     cache = llm.llm_engine.kiln_config.cache_config  # prompts past it are refused up front
     assert llm.llm_engine.input_processor.kv_cache_tokens == cache.num_blocks * cache.block_size
     assert_idle(llm)
