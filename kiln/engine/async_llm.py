@@ -110,8 +110,10 @@ class AsyncLLM:
 
     # ---- requests --------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
-                          arrival_time: float | None = None) -> RequestStream:
-        """Queue a request; raises ValueError (bad prompt or params) before anything is queued."""
+                          arrival_time: float | None = None, *,
+                          max_tokens_must_fit: bool = False) -> RequestStream:
+        """Queue a request; raises ValueError (bad prompt or params) before anything is queued.
+        `max_tokens_must_fit`: refuse a max_tokens past max_model_len instead of cutting it."""
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in flight; ids must be unique")
@@ -122,7 +124,8 @@ class AsyncLLM:
         engine_params.output_kind = RequestOutputKind.DELTA
         self._streams[request_id] = stream
         try:
-            await self.run_in_engine(self.engine.add_request, request_id, prompt, engine_params)
+            await self.run_in_engine(self.engine.add_request, request_id, prompt, engine_params,
+                                     max_tokens_must_fit=max_tokens_must_fit)
         except ValueError:
             self._streams.pop(request_id, None)  # refused: nothing entered the engine
             raise

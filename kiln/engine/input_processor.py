@@ -73,7 +73,10 @@ class InputProcessor:
         # add_special_tokens: BOS where the tokenizer adds one (Llama), nothing for Qwen.
         return list(self.tokenizer(text, add_special_tokens=True).input_ids)
 
-    def process(self, prompt: PromptType, params: SamplingParams | None) -> ProcessedPrompt:
+    def process(self, prompt: PromptType, params: SamplingParams | None, *,
+                max_tokens_must_fit: bool = False) -> ProcessedPrompt:
+        """`max_tokens_must_fit`: refuse a max_tokens that passes max_model_len (the OpenAI
+        server, as vLLM's) instead of cutting it to what fits (LLM.generate)."""
         text, token_ids = self.tokenize(prompt)
         validate_prompt_token_ids(token_ids, self.vocab_size, self.max_model_len)
         if self.kv_cache_tokens is not None and len(token_ids) > self.kv_cache_tokens:
@@ -88,5 +91,10 @@ class InputProcessor:
         params.update_from_tokenizer(self.eos_token_id, self.vocab_size)
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.extra_eos_token_ids
+        room = self.max_model_len - len(token_ids)
+        if max_tokens_must_fit and params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(f"max_tokens {params.max_tokens} is too large: the prompt's "
+                             f"{len(token_ids)} tokens leave {room} of max_model_len "
+                             f"{self.max_model_len}; lower max_tokens or shorten the prompt")
         clip_max_tokens(params, len(token_ids), self.max_model_len)
         return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids, params=params)

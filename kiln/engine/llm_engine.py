@@ -66,13 +66,17 @@ class LLMEngine:
 
     # ---- requests in -------------------------------------------------------------------------
 
-    def process_inputs(self, prompt: PromptType, params: SamplingParams | None) -> ProcessedPrompt:
+    def process_inputs(self, prompt: PromptType, params: SamplingParams | None, *,
+                       max_tokens_must_fit: bool = False) -> ProcessedPrompt:
         """Tokenize and validate without touching engine state (raises ValueError)."""
-        return self.input_processor.process(prompt, params)
+        return self.input_processor.process(prompt, params,
+                                            max_tokens_must_fit=max_tokens_must_fit)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        self.add_processed_request(request_id, self.process_inputs(prompt, params), arrival_time)
+                    arrival_time: float | None = None, *,
+                    max_tokens_must_fit: bool = False) -> None:
+        processed = self.process_inputs(prompt, params, max_tokens_must_fit=max_tokens_must_fit)
+        self.add_processed_request(request_id, processed, arrival_time)
 
     def add_processed_request(self, request_id: str, processed: ProcessedPrompt,
                               arrival_time: float | None = None) -> None:

@@ -77,3 +77,15 @@ def test_clip_max_tokens():
     p = SamplingParams(max_tokens=5)
     clip_max_tokens(p, prompt_len=3, max_model_len=120)
     assert p.max_tokens == 5
+
+
+def test_max_tokens_past_max_model_len_is_cut_or_refused(proc):
+    """LLM.generate cuts it to what fits; the OpenAI server (max_tokens_must_fit) refuses it,
+    naming the numbers, as vLLM's does."""
+    prompt = {"prompt_token_ids": [5] * 60}
+    assert proc.process(prompt, SamplingParams(max_tokens=10)).params.max_tokens == 4
+    with pytest.raises(ValueError, match=r"^max_tokens 10 is too large.*60 tokens leave 4 of "
+                                         r"max_model_len 64"):
+        proc.process(prompt, SamplingParams(max_tokens=10), max_tokens_must_fit=True)
+    fits = proc.process(prompt, SamplingParams(max_tokens=None), max_tokens_must_fit=True)
+    assert fits.params.max_tokens == 4  # omitted: up to max_model_len

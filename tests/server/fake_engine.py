@@ -53,7 +53,8 @@ class FakeEngine:
         finally:
             self.busy.release()
 
-    def add_request(self, request_id, prompt, params: SamplingParams, arrival_time=None):
+    def add_request(self, request_id, prompt, params: SamplingParams, arrival_time=None, *,
+                    max_tokens_must_fit=False):
         with self._exclusive():
             if isinstance(prompt, str):
                 text, ids = prompt, self.tokenizer(prompt).input_ids
@@ -67,6 +68,9 @@ class FakeEngine:
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
             room = self.kiln_config.model_config.max_model_len - len(ids)
+            if max_tokens_must_fit and params.max_tokens is not None and params.max_tokens > room:
+                raise ValueError(f"max_tokens {params.max_tokens} is too large: {room} left of "
+                                 "max_model_len")
             max_tokens = min(params.max_tokens or room, room)
             self.requests[request_id] = dict(prompt=text, ids=ids, params=params, k=0,
                                              max_tokens=max_tokens,

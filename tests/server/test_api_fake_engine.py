@@ -170,6 +170,12 @@ def test_chat_whole_streamed_and_logprobs(client):
                                   chat_template_kwargs={"chat_template": "{{ 7 * 7 }}"}),
      "chat_template_kwargs", None),
     ("/detokenize", dict(tokens=[1, 10_000]), "tokens", None),
+    # as OpenAI and vLLM: a max_tokens that cannot fit beside the prompt is refused, not cut
+    ("/v1/completions", dict(prompt="x", max_tokens=100), "max_tokens",
+     "context_length_exceeded"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}],
+                                  max_completion_tokens=100), "max_completion_tokens",
+     "context_length_exceeded"),
     # OpenAI's cap: each choice is built in the engine at once
     ("/v1/completions", dict(prompt="x", n=129), "n", None),
     ("/v1/completions", dict(prompt=[True, False]), "prompt", None),  # no token ids

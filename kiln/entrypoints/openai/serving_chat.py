@@ -92,7 +92,10 @@ class ServingChat:
         prompt = await render_chat_prompt(self.llm, req.messages, req.add_generation_prompt,
                                           req.continue_final_message, req.chat_template_kwargs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await submit(self.llm, request_id, [prompt], params, "messages")
+        max_tokens_param = ("max_completion_tokens" if req.max_completion_tokens is not None
+                            else "max_tokens")
+        streams = await submit(self.llm, request_id, [prompt], params, "messages",
+                               max_tokens_param)
         if req.stream:
             return StreamingResponse(self._stream(req, model, request_id, streams),
                                      media_type="text/event-stream")

@@ -21,26 +21,32 @@ def sse(payload: BaseModel | dict) -> str:
     return f"data: {data}\n\n"
 
 
-def add_request_error(e: ValueError, prompt_param: str) -> OpenAIError:
+def add_request_error(e: ValueError, prompt_param: str,
+                      max_tokens_param: str = "max_tokens") -> OpenAIError:
     """A ValueError from LLMEngine.add_request as a 400 naming the request field."""
     message = str(e)
+    first = message.split(" ", 1)[0]
+    if first == "max_tokens" and max_tokens_param != first:  # the name the client sent
+        message = max_tokens_param + message[len(first):]
     param = param_from_message(message, {"stop_token_ids": "stop_token_ids",
+                                         max_tokens_param: max_tokens_param,
                                          "prompt": prompt_param}) or prompt_param
     code = "context_length_exceeded" if "max_model_len" in message else "invalid_value"
     return OpenAIError(message, param=param, code=code)
 
 
 async def submit(llm: AsyncLLM, base_id: str, prompts: list, params: SamplingParams,
-                 prompt_param: str) -> list[RequestStream]:
-    """Add every prompt as its own request; if one is refused, none stays queued."""
+                 prompt_param: str, max_tokens_param: str = "max_tokens") -> list[RequestStream]:
+    """Add every prompt as its own request; if one is refused, none stays queued. As OpenAI
+    and vLLM do, a max_tokens that does not fit beside the prompt is refused (400)."""
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            streams.append(await llm.add_request(rid, prompt, params))
+            streams.append(await llm.add_request(rid, prompt, params, max_tokens_must_fit=True))
     except ValueError as e:
         await llm.abort([s.request_id for s in streams])
-        raise add_request_error(e, prompt_param) from None
+        raise add_request_error(e, prompt_param, max_tokens_param) from None
     except EngineDeadError as e:
         await llm.abort([s.request_id for s in streams])
         raise _engine_dead(e) from None
