@@ -9,8 +9,9 @@ GEMV kernel on the dense weight instead (kiln/native/gemv.py), which reads the w
 than oneDNN does at that size. A weight loaded from a GGUF file in Q4_0, Q4_1, Q8_0, Q4_K, Q5_K
 or Q6_K also keeps the file's blocks (`attach_gguf_blocks`): steps of a few rows (up to 8-64 by
 type and dtype, gguf_matmul.rows_worth_it) read those instead, 5.3x fewer bytes than float32 for
-Q4_1 (kiln/native/gguf_matmul.py). The choice per call is made in C++ (kiln/native/linear_op.py); without a C++ compiler nothing is
-attached and the layers keep aten's linear.
+Q4_1 (kiln/native/gguf_matmul.py). The choice per call is made in C++
+(kiln/native/linear_op.py); without a C++ compiler nothing is attached and the layers keep
+aten's linear.
 """
 import torch
 import torch.nn.functional as F
