@@ -18,9 +18,15 @@ class ProcessedPrompt:
     params: SamplingParams  # a private copy, resolved against the tokenizer and max_model_len
 
 
-def clip_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int) -> None:
-    """Bound max_tokens so prompt + output fits max_model_len (None: up to max_model_len)."""
+def clip_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int,
+                    must_fit: bool = False) -> None:
+    """Bound max_tokens so prompt + output fits max_model_len (None: up to max_model_len).
+    `must_fit`: refuse a larger max_tokens instead (the OpenAI server, as vLLM's)."""
     room = max_model_len - prompt_len
+    if must_fit and params.max_tokens is not None and params.max_tokens > room:
+        raise ValueError(f"max_tokens {params.max_tokens} is too large: the prompt's "
+                         f"{prompt_len} tokens leave {room} of max_model_len {max_model_len}; "
+                         "lower max_tokens or shorten the prompt")
     if params.max_tokens is None or params.max_tokens > room:
         params.max_tokens = room
     params.min_tokens = min(params.min_tokens, params.max_tokens)
@@ -77,24 +83,19 @@ class InputProcessor:
                 max_tokens_must_fit: bool = False) -> ProcessedPrompt:
         """`max_tokens_must_fit`: refuse a max_tokens that passes max_model_len (the OpenAI
         server, as vLLM's) instead of cutting it to what fits (LLM.generate)."""
+        if params is not None and not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams (or one per prompt), "
+                             f"got {type(params).__name__}")
         text, token_ids = self.tokenize(prompt)
         validate_prompt_token_ids(token_ids, self.vocab_size, self.max_model_len)
         if self.kv_cache_tokens is not None and len(token_ids) > self.kv_cache_tokens:
             raise ValueError(f"prompt length {len(token_ids)} is more than the whole KV cache "
                              f"holds ({self.kv_cache_tokens} tokens); raise --kv-cache-memory "
                              "(CPU) or --gpu-memory-utilization, or shorten the prompt")
-        if params is not None and not isinstance(params, SamplingParams):
-            raise ValueError("sampling_params must be a SamplingParams (or one per prompt), "
-                             f"got {type(params).__name__}")
         params = (params or SamplingParams()).clone()
         params.verify()  # fields may have changed since the user built it
         params.update_from_tokenizer(self.eos_token_id, self.vocab_size)
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.extra_eos_token_ids
-        room = self.max_model_len - len(token_ids)
-        if max_tokens_must_fit and params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(f"max_tokens {params.max_tokens} is too large: the prompt's "
-                             f"{len(token_ids)} tokens leave {room} of max_model_len "
-                             f"{self.max_model_len}; lower max_tokens or shorten the prompt")
-        clip_max_tokens(params, len(token_ids), self.max_model_len)
+        clip_max_tokens(params, len(token_ids), self.max_model_len, max_tokens_must_fit)
         return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids, params=params)

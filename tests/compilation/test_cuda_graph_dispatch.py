@@ -217,3 +217,14 @@ def test_cpu_engine_on_a_gpu_host_takes_the_cpu_platform(monkeypatch):
     assert cfg.model_config.torch_dtype == torch.float32
     assert resolve_cudagraph_config(cfg) is M.NONE
     assert get_attn_backend(cfg.platform) is get_attn_backend(CpuPlatform())
+    from kiln.native import paged_attention
+
+    if paged_attention.available():  # the layer takes the device's backend, not the machine's
+        from kiln.attention.cpu_backend import CpuAttentionBackend
+        from kiln.config import set_current_kiln_config
+        from kiln.model.layers.attention import Attention
+
+        assert get_attn_backend() is not CpuAttentionBackend
+        with set_current_kiln_config(cfg):
+            layer = Attention(4, 16, 0.25, 2, prefix="layers.0.attn")
+        assert layer.backend is CpuAttentionBackend

@@ -59,6 +59,17 @@ def param_from_message(message: str, fields: dict[str, str]) -> str | None:
     return None
 
 
+def in_api_terms(message: str, fields: dict[str, str]) -> tuple[str, str | None]:
+    """(message, param) of an engine ValueError: the field it names mapped through `fields`,
+    and the message opening with the name the client sent where it opens with the engine's
+    (max_tokens -> max_completion_tokens, logprobs -> top_logprobs)."""
+    param = param_from_message(message, fields)
+    first = message.split(" ", 1)[0]
+    if fields.get(first, first) != first:
+        message = fields[first] + message[len(first):]
+    return message, param
+
+
 def _loc_to_param(loc: tuple) -> str | None:
     """("body", "messages", 0, "content") -> "messages[0].content"; None for the whole body."""
     parts = [p for p in loc if p != "body"]

@@ -2,7 +2,7 @@
 
 Pure functions: the range checks live in SamplingParams; this file only translates names.
 """
-from kiln.entrypoints.openai.errors import OpenAIError, param_from_message
+from kiln.entrypoints.openai.errors import OpenAIError, in_api_terms
 from kiln.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                               SamplingFields)
 from kiln.sampling_params import RequestOutputKind, SamplingParams
@@ -35,11 +35,7 @@ def _build(kw: dict, field_names: dict[str, str], stream: bool) -> SamplingParam
     try:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as e:
-        message = str(e)
-        param = param_from_message(message, field_names)
-        first = message.split(" ", 1)[0]
-        if param and first in field_names and first != param:  # say the name the user sent
-            message = param + message[len(first):]
+        message, param = in_api_terms(str(e), field_names)
         raise OpenAIError(message, param=param, code="invalid_value") from None
 
 

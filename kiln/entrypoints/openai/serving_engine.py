@@ -9,7 +9,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 from kiln.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
-from kiln.entrypoints.openai.errors import OpenAIError, param_from_message
+from kiln.entrypoints.openai.errors import OpenAIError, in_api_terms
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -24,13 +24,10 @@ def sse(payload: BaseModel | dict) -> str:
 def add_request_error(e: ValueError, prompt_param: str,
                       max_tokens_param: str = "max_tokens") -> OpenAIError:
     """A ValueError from LLMEngine.add_request as a 400 naming the request field."""
-    message = str(e)
-    first = message.split(" ", 1)[0]
-    if first == "max_tokens" and max_tokens_param != first:  # the name the client sent
-        message = max_tokens_param + message[len(first):]
-    param = param_from_message(message, {"stop_token_ids": "stop_token_ids",
-                                         max_tokens_param: max_tokens_param,
-                                         "prompt": prompt_param}) or prompt_param
+    message, param = in_api_terms(str(e), {"stop_token_ids": "stop_token_ids",
+                                           "max_tokens": max_tokens_param,
+                                           "prompt": prompt_param})
+    param = param or prompt_param
     code = "context_length_exceeded" if "max_model_len" in message else "invalid_value"
     return OpenAIError(message, param=param, code=code)
 
