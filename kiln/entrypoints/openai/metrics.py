@@ -1,7 +1,8 @@
 """Prometheus metrics for GET /metrics, all named `kiln:*` and labelled with the model name.
 
-A `StatLogger` for AsyncLLM: token counters and latency histograms per step, gauges from the
-engine's stats (refreshed again on every scrape).
+A `StatLogger` for AsyncLLM: token counters and latency histograms per step, gauges and
+engine-total counters from the engine's stats (refreshed again on every scrape). Names and types
+are vLLM's with `kiln:` for `vllm:`, so a vLLM dashboard ports by renaming.
 """
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
@@ -12,6 +13,10 @@ _LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
 _E2E_BUCKETS = [0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0, 480.0, 960.0]
+# 1, 2, 5, 10, 20, 50, ... tokens: request sizes from one token to a million.
+_TOKEN_BUCKETS = [m * 10 ** e for e in range(7) for m in (1, 2, 5) if m * 10 ** e <= 1_000_000]
+# Every finish reason the engine gives, so each series exists (at 0) before its first request.
+FINISH_REASONS = ("stop", "length", "abort")
 
 # get_stats() key -> (gauge name, help)
 _GAUGES = {
@@ -20,6 +25,13 @@ _GAUGES = {
     "kv_cache_usage": ("kiln:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)"),
     "num_free_blocks": ("kiln:kv_cache_free_blocks", "KV cache blocks free"),
     "num_total_blocks": ("kiln:kv_cache_total_blocks", "KV cache blocks in all"),
+}
+# get_stats() key of a total since the engine started -> (counter name, help)
+_TOTALS = {
+    "prefix_cache_queries": ("kiln:prefix_cache_queries", "Prompt tokens looked up in the "
+                             "prefix cache"),
+    "prefix_cache_hits": ("kiln:prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+    "num_preemptions": ("kiln:num_preemptions", "Requests preempted (to be recomputed)"),
 }
 
 
@@ -33,42 +45,69 @@ class ServerMetrics:
         labels = ["model_name"]
         reg = self.registry
         self._label = {"model_name": model_name}
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg
+                             ).labels(**self._label)
+
         self.gauges = {key: Gauge(name, doc, labels, registry=reg).labels(**self._label)
                        for key, (name, doc) in _GAUGES.items()}
+        self.totals = {key: Counter(name, doc, labels, registry=reg).labels(**self._label)
+                       for key, (name, doc) in _TOTALS.items()}
+        # Engine totals already counted: stats can arrive out of order (a stale snapshot after
+        # a fresh scrape), so a counter only ever moves up to the largest total seen.
+        self._seen_totals = {key: 0 for key in _TOTALS}
         self.prompt_tokens = Counter("kiln:prompt_tokens", "Prefilled prompt tokens", labels,
                                      registry=reg).labels(**self._label)
         self.generation_tokens = Counter("kiln:generation_tokens", "Generated tokens", labels,
                                          registry=reg).labels(**self._label)
         self.request_success = Counter("kiln:request_success", "Finished requests by reason",
                                        labels + ["finished_reason"], registry=reg)
-        self.ttft = Histogram("kiln:time_to_first_token_seconds", "Time to first token",
-                              labels, buckets=_LATENCY_BUCKETS, registry=reg
-                              ).labels(**self._label)
-        self.itl = Histogram("kiln:inter_token_latency_seconds", "Time between output tokens",
-                             labels, buckets=_LATENCY_BUCKETS, registry=reg
-                             ).labels(**self._label)
-        self.e2e = Histogram("kiln:e2e_request_latency_seconds", "Arrival to last output",
-                             labels, buckets=_E2E_BUCKETS, registry=reg).labels(**self._label)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(finished_reason=reason, **self._label)
+        self.ttft = histogram("kiln:time_to_first_token_seconds", "Time to first token",
+                              _LATENCY_BUCKETS)
+        self.itl = histogram("kiln:inter_token_latency_seconds", "Time between output tokens",
+                             _LATENCY_BUCKETS)
+        self.e2e = histogram("kiln:e2e_request_latency_seconds", "Arrival to last output",
+                             _E2E_BUCKETS)
+        self.request_prompt_tokens = histogram(
+            "kiln:request_prompt_tokens", "Prompt tokens of finished requests", _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram(
+            "kiln:request_generation_tokens", "Generated tokens of finished requests (all "
+            "samples)", _TOKEN_BUCKETS)
+        self.request_decode_time = histogram(
+            "kiln:request_decode_time_seconds", "First to last token of finished requests",
+            _E2E_BUCKETS)
 
     def record(self, iteration: IterationStats, engine_stats: dict) -> None:
         if iteration.num_prompt_tokens:
             self.prompt_tokens.inc(iteration.num_prompt_tokens)
         if iteration.num_generation_tokens:
             self.generation_tokens.inc(iteration.num_generation_tokens)
-        for t in iteration.time_to_first_tokens:
-            self.ttft.observe(t)
-        for t in iteration.inter_token_latencies:
-            self.itl.observe(t)
-        for t in iteration.e2e_latencies:
-            self.e2e.observe(t)
+        for values, hist in ((iteration.time_to_first_tokens, self.ttft),
+                             (iteration.inter_token_latencies, self.itl),
+                             (iteration.e2e_latencies, self.e2e),
+                             (iteration.request_prompt_tokens, self.request_prompt_tokens),
+                             (iteration.request_generation_tokens,
+                              self.request_generation_tokens),
+                             (iteration.request_decode_times, self.request_decode_time)):
+            for v in values:
+                hist.observe(v)
         for reason in iteration.finished_reasons:
             self.request_success.labels(finished_reason=reason, **self._label).inc()
         self.update_gauges(engine_stats)
 
     def update_gauges(self, engine_stats: dict) -> None:
+        """Gauges from an engine stats snapshot, and counters from its totals."""
         for key, gauge in self.gauges.items():
             if key in engine_stats:
                 gauge.set(float(engine_stats[key]))
+        for key, counter in self.totals.items():
+            total = engine_stats.get(key)
+            if total is not None and total > self._seen_totals[key]:
+                counter.inc(total - self._seen_totals[key])
+                self._seen_totals[key] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

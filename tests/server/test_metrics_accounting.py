@@ -1,0 +1,197 @@
+"""GET /metrics against ground truth after known workloads on the fake engine: token counters,
+latency histogram counts, finish-reason labels, n > 1, aborts, 400s, engine-total counters."""
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from kiln.engine.async_llm import AsyncLLM
+from kiln.entrypoints.openai.api_server import ServerSettings, build_app
+from kiln.sampling_params import RequestOutputKind, SamplingParams
+
+from .fake_engine import FakeEngine
+
+MODEL = "fake-model"
+PROMPT = "abc"  # the fake tokenizer: BOS + one id per character = 4 tokens
+
+
+class CountingEngine(FakeEngine):
+    """Adds the engine totals a real LLMEngine reports (prefix cache, preemptions)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.totals = dict(prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0)
+
+    def get_stats(self):
+        return {**super().get_stats(), **self.totals}
+
+
+@pytest.fixture()
+def server():
+    engine = CountingEngine(max_model_len=64)
+    llm = AsyncLLM(engine)
+    with TestClient(build_app(llm, ServerSettings())) as c:
+        yield c, engine, llm
+
+
+def samples(client) -> dict:
+    out = {}
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for s in family.samples:
+            key = s.name
+            if "finished_reason" in s.labels:
+                key += "{" + s.labels["finished_reason"] + "}"
+            elif "le" in s.labels:
+                continue
+            out[key] = out.get(key, 0) + s.value
+    return out
+
+
+def delta(before: dict, after: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+
+
+def test_success_labels_exist_from_the_start(server):
+    """A dashboard's rate() over request_success{finished_reason="abort"} needs the series at 0."""
+    c, _, _ = server
+    s = samples(c)
+    for reason in ("stop", "length", "abort"):
+        assert s[f"kiln:request_success_total{{{reason}}}"] == 0
+
+
+def test_one_request_ground_truth(server):
+    c, _, _ = server
+    before = samples(c)
+    r = c.post("/v1/completions", json=dict(model=MODEL, prompt=PROMPT, max_tokens=5))
+    assert r.status_code == 200
+    d = delta(before, samples(c))
+    assert d["kiln:prompt_tokens_total"] == 4
+    assert d["kiln:generation_tokens_total"] == 5
+    assert d["kiln:request_success_total{length}"] == 1
+    assert d["kiln:time_to_first_token_seconds_count"] == 1
+    assert d["kiln:inter_token_latency_seconds_count"] == 4
+    assert d["kiln:e2e_request_latency_seconds_count"] == 1
+    assert d["kiln:request_prompt_tokens_count"] == 1
+    assert d["kiln:request_prompt_tokens_sum"] == 4
+    assert d["kiln:request_generation_tokens_count"] == 1
+    assert d["kiln:request_generation_tokens_sum"] == 5
+    assert d["kiln:request_decode_time_seconds_count"] == 1
+    assert 0 <= d.get("kiln:request_decode_time_seconds_sum", 0) <= \
+        d["kiln:e2e_request_latency_seconds_sum"]
+    after = samples(c)
+    assert after["kiln:num_requests_running"] == after["kiln:num_requests_waiting"] == 0
+    assert after["kiln:kv_cache_usage_perc"] == 0
+
+
+def test_n_samples_prefill_the_prompt_each_and_count_one_request(server):
+    """As vLLM: each of the n samples is prefilled, so prompt tokens count n times; the user
+    request succeeds once; every sample's token gaps are inter-token latencies."""
+    c, _, _ = server
+    before = samples(c)
+    r = c.post("/v1/completions", json=dict(model=MODEL, prompt=PROMPT, max_tokens=3, n=2))
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    d = delta(before, samples(c))
+    assert d["kiln:prompt_tokens_total"] == 2 * 4
+    assert d["kiln:generation_tokens_total"] == 2 * 3
+    assert d["kiln:inter_token_latency_seconds_count"] == 2 * (3 - 1)
+    assert d["kiln:time_to_first_token_seconds_count"] == 1
+    assert d["kiln:request_success_total{length}"] == 1
+    assert d["kiln:e2e_request_latency_seconds_count"] == 1
+    assert d["kiln:request_generation_tokens_sum"] == 6
+
+
+def test_stop_reason_label(server):
+    c, _, _ = server
+    before = samples(c)
+    # The fake engine's first token for "abc" decodes to text containing its id; stop on it.
+    first = c.post("/v1/completions", json=dict(model=MODEL, prompt=PROMPT, max_tokens=1)
+                   ).json()["choices"][0]["text"].strip()
+    mid = samples(c)
+    c.post("/v1/completions", json=dict(model=MODEL, prompt=PROMPT, max_tokens=5, stop=[first]))
+    d = delta(mid, samples(c))
+    assert d["kiln:request_success_total{stop}"] == 1
+    assert "kiln:request_success_total{length}" not in d
+    assert delta(before, mid)["kiln:request_success_total{length}"] == 1
+
+
+def test_rejected_request_touches_no_counter(server):
+    c, _, _ = server
+    before = samples(c)
+    r = c.post("/v1/completions", json=dict(model=MODEL, prompt="x" * 80, max_tokens=2))
+    assert r.status_code == 400
+    assert delta(before, samples(c)) == {}
+
+
+@pytest.mark.xfail(strict=True, reason="serving_engine.submit aborts the prompts it already "
+                   "added through AsyncLLM.abort, which records them as finished_reason=abort; "
+                   "the fix is in serving_engine.py / async_llm.py (see the report)")
+def test_rejected_batch_touches_no_counter(server):
+    c, _, _ = server
+    before = samples(c)
+    r = c.post("/v1/completions", json=dict(model=MODEL, prompt=["ok", "x" * 80], max_tokens=2))
+    assert r.status_code == 400
+    d = delta(before, samples(c))
+    assert not any(k.startswith("kiln:request_success") for k in d), d
+
+
+def test_abort_counts_once_as_abort_never_success(server):
+    c, engine, llm = server
+    engine.step_delay = 0.02
+    before = samples(c)
+
+    async def leave_early():
+        params = SamplingParams(max_tokens=50, output_kind=RequestOutputKind.DELTA)
+        agen = llm.generate(PROMPT, params, "leaver")
+        async for _ in agen:
+            break
+        await agen.aclose()  # the client went away: generate's cleanup aborts
+        await llm.get_stats()  # runs after the queued abort on the engine thread
+
+    c.portal.call(leave_early)
+    d = delta(before, samples(c))
+    assert d["kiln:request_success_total{abort}"] == 1
+    assert not any(k in d for k in ("kiln:request_success_total{stop}",
+                                    "kiln:request_success_total{length}"))
+    assert d["kiln:e2e_request_latency_seconds_count"] == 1
+    assert d["kiln:time_to_first_token_seconds_count"] == 1
+    after = samples(c)
+    assert after["kiln:num_requests_running"] == 0 and after["kiln:kv_cache_usage_perc"] == 0
+
+
+def test_engine_totals_are_exported_as_counters(server):
+    """Prefix cache queries / hits and preemptions are engine totals; they become counters."""
+    c, engine, _ = server
+    before = samples(c)
+    engine.totals.update(prefix_cache_queries=64, prefix_cache_hits=32, num_preemptions=2)
+    d = delta(before, samples(c))
+    assert d["kiln:prefix_cache_queries_total"] == 64
+    assert d["kiln:prefix_cache_hits_total"] == 32
+    assert d["kiln:num_preemptions_total"] == 2
+    engine.totals.update(prefix_cache_queries=80, prefix_cache_hits=32, num_preemptions=2)
+    d = delta(before, samples(c))
+    assert d["kiln:prefix_cache_queries_total"] == 80
+    assert d["kiln:prefix_cache_hits_total"] == 32  # a second scrape adds nothing new
+
+
+def test_metric_types_match_vllms():
+    """Names are vLLM's with kiln: for vllm:, and the types agree, so dashboards port by rename."""
+    llm = AsyncLLM(CountingEngine())
+    app = build_app(llm, ServerSettings())
+    with TestClient(app) as c:
+        types = {f.name: f.type for f in
+                 text_string_to_metric_families(c.get("/metrics").text)}
+    expected = {
+        "kiln:num_requests_running": "gauge", "kiln:num_requests_waiting": "gauge",
+        "kiln:kv_cache_usage_perc": "gauge", "kiln:prompt_tokens": "counter",
+        "kiln:generation_tokens": "counter", "kiln:request_success": "counter",
+        "kiln:prefix_cache_queries": "counter", "kiln:prefix_cache_hits": "counter",
+        "kiln:num_preemptions": "counter",
+        "kiln:time_to_first_token_seconds": "histogram",
+        "kiln:inter_token_latency_seconds": "histogram",
+        "kiln:e2e_request_latency_seconds": "histogram",
+        "kiln:request_prompt_tokens": "histogram",
+        "kiln:request_generation_tokens": "histogram",
+        "kiln:request_decode_time_seconds": "histogram",
+    }
+    for name, kind in expected.items():
+        assert types.get(name) == kind, (name, types.get(name))
+
