@@ -56,6 +56,10 @@ class LLMEngine:
         # the start-up heap out of the garbage collector's reach until then (host_memory.py).
         self._shutdown = weakref.finalize(self, self.engine_core.shutdown)
         self._shutdown.atexit = False
+        # Totals since start, counted as the server's metrics count them (request_stats.py):
+        # a prompt once per sample, when that sample's first token shows its prefill is done.
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
@@ -128,17 +132,30 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if not self.engine_core.has_unfinished_requests():
             return []
-        processed = self.output_processor.process_outputs(self.engine_core.step())
+        core_outputs = self.engine_core.step()
+        self._count_tokens(core_outputs)
+        processed = self.output_processor.process_outputs(core_outputs)
         if processed.reqs_to_finish:
             # Stop strings are found here, not in the core: release those requests' blocks now.
             self.engine_core.finish_requests(processed.reqs_to_finish,
                                              RequestStatus.FINISHED_STOPPED)
         return processed.request_outputs
 
+    def _count_tokens(self, core_outputs) -> None:
+        """Before the output processor sees them: a sample with no tokens yet is prefilled now."""
+        for out in core_outputs:
+            entry = self.output_processor.samples.get(out.request_id)
+            if entry is None or not out.new_token_ids:
+                continue  # aborted, or ended by a stop string: the user never sees these
+            state, sample = entry
+            if not sample.token_ids:
+                self.num_prompt_tokens += len(state.prompt_token_ids)
+            self.num_generation_tokens += len(out.new_token_ids)
+
     def get_stats(self) -> dict:
         stats = self.engine_core.make_stats().to_dict()
-        stats.update(prompt_tokens_total=self.output_processor.num_prompt_tokens,
-                     generation_tokens_total=self.output_processor.num_generation_tokens,
+        stats.update(prompt_tokens_total=self.num_prompt_tokens,
+                     generation_tokens_total=self.num_generation_tokens,
                      num_unfinished_requests=self.get_num_unfinished_requests())
         return stats
 

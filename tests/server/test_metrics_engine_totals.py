@@ -1,0 +1,41 @@
+"""LLMEngine.get_stats() token totals on a tiny real model agree with the server's counters:
+a prompt counts once per prefilled sample, and a request aborted before its prefill not at all."""
+import pytest
+
+from kiln.engine.arg_utils import EngineArgs
+from kiln.engine.llm_engine import LLMEngine
+from kiln.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    eng = LLMEngine.from_engine_args(EngineArgs(
+        model=str(tiny_llama_dir), enforce_eager=True, max_model_len=128, max_num_seqs=4,
+        kv_cache_memory=0.02))
+    yield eng
+    eng.shutdown()
+
+
+def drain(engine):
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_token_totals_count_prefilled_samples(engine):
+    before = engine.get_stats()
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9]}
+    engine.add_request("n2", prompt, SamplingParams(n=2, max_tokens=3, ignore_eos=True,
+                                                    temperature=1.0, seed=1))
+    drain(engine)
+    mid = engine.get_stats()
+    assert mid["prompt_tokens_total"] - before["prompt_tokens_total"] == 2 * 5
+    assert mid["generation_tokens_total"] - before["generation_tokens_total"] == 2 * 3
+    # Added then aborted before any step: nothing was prefilled or generated.
+    engine.add_request("gone", prompt, SamplingParams(max_tokens=3))
+    engine.abort_request("gone")
+    drain(engine)
+    after = engine.get_stats()
+    assert after["prompt_tokens_total"] == mid["prompt_tokens_total"]
+    assert after["generation_tokens_total"] == mid["generation_tokens_total"]
+    assert after["num_running"] == after["num_waiting"] == 0
+    assert after["kv_cache_usage"] == 0.0
