@@ -40,6 +40,16 @@ def arrival_delays(num: int, rate: float, seed: int) -> list[float]:
     return [rng.expovariate(rate) for _ in range(num)]
 
 
+def send_offsets(delays: list[float]) -> list[float]:
+    """Seconds after the start at which each request is sent: the first at once, then one gap
+    after another (as vLLM's benchmark sends), not a gap before the first."""
+    offsets, t = [], 0.0
+    for gap in delays:
+        offsets.append(t)
+        t += gap
+    return offsets
+
+
 def percentiles(values: list[float], qs=(50, 90, 99)) -> dict[str, float]:
     """Linear-interpolated percentiles in milliseconds (NaN-free: 0 for no data)."""
     out = {}
@@ -89,23 +99,49 @@ async def _one_request(session: aiohttp.ClientSession, url: str, model: str,
         result.ok = last is not None
         if not result.ok:
             result.error = "no tokens received"
-    except aiohttp.ClientError as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         result.error = f"{type(e).__name__}: {e}"
+    except (ValueError, KeyError, TypeError) as e:  # a chunk that is not the API's JSON
+        result.error = f"bad stream chunk: {type(e).__name__}: {e}"
     return result
+
+
+async def _served_model(session: aiohttp.ClientSession, base_url: str, headers: dict,
+                        model: str | None) -> str:
+    """The model to ask for: `model` if the server serves it, else the server's first."""
+    try:
+        async with session.get(f"{base_url}/v1/models", headers=headers) as r:
+            if r.status != 200:
+                raise ValueError(f"{base_url}/v1/models answered HTTP {r.status}: "
+                                 f"{(await r.text())[:200]}" +
+                                 ("; pass the server's key with --api-key"
+                                  if r.status == 401 else ""))
+            served = [m["id"] for m in (await r.json())["data"]]
+    except aiohttp.ClientError as e:
+        raise ValueError(f"cannot reach the server at {base_url} ({type(e).__name__}: {e}); "
+                         "start `kiln serve` there or fix --base-url") from None
+    if not served:
+        raise ValueError(f"{base_url}/v1/models lists no model")
+    if model is None:
+        return served[0]
+    if model not in served:
+        raise ValueError(f"the server at {base_url} does not serve model {model!r}; it serves "
+                         f"{served}: pass one of those as --model")
+    return model
 
 
 async def run_benchmark(base_url: str, num_prompts: int, input_len: int, output_len: int,
                         request_rate: float, max_concurrency: int | None, seed: int = 0,
-                        api_key: str | None = None, vocab_size: int | None = None) -> dict:
+                        api_key: str | None = None, vocab_size: int | None = None,
+                        model: str | None = None) -> dict:
+    """`model`: the served name to ask for (default: the server's first)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     base_url = base_url.rstrip("/")
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        async with session.get(f"{base_url}/v1/models", headers=headers) as r:
-            r.raise_for_status()
-            model = (await r.json())["data"][0]["id"]
-        vocab = vocab_size or await _vocab_size(session, base_url)
+        model = await _served_model(session, base_url, headers, model)
+        vocab = vocab_size or await _vocab_size(session, base_url, headers)
         prompts = random_token_prompts(num_prompts, input_len, vocab, seed)
         delays = arrival_delays(num_prompts, request_rate, seed)
         gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -119,9 +155,11 @@ async def run_benchmark(base_url: str, num_prompts: int, input_len: int, output_
 
         start = time.perf_counter()
         tasks = []
-        for prompt, delay in zip(prompts, delays):
-            if delay:
-                await asyncio.sleep(delay)
+        # Sleep to each absolute send time, so the sleeps' overshoot does not add up.
+        for prompt, offset in zip(prompts, send_offsets(delays)):
+            wait = start + offset - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
             tasks.append(asyncio.create_task(limited(prompt)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
@@ -131,15 +169,17 @@ async def run_benchmark(base_url: str, num_prompts: int, input_len: int, output_
         max_concurrency=max_concurrency, model=model, base_url=base_url))
 
 
-async def _vocab_size(session, base_url: str) -> int:
+async def _vocab_size(session, base_url: str, headers: dict) -> int:
     """One past the largest id /detokenize accepts, by bisection (OpenAI has no vocab field)."""
-    async with session.post(f"{base_url}/detokenize", json={"tokens": [0]}) as r:
+    async with session.post(f"{base_url}/detokenize", json={"tokens": [0]},
+                            headers=headers) as r:
         if r.status != 200:
             raise ValueError(f"{base_url}/detokenize answered HTTP {r.status}; pass --vocab-size")
     good, bad = 0, 1 << 22  # an id known to decode, and one assumed not to
     while bad - good > 1:
         mid = (good + bad) // 2
-        async with session.post(f"{base_url}/detokenize", json={"tokens": [mid]}) as r:
+        async with session.post(f"{base_url}/detokenize", json={"tokens": [mid]},
+                                headers=headers) as r:
             if r.status == 200:
                 good = mid
             else:

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         report = asyncio.run(run_benchmark(
             base_url, args.num_prompts, args.input_len, args.output_len, args.request_rate,
             args.max_concurrency, seed=args.bench_seed, api_key=args.api_key,
-            vocab_size=args.vocab_size))
+            vocab_size=args.vocab_size, model=args.model))
     finally:
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
