@@ -147,16 +147,18 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=total,
             finished_req_ids=set(self.finished_req_ids),
             preempted_req_ids=set(self.preempted_req_ids))
-        # An empty step is not executed, so its forget-lists must ride on the next one.
-        if total > 0:
-            self.finished_req_ids.clear()
-            self.preempted_req_ids.clear()
+        # The forget-lists are dropped in update_from_output, once the runner has taken the step:
+        # an empty step or a failed forward must hand them on to the next step.
         return output
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop checks, free finished requests, report progress."""
         outputs, self._finished_outputs = self._finished_outputs, []
+        if scheduler_output.total_num_scheduled_tokens > 0:
+            # The runner has forgotten these; ids finished from here on go to the next step.
+            self.finished_req_ids -= scheduler_output.finished_req_ids
+            self.preempted_req_ids -= scheduler_output.preempted_req_ids
         row = {req_id: i for i, req_id in enumerate(model_runner_output.req_ids)}
         finished: list[Request] = []
         for req_id in scheduler_output.num_scheduled_tokens:

@@ -1,0 +1,48 @@
+"""A step whose forward fails (Ctrl-C in LLM.generate) must not lose what the runner must forget.
+
+Before the fix, schedule() dropped its forget-lists as soon as it built a non-empty step; when that
+step's forward then raised, the runner never heard of the requests finished before it and kept
+their rows, so after a few interrupted generate() calls it refused new requests (max_num_seqs).
+"""
+import pytest
+
+from kiln.core.engine_core import EngineCore
+from kiln.core.scheduler import Scheduler
+
+from .doubles import PagedTokenExecutor, make_config, make_request, reference_tokens, run_until_done
+
+
+def test_requests_finished_before_a_failed_step_are_still_forgotten_by_the_runner():
+    core = EngineCore(make_config(), PagedTokenExecutor)
+    core.add_request(make_request("a", range(3, 10), max_tokens=1))
+    core.add_request(make_request("b", range(20, 30), max_tokens=5))
+    assert [o.request_id for o in core.step() if o.finished] == ["a"]
+    core.executor.fail_next_step = True
+    with pytest.raises(KeyboardInterrupt):
+        core.step()  # would have told the runner to forget "a"
+    core.abort_requests(["b"])  # as LLM.generate does when interrupted
+    core.add_request(make_request("c", range(40, 45), max_tokens=2))
+    assert run_until_done(core)["c"][0] == reference_tokens(range(40, 45), 2)
+    delivered = set().union(*(so.finished_req_ids for so in core.executor.outputs))
+    assert {"a", "b"} <= delivered
+    assert "a" not in core.executor.reqs and "b" not in core.executor.reqs
+
+
+def test_preemption_notice_survives_a_step_that_never_ran():
+    # 4 blocks of 4: "a" growing past its 2 blocks preempts "b".
+    config = make_config(num_blocks=4)
+    sched, ex = Scheduler(config), PagedTokenExecutor(config)
+    ex.initialize_cache(4)
+    sched.add_request(make_request("a", range(3, 9), max_tokens=8, arrival=1.0))
+    sched.add_request(make_request("b", range(50, 56), max_tokens=8, arrival=2.0))
+    for _ in range(20):
+        so = sched.schedule()
+        if "b" in so.preempted_req_ids:
+            break
+        sched.update_from_output(so, ex.execute_model(so))
+    else:
+        raise AssertionError("b was never preempted")
+    assert so.total_num_scheduled_tokens > 0  # "a" ran in that step
+    # Its forward fails: update_from_output is never called. The next step must carry the news.
+    retry = sched.schedule()
+    assert "b" in retry.preempted_req_ids and "b" in retry.finished_req_ids
