@@ -73,3 +73,68 @@ class RequestTimer:
             stats.request_generation_tokens.append(self.num_generation_tokens)
             if self.first_token_time is not None:
                 stats.request_decode_times.append(self.last_token_time - self.first_token_time)
+
+
+class LoggingStatLogger:
+    """The periodic log line: throughput, running / waiting, KV cache usage, prefix hit rate.
+
+    A line every `interval` s while the engine is busy, and one when it drains (so the last line
+    says it is idle); nothing while idle. A busy period's first window starts when its first
+    request arrived, so an idle gap never dilutes the throughput shown after it.
+    """
+
+    def __init__(self, interval: float = 5.0, clock=None, emit=None):
+        import time
+
+        from kiln.logger import init_logger
+
+        self.interval = interval
+        self._clock = clock or time.monotonic
+        self._emit = emit or init_logger(__name__).info
+        self._idle = True
+        self._first_window = False
+        self._start = 0.0
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._prefix = (0, 0)  # (queries, hits) totals when the window started
+
+    def record(self, iteration: IterationStats, engine_stats: dict) -> None:
+        now = self._clock()
+        busy = engine_stats.get("num_running", 0) + engine_stats.get("num_waiting", 0) > 0
+        tokens = iteration.num_prompt_tokens + iteration.num_generation_tokens
+        if self._idle:
+            if not (busy or tokens):
+                return
+            self._idle, self._first_window, self._start = False, True, now
+        if self._first_window and iteration.time_to_first_tokens:
+            self._start = min(self._start, now - max(iteration.time_to_first_tokens))
+        self._prompt_tokens += iteration.num_prompt_tokens
+        self._generation_tokens += iteration.num_generation_tokens
+        if not busy:
+            self._log(now, engine_stats)
+            self._idle = True
+        elif now - self._start >= self.interval:
+            self._log(now, engine_stats)
+
+    def _log(self, now: float, engine_stats: dict) -> None:
+        elapsed = now - self._start
+        queries = engine_stats.get("prefix_cache_queries", 0)
+        hits = engine_stats.get("prefix_cache_hits", 0)
+        d_queries, d_hits = queries - self._prefix[0], hits - self._prefix[1]
+        self._emit(format_stats_line(
+            self._prompt_tokens / elapsed if elapsed > 0 else 0.0,
+            self._generation_tokens / elapsed if elapsed > 0 else 0.0,
+            engine_stats, d_hits / d_queries if d_queries > 0 else 0.0))
+        self._start, self._first_window = now, False
+        self._prompt_tokens = self._generation_tokens = 0
+        self._prefix = (queries, hits)
+
+
+def format_stats_line(prompt_tps: float, generation_tps: float, engine_stats: dict,
+                      prefix_hit_rate: float) -> str:
+    return (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, "
+            f"Avg generation throughput: {generation_tps:.1f} tokens/s, "
+            f"Running: {engine_stats.get('num_running', 0)} reqs, "
+            f"Waiting: {engine_stats.get('num_waiting', 0)} reqs, "
+            f"KV cache usage: {100 * engine_stats.get('kv_cache_usage', 0.0):.1f}%, "
+            f"Prefix cache hit rate: {100 * prefix_hit_rate:.1f}%")

@@ -2,12 +2,13 @@
 
 A `StatLogger` for AsyncLLM: token counters and latency histograms per step, gauges and
 engine-total counters from the engine's stats (refreshed again on every scrape). Names and types
-are vLLM's with `kiln:` for `vllm:`, so a vLLM dashboard ports by renaming.
+are vLLM's with `kiln:` for `vllm:`, so a vLLM dashboard ports by renaming. It also feeds the
+server's periodic stats log line.
 """
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
 
-from kiln.engine.request_stats import IterationStats
+from kiln.engine.request_stats import IterationStats, LoggingStatLogger
 
 _LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
@@ -40,7 +41,9 @@ class ServerMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, log_interval: float | None = 5.0):
+        """`log_interval`: seconds between stats log lines while busy; None: no log lines."""
+        self.stats_log = LoggingStatLogger(log_interval) if log_interval else None
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         reg = self.registry
@@ -97,6 +100,8 @@ class ServerMetrics:
         for reason in iteration.finished_reasons:
             self.request_success.labels(finished_reason=reason, **self._label).inc()
         self.update_gauges(engine_stats)
+        if self.stats_log is not None:
+            self.stats_log.record(iteration, engine_stats)
 
     def update_gauges(self, engine_stats: dict) -> None:
         """Gauges from an engine stats snapshot, and counters from its totals."""

@@ -1,0 +1,90 @@
+"""The periodic stats log line on a scripted clock: right throughput while busy, a final line
+when the engine drains, silence while idle, and no idle gap (or zero time) in the numbers."""
+from kiln.engine.request_stats import IterationStats, LoggingStatLogger
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def busy(running=2, waiting=1, **kw):
+    return dict(num_running=running, num_waiting=waiting, kv_cache_usage=0.25, **kw)
+
+
+IDLE = dict(num_running=0, num_waiting=0, kv_cache_usage=0.0)
+
+
+def make():
+    clock, lines = Clock(), []
+    return LoggingStatLogger(interval=5.0, clock=clock, emit=lines.append), clock, lines
+
+
+def test_lines_every_interval_with_the_right_throughput():
+    log, clock, lines = make()
+    log.record(IterationStats(num_prompt_tokens=50, time_to_first_tokens=[0.0]), busy())
+    for _ in range(100):  # 10 s of steps, 20 tokens each, one per 0.1 s
+        clock.t += 0.1
+        log.record(IterationStats(num_generation_tokens=20), busy())
+    assert len(lines) == 2
+    assert "Avg prompt throughput: 10.0 tokens/s" in lines[0]
+    assert "Avg generation throughput: 200.0 tokens/s" in lines[0]
+    assert "Avg generation throughput: 200.0 tokens/s" in lines[1]
+    assert "Running: 2 reqs, Waiting: 1 reqs, KV cache usage: 25.0%" in lines[1]
+
+
+def test_drain_logs_once_then_silence_and_an_idle_gap_does_not_dilute():
+    log, clock, lines = make()
+    log.record(IterationStats(), busy())
+    clock.t += 1.0
+    log.record(IterationStats(num_generation_tokens=10), IDLE)
+    assert len(lines) == 1 and "Avg generation throughput: 10.0 tokens/s" in lines[0]
+    assert "Running: 0 reqs, Waiting: 0 reqs, KV cache usage: 0.0%" in lines[0]
+    clock.t += 3600  # an hour idle: records of nothing log nothing
+    log.record(IterationStats(), IDLE)
+    assert len(lines) == 1
+    # A request that arrived 0.5 s ago gets its first token now, and finishes 0.5 s later.
+    log.record(IterationStats(num_prompt_tokens=8, num_generation_tokens=1,
+                              time_to_first_tokens=[0.5]), busy(running=1, waiting=0))
+    clock.t += 0.5
+    log.record(IterationStats(num_generation_tokens=1), IDLE)
+    assert len(lines) == 2
+    assert "Avg prompt throughput: 8.0 tokens/s, Avg generation throughput: 2.0" in lines[1]
+
+
+def test_no_time_passed_is_no_division_by_zero():
+    log, clock, lines = make()
+    log.record(IterationStats(num_generation_tokens=3), IDLE)
+    assert lines == ["Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0 "
+                     "tokens/s, Running: 0 reqs, Waiting: 0 reqs, KV cache usage: 0.0%, "
+                     "Prefix cache hit rate: 0.0%"]
+
+
+def test_prefix_cache_hit_rate_is_over_the_window():
+    log, clock, lines = make()
+    log.record(IterationStats(), busy(prefix_cache_queries=100, prefix_cache_hits=100))
+    clock.t += 5
+    log.record(IterationStats(), busy(prefix_cache_queries=100, prefix_cache_hits=100))
+    clock.t += 5
+    log.record(IterationStats(), busy(prefix_cache_queries=200, prefix_cache_hits=125))
+    assert "Prefix cache hit rate: 100.0%" in lines[0]
+    assert "Prefix cache hit rate: 25.0%" in lines[1]
+
+
+def test_the_server_logs_a_line_when_it_drains():
+    from fastapi.testclient import TestClient
+
+    from kiln.engine.async_llm import AsyncLLM
+    from kiln.entrypoints.openai.api_server import ServerSettings, build_app
+
+    from .fake_engine import FakeEngine
+
+    app = build_app(AsyncLLM(FakeEngine()), ServerSettings())
+    lines = []
+    app.state.metrics.stats_log._emit = lines.append
+    with TestClient(app) as c:
+        assert c.post("/v1/completions", json=dict(prompt="abc", max_tokens=3)).status_code == 200
+    assert len(lines) == 1 and "Running: 0 reqs, Waiting: 0 reqs" in lines[0], lines
