@@ -167,11 +167,14 @@ class IncrementalDetokenizer:
         return self._decode_next(final=True)
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
-        """All text so far, or (delta) only text not yet streamed, holding back a possible stop."""
-        if not delta:
-            return self.output_text
+        """All text so far, or (delta) only text not yet streamed; both hold back, until the
+        request ends, the last characters that may start a stop string, so no output shows
+        text a later stop string cuts (each CUMULATIVE output extends the one before)."""
         end = len(self.output_text) if finished else max(
             self._num_streamed_chars, len(self.output_text) - self.stop_buffer_length)
+        if not delta:
+            self._num_streamed_chars = end
+            return self.output_text[:end]
         text = self.output_text[self._num_streamed_chars:end]
         self._num_streamed_chars = end
         return text

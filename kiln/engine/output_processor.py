@@ -177,6 +177,8 @@ class OutputProcessor:
             if entry is None:
                 continue  # aborted or already finished by a stop string
             state, sample = entry
+            if sample.finished:
+                continue  # one of n samples a stop string ended: the core's late tokens
             if self._update_sample(sample, out):
                 to_abort.append(sample.core_id)
             if out.num_cached_tokens and sample.index == 0:
