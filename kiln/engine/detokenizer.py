@@ -59,6 +59,35 @@ def fast_decode(tokenizer) -> Callable[..., str]:
     return decode
 
 
+def decode_anchor(tokenizer) -> tuple[list[int], str] | None:
+    """A plain token ("a") and its text, to decode in front of a lone token (see
+    `lone_token_text`); None if the tokenizer has no such token."""
+    try:
+        ids = tokenizer.encode("a", add_special_tokens=False)[-1:]
+        text = tokenizer.decode(ids) if ids else ""
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return (ids, text) if text else None
+
+
+def lone_token_text(tokenizer, token_id: int, anchor: tuple[list[int], str] | None) -> str:
+    """One token's text for a logprob entry: its own decode, with the leading spaces kept.
+
+    SentencePiece decoders drop the first space of a text, so "▁the" alone decodes to "the"
+    and the entries of a text no longer add up to it (nor do OpenAI's text offsets). Decoded
+    after an anchor token the space stays; only spaces are ever taken from that decode.
+    """
+    alone = tokenizer.decode([token_id])
+    if anchor is None:
+        return alone
+    anchor_ids, anchor_text = anchor
+    joined = tokenizer.decode(anchor_ids + [token_id])
+    if not joined.startswith(anchor_text):
+        return alone
+    text = joined[len(anchor_text):]
+    return text if len(text) > len(alone) and text.lstrip(" ") == alone.lstrip(" ") else alone
+
+
 def find_stop_string(text: str, num_new_chars: int, stop: list[str],
                      include_stop_str_in_output: bool) -> tuple[str, int] | None:
     """(stop string, length to truncate text to) if a stop string ends in the new characters.

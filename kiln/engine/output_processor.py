@@ -6,7 +6,7 @@ Owns each request's detokenizer, stop-string checks, logprobs, and the fan-in of
 from dataclasses import dataclass, field
 
 from kiln.core.outputs import EngineCoreOutput, LogprobsLists
-from kiln.engine.detokenizer import IncrementalDetokenizer
+from kiln.engine.detokenizer import IncrementalDetokenizer, decode_anchor, lone_token_text
 from kiln.outputs import CompletionOutput, Logprob, RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
@@ -120,11 +120,13 @@ class OutputProcessor:
         # of ids, mostly the same few, one tokenizer call each. The text of a lone token id
         # does not depend on its neighbours, so it is decoded once (at most a vocabulary).
         self._token_texts: dict[int, str] = {}
+        self._anchor = decode_anchor(tokenizer)
 
     def _decode_token(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+            text = self._token_texts[token_id] = lone_token_text(self.tokenizer, token_id,
+                                                                 self._anchor)
         return text
 
     def has_unfinished_requests(self) -> bool:
