@@ -148,6 +148,8 @@ class LLMEngine:
             if entry is None or not out.new_token_ids:
                 continue  # aborted, or ended by a stop string: the user never sees these
             state, sample = entry
+            if sample.finished:
+                continue  # a stop string ended it; the output processor drops late tokens too
             if not sample.token_ids:
                 self.num_prompt_tokens += len(state.prompt_token_ids)
             self.num_generation_tokens += len(out.new_token_ids)
