@@ -13,7 +13,8 @@ from torch import fx
 
 from kiln import envs
 from kiln.compilation import graph_cache, monitor
-from kiln.compilation.cache import CompileCache, cache_base_dir, compute_cache_key
+from kiln.compilation.cache import (CompileCache, cache_base_dir, compute_cache_key,
+                                    private_inductor_cache_dir)
 from kiln.compilation.compiler_interface import make_compiler
 from kiln.compilation.counters import compilation_counter
 from kiln.compilation.passes import (FuseAddRmsNormLinear, FuseSiluMulLinear,
@@ -113,6 +114,8 @@ class KilnBackend:
 
     def _open_cache(self, key: str) -> CompileCache | None:
         if envs.disable_compile_cache():
+            # Inductor's cache too: nothing a previous process compiled may be reused.
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(private_inductor_cache_dir())
             logger.info("compile cache disabled by KILN_DISABLE_COMPILE_CACHE")
             return None
         cc = self.kiln_config.compilation_config

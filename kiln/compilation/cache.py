@@ -3,14 +3,17 @@
 <cache_root>/torch_compile_cache/<key>/rank_<r>/<prefix>/{index.json, split_graph.py, artifacts/}
 with Inductor's own cache at <key>/inductor_cache, so a warm start runs no C++ compiler.
 """
+import atexit
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
 import platform
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -45,6 +48,15 @@ def compute_cache_key(config_hash: str, traced_files: list[str], compiler_hash: 
 def cache_base_dir(configured: str) -> Path:
     return Path(configured).expanduser() if configured else (
         envs.cache_root() / "torch_compile_cache")
+
+
+@functools.cache
+def private_inductor_cache_dir() -> Path:
+    """An Inductor cache for this process alone, removed at exit: with Kiln's cache disabled,
+    Inductor's global one would still serve what earlier processes compiled."""
+    path = Path(tempfile.mkdtemp(prefix="kiln_inductor_"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -124,7 +136,16 @@ class CompileCache:
             atomic_write_text(self.index_path, json.dumps(on_disk, indent=1, sort_keys=True))
 
     def forget(self, shape: int | None, piece: int, compiler: str) -> None:
-        self.index.pop(index_key(shape, piece, compiler), None)
+        """Drop a damaged entry here and on disk, so the next `record`'s merge does not
+        bring it back (another process may have written a good one meanwhile: kept)."""
+        key = index_key(shape, piece, compiler)
+        bad = self.index.pop(key, None)
+        with self._locked():
+            on_disk = self._read_index()
+            if bad is None or on_disk.get(key) != bad:
+                return
+            del on_disk[key]
+            atomic_write_text(self.index_path, json.dumps(on_disk, indent=1, sort_keys=True))
 
     def write_text(self, name: str, text: str) -> None:
         atomic_write_text(self.dir / name, text)

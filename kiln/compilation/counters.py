@@ -16,7 +16,7 @@ class CompilationCounter:
     num_compiled_artifacts_saved: int = 0
     num_compiled_artifacts_loaded: int = 0
     num_cache_hits: int = 0  # (piece, shape) served without compiling (disk or identical piece)
-    num_cache_misses: int = 0  # (piece, shape) the disk cache did not hold
+    num_cache_misses: int = 0  # (piece, shape) compiled: the disk cache had none usable
     num_corrupt_artifacts: int = 0  # artifacts that failed their checksum or load
     num_dynamo_traces: int = 0  # first-call traces by the support_torch_compile wrapper
     num_saved_graph_loads: int = 0  # warm starts that ran a saved graph instead of tracing

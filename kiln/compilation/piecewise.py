@@ -82,6 +82,8 @@ class PieceCompiler:
             self.phase.check_may_compile(f"compiling piece {piece} for shape {label}")
             save_path = None
             if self.cache is not None and self.compiler.name != "eager":
+                # counted here, once per compile, however many lookups found nothing usable
+                compilation_counter.num_cache_misses += 1
                 save_path = self.cache.artifact_path(f"{fingerprint}_{label}.bin")
             with monitor.Timer() as t:
                 fn, handle = self._compile(piece, graph, example_inputs, shape, save_path)
@@ -123,17 +125,21 @@ class PieceCompiler:
             return None
         handle = self.cache.lookup(shape, piece, self.compiler.name)
         if handle is None or handle.get("fingerprint") != fingerprint:
-            compilation_counter.num_cache_misses += 1
             return None
         path = self.cache.artifact_path(handle["file"])
+        label = "range" if shape is None else shape
+        if not path.exists():  # deleted (a cleaned cache): a miss, not damage
+            logger.warning("compiled artifact %s for piece %d (%s) is missing; recompiling it",
+                           path, piece, label)
+            self.cache.forget(shape, piece, self.compiler.name)
+            return None
         try:
             with monitor.Timer() as t:
                 fn = self.compiler.load(handle, path, graph)
         except Exception as e:  # a corrupt artifact must not stop serving: recompile instead
             compilation_counter.num_corrupt_artifacts += 1
             logger.warning("compiled artifact %s for piece %d (%s) failed to load (%s: %s); "
-                           "recompiling it", path, piece, "range" if shape is None else shape,
-                           type(e).__name__, e)
+                           "recompiling it", path, piece, label, type(e).__name__, e)
             self.cache.forget(shape, piece, self.compiler.name)
             return None
         compilation_counter.num_cache_hits += 1

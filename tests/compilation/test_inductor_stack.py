@@ -16,7 +16,8 @@ from _child import SIZES
 from kiln.compilation.phase import RecompileAfterWarmupError
 from kiln.compilation.backend import KilnBackend
 from kiln.compilation.compiler_interface import InductorStandaloneAdaptor, file_sha256
-from kiln.compilation.cache import CompileCache, cache_base_dir, compute_cache_key
+from kiln.compilation.cache import (CompileCache, cache_base_dir, compute_cache_key,
+                                    index_key)
 from kiln.compilation.counters import compilation_counter
 from kiln.compilation.warmup import compile_and_warm_up
 
@@ -211,12 +212,57 @@ def test_corrupt_artifact_warns_recompiles_and_serves(cold, tmp_path, kiln_logs)
     config = tm.toy_config(mode=3, compile_sizes=[1, 8], cache_dir=str(cache))
     model = tm.build(config)
     with compilation_counter.expect(num_corrupt_artifacts=1, num_inductor_compiles=1,
-                                    num_compiled_artifacts_loaded=8):
+                                    num_cache_misses=1, num_compiled_artifacts_loaded=8):
         with torch.no_grad():
             compile_and_warm_up(lambda n: model(*tm.inputs(n)), config)
     assert "failed to load" in kiln_logs.text
     for n in (3, 1):
         torch.testing.assert_close(_run(model, n), _run(cold["reference"], n))
+
+
+def test_deleted_artifact_is_a_miss_not_damage(cold, tmp_path, kiln_logs):
+    cache = tmp_path / "cache"
+    shutil.copytree(cold["root"] / "cache", cache)
+    sorted(cache.glob("*/rank_0/ToyModel/artifacts/*_1_*.bin"))[0].unlink()
+    _warm_model(cache, dict(num_corrupt_artifacts=0, num_cache_misses=1, num_inductor_compiles=1,
+                            num_compiled_artifacts_loaded=8))
+    assert "is missing; recompiling it" in kiln_logs.text and "failed to load" not in kiln_logs.text
+
+
+def test_forgotten_entry_stays_forgotten_on_disk(tmp_path):
+    cache = CompileCache(tmp_path, 0, "M")
+    cache.record(1, 0, "c", {"file": "damaged"})
+    cache.record(1, 1, "c", {"file": "good"})
+    cache.forget(1, 0, "c")
+    other = CompileCache(tmp_path, 0, "M")  # another process, or this one's next record
+    other.record(2, 0, "c", {"file": "new"})
+    assert other.lookup(1, 0, "c") is None and other.lookup(1, 1, "c") == {"file": "good"}
+    cache.record(8, 0, "c", {"file": "later"})  # a merge must not bring it back either
+    assert cache.lookup(1, 0, "c") is None
+    # An entry another process wrote anew after the damage is not ours to drop.
+    other.record(1, 0, "c", {"file": "recompiled"})
+    cache.index[index_key(1, 0, "c")] = {"file": "damaged"}
+    cache.forget(1, 0, "c")
+    assert CompileCache(tmp_path, 0, "M").lookup(1, 0, "c") == {"file": "recompiled"}
+
+
+def test_disabled_cache_reuses_nothing_from_inductor_cache(cold, monkeypatch):
+    """With KILN_DISABLE_COMPILE_CACHE, Inductor's own cache must not serve what an earlier
+    compile (here the cold one, in Kiln's cache) left behind."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("KILN_DISABLE_COMPILE_CACHE", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(next(
+        (cold["root"] / "cache").glob("*/inductor_cache"))))
+    config = tm.toy_config(mode=3, cache_dir=str(cold["root"] / "cache"))
+    model = tm.build(config)
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    with compilation_counter.expect(num_inductor_compiles=3, num_compiled_artifacts_loaded=0):
+        with torch.no_grad():
+            compile_and_warm_up(lambda n: model(*tm.inputs(n)), config)
+    assert counters["inductor"]["fxgraph_cache_hit"] == hits
+    assert Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).name.startswith("kiln_inductor_")
+    torch.testing.assert_close(_run(model, 3), _run(cold["reference"], 3))
 
 
 def test_damaged_inductor_cache_is_cleared_and_compiled_again(cold, tmp_path):
