@@ -149,9 +149,10 @@ class AsyncLLM:
             if not stream.finished:
                 self.abort_nowait(request_id)
 
-    async def abort(self, request_ids: str | list[str]) -> None:
-        """Abort requests and wait until the engine has freed their KV blocks."""
-        ids = self._forget(request_ids)
+    async def abort(self, request_ids: str | list[str], record: bool = True) -> None:
+        """Abort requests and wait until the engine has freed their KV blocks. `record=False`
+        takes back requests of a call that was refused: no abort enters the metrics."""
+        ids = self._forget(request_ids, record)
         if ids:
             await self.run_in_engine(self.engine.abort_request, ids)
 
@@ -167,11 +168,11 @@ class AsyncLLM:
         except Exception:  # noqa: BLE001 - an abort must never kill the engine thread
             logger.exception("aborting %s failed", ids)
 
-    def _forget(self, request_ids: str | list[str]) -> list[str]:
+    def _forget(self, request_ids: str | list[str], record: bool = True) -> list[str]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for rid in ids:
             stream = self._streams.pop(rid, None)
-            if stream is not None and not stream.finished:
+            if record and stream is not None and not stream.finished:
                 self._record_abort(stream)
         return ids
 

@@ -121,9 +121,6 @@ def test_rejected_request_touches_no_counter(server):
     assert delta(before, samples(c)) == {}
 
 
-@pytest.mark.xfail(strict=True, reason="serving_engine.submit aborts the prompts it already "
-                   "added through AsyncLLM.abort, which records them as finished_reason=abort; "
-                   "the fix is in serving_engine.py / async_llm.py (see the report)")
 def test_rejected_batch_touches_no_counter(server):
     c, _, _ = server
     before = samples(c)

@@ -41,8 +41,8 @@ async def submit(llm: AsyncLLM, base_id: str, prompts: list, params: SamplingPar
         for i, prompt in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             streams.append(await llm.add_request(rid, prompt, params, max_tokens_must_fit=True))
-    except ValueError as e:
-        await llm.abort([s.request_id for s in streams])
+    except ValueError as e:  # the whole call is refused (400): its requests never ran
+        await llm.abort([s.request_id for s in streams], record=False)
         raise add_request_error(e, prompt_param, max_tokens_param) from None
     except EngineDeadError as e:
         await llm.abort([s.request_id for s in streams])
