@@ -59,6 +59,15 @@ def fast_decode(tokenizer) -> Callable[..., str]:
     return decode
 
 
+def _common_prefix_length(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def decode_anchor(tokenizer) -> tuple[list[int], str] | None:
     """A plain token ("a") and its text, to decode in front of a lone token (see
     `lone_token_text`); None if the tokenizer has no such token."""
@@ -118,6 +127,8 @@ class IncrementalDetokenizer:
     # Stop strings count only once this many output tokens are out (as min_tokens holds back
     # eos and stop_token_ids in the sampler): they must end in text of later tokens.
     min_tokens: int = 0
+    # Prompt tokens at the front of token_ids (read_offset starts there).
+    num_context_tokens: int = 0
     _num_output_tokens: int = 0
     _num_streamed_chars: int = 0
     _byte_token_ids: frozenset = frozenset()
@@ -140,7 +151,7 @@ class IncrementalDetokenizer:
         return cls(tokenizer=tokenizer, skip_special_tokens=skip_special_tokens, stop=stop,
                    include_stop_str_in_output=include_stop_str_in_output, token_ids=context,
                    prefix_offset=0, read_offset=len(context), stop_buffer_length=buffer,
-                   min_tokens=min_tokens)
+                   min_tokens=min_tokens, num_context_tokens=len(context))
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_ids(ids, skip_special_tokens=self.skip_special_tokens)
@@ -158,12 +169,18 @@ class IncrementalDetokenizer:
             return ""  # inside a byte run: its text is not settled until the run ends
         prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         full_text = self._decode(self.token_ids[self.prefix_offset:])
-        if len(full_text) <= len(prefix_text):
+        start = len(prefix_text)
+        if self.read_offset == self.num_context_tokens and not full_text.startswith(prefix_text):
+            # The prompt ends inside a character the output completes ("<0xE6>" + "<0x97><0xA5>"
+            # is "日", not "�" + ...): the text from where they differ is the output's. Only
+            # here, where none of the window's text was emitted yet, can that be taken back.
+            start = _common_prefix_length(prefix_text, full_text)
+        if len(full_text) <= start:
             return ""
         if full_text.endswith(_INCOMPLETE) and not final:
             return ""  # wait for the rest of the multi-byte character
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        return full_text[len(prefix_text):]
+        return full_text[start:]
 
     def update(self, new_token_ids: list[int], final: bool = False) -> str | None:
         """Append tokens; returns the stop string if one appeared (text is then truncated).
