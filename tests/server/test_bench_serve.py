@@ -45,3 +45,17 @@ def test_engine_flags_round_trip_through_kiln_serve_parser():
     assert EngineArgs.from_cli_args(args) == ea
     bench = build_parser().parse_args(["bench", "serve", "--num-prompts", "3", *argv])
     assert bench.num_prompts == 3 and EngineArgs.from_cli_args(bench) == ea
+
+
+def test_server_that_dies_at_start_is_one_error_line(monkeypatch, capsys):
+    import subprocess
+    import sys
+
+    from kiln.entrypoints.cli import bench_serve
+
+    monkeypatch.setattr(bench_serve.subprocess, "Popen", lambda cmd, **kw: subprocess.Popen(
+        [sys.executable, "-c", "raise SystemExit(2)"]))
+    args = build_parser().parse_args(["bench", "serve", "--model", "/m", "--num-prompts", "1"])
+    assert bench_serve.run(args) == 1
+    err = capsys.readouterr().err
+    assert "error: `kiln serve` exited with code 2 before it was ready" in err

@@ -64,12 +64,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class ServerStartError(RuntimeError):
+    """The server the benchmark started never became ready (its log says why)."""
+
+
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"`kiln serve` exited with code {proc.returncode} before it was "
-                               "ready; see its log above")
+            raise ServerStartError(f"`kiln serve` exited with code {proc.returncode} before "
+                                   "it was ready; see its log above")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
                 if r.status == 200:
@@ -77,8 +81,8 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
         except OSError:
             pass
         time.sleep(0.5)
-    raise RuntimeError(f"`kiln serve` not ready after {timeout:.0f} s; raise "
-                       "--server-start-timeout")
+    raise ServerStartError(f"`kiln serve` not ready after {timeout:.0f} s; raise "
+                           "--server-start-timeout")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -101,7 +105,11 @@ def run(args: argparse.Namespace) -> int:
         proc = subprocess.Popen(cmd, stdout=sys.stderr, env=os.environ.copy())
     try:
         if proc is not None:
-            _wait_healthy(base_url, proc, args.server_start_timeout)
+            try:
+                _wait_healthy(base_url, proc, args.server_start_timeout)
+            except ServerStartError as e:  # one line, not a traceback: the log above says why
+                print(f"error: {e}", file=sys.stderr)
+                return 1
         report = asyncio.run(run_benchmark(
             base_url, args.num_prompts, args.input_len, args.output_len, args.request_rate,
             args.max_concurrency, seed=args.bench_seed, api_key=args.api_key,
