@@ -1,0 +1,129 @@
+"""Seeded random workloads through Scheduler + KVCacheManager, with invariants checked every step.
+
+Random arrivals sharing prefixes, random cache sizes, budgets and limits, random aborts (waiting,
+preempted, mid-prefill, decoding), stop tokens that really fire; the executor double checks every
+K/V read against the tokens, and each finished request's tokens against the reference model.
+"""
+import random
+from collections import Counter
+
+import pytest
+
+from kiln.core.kv_cache_utils import cdiv
+from kiln.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+from kiln.core.request import RequestStatus
+from kiln.core.scheduler import Scheduler
+
+from .doubles import PagedTokenExecutor, make_config, make_request, reference_tokens
+
+
+def check_invariants(sched: Scheduler) -> None:
+    kv = sched.kv_cache_manager
+    pool = kv.block_pool
+    running = [r.request_id for r in sched.running]
+    waiting = [r.request_id for r in sched.waiting]
+    assert len(running) <= sched.max_num_seqs
+    assert len(set(running)) == len(running) and len(set(waiting)) == len(waiting)
+    assert not set(running) & set(waiting)
+    assert set(running) | set(waiting) == set(sched.requests)
+    assert all(r.status == RequestStatus.RUNNING for r in sched.running)
+    assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in sched.waiting)
+    # Only running requests hold blocks; every reference is one holder; free list = ref 0.
+    assert set(kv.req_to_blocks) <= set(running)
+    holders = Counter(b.block_id for blocks in kv.req_to_blocks.values() for b in blocks)
+    for rid, blocks in kv.req_to_blocks.items():
+        assert len({b.block_id for b in blocks}) == len(blocks), f"{rid} holds a block twice"
+    for block in pool.blocks:
+        assert block.ref_cnt == holders[block.block_id], block
+        assert (block.ref_cnt == 0) == (block.block_id in pool.free_block_ids())
+    assert pool.num_free_blocks + sum(1 for b in pool.blocks if b.ref_cnt) == pool.num_blocks
+    for block_hash, block in pool._cached.items():
+        assert block.block_hash == block_hash
+    # A block two requests share is a prefix-cache block both reached by the same chain of tokens.
+    for request in sched.running:
+        blocks = kv.req_to_blocks.get(request.request_id, [])
+        assert request.num_computed_tokens <= request.num_tokens
+        assert len(blocks) >= cdiv(request.num_computed_tokens, kv.block_size)
+        for i, block in enumerate(blocks):
+            if block.ref_cnt > 1:
+                assert block.block_hash is not None and i < len(request.block_hashes)
+                assert request.block_hashes[i] == block.block_hash, (request.request_id, i)
+
+
+def run_workload(seed: int, steps: int) -> int:
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4, 8])
+    num_blocks = rng.randrange(2, 40)
+    max_num_seqs = rng.randrange(1, 8)
+    budget = rng.randrange(max_num_seqs, 40)
+    max_model_len = rng.randrange(8, 120)
+    config = make_config(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=budget, max_model_len=max_model_len,
+                         enable_prefix_caching=rng.random() < 0.7)
+    executor = PagedTokenExecutor(config)
+    executor.initialize_cache(num_blocks)
+    sched = Scheduler(config)
+    prefixes = [[rng.randrange(3, 1000) for _ in range(40)] for _ in range(3)]
+    made, finished = {}, {}
+
+    def one_step() -> None:
+        check_invariants(sched)
+        had_work = sched.has_unfinished_requests()
+        so = sched.schedule()
+        check_invariants(sched)
+        assert so.total_num_scheduled_tokens <= budget
+        assert len(so.num_scheduled_tokens) <= max_num_seqs
+        assert all(n > 0 for n in so.num_scheduled_tokens.values())
+        out = executor.execute_model(so) if so.total_num_scheduled_tokens else EMPTY_MODEL_RUNNER_OUTPUT
+        outs = sched.update_from_output(so, out)
+        for o in outs:
+            assert o.request_id not in finished, f"{o.request_id} reported after it finished"
+            if o.finished:
+                finished[o.request_id] = o.finish_reason
+        # Liveness: a step with work either runs tokens or ends a request (never an idle spin).
+        assert not had_work or so.total_num_scheduled_tokens or any(o.finished for o in outs)
+        check_invariants(sched)
+
+    for step in range(steps):
+        if rng.random() < 0.3:
+            for _ in range(rng.randrange(1, 4)):
+                rid = f"r{len(made)}"
+                prompt = (rng.choice(prefixes)[:rng.randrange(0, 40)]
+                          + [rng.randrange(3, 1000) for _ in range(rng.randrange(1, 20))])
+                max_tokens = rng.randrange(1, 30)
+                kw = {}
+                if rng.random() < 0.3:  # a stop token the fake model will actually produce
+                    kw["stop_token_ids"] = [rng.choice(reference_tokens(prompt, max_tokens))]
+                made[rid] = make_request(rid, prompt, max_tokens=max_tokens, **kw)
+                sched.add_request(made[rid])
+        if rng.random() < 0.1 and sched.requests:
+            ids = sorted(sched.requests)
+            victims = rng.sample(ids, rng.randrange(1, min(3, len(ids)) + 1))
+            sched.finish_requests(victims, RequestStatus.FINISHED_ABORTED)
+            finished.update(dict.fromkeys(victims, "abort"))
+        one_step()
+    for _ in range(3000):
+        if not sched.has_unfinished_requests():
+            break
+        one_step()
+    else:
+        raise AssertionError(f"seed {seed}: {len(sched.requests)} requests never finished")
+
+    kv = sched.kv_cache_manager
+    assert kv.num_free_blocks == num_blocks and all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+    assert kv.req_to_blocks == {} and kv.reset_prefix_cache()
+    assert kv.block_pool.num_cached_blocks() == 0
+    assert set(finished) == set(made)
+    for rid, request in made.items():
+        if finished[rid] != "abort":
+            produced = request.output_token_ids
+            assert produced == reference_tokens(request.prompt_token_ids, len(produced)), rid
+            if finished[rid] == "stop":
+                assert produced[-1] in request.sampling_params.stop_token_ids
+    return sched.num_preemptions
+
+
+@pytest.mark.parametrize("seeds", [range(0, 12), range(12, 24)])
+def test_random_workloads_keep_invariants(seeds):
+    preemptions = sum(run_workload(seed, steps=250) for seed in seeds)
+    assert preemptions > 0  # the random caches are small enough to exercise recompute
