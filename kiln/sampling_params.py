@@ -39,6 +39,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # False: outputs carry token ids only (text "", logprob token strings None), as vLLM's.
+    detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine: every token id that ends the request (eos + stop_token_ids).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
@@ -105,9 +107,14 @@ class SamplingParams:
         check(isinstance(self.stop_token_ids, list)
               and all(integer(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "a list of non-negative integers", self.stop_token_ids)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+                     "detokenize"):
             check(isinstance(getattr(self, name), bool), name, "True or False",
                   getattr(self, name))
+
+        check(self.detokenize is not False or not self.stop, "stop",
+              "empty when detokenize=False (stop strings are found in the text; set "
+              "detokenize=True or use stop_token_ids)", self.stop)
 
     @property
     def greedy(self) -> bool:

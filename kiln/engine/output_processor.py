@@ -33,6 +33,11 @@ def to_logprob_dict(lists: LogprobsLists, decode) -> dict[int, Logprob]:
     return out
 
 
+def _no_text(token_id: int) -> None:
+    """Logprob token text of a request with detokenize=False: none, as vLLM's."""
+    return None
+
+
 @dataclass
 class SampleState:
     """One core request: sample `index` of a user request."""
@@ -187,7 +192,8 @@ class OutputProcessor:
                 state.num_cached_tokens = out.num_cached_tokens
             # Every sample computes them (each may start first); the first to arrive is kept.
             if out.prompt_logprobs is not None and state.prompt_logprobs is None:
-                state.prompt_logprobs = [None] + [to_logprob_dict(lists, self._decode_token)
+                decode = self._decode_token if sample.params.detokenize else _no_text
+                state.prompt_logprobs = [None] + [to_logprob_dict(lists, decode)
                                                   for lists in out.prompt_logprobs]
             touched[state.request_id] = state
         results = []
@@ -207,8 +213,9 @@ class OutputProcessor:
         sample.token_ids.extend(new_ids)
         self.num_generation_tokens += len(new_ids)
         if sample.logprobs is not None:
+            decode = self._decode_token if sample.params.detokenize else _no_text
             for lists in out.new_logprobs:
-                sample.logprobs.append(to_logprob_dict(lists, self._decode_token))
+                sample.logprobs.append(to_logprob_dict(lists, decode))
                 sample.cumulative_logprob += lists.logprobs[0]
         sample.updated = True
         # The text of the eos / stop token that ended the request is not part of the output.
@@ -216,7 +223,9 @@ class OutputProcessor:
         ended_by_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
         if ended_by_token and new_ids and not sample.params.include_stop_str_in_output:
             detok_ids = new_ids[:-1]
-        stop_str = sample.detokenizer.update(detok_ids, final=out.finished)
+        stop_str = None
+        if sample.params.detokenize:  # else the text stays "" (stop strings are refused)
+            stop_str = sample.detokenizer.update(detok_ids, final=out.finished)
         if stop_str is not None:
             sample.finish_reason, sample.stop_reason = "stop", stop_str
             return not out.finished

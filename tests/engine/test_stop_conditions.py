@@ -149,3 +149,26 @@ def test_delta_stream_with_stop_concatenates_to_the_final_text(tokenizer):
 def test_empty_stop_string_refused():
     with pytest.raises(ValueError, match="stop"):
         SamplingParams(stop=[""])
+
+
+def test_detokenize_false_refuses_stop_strings():
+    with pytest.raises(ValueError, match="detokenize=False"):
+        SamplingParams(detokenize=False, stop=["x"])
+    p = SamplingParams(detokenize=False, stop_token_ids=[5])  # ids need no text
+    p.stop = "late"  # set after construction: the engine's verify() catches it
+    with pytest.raises(ValueError, match="detokenize=False"):
+        p.verify()
+
+
+def test_detokenize_false_gives_token_ids_without_text(tokenizer):
+    from kiln.core.outputs import LogprobsLists
+
+    proc = start(tokenizer, detokenize=False, logprobs=1)
+    ids = ids_of(tokenizer, "a cat sat")
+    for i, t in enumerate(ids):
+        lp = LogprobsLists(token_ids=[t, t], logprobs=[-1.0, -1.0], sampled_rank=1)
+        res = proc.process_outputs([EngineCoreOutput(
+            "r", [t], new_logprobs=[lp], finish_reason="length" if i == len(ids) - 1 else None)])
+    c = res.request_outputs[0].outputs[0]
+    assert c.text == "" and c.token_ids == ids and c.finish_reason == "length"
+    assert all(step[t].decoded_token is None for t, step in zip(ids, c.logprobs))
