@@ -53,7 +53,8 @@ def test_server_that_dies_at_start_is_one_error_line(monkeypatch, capsys):
 
     from kiln.entrypoints.cli import bench_serve
 
-    monkeypatch.setattr(bench_serve.subprocess, "Popen", lambda cmd, **kw: subprocess.Popen(
+    popen = subprocess.Popen
+    monkeypatch.setattr(bench_serve.subprocess, "Popen", lambda cmd, **kw: popen(
         [sys.executable, "-c", "raise SystemExit(2)"]))
     args = build_parser().parse_args(["bench", "serve", "--model", "/m", "--num-prompts", "1"])
     assert bench_serve.run(args) == 1
