@@ -62,6 +62,10 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not request.prompt_token_ids:
+            # Nothing to compute means no logits to sample from: it would sit running forever.
+            raise ValueError(f"request {request.request_id!r} has an empty prompt_token_ids; "
+                             "give at least one token")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._priority[request.request_id] = (request.arrival_time, next(self._arrival_counter))
