@@ -22,7 +22,7 @@ from kiln.compilation import graph_pickle
 from kiln.compilation.cache import atomic_write_text
 from kiln.compilation.graph_pickle import CodeOnlyGraph
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the plan carries its own checksum
 PLAN_FILE = "saved_graph.json"
 GRAPH_FILE = "saved_graph.pkl"
 
@@ -251,15 +251,26 @@ def save_plan(directory: Path, plan: SavedPlan, graph_bytes: bytes) -> None:
     tmp.replace(directory / GRAPH_FILE)
     data = asdict(plan)
     data["graph_sha256"] = hashlib.sha256(graph_bytes).hexdigest()
+    data["plan_sha256"] = _plan_digest(data)
     atomic_write_text(directory / PLAN_FILE, json.dumps(data, indent=1))
+
+
+def _plan_digest(data: dict) -> str:
+    """Checksum of the plan's own fields: an edited plan (an output index, an input source)
+    would fail at the first forward, on every start, rather than trace again."""
+    fields = {k: v for k, v in data.items() if k != "plan_sha256"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
 def load_plan(directory: Path) -> tuple[SavedPlan, CodeOnlyGraph]:
     """The plan and its split graph, code-only (see graph_pickle.py). Raises
     (FileNotFoundError, ValueError, unpickling errors) when absent or damaged."""
     data = json.loads((directory / PLAN_FILE).read_text())
-    if data.get("format") != FORMAT_VERSION:
-        raise ValueError(f"saved graph format {data.get('format')} != {FORMAT_VERSION}")
+    if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{directory / PLAN_FILE} is not a saved graph plan of format "
+                         f"{FORMAT_VERSION}")
+    if data.pop("plan_sha256", None) != _plan_digest(data):
+        raise ValueError(f"{directory / PLAN_FILE} does not match its recorded checksum")
     graph_bytes = (directory / GRAPH_FILE).read_bytes()
     if hashlib.sha256(graph_bytes).hexdigest() != data.pop("graph_sha256", None):
         raise ValueError(f"{directory / GRAPH_FILE} does not match its recorded checksum")

@@ -170,6 +170,19 @@ def test_corrupt_saved_graph_warns_and_traces(cold, tmp_path, kiln_logs):
         assert torch.equal(_run(model, n), _run(cold["model"], n))
 
 
+def test_edited_saved_graph_plan_warns_and_traces(cold, tmp_path, kiln_logs):
+    cache = tmp_path / "cache"
+    shutil.copytree(cold["root"] / "cache", cache)
+    plan = next(cache.glob("*/rank_0/ToyModel/saved_graph.json"))
+    data = json.loads(plan.read_text())
+    data["output"] = 7  # no such graph output: it would fail at every first forward
+    plan.write_text(json.dumps(data))
+    model = _warm_model(cache, dict(num_dynamo_traces=1, num_saved_graph_loads=0,
+                                    num_inductor_compiles=0))
+    assert "does not match its recorded checksum" in kiln_logs.text
+    assert torch.equal(_run(model, 3), _run(cold["model"], 3))
+
+
 def test_stale_saved_graph_entry_traces(cold, tmp_path):
     cache = tmp_path / "cache"
     shutil.copytree(cold["root"] / "cache", cache)
