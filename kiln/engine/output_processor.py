@@ -119,8 +119,6 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
         self.samples: dict[str, tuple[RequestState, SampleState]] = {}  # by core request id
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
         # Each logprob entry names its token's text; a prompt's top-k logprobs decode thousands
         # of ids, mostly the same few, one tokenizer call each. The text of a lone token id
         # does not depend on its neighbours, so it is decoded once (at most a vocabulary).
@@ -161,7 +159,6 @@ class OutputProcessor:
         self.requests[request_id] = state
         for s in states:
             self.samples[s.core_id] = (state, s)
-        self.num_prompt_tokens += len(prompt_token_ids) * len(states)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Forget user requests; returns the unfinished core request ids to abort in the core."""
@@ -211,7 +208,6 @@ class OutputProcessor:
         """Apply one core output; True if a stop string ended a request the core still runs."""
         new_ids = list(out.new_token_ids)
         sample.token_ids.extend(new_ids)
-        self.num_generation_tokens += len(new_ids)
         if sample.logprobs is not None:
             decode = self._decode_token if sample.params.detokenize else _no_text
             for lists in out.new_logprobs:
