@@ -149,8 +149,13 @@ class InductorStandaloneAdaptor(CompilerInterface):
         if file_sha256(path) != handle["sha256"]:
             raise ValueError(f"compiled artifact {path} does not match its recorded checksum "
                              "(truncated or corrupted)")
+        from torch._inductor.codecache import PyCodeCache
+
+        known_modules = len(PyCodeCache.modules)
         artifact = _load_artifact(path, handle["format"])
         compilation_counter.num_compiled_artifacts_loaded += 1
+        if self.dump_dir is not None:
+            self._dump_output_code(PyCodeCache.modules[known_modules:], None, path)
         return direct_callable(artifact)
 
 

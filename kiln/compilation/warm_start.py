@@ -58,6 +58,11 @@ def load_saved(backend, module, forward, args: tuple, kwargs: dict,
     forward's arguments; None (trace instead) when absent, stale or damaged."""
     if envs.disable_compile_cache():
         return None
+    if backend.kiln_config.compilation_config.debug_dump_path:
+        # The dump is written as Dynamo's graph reaches the backend: trace (artifacts still load).
+        logger.info("debug_dump_path is set: tracing %s with Dynamo so the dump is written",
+                    backend.prefix)
+        return None
     entry = graph_cache.read_entry(entry_path(backend))
     if entry is None:
         return None

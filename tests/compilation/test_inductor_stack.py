@@ -110,8 +110,9 @@ def test_warm_start_in_second_process_compiles_nothing(cold, tmp_path):
         assert torch.equal(result["outputs"][n], _run(cold["model"], n))
 
 
-def _warm_model(cache: Path, deltas: dict, compile_sizes=(1, 8)):
-    config = tm.toy_config(mode=3, compile_sizes=list(compile_sizes), cache_dir=str(cache))
+def _warm_model(cache: Path, deltas: dict, compile_sizes=(1, 8), **config_args):
+    config = tm.toy_config(mode=3, compile_sizes=list(compile_sizes), cache_dir=str(cache),
+                           **config_args)
     model = tm.build(config)
     with compilation_counter.expect(**deltas):
         with torch.no_grad():
@@ -168,6 +169,16 @@ def test_corrupt_saved_graph_warns_and_traces(cold, tmp_path, kiln_logs):
     assert "saved graph" in kiln_logs.text and "failed to load" in kiln_logs.text
     for n in (8, 3):
         assert torch.equal(_run(model, n), _run(cold["model"], n))
+
+
+def test_warm_start_with_debug_dump_traces_and_dumps(cold, tmp_path):
+    cache, dump = tmp_path / "cache", tmp_path / "dump"
+    shutil.copytree(cold["root"] / "cache", cache)
+    _warm_model(cache, dict(num_dynamo_traces=1, num_saved_graph_loads=0, num_inductor_compiles=0,
+                            num_compiled_artifacts_loaded=9), debug_dump_path=str(dump))
+    out = dump / "rank_0" / "ToyModel"
+    assert (out / "split_graph.py").exists() and len(list(out.glob("piece_*.py"))) == 5
+    assert list(out.glob("output_code_*.py"))  # the loaded artifacts' code
 
 
 def test_edited_saved_graph_plan_warns_and_traces(cold, tmp_path, kiln_logs):
