@@ -21,6 +21,31 @@ from kiln.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbed
 logger = init_logger(__name__)
 
 
+def sliding_window_of(hf_config) -> int | None:
+    """The attention window some layer of this config limits to (None: every layer full).
+
+    Mistral sets `sliding_window` alone; Qwen2/3 gate it with `use_sliding_window` and name the
+    windowed layers in `layer_types` (transformers 5)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+def check_sliding_window(hf_config, max_model_len: int) -> None:
+    """Kiln's attention sees every earlier token, so a sliding window is only honoured exactly
+    when no sequence can outgrow it; refuse the rest rather than serve wrong outputs."""
+    window = sliding_window_of(hf_config)
+    if window is not None and max_model_len > window:
+        raise ValueError(f"the model's config has sliding_window={window}, but Kiln's attention "
+                         f"has no sliding window: max_model_len={max_model_len} would let "
+                         f"sequences outgrow it and give wrong outputs; pass "
+                         f"max_model_len<={window} (--max-model-len {window})")
+
+
 def head_dim_of(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or (
         hf_config.hidden_size // hf_config.num_attention_heads)
@@ -105,6 +130,7 @@ class LlamaStyleModel(nn.Module):
     def __init__(self, *, kiln_config, prefix: str = "model"):
         super().__init__()
         cfg = kiln_config.model_config.hf_config
+        check_sliding_window(cfg, kiln_config.model_config.max_model_len)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             self.layer_cls(cfg, prefix=f"{prefix}.layers.{i}")
@@ -135,6 +161,28 @@ STACKED_PARAMS = [
 ]
 
 
+def merged_target(name: str) -> tuple[str, str | int | None]:
+    """(Kiln parameter name, shard id) for an HF tensor name; shard id None when unmerged."""
+    for merged, part, shard_id in STACKED_PARAMS:
+        if part + "." in name:
+            return name.replace(part + ".", merged + "."), shard_id
+    return name, None
+
+
+def unexpected_tensor_message(name: str, hf_config) -> str:
+    """Why a checkpoint tensor fits no parameter, with the config field most likely at fault."""
+    hint = ""
+    if name.endswith(".bias"):
+        field = "mlp_bias" if ".mlp." in name else "attention_bias"
+        hint = f" (a bias, but the config has {field}={getattr(hf_config, field, False)})"
+    elif name.startswith("model.layers."):
+        hint = f" (the config has num_hidden_layers={hf_config.num_hidden_layers})"
+    return (f"checkpoint tensor {name} matches no parameter of this "
+            f"{type(hf_config).__name__.removesuffix('Config')} model{hint}; the checkpoint "
+            "does not match its config (config.json or the GGUF metadata); fix the config or "
+            "use the checkpoint it came with")
+
+
 class LlamaStyleForCausalLM(nn.Module):
     """Backbone + LM head, with HF-name weight loading into the merged parameters."""
     model_cls = LlamaModel
@@ -156,7 +204,8 @@ class LlamaStyleForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)  # [N, V] float32
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors; raises naming any parameter the checkpoint did not provide."""
+        """Load HF-named tensors; raises naming any tensor that fits no parameter and any
+        parameter the checkpoint did not provide (random weights must never be served)."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -164,27 +213,21 @@ class LlamaStyleForCausalLM(nn.Module):
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some tied checkpoints still store the head
-            for merged, part, shard_id in STACKED_PARAMS:
-                if part in name:
-                    target = name.replace(part, merged)
-                    if target in params:
-                        param = params[target]
-                        param.weight_loader(param, tensor, shard_id)
-                        loaded.add(f"{target}#{shard_id}")
-                        break
-            else:
-                if name not in params:
-                    logger.warning("checkpoint tensor %s has no matching parameter; ignored", name)
-                    continue
-                param = params[name]
-                loader = getattr(param, "weight_loader", None)
-                if loader is None:
-                    raise ValueError(f"parameter {name} has no weight_loader")
-                try:
+            target, shard_id = merged_target(name)
+            if target not in params:
+                raise ValueError(unexpected_tensor_message(name, self.config))
+            param = params[target]
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                raise ValueError(f"parameter {target} has no weight_loader")
+            try:
+                if shard_id is None:
                     loader(param, tensor)
-                except ValueError as e:
-                    raise ValueError(f"{name}: {e}") from None
-                loaded.add(name)
+                else:
+                    loader(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {name}: {e}") from None
+            loaded.add(target if shard_id is None else f"{target}#{shard_id}")
         self._check_complete(params, loaded)
         return loaded
 

@@ -10,10 +10,19 @@ from torch import nn
 import kiln.model.layers.cpu_gemm  # noqa: F401  (registers torch.ops.kiln.linear)
 
 
+_CONFIG_HINT = ("; the checkpoint does not match the model its config describes (config.json or "
+                "the GGUF metadata: sizes, head counts, head_dim)")
+
+
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    # float16 / bfloat16 checkpoints load into any float dtype; integers would be cast silently.
+    if not loaded.is_floating_point():
+        raise ValueError(f"checkpoint dtype {loaded.dtype} is not a floating-point type; "
+                         "Kiln loads float32, float16 or bfloat16 weights (quantized "
+                         "checkpoints only as GGUF)")
     if param.shape != loaded.shape:
         raise ValueError(f"weight shape mismatch: parameter {tuple(param.shape)} vs checkpoint "
-                         f"{tuple(loaded.shape)}")
+                         f"{tuple(loaded.shape)}{_CONFIG_HINT}")
     param.data.copy_(loaded)
 
 
@@ -22,7 +31,8 @@ def take_shard(loaded: torch.Tensor, dim: int, rank: int, size: int,
     """This rank's `size` slice of `loaded` along dim, after checking the full extent."""
     if loaded.shape[dim] != size * num_shards:
         raise ValueError(f"weight shape mismatch: checkpoint {tuple(loaded.shape)} has "
-                         f"{loaded.shape[dim]} along dim {dim}, expected {size * num_shards}")
+                         f"{loaded.shape[dim]} along dim {dim}, expected {size * num_shards}"
+                         f"{_CONFIG_HINT}")
     return loaded.narrow(dim, rank * size, size)
 
 

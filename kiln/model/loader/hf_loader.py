@@ -1,12 +1,13 @@
-"""Loads a Hugging Face checkpoint directory (config.json + safetensors, single or sharded)."""
+"""Loads a Hugging Face checkpoint directory (config.json + safetensors or .bin, single or
+sharded)."""
 from pathlib import Path
 
 from torch import nn
 
-from kiln.model.loader.weight_utils import iterate_safetensors, safetensors_files
+from kiln.model.loader.weight_utils import checkpoint_files, iterate_checkpoint
 
 
 def load_hf_weights(model: nn.Module, model_dir: Path) -> None:
     if not model_dir.is_dir():
         raise FileNotFoundError(f"checkpoint directory {model_dir} does not exist")
-    model.load_weights(iterate_safetensors(safetensors_files(model_dir)))
+    model.load_weights(iterate_checkpoint(checkpoint_files(model_dir)))

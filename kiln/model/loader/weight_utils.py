@@ -1,6 +1,5 @@
-"""Finding and streaming checkpoint tensors: safetensors files of an HF directory.
-
-Yields (HF name, tensor) pairs one at a time so a model never holds two full copies.
+"""Finding and streaming checkpoint tensors: the safetensors (or, failing that, PyTorch .bin)
+files of an HF directory. Yields (HF name, tensor) pairs one file at a time.
 """
 import json
 from collections.abc import Iterator
@@ -10,31 +9,69 @@ import torch
 
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+BIN_SINGLE = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
 
 
-def safetensors_files(model_dir: Path) -> list[Path]:
-    """The weight files of an HF checkpoint directory, single-file or sharded."""
-    index = model_dir / SAFETENSORS_INDEX
-    if index.exists():
+def _indexed_files(model_dir: Path, index: Path) -> list[Path]:
+    try:
         weight_map = json.loads(index.read_text())["weight_map"]
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-        for f in files:
-            if not f.exists():
-                raise FileNotFoundError(f"weight shard {f} (listed in {index}) does not exist")
-        return files
-    single = model_dir / SAFETENSORS_SINGLE
-    if single.exists():
-        return [single]
-    others = sorted(model_dir.glob("*.safetensors"))
-    if others:
-        return others
-    raise FileNotFoundError(f"no weights found: expected {single} or {index}")
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{index} is not a checkpoint index (a JSON object with a "
+                         f"'weight_map'): {type(e).__name__}: {e}") from None
+    files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    for f in files:
+        if not f.exists():
+            raise FileNotFoundError(f"weight shard {f} (listed in {index}) does not exist")
+    return files
 
 
-def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The weight files of an HF checkpoint directory: safetensors single-file or sharded,
+    else PyTorch .bin single-file or sharded (as transformers and vLLM prefer them)."""
+    for index, single, pattern in ((SAFETENSORS_INDEX, SAFETENSORS_SINGLE, "*.safetensors"),
+                                   (BIN_INDEX, BIN_SINGLE, "pytorch_model*.bin")):
+        if (model_dir / index).exists():
+            return _indexed_files(model_dir, model_dir / index)
+        if (model_dir / single).exists():
+            return [model_dir / single]
+        others = sorted(model_dir.glob(pattern))
+        if others:
+            return others
+    raise FileNotFoundError(f"no weights found: expected {model_dir / SAFETENSORS_SINGLE}, "
+                            f"{SAFETENSORS_INDEX} with its shards, or {BIN_SINGLE}")
+
+
+def iterate_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of safetensors or .bin files, by HF name."""
     from safetensors import safe_open
 
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        if path.suffix == ".safetensors":
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except Exception as e:  # safetensors' own errors do not name the file
+                raise ValueError(f"could not read {path} as safetensors ({type(e).__name__}: "
+                                 f"{e}); the file is damaged or incomplete: download it "
+                                 "again") from None
+            with handle as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+            continue
+        try:  # weights_only: a .bin is a pickle; never run code from it
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:
+            # torch's message runs to many lines of advice to drop weights_only; not here.
+            raise ValueError(f"could not read {path} as a state dict of tensors only "
+                             f"({type(e).__name__}; Kiln reads .bin files with "
+                             "torch.load(weights_only=True)); convert it to safetensors") from None
+        if not isinstance(state, dict):
+            raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict of "
+                             "tensors; convert it to safetensors")
+        for name, tensor in state.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"{path}: entry {name} is a {type(tensor).__name__}, not a "
+                                 "tensor; convert the checkpoint to safetensors")
+            yield name, tensor
+        del state
+

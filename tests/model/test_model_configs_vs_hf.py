@@ -1,0 +1,129 @@
+"""Config variants real checkpoints use, against HF transformers (float32 logits through prefill
+and paged decode): explicit head_dim, biases, tying, MQA, rope scaling, sliding windows.
+
+Every parameter is random here, biases and norm weights included, so a bias or norm loaded into
+the wrong place (or left out) shows in the logits.
+"""
+import pytest
+import torch
+
+from checkpoints import save_tiny_tokenizer
+from kiln.model.llama import check_sliding_window, sliding_window_of
+from kiln.model.loader import get_model
+from model._attn_helper import (BlockPool, PagedRequest, allocate_kv_caches, build_step,
+                                kiln_config_for, run_step)
+
+TOL = 1e-4
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=16)
+
+
+def make_checkpoint(path, config_cls: str, **overrides):
+    """A tiny random checkpoint of transformers' `config_cls`, every parameter random."""
+    import transformers
+
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=512, max_position_embeddings=512,
+              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    kw.update(overrides)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        getattr(transformers, config_cls)(**kw), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+            elif "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:  # biases: HF initialises them to zero, which would hide a lost bias
+                p.normal_(0, 0.05)
+    model.save_pretrained(path)
+    save_tiny_tokenizer(path, kw["vocab_size"])
+    return path
+
+
+def max_logit_diff(path, seq_len: int = 30, **config_kw) -> float:
+    """Kiln (prefill of all but 5 tokens, then 5 decode steps) vs HF's logits, max abs diff."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = kiln_config_for(path, **config_kw)
+    model = get_model(cfg)
+    allocate_kv_caches(cfg, 64, 4)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    seq = torch.randint(3, 512, (seq_len,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq])).logits[0]  # [S, V]
+    pool, req = BlockPool(64, 4), PagedRequest(seq)
+    got = []
+    for q in (seq_len - 5, 1, 1, 1, 1, 1):
+        ids, pos, md = build_step(pool, [req], [q])
+        got.append(run_step(model, cfg, ids, pos, md))
+    return (torch.cat(got) - ref).abs().max().item()
+
+
+CASES = {
+    "llama_head_dim_wider": ("LlamaConfig", dict(head_dim=32)),
+    "llama_head_dim_narrower": ("LlamaConfig", dict(head_dim=8)),
+    "llama_attention_and_mlp_bias": ("LlamaConfig", dict(attention_bias=True, mlp_bias=True)),
+    "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
+    "llama_one_kv_head": ("LlamaConfig", dict(num_key_value_heads=1)),
+    "llama_rope_llama3": ("LlamaConfig", dict(rope_scaling=LLAMA3)),
+    "llama_rope_linear_old_key": ("LlamaConfig", dict(rope_scaling={"type": "linear",
+                                                                    "factor": 4.0})),
+    "llama_theta_and_eps": ("LlamaConfig", dict(rope_theta=500000.0, rms_norm_eps=1e-2)),
+    "mistral_no_window": ("MistralConfig", dict(sliding_window=None)),
+    "qwen2_untied": ("Qwen2Config", dict()),
+    "qwen2_tied": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3_head_dim_wider": ("Qwen3Config", dict(head_dim=32)),
+    "qwen3_bias_tied": ("Qwen3Config", dict(head_dim=16, attention_bias=True,
+                                            tie_word_embeddings=True)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_config_variant_matches_hf(case, tmp_path):
+    config_cls, overrides = CASES[case]
+    path = make_checkpoint(tmp_path / case, config_cls, **overrides)
+    assert max_logit_diff(path) < TOL
+
+
+@pytest.mark.parametrize("rope_scaling, what", [
+    ({"rope_type": "dynamic", "factor": 2.0}, "'dynamic' is not supported"),
+    ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256},
+     "'yarn' is not supported"),
+])
+def test_unsupported_rope_scaling_is_refused(rope_scaling, what, tmp_path):
+    path = make_checkpoint(tmp_path / "m", "LlamaConfig", rope_scaling=rope_scaling)
+    with pytest.raises(ValueError, match=what):
+        get_model(kiln_config_for(path))
+
+
+def test_sliding_window_decisions():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    assert sliding_window_of(MistralConfig(sliding_window=4096)) == 4096
+    assert sliding_window_of(MistralConfig(sliding_window=None)) is None
+    assert sliding_window_of(LlamaConfig()) is None
+    # Released Qwen2/3 configs carry a window with use_sliding_window false: full attention.
+    assert sliding_window_of(Qwen2Config(sliding_window=32768)) is None
+    assert sliding_window_of(Qwen3Config(use_sliding_window=True, sliding_window=64,
+                                         num_hidden_layers=4, max_window_layers=2)) == 64
+    assert sliding_window_of(Qwen2Config(use_sliding_window=True, sliding_window=64,
+                                         num_hidden_layers=4, max_window_layers=4)) is None
+    check_sliding_window(MistralConfig(sliding_window=64), 64)  # fits: nothing to refuse
+    with pytest.raises(ValueError, match=r"sliding_window=64.*max_model_len=65.*--max-model-len"):
+        check_sliding_window(MistralConfig(sliding_window=64), 65)
+
+
+@pytest.mark.parametrize("config_cls, overrides", [
+    ("MistralConfig", dict(sliding_window=16)),
+    ("Qwen2Config", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+])
+def test_sliding_window_refused_beyond_it_and_exact_within(config_cls, overrides, tmp_path):
+    """Kiln has no windowed attention: a model whose window a sequence could outgrow is
+    refused (it used to run with full attention, silently unlike HF), and one whose
+    max_model_len fits the window matches HF exactly up to that length."""
+    path = make_checkpoint(tmp_path / "m", config_cls, **overrides)
+    with pytest.raises(ValueError, match=r"sliding_window=16.*--max-model-len 16"):
+        get_model(kiln_config_for(path))
+    assert max_logit_diff(path, seq_len=16, max_model_len=16) < TOL
