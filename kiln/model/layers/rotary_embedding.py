@@ -60,13 +60,29 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_size: int, max_position: int, base: float,
                  scaling: dict | None = None):
         super().__init__()
-        self.head_size = head_size
-        inv_freq = compute_inv_freq(head_size, base, scaling)
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [max_pos, hd/2]
+        self.head_size, self.max_position, self.scaling = head_size, max_position, scaling
+        self.inv_freq = compute_inv_freq(head_size, base, scaling)  # [hd/2], float32
         # float32 whatever the model dtype; cast at use, as HF does.
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-                             .to(torch.float32), persistent=False)  # [max_pos, hd]
+        self.register_buffer("cos_sin_cache", self._cos_sin(self.inv_freq),
+                             persistent=False)  # [max_pos, hd]
+
+    def _cos_sin(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        t = torch.arange(self.max_position, dtype=torch.float32, device=inv_freq.device)
+        freqs = torch.outer(t, inv_freq.to(torch.float32))  # [max_pos, hd/2]
+        return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.float32)
+
+    def divide_frequencies(self, factors: torch.Tensor) -> None:
+        """Divide each frequency by its factor [hd/2]: how llama.cpp files carry rope scaling
+        (the `rope_freqs` tensor of Llama 3.1+ GGUFs) instead of a rope_scaling config."""
+        if self.scaling is not None:
+            raise ValueError(f"the config's rope_scaling {self.scaling['rope_type']!r} and the "
+                             "checkpoint's rope frequency factors (rope_freqs) would both scale "
+                             "the rotary frequencies; remove one")
+        if tuple(factors.shape) != tuple(self.inv_freq.shape):
+            raise ValueError(f"rope_freqs has shape {tuple(factors.shape)}, expected "
+                             f"{tuple(self.inv_freq.shape)} (head_dim / 2)")
+        self.inv_freq = self.inv_freq / factors.to(self.inv_freq.device, torch.float32)
+        self.cos_sin_cache.copy_(self._cos_sin(self.inv_freq))
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) for each head's halves, written as one

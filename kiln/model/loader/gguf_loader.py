@@ -61,6 +61,19 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def dequantize(raw: np.ndarray, qtype, name: str, path: Path) -> np.ndarray:
+    """gguf-py's dequantization of one tensor, its failures named by tensor and type."""
+    import gguf
+
+    try:
+        return gguf.quants.dequantize(raw, qtype)
+    except (NotImplementedError, ValueError, TypeError) as e:
+        raise ValueError(f"GGUF tensor {name} in {path} is stored as {qtype.name}, which Kiln "
+                         f"cannot dequantize ({type(e).__name__}: {e}); use a file quantized "
+                         "to F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or a K-quant "
+                         "(Q2_K to Q6_K)") from None
+
+
 def iterate_gguf(path: Path, hf_config,
                  blocks: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every tensor of a GGUF file Kiln has a parameter for.
@@ -92,7 +105,7 @@ def iterate_gguf(path: Path, hf_config,
         # The bytes as gguf's reader presents them: elements, or rows of quantized blocks.
         raw = data[t["offset"]:t["offset"] + t["nbytes"]].view(t["dtype"]).reshape(t["shape"])
         qtype = gguf.GGMLQuantizationType(t["type"])
-        values = gguf.quants.dequantize(raw, qtype)
+        values = dequantize(raw, qtype, t["name"], path)
         values = np.array(values, dtype=np.float32)  # own, writable copy (F32 data is a memmap)
         heads = None
         if arch in _PERMUTED_ARCHITECTURES:
@@ -113,8 +126,32 @@ def load_gguf_weights(model: nn.Module, path: Path, hf_config) -> None:
     keep = weight.device.type == "cpu" and gguf_matmul.available()
     blocks: dict | None = {} if keep else None
     model.load_weights(iterate_gguf(path, hf_config, blocks))
+    apply_rope_freqs(model, path)
     if blocks:
         attach_blocks(model, blocks)
+
+
+def apply_rope_freqs(model: nn.Module, path: Path) -> bool:
+    """Scale every rotary embedding by the file's `rope_freqs` tensor (Llama 3.1+ GGUFs keep
+    their llama3 rope scaling there, not in metadata transformers reads); True if it had one."""
+    import gguf
+
+    from kiln.config.gguf_metadata import load_tensor_table
+    from kiln.model.layers.rotary_embedding import RotaryEmbedding
+
+    entry = next((t for t in load_tensor_table(path)["tensors"]
+                  if t["name"] == "rope_freqs.weight"), None)
+    if entry is None:
+        return False
+    data = np.memmap(path, mode="r")
+    raw = data[entry["offset"]:entry["offset"] + entry["nbytes"]].view(entry["dtype"])
+    qtype = gguf.GGMLQuantizationType(entry["type"])
+    factors = torch.from_numpy(np.array(dequantize(raw.reshape(entry["shape"]), qtype,
+                                                   entry["name"], path), dtype=np.float32))
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.divide_frequencies(factors.reshape(-1))
+    return True
 
 
 def attach_blocks(model: nn.Module, blocks: dict[str, tuple[int, torch.Tensor]]) -> int:
