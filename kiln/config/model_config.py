@@ -12,6 +12,20 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
            "float16": torch.float16, "half": torch.float16}
 
 
+def sliding_window_of(hf_config) -> int | None:
+    """The attention window some layer of this config limits to (None: every layer full).
+
+    Mistral sets `sliding_window` alone; Qwen2/3 gate it with `use_sliding_window` and name the
+    windowed layers in `layer_types` (transformers 5)."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
 def find_gguf_file(path: Path) -> Path | None:
     """The GGUF file a model path names: the file itself, or the only *.gguf in a directory."""
     if path.is_file() and path.suffix == ".gguf":
@@ -57,13 +71,24 @@ class ModelConfig:
             self.load_format = "gguf" if self.gguf_file else "safetensors"
         self.torch_dtype = self.resolve_dtype(current_platform.default_dtype)
         limit = self.derived_max_model_len
+        # Kiln's attention has no sliding window: it is exact only while no sequence outgrows
+        # the window, so the window caps the length (as vLLM's does with the window disabled).
+        window = sliding_window_of(self.hf_config)
+        why = f"max_position_embeddings={limit}"
+        if window is not None and window < limit:
+            limit, why = window, (f"sliding_window={window} (Kiln's attention has no sliding "
+                                  "window: a longer sequence would give wrong outputs)")
         if self.max_model_len is None:
             self.max_model_len = limit
+            if window == limit:
+                from kiln.logger import init_logger
+                init_logger(__name__).warning(
+                    "max_model_len capped at the model's %s", why)
         elif self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         elif self.max_model_len > limit:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={limit}; lower --max-model-len")
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's {why}; "
+                             f"lower --max-model-len to {limit} or less")
 
     def _load_hf_config(self):
         from transformers import AutoConfig
@@ -73,6 +98,10 @@ class ModelConfig:
 
             return gguf_metadata.load_config(self.gguf_file)
         if not (self.model_path / "config.json").exists():
+            ggufs = sorted(p.name for p in self.model_path.glob("*.gguf"))
+            if len(ggufs) > 1:
+                raise FileNotFoundError(f"model {self.model!r} holds {len(ggufs)} GGUF files "
+                                        f"({', '.join(ggufs)}); pass one file as --model")
             raise FileNotFoundError(f"model {self.model!r}: missing config.json (expected a Hugging "
                                     "Face checkpoint directory or a .gguf file)")
         return AutoConfig.from_pretrained(self.model_path)

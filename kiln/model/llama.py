@@ -21,31 +21,6 @@ from kiln.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbed
 logger = init_logger(__name__)
 
 
-def sliding_window_of(hf_config) -> int | None:
-    """The attention window some layer of this config limits to (None: every layer full).
-
-    Mistral sets `sliding_window` alone; Qwen2/3 gate it with `use_sliding_window` and name the
-    windowed layers in `layer_types` (transformers 5)."""
-    window = getattr(hf_config, "sliding_window", None)
-    if not window or getattr(hf_config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
-
-
-def check_sliding_window(hf_config, max_model_len: int) -> None:
-    """Kiln's attention sees every earlier token, so a sliding window is only honoured exactly
-    when no sequence can outgrow it; refuse the rest rather than serve wrong outputs."""
-    window = sliding_window_of(hf_config)
-    if window is not None and max_model_len > window:
-        raise ValueError(f"the model's config has sliding_window={window}, but Kiln's attention "
-                         f"has no sliding window: max_model_len={max_model_len} would let "
-                         f"sequences outgrow it and give wrong outputs; pass "
-                         f"max_model_len<={window} (--max-model-len {window})")
-
-
 def head_dim_of(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or (
         hf_config.hidden_size // hf_config.num_attention_heads)
@@ -130,7 +105,6 @@ class LlamaStyleModel(nn.Module):
     def __init__(self, *, kiln_config, prefix: str = "model"):
         super().__init__()
         cfg = kiln_config.model_config.hf_config
-        check_sliding_window(cfg, kiln_config.model_config.max_model_len)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             self.layer_cls(cfg, prefix=f"{prefix}.layers.{i}")

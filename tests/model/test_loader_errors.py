@@ -147,3 +147,13 @@ def test_empty_or_missing_directory_is_refused_at_construction(tmp_path, kind):
         path.mkdir()
     with pytest.raises(FileNotFoundError, match=str(path)):
         LLM(model=str(path), dtype="float32", enforce_eager=True)
+
+
+def test_directory_of_several_gguf_files_asks_for_one(tmp_path):
+    from kiln.config import ModelConfig
+
+    for name in ("a-Q4_0.gguf", "a-Q8_0.gguf"):
+        (tmp_path / name).write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"2 GGUF files \(a-Q4_0.gguf, a-Q8_0.gguf\); "
+                       r"pass one file as --model"):
+        ModelConfig(model=str(tmp_path))

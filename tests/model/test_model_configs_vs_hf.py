@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from checkpoints import save_tiny_tokenizer
-from kiln.model.llama import check_sliding_window, sliding_window_of
+from kiln.config.model_config import sliding_window_of
 from kiln.model.loader import get_model
 from model._attn_helper import (BlockPool, PagedRequest, allocate_kv_caches, build_step,
                                 kiln_config_for, run_step)
@@ -110,20 +110,20 @@ def test_sliding_window_decisions():
                                          num_hidden_layers=4, max_window_layers=2)) == 64
     assert sliding_window_of(Qwen2Config(use_sliding_window=True, sliding_window=64,
                                          num_hidden_layers=4, max_window_layers=4)) is None
-    check_sliding_window(MistralConfig(sliding_window=64), 64)  # fits: nothing to refuse
-    with pytest.raises(ValueError, match=r"sliding_window=64.*max_model_len=65.*--max-model-len"):
-        check_sliding_window(MistralConfig(sliding_window=64), 65)
 
 
 @pytest.mark.parametrize("config_cls, overrides", [
     ("MistralConfig", dict(sliding_window=16)),
     ("Qwen2Config", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
 ])
-def test_sliding_window_refused_beyond_it_and_exact_within(config_cls, overrides, tmp_path):
-    """Kiln has no windowed attention: a model whose window a sequence could outgrow is
-    refused (it used to run with full attention, silently unlike HF), and one whose
-    max_model_len fits the window matches HF exactly up to that length."""
+def test_sliding_window_caps_max_model_len_and_is_exact_within(config_cls, overrides,
+                                                               tmp_path):
+    """Kiln has no windowed attention (it used to run full attention past the window,
+    silently unlike HF): the window caps max_model_len, a larger one asked for is refused,
+    and within the window outputs match HF exactly."""
     path = make_checkpoint(tmp_path / "m", config_cls, **overrides)
-    with pytest.raises(ValueError, match=r"sliding_window=16.*--max-model-len 16"):
-        get_model(kiln_config_for(path))
-    assert max_logit_diff(path, seq_len=16, max_model_len=16) < TOL
+    assert kiln_config_for(path).model_config.max_model_len == 16
+    with pytest.raises(ValueError, match=r"max_model_len=17 exceeds the model's "
+                       r"sliding_window=16.*--max-model-len to 16"):
+        kiln_config_for(path, max_model_len=17)
+    assert max_logit_diff(path, seq_len=16) < TOL
