@@ -20,6 +20,8 @@ from kiln.logger import init_logger
 
 logger = init_logger(__name__)
 
+_FORMAT = 2  # of what is kept; 2: the tensor table carries the rope scaling metadata
+
 
 def converted_dir(gguf: Path) -> Path:
     """Where this file's conversion is kept; a changed file (size, mtime) gets a new one."""
@@ -29,7 +31,7 @@ def converted_dir(gguf: Path) -> Path:
     stat = gguf.stat()
     # Both libraries parse the file: a new gguf may lay its tensors out differently.
     factors = (f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|"
-               f"{importlib.metadata.version('gguf')}")
+               f"{importlib.metadata.version('gguf')}|{_FORMAT}")
     key = hashlib.sha256(factors.encode()).hexdigest()[:16]
     return envs.cache_root() / "gguf" / f"{gguf.stem}-{key}"
 
@@ -73,7 +75,26 @@ def load_config(gguf: Path):
     """AutoConfig of a .gguf file."""
     from transformers import AutoConfig
 
-    return _load(gguf, "config", AutoConfig)
+    config = _load(gguf, "config", AutoConfig)
+    _apply_rope_scaling(config, load_tensor_table(gguf).get("rope_scaling"))
+    return config
+
+
+def _apply_rope_scaling(config, scaling: dict | None) -> None:
+    """Put the file's `{arch}.rope.scaling.*` metadata into the config, which transformers'
+    GGUF conversion drops: a linearly scaled model would run unscaled, positions all wrong
+    (and a yarn one must be refused by the rotary embedding, not served unscaled)."""
+    if not scaling or scaling.get("rope_type") in (None, "none"):
+        return
+    params = getattr(config, "rope_parameters", None)  # transformers 5
+    current = params if isinstance(params, dict) and params else (
+        getattr(config, "rope_scaling", None) or {})
+    if current.get("rope_type", current.get("type", "default")) != "default":
+        return  # transformers converted it after all
+    if isinstance(params, dict) and params:
+        params.update(scaling)
+    else:
+        config.rope_scaling = dict(scaling)
 
 
 def load_tokenizer(gguf: Path):
@@ -90,10 +111,29 @@ def _tensor_table(gguf_path: Path) -> dict:
 
     reader = gguf.GGUFReader(str(gguf_path))
     field = reader.fields.get("general.architecture")
-    return {"architecture": None if field is None else str(field.contents()),
+    arch = None if field is None else str(field.contents())
+    return {"architecture": arch, "rope_scaling": _rope_scaling_fields(reader, arch),
             "tensors": [{"name": t.name, "type": int(t.tensor_type), "dtype": t.data.dtype.str,
                          "shape": list(t.data.shape), "offset": int(t.data_offset),
                          "nbytes": int(t.n_bytes)} for t in reader.tensors]}
+
+
+def _rope_scaling_fields(reader, arch: str | None) -> dict | None:
+    """{"rope_type", "factor", "original_max_position_embeddings"} as HF names them, from
+    `{arch}.rope.scaling.*`; None when the file has none."""
+    def value(key: str):
+        field = reader.fields.get(f"{arch}.rope.scaling.{key}")
+        return None if field is None else field.contents()
+
+    rope_type = value("type")
+    if rope_type is None:
+        return None
+    scaling = {"rope_type": str(rope_type)}
+    for key, name in (("factor", "factor"),
+                      ("original_context_length", "original_max_position_embeddings")):
+        if value(key) is not None:
+            scaling[name] = value(key)
+    return scaling
 
 
 def _table_digest(table: dict) -> str:

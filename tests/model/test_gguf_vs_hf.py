@@ -21,7 +21,8 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
 
 
-def write_gguf(path, hf_dir, types: dict | None = None, extra: dict | None = None):
+def write_gguf(path, hf_dir, types: dict | None = None, extra: dict | None = None,
+               rope_scaling: tuple[str, float] | None = None):
     """hf_dir's weights as a llama GGUF with the metadata llama.cpp's converter writes (and a
     tiny vocabulary); `types`: llama.cpp name part -> F16 / BF16 / any raw type (zero blocks);
     `extra`: more tensors by GGUF name."""
@@ -39,6 +40,9 @@ def write_gguf(path, hf_dir, types: dict | None = None, extra: dict | None = Non
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(10000.0)
+    if rope_scaling is not None:  # (type, factor), as llama.cpp's converter writes them
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
+        w.add_rope_scaling_factor(rope_scaling[1])
     w.add_vocab_size(c.vocab_size)
     tokens = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(3, c.vocab_size)]
     w.add_tokenizer_model("llama")
@@ -125,6 +129,22 @@ def test_llama3_rope_freqs_tensor_is_applied(tmp_path):
     assert factors.max() == 8.0 and factors.min() < 8.0  # scaled and smoothed frequencies
     path = write_gguf(tmp_path / "m.gguf", hf_dir, extra={"rope_freqs.weight": factors})
     assert logits_diff(path, hf_dir) < TOL
+
+
+def test_linear_rope_scaling_metadata_is_applied(tmp_path):
+    """transformers' GGUF config drops `llama.rope.scaling.*`: a linearly scaled file ran
+    unscaled, every position rotated wrong."""
+    hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False,
+                                  rope_scaling=dict(rope_type="linear", factor=4.0))
+    path = write_gguf(tmp_path / "m.gguf", hf_dir, rope_scaling=("linear", 4.0))
+    assert logits_diff(path, hf_dir) < TOL
+
+
+def test_yarn_rope_scaling_metadata_is_refused(tmp_path):
+    hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False)
+    path = write_gguf(tmp_path / "m.gguf", hf_dir, rope_scaling=("yarn", 4.0))
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
+        get_model(kiln_config_for(path))
 
 
 def test_rope_freqs_of_the_wrong_size_is_refused(tmp_path):
