@@ -5,6 +5,8 @@ from kiln.core.outputs import EngineCoreOutput, LogprobsLists
 from kiln.engine.output_processor import OutputProcessor
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
+from engine.test_detokenizer import _byte_level_bpe
+
 
 def ids_of(tokenizer, text):
     return tokenizer(text, add_special_tokens=False).input_ids
@@ -40,20 +42,6 @@ def test_sentencepiece_tokens_keep_their_leading_space(tokenizer):
     pieces = [step[t].decoded_token for t, step in zip(out.token_ids, out.logprobs)]
     assert pieces[0] == " the"
     assert "".join(pieces) == out.text == " the cat sat on the mat"
-
-
-def _byte_level_bpe():
-    """A small GPT-2 / SmolLM style tokenizer: the space is part of the token's bytes."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["once upon a time there was a cat"] * 10, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
 
 
 def test_byte_level_tokens_are_their_own_decode():
