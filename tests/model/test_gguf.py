@@ -47,6 +47,17 @@ def gguf_name(hf_name: str) -> str:
             "output_norm.weight", "lm_head.weight": "output.weight"}[hf_name]
 
 
+def llama_cpp_tensor(hf_name: str, t: torch.Tensor, hf_config) -> tuple[str, np.ndarray]:
+    """(GGUF name, float32 values in llama.cpp's layout: q/k rows rope-interleaved)."""
+    gname = gguf_name(hf_name)
+    w = t.float().numpy()
+    if ".attn_q." in gname:
+        w = llama_cpp_permute(w, hf_config.num_attention_heads)
+    elif ".attn_k." in gname:
+        w = llama_cpp_permute(w, hf_config.num_key_value_heads)
+    return gname, w
+
+
 def write_tiny_gguf(path, hf_state: dict, hf_config, types: dict = _TYPES) -> dict:
     """Write hf_state as a llama GGUF (llama.cpp name part -> storage type in `types`, F32 when
     absent; K-quant tensors hold random blocks, see gguf_blocks); returns the float32 values a
@@ -57,12 +68,7 @@ def write_tiny_gguf(path, hf_state: dict, hf_config, types: dict = _TYPES) -> di
     writer.add_block_count(hf_config.num_hidden_layers)
     expected = {}
     for name, t in hf_state.items():
-        gname = gguf_name(name)
-        w = t.float().numpy()
-        if ".attn_q." in gname:
-            w = llama_cpp_permute(w, hf_config.num_attention_heads)
-        elif ".attn_k." in gname:
-            w = llama_cpp_permute(w, hf_config.num_key_value_heads)
+        gname, w = llama_cpp_tensor(name, t, hf_config)
         qtype = getattr(gguf.GGMLQuantizationType, types.get(gname.split(".")[-2], "F32"))
         data = w if qtype == gguf.GGMLQuantizationType.F32 else quantized_blocks(w, qtype.name)
         writer.add_tensor(gname, data, raw_dtype=qtype)

@@ -9,7 +9,7 @@ from checkpoints import make_tiny_checkpoint
 from kiln.model.loader import get_model
 from model._attn_helper import (BlockPool, PagedRequest, allocate_kv_caches, build_step,
                                 kiln_config_for, run_step)
-from model.test_gguf import gguf_name, llama_cpp_permute
+from model.test_gguf import llama_cpp_tensor
 
 TOL = 1e-4
 _LINEARS = ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
@@ -50,12 +50,7 @@ def write_gguf(path, hf_dir, types: dict | None = None, extra: dict | None = Non
     w.add_token_scores([0.0] * len(tokens))
     w.add_token_types([1] * len(tokens))
     for name, t in load_file(str(hf_dir / "model.safetensors")).items():
-        gname = gguf_name(name)
-        a = t.float().numpy()
-        if ".attn_q." in gname:
-            a = llama_cpp_permute(a, c.num_attention_heads)
-        elif ".attn_k." in gname:
-            a = llama_cpp_permute(a, c.num_key_value_heads)
+        gname, a = llama_cpp_tensor(name, t, c)
         kind = (types or {}).get(gname.split(".")[-2], "F32")
         qtype = getattr(gguf.GGMLQuantizationType, kind)
         if kind in ("F32", "F16"):
