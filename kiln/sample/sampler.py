@@ -1,8 +1,8 @@
 """`Sampler`: from last-token logits and `SamplingMetadata` to one sampled token per request.
 
-Order: raw logprobs, penalties, min_tokens mask, greedy argmax / temperature, top-k, top-p,
-min-p, then one draw a row from the probabilities (inverse_cdf.py), from the row's own generator
-when the request is seeded.
+Order (vLLM v1's): raw logprobs, penalties, min_tokens mask, greedy argmax / temperature,
+min-p, top-k, top-p, then one draw a row from the probabilities (inverse_cdf.py), from the
+row's own generator when the request is seeded.
 """
 from dataclasses import dataclass
 
@@ -65,12 +65,14 @@ class Sampler(torch.nn.Module):
             return row_argmax(logits)
         greedy = None if meta.all_random else row_argmax(logits)
         logits = logits / meta.temperature.unsqueeze(1)
+        # min-p first, as vLLM's v1 sampler: top-p then measures its mass among the tokens
+        # min-p kept (min-p itself gives the same set before or after top-k / top-p).
+        if meta.min_p is not None:
+            logits = apply_min_p(logits, meta.min_p)
         if meta.top_k is not None:
             logits = apply_top_k(logits, meta.top_k)
         if meta.top_p is not None:
             logits = apply_top_p(logits, meta.top_p)
-        if meta.min_p is not None:
-            logits = apply_min_p(logits, meta.min_p)
         probs = logits.softmax(dim=1, dtype=torch.float32)
         sampled = random_sample(probs, meta.generators, meta.default_generator)
         if greedy is not None:
