@@ -11,8 +11,9 @@ import torch
 from kiln.sample.filters import apply_min_p, apply_top_k, apply_top_p
 from kiln.sample.inverse_cdf import inverse_cdf
 from kiln.sample.logprobs import gather_logprobs
+from kiln.sample.nonfinite import sanitize_logits
 from kiln.sample.penalties import apply_all_penalties, mask_min_tokens
-from kiln.sample.row_reductions import row_argmax
+from kiln.sample.row_reductions import has_nan_or_posinf, row_argmax
 from kiln.sample.sampling_metadata import SamplingMetadata
 
 @dataclass
@@ -22,6 +23,8 @@ class SamplerOutput:
     logprob_token_ids: torch.Tensor | None = None  # [N, 1 + K] int64
     logprobs: torch.Tensor | None = None  # [N, 1 + K] float32
     sampled_ranks: torch.Tensor | None = None  # [N] int64
+    # Only when some row's logits held NaN or +inf (nonfinite.py): those rows.
+    nonfinite_rows: torch.Tensor | None = None  # [N] bool
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
@@ -39,9 +42,14 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
 class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()  # [N, V]
+        nonfinite_rows = None
+        if has_nan_or_posinf(logits):
+            logits, nonfinite_rows = sanitize_logits(logits)
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=1)
+            if nonfinite_rows is not None:  # a row of -inf only has NaN log_softmax
+                raw_logprobs = raw_logprobs.nan_to_num(nan=float("-inf"), neginf=float("-inf"))
 
         if not meta.no_penalties:
             logits = apply_all_penalties(logits, meta.prompt_token_ids, meta.output_token_ids,
@@ -53,7 +61,7 @@ class Sampler(torch.nn.Module):
                                      meta.min_tokens_rows, meta.min_tokens_cols)
 
         sampled = self.sample(logits, meta)
-        out = SamplerOutput(sampled_token_ids=sampled)
+        out = SamplerOutput(sampled_token_ids=sampled, nonfinite_rows=nonfinite_rows)
         if raw_logprobs is not None:
             out.logprob_token_ids, out.logprobs, out.sampled_ranks = gather_logprobs(
                 raw_logprobs, sampled, meta.max_num_logprobs)
