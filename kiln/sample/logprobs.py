@@ -1,6 +1,8 @@
 """Logprobs of the sampled token and the top-N alternatives, from the raw model distribution.
 
-As in vLLM's default, they come from the logits before penalties, temperature or filters.
+As in vLLM's default, they come from the logits before penalties, temperature or filters. A token
+the model rules out (a -inf or NaN logit) has logprob -inf, never NaN; the OpenAI server prints
+-inf as -9999, as vLLM's does.
 """
 import torch
 

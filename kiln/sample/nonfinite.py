@@ -4,6 +4,7 @@ samples only those; the rows hit are logged (loudly, not per step) and reported 
 import torch
 
 from kiln.logger import init_logger
+from kiln.sample.row_reductions import has_nan_or_posinf
 
 logger = init_logger(__name__)
 
@@ -23,6 +24,20 @@ def sanitize_logits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     bad_rows = nan.any(dim=1) | inf_rows.squeeze(1)  # [N]
     _warn(bad_rows, int(nan.sum()), int(posinf.sum()))
     return clean, bad_rows
+
+
+def finite_log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """log_softmax of logits [N, V] with no NaN: non-finite logits sanitized as above, and a row
+    left with nothing finite gets -inf throughout (its log_softmax is NaN)."""
+    if not has_nan_or_posinf(logits):
+        return logits.log_softmax(dim=1)
+    logits, _ = sanitize_logits(logits)
+    return log_softmax_of_sanitized(logits)
+
+
+def log_softmax_of_sanitized(logits: torch.Tensor) -> torch.Tensor:
+    """log_softmax of logits [N, V] holding no NaN or +inf (rows of -inf only give -inf)."""
+    return logits.log_softmax(dim=1).nan_to_num(nan=_NEG_INF, neginf=_NEG_INF)
 
 
 def _warn(bad_rows: torch.Tensor, num_nan: int, num_posinf: int) -> None:

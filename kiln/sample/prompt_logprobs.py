@@ -12,6 +12,7 @@ import torch
 
 from kiln.core.outputs import LogprobsLists
 from kiln.sample.logprobs import gather_logprobs, to_logprobs_lists
+from kiln.sample.nonfinite import finite_log_softmax
 
 # Bytes of float32 logits made at once. A 2048-token prompt chunk with a 150k vocabulary would
 # otherwise take 1.2 GB. Under glibc's largest mmap threshold (32 MiB), the logits and their
@@ -48,7 +49,7 @@ def compute_prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tenso
     step = rows_per_chunk(vocab_size)
     for lo in range(0, hidden.shape[0], step):
         rows = hidden[lo:lo + step]
-        logprobs = compute_logits(rows).float().log_softmax(dim=1)  # [rows, V]
+        logprobs = finite_log_softmax(compute_logits(rows).float())  # [rows, V]
         target = torch.tensor(targets[lo:lo + step], dtype=torch.int64,
                               device=logprobs.device)
         ids, lps, ranks = gather_logprobs(logprobs, target, num_logprobs)

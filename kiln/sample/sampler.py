@@ -11,7 +11,7 @@ import torch
 from kiln.sample.filters import apply_min_p, apply_top_k, apply_top_p
 from kiln.sample.inverse_cdf import inverse_cdf
 from kiln.sample.logprobs import gather_logprobs
-from kiln.sample.nonfinite import sanitize_logits
+from kiln.sample.nonfinite import log_softmax_of_sanitized, sanitize_logits
 from kiln.sample.penalties import apply_all_penalties, mask_min_tokens
 from kiln.sample.row_reductions import has_nan_or_posinf, row_argmax
 from kiln.sample.sampling_metadata import SamplingMetadata
@@ -47,9 +47,8 @@ class Sampler(torch.nn.Module):
             logits, nonfinite_rows = sanitize_logits(logits)
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
-            raw_logprobs = logits.log_softmax(dim=1)
-            if nonfinite_rows is not None:  # a row of -inf only has NaN log_softmax
-                raw_logprobs = raw_logprobs.nan_to_num(nan=float("-inf"), neginf=float("-inf"))
+            raw_logprobs = (logits.log_softmax(dim=1) if nonfinite_rows is None
+                            else log_softmax_of_sanitized(logits))
 
         if not meta.no_penalties:
             logits = apply_all_penalties(logits, meta.prompt_token_ids, meta.output_token_ids,

@@ -121,3 +121,19 @@ def test_finite_logits_report_nothing(warnings):
     logits[0, :5] = -INF
     out = run(logits, [SamplingParams(temperature=1.0, logprobs=1)] * 2)
     assert out.nonfinite_rows is None and not warnings
+
+
+def test_prompt_logprobs_hold_no_nan(warnings):
+    from kiln.sample.prompt_logprobs import compute_prompt_logprobs
+
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(5))
+    logits[0, 7] = NAN
+    logits[1] = NAN
+    entries = compute_prompt_logprobs(lambda rows: logits[rows.long()], torch.arange(3),
+                                      [7, 8, 9], 2, V)
+    for e in entries:
+        assert not any(math.isnan(x) for x in e.logprobs)
+    assert entries[0].logprobs[0] == -INF and entries[0].token_ids[1:].count(7) == 0
+    assert entries[1].logprobs == [-INF] * 3
+    assert entries[2].logprobs[0] == pytest.approx(logits[2].log_softmax(0)[9].item())
+    assert len(warnings) == 1
