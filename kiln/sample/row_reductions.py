@@ -33,6 +33,8 @@ def count_above(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 def has_nan_or_posinf(x: torch.Tensor) -> bool:
     """Whether x holds a NaN or +inf anywhere (-inf is fine): its max is then NaN or +inf.
     numpy's max of 8 rows of 151936 took 57 us, torch's CPU amax 8 ms (2 busy cores)."""
+    if x.numel() == 0:
+        return False
     a = _as_numpy(x)
     top = float(x.amax()) if a is None else float(a.max())
     return not top < float("inf")
