@@ -70,6 +70,7 @@ class AsyncLLM:
         self._loop_task: asyncio.Task | None = None
         self._dead: BaseException | None = None
         self._closed = False
+        self._refusing: str | None = None  # set by abort_all: new requests are refused
         self._pool_closed = False
         self.last_stats: dict = {}
 
@@ -90,7 +91,7 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self._dead is None and not self._closed
+        return self._dead is None and not self._closed and self._refusing is None
 
     @property
     def num_in_flight(self) -> int:
@@ -107,6 +108,8 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine loop failed: {self._dead!r}; restart the server")
         if self._closed:
             raise EngineDeadError("the engine is shut down")
+        if self._refusing is not None:
+            raise EngineDeadError(self._refusing)
 
     # ---- requests --------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
@@ -245,6 +248,19 @@ class AsyncLLM:
             sl.record(stats, self.last_stats)
 
     # ---- shutdown --------------------------------------------------------------------------
+    async def abort_all(self, reason: str) -> int:
+        """Abort every in-flight request, each stream failing with EngineDeadError(reason) so
+        its handler reports it in-band, and refuse later requests with the same reason.
+        Returns how many were aborted."""
+        self._refusing = reason
+        if self._dead is not None or self._closed or not self._streams:
+            return 0
+        streams = list(self._streams.values())
+        await self.abort([s.request_id for s in streams])
+        for stream in streams:
+            stream.put_error(EngineDeadError(reason))
+        return len(streams)
+
     async def shutdown(self, drain_timeout: float = 0.0) -> None:
         """Let in-flight requests finish for up to `drain_timeout` s, abort the rest, stop."""
         if self._closed:
@@ -252,12 +268,7 @@ class AsyncLLM:
         deadline = time.monotonic() + drain_timeout
         while self._streams and self._dead is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self._streams and self._dead is None:
-            ids = list(self._streams)
-            streams = [self._streams[i] for i in ids]
-            await self.abort(ids)
-            for stream in streams:
-                stream.put_error(EngineDeadError("the engine shut down; request aborted"))
+        await self.abort_all("the engine shut down; request aborted")
         self._closed = True
         if self._wake is not None:
             self._wake.set()

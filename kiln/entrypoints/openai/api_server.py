@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP server: a FastAPI app around one AsyncLLM, run by uvicorn.
 
-SIGINT / SIGTERM: uvicorn stops accepting, gives in-flight requests the grace period, then the
-app's shutdown aborts whatever is left and stops the engine; the process exits with 0.
+SIGINT / SIGTERM: uvicorn stops accepting, in-flight requests get the grace period, then the engine
+aborts what is left: each open stream ends with an error event and `data: [DONE]`, each waiting
+non-streamed request gets a 503; the app's shutdown stops the engine; the process exits with 0.
 """
+import asyncio
 import contextlib
 import signal
 import threading
@@ -105,8 +107,36 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     return app
 
 
+# After the grace period, handlers have this long to report the abort before uvicorn cancels
+# them (which cuts a stream mid-body and logs a traceback): only a client that stopped reading
+# needs it.
+_REPORT_ABORT_S = 5.0
+
+
 class _Server(uvicorn.Server):
-    """uvicorn's server, minus re-raising the caught signal after a graceful shutdown."""
+    """uvicorn's server, minus re-raising the caught signal after a graceful shutdown, plus
+    ending in-flight requests in-band once the grace period is over."""
+
+    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, grace_s: float):
+        super().__init__(config)
+        self.llm = llm
+        self.grace_s = grace_s
+
+    async def shutdown(self, sockets=None) -> None:
+        ender = asyncio.create_task(self._end_in_flight())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ender.cancel()
+
+    async def _end_in_flight(self) -> None:
+        await asyncio.sleep(self.grace_s)
+        n = await self.llm.abort_all(
+            f"the server is shutting down: request aborted after the {self.grace_s:g} s grace "
+            "period (--graceful-shutdown-timeout)")
+        if n:
+            logger.warning("shutdown: aborted %d request(s) still in flight after the %g s "
+                           "grace period", n, self.grace_s)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -132,9 +162,10 @@ def serve(llm: AsyncLLM, settings: ServerSettings) -> None:
     app = build_app(llm, settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level, access_log=settings.access_log,
-                            timeout_graceful_shutdown=settings.graceful_shutdown_timeout,
+                            timeout_graceful_shutdown=(settings.graceful_shutdown_timeout
+                                                       + _REPORT_ABORT_S),
                             timeout_keep_alive=5, lifespan="on")
-    server = _Server(config)
+    server = _Server(config, llm, settings.graceful_shutdown_timeout)
     server.run()
     if not server.started:
         raise RuntimeError(f"the server did not start on {settings.host}:{settings.port} "
