@@ -195,7 +195,11 @@ BAD_REQUESTS = [  # (path, body or raw bytes, the param the error must name)
     (COMPLETIONS, dict(prompt="x", max_tokens=300), "max_tokens"),
     (COMPLETIONS, dict(prompt=[1, 2, 99999], max_tokens=5), "prompt"),
     (COMPLETIONS, dict(prompt="x", max_tokens=5, temperature="hot"), "temperature"),
+    (COMPLETIONS, dict(prompt="x", max_tokens=3, stream_options={"include_usage": True}),
+     "stream_options"),
     (CHAT, dict(messages=[], max_tokens=5), "messages"),
+    (CHAT, dict(messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                stream_options={"include_usage": True}), "stream_options"),
     (CHAT, dict(messages=[{"role": "user", "content": TOO_LONG}], max_tokens=5, stream=True),
      "messages"),
 ]

@@ -19,8 +19,9 @@ from kiln.entrypoints.openai.protocol import (ChatCompletionChoice, ChatCompleti
                                               DeltaMessage, make_usage)
 from kiln.entrypoints.openai.sampling import chat_sampling_params
 from kiln.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected,
-                                                    abort_unfinished, engine_error_event,
-                                                    merge_streams, sse, submit, until_disconnect)
+                                                    abort_unfinished, check_stream_options,
+                                                    engine_error_event, merge_streams, sse,
+                                                    submit, until_disconnect)
 from kiln.entrypoints.openai.serving_models import ServingModels
 from kiln.outputs import CompletionOutput
 
@@ -87,6 +88,7 @@ class ServingChat:
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         model = self.models.resolve(req.model)
+        check_stream_options(req)
         self._check_unsupported(req)
         params = chat_sampling_params(req)
         prompt = await render_chat_prompt(self.llm, req.messages, req.add_generation_prompt,

@@ -15,8 +15,9 @@ from kiln.entrypoints.openai.protocol import (CompletionChoice, CompletionReques
                                               CompletionResponse, make_usage)
 from kiln.entrypoints.openai.sampling import completion_sampling_params
 from kiln.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected,
-                                                    abort_unfinished, engine_error_event,
-                                                    merge_streams, sse, submit, until_disconnect)
+                                                    abort_unfinished, check_stream_options,
+                                                    engine_error_event, merge_streams, sse,
+                                                    submit, until_disconnect)
 from kiln.entrypoints.openai.serving_models import ServingModels
 from kiln.outputs import CompletionOutput, RequestOutput
 
@@ -42,6 +43,7 @@ class ServingCompletion:
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         model = self.models.resolve(req.model)
+        check_stream_options(req)
         params = completion_sampling_params(req)
         prompts = engine_prompts(req.prompt)
         request_id = f"cmpl-{uuid.uuid4().hex}"

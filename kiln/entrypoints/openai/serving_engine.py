@@ -21,6 +21,14 @@ def sse(payload: BaseModel | dict) -> str:
     return f"data: {data}\n\n"
 
 
+def check_stream_options(req) -> None:
+    """stream_options without stream=true is refused (400), as OpenAI and vLLM refuse it; it
+    would otherwise be ignored silently."""
+    if req.stream_options is not None and not req.stream:
+        raise OpenAIError("stream_options is only allowed with stream=true",
+                          param="stream_options", code="invalid_value")
+
+
 def add_request_error(e: ValueError, prompt_param: str,
                       max_tokens_param: str = "max_tokens") -> OpenAIError:
     """A ValueError from LLMEngine.add_request as a 400 naming the request field."""
