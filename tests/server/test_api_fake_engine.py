@@ -64,6 +64,22 @@ def test_completion_whole_and_streamed_agree(client):
     assert events[-2]["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", dict(prompt="hello")),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hello"}])),
+])
+def test_continuous_usage_stats_on_every_chunk(client, path, body):
+    events = sse_events(client, path, {**body, "model": MODEL, "max_tokens": 4, "stream": True,
+                                       "stream_options": {"include_usage": True,
+                                                          "continuous_usage_stats": True}})
+    chunks = [e for e in events if e["choices"] and "usage" in e and e["usage"]]
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3, 4]
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == chunks[-1]["usage"]
+    plain = sse_events(client, path, {**body, "model": MODEL, "max_tokens": 4, "stream": True,
+                                      "stream_options": {"include_usage": True}})
+    assert not any(e.get("usage") for e in plain[:-1])
+
+
 def test_completion_n_multi_prompt_token_ids_echo(client):
     r = client.post("/v1/completions", json=dict(prompt=["ab", "cd"], n=2, max_tokens=3)).json()
     assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]

@@ -20,8 +20,9 @@ from kiln.entrypoints.openai.protocol import (ChatCompletionChoice, ChatCompleti
 from kiln.entrypoints.openai.sampling import chat_sampling_params
 from kiln.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected,
                                                     abort_unfinished, check_stream_options,
-                                                    engine_error_event, merge_streams, sse,
-                                                    submit, until_disconnect)
+                                                    continuous_usage, engine_error_event,
+                                                    merge_streams, sse, submit,
+                                                    until_disconnect)
 from kiln.entrypoints.openai.serving_models import ServingModels
 from kiln.outputs import CompletionOutput
 
@@ -151,7 +152,9 @@ class ServingChat:
                     yield chunk([ChatStreamChoice(
                         index=o.index, delta=DeltaMessage(content=o.text),
                         logprobs=self._logprobs(req, o), finish_reason=o.finish_reason,
-                        stop_reason=o.stop_reason)])
+                        stop_reason=o.stop_reason)],
+                        make_usage(prompt_tokens, completion_tokens)
+                        if continuous_usage(req) else None)
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield chunk([], make_usage(prompt_tokens, completion_tokens))
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band

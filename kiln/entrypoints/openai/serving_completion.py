@@ -16,8 +16,9 @@ from kiln.entrypoints.openai.protocol import (CompletionChoice, CompletionReques
 from kiln.entrypoints.openai.sampling import completion_sampling_params
 from kiln.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected,
                                                     abort_unfinished, check_stream_options,
-                                                    engine_error_event, merge_streams, sse,
-                                                    submit, until_disconnect)
+                                                    continuous_usage, engine_error_event,
+                                                    merge_streams, sse, submit,
+                                                    until_disconnect)
 from kiln.entrypoints.openai.serving_models import ServingModels
 from kiln.outputs import CompletionOutput, RequestOutput
 
@@ -137,8 +138,10 @@ class ServingCompletion:
                     choice = CompletionChoice(index=index, text=text, logprobs=lp,
                                               finish_reason=o.finish_reason,
                                               stop_reason=o.stop_reason)
+                    usage = (make_usage(sum(prompt_tokens.values()), completion_tokens)
+                             if continuous_usage(req) else None)
                     yield sse(CompletionResponse(id=request_id, created=created, model=model,
-                                                 choices=[choice]))
+                                                 choices=[choice], usage=usage))
             if req.stream_options is not None and req.stream_options.include_usage:
                 usage = make_usage(sum(prompt_tokens.values()), completion_tokens)
                 yield sse(CompletionResponse(id=request_id, created=created, model=model,

@@ -29,6 +29,13 @@ def check_stream_options(req) -> None:
                           param="stream_options", code="invalid_value")
 
 
+def continuous_usage(req) -> bool:
+    """Whether every streamed chunk carries the usage so far (vLLM's continuous_usage_stats,
+    taken with include_usage)."""
+    options = req.stream_options
+    return options is not None and options.include_usage and options.continuous_usage_stats
+
+
 def add_request_error(e: ValueError, prompt_param: str,
                       max_tokens_param: str = "max_tokens") -> OpenAIError:
     """A ValueError from LLMEngine.add_request as a 400 naming the request field."""
