@@ -34,7 +34,8 @@ def clip_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int,
 
 def validate_prompt_token_ids(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
     if not token_ids:
-        raise ValueError("prompt is empty: give at least one token (text or prompt_token_ids)")
+        raise ValueError("prompt is empty: give at least one token (text or prompt_token_ids; "
+                         "empty text is a prompt only for a tokenizer that adds BOS)")
     if len(token_ids) >= max_model_len:
         raise ValueError(
             f"prompt length {len(token_ids)} leaves no room to generate within max_model_len "
@@ -43,6 +44,61 @@ def validate_prompt_token_ids(token_ids: list[int], vocab_size: int, max_model_l
     for t in token_ids:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
             raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab_size})")
+
+
+# Keys apply_chat_template owns: a template variable by these names would break the render call.
+_RESERVED_TEMPLATE_KWARGS = ("tokenize", "conversation", "messages", "return_dict",
+                             "tokenizer_kwargs")
+
+
+def chat_messages(messages: list) -> list[dict]:
+    """Messages as chat templates expect them, as vLLM hands them over: text content parts
+    joined with newlines, missing or null content as "", other keys (name, ...) kept."""
+    out = []
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
+            raise ValueError(f"messages[{i}] must be a dict with a 'role' (str) and 'content', "
+                             f"got {m!r}")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, (list, tuple)):
+            texts = []
+            for j, part in enumerate(content):
+                if isinstance(part, str):
+                    texts.append(part)
+                elif (isinstance(part, dict) and part.get("type") == "text"
+                      and isinstance(part.get("text"), str)):
+                    texts.append(part["text"])
+                else:
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"messages[{i}].content[{j}]: content part {kind!r} is not "
+                                     "supported; give {'type': 'text', 'text': ...} parts")
+            content = "\n".join(texts)
+        elif not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a str or a list of text parts, got "
+                             f"{type(content).__name__}")
+        out.append({**m, "content": content})
+    return out
+
+
+def chat_render_kwargs(add_generation_prompt: bool, continue_final_message: bool,
+                       chat_template: str | None, chat_template_kwargs: dict | None) -> dict:
+    """The arguments for rendering a chat; chat_template_kwargs override the named flags, as
+    in vLLM's LLM.chat. Both flags on is refused, as HF and vLLM refuse it."""
+    kwargs = dict(add_generation_prompt=add_generation_prompt,
+                  continue_final_message=continue_final_message, chat_template=chat_template)
+    extra = dict(chat_template_kwargs or {})
+    reserved = sorted(k for k in extra if k in _RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {reserved}: these belong to the "
+                         "renderer, not the template")
+    kwargs.update(extra)
+    if kwargs["continue_final_message"] and kwargs["add_generation_prompt"]:
+        raise ValueError("continue_final_message=True continues the last message, "
+                         "add_generation_prompt=True starts a new assistant turn: they cannot "
+                         "both be set; pass add_generation_prompt=False")
+    return kwargs
 
 
 class InputProcessor:
@@ -74,9 +130,8 @@ class InputProcessor:
         raise ValueError(f"prompt must be a str or a dict, got {type(prompt).__name__}")
 
     def _encode(self, text: str) -> list[int]:
-        if not text:
-            raise ValueError("prompt is empty: give at least one token (text or prompt_token_ids)")
-        # add_special_tokens: BOS where the tokenizer adds one (Llama), nothing for Qwen.
+        # add_special_tokens: BOS where the tokenizer adds one (Llama), nothing for Qwen. So ""
+        # is [BOS] for Llama (accepted, as in vLLM) and [] for Qwen (refused by validation).
         return list(self.tokenizer(text, add_special_tokens=True).input_ids)
 
     def process(self, prompt: PromptType, params: SamplingParams | None, *,

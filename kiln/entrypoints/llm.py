@@ -7,7 +7,8 @@ import sys
 from collections.abc import Sequence
 
 from kiln.engine.arg_utils import EngineArgs
-from kiln.engine.input_processor import ProcessedPrompt, PromptType
+from kiln.engine.input_processor import (ProcessedPrompt, PromptType, chat_messages,
+                                         chat_render_kwargs)
 from kiln.engine.llm_engine import LLMEngine
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
@@ -73,15 +74,26 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, via the chat template."""
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, via the chat template.
+        `continue_final_message`: extend the last message (no end-of-turn after it) instead of
+        opening a new assistant turn; it needs add_generation_prompt=False."""
         if not messages:
             raise ValueError("messages is empty: give a list of {'role', 'content'} dicts")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts = [self.llm_engine.chat_prompt(conv, add_generation_prompt, chat_template,
-                                               **(chat_template_kwargs or {}))
-                   for conv in conversations]
+        kwargs = chat_render_kwargs(add_generation_prompt, continue_final_message, chat_template,
+                                    chat_template_kwargs)
+        prompts = []
+        for i, conv in enumerate(conversations):
+            if not isinstance(conv, (list, tuple)) or not conv:
+                raise ValueError(f"conversation {i} must be a non-empty list of messages, got "
+                                 f"{conv!r}")
+            try:
+                prompts.append(self.llm_engine.chat_prompt(chat_messages(conv), **kwargs))
+            except ValueError as e:
+                raise ValueError(str(e) if len(conversations) == 1 else f"conversation {i}: {e}") \
+                    from None
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, processed: list[ProcessedPrompt], use_tqdm: bool) -> list[RequestOutput]:

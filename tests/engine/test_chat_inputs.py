@@ -1,0 +1,72 @@
+"""Chat inputs before any template runs: messages as vLLM hands them to templates, the render
+flags (continue_final_message vs add_generation_prompt), and the empty text prompt."""
+import pytest
+
+from kiln.config import ModelConfig
+from kiln.engine.input_processor import InputProcessor, chat_messages, chat_render_kwargs
+
+
+def test_text_parts_are_joined_with_newlines_and_null_content_is_empty():
+    msgs = chat_messages([
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+         "name": "bob"},
+        {"role": "assistant", "content": None},
+        {"role": "assistant"},
+        {"role": "user", "content": ""},
+    ])
+    assert msgs == [{"role": "user", "content": "a\nb", "name": "bob"},
+                    {"role": "assistant", "content": ""}, {"role": "assistant", "content": ""},
+                    {"role": "user", "content": ""}]
+
+
+@pytest.mark.parametrize("msg, where", [
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+     r"messages\[0\]\.content\[0\].*image_url"),
+    ({"role": "user", "content": 5}, r"messages\[0\]\.content must be"),
+    ({"content": "x"}, r"messages\[0\] must be a dict with a 'role'"),
+])
+def test_bad_messages_name_the_field(msg, where):
+    with pytest.raises(ValueError, match=where):
+        chat_messages([msg])
+
+
+def test_chat_template_kwargs_override_flags_as_in_vllm():
+    kw = chat_render_kwargs(True, False, None, {"add_generation_prompt": False,
+                                                "enable_thinking": False})
+    assert kw == dict(add_generation_prompt=False, continue_final_message=False,
+                      chat_template=None, enable_thinking=False)
+
+
+def test_continue_final_message_needs_add_generation_prompt_off():
+    with pytest.raises(ValueError, match="add_generation_prompt=False"):
+        chat_render_kwargs(True, True, None, None)
+    assert chat_render_kwargs(False, True, None, None)["continue_final_message"] is True
+
+
+def test_renderer_arguments_are_not_template_variables():
+    with pytest.raises(ValueError, match=r"chat_template_kwargs may not set \['tokenize'\]"):
+        chat_render_kwargs(True, False, None, {"tokenize": True})
+
+
+def test_empty_text_is_bos_alone_where_the_tokenizer_adds_one(stories_dir, tokenizer):
+    """vLLM tokenizes "" and refuses only an empty token list: a Llama tokenizer makes [BOS]."""
+    proc = InputProcessor(ModelConfig(model=str(stories_dir), max_model_len=64), tokenizer)
+    assert proc.process("", None).prompt_token_ids == [tokenizer.bos_token_id]
+    assert proc.process({"prompt": ""}, None).prompt_token_ids == [tokenizer.bos_token_id]
+
+
+def test_empty_text_is_refused_without_bos(stories_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(stories_dir, add_bos_token=False)
+    proc = InputProcessor(ModelConfig(model=str(stories_dir), max_model_len=64), tok)
+    assert proc.process("Hi", None).prompt_token_ids == tok("Hi").input_ids  # no BOS
+    with pytest.raises(ValueError, match="prompt is empty"):
+        proc.process("", None)
+
+
+def test_bos_text_in_a_prompt_is_a_second_bos_as_in_hf_encode(stories_dir, tokenizer):
+    """vLLM encodes with add_special_tokens=True whatever the text holds; so does Kiln."""
+    proc = InputProcessor(ModelConfig(model=str(stories_dir), max_model_len=64), tokenizer)
+    ids = proc.process("<s>Hello", None).prompt_token_ids
+    assert ids == tokenizer("<s>Hello").input_ids and ids[:2] == [1, 1]
