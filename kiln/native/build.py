@@ -26,7 +26,10 @@ logger = init_logger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 # -ffast-math: dot products end in a vector tree instead of 16 scalar adds, and expf vectorizes
 # (glibc's libmvec). Safe here: the kernels never produce inf or NaN from finite inputs.
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-ffast-math"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c11", "-ffast-math"]
+# Linked apart, without -ffast-math: linking with it adds GCC's crtfastmath.o, whose constructor
+# sets FTZ/DAZ when the library loads, flushing subnormals to zero in torch's own math too.
+LINK_FLAGS = ["-shared", "-fopenmp"]
 # The C++ ops only dispatch (their arithmetic is in the C kernels): no -march or fast-math.
 CXX_FLAGS = ["-O2", "-fPIC", "-shared"]
 # torch dtype -> the kernels' dtype code (csrc/dtype.h).
@@ -73,29 +76,45 @@ def build_key(name: str, cc: str, flags: list[str] = FLAGS) -> str:
     return h.hexdigest()[:16]
 
 
-def build(name: str, cc: str, cpp: bool = False) -> Path:
+def build(name: str, cc: str, cpp: bool = False, rebuild: bool = False) -> Path:
     """csrc/<name>.c (or, cpp, csrc/<name>.cpp against torch) as a shared library in the cache,
-    compiled on first use (atomic rename, so processes building at once each leave a whole
-    file)."""
-    flags = CXX_FLAGS + _torch_flags() if cpp else FLAGS
+    compiled on first use or when `rebuild` (atomic rename, so processes building at once each
+    leave a whole file)."""
+    flags = CXX_FLAGS + _torch_flags() if cpp else FLAGS + LINK_FLAGS
     target = envs.cache_root() / "kernels" / build_key(name, cc, flags) / f"libkiln_{name}.so"
-    if target.exists():
+    if target.exists() and not rebuild:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
+    obj = tmp[:-len(".so")] + ".o"
     source = CSRC / f"{name}.{'cpp' if cpp else 'c'}"
+    steps = ([[cc, f"-I{CSRC}", str(source), "-o", tmp, *flags, "-lm"]] if cpp else
+             [[cc, f"-I{CSRC}", "-c", str(source), "-o", obj, *FLAGS],
+              [cc, obj, "-o", tmp, *LINK_FLAGS, "-lm"]])
     try:
-        proc = subprocess.run([cc, f"-I{CSRC}", str(source), "-o", tmp, *flags, "-lm"],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
+        for step in steps:
+            proc = subprocess.run(step, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide a shared cache from other users
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
     logger.info("built the CPU kernels %s: %s", name, target)
     return target
+
+
+def _open_library(name: str, cc: str, cpp: bool, path: Path, open_fn):
+    """open_fn(path), `path` the library build() gave; one that fails to open (a cached file
+    truncated, say) is rebuilt once, so a damaged cache does not leave the kernels off for good."""
+    try:
+        return open_fn(str(path))
+    except OSError as first:
+        logger.warning("the cached CPU kernels %s do not load (%s); rebuilding them", name, first)
+        return open_fn(str(build(name, cc, cpp, rebuild=True)))
 
 
 @functools.cache
@@ -108,7 +127,7 @@ def load(name: str, signatures: tuple[tuple[str, tuple], ...]) -> ctypes.CDLL | 
                        "and the slower torch code runs instead", name)
         return None
     try:
-        lib = ctypes.CDLL(str(build(name, cc)))
+        lib = _open_library(name, cc, False, build(name, cc), ctypes.CDLL)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("could not build the CPU kernels %s (%s); the slower torch code runs "
                        "instead", name, e)
@@ -150,7 +169,7 @@ def load_torch_op(name: str) -> bool:
                        "the slower torch code runs instead", name)
         return False
     try:
-        torch.ops.load_library(str(_torch_op_library(name, cxx)))
+        _open_library(name, cxx, True, _torch_op_library(name, cxx), torch.ops.load_library)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("could not build the C++ op %s (%s); the slower torch code runs instead",
                        name, e)
