@@ -106,6 +106,8 @@ class TokenizeRequest(OpenAIBase):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # as in chat completions, so counts agree
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 

@@ -48,6 +48,16 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
+def check_generation_flags(req) -> None:
+    """Refuse continue_final_message with an explicit add_generation_prompt=true, as vLLM does
+    (the default true yields to continue_final_message)."""
+    if (req.continue_final_message and req.add_generation_prompt
+            and "add_generation_prompt" in req.model_fields_set):
+        raise OpenAIError("continue_final_message and add_generation_prompt cannot both be true: "
+                          "one continues the last message, the other opens a new assistant turn",
+                          param="continue_final_message", code="invalid_value")
+
+
 async def render_chat_prompt(llm: AsyncLLM, messages: list[ChatMessage],
                              add_generation_prompt: bool, continue_final_message: bool = False,
                              template_kwargs: dict | None = None) -> dict:
@@ -91,6 +101,7 @@ class ServingChat:
         model = self.models.resolve(req.model)
         check_stream_options(req)
         self._check_unsupported(req)
+        check_generation_flags(req)
         params = chat_sampling_params(req)
         prompt = await render_chat_prompt(self.llm, req.messages, req.add_generation_prompt,
                                           req.continue_final_message, req.chat_template_kwargs)

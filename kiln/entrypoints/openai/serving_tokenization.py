@@ -6,7 +6,7 @@ from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.protocol import (DetokenizeRequest, DetokenizeResponse,
                                               TokenizeRequest, TokenizeResponse)
-from kiln.entrypoints.openai.serving_chat import render_chat_prompt
+from kiln.entrypoints.openai.serving_chat import check_generation_flags, render_chat_prompt
 from kiln.entrypoints.openai.serving_models import ServingModels
 
 
@@ -23,8 +23,16 @@ class ServingTokenization:
             raise OpenAIError("give exactly one of prompt or messages", param="prompt",
                               code="invalid_value")
         if req.messages is not None:
-            ids = (await render_chat_prompt(self.llm, req.messages,
-                                            req.add_generation_prompt))["prompt_token_ids"]
+            check_generation_flags(req)
+            prompt = await render_chat_prompt(self.llm, req.messages, req.add_generation_prompt,
+                                              req.continue_final_message,
+                                              req.chat_template_kwargs)
+            ids = prompt["prompt_token_ids"]
+            # Templates write their own BOS, so a chat is counted without extra special tokens
+            # (vLLM's default for messages); an explicit add_special_tokens=true adds them.
+            if req.add_special_tokens and "add_special_tokens" in req.model_fields_set:
+                ids = await self.llm.run_in_engine(
+                    lambda: list(tokenizer(prompt["prompt"], add_special_tokens=True).input_ids))
         else:
             ids = await self.llm.run_in_engine(
                 lambda: list(tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)
