@@ -44,11 +44,12 @@ using SiluMulFn = int (*)(const void *x, int64_t x_stride, void *out, int64_t ro
 /* What a weight carries besides its dense values. */
 struct Attached {
     /* The weight it was attached to: its storage (held weakly, so it cannot be mistaken for a
-     * later storage at the same address after being freed, say by `module.to(dtype)`), shape
-     * and dtype (a view such as weight.t() shares the address). */
+     * later storage at the same address after being freed, say by `module.to(dtype)`), shape,
+     * strides and dtype (a view such as weight.t() shares the address, and of a square weight
+     * the shape too). */
     c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::weak_intrusive_ptr<c10::StorageImpl>(
         c10::intrusive_ptr<c10::StorageImpl>())};
-    std::vector<int64_t> sizes;
+    std::vector<int64_t> sizes, strides;
     at::ScalarType dtype = at::kFloat;
     at::Tensor packed;       /* oneDNN's blocked copy; undefined: none */
     int64_t gemv_rows = 0;   /* up to how many rows the GEMV kernel takes it; 0: never */
@@ -71,7 +72,8 @@ void count(int path) { path_calls[path].fetch_add(1, std::memory_order_relaxed);
 
 bool is_for(const Attached &a, const at::Tensor &weight) {
     return a.storage._unsafe_get_target() == weight.storage().unsafeGetStorageImpl() &&
-           a.dtype == weight.scalar_type() && weight.sizes().equals(a.sizes);
+           a.dtype == weight.scalar_type() && weight.sizes().equals(a.sizes) &&
+           weight.strides().equals(a.strides);
 }
 
 /* The registry entry for weight, (re)started when it was another weight's. Lock held. */
@@ -81,6 +83,7 @@ Attached &entry_for(const at::Tensor &weight) {
         a = Attached();
         a.storage = weight.storage().getWeakStorageImpl();
         a.sizes = weight.sizes().vec();
+        a.strides = weight.strides().vec();
         a.dtype = weight.scalar_type();
     }
     return a;
@@ -117,18 +120,21 @@ at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &weight,
             a.limbs = e.limbs;
         }
     }
-    if (!found || x.scalar_type() != weight.scalar_type()) {
+    const int64_t k = x.size(-1), n = weight.size(0);
+    /* A bias the kernels cannot read as n values of x's dtype (broadcast, strided, too short)
+     * gets aten's semantics, errors included. */
+    const bool bias_ok = !bias || (bias->dim() == 1 && bias->size(0) == n &&
+                                   bias->is_contiguous() && bias->scalar_type() == x.scalar_type());
+    if (!found || x.scalar_type() != weight.scalar_type() || !bias_ok) {
         count(PATH_DENSE);
         return at::linear(x, weight, bias);
     }
-    const int64_t k = x.size(-1), n = weight.size(0);
     const int64_t rows = k > 0 ? x.numel() / k : 0;
     const int32_t dtype = kiln_dtype_code(x.scalar_type());
-    const bool bias_ok = !bias || (bias->is_contiguous() && bias->scalar_type() == x.scalar_type());
     GgufFn gguf = gguf_fn.load(std::memory_order_relaxed);
     GemvFn gemv = gemv_fn.load(std::memory_order_relaxed);
     const bool blocks = a.blocks.defined() && gguf && rows <= a.block_rows;
-    if (rows > 0 && dtype >= 0 && bias_ok && (blocks || (gemv && rows <= a.gemv_rows))) {
+    if (rows > 0 && dtype >= 0 && (blocks || (gemv && rows <= a.gemv_rows))) {
         const at::Tensor xc = x.contiguous();
         std::vector<int64_t> shape = x.sizes().vec();
         shape.back() = n;

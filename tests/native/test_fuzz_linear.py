@@ -1,0 +1,94 @@
+"""kiln::linear (csrc/linear_op.cpp) against float64 references, adversarially: every path
+(GGUF blocks, GEMV, oneDNN packed) across row counts and output widths at their boundaries,
+strided x, bias shapes, thread counts; and a weight's views that share its address."""
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gguf_blocks import quantized_blocks
+from kiln.model.layers import cpu_gemm
+from kiln.native import gemv, gguf_matmul, linear_op
+
+pytestmark = pytest.mark.skipif(not linear_op.available(), reason="no C++ compiler")
+
+
+def _attach_packed(weight: torch.Tensor) -> torch.Tensor:
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+    linear_op.attach_packed(weight, packed, gemv.MAX_ROWS if gemv.serves(weight, None) else 0)
+    return weight
+
+
+def _path_of(call):
+    before = linear_op.path_counts()
+    out = call()
+    after = linear_op.path_counts()
+    return out, [p for p in after if after[p] != before[p]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_transposed_view_of_a_square_weight_is_not_the_weight(dtype):
+    """w.t() of a square weight shares its address, storage, shape and dtype: the op must not
+    take w's attachments (its packed copy, or GEMV over w's rows) for it."""
+    w = _attach_packed(torch.randn(64, 64).to(dtype))
+    for rows in (1, 2, 5):
+        x = torch.randn(rows, 64).to(dtype)
+        got = torch.ops.kiln.linear(x, w.t())
+        torch.testing.assert_close(got.float(), (x.float() @ w.float()), rtol=2e-2, atol=2e-2)
+        got = torch.ops.kiln.linear(x, w)  # w itself still takes its own path
+        torch.testing.assert_close(got.float(), (x.float() @ w.float().T), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_bias_shapes_follow_f_linear(rows):
+    w = _attach_packed(torch.randn(48, 32))
+    x = torch.randn(rows, 32)
+    for bias in (torch.randn(1), torch.randn(96)[::2]):  # broadcast; strided
+        got = torch.ops.kiln.linear(x, w, bias)
+        want = F.linear(x.double(), w.double(), bias.double())
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError):  # a bias of the wrong length is an error, not a read
+        torch.ops.kiln.linear(x, w, torch.randn(3))  # past its end
+
+
+def _blocks(qtype_name: str, out_features: int, in_features: int, seed: int):
+    values = np.random.default_rng(seed).standard_normal((out_features, in_features))
+    blocks = quantized_blocks(values, qtype_name, seed)
+    deq = gguf.quants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, qtype_name))
+    return (torch.from_numpy(np.ascontiguousarray(blocks)),
+            torch.from_numpy(deq.astype(np.float32).reshape(out_features, in_features).copy()))
+
+
+@pytest.mark.skipif(not gguf_matmul.available(), reason="the GGUF kernel needs AVX-512")
+@pytest.mark.parametrize("qtype_name", sorted(gguf_matmul.QTYPES))
+def test_every_path_at_its_boundaries(qtype_name):
+    """Rows crossing GEMV's, the blocks' and a tile's limits, output widths around the 16-row
+    groups, strided x, bias or none: each path within float32's (bfloat16's) bound of the exact
+    product of the values it holds, and bit-identical on 1 and 2 threads."""
+    g = torch.Generator().manual_seed(0)
+    in_features = 256
+    threads = torch.get_num_threads()
+    for out_features in (1, 17, 48):
+        blocks, values = _blocks(qtype_name, out_features, in_features, out_features)
+        for dtype in (torch.float32, torch.bfloat16):
+            w = _attach_packed(values.to(dtype))
+            cpu_gemm.attach_gguf_blocks(w, gguf_matmul.QTYPES[qtype_name], blocks)
+            for rows in (1, 2, 3, 8, 9, 17, 49, 65):
+                wide = torch.randn(rows, in_features + 7, generator=g).to(dtype)
+                x = wide[:, 5:5 + in_features]  # a column slice at an offset
+                bias = torch.randn(out_features, generator=g).to(dtype) if rows % 2 else None
+                got, path = _path_of(lambda: torch.ops.kiln.linear(x, w, bias))
+                held = (values if path == ["blocks"] else w.float()).double()
+                exact = x.double() @ held.T + (bias.double() if bias is not None else 0)
+                terms = x.double().abs() @ held.abs().T + (
+                    bias.double().abs() if bias is not None else 0)
+                tol = 4e-6 if dtype == torch.float32 else 2 ** -7
+                assert ((got.double() - exact).abs() <= tol * terms + 1e-30).all(), (
+                    out_features, dtype, rows, path)
+                torch.set_num_threads(1)
+                try:
+                    single = torch.ops.kiln.linear(x, w, bias)
+                finally:
+                    torch.set_num_threads(threads)
+                assert torch.equal(single, got), (out_features, dtype, rows, path)
