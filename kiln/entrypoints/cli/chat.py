@@ -1,6 +1,7 @@
 """`kiln chat`: an interactive conversation, streaming each reply token by token.
 
-Reads one user turn per stdin line until EOF or "exit"; keeps the history for the chat template.
+Reads one user turn per stdin line until EOF or "exit"; keeps the history for the chat template
+("/reset" forgets it, keeping the system prompt).
 """
 import argparse
 import sys
@@ -11,12 +12,14 @@ from kiln.entrypoints.cli.sampling_args import add_sampling_args, sampling_param
 from kiln.sampling_params import RequestOutputKind
 
 EXIT_WORDS = ("exit", "quit")
+RESET_WORD = "/reset"
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser("chat", help="chat interactively, streaming replies",
                                    description="Chat with a model; one user turn per line, "
-                                               "'exit' or end of input to stop.")
+                                               f"'{RESET_WORD}' to start the conversation "
+                                               "again, 'exit' or end of input to stop.")
     parser.add_argument("--system", default=None, help="system prompt")
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template overriding the tokenizer's: a file, or "
@@ -62,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args, output_kind=RequestOutputKind.DELTA)
     chat_template = load_chat_template(args.chat_template)
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
-    history = [{"role": "system", "content": args.system}] if args.system else []
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(start)
     interactive = sys.stdin.isatty()
     turn = 0
     try:
@@ -77,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
                 break
             if not line.strip():
                 continue
+            if line.strip() == RESET_WORD:
+                history = list(start)
+                print("(conversation reset)", file=sys.stderr, flush=True)
+                continue
             history.append({"role": "user", "content": line})
             try:
                 prompt = engine.chat_prompt(history, chat_template=chat_template)
@@ -85,7 +93,9 @@ def run(args: argparse.Namespace) -> int:
                 history.pop()
                 if turn == 0 and "chat template" in str(e):
                     raise  # no template, or a broken one: nothing later can work
-                print(f"error: {e}", file=sys.stderr)
+                # A history past max_model_len fails every later turn: say how to go on.
+                hint = f" ({RESET_WORD} starts over)" if len(history) > len(start) else ""
+                print(f"error: {e}{hint}", file=sys.stderr)
                 continue
             history.append({"role": "assistant", "content": reply})
             turn += 1

@@ -1,0 +1,44 @@
+"""`kiln chat` in-process: each turn's prompt is the template over the whole history (token for
+token as HF renders it), a history past max_model_len says how to go on, and /reset starts over."""
+import io
+import sys
+
+from kiln.engine.llm_engine import LLMEngine
+from kiln.entrypoints.cli.main import build_parser
+
+
+def test_history_parity_overflow_and_reset(tiny_llama_dir, monkeypatch, capsys):
+    from transformers import AutoTokenizer
+
+    seen, prompts = [], []
+    render = LLMEngine.chat_prompt
+
+    def spy(self, messages, *args, **kwargs):
+        seen.append([dict(m) for m in messages])
+        prompts.append(render(self, messages, *args, **kwargs))
+        return prompts[-1]
+
+    monkeypatch.setattr(LLMEngine, "chat_prompt", spy)
+    turns = ["w5 w6 w7 w8 w9"] * 4 + ["/reset", "w10 w11"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(turns) + "\nexit\n"))
+    args = build_parser().parse_args([
+        "chat", "--model", str(tiny_llama_dir), "--system", "w3 w4", "--temperature", "0",
+        "--max-tokens", "4", "--ignore-eos", "--enforce-eager", "--max-model-len", "30",
+        "--kv-cache-memory", "0.01"])
+    assert args.func(args) == 0
+    out, err = capsys.readouterr()
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    replies = out.splitlines()
+    system = {"role": "system", "content": "w3 w4"}
+    user = {"role": "user", "content": "w5 w6 w7 w8 w9"}
+    # Turns 1 and 2 fit (10, 21 tokens); turn 3 (32) passes max_model_len 30, so does turn 4
+    # (the failed turn left no trace in the history); after /reset the conversation restarts.
+    assert seen[0] == [system, user]
+    assert seen[1] == [system, user, {"role": "assistant", "content": replies[0]}, user]
+    assert seen[2] == seen[3] == seen[1] + [{"role": "assistant", "content": replies[1]}, user]
+    assert seen[4] == [system, {"role": "user", "content": "w10 w11"}]
+    assert len(seen) == 5 and len(replies) == 3 and all(replies)
+    assert err.count("(/reset starts over)") == 2 and "conversation reset" in err
+    for messages, prompt in zip(seen, prompts):
+        assert prompt["prompt_token_ids"] == tok.apply_chat_template(
+            messages, add_generation_prompt=True, return_dict=False)
