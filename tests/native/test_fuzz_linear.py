@@ -92,3 +92,30 @@ def test_every_path_at_its_boundaries(qtype_name):
                 finally:
                     torch.set_num_threads(threads)
                 assert torch.equal(single, got), (out_features, dtype, rows, path)
+
+
+@pytest.mark.skipif(not gguf_matmul.available(), reason="the GGUF kernel needs AVX-512")
+@pytest.mark.parametrize("qtype_name", sorted(gguf_matmul.QTYPES))
+def test_gguf_blocks_keep_rows_of_tiny_values(qtype_name):
+    """A row of x whose values are all tiny (1e-30, or subnormal) is still float32 math: its
+    outputs are tiny too, not zero (x held in int8 limbs under a power-of-two scale must not
+    lose the row to the scale's range). Rows of any size sit next to each other in one call."""
+    qtype = gguf_matmul.QTYPES[qtype_name]
+    blocks, values = _blocks(qtype_name, 17, 512, seed=3)
+    kernel_rows = gguf_matmul.kernel_blocks(qtype, blocks)
+    scales = torch.tensor([1e-30, 1.0, 1e-38, 3e-39, 1e-20, 1e30, 1e-44, 0.0, 2e-36])
+    x = torch.randn(len(scales), 512, generator=torch.Generator().manual_seed(0)) * scales[:, None]
+    bias = torch.randn(17)
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        exact = xd.double() @ values.double().T  # [rows, 17]
+        terms = xd.double().abs() @ values.double().abs().T
+        got = gguf_matmul.quantized_linear(xd, kernel_rows, qtype, 17).double()
+        tol = 4e-6 if dtype == torch.float32 else 2 ** -7
+        # 1e-44's products are below float32's subnormals' spacing: only they may round off
+        within = (got - exact).abs() <= tol * terms + 1e-44  # False for a NaN too
+        assert within.all(), (dtype, (~within).nonzero()[:4])
+        b = bias.to(dtype)
+        got = gguf_matmul.quantized_linear(xd, kernel_rows, qtype, 17, b).double()
+        within = (got - (exact + b.double())).abs() <= tol * (terms + b.double().abs())
+        assert within.all(), (dtype, (~within).nonzero()[:4])

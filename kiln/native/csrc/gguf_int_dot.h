@@ -55,14 +55,15 @@ static inline int group_kind(int32_t qtype) {
     }
 }
 
-/* out [M, o .. o + 16) = acc (+ bias) in dtype; out's rows are n wide, and the last group's
- * columns past n (the layout's zero rows) are not written. */
-static inline void store_group(const __m512 *acc, int M, const void *bias, void *out, int64_t o,
-                               int64_t n, int dtype) {
+/* out [M, o .. o + 16) = acc (row r's times 2^-shift[r], gguf_limbs.h) (+ bias) in dtype;
+ * out's rows are n wide, and the last group's columns past n (the layout's zero rows) are not
+ * written. */
+static inline void store_group(const __m512 *acc, int M, const int32_t *shift, const void *bias,
+                               void *out, int64_t o, int64_t n, int dtype) {
     const int cols = n - o < GROUP_ROWS ? (int)(n - o) : GROUP_ROWS;
     for (int r = 0; r < M; ++r) {
         float v[GROUP_ROWS];
-        _mm512_storeu_ps(v, acc[r]);
+        _mm512_storeu_ps(v, shift[r] ? times_pow2(acc[r], -shift[r]) : acc[r]);
         for (int c = 0; c < cols; ++c)
             store_elem(out, r * n + o + c, v[c] + (bias ? load_elem(bias, o + c, dtype) : 0.f),
                        dtype);
@@ -162,7 +163,7 @@ static inline __attribute__((always_inline)) void group_rows(
                 }
             }
         }
-        store_group(acc, M, bias, out, g * GROUP_ROWS, n, dtype);
+        store_group(acc, M, x->shift, bias, out, g * GROUP_ROWS, n, dtype);
     }
 }
 

@@ -5,7 +5,9 @@
  * rounded to nearest. Three limbs (float32 x) hold x to 2^-20 of the block's largest value: a
  * linear's outputs come within 1-4e-6 of the largest of the exact ones, where a float32 GEMM's
  * come within 3-5e-7. Two limbs (bfloat16 x) hold it to 2^-13, finer than bfloat16 does. The
- * power-of-two scale keeps exact inputs exact: a one-hot x is held as it is. */
+ * power-of-two scale keeps exact inputs exact: a one-hot x is held as it is. A row of only tiny
+ * values (below 2^-32: 1e-30, subnormals) is first scaled up by a power of two, and its outputs
+ * back down (`shift`): the blocks' scales would leave float32's range, and zero the row. */
 #ifndef KILN_GGUF_LIMBS_H
 #define KILN_GGUF_LIMBS_H
 
@@ -28,13 +30,15 @@ typedef struct {
     int32_t *first; /* the sum of the first limb */
     int32_t *rest;  /* the sum of the others, combined as (l1 << 7) + l2 */
     int32_t *half;  /* [.., 2]: x as the limbs hold it, / dx, summed over values 0-15, 16-31 */
+    int32_t *shift; /* [m]: the row was held times 2^shift (0 but for rows of tiny values) */
 } XLimbs;
 
 /* Room for m rows of k; 0 when out of memory. */
 static int xlimbs_alloc(XLimbs *x, int64_t m, int64_t k, int limbs) {
     const size_t blocks = (size_t)(m * (k / QK));
     x->q = malloc((size_t)(m * k) * (size_t)limbs);
-    x->dx = malloc(blocks * 2 * sizeof(float) + blocks * 4 * sizeof(int32_t));
+    x->dx = malloc(blocks * 2 * sizeof(float) + blocks * 4 * sizeof(int32_t) +
+                   (size_t)m * sizeof(int32_t));
     if (!x->q || !x->dx) {
         free(x->q);
         free(x->dx);
@@ -44,6 +48,7 @@ static int xlimbs_alloc(XLimbs *x, int64_t m, int64_t k, int limbs) {
     x->first = (int32_t *)(x->sx + blocks);
     x->rest = x->first + blocks;
     x->half = x->rest + blocks;
+    x->shift = x->half + 2 * blocks;
     return 1;
 }
 
@@ -56,7 +61,39 @@ static void xlimbs_free(XLimbs *x) {
 static inline XLimbs xlimbs_from(const XLimbs *x, int64_t r, int64_t k, int limbs) {
     const int64_t i = r * (k / QK);
     return (XLimbs){x->q + i * QK * limbs, x->dx + i, x->sx + i, x->first + i, x->rest + i,
-                    x->half + 2 * i};
+                    x->half + 2 * i, x->shift + r};
+}
+
+/* 16 values at element offset `off` of x (dtype) as floats. */
+static inline __m512 x_load16(const void *x, int dtype, int64_t off) {
+    return dtype == KILN_F32 ? _mm512_loadu_ps((const float *)x + off)
+        : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+              (const __m256i *)((const uint16_t *)x + off))), 16));
+}
+
+/* Below 2^TINY_ROW_EXP a row's largest value makes the row tiny: held scaled up. */
+#define TINY_ROW_EXP (-32)
+
+/* The power of two a row of nb blocks is held times: 0, or for a row of only tiny finite values
+ * (inf and NaN aside) the one that brings its largest to [0.5, 1). */
+static int row_shift(const void *x, int dtype, int64_t row, int64_t nb) {
+    const __m512 inf = _mm512_set1_ps(INFINITY);
+    __m512 most = _mm512_setzero_ps();
+    for (int64_t j = 0; j < 2 * nb; ++j) {
+        const __m512 a = _mm512_abs_ps(x_load16(x, dtype, (row * nb * 2 + j) * 16));
+        most = _mm512_max_ps(most, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, inf, _CMP_LT_OQ), a));
+    }
+    const float amax = _mm512_reduce_max_ps(most);
+    if (amax == 0.f || amax >= ldexpf(1.f, TINY_ROW_EXP)) return 0;
+    int e;
+    frexpf(amax, &e); /* amax in [2^(e-1), 2^e): subnormals too */
+    return -e;
+}
+
+/* v * 2^s, exactly while the result is normal, for any s (vscalefps: 2^s itself may be past
+ * float32's range, and -ffast-math would fold two multiplies by halves of it into one). */
+static inline __m512 times_pow2(__m512 v, int s) {
+    return _mm512_scalef_ps(v, _mm512_set1_ps((float)s));
 }
 
 /* Rows [r0, r1) of x [.., k] (dtype) into the limbs of xl. An inf or NaN makes its block's
@@ -66,13 +103,14 @@ static void quantize_x(const void *x, int dtype, int64_t r0, int64_t r1, int64_t
     const int64_t nb = k / QK;
     const __m512 limb = _mm512_set1_ps((float)(1 << LIMB_SHIFT));
     const __m512 inf = _mm512_set1_ps(INFINITY);
+    for (int64_t row = r0; row < r1; ++row) xl->shift[row] = row_shift(x, dtype, row, nb);
     for (int64_t i = r0 * nb; i < r1 * nb; ++i) {
+        const int shift = xl->shift[i / nb];
         __m512 v[2];
-        for (int h = 0; h < 2; ++h)
-            v[h] = dtype == KILN_F32
-                ? _mm512_loadu_ps((const float *)x + i * QK + 16 * h)
-                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                      (const __m256i *)((const uint16_t *)x + i * QK + 16 * h))), 16));
+        for (int h = 0; h < 2; ++h) {
+            v[h] = x_load16(x, dtype, i * QK + 16 * h);
+            if (shift) v[h] = times_pow2(v[h], shift);
+        }
         const __m512 a0 = _mm512_abs_ps(v[0]), a1 = _mm512_abs_ps(v[1]);
         int8_t *q = xl->q + i * QK * limbs;
         if (_mm512_cmp_ps_mask(a0, inf, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(a1, inf, _CMP_NLT_UQ)) {
