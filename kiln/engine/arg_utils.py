@@ -4,6 +4,7 @@ The LLM class, the CLI and the server all build their configuration through this
 """
 import argparse
 import dataclasses
+import json
 import os
 import typing
 from dataclasses import dataclass, fields
@@ -14,6 +15,23 @@ from kiln.config import (CacheConfig, CompilationConfig, DeviceConfig, KilnConfi
 from kiln.config.load_config import LOAD_FORMATS
 
 _DEFAULT_MAX_NUM_SEQS = SchedulerConfig.__dataclass_fields__["max_num_seqs"].default
+
+
+class _MergeCompilationConfig(argparse.Action):
+    """-O / --compilation-config, repeatable: each value (a mode number or a JSON object)
+    updates the fields given before it, so `-O '{"compile_sizes": [4]}' -O3` keeps the sizes."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        text = str(value).strip()
+        try:
+            update = {"mode": int(text)} if text.isdigit() else json.loads(text)
+        except json.JSONDecodeError as e:
+            parser.error(f"-O/--compilation-config must be a mode number or a JSON object: {e}")
+        if not isinstance(update, dict):
+            parser.error(f"-O/--compilation-config JSON must be an object, got {text}")
+        current = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, {**(current if isinstance(current, dict) else {}),
+                                       **update})
 
 
 @dataclass
@@ -110,9 +128,10 @@ class EngineArgs:
         g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
                        help="run eagerly: no torch.compile, no graphs")
         g.add_argument("-O", "--compilation-config", dest="compilation_config",
-                       default=d.compilation_config,
+                       default=d.compilation_config, action=_MergeCompilationConfig,
                        help="compilation mode (-O3) or CompilationConfig JSON "
-                            "(-O '{\"mode\": 3, \"compile_sizes\": [1, 8]}')")
+                            "(-O '{\"mode\": 3, \"compile_sizes\": [1, 8]}'); given more "
+                            "than once, later fields override earlier ones")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
         g.add_argument("--distributed-executor-backend", default=d.distributed_executor_backend,
                        choices=["uni", "mp", "ray"])

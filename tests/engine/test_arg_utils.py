@@ -37,6 +37,22 @@ def test_compilation_flag(argv, mode):
     assert CompilationConfig.from_cli(parse(*argv).compilation_config).mode == mode
 
 
+def test_compilation_flags_given_twice_merge():
+    args = parse("--compilation-config", '{"compile_sizes": [4], "mode": 2}', "-O3")
+    assert args.compilation_config == {"compile_sizes": [4], "mode": 3}
+    assert parse("-O3", "-O", '{"compile_sizes": [1]}').compilation_config == {
+        "mode": 3, "compile_sizes": [1]}
+
+
+@pytest.mark.parametrize("value, error", [
+    ("fast", "-O/--compilation-config must be a mode number or a JSON object"),
+    ("[1, 2]", "-O/--compilation-config JSON must be an object")])
+def test_compilation_flag_that_is_no_mode_or_object_is_a_usage_error(value, error, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse("-O", value)
+    assert e.value.code == 2 and error in capsys.readouterr().err
+
+
 def test_create_kiln_config(stories_dir):
     args = EngineArgs(model=str(stories_dir), max_model_len=128, max_num_seqs=8,
                       max_num_batched_tokens=256, compilation_config='{"mode": 3, '

@@ -38,7 +38,8 @@ def test_summary_counts_only_completed_requests():
 
 
 def test_engine_flags_round_trip_through_kiln_serve_parser():
-    ea = EngineArgs(model="/m", enforce_eager=True, max_model_len=256, compilation_config="0",
+    ea = EngineArgs(model="/m", enforce_eager=True, max_model_len=256,
+                    compilation_config={"mode": 0},
                     enable_prefix_caching=False, kv_cache_memory=0.5)
     argv = engine_flags(ea)
     args = build_parser().parse_args(["serve", *argv])
