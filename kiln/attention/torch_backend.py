@@ -130,31 +130,32 @@ class TorchAttentionImpl(AttentionImpl):
         nkv, hd = self.num_kv_heads, self.head_size
         group = self.num_heads // nkv
         num_reqs, max_seq = md.num_reqs, md.max_seq_len
-        blocks, bias = _decode_plan(md, kv_cache.shape[2], q.dtype)
+        blocks, padding = _decode_plan(md, kv_cache.shape[2])
         k = _gather_context(kv_cache[0], blocks, max_seq).to(q.dtype)  # [B, nkv, S, hd]
         v = _gather_context(kv_cache[1], blocks, max_seq).to(q.dtype)
+        # Slots past a request's length hold whatever their block held before, an inf or NaN
+        # of a float16 overflow too: masked, not added to (NaN + -inf is NaN), and V zeroed
+        # there (0 * NaN is NaN).
+        v.masked_fill_(padding.transpose(-1, -2), 0)
         qg = q[:num_reqs].view(num_reqs, nkv, group, hd) * self.scale
         scores = torch.matmul(qg, k.transpose(-1, -2))  # [B, nkv, group, S]
-        scores += bias  # -inf past each request's length
+        scores.masked_fill_(padding, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         o = torch.matmul(probs, v)  # [B, nkv, group, hd]
         out[:num_reqs] = o.view(num_reqs, nkv * group, hd)
 
 
-def _decode_plan(md: AttentionMetadata, block_size: int,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per step, shared by every layer: each request's block ids [B, n] (int64) and an additive
-    mask [B, 1, 1, S] that hides the padded keys past its length."""
-    key = ("decode", block_size, dtype)
+def _decode_plan(md: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per step, shared by every layer: each request's block ids [B, n] (int64) and the mask
+    [B, 1, 1, S] of the padded keys past its length."""
+    key = ("decode", block_size)
     if key not in md.step_cache:
         num_reqs, max_seq = md.num_reqs, md.max_seq_len
         num_blocks = cdiv(max_seq, block_size)
         blocks = md.block_table[:num_reqs, :num_blocks].long()
         key_pos = torch.arange(max_seq, device=md.seq_lens.device)
         padding = key_pos[None, :] >= md.seq_lens[:num_reqs, None]  # [B, S]
-        bias = torch.zeros(padding.shape, dtype=dtype, device=padding.device)
-        bias.masked_fill_(padding, float("-inf"))
-        md.step_cache[key] = (blocks, bias[:, None, None, :])
+        md.step_cache[key] = (blocks, padding[:, None, None, :])
     return md.step_cache[key]
 
 

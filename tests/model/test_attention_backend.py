@@ -35,13 +35,14 @@ def dense_reference(q, k, v):
 
 
 def run_steps(lengths_per_step: list[list[int]], total: list[int], num_padding: int = 0,
-              impl_cls=TorchAttentionImpl, dtype=torch.float32):
-    """Feed random q/k/v for each step; returns the final step's output and expected rows."""
+              impl_cls=TorchAttentionImpl, dtype=torch.float32, stale: float = 0.0):
+    """Feed random q/k/v for each step; returns the final step's output and expected rows.
+    `stale`: what the cache's slots hold before they are written."""
     g = torch.Generator().manual_seed(0)
     seqs = [tuple(torch.randn(n, h, HD, generator=g).to(dtype) for h in (NH, NKV, NKV))
             for n in total]
     impl = impl_cls(NH, HD, HD ** -0.5, NKV)
-    cache = torch.zeros(kv_cache_shape(64, BS, NKV, HD), dtype=dtype)
+    cache = torch.full(kv_cache_shape(64, BS, NKV, HD), stale, dtype=dtype)
     pool = BlockPool(64, BS)
     reqs = [PagedRequest(list(range(n))) for n in total]
     for step, q_lens in enumerate(lengths_per_step):
@@ -69,6 +70,22 @@ def test_uniform_decode_fast_path_matches_dense(impl_cls):
     out, expected, _, md = run_steps([[6, 13, 2], [1, 1, 1]], total=[7, 14, 3], impl_cls=impl_cls)
     assert md.uniform_decode
     assert torch.allclose(out, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl_cls", IMPLS)
+@pytest.mark.parametrize("stale", [float("nan"), float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_stale_slots_past_a_request_never_reach_its_output(impl_cls, stale, dtype):
+    # A block's slots past the request's length hold what they held before (here NaN or the
+    # inf of a float16 overflow): masked keys must not turn the output into NaN.
+    if impl_cls is CpuAttentionImpl and dtype == torch.float16:
+        pytest.skip("the CPU kernel takes float32 and bfloat16 caches")
+    for steps, total in [([[6, 13, 2], [1, 1, 1]], [7, 14, 3]),
+                         ([[5, 3, 7], [6, 1, 2]], [11, 4, 9])]:
+        out, expected, _, _ = run_steps(steps, total, impl_cls=impl_cls, dtype=dtype,
+                                        stale=stale)
+        assert torch.allclose(out.float(), expected, atol=1e-5 if dtype == torch.float32
+                              else 5e-3)
 
 
 @needs_kernel
