@@ -29,8 +29,10 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def stream_reply(engine, request_id: str, prompt: dict, params, out=sys.stdout) -> str:
-    """Run one request, writing text deltas to `out` as they come; returns the whole reply."""
+def stream_reply(engine, request_id: str, prompt: dict, params, out=None) -> str:
+    """Run one request, writing text deltas to `out` (sys.stdout as it is at the call) as they
+    come; returns the whole reply."""
+    out = sys.stdout if out is None else out
     engine.add_request(request_id, prompt, params)
     pieces = []
     while engine.has_unfinished_requests():
