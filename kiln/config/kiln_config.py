@@ -7,7 +7,7 @@ import hashlib
 from dataclasses import dataclass, field
 
 from kiln.config.cache_config import CacheConfig
-from kiln.config.compilation_config import CompilationConfig
+from kiln.config.compilation_config import CompilationConfig, CompilationMode
 from kiln.config.device_config import DeviceConfig
 from kiln.config.load_config import LoadConfig
 from kiln.config.model_config import ModelConfig
@@ -46,10 +46,13 @@ class KilnConfig:
         else:
             self.model_config.load_format = self.load_config.load_format
         self.compilation_config.resolve_mode(self.enforce_eager)
+        compiles = self.compilation_config.mode == CompilationMode.KILN_COMPILE
         for size in self.compilation_config.compile_sizes:
-            if size > sched.max_num_batched_tokens:
+            if compiles and size > sched.max_num_batched_tokens:
                 raise ValueError(f"compile size {size} exceeds max_num_batched_tokens "
-                                 f"({sched.max_num_batched_tokens}); drop it from compile_sizes")
+                                 f"({sched.max_num_batched_tokens}): no step has that many "
+                                 "tokens; drop it from compile_sizes or raise "
+                                 "--max-num-batched-tokens")
 
     @property
     def platform(self):

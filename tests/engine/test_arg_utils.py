@@ -86,6 +86,8 @@ def test_enforce_eager_and_shared_compilation_config(stories_dir):
     (dict(compilation_config={"nope": 1}), "nope"),
     (dict(max_model_len=100000), "--max-model-len"),
     (dict(max_num_seqs=64, max_num_batched_tokens=8), "--max-num-batched-tokens"),
+    (dict(max_num_batched_tokens=64, compilation_config={"compile_sizes": [128]}),
+     r"compile size 128 exceeds max_num_batched_tokens \(64\).*--max-num-batched-tokens"),
     (dict(max_model_len="64"), "max_model_len must be int or None"),
     (dict(max_num_seqs=2.5), "max_num_seqs must be int"),
     (dict(enforce_eager="no"), "enforce_eager must be bool"),
@@ -93,6 +95,12 @@ def test_enforce_eager_and_shared_compilation_config(stories_dir):
 def test_bad_values_raise_naming_the_field(stories_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):
         EngineArgs(model=str(stories_dir), **kwargs).create_kiln_config()
+
+
+def test_compile_sizes_are_not_checked_where_nothing_compiles(stories_dir):
+    # vLLM's flags carry over: sizes beside --enforce-eager are unused, not an error.
+    EngineArgs(model=str(stories_dir), max_num_batched_tokens=64, enforce_eager=True,
+               compilation_config={"compile_sizes": [128]}).create_kiln_config()
 
 
 def test_missing_model_is_file_not_found(tmp_path):
