@@ -20,7 +20,10 @@ from kiln.logger import init_logger
 
 logger = init_logger(__name__)
 
-_FORMAT = 2  # of what is kept; 2: the tensor table carries the rope scaling metadata
+_FORMAT = 3  # of what is kept; 2: rope scaling metadata in the table, 3: missing metadata
+# The model's shape: without these transformers takes its defaults (32 layers, ...).
+_REQUIRED_METADATA = ("block_count", "embedding_length", "feed_forward_length",
+                      "attention.head_count")
 
 
 def converted_dir(gguf: Path) -> Path:
@@ -75,8 +78,13 @@ def load_config(gguf: Path):
     """AutoConfig of a .gguf file."""
     from transformers import AutoConfig
 
+    table = load_tensor_table(gguf)
+    missing = table.get("missing_metadata")
+    if missing:  # transformers would fill in its defaults: a model of the wrong shape
+        raise ValueError(f"GGUF file {gguf} lacks the metadata {', '.join(missing)}; the file "
+                         "is incomplete or was not written by a llama.cpp converter")
     config = _load(gguf, "config", AutoConfig)
-    _apply_rope_scaling(config, load_tensor_table(gguf).get("rope_scaling"))
+    _apply_rope_scaling(config, table.get("rope_scaling"))
     return config
 
 
@@ -112,7 +120,10 @@ def _tensor_table(gguf_path: Path) -> dict:
     reader = gguf.GGUFReader(str(gguf_path))
     field = reader.fields.get("general.architecture")
     arch = None if field is None else str(field.contents())
+    missing = [f"{arch}.{key}" for key in _REQUIRED_METADATA
+               if f"{arch}.{key}" not in reader.fields]
     return {"architecture": arch, "rope_scaling": _rope_scaling_fields(reader, arch),
+            "missing_metadata": missing if arch is not None else ["general.architecture"],
             "tensors": [{"name": t.name, "type": int(t.tensor_type), "dtype": t.data.dtype.str,
                          "shape": list(t.data.shape), "offset": int(t.data_offset),
                          "nbytes": int(t.n_bytes)} for t in reader.tensors]}

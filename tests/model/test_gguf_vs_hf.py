@@ -22,7 +22,7 @@ def _cache(tmp_path, monkeypatch):
 
 
 def write_gguf(path, hf_dir, types: dict | None = None, extra: dict | None = None,
-               rope_scaling: tuple[str, float] | None = None):
+               rope_scaling: tuple[str, float] | None = None, block_count: bool = True):
     """hf_dir's weights as a llama GGUF with the metadata llama.cpp's converter writes (and a
     tiny vocabulary); `types`: llama.cpp name part -> F16 / BF16 / any raw type (zero blocks);
     `extra`: more tensors by GGUF name."""
@@ -32,7 +32,8 @@ def write_gguf(path, hf_dir, types: dict | None = None, extra: dict | None = Non
 
     c = AutoConfig.from_pretrained(hf_dir)
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(c.num_hidden_layers)
+    if block_count:
+        w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(c.intermediate_size)
@@ -155,6 +156,15 @@ def test_unsupported_quant_type_names_tensor_and_type(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", hf_dir, {"ffn_up": "Q8_1"})
     with pytest.raises(ValueError, match=r"GGUF tensor blk\.0\.ffn_up\.weight .* stored as Q8_1"):
         get_model(kiln_config_for(path))
+
+
+def test_missing_shape_metadata_is_named(tmp_path):
+    """Without llama.block_count transformers took its default of 32 layers: the error was a
+    list of 270 missing parameters."""
+    hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False)
+    path = write_gguf(tmp_path / "m.gguf", hf_dir, block_count=False)
+    with pytest.raises(ValueError, match=r"lacks the metadata llama\.block_count"):
+        kiln_config_for(path)
 
 
 def test_metadata_inconsistent_with_tensors_names_the_tensor(tmp_path):
