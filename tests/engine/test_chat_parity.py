@@ -224,3 +224,13 @@ def test_tokenize_prompt_and_detokenize_match_hf(llm, client):
     r = client.post("/tokenize", json=dict(messages=messages, add_special_tokens=True)).json()
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert r["tokens"] == tok(text).input_ids == [tok.bos_token_id] + hf_ids(llm, messages)
+
+
+def test_chat_add_special_tokens_adds_them_on_top_of_the_template(llm, client):
+    # vLLM's chat field, default false: the template's own BOS only.
+    messages = CONVERSATIONS["one"]
+    plain = client.post("/v1/chat/completions", json=dict(messages=messages, max_tokens=1)).json()
+    extra = client.post("/v1/chat/completions",
+                        json=dict(messages=messages, max_tokens=1, add_special_tokens=True)).json()
+    assert plain["usage"]["prompt_tokens"] == len(hf_ids(llm, messages))
+    assert extra["usage"]["prompt_tokens"] == len(hf_ids(llm, messages)) + 1

@@ -98,6 +98,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # on top of what the template writes (BOS, usually)
 
 
 class TokenizeRequest(OpenAIBase):

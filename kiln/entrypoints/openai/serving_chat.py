@@ -60,8 +60,11 @@ def check_generation_flags(req) -> None:
 
 async def render_chat_prompt(llm: AsyncLLM, messages: list[ChatMessage],
                              add_generation_prompt: bool, continue_final_message: bool = False,
-                             template_kwargs: dict | None = None) -> dict:
-    """The engine prompt for a conversation: {"prompt": text, "prompt_token_ids": ids}."""
+                             template_kwargs: dict | None = None,
+                             add_special_tokens: bool = False) -> dict:
+    """The engine prompt for a conversation: {"prompt": text, "prompt_token_ids": ids}.
+    Templates write their own BOS, so no special tokens are added unless asked (vLLM's
+    add_special_tokens, default false)."""
     if not messages:
         raise OpenAIError("messages is empty: give at least one message", param="messages",
                           code="invalid_value")
@@ -76,11 +79,16 @@ async def render_chat_prompt(llm: AsyncLLM, messages: list[ChatMessage],
         kwargs["continue_final_message"] = True
         add_generation_prompt = False
     try:
-        return await llm.chat_prompt(plain, add_generation_prompt=add_generation_prompt,
-                                     **kwargs)
+        prompt = await llm.chat_prompt(plain, add_generation_prompt=add_generation_prompt,
+                                       **kwargs)
     except Exception as e:  # noqa: BLE001 - jinja errors, sandbox violations, no template
         raise OpenAIError(f"could not render the chat template: {type(e).__name__}: {e}",
                           param="messages", code="chat_template_error") from None
+    if add_special_tokens:
+        text = prompt["prompt"]
+        prompt["prompt_token_ids"] = await llm.run_in_engine(
+            lambda: list(llm.tokenizer(text, add_special_tokens=True).input_ids))
+    return prompt
 
 
 class ServingChat:
@@ -104,7 +112,8 @@ class ServingChat:
         check_generation_flags(req)
         params = chat_sampling_params(req)
         prompt = await render_chat_prompt(self.llm, req.messages, req.add_generation_prompt,
-                                          req.continue_final_message, req.chat_template_kwargs)
+                                          req.continue_final_message, req.chat_template_kwargs,
+                                          req.add_special_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         max_tokens_param = ("max_completion_tokens" if req.max_completion_tokens is not None
                             else "max_tokens")

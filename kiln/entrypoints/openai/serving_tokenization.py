@@ -24,15 +24,12 @@ class ServingTokenization:
                               code="invalid_value")
         if req.messages is not None:
             check_generation_flags(req)
-            prompt = await render_chat_prompt(self.llm, req.messages, req.add_generation_prompt,
-                                              req.continue_final_message,
-                                              req.chat_template_kwargs)
+            # For messages add_special_tokens defaults to false (vLLM's): only an explicit true.
+            prompt = await render_chat_prompt(
+                self.llm, req.messages, req.add_generation_prompt, req.continue_final_message,
+                req.chat_template_kwargs,
+                req.add_special_tokens and "add_special_tokens" in req.model_fields_set)
             ids = prompt["prompt_token_ids"]
-            # Templates write their own BOS, so a chat is counted without extra special tokens
-            # (vLLM's default for messages); an explicit add_special_tokens=true adds them.
-            if req.add_special_tokens and "add_special_tokens" in req.model_fields_set:
-                ids = await self.llm.run_in_engine(
-                    lambda: list(tokenizer(prompt["prompt"], add_special_tokens=True).input_ids))
         else:
             ids = await self.llm.run_in_engine(
                 lambda: list(tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)
