@@ -34,6 +34,12 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Timestamps the core recorded for a request, in time.monotonic() seconds (as arrival)."""
+    first_scheduled_time: float | None = None  # earliest over the request's samples
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -43,3 +49,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs is set
+    metrics: RequestMetrics | None = None  # once the core has scheduled the request

@@ -71,6 +71,9 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # With the request's first token: one entry per prompt token after the first.
     prompt_logprobs: list[LogprobsLists] | None = None
+    # time.monotonic() of the request's first scheduling (None if never scheduled); the engine
+    # front's queue / prefill / inference times start or end here.
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -39,6 +39,9 @@ class Request:
     # Prompt tokens found in the prefix cache when the request was first scheduled.
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    # time.monotonic() when the scheduler first admitted it; kept across preemptions, so the
+    # queue time is the wait before its first step (as vLLM's).
+    first_scheduled_time: float | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     # Chained hashes of the request's full blocks (filled by the KV cache manager).
     block_hashes: list = field(default_factory=list)

@@ -5,6 +5,7 @@ preemption by recompute (latest-arrived first) when the KV cache runs out of blo
 """
 import bisect
 import itertools
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -134,6 +135,8 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
+            if request.first_scheduled_time is None:  # once: a preempted one keeps its first
+                request.first_scheduled_time = time.monotonic()
             bisect.insort(self.running, request, key=lambda r: self._priority[r.request_id])
             new_reqs.append(NewRequestData(
                 req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
@@ -192,7 +195,8 @@ class Scheduler:
                 new_logprobs=[logprobs] if logprobs is not None else [],
                 finish_reason=request.get_finish_reason(), stop_reason=request.stop_reason,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
-                prompt_logprobs=request.take_prompt_logprobs()))
+                prompt_logprobs=request.take_prompt_logprobs(),
+                first_scheduled_time=request.first_scheduled_time))
         if finished:
             gone = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in gone]
@@ -262,7 +266,8 @@ class Scheduler:
         self._finished_outputs.append(EngineCoreOutput(
             request_id=request.request_id, new_token_ids=[],
             finish_reason=request.get_finish_reason(),
-            num_cached_tokens=max(request.num_cached_tokens, 0)))
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            first_scheduled_time=request.first_scheduled_time))
         self._release(request)
 
     def _release(self, request: Request) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kiln.core.outputs import EngineCoreOutput, LogprobsLists
 from kiln.engine.detokenizer import IncrementalDetokenizer, decode_anchor, lone_token_text
-from kiln.outputs import CompletionOutput, Logprob, RequestOutput
+from kiln.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -81,6 +81,12 @@ class RequestState:
     num_cached_tokens: int = 0
     prompt_logprobs: list | None = None  # PromptLogprobs, once the core has sent them
     prompt_logprobs_sent: bool = False  # DELTA outputs carry them once
+    metrics: RequestMetrics | None = None  # immutable: replaced, never changed under a reader
+
+    def note_scheduled(self, first_scheduled_time: float) -> None:
+        """A sample's first scheduling; the request's is its earliest sample's."""
+        if self.metrics is None or first_scheduled_time < self.metrics.first_scheduled_time:
+            self.metrics = RequestMetrics(first_scheduled_time=first_scheduled_time)
 
     @property
     def finished(self) -> bool:
@@ -104,7 +110,7 @@ class RequestState:
                              prompt_token_ids=self.prompt_token_ids,
                              outputs=[s.completion(delta) for s in chosen], finished=finished,
                              num_cached_tokens=self.num_cached_tokens,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs, metrics=self.metrics)
 
 
 @dataclass
@@ -185,6 +191,8 @@ class OutputProcessor:
                 continue  # one of n samples a stop string ended: the core's late tokens
             if self._update_sample(sample, out):
                 to_abort.append(sample.core_id)
+            if out.first_scheduled_time is not None:
+                state.note_scheduled(out.first_scheduled_time)
             if out.num_cached_tokens and sample.index == 0:
                 state.num_cached_tokens = out.num_cached_tokens
             # Every sample computes them (each may start first); the first to arrive is kept.

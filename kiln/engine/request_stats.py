@@ -1,8 +1,12 @@
-"""Per-request latency and token bookkeeping (TTFT, inter-token latency, sizes) for stat loggers.
+"""Per-request latency and token bookkeeping (TTFT, inter-token latency, phases, sizes) for stat
+loggers.
 
 `AsyncLLM` fills one `IterationStats` per engine step and hands it to every `StatLogger`.
 Token counts follow vLLM: each of a request's n samples prefills the prompt, so its prompt
 counts once per sample, when that sample's first token arrives; a request finishes once.
+Phases follow vLLM v1, from the core's first-scheduled time (a preemption does not reset it):
+queue = arrival -> first scheduled, prefill = first scheduled -> first token, inference = first
+scheduled -> last token; so queue + prefill = TTFT and inference = prefill + decode.
 """
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -22,6 +26,10 @@ class IterationStats:
     request_prompt_tokens: list[int] = field(default_factory=list)  # not for aborts
     request_generation_tokens: list[int] = field(default_factory=list)  # not for aborts
     request_decode_times: list[float] = field(default_factory=list)  # first -> last token
+    # Finished requests that were scheduled and produced a token, not aborted ones (as vLLM).
+    request_queue_times: list[float] = field(default_factory=list)  # arrival -> scheduled
+    request_prefill_times: list[float] = field(default_factory=list)  # scheduled -> first token
+    request_inference_times: list[float] = field(default_factory=list)  # scheduled -> last token
 
 
 class StatLogger(Protocol):
@@ -35,6 +43,7 @@ class RequestTimer:
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None  # of the request (any sample)
         self.last_token_time: float | None = None
+        self.first_scheduled_time: float | None = None  # from the core, via RequestOutput.metrics
         self._sample_last_token: dict[int, float] = {}  # by sample index
         self._finish_reasons: dict[int, str] = {}
         self.num_prompt_tokens = 0
@@ -44,6 +53,10 @@ class RequestTimer:
                 stats: IterationStats) -> None:
         """`delta` is a DELTA output (only new tokens); `new_tokens` is their total."""
         prompt_len = len(delta.prompt_token_ids or [])
+        scheduled = delta.metrics.first_scheduled_time if delta.metrics is not None else None
+        if scheduled is not None and (self.first_scheduled_time is None
+                                      or scheduled < self.first_scheduled_time):
+            self.first_scheduled_time = scheduled
         for out in delta.outputs:
             if out.finish_reason:
                 self._finish_reasons[out.index] = out.finish_reason
@@ -73,6 +86,17 @@ class RequestTimer:
             stats.request_generation_tokens.append(self.num_generation_tokens)
             if self.first_token_time is not None:
                 stats.request_decode_times.append(self.last_token_time - self.first_token_time)
+            self._record_phases(reason, stats)
+
+    def _record_phases(self, reason: str, stats: IterationStats) -> None:
+        """Queue / prefill / inference of a finished request; none for an abort, or for a
+        request never scheduled or without a token (nothing to measure them to)."""
+        scheduled = self.first_scheduled_time
+        if reason == "abort" or scheduled is None or self.first_token_time is None:
+            return
+        stats.request_queue_times.append(scheduled - self.arrival_time)
+        stats.request_prefill_times.append(self.first_token_time - scheduled)
+        stats.request_inference_times.append(self.last_token_time - scheduled)
 
 
 class LoggingStatLogger:

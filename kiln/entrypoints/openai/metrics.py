@@ -82,6 +82,16 @@ class ServerMetrics:
         self.request_decode_time = histogram(
             "kiln:request_decode_time_seconds", "First to last token of finished requests",
             _E2E_BUCKETS)
+        # Phases of finished requests from the core's first scheduling (aborts not observed).
+        self.request_queue_time = histogram(
+            "kiln:request_queue_time_seconds", "Arrival to first scheduled, of finished "
+            "requests", _E2E_BUCKETS)
+        self.request_prefill_time = histogram(
+            "kiln:request_prefill_time_seconds", "First scheduled to first token, of finished "
+            "requests", _E2E_BUCKETS)
+        self.request_inference_time = histogram(
+            "kiln:request_inference_time_seconds", "First scheduled to last token, of finished "
+            "requests", _E2E_BUCKETS)
 
     def record(self, iteration: IterationStats, engine_stats: dict) -> None:
         if iteration.num_prompt_tokens:
@@ -94,7 +104,11 @@ class ServerMetrics:
                              (iteration.request_prompt_tokens, self.request_prompt_tokens),
                              (iteration.request_generation_tokens,
                               self.request_generation_tokens),
-                             (iteration.request_decode_times, self.request_decode_time)):
+                             (iteration.request_decode_times, self.request_decode_time),
+                             (iteration.request_queue_times, self.request_queue_time),
+                             (iteration.request_prefill_times, self.request_prefill_time),
+                             (iteration.request_inference_times,
+                              self.request_inference_time)):
             for v in values:
                 hist.observe(v)
         for reason in iteration.finished_reasons:

@@ -1,0 +1,175 @@
+"""Queue / prefill / inference histograms on a tiny real engine: built on the scheduler's own
+first-scheduled stamps, consistent with TTFT and decode time, and not observed for aborts."""
+import asyncio
+import math
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kiln.core.outputs import EngineCoreOutput
+from kiln.engine.arg_utils import EngineArgs
+from kiln.engine.async_llm import AsyncLLM
+from kiln.engine.llm_engine import LLMEngine
+from kiln.engine.output_processor import OutputProcessor, child_params, child_request_id
+from kiln.engine.request_stats import IterationStats, RequestTimer
+from kiln.entrypoints.openai.metrics import ServerMetrics
+from kiln.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kiln.sampling_params import RequestOutputKind, SamplingParams
+
+PHASES = ("queue", "prefill", "inference")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    # One sequence at a time: requests sent together really queue behind each other.
+    eng = LLMEngine.from_engine_args(EngineArgs(
+        model=str(tiny_llama_dir), enforce_eager=True, max_model_len=128, max_num_seqs=1,
+        kv_cache_memory=0.02))
+    # Keep every core request the engine creates, to read its stamp after it is gone.
+    core_requests = {}
+    add = eng.engine_core.add_request
+
+    def recording_add(request):
+        core_requests[request.request_id] = request
+        add(request)
+
+    eng.engine_core.add_request = recording_add
+    eng.core_requests = core_requests
+    yield eng
+    eng.shutdown()
+
+
+def scrape(metrics: ServerMetrics) -> dict:
+    """Sample name -> value (histogram buckets left out, labels summed)."""
+    out = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            if "le" not in s.labels:
+                out[s.name] = out.get(s.name, 0) + s.value
+    return out
+
+
+def delta(before: dict, after: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
+async def run_together(llm: AsyncLLM, jobs: dict) -> dict:
+    """Send every request at once (explicit arrival times); drain them all."""
+    arrivals = {}
+
+    async def one(rid, params):
+        arrivals[rid] = time.monotonic()
+        stream = await llm.add_request(rid, {"prompt_token_ids": [5, 6, 7, 8, 9]}, params,
+                                       arrival_time=arrivals[rid])
+        return [out async for out in stream]
+
+    results = await asyncio.gather(*(one(rid, p) for rid, p in jobs.items()))
+    assert all(outs[-1].finished for outs in results)
+    return arrivals
+
+
+def test_phase_histograms_from_scheduler_stamps(engine):
+    metrics = ServerMetrics("tiny", log_interval=None)
+    llm = AsyncLLM(engine, [metrics])
+    jobs = {f"r{i}": SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
+            for i in range(3)}
+    jobs["n2"] = SamplingParams(n=2, max_tokens=3, ignore_eos=True, temperature=1.0, seed=3)
+    before = scrape(metrics)
+    arrivals = asyncio.run(run_together(llm, jobs))
+    d = delta(before, scrape(metrics))
+
+    finished = len(jobs)
+    for phase in PHASES:
+        assert d[f"kiln:request_{phase}_time_seconds_count"] == finished, phase
+    assert d["kiln:time_to_first_token_seconds_count"] == finished
+
+    # The queue time is exactly the core's first scheduling minus the arrival; of the n=2
+    # request, its earlier-scheduled sample (max_num_seqs=1 runs the samples one after another).
+    core = engine.core_requests
+    stamps = {rid: core[rid].first_scheduled_time for rid in jobs if rid in core}
+    first, second = (core[child_request_id(i, "n2")].first_scheduled_time for i in range(2))
+    assert first < second
+    stamps["n2"] = first
+    expected_queue = sum(stamps[rid] - arrivals[rid] for rid in jobs)
+    assert math.isclose(d["kiln:request_queue_time_seconds_sum"], expected_queue, abs_tol=1e-6)
+    # One sequence at a time: the requests behind the first one waited for it.
+    assert expected_queue > 0 and max(stamps.values()) - min(stamps.values()) > 0
+
+    # queue + prefill = TTFT and inference = prefill + decode, request by request.
+    queue, prefill = (d[f"kiln:request_{p}_time_seconds_sum"] for p in ("queue", "prefill"))
+    inference = d["kiln:request_inference_time_seconds_sum"]
+    decode = d["kiln:request_decode_time_seconds_sum"]
+    assert math.isclose(queue + prefill, d["kiln:time_to_first_token_seconds_sum"],
+                        abs_tol=1e-6)
+    assert prefill > 0 and inference >= decode > 0
+    assert math.isclose(inference, prefill + decode, abs_tol=1e-6)
+    assert inference <= d["kiln:e2e_request_latency_seconds_sum"]
+
+
+def test_aborted_request_observes_no_phase(engine):
+    metrics = ServerMetrics("tiny", log_interval=None)
+    llm = AsyncLLM(engine, [metrics])
+
+    async def leave_after_first_token():
+        params = SamplingParams(max_tokens=60, ignore_eos=True, temperature=0,
+                                output_kind=RequestOutputKind.DELTA)
+        stream = await llm.add_request("leaver", {"prompt_token_ids": [5, 6, 7]}, params)
+        async for _ in stream:
+            break
+        await llm.abort("leaver")
+
+    before = scrape(metrics)
+    asyncio.run(leave_after_first_token())
+    d = delta(before, scrape(metrics))
+    assert d["kiln:request_success_total"] == 1  # counted, as an abort
+    assert d["kiln:time_to_first_token_seconds_count"] == 1
+    for phase in PHASES:
+        assert d[f"kiln:request_{phase}_time_seconds_count"] == 0, phase
+
+
+def test_output_processor_takes_the_earliest_sample_stamp(engine):
+    """n > 1: the samples are scheduled apart; RequestOutput.metrics is the earliest, whichever
+    sample reports first, and is None until one was scheduled."""
+    proc = OutputProcessor(engine.tokenizer)
+    params = SamplingParams(n=2, max_tokens=2, output_kind=RequestOutputKind.DELTA)
+    ids = [child_request_id(i, "p") for i in range(2)]
+    proc.add_request("p", None, [5, 6], [(cid, child_params(params, i))
+                                         for i, cid in enumerate(ids)], params.output_kind)
+    (out,) = proc.process_outputs([EngineCoreOutput(ids[1], [9])]).request_outputs
+    assert out.metrics is None
+    (out,) = proc.process_outputs([EngineCoreOutput(ids[1], [9], first_scheduled_time=20.0)]
+                                  ).request_outputs
+    assert out.metrics.first_scheduled_time == 20.0
+    (out,) = proc.process_outputs([EngineCoreOutput(ids[0], [9], first_scheduled_time=10.0)]
+                                  ).request_outputs
+    assert out.metrics.first_scheduled_time == 10.0
+    (out,) = proc.process_outputs([EngineCoreOutput(ids[1], [9], finish_reason="length",
+                                                    first_scheduled_time=20.0),
+                                   EngineCoreOutput(ids[0], [9], finish_reason="length",
+                                                    first_scheduled_time=10.0)]).request_outputs
+    assert out.finished and out.metrics.first_scheduled_time == 10.0
+
+
+def test_timer_phases_per_request_and_none_for_a_core_abort():
+    """Stamps straight into RequestTimer: the phases by definition; a request the core ended as
+    aborted (after a token) observes none, as vLLM's."""
+    def run(reason):
+        timer, stats = RequestTimer(arrival_time=100.0), IterationStats()
+        metrics = RequestMetrics(first_scheduled_time=100.5)
+        for now, finish in ((101.0, None), (101.25, None), (102.0, reason)):
+            out = RequestOutput("r", None, [1, 2], [CompletionOutput(0, "", [7],
+                                                                     finish_reason=finish)],
+                                finished=finish is not None, metrics=metrics)
+            timer.observe(out, 1, now, stats)
+        return stats
+
+    stats = run("length")
+    assert stats.request_queue_times == [0.5]
+    assert stats.request_prefill_times == [0.5]
+    assert stats.request_inference_times == [1.5]
+    assert stats.time_to_first_tokens == [1.0] and stats.request_decode_times == [1.0]
+    aborted = run("abort")
+    assert aborted.finished_reasons == ["abort"]
+    assert aborted.request_queue_times == aborted.request_prefill_times == \
+        aborted.request_inference_times == []
