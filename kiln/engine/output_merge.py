@@ -59,6 +59,7 @@ class DeltaAccumulator:
         self._prompt_token_ids: list[int] = []
         self._num_cached_tokens = 0
         self._prompt_logprobs = None
+        self._metrics = None
 
     def add(self, delta: RequestOutput) -> None:
         for d in delta.outputs:
@@ -69,6 +70,7 @@ class DeltaAccumulator:
         self._num_cached_tokens = max(self._num_cached_tokens, delta.num_cached_tokens)
         if delta.prompt_logprobs is not None:  # a DELTA stream carries them once
             self._prompt_logprobs = delta.prompt_logprobs
+        self._metrics = delta.metrics or self._metrics
         self._last = delta
 
     def snapshot(self) -> RequestOutput:
@@ -79,4 +81,4 @@ class DeltaAccumulator:
             prompt_token_ids=self._prompt_token_ids,
             outputs=[self._samples[i].snapshot() for i in sorted(self._samples)],
             finished=self._last.finished, num_cached_tokens=self._num_cached_tokens,
-            prompt_logprobs=self._prompt_logprobs)
+            prompt_logprobs=self._prompt_logprobs, metrics=self._metrics)

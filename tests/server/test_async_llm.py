@@ -5,7 +5,7 @@ import pytest
 
 from kiln.engine.async_llm import AsyncLLM, EngineDeadError
 from kiln.engine.output_merge import DeltaAccumulator
-from kiln.outputs import CompletionOutput, RequestOutput
+from kiln.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
 from .fake_engine import FakeEngine
@@ -20,7 +20,8 @@ def params(kind=RequestOutputKind.DELTA, **kw):
 
 
 def test_merge_delta_accumulates_text_tokens_and_logprobs():
-    a = RequestOutput("r", "p", [1, 2], [CompletionOutput(0, "he", [5], -1.0, [{5: None}])])
+    a = RequestOutput("r", "p", [1, 2], [CompletionOutput(0, "he", [5], -1.0, [{5: None}])],
+                      metrics=RequestMetrics(first_scheduled_time=12.5))
     b = RequestOutput("r", None, [], [CompletionOutput(0, "llo", [6, 7], -3.0, [{6: None},
                                                                                {7: None}],
                                                        finish_reason="stop", stop_reason=2)],
@@ -37,6 +38,7 @@ def test_merge_delta_accumulates_text_tokens_and_logprobs():
     assert (o.finish_reason, o.stop_reason, m.finished, m.prompt, m.prompt_token_ids) == (
         "stop", 2, True, "p", [1, 2])
     assert a.outputs[0].text == "he"  # inputs untouched
+    assert m.metrics == RequestMetrics(first_scheduled_time=12.5)  # later deltas carry none
 
 
 def test_output_kinds_and_many_concurrent_requests():
