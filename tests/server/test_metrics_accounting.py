@@ -188,6 +188,9 @@ def test_metric_types_match_vllms():
         "kiln:request_prompt_tokens": "histogram",
         "kiln:request_generation_tokens": "histogram",
         "kiln:request_decode_time_seconds": "histogram",
+        "kiln:request_queue_time_seconds": "histogram",
+        "kiln:request_prefill_time_seconds": "histogram",
+        "kiln:request_inference_time_seconds": "histogram",
     }
     for name, kind in expected.items():
         assert types.get(name) == kind, (name, types.get(name))
