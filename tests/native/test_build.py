@@ -11,15 +11,6 @@ from kiln.attention.torch_backend import TorchAttentionBackend
 from kiln.native import build, gemv, layer_ops, paged_attention
 
 
-@pytest.fixture
-def fresh_kernels(monkeypatch, tmp_path):
-    """An empty kernel cache and a cleared load() memo (restored after the test)."""
-    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
-    build.load.cache_clear()
-    yield tmp_path
-    build.load.cache_clear()
-
-
 @pytest.mark.skipif(build.compiler() is None, reason="no C compiler")
 def test_build_once_then_reuse(fresh_kernels):
     cc = build.compiler()

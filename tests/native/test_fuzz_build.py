@@ -35,14 +35,6 @@ def test_loading_the_kernels_keeps_subnormals():
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
 
 
-@pytest.fixture
-def fresh_kernels(monkeypatch, tmp_path):
-    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
-    build.load.cache_clear()
-    yield tmp_path
-    build.load.cache_clear()
-
-
 def test_a_truncated_cached_library_is_rebuilt(fresh_kernels):
     cc = build.compiler()
     path = build.build("gemv", cc)

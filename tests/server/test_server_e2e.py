@@ -4,6 +4,7 @@ One server per module (eager, small context, KILN_API_KEY set), on a free loopba
 test stops it with SIGTERM mid-request and requires a clean exit.
 """
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -31,11 +32,10 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['c
                  "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
+def stories_with_chat_template(path: Path) -> Path:
+    """stories260K copied to `path` with CHAT_TEMPLATE as its chat template (skips without it)."""
     if not (STORIES_DIR / "model.safetensors").exists():
         pytest.skip("stories260K is not available (../shared/models/stories260K)")
-    path = tmp_path_factory.mktemp("stories_chat")
     for f in STORIES_DIR.iterdir():
         shutil.copy(f, path / f.name)
     config = json.loads((path / "tokenizer_config.json").read_text())
@@ -44,43 +44,58 @@ def model_dir(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return stories_with_chat_template(tmp_path_factory.mktemp("stories_chat"))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def running_server(model: Path, args: list[str], log_path: Path, env: dict):
+    """`kiln serve model *args` on a free loopback port, once /health answers: (url, process);
+    killed on exit if still running. Its output goes to log_path (a file: nobody drains a pipe
+    while tests run)."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "kiln.entrypoints.cli.main", "serve", str(model),
+           "--port", str(port), "--served-model-name", NAME, *args]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"kiln serve exited early:\n{log_path.read_text()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        else:
+            proc.kill()
+            pytest.fail("kiln serve did not become healthy in 120 s")
+        try:
+            yield url, proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("serve_log") / "serve.log"
-    log = open(log_path, "w")  # a file, not a pipe: nobody drains a pipe while tests run
     env = dict(os.environ, KILN_API_KEY=KEY, KILN_LOGGING_LEVEL="WARNING")
-    cmd = [sys.executable, "-m", "kiln.entrypoints.cli.main", "serve", str(model_dir),
-           "--port", str(port), "--served-model-name", NAME, "--enforce-eager",
-           "--max-model-len", "512", "--max-num-seqs", "64", "--kv-cache-memory", "0.05",
-           "--max-request-body-bytes", "200000", "--disable-access-log",
-           "--graceful-shutdown-timeout", "0.5",
-           "--uvicorn-log-level", "warning"]
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"kiln serve exited early:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    else:
-        proc.kill()
-        pytest.fail("kiln serve did not become healthy in 120 s")
-    yield url, proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    log.close()
+    args = ["--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "64",
+            "--kv-cache-memory", "0.05", "--max-request-body-bytes", "200000",
+            "--disable-access-log", "--graceful-shutdown-timeout", "0.5",
+            "--uvicorn-log-level", "warning"]
+    with running_server(model_dir, args, tmp_path_factory.mktemp("serve_log") / "serve.log",
+                        env) as (url, proc):
+        yield url, proc
 
 
 @pytest.fixture(scope="module")

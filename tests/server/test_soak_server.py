@@ -8,18 +8,15 @@ import contextlib
 import json
 import os
 import random
-import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from .test_server_e2e import CHAT_TEMPLATE, STORIES_DIR, _free_port, metric_samples
+from .test_server_e2e import metric_samples, running_server, stories_with_chat_template
 
 NAME = "stories"
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park",
@@ -30,43 +27,15 @@ SHUTDOWN_GRACE_S = 0  # no drain: every request open at SIGTERM is cut (determin
 
 @pytest.fixture(scope="module")
 def soak_server(tmp_path_factory):
-    if not (STORIES_DIR / "model.safetensors").exists():
-        pytest.skip("stories260K is not available (../shared/models/stories260K)")
-    model = tmp_path_factory.mktemp("soak_model")
-    for f in STORIES_DIR.iterdir():
-        shutil.copy(f, model / f.name)
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
-    port = _free_port()
+    model = stories_with_chat_template(tmp_path_factory.mktemp("soak_model"))
     log_path = tmp_path_factory.mktemp("soak_log") / "serve.log"
-    log = open(log_path, "w")
     # 20 blocks of 16 tokens for 4 sequences of up to 256: long requests preempt each other.
-    cmd = [sys.executable, "-m", "kiln.entrypoints.cli.main", "serve", str(model),
-           "--port", str(port), "--served-model-name", NAME, "--enforce-eager",
-           "--max-model-len", "256", "--max-num-seqs", "4", "--num-gpu-blocks-override", "20",
-           "--disable-access-log", "--graceful-shutdown-timeout", str(SHUTDOWN_GRACE_S)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, KILN_LOGGING_LEVEL="WARNING"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"kiln serve exited early:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail("kiln serve did not become healthy in 120 s")
-        time.sleep(0.2)
-    yield url, proc, log_path
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    log.close()
+    args = ["--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "4",
+            "--num-gpu-blocks-override", "20", "--disable-access-log",
+            "--graceful-shutdown-timeout", str(SHUTDOWN_GRACE_S)]
+    with running_server(model, args, log_path,
+                        dict(os.environ, KILN_LOGGING_LEVEL="WARNING")) as (url, proc):
+        yield url, proc, log_path
 
 
 # ---- the good requests and how their answers are compared -----------------------------------
