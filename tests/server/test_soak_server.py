@@ -9,7 +9,6 @@ import json
 import os
 import random
 import signal
-import sys
 import threading
 import time
 
