@@ -3,16 +3,9 @@ keeps it across preemption, and hands it to the engine front on every EngineCore
 import time
 
 from kiln.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT
-from kiln.core.scheduler import Scheduler
 
-from .doubles import PagedTokenExecutor, make_config, make_request
-
-
-def make_scheduler(**kw):
-    config = make_config(**{"num_blocks": 64, **kw})
-    executor = PagedTokenExecutor(config)
-    executor.initialize_cache(config.cache_config.num_blocks)
-    return Scheduler(config), executor
+from .doubles import make_request
+from .test_scheduler import make_scheduler
 
 
 def timed_step(sched, executor):
