@@ -46,6 +46,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """norm(x) [..., hidden], or with residual (norm(x + residual), x + residual)."""
     rows = _rows(x)
     n, hidden = rows.shape
+    # The kernel reads `hidden` weights and residual values a row: shorter ones it would
+    # read past their end.
+    if weight.numel() != hidden:
+        raise ValueError(f"rms_norm: weight has {weight.numel()} values for hidden size {hidden}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"rms_norm: residual shape {tuple(residual.shape)} != x shape "
+                         f"{tuple(x.shape)}")
     out = torch.empty(x.shape, dtype=x.dtype)
     res_rows = _rows(residual) if residual is not None else None
     res_out = torch.empty(x.shape, dtype=x.dtype) if residual is not None else None
@@ -63,6 +70,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2d] = [gate | up] -> silu(gate) * up [..., d]."""
     rows = _rows(x)
     n, width = rows.shape
+    if width % 2:
+        raise ValueError(f"silu_and_mul: the last dimension ({width}) must be even [gate | up]")
     d = width // 2
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
     build.check(_lib().kiln_silu_and_mul(rows.data_ptr(), rows.stride(0), out.data_ptr(), n, d,

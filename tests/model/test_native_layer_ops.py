@@ -99,3 +99,13 @@ def test_rotary_odd_head_size_is_named_not_taken_for_a_bad_position():
     q, k, cache = torch.randn(2, 6), torch.randn(2, 3), torch.randn(16, 3)
     with pytest.raises(ValueError, match="head_size must be even, got 3"):
         layer_ops.rotary(torch.tensor([0, 1]), q, k, cache, 3)
+
+
+def test_shapes_the_kernels_would_read_past_are_refused():
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="weight has 32 values for hidden size 64"):
+        layer_ops.rms_norm(x, torch.ones(32), 1e-6)
+    with pytest.raises(ValueError, match=r"residual shape \(2, 32\) != x shape \(2, 64\)"):
+        layer_ops.rms_norm(x, torch.ones(64), 1e-6, residual=torch.randn(2, 32))
+    with pytest.raises(ValueError, match=r"last dimension \(63\) must be even"):
+        layer_ops.silu_and_mul(torch.randn(2, 63))
