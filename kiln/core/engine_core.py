@@ -71,6 +71,7 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return []
         kv = self.scheduler.kv_cache_manager
+        scheduler_output = None
         try:
             scheduler_output = self.scheduler.schedule()
             model_runner_output = EMPTY_MODEL_RUNNER_OUTPUT
@@ -79,8 +80,11 @@ class EngineCore:
                 model_runner_output = self.executor.execute_model(scheduler_output)
         except BaseException:
             # Ctrl-C in LLM.generate, a failed forward: the prefix cache must not keep blocks
-            # this step registered but never wrote, or a later prompt reads garbage K/V.
+            # this step registered but never wrote, or a later prompt reads garbage K/V; and
+            # the step's requests computed nothing, so they are computed again.
             kv.forget_unwritten()
+            if scheduler_output is not None:
+                self.scheduler.undo_step(scheduler_output)
             raise
         kv.mark_written()
         return self.scheduler.update_from_output(scheduler_output, model_runner_output)

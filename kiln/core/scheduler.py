@@ -235,17 +235,35 @@ class Scheduler:
                 self._preempt(request)
             return None
 
+    def undo_step(self, scheduler_output: SchedulerOutput) -> None:
+        """The step's forward raised (Ctrl-C in LLM.generate, a failed kernel): nothing it
+        scheduled was computed, so its requests go back to the front of the queue and are
+        computed again from scratch, as after a preemption, and a caller that goes on stepping
+        gets the same tokens as without the failure."""
+        scheduled = {id(r) for r in map(self.requests.get, scheduler_output.num_scheduled_tokens)
+                     if r is not None}
+        undone = [r for r in self.running if id(r) in scheduled]
+        self.running = [r for r in self.running if id(r) not in scheduled]
+        # Latest first onto the front of the queue: the earliest ends up first again.
+        for request in sorted(undone, key=lambda r: self._priority[r.request_id], reverse=True):
+            self._requeue(request)
+
     def _preempt(self, request: Request) -> None:
+        self._requeue(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        logger.info("preempted request %s (KV cache full; it will be recomputed); "
+                    "%d preemptions so far", request.request_id, self.num_preemptions)
+
+    def _requeue(self, request: Request) -> None:
+        """Back to the front of the queue with its blocks freed, to be recomputed; the runner
+        is told to drop its state (it re-adds the request when it is scheduled again)."""
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(request)
         self.preempted_req_ids.add(request.request_id)
         self.finished_req_ids.add(request.request_id)
-        logger.info("preempted request %s (KV cache full; it will be recomputed); "
-                    "%d preemptions so far", request.request_id, self.num_preemptions)
 
     def _cannot_ever_fit(self, request: Request) -> bool:
         kv = self.kv_cache_manager

@@ -46,3 +46,31 @@ def test_preemption_notice_survives_a_step_that_never_ran():
     # Its forward fails: update_from_output is never called. The next step must carry the news.
     retry = sched.schedule()
     assert "b" in retry.preempted_req_ids and "b" in retry.finished_req_ids
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 5])
+def test_stepping_on_after_a_failed_step_gives_the_tokens_of_a_clean_run(fail_at):
+    """A caller of the core that goes on after a failed step (no abort): the step's requests
+    computed nothing and are computed again, so every request ends as in a run without it."""
+    prompts = {"a": range(3, 12), "b": range(20, 26), "c": range(40, 53)}
+
+    def run(fail: bool) -> dict:
+        core = EngineCore(make_config(num_blocks=16, max_num_batched_tokens=8), PagedTokenExecutor)
+        for i, (rid, prompt) in enumerate(prompts.items()):
+            core.add_request(make_request(rid, prompt, max_tokens=6, arrival=float(i)))
+        results = {}
+        for step in range(200):
+            if not core.has_unfinished_requests():
+                return results
+            core.executor.fail_next_step = fail and step == fail_at
+            try:
+                outputs = core.step()
+            except KeyboardInterrupt:
+                continue
+            for out in outputs:
+                results.setdefault(out.request_id, []).extend(out.new_token_ids)
+        raise AssertionError("did not finish")
+
+    clean, failed = run(False), run(True)
+    assert clean == {rid: reference_tokens(p, 6) for rid, p in prompts.items()}
+    assert failed == clean
