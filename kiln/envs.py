@@ -15,7 +15,16 @@ def cache_root() -> Path:
 def cpu_kvcache_space_gib() -> float | None:
     """GiB of host memory for the KV cache on CPU (`KILN_CPU_KVCACHE_SPACE`)."""
     value = os.environ.get("KILN_CPU_KVCACHE_SPACE")
-    return float(value) if value else None
+    if not value:
+        return None
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = float("nan")
+    if not gib > 0:  # NaN too
+        raise ValueError(f"KILN_CPU_KVCACHE_SPACE={value!r} must be a number of GiB > 0 "
+                         "(or unset it and pass --kv-cache-memory)")
+    return gib
 
 
 def disable_compile_cache() -> bool:

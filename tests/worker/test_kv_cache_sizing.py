@@ -36,3 +36,18 @@ def test_cpu_platform_reports_available_and_total_memory():
 
     available, total = CpuPlatform().mem_get_info()
     assert 0 < available <= total
+
+
+def test_cpu_kvcache_space_env_is_checked(monkeypatch):
+    import pytest
+
+    from kiln import envs
+
+    monkeypatch.setenv("KILN_CPU_KVCACHE_SPACE", "2.5")
+    assert envs.cpu_kvcache_space_gib() == 2.5
+    for bad in ("abc", "0", "-1", "nan"):
+        monkeypatch.setenv("KILN_CPU_KVCACHE_SPACE", bad)
+        with pytest.raises(ValueError, match=rf"KILN_CPU_KVCACHE_SPACE='{bad}' must be a number"):
+            envs.cpu_kvcache_space_gib()
+    monkeypatch.setenv("KILN_CPU_KVCACHE_SPACE", "")
+    assert envs.cpu_kvcache_space_gib() is None
