@@ -98,19 +98,26 @@ class CompilationConfig:
                 raise ValueError(f"unknown compilation_config field(s) {sorted(unknown)}; "
                                  f"known: {sorted(known)}")
             return cls(**value)
-        text = str(value).strip()
-        if text.isdigit():
-            return cls(mode=int(text))
-        try:
-            parsed = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--compilation-config must be a mode number or JSON: {e}") from None
-        if not isinstance(parsed, dict):
-            raise ValueError("--compilation-config JSON must be an object")
-        return cls.from_cli(parsed)
+        return cls.from_cli(cli_fields(str(value)))
 
     def resolve_mode(self, enforce_eager: bool) -> None:
         if enforce_eager:
             self.mode = CompilationMode.NONE
         elif self.mode is None:
             self.mode = CompilationMode.KILN_COMPILE
+
+
+def cli_fields(text: str) -> dict:
+    """The fields one -O / --compilation-config value sets: {"mode": N} for "N", else its JSON
+    object. Raises ValueError naming the flag."""
+    text = text.strip()
+    if text.isdigit():
+        return {"mode": int(text)}
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"-O/--compilation-config must be a mode number or a JSON object: "
+                         f"{e}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"-O/--compilation-config JSON must be an object, got {text}")
+    return parsed

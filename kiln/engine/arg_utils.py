@@ -4,7 +4,6 @@ The LLM class, the CLI and the server all build their configuration through this
 """
 import argparse
 import dataclasses
-import json
 import os
 import typing
 from dataclasses import dataclass, fields
@@ -12,6 +11,7 @@ from typing import Any
 
 from kiln.config import (CacheConfig, CompilationConfig, DeviceConfig, KilnConfig, LoadConfig,
                          ModelConfig, ParallelConfig, SchedulerConfig)
+from kiln.config.compilation_config import cli_fields
 from kiln.config.load_config import LOAD_FORMATS
 
 _DEFAULT_MAX_NUM_SEQS = SchedulerConfig.__dataclass_fields__["max_num_seqs"].default
@@ -22,13 +22,10 @@ class _MergeCompilationConfig(argparse.Action):
     updates the fields given before it, so `-O '{"compile_sizes": [4]}' -O3` keeps the sizes."""
 
     def __call__(self, parser, namespace, value, option_string=None):
-        text = str(value).strip()
         try:
-            update = {"mode": int(text)} if text.isdigit() else json.loads(text)
-        except json.JSONDecodeError as e:
-            parser.error(f"-O/--compilation-config must be a mode number or a JSON object: {e}")
-        if not isinstance(update, dict):
-            parser.error(f"-O/--compilation-config JSON must be an object, got {text}")
+            update = cli_fields(value)
+        except ValueError as e:
+            parser.error(str(e))
         current = getattr(namespace, self.dest, None)
         setattr(namespace, self.dest, {**(current if isinstance(current, dict) else {}),
                                        **update})

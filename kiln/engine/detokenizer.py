@@ -4,6 +4,7 @@ Text is decoded over a small sliding window of token ids (prefix/read offsets) s
 O(window), leading spaces and multi-byte characters split over several tokens come out right, and
 the concatenated stream equals decoding all tokens at once.
 """
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,15 +58,6 @@ def fast_decode(tokenizer) -> Callable[..., str]:
     except AttributeError:
         pass
     return decode
-
-
-def _common_prefix_length(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def decode_anchor(tokenizer) -> tuple[list[int], str] | None:
@@ -174,7 +166,7 @@ class IncrementalDetokenizer:
             # The prompt ends inside a character the output completes ("<0xE6>" + "<0x97><0xA5>"
             # is "日", not "�" + ...): the text from where they differ is the output's. Only
             # here, where none of the window's text was emitted yet, can that be taken back.
-            start = _common_prefix_length(prefix_text, full_text)
+            start = len(os.path.commonprefix([prefix_text, full_text]))
         if len(full_text) <= start:
             return ""
         if full_text.endswith(_INCOMPLETE) and not final:
