@@ -51,14 +51,22 @@ _RESERVED_TEMPLATE_KWARGS = ("tokenize", "conversation", "messages", "return_dic
                              "tokenizer_kwargs")
 
 
+class MessageError(ValueError):
+    """A chat message a template cannot take; `field` names it (messages[i].content[j])."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field} {problem}")
+        self.field = field
+
+
 def chat_messages(messages: list) -> list[dict]:
     """Messages as chat templates expect them, as vLLM hands them over: text content parts
     joined with newlines, missing or null content as "", other keys (name, ...) kept."""
     out = []
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
-            raise ValueError(f"messages[{i}] must be a dict with a 'role' (str) and 'content', "
-                             f"got {m!r}")
+            raise MessageError(f"messages[{i}]", f"must be a dict with a 'role' (str) and "
+                               f"'content', got {m!r}")
         content = m.get("content")
         if content is None:
             content = ""
@@ -72,12 +80,13 @@ def chat_messages(messages: list) -> list[dict]:
                     texts.append(part["text"])
                 else:
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise ValueError(f"messages[{i}].content[{j}]: content part {kind!r} is not "
-                                     "supported; give {'type': 'text', 'text': ...} parts")
+                    raise MessageError(f"messages[{i}].content[{j}]", f"is a content part of type "
+                                       f"{kind!r}, not supported; give {{'type': 'text', 'text': "
+                                       "...} parts")
             content = "\n".join(texts)
         elif not isinstance(content, str):
-            raise ValueError(f"messages[{i}].content must be a str or a list of text parts, got "
-                             f"{type(content).__name__}")
+            raise MessageError(f"messages[{i}].content", "must be a str or a list of text parts, "
+                               f"got {type(content).__name__}")
         out.append({**m, "content": content})
     return out
 

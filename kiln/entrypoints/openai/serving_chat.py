@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
 from kiln.engine.async_llm import AsyncLLM, RequestStream
+from kiln.engine.input_processor import MessageError, chat_messages, chat_render_kwargs
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.logprob_format import chat_logprobs
 from kiln.entrypoints.openai.protocol import (ChatCompletionChoice, ChatCompletionRequest,
@@ -25,27 +26,6 @@ from kiln.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected
                                                     until_disconnect)
 from kiln.entrypoints.openai.serving_models import ServingModels
 from kiln.outputs import CompletionOutput
-
-
-def template_messages(messages: list[ChatMessage]) -> list[dict]:
-    """Messages as plain dicts for the template; content parts other than text are refused."""
-    out = []
-    for i, m in enumerate(messages):
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
-                    raise OpenAIError(f"content part type {part.type!r} is not supported (text "
-                                      "only)", param=f"messages[{i}].content[{j}]",
-                                      code="unsupported_content")
-                texts.append(part.text)
-            content = "\n".join(texts)
-        entry = {"role": m.role, "content": content if content is not None else ""}
-        if m.name is not None:
-            entry["name"] = m.name
-        out.append(entry)
-    return out
 
 
 def check_generation_flags(req) -> None:
@@ -68,19 +48,21 @@ async def render_chat_prompt(llm: AsyncLLM, messages: list[ChatMessage],
     if not messages:
         raise OpenAIError("messages is empty: give at least one message", param="messages",
                           code="invalid_value")
-    plain = template_messages(messages)
-    kwargs = dict(template_kwargs or {})
-    for key in ("chat_template", "tokenize", "messages", "conversation"):
-        if key in kwargs:
-            # The server's template is the model's; clients pass variables, not templates.
-            raise OpenAIError(f"chat_template_kwargs may not set {key!r}",
-                              param="chat_template_kwargs", code="invalid_value")
-    if continue_final_message:
-        kwargs["continue_final_message"] = True
-        add_generation_prompt = False
+    if "chat_template" in (template_kwargs or {}):
+        # The server's template is the model's; clients pass variables, not templates.
+        raise OpenAIError("chat_template_kwargs may not set 'chat_template'",
+                          param="chat_template_kwargs", code="invalid_value")
     try:
-        prompt = await llm.chat_prompt(plain, add_generation_prompt=add_generation_prompt,
-                                       **kwargs)
+        plain = chat_messages([m.model_dump(exclude_none=True) for m in messages])
+    except MessageError as e:
+        raise OpenAIError(str(e), param=e.field, code="unsupported_content") from None
+    try:  # the default add_generation_prompt yields to continue_final_message (see above)
+        kwargs = chat_render_kwargs(add_generation_prompt and not continue_final_message,
+                                    continue_final_message, None, template_kwargs)
+    except ValueError as e:
+        raise OpenAIError(str(e), param="chat_template_kwargs", code="invalid_value") from None
+    try:
+        prompt = await llm.chat_prompt(plain, **kwargs)
     except Exception as e:  # noqa: BLE001 - jinja errors, sandbox violations, no template
         raise OpenAIError(f"could not render the chat template: {type(e).__name__}: {e}",
                           param="messages", code="chat_template_error") from None
