@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-STORIES_DIR = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+# A real trained 260K-parameter Llama shipped with the tests (tests/fixtures/stories260K/README.md).
+STORIES_DIR = Path(__file__).resolve().parent / "fixtures" / "stories260K"
 
 # Keep tests deterministic and light on a 2-core machine.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -86,8 +86,6 @@ def test_seeded_sampling_reproducible_across_runs_and_batches(tiny_llama_dir):
     assert unseeded[0] != alone or unseeded[1] != alone  # the seed, not luck, fixes the draw
 
 
-@pytest.mark.skipif(not (STORIES_DIR / "model.safetensors").exists(),
-                    reason="stories260K checkpoint not present in ../shared/models")
 def test_stories260k_greedy_from_bos_matches_hf():
     llm = LLM(model=str(STORIES_DIR), dtype="float32", enforce_eager=True, kv_cache_memory=0.05)
     bos = llm.get_tokenizer().bos_token_id

@@ -3,14 +3,12 @@ from pathlib import Path
 
 import pytest
 
-STORIES = Path("/work/shared/models/stories260K")
+from checkpoints import STORIES_DIR
 
 
 @pytest.fixture(scope="session")
 def stories_dir() -> Path:
-    if not (STORIES / "tokenizer.json").exists():
-        pytest.skip("stories260K is not available")
-    return STORIES
+    return STORIES_DIR
 
 
 @pytest.fixture(scope="session")

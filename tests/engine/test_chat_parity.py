@@ -57,8 +57,6 @@ def save_tokenizer(path, template: str | None):
 
 @pytest.fixture(scope="module")
 def chat_dir(tmp_path_factory):
-    if not (STORIES_DIR / "tokenizer.json").exists():
-        pytest.skip("stories260K is not available")
     path = tmp_path_factory.mktemp("chat_ckpt")
     make_tiny_checkpoint(path, "llama", tie=True, vocab_size=600)  # room for SPECIAL
     save_tokenizer(path, CHATML)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from checkpoints import STORIES_DIR
 from kiln.entrypoints.cli.main import build_parser
 
-STORIES = Path("/work/shared/models/stories260K")
 ENGINE = ["--enforce-eager", "--kv-cache-memory", "0.02", "--max-model-len", "128"]
 
 
@@ -19,9 +19,7 @@ def kiln(*argv, stdin: str | None = None, timeout: int = 300) -> subprocess.Comp
 
 @pytest.fixture(scope="module")
 def stories():
-    if not STORIES.exists():
-        pytest.skip("stories260K is not available")
-    return str(STORIES)
+    return str(STORIES_DIR)
 
 
 def test_subcommands_registered():

@@ -2,7 +2,7 @@
 bad prompts leave the engine untouched, stop strings free their blocks, output kinds agree."""
 import pytest
 
-from checkpoints import hf_greedy, random_prompts
+from checkpoints import STORIES_DIR, hf_greedy, random_prompts
 from kiln.entrypoints.llm import LLM
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
@@ -19,12 +19,7 @@ def llm(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def stories_llm():
-    from pathlib import Path
-
-    path = Path("/work/shared/models/stories260K")
-    if not path.exists():
-        pytest.skip("stories260K is not available")
-    llm = LLM(model=str(path), **ENGINE)
+    llm = LLM(model=str(STORIES_DIR), **ENGINE)
     yield llm
     llm.shutdown()
 
