@@ -5,6 +5,8 @@ import pytest
 
 from checkpoints import STORIES_DIR, hf_greedy, make_tiny_checkpoint, random_prompts  # noqa: F401 (re-exported)
 
+pytest_plugins = ["skip_gate"]
+
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
