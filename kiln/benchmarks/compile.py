@@ -129,7 +129,7 @@ def compile_report(engine_args: EngineArgs) -> dict:
             "shapes": {"range": [1, kiln_config.scheduler_config.max_num_batched_tokens],
                        "compile_sizes": list(cc.compile_sizes)},
             "per_shape": monitor.per_shape(events),
-            "events": [{**e, "s": round(e["s"], 4)} for e in events],
+            "events": events,
             "cache": {"enabled": not envs.disable_compile_cache(), "dirs": cache_dirs,
                       "key_dirs": sorted({str(Path(p).parents[1]) for p in cache_dirs}),
                       "inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
@@ -139,11 +139,9 @@ def compile_report(engine_args: EngineArgs) -> dict:
                          "artifacts_loaded": d["num_compiled_artifacts_loaded"],
                          "artifacts_saved": d["num_compiled_artifacts_saved"]},
             "counters": d,
-            "times": {"total_s": round(total_s, 4), "config_s": round(config_s, 4),
-                      **{k: round(v, 4) for k, v in timings.items()},
-                      "trace_s": round(s.trace_s - trace0, 4),
-                      "compile_s": round(s.compile_s - compile0, 4),
-                      "artifact_load_s": round(s.load_s - load0, 4)},
+            "times": {"total_s": total_s, "config_s": config_s, **timings,
+                      "trace_s": s.trace_s - trace0, "compile_s": s.compile_s - compile0,
+                      "artifact_load_s": s.load_s - load0},
         }
     finally:
         core.shutdown()
@@ -203,9 +201,9 @@ def _files_under(path: Path) -> int:
 
 def start_figures(report: dict, wall_s: float) -> dict:
     t = report["times"]
-    return {"process_wall_s": round(wall_s, 4), "startup_s": t["total_s"],
+    return {"process_wall_s": wall_s, "startup_s": t["total_s"],
             "load_model_s": t.get("load_model_s"), "warmup_s": t.get("warmup_s"),
-            "torch_compile_s": round(t["trace_s"] + t["compile_s"] + t["artifact_load_s"], 4),
+            "torch_compile_s": t["trace_s"] + t["compile_s"] + t["artifact_load_s"],
             "trace_s": t["trace_s"], "compile_s": t["compile_s"],
             "artifact_load_s": t["artifact_load_s"],
             "num_inductor_compiles": report["inductor"]["compiles"],
@@ -216,7 +214,7 @@ def start_figures(report: dict, wall_s: float) -> dict:
 
 
 def _ratio(a, b):
-    return round(a / b, 4) if a is not None and b else None
+    return a / b if a is not None and b else None
 
 
 def run_compile_bench(engine_args: EngineArgs, keep_cache: bool = False,

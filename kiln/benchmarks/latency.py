@@ -28,9 +28,10 @@ def percentile(values: list[float], q: float) -> float:
 
 def summarize_ms(seconds: list[float]) -> dict:
     ms = [s * 1000 for s in seconds]
-    return {"median_ms": round(statistics.median(ms), 4), "p90_ms": round(percentile(ms, 90), 4),
-            "mean_ms": round(statistics.fmean(ms), 4), "min_ms": round(min(ms), 4),
-            "max_ms": round(max(ms), 4), "num_steps": len(ms)}
+    # Unrounded, so ratios computed from the report equal the report's own ratios.
+    return {"median_ms": statistics.median(ms), "p90_ms": percentile(ms, 90),
+            "mean_ms": statistics.fmean(ms), "min_ms": min(ms), "max_ms": max(ms),
+            "num_steps": len(ms)}
 
 
 def merge_spec(base, spec) -> dict:
@@ -187,7 +188,7 @@ class Subject:
         return {"spec": self.label, "compilation_config": self.spec,
                 "compilation_mode": int(cc.mode),
                 "cudagraph_mode": getattr(cc.cudagraph_mode, "name", cc.cudagraph_mode),
-                "startup_s": round(self.startup_s, 4),
+                "startup_s": self.startup_s,
                 "model_weight_bytes": self.weight_bytes, "model": mc.model,
                 "dtype": str(mc.torch_dtype).removeprefix("torch."),
                 "device": self.kiln_config.device_config.device, "results": self.results}
@@ -281,7 +282,7 @@ def run_interleaved(configs: list[tuple[str, dict]], plan: dict,
 
 def speedups(first: dict, other: dict) -> dict:
     """first's median over other's, per batch size (> 1: other is faster)."""
-    return {b: round(first[b]["median_ms"] / other[b]["median_ms"], 4) for b in first}
+    return {b: first[b]["median_ms"] / other[b]["median_ms"] for b in first}
 
 
 def default_interleave(engine_args: EngineArgs) -> bool:

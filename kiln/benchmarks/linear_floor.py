@@ -49,9 +49,9 @@ class LinearFloor:
 
 def above_floor(results: dict, floor: dict) -> dict:
     """Median ms above the floor's median, per batch size."""
-    return {b: round(results[b]["median_ms"] - floor[b]["median_ms"], 4) for b in results}
+    return {b: results[b]["median_ms"] - floor[b]["median_ms"] for b in results}
 
 
 def speedup_ceiling(first: dict, floor: dict) -> dict:
     """The most any config could gain over `first`: first's median over the floor's."""
-    return {b: round(first[b]["median_ms"] / floor[b]["median_ms"], 4) for b in first}
+    return {b: first[b]["median_ms"] / floor[b]["median_ms"] for b in first}

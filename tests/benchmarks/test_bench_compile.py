@@ -85,6 +85,6 @@ def test_bench_compile_cold_then_warm(tiny_llama_dir):
     assert list(warm["cache_dirs"].values()) == ["hit"]
     assert cold["cache_dirs"].keys() == warm["cache_dirs"].keys()
     assert report["warm_vs_cold_startup"] == pytest.approx(
-        warm["startup_s"] / cold["startup_s"], rel=1e-3)
+        warm["startup_s"] / cold["startup_s"], rel=1e-12)
     assert report["inductor_files_outside_kiln_cache"] == 0  # Inductor's cache under Kiln's
     assert not Path(report["cache_dir"]).exists()  # removed without --keep-cache

@@ -103,15 +103,15 @@ def test_bench_latency_compares_two_configs_in_one_run(tiny_llama_dir, interleav
         assert set(floor) == {"1", "2"} and all(f["num_steps"] == 3 for f in floor.values())
         for b in ("1", "2"):
             assert report["speedup_ceiling_vs_first"][b] == pytest.approx(
-                first["results"][b]["median_ms"] / floor[b]["median_ms"], rel=1e-3)
+                first["results"][b]["median_ms"] / floor[b]["median_ms"], rel=1e-12)
             for config in report["configs"]:
                 assert config["above_linear_floor_ms"][b] == pytest.approx(
-                    config["results"][b]["median_ms"] - floor[b]["median_ms"], abs=1e-3)
+                    config["results"][b]["median_ms"] - floor[b]["median_ms"], abs=1e-9)
     else:
         assert floor is None and report["speedup_ceiling_vs_first"] is None
     for b, ratio in second["speedup_vs_first"].items():
         expected = first["results"][b]["median_ms"] / second["results"][b]["median_ms"]
-        assert ratio == pytest.approx(expected, rel=1e-3)
+        assert ratio == pytest.approx(expected, rel=1e-12)
 
 
 def test_interleaved_engines_take_turns_on_the_same_batch(tiny_llama_dir, monkeypatch):
