@@ -1,6 +1,6 @@
 """Pure functions that turn a step's schedule into flat model inputs (numpy, no state).
 
-Batch layout (../shared/notes/interfaces.md): requests one after another, each contributing
+Batch layout (docs/architecture.md, "Contracts"): requests one after another, each contributing
 its scheduled tokens; a token's position is its index in the request's sequence; padding has
 slot -1.
 """

@@ -63,7 +63,7 @@ class _RunnerRequest:
 
 
 class PagedTokenExecutor:
-    """Executor double honouring the real executor interface (see ../shared/notes/interfaces.md)."""
+    """Executor double honouring the real executor interface (docs/architecture.md, "Contracts")."""
     measured_blocks = 64
 
     def __init__(self, kiln_config):
