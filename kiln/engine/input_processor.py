@@ -121,6 +121,11 @@ class InputProcessor:
         self.kv_cache_tokens: int | None = None
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if self.tokenizer is None and (isinstance(prompt, str) or (
+                isinstance(prompt, dict) and "prompt_token_ids" not in prompt)):
+            raise ValueError("prompt text needs a tokenizer, and this engine runs with "
+                             "skip_tokenizer_init=True: give token ids ({'prompt_token_ids': "
+                             "[...]}) or start the engine with a tokenizer")
         if isinstance(prompt, str):
             return prompt, self._encode(prompt)
         if isinstance(prompt, dict):

@@ -11,7 +11,7 @@ from kiln.core.request import Request, RequestStatus
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from kiln.engine.output_processor import OutputProcessor, child_params, child_request_id
-from kiln.engine.tokenizer import generation_eos_token_ids, get_tokenizer
+from kiln.engine.tokenizer import config_eos_token_ids, generation_eos_token_ids, get_tokenizer
 from kiln.logger import init_logger
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
@@ -43,9 +43,11 @@ class LLMEngine:
         self.kiln_config = kiln_config
         self.model_config = kiln_config.model_config
         # The tokenizer first: it is cheap and a bad path should fail before the model loads.
-        self.tokenizer = get_tokenizer(self.model_config)
-        self.input_processor = InputProcessor(self.model_config, self.tokenizer,
-                                              generation_eos_token_ids(self.model_config))
+        self.tokenizer = get_tokenizer(self.model_config)  # None: skip_tokenizer_init
+        eos_ids = generation_eos_token_ids(self.model_config)
+        if self.tokenizer is None:  # no tokenizer to name eos: the model config does
+            eos_ids |= config_eos_token_ids(self.model_config)
+        self.input_processor = InputProcessor(self.model_config, self.tokenizer, eos_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         if executor_class is None:
             executor_class = get_executor_class(kiln_config.parallel_config)
@@ -67,6 +69,10 @@ class LLMEngine:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation-config defaults (--generation-config)."""
+        return SamplingParams(**self.model_config.generation_defaults)
 
     # ---- requests in -------------------------------------------------------------------------
 
@@ -168,6 +174,11 @@ class LLMEngine:
         """Render a conversation with the tokenizer's chat template (HF's sandboxed Jinja)."""
         from jinja2 import TemplateError
 
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer to render and tokenize the conversation; "
+                             "this engine runs with skip_tokenizer_init=True")
+        if chat_template is None:
+            chat_template = self.model_config.chat_template  # --chat-template, if given
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"the tokenizer of {self.model_config.model!r} has no chat template; "
                              "pass one (chat_template=, --chat-template) or use a chat model")

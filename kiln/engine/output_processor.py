@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kiln.core.outputs import EngineCoreOutput, LogprobsLists
 from kiln.engine.detokenizer import IncrementalDetokenizer, decode_anchor, lone_token_text
+from kiln.engine.stream_detokenizer import NoTextDetokenizer, detokenizer_for_request
 from kiln.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
@@ -44,7 +45,7 @@ class SampleState:
     core_id: str
     index: int
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | NoTextDetokenizer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
@@ -129,7 +130,7 @@ class OutputProcessor:
         # of ids, mostly the same few, one tokenizer call each. The text of a lone token id
         # does not depend on its neighbours, so it is decoded once (at most a vocabulary).
         self._token_texts: dict[int, str] = {}
-        self._anchor = decode_anchor(tokenizer)
+        self._anchor = decode_anchor(tokenizer) if tokenizer is not None else None
 
     def _decode_token(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
@@ -137,6 +138,9 @@ class OutputProcessor:
             text = self._token_texts[token_id] = lone_token_text(self.tokenizer, token_id,
                                                                  self._anchor)
         return text
+
+    def _has_text(self, sample: "SampleState") -> bool:
+        return sample.params.detokenize and self.tokenizer is not None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -152,8 +156,9 @@ class OutputProcessor:
             raise ValueError(f"request id {request_id!r} is already in use")
         states = []
         for index, (core_id, params) in enumerate(samples):
-            detok = IncrementalDetokenizer.for_request(
-                self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+            detok = detokenizer_for_request(
+                self.tokenizer, prompt_token_ids, detokenize=params.detokenize,
+                skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
                 min_tokens=params.min_tokens)
             want_logprobs = params.logprobs is not None
@@ -197,7 +202,7 @@ class OutputProcessor:
                 state.num_cached_tokens = out.num_cached_tokens
             # Every sample computes them (each may start first); the first to arrive is kept.
             if out.prompt_logprobs is not None and state.prompt_logprobs is None:
-                decode = self._decode_token if sample.params.detokenize else _no_text
+                decode = self._decode_token if self._has_text(sample) else _no_text
                 state.prompt_logprobs = [None] + [to_logprob_dict(lists, decode)
                                                   for lists in out.prompt_logprobs]
             touched[state.request_id] = state
@@ -217,7 +222,7 @@ class OutputProcessor:
         new_ids = list(out.new_token_ids)
         sample.token_ids.extend(new_ids)
         if sample.logprobs is not None:
-            decode = self._decode_token if sample.params.detokenize else _no_text
+            decode = self._decode_token if self._has_text(sample) else _no_text
             for lists in out.new_logprobs:
                 sample.logprobs.append(to_logprob_dict(lists, decode))
                 sample.cumulative_logprob += lists.logprobs[0]

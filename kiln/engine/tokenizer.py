@@ -31,12 +31,19 @@ def load_tokenizer(path: str | Path):
 
 
 def get_tokenizer(model_config: ModelConfig):
-    """The tokenizer a model config names: its own --tokenizer, else the checkpoint's."""
-    if model_config.tokenizer:
-        return load_tokenizer(model_config.tokenizer_path)
-    if model_config.gguf_file is not None:
-        return load_tokenizer(model_config.gguf_file)
-    return load_tokenizer(model_config.model_path)
+    """The tokenizer a model config names (its own --tokenizer, else the checkpoint's, both
+    resolved to local paths); None with skip_tokenizer_init."""
+    if model_config.skip_tokenizer_init:
+        return None
+    return load_tokenizer(model_config.tokenizer_path)
+
+
+def config_eos_token_ids(model_config: ModelConfig) -> set[int]:
+    """The model config's eos ids: the end of sequence when there is no tokenizer to ask."""
+    value = getattr(model_config.hf_config, "eos_token_id", None)
+    if value is None:
+        return set()
+    return {int(v) for v in (value if isinstance(value, list) else [value])}
 
 
 def generation_eos_token_ids(model_config: ModelConfig) -> set[int]:

@@ -39,6 +39,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the defaults of the model's generation_config.json (unless
+        --generation-config vllm): what generate() uses when given none."""
+        return self.llm_engine.get_default_sampling_params()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -49,8 +54,8 @@ class LLM:
             raise ValueError("prompts must be a str, a {'prompt_token_ids': [...]} dict or a "
                              f"list of them, got {type(prompts).__name__}")
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        if sampling_params is None:  # the model's generation-config defaults, as vLLM's
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         elif not isinstance(sampling_params, (list, tuple)):

@@ -16,3 +16,13 @@ def tokenizer(stories_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(stories_dir)
+
+
+@pytest.fixture(params=["decode_stream", "python"])
+def detokenizer_kind(request, monkeypatch):
+    """Run a test on both detokenizers: tokenizers' DecodeStream (fast tokenizers) and the
+    Python incremental one (slow tokenizers); `pytestmark = usefixtures(...)` in a module."""
+    from kiln.engine import stream_detokenizer
+
+    monkeypatch.setattr(stream_detokenizer, "USE_DECODE_STREAM", request.param == "decode_stream")
+    return request.param

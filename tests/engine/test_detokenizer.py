@@ -3,12 +3,16 @@ import random
 
 import pytest
 
-from kiln.engine.detokenizer import IncrementalDetokenizer, fast_decode, find_stop_string
+from kiln.engine.detokenizer import fast_decode, find_stop_string
+from kiln.engine.stream_detokenizer import (FastIncrementalDetokenizer, IncrementalDetokenizer,
+                                            detokenizer_for_request)
+
+pytestmark = pytest.mark.usefixtures("detokenizer_kind")
 
 
 def stream(tokenizer, ids, rng, prompt=(), **kw):
     """Feed ids in random-sized chunks; return (concatenated deltas, detokenizer)."""
-    d = IncrementalDetokenizer.for_request(tokenizer, list(prompt), **kw)
+    d = detokenizer_for_request(tokenizer, list(prompt), **kw)
     text, i = "", 0
     while i < len(ids):
         k = rng.randint(1, 3)
@@ -32,7 +36,7 @@ def test_incremental_equals_full_decode_on_random_ids(tokenizer, skip):
 
 def test_multibyte_character_is_not_streamed_half_done(tokenizer):
     ids = tokenizer("é ü 日本", add_special_tokens=False).input_ids
-    d = IncrementalDetokenizer.for_request(tokenizer, [])
+    d = detokenizer_for_request(tokenizer, [])
     pieces = []
     for t in ids:
         d.update([t])
@@ -47,7 +51,7 @@ def test_prompt_context_keeps_leading_space(tokenizer):
     prompt = tokenizer("Once upon a time").input_ids
     full = tokenizer("Once upon a time there was a dog").input_ids
     assert full[:len(prompt)] == prompt
-    d = IncrementalDetokenizer.for_request(tokenizer, prompt)
+    d = detokenizer_for_request(tokenizer, prompt)
     for t in full[len(prompt):]:
         d.update([t])
     assert d.output_text == " there was a dog"
@@ -67,7 +71,7 @@ def test_find_stop_string_only_in_new_text():
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_string_truncates_output(tokenizer, include):
     ids = tokenizer("the dog ran to the park and sat", add_special_tokens=False).input_ids
-    d = IncrementalDetokenizer.for_request(tokenizer, [], stop=["park"],
+    d = detokenizer_for_request(tokenizer, [], stop=["park"],
                                            include_stop_str_in_output=include)
     hit = None
     for n, t in enumerate(ids):
@@ -86,7 +90,7 @@ def test_stop_strings_wait_for_min_tokens(tokenizer):
     ids = tokenizer(text, add_special_tokens=False).input_ids
     cut_at = {}
     for min_tokens in (0, 1, 3):
-        d = IncrementalDetokenizer.for_request(tokenizer, [], stop=["b"], min_tokens=min_tokens)
+        d = detokenizer_for_request(tokenizer, [], stop=["b"], min_tokens=min_tokens)
         for n, t in enumerate(ids, start=1):
             if d.update([t]):
                 cut_at[min_tokens] = (n, d.output_text)
@@ -101,7 +105,7 @@ def test_stop_strings_wait_for_min_tokens(tokenizer):
 def test_delta_holds_back_possible_stop_prefix(tokenizer):
     # "sto" could be the start of "stop!": it must not be streamed before the match resolves.
     ids = tokenizer("we stop! now", add_special_tokens=False).input_ids
-    d = IncrementalDetokenizer.for_request(tokenizer, [], stop=["stop!"])
+    d = detokenizer_for_request(tokenizer, [], stop=["stop!"])
     streamed = ""
     for t in ids:
         hit = d.update([t])
@@ -151,6 +155,17 @@ def test_transformers_decode_kept_where_it_does_more_than_the_backend():
     custom = Custom(tokenizer_object=base.backend_tokenizer, eos_token="<|endoftext|>")
     assert fast_decode(custom) == custom.decode
     ids = base("once upon a time", add_special_tokens=False).input_ids
-    d = IncrementalDetokenizer.for_request(custom, [])
+    d = detokenizer_for_request(custom, [])
     d.update(ids, final=True)
     assert d.output_text == "ONCE UPON A TIME"
+
+
+def test_fast_tokenizers_get_decode_stream_and_slow_ones_python(tokenizer, detokenizer_kind):
+    """Where the tokenizer's decode is the backend's, DecodeStream runs (unless switched off);
+    a tokenizer whose decode adds to the backend's keeps the Python detokenizer."""
+    fast = detokenizer_kind == "decode_stream"
+    d = detokenizer_for_request(tokenizer, [])
+    assert isinstance(d, FastIncrementalDetokenizer) == fast
+    cleaned = _byte_level_bpe(clean_up_tokenization_spaces=True)
+    d = detokenizer_for_request(cleaned, [])
+    assert type(d) is IncrementalDetokenizer

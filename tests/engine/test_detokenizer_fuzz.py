@@ -8,7 +8,10 @@ import random
 
 import pytest
 
-from kiln.engine.detokenizer import INITIAL_CONTEXT_TOKENS, IncrementalDetokenizer
+from kiln.engine.detokenizer import INITIAL_CONTEXT_TOKENS
+from kiln.engine.stream_detokenizer import detokenizer_for_request
+
+pytestmark = pytest.mark.usefixtures("detokenizer_kind")
 
 FFFD = "\ufffd"
 
@@ -22,7 +25,7 @@ def expected(tok, prompt, ids, skip):
 
 def stream(tok, prompt, ids, rng, skip):
     """Random-sized steps; returns (the deltas, the detokenizer)."""
-    d = IncrementalDetokenizer.for_request(tok, prompt, skip_special_tokens=skip)
+    d = detokenizer_for_request(tok, prompt, skip_special_tokens=skip)
     deltas, i = [], 0
     while i < len(ids):
         k = rng.randint(1, 3)
@@ -53,7 +56,7 @@ def test_prompt_ending_inside_a_character_loses_no_output_text(tokenizer):
     prompt = tokenizer("Once upon").input_ids
     for cut in (1, 2):
         e6_97_a5 = byte_ids(tokenizer, "日".encode())
-        d = IncrementalDetokenizer.for_request(tokenizer, prompt + e6_97_a5[:cut])
+        d = detokenizer_for_request(tokenizer, prompt + e6_97_a5[:cut])
         for t in e6_97_a5[cut:] + words:
             d.update([t])
         d.update([], final=True)

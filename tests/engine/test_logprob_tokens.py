@@ -5,6 +5,8 @@ from kiln.core.outputs import EngineCoreOutput, LogprobsLists
 from kiln.engine.output_processor import OutputProcessor
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
+pytestmark = pytest.mark.usefixtures("detokenizer_kind")
+
 from engine.test_detokenizer import _byte_level_bpe
 
 

@@ -5,6 +5,8 @@ from kiln.core.outputs import EngineCoreOutput, LogprobsLists
 from kiln.engine.output_processor import OutputProcessor, child_params, child_request_id
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
+pytestmark = pytest.mark.usefixtures("detokenizer_kind")
+
 EOS = 2
 
 

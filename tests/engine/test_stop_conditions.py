@@ -8,6 +8,8 @@ from kiln.core.outputs import EngineCoreOutput
 from kiln.engine.output_processor import OutputProcessor, child_params, child_request_id
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
+pytestmark = pytest.mark.usefixtures("detokenizer_kind")
+
 EOS = 2
 PROMPT = "Once upon a time"
 

@@ -5,7 +5,6 @@ Reads one user turn per stdin line until EOF or "exit"; keeps the history for th
 """
 import argparse
 import sys
-from pathlib import Path
 
 from kiln.engine.arg_utils import EngineArgs
 from kiln.entrypoints.cli.sampling_args import add_sampling_args, sampling_params_from_args
@@ -21,9 +20,6 @@ def register(subparsers) -> None:
                                                f"'{RESET_WORD}' to start the conversation "
                                                "again, 'exit' or end of input to stop.")
     parser.add_argument("--system", default=None, help="system prompt")
-    parser.add_argument("--chat-template", default=None,
-                        help="a Jinja chat template overriding the tokenizer's: a file, or "
-                             "the template itself")
     add_sampling_args(parser, max_tokens=512)
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run)
@@ -47,25 +43,11 @@ def stream_reply(engine, request_id: str, prompt: dict, params, out=None) -> str
     return "".join(pieces)
 
 
-def load_chat_template(value: str | None) -> str | None:
-    """--chat-template as vLLM takes it: a path to a Jinja file, or the template's text."""
-    if value is None:
-        return None
-    path = Path(value).expanduser()
-    if path.is_file():
-        return path.read_text()
-    if "{" not in value:  # no Jinja in it: meant as a file that is not there
-        raise FileNotFoundError(f"--chat-template {value!r}: no such file (give a Jinja "
-                                "template file or the template text)")
-    return value
-
-
 def run(args: argparse.Namespace) -> int:
     from kiln.engine.llm_engine import LLMEngine
 
     # Checked before the model loads: a bad flag is a usage error, not one per turn.
     params = sampling_params_from_args(args, output_kind=RequestOutputKind.DELTA)
-    chat_template = load_chat_template(args.chat_template)
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     start = [{"role": "system", "content": args.system}] if args.system else []
     history = list(start)
@@ -89,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
                 continue
             history.append({"role": "user", "content": line})
             try:
-                prompt = engine.chat_prompt(history, chat_template=chat_template)
+                prompt = engine.chat_prompt(history)
                 reply = stream_reply(engine, f"chat-{turn}", prompt, params)
             except ValueError as e:
                 history.pop()

@@ -1,0 +1,74 @@
+"""The model's own sampling defaults (generation_config.json) and the chat template flag's text.
+
+Defaults fill only the fields a request leaves unset, as vLLM's `--generation-config auto`.
+"""
+import json
+from pathlib import Path
+
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
+
+# generation_config.json key -> SamplingParams field (vLLM's get_diff_sampling_param).
+_DEFAULT_KEYS = {"repetition_penalty": "repetition_penalty", "temperature": "temperature",
+                 "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                 "max_new_tokens": "max_tokens"}
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template as vLLM takes it: a path to a Jinja file, or the template's text."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{" not in value:  # no Jinja in it: meant as a file that is not there
+        raise FileNotFoundError(f"--chat-template {value!r}: no such file (give a Jinja "
+                                "template file or the template text)")
+    return value
+
+
+def generation_config_file(generation_config: str, model_path: Path) -> Path | None:
+    """The generation_config.json that --generation-config names (None: no defaults)."""
+    if generation_config == "vllm":
+        return None
+    if generation_config == "auto":
+        path = model_path / "generation_config.json"
+        return path if path.is_file() else None
+    path = Path(generation_config).expanduser()
+    if path.is_dir():
+        path = path / "generation_config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"--generation-config {generation_config!r}: no "
+                                "generation_config.json there; pass auto, vllm or a directory "
+                                "holding one")
+    return path
+
+
+def load_generation_defaults(generation_config: str, model_path: Path) -> dict:
+    """SamplingParams field -> default, from the generation config the flag names."""
+    path = generation_config_file(generation_config, model_path)
+    if path is None:
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        if generation_config == "auto":
+            logger.warning("ignoring unreadable %s (%s)", path, e)
+            return {}
+        raise ValueError(f"--generation-config {generation_config!r}: {path} is not JSON "
+                         f"({e})") from None
+    defaults = {field: raw[key] for key, field in _DEFAULT_KEYS.items()
+                if raw.get(key) is not None}
+    if defaults:
+        logger.info("sampling defaults from %s for fields requests leave unset: %s "
+                    "(--generation-config vllm ignores them)", path, defaults)
+    return defaults
+
+
+def default_max_tokens(requested: int | None, defaults: dict) -> int | None:
+    """A request's max_tokens under the model's default: the smaller of both, as vLLM's."""
+    default = defaults.get("max_tokens")
+    if requested is None or default is None:
+        return requested if default is None else default
+    return min(requested, default)
