@@ -5,8 +5,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.engine.detokenizer import (_INCOMPLETE, INITIAL_CONTEXT_TOKENS, IncrementalDetokenizer,
-                                     fast_decode)
+from kiln.engine.detokenizer import _INCOMPLETE, INITIAL_CONTEXT_TOKENS, IncrementalDetokenizer, fast_decode
 
 # False: every tokenizer uses the Python incremental detokenizer (tests run both).
 USE_DECODE_STREAM = True
