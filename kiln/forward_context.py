@@ -16,8 +16,8 @@ class ForwardContext:
     # layer name -> Attention module (owns its kv_cache tensor and backend impl)
     no_compile_layers: dict[str, Any]
     attn_metadata: AttentionMetadata | None  # None: profiling / warm-up run, no KV I/O
-    batch_descriptor: Any = None  # kiln.compilation.cuda_graph.BatchDescriptor
-    cudagraph_runtime_mode: Any = None  # kiln.compilation.cuda_graph.CUDAGraphMode
+    batch_descriptor: Any = None  # kiln.cudagraphs.mode.BatchDescriptor
+    cudagraph_runtime_mode: Any = None  # kiln.cudagraphs.mode.CUDAGraphMode
     # Called as the context closes, even on an error: undo per-step state kept elsewhere.
     on_exit: list[Callable[[], None]] = field(default_factory=list)
 

@@ -28,11 +28,11 @@ logger = init_logger(__name__)
 
 def wrap_piece(piece_callable: Callable, piece_index: int, is_last: bool,
                kiln_config=None) -> Callable:
-    """Seam for CUDA graphs (kiln/compilation/cuda_graph.py): wrap a compiled piece for capture
+    """Seam for CUDA graphs (kiln/cudagraphs/wrapper.py): wrap a compiled piece for capture
     when a piecewise graph mode asks for it. Without graph support the piece runs as is."""
     if kiln_config is None:
         return piece_callable
-    from kiln.compilation.cuda_graph import wrap_piece_for_cudagraph
+    from kiln.cudagraphs.wrapper import wrap_piece_for_cudagraph
 
     return wrap_piece_for_cudagraph(piece_callable, kiln_config.compilation_config,
                                     is_last=is_last, name=f"piece_{piece_index}")

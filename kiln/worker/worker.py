@@ -9,9 +9,9 @@ import torch
 
 from kiln import envs
 from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kiln.cudagraphs.capture import capture_model
 from kiln.logger import init_logger
 from kiln.worker import kv_cache_sizing
-from kiln.worker.cudagraph_capture import capture_model
 from kiln.worker.host_memory import freeze_gc_heap, zeros_on_first_touch
 from kiln.worker.model_runner import ModelRunner
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kiln.compilation.counters import compilation_counter
-from kiln.compilation.cuda_graph import CUDAGraphMode
-from kiln.compilation.cudagraph_dispatcher import resolve_cudagraph_mode
+from kiln.cudagraphs.dispatcher import resolve_cudagraph_mode
+from kiln.cudagraphs.mode import CUDAGraphMode
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -3,8 +3,8 @@ runs the padded batch (no wrappers on CPU), and tokens must still equal HF's gre
 import pytest
 
 from checkpoints import hf_greedy, random_prompts
-from kiln.compilation.cuda_graph import CUDAGraphMode
-from kiln.compilation.cudagraph_dispatcher import CudagraphDispatcher
+from kiln.cudagraphs.dispatcher import CudagraphDispatcher
+from kiln.cudagraphs.mode import CUDAGraphMode
 from kiln.sampling_params import SamplingParams
 from schedule_driver import ScheduleDriver
 from test_model_runner import BS, make_executor

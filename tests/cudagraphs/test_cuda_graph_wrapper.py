@@ -11,13 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kiln.compilation import cuda_graph
 from kiln.compilation.counters import compilation_counter
-from kiln.compilation.cuda_graph import (BatchDescriptor, CUDAGraphMode, CUDAGraphWrapper,
-                                         capture_phase, is_capture_phase_active,
-                                         weak_ref_tensor, weak_ref_tensors,
-                                         wrap_model_for_full_cudagraph, wrap_piece_for_cudagraph)
 from kiln.config.compilation_config import CompilationConfig
+from kiln.cudagraphs import wrapper as cudagraph_wrapper
+from kiln.cudagraphs.mode import BatchDescriptor, CUDAGraphMode
+from kiln.cudagraphs.wrapper import (CUDAGraphWrapper, capture_phase, is_capture_phase_active,
+                                     weak_ref_tensor, weak_ref_tensors,
+                                     wrap_model_for_full_cudagraph, wrap_piece_for_cudagraph)
 from kiln.forward_context import set_forward_context
 
 M = CUDAGraphMode
@@ -52,7 +52,7 @@ def fake_cuda(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", make_graph)
     monkeypatch.setattr(torch.cuda, "graph", graph_ctx)
-    monkeypatch.setattr(cuda_graph, "_global_graph_pool", "global-pool")
+    monkeypatch.setattr(cudagraph_wrapper, "_global_graph_pool", "global-pool")
     return graphs
 
 

@@ -4,11 +4,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from kiln.compilation.cuda_graph import BatchDescriptor, CUDAGraphMode
-from kiln.compilation.cudagraph_dispatcher import (CudagraphDispatcher, resolve_cudagraph_config,
-                                                   resolve_cudagraph_mode)
 from kiln.config.compilation_config import CompilationConfig
 from kiln.config.scheduler_config import SchedulerConfig
+from kiln.cudagraphs.dispatcher import (CudagraphDispatcher, resolve_cudagraph_config,
+                                        resolve_cudagraph_mode)
+from kiln.cudagraphs.mode import BatchDescriptor, CUDAGraphMode
 from kiln.platforms import CpuPlatform, CudaPlatform
 
 M = CUDAGraphMode

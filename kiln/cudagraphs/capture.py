@@ -6,8 +6,9 @@ import numpy as np
 import torch
 
 from kiln.attention.metadata import AttentionMetadata
-from kiln.compilation.cuda_graph import BatchDescriptor, CUDAGraphMode, capture_phase
-from kiln.compilation.cudagraph_dispatcher import CudagraphDispatcher, resolve_cudagraph_config
+from kiln.cudagraphs.dispatcher import CudagraphDispatcher, resolve_cudagraph_config
+from kiln.cudagraphs.mode import BatchDescriptor, CUDAGraphMode
+from kiln.cudagraphs.wrapper import capture_phase
 from kiln.forward_context import set_forward_context
 
 

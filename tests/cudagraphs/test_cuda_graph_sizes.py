@@ -1,9 +1,9 @@
 """Capture-size lists, the padding table and the CUDAGraphMode halves: pure, no GPU, no model."""
 import pytest
 
-from kiln.compilation.cuda_graph import BatchDescriptor, CUDAGraphMode
-from kiln.compilation.cudagraph_dispatcher import (build_padding_table, default_capture_sizes,
-                                                   pad_to_capture_size, resolve_capture_sizes)
+from kiln.cudagraphs.dispatcher import (build_padding_table, default_capture_sizes,
+                                        pad_to_capture_size, resolve_capture_sizes)
+from kiln.cudagraphs.mode import BatchDescriptor, CUDAGraphMode
 
 M = CUDAGraphMode
 

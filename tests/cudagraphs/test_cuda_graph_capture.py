@@ -5,13 +5,14 @@ import pytest
 import torch
 
 from kiln.compilation.counters import compilation_counter
-from kiln.compilation.cuda_graph import BatchDescriptor, CUDAGraphMode, CUDAGraphWrapper
-from kiln.compilation.cudagraph_dispatcher import CudagraphDispatcher
 from kiln.config import CacheConfig, KilnConfig, ModelConfig, SchedulerConfig
+from kiln.cudagraphs.capture import capture_model, dummy_query_lens, setup_cudagraphs
+from kiln.cudagraphs.dispatcher import CudagraphDispatcher
+from kiln.cudagraphs.mode import BatchDescriptor, CUDAGraphMode
+from kiln.cudagraphs.wrapper import CUDAGraphWrapper
 from kiln.executor.uniproc_executor import UniprocExecutor
 from kiln.forward_context import get_forward_context
 from kiln.platforms import CpuPlatform
-from kiln.worker.cudagraph_capture import capture_model, dummy_query_lens, setup_cudagraphs
 from test_cuda_graph_wrapper import fake_cuda  # noqa: F401  (fixture)
 
 M = CUDAGraphMode

@@ -4,8 +4,8 @@ The decisions are pure functions; `CudagraphDispatcher` holds their result for o
 """
 import bisect
 
-from kiln.compilation.cuda_graph import BatchDescriptor, CUDAGraphMode
 from kiln.config.compilation_config import CompilationMode
+from kiln.cudagraphs.mode import BatchDescriptor, CUDAGraphMode
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
