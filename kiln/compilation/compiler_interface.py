@@ -14,7 +14,7 @@ from torch import fx
 from kiln.compilation import vec_isa
 from kiln.compilation.artifact_call import direct_callable
 from kiln.compilation.counters import compilation_counter
-from kiln.compilation.precompiled_header import headers_not_precompiled
+from kiln.compilation.inductor_patches import headers_not_precompiled
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from kiln import envs
+from kiln.compilation import inductor_patches
 from kiln.compilation.cache import atomic_write_text
 from kiln.logger import init_logger
 
@@ -97,36 +98,30 @@ def _read_verdict(verdict: Path) -> bool | None:
     return bool(data.get("all_candidates_pass"))
 
 
-# The verdict file the extension probes are remembered in (the latest settle's), and whether
-# Inductor's probe is wrapped; one process has one machine, so this state is process-wide.
-_probe_memo: dict = {"verdict": None, "installed": False}
+# The verdict file the extension probes are remembered in (the latest settle's); one process
+# has one machine, so this state is process-wide.
+_probe_memo: dict = {"verdict": None}
 
 
 def _remember_extension_probes(verdict: Path) -> None:
-    """Wrap Inductor's per-ISA build probe (`VecISA.check_build`: compile a test library with the
-    ISA's flags, dlopen it in a child) so an answer this machine gave is read from `verdict`."""
-    from torch._inductor.cpu_vec_isa import VecISA
-
+    """Have Inductor's per-ISA build probe read an answer this machine gave from `verdict`."""
     _probe_memo["verdict"] = verdict
-    if _probe_memo["installed"] or not callable(getattr(VecISA, "check_build", None)):
-        return
-    probe = VecISA.check_build
+    inductor_patches.remember_isa_build_probes(_recall_build)
 
-    def check_build(isa, code: str) -> bool:
-        path = _probe_memo["verdict"]
-        key = hashlib.sha256(f"{isa}|{isa.build_arch_flags()}|{code}".encode()).hexdigest()[:16]
+
+def _recall_build(isa, code: str, probe) -> bool:
+    """The recorded answer of `probe(isa, code)`, probed and recorded when there is none."""
+    path = _probe_memo["verdict"]
+    key = hashlib.sha256(f"{isa}|{isa.build_arch_flags()}|{code}".encode()).hexdigest()[:16]
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return probe(isa, code)
+    builds = known.setdefault("builds", {})
+    if key not in builds:
+        builds[key] = bool(probe(isa, code))
         try:
-            known = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return probe(isa, code)
-        builds = known.setdefault("builds", {})
-        if key not in builds:
-            builds[key] = bool(probe(isa, code))
-            try:
-                atomic_write_text(path, json.dumps(known))
-            except OSError as e:  # unremembered, not wrong: the next process probes again
-                logger.debug("could not record a vector-ISA probe in %s: %s", path, e)
-        return builds[key]
-
-    VecISA.check_build = check_build
-    _probe_memo["installed"] = True
+            atomic_write_text(path, json.dumps(known))
+        except OSError as e:  # unremembered, not wrong: the next process probes again
+            logger.debug("could not record a vector-ISA probe in %s: %s", path, e)
+    return builds[key]

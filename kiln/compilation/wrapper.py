@@ -11,6 +11,7 @@ import torch
 
 from kiln.compilation import monitor
 from kiln.compilation.counters import compilation_counter
+from kiln.compilation.inductor_patches import forget_backend
 from kiln.compilation.phase import RecompileAfterWarmupError, WarmupPhase
 from kiln.logger import init_logger
 
@@ -89,7 +90,8 @@ class TraceOnceWrapper:
                 output = compiled(self.module, *args, **kwargs)
         finally:
             handle.remove()
-            _forget_backend(self.backend)
+            # Nothing re-enters Dynamo for this forward once traced (a recompile is an error).
+            forget_backend(self.backend)
         compilation_counter.num_dynamo_traces += 1
         if not captured:
             raise RuntimeError(f"Dynamo produced no bytecode for {self.prefix}.forward")
@@ -139,19 +141,6 @@ class GuardedCompileWrapper:
                 raise
             raise RecompileAfterWarmupError(
                 f"{self.prefix}.forward would recompile after warm-up ended: {e}") from e
-
-
-def _forget_backend(backend: Any) -> None:
-    """Take `backend` out of Dynamo's `cached_backends`, where torch.compile keeps every backend
-    it is given until torch._dynamo.reset(). Kiln's holds the engine's config, and through it
-    the model and its KV caches, which would outlive the engine. Nothing re-enters Dynamo for
-    this forward once its trace is done (a recompile is an error), so nothing needs it there."""
-    cached = getattr(torch._dynamo.eval_frame, "cached_backends", None)
-    if not isinstance(cached, dict):
-        return
-    for key, value in list(cached.items()):
-        if value is backend or getattr(value, "compiler_fn", None) is backend:
-            del cached[key]
 
 
 def _detached_globals(fn: types.FunctionType) -> dict[str, Any]:
