@@ -10,12 +10,12 @@ import weakref
 
 import torch
 
-from kiln.forward_context import get_forward_context, is_forward_context_available
-from kiln.model.layers.attention import Attention
-from kiln.native import attention_op, build, paged_attention
+from kiln.attention import kv_cache_generation
 from kiln.attention.backend import AttentionImpl
 from kiln.attention.metadata import AttentionMetadata
 from kiln.attention.torch_backend import TorchAttentionBackend, TorchAttentionImpl
+from kiln.forward_context import get_forward_context, is_forward_context_available
+from kiln.native import attention_op, build, paged_attention
 
 # Queries up to this many tokens go to the kernel (a decode is 1). Measured on 2 cores (one
 # request, 256 tokens of context, 9 heads of 64, ms per layer): kernel / SDPA (4-D, its flash
@@ -116,7 +116,7 @@ _MAX_TABLES = 8
 def _layer_table(layers: dict) -> attention_op.LayerTable | None:
     """The C++ kernel's table of the layers it can serve, rebuilt after any layer's cache was
     assigned anew; None when it can serve none."""
-    generation = Attention.kv_cache_generation
+    generation = kv_cache_generation.current()
     known = _tables.get(id(layers))
     if known is not None and known[0] == generation:
         return known[1]

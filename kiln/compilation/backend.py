@@ -4,7 +4,6 @@ It keys the disk cache, installs the post-grad pass manager, splits the graph at
 ops, compiles (or loads) each non-splitting piece per shape, and returns the stitched graph.
 """
 import os
-import pickle
 from pathlib import Path
 from typing import Any, Callable
 
@@ -12,8 +11,8 @@ import torch
 from torch import fx
 
 from kiln import envs
-from kiln.compilation import graph_cache, monitor
-from kiln.compilation.cache import (CompileCache, cache_base_dir, compute_cache_key,
+from kiln.compilation import monitor
+from kiln.compilation.cache import (CompileCache, cache_base_dir, compiled_graph_key,
                                     private_inductor_cache_dir)
 from kiln.compilation.compiler_interface import make_compiler
 from kiln.compilation.counters import compilation_counter
@@ -21,6 +20,7 @@ from kiln.compilation.passes import (FuseAddRmsNormLinear, FuseSiluMulLinear,
                                      PostGradPassManager)
 from kiln.compilation.piecewise import PieceCompiler, PiecewiseBackend
 from kiln.compilation.split import SplitItem, split_graph
+from kiln.compilation.warm_start import SavedGraph, WarmStart
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -96,8 +96,7 @@ class KilnBackend:
         self.cache: CompileCache | None = None
         self.cache_key: str | None = None
         self.traced: list[str] = []  # source files Dynamo traced (part of the cache key)
-        self.saved_graph: dict | None = None  # what a cold trace saves for warm starts
-        self.graph_outputs: Any = None  # the stitched graph's first outputs (see save_traced)
+        self.warm_start = WarmStart(kiln_config, prefix, self.compiler)
         if cc.debug_dump_path and hasattr(self.compiler, "dump_dir"):
             self.compiler.dump_dir = (Path(cc.debug_dump_path) / f"rank_"
                                       f"{kiln_config.parallel_config.rank}" / prefix)
@@ -109,8 +108,7 @@ class KilnBackend:
         return sorted({c.co_filename for c in codes if os.path.exists(c.co_filename)})
 
     def key_for(self, traced_files: list[str]) -> str:
-        return compute_cache_key(self.kiln_config.compute_hash(), traced_files,
-                                 self.compiler.compute_hash(), self.kiln_config.device_config.device)
+        return compiled_graph_key(self.kiln_config, self.compiler, traced_files)
 
     def _open_cache(self, key: str) -> CompileCache | None:
         if envs.disable_compile_cache():
@@ -144,18 +142,16 @@ class KilnBackend:
         self.traced = self.traced_files()
         self.cache_key = self.key_for(self.traced)
         self.cache = self._open_cache(self.cache_key)
-        inputs = graph_cache.graph_inputs(gm)
         split_gm, self.split_items = split_graph(gm, cc.splitting_ops)
-        self.saved_graph = self._pickle_split_graph(split_gm, inputs)
+        self.warm_start.record_split(gm, split_gm, keep=self.cache is not None)
+        if self.cache is not None:
+            self.cache.write_text("split_graph.py", split_gm.print_readable(print_output=False))
         compiled_items = [it for it in self.split_items if not it.is_splitting_graph]
         compilation_counter.num_piecewise_graphs_seen += len(self.split_items)
         compilation_counter.num_piecewise_capturable_graphs_seen += len(compiled_items)
-        if self.cache is not None:
-            self.cache.write_text("split_graph.py", split_gm.print_readable(print_output=False))
         self._dump(split_gm)
 
         piece_compiler = self.piece_compiler()
-        max_tokens = self.kiln_config.scheduler_config.max_num_batched_tokens
         names = {it.submod_name: it for it in compiled_items}
         last = compiled_items[-1].graph_id if compiled_items else -1
         backend = self
@@ -167,11 +163,9 @@ class KilnBackend:
                 output = super().call_module(target, args, kwargs)
                 item = names.get(target)
                 if item is not None:
-                    piece = PiecewiseBackend(item.graph, item.graph_id, list(args),
-                                             piece_compiler, cc.compile_sizes, max_tokens)
-                    backend.pieces[item.graph_id] = piece
-                    split_gm.__dict__[target] = wrap_piece(piece, item.graph_id,
-                                                           item.graph_id == last, backend.kiln_config)
+                    backend._install_piece(split_gm, target, item.graph, item.graph_id,
+                                           item.graph_id == last, piece_compiler,
+                                           example_inputs=list(args))
                 return output
 
         fakes = fake_example_inputs(example_inputs)
@@ -179,40 +173,67 @@ class KilnBackend:
         with TracingContext.get().fake_mode:
             _Compile(split_gm).run(*fakes)
         call_splitting_pieces_directly(split_gm)
-        if self.saved_graph is None:
-            return split_gm
+        return self.warm_start.observe_first_outputs(split_gm)
 
-        def first_outputs(*args):
-            # Keeps the stitched graph's outputs so save_traced can tell, by identity, which
-            # of them the forward returns.
-            outputs = split_gm(*args)
-            if backend.saved_graph is not None and backend.graph_outputs is None:
-                backend.graph_outputs = outputs
-            return outputs
-        return first_outputs
-
-    def _pickle_split_graph(self, split_gm: fx.GraphModule, inputs) -> dict | None:
-        if self.cache is None or inputs is None:
-            return None
-        try:
-            return {"bytes": pickle.dumps(split_gm), "sources": inputs[0], "meta": inputs[1]}
-        except Exception as e:  # an unpicklable target: warm starts will trace again
-            logger.info("traced graph of %s not saved for warm starts (%s: %s)", self.prefix,
-                        type(e).__name__, e)
-            return None
+    def _install_piece(self, split_gm, submod: str, graph: torch.nn.Module, graph_id: int,
+                       is_last: bool, piece_compiler: PieceCompiler,
+                       example_inputs: list | None = None, saved: dict | None = None) -> None:
+        """Compile (or load) one piece and put it in the split graph in place of its module;
+        `saved` (from a saved graph) replaces the example inputs."""
+        piece = PiecewiseBackend(graph, graph_id, example_inputs, piece_compiler,
+                                 self.kiln_config.compilation_config.compile_sizes,
+                                 self.kiln_config.scheduler_config.max_num_batched_tokens,
+                                 saved=saved)
+        self.pieces[graph_id] = piece
+        split_gm.__dict__[submod] = wrap_piece(piece, graph_id, is_last, self.kiln_config)
 
     def save_traced(self, forward, result: Any, signature: str, bytecode) -> None:
-        """Called by the wrapper after the cold trace's first call (see warm_start.py)."""
-        from kiln.compilation import warm_start
-
-        warm_start.save_traced(self, forward, result, signature, bytecode)
+        """Called by the wrapper after the cold trace's first call: save it for warm starts."""
+        if self.cache is None:
+            return
+        self.warm_start.save(forward, result, signature, bytecode, cache=self.cache,
+                             key=self.cache_key, traced=self.traced, pieces=self.pieces)
 
     def load_saved(self, module, forward, args: tuple, kwargs: dict,
                    signature: str) -> Callable | None:
-        """Called by the wrapper instead of tracing; None means trace (see warm_start.py)."""
-        from kiln.compilation import warm_start
+        """Called by the wrapper instead of tracing: the stitched graph of an earlier trace
+        with this cache key, fed straight from the forward's arguments; None means trace."""
+        spent_before = monitor.stats.load_s
+        with monitor.Timer() as t:
+            saved = self.warm_start.find(module, forward, args, kwargs, signature)
+            if saved is None or not self._install_saved(saved):
+                return None
+        compilation_counter.num_saved_graph_loads += 1
+        monitor.log_graph_load(self.prefix, t.seconds - (monitor.stats.load_s - spent_before))
+        return saved.runner
 
-        return warm_start.load_saved(self, module, forward, args, kwargs, signature)
+    def _install_saved(self, saved: SavedGraph) -> bool:
+        """Load every compiled piece of a saved graph from the cache; False (trace) on failure."""
+        cache = self._open_cache(saved.key)
+        if cache is None:  # unwritable: its artifacts cannot load (see _open_cache)
+            return False
+        self.cache, self.cache_key, self.traced = cache, saved.key, saved.traced
+        split_gm = saved.split_gm
+        try:
+            piece_compiler = self.piece_compiler()
+            compiled = {p["submod"] for p in saved.pieces}
+            self.split_items = [SplitItem(name, int(name.replace("submod_", "")),
+                                          name not in compiled, module)
+                                for name, module in split_gm.named_children()]
+            compilation_counter.num_piecewise_graphs_seen += len(self.split_items)
+            compilation_counter.num_piecewise_capturable_graphs_seen += len(saved.pieces)
+            last = saved.pieces[-1]["graph_id"] if saved.pieces else -1
+            for p in saved.pieces:
+                self._install_piece(split_gm, p["submod"], getattr(split_gm, p["submod"]),
+                                    p["graph_id"], p["graph_id"] == last, piece_compiler,
+                                    saved=p)
+            call_splitting_pieces_directly(split_gm)
+        except Exception as e:
+            logger.warning("saved graph in %s could not be rebuilt (%s: %s); tracing with "
+                           "Dynamo instead", cache.dir, type(e).__name__, e)
+            self.pieces.clear()
+            return False
+        return True
 
     def _dump(self, split_gm: fx.GraphModule) -> None:
         path = self.kiln_config.compilation_config.debug_dump_path

@@ -45,6 +45,12 @@ def compute_cache_key(config_hash: str, traced_files: list[str], compiler_hash: 
     return hashlib.sha256(repr(factors).encode()).hexdigest()[:16]
 
 
+def compiled_graph_key(kiln_config, compiler, traced_files: list[str]) -> str:
+    """The cache key of a model compiled under `kiln_config` by `compiler` from those sources."""
+    return compute_cache_key(kiln_config.compute_hash(), traced_files, compiler.compute_hash(),
+                             kiln_config.device_config.device)
+
+
 def cache_base_dir(configured: str) -> Path:
     return Path(configured).expanduser() if configured else (
         envs.cache_root() / "torch_compile_cache")

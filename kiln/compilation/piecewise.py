@@ -156,7 +156,7 @@ class PiecewiseBackend:
                  compiler: PieceCompiler, compile_sizes: list[int], max_num_tokens: int,
                  saved: dict | None = None):
         """`saved` ({"fingerprint", "size_arg"}, from a saved graph) replaces example inputs;
-        `graph` is then code-only (graph_pickle.py) and every artifact must load from the cache
+        `graph` is then code-only (warm_start/graph_pickle.py) and every artifact must load from the cache
         (the eager compiler aside, which runs the graph as it is)."""
         self.graph, self.piece, self.compiler = graph, piece, compiler
         self.compile_sizes, self.max_num_tokens = set(compile_sizes), max_num_tokens
@@ -183,7 +183,7 @@ class PiecewiseBackend:
                         self.by_size[size] = fn
                 if (saved is not None and size not in self.by_size
                         and compiler.compiler.name != "eager"):
-                    # A saved graph is code-only and cannot be compiled (see graph_pickle.py).
+                    # A saved graph is code-only and cannot be compiled (see warm_start/graph_pickle.py).
                     raise LookupError(f"piece {piece}: no loadable artifact for size {size}")
         self.dispatch_counts: collections.Counter = collections.Counter()  # size|"range" -> n
 

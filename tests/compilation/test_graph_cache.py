@@ -3,7 +3,7 @@ result maps to graph outputs, side-effect detection, gathering inputs from the f
 import pytest
 import torch
 
-from kiln.compilation import graph_cache as gc
+from kiln.compilation.warm_start import graph_cache as gc
 
 
 def test_safe_sources_are_lookup_chains_from_L():

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import fx
 
-from kiln.compilation import graph_pickle
-from kiln.compilation.graph_pickle import CodeOnlyGraph
+from kiln.compilation.warm_start import graph_pickle
+from kiln.compilation.warm_start.graph_pickle import CodeOnlyGraph
 
 
 class _Inner(torch.nn.Module):

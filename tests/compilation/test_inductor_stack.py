@@ -380,7 +380,7 @@ def test_warm_start_missing_a_size_artifact_traces_and_compiles_it(cold, tmp_pat
 
 
 def test_warm_start_checks_each_artifact_file_once(cold, monkeypatch):
-    from kiln.compilation import graph_cache, warm_start
+    from kiln.compilation.warm_start import graph_cache, warm_start
 
     backend: KilnBackend = cold["model"]._kiln_compile.backend
     plan, _ = graph_cache.load_plan(backend.cache.dir)

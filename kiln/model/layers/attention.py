@@ -6,15 +6,12 @@ import torch
 from torch import nn
 
 import kiln.attention.ops  # noqa: F401  registers torch.ops.kiln.unified_attention
+from kiln.attention import kv_cache_generation
 from kiln.attention.backend import get_attn_backend
 from kiln.config import get_current_kiln_config
 
 
 class Attention(nn.Module):
-    # Counts assignments of any layer's kv_cache: what keeps views of the caches (the CPU
-    # backend's layer table for its C++ kernel) rebuilds them when this changed.
-    kv_cache_generation = 0
-
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  prefix: str):
         super().__init__()
@@ -37,7 +34,7 @@ class Attention(nn.Module):
     @kv_cache.setter
     def kv_cache(self, value: torch.Tensor | None) -> None:
         self.__dict__["_kv_cache"] = value
-        Attention.kv_cache_generation += 1
+        kv_cache_generation.bump()  # views of the caches rebuild (kiln/attention/cpu_backend.py)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(q)  # [T, nh*hd]

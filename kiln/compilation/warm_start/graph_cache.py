@@ -18,9 +18,9 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from kiln.compilation import graph_pickle
 from kiln.compilation.cache import atomic_write_text
-from kiln.compilation.graph_pickle import CodeOnlyGraph
+from kiln.compilation.warm_start import graph_pickle
+from kiln.compilation.warm_start.graph_pickle import CodeOnlyGraph
 
 FORMAT_VERSION = 2  # 2: the plan carries its own checksum
 PLAN_FILE = "saved_graph.json"
