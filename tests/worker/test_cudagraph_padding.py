@@ -4,7 +4,6 @@ import pytest
 
 from checkpoints import hf_greedy, random_prompts
 from kiln.cudagraphs.dispatcher import CudagraphDispatcher
-from kiln.cudagraphs.mode import CUDAGraphMode
 from kiln.sampling_params import SamplingParams
 from schedule_driver import ScheduleDriver
 from test_model_runner import BS, make_executor
