@@ -41,9 +41,19 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # False: outputs carry token ids only (text "", logprob token strings None), as vLLM's.
     detokenize: bool = True
+    # token id -> added to its logit before sampling, OpenAI's range [-100, 100].
+    logit_bias: dict[int, float] | None = None
+    # Only these tokens may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Words never generated: a word's last token is banned where its other tokens just came.
+    bad_words: list[str] | None = None
+    # Keep only the prompt's last N tokens (-1: as many as max_model_len leaves room for).
+    truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine: every token id that ends the request (eos + stop_token_ids).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled by the engine: bad_words as token id sequences (with and without a leading space).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         self.verify()
@@ -112,9 +122,31 @@ class SamplingParams:
             check(isinstance(getattr(self, name), bool), name, "True or False",
                   getattr(self, name))
 
+        self._validate_token_fields(check, integer, number)
+
         check(self.detokenize is not False or not self.stop, "stop",
               "empty when detokenize=False (stop strings are found in the text; set "
               "detokenize=True or use stop_token_ids)", self.stop)
+
+    def _validate_token_fields(self, check, integer, number) -> None:
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, (str, tuple)):
+            self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) \
+                else list(self.bad_words)
+        v = self.logit_bias
+        check(v is None or (isinstance(v, dict) and all(
+            integer(k) and k >= 0 and number(b) and -100 <= b <= 100 for k, b in v.items())),
+            "logit_bias", "None or a dict of token id (int >= 0) to a bias in [-100, 100]", v)
+        v = self.allowed_token_ids
+        check(v is None or (isinstance(v, list) and v and all(integer(t) and t >= 0 for t in v)),
+              "allowed_token_ids", "None or a non-empty list of token ids (ints >= 0)", v)
+        v = self.bad_words
+        check(v is None or (isinstance(v, list) and all(isinstance(w, str) and w for w in v)),
+              "bad_words", "None or a list of non-empty strings", v)
+        v = self.truncate_prompt_tokens
+        check(v is None or (integer(v) and (v >= 1 or v == -1)), "truncate_prompt_tokens",
+              "None, -1 (max_model_len) or an integer >= 1", v)
 
     @property
     def greedy(self) -> bool:
@@ -125,6 +157,11 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if t >= vocab_size:
                 raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary "
+                                 f"[0, {vocab_size})")
+        for name in ("allowed_token_ids", "logit_bias"):
+            outside = sorted(t for t in (getattr(self, name) or ()) if t >= vocab_size)
+            if outside:
+                raise ValueError(f"{name} contains {outside[0]}, outside the vocabulary "
                                  f"[0, {vocab_size})")
         self.all_stop_token_ids = set(self.stop_token_ids)
         if self.top_k >= vocab_size:  # keeps every token: the same as off

@@ -26,6 +26,13 @@ class KVCacheBlock:
         return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
 
 
+def root_block_hash(cache_salt: str | None) -> BlockHash:
+    """Parent hash of a request's first block: a salt starts a chain no other salt shares."""
+    if cache_salt is None:
+        return ROOT_BLOCK_HASH
+    return hashlib.sha256(b"salt:" + cache_salt.encode()).digest()
+
+
 def hash_block_tokens(parent_hash: BlockHash, token_ids) -> BlockHash:
     """Hash of one full block: SHA-256 over the parent hash and the block's token ids."""
     # int64 bytes keep the encoding unambiguous (no separator tricks between token ids).
@@ -52,7 +59,7 @@ def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
     if len(hashes) < num_full:
         start = len(hashes) * block_size
         tokens = request.all_token_ids[start:num_full * block_size]
-        parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
+        parent = hashes[-1] if hashes else root_block_hash(request.cache_salt)
         hashes.extend(hash_token_blocks(tokens, block_size, parent))
     return hashes
 

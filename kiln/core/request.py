@@ -45,6 +45,8 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     # Chained hashes of the request's full blocks (filled by the KV cache manager).
     block_hashes: list = field(default_factory=list)
+    # Seeds the hash chain (vLLM's cache_salt): requests share cached blocks only if equal.
+    cache_salt: str | None = None
     # Prompt logprobs so far (when asked for), one per prompt token after the first; handed
     # over with the first generated token, after which this is None again.
     prompt_logprobs: list | None = None

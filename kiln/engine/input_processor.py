@@ -16,6 +16,8 @@ class ProcessedPrompt:
     prompt: str | None  # the text, when the user gave text
     prompt_token_ids: list[int]
     params: SamplingParams  # a private copy, resolved against the tokenizer and max_model_len
+    # Mixed into the prefix cache's block hashes: only prompts of the same salt share blocks.
+    cache_salt: str | None = None
 
 
 def clip_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int,
@@ -30,6 +32,30 @@ def clip_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int,
     if params.max_tokens is None or params.max_tokens > room:
         params.max_tokens = room
     params.min_tokens = min(params.min_tokens, params.max_tokens)
+
+
+def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None,
+                    max_model_len: int) -> list[int]:
+    """The prompt's last truncate_prompt_tokens tokens (-1: its last max_model_len)."""
+    if truncate_prompt_tokens is None:
+        return token_ids
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    return token_ids[-keep:]
+
+
+def bad_words_token_ids(tokenizer, bad_words: list[str]) -> list[list[int]]:
+    """Each bad word's token ids, as a text's first word and after a space (tokenizers give a
+    word different tokens there), each sequence once."""
+    if tokenizer is None:
+        raise ValueError("bad_words needs a tokenizer to find the words' tokens, and this "
+                         "engine runs with skip_tokenizer_init=True")
+    out: list[list[int]] = []
+    for word in bad_words:
+        for text in (word, " " + word.lstrip()):
+            ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+            if ids and ids not in out:
+                out.append(ids)
+    return out
 
 
 def validate_prompt_token_ids(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
@@ -156,15 +182,22 @@ class InputProcessor:
             raise ValueError("sampling_params must be a SamplingParams (or one per prompt), "
                              f"got {type(params).__name__}")
         text, token_ids = self.tokenize(prompt)
+        params = (params or SamplingParams()).clone()
+        params.verify()  # fields may have changed since the user built it
+        token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
         validate_prompt_token_ids(token_ids, self.vocab_size, self.max_model_len)
         if self.kv_cache_tokens is not None and len(token_ids) > self.kv_cache_tokens:
             raise ValueError(f"prompt length {len(token_ids)} is more than the whole KV cache "
                              f"holds ({self.kv_cache_tokens} tokens); raise --kv-cache-memory "
                              "(CPU) or --gpu-memory-utilization, or shorten the prompt")
-        params = (params or SamplingParams()).clone()
-        params.verify()  # fields may have changed since the user built it
         params.update_from_tokenizer(self.eos_token_id, self.vocab_size)
+        if params.bad_words:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.extra_eos_token_ids
         clip_max_tokens(params, len(token_ids), self.max_model_len, max_tokens_must_fit)
-        return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids, params=params)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and not (isinstance(salt, str) and salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+        return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids, params=params,
+                               cache_salt=salt)

@@ -102,7 +102,8 @@ class LLMEngine:
                              "request; pick a unique request_id")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         core_requests = [Request(request_id=cid, prompt_token_ids=list(processed.prompt_token_ids),
-                                 sampling_params=p, arrival_time=arrival) for cid, p in samples]
+                                 sampling_params=p, arrival_time=arrival,
+                                 cache_salt=processed.cache_salt) for cid, p in samples]
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
                                           samples, params.output_kind)
         added = []

@@ -10,6 +10,7 @@ import torch
 
 from kiln.sample.filters import apply_min_p, apply_top_k, apply_top_p
 from kiln.sample.inverse_cdf import inverse_cdf
+from kiln.sample.logit_masks import apply_allowed_token_ids, apply_logit_bias
 from kiln.sample.logprobs import gather_logprobs
 from kiln.sample.nonfinite import log_softmax_of_sanitized, sanitize_logits
 from kiln.sample.penalties import apply_all_penalties, mask_min_tokens
@@ -50,14 +51,18 @@ class Sampler(torch.nn.Module):
             raw_logprobs = (logits.log_softmax(dim=1) if nonfinite_rows is None
                             else log_softmax_of_sanitized(logits))
 
+        if meta.edits_logits:
+            logits = logits.clone()  # the in-place edits must not write into the model's buffer
+        if meta.allowed_rows is not None:
+            logits = apply_allowed_token_ids(logits, meta.allowed_rows, meta.allowed_mask)
+        if meta.bias_rows is not None:
+            logits = apply_logit_bias(logits, meta.bias_rows, meta.bias_cols, meta.bias_values)
         if not meta.no_penalties:
             logits = apply_all_penalties(logits, meta.prompt_token_ids, meta.output_token_ids,
                                          meta.repetition_penalty, meta.presence_penalty,
                                          meta.frequency_penalty)
         if meta.min_tokens_rows is not None:
-            # The in-place mask must not write into the model's logits buffer.
-            logits = mask_min_tokens(logits.clone() if meta.no_penalties else logits,
-                                     meta.min_tokens_rows, meta.min_tokens_cols)
+            logits = mask_min_tokens(logits, meta.min_tokens_rows, meta.min_tokens_cols)
 
         sampled = self.sample(logits, meta)
         out = SamplerOutput(sampled_token_ids=sampled, nonfinite_rows=nonfinite_rows)

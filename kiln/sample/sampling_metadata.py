@@ -8,6 +8,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from kiln.sample.logit_masks import bad_word_bans
 from kiln.sampling_params import SamplingParams
 
 
@@ -30,9 +31,23 @@ class SamplingMetadata:
     frequency_penalty: torch.Tensor | None = None  # [N] float32
     prompt_token_ids: torch.Tensor | None = None  # [N, max_prompt_len] int64
     output_token_ids: torch.Tensor | None = None  # [N, max_output_len] int64
-    # min_tokens: (row indices, token ids) pairs to mask with -inf this step.
+    # (row indices, token ids) pairs to mask with -inf this step: stop tokens of rows under
+    # min_tokens, and bad words' last tokens.
     min_tokens_rows: torch.Tensor | None = None  # [M] int64
     min_tokens_cols: torch.Tensor | None = None  # [M] int64
+    # allowed_token_ids: the rows that have it and, per such row, which tokens it allows.
+    allowed_rows: torch.Tensor | None = None  # [R] int64
+    allowed_mask: torch.Tensor | None = None  # [R, V] bool
+    # logit_bias: (row, token, bias) triples.
+    bias_rows: torch.Tensor | None = None  # [B] int64
+    bias_cols: torch.Tensor | None = None  # [B] int64
+    bias_values: torch.Tensor | None = None  # [B] float32
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether the sampler writes into the logits before sampling (then on a copy)."""
+        return (self.min_tokens_rows is not None or self.allowed_rows is not None
+                or self.bias_rows is not None)
     # logprobs: per row the number of top logprobs wanted (None: none); max over rows.
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None
@@ -105,11 +120,36 @@ def build_sampling_metadata(
             stops = [t for t in p.all_stop_token_ids if 0 <= t < vocab_size]
             rows.extend([i] * len(stops))
             cols.extend(stops)
+        if p.bad_words_token_ids:
+            banned = bad_word_bans(p.bad_words_token_ids, output_token_ids[i])
+            rows.extend([i] * len(banned))
+            cols.extend(banned)
     if rows:
         meta.min_tokens_rows = torch.tensor(rows, dtype=torch.int64, device=device)
         meta.min_tokens_cols = torch.tensor(cols, dtype=torch.int64, device=device)
 
+    _token_edits(meta, params, vocab_size, device)
     meta.num_logprobs = [p.logprobs for p in params]
     wanted = [k for k in meta.num_logprobs if k is not None]
     meta.max_num_logprobs = max(wanted) if wanted else None
     return meta
+
+
+def _token_edits(meta: SamplingMetadata, params: Sequence[SamplingParams], vocab_size: int,
+                 device: torch.device) -> None:
+    """allowed_token_ids and logit_bias of the rows that set them."""
+    allowed = [(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids]
+    if allowed:
+        mask = np.zeros((len(allowed), vocab_size), dtype=bool)
+        for r, (_, ids) in enumerate(allowed):
+            mask[r, [t for t in ids if t < vocab_size]] = True
+        meta.allowed_rows = torch.tensor([i for i, _ in allowed], dtype=torch.int64,
+                                         device=device)
+        meta.allowed_mask = torch.from_numpy(mask).to(device)
+    triples = [(i, t, b) for i, p in enumerate(params) if p.logit_bias
+               for t, b in p.logit_bias.items() if t < vocab_size]
+    if triples:
+        rows, cols, values = zip(*triples)
+        meta.bias_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+        meta.bias_cols = torch.tensor(cols, dtype=torch.int64, device=device)
+        meta.bias_values = torch.tensor(values, dtype=torch.float32, device=device)

@@ -1,0 +1,83 @@
+"""allowed_token_ids, bad_words, logit_bias and truncate_prompt_tokens: the pure pieces, then
+their effect on a tiny model's greedy tokens; cache_salt keeps prefix-cache hits apart."""
+import pytest
+import torch
+
+from kiln.sample.logit_masks import apply_allowed_token_ids, apply_logit_bias, bad_word_bans
+from kiln.sampling_params import SamplingParams
+
+PROMPT = {"prompt_token_ids": [5, 17, 33, 64, 101, 7, 9, 250]}
+
+
+def test_bad_word_bans_follow_the_output():
+    words = [[7], [3, 4, 5], [9, 9]]
+    assert bad_word_bans(words, []) == [7]
+    assert bad_word_bans(words, [1, 3, 4]) == [7, 5]
+    assert bad_word_bans(words, [3, 4, 9]) == [7, 9]
+
+
+def test_allowed_mask_and_bias_edit_only_their_rows():
+    logits = torch.zeros(3, 5)
+    allowed = torch.tensor([[False, True, False, False, True]])
+    apply_allowed_token_ids(logits, torch.tensor([1]), allowed)
+    assert torch.isinf(logits[1, [0, 2, 3]]).all() and (logits[1, [1, 4]] == 0).all()
+    assert (logits[[0, 2]] == 0).all()
+    apply_logit_bias(logits, torch.tensor([0, 0, 2]), torch.tensor([3, 3, 1]),
+                     torch.tensor([1.0, 2.0, -5.0]))
+    assert logits[0, 3] == 3.0 and logits[2, 1] == -5.0
+
+
+def test_validation_names_the_field_and_vocab_bound():
+    from kiln.engine.input_processor import truncate_prompt
+
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={"5": 1.0})
+    p = SamplingParams(allowed_token_ids=[3, 600])
+    with pytest.raises(ValueError, match="allowed_token_ids contains 600"):
+        p.update_from_tokenizer(2, 512)
+    assert truncate_prompt([1, 2, 3, 4], 2, 10) == [3, 4]
+    assert truncate_prompt([1, 2, 3, 4], -1, 3) == [2, 3, 4]
+    assert truncate_prompt([1, 2, 3, 4], None, 3) == [1, 2, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    from kiln import LLM
+
+    llm = LLM(model=str(tiny_llama_dir), enforce_eager=True, max_model_len=64, block_size=4)
+    yield llm
+    llm.shutdown()
+
+
+def greedy(llm, prompt=PROMPT, **kw):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, **kw)
+    return llm.generate(prompt, params, use_tqdm=False)[0]
+
+
+def test_token_fields_change_greedy_tokens(llm):
+    base = greedy(llm).outputs[0].token_ids
+    assert set(greedy(llm, allowed_token_ids=[11, 12]).outputs[0].token_ids) <= {11, 12}
+    assert greedy(llm, logit_bias={42: 100.0}).outputs[0].token_ids == [42] * 6
+    # Banning the first greedy token's word: it never comes, the rest may change.
+    word = llm.get_tokenizer().decode([base[0]])
+    banned = greedy(llm, bad_words=[word]).outputs[0].token_ids
+    assert base[0] not in banned
+    # Penalties and edits together: the penalty does not undo the bias.
+    assert greedy(llm, logit_bias={42: 100.0}, repetition_penalty=1.5).outputs[0].token_ids == \
+        [42] * 6
+    out = greedy(llm, truncate_prompt_tokens=3)
+    assert out.prompt_token_ids == PROMPT["prompt_token_ids"][-3:]
+    assert out.outputs[0].token_ids == greedy(
+        llm, {"prompt_token_ids": PROMPT["prompt_token_ids"][-3:]}).outputs[0].token_ids
+
+
+def test_cache_salt_separates_prefix_cache_hits(llm):
+    llm.reset_prefix_cache()
+    ids = list(range(20, 36))
+    assert greedy(llm, {"prompt_token_ids": ids}).num_cached_tokens == 0
+    assert greedy(llm, {"prompt_token_ids": ids}).num_cached_tokens > 0
+    salted = {"prompt_token_ids": ids, "cache_salt": "tenant-a"}
+    assert greedy(llm, salted).num_cached_tokens == 0
+    assert greedy(llm, salted).num_cached_tokens > 0
+    with pytest.raises(ValueError, match="cache_salt"):
+        greedy(llm, {"prompt_token_ids": ids, "cache_salt": ""})
