@@ -34,7 +34,7 @@ class FakeEngine:
     def __init__(self, max_model_len: int = 64, step_delay: float = 0.0):
         self.tokenizer = FakeTokenizer()
         model_config = SimpleNamespace(model="fake-model", max_model_len=max_model_len,
-                                       vocab_size=VOCAB)
+                                       vocab_size=VOCAB, generation_defaults={})
         self.kiln_config = SimpleNamespace(model_config=model_config)
         self.step_delay = step_delay
         self.requests: dict[str, dict] = {}

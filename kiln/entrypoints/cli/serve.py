@@ -24,6 +24,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     g.add_argument("--disable-access-log", action="store_true",
                    help="do not log one line per HTTP request")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens (prompt tokens the "
+                        "prefix cache held)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     return parser
@@ -42,7 +45,8 @@ def settings_from_args(args: argparse.Namespace):
                           max_request_body_bytes=args.max_request_body_bytes,
                           graceful_shutdown_timeout=args.graceful_shutdown_timeout,
                           access_log=not args.disable_access_log,
-                          log_level=args.uvicorn_log_level)
+                          log_level=args.uvicorn_log_level,
+                          enable_prompt_tokens_details=args.enable_prompt_tokens_details)
 
 
 def register(subparsers) -> None:

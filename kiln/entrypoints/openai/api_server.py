@@ -41,6 +41,8 @@ class ServerSettings:
     graceful_shutdown_timeout: float = 5.0  # seconds in-flight requests get on SIGTERM
     access_log: bool = True
     log_level: str = "info"
+    # usage.prompt_tokens_details.cached_tokens in responses (vLLM's flag of the same name).
+    enable_prompt_tokens_details: bool = False
 
 
 def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
@@ -49,8 +51,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
                            str(model_config.model), model_config.max_model_len)
     metrics = ServerMetrics(models.default_name)
     llm.stat_loggers.append(metrics)
-    completion = ServingCompletion(llm, models)
-    chat = ServingChat(llm, models)
+    completion = ServingCompletion(llm, models, settings.enable_prompt_tokens_details)
+    chat = ServingChat(llm, models, settings.enable_prompt_tokens_details)
     tokenization = ServingTokenization(llm, models, model_config.vocab_size)
 
     @contextlib.asynccontextmanager

@@ -1,11 +1,12 @@
 """Pydantic models of the OpenAI HTTP API that Kiln serves (plus vLLM's sampling extras).
 
 Unknown request fields are ignored, as OpenAI-compatible servers do; wrong types fail validation.
+Every field vLLM accepts is here, and is honoured or refused (entrypoints/openai/sampling.py).
 """
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
 
 # OpenAI's limit on choices per prompt; each is a sequence in the engine, built at once.
 MAX_N = 128
@@ -55,6 +56,21 @@ class SamplingFields(OpenAIBase):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    best_of: int | None = None  # only best_of == n: no ranking of extra samples
+    use_beam_search: bool = False  # refused: no beam search
+    length_penalty: float = 1.0  # beam search only: refused unless 1.0
+    spaces_between_special_tokens: bool = True  # refused when false (fast tokenizers ignore it)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    allowed_token_ids: list[StrictInt] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    priority: int = 0  # refused unless 0: no priority scheduling
+    request_id: str | None = None  # names the response (cmpl-<request_id>)
+    logits_processors: list[Any] | None = None  # refused: no user code in the sampler
+    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:<id>"
+    cache_salt: str | None = None  # prefix-cache blocks are shared only with the same salt
+    kv_transfer_params: dict[str, Any] | None = None  # refused: no disaggregated serving
+    vllm_xargs: dict[str, Any] | None = None  # refused: no custom extensions read them
 
 
 # Strict: JSON true / false are no token ids.
@@ -67,7 +83,8 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    prompt_embeds: Any = None  # refused: prompts are text or token ids
+    add_special_tokens: bool = True  # BOS (where the tokenizer adds one) before text prompts
 
 
 class TextContentPart(OpenAIBase):
@@ -99,6 +116,10 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # on top of what the template writes (BOS, usually)
+    echo: bool = False  # the reply starts with the last message when it is the same role's
+    documents: list[dict[str, str]] | None = None  # for templates that render documents (RAG)
+    chat_template: str | None = None  # refused: the server renders with its own template
+    mm_processor_kwargs: dict[str, Any] | None = None  # refused: text-only models
 
 
 class TokenizeRequest(OpenAIBase):
@@ -118,15 +139,32 @@ class DetokenizeRequest(OpenAIBase):
 
 
 # ---- responses ------------------------------------------------------------------------------
+class PromptTokenUsageInfo(OpenAIBase):
+    cached_tokens: int | None = None
+
+
 class UsageInfo(OpenAIBase):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # Only with --enable-prompt-tokens-details (as vLLM): prompt tokens the prefix cache held.
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
+
+    @model_serializer(mode="wrap")
+    def _no_null_details(self, handler):  # no null details key when the flag is off
+        data = handler(self)
+        if data.get("prompt_tokens_details", 0) is None:
+            del data["prompt_tokens_details"]
+        return data
 
 
-def make_usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+def make_usage(prompt_tokens: int, completion_tokens: int,
+               cached_tokens: int | None = None) -> UsageInfo:
+    """`cached_tokens`: None leaves prompt_tokens_details out."""
+    details = None if cached_tokens is None else PromptTokenUsageInfo(cached_tokens=cached_tokens)
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=details)
 
 
 class CompletionLogprobs(OpenAIBase):
@@ -136,12 +174,23 @@ class CompletionLogprobs(OpenAIBase):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBase):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt token (the first has none): token id -> its logprob, rank and text, as vLLM's.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(OpenAIBase):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(OpenAIBase):
@@ -187,6 +236,7 @@ class ChatCompletionResponse(OpenAIBase):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(OpenAIBase):

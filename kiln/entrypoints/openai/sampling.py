@@ -1,7 +1,10 @@
 """Maps an OpenAI request's fields onto `SamplingParams`, naming the API field on any error.
 
-Pure functions: the range checks live in SamplingParams; this file only translates names.
+Pure functions: the range checks live in SamplingParams; this file translates names, fills the
+fields a request leaves unset from the model's generation config, and refuses (400, naming the
+field) every vLLM field whose requested behaviour Kiln does not have.
 """
+from kiln.engine.generation_defaults import default_max_tokens
 from kiln.entrypoints.openai.errors import OpenAIError, in_api_terms
 from kiln.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                               SamplingFields)
@@ -10,21 +13,68 @@ from kiln.sampling_params import RequestOutputKind, SamplingParams
 # SamplingParams field -> the request field that set it (identity unless listed).
 _SHARED_FIELDS = ["n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                   "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids",
-                  "ignore_eos", "max_tokens", "min_tokens", "logprobs"]
+                  "ignore_eos", "max_tokens", "min_tokens", "logprobs", "logit_bias",
+                  "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "prompt_logprobs"]
+# Fields whose default is "off": any other value asks for what Kiln does not do.
+# field -> (its off value, why it is refused)
+_OFF_ONLY = {
+    "use_beam_search": (False, "beam search is not supported"),
+    "length_penalty": (1.0, "length_penalty only applies to beam search, which is not supported"),
+    "spaces_between_special_tokens": (True, "special tokens are always decoded with the "
+                                            "tokenizer's own spacing"),
+    "priority": (0, "requests are scheduled first come, first served (no priority scheduling)"),
+    "logits_processors": (None, "custom logits processors are not supported"),
+    "kv_transfer_params": (None, "disaggregated serving (KV transfer) is not supported"),
+    "vllm_xargs": (None, "no extension reads extra arguments"),
+    "prompt_embeds": (None, "prompts are text or token ids (no embeddings)"),
+    "suffix": (None, "suffix (insertion) is not supported"),
+    "mm_processor_kwargs": (None, "the model is text-only"),
+    "chat_template": (None, "the server renders every chat with its own template "
+                            "(--chat-template); pass template variables in chat_template_kwargs"),
+}
 
 
-def _common_kwargs(req: SamplingFields) -> dict:
-    if req.logit_bias:
-        raise OpenAIError("logit_bias is not supported by this server; omit it",
-                          param="logit_bias", code="unsupported_parameter")
+def refuse_unsupported(req: SamplingFields) -> None:
+    """A 400 naming the first field that asks for something Kiln does not do."""
+    for name, (off, why) in _OFF_ONLY.items():
+        if name in type(req).model_fields and getattr(req, name) not in (off, "", {}, []):
+            raise OpenAIError(f"{name}={getattr(req, name)!r} is refused: {why}; omit it",
+                              param=name, code="unsupported_parameter")
+    if req.best_of is not None and req.best_of != req.n:
+        raise OpenAIError(f"best_of must equal n ({req.n}) on this server, got {req.best_of}",
+                          param="best_of", code="unsupported_parameter")
+    if req.prompt_logprobs is not None and req.stream:
+        raise OpenAIError("prompt_logprobs are not available with stream=true (as in vLLM)",
+                          param="prompt_logprobs", code="invalid_value")
+
+
+def _logit_bias(req: SamplingFields) -> dict[int, float] | None:
+    if not req.logit_bias:
+        return None
+    try:
+        return {int(k): v for k, v in req.logit_bias.items()}
+    except ValueError:
+        bad = next(k for k in req.logit_bias if not k.strip().lstrip("-").isdigit())
+        raise OpenAIError(f"logit_bias keys must be token ids, got {bad!r}", param="logit_bias",
+                          code="invalid_value") from None
+
+
+def _common_kwargs(req: SamplingFields, defaults: dict) -> dict:
+    refuse_unsupported(req)
     kw = dict(n=req.n, seed=req.seed, presence_penalty=req.presence_penalty,
               frequency_penalty=req.frequency_penalty, stop=req.stop,
               stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
               min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
-              include_stop_str_in_output=req.include_stop_str_in_output)
-    # None means "the default" for these; SamplingParams has the defaults.
+              include_stop_str_in_output=req.include_stop_str_in_output,
+              logit_bias=_logit_bias(req), allowed_token_ids=req.allowed_token_ids,
+              bad_words=req.bad_words or None,
+              truncate_prompt_tokens=req.truncate_prompt_tokens,
+              prompt_logprobs=req.prompt_logprobs)
+    # None means "the default": the model's (--generation-config), else SamplingParams'.
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(req, name)
+        if value is None:
+            value = defaults.get(name)
         if value is not None:
             kw[name] = value
     return kw
@@ -39,30 +89,29 @@ def _build(kw: dict, field_names: dict[str, str], stream: bool) -> SamplingParam
         raise OpenAIError(message, param=param, code="invalid_value") from None
 
 
-def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
-    if req.suffix:
-        raise OpenAIError("suffix is not supported by this server; omit it", param="suffix",
-                          code="unsupported_parameter")
-    if req.best_of is not None and req.best_of != req.n:
-        raise OpenAIError(f"best_of must equal n ({req.n}) on this server, got {req.best_of}",
-                          param="best_of", code="unsupported_parameter")
-    kw = _common_kwargs(req)
-    kw.update(max_tokens=req.max_tokens, logprobs=req.logprobs)
-    if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too
-        kw["prompt_logprobs"] = req.logprobs
+def completion_sampling_params(req: CompletionRequest,
+                               defaults: dict | None = None) -> SamplingParams:
+    """`defaults`: the model's sampling defaults (ModelConfig.generation_defaults)."""
+    defaults = defaults or {}
+    kw = _common_kwargs(req, defaults)
+    kw.update(max_tokens=default_max_tokens(req.max_tokens, defaults), logprobs=req.logprobs)
+    if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
+        kw["prompt_logprobs"] = req.logprobs  # the echoed prompt's tokens get logprobs too
     names = {name: name for name in _SHARED_FIELDS}
     return _build(kw, names, req.stream)
 
 
-def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
+def chat_sampling_params(req: ChatCompletionRequest,
+                         defaults: dict | None = None) -> SamplingParams:
+    defaults = defaults or {}
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs",
                           code="invalid_value")
-    kw = _common_kwargs(req)
+    kw = _common_kwargs(req, defaults)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    kw.update(max_tokens=max_tokens, logprobs=logprobs)
+    kw.update(max_tokens=default_max_tokens(max_tokens, defaults), logprobs=logprobs)
     names = {name: name for name in _SHARED_FIELDS}
     names["max_tokens"] = ("max_completion_tokens" if req.max_completion_tokens is not None
                            else "max_tokens")

@@ -4,7 +4,6 @@ The template renders through the tokenizer's sandboxed Jinja environment (LLMEng
 which tokenizes without extra special tokens, since templates write their own BOS).
 """
 import time
-import uuid
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
@@ -18,6 +17,9 @@ from kiln.entrypoints.openai.protocol import (ChatCompletionChoice, ChatCompleti
                                               ChatCompletionStreamResponse, ChatLogprobs,
                                               ChatMessage, ChatResponseMessage, ChatStreamChoice,
                                               DeltaMessage, make_usage)
+from kiln.entrypoints.openai.request_fields import (cached_tokens, echo_prefix,
+                                                    prompt_logprobs_body, response_id,
+                                                    with_cache_salt)
 from kiln.entrypoints.openai.sampling import chat_sampling_params
 from kiln.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected,
                                                     abort_unfinished, check_stream_options,
@@ -74,9 +76,11 @@ async def render_chat_prompt(llm: AsyncLLM, messages: list[ChatMessage],
 
 
 class ServingChat:
-    def __init__(self, llm: AsyncLLM, models: ServingModels):
+    def __init__(self, llm: AsyncLLM, models: ServingModels,
+                 enable_prompt_tokens_details: bool = False):
         self.llm = llm
         self.models = models
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
 
     def _check_unsupported(self, req: ChatCompletionRequest) -> None:
         if req.tools:
@@ -86,17 +90,24 @@ class ServingChat:
             raise OpenAIError(f"response_format {req.response_format.type!r} is not supported; "
                               "only 'text'", param="response_format",
                               code="unsupported_parameter")
+        if req.tool_choice not in (None, "none") and not req.tools:
+            raise OpenAIError("tool_choice needs tools: give the functions to choose from",
+                              param="tool_choice", code="invalid_value")
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         model = self.models.resolve(req.model)
         check_stream_options(req)
         self._check_unsupported(req)
         check_generation_flags(req)
-        params = chat_sampling_params(req)
+        params = chat_sampling_params(req, self.llm.kiln_config.model_config.generation_defaults)
+        template_kwargs = req.chat_template_kwargs
+        if req.documents is not None:  # HF's apply_chat_template hands them to the template
+            template_kwargs = {"documents": req.documents, **(template_kwargs or {})}
         prompt = await render_chat_prompt(self.llm, req.messages, req.add_generation_prompt,
-                                          req.continue_final_message, req.chat_template_kwargs,
+                                          req.continue_final_message, template_kwargs,
                                           req.add_special_tokens)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        prompt = with_cache_salt(prompt, req.cache_salt)
+        request_id = response_id("chatcmpl", req.request_id)
         max_tokens_param = ("max_completion_tokens" if req.max_completion_tokens is not None
                             else "max_tokens")
         streams = await submit(self.llm, request_id, [prompt], params, "messages",
@@ -110,13 +121,19 @@ class ServingChat:
             return Response(status_code=499)
         finally:
             abort_unfinished(self.llm, streams)
+        echoed = echo_prefix(req, req.messages)
         choices = [ChatCompletionChoice(
-            index=o.index, message=ChatResponseMessage(content=o.text),
+            index=o.index, message=ChatResponseMessage(content=echoed + o.text),
             logprobs=self._logprobs(req, o), finish_reason=o.finish_reason,
             stop_reason=o.stop_reason) for o in final.outputs]
         usage = make_usage(len(final.prompt_token_ids), sum(len(o.token_ids)
-                                                            for o in final.outputs))
-        body = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+                                                            for o in final.outputs),
+                           cached_tokens([final], self.enable_prompt_tokens_details))
+        as_ids = bool(req.return_tokens_as_token_ids)
+        body = ChatCompletionResponse(
+            id=request_id, model=model, choices=choices, usage=usage,
+            prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs, as_ids)
+            if req.prompt_logprobs is not None else None)
         return JSONResponse(body.model_dump())
 
     async def _collect(self, stream: RequestStream):
@@ -129,7 +146,8 @@ class ServingChat:
         if not req.logprobs or o.logprobs is None:
             return None
         return ChatLogprobs(content=chat_logprobs(o.token_ids, o.logprobs, self.llm.tokenizer,
-                                                  req.top_logprobs or 0))
+                                                  req.top_logprobs or 0,
+                                                  bool(req.return_tokens_as_token_ids)))
 
     async def _stream(self, req, model, request_id, streams):
         created = int(time.time())
@@ -138,15 +156,18 @@ class ServingChat:
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
                                                     choices=choices, usage=usage))
 
-        prompt_tokens = completion_tokens = 0
+        prompt_tokens = completion_tokens = cached = 0
         try:
-            # Every choice opens with the assistant role, as OpenAI's stream does.
+            # Every choice opens with the assistant role, as OpenAI's stream does (and with
+            # the echoed last message, when echo asks for it).
+            echoed = echo_prefix(req, req.messages)
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
-                                                                      content=""))
+                                                                      content=echoed))
                          for i in range(req.n)])
             async for _, out in merge_streams(streams):
                 if out.prompt_token_ids:
                     prompt_tokens = len(out.prompt_token_ids)
+                cached = max(cached, out.num_cached_tokens)
                 for o in out.outputs:
                     completion_tokens += len(o.token_ids)
                     if not o.text and not o.token_ids and o.finish_reason is None:
@@ -158,7 +179,9 @@ class ServingChat:
                         make_usage(prompt_tokens, completion_tokens)
                         if continuous_usage(req) else None)
             if req.stream_options is not None and req.stream_options.include_usage:
-                yield chunk([], make_usage(prompt_tokens, completion_tokens))
+                yield chunk([], make_usage(prompt_tokens, completion_tokens,
+                                           cached if self.enable_prompt_tokens_details
+                                           else None))
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
             yield engine_error_event(e)
         finally:

@@ -3,7 +3,6 @@
 Choice index = prompt index * n + sample index, as OpenAI numbers them.
 """
 import time
-import uuid
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
@@ -13,6 +12,8 @@ from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.logprob_format import completion_logprobs
 from kiln.entrypoints.openai.protocol import (CompletionChoice, CompletionRequest,
                                               CompletionResponse, make_usage)
+from kiln.entrypoints.openai.request_fields import (cached_tokens, prompt_logprobs_body,
+                                                    response_id, with_cache_salt)
 from kiln.entrypoints.openai.sampling import completion_sampling_params
 from kiln.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected,
                                                     abort_unfinished, check_stream_options,
@@ -37,17 +38,36 @@ def engine_prompts(prompt) -> list:
     return list(prompt)
 
 
+async def without_special_tokens(llm: AsyncLLM, prompts: list) -> list:
+    """add_special_tokens=false: text prompts tokenized without BOS (on the engine thread)."""
+    tokenizer = llm.tokenizer
+    if tokenizer is None:
+        return prompts  # no tokenizer: only token-id prompts pass, as without this field
+
+    def encode(text: str) -> dict:
+        return {"prompt": text,
+                "prompt_token_ids": list(tokenizer(text, add_special_tokens=False).input_ids)}
+
+    return [await llm.run_in_engine(encode, p) if isinstance(p, str) else p for p in prompts]
+
+
 class ServingCompletion:
-    def __init__(self, llm: AsyncLLM, models: ServingModels):
+    def __init__(self, llm: AsyncLLM, models: ServingModels,
+                 enable_prompt_tokens_details: bool = False):
         self.llm = llm
         self.models = models
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         model = self.models.resolve(req.model)
         check_stream_options(req)
-        params = completion_sampling_params(req)
+        params = completion_sampling_params(req,
+                                            self.llm.kiln_config.model_config.generation_defaults)
         prompts = engine_prompts(req.prompt)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        if not req.add_special_tokens:
+            prompts = await without_special_tokens(self.llm, prompts)
+        prompts = [with_cache_salt(p, req.cache_salt) for p in prompts]
+        request_id = response_id("cmpl", req.request_id)
         try:  # a long list of prompts takes a while to add: a client that leaves stops it
             streams = await until_disconnect(
                 raw, submit(self.llm, request_id, prompts, params, "prompt"))
@@ -74,6 +94,8 @@ class ServingCompletion:
     async def _prompt_text(self, prompt, out: RequestOutput) -> str:
         if isinstance(prompt, str):
             return prompt
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"]
         return await self.llm.run_in_engine(self.llm.tokenizer.decode, out.prompt_token_ids)
 
     def _logprobs(self, req: CompletionRequest, o: CompletionOutput, offset: int,
@@ -89,7 +111,7 @@ class ServingCompletion:
             token_ids = echoed.prompt_token_ids + token_ids
             logprobs = echoed.prompt_logprobs + logprobs
         return completion_logprobs(token_ids, logprobs, self.llm.tokenizer, req.logprobs,
-                                   offset)
+                                   offset, as_token_ids=bool(req.return_tokens_as_token_ids))
 
     async def _response(self, req, model, request_id, prompts,
                         finals: list[RequestOutput]) -> CompletionResponse:
@@ -103,10 +125,14 @@ class ServingCompletion:
                     index=i * req.n + o.index, text=prefix + o.text,
                     logprobs=self._logprobs(req, o, 0, out if req.echo else None),
                     finish_reason=o.finish_reason,
-                    stop_reason=o.stop_reason))
+                    stop_reason=o.stop_reason,
+                    prompt_logprobs=prompt_logprobs_body(
+                        out.prompt_logprobs if req.prompt_logprobs is not None else None,
+                        bool(req.return_tokens_as_token_ids))))
         choices.sort(key=lambda c: c.index)
+        cached = cached_tokens(finals, self.enable_prompt_tokens_details)
         return CompletionResponse(id=request_id, model=model, choices=choices,
-                                  usage=make_usage(prompt_tokens, completion_tokens))
+                                  usage=make_usage(prompt_tokens, completion_tokens, cached))
 
     async def _stream(self, req, model, request_id, prompts, streams):
         created = int(time.time())
@@ -117,10 +143,12 @@ class ServingCompletion:
         offsets: dict[int, int] = {}
         # Prompt i's output carrying its prompt logprobs (they come once, with the first token).
         with_prompt_logprobs: dict[int, RequestOutput] = {}
+        cached: dict[int, int] = {}
         try:
             async for i, out in merge_streams(streams):
                 if out.prompt_token_ids:
                     prompt_tokens[i] = len(out.prompt_token_ids)
+                cached[i] = max(cached.get(i, 0), out.num_cached_tokens)
                 if out.prompt_logprobs is not None:
                     with_prompt_logprobs[i] = out
                 for o in out.outputs:
@@ -143,7 +171,9 @@ class ServingCompletion:
                     yield sse(CompletionResponse(id=request_id, created=created, model=model,
                                                  choices=[choice], usage=usage))
             if req.stream_options is not None and req.stream_options.include_usage:
-                usage = make_usage(sum(prompt_tokens.values()), completion_tokens)
+                usage = make_usage(sum(prompt_tokens.values()), completion_tokens,
+                                   sum(cached.values()) if self.enable_prompt_tokens_details
+                                   else None)
                 yield sse(CompletionResponse(id=request_id, created=created, model=model,
                                              choices=[], usage=usage))
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band

@@ -1,0 +1,276 @@
+"""Every field of the completion and chat request models, on a real tiny engine: each one
+changes the response (against the same request without it) or is refused with a 400 naming it.
+
+A field added to the protocol without a probe here fails `test_every_field_has_a_probe`.
+"""
+import json
+import shutil
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kiln.engine.arg_utils import EngineArgs
+from kiln.engine.async_llm import AsyncLLM
+from kiln.engine.llm_engine import LLMEngine
+from kiln.entrypoints.openai.api_server import ServerSettings, build_app
+from kiln.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+BASE = {CMPL: dict(prompt="w5 w6 w7 w8", max_tokens=6, temperature=0),
+        CHAT: dict(messages=[{"role": "user", "content": "w5 w6 w7"}], max_tokens=6,
+                   temperature=0)}
+# Renders documents and one template variable, so both visibly change the prompt.
+TEMPLATE = ("{% for d in documents or [] %}w9 {% endfor %}{% if extra %}w8 {% endif %}"
+            "{% for m in messages %}w4 {{ m['content'] }} w10 {% endfor %}"
+            "{% if add_generation_prompt %}w3{% endif %}")
+# Fields whose effect is no part of the response by OpenAI's definition.
+NO_OUTPUT_EFFECT = {"user"}  # an end-user id for the provider's abuse monitoring
+
+
+@pytest.fixture(scope="module")
+def client(tiny_llama_dir, tmp_path_factory):
+    from tokenizers import Tokenizer, processors
+
+    model = tmp_path_factory.mktemp("fields") / "m"
+    shutil.copytree(tiny_llama_dir, model)
+    # A BOS the tokenizer adds, so add_special_tokens has something to add.
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", 1)])
+    tok.save(str(model / "tokenizer.json"))
+    args = EngineArgs(model=str(model), enforce_eager=True, max_model_len=64, block_size=4,
+                      chat_template=TEMPLATE)
+    llm = AsyncLLM(LLMEngine(args.create_kiln_config()))
+    app = build_app(llm, ServerSettings(served_model_names=["m"],
+                                        enable_prompt_tokens_details=True))
+    with TestClient(app) as c:
+        yield c
+
+
+def post(client, path, **fields):
+    r = client.post(path, json={**BASE[path], **fields})
+    if fields.get("stream"):
+        return r.status_code, r.text
+    return r.status_code, r.json()
+
+
+def comparable(body):
+    if not isinstance(body, dict):
+        return body
+    return {k: v for k, v in body.items() if k not in ("id", "created")}
+
+
+def ok(client, path, **fields):
+    status, body = post(client, path, **fields)
+    assert status == 200, body
+    return body
+
+
+def texts(body) -> list[str]:
+    return [c.get("text", c.get("message", {}).get("content")) for c in body["choices"]]
+
+
+def changed(client, path, extra, base=None):
+    """The response with `extra` differs from the one without (both on top of `base`)."""
+    base = base or {}
+    assert comparable(ok(client, path, **{**base, **extra})) != \
+        comparable(ok(client, path, **base))
+
+
+def refused(client, path, extra, field):
+    status, body = post(client, path, **extra)
+    assert status == 400 and body["error"]["param"] == field, body
+
+
+def refused_or_changed(client, path, extra, field):
+    status, body = post(client, path, **extra)
+    if status == 400:
+        assert body["error"]["param"] == field, body
+    else:
+        assert status == 200 and comparable(body) != comparable(ok(client, path)), body
+
+
+def greedy_ids(client, path) -> list[int]:
+    body = ok(client, path, **logprobs_of(path, 0), return_tokens_as_token_ids=True)
+    lp = body["choices"][0]["logprobs"]
+    tokens = lp["tokens"] if path == CMPL else [e["token"] for e in lp["content"]]
+    return [int(t.split(":")[1]) for t in tokens]
+
+
+SAMPLED = dict(temperature=2.0, seed=3)
+
+
+def probe_min_tokens(c, path):
+    first = greedy_ids(c, path)[0]
+    base = dict(stop_token_ids=[first])
+    assert len(texts(ok(c, path, **base, min_tokens=3))[0].split()) >= 3
+    changed(c, path, dict(min_tokens=3), base)
+
+
+def probe_stop(c, path, include=False):
+    word = texts(ok(c, path))[0].split()[1]
+    extra = dict(stop=[word], include_stop_str_in_output=include)
+    body = ok(c, path, **extra)
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert texts(body)[0].endswith(word) == include
+
+
+def probe_cache_salt(c, path):
+    ok(c, path, max_tokens=1)  # fills the prefix cache with the prompt
+    assert ok(c, path)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    salted = ok(c, path, cache_salt="tenant-a")
+    assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def probe_seed(c, path):
+    one, two = ok(c, path, **SAMPLED), ok(c, path, **{**SAMPLED, "seed": 4})
+    assert texts(one) != texts(two) and texts(one) == texts(ok(c, path, **SAMPLED))
+
+
+def probe_filter(name, value):
+    """A sampling filter tight enough to leave one token: sampling turns greedy."""
+    def probe(c, path):
+        assert texts(ok(c, path, **SAMPLED, **{name: value})) == texts(ok(c, path))
+        changed(c, path, {name: value}, SAMPLED)
+    return probe
+
+
+def probe_allowed(c, path):
+    body = ok(c, path, allowed_token_ids=[11, 12])
+    assert set(texts(body)[0].split()) <= {"w11", "w12"}
+
+
+def probe_bad_words(c, path):
+    first = texts(ok(c, path))[0].split()[0]
+    assert texts(ok(c, path, bad_words=[first]))[0].split()[0] != first
+
+
+def probe_prompt_logprobs(c, path):
+    body = ok(c, path, prompt_logprobs=1)
+    entries = body["choices"][0]["prompt_logprobs"] if path == CMPL else body["prompt_logprobs"]
+    assert entries[0] is None and all(e for e in entries[1:])
+
+
+def probe_request_id(c, path):
+    assert ok(c, path, request_id="abc123")["id"].endswith("-abc123")
+
+
+def probe_stream(c, path):
+    status, text = post(c, path, stream=True)
+    assert status == 200 and text.startswith("data: ") and text.rstrip().endswith("[DONE]")
+
+
+def probe_stream_options(c, path):
+    _, without = post(c, path, stream=True)
+    _, with_usage = post(c, path, stream=True, stream_options={"include_usage": True})
+    assert '"usage":{' not in without and '"usage":{' in with_usage
+
+
+def probe_truncate(c, path):
+    assert ok(c, path, truncate_prompt_tokens=2)["usage"]["prompt_tokens"] == 2
+
+
+def probe_echo_chat(c, path):
+    messages = [{"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6 w7"}]
+    base = dict(messages=messages, add_generation_prompt=False, continue_final_message=True)
+    body = ok(c, path, **base, echo=True)
+    assert texts(body)[0].startswith("w6 w7")
+    changed(c, path, dict(echo=True), base)
+
+
+def logprobs_of(path, value):
+    extra = {"logprobs": value} if path == CMPL else {"logprobs": True, "top_logprobs": value}
+    return extra
+
+
+PROBES = {
+    "model": lambda c, p: refused(c, p, dict(model="not-served"), "model"),
+    "prompt": lambda c, p: changed(c, p, dict(prompt="w100 w200 w300")),
+    "messages": lambda c, p: changed(c, p, dict(messages=[{"role": "user", "content": "w99"}])),
+    "max_tokens": lambda c, p: changed(c, p, dict(max_tokens=2)),
+    "max_completion_tokens": lambda c, p: changed(c, p, dict(max_completion_tokens=2)),
+    "temperature": lambda c, p: changed(c, p, dict(temperature=2.0, seed=0)),
+    "top_p": probe_filter("top_p", 1e-6),
+    "top_k": probe_filter("top_k", 1),
+    "min_p": probe_filter("min_p", 1.0),
+    "seed": probe_seed,
+    "n": lambda c, p: changed(c, p, dict(n=2)),
+    "stop": probe_stop,
+    "include_stop_str_in_output": lambda c, p: probe_stop(c, p, include=True),
+    "stop_token_ids": lambda c, p: changed(c, p, dict(stop_token_ids=[greedy_ids(c, p)[1]])),
+    "min_tokens": probe_min_tokens,
+    "ignore_eos": lambda c, p: changed(c, p, dict(ignore_eos=True), dict(logit_bias={"2": 100})),
+    "skip_special_tokens": lambda c, p: changed(c, p, dict(skip_special_tokens=False),
+                                                dict(logit_bias={"1": 100})),
+    "presence_penalty": lambda c, p: changed(c, p, dict(presence_penalty=2.0),
+                                             dict(max_tokens=24)),
+    "frequency_penalty": lambda c, p: changed(c, p, dict(frequency_penalty=2.0),
+                                              dict(max_tokens=24)),
+    "repetition_penalty": lambda c, p: changed(c, p, dict(repetition_penalty=2.0),
+                                               dict(max_tokens=24)),
+    "logit_bias": lambda c, p: changed(c, p, dict(logit_bias={"42": 100})),
+    "allowed_token_ids": probe_allowed,
+    "bad_words": probe_bad_words,
+    "truncate_prompt_tokens": probe_truncate,
+    "prompt_logprobs": probe_prompt_logprobs,
+    "logprobs": lambda c, p: changed(c, p, {"logprobs": 1 if p == CMPL else True}),
+    "top_logprobs": lambda c, p: changed(c, p, dict(top_logprobs=3), dict(logprobs=True)),
+    "return_tokens_as_token_ids": lambda c, p: changed(
+        c, p, dict(return_tokens_as_token_ids=True), logprobs_of(p, 1)),
+    "echo": lambda c, p: (changed(c, p, dict(echo=True)) if p == CMPL else probe_echo_chat(c, p)),
+    "stream": probe_stream,
+    "stream_options": probe_stream_options,
+    "request_id": probe_request_id,
+    "cache_salt": probe_cache_salt,
+    "add_special_tokens": lambda c, p: changed(c, p, dict(add_special_tokens=p == CHAT)),
+    "add_generation_prompt": lambda c, p: changed(c, p, dict(add_generation_prompt=False)),
+    "continue_final_message": lambda c, p: changed(
+        c, p, dict(continue_final_message=True, add_generation_prompt=False),
+        dict(add_generation_prompt=False)),
+    "chat_template_kwargs": lambda c, p: changed(c, p, dict(chat_template_kwargs={"extra": 1})),
+    "documents": lambda c, p: changed(c, p, dict(documents=[{"title": "a", "text": "b"}])),
+    # Refused: what they ask for does not exist in Kiln.
+    "suffix": lambda c, p: refused(c, p, dict(suffix="w9"), "suffix"),
+    "prompt_embeds": lambda c, p: refused(c, p, dict(prompt_embeds="AAAA"), "prompt_embeds"),
+    "best_of": lambda c, p: refused(c, p, dict(best_of=3), "best_of"),
+    "use_beam_search": lambda c, p: refused(c, p, dict(use_beam_search=True), "use_beam_search"),
+    "length_penalty": lambda c, p: refused(c, p, dict(length_penalty=0.5), "length_penalty"),
+    "spaces_between_special_tokens": lambda c, p: refused(
+        c, p, dict(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
+    "priority": lambda c, p: refused(c, p, dict(priority=1), "priority"),
+    "logits_processors": lambda c, p: refused(c, p, dict(logits_processors=["m.P"]),
+                                              "logits_processors"),
+    "kv_transfer_params": lambda c, p: refused(c, p, dict(kv_transfer_params={"a": 1}),
+                                               "kv_transfer_params"),
+    "vllm_xargs": lambda c, p: refused(c, p, dict(vllm_xargs={"a": 1}), "vllm_xargs"),
+    "chat_template": lambda c, p: refused(c, p, dict(chat_template="{{ 1 }}"), "chat_template"),
+    "mm_processor_kwargs": lambda c, p: refused(c, p, dict(mm_processor_kwargs={"a": 1}),
+                                                "mm_processor_kwargs"),
+    # Structured outputs and tools: refused until supported, then they change the output.
+    "tools": lambda c, p: refused_or_changed(c, p, dict(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object"}}}], tool_choice="required"), "tools"),
+    "tool_choice": lambda c, p: refused(c, p, dict(tool_choice="required"), "tool_choice"),
+    "response_format": lambda c, p: refused_or_changed(
+        c, p, dict(response_format={"type": "json_object"}), "response_format"),
+}
+
+FIELDS = sorted({(CMPL, f) for f in CompletionRequest.model_fields}
+                | {(CHAT, f) for f in ChatCompletionRequest.model_fields})
+
+
+def test_every_field_has_a_probe():
+    missing = sorted(f for _, f in FIELDS if f not in PROBES and f not in NO_OUTPUT_EFFECT)
+    assert not missing, f"request fields with no probe (add one to PROBES): {missing}"
+
+
+@pytest.mark.parametrize("path,field", [pf for pf in FIELDS if pf[1] not in NO_OUTPUT_EFFECT],
+                         ids=lambda v: v.strip("/").replace("/", "_") if "/" in v else v)
+def test_field_changes_the_response_or_is_refused(client, path, field):
+    PROBES[field](client, path)
+
+
+def test_logit_bias_outside_the_vocabulary_names_the_field(client):
+    refused(client, CMPL, dict(logit_bias={"100000": 5}), "logit_bias")
+    refused(client, CMPL, dict(allowed_token_ids=[100000]), "allowed_token_ids")
+    refused(client, CMPL, dict(logit_bias={"w5": 5}), "logit_bias")
+    assert json.dumps(ok(client, CMPL, max_tokens=1)["usage"]).count("cached_tokens") == 1
