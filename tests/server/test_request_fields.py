@@ -274,3 +274,45 @@ def test_logit_bias_outside_the_vocabulary_names_the_field(client):
     refused(client, CMPL, dict(allowed_token_ids=[100000]), "allowed_token_ids")
     refused(client, CMPL, dict(logit_bias={"w5": 5}), "logit_bias")
     assert json.dumps(ok(client, CMPL, max_tokens=1)["usage"]).count("cached_tokens") == 1
+
+
+def probe_return_token_ids(c, path):
+    body = ok(c, path, return_token_ids=True, logit_bias={"42": 100})
+    choice = body["choices"][0]
+    assert choice["token_ids"] == [42] * 6
+    prompt_ids = choice["prompt_token_ids"] if path == CMPL else body["prompt_token_ids"]
+    assert len(prompt_ids) == body["usage"]["prompt_tokens"]
+    _, text = post(c, path, stream=True, return_token_ids=True, logit_bias={"42": 100})
+    chunks = [json.loads(line[6:]) for line in text.splitlines()
+              if line.startswith("data: {")]
+    streamed = [t for ch in chunks for choice in ch["choices"] for t in choice.get("token_ids")
+                or []]
+    assert streamed == [42] * 6
+    assert sum(1 for ch in chunks for holder in [ch, *ch["choices"]]
+               if holder.get("prompt_token_ids")) == 1
+
+
+PROBES["return_token_ids"] = probe_return_token_ids
+
+
+def test_server_without_a_tokenizer_takes_and_gives_token_ids(tiny_llama_dir):
+    args = EngineArgs(model=str(tiny_llama_dir), enforce_eager=True, max_model_len=64,
+                      skip_tokenizer_init=True)
+    llm = AsyncLLM(LLMEngine(args.create_kiln_config()))
+    with TestClient(build_app(llm, ServerSettings(served_model_names=["m"]))) as c:
+        body = dict(prompt=[5, 6, 7], max_tokens=3, temperature=0, return_token_ids=True,
+                    logprobs=1)
+        r = c.post(CMPL, json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == "" and len(choice["token_ids"]) == 3
+        assert choice["prompt_token_ids"] == [5, 6, 7]
+        assert all(t.startswith("token_id:") for t in choice["logprobs"]["tokens"])
+        for path, fields, param in [
+                (CMPL, dict(prompt="w5 w6"), "prompt"),
+                (CMPL, dict(prompt=[5, 6], echo=True), "echo"),
+                (CHAT, dict(messages=[{"role": "user", "content": "w5"}]), "messages"),
+                ("/tokenize", dict(prompt="w5"), "prompt"),
+                ("/detokenize", dict(tokens=[5]), "tokens")]:
+            r = c.post(path, json=fields)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)

@@ -71,6 +71,7 @@ class SamplingFields(OpenAIBase):
     cache_salt: str | None = None  # prefix-cache blocks are shared only with the same salt
     kv_transfer_params: dict[str, Any] | None = None  # refused: no disaggregated serving
     vllm_xargs: dict[str, Any] | None = None  # refused: no custom extensions read them
+    return_token_ids: bool | None = None  # choices carry token_ids, the response prompt's
 
 
 # Strict: JSON true / false are no token ids.
@@ -191,6 +192,9 @@ class CompletionChoice(OpenAIBase):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # return_token_ids (vLLM's): in a stream, prompt_token_ids only in a choice's first chunk.
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(OpenAIBase):
@@ -227,6 +231,7 @@ class ChatCompletionChoice(OpenAIBase):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(OpenAIBase):
@@ -237,6 +242,7 @@ class ChatCompletionResponse(OpenAIBase):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class DeltaMessage(OpenAIBase):
@@ -250,6 +256,7 @@ class ChatStreamChoice(OpenAIBase):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's tokens
 
 
 class ChatCompletionStreamResponse(OpenAIBase):
@@ -259,6 +266,7 @@ class ChatCompletionStreamResponse(OpenAIBase):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk
 
 
 class ModelCard(OpenAIBase):

@@ -57,3 +57,17 @@ def echo_prefix(req, messages: list) -> str:
     if isinstance(content, list):
         return "\n".join(part.text or "" for part in content if part.type == "text")
     return content or ""
+
+
+def token_ids_fields(req, prompt_token_ids: list[int] | None,
+                     token_ids: list[int] | None) -> dict:
+    """return_token_ids (vLLM's): the ids beside the text, for clients that do their own
+    detokenization (or an engine with skip_tokenizer_init); nothing unless asked."""
+    if not req.return_token_ids:
+        return {}
+    out = {}
+    if prompt_token_ids is not None:
+        out["prompt_token_ids"] = list(prompt_token_ids)
+    if token_ids is not None:
+        out["token_ids"] = list(token_ids)
+    return out

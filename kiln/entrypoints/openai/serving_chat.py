@@ -19,7 +19,7 @@ from kiln.entrypoints.openai.protocol import (ChatCompletionChoice, ChatCompleti
                                               DeltaMessage, make_usage)
 from kiln.entrypoints.openai.request_fields import (cached_tokens, echo_prefix,
                                                     prompt_logprobs_body, response_id,
-                                                    with_cache_salt)
+                                                    token_ids_fields, with_cache_salt)
 from kiln.entrypoints.openai.sampling import chat_sampling_params
 from kiln.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected,
                                                     abort_unfinished, check_stream_options,
@@ -125,7 +125,8 @@ class ServingChat:
         choices = [ChatCompletionChoice(
             index=o.index, message=ChatResponseMessage(content=echoed + o.text),
             logprobs=self._logprobs(req, o), finish_reason=o.finish_reason,
-            stop_reason=o.stop_reason) for o in final.outputs]
+            stop_reason=o.stop_reason, **token_ids_fields(req, None, o.token_ids))
+            for o in final.outputs]
         usage = make_usage(len(final.prompt_token_ids), sum(len(o.token_ids)
                                                             for o in final.outputs),
                            cached_tokens([final], self.enable_prompt_tokens_details))
@@ -133,7 +134,8 @@ class ServingChat:
         body = ChatCompletionResponse(
             id=request_id, model=model, choices=choices, usage=usage,
             prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs, as_ids)
-            if req.prompt_logprobs is not None else None)
+            if req.prompt_logprobs is not None else None,
+            **token_ids_fields(req, final.prompt_token_ids, None))
         return JSONResponse(body.model_dump())
 
     async def _collect(self, stream: RequestStream):
@@ -152,11 +154,13 @@ class ServingChat:
     async def _stream(self, req, model, request_id, streams):
         created = int(time.time())
 
-        def chunk(choices, usage=None) -> str:
+        def chunk(choices, usage=None, prompt_token_ids=None) -> str:
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
-                                                    choices=choices, usage=usage))
+                                                    choices=choices, usage=usage,
+                                                    prompt_token_ids=prompt_token_ids))
 
         prompt_tokens = completion_tokens = cached = 0
+        prompt_ids_sent = False  # return_token_ids: the prompt's go in the first content chunk
         try:
             # Every choice opens with the assistant role, as OpenAI's stream does (and with
             # the echoed last message, when echo asks for it).
@@ -175,9 +179,12 @@ class ServingChat:
                     yield chunk([ChatStreamChoice(
                         index=o.index, delta=DeltaMessage(content=o.text),
                         logprobs=self._logprobs(req, o), finish_reason=o.finish_reason,
-                        stop_reason=o.stop_reason)],
+                        stop_reason=o.stop_reason, **token_ids_fields(req, None, o.token_ids))],
                         make_usage(prompt_tokens, completion_tokens)
-                        if continuous_usage(req) else None)
+                        if continuous_usage(req) else None,
+                        token_ids_fields(req, out.prompt_token_ids, None).get(
+                            "prompt_token_ids") if not prompt_ids_sent else None)
+                    prompt_ids_sent = True
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield chunk([], make_usage(prompt_tokens, completion_tokens,
                                            cached if self.enable_prompt_tokens_details

@@ -13,7 +13,8 @@ from kiln.entrypoints.openai.logprob_format import completion_logprobs
 from kiln.entrypoints.openai.protocol import (CompletionChoice, CompletionRequest,
                                               CompletionResponse, make_usage)
 from kiln.entrypoints.openai.request_fields import (cached_tokens, prompt_logprobs_body,
-                                                    response_id, with_cache_salt)
+                                                    response_id, token_ids_fields,
+                                                    with_cache_salt)
 from kiln.entrypoints.openai.sampling import completion_sampling_params
 from kiln.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected,
                                                     abort_unfinished, check_stream_options,
@@ -64,6 +65,10 @@ class ServingCompletion:
         params = completion_sampling_params(req,
                                             self.llm.kiln_config.model_config.generation_defaults)
         prompts = engine_prompts(req.prompt)
+        if req.echo and self.llm.tokenizer is None:
+            raise OpenAIError("echo needs a tokenizer to write the prompt's text; this server "
+                              "runs with --skip-tokenizer-init", param="echo",
+                              code="unsupported_parameter")
         if not req.add_special_tokens:
             prompts = await without_special_tokens(self.llm, prompts)
         prompts = [with_cache_salt(p, req.cache_salt) for p in prompts]
@@ -128,7 +133,8 @@ class ServingCompletion:
                     stop_reason=o.stop_reason,
                     prompt_logprobs=prompt_logprobs_body(
                         out.prompt_logprobs if req.prompt_logprobs is not None else None,
-                        bool(req.return_tokens_as_token_ids))))
+                        bool(req.return_tokens_as_token_ids)),
+                    **token_ids_fields(req, out.prompt_token_ids, o.token_ids)))
         choices.sort(key=lambda c: c.index)
         cached = cached_tokens(finals, self.enable_prompt_tokens_details)
         return CompletionResponse(id=request_id, model=model, choices=choices,
@@ -144,6 +150,7 @@ class ServingCompletion:
         # Prompt i's output carrying its prompt logprobs (they come once, with the first token).
         with_prompt_logprobs: dict[int, RequestOutput] = {}
         cached: dict[int, int] = {}
+        sent: set[int] = set()  # choices that had a chunk
         try:
             async for i, out in merge_streams(streams):
                 if out.prompt_token_ids:
@@ -163,9 +170,14 @@ class ServingCompletion:
                                       else offsets.get(index, 0))
                     if not text and not o.token_ids and o.finish_reason is None:
                         continue
+                    first_chunk = index not in sent
+                    sent.add(index)
                     choice = CompletionChoice(index=index, text=text, logprobs=lp,
                                               finish_reason=o.finish_reason,
-                                              stop_reason=o.stop_reason)
+                                              stop_reason=o.stop_reason,
+                                              **token_ids_fields(
+                                                  req, out.prompt_token_ids if first_chunk
+                                                  else None, o.token_ids))
                     usage = (make_usage(sum(prompt_tokens.values()), completion_tokens)
                              if continuous_usage(req) else None)
                     yield sse(CompletionResponse(id=request_id, created=created, model=model,

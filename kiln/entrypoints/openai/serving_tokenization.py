@@ -16,9 +16,16 @@ class ServingTokenization:
         self.models = models
         self.vocab_size = vocab_size
 
+    def _tokenizer(self, param: str):
+        if self.llm.tokenizer is None:
+            raise OpenAIError("this server runs without a tokenizer (--skip-tokenizer-init): "
+                              "it takes and returns token ids only", param=param,
+                              code="unsupported_parameter")
+        return self.llm.tokenizer
+
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         self.models.resolve(req.model)
-        tokenizer = self.llm.tokenizer
+        tokenizer = self._tokenizer("prompt" if req.prompt is not None else "messages")
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError("give exactly one of prompt or messages", param="prompt",
                               code="invalid_value")
@@ -46,5 +53,5 @@ class ServingTokenization:
         if bad:
             raise OpenAIError(f"tokens contains {bad[0]}, outside the vocabulary "
                               f"[0, {self.vocab_size})", param="tokens", code="invalid_value")
-        text = await self.llm.run_in_engine(self.llm.tokenizer.decode, req.tokens)
+        text = await self.llm.run_in_engine(self._tokenizer("tokens").decode, req.tokens)
         return DetokenizeResponse(prompt=text)
