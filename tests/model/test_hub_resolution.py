@@ -129,3 +129,48 @@ def test_a_local_path_wins_and_a_non_hub_name_says_so(tmp_path, offline_cache, t
     assert resolve_path(str(local)) == local
     with pytest.raises(FileNotFoundError, match="not a Hugging Face hub id"):
         resolve_path("./nowhere/model")
+
+
+def test_online_a_cache_miss_downloads_into_the_cache(tmp_path, monkeypatch, tiny_llama_dir):
+    """The hub's network calls replaced by ones that fill the cache as the hub would: a miss
+    asks for the snapshot (allowed files only) or, for a quant, the one file."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    remote = {"kiln-test/tiny": checkpoint_files(tiny_llama_dir),
+              "kiln-test/g": {"g-Q4_0.gguf": b"GGUF", "g-Q8_0.gguf": b"GGUF"}}
+    calls = []
+
+    def snapshot_download(repo_id, *, revision=None, cache_dir=None, local_files_only=False,
+                          allow_patterns=None, **_):
+        calls.append(("snapshot", repo_id, local_files_only))
+        if local_files_only:
+            raise LocalEntryNotFoundError("not cached")
+        import fnmatch
+        files = {n: s for n, s in remote[repo_id].items()
+                 if any(fnmatch.fnmatch(n, p) for p in allow_patterns)}
+        return str(add_to_cache(Path(cache_dir), repo_id, files))
+
+    def hf_hub_download(repo_id, filename, *, revision=None, cache_dir=None, **_):
+        calls.append(("file", repo_id, filename))
+        return str(add_to_cache(Path(cache_dir), repo_id, {filename: remote[repo_id][filename]})
+                   / filename)
+
+    class Api:
+        def list_repo_files(self, repo_id, revision=None):
+            return list(remote[repo_id])
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(huggingface_hub, "HfApi", Api)
+    path = resolve_path("kiln-test/tiny")
+    assert (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+    assert calls == [("snapshot", "kiln-test/tiny", True), ("snapshot", "kiln-test/tiny", False)]
+    calls.clear()
+    assert resolve_path("kiln-test/g:Q8_0").name == "g-Q8_0.gguf"
+    assert ("file", "kiln-test/g", "g-Q8_0.gguf") in calls
+    assert not (path.parent.parent.parent / "models--kiln-test--g" / "snapshots" / COMMIT
+                / "g-Q4_0.gguf").exists()  # only the named quant was fetched

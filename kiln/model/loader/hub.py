@@ -148,6 +148,11 @@ def _download(hub: HubName, revision: str | None, cache: Path, what: str, name: 
     try:
         if hub.quant is None and hub.filename is None:
             snapshot = _snapshot(hub, revision, cache, what, local_only=False)
+            if snapshot is None:  # huggingface_hub says so when the hub cannot be reached
+                raise FileNotFoundError(f"{what} {name!r} is not in the Hugging Face cache "
+                                        f"({cache}) and the hub could not be reached; check "
+                                        "the network, or set HF_HUB_OFFLINE=1 with a cache "
+                                        "that holds it")
             if what == "model" and not (snapshot / "config.json").is_file():
                 files = HfApi().list_repo_files(hub.repo_id, revision=revision)
                 ggufs = [f for f in files if f.endswith(".gguf")]
