@@ -44,6 +44,17 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     return {p.name: p for p in model_dir.iterdir() if p.is_file()}
 
 
+def test_cache_dir_follows_the_hub_variables(tmp_path, monkeypatch):
+    from kiln.model.loader.hub import hub_cache_dir
+
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    assert hub_cache_dir() == tmp_path / "home" / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "c"))
+    assert hub_cache_dir() == tmp_path / "c"
+    assert hub_cache_dir("~/dl") == Path("~/dl").expanduser()
+
+
 def test_parse_hub_names():
     assert parse_hub_name("org/name") == HubName("org/name")
     assert parse_hub_name("gpt2") == HubName("gpt2")

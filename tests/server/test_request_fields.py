@@ -316,3 +316,26 @@ def test_server_without_a_tokenizer_takes_and_gives_token_ids(tiny_llama_dir):
                 ("/detokenize", dict(tokens=[5]), "tokens")]:
             r = c.post(path, json=fields)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+
+
+def test_generation_config_defaults_fill_what_requests_leave_unset(tiny_llama_dir, tmp_path):
+    model = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "generation_config.json").write_text(json.dumps(
+        {"max_new_tokens": 2, "temperature": 0.0}))
+    args = EngineArgs(model=str(model), enforce_eager=True, max_model_len=64)
+    llm = AsyncLLM(LLMEngine(args.create_kiln_config()))
+    with TestClient(build_app(llm, ServerSettings(served_model_names=["m"]))) as c:
+        def tokens(path, **fields):
+            r = c.post(path, json=fields)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["completion_tokens"], texts(r.json())
+
+        prompt = dict(prompt="w5 w6", ignore_eos=True)
+        n, greedy = tokens(CMPL, **prompt)
+        assert n == 2  # max_new_tokens caps the request's 16
+        assert tokens(CMPL, **prompt, max_tokens=1)[0] == 1  # a smaller request wins
+        assert tokens(CMPL, **prompt, seed=0)[1] == greedy  # the model's temperature 0
+        assert tokens(CMPL, **prompt, seed=0, temperature=2.0, max_tokens=2)[1] != greedy
+        chat = dict(messages=[{"role": "user", "content": "w5"}], ignore_eos=True)
+        assert tokens(CHAT, **chat)[0] == 2
