@@ -1,7 +1,8 @@
 """Every field of the completion and chat request models, on a real tiny engine: each one
 changes the response (against the same request without it) or is refused with a 400 naming it.
 
-A field added to the protocol without a probe here fails `test_every_field_has_a_probe`.
+A field added to the protocol without a probe here fails `test_every_field_has_a_probe`; the
+structured-output and tool fields' probes accept a refusal until those features land.
 """
 import json
 import shutil
@@ -82,12 +83,13 @@ def refused(client, path, extra, field):
     assert status == 400 and body["error"]["param"] == field, body
 
 
-def refused_or_changed(client, path, extra, field):
-    status, body = post(client, path, **extra)
+def refused_or_changed(client, path, extra, field, base=None):
+    base = base or {}
+    status, body = post(client, path, **{**base, **extra})
     if status == 400:
         assert body["error"]["param"] == field, body
     else:
-        assert status == 200 and comparable(body) != comparable(ok(client, path)), body
+        assert status == 200 and comparable(body) != comparable(ok(client, path, **base)), body
 
 
 def greedy_ids(client, path) -> list[int]:
@@ -98,6 +100,8 @@ def greedy_ids(client, path) -> list[int]:
 
 
 SAMPLED = dict(temperature=2.0, seed=3)
+TOOLS = dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object"}}}], tool_choice="required")
 
 
 def probe_min_tokens(c, path):
@@ -247,11 +251,26 @@ PROBES = {
     "mm_processor_kwargs": lambda c, p: refused(c, p, dict(mm_processor_kwargs={"a": 1}),
                                                 "mm_processor_kwargs"),
     # Structured outputs and tools: refused until supported, then they change the output.
-    "tools": lambda c, p: refused_or_changed(c, p, dict(tools=[{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "object"}}}], tool_choice="required"), "tools"),
+    "tools": lambda c, p: refused_or_changed(c, p, TOOLS, "tools"),
     "tool_choice": lambda c, p: refused(c, p, dict(tool_choice="required"), "tool_choice"),
     "response_format": lambda c, p: refused_or_changed(
         c, p, dict(response_format={"type": "json_object"}), "response_format"),
+    "parallel_tool_calls": lambda c, p: refused_or_changed(
+        c, p, dict(parallel_tool_calls=False), "parallel_tool_calls", TOOLS),
+    "structured_outputs": lambda c, p: refused_or_changed(
+        c, p, dict(structured_outputs={"choice": ["w9 w9"]}), "structured_outputs"),
+    "guided_json": lambda c, p: refused_or_changed(c, p, dict(guided_json={"type": "object"}),
+                                                   "guided_json"),
+    "guided_regex": lambda c, p: refused_or_changed(c, p, dict(guided_regex="w9( w9)*"),
+                                                    "guided_regex"),
+    "guided_choice": lambda c, p: refused_or_changed(c, p, dict(guided_choice=["w9 w9"]),
+                                                     "guided_choice"),
+    "guided_grammar": lambda c, p: refused_or_changed(c, p, dict(guided_grammar='root ::= "w9"'),
+                                                      "guided_grammar"),
+    "reasoning_effort": lambda c, p: refused_or_changed(c, p, dict(reasoning_effort="low"),
+                                                        "reasoning_effort"),
+    "include_reasoning": lambda c, p: refused_or_changed(c, p, dict(include_reasoning=False),
+                                                         "include_reasoning"),
 }
 
 FIELDS = sorted({(CMPL, f) for f in CompletionRequest.model_fields}
