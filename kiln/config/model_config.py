@@ -105,8 +105,7 @@ class ModelConfig:
                              f"lower --max-model-len to {limit} or less")
 
     def _resolve_tokenizer_side(self) -> None:
-        from kiln.engine.generation_defaults import (load_chat_template,
-                                                     load_generation_defaults)
+        from kiln.config.generation_defaults import load_chat_template, load_generation_defaults
 
         if self.tokenizer and not self.skip_tokenizer_init:
             from kiln.model.loader.hub import resolve_path

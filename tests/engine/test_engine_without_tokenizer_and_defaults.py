@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from kiln import LLM, SamplingParams
-from kiln.engine.generation_defaults import default_max_tokens, load_generation_defaults
+from kiln.config.generation_defaults import default_max_tokens, load_generation_defaults
 
 PROMPT = {"prompt_token_ids": [5, 6, 7, 8, 9]}
 

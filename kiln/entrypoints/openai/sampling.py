@@ -4,10 +4,9 @@ Pure functions: the range checks live in SamplingParams; this file translates na
 fields a request leaves unset from the model's generation config, and refuses (400, naming the
 field) every vLLM field whose requested behaviour Kiln does not have.
 """
-from kiln.engine.generation_defaults import default_max_tokens
+from kiln.config.generation_defaults import default_max_tokens
 from kiln.entrypoints.openai.errors import OpenAIError, in_api_terms
-from kiln.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                              SamplingFields)
+from kiln.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
 # SamplingParams field -> the request field that set it (identity unless listed).
