@@ -68,7 +68,8 @@ class KilnConfig:
             m.architecture, repr(sorted((k, v) for k, v in m.hf_config.to_dict().items()
                                         if k != "_name_or_path"))  # the same model moved
             if hasattr(m.hf_config, "to_dict") else repr(m.hf_config),
-            str(m.torch_dtype), self.device_config.device, self.cache_config.block_size,
+            str(m.torch_dtype), m.quantization, self.device_config.device,
+            self.cache_config.block_size,
             self.parallel_config.tensor_parallel_size, self.scheduler_config.max_num_batched_tokens,
             int(c.mode), c.backend, c.splitting_ops, c.custom_ops, sorted(c.pass_config.items()),
             sorted(c.inductor_compile_config.items()),

@@ -46,6 +46,10 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     load_format: str = "auto"
+    # None, "int8" (quantize a float checkpoint on load) or "compressed-tensors" (the
+    # checkpoint's own); a checkpoint with a quantization_config sets it (kiln/model/layers/
+    # quantization/).
+    quantization: str | None = None
     # Only for load_format="dummy" without a checkpoint: a transformers config to build from.
     hf_config: Any = None
     revision: str | None = None  # hub revision (branch, tag or commit) of a hub-id model
@@ -83,6 +87,8 @@ class ModelConfig:
         self._resolve_tokenizer_side()
         if self.load_format == "auto":
             self.load_format = "gguf" if self.gguf_file else "safetensors"
+        from kiln.model.layers.quantization import resolve_quantization
+        self.quantization = resolve_quantization(self.quantization, self.hf_config)
         self.torch_dtype = self.resolve_dtype(current_platform.default_dtype)
         limit = self.derived_max_model_len
         # Kiln's attention has no sliding window: it is exact only while no sequence outgrows

@@ -57,6 +57,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     chat_template: str | None = None  # a Jinja file or the template text
     generation_config: str = "auto"  # auto | vllm | a directory with generation_config.json
+    quantization: str | None = None  # "int8": W8A8 on load; a quantized checkpoint sets it
 
     def _check_types(self) -> None:
         """A value of the wrong type names its argument (LLM(max_model_len="64") used to fail
@@ -112,7 +113,8 @@ class EngineArgs:
                                    download_dir=self.download_dir,
                                    skip_tokenizer_init=self.skip_tokenizer_init,
                                    chat_template=self.chat_template,
-                                   generation_config=self.generation_config)
+                                   generation_config=self.generation_config,
+                                   quantization=self.quantization)
         return KilnConfig(model_config=model_config, cache_config=cache_config,
                           scheduler_config=scheduler_config, parallel_config=parallel_config,
                           load_config=load_config, device_config=device_config,
@@ -173,6 +175,11 @@ class EngineArgs:
                        default=d.enable_prefix_caching)
         g.add_argument("--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks_override)
         g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+        g.add_argument("--quantization", "-q", default=d.quantization,
+                       choices=["int8", "compressed-tensors"],
+                       help="int8: quantize the float checkpoint's linear layers on load (W8A8: "
+                            "per-channel int8 weights, dynamic per-token int8 activations); "
+                            "a compressed-tensors checkpoint needs no flag")
         return parser
 
     @classmethod

@@ -16,7 +16,13 @@ _CONFIG_HINT = ("; the checkpoint does not match the model its config describes 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     # float16 / bfloat16 checkpoints load into any float dtype; integers would be cast silently.
-    if not loaded.is_floating_point():
+    # An int8 parameter (W8A8, kiln/model/layers/quantization/) takes int8 values only.
+    if param.dtype == torch.int8 or loaded.dtype == torch.int8:
+        if loaded.dtype != param.dtype:
+            raise ValueError(f"checkpoint dtype {loaded.dtype} where {param.dtype} is expected "
+                             "(a quantized layer's int8 weight, or a float weight the "
+                             "quantization_config does not quantize)")
+    elif not loaded.is_floating_point():
         raise ValueError(f"checkpoint dtype {loaded.dtype} is not a floating-point type; "
                          "Kiln loads float32, float16 or bfloat16 weights (quantized "
                          "checkpoints only as GGUF)")
@@ -41,6 +47,7 @@ class LinearBase(nn.Module):
 
     supports_cpu_packing = True  # see kiln/model/layers/cpu_gemm.py
     use_packed_gemm = False
+    quant_method = None  # set by kiln/model/layers/quantization/ for a quantized layer
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_rank: int = 0,
                  tp_size: int = 1):
@@ -66,6 +73,8 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
         if self.use_packed_gemm:
             return torch.ops.kiln.linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)

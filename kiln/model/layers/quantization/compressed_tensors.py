@@ -1,0 +1,104 @@
+"""Reading a compressed-tensors `quantization_config` (with the `compressed-tensors` package) and
+accepting only the scheme Kiln runs: int8 W8A8, symmetric per-channel weights, dynamic per-token
+activations, format int-quantized. Anything else is refused naming the field and its value.
+"""
+from typing import Any
+
+
+class UnsupportedQuantization(ValueError):
+    """A quantization_config Kiln does not run; the message names the field and value."""
+
+
+def _refuse(field: str, value: Any, want: str) -> None:
+    raise UnsupportedQuantization(
+        f"quantization_config.{field}={value!r} is not supported: Kiln serves compressed-tensors "
+        f"W8A8 int8 (8-bit symmetric per-channel weights, dynamic per-token 8-bit symmetric "
+        f"activations, format int-quantized); {want}")
+
+
+def _check_args(field: str, args, strategy: str, dynamic: bool) -> None:
+    if args is None:
+        _refuse(field, None, "both weights and input_activations must be quantized "
+                "(weight-only int8 is not supported)")
+    checks = [("num_bits", args.num_bits, 8, "8 bits (4-bit and others are not supported)"),
+              ("type", str(args.type), "int", "integer quantization"),
+              ("symmetric", args.symmetric, True, "symmetric (asymmetric zero points are not "
+               "supported)"),
+              ("dynamic", args.dynamic, dynamic, "dynamic activation scales (static ones are "
+               "not supported)" if dynamic else "static weight scales"),
+              ("strategy", str(args.strategy), strategy, f"strategy {strategy!r}")]
+    for name, value, want, why in checks:
+        if value != want:
+            _refuse(f"{field}.{name}", value, f"needs {why}")
+    if args.group_size not in (None, -1):
+        _refuse(f"{field}.group_size", args.group_size, "group-wise scales are not supported")
+    if args.block_structure is not None:
+        _refuse(f"{field}.block_structure", args.block_structure, "block-wise scales are not "
+                "supported")
+    if getattr(args, "actorder", None) is not None:
+        _refuse(f"{field}.actorder", args.actorder, "activation reordering is not supported")
+
+
+def parse_w8a8_int8(raw: dict) -> tuple[list[str], list[str]]:
+    """Validate `raw` (config.json's quantization_config) as W8A8 int8; returns its targets
+    and its `ignore` list (module names or `re:` patterns; those stay in the model dtype)."""
+    from compressed_tensors.quantization import QuantizationConfig
+    from pydantic import ValidationError
+
+    if not isinstance(raw, dict):
+        raw = raw.to_dict()
+    try:
+        config = QuantizationConfig.model_validate(raw)
+    except (ValidationError, ValueError, KeyError) as e:
+        raise UnsupportedQuantization(f"quantization_config is not a valid compressed-tensors "
+                                      f"config: {e}") from None
+    if config.format != "int-quantized":
+        _refuse("format", config.format, "needs format 'int-quantized'")
+    if config.kv_cache_scheme is not None:
+        _refuse("kv_cache_scheme", config.kv_cache_scheme.model_dump(), "KV cache quantization "
+                "is not supported")
+    if not config.config_groups:
+        _refuse("config_groups", {}, "needs at least one group")
+    for name, scheme in config.config_groups.items():
+        where = f"config_groups.{name}"
+        if scheme.format not in (None, "int-quantized"):
+            _refuse(f"{where}.format", scheme.format, "needs format 'int-quantized'")
+        _check_args(f"{where}.weights", scheme.weights, "channel", False)
+        _check_args(f"{where}.input_activations", scheme.input_activations, "token", True)
+        if scheme.output_activations is not None:
+            _refuse(f"{where}.output_activations", scheme.output_activations.model_dump(),
+                    "output activations are not quantized")
+    targets = [t for s in config.config_groups.values() for t in s.targets]
+    ignore = list(config.ignore or [])
+    if _targets_lm_head(targets) and not _ignored("lm_head", ignore):
+        _refuse("ignore", ignore, "the LM head stays in the model dtype: list 'lm_head' in "
+                "ignore (llm-compressor does by default)")
+    return targets, ignore
+
+
+def _targets_lm_head(targets: list[str]) -> bool:
+    from compressed_tensors.utils.match import match_name
+
+    return any(t == "Linear" or match_name("lm_head", t) for t in targets)
+
+
+def _ignored(name: str, ignore: list[str]) -> bool:
+    from compressed_tensors.utils.match import match_name
+
+    return any(match_name(name, pattern) for pattern in ignore)
+
+
+def is_quantized(module_name: str, shard_names: list[str], targets: list[str],
+                 ignore: list[str]) -> bool:
+    """Whether a Kiln linear (`module_name`, or for a merged one the checkpoint names of its
+    shards) is stored quantized: targeted ("Linear", a name or an `re:` pattern) and not
+    ignored. Shards that disagree are refused."""
+    from compressed_tensors.utils.match import match_name
+
+    names = shard_names or [module_name]
+    flags = {n: any(t == "Linear" or match_name(n, t) for t in targets)
+             and not _ignored(n, ignore) for n in names}
+    if len(set(flags.values())) > 1:
+        _refuse("ignore", ignore, f"the parts of {module_name} ({', '.join(names)}) must all be "
+                "quantized or all left unquantized: they run as one matmul")
+    return next(iter(flags.values()))

@@ -1,0 +1,108 @@
+"""W8A8 int8 linear layers: int8 weights with a float32 scale per output channel, activations
+quantized per token at run time (dynamic, symmetric), the GEMM in int8 with int32 sums.
+
+`Int8W8A8Config.prepare(model)` gives the targeted linears int8 parameters before a
+compressed-tensors checkpoint loads into them; `quantize_loaded(model)` (online, `--quantization
+int8`) quantizes float weights already loaded. Embeddings and the LM head stay in the model dtype.
+"""
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kiln.logger import init_logger
+from kiln.model.layers.linear import LinearBase
+from kiln.model.layers.quantization import int8_ops
+from kiln.model.layers.quantization.int8_reference import quantize_weight_per_channel
+
+logger = init_logger(__name__)
+
+# Kiln's merged linears and the checkpoint names of their parts (what `ignore` lists).
+MERGED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class Int8LinearMethod:
+    """How a converted linear computes: quantize x per token, int8 GEMM, scales, bias."""
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        q, scale = int8_ops.dynamic_int8_quant(x)  # [T, K] int8, [T, 1] float32
+        return int8_ops.int8_scaled_mm(q, scale, layer.weight, layer.weight_scale, bias, x.dtype)
+
+
+def _scale_loader(layer: LinearBase):
+    def load(param, loaded: torch.Tensor, shard_id=None) -> None:
+        # compressed-tensors stores [N, 1] in the model dtype; Kiln keeps [N] float32, sharded
+        # as the weight's rows are (a row-parallel layer's scales are whole, like a bias).
+        if loaded.dim() == 2 and loaded.shape[1] == 1:
+            loaded = loaded.reshape(-1)
+        if shard_id is None:
+            layer.weight_loader(param, loaded)
+        else:
+            layer.weight_loader(param, loaded, shard_id)
+    return load
+
+
+def to_int8(layer: LinearBase, weight: torch.Tensor | None = None,
+            scale: torch.Tensor | None = None) -> None:
+    """Give `layer` int8 `weight` [N, K] and float32 `weight_scale` [N] parameters (empty ones,
+    for a checkpoint to load, when not given) and the int8 method."""
+    n, k = layer.weight.shape
+    device = layer.weight.device
+    w = nn.Parameter(weight if weight is not None else
+                     torch.empty(n, k, dtype=torch.int8, device=device), requires_grad=False)
+    s = nn.Parameter(scale if scale is not None else
+                     torch.empty(n, dtype=torch.float32, device=device), requires_grad=False)
+    w.weight_loader = layer.weight_loader
+    s.weight_loader = _scale_loader(layer)
+    layer.weight = w
+    layer.weight_scale = s
+    layer.quant_method = Int8LinearMethod()
+    layer.supports_cpu_packing = False  # oneDNN's float packing does not apply
+
+
+@dataclass
+class Int8W8A8Config:
+    online: bool  # quantize float weights on load (else: a compressed-tensors checkpoint)
+    targets: list[str] = field(default_factory=lambda: ["Linear"])
+    ignore: list[str] = field(default_factory=list)
+
+    def layers(self, model: nn.Module) -> list[tuple[str, LinearBase]]:
+        """The linears this config quantizes, by module name."""
+        from kiln.model.layers.quantization.compressed_tensors import is_quantized
+
+        chosen = []
+        for name, module in model.named_modules():
+            if not isinstance(module, LinearBase):
+                continue
+            if not self.online:
+                prefix, _, leaf = name.rpartition(".")
+                parts = [f"{prefix}.{p}" for p in MERGED_PARTS.get(leaf, ())]
+                if not is_quantized(name, parts, self.targets, self.ignore):
+                    continue
+            chosen.append((name, module))
+        return chosen
+
+    def prepare(self, model: nn.Module) -> int:
+        """Before loading a quantized checkpoint: int8 parameters for it to fill."""
+        if self.online:
+            return 0
+        chosen = self.layers(model)
+        for _, layer in chosen:
+            to_int8(layer)
+        logger.info("W8A8 int8: %d linear layers load int8 weights (compressed-tensors)",
+                    len(chosen))
+        return len(chosen)
+
+    @torch.no_grad()
+    def quantize_loaded(self, model: nn.Module) -> int:
+        """Online: each linear's loaded float weight -> int8 per channel (the float copy and
+        anything attached to it, such as GGUF blocks, are freed)."""
+        if not self.online:
+            return 0
+        chosen = self.layers(model)
+        for _, layer in chosen:
+            q, scale = quantize_weight_per_channel(layer.weight.data)
+            to_int8(layer, q, scale)
+        logger.info("W8A8 int8: quantized %d linear layers on load", len(chosen))
+        return len(chosen)

@@ -1,0 +1,309 @@
+/* W8A8 int8 CPU kernels with AVX512-VNNI dot products: symmetric per-token dynamic activation
+ * quantization (alone, after RMSNorm with or without the residual add, after SiLU-and-mul) and the
+ * int8 GEMM with per-token x per-channel scales (kiln/model/layers/quantization/int8_reference.py
+ * defines each one's result; these equal it exactly where the math is integer).
+ *
+ * The GEMM reads the weight as stored, int8 [N, K] row-major: VPDPBUSD multiplies unsigned by
+ * signed bytes, so each weight vector is offset to unsigned (w ^ 0x80 = w + 128) and the
+ * activations stay signed; the offset's 128 * sum(a[m, :]) comes off each row's sums. No packed
+ * copy of the weight: int8 weight memory stays one byte a parameter.
+ *
+ * Float steps use the explicitly rounded intrinsics (_round_ps): the library builds with
+ * -ffast-math, under which a plain a * b * c + d could be reassociated or contracted into an FMA,
+ * and the results must equal torch's op-by-op float32 rounding bit for bit.
+ *
+ * dtype: 0 float32, 1 bfloat16. Strides are in elements; columns are contiguous. Return codes:
+ * 0 ok, 2 out of memory, 4 built for a CPU without AVX512-VNNI.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "dtype.h"
+
+/* The unfused kernels, compiled here from their own source and called whole (noipa: not inlined
+ * or specialised into these callers), so a fused op's normed or activated values are the very
+ * ones the unfused op writes. */
+int kiln_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t res_stride,
+                  void *residual_out, const void *weight, void *out, int64_t out_stride,
+                  int64_t rows, int32_t hidden, float eps, int32_t dtype, int32_t num_threads)
+    __attribute__((noipa));
+int kiln_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int32_t d,
+                      int32_t dtype, int32_t num_threads) __attribute__((noipa));
+#include "layer_ops.c"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#include <immintrin.h>
+
+#define RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+/* Rows a thread normalises or activates into its scratch before quantizing them (in L1/L2). */
+#define CHUNK_ROWS 16
+/* GEMM blocks one task computes: rows x output channels. */
+#define BLOCK_M 64
+#define BLOCK_N 32
+
+int kiln_int8_isa(void) { return 1; }
+
+static inline size_t elem_size(int dtype) { return dtype == KILN_F32 ? 4 : 2; }
+
+static inline __mmask16 tail16(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+}
+
+static inline __m512 load16(const void *base, int64_t i, int dtype, __mmask16 m) {
+    if (dtype == KILN_F32) return _mm512_maskz_loadu_ps(m, (const float *)base + i);
+    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)base + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline void store16(void *base, int64_t i, __m512 v, int dtype, __mmask16 m) {
+    if (dtype == KILN_F32) {
+        _mm512_mask_storeu_ps((float *)base + i, m, v);
+        return;
+    }
+    /* round to nearest even, as dtype.h's f32_to_bf16 (finite values) */
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    _mm256_mask_storeu_epi16((uint16_t *)base + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+
+/* A chunk's scratch, 64-byte aligned like torch's tensors: the unfused kernels' vector loops
+ * peel by alignment, and libmvec's vector expf rounds differently from the scalar one, so a
+ * differently aligned scratch would change SiLU's last bits. */
+static char *scratch(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
+/* One row x[0:k] -> q[0:k] = round(x * (127 / amax)) and *scale = amax / 127. */
+static void quant_row(const void *x, int64_t k, int dtype, int8_t *q, float *scale) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 16)
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(x, i, dtype, tail16(k - i))));
+    const __m128 a = _mm_set_ss(_mm512_reduce_max_ps(amax)), c = _mm_set_ss(127.f);
+    *scale = _mm_cvtss_f32(_mm_div_round_ss(a, c, RNE));
+    const float inv = _mm_cvtss_f32(a) > 0.f ? _mm_cvtss_f32(_mm_div_round_ss(c, a, RNE)) : 0.f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (int64_t i = 0; i < k; i += 16) {
+        const __mmask16 m = tail16(k - i);
+        __m512 p = _mm512_mul_round_ps(load16(x, i, dtype, m), vinv, RNE);
+        _mm512_mask_cvtsepi32_storeu_epi8(q + i, m, _mm512_cvt_roundps_epi32(p, RNE));
+    }
+}
+
+/* q [rows, k] int8, scale [rows] = dynamic_int8_quant(x [rows, k] with row stride x_stride). */
+int kiln_dynamic_int8_quant(const void *x, int64_t x_stride, int8_t *q, float *scale,
+                            int64_t rows, int64_t k, int32_t dtype, int32_t num_threads) {
+    const size_t es = elem_size(dtype);
+#pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_MIN_ROWS)
+    for (int64_t r = 0; r < rows; ++r)
+        quant_row((const char *)x + r * x_stride * es, k, dtype, q + r * k, scale + r);
+    return 0;
+}
+
+/* dynamic_int8_quant(rms_norm(x (+ residual))): chunks of rows through kiln_rms_norm into a
+ * per-thread scratch, quantized from there. residual_out [rows, hidden] gets x + residual. */
+int kiln_rms_norm_int8_quant(const void *x, int64_t x_stride, const void *residual,
+                             int64_t res_stride, void *residual_out, const void *weight, int8_t *q,
+                             float *scale, int64_t rows, int32_t hidden, float eps, int32_t dtype,
+                             int32_t num_threads) {
+    const size_t es = elem_size(dtype);
+    const int64_t chunks = (rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (rows >= PARALLEL_MIN_ROWS) reduction(| : failed)
+    {
+        char *buf = scratch((size_t)CHUNK_ROWS * hidden * es);
+        if (!buf) failed = 1;
+#pragma omp for
+        for (int64_t c = 0; c < chunks; ++c) {
+            if (!buf) continue;
+            const int64_t r0 = c * CHUNK_ROWS, n = rows - r0 < CHUNK_ROWS ? rows - r0 : CHUNK_ROWS;
+            kiln_rms_norm((const char *)x + r0 * x_stride * es, x_stride,
+                          residual ? (const char *)residual + r0 * res_stride * es : NULL,
+                          res_stride, residual_out ? (char *)residual_out + r0 * hidden * es : NULL,
+                          weight, buf, hidden, n, hidden, eps, dtype, 1);
+            for (int64_t r = 0; r < n; ++r)
+                quant_row(buf + r * hidden * es, hidden, dtype, q + (r0 + r) * hidden,
+                          scale + r0 + r);
+        }
+        free(buf);
+    }
+    return failed ? 2 : 0;
+}
+
+/* dynamic_int8_quant(silu_and_mul(x [rows, 2d])) -> q [rows, d], scale [rows]. */
+int kiln_silu_and_mul_int8_quant(const void *x, int64_t x_stride, int8_t *q, float *scale,
+                                 int64_t rows, int32_t d, int32_t dtype, int32_t num_threads) {
+    const size_t es = elem_size(dtype);
+    const int64_t chunks = (rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (rows >= PARALLEL_MIN_ROWS) reduction(| : failed)
+    {
+        char *buf = scratch((size_t)CHUNK_ROWS * d * es);
+        if (!buf) failed = 1;
+#pragma omp for
+        for (int64_t c = 0; c < chunks; ++c) {
+            if (!buf) continue;
+            const int64_t r0 = c * CHUNK_ROWS, n = rows - r0 < CHUNK_ROWS ? rows - r0 : CHUNK_ROWS;
+            kiln_silu_and_mul((const char *)x + r0 * x_stride * es, x_stride, buf, n, d, dtype, 1);
+            for (int64_t r = 0; r < n; ++r)
+                quant_row(buf + r * d * es, d, dtype, q + (r0 + r) * d, scale + r0 + r);
+        }
+        free(buf);
+    }
+    return failed ? 2 : 0;
+}
+
+/* out[0:n] = dtype(float32(acc[c] - off) * sa * w_scale[c] (+ bias[c])), each step rounded as
+ * torch's float32 ops round it. */
+static inline void scale_row(const int32_t *acc, int32_t off, float a_scale, const float *w_scale,
+                             const void *bias, int bias_dtype, void *out, int64_t n, int out_dtype) {
+    const __m512 sa = _mm512_set1_ps(a_scale);
+    const __m512i voff = _mm512_set1_epi32(off);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 m = tail16(n - j);
+        __m512i v = _mm512_sub_epi32(_mm512_maskz_loadu_epi32(m, acc + j), voff);
+        __m512 f = _mm512_mul_round_ps(_mm512_cvt_roundepi32_ps(v, RNE), sa, RNE);
+        f = _mm512_mul_round_ps(f, _mm512_maskz_loadu_ps(m, w_scale + j), RNE);
+        if (bias) f = _mm512_add_round_ps(f, load16(bias, j, bias_dtype, m), RNE);
+        store16(out, j, f, out_dtype, m);
+    }
+}
+
+/* The GEMM's epilogue alone, over int32 sums acc [m, n] (row stride acc_stride) another GEMM
+ * (oneDNN's, through torch._int_mm) computed: out as kiln_int8_gemm writes it. */
+int kiln_int8_scale(const int32_t *acc, int64_t acc_stride, const float *a_scale,
+                    const float *w_scale, const void *bias, int32_t bias_dtype, void *out,
+                    int64_t out_stride, int64_t m, int64_t n, int32_t out_dtype,
+                    int32_t num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (m >= 4)
+    for (int64_t r = 0; r < m; ++r)
+        scale_row(acc + r * acc_stride, 0, a_scale[r], w_scale, bias, bias_dtype,
+                  (char *)out + r * out_stride * elem_size(out_dtype), n, out_dtype);
+    return 0;
+}
+
+/* [sum a, sum b, sum c, sum d] of four vectors of int32 partial sums. */
+static inline __m128i hsum4(__m512i a, __m512i b, __m512i c, __m512i d) {
+    __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+    __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+    __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+/* out[r][0:4] = sum_k (w[j][k] + 128) * a[r][k] for MR rows a[r] and 4 weight rows w[j], 64
+ * bytes of k a step (the last one masked). MR is a constant at each call: fully unrolled. */
+static inline __attribute__((always_inline)) void micro(const int MR, const int8_t *const *a,
+                                                        const int8_t *const *w, int64_t k,
+                                                        int32_t *out, int64_t out_stride) {
+    __m512i acc[4][4];
+    for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
+    const __m512i offset = _mm512_set1_epi8((char)0x80);
+    for (int64_t i = 0; i < k; i += 64) {
+        const __mmask64 m = k - i >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (k - i)) - 1);
+        __m512i wv[4], av[4];
+        for (int j = 0; j < 4; ++j)
+            wv[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, w[j] + i), offset);
+        for (int r = 0; r < MR; ++r) av[r] = _mm512_maskz_loadu_epi8(m, a[r] + i);
+        for (int r = 0; r < MR; ++r)
+            for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], wv[j], av[r]);
+    }
+    for (int r = 0; r < MR; ++r)
+        _mm_storeu_si128((__m128i *)(out + r * out_stride),
+                         hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+}
+
+/* sum(a[0:k]) in int32. */
+static int32_t row_sum(const int8_t *a, int64_t k) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512i acc = _mm512_setzero_si512();
+    for (int64_t i = 0; i < k; i += 64) {
+        const __mmask64 m = k - i >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (k - i)) - 1);
+        acc = _mm512_dpbusd_epi32(acc, ones, _mm512_maskz_loadu_epi8(m, a + i));
+    }
+    return _mm512_reduce_add_epi32(acc);
+}
+
+/* out [m, n] (out_dtype, row stride out_stride) = float32(a @ w^T) * a_scale[r] * w_scale[c]
+ * (+ bias[c]), with a int8 [m, k] (row stride a_stride), w int8 [n, k] (row stride w_stride),
+ * a_scale [m] and w_scale [n] float32, bias [n] in bias_dtype or NULL. */
+int kiln_int8_gemm(const int8_t *a, int64_t a_stride, const float *a_scale, const int8_t *w,
+                   int64_t w_stride, const float *w_scale, const void *bias, int32_t bias_dtype,
+                   void *out, int64_t out_stride, int64_t m, int64_t n, int64_t k,
+                   int32_t out_dtype, int32_t num_threads) {
+    if (m == 0 || n == 0) return 0;
+    int32_t *sums = malloc((size_t)m * sizeof(int32_t));
+    if (!sums) return 2;
+    const int64_t mb = (m + BLOCK_M - 1) / BLOCK_M, nb = (n + BLOCK_N - 1) / BLOCK_N;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        int32_t *tile = malloc((size_t)BLOCK_M * BLOCK_N * sizeof(int32_t));
+        if (!tile) failed = 1;
+#pragma omp for
+        for (int64_t r = 0; r < m; ++r) sums[r] = 128 * row_sum(a + r * a_stride, k);
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t bi = 0; bi < mb; ++bi)
+            for (int64_t bj = 0; bj < nb; ++bj) {
+                if (!tile) continue;
+                const int64_t r0 = bi * BLOCK_M, c0 = bj * BLOCK_N;
+                const int64_t rows = m - r0 < BLOCK_M ? m - r0 : BLOCK_M;
+                const int64_t cols = n - c0 < BLOCK_N ? n - c0 : BLOCK_N;
+                for (int64_t j = 0; j < cols; j += 4) {
+                    const int8_t *wr[4];  /* past the last channel: repeat it, not stored */
+                    for (int t = 0; t < 4; ++t)
+                        wr[t] = w + (c0 + (j + t < cols ? j + t : cols - 1)) * w_stride;
+                    int64_t i = 0;
+                    for (; i + 4 <= rows; i += 4) {
+                        const int8_t *ar[4] = {a + (r0 + i) * a_stride, a + (r0 + i + 1) * a_stride,
+                                               a + (r0 + i + 2) * a_stride,
+                                               a + (r0 + i + 3) * a_stride};
+                        micro(4, ar, wr, k, tile + i * BLOCK_N + j, BLOCK_N);
+                    }
+                    for (; i < rows; ++i) {
+                        const int8_t *ar[1] = {a + (r0 + i) * a_stride};
+                        micro(1, ar, wr, k, tile + i * BLOCK_N + j, BLOCK_N);
+                    }
+                }
+                for (int64_t i = 0; i < rows; ++i)
+                    scale_row(tile + i * BLOCK_N, sums[r0 + i], a_scale[r0 + i], w_scale + c0,
+                              bias ? (const char *)bias + c0 * elem_size(bias_dtype) : NULL,
+                              bias_dtype, (char *)out + ((r0 + i) * out_stride + c0) *
+                              elem_size(out_dtype), cols, out_dtype);
+            }
+        free(tile);
+    }
+    free(sums);
+    return failed ? 2 : 0;
+}
+
+#else /* no AVX512-VNNI: Python's supported() sees kiln_int8_isa() == 0 and never calls these */
+
+int kiln_int8_isa(void) { return 0; }
+int kiln_dynamic_int8_quant(const void *x, int64_t x_stride, int8_t *q, float *scale,
+                            int64_t rows, int64_t k, int32_t dtype, int32_t num_threads) {
+    return 4;
+}
+int kiln_rms_norm_int8_quant(const void *x, int64_t x_stride, const void *residual,
+                             int64_t res_stride, void *residual_out, const void *weight, int8_t *q,
+                             float *scale, int64_t rows, int32_t hidden, float eps, int32_t dtype,
+                             int32_t num_threads) {
+    return 4;
+}
+int kiln_silu_and_mul_int8_quant(const void *x, int64_t x_stride, int8_t *q, float *scale,
+                                 int64_t rows, int32_t d, int32_t dtype, int32_t num_threads) {
+    return 4;
+}
+int kiln_int8_gemm(const int8_t *a, int64_t a_stride, const float *a_scale, const int8_t *w,
+                   int64_t w_stride, const float *w_scale, const void *bias, int32_t bias_dtype,
+                   void *out, int64_t out_stride, int64_t m, int64_t n, int64_t k,
+                   int32_t out_dtype, int32_t num_threads) {
+    return 4;
+}
+int kiln_int8_scale(const int32_t *acc, int64_t acc_stride, const float *a_scale,
+                    const float *w_scale, const void *bias, int32_t bias_dtype, void *out,
+                    int64_t out_stride, int64_t m, int64_t n, int32_t out_dtype,
+                    int32_t num_threads) {
+    return 4;
+}
+#endif

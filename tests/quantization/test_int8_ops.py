@@ -1,0 +1,142 @@
+"""The W8A8 int8 ops' native CPU kernels (kiln/native/int8_ops.py) against the plain-torch
+references (kiln/model/layers/quantization/int8_reference.py): int8 values, scales and GEMM
+results exactly; the fused norm ops equal the unfused native kernels bit for bit.
+
+On a CPU without AVX512-VNNI the kernels are not built for it: the tests then check that
+`supported` says so (the reference runs) and that the reference itself is exact.
+"""
+import pytest
+import torch
+
+from kiln.model.layers.quantization import int8_reference as ref
+from kiln.native import int8_ops as native
+from kiln.native import layer_ops
+
+DTYPES = [torch.float32, torch.bfloat16]
+# (rows, K): one token, a few (the VNNI kernel), many (oneDNN's GEMM, from ONEDNN_MIN_ROWS
+# rows), K not a multiple of 16 or 64 (masked tails), K == 1 (torch's own _int_mm is wrong)
+SHAPES = [(1, 576), (5, 100), (native.ONEDNN_MIN_ROWS + 3, 192), (70, 33), (3, 1)]
+
+
+def _x(rows, k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, k, generator=g) * 3).to(dtype)
+    if rows > 2:
+        x[1] = 0  # an all-zero row: scale 0, q 0
+    return x
+
+
+def _native_or_skip_check(x) -> bool:
+    if native.isa() is None:
+        assert not native.quant_supported(x)
+        return False
+    return True
+
+
+def test_reference_quant_round_trips_within_half_a_step():
+    x = _x(8, 300, torch.float32)
+    q, s = ref.dynamic_int8_quant(x)
+    assert q.dtype == torch.int8 and s.shape == (8, 1) and s.dtype == torch.float32
+    assert (q[1] == 0).all() and s[1] == 0
+    assert ((q.float() * s - x).abs() <= s * 0.5 * (1 + 1e-5)).all()
+    assert q.abs().max() == 127
+
+
+def test_reference_gemm_is_the_integer_product_scaled():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-128, 128, (6, 50), dtype=torch.int8, generator=g)
+    w = torch.randint(-128, 128, (7, 50), dtype=torch.int8, generator=g)
+    s, ws, b = torch.rand(6, 1), torch.rand(7), torch.randn(7)
+    exact = (q.long() @ w.long().t()).float() * s * ws + b
+    assert torch.equal(ref.int8_scaled_mm(q, s, w, ws, b, torch.float32), exact)
+    assert torch.equal(ref.int8_scaled_mm(q[:, :1], s, w[:, :1], ws, None, torch.float32),
+                       (q[:, :1].long() @ w[:, :1].long().t()).float() * s * ws)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,k", SHAPES)
+def test_dynamic_quant_equals_reference(dtype, rows, k):
+    x = _x(rows, k, dtype)
+    if not _native_or_skip_check(x):
+        return
+    q, s = native.dynamic_int8_quant(x)
+    qr, sr = ref.dynamic_int8_quant(x)
+    assert torch.equal(q, qr) and torch.equal(s, sr)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,k", SHAPES)
+@pytest.mark.parametrize("n", [96, 13])
+def test_int8_gemm_equals_reference(dtype, rows, k, n):
+    x = _x(rows, k, dtype)
+    if not _native_or_skip_check(x):
+        return
+    q, s = ref.dynamic_int8_quant(x)
+    g = torch.Generator().manual_seed(2)
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    ws = torch.rand(n, generator=g) * 0.02
+    for bias in (None, torch.randn(n, generator=g).to(dtype)):
+        assert native.gemm_supported(q, s, w, ws, bias, dtype)
+        assert torch.equal(native.int8_scaled_mm(q, s, w, ws, bias, dtype),
+                           ref.int8_scaled_mm(q, s, w, ws, bias, dtype))
+
+
+def test_int8_gemm_refuses_mismatched_shapes():
+    if native.isa() is None:
+        return
+    q, s = torch.zeros(2, 8, dtype=torch.int8), torch.ones(2, 1)
+    with pytest.raises(ValueError, match="do not fit together"):
+        native.int8_scaled_mm(q, s, torch.zeros(4, 9, dtype=torch.int8), torch.ones(4), None,
+                              torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,k", [(1, 576), (5, 100), (70, 64)])
+def test_fused_norm_quant_equals_unfused_native_and_reference(dtype, rows, k):
+    x = _x(rows, k, dtype)
+    if not _native_or_skip_check(x):
+        return
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(k, generator=g).to(dtype)
+    residual = torch.randn(rows, k, generator=g).to(dtype)
+    q, s = native.rms_norm_dynamic_int8_quant(x, weight, 1e-5)
+    uq, us = native.dynamic_int8_quant(layer_ops.rms_norm(x, weight, 1e-5))
+    assert torch.equal(q, uq) and torch.equal(s, us)
+    q, s, total = native.fused_add_rms_norm_dynamic_int8_quant(x, residual, weight, 1e-5)
+    normed, utotal = layer_ops.rms_norm(x, weight, 1e-5, residual)
+    uq, us = native.dynamic_int8_quant(normed)
+    assert torch.equal(q, uq) and torch.equal(s, us) and torch.equal(total, utotal)
+    # against the reference: the native RMSNorm sums squares in another order (float32 may
+    # round its last bit differently), so q may move by one step at a rounding boundary
+    rq, rs, rtotal = ref.fused_add_rms_norm_dynamic_int8_quant(x, residual, weight, 1e-5)
+    assert torch.equal(total, rtotal)
+    assert (q.int() - rq.int()).abs().max() <= 1
+    assert torch.allclose(s, rs, rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,d", [(1, 768), (5, 50), (70, 64)])
+def test_fused_silu_quant_within_one_step_of_unfused(dtype, rows, d):
+    """Bounded, not bit-identical: the native SiLU-and-mul kernel itself rounds expf in its
+    vector or its scalar loop depending on the call's shape (libmvec's vector expf and libm's
+    scalar one differ in the last bit), which moves a bfloat16 product by one ulp."""
+    x = _x(rows, 2 * d, dtype)
+    if not _native_or_skip_check(x):
+        return
+    q, s = native.silu_and_mul_dynamic_int8_quant(x)
+    for uq, us in (native.dynamic_int8_quant(layer_ops.silu_and_mul(x)),
+                   ref.silu_and_mul_dynamic_int8_quant(x)):
+        assert (q.int() - uq.int()).abs().max() <= 1
+        assert torch.allclose(s, us, rtol=2 ** -7, atol=0)
+
+
+def test_torch_ops_take_the_native_kernel_where_supported():
+    from kiln.model.layers.quantization import int8_ops
+
+    x = _x(4, 64, torch.bfloat16)
+    q, s = int8_ops.dynamic_int8_quant(x)
+    assert torch.equal(q, ref.dynamic_int8_quant(x)[0])
+    assert native.quant_supported(x) == (native.isa() is not None)
+    assert not native.quant_supported(x.to(torch.float16))  # no kernel dtype: the reference
+    q16, _ = int8_ops.dynamic_int8_quant(x.to(torch.float16))
+    assert torch.equal(q16, ref.dynamic_int8_quant(x.to(torch.float16))[0])

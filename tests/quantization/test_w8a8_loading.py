@@ -1,0 +1,168 @@
+"""W8A8 int8 checkpoints in compressed-tensors' layout load (int8 weights, scales, `ignore`
+honoured), schemes Kiln cannot run are refused naming the field, and online quantization
+(`quantization="int8"`) quantizes the linears of a float checkpoint, HF or GGUF.
+"""
+import json
+import re
+
+import pytest
+import torch
+from model._attn_helper import kiln_config_for
+from safetensors.torch import load_file
+
+from kiln.model.layers.linear import LinearBase
+from kiln.model.layers.quantization.compressed_tensors import UnsupportedQuantization
+from kiln.model.loader import get_model
+
+from w8a8_checkpoint import w8a8_quantization_config, write_w8a8_checkpoint
+
+
+@pytest.fixture(scope="module")
+def w8a8_dir(tiny_llama_dir, tmp_path_factory):
+    return write_w8a8_checkpoint(tiny_llama_dir, tmp_path_factory.mktemp("w8a8"),
+                                 scale_dtype=torch.bfloat16)
+
+
+def _linears(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, LinearBase)}
+
+
+def test_checkpoint_loads_int8_weights_and_scales(w8a8_dir):
+    cfg = kiln_config_for(w8a8_dir)
+    assert cfg.model_config.quantization == "compressed-tensors"
+    model = get_model(cfg)
+    stored = load_file(str(w8a8_dir / "model.safetensors"))
+    for layer in _linears(model).values():
+        assert layer.weight.dtype == torch.int8 and layer.weight_scale.dtype == torch.float32
+        assert layer.quant_method is not None
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    prefix = "model.layers.1.self_attn."
+    assert torch.equal(qkv.weight, torch.cat([stored[prefix + p + ".weight"]
+                                              for p in ("q_proj", "k_proj", "v_proj")]))
+    assert torch.equal(qkv.weight_scale, torch.cat([
+        stored[prefix + p + ".weight_scale"].float().reshape(-1)
+        for p in ("q_proj", "k_proj", "v_proj")]))
+    down = model.model.layers[0].mlp.down_proj  # row-parallel: its scales load whole
+    assert torch.equal(down.weight_scale,
+                       stored["model.layers.0.mlp.down_proj.weight_scale"].float().reshape(-1))
+    # the LM head and the embedding stay float32 (lm_head is in `ignore`)
+    assert model.lm_head.weight.dtype == torch.float32
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_ignore_list_leaves_those_layers_float(tiny_llama_dir, tmp_path):
+    ignore = ["lm_head", "re:.*mlp.down_proj$", "model.layers.0.self_attn.o_proj"]
+    d = write_w8a8_checkpoint(tiny_llama_dir, tmp_path / "q", ignore=ignore)
+    # a checkpoint stores ignored layers in float: put the float weights back for those
+    from safetensors.torch import save_file
+    floats = load_file(str(tiny_llama_dir / "model.safetensors"))
+    state = load_file(str(d / "model.safetensors"))
+    for name in list(state):
+        if ".down_proj." in name or name.startswith("model.layers.0.self_attn.o_proj."):
+            state.pop(name)
+    for name, t in floats.items():
+        if ".down_proj." in name or name.startswith("model.layers.0.self_attn.o_proj."):
+            state[name] = t
+    save_file(state, str(d / "model.safetensors"))
+    model = get_model(kiln_config_for(d))
+    layers = _linears(model)
+    assert layers["model.layers.0.mlp.down_proj"].weight.dtype == torch.float32
+    assert layers["model.layers.0.self_attn.o_proj"].weight.dtype == torch.float32
+    assert layers["model.layers.1.self_attn.o_proj"].weight.dtype == torch.int8
+    assert layers["model.layers.1.mlp.gate_up_proj"].weight.dtype == torch.int8
+
+
+def _edited(src, dst, edit):
+    d = write_w8a8_checkpoint(src, dst)
+    config = json.loads((d / "config.json").read_text())
+    edit(config["quantization_config"])
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def _group(qc):
+    return qc["config_groups"]["group_0"]
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda qc: _group(qc)["input_activations"].update(dynamic=False, strategy="tensor"),
+     "config_groups.group_0.input_activations.dynamic=False"),
+    (lambda qc: _group(qc)["weights"].update(symmetric=False),
+     "config_groups.group_0.weights.symmetric=False"),
+    (lambda qc: _group(qc)["weights"].update(strategy="group", group_size=32),
+     "config_groups.group_0.weights.strategy='group'"),
+    (lambda qc: _group(qc)["weights"].update(num_bits=4),
+     "config_groups.group_0.weights.num_bits=4"),
+    (lambda qc: _group(qc).update(input_activations=None),
+     "config_groups.group_0.input_activations=None"),
+    (lambda qc: qc.update(format="pack-quantized"), "format='pack-quantized'"),
+    (lambda qc: qc.update(ignore=[]), "ignore=[]"),
+], ids=["static-activations", "asymmetric", "group-wise", "4-bit", "weight-only", "format",
+        "lm-head-quantized"])
+def test_other_schemes_are_refused_naming_the_field(tiny_llama_dir, tmp_path, edit, field):
+    d = _edited(tiny_llama_dir, tmp_path / "q", edit)
+    with pytest.raises(UnsupportedQuantization, match=re.escape(f"quantization_config.{field}")):
+        get_model(kiln_config_for(d))
+
+
+def test_other_quant_methods_and_conflicting_flags_are_refused(tiny_llama_dir, w8a8_dir,
+                                                                tmp_path):
+    with pytest.raises(ValueError, match="drop --quantization"):
+        kiln_config_for(w8a8_dir, quantization="int8")
+    d = _edited(tiny_llama_dir, tmp_path / "awq", lambda qc: qc.update(quant_method="awq"))
+    with pytest.raises(ValueError, match="quant_method='awq' is not supported"):
+        kiln_config_for(d)
+    with pytest.raises(ValueError, match="quantization must be one of int8, compressed-tensors"):
+        kiln_config_for(tiny_llama_dir, quantization="fp4")
+    with pytest.raises(ValueError, match="needs a checkpoint whose config.json has a "
+                                         "quantization_config"):
+        kiln_config_for(tiny_llama_dir, quantization="compressed-tensors")
+
+
+def test_a_float_tensor_where_int8_is_expected_is_refused(tiny_llama_dir, tmp_path):
+    from safetensors.torch import save_file
+    d = write_w8a8_checkpoint(tiny_llama_dir, tmp_path / "q")
+    state = load_file(str(d / "model.safetensors"))
+    state["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"].float()
+    save_file(state, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match="up_proj.weight: checkpoint dtype torch.float32 where "
+                                         "torch.int8 is expected"):
+        get_model(kiln_config_for(d))
+
+
+def test_w8a8_preset_is_what_compressed_tensors_writes():
+    """The tests' config is compressed-tensors' own W8A8 preset (not a hand-made look-alike)."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+    preset = preset_name_to_scheme("W8A8", ["Linear"])
+    group = w8a8_quantization_config()["config_groups"]["group_0"]
+    for part in ("weights", "input_activations"):
+        for key in ("num_bits", "type", "symmetric", "strategy", "dynamic"):
+            assert group[part][key] == getattr(getattr(preset, part), key), (part, key)
+
+
+def test_online_int8_quantizes_linears_per_channel(tiny_llama_dir):
+    float_model = get_model(kiln_config_for(tiny_llama_dir))
+    model = get_model(kiln_config_for(tiny_llama_dir, quantization="int8"))
+    floats = _linears(float_model)
+    for name, layer in _linears(model).items():
+        w = floats[name].weight
+        assert layer.weight.dtype == torch.int8
+        assert torch.equal(layer.weight_scale, w.abs().amax(1) / 127)
+        # per channel: dequantized within half a step of the float weight
+        err = (layer.weight.float() * layer.weight_scale[:, None] - w).abs()
+        assert (err <= layer.weight_scale[:, None] * 0.5 * (1 + 1e-5)).all()
+    assert model.lm_head.weight.dtype == torch.float32
+
+
+def test_online_int8_on_a_gguf_file(tiny_llama_dir, tmp_path):
+    from model.test_gguf_vs_hf import write_gguf
+
+    from kiln.native import linear_op
+
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_llama_dir)
+    model = get_model(kiln_config_for(path, quantization="int8"))
+    layers = _linears(model)
+    assert layers and all(m.weight.dtype == torch.int8 for m in layers.values())
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    if linear_op.available():  # the float weights' GGUF blocks went with them
+        assert not any(linear_op.attached(m.weight).blocks for m in layers.values())

@@ -1,0 +1,59 @@
+"""Writes a W8A8 int8 checkpoint in compressed-tensors' layout (as llm-compressor saves one) from
+a float HF checkpoint directory: int8 `weight` + `weight_scale` [N, 1] per quantized linear.
+
+Imported by tests as `w8a8_checkpoint` (pytest puts tests/ on sys.path through the root conftest).
+"""
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def w8a8_quantization_config(**overrides) -> dict:
+    """llm-compressor's W8A8 int8 preset, serialized; `overrides` replace top-level fields."""
+    config = {
+        "quant_method": "compressed-tensors", "format": "int-quantized",
+        "quantization_status": "compressed", "ignore": ["lm_head"], "kv_cache_scheme": None,
+        "config_groups": {"group_0": {
+            "targets": ["Linear"], "output_activations": None,
+            "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+                        "dynamic": False, "group_size": None, "observer": "minmax"},
+            "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                                  "strategy": "token", "dynamic": True, "group_size": None}}},
+    }
+    config.update(overrides)
+    return config
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 as llm-compressor's minmax observer computes it (its own code,
+    not Kiln's): scale = amax / 127, q = clamp(round(w / scale), -128, 127)."""
+    w = w.to(torch.float32)
+    scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0  # [N, 1]
+    q = torch.clamp(torch.round(w / scale), -128, 127).to(torch.int8)
+    return q, scale
+
+
+def write_w8a8_checkpoint(src: Path, dst: Path, scale_dtype=torch.float32,
+                          **config_overrides) -> Path:
+    """Copy `src` to `dst` with every decoder linear stored W8A8 int8."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    tensors = load_file(str(src / "model.safetensors"))
+    out = {}
+    for name, t in tensors.items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEAR_SUFFIXES:
+            q, scale = quantize_rows(t)
+            out[name], out[module + ".weight_scale"] = q, scale.to(scale_dtype)
+        else:
+            out[name] = t
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = w8a8_quantization_config(**config_overrides)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
