@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= The capital of France is
 
-.PHONY: setup run test test-all bench clean
+.PHONY: setup run test test-all lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q -m "not slow and not gpu" tests
+
+# Lint and import order (config in pyproject.toml).
+lint: setup
+	$(VENV)/bin/ruff check .
 
 # Issue-2 throughput check: Kiln against HF transformers on the default model, same run.
 bench: setup
