@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.attention.metadata import AttentionMetadata
+from kiln.ir.selection import apply as apply_ir_selection
 
 
 @dataclass
@@ -42,6 +43,8 @@ def set_forward_context(attn_metadata: AttentionMetadata | None, kiln_config,
     global _forward_context
     if _forward_context is not None:
         raise RuntimeError("set_forward_context() is not re-entrant: a forward context is active")
+    if "ir_selection" in kiln_config.__dict__:  # this engine's IR op choices (kiln/ir/)
+        apply_ir_selection(kiln_config.ir_selection)
     _forward_context = ForwardContext(
         no_compile_layers=kiln_config.compilation_config.static_forward_context,
         attn_metadata=attn_metadata, batch_descriptor=batch_descriptor,

@@ -56,20 +56,21 @@ BACKENDS = ("torch", "cpu")
 
 
 def get_attn_backend(platform=None) -> type[AttentionBackend]:
-    """The backend for `platform` (default: the machine's); `KILN_ATTENTION_BACKEND` (torch |
-    cpu) overrides.
-
-    On CPU the default is `cpu` (the C kernel for short queries) when its kernel builds."""
+    """The backend of the IR op unified_attention's chosen provider (kiln/ir/attention.py: on
+    CPU by default `cpu`, the C kernel for short queries, when it builds);
+    `KILN_ATTENTION_BACKEND` (torch | cpu) overrides."""
     from kiln import envs
-
-    if platform is None:
-        from kiln.platforms import current_platform as platform
+    from kiln.ir.attention import BACKENDS as IR_BACKENDS
+    from kiln.ir.attention import unified_attention
 
     name = envs.attention_backend()
     if name is None:
-        from kiln.native import paged_attention
-
-        name = "cpu" if platform.is_cpu() and paged_attention.available() else "torch"
+        if platform is None:
+            from kiln.platforms import current_platform as platform
+        device = "cpu" if platform.is_cpu() else "cuda"
+        name = IR_BACKENDS[unified_attention.chosen(device, torch.float32)]
+        if name == "cpu" and device != "cpu":
+            name = "torch"
     if name not in BACKENDS:
         raise ValueError(f"KILN_ATTENTION_BACKEND={name!r} is not one of {', '.join(BACKENDS)}")
     if name == "cpu":

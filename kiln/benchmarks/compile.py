@@ -122,6 +122,7 @@ def compile_report(engine_args: EngineArgs) -> dict:
             "dtype": str(mc.torch_dtype).removeprefix("torch."),
             "compilation_mode": int(cc.mode), "compilation_mode_name": CompilationMode(cc.mode).name,
             "backend": cc.backend, "splitting_ops": list(cc.splitting_ops),
+            "ir_ops": kiln_config.ir_selection.as_dict(),  # each IR op's chosen provider
             "pieces": {"total": d["num_piecewise_graphs_seen"],
                        "compiled": d["num_piecewise_capturable_graphs_seen"],
                        # Traced by Dynamo (cold) or loaded from the saved graph (warm).
@@ -164,6 +165,9 @@ def engine_cli_args(engine_args: EngineArgs) -> list[str]:
             argv.append(flag if value else "--no-enable-prefix-caching")
         elif f.name == "compilation_config":
             argv += [flag, json.dumps(spec_to_dict(value))]
+        elif f.name == "ir_op_priority":
+            for op, providers in value.items():
+                argv += [flag, f"{op}={','.join(providers)}"]
         else:
             argv += [flag, str(value)]
     return argv

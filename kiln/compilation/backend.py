@@ -16,7 +16,7 @@ from kiln.compilation.cache import (CompileCache, cache_base_dir, compiled_graph
                                     private_inductor_cache_dir)
 from kiln.compilation.compiler_interface import make_compiler
 from kiln.compilation.counters import compilation_counter
-from kiln.compilation.passes import (FuseAddRmsNormLinear, FuseSiluMulLinear,
+from kiln.compilation.passes import (FuseAddRmsNormLinear, FuseSiluMulLinear, LowerIrOps,
                                      PostGradPassManager)
 from kiln.compilation.piecewise import PieceCompiler, PiecewiseBackend
 from kiln.compilation.split import SplitItem, split_graph
@@ -38,16 +38,21 @@ def wrap_piece(piece_callable: Callable, piece_index: int, is_last: bool,
                                     is_last=is_last, name=f"piece_{piece_index}")
 
 
-def fusion_passes_apply(kiln_config) -> bool:
-    """Whether compiled graphs get the passes that fold what comes before a linear into it: on
-    CPU, where the fused ops' C++ kernels run (elsewhere their torch fallbacks would be slower
-    than Inductor's kernels), unless pass_config {"enable_fusion": false}."""
+def fusion_passes(kiln_config) -> list:
+    """The passes that fold an IR op into the linear after it, where both ops' chosen
+    implementations are the native ones the fused op's C++ kernel stands for (elsewhere its
+    torch fallback would be slower than Inductor's kernels); none under pass_config
+    {"enable_fusion": false}."""
     from kiln.native import linear_op
 
     cc = kiln_config.compilation_config
-    return (cc.pass_config.get("enable_fusion", True)
+    chosen = kiln_config.ir_selection.as_dict()
+    if not (cc.pass_config.get("enable_fusion", True) and chosen["linear"] == "native"
             and torch.device(kiln_config.device_config.device).type == "cpu"
-            and linear_op.available())
+            and linear_op.available()):
+        return []
+    return ([FuseAddRmsNormLinear()] if chosen["fused_add_rms_norm"] == "native" else []) + (
+        [FuseSiluMulLinear()] if chosen["silu_and_mul"] == "native" else [])
 
 
 def call_splitting_pieces_directly(split_gm: torch.nn.Module) -> None:
@@ -86,9 +91,9 @@ class KilnBackend:
         self.kiln_config, self.prefix = kiln_config, prefix
         cc = kiln_config.compilation_config
         self.pass_manager = PostGradPassManager(cc.pass_config)
-        if fusion_passes_apply(kiln_config):
-            self.pass_manager.add(FuseAddRmsNormLinear())
-            self.pass_manager.add(FuseSiluMulLinear())
+        for graph_pass in fusion_passes(kiln_config):
+            self.pass_manager.add(graph_pass)
+        self.pass_manager.add(LowerIrOps(kiln_config.ir_selection))
         self.compiler = make_compiler(cc.backend, self.pass_manager,
                                       kiln_config.device_config.device)
         self.pieces: dict[int, PiecewiseBackend] = {}  # piece index -> compiled piece

@@ -3,6 +3,7 @@
 Layers read the current config while the model is built (e.g. Attention registers itself).
 """
 import contextlib
+import functools
 import hashlib
 from dataclasses import dataclass, field
 
@@ -27,8 +28,13 @@ class KilnConfig:
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     enforce_eager: bool = False
+    # IR op -> providers in order of preference, over the platform's defaults (kiln/ir/)
+    ir_op_priority: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        from kiln.ir import check_priority
+
+        self.ir_op_priority = check_priority(self.ir_op_priority)
         # "auto" dtype follows the configured device's platform, not the machine's: a CPU
         # engine on a GPU host keeps float32.
         self.model_config.torch_dtype = self.model_config.resolve_dtype(
@@ -61,6 +67,14 @@ class KilnConfig:
 
         return for_device(self.device_config.device)
 
+    @functools.cached_property
+    def ir_selection(self):
+        """Every IR op's chosen implementation for this engine, resolved once (kiln/ir/)."""
+        from kiln.ir import resolve
+
+        return resolve(self.ir_op_priority, self.device_config.device,
+                       self.model_config.torch_dtype)
+
     def compute_hash(self) -> str:
         """Hash of the factors that change the traced graph (part of the compile cache key)."""
         m, c = self.model_config, self.compilation_config
@@ -72,7 +86,7 @@ class KilnConfig:
             self.cache_config.block_size,
             self.parallel_config.tensor_parallel_size, self.scheduler_config.max_num_batched_tokens,
             int(c.mode), c.backend, c.splitting_ops, c.custom_ops, sorted(c.pass_config.items()),
-            sorted(c.inductor_compile_config.items()),
+            sorted(c.inductor_compile_config.items()), self.ir_selection.chosen,
         ]
         return hashlib.sha256(repr(factors).encode()).hexdigest()[:16]
 

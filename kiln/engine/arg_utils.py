@@ -31,6 +31,20 @@ class _MergeCompilationConfig(argparse.Action):
                                        **update})
 
 
+class _IrOpPriority(argparse.Action):
+    """--ir-op-priority OP=PROVIDER[,...], repeatable: each one sets its op's list."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        from kiln.ir import parse_cli
+
+        try:
+            update = parse_cli([value])
+        except ValueError as e:
+            parser.error(str(e))
+        current = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, {**(current or {}), **update})
+
+
 @dataclass
 class EngineArgs:
     model: str | None = None  # None: the embedded default model
@@ -58,6 +72,7 @@ class EngineArgs:
     chat_template: str | None = None  # a Jinja file or the template text
     generation_config: str = "auto"  # auto | vllm | a directory with generation_config.json
     quantization: str | None = None  # "int8": W8A8 on load; a quantized checkpoint sets it
+    ir_op_priority: dict | None = None  # {"rms_norm": ["native", "torch"]}; see kiln/ir/
 
     def _check_types(self) -> None:
         """A value of the wrong type names its argument (LLM(max_model_len="64") used to fail
@@ -118,7 +133,8 @@ class EngineArgs:
         return KilnConfig(model_config=model_config, cache_config=cache_config,
                           scheduler_config=scheduler_config, parallel_config=parallel_config,
                           load_config=load_config, device_config=device_config,
-                          compilation_config=compilation_config, enforce_eager=self.enforce_eager)
+                          compilation_config=compilation_config, enforce_eager=self.enforce_eager,
+                          ir_op_priority=dict(self.ir_op_priority or {}))
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -180,6 +196,10 @@ class EngineArgs:
                        help="int8: quantize the float checkpoint's linear layers on load (W8A8: "
                             "per-channel int8 weights, dynamic per-token int8 activations); "
                             "a compressed-tensors checkpoint needs no flag")
+        g.add_argument("--ir-op-priority", dest="ir_op_priority", action=_IrOpPriority,
+                       default=d.ir_op_priority, metavar="OP=PROVIDER[,PROVIDER...]",
+                       help="providers of an IR op in order of preference, e.g. "
+                            "rms_norm=native,torch (repeatable; kiln compile reports the choice)")
         return parser
 
     @classmethod

@@ -40,6 +40,9 @@ def cold(tiny_llama_dir, cache_dir) -> dict:
 def test_cold_run_reports_pieces_shapes_and_compiles(cold, cache_dir):
     n = NUM_LAYERS
     assert cold["compilation_mode"] == 3 and cold["num_layers"] == n
+    assert cold["ir_ops"] == {"fused_add_rms_norm": "native", "linear": "native",
+                              "rms_norm": "native", "rotary_embedding": "native",
+                              "silu_and_mul": "native", "unified_attention": "native"}
     assert cold["pieces"] == {"total": 2 * n + 1, "compiled": n + 1, "graphs": 1}
     assert cold["shapes"] == {"range": [1, 32], "compile_sizes": []}
     (row,) = cold["per_shape"]
@@ -77,6 +80,18 @@ def test_text_report_names_pieces_cache_and_times(cold):
     assert f"{next(iter(cold['cache']['dirs']))} [miss]" in text
     assert f"inductor   {cold['inductor']['compiles']} compiles, 0 artifacts loaded" in text
     assert "total" in text and "Dynamo trace" in text
+    assert "ir ops     fused_add_rms_norm native, linear native, rms_norm native" in text
+
+
+def test_report_names_every_ir_op_implementation_and_an_override(tiny_llama_dir, capsys):
+    from kiln import ir
+
+    natives = {name: "native" for name in ir.REGISTRY}
+    args = build_parser().parse_args(["compile", "--json", "--model", str(tiny_llama_dir),
+                                      *SMALL, "-O0", "--ir-op-priority", "rms_norm=torch"])
+    assert args.func(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ir_ops"] == {**natives, "rms_norm": "torch"}
 
 
 def test_mode0_text_report_in_process(tiny_llama_dir, capsys):

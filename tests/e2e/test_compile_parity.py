@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from checkpoints import hf_greedy, make_tiny_checkpoint, random_prompts
-from kiln import LLM, SamplingParams
+from kiln import LLM, SamplingParams, ir
 from kiln.compilation.counters import compilation_counter
+from kiln.compilation.passes import lower_ir
 from kiln.native import attention_op
 
 LENGTHS = [1, 9, 40, 150]  # 150 > the 64-token budget: chunked prefill
@@ -37,10 +38,13 @@ def _generate(llm, prompts):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _llm(model_dir, tmp_path, compilation_config):
+TORCH_FIRST = {name: ["torch"] for name in ir.REGISTRY}
+
+
+def _llm(model_dir, tmp_path, compilation_config, **kw):
     return LLM(model=str(model_dir), dtype="float32", max_num_batched_tokens=64, max_num_seqs=8,
                kv_cache_memory=0.05,
-               compilation_config={**compilation_config, "cache_dir": str(tmp_path / "cc")})
+               compilation_config={**compilation_config, "cache_dir": str(tmp_path / "cc")}, **kw)
 
 
 @pytest.mark.parametrize("config", [
@@ -55,6 +59,7 @@ def test_modes_match_hf(llama4_dir, tmp_path, oracle, config):
 def test_mode3_inductor_matches_hf_and_serves_without_compiling(llama4_dir, tmp_path, oracle):
     prompts, expected = oracle
     before = compilation_counter.clone()
+    lower_ir.reset_record()
     llm = _llm(llama4_dir, tmp_path, {"mode": 3, "backend": "inductor"})
     c = compilation_counter
     assert c.num_piecewise_graphs_seen - before.num_piecewise_graphs_seen == 2 * NUM_LAYERS + 1
@@ -68,6 +73,10 @@ def test_mode3_inductor_matches_hf_and_serves_without_compiling(llama4_dir, tmp_
         got = _generate(llm, prompts)
     assert sum(torch._dynamo.utils.counters["frames"].values()) == dynamo_frames
     assert got == expected
+    # The compiled graphs took every IR op's eager implementation (a cold cache: the passes ran).
+    eager = ir.applied()
+    for op, providers in lower_ir.lowered_providers().items():
+        assert providers == {eager[op]}, (op, providers, eager)
     if attention_op.available():  # on CPU the fusion passes applied
         code = [p.read_text() for p in (tmp_path / "cc").rglob("*.py")]
         for op in ("add_rms_norm_linear", "silu_mul_linear"):
@@ -85,3 +94,27 @@ def test_mode3_warm_start_skips_dynamo_and_matches_hf(llama4_dir, tmp_path, orac
                                     num_saved_graph_loads=1, num_inductor_compiles=0):
         warm = _llm(llama4_dir, tmp_path, {"mode": 3, "backend": backend})
     assert _generate(warm, prompts) == expected
+
+
+@pytest.mark.parametrize("config", [{"mode": 0}, {"mode": 2}, {"mode": 3, "backend": "inductor"}],
+                         ids=["mode0", "mode2", "mode3"])
+def test_torch_first_for_every_ir_op_matches_hf(llama4_dir, tmp_path, oracle, config):
+    """The plain-torch references alone (inlined into Inductor's code in mode 3) give HF's
+    tokens; the override is what eager forwards and compiled graphs both took."""
+    prompts, expected = oracle
+    lower_ir.reset_record()
+    llm = _llm(llama4_dir, tmp_path, config, ir_op_priority=TORCH_FIRST)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert set(ir.applied().values()) == {"torch"}
+    lowered = lower_ir.lowered_providers()
+    if config["mode"] == 3:
+        assert set(lowered) >= {"linear", "rms_norm", "fused_add_rms_norm", "silu_and_mul",
+                                "rotary_embedding"}
+        assert all(p == {"torch"} for p in lowered.values()), lowered
+        code = "".join(p.read_text() for p in (tmp_path / "cc").rglob("*.py"))
+        for native in ("_native.default(", "add_rms_norm_linear", "silu_mul_linear"):
+            assert native not in code, native  # no kernel of the native provider was called
+    else:
+        assert not lowered

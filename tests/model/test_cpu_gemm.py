@@ -20,7 +20,7 @@ def _packed_layer(out_features=48, in_features=32, seed=0):
     layer = ReplicatedLinear(in_features, out_features, bias=True)
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)
-    assert cpu_gemm.prepack_for_cpu(layer) == 1 and layer.use_packed_gemm
+    assert cpu_gemm.prepack_for_cpu(layer) == 1 and linear_op.attached(layer.weight).packed
     return layer
 
 
@@ -56,7 +56,7 @@ def test_packed_copy_is_found_only_by_its_weight_and_forgotten_with_it():
         assert other.data_ptr() == w.data_ptr() and not any(linear_op.attached(other))
         want = F.linear(x, other)
         assert _paths_taken(lambda: torch.testing.assert_close(
-            torch.ops.kiln.linear(x, other), want, rtol=1e-5, atol=1e-5)) == ["dense"]
+            torch.ops.kiln.linear_native(x, other), want, rtol=1e-5, atol=1e-5)) == ["dense"]
     del layer, w, other
     gc.collect()
     assert linear_op.num_attached() == count

@@ -180,12 +180,12 @@ def _assert_decode_reads_blocks(model, cfg, atol: float = 1e-5) -> None:
     """Every linear of the 2-layer tiny model keeps blocks in its float weight's row order (q/k
     un-permuted, parts merged; products within `atol`); decode steps, and only they, read them,
     with the floats' tokens."""
-    linears = [m.weight for m in model.modules() if hasattr(m, "use_packed_gemm")]
+    linears = [m.weight for m in model.modules() if getattr(m, "supports_cpu_packing", False)]
     assert len(linears) == 2 * 4 + 1 and all(linear_op.attached(w).blocks for w in linears)
     for w in linears:
         x = torch.randn(min(3, linear_op.attached(w).block_rows), w.shape[1])
         before = linear_op.path_counts()["blocks"]
-        got = torch.ops.kiln.linear(x, w)
+        got = torch.ops.kiln.linear_native(x, w)
         assert linear_op.path_counts()["blocks"] == before + 1
         torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=atol)
     # 66 tokens, more than any type's block rows: the prefill takes the floats

@@ -34,9 +34,9 @@ def test_a_transposed_view_of_a_square_weight_is_not_the_weight(dtype):
     w = _attach_packed(torch.randn(64, 64).to(dtype))
     for rows in (1, 2, 5):
         x = torch.randn(rows, 64).to(dtype)
-        got = torch.ops.kiln.linear(x, w.t())
+        got = torch.ops.kiln.linear_native(x, w.t())
         torch.testing.assert_close(got.float(), (x.float() @ w.float()), rtol=2e-2, atol=2e-2)
-        got = torch.ops.kiln.linear(x, w)  # w itself still takes its own path
+        got = torch.ops.kiln.linear_native(x, w)  # w itself still takes its own path
         torch.testing.assert_close(got.float(), (x.float() @ w.float().T), rtol=2e-2, atol=2e-2)
 
 
@@ -45,11 +45,11 @@ def test_bias_shapes_follow_f_linear(rows):
     w = _attach_packed(torch.randn(48, 32))
     x = torch.randn(rows, 32)
     for bias in (torch.randn(1), torch.randn(96)[::2]):  # broadcast; strided
-        got = torch.ops.kiln.linear(x, w, bias)
+        got = torch.ops.kiln.linear_native(x, w, bias)
         want = F.linear(x.double(), w.double(), bias.double())
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError):  # a bias of the wrong length is an error, not a read
-        torch.ops.kiln.linear(x, w, torch.randn(3))  # past its end
+        torch.ops.kiln.linear_native(x, w, torch.randn(3))  # past its end
 
 
 def _blocks(qtype_name: str, out_features: int, in_features: int, seed: int):
@@ -78,7 +78,7 @@ def test_every_path_at_its_boundaries(qtype_name):
                 wide = torch.randn(rows, in_features + 7, generator=g).to(dtype)
                 x = wide[:, 5:5 + in_features]  # a column slice at an offset
                 bias = torch.randn(out_features, generator=g).to(dtype) if rows % 2 else None
-                got, path = _path_of(lambda: torch.ops.kiln.linear(x, w, bias))
+                got, path = _path_of(lambda: torch.ops.kiln.linear_native(x, w, bias))
                 held = (values if path == ["blocks"] else w.float()).double()
                 exact = x.double() @ held.T + (bias.double() if bias is not None else 0)
                 terms = x.double().abs() @ held.abs().T + (
@@ -88,7 +88,7 @@ def test_every_path_at_its_boundaries(qtype_name):
                     out_features, dtype, rows, path)
                 torch.set_num_threads(1)
                 try:
-                    single = torch.ops.kiln.linear(x, w, bias)
+                    single = torch.ops.kiln.linear_native(x, w, bias)
                 finally:
                     torch.set_num_threads(threads)
                 assert torch.equal(single, got), (out_features, dtype, rows, path)

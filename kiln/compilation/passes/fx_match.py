@@ -1,4 +1,6 @@
-"""Small helpers the fusion passes use to recognise a pattern in a post-grad FX graph."""
+"""Small helpers the passes use to find IR ops in a post-grad FX graph."""
+import operator
+
 import torch
 from torch import fx
 
@@ -17,14 +19,18 @@ def fake_value(node):
 
 
 def all_float32(*nodes) -> bool:
-    values = [fake_value(n) for n in nodes]
+    """Every node a float32 tensor (None, an absent bias, counts as one)."""
+    values = [fake_value(n) for n in nodes if n is not None]
     return all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in values)
 
 
-def linear_nodes(graph: fx.Graph) -> list[fx.Node]:
-    """The graph's kiln::linear calls (none where the model's layers did not register it)."""
-    packet = getattr(torch.ops.kiln, "linear", None)
-    return [] if packet is None else [n for n in graph.nodes if is_call(n, packet.default)]
+def calls(graph: fx.Graph, packet) -> list[fx.Node]:
+    return [n for n in graph.nodes if is_call(n, packet)]
+
+
+def getitem_of(node, source: fx.Node, index: int) -> bool:
+    """Whether node is source[index] (an output of a multi-output op)."""
+    return is_call(node, operator.getitem) and node.args == (source, index)
 
 
 def linear_bias(linear: fx.Node):

@@ -11,8 +11,9 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "compile", help="compile and warm the compile cache for a model; print a report",
         description="Build the engine (load the model, size the KV cache, compile and warm up "
-                    "every shape) and report pieces, shapes, per-shape compile/load times, the "
-                    "cache directory, hits and misses, and Inductor compiles vs loads.")
+                    "every shape) and report the chosen implementation of every IR op, pieces, "
+                    "shapes, per-shape compile/load times, the cache directory, hits and "
+                    "misses, and Inductor compiles vs loads.")
     parser.add_argument("--json", action="store_true",
                         help="print the report as one JSON object instead of text")
     EngineArgs.add_cli_args(parser)
@@ -30,6 +31,9 @@ def format_report(r: dict) -> str:
              f"{r['device']}, {r['dtype']}",
              f"mode       {r['compilation_mode']} ({r['compilation_mode_name']}), backend "
              f"{r['backend']}"]
+    if r.get("ir_ops"):
+        lines.append("ir ops     " + ", ".join(f"{op} {provider}"
+                                               for op, provider in sorted(r["ir_ops"].items())))
     piecewise = r["compilation_mode"] == 3
     if r["compilation_mode"] == 0:
         lines.append("           nothing compiled (mode 0 runs eagerly)")

@@ -1,11 +1,11 @@
-"""The Attention layer: registers itself by name and calls the opaque `kiln::unified_attention` op.
+"""The Attention layer: registers itself by name and calls the IR op `unified_attention`.
 
 Its KV cache tensor and backend impl live on the module, found by the op via the forward context.
 """
 import torch
 from torch import nn
 
-import kiln.attention.ops  # noqa: F401  registers torch.ops.kiln.unified_attention
+from kiln import ir
 from kiln.attention import kv_cache_generation
 from kiln.attention.backend import get_attn_backend
 from kiln.config import get_current_kiln_config
@@ -38,5 +38,5 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(q)  # [T, nh*hd]
-        torch.ops.kiln.unified_attention(q, k, v, out, self.layer_name)
+        ir.unified_attention(q, k, v, out, self.layer_name)
         return out

@@ -1,4 +1,5 @@
-"""CPU GEMMs on oneDNN-prepacked weights: `kiln::linear` runs them, `prepack_for_cpu` packs.
+"""CPU GEMMs on oneDNN-prepacked weights: the native implementation of the IR op linear
+(`kiln::linear_native`) runs them, `prepack_for_cpu` packs.
 
 On x86 CPUs a weight reordered once into oneDNN's blocked layout multiplies 2-3x faster than
 aten's dense `linear` at serving batch sizes (measured: [32, 576] x [576, 3072] fp32, 2 cores,
@@ -14,10 +15,9 @@ Q4_1 (kiln/native/gguf_matmul.py). The choice per call is made in C++
 aten's linear.
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kiln.custom_ops import register_op
+from kiln import ir
 from kiln.logger import init_logger
 from kiln.native import gemv, gguf_matmul, linear_op
 
@@ -28,53 +28,10 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 _BATCH_HINT = 32
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor,
-            bias: torch.Tensor | None = None) -> torch.Tensor:
-    # Tensors off the CPU; on the CPU csrc/linear_op.cpp's kernel runs (registered for the CPU
-    # dispatch key, it comes before this one).
-    return F.linear(x, weight, bias)
-
-
-def _linear_fake(x, weight, bias=None):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-register_op("linear", "(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor", _linear,
-            _linear_fake)
-
-
-def _add_rms_norm_linear(a, b, norm_weight, eps: float, weight, bias=None):
-    # Tensors off the CPU; on the CPU csrc/linear_op.cpp's kernel runs. Only compiled graphs
-    # call it (kiln/compilation/passes/fuse_rms_norm_linear.py), each op as the graph had it.
-    residual = a + b
-    normed = norm_weight * (residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + eps))
-    return torch.ops.kiln.linear(normed, weight, bias), residual
-
-
-def _add_rms_norm_linear_fake(a, b, norm_weight, eps, weight, bias=None):
-    return a.new_empty((*a.shape[:-1], weight.shape[0])), torch.empty_like(a)
-
-
-def _silu_mul_linear(x, weight, bias=None):
-    # Tensors off the CPU; on the CPU csrc/linear_op.cpp's kernel runs. Only compiled graphs
-    # call it (kiln/compilation/passes/fuse_silu_mul_linear.py).
-    d = x.shape[-1] // 2
-    return torch.ops.kiln.linear(F.silu(x[..., :d]) * x[..., d:], weight, bias)
-
-
-def _silu_mul_linear_fake(x, weight, bias=None):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-register_op("silu_mul_linear", "(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor",
-            _silu_mul_linear, _silu_mul_linear_fake)
-register_op("add_rms_norm_linear", "(Tensor a, Tensor b, Tensor norm_weight, float eps, "
-            "Tensor weight, Tensor? bias=None) -> (Tensor, Tensor)", _add_rms_norm_linear,
-            _add_rms_norm_linear_fake)
-
-
 def cpu_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the IR op linear runs the native kernel, and it can take a packed weight."""
     return (device.type == "cpu" and dtype in _PACKABLE_DTYPES
+            and ir.linear.chosen(device.type, dtype) == "native"
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and linear_op.available())
 
@@ -95,7 +52,6 @@ def prepack_for_cpu(model: nn.Module) -> int:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
             serves = gemv.serves(weight, getattr(module, "bias", None))
             linear_op.attach_packed(weight, packed, gemv.MAX_ROWS if serves else 0)
-        module.use_packed_gemm = True
         count += 1
     if count:
         logger.info("packed %d linear weights for oneDNN CPU GEMMs", count)
@@ -106,7 +62,9 @@ def attach_gguf_blocks(weight: torch.Tensor, qtype: int, blocks: torch.Tensor) -
     """Keep `blocks` (uint8 [out, row_bytes], the GGUF blocks `weight` was dequantized from) for
     the small-batch kernel; False (nothing kept) when the kernel cannot read them for it, or they
     would not pay in its dtype."""
-    if not (linear_op.available() and gguf_matmul.serves(qtype, blocks, weight)):
+    if not (ir.linear.chosen(weight.device.type, weight.dtype) == "native"
+            and linear_op.available()
+            and gguf_matmul.serves(qtype, blocks, weight)):
         return False
     rows = gguf_matmul.rows_worth_it(weight.dtype, qtype)
     if rows == 0:  # they would never beat the dense weight in this dtype

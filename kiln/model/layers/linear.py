@@ -4,11 +4,9 @@ Each weight carries a `weight_loader(param, loaded, shard_id=None)` that places 
 into its slice (merged shards, and this rank's part when tp_size > 1).
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-import kiln.model.layers.cpu_gemm  # noqa: F401  (registers torch.ops.kiln.linear)
-
+from kiln import ir
 
 _CONFIG_HINT = ("; the checkpoint does not match the model its config describes (config.json or "
                 "the GGUF metadata: sizes, head counts, head_dim)")
@@ -46,7 +44,6 @@ class LinearBase(nn.Module):
     """y = x W^T (+ b) with W [output_size_per_rank, input_size_per_rank]."""
 
     supports_cpu_packing = True  # see kiln/model/layers/cpu_gemm.py
-    use_packed_gemm = False
     quant_method = None  # set by kiln/model/layers/quantization/ for a quantized layer
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_rank: int = 0,
@@ -75,9 +72,7 @@ class LinearBase(nn.Module):
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, bias)
-        if self.use_packed_gemm:
-            return torch.ops.kiln.linear(x, self.weight, bias)
-        return F.linear(x, self.weight, bias)
+        return ir.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)

@@ -1,4 +1,5 @@
-"""Rotary position embedding (neox style, as HF Llama): a cos/sin cache indexed by positions.
+"""Rotary position embedding (neox style, as HF Llama): a cos/sin cache indexed by positions, and
+the IR op `rotary_embedding` (kiln/ir/layer_ops.py) applying it.
 
 Reads rope settings from either transformers' `rope_parameters` (5.x) or rope_theta/rope_scaling.
 """
@@ -7,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from kiln.native import layer_ops
+from kiln import ir
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -84,20 +85,6 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = self.inv_freq / factors.to(self.inv_freq.device, torch.float32)
         self.cos_sin_cache.copy_(self._cos_sin(self.inv_freq))
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) for each head's halves, written as one
-        elementwise expression of x and x with its halves swapped: no concatenation, which
-        Inductor's CPU backend lowers to views of one buffer, each made per call."""
-        num_tokens = x.shape[0]
-        x = x.view(num_tokens, -1, 2, self.head_size // 2)  # [T, heads, 2 halves, hd/2]
-        sign = torch.arange(2, dtype=x.dtype, device=x.device).view(2, 1) * 2 - 1  # -1, +1
-        out = x * cos + x.flip(2) * sin * sign
-        return out.view(num_tokens, -1)
-
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T]; q [T, nh*hd], k [T, nkv*hd] -> rotated (q, k)."""
-        if layer_ops.usable(q, k):
-            return layer_ops.rotary(positions, q, k, self.cos_sin_cache, self.head_size)
-        cos_sin = self.cos_sin_cache.index_select(0, positions).to(q.dtype)
-        cos, sin = cos_sin.view(-1, 1, 1, self.head_size).chunk(2, dim=-1)  # [T, 1, 1, hd/2]
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        return ir.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_size, True)

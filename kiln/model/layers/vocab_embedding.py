@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kiln.model.layers.cpu_gemm  # noqa: F401  (registers torch.ops.kiln.linear)
+from kiln import ir
 from kiln.model.layers.linear import default_weight_loader
 
 
@@ -24,12 +24,9 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     supports_cpu_packing = True  # see kiln/model/layers/cpu_gemm.py
-    use_packed_gemm = False
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.use_packed_gemm:
-            return torch.ops.kiln.linear(hidden, self.weight, None).float()  # [N, V]
-        return F.linear(hidden, self.weight).float()  # [N, V]
+        return ir.linear(hidden, self.weight, None).float()  # [N, V]

@@ -23,8 +23,11 @@ def _default_dtype(dtype: torch.dtype):
 
 def build_model(kiln_config: KilnConfig) -> nn.Module:
     """The model with uninitialised weights, on the configured device and dtype."""
+    from kiln import ir
+
     model_config = kiln_config.model_config
     model_cls = get_model_class(model_config.architecture)
+    ir.apply(kiln_config.ir_selection)  # before the layers take their attention backend
     with set_current_kiln_config(kiln_config), _default_dtype(model_config.torch_dtype), \
             kiln_config.device_config.device_obj:
         return model_cls(kiln_config=kiln_config)

@@ -169,7 +169,7 @@ at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &weight,
 /* (linear(rms_norm(a + b) * norm_weight), a + b): a residual add and the RMSNorm after it,
  * done here instead of in one of Inductor's kernels before the linear (compiled graphs only:
  * kiln/compilation/passes/fuse_rms_norm_linear.py). The same float32 operations in the same
- * order per element as that kernel; the sum of squares is summed in another order. */
+ * order per element as the IR reference; the sum of squares is summed in another order. */
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_linear(const at::Tensor &a, const at::Tensor &b,
                                                        const at::Tensor &norm_weight, double eps,
                                                        const at::Tensor &weight,
@@ -178,10 +178,11 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_linear(const at::Tensor &a, cons
     const bool direct = a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat &&
                         norm_weight.scalar_type() == at::kFloat && a.sizes().equals(b.sizes()) &&
                         norm_weight.dim() == 1 && norm_weight.size(0) == h && h > 0;
-    if (!direct) { /* what the graph computed, in aten */
+    if (!direct) { /* the IR reference (kiln/ir/layer_ops.py), in aten: norm in float32 */
         at::Tensor residual = at::add(a, b);
-        at::Tensor normed = at::mul(norm_weight, at::mul(residual, at::rsqrt(at::add(
-            at::mean(at::pow(residual, 2), {-1}, true), eps))));
+        const at::Tensor r32 = residual.to(at::kFloat);
+        at::Tensor normed = at::mul(norm_weight, at::mul(r32, at::rsqrt(at::add(
+            at::mean(at::pow(r32, 2), {-1}, true), eps))).to(residual.scalar_type()));
         return {linear_cpu(normed, weight, bias), residual};
     }
     const at::Tensor ac = a.contiguous(), bc = b.contiguous(), wc = norm_weight.contiguous();
@@ -299,7 +300,7 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
-    m.impl("linear", &linear_cpu);
+    m.impl("linear_native", &linear_cpu);
     m.impl("add_rms_norm_linear", &add_rms_norm_linear);
     m.impl("silu_mul_linear", &silu_mul_linear);
 }

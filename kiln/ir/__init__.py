@@ -1,0 +1,32 @@
+"""Kiln's IR: layer ops with one meaning (a plain-torch reference) and implementations registered
+by providers (`torch`, `native`, room for `cuda`), one chosen per op at start-up (selection.py).
+
+Model code calls these ops only: `ir.rms_norm(x, weight, eps)`.
+"""
+from kiln.ir import (
+                               fused,  # noqa: F401  (the fusion passes' ops)
+                               native,
+)
+from kiln.ir.attention import unified_attention
+from kiln.ir.layer_ops import (
+                               fused_add_rms_norm,
+                               linear,
+                               rms_norm,
+                               rotary_embedding,
+                               silu_and_mul,
+)
+from kiln.ir.op import PROVIDERS, REGISTRY, Implementation, IrOp
+from kiln.ir.selection import (
+                               Selection,
+                               applied,
+                               apply,
+                               check_priority,
+                               parse_cli,
+                               resolve,
+)
+
+native.register()
+
+__all__ = ["PROVIDERS", "REGISTRY", "Implementation", "IrOp", "Selection", "applied", "apply",
+           "check_priority", "fused_add_rms_norm", "linear", "parse_cli", "resolve", "rms_norm",
+           "rotary_embedding", "silu_and_mul", "unified_attention"]

@@ -1,0 +1,35 @@
+"""The fused ops Kiln's passes put in compiled graphs in place of an IR op and the linear it feeds
+(kiln/compilation/passes/fuse_*.py); their CPU kernels are in kiln/native/csrc/linear_op.cpp.
+
+Defined here with the composition of the IR references as their meaning (what runs off the CPU).
+"""
+import torch
+
+from kiln.custom_ops import register_op
+from kiln.ir import layer_ops as ir
+
+
+def _add_rms_norm_linear(x, residual, norm_weight, eps: float, weight, bias=None):
+    normed, total = ir._fused_add_rms_norm_ref(x, residual, norm_weight, eps)
+    return ir._linear_ref(normed, weight, bias), total
+
+
+def _add_rms_norm_linear_fake(x, residual, norm_weight, eps, weight, bias=None):
+    return x.new_empty((*x.shape[:-1], weight.shape[0])), torch.empty_like(x)
+
+
+def _silu_mul_linear(x, weight, bias=None):
+    return ir._linear_ref(ir._silu_and_mul_ref(x), weight, bias)
+
+
+def _silu_mul_linear_fake(x, weight, bias=None):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# (linear(rms_norm(x + residual)), x + residual)
+register_op("add_rms_norm_linear", "(Tensor a, Tensor b, Tensor norm_weight, float eps, "
+            "Tensor weight, Tensor? bias=None) -> (Tensor, Tensor)", _add_rms_norm_linear,
+            _add_rms_norm_linear_fake)
+# linear(silu_and_mul(x))
+register_op("silu_mul_linear", "(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor",
+            _silu_mul_linear, _silu_mul_linear_fake)

@@ -1,0 +1,187 @@
+"""Every implementation of every IR layer op against the op's reference (kiln/ir/layer_ops.py),
+on random shapes with the edges: one row, odd widths, head sizes 64 / 80 / 128, GQA ratios,
+strided inputs. float32 within 1e-5 relative (linear: of the output's largest value, the sums
+being taken in another order); bfloat16 within one bfloat16 rounding step (rtol 2^-7, atol
+1e-2), where a sum of squares in another order can tip it. The attention op's implementations
+are checked against a float64 softmax in tests/native/test_fuzz_attention.py.
+"""
+import pytest
+import torch
+
+from kiln import ir
+from kiln.model.layers import cpu_gemm
+from kiln.model.layers.linear import ReplicatedLinear
+from kiln.native import build, layer_ops, linear_op
+
+DTYPES = [torch.float32, torch.bfloat16]
+LAYER_OPS = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "linear"]
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def close(got, want, dtype, *, scale_by_max=False):
+    got, want = (torch.as_tensor(t).float() for t in (got, want))
+    assert got.shape == want.shape
+    if dtype == torch.float32:
+        if scale_by_max:
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max().clamp(min=1)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    else:
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-2)
+
+
+def _providers(name):
+    return sorted(ir.REGISTRY[name].impls)
+
+
+def test_every_layer_op_has_a_native_implementation_that_builds():
+    # A kernel that does not build on a machine with a compiler is a failure here, not a skip.
+    assert build.compiler() is not None and layer_ops._lib() is not None
+    assert linear_op.available()
+    for name in LAYER_OPS:
+        assert _providers(name) == ["native", "torch"], name
+
+
+def _run(name, provider, *args):
+    op = ir.REGISTRY[name]
+    assert op.supported_by(provider, *args), f"{provider} does not take these {name} arguments"
+    return op.impls[provider].fn(*args), op.reference(*args)
+
+
+def _strided(t: torch.Tensor, strided: bool) -> torch.Tensor:
+    """t itself, or the same values as the first columns of a wider tensor (rows strided, as
+    the q / k slices of a fused qkv projection are)."""
+    if not strided:
+        return t
+    out = torch.cat([t, torch.full_like(t, float("nan"))], 1)[:, :t.shape[1]]
+    assert out.stride(0) == 2 * t.shape[1]
+    return out
+
+
+@pytest.mark.parametrize("provider", ["native", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, hidden, strided", [(1, 64, False), (3, 63, True), (130, 576, False),
+                                                   (5, 1, False)])
+def test_rms_norm(provider, dtype, rows, hidden, strided):
+    g = _gen(rows * hidden)
+    x = _strided(torch.randn(rows, hidden, generator=g).to(dtype), strided)
+    w = torch.randn(hidden, generator=g).to(dtype)
+    got, want = _run("rms_norm", provider, x, w, 1e-5)
+    close(got, want, dtype)
+    res = _strided(torch.randn(rows, hidden, generator=g).to(dtype), strided)
+    (got, got_sum), (want, want_sum) = _run("fused_add_rms_norm", provider, x, res, w, 1e-6)
+    assert torch.equal(got_sum, want_sum)  # the add rounds once, the same way
+    close(got, want, dtype)
+
+
+@pytest.mark.parametrize("provider", ["native", "torch"])
+def test_rms_norm_per_head_view(provider):
+    # Qwen3 normalises each head of a [T, heads, hd] view of q.
+    x, w = torch.randn(4, 3, 16, generator=_gen(1)), torch.rand(16, generator=_gen(2))
+    got, want = _run("rms_norm", provider, x, w, 1e-6)
+    assert got.shape == (4, 3, 16)
+    close(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("provider", ["native", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, d, strided", [(1, 48, False), (7, 37, True), (70, 48, False)])
+def test_silu_and_mul(provider, dtype, rows, d, strided):
+    x = _strided(torch.randn(rows, 2 * d, generator=_gen(d)).to(dtype) * 4, strided)
+    got, want = _run("silu_and_mul", provider, x)
+    close(got, want, dtype)
+
+
+@pytest.mark.parametrize("provider", ["native", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size, nq, nk", [(64, 4, 4), (80, 6, 2), (128, 7, 1), (32, 4, 2)])
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_rotary_neox_on_strided_q_and_k(provider, dtype, head_size, nq, nk, tokens):
+    from kiln.model.layers.rotary_embedding import RotaryEmbedding
+
+    rope = RotaryEmbedding(head_size, max_position=256, base=10000.0)
+    g = _gen(head_size + nq)
+    qkv = torch.randn(tokens, (nq + 2 * nk) * head_size, generator=g).to(dtype)
+    q, k, _ = qkv.split([nq * head_size, nk * head_size, nk * head_size], dim=-1)
+    positions = torch.randint(0, 256, (tokens,), generator=g)
+    (gq, gk), (wq, wk) = _run("rotary_embedding", provider, positions, q, k, rope.cos_sin_cache,
+                              head_size, True)
+    close(gq, wq, dtype)
+    close(gk, wk, dtype)
+
+
+def test_rotary_gptj_layout_is_the_reference_only():
+    from kiln.model.layers.rotary_embedding import RotaryEmbedding
+
+    hd = 64
+    rope = RotaryEmbedding(hd, max_position=16, base=10000.0)
+    q, k = torch.randn(3, 2 * hd), torch.randn(3, hd)
+    args = (torch.tensor([0, 1, 5]), q, k, rope.cos_sin_cache, hd, False)
+    assert not ir.rotary_embedding.supported_by("native", *args)
+    gq, _ = ir.rotary_embedding.reference(*args)
+    # pairs (x[2i], x[2i+1]) rotate by position * inv_freq[i]: check one by hand
+    angle = 5 * rope.inv_freq[3]
+    x1, x2 = q[2, 6], q[2, 7]
+    want = torch.stack([x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin()])
+    torch.testing.assert_close(gq[2, 6:8], want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(gq[0], q[0])  # position 0 does not rotate
+
+
+@pytest.mark.parametrize("provider", ["native", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 33])  # GEMV (1-2 rows), oneDNN's packed GEMM
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_dense_and_prepacked(provider, dtype, rows, bias):
+    layer = ReplicatedLinear(96, 40, bias=bias).to(dtype)
+    g = _gen(rows)
+    layer.weight.data.copy_(torch.randn(40, 96, generator=g))
+    if bias:
+        layer.bias.data.copy_(torch.randn(40, generator=g))
+    x = torch.randn(rows, 96, generator=g).to(dtype)
+    b = layer.bias if bias else None
+    got, want = _run("linear", provider, x, layer.weight, b)
+    close(got, want, dtype, scale_by_max=True)
+    if provider == "native":
+        assert cpu_gemm.prepack_for_cpu(layer) == 1
+        before = linear_op.path_counts()
+        got, _ = _run("linear", provider, x, layer.weight, b)
+        after = linear_op.path_counts()
+        assert after["gemv" if rows <= 2 else "packed"] == (
+            before["gemv" if rows <= 2 else "packed"] + 1)
+        close(got, want, dtype, scale_by_max=True)
+
+
+def test_native_refuses_what_it_does_not_support():
+    x = torch.randn(2, 64, dtype=torch.float64)
+    assert not ir.rms_norm.supported_by("native", x, torch.ones(64, dtype=torch.float64), 1e-6)
+    assert not ir.rms_norm.supported_by("native", torch.randn(2, 64), torch.ones(32), 1e-6)
+    assert not ir.silu_and_mul.supported_by("native", torch.randn(2, 63))
+    assert not ir.linear.supported_by("native", torch.randn(2, 8), torch.randn(4, 8).double())
+    assert ir.rms_norm.supported_by("torch", x, torch.ones(64, dtype=torch.float64), 1e-6)
+
+
+def test_rotary_position_outside_the_cache_is_an_index_error():
+    from kiln.model.layers.rotary_embedding import RotaryEmbedding
+
+    rope = RotaryEmbedding(8, max_position=16, base=10000.0)
+    q, k = torch.randn(2, 16), torch.randn(2, 8)
+    for provider in ("native", "torch"):
+        with pytest.raises(IndexError):
+            ir.rotary_embedding.impls[provider].fn(torch.tensor([3, 16]), q, k,
+                                                   rope.cos_sin_cache, 8, True)
+
+
+def test_shapes_the_kernels_would_read_past_are_refused():
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="weight has 32 values for hidden size 64"):
+        layer_ops.rms_norm(x, torch.ones(32), 1e-6)
+    with pytest.raises(ValueError, match=r"residual shape \(2, 32\) != x shape \(2, 64\)"):
+        layer_ops.rms_norm(x, torch.ones(64), 1e-6, residual=torch.randn(2, 32))
+    with pytest.raises(ValueError, match=r"last dimension \(63\) must be even"):
+        layer_ops.silu_and_mul(torch.randn(2, 63))
+    with pytest.raises(ValueError, match="head_size must be even, got 3"):
+        layer_ops.rotary(torch.tensor([0, 1]), torch.randn(2, 6), torch.randn(2, 3),
+                         torch.randn(16, 3), 3)

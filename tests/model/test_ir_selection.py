@@ -1,0 +1,88 @@
+"""Choosing the IR ops' implementations: priority lists and their errors, platform defaults,
+the CLI flag, and that a choice binds what eager forwards run."""
+import argparse
+
+import pytest
+import torch
+
+from kiln import ir
+from kiln.engine.arg_utils import EngineArgs
+from kiln.ir import selection
+
+
+def test_cpu_defaults_take_the_native_kernels_and_torch_first_on_request(monkeypatch):
+    chosen = ir.resolve({}, "cpu", torch.float32).as_dict()
+    assert chosen == {name: "native" for name in ir.REGISTRY}
+    assert set(ir.resolve({}, "cpu", torch.bfloat16).as_dict().values()) == {"native"}
+    monkeypatch.setenv("KILN_NATIVE_CPU_OPS", "0")  # the shorthand for torch first
+    assert set(ir.resolve({}, "cpu", torch.float32).as_dict().values()) == {"torch"}
+
+
+def test_an_override_changes_the_choice_and_unsupported_providers_are_passed_over():
+    chosen = ir.resolve({"rms_norm": ["torch", "native"]}, "cpu", torch.float32).as_dict()
+    assert chosen["rms_norm"] == "torch" and chosen["linear"] == "native"
+    # float16: no CPU kernel takes it, so the first supported entry is the reference
+    assert ir.resolve({"rms_norm": ["native"]}, "cpu", torch.float16).provider("rms_norm") == (
+        "torch")
+    # no cuda provider yet: the next entry of the list
+    assert ir.resolve({"linear": ["cuda", "native"]}, "cpu", torch.float32).provider(
+        "linear") == "native"
+
+
+@pytest.mark.parametrize("priority, message", [
+    ({"rms_nrom": ["torch"]}, r"unknown IR op 'rms_nrom'; valid ops: fused_add_rms_norm, linear"),
+    ({"rms_norm": ["triton"]}, r"unknown provider 'triton'; valid providers: native, cuda, torch"),
+    ({"rms_norm": []}, r"non-empty list"),
+    (["rms_norm"], r"must be a dict"),
+])
+def test_unknown_names_are_errors_listing_the_valid_ones(priority, message):
+    with pytest.raises(ValueError, match=message):
+        ir.check_priority(priority)
+
+
+def test_cli_flag_is_repeatable_and_checked():
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--ir-op-priority", "rms_norm=native,torch",
+                              "--ir-op-priority", "linear=torch",
+                              "--ir-op-priority", "rms_norm=torch"])
+    assert EngineArgs.from_cli_args(args).ir_op_priority == {"rms_norm": ["torch"],
+                                                             "linear": ["torch"]}
+    for bad in ("rms_norm", "nope=torch", "rms_norm=gpu"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--ir-op-priority", bad])
+    assert selection.parse_cli(["silu_and_mul = torch , native"]) == {
+        "silu_and_mul": ["torch", "native"]}
+
+
+def test_engine_args_refuse_an_unknown_op_before_loading_anything():
+    with pytest.raises(ValueError, match="unknown IR op 'rmsnorm'"):
+        EngineArgs(ir_op_priority={"rmsnorm": ["torch"]}).create_kiln_config()
+
+
+def test_apply_binds_what_eager_calls_run():
+    torch_first = ir.resolve({name: ["torch"] for name in ir.REGISTRY}, "cpu", torch.float32)
+    default = ir.resolve({}, "cpu", torch.float32)
+    x, w = torch.randn(2, 64), torch.randn(64)
+    try:
+        ir.apply(torch_first)
+        assert ir.applied()["rms_norm"] == "torch"
+        assert ir.rms_norm.bound is ir.rms_norm.reference
+        ir.apply(default)
+        assert ir.applied() == default.as_dict()
+        assert ir.rms_norm.bound is ir.rms_norm.impls["native"].fn
+        torch.testing.assert_close(ir.rms_norm(x, w, 1e-6), ir.rms_norm.reference(x, w, 1e-6),
+                                   rtol=1e-5, atol=1e-6)
+    finally:
+        ir.apply(default)
+
+
+def test_a_traced_call_is_the_ir_op_itself():
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    fn = torch.compile(lambda x, w: ir.rms_norm(x, w, 1e-6), backend=backend, fullgraph=True)
+    fn(torch.randn(2, 8), torch.randn(8))
+    assert seen == [torch.ops.kiln.rms_norm.default]
