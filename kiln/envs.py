@@ -46,6 +46,12 @@ def attention_backend() -> str | None:
     return os.environ.get("KILN_ATTENTION_BACKEND") or None
 
 
+def require_native() -> bool:
+    """`KILN_REQUIRE_NATIVE=1`: a CPU kernel that cannot be built or loaded is an error, not a
+    warning and the torch code (CI sets it: a kernel that stops building must fail the run)."""
+    return os.environ.get("KILN_REQUIRE_NATIVE", "0") not in ("", "0", "false", "False")
+
+
 def native_cpu_ops() -> bool:
     """`KILN_NATIVE_CPU_OPS=0`: eager CPU layers keep their torch code instead of the fused C
     kernels (RMSNorm, SiLU-and-mul, rotary)."""

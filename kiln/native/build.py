@@ -2,10 +2,14 @@
 and its C++ torch ops (csrc/*.cpp) into libraries torch loads (`load_torch_op`).
 
 Cached under Kiln's cache root keyed by the sources, compiler and CPU flags (-march=native), and
-torch's version for the C++ ones; None / False, with one warning, when it cannot be done.
+torch's version for the C++ ones, each library beside its checksum (checked before it is loaded:
+a damaged file is rebuilt, never mapped), built under a lock; None / False, with one warning,
+when it cannot be done (KILN_REQUIRE_NATIVE=1: an error).
 """
 import concurrent.futures
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
@@ -76,15 +80,55 @@ def build_key(name: str, cc: str, flags: list[str] = FLAGS) -> str:
     return h.hexdigest()[:16]
 
 
+def _checksum_file(library: Path) -> Path:
+    return library.parent / (library.name + ".sha256")
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def intact(library: Path) -> bool:
+    """The library is there and its bytes are those its build recorded (a file truncated or
+    altered since, mapped by the loader, would crash the process on first touch: SIGBUS)."""
+    try:
+        return _checksum_file(library).read_text().strip() == _digest(library)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path):
+    """One build of a key at a time, across threads and processes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def build(name: str, cc: str, cpp: bool = False, rebuild: bool = False) -> Path:
     """csrc/<name>.c (or, cpp, csrc/<name>.cpp against torch) as a shared library in the cache,
-    compiled on first use or when `rebuild` (atomic rename, so processes building at once each
-    leave a whole file)."""
+    compiled on first use, when its checksum fails, or when `rebuild` (under the key's lock,
+    then an atomic rename: a reader sees a whole file or none)."""
     flags = CXX_FLAGS + _torch_flags() if cpp else FLAGS + LINK_FLAGS
     target = envs.cache_root() / "kernels" / build_key(name, cc, flags) / f"libkiln_{name}.so"
-    if target.exists() and not rebuild:
+    if not rebuild and intact(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(target.parent):
+        if not rebuild and intact(target):  # another process built it meanwhile
+            return target
+        if target.exists() and not rebuild:
+            logger.warning("the cached CPU kernels %s (%s) %s; rebuilding them", name, target,
+                           "fail their checksum" if _checksum_file(target).exists()
+                           else "have no checksum")
+        _compile(name, cc, cpp, flags, target)
+    return target
+
+
+def _compile(name: str, cc: str, cpp: bool, flags: list[str], target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     obj = tmp[:-len(".so")] + ".o"
@@ -98,13 +142,23 @@ def build(name: str, cc: str, cpp: bool = False, rebuild: bool = False) -> Path:
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
         os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide a shared cache from other users
+        digest = _digest(Path(tmp))
         os.replace(tmp, target)
+        checksum = _checksum_file(target)
+        checksum.with_suffix(".tmp").write_text(digest + "\n")
+        os.replace(checksum.with_suffix(".tmp"), checksum)
     finally:
         for path in (tmp, obj):
             if os.path.exists(path):
                 os.unlink(path)
     logger.info("built the CPU kernels %s: %s", name, target)
-    return target
+
+
+def _unavailable(message: str) -> None:
+    """The kernels are off: one warning, or under KILN_REQUIRE_NATIVE=1 an error."""
+    if envs.require_native():
+        raise RuntimeError(f"{message} (KILN_REQUIRE_NATIVE=1 makes this an error)")
+    logger.warning("%s", message)
 
 
 def _open_library(name: str, cc: str, cpp: bool, path: Path, open_fn):
@@ -123,14 +177,14 @@ def load(name: str, signatures: tuple[tuple[str, tuple], ...]) -> ctypes.CDLL | 
     success), or None (with one warning saying why) when it cannot be built."""
     cc = compiler()
     if cc is None:
-        logger.warning("no C compiler found (set CC or install gcc): the CPU kernels %s are off "
-                       "and the slower torch code runs instead", name)
+        _unavailable(f"no C compiler found (set CC or install gcc): the CPU kernels {name} are "
+                     "off and the slower torch code runs instead")
         return None
     try:
         lib = _open_library(name, cc, False, build(name, cc), ctypes.CDLL)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        logger.warning("could not build the CPU kernels %s (%s); the slower torch code runs "
-                       "instead", name, e)
+        _unavailable(f"could not build the CPU kernels {name} ({e}); the slower torch code runs "
+                     "instead")
         return None
     for fn, argtypes in signatures:
         getattr(lib, fn).argtypes = list(argtypes)
@@ -165,14 +219,14 @@ def load_torch_op(name: str) -> bool:
     why, when it cannot be built."""
     cxx = cxx_compiler()
     if cxx is None:
-        logger.warning("no C++ compiler found (set CXX or install g++): the C++ op %s is off and "
-                       "the slower torch code runs instead", name)
+        _unavailable(f"no C++ compiler found (set CXX or install g++): the C++ op {name} is off "
+                     "and the slower torch code runs instead")
         return False
     try:
         _open_library(name, cxx, True, _torch_op_library(name, cxx), torch.ops.load_library)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        logger.warning("could not build the C++ op %s (%s); the slower torch code runs instead",
-                       name, e)
+        _unavailable(f"could not build the C++ op {name} ({e}); the slower torch code runs "
+                     "instead")
         return False
     return True
 

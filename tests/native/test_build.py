@@ -6,9 +6,8 @@ import threading
 import pytest
 import torch
 
-from kiln.attention.backend import get_attn_backend
-from kiln.attention.torch_backend import TorchAttentionBackend
-from kiln.native import build, gemv, layer_ops, paged_attention
+from kiln import ir
+from kiln.native import build, gemv, paged_attention
 
 
 @pytest.mark.skipif(build.compiler() is None, reason="no C compiler")
@@ -19,8 +18,10 @@ def test_build_once_then_reuse(fresh_kernels):
     mtime = first.stat().st_mtime_ns
     assert build.build("gemv", cc) == first and first.stat().st_mtime_ns == mtime
     assert build.build_key("gemv", cc) != build.build_key("layer_ops", cc)
-    # No half-written build (mkstemp's tmp*.so) left beside the library.
-    assert [p.name for p in first.parent.iterdir()] == [first.name]
+    # No half-written build (mkstemp's tmp*.so) left beside the library and its checksum.
+    assert sorted(p.name for p in first.parent.iterdir()) == [
+        ".lock", first.name, first.name + ".sha256"]
+    assert build.intact(first)
 
 
 def test_no_compiler_falls_back_to_torch(fresh_kernels, monkeypatch, caplog):
@@ -28,11 +29,22 @@ def test_no_compiler_falls_back_to_torch(fresh_kernels, monkeypatch, caplog):
     monkeypatch.delenv("KILN_ATTENTION_BACKEND", raising=False)
     with caplog.at_level(logging.WARNING, logger="kiln"):
         assert not paged_attention.available()
-        assert get_attn_backend() is TorchAttentionBackend
-        x = torch.randn(1, 8)
-        assert not layer_ops.usable(x)
+        chosen = ir.resolve({}, "cpu", torch.float32).as_dict()
+        for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
+                   "unified_attention"):
+            assert chosen[op] == "torch", op
         assert not gemv.serves(torch.randn(4, 8), None)
     assert "no C compiler found (set CC or install gcc)" in caplog.text
+
+
+def test_require_native_makes_a_missing_compiler_an_error(fresh_kernels, monkeypatch):
+    monkeypatch.setattr(build, "compiler", lambda: None)
+    monkeypatch.setattr(build, "cxx_compiler", lambda: None)
+    monkeypatch.setenv("KILN_REQUIRE_NATIVE", "1")
+    with pytest.raises(RuntimeError, match=r"no C compiler found .*KILN_REQUIRE_NATIVE=1"):
+        build.load("gemv", ())
+    with pytest.raises(RuntimeError, match=r"no C\+\+ compiler found .*KILN_REQUIRE_NATIVE=1"):
+        build.load_torch_op.__wrapped__("linear_op")
 
 
 def test_failed_build_falls_back_with_the_compiler_error(fresh_kernels, monkeypatch, caplog,
