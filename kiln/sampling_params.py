@@ -3,6 +3,7 @@
 Every invalid value raises ValueError naming the field and its allowed range.
 """
 import enum
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -16,6 +17,67 @@ class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0  # every output carries all text so far
     DELTA = 1  # every output carries only what is new (streaming)
     FINAL_ONLY = 2  # one output when the request finishes (LLM.generate)
+
+
+# The constraints of StructuredOutputsParams: exactly one is set.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's constraint on what a request may generate, as plain data (it crosses to the
+    engine core as is): a JSON schema (dict or its text), a regex, a list of choices, an EBNF or
+    Lark grammar, or any JSON object. The core compiles it (kiln/structured_output)."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # No free whitespace between JSON tokens (vLLM's flag): compact, bounded output.
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        self.verify()
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_OUTPUT_KINDS
+                    if getattr(self, k) not in (None, False))
+
+    def verify(self) -> None:
+        given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of "
+                             f"{list(STRUCTURED_OUTPUT_KINDS)}, got {given or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                schema = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("structured_outputs.json must be a JSON schema (an object), "
+                                 f"got {type(schema).__name__}")
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError("structured_outputs.json must be a JSON schema (dict or str), got "
+                             f"{type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, str) and v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, "
+                                 f"got {v!r}")
+        if self.choice is not None and not (
+                isinstance(self.choice, (list, tuple)) and self.choice
+                and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty "
+                             f"strings, got {self.choice!r}")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"structured_outputs.json_object must be true, got "
+                             f"{self.json_object!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs.disable_any_whitespace must be True or False, "
+                             f"got {self.disable_any_whitespace!r}")
 
 
 @dataclass
@@ -50,6 +112,8 @@ class SamplingParams:
     # Keep only the prompt's last N tokens (-1: as many as max_model_len leaves room for).
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Constrain the output to a schema, regex, choice or grammar (vLLM's name).
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: every token id that ends the request (eos + stop_token_ids).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the engine: bad_words as token id sequences (with and without a leading space).
@@ -123,6 +187,13 @@ class SamplingParams:
                   getattr(self, name))
 
         self._validate_token_fields(check, integer, number)
+        so = self.structured_outputs
+        if isinstance(so, dict):  # vLLM's dict form, and what a wire decode may hand over
+            so = self.structured_outputs = StructuredOutputsParams(**so)
+        check(so is None or isinstance(so, StructuredOutputsParams), "structured_outputs",
+              "None or a StructuredOutputsParams", so)
+        if so is not None:
+            so.verify()
 
         check(self.detokenize is not False or not self.stop, "stop",
               "empty when detokenize=False (stop strings are found in the text; set "

@@ -31,8 +31,60 @@ def save_tiny_tokenizer(path: Path, vocab_size: int = 512) -> None:
     tok.save_pretrained(path)
 
 
-def make_tiny_checkpoint(path: Path, arch: str, *, tie: bool, seed: int = 0, **overrides) -> Path:
-    """Save a tiny random `arch` ("llama" | "qwen2" | "qwen3") checkpoint (and a tokenizer)."""
+# A Qwen2.5 / Qwen3-shaped chat template: tools in the system turn, <tool_call> blocks in
+# assistant turns, tool results as <tool_response>, and Qwen3's enable_thinking switch.
+QWEN_STYLE_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{{ messages[0].content if messages[0].role == 'system' else 'You are helpful.' }}"
+    "\n\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>"
+    "\nFor each function call, return a json object within <tool_call></tool_call> tags:\n"
+    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
+    "</tool_call><|im_end|>\n"
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}"
+    "<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' or (m.role == 'system' and not loop.first)"
+    " or (m.role == 'assistant' and not m.tool_calls) %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{%- elif m.role == 'assistant' %}<|im_start|>assistant"
+    "{% if m.content %}\n{{ m.content }}{% endif %}"
+    "{% for tc in m.tool_calls %}{% set f = tc.function if tc.function is defined else tc %}"
+    "\n<tool_call>\n{\"name\": \"{{ f.name }}\", \"arguments\": {{ f.arguments | tojson }}}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}"
+    "\n</tool_response><|im_end|>\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{%- endif %}")
+
+
+def save_chat_tokenizer(path: Path) -> None:
+    """A byte-level BPE tokenizer (every string has a spelling, so JSON and tool calls can be
+    generated) with Qwen's <|im_start|> / <|im_end|> (eos), <tool_call> and <think> tokens and
+    QWEN_STYLE_TEMPLATE; about 350 ids, trained on a fixed corpus (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=340, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = ['{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
+              "The quick brown fox jumps over the lazy dog: true, false, null, 0123456789."]
+    core.train_from_iterator(corpus * 8, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>")
+    tok.add_tokens(["<tool_call>", "</tool_call>", "<think>", "</think>"])
+    tok.chat_template = QWEN_STYLE_TEMPLATE
+    tok.save_pretrained(path)
+
+
+def make_tiny_checkpoint(path: Path, arch: str, *, tie: bool, seed: int = 0,
+                         tokenizer: str = "words", **overrides) -> Path:
+    """Save a tiny random `arch` ("llama" | "qwen2" | "qwen3") checkpoint and a tokenizer:
+    "words" (save_tiny_tokenizer) or "chat" (save_chat_tokenizer, eos <|im_end|>)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -55,8 +107,11 @@ def make_tiny_checkpoint(path: Path, arch: str, *, tie: bool, seed: int = 0, **o
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.08)
+    if tokenizer == "chat":  # its <|im_end|> is id 2, the config's eos
+        save_chat_tokenizer(path)
+    else:
+        save_tiny_tokenizer(path, common["vocab_size"])
     model.save_pretrained(path, safe_serialization=True)
-    save_tiny_tokenizer(path, common["vocab_size"])
     return path
 
 

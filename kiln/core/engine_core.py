@@ -78,6 +78,8 @@ class EngineCore:
             # With nothing to run, requests the scheduler ended on its own still need reporting.
             if scheduler_output.total_num_scheduled_tokens:
                 model_runner_output = self.executor.execute_model(scheduler_output)
+            else:  # only grammars still compiling, perhaps: wait a little rather than spin
+                self.scheduler.wait_for_grammars(timeout=0.01)
         except BaseException:
             # Ctrl-C in LLM.generate, a failed forward: the prefix cache must not keep blocks
             # this step registered but never wrote, or a later prompt reads garbage K/V; and
@@ -99,4 +101,6 @@ class EngineCore:
         return self.scheduler.make_stats()
 
     def shutdown(self) -> None:
+        if hasattr(self, "scheduler"):
+            self.scheduler.structured_output_manager.shutdown()
         self.executor.shutdown()

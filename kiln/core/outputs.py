@@ -5,6 +5,8 @@ Core -> engine front: `EngineCoreOutput` per request that produced something thi
 """
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kiln.sampling_params import SamplingParams
 
 
@@ -38,6 +40,10 @@ class SchedulerOutput:
     # Requests the runner must forget (finished, aborted or preempted since last step).
     finished_req_ids: set[str]
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Requests that sample this step under a grammar, and their token bitmask rows (same
+    # order): int32 [len(structured_output_request_ids), ceil(vocab / 32)], bit set = allowed.
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None
 
 
 @dataclass

@@ -50,6 +50,8 @@ class Request:
     # Prompt logprobs so far (when asked for), one per prompt token after the first; handed
     # over with the first generated token, after which this is None again.
     prompt_logprobs: list | None = None
+    # The grammar of a request with structured_outputs (the scheduler's manager sets it).
+    structured_output_request: object = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.sampling_params.prompt_logprobs is not None:

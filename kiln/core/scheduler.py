@@ -15,6 +15,7 @@ from kiln.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerO
 from kiln.core.request import Request, RequestStatus
 from kiln.core.stats import SchedulerStats
 from kiln.logger import init_logger
+from kiln.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
 
@@ -58,6 +59,7 @@ class Scheduler:
         self._priority: dict[str, tuple[float, int]] = {}
         self._arrival_counter = itertools.count()
         self.num_preemptions = 0
+        self.structured_output_manager = StructuredOutputManager(kiln_config)
 
     # ---- requests in and out ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -67,6 +69,9 @@ class Scheduler:
             # Nothing to compute means no logits to sample from: it would sit running forever.
             raise ValueError(f"request {request.request_id!r} has an empty prompt_token_ids; "
                              "give at least one token")
+        if request.sampling_params.structured_outputs is not None:
+            # Compiles on the manager's threads; schedule() passes the request by until then.
+            self.structured_output_manager.grammar_init(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._priority[request.request_id] = (request.arrival_time, next(self._arrival_counter))
@@ -90,6 +95,15 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def wait_for_grammars(self, timeout: float) -> None:
+        """After a step with nothing to run: wait (up to `timeout` s) for a grammar still
+        compiling, instead of spinning on empty steps."""
+        for request in self.waiting:
+            grammar = request.structured_output_request
+            if grammar is not None and not grammar.is_ready():
+                grammar.wait(timeout)
+                return
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -119,9 +133,19 @@ class Scheduler:
             index += 1
 
         # Then waiting ones in arrival order; after a preemption the cache is too tight to admit.
+        # A request whose grammar is still compiling keeps its place but lets later ones by.
+        compiling: deque[Request] = deque()
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and self.num_preemptions == preemptions_before):
             request = self.waiting[0]
+            grammar = request.structured_output_request
+            if grammar is not None and not grammar.is_ready():
+                compiling.append(self.waiting.popleft())
+                continue
+            if grammar is not None and grammar.error is not None:
+                self.waiting.popleft()
+                self._finish_grammar_error(request)
+                continue
             if self._cannot_ever_fit(request):
                 self.waiting.popleft()
                 self._finish_unschedulable(request, request.num_tokens)
@@ -145,15 +169,23 @@ class Scheduler:
                 block_ids=kv.get_block_ids(request.request_id), num_computed_tokens=num_hit))
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
 
         for req_id, num_new in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += num_new
         total = sum(num_scheduled.values())
+        # Bitmask rows for the structured requests whose step ends on their last token (they
+        # sample); a partial prefill chunk samples nothing.
+        sampling = [r for r in map(self.requests.get, num_scheduled)
+                    if r.structured_output_request is not None
+                    and r.num_computed_tokens >= r.num_tokens]
+        so_ids, bitmask = self.structured_output_manager.grammar_bitmask(sampling)
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=total,
             finished_req_ids=set(self.finished_req_ids),
-            preempted_req_ids=set(self.preempted_req_ids))
+            preempted_req_ids=set(self.preempted_req_ids),
+            structured_output_request_ids=so_ids, grammar_bitmask=bitmask)
         # The forget-lists are dropped in update_from_output, once the runner has taken the step:
         # an empty step or a failed forward must hand them on to the next step.
         return output
@@ -183,9 +215,12 @@ class Scheduler:
                                        "returned no sampled token for it")
                 continue  # a partial prefill chunk: nothing to report yet
             new_token_ids = []
+            grammar = request.structured_output_request
             for token in sampled:
                 request.output_token_ids.append(token)
                 new_token_ids.append(token)
+                if grammar is not None:
+                    grammar.accept(req_id, token)
                 if check_stop(request, self.max_model_len):
                     finished.append(request)
                     break
@@ -285,6 +320,18 @@ class Scheduler:
             request_id=request.request_id, new_token_ids=[],
             finish_reason=request.get_finish_reason(),
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            first_scheduled_time=request.first_scheduled_time))
+        self._release(request)
+
+    def _finish_grammar_error(self, request: Request) -> None:
+        """The front end checks every grammar, so a compile failing here is rare (an xgrammar
+        limit of the vocabulary): end the request (abort) and say why, leaving the rest be."""
+        request.status = RequestStatus.FINISHED_ABORTED
+        logger.error("request %s: %s; ending it", request.request_id,
+                     request.structured_output_request.error)
+        self._finished_outputs.append(EngineCoreOutput(
+            request_id=request.request_id, new_token_ids=[],
+            finish_reason=request.get_finish_reason(), num_cached_tokens=0,
             first_scheduled_time=request.first_scheduled_time))
         self._release(request)
 

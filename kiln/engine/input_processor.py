@@ -190,6 +190,13 @@ class InputProcessor:
             raise ValueError(f"prompt length {len(token_ids)} is more than the whole KV cache "
                              f"holds ({self.kv_cache_tokens} tokens); raise --kv-cache-memory "
                              "(CPU) or --gpu-memory-utilization, or shorten the prompt")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs the model's tokenizer to compile "
+                                 "its grammar; this engine runs with skip_tokenizer_init")
+            from kiln.structured_output.xgrammar_backend import check_structured_outputs
+
+            check_structured_outputs(params.structured_outputs)
         params.update_from_tokenizer(self.eos_token_id, self.vocab_size)
         if params.bad_words:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)

@@ -1,14 +1,15 @@
 """`Sampler`: from last-token logits and `SamplingMetadata` to one sampled token per request.
 
-Order (vLLM v1's): raw logprobs, penalties, min_tokens mask, greedy argmax / temperature,
-min-p, top-k, top-p, then one draw a row from the probabilities (inverse_cdf.py), from the
-row's own generator when the request is seeded.
+Order (vLLM v1's): the grammar bitmask (structured outputs), raw logprobs, penalties, min_tokens
+mask, greedy argmax / temperature, min-p, top-k, top-p, then one draw a row from the
+probabilities (inverse_cdf.py), from the row's own generator when the request is seeded.
 """
 from dataclasses import dataclass
 
 import torch
 
 from kiln.sample.filters import apply_min_p, apply_top_k, apply_top_p
+from kiln.sample.grammar_mask import apply_token_bitmask
 from kiln.sample.inverse_cdf import inverse_cdf
 from kiln.sample.logit_masks import apply_allowed_token_ids, apply_logit_bias
 from kiln.sample.logprobs import gather_logprobs
@@ -46,6 +47,9 @@ class Sampler(torch.nn.Module):
         nonfinite_rows = None
         if has_nan_or_posinf(logits):
             logits, nonfinite_rows = sanitize_logits(logits)
+        if meta.grammar_rows is not None:
+            # Before the logprobs, as vLLM: they are then those of the constrained distribution.
+            logits = apply_token_bitmask(logits, meta.grammar_bitmask, meta.grammar_rows)
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = (logits.log_softmax(dim=1) if nonfinite_rows is None
@@ -62,7 +66,12 @@ class Sampler(torch.nn.Module):
                                          meta.repetition_penalty, meta.presence_penalty,
                                          meta.frequency_penalty)
         if meta.min_tokens_rows is not None:
+            before = logits.clone() if meta.grammar_rows is not None else None
             logits = mask_min_tokens(logits, meta.min_tokens_rows, meta.min_tokens_cols)
+            if before is not None:
+                # A finished grammar allows only stop tokens: it wins over min_tokens.
+                dead = torch.isneginf(logits).all(dim=1, keepdim=True)  # [N, 1]
+                logits = torch.where(dead, before, logits)
 
         sampled = self.sample(logits, meta)
         out = SamplerOutput(sampled_token_ids=sampled, nonfinite_rows=nonfinite_rows)

@@ -51,6 +51,9 @@ class SamplingMetadata:
     # logprobs: per row the number of top logprobs wanted (None: none); max over rows.
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None
+    # Structured outputs: rows under a grammar and their token bitmasks (grammar_mask.py).
+    grammar_rows: torch.Tensor | None = None  # [M] int64
+    grammar_bitmask: torch.Tensor | None = None  # [M, ceil(V / 32)] int32, bit set = allowed
 
     @property
     def no_penalties(self) -> bool:

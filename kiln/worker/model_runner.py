@@ -18,6 +18,7 @@ from kiln.cudagraphs.mode import BatchDescriptor, CUDAGraphMode
 from kiln.cudagraphs.wrapper import wrap_model_for_full_cudagraph
 from kiln.forward_context import set_forward_context
 from kiln.logger import init_logger
+from kiln.sample.grammar_mask import bitmask_rows
 from kiln.sample.logprobs import to_logprobs_lists
 from kiln.sample.prompt_logprobs import (PromptLogprobsChunk, compute_prompt_logprobs,
                                          prompt_logprob_rows)
@@ -310,6 +311,11 @@ class ModelRunner:
             states = [self.requests[r] for r in inputs.sample_req_ids]
             logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
             meta = self._sampling_metadata(states, logits.shape[1])
+            grammar = bitmask_rows(inputs.sample_req_ids, so.structured_output_request_ids,
+                                   so.grammar_bitmask)
+            if grammar is not None:
+                meta.grammar_rows = torch.from_numpy(grammar[0]).to(self.device)
+                meta.grammar_bitmask = torch.from_numpy(grammar[1]).to(self.device)
             out = self.sampler(logits, meta)
             token_ids = out.sampled_token_ids.tolist()
             if out.logprobs is not None:

@@ -7,6 +7,9 @@ import argparse
 from kiln.engine.arg_utils import EngineArgs
 from kiln.envs import api_key as env_api_key
 
+TOOL_CALL_PARSER_NAMES = ["hermes", "llama3_json"]
+REASONING_PARSER_NAMES = ["deepseek_r1", "qwen3"]
+
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from kiln.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES
@@ -29,6 +32,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "prefix cache held)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    # The parsers' registries (tool_parsers.TOOL_PARSERS, reasoning.REASONING_PARSERS) import
+    # the server's models; the CLI names them without that cost (a test keeps them equal).
+    g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSER_NAMES,
+                   help="how tool calls are read from chat answers (tool_choice auto)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model choose to call tools (tool_choice auto); needs "
+                        "--tool-call-parser")
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSER_NAMES,
+                   help="split thinking (<think>...</think>) into reasoning_content")
+    g.add_argument("--structured-outputs-config", default=None,
+                   help="JSON, e.g. '{\"disable_any_whitespace\": true}': structured outputs "
+                        "without free whitespace unless a request sets it")
     return parser
 
 
@@ -40,13 +55,23 @@ def settings_from_args(args: argparse.Namespace):
                          f"{args.max_request_body_bytes}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                         "hermes, llama3_json)")
+    from kiln.entrypoints.openai.structured_fields import parse_structured_outputs_config
+
+    no_whitespace = parse_structured_outputs_config(args.structured_outputs_config)
     return ServerSettings(host=args.host, port=args.port, api_key=args.api_key or env_api_key(),
                           served_model_names=args.served_model_name,
                           max_request_body_bytes=args.max_request_body_bytes,
                           graceful_shutdown_timeout=args.graceful_shutdown_timeout,
                           access_log=not args.disable_access_log,
                           log_level=args.uvicorn_log_level,
-                          enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+                          enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                          tool_call_parser=args.tool_call_parser,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          reasoning_parser=args.reasoning_parser,
+                          disable_any_whitespace=no_whitespace)
 
 
 def register(subparsers) -> None:

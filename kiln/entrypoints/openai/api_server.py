@@ -43,6 +43,14 @@ class ServerSettings:
     log_level: str = "info"
     # usage.prompt_tokens_details.cached_tokens in responses (vLLM's flag of the same name).
     enable_prompt_tokens_details: bool = False
+    # Chat answers (vLLM's flags): tool calls read by this parser when tool_choice is "auto"
+    # (which needs enable_auto_tool_choice); thinking text split off by the reasoning parser.
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
+    # Structured outputs without free whitespace unless a request asks for it
+    # (--structured-outputs-config '{"disable_any_whitespace": true}').
+    disable_any_whitespace: bool = False
 
 
 def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
@@ -51,8 +59,13 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
                            str(model_config.model), model_config.max_model_len)
     metrics = ServerMetrics(models.default_name)
     llm.stat_loggers.append(metrics)
-    completion = ServingCompletion(llm, models, settings.enable_prompt_tokens_details)
-    chat = ServingChat(llm, models, settings.enable_prompt_tokens_details)
+    completion = ServingCompletion(llm, models, settings.enable_prompt_tokens_details,
+                                   settings.disable_any_whitespace)
+    chat = ServingChat(llm, models, settings.enable_prompt_tokens_details,
+                       tool_call_parser=settings.tool_call_parser,
+                       enable_auto_tool_choice=settings.enable_auto_tool_choice,
+                       reasoning_parser=settings.reasoning_parser,
+                       disable_any_whitespace=settings.disable_any_whitespace)
     tokenization = ServingTokenization(llm, models, model_config.vocab_size)
 
     @contextlib.asynccontextmanager

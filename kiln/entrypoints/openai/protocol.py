@@ -33,6 +33,12 @@ class StreamOptions(OpenAIBase):
     continuous_usage_stats: bool = False
 
 
+class ResponseFormat(OpenAIBase):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    # {"name": ..., "schema": {...}, "strict": ...} for type json_schema
+    json_schema: dict[str, Any] | None = None
+
+
 class SamplingFields(OpenAIBase):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model: str | None = None
@@ -72,6 +78,15 @@ class SamplingFields(OpenAIBase):
     kv_transfer_params: dict[str, Any] | None = None  # refused: no disaggregated serving
     vllm_xargs: dict[str, Any] | None = None  # refused: no custom extensions read them
     return_token_ids: bool | None = None  # choices carry token_ids, the response prompt's
+    # Structured outputs (structured_fields.py): OpenAI's response_format, vLLM's
+    # structured_outputs ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}) and
+    # its older guided_* names.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 # Strict: JSON true / false are no token ids.
@@ -97,10 +112,30 @@ class ChatMessage(OpenAIBase):
     role: str
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    reasoning_content: str | None = None
 
 
-class ResponseFormat(OpenAIBase):
-    type: str = "text"
+class FunctionDefinition(OpenAIBase):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionTool(OpenAIBase):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBase):
+    name: str
+
+
+class NamedToolChoice(OpenAIBase):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -109,9 +144,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    response_format: ResponseFormat | None = None
+    tools: list[ChatCompletionTool] | None = None
+    # None: "auto" with tools, "none" without (OpenAI's default)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # vLLM extras for the template
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -220,9 +256,22 @@ class ChatLogprobs(OpenAIBase):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(OpenAIBase):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIBase):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(OpenAIBase):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(OpenAIBase):
@@ -245,9 +294,25 @@ class ChatCompletionResponse(OpenAIBase):
     prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
+class DeltaFunctionCall(OpenAIBase):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBase):
+    """A streamed piece of a tool call: the first carries id, type and name, the rest pieces
+    of the arguments' JSON text (concatenated, they are the whole arguments)."""
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(OpenAIBase):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(OpenAIBase):

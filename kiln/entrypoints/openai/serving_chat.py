@@ -3,6 +3,7 @@
 The template renders through the tokenizer's sandboxed Jinja environment (LLMEngine.chat_prompt,
 which tokenizes without extra special tokens, since templates write their own BOS).
 """
+import json
 import time
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -27,7 +28,11 @@ from kiln.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected
                                                     merge_streams, sse, submit,
                                                     until_disconnect)
 from kiln.entrypoints.openai.serving_models import ServingModels
+from kiln.entrypoints.openai.structured_fields import check_compiles, request_structured_outputs
+from kiln.entrypoints.openai.tool_parsers.base import ToolCallStream
+from kiln.entrypoints.openai.tool_parsers.tool_plan import ToolPlan, plan_tools
 from kiln.outputs import CompletionOutput
+from kiln.reasoning import make_splitter
 
 
 def check_generation_flags(req) -> None:
@@ -40,10 +45,25 @@ def check_generation_flags(req) -> None:
                           param="continue_final_message", code="invalid_value")
 
 
+def _arguments_as_objects(messages: list[dict]) -> list[dict]:
+    """Assistant turns' tool-call arguments arrive as JSON text; templates print them with
+    tojson, so they get the object (as vLLM hands them over)."""
+    for m in messages:
+        for call in m.get("tool_calls") or []:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                try:
+                    function["arguments"] = json.loads(function["arguments"])
+                except ValueError:
+                    pass  # not JSON: the template gets the text as it came
+    return messages
+
+
 async def render_chat_prompt(llm: AsyncLLM, messages: list[ChatMessage],
                              add_generation_prompt: bool, continue_final_message: bool = False,
                              template_kwargs: dict | None = None,
-                             add_special_tokens: bool = False) -> dict:
+                             add_special_tokens: bool = False,
+                             tools: list[dict] | None = None) -> dict:
     """The engine prompt for a conversation: {"prompt": text, "prompt_token_ids": ids}.
     Templates write their own BOS, so no special tokens are added unless asked (vLLM's
     add_special_tokens, default false)."""
@@ -55,7 +75,8 @@ async def render_chat_prompt(llm: AsyncLLM, messages: list[ChatMessage],
         raise OpenAIError("chat_template_kwargs may not set 'chat_template'",
                           param="chat_template_kwargs", code="invalid_value")
     try:
-        plain = chat_messages([m.model_dump(exclude_none=True) for m in messages])
+        plain = _arguments_as_objects(
+            chat_messages([m.model_dump(exclude_none=True) for m in messages]))
     except MessageError as e:
         raise OpenAIError(str(e), param=e.field, code="unsupported_content") from None
     try:  # the default add_generation_prompt yields to continue_final_message (see above)
@@ -63,6 +84,8 @@ async def render_chat_prompt(llm: AsyncLLM, messages: list[ChatMessage],
                                     continue_final_message, None, template_kwargs)
     except ValueError as e:
         raise OpenAIError(str(e), param="chat_template_kwargs", code="invalid_value") from None
+    if tools is not None:
+        kwargs["tools"] = tools
     try:
         prompt = await llm.chat_prompt(plain, **kwargs)
     except Exception as e:  # noqa: BLE001 - jinja errors, sandbox violations, no template
@@ -77,35 +100,38 @@ async def render_chat_prompt(llm: AsyncLLM, messages: list[ChatMessage],
 
 class ServingChat:
     def __init__(self, llm: AsyncLLM, models: ServingModels,
-                 enable_prompt_tokens_details: bool = False):
+                 enable_prompt_tokens_details: bool = False, *,
+                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+                 reasoning_parser: str | None = None, disable_any_whitespace: bool = False):
         self.llm = llm
         self.models = models
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
-
-    def _check_unsupported(self, req: ChatCompletionRequest) -> None:
-        if req.tools:
-            raise OpenAIError("tools (function calling) are not supported by this server",
-                              param="tools", code="unsupported_parameter")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise OpenAIError(f"response_format {req.response_format.type!r} is not supported; "
-                              "only 'text'", param="response_format",
-                              code="unsupported_parameter")
-        if req.tool_choice not in (None, "none") and not req.tools:
-            raise OpenAIError("tool_choice needs tools: give the functions to choose from",
-                              param="tool_choice", code="invalid_value")
+        self.tool_call_parser = tool_call_parser
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.reasoning_parser = reasoning_parser
+        self.disable_any_whitespace = disable_any_whitespace
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         model = self.models.resolve(req.model)
         check_stream_options(req)
-        self._check_unsupported(req)
         check_generation_flags(req)
+        plan = plan_tools(req, self.tool_call_parser, self.enable_auto_tool_choice)
         params = chat_sampling_params(req, self.llm.kiln_config.model_config.generation_defaults)
+        constraint, field = request_structured_outputs(req, self.disable_any_whitespace)
+        if plan.constraint is not None:
+            if constraint is not None:
+                raise OpenAIError(f"tool_choice {req.tool_choice!r} fixes the answer's shape; "
+                                  f"drop {field}", param=field, code="invalid_value")
+            constraint, field = plan.constraint, "tools"
+        if constraint is not None:
+            await check_compiles(constraint, field)
+            params.structured_outputs = constraint
         template_kwargs = req.chat_template_kwargs
         if req.documents is not None:  # HF's apply_chat_template hands them to the template
             template_kwargs = {"documents": req.documents, **(template_kwargs or {})}
         prompt = await render_chat_prompt(self.llm, req.messages, req.add_generation_prompt,
                                           req.continue_final_message, template_kwargs,
-                                          req.add_special_tokens)
+                                          req.add_special_tokens, plan.template_tools)
         prompt = with_cache_salt(prompt, req.cache_salt)
         request_id = response_id("chatcmpl", req.request_id)
         max_tokens_param = ("max_completion_tokens" if req.max_completion_tokens is not None
@@ -113,7 +139,8 @@ class ServingChat:
         streams = await submit(self.llm, request_id, [prompt], params, "messages",
                                max_tokens_param)
         if req.stream:
-            return StreamingResponse(self._stream(req, model, request_id, streams),
+            return StreamingResponse(self._stream(req, model, request_id, streams, plan,
+                                                  prompt.get("prompt")),
                                      media_type="text/event-stream")
         try:
             final = await until_disconnect(raw, self._collect(streams[0]))
@@ -122,11 +149,8 @@ class ServingChat:
         finally:
             abort_unfinished(self.llm, streams)
         echoed = echo_prefix(req, req.messages)
-        choices = [ChatCompletionChoice(
-            index=o.index, message=ChatResponseMessage(content=echoed + o.text),
-            logprobs=self._logprobs(req, o), finish_reason=o.finish_reason,
-            stop_reason=o.stop_reason, **token_ids_fields(req, None, o.token_ids))
-            for o in final.outputs]
+        choices = [self._choice(req, plan, prompt.get("prompt"), o, echoed)
+                   for o in final.outputs]
         usage = make_usage(len(final.prompt_token_ids), sum(len(o.token_ids)
                                                             for o in final.outputs),
                            cached_tokens([final], self.enable_prompt_tokens_details))
@@ -137,6 +161,24 @@ class ServingChat:
             if req.prompt_logprobs is not None else None,
             **token_ids_fields(req, final.prompt_token_ids, None))
         return JSONResponse(body.model_dump())
+
+    def _choice(self, req, plan: ToolPlan, prompt_text: str | None, o: CompletionOutput,
+                echoed: str = "") -> ChatCompletionChoice:
+        reasoning, content = None, o.text
+        if self.reasoning_parser is not None:
+            reasoning, content = make_splitter(self.reasoning_parser, prompt_text).split(o.text)
+        calls = []
+        if plan.parser is not None and content is not None:
+            content, calls = plan.parser.extract(content)
+        if echoed:
+            content = echoed + (content or "")
+        return ChatCompletionChoice(
+            index=o.index, message=ChatResponseMessage(content=content,
+                                                       reasoning_content=reasoning,
+                                                       tool_calls=calls),
+            logprobs=self._logprobs(req, o),
+            finish_reason=_finish_reason(o.finish_reason, plan, bool(calls)),
+            stop_reason=o.stop_reason, **token_ids_fields(req, None, o.token_ids))
 
     async def _collect(self, stream: RequestStream):
         final = None
@@ -151,7 +193,8 @@ class ServingChat:
                                                   req.top_logprobs or 0,
                                                   bool(req.return_tokens_as_token_ids)))
 
-    async def _stream(self, req, model, request_id, streams):
+    async def _stream(self, req, model, request_id, streams, plan: ToolPlan,
+                      prompt_text: str | None):
         created = int(time.time())
 
         def chunk(choices, usage=None, prompt_token_ids=None) -> str:
@@ -161,6 +204,7 @@ class ServingChat:
 
         prompt_tokens = completion_tokens = cached = 0
         prompt_ids_sent = False  # return_token_ids: the prompt's go in the first content chunk
+        parsers = {}  # choice index -> (reasoning splitter or None, tool stream or None)
         try:
             # Every choice opens with the assistant role, as OpenAI's stream does (and with
             # the echoed last message, when echo asks for it).
@@ -174,11 +218,19 @@ class ServingChat:
                 cached = max(cached, out.num_cached_tokens)
                 for o in out.outputs:
                     completion_tokens += len(o.token_ids)
-                    if not o.text and not o.token_ids and o.finish_reason is None:
+                    if o.index not in parsers:
+                        parsers[o.index] = (
+                            make_splitter(self.reasoning_parser, prompt_text)
+                            if self.reasoning_parser is not None else None,
+                            ToolCallStream(plan.parser) if plan.parser is not None else None)
+                    delta, calls = _delta(*parsers[o.index], o)
+                    if (not delta.content and not delta.reasoning_content
+                            and not delta.tool_calls and not o.token_ids
+                            and o.finish_reason is None):
                         continue
                     yield chunk([ChatStreamChoice(
-                        index=o.index, delta=DeltaMessage(content=o.text),
-                        logprobs=self._logprobs(req, o), finish_reason=o.finish_reason,
+                        index=o.index, delta=delta, logprobs=self._logprobs(req, o),
+                        finish_reason=_finish_reason(o.finish_reason, plan, calls),
                         stop_reason=o.stop_reason, **token_ids_fields(req, None, o.token_ids))],
                         make_usage(prompt_tokens, completion_tokens)
                         if continuous_usage(req) else None,
@@ -194,3 +246,22 @@ class ServingChat:
         finally:
             abort_unfinished(self.llm, streams)
         yield SSE_DONE
+
+
+def _finish_reason(reason: str | None, plan: ToolPlan, made_calls: bool) -> str | None:
+    return "tool_calls" if reason == "stop" and made_calls and plan.calls_finish else reason
+
+
+def _delta(splitter, tools: ToolCallStream | None,
+           o: CompletionOutput) -> tuple[DeltaMessage, bool]:
+    """One streamed output as a delta (reasoning, content, tool-call pieces), and whether
+    tool calls were made so far."""
+    if splitter is None and tools is None:
+        return DeltaMessage(content=o.text), False
+    final = o.finish_reason is not None
+    reasoning, content = ("", o.text) if splitter is None else splitter.feed(o.text, final)
+    calls = []
+    if tools is not None:
+        content, calls = tools.feed(content, final)
+    return DeltaMessage(content=content or None, reasoning_content=reasoning or None,
+                        tool_calls=calls or None), tools is not None and tools.num_calls > 0

@@ -22,6 +22,7 @@ from kiln.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected
                                                     merge_streams, sse, submit,
                                                     until_disconnect)
 from kiln.entrypoints.openai.serving_models import ServingModels
+from kiln.entrypoints.openai.structured_fields import check_compiles, request_structured_outputs
 from kiln.outputs import CompletionOutput, RequestOutput
 
 
@@ -54,16 +55,22 @@ async def without_special_tokens(llm: AsyncLLM, prompts: list) -> list:
 
 class ServingCompletion:
     def __init__(self, llm: AsyncLLM, models: ServingModels,
-                 enable_prompt_tokens_details: bool = False):
+                 enable_prompt_tokens_details: bool = False,
+                 disable_any_whitespace: bool = False):
         self.llm = llm
         self.models = models
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
+        self.disable_any_whitespace = disable_any_whitespace
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         model = self.models.resolve(req.model)
         check_stream_options(req)
         params = completion_sampling_params(req,
                                             self.llm.kiln_config.model_config.generation_defaults)
+        constraint, field = request_structured_outputs(req, self.disable_any_whitespace)
+        if constraint is not None:
+            await check_compiles(constraint, field)
+            params.structured_outputs = constraint
         prompts = engine_prompts(req.prompt)
         if req.echo and self.llm.tokenizer is None:
             raise OpenAIError("echo needs a tokenizer to write the prompt's text; this server "

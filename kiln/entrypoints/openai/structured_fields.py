@@ -1,0 +1,106 @@
+"""A request's structured-output fields (response_format, structured_outputs, guided_*) as one
+`StructuredOutputsParams`, every error a 400 naming the field the client sent.
+"""
+import asyncio
+
+from kiln.entrypoints.openai.errors import OpenAIError
+from kiln.sampling_params import StructuredOutputsParams
+
+# vLLM's older names -> the StructuredOutputsParams field they set.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+
+
+def _from_response_format(fmt) -> dict | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"json_object": True}
+    spec = fmt.json_schema or {}
+    schema = spec.get("schema")
+    if schema is None:  # OpenAI requires one; vLLM reads its absence as any JSON object
+        return {"json_object": True}
+    return {"json": schema}
+
+
+def request_structured_outputs(req, disable_any_whitespace: bool = False
+                               ) -> tuple[StructuredOutputsParams | None, str | None]:
+    """(the constraint, the request field it came from); (None, None) when there is none.
+    More than one source (e.g. response_format and structured_outputs) is refused.
+    `disable_any_whitespace`: the server's default (--structured-outputs-config) where the
+    request does not say."""
+    sources: list[tuple[str, dict]] = []
+    fmt = _from_response_format(req.response_format)
+    if fmt is not None:
+        sources.append(("response_format", fmt))
+    if req.structured_outputs is not None:
+        sources.append(("structured_outputs", dict(req.structured_outputs)))
+    for name, kind in _GUIDED.items():
+        value = getattr(req, name)
+        if value is not None:
+            sources.append((name, {kind: value}))
+    if not sources:
+        return None, None
+    if len(sources) > 1:
+        names = [n for n, _ in sources]
+        raise OpenAIError(f"{' and '.join(names)} each constrain the output: give one of them",
+                          param=names[1], code="invalid_value")
+    field, fields = sources[0]
+    fields.setdefault("disable_any_whitespace", disable_any_whitespace)
+    return build_params(fields, field), field
+
+
+def parse_structured_outputs_config(text: str | None) -> bool:
+    """--structured-outputs-config '{"disable_any_whitespace": true}' (vLLM's flag; the one
+    key this server reads) -> the server's default disable_any_whitespace."""
+    import json
+
+    if text is None:
+        return False
+    try:
+        config = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--structured-outputs-config is not JSON: {e}") from None
+    if not isinstance(config, dict) or set(config) - {"disable_any_whitespace", "backend"}:
+        raise ValueError("--structured-outputs-config takes a JSON object with "
+                         f"disable_any_whitespace (and backend \"xgrammar\"), got {text!r}")
+    if config.get("backend", "xgrammar") not in ("xgrammar", "auto"):
+        raise ValueError(f"--structured-outputs-config backend {config['backend']!r}: this "
+                         "server compiles grammars with xgrammar only")
+    value = config.get("disable_any_whitespace", False)
+    if not isinstance(value, bool):
+        raise ValueError("--structured-outputs-config disable_any_whitespace must be true or "
+                         f"false, got {value!r}")
+    return value
+
+
+def build_params(fields: dict, param: str) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**fields)
+    except TypeError:
+        known = sorted(StructuredOutputsParams.__dataclass_fields__)
+        unknown = sorted(set(fields) - set(known))
+        raise OpenAIError(f"{param} has unknown field(s) {unknown}; known: {known}",
+                          param=param, code="invalid_value") from None
+    except ValueError as e:
+        raise OpenAIError(_in_terms_of(str(e), param), param=param,
+                          code="invalid_value") from None
+
+
+def _in_terms_of(message: str, param: str) -> str:
+    """The engine names structured_outputs.X; the client may have sent response_format."""
+    if param == "structured_outputs":
+        return message
+    return f"{param}: {message}"
+
+
+async def check_compiles(params: StructuredOutputsParams, param: str) -> None:
+    """400 naming `param` when the schema / regex / grammar does not parse. Off the event
+    loop: the first call imports xgrammar."""
+    from kiln.structured_output.xgrammar_backend import check_structured_outputs
+
+    try:
+        await asyncio.to_thread(check_structured_outputs, params)
+    except ValueError as e:
+        raise OpenAIError(_in_terms_of(str(e), param), param=param,
+                          code="invalid_value") from None

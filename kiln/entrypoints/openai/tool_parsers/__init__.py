@@ -1,0 +1,11 @@
+"""Tool calling for /v1/chat/completions: which parser reads a request's answer (vLLM's
+--tool-call-parser names), and what tool_choice asks of it (tool_plan.py)."""
+from kiln.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+from kiln.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
+
+TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+
+
+def check_tool_parser(name: str | None) -> None:
+    if name is not None and name not in TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser {name!r} is not one of {sorted(TOOL_PARSERS)}")

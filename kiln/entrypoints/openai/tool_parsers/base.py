@@ -1,0 +1,66 @@
+"""`ToolParser`: reads tool calls out of a model's text; `ToolCallStream` turns the same reading
+of a growing text into OpenAI's streamed deltas, so streamed and whole answers agree.
+"""
+import uuid
+
+from kiln.entrypoints.openai.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from kiln.entrypoints.openai.tool_parsers.json_scan import PartialCall, is_json
+
+
+def tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+class ToolParser:
+    """parse(text, final) -> (content so far, calls so far); content never shrinks as the text
+    grows (a possible start of a tool-call marker is held back until `final`)."""
+
+    def parse(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
+        raise NotImplementedError
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The whole answer: (content or None, tool calls). Calls that are not valid JSON leave
+        the text as content (a model that did not follow the format)."""
+        content, calls = self.parse(text, final=True)
+        if not calls or not all(c.done and c.name and is_json(c.args) for c in calls):
+            return text or None, []
+        return content or None, [ToolCall(id=tool_call_id(), function=FunctionCall(
+            name=c.name, arguments=c.args)) for c in calls]
+
+
+class ToolCallStream:
+    """Feed text deltas; get (content delta, tool call deltas) in OpenAI's stream shape."""
+
+    def __init__(self, parser: ToolParser):
+        self.parser = parser
+        self.text = ""
+        self._content_sent = 0
+        self._args_sent: list[int] = []  # per call whose header (id, name) went out
+
+    @property
+    def num_calls(self) -> int:
+        return len(self._args_sent)
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[DeltaToolCall]]:
+        self.text += delta
+        content, calls = self.parser.parse(self.text, final)
+        new_content = content[self._content_sent:]
+        self._content_sent = max(self._content_sent, len(content))
+        deltas: list[DeltaToolCall] = []
+        for i, call in enumerate(calls):
+            if i == len(self._args_sent):
+                if call.name is None:
+                    break  # the name comes first in the stream; wait for it
+                self._args_sent.append(0)
+                deltas.append(DeltaToolCall(index=i, id=tool_call_id(), type="function",
+                                            function=DeltaFunctionCall(name=call.name,
+                                                                       arguments="")))
+            piece = call.args[self._args_sent[i]:]
+            if piece:
+                self._args_sent[i] = len(call.args)
+                if deltas and deltas[-1].index == i:
+                    deltas[-1].function.arguments += piece
+                else:
+                    deltas.append(DeltaToolCall(index=i, function=DeltaFunctionCall(
+                        arguments=piece)))
+        return new_content, deltas

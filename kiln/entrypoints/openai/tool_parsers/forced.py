@@ -1,0 +1,47 @@
+"""Tool calls under tool_choice "required" or a named function: structured outputs force the
+answer's shape (forced_schema), and these parsers read it: a named call's answer is its
+arguments; a required one's is a JSON array of {"name": ..., "parameters": {...}}."""
+from kiln.entrypoints.openai.tool_parsers.base import ToolParser
+from kiln.entrypoints.openai.tool_parsers.json_scan import PartialCall, scan_call, skip_ws
+
+_ANY_OBJECT = {"type": "object"}
+
+
+def required_schema(tools) -> dict:
+    """One or more calls, each to one of `tools` with its parameters (vLLM's shape)."""
+    options = [{"type": "object",
+                "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                               "parameters": t.function.parameters or _ANY_OBJECT},
+                "required": ["name", "parameters"]} for t in tools]
+    return {"type": "array", "minItems": 1,
+            "items": options[0] if len(options) == 1 else {"anyOf": options}}
+
+
+class NamedToolParser(ToolParser):
+    def __init__(self, name: str):
+        self.name = name
+
+    def parse(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
+        return "", [PartialCall(name=self.name, args=text.strip() if final else text.lstrip(),
+                                done=final)]
+
+
+class RequiredToolParser(ToolParser):
+    def parse(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
+        i = skip_ws(text, 0)
+        if i >= len(text) or text[i] != "[":
+            return "", []
+        calls: list[PartialCall] = []
+        i += 1
+        while True:
+            call, end = scan_call(text, i, ("parameters",), final)
+            if call is None:
+                break
+            calls.append(call)
+            if end is None:
+                break
+            i = skip_ws(text, end)
+            if i >= len(text) or text[i] != ",":
+                break
+            i += 1
+        return "", calls

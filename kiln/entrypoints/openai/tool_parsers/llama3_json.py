@@ -1,0 +1,32 @@
+"""`llama3_json`: Llama 3.x JSON tool calls: the answer is (after an optional <|python_tag|>)
+one or more {"name": ..., "parameters": {...}} objects separated by ";", else plain content."""
+from kiln.entrypoints.openai.tool_parsers.base import ToolParser
+from kiln.entrypoints.openai.tool_parsers.json_scan import PartialCall, partial_suffix, scan_call, skip_ws
+
+PYTHON_TAG = "<|python_tag|>"
+
+
+class Llama3JsonToolParser(ToolParser):
+    def parse(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
+        i = skip_ws(text, 0)
+        if text.startswith(PYTHON_TAG, i):
+            i = skip_ws(text, i + len(PYTHON_TAG))
+        elif not final and partial_suffix(text[i:], PYTHON_TAG) == len(text) - i:
+            return "", []  # only whitespace or the start of the tag so far: undecided
+        if i >= len(text):
+            return ("" if not final else text), []
+        if text[i] != "{":
+            return text, []
+        calls: list[PartialCall] = []
+        while True:
+            call, end = scan_call(text, i, ("parameters", "arguments"), final)
+            if call is None:
+                break
+            calls.append(call)
+            if end is None:
+                break
+            i = skip_ws(text, end)
+            if i >= len(text) or text[i] != ";":
+                break
+            i += 1
+        return "", calls

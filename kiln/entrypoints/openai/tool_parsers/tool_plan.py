@@ -1,0 +1,68 @@
+"""`plan_tools`: what a chat request's tools and tool_choice mean: the tools the template sees,
+the constraint that forces a call (required, named) and the parser that reads the answer.
+
+Pure: the server's flags come in as arguments; errors are 400s naming the field.
+"""
+from dataclasses import dataclass
+
+from kiln.entrypoints.openai.errors import OpenAIError
+from kiln.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from kiln.entrypoints.openai.tool_parsers.base import ToolParser
+from kiln.entrypoints.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser, required_schema
+from kiln.sampling_params import StructuredOutputsParams
+
+
+@dataclass
+class ToolPlan:
+    template_tools: list[dict] | None = None  # OpenAI tool dicts for the chat template
+    parser: ToolParser | None = None  # None: the answer is all content
+    constraint: StructuredOutputsParams | None = None  # forces the call's shape
+    # finish_reason "tool_calls" when calls were made (auto, required; a named call keeps
+    # "stop", as OpenAI and vLLM report it)
+    calls_finish: bool = False
+
+
+def plan_tools(req, tool_call_parser: str | None, enable_auto_tool_choice: bool) -> ToolPlan:
+    tools = req.tools or []
+    choice = req.tool_choice
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if not tools:
+        if choice != "none":
+            raise OpenAIError(f"tool_choice {_shown(choice)} needs tools: give tools or drop "
+                              "tool_choice", param="tool_choice", code="invalid_value")
+        return ToolPlan()
+    names = [t.function.name for t in tools]
+    template_tools = [t.model_dump(exclude_none=True) for t in tools]
+    if choice == "none":
+        return ToolPlan(template_tools=template_tools)
+    if choice == "auto":
+        if not enable_auto_tool_choice or tool_call_parser is None:
+            raise OpenAIError('"auto" tool choice needs the server started with '
+                              "--enable-auto-tool-choice and --tool-call-parser; or pass "
+                              'tool_choice "required", "none" or a named function',
+                              param="tool_choice", code="invalid_value")
+        return ToolPlan(template_tools=template_tools, parser=TOOL_PARSERS[tool_call_parser](),
+                        calls_finish=True)
+    if choice == "required":
+        return ToolPlan(template_tools=template_tools, parser=RequiredToolParser(),
+                        constraint=_forced(required_schema(tools)),
+                        calls_finish=True)
+    name = choice.function.name
+    if name not in names:
+        raise OpenAIError(f"tool_choice names function {name!r}, which is not among tools "
+                          f"{names}", param="tool_choice", code="invalid_value")
+    tool = tools[names.index(name)]
+    schema = tool.function.parameters or {"type": "object"}
+    return ToolPlan(template_tools=template_tools, parser=NamedToolParser(name),
+                    constraint=_forced(schema))
+
+
+def _forced(schema: dict) -> StructuredOutputsParams:
+    """Forced calls are compact JSON: free whitespace only lets a weak model ramble on before
+    the arguments close (the call parses the same either way)."""
+    return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+
+
+def _shown(choice) -> str:
+    return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"

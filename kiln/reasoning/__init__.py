@@ -1,0 +1,22 @@
+"""Reasoning parsers (vLLM's --reasoning-parser): the text a thinking model writes between
+<think> and </think> goes to reasoning_content, the rest to content."""
+from kiln.reasoning.think_splitter import ThinkSplitter, prompt_opens_thinking
+
+# parser name -> whether an answer starts inside the thinking when nothing says otherwise:
+# DeepSeek-R1's template opens <think> in the prompt; Qwen3 writes it itself (or, with
+# enable_thinking=false, the template closes an empty one).
+REASONING_PARSERS = {"qwen3": False, "deepseek_r1": True}
+
+
+def check_reasoning_parser(name: str | None) -> None:
+    if name is not None and name not in REASONING_PARSERS:
+        raise ValueError(f"--reasoning-parser {name!r} is not one of {sorted(REASONING_PARSERS)}")
+
+
+def make_splitter(name: str, prompt: str | None) -> ThinkSplitter:
+    """A splitter for one answer to `prompt` (its rendered text, when known)."""
+    opened = prompt_opens_thinking(prompt)
+    return ThinkSplitter(REASONING_PARSERS[name] if opened is None else opened)
+
+
+__all__ = ["REASONING_PARSERS", "ThinkSplitter", "check_reasoning_parser", "make_splitter"]

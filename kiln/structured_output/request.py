@@ -1,0 +1,53 @@
+"""`StructuredOutputRequest`: one request's grammar in the core: the compile in flight, then the
+matcher that follows its tokens and fills its row of each step's token bitmask."""
+from concurrent.futures import Future
+
+from kiln.logger import init_logger
+from kiln.structured_output.spec import GrammarSpec
+
+logger = init_logger(__name__)
+
+
+class StructuredOutputRequest:
+    def __init__(self, spec: GrammarSpec, compiled: Future, make_matcher):
+        self.spec = spec
+        self._compiled = compiled
+        self._make_matcher = make_matcher  # compiled grammar -> matcher
+        self.matcher = None
+        self.error: str | None = None  # set when the grammar could not be compiled
+        self._broken = False  # a token the grammar refused: stop constraining (logged)
+
+    def is_ready(self) -> bool:
+        """Compiled (the matcher exists) or failed; False while the compile is still running."""
+        if self.matcher is not None or self.error is not None:
+            return True
+        if not self._compiled.done():
+            return False
+        try:
+            self.matcher = self._make_matcher(self._compiled.result())
+        except Exception as e:  # noqa: BLE001 - reported as the request's error
+            self.error = f"{self.spec.field} could not be compiled: {e}"
+        return True
+
+    def wait(self, timeout: float) -> None:
+        try:
+            self._compiled.exception(timeout=timeout)
+        except TimeoutError:
+            pass
+
+    @property
+    def active(self) -> bool:
+        """Whether the next token is constrained (not once the grammar has ended)."""
+        return self.matcher is not None and not self._broken and not self.matcher.is_terminated()
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, request_id: str, token_id: int) -> None:
+        if not self.active:
+            return
+        if not self.matcher.accept_token(token_id):
+            # Only a sampler that skipped the bitmask gets here; the request goes on unconstrained.
+            logger.error("request %s: token %d is outside its grammar (%s); no longer "
+                         "constraining it", request_id, token_id, self.spec.field)
+            self._broken = True

@@ -1,0 +1,99 @@
+"""xgrammar behind Kiln's structured outputs: checking a spec (no tokenizer needed, so the front
+end can refuse a bad schema as a 400) and compiling it against the model's vocabulary (core side).
+"""
+import functools
+import math
+import re
+
+from kiln.sampling_params import StructuredOutputsParams
+from kiln.structured_output.spec import GrammarSpec, grammar_spec
+
+# xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: ": the user needs the rest.
+_ANY_OBJECT = '{"type": "object"}'
+_CPP_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
+
+
+def _clean(e: Exception) -> str:
+    return _CPP_PREFIX.sub("", str(e)).strip()
+
+
+def _import_xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:  # a broken install: name the package that fixes it
+        raise ValueError(f"structured outputs need the xgrammar package ({e}); "
+                         "pip install xgrammar") from None
+    return xgrammar
+
+
+def check_structured_outputs(params: StructuredOutputsParams) -> None:
+    """Raise ValueError naming the request field when the schema, regex or grammar does not
+    parse (the tokenizer-independent half of compiling: it is quick, and cached)."""
+    error = _spec_error(grammar_spec(params))
+    if error is not None:
+        raise ValueError(error)
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_error(spec: GrammarSpec) -> str | None:
+    try:
+        check_spec(spec)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def check_spec(spec: GrammarSpec) -> None:
+    xgr = _import_xgrammar()
+    try:
+        if spec.kind == "json":
+            xgr.Grammar.from_json_schema(spec.text, any_whitespace=spec.any_whitespace,
+                                         strict_mode=True)
+        elif spec.kind == "regex":
+            xgr.Grammar.from_regex(spec.text)
+        elif spec.kind == "ebnf":
+            xgr.Grammar.from_ebnf(spec.text)
+        elif spec.kind == "lark":
+            xgr.Grammar.from_lark(spec.text)
+    except (RuntimeError, ValueError, TypeError) as e:
+        what = {"json": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar",
+                "lark": "Lark grammar"}[spec.kind]
+        raise ValueError(f"{spec.field} is not a {what} this server can compile: "
+                         f"{_clean(e)}") from None
+
+
+class XgrammarBackend:
+    """Compiles specs for one vocabulary; matchers follow one request's tokens."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_threads: int = 2):
+        self.xgr = _import_xgrammar()
+        self.vocab_size = vocab_size
+        info = self.xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        # xgrammar keeps its own cache too (by grammar text); ours shares in-flight compiles.
+        self.compiler = self.xgr.GrammarCompiler(info, max_threads=max_threads)
+
+    @property
+    def bitmask_width(self) -> int:
+        return math.ceil(self.vocab_size / 32)
+
+    def compile(self, spec: GrammarSpec):
+        c = self.compiler
+        if spec.kind == "json":
+            return c.compile_json_schema(spec.text, any_whitespace=spec.any_whitespace,
+                                         strict_mode=True)
+        if spec.kind == "json_object":
+            # An object, as OpenAI's json_object means (xgrammar's builtin JSON grammar also
+            # takes arrays and scalars); any keys: not strict.
+            return c.compile_json_schema(_ANY_OBJECT, any_whitespace=spec.any_whitespace,
+                                         strict_mode=False)
+        if spec.kind == "regex":
+            return c.compile_regex(spec.text)
+        if spec.kind == "ebnf":
+            return c.compile_grammar(spec.text)
+        if spec.kind == "lark":
+            return c.compile_lark(spec.text)
+        raise ValueError(f"unknown grammar kind {spec.kind!r}")
+
+    def matcher(self, compiled, stop_token_ids: list[int]):
+        """A matcher that ends on any of the request's stop tokens."""
+        return self.xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)

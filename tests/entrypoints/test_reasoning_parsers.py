@@ -1,0 +1,49 @@
+"""Reasoning split: <think>...</think> text goes to reasoning, the rest to content, the same
+whether the answer comes whole or in deltas cut anywhere; the prompt tells whether the answer
+starts inside the thinking (DeepSeek-R1 opens it in the template; Qwen3 with thinking off
+closes an empty one)."""
+import random
+
+import pytest
+
+from kiln.reasoning import make_splitter
+from kiln.reasoning.think_splitter import ThinkSplitter, prompt_opens_thinking
+
+CASES = [
+    # (answer, starts inside, (reasoning, content))
+    ("<think>\nplan it\n</think>\n\nAnswer.", False, ("\nplan it\n", "\n\nAnswer.")),
+    ("  <think>a</think>b", False, ("a", "b")),
+    ("no thinking at all", False, (None, "no thinking at all")),
+    ("x </think> y", False, (None, "x </think> y")),
+    ("<think>cut short", False, ("cut short", None)),
+    ("steps</think>done", True, ("steps", "done")),
+    ("<think>steps</think>done", True, ("steps", "done")),
+    ("still thinking", True, ("still thinking", None)),
+    ("<thi", False, (None, "<thi")),
+]
+
+
+@pytest.mark.parametrize("answer, inside, expected", CASES)
+def test_whole_and_streamed_agree(answer, inside, expected):
+    assert ThinkSplitter(inside).split(answer) == expected
+    for seed in range(30):
+        rng, splitter = random.Random(seed), ThinkSplitter(inside)
+        reasoning = content = ""
+        i = 0
+        while i < len(answer):
+            j = min(len(answer), i + rng.randint(1, 5))
+            r, c = splitter.feed(answer[i:j])
+            reasoning, content, i = reasoning + r, content + c, j
+        r, c = splitter.feed("", final=True)
+        assert (reasoning + r or None, content + c or None) == expected
+
+
+def test_the_prompt_decides_where_an_answer_starts():
+    assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n") is True
+    assert prompt_opens_thinking("assistant\n<think>\n\n</think>\n\n") is False
+    assert prompt_opens_thinking("plain prompt") is None and prompt_opens_thinking(None) is None
+    # Without a word from the prompt, deepseek_r1 starts inside and qwen3 outside.
+    assert make_splitter("deepseek_r1", "user: hi").split("r</think>c") == ("r", "c")
+    assert make_splitter("qwen3", "user: hi").split("r</think>c") == (None, "r</think>c")
+    assert make_splitter("qwen3", "<think>\n").split("r</think>c") == ("r", "c")
+    assert make_splitter("deepseek_r1", "<think></think>").split("c") == (None, "c")

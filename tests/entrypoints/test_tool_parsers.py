@@ -1,0 +1,128 @@
+"""Tool-call parsers: hermes and llama3_json read calls and content out of whole answers, and
+their streams, cut at every place, reassemble to the same calls; forced (named, required)
+answers read the same way; tool_choice plans refuse what cannot work, naming the field."""
+import json
+import random
+
+import pytest
+
+from kiln.entrypoints.openai.errors import OpenAIError
+from kiln.entrypoints.openai.protocol import ChatCompletionRequest
+from kiln.entrypoints.openai.tool_parsers.base import ToolCallStream
+from kiln.entrypoints.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser
+from kiln.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+from kiln.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
+from kiln.entrypoints.openai.tool_parsers.tool_plan import plan_tools
+
+HERMES = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+          '"q": "a}\\"b{"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}'
+          '\n</tool_call>')
+LLAMA = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome", "n": [1, 2]}}; '
+         '{"name": "noop", "parameters": {}}')
+REQUIRED = ('[{"name": "get_weather", "parameters": {"city": "Oslo"}}, '
+            '{"name": "x", "parameters": {"k": true}}]')
+
+
+def streamed(parser, text: str, rng: random.Random):
+    stream, content, calls = ToolCallStream(parser), "", {}
+    i = 0
+    while i < len(text):
+        j = min(len(text), i + rng.randint(1, 6))
+        c, deltas = stream.feed(text[i:j])
+        content += c
+        for d in deltas:
+            call = calls.setdefault(d.index, {"name": None, "arguments": "", "id": None})
+            call["id"] = call["id"] or d.id
+            call["name"] = call["name"] or d.function.name
+            call["arguments"] += d.function.arguments or ""
+        i = j
+    c, deltas = stream.feed("", final=True)
+    content += c
+    for d in deltas:
+        calls[d.index]["arguments"] += d.function.arguments or ""
+    return content, [calls[k] for k in sorted(calls)]
+
+
+@pytest.mark.parametrize("parser, text, content, expected", [
+    (HermesToolParser(), HERMES, "Let me check.",
+     [("get_weather", {"city": "Paris", "q": 'a}"b{'}), ("get_time", {})]),
+    (Llama3JsonToolParser(), LLAMA, None,
+     [("get_weather", {"city": "Rome", "n": [1, 2]}), ("noop", {})]),
+    (RequiredToolParser(), REQUIRED, None,
+     [("get_weather", {"city": "Oslo"}), ("x", {"k": True})]),
+    (NamedToolParser("f"), ' {"a": [1, {"b": null}]} ', None, [("f", {"a": [1, {"b": None}]})]),
+])
+def test_whole_and_streamed_agree(parser, text, content, expected):
+    got_content, calls = parser.extract(text)
+    assert got_content == content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == expected
+    assert len({c.id for c in calls}) == len(calls)
+    for seed in range(25):
+        s_content, s_calls = streamed(parser, text, random.Random(seed))
+        assert (s_content or None) == content
+        assert [(c["name"], json.loads(c["arguments"])) for c in s_calls] == expected
+        assert all(c["id"] for c in s_calls)
+
+
+@pytest.mark.parametrize("parser, text", [
+    (HermesToolParser(), "no calls here, just <b>text</b> and a < sign"),
+    (HermesToolParser(), "<tool_call>\n{not json}\n</tool_call>"),
+    (HermesToolParser(), '<tool_call>\n{"name": "f", "arguments": {"a": '),  # cut short
+    (Llama3JsonToolParser(), "Plain answer { with a brace"),
+    (NamedToolParser("f"), '{"a": '),
+])
+def test_answers_that_are_no_calls_stay_content(parser, text):
+    content, calls = parser.extract(text)
+    assert calls == [] and content == text
+
+
+def test_hermes_stream_holds_back_a_split_tag():
+    stream = ToolCallStream(HermesToolParser())
+    assert stream.feed("Hi <tool_") == ("Hi ", [])
+    content, deltas = stream.feed('call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>')
+    assert content == "" and deltas[0].function.name == "f" and deltas[0].id
+    assert json.loads(deltas[0].function.arguments) == {"x": 1}
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}}}}]
+
+
+def req(**kw):
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **kw)
+
+
+def test_tool_choice_plans():
+    assert plan_tools(req(), None, False).parser is None
+    plan = plan_tools(req(tools=TOOLS, tool_choice="none"), None, False)
+    assert plan.template_tools[0]["function"]["name"] == "f" and plan.parser is None
+    plan = plan_tools(req(tools=TOOLS), "hermes", True)  # no tool_choice with tools: auto
+    assert isinstance(plan.parser, HermesToolParser) and plan.constraint is None
+    plan = plan_tools(req(tools=TOOLS, tool_choice="required"), None, False)
+    assert plan.constraint.json["minItems"] == 1 and plan.calls_finish
+    plan = plan_tools(req(tools=TOOLS, tool_choice={"type": "function",
+                                                     "function": {"name": "f"}}), None, False)
+    assert plan.constraint.json == TOOLS[0]["function"]["parameters"]
+    assert not plan.calls_finish  # a named call finishes with "stop", as OpenAI's
+
+
+@pytest.mark.parametrize("kw, flags, message", [
+    ({"tools": TOOLS}, (None, False), "--enable-auto-tool-choice"),
+    ({"tools": TOOLS, "tool_choice": "auto"}, ("hermes", False), "--enable-auto-tool-choice"),
+    ({"tool_choice": "required"}, (None, False), "needs tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     (None, False), "not among tools"),
+])
+def test_tool_choice_refusals_name_tool_choice(kw, flags, message):
+    with pytest.raises(OpenAIError, match=message) as e:
+        plan_tools(req(**kw), *flags)
+    assert e.value.param == "tool_choice"
+
+
+def test_cli_parser_names_match_the_registries():
+    from kiln.entrypoints.cli.serve import REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES
+    from kiln.entrypoints.openai.tool_parsers import TOOL_PARSERS
+    from kiln.reasoning import REASONING_PARSERS
+
+    assert TOOL_CALL_PARSER_NAMES == sorted(TOOL_PARSERS)
+    assert REASONING_PARSER_NAMES == sorted(REASONING_PARSERS)

@@ -1,0 +1,63 @@
+"""StructuredOutputsParams and what it compiles to: exactly one constraint, each checked up
+front; a schema, regex or grammar that does not parse is refused naming its field; choices are
+escaped; identical requests share one spec (the cache key)."""
+import json
+
+import pytest
+
+from kiln.sampling_params import SamplingParams, StructuredOutputsParams
+from kiln.structured_output.spec import choice_ebnf, grammar_spec
+from kiln.structured_output.xgrammar_backend import check_structured_outputs
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({}, "exactly one"),
+    ({"regex": "a", "choice": ["a"]}, "exactly one"),
+    ({"json": "{bad"}, "structured_outputs.json is not valid JSON"),
+    ({"json": 3}, "structured_outputs.json must be"),
+    ({"choice": []}, "structured_outputs.choice"),
+    ({"choice": ["a", 1]}, "structured_outputs.choice"),
+    ({"regex": ""}, "structured_outputs.regex"),
+    ({"json_object": "yes"}, "structured_outputs.json_object must be true"),
+])
+def test_bad_params_name_the_field(kw, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsParams(**kw)
+
+
+def test_sampling_params_take_the_dict_form():
+    p = SamplingParams(structured_outputs={"regex": "[0-9]+"})
+    assert p.structured_outputs == StructuredOutputsParams(regex="[0-9]+")
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs="json")
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"json": {"type": "objectx"}}, "structured_outputs.json is not a JSON schema"),
+    ({"regex": "a(b"}, "structured_outputs.regex is not a regex"),
+    ({"grammar": "root ::= nope"}, "structured_outputs.grammar is not a EBNF grammar"),
+    ({"grammar": "start: )("}, "structured_outputs.grammar is not a Lark grammar"),
+])
+def test_uncompilable_is_refused_naming_it(kw, message):
+    with pytest.raises(ValueError, match=message) as e:
+        check_structured_outputs(StructuredOutputsParams(**kw))
+    assert "/project/" not in str(e.value) and ".cc:" not in str(e.value)
+
+
+def test_valid_specs_pass_and_choices_are_escaped():
+    choices = ['say "hi"', "back\\slash", "line\nbreak", "ünï"]
+    assert json.loads(choice_ebnf(choices).split(" ::= ")[1].split(" | ")[1]) == choices[1]
+    for kw in ({"json": {"type": "object"}}, {"json": '{"type": "integer"}'},
+               {"regex": r"\d{3}"}, {"choice": choices}, {"json_object": True},
+               {"grammar": 'root ::= "a" | "b"'}, {"grammar": 'start: "a" | "b"'}):
+        check_structured_outputs(StructuredOutputsParams(**kw))
+
+
+def test_same_request_same_spec():
+    a = grammar_spec(StructuredOutputsParams(json={"type": "object", "properties": {}}))
+    b = grammar_spec(StructuredOutputsParams(json='{"type": "object", "properties": {}}'))
+    assert a == b and hash(a) == hash(b)
+    c = grammar_spec(StructuredOutputsParams(json={"type": "object", "properties": {}},
+                                             disable_any_whitespace=True))
+    assert c != a and not c.any_whitespace
+    assert grammar_spec(StructuredOutputsParams(grammar="start: x")).kind == "lark"
