@@ -26,8 +26,10 @@ def _held(text: str, tag: str) -> int:
 
 
 class ThinkSplitter:
-    def __init__(self, start_in_reasoning: bool):
+    def __init__(self, start_in_reasoning: bool, keep_reasoning: bool = True):
         self.in_reasoning = start_in_reasoning
+        # include_reasoning=false: the thinking is split off and dropped (never in content)
+        self.keep_reasoning = keep_reasoning
         self._at_start = True  # nothing but whitespace seen: a <think> may still open
         self._pending = ""
 
@@ -60,7 +62,7 @@ class ThinkSplitter:
             reasoning.append(text[:len(text) - keep])
             self._pending = text[len(text) - keep:]
             break
-        return "".join(reasoning), "".join(content)
+        return "".join(reasoning) if self.keep_reasoning else "", "".join(content)
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """A whole answer: (reasoning or None, content or None)."""

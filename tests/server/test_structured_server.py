@@ -223,6 +223,10 @@ def test_required_tool_choice(client):
     assert finish == "tool_calls"
     assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == \
         [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+    for seed in range(3):  # parallel_tool_calls=false: the grammar allows one call only
+        r = client.chat.completions.create(**{**kw, "temperature": 1.0}, seed=seed,
+                                           parallel_tool_calls=False)
+        assert len(r.choices[0].message.tool_calls) == 1
 
 
 def test_auto_tool_choice_reads_hermes_calls(client):

@@ -148,6 +148,8 @@ class ChatCompletionRequest(SamplingFields):
     # None: "auto" with tools, "none" without (OpenAI's default)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    include_reasoning: bool = True  # false: no reasoning_content (needs --reasoning-parser)
+    reasoning_effort: str | None = None  # refused: no template here reads it
     # vLLM extras for the template
     add_generation_prompt: bool = True
     continue_final_message: bool = False

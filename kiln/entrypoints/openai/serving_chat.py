@@ -115,6 +115,7 @@ class ServingChat:
         model = self.models.resolve(req.model)
         check_stream_options(req)
         check_generation_flags(req)
+        self._check_reasoning_fields(req)
         plan = plan_tools(req, self.tool_call_parser, self.enable_auto_tool_choice)
         params = chat_sampling_params(req, self.llm.kiln_config.model_config.generation_defaults)
         constraint, field = request_structured_outputs(req, self.disable_any_whitespace)
@@ -162,11 +163,31 @@ class ServingChat:
             **token_ids_fields(req, final.prompt_token_ids, None))
         return JSONResponse(body.model_dump())
 
+    def _check_reasoning_fields(self, req: ChatCompletionRequest) -> None:
+        if req.reasoning_effort is not None:
+            raise OpenAIError("reasoning_effort is not supported: the chat templates this "
+                              "server renders do not read it; pass what the template takes "
+                              "in chat_template_kwargs", param="reasoning_effort",
+                              code="unsupported_parameter")
+        if not req.include_reasoning and self.reasoning_parser is None:
+            raise OpenAIError("include_reasoning=false needs the server started with "
+                              "--reasoning-parser (without one, no reasoning is split off)",
+                              param="include_reasoning", code="invalid_value")
+
+    def _splitter(self, req, prompt_text: str | None):
+        """The reasoning splitter for one answer; None without --reasoning-parser."""
+        if self.reasoning_parser is None:
+            return None
+        splitter = make_splitter(self.reasoning_parser, prompt_text)
+        splitter.keep_reasoning = req.include_reasoning
+        return splitter
+
     def _choice(self, req, plan: ToolPlan, prompt_text: str | None, o: CompletionOutput,
                 echoed: str = "") -> ChatCompletionChoice:
         reasoning, content = None, o.text
-        if self.reasoning_parser is not None:
-            reasoning, content = make_splitter(self.reasoning_parser, prompt_text).split(o.text)
+        splitter = self._splitter(req, prompt_text)
+        if splitter is not None:
+            reasoning, content = splitter.split(o.text)
         calls = []
         if plan.parser is not None and content is not None:
             content, calls = plan.parser.extract(content)
@@ -220,8 +241,7 @@ class ServingChat:
                     completion_tokens += len(o.token_ids)
                     if o.index not in parsers:
                         parsers[o.index] = (
-                            make_splitter(self.reasoning_parser, prompt_text)
-                            if self.reasoning_parser is not None else None,
+                            self._splitter(req, prompt_text),
                             ToolCallStream(plan.parser) if plan.parser is not None else None)
                     delta, calls = _delta(*parsers[o.index], o)
                     if (not delta.content and not delta.reasoning_content

@@ -13,15 +13,22 @@ def tool_call_id() -> str:
 
 class ToolParser:
     """parse(text, final) -> (content so far, calls so far); content never shrinks as the text
-    grows (a possible start of a tool-call marker is held back until `final`)."""
+    grows (a possible start of a tool-call marker is held back until `final`). `max_calls`
+    (parallel_tool_calls=false): calls past it are dropped."""
+
+    max_calls: int | None = None
 
     def parse(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
         raise NotImplementedError
 
+    def calls(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
+        content, calls = self.parse(text, final)
+        return content, calls if self.max_calls is None else calls[:self.max_calls]
+
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The whole answer: (content or None, tool calls). Calls that are not valid JSON leave
         the text as content (a model that did not follow the format)."""
-        content, calls = self.parse(text, final=True)
+        content, calls = self.calls(text, final=True)
         if not calls or not all(c.done and c.name and is_json(c.args) for c in calls):
             return text or None, []
         return content or None, [ToolCall(id=tool_call_id(), function=FunctionCall(
@@ -43,7 +50,7 @@ class ToolCallStream:
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[DeltaToolCall]]:
         self.text += delta
-        content, calls = self.parser.parse(self.text, final)
+        content, calls = self.parser.calls(self.text, final)
         new_content = content[self._content_sent:]
         self._content_sent = max(self._content_sent, len(content))
         deltas: list[DeltaToolCall] = []

@@ -7,14 +7,18 @@ from kiln.entrypoints.openai.tool_parsers.json_scan import PartialCall, scan_cal
 _ANY_OBJECT = {"type": "object"}
 
 
-def required_schema(tools) -> dict:
-    """One or more calls, each to one of `tools` with its parameters (vLLM's shape)."""
+def required_schema(tools, max_calls: int | None = None) -> dict:
+    """One or more calls (at most max_calls), each to one of `tools` with its parameters
+    (vLLM's shape)."""
     options = [{"type": "object",
                 "properties": {"name": {"type": "string", "enum": [t.function.name]},
                                "parameters": t.function.parameters or _ANY_OBJECT},
                 "required": ["name", "parameters"]} for t in tools]
-    return {"type": "array", "minItems": 1,
-            "items": options[0] if len(options) == 1 else {"anyOf": options}}
+    schema = {"type": "array", "minItems": 1,
+              "items": options[0] if len(options) == 1 else {"anyOf": options}}
+    if max_calls is not None:
+        schema["maxItems"] = max_calls
+    return schema
 
 
 class NamedToolParser(ToolParser):

@@ -20,9 +20,19 @@ class ToolPlan:
     # finish_reason "tool_calls" when calls were made (auto, required; a named call keeps
     # "stop", as OpenAI and vLLM report it)
     calls_finish: bool = False
+    # parallel_tool_calls=false: at most one call (required: the grammar allows one; auto: the
+    # first is kept)
+    max_calls: int | None = None
 
 
 def plan_tools(req, tool_call_parser: str | None, enable_auto_tool_choice: bool) -> ToolPlan:
+    plan = _plan(req, tool_call_parser, enable_auto_tool_choice)
+    if plan.parser is not None:
+        plan.parser.max_calls = plan.max_calls
+    return plan
+
+
+def _plan(req, tool_call_parser: str | None, enable_auto_tool_choice: bool) -> ToolPlan:
     tools = req.tools or []
     choice = req.tool_choice
     if choice is None:
@@ -31,7 +41,11 @@ def plan_tools(req, tool_call_parser: str | None, enable_auto_tool_choice: bool)
         if choice != "none":
             raise OpenAIError(f"tool_choice {_shown(choice)} needs tools: give tools or drop "
                               "tool_choice", param="tool_choice", code="invalid_value")
+        if not req.parallel_tool_calls:
+            raise OpenAIError("parallel_tool_calls=false needs tools: give tools or drop it",
+                              param="parallel_tool_calls", code="invalid_value")
         return ToolPlan()
+    single = not req.parallel_tool_calls
     names = [t.function.name for t in tools]
     template_tools = [t.model_dump(exclude_none=True) for t in tools]
     if choice == "none":
@@ -43,10 +57,10 @@ def plan_tools(req, tool_call_parser: str | None, enable_auto_tool_choice: bool)
                               'tool_choice "required", "none" or a named function',
                               param="tool_choice", code="invalid_value")
         return ToolPlan(template_tools=template_tools, parser=TOOL_PARSERS[tool_call_parser](),
-                        calls_finish=True)
+                        calls_finish=True, max_calls=1 if single else None)
     if choice == "required":
         return ToolPlan(template_tools=template_tools, parser=RequiredToolParser(),
-                        constraint=_forced(required_schema(tools)),
+                        constraint=_forced(required_schema(tools, 1 if single else None)),
                         calls_finish=True)
     name = choice.function.name
     if name not in names:
