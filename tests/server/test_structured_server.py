@@ -275,6 +275,11 @@ def test_reasoning_split(client):
             reasoning += getattr(c.delta, "reasoning_content", None) or ""
             content += c.delta.content or ""
     assert (reasoning, content) == (m.reasoning_content, m.content)
+    # include_reasoning=false: the thinking is dropped, the content stays.
+    r = client.chat.completions.create(**{**kw, "extra_body": {
+        **kw["extra_body"], "include_reasoning": False}})
+    assert r.choices[0].message.reasoning_content is None
+    assert r.choices[0].message.content == m.content
     # With thinking switched off the template closes an empty <think>: all is content.
     r = client.chat.completions.create(
         model=NAME, messages=MESSAGES, max_tokens=20, temperature=0,
