@@ -13,8 +13,12 @@ def check_reasoning_parser(name: str | None) -> None:
         raise ValueError(f"--reasoning-parser {name!r} is not one of {sorted(REASONING_PARSERS)}")
 
 
-def make_splitter(name: str, prompt: str | None) -> ThinkSplitter:
-    """A splitter for one answer to `prompt` (its rendered text, when known)."""
+def make_splitter(name: str, prompt: str | None, constrained: bool = False) -> ThinkSplitter:
+    """A splitter for one answer to `prompt` (its rendered text, when known). `constrained`:
+    a grammar shapes the answer from its first token, so it starts outside any thinking (a
+    <think> the grammar itself allows at the start still opens one)."""
+    if constrained:
+        return ThinkSplitter(False)
     opened = prompt_opens_thinking(prompt)
     return ThinkSplitter(REASONING_PARSERS[name] if opened is None else opened)
 

@@ -47,3 +47,8 @@ def test_the_prompt_decides_where_an_answer_starts():
     assert make_splitter("qwen3", "user: hi").split("r</think>c") == (None, "r</think>c")
     assert make_splitter("qwen3", "<think>\n").split("r</think>c") == ("r", "c")
     assert make_splitter("deepseek_r1", "<think></think>").split("c") == (None, "c")
+    # Under a grammar the answer is shaped from its first token: no thinking comes first.
+    assert make_splitter("deepseek_r1", "<think>\n", constrained=True).split('{"a": 1}') == \
+        (None, '{"a": 1}')
+    assert make_splitter("deepseek_r1", "x", constrained=True).split("<think>r</think>c") == \
+        ("r", "c")

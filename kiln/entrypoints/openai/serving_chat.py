@@ -141,7 +141,7 @@ class ServingChat:
                                max_tokens_param)
         if req.stream:
             return StreamingResponse(self._stream(req, model, request_id, streams, plan,
-                                                  prompt.get("prompt")),
+                                                  prompt.get("prompt"), constraint is not None),
                                      media_type="text/event-stream")
         try:
             final = await until_disconnect(raw, self._collect(streams[0]))
@@ -150,8 +150,8 @@ class ServingChat:
         finally:
             abort_unfinished(self.llm, streams)
         echoed = echo_prefix(req, req.messages)
-        choices = [self._choice(req, plan, prompt.get("prompt"), o, echoed)
-                   for o in final.outputs]
+        choices = [self._choice(req, plan, prompt.get("prompt"), o, echoed,
+                                constraint is not None) for o in final.outputs]
         usage = make_usage(len(final.prompt_token_ids), sum(len(o.token_ids)
                                                             for o in final.outputs),
                            cached_tokens([final], self.enable_prompt_tokens_details))
@@ -174,18 +174,18 @@ class ServingChat:
                               "--reasoning-parser (without one, no reasoning is split off)",
                               param="include_reasoning", code="invalid_value")
 
-    def _splitter(self, req, prompt_text: str | None):
+    def _splitter(self, req, prompt_text: str | None, constrained: bool):
         """The reasoning splitter for one answer; None without --reasoning-parser."""
         if self.reasoning_parser is None:
             return None
-        splitter = make_splitter(self.reasoning_parser, prompt_text)
+        splitter = make_splitter(self.reasoning_parser, prompt_text, constrained)
         splitter.keep_reasoning = req.include_reasoning
         return splitter
 
     def _choice(self, req, plan: ToolPlan, prompt_text: str | None, o: CompletionOutput,
-                echoed: str = "") -> ChatCompletionChoice:
+                echoed: str = "", constrained: bool = False) -> ChatCompletionChoice:
         reasoning, content = None, o.text
-        splitter = self._splitter(req, prompt_text)
+        splitter = self._splitter(req, prompt_text, constrained)
         if splitter is not None:
             reasoning, content = splitter.split(o.text)
         calls = []
@@ -215,7 +215,7 @@ class ServingChat:
                                                   bool(req.return_tokens_as_token_ids)))
 
     async def _stream(self, req, model, request_id, streams, plan: ToolPlan,
-                      prompt_text: str | None):
+                      prompt_text: str | None, constrained: bool):
         created = int(time.time())
 
         def chunk(choices, usage=None, prompt_token_ids=None) -> str:
@@ -241,7 +241,7 @@ class ServingChat:
                     completion_tokens += len(o.token_ids)
                     if o.index not in parsers:
                         parsers[o.index] = (
-                            self._splitter(req, prompt_text),
+                            self._splitter(req, prompt_text, constrained),
                             ToolCallStream(plan.parser) if plan.parser is not None else None)
                     delta, calls = _delta(*parsers[o.index], o)
                     if (not delta.content and not delta.reasoning_content
