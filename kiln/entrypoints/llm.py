@@ -80,15 +80,23 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None, chat_template_kwargs: dict | None = None,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, via the chat template.
         `continue_final_message`: extend the last message (no end-of-turn after it) instead of
-        opening a new assistant turn; it needs add_generation_prompt=False."""
+        opening a new assistant turn; it needs add_generation_prompt=False. `tools`: OpenAI
+        tool dicts the template renders (as vLLM's LLM.chat); read calls out of the text with
+        a tool parser (kiln.entrypoints.openai.tool_parsers)."""
         if not messages:
             raise ValueError("messages is empty: give a list of {'role', 'content'} dicts")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         kwargs = chat_render_kwargs(add_generation_prompt, continue_final_message, chat_template,
                                     chat_template_kwargs)
+        if tools is not None:
+            if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+                raise ValueError("tools must be a list of OpenAI tool dicts ({'type': "
+                                 f"'function', 'function': {{...}}}}), got {tools!r}")
+            kwargs["tools"] = tools
         prompts = []
         for i, conv in enumerate(conversations):
             if not isinstance(conv, (list, tuple)) or not conv:

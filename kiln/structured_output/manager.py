@@ -13,7 +13,10 @@ from kiln.structured_output.spec import GrammarSpec, grammar_spec
 
 logger = init_logger(__name__)
 
-_CACHE_SIZE = 256  # compiled grammars kept (xgrammar's own cache sits behind this one)
+# Compiled grammars kept here (and shared by requests in flight); xgrammar's own cache, bounded
+# in bytes (xgrammar_backend.py), keeps more behind it. A grammar over a large vocabulary holds
+# megabytes of token masks, so this stays short.
+_CACHE_SIZE = 32
 
 
 class StructuredOutputManager:

@@ -10,6 +10,7 @@ from kiln.structured_output.spec import GrammarSpec, grammar_spec
 
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: ": the user needs the rest.
 _ANY_OBJECT = '{"type": "object"}'
+_CACHE_LIMIT_BYTES = 512 * 1024 * 1024
 _CPP_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
 
 
@@ -69,8 +70,9 @@ class XgrammarBackend:
         self.xgr = _import_xgrammar()
         self.vocab_size = vocab_size
         info = self.xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        # xgrammar keeps its own cache too (by grammar text); ours shares in-flight compiles.
-        self.compiler = self.xgr.GrammarCompiler(info, max_threads=max_threads)
+        # xgrammar keeps its own cache too (by grammar text), bounded as vLLM bounds it.
+        self.compiler = self.xgr.GrammarCompiler(info, max_threads=max_threads,
+                                                 cache_limit_bytes=_CACHE_LIMIT_BYTES)
 
     @property
     def bitmask_width(self) -> int:

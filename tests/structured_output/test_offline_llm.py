@@ -9,6 +9,7 @@ import re
 import pytest
 
 from kiln import LLM, SamplingParams
+from kiln.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from kiln.sampling_params import StructuredOutputsParams
 
 from checkpoints import make_tiny_checkpoint
@@ -82,5 +83,27 @@ def test_bad_schema_is_refused_before_queueing(model_dir):
         out = llm.generate("x", SamplingParams(max_tokens=2, structured_outputs={
             "regex": "[a-z]{9}"}), use_tqdm=False)[0].outputs[0]
         assert out.finish_reason == "length" and len(out.token_ids) == 2
+    finally:
+        llm.shutdown()
+
+
+def test_chat_with_tools_renders_them_and_a_forced_call_parses(model_dir):
+    tool = {"type": "function", "function": {"name": "ping", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer"}}}}}
+    call = '<tool_call>\n\\{"name": "ping", "arguments": \\{"n": [1-9]\\}\\}\n</tool_call>'
+    llm = LLM(model=str(model_dir), max_model_len=512, kv_cache_memory=0.01,
+              enforce_eager=True)
+    try:
+        messages = [{"role": "user", "content": "ping"}]
+        plain, with_tools = (llm.chat(messages, SamplingParams(
+            max_tokens=40, temperature=0, structured_outputs={"regex": call}), tools=t,
+            use_tqdm=False)[0] for t in (None, [tool]))
+        assert len(with_tools.prompt_token_ids) > len(plain.prompt_token_ids)
+        assert '"name": "ping"' in llm.get_tokenizer().decode(with_tools.prompt_token_ids)
+        _, (parsed,) = HermesToolParser().extract(with_tools.outputs[0].text)
+        assert parsed.function.name == "ping" and 1 <= json.loads(
+            parsed.function.arguments)["n"] <= 9
+        with pytest.raises(ValueError, match="tools must be"):
+            llm.chat(messages, tools={"name": "ping"})
     finally:
         llm.shutdown()
