@@ -56,3 +56,10 @@ def native_cpu_ops() -> bool:
     """`KILN_NATIVE_CPU_OPS=0`: eager CPU layers keep their torch code instead of the fused C
     kernels (RMSNorm, SiLU-and-mul, rotary)."""
     return os.environ.get("KILN_NATIVE_CPU_OPS", "1") not in ("", "0", "false", "False")
+
+
+def cpu_omp_threads_bind() -> str:
+    """`KILN_CPU_OMP_THREADS_BIND` (vLLM-CPU's `VLLM_CPU_OMP_THREADS_BIND`): the cores each CPU
+    rank's OpenMP threads run on: `auto` (the default: the machine's cores split evenly),
+    `nobind`, or one core list per rank separated by `|` (`0-3|4-7`)."""
+    return os.environ.get("KILN_CPU_OMP_THREADS_BIND") or "auto"

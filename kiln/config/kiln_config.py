@@ -84,7 +84,8 @@ class KilnConfig:
             if hasattr(m.hf_config, "to_dict") else repr(m.hf_config),
             str(m.torch_dtype), m.quantization, self.device_config.device,
             self.cache_config.block_size,
-            self.parallel_config.tensor_parallel_size, self.scheduler_config.max_num_batched_tokens,
+            self.parallel_config.tensor_parallel_size,
+            self.parallel_config.pipeline_parallel_size, self.scheduler_config.max_num_batched_tokens,
             int(c.mode), c.backend, c.splitting_ops, c.custom_ops, sorted(c.pass_config.items()),
             sorted(c.inductor_compile_config.items()), self.ir_selection.chosen,
         ]

@@ -1,17 +1,57 @@
-"""Parallelism configuration (tensor parallel size, executor backend)."""
+"""Parallelism configuration: tensor / pipeline parallel sizes, executor backend, this rank.
+
+Ranks are laid out as vLLM lays them out: rank = pp_rank * tensor_parallel_size + tp_rank.
+"""
 from dataclasses import dataclass
+
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+def resolve_executor_backend(backend: str | None, world_size: int) -> str:
+    """The executor a world of `world_size` ranks runs on: the one asked for, else `uni` for one
+    rank and `mp` (one process per rank) for more, as in vLLM."""
+    if backend is None:
+        return "mp" if world_size > 1 else "uni"
+    if backend == "uni" and world_size > 1:
+        raise ValueError(f"distributed_executor_backend 'uni' runs one rank, but tensor_parallel_"
+                         f"size x pipeline_parallel_size = {world_size}; use 'mp' or 'ray' "
+                         "(--distributed-executor-backend)")
+    return backend
 
 
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None  # None | "uni" | "mp" | "ray"
-    rank: int = 0
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None (resolved) | "uni" | "mp" | "ray"
+    rank: int = 0  # this process's global rank (set by the executor in each worker)
 
     def __post_init__(self):
-        if self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise ValueError("distributed_executor_backend must be one of uni, mp, ray; got "
                              f"{self.distributed_executor_backend!r}")
+        self.distributed_executor_backend = resolve_executor_backend(
+            self.distributed_executor_backend, self.world_size)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside the world of {self.world_size} ranks")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tensor_parallel_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tensor_parallel_size
+
+    def for_rank(self, rank: int) -> "ParallelConfig":
+        """A copy naming another rank (each worker process gets its own)."""
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
+                              self.distributed_executor_backend, rank)

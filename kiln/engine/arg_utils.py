@@ -56,6 +56,7 @@ class EngineArgs:
     enforce_eager: bool = False
     compilation_config: Any = None  # int | dict | str (mode or JSON) | CompilationConfig
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     seed: int = 0
     load_format: str = "auto"
@@ -115,6 +116,7 @@ class EngineArgs:
                                            max_num_batched_tokens=self.max_num_batched_tokens)
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend)
         compilation_config = CompilationConfig.from_cli(self.compilation_config)
         if compilation_config is self.compilation_config:
@@ -178,9 +180,15 @@ class EngineArgs:
                        help="compilation mode (-O3) or CompilationConfig JSON "
                             "(-O '{\"mode\": 3, \"compile_sizes\": [1, 8]}'); given more "
                             "than once, later fields override earlier ones")
-        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                       help="ranks that split each layer (heads, MLP, vocab)")
+        g.add_argument("--pipeline-parallel-size", "-pp", type=int,
+                       default=d.pipeline_parallel_size,
+                       help="stages that split the layers (one batch in flight at a time)")
         g.add_argument("--distributed-executor-backend", default=d.distributed_executor_backend,
-                       choices=["uni", "mp", "ray"])
+                       choices=["uni", "mp", "ray"],
+                       help="how ranks run: uni (in-process, one rank), mp (one process per "
+                            "rank; the default for more than one), ray (Ray actors)")
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--load-format", default=d.load_format, choices=list(LOAD_FORMATS))
         g.add_argument("--block-size", type=int, default=d.block_size)

@@ -22,18 +22,14 @@ logger = init_logger(__name__)
 def get_executor_class(parallel_config: ParallelConfig) -> type:
     """The executor for a parallel config: in-process for one rank, else processes or Ray."""
     backend = parallel_config.distributed_executor_backend
-    if backend is None:
-        backend = "mp" if parallel_config.tensor_parallel_size > 1 else "uni"
     if backend == "uni":
-        if parallel_config.tensor_parallel_size > 1:
-            raise ValueError("distributed_executor_backend 'uni' runs one rank; use 'mp' or 'ray' "
-                             "with --tensor-parallel-size > 1")
         from kiln.executor.uniproc_executor import UniprocExecutor
         return UniprocExecutor
-    # Multi-process (mp) and Ray executors are not built yet: say so rather than fail to import.
-    raise ValueError(f"distributed_executor_backend {backend!r} (tensor_parallel_size="
-                     f"{parallel_config.tensor_parallel_size}) is not available in this version of "
-                     "Kiln; run with --tensor-parallel-size 1")
+    if backend == "ray":
+        from kiln.executor.ray_executor import RayExecutor
+        return RayExecutor
+    from kiln.executor.multiproc_executor import MultiprocExecutor
+    return MultiprocExecutor
 
 
 class LLMEngine:

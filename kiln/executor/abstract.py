@@ -27,6 +27,14 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; returns the (driver) worker's sampled tokens."""
 
+    def comm_stats(self) -> dict | None:
+        """Per-rank time in collectives and in delivering each step's scheduler output since
+        the last reset (None: one rank, nothing to measure)."""
+        return None
+
+    def reset_comm_stats(self) -> None:
+        """Start measuring comm_stats afresh (after warm-up, before a benchmark's timed run)."""
+
     @abstractmethod
     def shutdown(self) -> None:
         """Release workers and their resources; safe to call twice."""

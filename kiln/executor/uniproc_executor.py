@@ -7,10 +7,11 @@ from kiln.worker.worker import Worker
 class UniprocExecutor(Executor):
     def __init__(self, kiln_config):
         super().__init__(kiln_config)
-        tp = kiln_config.parallel_config.tensor_parallel_size
-        if tp != 1:
-            raise ValueError(f"UniprocExecutor runs one worker; tensor_parallel_size={tp} needs "
-                             "the multiprocess executor (--distributed-executor-backend mp)")
+        world = kiln_config.parallel_config.world_size
+        if world != 1:
+            raise ValueError(f"UniprocExecutor runs one worker; a world of {world} ranks "
+                             "(tensor x pipeline parallel) needs the multiprocess executor "
+                             "(--distributed-executor-backend mp)")
         self.worker = Worker(kiln_config, rank=0, local_rank=0)
         self.worker.init_device()
         self.worker.load_model()

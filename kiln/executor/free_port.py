@@ -1,0 +1,8 @@
+"""A TCP port free on this machine, for the process group's rendezvous."""
+import socket
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,220 @@
+"""`MultiprocExecutor`: one spawned worker process per rank on this machine, driven over pipes.
+
+Each call is pickled once and its bytes written to every rank's pipe (the scheduler output's
+delivery; its cost is measured). Replies are awaited together with the processes' sentinels, so
+a rank that dies ends the call with an error naming it instead of a hang, and takes the others
+down with it: after a rank fails, the executor is finished and every later call says why.
+"""
+import atexit
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+import weakref
+
+from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kiln.executor.abstract import Executor
+from kiln.executor.free_port import free_port
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
+
+# How long a rank may take to start (load, join the groups) before the engine gives up on it.
+STARTUP_TIMEOUT_S = 600.0
+_JOIN_S = 5.0
+
+
+class WorkerFailedError(RuntimeError):
+    """A rank died or raised; the engine cannot continue with the ranks it has."""
+
+
+def _watch_parent(parent_pid: int) -> None:
+    # A rank whose engine process is gone (killed, crashed) exits rather than linger forever.
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def _rank_main(kiln_config, rank: int, world_size: int, init_method: str, conn,
+               parent_pid: int) -> None:
+    from kiln.executor.rank_worker import RankWorker
+
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
+    try:
+        worker = RankWorker(kiln_config, rank, rank, world_size, init_method)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ok", None))
+    while True:
+        try:
+            payload = conn.recv_bytes()
+        except (EOFError, OSError):
+            break  # the engine closed its end
+        if payload == b"shutdown":
+            break
+        try:
+            reply = ("ok", worker.call_pickled(payload))
+        except BaseException:
+            reply = ("error", traceback.format_exc())
+        conn.send(reply)
+    worker.shutdown()
+
+
+def _exit_description(code: int | None) -> str:
+    if code is None:
+        return "is unresponsive"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, kiln_config):
+        super().__init__(kiln_config)
+        pc = kiln_config.parallel_config
+        self.world_size = pc.world_size
+        self.failure: str | None = None
+        self.procs: list = []
+        self.conns: list = []
+        self.broadcast_seconds = 0.0
+        self.broadcast_calls = 0
+        ctx = multiprocessing.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        # Layers register in the config as they are built: each rank starts from a clean copy.
+        kiln_config.compilation_config.static_forward_context.clear()
+        self._finalizer = weakref.finalize(self, MultiprocExecutor._kill_all, self.procs)
+        atexit.register(self._finalizer)
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=_rank_main, name=f"kiln-rank-{rank}", daemon=False,
+                               args=(kiln_config, rank, self.world_size, init_method, child,
+                                     os.getpid()))
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        try:
+            self._collect(timeout=STARTUP_TIMEOUT_S, what="start-up")
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("%d ranks started (tensor_parallel_size=%d, pipeline_parallel_size=%d)",
+                    self.world_size, pc.tensor_parallel_size, pc.pipeline_parallel_size)
+
+    # ---- calls ---------------------------------------------------------------------------
+    def _fail(self, message: str) -> None:
+        self.failure = message
+        logger.error("%s; stopping every rank", message)
+        # The others may wait in a collective for the failed rank forever: no grace period.
+        self._kill_all(self.procs)
+        self.shutdown()
+        raise WorkerFailedError(message)
+
+    def _collect(self, timeout: float | None, what: str) -> list:
+        """Every rank's reply, in rank order; raises naming the first rank that died or raised."""
+        replies: dict[int, object] = {}
+        by_conn = {conn: r for r, conn in enumerate(self.conns)}
+        by_sentinel = {p.sentinel: r for r, p in enumerate(self.procs)}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(replies) < self.world_size:
+            waiting = [c for c, r in by_conn.items() if r not in replies]
+            sentinels = [s for s, r in by_sentinel.items() if r not in replies]
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = multiprocessing.connection.wait(waiting + sentinels, timeout=left)
+            if not ready:
+                self._fail(f"{what}: ranks {sorted(set(range(self.world_size)) - set(replies))}"
+                           f" did not answer within {timeout:.0f} s")
+            for obj in ready:
+                if obj in by_conn:
+                    rank = by_conn[obj]
+                    try:
+                        status, value = obj.recv()
+                    except (EOFError, OSError):
+                        continue  # its sentinel says how it ended
+                    if status == "error":
+                        self._fail(f"worker rank {rank} failed during {what}:\n{value}")
+                    replies[rank] = value
+                elif by_sentinel[obj] not in replies:
+                    rank = by_sentinel[obj]
+                    proc = self.procs[rank]
+                    proc.join(0.1)
+                    self._fail(f"worker rank {rank} (pid {proc.pid}) "
+                               f"{_exit_description(proc.exitcode)} during {what}")
+        return [replies[r] for r in range(self.world_size)]
+
+    def _run_on_all(self, method: str, *args) -> list:
+        if self.failure is not None:
+            raise WorkerFailedError(f"the engine's workers are gone: {self.failure}")
+        start = time.perf_counter()
+        payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self.conns:
+                conn.send_bytes(payload)
+        except (BrokenPipeError, OSError):
+            pass  # a dead rank: _collect names it
+        if method == "execute_model":
+            self.broadcast_seconds += time.perf_counter() - start
+            self.broadcast_calls += 1
+        return self._collect(timeout=None, what=method)
+
+    def determine_num_blocks(self) -> int:
+        return min(self._run_on_all("determine_num_blocks"))
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self._run_on_all("initialize_cache", num_blocks)
+        self.kiln_config.cache_config.num_blocks = num_blocks
+
+    def compile_or_warm_up_model(self) -> None:
+        self._run_on_all("compile_or_warm_up_model")
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        replies = self._run_on_all("execute_model", scheduler_output)
+        return next(r for r in replies if r is not None)
+
+    def comm_stats(self) -> dict:
+        per_rank = self._run_on_all("comm_stats")
+        return {"world_size": self.world_size,
+                "scheduler_output_broadcast_s": self.broadcast_seconds,
+                "scheduler_output_broadcasts": self.broadcast_calls, "ranks": per_rank}
+
+    def reset_comm_stats(self) -> None:
+        self._run_on_all("reset_comm_stats")
+        self.broadcast_seconds, self.broadcast_calls = 0.0, 0
+
+    # ---- shutdown ------------------------------------------------------------------------
+    @staticmethod
+    def _kill_all(procs: list) -> None:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in procs:
+            proc.join(_JOIN_S)
+
+    def shutdown(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send_bytes(b"shutdown")
+            except (BrokenPipeError, OSError):
+                pass
+        deadline = time.monotonic() + _JOIN_S
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                # Stuck in a collective with a dead peer, most likely: it cannot finish.
+                proc.kill()
+                proc.join(_JOIN_S)
+        for conn in self.conns:
+            conn.close()
+        self.conns.clear()
+        self._finalizer.detach()

@@ -1,0 +1,75 @@
+"""`RankWorker`: one rank of a multi-rank engine, in its own process (mp) or Ray actor.
+
+It binds its cores, joins the process groups, builds its `Worker` and answers the executor's
+calls; only the output rank (last pipeline stage, first TP rank) returns the sampled tokens.
+"""
+import copy
+import pickle
+import time
+
+from kiln import envs
+from kiln.distributed import comm_timing
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
+
+# The executor methods a rank answers (anything else is a programming error in the executor).
+METHODS = ("determine_num_blocks", "initialize_cache", "compile_or_warm_up_model",
+           "execute_model", "comm_stats", "reset_comm_stats")
+
+
+class RankWorker:
+    def __init__(self, kiln_config, rank: int, local_rank: int, local_world_size: int,
+                 init_method: str):
+        from kiln.distributed.cpu_binding import bind_this_process
+        from kiln.distributed.parallel_state import init_distributed
+        from kiln.worker.worker import Worker
+
+        kiln_config = copy.copy(kiln_config)  # this rank's view: its own rank, its own layers
+        kiln_config.parallel_config = kiln_config.parallel_config.for_rank(rank)
+        self.rank = rank
+        device = kiln_config.device_config.device_obj
+        self.cores = None
+        if device.type == "cpu":
+            self.cores = bind_this_process(envs.cpu_omp_threads_bind(), local_rank,
+                                           local_world_size)
+        pc = kiln_config.parallel_config
+        init_distributed(rank, pc.tensor_parallel_size, pc.pipeline_parallel_size, init_method,
+                         device)
+        self.is_output_rank = (pc.pp_rank == pc.pipeline_parallel_size - 1 and pc.tp_rank == 0)
+        self.worker = Worker(kiln_config, rank=rank, local_rank=local_rank)
+        self.worker.init_device()
+        self.worker.load_model()
+        self.unpickle_seconds = 0.0
+        logger.info("rank %d ready (tp rank %d, pp stage %d, cores %s)", rank, pc.tp_rank,
+                    pc.pp_rank, self.cores if self.cores is not None else "unbound")
+
+    def call(self, method: str, args: tuple):
+        if method not in METHODS:
+            raise ValueError(f"rank {self.rank}: unknown executor call {method!r}")
+        if method == "comm_stats":
+            return {"rank": self.rank, "comm": comm_timing.snapshot(),
+                    "scheduler_output_unpickle_s": self.unpickle_seconds}
+        if method == "reset_comm_stats":
+            comm_timing.reset()
+            self.unpickle_seconds = 0.0
+            return None
+        result = getattr(self.worker, method)(*args)
+        if method == "execute_model" and not self.is_output_rank:
+            return None  # the output rank's tokens are the step's; the others' are the same
+        return result
+
+    def call_pickled(self, payload: bytes):
+        """A call whose (method, args) arrive pickled once for every rank by the executor."""
+        start = time.perf_counter()
+        method, args = pickle.loads(payload)
+        self.unpickle_seconds += time.perf_counter() - start
+        return self.call(method, args)
+
+    def shutdown(self) -> None:
+        from kiln.distributed.parallel_state import destroy_model_parallel
+
+        if self.worker is not None:
+            self.worker.shutdown()
+            self.worker = None
+        destroy_model_parallel()
