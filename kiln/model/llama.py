@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from kiln.compilation.decorator import support_torch_compile
+from kiln.distributed.parallel_state import get_pp_group
+from kiln.distributed.pipeline import PPMissingLayer, this_stage_layer_range
 from kiln.logger import init_logger
 from kiln.model.layers.activation import SiluAndMul
 from kiln.model.layers.attention import Attention
@@ -45,13 +47,15 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, hf_config, prefix: str):
         super().__init__()
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        total_heads = hf_config.num_attention_heads
+        total_kv_heads = getattr(hf_config, "num_key_value_heads", None) or total_heads
         self.head_dim = head_dim_of(hf_config)
-        self.qkv_proj = QKVParallelLinear(hf_config.hidden_size, self.head_dim, self.num_heads,
-                                          self.num_kv_heads, self.qkv_bias(hf_config))
-        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, hf_config.hidden_size,
+        self.qkv_proj = QKVParallelLinear(hf_config.hidden_size, self.head_dim, total_heads,
+                                          total_kv_heads, self.qkv_bias(hf_config))
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hf_config.hidden_size,
                                         self.o_proj_bias(hf_config))
+        # This rank's heads (tensor parallel: a share of them; KV heads may be replicated).
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size
         theta, scaling = get_rope_config(hf_config)
@@ -99,23 +103,38 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaStyleModel(nn.Module):
-    """Embedding, decoder layers, final norm: forward(input_ids [T], positions [T]) -> [T, H]."""
+    """Embedding, decoder layers, final norm: forward(input_ids [T], positions [T]) -> [T, H].
+
+    Under pipeline parallelism a stage holds its share of the layers; a stage after the first
+    takes the previous one's (hidden, residual) and a stage before the last returns them."""
     layer_cls = LlamaDecoderLayer
 
     def __init__(self, *, kiln_config, prefix: str = "model"):
         super().__init__()
         cfg = kiln_config.model_config.hf_config
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        pp = get_pp_group()
+        self.is_first_stage, self.is_last_stage = pp.is_first_rank, pp.is_last_rank
+        self.start_layer, self.end_layer = this_stage_layer_range(cfg.num_hidden_layers)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) \
+            if self.is_first_stage else PPMissingLayer()
         self.layers = nn.ModuleList(
             self.layer_cls(cfg, prefix=f"{prefix}.layers.{i}")
+            if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last_stage \
+            else PPMissingLayer()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                hidden_states: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None):
+        if self.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden = hidden_states  # [T, H] from the previous stage, with its residual
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden, residual = layer(positions, hidden, residual)
+        if not self.is_last_stage:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -167,12 +186,31 @@ class LlamaStyleForCausalLM(nn.Module):
         self.config = cfg
         self.model = self.model_cls(kiln_config=kiln_config, prefix="model")
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-        if self.tie_word_embeddings:
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) \
+            if self.model.is_last_stage else PPMissingLayer()
+        # A tied head on a last stage without the embedding loads the embedding's tensor.
+        self.head_loads_embedding = self.tie_word_embeddings and not self.model.is_first_stage \
+            and self.model.is_last_stage
+        if self.tie_word_embeddings and self.model.is_first_stage and self.model.is_last_stage:
             self.lm_head.tie_weights(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                hidden_states: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None):
+        if hidden_states is None:
+            return self.model(input_ids, positions)
+        return self.model(input_ids, positions, hidden_states, residual)
+
+    def owns(self, name: str) -> bool:
+        """Whether a checkpoint tensor belongs to this pipeline stage."""
+        if name.startswith("model.layers."):
+            index = int(name.split(".")[2])
+            return self.model.start_layer <= index < self.model.end_layer
+        if name.startswith("model.embed_tokens."):
+            return self.model.is_first_stage or self.head_loads_embedding
+        if name.startswith(("model.norm.", "lm_head.")):
+            return self.model.is_last_stage
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)  # [N, V] float32
@@ -187,6 +225,10 @@ class LlamaStyleForCausalLM(nn.Module):
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some tied checkpoints still store the head
+            if not self.owns(name):
+                continue  # another pipeline stage's
+            if self.head_loads_embedding and name == "model.embed_tokens.weight":
+                name = "lm_head.weight"
             target, shard_id = merged_target(name)
             if target not in params:
                 raise ValueError(unexpected_tensor_message(name, self.config))
@@ -208,7 +250,8 @@ class LlamaStyleForCausalLM(nn.Module):
     def _check_complete(self, params: dict, loaded: set[str]) -> None:
         missing = []
         for name in params:
-            if self.tie_word_embeddings and name == "lm_head.weight":
+            if self.tie_word_embeddings and name == "lm_head.weight" \
+                    and not self.head_loads_embedding:
                 continue
             merged = [(m, s) for m, _, s in STACKED_PARAMS if m + "." in name]
             if merged:

@@ -16,6 +16,9 @@ from kiln.core.outputs import (EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRu
 from kiln.cudagraphs.capture import setup_cudagraphs
 from kiln.cudagraphs.mode import BatchDescriptor, CUDAGraphMode
 from kiln.cudagraphs.wrapper import wrap_model_for_full_cudagraph
+from kiln.distributed.communication_op import broadcast_from_last_stage, send_to_next_stage
+from kiln.distributed.parallel_state import get_pp_group
+from kiln.distributed.stage_inputs import StageInputs
 from kiln.forward_context import set_forward_context
 from kiln.logger import init_logger
 from kiln.sample.grammar_mask import bitmask_rows
@@ -74,6 +77,7 @@ class ModelRunner:
         self.cudagraph_dispatcher = setup_cudagraphs(kiln_config)
         self._cudagraph_step: tuple[CUDAGraphMode, BatchDescriptor | None] = \
             (CUDAGraphMode.NONE, None)
+        self.stage = get_pp_group()  # this rank's pipeline group (size 1 without PP)
 
     # ---- buffers -------------------------------------------------------------------------
     def _allocate_buffers(self) -> None:
@@ -124,6 +128,8 @@ class ModelRunner:
 
         self.model = wrap_model_for_full_cudagraph(get_model(self.kiln_config),
                                                    self.kiln_config.compilation_config)
+        self.stage_inputs = StageInputs(self.kiln_config.model_config.hf_config.hidden_size,
+                                        self.kiln_config.model_config.torch_dtype)
         # The layers' attention backend (one for all), whose per-step work runs before them.
         layers = self.kiln_config.compilation_config.static_forward_context
         self.attn_backend = next(iter(layers.values())).backend if layers else AttentionBackend
@@ -143,7 +149,14 @@ class ModelRunner:
                                  cudagraph_runtime_mode=mode):
             if attn_metadata is not None:
                 self.attn_backend.begin_step(attn_metadata, self.block_size)
-            return self.model(input_ids, positions)
+            if self.stage.is_first_rank:
+                return self.model(input_ids, positions)
+            # A later pipeline stage: the previous stage's (hidden, residual); zeros in dummy
+            # runs, which every stage makes on its own.
+            hidden, residual = (self.stage_inputs.recv(num_tokens, self.device)
+                                if attn_metadata is not None
+                                else self.stage_inputs.zeros(num_tokens, self.device))
+            return self.model(input_ids, positions, hidden, residual)
 
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int) -> torch.Tensor:
@@ -163,6 +176,8 @@ class ModelRunner:
         """The largest step the engine can take: a full token budget forward, then logits and
         sampling for max_num_seqs requests (peak activation memory)."""
         hidden = self.dummy_run(self.max_num_tokens)
+        if not self.stage.is_last_rank:
+            return
         n = min(self.max_num_reqs, self.max_num_tokens)
         logits = self.model.compute_logits(hidden[:n])
         logits.softmax(dim=1).argmax(dim=1)
@@ -304,6 +319,8 @@ class ModelRunner:
                                      inputs.num_input_tokens)  # [num_input_tokens, H]
         finally:
             self._cudagraph_step = (CUDAGraphMode.NONE, None)
+        if not self.stage.is_last_rank:
+            return self._finish_earlier_stage(inputs, hidden)
 
         sampled: dict[str, int] = {}
         logprobs: dict[str, LogprobsLists] = {}
@@ -317,7 +334,8 @@ class ModelRunner:
                 meta.grammar_rows = torch.from_numpy(grammar[0]).to(self.device)
                 meta.grammar_bitmask = torch.from_numpy(grammar[1]).to(self.device)
             out = self.sampler(logits, meta)
-            token_ids = out.sampled_token_ids.tolist()
+            # Earlier pipeline stages feed these tokens back as the next step's inputs.
+            token_ids = broadcast_from_last_stage(out.sampled_token_ids.to(torch.int64)).tolist()
             if out.logprobs is not None:
                 lists = to_logprobs_lists(out.logprob_token_ids, out.logprobs,
                                           out.sampled_ranks, meta.num_logprobs)
@@ -336,6 +354,23 @@ class ModelRunner:
             req_ids=inputs.req_ids,
             sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in inputs.req_ids],
             logprobs=logprobs, prompt_logprobs=self._prompt_logprobs(inputs, hidden))
+
+    def _finish_earlier_stage(self, inputs: StepInputs, hidden) -> ModelRunnerOutput:
+        """A stage before the last: hand (hidden, residual) on, then learn the tokens the last
+        stage sampled (this stage keeps each request's tokens too). One batch in flight: the
+        step returns once the last stage has sampled."""
+        send_to_next_stage(list(hidden))
+        n = len(inputs.sample_req_ids)
+        tokens = torch.empty(n, dtype=torch.int64, device=self.device)
+        token_ids = broadcast_from_last_stage(tokens).tolist() if n else []
+        for req_id, token in zip(inputs.sample_req_ids, token_ids):
+            state = self.requests[req_id]
+            state.output_token_ids.append(token)
+            self.input_batch.append_token(state.row, token)
+        sampled = dict(zip(inputs.sample_req_ids, token_ids))
+        return ModelRunnerOutput(
+            req_ids=inputs.req_ids,
+            sampled_token_ids=[[sampled[r]] if r in sampled else [] for r in inputs.req_ids])
 
     def _prompt_logprobs(self, inputs: StepInputs,
                          hidden: torch.Tensor) -> dict[str, PromptLogprobsChunk]:

@@ -7,6 +7,8 @@ import torch
 from torch import nn
 
 from kiln import ir
+from kiln.distributed.communication_op import tensor_model_parallel_all_reduce
+from kiln.distributed.parallel_state import get_tp_group
 
 _CONFIG_HINT = ("; the checkpoint does not match the model its config describes (config.json or "
                 "the GGUF metadata: sizes, head counts, head_dim)")
@@ -40,17 +42,25 @@ def take_shard(loaded: torch.Tensor, dim: int, rank: int, size: int,
     return loaded.narrow(dim, rank * size, size)
 
 
+def tp_rank_and_size(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
+    """The given (rank, size), or this process's tensor-parallel group's when not given."""
+    if tp_size is None:
+        group = get_tp_group()
+        return group.rank_in_group, group.world_size
+    return (tp_rank or 0), tp_size
+
+
 class LinearBase(nn.Module):
     """y = x W^T (+ b) with W [output_size_per_rank, input_size_per_rank]."""
 
     supports_cpu_packing = True  # see kiln/model/layers/cpu_gemm.py
     quant_method = None  # set by kiln/model/layers/quantization/ for a quantized layer
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp_rank: int = 0,
-                 tp_size: int = 1):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_rank: int | None = None,
+                 tp_size: int | None = None):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp_rank, self.tp_size = tp_rank_and_size(tp_rank, tp_size)
         self.weight = nn.Parameter(torch.empty(self._out_local(), self._in_local()),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -80,6 +90,9 @@ class LinearBase(nn.Module):
 
 class ReplicatedLinear(LinearBase):
     """The full weight on every rank."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool):
+        super().__init__(input_size, output_size, bias, tp_rank=0, tp_size=1)
 
 
 def _split(size: int, tp_size: int, what: str) -> int:
@@ -114,17 +127,15 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        out = self._matmul(x, bias)
-        if self.tp_size > 1:
-            torch.distributed.all_reduce(out)
-        return out
+        out = self._matmul(x, bias)  # [T, hidden], this rank's partial sum
+        return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs (e.g. gate and up) in one matmul; shard_id is the index."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, tp_rank: int = 0,
-                 tp_size: int = 1):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool,
+                 tp_rank: int | None = None, tp_size: int | None = None):
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
 
@@ -141,7 +152,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Q, K and V projections in one matmul: output = [q heads | k heads | v heads] * head_size."""
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
-                 total_num_kv_heads: int, bias: bool, tp_rank: int = 0, tp_size: int = 1):
+                 total_num_kv_heads: int, bias: bool, tp_rank: int | None = None,
+                 tp_size: int | None = None):
+        tp_rank, tp_size = tp_rank_and_size(tp_rank, tp_size)
         self.head_size = head_size
         self.num_heads = _split(total_num_heads, tp_size, "num_attention_heads")
         # With more ranks than KV heads, KV heads are replicated across ranks.

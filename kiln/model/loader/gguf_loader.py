@@ -123,7 +123,12 @@ def load_gguf_weights(model: nn.Module, path: Path, hf_config) -> None:
     from kiln.native import gguf_matmul
 
     weight = next(model.parameters())
-    keep = weight.device.type == "cpu" and gguf_matmul.available()
+    from kiln.distributed.parallel_state import get_tp_group
+
+    # Under tensor parallelism each rank holds a slice of every weight: the whole file's blocks
+    # do not fit it, so those ranks multiply by the dequantized slices instead.
+    keep = (weight.device.type == "cpu" and gguf_matmul.available()
+            and get_tp_group().world_size == 1)
     blocks: dict | None = {} if keep else None
     model.load_weights(iterate_gguf(path, hf_config, blocks))
     apply_rope_freqs(model, path)
