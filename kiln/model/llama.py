@@ -205,7 +205,9 @@ class LlamaStyleForCausalLM(nn.Module):
         """Whether a checkpoint tensor belongs to this pipeline stage."""
         if name.startswith("model.layers."):
             index = int(name.split(".")[2])
-            return self.model.start_layer <= index < self.model.end_layer
+            # A layer past the config's count is no stage's: it is refused as unexpected.
+            return (self.model.start_layer <= index < self.model.end_layer
+                    or index >= len(self.model.layers))
         if name.startswith("model.embed_tokens."):
             return self.model.is_first_stage or self.head_loads_embedding
         if name.startswith(("model.norm.", "lm_head.")):
