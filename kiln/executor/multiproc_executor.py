@@ -17,6 +17,7 @@ import traceback
 import weakref
 
 from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kiln.distributed.model_split import check_parallel_split
 from kiln.executor.abstract import Executor
 from kiln.executor.free_port import free_port
 from kiln.logger import init_logger
@@ -81,6 +82,7 @@ def _exit_description(code: int | None) -> str:
 class MultiprocExecutor(Executor):
     def __init__(self, kiln_config):
         super().__init__(kiln_config)
+        check_parallel_split(kiln_config)
         pc = kiln_config.parallel_config
         self.world_size = pc.world_size
         self.failure: str | None = None

@@ -4,6 +4,7 @@ It binds its cores, joins the process groups, builds its `Worker` and answers th
 calls; only the output rank (last pipeline stage, first TP rank) returns the sampled tokens.
 """
 import copy
+import dataclasses
 import pickle
 import time
 
@@ -48,8 +49,11 @@ class RankWorker:
         if method not in METHODS:
             raise ValueError(f"rank {self.rank}: unknown executor call {method!r}")
         if method == "comm_stats":
+            from kiln.compilation.counters import compilation_counter
+
             return {"rank": self.rank, "comm": comm_timing.snapshot(),
-                    "scheduler_output_unpickle_s": self.unpickle_seconds}
+                    "scheduler_output_unpickle_s": self.unpickle_seconds,
+                    "compilation": dataclasses.asdict(compilation_counter)}
         if method == "reset_comm_stats":
             comm_timing.reset()
             self.unpickle_seconds = 0.0

@@ -1,0 +1,37 @@
+"""Whether a model splits over the requested ranks, checked in the engine process before any
+rank starts, so a bad -tp / -pp is one clear error naming the model field and the flag.
+"""
+
+
+def parallel_split_errors(hf_config, tp: int, pp: int) -> list[str]:
+    """Every reason `hf_config` cannot run with tensor_parallel_size tp and
+    pipeline_parallel_size pp (empty when it can)."""
+    errors = []
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % tp:
+        errors.append(f"num_attention_heads ({heads}) is not divisible by "
+                      f"tensor_parallel_size ({tp})")
+    if kv_heads % tp and tp % kv_heads:
+        errors.append(f"num_key_value_heads ({kv_heads}) and tensor_parallel_size ({tp}) must "
+                      "divide one another (KV heads are split, or replicated past their count)")
+    inter = getattr(hf_config, "intermediate_size", 0)
+    if inter % tp:
+        errors.append(f"intermediate_size ({inter}) is not divisible by tensor_parallel_size "
+                      f"({tp})")
+    layers = hf_config.num_hidden_layers
+    if layers < pp:
+        errors.append(f"num_hidden_layers ({layers}) is fewer than pipeline_parallel_size "
+                      f"({pp}): every stage needs a layer")
+    return errors
+
+
+def check_parallel_split(kiln_config) -> None:
+    pc = kiln_config.parallel_config
+    errors = parallel_split_errors(kiln_config.model_config.hf_config,
+                                   pc.tensor_parallel_size, pc.pipeline_parallel_size)
+    if errors:
+        raise ValueError(f"{kiln_config.model_config.architecture} cannot run with "
+                         f"--tensor-parallel-size {pc.tensor_parallel_size} "
+                         f"--pipeline-parallel-size {pc.pipeline_parallel_size}: "
+                         + "; ".join(errors))
