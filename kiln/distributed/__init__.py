@@ -1,8 +1,13 @@
 """torch.distributed for Kiln's ranks: process groups (gloo on CPU, NCCL on CUDA), the tensor /
 pipeline parallel groups, and the collectives the model and the runner call.
 """
-from kiln.distributed.parallel_state import (destroy_model_parallel, get_pp_group, get_tp_group,
-                                             init_distributed, model_parallel_initialized)
+from kiln.distributed.parallel_state import (
+                                             destroy_model_parallel,
+                                             get_pp_group,
+                                             get_tp_group,
+                                             init_distributed,
+                                             model_parallel_initialized,
+)
 
 __all__ = ["destroy_model_parallel", "get_pp_group", "get_tp_group", "init_distributed",
            "model_parallel_initialized"]

@@ -34,6 +34,7 @@ class Executor(ABC):
 
     def reset_comm_stats(self) -> None:
         """Start measuring comm_stats afresh (after warm-up, before a benchmark's timed run)."""
+        return None
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -15,8 +15,7 @@ from kiln.logger import init_logger
 from kiln.model.layers.activation import SiluAndMul
 from kiln.model.layers.attention import Attention
 from kiln.model.layers.layernorm import RMSNorm
-from kiln.model.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                      RowParallelLinear)
+from kiln.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kiln.model.layers.rotary_embedding import RotaryEmbedding, get_rope_config
 from kiln.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 

@@ -3,6 +3,7 @@ Llama (GQA), Qwen2 (q/k/v bias, tied head) and Qwen3 (q/k norm); float32 logprob
 of TP=1; chunked prefill, prefix caching and preemption change no token.
 """
 import pytest
+
 from checkpoints import hf_greedy
 from parallel_helpers import MAX_TOKENS, PROMPTS, generate_ids, greedy, make_llm
 

@@ -1,0 +1,79 @@
+"""The pure decisions behind multi-rank engines: config and flags, rank layout, stage layer
+ranges, per-rank CPU cores, whether a model splits, Ray ranks' local indices."""
+import argparse
+
+import pytest
+
+from kiln.config.parallel_config import ParallelConfig, resolve_executor_backend
+from kiln.distributed.cpu_binding import cores_for_rank, parse_core_list
+from kiln.distributed.model_split import parallel_split_errors
+from kiln.distributed.parallel_state import group_ranks
+from kiln.distributed.pipeline import stage_layer_range
+from kiln.engine.arg_utils import EngineArgs
+from kiln.executor.ray_executor import local_ranks
+
+
+def test_backend_defaults_to_mp_past_one_rank_and_refuses_uni_there():
+    assert resolve_executor_backend(None, 1) == "uni"
+    assert resolve_executor_backend(None, 2) == "mp"
+    assert resolve_executor_backend("ray", 4) == "ray"
+    with pytest.raises(ValueError, match="'uni' runs one rank.*--distributed-executor-backend"):
+        ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="uni")
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be an integer >= 1"):
+        ParallelConfig(pipeline_parallel_size=0)
+
+
+def test_rank_layout_is_stage_major():
+    pc = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=3)
+    assert pc.world_size == 6
+    assert [(pc.for_rank(r).pp_rank, pc.for_rank(r).tp_rank) for r in range(6)] == \
+        [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert group_ranks(2, 3) == ([[0, 1], [2, 3], [4, 5]], [[0, 2, 4], [1, 3, 5]])
+
+
+def test_flags_use_vllm_names():
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(
+        ["-tp", "2", "-pp", "3", "--distributed-executor-backend", "ray"]))
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size,
+            args.distributed_executor_backend) == (2, 3, "ray")
+    assert EngineArgs.from_cli_args(parser.parse_args(
+        ["--pipeline-parallel-size", "2"])).pipeline_parallel_size == 2
+
+
+def test_stage_layer_ranges_cover_every_layer_once():
+    assert [stage_layer_range(30, s, 2) for s in range(2)] == [(0, 15), (15, 30)]
+    assert [stage_layer_range(7, s, 3) for s in range(3)] == [(0, 3), (3, 5), (5, 7)]
+    with pytest.raises(ValueError, match="exceeds num_hidden_layers"):
+        stage_layer_range(2, 0, 3)
+
+
+def test_cores_split_evenly_or_follow_the_lists():
+    assert cores_for_rank("auto", 0, 2, [0, 1, 2, 3]) == [0, 1]
+    assert cores_for_rank("auto", 1, 2, [0, 1, 2, 3]) == [2, 3]
+    assert cores_for_rank("auto", 2, 3, [0, 1]) == [0]  # more ranks than cores: shared
+    assert cores_for_rank("nobind", 0, 2, [0, 1]) is None
+    assert cores_for_rank("0-1,4|2-3", 0, 2, [0]) == [0, 1, 4]
+    assert parse_core_list("2-3") == [2, 3]
+    with pytest.raises(ValueError, match="gives 3 core list.*for 2 ranks"):
+        cores_for_rank("0|1|2", 0, 2, [0, 1])
+    with pytest.raises(ValueError, match="'x' .* is not a core number"):
+        parse_core_list("0,x")
+
+
+def test_model_split_errors_name_the_field():
+    class Cfg:
+        num_attention_heads, num_key_value_heads = 9, 3
+        intermediate_size, num_hidden_layers = 1536, 30
+
+    errors = parallel_split_errors(Cfg, 2, 1)  # SmolLM2-135M over 2 ranks
+    assert any("num_attention_heads (9)" in e for e in errors)
+    assert any("num_key_value_heads (3)" in e for e in errors)
+    assert parallel_split_errors(Cfg, 3, 2) == []
+    assert parallel_split_errors(Cfg, 1, 2) == []
+    assert "num_hidden_layers (30)" in parallel_split_errors(Cfg, 1, 31)[0]
+
+
+def test_ray_local_ranks_follow_node_ips():
+    assert local_ranks(["a", "a", "b", "b"]) == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    assert local_ranks(["a", "b", "a"]) == [(0, 2), (0, 1), (1, 2)]

@@ -1,0 +1,25 @@
+"""Pipeline parallelism, 2 stages on the mp executor: greedy tokens equal HF's, with the tied
+head on the last stage loading the embedding's tensor (Qwen2) and an untied one (Llama)."""
+import pytest
+
+from checkpoints import hf_greedy
+from parallel_helpers import MAX_TOKENS, PROMPTS, generate_ids, make_llm
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_pp2_greedy_matches_hf(arch, request, ranks_exit):
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    llm = make_llm(model_dir, pipeline_parallel_size=2)
+    assert generate_ids(llm) == hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+    stats = llm.llm_engine.engine_core.executor.comm_stats()
+    first, last = stats["ranks"]
+    assert first["comm"]["pp_send"]["calls"] > 0 and last["comm"]["pp_recv"]["calls"] > 0
+    ranks_exit(llm)
+
+
+@pytest.mark.slow
+def test_pp2_mode3_greedy_matches_hf(tiny_llama_dir, tmp_path):
+    llm = make_llm(tiny_llama_dir, pipeline_parallel_size=2,
+                   compilation_config={"mode": 3, "cache_dir": str(tmp_path / "cc")})
+    assert generate_ids(llm) == hf_greedy(tiny_llama_dir, PROMPTS, MAX_TOKENS)
+    llm.llm_engine.engine_core.shutdown()

@@ -1,0 +1,75 @@
+"""Faults of a 2-rank engine: a rank killed with SIGKILL fails the step in flight with an error
+naming it, later steps say why, and every rank exits; a rank failing at start-up is a clear
+error with no process left behind. Each test is bounded by an alarm, so a hang fails it."""
+import os
+import signal
+import time
+
+import pytest
+
+from kiln.executor.multiproc_executor import WorkerFailedError
+
+from parallel_helpers import greedy, make_llm
+
+BOUND_S = 120
+
+
+@pytest.fixture
+def bounded():
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"no answer within {BOUND_S} s: the engine hung")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(BOUND_S)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def _wait_exited(procs, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+        time.sleep(0.05)
+    return [p.pid for p in procs if p.is_alive()]
+
+
+def test_killed_worker_fails_requests_in_flight_naming_its_rank(tiny_llama_dir, bounded):
+    llm = make_llm(tiny_llama_dir, tensor_parallel_size=2)
+    engine = llm.llm_engine
+    procs = list(engine.engine_core.executor.procs)
+    engine.add_request("r0", {"prompt_token_ids": [5, 6, 7, 8]}, greedy(50))
+    engine.add_request("r1", {"prompt_token_ids": [9, 10, 11]}, greedy(50))
+    engine.step()  # both requests are now in flight
+    os.kill(procs[1].pid, signal.SIGKILL)
+    with pytest.raises(WorkerFailedError, match=r"worker rank 1 \(pid \d+\) was killed by SIGKILL"):
+        for _ in range(50):
+            engine.step()
+    assert _wait_exited(procs) == []
+    with pytest.raises(WorkerFailedError, match="workers are gone: worker rank 1"):
+        engine.step()
+    engine.engine_core.shutdown()  # a second shutdown is harmless
+
+
+def test_rank_failing_at_start_up_is_named_and_leaves_no_process(tiny_llama_dir, bounded,
+                                                                  monkeypatch):
+    import multiprocessing
+
+    # Three core lists for two ranks: each rank refuses the binding while it starts.
+    monkeypatch.setenv("KILN_CPU_OMP_THREADS_BIND", "0|0|0")
+    before = {p.pid for p in multiprocessing.active_children()}
+    with pytest.raises(WorkerFailedError, match=r"worker rank \d failed during start-up(.|\n)*"
+                                                r"KILN_CPU_OMP_THREADS_BIND"):
+        make_llm(tiny_llama_dir, tensor_parallel_size=2)
+    left = [p for p in multiprocessing.active_children() if p.pid not in before]
+    assert _wait_exited(left) == []
+
+
+def test_model_that_does_not_split_is_refused_before_any_rank_starts(tiny_llama_dir):
+    import multiprocessing
+
+    before = len(multiprocessing.active_children())
+    # 4 attention heads and 2 KV heads over 3 ranks
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by "
+                                         r"tensor_parallel_size \(3\)"):
+        make_llm(tiny_llama_dir, tensor_parallel_size=3)
+    assert len(multiprocessing.active_children()) == before
