@@ -11,8 +11,7 @@ import torch
 from kiln.attention.backend import AttentionBackend
 from kiln.attention.metadata import AttentionMetadata
 from kiln.core.kv_cache_utils import cdiv
-from kiln.core.outputs import (EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput,
-                               SchedulerOutput)
+from kiln.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from kiln.cudagraphs.capture import setup_cudagraphs
 from kiln.cudagraphs.mode import BatchDescriptor, CUDAGraphMode
 from kiln.cudagraphs.wrapper import wrap_model_for_full_cudagraph
@@ -23,8 +22,7 @@ from kiln.forward_context import set_forward_context
 from kiln.logger import init_logger
 from kiln.sample.grammar_mask import bitmask_rows
 from kiln.sample.logprobs import to_logprobs_lists
-from kiln.sample.prompt_logprobs import (PromptLogprobsChunk, compute_prompt_logprobs,
-                                         prompt_logprob_rows)
+from kiln.sample.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs, prompt_logprob_rows
 from kiln.sample.sampler import Sampler
 from kiln.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from kiln.worker import input_prep
