@@ -1,40 +1,22 @@
-"""The collectives model code and the runner call: the tensor-parallel all-reduce (the torch op
-`kiln::all_reduce`, one node in a compiled graph), the logits all-gather, and the pipeline's
-point-to-point sends of hidden states.
+"""The collectives model code and the runner call: the tensor-parallel all-reduce (the IR op
+`kiln::all_reduce`, kiln/ir/collectives.py: one node in a compiled graph), the logits all-gather,
+and the pipeline's point-to-point sends of hidden states.
 
 Each is the identity (or a no-op) in a group of one, so single-rank graphs contain none.
 """
 import torch
 import torch.distributed as dist
 
-from kiln.custom_ops import register_op
+from kiln import ir
 from kiln.distributed.comm_timing import timed
-from kiln.distributed.parallel_state import get_group, get_pp_group, get_tp_group
-
-
-def _all_reduce_impl(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """x [..., hidden] -> the sum of every rank's x in the group (a new tensor)."""
-    out = x.contiguous().clone()
-    with timed("all_reduce"):
-        dist.all_reduce(out, group=get_group(group_name).group)
-    return out
-
-
-def _all_reduce_fake(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-# Functional (returns a new tensor), so Dynamo and Inductor keep it as one opaque node a later
-# pass can match (all-reduce + residual add + RMSNorm).
-register_op("all_reduce", "(Tensor x, str group_name) -> Tensor", _all_reduce_impl,
-            _all_reduce_fake)
+from kiln.distributed.parallel_state import get_pp_group, get_tp_group
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum of x over the tensor-parallel group (x itself when it has one rank)."""
     if get_tp_group().world_size == 1:
         return x
-    return torch.ops.kiln.all_reduce(x, "tp")
+    return ir.all_reduce(x, "tp")
 
 
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -8,6 +8,7 @@ from kiln.ir import (
                                native,
 )
 from kiln.ir.attention import unified_attention
+from kiln.ir.collectives import all_reduce
 from kiln.ir.layer_ops import (
                                fused_add_rms_norm,
                                linear,
@@ -27,6 +28,7 @@ from kiln.ir.selection import (
 
 native.register()
 
-__all__ = ["PROVIDERS", "REGISTRY", "Implementation", "IrOp", "Selection", "applied", "apply",
+__all__ = ["PROVIDERS", "REGISTRY", "Implementation", "IrOp", "Selection", "all_reduce",
+           "applied", "apply",
            "check_priority", "fused_add_rms_norm", "linear", "parse_cli", "resolve", "rms_norm",
            "rotary_embedding", "silu_and_mul", "unified_attention"]

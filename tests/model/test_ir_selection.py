@@ -12,8 +12,11 @@ from kiln.ir import selection
 
 def test_cpu_defaults_take_the_native_kernels_and_torch_first_on_request(monkeypatch):
     chosen = ir.resolve({}, "cpu", torch.float32).as_dict()
-    assert chosen == {name: "native" for name in ir.REGISTRY}
-    assert set(ir.resolve({}, "cpu", torch.bfloat16).as_dict().values()) == {"native"}
+    # every op with a CPU kernel takes it; the all-reduce is torch.distributed's alone
+    assert chosen == {name: "native" if "native" in op.impls else "torch"
+                      for name, op in ir.REGISTRY.items()}
+    assert chosen["all_reduce"] == "torch"
+    assert set(ir.resolve({}, "cpu", torch.bfloat16).as_dict().values()) == {"native", "torch"}
     monkeypatch.setenv("KILN_NATIVE_CPU_OPS", "0")  # the shorthand for torch first
     assert set(ir.resolve({}, "cpu", torch.float32).as_dict().values()) == {"torch"}
 
@@ -30,7 +33,8 @@ def test_an_override_changes_the_choice_and_unsupported_providers_are_passed_ove
 
 
 @pytest.mark.parametrize("priority, message", [
-    ({"rms_nrom": ["torch"]}, r"unknown IR op 'rms_nrom'; valid ops: fused_add_rms_norm, linear"),
+    ({"rms_nrom": ["torch"]},
+     r"unknown IR op 'rms_nrom'; valid ops: all_reduce, fused_add_rms_norm, linear"),
     ({"rms_norm": ["triton"]}, r"unknown provider 'triton'; valid providers: native, cuda, torch"),
     ({"rms_norm": []}, r"non-empty list"),
     (["rms_norm"], r"must be a dict"),
