@@ -40,7 +40,8 @@ def cold(tiny_llama_dir, cache_dir) -> dict:
 def test_cold_run_reports_pieces_shapes_and_compiles(cold, cache_dir):
     n = NUM_LAYERS
     assert cold["compilation_mode"] == 3 and cold["num_layers"] == n
-    assert cold["ir_ops"] == {"fused_add_rms_norm": "native", "linear": "native",
+    assert cold["ir_ops"] == {"all_reduce": "torch", "fused_add_rms_norm": "native",
+                              "linear": "native",
                               "rms_norm": "native", "rotary_embedding": "native",
                               "silu_and_mul": "native", "unified_attention": "native"}
     assert cold["pieces"] == {"total": 2 * n + 1, "compiled": n + 1, "graphs": 1}
@@ -80,7 +81,7 @@ def test_text_report_names_pieces_cache_and_times(cold):
     assert f"{next(iter(cold['cache']['dirs']))} [miss]" in text
     assert f"inductor   {cold['inductor']['compiles']} compiles, 0 artifacts loaded" in text
     assert "total" in text and "Dynamo trace" in text
-    assert "ir ops     fused_add_rms_norm native, linear native, rms_norm native" in text
+    assert "ir ops     all_reduce torch, fused_add_rms_norm native, linear native, rms_norm native" in text
 
 
 def test_report_names_every_ir_op_implementation_and_an_override(tiny_llama_dir, capsys):
