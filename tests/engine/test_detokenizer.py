@@ -4,8 +4,11 @@ import random
 import pytest
 
 from kiln.engine.detokenizer import fast_decode, find_stop_string
-from kiln.engine.stream_detokenizer import (FastIncrementalDetokenizer, IncrementalDetokenizer,
-                                            detokenizer_for_request)
+from kiln.engine.stream_detokenizer import (
+    FastIncrementalDetokenizer,
+    IncrementalDetokenizer,
+    detokenizer_for_request,
+)
 
 pytestmark = pytest.mark.usefixtures("detokenizer_kind")
 

@@ -1,13 +1,12 @@
 """The token strings in `.logprobs` / `.prompt_logprobs`, ranks, and alignment with token_ids."""
 import pytest
+from engine.test_detokenizer import _byte_level_bpe
 
 from kiln.core.outputs import EngineCoreOutput, LogprobsLists
 from kiln.engine.output_processor import OutputProcessor
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("detokenizer_kind")
-
-from engine.test_detokenizer import _byte_level_bpe
 
 
 def ids_of(tokenizer, text):
