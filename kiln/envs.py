@@ -53,8 +53,8 @@ def require_native() -> bool:
 
 
 def native_cpu_ops() -> bool:
-    """`KILN_NATIVE_CPU_OPS=0`: eager CPU layers keep their torch code instead of the fused C
-    kernels (RMSNorm, SiLU-and-mul, rotary)."""
+    """`KILN_NATIVE_CPU_OPS=0`: the torch reference first for every IR op (kiln/ir/selection.py),
+    and the linear kernel's GEMV, GGUF and SiLU-and-mul paths off."""
     return os.environ.get("KILN_NATIVE_CPU_OPS", "1") not in ("", "0", "false", "False")
 
 

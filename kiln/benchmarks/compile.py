@@ -15,6 +15,7 @@ from pathlib import Path
 from kiln import envs
 from kiln.compilation import monitor
 from kiln.compilation.counters import compilation_counter
+from kiln.compilation.passes import pass_manager
 from kiln.config import CompilationConfig, CompilationMode
 from kiln.engine.arg_utils import EngineArgs
 from kiln.logger import init_logger
@@ -103,6 +104,7 @@ def compile_report(engine_args: EngineArgs) -> dict:
     kiln_config = engine_args.create_kiln_config()
     config_s = time.perf_counter() - start
     counters_before = compilation_counter.clone()
+    pass_runs_before = len(pass_manager.RUNS)
     s = monitor.stats
     events_before, dirs_before = len(s.events), set(s.cache_dirs)
     trace0, compile0, load0 = s.trace_s, s.compile_s, s.load_s
@@ -123,6 +125,8 @@ def compile_report(engine_args: EngineArgs) -> dict:
             "compilation_mode": int(cc.mode), "compilation_mode_name": CompilationMode(cc.mode).name,
             "backend": cc.backend, "splitting_ops": list(cc.splitting_ops),
             "ir_ops": kiln_config.ir_selection.as_dict(),  # each IR op's chosen provider
+            # per piece compiled cold: {"shape": .., "matches": {pass: rewrites}}
+            "pass_runs": pass_manager.RUNS[pass_runs_before:],
             "pieces": {"total": d["num_piecewise_graphs_seen"],
                        "compiled": d["num_piecewise_capturable_graphs_seen"],
                        # Traced by Dynamo (cold) or loaded from the saved graph (warm).

@@ -1,13 +1,10 @@
-"""Python entry points of csrc/layer_ops.c: fused RMSNorm, SiLU-and-mul and rotary for CPU.
-
-Layers call these in eager CPU forwards (`usable`); under torch.compile they keep their torch code,
-which Inductor fuses itself. `KILN_NATIVE_CPU_OPS=0` turns them off.
+"""Python entry points of csrc/layer_ops.c: fused RMSNorm, SiLU-and-mul and rotary for CPU, the
+`native` implementations of those IR ops (kiln/ir/native.py says what each supports).
 """
 import ctypes
 
 import torch
 
-from kiln import envs
 from kiln.native import build
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
@@ -21,18 +18,6 @@ SIGNATURES = (
 
 def _lib() -> ctypes.CDLL | None:
     return build.load("layer_ops", SIGNATURES)
-
-
-def usable(*tensors: torch.Tensor) -> bool:
-    """True when an op on these tensors may take a kernel: not being traced, all on CPU in one
-    kernel dtype, kernels on and built. The tracing check comes first, so Dynamo never looks
-    further."""
-    if torch.compiler.is_compiling():
-        return False
-    dtype = tensors[0].dtype
-    if not all(t.device.type == "cpu" and t.dtype == dtype for t in tensors):
-        return False
-    return dtype in build.DTYPES and envs.native_cpu_ops() and _lib() is not None
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

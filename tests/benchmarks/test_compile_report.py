@@ -40,6 +40,12 @@ def cold(tiny_llama_dir, cache_dir) -> dict:
 def test_cold_run_reports_pieces_shapes_and_compiles(cold, cache_dir):
     n = NUM_LAYERS
     assert cold["compilation_mode"] == 3 and cold["num_layers"] == n
+    runs = cold["pass_runs"]  # one per piece compiled cold, each pass's rewrites in it
+    assert len(runs) == cold["inductor"]["compiles"]
+    assert all(list(r["matches"]) == ["FuseAddRmsNormLinear", "FuseSiluMulLinear", "LowerIrOps"]
+               for r in runs)
+    assert sum(r["matches"]["FuseSiluMulLinear"] for r in runs) >= 1
+    assert sum(r["matches"]["LowerIrOps"] for r in runs) >= 1
     assert cold["ir_ops"] == {"all_reduce": "torch", "fused_add_rms_norm": "native",
                               "linear": "native",
                               "rms_norm": "native", "rotary_embedding": "native",
@@ -82,6 +88,7 @@ def test_text_report_names_pieces_cache_and_times(cold):
     assert f"inductor   {cold['inductor']['compiles']} compiles, 0 artifacts loaded" in text
     assert "total" in text and "Dynamo trace" in text
     assert "ir ops     all_reduce torch, fused_add_rms_norm native, linear native, rms_norm native" in text
+    assert "passes     FuseAddRmsNormLinear " in text and "cold piece compiles" in text
 
 
 def test_report_names_every_ir_op_implementation_and_an_override(tiny_llama_dir, capsys):

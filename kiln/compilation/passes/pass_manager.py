@@ -36,6 +36,10 @@ class KilnInductorPass:
         return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
+# Every manager's runs, process-wide, for reports (`kiln compile`): a cache hit runs no pass.
+RUNS: list[dict] = []
+
+
 class PostGradPassManager(CustomGraphPass):
     def __init__(self, pass_config: dict | None = None):
         self.passes: list[KilnInductorPass] = []
@@ -57,7 +61,9 @@ class PostGradPassManager(CustomGraphPass):
             graph_pass.matched = 0
             graph_pass(graph)
             matches[graph_pass.name] = graph_pass.matched
-        self.runs.append({"shape": self.shape, "matches": matches})
+        run = {"shape": self.shape, "matches": matches}
+        self.runs.append(run)
+        RUNS.append(run)
 
     def uuid(self) -> str:
         factors = {"manager": hashlib.sha256(inspect.getsource(type(self)).encode()).hexdigest(),

@@ -58,6 +58,13 @@ def format_report(r: dict) -> str:
             lines.append(f"cache      {path} [{state}]")
         lines.append(f"           {c['hits']} hits, {c['misses']} misses, {c['corrupt']} corrupt "
                      f"artifacts; Inductor cache {c['inductor_cache_dir']}")
+        totals: dict[str, int] = {}
+        for run in r.get("pass_runs", []):
+            for name, n in run["matches"].items():
+                totals[name] = totals.get(name, 0) + n
+        if totals:
+            lines.append("passes     " + ", ".join(f"{name} {n}" for name, n in totals.items())
+                         + f" rewrites over {len(r['pass_runs'])} cold piece compiles")
         ind = r["inductor"]
         lines.append(f"inductor   {ind['compiles']} compiles, {ind['artifacts_loaded']} artifacts "
                      f"loaded, {ind['artifacts_saved']} saved")
