@@ -24,7 +24,11 @@ def _check(prompt, prompt_logprobs, ref, k):
     for pos, entry in enumerate(prompt_logprobs[1:], start=1):
         row, token = ref[pos - 1], prompt[pos]  # position pos - 1 predicts token pos
         assert token in entry and abs(entry[token].logprob - row[token].item()) < TOL
-        assert entry[token].rank == int((row > row[token]).sum()) + 1
+        # Kiln ranks its own logprobs, which equal HF's within TOL: a token HF puts just
+        # below (or above) this one may come out on the other side of it.
+        above_surely = int((row > row[token] + TOL).sum())
+        above_maybe = int((row > row[token] - TOL).sum()) - 1  # less the token itself
+        assert above_surely + 1 <= entry[token].rank <= above_maybe + 1
         top = torch.topk(row, k)
         others = {t: lp for t, lp in entry.items() if t != token}
         assert set(top.indices.tolist()) - {token} <= set(others) and len(entry) <= k + 1
