@@ -17,7 +17,7 @@ from kiln.compilation.cache import (CompileCache, cache_base_dir, compiled_graph
 from kiln.compilation.compiler_interface import make_compiler
 from kiln.compilation.counters import compilation_counter
 from kiln.compilation.passes import (FuseAddRmsNormLinear, FuseSiluMulLinear, LowerIrOps,
-                                     PostGradPassManager)
+                                     PostGradPassManager, early_passes)
 from kiln.compilation.piecewise import PieceCompiler, PiecewiseBackend
 from kiln.compilation.split import SplitItem, split_graph
 from kiln.compilation.warm_start import SavedGraph, WarmStart
@@ -91,7 +91,7 @@ class KilnBackend:
         self.kiln_config, self.prefix = kiln_config, prefix
         cc = kiln_config.compilation_config
         self.pass_manager = PostGradPassManager(cc.pass_config)
-        for graph_pass in fusion_passes(kiln_config):
+        for graph_pass in [*early_passes(kiln_config), *fusion_passes(kiln_config)]:
             self.pass_manager.add(graph_pass)
         self.pass_manager.add(LowerIrOps(kiln_config.ir_selection))
         self.compiler = make_compiler(cc.backend, self.pass_manager,

@@ -6,6 +6,8 @@ Model code calls these ops only: `ir.rms_norm(x, weight, eps)`.
 from kiln.ir import (
                                fused,  # noqa: F401  (the fusion passes' ops)
                                native,
+                               quant,
+                               quant_native,
 )
 from kiln.ir.attention import unified_attention
 from kiln.ir.collectives import all_reduce
@@ -27,8 +29,9 @@ from kiln.ir.selection import (
 )
 
 native.register()
+quant_native.register()
 
 __all__ = ["PROVIDERS", "REGISTRY", "Implementation", "IrOp", "Selection", "all_reduce",
            "applied", "apply",
            "check_priority", "fused_add_rms_norm", "linear", "parse_cli", "resolve", "rms_norm",
-           "rotary_embedding", "silu_and_mul", "unified_attention"]
+           "rotary_embedding", "silu_and_mul", "unified_attention", "quant"]

@@ -1,16 +1,22 @@
 """The W8A8 int8 ops' native CPU kernels (kiln/native/int8_ops.py) against the plain-torch
-references (kiln/model/layers/quantization/int8_reference.py): int8 values, scales and GEMM
+references of the IR ops (kiln/ir/quant.py): int8 values, scales and GEMM
 results exactly; the fused norm ops equal the unfused native kernels bit for bit.
 
 On a CPU without AVX512-VNNI the kernels are not built for it: the tests then check that
 `supported` says so (the reference runs) and that the reference itself is exact.
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from kiln.model.layers.quantization import int8_reference as ref
+from kiln.ir import quant
 from kiln.native import int8_ops as native
 from kiln.native import layer_ops
+
+ref = SimpleNamespace(**{op.name: op.reference for op in (
+    quant.dynamic_int8_quant, quant.int8_scaled_mm, quant.rms_norm_dynamic_int8_quant,
+    quant.fused_add_rms_norm_dynamic_int8_quant, quant.silu_and_mul_dynamic_int8_quant)})
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (rows, K): one token, a few (the VNNI kernel), many (oneDNN's GEMM, from ONEDNN_MIN_ROWS
@@ -130,13 +136,12 @@ def test_fused_silu_quant_within_one_step_of_unfused(dtype, rows, d):
         assert torch.allclose(s, us, rtol=2 ** -7, atol=0)
 
 
-def test_torch_ops_take_the_native_kernel_where_supported():
-    from kiln.model.layers.quantization import int8_ops
-
+def test_ir_ops_native_where_supported_else_the_reference():
     x = _x(4, 64, torch.bfloat16)
-    q, s = int8_ops.dynamic_int8_quant(x)
-    assert torch.equal(q, ref.dynamic_int8_quant(x)[0])
-    assert native.quant_supported(x) == (native.isa() is not None)
-    assert not native.quant_supported(x.to(torch.float16))  # no kernel dtype: the reference
-    q16, _ = int8_ops.dynamic_int8_quant(x.to(torch.float16))
-    assert torch.equal(q16, ref.dynamic_int8_quant(x.to(torch.float16))[0])
+    has = native.isa() is not None
+    assert quant.dynamic_int8_quant.supported_by("native", x) == has
+    # no kernel dtype: the reference
+    assert not quant.dynamic_int8_quant.supported_by("native", x.to(torch.float16))
+    args = quant.int8_scaled_mm.example_args(torch.bfloat16, "cpu")
+    assert quant.int8_scaled_mm.supported_by("native", *args) == has
+    assert not quant.int8_scaled_mm.supported_by("native", args[0].float(), *args[1:])

@@ -1,21 +1,27 @@
 """W8A8 int8 engines generate the same greedy tokens eagerly (mode 0) and compiled (mode 3): a
 compressed-tensors checkpoint and online `quantization="int8"`, mixed lengths with chunked
-prefill. Their logprobs differ from the float model's (the int8 path runs) but stay close.
+prefill. Their logprobs differ from the float model's (the int8 path runs) but stay close. In
+mode 3 (a cold cache: the passes run on every piece) fuse_norm_quant matches twice a layer (the
+input and post-attention norms) and fuse_act_quant once, and the compiled code calls the fused
+ops' native kernels.
 """
 import pytest
 
-from kiln import LLM, SamplingParams
-
 from checkpoints import make_tiny_checkpoint, random_prompts
+from kiln import LLM, SamplingParams
+from kiln.benchmarks.latency import engine_model
+from kiln.native import int8_ops
 from w8a8_checkpoint import write_w8a8_checkpoint
 
 LENGTHS = [1, 9, 40, 90]  # 90 > the 64-token budget: chunked prefill
 NEW_TOKENS = 8
+NUM_LAYERS = 2  # every piece distinct: none is served from Inductor's cache, the passes see all
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    src = make_tiny_checkpoint(tmp_path_factory.mktemp("float"), "llama", tie=False)
+    src = make_tiny_checkpoint(tmp_path_factory.mktemp("float"), "llama", tie=False,
+                               num_hidden_layers=NUM_LAYERS)
     return src, write_w8a8_checkpoint(src, tmp_path_factory.mktemp("w8a8"))
 
 
@@ -23,6 +29,8 @@ def _run(model_dir, tmp_path, mode, **kw):
     llm = LLM(model=str(model_dir), dtype="float32", max_num_batched_tokens=64, max_num_seqs=8,
               kv_cache_memory=0.05,
               compilation_config={"mode": mode, "cache_dir": str(tmp_path / "cc")}, **kw)
+    if mode == 3:
+        _run.last_llm = llm
     prompts = random_prompts(len(LENGTHS), LENGTHS, seed=5)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -30,6 +38,17 @@ def _run(model_dir, tmp_path, mode, **kw):
     logprobs = [[next(iter(step.values())).logprob for step in o.outputs[0].logprobs]
                 for o in outs]
     return tokens, logprobs
+
+
+def pass_matches(llm) -> dict:
+    """Each pass's matches summed over the pieces compiled for the dynamic shape."""
+    runs = engine_model(llm.llm_engine).model._kiln_compile.backend.pass_manager.runs
+    total: dict = {}
+    for run in runs:
+        if run["shape"] is None:
+            for name, n in run["matches"].items():
+                total[name] = total.get(name, 0) + n
+    return total
 
 
 def _max_diff(a, b):
@@ -43,6 +62,14 @@ def test_modes_0_and_3_give_identical_greedy_tokens(dirs, tmp_path, which):
     eager_tokens, eager_lp = _run(model, tmp_path, 0, **kw)
     compiled_tokens, compiled_lp = _run(model, tmp_path, 3, **kw)
     assert compiled_tokens == eager_tokens
+    matches = pass_matches(_run.last_llm)
+    assert matches["FuseNormQuant"] == 2 * NUM_LAYERS and matches["FuseActQuant"] == NUM_LAYERS
+    if int8_ops.isa() is not None:
+        code = "".join(p.read_text() for p in (tmp_path / "cc").rglob("*.py"))
+        for op in ("fused_add_rms_norm_dynamic_int8_quant_native",
+                   "rms_norm_dynamic_int8_quant_native", "silu_and_mul_dynamic_int8_quant_native",
+                   "int8_scaled_mm_native"):
+            assert op in code, op
     assert _max_diff(compiled_lp, eager_lp) < 1e-3
     float_tokens, float_lp = _run(src, tmp_path, 0)
     assert 0 < _max_diff(eager_lp, float_lp) < 0.2  # quantized, and close to the float model

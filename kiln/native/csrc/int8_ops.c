@@ -1,7 +1,7 @@
 /* W8A8 int8 CPU kernels with AVX512-VNNI dot products: symmetric per-token dynamic activation
  * quantization (alone, after RMSNorm with or without the residual add, after SiLU-and-mul) and the
- * int8 GEMM with per-token x per-channel scales (kiln/model/layers/quantization/int8_reference.py
- * defines each one's result; these equal it exactly where the math is integer).
+ * int8 GEMM with per-token x per-channel scales (the IR ops' references in kiln/ir/quant.py
+ * define each one's result; these equal it exactly where the math is integer).
  *
  * The GEMM reads the weight as stored, int8 [N, K] row-major: VPDPBUSD multiplies unsigned by
  * signed bytes, so each weight vector is offset to unsigned (w ^ 0x80 = w + 128) and the

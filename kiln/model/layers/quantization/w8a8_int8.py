@@ -10,10 +10,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kiln.ir import quant as ir_quant
 from kiln.logger import init_logger
 from kiln.model.layers.linear import LinearBase
-from kiln.model.layers.quantization import int8_ops
-from kiln.model.layers.quantization.int8_reference import quantize_weight_per_channel
 
 logger = init_logger(__name__)
 
@@ -26,8 +25,15 @@ class Int8LinearMethod:
     """How a converted linear computes: quantize x per token, int8 GEMM, scales, bias."""
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        q, scale = int8_ops.dynamic_int8_quant(x)  # [T, K] int8, [T, 1] float32
-        return int8_ops.int8_scaled_mm(q, scale, layer.weight, layer.weight_scale, bias, x.dtype)
+        q, scale = ir_quant.dynamic_int8_quant(x)  # [T, K] int8, [T, 1] float32
+        return ir_quant.int8_scaled_mm(q, scale, layer.weight, layer.weight_scale, bias, x.dtype)
+
+
+def quantize_weight_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (int8 [N, K], scale float32 [N]): the activations' symmetric rounding,
+    per output channel (what online `quantization="int8"` stores)."""
+    q, scale = ir_quant.dynamic_int8_quant.reference(w)
+    return q, scale.reshape(-1)
 
 
 def _scale_loader(layer: LinearBase):

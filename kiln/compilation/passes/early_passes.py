@@ -1,0 +1,23 @@
+"""The passes that run before the IR-op-into-linear fusions and the lowering, each named in
+`pass_config` with vLLM's name and on unless set false there: `eliminate_noops`,
+`fuse_norm_quant`, `fuse_act_quant` (the last two match only W8A8 int8 models' graphs).
+"""
+from kiln.compilation.passes.eliminate_noops import EliminateNoops
+from kiln.compilation.passes.fuse_act_quant import FuseActQuant
+from kiln.compilation.passes.fuse_norm_quant import FuseNormQuant
+
+PASSES = {"eliminate_noops": EliminateNoops, "fuse_norm_quant": FuseNormQuant,
+          "fuse_act_quant": FuseActQuant}
+
+
+def enabled(pass_config: dict, name: str) -> bool:
+    value = pass_config.get(name, True)
+    if not isinstance(value, bool):
+        raise ValueError(f"compilation_config pass_config.{name} must be true or false, got "
+                         f"{value!r}")
+    return value
+
+
+def early_passes(kiln_config) -> list:
+    pass_config = kiln_config.compilation_config.pass_config
+    return [cls() for name, cls in PASSES.items() if enabled(pass_config, name)]
