@@ -10,6 +10,7 @@ import pytest
 from kiln.compilation.monitor import per_shape
 from kiln.entrypoints.cli.compile import format_report
 from kiln.entrypoints.cli.main import build_parser
+from kiln.native import int8_ops
 
 NUM_LAYERS = 2  # the tiny_llama_dir fixture's checkpoint
 SMALL = ["--kv-cache-memory", "0.01", "--max-model-len", "64", "--max-num-seqs", "8",
@@ -42,14 +43,17 @@ def test_cold_run_reports_pieces_shapes_and_compiles(cold, cache_dir):
     assert cold["compilation_mode"] == 3 and cold["num_layers"] == n
     runs = cold["pass_runs"]  # one per piece compiled cold, each pass's rewrites in it
     assert len(runs) == cold["inductor"]["compiles"]
-    assert all(list(r["matches"]) == ["FuseAddRmsNormLinear", "FuseSiluMulLinear", "LowerIrOps"]
+    assert all(list(r["matches"]) == ["EliminateNoops", "FuseNormQuant", "FuseActQuant",
+                                      "FuseAddRmsNormLinear", "FuseSiluMulLinear", "LowerIrOps"]
                for r in runs)
     assert sum(r["matches"]["FuseSiluMulLinear"] for r in runs) >= 1
     assert sum(r["matches"]["LowerIrOps"] for r in runs) >= 1
-    assert cold["ir_ops"] == {"all_reduce": "torch", "fused_add_rms_norm": "native",
-                              "linear": "native",
-                              "rms_norm": "native", "rotary_embedding": "native",
-                              "silu_and_mul": "native", "unified_attention": "native"}
+    ops = dict(cold["ir_ops"])
+    int8 = {op: ops.pop(op) for op in list(ops) if "int8" in op}  # the W8A8 ops: VNNI CPUs only
+    assert ops == {"all_reduce": "torch", "fused_add_rms_norm": "native", "linear": "native",
+                   "rms_norm": "native", "rotary_embedding": "native",
+                   "silu_and_mul": "native", "unified_attention": "native"}
+    assert len(int8) == 5 and set(int8.values()) == {"native" if int8_ops.isa() else "torch"}
     assert cold["pieces"] == {"total": 2 * n + 1, "compiled": n + 1, "graphs": 1}
     assert cold["shapes"] == {"range": [1, 32], "compile_sizes": []}
     (row,) = cold["per_shape"]
@@ -87,8 +91,10 @@ def test_text_report_names_pieces_cache_and_times(cold):
     assert f"{next(iter(cold['cache']['dirs']))} [miss]" in text
     assert f"inductor   {cold['inductor']['compiles']} compiles, 0 artifacts loaded" in text
     assert "total" in text and "Dynamo trace" in text
-    assert "ir ops     all_reduce torch, fused_add_rms_norm native, linear native, rms_norm native" in text
-    assert "passes     FuseAddRmsNormLinear " in text and "cold piece compiles" in text
+    assert "ir ops     all_reduce torch, dynamic_int8_quant " in text
+    assert "fused_add_rms_norm native, " in text and ", linear native, rms_norm native" in text
+    assert "passes     EliminateNoops " in text and "FuseAddRmsNormLinear " in text
+    assert "cold piece compiles" in text
 
 
 def test_report_names_every_ir_op_implementation_and_an_override(tiny_llama_dir, capsys):

@@ -7,10 +7,11 @@ ops' native kernels.
 """
 import pytest
 
-from checkpoints import make_tiny_checkpoint, random_prompts
 from kiln import LLM, SamplingParams
 from kiln.benchmarks.latency import engine_model
 from kiln.native import int8_ops
+
+from checkpoints import make_tiny_checkpoint, random_prompts
 from w8a8_checkpoint import write_w8a8_checkpoint
 
 LENGTHS = [1, 9, 40, 90]  # 90 > the 64-token budget: chunked prefill
