@@ -99,7 +99,7 @@ async def _one_request(session: aiohttp.ClientSession, url: str, model: str,
         result.ok = last is not None
         if not result.ok:
             result.error = "no tokens received"
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (TimeoutError, aiohttp.ClientError) as e:
         result.error = f"{type(e).__name__}: {e}"
     except (ValueError, KeyError, TypeError) as e:  # a chunk that is not the API's JSON
         result.error = f"bad stream chunk: {type(e).__name__}: {e}"

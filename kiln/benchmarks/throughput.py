@@ -7,6 +7,7 @@ import random
 import time
 from dataclasses import dataclass
 
+from kiln.benchmarks.comm_figures import comm_figures
 from kiln.engine.arg_utils import EngineArgs
 from kiln.logger import init_logger
 
@@ -128,8 +129,12 @@ def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, ou
     tokenizer = engine.tokenizer
     exclude = set(getattr(tokenizer, "all_special_ids", []))
     prompts = random_prompts(num_prompts, input_len, mc.vocab_size, engine_args.seed, exclude)
+    executor = getattr(getattr(engine, "engine_core", None), "executor", None)
     try:
+        if executor is not None:
+            executor.reset_comm_stats()  # warm-up's collectives are not the run's
         result = run_kiln(engine, prompts, output_len)
+        comm = comm_figures(executor.comm_stats() if executor is not None else None)
     finally:
         engine.shutdown()
     report = {"backend": backend, "num_prompts": num_prompts, "input_len": input_len,
@@ -138,7 +143,13 @@ def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, ou
               "dtype": str(mc.torch_dtype).removeprefix("torch."),
               "device": kiln_config.device_config.device,
               "compilation_mode": int(kiln_config.compilation_config.mode),
-              "max_num_seqs": kiln_config.scheduler_config.max_num_seqs}
+              "max_num_seqs": kiln_config.scheduler_config.max_num_seqs,
+              "tensor_parallel_size": kiln_config.parallel_config.tensor_parallel_size,
+              "pipeline_parallel_size": kiln_config.parallel_config.pipeline_parallel_size,
+              "distributed_executor_backend":
+                  kiln_config.parallel_config.distributed_executor_backend}
+    if comm:
+        report["communication"] = comm
     if backend == "hf":
         model = load_hf_model(kiln_config)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (

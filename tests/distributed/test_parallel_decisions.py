@@ -77,3 +77,20 @@ def test_model_split_errors_name_the_field():
 def test_ray_local_ranks_follow_node_ips():
     assert local_ranks(["a", "a", "b", "b"]) == [(0, 2), (1, 2), (0, 2), (1, 2)]
     assert local_ranks(["a", "b", "a"]) == [(0, 2), (0, 1), (1, 2)]
+
+
+def test_comm_figures_are_per_step_and_per_rank():
+    from kiln.benchmarks.comm_figures import comm_figures
+
+    assert comm_figures(None) == {}
+    stats = {"scheduler_output_broadcasts": 4, "scheduler_output_broadcast_s": 0.002,
+             "ranks": [{"rank": 0, "scheduler_output_unpickle_s": 0.004,
+                        "comm": {"all_reduce": {"seconds": 0.04, "calls": 20},
+                                 "all_gather": {"seconds": 0.008, "calls": 4}}}]}
+    figures = comm_figures(stats)
+    assert figures["steps"] == 4
+    assert figures["scheduler_output_send_ms_per_step"] == 0.5
+    rank = figures["ranks"]["0"]
+    assert rank["by_kind"]["all_reduce"] == {"ms_per_step": 10.0, "calls_per_step": 5.0}
+    assert rank["collectives_ms_per_step"] == 12.0
+    assert rank["scheduler_output_unpickle_ms_per_step"] == 1.0
