@@ -35,6 +35,10 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     # No free whitespace between JSON tokens (vLLM's flag): compact, bounded output.
     disable_any_whitespace: bool = False
+    # The grammar applies only after this text (a reasoning parser's end marker, "</think>"):
+    # a thinking model thinks freely first, as vLLM does with a reasoning parser. The server
+    # sets it; None: from the first token.
+    reasoning_end: str | None = None
 
     def __post_init__(self):
         self.verify()
@@ -75,6 +79,10 @@ class StructuredOutputsParams:
         if self.json_object not in (None, True, False):
             raise ValueError(f"structured_outputs.json_object must be true, got "
                              f"{self.json_object!r}")
+        if self.reasoning_end is not None and not (isinstance(self.reasoning_end, str)
+                                                   and self.reasoning_end):
+            raise ValueError("structured_outputs.reasoning_end must be None or a non-empty "
+                             f"string, got {self.reasoning_end!r}")
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError("structured_outputs.disable_any_whitespace must be True or False, "
                              f"got {self.disable_any_whitespace!r}")

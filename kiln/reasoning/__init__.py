@@ -13,6 +13,16 @@ def check_reasoning_parser(name: str | None) -> None:
         raise ValueError(f"--reasoning-parser {name!r} is not one of {sorted(REASONING_PARSERS)}")
 
 
+END = "</think>"
+
+
+def grammar_waits_for_reasoning(name: str, prompt: str | None) -> bool:
+    """Whether a constrained answer's grammar waits for </think> (vLLM's default with a
+    reasoning parser): unless the prompt already closed the thinking (Qwen3 with
+    enable_thinking=false), the model may think first, freely."""
+    return name in REASONING_PARSERS and prompt_opens_thinking(prompt) is not False
+
+
 def make_splitter(name: str, prompt: str | None, constrained: bool = False) -> ThinkSplitter:
     """A splitter for one answer to `prompt` (its rendered text, when known). `constrained`:
     a grammar shapes the answer from its first token, so it starts outside any thinking (a
@@ -23,4 +33,5 @@ def make_splitter(name: str, prompt: str | None, constrained: bool = False) -> T
     return ThinkSplitter(REASONING_PARSERS[name] if opened is None else opened)
 
 
-__all__ = ["REASONING_PARSERS", "ThinkSplitter", "check_reasoning_parser", "make_splitter"]
+__all__ = ["END", "REASONING_PARSERS", "ThinkSplitter", "check_reasoning_parser",
+           "grammar_waits_for_reasoning", "make_splitter"]

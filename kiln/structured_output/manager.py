@@ -74,8 +74,10 @@ class StructuredOutputManager:
         def make_matcher(compiled):
             return self.backend().matcher(compiled, stops)
 
+        marker = params.structured_outputs.reasoning_end
         request.structured_output_request = StructuredOutputRequest(
-            spec, self._compiled(spec), make_matcher)
+            spec, self._compiled(spec), make_matcher,
+            None if marker is None else (lambda: self.backend().token_ids(marker)))
 
     # ---- each step -------------------------------------------------------------------------
     def grammar_bitmask(self, requests: list) -> tuple[list[str], np.ndarray | None]:

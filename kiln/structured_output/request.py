@@ -9,10 +9,19 @@ logger = init_logger(__name__)
 
 
 class StructuredOutputRequest:
-    def __init__(self, spec: GrammarSpec, compiled: Future, make_matcher):
+    """`reasoning_end_ids`: a callable giving the token ids that end the reasoning (None: the
+    grammar applies from the first token); until the output ends with them, nothing is
+    constrained and the matcher sees no token."""
+
+    def __init__(self, spec: GrammarSpec, compiled: Future, make_matcher,
+                 reasoning_end_ids=None):
         self.spec = spec
         self._compiled = compiled
         self._make_matcher = make_matcher  # compiled grammar -> matcher
+        self._reasoning_end_ids = reasoning_end_ids
+        self._end_ids: list[int] = []
+        self.in_reasoning = reasoning_end_ids is not None
+        self._tail: list[int] = []  # the last output tokens, while in reasoning
         self.matcher = None
         self.error: str | None = None  # set when the grammar could not be compiled
         self._broken = False  # a token the grammar refused: stop constraining (logged)
@@ -24,6 +33,9 @@ class StructuredOutputRequest:
         if not self._compiled.done():
             return False
         try:
+            if self.in_reasoning:
+                self._end_ids = self._reasoning_end_ids()
+                self.in_reasoning = bool(self._end_ids)
             self.matcher = self._make_matcher(self._compiled.result())
         except Exception as e:  # noqa: BLE001 - reported as the request's error
             self.error = f"{self.spec.field} could not be compiled: {e}"
@@ -38,12 +50,18 @@ class StructuredOutputRequest:
     @property
     def active(self) -> bool:
         """Whether the next token is constrained (not once the grammar has ended)."""
-        return self.matcher is not None and not self._broken and not self.matcher.is_terminated()
+        return (self.matcher is not None and not self.in_reasoning and not self._broken
+                and not self.matcher.is_terminated())
 
     def fill_bitmask(self, bitmask, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, request_id: str, token_id: int) -> None:
+        if self.in_reasoning:
+            n = len(self._end_ids)
+            self._tail = (self._tail + [token_id])[-n:]
+            self.in_reasoning = self._tail != self._end_ids
+            return
         if not self.active:
             return
         if not self.matcher.accept_token(token_id):

@@ -68,6 +68,7 @@ class XgrammarBackend:
 
     def __init__(self, tokenizer, vocab_size: int, max_threads: int = 2):
         self.xgr = _import_xgrammar()
+        self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         info = self.xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         # xgrammar keeps its own cache too (by grammar text), bounded as vLLM bounds it.
@@ -95,6 +96,9 @@ class XgrammarBackend:
         if spec.kind == "lark":
             return c.compile_lark(spec.text)
         raise ValueError(f"unknown grammar kind {spec.kind!r}")
+
+    def token_ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def matcher(self, compiled, stop_token_ids: list[int]):
         """A matcher that ends on any of the request's stop tokens."""

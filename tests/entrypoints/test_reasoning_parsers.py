@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kiln.reasoning import make_splitter
+from kiln.reasoning import grammar_waits_for_reasoning, make_splitter
 from kiln.reasoning.think_splitter import ThinkSplitter, prompt_opens_thinking
 
 CASES = [
@@ -52,3 +52,9 @@ def test_the_prompt_decides_where_an_answer_starts():
         (None, '{"a": 1}')
     assert make_splitter("deepseek_r1", "x", constrained=True).split("<think>r</think>c") == \
         ("r", "c")
+
+
+def test_a_grammar_waits_unless_the_prompt_closed_the_thinking():
+    assert grammar_waits_for_reasoning("qwen3", "<|im_start|>assistant\n")
+    assert grammar_waits_for_reasoning("deepseek_r1", "Assistant: <think>\n")
+    assert not grammar_waits_for_reasoning("qwen3", "assistant\n<think>\n\n</think>\n\n")

@@ -31,23 +31,31 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen_chat"), "qwen2", tie=True,
-                                 tokenizer="chat", max_position_embeddings=2048)
+def model(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen_chat"), "qwen2", tie=True,
+                                tokenizer="chat", max_position_embeddings=2048)
+
+
+def _serve(model, tmp_path_factory, *flags):
     env = dict(os.environ, KILN_API_KEY=KEY, KILN_LOGGING_LEVEL="WARNING")
     args = ["--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "64",
             "--kv-cache-memory", "0.05", "--disable-access-log", "--uvicorn-log-level",
-            "warning", "--tool-call-parser", "hermes", "--enable-auto-tool-choice",
-            "--reasoning-parser", "qwen3",
-            "--structured-outputs-config", '{"disable_any_whitespace": true}']
-    with running_server(model, args, tmp_path_factory.mktemp("log") / "serve.log",
-                        env) as (url, proc):
-        yield url
+            "warning", "--structured-outputs-config", '{"disable_any_whitespace": true}',
+            *flags]
+    return running_server(model, args, tmp_path_factory.mktemp("log") / "serve.log", env)
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
+def client(model, tmp_path_factory):
+    with _serve(model, tmp_path_factory, "--tool-call-parser", "hermes",
+                "--enable-auto-tool-choice") as (url, _):
+        yield openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reasoning_client(model, tmp_path_factory):
+    with _serve(model, tmp_path_factory, "--reasoning-parser", "qwen3") as (url, _):
+        yield openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
 
 
 def random_schema(rng: random.Random, depth: int = 0) -> dict:
@@ -261,10 +269,15 @@ def test_tool_history_renders(client):
     assert r.choices[0].message.content is not None
 
 
-def test_reasoning_split(client):
+def test_reasoning_split(reasoning_client):
+    """The grammar writes a <think> block: its text comes back as reasoning_content, whole and
+    streamed alike. (Thinking is switched off in the template, so the grammar applies from the
+    first token rather than after the model's own </think>.)"""
+    client = reasoning_client
     pattern = "<think>[a-z]{1,6}( [a-z]{1,6}){0,2}</think>[a-z]{1,6}"
     kw = dict(model=NAME, messages=MESSAGES, max_tokens=60, temperature=0,
-              extra_body={"structured_outputs": {"regex": pattern}})
+              extra_body={"structured_outputs": {"regex": pattern},
+                          "chat_template_kwargs": {"enable_thinking": False}})
     r = client.chat.completions.create(**kw)
     m = r.choices[0].message
     raw = f"<think>{m.reasoning_content}</think>{m.content}"
@@ -280,10 +293,21 @@ def test_reasoning_split(client):
         **kw["extra_body"], "include_reasoning": False}})
     assert r.choices[0].message.reasoning_content is None
     assert r.choices[0].message.content == m.content
-    # With thinking switched off the template closes an empty <think>: all is content.
+    # A constrained answer with the thinking closed in the prompt is all content.
     r = client.chat.completions.create(
         model=NAME, messages=MESSAGES, max_tokens=20, temperature=0,
         extra_body={"structured_outputs": {"regex": "[a-z]{3}"},
                     "chat_template_kwargs": {"enable_thinking": False}})
     assert r.choices[0].message.reasoning_content is None
     assert re.fullmatch("[a-z]{3}", r.choices[0].message.content)
+
+
+def test_grammar_waits_for_the_thinking(reasoning_client):
+    """With thinking on, the grammar applies after </think>: this random model never writes
+    one, so its answer runs free (to max_tokens) instead of being forced into the pattern."""
+    r = reasoning_client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=12, temperature=0,
+        extra_body={"structured_outputs": {"regex": "z{1,3}"}})
+    assert r.choices[0].finish_reason == "length"
+    m = r.choices[0].message
+    assert not re.fullmatch("z{1,3}", (m.reasoning_content or "") + (m.content or ""))

@@ -45,6 +45,10 @@ class FakeBackend:
     def matcher(self, compiled, stop_token_ids):
         return FakeMatcher({5, 40, 77})
 
+    def token_ids(self, text):
+        assert text == "</think>"
+        return [900, 901]
+
 
 def make():
     config = make_config(num_blocks=64)
@@ -119,3 +123,23 @@ def test_a_failed_compile_ends_only_that_request():
     assert [(o.request_id, o.finish_reason) for o in outs if o.request_id == "bad"] == \
         [("bad", "abort")]
     assert "bad" not in sched.requests and "too big" in grammar.error
+
+
+def test_grammar_waits_for_the_end_of_reasoning():
+    """reasoning_end: nothing is constrained (no bitmask row, the matcher sees nothing) until
+    the output ends with the marker's tokens; from the next token on, the grammar holds."""
+    sched, backend = make()
+    backend.release.set()
+    so_params = StructuredOutputsParams(regex="a+", reasoning_end="</think>")
+    sched.add_request(make_request("t", [1, 2], max_tokens=20, structured_outputs=so_params))
+    grammar = sched.requests["t"].structured_output_request
+    while not grammar.is_ready():
+        grammar.wait(1)
+    rows = []
+    for token in [7, 900, 8, 900, 901, 40, 5]:
+        so = sched.schedule()
+        rows.append(so.structured_output_request_ids)
+        sched.update_from_output(so, ModelRunnerOutput(req_ids=["t"],
+                                                       sampled_token_ids=[[token]]))
+    assert rows == [[]] * 5 + [["t"]] * 2
+    assert grammar.matcher.accepted == [40, 5]

@@ -3,6 +3,7 @@
 The template renders through the tokenizer's sandboxed Jinja environment (LLMEngine.chat_prompt,
 which tokenizes without extra special tokens, since templates write their own BOS).
 """
+import dataclasses
 import json
 import time
 
@@ -32,7 +33,7 @@ from kiln.entrypoints.openai.structured_fields import check_compiles, request_st
 from kiln.entrypoints.openai.tool_parsers.base import ToolCallStream
 from kiln.entrypoints.openai.tool_parsers.tool_plan import ToolPlan, plan_tools
 from kiln.outputs import CompletionOutput
-from kiln.reasoning import make_splitter
+from kiln.reasoning import END, grammar_waits_for_reasoning, make_splitter
 
 
 def check_generation_flags(req) -> None:
@@ -126,7 +127,6 @@ class ServingChat:
             constraint, field = plan.constraint, "tools"
         if constraint is not None:
             await check_compiles(constraint, field)
-            params.structured_outputs = constraint
         template_kwargs = req.chat_template_kwargs
         if req.documents is not None:  # HF's apply_chat_template hands them to the template
             template_kwargs = {"documents": req.documents, **(template_kwargs or {})}
@@ -134,6 +134,13 @@ class ServingChat:
                                           req.continue_final_message, template_kwargs,
                                           req.add_special_tokens, plan.template_tools)
         prompt = with_cache_salt(prompt, req.cache_salt)
+        if constraint is not None:
+            if (self.reasoning_parser is not None and constraint.reasoning_end is None
+                    and grammar_waits_for_reasoning(self.reasoning_parser, prompt.get("prompt"))):
+                constraint = dataclasses.replace(constraint, reasoning_end=END)
+            params.structured_outputs = constraint
+        # The answer starts under the grammar: no thinking comes first.
+        constrained = constraint is not None and constraint.reasoning_end is None
         request_id = response_id("chatcmpl", req.request_id)
         max_tokens_param = ("max_completion_tokens" if req.max_completion_tokens is not None
                             else "max_tokens")
@@ -141,7 +148,7 @@ class ServingChat:
                                max_tokens_param)
         if req.stream:
             return StreamingResponse(self._stream(req, model, request_id, streams, plan,
-                                                  prompt.get("prompt"), constraint is not None),
+                                                  prompt.get("prompt"), constrained),
                                      media_type="text/event-stream")
         try:
             final = await until_disconnect(raw, self._collect(streams[0]))
@@ -150,8 +157,8 @@ class ServingChat:
         finally:
             abort_unfinished(self.llm, streams)
         echoed = echo_prefix(req, req.messages)
-        choices = [self._choice(req, plan, prompt.get("prompt"), o, echoed,
-                                constraint is not None) for o in final.outputs]
+        choices = [self._choice(req, plan, prompt.get("prompt"), o, echoed, constrained)
+                   for o in final.outputs]
         usage = make_usage(len(final.prompt_token_ids), sum(len(o.token_ids)
                                                             for o in final.outputs),
                            cached_tokens([final], self.enable_prompt_tokens_details))
