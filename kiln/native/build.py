@@ -109,12 +109,21 @@ def _build_lock(folder: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _flags(cpp: bool) -> list[str]:
+    return CXX_FLAGS + _torch_flags() if cpp else FLAGS + LINK_FLAGS
+
+
+def library_path(name: str, cc: str, cpp: bool = False) -> Path:
+    """Where build() keeps csrc/<name>'s library for these sources, compiler and CPU."""
+    return envs.cache_root() / "kernels" / build_key(name, cc, _flags(cpp)) / f"libkiln_{name}.so"
+
+
 def build(name: str, cc: str, cpp: bool = False, rebuild: bool = False) -> Path:
     """csrc/<name>.c (or, cpp, csrc/<name>.cpp against torch) as a shared library in the cache,
     compiled on first use, when its checksum fails, or when `rebuild` (under the key's lock,
     then an atomic rename: a reader sees a whole file or none)."""
-    flags = CXX_FLAGS + _torch_flags() if cpp else FLAGS + LINK_FLAGS
-    target = envs.cache_root() / "kernels" / build_key(name, cc, flags) / f"libkiln_{name}.so"
+    flags = _flags(cpp)
+    target = library_path(name, cc, cpp)
     if not rebuild and intact(target):
         return target
     with _build_lock(target.parent):

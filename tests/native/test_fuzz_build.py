@@ -95,10 +95,12 @@ def test_an_engine_over_a_damaged_kernel_cache_rebuilds_and_prints_the_same_text
         return [line for line in proc.stdout.splitlines() if line.startswith(("tokens", "text"))]
 
     intact_run = run()
-    libs = sorted((tmp_path / "cache" / "kernels").rglob("*.so"))
-    damaged = [p for p in libs if p.name in ("libkiln_layer_ops.so", "libkiln_linear_op.so")
-               and build.intact(p)]  # those this run built or checked (the copy has others)
-    assert len(damaged) == 2, libs
+    # The libraries of these sources (the copy may hold other checkouts' builds too).
+    cache = tmp_path / "cache" / "kernels"
+    damaged = [cache / build.library_path(name, cc, cpp).relative_to(envs.cache_root() / "kernels")
+               for name, cc, cpp in (("layer_ops", build.compiler(), False),
+                                     ("linear_op", build.cxx_compiler(), True))]
+    assert all(build.intact(p) for p in damaged), damaged
     _damage(damaged[0], "half-truncated")
     _damage(damaged[1], "flipped-bytes")
     assert run() == intact_run
