@@ -137,7 +137,7 @@ def compile_report(engine_args: EngineArgs) -> dict:
             "events": events,
             "cache": {"enabled": not envs.disable_compile_cache(), "dirs": cache_dirs,
                       "key_dirs": sorted({str(Path(p).parents[1]) for p in cache_dirs}),
-                      "inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+                      "inductor_cache_dir": s.inductor_cache_dir,
                       "hits": d["num_cache_hits"], "misses": d["num_cache_misses"],
                       "corrupt": d["num_corrupt_artifacts"]},
             "inductor": {"compiles": d["num_inductor_compiles"],

@@ -101,6 +101,7 @@ class KilnBackend:
         self.cache: CompileCache | None = None
         self.cache_key: str | None = None
         self.traced: list[str] = []  # source files Dynamo traced (part of the cache key)
+        self.inductor_dir: Path | None = None  # Inductor's cache while compiling (None: its own)
         self.warm_start = WarmStart(kiln_config, prefix, self.compiler)
         if cc.debug_dump_path and hasattr(self.compiler, "dump_dir"):
             self.compiler.dump_dir = (Path(cc.debug_dump_path) / f"rank_"
@@ -116,9 +117,12 @@ class KilnBackend:
         return compiled_graph_key(self.kiln_config, self.compiler, traced_files)
 
     def _open_cache(self, key: str) -> CompileCache | None:
+        """The compile cache under `key` (None: disabled or unwritable), and where Inductor's
+        own cache is while this backend compiles and loads (self.inductor_dir)."""
+        self.inductor_dir = None  # Inductor's usual place
         if envs.disable_compile_cache():
             # Inductor's cache too: nothing a previous process compiled may be reused.
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(private_inductor_cache_dir())
+            self.inductor_dir = private_inductor_cache_dir()
             logger.info("compile cache disabled by KILN_DISABLE_COMPILE_CACHE")
             return None
         cc = self.kiln_config.compilation_config
@@ -132,14 +136,14 @@ class KilnBackend:
                            "writable directory", key_dir, e)
             return None
         # Inductor's cache (compiled .so files) lives under the key so a warm start runs no gcc.
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache.inductor_cache_dir)
-        monitor.log_cache_dir(cache.dir, cache.was_warm)
+        self.inductor_dir = cache.inductor_cache_dir
+        monitor.log_cache_dir(cache.dir, cache.was_warm, self.inductor_dir)
         return cache
 
     def piece_compiler(self) -> PieceCompiler:
         cc = self.kiln_config.compilation_config
         return PieceCompiler(self.compiler, self.cache, dict(cc.inductor_compile_config),
-                             cc.warmup_phase)
+                             cc.warmup_phase, self.inductor_dir)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         compilation_counter.num_graphs_seen += 1

@@ -1,7 +1,8 @@
 """The on-disk compile cache: its key, its directory layout, and its index of artifacts.
 
 <cache_root>/torch_compile_cache/<key>/rank_<r>/<prefix>/{index.json, split_graph.py, artifacts/}
-with Inductor's own cache at <key>/inductor_cache, so a warm start runs no C++ compiler.
+with Inductor's own cache at <key>/inductor_cache (set around each compile and load, see
+`inductor_cache_at`), so a warm start runs no C++ compiler.
 """
 import atexit
 import contextlib
@@ -63,6 +64,32 @@ def private_inductor_cache_dir() -> Path:
     path = Path(tempfile.mkdtemp(prefix="kiln_inductor_"))
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     return path
+
+
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+# Set by Inductor itself before it loads each C++ kernel library (which reads it at import).
+_INDUCTOR_WRITES = ("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",)
+
+
+@contextlib.contextmanager
+def inductor_cache_at(path: Path | None):
+    """Inductor's cache at `path` within the block (None: wherever the process has it), and the
+    process's environment as it was afterwards. Inductor takes its cache directory from this
+    environment variable only, and writes variables itself (the directory once it looked, a
+    pointer for each kernel library it loads), so they are set around each compile and load
+    and restored: no engine leaves its settings to the process or to other engines."""
+    names = (INDUCTOR_CACHE_ENV, *_INDUCTOR_WRITES)
+    before = {name: os.environ.get(name) for name in names}
+    if path is not None:
+        os.environ[INDUCTOR_CACHE_ENV] = str(path)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -17,6 +17,7 @@ class CompileStats:
     load_s: float = 0.0
     events: list[dict] = field(default_factory=list)  # one per (piece, shape)
     cache_dirs: dict[str, str] = field(default_factory=dict)  # cache dir -> "hit" | "miss"
+    inductor_cache_dir: str | None = None  # where the latest opened cache keeps Inductor's
 
 
 stats = CompileStats()
@@ -33,8 +34,10 @@ def log_graph_load(prefix: str, seconds: float) -> None:
     logger.info("loaded the saved graph of %s in %.2f s (no Dynamo trace)", prefix, seconds)
 
 
-def log_cache_dir(path, warm: bool) -> None:
+def log_cache_dir(path, warm: bool, inductor_dir=None) -> None:
     stats.cache_dirs[str(path)] = "hit" if warm else "miss"
+    if inductor_dir is not None:
+        stats.inductor_cache_dir = str(inductor_dir)
     logger.info("compile cache %s: %s", "hit" if warm else "miss", path)
 
 

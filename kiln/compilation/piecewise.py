@@ -5,13 +5,14 @@ size wins. `PieceCompiler` compiles or loads artifacts, sharing them between ide
 """
 import collections
 import hashlib
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import fx
 
 from kiln.compilation import monitor
-from kiln.compilation.cache import CompileCache
+from kiln.compilation.cache import CompileCache, inductor_cache_at
 from kiln.compilation.compiler_interface import CompilerInterface
 from kiln.compilation.counters import compilation_counter
 from kiln.compilation.phase import WarmupPhase
@@ -59,12 +60,14 @@ def find_size_arg(example_inputs: list[Any]) -> tuple[int, int | None] | None:
 
 
 class PieceCompiler:
-    """Compiles or loads (piece, shape) artifacts through one compiler and one disk cache."""
+    """Compiles or loads (piece, shape) artifacts through one compiler and one disk cache;
+    Inductor's own cache is `inductor_dir` while it does (None: the process's)."""
 
     def __init__(self, compiler: CompilerInterface, cache: CompileCache | None,
-                 inductor_config: dict, phase: WarmupPhase):
+                 inductor_config: dict, phase: WarmupPhase, inductor_dir: Path | None = None):
         self.compiler, self.cache, self.inductor_config = compiler, cache, inductor_config
         self.phase = phase  # the engine's warm-up: compiling after it is an error
+        self.inductor_dir = inductor_dir
         self._memo: dict[tuple[str, int | None], Callable] = {}
         self._handles: dict[tuple[str, int | None], dict] = {}  # same keys, saved artifacts
 
@@ -97,6 +100,10 @@ class PieceCompiler:
         return fn
 
     def _compile(self, piece: int, graph, example_inputs, shape, save_path):
+        with inductor_cache_at(self.inductor_dir):
+            return self._compile_or_retry(piece, graph, example_inputs, shape, save_path)
+
+    def _compile_or_retry(self, piece: int, graph, example_inputs, shape, save_path):
         try:
             return self.compiler.compile(graph, example_inputs, self.inductor_config, shape,
                                          save_path)
@@ -134,7 +141,7 @@ class PieceCompiler:
             self.cache.forget(shape, piece, self.compiler.name)
             return None
         try:
-            with monitor.Timer() as t:
+            with monitor.Timer() as t, inductor_cache_at(self.inductor_dir):
                 fn = self.compiler.load(handle, path, graph)
         except Exception as e:  # a corrupt artifact must not stop serving: recompile instead
             compilation_counter.num_corrupt_artifacts += 1

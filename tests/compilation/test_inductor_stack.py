@@ -276,8 +276,8 @@ def test_disabled_cache_reuses_nothing_from_inductor_cache(cold, monkeypatch):
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv("KILN_DISABLE_COMPILE_CACHE", "1")
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(next(
-        (cold["root"] / "cache").glob("*/inductor_cache"))))
+    earlier = str(next((cold["root"] / "cache").glob("*/inductor_cache")))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", earlier)
     config = tm.toy_config(mode=3, cache_dir=str(cold["root"] / "cache"))
     model = tm.build(config)
     hits = counters["inductor"]["fxgraph_cache_hit"]
@@ -285,7 +285,9 @@ def test_disabled_cache_reuses_nothing_from_inductor_cache(cold, monkeypatch):
         with torch.no_grad():
             compile_and_warm_up(lambda n: model(*tm.inputs(n)), config)
     assert counters["inductor"]["fxgraph_cache_hit"] == hits
-    assert Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).name.startswith("kiln_inductor_")
+    private = model._kiln_compile.backend.inductor_dir
+    assert private.name.startswith("kiln_inductor_") and any(private.iterdir())
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == earlier  # the process's setting, restored
     torch.testing.assert_close(_run(model, 3), _run(cold["reference"], 3))
 
 

@@ -3,8 +3,11 @@
 Mixed-length batch with chunked prefill; mode 3 also checks the piece counters and that serving
 neither compiles nor enters Dynamo.
 """
+import os
+
 import pytest
 import torch
+import torch._dynamo  # sets TORCHINDUCTOR_CACHE_DIR itself, at import: before the snapshots
 
 from checkpoints import hf_greedy, make_tiny_checkpoint, random_prompts
 from kiln import LLM, SamplingParams, ir
@@ -58,7 +61,7 @@ def test_modes_match_hf(llama4_dir, tmp_path, oracle, config):
 
 def test_mode3_inductor_matches_hf_and_serves_without_compiling(llama4_dir, tmp_path, oracle):
     prompts, expected = oracle
-    before = compilation_counter.clone()
+    before, environ = compilation_counter.clone(), dict(os.environ)
     lower_ir.reset_record()
     llm = _llm(llama4_dir, tmp_path, {"mode": 3, "backend": "inductor"})
     c = compilation_counter
@@ -73,6 +76,7 @@ def test_mode3_inductor_matches_hf_and_serves_without_compiling(llama4_dir, tmp_
         got = _generate(llm, prompts)
     assert sum(torch._dynamo.utils.counters["frames"].values()) == dynamo_frames
     assert got == expected
+    assert dict(os.environ) == environ  # Inductor's cache dir was set around compiles only
     # The compiled graphs took every IR op's eager implementation (a cold cache: the passes ran).
     eager = ir.applied()
     for op, providers in lower_ir.lowered_providers().items():
@@ -87,6 +91,7 @@ def test_mode3_inductor_matches_hf_and_serves_without_compiling(llama4_dir, tmp_
 def test_mode3_warm_start_skips_dynamo_and_matches_hf(llama4_dir, tmp_path, oracle, backend):
     """A second engine on the same compile cache runs the saved graph: no Dynamo trace."""
     prompts, expected = oracle
+    environ = dict(os.environ)
     cold = _llm(llama4_dir, tmp_path, {"mode": 3, "backend": backend})
     assert _generate(cold, prompts) == expected
     del cold
@@ -94,6 +99,7 @@ def test_mode3_warm_start_skips_dynamo_and_matches_hf(llama4_dir, tmp_path, orac
                                     num_saved_graph_loads=1, num_inductor_compiles=0):
         warm = _llm(llama4_dir, tmp_path, {"mode": 3, "backend": backend})
     assert _generate(warm, prompts) == expected
+    assert dict(os.environ) == environ  # no engine writes the process's environment
 
 
 @pytest.mark.parametrize("config", [{"mode": 0}, {"mode": 2}, {"mode": 3, "backend": "inductor"}],
