@@ -14,6 +14,9 @@ RULES = [
      "the backend owns its WarmStart and calls it; the warm start never calls back"),
     ("kiln/cudagraphs", "kiln.compilation.backend", "the backend wraps pieces for CUDA graphs"),
     ("kiln/cudagraphs", "kiln.worker", "the worker runs the capture step"),
+    ("kiln/config", "kiln.compilation", "settings know nothing of the compile stack's state"),
+    ("kiln/config", "kiln.cudagraphs", "the resolved graph mode is the model runner's"),
+    ("kiln/config", "kiln.worker", "settings know nothing of the engine's state"),
 ]
 
 

@@ -185,9 +185,11 @@ class Subject:
 
     def report(self) -> dict:
         cc, mc = self.kiln_config.compilation_config, self.kiln_config.model_config
+        # The mode the model runner resolved (the request may have been downgraded).
+        runner = self.engine.engine_core.executor.worker.model_runner
         return {"spec": self.label, "compilation_config": self.spec,
                 "compilation_mode": int(cc.mode),
-                "cudagraph_mode": getattr(cc.cudagraph_mode, "name", cc.cudagraph_mode),
+                "cudagraph_mode": runner.cudagraph_dispatcher.cudagraph_mode.name,
                 "startup_s": self.startup_s,
                 "model_weight_bytes": self.weight_bytes, "model": mc.model,
                 "dtype": str(mc.torch_dtype).removeprefix("torch."),
@@ -211,7 +213,8 @@ def start_subject(label: str, spec: dict, engine_args: EngineArgs, batch_sizes: 
                       model_weight_bytes(engine))
     try:
         for b in batch_sizes:
-            check_kv_capacity(b, input_len + warmup_steps + num_steps + 2, cache.num_blocks,
+            check_kv_capacity(b, input_len + warmup_steps + num_steps + 2,
+                              engine.engine_core.num_blocks,
                               cache.block_size)
     except ValueError:
         _free(engine)

@@ -14,6 +14,7 @@ from kiln import envs
 from kiln.compilation import monitor
 from kiln.compilation.cache import (CompileCache, cache_base_dir, compiled_graph_key,
                                     private_inductor_cache_dir)
+from kiln.compilation.compile_state import CompileState
 from kiln.compilation.compiler_interface import make_compiler
 from kiln.compilation.counters import compilation_counter
 from kiln.compilation.passes import (FuseAddRmsNormLinear, FuseSiluMulLinear, LowerIrOps,
@@ -21,21 +22,10 @@ from kiln.compilation.passes import (FuseAddRmsNormLinear, FuseSiluMulLinear, Lo
 from kiln.compilation.piecewise import PieceCompiler, PiecewiseBackend
 from kiln.compilation.split import SplitItem, split_graph
 from kiln.compilation.warm_start import SavedGraph, WarmStart
+from kiln.cudagraphs.wrapper import wrap_piece_for_cudagraph
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
-
-
-def wrap_piece(piece_callable: Callable, piece_index: int, is_last: bool,
-               kiln_config=None) -> Callable:
-    """Seam for CUDA graphs (kiln/cudagraphs/wrapper.py): wrap a compiled piece for capture
-    when a piecewise graph mode asks for it. Without graph support the piece runs as is."""
-    if kiln_config is None:
-        return piece_callable
-    from kiln.cudagraphs.wrapper import wrap_piece_for_cudagraph
-
-    return wrap_piece_for_cudagraph(piece_callable, kiln_config.compilation_config,
-                                    is_last=is_last, name=f"piece_{piece_index}")
 
 
 def fusion_passes(kiln_config) -> list:
@@ -85,10 +75,12 @@ def fake_example_inputs(example_inputs: list[Any]) -> list[Any]:
 
 
 class KilnBackend:
-    """One instance per compiled model instance; `prefix` names its cache subdirectory."""
+    """One instance per compiled model instance; `prefix` names its cache subdirectory, `state`
+    is its engine's (warm-up phase, resolved graph mode)."""
 
-    def __init__(self, kiln_config, prefix: str):
+    def __init__(self, kiln_config, prefix: str, state: CompileState | None = None):
         self.kiln_config, self.prefix = kiln_config, prefix
+        self.state = state if state is not None else CompileState()
         cc = kiln_config.compilation_config
         self.pass_manager = PostGradPassManager(cc.pass_config)
         for graph_pass in [*early_passes(kiln_config), *fusion_passes(kiln_config)]:
@@ -143,7 +135,7 @@ class KilnBackend:
     def piece_compiler(self) -> PieceCompiler:
         cc = self.kiln_config.compilation_config
         return PieceCompiler(self.compiler, self.cache, dict(cc.inductor_compile_config),
-                             cc.warmup_phase, self.inductor_dir)
+                             self.state.warmup_phase, self.inductor_dir)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         compilation_counter.num_graphs_seen += 1
@@ -194,7 +186,9 @@ class KilnBackend:
                                  self.kiln_config.scheduler_config.max_num_batched_tokens,
                                  saved=saved)
         self.pieces[graph_id] = piece
-        split_gm.__dict__[submod] = wrap_piece(piece, graph_id, is_last, self.kiln_config)
+        # Wrapped for capture when the resolved graph mode has PIECEWISE graphs.
+        split_gm.__dict__[submod] = wrap_piece_for_cudagraph(
+            piece, self.state.cudagraph_mode, is_last=is_last, name=f"piece_{graph_id}")
 
     def save_traced(self, forward, result: Any, signature: str, bytecode) -> None:
         """Called by the wrapper after the cold trace's first call: save it for warm starts."""

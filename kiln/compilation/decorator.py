@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from kiln.compilation.compile_state import current_compile_state
 from kiln.config import CompilationMode, get_current_kiln_config
 
 NUM_TOKENS_SHAPE_ID = "kiln_num_tokens"
@@ -80,6 +81,7 @@ def support_torch_compile(cls: type | None = None, *,
             config = kwargs.get("kiln_config") or get_current_kiln_config()
             mode = config.compilation_config.mode
             self._kiln_config = config
+            self._kiln_compile_state = current_compile_state()
             self._kiln_compile = None
             self._kiln_dynamic_arg_dims = dims
             enabled = (mode != CompilationMode.NONE and not type(self)._kiln_ignore_compile
@@ -87,13 +89,14 @@ def support_torch_compile(cls: type | None = None, *,
             self._kiln_compile_enabled = enabled
             if enabled:
                 # A new model starts a new warm-up for its engine (its first call compiles).
-                config.compilation_config.warmup_phase.reset()
+                self._kiln_compile_state.warmup_phase.reset()
 
         def __call__(self, *args, **kwargs):
             if not self._kiln_compile_enabled or torch.compiler.is_compiling():
                 return original_call(self, *args, **kwargs)
             if self._kiln_compile is None:
-                self._kiln_compile = _make_wrapper(self, self._kiln_config)
+                self._kiln_compile = _make_wrapper(self, self._kiln_config,
+                                                   self._kiln_compile_state)
                 mark_dynamic_args(type(self).forward, self._kiln_dynamic_arg_dims, args, kwargs,
                                   unbacked=self._kiln_config.compilation_config.mode
                                   == CompilationMode.STOCK_TORCH_COMPILE)
@@ -105,14 +108,14 @@ def support_torch_compile(cls: type | None = None, *,
     return decorate(cls) if cls is not None else decorate
 
 
-def _make_wrapper(module: torch.nn.Module, config) -> Callable:
+def _make_wrapper(module: torch.nn.Module, config, state) -> Callable:
     from kiln.compilation.backend import KilnBackend
     from kiln.compilation.wrapper import GuardedCompileWrapper, TraceOnceWrapper
 
     cc = config.compilation_config
-    forward, prefix, phase = type(module).forward, type(module).__name__, cc.warmup_phase
+    forward, prefix, phase = type(module).forward, type(module).__name__, state.warmup_phase
     if cc.mode == CompilationMode.STOCK_TORCH_COMPILE:
         return GuardedCompileWrapper(module, forward, cc.backend, prefix, phase)
     if cc.mode == CompilationMode.DYNAMO_TRACE_ONCE:
         return TraceOnceWrapper(module, forward, cc.backend, prefix, phase)
-    return TraceOnceWrapper(module, forward, KilnBackend(config, prefix), prefix, phase)
+    return TraceOnceWrapper(module, forward, KilnBackend(config, prefix, state), prefix, phase)

@@ -1,8 +1,8 @@
 """Warm-up vs serving, per engine: compiling is allowed only while an engine warms up.
 
-Each engine's phase lives on its CompilationConfig (`warmup_phase`), so two engines in one
-process (a benchmark comparing modes, a test) keep their own; the worker ends it once every shape
-is compiled, and a compile after that is a bug.
+Each engine's phase lives in its model runner's CompileState (compile_state.py), so two engines
+in one process (a benchmark comparing modes, a test) keep their own; the worker ends it once
+every shape is compiled, and a compile after that is a bug.
 """
 
 

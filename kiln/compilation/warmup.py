@@ -5,6 +5,7 @@ The worker passes its dummy-run function; after this, a compile is an error.
 from typing import Callable
 
 from kiln.compilation import monitor
+from kiln.compilation.phase import WarmupPhase
 
 
 def sizes_to_run(max_num_batched_tokens: int, compile_sizes: list[int], compiled: bool,
@@ -23,14 +24,15 @@ def sizes_to_run(max_num_batched_tokens: int, compile_sizes: list[int], compiled
     return sorted(sizes, reverse=True)
 
 
-def compile_and_warm_up(run: Callable[[int], object], kiln_config,
+def compile_and_warm_up(run: Callable[[int], object], kiln_config, phase: WarmupPhase,
                         extra_sizes: list[int] = ()) -> None:
-    """Call `run(num_tokens)` for every compiled shape (plus `extra_sizes`), then end warm-up."""
+    """Call `run(num_tokens)` for every compiled shape (plus `extra_sizes`), then end `phase`,
+    the warm-up of the engine whose model `run` calls (its CompileState's)."""
     sched, cc = kiln_config.scheduler_config, kiln_config.compilation_config
     first_event = len(monitor.stats.events)
     for size in sizes_to_run(sched.max_num_batched_tokens, cc.compile_sizes, bool(cc.mode),
                              extra_sizes):
         run(size)
-    cc.warmup_phase.end()
+    phase.end()
     if cc.mode:  # mode 0 compiled nothing
         monitor.log_total(since=first_event)

@@ -1,19 +1,20 @@
 """KV cache configuration: block size, memory budget, prefix caching."""
 from dataclasses import dataclass
 
+from kiln.config.frozen import FreezableConfig
+
 
 @dataclass
-class CacheConfig:
+class CacheConfig(FreezableConfig):
     block_size: int = 16
     # CPU: GiB of host memory for the KV cache (None: KILN_CPU_KVCACHE_SPACE, else 4 GiB).
     kv_cache_memory: float | None = None
     # CUDA: fraction of total device memory the engine may use (weights + activations + KV).
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    # Overrides the memory-derived block count (tests use it to force preemption).
+    # Overrides the memory-derived block count (tests use it to force preemption). The count
+    # the engine settles on is its state (EngineCore.num_blocks, Worker.num_blocks), no setting.
     num_gpu_blocks_override: int | None = None
-    # Filled in by the worker after it sized the cache.
-    num_blocks: int | None = None
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.compilation.phase import WarmupPhase
+from kiln.config.frozen import FreezableConfig
 
 
 class CompilationMode(enum.IntEnum):
@@ -28,7 +28,7 @@ def _inductor_options() -> set[str]:
 
 
 @dataclass
-class CompilationConfig:
+class CompilationConfig(FreezableConfig):
     mode: int | None = None  # None: KILN_COMPILE, or NONE with enforce_eager
     backend: str = "inductor"  # "inductor" | "eager"
     splitting_ops: list[str] | None = None
@@ -42,13 +42,11 @@ class CompilationConfig:
     cache_dir: str = ""  # "" -> <KILN_CACHE_ROOT>/torch_compile_cache
     debug_dump_path: str = ""
 
-    # Runtime state, not settings (not part of the hash, never copied between engines):
-    # layer name -> Attention module, filled at model construction; this engine's warm-up.
+    # Runtime state, not a setting (not part of the hash, never copied between engines):
+    # layer name -> Attention module, filled at model construction.
     static_forward_context: dict = field(default_factory=dict, repr=False, compare=False)
-    warmup_phase: WarmupPhase = field(default_factory=WarmupPhase, init=False, repr=False,
-                                      compare=False)
 
-    RUNTIME_FIELDS = frozenset({"static_forward_context", "warmup_phase"})
+    RUNTIME_FIELDS = frozenset({"static_forward_context"})
 
     def __post_init__(self):
         def fail(name: str, rule: str, value) -> None:
@@ -99,6 +97,11 @@ class CompilationConfig:
                                  f"known: {sorted(known)}")
             return cls(**value)
         return cls.from_cli(cli_fields(str(value)))
+
+    def thawed_copy(self) -> "CompilationConfig":
+        clone = super().thawed_copy()
+        clone.static_forward_context = {}  # runtime state: never shared between engines
+        return clone
 
     def resolve_mode(self, enforce_eager: bool) -> None:
         if enforce_eager:

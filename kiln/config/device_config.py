@@ -3,6 +3,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.config.frozen import FreezableConfig
+
 
 def resolve_device(device: str) -> str:
     """"cpu" or "cuda" for a --device value ("auto": the platform's)."""
@@ -15,7 +17,7 @@ def resolve_device(device: str) -> str:
 
 
 @dataclass
-class DeviceConfig:
+class DeviceConfig(FreezableConfig):
     device: str = "auto"
     device_obj: torch.device = field(init=False)
 

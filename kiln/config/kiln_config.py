@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from kiln.config.cache_config import CacheConfig
 from kiln.config.compilation_config import CompilationConfig, CompilationMode
 from kiln.config.device_config import DeviceConfig
+from kiln.config.frozen import FreezableConfig
 from kiln.config.load_config import LoadConfig
 from kiln.config.model_config import ModelConfig
 from kiln.config.parallel_config import ParallelConfig
@@ -19,7 +20,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 @dataclass
-class KilnConfig:
+class KilnConfig(FreezableConfig):
     model_config: ModelConfig
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -31,7 +32,20 @@ class KilnConfig:
     # IR op -> providers in order of preference, over the platform's defaults (kiln/ir/)
     ir_op_priority: dict = field(default_factory=dict)
 
+    SUB_CONFIGS = ("model_config", "cache_config", "scheduler_config", "parallel_config",
+                   "load_config", "device_config", "compilation_config")
+
     def __post_init__(self):
+        subs = [getattr(self, name) for name in self.SUB_CONFIGS]
+        for name, sub in zip(self.SUB_CONFIGS, subs):
+            if getattr(sub, "frozen", False):  # resolved by another KilnConfig: resolve a copy
+                setattr(self, name, sub.thawed_copy())
+        self._resolve()
+        for name in self.SUB_CONFIGS:
+            getattr(self, name).freeze()
+        self.freeze()
+
+    def _resolve(self) -> None:
         from kiln.ir import check_priority
 
         self.ir_op_priority = check_priority(self.ir_op_priority)

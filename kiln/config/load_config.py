@@ -1,11 +1,13 @@
 """How weights are loaded: auto (from the files), HF safetensors, GGUF, or dummy random."""
 from dataclasses import dataclass
 
+from kiln.config.frozen import FreezableConfig
+
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
 @dataclass
-class LoadConfig:
+class LoadConfig(FreezableConfig):
     load_format: str = "auto"
 
     def __post_init__(self):

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from kiln.config.frozen import FreezableConfig
+
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
@@ -39,7 +41,7 @@ def find_gguf_file(path: Path) -> Path | None:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(FreezableConfig):
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"

@@ -4,6 +4,8 @@ Ranks are laid out as vLLM lays them out: rank = pp_rank * tensor_parallel_size 
 """
 from dataclasses import dataclass
 
+from kiln.config.frozen import FreezableConfig
+
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
@@ -20,7 +22,7 @@ def resolve_executor_backend(backend: str | None, world_size: int) -> str:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(FreezableConfig):
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None (resolved) | "uni" | "mp" | "ray"

@@ -1,9 +1,11 @@
 """Scheduler configuration: batch limits (token budget, sequences per step)."""
 from dataclasses import dataclass
 
+from kiln.config.frozen import FreezableConfig
+
 
 @dataclass
-class SchedulerConfig:
+class SchedulerConfig(FreezableConfig):
     max_num_seqs: int = 64
     # Token budget per step; None: derived from max_model_len by KilnConfig.
     max_num_batched_tokens: int | None = None

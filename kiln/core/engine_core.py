@@ -20,15 +20,15 @@ class EngineCore:
         self.kiln_config = kiln_config
         self.executor = executor_class(kiln_config)
         try:
-            num_blocks = self._initialize_kv_cache()
+            self.num_blocks = self._initialize_kv_cache()  # the KV cache's size, in blocks
             start = time.perf_counter()
             self.executor.compile_or_warm_up_model()
             logger.info("model compiled / warmed up in %.2f s", time.perf_counter() - start)
         except BaseException:
             self.executor.shutdown()
             raise
-        self.scheduler = Scheduler(kiln_config)
-        logger.info("engine core ready: %d KV blocks of %d tokens", num_blocks,
+        self.scheduler = Scheduler(kiln_config, self.num_blocks)
+        logger.info("engine core ready: %d KV blocks of %d tokens", self.num_blocks,
                     kiln_config.cache_config.block_size)
 
     def _initialize_kv_cache(self) -> int:
@@ -42,7 +42,6 @@ class EngineCore:
         if num_blocks < 1:
             raise ValueError(f"no memory left for the KV cache (num_blocks={num_blocks}); raise "
                              "--kv-cache-memory / --gpu-memory-utilization or use a smaller model")
-        cache.num_blocks = num_blocks
         self.executor.initialize_cache(num_blocks)
         max_model_len = self.kiln_config.scheduler_config.max_model_len
         capacity = num_blocks * cache.block_size

@@ -38,15 +38,16 @@ def check_stop(request: Request, max_model_len: int) -> bool:
 
 
 class Scheduler:
-    def __init__(self, kiln_config):
+    def __init__(self, kiln_config, num_blocks: int):
+        """`num_blocks`: the KV cache's size in blocks, as the engine core settled it."""
         sched, cache = kiln_config.scheduler_config, kiln_config.cache_config
-        if cache.num_blocks is None:
-            raise ValueError("cache_config.num_blocks is not set: size the KV cache (EngineCore "
-                             "does) or pass num_gpu_blocks_override before building the Scheduler")
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"the Scheduler needs the KV cache's block count (>= 1; EngineCore "
+                             f"sizes the cache); got num_blocks={num_blocks!r}")
         self.max_num_seqs = sched.max_num_seqs
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.max_model_len = sched.max_model_len
-        self.kv_cache_manager = KVCacheManager(cache.block_size, cache.num_blocks,
+        self.kv_cache_manager = KVCacheManager(cache.block_size, num_blocks,
                                                cache.enable_prefix_caching)
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()

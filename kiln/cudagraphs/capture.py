@@ -6,17 +6,16 @@ import numpy as np
 import torch
 
 from kiln.attention.metadata import AttentionMetadata
-from kiln.cudagraphs.dispatcher import CudagraphDispatcher, resolve_cudagraph_config
+from kiln.cudagraphs.dispatcher import CudagraphDispatcher
 from kiln.cudagraphs.mode import BatchDescriptor, CUDAGraphMode
 from kiln.cudagraphs.wrapper import capture_phase
 from kiln.forward_context import set_forward_context
 
 
 def setup_cudagraphs(kiln_config, platform=None) -> CudagraphDispatcher:
-    """Resolve cudagraph_mode / capture sizes in the config (the piecewise backend reads them
-    when it compiles), and build the dispatcher from the result."""
-    resolve_cudagraph_config(kiln_config, platform)
-    return CudagraphDispatcher.from_config(kiln_config)
+    """The dispatcher of the resolved cudagraph mode and capture sizes (the model runner hands
+    its mode to the piecewise backend through its CompileState)."""
+    return CudagraphDispatcher.from_config(kiln_config, platform)
 
 
 def dummy_query_lens(desc: BatchDescriptor, max_num_reqs: int, max_model_len: int) -> np.ndarray:

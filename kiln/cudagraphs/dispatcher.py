@@ -121,14 +121,11 @@ def attention_supports_full_cudagraph(platform=None) -> bool:
     return bool(getattr(get_attn_backend(platform), "supports_full_cudagraph", False))
 
 
-def resolve_cudagraph_config(kiln_config, platform=None,
-                             attn_supports_full: bool | None = None) -> CUDAGraphMode:
-    """Resolve mode and capture sizes in place on kiln_config.compilation_config; idempotent.
-
-    Afterwards `cudagraph_mode` is a CUDAGraphMode, `cudagraph_capture_sizes` the sorted list
-    and `max_cudagraph_capture_size` its largest entry (0 when empty). Logs one line when the
-    mode differs from the request.
-    """
+def resolve_cudagraph_config(kiln_config, platform=None, attn_supports_full: bool | None = None
+                             ) -> tuple[CUDAGraphMode, list[int]]:
+    """The mode a worker really uses and the sorted capture sizes, from the (frozen) config's
+    request; logs one line when the mode differs from it. The result is the dispatcher's state
+    (CudagraphDispatcher.from_config), never written back into the config."""
     if platform is None:
         platform = kiln_config.platform
     cc, sched = kiln_config.compilation_config, kiln_config.scheduler_config
@@ -147,10 +144,7 @@ def resolve_cudagraph_config(kiln_config, platform=None,
                     platform.device_type, "; ".join(reasons))
     sizes = resolve_capture_sizes(cc.cudagraph_capture_sizes, sched.max_num_seqs,
                                   sched.max_num_batched_tokens, cc.max_cudagraph_capture_size)
-    cc.cudagraph_mode = mode
-    cc.cudagraph_capture_sizes = sizes
-    cc.max_cudagraph_capture_size = sizes[-1] if sizes else 0
-    return mode
+    return mode, sizes
 
 
 # ---- the dispatcher -------------------------------------------------------------------------
@@ -180,14 +174,11 @@ class CudagraphDispatcher:
         self._padding = build_padding_table(self.capture_sizes)
 
     @classmethod
-    def from_config(cls, kiln_config) -> "CudagraphDispatcher":
-        """Build from a config that resolve_cudagraph_config has already resolved."""
-        cc = kiln_config.compilation_config
-        if not isinstance(cc.cudagraph_mode, CUDAGraphMode) or cc.cudagraph_capture_sizes is None:
-            raise RuntimeError("CudagraphDispatcher.from_config needs a resolved config: call "
-                               "resolve_cudagraph_config(kiln_config) first")
-        return cls(cc.cudagraph_mode, cc.cudagraph_capture_sizes,
-                   kiln_config.scheduler_config.max_num_seqs)
+    def from_config(cls, kiln_config, platform=None,
+                    attn_supports_full: bool | None = None) -> "CudagraphDispatcher":
+        """The dispatcher of the mode and sizes resolve_cudagraph_config resolves."""
+        mode, sizes = resolve_cudagraph_config(kiln_config, platform, attn_supports_full)
+        return cls(mode, sizes, kiln_config.scheduler_config.max_num_seqs)
 
     @property
     def max_capture_size(self) -> int:

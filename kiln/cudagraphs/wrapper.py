@@ -210,23 +210,21 @@ class CUDAGraphWrapper:
         return entry.output
 
 
-def wrap_piece_for_cudagraph(piece: Callable, compilation_config, *, is_last: bool,
+def wrap_piece_for_cudagraph(piece: Callable, cudagraph_mode: CUDAGraphMode, *, is_last: bool,
                              name: str = "") -> Callable:
     """The piecewise backend's hook: wrap a compiled piece when PIECEWISE graphs are on.
 
-    `compilation_config.cudagraph_mode` must already be resolved (resolve_cudagraph_config);
-    an unresolved None means no graphs.
+    `cudagraph_mode` is the resolved mode (the model runner's dispatcher's), not the request.
     """
-    mode = compilation_config.cudagraph_mode
-    if mode is None or not CUDAGraphMode.parse(mode).has_piecewise_cudagraphs():
+    if not cudagraph_mode.has_piecewise_cudagraphs():
         return piece
     return CUDAGraphWrapper(piece, CUDAGraphMode.PIECEWISE, weak_ref_output=is_last, name=name)
 
 
-def wrap_model_for_full_cudagraph(model: Callable, compilation_config) -> Callable:
-    """The model runner's hook: wrap the whole model forward when FULL graphs are on."""
-    mode = compilation_config.cudagraph_mode
-    if mode is None or not CUDAGraphMode.parse(mode).has_full_cudagraphs():
+def wrap_model_for_full_cudagraph(model: Callable, cudagraph_mode: CUDAGraphMode) -> Callable:
+    """The model runner's hook: wrap the whole model forward when the resolved mode has FULL
+    graphs."""
+    if not cudagraph_mode.has_full_cudagraphs():
         return model
     return CUDAGraphWrapper(model, CUDAGraphMode.FULL, weak_ref_output=True,
                             name=type(model).__name__)

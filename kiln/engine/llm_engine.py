@@ -48,8 +48,8 @@ class LLMEngine:
         if executor_class is None:
             executor_class = get_executor_class(kiln_config.parallel_config)
         self.engine_core = EngineCore(kiln_config, executor_class)
-        cache = kiln_config.cache_config
-        self.input_processor.kv_cache_tokens = cache.num_blocks * cache.block_size
+        self.input_processor.kv_cache_tokens = (self.engine_core.num_blocks
+                                                * kiln_config.cache_config.block_size)
         # Dropped without shutdown(), the engine still shuts its workers down: a worker keeps
         # the start-up heap out of the garbage collector's reach until then (host_memory.py).
         self._shutdown = weakref.finalize(self, self.engine_core.shutdown)

@@ -10,6 +10,7 @@ import torch
 
 from kiln.attention.backend import AttentionBackend
 from kiln.attention.metadata import AttentionMetadata
+from kiln.compilation.compile_state import CompileState, set_compile_state
 from kiln.core.kv_cache_utils import cdiv
 from kiln.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from kiln.cudagraphs.capture import setup_cudagraphs
@@ -73,6 +74,8 @@ class ModelRunner:
         self._allocate_buffers()
         # Before the model compiles: the piecewise backend reads the resolved mode.
         self.cudagraph_dispatcher = setup_cudagraphs(kiln_config)
+        # This engine's compile stack state (warm-up phase, the resolved graph mode).
+        self.compile_state = CompileState(cudagraph_mode=self.cudagraph_dispatcher.cudagraph_mode)
         self._cudagraph_step: tuple[CUDAGraphMode, BatchDescriptor | None] = \
             (CUDAGraphMode.NONE, None)
         self.stage = get_pp_group()  # this rank's pipeline group (size 1 without PP)
@@ -124,8 +127,9 @@ class ModelRunner:
     def load_model(self) -> None:
         from kiln.model.loader import get_model
 
-        self.model = wrap_model_for_full_cudagraph(get_model(self.kiln_config),
-                                                   self.kiln_config.compilation_config)
+        with set_compile_state(self.compile_state):
+            model = get_model(self.kiln_config)
+        self.model = wrap_model_for_full_cudagraph(model, self.compile_state.cudagraph_mode)
         self.stage_inputs = StageInputs(self.kiln_config.model_config.hf_config.hidden_size,
                                         self.kiln_config.model_config.torch_dtype)
         # The layers' attention backend (one for all), whose per-step work runs before them.

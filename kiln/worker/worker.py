@@ -24,6 +24,7 @@ class Worker:
         self.rank, self.local_rank = rank, local_rank
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
+        self.num_blocks: int | None = None  # the KV cache's size once allocated
 
     def init_device(self) -> None:
         device = self.kiln_config.device_config.device_obj
@@ -95,7 +96,7 @@ class Worker:
                                                      layer.num_kv_heads, layer.head_size)
             layer.kv_cache = (zeros_on_first_touch(shape, dtype) if self.device.type == "cpu"
                               else torch.zeros(shape, dtype=dtype, device=self.device))
-        cache.num_blocks = num_blocks  # this process's config (a worker may have its own)
+        self.num_blocks = num_blocks
 
     # ---- warm-up ---------------------------------------------------------------------------
     def compile_or_warm_up_model(self) -> None:
@@ -105,6 +106,7 @@ class Worker:
         # One token and a full decode batch run too, so their eager paths are warm as well.
         sched = self.kiln_config.scheduler_config
         compile_and_warm_up(self.model_runner.dummy_run, self.kiln_config,
+                            self.model_runner.compile_state.warmup_phase,
                             extra_sizes=[1, min(sched.max_num_seqs, sched.max_num_batched_tokens)])
         # Record every CUDA graph now, after compiling and before serving (no-op on CPU).
         capture_model(self.model_runner, self.model_runner.cudagraph_dispatcher, self.platform)

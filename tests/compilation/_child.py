@@ -9,6 +9,7 @@ import torch
 from torch._inductor import cpp_builder
 
 import toy_model as tm
+from kiln.compilation.compile_state import compile_state_of
 from kiln.compilation.counters import compilation_counter
 from kiln.compilation.warmup import compile_and_warm_up
 
@@ -21,7 +22,8 @@ if __name__ == "__main__":
     config = tm.toy_config(mode=3, compile_sizes=[1, 8], cache_dir=cache_dir)
     model = tm.build(config)
     with torch.no_grad():
-        compile_and_warm_up(lambda n: model(*tm.inputs(n)), config)
+        compile_and_warm_up(lambda n: model(*tm.inputs(n)), config,
+                            compile_state_of(model).warmup_phase)
         outputs = {n: model(*tm.inputs(n)) for n in SIZES}
     torch.save({"outputs": outputs, "counters": vars(compilation_counter.clone()),
                 "cpp_builds": builds}, out_path)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import toy_model as tm
+from kiln.compilation.compile_state import compile_state_of
 from kiln.compilation.counters import compilation_counter
 from kiln.compilation.decorator import (ignore_torch_compile, infer_dynamic_arg_dims,
                                         support_torch_compile)
@@ -71,7 +72,7 @@ def test_modes_match_eager_and_refuse_recompiles_after_warmup(mode):
     model = tm.build(tm.toy_config(mode=mode, backend="eager"))
     reference = tm.build(tm.toy_config(mode=0))
     _check(model, reference, [16, 1, 7])
-    model._kiln_config.compilation_config.warmup_phase.end()
+    compile_state_of(model).warmup_phase.end()
     _check(model, reference, [2, 1, 9])  # new sizes: served without recompiling
     ids, positions = tm.inputs(4)
     with torch.no_grad(), pytest.raises(RecompileAfterWarmupError, match="int32|input_ids"):
@@ -84,11 +85,12 @@ def test_each_engine_keeps_its_own_warmup_phase():
     first_config = tm.toy_config(mode=1, backend="eager")
     first, reference = tm.build(first_config), tm.build(tm.toy_config(mode=0))
     with torch.no_grad():
-        compile_and_warm_up(lambda n: first(*tm.inputs(n)), first_config)
+        compile_and_warm_up(lambda n: first(*tm.inputs(n)), first_config,
+                            compile_state_of(first).warmup_phase)
     second_config = tm.toy_config(mode=1, backend="eager")
     second = tm.build(second_config)
-    assert first_config.compilation_config.warmup_phase.serving
-    assert not second_config.compilation_config.warmup_phase.serving
+    assert compile_state_of(first).warmup_phase.serving
+    assert not compile_state_of(second).warmup_phase.serving
     ids, positions = tm.inputs(4)
     with torch.no_grad():
         second(ids.int(), positions)  # still warming up: this recompile is allowed
@@ -138,8 +140,9 @@ def test_warmup_driver_runs_every_shape_then_ends_warmup():
     model = tm.build(config)
     seen = []
     with torch.no_grad():
-        compile_and_warm_up(lambda n: seen.append(model(*tm.inputs(n)).shape[0]), config)
-    assert seen == [8, 1] and config.compilation_config.warmup_phase.serving
+        compile_and_warm_up(lambda n: seen.append(model(*tm.inputs(n)).shape[0]), config,
+                            compile_state_of(model).warmup_phase)
+    assert seen == [8, 1] and compile_state_of(model).warmup_phase.serving
     pieces = model._kiln_compile.backend.pieces
     assert all(set(p.by_size) == {1, 8} for p in pieces.values())
     # Traced at 8 tokens, the range artifact serves the whole budget with nothing compiled.
@@ -157,5 +160,6 @@ def test_eager_warm_start_runs_the_code_only_saved_graph(monkeypatch, tmp_path):
                                cache_dir=str(tmp_path))
         model = tm.build(config)
         with compilation_counter.expect(**deltas), torch.no_grad():
-            compile_and_warm_up(lambda n: model(*tm.inputs(n)), config)
+            compile_and_warm_up(lambda n: model(*tm.inputs(n)), config,
+                                compile_state_of(model).warmup_phase)
         _check(model, reference, [8, 3, 1])

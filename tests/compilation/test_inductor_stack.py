@@ -18,6 +18,7 @@ from kiln.compilation.backend import KilnBackend
 from kiln.compilation.compiler_interface import InductorStandaloneAdaptor, file_sha256
 from kiln.compilation.cache import (CompileCache, cache_base_dir, compute_cache_key,
                                     index_key)
+from kiln.compilation.compile_state import compile_state_of
 from kiln.compilation.counters import compilation_counter
 from kiln.compilation.warmup import compile_and_warm_up
 
@@ -34,7 +35,8 @@ def cold(tmp_path_factory):
     model = tm.build(config)
     before = compilation_counter.clone()
     with torch.no_grad():
-        compile_and_warm_up(lambda n: model(*tm.inputs(n)), config)
+        compile_and_warm_up(lambda n: model(*tm.inputs(n)), config,
+                            compile_state_of(model).warmup_phase)
     deltas = {k: getattr(compilation_counter, k) - getattr(before, k) for k in vars(before)}
     return {"root": root, "config": config, "model": model, "deltas": deltas,
             "reference": tm.build(tm.toy_config(mode=0))}
@@ -56,7 +58,7 @@ def test_cold_compile_counts(cold):
 def test_exact_size_wins_else_range(cold):
     model, reference = cold["model"], cold["reference"]
     pieces = model._kiln_compile.backend.pieces.values()
-    assert cold["config"].compilation_config.warmup_phase.serving
+    assert compile_state_of(model).warmup_phase.serving
     for n, label in [(1, 1), (8, 8), (3, "range"), (64, "range")]:
         before = [p.dispatch_counts[label] for p in pieces]
         with compilation_counter.expect(num_inductor_compiles=0, num_graphs_seen=0):
@@ -116,7 +118,8 @@ def _warm_model(cache: Path, deltas: dict, compile_sizes=(1, 8), **config_args):
     model = tm.build(config)
     with compilation_counter.expect(**deltas):
         with torch.no_grad():
-            compile_and_warm_up(lambda n: model(*tm.inputs(n)), config)
+            compile_and_warm_up(lambda n: model(*tm.inputs(n)), config,
+                                compile_state_of(model).warmup_phase)
     return model
 
 
@@ -238,7 +241,8 @@ def test_corrupt_artifact_warns_recompiles_and_serves(cold, tmp_path, kiln_logs)
     with compilation_counter.expect(num_corrupt_artifacts=1, num_inductor_compiles=1,
                                     num_cache_misses=1, num_compiled_artifacts_loaded=8):
         with torch.no_grad():
-            compile_and_warm_up(lambda n: model(*tm.inputs(n)), config)
+            compile_and_warm_up(lambda n: model(*tm.inputs(n)), config,
+                                compile_state_of(model).warmup_phase)
     assert "failed to load" in kiln_logs.text
     for n in (3, 1):
         torch.testing.assert_close(_run(model, n), _run(cold["reference"], n))
@@ -283,7 +287,8 @@ def test_disabled_cache_reuses_nothing_from_inductor_cache(cold, monkeypatch):
     hits = counters["inductor"]["fxgraph_cache_hit"]
     with compilation_counter.expect(num_inductor_compiles=3, num_compiled_artifacts_loaded=0):
         with torch.no_grad():
-            compile_and_warm_up(lambda n: model(*tm.inputs(n)), config)
+            compile_and_warm_up(lambda n: model(*tm.inputs(n)), config,
+                                compile_state_of(model).warmup_phase)
     assert counters["inductor"]["fxgraph_cache_hit"] == hits
     private = model._kiln_compile.backend.inductor_dir
     assert private.name.startswith("kiln_inductor_") and any(private.iterdir())
@@ -347,7 +352,8 @@ def test_failed_save_and_unwritable_dump_still_serve(cold, tmp_path, kiln_logs, 
     model = tm.build(config)
     with compilation_counter.expect(num_compiled_artifacts_saved=0, num_inductor_compiles=3):
         with torch.no_grad():
-            compile_and_warm_up(lambda n: model(*tm.inputs(n)), config)
+            compile_and_warm_up(lambda n: model(*tm.inputs(n)), config,
+                                compile_state_of(model).warmup_phase)
     assert "could not be saved" in kiln_logs.text and "cannot be written" in kiln_logs.text
     for n in (8, 3):
         torch.testing.assert_close(_run(model, n), _run(cold["reference"], n))

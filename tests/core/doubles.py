@@ -16,7 +16,7 @@ from kiln.sampling_params import SamplingParams
 VOCAB = 1000
 
 
-def make_config(*, block_size=4, num_blocks=None, max_num_seqs=8, max_num_batched_tokens=64,
+def make_config(*, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                 max_model_len=256, enable_prefix_caching=True, override=None) -> KilnConfig:
     hf = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
@@ -28,7 +28,6 @@ def make_config(*, block_size=4, num_blocks=None, max_num_seqs=8, max_num_batche
                                  num_gpu_blocks_override=override),
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
                                          max_num_batched_tokens=max_num_batched_tokens))
-    config.cache_config.num_blocks = num_blocks
     return config
 
 

@@ -14,7 +14,7 @@ def test_init_sizes_cache_then_warms_up():
     core = EngineCore(config, PagedTokenExecutor)
     assert core.executor.calls == ["determine_num_blocks", "initialize_cache",
                                    "compile_or_warm_up_model"]
-    assert config.cache_config.num_blocks == PagedTokenExecutor.measured_blocks
+    assert core.num_blocks == PagedTokenExecutor.measured_blocks
     assert core.make_stats().num_total_blocks == PagedTokenExecutor.measured_blocks
     assert core.step() == [] and not core.has_unfinished_requests()
     core.shutdown()
@@ -24,7 +24,7 @@ def test_init_sizes_cache_then_warms_up():
 def test_num_gpu_blocks_override_wins():
     config = make_config(override=7)
     core = EngineCore(config, PagedTokenExecutor)
-    assert config.cache_config.num_blocks == 7 and len(core.executor.cache) == 7
+    assert core.num_blocks == 7 and len(core.executor.cache) == 7
 
 
 def _workload(seed: int, n: int):

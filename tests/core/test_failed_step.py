@@ -30,8 +30,8 @@ def test_requests_finished_before_a_failed_step_are_still_forgotten_by_the_runne
 
 def test_preemption_notice_survives_a_step_that_never_ran():
     # 4 blocks of 4: "a" growing past its 2 blocks preempts "b".
-    config = make_config(num_blocks=4)
-    sched, ex = Scheduler(config), PagedTokenExecutor(config)
+    config = make_config()
+    sched, ex = Scheduler(config, num_blocks=4), PagedTokenExecutor(config)
     ex.initialize_cache(4)
     sched.add_request(make_request("a", range(3, 9), max_tokens=8, arrival=1.0))
     sched.add_request(make_request("b", range(50, 56), max_tokens=8, arrival=2.0))
@@ -55,7 +55,7 @@ def test_stepping_on_after_a_failed_step_gives_the_tokens_of_a_clean_run(fail_at
     prompts = {"a": range(3, 12), "b": range(20, 26), "c": range(40, 53)}
 
     def run(fail: bool) -> dict:
-        core = EngineCore(make_config(num_blocks=16, max_num_batched_tokens=8), PagedTokenExecutor)
+        core = EngineCore(make_config(max_num_batched_tokens=8), PagedTokenExecutor)
         for i, (rid, prompt) in enumerate(prompts.items()):
             core.add_request(make_request(rid, prompt, max_tokens=6, arrival=float(i)))
         results = {}

@@ -6,11 +6,11 @@ from kiln.core.scheduler import Scheduler
 from .doubles import PagedTokenExecutor, make_config, make_request, reference_tokens
 
 
-def make_scheduler(**kw):
-    config = make_config(**{"num_blocks": 64, **kw})
+def make_scheduler(num_blocks=64, **kw):
+    config = make_config(**kw)
     executor = PagedTokenExecutor(config)
-    executor.initialize_cache(config.cache_config.num_blocks)
-    return Scheduler(config), executor
+    executor.initialize_cache(num_blocks)
+    return Scheduler(config, num_blocks), executor
 
 
 def step(sched, executor):

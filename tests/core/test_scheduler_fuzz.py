@@ -57,12 +57,12 @@ def run_workload(seed: int, steps: int) -> int:
     max_num_seqs = rng.randrange(1, 8)
     budget = rng.randrange(max_num_seqs, 40)
     max_model_len = rng.randrange(8, 120)
-    config = make_config(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+    config = make_config(block_size=block_size, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=budget, max_model_len=max_model_len,
                          enable_prefix_caching=rng.random() < 0.7)
     executor = PagedTokenExecutor(config)
     executor.initialize_cache(num_blocks)
-    sched = Scheduler(config)
+    sched = Scheduler(config, num_blocks)
     prefixes = [[rng.randrange(3, 1000) for _ in range(40)] for _ in range(3)]
     made, finished = {}, {}
 

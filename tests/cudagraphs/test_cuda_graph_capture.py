@@ -57,7 +57,8 @@ def runner(tiny_llama_dir):
 
 def test_setup_on_cpu_gives_an_empty_plan(runner):
     dispatcher = setup_cudagraphs(runner.kiln_config, platform=CpuPlatform())
-    assert runner.kiln_config.compilation_config.cudagraph_mode is M.NONE
+    assert dispatcher.cudagraph_mode is M.NONE
+    assert runner.compile_state.cudagraph_mode is M.NONE  # what the backend wraps pieces by
     assert dispatcher.capture_plan() == []
     with compilation_counter.expect(num_cudagraph_captured=0):
         assert capture_model(runner, dispatcher, platform=CpuPlatform()) == 0

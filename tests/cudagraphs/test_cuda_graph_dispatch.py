@@ -81,42 +81,43 @@ def _config(cudagraph_mode=None, sizes=None, max_size=None, max_num_seqs=4, budg
                            enforce_eager=enforce_eager)
 
 
-def test_resolve_config_on_cpu_logs_one_line_and_is_idempotent(caplog):
+def test_resolve_config_on_cpu_logs_and_leaves_the_config_alone(caplog):
     cfg = _config("FULL_AND_PIECEWISE")
     logger = logging.getLogger("kiln")
     logger.addHandler(caplog.handler)  # kiln's logger does not propagate to the root
     try:
         with caplog.at_level(logging.INFO, logger="kiln"):
-            assert resolve_cudagraph_config(cfg, platform=CpuPlatform()) is M.NONE
-            assert resolve_cudagraph_config(cfg, platform=CpuPlatform()) is M.NONE
+            mode, sizes = resolve_cudagraph_config(cfg, platform=CpuPlatform())
     finally:
         logger.removeHandler(caplog.handler)
     lines = [r.getMessage() for r in caplog.records if "cudagraph_mode" in r.getMessage()]
     assert lines == ["cudagraph_mode FULL_AND_PIECEWISE resolves to NONE on cpu: this platform "
                      "has no CUDA graphs"]
-    cc = cfg.compilation_config
-    assert cc.cudagraph_mode is M.NONE
-    assert cc.cudagraph_capture_sizes == [1, 2, 4, 8] and cc.max_cudagraph_capture_size == 8
+    assert mode is M.NONE
+    assert sizes == [1, 2, 4, 8] and sizes[-1] == 8
+    cc = cfg.compilation_config  # the request stays as it was: the result is runtime state
+    assert cc.cudagraph_mode == "FULL_AND_PIECEWISE" and cc.cudagraph_capture_sizes is None
+    assert resolve_cudagraph_config(cfg, platform=CpuPlatform()) == (mode, sizes)
 
 
 def test_resolve_config_on_cuda_uses_the_attention_flag():
     cfg = _config(None, sizes=[4, 1, 2])
-    assert resolve_cudagraph_config(cfg, platform=CudaPlatform(), attn_supports_full=False) \
-        is M.PIECEWISE
-    assert cfg.compilation_config.cudagraph_capture_sizes == [1, 2, 4]
+    mode, sizes = resolve_cudagraph_config(cfg, platform=CudaPlatform(), attn_supports_full=False)
+    assert mode is M.PIECEWISE
+    assert sizes == [1, 2, 4]
     # The real backend's flag is read when none is given.
     from kiln.attention.backend import get_attn_backend
     cfg = _config("FULL")
     expected = M.FULL if get_attn_backend().supports_full_cudagraph else M.PIECEWISE
-    assert resolve_cudagraph_config(cfg, platform=CudaPlatform()) is expected
+    assert resolve_cudagraph_config(cfg, platform=CudaPlatform())[0] is expected
 
 
-def test_dispatcher_from_config_requires_resolution():
-    with pytest.raises(RuntimeError, match="resolve_cudagraph_config"):
-        CudagraphDispatcher.from_config(_config("PIECEWISE"))
+def test_dispatcher_from_config_holds_the_resolution():
     cfg = _config("PIECEWISE")
-    resolve_cudagraph_config(cfg, platform=CudaPlatform(), attn_supports_full=True)
-    assert CudagraphDispatcher.from_config(cfg).max_capture_size == 8
+    dispatcher = CudagraphDispatcher.from_config(cfg, platform=CudaPlatform(),
+                                                 attn_supports_full=True)
+    assert dispatcher.cudagraph_mode is M.PIECEWISE and dispatcher.max_capture_size == 8
+    assert CudagraphDispatcher.from_config(cfg, platform=CpuPlatform()).cudagraph_mode is M.NONE
 
 
 SIZES = [1, 2, 4, 8, 16]
@@ -215,7 +216,7 @@ def test_cpu_engine_on_a_gpu_host_takes_the_cpu_platform(monkeypatch):
                      compilation_config=CompilationConfig(cudagraph_mode="FULL_AND_PIECEWISE"))
     assert isinstance(cfg.platform, CpuPlatform)
     assert cfg.model_config.torch_dtype == torch.float32
-    assert resolve_cudagraph_config(cfg) is M.NONE
+    assert resolve_cudagraph_config(cfg)[0] is M.NONE
     assert get_attn_backend(cfg.platform) is get_attn_backend(CpuPlatform())
     from kiln.native import paged_attention
 

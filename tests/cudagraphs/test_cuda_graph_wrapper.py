@@ -215,14 +215,13 @@ def test_wrapper_behaves_like_the_wrapped_module():
 
 
 @pytest.mark.parametrize("mode, piece_wrapped, model_wrapped", [
-    (None, False, False), (M.NONE, False, False), (M.PIECEWISE, True, False),
+    (M.NONE, False, False), (M.PIECEWISE, True, False),
     (M.FULL, False, True), (M.FULL_DECODE_ONLY, False, True),
-    ("FULL_AND_PIECEWISE", True, True)])
+    (M.FULL_AND_PIECEWISE, True, True)])
 def test_wrap_hooks_follow_the_resolved_mode(mode, piece_wrapped, model_wrapped):
-    cc = CompilationConfig(cudagraph_mode=mode)
     piece, model = Runnable(), torch.nn.Linear(2, 2)
-    wrapped_piece = wrap_piece_for_cudagraph(piece, cc, is_last=True, name="piece_2")
-    wrapped_model = wrap_model_for_full_cudagraph(model, cc)
+    wrapped_piece = wrap_piece_for_cudagraph(piece, mode, is_last=True, name="piece_2")
+    wrapped_model = wrap_model_for_full_cudagraph(model, mode)
     assert isinstance(wrapped_piece, CUDAGraphWrapper) == piece_wrapped
     assert isinstance(wrapped_model, CUDAGraphWrapper) == model_wrapped
     if piece_wrapped:

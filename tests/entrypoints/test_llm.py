@@ -96,7 +96,8 @@ def test_inputs_of_the_wrong_kind_name_what_is_wrong(llm):
                                                max_tokens=2), use_tqdm=False)
     assert len(top.outputs) == 2
     cache = llm.llm_engine.kiln_config.cache_config  # prompts past it are refused up front
-    assert llm.llm_engine.input_processor.kv_cache_tokens == cache.num_blocks * cache.block_size
+    assert llm.llm_engine.input_processor.kv_cache_tokens == (llm.llm_engine.engine_core.num_blocks
+                                                              * cache.block_size)
     assert_idle(llm)
 
 

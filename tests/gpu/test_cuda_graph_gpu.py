@@ -83,7 +83,8 @@ def test_greedy_parity_and_graph_counters(tiny_llama_dir, prompts_and_oracle, mo
     before = compilation_counter.clone()
     llm = _make_llm(tiny_llama_dir, mode)
     try:
-        resolved = llm.llm_engine.kiln_config.compilation_config.cudagraph_mode
+        resolved = _runner(llm).cudagraph_dispatcher.cudagraph_mode
+        assert _runner(llm).compile_state.cudagraph_mode is resolved
         assert resolved is _expected_mode(mode)
         plan = _runner(llm).cudagraph_dispatcher.capture_plan()
         num_pieces = (compilation_counter.num_piecewise_capturable_graphs_seen

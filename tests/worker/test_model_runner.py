@@ -41,7 +41,7 @@ def prompts_and_oracle(tiny_llama_dir):
 
 def test_cache_sized_and_assigned(executor):
     worker = executor.worker
-    num_blocks = executor.kiln_config.cache_config.num_blocks
+    num_blocks = worker.num_blocks
     # 2 layers * 2 (K, V) * 4 tokens * 2 kv heads * 16 dims * 4 bytes
     assert worker.kv_cache_block_bytes() == 2 * 2 * BS * 2 * 16 * 4
     sched, model = executor.kiln_config.scheduler_config, executor.kiln_config.model_config
