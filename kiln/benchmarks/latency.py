@@ -166,6 +166,7 @@ class Subject:
     kiln_config: object
     startup_s: float
     weight_bytes: int | None
+    cudagraph_mode: str  # as the model runner resolved it (the request may be downgraded)
     results: dict = dataclasses.field(default_factory=dict)
 
     def prompts(self, batch_size: int, input_len: int) -> list[list[int]]:
@@ -185,11 +186,8 @@ class Subject:
 
     def report(self) -> dict:
         cc, mc = self.kiln_config.compilation_config, self.kiln_config.model_config
-        # The mode the model runner resolved (the request may have been downgraded).
-        runner = self.engine.engine_core.executor.worker.model_runner
         return {"spec": self.label, "compilation_config": self.spec,
-                "compilation_mode": int(cc.mode),
-                "cudagraph_mode": runner.cudagraph_dispatcher.cudagraph_mode.name,
+                "compilation_mode": int(cc.mode), "cudagraph_mode": self.cudagraph_mode,
                 "startup_s": self.startup_s,
                 "model_weight_bytes": self.weight_bytes, "model": mc.model,
                 "dtype": str(mc.torch_dtype).removeprefix("torch."),
@@ -209,8 +207,10 @@ def start_subject(label: str, spec: dict, engine_args: EngineArgs, batch_sizes: 
                mc.max_model_len)
     start = time.perf_counter()
     engine = LLMEngine(kiln_config)
-    subject = Subject(label, spec, args, engine, kiln_config, time.perf_counter() - start,
-                      model_weight_bytes(engine))
+    startup_s = time.perf_counter() - start
+    runner = engine.engine_core.executor.worker.model_runner
+    subject = Subject(label, spec, args, engine, kiln_config, startup_s,
+                      model_weight_bytes(engine), runner.cudagraph_dispatcher.cudagraph_mode.name)
     try:
         for b in batch_sizes:
             check_kv_capacity(b, input_len + warmup_steps + num_steps + 2,
