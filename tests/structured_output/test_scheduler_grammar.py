@@ -51,8 +51,8 @@ class FakeBackend:
 
 
 def make():
-    config = make_config(num_blocks=64)
-    sched = Scheduler(config)
+    config = make_config()
+    sched = Scheduler(config, num_blocks=64)
     backend = sched.structured_output_manager._backend = FakeBackend()
     return sched, backend
 
