@@ -74,6 +74,14 @@ class KilnConfig(FreezableConfig):
                                  "tokens; drop it from compile_sizes or raise "
                                  "--max-num-batched-tokens")
 
+    def for_rank(self, rank: int) -> "KilnConfig":
+        """This config as rank `rank` sees it (each worker process gets its own); frozen too."""
+        clone = self.thawed_copy()
+        clone.parallel_config = self.parallel_config.for_rank(rank)
+        clone.parallel_config.freeze()
+        clone.freeze()
+        return clone
+
     @property
     def platform(self):
         """The platform of the configured device (--device cpu on a GPU host: the CPU's)."""

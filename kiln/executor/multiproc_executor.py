@@ -174,7 +174,6 @@ class MultiprocExecutor(Executor):
 
     def initialize_cache(self, num_blocks: int) -> None:
         self._run_on_all("initialize_cache", num_blocks)
-        self.kiln_config.cache_config.num_blocks = num_blocks
 
     def compile_or_warm_up_model(self) -> None:
         self._run_on_all("compile_or_warm_up_model")

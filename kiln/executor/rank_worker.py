@@ -3,7 +3,6 @@
 It binds its cores, joins the process groups, builds its `Worker` and answers the executor's
 calls; only the output rank (last pipeline stage, first TP rank) returns the sampled tokens.
 """
-import copy
 import dataclasses
 import pickle
 import time
@@ -26,8 +25,7 @@ class RankWorker:
         from kiln.distributed.parallel_state import init_distributed
         from kiln.worker.worker import Worker
 
-        kiln_config = copy.copy(kiln_config)  # this rank's view: its own rank, its own layers
-        kiln_config.parallel_config = kiln_config.parallel_config.for_rank(rank)
+        kiln_config = kiln_config.for_rank(rank)  # this rank's view: its own rank, its own layers
         self.rank = rank
         device = kiln_config.device_config.device_obj
         self.cores = None
