@@ -64,22 +64,37 @@ def settle(verdict_dir: Path | None = None) -> bool:
         return False  # the user decided (TORCHINDUCTOR_VEC_ISA_OK), or no probe to save
     if envs.disable_compile_cache():
         return False
+    if verdict_dir is None and _gave_up["root"] == envs.cache_root():
+        # This process already let Inductor probe: setting the flag now would change Inductor's
+        # config hash, so the compile cache key, between this process's compiles.
+        return False
     try:
         verdict = (verdict_dir or envs.cache_root() / "inductor_vec_isa") / f"{machine_key()}.json"
         passes = _read_verdict(verdict)
         if passes is None:  # none yet, or damaged: probe and write it (again)
             if not _probed_equals_assumed():
-                return False
+                return _give_up(verdict_dir)
             atomic_write_text(verdict, json.dumps({"all_candidates_pass": True}))
         elif not passes:
-            return False
+            return _give_up(verdict_dir)
     except Exception as e:  # an optimisation only: on any surprise Inductor probes as usual
         logger.debug("vector-ISA verdict unavailable (%s: %s); Inductor probes", type(e).__name__,
                      e)
-        return False
+        return _give_up(verdict_dir)
     config.cpp.vec_isa_ok = True
     _remember_extension_probes(verdict)
     return True
+
+
+# The cache root whose verdict this process did without (Inductor probes as usual): decided
+# once, as a later success would leave the process's earlier cache keys unreachable.
+_gave_up: dict = {"root": None}
+
+
+def _give_up(verdict_dir: Path | None) -> bool:
+    if verdict_dir is None:
+        _gave_up["root"] = envs.cache_root()
+    return False
 
 
 def _read_verdict(verdict: Path) -> bool | None:

@@ -13,6 +13,7 @@ import torch
 
 import toy_model as tm
 from _child import SIZES
+from kiln import envs
 from kiln.compilation.phase import RecompileAfterWarmupError
 from kiln.compilation.backend import KilnBackend
 from kiln.compilation.compiler_interface import InductorStandaloneAdaptor, file_sha256
@@ -23,6 +24,21 @@ from kiln.compilation.counters import compilation_counter
 from kiln.compilation.warmup import compile_and_warm_up
 
 HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_cache_root(tmp_path_factory):
+    """A Kiln cache root of this module's own (children inherit it): the machine's one is shared
+    with every other process, whose kernel builds and vector-ISA verdict writes feed the compile
+    cache key. Seeded with a snapshot of the machine's builds, to spare the compiles."""
+    root = tmp_path_factory.mktemp("kiln_cache_root")
+    for name in ("kernels", "inductor_vec_isa"):
+        if (envs.cache_root() / name).is_dir():
+            shutil.copytree(envs.cache_root() / name, root / name,
+                            ignore=shutil.ignore_patterns(".lock", "*.tmp"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KILN_CACHE_ROOT", str(root))
+        yield root
 
 
 @pytest.fixture(scope="module")

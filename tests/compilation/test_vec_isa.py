@@ -86,3 +86,18 @@ def test_extension_probes_are_remembered_in_the_verdict(tmp_path):
     assert VecISA.check_build(isa, VecISA._avx_code) is False
     verdict.unlink()  # no verdict: Inductor's own probe answers
     assert VecISA.check_build(isa, VecISA._avx_code) is True
+
+
+def test_a_process_that_let_inductor_probe_keeps_doing_so(tmp_path, monkeypatch):
+    # A failed first settle (here: no compiler identity) followed by a working one would change
+    # Inductor's config hash, so the compile cache key, between two compiles of one process.
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
+    monkeypatch.setattr(vec_isa, "_gave_up", {"root": None}, raising=False)
+    key = vec_isa.machine_key()
+    monkeypatch.setattr(vec_isa, "machine_key", lambda: 1 / 0)
+    before = InductorStandaloneAdaptor(device="cpu").compute_hash()
+    monkeypatch.setattr(vec_isa, "machine_key", lambda: key)
+    assert not vec_isa.settle() and config.cpp.vec_isa_ok is None
+    assert InductorStandaloneAdaptor(device="cpu").compute_hash() == before
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "other"))  # another root decides anew
+    assert vec_isa.settle() and config.cpp.vec_isa_ok is True
