@@ -17,7 +17,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 def save_tiny_tokenizer(path: Path, vocab_size: int = 512) -> None:
     """A word-level tokenizer over `vocab_size` made-up words ("w3" ... ), with <unk>, <s>, </s>
     at ids 0, 1, 2, so tests need no files from outside the repository."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}

@@ -8,7 +8,8 @@ by its generated code's globals (torch 2.13's `_create_runtime_wrapper`): anythi
 hints (input mutations to apply, aliased outputs to regenerate, effect tokens, another torch's
 wrapper) keeps the artifact's own call.
 """
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

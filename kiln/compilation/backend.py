@@ -4,21 +4,31 @@ It keys the disk cache, installs the post-grad pass manager, splits the graph at
 ops, compiles (or loads) each non-splitting piece per shape, and returns the stitched graph.
 """
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import fx
 
 from kiln import envs
 from kiln.compilation import monitor
-from kiln.compilation.cache import (CompileCache, cache_base_dir, compiled_graph_key,
-                                    private_inductor_cache_dir)
+from kiln.compilation.cache import (
+    CompileCache,
+    cache_base_dir,
+    compiled_graph_key,
+    private_inductor_cache_dir,
+)
 from kiln.compilation.compile_state import CompileState
 from kiln.compilation.compiler_interface import make_compiler
 from kiln.compilation.counters import compilation_counter
-from kiln.compilation.passes import (FuseAddRmsNormLinear, FuseSiluMulLinear, LowerIrOps,
-                                     PostGradPassManager, early_passes)
+from kiln.compilation.passes import (
+    FuseAddRmsNormLinear,
+    FuseSiluMulLinear,
+    LowerIrOps,
+    PostGradPassManager,
+    early_passes,
+)
 from kiln.compilation.piecewise import PieceCompiler, PiecewiseBackend
 from kiln.compilation.split import SplitItem, split_graph
 from kiln.compilation.warm_start import SavedGraph, WarmStart

@@ -5,8 +5,9 @@ piece's FX graph as is (debugging, and measuring what compiling buys).
 """
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import fx

@@ -5,7 +5,7 @@ The token dim (dim 0 of every Tensor-annotated forward argument) is dynamic and 
 """
 import inspect
 import typing
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

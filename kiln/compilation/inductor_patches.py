@@ -5,9 +5,10 @@ lacks the internal gets an error naming the patch (never a silently slower or le
 """
 import contextlib
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -5,8 +5,9 @@ size wins. `PieceCompiler` compiles or loads artifacts, sharing them between ide
 """
 import collections
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import fx

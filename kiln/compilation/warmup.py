@@ -2,7 +2,7 @@
 
 The worker passes its dummy-run function; after this, a compile is an error.
 """
-from typing import Callable
+from collections.abc import Callable
 
 from kiln.compilation import monitor
 from kiln.compilation.phase import WarmupPhase

@@ -5,7 +5,8 @@ After the first call no step re-enters Dynamo (no guards, no frame hook); inputs
 against what was traced, since a mismatch would otherwise run compiled code on the wrong types.
 """
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -10,8 +10,13 @@ from collections import deque
 from collections.abc import Iterable
 
 from kiln.core.kv_cache_manager import KVCacheManager
-from kiln.core.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
-                               NewRequestData, SchedulerOutput)
+from kiln.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from kiln.core.request import Request, RequestStatus
 from kiln.core.stats import SchedulerStats
 from kiln.logger import init_logger

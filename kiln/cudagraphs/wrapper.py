@@ -6,7 +6,8 @@ import contextlib
 import dataclasses
 import gc
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 from unittest.mock import patch
 
 import torch

@@ -9,8 +9,16 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kiln.config import (CacheConfig, CompilationConfig, DeviceConfig, KilnConfig, LoadConfig,
-                         ModelConfig, ParallelConfig, SchedulerConfig)
+from kiln.config import (
+    CacheConfig,
+    CompilationConfig,
+    DeviceConfig,
+    KilnConfig,
+    LoadConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from kiln.config.compilation_config import cli_fields
 from kiln.config.load_config import LOAD_FORMATS
 

@@ -7,8 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from kiln.engine.arg_utils import EngineArgs
-from kiln.engine.input_processor import (ProcessedPrompt, PromptType, chat_messages,
-                                         chat_render_kwargs)
+from kiln.engine.input_processor import ProcessedPrompt, PromptType, chat_messages, chat_render_kwargs
 from kiln.engine.llm_engine import LLMEngine
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams

@@ -3,8 +3,7 @@
 Reuses the Llama blocks; only the attention's bias choice differs.
 """
 from kiln.compilation.decorator import support_torch_compile
-from kiln.model.llama import (LlamaAttention, LlamaDecoderLayer, LlamaStyleForCausalLM,
-                              LlamaStyleModel)
+from kiln.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaStyleForCausalLM, LlamaStyleModel
 
 
 class Qwen2Attention(LlamaAttention):

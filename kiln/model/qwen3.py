@@ -6,8 +6,7 @@ import torch
 
 from kiln.compilation.decorator import support_torch_compile
 from kiln.model.layers.layernorm import RMSNorm
-from kiln.model.llama import (LlamaAttention, LlamaDecoderLayer, LlamaStyleForCausalLM,
-                              LlamaStyleModel)
+from kiln.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaStyleForCausalLM, LlamaStyleModel
 
 
 class Qwen3Attention(LlamaAttention):

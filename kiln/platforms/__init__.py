@@ -2,7 +2,7 @@
 
 No other module calls `torch.cuda.is_available()`; they ask the platform instead.
 """
-from kiln.platforms.interface import Platform, CpuPlatform, CudaPlatform
+from kiln.platforms.interface import CpuPlatform, CudaPlatform, Platform
 
 
 def _detect() -> Platform:

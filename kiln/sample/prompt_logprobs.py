@@ -4,8 +4,8 @@ first, its log-probability given the tokens before it, its rank, and the top-N a
 A step that runs prompt positions [start, end) of a request has, in the hidden state at position
 p, the prediction of prompt token p + 1; chunked prefills deliver them a chunk per step.
 """
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch

@@ -18,6 +18,7 @@ from kiln.sample.penalties import apply_all_penalties, mask_min_tokens
 from kiln.sample.row_reductions import has_nan_or_posinf, row_argmax
 from kiln.sample.sampling_metadata import SamplingMetadata
 
+
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [N] int64

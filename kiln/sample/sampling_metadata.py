@@ -2,8 +2,8 @@
 
 Built once per step from the requests that sample; the sampler reads only this object.
 """
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 import torch

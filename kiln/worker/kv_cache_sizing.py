@@ -2,7 +2,7 @@
 
 The worker supplies the budget (CPU: configured GiB; CUDA: measured after a profiling run).
 """
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

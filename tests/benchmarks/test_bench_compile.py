@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.benchmarks.compile import (child_env, engine_cli_args, run_compile_bench, spec_to_dict,
-                                     start_figures)
+from kiln.benchmarks.compile import child_env, engine_cli_args, run_compile_bench, spec_to_dict, start_figures
 from kiln.config import CompilationConfig
 from kiln.engine.arg_utils import EngineArgs
 

@@ -7,8 +7,16 @@ import sys
 import pytest
 
 from kiln.benchmarks import latency
-from kiln.benchmarks.latency import (check_kv_capacity, check_plan, merge_spec, percentile,
-                                     run_latency, speedups, summarize_ms, turn_lengths)
+from kiln.benchmarks.latency import (
+    check_kv_capacity,
+    check_plan,
+    merge_spec,
+    percentile,
+    run_latency,
+    speedups,
+    summarize_ms,
+    turn_lengths,
+)
 from kiln.engine.arg_utils import EngineArgs
 
 SMALL = ["--kv-cache-memory", "0.01", "--max-model-len", "64", "--max-num-seqs", "8",
@@ -130,11 +138,11 @@ def test_interleaved_engines_take_turns_on_the_same_batch(tiny_llama_dir, monkey
 
 def test_linear_floor_runs_every_linear_and_the_head(tiny_llama_dir, monkeypatch):
     import torch
+    from model._attn_helper import kiln_config_for
 
     from kiln.benchmarks.linear_floor import LinearFloor, above_floor, speedup_ceiling
     from kiln.model.layers.linear import LinearBase
     from kiln.model.loader import build_model
-    from model._attn_helper import kiln_config_for
 
     model = build_model(kiln_config_for(tiny_llama_dir))
     calls = []
@@ -150,6 +158,8 @@ def test_linear_floor_runs_every_linear_and_the_head(tiny_llama_dir, monkeypatch
     one_pass = [(m, torch.Size([3, m.weight.shape[1]])) for m in linears] + [
         ("head", torch.Size([3, hidden]))]
     assert calls == one_pass * 2
-    ms = lambda v: {"median_ms": v}
+    def ms(v):
+        return {"median_ms": v}
+
     assert above_floor({"1": ms(5.0)}, {"1": ms(3.5)}) == {"1": 1.5}
     assert speedup_ceiling({"1": ms(5.0)}, {"1": ms(4.0)}) == {"1": 1.25}

@@ -8,10 +8,11 @@ import sys
 import torch
 from torch._inductor import cpp_builder
 
-import toy_model as tm
 from kiln.compilation.compile_state import compile_state_of
 from kiln.compilation.counters import compilation_counter
 from kiln.compilation.warmup import compile_and_warm_up
+
+import toy_model as tm
 
 SIZES = [64, 8, 1, 3]
 

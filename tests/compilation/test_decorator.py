@@ -1,16 +1,15 @@
 """Decorator and wrapper behaviour in every mode, on the eager compiler (no Inductor cost)."""
-from typing import Optional
 
 import pytest
 import torch
 
-import toy_model as tm
 from kiln.compilation.compile_state import compile_state_of
 from kiln.compilation.counters import compilation_counter
-from kiln.compilation.decorator import (ignore_torch_compile, infer_dynamic_arg_dims,
-                                        support_torch_compile)
+from kiln.compilation.decorator import ignore_torch_compile, infer_dynamic_arg_dims, support_torch_compile
 from kiln.compilation.phase import RecompileAfterWarmupError
 from kiln.compilation.warmup import compile_and_warm_up, sizes_to_run
+
+import toy_model as tm
 
 
 @pytest.fixture(autouse=True)
@@ -25,7 +24,7 @@ def _check(model, reference, sizes):
 
 
 def test_dynamic_dims_default_to_dim0_of_tensor_args():
-    def forward(self, ids: torch.Tensor, pos: Optional[torch.Tensor], scale: float,
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor | None, scale: float,
                 extra: "torch.Tensor | None" = None):
         pass
     assert infer_dynamic_arg_dims(forward) == {"ids": [0], "pos": [0], "extra": [0]}
@@ -160,6 +159,6 @@ def test_eager_warm_start_runs_the_code_only_saved_graph(monkeypatch, tmp_path):
                                cache_dir=str(tmp_path))
         model = tm.build(config)
         with compilation_counter.expect(**deltas), torch.no_grad():
-            compile_and_warm_up(lambda n: model(*tm.inputs(n)), config,
+            compile_and_warm_up(lambda n, model=model: model(*tm.inputs(n)), config,
                                 compile_state_of(model).warmup_phase)
         _check(model, reference, [8, 3, 1])

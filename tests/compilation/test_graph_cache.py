@@ -79,9 +79,8 @@ def test_runner_binds_args_kwargs_and_defaults():
 
 
 def test_input_meta_fits_symbolic_dims_only():
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
     ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])

@@ -7,9 +7,14 @@ import pytest
 from torch._inductor import codecache
 
 from kiln.compilation import inductor_patches
-from kiln.compilation.inductor_patches import (PATCHES, TorchInternalMissing, check_all,
-                                               forget_backend, headers_not_precompiled,
-                                               plain_header_path)
+from kiln.compilation.inductor_patches import (
+    PATCHES,
+    TorchInternalMissing,
+    check_all,
+    forget_backend,
+    headers_not_precompiled,
+    plain_header_path,
+)
 
 HEADER = "torch/csrc/inductor/cpp_prefix.h"
 

@@ -10,18 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from _child import SIZES
+
+from kiln import envs
+from kiln.compilation.backend import KilnBackend
+from kiln.compilation.cache import CompileCache, cache_base_dir, compute_cache_key, index_key
+from kiln.compilation.compile_state import compile_state_of
+from kiln.compilation.compiler_interface import InductorStandaloneAdaptor, file_sha256
+from kiln.compilation.counters import compilation_counter
+from kiln.compilation.phase import RecompileAfterWarmupError
+from kiln.compilation.warmup import compile_and_warm_up
 
 import toy_model as tm
-from _child import SIZES
-from kiln import envs
-from kiln.compilation.phase import RecompileAfterWarmupError
-from kiln.compilation.backend import KilnBackend
-from kiln.compilation.compiler_interface import InductorStandaloneAdaptor, file_sha256
-from kiln.compilation.cache import (CompileCache, cache_base_dir, compute_cache_key,
-                                    index_key)
-from kiln.compilation.compile_state import compile_state_of
-from kiln.compilation.counters import compilation_counter
-from kiln.compilation.warmup import compile_and_warm_up
 
 HERE = Path(__file__).parent
 

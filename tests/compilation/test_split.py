@@ -4,8 +4,9 @@ import operator
 import torch
 from torch import fx
 
-import toy_model  # noqa: F401  (registers the test splitting op)
 from kiln.compilation.split import assign_pieces, split_graph
+
+import toy_model  # noqa: F401  (registers the test splitting op)
 
 OP = toy_model.SPLIT_OP
 toy_model._LAYERS.update({f"l{i}": (2, 4) for i in range(3)})  # 2 heads of 4 on [T, 8]

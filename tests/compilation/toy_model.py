@@ -8,8 +8,7 @@ import torch
 from torch import nn
 
 from kiln.compilation.decorator import support_torch_compile
-from kiln.config import CacheConfig, CompilationConfig, KilnConfig, ModelConfig
-from kiln.config import SchedulerConfig
+from kiln.config import CacheConfig, CompilationConfig, KilnConfig, ModelConfig, SchedulerConfig
 
 SPLIT_OP = "kiln_test::toy_attention"
 _LAYERS: dict[str, tuple[int, int]] = {}  # layer name -> (num_heads, head_dim)

@@ -5,8 +5,7 @@ import dataclasses
 import pytest
 from transformers import LlamaConfig
 
-from kiln.config import (CacheConfig, CompilationConfig, KilnConfig, ModelConfig,
-                         SchedulerConfig)
+from kiln.config import CacheConfig, CompilationConfig, KilnConfig, ModelConfig, SchedulerConfig
 from kiln.config.frozen import ConfigFrozenError
 
 

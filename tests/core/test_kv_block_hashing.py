@@ -1,6 +1,10 @@
 """Chained block hashing: parent-dependence, full blocks only, incremental == from scratch."""
-from kiln.core.kv_cache_utils import (ROOT_BLOCK_HASH, hash_block_tokens, hash_token_blocks,
-                                      update_block_hashes)
+from kiln.core.kv_cache_utils import (
+    ROOT_BLOCK_HASH,
+    hash_block_tokens,
+    hash_token_blocks,
+    update_block_hashes,
+)
 
 from .doubles import make_request
 

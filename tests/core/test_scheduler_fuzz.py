@@ -84,7 +84,7 @@ def run_workload(seed: int, steps: int) -> int:
         assert not had_work or so.total_num_scheduled_tokens or any(o.finished for o in outs)
         check_invariants(sched)
 
-    for step in range(steps):
+    for _ in range(steps):
         if rng.random() < 0.3:
             for _ in range(rng.randrange(1, 4)):
                 rid = f"r{len(made)}"

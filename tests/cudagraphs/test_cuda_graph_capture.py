@@ -3,6 +3,7 @@ the real attention backend accepts, and no KV cache writes. Graph recording is a
 import numpy as np
 import pytest
 import torch
+from test_cuda_graph_wrapper import fake_cuda  # noqa: F401  (fixture)
 
 from kiln.compilation.counters import compilation_counter
 from kiln.config import CacheConfig, KilnConfig, ModelConfig, SchedulerConfig
@@ -13,7 +14,6 @@ from kiln.cudagraphs.wrapper import CUDAGraphWrapper
 from kiln.executor.uniproc_executor import UniprocExecutor
 from kiln.forward_context import get_forward_context
 from kiln.platforms import CpuPlatform
-from test_cuda_graph_wrapper import fake_cuda  # noqa: F401  (fixture)
 
 M = CUDAGraphMode
 B = BatchDescriptor

@@ -6,8 +6,7 @@ import pytest
 
 from kiln.config.compilation_config import CompilationConfig
 from kiln.config.scheduler_config import SchedulerConfig
-from kiln.cudagraphs.dispatcher import (CudagraphDispatcher, resolve_cudagraph_config,
-                                        resolve_cudagraph_mode)
+from kiln.cudagraphs.dispatcher import CudagraphDispatcher, resolve_cudagraph_config, resolve_cudagraph_mode
 from kiln.cudagraphs.mode import BatchDescriptor, CUDAGraphMode
 from kiln.platforms import CpuPlatform, CudaPlatform
 
@@ -200,11 +199,11 @@ def test_cpu_engine_on_a_gpu_host_takes_the_cpu_platform(monkeypatch):
     """The machine's platform is CUDA wherever a GPU is; an engine configured for the CPU must
     still get the CPU's dtype, attention backend and no CUDA graphs."""
     import torch
+    from transformers import LlamaConfig
 
     import kiln.platforms
     from kiln.attention.backend import get_attn_backend
     from kiln.config import DeviceConfig, KilnConfig, ModelConfig
-    from transformers import LlamaConfig
 
     monkeypatch.setattr(kiln.platforms, "current_platform", CudaPlatform())
     hf = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,

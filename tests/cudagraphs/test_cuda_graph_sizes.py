@@ -1,8 +1,14 @@
 """Capture-size lists, the padding table and the CUDAGraphMode halves: pure, no GPU, no model."""
+import dataclasses
+
 import pytest
 
-from kiln.cudagraphs.dispatcher import (build_padding_table, default_capture_sizes,
-                                        pad_to_capture_size, resolve_capture_sizes)
+from kiln.cudagraphs.dispatcher import (
+    build_padding_table,
+    default_capture_sizes,
+    pad_to_capture_size,
+    resolve_capture_sizes,
+)
 from kiln.cudagraphs.mode import BatchDescriptor, CUDAGraphMode
 
 M = CUDAGraphMode
@@ -91,5 +97,5 @@ def test_batch_descriptor_is_a_hashable_frozen_key():
     d = BatchDescriptor(8, 8, True)
     assert {d: 1}[BatchDescriptor(8, 8, True)] == 1
     assert d.non_uniform() == BatchDescriptor(8) == BatchDescriptor(8, None, False)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         d.num_tokens = 4

@@ -15,9 +15,15 @@ from kiln.compilation.counters import compilation_counter
 from kiln.config.compilation_config import CompilationConfig
 from kiln.cudagraphs import wrapper as cudagraph_wrapper
 from kiln.cudagraphs.mode import BatchDescriptor, CUDAGraphMode
-from kiln.cudagraphs.wrapper import (CUDAGraphWrapper, capture_phase, is_capture_phase_active,
-                                     weak_ref_tensor, weak_ref_tensors,
-                                     wrap_model_for_full_cudagraph, wrap_piece_for_cudagraph)
+from kiln.cudagraphs.wrapper import (
+    CUDAGraphWrapper,
+    capture_phase,
+    is_capture_phase_active,
+    weak_ref_tensor,
+    weak_ref_tensors,
+    wrap_model_for_full_cudagraph,
+    wrap_piece_for_cudagraph,
+)
 from kiln.forward_context import set_forward_context
 
 M = CUDAGraphMode
@@ -211,7 +217,7 @@ def test_wrapper_behaves_like_the_wrapped_module():
     wrapper = CUDAGraphWrapper(inner, M.FULL)
     assert wrapper.attribute == "seen-through" and wrapper.unwrap() is inner
     with pytest.raises(AttributeError):
-        wrapper.no_such_attribute
+        _ = wrapper.no_such_attribute
 
 
 @pytest.mark.parametrize("mode, piece_wrapped, model_wrapped", [

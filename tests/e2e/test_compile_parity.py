@@ -9,11 +9,12 @@ import pytest
 import torch
 import torch._dynamo  # sets TORCHINDUCTOR_CACHE_DIR itself, at import: before the snapshots
 
-from checkpoints import hf_greedy, make_tiny_checkpoint, random_prompts
 from kiln import LLM, SamplingParams, ir
 from kiln.compilation.counters import compilation_counter
 from kiln.compilation.passes import lower_ir
 from kiln.native import attention_op
+
+from checkpoints import hf_greedy, make_tiny_checkpoint, random_prompts
 
 LENGTHS = [1, 9, 40, 150]  # 150 > the 64-token budget: chunked prefill
 NEW_TOKENS = 16

@@ -10,9 +10,10 @@ import random
 import pytest
 import torch
 
-from checkpoints import make_tiny_checkpoint
 from kiln import LLM, SamplingParams
 from kiln.compilation.counters import compilation_counter
+
+from checkpoints import make_tiny_checkpoint
 
 MAX_TOKENS = 8  # max_num_batched_tokens: chunked prefill for longer prompts
 MAX_SEQS = 3

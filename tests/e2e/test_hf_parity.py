@@ -5,8 +5,9 @@ Covers the three architectures, chunked prefill, prefix-cache hits and preemptio
 import pytest
 import torch
 
-from checkpoints import STORIES_DIR, hf_greedy, random_prompts
 from kiln import LLM, SamplingParams
+
+from checkpoints import STORIES_DIR, hf_greedy, random_prompts
 
 LENGTHS = [1, 3, 17, 40, 64, 100, 150, 200]  # mixed prompt lengths, 1 to 200 tokens
 NEW_TOKENS = 32

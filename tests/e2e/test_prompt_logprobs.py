@@ -4,9 +4,10 @@ caching (skipped for these requests) and a compiled model."""
 import pytest
 import torch
 
-from checkpoints import random_prompts
 from kiln import LLM, SamplingParams
 from kiln.sampling_params import RequestOutputKind
+
+from checkpoints import random_prompts
 
 TOL = 1e-4
 

@@ -3,9 +3,10 @@ template styles real models use (ChatML, Llama-3 and Llama-2 / Gemma with BOS in
 a template refusing system roles), and the server's chat, /tokenize, /detokenize agreeing."""
 import pytest
 
-from checkpoints import STORIES_DIR, make_tiny_checkpoint
 from kiln.entrypoints.llm import LLM
 from kiln.sampling_params import SamplingParams
+
+from checkpoints import STORIES_DIR, make_tiny_checkpoint
 
 # Turn markers as added special tokens, as real chat tokenizers have them.
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>",

@@ -77,7 +77,7 @@ def test_stop_string_truncates_output(tokenizer, include):
     d = detokenizer_for_request(tokenizer, [], stop=["park"],
                                            include_stop_str_in_output=include)
     hit = None
-    for n, t in enumerate(ids):
+    for n, t in enumerate(ids):  # noqa: B007 (n is read after the loop: where it stopped)
         hit = d.update([t])
         if hit:
             break

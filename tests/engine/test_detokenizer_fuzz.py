@@ -79,8 +79,9 @@ def test_random_byte_runs_specials_and_added_tokens_after_random_prompts(tok_wit
         assert FFFD in want or not any(FFFD in x for x in deltas), (seed, deltas)
 
 
-@pytest.mark.parametrize("text", ["Hi 👋🏽 there 👨‍👩‍👧!", "日本語のテキスト、中文", "e\u0301 n\u0303 a\u0308",
-                                  "𝔘𝔫𝔦 ☃ ✓", " two  spaces\n\nline\ttab"])
+@pytest.mark.parametrize("text", ["Hi 👋🏽 there 👨‍👩‍👧!", "日本語のテキスト、中文",
+                                  "e\u0301 n\u0303 a\u0308", "𝔘𝔫𝔦 ☃ ✓",
+                                  " two  spaces\n\nline\ttab"])
 @pytest.mark.parametrize("prompt_text", ["", "Once upon a ti", "Hello 日"])
 def test_multibyte_text_streams_whole_characters(tokenizer, text, prompt_text):
     ids = tokenizer(text, add_special_tokens=False).input_ids

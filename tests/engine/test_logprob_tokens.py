@@ -49,7 +49,7 @@ def test_byte_level_tokens_are_their_own_decode():
     tok = _byte_level_bpe()
     ids = ids_of(tok, "once upon a time")
     out = generate(tok, ids, logprobs=1)
-    for t, step in zip(out.token_ids, out.logprobs):
+    for step in out.logprobs:
         for cand, lp in step.items():
             assert lp.decoded_token == tok.decode([cand])
     assert "".join(s[t].decoded_token for t, s in zip(out.token_ids, out.logprobs)) == out.text

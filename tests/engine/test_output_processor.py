@@ -170,7 +170,7 @@ def test_logprob_token_texts_are_decoded_once_per_id(tokenizer):
     counting = Counting()
     proc = OutputProcessor(counting)
     add(proc, "r", tokenizer, logprobs=2)
-    for step in range(3):  # the same three ids at every step
+    for _ in range(3):  # the same three ids at every step
         lists = LogprobsLists(token_ids=[300, 301, 302], logprobs=[-0.5, -1.0, -2.0],
                               sampled_rank=1)
         proc.process_outputs([EngineCoreOutput("r", [300], new_logprobs=[lists])])

@@ -2,12 +2,12 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from checkpoints import STORIES_DIR
 from kiln.entrypoints.cli.main import build_parser
+
+from checkpoints import STORIES_DIR
 
 ENGINE = ["--enforce-eager", "--kv-cache-memory", "0.02", "--max-model-len", "128"]
 

@@ -2,9 +2,10 @@
 bad prompts leave the engine untouched, stop strings free their blocks, output kinds agree."""
 import pytest
 
-from checkpoints import STORIES_DIR, hf_greedy, random_prompts
 from kiln.entrypoints.llm import LLM
 from kiln.sampling_params import RequestOutputKind, SamplingParams
+
+from checkpoints import STORIES_DIR, hf_greedy, random_prompts
 
 NEW_TOKENS = 12
 ENGINE = dict(enforce_eager=True, max_model_len=128, max_num_seqs=4, kv_cache_memory=0.02)

@@ -8,13 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.native import paged_attention
 from kiln.attention.backend import get_attn_backend, kv_cache_shape
 from kiln.attention.cpu_backend import CpuAttentionBackend, CpuAttentionImpl, split_requests
-from kiln.attention.torch_backend import (TorchAttentionBackend, TorchAttentionImpl,
-                                          write_kv_cache)
+from kiln.attention.torch_backend import TorchAttentionBackend, TorchAttentionImpl, write_kv_cache
 from kiln.config import CompilationConfig, set_current_kiln_config
 from kiln.forward_context import set_forward_context
+from kiln.native import paged_attention
 from model._attn_helper import BlockPool, PagedRequest, build_step
 
 NH, NKV, HD, BS = 4, 2, 8, 4

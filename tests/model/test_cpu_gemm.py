@@ -48,14 +48,14 @@ def test_packed_copy_is_found_only_by_its_weight_and_forgotten_with_it():
     layer = _packed_layer()
     assert linear_op.attached(layer.weight).packed and linear_op.num_attached() == count + 1
     x = torch.randn(40, 32)
-    assert _paths_taken(lambda: layer(x)) == ["packed"]
+    assert _paths_taken(lambda layer=layer: layer(x)) == ["packed"]
     # Tensors at the weight's address that are not the weight: a view, and a tensor with its
     # own storage over the same memory (as a new weight at a freed one's address would be).
     w = layer.weight.detach()
     for other in (w[:24], dlpack.from_dlpack(dlpack.to_dlpack(w))):
         assert other.data_ptr() == w.data_ptr() and not any(linear_op.attached(other))
         want = F.linear(x, other)
-        assert _paths_taken(lambda: torch.testing.assert_close(
+        assert _paths_taken(lambda other=other, want=want: torch.testing.assert_close(
             torch.ops.kiln.linear_native(x, other), want, rtol=1e-5, atol=1e-5)) == ["dense"]
     del layer, w, other
     gc.collect()
@@ -130,7 +130,7 @@ def test_gguf_blocks_take_the_few_row_steps_they_win(monkeypatch, dtype):
     for rows in (1, limit, limit + 1):
         x = torch.randn(rows, 64).to(dtype)
         want = x.float() @ values.T + layer.bias.float()
-        paths += _paths_taken(lambda: torch.testing.assert_close(
+        paths += _paths_taken(lambda x=x, want=want: torch.testing.assert_close(
             layer(x).float(), want, rtol=tol, atol=tol * 8))
     assert paths == ["blocks", "blocks", "packed"]  # more rows than pay off take the dense ones
 
@@ -155,6 +155,7 @@ def test_float32_matmul_precision_at_load_sets_the_blocks_limbs():
 @pytest.mark.skipif(not gguf_matmul.available(), reason="the GGUF kernel needs AVX-512")
 def test_blocks_that_never_pay_in_a_dtype_are_not_kept(monkeypatch):
     import gguf
+
     from gguf_blocks import quantized_blocks
 
     q5k = gguf_matmul.QTYPES["Q5_K"]

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 import torch
 
+from kiln.model.loader import build_model
+from kiln.model.loader.gguf_loader import gguf_to_hf_name, load_gguf_weights, unpermute_rope_rows
+from kiln.native import gguf_matmul, linear_op
+from model._attn_helper import greedy_generate, kiln_config_for
+
 from checkpoints import make_tiny_checkpoint
 from gguf_blocks import quantized_blocks
-from kiln.model.loader import build_model
-from kiln.native import gguf_matmul, linear_op
-from kiln.model.loader.gguf_loader import gguf_to_hf_name, load_gguf_weights, unpermute_rope_rows
-from model._attn_helper import greedy_generate, kiln_config_for
 
 # HF name part -> llama.cpp name part, and the storage type each gets in the test file.
 _BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",

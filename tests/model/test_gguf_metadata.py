@@ -35,7 +35,9 @@ def test_second_load_reads_the_cache_and_matches_transformers(default_gguf, tmp_
         _no_gguf_parsing(m)
         cfg = gguf_metadata.load_config(default_gguf)
         tok = gguf_metadata.load_tokenizer(default_gguf)
-    strip = lambda d: {k: v for k, v in d.items() if k != "transformers_version"}
+    def strip(d):
+        return {k: v for k, v in d.items() if k != "transformers_version"}
+
     assert type(cfg) is type(direct_cfg) and strip(cfg.to_dict()) == strip(direct_cfg.to_dict())
     assert type(tok) is type(direct_tok) and tok.get_vocab() == direct_tok.get_vocab()
     assert tok.all_special_ids == direct_tok.all_special_ids

@@ -5,11 +5,18 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoints import make_tiny_checkpoint
 from kiln.model.loader import get_model
-from model._attn_helper import (BlockPool, PagedRequest, allocate_kv_caches, build_step,
-                                kiln_config_for, run_step)
+from model._attn_helper import (
+    BlockPool,
+    PagedRequest,
+    allocate_kv_caches,
+    build_step,
+    kiln_config_for,
+    run_step,
+)
 from model.test_gguf import llama_cpp_tensor
+
+from checkpoints import make_tiny_checkpoint
 
 TOL = 1e-4
 _LINEARS = ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",

@@ -5,9 +5,10 @@ import shutil
 import pytest
 import torch
 
-from checkpoints import STORIES_DIR
 from kiln.model.loader import build_model, get_model
 from model._attn_helper import greedy_generate, kiln_config_for
+
+from checkpoints import STORIES_DIR
 
 
 def test_sharded_checkpoint_loads_like_single(tiny_llama_dir, tmp_path):

@@ -7,11 +7,18 @@ the wrong place (or left out) shows in the logits.
 import pytest
 import torch
 
-from checkpoints import save_tiny_tokenizer
 from kiln.config.model_config import sliding_window_of
 from kiln.model.loader import get_model
-from model._attn_helper import (BlockPool, PagedRequest, allocate_kv_caches, build_step,
-                                kiln_config_for, run_step)
+from model._attn_helper import (
+    BlockPool,
+    PagedRequest,
+    allocate_kv_caches,
+    build_step,
+    kiln_config_for,
+    run_step,
+)
+
+from checkpoints import save_tiny_tokenizer
 
 TOL = 1e-4
 LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

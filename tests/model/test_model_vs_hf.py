@@ -6,8 +6,14 @@ import pytest
 import torch
 
 from kiln.model.loader import get_model
-from model._attn_helper import (BlockPool, PagedRequest, allocate_kv_caches, build_step,
-                                kiln_config_for, run_step)
+from model._attn_helper import (
+    BlockPool,
+    PagedRequest,
+    allocate_kv_caches,
+    build_step,
+    kiln_config_for,
+    run_step,
+)
 
 TOL = 1e-4
 NUM_BLOCKS, BLOCK_SIZE = 64, 4

@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gguf_blocks import quantized_blocks
 from kiln.model.layers import cpu_gemm
 from kiln.native import gemv, gguf_matmul, linear_op
+
+from gguf_blocks import quantized_blocks
 
 pytestmark = pytest.mark.skipif(not linear_op.available(), reason="no C++ compiler")
 
@@ -78,7 +79,7 @@ def test_every_path_at_its_boundaries(qtype_name):
                 wide = torch.randn(rows, in_features + 7, generator=g).to(dtype)
                 x = wide[:, 5:5 + in_features]  # a column slice at an offset
                 bias = torch.randn(out_features, generator=g).to(dtype) if rows % 2 else None
-                got, path = _path_of(lambda: torch.ops.kiln.linear_native(x, w, bias))
+                got, path = _path_of(lambda x=x, w=w, bias=bias: torch.ops.kiln.linear_native(x, w, bias))
                 held = (values if path == ["blocks"] else w.float()).double()
                 exact = x.double() @ held.T + (bias.double() if bias is not None else 0)
                 terms = x.double().abs() @ held.abs().T + (

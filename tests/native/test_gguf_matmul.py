@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_blocks import quantized_blocks
 from kiln.native import build, gguf_matmul
+
+from gguf_blocks import quantized_blocks
 
 pytestmark = pytest.mark.skipif(not gguf_matmul.available(),
                                 reason="the GGUF kernel needs a C compiler and AVX-512")

@@ -4,8 +4,13 @@ import math
 import torch
 
 from kiln.sample.filters import apply_min_p, apply_top_k, apply_top_p
-from kiln.sample.penalties import (apply_all_penalties, apply_presence_frequency_penalties,
-                                   apply_repetition_penalty, first_occurrences, mask_min_tokens)
+from kiln.sample.penalties import (
+    apply_all_penalties,
+    apply_presence_frequency_penalties,
+    apply_repetition_penalty,
+    first_occurrences,
+    mask_min_tokens,
+)
 
 NEG = float("-inf")
 

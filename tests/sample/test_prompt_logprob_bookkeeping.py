@@ -3,8 +3,13 @@ rows hold them, and how a request collects chunks (recomputed ones after preempt
 import pytest
 
 from kiln.core.request import Request
-from kiln.sample.prompt_logprobs import (LOGITS_BYTES_PER_CHUNK, compute_prompt_logprobs,
-                                        hidden_rows, predicting_positions, rows_per_chunk)
+from kiln.sample.prompt_logprobs import (
+    LOGITS_BYTES_PER_CHUNK,
+    compute_prompt_logprobs,
+    hidden_rows,
+    predicting_positions,
+    rows_per_chunk,
+)
 from kiln.sampling_params import SamplingParams
 
 

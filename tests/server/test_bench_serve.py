@@ -1,8 +1,7 @@
 """`kiln bench serve`'s pure parts: arrivals, prompts, percentiles, flags for the child server."""
 import math
 
-from kiln.benchmarks.serve import (RequestResult, arrival_delays, percentiles,
-                                   random_token_prompts, summarize)
+from kiln.benchmarks.serve import RequestResult, arrival_delays, percentiles, random_token_prompts, summarize
 from kiln.engine.arg_utils import EngineArgs
 from kiln.entrypoints.cli.bench_serve import engine_flags
 from kiln.entrypoints.cli.main import build_parser

@@ -24,7 +24,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from checkpoints import STORIES_DIR
 
-
 KEY = "test-key"
 NAME = "stories"
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park"]

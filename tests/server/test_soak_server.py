@@ -287,7 +287,7 @@ def test_sigterm_ends_open_streams_with_an_error_event_then_done(soak_server):
     assert proc.wait(timeout=30) == 0
     for t in threads:
         t.join(timeout=30)
-    for name, (path, body) in requests.items():
+    for name, (_, body) in requests.items():
         status, lines = results[name]
         if body.get("stream"):
             assert status == 200 and lines[-1] == "data: [DONE]", (name, lines[-2:])

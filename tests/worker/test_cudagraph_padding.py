@@ -1,12 +1,13 @@
 """Graph-mode padding on CPU: a forced dispatcher pads decode and mixed steps; the eager model
 runs the padded batch (no wrappers on CPU), and tokens must still equal HF's greedy ones."""
 import pytest
-
-from checkpoints import hf_greedy, random_prompts
-from kiln.cudagraphs.dispatcher import CudagraphDispatcher
-from kiln.sampling_params import SamplingParams
 from schedule_driver import ScheduleDriver
 from test_model_runner import BS, make_executor
+
+from kiln.cudagraphs.dispatcher import CudagraphDispatcher
+from kiln.sampling_params import SamplingParams
+
+from checkpoints import hf_greedy, random_prompts
 
 NEW = 6
 

@@ -1,13 +1,13 @@
 """End-to-end runner tests on a tiny random Llama: hand-built schedules (prefill, chunked
 prefill, decode, preemption with and without kept prefix) must give HF's greedy tokens."""
 import pytest
-import torch
+from schedule_driver import ScheduleDriver
 
-from checkpoints import hf_greedy, random_prompts
 from kiln.config import CacheConfig, KilnConfig, ModelConfig, SchedulerConfig
 from kiln.executor.uniproc_executor import UniprocExecutor
 from kiln.sampling_params import SamplingParams
-from schedule_driver import ScheduleDriver
+
+from checkpoints import hf_greedy, random_prompts
 
 BS = 4
 NEW_TOKENS = 8
@@ -128,5 +128,7 @@ def test_logprobs_and_seeded_sampling_through_runner(executor, prompts_and_oracl
     assert lp.token_ids[0] == expected[1][0] and lp.sampled_rank == 1
     assert lp.token_ids[1] == lp.token_ids[0] and len(lp.token_ids) == 3
     assert lp.logprobs[1] >= lp.logprobs[2]
-    tokens = lambda d: [o.sampled_token_ids[o.req_ids.index("s")][0] for o in d.outputs[:4]]
+    def tokens(d):
+        return [o.sampled_token_ids[o.req_ids.index("s")][0] for o in d.outputs[:4]]
+
     assert tokens(alone) == tokens(crowd)

@@ -11,9 +11,10 @@ import inspect
 import json
 import os
 import types
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import fx

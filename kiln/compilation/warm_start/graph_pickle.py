@@ -11,7 +11,8 @@ start back to Dynamo (see warm_start.py).
 import io
 import linecache
 import pickle
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

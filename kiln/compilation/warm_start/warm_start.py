@@ -2,9 +2,10 @@
 the stitched graph a later process rebuilds from the cache and feeds from the forward's arguments.
 """
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from torch import fx
 

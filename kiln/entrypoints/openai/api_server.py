@@ -18,8 +18,12 @@ from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai.errors import install_error_handlers
 from kiln.entrypoints.openai.metrics import ServerMetrics
 from kiln.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
-from kiln.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                              DetokenizeRequest, TokenizeRequest)
+from kiln.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from kiln.entrypoints.openai.serving_chat import ServingChat
 from kiln.entrypoints.openai.serving_completion import ServingCompletion
 from kiln.entrypoints.openai.serving_models import ServingModels

@@ -5,8 +5,14 @@ engine-total counters from the engine's stats (refreshed again on every scrape).
 are vLLM's with `kiln:` for `vllm:`, so a vLLM dashboard ports by renaming. It also feeds the
 server's periodic stats log line.
 """
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
-                               generate_latest)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from kiln.engine.request_stats import IterationStats, LoggingStatLogger
 

@@ -14,20 +14,39 @@ from kiln.engine.async_llm import AsyncLLM, RequestStream
 from kiln.engine.input_processor import MessageError, chat_messages, chat_render_kwargs
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.logprob_format import chat_logprobs
-from kiln.entrypoints.openai.protocol import (ChatCompletionChoice, ChatCompletionRequest,
-                                              ChatCompletionResponse,
-                                              ChatCompletionStreamResponse, ChatLogprobs,
-                                              ChatMessage, ChatResponseMessage, ChatStreamChoice,
-                                              DeltaMessage, make_usage)
-from kiln.entrypoints.openai.request_fields import (cached_tokens, echo_prefix,
-                                                    prompt_logprobs_body, response_id,
-                                                    token_ids_fields, with_cache_salt)
+from kiln.entrypoints.openai.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    make_usage,
+)
+from kiln.entrypoints.openai.request_fields import (
+    cached_tokens,
+    echo_prefix,
+    prompt_logprobs_body,
+    response_id,
+    token_ids_fields,
+    with_cache_salt,
+)
 from kiln.entrypoints.openai.sampling import chat_sampling_params
-from kiln.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected,
-                                                    abort_unfinished, check_stream_options,
-                                                    continuous_usage, engine_error_event,
-                                                    merge_streams, sse, submit,
-                                                    until_disconnect)
+from kiln.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    ClientDisconnected,
+    abort_unfinished,
+    check_stream_options,
+    continuous_usage,
+    engine_error_event,
+    merge_streams,
+    sse,
+    submit,
+    until_disconnect,
+)
 from kiln.entrypoints.openai.serving_models import ServingModels
 from kiln.entrypoints.openai.structured_fields import check_compiles, request_structured_outputs
 from kiln.entrypoints.openai.tool_parsers.base import ToolCallStream

@@ -10,17 +10,32 @@ from starlette.requests import Request
 from kiln.engine.async_llm import AsyncLLM, RequestStream
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.logprob_format import completion_logprobs
-from kiln.entrypoints.openai.protocol import (CompletionChoice, CompletionRequest,
-                                              CompletionResponse, make_usage)
-from kiln.entrypoints.openai.request_fields import (cached_tokens, prompt_logprobs_body,
-                                                    response_id, token_ids_fields,
-                                                    with_cache_salt)
+from kiln.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    make_usage,
+)
+from kiln.entrypoints.openai.request_fields import (
+    cached_tokens,
+    prompt_logprobs_body,
+    response_id,
+    token_ids_fields,
+    with_cache_salt,
+)
 from kiln.entrypoints.openai.sampling import completion_sampling_params
-from kiln.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected,
-                                                    abort_unfinished, check_stream_options,
-                                                    continuous_usage, engine_error_event,
-                                                    merge_streams, sse, submit,
-                                                    until_disconnect)
+from kiln.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    ClientDisconnected,
+    abort_unfinished,
+    check_stream_options,
+    continuous_usage,
+    engine_error_event,
+    merge_streams,
+    sse,
+    submit,
+    until_disconnect,
+)
 from kiln.entrypoints.openai.serving_models import ServingModels
 from kiln.entrypoints.openai.structured_fields import check_compiles, request_structured_outputs
 from kiln.outputs import CompletionOutput, RequestOutput

@@ -4,8 +4,12 @@ A tokenize request gives either `prompt` text or chat `messages` (rendered by th
 """
 from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai.errors import OpenAIError
-from kiln.entrypoints.openai.protocol import (DetokenizeRequest, DetokenizeResponse,
-                                              TokenizeRequest, TokenizeResponse)
+from kiln.entrypoints.openai.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from kiln.entrypoints.openai.serving_chat import check_generation_flags, render_chat_prompt
 from kiln.entrypoints.openai.serving_models import ServingModels
 

@@ -9,8 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln import ir
-from kiln.distributed.communication_op import (tensor_model_parallel_all_gather,
-                                               tensor_model_parallel_all_reduce)
+from kiln.distributed.communication_op import (
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
 from kiln.model.layers.linear import default_weight_loader, tp_rank_and_size
 
 
