@@ -2,7 +2,7 @@
 answer's shape (forced_schema), and these parsers read it: a named call's answer is its
 arguments; a required one's is a JSON array of {"name": ..., "parameters": {...}}."""
 from kiln.entrypoints.openai.tool_parsers.base import ToolParser
-from kiln.entrypoints.openai.tool_parsers.json_scan import PartialCall, scan_call, skip_ws
+from kiln.entrypoints.openai.tool_parsers.json_scan import PartialCall, scan_calls, skip_ws
 
 _ANY_OBJECT = {"type": "object"}
 
@@ -35,17 +35,4 @@ class RequiredToolParser(ToolParser):
         i = skip_ws(text, 0)
         if i >= len(text) or text[i] != "[":
             return "", []
-        calls: list[PartialCall] = []
-        i += 1
-        while True:
-            call, end = scan_call(text, i, ("parameters",), final)
-            if call is None:
-                break
-            calls.append(call)
-            if end is None:
-                break
-            i = skip_ws(text, end)
-            if i >= len(text) or text[i] != ",":
-                break
-            i += 1
-        return "", calls
+        return "", scan_calls(text, i + 1, ("parameters",), ",", final)

@@ -134,3 +134,21 @@ def is_json(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def scan_calls(text: str, i: int, args_keys: tuple[str, ...], separator: str,
+               final: bool) -> list[PartialCall]:
+    """Calls from text[i] on, one after another with `separator` between them (`,` inside a
+    JSON list, `;` between llama3 calls), up to the first that is open or not a call."""
+    calls: list[PartialCall] = []
+    while True:
+        call, end = scan_call(text, i, args_keys, final)
+        if call is None:
+            return calls
+        calls.append(call)
+        if end is None:
+            return calls
+        i = skip_ws(text, end)
+        if i >= len(text) or text[i] != separator:
+            return calls
+        i += 1

@@ -1,7 +1,12 @@
 """`llama3_json`: Llama 3.x JSON tool calls: the answer is (after an optional <|python_tag|>)
 one or more {"name": ..., "parameters": {...}} objects separated by ";", else plain content."""
 from kiln.entrypoints.openai.tool_parsers.base import ToolParser
-from kiln.entrypoints.openai.tool_parsers.json_scan import PartialCall, partial_suffix, scan_call, skip_ws
+from kiln.entrypoints.openai.tool_parsers.json_scan import (
+    PartialCall,
+    partial_suffix,
+    scan_calls,
+    skip_ws,
+)
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -17,16 +22,4 @@ class Llama3JsonToolParser(ToolParser):
             return ("" if not final else text), []
         if text[i] != "{":
             return text, []
-        calls: list[PartialCall] = []
-        while True:
-            call, end = scan_call(text, i, ("parameters", "arguments"), final)
-            if call is None:
-                break
-            calls.append(call)
-            if end is None:
-                break
-            i = skip_ws(text, end)
-            if i >= len(text) or text[i] != ";":
-                break
-            i += 1
-        return "", calls
+        return "", scan_calls(text, i, ("parameters", "arguments"), ";", final)
