@@ -38,15 +38,17 @@ def is_forward_context_available() -> bool:
 
 
 @contextlib.contextmanager
-def set_forward_context(attn_metadata: AttentionMetadata | None, kiln_config,
-                        batch_descriptor=None, cudagraph_runtime_mode=None):
+def set_forward_context(attn_metadata: AttentionMetadata | None, kiln_config, *,
+                        layers: dict[str, Any], batch_descriptor=None,
+                        cudagraph_runtime_mode=None):
+    """`layers`: layer name -> Attention module (kiln.model.layers.attention.attention_layers)."""
     global _forward_context
     if _forward_context is not None:
         raise RuntimeError("set_forward_context() is not re-entrant: a forward context is active")
     if "ir_selection" in kiln_config.__dict__:  # this engine's IR op choices (kiln/ir/)
         apply_ir_selection(kiln_config.ir_selection)
     _forward_context = ForwardContext(
-        no_compile_layers=kiln_config.compilation_config.static_forward_context,
+        no_compile_layers=layers,
         attn_metadata=attn_metadata, batch_descriptor=batch_descriptor,
         cudagraph_runtime_mode=cudagraph_runtime_mode)
     context = _forward_context

@@ -34,8 +34,7 @@ def spec_to_dict(value) -> dict:
     if value is None:
         return {}
     if isinstance(value, CompilationConfig):
-        out = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)
-               if f.name not in CompilationConfig.RUNTIME_FIELDS}
+        out = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
         out["mode"] = None if value.mode is None else int(value.mode)
         return out
     if isinstance(value, bool):

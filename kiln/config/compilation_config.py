@@ -42,12 +42,6 @@ class CompilationConfig(FreezableConfig):
     cache_dir: str = ""  # "" -> <KILN_CACHE_ROOT>/torch_compile_cache
     debug_dump_path: str = ""
 
-    # Runtime state, not a setting (not part of the hash, never copied between engines):
-    # layer name -> Attention module, filled at model construction.
-    static_forward_context: dict = field(default_factory=dict, repr=False, compare=False)
-
-    RUNTIME_FIELDS = frozenset({"static_forward_context"})
-
     def __post_init__(self):
         def fail(name: str, rule: str, value) -> None:
             raise ValueError(f"compilation_config.{name} must be {rule}; got {value!r}")
@@ -90,18 +84,13 @@ class CompilationConfig(FreezableConfig):
         if isinstance(value, int):
             return cls(mode=value)
         if isinstance(value, dict):
-            known = set(cls.__dataclass_fields__) - cls.RUNTIME_FIELDS
+            known = set(cls.__dataclass_fields__)
             unknown = set(value) - known
             if unknown:
                 raise ValueError(f"unknown compilation_config field(s) {sorted(unknown)}; "
                                  f"known: {sorted(known)}")
             return cls(**value)
         return cls.from_cli(cli_fields(str(value)))
-
-    def thawed_copy(self) -> "CompilationConfig":
-        clone = super().thawed_copy()
-        clone.static_forward_context = {}  # runtime state: never shared between engines
-        return clone
 
     def resolve_mode(self, enforce_eager: bool) -> None:
         if enforce_eager:

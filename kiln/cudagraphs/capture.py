@@ -93,7 +93,8 @@ def capture_model(runner, dispatcher: CudagraphDispatcher, platform=None) -> int
         for mode, desc in plan:
             ids, pos, md = fill_dummy_step(runner, desc, with_metadata=mode is CUDAGraphMode.FULL)
             for step_mode in (CUDAGraphMode.NONE, mode):
-                with set_forward_context(md, runner.kiln_config, batch_descriptor=desc,
+                with set_forward_context(md, runner.kiln_config, layers=runner.attention_layers,
+                                         batch_descriptor=desc,
                                          cudagraph_runtime_mode=step_mode):
                     runner.model(ids, pos)
     platform.synchronize()

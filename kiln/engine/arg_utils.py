@@ -128,8 +128,8 @@ class EngineArgs:
             distributed_executor_backend=self.distributed_executor_backend)
         compilation_config = CompilationConfig.from_cli(self.compilation_config)
         if compilation_config is self.compilation_config:
-            # KilnConfig resolves the mode and layers register in it: never share a caller's copy.
-            compilation_config = dataclasses.replace(compilation_config, static_forward_context={})
+            # KilnConfig resolves the mode in it: never share a caller's copy.
+            compilation_config = dataclasses.replace(compilation_config)
         device_config = DeviceConfig(device=self.device)
         model_config = ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                                    max_model_len=self.max_model_len, seed=self.seed,

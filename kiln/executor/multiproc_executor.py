@@ -92,8 +92,6 @@ class MultiprocExecutor(Executor):
         self.broadcast_calls = 0
         ctx = multiprocessing.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        # Layers register in the config as they are built: each rank starts from a clean copy.
-        kiln_config.compilation_config.static_forward_context.clear()
         self._finalizer = weakref.finalize(self, MultiprocExecutor._kill_all, self.procs)
         atexit.register(self._finalizer)
         for rank in range(self.world_size):

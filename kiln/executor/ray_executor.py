@@ -95,7 +95,6 @@ class RayExecutor(Executor):
             ray.util.remove_placement_group(self.pg)
             raise RuntimeError(f"Ray could not place {self.world_size} ranks of {bundle} "
                                f"(cluster resources: {ray.cluster_resources()}): {e}") from None
-        kiln_config.compilation_config.static_forward_context.clear()
         actor_cls = ray.remote(RayRankActor)
         for rank in range(self.world_size):
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,

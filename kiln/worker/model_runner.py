@@ -63,6 +63,7 @@ class ModelRunner:
 
         self.model: torch.nn.Module | None = None
         self.attn_backend: type[AttentionBackend] = AttentionBackend
+        self.attention_layers: dict = {}  # layer name -> Attention, filled by load_model
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len,
@@ -125,6 +126,7 @@ class ModelRunner:
 
     # ---- model ---------------------------------------------------------------------------
     def load_model(self) -> None:
+        from kiln.model.layers.attention import attention_layers
         from kiln.model.loader import get_model
 
         with set_compile_state(self.compile_state):
@@ -132,8 +134,9 @@ class ModelRunner:
         self.model = wrap_model_for_full_cudagraph(model, self.compile_state.cudagraph_mode)
         self.stage_inputs = StageInputs(self.kiln_config.model_config.hf_config.hidden_size,
                                         self.kiln_config.model_config.torch_dtype)
+        self.attention_layers = attention_layers(model)  # layer name -> Attention
         # The layers' attention backend (one for all), whose per-step work runs before them.
-        layers = self.kiln_config.compilation_config.static_forward_context
+        layers = self.attention_layers
         self.attn_backend = next(iter(layers.values())).backend if layers else AttentionBackend
 
     def padded_num_tokens(self, num_tokens: int) -> int:
@@ -147,7 +150,8 @@ class ModelRunner:
         [num_tokens, H], as the graph the dispatcher chose for this step (self._cudagraph_step:
         (mode, descriptor), set by execute_model; NONE for dummy runs)."""
         mode, desc = self._cudagraph_step
-        with set_forward_context(attn_metadata, self.kiln_config, batch_descriptor=desc,
+        with set_forward_context(attn_metadata, self.kiln_config, layers=self.attention_layers,
+                                 batch_descriptor=desc,
                                  cudagraph_runtime_mode=mode):
             if attn_metadata is not None:
                 self.attn_backend.begin_step(attn_metadata, self.block_size)

@@ -43,10 +43,10 @@ class Worker:
 
     # ---- KV cache --------------------------------------------------------------------------
     def _attention_layers(self) -> dict:
-        layers = self.kiln_config.compilation_config.static_forward_context
+        layers = self.model_runner.attention_layers
         if not layers:
-            raise RuntimeError("no Attention layers registered in compilation_config."
-                               "static_forward_context; was the model loaded?")
+            raise RuntimeError("the model has no Attention layers; was it loaded "
+                               "(Worker.load_model)?")
         return layers
 
     def kv_cache_block_bytes(self) -> int:

@@ -47,15 +47,18 @@ def test_the_kv_block_count_is_no_setting():
     assert "num_blocks" not in {f.name for f in dataclasses.fields(CacheConfig)}
 
 
+def test_the_attention_layer_table_is_no_setting():
+    # layer name -> module is the model runner's (ModelRunner.attention_layers), not the config's
+    assert "static_forward_context" not in {f.name for f in dataclasses.fields(CompilationConfig)}
+
+
 def test_a_second_engine_resolves_its_own_copy():
     first = _config(compilation_config=CompilationConfig(mode=3))
-    first.compilation_config.static_forward_context["layers.0.attn"] = object()
     second = KilnConfig(model_config=first.model_config,
                         scheduler_config=first.scheduler_config,
                         compilation_config=first.compilation_config, enforce_eager=True)
     assert second.compilation_config is not first.compilation_config
     assert int(second.compilation_config.mode) == 0 and int(first.compilation_config.mode) == 3
-    assert second.compilation_config.static_forward_context == {}  # layers are per engine
     assert second.model_config is not first.model_config
     assert second.scheduler_config == first.scheduler_config and second.frozen
 

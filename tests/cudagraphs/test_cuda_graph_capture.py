@@ -69,7 +69,7 @@ def test_capture_plan_runs_eager_then_records(runner, fake_cuda):  # noqa: F811
     model = runner.model
     spy = Spy(model)
     full = CUDAGraphWrapper(spy, M.FULL, weak_ref_output=True, debug=True)
-    layers = runner.kiln_config.compilation_config.static_forward_context.values()
+    layers = runner.attention_layers.values()
     caches_before = [layer.kv_cache.clone() for layer in layers]
     runner.model = full
     try:
@@ -89,7 +89,8 @@ def test_capture_plan_runs_eager_then_records(runner, fake_cuda):  # noqa: F811
     # Inputs were the runner's persistent buffers: the debug address check passes on replay.
     with compilation_counter.expect(num_cudagraph_replays_full=1):
         from kiln.forward_context import set_forward_context
-        with set_forward_context(None, runner.kiln_config, batch_descriptor=B(2, 2, True),
+        with set_forward_context(None, runner.kiln_config, layers=runner.attention_layers,
+                                 batch_descriptor=B(2, 2, True),
                                  cudagraph_runtime_mode=M.FULL):
             full(runner.input_ids[:2], runner.positions[:2])
     assert np.all(runner.slot_mapping_np[:4] == -1)

@@ -77,7 +77,8 @@ class Runnable:
 
 
 def step(fn, x, mode, desc):
-    with set_forward_context(None, CONFIG, batch_descriptor=desc, cudagraph_runtime_mode=mode):
+    with set_forward_context(None, CONFIG, layers={}, batch_descriptor=desc,
+                             cudagraph_runtime_mode=mode):
         return fn(x)
 
 

@@ -219,8 +219,8 @@ def test_dropped_engine_frees_its_kv_cache(tiny_llama_dir, compilation):
                   compilation_config=compilation or {"mode": 0})
     llm = LLM(model=str(tiny_llama_dir), **engine)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2))
-    layer = next(iter(llm.llm_engine.kiln_config.compilation_config
-                      .static_forward_context.values()))
+    layer = next(iter(llm.llm_engine.engine_core.executor.worker.model_runner
+                      .attention_layers.values()))
     assert gc.get_freeze_count() > 0
     kv_cache = weakref.ref(layer.kv_cache)
     layer.back_reference = layer  # the engine is cyclic garbage: only a collection frees it

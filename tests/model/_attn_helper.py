@@ -9,17 +9,14 @@ import torch
 from kiln.attention.backend import kv_cache_shape
 from kiln.attention.metadata import AttentionMetadata
 from kiln.forward_context import set_forward_context
+from kiln.model.layers.attention import attention_layers
 
 
-def attention_layers(kiln_config) -> dict:
-    return kiln_config.compilation_config.static_forward_context
-
-
-def allocate_kv_caches(kiln_config, num_blocks: int, block_size: int,
+def allocate_kv_caches(model, kiln_config, num_blocks: int, block_size: int,
                        dtype: torch.dtype | None = None) -> None:
     """Give every Attention layer of the built model a zeroed paged cache."""
     dtype = dtype or kiln_config.model_config.torch_dtype
-    for layer in attention_layers(kiln_config).values():
+    for layer in attention_layers(model).values():
         shape = kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
         layer.kv_cache = torch.zeros(shape, dtype=dtype)
 
@@ -82,7 +79,8 @@ def build_step(pool: BlockPool, reqs: list[PagedRequest], query_lens: list[int],
 
 def run_step(model, kiln_config, input_ids, positions, attn_metadata) -> torch.Tensor:
     """Forward one step inside a forward context; returns float32 logits for every token."""
-    with torch.no_grad(), set_forward_context(attn_metadata, kiln_config):
+    with torch.no_grad(), set_forward_context(attn_metadata, kiln_config,
+                                                    layers=attention_layers(model)):
         hidden = model(input_ids, positions)
     return model.compute_logits(hidden)
 
@@ -90,7 +88,7 @@ def run_step(model, kiln_config, input_ids, positions, attn_metadata) -> torch.T
 def greedy_generate(model, kiln_config, prompt: list[int], max_new_tokens: int,
                     num_blocks: int = 64, block_size: int = 16) -> list[int]:
     """Greedy tokens after `prompt`: one prefill step, then one decode step per token."""
-    allocate_kv_caches(kiln_config, num_blocks, block_size)
+    allocate_kv_caches(model, kiln_config, num_blocks, block_size)
     pool = BlockPool(num_blocks, block_size)
     req = PagedRequest(list(prompt))
     new_tokens: list[int] = []

@@ -174,16 +174,16 @@ class _FakeKilnConfig:
 
 
 def test_op_traces_under_compile_and_uses_context():
-    from kiln.model.layers.attention import Attention
+    from kiln.model.layers.attention import Attention, attention_layers
 
     cfg = _FakeKilnConfig()
     with set_current_kiln_config(cfg):
         layer = Attention(NH, HD, HD ** -0.5, NKV, prefix="layers.0.attn")
-    assert cfg.compilation_config.static_forward_context["layers.0.attn"] is layer
+    assert attention_layers(layer) == {"layers.0.attn": layer}
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(6, h * HD, generator=g) for h in (NH, NKV, NKV))
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
-    with set_forward_context(None, cfg):
+    with set_forward_context(None, cfg, layers=attention_layers(layer)):
         got = compiled(q, k, v)
     ref = F.scaled_dot_product_attention(
         q.view(6, NH, HD).transpose(0, 1), k.view(6, NKV, HD).transpose(0, 1),
@@ -335,3 +335,13 @@ def test_cpu_impl_checks_caches_once_per_layer_and_metadata_once_per_step(monkey
             TorchAttentionImpl(NH, HD, HD ** -0.5, NKV).forward(q, k, v, reference_cache, md, want)
             torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     assert counts == {"CacheArgs": 3 + 1, "StepArgs": 3}
+
+
+def test_the_layer_table_refuses_a_duplicate_name():
+    from kiln.model.layers.attention import Attention, attention_layers
+
+    with set_current_kiln_config(_FakeKilnConfig()):
+        layers = torch.nn.ModuleList(Attention(NH, HD, HD ** -0.5, NKV, prefix="layers.0.attn")
+                                     for _ in range(2))
+    with pytest.raises(ValueError, match="duplicate attention layer name 'layers.0.attn'"):
+        attention_layers(layers)

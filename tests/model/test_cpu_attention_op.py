@@ -9,7 +9,7 @@ from kiln.attention.cpu_backend import CpuAttentionBackend, CpuAttentionImpl
 from kiln.attention.torch_backend import TorchAttentionImpl
 from kiln.config import CompilationConfig, set_current_kiln_config
 from kiln.forward_context import set_forward_context
-from kiln.model.layers.attention import Attention
+from kiln.model.layers.attention import Attention, attention_layers
 from kiln.native import attention_op
 from model._attn_helper import BlockPool, PagedRequest, build_step
 
@@ -37,6 +37,7 @@ class Engine:
             self.layers = [Attention(NH, HD, HD ** -0.5, NKV, prefix=f"model.layers.{i}.attn")
                            for i in range(num_layers)]
         assert all(isinstance(layer.impl, CpuAttentionImpl) for layer in self.layers)
+        self.table = attention_layers(torch.nn.ModuleList(self.layers))
         for layer in self.layers:
             layer.kv_cache = torch.zeros(kv_cache_shape(NUM_BLOCKS, BS, NKV, HD), dtype=dtype)
         self.reference = [torch.zeros_like(layer.kv_cache) for layer in self.layers]
@@ -52,7 +53,7 @@ class Engine:
         tokens = sum(q_lens) + num_padding
         before = attention_op.call_counts()
         outs, wants = [], []
-        with set_forward_context(md, self.cfg):
+        with set_forward_context(md, self.cfg, layers=self.table):
             if begin_step:
                 CpuAttentionBackend.begin_step(md, BS)
             for layer, ref_cache in zip(self.layers, self.reference):
@@ -178,7 +179,7 @@ def test_the_cpp_kernel_names_what_is_wrong():
     engine = Engine(num_layers=2)
     _, _, md = build_step(engine.pool, engine.reqs, [1, 1])
     good = [torch.randn(2, h * HD) for h in (NH, NKV, NKV)]
-    with set_forward_context(md, engine.cfg):
+    with set_forward_context(md, engine.cfg, layers=engine.table):
         engine.layers[0](*good)  # the Python path hands the step over
         with pytest.raises(ValueError, match="k must be Float"):
             engine.layers[1](good[0], torch.randn(2, NKV * HD + 1), good[2])

@@ -301,7 +301,7 @@ def test_default_model_matches_transformers():
     prompt = [1, 504, 3575, 282, 4649, 314, 7042, 30, 198]
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
-    allocate_kv_caches(cfg, 16, 16)
+    allocate_kv_caches(model, cfg, 16, 16)
     ids, pos, md = build_step(BlockPool(16, 16), [PagedRequest(prompt)], [len(prompt)])
     diff = (run_step(model, cfg, ids, pos, md) - ref).abs().max().item()
     assert diff < 1e-3, diff

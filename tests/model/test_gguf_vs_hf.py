@@ -84,7 +84,7 @@ def logits_diff(gguf_path, hf_dir, seq_len: int = 30) -> float:
 
     cfg = kiln_config_for(gguf_path)
     model = get_model(cfg)
-    allocate_kv_caches(cfg, 64, 4)
+    allocate_kv_caches(model, cfg, 64, 4)
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     seq = torch.randint(3, 512, (seq_len,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():

@@ -55,7 +55,7 @@ def max_logit_diff(path, seq_len: int = 30, **config_kw) -> float:
 
     cfg = kiln_config_for(path, **config_kw)
     model = get_model(cfg)
-    allocate_kv_caches(cfg, 64, 4)
+    allocate_kv_caches(model, cfg, 64, 4)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     seq = torch.randint(3, 512, (seq_len,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():

@@ -5,6 +5,7 @@ Covers one-shot prefill, decode through the paged cache, chunked prefill and a m
 import pytest
 import torch
 
+from kiln.model.layers.attention import attention_layers
 from kiln.model.loader import get_model
 from model._attn_helper import (
     BlockPool,
@@ -30,7 +31,7 @@ def models(ckpt_dir):
 
     cfg = kiln_config_for(ckpt_dir)
     model = get_model(cfg)
-    allocate_kv_caches(cfg, NUM_BLOCKS, BLOCK_SIZE)
+    allocate_kv_caches(model, cfg, NUM_BLOCKS, BLOCK_SIZE)
     hf = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=torch.float32).eval()
     return cfg, model, hf
 
@@ -105,7 +106,7 @@ def test_batched_decode_matches_hf(models):
 def test_warmup_without_metadata_is_causal_and_leaves_cache(models):
     cfg, model, hf = models
     seq = tokens(12, seed=6)
-    layer = next(iter(cfg.compilation_config.static_forward_context.values()))
+    layer = next(iter(attention_layers(model).values()))
     before = layer.kv_cache.clone()
     out = run_step(model, cfg, torch.tensor(seq), torch.arange(12), None)
     assert (out - hf_logits(hf, seq)).abs().max() < TOL

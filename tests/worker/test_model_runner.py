@@ -47,7 +47,7 @@ def test_cache_sized_and_assigned(executor):
     sched, model = executor.kiln_config.scheduler_config, executor.kiln_config.model_config
     cap = 2 * sched.max_num_seqs * -(-model.max_model_len // BS)
     assert num_blocks == min(int(0.002 * (1 << 30)) // worker.kv_cache_block_bytes(), cap)
-    layers = executor.kiln_config.compilation_config.static_forward_context
+    layers = worker.model_runner.attention_layers
     assert len(layers) == 2
     for layer in layers.values():
         assert tuple(layer.kv_cache.shape) == (2, num_blocks, BS, 2, 16)

@@ -1,6 +1,5 @@
-"""The Attention layer: registers itself by name and calls the IR op `unified_attention`.
-
-Its KV cache tensor and backend impl live on the module, found by the op via the forward context.
+"""The Attention layer, which calls the IR op `unified_attention` under its name, and the table
+of a model's layers by name: the op finds its KV cache and backend impl there via the forward context.
 """
 import torch
 from torch import nn
@@ -22,10 +21,6 @@ class Attention(nn.Module):
         self.impl = self.backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads)
         # [2, num_blocks, block_size, nkv, hd], assigned by the worker once the cache is sized.
         self.kv_cache: torch.Tensor | None = None
-        table = get_current_kiln_config().compilation_config.static_forward_context
-        if prefix in table:
-            raise ValueError(f"duplicate attention layer name {prefix!r}")
-        table[prefix] = self
 
     @property
     def kv_cache(self) -> torch.Tensor | None:
@@ -40,3 +35,15 @@ class Attention(nn.Module):
         out = torch.empty_like(q)  # [T, nh*hd]
         ir.unified_attention(q, k, v, out, self.layer_name)
         return out
+
+
+def attention_layers(model: nn.Module) -> dict[str, Attention]:
+    """Layer name -> Attention module of a built model: the table the forward context hands the
+    attention op, owned by whoever owns the model (the model runner)."""
+    table: dict[str, Attention] = {}
+    for module in model.modules():
+        if isinstance(module, Attention):
+            if module.layer_name in table:
+                raise ValueError(f"duplicate attention layer name {module.layer_name!r}")
+            table[module.layer_name] = module
+    return table
