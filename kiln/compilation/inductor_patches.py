@@ -16,8 +16,9 @@ from kiln.logger import init_logger
 
 logger = init_logger(__name__)
 
-# 2.13.0: the CPU build this repository's tests run on; 2.14.1: read in its source.
-CHECKED_ON = ("2.13.0", "2.14.1")
+# 2.13.0: the CPU build this repository's tests run on. 2.11.0 (the GPU machine's) and 2.14.1:
+# read in their sources (each internal present, with the signature and call sites used here).
+CHECKED_ON = ("2.11.0", "2.13.0", "2.14.1")
 
 
 @dataclass(frozen=True)
