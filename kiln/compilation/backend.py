@@ -18,6 +18,7 @@ from kiln.compilation.cache import (
     cache_base_dir,
     compiled_graph_key,
     private_inductor_cache_dir,
+    rank_dir_of,
 )
 from kiln.compilation.compile_state import CompileState
 from kiln.compilation.compiler_interface import make_compiler
@@ -106,8 +107,8 @@ class KilnBackend:
         self.inductor_dir: Path | None = None  # Inductor's cache while compiling (None: its own)
         self.warm_start = WarmStart(kiln_config, prefix, self.compiler)
         if cc.debug_dump_path and hasattr(self.compiler, "dump_dir"):
-            self.compiler.dump_dir = (Path(cc.debug_dump_path) / f"rank_"
-                                      f"{kiln_config.parallel_config.rank}" / prefix)
+            self.compiler.dump_dir = (Path(cc.debug_dump_path)
+                                      / rank_dir_of(kiln_config.parallel_config) / prefix)
 
     def traced_files(self) -> list[str]:
         from torch._guards import TracingContext
@@ -130,7 +131,8 @@ class KilnBackend:
         cc = self.kiln_config.compilation_config
         key_dir = cache_base_dir(cc.cache_dir) / key
         try:
-            cache = CompileCache(key_dir, self.kiln_config.parallel_config.rank, self.prefix)
+            cache = CompileCache(key_dir, rank_dir_of(self.kiln_config.parallel_config),
+                                 self.prefix)
             cache.check_writable()
         except OSError as e:  # read-only, full, or not a directory: serve, compiling afresh
             logger.warning("compile cache %s cannot be written (%s); compiling without a cache. "
@@ -252,7 +254,7 @@ class KilnBackend:
         path = self.kiln_config.compilation_config.debug_dump_path
         if not path:
             return
-        out = Path(path) / f"rank_{self.kiln_config.parallel_config.rank}" / self.prefix
+        out = Path(path) / rank_dir_of(self.kiln_config.parallel_config) / self.prefix
         try:
             out.mkdir(parents=True, exist_ok=True)
             (out / "split_graph.py").write_text(split_gm.print_readable(print_output=False))

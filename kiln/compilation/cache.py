@@ -1,6 +1,7 @@
 """The on-disk compile cache: its key, its directory layout, and its index of artifacts.
 
-<cache_root>/torch_compile_cache/<key>/rank_<r>/<prefix>/{index.json, split_graph.py, artifacts/}
+<cache_root>/torch_compile_cache/<key>/<rank dir>/<prefix>/{index.json, split_graph.py, artifacts/}
+where the rank dir is rank_<r>, or rank_<r>_stage_<s> under pipeline parallelism
 with Inductor's own cache at <key>/inductor_cache (set around each compile and load, see
 `inductor_cache_at`), so a warm start runs no C++ compiler.
 """
@@ -103,12 +104,23 @@ def index_key(shape: int | None, piece: int, compiler: str) -> str:
     return f"{'range' if shape is None else shape}/piece_{piece}/{compiler}"
 
 
+def rank_dir_name(rank: int, pipeline_parallel_size: int, pp_rank: int) -> str:
+    """A rank's directory under a cache key: each rank compiles its own part of the model, and
+    under pipeline parallelism the name says which stage's layers it holds."""
+    return f"rank_{rank}" if pipeline_parallel_size == 1 else f"rank_{rank}_stage_{pp_rank}"
+
+
+def rank_dir_of(parallel_config) -> str:
+    pc = parallel_config
+    return rank_dir_name(pc.rank, pc.pipeline_parallel_size, pc.pp_rank)
+
+
 class CompileCache:
     """One (key, rank, prefix) directory: the index of saved artifacts and the artifacts."""
 
-    def __init__(self, key_dir: Path, rank: int, prefix: str):
+    def __init__(self, key_dir: Path, rank_dir: str, prefix: str):
         self.key_dir = key_dir
-        self.dir = key_dir / f"rank_{rank}" / prefix
+        self.dir = key_dir / rank_dir / prefix
         self.artifact_dir = self.dir / "artifacts"
         self.index_path = self.dir / "index.json"
         self.artifact_dir.mkdir(parents=True, exist_ok=True)

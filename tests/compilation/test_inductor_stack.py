@@ -274,11 +274,11 @@ def test_deleted_artifact_is_a_miss_not_damage(cold, tmp_path, kiln_logs):
 
 
 def test_forgotten_entry_stays_forgotten_on_disk(tmp_path):
-    cache = CompileCache(tmp_path, 0, "M")
+    cache = CompileCache(tmp_path, "rank_0", "M")
     cache.record(1, 0, "c", {"file": "damaged"})
     cache.record(1, 1, "c", {"file": "good"})
     cache.forget(1, 0, "c")
-    other = CompileCache(tmp_path, 0, "M")  # another process, or this one's next record
+    other = CompileCache(tmp_path, "rank_0", "M")  # another process, or this one's next record
     other.record(2, 0, "c", {"file": "new"})
     assert other.lookup(1, 0, "c") is None and other.lookup(1, 1, "c") == {"file": "good"}
     cache.record(8, 0, "c", {"file": "later"})  # a merge must not bring it back either
@@ -287,7 +287,7 @@ def test_forgotten_entry_stays_forgotten_on_disk(tmp_path):
     other.record(1, 0, "c", {"file": "recompiled"})
     cache.index[index_key(1, 0, "c")] = {"file": "damaged"}
     cache.forget(1, 0, "c")
-    assert CompileCache(tmp_path, 0, "M").lookup(1, 0, "c") == {"file": "recompiled"}
+    assert CompileCache(tmp_path, "rank_0", "M").lookup(1, 0, "c") == {"file": "recompiled"}
 
 
 def test_disabled_cache_reuses_nothing_from_inductor_cache(cold, monkeypatch):
@@ -380,10 +380,10 @@ def test_cache_index_of_the_wrong_shape_starts_afresh(cold, tmp_path, kiln_logs)
     shutil.copytree(cold["root"] / "cache", cache)
     index = next(cache.glob("*/rank_0/ToyModel/index.json"))
     index.write_text("[]")
-    compile_cache = CompileCache(index.parent.parent.parent, 0, "ToyModel")
+    compile_cache = CompileCache(index.parent.parent.parent, "rank_0", "ToyModel")
     assert compile_cache.index == {} and "not a JSON object" in kiln_logs.text
     index.write_text(json.dumps({"range/piece_0/inductor_standalone": "x"}))
-    assert CompileCache(index.parent.parent.parent, 0, "ToyModel").lookup(
+    assert CompileCache(index.parent.parent.parent, "rank_0", "ToyModel").lookup(
         None, 0, "inductor_standalone") is None
 
 
@@ -421,7 +421,7 @@ def test_warm_start_checks_each_artifact_file_once(cold, monkeypatch):
 
 def _record_many(args):
     cache_dir, worker = args
-    cache = CompileCache(Path(cache_dir), 0, "M")
+    cache = CompileCache(Path(cache_dir), "rank_0", "M")
     for i in range(20):
         cache.record(i, worker, "c", {"file": f"{worker}_{i}"})
 
@@ -430,7 +430,7 @@ def test_concurrent_index_writers_keep_every_entry(tmp_path):
     import multiprocessing as mp
     with mp.get_context("spawn").Pool(2) as pool:
         pool.map(_record_many, [(str(tmp_path), 0), (str(tmp_path), 1)])
-    assert len(CompileCache(tmp_path, 0, "M").index) == 40
+    assert len(CompileCache(tmp_path, "rank_0", "M").index) == 40
 
 
 @pytest.mark.slow

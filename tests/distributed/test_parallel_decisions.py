@@ -94,3 +94,13 @@ def test_comm_figures_are_per_step_and_per_rank():
     assert rank["by_kind"]["all_reduce"] == {"ms_per_step": 10.0, "calls_per_step": 5.0}
     assert rank["collectives_ms_per_step"] == 12.0
     assert rank["scheduler_output_unpickle_ms_per_step"] == 1.0
+
+
+def test_a_rank_cache_dir_names_its_stage_under_pipeline_parallelism():
+    from kiln.compilation.cache import rank_dir_name, rank_dir_of
+    from kiln.config import ParallelConfig
+
+    assert rank_dir_name(1, 1, 0) == "rank_1"  # tensor parallel only: one stage
+    assert rank_dir_name(3, 2, 1) == "rank_3_stage_1"
+    pc = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2).for_rank(2)
+    assert rank_dir_of(pc) == "rank_2_stage_1"

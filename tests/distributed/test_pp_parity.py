@@ -23,3 +23,6 @@ def test_pp2_mode3_greedy_matches_hf(tiny_llama_dir, tmp_path):
                    compilation_config={"mode": 3, "cache_dir": str(tmp_path / "cc")})
     assert generate_ids(llm) == hf_greedy(tiny_llama_dir, PROMPTS, MAX_TOKENS)
     llm.llm_engine.engine_core.shutdown()
+    # each stage compiled and cached its own layers (under its own key: the graphs differ)
+    assert sorted(d.name for d in (tmp_path / "cc").glob("*/rank_*")) == ["rank_0_stage_0",
+                                                                          "rank_1_stage_1"]

@@ -10,7 +10,7 @@ from typing import Any
 from torch import fx
 
 from kiln import envs
-from kiln.compilation.cache import CompileCache, cache_base_dir, compiled_graph_key
+from kiln.compilation.cache import CompileCache, cache_base_dir, compiled_graph_key, rank_dir_of
 from kiln.compilation.compiler_interface import CompilerInterface, file_sha256
 from kiln.compilation.warm_start import graph_cache
 from kiln.compilation.warm_start.graph_pickle import CodeOnlyGraph
@@ -132,7 +132,7 @@ class WarmStart:
         cfg = self.kiln_config
         try:
             cache = CompileCache(cache_base_dir(cfg.compilation_config.cache_dir) / key,
-                                 cfg.parallel_config.rank, self.prefix)
+                                 rank_dir_of(cfg.parallel_config), self.prefix)
             plan, split_gm = graph_cache.load_plan(cache.dir)
         except (FileNotFoundError, NotADirectoryError):
             return None
