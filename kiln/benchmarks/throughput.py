@@ -1,8 +1,10 @@
-"""Offline throughput: fixed-length random-token requests through Kiln, and optionally HF generate.
+"""Offline throughput: fixed-length random-token requests through Kiln, and optionally HF generate
+or the same engine unquantized (`--compare-unquantized`) as the baseline, in one invocation.
 
-Both backends get the same prompts, dtype and greedy decoding with exactly `output_len` new tokens
+Every run gets the same prompts, dtype and greedy decoding with exactly `output_len` new tokens
 per request; engine construction (load, compile, warm-up) is outside the timed region.
 """
+import dataclasses
 import random
 import time
 from dataclasses import dataclass
@@ -115,32 +117,49 @@ def run_hf(model, prompts: list[list[int]], output_len: int, batch_size: int,
     return RunResult(elapsed, len(prompts), sum(map(len, prompts)), num_out)
 
 
-def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, output_len: int,
-                   backend: str = "kiln") -> dict:
-    """Benchmark; returns the one-line JSON report as a dict."""
+def _timed_engine_run(kiln_config, prompts_for, output_len: int):
+    """Build an engine, time one run over prompts_for(engine): (result, comm figures, weight
+    bytes, prompts, tokenizer)."""
+    from kiln.benchmarks.latency import model_weight_bytes
     from kiln.engine.llm_engine import LLMEngine
 
-    if backend not in ("kiln", "hf"):
-        raise ValueError(f"--backend must be kiln or hf, got {backend!r}")
-    kiln_config = engine_args.create_kiln_config()
-    mc = kiln_config.model_config
-    check_lengths(input_len, output_len, mc.max_model_len)
     engine = LLMEngine(kiln_config)
-    tokenizer = engine.tokenizer
-    exclude = set(getattr(tokenizer, "all_special_ids", []))
-    prompts = random_prompts(num_prompts, input_len, mc.vocab_size, engine_args.seed, exclude)
+    prompts = prompts_for(engine)
     executor = getattr(getattr(engine, "engine_core", None), "executor", None)
     try:
         if executor is not None:
             executor.reset_comm_stats()  # warm-up's collectives are not the run's
+        weight_bytes = model_weight_bytes(engine)  # None when the model lives in other ranks
         result = run_kiln(engine, prompts, output_len)
         comm = comm_figures(executor.comm_stats() if executor is not None else None)
     finally:
         engine.shutdown()
+    return result, comm, weight_bytes, prompts, engine.tokenizer
+
+
+def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, output_len: int,
+                   backend: str = "kiln", compare_unquantized: bool = False) -> dict:
+    """Benchmark; returns the one-line JSON report as a dict. compare_unquantized: then the
+    same prompts through the same engine without --quantization (the baseline), and ratios."""
+    if backend not in ("kiln", "hf"):
+        raise ValueError(f"--backend must be kiln or hf, got {backend!r}")
+    if compare_unquantized and engine_args.quantization is None:
+        raise ValueError("--compare-unquantized needs --quantization (the run to compare)")
+    kiln_config = engine_args.create_kiln_config()
+    mc = kiln_config.model_config
+    check_lengths(input_len, output_len, mc.max_model_len)
+
+    def seeded_prompts(engine):
+        exclude = set(getattr(engine.tokenizer, "all_special_ids", []))
+        return random_prompts(num_prompts, input_len, mc.vocab_size, engine_args.seed, exclude)
+
+    result, comm, weight_bytes, prompts, tokenizer = _timed_engine_run(
+        kiln_config, seeded_prompts, output_len)
     report = {"backend": backend, "num_prompts": num_prompts, "input_len": input_len,
               "output_len": output_len, **result.figures(),
               "num_output_tokens": result.num_output_tokens, "model": mc.model,
               "dtype": str(mc.torch_dtype).removeprefix("torch."),
+              "quantization": mc.quantization, "model_weight_bytes": weight_bytes,
               "device": kiln_config.device_config.device,
               "compilation_mode": int(kiln_config.compilation_config.mode),
               "max_num_seqs": kiln_config.scheduler_config.max_num_seqs,
@@ -150,6 +169,16 @@ def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, ou
                   kiln_config.parallel_config.distributed_executor_backend}
     if comm:
         report["communication"] = comm
+    if compare_unquantized:
+        base_config = dataclasses.replace(engine_args, quantization=None).create_kiln_config()
+        base, _, base_bytes, _, _ = _timed_engine_run(base_config, lambda engine: prompts,
+                                                      output_len)
+        report.update(base.figures("unquantized_"),
+                      unquantized_model_weight_bytes=base_bytes,
+                      speedup_vs_unquantized=(result.num_output_tokens / result.elapsed_s)
+                      / (base.num_output_tokens / base.elapsed_s))
+        if weight_bytes and base_bytes:
+            report["weight_bytes_vs_unquantized"] = weight_bytes / base_bytes
     if backend == "hf":
         model = load_hf_model(kiln_config)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (

@@ -121,6 +121,22 @@ def test_bench_throughput_dummy_with_hf(stories):
         assert report[key] > 0
 
 
+def test_bench_throughput_int8_against_unquantized_in_one_run(stories):
+    r = kiln("bench", "throughput", "--model", stories, "--num-prompts", "2", "--input-len", "8",
+             "--output-len", "3", "--quantization", "int8", "--compare-unquantized", *ENGINE)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["quantization"] == "int8" and report["dtype"] == "float32"
+    assert report["num_output_tokens"] == 6 and report["unquantized_output_tokens_per_s"] > 0
+    ratio = report["output_tokens_per_s"] / report["unquantized_output_tokens_per_s"]
+    assert abs(report["speedup_vs_unquantized"] / ratio - 1) < 1e-3  # from unrounded figures
+    # int8 weights (plus per-channel scales) against float32 ones; embeddings stay float32
+    assert 0.2 < report["weight_bytes_vs_unquantized"] < 1
+    assert report["model_weight_bytes"] < report["unquantized_model_weight_bytes"]
+    r = kiln("bench", "throughput", "--model", stories, "--compare-unquantized", *ENGINE)
+    assert r.returncode == 2 and "--compare-unquantized needs --quantization" in r.stderr
+
+
 def test_bench_rejects_lengths_over_max_model_len(stories):
     r = kiln("bench", "throughput", "--model", stories, "--input-len", "100", "--output-len",
              "100", *ENGINE)

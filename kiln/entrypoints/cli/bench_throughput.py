@@ -1,6 +1,7 @@
 """`kiln bench throughput`: offline throughput on random prompts; prints one JSON line.
 
-`--backend hf` also times HF transformers generate on the same prompts and adds the ratio.
+`--backend hf` also times HF transformers generate on the same prompts and adds the ratio;
+`--compare-unquantized` times the same engine without `--quantization` and adds those ratios.
 """
 import argparse
 import importlib
@@ -28,6 +29,9 @@ def register(subparsers) -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--backend", choices=["kiln", "hf"], default="kiln",
                         help="hf: also run HF transformers generate and report kiln/hf")
+    parser.add_argument("--compare-unquantized", action="store_true",
+                        help="with --quantization: also run the same prompts unquantized and "
+                             "report speedup_vs_unquantized and weight_bytes_vs_unquantized")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run)
     for name in BENCHMARKS:
@@ -39,6 +43,6 @@ def run(args: argparse.Namespace) -> int:
     from kiln.benchmarks.throughput import run_throughput
 
     report = run_throughput(EngineArgs.from_cli_args(args), args.num_prompts, args.input_len,
-                            args.output_len, args.backend)
+                            args.output_len, args.backend, args.compare_unquantized)
     print(json.dumps(report), flush=True)
     return 0
