@@ -27,6 +27,13 @@ def cpu_kvcache_space_gib() -> float | None:
     return gib
 
 
+def enable_multiprocessing() -> bool:
+    """`KILN_ENABLE_V1_MULTIPROCESSING=0` (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING): run the engine
+    core in the caller's process instead of its own, for debugging."""
+    return os.environ.get("KILN_ENABLE_V1_MULTIPROCESSING", "1") not in ("", "0", "false",
+                                                                          "False")
+
+
 def disable_compile_cache() -> bool:
     return os.environ.get("KILN_DISABLE_COMPILE_CACHE", "0") not in ("", "0", "false", "False")
 

@@ -1,7 +1,7 @@
 """`AsyncLLM`: many coroutines share one `LLMEngine`; a background task runs its step loop.
 
-Every engine call (add, abort, step, stats, tokenizer work) runs on one worker thread, in order,
-so the event loop stays responsive and an abort never races a running step.
+Engine calls (add, abort, step, stats) run on one engine thread, in order, so an abort never races
+a step; tokenizing and templates run on a front-end thread, so a big prompt never delays a step.
 """
 import asyncio
 import concurrent.futures
@@ -19,7 +19,8 @@ logger = init_logger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The step loop raised (or the engine shut down); in-flight and later requests get this."""
+    """The step loop raised, the core process died, or the engine shut down; in-flight and
+    later requests get this."""
 
 
 class RequestStream:
@@ -65,6 +66,12 @@ class AsyncLLM:
         self.engine = engine
         self.stat_loggers = list(stat_loggers)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kiln-engine")
+        # One thread: the tokenizer releases the GIL, and more would take cores from the engine.
+        self._frontend_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kiln-frontend")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Called on the event loop once the engine died (the server exits non-zero).
+        self.dead_callbacks: list[Callable[[BaseException], None]] = []
         self._streams: dict[str, RequestStream] = {}
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -73,6 +80,9 @@ class AsyncLLM:
         self._refusing: str | None = None  # set by abort_all: new requests are refused
         self._pool_closed = False
         self.last_stats: dict = {}
+        add_death_callback = getattr(engine, "add_death_callback", None)
+        if add_death_callback is not None:
+            add_death_callback(self._core_died)
 
     @classmethod
     def from_engine_args(cls, engine_args, stat_loggers: Iterable[StatLogger] = ()) -> "AsyncLLM":
@@ -97,11 +107,48 @@ class AsyncLLM:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    # ---- engine-thread helpers -------------------------------------------------------------
+    # ---- thread helpers ----------------------------------------------------------------------
     async def run_in_engine(self, fn: Callable, *args, **kwargs) -> Any:
-        """Run `fn` on the engine thread, between steps (tokenizer and engine are not shared)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+        """Run tokenizer or template work `fn` off the event loop, on the front-end thread: the
+        engine keeps stepping meanwhile (the name is the old one, from when they shared one)."""
+        self.start()
+        return await asyncio.get_running_loop().run_in_executor(
+            self._frontend_pool, lambda: fn(*args, **kwargs))
+
+    async def _on_engine_thread(self, fn: Callable, *args, **kwargs) -> Any:
+        """Run an engine call on the engine thread, between steps."""
+        self.start()
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, lambda: fn(*args, **kwargs))
+
+    def start(self) -> None:
+        """Note the event loop (the server calls it at start-up): a core that dies while no
+        request runs is reported there."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+
+    def _core_died(self, error: BaseException) -> None:
+        """From the core client's watcher thread."""
+        if self._loop is None or self._loop.is_closed():
+            self._dead = self._dead or error
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._fail_all, error)
+        except RuntimeError:  # the loop closed meanwhile
+            self._dead = self._dead or error
+
+    def _fail_all(self, error: BaseException) -> None:
+        """The engine is gone: every stream ends with an error, later requests are refused."""
+        first = self._dead is None
+        if first:
+            self._dead = error
+        err = EngineDeadError(f"the engine loop failed: {error!r}")
+        for stream in self._streams.values():
+            stream.put_error(err)
+        self._streams.clear()
+        if first and not self._closed:
+            for callback in self.dead_callbacks:
+                callback(error)
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -127,8 +174,13 @@ class AsyncLLM:
         engine_params.output_kind = RequestOutputKind.DELTA
         self._streams[request_id] = stream
         try:
-            await self.run_in_engine(self.engine.add_request, request_id, prompt, engine_params,
-                                     max_tokens_must_fit=max_tokens_must_fit)
+            # Tokenized on the front-end thread: the engine steps on meanwhile.
+            processed = await self.run_in_engine(self.engine.process_inputs, prompt,
+                                                 engine_params,
+                                                 max_tokens_must_fit=max_tokens_must_fit)
+            self._check_alive()
+            await self._on_engine_thread(self.engine.add_processed_request, request_id,
+                                         processed, arrival_time)
         except ValueError:
             self._streams.pop(request_id, None)  # refused: nothing entered the engine
             raise
@@ -157,7 +209,7 @@ class AsyncLLM:
         takes back requests of a call that was refused: no abort enters the metrics."""
         ids = self._forget(request_ids, record)
         if ids:
-            await self.run_in_engine(self.engine.abort_request, ids)
+            await self._on_engine_thread(self.engine.abort_request, ids)
 
     def abort_nowait(self, request_ids: str | list[str]) -> None:
         """Abort from code that cannot await (a cancelled coroutine's cleanup)."""
@@ -188,7 +240,7 @@ class AsyncLLM:
 
     async def get_stats(self) -> dict:
         """Fresh engine stats, taken between steps (after any queued abort has run)."""
-        self.last_stats = await self.run_in_engine(self.engine.get_stats)
+        self.last_stats = await self._on_engine_thread(self.engine.get_stats)
         return self.last_stats
 
     async def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
@@ -209,7 +261,7 @@ class AsyncLLM:
 
     def _step(self) -> tuple[list[RequestOutput], bool, dict]:
         outputs = self.engine.step()
-        return outputs, self.engine.has_unfinished_requests(), self.engine.get_stats()
+        return outputs, self.engine.has_unfinished_requests(), self.engine.step_stats()
 
     async def _run_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -227,11 +279,7 @@ class AsyncLLM:
             raise
         except BaseException as e:  # noqa: BLE001 - every waiter must learn the engine died
             logger.exception("engine step loop failed; failing all in-flight requests")
-            self._dead = e
-            err = EngineDeadError(f"the engine loop failed: {e!r}")
-            for stream in self._streams.values():
-                stream.put_error(err)
-            self._streams.clear()
+            self._fail_all(e)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -280,6 +328,7 @@ class AsyncLLM:
                 pass
         shutdown = getattr(self.engine, "shutdown", None)
         if shutdown is not None:
-            await self.run_in_engine(shutdown)
+            await self._on_engine_thread(shutdown)
         self._pool_closed = True
         self._pool.shutdown(wait=True)
+        self._frontend_pool.shutdown(wait=True)

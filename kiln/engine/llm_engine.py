@@ -6,6 +6,7 @@ it produced; the LLM class and the CLI drive it in a loop.
 import time
 import weakref
 
+from kiln import envs
 from kiln.config import KilnConfig, ParallelConfig
 from kiln.core.request import Request, RequestStatus
 from kiln.engine.arg_utils import EngineArgs
@@ -34,23 +35,36 @@ def get_executor_class(parallel_config: ParallelConfig) -> type:
 
 class LLMEngine:
     def __init__(self, kiln_config: KilnConfig, executor_class: type | None = None):
-        from kiln.core.engine_core import EngineCore
+        from kiln.engine.core_client import CoreProcClient, InprocCoreClient
 
         self.kiln_config = kiln_config
         self.model_config = kiln_config.model_config
-        # The tokenizer first: it is cheap and a bad path should fail before the model loads.
-        self.tokenizer = get_tokenizer(self.model_config)  # None: skip_tokenizer_init
-        eos_ids = generation_eos_token_ids(self.model_config)
-        if self.tokenizer is None:  # no tokenizer to name eos: the model config does
-            eos_ids |= config_eos_token_ids(self.model_config)
-        self.input_processor = InputProcessor(self.model_config, self.tokenizer, eos_ids)
-        self.output_processor = OutputProcessor(self.tokenizer)
         if executor_class is None:
             executor_class = get_executor_class(kiln_config.parallel_config)
-        self.engine_core = EngineCore(kiln_config, executor_class)
+        # The core process starts first and loads the model while this process loads the
+        # tokenizer; in-process, the tokenizer first: a bad path fails before the model loads.
+        self.engine_core = None
+        starting = (CoreProcClient(kiln_config, executor_class)
+                    if envs.enable_multiprocessing() else None)
+        try:
+            self.tokenizer = get_tokenizer(self.model_config)  # None: skip_tokenizer_init
+            eos_ids = generation_eos_token_ids(self.model_config)
+            if self.tokenizer is None:  # no tokenizer to name eos: the model config does
+                eos_ids |= config_eos_token_ids(self.model_config)
+            self.input_processor = InputProcessor(self.model_config, self.tokenizer, eos_ids)
+            self.output_processor = OutputProcessor(self.tokenizer)
+            if starting is not None:
+                starting.wait_until_ready()
+                self.engine_core = starting
+            else:
+                self.engine_core = InprocCoreClient(kiln_config, executor_class)
+        except BaseException:
+            if starting is not None:
+                starting.shutdown()
+            raise
         self.input_processor.kv_cache_tokens = (self.engine_core.num_blocks
                                                 * kiln_config.cache_config.block_size)
-        # Dropped without shutdown(), the engine still shuts its workers down: a worker keeps
+        # Dropped without shutdown(), the engine still shuts its core down: a worker keeps
         # the start-up heap out of the garbage collector's reach until then (host_memory.py).
         self._shutdown = weakref.finalize(self, self.engine_core.shutdown)
         self._shutdown.atexit = False
@@ -157,8 +171,20 @@ class LLMEngine:
                 self.num_prompt_tokens += len(state.prompt_token_ids)
             self.num_generation_tokens += len(out.new_token_ids)
 
+    def add_death_callback(self, callback) -> None:
+        """`callback(error)` runs (on another thread) if the core process dies unasked."""
+        self.engine_core.add_death_callback(callback)
+
     def get_stats(self) -> dict:
-        stats = self.engine_core.make_stats().to_dict()
+        """Fresh stats: they show every abort and add made before this call."""
+        return self._stats(self.engine_core.make_stats())
+
+    def step_stats(self) -> dict:
+        """The stats as of the last step (no round trip to a core process)."""
+        return self._stats(self.engine_core.step_stats())
+
+    def _stats(self, scheduler_stats) -> dict:
+        stats = scheduler_stats.to_dict()
         stats.update(prompt_tokens_total=self.num_prompt_tokens,
                      generation_tokens_total=self.num_generation_tokens,
                      num_unfinished_requests=self.get_num_unfinished_requests())

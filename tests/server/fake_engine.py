@@ -55,26 +55,33 @@ class FakeEngine:
 
     def add_request(self, request_id, prompt, params: SamplingParams, arrival_time=None, *,
                     max_tokens_must_fit=False):
+        processed = self.process_inputs(prompt, params, max_tokens_must_fit=max_tokens_must_fit)
+        self.add_processed_request(request_id, processed, arrival_time)
+
+    def process_inputs(self, prompt, params: SamplingParams, *, max_tokens_must_fit=False):
+        """Tokenize and check (the front-end thread: it may overlap a step)."""
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer(prompt).input_ids
+        else:
+            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        if len(ids) >= self.kiln_config.model_config.max_model_len:
+            raise ValueError(f"prompt length {len(ids)} leaves no room to generate within "
+                             f"max_model_len {self.kiln_config.model_config.max_model_len}")
+        room = self.kiln_config.model_config.max_model_len - len(ids)
+        if max_tokens_must_fit and params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(f"max_tokens {params.max_tokens} is too large: {room} left of "
+                             "max_model_len")
+        return dict(prompt=text, ids=ids, params=params, k=0,
+                    max_tokens=min(params.max_tokens or room, room),
+                    out=[[] for _ in range(params.n)])
+
+    def add_processed_request(self, request_id, processed, arrival_time=None):
         with self._exclusive():
-            if isinstance(prompt, str):
-                text, ids = prompt, self.tokenizer(prompt).input_ids
-            else:
-                text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if not ids:
-                raise ValueError("prompt is empty: give at least one token")
-            if len(ids) >= self.kiln_config.model_config.max_model_len:
-                raise ValueError(f"prompt length {len(ids)} leaves no room to generate within "
-                                 f"max_model_len {self.kiln_config.model_config.max_model_len}")
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            room = self.kiln_config.model_config.max_model_len - len(ids)
-            if max_tokens_must_fit and params.max_tokens is not None and params.max_tokens > room:
-                raise ValueError(f"max_tokens {params.max_tokens} is too large: {room} left of "
-                                 "max_model_len")
-            max_tokens = min(params.max_tokens or room, room)
-            self.requests[request_id] = dict(prompt=text, ids=ids, params=params, k=0,
-                                             max_tokens=max_tokens,
-                                             out=[[] for _ in range(params.n)])
+            self.requests[request_id] = processed
 
     def abort_request(self, request_ids):
         with self._exclusive():
@@ -131,6 +138,9 @@ class FakeEngine:
 
     def has_unfinished_requests(self):
         return bool(self.requests)
+
+    def step_stats(self):
+        return self.get_stats()
 
     def get_stats(self):
         used = sum(1 for _ in self.requests)

@@ -1,0 +1,126 @@
+"""The messages between the engine front and the engine core process, and their wire format.
+
+msgspec msgpack, no pickle: structs here, dataclasses (EngineCoreOutput, SchedulerStats) as-is.
+"""
+import dataclasses
+import functools
+import typing
+from typing import Any
+
+import msgspec
+
+from kiln.core.outputs import EngineCoreOutput
+from kiln.core.request import Request
+from kiln.core.stats import SchedulerStats
+from kiln.sampling_params import SamplingParams
+
+# ---- front -> core ---------------------------------------------------------------------------
+
+class EngineCoreRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: dict[str, Any]  # encode_params(); decode_params() rebuilds it
+    arrival_time: float
+
+
+class AbortRequests(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class FinishRequests(msgspec.Struct, tag=True):
+    request_ids: list[str]
+    status: int  # a RequestStatus
+
+
+class UtilityCall(msgspec.Struct, tag=True):
+    """Call an EngineCore method by name; the answer is a UtilityResult with the same call_id."""
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+CoreInput = EngineCoreRequest | AbortRequests | FinishRequests | UtilityCall | Shutdown
+UTILITY_METHODS = ("reset_prefix_cache", "make_stats", "get_num_unfinished_requests")
+
+
+# ---- core -> front ---------------------------------------------------------------------------
+
+class Ready(msgspec.Struct, tag=True):
+    num_blocks: int
+
+
+class StepOutputs(msgspec.Struct, tag=True):
+    """One core step's outputs, with the stats taken right after it (outputs may be empty:
+    an abort changed the stats)."""
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+
+
+class UtilityResult(msgspec.Struct, tag=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class CoreFailed(msgspec.Struct, tag=True):
+    """The core could not start, or a step raised: the process exits after sending this."""
+    error_type: str  # the exception's class name, so the front raises the same kind
+    message: str
+    traceback: str = ""
+
+
+CoreOutput = Ready | StepOutputs | UtilityResult | CoreFailed
+
+
+def input_codec() -> tuple[msgspec.msgpack.Encoder, msgspec.msgpack.Decoder]:
+    return msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(CoreInput)
+
+
+def output_codec() -> tuple[msgspec.msgpack.Encoder, msgspec.msgpack.Decoder]:
+    return msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(CoreOutput)
+
+
+# ---- SamplingParams, field by field ----------------------------------------------------------
+
+def encode_params(params: SamplingParams) -> dict[str, Any]:
+    """Every dataclass field as it is (msgspec encodes nested dataclasses, enums and sets), so a
+    plain field added to SamplingParams crosses without a change here."""
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+
+
+@functools.cache
+def _param_types() -> dict[str, Any]:
+    return typing.get_type_hints(SamplingParams)
+
+
+def decode_params(fields: dict[str, Any]) -> SamplingParams:
+    """Rebuild the engine's resolved copy without __post_init__: verify() would reset
+    all_stop_token_ids, which the engine front filled from the tokenizer."""
+    types = _param_types()
+    params = SamplingParams.__new__(SamplingParams)
+    for f in dataclasses.fields(SamplingParams):
+        if f.name in fields:
+            value = msgspec.convert(fields[f.name], types[f.name], strict=False)
+        elif f.default is not dataclasses.MISSING:
+            value = f.default
+        else:
+            value = f.default_factory()
+        setattr(params, f.name, value)
+    return params
+
+
+def to_wire(request: Request) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id=request.request_id,
+                             prompt_token_ids=list(request.prompt_token_ids),
+                             sampling_params=encode_params(request.sampling_params),
+                             arrival_time=request.arrival_time)
+
+
+def from_wire(request: EngineCoreRequest) -> Request:
+    return Request(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                   sampling_params=decode_params(request.sampling_params),
+                   arrival_time=request.arrival_time)

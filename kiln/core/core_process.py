@@ -1,0 +1,181 @@
+"""The engine core process: builds an EngineCore and runs it in a busy loop, talking over ZeroMQ.
+
+Between steps it takes every message waiting (add, abort, finish, utility calls); each step's
+outputs go back at once, so the front end's tokenizing and detokenizing never delay a step.
+"""
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+import zmq
+
+from kiln.core.core_messages import (
+    UTILITY_METHODS,
+    AbortRequests,
+    CoreFailed,
+    EngineCoreRequest,
+    FinishRequests,
+    Ready,
+    Shutdown,
+    StepOutputs,
+    UtilityCall,
+    UtilityResult,
+    from_wire,
+    input_codec,
+    output_codec,
+)
+from kiln.core.request import RequestStatus
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
+
+_IDLE_POLL_MS = 1000
+_PARENT_CHECK_S = 0.5
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A core whose front end died (kill -9) must not live on holding the model and the port's
+    clients: it exits as soon as it is re-parented."""
+    def watch():
+        while True:
+            time.sleep(_PARENT_CHECK_S)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="kiln-core-parent-watch", daemon=True).start()
+
+
+def _failure(e: BaseException) -> CoreFailed:
+    return CoreFailed(error_type=type(e).__name__, message=str(e),
+                      traceback="".join(traceback.format_exception(e)))
+
+
+class CoreLoop:
+    """The core's side of the queue: inputs in, step, outputs out."""
+
+    def __init__(self, core, input_socket, output_socket):
+        self.core = core
+        self.input = input_socket
+        self.output = output_socket
+        self.encoder, _ = output_codec()
+        _, self.decoder = input_codec()
+        self.running = True
+
+    def send(self, message) -> None:
+        self.output.send(self.encoder.encode(message), copy=False)
+
+    def handle(self, message) -> bool:
+        """Apply one input; True if it changed which requests the core holds."""
+        core = self.core
+        if isinstance(message, EngineCoreRequest):
+            try:
+                core.add_request(from_wire(message))
+            except Exception:  # noqa: BLE001 - report it as the request's end, keep serving
+                logger.exception("request %s could not be added", message.request_id)
+                self.send(StepOutputs(outputs=[_aborted(message.request_id)],
+                                      stats=core.make_stats()))
+            return True
+        if isinstance(message, AbortRequests):
+            core.abort_requests(message.request_ids)
+            return True
+        if isinstance(message, FinishRequests):
+            core.finish_requests(message.request_ids, RequestStatus(message.status))
+            return True
+        if isinstance(message, UtilityCall):
+            if message.method not in UTILITY_METHODS:
+                self.send(UtilityResult(message.call_id, error=f"no utility {message.method!r}"))
+                return False
+            try:
+                result = getattr(core, message.method)(*message.args)
+            except Exception as e:  # noqa: BLE001 - the caller gets it
+                self.send(UtilityResult(message.call_id, error=f"{type(e).__name__}: {e}"))
+            else:
+                self.send(UtilityResult(message.call_id, result=result))
+            return False
+        if isinstance(message, Shutdown):
+            self.running = False
+        return False
+
+    def drain(self, timeout_ms: int) -> bool:
+        """Handle every waiting input (waiting up to `timeout_ms` for the first)."""
+        changed = False
+        if not self.input.poll(timeout_ms):
+            return False
+        while self.running:
+            try:
+                frame = self.input.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            changed |= self.handle(self.decoder.decode(frame.buffer))
+        return changed
+
+    def run(self) -> None:
+        core = self.core
+        while self.running:
+            busy = core.has_unfinished_requests()
+            changed = self.drain(0 if busy else _IDLE_POLL_MS)
+            if not self.running:
+                break
+            if core.has_unfinished_requests():
+                self.send(StepOutputs(outputs=core.step(), stats=core.make_stats()))
+            elif changed:  # aborts freed blocks: the front's stats must show it
+                self.send(StepOutputs(outputs=[], stats=core.make_stats()))
+
+
+def _aborted(request_id: str):
+    from kiln.core.outputs import EngineCoreOutput
+
+    return EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason="abort")
+
+
+def run_engine_core(kiln_config, executor_class: type, input_address: str, output_address: str,
+                    parent_pid: int) -> None:
+    """The process's work, once its arguments are read (kiln.engine.core_client starts it)."""
+    # Ctrl-C reaches the whole process group: the front end decides what stops, and tells us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    _exit_with_parent(parent_pid)
+    ctx = zmq.Context()
+    input_socket = ctx.socket(zmq.PULL)
+    input_socket.connect(input_address)
+    output_socket = ctx.socket(zmq.PUSH)
+    output_socket.setsockopt(zmq.LINGER, 5000)
+    output_socket.connect(output_address)
+    encoder, _ = output_codec()
+    core = None
+    code = 0
+    try:
+        from kiln.core.engine_core import EngineCore
+
+        core = EngineCore(kiln_config, executor_class)
+        output_socket.send(encoder.encode(Ready(num_blocks=core.num_blocks)))
+        CoreLoop(core, input_socket, output_socket).run()
+    except BaseException as e:  # noqa: BLE001 - the front end must learn why, then we exit
+        if not isinstance(e, SystemExit):
+            logger.error("engine core failed: %s", "".join(traceback.format_exception(e)))
+            output_socket.send(encoder.encode(_failure(e)))
+            code = 1
+    finally:
+        if core is not None:
+            try:
+                core.shutdown()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                logger.exception("engine core shutdown failed")
+        input_socket.close(linger=0)
+        output_socket.close()
+        ctx.term()
+    sys.exit(code)
+
+
+def main() -> None:
+    import pickle
+
+    sys.path[:0] = [p for p in pickle.load(sys.stdin.buffer) if p not in sys.path]
+    run_engine_core(*pickle.load(sys.stdin.buffer))
+
+
+if __name__ == "__main__":
+    main()

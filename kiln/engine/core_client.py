@@ -1,0 +1,328 @@
+"""The engine front's handle on the engine core: in this process, or in its own over ZeroMQ.
+
+LLMEngine picks one by `KILN_ENABLE_V1_MULTIPROCESSING` (as vLLM's); both offer EngineCore's add /
+abort / finish / step calls, so the engine front drives either the same way.
+"""
+import builtins
+import collections
+import itertools
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import threading
+import weakref
+
+import msgspec
+import zmq
+
+from kiln.core.core_messages import (
+    AbortRequests,
+    CoreFailed,
+    FinishRequests,
+    Ready,
+    Shutdown,
+    StepOutputs,
+    UtilityCall,
+    UtilityResult,
+    input_codec,
+    output_codec,
+    to_wire,
+)
+from kiln.core.outputs import EngineCoreOutput
+from kiln.core.request import Request, RequestStatus
+from kiln.core.stats import SchedulerStats
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
+
+# How long one wait for the core's outputs lasts before the caller gets control back (to queue
+# an add or an abort); the core's death ends any wait at once.
+_STEP_WAIT_MS = 50
+_SHUTDOWN_WAIT_S = 10.0
+
+
+class EngineCoreDeadError(RuntimeError):
+    """The engine core process exited (killed, crashed, or a step failed)."""
+
+
+class InprocCoreClient:
+    """The core in this process (KILN_ENABLE_V1_MULTIPROCESSING=0): for debugging and tests that
+    look inside the executor."""
+
+    def __init__(self, kiln_config, executor_class: type):
+        from kiln.core.engine_core import EngineCore
+
+        self.core = EngineCore(kiln_config, executor_class)
+        self.executor = self.core.executor
+        self.pid = os.getpid()
+        self.num_blocks = self.core.num_blocks  # the KV cache's size, in blocks
+
+    def add_request(self, request: Request) -> None:
+        self.core.add_request(request)
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        self.core.abort_requests(req_ids)
+
+    def finish_requests(self, req_ids: list[str], status: RequestStatus) -> None:
+        self.core.finish_requests(req_ids, status)
+
+    def step(self) -> list[EngineCoreOutput]:
+        return self.core.step()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        return self.core.make_stats()
+
+    step_stats = make_stats  # in-process, the stats are always those after the last step
+
+    def add_death_callback(self, callback) -> None:
+        pass  # it dies with us
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+
+def _rebuild_error(failure: CoreFailed) -> BaseException:
+    """The core's exception as the same built-in kind (ValueError stays ValueError), else as an
+    EngineCoreDeadError; the message is the core's own."""
+    kind = getattr(builtins, failure.error_type, None)
+    if isinstance(kind, type) and issubclass(kind, Exception) and kind is not EngineCoreDeadError:
+        try:
+            return kind(failure.message)
+        except Exception:  # noqa: BLE001 - an exception type that wants other arguments
+            pass
+    return EngineCoreDeadError(f"the engine core failed: {failure.error_type}: "
+                               f"{failure.message}")
+
+
+class CoreProcClient:
+    """The core in its own process. Requests go out on one PUSH socket, outputs come back on
+    one PULL socket; the process sentinel is polled with it, so a dead core ends every wait."""
+
+    def __init__(self, kiln_config, executor_class: type):
+        self._kiln_config = kiln_config
+        self._encoder, _ = input_codec()
+        _, self._decoder = output_codec()
+        self._dir = tempfile.TemporaryDirectory(prefix="kiln-core-")
+        self._ctx = zmq.Context()
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.LINGER, 0)
+        input_address = f"ipc://{self._dir.name}/input"
+        output_address = f"ipc://{self._dir.name}/output"
+        self._input.bind(input_address)
+        self._output.bind(output_address)
+        self._pending: collections.deque[StepOutputs] = collections.deque()
+        self._unfinished: set[str] = set()
+        self._last_stats = SchedulerStats()
+        self._call_ids = itertools.count()
+        self.num_blocks: int | None = None  # the KV cache's size, in blocks: told by Ready
+        self._dead: BaseException | None = None
+        self._death_callbacks: list = []
+        self._closing = False
+        # A fresh interpreter, not fork (the caller may hold OpenMP threads, CUDA, or the
+        # tokenizer's pool) and not multiprocessing's spawn (it re-runs an unguarded script).
+        self.proc = launch_core_process(kiln_config, executor_class, input_address,
+                                        output_address)
+        self.pid = self.proc.pid
+        # Readable once the process has exited: polled beside the output socket.
+        self._sentinel = os.pidfd_open(self.pid)
+        self._finalizer = weakref.finalize(self, _terminate, self.proc, self._ctx, self._dir,
+                                           self._sentinel)
+        self._poller = zmq.Poller()
+        self._poller.register(self._output, zmq.POLLIN)
+        self._poller.register(self._sentinel, zmq.POLLIN)
+
+    def wait_until_ready(self) -> None:
+        """Block until the core built its engine (raising what it raised if it could not)."""
+        try:
+            while True:
+                message = self._recv(1000)
+                if isinstance(message, Ready):
+                    break
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_blocks = message.num_blocks
+        threading.Thread(target=_watch, args=(weakref.ref(self), self.proc), name="kiln-core-watch",
+                         daemon=True).start()
+        logger.info("engine core running in process %d", self.pid)
+
+    # ---- receiving ---------------------------------------------------------------------------
+    def _exit_error(self) -> EngineCoreDeadError:
+        code = self.proc.poll()
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else \
+            f"exited with code {code}"
+        return EngineCoreDeadError(f"the engine core process (pid {self.pid}) {how}; requests "
+                                   "in flight are lost: restart the engine")
+
+    def _recv(self, timeout_ms: int):
+        """The next message from the core, None after `timeout_ms`; raises once the core died."""
+        if self._dead is not None:
+            raise self._dead
+        events = dict(self._poller.poll(timeout_ms))
+        if self._output in events:
+            message = self._decoder.decode(self._output.recv(copy=False).buffer)
+            if isinstance(message, CoreFailed):
+                self._dead = _rebuild_error(message)
+                _wait(self.proc, 5)
+                raise self._dead
+            return message
+        if self._sentinel in events:
+            self._dead = self._exit_error()
+            raise self._dead
+        return None
+
+    def _on_exit(self) -> None:
+        if self._closing:
+            return
+        logger.error("the engine core process (pid %d) exited with code %s", self.pid,
+                     self.proc.returncode)
+        for callback in list(self._death_callbacks):
+            try:
+                callback(self._exit_error())
+            except Exception:  # noqa: BLE001 - one callback must not stop the others
+                logger.exception("engine core death callback failed")
+
+    def add_death_callback(self, callback) -> None:
+        """`callback(error)` runs on a watcher thread when the core process exits unasked."""
+        self._death_callbacks.append(callback)
+
+    def _take(self, message) -> None:
+        if isinstance(message, StepOutputs):
+            self._pending.append(message)
+
+    # ---- EngineCore's calls ------------------------------------------------------------------
+    def _send(self, message) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self.proc.poll() is not None:
+            self._dead = self._exit_error()
+            raise self._dead
+        self._input.send(self._encoder.encode(message), copy=False)
+
+    def add_request(self, request: Request) -> None:
+        self._send(to_wire(request))
+        self._unfinished.add(request.request_id)
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        req_ids = [req_ids] if isinstance(req_ids, str) else list(req_ids)
+        self._unfinished.difference_update(req_ids)
+        self._send(AbortRequests(request_ids=req_ids))
+
+    def finish_requests(self, req_ids: list[str], status: RequestStatus) -> None:
+        req_ids = [req_ids] if isinstance(req_ids, str) else list(req_ids)
+        self._unfinished.difference_update(req_ids)
+        self._send(FinishRequests(request_ids=req_ids, status=int(status)))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._unfinished)
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Outputs of every core step since the last call, waiting up to _STEP_WAIT_MS for one
+        ([] then: the caller may queue work and call again)."""
+        if not self._pending:
+            message = self._recv(_STEP_WAIT_MS)
+            self._take(message)
+        while True:  # catch up: take every message already here
+            message = self._recv(0)
+            if message is None:
+                break
+            self._take(message)
+        outputs: list[EngineCoreOutput] = []
+        while self._pending:
+            message = self._pending.popleft()
+            outputs.extend(message.outputs)
+            self._last_stats = message.stats
+        for out in outputs:
+            if out.finished:
+                self._unfinished.discard(out.request_id)
+        return outputs
+
+    def _call(self, method: str, *args):
+        call_id = next(self._call_ids)
+        self._send(UtilityCall(call_id=call_id, method=method, args=list(args)))
+        while True:
+            message = self._recv(1000)
+            if isinstance(message, UtilityResult) and message.call_id == call_id:
+                if message.error is not None:
+                    raise RuntimeError(f"engine core {method}: {message.error}")
+                return message.result
+            self._take(message)
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self._call("reset_prefix_cache"))
+
+    def make_stats(self) -> SchedulerStats:
+        """Fresh stats: taken by the core after every message sent before this call."""
+        self._last_stats = msgspec.convert(self._call("make_stats"), SchedulerStats)
+        return self._last_stats
+
+    def step_stats(self) -> SchedulerStats:
+        """The stats that came with the latest step (no round trip)."""
+        return self._last_stats
+
+    def shutdown(self) -> None:
+        self._closing = True
+        if self.proc.poll() is None and self._dead is None:
+            try:
+                self._input.send(self._encoder.encode(Shutdown()), copy=False)
+            except zmq.ZMQError:
+                pass
+            _wait(self.proc, _SHUTDOWN_WAIT_S)
+        self._finalizer()
+
+
+def launch_core_process(kiln_config, executor_class: type, input_address: str,
+                        output_address: str) -> subprocess.Popen:
+    """`python -m kiln.core.core_process`, its start-up arguments pickled on stdin (the config
+    is not a request: only requests and outputs must cross without pickle). The caller's
+    sys.path goes first, so a test's executor class imports there too."""
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.core.core_process"],
+                            stdin=subprocess.PIPE)
+    try:
+        pickle.dump(sys.path, proc.stdin)
+        pickle.dump((kiln_config, executor_class, input_address, output_address, os.getpid()),
+                    proc.stdin)
+        proc.stdin.close()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> None:
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _watch(client_ref, proc) -> None:
+    """Tell the death callbacks at once, even while nobody waits on outputs (an idle server);
+    holds the client weakly so a dropped engine is still collected."""
+    proc.wait()
+    client = client_ref()
+    if client is not None:
+        client._on_exit()
+
+
+def _terminate(proc, ctx, tmpdir, sentinel) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        _wait(proc, 5)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    os.close(sentinel)
+    ctx.destroy(linger=0)
+    tmpdir.cleanup()
