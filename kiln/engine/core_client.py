@@ -127,7 +127,7 @@ class CoreProcClient:
         self.num_blocks: int | None = None  # the KV cache's size, in blocks: told by Ready
         self._dead: BaseException | None = None
         self._death_callbacks: list = []
-        self._closing = False
+        self._closing = threading.Event()  # set when we stop the process: no death to report
         # A fresh interpreter, not fork (the caller may hold OpenMP threads, CUDA, or the
         # tokenizer's pool) and not multiprocessing's spawn (it re-runs an unguarded script).
         self.proc = launch_core_process(kiln_config, executor_class, input_address,
@@ -136,7 +136,7 @@ class CoreProcClient:
         # Readable once the process has exited: polled beside the output socket.
         self._sentinel = os.pidfd_open(self.pid)
         self._finalizer = weakref.finalize(self, _terminate, self.proc, self._ctx, self._dir,
-                                           self._sentinel)
+                                           self._sentinel, self._closing)
         self._poller = zmq.Poller()
         self._poller.register(self._output, zmq.POLLIN)
         self._poller.register(self._sentinel, zmq.POLLIN)
@@ -182,7 +182,7 @@ class CoreProcClient:
         return None
 
     def _on_exit(self) -> None:
-        if self._closing:
+        if self._closing.is_set():
             return
         logger.error("the engine core process (pid %d) exited with code %s", self.pid,
                      self.proc.returncode)
@@ -271,7 +271,7 @@ class CoreProcClient:
         return self._last_stats
 
     def shutdown(self) -> None:
-        self._closing = True
+        self._closing.set()
         if self.proc.poll() is None and self._dead is None:
             try:
                 self._input.send(self._encoder.encode(Shutdown()), copy=False)
@@ -316,7 +316,8 @@ def _watch(client_ref, proc) -> None:
         client._on_exit()
 
 
-def _terminate(proc, ctx, tmpdir, sentinel) -> None:
+def _terminate(proc, ctx, tmpdir, sentinel, closing) -> None:
+    closing.set()
     if proc.poll() is None:
         proc.terminate()
         _wait(proc, 5)

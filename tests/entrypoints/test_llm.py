@@ -208,12 +208,15 @@ def test_unknown_llm_argument():
                                          {"mode": 2, "backend": "eager"},
                                          {"mode": 3, "backend": "eager"}],
                          ids=["eager", "mode1", "mode2", "mode3"])
-def test_dropped_engine_frees_its_kv_cache(tiny_llama_dir, compilation):
+def test_dropped_engine_frees_its_kv_cache(tiny_llama_dir, compilation, monkeypatch):
     """Start-up leaves its heap frozen (full collections skip it). An LLM dropped without
     shutdown() unfreezes it, and nothing global (Dynamo's backend cache, the compiled graph
-    Dynamo puts in the model module's globals) keeps a compiled model: its KV cache is freed."""
+    Dynamo puts in the model module's globals) keeps a compiled model: its KV cache is freed.
+    The core in this process: the test looks at its layers."""
     import gc
     import weakref
+
+    monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")
 
     engine = dict(ENGINE, enforce_eager=compilation is None,
                   compilation_config=compilation or {"mode": 0})
