@@ -21,3 +21,12 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", tie=False)
+
+
+@pytest.fixture(scope="module")
+def inprocess_core():
+    """The engine core in the test's own process (KILN_ENABLE_V1_MULTIPROCESSING=0), for tests
+    that count compiles and kernel calls or read the scheduler: `LLM` runs it in a child."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")
+        yield

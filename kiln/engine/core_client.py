@@ -8,6 +8,7 @@ import collections
 import itertools
 import os
 import pickle
+import select
 import subprocess
 import sys
 import tempfile
@@ -157,8 +158,14 @@ class CoreProcClient:
         logger.info("engine core running in process %d", self.pid)
 
     # ---- receiving ---------------------------------------------------------------------------
+    def _exited(self) -> bool:
+        """From the pidfd: Popen.poll() says None while the watcher thread reaps the process."""
+        return bool(select.select([self._sentinel], [], [], 0)[0])
+
     def _exit_error(self) -> EngineCoreDeadError:
-        code = self.proc.poll()
+        # Exited (its pidfd said so); the watcher thread may be reaping it: wait for that.
+        _wait(self.proc, 5)
+        code = self.proc.returncode
         how = f"was killed by signal {-code}" if code is not None and code < 0 else \
             f"exited with code {code}"
         return EngineCoreDeadError(f"the engine core process (pid {self.pid}) {how}; requests "
@@ -204,7 +211,7 @@ class CoreProcClient:
     def _send(self, message) -> None:
         if self._dead is not None:
             raise self._dead
-        if self.proc.poll() is not None:
+        if self._exited():
             self._dead = self._exit_error()
             raise self._dead
         self._input.send(self._encoder.encode(message), copy=False)
@@ -271,8 +278,10 @@ class CoreProcClient:
         return self._last_stats
 
     def shutdown(self) -> None:
+        if not self._finalizer.alive:
+            return  # already shut down
         self._closing.set()
-        if self.proc.poll() is None and self._dead is None:
+        if not self._exited() and self._dead is None:
             try:
                 self._input.send(self._encoder.encode(Shutdown()), copy=False)
             except zmq.ZMQError:

@@ -10,6 +10,9 @@ import pytest
 
 from kiln import LLM, SamplingParams
 
+# Compile and kernel counters, scheduler state: this process must run the core.
+pytestmark = pytest.mark.usefixtures("inprocess_core")
+
 
 def _workload():
     rng = random.Random(0)

@@ -16,6 +16,9 @@ from kiln.native import attention_op
 
 from checkpoints import hf_greedy, make_tiny_checkpoint, random_prompts
 
+# Compile and kernel counters, scheduler state: this process must run the core.
+pytestmark = pytest.mark.usefixtures("inprocess_core")
+
 LENGTHS = [1, 9, 40, 150]  # 150 > the 64-token budget: chunked prefill
 NEW_TOKENS = 16
 NUM_LAYERS = 4  # deep enough for identical middle pieces (layers 1-3) to share a compile

@@ -15,6 +15,9 @@ from kiln.compilation.counters import compilation_counter
 
 from checkpoints import make_tiny_checkpoint
 
+# Compile and kernel counters, scheduler state: this process must run the core.
+pytestmark = pytest.mark.usefixtures("inprocess_core")
+
 MAX_TOKENS = 8  # max_num_batched_tokens: chunked prefill for longer prompts
 MAX_SEQS = 3
 

@@ -12,8 +12,10 @@ from kiln.compilation.counters import compilation_counter
 from kiln.cudagraphs.dispatcher import resolve_cudagraph_mode
 from kiln.cudagraphs.mode import CUDAGraphMode
 
+# The core in this process: the tests read its model runner and compile counters.
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.usefixtures("inprocess_core")]
 
 M = CUDAGraphMode
 # max_num_seqs=4 -> capture sizes 1, 2, 4, 8. Six prompts finishing at different steps give

@@ -21,14 +21,12 @@ PHASES = ("queue", "prefill", "inference")
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_llama_dir):
+def engine(inprocess_core, tiny_llama_dir):
     # One sequence at a time: requests sent together really queue behind each other. The core
     # in this process: the test reads the stamps on the core's own Request objects.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")
-        eng = LLMEngine.from_engine_args(EngineArgs(
-            model=str(tiny_llama_dir), enforce_eager=True, max_model_len=128, max_num_seqs=1,
-            kv_cache_memory=0.02))
+    eng = LLMEngine.from_engine_args(EngineArgs(
+        model=str(tiny_llama_dir), enforce_eager=True, max_model_len=128, max_num_seqs=1,
+        kv_cache_memory=0.02))
     # Keep every core request the engine creates, to read its stamp after it is gone.
     core_requests = {}
     add = eng.engine_core.add_request

@@ -95,5 +95,4 @@ def run(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     settings = settings_from_args(args)  # cheap checks before the model loads
     llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
-    serve(llm, settings)
-    return 0
+    return serve(llm, settings)

@@ -3,6 +3,7 @@
 SIGINT / SIGTERM: uvicorn stops accepting, in-flight requests get the grace period, then the engine
 aborts what is left: each open stream ends with an error event and `data: [DONE]`, each waiting
 non-streamed request gets a 503; the app's shutdown stops the engine; the process exits with 0.
+An engine core that dies fails every request in flight at once; the server then exits with 1.
 """
 import asyncio
 import contextlib
@@ -74,6 +75,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
+        llm.start()
         yield
         logger.info("shutting down: aborting %d in-flight request(s)", llm.num_in_flight)
         await llm.shutdown()
@@ -176,8 +178,8 @@ class _Server(uvicorn.Server):
         self.handle_exit(sig, frame)
 
 
-def serve(llm: AsyncLLM, settings: ServerSettings) -> None:
-    """Serve until SIGINT / SIGTERM (blocking)."""
+def serve(llm: AsyncLLM, settings: ServerSettings) -> int:
+    """Serve until SIGINT / SIGTERM (0) or the engine's death (1); blocking. The exit code."""
     app = build_app(llm, settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level, access_log=settings.access_log,
@@ -185,8 +187,18 @@ def serve(llm: AsyncLLM, settings: ServerSettings) -> None:
                                                        + _REPORT_ABORT_S),
                             timeout_keep_alive=5, lifespan="on")
     server = _Server(config, llm, settings.graceful_shutdown_timeout)
+    exit_code = 0
+
+    def on_engine_dead(error: BaseException) -> None:
+        nonlocal exit_code
+        logger.error("the engine died (%s): the server stops", error)
+        exit_code = 1
+        server.should_exit = True
+
+    llm.dead_callbacks.append(on_engine_dead)
     server.run()
     if not server.started:
         raise RuntimeError(f"the server did not start on {settings.host}:{settings.port} "
                            "(port in use?); pick another with --port")
     logger.info("server stopped")
+    return exit_code

@@ -1,0 +1,133 @@
+"""The engine core in its own process: the wire format, parity with the in-process core, start-up
+errors of the same kind, and a core that dies or is dropped."""
+import dataclasses
+import os
+import signal
+import time
+
+import pytest
+
+from kiln.core.core_messages import decode_params, encode_params, from_wire, input_codec, to_wire
+from kiln.core.request import Request
+from kiln.engine.core_client import EngineCoreDeadError
+from kiln.entrypoints.llm import LLM
+from kiln.sampling_params import RequestOutputKind, SamplingParams
+
+ENGINE = dict(enforce_eager=True, max_model_len=64, kv_cache_memory=0.01)
+PROMPTS = [{"prompt_token_ids": [1, 2, 3, 4]}, {"prompt_token_ids": [9, 8, 7]}]
+
+
+def test_sampling_params_cross_field_by_field():
+    params = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=-3,
+                            presence_penalty=0.5, frequency_penalty=-0.5,
+                            repetition_penalty=1.2, stop=["x", "yz"], stop_token_ids=[4],
+                            ignore_eos=True, max_tokens=9, min_tokens=2, logprobs=3,
+                            prompt_logprobs=1, skip_special_tokens=False,
+                            include_stop_str_in_output=True, detokenize=True,
+                            output_kind=RequestOutputKind.DELTA)
+    params.all_stop_token_ids = {4, 2}  # the engine front adds eos: verify() would reset it
+    encoder, decoder = input_codec()
+    request = Request("r", [1, 2], params, arrival_time=12.5)
+    back = from_wire(decoder.decode(encoder.encode(to_wire(request))))
+    assert back.sampling_params == params
+    for f in dataclasses.fields(SamplingParams):
+        assert type(getattr(back.sampling_params, f.name)) is type(getattr(params, f.name)), \
+            f.name
+    assert (back.request_id, back.prompt_token_ids, back.arrival_time) == ("r", [1, 2], 12.5)
+
+
+def test_a_field_left_out_takes_its_default():
+    fields = encode_params(SamplingParams(max_tokens=3))
+    del fields["min_p"]
+    assert decode_params(fields) == SamplingParams(max_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def mp_llm(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE)
+    yield llm
+    llm.shutdown()
+
+
+def test_the_core_runs_in_another_process_and_matches_in_process(mp_llm, tiny_llama_dir,
+                                                                  monkeypatch):
+    assert mp_llm.llm_engine.engine_core.pid != os.getpid()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    got = mp_llm.generate(PROMPTS, params, use_tqdm=False)
+    monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")
+    here = LLM(model=str(tiny_llama_dir), **ENGINE)
+    try:
+        assert here.llm_engine.engine_core.pid == os.getpid()
+        want = here.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        here.shutdown()
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].text == w.outputs[0].text
+        assert [sorted(d) for d in g.outputs[0].logprobs] == \
+            [sorted(d) for d in w.outputs[0].logprobs]
+
+
+def test_stats_are_fresh_after_an_abort(mp_llm):
+    engine = mp_llm.llm_engine
+    engine.add_request("a", {"prompt_token_ids": [1, 2, 3]},
+                       SamplingParams(max_tokens=40, ignore_eos=True))
+    while not engine.step():
+        pass  # until its prefill ran: it holds blocks
+    assert engine.get_stats()["num_running"] == 1
+    engine.abort_request("a")
+    stats = engine.get_stats()
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_core_start_up_error_keeps_its_kind_and_message(tiny_llama_dir):
+    with pytest.raises(ValueError, match="no memory left for the KV cache"):
+        LLM(model=str(tiny_llama_dir), enforce_eager=True, max_model_len=64,
+            kv_cache_memory=1e-9)
+
+
+def _wait_gone(pid: int, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        # A zombie still answers kill(0): ask /proc for its state.
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split()[2] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_killed_core_fails_the_next_call_at_once(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE)
+    pid = llm.llm_engine.engine_core.pid
+    engine = llm.llm_engine
+    engine.add_request("a", {"prompt_token_ids": [1, 2, 3]},
+                       SamplingParams(max_tokens=60, ignore_eos=True))
+    engine.step()
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(EngineCoreDeadError, match="killed by signal 9"):
+        for _ in range(10_000):
+            engine.step()
+    assert time.monotonic() - start < 30  # a bound against hanging, not a timing claim
+    with pytest.raises(EngineCoreDeadError):
+        llm.generate(PROMPTS, SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.shutdown()
+
+
+def test_a_dropped_llm_ends_its_core_process(tiny_llama_dir):
+    import gc
+
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE)
+    pid = llm.llm_engine.engine_core.pid
+    del llm
+    gc.collect()
+    assert _wait_gone(pid)

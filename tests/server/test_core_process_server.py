@@ -1,0 +1,88 @@
+"""`kiln serve` with its engine core in another process: a stream keeps producing tokens while the
+front end tokenizes huge bodies, and a killed core ends every stream with an error and the
+server with a non-zero exit (bounded waits, never a hang)."""
+import asyncio
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kiln.benchmarks.stall_probe import LoadSpec, run_probe
+
+from .test_server_e2e import STORIES_DIR, running_server
+
+NAME = "stories"
+
+
+@pytest.fixture(scope="module")
+def core_server(tmp_path_factory):
+    if not (STORIES_DIR / "model.safetensors").exists():
+        pytest.skip("stories260K is not available (../shared/models/stories260K)")
+    args = ["--enforce-eager", "--max-model-len", "512", "--kv-cache-memory", "0.05",
+            "--disable-access-log", "--max-request-body-bytes", "2000000",
+            "--graceful-shutdown-timeout", "0"]
+    log = tmp_path_factory.mktemp("core_server_log") / "serve.log"
+    with running_server(STORIES_DIR, args, log, dict(os.environ, KILN_LOGGING_LEVEL="WARNING")) \
+            as (url, proc):
+        yield url, proc, log
+
+
+def core_pid(server_pid: int) -> int:
+    """The server's one child: its engine core."""
+    children = set()
+    for task in Path(f"/proc/{server_pid}/task").iterdir():
+        children.update(int(p) for p in (task / "children").read_text().split())
+    assert len(children) == 1, children
+    return children.pop()
+
+
+def test_a_stream_keeps_going_while_the_front_end_tokenizes_huge_bodies(core_server):
+    url, _, _ = core_server
+    # Smaller than the benchmark's load, same kinds: big bodies, idle and churning connections.
+    load = LoadSpec(tokenize_bytes=1_500_000, prompt_400_bytes=1_500_000, idle_connections=50,
+                    churn_clients=10)
+    report = asyncio.run(run_probe(url, duration=3.0, load=load, max_tokens=200))
+    assert report["big_requests_done"] >= 2, report
+    assert report["idle_connections_held"] == 50, report
+    # One thread for tokenizing and stepping froze the stream for each big request; now tokens
+    # arrive while they are in flight. A structural floor (at least this many), no timing.
+    assert report["tokens_during_big_requests"] >= 20, report
+
+
+def test_a_killed_core_ends_streams_with_an_error_and_the_server_exits_non_zero(core_server):
+    url, proc, log = core_server
+    lines: list[str] = []
+    first_token = threading.Event()
+    failure = {}
+
+    def stream():
+        body = dict(model=NAME, prompt="Once upon a time", max_tokens=480, ignore_eos=True,
+                    stream=True)
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        first_token.set()
+        except httpx.HTTPError as e:  # a cut connection is an error too, not a hang
+            failure["error"] = e
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert first_token.wait(60)
+    os.kill(core_pid(proc.pid), signal.SIGKILL)
+    t.join(60)
+    assert not t.is_alive(), "the stream hung after its core died"
+    assert proc.wait(timeout=60) == 1, log.read_text()[-3000:]
+    if "error" not in failure:  # ended in-band: an error event, then [DONE]
+        events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert "error" in events[-1], lines[-3:]
+        assert "engine core process" in events[-1]["error"]["message"]
+        assert lines[-1] == "data: [DONE]"
+    assert "engine core process" in log.read_text()
+    with pytest.raises(httpx.ConnectError):  # the server is gone, not half-alive
+        httpx.get(f"{url}/health", timeout=5)
