@@ -21,6 +21,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     sampling_params: dict[str, Any]  # encode_params(); decode_params() rebuilds it
     arrival_time: float
+    cache_salt: str | None = None
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -117,10 +118,10 @@ def to_wire(request: Request) -> EngineCoreRequest:
     return EngineCoreRequest(request_id=request.request_id,
                              prompt_token_ids=list(request.prompt_token_ids),
                              sampling_params=encode_params(request.sampling_params),
-                             arrival_time=request.arrival_time)
+                             arrival_time=request.arrival_time, cache_salt=request.cache_salt)
 
 
 def from_wire(request: EngineCoreRequest) -> Request:
     return Request(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                    sampling_params=decode_params(request.sampling_params),
-                   arrival_time=request.arrival_time)
+                   arrival_time=request.arrival_time, cache_salt=request.cache_salt)

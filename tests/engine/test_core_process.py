@@ -24,16 +24,20 @@ def test_sampling_params_cross_field_by_field():
                             ignore_eos=True, max_tokens=9, min_tokens=2, logprobs=3,
                             prompt_logprobs=1, skip_special_tokens=False,
                             include_stop_str_in_output=True, detokenize=True,
+                            logit_bias={5: -2.5, 7: 1.0}, allowed_token_ids=[4, 5, 7],
+                            bad_words=["ab"], truncate_prompt_tokens=3,
                             output_kind=RequestOutputKind.DELTA)
     params.all_stop_token_ids = {4, 2}  # the engine front adds eos: verify() would reset it
+    params.bad_words_token_ids = [[8, 9], [10]]
     encoder, decoder = input_codec()
-    request = Request("r", [1, 2], params, arrival_time=12.5)
+    request = Request("r", [1, 2], params, arrival_time=12.5, cache_salt="s")
     back = from_wire(decoder.decode(encoder.encode(to_wire(request))))
     assert back.sampling_params == params
     for f in dataclasses.fields(SamplingParams):
         assert type(getattr(back.sampling_params, f.name)) is type(getattr(params, f.name)), \
             f.name
-    assert (back.request_id, back.prompt_token_ids, back.arrival_time) == ("r", [1, 2], 12.5)
+    assert (back.request_id, back.prompt_token_ids, back.arrival_time, back.cache_salt) == (
+        "r", [1, 2], 12.5, "s")
 
 
 def test_a_field_left_out_takes_its_default():
