@@ -80,6 +80,8 @@ class AsyncLLM:
         self._refusing: str | None = None  # set by abort_all: new requests are refused
         self._pool_closed = False
         self.last_stats: dict = {}
+        # The server's cap on one call's prompts x n (None: no cap): serving_engine.submit.
+        self.max_sequences_per_request: int | None = None
         add_death_callback = getattr(engine, "add_death_callback", None)
         if add_death_callback is not None:
             add_death_callback(self._core_died)

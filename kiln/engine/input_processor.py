@@ -85,6 +85,23 @@ class MessageError(ValueError):
         self.field = field
 
 
+def encoding_problem(text: str) -> str | None:
+    """Why a tokenizer cannot take `text` (a lone UTF-16 surrogate, JSON's "\\ud800"), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"contains a lone UTF-16 surrogate ({text[e.start]!r} at character {e.start}); "
+                "send valid Unicode text")
+    return None
+
+
+def check_encodable(text: str, field: str) -> None:
+    """Refuse text the tokenizer would fail on deep inside, naming the field."""
+    problem = encoding_problem(text)
+    if problem is not None:
+        raise ValueError(f"{field} {problem}")
+
+
 def chat_messages(messages: list) -> list[dict]:
     """Messages as chat templates expect them, as vLLM hands them over: text content parts
     joined with newlines, missing or null content as "", other keys (name, ...) kept."""
@@ -113,6 +130,9 @@ def chat_messages(messages: list) -> list[dict]:
         elif not isinstance(content, str):
             raise MessageError(f"messages[{i}].content", "must be a str or a list of text parts, "
                                f"got {type(content).__name__}")
+        problem = encoding_problem(content)
+        if problem is not None:
+            raise MessageError(f"messages[{i}].content", problem)
         out.append({**m, "content": content})
     return out
 
@@ -170,6 +190,7 @@ class InputProcessor:
         raise ValueError(f"prompt must be a str or a dict, got {type(prompt).__name__}")
 
     def _encode(self, text: str) -> list[int]:
+        check_encodable(text, "prompt")
         # add_special_tokens: BOS where the tokenizer adds one (Llama), nothing for Qwen. So ""
         # is [BOS] for Llama (accepted, as in vLLM) and [] for Qwen (refused by validation).
         return list(self.tokenizer(text, add_special_tokens=True).input_ids)

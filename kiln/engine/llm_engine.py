@@ -10,7 +10,8 @@ from kiln import envs
 from kiln.config import KilnConfig, ParallelConfig
 from kiln.core.request import Request, RequestStatus
 from kiln.engine.arg_utils import EngineArgs
-from kiln.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
+from kiln.engine.input_processor import (InputProcessor, ProcessedPrompt, PromptType,
+                                         check_encodable)
 from kiln.engine.output_processor import OutputProcessor, child_params, child_request_id
 from kiln.engine.tokenizer import config_eos_token_ids, generation_eos_token_ids, get_tokenizer
 from kiln.logger import init_logger
@@ -197,13 +198,16 @@ class LLMEngine:
         """Render a conversation with the tokenizer's chat template (HF's sandboxed Jinja)."""
         from jinja2 import TemplateError
 
+        from kiln.model.loader.default_model import model_display_name
+
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer to render and tokenize the conversation; "
                              "this engine runs with skip_tokenizer_init=True")
         if chat_template is None:
             chat_template = self.model_config.chat_template  # --chat-template, if given
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"the tokenizer of {self.model_config.model!r} has no chat template; "
+            raise ValueError(f"the tokenizer of {model_display_name(self.model_config.model)!r} "
+                             "has no chat template; "
                              "pass one (chat_template=, --chat-template) or use a chat model")
         for i, m in enumerate(messages):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
@@ -221,6 +225,7 @@ class LLMEngine:
                     chat_template: str | None = None, **kwargs) -> dict:
         """A rendered conversation as a prompt; the template already wrote BOS, so no extra one."""
         text = self.apply_chat_template(messages, add_generation_prompt, chat_template, **kwargs)
+        check_encodable(text, "messages")  # a name or a template variable may hold one too
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
         return {"prompt": text, "prompt_token_ids": list(ids)}
 

@@ -53,6 +53,16 @@ def test_a_stream_keeps_going_while_the_front_end_tokenizes_huge_bodies(core_ser
     assert report["tokens_during_big_requests"] >= 20, report
 
 
+@pytest.mark.parametrize("prompt", ['"ab\\ud800c"', '["ok", "\\udfff"]'])
+def test_a_lone_surrogate_in_a_prompt_is_a_400_naming_it(core_server, prompt):
+    url, _, _ = core_server
+    r = httpx.post(f"{url}/v1/completions", timeout=30,
+                   content='{"prompt": %s, "max_tokens": 2}' % prompt,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "prompt" and "surrogate" in r.text
+
+
 def test_a_killed_core_ends_streams_with_an_error_and_the_server_exits_non_zero(core_server):
     url, proc, log = core_server
     lines: list[str] = []

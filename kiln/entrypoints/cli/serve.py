@@ -12,17 +12,28 @@ REASONING_PARSER_NAMES = ["deepseek_r1", "qwen3"]
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from kiln.entrypoints.openai.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES
+    from kiln.entrypoints.openai.api_server import (DEFAULT_MAX_REQUEST_BODY_BYTES,
+                                                    DEFAULT_MAX_SEQUENCES_PER_REQUEST)
 
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $KILN_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $KILN_API_KEY)")
+    g.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without the API key (for a Prometheus scraper)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use (default: the --model value)")
     g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                    help="refuse larger request bodies with HTTP 413")
+    g.add_argument("--max-sequences-per-request", type=int,
+                   default=DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+                   help="refuse a request whose prompts x n is larger (HTTP 400)")
+    g.add_argument("--request-header-timeout", type=float, default=10.0,
+                   help="seconds a client has to send complete request headers")
+    g.add_argument("--request-body-timeout", type=float, default=30.0,
+                   help="seconds a request body may pause before the request gets HTTP 408")
     g.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     g.add_argument("--disable-access-log", action="store_true",
@@ -61,9 +72,20 @@ def settings_from_args(args: argparse.Namespace):
     from kiln.entrypoints.openai.structured_fields import parse_structured_outputs_config
 
     no_whitespace = parse_structured_outputs_config(args.structured_outputs_config)
+    if args.max_sequences_per_request < 1:
+        raise ValueError(f"--max-sequences-per-request must be >= 1, got "
+                         f"{args.max_sequences_per_request}")
+    for flag in ("request_header_timeout", "request_body_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got "
+                             f"{getattr(args, flag)}")
     return ServerSettings(host=args.host, port=args.port, api_key=args.api_key or env_api_key(),
                           served_model_names=args.served_model_name,
                           max_request_body_bytes=args.max_request_body_bytes,
+                          max_sequences_per_request=args.max_sequences_per_request,
+                          metrics_public=args.metrics_public,
+                          request_header_timeout=args.request_header_timeout,
+                          request_body_timeout=args.request_body_timeout,
                           graceful_shutdown_timeout=args.graceful_shutdown_timeout,
                           access_log=not args.disable_access_log,
                           log_level=args.uvicorn_log_level,

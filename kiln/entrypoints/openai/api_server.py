@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai.errors import install_error_handlers
+from kiln.entrypoints.openai.http_protocol import header_timeout_protocol
 from kiln.entrypoints.openai.metrics import ServerMetrics
 from kiln.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
 from kiln.entrypoints.openai.protocol import (
@@ -34,6 +35,7 @@ from kiln.logger import init_logger
 logger = init_logger(__name__)
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
 
 
 @dataclass
@@ -43,6 +45,12 @@ class ServerSettings:
     api_key: str | None = None
     served_model_names: list[str] | None = None  # None: the --model value
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # A request's prompts x n: more is a 400 naming --max-sequences-per-request.
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
+    metrics_public: bool = False  # /metrics without the API key (for a Prometheus scraper)
+    # A client that sends no complete request headers (or no body data) for this long is cut.
+    request_header_timeout: float = 10.0
+    request_body_timeout: float = 30.0
     graceful_shutdown_timeout: float = 5.0  # seconds in-flight requests get on SIGTERM
     access_log: bool = True
     log_level: str = "info"
@@ -59,9 +67,13 @@ class ServerSettings:
 
 
 def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
+    from kiln.model.loader.default_model import model_display_name
+
     model_config = llm.kiln_config.model_config
-    models = ServingModels(settings.served_model_names or [str(model_config.model)],
-                           str(model_config.model), model_config.max_model_len)
+    name = model_display_name(str(model_config.model))
+    models = ServingModels(settings.served_model_names or [name], name,
+                           model_config.max_model_len)
+    llm.max_sequences_per_request = settings.max_sequences_per_request
     metrics = ServerMetrics(models.default_name)
     llm.stat_loggers.append(metrics)
     completion = ServingCompletion(llm, models, settings.enable_prompt_tokens_details,
@@ -122,9 +134,11 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         return Response(metrics.render(), media_type=metrics.content_type)
 
     # Outermost first: auth refuses before the body is read; the size limit guards the rest.
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes,
+                       read_timeout=settings.request_body_timeout)
     if settings.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+        open_paths = ("/health", "/metrics") if settings.metrics_public else ("/health",)
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
     return app
 
 
@@ -182,6 +196,7 @@ def serve(llm: AsyncLLM, settings: ServerSettings) -> int:
     """Serve until SIGINT / SIGTERM (0) or the engine's death (1); blocking. The exit code."""
     app = build_app(llm, settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
+                            http=header_timeout_protocol(settings.request_header_timeout),
                             log_level=settings.log_level, access_log=settings.access_log,
                             timeout_graceful_shutdown=(settings.graceful_shutdown_timeout
                                                        + _REPORT_ABORT_S),

@@ -16,7 +16,7 @@ logger = init_logger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
           404: "invalid_request_error", 405: "invalid_request_error",
-          413: "invalid_request_error", 500: "internal_server_error",
+          408: "invalid_request_error", 413: "invalid_request_error", 500: "internal_server_error",
           503: "service_unavailable"}
 
 

@@ -1,7 +1,9 @@
-"""Pure ASGI middleware: bearer-key auth on /v1/* and a request body size limit (HTTP 413).
+"""Pure ASGI middleware: bearer-key auth on every route but the open ones, a request body size
+limit (HTTP 413) and a body read timeout (HTTP 408).
 
 Pure ASGI (not BaseHTTPMiddleware) so streamed responses and disconnect detection pass through.
 """
+import asyncio
 import hmac
 import json
 
@@ -17,15 +19,17 @@ async def _send_json(send, status: int, body: dict, headers: list | None = None)
 
 
 class ApiKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>` matches, for paths under /v1."""
+    """401 unless `Authorization: Bearer <key>` matches, on every path but `open_paths` (/health:
+    load balancers probe it without a key)."""
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_key: str, open_paths: tuple[str, ...] = ("/health",)):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = frozenset(open_paths)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] == "OPTIONS" or \
-                not scope["path"].startswith("/v1"):
+                scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
         if hmac.compare_digest(given, self.expected):
@@ -37,11 +41,14 @@ class ApiKeyMiddleware:
 
 
 class BodySizeLimitMiddleware:
-    """Reads the whole body first (refusing past `max_bytes`), then replays it to the app."""
+    """Reads the whole body first (refusing past `max_bytes`, or a client that sends nothing for
+    `read_timeout` s: a half-open connection must not hold a handler forever), then replays it
+    to the app."""
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, read_timeout: float | None = None):
         self.app = app
         self.max_bytes = max_bytes
+        self.read_timeout = read_timeout
 
     def _too_large(self) -> dict:
         return error_body(f"request body exceeds {self.max_bytes} bytes; send less or raise "
@@ -55,7 +62,13 @@ class BodySizeLimitMiddleware:
             return await _send_json(send, 413, self._too_large())
         chunks, size = [], 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout)
+            except asyncio.TimeoutError:
+                body = error_body(f"no request body data for {self.read_timeout:g} s; send the "
+                                  "whole body promptly (--request-body-timeout)", 408,
+                                  code="request_timeout")
+                return await _send_json(send, 408, body, [(b"connection", b"close")])
             if message["type"] != "http.request":  # client left before sending it all
                 return
             chunk = message.get("body", b"")

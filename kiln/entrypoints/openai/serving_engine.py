@@ -50,10 +50,23 @@ def add_request_error(e: ValueError, prompt_param: str,
     return OpenAIError(message, param=param, code=code)
 
 
+def check_num_sequences(num_prompts: int, n: int, limit: int | None, prompt_param: str) -> None:
+    """One call's prompts x n within the server's cap, else a 400 naming the field and flag:
+    tokenizing and queuing them all first would hold the front end and the KV cache."""
+    total = num_prompts * n
+    if limit is None or total <= limit:
+        return
+    raise OpenAIError(f"the request asks for {num_prompts} prompt(s) x n={n} = {total} "
+                      f"sequences, more than this server's {limit} "
+                      "(--max-sequences-per-request); send fewer prompts or a smaller n",
+                      param="n" if n > 1 else prompt_param, code="too_many_sequences")
+
+
 async def submit(llm: AsyncLLM, base_id: str, prompts: list, params: SamplingParams,
                  prompt_param: str, max_tokens_param: str = "max_tokens") -> list[RequestStream]:
     """Add every prompt as its own request; if one is refused, none stays queued. As OpenAI
     and vLLM do, a max_tokens that does not fit beside the prompt is refused (400)."""
+    check_num_sequences(len(prompts), params.n, llm.max_sequences_per_request, prompt_param)
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):

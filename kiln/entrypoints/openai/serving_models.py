@@ -7,11 +7,13 @@ from kiln.entrypoints.openai.protocol import ModelCard, ModelList
 
 
 class ServingModels:
-    def __init__(self, served_model_names: list[str], model_path: str, max_model_len: int):
+    def __init__(self, served_model_names: list[str], root: str, max_model_len: int):
+        """`root`: what /v1/models reports the names come from (the --model value as given,
+        never a resolved cache path)."""
         if not served_model_names:
             raise ValueError("served_model_names is empty; pass --served-model-name or --model")
         self.names = list(served_model_names)
-        self.model_path = model_path
+        self.root = root
         self.max_model_len = max_model_len
 
     @property
@@ -19,15 +21,17 @@ class ServingModels:
         return self.names[0]
 
     def resolve(self, requested: str | None) -> str:
-        """The name to report for a request; unknown names are a 400 naming `model`."""
+        """The name to report for a request; an unknown name is a 404 `model_not_found` (as
+        OpenAI and vLLM answer) naming `model`."""
         if requested is None:
             return self.default_name
         if requested not in self.names:
-            raise OpenAIError(f"model {requested!r} does not exist; this server serves "
-                              f"{self.names}", param="model", code="model_not_found")
+            raise OpenAIError(f"The model `{requested}` does not exist; this server serves "
+                              f"{self.names}", status=404, param="model",
+                              code="model_not_found")
         return requested
 
     def list_models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=self.model_path,
+        return ModelList(data=[ModelCard(id=name, root=self.root,
                                          max_model_len=self.max_model_len)
                                for name in self.names])

@@ -3,6 +3,7 @@
 A tokenize request gives either `prompt` text or chat `messages` (rendered by the template).
 """
 from kiln.engine.async_llm import AsyncLLM
+from kiln.engine.input_processor import encoding_problem
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.protocol import (
     DetokenizeRequest,
@@ -42,6 +43,9 @@ class ServingTokenization:
                 req.add_special_tokens and "add_special_tokens" in req.model_fields_set)
             ids = prompt["prompt_token_ids"]
         else:
+            problem = encoding_problem(req.prompt)
+            if problem is not None:
+                raise OpenAIError(f"prompt {problem}", param="prompt", code="invalid_value")
             ids = await self.llm.run_in_engine(
                 lambda: list(tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)
                              .input_ids))

