@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai.errors import install_error_handlers
 from kiln.entrypoints.openai.http_protocol import header_timeout_protocol
+from kiln.entrypoints.openai.openapi import describe
 from kiln.entrypoints.openai.metrics import ServerMetrics
 from kiln.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
 from kiln.entrypoints.openai.protocol import (
@@ -97,8 +98,11 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     app.state.metrics = metrics
     app.state.models = models
     install_error_handlers(app)
+    describe(app)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={
+        200: {"description": "The engine is running", "content": {}},
+        503: {"description": "The engine died or is shutting down", "content": {}}})
     async def health() -> Response:
         return Response(status_code=200 if llm.is_running else 503)
 
@@ -127,7 +131,9 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     async def detokenize(req: DetokenizeRequest):
         return JSONResponse((await tokenization.detokenize(req)).model_dump())
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "description": "Prometheus text exposition",
+        "content": {metrics.content_type.split(";")[0]: {"schema": {"type": "string"}}}}})
     async def prometheus_metrics() -> Response:
         if llm.is_running:
             metrics.update_gauges(await llm.get_stats())

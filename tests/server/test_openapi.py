@@ -1,0 +1,74 @@
+"""/openapi.json describes what the server does: 400 error bodies (not 422), the real content
+types of /health, /metrics and streams, empty lists marked refused; schemathesis finds no
+server error and no response outside the schema (a fake engine, a few examples per route)."""
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from kiln.engine.async_llm import AsyncLLM
+from kiln.entrypoints.openai.api_server import ServerSettings, build_app
+
+from .fake_engine import FakeEngine
+
+schemathesis = pytest.importorskip("schemathesis")
+from hypothesis import HealthCheck, settings  # noqa: E402 (schemathesis brings it)
+
+APP = build_app(AsyncLLM(FakeEngine()), ServerSettings())
+SCHEMA = APP.openapi()
+
+
+def test_errors_are_400_openai_bodies_and_content_types_are_real():
+    for path, item in SCHEMA["paths"].items():
+        for operation in item.values():
+            responses = operation["responses"]
+            assert "422" not in responses, path
+            if "400" in responses:
+                ref = responses["400"]["content"]["application/json"]["schema"]["$ref"]
+                assert ref.endswith("/ErrorResponse"), path
+    assert SCHEMA["paths"]["/health"]["get"]["responses"]["200"]["content"] == {}
+    assert list(SCHEMA["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == \
+        ["text/plain"]
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert "text/event-stream" in \
+            SCHEMA["paths"][path]["post"]["responses"]["200"]["content"]
+    schemas = SCHEMA["components"]["schemas"]
+    assert schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
+    prompt_arrays = [s for s in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+                     if s.get("type") == "array"]
+    assert prompt_arrays and all(s["minItems"] == 1 for s in prompt_arrays)
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    """APP on uvicorn in a thread (schemathesis' in-process ASGI client would run the app's
+    lifespan, and its shutdown, once per call)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(APP, host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(30)
+
+
+api = schemathesis.openapi.from_dict(SCHEMA)
+CHECKS = [schemathesis.checks.not_a_server_error, schemathesis.checks.status_code_conformance,
+          schemathesis.checks.content_type_conformance,
+          schemathesis.checks.response_schema_conformance]
+
+
+@api.parametrize()
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+def test_no_server_error_and_every_response_in_the_schema(case, base_url):
+    case.call_and_validate(base_url=base_url, checks=CHECKS)
