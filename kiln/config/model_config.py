@@ -70,6 +70,9 @@ class ModelConfig(FreezableConfig):
     # Sampling defaults from generation_config.json for fields a request leaves unset.
     generation_defaults: dict = field(init=False, default_factory=dict)
     gguf_file: Path | None = field(init=False, default=None)
+    # True when max_model_len came from the model, not the user: a KV cache too small for it
+    # caps it (with a warning) instead of refusing to start.
+    max_model_len_from_model: bool = field(init=False, default=False)
     torch_dtype: torch.dtype = field(init=False)
 
     def __post_init__(self):
@@ -102,6 +105,7 @@ class ModelConfig(FreezableConfig):
                                   "window: a longer sequence would give wrong outputs)")
         if self.max_model_len is None:
             self.max_model_len = limit
+            self.max_model_len_from_model = True
             if window == limit:
                 from kiln.logger import init_logger
                 init_logger(__name__).warning(

@@ -52,6 +52,7 @@ UTILITY_METHODS = ("reset_prefix_cache", "make_stats", "get_num_unfinished_reque
 
 class Ready(msgspec.Struct, tag=True):
     num_blocks: int
+    max_model_len: int  # lowered by the core when the KV cache cannot hold the model's
 
 
 class StepOutputs(msgspec.Struct, tag=True):

@@ -151,7 +151,8 @@ def run_engine_core(kiln_config, executor_class: type, input_address: str, outpu
         from kiln.core.engine_core import EngineCore
 
         core = EngineCore(kiln_config, executor_class)
-        output_socket.send(encoder.encode(Ready(num_blocks=core.num_blocks)))
+        output_socket.send(encoder.encode(Ready(num_blocks=core.num_blocks,
+                                                max_model_len=core.max_model_len)))
         CoreLoop(core, input_socket, output_socket).run()
     except BaseException as e:  # noqa: BLE001 - the front end must learn why, then we exit
         if not isinstance(e, SystemExit):

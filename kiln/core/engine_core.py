@@ -15,9 +15,30 @@ from kiln.logger import init_logger
 logger = init_logger(__name__)
 
 
+_GIB = 1 << 30
+
+
+def kv_cache_too_small_message(max_model_len: int, block_size: int, num_blocks: int,
+                               block_bytes: int | None) -> str:
+    """vLLM's refusal when one max_model_len request does not fit the KV cache."""
+    capacity = num_blocks * block_size
+    if block_bytes is None:  # an executor that does not say: in tokens
+        need, have = f"{max_model_len} tokens of", f"{capacity} tokens"
+    else:
+        needed = -(-max_model_len // block_size) * block_bytes
+        need, have = f"{needed / _GIB:.2f} GiB", f"{num_blocks * block_bytes / _GIB:.2f} GiB"
+    return (f"To serve at least one request with the model's max seq len ({max_model_len}), "
+            f"({need} KV cache is needed, which is larger than the available KV cache memory "
+            f"({have}). Based on the available memory, the estimated maximum model length is "
+            f"{capacity}. Try increasing `gpu_memory_utilization` (`--kv-cache-memory` on CPU) "
+            "or decreasing `max_model_len` when initializing the engine.")
+
+
 class EngineCore:
     def __init__(self, kiln_config, executor_class: type):
         self.kiln_config = kiln_config
+        # What a request may reach: the config's, or lower where the KV cache holds less.
+        self.max_model_len: int = kiln_config.model_config.max_model_len
         self.executor = executor_class(kiln_config)
         try:
             self.num_blocks = self._initialize_kv_cache()  # the KV cache's size, in blocks
@@ -42,15 +63,37 @@ class EngineCore:
         if num_blocks < 1:
             raise ValueError(f"no memory left for the KV cache (num_blocks={num_blocks}); raise "
                              "--kv-cache-memory / --gpu-memory-utilization or use a smaller model")
+        self.max_model_len = self._fit_max_model_len(num_blocks)
         self.executor.initialize_cache(num_blocks)
-        max_model_len = self.kiln_config.scheduler_config.max_model_len
-        capacity = num_blocks * cache.block_size
-        if capacity < max_model_len:
-            logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: longer "
-                           "requests will be cut short. Raise --kv-cache-memory (CPU) or "
-                           "--gpu-memory-utilization, or lower --max-model-len", capacity,
-                           max_model_len)
         return num_blocks
+
+    def _fit_max_model_len(self, num_blocks: int) -> int:
+        """One request of max_model_len must fit the KV cache, or it would be cut short with
+        finish_reason "length": refuse to start (vLLM's check), or, when max_model_len is the
+        model's own and not the user's, lower it to what fits (returned; the config keeps the
+        one it resolved)."""
+        model = self.kiln_config.model_config
+        max_model_len = model.max_model_len
+        capacity = num_blocks * self.kiln_config.cache_config.block_size
+        if capacity >= max_model_len:
+            return max_model_len
+        if self.kiln_config.cache_config.num_gpu_blocks_override is not None:
+            # The user chose the block count (a test or debugging knob; vLLM does not check it
+            # either): longer requests end as the cache allows.
+            logger.warning("num_gpu_blocks_override=%d holds %d tokens, fewer than "
+                           "max_model_len=%d: longer requests will be cut short",
+                           num_blocks, capacity, max_model_len)
+            return max_model_len
+        if model.max_model_len_from_model:
+            logger.warning("the KV cache holds %d tokens, fewer than the model's max_model_len "
+                           "%d: max_model_len is capped at %d. Raise --kv-cache-memory (CPU) "
+                           "or --gpu-memory-utilization for longer requests", capacity,
+                           max_model_len, capacity)
+            return capacity
+        block_bytes = getattr(self.executor, "kv_cache_block_bytes", None)
+        raise ValueError(kv_cache_too_small_message(
+            max_model_len, self.kiln_config.cache_config.block_size, num_blocks,
+            block_bytes() if block_bytes is not None else None))
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

@@ -161,25 +161,33 @@ class AsyncLLM:
             raise EngineDeadError(self._refusing)
 
     # ---- requests --------------------------------------------------------------------------
+    async def process_inputs(self, prompt, params: SamplingParams, *,
+                             max_tokens_must_fit: bool = False):
+        """Tokenize and validate on the front-end thread (the engine steps on meanwhile);
+        raises ValueError; queues nothing. The result goes to add_request(processed=)."""
+        self._check_alive()
+        # The engine always streams deltas to us; the stream rebuilds the kind the caller wants.
+        engine_params = params.clone()
+        engine_params.output_kind = RequestOutputKind.DELTA
+        return await self.run_in_engine(self.engine.process_inputs, prompt, engine_params,
+                                        max_tokens_must_fit=max_tokens_must_fit)
+
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
                           arrival_time: float | None = None, *,
-                          max_tokens_must_fit: bool = False) -> RequestStream:
+                          max_tokens_must_fit: bool = False, processed=None) -> RequestStream:
         """Queue a request; raises ValueError (bad prompt or params) before anything is queued.
-        `max_tokens_must_fit`: refuse a max_tokens past max_model_len instead of cutting it."""
+        `max_tokens_must_fit`: refuse a max_tokens past max_model_len instead of cutting it.
+        `processed`: process_inputs()'s result for this prompt and params (then not redone)."""
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in flight; ids must be unique")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         stream = RequestStream(request_id, params.output_kind, arrival_time)
-        # The engine always streams deltas to us; the stream rebuilds the kind the caller wants.
-        engine_params = params.clone()
-        engine_params.output_kind = RequestOutputKind.DELTA
         self._streams[request_id] = stream
         try:
-            # Tokenized on the front-end thread: the engine steps on meanwhile.
-            processed = await self.run_in_engine(self.engine.process_inputs, prompt,
-                                                 engine_params,
-                                                 max_tokens_must_fit=max_tokens_must_fit)
+            if processed is None:
+                processed = await self.process_inputs(prompt, params,
+                                                      max_tokens_must_fit=max_tokens_must_fit)
             self._check_alive()
             await self._on_engine_thread(self.engine.add_processed_request, request_id,
                                          processed, arrival_time)

@@ -59,6 +59,7 @@ class InprocCoreClient:
         self.executor = self.core.executor
         self.pid = os.getpid()
         self.num_blocks = self.core.num_blocks  # the KV cache's size, in blocks
+        self.max_model_len = self.core.max_model_len  # the config's, or what the cache holds
 
     def add_request(self, request: Request) -> None:
         self.core.add_request(request)
@@ -125,7 +126,10 @@ class CoreProcClient:
         self._unfinished: set[str] = set()
         self._last_stats = SchedulerStats()
         self._call_ids = itertools.count()
-        self.num_blocks: int | None = None  # the KV cache's size, in blocks: told by Ready
+        # Told by Ready: the KV cache's size in blocks, and the config's max_model_len or the
+        # lower one the cache holds.
+        self.num_blocks: int | None = None
+        self.max_model_len: int | None = None
         self._dead: BaseException | None = None
         self._death_callbacks: list = []
         self._closing = threading.Event()  # set when we stop the process: no death to report
@@ -153,6 +157,7 @@ class CoreProcClient:
             self.shutdown()
             raise
         self.num_blocks = message.num_blocks
+        self.max_model_len = message.max_model_len
         threading.Thread(target=_watch, args=(weakref.ref(self), self.proc), name="kiln-core-watch",
                          daemon=True).start()
         logger.info("engine core running in process %d", self.pid)

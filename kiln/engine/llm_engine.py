@@ -65,6 +65,8 @@ class LLMEngine:
             raise
         self.input_processor.kv_cache_tokens = (self.engine_core.num_blocks
                                                 * kiln_config.cache_config.block_size)
+        # The core may have lowered it to what the KV cache holds.
+        self.input_processor.max_model_len = self.engine_core.max_model_len
         # Dropped without shutdown(), the engine still shuts its core down: a worker keeps
         # the start-up heap out of the garbage collector's reach until then (host_memory.py).
         self._shutdown = weakref.finalize(self, self.engine_core.shutdown)

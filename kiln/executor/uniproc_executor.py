@@ -19,6 +19,9 @@ class UniprocExecutor(Executor):
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()
 
+    def kv_cache_block_bytes(self) -> int:
+        return self.worker.kv_cache_block_bytes()
+
     def initialize_cache(self, num_blocks: int) -> None:
         self.worker.initialize_cache(num_blocks)
 

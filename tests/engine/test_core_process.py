@@ -135,3 +135,22 @@ def test_a_dropped_llm_ends_its_core_process(tiny_llama_dir):
     del llm
     gc.collect()
     assert _wait_gone(pid)
+
+
+def test_a_kv_cache_smaller_than_one_request_refuses_or_caps(tiny_llama_dir):
+    """vLLM's check: one max_model_len request must fit, never be cut short with "length".
+    Two blocks of 16 tokens (8 KiB each on this model) hold 32 tokens."""
+    tiny = dict(enforce_eager=True, kv_cache_memory=20_000 / 2 ** 30)
+    with pytest.raises(ValueError, match=r"To serve at least one request with the model's max "
+                       r"seq len \(64\).*estimated maximum model length is 32"):
+        LLM(model=str(tiny_llama_dir), max_model_len=64, **tiny)
+    llm = LLM(model=str(tiny_llama_dir), **tiny)  # the model's own max_model_len: capped
+    try:
+        assert llm.llm_engine.model_config.max_model_len == 32
+        with pytest.raises(ValueError, match="max_model_len 32"):
+            llm.generate({"prompt_token_ids": list(range(1, 33))}, use_tqdm=False)
+        (out,) = llm.generate({"prompt_token_ids": list(range(1, 20))},
+                              SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 32 - 19
+    finally:
+        llm.shutdown()

@@ -3,6 +3,7 @@ server-sent events, and aborting when the client goes away.
 """
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable
 
 from pydantic import BaseModel
@@ -67,11 +68,16 @@ async def submit(llm: AsyncLLM, base_id: str, prompts: list, params: SamplingPar
     """Add every prompt as its own request; if one is refused, none stays queued. As OpenAI
     and vLLM do, a max_tokens that does not fit beside the prompt is refused (400)."""
     check_num_sequences(len(prompts), params.n, llm.max_sequences_per_request, prompt_param)
+    arrival = time.monotonic()
     streams: list[RequestStream] = []
     try:
-        for i, prompt in enumerate(prompts):
+        # Every prompt validated before any is queued: a refused call never runs a step.
+        processed = [await llm.process_inputs(prompt, params, max_tokens_must_fit=True)
+                     for prompt in prompts]
+        for i, (prompt, item) in enumerate(zip(prompts, processed)):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            streams.append(await llm.add_request(rid, prompt, params, max_tokens_must_fit=True))
+            streams.append(await llm.add_request(rid, prompt, params, arrival,
+                                                 max_tokens_must_fit=True, processed=item))
     except ValueError as e:  # the whole call is refused (400): its requests never ran
         await llm.abort([s.request_id for s in streams], record=False)
         raise add_request_error(e, prompt_param, max_tokens_param) from None
