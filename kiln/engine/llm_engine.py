@@ -10,8 +10,7 @@ from kiln import envs
 from kiln.config import KilnConfig, ParallelConfig
 from kiln.core.request import Request, RequestStatus
 from kiln.engine.arg_utils import EngineArgs
-from kiln.engine.input_processor import (InputProcessor, ProcessedPrompt, PromptType,
-                                         check_encodable)
+from kiln.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType, check_encodable
 from kiln.engine.output_processor import OutputProcessor, child_params, child_request_id
 from kiln.engine.tokenizer import config_eos_token_ids, generation_eos_token_ids, get_tokenizer
 from kiln.logger import init_logger

@@ -57,7 +57,7 @@ def test_a_stream_keeps_going_while_the_front_end_tokenizes_huge_bodies(core_ser
 def test_a_lone_surrogate_in_a_prompt_is_a_400_naming_it(core_server, prompt):
     url, _, _ = core_server
     r = httpx.post(f"{url}/v1/completions", timeout=30,
-                   content='{"prompt": %s, "max_tokens": 2}' % prompt,
+                   content=f'{{"prompt": {prompt}, "max_tokens": 2}}',
                    headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "prompt" and "surrogate" in r.text

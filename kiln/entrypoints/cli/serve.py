@@ -12,8 +12,10 @@ REASONING_PARSER_NAMES = ["deepseek_r1", "qwen3"]
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from kiln.entrypoints.openai.api_server import (DEFAULT_MAX_REQUEST_BODY_BYTES,
-                                                    DEFAULT_MAX_SEQUENCES_PER_REQUEST)
+    from kiln.entrypoints.openai.api_server import (
+        DEFAULT_MAX_REQUEST_BODY_BYTES,
+        DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    )
 
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")

@@ -18,9 +18,9 @@ from fastapi.responses import JSONResponse, Response
 from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai.errors import install_error_handlers
 from kiln.entrypoints.openai.http_protocol import header_timeout_protocol
-from kiln.entrypoints.openai.openapi import describe
 from kiln.entrypoints.openai.metrics import ServerMetrics
 from kiln.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from kiln.entrypoints.openai.openapi import describe
 from kiln.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -64,7 +64,7 @@ class BodySizeLimitMiddleware:
         while True:
             try:
                 message = await asyncio.wait_for(receive(), self.read_timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 body = error_body(f"no request body data for {self.read_timeout:g} s; send the "
                                   "whole body promptly (--request-body-timeout)", 408,
                                   code="request_timeout")
