@@ -62,6 +62,8 @@ class FakeEngine:
         """Tokenize and check (the front-end thread: it may overlap a step)."""
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer(prompt).input_ids
+        elif "prompt_token_ids" not in prompt:  # {"prompt": text, "cache_salt": ...}
+            text, ids = prompt["prompt"], self.tokenizer(prompt["prompt"]).input_ids
         else:
             text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
         if not ids:
