@@ -40,6 +40,16 @@ def core_pid(server_pid: int) -> int:
     return children.pop()
 
 
+def test_one_banner_says_what_is_served(core_server):
+    url, _, log = core_server
+    lines = [x for x in log.read_text().splitlines() if x.startswith("kiln serve: ")]
+    assert len(lines) == 1, lines
+    port = url.rsplit(":", 1)[1]
+    for part in (f"model {NAME}", "dtype float32", "compile mode 0", "blocks x 16 tokens",
+                 f"http://127.0.0.1:{port}", "API key off"):
+        assert part in lines[0], (part, lines[0])
+
+
 def test_a_stream_keeps_going_while_the_front_end_tokenizes_huge_bodies(core_server):
     url, _, _ = core_server
     # Smaller than the benchmark's load, same kinds: big bodies, idle and churning connections.

@@ -3,6 +3,8 @@
 Takes every engine flag of `kiln generate`, plus the server's own (host, port, key, limits).
 """
 import argparse
+import socket
+import sys
 
 from kiln.engine.arg_utils import EngineArgs
 from kiln.envs import api_key as env_api_key
@@ -118,5 +120,41 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
     settings = settings_from_args(args)  # cheap checks before the model loads
-    llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
-    return serve(llm, settings)
+    sock = bind_socket(settings.host, settings.port)  # a port in use: said now, not after
+    try:
+        llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+        print(banner(llm.kiln_config, settings), file=sys.stderr, flush=True)
+        return serve(llm, settings, sock)
+    finally:
+        sock.close()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads (uvicorn serves on it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}): the port is in use "
+                         "or the address is not this machine's; pick another with --port or "
+                         "--host") from None
+    return sock
+
+
+def banner(kiln_config, settings) -> str:
+    """One line: what is served, how, where, and whether it needs a key."""
+    from kiln.model.loader.default_model import model_display_name
+
+    model = kiln_config.model_config
+    cache = kiln_config.cache_config
+    mode = kiln_config.compilation_config.mode
+    name = (settings.served_model_names or [model_display_name(str(model.model))])[0]
+    dtype = str(model.torch_dtype).removeprefix("torch.")
+    return (f"kiln serve: model {name} | dtype {dtype} | compile mode {int(mode)} "
+            f"({getattr(mode, 'name', mode)}) | KV cache {cache.num_blocks} blocks x "
+            f"{cache.block_size} tokens | max_model_len {model.max_model_len} | "
+            f"http://{settings.host}:{settings.port} | API key "
+            f"{'on' if settings.api_key else 'off'}")

@@ -8,6 +8,7 @@ An engine core that dies fails every request in flight at once; the server then 
 import asyncio
 import contextlib
 import signal
+import socket
 import threading
 from dataclasses import dataclass
 
@@ -198,8 +199,9 @@ class _Server(uvicorn.Server):
         self.handle_exit(sig, frame)
 
 
-def serve(llm: AsyncLLM, settings: ServerSettings) -> int:
-    """Serve until SIGINT / SIGTERM (0) or the engine's death (1); blocking. The exit code."""
+def serve(llm: AsyncLLM, settings: ServerSettings, sock: socket.socket | None = None) -> int:
+    """Serve until SIGINT / SIGTERM (0) or the engine's death (1); blocking. The exit code.
+    `sock`: a socket already bound to the address (else uvicorn binds it)."""
     app = build_app(llm, settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             http=header_timeout_protocol(settings.request_header_timeout),
@@ -217,7 +219,7 @@ def serve(llm: AsyncLLM, settings: ServerSettings) -> int:
         server.should_exit = True
 
     llm.dead_callbacks.append(on_engine_dead)
-    server.run()
+    server.run(sockets=[sock] if sock is not None else None)
     if not server.started:
         raise RuntimeError(f"the server did not start on {settings.host}:{settings.port} "
                            "(port in use?); pick another with --port")
