@@ -69,7 +69,10 @@ class CompilationConfig(FreezableConfig):
         for name in ("pass_config", "inductor_compile_config"):
             if not isinstance(getattr(self, name), dict):
                 fail(name, "a JSON object (dict)", getattr(self, name))
-        unknown = sorted(set(self.inductor_compile_config) - _inductor_options())
+        # Checked only when given: importing Inductor takes seconds, and the engine front end
+        # (which builds this config too) never compiles.
+        unknown = (sorted(set(self.inductor_compile_config) - _inductor_options())
+                   if self.inductor_compile_config else [])
         if unknown:
             fail("inductor_compile_config", "options of torch._inductor.config (unknown: "
                  f"{unknown})", self.inductor_compile_config)

@@ -53,6 +53,8 @@ UTILITY_METHODS = ("reset_prefix_cache", "make_stats", "get_num_unfinished_reque
 class Ready(msgspec.Struct, tag=True):
     num_blocks: int
     max_model_len: int  # lowered by the core when the KV cache cannot hold the model's
+    # Start-up phases in seconds: the core process's imports, then EngineCore's own.
+    timings: dict[str, float] = {}
 
 
 class StepOutputs(msgspec.Struct, tag=True):

@@ -3,6 +3,7 @@
 Between steps it takes every message waiting (add, abort, finish, utility calls); each step's
 outputs go back at once, so the front end's tokenizing and detokenizing never delay a step.
 """
+import logging
 import os
 import signal
 import sys
@@ -132,7 +133,7 @@ def _aborted(request_id: str):
 
 
 def run_engine_core(kiln_config, executor_class: type, input_address: str, output_address: str,
-                    parent_pid: int) -> None:
+                    parent_pid: int, launched_at: float) -> None:
     """The process's work, once its arguments are read (kiln.engine.core_client starts it)."""
     # Ctrl-C reaches the whole process group: the front end decides what stops, and tells us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -150,9 +151,13 @@ def run_engine_core(kiln_config, executor_class: type, input_address: str, outpu
     try:
         from kiln.core.engine_core import EngineCore
 
+        imported = time.monotonic()
         core = EngineCore(kiln_config, executor_class)
+        # time.monotonic() is one clock for every process of the machine (Linux).
+        timings = {"core_process_start_s": imported - launched_at, **core.startup_timings}
         output_socket.send(encoder.encode(Ready(num_blocks=core.num_blocks,
-                                                max_model_len=core.max_model_len)))
+                                                max_model_len=core.max_model_len,
+                                                timings=timings)))
         CoreLoop(core, input_socket, output_socket).run()
     except BaseException as e:  # noqa: BLE001 - the front end must learn why, then we exit
         if not isinstance(e, SystemExit):
@@ -168,11 +173,19 @@ def run_engine_core(kiln_config, executor_class: type, input_address: str, outpu
         input_socket.close(linger=0)
         output_socket.close()
         ctx.term()
-    sys.exit(code)
+    # No interpreter teardown (torch's exit hooks take seconds): the front end waits for it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main() -> None:
     import pickle
+
+    # Started before the caller's config exists: import the engine while it is resolved.
+    import kiln.core.engine_core  # noqa: F401
+    import kiln.executor.uniproc_executor  # noqa: F401
 
     sys.path[:0] = [p for p in pickle.load(sys.stdin.buffer) if p not in sys.path]
     run_engine_core(*pickle.load(sys.stdin.buffer))

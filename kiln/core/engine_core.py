@@ -39,12 +39,20 @@ class EngineCore:
         self.kiln_config = kiln_config
         # What a request may reach: the config's, or lower where the KV cache holds less.
         self.max_model_len: int = kiln_config.model_config.max_model_len
+        # Seconds per start-up phase (kiln bench startup prints them).
+        self.startup_timings: dict[str, float] = {}
+        start = time.perf_counter()
         self.executor = executor_class(kiln_config)
+        self.startup_timings["load_model_s"] = time.perf_counter() - start
         try:
+            start = time.perf_counter()
             self.num_blocks = self._initialize_kv_cache()  # the KV cache's size, in blocks
+            self.startup_timings["kv_cache_s"] = time.perf_counter() - start
             start = time.perf_counter()
             self.executor.compile_or_warm_up_model()
-            logger.info("model compiled / warmed up in %.2f s", time.perf_counter() - start)
+            self.startup_timings["compile_warm_up_s"] = time.perf_counter() - start
+            logger.info("model compiled / warmed up in %.2f s",
+                        self.startup_timings["compile_warm_up_s"])
         except BaseException:
             self.executor.shutdown()
             raise

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import weakref
 
 import msgspec
@@ -57,6 +58,7 @@ class InprocCoreClient:
 
         self.core = EngineCore(kiln_config, executor_class)
         self.executor = self.core.executor
+        self.startup_timings = dict(self.core.startup_timings)
         self.pid = os.getpid()
         self.num_blocks = self.core.num_blocks  # the KV cache's size, in blocks
         self.max_model_len = self.core.max_model_len  # the config's, or what the cache holds
@@ -108,7 +110,9 @@ class CoreProcClient:
     """The core in its own process. Requests go out on one PUSH socket, outputs come back on
     one PULL socket; the process sentinel is polled with it, so a dead core ends every wait."""
 
-    def __init__(self, kiln_config, executor_class: type):
+    def __init__(self, kiln_config, executor_class: type,
+                 interpreter: "CoreInterpreter | None" = None):
+        """`interpreter`: one started earlier (else it starts now)."""
         self._kiln_config = kiln_config
         self._encoder, _ = input_codec()
         _, self._decoder = output_codec()
@@ -135,8 +139,8 @@ class CoreProcClient:
         self._closing = threading.Event()  # set when we stop the process: no death to report
         # A fresh interpreter, not fork (the caller may hold OpenMP threads, CUDA, or the
         # tokenizer's pool) and not multiprocessing's spawn (it re-runs an unguarded script).
-        self.proc = launch_core_process(kiln_config, executor_class, input_address,
-                                        output_address)
+        self.proc = (interpreter or CoreInterpreter()).start(kiln_config, executor_class,
+                                                            input_address, output_address)
         self.pid = self.proc.pid
         # Readable once the process has exited: polled beside the output socket.
         self._sentinel = os.pidfd_open(self.pid)
@@ -156,6 +160,7 @@ class CoreProcClient:
         except BaseException:
             self.shutdown()
             raise
+        self.startup_timings = dict(message.timings)
         self.num_blocks = message.num_blocks
         self.max_model_len = message.max_model_len
         threading.Thread(target=_watch, args=(weakref.ref(self), self.proc), name="kiln-core-watch",
@@ -295,23 +300,36 @@ class CoreProcClient:
         self._finalizer()
 
 
-def launch_core_process(kiln_config, executor_class: type, input_address: str,
-                        output_address: str) -> subprocess.Popen:
-    """`python -m kiln.core.core_process`, its start-up arguments pickled on stdin (the config
-    is not a request: only requests and outputs must cross without pickle). The caller's
-    sys.path goes first, so a test's executor class imports there too."""
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.core.core_process"],
-                            stdin=subprocess.PIPE)
-    try:
-        pickle.dump(sys.path, proc.stdin)
-        pickle.dump((kiln_config, executor_class, input_address, output_address, os.getpid()),
-                    proc.stdin)
-        proc.stdin.close()
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    return proc
+class CoreInterpreter:
+    """`python -m kiln.core.core_process`, started before the engine's config exists: it imports
+    torch and the engine (seconds) while this process resolves the config and loads the
+    tokenizer, then waits on stdin for its start-up arguments."""
+
+    def __init__(self):
+        self.launched_at = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, "-m", "kiln.core.core_process"],
+                                     stdin=subprocess.PIPE)
+
+    def start(self, kiln_config, executor_class: type, input_address: str,
+              output_address: str) -> subprocess.Popen:
+        """Hand over the arguments, pickled (the config is not a request: only requests and
+        outputs must cross without pickle); the caller's sys.path first, so a test's executor
+        class imports there too."""
+        try:
+            pickle.dump(sys.path, self.proc.stdin)
+            pickle.dump((kiln_config, executor_class, input_address, output_address,
+                         os.getpid(), self.launched_at), self.proc.stdin)
+            self.proc.stdin.close()
+        except BaseException:
+            self.discard()
+            raise
+        return self.proc
+
+    def discard(self) -> None:
+        """Not needed after all (a bad flag): end it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
 
 
 def _wait(proc: subprocess.Popen, timeout: float) -> None:

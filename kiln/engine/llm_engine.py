@@ -34,17 +34,28 @@ def get_executor_class(parallel_config: ParallelConfig) -> type:
 
 
 class LLMEngine:
-    def __init__(self, kiln_config: KilnConfig, executor_class: type | None = None):
+    def __init__(self, kiln_config: KilnConfig, executor_class: type | None = None,
+                 core_interpreter=None):
+        """`core_interpreter`: a core_client.CoreInterpreter started before the config was
+        built (from_engine_args does)."""
         from kiln.engine.core_client import CoreProcClient, InprocCoreClient
 
         self.kiln_config = kiln_config
         self.model_config = kiln_config.model_config
         if executor_class is None:
-            executor_class = get_executor_class(kiln_config.parallel_config)
+            try:
+                executor_class = get_executor_class(kiln_config.parallel_config)
+            except BaseException:
+                if core_interpreter is not None:
+                    core_interpreter.discard()
+                raise
         # The core process starts first and loads the model while this process loads the
         # tokenizer; in-process, the tokenizer first: a bad path fails before the model loads.
         self.engine_core = None
-        starting = (CoreProcClient(kiln_config, executor_class)
+        # Seconds per start-up phase of this process (the core's are in engine_core's).
+        self.startup_timings: dict[str, float] = {}
+        clock = time.perf_counter()
+        starting = (CoreProcClient(kiln_config, executor_class, core_interpreter)
                     if envs.enable_multiprocessing() else None)
         try:
             self.tokenizer = get_tokenizer(self.model_config)  # None: skip_tokenizer_init
@@ -53,11 +64,15 @@ class LLMEngine:
                 eos_ids |= config_eos_token_ids(self.model_config)
             self.input_processor = InputProcessor(self.model_config, self.tokenizer, eos_ids)
             self.output_processor = OutputProcessor(self.tokenizer)
+            self.startup_timings["tokenizer_s"] = time.perf_counter() - clock
+            clock = time.perf_counter()
             if starting is not None:
                 starting.wait_until_ready()
                 self.engine_core = starting
             else:
                 self.engine_core = InprocCoreClient(kiln_config, executor_class)
+            # In a core process: what was left after the tokenizer, overlapping it.
+            self.startup_timings["core_ready_wait_s"] = time.perf_counter() - clock
         except BaseException:
             if starting is not None:
                 starting.shutdown()
@@ -77,7 +92,20 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
-        return cls(engine_args.create_kiln_config())
+        from kiln.engine.core_client import CoreInterpreter
+
+        interpreter = CoreInterpreter() if envs.enable_multiprocessing() else None
+        try:
+            start = time.perf_counter()
+            kiln_config = engine_args.create_kiln_config()
+            config_s = time.perf_counter() - start
+        except BaseException:
+            if interpreter is not None:
+                interpreter.discard()
+            raise
+        engine = cls(kiln_config, core_interpreter=interpreter)
+        engine.startup_timings = {"config_s": config_s, **engine.startup_timings}
+        return engine
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -14,6 +14,7 @@ BENCHMARKS = [
     "kiln.entrypoints.cli.bench_latency",
     "kiln.entrypoints.cli.bench_compile",
     "kiln.entrypoints.cli.bench_serve",
+    "kiln.entrypoints.cli.bench_startup",
 ]
 
 
