@@ -11,7 +11,7 @@ from kiln.core.core_messages import decode_params, encode_params, from_wire, inp
 from kiln.core.request import Request
 from kiln.engine.core_client import EngineCoreDeadError
 from kiln.entrypoints.llm import LLM
-from kiln.sampling_params import RequestOutputKind, SamplingParams
+from kiln.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 ENGINE = dict(enforce_eager=True, max_model_len=64, kv_cache_memory=0.01)
 PROMPTS = [{"prompt_token_ids": [1, 2, 3, 4]}, {"prompt_token_ids": [9, 8, 7]}]
@@ -26,6 +26,8 @@ def test_sampling_params_cross_field_by_field():
                             include_stop_str_in_output=True, detokenize=True,
                             logit_bias={5: -2.5, 7: 1.0}, allowed_token_ids=[4, 5, 7],
                             bad_words=["ab"], truncate_prompt_tokens=3,
+                            structured_outputs=StructuredOutputsParams(
+                                json={"type": "object", "properties": {"a": {"type": "integer"}}}),
                             output_kind=RequestOutputKind.DELTA)
     params.all_stop_token_ids = {4, 2}  # the engine front adds eos: verify() would reset it
     params.bad_words_token_ids = [[8, 9], [10]]
