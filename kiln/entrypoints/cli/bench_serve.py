@@ -35,6 +35,12 @@ def register_bench(kinds) -> None:
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="prompt token ids are drawn below this (default: ask the server)")
     parser.add_argument("--api-key", default=None)
+    parser.add_argument("--stall-probe", action="store_true",
+                        help="instead: one steady stream alone, then beside front-end load (4 MB "
+                             "/tokenize bodies, 4 MB prompts that end in 400, 1000 idle and 200 "
+                             "churning connections); report its largest inter-token gaps")
+    parser.add_argument("--probe-duration", type=float, default=10.0,
+                        help="seconds of each stall-probe phase")
     parser.add_argument("--server-start-timeout", type=float, default=600.0)
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run)
@@ -90,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
+    if not args.probe_duration > 0:
+        raise ValueError(f"--probe-duration must be > 0 seconds, got {args.probe_duration}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     proc = None
@@ -99,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
         base_url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "kiln.entrypoints.cli.main", "serve", "--port", str(port),
                "--disable-access-log", *engine_flags(EngineArgs.from_cli_args(args))]
+        if args.stall_probe:  # its 4 MB bodies, past the default 4 MiB limit with the JSON
+            cmd += ["--max-request-body-bytes", str(8 << 20)]
         if args.api_key:
             cmd += ["--api-key", args.api_key]
         print("starting: " + " ".join(cmd), file=sys.stderr, flush=True)
@@ -110,10 +120,17 @@ def run(args: argparse.Namespace) -> int:
             except ServerStartError as e:  # one line, not a traceback: the log above says why
                 print(f"error: {e}", file=sys.stderr)
                 return 1
-        report = asyncio.run(run_benchmark(
-            base_url, args.num_prompts, args.input_len, args.output_len, args.request_rate,
-            args.max_concurrency, seed=args.bench_seed, api_key=args.api_key,
-            vocab_size=args.vocab_size, model=args.model))
+        if args.stall_probe:
+            from kiln.benchmarks.stall_probe import run_probe
+
+            report = asyncio.run(run_probe(base_url, duration=args.probe_duration,
+                                           api_key=args.api_key, model=args.model))
+            report["failed"] = 0  # a failed probe raises
+        else:
+            report = asyncio.run(run_benchmark(
+                base_url, args.num_prompts, args.input_len, args.output_len, args.request_rate,
+                args.max_concurrency, seed=args.bench_seed, api_key=args.api_key,
+                vocab_size=args.vocab_size, model=args.model))
     finally:
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
