@@ -56,7 +56,7 @@ def test_outputs_identical_under_preemption(tiny_llama_dir, roomy_tokens, prefix
     llm, tokens = _generate(tiny_llama_dir, max_num_seqs=4, max_num_batched_tokens=8,
                             block_size=4, num_gpu_blocks_override=12,
                             enable_prefix_caching=prefix_caching)
-    core = llm.llm_engine.engine_core
+    core = llm.llm_engine.engine_core.core  # the EngineCore (in this process)
     stats = core.make_stats()
     assert stats.num_preemptions > 0
     assert tokens == roomy_tokens
