@@ -206,7 +206,8 @@ def start_subject(label: str, spec: dict, engine_args: EngineArgs, batch_sizes: 
     check_plan(batch_sizes, input_len, num_steps, warmup_steps, sched.max_num_seqs,
                mc.max_model_len)
     start = time.perf_counter()
-    engine = LLMEngine(kiln_config)
+    # In this process: a core process runs ahead of step(), and the model is read here.
+    engine = LLMEngine(kiln_config, multiprocess=False)
     startup_s = time.perf_counter() - start
     runner = engine.engine_core.executor.worker.model_runner
     subject = Subject(label, spec, args, engine, kiln_config, startup_s,

@@ -35,9 +35,12 @@ def get_executor_class(parallel_config: ParallelConfig) -> type:
 
 class LLMEngine:
     def __init__(self, kiln_config: KilnConfig, executor_class: type | None = None,
-                 core_interpreter=None):
+                 core_interpreter=None, multiprocess: bool | None = None):
         """`core_interpreter`: a core_client.CoreInterpreter started before the config was
-        built (from_engine_args does)."""
+        built (from_engine_args does). `multiprocess`: the core in its own process (None:
+        KILN_ENABLE_V1_MULTIPROCESSING, default on); False for one core step per step()."""
+        if multiprocess is None:
+            multiprocess = envs.enable_multiprocessing()
         from kiln.engine.core_client import CoreProcClient, InprocCoreClient
 
         self.kiln_config = kiln_config
@@ -56,7 +59,7 @@ class LLMEngine:
         self.startup_timings: dict[str, float] = {}
         clock = time.perf_counter()
         starting = (CoreProcClient(kiln_config, executor_class, core_interpreter)
-                    if envs.enable_multiprocessing() else None)
+                    if multiprocess else None)
         try:
             self.tokenizer = get_tokenizer(self.model_config)  # None: skip_tokenizer_init
             eos_ids = generation_eos_token_ids(self.model_config)
