@@ -102,6 +102,15 @@ class AsyncLLM:
         return self.engine.kiln_config
 
     @property
+    def max_model_len(self) -> int:
+        """The engine's (the config's, or lower where the KV cache holds less)."""
+        return self.engine.max_model_len
+
+    @property
+    def num_blocks(self) -> int:
+        return self.engine.num_blocks
+
+    @property
     def is_running(self) -> bool:
         return self._dead is None and not self._closed and self._refusing is None
 

@@ -110,6 +110,17 @@ class LLMEngine:
         engine.startup_timings = {"config_s": config_s, **engine.startup_timings}
         return engine
 
+    @property
+    def num_blocks(self) -> int:
+        """The KV cache's size in blocks, as the core sized it (not a config field)."""
+        return self.engine_core.num_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        """What a request may reach: the config's, or lower where the core capped it to what
+        the KV cache holds."""
+        return self.engine_core.max_model_len
+
     def get_tokenizer(self):
         return self.tokenizer
 

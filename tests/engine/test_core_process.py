@@ -148,7 +148,7 @@ def test_a_kv_cache_smaller_than_one_request_refuses_or_caps(tiny_llama_dir):
         LLM(model=str(tiny_llama_dir), max_model_len=64, **tiny)
     llm = LLM(model=str(tiny_llama_dir), **tiny)  # the model's own max_model_len: capped
     try:
-        assert llm.llm_engine.model_config.max_model_len == 32
+        assert llm.llm_engine.max_model_len == 32  # the config keeps the model's
         with pytest.raises(ValueError, match="max_model_len 32"):
             llm.generate({"prompt_token_ids": list(range(1, 33))}, use_tqdm=False)
         (out,) = llm.generate({"prompt_token_ids": list(range(1, 20))},

@@ -39,6 +39,8 @@ class FakeEngine:
         self.step_delay = step_delay
         self.requests: dict[str, dict] = {}
         self.num_total_blocks = 32
+        self.num_blocks = self.num_total_blocks
+        self.max_model_len = max_model_len
         self.aborted: list[str] = []
         self.shut_down = False
         self.busy = threading.Lock()  # proves no two engine calls overlap

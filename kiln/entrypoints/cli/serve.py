@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     sock = bind_socket(settings.host, settings.port)  # a port in use: said now, not after
     try:
         llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
-        print(banner(llm.kiln_config, settings), file=sys.stderr, flush=True)
+        print(banner(llm, settings), file=sys.stderr, flush=True)
         return serve(llm, settings, sock)
     finally:
         sock.close()
@@ -144,17 +144,19 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def banner(kiln_config, settings) -> str:
-    """One line: what is served, how, where, and whether it needs a key."""
+def banner(llm, settings) -> str:
+    """One line: what is served, how, where, and whether it needs a key (`llm`: the started
+    AsyncLLM, whose core sized the KV cache)."""
     from kiln.model.loader.default_model import model_display_name
 
+    kiln_config = llm.kiln_config
     model = kiln_config.model_config
     cache = kiln_config.cache_config
     mode = kiln_config.compilation_config.mode
     name = (settings.served_model_names or [model_display_name(str(model.model))])[0]
     dtype = str(model.torch_dtype).removeprefix("torch.")
     return (f"kiln serve: model {name} | dtype {dtype} | compile mode {int(mode)} "
-            f"({getattr(mode, 'name', mode)}) | KV cache {cache.num_blocks} blocks x "
-            f"{cache.block_size} tokens | max_model_len {model.max_model_len} | "
+            f"({getattr(mode, 'name', mode)}) | KV cache {llm.num_blocks} blocks x "
+            f"{cache.block_size} tokens | max_model_len {llm.max_model_len} | "
             f"http://{settings.host}:{settings.port} | API key "
             f"{'on' if settings.api_key else 'off'}")

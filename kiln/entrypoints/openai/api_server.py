@@ -73,8 +73,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     model_config = llm.kiln_config.model_config
     name = model_display_name(str(model_config.model))
-    models = ServingModels(settings.served_model_names or [name], name,
-                           model_config.max_model_len)
+    models = ServingModels(settings.served_model_names or [name], name, llm.max_model_len)
     llm.max_sequences_per_request = settings.max_sequences_per_request
     metrics = ServerMetrics(models.default_name)
     llm.stat_loggers.append(metrics)
