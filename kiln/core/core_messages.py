@@ -75,6 +75,7 @@ class CoreFailed(msgspec.Struct, tag=True):
     error_type: str  # the exception's class name, so the front raises the same kind
     message: str
     traceback: str = ""
+    error_module: str = "builtins"  # where error_type is defined (a kiln module is rebuilt too)
 
 
 CoreOutput = Ready | StepOutputs | UtilityResult | CoreFailed

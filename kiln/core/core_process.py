@@ -51,7 +51,8 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 def _failure(e: BaseException) -> CoreFailed:
     return CoreFailed(error_type=type(e).__name__, message=str(e),
-                      traceback="".join(traceback.format_exception(e)))
+                      traceback="".join(traceback.format_exception(e)),
+                      error_module=type(e).__module__)
 
 
 class CoreLoop:

@@ -5,6 +5,7 @@ abort / finish / step calls, so the engine front drives either the same way.
 """
 import builtins
 import collections
+import importlib
 import itertools
 import os
 import pickle
@@ -93,10 +94,23 @@ class InprocCoreClient:
         self.core.shutdown()
 
 
+def _error_class(failure: CoreFailed):
+    """The class of the core's exception, where it is a built-in or Kiln's own."""
+    if failure.error_module == "builtins":
+        return getattr(builtins, failure.error_type, None)
+    if failure.error_module.startswith("kiln."):
+        try:
+            return getattr(importlib.import_module(failure.error_module), failure.error_type, None)
+        except ImportError:
+            return None
+    return None
+
+
 def _rebuild_error(failure: CoreFailed) -> BaseException:
-    """The core's exception as the same built-in kind (ValueError stays ValueError), else as an
-    EngineCoreDeadError; the message is the core's own."""
-    kind = getattr(builtins, failure.error_type, None)
+    """The core's exception as the same kind where it is a built-in or Kiln's (ValueError stays
+    ValueError, WorkerFailedError stays WorkerFailedError), else as an EngineCoreDeadError; the
+    message is the core's own."""
+    kind = _error_class(failure)
     if isinstance(kind, type) and issubclass(kind, Exception) and kind is not EngineCoreDeadError:
         try:
             return kind(failure.message)

@@ -27,7 +27,8 @@ def test_sampling_params_cross_field_by_field():
                             logit_bias={5: -2.5, 7: 1.0}, allowed_token_ids=[4, 5, 7],
                             bad_words=["ab"], truncate_prompt_tokens=3,
                             structured_outputs=StructuredOutputsParams(
-                                json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+                                json={"type": "object", "properties": {"a": {"type": "integer"}}},
+                                reasoning_end="</think>"),
                             output_kind=RequestOutputKind.DELTA)
     params.all_stop_token_ids = {4, 2}  # the engine front adds eos: verify() would reset it
     params.bad_words_token_ids = [[8, 9], [10]]
@@ -40,6 +41,20 @@ def test_sampling_params_cross_field_by_field():
             f.name
     assert (back.request_id, back.prompt_token_ids, back.arrival_time, back.cache_salt) == (
         "r", [1, 2], 12.5, "s")
+
+
+def test_a_kiln_error_from_the_core_is_raised_as_its_own_kind():
+    from kiln.core.core_messages import CoreFailed
+    from kiln.engine.core_client import _rebuild_error
+    from kiln.executor.multiproc_executor import WorkerFailedError
+
+    error = _rebuild_error(CoreFailed(error_type="WorkerFailedError", message="rank 1 died",
+                                      error_module="kiln.executor.multiproc_executor"))
+    assert type(error) is WorkerFailedError and str(error) == "rank 1 died"
+    assert type(_rebuild_error(CoreFailed(error_type="ValueError", message="m"))) is ValueError
+    # Not a built-in nor Kiln's: the front says the core failed, with the core's message.
+    other = _rebuild_error(CoreFailed(error_type="Boom", message="m", error_module="numpy"))
+    assert type(other) is EngineCoreDeadError and "Boom: m" in str(other)
 
 
 def test_a_field_left_out_takes_its_default():

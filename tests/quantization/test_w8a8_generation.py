@@ -18,6 +18,9 @@ LENGTHS = [1, 9, 40, 90]  # 90 > the 64-token budget: chunked prefill
 NEW_TOKENS = 8
 NUM_LAYERS = 2  # every piece distinct: none is served from Inductor's cache, the passes see all
 
+# The pass counters are read off the compiled model: this process must run the core.
+pytestmark = pytest.mark.usefixtures("inprocess_core")
+
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
