@@ -123,7 +123,8 @@ def _timed_engine_run(kiln_config, prompts_for, output_len: int):
     from kiln.benchmarks.latency import model_weight_bytes
     from kiln.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(kiln_config)
+    # In this process (as the latency benchmark): the figures read the executor and the model.
+    engine = LLMEngine(kiln_config, multiprocess=False)
     prompts = prompts_for(engine)
     executor = getattr(getattr(engine, "engine_core", None), "executor", None)
     try:
