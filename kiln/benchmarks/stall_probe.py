@@ -1,10 +1,13 @@
 """Stall probe: does front-end load (huge bodies, idle and churning connections) stall a stream?
 
-One steady stream runs alone, then beside the load; the report compares its largest gap between
-tokens in the two phases and counts the tokens that arrived while a big request was in flight.
+One steady stream runs alone, then beside the load (stall_load.py, another process); the report
+compares its largest gap between tokens in the two phases and counts the tokens that arrived
+while a big request was in flight.
 """
 import asyncio
+import dataclasses
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -30,8 +33,10 @@ class StreamRecord:
     requests: list[list[float]] = field(default_factory=list)
 
     def gaps(self, start: float, end: float) -> list[float]:
-        return [b - a for times in self.requests for a, b in zip(times, times[1:])
-                if start <= a and b <= end]
+        """Gaps between consecutive tokens of the stream within [start, end], across its
+        back-to-back requests too: a new request that waits is a stall the client sees."""
+        times = [t for request in self.requests for t in request]
+        return [b - a for a, b in zip(times, times[1:]) if start <= a and b <= end]
 
     def tokens_within(self, intervals: list[tuple[float, float]]) -> int:
         return sum(1 for times in self.requests for t in times
@@ -60,62 +65,28 @@ async def _stream(session, base_url: str, headers: dict, model: str, max_tokens:
                     break
 
 
-async def _big_posts(session, url: str, headers: dict, body: bytes, expect: int,
-                     intervals: list, stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        start = time.monotonic()
-        async with session.post(url, data=body, headers={**headers, "content-type":
-                                                         "application/json"}) as resp:
-            await resp.read()
-            if resp.status != expect:
-                raise RuntimeError(f"{url} answered {resp.status}, expected {expect}")
-        intervals.append((start, time.monotonic()))
-
-
-async def _idle_connections(host: str, port: int, n: int, opened: list,
-                            stop: asyncio.Event) -> None:
-    writers = []
-    try:
-        for _ in range(n):
-            try:
-                _, w = await asyncio.open_connection(host, port)
-            except OSError:
-                break  # out of file descriptors: hold what we have
-            writers.append(w)
-        opened.append(len(writers))
-        await stop.wait()
-    finally:
-        for w in writers:
-            w.close()
-
-
-async def _churn(host: str, port: int, counter: list, stop: asyncio.Event) -> None:
-    while not stop.is_set():
-        try:
-            _, w = await asyncio.open_connection(host, port)
-            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and hang up mid-header
-            w.close()
-            counter[0] += 1
-        except OSError:
-            pass
-        await asyncio.sleep(0.01)
-
-
-def _body(kind: str, model: str, size: int) -> bytes:
-    filler = "hello world, " * max(1, size // 13)
-    if kind == "tokenize":
-        return json.dumps({"model": model, "prompt": filler}).encode()
-    return json.dumps({"model": model, "prompt": filler, "max_tokens": 4}).encode()
+async def _loaded(base_url: str, headers: dict, model: str, load: LoadSpec,
+                  duration: float) -> dict:
+    """Run the load in its own interpreter (kiln/benchmarks/stall_load.py) and wait for it."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kiln.benchmarks.stall_load", stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE)
+    spec = dict(base_url=base_url, headers=headers, model=model, load=dataclasses.asdict(load),
+                duration=duration)
+    out, _ = await proc.communicate(json.dumps(spec).encode())
+    if proc.returncode != 0:
+        raise RuntimeError(f"the probe's load process failed (exit {proc.returncode}); its "
+                           "error is above")
+    return json.loads(out)
 
 
 async def run_probe(base_url: str, duration: float = 5.0, load: LoadSpec | None = None,
                     api_key: str | None = None, model: str | None = None,
                     max_tokens: int = 64) -> dict:
-    """Idle phase, then load phase, `duration` s each; a JSON-able report."""
+    """Idle phase, then load phase, `duration` s each; a JSON-able report. The load runs in
+    another process, so this one's event loop only reads the stream and times its tokens."""
     load = load or LoadSpec()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    host, port = base_url.split("://", 1)[1].rsplit(":", 1)
-    port = int(port.rstrip("/"))
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -127,28 +98,11 @@ async def run_probe(base_url: str, duration: float = 5.0, load: LoadSpec | None 
         idle_start = time.monotonic()
         await asyncio.sleep(duration)
         idle_end = load_start = time.monotonic()
-        stop_load = asyncio.Event()
-        intervals: list[tuple[float, float]] = []
-        opened: list[int] = []
-        churned = [0]
-        tasks = [asyncio.create_task(_big_posts(
-            session, f"{base_url}/tokenize", headers, _body("tokenize", model,
-                                                            load.tokenize_bytes), 200,
-            intervals, stop_load)) for _ in range(load.tokenize_clients)]
-        tasks += [asyncio.create_task(_big_posts(
-            session, f"{base_url}/v1/completions", headers, _body("prompt", model,
-                                                                  load.prompt_400_bytes), 400,
-            intervals, stop_load)) for _ in range(load.prompt_400_clients)]
-        tasks.append(asyncio.create_task(_idle_connections(host, port, load.idle_connections,
-                                                           opened, stop_load)))
-        tasks += [asyncio.create_task(_churn(host, port, churned, stop_load))
-                  for _ in range(load.churn_clients)]
-        await asyncio.sleep(duration)
-        stop_load.set()
-        await asyncio.gather(*tasks)  # big requests in flight finish: their errors surface
+        loaded = await _loaded(base_url, headers, model, load, duration)
         load_end = time.monotonic()
         stop_stream.set()
         await stream
+    intervals = [tuple(i) for i in loaded["intervals"]]
     idle_gaps = record.gaps(idle_start, idle_end)
     loaded_gaps = record.gaps(load_start, load_end)
     idle_max = max(idle_gaps, default=0.0)
@@ -161,7 +115,7 @@ async def run_probe(base_url: str, duration: float = 5.0, load: LoadSpec | None 
         "max_gap_ratio": round(loaded_max / idle_max, 3) if idle_max else None,
         "tokens_during_big_requests": record.tokens_within(intervals),
         "big_requests_done": len(intervals),
-        "idle_connections_held": opened[0] if opened else 0,
-        "connections_churned": churned[0],
-        "load": load.__dict__, "duration_s": duration,
+        "idle_connections_held": loaded["opened"],
+        "connections_churned": loaded["churned"],
+        "load": dataclasses.asdict(load), "duration_s": duration,
     }

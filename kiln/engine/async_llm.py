@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
+from kiln.engine.frontend_lanes import FrontendLanes
 from kiln.engine.output_merge import DeltaAccumulator, num_new_tokens
 from kiln.engine.request_stats import IterationStats, RequestTimer, StatLogger
 from kiln.logger import init_logger
@@ -66,9 +67,9 @@ class AsyncLLM:
         self.engine = engine
         self.stat_loggers = list(stat_loggers)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kiln-engine")
-        # One thread: the tokenizer releases the GIL, and more would take cores from the engine.
-        self._frontend_pool = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="kiln-frontend")
+        # Tokenizer and template work: one thread for ordinary inputs, one (at a lower OS
+        # priority) for huge ones; more would take cores from the engine.
+        self._frontend = FrontendLanes()
         self._loop: asyncio.AbstractEventLoop | None = None
         # Called on the event loop once the engine died (the server exits non-zero).
         self.dead_callbacks: list[Callable[[BaseException], None]] = []
@@ -120,11 +121,12 @@ class AsyncLLM:
 
     # ---- thread helpers ----------------------------------------------------------------------
     async def run_in_engine(self, fn: Callable, *args, **kwargs) -> Any:
-        """Run tokenizer or template work `fn` off the event loop, on the front-end thread: the
-        engine keeps stepping meanwhile (the name is the old one, from when they shared one)."""
+        """Run tokenizer or template work `fn(*args, **kwargs)` off the event loop, on a
+        front-end thread: the engine keeps stepping meanwhile (the name is the old one, from
+        when they shared one). Pass the text as an argument, not inside a closure: its size
+        picks the thread (frontend_lanes.py), so short inputs never wait behind a huge one."""
         self.start()
-        return await asyncio.get_running_loop().run_in_executor(
-            self._frontend_pool, lambda: fn(*args, **kwargs))
+        return await asyncio.wrap_future(self._frontend.submit(fn, *args, **kwargs))
 
     async def _on_engine_thread(self, fn: Callable, *args, **kwargs) -> Any:
         """Run an engine call on the engine thread, between steps."""
@@ -350,4 +352,4 @@ class AsyncLLM:
             await self._on_engine_thread(shutdown)
         self._pool_closed = True
         self._pool.shutdown(wait=True)
-        self._frontend_pool.shutdown(wait=True)
+        self._frontend.shutdown()

@@ -156,6 +156,20 @@ def chat_render_kwargs(add_generation_prompt: bool, continue_final_message: bool
     return kwargs
 
 
+# A text prompt longer than this many characters per max_model_len token is first tokenized
+# only up to that length: when that head alone leaves no room, the prompt is refused without
+# tokenizing the rest (a 4 MB prompt costs milliseconds, not seconds of a shared CPU).
+HEAD_CHARS_PER_TOKEN = 16
+# Tokens the head must pass max_model_len by: the cut may split the last words differently.
+HEAD_MARGIN_TOKENS = 8
+
+
+def too_long_for_head(num_head_tokens: int, max_model_len: int) -> bool:
+    """Whether a prompt whose first characters gave `num_head_tokens` cannot fit, whatever
+    follows (tokens before the cut stay tokens of the whole, all but the last few)."""
+    return num_head_tokens >= max_model_len + HEAD_MARGIN_TOKENS
+
+
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer, extra_eos_token_ids=()):
         self.tokenizer = tokenizer
@@ -166,14 +180,16 @@ class InputProcessor:
         # Tokens the whole KV cache holds, once the engine sized it (None: not known yet).
         self.kv_cache_tokens: int | None = None
 
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: PromptType, whole: bool = True) -> tuple[str | None, list[int]]:
+        """`whole=False`: a text too long for max_model_len may be refused from its head alone
+        (the prompt will not be truncated, so its length past that does not matter)."""
         if self.tokenizer is None and (isinstance(prompt, str) or (
                 isinstance(prompt, dict) and "prompt_token_ids" not in prompt)):
             raise ValueError("prompt text needs a tokenizer, and this engine runs with "
                              "skip_tokenizer_init=True: give token ids ({'prompt_token_ids': "
                              "[...]}) or start the engine with a tokenizer")
         if isinstance(prompt, str):
-            return prompt, self._encode(prompt)
+            return prompt, self._encode(prompt, whole)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
@@ -184,13 +200,23 @@ class InputProcessor:
                 return prompt.get("prompt"), [int(t) if isinstance(t, numbers.Integral)
                                               and not isinstance(t, bool) else t for t in ids]
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
-                return prompt["prompt"], self._encode(prompt["prompt"])
+                return prompt["prompt"], self._encode(prompt["prompt"], whole)
             raise ValueError("a dict prompt needs 'prompt' (str) or 'prompt_token_ids' (list of "
                              f"int); got keys {sorted(prompt)}")
         raise ValueError(f"prompt must be a str or a dict, got {type(prompt).__name__}")
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, whole: bool = True) -> list[int]:
         check_encodable(text, "prompt")
+        head_chars = HEAD_CHARS_PER_TOKEN * (self.max_model_len + HEAD_MARGIN_TOKENS)
+        if not whole and len(text) > head_chars:
+            head = self.tokenizer(text[:head_chars], add_special_tokens=True).input_ids
+            if too_long_for_head(len(head), self.max_model_len):
+                raise ValueError(
+                    f"prompt length is more than {len(head) - HEAD_MARGIN_TOKENS} tokens (its "
+                    f"first {head_chars} of {len(text)} characters alone), which leaves no "
+                    f"room to generate within max_model_len {self.max_model_len} (prompt must "
+                    "be shorter than max_model_len); shorten the prompt or raise "
+                    "--max-model-len")
         # add_special_tokens: BOS where the tokenizer adds one (Llama), nothing for Qwen. So ""
         # is [BOS] for Llama (accepted, as in vLLM) and [] for Qwen (refused by validation).
         return list(self.tokenizer(text, add_special_tokens=True).input_ids)
@@ -202,7 +228,8 @@ class InputProcessor:
         if params is not None and not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams (or one per prompt), "
                              f"got {type(params).__name__}")
-        text, token_ids = self.tokenize(prompt)
+        truncates = getattr(params, "truncate_prompt_tokens", None) is not None
+        text, token_ids = self.tokenize(prompt, whole=truncates)
         params = (params or SamplingParams()).clone()
         params.verify()  # fields may have changed since the user built it
         token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)

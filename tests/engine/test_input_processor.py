@@ -89,3 +89,40 @@ def test_max_tokens_past_max_model_len_is_cut_or_refused(proc):
         proc.process(prompt, SamplingParams(max_tokens=10), max_tokens_must_fit=True)
     fits = proc.process(prompt, SamplingParams(max_tokens=None), max_tokens_must_fit=True)
     assert fits.params.max_tokens == 4  # omitted: up to max_model_len
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting the characters it was asked to encode."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.chars = tokenizer, []
+        self.eos_token_id = tokenizer.eos_token_id
+
+    def __call__(self, text, **kw):
+        self.chars.append(len(text))
+        return self.tokenizer(text, **kw)
+
+
+def test_a_huge_text_prompt_is_refused_from_its_head(stories_dir, tokenizer):
+    """Past max_model_len x 16 characters only the head is tokenized: if it alone leaves no
+    room the prompt is refused (a 4 MB body costs milliseconds); with truncation it is whole."""
+    from kiln.engine.input_processor import (
+        HEAD_CHARS_PER_TOKEN,
+        HEAD_MARGIN_TOKENS,
+        too_long_for_head,
+    )
+
+    counting = CountingTokenizer(tokenizer)
+    proc = InputProcessor(ModelConfig(model=str(stories_dir), max_model_len=64), counting)
+    head = HEAD_CHARS_PER_TOKEN * (64 + HEAD_MARGIN_TOKENS)
+    text = "hello world, " * 20_000  # 260,000 characters
+    with pytest.raises(ValueError, match=r"prompt length is more than \d+ tokens.*"
+                                         r"max_model_len 64.*--max-model-len"):
+        proc.process(text, SamplingParams())
+    assert counting.chars == [head]
+    counting.chars.clear()
+    out = proc.process(text, SamplingParams(truncate_prompt_tokens=8))
+    assert counting.chars == [len(text)] and len(out.prompt_token_ids) == 8
+    # A head that leaves room (long tokens) is no verdict: the whole text is then tokenized.
+    assert not too_long_for_head(64 + HEAD_MARGIN_TOKENS - 1, 64)
+    assert too_long_for_head(64 + HEAD_MARGIN_TOKENS, 64)

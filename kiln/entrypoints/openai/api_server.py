@@ -12,6 +12,7 @@ import socket
 import threading
 from dataclasses import dataclass
 
+import msgspec
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -125,7 +126,11 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
-        return JSONResponse((await tokenization.tokenize(req)).model_dump(exclude_none=True))
+        # msgspec, not json.dumps: a 4 MB prompt's million ids encode in ms, not a GIL-held
+        # 60 ms on the event loop that streams everyone's tokens.
+        return Response(msgspec.json.encode((await tokenization.tokenize(req))
+                                            .model_dump(exclude_none=True)),
+                        media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):

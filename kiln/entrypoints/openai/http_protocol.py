@@ -1,16 +1,30 @@
-"""uvicorn's h11 protocol with a deadline for request headers: uvicorn waits for them forever, so
-a client that connects and sends nothing (or half a header line) would hold a socket for good.
+"""uvicorn's HTTP protocol with a deadline for request headers: uvicorn waits for them forever,
+so a client that connects and sends nothing (or half a header line) would hold a socket for good.
 
-Between requests of a kept-alive connection uvicorn's own keep-alive timeout applies.
+On httptools (C) where it is installed, else h11 (pure Python, several times the CPU per
+connection: a flood of connections then starves the event loop that streams tokens). Between
+requests of a kept-alive connection uvicorn's own keep-alive timeout applies.
 """
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
-def header_timeout_protocol(timeout_s: float) -> type:
-    """An H11Protocol class that closes a connection whose request headers are not complete
-    `timeout_s` seconds after it opened or after the first bytes of a request came."""
+def base_protocol() -> type:
+    """uvicorn's httptools protocol where httptools imports, else its h11 one."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class HeaderTimeoutH11Protocol(H11Protocol):
+        return HttpToolsProtocol
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        return H11Protocol
+
+
+def header_timeout_protocol(timeout_s: float, base: type | None = None) -> type:
+    """A protocol class (over `base`, default base_protocol()) that closes a connection whose
+    request headers are not complete `timeout_s` seconds after it opened or after the first
+    bytes of a request came."""
+
+    class HeaderTimeoutProtocol(base or base_protocol()):
         header_timeout_s = timeout_s
 
         def connection_made(self, transport) -> None:
@@ -47,4 +61,4 @@ def header_timeout_protocol(timeout_s: float) -> type:
             if self._awaiting_headers() and not self.transport.is_closing():
                 self.transport.close()
 
-    return HeaderTimeoutH11Protocol
+    return HeaderTimeoutProtocol

@@ -112,9 +112,9 @@ async def render_chat_prompt(llm: AsyncLLM, messages: list[ChatMessage],
         raise OpenAIError(f"could not render the chat template: {type(e).__name__}: {e}",
                           param="messages", code="chat_template_error") from None
     if add_special_tokens:
-        text = prompt["prompt"]
         prompt["prompt_token_ids"] = await llm.run_in_engine(
-            lambda: list(llm.tokenizer(text, add_special_tokens=True).input_ids))
+            lambda text: list(llm.tokenizer(text, add_special_tokens=True).input_ids),
+            prompt["prompt"])
     return prompt
 
 

@@ -47,8 +47,8 @@ class ServingTokenization:
             if problem is not None:
                 raise OpenAIError(f"prompt {problem}", param="prompt", code="invalid_value")
             ids = await self.llm.run_in_engine(
-                lambda: list(tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)
-                             .input_ids))
+                lambda text: list(tokenizer(text, add_special_tokens=req.add_special_tokens)
+                                  .input_ids), req.prompt)
         strs = None
         if req.return_token_strs:
             strs = await self.llm.run_in_engine(tokenizer.convert_ids_to_tokens, ids)

@@ -1,0 +1,101 @@
+"""The stall probe's front-end load, in a process of its own: huge bodies, idle and churning
+connections. Apart from the probe's stream, so the stream's clock never waits on this work.
+
+`python -m kiln.benchmarks.stall_load` reads {base_url, headers, model, load, duration} as JSON
+on stdin and prints {intervals, opened, churned} (time.monotonic(): one clock machine-wide).
+"""
+import asyncio
+import json
+import sys
+import time
+
+import aiohttp
+
+
+async def _big_posts(session, url: str, headers: dict, body: bytes, expect: int,
+                     intervals: list, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        start = time.monotonic()
+        async with session.post(url, data=body, headers={**headers, "content-type":
+                                                         "application/json"}) as resp:
+            await resp.read()
+            if resp.status != expect:
+                raise RuntimeError(f"{url} answered {resp.status}, expected {expect}")
+        intervals.append((start, time.monotonic()))
+
+
+async def _idle_connections(host: str, port: int, n: int, opened: list,
+                            stop: asyncio.Event) -> None:
+    writers = []
+    try:
+        for _ in range(n):
+            try:
+                _, w = await asyncio.open_connection(host, port)
+            except OSError:
+                break  # out of file descriptors: hold what we have
+            writers.append(w)
+        opened.append(len(writers))
+        await stop.wait()
+    finally:
+        for w in writers:
+            w.close()
+
+
+async def _churn(host: str, port: int, counter: list, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            _, w = await asyncio.open_connection(host, port)
+            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and hang up mid-header
+            w.close()
+            counter[0] += 1
+        except OSError:
+            pass
+        await asyncio.sleep(0.01)
+
+
+def _body(kind: str, model: str, size: int) -> bytes:
+    filler = "hello world, " * max(1, size // 13)
+    if kind == "tokenize":
+        return json.dumps({"model": model, "prompt": filler}).encode()
+    return json.dumps({"model": model, "prompt": filler, "max_tokens": 4}).encode()
+
+
+async def run_load(base_url: str, headers: dict, model: str, load: dict,
+                   duration: float) -> dict:
+    """`load`: LoadSpec's fields. Runs every kind of load for `duration` s, then lets the big
+    requests in flight finish (their errors surface)."""
+    host, port = base_url.split("://", 1)[1].rsplit(":", 1)
+    port = int(port.rstrip("/"))
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
+    stop = asyncio.Event()
+    intervals: list[tuple[float, float]] = []
+    opened: list[int] = []
+    churned = [0]
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        tokenize = _body("tokenize", model, load["tokenize_bytes"])
+        prompt = _body("prompt", model, load["prompt_400_bytes"])
+        tasks = [asyncio.create_task(_big_posts(session, f"{base_url}/tokenize", headers,
+                                                tokenize, 200, intervals, stop))
+                 for _ in range(load["tokenize_clients"])]
+        tasks += [asyncio.create_task(_big_posts(session, f"{base_url}/v1/completions",
+                                                 headers, prompt, 400, intervals, stop))
+                  for _ in range(load["prompt_400_clients"])]
+        tasks.append(asyncio.create_task(_idle_connections(host, port, load["idle_connections"],
+                                                           opened, stop)))
+        tasks += [asyncio.create_task(_churn(host, port, churned, stop))
+                  for _ in range(load["churn_clients"])]
+        await asyncio.sleep(duration)
+        stop.set()
+        await asyncio.gather(*tasks)
+    return {"intervals": intervals, "opened": opened[0] if opened else 0,
+            "churned": churned[0]}
+
+
+def main() -> None:
+    spec = json.load(sys.stdin)
+    print(json.dumps(asyncio.run(run_load(**spec))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""The front end's tokenizer and template threads: one for ordinary inputs, one for huge ones,
+so a short prompt never queues behind a 4 MB body; the huge-input thread runs at a lower OS
+priority (Linux: per thread), so the engine core and the event loop get the CPU first."""
+import concurrent.futures
+import os
+import threading
+from collections.abc import Callable
+
+# Inputs past this many characters (or list items) take the bulk lane.
+BULK_CHARS = 64 * 1024
+# The bulk thread's niceness, added to the process's (0-19; higher yields more).
+BULK_NICENESS = 10
+_DEPTH = 4  # how deep input_size looks into messages: [{"content": [{"text": ...}]}]
+
+
+def input_size(obj, depth: int = _DEPTH) -> int:
+    """Characters of text (and ids of token lists) in a call's argument: prompts, prompt
+    dicts, chat messages. Cheap: lengths only, never the text itself."""
+    if isinstance(obj, str):
+        return len(obj)
+    if depth == 0:
+        return 0
+    if isinstance(obj, dict):
+        return sum(input_size(v, depth - 1) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        if obj and isinstance(obj[0], int):
+            return len(obj)
+        return sum(input_size(v, depth - 1) for v in obj)
+    return 0
+
+
+def is_bulk(args, kwargs) -> bool:
+    total = 0
+    for value in (*args, *kwargs.values()):
+        total += input_size(value)
+        if total > BULK_CHARS:
+            return True
+    return False
+
+
+def _lower_this_thread() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                       os.getpriority(os.PRIO_PROCESS, 0) + BULK_NICENESS)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the lanes still separate
+        pass
+
+
+class FrontendLanes:
+    """Two one-thread pools; `submit` picks by the size of the call's arguments."""
+
+    def __init__(self):
+        self.ordinary = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kiln-frontend")
+        self.bulk = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kiln-frontend-bulk", initializer=_lower_this_thread)
+
+    def pool_for(self, args, kwargs) -> concurrent.futures.ThreadPoolExecutor:
+        return self.bulk if is_bulk(args, kwargs) else self.ordinary
+
+    def submit(self, fn: Callable, *args, **kwargs) -> concurrent.futures.Future:
+        return self.pool_for(args, kwargs).submit(fn, *args, **kwargs)
+
+    def shutdown(self) -> None:
+        self.ordinary.shutdown(wait=True)
+        self.bulk.shutdown(wait=True)

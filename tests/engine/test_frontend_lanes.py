@@ -1,0 +1,44 @@
+"""Front-end lanes: a huge input goes to its own (lower-priority) thread, so a short prompt
+never queues behind it."""
+import os
+import threading
+
+from kiln.engine.frontend_lanes import BULK_CHARS, BULK_NICENESS, FrontendLanes, input_size, is_bulk
+
+
+def test_input_size_counts_text_and_ids_in_prompts_and_messages():
+    assert input_size("abc") == 3
+    assert input_size({"prompt": "ab", "cache_salt": "x"}) == 3
+    assert input_size({"prompt_token_ids": [1, 2, 3, 4]}) == 4
+    assert input_size([{"role": "user", "content": [{"type": "text", "text": "hey"}]}]) == 11  # values
+    assert input_size(object()) == 0
+    assert not is_bulk(("x" * BULK_CHARS,), {})
+    assert is_bulk(("x" * BULK_CHARS, "y"), {}) and is_bulk((), {"text": "x" * (BULK_CHARS + 1)})
+
+
+def test_a_short_call_runs_while_a_huge_one_is_still_going():
+    lanes = FrontendLanes()
+    release = threading.Event()
+    try:
+        huge = lanes.submit(lambda text: release.wait(30), "x" * (BULK_CHARS + 1))
+        assert lanes.submit(len, "short").result(timeout=10) == 5  # not behind the huge one
+        assert not huge.done()
+        release.set()
+        assert huge.result(timeout=10)
+    finally:
+        release.set()
+        lanes.shutdown()
+
+
+def test_the_bulk_thread_yields_the_cpu():
+    """Linux's nice is per thread (Kiln's core client is Linux-only too: pidfd)."""
+    lanes = FrontendLanes()
+    try:
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        tid = lanes.submit(lambda text: threading.get_native_id(), "x" * (BULK_CHARS + 1))
+        tid = tid.result(timeout=10)
+        assert os.getpriority(os.PRIO_PROCESS, tid) == min(19, base + BULK_NICENESS)
+        ordinary = lanes.submit(threading.get_native_id).result(timeout=10)
+        assert os.getpriority(os.PRIO_PROCESS, ordinary) == base
+    finally:
+        lanes.shutdown()
