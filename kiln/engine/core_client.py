@@ -44,6 +44,10 @@ logger = init_logger(__name__)
 # an add or an abort); the core's death ends any wait at once.
 _STEP_WAIT_MS = 50
 _SHUTDOWN_WAIT_S = 10.0
+# How long the exit watcher waits for the output reader to take the failure report a dying core
+# sends before it exits, so death callbacks hear the named error (a rank that died), not only an
+# exit code.
+_FAILURE_REPORT_WAIT_S = 1.0
 
 
 class EngineCoreDeadError(RuntimeError):
@@ -149,6 +153,7 @@ class CoreProcClient:
         self.num_blocks: int | None = None
         self.max_model_len: int | None = None
         self._dead: BaseException | None = None
+        self._failure_reported = threading.Event()  # set once a CoreFailed was read
         self._death_callbacks: list = []
         self._closing = threading.Event()  # set when we stop the process: no death to report
         # A fresh interpreter, not fork (the caller may hold OpenMP threads, CUDA, or the
@@ -204,6 +209,7 @@ class CoreProcClient:
             message = self._decoder.decode(self._output.recv(copy=False).buffer)
             if isinstance(message, CoreFailed):
                 self._dead = _rebuild_error(message)
+                self._failure_reported.set()
                 _wait(self.proc, 5)
                 raise self._dead
             return message
@@ -217,9 +223,12 @@ class CoreProcClient:
             return
         logger.error("the engine core process (pid %d) exited with code %s", self.pid,
                      self.proc.returncode)
+        # Only the reader thread touches the socket: wait for it to take the core's own report.
+        reported = self._failure_reported.wait(_FAILURE_REPORT_WAIT_S)
+        error = self._dead if reported else self._exit_error()
         for callback in list(self._death_callbacks):
             try:
-                callback(self._exit_error())
+                callback(error)
             except Exception:  # noqa: BLE001 - one callback must not stop the others
                 logger.exception("engine core death callback failed")
 
