@@ -7,12 +7,12 @@ from collections.abc import Callable
 
 import torch
 
-_LIB = torch.library.Library("kiln", "FRAGMENT")
+LIB = torch.library.Library("kiln", "FRAGMENT")
 
 
 def register_op(name: str, schema: str, impl: Callable, fake: Callable) -> None:
     """Define `kiln::<name><schema>` with one implementation for every device, plus its fake
     (shape-only) version for tracing. Mutated arguments are marked in the schema: `Tensor(a!)`."""
-    _LIB.define(f"{name}{schema}")
-    _LIB.impl(name, impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"kiln::{name}", fake, lib=_LIB)
+    LIB.define(f"{name}{schema}")
+    LIB.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"kiln::{name}", fake, lib=LIB)

@@ -6,8 +6,6 @@ kernel, which beats the kernel's per-token loop there. A step of short queries o
 the op's C++ kernel before its first layer (begin_step), and its layers reach the C kernel
 without Python.
 """
-import weakref
-
 import torch
 
 from kiln.attention import kv_cache_generation
@@ -15,7 +13,7 @@ from kiln.attention.backend import AttentionImpl
 from kiln.attention.metadata import AttentionMetadata
 from kiln.attention.torch_backend import TorchAttentionBackend, TorchAttentionImpl
 from kiln.forward_context import get_forward_context, is_forward_context_available
-from kiln.native import attention_op, build, paged_attention
+from kiln.native import attention_op, paged_attention
 
 # Queries up to this many tokens go to the kernel (a decode is 1). Measured on 2 cores (one
 # request, 256 tokens of context, 9 heads of 64, ms per layer): kernel / SDPA (4-D, its flash
@@ -33,38 +31,24 @@ def split_requests(query_lens: list[int],
 
 
 class CpuAttentionImpl(TorchAttentionImpl):
-    # A decode step calls this once per layer, so what does not change between calls is checked
-    # and turned into kernel arguments once: the layer's caches when first seen, the step's
-    # metadata once a step (begin_step, else at its first layer); a call then crosses into C
-    # once, for the K/V write and the attention together (measured in the engine at one decode
-    # token, this method: ~60 us a layer with per-call checks and two calls, ~39 with arguments
-    # kept, ~28 with one call).
-    # _cache: (weak reference to the cache tensor, its data pointer, its arguments); weak, so
-    # that a replaced cache is freed at once, not when the next step comes.
-    _cache: tuple[weakref.ref, int, paged_attention.CacheArgs | None] | None = None
+    # A decode step calls this once per layer, so the step's metadata is gathered once a step
+    # (begin_step, else at its first layer) and a call crosses into C++ once, for the K/V write
+    # and the attention together (measured in the engine at one decode token, this method: ~60
+    # us a layer with per-call checks and two calls, ~28 with one call).
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         attention_op.available()  # built (once) and registered before any step runs
 
-    def _cache_args(self, kv_cache: torch.Tensor) -> paged_attention.CacheArgs | None:
-        """The kernel's view of kv_cache [2, nb, bs, nkv, hd]; None when it cannot read it."""
-        ptr = kv_cache.data_ptr()  # the same tensor with new storage is another cache
-        if self._cache is None or self._cache[0]() is not kv_cache or self._cache[1] != ptr:
-            args = (paged_attention.CacheArgs(kv_cache[0], kv_cache[1])
-                    if kv_cache.dtype in build.DTYPES else None)
-            self._cache = (weakref.ref(kv_cache), ptr, args)
-        return self._cache[2]
-
     def forward(self, q, k, v, kv_cache, attn_metadata, out) -> None:
         md = attn_metadata
-        cache = self._cache_args(kv_cache) if md is not None and kv_cache is not None else None
-        if cache is None or q.dtype != cache.dtype:
+        if (md is None or kv_cache is None or q.dtype != kv_cache.dtype
+                or not paged_attention.cache_supported(kv_cache)):
             super().forward(q, k, v, kv_cache, md, out)
             return
-        step, long = self._plan(md, cache.block_size)
+        step, long = self._plan(md, kv_cache.shape[2])
         # Writes every real token's k/v, then attends the short queries.
-        paged_attention.run(q, k, v, out, cache, step, self.scale)
+        paged_attention.run(q, k, v, out, kv_cache, step, self.scale)
         num_tokens = q.shape[0]
         if long:  # their k/v are in the cache now
             nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_size
@@ -123,10 +107,9 @@ def _layer_table(layers: dict) -> attention_op.LayerTable | None:
     entries = {}
     for name, layer in layers.items():
         impl, kv_cache = getattr(layer, "impl", None), getattr(layer, "kv_cache", None)
-        if isinstance(impl, CpuAttentionImpl) and kv_cache is not None:
-            cache = impl._cache_args(kv_cache)
-            if cache is not None:
-                entries[name] = (kv_cache, cache, impl.scale)
+        if (isinstance(impl, CpuAttentionImpl) and kv_cache is not None
+                and paged_attention.cache_supported(kv_cache)):
+            entries[name] = (kv_cache, impl.scale)
     table = attention_op.LayerTable(entries) if entries else None
     if len(_tables) >= _MAX_TABLES:
         _tables.pop(next(iter(_tables)))
@@ -154,8 +137,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     @staticmethod
     def begin_step(attn_metadata: AttentionMetadata, block_size: int) -> None:
         # Planned (and handed to the C++ kernel) before the first layer, every layer of a step
-        # of short queries skips Python: the first one's plan, checks and ctypes call took ~110
-        # of its ~125 us in a decode step.
+        # of short queries skips Python: the first one's plan and checks took ~110 of its ~125
+        # us in a decode step.
         CpuAttentionImpl._plan(attn_metadata, block_size)
 
     @staticmethod

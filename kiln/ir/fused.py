@@ -9,27 +9,31 @@ from kiln.custom_ops import register_op
 from kiln.ir import layer_ops as ir
 
 
-def _add_rms_norm_linear(x, residual, norm_weight, eps: float, weight, bias=None):
+def _add_rms_norm_linear(x, residual, norm_weight, eps: float, weight, bias=None, packed=None,
+                         blocks=None, plan=None):
     normed, total = ir._fused_add_rms_norm_ref(x, residual, norm_weight, eps)
     return ir._linear_ref(normed, weight, bias), total
 
 
-def _add_rms_norm_linear_fake(x, residual, norm_weight, eps, weight, bias=None):
+def _add_rms_norm_linear_fake(x, residual, norm_weight, eps, weight, bias=None, packed=None,
+                              blocks=None, plan=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0])), torch.empty_like(x)
 
 
-def _silu_mul_linear(x, weight, bias=None):
+def _silu_mul_linear(x, weight, bias=None, packed=None, blocks=None, plan=None):
     return ir._linear_ref(ir._silu_and_mul_ref(x), weight, bias)
 
 
-def _silu_mul_linear_fake(x, weight, bias=None):
+def _silu_mul_linear_fake(x, weight, bias=None, packed=None, blocks=None, plan=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+# the linear's own arguments after its weight (the IR op linear's)
+_LINEAR_TAIL = "Tensor? bias=None, Tensor? packed=None, Tensor? blocks=None, Tensor? plan=None"
 # (linear(rms_norm(x + residual)), x + residual)
 register_op("add_rms_norm_linear", "(Tensor a, Tensor b, Tensor norm_weight, float eps, "
-            "Tensor weight, Tensor? bias=None) -> (Tensor, Tensor)", _add_rms_norm_linear,
+            f"Tensor weight, {_LINEAR_TAIL}) -> (Tensor, Tensor)", _add_rms_norm_linear,
             _add_rms_norm_linear_fake)
 # linear(silu_and_mul(x))
-register_op("silu_mul_linear", "(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor",
+register_op("silu_mul_linear", f"(Tensor x, Tensor weight, {_LINEAR_TAIL}) -> Tensor",
             _silu_mul_linear, _silu_mul_linear_fake)

@@ -83,15 +83,18 @@ def _rotary_fake(positions, q, k, cos_sin_cache, head_size, is_neox):
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
-def _linear_ref(x: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ weight [out, in]^T (+ bias [out]) -> [..., out], as F.linear. A GGUF
-    weight's blocks (attached to it by the loader) hold the same values: an implementation that
-    reads them computes this too, within their kernel's stated rounding."""
+def _linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                packed: torch.Tensor | None = None, blocks: torch.Tensor | None = None,
+                plan: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ weight [out, in]^T (+ bias [out]) -> [..., out], as F.linear. What the
+    layer holds beside its weight (kiln/model/layers/cpu_gemm.py) is other forms of the same
+    values for the native kernel: `packed`, oneDNN's blocked copy; `blocks`, the GGUF file's
+    blocks in the kernel's layout; `plan` int64 [4], which of them serves how many rows. An
+    implementation that reads them computes this too, within their kernel's stated rounding."""
     return F.linear(x, weight, bias)
 
 
-def _linear_fake(x, weight, bias=None):
+def _linear_fake(x, weight, bias=None, packed=None, blocks=None, plan=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -123,7 +126,8 @@ rotary_embedding = define(
                            _examples(dtype, device)(8, 64, dtype=torch.float32), 64, True))
 
 linear = define(
-    "linear", "(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor", _linear_ref,
+    "linear", "(Tensor x, Tensor weight, Tensor? bias=None, Tensor? packed=None, "
+    "Tensor? blocks=None, Tensor? plan=None) -> Tensor", _linear_ref,
     _linear_fake,
     lambda dtype, device: (_examples(dtype, device)(2, 64), _examples(dtype, device)(32, 64),
                            None))

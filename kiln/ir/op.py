@@ -20,12 +20,38 @@ def _always(*args) -> bool:
     return True
 
 
+class LazyOp:
+    """`torch.ops.kiln.<name>.default` of an op a library defines (kiln/native), named before
+    the library is loaded: `resolved()` is the op itself once it exists (what bound
+    implementations and lowered graphs call: no Python between the caller and the dispatcher)."""
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def resolved(self):
+        packet = getattr(torch.ops.kiln, self.name, None)
+        return packet.default if packet is not None else self
+
+    def __call__(self, *args):
+        return getattr(torch.ops.kiln, self.name).default(*args)
+
+    def __repr__(self) -> str:
+        return f"LazyOp(kiln::{self.name})"
+
+
+def resolved(fn):
+    """fn, or the op a LazyOp names once it exists."""
+    return fn.resolved() if isinstance(fn, LazyOp) else fn
+
+
 @dataclass(frozen=True)
 class Implementation:
     """One provider's implementation of an op. `fn` runs it in eager forwards; `graph_op`, the
     torch op the lowering pass puts in a compiled graph for it (None: `fn` is plain torch code,
     inlined there so that Inductor fuses it with its neighbours). `supported(*args)` answers for
-    the op's arguments (dtype, device, shapes, CPU ISA, the kernel built)."""
+    the op's arguments (dtype, device, shapes, CPU ISA, the kernel built). `fn` and `graph_op`
+    may be a LazyOp (a native library's op, resolved when bound or lowered)."""
     provider: str
     fn: Callable
     supported: Callable[..., bool] = _always
@@ -57,7 +83,7 @@ class IrOp:
         self.impls[impl.provider] = impl
 
     def bind(self, provider: str) -> None:
-        self.provider, self.bound = provider, self.impls[provider].fn
+        self.provider, self.bound = provider, resolved(self.impls[provider].fn)
 
     def _bind_default(self, *args):
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), "cpu")

@@ -1,2 +1,2 @@
-"""Kiln's C kernels for CPU: sources in csrc/, built at first use (build.py), one Python entry
-module per source."""
+"""Kiln's CPU kernels: C/C++ sources in csrc/, built at first use into one library of torch ops
+(build.py), called as `torch.ops.kiln.*`; a Python module per kernel family says what it takes."""

@@ -1,11 +1,9 @@
-"""csrc/gemv.c, the CPU kernel `kiln::linear` (csrc/linear_op.cpp) uses for decode steps of one or
-two rows: its build, and which weights it can take.
+"""The GEMV kernel (csrc/gemv.c) `kiln::linear_native` (csrc/linear_op.cpp) uses for decode steps
+of one or two rows, and which weights it can take; `kiln::gemv` runs it alone.
 
 There a linear is a pass over its weight; this kernel streams the dense weight at close to memory
 bandwidth (measured, 2 cores: a 135M-parameter model's weights in 21 ms vs oneDNN's 30 ms, fp32).
 """
-import ctypes
-
 import torch
 
 from kiln import envs
@@ -13,16 +11,10 @@ from kiln.native import build
 
 # Up to this many rows the kernel wins; from 4 rows on oneDNN's packed GEMM does (measured).
 MAX_ROWS = 2
-_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-SIGNATURES = (("kiln_gemv", (_P, _P, _P, _P, _I32, _I64, _I64, _I32, _I32)),)
-
-
-def _lib() -> ctypes.CDLL | None:
-    return build.load("gemv", SIGNATURES)
 
 
 def available() -> bool:
-    return _lib() is not None
+    return build.available()
 
 
 def serves(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -32,4 +24,4 @@ def serves(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in build.DTYPES
             and weight.is_contiguous() and weight.dim() == 2 and weight.shape[1] > 0
             and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()))
-            and envs.native_cpu_ops() and _lib() is not None)
+            and envs.native_cpu_ops() and build.available())

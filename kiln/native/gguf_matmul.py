@@ -1,14 +1,13 @@
 """Python entry point of csrc/gguf_matmul.c: decode-step linears read straight from a GGUF file's
 Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks on CPU (see cpu_gemm.py for when a layer takes
-it; the layers reach it through kiln::linear's C++ kernel, `quantized_linear` runs it directly),
-once csrc/gguf_layout.c has put them in the kernel's layout (`kernel_blocks`).
+it; the layers reach it through kiln::linear's C++ kernel, `quantized_linear` runs it directly:
+`kiln::gguf_matmul`), once csrc/gguf_layout.c has put them in the kernel's layout (`kernel_blocks`).
 
 At a few rows a linear is a pass over its weight, and Q4_1 blocks are 5.3x fewer bytes than
 the float32 copy even with their scales widened to float32 (`kernel_blocks`); the row limits by
 type and dtype, below, are where that stops paying. The kernel takes integer dot products
 against x cut into int8 limbs, within a few times float32's rounding (csrc/gguf_int_dot.h).
 """
-import ctypes
 import functools
 
 import torch
@@ -37,28 +36,17 @@ _F32, _BF16 = torch.float32, torch.bfloat16
 _ROWS_WORTH_IT = {"Q4_0": {_F32: 64, _BF16: 16}, "Q4_1": {_F32: 64, _BF16: 16},
                   "Q8_0": {_F32: 48, _BF16: 16}, "Q4_K": {_F32: 64, _BF16: 16},
                   "Q5_K": {_F32: 64, _BF16: 16}, "Q6_K": {_F32: 48, _BF16: 8}}
-_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-SIGNATURES = (("kiln_gguf_matmul",
-               (_P, _P, _I32, _P, _P, _I32, _I64, _I64, _I32, _I32, _I32)),
-              ("kiln_gguf_simd", ()),
-              ("kiln_gguf_block_bytes", (_I32,)), ("kiln_gguf_block_values", (_I32,)),
-              ("kiln_gguf_kernel_block_bytes", (_I32,)), ("kiln_gguf_group_rows", ()))
-LAYOUT_SIGNATURES = (("kiln_gguf_to_kernel_layout", (_P, _I32, _I64, _I64, _P)),)
 
 
-def _lib() -> ctypes.CDLL | None:
-    return build.load("gguf_matmul", SIGNATURES)
-
-
-def _layout_lib() -> ctypes.CDLL | None:
-    return build.load("gguf_layout", LAYOUT_SIGNATURES)
+def _info(qtype: int = 0) -> list[int]:
+    """(vector code compiled in, block bytes, block values, kernel block bytes, group rows)."""
+    return torch.ops.kiln.gguf_info(qtype)
 
 
 def available() -> bool:
     """The kernels on (KILN_NATIVE_CPU_OPS), built, and built with their vector code (AVX-512):
     without it the float32 kernels are faster."""
-    lib = _lib() if envs.native_cpu_ops() else None
-    return lib is not None and lib.kiln_gguf_simd() == 1 and _layout_lib() is not None
+    return envs.native_cpu_ops() and build.available() and _info()[0] == 1
 
 
 @functools.cache
@@ -81,14 +69,13 @@ def float32_limbs() -> int:
 
 def row_bytes(qtype: int, in_features: int, kernel_layout: bool = False) -> int:
     """Bytes of one output row of blocks, as the file stores them or in the kernel's layout."""
-    lib = _lib()
-    block = (lib.kiln_gguf_kernel_block_bytes if kernel_layout else lib.kiln_gguf_block_bytes)
-    return in_features // lib.kiln_gguf_block_values(qtype) * block(qtype)
+    _, block_bytes, block_values, kernel_block_bytes, _ = _info(qtype)
+    return in_features // block_values * (kernel_block_bytes if kernel_layout else block_bytes)
 
 
 def group_rows() -> int:
     """Output rows the kernel's layout holds a weight in groups of."""
-    return _lib().kiln_gguf_group_rows()
+    return _info()[4]
 
 
 def kernel_shape(qtype: int, out_features: int, in_features: int) -> tuple[int, int]:
@@ -103,17 +90,7 @@ def kernel_blocks(qtype: int, rows: torch.Tensor) -> torch.Tensor:
     the kernel reads (csrc/gguf_blocks.h): fp16 scales widened to float32 and K-quant blocks cut
     into 32-value ones once, here, instead of in every decode step, and interleaved in groups
     of 16 rows, the last one padded with zero rows: [`kernel_shape`], but not a row per row."""
-    per_block = _lib().kiln_gguf_block_bytes(qtype)
-    if (rows.dtype != torch.uint8 or rows.dim() != 2 or per_block == 0
-            or rows.shape[1] % per_block or not rows.is_contiguous()):
-        raise ValueError(f"expected contiguous uint8 [out, row_bytes] blocks of ggml type {qtype}, "
-                         f"got {rows.dtype} {tuple(rows.shape)}")
-    in_features = rows.shape[1] // per_block * _lib().kiln_gguf_block_values(qtype)
-    out = torch.empty(kernel_shape(qtype, rows.shape[0], in_features), dtype=torch.uint8)
-    build.check(_layout_lib().kiln_gguf_to_kernel_layout(
-        rows.data_ptr(), qtype, rows.shape[0], rows.shape[1] // per_block, out.data_ptr()),
-        "kiln_gguf_to_kernel_layout (1: a type it does not read, 3: out of memory)")
-    return out
+    return torch.ops.kiln.gguf_to_kernel_layout(rows, qtype)
 
 
 def serves(qtype: int, rows: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -121,7 +98,7 @@ def serves(qtype: int, rows: torch.Tensor, weight: torch.Tensor) -> bool:
     float32 `weight` [out, in] in this kernel."""
     out_features, in_features = weight.shape
     return (qtype in QTYPES.values() and available() and weight.dtype in build.DTYPES
-            and in_features % _lib().kiln_gguf_block_values(qtype) == 0
+            and in_features % _info(qtype)[2] == 0
             and rows.dtype == torch.uint8
             and rows.is_contiguous() and tuple(rows.shape) == (
                 out_features, row_bytes(qtype, in_features)))
@@ -131,15 +108,4 @@ def quantized_linear(x: torch.Tensor, rows: torch.Tensor, qtype: int, out_featur
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., k] with 1 or more rows @ the blocks' values^T (+ bias) -> [..., out_features],
     in x's dtype; `rows` in the kernel's layout (`kernel_blocks` of blocks `serves` accepted)."""
-    k = x.shape[-1]
-    if tuple(rows.shape) != kernel_shape(qtype, out_features, k):
-        raise ValueError(f"blocks {tuple(rows.shape)} are not the kernel layout of a "
-                         f"[{out_features}, {k}] weight of ggml type {qtype} (see kernel_blocks)")
-    if not x.is_contiguous():
-        x = x.contiguous()
-    out = x.new_empty((*x.shape[:-1], out_features))
-    build.check(_lib().kiln_gguf_matmul(
-        x.data_ptr(), rows.data_ptr(), qtype, bias.data_ptr() if bias is not None else None,
-        out.data_ptr(), x.numel() // k, out_features, k, build.DTYPES[x.dtype], float32_limbs(),
-        torch.get_num_threads()), "kiln_gguf_matmul (1: no rows, or a bad type or width)")
-    return out
+    return torch.ops.kiln.gguf_matmul(x, rows, qtype, out_features, bias, float32_limbs())

@@ -248,20 +248,19 @@ def test_cpu_kernel_refuses_lengths_its_buffers_cannot_hold():
     cache = torch.zeros(kv_cache_shape(32, BS, NKV, HD))
     q, out = torch.randn(9, NH * HD), torch.empty(9, NH * HD)
     k = v = torch.randn(9, NKV * HD)
-    caches = paged_attention.CacheArgs(cache[0], cache[1])
     reqs = torch.tensor([0], dtype=torch.int32)
 
     def run(max_seq_len):
         step = paged_attention.StepArgs(md.block_table, md.query_start_loc, md.seq_lens, reqs,
                                         max_seq_len, BS, md.slot_mapping, 9)
-        paged_attention.run(q, k, v, out, caches, step, HD ** -0.5)
+        paged_attention.run(q, k, v, out, cache, step, HD ** -0.5)
 
     with pytest.raises(RuntimeError, match="code 1: a seq_len above max_seq_len"):
         run(5)  # seq_len 9 > the stated max of 5
     with pytest.raises(ValueError, match="block table's 64 columns"):
         run(64 * BS + 1)
-    with pytest.raises(ValueError, match=r"out must be torch.float32 \[>= 9, 32\]"):
-        paged_attention.run(q, k, v, out[:4], caches, paged_attention.StepArgs(
+    with pytest.raises(ValueError, match=r"out must be Float \[>= 9, 32\]"):
+        paged_attention.run(q, k, v, out[:4], cache, paged_attention.StepArgs(
             md.block_table, md.query_start_loc, md.seq_lens, reqs, 9, BS, md.slot_mapping, 9),
             HD ** -0.5)
 
@@ -276,7 +275,6 @@ def test_cpu_kv_write_matches_torch_and_refuses_bad_slots(dtype):
     expected = torch.zeros(kv_cache_shape(2, BS, NKV, HD), dtype=dtype)
     write_kv_cache(k.view(4, NKV, HD), v.view(4, NKV, HD), expected, slots)
     cache = torch.zeros_like(expected)
-    caches = paged_attention.CacheArgs(cache[0], cache[1])
     no_reqs = torch.zeros(0, dtype=torch.int32)  # write only
 
     def write(slot_mapping):
@@ -284,7 +282,7 @@ def test_cpu_kv_write_matches_torch_and_refuses_bad_slots(dtype):
                                         torch.zeros(1, dtype=torch.int32),
                                         torch.zeros(0, dtype=torch.int32), no_reqs, 0, BS,
                                         slot_mapping, 4)
-        paged_attention.run(q, k, v, torch.empty(4, NH * HD, dtype=dtype), caches, step, 1.0)
+        paged_attention.run(q, k, v, torch.empty(4, NH * HD, dtype=dtype), cache, step, 1.0)
 
     write(slots)
     assert torch.equal(cache, expected)
@@ -309,8 +307,8 @@ def test_sdpa_gets_batched_inputs(impl_cls, monkeypatch):
 
 
 @needs_kernel
-def test_cpu_impl_checks_caches_once_per_layer_and_metadata_once_per_step(monkeypatch):
-    counts = {"CacheArgs": 0, "StepArgs": 0}
+def test_cpu_impl_gathers_metadata_once_per_step_and_keeps_no_cache(monkeypatch):
+    counts = {"StepArgs": 0}
     for name in counts:
         real = getattr(paged_attention, name)
         monkeypatch.setattr(paged_attention, name, lambda *a, _n=name, _r=real: counts.update(
@@ -322,8 +320,8 @@ def test_cpu_impl_checks_caches_once_per_layer_and_metadata_once_per_step(monkey
     pool = BlockPool(64, BS)
     reqs = [PagedRequest(list(range(8))), PagedRequest(list(range(8)))]
     for step, q_lens in enumerate([[5, 3], [1, 1], [1, 1]]):
-        if step == 2:  # a layer's cache replaced by a copy: its arguments are made anew,
-            replaced = weakref.ref(layers[0][1])  # and the impl does not keep the old one
+        if step == 2:  # a layer's cache replaced by a copy: the impl does not keep the old one
+            replaced = weakref.ref(layers[0][1])
             layers[0][1] = layers[0][1].clone()
             assert replaced() is None
         _, _, md = build_step(pool, reqs, q_lens)
@@ -334,7 +332,7 @@ def test_cpu_impl_checks_caches_once_per_layer_and_metadata_once_per_step(monkey
             impl.forward(q, k, v, cache, md, out)
             TorchAttentionImpl(NH, HD, HD ** -0.5, NKV).forward(q, k, v, reference_cache, md, want)
             torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    assert counts == {"CacheArgs": 3 + 1, "StepArgs": 3}
+    assert counts == {"StepArgs": 3}
 
 
 def test_the_layer_table_refuses_a_duplicate_name():

@@ -1,6 +1,5 @@
-"""oneDNN-packed CPU GEMMs: same numbers as aten's linear, and no stale packing after a free."""
-import gc
-
+"""oneDNN-packed CPU GEMMs, the GEMV kernel and GGUF blocks: same numbers as aten's linear, each
+path taken where it pays, and what picks it held by the layer (its buffers), not by the weight."""
 import numpy as np
 import pytest
 import torch
@@ -15,12 +14,19 @@ pytestmark = pytest.mark.skipif(
     reason="oneDNN packing needs an x86 CPU build of torch")
 
 
-def _packed_layer(out_features=48, in_features=32, seed=0):
+def _packed_layer(out_features=48, in_features=32, seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
     layer = ReplicatedLinear(in_features, out_features, bias=True)
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)
-    assert cpu_gemm.prepack_for_cpu(layer) == 1 and linear_op.attached(layer.weight).packed
+    layer.to(dtype)
+    assert cpu_gemm.prepack_for_cpu(layer) == 1 and cpu_gemm.held(layer).packed
+    return layer
+
+
+def _layer_of(weight: torch.Tensor) -> ReplicatedLinear:
+    layer = ReplicatedLinear(weight.shape[1], weight.shape[0], bias=False).to(weight.dtype)
+    layer.weight.data.copy_(weight)
     return layer
 
 
@@ -40,43 +46,36 @@ def _paths_taken(call) -> list[str]:
             range(n - before[p])]
 
 
-def test_packed_copy_is_found_only_by_its_weight_and_forgotten_with_it():
-    from torch.utils import dlpack
-
-    gc.collect()  # earlier tests' weights
-    count = linear_op.num_attached()
+def test_the_packed_copy_is_the_layers_and_only_its_calls_take_it():
     layer = _packed_layer()
-    assert linear_op.attached(layer.weight).packed and linear_op.num_attached() == count + 1
+    # buffers, not saved: a checkpoint of the layer is its weight and bias only
+    assert set(layer.state_dict()) == {"weight", "bias"}
+    assert {n for n, _ in layer.named_buffers()} == {"cpu_packed", "cpu_plan"}
     x = torch.randn(40, 32)
-    assert _paths_taken(lambda layer=layer: layer(x)) == ["packed"]
-    # Tensors at the weight's address that are not the weight: a view, and a tensor with its
-    # own storage over the same memory (as a new weight at a freed one's address would be).
+    assert _paths_taken(lambda: layer(x)) == ["packed"]
+    # The same weight without the layer's forms (a view, a copy): the dense path.
     w = layer.weight.detach()
-    for other in (w[:24], dlpack.from_dlpack(dlpack.to_dlpack(w))):
-        assert other.data_ptr() == w.data_ptr() and not any(linear_op.attached(other))
+    for other in (w[:24], w.clone()):
         want = F.linear(x, other)
         assert _paths_taken(lambda other=other, want=want: torch.testing.assert_close(
             torch.ops.kiln.linear_native(x, other), want, rtol=1e-5, atol=1e-5)) == ["dense"]
-    del layer, w, other
-    gc.collect()
-    assert linear_op.num_attached() == count
 
 
-def test_a_freed_weight_leaves_the_entry_of_the_weight_now_at_its_address():
-    # `param.data = ...` (as module.to(dtype) does) moves a weight off its storage, but its
-    # Parameter lives on; when that Parameter goes later, a weight that took the old address
-    # over in between keeps its attachments.
-    from torch.utils import dlpack
+def test_tied_weights_share_one_packed_copy():
+    a = _packed_layer()
+    b = ReplicatedLinear(32, 48, bias=True)
+    b.weight = a.weight
+    model = torch.nn.ModuleList([a, b])
+    assert cpu_gemm.prepack_for_cpu(model) == 2
+    assert a.cpu_packed is b.cpu_packed
 
-    param = torch.nn.Parameter(torch.randn(48, 32), requires_grad=False)
-    linear_op.attach_packed(param, torch.ops.mkldnn._reorder_linear_weight(param, 32), 0)
-    old = param.data
-    newcomer = dlpack.from_dlpack(dlpack.to_dlpack(old))  # the old address, its own storage
-    param.data = torch.randn(48, 32)
-    linear_op.attach_packed(newcomer, torch.ops.mkldnn._reorder_linear_weight(newcomer, 32), 0)
-    del param, old
-    gc.collect()
-    assert linear_op.attached(newcomer).packed
+
+def test_a_packed_copy_of_another_dtype_is_not_read():
+    layer = _packed_layer()
+    x = torch.randn(8, 32, dtype=torch.bfloat16)
+    w, bias = layer.weight.to(torch.bfloat16), layer.bias.to(torch.bfloat16)
+    assert _paths_taken(lambda: torch.ops.kiln.linear_native(
+        x, w, bias, layer.cpu_packed, None, layer.cpu_plan)) == ["dense"]
 
 
 def test_packed_op_traces_whole_graph_under_dynamo():
@@ -84,7 +83,10 @@ def test_packed_op_traces_whole_graph_under_dynamo():
     layer = _packed_layer()
     compiled = torch.compile(layer, backend="eager", fullgraph=True, dynamic=True)
     x = torch.randn(5, 32)
-    torch.testing.assert_close(compiled(x), F.linear(x, layer.weight, layer.bias),
+    got = []
+    # the packed copy is a graph input like the weight, and the compiled call takes it
+    assert _paths_taken(lambda: got.append(compiled(x))) == ["packed"]
+    torch.testing.assert_close(got[0], F.linear(x, layer.weight, layer.bias),
                                rtol=1e-5, atol=1e-5)
 
 
@@ -92,8 +94,7 @@ def test_packed_op_traces_whole_graph_under_dynamo():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2])
 def test_one_or_two_rows_take_the_gemv_kernel(monkeypatch, dtype, rows):
-    layer = _packed_layer(out_features=200, in_features=96).to(dtype)
-    cpu_gemm.prepack_for_cpu(layer)
+    layer = _packed_layer(out_features=200, in_features=96, dtype=dtype)
     x = torch.randn(rows, 96).to(dtype)
     got = None
 
@@ -121,10 +122,10 @@ def test_gguf_blocks_take_the_few_row_steps_they_win(monkeypatch, dtype):
     layer.weight.data.copy_(values)  # the float weight the blocks were dequantized into
     torch.nn.init.normal_(layer.bias)
     assert cpu_gemm.prepack_for_cpu(layer) == 1
-    assert cpu_gemm.attach_gguf_blocks(layer.weight, gguf_matmul.QTYPES["Q8_0"],
+    assert cpu_gemm.attach_gguf_blocks(layer, gguf_matmul.QTYPES["Q8_0"],
                                        torch.from_numpy(np.ascontiguousarray(blocks)))
     limit = gguf_matmul.rows_worth_it(dtype, gguf_matmul.QTYPES["Q8_0"])
-    assert linear_op.attached(layer.weight).block_rows == limit
+    assert cpu_gemm.held(layer).block_rows == limit
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16: its rounding of the weights
     paths = []
     for rows in (1, limit, limit + 1):
@@ -146,8 +147,9 @@ def test_float32_matmul_precision_at_load_sets_the_blocks_limbs():
             torch.set_float32_matmul_precision(precision)
             weight = torch.randn(16, 64)
             blocks = torch.from_numpy(quantized_blocks(weight.numpy(), "Q4_1"))
-            assert cpu_gemm.attach_gguf_blocks(weight, q41, blocks)
-            assert linear_op.attached(weight).limbs == limbs
+            layer = _layer_of(weight)
+            assert cpu_gemm.attach_gguf_blocks(layer, q41, blocks)
+            assert cpu_gemm.held(layer).limbs == limbs
     finally:
         torch.set_float32_matmul_precision(before)
 
@@ -169,21 +171,25 @@ def test_blocks_that_never_pay_in_a_dtype_are_not_kept(monkeypatch):
     blocks = quantized_blocks(np.zeros((16, 256), dtype=np.float32), "Q5_K")
     values = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q5_K).reshape(16, 256)
     for dtype, kept in ((torch.float32, True), (torch.bfloat16, False)):
-        weight = torch.from_numpy(values.copy()).to(dtype)
-        assert cpu_gemm.attach_gguf_blocks(weight, q5k, torch.from_numpy(blocks)) is kept
-        assert linear_op.attached(weight).blocks is kept
+        layer = _layer_of(torch.from_numpy(values.copy()).to(dtype))
+        assert cpu_gemm.attach_gguf_blocks(layer, q5k, torch.from_numpy(blocks)) is kept
+        assert cpu_gemm.held(layer).blocks is kept
 
 
 @pytest.mark.skipif(not gguf_matmul.available(), reason="the GGUF kernel needs AVX-512")
-def test_blocks_not_in_the_kernel_layout_are_refused():
-    """The op reads attached blocks without bounds: the file's 20-byte Q4_1 blocks (the kernel
-    reads 24) must not get through."""
+def test_blocks_not_in_the_kernel_layout_are_never_read():
+    """The kernel reads blocks without bounds: the file's 20-byte Q4_1 blocks (the kernel reads
+    24), or blocks of another shape, must not get through; the call takes the dense weight."""
     from gguf_blocks import quantized_blocks
 
     q41 = gguf_matmul.QTYPES["Q4_1"]
     weight = torch.randn(16, 64)
     blocks = torch.from_numpy(quantized_blocks(weight.numpy(), "Q4_1"))  # [16, 2 * 20]
-    with pytest.raises(ValueError, match="kernel_blocks"):
-        linear_op.attach_blocks(weight, blocks, q41, max_rows=8)
-    linear_op.attach_blocks(weight, gguf_matmul.kernel_blocks(q41, blocks), q41, max_rows=8)
-    assert linear_op.attached(weight).blocks
+    plan = torch.tensor([0, q41, 8, 3])
+    x = torch.randn(2, 64)
+    for wrong in (blocks, gguf_matmul.kernel_blocks(q41, blocks)[:, :-1].contiguous()):
+        assert _paths_taken(lambda wrong=wrong: torch.ops.kiln.linear_native(
+            x, weight, None, None, wrong, plan)) == ["dense"]
+    good = gguf_matmul.kernel_blocks(q41, blocks)
+    assert _paths_taken(lambda: torch.ops.kiln.linear_native(
+        x, weight, None, None, good, plan)) == ["blocks"]

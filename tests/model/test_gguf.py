@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from kiln.model.layers import cpu_gemm
 from kiln.model.loader import build_model
 from kiln.model.loader.gguf_loader import gguf_to_hf_name, load_gguf_weights, unpermute_rope_rows
 from kiln.native import gguf_matmul, linear_op
@@ -160,7 +161,7 @@ def test_blocks_kept_only_where_every_part_has_one_kernel_type(tiny_llama_dir, t
                                                               monkeypatch):
     monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
     model, _ = _load_tiny(tiny_llama_dir, tmp_path, _TYPES)
-    kept = {name for name, p in model.named_parameters() if linear_op.attached(p).blocks}
+    kept = {f"{name}.weight" for name, m in model.named_modules() if cpu_gemm.held(m).blocks}
     # q Q8_0 / k F16 / v BF16 and gate Q4_0 / up Q4_1 do not merge into one type; o_proj is F32;
     # the Q8_0 embedding is no matmul weight here (this model's head has its own, F32).
     assert kept == {"model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"}
@@ -181,25 +182,26 @@ def _assert_decode_reads_blocks(model, cfg, atol: float = 1e-5) -> None:
     """Every linear of the 2-layer tiny model keeps blocks in its float weight's row order (q/k
     un-permuted, parts merged; products within `atol`); decode steps, and only they, read them,
     with the floats' tokens."""
-    linears = [m.weight for m in model.modules() if getattr(m, "supports_cpu_packing", False)]
-    assert len(linears) == 2 * 4 + 1 and all(linear_op.attached(w).blocks for w in linears)
-    for w in linears:
-        x = torch.randn(min(3, linear_op.attached(w).block_rows), w.shape[1])
+    linears = [m for m in model.modules() if getattr(m, "supports_cpu_packing", False)]
+    assert len(linears) == 2 * 4 + 1 and all(cpu_gemm.held(m).blocks for m in linears)
+    for m in linears:
+        w = m.weight
+        x = torch.randn(min(3, cpu_gemm.held(m).block_rows), w.shape[1])
         before = linear_op.path_counts()["blocks"]
-        got = torch.ops.kiln.linear_native(x, w)
+        got = torch.ops.kiln.linear_native(x, w, None, *cpu_gemm.cpu_forms(m))
         assert linear_op.path_counts()["blocks"] == before + 1
         torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=atol)
     # 66 tokens, more than any type's block rows: the prefill takes the floats
     prompt = [5, 17, 3, 99, 42, 7, 1, 250, 31, 8, 64] * 6
-    assert len(prompt) > max(linear_op.attached(w).block_rows for w in linears)
+    assert len(prompt) > max(cpu_gemm.held(m).block_rows for m in linears)
     before = linear_op.path_counts()
     with_blocks = greedy_generate(model, cfg, prompt, max_new_tokens=6)
     calls = {p: n - before[p] for p, n in linear_op.path_counts().items()}
     # The prefill's 9 calls (8 linears, the head over all 66 rows) take the floats; the 5
     # decode steps' 9 each the blocks.
     assert calls == {"blocks": 5 * 9, "gemv": 0, "packed": 9, "dense": 0}
-    for w in linears:  # the same model without its blocks: the float weights' tokens
-        linear_op.attach_blocks(w, torch.empty(0, dtype=torch.uint8), 0, max_rows=0)
+    for m in linears:  # the same model without its blocks: the float weights' tokens
+        m.cpu_blocks = None
     assert greedy_generate(model, cfg, prompt, max_new_tokens=6) == with_blocks
 
 

@@ -52,6 +52,8 @@ def test_matches_float64_softmax(case, threads, dtype):
         for s in range(ctx[r]):
             kc[table[s // bs], s % bs] = torch.randn(nkv, hd, generator=g).to(dtype)
             vc[table[s // bs], s % bs] = torch.randn(nkv, hd, generator=g).to(dtype)
+    kv = torch.stack([kc, vc])  # the layer's cache [2, nb, bs, nkv, hd], as the op takes it
+    kc, vc = kv[0], kv[1]
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
@@ -68,7 +70,7 @@ def test_matches_float64_softmax(case, threads, dtype):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        pa.run(q, k, v, out, pa.CacheArgs(kc, vc), step, hd ** -0.5)
+        pa.run(q, k, v, out, kv, step, hd ** -0.5)
     finally:
         torch.set_num_threads(before)
     want = _reference(q, kc, vc, tables, starts, seq_lens, nh, nkv, hd, bs, hd ** -0.5)

@@ -157,6 +157,7 @@ def test_online_int8_quantizes_linears_per_channel(tiny_llama_dir):
 def test_online_int8_on_a_gguf_file(tiny_llama_dir, tmp_path):
     from model.test_gguf_vs_hf import write_gguf
 
+    from kiln.model.layers import cpu_gemm
     from kiln.native import linear_op
 
     path = write_gguf(tmp_path / "tiny.gguf", tiny_llama_dir)
@@ -165,4 +166,4 @@ def test_online_int8_on_a_gguf_file(tiny_llama_dir, tmp_path):
     assert layers and all(m.weight.dtype == torch.int8 for m in layers.values())
     assert model.model.embed_tokens.weight.dtype == torch.float32
     if linear_op.available():  # the float weights' GGUF blocks went with them
-        assert not any(linear_op.attached(m.weight).blocks for m in layers.values())
+        assert not any(cpu_gemm.held(m).blocks for m in layers.values())

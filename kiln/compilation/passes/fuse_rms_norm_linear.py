@@ -17,6 +17,7 @@ from kiln.compilation.passes.fx_match import (
     calls,
     getitem_of,
     linear_bias,
+    linear_tail,
     only_user,
 )
 from kiln.compilation.passes.pass_manager import KilnInductorPass
@@ -52,8 +53,9 @@ class FuseAddRmsNormLinear(KilnInductorPass):
             norm = found["norm"]
             # At the norm's place: its operands are ready there, the linear's weights always.
             with graph.inserting_before(norm):
-                fused = graph.call_function(torch.ops.kiln.add_rms_norm_linear.default,
-                                            (*found["args"], linear.args[1], linear_bias(linear)))
+                fused = graph.call_function(
+                    torch.ops.kiln.add_rms_norm_linear.default,
+                    (*found["args"], linear.args[1], *linear_tail(linear)))
                 out = graph.call_function(operator.getitem, (fused, 0))
                 total = graph.call_function(operator.getitem, (fused, 1))
             total_val = norm.meta["val"][1]

@@ -7,7 +7,13 @@ from torch import fx
 
 from kiln import ir
 from kiln.compilation.passes import fx_match
-from kiln.compilation.passes.fx_match import all_float32, calls, linear_bias, only_user
+from kiln.compilation.passes.fx_match import (
+    all_float32,
+    calls,
+    linear_bias,
+    linear_tail,
+    only_user,
+)
 from kiln.compilation.passes.pass_manager import KilnInductorPass
 
 
@@ -31,8 +37,9 @@ class FuseSiluMulLinear(KilnInductorPass):
             if act is None:
                 continue
             with graph.inserting_before(linear):
-                fused = graph.call_function(torch.ops.kiln.silu_mul_linear.default,
-                                            (act.args[0], linear.args[1], linear_bias(linear)))
+                fused = graph.call_function(
+                    torch.ops.kiln.silu_mul_linear.default,
+                    (act.args[0], linear.args[1], *linear_tail(linear)))
             fused.meta["val"] = linear.meta["val"]
             linear.replace_all_uses_with(fused)
             graph.erase_node(linear)

@@ -33,5 +33,20 @@ def getitem_of(node, source: fx.Node, index: int) -> bool:
     return is_call(node, operator.getitem) and node.args == (source, index)
 
 
+_LINEAR_ARGS = ("x", "weight", "bias", "packed", "blocks", "plan")
+
+
+def linear_arg(linear: fx.Node, name: str):
+    """The IR op linear's argument `name`, positional or keyword (None when absent)."""
+    i = _LINEAR_ARGS.index(name)
+    return linear.args[i] if len(linear.args) > i else linear.kwargs.get(name)
+
+
 def linear_bias(linear: fx.Node):
-    return linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+    return linear_arg(linear, "bias")
+
+
+def linear_tail(linear: fx.Node) -> tuple:
+    """(bias, packed, blocks, plan): the linear's arguments after its weight, for a fused op
+    that ends in the same linear."""
+    return tuple(linear_arg(linear, n) for n in _LINEAR_ARGS[2:])

@@ -14,6 +14,7 @@ from torch import fx
 from kiln import ir
 from kiln.compilation.passes.fx_match import fake_value
 from kiln.compilation.passes.pass_manager import KilnInductorPass
+from kiln.ir.op import resolved
 
 # (op, provider) -> nodes lowered to it, process-wide ("torch (fallback)" where unsupported)
 lowered: Counter = Counter()
@@ -82,7 +83,7 @@ class LowerIrOps(KilnInductorPass):
                                                            *map(_value, node.args)):
                 impl, provider = op.impls["torch"], "torch (fallback)"
             if impl.graph_op is not None:
-                node.target = impl.graph_op
+                node.target = resolved(impl.graph_op)
             else:
                 _inline_reference(graph, node, op)
             lowered[op.name, provider] += 1

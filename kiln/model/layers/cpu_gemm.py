@@ -1,31 +1,71 @@
-"""CPU GEMMs on oneDNN-prepacked weights: the native implementation of the IR op linear
-(`kiln::linear_native`) runs them, `prepack_for_cpu` packs.
+"""What a CPU linear layer holds beside its dense weight for the native implementation of the IR
+op linear (`kiln::linear_native`): oneDNN's packed copy, a GGUF file's blocks, and the plan of
+which serves how many rows; `prepack_for_cpu` packs, `attach_gguf_blocks` keeps the blocks.
 
 On x86 CPUs a weight reordered once into oneDNN's blocked layout multiplies 2-3x faster than
 aten's dense `linear` at serving batch sizes (measured: [32, 576] x [576, 3072] fp32, 2 cores,
-0.6 ms vs 2.2 ms). The packed copy is attached to the dense weight, found by its address, so a
-traced graph still carries only the ordinary weight (identical layers stay identical for the
-compile cache) and the op finds the packed one at run time. Steps of one or two rows take the C
-GEMV kernel on the dense weight instead (kiln/native/gemv.py), which reads the weights faster
-than oneDNN does at that size. A weight loaded from a GGUF file in Q4_0, Q4_1, Q8_0, Q4_K, Q5_K
-or Q6_K also keeps the file's blocks (`attach_gguf_blocks`): steps of a few rows (up to 8-64 by
-type and dtype, gguf_matmul.rows_worth_it) read those instead, 5.3x fewer bytes than float32 for
-Q4_1 (kiln/native/gguf_matmul.py). The choice per call is made in C++
-(kiln/native/linear_op.py); without a C++ compiler nothing is attached and the layers keep
-aten's linear.
+0.6 ms vs 2.2 ms). Steps of one or two rows take the C GEMV kernel on the dense weight instead
+(kiln/native/gemv.py), which reads the weights faster than oneDNN does at that size. A weight
+loaded from a GGUF file in Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K also keeps the file's blocks:
+steps of a few rows (up to 8-64 by type and dtype, gguf_matmul.rows_worth_it) read those
+instead, 5.3x fewer bytes than float32 for Q4_1 (kiln/native/gguf_matmul.py). They are the
+layer's buffers (`cpu_packed`, `cpu_blocks`, `cpu_plan`, not saved), passed with its weight on
+every call: a traced graph takes them as inputs like the weight, and the choice per call is
+made in C++ (csrc/linear_op.cpp). Without the native kernels nothing is held and the layers
+run aten's linear.
 """
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from kiln import ir
 from kiln.logger import init_logger
-from kiln.native import gemv, gguf_matmul, linear_op
+from kiln.native import build, gemv, gguf_matmul
 
 logger = init_logger(__name__)
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # Batch-size hint for oneDNN's reorder; any number of rows works with the packed weight.
 _BATCH_HINT = 32
+BUFFERS = ("cpu_packed", "cpu_blocks", "cpu_plan")
+# cpu_plan: int64 [gemv_rows, qtype, block_rows, limbs] (see csrc/linear_op.cpp)
+_GEMV_ROWS, _QTYPE, _BLOCK_ROWS, _LIMBS = range(4)
+
+
+def init_cpu_forms(module: nn.Module) -> None:
+    """Give a linear layer its (empty) CPU buffers; its forward passes them to ir.linear."""
+    for name in BUFFERS:
+        module.register_buffer(name, None, persistent=False)
+
+
+def cpu_forms(module: nn.Module) -> tuple:
+    """(packed, blocks, plan): the IR op linear's arguments after the bias."""
+    return module.cpu_packed, module.cpu_blocks, module.cpu_plan
+
+
+class Held(NamedTuple):
+    packed: bool  # a oneDNN-packed copy
+    gemv_rows: int  # up to how many rows the GEMV kernel takes the weight (0: never)
+    blocks: bool  # GGUF blocks
+    qtype: int  # their ggml type id
+    block_rows: int  # up to how many rows they serve (0: never)
+    limbs: int  # float32 x's int8 limbs in their kernel (gguf_matmul.float32_limbs; 0: none)
+
+
+def held(module: nn.Module) -> Held:
+    """What the layer holds for the native kernel."""
+    plan = getattr(module, "cpu_plan", None)
+    p = plan.tolist() if plan is not None else [0, 0, 0, 0]
+    blocks = getattr(module, "cpu_blocks", None) is not None
+    return Held(getattr(module, "cpu_packed", None) is not None, p[_GEMV_ROWS], blocks,
+                p[_QTYPE], p[_BLOCK_ROWS], p[_LIMBS] if blocks else 0)
+
+
+def _plan(module: nn.Module) -> torch.Tensor:
+    if module.cpu_plan is None:
+        module.cpu_plan = torch.tensor([0, 0, 0, 3], dtype=torch.int64)
+    return module.cpu_plan
 
 
 def cpu_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -33,43 +73,50 @@ def cpu_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     return (device.type == "cpu" and dtype in _PACKABLE_DTYPES
             and ir.linear.chosen(device.type, dtype) == "native"
             and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and linear_op.available())
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and build.available())
 
 
 def prepack_for_cpu(model: nn.Module) -> int:
     """Pack the weight of every module that opts in (`supports_cpu_packing`); returns how many.
 
-    Call once after the weights are loaded; weights must not move afterwards (a moved weight is
-    simply not found and runs through aten again)."""
+    Call once after the weights are loaded and in their dtype: the packed copy (a oneDNN tensor,
+    which `module.to` cannot convert) is the layer's, so a weight changed afterwards must be
+    packed again."""
     count = 0
+    packed_by_weight: dict[int, torch.Tensor] = {}  # tied weights are packed once
     for module in model.modules():
-        if not getattr(module, "supports_cpu_packing", False):
+        if not (getattr(module, "supports_cpu_packing", False) and hasattr(module, "cpu_plan")):
             continue
         weight = module.weight
         if not cpu_packing_available(weight.device, weight.dtype):
             continue
-        if not linear_op.attached(weight).packed:  # tied weights are packed once
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
-            serves = gemv.serves(weight, getattr(module, "bias", None))
-            linear_op.attach_packed(weight, packed, gemv.MAX_ROWS if serves else 0)
+        if id(weight) not in packed_by_weight:
+            packed_by_weight[id(weight)] = torch.ops.mkldnn._reorder_linear_weight(
+                weight.detach(), _BATCH_HINT)
+        module.cpu_packed = packed_by_weight[id(weight)]
+        serves = gemv.serves(weight, getattr(module, "bias", None))
+        _plan(module)[_GEMV_ROWS] = gemv.MAX_ROWS if serves else 0
         count += 1
     if count:
         logger.info("packed %d linear weights for oneDNN CPU GEMMs", count)
     return count
 
 
-def attach_gguf_blocks(weight: torch.Tensor, qtype: int, blocks: torch.Tensor) -> bool:
-    """Keep `blocks` (uint8 [out, row_bytes], the GGUF blocks `weight` was dequantized from) for
-    the small-batch kernel; False (nothing kept) when the kernel cannot read them for it, or they
-    would not pay in its dtype."""
-    if not (ir.linear.chosen(weight.device.type, weight.dtype) == "native"
-            and linear_op.available()
-            and gguf_matmul.serves(qtype, blocks, weight)):
+def attach_gguf_blocks(module: nn.Module, qtype: int, blocks: torch.Tensor) -> bool:
+    """Keep `blocks` (uint8 [out, row_bytes], the GGUF blocks the layer's weight was dequantized
+    from) for the small-batch kernel; False (nothing kept) when the kernel cannot read them for
+    it, or they would not pay in its dtype."""
+    weight = module.weight
+    if not (hasattr(module, "cpu_blocks")
+            and ir.linear.chosen(weight.device.type, weight.dtype) == "native"
+            and build.available() and gguf_matmul.serves(qtype, blocks, weight)):
         return False
     rows = gguf_matmul.rows_worth_it(weight.dtype, qtype)
     if rows == 0:  # they would never beat the dense weight in this dtype
         return False
+    module.cpu_blocks = gguf_matmul.kernel_blocks(qtype, blocks)
+    plan = _plan(module)
+    plan[_QTYPE], plan[_BLOCK_ROWS] = qtype, rows
     # torch's float32 matmul precision as the model loads sets how precisely float32 x is held
-    linear_op.attach_blocks(weight, gguf_matmul.kernel_blocks(qtype, blocks), qtype, rows,
-                            gguf_matmul.float32_limbs())
+    plan[_LIMBS] = gguf_matmul.float32_limbs()
     return True

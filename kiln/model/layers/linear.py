@@ -9,6 +9,7 @@ from torch import nn
 from kiln import ir
 from kiln.distributed.communication_op import tensor_model_parallel_all_reduce
 from kiln.distributed.parallel_state import get_tp_group
+from kiln.model.layers.cpu_gemm import init_cpu_forms
 
 _CONFIG_HINT = ("; the checkpoint does not match the model its config describes (config.json or "
                 "the GGUF metadata: sizes, head counts, head_dim)")
@@ -69,6 +70,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        init_cpu_forms(self)
 
     def _out_local(self) -> int:
         return self.output_size
@@ -82,7 +84,7 @@ class LinearBase(nn.Module):
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, bias)
-        return ir.linear(x, self.weight, bias)
+        return ir.linear(x, self.weight, bias, self.cpu_packed, self.cpu_blocks, self.cpu_plan)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)

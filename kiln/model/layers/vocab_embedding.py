@@ -13,6 +13,7 @@ from kiln.distributed.communication_op import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from kiln.model.layers.cpu_gemm import init_cpu_forms
 from kiln.model.layers.linear import default_weight_loader, tp_rank_and_size
 
 
@@ -54,11 +55,16 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     supports_cpu_packing = True  # see kiln/model/layers/cpu_gemm.py
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        init_cpu_forms(self)
+
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = ir.linear(hidden, self.weight, None).float()  # [N, V / tp]
+        logits = ir.linear(hidden, self.weight, None, self.cpu_packed, self.cpu_blocks,
+                           self.cpu_plan).float()  # [N, V / tp]
         if self.tp_size == 1:
             return logits
         # [N, rows_per_rank * tp] in rank order -> drop the padding rows' columns

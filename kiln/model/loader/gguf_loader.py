@@ -168,9 +168,12 @@ def attach_blocks(model: nn.Module, blocks: dict[str, tuple[int, torch.Tensor]])
     params = dict(model.named_parameters(remove_duplicate=False))
     if getattr(model, "tie_word_embeddings", False):
         blocks = {k: v for k, v in blocks.items() if k != "lm_head.weight"}  # not loaded
-    # Only weights that multiply (linears, the LM head; a tied embedding is the head's weight).
-    matmul_weights = {id(m.weight) for m in model.modules()
-                      if getattr(m, "supports_cpu_packing", False)}
+    # Only weights that multiply (linears, the LM head; a tied embedding is the head's weight):
+    # the layers that do hold the blocks.
+    matmul_layers: dict[int, list[nn.Module]] = {}
+    for m in model.modules():
+        if getattr(m, "supports_cpu_packing", False):
+            matmul_layers.setdefault(id(m.weight), []).append(m)
     parts: dict[str, list[str]] = {}  # weight name -> the HF names of its parts, in order
     for name in blocks:
         merged = [(m, p) for m, p, _ in STACKED_PARAMS if p in name]
@@ -183,11 +186,13 @@ def attach_blocks(model: nn.Module, blocks: dict[str, tuple[int, torch.Tensor]])
     count = 0
     for target, names in parts.items():
         param = params.get(target)
-        if id(param) not in matmul_weights or any(n not in blocks for n in names):
+        if id(param) not in matmul_layers or any(n not in blocks for n in names):
             continue
         qtypes = {blocks[n][0] for n in names}
-        if len(qtypes) == 1 and attach_gguf_blocks(
-                param, qtypes.pop(), torch.cat([blocks[n][1] for n in names])):
+        if len(qtypes) != 1:
+            continue
+        qtype, rows = qtypes.pop(), torch.cat([blocks[n][1] for n in names])
+        if all([attach_gguf_blocks(m, qtype, rows) for m in matmul_layers[id(param)]]):
             count += 1
     logger.info("kept the GGUF blocks of %d weights for small-batch CPU matmuls", count)
     return count

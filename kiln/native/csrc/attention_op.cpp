@@ -1,17 +1,17 @@
-/* The CPU kernel of `kiln::unified_attention`: within a decode step, a layer's call goes from the
- * dispatcher straight to the paged-attention kernel (csrc/paged_attention.c), with no Python.
+/* The CPU paged-attention kernel (paged_attention.c) as torch ops: `kiln::paged_attention`, one
+ * call with its tensors, and the CPU kernel of `kiln::unified_attention`, which within a decode
+ * step goes from the dispatcher straight to the kernel, with no Python.
  *
  * Through Python, a layer cost ~19 us a step besides the kernel (the dispatcher's trip into
- * Python, the forward-context lookup, the checks, ctypes): ~0.55 ms of a batch-1 step of the
- * 30-layer default model. Python (kiln/attention/cpu_backend.py) plans each step (StepArgs)
- * before its first layer (the model runner asks it to; called without that, at its first
- * layer), then hands the plan and a table of the engine's layers (name -> caches, scale) to
- * this file for the step's layers. Whatever the plan does not cover (no step handed over, a
- * layer not in the table, another dtype) goes to the Python implementation, registered as
- * `kiln::unified_attention_python`. */
-#include <ATen/Parallel.h>
+ * Python, the forward-context lookup, the checks): ~0.55 ms of a batch-1 step of the 30-layer
+ * default model. Python (kiln/attention/cpu_backend.py) plans each step before its first layer
+ * and hands the step's metadata tensors (`kiln::attention_begin_step`) and an engine's layers
+ * (an `AttentionLayers` object: name -> KV cache, scale) to this file for the step's layers.
+ * Whatever that does not cover (no step handed over, a layer not in the table, another dtype)
+ * goes to the Python implementation, registered as `kiln::unified_attention_python`. */
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -21,13 +21,111 @@
 #include <unordered_map>
 #include <vector>
 
-#include "aten_dtype.h"
-#include "paged_attention.h"
+#include "torch_ops.h"
 
 namespace {
 
+void check_int(const char *name, const at::Tensor &t, at::ScalarType dtype) {
+    TORCH_CHECK_VALUE(t.scalar_type() == dtype && t.stride(-1) == 1 && t.device().is_cpu(),
+                      "paged_attention: ", name, " must be CPU ", dtype,
+                      " with contiguous rows, got ", t.scalar_type(), " with strides ",
+                      t.strides());
+}
+
+/* kv_cache [2, num_blocks, block_size, nkv, hd] as the kernel reads it (pointers into it). */
+KilnKvCache cache_struct(const at::Tensor &kv_cache) {
+    TORCH_CHECK_VALUE(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+                      "paged_attention: the KV cache must be contiguous [2, num_blocks, "
+                      "block_size, num_kv_heads, head_size], got ", kv_cache.sizes());
+    const int32_t dtype = kiln::kernel_dtype(kv_cache, "paged_attention (KV cache)");
+    const int64_t half = kv_cache[0].numel() * kv_cache.element_size();
+    char *base = static_cast<char *>(kv_cache.data_ptr());
+    return KilnKvCache{base, base + half, kv_cache.size(1) * kv_cache.size(2),
+                       static_cast<int32_t>(kv_cache.size(3)),
+                       static_cast<int32_t>(kv_cache.size(4)),
+                       static_cast<int32_t>(kv_cache.size(2)), dtype};
+}
+
+/* One step's metadata and the tensors it points into (held: the plan outlives no tensor). */
+struct StepPlan {
+    at::Tensor block_table, query_start, seq_lens, reqs, slots;
+    KilnAttnStep args{};
+    int64_t num_actual = 0;
+
+    StepPlan(at::Tensor bt, at::Tensor qs, at::Tensor sl, at::Tensor r, at::Tensor slot,
+             int64_t num_tokens, int64_t max_seq_len, int64_t block_size)
+        : block_table(std::move(bt)), query_start(std::move(qs)), seq_lens(std::move(sl)),
+          reqs(std::move(r)), slots(std::move(slot)) {
+        check_int("block_table", block_table, at::kInt);
+        check_int("query_start_loc", query_start, at::kInt);
+        check_int("seq_lens", seq_lens, at::kInt);
+        check_int("reqs", reqs, at::kInt);
+        check_int("slot_mapping", slots, at::kLong);
+        TORCH_CHECK_VALUE(block_table.dim() == 2 && max_seq_len <= block_table.size(1) * block_size,
+                          "paged_attention: max_seq_len ", max_seq_len, " needs more blocks than "
+                          "the block table's ", block_table.size(-1), " columns");
+        TORCH_CHECK_VALUE(slots.is_contiguous() && 0 <= num_tokens && num_tokens <= slots.numel(),
+                          "paged_attention: slot_mapping must be contiguous with one slot per "
+                          "token (", num_tokens, "), got ", slots.sizes());
+        args = KilnAttnStep{block_table.data_ptr<int32_t>(), block_table.stride(0),
+                            query_start.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+                            reqs.data_ptr<int32_t>(), slots.data_ptr<int64_t>(), num_tokens,
+                            static_cast<int32_t>(reqs.numel()),
+                            static_cast<int32_t>(max_seq_len)};
+    }
+};
+
+void check_rows(const char *name, const at::Tensor &t, at::ScalarType dtype, int64_t width,
+                int64_t num_tokens) {
+    TORCH_CHECK_VALUE(t.scalar_type() == dtype && t.dim() == 2 && t.size(1) == width &&
+                          t.stride(1) == 1 && t.size(0) >= num_tokens,
+                      "paged_attention: ", name, " must be ", dtype, " [>= ", num_tokens,
+                      ", ", width, "] with contiguous rows, got ", t.scalar_type(), " ",
+                      t.sizes(), " strides ", t.strides());
+}
+
+/* k, v [T, nkv*hd] into the cache at the step's slots, then out [T, nh*hd] for the step's
+ * requests from q [T, nh*hd] and the cache. Rows may be strided; other rows of out untouched. */
+void run_kernel(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+                const at::Tensor &out, const KilnKvCache &cache, const KilnAttnStep &step,
+                double scale, c10::string_view layer) {
+    const at::ScalarType dtype = q.scalar_type();
+    TORCH_CHECK_TYPE(kiln::dtype_code(dtype) == cache.dtype, "paged_attention (", layer,
+                     "): q is ", dtype, ", the KV cache another dtype");
+    const int64_t width = q.size(-1), kv_width = int64_t{cache.num_kv_heads} * cache.head_size;
+    check_rows("q", q, dtype, width, step.num_tokens);
+    check_rows("k", k, dtype, kv_width, step.num_tokens);
+    check_rows("v", v, dtype, kv_width, step.num_tokens);
+    check_rows("out", out, dtype, width, step.num_tokens);
+    TORCH_CHECK_VALUE(width % cache.head_size == 0, "paged_attention: q's width ", width,
+                      " is not whole heads of ", cache.head_size, " values");
+    const int rc = kiln_paged_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
+                                        v.data_ptr(), v.stride(0), out.data_ptr(), out.stride(0),
+                                        static_cast<int32_t>(width / cache.head_size),
+                                        static_cast<float>(scale), &cache, &step,
+                                        kiln::threads());
+    TORCH_CHECK_INDEX(!(rc & KILN_ATTN_BAD_SLOT), "paged_attention (", layer,
+                      "): a slot is outside [-1, ", cache.num_slots,
+                      ") (the cache's blocks x block_size); nothing was written");
+    TORCH_CHECK(rc == 0, "paged_attention (", layer, "): the CPU kernel failed with code ", rc,
+                ":", (rc & KILN_ATTN_BAD_LENGTHS) ? " a seq_len above max_seq_len or below its "
+                "query length" : "", (rc & KILN_ATTN_NO_MEMORY) ? " out of memory" : "",
+                (rc & KILN_ATTN_BAD_HEADS) ? " num_heads not a multiple of num_kv_heads" : "");
+}
+
+void paged_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+                     const at::Tensor &out, const at::Tensor &kv_cache, double scale,
+                     const at::Tensor &block_table, const at::Tensor &query_start_loc,
+                     const at::Tensor &seq_lens, const at::Tensor &reqs,
+                     const at::Tensor &slot_mapping, int64_t num_tokens, int64_t max_seq_len) {
+    const KilnKvCache cache = cache_struct(kv_cache);
+    const StepPlan plan(block_table, query_start_loc, seq_lens, reqs, slot_mapping, num_tokens,
+                        max_seq_len, cache.block_size);
+    run_kernel(q, k, v, out, cache, plan.args, scale, "paged_attention");
+}
+
 struct Layer {
-    const KilnKvCache *cache; /* a paged_attention.CacheArgs struct, kept alive by Python */
+    KilnKvCache cache;
     float scale;
     /* The cache tensor's storage, held weakly (a table must not keep an engine's KV cache
      * alive), and the data it had: a call finding it freed or moved goes to Python. */
@@ -39,23 +137,54 @@ struct Layer {
         return !storage.expired() && storage._unsafe_get_target()->data() == data;
     }
 };
-using Table = std::unordered_map<std::string, Layer>;
 
-/* The step handed over: the engine's table, its plan, and how many of its tokens are real
- * (the rest are padding rows, zeroed). No table: every call takes the Python path. The forward
- * context it belongs to is process-wide, and so is this. */
-struct Step {
-    std::shared_ptr<const Table> table;
-    const KilnAttnStep *args = nullptr;
-    int64_t num_actual = 0;
+/* An engine's layers as the op finds them by name. */
+struct AttentionLayers : torch::CustomClassHolder {
+    std::unordered_map<std::string, Layer> layers;
+
+    AttentionLayers(std::vector<std::string> names, std::vector<at::Tensor> kv_caches,
+                    std::vector<double> scales) {
+        TORCH_CHECK_VALUE(names.size() == kv_caches.size() && names.size() == scales.size(),
+                          "AttentionLayers: ", names.size(), " names, ", kv_caches.size(),
+                          " caches and ", scales.size(), " scales");
+        for (size_t i = 0; i < names.size(); ++i) {
+            Layer &layer = layers[names[i]];
+            layer.cache = cache_struct(kv_caches[i]);
+            layer.scale = static_cast<float>(scales[i]);
+            layer.storage = kv_caches[i].storage().getWeakStorageImpl();
+            layer.data = kv_caches[i].storage().data();
+        }
+    }
+
+    int64_t size() const { return static_cast<int64_t>(layers.size()); }
 };
 
-std::mutex mutex; /* guards tables, next_table and step */
-std::unordered_map<int64_t, std::shared_ptr<const Table>> tables;
-int64_t next_table = 1;
+/* The step handed over: the engine's layers and the step's plan. None: every call takes the
+ * Python path. The forward context it belongs to is process-wide, and so is this. */
+struct Step {
+    c10::intrusive_ptr<AttentionLayers> table;
+    std::shared_ptr<const StepPlan> plan;
+};
+
+std::mutex mutex; /* guards step */
 Step step;
-std::atomic<KilnPagedAttentionFn> kernel_fn{nullptr};
 std::atomic<int64_t> calls[2]; /* through the kernel here, through Python */
+
+void begin_step(const c10::intrusive_ptr<AttentionLayers> &table, const at::Tensor &block_table,
+                const at::Tensor &query_start_loc, const at::Tensor &seq_lens,
+                const at::Tensor &reqs, const at::Tensor &slot_mapping, int64_t num_tokens,
+                int64_t max_seq_len, int64_t block_size, int64_t num_actual) {
+    auto plan = std::make_shared<StepPlan>(block_table, query_start_loc, seq_lens, reqs,
+                                           slot_mapping, num_tokens, max_seq_len, block_size);
+    plan->num_actual = num_actual;
+    std::lock_guard<std::mutex> lock(mutex);
+    step = Step{table, std::move(plan)};
+}
+
+void end_step() {
+    std::lock_guard<std::mutex> lock(mutex);
+    step = Step();
+}
 
 void python_path(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
                  const at::Tensor &out, c10::string_view layer_name) {
@@ -67,15 +196,6 @@ void python_path(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
     op.callBoxed(&stack);
 }
 
-void check_rows(const char *name, const at::Tensor &t, at::ScalarType dtype, int64_t width,
-                int64_t num_tokens) {
-    TORCH_CHECK_VALUE(t.scalar_type() == dtype && t.dim() == 2 && t.size(1) == width &&
-                          t.stride(1) == 1 && t.size(0) >= num_tokens,
-                      "kiln::unified_attention: ", name, " must be ", dtype, " [>= ", num_tokens,
-                      ", ", width, "] with contiguous rows, got ", t.scalar_type(), " ",
-                      t.sizes(), " strides ", t.strides());
-}
-
 void unified_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
                        const at::Tensor &out, c10::string_view layer_name) {
     Step s;
@@ -83,89 +203,39 @@ void unified_attention(const at::Tensor &q, const at::Tensor &k, const at::Tenso
         std::lock_guard<std::mutex> lock(mutex);
         s = step;
     }
-    const KilnPagedAttentionFn kernel = kernel_fn.load(std::memory_order_relaxed);
     const Layer *layer = nullptr;
-    if (s.table && kernel) {
-        auto it = s.table->find(std::string(layer_name.data(), layer_name.size()));
-        if (it != s.table->end() && it->second.cache_alive()) layer = &it->second;
+    if (s.table) {
+        auto it = s.table->layers.find(std::string(layer_name.data(), layer_name.size()));
+        if (it != s.table->layers.end() && it->second.cache_alive()) layer = &it->second;
     }
-    if (!layer || kiln_dtype_code(q.scalar_type()) != layer->cache->dtype || q.dim() != 2)
+    if (!layer || kiln::dtype_code(q.scalar_type()) != layer->cache.dtype || q.dim() != 2)
         return python_path(q, k, v, out, layer_name);
     calls[0].fetch_add(1, std::memory_order_relaxed);
-    const KilnKvCache &cache = *layer->cache;
-    const int64_t width = q.size(1), kv_width = int64_t{cache.num_kv_heads} * cache.head_size;
-    const int64_t num_tokens = s.args->num_tokens;
-    check_rows("q", q, q.scalar_type(), width, num_tokens);
-    check_rows("k", k, q.scalar_type(), kv_width, num_tokens);
-    check_rows("v", v, q.scalar_type(), kv_width, num_tokens);
-    check_rows("out", out, q.scalar_type(), width, num_tokens);
-    TORCH_CHECK_VALUE(width % cache.head_size == 0, "kiln::unified_attention: q's width ", width,
-                      " is not whole heads of ", cache.head_size, " values");
-    const int rc = kernel(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
-                          v.stride(0), out.data_ptr(), out.stride(0),
-                          static_cast<int32_t>(width / cache.head_size), layer->scale, &cache,
-                          s.args, at::get_num_threads());
-    TORCH_CHECK_INDEX(!(rc & KILN_ATTN_BAD_SLOT), "kiln::unified_attention (", layer_name,
-                      "): a slot is outside [-1, ", cache.num_slots,
-                      ") (the cache's blocks x block_size); nothing was written");
-    TORCH_CHECK(rc == 0, "kiln::unified_attention (", layer_name, "): the CPU kernel failed with ",
-                "code ", rc, ":", (rc & KILN_ATTN_BAD_LENGTHS) ? " a seq_len above max_seq_len or "
-                "below its query length" : "", (rc & KILN_ATTN_NO_MEMORY) ? " out of memory" : "",
-                (rc & KILN_ATTN_BAD_HEADS) ? " num_heads not a multiple of num_kv_heads" : "");
-    if (s.num_actual < q.size(0)) out.narrow(0, s.num_actual, q.size(0) - s.num_actual).zero_();
+    run_kernel(q, k, v, out, layer->cache, s.plan->args, layer->scale, layer_name);
+    if (s.plan->num_actual < q.size(0))
+        out.narrow(0, s.plan->num_actual, q.size(0) - s.plan->num_actual).zero_();
 }
-
-/* A table of layers: names[i] attends with the CacheArgs struct at caches[i], made from
- * kv_caches[i], and scales[i]. */
-int64_t bind(const std::vector<std::string> &names, const std::vector<at::Tensor> &kv_caches,
-             const std::vector<int64_t> &caches, const std::vector<double> &scales) {
-    TORCH_CHECK_VALUE(names.size() == kv_caches.size() && names.size() == caches.size() &&
-                          names.size() == scales.size(),
-                      "_cpu_attention_bind: ", names.size(), " names, ", kv_caches.size(),
-                      " caches, ", caches.size(), " cache structs and ", scales.size(), " scales");
-    auto table = std::make_shared<Table>();
-    for (size_t i = 0; i < names.size(); ++i) {
-        Layer &layer = (*table)[names[i]];
-        layer.cache = reinterpret_cast<const KilnKvCache *>(caches[i]);
-        layer.scale = static_cast<float>(scales[i]);
-        layer.storage = kv_caches[i].storage().getWeakStorageImpl();
-        layer.data = kv_caches[i].storage().data();
-    }
-    std::lock_guard<std::mutex> lock(mutex);
-    tables[next_table] = std::move(table);
-    return next_table++;
-}
-
-void unbind(int64_t id) {
-    std::lock_guard<std::mutex> lock(mutex);
-    tables.erase(id); /* a step still using it holds it until it ends */
-}
-
-/* Hand over a step (table id, KilnAttnStep address, real tokens); table 0 ends it. */
-void set_step(int64_t table, int64_t args, int64_t num_actual) {
-    std::lock_guard<std::mutex> lock(mutex);
-    if (table == 0) {
-        step = Step();
-        return;
-    }
-    auto it = tables.find(table);
-    TORCH_CHECK_VALUE(it != tables.end(), "_cpu_attention_set_step: no table ", table);
-    step = Step{it->second, reinterpret_cast<const KilnAttnStep *>(args), num_actual};
-}
-
-void set_kernel(int64_t fn) { kernel_fn.store(reinterpret_cast<KilnPagedAttentionFn>(fn)); }
 
 std::vector<int64_t> call_counts() { return {calls[0].load(), calls[1].load()}; }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kiln, m) {
-    m.def("_cpu_attention_bind(str[] names, Tensor[] kv_caches, int[] caches, float[] scales) "
-          "-> int", &bind);
-    m.def("_cpu_attention_unbind(int table) -> ()", &unbind);
-    m.def("_cpu_attention_set_step(int table, int args, int num_actual) -> ()", &set_step);
-    m.def("_cpu_attention_set_kernel(int fn) -> ()", &set_kernel);
-    m.def("_cpu_attention_call_counts() -> int[]", &call_counts);
+    m.class_<AttentionLayers>("AttentionLayers")
+        .def(torch::init<std::vector<std::string>, std::vector<at::Tensor>, std::vector<double>>())
+        .def("size", &AttentionLayers::size);
+    m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor kv_cache, "
+          "float scale, Tensor block_table, Tensor query_start_loc, Tensor seq_lens, "
+          "Tensor reqs, Tensor slot_mapping, int num_tokens, int max_seq_len) -> ()");
+    m.def("attention_begin_step(__torch__.torch.classes.kiln.AttentionLayers layers, "
+          "Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor reqs, "
+          "Tensor slot_mapping, int num_tokens, int max_seq_len, int block_size, "
+          "int num_actual) -> ()", &begin_step);
+    m.def("attention_end_step() -> ()", &end_step);
+    m.def("attention_call_counts() -> int[]", &call_counts);
 }
 
-TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("unified_attention", &unified_attention); }
+TORCH_LIBRARY_IMPL(kiln, CPU, m) {
+    m.impl("paged_attention", &paged_attention);
+    m.impl("unified_attention", &unified_attention);
+}

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 
 #include "dtype.h"
+#include "kernels.h"
 
 #define MAX_ROWS 4
 
@@ -43,7 +44,7 @@ static inline __attribute__((always_inline)) void dot_rows(const float *xs, int 
 int kiln_gemv(const void *x, const void *weight, const void *bias, void *out, int32_t m,
               int64_t n, int64_t k, int32_t dtype, int32_t num_threads) {
     if (m < 1 || m > MAX_ROWS || k < 1) return 1;
-    float *xs = malloc((size_t)m * (size_t)k * sizeof(float)); /* [m, k] */
+    float *xs = (float *)malloc((size_t)m * (size_t)k * sizeof(float)); /* [m, k] */
     if (!xs) return 2;
     for (int64_t i = 0; i < m * k; ++i) xs[i] = load_elem(x, i, dtype);
 #pragma omp parallel for num_threads(num_threads) schedule(static)

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "gguf_blocks.h"
+#include "kernels.h"
 
 #if defined(__F16C__)
 /* A K-quant block's scales as dequantize computes them, in float32: Q4_K's and Q5_K's 8
@@ -138,7 +139,7 @@ int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t rows,
     /* 32-value blocks a row, and bytes of each */
     const int64_t nb = row_blocks * (gguf_block_values(qtype) / QK);
     const int bb = gguf_kernel_block_bytes(qtype) / (gguf_block_values(qtype) / QK);
-    uint8_t *group = malloc((size_t)(GROUP_ROWS * nb * bb));
+    uint8_t *group = (uint8_t *)malloc((size_t)(GROUP_ROWS * nb * bb));
     if (!group) return 3;
     const int64_t row_bytes = row_blocks * gguf_block_bytes(qtype);
     for (int64_t g = 0; g * GROUP_ROWS < rows; ++g) {

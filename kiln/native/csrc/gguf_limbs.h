@@ -36,8 +36,8 @@ typedef struct {
 /* Room for m rows of k; 0 when out of memory. */
 static int xlimbs_alloc(XLimbs *x, int64_t m, int64_t k, int limbs) {
     const size_t blocks = (size_t)(m * (k / QK));
-    x->q = malloc((size_t)(m * k) * (size_t)limbs);
-    x->dx = malloc(blocks * 2 * sizeof(float) + blocks * 4 * sizeof(int32_t) +
+    x->q = (int8_t *)malloc((size_t)(m * k) * (size_t)limbs);
+    x->dx = (float *)malloc(blocks * 2 * sizeof(float) + blocks * 4 * sizeof(int32_t) +
                    (size_t)m * sizeof(int32_t));
     if (!x->q || !x->dx) {
         free(x->q);

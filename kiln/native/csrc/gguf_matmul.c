@@ -16,6 +16,7 @@
 
 #include "dtype.h"
 #include "gguf_blocks.h"
+#include "kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 #define KILN_GGUF_SIMD 1

@@ -20,16 +20,12 @@
 
 #include "dtype.h"
 
-/* The unfused kernels, compiled here from their own source and called whole (noipa: not inlined
- * or specialised into these callers), so a fused op's normed or activated values are the very
- * ones the unfused op writes. */
-int kiln_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t res_stride,
-                  void *residual_out, const void *weight, void *out, int64_t out_stride,
-                  int64_t rows, int32_t hidden, float eps, int32_t dtype, int32_t num_threads)
-    __attribute__((noipa));
-int kiln_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int32_t d,
-                      int32_t dtype, int32_t num_threads) __attribute__((noipa));
-#include "layer_ops.c"
+/* The unfused kernels (layer_ops.c, in the same library) are called whole, so a fused op's normed
+ * or activated values are the very ones the unfused op writes. */
+#include "kernels.h"
+
+/* As layer_ops.c: fewer rows stay on one thread. */
+#define PARALLEL_MIN_ROWS 64
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
@@ -71,7 +67,7 @@ static inline void store16(void *base, int64_t i, __m512 v, int dtype, __mmask16
 /* A chunk's scratch, 64-byte aligned like torch's tensors: the unfused kernels' vector loops
  * peel by alignment, and libmvec's vector expf rounds differently from the scalar one, so a
  * differently aligned scratch would change SiLU's last bits. */
-static char *scratch(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+static char *scratch(size_t bytes) { return (char *)aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
 /* One row x[0:k] -> q[0:k] = round(x * (127 / amax)) and *scale = amax / 127. */
 static void quant_row(const void *x, int64_t k, int dtype, int8_t *q, float *scale) {
@@ -232,13 +228,13 @@ int kiln_int8_gemm(const int8_t *a, int64_t a_stride, const float *a_scale, cons
                    void *out, int64_t out_stride, int64_t m, int64_t n, int64_t k,
                    int32_t out_dtype, int32_t num_threads) {
     if (m == 0 || n == 0) return 0;
-    int32_t *sums = malloc((size_t)m * sizeof(int32_t));
+    int32_t *sums = (int32_t *)malloc((size_t)m * sizeof(int32_t));
     if (!sums) return 2;
     const int64_t mb = (m + BLOCK_M - 1) / BLOCK_M, nb = (n + BLOCK_N - 1) / BLOCK_N;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        int32_t *tile = malloc((size_t)BLOCK_M * BLOCK_N * sizeof(int32_t));
+        int32_t *tile = (int32_t *)malloc((size_t)BLOCK_M * BLOCK_N * sizeof(int32_t));
         if (!tile) failed = 1;
 #pragma omp for
         for (int64_t r = 0; r < m; ++r) sums[r] = 128 * row_sum(a + r * a_stride, k);

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "dtype.h"
+#include "kernels.h"
 
 /* Fewer rows stay on one thread: a decode batch's few microseconds of work here are of the order
  * of waking the OpenMP team. */

@@ -21,6 +21,7 @@
 
 #include "dtype.h"
 #include "paged_attention.h"
+#include "kernels.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -309,19 +310,19 @@ static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride
     const size_t rows = (size_t)heads_per_item * group, unit_floats = rows * ((size_t)hd + 2);
     const int parts = key_parts(items, num_threads, max_seq_len, reqs, num_sel, query_start);
     /* parts > 1: per (item, part), rows x hd unnormalized outputs, then rows sums and maxima */
-    float *partial = parts > 1 ? malloc(sizeof(float) * (size_t)(items * parts) * unit_floats)
-                               : NULL;
+    float *partial =
+        parts > 1 ? (float *)malloc(sizeof(float) * (size_t)(items * parts) * unit_floats) : NULL;
     if (parts > 1 && !partial) return KILN_ATTN_NO_MEMORY;
     int failed = 0, any_failed = 0; /* any_failed: shared, so every thread skips the merge */
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * rows * (size_t)max_seq_len);
-        float *qs = malloc(sizeof(float) * rows * (size_t)hd);
-        float *acc = malloc(sizeof(float) * rows * (size_t)hd);
-        float *buf = malloc(sizeof(float) * (size_t)hd);
-        float *denom = malloc(sizeof(float) * rows);
-        float *mx = malloc(sizeof(float) * rows);
-        int64_t *slots = malloc(sizeof(int64_t) * (size_t)max_seq_len);
+        float *scores = (float *)malloc(sizeof(float) * rows * (size_t)max_seq_len);
+        float *qs = (float *)malloc(sizeof(float) * rows * (size_t)hd);
+        float *acc = (float *)malloc(sizeof(float) * rows * (size_t)hd);
+        float *buf = (float *)malloc(sizeof(float) * (size_t)hd);
+        float *denom = (float *)malloc(sizeof(float) * rows);
+        float *mx = (float *)malloc(sizeof(float) * rows);
+        int64_t *slots = (int64_t *)malloc(sizeof(int64_t) * (size_t)max_seq_len);
         failed = (!scores || !qs || !acc || !buf || !denom || !mx || !slots) ? KILN_ATTN_NO_MEMORY
                                                                              : 0;
         if (failed) {

@@ -1,5 +1,5 @@
 /* The CPU paged-attention kernel's argument structs and entry point, shared by its C source
- * (paged_attention.c) and the C++ op that calls it without Python (attention_op.cpp). */
+ * (paged_attention.c) and the C++ ops that call it (attention_op.cpp). */
 #ifndef KILN_PAGED_ATTENTION_H
 #define KILN_PAGED_ATTENTION_H
 
@@ -9,8 +9,8 @@
 extern "C" {
 #endif
 
-/* A layer's caches and one step's metadata, checked and built once (paged_attention.py's
- * CacheArgs and StepArgs) and passed by pointer: a layer's call hands over only its tensors. */
+/* A layer's caches and one step's metadata, built from their tensors in C++ (attention_op.cpp)
+ * and passed by pointer within the library. */
 typedef struct {
     void *key, *value;
     int64_t num_slots; /* num_blocks * block_size */
@@ -34,11 +34,6 @@ enum {
     KILN_ATTN_BAD_HEADS = 8 /* num_heads not a multiple of num_kv_heads */
 };
 
-typedef int (*KilnPagedAttentionFn)(const void *q, int64_t q_stride, const void *k,
-                                    int64_t k_stride, const void *v, int64_t v_stride, void *out,
-                                    int64_t out_stride, int32_t num_heads, float scale,
-                                    const KilnKvCache *cache, const KilnAttnStep *step,
-                                    int32_t num_threads);
 
 #ifdef __cplusplus
 }

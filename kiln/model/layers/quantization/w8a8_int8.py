@@ -12,6 +12,7 @@ from torch import nn
 
 from kiln.ir import quant as ir_quant
 from kiln.logger import init_logger
+from kiln.model.layers.cpu_gemm import BUFFERS
 from kiln.model.layers.linear import LinearBase
 
 logger = init_logger(__name__)
@@ -65,6 +66,8 @@ def to_int8(layer: LinearBase, weight: torch.Tensor | None = None,
     layer.weight_scale = s
     layer.quant_method = Int8LinearMethod()
     layer.supports_cpu_packing = False  # oneDNN's float packing does not apply
+    for name in BUFFERS:  # nor do the float weight's packed copy or GGUF blocks
+        setattr(layer, name, None)
 
 
 @dataclass

@@ -1,0 +1,73 @@
+/* Every C kernel's entry point, for the C++ torch ops that call them (ops_*.cpp, linear_op.cpp,
+ * attention_op.cpp): one library, so each is a plain call. Each source includes this too, so a
+ * definition that drifts from its declaration fails to compile (C linkage: no overloading).
+ * 0 on success; the codes are each kernel's (its source says). dtype: dtype.h's codes. */
+#ifndef KILN_KERNELS_H
+#define KILN_KERNELS_H
+
+#include <stdint.h>
+
+#include "paged_attention.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* layer_ops.c */
+int kiln_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t res_stride,
+                  void *residual_out, const void *weight, void *out, int64_t out_stride,
+                  int64_t rows, int32_t hidden, float eps, int32_t dtype, int32_t num_threads)
+    __attribute__((noipa));
+int kiln_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int32_t d,
+                      int32_t dtype, int32_t num_threads) __attribute__((noipa));
+int kiln_rotary(const int64_t *positions, const void *q, int64_t q_stride, const void *k,
+                int64_t k_stride, void *q_out, void *k_out, const float *cos_sin_cache,
+                int64_t max_pos, int64_t num_tokens, int32_t nq, int32_t nk, int32_t hd,
+                int32_t dtype, int32_t num_threads);
+
+/* gemv.c */
+int kiln_gemv(const void *x, const void *weight, const void *bias, void *out, int32_t m,
+              int64_t n, int64_t k, int32_t dtype, int32_t num_threads);
+
+/* gguf_matmul.c, gguf_layout.c */
+int kiln_gguf_simd(void);
+int kiln_gguf_block_bytes(int32_t qtype);
+int kiln_gguf_block_values(int32_t qtype);
+int kiln_gguf_kernel_block_bytes(int32_t qtype);
+int kiln_gguf_group_rows(void);
+int kiln_gguf_matmul(const void *x, const uint8_t *weight, int32_t qtype, const void *bias,
+                     void *out, int32_t m, int64_t n, int64_t k, int32_t dtype,
+                     int32_t f32_limbs, int32_t num_threads);
+int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t rows,
+                               int64_t row_blocks, uint8_t *dst);
+
+/* int8_ops.c */
+int kiln_int8_isa(void);
+int kiln_dynamic_int8_quant(const void *x, int64_t x_stride, int8_t *q, float *scale,
+                            int64_t rows, int64_t k, int32_t dtype, int32_t num_threads);
+int kiln_rms_norm_int8_quant(const void *x, int64_t x_stride, const void *residual,
+                             int64_t res_stride, void *residual_out, const void *weight, int8_t *q,
+                             float *scale, int64_t rows, int32_t hidden, float eps, int32_t dtype,
+                             int32_t num_threads);
+int kiln_silu_and_mul_int8_quant(const void *x, int64_t x_stride, int8_t *q, float *scale,
+                                 int64_t rows, int32_t d, int32_t dtype, int32_t num_threads);
+int kiln_int8_scale(const int32_t *acc, int64_t acc_stride, const float *a_scale,
+                    const float *w_scale, const void *bias, int32_t bias_dtype, void *out,
+                    int64_t out_stride, int64_t m, int64_t n, int32_t out_dtype,
+                    int32_t num_threads);
+int kiln_int8_gemm(const int8_t *a, int64_t a_stride, const float *a_scale, const int8_t *w,
+                   int64_t w_stride, const float *w_scale, const void *bias, int32_t bias_dtype,
+                   void *out, int64_t out_stride, int64_t m, int64_t n, int64_t k,
+                   int32_t out_dtype, int32_t num_threads);
+
+/* paged_attention.c */
+int kiln_paged_attention(const void *q, int64_t q_stride, const void *k, int64_t k_stride,
+                         const void *v, int64_t v_stride, void *out, int64_t out_stride,
+                         int32_t num_heads, float scale, const KilnKvCache *cache,
+                         const KilnAttnStep *step, int32_t num_threads);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,169 @@
+/* The `native` implementations of the W8A8 int8 IR ops (kiln/ir/quant.py defines each one's
+ * result) as torch ops over int8_ops.c's AVX512-VNNI kernels: per-token dynamic quant, alone or
+ * after (add +) RMSNorm or SiLU-and-mul, and the int8 GEMM with its scales (oneDNN's int8 GEMM
+ * through aten's _int_mm from ONEDNN_MIN_ROWS rows, the kernel here's epilogue after it). */
+#include <ATen/ops/_int_mm.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+#include "torch_ops.h"
+
+namespace {
+
+using kiln::rows_of;
+
+/* From this many rows oneDNN's int8 GEMM (its int32 sums exact) and the epilogue here beat the
+ * VNNI kernel, which reads the weight as stored and wins at decode sizes (measured, 2 cores of
+ * an EPYC with AVX512-VNNI: [256, 576] x [960, 576] 0.14 ms vs 0.26 ms; [8, 1536] x
+ * [576, 1536] 0.030 ms vs 0.017 ms). */
+constexpr int64_t ONEDNN_MIN_ROWS = 16;
+constexpr int32_t NO_BIAS = -1;
+
+void check(int rc, const char *fn) {
+    TORCH_CHECK(rc != 4, fn, ": the int8 kernels were built for a CPU without AVX512-VNNI");
+    kiln::check_rc(rc, fn);
+}
+
+std::vector<int64_t> with_last(const at::Tensor &x, int64_t last) {
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = last;
+    return shape;
+}
+
+std::tuple<at::Tensor, at::Tensor> dynamic_int8_quant(const at::Tensor &x) {
+    const int32_t dtype = kiln::kernel_dtype(x, "kiln::dynamic_int8_quant_native");
+    const at::Tensor rows = rows_of(x);
+    at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kChar));
+    at::Tensor scale = at::empty(with_last(x, 1), x.options().dtype(at::kFloat));
+    check(kiln_dynamic_int8_quant(rows.data_ptr(), rows.stride(0), q.data_ptr<int8_t>(),
+                                  scale.data_ptr<float>(), rows.size(0), rows.size(1), dtype,
+                                  kiln::threads()),
+          "kiln_dynamic_int8_quant");
+    return {q, scale};
+}
+
+at::Tensor int8_scaled_mm(const at::Tensor &q_in, const at::Tensor &scale_in,
+                          const at::Tensor &w_q_in, const at::Tensor &w_scale_in,
+                          const std::optional<at::Tensor> &bias_in, at::ScalarType out_dtype) {
+    TORCH_CHECK_VALUE(q_in.dim() == 2 && w_q_in.dim() == 2 && q_in.scalar_type() == at::kChar &&
+                          w_q_in.scalar_type() == at::kChar,
+                      "kiln::int8_scaled_mm_native: q and w_q must be int8 matrices");
+    const int64_t m = q_in.size(0), k = q_in.size(1), n = w_q_in.size(0);
+    TORCH_CHECK_VALUE(w_q_in.size(1) == k && scale_in.numel() == m && w_scale_in.numel() == n &&
+                          (!bias_in || bias_in->numel() == n),
+                      "kiln::int8_scaled_mm_native: q ", q_in.sizes(), ", scale ",
+                      scale_in.sizes(), ", w_q ", w_q_in.sizes(), ", w_scale ",
+                      w_scale_in.sizes(), " do not fit together");
+    const int32_t out_code = kiln::dtype_code(out_dtype);
+    TORCH_CHECK_TYPE(out_code >= 0, "kiln::int8_scaled_mm_native: out_dtype ", out_dtype);
+    const at::Tensor q = q_in.stride(-1) == 1 ? q_in : q_in.contiguous();
+    const at::Tensor w_q = w_q_in.stride(-1) == 1 ? w_q_in : w_q_in.contiguous();
+    const at::Tensor scale = scale_in.to(at::kFloat).contiguous();
+    const at::Tensor w_scale = w_scale_in.to(at::kFloat).contiguous();
+    at::Tensor bias;
+    int32_t bias_code = NO_BIAS;
+    if (bias_in) {
+        bias = bias_in->contiguous();
+        bias_code = kiln::kernel_dtype(bias, "kiln::int8_scaled_mm_native (bias)");
+    }
+    const void *b = bias.defined() ? bias.data_ptr() : nullptr;
+    at::Tensor out = at::empty({m, n}, q.options().dtype(out_dtype));
+    if (m >= ONEDNN_MIN_ROWS && k > 1) { /* (torch 2.13's CPU _int_mm is wrong for k == 1) */
+        const at::Tensor acc = at::_int_mm(q, w_q.t());  // [M, N] int32
+        check(kiln_int8_scale(acc.data_ptr<int32_t>(), acc.stride(0), scale.data_ptr<float>(),
+                              w_scale.data_ptr<float>(), b, bias_code, out.data_ptr(), n, m, n,
+                              out_code, kiln::threads()),
+              "kiln_int8_scale");
+        return out;
+    }
+    check(kiln_int8_gemm(q.data_ptr<int8_t>(), q.stride(0), scale.data_ptr<float>(),
+                         w_q.data_ptr<int8_t>(), w_q.stride(0), w_scale.data_ptr<float>(), b,
+                         bias_code, out.data_ptr(), n, m, n, k, out_code, kiln::threads()),
+          "kiln_int8_gemm");
+    return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_quant(
+    const at::Tensor &x, const std::optional<at::Tensor> &residual, const at::Tensor &weight,
+    double eps) {
+    const int32_t dtype = kiln::kernel_dtype(x, "kiln::rms_norm_dynamic_int8_quant_native");
+    TORCH_CHECK_VALUE(weight.numel() == x.size(-1), "rms_norm quant: weight has ", weight.numel(),
+                      " values for hidden size ", x.size(-1));
+    TORCH_CHECK_VALUE(!residual || residual->sizes().equals(x.sizes()),
+                      "rms_norm quant: residual shape ", residual ? residual->sizes() : x.sizes(),
+                      " != x shape ", x.sizes());
+    const at::Tensor rows = rows_of(x), w = weight.to(x.scalar_type()).contiguous();
+    at::Tensor res_rows, res_out;
+    if (residual) {
+        res_rows = rows_of(*residual);
+        res_out = at::empty(x.sizes(), x.options());
+    }
+    at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kChar));
+    at::Tensor scale = at::empty(with_last(x, 1), x.options().dtype(at::kFloat));
+    check(kiln_rms_norm_int8_quant(rows.data_ptr(), rows.stride(0),
+                                   residual ? res_rows.data_ptr() : nullptr,
+                                   residual ? res_rows.stride(0) : 0,
+                                   residual ? res_out.data_ptr() : nullptr, w.data_ptr(),
+                                   q.data_ptr<int8_t>(), scale.data_ptr<float>(), rows.size(0),
+                                   static_cast<int32_t>(rows.size(1)), static_cast<float>(eps),
+                                   dtype, kiln::threads()),
+          "kiln_rms_norm_int8_quant");
+    return {q, scale, res_out};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_quant(const at::Tensor &x, const at::Tensor &weight,
+                                                  double eps) {
+    auto [q, scale, unused] = norm_quant(x, std::nullopt, weight, eps);
+    return {q, scale};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_quant(const at::Tensor &x,
+                                                                  const at::Tensor &residual,
+                                                                  const at::Tensor &weight,
+                                                                  double eps) {
+    return norm_quant(x, residual, weight, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor> silu_and_mul_quant(const at::Tensor &x) {
+    const int32_t dtype = kiln::kernel_dtype(x, "kiln::silu_and_mul_dynamic_int8_quant_native");
+    TORCH_CHECK_VALUE(x.size(-1) % 2 == 0, "silu_and_mul quant: the last dimension (",
+                      x.size(-1), ") must be even [gate | up]");
+    const at::Tensor rows = rows_of(x);
+    const int64_t d = rows.size(1) / 2;
+    at::Tensor q = at::empty(with_last(x, d), x.options().dtype(at::kChar));
+    at::Tensor scale = at::empty(with_last(x, 1), x.options().dtype(at::kFloat));
+    check(kiln_silu_and_mul_int8_quant(rows.data_ptr(), rows.stride(0), q.data_ptr<int8_t>(),
+                                       scale.data_ptr<float>(), rows.size(0),
+                                       static_cast<int32_t>(d), dtype, kiln::threads()),
+          "kiln_silu_and_mul_int8_quant");
+    return {q, scale};
+}
+
+/* "avx512_vnni" when the kernels were built with those instructions, else "". */
+std::string isa() { return kiln_int8_isa() == 1 ? "avx512_vnni" : ""; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kiln, m) {
+    m.def("int8_isa() -> str", &isa);
+    /* the IR ops' schemas (kiln/ir/quant.py) */
+    m.def("dynamic_int8_quant_native(Tensor x) -> (Tensor, Tensor)");
+    m.def("int8_scaled_mm_native(Tensor q, Tensor scale, Tensor w_q, Tensor w_scale, "
+          "Tensor? bias, ScalarType out_dtype) -> Tensor");
+    m.def("rms_norm_dynamic_int8_quant_native(Tensor x, Tensor weight, float eps) -> "
+          "(Tensor, Tensor)");
+    m.def("fused_add_rms_norm_dynamic_int8_quant_native(Tensor x, Tensor residual, "
+          "Tensor weight, float eps) -> (Tensor, Tensor, Tensor)");
+    m.def("silu_and_mul_dynamic_int8_quant_native(Tensor x) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(kiln, CPU, m) {
+    m.impl("dynamic_int8_quant_native", &dynamic_int8_quant);
+    m.impl("int8_scaled_mm_native", &int8_scaled_mm);
+    m.impl("rms_norm_dynamic_int8_quant_native", &rms_norm_quant);
+    m.impl("fused_add_rms_norm_dynamic_int8_quant_native", &add_rms_norm_quant);
+    m.impl("silu_and_mul_dynamic_int8_quant_native", &silu_and_mul_quant);
+}
