@@ -11,7 +11,7 @@ import uvicorn
 from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai.api_server import ServerSettings, build_app
 
-from .fake_engine import FakeEngine
+from .fake_engine import VOCAB, FakeEngine
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402 (schemathesis brings it)
@@ -72,3 +72,31 @@ CHECKS = [schemathesis.checks.not_a_server_error, schemathesis.checks.status_cod
           suppress_health_check=list(HealthCheck))
 def test_no_server_error_and_every_response_in_the_schema(case, base_url):
     case.call_and_validate(base_url=base_url, checks=CHECKS)
+
+
+def test_the_schema_says_what_requests_the_server_refuses():
+    """schemathesis' request-side checks (valid bodies accepted, invalid refused) need these."""
+    schemas = SCHEMA["components"]["schemas"]
+    completion = schemas["CompletionRequest"]["properties"]
+    # token ids within the vocabulary; allowed_token_ids non-empty
+    ids = [m for m in completion["allowed_token_ids"]["anyOf"] if m.get("type") == "array"][0]
+    assert ids["minItems"] == 1 and ids["items"]["minimum"] == 0
+    assert ids["items"]["maximum"] == VOCAB - 1
+    # refused fields take only their off value; an optional field takes null
+    assert {"const": False} in completion["use_beam_search"]["anyOf"]
+    assert {"type": "null"} in schemas["TokenizeRequest"]["properties"]["return_token_strs"][
+        "anyOf"]
+    assert schemas["TextContentPart"]["properties"]["type"]["enum"] == ["text"]
+    assert len(schemas["TokenizeRequest"]["anyOf"]) == 2  # prompt or messages
+
+
+@pytest.mark.parametrize("field,value", [("seed", True), ("n", "2"), ("echo", 1),
+                                         ("temperature", False)])
+def test_json_types_are_not_coerced(base_url, field, value):
+    import httpx
+
+    r = httpx.post(f"{base_url}/v1/completions", json={"prompt": "hi", field: value},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert httpx.post(f"{base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2.0},
+                      timeout=30).status_code == 200  # an integral number is an integer

@@ -99,7 +99,11 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     app.state.metrics = metrics
     app.state.models = models
     install_error_handlers(app)
-    describe(app)
+    tokenizer = llm.tokenizer
+    describe(app, vocab_size=model_config.vocab_size,
+             empty_text_has_tokens=tokenizer is not None
+             and bool(tokenizer("", add_special_tokens=True).input_ids),
+             reasoning_parser=settings.reasoning_parser is not None)
 
     @app.get("/health", response_class=Response, responses={
         200: {"description": "The engine is running", "content": {}},

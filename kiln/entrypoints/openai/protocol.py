@@ -4,9 +4,17 @@ Unknown request fields are ignored, as OpenAI-compatible servers do; wrong types
 Every field vLLM accepts is here, and is honoured or refused (entrypoints/openai/sampling.py).
 """
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    model_serializer,
+    model_validator,
+)
 
 # OpenAI's limit on choices per prompt; each is a sequence in the engine, built at once.
 MAX_N = 128
@@ -28,56 +36,74 @@ class OpenAIBase(BaseModel):
 
 
 # ---- requests -------------------------------------------------------------------------------
-class StreamOptions(OpenAIBase):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+def _json_number(value):
+    """JSON numbers only: true is no 1 and "5" no 5 (pydantic's lax mode takes both), while
+    an integral 5.0 stays the integer JSON Schema says it is."""
+    if isinstance(value, (bool, str, bytes)):
+        raise ValueError("must be a JSON number")
+    return value
 
 
-class ResponseFormat(OpenAIBase):
+# Request fields: types as /openapi.json says them.
+JsonInt = Annotated[int, BeforeValidator(_json_number)]
+JsonFloat = Annotated[float, BeforeValidator(_json_number)]
+
+
+class RequestBase(OpenAIBase):
+    """Request bodies (their int, float and bool fields are JSON numbers and booleans)."""
+
+
+class StreamOptions(RequestBase):
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class ResponseFormat(RequestBase):
     type: Literal["text", "json_object", "json_schema"] = "text"
     # {"name": ..., "schema": {...}, "strict": ...} for type json_schema
     json_schema: dict[str, Any] | None = None
 
 
-class SamplingFields(OpenAIBase):
+class SamplingFields(RequestBase):
     """Fields shared by /v1/completions and /v1/chat/completions."""
     model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: JsonFloat | None = None
+    top_p: JsonFloat | None = None
+    n: JsonInt = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    seed: JsonInt | None = None
+    presence_penalty: JsonFloat = 0.0
+    frequency_penalty: JsonFloat = 0.0
+    logit_bias: dict[str, JsonFloat] | None = None
     user: str | None = None  # accepted, ignored
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    best_of: int | None = None  # only best_of == n: no ranking of extra samples
-    use_beam_search: bool = False  # refused: no beam search
-    length_penalty: float = 1.0  # beam search only: refused unless 1.0
-    spaces_between_special_tokens: bool = True  # refused when false (fast tokenizers ignore it)
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)
-    allowed_token_ids: list[StrictInt] | None = None
+    top_k: JsonInt | None = None
+    min_p: JsonFloat | None = None
+    repetition_penalty: JsonFloat | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: JsonInt = 0
+    stop_token_ids: list[JsonInt] | None = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    best_of: JsonInt | None = None  # only best_of == n: no ranking of extra samples
+    use_beam_search: StrictBool = False  # refused: no beam search
+    length_penalty: JsonFloat = 1.0  # beam search only: refused unless 1.0
+    # refused when false (fast tokenizers ignore it)
+    spaces_between_special_tokens: StrictBool = True
+    truncate_prompt_tokens: JsonInt | None = Field(None, ge=-1)
+    allowed_token_ids: list[JsonInt] | None = None
     bad_words: list[str] | None = None
-    prompt_logprobs: int | None = None
-    priority: int = 0  # refused unless 0: no priority scheduling
+    prompt_logprobs: JsonInt | None = None
+    priority: JsonInt = 0  # refused unless 0: no priority scheduling
     request_id: str | None = None  # names the response (cmpl-<request_id>)
     logits_processors: list[Any] | None = None  # refused: no user code in the sampler
-    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:<id>"
+    return_tokens_as_token_ids: StrictBool | None = None  # logprob tokens as "token_id:<id>"
     cache_salt: str | None = None  # prefix-cache blocks are shared only with the same salt
     kv_transfer_params: dict[str, Any] | None = None  # refused: no disaggregated serving
     vllm_xargs: dict[str, Any] | None = None  # refused: no custom extensions read them
-    return_token_ids: bool | None = None  # choices carry token_ids, the response prompt's
+    return_token_ids: StrictBool | None = None  # choices carry token_ids, the response prompt's
     # Structured outputs (structured_fields.py): OpenAI's response_format, vLLM's
     # structured_outputs ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}) and
     # its older guided_* names.
@@ -89,26 +115,27 @@ class SamplingFields(OpenAIBase):
     guided_grammar: str | None = None
 
 
-# Strict: JSON true / false are no token ids.
-PromptInput = str | list[str] | list[StrictInt] | list[list[StrictInt]]
+# JSON true / false are no token ids.
+PromptInput = str | list[str] | list[JsonInt] | list[list[JsonInt]]
 
 
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
+    max_tokens: JsonInt | None = 16
+    logprobs: JsonInt | None = None
+    echo: StrictBool = False
     suffix: str | None = None
     prompt_embeds: Any = None  # refused: prompts are text or token ids
-    add_special_tokens: bool = True  # BOS (where the tokenizer adds one) before text prompts
+    # BOS (where the tokenizer adds one) before text prompts
+    add_special_tokens: StrictBool = True
 
 
-class TextContentPart(OpenAIBase):
+class TextContentPart(RequestBase):
     type: str
     text: str | None = None
 
 
-class ChatMessage(OpenAIBase):
+class ChatMessage(RequestBase):
     role: str
     content: str | list[TextContentPart] | None = None
     name: str | None = None
@@ -117,64 +144,64 @@ class ChatMessage(OpenAIBase):
     reasoning_content: str | None = None
 
 
-class FunctionDefinition(OpenAIBase):
+class FunctionDefinition(RequestBase):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
-class ChatCompletionTool(OpenAIBase):
+class ChatCompletionTool(RequestBase):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class NamedFunction(OpenAIBase):
+class NamedFunction(RequestBase):
     name: str
 
 
-class NamedToolChoice(OpenAIBase):
+class NamedToolChoice(RequestBase):
     type: Literal["function"] = "function"
     function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_tokens: JsonInt | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: JsonInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: JsonInt | None = None
     tools: list[ChatCompletionTool] | None = None
     # None: "auto" with tools, "none" without (OpenAI's default)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
-    include_reasoning: bool = True  # false: no reasoning_content (needs --reasoning-parser)
+    parallel_tool_calls: StrictBool = True
+    include_reasoning: StrictBool = True  # false: no reasoning_content (needs --reasoning-parser)
     reasoning_effort: str | None = None  # refused: no template here reads it
     # vLLM extras for the template
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    add_special_tokens: bool = False  # on top of what the template writes (BOS, usually)
-    echo: bool = False  # the reply starts with the last message when it is the same role's
+    add_special_tokens: StrictBool = False  # on top of what the template writes (BOS, usually)
+    echo: StrictBool = False  # the reply starts with the last message when it is the same role's
     documents: list[dict[str, str]] | None = None  # for templates that render documents (RAG)
     chat_template: str | None = None  # refused: the server renders with its own template
     mm_processor_kwargs: dict[str, Any] | None = None  # refused: text-only models
 
 
-class TokenizeRequest(OpenAIBase):
+class TokenizeRequest(RequestBase):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False  # as in chat completions, so counts agree
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False  # as in chat completions, so counts agree
     chat_template_kwargs: dict[str, Any] | None = None
-    return_token_strs: bool = False
+    return_token_strs: StrictBool = False
 
 
-class DetokenizeRequest(OpenAIBase):
+class DetokenizeRequest(RequestBase):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[JsonInt]
 
 
 # ---- responses ------------------------------------------------------------------------------

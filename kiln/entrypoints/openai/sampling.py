@@ -16,7 +16,7 @@ _SHARED_FIELDS = ["n", "temperature", "top_p", "top_k", "min_p", "seed", "presen
                   "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "prompt_logprobs"]
 # Fields whose default is "off": any other value asks for what Kiln does not do.
 # field -> (its off value, why it is refused)
-_OFF_ONLY = {
+OFF_ONLY = {
     "use_beam_search": (False, "beam search is not supported"),
     "length_penalty": (1.0, "length_penalty only applies to beam search, which is not supported"),
     "spaces_between_special_tokens": (True, "special tokens are always decoded with the "
@@ -35,7 +35,7 @@ _OFF_ONLY = {
 
 def refuse_unsupported(req: SamplingFields) -> None:
     """A 400 naming the first field that asks for something Kiln does not do."""
-    for name, (off, why) in _OFF_ONLY.items():
+    for name, (off, why) in OFF_ONLY.items():
         if name in type(req).model_fields and getattr(req, name) not in (off, "", {}, []):
             raise OpenAIError(f"{name}={getattr(req, name)!r} is refused: {why}; omit it",
                               param=name, code="unsupported_parameter")
