@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from kiln.compilation import monitor
 from kiln.compilation.phase import WarmupPhase
+from kiln.progress import progress
 
 
 def sizes_to_run(max_num_batched_tokens: int, compile_sizes: list[int], compiled: bool,
@@ -30,8 +31,11 @@ def compile_and_warm_up(run: Callable[[int], object], kiln_config, phase: Warmup
     the warm-up of the engine whose model `run` calls (its CompileState's)."""
     sched, cc = kiln_config.scheduler_config, kiln_config.compilation_config
     first_event = len(monitor.stats.events)
-    for size in sizes_to_run(sched.max_num_batched_tokens, cc.compile_sizes, bool(cc.mode),
-                             extra_sizes):
+    sizes = sizes_to_run(sched.max_num_batched_tokens, cc.compile_sizes, bool(cc.mode),
+                         extra_sizes)
+    # The first size compiles (or loads) the range artifact: most of the time is there.
+    for size in progress(sizes, desc="compiling / warming up" if cc.mode else "warming up",
+                         unit=" shapes"):
         run(size)
     phase.end()
     if cc.mode:  # mode 0 compiled nothing

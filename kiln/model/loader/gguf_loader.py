@@ -130,7 +130,10 @@ def load_gguf_weights(model: nn.Module, path: Path, hf_config) -> None:
     keep = (weight.device.type == "cpu" and gguf_matmul.available()
             and get_tp_group().world_size == 1)
     blocks: dict | None = {} if keep else None
-    model.load_weights(iterate_gguf(path, hf_config, blocks))
+    from kiln.progress import progress
+
+    model.load_weights(progress(iterate_gguf(path, hf_config, blocks), desc="loading weights",
+                                unit=" tensors"))
     apply_rope_freqs(model, path)
     if blocks:
         attach_blocks(model, blocks)
