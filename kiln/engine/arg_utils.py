@@ -208,10 +208,12 @@ class EngineArgs:
         g.add_argument("--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks_override)
         g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
         g.add_argument("--quantization", "-q", default=d.quantization,
-                       choices=["int8", "compressed-tensors"],
+                       choices=["int8", "fp8", "ptpc_fp8", "compressed-tensors"],
                        help="int8: quantize the float checkpoint's linear layers on load (W8A8: "
                             "per-channel int8 weights, dynamic per-token int8 activations); "
-                            "a compressed-tensors checkpoint needs no flag")
+                            "fp8 / ptpc_fp8: the same in e4m3 with per-tensor / per-channel "
+                            "weight scales (fast on GPUs with fp8 tensor cores); a "
+                            "compressed-tensors checkpoint needs no flag")
         g.add_argument("--ir-op-priority", dest="ir_op_priority", action=_IrOpPriority,
                        default=d.ir_op_priority, metavar="OP=PROVIDER[,PROVIDER...]",
                        help="providers of an IR op in order of preference, e.g. "

@@ -7,6 +7,7 @@ from kiln.ir import (
                                fused,  # noqa: F401  (the fusion passes' ops)
                                native,
                                quant,
+                               quant_fp8,
                                quant_native,
 )
 from kiln.ir.attention import unified_attention
@@ -30,6 +31,7 @@ from kiln.ir.selection import (
 
 native.register()
 quant_native.register()
+quant_fp8.register()
 
 __all__ = ["PROVIDERS", "REGISTRY", "Implementation", "IrOp", "Selection", "all_reduce",
            "applied", "apply",

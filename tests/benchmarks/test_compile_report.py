@@ -50,6 +50,8 @@ def test_cold_run_reports_pieces_shapes_and_compiles(cold, cache_dir):
     assert sum(r["matches"]["LowerIrOps"] for r in runs) >= 1
     ops = dict(cold["ir_ops"])
     int8 = {op: ops.pop(op) for op in list(ops) if "int8" in op}  # the W8A8 ops: VNNI CPUs only
+    fp8 = {op: ops.pop(op) for op in list(ops) if "fp8" in op}  # GPU kernels only
+    assert fp8 == {"dynamic_fp8_quant": "torch", "fp8_scaled_mm": "torch"}
     assert ops == {"all_reduce": "torch", "fused_add_rms_norm": "native", "linear": "native",
                    "rms_norm": "native", "rotary_embedding": "native",
                    "silu_and_mul": "native", "unified_attention": "native"}
@@ -91,7 +93,7 @@ def test_text_report_names_pieces_cache_and_times(cold):
     assert f"{next(iter(cold['cache']['dirs']))} [miss]" in text
     assert f"inductor   {cold['inductor']['compiles']} compiles, 0 artifacts loaded" in text
     assert "total" in text and "Dynamo trace" in text
-    assert "ir ops     all_reduce torch, dynamic_int8_quant " in text
+    assert "ir ops     all_reduce torch, dynamic_fp8_quant torch, dynamic_int8_quant " in text
     assert "fused_add_rms_norm native, " in text and ", linear native, rms_norm native" in text
     assert "passes     EliminateNoops " in text and "FuseAddRmsNormLinear " in text
     assert "cold piece compiles" in text

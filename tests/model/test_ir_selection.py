@@ -34,7 +34,7 @@ def test_an_override_changes_the_choice_and_unsupported_providers_are_passed_ove
 
 @pytest.mark.parametrize("priority, message", [
     ({"rms_nrom": ["torch"]},
-     r"unknown IR op 'rms_nrom'; valid ops: all_reduce, dynamic_int8_quant, fused_add_rms_norm, "
+     r"unknown IR op 'rms_nrom'; valid ops: all_reduce, dynamic_fp8_quant, dynamic_int8_quant, "
      r".*linear"),
     ({"rms_norm": ["triton"]}, r"unknown provider 'triton'; valid providers: native, cuda, torch"),
     ({"rms_norm": []}, r"non-empty list"),

@@ -1,10 +1,12 @@
 """Quantized serving: which method a model runs with (`quantization`, vLLM's name) and the config
-that converts its linear layers: W8A8 int8 from a compressed-tensors checkpoint or online.
+that converts its linear layers: W8A8 int8 from a compressed-tensors checkpoint or online, W8A8
+fp8 online (per-tensor `fp8` or per-channel `ptpc_fp8` weight scales).
 
 `resolve_quantization` decides from the flag and the checkpoint's `quantization_config`;
 `get_quant_config` builds the method's config for a ModelConfig (None: unquantized).
 """
-QUANTIZATION_METHODS = ("int8", "compressed-tensors")
+QUANTIZATION_METHODS = ("int8", "fp8", "ptpc_fp8", "compressed-tensors")
+ONLINE_METHODS = ("int8", "fp8", "ptpc_fp8")
 
 
 def checkpoint_quant_method(hf_config) -> str | None:
@@ -29,7 +31,8 @@ def resolve_quantization(requested: str | None, hf_config) -> str | None:
         if stored != "compressed-tensors":
             raise ValueError(f"quantization_config.quant_method={stored!r} is not supported; "
                              "Kiln serves compressed-tensors W8A8 int8 checkpoints, or "
-                             "quantizes a float checkpoint on load (--quantization int8)")
+                             "quantizes a float checkpoint on load (--quantization int8, fp8 or "
+                             "ptpc_fp8)")
         if requested not in (None, "compressed-tensors"):
             raise ValueError(f"--quantization {requested} quantizes a float checkpoint, but this "
                              "one is already quantized (quantization_config.quant_method="
@@ -38,13 +41,13 @@ def resolve_quantization(requested: str | None, hf_config) -> str | None:
     if requested == "compressed-tensors":
         raise ValueError("--quantization compressed-tensors needs a checkpoint whose config.json "
                          "has a quantization_config; for a float checkpoint use --quantization "
-                         "int8")
+                         "int8 (or fp8, ptpc_fp8)")
     return requested
 
 
 def get_quant_config(model_config):
-    """The W8A8 int8 config of the model (None when unquantized); a compressed-tensors scheme
-    Kiln cannot run is refused here, before any weight is read."""
+    """The W8A8 config of the model (None when unquantized); a compressed-tensors scheme Kiln
+    cannot run is refused here, before any weight is read."""
     from kiln.model.layers.quantization.w8a8_int8 import Int8W8A8Config
 
     method = model_config.quantization
@@ -52,6 +55,10 @@ def get_quant_config(model_config):
         return None
     if method == "int8":
         return Int8W8A8Config(online=True)
+    if method in ("fp8", "ptpc_fp8"):
+        from kiln.model.layers.quantization.fp8 import Fp8W8A8Config
+
+        return Fp8W8A8Config(per_channel=method == "ptpc_fp8")
     from kiln.model.layers.quantization.compressed_tensors import parse_w8a8_int8
 
     targets, ignore = parse_w8a8_int8(model_config.hf_config.quantization_config)

@@ -1,0 +1,50 @@
+"""W8A8 fp8 on a GPU: the IR's `cuda` provider (torch._scaled_mm, row-wise scales) is chosen for
+a bfloat16 model and matches the reference; online `quantization="fp8"` and `"ptpc_fp8"` engines
+give the same greedy tokens eagerly and compiled (mode 3, with CUDA graphs)."""
+import pytest
+import torch
+
+from kiln import ir
+from kiln.ir import quant_fp8
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.usefixtures("inprocess_core")]
+
+needs_sm90 = pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0),
+    reason="needs CUDA compute capability 9.0 (row-wise fp8 scales)")
+
+
+@needs_sm90
+def test_the_cuda_gemm_is_chosen_and_matches_the_reference():
+    assert ir.resolve({}, "cuda", torch.bfloat16).provider("fp8_scaled_mm") == "cuda"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(33, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.randn(256, 128, device="cuda", generator=g)
+    q, scale = quant_fp8.dynamic_fp8_quant.reference(x)
+    w_q, w_scale = quant_fp8.dynamic_fp8_quant.reference(w)
+    bias = torch.randn(256, device="cuda", generator=g, dtype=torch.bfloat16)
+    args = (q, scale, w_q, w_scale.reshape(-1), bias, torch.bfloat16)
+    assert quant_fp8.scaled_mm_supported(*args)
+    got = quant_fp8.fp8_scaled_mm.impls["cuda"].fn(*args)
+    ref = quant_fp8.fp8_scaled_mm.reference(*args)
+    assert torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.abs().max())
+
+
+@needs_sm90
+@pytest.mark.parametrize("quantization", ["fp8", "ptpc_fp8"])
+def test_online_fp8_greedy_is_the_same_eager_and_compiled(tiny_llama_dir, tmp_path, quantization):
+    from kiln import LLM, SamplingParams
+
+    outs = []
+    for mode in (0, 3):
+        llm = LLM(model=str(tiny_llama_dir), dtype="bfloat16", quantization=quantization,
+                  max_model_len=128, max_num_batched_tokens=64, num_gpu_blocks_override=256,
+                  compilation_config={"mode": mode, "cache_dir": str(tmp_path / "cc")})
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        res = llm.generate([{"prompt_token_ids": p} for p in ([5, 6, 7], list(range(9, 40)))],
+                           params, use_tqdm=False)
+        outs.append([list(r.outputs[0].token_ids) for r in res])
+        llm.shutdown()
+    assert outs[0] == outs[1]

@@ -1,0 +1,94 @@
+"""W8A8 fp8 (e4m3) on CPU, where its IR ops run their torch references: quantization error
+within e4m3's half step, the GEMM reference against torch._scaled_mm's row-wise kernel, and
+online `quantization="fp8"` / `"ptpc_fp8"` engines: weights stored as e4m3, the same greedy
+tokens in modes 0 and 3, logprobs near the float model's. tests/gpu/test_fp8_gpu.py runs the
+`cuda` provider (torch._scaled_mm) on a GPU."""
+import pytest
+import torch
+
+from kiln import LLM, SamplingParams
+from kiln.benchmarks.latency import engine_model
+from kiln.ir import quant_fp8
+from kiln.model.layers.linear import LinearBase
+from kiln.model.layers.quantization.fp8 import quantize_weight_fp8
+
+from checkpoints import random_prompts
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dynamic_quant_is_within_half_an_e4m3_step(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(7, 96, generator=g) * torch.logspace(-3, 2, 7)[:, None]).to(dtype)
+    x[3] = 0
+    q, scale = quant_fp8.dynamic_fp8_quant.reference(x)
+    assert q.dtype == FP8 and q.shape == x.shape and scale.shape == (7, 1)
+    assert scale[3].item() == 1.0 and q[3].float().abs().max().item() == 0
+    x32 = x.float()
+    assert torch.allclose(q.float().abs().amax(-1), torch.where(
+        x32.abs().amax(-1) > 0, torch.full((7,), 448.0), torch.zeros(7)))  # the row's max hits 448
+    err = (q.float() * scale - x32).abs()
+    # e4m3: 3 mantissa bits (half step 2^-4 relative); below 2^-6 subnormals step 2^-9
+    assert (err <= x32.abs() * 2 ** -4 + scale * 2 ** -10).all()
+
+
+def test_gemm_reference_matches_torch_scaled_mm_rowwise():
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(10, 64, generator=g), torch.randn(48, 64, generator=g)
+    q, scale = quant_fp8.dynamic_fp8_quant.reference(x)
+    w_q, w_scale = quantize_weight_fp8(w, per_channel=True)
+    bias = torch.randn(48, generator=g)
+    ref = quant_fp8.fp8_scaled_mm.reference(q, scale, w_q, w_scale, bias, torch.float32)
+    other = torch._scaled_mm(q, w_q.t(), scale_a=scale, scale_b=w_scale.reshape(1, -1),
+                             out_dtype=torch.float32) + bias
+    assert torch.allclose(ref, other, rtol=1e-5, atol=1e-4)
+    # and it approximates the float GEMM: e4m3's error on both operands
+    assert (ref - (x @ w.t() + bias)).abs().max() < 0.1 * (x @ w.t()).abs().max()
+
+
+def test_per_tensor_weights_share_one_scale():
+    w = torch.randn(32, 64)
+    q, scale = quantize_weight_fp8(w, per_channel=False)
+    assert q.shape == w.shape and scale.shape == (32,) and torch.all(scale == scale[0])
+    assert scale[0].item() == pytest.approx(w.abs().max().item() / 448)
+
+
+def _generate(model_dir, quantization, mode, tmp_path):
+    llm = LLM(model=str(model_dir), dtype="float32", quantization=quantization,
+              max_num_batched_tokens=64, kv_cache_memory=0.05,
+              compilation_config={"mode": mode, "cache_dir": str(tmp_path / "cc")})
+    prompts = random_prompts(3, [5, 30, 70], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    model = engine_model(llm.llm_engine)
+    llm.shutdown()
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [[next(iter(s.values())).logprob for s in o.outputs[0].logprobs] for o in outs]
+    return tokens, logprobs, model
+
+
+@pytest.mark.usefixtures("inprocess_core")  # reads the loaded model
+@pytest.mark.parametrize("quantization", ["fp8", "ptpc_fp8"])
+def test_online_fp8_modes_0_and_3_agree(tiny_llama_dir, tmp_path, quantization):
+    eager, eager_lp, model = _generate(tiny_llama_dir, quantization, 0, tmp_path)
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.weight.dtype == FP8 for m in linears)
+    compiled, compiled_lp, _ = _generate(tiny_llama_dir, quantization, 3, tmp_path)
+    assert compiled == eager
+    assert max(abs(a - b) for ra, rb in zip(eager_lp, compiled_lp) for a, b in zip(ra, rb)) < 1e-3
+    _, float_lp, _ = _generate(tiny_llama_dir, None, 0, tmp_path)
+    # The first token's logprob (the same context as the float model's): e4m3 weights and
+    # activations move it, by little
+    first = [abs(a[0] - b[0]) for a, b in zip(eager_lp, float_lp)]
+    assert 0 < max(first) < 0.3
+
+
+def test_fp8_on_a_quantized_checkpoint_is_refused(tiny_llama_dir):
+    from kiln.model.layers.quantization import resolve_quantization
+
+    class Quantized:
+        quantization_config = {"quant_method": "compressed-tensors"}
+
+    with pytest.raises(ValueError, match="already quantized"):
+        resolve_quantization("fp8", Quantized())
