@@ -20,8 +20,6 @@ NAME = "stories"
 
 @pytest.fixture(scope="module")
 def core_server(tmp_path_factory):
-    if not (STORIES_DIR / "model.safetensors").exists():
-        pytest.skip("stories260K is not available (../shared/models/stories260K)")
     args = ["--enforce-eager", "--max-model-len", "512", "--kv-cache-memory", "0.05",
             "--disable-access-log", "--max-request-body-bytes", "2000000",
             "--graceful-shutdown-timeout", "0"]
