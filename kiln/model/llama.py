@@ -16,7 +16,11 @@ from kiln.model.layers.activation import SiluAndMul
 from kiln.model.layers.attention import Attention
 from kiln.model.layers.layernorm import RMSNorm
 from kiln.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from kiln.model.layers.rotary_embedding import RotaryEmbedding, get_rope_config
+from kiln.model.layers.rotary_embedding import (
+    RotaryEmbedding,
+    get_rope_config,
+    share_rotary_embeddings,
+)
 from kiln.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
 logger = init_logger(__name__)
@@ -122,6 +126,7 @@ class LlamaStyleModel(nn.Module):
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last_stage \
             else PPMissingLayer()
+        share_rotary_embeddings(self.layers)  # one cos/sin cache, not one per layer
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden_states: torch.Tensor | None = None,

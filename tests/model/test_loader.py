@@ -64,6 +64,8 @@ def test_bfloat16_build_keeps_rope_cache_float32(tiny_qwen3_dir):
     assert model.lm_head.weight.dtype == torch.bfloat16
     rope = model.model.layers[0].self_attn.rotary_emb
     assert rope.cos_sin_cache.dtype == torch.float32
+    # one rotary (and cos/sin cache) for every layer, not a copy per layer
+    assert all(layer.self_attn.rotary_emb is rope for layer in model.model.layers)
 
 
 def test_stories260k_greedy_from_bos_matches_hf():

@@ -88,3 +88,17 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T]; q [T, nh*hd], k [T, nkv*hd] -> rotated (q, k)."""
         return ir.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_size, True)
+
+
+def share_rotary_embeddings(layers: nn.Module) -> int:
+    """Point every `rotary_emb` under `layers` at one module per distinct rotary (head size,
+    positions, frequencies): each layer building its own kept a float32 [max_pos, hd] cache per
+    layer (2 MB each at 8192 x 64), all equal. Returns how many distinct ones remain."""
+    shared: dict[tuple, RotaryEmbedding] = {}
+    for module in layers.modules():
+        rotary = getattr(module, "rotary_emb", None)
+        if isinstance(rotary, RotaryEmbedding):
+            key = (rotary.head_size, rotary.max_position, repr(rotary.scaling),
+                   tuple(rotary.inv_freq.tolist()))
+            module.rotary_emb = shared.setdefault(key, rotary)
+    return len(shared)
