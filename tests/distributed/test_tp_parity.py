@@ -50,7 +50,6 @@ def test_tp2_qwen_greedy_matches_hf(arch, request, ranks_exit):
     ranks_exit(llm)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_tp2_qwen_mode3_greedy_matches_hf(arch, request, tmp_path):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
