@@ -181,12 +181,32 @@ def run_engine_core(kiln_config, executor_class: type, input_address: str, outpu
     os._exit(code)
 
 
+# What the config's unpickling (transformers' model configs: their validators pull in
+# torch.distributed.tensor, a second) and the model load import: done here, while the front end
+# resolves the config, not after it arrives. Optional: any may be missing in a version.
+_PREIMPORTS = ("transformers.configuration_utils", "transformers.modeling_rope_utils",
+               "transformers.utils.type_validators", "kiln.model.registry",
+               "kiln.model.loader.gguf_loader", "kiln.model.loader.hf_loader")
+
+
+def _preimport() -> None:
+    import importlib
+
+    for name in _PREIMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
 def main() -> None:
     import pickle
 
     # Started before the caller's config exists: import the engine while it is resolved.
     import kiln.core.engine_core  # noqa: F401
     import kiln.executor.uniproc_executor  # noqa: F401
+
+    _preimport()
 
     sys.path[:0] = [p for p in pickle.load(sys.stdin.buffer) if p not in sys.path]
     run_engine_core(*pickle.load(sys.stdin.buffer))
