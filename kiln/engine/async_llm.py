@@ -112,6 +112,11 @@ class AsyncLLM:
         return self.engine.num_blocks
 
     @property
+    def core_pid(self) -> int | None:
+        """The engine core's process (this one's when it runs in-process)."""
+        return getattr(getattr(self.engine, "engine_core", None), "pid", None)
+
+    @property
     def is_running(self) -> bool:
         return self._dead is None and not self._closed and self._refusing is None
 

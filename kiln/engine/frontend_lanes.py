@@ -1,6 +1,7 @@
-"""The front end's tokenizer and template threads: one for ordinary inputs, one for huge ones,
-so a short prompt never queues behind a 4 MB body; the huge-input thread runs at a lower OS
-priority (Linux: per thread), so the engine core and the event loop get the CPU first."""
+"""The front end's claim on the CPU. Its tokenizer and template threads: one for ordinary
+inputs, one for huge ones, so a short prompt never queues behind a 4 MB body; the huge-input
+thread runs at a lower OS priority (Linux: per thread), so the engine core and the event loop
+get the CPU first. And the whole front end may yield to its engine core (lower_front_end)."""
 import concurrent.futures
 import os
 import threading
@@ -36,6 +37,28 @@ def is_bulk(args, kwargs) -> bool:
         if total > BULK_CHARS:
             return True
     return False
+
+
+def lower_front_end(niceness: int) -> int:
+    """Add `niceness` to every thread of this process (threads started later inherit it from
+    their creator), not to the engine core's process started before: where both share a
+    few cores, a step then never waits for front-end work (connections, JSON, tokenizing).
+    How many threads were lowered (0 where the OS does not allow it)."""
+    if niceness <= 0:
+        return 0
+    lowered = 0
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid,
+                           min(19, os.getpriority(os.PRIO_PROCESS, tid) + niceness))
+            lowered += 1
+        except (AttributeError, OSError):  # exited meanwhile, or not allowed
+            pass
+    return lowered
 
 
 def _lower_this_thread() -> None:

@@ -42,3 +42,31 @@ def test_the_bulk_thread_yields_the_cpu():
         assert os.getpriority(os.PRIO_PROCESS, ordinary) == base
     finally:
         lanes.shutdown()
+
+
+def test_lowering_the_front_end_lowers_every_thread_of_this_process_only():
+    """In a child process (never renice the test runner): its threads all yield, a process it
+    started before keeps its priority, a thread started after inherits the lower one."""
+    import subprocess
+    import sys
+
+    code = """
+import os, subprocess, sys, threading, time
+from kiln.engine.frontend_lanes import lower_front_end
+core = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+ready = threading.Event()
+threading.Thread(target=lambda: (ready.set(), time.sleep(30)), daemon=True).start()
+ready.wait()
+base = os.getpriority(os.PRIO_PROCESS, 0)
+n = lower_front_end(3)
+later = []
+t = threading.Thread(target=lambda: later.append(os.getpriority(os.PRIO_PROCESS, 0)))
+t.start(); t.join()
+tids = [int(x) for x in os.listdir("/proc/self/task")]
+print(n >= 2, all(os.getpriority(os.PRIO_PROCESS, i) == min(19, base + 3) for i in tids),
+      os.getpriority(os.PRIO_PROCESS, core.pid) == base, later == [min(19, base + 3)])
+core.kill()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.stdout.split() == ["True"] * 4, out.stderr
