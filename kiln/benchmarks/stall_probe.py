@@ -38,6 +38,12 @@ class StreamRecord:
         times = [t for request in self.requests for t in request]
         return [b - a for a, b in zip(times, times[1:]) if start <= a and b <= end]
 
+    def largest_gap_start(self, start: float, end: float) -> float | None:
+        """When (seconds after `start`) the largest gap within [start, end] began."""
+        times = [t for request in self.requests for t in request]
+        pairs = [(b - a, a) for a, b in zip(times, times[1:]) if start <= a and b <= end]
+        return round(max(pairs)[1] - start, 3) if pairs else None
+
     def tokens_within(self, intervals: list[tuple[float, float]]) -> int:
         return sum(1 for times in self.requests for t in times
                    if any(s <= t <= e for s, e in intervals))
@@ -111,6 +117,7 @@ async def run_probe(base_url: str, duration: float = 5.0, load: LoadSpec | None 
         "idle": {"tokens": len(idle_gaps), "max_gap_ms": round(idle_max * 1000, 3),
                  "gap_ms": percentiles(idle_gaps)},
         "loaded": {"tokens": len(loaded_gaps), "max_gap_ms": round(loaded_max * 1000, 3),
+                   "max_gap_at_s": record.largest_gap_start(load_start, load_end),
                    "gap_ms": percentiles(loaded_gaps)},
         "max_gap_ratio": round(loaded_max / idle_max, 3) if idle_max else None,
         "tokens_during_big_requests": record.tokens_within(intervals),
