@@ -112,7 +112,8 @@ def test_other_quant_methods_and_conflicting_flags_are_refused(tiny_llama_dir, w
     d = _edited(tiny_llama_dir, tmp_path / "awq", lambda qc: qc.update(quant_method="awq"))
     with pytest.raises(ValueError, match="quant_method='awq' is not supported"):
         kiln_config_for(d)
-    with pytest.raises(ValueError, match="quantization must be one of int8, fp8, ptpc_fp8, compressed-tensors"):
+    with pytest.raises(ValueError, match="quantization must be one of int8, fp8, ptpc_fp8, "
+                                         "compressed-tensors"):
         kiln_config_for(tiny_llama_dir, quantization="fp4")
     with pytest.raises(ValueError, match="needs a checkpoint whose config.json has a "
                                          "quantization_config"):
