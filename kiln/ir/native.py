@@ -31,8 +31,8 @@ def _silu_supported(x) -> bool:
 
 
 def _rotary_supported(positions, q, k, cos_sin_cache, head_size, is_neox) -> bool:
-    # the kernel rotates neox halves only, reading the cache in float32
-    return (bool(is_neox) and head_size % 2 == 0 and _cpu_kernel_dtype(q, k)
+    # the kernel rotates neox halves or gpt-j pairs, reading the cache in float32
+    return (head_size % 2 == 0 and _cpu_kernel_dtype(q, k)
             and cos_sin_cache.dtype == torch.float32 and q.dim() == 2 and k.dim() == 2
             and cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == head_size
             and build.available())

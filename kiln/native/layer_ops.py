@@ -1,5 +1,5 @@
 """The CPU kernels of the per-layer IR ops (csrc/ops_layer.cpp over layer_ops.c): fused RMSNorm,
-SiLU-and-mul and neox rotary, called as torch ops (kiln/ir/native.py says what each supports).
+SiLU-and-mul and rotary (neox, gpt-j), called as torch ops (kiln/ir/native.py says what each supports).
 """
 import torch
 
@@ -18,7 +18,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-           cos_sin_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+           cos_sin_cache: torch.Tensor, head_size: int,
+           is_neox: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [T]; q [T, nq*hd], k [T, nk*hd] (rows may be strided) -> rotated copies."""
     return torch.ops.kiln.rotary_embedding_native(positions, q, k, cos_sin_cache, head_size,
-                                                  True)
+                                                  is_neox)

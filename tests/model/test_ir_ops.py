@@ -98,7 +98,8 @@ def test_silu_and_mul(provider, dtype, rows, d, strided):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_size, nq, nk", [(64, 4, 4), (80, 6, 2), (128, 7, 1), (32, 4, 2)])
 @pytest.mark.parametrize("tokens", [1, 9])
-def test_rotary_neox_on_strided_q_and_k(provider, dtype, head_size, nq, nk, tokens):
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_rotary_on_strided_q_and_k(provider, dtype, head_size, nq, nk, tokens, is_neox):
     from kiln.model.layers.rotary_embedding import RotaryEmbedding
 
     rope = RotaryEmbedding(head_size, max_position=256, base=10000.0)
@@ -107,20 +108,20 @@ def test_rotary_neox_on_strided_q_and_k(provider, dtype, head_size, nq, nk, toke
     q, k, _ = qkv.split([nq * head_size, nk * head_size, nk * head_size], dim=-1)
     positions = torch.randint(0, 256, (tokens,), generator=g)
     (gq, gk), (wq, wk) = _run("rotary_embedding", provider, positions, q, k, rope.cos_sin_cache,
-                              head_size, True)
+                              head_size, is_neox)
     close(gq, wq, dtype)
     close(gk, wk, dtype)
 
 
-def test_rotary_gptj_layout_is_the_reference_only():
+@pytest.mark.parametrize("provider", ["native", "torch"])
+def test_rotary_gptj_layout_rotates_interleaved_pairs(provider):
     from kiln.model.layers.rotary_embedding import RotaryEmbedding
 
     hd = 64
     rope = RotaryEmbedding(hd, max_position=16, base=10000.0)
     q, k = torch.randn(3, 2 * hd), torch.randn(3, hd)
     args = (torch.tensor([0, 1, 5]), q, k, rope.cos_sin_cache, hd, False)
-    assert not ir.rotary_embedding.supported_by("native", *args)
-    gq, _ = ir.rotary_embedding.reference(*args)
+    (gq, _), _ = _run("rotary_embedding", provider, *args)
     # pairs (x[2i], x[2i+1]) rotate by position * inv_freq[i]: check one by hand
     angle = 5 * rope.inv_freq[3]
     x1, x2 = q[2, 6], q[2, 7]

@@ -56,31 +56,33 @@ int kiln_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, 
     return 0;
 }
 
-/* Neox-style rotation of one [heads, hd] row into out (contiguous), with cos/sin already in the
- * model dtype: (x1 * cos - x2 * sin, x2 * cos + x1 * sin), each product rounded as torch does. */
+/* Rotation of one [heads, hd] row into out (contiguous), with cos/sin already in the model dtype:
+ * (x1 * cos - x2 * sin, x2 * cos + x1 * sin), each product rounded as torch does; (x1, x2) are
+ * each head's halves (neox) or its interleaved pairs x[2i], x[2i + 1] (gpt-j). */
 static inline void rotate_row(const void *x, int64_t off, void *out, int64_t out_off, int heads,
-                              int hd, const float *cs, int dtype) {
+                              int hd, const float *cs, int neox, int dtype) {
     const int half = hd / 2;
     for (int h = 0; h < heads; ++h) {
         const int64_t i0 = off + (int64_t)h * hd, o0 = out_off + (int64_t)h * hd;
         for (int i = 0; i < half; ++i) {
-            const float x1 = load_elem(x, i0 + i, dtype), x2 = load_elem(x, i0 + half + i, dtype);
+            const int j1 = neox ? i : 2 * i, j2 = neox ? half + i : 2 * i + 1;
+            const float x1 = load_elem(x, i0 + j1, dtype), x2 = load_elem(x, i0 + j2, dtype);
             const float c = cs[i], s = cs[half + i];
             const float a = round_to(x1 * c, dtype), b = round_to(x2 * s, dtype);
             const float e = round_to(x2 * c, dtype), f = round_to(x1 * s, dtype);
-            store_elem(out, o0 + i, a - b, dtype);
-            store_elem(out, o0 + half + i, e + f, dtype);
+            store_elem(out, o0 + j1, a - b, dtype);
+            store_elem(out, o0 + j2, e + f, dtype);
         }
     }
 }
 
 /* q_out [T, nq*hd], k_out [T, nk*hd] = rotary(q, k) at positions [T] (int64), with cos_sin_cache
- * [max_pos, hd] float32 (cos | sin halves). A position outside the cache fails with 1, an odd
- * head size with 3. */
+ * [max_pos, hd] float32 (cos | sin halves), in the neox layout or (is_neox 0) gpt-j's. A position
+ * outside the cache fails with 1, an odd head size with 3. */
 int kiln_rotary(const int64_t *positions, const void *q, int64_t q_stride, const void *k,
                 int64_t k_stride, void *q_out, void *k_out, const float *cos_sin_cache,
                 int64_t max_pos, int64_t num_tokens, int32_t nq, int32_t nk, int32_t hd,
-                int32_t dtype, int32_t num_threads) {
+                int32_t is_neox, int32_t dtype, int32_t num_threads) {
     if (hd % 2) return 3;
     int bad = 0;
 #pragma omp parallel for num_threads(num_threads) if (num_tokens >= PARALLEL_MIN_ROWS) \
@@ -93,8 +95,8 @@ int kiln_rotary(const int64_t *positions, const void *q, int64_t q_stride, const
         float cs[hd];
         const float *src = cos_sin_cache + positions[t] * hd;
         for (int i = 0; i < hd; ++i) cs[i] = round_to(src[i], dtype);
-        rotate_row(q, t * q_stride, q_out, t * (int64_t)nq * hd, nq, hd, cs, dtype);
-        rotate_row(k, t * k_stride, k_out, t * (int64_t)nk * hd, nk, hd, cs, dtype);
+        rotate_row(q, t * q_stride, q_out, t * (int64_t)nq * hd, nq, hd, cs, is_neox, dtype);
+        rotate_row(k, t * k_stride, k_out, t * (int64_t)nk * hd, nk, hd, cs, is_neox, dtype);
     }
     return bad;
 }

@@ -1,6 +1,6 @@
 /* The `native` implementations of the IR's per-layer ops (kiln/ir/layer_ops.py defines what each
- * computes): RMSNorm with and without the residual add, SiLU-and-mul and neox rotary, as torch
- * ops over layer_ops.c's kernels. A decode step calls these ~100 times: from Python the
+ * computes): RMSNorm with and without the residual add, SiLU-and-mul and rotary (neox and gpt-j
+ * layouts), as torch ops over layer_ops.c's kernels. A decode step calls these ~100 times: from Python the
  * dispatcher reaches them directly, with no Python between it and the kernel. */
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -77,8 +77,6 @@ at::Tensor silu_and_mul(const at::Tensor &x) {
 std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor &positions, const at::Tensor &q,
                                           const at::Tensor &k, const at::Tensor &cos_sin_cache,
                                           int64_t head_size, bool is_neox) {
-    /* the kernel rotates each head's halves (neox); supported() keeps gpt-j off it */
-    TORCH_CHECK_VALUE(is_neox, "kiln::rotary_embedding_native rotates the neox layout only");
     TORCH_CHECK_VALUE(head_size > 0 && head_size % 2 == 0,
                       "kiln::rotary_embedding_native: head_size must be even, got ", head_size);
     TORCH_CHECK_VALUE(q.dim() == 2 && k.dim() == 2 && q.scalar_type() == k.scalar_type() &&
@@ -100,7 +98,8 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor &positions, const at:
                                cache.data_ptr<float>(), cache.size(0), qr.size(0),
                                static_cast<int32_t>(qr.size(1) / head_size),
                                static_cast<int32_t>(kr.size(1) / head_size),
-                               static_cast<int32_t>(head_size), dtype, kiln::threads());
+                               static_cast<int32_t>(head_size), is_neox ? 1 : 0, dtype,
+                               kiln::threads());
     TORCH_CHECK_INDEX(rc != 1, "kiln::rotary_embedding_native: a position is outside [0, ",
                       cache.size(0), ") (the rope cache's max_position_embeddings)");
     kiln::check_rc(rc, "kiln_rotary");
