@@ -23,11 +23,14 @@ class LinearFloor:
             raise ValueError(f"{type(model).__name__} has no Kiln linear layers or LM head to "
                              "measure a floor with")
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}
+        # Activations are in the model dtype, which the LM head keeps (a quantized linear's
+        # weight is int8 or fp8)
+        self.dtype = model.lm_head.weight.dtype
 
     def _rows(self, batch: int, width: int, like: torch.Tensor) -> torch.Tensor:
         key = (batch, width)
         if key not in self._inputs:
-            self._inputs[key] = torch.randn(batch, width, dtype=like.dtype, device=like.device)
+            self._inputs[key] = torch.randn(batch, width, dtype=self.dtype, device=like.device)
         return self._inputs[key]
 
     @torch.no_grad()

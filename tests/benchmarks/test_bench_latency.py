@@ -163,3 +163,16 @@ def test_linear_floor_runs_every_linear_and_the_head(tiny_llama_dir, monkeypatch
 
     assert above_floor({"1": ms(5.0)}, {"1": ms(3.5)}) == {"1": 1.5}
     assert speedup_ceiling({"1": ms(5.0)}, {"1": ms(4.0)}) == {"1": 1.25}
+
+
+def test_linear_floor_feeds_a_quantized_model_its_activation_dtype(tiny_llama_dir):
+    import torch
+    from model._attn_helper import kiln_config_for
+
+    from kiln.benchmarks.linear_floor import LinearFloor
+    from kiln.model.loader import get_model
+
+    model = get_model(kiln_config_for(tiny_llama_dir, quantization="int8"))
+    floor = LinearFloor(model)
+    assert floor.dtype == torch.float32  # not the int8 weights'
+    assert len(floor.time(2, 1)) == 1
