@@ -1,4 +1,5 @@
-"""A TCP port free on this machine, for the process group's rendezvous."""
+"""A TCP port free on this machine: the process group's rendezvous, a server started by a benchmark
+or a test."""
 import socket
 
 

@@ -13,16 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from kiln.executor.free_port import free_port
+
 from checkpoints import hf_greedy
 from parallel_helpers import MAX_TOKENS, PROMPTS, generate_ids, make_llm
 
 RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -31,7 +27,7 @@ def ray_head():
     would stop every Ray on the machine); its temp dir short, as Ray's socket paths must be."""
     import ray
 
-    port, temp = _free_port(), tempfile.mkdtemp(prefix="kray")
+    port, temp = free_port(), tempfile.mkdtemp(prefix="kray")
     address = f"127.0.0.1:{port}"
     head = subprocess.Popen(
         [RAY, "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",

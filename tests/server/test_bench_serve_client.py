@@ -3,20 +3,14 @@ clear errors for an unreachable server or an unserved model, TTFT / ITL from chu
 times, failures counted but kept out of latency stats, the API key sent on every call."""
 import asyncio
 import json
-import socket
 
 import pytest
 from aiohttp import web
 
 from kiln.benchmarks.serve import arrival_delays, run_benchmark, send_offsets
+from kiln.executor.free_port import free_port
 
 KEY = "sekrit"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_app(gap: float, fail_every: int = 0) -> web.Application:
@@ -62,7 +56,7 @@ def make_app(gap: float, fail_every: int = 0) -> web.Application:
 
 def bench(gap=0.02, fail_every=0, **kw):
     async def go():
-        port = _free_port()
+        port = free_port()
         runner = web.AppRunner(make_app(gap, fail_every))
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -108,7 +102,7 @@ def test_wrong_key_is_a_clear_error():
 
 
 def test_unreachable_server_is_a_clear_error():
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ValueError, match="cannot reach the server"):
         asyncio.run(run_benchmark(url, 1, 3, 2, float("inf"), None, vocab_size=50))
 

@@ -10,7 +10,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,8 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from kiln.executor.free_port import free_port
 
 from checkpoints import STORIES_DIR
 
@@ -46,18 +47,12 @@ def model_dir(tmp_path_factory) -> Path:
     return stories_with_chat_template(tmp_path_factory.mktemp("stories_chat"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running_server(model: Path, args: list[str], log_path: Path, env: dict):
     """`kiln serve model *args` on a free loopback port, once /health answers: (url, process);
     killed on exit if still running. Its output goes to log_path (a file: nobody drains a pipe
     while tests run)."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "kiln.entrypoints.cli.main", "serve", str(model),
            "--port", str(port), "--served-model-name", NAME, *args]
     with open(log_path, "w") as log:

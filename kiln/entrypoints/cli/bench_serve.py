@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import urllib.request
 from dataclasses import fields
 
 from kiln.engine.arg_utils import EngineArgs
+from kiln.executor.free_port import free_port
 
 
 def register_bench(kinds) -> None:
@@ -64,12 +64,6 @@ def engine_flags(engine_args: EngineArgs) -> list[str]:
     return argv
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerStartError(RuntimeError):
     """The server the benchmark started never became ready (its log says why)."""
 
@@ -103,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     proc = None
     base_url = args.base_url
     if base_url is None:
-        port = _free_port()
+        port = free_port()
         base_url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "kiln.entrypoints.cli.main", "serve", "--port", str(port),
                "--disable-access-log", *engine_flags(EngineArgs.from_cli_args(args))]
