@@ -44,7 +44,7 @@ logger = init_logger(__name__)
 # an add or an abort); the core's death ends any wait at once.
 _STEP_WAIT_MS = 50
 _SHUTDOWN_WAIT_S = 10.0
-# How long the exit watcher waits for the output reader to take the failure report a dying core
+# How long the exit watcher waits for the output reader to take the failure report a failing core
 # sends before it exits, so death callbacks hear the named error (a rank that died), not only an
 # exit code.
 _FAILURE_REPORT_WAIT_S = 1.0
@@ -223,8 +223,11 @@ class CoreProcClient:
             return
         logger.error("the engine core process (pid %d) exited with code %s", self.pid,
                      self.proc.returncode)
-        # Only the reader thread touches the socket: wait for it to take the core's own report.
-        reported = self._failure_reported.wait(_FAILURE_REPORT_WAIT_S)
+        # Only the reader thread touches the socket: wait for it to take the core's own report,
+        # which only a core that exited by itself can have sent (a killed one: no wait).
+        exited_itself = self.proc.returncode is not None and self.proc.returncode >= 0
+        reported = self._failure_reported.is_set() or (
+            exited_itself and self._failure_reported.wait(_FAILURE_REPORT_WAIT_S))
         error = self._dead if reported else self._exit_error()
         for callback in list(self._death_callbacks):
             try:
