@@ -84,7 +84,7 @@ def test_online_fp8_modes_0_and_3_agree(tiny_llama_dir, tmp_path, quantization):
     assert 0 < max(first) < 0.3
 
 
-def test_fp8_on_a_quantized_checkpoint_is_refused(tiny_llama_dir):
+def test_fp8_on_a_quantized_checkpoint_is_refused():
     from kiln.model.layers.quantization import resolve_quantization
 
     class Quantized:

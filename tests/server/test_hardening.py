@@ -1,11 +1,8 @@
 """Server hardening on a fake engine: the key on every route, 404 for an unknown model, text the
 tokenizer cannot take, the prompts x n cap, served names, and header / body read timeouts."""
 import socket
-import threading
-import time
 
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 
 from kiln.engine.async_llm import AsyncLLM
@@ -15,6 +12,7 @@ from kiln.model.loader import default_model
 
 from .fake_engine import FakeEngine
 from .test_api_fake_engine import assert_error
+from .uvicorn_thread import uvicorn_in_thread
 
 KEY = "sekrit"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -98,22 +96,9 @@ def test_models_name_the_model_not_its_cache_path(client, tmp_path, monkeypatch)
 @pytest.fixture()
 def live_server():
     """The fake-engine app on uvicorn with 0.5 s header and body timeouts."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     app = build_app(AsyncLLM(FakeEngine()), ServerSettings(request_body_timeout=0.5))
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                            http=header_timeout_protocol(0.5), lifespan="on")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    yield port
-    server.should_exit = True
-    thread.join(30)
+    with uvicorn_in_thread(app, http=header_timeout_protocol(0.5)) as port:
+        yield port
 
 
 def _read_all(sock: socket.socket, timeout: float = 20.0) -> bytes:

@@ -1,17 +1,14 @@
 """/openapi.json describes what the server does: 400 error bodies (not 422), the real content
 types of /health, /metrics and streams, empty lists marked refused; schemathesis finds no
 server error and no response outside the schema (a fake engine, a few examples per route)."""
-import socket
-import threading
-import time
 
 import pytest
-import uvicorn
 
 from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai.api_server import ServerSettings, build_app
 
 from .fake_engine import VOCAB, FakeEngine
+from .uvicorn_thread import uvicorn_in_thread
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402 (schemathesis brings it)
@@ -45,20 +42,8 @@ def test_errors_are_400_openai_bodies_and_content_types_are_real():
 def base_url():
     """APP on uvicorn in a thread (schemathesis' in-process ASGI client would run the app's
     lifespan, and its shutdown, once per call)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(APP, host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(30)
+    with uvicorn_in_thread(APP) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 api = schemathesis.openapi.from_dict(SCHEMA)
