@@ -29,6 +29,7 @@ from kiln.compilation.passes import (
     LowerIrOps,
     PostGradPassManager,
     early_passes,
+    late_passes,
 )
 from kiln.compilation.piecewise import PieceCompiler, PiecewiseBackend
 from kiln.compilation.split import SplitItem, split_graph
@@ -97,6 +98,8 @@ class KilnBackend:
         for graph_pass in [*early_passes(kiln_config), *fusion_passes(kiln_config)]:
             self.pass_manager.add(graph_pass)
         self.pass_manager.add(LowerIrOps(kiln_config.ir_selection))
+        for graph_pass in late_passes(kiln_config):
+            self.pass_manager.add(graph_pass)
         self.compiler = make_compiler(cc.backend, self.pass_manager,
                                       kiln_config.device_config.device)
         self.pieces: dict[int, PiecewiseBackend] = {}  # piece index -> compiled piece

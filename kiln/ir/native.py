@@ -1,12 +1,12 @@
 """The `native` provider: Kiln's CPU kernels (kiln/native/, one library of torch ops defined in C++)
 as implementations of the IR ops, each with what it supports; eager forwards and compiled graphs
-call the same `torch.ops.kiln.*_native` op.
+call the same `torch.ops.kiln.*_native` op (compiled graphs also its in-place form, if it has one).
 """
 import torch
 
 from kiln.custom_ops import LIB
 from kiln.ir import layer_ops as ir
-from kiln.ir.op import Implementation, LazyOp
+from kiln.ir.op import Implementation, InplaceVariant, LazyOp
 from kiln.native import build
 
 
@@ -38,6 +38,25 @@ def _rotary_supported(positions, q, k, cos_sin_cache, head_size, is_neox) -> boo
             and build.available())
 
 
+def _rows(t: torch.Tensor) -> bool:
+    """[T, width] with contiguous columns (any row stride)."""
+    return t.dim() == 2 and t.stride(1) == 1
+
+
+def _rotary_inplace_supported(positions, q, k, cos_sin_cache, head_size, is_neox) -> bool:
+    # in place no conversion may stand in: the tables as the kernel reads them, q/k as rows
+    return (_rotary_supported(positions, q, k, cos_sin_cache, head_size, is_neox)
+            and _rows(q) and _rows(k) and positions.dtype == torch.int64
+            and positions.dim() == 1 and positions.is_contiguous()
+            and cos_sin_cache.is_contiguous())
+
+
+def _fused_inplace_supported(x, residual, weight, eps) -> bool:
+    # the kernel writes the sum in rows of `hidden`, the normed value over x's rows
+    return (_fused_supported(x, residual, weight, eps) and _rows(x) and _rows(residual)
+            and (residual.shape[0] <= 1 or residual.stride(0) == residual.shape[1]))
+
+
 def _linear_supported(x, weight, bias=None, packed=None, blocks=None, plan=None) -> bool:
     return (_cpu_kernel_dtype(x, weight) and (bias is None or bias.dtype == x.dtype)
             and build.available())
@@ -56,19 +75,40 @@ NATIVE_OPS = {
 }
 
 
-def register_fakes(ops: dict) -> None:
-    """Once the library is loaded: each native op's fake, for tracing."""
+# IR op -> (its native op's in-place form, the arguments it writes the outputs into, what it
+# supports); csrc/ops_layer.cpp. Only compiled graphs call them, where the pass proved the
+# arguments dead after the call.
+INPLACE_OPS = {
+    ir.rotary_embedding: ("rotary_embedding_native_", (1, 2), _rotary_inplace_supported),
+    ir.fused_add_rms_norm: ("fused_add_rms_norm_native_", (0, 1), _fused_inplace_supported),
+}
+
+
+def _writes_nothing(*args) -> None:
+    return None
+
+
+def register_fakes(ops: dict, inplace: dict | None = None) -> None:
+    """Once the library is loaded: each native op's fake, for tracing (an in-place form's
+    returns nothing)."""
     def register():
         for name, _, fake in ops.values():
             torch.library.register_fake(f"kiln::{name}", fake, lib=LIB)
+        for name, _, _ in (inplace or {}).values():
+            torch.library.register_fake(f"kiln::{name}", _writes_nothing, lib=LIB)
     build.on_load(register)
 
 
-def register_all(ops: dict) -> None:
+def register_all(ops: dict, inplace: dict | None = None) -> None:
+    inplace = inplace or {}
     for op, (name, supported, _) in ops.items():
-        op.register(Implementation("native", LazyOp(name), supported, LazyOp(name)))
-    register_fakes(ops)
+        variant = None
+        if op in inplace:
+            inplace_name, mutates, inplace_supported = inplace[op]
+            variant = InplaceVariant(LazyOp(inplace_name), mutates, inplace_supported)
+        op.register(Implementation("native", LazyOp(name), supported, LazyOp(name), variant))
+    register_fakes(ops, inplace)
 
 
 def register() -> None:
-    register_all(NATIVE_OPS)
+    register_all(NATIVE_OPS, INPLACE_OPS)

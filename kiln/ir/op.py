@@ -46,16 +46,30 @@ def resolved(fn):
 
 
 @dataclass(frozen=True)
+class InplaceVariant:
+    """The in-place form of an implementation's graph op, for compiled graphs that own the
+    inputs it overwrites (kiln/compilation/passes/reinplace_ir_ops.py decides that): `op` takes
+    the functional op's arguments, returns nothing and writes the functional op's output i into
+    argument `mutates[i]`; `supported(*args)` says whether those arguments are laid out as it
+    writes them (a copy cannot stand in for an argument written in place)."""
+    op: Any
+    mutates: tuple[int, ...]
+    supported: Callable[..., bool] = _always
+
+
+@dataclass(frozen=True)
 class Implementation:
     """One provider's implementation of an op. `fn` runs it in eager forwards; `graph_op`, the
     torch op the lowering pass puts in a compiled graph for it (None: `fn` is plain torch code,
     inlined there so that Inductor fuses it with its neighbours). `supported(*args)` answers for
     the op's arguments (dtype, device, shapes, CPU ISA, the kernel built). `fn` and `graph_op`
-    may be a LazyOp (a native library's op, resolved when bound or lowered)."""
+    may be a LazyOp (a native library's op, resolved when bound or lowered). `inplace`: the
+    in-place form of `graph_op`, if it has one (eager forwards never call it)."""
     provider: str
     fn: Callable
     supported: Callable[..., bool] = _always
     graph_op: Any = None
+    inplace: InplaceVariant | None = None
 
 
 class IrOp:

@@ -89,6 +89,11 @@ def test_mode3_inductor_matches_hf_and_serves_without_compiling(llama4_dir, tmp_
         code = [p.read_text() for p in (tmp_path / "cc").rglob("*.py")]
         for op in ("add_rms_norm_linear", "silu_mul_linear"):
             assert any(f"torch.ops.kiln.{op}.default(" in c for c in code), op
+        # reinplace_ir_ops (on by default): rotary rotates q/k inside the QKV output's buffer,
+        # the final norm writes over its inputs; their functional forms are gone
+        for op in ("rotary_embedding_native", "fused_add_rms_norm_native"):
+            assert any(f"torch.ops.kiln.{op}_.default(" in c for c in code), op
+            assert not any(f"torch.ops.kiln.{op}.default(" in c for c in code), op
 
 
 @pytest.mark.parametrize("backend", ["inductor", "eager"])

@@ -1,10 +1,12 @@
 """The passes that run before the IR-op-into-linear fusions and the lowering, each named in
 `pass_config` with vLLM's name and on unless set false there: `eliminate_noops`,
-`fuse_norm_quant`, `fuse_act_quant` (the last two match only W8A8 int8 models' graphs).
+`fuse_norm_quant`, `fuse_act_quant` (the last two match only W8A8 int8 models' graphs); and the
+one after the lowering, `reinplace_ir_ops`.
 """
 from kiln.compilation.passes.eliminate_noops import EliminateNoops
 from kiln.compilation.passes.fuse_act_quant import FuseActQuant
 from kiln.compilation.passes.fuse_norm_quant import FuseNormQuant
+from kiln.compilation.passes.reinplace_ir_ops import ReinplaceIrOps
 
 PASSES = {"eliminate_noops": EliminateNoops, "fuse_norm_quant": FuseNormQuant,
           "fuse_act_quant": FuseActQuant}
@@ -21,3 +23,12 @@ def enabled(pass_config: dict, name: str) -> bool:
 def early_passes(kiln_config) -> list:
     pass_config = kiln_config.compilation_config.pass_config
     return [cls() for name, cls in PASSES.items() if enabled(pass_config, name)]
+
+
+# After the lowering, likewise named in pass_config and on by default.
+LATE_PASSES = {"reinplace_ir_ops": ReinplaceIrOps}
+
+
+def late_passes(kiln_config) -> list:
+    pass_config = kiln_config.compilation_config.pass_config
+    return [cls() for name, cls in LATE_PASSES.items() if enabled(pass_config, name)]

@@ -21,7 +21,8 @@ int kiln_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t
 int kiln_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int32_t d,
                       int32_t dtype, int32_t num_threads) __attribute__((noipa));
 int kiln_rotary(const int64_t *positions, const void *q, int64_t q_stride, const void *k,
-                int64_t k_stride, void *q_out, void *k_out, const float *cos_sin_cache,
+                int64_t k_stride, void *q_out, int64_t q_out_stride, void *k_out,
+                int64_t k_out_stride, const float *cos_sin_cache,
                 int64_t max_pos, int64_t num_tokens, int32_t nq, int32_t nk, int32_t hd,
                 int32_t is_neox, int32_t dtype, int32_t num_threads);
 

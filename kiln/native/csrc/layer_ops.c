@@ -17,7 +17,8 @@
 #define PARALLEL_MIN_ROWS 64
 
 /* out = weight * dtype(x32 * rsqrt(mean(x32^2) + eps)), and with a residual first
- * x = dtype(x + residual), written to residual_out. residual/residual_out may be NULL. */
+ * x = dtype(x + residual), written to residual_out (rows of `hidden`). residual/residual_out may
+ * be NULL. out may be x and residual_out residual (in place): a row is read whole first. */
 int kiln_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t res_stride,
                   void *residual_out, const void *weight, void *out, int64_t out_stride,
                   int64_t rows, int32_t hidden, float eps, int32_t dtype, int32_t num_threads) {
@@ -56,9 +57,10 @@ int kiln_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, 
     return 0;
 }
 
-/* Rotation of one [heads, hd] row into out (contiguous), with cos/sin already in the model dtype:
+/* Rotation of one [heads, hd] row into out, with cos/sin already in the model dtype:
  * (x1 * cos - x2 * sin, x2 * cos + x1 * sin), each product rounded as torch does; (x1, x2) are
- * each head's halves (neox) or its interleaved pairs x[2i], x[2i + 1] (gpt-j). */
+ * each head's halves (neox) or its interleaved pairs x[2i], x[2i + 1] (gpt-j). out may be x
+ * (in place): each pair is read before it is written. */
 static inline void rotate_row(const void *x, int64_t off, void *out, int64_t out_off, int heads,
                               int hd, const float *cs, int neox, int dtype) {
     const int half = hd / 2;
@@ -77,10 +79,12 @@ static inline void rotate_row(const void *x, int64_t off, void *out, int64_t out
 }
 
 /* q_out [T, nq*hd], k_out [T, nk*hd] = rotary(q, k) at positions [T] (int64), with cos_sin_cache
- * [max_pos, hd] float32 (cos | sin halves), in the neox layout or (is_neox 0) gpt-j's. A position
- * outside the cache fails with 1, an odd head size with 3. */
+ * [max_pos, hd] float32 (cos | sin halves), in the neox layout or (is_neox 0) gpt-j's. Row
+ * strides in elements; q_out may be q and k_out k (in place, same strides). A position outside
+ * the cache fails with 1 (rows before it may be written), an odd head size with 3. */
 int kiln_rotary(const int64_t *positions, const void *q, int64_t q_stride, const void *k,
-                int64_t k_stride, void *q_out, void *k_out, const float *cos_sin_cache,
+                int64_t k_stride, void *q_out, int64_t q_out_stride, void *k_out,
+                int64_t k_out_stride, const float *cos_sin_cache,
                 int64_t max_pos, int64_t num_tokens, int32_t nq, int32_t nk, int32_t hd,
                 int32_t is_neox, int32_t dtype, int32_t num_threads) {
     if (hd % 2) return 3;
@@ -95,8 +99,8 @@ int kiln_rotary(const int64_t *positions, const void *q, int64_t q_stride, const
         float cs[hd];
         const float *src = cos_sin_cache + positions[t] * hd;
         for (int i = 0; i < hd; ++i) cs[i] = round_to(src[i], dtype);
-        rotate_row(q, t * q_stride, q_out, t * (int64_t)nq * hd, nq, hd, cs, is_neox, dtype);
-        rotate_row(k, t * k_stride, k_out, t * (int64_t)nk * hd, nk, hd, cs, is_neox, dtype);
+        rotate_row(q, t * q_stride, q_out, t * q_out_stride, nq, hd, cs, is_neox, dtype);
+        rotate_row(k, t * k_stride, k_out, t * k_out_stride, nk, hd, cs, is_neox, dtype);
     }
     return bad;
 }
