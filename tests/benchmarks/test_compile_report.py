@@ -44,10 +44,12 @@ def test_cold_run_reports_pieces_shapes_and_compiles(cold, cache_dir):
     runs = cold["pass_runs"]  # one per piece compiled cold, each pass's rewrites in it
     assert len(runs) == cold["inductor"]["compiles"]
     assert all(list(r["matches"]) == ["EliminateNoops", "FuseNormQuant", "FuseActQuant",
-                                      "FuseAddRmsNormLinear", "FuseSiluMulLinear", "LowerIrOps"]
+                                      "FuseAddRmsNormLinear", "FuseSiluMulLinear", "LowerIrOps",
+                                      "ReinplaceIrOps"]
                for r in runs)
     assert sum(r["matches"]["FuseSiluMulLinear"] for r in runs) >= 1
     assert sum(r["matches"]["LowerIrOps"] for r in runs) >= 1
+    assert all(r["matches"]["ReinplaceIrOps"] >= 1 for r in runs)  # each piece's rotary or norm
     ops = dict(cold["ir_ops"])
     int8 = {op: ops.pop(op) for op in list(ops) if "int8" in op}  # the W8A8 ops: VNNI CPUs only
     fp8 = {op: ops.pop(op) for op in list(ops) if "fp8" in op}  # GPU kernels only

@@ -81,7 +81,8 @@ static inline void rotate_row(const void *x, int64_t off, void *out, int64_t out
 /* q_out [T, nq*hd], k_out [T, nk*hd] = rotary(q, k) at positions [T] (int64), with cos_sin_cache
  * [max_pos, hd] float32 (cos | sin halves), in the neox layout or (is_neox 0) gpt-j's. Row
  * strides in elements; q_out may be q and k_out k (in place, same strides). A position outside
- * the cache fails with 1 (rows before it may be written), an odd head size with 3. */
+ * the cache fails with 1 (in place, the other rows are rotated all the same), an odd head size
+ * with 3. */
 int kiln_rotary(const int64_t *positions, const void *q, int64_t q_stride, const void *k,
                 int64_t k_stride, void *q_out, int64_t q_out_stride, void *k_out,
                 int64_t k_out_stride, const float *cos_sin_cache,
