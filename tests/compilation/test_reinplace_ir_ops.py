@@ -138,17 +138,40 @@ def test_inputs_the_graph_does_not_own_are_left_alone(fn, inputs):
     assert matched == 0 and _targets(gm) == before
 
 
-def test_inductor_writes_the_rotary_into_the_qkv_buffer():
+def q_read_before(pos, x, w, cache):
+    q, k, v = (x @ w).split(SIZES, dim=-1)
+    doubled = q * 2  # before the rotary in graph order, though its kernel may come later
+    q, k = kiln.rotary_embedding_native(pos, q, k, cache, HD, True)
+    return q, k, v, doubled
+
+
+def _inductor(fn, inputs, **options):
     from torch._inductor.utils import run_and_get_code
 
     manager = PostGradPassManager()
     manager.add(ReinplaceIrOps())
+    compiled = torch.compile(fn, backend="inductor", fullgraph=True,
+                             options={"post_grad_custom_pre_pass": manager,
+                                      "fx_graph_cache": False, **options})
+    got, (code,) = run_and_get_code(compiled, *inputs)
+    return got, code, manager
+
+
+def test_inductor_computes_earlier_readers_before_the_write():
+    inputs = _rotary_inputs(tokens=6)
+    want = q_read_before(*inputs)
+    # kept where it is written (Inductor would move it next to its use, after the rotary, and
+    # the pass then leaves the rotary functional)
+    got, code, manager = _inductor(q_read_before, inputs, reorder_for_locality=False)
+    assert manager.runs[-1]["matches"] == {"ReinplaceIrOps": 1}
+    assert code.index("cpp_fused_mul") < code.index("rotary_embedding_native_.default(")
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_inductor_writes_the_rotary_into_the_qkv_buffer():
     inputs = _rotary_inputs(tokens=6)
     want = attention_in(*inputs)
-    compiled = torch.compile(attention_in, backend="inductor", fullgraph=True,
-                             options={"post_grad_custom_pre_pass": manager,
-                                      "fx_graph_cache": False})
-    got, (code,) = run_and_get_code(compiled, *inputs)
+    got, code, manager = _inductor(attention_in, inputs)
     assert manager.runs[-1]["matches"] == {"ReinplaceIrOps": 1}
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert "rotary_embedding_native_.default(" in code

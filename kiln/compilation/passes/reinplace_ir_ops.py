@@ -111,6 +111,10 @@ def _overlap(a, b) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
 
+# Namespaces whose schemas are trusted to say when an output aliases an input.
+_TRUSTED = ("aten", "kiln")
+
+
 def _owned(base: fx.Node) -> bool:
     """An intermediate a functional op made (not an input, a constant, or a mutated value)."""
     if base.op != "call_function":
@@ -118,7 +122,8 @@ def _owned(base: fx.Node) -> bool:
     if base.target is operator.getitem:
         base = base.args[0]
     schema = _schema(base)
-    return schema is not None and not schema.is_mutable
+    return (schema is not None and not schema.is_mutable
+            and schema.name.split("::")[0] in _TRUSTED)
 
 
 def _aliases(base: fx.Node) -> list[fx.Node]:
