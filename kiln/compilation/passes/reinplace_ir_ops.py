@@ -181,10 +181,11 @@ class ReinplaceIrOps(KilnInductorPass):
         variants = _variants()
         for node in list(graph.nodes):
             variant = variants.get(node.target) if node.op == "call_function" else None
-            if variant is None:
+            if variant is None or node.kwargs:  # the lowering keeps IR calls' positional form
                 continue
             args = [fake_value(a) if isinstance(a, fx.Node) else a for a in node.args]
-            if not variant.supported(*args):
+            if any(isinstance(a, fx.Node) and v is None for a, v in zip(node.args, args)) \
+                    or not variant.supported(*args):
                 continue
             order = {n: i for i, n in enumerate(graph.nodes)}
             if not can_reinplace(node, variant.mutates, order):
