@@ -41,20 +41,21 @@ logger = init_logger(__name__)
 
 
 def fusion_passes(kiln_config) -> list:
-    """The passes that fold an IR op into the linear after it, where both ops' chosen
-    implementations are the native ones the fused op's C++ kernel stands for (elsewhere its
-    torch fallback would be slower than Inductor's kernels); none under pass_config
-    {"enable_fusion": false}."""
+    """The passes that fold an IR op into the linear IR op after it (`linear`, `gguf_linear`),
+    where both ops' chosen implementations are the native ones the fused op's C++ kernel stands
+    for (elsewhere its torch fallback would be slower than Inductor's kernels); none under
+    pass_config {"enable_fusion": false}."""
     from kiln.native import linear_op
 
     cc = kiln_config.compilation_config
     chosen = kiln_config.ir_selection.as_dict()
-    if not (cc.pass_config.get("enable_fusion", True) and chosen["linear"] == "native"
+    linears = tuple(op for op in ("linear", "gguf_linear") if chosen[op] == "native")
+    if not (cc.pass_config.get("enable_fusion", True) and linears
             and torch.device(kiln_config.device_config.device).type == "cpu"
             and linear_op.available()):
         return []
-    return ([FuseAddRmsNormLinear()] if chosen["fused_add_rms_norm"] == "native" else []) + (
-        [FuseSiluMulLinear()] if chosen["silu_and_mul"] == "native" else [])
+    return ([FuseAddRmsNormLinear(linears)] if chosen["fused_add_rms_norm"] == "native" else []) + (
+        [FuseSiluMulLinear(linears)] if chosen["silu_and_mul"] == "native" else [])
 
 
 def call_splitting_pieces_directly(split_gm: torch.nn.Module) -> None:

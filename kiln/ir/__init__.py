@@ -12,6 +12,7 @@ from kiln.ir import (
 )
 from kiln.ir.attention import unified_attention
 from kiln.ir.collectives import all_reduce
+from kiln.ir.gguf import gguf_linear
 from kiln.ir.layer_ops import (
                                fused_add_rms_norm,
                                linear,
@@ -35,5 +36,5 @@ quant_fp8.register()
 
 __all__ = ["PROVIDERS", "REGISTRY", "Implementation", "IrOp", "Selection", "all_reduce",
            "applied", "apply",
-           "check_priority", "fused_add_rms_norm", "linear", "parse_cli", "resolve", "rms_norm",
-           "rotary_embedding", "silu_and_mul", "unified_attention", "quant"]
+           "check_priority", "fused_add_rms_norm", "gguf_linear", "linear", "parse_cli",
+           "resolve", "rms_norm", "rotary_embedding", "silu_and_mul", "unified_attention", "quant"]

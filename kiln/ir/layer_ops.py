@@ -1,5 +1,6 @@
 """The IR's per-layer ops (RMSNorm with and without the residual add, SiLU-and-mul, rotary
-embedding, linear): schema, fake and the plain-torch reference that defines each one's meaning.
+embedding, the dense linear): schema, fake and the plain-torch reference that defines each one's
+meaning.
 
 References round where Hugging Face's torch code does (normalise in float32, scale in the input
 dtype), so an implementation that matches them matches HF in bfloat16 too.
@@ -84,17 +85,18 @@ def _rotary_fake(positions, q, k, cos_sin_cache, head_size, is_neox):
 
 
 def _linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                packed: torch.Tensor | None = None, blocks: torch.Tensor | None = None,
+                packed: torch.Tensor | None = None,
                 plan: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ weight [out, in]^T (+ bias [out]) -> [..., out], as F.linear. What the
-    layer holds beside its weight (kiln/model/layers/cpu_gemm.py) is other forms of the same
-    values for the native kernel: `packed`, oneDNN's blocked copy; `blocks`, the GGUF file's
-    blocks in the kernel's layout; `plan` int64 [4], which of them serves how many rows. An
-    implementation that reads them computes this too, within their kernel's stated rounding."""
+    layer holds beside its weight (kiln/model/layers/cpu_gemm.py) is for the native kernel:
+    `packed`, oneDNN's blocked copy of the same values; `plan` int64 [gemv_rows, block_rows,
+    limbs], up to how many rows the GEMV kernel takes the weight. An implementation that reads
+    them computes this too, within their kernel's stated rounding. (A weight held as GGUF
+    blocks is the IR op gguf_linear's, kiln/ir/gguf.py.)"""
     return F.linear(x, weight, bias)
 
 
-def _linear_fake(x, weight, bias=None, packed=None, blocks=None, plan=None):
+def _linear_fake(x, weight, bias=None, packed=None, plan=None):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -127,7 +129,7 @@ rotary_embedding = define(
 
 linear = define(
     "linear", "(Tensor x, Tensor weight, Tensor? bias=None, Tensor? packed=None, "
-    "Tensor? blocks=None, Tensor? plan=None) -> Tensor", _linear_ref,
+    "Tensor? plan=None) -> Tensor", _linear_ref,
     _linear_fake,
     lambda dtype, device: (_examples(dtype, device)(2, 64), _examples(dtype, device)(32, 64),
                            None))

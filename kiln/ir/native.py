@@ -5,9 +5,10 @@ call the same `torch.ops.kiln.*_native` op (compiled graphs also its in-place fo
 import torch
 
 from kiln.custom_ops import LIB
+from kiln.ir import gguf, gguf_layout
 from kiln.ir import layer_ops as ir
 from kiln.ir.op import Implementation, InplaceVariant, LazyOp
-from kiln.native import build
+from kiln.native import build, gguf_matmul
 
 
 def _cpu_kernel_dtype(*tensors: torch.Tensor) -> bool:
@@ -57,9 +58,22 @@ def _fused_inplace_supported(x, residual, weight, eps) -> bool:
             and (residual.shape[0] <= 1 or residual.stride(0) == residual.shape[1]))
 
 
-def _linear_supported(x, weight, bias=None, packed=None, blocks=None, plan=None) -> bool:
+def _linear_supported(x, weight, bias=None, packed=None, plan=None) -> bool:
     return (_cpu_kernel_dtype(x, weight) and (bias is None or bias.dtype == x.dtype)
             and build.available())
+
+
+def _gguf_linear_supported(x, blocks, qtype, out_features, bias=None, weight=None, packed=None,
+                           plan=None) -> bool:
+    """The blocks kernel reads them for x (its vector code built: AVX-512), and a dense copy,
+    where there is one, is of x's dtype and the weight's shape."""
+    in_features = x.shape[-1]
+    return (_cpu_kernel_dtype(x) and blocks.device.type == "cpu"
+            and gguf_layout.fits(blocks, qtype, out_features, in_features)
+            and (bias is None or (bias.dtype == x.dtype and tuple(bias.shape) == (out_features,)))
+            and (weight is None or (_cpu_kernel_dtype(x, weight)
+                                    and tuple(weight.shape) == (out_features, in_features)))
+            and gguf_matmul.kernel_available())
 
 
 # IR op -> (its native op, the IR op's fake: the native op's too)
@@ -69,9 +83,11 @@ NATIVE_OPS = {
                             ir._fused_add_rms_norm_fake),
     ir.silu_and_mul: ("silu_and_mul_native", _silu_supported, ir._silu_and_mul_fake),
     ir.rotary_embedding: ("rotary_embedding_native", _rotary_supported, ir._rotary_fake),
-    # csrc/linear_op.cpp: per call the GGUF blocks, GEMV or oneDNN's packed weight the layer
-    # hands over (kiln/model/layers/cpu_gemm.py), else aten's linear.
+    # csrc/linear_op.cpp: per call GEMV or oneDNN's packed weight the layer hands over
+    # (kiln/model/layers/cpu_gemm.py), else aten's linear; gguf_linear: the blocks up to the
+    # plan's row limit, the dense copy's kernels above it.
     ir.linear: ("linear_native", _linear_supported, ir._linear_fake),
+    gguf.gguf_linear: ("gguf_linear_native", _gguf_linear_supported, gguf._gguf_linear_fake),
 }
 
 

@@ -1,7 +1,8 @@
 """Python entry point of csrc/gguf_matmul.c: decode-step linears read straight from a GGUF file's
 Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks on CPU (see cpu_gemm.py for when a layer takes
-it; the layers reach it through kiln::linear's C++ kernel, `quantized_linear` runs it directly:
-`kiln::gguf_matmul`), once csrc/gguf_layout.c has put them in the kernel's layout (`kernel_blocks`).
+it; the layers reach it through the IR op gguf_linear's C++ kernel, `quantized_linear` runs it
+directly: `kiln::gguf_matmul`), once csrc/gguf_layout.c has put them in the kernel's layout
+(`kernel_blocks`).
 
 At a few rows a linear is a pass over its weight, and Q4_1 blocks are 5.3x fewer bytes than
 the float32 copy even with their scales widened to float32 (`kernel_blocks`); the row limits by
@@ -43,10 +44,15 @@ def _info(qtype: int = 0) -> list[int]:
     return torch.ops.kiln.gguf_info(qtype)
 
 
+def kernel_available() -> bool:
+    """The kernels built, and built with their vector code (AVX-512): without it the float32
+    kernels are faster."""
+    return build.available() and _info()[0] == 1
+
+
 def available() -> bool:
-    """The kernels on (KILN_NATIVE_CPU_OPS), built, and built with their vector code (AVX-512):
-    without it the float32 kernels are faster."""
-    return envs.native_cpu_ops() and build.available() and _info()[0] == 1
+    """kernel_available(), and the kernels on (KILN_NATIVE_CPU_OPS)."""
+    return envs.native_cpu_ops() and kernel_available()
 
 
 @functools.cache

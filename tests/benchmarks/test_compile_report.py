@@ -10,7 +10,7 @@ import pytest
 from kiln.compilation.monitor import per_shape
 from kiln.entrypoints.cli.compile import format_report
 from kiln.entrypoints.cli.main import build_parser
-from kiln.native import int8_ops
+from kiln.native import gguf_matmul, int8_ops
 
 NUM_LAYERS = 2  # the tiny_llama_dir fixture's checkpoint
 SMALL = ["--kv-cache-memory", "0.01", "--max-model-len", "64", "--max-num-seqs", "8",
@@ -54,8 +54,9 @@ def test_cold_run_reports_pieces_shapes_and_compiles(cold, cache_dir):
     int8 = {op: ops.pop(op) for op in list(ops) if "int8" in op}  # the W8A8 ops: VNNI CPUs only
     fp8 = {op: ops.pop(op) for op in list(ops) if "fp8" in op}  # GPU kernels only
     assert fp8 == {"dynamic_fp8_quant": "torch", "fp8_scaled_mm": "torch"}
-    assert ops == {"all_reduce": "torch", "fused_add_rms_norm": "native", "linear": "native",
-                   "rms_norm": "native", "rotary_embedding": "native",
+    assert ops == {"all_reduce": "torch", "fused_add_rms_norm": "native",
+                   "gguf_linear": "native" if gguf_matmul.kernel_available() else "torch",
+                   "linear": "native", "rms_norm": "native", "rotary_embedding": "native",
                    "silu_and_mul": "native", "unified_attention": "native"}
     assert len(int8) == 5 and set(int8.values()) == {"native" if int8_ops.isa() else "torch"}
     assert cold["pieces"] == {"total": 2 * n + 1, "compiled": n + 1, "graphs": 1}
@@ -97,6 +98,7 @@ def test_text_report_names_pieces_cache_and_times(cold):
     assert "total" in text and "Dynamo trace" in text
     assert "ir ops     all_reduce torch, dynamic_fp8_quant torch, dynamic_int8_quant " in text
     assert "fused_add_rms_norm native, " in text and ", linear native, rms_norm native" in text
+    assert f"gguf_linear {cold['ir_ops']['gguf_linear']}, " in text
     assert "passes     EliminateNoops " in text and "FuseAddRmsNormLinear " in text
     assert "cold piece compiles" in text
 

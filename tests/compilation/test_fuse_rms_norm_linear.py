@@ -10,7 +10,7 @@ from kiln import ir
 from kiln.compilation.backend import fusion_passes
 from kiln.compilation.passes import FuseAddRmsNormLinear, FuseSiluMulLinear
 from kiln.config import CompilationConfig
-from kiln.native import linear_op
+from kiln.native import gguf_matmul, linear_op
 
 EPS = 1e-5
 kiln = torch.ops.kiln
@@ -111,6 +111,49 @@ def test_fusion_passes_follow_the_chosen_implementations():
     assert names == [FuseAddRmsNormLinear, FuseSiluMulLinear]
     assert not fusion_passes(_config("cpu", {"enable_fusion": False}, {}))
     assert not fusion_passes(_config("cuda", {}, {}))
-    assert not fusion_passes(_config("cpu", {}, {"linear": "torch"}))
+    assert [p.linear_ops for p in fusion_passes(_config("cpu", {}, {}))] == [
+        ("linear", "gguf_linear")] * 2
+    # the fused op of each linear IR op stands for its native kernel
+    assert [p.linear_ops for p in fusion_passes(_config("cpu", {}, {"linear": "torch"}))] == [
+        ("gguf_linear",)] * 2
+    assert not fusion_passes(_config("cpu", {}, {"linear": "torch", "gguf_linear": "torch"}))
     assert [type(p) for p in fusion_passes(_config("cpu", {}, {"silu_and_mul": "torch"}))] == [
         FuseAddRmsNormLinear]
+
+
+def gguf_block(x, res, norm_w, blocks, weight):
+    """The same over a weight held as GGUF blocks (Q8_0), with its dense copy."""
+    normed, total = kiln.fused_add_rms_norm(x, res, norm_w, EPS)
+    return kiln.gguf_linear(normed, blocks, 8, 48, None, weight), total * 2.0
+
+
+@pytest.mark.skipif(not gguf_matmul.kernel_available(), reason="the GGUF kernel needs AVX-512")
+def test_add_norm_gguf_linear_becomes_one_op_with_the_same_results():
+    import gguf
+
+    x, res, norm_w, weight = _inputs(rows=3)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    file_blocks = gguf.quants.quantize(weight.numpy(), q8)
+    weight = torch.from_numpy(gguf.quants.dequantize(file_blocks, q8).reshape(48, 64).copy())
+    blocks = gguf_matmul.kernel_blocks(8, torch.from_numpy(file_blocks))
+    inputs = (x, res, norm_w, blocks, weight)
+    gm = _graph(gguf_block, *inputs)
+    unfused = gguf_block(*inputs)
+    only_dense = FuseAddRmsNormLinear(("linear",))  # fuses into the dense linear alone
+    only_dense(gm.graph)
+    assert only_dense.matched == 0
+    fuse = FuseAddRmsNormLinear()
+    fuse(gm.graph)
+    gm.recompile()
+    assert fuse.matched == 1
+    targets = _targets(gm)
+    assert "kiln.add_rms_norm_gguf_linear.default" in targets
+    assert "kiln.gguf_linear.default" not in targets
+    got = gm(*inputs)
+    torch.testing.assert_close(got[0], unfused[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[1], unfused[1])
+    # its meaning off the CPU kernel: the composition of the references
+    from kiln.ir import fused
+
+    ref = fused._add_rms_norm_gguf_linear(x, res, norm_w, EPS, blocks, 8, 48, None, weight)
+    torch.testing.assert_close(ref[0], unfused[0], rtol=1e-5, atol=1e-5)

@@ -6,6 +6,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from kiln import ir
 from kiln.compilation.passes import FuseSiluMulLinear
+from kiln.native import gguf_matmul
 
 kiln = torch.ops.kiln
 
@@ -68,3 +69,25 @@ def test_fused_op_on_strided_and_other_dtype_inputs():
     x64, w64 = x.double(), weight.double()
     torch.testing.assert_close(kiln.silu_mul_linear(x64, w64),
                                torch.nn.functional.linear(ir.silu_and_mul.reference(x64), w64))
+
+
+def gguf_mlp_down(x, blocks):
+    """The down projection over a weight held as GGUF blocks alone (Q4_0)."""
+    return kiln.gguf_linear(kiln.silu_and_mul(x), blocks, 2, 40)
+
+
+@pytest.mark.skipif(not gguf_matmul.kernel_available(), reason="the GGUF kernel needs AVX-512")
+@pytest.mark.parametrize("rows", [1, 100])
+def test_silu_mul_gguf_linear_becomes_one_op_with_the_same_results(rows):
+    import gguf
+
+    x, w = _inputs(rows=rows)
+    file_blocks = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_0)
+    blocks = gguf_matmul.kernel_blocks(2, torch.from_numpy(file_blocks))
+    gm = _graph(gguf_mlp_down, x, blocks)
+    unfused = gguf_mlp_down(x, blocks)
+    fuse = FuseSiluMulLinear()
+    fuse(gm.graph)
+    gm.recompile()
+    assert _targets(gm) == ["kiln.silu_mul_gguf_linear.default"] and fuse.matched == 1
+    torch.testing.assert_close(gm(x, blocks), unfused, rtol=1e-5, atol=1e-5)

@@ -75,7 +75,7 @@ def test_a_packed_copy_of_another_dtype_is_not_read():
     x = torch.randn(8, 32, dtype=torch.bfloat16)
     w, bias = layer.weight.to(torch.bfloat16), layer.bias.to(torch.bfloat16)
     assert _paths_taken(lambda: torch.ops.kiln.linear_native(
-        x, w, bias, layer.cpu_packed, None, layer.cpu_plan)) == ["dense"]
+        x, w, bias, layer.cpu_packed, layer.cpu_plan)) == ["dense"]
 
 
 def test_packed_op_traces_whole_graph_under_dynamo():
@@ -185,11 +185,13 @@ def test_blocks_not_in_the_kernel_layout_are_never_read():
     q41 = gguf_matmul.QTYPES["Q4_1"]
     weight = torch.randn(16, 64)
     blocks = torch.from_numpy(quantized_blocks(weight.numpy(), "Q4_1"))  # [16, 2 * 20]
-    plan = torch.tensor([0, q41, 8, 3])
+    plan = torch.tensor([0, 8, 3])
     x = torch.randn(2, 64)
     for wrong in (blocks, gguf_matmul.kernel_blocks(q41, blocks)[:, :-1].contiguous()):
-        assert _paths_taken(lambda wrong=wrong: torch.ops.kiln.linear_native(
-            x, weight, None, None, wrong, plan)) == ["dense"]
+        assert _paths_taken(lambda wrong=wrong: torch.ops.kiln.gguf_linear_native(
+            x, wrong, q41, 16, None, weight, None, plan)) == ["dense"]
+        with pytest.raises(ValueError, match="no dense weight"):  # nothing else to read
+            torch.ops.kiln.gguf_linear_native(x, wrong, q41, 16)
     good = gguf_matmul.kernel_blocks(q41, blocks)
-    assert _paths_taken(lambda: torch.ops.kiln.linear_native(
-        x, weight, None, None, good, plan)) == ["blocks"]
+    assert _paths_taken(lambda: torch.ops.kiln.gguf_linear_native(
+        x, good, q41, 16, None, weight, None, plan)) == ["blocks"]

@@ -7,7 +7,9 @@ import json
 import numpy as np
 import pytest
 import torch
+from linear_calls import run_native
 
+from kiln.ir import gguf_layout
 from kiln.model.layers import cpu_gemm
 from kiln.model.loader import build_model
 from kiln.model.loader.gguf_loader import gguf_to_hf_name, load_gguf_weights, unpermute_rope_rows
@@ -186,9 +188,11 @@ def _assert_decode_reads_blocks(model, cfg, atol: float = 1e-5) -> None:
     assert len(linears) == 2 * 4 + 1 and all(cpu_gemm.held(m).blocks for m in linears)
     for m in linears:
         w = m.weight
+        # the dense weight is the blocks' meaning (gguf_linear's reference) exactly
+        assert torch.equal(gguf_layout.dequantize(m.cpu_blocks, m.cpu_qtype, *w.shape), w)
         x = torch.randn(min(3, cpu_gemm.held(m).block_rows), w.shape[1])
         before = linear_op.path_counts()["blocks"]
-        got = torch.ops.kiln.linear_native(x, w, None, *cpu_gemm.cpu_forms(m))
+        got = run_native(m, x)
         assert linear_op.path_counts()["blocks"] == before + 1
         torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=atol)
     # 66 tokens, more than any type's block rows: the prefill takes the floats

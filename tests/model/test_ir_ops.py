@@ -147,7 +147,7 @@ def test_linear_dense_and_prepacked(provider, dtype, rows, bias):
     if provider == "native":
         assert cpu_gemm.prepack_for_cpu(layer) == 1
         before = linear_op.path_counts()
-        got, _ = _run("linear", provider, x, layer.weight, b, *cpu_gemm.cpu_forms(layer))
+        got, _ = _run("linear", provider, x, *cpu_gemm.linear_call(layer, b)[1])
         after = linear_op.path_counts()
         assert after["gemv" if rows <= 2 else "packed"] == (
             before["gemv" if rows <= 2 else "packed"] + 1)

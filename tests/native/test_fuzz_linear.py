@@ -1,11 +1,13 @@
-"""kiln::linear (csrc/linear_op.cpp) against float64 references, adversarially: every path
-(GGUF blocks, GEMV, oneDNN packed) across row counts and output widths at their boundaries,
-strided x, bias shapes, thread counts; and a weight's views, which hold none of its forms."""
+"""kiln::linear and kiln::gguf_linear (csrc/linear_op.cpp) against float64 references,
+adversarially: every path (GGUF blocks, GEMV, oneDNN packed) across row counts and output widths
+at their boundaries, strided x, bias shapes, thread counts; and a weight's views, which hold none
+of its forms."""
 import gguf
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from linear_calls import run_native
 
 from kiln.model.layers import cpu_gemm
 from kiln.model.layers.linear import ReplicatedLinear
@@ -36,26 +38,26 @@ def test_a_transposed_view_of_a_square_weight_is_not_the_weight(dtype):
     """w.t() of a square weight shares its address, storage, shape and dtype: given w's forms
     (its packed copy, its plan of GEMV over w's rows) the op must still compute with w.t()."""
     layer = _packed_layer(torch.randn(64, 64).to(dtype))
-    w, forms = layer.weight, cpu_gemm.cpu_forms(layer)
+    w = layer.weight
     for rows in (1, 2, 5):
         x = torch.randn(rows, 64).to(dtype)
         got = torch.ops.kiln.linear_native(x, w.t())
         torch.testing.assert_close(got.float(), (x.float() @ w.float()), rtol=2e-2, atol=2e-2)
-        got = torch.ops.kiln.linear_native(x, w, None, *forms)  # w itself takes its own path
+        got = run_native(layer, x)  # w itself takes its own path
         torch.testing.assert_close(got.float(), (x.float() @ w.float().T), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_bias_shapes_follow_f_linear(rows):
     layer = _packed_layer(torch.randn(48, 32))
-    w, forms = layer.weight, cpu_gemm.cpu_forms(layer)
+    w = layer.weight
     x = torch.randn(rows, 32)
     for bias in (torch.randn(1), torch.randn(96)[::2]):  # broadcast; strided
-        got = torch.ops.kiln.linear_native(x, w, bias, *forms)
+        got = run_native(layer, x, bias)
         want = F.linear(x.double(), w.double(), bias.double())
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError):  # a bias of the wrong length is an error, not a read
-        torch.ops.kiln.linear_native(x, w, torch.randn(3), *forms)  # past its end
+        run_native(layer, x, torch.randn(3))  # past its end
 
 
 def _blocks(qtype_name: str, out_features: int, in_features: int, seed: int):
@@ -80,13 +82,13 @@ def test_every_path_at_its_boundaries(qtype_name):
         for dtype in (torch.float32, torch.bfloat16):
             layer = _packed_layer(values.to(dtype))
             cpu_gemm.attach_gguf_blocks(layer, gguf_matmul.QTYPES[qtype_name], blocks)
-            w, forms = layer.weight, cpu_gemm.cpu_forms(layer)
+            w = layer.weight
             for rows in (1, 2, 3, 8, 9, 17, 49, 65):
                 wide = torch.randn(rows, in_features + 7, generator=g).to(dtype)
                 x = wide[:, 5:5 + in_features]  # a column slice at an offset
                 bias = torch.randn(out_features, generator=g).to(dtype) if rows % 2 else None
-                got, path = _path_of(lambda x=x, w=w, bias=bias, forms=forms:
-                                     torch.ops.kiln.linear_native(x, w, bias, *forms))
+                got, path = _path_of(lambda x=x, bias=bias, layer=layer:
+                                     run_native(layer, x, bias))
                 held = (values if path == ["blocks"] else w.float()).double()
                 exact = x.double() @ held.T + (bias.double() if bias is not None else 0)
                 terms = x.double().abs() @ held.abs().T + (
@@ -96,7 +98,7 @@ def test_every_path_at_its_boundaries(qtype_name):
                     out_features, dtype, rows, path)
                 torch.set_num_threads(1)
                 try:
-                    single = torch.ops.kiln.linear_native(x, w, bias, *forms)
+                    single = run_native(layer, x, bias)
                 finally:
                     torch.set_num_threads(threads)
                 assert torch.equal(single, got), (out_features, dtype, rows, path)

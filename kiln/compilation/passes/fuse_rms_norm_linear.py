@@ -1,5 +1,6 @@
-"""Post-grad pass: the IR op fused_add_rms_norm whose normed output feeds only the IR op linear
-becomes one `kiln::add_rms_norm_linear` call (its CPU kernel in csrc/linear_op.cpp).
+"""Post-grad pass: the IR op fused_add_rms_norm whose normed output feeds only a linear IR op
+(`linear`, `gguf_linear`) becomes one `kiln::add_rms_norm_linear` (`add_rms_norm_gguf_linear`)
+call (its CPU kernel in csrc/linear_op.cpp).
 
 Inductor or a native call would otherwise run the norm on its own between two linears: a call
 that cost 3-5 us in a decode step, two a layer. The fused op returns the sum too, for the
@@ -14,13 +15,16 @@ from kiln import ir
 from kiln.compilation.passes import fx_match
 from kiln.compilation.passes.fx_match import (
     all_float32,
-    calls,
+    call_args,
     getitem_of,
-    linear_bias,
-    linear_tail,
+    linear_calls,
+    linear_operands,
     only_user,
 )
 from kiln.compilation.passes.pass_manager import KilnInductorPass
+
+# linear IR op -> the fused op that ends in it
+FUSED = {"linear": "add_rms_norm_linear", "gguf_linear": "add_rms_norm_gguf_linear"}
 
 
 def match(linear: fx.Node) -> dict | None:
@@ -33,7 +37,7 @@ def match(linear: fx.Node) -> dict | None:
     if not (fx_match.is_call(norm, ir.fused_add_rms_norm.packet) and getitem_of(normed, norm, 0)):
         return None
     x, residual, norm_weight, eps = norm.args
-    if not all_float32(x, residual, norm_weight, linear.args[1], linear_bias(linear)):
+    if not all_float32(x, residual, norm_weight, *linear_operands(linear)):
         return None
     totals = [u for u in norm.users if getitem_of(u, norm, 1)]
     if len(totals) + 1 != len(norm.users):
@@ -43,10 +47,18 @@ def match(linear: fx.Node) -> dict | None:
 
 
 class FuseAddRmsNormLinear(KilnInductorPass):
+    """`linear_ops`: the names of the linear IR ops it fuses into (both by default)."""
     helper_modules = (fx_match,)
 
+    def __init__(self, linear_ops=tuple(FUSED)):
+        self.linear_ops = tuple(linear_ops)
+
+    def factors(self) -> dict:
+        return {"linear_ops": self.linear_ops}
+
     def __call__(self, graph: fx.Graph) -> None:
-        for linear in calls(graph, ir.linear.packet):
+        ops = {ir.REGISTRY[name].packet: FUSED[name] for name in self.linear_ops}
+        for linear in linear_calls(graph, [ir.REGISTRY[n] for n in self.linear_ops]):
             found = match(linear)
             if found is None:
                 continue
@@ -54,8 +66,8 @@ class FuseAddRmsNormLinear(KilnInductorPass):
             # At the norm's place: its operands are ready there, the linear's weights always.
             with graph.inserting_before(norm):
                 fused = graph.call_function(
-                    torch.ops.kiln.add_rms_norm_linear.default,
-                    (*found["args"], linear.args[1], *linear_tail(linear)))
+                    getattr(torch.ops.kiln, ops[linear.target]).default,
+                    (*found["args"], *call_args(linear)[1:]))
                 out = graph.call_function(operator.getitem, (fused, 0))
                 total = graph.call_function(operator.getitem, (fused, 1))
             total_val = norm.meta["val"][1]

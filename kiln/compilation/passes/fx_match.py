@@ -33,20 +33,30 @@ def getitem_of(node, source: fx.Node, index: int) -> bool:
     return is_call(node, operator.getitem) and node.args == (source, index)
 
 
-_LINEAR_ARGS = ("x", "weight", "bias", "packed", "blocks", "plan")
+def call_args(node: fx.Node) -> tuple:
+    """node's arguments in its op's schema order, positional or keyword, defaults filled in."""
+    out = []
+    for i, arg in enumerate(node.target._schema.arguments):
+        if i < len(node.args):
+            out.append(node.args[i])
+        else:
+            out.append(node.kwargs.get(arg.name, arg.default_value))
+    return tuple(out)
 
 
-def linear_arg(linear: fx.Node, name: str):
-    """The IR op linear's argument `name`, positional or keyword (None when absent)."""
-    i = _LINEAR_ARGS.index(name)
-    return linear.args[i] if len(linear.args) > i else linear.kwargs.get(name)
+def arg_named(node: fx.Node, name: str):
+    """node's argument `name` (None when its op has none or it is absent)."""
+    names = [a.name for a in node.target._schema.arguments]
+    return call_args(node)[names.index(name)] if name in names else None
 
 
-def linear_bias(linear: fx.Node):
-    return linear_arg(linear, "bias")
+def linear_operands(linear: fx.Node) -> tuple:
+    """What a linear IR op node multiplies with besides x whose dtype matters: its dense weight
+    (gguf_linear's optional copy) and bias."""
+    return arg_named(linear, "weight"), arg_named(linear, "bias")
 
 
-def linear_tail(linear: fx.Node) -> tuple:
-    """(bias, packed, blocks, plan): the linear's arguments after its weight, for a fused op
-    that ends in the same linear."""
-    return tuple(linear_arg(linear, n) for n in _LINEAR_ARGS[2:])
+def linear_calls(graph: fx.Graph, ops) -> list[fx.Node]:
+    """The nodes of graph calling one of the linear IR ops `ops`, in graph order."""
+    packets = {op.packet for op in ops}
+    return [n for n in graph.nodes if n.op == "call_function" and n.target in packets]

@@ -1,6 +1,7 @@
-"""What a CPU linear layer holds beside its dense weight for the native implementation of the IR
-op linear (`kiln::linear_native`): oneDNN's packed copy, a GGUF file's blocks, and the plan of
-which serves how many rows; `prepack_for_cpu` packs, `attach_gguf_blocks` keeps the blocks.
+"""What a CPU linear layer holds beside its dense weight for the native implementations of the IR
+ops linear and gguf_linear: oneDNN's packed copy, a GGUF file's blocks, and the plan of which
+serves how many rows; `prepack_for_cpu` packs, `attach_gguf_blocks` keeps the blocks, and
+`linear_call` is the IR call for what the layer holds.
 
 On x86 CPUs a weight reordered once into oneDNN's blocked layout multiplies 2-3x faster than
 aten's dense `linear` at serving batch sizes (measured: [32, 576] x [576, 3072] fp32, 2 cores,
@@ -9,10 +10,11 @@ aten's dense `linear` at serving batch sizes (measured: [32, 576] x [576, 3072] 
 loaded from a GGUF file in Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K also keeps the file's blocks:
 steps of a few rows (up to 8-64 by type and dtype, gguf_matmul.rows_worth_it) read those
 instead, 5.3x fewer bytes than float32 for Q4_1 (kiln/native/gguf_matmul.py). They are the
-layer's buffers (`cpu_packed`, `cpu_blocks`, `cpu_plan`, not saved), passed with its weight on
-every call: a traced graph takes them as inputs like the weight, and the choice per call is
-made in C++ (csrc/linear_op.cpp). Without the native kernels nothing is held and the layers
-run aten's linear.
+layer's buffers (`cpu_packed`, `cpu_blocks`, `cpu_plan`, not saved; the blocks' ggml type is
+`cpu_qtype`), passed with its weight on every call: a traced graph takes them as inputs like
+the weight, and the choice per call is made in C++ (csrc/linear_op.cpp; kiln/ir/gguf.py says
+the rule). A layer holding blocks calls the IR op gguf_linear, any other the IR op linear.
+Without the native kernels nothing is held and the layers run aten's linear.
 """
 from typing import NamedTuple
 
@@ -29,19 +31,28 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # Batch-size hint for oneDNN's reorder; any number of rows works with the packed weight.
 _BATCH_HINT = 32
 BUFFERS = ("cpu_packed", "cpu_blocks", "cpu_plan")
-# cpu_plan: int64 [gemv_rows, qtype, block_rows, limbs] (see csrc/linear_op.cpp)
-_GEMV_ROWS, _QTYPE, _BLOCK_ROWS, _LIMBS = range(4)
+# cpu_plan: int64 [gemv_rows, block_rows, limbs] (see csrc/linear_op.cpp)
+_GEMV_ROWS, _BLOCK_ROWS, _LIMBS = range(3)
+# what linear_call reads off the layer (a change to any of them changes the call)
+CALL_FIELDS = frozenset({"weight", "bias", *BUFFERS, "cpu_qtype"})
 
 
 def init_cpu_forms(module: nn.Module) -> None:
-    """Give a linear layer its (empty) CPU buffers; its forward passes them to ir.linear."""
+    """Give a linear layer its (empty) CPU buffers; its forward passes them to its IR op."""
     for name in BUFFERS:
         module.register_buffer(name, None, persistent=False)
+    module.cpu_qtype = 0
 
 
-def cpu_forms(module: nn.Module) -> tuple:
-    """(packed, blocks, plan): the IR op linear's arguments after the bias."""
-    return module.cpu_packed, module.cpu_blocks, module.cpu_plan
+def linear_call(module: nn.Module, bias: torch.Tensor | None) -> tuple[ir.IrOp, tuple]:
+    """(IR op, its arguments after x) that multiply x by the layer's weight (+ bias): gguf_linear
+    on its blocks (with the dense and packed copies for larger row counts) when it holds
+    blocks, else linear."""
+    weight, packed, blocks, plan = (module.weight, module.cpu_packed, module.cpu_blocks,
+                                    module.cpu_plan)
+    if blocks is None:
+        return ir.linear, (weight, bias, packed, plan)
+    return ir.gguf_linear, (blocks, module.cpu_qtype, weight.shape[0], bias, weight, packed, plan)
 
 
 class Held(NamedTuple):
@@ -56,15 +67,16 @@ class Held(NamedTuple):
 def held(module: nn.Module) -> Held:
     """What the layer holds for the native kernel."""
     plan = getattr(module, "cpu_plan", None)
-    p = plan.tolist() if plan is not None else [0, 0, 0, 0]
+    p = plan.tolist() if plan is not None else [0, 0, 0]
     blocks = getattr(module, "cpu_blocks", None) is not None
     return Held(getattr(module, "cpu_packed", None) is not None, p[_GEMV_ROWS], blocks,
-                p[_QTYPE], p[_BLOCK_ROWS], p[_LIMBS] if blocks else 0)
+                getattr(module, "cpu_qtype", 0) if blocks else 0, p[_BLOCK_ROWS],
+                p[_LIMBS] if blocks else 0)
 
 
 def _plan(module: nn.Module) -> torch.Tensor:
     if module.cpu_plan is None:
-        module.cpu_plan = torch.tensor([0, 0, 0, 3], dtype=torch.int64)
+        module.cpu_plan = torch.tensor([0, 0, 3], dtype=torch.int64)
     return module.cpu_plan
 
 
@@ -108,15 +120,16 @@ def attach_gguf_blocks(module: nn.Module, qtype: int, blocks: torch.Tensor) -> b
     it, or they would not pay in its dtype."""
     weight = module.weight
     if not (hasattr(module, "cpu_blocks")
-            and ir.linear.chosen(weight.device.type, weight.dtype) == "native"
+            and ir.gguf_linear.chosen(weight.device.type, weight.dtype) == "native"
             and build.available() and gguf_matmul.serves(qtype, blocks, weight)):
         return False
     rows = gguf_matmul.rows_worth_it(weight.dtype, qtype)
     if rows == 0:  # they would never beat the dense weight in this dtype
         return False
     module.cpu_blocks = gguf_matmul.kernel_blocks(qtype, blocks)
+    module.cpu_qtype = qtype
     plan = _plan(module)
-    plan[_QTYPE], plan[_BLOCK_ROWS] = qtype, rows
+    plan[_BLOCK_ROWS] = rows
     # torch's float32 matmul precision as the model loads sets how precisely float32 x is held
     plan[_LIMBS] = gguf_matmul.float32_limbs()
     return True

@@ -6,10 +6,10 @@ into its slice (merged shards, and this rank's part when tp_size > 1).
 import torch
 from torch import nn
 
-from kiln import ir
 from kiln.distributed.communication_op import tensor_model_parallel_all_reduce
 from kiln.distributed.parallel_state import get_tp_group
-from kiln.model.layers.cpu_gemm import init_cpu_forms
+from kiln.model.layers import cpu_gemm
+from kiln.model.layers.eager_call import EagerCall
 
 _CONFIG_HINT = ("; the checkpoint does not match the model its config describes (config.json or "
                 "the GGUF metadata: sizes, head counts, head_dim)")
@@ -51,11 +51,13 @@ def tp_rank_and_size(tp_rank: int | None, tp_size: int | None) -> tuple[int, int
     return (tp_rank or 0), tp_size
 
 
-class LinearBase(nn.Module):
-    """y = x W^T (+ b) with W [output_size_per_rank, input_size_per_rank]."""
+class LinearBase(EagerCall):
+    """y = x W^T (+ b) with W [output_size_per_rank, input_size_per_rank], by the IR op for what
+    the layer holds (cpu_gemm.linear_call; its quant method's ops for a quantized layer)."""
 
     supports_cpu_packing = True  # see kiln/model/layers/cpu_gemm.py
     quant_method = None  # set by kiln/model/layers/quantization/ for a quantized layer
+    call_fields = cpu_gemm.CALL_FIELDS
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_rank: int | None = None,
                  tp_size: int | None = None):
@@ -70,7 +72,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
-        init_cpu_forms(self)
+        cpu_gemm.init_cpu_forms(self)
 
     def _out_local(self) -> int:
         return self.output_size
@@ -81,13 +83,16 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         default_weight_loader(param, loaded)
 
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.quant_method is not None:
-            return self.quant_method.apply(self, x, bias)
-        return ir.linear(x, self.weight, bias, self.cpu_packed, self.cpu_blocks, self.cpu_plan)
+    def _forward_bias(self) -> torch.Tensor | None:
+        return self.bias
+
+    def _build_call(self) -> tuple:
+        return cpu_gemm.linear_call(self, self._forward_bias())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self._forward_bias())
+        return self._call(x)  # the IR call, looked up once in eager forwards (eager_call.py)
 
 
 class ReplicatedLinear(LinearBase):
@@ -127,9 +132,11 @@ class RowParallelLinear(LinearBase):
         size = param.shape[1]
         default_weight_loader(param, take_shard(loaded, 1, self.tp_rank, size, self.tp_size))
 
+    def _forward_bias(self) -> torch.Tensor | None:
+        return self.bias if self.tp_rank == 0 else None  # the bias is added once, on rank 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias if self.tp_rank == 0 else None
-        out = self._matmul(x, bias)  # [T, hidden], this rank's partial sum
+        out = super().forward(x)  # [T, hidden], this rank's partial sum
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
 

@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln import ir
 from kiln.distributed.communication_op import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from kiln.model.layers.cpu_gemm import init_cpu_forms
+from kiln.model.layers import cpu_gemm
+from kiln.model.layers.eager_call import EagerCall
 from kiln.model.layers.linear import default_weight_loader, tp_rank_and_size
 
 
@@ -52,19 +52,22 @@ class VocabParallelEmbedding(nn.Module):
         return tensor_model_parallel_all_reduce(hidden)  # [T, H]
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(EagerCall, VocabParallelEmbedding):
     supports_cpu_packing = True  # see kiln/model/layers/cpu_gemm.py
+    call_fields = cpu_gemm.CALL_FIELDS
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        init_cpu_forms(self)
+        cpu_gemm.init_cpu_forms(self)
+
+    def _build_call(self) -> tuple:
+        return cpu_gemm.linear_call(self, None)
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = ir.linear(hidden, self.weight, None, self.cpu_packed, self.cpu_blocks,
-                           self.cpu_plan).float()  # [N, V / tp]
+        logits = self._call(hidden).float()  # [N, V / tp]
         if self.tp_size == 1:
             return logits
         # [N, rows_per_rank * tp] in rank order -> drop the padding rows' columns

@@ -1,13 +1,14 @@
-/* The CPU kernel of the IR op `linear` (`kiln::linear_native`): per call it picks the GGUF blocks
- * kernel, the GEMV kernel or oneDNN's packed GEMM from what the layer holds beside its dense
- * weight (kiln/model/layers/cpu_gemm.py) and hands over with it: a oneDNN-packed copy, the GGUF
- * blocks in the kernel's layout, and a plan, int64 [gemv_rows, qtype, block_rows, limbs] (up to
- * how many rows the GEMV kernel takes the dense weight, 0: never; the blocks' ggml type; up to
- * how many rows the blocks serve, 0: never; float32 x's int8 limbs in their kernel). In C++
+/* The CPU kernels of the IR ops `linear` (`kiln::linear_native`: the GEMV kernel or oneDNN's packed
+ * GEMM on the dense weight, else aten) and `gguf_linear` (`kiln::gguf_linear_native`: the GGUF
+ * blocks kernel, or the dense copy's kernels above the blocks' row limit), choosing per call
+ * from what the layer holds and hands over (kiln/model/layers/cpu_gemm.py): a oneDNN-packed
+ * copy, the blocks in the kernel's layout, and a plan, int64 [gemv_rows, block_rows, limbs] (up
+ * to how many rows the GEMV kernel takes the dense weight, 0: never; up to how many the blocks
+ * serve; float32 x's int8 limbs in their kernel). One rule picks: `choose_path`. In C++
  * because a decode step makes ~120 of these calls, and the dispatcher reaches a C++ kernel in
  * ~1.5 us against ~8 us through a Python kernel (measured on 2 cores). Also the CPU kernels of
- * `kiln::add_rms_norm_linear` and `kiln::silu_mul_linear`, what compiled graphs fold into a
- * linear from before it (a residual add and RMSNorm; SiLU-and-mul). */
+ * the fused ops compiled graphs fold into either linear from before it (a residual add and
+ * RMSNorm; SiLU-and-mul). */
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -40,18 +41,33 @@ std::atomic<int64_t> path_calls[NUM_PATHS];
 
 void count(int path) { path_calls[path].fetch_add(1, std::memory_order_relaxed); }
 
-/* The plan's fields; a plan that is not int64 [4] plans nothing (dense). */
+/* The plan's fields; a plan that is not int64 [3] plans nothing (no GEMV, no blocks beside a
+ * dense copy, 3 limbs). */
 struct Plan {
-    int64_t gemv_rows = 0, qtype = 0, block_rows = 0, limbs = 3;
+    int64_t gemv_rows = 0, block_rows = 0, limbs = 3;
 };
 
 Plan read_plan(const OptTensor &plan) {
     Plan p;
-    if (plan && plan->scalar_type() == at::kLong && plan->numel() == 4 && plan->is_contiguous()) {
+    if (plan && plan->scalar_type() == at::kLong && plan->numel() == 3 && plan->is_contiguous()) {
         const int64_t *v = plan->data_ptr<int64_t>();
-        p = Plan{v[0], v[1], v[2], v[3] == 2 ? 2 : 3};
+        p = Plan{v[0], v[1], v[2] == 2 ? 2 : 3};
     }
     return p;
+}
+
+/* Which kernel serves a call of `rows` rows, given what it holds: the blocks (if they can
+ * serve the call) up to the plan's block_rows, or at every row count without a dense copy;
+ * else the GEMV kernel up to gemv_rows (rows > 0), else the packed copy, else aten. */
+int choose_path(int64_t rows, bool blocks, bool dense, bool packed, const Plan &p) {
+    if (blocks && (!dense || rows <= p.block_rows)) return PATH_BLOCKS;
+    if (!dense) return -1;  /* nothing serves it */
+    if (rows > 0 && rows <= p.gemv_rows) return PATH_GEMV;
+    return packed ? PATH_PACKED : PATH_DENSE;
+}
+
+int64_t linear_path(int64_t rows, bool blocks, bool dense, bool packed, const OptTensor &plan) {
+    return choose_path(rows, blocks, dense, packed, read_plan(plan));
 }
 
 at::Tensor packed_gemm(const at::Tensor &x, const at::Tensor &packed, int64_t out_features,
@@ -67,66 +83,81 @@ at::Tensor packed_gemm(const at::Tensor &x, const at::Tensor &packed, int64_t ou
     return stack[0].toTensor().view(shape);
 }
 
+/* A bias the kernels read as n values of x's dtype (else aten's semantics, errors included). */
+bool bias_fits(const OptTensor &bias, int64_t n, at::ScalarType dtype) {
+    return !bias || (bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous() &&
+                     bias->scalar_type() == dtype);
+}
+
+at::Tensor out_like(const at::Tensor &x, int64_t n) {
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = n;
+    return at::empty(shape, x.options());
+}
+
 at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &weight, const OptTensor &bias,
-                      const OptTensor &packed, const OptTensor &blocks, const OptTensor &plan) {
+                      const OptTensor &packed, const OptTensor &plan) {
     const int64_t k = x.size(-1), n = weight.size(0);
-    /* A bias the kernels cannot read as n values of x's dtype (broadcast, strided, too short)
-     * gets aten's semantics, errors included. */
-    const bool bias_ok = !bias || (bias->dim() == 1 && bias->size(0) == n &&
-                                   bias->is_contiguous() && bias->scalar_type() == x.scalar_type());
     const int32_t dtype = kiln::dtype_code(x.scalar_type());
-    if (!plan || x.scalar_type() != weight.scalar_type() || !bias_ok || dtype < 0 ||
-        weight.dim() != 2 || weight.size(1) != k) {
+    if (!plan || x.scalar_type() != weight.scalar_type() || !bias_fits(bias, n, x.scalar_type()) ||
+        dtype < 0 || weight.dim() != 2 || weight.size(1) != k) {
         count(PATH_DENSE);
         return at::linear(x, weight, bias);
     }
-    const Plan p = read_plan(plan);
     const int64_t rows = k > 0 ? x.numel() / k : 0;
-    const bool use_blocks = blocks && rows <= p.block_rows &&
-                            kiln::gguf_blocks_fit(*blocks, static_cast<int32_t>(p.qtype), n, k);
-    const bool use_gemv = !use_blocks && rows <= p.gemv_rows && weight.is_contiguous();
-    if (rows > 0 && (use_blocks || use_gemv)) {
+    const bool has_packed = packed && packed->scalar_type() == weight.scalar_type();
+    int path = choose_path(rows, false, true, has_packed, read_plan(plan));
+    if (path == PATH_GEMV && !weight.is_contiguous()) path = has_packed ? PATH_PACKED : PATH_DENSE;
+    count(path);
+    if (path == PATH_GEMV) {
         const at::Tensor xc = x.contiguous();
-        std::vector<int64_t> shape = x.sizes().vec();
-        shape.back() = n;
-        at::Tensor out = at::empty(shape, x.options());
-        const void *b = bias ? bias->data_ptr() : nullptr;
-        int rc;
-        if (use_blocks) {
-            count(PATH_BLOCKS);
-            rc = kiln_gguf_matmul(xc.data_ptr(), blocks->data_ptr<uint8_t>(),
-                                  static_cast<int32_t>(p.qtype), b, out.data_ptr(),
-                                  static_cast<int32_t>(rows), n, k, dtype,
-                                  static_cast<int32_t>(p.limbs), kiln::threads());
-        } else {
-            count(PATH_GEMV);
-            rc = kiln_gemv(xc.data_ptr(), weight.data_ptr(), b, out.data_ptr(),
-                           static_cast<int32_t>(rows), n, k, dtype, kiln::threads());
-        }
-        TORCH_CHECK(rc == 0, "kiln::linear: the ", use_blocks ? "GGUF blocks" : "GEMV",
-                    " kernel failed with code ", rc, " on x ", x.sizes(), ", weight ",
-                    weight.sizes());
+        at::Tensor out = out_like(x, n);
+        const int rc = kiln_gemv(xc.data_ptr(), weight.data_ptr(), bias ? bias->data_ptr() : nullptr,
+                                 out.data_ptr(), static_cast<int32_t>(rows), n, k, dtype,
+                                 kiln::threads());
+        TORCH_CHECK(rc == 0, "kiln::linear: the GEMV kernel failed with code ", rc, " on x ",
+                    x.sizes(), ", weight ", weight.sizes());
         return out;
     }
-    if (packed && packed->scalar_type() == weight.scalar_type()) {
-        count(PATH_PACKED);
-        return packed_gemm(x, *packed, n, bias);
-    }
-    count(PATH_DENSE);
+    if (path == PATH_PACKED) return packed_gemm(x, *packed, n, bias);
     return at::linear(x, weight, bias);
 }
 
-/* (linear(rms_norm(a + b) * norm_weight), a + b): a residual add and the RMSNorm after it,
- * done here instead of in one of Inductor's kernels before the linear (compiled graphs only:
+at::Tensor gguf_linear_cpu(const at::Tensor &x, const at::Tensor &blocks, int64_t qtype,
+                           int64_t out_features, const OptTensor &bias, const OptTensor &weight,
+                           const OptTensor &packed, const OptTensor &plan) {
+    const int64_t k = x.size(-1), n = out_features;
+    const int32_t dtype = kiln::dtype_code(x.scalar_type());
+    const bool blocks_ok = dtype >= 0 && bias_fits(bias, n, x.scalar_type()) &&
+                           kiln::gguf_blocks_fit(blocks, static_cast<int32_t>(qtype), n, k);
+    const int64_t rows = k > 0 ? x.numel() / k : 0;
+    const Plan p = read_plan(plan);
+    const int path = choose_path(rows, blocks_ok, weight.has_value(), false, p);
+    if (path != PATH_BLOCKS) {
+        TORCH_CHECK_VALUE(weight, "kiln::gguf_linear: blocks ", blocks.sizes(), " are not the kernel "
+                          "layout of a [", n, ", ", k, "] weight of ggml type ", qtype, " for x ",
+                          x.scalar_type(), " (and bias), and there is no dense weight");
+        return linear_cpu(x, *weight, bias, packed, plan);
+    }
+    count(PATH_BLOCKS);
+    at::Tensor out = out_like(x, n);
+    if (rows == 0) return out;
+    const at::Tensor xc = x.contiguous();
+    const int rc = kiln_gguf_matmul(xc.data_ptr(), blocks.data_ptr<uint8_t>(),
+                                    static_cast<int32_t>(qtype), bias ? bias->data_ptr() : nullptr,
+                                    out.data_ptr(), static_cast<int32_t>(rows), n, k, dtype,
+                                    static_cast<int32_t>(p.limbs), kiln::threads());
+    TORCH_CHECK(rc == 0, "kiln::gguf_linear: the GGUF blocks kernel failed with code ", rc,
+                " on x ", x.sizes(), ", blocks ", blocks.sizes());
+    return out;
+}
+
+/* (rms_norm(a + b) * norm_weight, a + b): a residual add and the RMSNorm after it, done here
+ * before a linear instead of in one of Inductor's kernels (compiled graphs only:
  * kiln/compilation/passes/fuse_rms_norm_linear.py). The same float32 operations in the same
  * order per element as the IR reference; the sum of squares is summed in another order. */
-std::tuple<at::Tensor, at::Tensor> add_rms_norm_linear(const at::Tensor &a, const at::Tensor &b,
-                                                       const at::Tensor &norm_weight, double eps,
-                                                       const at::Tensor &weight,
-                                                       const OptTensor &bias,
-                                                       const OptTensor &packed,
-                                                       const OptTensor &blocks,
-                                                       const OptTensor &plan) {
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor &a, const at::Tensor &b,
+                                                const at::Tensor &norm_weight, double eps) {
     const int64_t h = a.size(-1);
     const bool direct = a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat &&
                         norm_weight.scalar_type() == at::kFloat && a.sizes().equals(b.sizes()) &&
@@ -136,7 +167,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_linear(const at::Tensor &a, cons
         const at::Tensor r32 = residual.to(at::kFloat);
         at::Tensor normed = at::mul(norm_weight, at::mul(r32, at::rsqrt(at::add(
             at::mean(at::pow(r32, 2), {-1}, true), eps))).to(residual.scalar_type()));
-        return {linear_cpu(normed, weight, bias, packed, blocks, plan), residual};
+        return {normed, residual};
     }
     const at::Tensor ac = a.contiguous(), bc = b.contiguous(), wc = norm_weight.contiguous();
     at::Tensor residual = at::empty(a.sizes(), a.options());
@@ -158,29 +189,53 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_linear(const at::Tensor &a, cons
             for (int64_t i = 0; i < h; ++i) pn[o + i] = pw[i] * (pr[o + i] * scale);
         }
     });
-    return {linear_cpu(normed, weight, bias, packed, blocks, plan), residual};
+    return {normed, residual};
 }
 
-/* linear(silu(x[..., :d]) * x[..., d:]): the SiLU-and-mul before a down projection, done by
+/* silu(x[..., :d]) * x[..., d:]: the SiLU-and-mul before a down projection, done by
  * layer_ops.c's kernel (the eager forward's) instead of one of Inductor's kernels (compiled
  * graphs only: kiln/compilation/passes/fuse_silu_mul_linear.py). */
-at::Tensor silu_mul_linear(const at::Tensor &x, const at::Tensor &weight, const OptTensor &bias,
-                           const OptTensor &packed, const OptTensor &blocks,
-                           const OptTensor &plan) {
+at::Tensor silu_mul(const at::Tensor &x) {
     const int64_t d = x.size(-1) / 2;
     const int32_t dtype = kiln::dtype_code(x.scalar_type());
     if (dtype < 0 || x.size(-1) != 2 * d || d == 0 || x.stride(-1) != 1)
-        return linear_cpu(at::mul(at::silu(x.narrow(-1, 0, d)), x.narrow(-1, d, d)), weight,
-                          bias, packed, blocks, plan);
+        return at::mul(at::silu(x.narrow(-1, 0, d)), x.narrow(-1, d, d));
     const at::Tensor rows = x.reshape({-1, 2 * d});
-    std::vector<int64_t> shape = x.sizes().vec();
-    shape.back() = d;
-    at::Tensor act = at::empty(shape, x.options());
+    at::Tensor act = out_like(x, d);
     kiln::check_rc(kiln_silu_and_mul(rows.data_ptr(), rows.stride(0), act.data_ptr(),
                                      rows.size(0), static_cast<int32_t>(d), dtype,
                                      kiln::threads()),
                    "kiln::silu_mul_linear (kiln_silu_and_mul)");
-    return linear_cpu(act, weight, bias, packed, blocks, plan);
+    return act;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_linear(
+    const at::Tensor &a, const at::Tensor &b, const at::Tensor &norm_weight, double eps,
+    const at::Tensor &weight, const OptTensor &bias, const OptTensor &packed,
+    const OptTensor &plan) {
+    auto [normed, residual] = add_rms_norm(a, b, norm_weight, eps);
+    return {linear_cpu(normed, weight, bias, packed, plan), residual};
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_gguf_linear(
+    const at::Tensor &a, const at::Tensor &b, const at::Tensor &norm_weight, double eps,
+    const at::Tensor &blocks, int64_t qtype, int64_t out_features, const OptTensor &bias,
+    const OptTensor &weight, const OptTensor &packed, const OptTensor &plan) {
+    auto [normed, residual] = add_rms_norm(a, b, norm_weight, eps);
+    return {gguf_linear_cpu(normed, blocks, qtype, out_features, bias, weight, packed, plan),
+            residual};
+}
+
+at::Tensor silu_mul_linear(const at::Tensor &x, const at::Tensor &weight, const OptTensor &bias,
+                           const OptTensor &packed, const OptTensor &plan) {
+    return linear_cpu(silu_mul(x), weight, bias, packed, plan);
+}
+
+at::Tensor silu_mul_gguf_linear(const at::Tensor &x, const at::Tensor &blocks, int64_t qtype,
+                                int64_t out_features, const OptTensor &bias,
+                                const OptTensor &weight, const OptTensor &packed,
+                                const OptTensor &plan) {
+    return gguf_linear_cpu(silu_mul(x), blocks, qtype, out_features, bias, weight, packed, plan);
 }
 
 std::vector<int64_t> path_counts() {
@@ -193,19 +248,25 @@ std::vector<int64_t> path_counts() {
 
 TORCH_LIBRARY_FRAGMENT(kiln, m) {
     m.def("linear_native(Tensor x, Tensor weight, Tensor? bias=None, Tensor? packed=None, "
-          "Tensor? blocks=None, Tensor? plan=None) -> Tensor");
+          "Tensor? plan=None) -> Tensor");
+    m.def("gguf_linear_native(Tensor x, Tensor blocks, int qtype, int out_features, "
+          "Tensor? bias=None, Tensor? weight=None, Tensor? packed=None, Tensor? plan=None) -> "
+          "Tensor");
     m.def("linear_path_counts() -> int[]", &path_counts);
+    m.def("linear_path(int rows, bool blocks, bool dense, bool packed, Tensor? plan) -> int",
+          &linear_path);
 }
 
-TORCH_LIBRARY_IMPL(kiln, CPU, m) {
-    m.impl("linear_native", &linear_cpu);
-    m.impl("add_rms_norm_linear", &add_rms_norm_linear);
-    m.impl("silu_mul_linear", &silu_mul_linear);
-}
+/* CPU, and MkldnnCPU: oneDNN's packed copy is an MKLDNN tensor, and a call holding one
+ * dispatches there. */
+#define KILN_LINEAR_IMPLS(m)                                       \
+    m.impl("linear_native", &linear_cpu);                          \
+    m.impl("gguf_linear_native", &gguf_linear_cpu);                \
+    m.impl("add_rms_norm_linear", &add_rms_norm_linear);           \
+    m.impl("add_rms_norm_gguf_linear", &add_rms_norm_gguf_linear); \
+    m.impl("silu_mul_linear", &silu_mul_linear);                   \
+    m.impl("silu_mul_gguf_linear", &silu_mul_gguf_linear)
 
-/* oneDNN's packed copy is an MKLDNN tensor: a call holding one dispatches here. */
-TORCH_LIBRARY_IMPL(kiln, MkldnnCPU, m) {
-    m.impl("linear_native", &linear_cpu);
-    m.impl("add_rms_norm_linear", &add_rms_norm_linear);
-    m.impl("silu_mul_linear", &silu_mul_linear);
-}
+TORCH_LIBRARY_IMPL(kiln, CPU, m) { KILN_LINEAR_IMPLS(m); }
+
+TORCH_LIBRARY_IMPL(kiln, MkldnnCPU, m) { KILN_LINEAR_IMPLS(m); }
