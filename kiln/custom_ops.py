@@ -8,11 +8,13 @@ from collections.abc import Callable
 import torch
 
 LIB = torch.library.Library("kiln", "FRAGMENT")
+SCHEMAS: list[str] = []  # every op defined here, "name(schema)", in order
 
 
 def register_op(name: str, schema: str, impl: Callable, fake: Callable) -> None:
     """Define `kiln::<name><schema>` with one implementation for every device, plus its fake
     (shape-only) version for tracing. Mutated arguments are marked in the schema: `Tensor(a!)`."""
     LIB.define(f"{name}{schema}")
+    SCHEMAS.append(f"{name}{schema}")
     LIB.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"kiln::{name}", fake, lib=LIB)

@@ -13,6 +13,7 @@ import torch
 from kiln.compilation import monitor
 from kiln.compilation.counters import compilation_counter
 from kiln.compilation.inductor_patches import forget_backend
+from kiln.compilation.op_schemas import stock_options
 from kiln.compilation.phase import RecompileAfterWarmupError, WarmupPhase
 from kiln.logger import init_logger
 
@@ -84,7 +85,8 @@ class TraceOnceWrapper:
                 captured.append(new_code)
 
         handle = torch._dynamo.convert_frame.register_bytecode_hook(hook)
-        compiled = torch.compile(self.source_fn, fullgraph=True, backend=self.backend)
+        compiled = torch.compile(self.source_fn, fullgraph=True, backend=self.backend,
+                                 options=stock_options(self.backend))
         spent_before = monitor.stats.compile_s + monitor.stats.load_s
         try:
             with monitor.Timer() as t:
@@ -127,7 +129,8 @@ class GuardedCompileWrapper:
     def __init__(self, module: torch.nn.Module, forward: types.FunctionType, backend: str,
                  prefix: str, phase: WarmupPhase):
         self.module, self.prefix, self.phase = module, prefix, phase
-        self.compiled = torch.compile(fresh_function(forward), fullgraph=True, backend=backend)
+        self.compiled = torch.compile(fresh_function(forward), fullgraph=True, backend=backend,
+                                      options=stock_options(backend))
         self.calls = 0
 
     def __call__(self, *args, **kwargs):

@@ -206,3 +206,14 @@ def test_lowering_takes_the_chosen_implementation(provider):
         assert all(t.startswith(("aten.", "prims.")) for t in targets), targets
     assert _within(gm(x, kernel), ir.gguf_linear.reference(x, kernel, q6k, 20), x, values,
                    torch.float32)
+
+
+@needs_kernel
+def test_a_strided_bias_is_read_as_its_values():
+    q80 = gguf_matmul.QTYPES["Q8_0"]
+    kernel, values = _kernel_blocks("Q8_0", 16, 64)
+    x, bias = torch.randn(3, 64), torch.randn(32)[::2]
+    assert ir.gguf_linear.supported_by("native", x, kernel, q80, 16, bias)
+    got = ir.gguf_linear.impls["native"].fn(x, kernel, q80, 16, bias)
+    want = ir.gguf_linear.reference(x, kernel, q80, 16, bias)
+    assert _within(got, want, x, values, torch.float32)

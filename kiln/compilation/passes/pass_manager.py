@@ -2,7 +2,8 @@
 
 Pre, not post: on CPU Inductor's own post-grad passes fold adds into addmm before a post pass
 could match them. Its uuid (pass list and sources, each pass's own factors such as the IR ops'
-chosen implementations, pass config, shape) enters Inductor's cache key and Kiln's.
+chosen implementations, Kiln's op schemas, pass config, shape) enters Inductor's cache key
+and Kiln's.
 """
 import hashlib
 import inspect
@@ -10,6 +11,8 @@ import json
 
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from kiln.compilation.op_schemas import schemas_hash
 
 
 class KilnInductorPass:
@@ -67,6 +70,7 @@ class PostGradPassManager(CustomGraphPass):
 
     def uuid(self) -> str:
         factors = {"manager": hashlib.sha256(inspect.getsource(type(self)).encode()).hexdigest(),
+                   "op_schemas": schemas_hash(),
                    "passes": [(p.name, p.uuid()) for p in self.passes],
                    "pass_config": self.pass_config, "shape": self.shape}
         return hashlib.sha256(json.dumps(factors, sort_keys=True, default=str).encode()

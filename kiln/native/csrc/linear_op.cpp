@@ -128,7 +128,9 @@ at::Tensor gguf_linear_cpu(const at::Tensor &x, const at::Tensor &blocks, int64_
                            const OptTensor &packed, const OptTensor &plan) {
     const int64_t k = x.size(-1), n = out_features;
     const int32_t dtype = kiln::dtype_code(x.scalar_type());
-    const bool blocks_ok = dtype >= 0 && bias_fits(bias, n, x.scalar_type()) &&
+    /* the blocks kernel reads n contiguous values of x's dtype: a strided bias is copied */
+    const OptTensor b = bias ? OptTensor(bias->contiguous()) : OptTensor();
+    const bool blocks_ok = dtype >= 0 && bias_fits(b, n, x.scalar_type()) &&
                            kiln::gguf_blocks_fit(blocks, static_cast<int32_t>(qtype), n, k);
     const int64_t rows = k > 0 ? x.numel() / k : 0;
     const Plan p = read_plan(plan);
@@ -144,7 +146,7 @@ at::Tensor gguf_linear_cpu(const at::Tensor &x, const at::Tensor &blocks, int64_
     if (rows == 0) return out;
     const at::Tensor xc = x.contiguous();
     const int rc = kiln_gguf_matmul(xc.data_ptr(), blocks.data_ptr<uint8_t>(),
-                                    static_cast<int32_t>(qtype), bias ? bias->data_ptr() : nullptr,
+                                    static_cast<int32_t>(qtype), b ? b->data_ptr() : nullptr,
                                     out.data_ptr(), static_cast<int32_t>(rows), n, k, dtype,
                                     static_cast<int32_t>(p.limbs), kiln::threads());
     TORCH_CHECK(rc == 0, "kiln::gguf_linear: the GGUF blocks kernel failed with code ", rc,
