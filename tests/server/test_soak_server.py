@@ -215,17 +215,26 @@ def wait_idle(url: str) -> dict:
         time.sleep(0.05)
 
 
+FINISH_REASONS = ("stop", "length", "abort")
+LEAVERS = 6  # of each kind; a request with n > 1 counts once in the metrics
+
+
+def finished(metrics: dict, reason: str) -> float:
+    return metrics.get(f"kiln:request_success_total[{reason}]", 0)
+
+
 def test_storm_matches_solo_runs_and_leaves_engine_idle(soak_server):
     url = soak_server[0]
     goods = good_requests()
 
     async def main():
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            start = metric_samples(url)
             solo = [await run_good(client, *g) for g in goods]
             before = metric_samples(url)
             jobs = [("good", g, run_good(client, *g)) for g in goods]
             jobs += [("bad", b, run_bad(client, *b)) for b in BAD_REQUESTS]
-            for k in range(6):
+            for k in range(LEAVERS):
                 long = dict(prompt=PROMPTS[k % 4], max_tokens=200, ignore_eos=True)
                 jobs.append(("mid", k, leave_mid_stream(url, dict(long, n=1 + k % 3), 2 + k)))
                 path = CHAT if k % 2 else COMPLETIONS
@@ -243,9 +252,16 @@ def test_storm_matches_solo_runs_and_leaves_engine_idle(soak_server):
                     assert_same(solo[goods.index(spec)], result, spec)
             after = wait_idle(url)
             assert after["kiln:num_preemptions_total"] > before["kiln:num_preemptions_total"]
-            aborts = (after["kiln:request_success_total[abort]"]
-                      - before.get("kiln:request_success_total[abort]", 0))
-            assert 6 <= aborts <= 12  # every mid-stream leaver; early ones if submitted
+            # The good requests finish as they did alone; what else finished is the leavers'.
+            # A leaver's request ends aborted, or by length when it was generated in full
+            # before the server saw the hang-up (a race the machine's load decides).
+            left = {reason: finished(after, reason) - finished(before, reason)
+                    - (finished(before, reason) - finished(start, reason))
+                    for reason in FINISH_REASONS}
+            assert set(r for r, n in left.items() if n) <= {"abort", "length"}, left
+            # mid-stream leavers' requests all ran (lines arrived); early ones, if submitted
+            assert LEAVERS <= left["abort"] + left["length"] <= 2 * LEAVERS, left
+            assert left["abort"] >= 1, left  # hang-ups are noticed and aborted
             again = await run_good(client, *goods[0])
             assert_same(solo[0], again, "follow-up")
 
