@@ -50,7 +50,7 @@ def test_no_compiler_falls_back_to_torch(fresh_kernels, monkeypatch, caplog):
         assert not paged_attention.available()
         chosen = ir.resolve({}, "cpu", torch.float32).as_dict()
         for op in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
-                   "linear", "unified_attention"):
+                   "linear", "gguf_linear", "unified_attention"):
             assert chosen[op] == "torch", op
         assert not gemv.serves(torch.randn(4, 8), None)
     assert caplog.text.count("no C++ compiler found (set CXX or install g++)") == 1
