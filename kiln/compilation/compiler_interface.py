@@ -74,6 +74,7 @@ class InductorStandaloneAdaptor(CompilerInterface):
         self.device = device
         self.defaults = dict(for_device(device).inductor_compile_defaults)
         self.dump_dir: Path | None = None  # set by the backend when debug_dump_path is given
+        self._dumps = 0  # output codes dumped: names the pieces of a run that saves none
 
     def compute_hash(self) -> str:
         if self.device == "cpu":
@@ -139,7 +140,9 @@ class InductorStandaloneAdaptor(CompilerInterface):
 
     def _dump_output_code(self, modules, shape, save_path) -> None:
         """Write the Python module(s) Inductor generated for this compile (its output code)."""
-        stem = save_path.stem if save_path is not None else f"shape_{shape}"
+        # Without a save path every piece of one shape would take the same name.
+        stem = save_path.stem if save_path is not None else f"shape_{shape}_{self._dumps}"
+        self._dumps += 1
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         for i, module in enumerate(modules):
             source = getattr(module, "__file__", None)

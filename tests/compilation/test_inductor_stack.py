@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -446,3 +447,19 @@ def test_two_processes_on_an_empty_cache_both_succeed(tmp_path):
     subprocess.run([sys.executable, str(HERE / "_child.py"), str(tmp_path / "cache"), str(out)],
                    check=True, cwd=HERE, timeout=240)
     assert torch.load(out)["counters"]["num_inductor_compiles"] == 0
+
+
+def test_debug_dump_names_each_unsaved_piece_apart(tmp_path):
+    """With no compile cache (no save path) every piece of one shape still gets its own output
+    code file: they were all named output_code_shape_None_0.py, the last one kept."""
+    adaptor = InductorStandaloneAdaptor()
+    adaptor.dump_dir = tmp_path / "dump"
+    sources = []
+    for i in range(3):
+        src = tmp_path / f"module_{i}.py"
+        src.write_text(f"# piece {i}\n")
+        sources.append(types.SimpleNamespace(__file__=str(src)))
+    for module in sources:
+        adaptor._dump_output_code([module], None, None)
+    dumped = sorted(f.read_text() for f in adaptor.dump_dir.glob("output_code_*.py"))
+    assert dumped == [f"# piece {i}\n" for i in range(3)]
