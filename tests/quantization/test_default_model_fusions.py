@@ -9,8 +9,9 @@ import pytest
 from kiln import LLM, SamplingParams
 from kiln.benchmarks.latency import engine_model
 
-pytestmark = pytest.mark.slow  # 31 cold piece compiles; tests/quantization/test_w8a8_generation.py
-# checks the same counts on a 2-layer model
+# 31 cold piece compiles (tests/quantization/test_w8a8_generation.py checks the same counts on a
+# 2-layer model); the engine core in this process, whose model the test reads
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("inprocess_core")]
 
 
 def _llm(tmp_path, mode):
