@@ -13,6 +13,12 @@ import time
 def measure(launched_at: float, engine_kwargs: dict, prompt: str, max_tokens: int) -> dict:
     """In the child: seconds per phase, from `launched_at` (the parent's time.monotonic())."""
     entered = time.monotonic()
+    from kiln import envs
+
+    if envs.enable_multiprocessing():  # as the `kiln` command does before its imports
+        from kiln.engine import core_interpreter
+
+        core_interpreter.prestart()
     from kiln.entrypoints.llm import LLM
     from kiln.sampling_params import SamplingParams
 
@@ -65,3 +71,6 @@ def _round(value):
 if __name__ == "__main__":
     launched_at, kwargs, prompt_text, tokens = json.loads(sys.argv[1])
     print(json.dumps(measure(launched_at, kwargs, prompt_text, tokens)), flush=True)
+    from kiln.entrypoints.cli.main import exit_without_teardown
+
+    exit_without_teardown(0)  # as the `kiln` command exits

@@ -3,8 +3,8 @@
 Each needs all of the file's metadata parsed: 2.5 s per parse for the default model on 2 cores
 (its 49k-token vocabulary), by transformers for the config and the tokenizer and by `gguf` for
 the weights' table, on every start. The first start saves what it converted under
-<cache root>/gguf/<key>/ (key: the file's path, size and mtime, the transformers and gguf
-versions); later starts read those files.
+<cache root>/gguf/<key>/ (key: the file's path, size and mtime, the transformers, gguf and Kiln
+versions); later starts read those files (the config as plain data: hf_config_snapshot.py).
 """
 import hashlib
 import importlib.metadata
@@ -21,7 +21,9 @@ from kiln.logger import init_logger
 
 logger = init_logger(__name__)
 
-_FORMAT = 3  # of what is kept; 2: rope scaling metadata in the table, 3: missing metadata
+# Of what is kept; 2: rope scaling metadata in the table, 3: missing metadata, 4: the config
+# as a snapshot (config/config.json in hf_config_snapshot's format).
+_FORMAT = 4
 # The model's shape: without these transformers takes its defaults (32 layers, ...).
 _REQUIRED_METADATA = ("block_count", "embedding_length", "feed_forward_length",
                       "attention.head_count")
@@ -29,15 +31,11 @@ _REQUIRED_METADATA = ("block_count", "embedding_length", "feed_forward_length",
 
 def converted_dir(gguf: Path) -> Path:
     """Where this file's conversion is kept; a changed file (size, mtime) gets a new one."""
-    import transformers
+    from kiln.config.hf_config_snapshot import source_key
 
-    gguf = gguf.resolve()
-    stat = gguf.stat()
     # Both libraries parse the file: a new gguf may lay its tensors out differently.
-    factors = (f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|"
-               f"{importlib.metadata.version('gguf')}|{_FORMAT}")
-    key = hashlib.sha256(factors.encode()).hexdigest()[:16]
-    return envs.cache_root() / "gguf" / f"{gguf.stem}-{key}"
+    key = source_key(gguf, importlib.metadata.version("gguf"), f"gguf{_FORMAT}")
+    return envs.cache_root() / "gguf" / f"{gguf.resolve().stem}-{key}"
 
 
 def _cached(part: Path, load: Callable[[Path], Any], convert: Callable[[], Any],
@@ -76,17 +74,23 @@ def _load(gguf: Path, part: str, auto_class):
 
 
 def load_config(gguf: Path):
-    """AutoConfig of a .gguf file."""
-    from transformers import AutoConfig
+    """AutoConfig of a .gguf file, as an HFConfigSnapshot (converted once, then read back)."""
+    from kiln.config.hf_config_snapshot import cached_snapshot
 
     table = load_tensor_table(gguf)
     missing = table.get("missing_metadata")
     if missing:  # transformers would fill in its defaults: a model of the wrong shape
         raise ValueError(f"GGUF file {gguf} lacks the metadata {', '.join(missing)}; the file "
                          "is incomplete or was not written by a llama.cpp converter")
-    config = _load(gguf, "config", AutoConfig)
-    _apply_rope_scaling(config, table.get("rope_scaling"))
-    return config
+
+    def convert():
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config.name_or_path = str(gguf.parent)  # what transformers names it
+        _apply_rope_scaling(config, table.get("rope_scaling"))
+        return config
+    return cached_snapshot(converted_dir(gguf) / "config" / "config.json", convert)
 
 
 def _apply_rope_scaling(config, scaling: dict | None) -> None:

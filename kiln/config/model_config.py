@@ -132,7 +132,9 @@ class ModelConfig(FreezableConfig):
                                                             self.model_path)
 
     def _load_hf_config(self):
-        from transformers import AutoConfig
+        """The checkpoint's config as an HFConfigSnapshot, resolved by transformers once per
+        file (hf_config_snapshot.py: later starts skip transformers' config imports)."""
+        from kiln.config.hf_config_snapshot import load_hf_dir_config
 
         if self.gguf_file is not None:
             from kiln.config import gguf_metadata
@@ -145,7 +147,7 @@ class ModelConfig(FreezableConfig):
                                         f"({', '.join(ggufs)}); pass one file as --model")
             raise FileNotFoundError(f"model {self.model!r}: missing config.json (expected a Hugging "
                                     "Face checkpoint directory or a .gguf file)")
-        return AutoConfig.from_pretrained(self.model_path)
+        return load_hf_dir_config(self.model_path)
 
     def resolve_dtype(self, platform_default: torch.dtype) -> torch.dtype:
         """torch dtype of `dtype` on a platform whose default is platform_default."""

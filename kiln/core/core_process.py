@@ -181,12 +181,11 @@ def run_engine_core(kiln_config, executor_class: type, input_address: str, outpu
     os._exit(code)
 
 
-# What the config's unpickling (transformers' model configs: their validators pull in
-# torch.distributed.tensor, a second) and the model load import: done here, while the front end
-# resolves the config, not after it arrives. Optional: any may be missing in a version.
-_PREIMPORTS = ("transformers.configuration_utils", "transformers.modeling_rope_utils",
-               "transformers.utils.type_validators", "kiln.model.registry",
-               "kiln.model.loader.gguf_loader", "kiln.model.loader.hf_loader")
+# What the model load imports: done here, while the front end resolves the config, not after
+# it arrives. The config itself needs no transformers (a checkpoint's is an HFConfigSnapshot;
+# a transformers config object given by the caller imports its class as it is unpickled).
+_PREIMPORTS = ("kiln.model.registry", "kiln.model.loader.gguf_loader",
+               "kiln.model.loader.hf_loader")
 
 
 def _preimport() -> None:

@@ -8,13 +8,10 @@ import collections
 import importlib
 import itertools
 import os
-import pickle
 import select
 import subprocess
-import sys
 import tempfile
 import threading
-import time
 import weakref
 
 import msgspec
@@ -36,6 +33,7 @@ from kiln.core.core_messages import (
 from kiln.core.outputs import EngineCoreOutput
 from kiln.core.request import Request, RequestStatus
 from kiln.core.stats import SchedulerStats
+from kiln.engine.core_interpreter import CoreInterpreter
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -324,48 +322,6 @@ class CoreProcClient:
                 pass
             _wait(self.proc, _SHUTDOWN_WAIT_S)
         self._finalizer()
-
-
-def core_environment(environ) -> dict:
-    """The core process's environment: the caller's, with OpenMP threads that sleep rather than
-    spin between parallel regions (unless the user chose): the front end's tokenizing shares
-    the cores, and a spinning thread that loses its core stalls every step (measured on a busy
-    2-core machine: 400 ms per token spinning, 1 ms sleeping)."""
-    env = dict(environ)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return env
-
-
-class CoreInterpreter:
-    """`python -m kiln.core.core_process`, started before the engine's config exists: it imports
-    torch and the engine (seconds) while this process resolves the config and loads the
-    tokenizer, then waits on stdin for its start-up arguments."""
-
-    def __init__(self):
-        self.launched_at = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "kiln.core.core_process"],
-                                     stdin=subprocess.PIPE, env=core_environment(os.environ))
-
-    def start(self, kiln_config, executor_class: type, input_address: str,
-              output_address: str) -> subprocess.Popen:
-        """Hand over the arguments, pickled (the config is not a request: only requests and
-        outputs must cross without pickle); the caller's sys.path first, so a test's executor
-        class imports there too."""
-        try:
-            pickle.dump(sys.path, self.proc.stdin)
-            pickle.dump((kiln_config, executor_class, input_address, output_address,
-                         os.getpid(), self.launched_at), self.proc.stdin)
-            self.proc.stdin.close()
-        except BaseException:
-            self.discard()
-            raise
-        return self.proc
-
-    def discard(self) -> None:
-        """Not needed after all (a bad flag): end it."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
 
 
 def _wait(proc: subprocess.Popen, timeout: float) -> None:

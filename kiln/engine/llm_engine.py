@@ -36,7 +36,7 @@ def get_executor_class(parallel_config: ParallelConfig) -> type:
 class LLMEngine:
     def __init__(self, kiln_config: KilnConfig, executor_class: type | None = None,
                  core_interpreter=None, multiprocess: bool | None = None):
-        """`core_interpreter`: a core_client.CoreInterpreter started before the config was
+        """`core_interpreter`: a core_interpreter.CoreInterpreter started before the config was
         built (from_engine_args does). `multiprocess`: the core in its own process (None:
         KILN_ENABLE_V1_MULTIPROCESSING, default on); False for one core step per step()."""
         if multiprocess is None:
@@ -95,9 +95,9 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
-        from kiln.engine.core_client import CoreInterpreter
+        from kiln.engine import core_interpreter
 
-        interpreter = CoreInterpreter() if envs.enable_multiprocessing() else None
+        interpreter = core_interpreter.take() if envs.enable_multiprocessing() else None
         try:
             start = time.perf_counter()
             kiln_config = engine_args.create_kiln_config()

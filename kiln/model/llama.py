@@ -175,9 +175,17 @@ def unexpected_tensor_message(name: str, hf_config) -> str:
     elif name.startswith("model.layers."):
         hint = f" (the config has num_hidden_layers={hf_config.num_hidden_layers})"
     return (f"checkpoint tensor {name} matches no parameter of this "
-            f"{type(hf_config).__name__.removesuffix('Config')} model{hint}; the checkpoint "
+            f"{_model_kind(hf_config)} model{hint}; the checkpoint "
             "does not match its config (config.json or the GGUF metadata); fix the config or "
             "use the checkpoint it came with")
+
+
+def _model_kind(hf_config) -> str:
+    """"Llama", "Qwen2", ...: the config class's name, or its model_type for a snapshot."""
+    name = type(hf_config).__name__
+    if name.endswith("Config"):
+        return name.removesuffix("Config")
+    return str(getattr(hf_config, "model_type", "") or "this")
 
 
 class LlamaStyleForCausalLM(nn.Module):

@@ -171,3 +171,27 @@ def test_a_kv_cache_smaller_than_one_request_refuses_or_caps(tiny_llama_dir):
         assert len(out.outputs[0].token_ids) == 32 - 19
     finally:
         llm.shutdown()
+
+
+def test_a_prestarted_core_interpreter_serves_the_next_engine_or_ends_at_exit(tiny_llama_dir):
+    import subprocess
+    import sys
+
+    from kiln.engine import core_interpreter
+
+    core_interpreter.prestart()
+    prestarted = core_interpreter._prestarted[0]
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE)
+    try:
+        assert llm.llm_engine.engine_core.pid == prestarted.proc.pid
+        assert not core_interpreter._prestarted  # taken once
+    finally:
+        llm.shutdown()
+    # A command that fails before its engine exists leaves no core process behind.
+    code = ("import sys; from kiln.engine import core_interpreter as c; c.prestart(); "
+            "print(c._prestarted[0].proc.pid, flush=True); sys.exit(2)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 2
+    pid = int(done.stdout.strip())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

@@ -30,7 +30,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands that build an engine: the core's interpreter starts before their imports (below).
+_ENGINE_COMMANDS = ("generate", "chat", "serve")
+
+
+def _prestart_core(argv: list[str]) -> None:
+    """For a command that will build an engine with its core in its own process, start that
+    process now: it imports torch and the engine while this one does (the critical path of a
+    warm start: about 0.8 s on 2 cores), and waits for the config."""
+    from kiln import envs
+
+    if (argv and argv[0] in _ENGINE_COMMANDS and not {"-h", "--help"} & set(argv)
+            and envs.enable_multiprocessing()):
+        from kiln.engine import core_interpreter
+
+        core_interpreter.prestart()
+
+
 def main(argv: list[str] | None = None) -> None:
+    _prestart_core(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
@@ -43,7 +61,22 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(USAGE_ERROR_EXIT)
     except KeyboardInterrupt:
         sys.exit(130)
-    sys.exit(code or 0)
+    exit_without_teardown(code or 0)
+
+
+def exit_without_teardown(code: int) -> None:
+    """Exit once the command is done: exit handlers run (temporary files, the engine's
+    finalizers), the interpreter's teardown does not (freeing torch's modules one by one: 0.7 s
+    of a 4 s `kiln generate` on 2 cores, with nothing left to write)."""
+    import atexit
+    import logging
+    import os
+
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ REASONING_PARSER_NAMES = ["deepseek_r1", "qwen3"]
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from kiln.entrypoints.openai.api_server import (
+    from kiln.entrypoints.openai.server_settings import (
         DEFAULT_MAX_REQUEST_BODY_BYTES,
         DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     )
@@ -68,7 +68,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace):
-    from kiln.entrypoints.openai.api_server import ServerSettings
+    from kiln.entrypoints.openai.server_settings import ServerSettings
 
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got "

@@ -1,0 +1,143 @@
+"""A model's HF config as transformers resolved it, kept as plain data (JSON) on disk and read
+back without importing transformers' model classes: a second of imports in each process.
+
+`LlamaConfig` alone imports torch.distributed.tensor through transformers' validators (0.9 s on
+2 cores) in the front end, and again in the core to unpickle it. The first start resolves the
+config with transformers and keeps `to_dict()` under <cache root>/hf_config/<name>-<key>/ (key:
+the config file's path, size and mtime, the transformers and Kiln versions, the format); later
+starts read that file, checked against the sha256 it holds (a damaged one is resolved again).
+"""
+import copy
+import hashlib
+import importlib.metadata
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kiln import envs
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
+
+_FORMAT = 1  # of the saved file
+
+
+class HFConfigSnapshot:
+    """Read-only attribute access to a resolved config's `to_dict()`: what the engine reads
+    (`hf_config.hidden_size`, `getattr(hf_config, "rope_parameters", None)`) answers as the
+    transformers object did; pickles as plain data, so the core process needs no transformers."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: dict):
+        object.__setattr__(self, "_values", values)
+
+    def __getattr__(self, name: str):
+        values = object.__getattribute__(self, "_values")
+        try:
+            return values[name]
+        except KeyError:
+            raise AttributeError(f"the model config has no field {name!r}") from None
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"the model config is read-only (setting {name!r})")
+
+    def __reduce__(self):
+        return HFConfigSnapshot, (self._values,)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, HFConfigSnapshot) and self._values == other._values
+
+    def __hash__(self):
+        return None  # mutable values inside: unhashable, as transformers' configs
+
+    def __repr__(self) -> str:
+        return f"HFConfigSnapshot({self._values.get('model_type')!r}, {len(self._values)} fields)"
+
+    @property
+    def name_or_path(self) -> str:
+        return self._values.get("_name_or_path", "")
+
+    def to_dict(self) -> dict:
+        return copy.deepcopy(self._values)
+
+
+def snapshot_of(config) -> HFConfigSnapshot:
+    """The snapshot of a transformers config, through JSON as the saved copy is (so the first
+    start and a cached one give equal values: JSON turns id2label's int keys into strings)."""
+    return HFConfigSnapshot(json.loads(config.to_json_string(use_diff=False)))
+
+
+def _digest(values: dict) -> str:
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
+
+
+def write_snapshot(snapshot: HFConfigSnapshot, path: Path) -> None:
+    """`path` (a JSON file) holds the config and its checksum; written atomically."""
+    values = snapshot.to_dict()
+    text = json.dumps({"format": _FORMAT, "sha256": _digest(values), "config": values})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_snapshot(path: Path) -> HFConfigSnapshot:
+    """The snapshot saved at `path`; ValueError when its format or checksum does not match."""
+    saved = json.loads(path.read_text())
+    if not isinstance(saved, dict) or saved.get("format") != _FORMAT:
+        raise ValueError("not a config snapshot of this format")
+    values = saved.get("config")
+    if not isinstance(values, dict) or _digest(values) != saved.get("sha256"):
+        raise ValueError("config does not match its checksum")
+    return HFConfigSnapshot(values)
+
+
+def source_key(source: Path, *extra: str) -> str:
+    """A key that changes with the file (path, size, mtime), transformers, Kiln and `extra`."""
+    from kiln.version import __version__
+
+    source = source.resolve()
+    stat = source.stat()
+    factors = "|".join([str(source), str(stat.st_size), str(stat.st_mtime_ns),
+                        importlib.metadata.version("transformers"), __version__, str(_FORMAT),
+                        *extra])
+    return hashlib.sha256(factors.encode()).hexdigest()[:16]
+
+
+def cached_snapshot(path: Path, resolve: Callable[[], Any]) -> HFConfigSnapshot:
+    """The snapshot saved at `path`, or `resolve()` (a transformers config, or a snapshot)
+    snapshotted and saved there; a damaged or unreadable copy is resolved again."""
+    if path.is_file():
+        try:
+            return read_snapshot(path)
+        except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
+            logger.warning("cached model config %s unusable (%s); resolving it again", path, e)
+    resolved = resolve()
+    snapshot = resolved if isinstance(resolved, HFConfigSnapshot) else snapshot_of(resolved)
+    try:
+        write_snapshot(snapshot, path)
+    except OSError as e:
+        logger.debug("could not keep the model config at %s: %s", path, e)
+    return snapshot
+
+
+def load_hf_dir_config(model_dir: Path) -> HFConfigSnapshot:
+    """AutoConfig of a checkpoint directory, cached by its config.json."""
+    config_json = model_dir / "config.json"
+    path = (envs.cache_root() / "hf_config" /
+            f"{model_dir.resolve().name}-{source_key(config_json)}" / "config.json")
+
+    def resolve():
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model_dir)
+    return cached_snapshot(path, resolve)

@@ -1,0 +1,35 @@
+"""The server's settings (`kiln serve`'s own flags) and their defaults: light, so the CLI builds
+its parser without importing FastAPI and the engine.
+"""
+from dataclasses import dataclass
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_names: list[str] | None = None  # None: the --model value
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # A request's prompts x n: more is a 400 naming --max-sequences-per-request.
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
+    metrics_public: bool = False  # /metrics without the API key (for a Prometheus scraper)
+    # A client that sends no complete request headers (or no body data) for this long is cut.
+    request_header_timeout: float = 10.0
+    request_body_timeout: float = 30.0
+    graceful_shutdown_timeout: float = 5.0  # seconds in-flight requests get on SIGTERM
+    access_log: bool = True
+    log_level: str = "info"
+    # usage.prompt_tokens_details.cached_tokens in responses (vLLM's flag of the same name).
+    enable_prompt_tokens_details: bool = False
+    # Chat answers (vLLM's flags): tool calls read by this parser when tool_choice is "auto"
+    # (which needs enable_auto_tool_choice); thinking text split off by the reasoning parser.
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
+    # Structured outputs without free whitespace unless a request asks for it
+    # (--structured-outputs-config '{"disable_any_whitespace": true}').
+    disable_any_whitespace: bool = False
