@@ -76,7 +76,7 @@ class StructuredOutputsParams:
                              f"strings, got {self.choice!r}")
         if self.choice is not None:
             self.choice = list(self.choice)
-        if self.json_object not in (None, True, False):
+        if self.json_object is not None and not isinstance(self.json_object, bool):
             raise ValueError(f"structured_outputs.json_object must be true, got "
                              f"{self.json_object!r}")
         if self.reasoning_end is not None and not (isinstance(self.reasoning_end, str)

@@ -74,7 +74,10 @@ def load_hf_model(kiln_config):
 
     mc = kiln_config.model_config
     if kiln_config.load_config.load_format == "dummy":
-        model = AutoModelForCausalLM.from_config(mc.hf_config, dtype=mc.torch_dtype)
+        from kiln.config.hf_config_snapshot import as_transformers_config
+
+        model = AutoModelForCausalLM.from_config(as_transformers_config(mc.hf_config),
+                                                 dtype=mc.torch_dtype)
     elif mc.gguf_file is not None:
         model = AutoModelForCausalLM.from_pretrained(mc.gguf_file.parent,
                                                      gguf_file=mc.gguf_file.name,

@@ -141,3 +141,14 @@ def load_hf_dir_config(model_dir: Path) -> HFConfigSnapshot:
 
         return AutoConfig.from_pretrained(model_dir)
     return cached_snapshot(path, resolve)
+
+
+def as_transformers_config(hf_config):
+    """transformers' config object for `hf_config` (a snapshot rebuilt as its model type's
+    class; anything else as it is): for code that hands it to transformers (the HF baseline)."""
+    if not isinstance(hf_config, HFConfigSnapshot):
+        return hf_config
+    from transformers import AutoConfig
+
+    values = hf_config.to_dict()
+    return AutoConfig.for_model(values.pop("model_type"), **values)

@@ -131,3 +131,14 @@ def test_snapshot_of_goes_through_json():
     snap = snapshot_of(LlamaConfig(num_hidden_layers=2))
     assert snap.num_hidden_layers == 2 and all(isinstance(k, str) for k in snap.id2label)
     assert isinstance(snap, HFConfigSnapshot)
+
+
+def test_a_snapshot_rebuilds_as_transformers_config(checkpoint):
+    from transformers import AutoConfig, LlamaConfig
+
+    from kiln.config.hf_config_snapshot import as_transformers_config
+
+    rebuilt = as_transformers_config(load_hf_dir_config(checkpoint))
+    direct = AutoConfig.from_pretrained(checkpoint)
+    assert isinstance(rebuilt, LlamaConfig)
+    assert rebuilt.to_diff_dict() == direct.to_diff_dict()

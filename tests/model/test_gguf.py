@@ -291,6 +291,7 @@ def test_default_model_matches_transformers():
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    from kiln.config.hf_config_snapshot import as_transformers_config
     from kiln.model.loader import get_model
     from kiln.model.loader.default_model import default_model_path
     from model._attn_helper import BlockPool, PagedRequest, allocate_kv_caches, build_step, run_step
@@ -299,7 +300,8 @@ def test_default_model_matches_transformers():
     cfg = kiln_config_for(path)
     model = get_model(cfg)
     # (HF's from_pretrained(gguf_file=...) needs accelerate; its converter alone does not.)
-    hf = AutoModelForCausalLM.from_config(cfg.model_config.hf_config, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_config(as_transformers_config(cfg.model_config.hf_config),
+                                          dtype=torch.float32).eval()
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=hf)["tensors"]
     missing, _ = hf.load_state_dict(tensors, strict=False)
     assert not [m for m in missing if m != "lm_head.weight"]

@@ -8,6 +8,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+from kiln.engine.input_processor import validate_prompt_token_ids
 from kiln.outputs import CompletionOutput, Logprob, RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -68,11 +69,9 @@ class FakeEngine:
             text, ids = prompt["prompt"], self.tokenizer(prompt["prompt"]).input_ids
         else:
             text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if not ids:
-            raise ValueError("prompt is empty: give at least one token")
-        if len(ids) >= self.kiln_config.model_config.max_model_len:
-            raise ValueError(f"prompt length {len(ids)} leaves no room to generate within "
-                             f"max_model_len {self.kiln_config.model_config.max_model_len}")
+        # The engine's own checks: ids within the vocabulary, room to generate.
+        validate_prompt_token_ids(ids, VOCAB, self.kiln_config.model_config.max_model_len)
+        params.clone().update_from_tokenizer(EOS, VOCAB)  # token-id fields within it
         room = self.kiln_config.model_config.max_model_len - len(ids)
         if max_tokens_must_fit and params.max_tokens is not None and params.max_tokens > room:
             raise ValueError(f"max_tokens {params.max_tokens} is too large: {room} left of "

@@ -1,6 +1,7 @@
 """/openapi.json describes what the server does: 400 error bodies (not 422), the real content
-types of /health, /metrics and streams, empty lists marked refused; schemathesis finds no
-server error and no response outside the schema (a fake engine, a few examples per route)."""
+types of /health, /metrics and streams, empty lists marked refused, the rules across fields;
+schemathesis with every check (its CLI's `--checks all`, every phase) finds nothing outside
+the few rules JSON Schema cannot state (a fake engine, a few examples per route)."""
 
 import pytest
 
@@ -13,7 +14,9 @@ from .uvicorn_thread import uvicorn_in_thread
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402 (schemathesis brings it)
 
-APP = build_app(AsyncLLM(FakeEngine()), ServerSettings())
+# A context long enough for what schemathesis sends (a real model's is thousands of tokens): a
+# prompt over max_model_len is a 400 no schema can state.
+APP = build_app(AsyncLLM(FakeEngine(max_model_len=1024)), ServerSettings())
 SCHEMA = APP.openapi()
 
 
@@ -85,3 +88,51 @@ def test_json_types_are_not_coerced(base_url, field, value):
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     assert httpx.post(f"{base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2.0},
                       timeout=30).status_code == 200  # an integral number is an integer
+
+
+# Refusals no JSON schema can state, each a 400 naming its field: a JSON schema, regex or
+# grammar that does not compile; a named tool_choice that `tools` does not define; min_tokens
+# above max_tokens (no comparison between fields); a prompt and max_tokens past max_model_len
+# (counted in tokens). schemathesis' positive data may hit them.
+_INEXPRESSIBLE = {"guided_json", "guided_regex", "guided_grammar", "structured_outputs",
+                  "response_format", "tool_choice", "min_tokens"}
+
+
+def _allowed(check: str, status: int | None, body: bytes | None) -> bool:
+    import json
+
+    if check != "positive_data_acceptance" or status != 400 or not body:
+        return False
+    error = json.loads(body)["error"]
+    return error["type"] == "invalid_request_error" and (
+        error["param"] in _INEXPRESSIBLE or error["code"] == "context_length_exceeded")
+
+
+def test_every_schemathesis_check_passes(base_url):
+    """The engine schemathesis' CLI runs (`st run --checks all`: examples, coverage, fuzzing,
+    positive and negative data), in-process, seeded."""
+    from schemathesis.engine import events, from_schema
+
+    schema = schemathesis.openapi.from_dict(SCHEMA)
+    schema.config.update(base_url=base_url)
+    schema.config.checks.update(included_check_names=["all"])
+    schema.config.generation.update(max_examples=5, modes=["positive", "negative"],
+                                    database="none")  # the same cases every run
+    schema.config.seed = 1
+    cases, failures, errors = 0, [], []
+    for event in from_schema(schema).execute():
+        if isinstance(event, events.ScenarioFinished):
+            recorder = event.recorder
+            cases += len(recorder.cases)
+            for case_id, checks in recorder.checks.items():
+                response = getattr(recorder.interactions.get(case_id), "response", None)
+                status = getattr(response, "status_code", None)
+                body = getattr(response, "content", None)
+                failures += [(recorder.label, c.name, status, body) for c in checks
+                             if c.failure_info is not None
+                             and not _allowed(c.name, status, body)]
+        elif isinstance(event, (events.NonFatalError, events.FatalError)):
+            errors.append(str(getattr(event, "info", event)))
+    assert not errors, errors
+    assert not failures, failures[:5]
+    assert cases > 500  # every phase ran

@@ -79,6 +79,39 @@ _EMPTY_TEXT_BARE = {"required": ["add_special_tokens", "prompt"], "properties": 
     "prompt": {"anyOf": [{"const": ""}, {"type": "array", "contains": {"const": ""}}]}}}
 
 
+def _sampling_ranges(model_schema: dict) -> None:
+    """The sampling fields' ranges, as SamplingParams checks them (outside is a 400)."""
+    from kiln.sampling_params import _MIN_REPETITION_PENALTY
+
+    ranges = {"temperature": {"minimum": 0}, "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+              "min_p": {"minimum": 0, "maximum": 1}, "top_k": {"minimum": -1},
+              "presence_penalty": {"minimum": -2, "maximum": 2},
+              "frequency_penalty": {"minimum": -2, "maximum": 2},
+              "repetition_penalty": {"minimum": _MIN_REPETITION_PENALTY, "maximum": 2},
+              "max_tokens": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
+              "min_tokens": {"minimum": 0}}
+    props = model_schema.get("properties", {})
+    if "best_of" in props:  # one sample per choice (sampling.refuse_unsupported)
+        props["best_of"] = {"anyOf": [{"const": 1}, {"type": "null"}], "title": "Best Of"}
+    if "max_completion_tokens" in props:  # chat: it overrides max_tokens, then unchecked
+        del ranges["max_tokens"]
+    for name, bounds in ranges.items():
+        prop = props.get(name, {})
+        for member in prop.get("anyOf", [prop]):
+            if member.get("type") in ("number", "integer"):
+                member.update(bounds)
+    for member in props.get("logit_bias", {}).get("anyOf", ()):
+        if member.get("type") == "object":  # token id -> bias, OpenAI's range
+            member["propertyNames"] = {"pattern": "^[0-9]+$"}
+            member["additionalProperties"] = {"type": "number", "minimum": -100, "maximum": 100}
+    # -1 (as many as max_model_len leaves room for) or a count >= 1; pydantic's ge=-1 shows
+    # up as a bare "ge", which no JSON schema reads.
+    for member in props.get("truncate_prompt_tokens", {}).get("anyOf", ()):
+        if member.get("type") == "integer":
+            member.pop("ge", None)
+            member["minimum"], member["not"] = -1, {"const": 0}
+
+
 def _off_only(model_schema: dict, reasoning_parser: bool) -> None:
     """Fields that ask for what Kiln does not do (sampling.OFF_ONLY; reasoning_effort) take
     only their off value or null; include_reasoning=false needs a reasoning parser."""
@@ -87,6 +120,7 @@ def _off_only(model_schema: dict, reasoning_parser: bool) -> None:
     props = model_schema.get("properties", {})
     offs = {name: off for name, (off, _) in OFF_ONLY.items()}
     offs["reasoning_effort"] = None
+    null_only = {"reasoning_effort"}  # any value, an empty one too, is refused
     if not reasoning_parser:
         offs["include_reasoning"] = True
     empties = {"string": {"const": ""}, "object": {"type": "object", "maxProperties": 0},
@@ -96,6 +130,8 @@ def _off_only(model_schema: dict, reasoning_parser: bool) -> None:
             types = {m.get("type") for m in props[name].get("anyOf", [props[name]])}
             if None in types:  # any JSON value: each empty one is off
                 types = set(empties)
+            if name in null_only:
+                types = set()
             allowed = [{"type": "null"}] + [empties[t] for t in sorted(types & set(empties))] \
                 if off is None else [{"const": off}, {"type": "null"}]
             keep = {k: props[name][k] for k in ("title", "default") if k in props[name]}
@@ -104,6 +140,52 @@ def _off_only(model_schema: dict, reasoning_parser: bool) -> None:
     if "prompt_logprobs" in props:
         _refuse(model_schema, {"required": ["prompt_logprobs", "stream"], "properties": {
             "prompt_logprobs": {"not": {"type": "null"}}, "stream": {"const": True}}})
+
+
+# A field that leaves the output free: null (or absent); response_format also as text (its
+# type "text", or none).
+_NULL = {"const": None}
+_FREE = {"response_format": {"anyOf": [_NULL, {"type": "object", "properties": {
+    "type": {"enum": ["text", None]}}}]}}
+
+
+def _one_constraint(model_schema: dict) -> None:
+    """At most one of the fields that constrain the output (the handler refuses two with a 400
+    naming both): every one free, or exactly one of "all free but this one" cases holding (a
+    oneOf: with one field set only its case holds; with none set all do, which the first
+    branch admits). Spelled so because schemathesis' canonicalizer expands a refused shape
+    per pair, or disjoint cases, beside the other refusals past what it resolves, and keeps
+    this oneOf whole."""
+    from kiln.entrypoints.openai.structured_fields import CONSTRAINT_FIELDS
+
+    present = [f for f in CONSTRAINT_FIELDS if f in model_schema.get("properties", {})]
+    if len(present) < 2:
+        return
+
+    def free(kept: str | None = None) -> dict:
+        return {"properties": {f: _FREE.get(f, _NULL) for f in present if f != kept}}
+    model_schema.setdefault("allOf", []).append(
+        {"anyOf": [free(), {"oneOf": [free(kept) for kept in present]}]})
+
+
+def _structured_outputs_object() -> dict:
+    """What `structured_outputs` takes (StructuredOutputsParams' fields; any other is refused):
+    exactly one constraint (a case per kind, the others absent or off), its options."""
+    from kiln.sampling_params import STRUCTURED_OUTPUT_KINDS
+
+    text = {"type": "string", "minLength": 1}
+    kinds = {"json": {"anyOf": [text, {"type": "object"}]}, "regex": text,
+             "choice": {"type": "array", "minItems": 1, "items": text}, "grammar": text,
+             "json_object": {"const": True}}
+    off = {"json_object": {"enum": [None, False]}}
+    assert set(kinds) == set(STRUCTURED_OUTPUT_KINDS)
+    return {"type": "object", "additionalProperties": False, "properties": {
+        **{k: {"anyOf": [v, off.get(k, _NULL)]} for k, v in kinds.items()},
+        "disable_any_whitespace": {"type": "boolean"},
+        "reasoning_end": {"anyOf": [text, _NULL]}},
+        "oneOf": [{"required": [kind], "properties": {kind: kinds[kind], **{
+            other: off.get(other, _NULL) for other in kinds if other != kind}}}
+            for kind in kinds]}
 
 
 def _refuse(model_schema: dict, shape: dict) -> None:
@@ -157,12 +239,20 @@ def patch_schema(schema: dict, vocab_size: int | None = None,
             {"required": [given], "properties": {given: {"not": {"type": "null"}},
                                                  other: {"type": "null"}}}
             for given, other in (("prompt", "messages"), ("messages", "prompt"))]
-    for model in ("TokenizeRequest", "ChatCompletionRequest"):
-        if model in components:
-            _refuse(components[model], _CONTINUE_AND_NEW_TURN)
+    if "ChatCompletionRequest" in components:
+        _refuse(components["ChatCompletionRequest"], _CONTINUE_AND_NEW_TURN)
+    if tokenize is not None:  # only a chat (messages) has a final message to continue
+        _refuse(tokenize, {"required": [*_CONTINUE_AND_NEW_TURN["required"], "messages"],
+                           "properties": {**_CONTINUE_AND_NEW_TURN["properties"],
+                                          "messages": {"not": {"type": "null"}}}})
     for model in ("CompletionRequest", "ChatCompletionRequest"):
         if model in components:
             _off_only(components[model], reasoning_parser)
+            _sampling_ranges(components[model])
+            so = components[model]["properties"].get("structured_outputs", {})
+            so["anyOf"] = [_structured_outputs_object() if m.get("type") == "object" else m
+                           for m in so.get("anyOf", ())]
+            _one_constraint(components[model])
             for name in ("guided_regex", "guided_grammar", "guided_json"):
                 for member in components[model]["properties"].get(name, {}).get("anyOf", ()):
                     if member.get("type") == "string":  # an empty pattern is refused

@@ -87,7 +87,7 @@ class SamplingFields(RequestBase):
     stop_token_ids: list[JsonInt] | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
-    best_of: JsonInt | None = None  # only best_of == n: no ranking of extra samples
+    best_of: JsonInt | None = None  # only 1: no ranking of extra samples
     use_beam_search: StrictBool = False  # refused: no beam search
     length_penalty: JsonFloat = 1.0  # beam search only: refused unless 1.0
     # refused when false (fast tokenizers ignore it)

@@ -39,9 +39,13 @@ def refuse_unsupported(req: SamplingFields) -> None:
         if name in type(req).model_fields and getattr(req, name) not in (off, "", {}, []):
             raise OpenAIError(f"{name}={getattr(req, name)!r} is refused: {why}; omit it",
                               param=name, code="unsupported_parameter")
-    if req.best_of is not None and req.best_of != req.n:
-        raise OpenAIError(f"best_of must equal n ({req.n}) on this server, got {req.best_of}",
-                          param="best_of", code="unsupported_parameter")
+    # 1 (or unset) is one sample per choice; more would be ranked by logprob, which vLLM V1
+    # does not do either ("does not yet support best_of"). A field of its own: the schema
+    # says 1 or null (not an equality with n, which a schema cannot state cheaply).
+    if req.best_of not in (None, 1):
+        raise OpenAIError(f"best_of={req.best_of!r} is refused: extra samples ranked by "
+                          "logprob are not supported; omit it (or give 1)", param="best_of",
+                          code="unsupported_parameter")
     if req.prompt_logprobs is not None and req.stream:
         raise OpenAIError("prompt_logprobs are not available with stream=true (as in vLLM)",
                           param="prompt_logprobs", code="invalid_value")
@@ -50,12 +54,12 @@ def refuse_unsupported(req: SamplingFields) -> None:
 def _logit_bias(req: SamplingFields) -> dict[int, float] | None:
     if not req.logit_bias:
         return None
-    try:
-        return {int(k): v for k, v in req.logit_bias.items()}
-    except ValueError:
-        bad = next(k for k in req.logit_bias if not k.strip().lstrip("-").isdigit())
+    # Token ids in ASCII digits, as the schema says (int() would also take " 7" or "٧").
+    bad = next((k for k in req.logit_bias if not (k.isascii() and k.isdigit())), None)
+    if bad is not None:
         raise OpenAIError(f"logit_bias keys must be token ids, got {bad!r}", param="logit_bias",
-                          code="invalid_value") from None
+                          code="invalid_value")
+    return {int(k): v for k, v in req.logit_bias.items()}
 
 
 def _common_kwargs(req: SamplingFields, defaults: dict) -> dict:

@@ -9,6 +9,8 @@ from kiln.sampling_params import StructuredOutputsParams
 # vLLM's older names -> the StructuredOutputsParams field they set.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
+# The request fields that each constrain the output: at most one may (openapi.py says so too).
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", *_GUIDED)
 
 
 def _from_response_format(fmt) -> dict | None:
