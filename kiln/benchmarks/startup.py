@@ -1,6 +1,7 @@
 """Start-up benchmark: `kiln generate "Hi" --max-tokens 8` as a fresh process, phase by phase.
 
-Each run is its own interpreter (imports count); the first may compile, later ones are warm.
+Each run is its own interpreter (imports count) that starts the core's first, as the `kiln`
+command does; the first run may compile, later ones are warm.
 Phases: interpreter and imports, config, tokenizer, the core (its process start, model load,
 KV cache sizing, compile / warm-up), the wait for it, the generation, and shutdown.
 """
