@@ -89,7 +89,9 @@ def _sampling_ranges(model_schema: dict) -> None:
               "frequency_penalty": {"minimum": -2, "maximum": 2},
               "repetition_penalty": {"minimum": _MIN_REPETITION_PENALTY, "maximum": 2},
               "max_tokens": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
-              "min_tokens": {"minimum": 0}}
+              "min_tokens": {"minimum": 0}, "logprobs": {"minimum": 0, "maximum": 20},
+              "top_logprobs": {"minimum": 0, "maximum": 20},
+              "prompt_logprobs": {"minimum": 0, "maximum": 20}}
     props = model_schema.get("properties", {})
     if "best_of" in props:  # one sample per choice (sampling.refuse_unsupported)
         props["best_of"] = {"anyOf": [{"const": 1}, {"type": "null"}], "title": "Best Of"}
@@ -100,6 +102,10 @@ def _sampling_ranges(model_schema: dict) -> None:
         for member in prop.get("anyOf", [prop]):
             if member.get("type") in ("number", "integer"):
                 member.update(bounds)
+    for member in props.get("stop", {}).get("anyOf", ()):  # stop strings are non-empty
+        target = member.get("items") if member.get("type") == "array" else member
+        if isinstance(target, dict) and target.get("type") == "string":
+            target["minLength"] = 1
     for member in props.get("logit_bias", {}).get("anyOf", ()):
         if member.get("type") == "object":  # token id -> bias, OpenAI's range
             member["propertyNames"] = {"pattern": "^[0-9]+$"}
