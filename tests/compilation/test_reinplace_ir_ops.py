@@ -42,6 +42,22 @@ def base_read_after(pos, x, w, cache):
     return q2, k2, qkv.sum(-1)
 
 
+def unsafe_view_read_after(pos, x, w, cache):
+    qkv = x @ w
+    flat = torch.ops.aten._unsafe_view(qkv, [-1])  # shares qkv's storage; its schema says not
+    q, k, v = qkv.split(SIZES, dim=-1)
+    q2, k2 = kiln.rotary_embedding_native(pos, q, k, cache, HD, True)
+    return q2, k2, v, flat * 2
+
+
+def unbind_read_after(pos, x, w, cache):
+    qkv = x @ w
+    rows = qkv.unbind()  # a multi-output view with no sizes argument (once an IndexError)
+    q, k, v = qkv.split(SIZES, dim=-1)
+    q2, k2 = kiln.rotary_embedding_native(pos, q, k, cache, HD, True)
+    return q2, k2, v, rows[0] + 1
+
+
 def rotary_of_inputs(pos, x, w, cache):
     return kiln.rotary_embedding_native(pos, x[:, :NQ * HD], x[:, NQ * HD:(NQ + NK) * HD],
                                         cache, HD, True)
@@ -122,6 +138,8 @@ def test_owned_inputs_are_overwritten_with_bitwise_equal_outputs(fn, inputs, inp
 @pytest.mark.parametrize("fn, inputs", [
     (q_read_after, _rotary_inputs()),
     (base_read_after, _rotary_inputs()),
+    (unsafe_view_read_after, _rotary_inputs()),
+    (unbind_read_after, _rotary_inputs()),
     (rotary_of_inputs, _rotary_inputs()),
     (overlapping_q_k, _rotary_inputs()),
     (strided_columns, _rotary_inputs()),
@@ -130,8 +148,8 @@ def test_owned_inputs_are_overwritten_with_bitwise_equal_outputs(fn, inputs, inp
     (residual_is_an_input, _norm_inputs()),
     (x_read_after, _norm_inputs()),
     (final_norm, _norm_inputs(torch.float64)),
-], ids=["q-read-after", "base-read-after", "graph-input-views", "q-k-overlap",
-        "strided-columns", "int32-positions", "float64", "residual-is-input", "x-read-after",
+], ids=["q-read-after", "base-read-after", "unsafe-view-read-after", "unbind-read-after",
+        "graph-input-views", "q-k-overlap", "strided-columns", "int32-positions", "float64", "residual-is-input", "x-read-after",
         "norm-float64"])
 def test_inputs_the_graph_does_not_own_are_left_alone(fn, inputs):
     gm, before, matched = _run_pass(fn, inputs)

@@ -27,8 +27,15 @@ def _schema(node: fx.Node):
     return getattr(node.target, "_schema", None) if node.op == "call_function" else None
 
 
+# Views whose schema does not say so: _unsafe_view shares its input's storage (eager and
+# Inductor alike), though its return carries no alias annotation.
+_UNANNOTATED_VIEWS = (aten._unsafe_view.default,)
+
+
 def _returns_alias(node: fx.Node) -> bool:
     """Whether node is a view op (by schema: a return that aliases an input, written by none)."""
+    if node.op == "call_function" and node.target in _UNANNOTATED_VIEWS:
+        return True
     schema = _schema(node)
     return (schema is not None and not schema.is_mutable
             and any(r.alias_info is not None for r in schema.returns))
@@ -48,14 +55,14 @@ def _last_dim(node, dim) -> bool:
 def _split_columns(split: fx.Node, index: int):
     """The [lo, hi) columns the index-th piece of a split node covers, None unless the split
     is along the last dim in sizes known at compile time."""
+    if split.target not in (aten.split.Tensor, aten.split_with_sizes.default):
+        return None  # unbind and other multi-output views (their args differ)
     sizes = split.args[1]
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
     if not _last_dim(split.args[0], dim):
         return None
     if split.target == aten.split.Tensor:  # pieces of `sizes` columns each
         sizes = [sizes] * (index + 1) if isinstance(sizes, int) else None
-    elif split.target != aten.split_with_sizes.default:
-        return None
     if not (isinstance(sizes, (list, tuple)) and all(isinstance(s, int) for s in sizes)):
         return None
     lo = sum(sizes[:index])
