@@ -80,6 +80,11 @@ def final_norm(x, res, w1, w2, nw):
     return normed, total
 
 
+def norm_of_one_base(x, res, w1, w2, nw):
+    h = torch.cat([x @ w1, res @ w2], -1)  # x and residual: disjoint column views of one buffer
+    return kiln.fused_add_rms_norm_native(h[:, :64], h[:, 64:], nw, 1e-6)
+
+
 def residual_is_an_input(x, res, w1, w2, nw):
     return kiln.fused_add_rms_norm_native(x @ w1, res, nw, 1e-6)
 
@@ -123,7 +128,12 @@ def _run_pass(fn, inputs):
     (attention_in, _rotary_inputs(), "kiln.rotary_embedding_native_.default"),
     (attention_in, _rotary_inputs(tokens=1), "kiln.rotary_embedding_native_.default"),
     (final_norm, _norm_inputs(), "kiln.fused_add_rms_norm_native_.default"),
-], ids=["rotary", "rotary-1-token", "fused-add-rms-norm"])
+    (attention_in, _rotary_inputs(torch.bfloat16), "kiln.rotary_embedding_native_.default"),
+    (final_norm, _norm_inputs(torch.bfloat16), "kiln.fused_add_rms_norm_native_.default"),
+    # one row: the residual's row stride (128 here) is never read; the kernel once refused it
+    (norm_of_one_base, _norm_inputs(rows=1), "kiln.fused_add_rms_norm_native_.default"),
+], ids=["rotary", "rotary-1-token", "fused-add-rms-norm", "rotary-bf16", "norm-bf16",
+        "norm-one-row-of-one-base"])
 def test_owned_inputs_are_overwritten_with_bitwise_equal_outputs(fn, inputs, inplace_op):
     gm, before, matched = _run_pass(fn, inputs)
     after = _targets(gm)
