@@ -85,3 +85,19 @@ def test_dynamo_lifts_the_parameters_and_buffers_not_the_held_call():
     assert "weight" in names and "bias" in names and "_eager_call" not in names
     if layer.cpu_packed is not None:
         assert "cpu_packed" in names and "cpu_plan" in names
+
+
+def test_weights_reloaded_in_place_or_assigned_are_read():
+    """Reloads that keep the parameter (copy_, .data =) reach the held call through it; one that
+    replaces it (load_state_dict(assign=True) sets the attribute) drops the call."""
+    layer, x = _layer(), torch.randn(3, 32)
+    layer(x)
+    w2, w3, b2 = torch.randn(24, 32), torch.randn(24, 32), torch.randn(24)
+    with torch.no_grad():
+        layer.weight.copy_(w2)
+    torch.testing.assert_close(layer(x), F.linear(x, w2, layer.bias))
+    layer.weight.data = w3
+    torch.testing.assert_close(layer(x), F.linear(x, w3, layer.bias))
+    layer.load_state_dict({"weight": w2, "bias": b2}, assign=True)
+    assert _held_call(layer) is None
+    torch.testing.assert_close(layer(x), F.linear(x, w2, b2))
