@@ -159,8 +159,8 @@ def test_owned_inputs_are_overwritten_with_bitwise_equal_outputs(fn, inputs, inp
     (x_read_after, _norm_inputs()),
     (final_norm, _norm_inputs(torch.float64)),
 ], ids=["q-read-after", "base-read-after", "unsafe-view-read-after", "unbind-read-after",
-        "graph-input-views", "q-k-overlap", "strided-columns", "int32-positions", "float64", "residual-is-input", "x-read-after",
-        "norm-float64"])
+        "graph-input-views", "q-k-overlap", "strided-columns", "int32-positions", "float64",
+        "residual-is-input", "x-read-after", "norm-float64"])
 def test_inputs_the_graph_does_not_own_are_left_alone(fn, inputs):
     gm, before, matched = _run_pass(fn, inputs)
     assert matched == 0 and _targets(gm) == before

@@ -17,6 +17,7 @@ from model._attn_helper import (
 from model.test_gguf import llama_cpp_tensor
 
 from checkpoints import make_tiny_checkpoint
+from gguf_blocks import quantized_blocks
 
 TOL = 1e-4
 _LINEARS = ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
@@ -31,7 +32,8 @@ def _cache(tmp_path, monkeypatch):
 def write_gguf(path, hf_dir, types: dict | None = None, extra: dict | None = None,
                rope_scaling: tuple[str, float] | None = None, block_count: bool = True):
     """hf_dir's weights as a llama GGUF with the metadata llama.cpp's converter writes (and a
-    tiny vocabulary); `types`: llama.cpp name part -> F16 / BF16 / any raw type (zero blocks);
+    tiny vocabulary); `types`: llama.cpp name part -> F16 / BF16 / Q4_0 / Q4_1 / Q8_0 / any
+    other raw type (zero blocks);
     `extra`: more tensors by GGUF name."""
     import gguf
     from safetensors.torch import load_file
@@ -65,6 +67,8 @@ def write_gguf(path, hf_dir, types: dict | None = None, extra: dict | None = Non
             data = a.astype(np.float32 if kind == "F32" else np.float16)
         elif kind == "BF16":
             data = gguf.quants.quantize(a, qtype)
+        elif kind in ("Q4_0", "Q4_1", "Q8_0"):  # the values quantized
+            data = quantized_blocks(a, kind)
         else:  # a type to be refused: right-sized zero blocks
             block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
             data = np.zeros((a.shape[0], a.shape[1] // block_values * block_bytes), np.uint8)

@@ -1,0 +1,28 @@
+"""A GGUF file whose linears keep their blocks (gguf_linear, the few-row steps on the blocks):
+mode 3 gives mode 0's greedy tokens, and so does gguf_linear with torch first (no blocks kept)
+in mode 3 on the cache directory the default choice wrote (the choice is in the cache key)."""
+from kiln import LLM, SamplingParams
+from model.test_gguf_vs_hf import write_gguf
+
+_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+            "output")
+# a prefill above every type's block rows, then decode steps of 1-3 rows, which take the blocks
+PROMPTS = [{"prompt_token_ids": [5, 17, 3, 99, 42, 7] * n} for n in (12, 2, 1)]
+
+
+def _tokens(path, tok_dir, cache_dir, mode, **kw):
+    llm = LLM(model=str(path), tokenizer=str(tok_dir), dtype="float32",
+              max_num_batched_tokens=128, max_num_seqs=4, kv_cache_memory=0.05,
+              compilation_config={"mode": mode, "cache_dir": str(cache_dir)}, **kw)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_gguf_blocks_compiled_and_torch_first_give_the_eager_tokens(
+        tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "q8.gguf", tiny_llama_dir, {p: "Q8_0" for p in _LINEARS})
+    eager = _tokens(path, tiny_llama_dir, tmp_path / "cc0", 0)
+    assert _tokens(path, tiny_llama_dir, tmp_path / "cc3", 3) == eager
+    torch_first = {"gguf_linear": ["torch"]}
+    assert _tokens(path, tiny_llama_dir, tmp_path / "cc3", 3, ir_op_priority=torch_first) == eager
