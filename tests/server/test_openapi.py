@@ -7,6 +7,7 @@ import pytest
 
 from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai.api_server import ServerSettings, build_app
+from kiln.entrypoints.openai.openapi import decimal_below
 
 from .fake_engine import VOCAB, FakeEngine
 from .uvicorn_thread import uvicorn_in_thread
@@ -93,9 +94,33 @@ def test_json_types_are_not_coerced(base_url, field, value):
 # Refusals no JSON schema can state, each a 400 naming its field: a JSON schema, regex or
 # grammar that does not compile; a named tool_choice that `tools` does not define; min_tokens
 # above max_tokens (no comparison between fields); a prompt and max_tokens past max_model_len
-# (counted in tokens). schemathesis' positive data may hit them.
+# (counted in tokens). And two a JSON schema can state but schemathesis cannot take: a rule
+# on one field that depends on another's value (top_logprobs needs logprobs=true,
+# stream_options needs stream=true) next to the schema's other rules pushes its schema
+# processor past what it handles. schemathesis' positive data may hit them.
 _INEXPRESSIBLE = {"guided_json", "guided_regex", "guided_grammar", "structured_outputs",
-                  "response_format", "tool_choice", "min_tokens"}
+                  "response_format", "tool_choice", "min_tokens", "top_logprobs",
+                  "stream_options"}
+
+
+@pytest.mark.parametrize("n", [1, 2, 10, 100, 101, 49152])
+def test_token_id_keys_pattern_is_exactly_the_vocabulary(n):
+    """logit_bias keys are token ids as decimal strings: the schema's pattern takes exactly the
+    ones the server takes (leading zeros too), so schemathesis draws no key it refuses."""
+    import re
+
+    pattern = re.compile(decimal_below(n))
+    for v in range(n + 120):
+        for key in (str(v), f"0{v}"):
+            assert bool(pattern.fullmatch(key)) == (v < n), key
+    assert not any(pattern.fullmatch(k) for k in ("", "+1", " 1", "-0", "1.0", "a"))
+
+
+def test_logit_bias_keys_are_bounded_by_the_vocabulary():
+    for model in ("CompletionRequest", "ChatCompletionRequest"):
+        bias = SCHEMA["components"]["schemas"][model]["properties"]["logit_bias"]
+        names = [m["propertyNames"] for m in bias["anyOf"] if "propertyNames" in m]
+        assert names == [{"pattern": decimal_below(VOCAB)}]
 
 
 def _allowed(check: str, status: int | None, body: bytes | None) -> bool:

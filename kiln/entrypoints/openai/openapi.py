@@ -49,6 +49,24 @@ def _integers_bounded(schema: dict, low: int, high: int) -> None:
             _integers_bounded(member, low, high)
 
 
+def decimal_below(n: int) -> str:
+    """A regex of the decimal strings (ASCII digits, leading zeros allowed, as the server reads
+    logit_bias keys) whose value is in [0, n), n >= 1: what the schema can say of a token id
+    written as a JSON object key."""
+    top = str(n - 1)
+    width = len(top)
+    alternatives = ["0"]
+    if width > 1:  # every shorter number
+        alternatives.append("[1-9]" + (f"[0-9]{{0,{width - 2}}}" if width > 2 else ""))
+    for i, digit in enumerate(top):  # as long as top: its first i digits, then a smaller one
+        low, high = (1 if i == 0 else 0), int(digit) - 1
+        if high >= low:
+            rest = width - i - 1
+            alternatives.append(f"{top[:i]}[{low}-{high}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    alternatives.append(top)
+    return "^0*(?:" + "|".join(alternatives) + ")$"
+
+
 def _request_models() -> set[str]:
     names, todo = set(), [RequestBase]
     while todo:
@@ -273,6 +291,11 @@ def patch_schema(schema: dict, vocab_size: int | None = None,
             prop_schema = components.get(model, {}).get("properties", {}).get(prop)
             if prop_schema is not None:
                 _integers_bounded(prop_schema, 0, vocab_size - 1)
+        for model in ("CompletionRequest", "ChatCompletionRequest"):
+            bias = components.get(model, {}).get("properties", {}).get("logit_bias", {})
+            for member in bias.get("anyOf", ()):
+                if "propertyNames" in member:  # its keys are token ids too
+                    member["propertyNames"] = {"pattern": decimal_below(vocab_size)}
     return schema
 
 
