@@ -190,7 +190,8 @@ static inline __m128i hsum4(__m512i a, __m512i b, __m512i c, __m512i d) {
  * bytes of k a step (the last one masked). MR is a constant at each call: fully unrolled. */
 static inline __attribute__((always_inline)) void micro(const int MR, const int8_t *const *a,
                                                         const int8_t *const *w, int64_t k,
-                                                        int32_t *out, int64_t out_stride) {
+                                                        int64_t ahead, int32_t *out,
+                                                        int64_t out_stride) {
     __m512i acc[4][4];
     for (int r = 0; r < MR; ++r)
         for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
@@ -198,8 +199,11 @@ static inline __attribute__((always_inline)) void micro(const int MR, const int8
     for (int64_t i = 0; i < k; i += 64) {
         const __mmask64 m = k - i >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (k - i)) - 1);
         __m512i wv[4], av[4];
-        for (int j = 0; j < 4; ++j)
+        for (int j = 0; j < 4; ++j) {
             wv[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, w[j] + i), offset);
+            /* the next 4 channels' line: a decode step reads each weight once, from memory */
+            _mm_prefetch((const char *)(w[j] + i + ahead), _MM_HINT_T0);
+        }
         for (int r = 0; r < MR; ++r) av[r] = _mm512_maskz_loadu_epi8(m, a[r] + i);
         for (int r = 0; r < MR; ++r)
             for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], wv[j], av[r]);
@@ -254,11 +258,11 @@ int kiln_int8_gemm(const int8_t *a, int64_t a_stride, const float *a_scale, cons
                         const int8_t *ar[4] = {a + (r0 + i) * a_stride, a + (r0 + i + 1) * a_stride,
                                                a + (r0 + i + 2) * a_stride,
                                                a + (r0 + i + 3) * a_stride};
-                        micro(4, ar, wr, k, tile + i * BLOCK_N + j, BLOCK_N);
+                        micro(4, ar, wr, k, 4 * w_stride, tile + i * BLOCK_N + j, BLOCK_N);
                     }
                     for (; i < rows; ++i) {
                         const int8_t *ar[1] = {a + (r0 + i) * a_stride};
-                        micro(1, ar, wr, k, tile + i * BLOCK_N + j, BLOCK_N);
+                        micro(1, ar, wr, k, 4 * w_stride, tile + i * BLOCK_N + j, BLOCK_N);
                     }
                 }
                 for (int64_t i = 0; i < rows; ++i)
