@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from kiln import envs
+from kiln.atomic_write import atomic_write_text
 from kiln.logger import init_logger
 from kiln.version import __version__
 
@@ -91,13 +92,6 @@ def inductor_cache_at(path: Path | None):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def index_key(shape: int | None, piece: int, compiler: str) -> str:

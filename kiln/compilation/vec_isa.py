@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from kiln import envs
+from kiln.atomic_write import atomic_write_text
 from kiln.compilation import inductor_patches
-from kiln.compilation.cache import atomic_write_text
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)

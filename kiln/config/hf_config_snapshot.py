@@ -11,13 +11,12 @@ import copy
 import hashlib
 import importlib.metadata
 import json
-import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kiln import envs
+from kiln.atomic_write import atomic_write_text
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -78,16 +77,8 @@ def _digest(values: dict) -> str:
 def write_snapshot(snapshot: HFConfigSnapshot, path: Path) -> None:
     """`path` (a JSON file) holds the config and its checksum; written atomically."""
     values = snapshot.to_dict()
-    text = json.dumps({"format": _FORMAT, "sha256": _digest(values), "config": values})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, json.dumps({"format": _FORMAT, "sha256": _digest(values),
+                                        "config": values}))
 
 
 def read_snapshot(path: Path) -> HFConfigSnapshot:

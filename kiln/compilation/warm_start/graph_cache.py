@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from kiln.compilation.cache import atomic_write_text
+from kiln.atomic_write import atomic_write_text
 from kiln.compilation.warm_start import graph_pickle
 from kiln.compilation.warm_start.graph_pickle import CodeOnlyGraph
 
