@@ -20,8 +20,7 @@ def schemas_hash() -> str:
     from kiln.native import build
 
     h = hashlib.sha256("\n".join(sorted(SCHEMAS)).encode())
-    for path in build.sources():
-        h.update(path.read_bytes())
+    h.update(build.sources_digest().encode())
     return h.hexdigest()[:16]
 
 

@@ -73,16 +73,28 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+@functools.cache
+def sources_digest() -> str:
+    """sha256 of every source and header (names and bytes): what the library is built from,
+    its op schemas included."""
+    h = hashlib.sha256()
+    for p in sorted(CSRC.iterdir()):
+        if p.is_file():
+            h.update(p.name.encode() + p.read_bytes())
+            h.update(b"\0")
+    return h.hexdigest()
+
+
 def build_key(cxx: str) -> str:
-    """Hash of every source and header, the compiler's version, the flags, the CPU and torch."""
+    """Hash of the sources (`sources_digest`), the compiler's version, the flags, the CPU and
+    torch."""
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
                                  timeout=60).stdout
     except OSError as e:
         raise RuntimeError(f"cannot run the C++ compiler {cxx!r}: {e}") from e
     h = hashlib.sha256()
-    for part in (NAME.encode(), *(p.name.encode() + p.read_bytes()
-                                  for p in sorted(CSRC.iterdir()) if p.is_file()),
+    for part in (NAME.encode(), sources_digest().encode(),
                  version.encode(), " ".join(CFLAGS + ["|"] + LDFLAGS).encode(),
                  platform.machine().encode(), _cpu_flags().encode(), torch.__version__.encode(),
                  str(torch.compiled_with_cxx11_abi()).encode(), sys.version.encode()):
