@@ -3,18 +3,31 @@ import shutil
 
 import pytest
 
-from kiln import envs
-from kiln.native import build
+from kiln import envs, ir
+from kiln.ir import selection
+from kiln.native import build, gguf_matmul, int8_ops
 
 
 @pytest.fixture
 def fresh_kernels(monkeypatch, tmp_path):
-    """An empty kernel cache and a cleared available() memo (restored after the test). The
-    library this process loaded stays loaded: its ops register once per process."""
+    """An empty kernel cache and a cleared available() memo, with what is derived from it
+    (the memos below, the IR ops' default bindings) put back after the test: a test that ran
+    without the kernels must not leave later ones choosing as if there were none. The library
+    this process loaded stays loaded: its ops register once per process."""
+    bindings = {name: (op.provider, op.bound) for name, op in ir.REGISTRY.items()}
+    applied = selection._applied
     monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
-    build.available.cache_clear()
+    _clear_memos()
     yield tmp_path
-    build.available.cache_clear()
+    _clear_memos()
+    for name, (provider, bound) in bindings.items():
+        ir.REGISTRY[name].provider, ir.REGISTRY[name].bound = provider, bound
+    selection._applied = applied
+
+
+def _clear_memos() -> None:
+    for memo in (build.available, int8_ops.isa, gguf_matmul.rows_worth_it):
+        memo.cache_clear()
 
 
 @pytest.fixture
