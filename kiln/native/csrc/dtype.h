@@ -18,9 +18,10 @@ static inline float bf16_to_f32(uint16_t x) {
 static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    /* A select, not a branch, so that loops of conversions vectorize. */
+    const uint32_t nan = (uint16_t)((u >> 16) | 0x40u);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 static inline float load_elem(const void *base, int64_t i, int dtype) {

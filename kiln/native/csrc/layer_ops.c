@@ -61,7 +61,7 @@ int kiln_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, 
  * (x1 * cos - x2 * sin, x2 * cos + x1 * sin), each product rounded as torch does; (x1, x2) are
  * each head's halves (neox) or its interleaved pairs x[2i], x[2i + 1] (gpt-j). out may be x
  * (in place): each pair is read before it is written. */
-static inline void rotate_row(const void *x, int64_t off, void *out, int64_t out_off, int heads,
+static inline __attribute__((always_inline)) void rotate_row(const void *x, int64_t off, void *out, int64_t out_off, int heads,
                               int hd, const float *cs, int neox, int dtype) {
     const int half = hd / 2;
     for (int h = 0; h < heads; ++h) {
@@ -100,8 +100,19 @@ int kiln_rotary(const int64_t *positions, const void *q, int64_t q_stride, const
         float cs[hd];
         const float *src = cos_sin_cache + positions[t] * hd;
         for (int i = 0; i < hd; ++i) cs[i] = round_to(src[i], dtype);
-        rotate_row(q, t * q_stride, q_out, t * q_out_stride, nq, hd, cs, is_neox, dtype);
-        rotate_row(k, t * k_stride, k_out, t * k_out_stride, nk, hd, cs, is_neox, dtype);
+        /* Each (layout, dtype) gets its own inlined loop: with both known the loop vectorizes
+         * (a runtime dtype left bfloat16 6x slower than float32). */
+#define KILN_ROTATE(NEOX, DTYPE)                                                              \
+    do {                                                                                     \
+        rotate_row(q, t * q_stride, q_out, t * q_out_stride, nq, hd, cs, NEOX, DTYPE);       \
+        rotate_row(k, t * k_stride, k_out, t * k_out_stride, nk, hd, cs, NEOX, DTYPE);       \
+    } while (0)
+        if (dtype == KILN_F32) {
+            if (is_neox) KILN_ROTATE(1, KILN_F32); else KILN_ROTATE(0, KILN_F32);
+        } else {
+            if (is_neox) KILN_ROTATE(1, KILN_BF16); else KILN_ROTATE(0, KILN_BF16);
+        }
+#undef KILN_ROTATE
     }
     return bad;
 }
