@@ -1,5 +1,5 @@
 """The `native` provider of the W8A8 int8 IR ops: kiln/native/int8_ops.py's AVX512-VNNI kernels
-(oneDNN's int8 GEMM through torch._int_mm from 16 rows, AMX-INT8 there where the CPU has it),
+(oneDNN's int8 GEMM through torch._int_mm from 64 rows, or from 16 with AMX-INT8),
 each with what it supports, as the `torch.ops.kiln.<op>_native` ops (csrc/ops_int8.cpp).
 """
 from kiln.ir import quant as ir

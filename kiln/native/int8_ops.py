@@ -10,16 +10,18 @@ import torch
 
 from kiln.native import build
 
-# From this many rows the GEMM op runs oneDNN's int8 GEMM and the kernels' epilogue (the VNNI
-# kernel below): csrc/ops_int8.cpp's ONEDNN_MIN_ROWS, for tests to reach both.
-ONEDNN_MIN_ROWS = 16
-
 
 @functools.cache
 def isa() -> str | None:
     """The dot-product instructions the kernels were built with ("avx512_vnni"), or None (no
     compiler, or a CPU without them). AMX-INT8 CPUs run the same AVX512-VNNI code."""
     return (torch.ops.kiln.int8_isa() or None) if build.available() else None
+
+
+def onednn_min_rows() -> int:
+    """From this many rows the GEMM op runs oneDNN's int8 GEMM and the VNNI kernel's epilogue,
+    below it the VNNI kernel (csrc/ops_int8.cpp's ONEDNN_MIN_ROWS: 16 with AMX-INT8, else 64)."""
+    return torch.ops.kiln.int8_onednn_min_rows()
 
 
 def _on_cpu_in(dtype: torch.dtype, *tensors: torch.Tensor) -> bool:

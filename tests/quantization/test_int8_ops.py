@@ -19,9 +19,11 @@ ref = SimpleNamespace(**{op.name: op.reference for op in (
     quant.fused_add_rms_norm_dynamic_int8_quant, quant.silu_and_mul_dynamic_int8_quant)})
 
 DTYPES = [torch.float32, torch.bfloat16]
-# (rows, K): one token, a few (the VNNI kernel), many (oneDNN's GEMM, from ONEDNN_MIN_ROWS
-# rows), K not a multiple of 16 or 64 (masked tails), K == 1 (torch's own _int_mm is wrong)
-SHAPES = [(1, 576), (5, 100), (native.ONEDNN_MIN_ROWS + 3, 192), (70, 33), (3, 1)]
+# (rows, K): one token, a few and a batch (the VNNI kernel), many (oneDNN's GEMM, from
+# native.onednn_min_rows(): 16 with AMX-INT8, 64 without; 19 and 40 rows take the kernel without
+# AMX and oneDNN with it), K not a multiple of 16 or 64 (masked tails), K == 1 (torch's own
+# _int_mm is wrong)
+SHAPES = [(1, 576), (5, 100), (19, 192), (40, 576), (70, 33), (130, 192), (3, 1)]
 
 
 def _x(rows, k, dtype, seed=0):
@@ -85,6 +87,15 @@ def test_int8_gemm_equals_reference(dtype, rows, k, n):
         assert native.gemm_supported(q, s, w, ws, bias, dtype)
         assert torch.equal(native.int8_scaled_mm(q, s, w, ws, bias, dtype),
                            ref.int8_scaled_mm(q, s, w, ws, bias, dtype))
+
+
+def test_gemm_shapes_reach_both_paths():
+    if native.isa() is None:
+        return
+    threshold = native.onednn_min_rows()
+    assert threshold in (16, 64)  # AMX-INT8 or VNNI only (csrc/ops_int8.cpp)
+    assert any(rows < threshold for rows, k in SHAPES if k > 1)
+    assert any(rows >= threshold for rows, k in SHAPES if k > 1)
 
 
 def test_int8_gemm_refuses_mismatched_shapes():

@@ -16,10 +16,14 @@ namespace {
 using kiln::rows_of;
 
 /* From this many rows oneDNN's int8 GEMM (its int32 sums exact) and the epilogue here beat the
- * VNNI kernel, which reads the weight as stored and wins at decode sizes (measured, 2 cores of
- * an EPYC with AVX512-VNNI: [256, 576] x [960, 576] 0.14 ms vs 0.26 ms; [8, 1536] x
- * [576, 1536] 0.030 ms vs 0.017 ms). */
+ * VNNI kernel, which reads the weight as stored, prefetching it, and wins at decode sizes. With
+ * AMX-INT8 (known at build time: the library is built with -march=native) oneDNN runs tiles and
+ * wins early; with VNNI only, the two meet at about 64 rows (a decode step's weights, cold). */
+#if defined(__AMX_INT8__)
 constexpr int64_t ONEDNN_MIN_ROWS = 16;
+#else
+constexpr int64_t ONEDNN_MIN_ROWS = 64;
+#endif
 constexpr int32_t NO_BIAS = -1;
 
 void check(int rc, const char *fn) {
@@ -144,11 +148,13 @@ std::tuple<at::Tensor, at::Tensor> silu_and_mul_quant(const at::Tensor &x) {
 
 /* "avx512_vnni" when the kernels were built with those instructions, else "". */
 std::string isa() { return kiln_int8_isa() == 1 ? "avx512_vnni" : ""; }
+int64_t onednn_min_rows() { return ONEDNN_MIN_ROWS; }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kiln, m) {
     m.def("int8_isa() -> str", &isa);
+    m.def("int8_onednn_min_rows() -> int", &onednn_min_rows);
     /* the IR ops' schemas (kiln/ir/quant.py) */
     m.def("dynamic_int8_quant_native(Tensor x) -> (Tensor, Tensor)");
     m.def("int8_scaled_mm_native(Tensor q, Tensor scale, Tensor w_q, Tensor w_scale, "
