@@ -1,5 +1,6 @@
 """The HTTP layer against a fake engine (no model): shapes, SSE, errors, auth, limits, metrics."""
 import json
+import threading
 
 import pytest
 from fastapi.testclient import TestClient
@@ -7,7 +8,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai.api_server import ServerSettings, build_app
+from kiln.entrypoints.openai import serving_tokenization
 from kiln.entrypoints.openai.errors import _loc_to_param, param_from_message
+from kiln.entrypoints.openai.protocol import TokenizeResponse
 
 from .fake_engine import FakeEngine
 
@@ -264,6 +267,27 @@ def test_tokenize_detokenize(client):
     assert client.post("/detokenize", json=dict(tokens=[7, 8])).json() == {"prompt": "7 8 "}
     assert_error(client.post("/tokenize", json=dict(model=MODEL)), 400, "prompt")
 
+
+
+def test_tokenize_body_is_built_on_a_front_end_thread(client, monkeypatch):
+    # Not on the event loop: a huge prompt's ids would hold every stream's next token.
+    threads = []
+    real = serving_tokenization.tokenize_response_json
+
+    def spy(*args):
+        threads.append(threading.current_thread().name)
+        return real(*args)
+    monkeypatch.setattr(serving_tokenization, "tokenize_response_json", spy)
+    assert client.post("/tokenize", json=dict(prompt="ab")).json()["count"] == 3
+    client.post("/tokenize", json=dict(messages=[{"role": "user", "content": "a"}]))
+    assert len(threads) == 2 and all(n.startswith("kiln-frontend") for n in threads), threads
+
+
+@pytest.mark.parametrize("strs", [None, ["a", "b"]])
+def test_tokenize_response_json_is_the_models_dump(strs):
+    expected = TokenizeResponse(tokens=[5, 6], count=2, max_model_len=64,
+                                token_strs=strs).model_dump(exclude_none=True)
+    assert json.loads(serving_tokenization.tokenize_response_json([5, 6], 64, strs)) == expected
 
 def _samples(client) -> dict:
     text = client.get("/metrics").text
