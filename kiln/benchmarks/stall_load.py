@@ -6,6 +6,7 @@ on stdin and prints {intervals, opened, churned} (time.monotonic(): one clock ma
 """
 import asyncio
 import json
+import os
 import sys
 import time
 
@@ -92,9 +93,19 @@ async def run_load(base_url: str, headers: dict, model: str, load: dict,
             "churned": churned[0]}
 
 
+def lower_priority(niceness: int) -> int | None:
+    """Add `niceness` to this process's (see LoadSpec.niceness); the niceness it then runs at,
+    None where the OS has none."""
+    try:
+        return os.nice(niceness)
+    except (AttributeError, OSError):
+        return None
+
+
 def main() -> None:
     spec = json.load(sys.stdin)
-    print(json.dumps(asyncio.run(run_load(**spec))), flush=True)
+    niceness = lower_priority(spec["load"].get("niceness", 0))
+    print(json.dumps({**asyncio.run(run_load(**spec)), "niceness": niceness}), flush=True)
 
 
 if __name__ == "__main__":

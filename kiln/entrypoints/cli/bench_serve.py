@@ -41,6 +41,9 @@ def register_bench(kinds) -> None:
                              "churning connections); report its largest inter-token gaps")
     parser.add_argument("--probe-duration", type=float, default=10.0,
                         help="seconds of each stall-probe phase")
+    parser.add_argument("--stall-load-niceness", type=int, default=19,
+                        help="OS niceness added to the stall probe's load process (0-19): it "
+                             "stands for remote clients, so it yields the cores to the server")
     parser.add_argument("--server-start-timeout", type=float, default=600.0)
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run)
@@ -92,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
     if not args.probe_duration > 0:
         raise ValueError(f"--probe-duration must be > 0 seconds, got {args.probe_duration}")
+    if not 0 <= args.stall_load_niceness <= 19:
+        raise ValueError(f"--stall-load-niceness must be in 0..19, got {args.stall_load_niceness}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     proc = None
@@ -115,9 +120,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
         if args.stall_probe:
-            from kiln.benchmarks.stall_probe import run_probe
+            from kiln.benchmarks.stall_probe import LoadSpec, run_probe
 
             report = asyncio.run(run_probe(base_url, duration=args.probe_duration,
+                                           load=LoadSpec(niceness=args.stall_load_niceness),
                                            api_key=args.api_key, model=args.model))
             report["failed"] = 0  # a failed probe raises
         else:
