@@ -15,7 +15,7 @@ from torch import fx
 from kiln.compilation import vec_isa
 from kiln.compilation.artifact_call import direct_callable
 from kiln.compilation.counters import compilation_counter
-from kiln.compilation.inductor_patches import headers_not_precompiled
+from kiln.compilation.inductor_patches import headers_not_precompiled, lazy_kernel_templates
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -56,9 +56,10 @@ class EagerAdaptor(CompilerInterface):
 
 def inductor_config_hash() -> str:
     from torch._inductor import config as inductor_config
-    from torch._inductor.codecache import torch_key
 
-    factors = [torch.__version__, torch_key(), repr(sorted(
+    from kiln.compilation.torch_source_key import torch_source_key
+
+    factors = [torch.__version__, torch_source_key(), repr(sorted(
         (k, v) for k, v in inductor_config.save_config_portable().items()
         if not k.startswith("post_grad_custom")))]
     return hashlib.sha256(repr(factors).encode()).hexdigest()[:16]
@@ -75,6 +76,7 @@ class InductorStandaloneAdaptor(CompilerInterface):
         self.defaults = dict(for_device(device).inductor_compile_defaults)
         self.dump_dir: Path | None = None  # set by the backend when debug_dump_path is given
         self._dumps = 0  # output codes dumped: names the pieces of a run that saves none
+        lazy_kernel_templates()  # before a compile or load imports Inductor's lowerings
 
     def compute_hash(self) -> str:
         if self.device == "cpu":

@@ -1,10 +1,11 @@
-"""Every patch Kiln applies to torch internals, in one place: two of Inductor's, one of Dynamo's.
+"""Every patch Kiln applies to torch internals, in one place: three of Inductor's, one of Dynamo's.
 
 Each names the internal it replaces and the torch versions it was checked against; a torch that
 lacks the internal gets an error naming the patch (never a silently slower or leaking engine).
 """
 import contextlib
 import importlib
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +62,14 @@ DYNAMO_CACHED_BACKENDS = InternalPatch(
     "forget_backend", "torch._dynamo.eval_frame", "cached_backends",
     "torch.compile keeps every backend (with Kiln's: the model and its KV caches) until "
     "torch._dynamo.reset()")
-PATCHES = (PRECOMPILED_HEADER, VEC_ISA_CHECK_BUILD, DYNAMO_CACHED_BACKENDS)
+LAZY_KERNEL_TEMPLATES = InternalPatch(
+    "lazy_kernel_templates", "torch._inductor.codegen.common",
+    "KernelTemplate._template_from_string",
+    "importing Inductor's lowerings builds the jinja2 template of every GPU kernel template "
+    "(23; 0.1-0.2 s of each start on 2 cores), which a CPU engine never renders",
+    checked_on=("2.13.0",))
+PATCHES = (PRECOMPILED_HEADER, VEC_ISA_CHECK_BUILD, DYNAMO_CACHED_BACKENDS,
+           LAZY_KERNEL_TEMPLATES)
 
 
 def check_all() -> None:
@@ -127,6 +135,43 @@ def remember_isa_build_probes(recall: Callable[[Any, str, Callable], bool]) -> N
 
     setattr(vec_isa_cls, name, check_build)
     _isa_probe["installed"] = True
+
+
+# ---- Inductor: kernel templates ------------------------------------------------------------
+
+class LazyTemplate:
+    """A jinja2 template built from its source on first use (any attribute: render, ...)."""
+
+    __slots__ = ("_build", "_source", "_template")
+
+    def __init__(self, build: Callable[[str], Any], source: str):
+        self._build, self._source, self._template = build, source, None
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):  # copy/pickle probing a half-made object: not the template's
+            raise AttributeError(name)
+        if self._template is None:
+            self._template = self._build(self._source)
+        return getattr(self._template, name)
+
+
+_lazy_templates: dict = {"installed": False}
+
+
+def lazy_kernel_templates() -> None:
+    """Make Inductor's kernel templates build their jinja2 template when first rendered, not
+    when the module defining them is imported (once per process; templates made before stay
+    as they are). Without jinja2 Inductor's own None stands."""
+    if _lazy_templates["installed"]:
+        return
+    template_cls, name, build = LAZY_KERNEL_TEMPLATES.owner_and_value()
+    has_jinja2 = importlib.util.find_spec("jinja2") is not None
+
+    def lazy(source: str):
+        return LazyTemplate(build, source) if has_jinja2 else None
+
+    setattr(template_cls, name, staticmethod(lazy))
+    _lazy_templates["installed"] = True
 
 
 # ---- Dynamo: the cache of backends ---------------------------------------------------------

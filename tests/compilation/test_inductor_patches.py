@@ -74,3 +74,17 @@ def test_forget_backend_drops_only_that_backend(monkeypatch):
     monkeypatch.delattr(eval_frame, "cached_backends")
     with pytest.raises(TorchInternalMissing, match="forget_backend"):
         forget_backend(other)
+
+
+def test_kernel_templates_build_their_jinja2_template_on_first_render():
+    inductor_patches.lazy_kernel_templates()
+    from torch._inductor.codegen.common import KernelTemplate
+
+    template = KernelTemplate._template_from_string("{{ a }}|{{ b | indent_except_first(1) }}")
+    assert isinstance(template, inductor_patches.LazyTemplate) and template._template is None
+    assert template.render(a=1, b="x\ny") == "1|x\n    y"  # Inductor's own filter, too
+    built = template._template
+    assert template.render(a=2, b="z") == "2|z" and template._template is built
+    broken = KernelTemplate._template_from_string("{% if %}")
+    with pytest.raises(Exception, match="line 1"):  # the syntax error, at first use
+        broken.render()
