@@ -37,3 +37,21 @@ def test_zeros_on_first_touch_commits_only_what_is_written():
     gc.collect()
     assert gone() is None and _resident_mib() - before < 32  # the mapping went with it
 
+
+
+def test_warm_up_collects_garbage_only_after_compiling_or_tracing():
+    from kiln.compilation.counters import CompilationCounter
+    from kiln.config import CompilationMode
+    from kiln.worker.worker import warm_up_left_garbage
+
+    before = CompilationCounter(num_inductor_compiles=3, num_dynamo_traces=1)
+    loaded = CompilationCounter(num_inductor_compiles=3, num_dynamo_traces=1,
+                                num_compiled_artifacts_loaded=31, num_saved_graph_loads=1)
+    for mode in (CompilationMode.NONE, CompilationMode.KILN_COMPILE):
+        assert not warm_up_left_garbage(mode, before, loaded)  # a warm start: loads only
+        assert warm_up_left_garbage(mode, before, CompilationCounter(num_inductor_compiles=4,
+                                                                     num_dynamo_traces=1))
+        assert warm_up_left_garbage(mode, before, CompilationCounter(num_inductor_compiles=3,
+                                                                     num_dynamo_traces=2))
+    # Stock torch.compile compiles through Dynamo's own machinery, which no counter sees.
+    assert warm_up_left_garbage(CompilationMode.STOCK_TORCH_COMPILE, before, loaded)
