@@ -134,8 +134,9 @@ def _aborted(request_id: str):
 
 
 def run_engine_core(kiln_config, executor_class: type, input_address: str, output_address: str,
-                    parent_pid: int, launched_at: float) -> None:
-    """The process's work, once its arguments are read (kiln.engine.core_client starts it)."""
+                    parent_pid: int, launched_at: float, goodbye_fd: int | None = None) -> None:
+    """The process's work, once its arguments are read (kiln.engine.core_client starts it).
+    `goodbye_fd`: written to as the last act before exiting (core_interpreter.py)."""
     # Ctrl-C reaches the whole process group: the front end decides what stops, and tells us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -178,6 +179,11 @@ def run_engine_core(kiln_config, executor_class: type, input_address: str, outpu
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    if goodbye_fd is not None:
+        try:
+            os.write(goodbye_fd, b"\0")
+        except OSError:  # the front end is gone
+            pass
     os._exit(code)
 
 

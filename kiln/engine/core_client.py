@@ -156,13 +156,19 @@ class CoreProcClient:
         self._closing = threading.Event()  # set when we stop the process: no death to report
         # A fresh interpreter, not fork (the caller may hold OpenMP threads, CUDA, or the
         # tokenizer's pool) and not multiprocessing's spawn (it re-runs an unguarded script).
-        self.proc = (interpreter or CoreInterpreter()).start(kiln_config, executor_class,
-                                                            input_address, output_address)
+        interpreter = interpreter or CoreInterpreter()
+        self.proc = interpreter.start(kiln_config, executor_class, input_address, output_address)
         self.pid = self.proc.pid
         # Readable once the process has exited: polled beside the output socket.
         self._sentinel = os.pidfd_open(self.pid)
+        # Readable once the core is past its last act (core_interpreter.py); set when shutdown
+        # saw it, so the kernel's teardown of the core's memory is not waited for.
+        self._goodbye = interpreter.goodbye
+        self._said_goodbye = threading.Event()
+        self._watched = False  # a watcher thread reaps the process
         self._finalizer = weakref.finalize(self, _terminate, self.proc, self._ctx, self._dir,
-                                           self._sentinel, self._closing)
+                                           self._sentinel, self._closing, self._goodbye,
+                                           self._said_goodbye)
         self._poller = zmq.Poller()
         self._poller.register(self._output, zmq.POLLIN)
         self._poller.register(self._sentinel, zmq.POLLIN)
@@ -180,9 +186,13 @@ class CoreProcClient:
         self.startup_timings = dict(message.timings)
         self.num_blocks = message.num_blocks
         self.max_model_len = message.max_model_len
+        self._watch()
+        logger.info("engine core running in process %d", self.pid)
+
+    def _watch(self) -> None:
         threading.Thread(target=_watch, args=(weakref.ref(self), self.proc), name="kiln-core-watch",
                          daemon=True).start()
-        logger.info("engine core running in process %d", self.pid)
+        self._watched = True
 
     # ---- receiving ---------------------------------------------------------------------------
     def _exited(self) -> bool:
@@ -320,7 +330,12 @@ class CoreProcClient:
                 self._input.send(self._encoder.encode(Shutdown()), copy=False)
             except zmq.ZMQError:
                 pass
-            _wait(self.proc, _SHUTDOWN_WAIT_S)
+            ready, _, _ = select.select([self._goodbye, self._sentinel], [], [],
+                                        _SHUTDOWN_WAIT_S)
+            if self._goodbye in ready:
+                self._said_goodbye.set()
+                if not self._watched:  # someone must reap it
+                    self._watch()
         self._finalizer()
 
 
@@ -340,14 +355,15 @@ def _watch(client_ref, proc) -> None:
         client._on_exit()
 
 
-def _terminate(proc, ctx, tmpdir, sentinel, closing) -> None:
+def _terminate(proc, ctx, tmpdir, sentinel, closing, goodbye, said_goodbye) -> None:
     closing.set()
-    if proc.poll() is None:
+    if not said_goodbye.is_set() and proc.poll() is None:
         proc.terminate()
         _wait(proc, 5)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     os.close(sentinel)
+    os.close(goodbye)
     ctx.destroy(linger=0)
     tmpdir.cleanup()

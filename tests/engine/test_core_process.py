@@ -195,3 +195,45 @@ def test_a_prestarted_core_interpreter_serves_the_next_engine_or_ends_at_exit(ti
     pid = int(done.stdout.strip())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def _reaped(pid: int, timeout: float = 30.0) -> bool:
+    """Gone from the process table: not running and not a zombie left for us to reap."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not os.path.exists(f"/proc/{pid}"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_shutdown_returns_at_the_cores_goodbye_and_the_process_is_reaped(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE)
+    core = llm.llm_engine.engine_core
+    pid, fds = core.pid, len(os.listdir("/proc/self/fd"))
+    llm.generate(PROMPTS, SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.shutdown()
+    # The core wrote its last byte: shutdown did not wait for the kernel to free its memory.
+    assert core._said_goodbye.is_set()
+    assert _reaped(pid)  # the watcher thread reaps it: no zombie
+    assert len(os.listdir("/proc/self/fd")) < fds  # its sockets, pidfd and pipe are closed
+
+
+def test_a_core_that_never_says_goodbye_is_terminated(tiny_llama_dir, monkeypatch):
+    from kiln.engine import core_client
+
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE)
+    core = llm.llm_engine.engine_core
+    os.kill(core.pid, signal.SIGSTOP)  # deaf to Shutdown: it can neither exit nor say goodbye
+    monkeypatch.setattr(core_client, "_SHUTDOWN_WAIT_S", 0.5)
+    llm.shutdown()
+    assert not core._said_goodbye.is_set() and core.proc.returncode is not None
+    assert _reaped(core.pid)
+
+
+def test_a_discarded_interpreter_leaves_no_descriptor_open():
+    from kiln.engine.core_interpreter import CoreInterpreter
+
+    fds = len(os.listdir("/proc/self/fd"))
+    CoreInterpreter().discard()
+    assert len(os.listdir("/proc/self/fd")) == fds
