@@ -1,6 +1,7 @@
 /* The CPU paged-attention kernel (paged_attention.c) as torch ops: `kiln::paged_attention`, one
  * call with its tensors, and the CPU kernel of `kiln::unified_attention`, which within a decode
- * step goes from the dispatcher straight to the kernel, with no Python.
+ * step goes from the dispatcher straight to the kernel, with no Python; and the long queries'
+ * kernel (prefill_attention.c) as `kiln::prefill_attention`.
  *
  * Through Python, a layer cost ~19 us a step besides the kernel (the dispatcher's trip into
  * Python, the forward-context lookup, the checks): ~0.55 ms of a batch-1 step of the 30-layer
@@ -124,6 +125,46 @@ void paged_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor 
     run_kernel(q, k, v, out, cache, plan.args, scale, "paged_attention");
 }
 
+/* out [T, nh*hd] for the selected requests (long queries) from q [T, nh*hd] and the cache,
+ * which holds the step's K/V already (written by paged_attention); other rows of out untouched. */
+void prefill_attention(const at::Tensor &q, const at::Tensor &out, const at::Tensor &kv_cache,
+                       double scale, const at::Tensor &block_table,
+                       const at::Tensor &query_start_loc, const at::Tensor &seq_lens,
+                       const at::Tensor &reqs, int64_t max_seq_len, bool portable) {
+    const KilnKvCache cache = cache_struct(kv_cache);
+    const StepPlan plan(block_table, query_start_loc, seq_lens, reqs,
+                        at::Tensor(at::detail::empty_cpu({0}, at::kLong, false, std::nullopt)),
+                        0, max_seq_len, cache.block_size);
+    const at::ScalarType dtype = q.scalar_type();
+    TORCH_CHECK_TYPE(kiln::dtype_code(dtype) == cache.dtype, "prefill_attention: q is ", dtype,
+                     ", the KV cache another dtype");
+    const int64_t width = q.size(-1), rows = q.dim() == 2 ? q.size(0) : 0;
+    check_rows("q", q, dtype, width, rows);
+    check_rows("out", out, dtype, width, rows);
+    TORCH_CHECK_VALUE(width % cache.head_size == 0, "prefill_attention: q's width ", width,
+                      " is not whole heads of ", cache.head_size, " values");
+    const int64_t num_reqs = seq_lens.numel();
+    const int32_t *r = reqs.data_ptr<int32_t>();
+    for (int64_t i = 0; i < reqs.numel(); ++i)
+        TORCH_CHECK_INDEX(0 <= r[i] && r[i] < num_reqs && r[i] < block_table.size(0) &&
+                              r[i] + 1 < query_start_loc.numel(),
+                          "prefill_attention: request ", r[i], " is outside the step's ",
+                          num_reqs, " requests");
+    const int rc = kiln_prefill_attention(
+        q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), rows,
+        static_cast<int32_t>(width / cache.head_size), static_cast<float>(scale), &cache,
+        &plan.args, portable, kiln::threads());
+    TORCH_CHECK(rc == 0, "prefill_attention: the CPU kernel failed with code ", rc, ":",
+                (rc & KILN_ATTN_BAD_LENGTHS) ? " a query outside q's rows, or a seq_len above "
+                "max_seq_len or below its query length" : "",
+                (rc & KILN_ATTN_NO_MEMORY) ? " out of memory" : "",
+                (rc & KILN_ATTN_BAD_HEADS) ? " num_heads not a multiple of num_kv_heads" : "");
+}
+
+bool prefill_attention_simd(at::ScalarType dtype, int64_t head_size) {
+    return kiln_prefill_attention_simd(kiln::dtype_code(dtype), static_cast<int32_t>(head_size));
+}
+
 struct Layer {
     KilnKvCache cache;
     float scale;
@@ -231,6 +272,11 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
           "Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor reqs, "
           "Tensor slot_mapping, int num_tokens, int max_seq_len, int block_size, "
           "int num_actual) -> ()", &begin_step);
+    m.def("prefill_attention(Tensor q, Tensor(a!) out, Tensor kv_cache, float scale, "
+          "Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor reqs, "
+          "int max_seq_len, bool portable=False) -> ()");
+    m.def("prefill_attention_simd(ScalarType dtype, int head_size) -> bool",
+          &prefill_attention_simd);
     m.def("attention_end_step() -> ()", &end_step);
     m.def("attention_call_counts() -> int[]", &call_counts);
 }
@@ -238,4 +284,5 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
     m.impl("paged_attention", &paged_attention);
     m.impl("unified_attention", &unified_attention);
+    m.impl("prefill_attention", &prefill_attention);
 }

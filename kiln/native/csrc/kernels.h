@@ -67,6 +67,13 @@ int kiln_paged_attention(const void *q, int64_t q_stride, const void *k, int64_t
                          int32_t num_heads, float scale, const KilnKvCache *cache,
                          const KilnAttnStep *step, int32_t num_threads);
 
+/* prefill_attention.c */
+int kiln_prefill_attention_simd(int32_t dtype, int32_t head_size);
+int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t out_stride,
+                           int64_t num_rows, int32_t num_heads, float scale,
+                           const KilnKvCache *cache, const KilnAttnStep *step, int32_t portable,
+                           int32_t num_threads);
+
 #ifdef __cplusplus
 }
 #endif

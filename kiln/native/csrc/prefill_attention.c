@@ -1,0 +1,310 @@
+/* Causal attention of long queries (prefills, prefill chunks) for CPU, blocked flash-style: K/V
+ * read in place from the paged cache in blocks of keys, online softmax in float32, no [L, L]
+ * scores. Short queries go to paged_attention.c's per-token loop instead.
+ *
+ * A work unit is (request, kv head, 16 * tb query tokens): every query head sharing that kv head
+ * takes the same key and value loads (GQA). Query j of a request sits at position ctx + j (ctx =
+ * seq_len - query length: context cached by earlier steps) and sees keys 0 .. ctx + j. The tiles
+ * (prefill_tiles.h) use AVX512-BF16 for bfloat16 (probabilities rounded to bfloat16 before P.V,
+ * as SDPA does) and AVX512F for float32; a scalar path serves any other CPU, head size, or a
+ * caller asking for it (tests). Layouts: paged_attention.c's (q/out rows, cache, block table). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dtype.h"
+#include "kernels.h"
+#include "prefill_tiles.h"
+
+#define MASKED (-1e30f) /* a masked score: finite, since the library builds with -ffast-math */
+
+typedef struct {
+    int req, kv_head, t0, nt; /* query rows [t0, t0 + nt) of request req */
+} Unit;
+
+typedef struct { /* what every unit of a call shares */
+    const void *q, *k_cache, *v_cache;
+    void *out;
+    int64_t q_stride, out_stride, slot_stride, bt_stride;
+    const int32_t *block_table, *query_start, *seq_lens;
+    int block_size, hd, group, tb, dtype, elem;
+    float scale;
+} Call;
+
+typedef struct { /* one thread's buffers; layouts in prefill_tiles.h */
+    float *qp, *s, *o, *m, *l, *buf;
+    int32_t *pp, *vpk;
+    const void **kp, **vp;
+    void *zero; /* a zero key/value row, standing in for the keys past a block's end */
+} Scratch;
+
+/* Where key `key` of the unit's request sits for its kv head (elements into a cache half). */
+static inline int64_t key_offset(const Call *c, const int32_t *blocks, int key, int kv_head) {
+    const int64_t slot = (int64_t)blocks[key / c->block_size] * c->block_size + key % c->block_size;
+    return slot * c->slot_stride + (int64_t)kv_head * c->hd;
+}
+
+/* The portable path: one (token, head) at a time, keys in blocks, the same rounding points. */
+static void unit_scalar(const Call *c, const Unit *u, Scratch *w) {
+    const int hd = c->hd, q_begin = c->query_start[u->req];
+    const int ctx = c->seq_lens[u->req] - (c->query_start[u->req + 1] - q_begin);
+    const int32_t *blocks = c->block_table + (int64_t)u->req * c->bt_stride;
+    float *qf = w->buf, *acc = w->buf + hd, *sc = w->buf + 2 * hd;
+    for (int t = u->t0; t < u->t0 + u->nt; ++t)
+        for (int g = 0; g < c->group; ++g) {
+            const int head = u->kv_head * c->group + g, n_keys = ctx + (t - q_begin) + 1;
+            for (int d = 0; d < hd; ++d)
+                qf[d] = load_elem(c->q, t * c->q_stride + (int64_t)head * hd + d, c->dtype);
+            float m = MASKED, l = 0.f;
+            memset(acc, 0, sizeof(float) * hd);
+            for (int kb = 0; kb < n_keys; kb += PF_BK) {
+                const int nk = n_keys - kb < PF_BK ? n_keys - kb : PF_BK;
+                float mx = m;
+                for (int j = 0; j < nk; ++j) {
+                    const int64_t off = key_offset(c, blocks, kb + j, u->kv_head);
+                    float dot = 0.f;
+                    for (int d = 0; d < hd; ++d) dot += qf[d] * load_elem(c->k_cache, off + d, c->dtype);
+                    sc[j] = dot * c->scale;
+                    mx = sc[j] > mx ? sc[j] : mx;
+                }
+                const float alpha = expf(m - mx);
+                l *= alpha;
+                for (int d = 0; d < hd; ++d) acc[d] *= alpha;
+                for (int j = 0; j < nk; ++j) {
+                    const float p = expf(sc[j] - mx), pr = round_to(p, c->dtype);
+                    const int64_t off = key_offset(c, blocks, kb + j, u->kv_head);
+                    l += p;
+                    for (int d = 0; d < hd; ++d) acc[d] += pr * load_elem(c->v_cache, off + d, c->dtype);
+                }
+                m = mx;
+            }
+            for (int d = 0; d < hd; ++d)
+                store_elem(c->out, t * c->out_stride + (int64_t)head * hd + d, acc[d] / l, c->dtype);
+        }
+}
+
+#if KILN_PREFILL_F32_SIMD
+/* One key block's softmax step for a row group: mask keys past each lane's position, rescale
+ * the running sums and outputs by the new maxima, scores to probabilities. */
+static void softmax_step(float *__restrict s, int nkp, int kb, const int *__restrict pos,
+                         float sscale, float *__restrict m, float *__restrict l, float *__restrict o,
+                         int hd) {
+    float mx[16], alpha[16], sum[16];
+    for (int i = 0; i < 16; ++i) mx[i] = m[i], sum[i] = 0.f;
+    for (int j = 0; j < nkp; ++j)
+#pragma omp simd
+        for (int i = 0; i < 16; ++i) {
+            const float x = kb + j > pos[i] ? MASKED : s[j * 16 + i] * sscale;
+            s[j * 16 + i] = x;
+            mx[i] = x > mx[i] ? x : mx[i];
+        }
+    int moved = 0;
+#pragma omp simd reduction(| : moved)
+    for (int i = 0; i < 16; ++i) {
+        alpha[i] = expf(m[i] - mx[i]);
+        moved |= mx[i] != m[i];
+    }
+    if (moved) /* the maxima seldom move once a few blocks are in */
+        for (int d = 0; d < hd; ++d)
+#pragma omp simd
+            for (int i = 0; i < 16; ++i) o[d * 16 + i] *= alpha[i];
+    for (int j = 0; j < nkp; ++j)
+#pragma omp simd
+        for (int i = 0; i < 16; ++i) {
+            const float p = expf(s[j * 16 + i] - mx[i]);
+            s[j * 16 + i] = p;
+            sum[i] += p;
+        }
+#pragma omp simd
+    for (int i = 0; i < 16; ++i) l[i] = l[i] * alpha[i] + sum[i], m[i] = mx[i];
+}
+
+/* Tiles of up to 3 row groups: constant R keeps the accumulators in registers. */
+#define PF_DISPATCH(fn, R, ...)                 \
+    switch (R) {                                \
+        case 3: fn(__VA_ARGS__, 3); break;      \
+        case 2: fn(__VA_ARGS__, 2); break;      \
+        default: fn(__VA_ARGS__, 1);            \
+    }
+
+static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
+    const int hd = c->hd, tb = c->tb, rgs = c->group * tb, bf = c->dtype == KILN_BF16;
+    const int q_begin = c->query_start[u->req];
+    const int ctx = c->seq_lens[u->req] - (c->query_start[u->req + 1] - q_begin);
+    const int32_t *blocks = c->block_table + (int64_t)u->req * c->bt_stride;
+    const int64_t rg_q = (int64_t)(bf ? hd / 2 : hd) * 16, rg_s = PF_BK * 16, rg_o = hd * 16;
+    const int64_t rg_p = PF_BK / 2 * 16;
+    int pos[16 * 4]; /* each lane's query position; padding lanes repeat the unit's last token */
+    for (int i = 0; i < 16 * tb; ++i) {
+        const int t = u->t0 + (i < u->nt ? i : u->nt - 1);
+        pos[i] = ctx + (t - q_begin);
+        for (int g = 0; g < c->group; ++g) {
+            const int64_t row = t * c->q_stride + (int64_t)(u->kv_head * c->group + g) * hd;
+            float *qp = w->qp + (g * tb + i / 16) * rg_q + i % 16;
+            if (bf)
+                for (int d = 0; d < hd / 2; ++d)
+                    ((int32_t *)qp)[d * 16] = pf_word((const uint16_t *)c->q + row + 2 * d);
+            else
+                for (int d = 0; d < hd; ++d) qp[d * 16] = ((const float *)c->q)[row + d] * c->scale;
+        }
+    }
+    memset(w->o, 0, sizeof(float) * rgs * rg_o);
+    for (int i = 0; i < rgs * 16; ++i) w->m[i] = MASKED, w->l[i] = 0.f;
+    const int n_keys = pos[u->nt - 1] + 1;
+    for (int kb = 0; kb < n_keys; kb += PF_BK) {
+        const int nk = n_keys - kb < PF_BK ? n_keys - kb : PF_BK;
+        const int nkp = (nk + PF_KEYS - 1) / PF_KEYS * PF_KEYS;
+        for (int j = 0; j < nkp; ++j) {
+            const int64_t off = j < nk ? key_offset(c, blocks, kb + j, u->kv_head) : -1;
+            w->kp[j] = off < 0 ? w->zero : (const char *)c->k_cache + off * c->elem;
+            w->vp[j] = off < 0 ? w->zero : (const char *)c->v_cache + off * c->elem;
+        }
+        for (int r0 = 0; r0 < rgs; r0 += 3) {
+            const int R = rgs - r0 < 3 ? rgs - r0 : 3;
+            for (int j0 = 0; j0 < nkp; j0 += PF_KEYS) {
+#if KILN_PREFILL_BF16_SIMD
+                if (bf) {
+                    PF_DISPATCH(qk_bf16, R, (const int32_t *)w->qp + r0 * rg_q, rg_q,
+                                (const uint16_t *const *)w->kp + j0, hd,
+                                w->s + r0 * rg_s + j0 * 16, rg_s)
+                    continue;
+                }
+#endif
+                PF_DISPATCH(qk_f32, R, w->qp + r0 * rg_q, rg_q, (const float *const *)w->kp + j0,
+                            hd, w->s + r0 * rg_s + j0 * 16, rg_s)
+            }
+        }
+        for (int rg = 0; rg < rgs; ++rg)
+            softmax_step(w->s + rg * rg_s, nkp, kb, pos + 16 * (rg % tb), bf ? c->scale : 1.f,
+                         w->m + rg * 16, w->l + rg * 16, w->o + rg * rg_o, hd);
+#if KILN_PREFILL_BF16_SIMD
+        if (bf) {
+            const int pairs = (nk + 1) / 2;
+            for (int j = 0; j < pairs; ++j) {
+                const uint16_t *a = (const uint16_t *)w->vp[2 * j];
+                const uint16_t *b = (const uint16_t *)(2 * j + 1 < nk ? w->vp[2 * j + 1] : w->zero);
+                int32_t *dst = w->vpk + (int64_t)j * hd;
+                for (int d = 0; d < hd; ++d) dst[d] = (int32_t)((uint32_t)a[d] | (uint32_t)b[d] << 16);
+            }
+            for (int rg = 0; rg < rgs; ++rg) pack_probs_bf16(w->s + rg * rg_s, pairs, w->pp + rg * rg_p);
+            for (int r0 = 0; r0 < rgs; r0 += 3) {
+                const int R = rgs - r0 < 3 ? rgs - r0 : 3;
+                for (int c0 = 0; c0 < hd; c0 += PF_DIMS)
+                    PF_DISPATCH(pv_bf16, R, w->pp + r0 * rg_p, rg_p, w->vpk, hd, pairs, c0,
+                                w->o + r0 * rg_o, rg_o)
+            }
+            continue;
+        }
+#endif
+        for (int r0 = 0; r0 < rgs; r0 += 3) {
+            const int R = rgs - r0 < 3 ? rgs - r0 : 3;
+            for (int c0 = 0; c0 < hd; c0 += PF_DIMS)
+                PF_DISPATCH(pv_f32, R, w->s + r0 * rg_s, rg_s, (const float *const *)w->vp, nk,
+                            c0, w->o + r0 * rg_o, rg_o)
+        }
+    }
+    for (int rg = 0; rg < rgs; ++rg) {
+        const int g = rg / tb, b = rg % tb;
+        for (int i = 0; i < 16 && 16 * b + i < u->nt; ++i) {
+            const int64_t row = (u->t0 + 16 * b + i) * c->out_stride +
+                                (int64_t)(u->kv_head * c->group + g) * hd;
+            const float inv = 1.f / w->l[rg * 16 + i];
+            for (int d = 0; d < hd; ++d)
+                store_elem(c->out, row + d, w->o[rg * rg_o + d * 16 + i] * inv, c->dtype);
+        }
+    }
+}
+#endif
+
+/* Whether the SIMD tiles serve this dtype and head size (the tiles step dims by PF_DIMS). */
+static int simd_serves(int dtype, int hd) {
+    if (hd % PF_DIMS) return 0;
+    return dtype == KILN_BF16 ? KILN_PREFILL_BF16_SIMD : KILN_PREFILL_F32_SIMD;
+}
+
+int kiln_prefill_attention_simd(int32_t dtype, int32_t head_size) {
+    return simd_serves(dtype, head_size);
+}
+
+/* out rows of the step's selected requests from q (num_rows rows) and the cache, whose K/V the
+ * step has written already. portable: the scalar path even where the tiles serve. Returns 0 or
+ * paged_attention.h's error bits. */
+int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t out_stride,
+                           int64_t num_rows, int32_t num_heads, float scale,
+                           const KilnKvCache *cache, const KilnAttnStep *st, int32_t portable,
+                           int32_t num_threads) {
+    const int nkv = cache->num_kv_heads, hd = cache->head_size;
+    if (nkv <= 0 || num_heads % nkv || cache->block_size <= 0 || hd <= 0)
+        return KILN_ATTN_BAD_HEADS;
+    const int group = num_heads / nkv, simd = !portable && simd_serves(cache->dtype, hd);
+    /* tokens per unit in lanes of 16: enough row groups for a tile of 3, at most 4 lanes' worth */
+    const int tb = group >= 3 ? 1 : 3 / group;
+    const int per_unit = simd ? 16 * tb : 16;
+    int64_t num_units = 0;
+    for (int i = 0; i < st->num_sel; ++i) {
+        const int r = st->reqs[i], q0 = st->query_start[r], q1 = st->query_start[r + 1];
+        if (q0 < 0 || q1 < q0 || q1 > num_rows || st->seq_lens[r] > st->max_seq_len ||
+            st->seq_lens[r] < q1 - q0)
+            return KILN_ATTN_BAD_LENGTHS;
+        num_units += (int64_t)(q1 - q0 + per_unit - 1) / per_unit * nkv;
+    }
+    if (num_units == 0) return 0;
+    Unit *units = (Unit *)malloc(sizeof(Unit) * num_units);
+    if (!units) return KILN_ATTN_NO_MEMORY;
+    int64_t n = 0;
+    for (int i = 0; i < st->num_sel; ++i) { /* a request's last tokens first: they cost most */
+        const int r = st->reqs[i], q0 = st->query_start[r], q1 = st->query_start[r + 1];
+        for (int t0 = q0 + (q1 - q0 - 1) / per_unit * per_unit; q1 > q0 && t0 >= q0; t0 -= per_unit)
+            for (int h = 0; h < nkv; ++h, ++n) {
+                units[n].req = r, units[n].kv_head = h, units[n].t0 = t0;
+                units[n].nt = q1 - t0 < per_unit ? q1 - t0 : per_unit;
+            }
+    }
+    const Call call = {q, cache->key, cache->value, out, q_stride, out_stride,
+                       (int64_t)nkv * hd, st->bt_stride, st->block_table, st->query_start,
+                       st->seq_lens, cache->block_size, hd, group, tb, cache->dtype,
+                       cache->dtype == KILN_F32 ? 4 : 2, scale};
+    const int rgs = group * tb;
+    /* per row group qp, o, s, pp, m, l; then vpk, the scalar path's rows and the zero row */
+    const size_t floats = (size_t)rgs * 16 * (2 * hd + PF_BK + PF_BK / 2 + 2) +
+                          (size_t)PF_BK / 2 * hd + 3 * (size_t)hd + PF_BK;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *mem = (float *)calloc(floats, sizeof(float));
+        const void **ptrs = (const void **)malloc(sizeof(void *) * 2 * PF_BK);
+        Scratch w;
+        memset(&w, 0, sizeof w);
+        if (mem && ptrs) { /* carved from one block; every part a multiple of 16 floats */
+            w.qp = mem;
+            w.o = w.qp + (size_t)rgs * hd * 16;
+            w.s = w.o + (size_t)rgs * hd * 16;
+            w.pp = (int32_t *)(w.s + (size_t)rgs * PF_BK * 16);
+            w.m = (float *)(w.pp + (size_t)rgs * PF_BK / 2 * 16);
+            w.l = w.m + rgs * 16;
+            w.vpk = (int32_t *)(w.l + rgs * 16);
+            w.buf = (float *)(w.vpk + (size_t)PF_BK / 2 * hd);
+            w.zero = w.buf + 2 * hd + PF_BK; /* hd floats, never written */
+            w.kp = ptrs;
+            w.vp = ptrs + PF_BK;
+        } else {
+            failed = KILN_ATTN_NO_MEMORY;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < num_units; ++i) {
+            if (failed) continue;
+#if KILN_PREFILL_F32_SIMD
+            if (simd) {
+                unit_simd(&call, &units[i], &w);
+                continue;
+            }
+#endif
+            unit_scalar(&call, &units[i], &w);
+        }
+        free(mem);
+        free(ptrs);
+    }
+    free(units);
+    return failed;
+}

@@ -1,0 +1,134 @@
+/* The SIMD tiles of the prefill attention kernel (prefill_attention.c): scores and P.V for up to
+ * 3 row groups at once, each row group being 16 query tokens of one head, one token per lane.
+ *
+ * Lanes are tokens so that the online softmax is vertical (max, exp and sums across a key block
+ * are plain vector ops, no reductions) and so that K and V are read as broadcasts straight from
+ * their cache rows: K needs no packing, and float32 V none either. bfloat16 V is packed in pairs
+ * of keys (what _mm512_dpbf16_ps reduces over), once per key block for every row group.
+ *
+ * Layouts, per row group (`rg_*` floats or words apart):
+ *   qp   float32: [hd][16] (scale folded in); bfloat16: [hd / 2][16] words, a token's
+ *        (q[2d], q[2d+1]) per lane
+ *   s    [BK][16] float32 scores, then probabilities
+ *   pp   bfloat16 probabilities: [BK / 2][16] words, (p[2j], p[2j+1]) per lane
+ *   o    [hd][16] float32 unnormalised outputs
+ *   vpk  bfloat16 V of a key block: [BK / 2][hd] words, (v[2j][c], v[2j+1][c])
+ * Key rows kp[j] / vp[j] point into the cache (padding keys at a zero row). */
+#ifndef KILN_PREFILL_TILES_H
+#define KILN_PREFILL_TILES_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define KILN_PREFILL_F32_SIMD 1
+#else
+#define KILN_PREFILL_F32_SIMD 0
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define KILN_PREFILL_BF16_SIMD 1
+#else
+#define KILN_PREFILL_BF16_SIMD 0
+#endif
+
+#define PF_BK 32   /* keys per block */
+#define PF_KEYS 8  /* keys per score tile */
+#define PF_DIMS 8  /* output dims per P.V tile */
+#define PF_INLINE static inline __attribute__((always_inline))
+
+static inline int32_t pf_word(const void *p) { /* an unaligned 32-bit load */
+    int32_t w;
+    memcpy(&w, p, sizeof w);
+    return w;
+}
+
+#if KILN_PREFILL_F32_SIMD
+/* s[r][j] = qp[r] . k[j] for PF_KEYS keys from kp and R row groups. */
+PF_INLINE void qk_f32(const float *qp, int64_t rg_q, const float *const *kp, int hd, float *s,
+                      int64_t rg_s, const int R) {
+    __m512 acc[3][PF_KEYS];
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < PF_KEYS; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int d = 0; d < hd; ++d) {
+        __m512 q[3];
+        for (int r = 0; r < R; ++r) q[r] = _mm512_loadu_ps(qp + r * rg_q + d * 16);
+        for (int j = 0; j < PF_KEYS; ++j) {
+            const __m512 k = _mm512_set1_ps(kp[j][d]);
+            for (int r = 0; r < R; ++r) acc[r][j] = _mm512_fmadd_ps(q[r], k, acc[r][j]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < PF_KEYS; ++j) _mm512_storeu_ps(s + r * rg_s + j * 16, acc[r][j]);
+}
+
+/* o[r][c0 .. c0 + PF_DIMS) += sum over the block's keys j of s[r][j] * v[j][c]. */
+PF_INLINE void pv_f32(const float *s, int64_t rg_s, const float *const *vp, int nk, int c0,
+                      float *o, int64_t rg_o, const int R) {
+    __m512 acc[3][PF_DIMS];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < PF_DIMS; ++c) acc[r][c] = _mm512_loadu_ps(o + r * rg_o + (c0 + c) * 16);
+    for (int j = 0; j < nk; ++j) {
+        __m512 p[3];
+        for (int r = 0; r < R; ++r) p[r] = _mm512_loadu_ps(s + r * rg_s + j * 16);
+        for (int c = 0; c < PF_DIMS; ++c) {
+            const __m512 v = _mm512_set1_ps(vp[j][c0 + c]);
+            for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(p[r], v, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < PF_DIMS; ++c) _mm512_storeu_ps(o + r * rg_o + (c0 + c) * 16, acc[r][c]);
+}
+#endif
+
+#if KILN_PREFILL_BF16_SIMD
+/* As qk_f32, bfloat16 pairs (hd even): one dpbf16 covers two dims. */
+PF_INLINE void qk_bf16(const int32_t *qp, int64_t rg_q, const uint16_t *const *kp, int hd,
+                       float *s, int64_t rg_s, const int R) {
+    __m512 acc[3][PF_KEYS];
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < PF_KEYS; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int d = 0; d < hd / 2; ++d) {
+        __m512bh q[3];
+        for (int r = 0; r < R; ++r) q[r] = (__m512bh)_mm512_loadu_si512(qp + r * rg_q + d * 16);
+        for (int j = 0; j < PF_KEYS; ++j) {
+            const __m512bh k = (__m512bh)_mm512_set1_epi32(pf_word(kp[j] + 2 * d));
+            for (int r = 0; r < R; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], q[r], k);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < PF_KEYS; ++j) _mm512_storeu_ps(s + r * rg_s + j * 16, acc[r][j]);
+}
+
+/* As pv_f32 over key pairs: pp's probability pairs against vpk's value pairs. */
+PF_INLINE void pv_bf16(const int32_t *pp, int64_t rg_p, const int32_t *vpk, int hd, int pairs,
+                       int c0, float *o, int64_t rg_o, const int R) {
+    __m512 acc[3][PF_DIMS];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < PF_DIMS; ++c) acc[r][c] = _mm512_loadu_ps(o + r * rg_o + (c0 + c) * 16);
+    for (int j = 0; j < pairs; ++j) {
+        __m512bh p[3];
+        for (int r = 0; r < R; ++r) p[r] = (__m512bh)_mm512_loadu_si512(pp + r * rg_p + j * 16);
+        for (int c = 0; c < PF_DIMS; ++c) {
+            const __m512bh v = (__m512bh)_mm512_set1_epi32(vpk[j * hd + c0 + c]);
+            for (int r = 0; r < R; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], p[r], v);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < PF_DIMS; ++c) _mm512_storeu_ps(o + r * rg_o + (c0 + c) * 16, acc[r][c]);
+}
+
+/* pp [pairs][16] from s [2 * pairs][16]: probabilities rounded to bfloat16 (as SDPA rounds them
+ * before its P.V), two keys to a lane's word. */
+static inline void pack_probs_bf16(const float *s, int pairs, int32_t *pp) {
+    for (int j = 0; j < pairs; ++j) {
+        const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
+            _mm512_loadu_ps(s + 32 * j)));
+        const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
+            _mm512_loadu_ps(s + 32 * j + 16)));
+        _mm512_storeu_si512(pp + 16 * j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+}
+#endif
+
+#endif

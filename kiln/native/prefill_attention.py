@@ -1,0 +1,29 @@
+"""Python entry point of the CPU prefill kernel (`kiln::prefill_attention`, csrc/
+prefill_attention.c): blocked causal attention of long queries read from the paged KV cache.
+
+The step's K/V must be in the cache already (`paged_attention.run` writes every token's); this
+only attends, one call per layer for all of the step's long queries.
+"""
+import torch
+
+from kiln.native import build
+from kiln.native.paged_attention import StepArgs
+
+
+def simd(dtype: torch.dtype, head_size: int) -> bool:
+    """Whether the kernel's SIMD tiles (AVX512-BF16 / AVX512F) serve this dtype and head size on
+    this machine; otherwise its scalar path does (correct, slower)."""
+    return bool(torch.ops.kiln.prefill_attention_simd(dtype, head_size))
+
+
+def run(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, step: StepArgs, scale: float,
+        portable: bool = False) -> None:
+    """Fill out [T, nh*hd] for the step's requests `step.reqs` from q [T, nh*hd] and kv_cache
+    [2, nb, bs, nkv, hd]; rows may be strided, other rows of out are left alone. portable: the
+    scalar path even where the SIMD tiles serve (tests)."""
+    if not build.available():
+        raise RuntimeError("the CPU prefill-attention kernel is not available; see the warning "
+                           "logged when it was first requested")
+    torch.ops.kiln.prefill_attention(q, out, kv_cache, scale, step.block_table,
+                                     step.query_start_loc, step.seq_lens, step.reqs,
+                                     step.max_seq_len, portable)

@@ -1,0 +1,103 @@
+"""The prefill-attention C kernel (kiln/native/prefill_attention.py) against a float64 softmax over
+each request's gathered context: causal with cached context, GQA 1/3/4, head sizes 36-256, one-token
+and odd query lengths, cache block sizes 1-32, several requests in one call, both code paths."""
+import random
+
+import pytest
+import torch
+
+from kiln.native import paged_attention as pa
+from kiln.native import prefill_attention as pf
+
+pytestmark = pytest.mark.skipif(not pa.available(), reason="no C compiler")
+
+CASES = [  # block size, head size, heads, kv heads, query lengths, cached context lengths
+    (16, 64, 9, 3, [37, 130], [0, 45]), (16, 80, 4, 1, [1, 17, 64], [20, 0, 33]),
+    (32, 128, 2, 2, [33], [100]), (3, 64, 8, 2, [50, 16], [7, 0]), (1, 72, 6, 6, [20], [5]),
+    (16, 36, 4, 2, [19], [3]), (16, 256, 4, 2, [40], [60]), (16, 64, 3, 1, [300], [420]),
+]
+
+
+def _reference(q, kc, vc, tables, starts, seq_lens, nh, nkv, hd, bs, scale, reqs):
+    out = {}
+    for r in reqs:
+        slots = [tables[r][s // bs] * bs + s % bs for s in range(seq_lens[r])]
+        k = kc.reshape(-1, nkv, hd)[slots].double().repeat_interleave(nh // nkv, 1)
+        v = vc.reshape(-1, nkv, hd)[slots].double().repeat_interleave(nh // nkv, 1)
+        for t in range(starts[r], starts[r + 1]):
+            n = seq_lens[r] - (starts[r + 1] - t) + 1  # causal: up to its own position
+            p = (torch.einsum("hd,nhd->hn", q[t].double().view(nh, hd), k[:n]) * scale).softmax(-1)
+            out[t] = torch.einsum("hn,nhd->hd", p, v[:n]).reshape(-1)
+    return out
+
+
+def _step(case, dtype):
+    """A cache holding every request's context and query K/V (NaN in the slots no request owns),
+    q as strided rows of a fused qkv, the step's metadata with the last request left out when
+    there are several (its rows must stay untouched)."""
+    bs, hd, nh, nkv, q_lens, ctx = CASES[case]
+    rnd, g = random.Random(case), torch.Generator().manual_seed(case)
+    seq_lens = [c + n for c, n in zip(ctx, q_lens)]
+    per_req = [-(-s // bs) for s in seq_lens]
+    ids = list(range(sum(per_req) + 3))
+    rnd.shuffle(ids)
+    tables = [ids[sum(per_req[:r]):sum(per_req[:r + 1])] for r in range(len(q_lens))]
+    block_table = torch.zeros(len(q_lens), max(per_req) + 1, dtype=torch.int32)
+    for r, table in enumerate(tables):
+        block_table[r, :len(table)] = torch.tensor(table, dtype=torch.int32)
+    kv = torch.full((2, len(ids), bs, nkv, hd), float("nan"), dtype=dtype)
+    for r, table in enumerate(tables):
+        for s in range(seq_lens[r]):
+            kv[:, table[s // bs], s % bs] = torch.randn(2, nkv, hd, generator=g).to(dtype)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], nh * hd + 3, generator=g).to(dtype)[:, 3:]  # strided rows
+    reqs = list(range(len(q_lens) - 1 if len(q_lens) > 2 else len(q_lens)))
+    step = pa.StepArgs(block_table, torch.tensor(starts, dtype=torch.int32),
+                       torch.tensor(seq_lens, dtype=torch.int32),
+                       torch.tensor(reqs, dtype=torch.int32), max(seq_lens), bs,
+                       torch.zeros(0, dtype=torch.int64), 0)
+    want = _reference(q, kv[0], kv[1], tables, starts, seq_lens, nh, nkv, hd, bs, hd ** -0.5,
+                      reqs)
+    return q, kv, step, want
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_matches_float64_softmax(case, dtype, portable):
+    q, kv, step, want = _step(case, dtype)
+    hd = kv.shape[-1]
+    out = torch.full((q.shape[0], q.shape[1]), 7.0, dtype=dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1 + case % 2)
+    try:
+        pf.run(q, out, kv, step, hd ** -0.5, portable=portable)
+    finally:
+        torch.set_num_threads(before)
+    # measured worst (max error over the row's largest value, both paths): float32 1e-6
+    # (summation order); bfloat16 4e-3, the output's own rounding (2^-9) plus the probabilities'
+    # (rounded to bfloat16 before P.V, as SDPA does)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    for t in range(q.shape[0]):
+        if t in want:
+            row = want[t]
+            assert (out[t].double() - row).abs().max() <= tol * max(1.0, row.abs().max()), t
+        else:  # a request not selected: its rows untouched
+            assert (out[t] == 7.0).all(), t
+
+
+def test_simd_tiles_cover_the_common_head_sizes():
+    # this suite's machines have AVX512F; the bfloat16 tiles need AVX512-BF16 too
+    for hd in (64, 80, 128):
+        assert pf.simd(torch.float32, hd) == pf.simd(torch.float32, 64)
+    assert not pf.simd(torch.float32, 36) and not pf.simd(torch.bfloat16, 36)
+
+
+def test_bad_lengths_are_an_error():
+    q, kv, step, _ = _step(0, torch.float32)
+    step.seq_lens = step.seq_lens.clone()
+    step.seq_lens[0] = 3  # shorter than its query
+    with pytest.raises(RuntimeError, match="below its query length"):
+        pf.run(q, torch.empty(q.shape[0], q.shape[1]), kv, step, 1.0)
