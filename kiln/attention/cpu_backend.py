@@ -1,11 +1,13 @@
-"""CPU attention: the torch backend with short queries (decodes, small chunks) sent to the C kernel,
-which also writes the step's K/V into the cache, in one call per layer.
+"""CPU attention: the torch backend with its attention in Kiln's C kernels, which read each
+request's K/V blocks in place: short queries (decodes, small chunks) in the per-token kernel,
+which also writes the step's K/V into the cache, long ones (prefills) in the blocked one.
 
-The kernel reads each request's K/V blocks in place, once; longer queries keep SDPA's blocked
-kernel, which beats the kernel's per-token loop there. A step of short queries only is handed to
-the op's C++ kernel before its first layer (begin_step), and its layers reach the C kernel
-without Python.
+A step of short queries only is handed to the op's C++ kernel before its first layer
+(begin_step), and its layers reach the C kernel without Python. Long queries stay on SDPA where
+the blocked kernel has no SIMD tiles for the layer (its scalar path is slower than SDPA).
 """
+from typing import NamedTuple
+
 import torch
 
 from kiln.attention import kv_cache_generation
@@ -13,21 +15,30 @@ from kiln.attention.backend import AttentionImpl
 from kiln.attention.metadata import AttentionMetadata
 from kiln.attention.torch_backend import TorchAttentionBackend, TorchAttentionImpl
 from kiln.forward_context import get_forward_context, is_forward_context_available
-from kiln.native import attention_op, paged_attention
+from kiln.native import attention_op, paged_attention, prefill_attention
 
-# Queries up to this many tokens go to the kernel (a decode is 1). Measured on 2 cores (one
-# request, 256 tokens of context, 9 heads of 64, ms per layer): kernel / SDPA (4-D, its flash
-# kernel) 0.14-0.17 / 0.26-0.38 at 4 tokens, 0.22-0.28 / 0.33-0.41 at 8, 0.44-0.48 / 0.39-0.50
-# at 16 (they meet), 0.69 / 0.59-0.60 at 24.
+# Queries up to this many tokens go to the per-token kernel (a decode is 1). Measured on 2 cores
+# (one request, 256 tokens of context, 9 heads of 64, ms per layer): kernel / SDPA (4-D, its
+# flash kernel) 0.14-0.17 / 0.26-0.38 at 4 tokens, 0.22-0.28 / 0.33-0.41 at 8, 0.44-0.48 /
+# 0.39-0.50 at 16 (they meet), 0.69 / 0.59-0.60 at 24.
 KERNEL_MAX_QUERY_LEN = 16
 
 
-def split_requests(query_lens: list[int],
-                   max_kernel_len: int = KERNEL_MAX_QUERY_LEN) -> tuple[list[int], list[int]]:
-    """(requests for the kernel, requests for SDPA) by query length; empty queries in neither."""
+class Routes(NamedTuple):
+    """A step's requests by where their queries are attended."""
+    short: list[int]  # the per-token kernel
+    prefill: list[int]  # the blocked kernel
+    sdpa: list[int]  # torch's SDPA, per request
+
+
+def split_requests(query_lens: list[int], prefill_kernel: bool = True,
+                   max_kernel_len: int = KERNEL_MAX_QUERY_LEN) -> Routes:
+    """Requests by query length: short ones to the per-token kernel, long ones to the blocked
+    kernel when it has SIMD tiles for the layer (`prefill_kernel`), else to SDPA; empty queries
+    in none."""
     short = [i for i, n in enumerate(query_lens) if 0 < n <= max_kernel_len]
     long = [i for i, n in enumerate(query_lens) if n > max_kernel_len]
-    return short, long
+    return Routes(short, long, []) if prefill_kernel else Routes(short, [], long)
 
 
 class CpuAttentionImpl(TorchAttentionImpl):
@@ -46,35 +57,49 @@ class CpuAttentionImpl(TorchAttentionImpl):
                 or not paged_attention.cache_supported(kv_cache)):
             super().forward(q, k, v, kv_cache, md, out)
             return
-        step, long = self._plan(md, kv_cache.shape[2])
+        plan = self._plan(md, kv_cache.shape[2], kv_cache.dtype, self.head_size)
         # Writes every real token's k/v, then attends the short queries.
-        paged_attention.run(q, k, v, out, kv_cache, step, self.scale)
+        paged_attention.run(q, k, v, out, kv_cache, plan.short, self.scale)
+        if plan.prefill is not None:  # their k/v are in the cache now
+            prefill_attention.run(q, out, kv_cache, plan.prefill, self.scale)
         num_tokens = q.shape[0]
-        if long:  # their k/v are in the cache now
+        if plan.sdpa:
             nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_size
             self._per_request(q.view(num_tokens, nh, hd), k.view(num_tokens, nkv, hd),
                               v.view(num_tokens, nkv, hd), kv_cache, md,
-                              out.view(num_tokens, nh, hd), long)
+                              out.view(num_tokens, nh, hd), plan.sdpa)
         if md.num_actual_tokens < num_tokens:  # padding rows (CUDA graphs) belong to no request
             out[md.num_actual_tokens:].zero_()
 
     @staticmethod
-    def _plan(md: AttentionMetadata,
-              block_size: int) -> tuple[paged_attention.StepArgs, list[int]]:
-        """(the kernel's arguments: every real token's slot, the short queries' requests; the
-        long queries' requests); once per step, shared by every layer. A step of short queries
-        only is handed to the C++ kernel as it is planned."""
-        if "cpu_split" not in md.step_cache:
+    def _plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype | None = None,
+              head_size: int | None = None) -> "_StepPlan":
+        """The kernels' arguments for the step, once per step (and layer kind), shared by every
+        layer. A step of short queries only is handed to the C++ kernel as it is planned."""
+        simd = dtype is None or prefill_attention.simd(dtype, head_size)
+        key = ("cpu_split", simd)
+        if key not in md.step_cache:
             starts = md.query_start_loc_cpu[:md.num_reqs + 1].tolist()
-            short, long = split_requests([e - s for s, e in zip(starts, starts[1:])])
-            args = paged_attention.StepArgs(
-                md.block_table, md.query_start_loc, md.seq_lens,
-                _int32_tensor(short, every=len(starts) - 1), md.max_seq_len, block_size,
-                md.slot_mapping, md.num_actual_tokens)
-            md.step_cache["cpu_split"] = (args, long)
-            if not long:
-                _hand_over(md, args)
-        return md.step_cache["cpu_split"]
+            routes = split_requests([e - s for s, e in zip(starts, starts[1:])], simd)
+            every = len(starts) - 1
+
+            def args(reqs: list[int]) -> paged_attention.StepArgs:
+                return paged_attention.StepArgs(
+                    md.block_table, md.query_start_loc, md.seq_lens, _int32_tensor(reqs, every),
+                    md.max_seq_len, block_size, md.slot_mapping, md.num_actual_tokens)
+
+            plan = _StepPlan(args(routes.short), args(routes.prefill) if routes.prefill else None,
+                             routes.sdpa)
+            md.step_cache[key] = plan
+            if not (routes.prefill or routes.sdpa):
+                _hand_over(md, plan.short)
+        return md.step_cache[key]
+
+
+class _StepPlan(NamedTuple):
+    short: paged_attention.StepArgs  # every real token's slot; the short queries' requests
+    prefill: paged_attention.StepArgs | None  # the long queries' requests, if any
+    sdpa: list[int]  # the long queries' requests where the blocked kernel has no SIMD tiles
 
 
 _arange = torch.arange(0, dtype=torch.int32)

@@ -4,12 +4,15 @@ prefill_attention.c): blocked causal attention of long queries read from the pag
 The step's K/V must be in the cache already (`paged_attention.run` writes every token's); this
 only attends, one call per layer for all of the step's long queries.
 """
+import functools
+
 import torch
 
 from kiln.native import build
 from kiln.native.paged_attention import StepArgs
 
 
+@functools.cache  # fixed for the process: the library is built for this machine's CPU
 def simd(dtype: torch.dtype, head_size: int) -> bool:
     """Whether the kernel's SIMD tiles (AVX512-BF16 / AVX512F) serve this dtype and head size on
     this machine; otherwise its scalar path does (correct, slower)."""

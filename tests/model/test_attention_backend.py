@@ -13,7 +13,7 @@ from kiln.attention.cpu_backend import CpuAttentionBackend, CpuAttentionImpl, sp
 from kiln.attention.torch_backend import TorchAttentionBackend, TorchAttentionImpl, write_kv_cache
 from kiln.config import CompilationConfig, set_current_kiln_config
 from kiln.forward_context import set_forward_context
-from kiln.native import paged_attention
+from kiln.native import paged_attention, prefill_attention
 from model._attn_helper import BlockPool, PagedRequest, build_step
 
 NH, NKV, HD, BS = 4, 2, 8, 4
@@ -89,11 +89,23 @@ def test_stale_slots_past_a_request_never_reach_its_output(impl_cls, stale, dtyp
 
 
 @needs_kernel
-def test_cpu_kernel_and_sdpa_share_a_mixed_batch():
-    # Last step: the 70-token query goes to SDPA, the 1- and 3-token ones to the kernel.
+@pytest.mark.parametrize("simd", [True, False], ids=["prefill-kernel", "sdpa"])
+def test_cpu_kernels_and_sdpa_share_a_mixed_batch(simd, monkeypatch):
+    # Last step: the 70-token query continuing 30 cached tokens goes to the blocked kernel (or,
+    # with no SIMD tiles for the layer, to SDPA), the 1- and 3-token ones to the per-token one.
+    import kiln.attention.torch_backend as tb
+    monkeypatch.setattr(prefill_attention, "simd", lambda dtype, head_size: simd)
+    calls, real = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(tb.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
     out, expected, _, md = run_steps([[30, 2, 70], [70, 1, 3]], total=[100, 3, 73],
                                      impl_cls=CpuAttentionImpl)
-    assert md.step_cache["cpu_split"][1] == [0]
+    plan = md.step_cache["cpu_split", simd]
+    assert plan.short.reqs.tolist() == [1, 2]
+    if simd:
+        assert plan.prefill.reqs.tolist() == [0] and plan.sdpa == [] and not calls
+    else:
+        assert plan.prefill is None and plan.sdpa == [0] and calls
     assert torch.allclose(out, expected, atol=1e-5)
 
 
@@ -124,7 +136,10 @@ def test_cpu_kernel_reads_strided_queries():
 
 
 def test_split_requests_by_query_length():
-    assert split_requests([1, 64, 65, 0, 3], max_kernel_len=64) == ([0, 1, 4], [2])
+    assert split_requests([1, 64, 65, 0, 3], max_kernel_len=64) == ([0, 1, 4], [2], [])
+    # no SIMD tiles of the blocked kernel for the layer: long queries stay on SDPA
+    assert split_requests([1, 64, 65, 0, 3], prefill_kernel=False,
+                          max_kernel_len=64) == ([0, 1, 4], [], [2])
 
 
 @pytest.mark.parametrize("impl_cls", IMPLS)
@@ -296,8 +311,10 @@ def test_cpu_kv_write_matches_torch_and_refuses_bad_slots(dtype):
 @pytest.mark.parametrize("impl_cls", IMPLS)
 def test_sdpa_gets_batched_inputs(impl_cls, monkeypatch):
     # CPU torch runs 3-D SDPA inputs on its math path, 3-6x slower than the flash kernel it
-    # picks for 4-D ones (measured); every SDPA call here must hand over a batch dim.
+    # picks for 4-D ones (measured); every SDPA call here must hand over a batch dim. (The CPU
+    # backend's long queries reach SDPA where the blocked kernel has no SIMD tiles.)
     import kiln.attention.torch_backend as tb
+    monkeypatch.setattr(prefill_attention, "simd", lambda dtype, head_size: False)
     dims, real = [], F.scaled_dot_product_attention
     monkeypatch.setattr(tb.F, "scaled_dot_product_attention",
                         lambda q, k, v, **kw: dims.append((q.dim(), k.dim())) or real(q, k, v, **kw))

@@ -85,39 +85,35 @@ static void unit_scalar(const Call *c, const Unit *u, Scratch *w) {
 }
 
 #if KILN_PREFILL_F32_SIMD
-/* One key block's softmax step for a row group: mask keys past each lane's position, rescale
- * the running sums and outputs by the new maxima, scores to probabilities. */
-static void softmax_step(float *__restrict s, int nkp, int kb, const int *__restrict pos,
-                         float sscale, float *__restrict m, float *__restrict l, float *__restrict o,
-                         int hd) {
-    float mx[16], alpha[16], sum[16];
-    for (int i = 0; i < 16; ++i) mx[i] = m[i], sum[i] = 0.f;
-    for (int j = 0; j < nkp; ++j)
-#pragma omp simd
-        for (int i = 0; i < 16; ++i) {
-            const float x = kb + j > pos[i] ? MASKED : s[j * 16 + i] * sscale;
-            s[j * 16 + i] = x;
-            mx[i] = x > mx[i] ? x : mx[i];
-        }
-    int moved = 0;
-#pragma omp simd reduction(| : moved)
-    for (int i = 0; i < 16; ++i) {
-        alpha[i] = expf(m[i] - mx[i]);
-        moved |= mx[i] != m[i];
+/* One key block's softmax step for a row group (16 lanes): scores scaled, and masked past each
+ * lane's position where the block reaches one; running maxima, sums and outputs rescaled;
+ * scores to probabilities. */
+static void softmax_step(float *s, int nkp, int kb, const int *pos, float sscale, float *m,
+                         float *l, float *o, int hd) {
+    const __m512i lane_pos = _mm512_loadu_si512(pos);
+    const __m512 scale = _mm512_set1_ps(sscale), masked = _mm512_set1_ps(MASKED);
+    const int need_mask = kb + nkp - 1 > pos[0]; /* lanes' positions ascend */
+    const __m512 m_old = _mm512_loadu_ps(m);
+    __m512 mx = m_old, sum = _mm512_setzero_ps();
+    for (int j = 0; j < nkp; ++j) {
+        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * j), scale);
+        if (need_mask)
+            x = _mm512_mask_mov_ps(
+                x, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(kb + j), lane_pos), masked);
+        _mm512_storeu_ps(s + 16 * j, x);
+        mx = _mm512_max_ps(mx, x);
     }
-    if (moved) /* the maxima seldom move once a few blocks are in */
+    const __m512 alpha = pf_exp(_mm512_sub_ps(m_old, mx));
+    if (_mm512_cmp_ps_mask(mx, m_old, _CMP_NEQ_OQ)) /* maxima seldom move after a few blocks */
         for (int d = 0; d < hd; ++d)
-#pragma omp simd
-            for (int i = 0; i < 16; ++i) o[d * 16 + i] *= alpha[i];
-    for (int j = 0; j < nkp; ++j)
-#pragma omp simd
-        for (int i = 0; i < 16; ++i) {
-            const float p = expf(s[j * 16 + i] - mx[i]);
-            s[j * 16 + i] = p;
-            sum[i] += p;
-        }
-#pragma omp simd
-    for (int i = 0; i < 16; ++i) l[i] = l[i] * alpha[i] + sum[i], m[i] = mx[i];
+            _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * d), alpha));
+    for (int j = 0; j < nkp; ++j) {
+        const __m512 p = pf_exp(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * j), mx));
+        _mm512_storeu_ps(s + 16 * j, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), alpha, sum));
+    _mm512_storeu_ps(m, mx);
 }
 
 /* Tiles of up to 3 row groups: constant R keeps the accumulators in registers. */
