@@ -17,11 +17,10 @@ from kiln.attention.torch_backend import TorchAttentionBackend, TorchAttentionIm
 from kiln.forward_context import get_forward_context, is_forward_context_available
 from kiln.native import attention_op, paged_attention, prefill_attention
 
-# Queries up to this many tokens go to the per-token kernel (a decode is 1). Measured on 2 cores
-# (one request, 256 tokens of context, 9 heads of 64, ms per layer): kernel / SDPA (4-D, its
-# flash kernel) 0.14-0.17 / 0.26-0.38 at 4 tokens, 0.22-0.28 / 0.33-0.41 at 8, 0.44-0.48 /
-# 0.39-0.50 at 16 (they meet), 0.69 / 0.59-0.60 at 24.
-KERNEL_MAX_QUERY_LEN = 16
+# Queries up to this many tokens go to the per-token kernel (a decode is 1): below it the blocked
+# kernel's 16-token lanes sit mostly idle and the per-token one is as fast (they meet at ~4
+# tokens, measured), and a step of such queries only skips Python in every layer (begin_step).
+KERNEL_MAX_QUERY_LEN = 8
 
 
 class Routes(NamedTuple):

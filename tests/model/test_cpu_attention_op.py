@@ -74,7 +74,7 @@ def assert_same(outs, wants):
 
 def test_decode_steps_take_the_cpp_kernel_after_their_first_layer():
     engine = Engine(num_layers=3)
-    counts, outs, wants = engine.step([9, 5])  # prefill chunks of up to 16 tokens: short queries,
+    counts, outs, wants = engine.step([8, 5])  # prefill chunks of up to 8 tokens: short queries,
     assert_same(outs, wants)  # so this step is handed over too
     assert counts == {"kernel": 2, "python": 1}
     for _ in range(3):
@@ -85,7 +85,7 @@ def test_decode_steps_take_the_cpp_kernel_after_their_first_layer():
 
 def test_a_step_planned_before_its_layers_takes_the_cpp_kernel_in_all():
     engine = Engine(num_layers=3)
-    for q_lens in ([9, 5], [1, 1], [1, 1]):
+    for q_lens in ([8, 5], [1, 1], [1, 1]):
         counts, outs, wants = engine.step(q_lens, begin_step=True)
         assert_same(outs, wants)
         assert counts == {"kernel": 3, "python": 0}
