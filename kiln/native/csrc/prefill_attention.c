@@ -64,7 +64,8 @@ static void unit_scalar(const Call *c, const Unit *u, Scratch *w) {
                 for (int j = 0; j < nk; ++j) {
                     const int64_t off = key_offset(c, blocks, kb + j, u->kv_head);
                     float dot = 0.f;
-                    for (int d = 0; d < hd; ++d) dot += qf[d] * load_elem(c->k_cache, off + d, c->dtype);
+                    for (int d = 0; d < hd; ++d)
+                        dot += qf[d] * load_elem(c->k_cache, off + d, c->dtype);
                     sc[j] = dot * c->scale;
                     mx = sc[j] > mx ? sc[j] : mx;
                 }
@@ -75,12 +76,13 @@ static void unit_scalar(const Call *c, const Unit *u, Scratch *w) {
                     const float p = expf(sc[j] - mx), pr = round_to(p, c->dtype);
                     const int64_t off = key_offset(c, blocks, kb + j, u->kv_head);
                     l += p;
-                    for (int d = 0; d < hd; ++d) acc[d] += pr * load_elem(c->v_cache, off + d, c->dtype);
+                    for (int d = 0; d < hd; ++d)
+                        acc[d] += pr * load_elem(c->v_cache, off + d, c->dtype);
                 }
                 m = mx;
             }
-            for (int d = 0; d < hd; ++d)
-                store_elem(c->out, t * c->out_stride + (int64_t)head * hd + d, acc[d] / l, c->dtype);
+            const int64_t row = t * c->out_stride + (int64_t)head * hd;
+            for (int d = 0; d < hd; ++d) store_elem(c->out, row + d, acc[d] / l, c->dtype);
         }
 }
 
@@ -178,12 +180,14 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
         if (bf) {
             const int pairs = (nk + 1) / 2;
             for (int j = 0; j < pairs; ++j) {
-                const uint16_t *a = (const uint16_t *)w->vp[2 * j];
-                const uint16_t *b = (const uint16_t *)(2 * j + 1 < nk ? w->vp[2 * j + 1] : w->zero);
+                const void *second = 2 * j + 1 < nk ? w->vp[2 * j + 1] : w->zero;
+                const uint16_t *a = (const uint16_t *)w->vp[2 * j], *b = (const uint16_t *)second;
                 int32_t *dst = w->vpk + (int64_t)j * hd;
-                for (int d = 0; d < hd; ++d) dst[d] = (int32_t)((uint32_t)a[d] | (uint32_t)b[d] << 16);
+                for (int d = 0; d < hd; ++d)
+                    dst[d] = (int32_t)((uint32_t)a[d] | (uint32_t)b[d] << 16);
             }
-            for (int rg = 0; rg < rgs; ++rg) pack_probs_bf16(w->s + rg * rg_s, pairs, w->pp + rg * rg_p);
+            for (int rg = 0; rg < rgs; ++rg)
+                pack_probs_bf16(w->s + rg * rg_s, pairs, w->pp + rg * rg_p);
             for (int r0 = 0; r0 < rgs; r0 += 3) {
                 const int R = rgs - r0 < 3 ? rgs - r0 : 3;
                 for (int c0 = 0; c0 < hd; c0 += PF_DIMS)
