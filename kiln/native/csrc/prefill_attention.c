@@ -132,7 +132,6 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
     const int ctx = c->seq_lens[u->req] - (c->query_start[u->req + 1] - q_begin);
     const int32_t *blocks = c->block_table + (int64_t)u->req * c->bt_stride;
     const int64_t rg_q = (int64_t)(bf ? hd / 2 : hd) * 16, rg_s = PF_BK * 16, rg_o = hd * 16;
-    const int64_t rg_p = PF_BK / 2 * 16;
     int pos[16 * 4]; /* each lane's query position; padding lanes repeat the unit's last token */
     for (int i = 0; i < 16 * tb; ++i) {
         const int t = u->t0 + (i < u->nt ? i : u->nt - 1);
@@ -179,6 +178,7 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
 #if KILN_PREFILL_BF16_SIMD
         if (bf) {
             const int pairs = (nk + 1) / 2;
+            const int64_t rg_p = PF_BK / 2 * 16;
             for (int j = 0; j < pairs; ++j) {
                 const void *second = 2 * j + 1 < nk ? w->vp[2 * j + 1] : w->zero;
                 const uint16_t *a = (const uint16_t *)w->vp[2 * j], *b = (const uint16_t *)second;
