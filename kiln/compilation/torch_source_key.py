@@ -52,6 +52,9 @@ def cached_key(compute: Callable[[], bytes], signature: str, cache_file: Path) -
     return key
 
 
+_memo: dict[str, bytes] = {}  # per process: its torch's sources are the ones imported
+
+
 def torch_source_key() -> bytes:
     """torch_key(), from Kiln's cache when torch's sources are unchanged since it was computed;
     torch's own memo is given the value, so Inductor's later calls reuse it."""
@@ -62,6 +65,13 @@ def torch_source_key() -> bytes:
     torch_key = codecache.torch_key
     if envs.disable_compile_cache() or inductor_config.is_fbcode():
         return torch_key()
+    if "key" not in _memo:  # each start hashes the compiler twice (entry path, cache key)
+        _memo["key"] = _recorded_torch_key(torch, torch_key)
+    return _memo["key"]
+
+
+def _recorded_torch_key(torch, torch_key) -> bytes:
+    """The value from disk (or computed and recorded), handed to torch's memo."""
     root = Path(torch.__file__).parent
     name = hashlib.sha256(str(root).encode()).hexdigest()[:16]
     key = cached_key(torch_key, source_signature(root, torch.__version__),

@@ -48,10 +48,14 @@ def test_torch_source_key_is_torch_key(tmp_path, monkeypatch):
     from torch._inductor import codecache
 
     monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
+    monkeypatch.setattr(tsk, "_memo", {})
     truth = codecache.torch_key()
     assert tsk.torch_source_key() == truth  # computed (already memoized here): recorded
     assert list((tmp_path / "torch_source_key").glob("*.json"))
     if hasattr(codecache.torch_key, "clear"):  # torch 2.13: a fresh process's memo, from disk
         codecache.torch_key.clear()
+        monkeypatch.setattr(tsk, "_memo", {})
         monkeypatch.setattr(tsk, "cached_key", lambda compute, sig, path: truth)
         assert tsk.torch_source_key() == truth and codecache.torch_key() == truth
+        monkeypatch.setattr(tsk, "cached_key", None)  # a second call reads neither disk nor torch
+        assert tsk.torch_source_key() == truth
