@@ -143,7 +143,7 @@ def model_weight_bytes(engine) -> int | None:
     if model is None:
         return None
     tensors = list(model.parameters()) + list(model.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)  # meta: let go
 
 
 def _free(engine) -> None:

@@ -5,7 +5,9 @@ The choice of kernel per row count, for a layer that also holds a dense (and pac
 the native implementation takes the blocks for up to `plan`'s block_rows rows (the row count
 where they stop beating the dense weight's kernels, gguf_matmul.rows_worth_it by type and
 dtype), and the dense copy's kernel above (linear's: GEMV, oneDNN's packed GEMM or aten);
-without a dense copy, the blocks at every row count. One rule, `kiln::linear_path`
+without a dense copy the packed one above (a layer lets its dense copy go when nothing would
+read it: cpu_gemm.release_dense_copies), with neither the blocks at every row count. One rule,
+`kiln::linear_path`
 (csrc/linear_op.cpp, kiln/native/linear_op.choose_path), made per call in C++.
 """
 import torch

@@ -19,8 +19,9 @@ def choose_path(rows: int, blocks: bool, dense: bool, packed: bool,
                 plan: torch.Tensor | None) -> str | None:
     """The path a call of `rows` rows takes, holding (or not) blocks the kernel can read for it,
     a dense weight, its packed copy and a plan (int64 [gemv_rows, block_rows, limbs]): the
-    blocks up to block_rows rows, or at any count without a dense weight; else GEMV up to
-    gemv_rows; else packed, else dense. None: nothing serves it. The kernels' own rule
+    blocks up to block_rows rows, or at any count when they are all there is; else GEMV (on
+    the dense weight) up to gemv_rows; else packed, else dense. None: nothing serves it. The
+    kernels' own rule
     (`kiln::linear_path`), not a copy of it."""
     path = torch.ops.kiln.linear_path(rows, blocks, dense, packed, plan)
     return PATHS[path] if path >= 0 else None

@@ -210,6 +210,54 @@ def _assert_decode_reads_blocks(model, cfg, atol: float = 1e-5) -> None:
 
 
 @pytest.mark.skipif(not gguf_matmul.available(), reason="the GGUF kernel needs AVX-512")
+def test_dense_copies_let_go_where_blocks_and_packed_serve(tiny_llama_dir, tmp_path,
+                                                           monkeypatch):
+    """A Q4_1 file's layers hold blocks (decodes) and a packed copy (prefills): the dense copy
+    nobody reads is let go (a meta tensor, shape and dtype kept), each row count takes the path
+    it took before, with the same values, and generation gives the same tokens."""
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
+    types = {part: "Q4_1" for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                       "ffn_up", "ffn_down", "output")}
+    model, cfg = _load_tiny(tiny_llama_dir, tmp_path, {**types, "token_embd": "Q8_0"})
+    linears = [m for m in model.modules() if getattr(m, "supports_cpu_packing", False)]
+    prompt = [5, 17, 3, 99, 42, 7, 1, 250, 31, 8, 64] * 6  # more rows than the blocks serve
+    want_tokens = greedy_generate(model, cfg, prompt, max_new_tokens=6)
+    xs = {m: [torch.randn(rows, m.weight.shape[1]) for rows in (1, 3, 66)] for m in linears}
+    want = {m: [run_native(m, x) for x in xs[m]] for m in linears}
+    dense_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    embedding = model.model.embed_tokens.weight
+
+    assert cpu_gemm.release_dense_copies(model) == dense_bytes  # the head's weight is its own
+    assert all(m.weight.is_meta for m in linears) and not embedding.is_meta
+    assert cpu_gemm.release_dense_copies(model) == 0  # nothing left to let go
+    for m in linears:
+        before = linear_op.path_counts()
+        assert all(torch.equal(run_native(m, x), w) for x, w in zip(xs[m], want[m]))
+        calls = {p: n - before[p] for p, n in linear_op.path_counts().items()}
+        assert calls == {"blocks": 2, "gemv": 0, "packed": 1, "dense": 0}
+    assert greedy_generate(model, cfg, prompt, max_new_tokens=6) == want_tokens
+
+
+@pytest.mark.skipif(not gguf_matmul.available(), reason="the GGUF kernel needs AVX-512")
+def test_shared_or_unpacked_weights_stay_dense(tiny_llama_dir, tmp_path, monkeypatch):
+    """Nothing is let go where the dense copy is read: a weight the embedding shares (a tied
+    head: the lookup reads it), a layer without a packed copy (its prefills read it)."""
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
+    types = {part: "Q4_1" for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                       "ffn_up", "ffn_down", "output")}
+    model, _ = _load_tiny(tiny_llama_dir, tmp_path, {**types, "token_embd": "Q4_1"})
+    head, embedding = model.lm_head, model.model.embed_tokens
+    head.weight = embedding.weight  # tied, as the default model's head is
+    assert cpu_gemm.held(head).blocks and cpu_gemm.held(head).packed
+    unpacked = model.model.layers[0].self_attn.o_proj
+    unpacked.cpu_packed = None
+    cpu_gemm.release_dense_copies(model)
+    assert not head.weight.is_meta and not embedding.weight.is_meta
+    assert not unpacked.weight.is_meta
+    assert model.model.layers[0].self_attn.qkv_proj.weight.is_meta
+
+
+@pytest.mark.skipif(not gguf_matmul.available(), reason="the GGUF kernel needs AVX-512")
 @pytest.mark.parametrize("main_type", ["Q4_K", "Q5_K"])
 def test_k_quant_file_loads_and_decodes_from_its_blocks(tmp_path, monkeypatch, main_type):
     """A Q4_K_M- or Q5_K_M-style file (Q6_K for the down projections and the head; K-quant rows

@@ -52,7 +52,8 @@ def linear_call(module: nn.Module, bias: torch.Tensor | None) -> tuple[ir.IrOp, 
                                     module.cpu_plan)
     if blocks is None:
         return ir.linear, (weight, bias, packed, plan)
-    return ir.gguf_linear, (blocks, module.cpu_qtype, weight.shape[0], bias, weight, packed, plan)
+    dense = None if weight.is_meta else weight  # let go (release_dense_copies)
+    return ir.gguf_linear, (blocks, module.cpu_qtype, weight.shape[0], bias, dense, packed, plan)
 
 
 class Held(NamedTuple):
@@ -112,6 +113,33 @@ def prepack_for_cpu(model: nn.Module) -> int:
     if count:
         logger.info("packed %d linear weights for oneDNN CPU GEMMs", count)
     return count
+
+
+def release_dense_copies(model: nn.Module) -> int:
+    """Let go of the dense weight of every layer whose blocks and packed copy serve every row
+    count without it (the GEMV range, the one path that reads it, lies within the blocks'),
+    unless another module shares it (a tied embedding looks its rows up); returns the bytes
+    freed. The weight stays as a meta tensor: its shape and dtype, no storage. Call after
+    `prepack_for_cpu`; a GGUF model would otherwise hold each weight three times."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    freed = 0
+    for module in model.modules():
+        if getattr(module, "cpu_blocks", None) is None or module.cpu_packed is None:
+            continue
+        weight = module.weight
+        plan = held(module)
+        if weight.is_meta or owners[id(weight)] > 1 or plan.gemv_rows > plan.block_rows:
+            continue
+        freed += weight.numel() * weight.element_size()
+        module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
+                                     requires_grad=False)
+    if freed:
+        logger.info("let go of %.0f MB of dense weights that the GGUF blocks and packed copies "
+                    "stand in for", freed / 1e6)
+    return freed
 
 
 def attach_gguf_blocks(module: nn.Module, qtype: int, blocks: torch.Tensor) -> bool:

@@ -57,7 +57,7 @@ def load_weights_into(model: nn.Module, kiln_config: KilnConfig) -> None:
 
 def get_model(kiln_config: KilnConfig) -> nn.Module:
     """Build, load and return the model in eval mode."""
-    from kiln.model.layers.cpu_gemm import prepack_for_cpu
+    from kiln.model.layers.cpu_gemm import prepack_for_cpu, release_dense_copies
     from kiln.model.layers.quantization import get_quant_config
 
     quant_config = get_quant_config(kiln_config.model_config)  # refuses a bad scheme first
@@ -69,6 +69,7 @@ def get_model(kiln_config: KilnConfig) -> nn.Module:
         if quant_config is not None:
             quant_config.quantize_loaded(model)
         prepack_for_cpu(model)
+        release_dense_copies(model)
     return model.eval()
 
 

@@ -60,10 +60,11 @@ Plan read_plan(const OptTensor &plan) {
  * serve the call) up to the plan's block_rows, or at every row count without a dense copy;
  * else the GEMV kernel up to gemv_rows (rows > 0), else the packed copy, else aten. */
 int choose_path(int64_t rows, bool blocks, bool dense, bool packed, const Plan &p) {
-    if (blocks && (!dense || rows <= p.block_rows)) return PATH_BLOCKS;
-    if (!dense) return -1;  /* nothing serves it */
-    if (rows > 0 && rows <= p.gemv_rows) return PATH_GEMV;
-    return packed ? PATH_PACKED : PATH_DENSE;
+    if (blocks && (rows <= p.block_rows || (!dense && !packed))) return PATH_BLOCKS;
+    if (dense && rows > 0 && rows <= p.gemv_rows) return PATH_GEMV;
+    if (packed) return PATH_PACKED;
+    if (dense) return PATH_DENSE;
+    return -1;  /* nothing serves it */
 }
 
 int64_t linear_path(int64_t rows, bool blocks, bool dense, bool packed, const OptTensor &plan) {
@@ -134,7 +135,14 @@ at::Tensor gguf_linear_cpu(const at::Tensor &x, const at::Tensor &blocks, int64_
                            kiln::gguf_blocks_fit(blocks, static_cast<int32_t>(qtype), n, k);
     const int64_t rows = k > 0 ? x.numel() / k : 0;
     const Plan p = read_plan(plan);
-    const int path = choose_path(rows, blocks_ok, weight.has_value(), false, p);
+    const bool has_packed = packed && packed->scalar_type() == x.scalar_type();
+    const int path = choose_path(rows, blocks_ok, weight.has_value(), has_packed, p);
+    if (path == PATH_PACKED && !weight) { /* the layer let its dense copy go (cpu_gemm.py) */
+        TORCH_CHECK_VALUE(bias_fits(bias, n, x.scalar_type()), "kiln::gguf_linear: bias ",
+                          bias->sizes(), " is not ", n, " values of x's dtype ", x.scalar_type());
+        count(PATH_PACKED);
+        return packed_gemm(x, *packed, n, bias);
+    }
     if (path != PATH_BLOCKS) {
         TORCH_CHECK_VALUE(weight, "kiln::gguf_linear: blocks ", blocks.sizes(), " are not the kernel "
                           "layout of a [", n, ", ", k, "] weight of ggml type ", qtype, " for x ",
