@@ -26,19 +26,21 @@ class LinearFloor:
         # Activations are in the model dtype, which the LM head keeps (a quantized linear's
         # weight is int8 or fp8)
         self.dtype = model.lm_head.weight.dtype
+        # where the weights live (a GGUF layer may have let its dense weight go: a meta tensor)
+        self.device = next(t.device for t in model.parameters() if not t.is_meta)
 
-    def _rows(self, batch: int, width: int, like: torch.Tensor) -> torch.Tensor:
+    def _rows(self, batch: int, width: int) -> torch.Tensor:
         key = (batch, width)
         if key not in self._inputs:
-            self._inputs[key] = torch.randn(batch, width, dtype=self.dtype, device=like.device)
+            self._inputs[key] = torch.randn(batch, width, dtype=self.dtype, device=self.device)
         return self._inputs[key]
 
     @torch.no_grad()
     def run(self, batch: int) -> None:
         for m in self.linears:
-            m(self._rows(batch, m.weight.shape[1], m.weight))  # [batch, out]
+            m(self._rows(batch, m.weight.shape[1]))  # [batch, out]
         head = self.model.lm_head.weight  # [vocab, hidden]
-        self.model.compute_logits(self._rows(batch, head.shape[1], head))  # [batch, vocab]
+        self.model.compute_logits(self._rows(batch, head.shape[1]))  # [batch, vocab]
 
     def time(self, batch: int, passes: int) -> list[float]:
         """Seconds per pass (CPU: the ops have finished when they return)."""

@@ -195,3 +195,13 @@ def test_blocks_not_in_the_kernel_layout_are_never_read():
     good = gguf_matmul.kernel_blocks(q41, blocks)
     assert _paths_taken(lambda: torch.ops.kiln.gguf_linear_native(
         x, good, q41, 16, None, weight, None, plan)) == ["blocks"]
+
+
+def test_native_linear_refuses_tensors_not_on_the_cpu():
+    """A meta x or weight (a let-go dense copy) is an error naming the device, never a read of a
+    null pointer."""
+    w = torch.randn(16, 64)
+    plan = torch.tensor([0, 0, 3])
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+    with pytest.raises(ValueError, match=r"x \(meta\) .* must be CPU tensors"):
+        torch.ops.kiln.linear_native(torch.randn(2, 64, device="meta"), w, None, packed, plan)

@@ -236,6 +236,9 @@ def test_dense_copies_let_go_where_blocks_and_packed_serve(tiny_llama_dir, tmp_p
         calls = {p: n - before[p] for p, n in linear_op.path_counts().items()}
         assert calls == {"blocks": 2, "gemv": 0, "packed": 1, "dense": 0}
     assert greedy_generate(model, cfg, prompt, max_new_tokens=6) == want_tokens
+    from kiln.benchmarks.linear_floor import LinearFloor
+
+    LinearFloor(model).run(3)  # reads shapes off the meta weights, makes inputs where they live
 
 
 @pytest.mark.skipif(not gguf_matmul.available(), reason="the GGUF kernel needs AVX-512")

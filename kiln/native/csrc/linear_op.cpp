@@ -96,8 +96,17 @@ at::Tensor out_like(const at::Tensor &x, int64_t n) {
     return at::empty(shape, x.options());
 }
 
+/* The kernels read x's and the weight's memory: a meta tensor (a layer's let-go dense copy,
+ * cpu_gemm.release_dense_copies) reaching them would be a null pointer. */
+void check_on_cpu(const at::Tensor &x, const OptTensor &weight, const char *op) {
+    TORCH_CHECK_VALUE(x.is_cpu() && (!weight || weight->is_cpu()), op, ": x (", x.device(),
+                      ") and the dense weight (", weight ? weight->device() : x.device(),
+                      ") must be CPU tensors");
+}
+
 at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &weight, const OptTensor &bias,
                       const OptTensor &packed, const OptTensor &plan) {
+    check_on_cpu(x, weight, "kiln::linear");
     const int64_t k = x.size(-1), n = weight.size(0);
     const int32_t dtype = kiln::dtype_code(x.scalar_type());
     if (!plan || x.scalar_type() != weight.scalar_type() || !bias_fits(bias, n, x.scalar_type()) ||
@@ -127,6 +136,7 @@ at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &weight, const OptTe
 at::Tensor gguf_linear_cpu(const at::Tensor &x, const at::Tensor &blocks, int64_t qtype,
                            int64_t out_features, const OptTensor &bias, const OptTensor &weight,
                            const OptTensor &packed, const OptTensor &plan) {
+    check_on_cpu(x, weight, "kiln::gguf_linear");
     const int64_t k = x.size(-1), n = out_features;
     const int32_t dtype = kiln::dtype_code(x.scalar_type());
     /* the blocks kernel reads n contiguous values of x's dtype: a strided bias is copied */
