@@ -1,4 +1,5 @@
 """The HTTP layer against a fake engine (no model): shapes, SSE, errors, auth, limits, metrics."""
+import gc
 import json
 import threading
 
@@ -7,8 +8,8 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from kiln.engine.async_llm import AsyncLLM
-from kiln.entrypoints.openai.api_server import ServerSettings, build_app
 from kiln.entrypoints.openai import serving_tokenization
+from kiln.entrypoints.openai.api_server import ServerSettings, build_app
 from kiln.entrypoints.openai.errors import _loc_to_param, param_from_message
 from kiln.entrypoints.openai.protocol import TokenizeResponse
 
@@ -335,3 +336,13 @@ def test_error_helpers():
     assert _loc_to_param(("body", "messages", 0, "content")) == "messages[0].content"
     assert _loc_to_param(("body", "stop", "str")) == "stop"
     assert _loc_to_param(("body", 12)) is None
+
+
+def test_server_start_freezes_the_heap_out_of_the_collector():
+    """The start-up heap is frozen once the engine starts: full collections on the event loop
+    would otherwise rescan it (50-170 ms each under connection churn, every stream waiting)."""
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    with TestClient(build_app(AsyncLLM(FakeEngine(max_model_len=64)), ServerSettings())) as c:
+        assert gc.get_freeze_count() > 0
+        assert c.get("/health").status_code == 200

@@ -33,6 +33,7 @@ from kiln.entrypoints.openai.serving_completion import ServingCompletion
 from kiln.entrypoints.openai.serving_models import ServingModels
 from kiln.entrypoints.openai.serving_tokenization import ServingTokenization
 from kiln.logger import init_logger
+from kiln.worker.host_memory import freeze_gc_heap
 
 logger = init_logger(__name__)
 
@@ -57,6 +58,10 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         llm.start()
+        # The start-up heap (torch, the tokenizer, the app) lives as long as the server: left
+        # tracked, each full collection rescanned it on the event loop, 50-170 ms a time under
+        # connection churn (2 cores), and every stream waited.
+        freeze_gc_heap(collect=True)
         yield
         logger.info("shutting down: aborting %d in-flight request(s)", llm.num_in_flight)
         await llm.shutdown()
