@@ -56,7 +56,7 @@ def test_a_stream_keeps_going_while_the_front_end_tokenizes_huge_bodies(core_ser
     report = asyncio.run(run_probe(url, duration=3.0, load=load, max_tokens=200))
     assert report["big_requests_done"] >= 2, report
     assert report["idle_connections_held"] == 50, report
-    # The load (remote clients in truth) yields the cores to the server it loads.
+    # The report says at what OS niceness the load ran (LoadSpec.niceness added to ours).
     assert report["load_niceness"] == min(19, os.nice(0) + LoadSpec().niceness), report
     # One thread for tokenizing and stepping froze the stream for each big request (a token or
     # two at its edges, while the body uploads); now tokens arrive while they are in flight.

@@ -41,9 +41,9 @@ def register_bench(kinds) -> None:
                              "churning connections); report its largest inter-token gaps")
     parser.add_argument("--probe-duration", type=float, default=10.0,
                         help="seconds of each stall-probe phase")
-    parser.add_argument("--stall-load-niceness", type=int, default=19,
-                        help="OS niceness added to the stall probe's load process (0-19): it "
-                             "stands for remote clients, so it yields the cores to the server")
+    parser.add_argument("--stall-load-niceness", type=int, default=0,
+                        help="OS niceness added to the stall probe's load process (0-19; 19: "
+                             "clients that yield the server's cores, as remote ones would)")
     parser.add_argument("--server-start-timeout", type=float, default=600.0)
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run)
