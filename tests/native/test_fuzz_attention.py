@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from paged_reference import reference_attention, shuffled_block_tables
 
 from kiln.native import paged_attention as pa
 
@@ -19,19 +20,6 @@ CASES = [  # block size, head size, heads, kv heads, query lengths, cached prefi
 ]
 
 
-def _reference(q, kc, vc, tables, starts, seq_lens, nh, nkv, hd, bs, scale):
-    out = {}
-    for r, table in enumerate(tables):
-        slots = [table[s // bs] * bs + s % bs for s in range(seq_lens[r])]
-        k = kc.reshape(-1, nkv, hd)[slots].double().repeat_interleave(nh // nkv, 1)
-        v = vc.reshape(-1, nkv, hd)[slots].double().repeat_interleave(nh // nkv, 1)
-        for t in range(starts[r], starts[r + 1]):
-            n = seq_lens[r] - (starts[r + 1] - t) + 1  # causal: up to its own position
-            p = (torch.einsum("hd,nhd->hn", q[t].double().view(nh, hd), k[:n]) * scale).softmax(-1)
-            out[t] = torch.einsum("hn,nhd->hd", p, v[:n]).reshape(-1)
-    return out
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -39,14 +27,8 @@ def test_matches_float64_softmax(case, threads, dtype):
     bs, hd, nh, nkv, q_lens, ctx = CASES[case]
     rnd, g = random.Random(case), torch.Generator().manual_seed(case)
     seq_lens = [c + n for c, n in zip(ctx, q_lens)]
-    per_req = [-(-s // bs) for s in seq_lens]
-    ids = list(range(sum(per_req) + 3))
-    rnd.shuffle(ids)
-    tables = [ids[sum(per_req[:r]):sum(per_req[:r + 1])] for r in range(len(q_lens))]
-    block_table = torch.zeros(len(q_lens), max(per_req) + 1, dtype=torch.int32)
-    for r, table in enumerate(tables):
-        block_table[r, :len(table)] = torch.tensor(table, dtype=torch.int32)
-    shape = (len(ids), bs, nkv, hd)
+    tables, block_table, num_blocks = shuffled_block_tables(seq_lens, bs, rnd)
+    shape = (num_blocks, bs, nkv, hd)
     kc, vc = torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype)
     for r, table in enumerate(tables):
         for s in range(ctx[r]):
@@ -73,7 +55,7 @@ def test_matches_float64_softmax(case, threads, dtype):
         pa.run(q, k, v, out, kv, step, hd ** -0.5)
     finally:
         torch.set_num_threads(before)
-    want = _reference(q, kc, vc, tables, starts, seq_lens, nh, nkv, hd, bs, hd ** -0.5)
+    want = reference_attention(q, kc, vc, tables, starts, seq_lens, nh, nkv, hd, bs, hd ** -0.5)
     tol = 4e-6 if dtype == torch.float32 else 2 ** -6  # measured worst 1e-6 / 8e-3: rounding
     for t, row in want.items():
         assert (out[t].double() - row).abs().max() <= tol * max(1.0, row.abs().max()), t

@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from paged_reference import reference_attention, shuffled_block_tables
 
 from kiln.native import paged_attention as pa
 from kiln.native import prefill_attention as pf
@@ -18,19 +19,6 @@ CASES = [  # block size, head size, heads, kv heads, query lengths, cached conte
 ]
 
 
-def _reference(q, kc, vc, tables, starts, seq_lens, nh, nkv, hd, bs, scale, reqs):
-    out = {}
-    for r in reqs:
-        slots = [tables[r][s // bs] * bs + s % bs for s in range(seq_lens[r])]
-        k = kc.reshape(-1, nkv, hd)[slots].double().repeat_interleave(nh // nkv, 1)
-        v = vc.reshape(-1, nkv, hd)[slots].double().repeat_interleave(nh // nkv, 1)
-        for t in range(starts[r], starts[r + 1]):
-            n = seq_lens[r] - (starts[r + 1] - t) + 1  # causal: up to its own position
-            p = (torch.einsum("hd,nhd->hn", q[t].double().view(nh, hd), k[:n]) * scale).softmax(-1)
-            out[t] = torch.einsum("hn,nhd->hd", p, v[:n]).reshape(-1)
-    return out
-
-
 def _step(case, dtype):
     """A cache holding every request's context and query K/V (NaN in the slots no request owns),
     q as strided rows of a fused qkv, the step's metadata with the last request left out when
@@ -38,14 +26,8 @@ def _step(case, dtype):
     bs, hd, nh, nkv, q_lens, ctx = CASES[case]
     rnd, g = random.Random(case), torch.Generator().manual_seed(case)
     seq_lens = [c + n for c, n in zip(ctx, q_lens)]
-    per_req = [-(-s // bs) for s in seq_lens]
-    ids = list(range(sum(per_req) + 3))
-    rnd.shuffle(ids)
-    tables = [ids[sum(per_req[:r]):sum(per_req[:r + 1])] for r in range(len(q_lens))]
-    block_table = torch.zeros(len(q_lens), max(per_req) + 1, dtype=torch.int32)
-    for r, table in enumerate(tables):
-        block_table[r, :len(table)] = torch.tensor(table, dtype=torch.int32)
-    kv = torch.full((2, len(ids), bs, nkv, hd), float("nan"), dtype=dtype)
+    tables, block_table, num_blocks = shuffled_block_tables(seq_lens, bs, rnd)
+    kv = torch.full((2, num_blocks, bs, nkv, hd), float("nan"), dtype=dtype)
     for r, table in enumerate(tables):
         for s in range(seq_lens[r]):
             kv[:, table[s // bs], s % bs] = torch.randn(2, nkv, hd, generator=g).to(dtype)
@@ -58,8 +40,8 @@ def _step(case, dtype):
                        torch.tensor(seq_lens, dtype=torch.int32),
                        torch.tensor(reqs, dtype=torch.int32), max(seq_lens), bs,
                        torch.zeros(0, dtype=torch.int64), 0)
-    want = _reference(q, kv[0], kv[1], tables, starts, seq_lens, nh, nkv, hd, bs, hd ** -0.5,
-                      reqs)
+    want = reference_attention(q, kv[0], kv[1], tables, starts, seq_lens, nh, nkv, hd, bs,
+                               hd ** -0.5, reqs)
     return q, kv, step, want
 
 
