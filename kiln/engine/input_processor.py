@@ -6,6 +6,7 @@ import numbers
 from dataclasses import dataclass
 
 from kiln.config.model_config import ModelConfig
+from kiln.engine.text_encoding import encode_text
 from kiln.sampling_params import SamplingParams
 
 PromptType = str | dict
@@ -52,7 +53,7 @@ def bad_words_token_ids(tokenizer, bad_words: list[str]) -> list[list[int]]:
     out: list[list[int]] = []
     for word in bad_words:
         for text in (word, " " + word.lstrip()):
-            ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+            ids = encode_text(tokenizer, text, add_special_tokens=False)
             if ids and ids not in out:
                 out.append(ids)
     return out
@@ -209,7 +210,7 @@ class InputProcessor:
         check_encodable(text, "prompt")
         head_chars = HEAD_CHARS_PER_TOKEN * (self.max_model_len + HEAD_MARGIN_TOKENS)
         if not whole and len(text) > head_chars:
-            head = self.tokenizer(text[:head_chars], add_special_tokens=True).input_ids
+            head = encode_text(self.tokenizer, text[:head_chars], add_special_tokens=True)
             if too_long_for_head(len(head), self.max_model_len):
                 raise ValueError(
                     f"prompt length is more than {len(head) - HEAD_MARGIN_TOKENS} tokens (its "
@@ -219,7 +220,7 @@ class InputProcessor:
                     "--max-model-len")
         # add_special_tokens: BOS where the tokenizer adds one (Llama), nothing for Qwen. So ""
         # is [BOS] for Llama (accepted, as in vLLM) and [] for Qwen (refused by validation).
-        return list(self.tokenizer(text, add_special_tokens=True).input_ids)
+        return encode_text(self.tokenizer, text, add_special_tokens=True)
 
     def process(self, prompt: PromptType, params: SamplingParams | None, *,
                 max_tokens_must_fit: bool = False) -> ProcessedPrompt:

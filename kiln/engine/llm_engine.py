@@ -12,6 +12,7 @@ from kiln.core.request import Request, RequestStatus
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType, check_encodable
 from kiln.engine.output_processor import OutputProcessor, child_params, child_request_id
+from kiln.engine.text_encoding import encode_text
 from kiln.engine.tokenizer import config_eos_token_ids, generation_eos_token_ids, get_tokenizer
 from kiln.logger import init_logger
 from kiln.outputs import RequestOutput
@@ -269,8 +270,8 @@ class LLMEngine:
         """A rendered conversation as a prompt; the template already wrote BOS, so no extra one."""
         text = self.apply_chat_template(messages, add_generation_prompt, chat_template, **kwargs)
         check_encodable(text, "messages")  # a name or a template variable may hold one too
-        ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        return {"prompt": text, "prompt_token_ids": list(ids)}
+        return {"prompt": text,
+                "prompt_token_ids": encode_text(self.tokenizer, text, add_special_tokens=False)}
 
     def shutdown(self) -> None:
         self.engine_core = None

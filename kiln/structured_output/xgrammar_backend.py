@@ -5,6 +5,7 @@ import functools
 import math
 import re
 
+from kiln.engine.text_encoding import encode_text
 from kiln.sampling_params import StructuredOutputsParams
 from kiln.structured_output.spec import GrammarSpec, grammar_spec
 
@@ -98,7 +99,7 @@ class XgrammarBackend:
         raise ValueError(f"unknown grammar kind {spec.kind!r}")
 
     def token_ids(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return encode_text(self.tokenizer, text, add_special_tokens=False)
 
     def matcher(self, compiled, stop_token_ids: list[int]):
         """A matcher that ends on any of the request's stop tokens."""

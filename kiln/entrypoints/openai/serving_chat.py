@@ -12,6 +12,7 @@ from starlette.requests import Request
 
 from kiln.engine.async_llm import AsyncLLM, RequestStream
 from kiln.engine.input_processor import MessageError, chat_messages, chat_render_kwargs
+from kiln.engine.text_encoding import encode_text
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.logprob_format import chat_logprobs
 from kiln.entrypoints.openai.protocol import (
@@ -113,7 +114,7 @@ async def render_chat_prompt(llm: AsyncLLM, messages: list[ChatMessage],
                           param="messages", code="chat_template_error") from None
     if add_special_tokens:
         prompt["prompt_token_ids"] = await llm.run_in_engine(
-            lambda text: list(llm.tokenizer(text, add_special_tokens=True).input_ids),
+            lambda text: encode_text(llm.tokenizer, text, add_special_tokens=True),
             prompt["prompt"])
     return prompt
 

@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
 from kiln.engine.async_llm import AsyncLLM, RequestStream
+from kiln.engine.text_encoding import encode_text
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.logprob_format import completion_logprobs
 from kiln.entrypoints.openai.protocol import (
@@ -63,7 +64,7 @@ async def without_special_tokens(llm: AsyncLLM, prompts: list) -> list:
 
     def encode(text: str) -> dict:
         return {"prompt": text,
-                "prompt_token_ids": list(tokenizer(text, add_special_tokens=False).input_ids)}
+                "prompt_token_ids": encode_text(tokenizer, text, add_special_tokens=False)}
 
     return [await llm.run_in_engine(encode, p) if isinstance(p, str) else p for p in prompts]
 

@@ -6,6 +6,7 @@ import msgspec
 
 from kiln.engine.async_llm import AsyncLLM
 from kiln.engine.input_processor import encoding_problem
+from kiln.engine.text_encoding import encode_text
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.protocol import (
     DetokenizeRequest,
@@ -54,7 +55,7 @@ class ServingTokenization:
             raise OpenAIError(f"prompt {problem}", param="prompt", code="invalid_value")
 
         def tokenize_text(text: str) -> bytes:
-            ids = list(tokenizer(text, add_special_tokens=req.add_special_tokens).input_ids)
+            ids = encode_text(tokenizer, text, add_special_tokens=req.add_special_tokens)
             return self._response_body(tokenizer, ids, req.return_token_strs)
         return await self.llm.run_in_engine(tokenize_text, req.prompt)
 
