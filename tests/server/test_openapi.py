@@ -63,6 +63,29 @@ def test_no_server_error_and_every_response_in_the_schema(case, base_url):
     case.call_and_validate(base_url=base_url, checks=CHECKS)
 
 
+_CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": ["hi", [5, 6]], "max_tokens": 3, "n": 2, "logprobs": 2,
+                         "echo": True, "return_token_ids": True, "prompt_logprobs": 1}),
+    ("/v1/chat/completions", {"messages": _CHAT, "max_tokens": 3, "logprobs": True,
+                              "top_logprobs": 2, "return_token_ids": True}),
+    ("/v1/completions", {"prompt": ["hi", [5, 6]], "max_tokens": 3, "n": 2, "logprobs": 2,
+                         "echo": True, "return_token_ids": True, "stream": True,
+                         "stream_options": {"include_usage": True,
+                                            "continuous_usage_stats": True}}),
+    ("/v1/chat/completions", {"messages": _CHAT, "max_tokens": 3, "n": 2, "logprobs": True,
+                              "top_logprobs": 2, "return_token_ids": True, "stream": True,
+                              "stream_options": {"include_usage": True}})])
+def test_bodies_and_stream_events_are_the_schemas(base_url, path, body):
+    """A 200's JSON body, and every event of a stream (its chunks, then [DONE]), validate
+    against the schema (a stream's events once had a string's schema: each event failed)."""
+    content = SCHEMA["paths"][path]["post"]["responses"]["200"]["content"]
+    assert set(content["text/event-stream"]) == {"itemSchema"}  # per event, as FastAPI's
+    api[path]["POST"].Case(body=body).call_and_validate(base_url=base_url, checks=CHECKS)
+
+
 def test_the_schema_says_what_requests_the_server_refuses():
     """schemathesis' request-side checks (valid bodies accepted, invalid refused) need these."""
     schemas = SCHEMA["components"]["schemas"]

@@ -7,6 +7,7 @@ FastAPI builds the schema from the routes; `describe` patches what it cannot kno
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from kiln.entrypoints.openai.openapi_responses import describe_bodies
 from kiln.entrypoints.openai.protocol import ErrorResponse, RequestBase
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
@@ -19,8 +20,6 @@ _NON_EMPTY = [("ChatCompletionRequest", "messages"), ("CompletionRequest", "prom
 _TOKEN_IDS = [("CompletionRequest", "prompt"), ("DetokenizeRequest", "tokens")] + [
     (model, prop) for model in ("CompletionRequest", "ChatCompletionRequest")
     for prop in ("allowed_token_ids", "stop_token_ids")]
-
-_STREAMING = ("/v1/completions", "/v1/chat/completions")
 
 
 def _error_response(description: str) -> dict:
@@ -237,10 +236,7 @@ def patch_schema(schema: dict, vocab_size: int | None = None,
                 continue  # its 503 has no body
             # 401 (key), 404 (model), 413 (body size), 503 (engine gone): one error shape.
             responses.setdefault("default", _error_response("An error"))
-    for path in _STREAMING:
-        ok = schema.get("paths", {}).get(path, {}).get("post", {}).get("responses", {}).get("200")
-        if ok is not None:  # stream=true answers with server-sent events
-            ok.setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
+    describe_bodies(schema, _ERROR_REF)
     for model, prop in _NON_EMPTY:
         prop_schema = components.get(model, {}).get("properties", {}).get(prop)
         if prop_schema is not None:
