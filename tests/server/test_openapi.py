@@ -86,6 +86,37 @@ def test_bodies_and_stream_events_are_the_schemas(base_url, path, body):
     api[path]["POST"].Case(body=body).call_and_validate(base_url=base_url, checks=CHECKS)
 
 
+def _schema_takes(model: str, body: dict) -> bool:
+    import jsonschema
+
+    root = {"$ref": f"#/components/schemas/{model}", "components": SCHEMA["components"]}
+    return jsonschema.Draft202012Validator(root).is_valid(body)
+
+
+_TURN = {"messages": _CHAT, "continue_final_message": True}
+
+
+@pytest.mark.parametrize("path,model,body", [
+    # an empty bad word is refused
+    ("/v1/completions", "CompletionRequest", {"prompt": "hi", "bad_words": [""]}),
+    ("/v1/completions", "CompletionRequest", {"prompt": "hi", "bad_words": ["a"]}),
+    # continue_final_message refuses an explicit add_generation_prompt=true only
+    *[(path, model, {**_TURN, **extra})
+      for path, model in (("/tokenize", "TokenizeRequest"),
+                          ("/v1/chat/completions", "ChatCompletionRequest"))
+      for extra in ({}, {"add_generation_prompt": None}, {"add_generation_prompt": False},
+                    {"add_generation_prompt": True})]])
+def test_the_schema_takes_what_the_server_takes(base_url, path, model, body):
+    """Cases schemathesis found where the two disagreed (its positive data refused, or its
+    negative data accepted)."""
+    import httpx
+
+    status = httpx.post(f"{base_url}{path}", json={"max_tokens": 1, **body}
+                        if path != "/tokenize" else body, timeout=30).status_code
+    assert status in (200, 400)
+    assert _schema_takes(model, body) == (status == 200), (body, status)
+
+
 def test_the_schema_says_what_requests_the_server_refuses():
     """schemathesis' request-side checks (valid bodies accepted, invalid refused) need these."""
     schemas = SCHEMA["components"]["schemas"]
@@ -94,6 +125,9 @@ def test_the_schema_says_what_requests_the_server_refuses():
     ids = [m for m in completion["allowed_token_ids"]["anyOf"] if m.get("type") == "array"][0]
     assert ids["minItems"] == 1 and ids["items"]["minimum"] == 0
     assert ids["items"]["maximum"] == VOCAB - 1
+    for model in ("CompletionRequest", "ChatCompletionRequest"):  # an empty bad word is refused
+        words = schemas[model]["properties"]["bad_words"]["anyOf"]
+        assert {"type": "array", "items": {"type": "string", "minLength": 1}} in words
     # refused fields take only their off value; an optional field takes null
     assert {"const": False} in completion["use_beam_search"]["anyOf"]
     assert {"type": "null"} in schemas["TokenizeRequest"]["properties"]["return_token_strs"][

@@ -86,10 +86,11 @@ def _nulls_allowed(model_schema: dict) -> None:
         model_schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **keep}
 
 
-# continue_final_message continues the last message; add_generation_prompt (default true)
-# opens a new turn: true with anything but an explicit false is refused.
-_CONTINUE_AND_NEW_TURN = {"required": ["continue_final_message"], "properties": {
-    "continue_final_message": {"const": True}, "add_generation_prompt": {"not": {"const": False}}}}
+# continue_final_message continues the last message; add_generation_prompt opens a new turn:
+# both true is refused, an explicit true only (its default true yields, as in vLLM).
+_CONTINUE_AND_NEW_TURN = {"required": ["continue_final_message", "add_generation_prompt"],
+                          "properties": {"continue_final_message": {"const": True},
+                                         "add_generation_prompt": {"const": True}}}
 # Empty text with add_special_tokens false is no tokens: refused.
 _EMPTY_TEXT_BARE = {"required": ["add_special_tokens", "prompt"], "properties": {
     "add_special_tokens": {"const": False},
@@ -119,7 +120,8 @@ def _sampling_ranges(model_schema: dict) -> None:
         for member in prop.get("anyOf", [prop]):
             if member.get("type") in ("number", "integer"):
                 member.update(bounds)
-    for member in props.get("stop", {}).get("anyOf", ()):  # stop strings are non-empty
+    for member in [m for name in ("stop", "bad_words")  # stop strings, bad words non-empty
+                   for m in props.get(name, {}).get("anyOf", ())]:
         target = member.get("items") if member.get("type") == "array" else member
         if isinstance(target, dict) and target.get("type") == "string":
             target["minLength"] = 1
