@@ -105,10 +105,23 @@ _TURN = {"messages": _CHAT, "continue_final_message": True}
       for path, model in (("/tokenize", "TokenizeRequest"),
                           ("/v1/chat/completions", "ChatCompletionRequest"))
       for extra in ({}, {"add_generation_prompt": None}, {"add_generation_prompt": False},
-                    {"add_generation_prompt": True})]])
+                    {"add_generation_prompt": True})],
+    # top_logprobs needs logprobs=true; stream_options needs stream=true; prompt_logprobs
+    # are not streamed (a field null is as absent)
+    *[("/v1/chat/completions", "ChatCompletionRequest", {"messages": _CHAT, **extra})
+      for extra in ({"top_logprobs": 2}, {"top_logprobs": 2, "logprobs": False},
+                    {"top_logprobs": 2, "logprobs": True}, {"top_logprobs": None},
+                    {"stream_options": {}, "stream": True}, {"stream_options": {}})],
+    *[("/v1/completions", "CompletionRequest", {"prompt": "hi", **extra})
+      for extra in ({"stream_options": {"include_usage": True}},
+                    {"stream_options": {}, "stream": False}, {"stream_options": None},
+                    {"stream_options": {}, "stream": True}, {"prompt_logprobs": 1},
+                    {"prompt_logprobs": 1, "stream": True},
+                    {"prompt_logprobs": None, "stream": True})]])
 def test_the_schema_takes_what_the_server_takes(base_url, path, model, body):
-    """Cases schemathesis found where the two disagreed (its positive data refused, or its
-    negative data accepted)."""
+    """The rules across fields the schema states: its verdict on a body is the server's
+    (cases schemathesis found where the two disagreed, its positive data refused or its
+    negative data accepted, and the rules it once could not take)."""
     import httpx
 
     status = httpx.post(f"{base_url}{path}", json={"max_tokens": 1, **body}
@@ -151,13 +164,9 @@ def test_json_types_are_not_coerced(base_url, field, value):
 # Refusals no JSON schema can state, each a 400 naming its field: a JSON schema, regex or
 # grammar that does not compile; a named tool_choice that `tools` does not define; min_tokens
 # above max_tokens (no comparison between fields); a prompt and max_tokens past max_model_len
-# (counted in tokens). And two a JSON schema can state but schemathesis cannot take: a rule
-# on one field that depends on another's value (top_logprobs needs logprobs=true,
-# stream_options needs stream=true) next to the schema's other rules pushes its schema
-# processor past what it handles. schemathesis' positive data may hit them.
+# (counted in tokens). schemathesis' positive data may hit them.
 _INEXPRESSIBLE = {"guided_json", "guided_regex", "guided_grammar", "structured_outputs",
-                  "response_format", "tool_choice", "min_tokens", "top_logprobs",
-                  "stream_options"}
+                  "response_format", "tool_choice", "min_tokens"}
 
 
 @pytest.mark.parametrize("n", [1, 2, 10, 100, 101, 49152])

@@ -161,10 +161,31 @@ def _off_only(model_schema: dict, reasoning_parser: bool) -> None:
                 if off is None else [{"const": off}, {"type": "null"}]
             keep = {k: props[name][k] for k in ("title", "default") if k in props[name]}
             props[name] = {"anyOf": allowed, **keep}
-    # prompt_logprobs are not streamed (vLLM's rule)
-    if "prompt_logprobs" in props:
-        _refuse(model_schema, {"required": ["prompt_logprobs", "stream"], "properties": {
-            "prompt_logprobs": {"not": {"type": "null"}}, "stream": {"const": True}}})
+
+
+# switch -> (fields taken only with it true, fields refused with it true): top_logprobs needs
+# logprobs (sampling.py), stream_options needs stream (serving_engine.check_stream_options),
+# prompt_logprobs are not streamed (vLLM's rule).
+_SWITCHES = {"stream": (["stream_options"], ["prompt_logprobs"]),
+             "logprobs": (["top_logprobs"], [])}
+
+
+def _switched_fields(model_schema: dict) -> None:
+    """Fields that need a boolean switch on, or off: per switch, a oneOf of its two cases (on,
+    the off-only fields null; anything else, the on-only ones null). Spelled so because
+    schemathesis' canonicalizer outgrows the intersections it models when each rule is its
+    own refused shape (allOf of nots), if/then, anyOf or dependentSchemas beside the others."""
+    props = model_schema.get("properties", {})
+    for switch, (on_only, off_only) in _SWITCHES.items():
+        on_only = [f for f in on_only if f in props]
+        off_only = [f for f in off_only if f in props]
+        if switch not in props or not (on_only or off_only):
+            continue
+        on = {"required": [switch], "properties": {
+            switch: {"const": True}, **{f: {"type": "null"} for f in off_only}}}
+        off = {"properties": {switch: {"not": {"const": True}},
+                              **{f: {"type": "null"} for f in on_only}}}
+        model_schema.setdefault("allOf", []).append({"oneOf": [on, off]})
 
 
 # A field that leaves the output free: null (or absent); response_format also as text (its
@@ -270,6 +291,7 @@ def patch_schema(schema: dict, vocab_size: int | None = None,
     for model in ("CompletionRequest", "ChatCompletionRequest"):
         if model in components:
             _off_only(components[model], reasoning_parser)
+            _switched_fields(components[model])
             _sampling_ranges(components[model])
             so = components[model]["properties"].get("structured_outputs", {})
             so["anyOf"] = [_structured_outputs_object() if m.get("type") == "object" else m
