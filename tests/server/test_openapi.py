@@ -164,9 +164,11 @@ def test_json_types_are_not_coerced(base_url, field, value):
 # Refusals no JSON schema can state, each a 400 naming its field: a JSON schema, regex or
 # grammar that does not compile; a named tool_choice that `tools` does not define; min_tokens
 # above max_tokens (no comparison between fields); a prompt and max_tokens past max_model_len
-# (counted in tokens). schemathesis' positive data may hit them.
+# (counted in tokens). And one a JSON schema can state but schemathesis cannot take beside the
+# others (openapi._SWITCHES): parallel_tool_calls=false needs tools. schemathesis' positive
+# data may hit them.
 _INEXPRESSIBLE = {"guided_json", "guided_regex", "guided_grammar", "structured_outputs",
-                  "response_format", "tool_choice", "min_tokens"}
+                  "response_format", "tool_choice", "min_tokens", "parallel_tool_calls"}
 
 
 @pytest.mark.parametrize("n", [1, 2, 10, 100, 101, 49152])

@@ -163,28 +163,30 @@ def _off_only(model_schema: dict, reasoning_parser: bool) -> None:
             props[name] = {"anyOf": allowed, **keep}
 
 
-# switch -> (fields taken only with it true, fields refused with it true): top_logprobs needs
-# logprobs (sampling.py), stream_options needs stream (serving_engine.check_stream_options),
-# prompt_logprobs are not streamed (vLLM's rule).
-_SWITCHES = {"stream": (["stream_options"], ["prompt_logprobs"]),
-             "logprobs": (["top_logprobs"], [])}
+_NULL_ONLY = {"type": "null"}
+# switch -> (what turns it on; field -> what it takes with the switch off; field -> what it
+# takes with it on): top_logprobs needs logprobs (sampling.py), stream_options needs stream
+# (serving_engine.check_stream_options), prompt_logprobs are not streamed (vLLM's rule).
+# parallel_tool_calls=false needing tools (tool_plan.py) as a third split, however spelled,
+# outgrows the canonicalizer's intersections beside the other rules: not stated.
+_SWITCHES = {
+    "stream": ({"const": True}, {"stream_options": _NULL_ONLY}, {"prompt_logprobs": _NULL_ONLY}),
+    "logprobs": ({"const": True}, {"top_logprobs": _NULL_ONLY}, {})}
 
 
 def _switched_fields(model_schema: dict) -> None:
-    """Fields that need a boolean switch on, or off: per switch, a oneOf of its two cases (on,
-    the off-only fields null; anything else, the on-only ones null). Spelled so because
+    """Fields that need a switch on, or off: per switch, a oneOf of its two cases (on, and
+    what the fields take then; anything else, and what they take then). Spelled so because
     schemathesis' canonicalizer outgrows the intersections it models when each rule is its
     own refused shape (allOf of nots), if/then, anyOf or dependentSchemas beside the others."""
     props = model_schema.get("properties", {})
-    for switch, (on_only, off_only) in _SWITCHES.items():
-        on_only = [f for f in on_only if f in props]
-        off_only = [f for f in off_only if f in props]
-        if switch not in props or not (on_only or off_only):
+    for switch, (turned_on, when_off, when_on) in _SWITCHES.items():
+        when_off = {f: v for f, v in when_off.items() if f in props}
+        when_on = {f: v for f, v in when_on.items() if f in props}
+        if switch not in props or not (when_on or when_off):
             continue
-        on = {"required": [switch], "properties": {
-            switch: {"const": True}, **{f: {"type": "null"} for f in off_only}}}
-        off = {"properties": {switch: {"not": {"const": True}},
-                              **{f: {"type": "null"} for f in on_only}}}
+        on = {"required": [switch], "properties": {switch: turned_on, **when_on}}
+        off = {"properties": {switch: {"not": turned_on}, **when_off}}
         model_schema.setdefault("allOf", []).append({"oneOf": [on, off]})
 
 
