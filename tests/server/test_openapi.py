@@ -117,7 +117,12 @@ _TURN = {"messages": _CHAT, "continue_final_message": True}
                     {"stream_options": {}, "stream": False}, {"stream_options": None},
                     {"stream_options": {}, "stream": True}, {"prompt_logprobs": 1},
                     {"prompt_logprobs": 1, "stream": True},
-                    {"prompt_logprobs": None, "stream": True})]])
+                    {"prompt_logprobs": None, "stream": True})],
+    # a max_tokens past max_model_len - 1 never fits
+    ("/v1/completions", "CompletionRequest", {"prompt": "", "max_tokens": 1023}),
+    ("/v1/completions", "CompletionRequest", {"prompt": "", "max_tokens": 1024}),
+    ("/v1/chat/completions", "ChatCompletionRequest",
+     {"messages": _CHAT, "max_completion_tokens": 1024})])
 def test_the_schema_takes_what_the_server_takes(base_url, path, model, body):
     """The rules across fields the schema states: its verdict on a body is the server's
     (cases schemathesis found where the two disagreed, its positive data refused or its

@@ -75,7 +75,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     describe(app, vocab_size=model_config.vocab_size,
              empty_text_has_tokens=tokenizer is not None
              and bool(tokenizer("", add_special_tokens=True).input_ids),
-             reasoning_parser=settings.reasoning_parser is not None)
+             reasoning_parser=settings.reasoning_parser is not None,
+             max_model_len=model_config.max_model_len)
 
     @app.get("/health", response_class=Response, responses={
         200: {"description": "The engine is running", "content": {}},

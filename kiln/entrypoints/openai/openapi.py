@@ -242,10 +242,12 @@ def _refuse(model_schema: dict, shape: dict) -> None:
 
 
 def patch_schema(schema: dict, vocab_size: int | None = None,
-                 empty_text_has_tokens: bool = True, reasoning_parser: bool = False) -> dict:
+                 empty_text_has_tokens: bool = True, reasoning_parser: bool = False,
+                 max_model_len: int | None = None) -> dict:
     """`vocab_size`: the served model's, bounding the token-id fields (None: unbounded).
     `empty_text_has_tokens`: the tokenizer adds BOS, so "" is a prompt (else refused).
-    `reasoning_parser`: the server splits reasoning off (include_reasoning may be false)."""
+    `reasoning_parser`: the server splits reasoning off (include_reasoning may be false).
+    `max_model_len`: the served context, bounding the tokens to generate."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components["ErrorResponse"] = ErrorResponse.model_json_schema(
         ref_template="#/components/schemas/{model}")
@@ -318,7 +320,21 @@ def patch_schema(schema: dict, vocab_size: int | None = None,
             for member in bias.get("anyOf", ()):
                 if "propertyNames" in member:  # its keys are token ids too
                     member["propertyNames"] = {"pattern": decimal_below(vocab_size)}
+    if max_model_len is not None:
+        _max_tokens_bounded(components, max_model_len)
     return schema
+
+
+def _max_tokens_bounded(components: dict, max_model_len: int) -> None:
+    """More tokens to generate than max_model_len - 1 never fit beside a prompt (one token at
+    least) and are refused (400 context_length_exceeded). Chat's max_tokens stays unbounded:
+    max_completion_tokens, when given, overrides it unchecked."""
+    for model, name in (("CompletionRequest", "max_tokens"),
+                        ("ChatCompletionRequest", "max_completion_tokens")):
+        prop = components.get(model, {}).get("properties", {}).get(name, {})
+        for member in prop.get("anyOf", [prop]):
+            if member.get("type") == "integer":
+                member["maximum"] = max_model_len - 1
 
 
 def describe(app: FastAPI, **served) -> None:
