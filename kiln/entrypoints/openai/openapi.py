@@ -7,6 +7,14 @@ FastAPI builds the schema from the routes; `describe` patches what it cannot kno
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from kiln.entrypoints.openai.openapi_cross_field import (
+    CONTINUE_AND_NEW_TURN,
+    EMPTY_TEXT_BARE,
+    NULL,
+    one_constraint,
+    refuse,
+    switched_fields,
+)
 from kiln.entrypoints.openai.openapi_responses import describe_bodies
 from kiln.entrypoints.openai.protocol import ErrorResponse, RequestBase
 
@@ -86,17 +94,6 @@ def _nulls_allowed(model_schema: dict) -> None:
         model_schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **keep}
 
 
-# continue_final_message continues the last message; add_generation_prompt opens a new turn:
-# both true is refused, an explicit true only (its default true yields, as in vLLM).
-_CONTINUE_AND_NEW_TURN = {"required": ["continue_final_message", "add_generation_prompt"],
-                          "properties": {"continue_final_message": {"const": True},
-                                         "add_generation_prompt": {"const": True}}}
-# Empty text with add_special_tokens false is no tokens: refused.
-_EMPTY_TEXT_BARE = {"required": ["add_special_tokens", "prompt"], "properties": {
-    "add_special_tokens": {"const": False},
-    "prompt": {"anyOf": [{"const": ""}, {"type": "array", "contains": {"const": ""}}]}}}
-
-
 def _sampling_ranges(model_schema: dict) -> None:
     """The sampling fields' ranges, as SamplingParams checks them (outside is a 400)."""
     from kiln.sampling_params import _MIN_REPETITION_PENALTY
@@ -163,59 +160,6 @@ def _off_only(model_schema: dict, reasoning_parser: bool) -> None:
             props[name] = {"anyOf": allowed, **keep}
 
 
-_NULL_ONLY = {"type": "null"}
-# switch -> (what turns it on; field -> what it takes with the switch off; field -> what it
-# takes with it on): top_logprobs needs logprobs (sampling.py), stream_options needs stream
-# (serving_engine.check_stream_options), prompt_logprobs are not streamed (vLLM's rule).
-# parallel_tool_calls=false needing tools (tool_plan.py) as a third split, however spelled,
-# outgrows the canonicalizer's intersections beside the other rules: not stated.
-_SWITCHES = {
-    "stream": ({"const": True}, {"stream_options": _NULL_ONLY}, {"prompt_logprobs": _NULL_ONLY}),
-    "logprobs": ({"const": True}, {"top_logprobs": _NULL_ONLY}, {})}
-
-
-def _switched_fields(model_schema: dict) -> None:
-    """Fields that need a switch on, or off: per switch, a oneOf of its two cases (on, and
-    what the fields take then; anything else, and what they take then). Spelled so because
-    schemathesis' canonicalizer outgrows the intersections it models when each rule is its
-    own refused shape (allOf of nots), if/then, anyOf or dependentSchemas beside the others."""
-    props = model_schema.get("properties", {})
-    for switch, (turned_on, when_off, when_on) in _SWITCHES.items():
-        when_off = {f: v for f, v in when_off.items() if f in props}
-        when_on = {f: v for f, v in when_on.items() if f in props}
-        if switch not in props or not (when_on or when_off):
-            continue
-        on = {"required": [switch], "properties": {switch: turned_on, **when_on}}
-        off = {"properties": {switch: {"not": turned_on}, **when_off}}
-        model_schema.setdefault("allOf", []).append({"oneOf": [on, off]})
-
-
-# A field that leaves the output free: null (or absent); response_format also as text (its
-# type "text", or none).
-_NULL = {"const": None}
-_FREE = {"response_format": {"anyOf": [_NULL, {"type": "object", "properties": {
-    "type": {"enum": ["text", None]}}}]}}
-
-
-def _one_constraint(model_schema: dict) -> None:
-    """At most one of the fields that constrain the output (the handler refuses two with a 400
-    naming both): every one free, or exactly one of "all free but this one" cases holding (a
-    oneOf: with one field set only its case holds; with none set all do, which the first
-    branch admits). Spelled so because schemathesis' canonicalizer expands a refused shape
-    per pair, or disjoint cases, beside the other refusals past what it resolves, and keeps
-    this oneOf whole."""
-    from kiln.entrypoints.openai.structured_fields import CONSTRAINT_FIELDS
-
-    present = [f for f in CONSTRAINT_FIELDS if f in model_schema.get("properties", {})]
-    if len(present) < 2:
-        return
-
-    def free(kept: str | None = None) -> dict:
-        return {"properties": {f: _FREE.get(f, _NULL) for f in present if f != kept}}
-    model_schema.setdefault("allOf", []).append(
-        {"anyOf": [free(), {"oneOf": [free(kept) for kept in present]}]})
-
-
 def _structured_outputs_object() -> dict:
     """What `structured_outputs` takes (StructuredOutputsParams' fields; any other is refused):
     exactly one constraint (a case per kind, the others absent or off), its options."""
@@ -228,17 +172,12 @@ def _structured_outputs_object() -> dict:
     off = {"json_object": {"enum": [None, False]}}
     assert set(kinds) == set(STRUCTURED_OUTPUT_KINDS)
     return {"type": "object", "additionalProperties": False, "properties": {
-        **{k: {"anyOf": [v, off.get(k, _NULL)]} for k, v in kinds.items()},
+        **{k: {"anyOf": [v, off.get(k, NULL)]} for k, v in kinds.items()},
         "disable_any_whitespace": {"type": "boolean"},
-        "reasoning_end": {"anyOf": [text, _NULL]}},
+        "reasoning_end": {"anyOf": [text, NULL]}},
         "oneOf": [{"required": [kind], "properties": {kind: kinds[kind], **{
-            other: off.get(other, _NULL) for other in kinds if other != kind}}}
+            other: off.get(other, NULL) for other in kinds if other != kind}}}
             for kind in kinds]}
-
-
-def _refuse(model_schema: dict, shape: dict) -> None:
-    """`model_schema` no longer matches bodies of `shape` (several shapes: allOf of nots)."""
-    model_schema.setdefault("allOf", []).append({"not": shape})
 
 
 def patch_schema(schema: dict, vocab_size: int | None = None,
@@ -287,29 +226,29 @@ def patch_schema(schema: dict, vocab_size: int | None = None,
                                                  other: {"type": "null"}}}
             for given, other in (("prompt", "messages"), ("messages", "prompt"))]
     if "ChatCompletionRequest" in components:
-        _refuse(components["ChatCompletionRequest"], _CONTINUE_AND_NEW_TURN)
+        refuse(components["ChatCompletionRequest"], CONTINUE_AND_NEW_TURN)
     if tokenize is not None:  # only a chat (messages) has a final message to continue
-        _refuse(tokenize, {"required": [*_CONTINUE_AND_NEW_TURN["required"], "messages"],
-                           "properties": {**_CONTINUE_AND_NEW_TURN["properties"],
+        refuse(tokenize, {"required": [*CONTINUE_AND_NEW_TURN["required"], "messages"],
+                           "properties": {**CONTINUE_AND_NEW_TURN["properties"],
                                           "messages": {"not": {"type": "null"}}}})
     for model in ("CompletionRequest", "ChatCompletionRequest"):
         if model in components:
             _off_only(components[model], reasoning_parser)
-            _switched_fields(components[model])
+            switched_fields(components[model])
             _sampling_ranges(components[model])
             so = components[model]["properties"].get("structured_outputs", {})
             so["anyOf"] = [_structured_outputs_object() if m.get("type") == "object" else m
                            for m in so.get("anyOf", ())]
-            _one_constraint(components[model])
+            one_constraint(components[model])
             for name in ("guided_regex", "guided_grammar", "guided_json"):
                 for member in components[model]["properties"].get(name, {}).get("anyOf", ()):
                     if member.get("type") == "string":  # an empty pattern is refused
                         member["minLength"] = 1
     if "CompletionRequest" in components:
-        _refuse(components["CompletionRequest"], _EMPTY_TEXT_BARE)
+        refuse(components["CompletionRequest"], EMPTY_TEXT_BARE)
         if not empty_text_has_tokens:
-            _refuse(components["CompletionRequest"], {"required": ["prompt"], "properties": {
-                "prompt": _EMPTY_TEXT_BARE["properties"]["prompt"]}})
+            refuse(components["CompletionRequest"], {"required": ["prompt"], "properties": {
+                "prompt": EMPTY_TEXT_BARE["properties"]["prompt"]}})
     if vocab_size is not None:
         for model, prop in _TOKEN_IDS:
             prop_schema = components.get(model, {}).get("properties", {}).get(prop)
