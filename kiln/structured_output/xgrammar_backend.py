@@ -16,7 +16,12 @@ _CPP_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
 
 
 def _clean(e: Exception) -> str:
-    return _CPP_PREFIX.sub("", str(e)).strip()
+    text = str(e)
+    if isinstance(e, UnicodeDecodeError) and isinstance(e.object, bytes):
+        # xgrammar's message quotes the input byte by byte, so it can cut a character in two
+        # and its binding fails to decode it: the message is in the bytes.
+        text = e.object.decode("utf-8", "replace")
+    return _CPP_PREFIX.sub("", text).strip()
 
 
 def _import_xgrammar():

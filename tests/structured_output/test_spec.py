@@ -44,6 +44,14 @@ def test_uncompilable_is_refused_naming_it(kw, message):
     assert "/project/" not in str(e.value) and ".cc:" not in str(e.value)
 
 
+def test_a_parse_error_at_a_multibyte_character_is_the_parsers_message():
+    """xgrammar quotes the input cut at a byte (schemathesis drew this): its message, not a
+    UTF-8 decoding error."""
+    with pytest.raises(ValueError, match="structured_outputs.grammar is not a Lark grammar") as e:
+        check_structured_outputs(StructuredOutputsParams(grammar="OC\u00e6^"))
+    assert "line 1, column 3" in str(e.value) and "codec" not in str(e.value)
+
+
 def test_valid_specs_pass_and_choices_are_escaped():
     choices = ['say "hi"', "back\\slash", "line\nbreak", "ünï"]
     assert json.loads(choice_ebnf(choices).split(" ::= ")[1].split(" | ")[1]) == choices[1]
