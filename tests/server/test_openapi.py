@@ -234,3 +234,30 @@ def test_every_schemathesis_check_passes(base_url):
     assert not errors, errors
     assert not failures, failures[:5]
     assert cases > 500  # every phase ran
+
+
+@pytest.mark.parametrize("metrics_public", [False, True])
+def test_the_key_is_stated_and_enforced(metrics_public):
+    """With --api-key the schema says every route takes a bearer key but /health (and /metrics
+    when public); schemathesis' ignored_auth check finds each route refusing a missing or
+    wrong key."""
+    app = build_app(AsyncLLM(FakeEngine(max_model_len=1024)),
+                    ServerSettings(api_key="k", metrics_public=metrics_public))
+    schema = app.openapi()
+    assert schema["security"] == [{"apiKey": []}]
+    assert schema["components"]["securitySchemes"]["apiKey"] == {"type": "http",
+                                                                 "scheme": "bearer"}
+    open_paths = {"/health", "/metrics"} if metrics_public else {"/health"}
+    assert {path for path, item in schema["paths"].items()
+            if item[next(iter(item))].get("security") == []} == open_paths
+    keyed = schemathesis.openapi.from_dict(schema)
+    routes = [("/health", "GET", None), ("/metrics", "GET", None), ("/v1/models", "GET", None),
+              ("/tokenize", "POST", {"prompt": "hi"}), ("/detokenize", "POST", {"tokens": [5]}),
+              ("/v1/completions", "POST", {"prompt": "hi", "max_tokens": 1}),
+              ("/v1/chat/completions", "POST", {"messages": _CHAT, "max_tokens": 1})]
+    with uvicorn_in_thread(app) as port:
+        for path, method, body in routes:
+            given = {"body": body} if body is not None else {}
+            keyed[path][method].Case(headers={"Authorization": "Bearer k"}, **given) \
+                .call_and_validate(base_url=f"http://127.0.0.1:{port}",
+                                   checks=[*CHECKS, schemathesis.checks.ignored_auth])

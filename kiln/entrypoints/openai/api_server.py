@@ -72,11 +72,14 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     app.state.models = models
     install_error_handlers(app)
     tokenizer = llm.tokenizer
+    open_paths = None  # every route takes the key but these (no key: none does)
+    if settings.api_key:
+        open_paths = ("/health", "/metrics") if settings.metrics_public else ("/health",)
     describe(app, vocab_size=model_config.vocab_size,
              empty_text_has_tokens=tokenizer is not None
              and bool(tokenizer("", add_special_tokens=True).input_ids),
              reasoning_parser=settings.reasoning_parser is not None,
-             max_model_len=model_config.max_model_len)
+             max_model_len=model_config.max_model_len, open_paths=open_paths)
 
     @app.get("/health", response_class=Response, responses={
         200: {"description": "The engine is running", "content": {}},
@@ -121,8 +124,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     # Outermost first: auth refuses before the body is read; the size limit guards the rest.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes,
                        read_timeout=settings.request_body_timeout)
-    if settings.api_key:
-        open_paths = ("/health", "/metrics") if settings.metrics_public else ("/health",)
+    if open_paths is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
     return app
 

@@ -182,11 +182,13 @@ def _structured_outputs_object() -> dict:
 
 def patch_schema(schema: dict, vocab_size: int | None = None,
                  empty_text_has_tokens: bool = True, reasoning_parser: bool = False,
-                 max_model_len: int | None = None) -> dict:
+                 max_model_len: int | None = None,
+                 open_paths: tuple[str, ...] | None = None) -> dict:
     """`vocab_size`: the served model's, bounding the token-id fields (None: unbounded).
     `empty_text_has_tokens`: the tokenizer adds BOS, so "" is a prompt (else refused).
     `reasoning_parser`: the server splits reasoning off (include_reasoning may be false).
-    `max_model_len`: the served context, bounding the tokens to generate."""
+    `max_model_len`: the served context, bounding the tokens to generate.
+    `open_paths`: with --api-key, the paths that take no key (None: no key anywhere)."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components["ErrorResponse"] = ErrorResponse.model_json_schema(
         ref_template="#/components/schemas/{model}")
@@ -261,7 +263,19 @@ def patch_schema(schema: dict, vocab_size: int | None = None,
                     member["propertyNames"] = {"pattern": decimal_below(vocab_size)}
     if max_model_len is not None:
         _max_tokens_bounded(components, max_model_len)
+    if open_paths is not None:
+        _key_required(schema, open_paths)
     return schema
+
+
+def _key_required(schema: dict, open_paths: tuple[str, ...]) -> None:
+    """Every route but `open_paths` takes `Authorization: Bearer <key>` (without it a 401, the
+    default error response)."""
+    schema["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+    schema["security"] = [{"apiKey": []}]
+    for path in open_paths:
+        for operation in schema.get("paths", {}).get(path, {}).values():
+            operation["security"] = []
 
 
 def _max_tokens_bounded(components: dict, max_model_len: int) -> None:
