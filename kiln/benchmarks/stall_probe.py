@@ -43,6 +43,13 @@ class StreamRecord:
         times = [t for request in self.requests for t in request]
         return [b - a for a, b in zip(times, times[1:]) if start <= a and b <= end]
 
+    def gaps_within_requests(self, start: float, end: float) -> list[float]:
+        """Gaps between consecutive tokens of one request within [start, end]: the stream's
+        own pace, without the waits between its back-to-back requests (each new request's
+        time to first token, which `gaps` counts too)."""
+        return [b - a for times in self.requests for a, b in zip(times, times[1:])
+                if start <= a and b <= end]
+
     def largest_gap_start(self, start: float, end: float) -> float | None:
         """When (seconds after `start`) the largest gap within [start, end] began."""
         times = [t for request in self.requests for t in request]
@@ -118,13 +125,19 @@ async def run_probe(base_url: str, duration: float = 5.0, load: LoadSpec | None 
     loaded_gaps = record.gaps(load_start, load_end)
     idle_max = max(idle_gaps, default=0.0)
     loaded_max = max(loaded_gaps, default=0.0)
+    idle_within = max(record.gaps_within_requests(idle_start, idle_end), default=0.0)
+    loaded_within = max(record.gaps_within_requests(load_start, load_end), default=0.0)
     return {
         "idle": {"tokens": len(idle_gaps), "max_gap_ms": round(idle_max * 1000, 3),
+                 "max_gap_within_request_ms": round(idle_within * 1000, 3),
                  "gap_ms": percentiles(idle_gaps)},
         "loaded": {"tokens": len(loaded_gaps), "max_gap_ms": round(loaded_max * 1000, 3),
+                   "max_gap_within_request_ms": round(loaded_within * 1000, 3),
                    "max_gap_at_s": record.largest_gap_start(load_start, load_end),
                    "gap_ms": percentiles(loaded_gaps)},
         "max_gap_ratio": round(loaded_max / idle_max, 3) if idle_max else None,
+        "max_gap_within_request_ratio": (round(loaded_within / idle_within, 3)
+                                         if idle_within else None),
         "tokens_during_big_requests": record.tokens_within(intervals),
         "big_requests_done": len(intervals),
         "idle_connections_held": loaded["opened"],

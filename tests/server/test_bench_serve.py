@@ -60,3 +60,15 @@ def test_server_that_dies_at_start_is_one_error_line(monkeypatch, capsys):
     assert bench_serve.run(args) == 1
     err = capsys.readouterr().err
     assert "error: `kiln serve` exited with code 2 before it was ready" in err
+
+
+def test_stall_record_tells_a_request_s_own_gaps_from_the_waits_between_requests():
+    from kiln.benchmarks.stall_probe import StreamRecord
+
+    record = StreamRecord([[0.0, 0.01, 0.02], [0.10, 0.11, 0.15], [0.16]])
+    gaps = [round(g, 3) for g in record.gaps(0.0, 1.0)]
+    assert gaps == [0.01, 0.01, 0.08, 0.01, 0.04, 0.01]  # across requests too
+    within = [round(g, 3) for g in record.gaps_within_requests(0.0, 1.0)]
+    assert within == [0.01, 0.01, 0.01, 0.04]  # the 80 ms before request 2 is not a stream gap
+    assert [round(g, 3) for g in record.gaps_within_requests(0.05, 0.12)] == [0.01]
+    assert record.largest_gap_start(0.0, 1.0) == 0.02
