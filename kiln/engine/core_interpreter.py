@@ -10,14 +10,22 @@ import subprocess
 import sys
 import time
 
+# Spins of libgomp's wait (GOMP_SPINCOUNT) before an idle OpenMP thread sleeps: enough to bridge
+# the gaps between one step's parallel regions (fewer slowed batch-1 decode), short against the
+# gaps between steps and the front end's bursts of work.
+CORE_SPIN_COUNT = 10_000
+
 
 def core_environment(environ) -> dict:
-    """The core process's environment: the caller's, with OpenMP threads that sleep rather than
-    spin between parallel regions (unless the user chose): the front end's tokenizing shares
-    the cores, and a spinning thread that loses its core stalls every step (measured on a busy
-    2-core machine: 400 ms per token spinning, 1 ms sleeping)."""
+    """The core process's environment: the caller's, with OpenMP threads that spin briefly
+    between parallel regions, then sleep (unless the user chose a wait policy or spin count).
+    Sleeping at once (OMP_WAIT_POLICY=PASSIVE) wakes a thread for every region of a step, which
+    made batch-1 decode about 3x slower on 2 cores; spinning for long (libgomp's default) keeps
+    a core from the front end's tokenizing, and a spinning thread that loses its core stalls
+    every step (docs/architecture.md has the figures)."""
     env = dict(environ)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_WAIT_POLICY" not in env:
+        env.setdefault("GOMP_SPINCOUNT", str(CORE_SPIN_COUNT))
     return env
 
 

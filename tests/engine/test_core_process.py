@@ -4,6 +4,7 @@ import dataclasses
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -87,6 +88,25 @@ def test_the_core_runs_in_another_process_and_matches_in_process(mp_llm, tiny_ll
         assert g.outputs[0].text == w.outputs[0].text
         assert [sorted(d) for d in g.outputs[0].logprobs] == \
             [sorted(d) for d in w.outputs[0].logprobs]
+
+
+def test_the_cores_openmp_threads_spin_briefly_unless_the_user_chose():
+    from kiln.engine.core_interpreter import CORE_SPIN_COUNT, core_environment
+
+    assert core_environment({"A": "1"}) == {"A": "1", "GOMP_SPINCOUNT": str(CORE_SPIN_COUNT)}
+    assert core_environment({"GOMP_SPINCOUNT": "7"})["GOMP_SPINCOUNT"] == "7"
+    chose = core_environment({"OMP_WAIT_POLICY": "PASSIVE"})
+    assert chose == {"OMP_WAIT_POLICY": "PASSIVE"}  # a policy alone keeps libgomp's count
+
+
+def test_the_live_core_has_that_environment(mp_llm):
+    from kiln.engine.core_interpreter import core_environment
+
+    pid = mp_llm.llm_engine.engine_core.pid
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    env = dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        assert env.get(name) == core_environment(os.environ).get(name), name
 
 
 def test_stats_are_fresh_after_an_abort(mp_llm):
