@@ -174,3 +174,14 @@ def test_timer_phases_per_request_and_none_for_a_core_abort():
     assert aborted.finished_reasons == ["abort"]
     assert aborted.request_queue_times == aborted.request_prefill_times == \
         aborted.request_inference_times == []
+
+
+def test_tokens_that_arrive_together_are_one_inter_token_sample_each():
+    """A delta of several core steps' tokens (the front end caught up): every token after a
+    sample's first is one inter-token sample, the ones that came together 0 s apart."""
+    timer, stats = RequestTimer(arrival_time=10.0), IterationStats()
+    for now, ids in ((11.0, [5, 6]), (11.5, [7]), (12.5, [8, 9, 10])):
+        timer.observe(RequestOutput("r", None, [1], [CompletionOutput(0, "", ids)]), len(ids),
+                      now, stats)
+    assert stats.inter_token_latencies == [0.0, 0.5, 1.0, 0.0, 0.0]  # 6 tokens: 5 gaps
+    assert stats.time_to_first_tokens == [1.0] and stats.num_generation_tokens == 6
