@@ -199,6 +199,12 @@ def test_chat_whole_streamed_n_logprobs(client, server):
     rendered = httpx.post(f"{server[0]}/detokenize", json={"tokens": ids},
                           headers=AUTH).json()["prompt"]
     assert "user: {{ 7 * 7 }}" in rendered and "49" not in rendered
+    # A long list decodes off the event loop, its range check there too.
+    many = httpx.post(f"{server[0]}/detokenize", json={"tokens": ids * 500}, headers=AUTH)
+    assert many.status_code == 200 and many.json()["prompt"].count("{{ 7 * 7 }}") == 500
+    bad = httpx.post(f"{server[0]}/detokenize", json={"tokens": ids * 500 + [10**6]},
+                     headers=AUTH)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=16,
                                                  temperature=0, stream=True, n=2))
     for i in (0, 1):
