@@ -20,7 +20,7 @@ def core_environment(environ) -> dict:
     """The core process's environment: the caller's, with OpenMP threads that spin briefly
     between parallel regions, then sleep (unless the user chose a wait policy or spin count).
     Sleeping at once (OMP_WAIT_POLICY=PASSIVE) wakes a thread for every region of a step, which
-    made batch-1 decode about 3x slower on 2 cores; spinning for long (libgomp's default) keeps
+    made batch-1 decode several times slower; spinning for long (libgomp's default) keeps
     a core from the front end's tokenizing, and a spinning thread that loses its core stalls
     every step (docs/architecture.md has the figures)."""
     env = dict(environ)

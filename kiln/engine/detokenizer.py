@@ -9,6 +9,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kiln.engine.text_encoding import keeps_stock
+
 # Prompt tokens kept as left context, so the first output token decodes with its leading space.
 INITIAL_CONTEXT_TOKENS = 5
 _INCOMPLETE = "\ufffd"  # what a partial UTF-8 sequence decodes to
@@ -40,13 +42,8 @@ def fast_decode(tokenizer) -> Callable[..., str]:
     cached = getattr(tokenizer, "_kiln_fast_decode", None)
     if cached is not None:
         return cached
-    from transformers import PreTrainedTokenizerFast
-
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    cls = type(tokenizer)
-    stock = (isinstance(tokenizer, PreTrainedTokenizerFast)
-             and cls.decode is PreTrainedTokenizerFast.decode
-             and cls._decode is PreTrainedTokenizerFast._decode)
+    stock = keeps_stock(tokenizer, ("decode", "_decode"))
     if backend is not None and stock and not getattr(tokenizer, "clean_up_tokenization_spaces",
                                                      True):
         def decode(ids: list[int], skip_special_tokens: bool = False) -> str:

@@ -72,7 +72,8 @@ class RequestTimer:
                 stats.inter_token_latencies.append(now - last)
             # Tokens of several core steps that arrive in one delta (the front end caught up)
             # reach the client together: one sample per token, as a streaming client times them.
-            stats.inter_token_latencies.extend([0.0] * (len(out.token_ids) - 1))
+            if len(out.token_ids) > 1:
+                stats.inter_token_latencies.extend([0.0] * (len(out.token_ids) - 1))
             self._sample_last_token[out.index] = now
         if new_tokens > 0:
             if self.first_token_time is None:

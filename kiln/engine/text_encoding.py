@@ -1,19 +1,43 @@
 """Text to token ids for every caller (prompts, /tokenize, bad words, grammars): the Rust
-backend's offset-free batch encode where the tokenizer has one, else the tokenizer's __call__.
+backend's offset-free batch encode where the tokenizer's own call would run just that, else
+the tokenizer's __call__.
 
 Why: a fast tokenizer's __call__ computes character offsets nobody here reads, and building them
-holds the GIL (about 110 ms on a 4 MB text, 2-core EPYC), so a front-end thread tokenizing a big
-body froze the server's event loop; `encode_batch_fast` releases the GIL for all its work and
-takes half the CPU. The ids are the same: both run the backend's one pipeline.
+holds the GIL, so a front-end thread tokenizing a big body froze the server's event loop
+(docs/architecture.md has the figures); `encode_batch_fast` releases the GIL for all its work.
+The ids are the same: both run the backend's one pipeline.
 """
+import functools
+
+# What a fast tokenizer's __call__ goes through (transformers 5; 4.x's names too): a class that
+# overrides one of them (CodeLlama's fill-in-the-middle _encode_plus) adds to the backend's work.
+_ENCODE_METHODS = ("__call__", "_call_one", "encode_plus", "_encode_plus", "_batch_encode_plus")
+
+
+@functools.cache
+def _class_keeps_stock(cls: type, names: tuple[str, ...]) -> bool:
+    from transformers import PreTrainedTokenizerFast
+
+    return issubclass(cls, PreTrainedTokenizerFast) and all(
+        getattr(cls, name) is getattr(PreTrainedTokenizerFast, name)
+        for name in names if hasattr(PreTrainedTokenizerFast, name))
+
+
+def keeps_stock(tokenizer, names: tuple[str, ...]) -> bool:
+    """Whether `tokenizer` is a transformers fast tokenizer whose class overrides none of the
+    methods `names`: what they do is then the `tokenizers` backend's work alone."""
+    return _class_keeps_stock(type(tokenizer), names)
 
 
 def _plain_backend(tokenizer):
     """The `tokenizers.Tokenizer` that `tokenizer(text)` would run unchanged, or None when
-    __call__ would do more than encode (truncation or padding set on the backend, special
-    tokens split differently, an older tokenizers without `encode_batch_fast`)."""
+    __call__ would do more than encode (a class that overrides it, truncation or padding set on
+    the backend, special tokens split differently, an older tokenizers without
+    `encode_batch_fast`)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "encode_batch_fast"):
+        return None
+    if not keeps_stock(tokenizer, _ENCODE_METHODS):
         return None
     if backend.truncation is not None or backend.padding is not None:
         return None

@@ -72,6 +72,21 @@ def test_a_backend_with_truncation_set_keeps_the_call(tokenizers):
         tok.backend_tokenizer.no_truncation()
 
 
+def test_a_class_that_overrides_the_encode_keeps_its_call(tokenizers):
+    """CodeLlama's tokenizer overrides _encode_plus (fill-in-the-middle): its additions stay."""
+    from transformers import BatchEncoding
+
+    tok = tokenizers["words"]
+    marked = type("Marked", (type(tok),), {
+        "_encode_plus": lambda self, *a, **k: BatchEncoding({"input_ids": [9, 9]})})
+    tok.__class__ = marked
+    try:
+        assert encode_text(tok, "w3 w4", False) == [9, 9]
+    finally:
+        tok.__class__ = marked.__mro__[1]
+    assert encode_text(tok, "w3 w4", False) == [3, 4]
+
+
 def test_a_tokenizer_without_a_backend_is_called():
     class Plain:
         def __call__(self, text, add_special_tokens):

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kiln.engine.async_llm import AsyncLLM
+from kiln.engine.text_encoding import encode_text
 from kiln.entrypoints.openai.errors import install_error_handlers
 from kiln.entrypoints.openai.http_protocol import header_timeout_protocol
 from kiln.entrypoints.openai.metrics import ServerMetrics
@@ -59,8 +60,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     async def lifespan(_: FastAPI):
         llm.start()
         # The start-up heap (torch, the tokenizer, the app) lives as long as the server: left
-        # tracked, each full collection rescanned it on the event loop, 50-170 ms a time under
-        # connection churn (2 cores), and every stream waited.
+        # tracked, each full collection rescanned it on the event loop, and every stream waited
+        # (docs/architecture.md has the figures).
         freeze_gc_heap(collect=True)
         yield
         logger.info("shutting down: aborting %d in-flight request(s)", llm.num_in_flight)
@@ -77,7 +78,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         open_paths = ("/health", "/metrics") if settings.metrics_public else ("/health",)
     describe(app, vocab_size=model_config.vocab_size,
              empty_text_has_tokens=tokenizer is not None
-             and bool(tokenizer("", add_special_tokens=True).input_ids),
+             and bool(encode_text(tokenizer, "", add_special_tokens=True)),
              reasoning_parser=settings.reasoning_parser is not None,
              max_model_len=model_config.max_model_len, open_paths=open_paths)
 

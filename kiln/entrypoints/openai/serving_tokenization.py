@@ -70,7 +70,7 @@ class ServingTokenization:
 
         def detokenize_ids(ids: list[int]) -> str:
             # Off the event loop, the check too (a 4 MB body is ~700,000 ids); the backend's
-            # decode where it equals transformers': that one holds the GIL (364 ms on 1M ids).
+            # decode where it equals transformers': that one holds the GIL for most of its work.
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise OpenAIError(f"tokens contains {bad}, outside the vocabulary [0, {vocab})",
