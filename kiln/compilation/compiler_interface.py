@@ -65,6 +65,13 @@ def inductor_config_hash() -> str:
     return hashlib.sha256(repr(factors).encode()).hexdigest()[:16]
 
 
+def cpu_threads_factor() -> tuple[int, int]:
+    """What Inductor's CPU code bakes in from the thread pool: with fewer threads than the
+    machine's CPUs it writes `omp parallel num_threads(n)` and parallelises fewer loop levels.
+    Code compiled under OMP_NUM_THREADS=1 would run on one thread forever after."""
+    return torch.get_num_threads(), os.cpu_count() or 1
+
+
 class InductorStandaloneAdaptor(CompilerInterface):
     name = "inductor_standalone"
 
@@ -86,6 +93,8 @@ class InductorStandaloneAdaptor(CompilerInterface):
             self.pass_manager.set_shape(None)
             uuid = self.pass_manager.uuid()
         factors = f"{inductor_config_hash()}|{uuid}|{sorted(self.defaults.items())}"
+        if self.device == "cpu":
+            factors += f"|{cpu_threads_factor()}"
         return hashlib.sha256(factors.encode()).hexdigest()[:16]
 
     def config_patches(self, config: dict[str, Any]) -> dict[str, Any]:

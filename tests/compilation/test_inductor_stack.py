@@ -463,3 +463,17 @@ def test_debug_dump_names_each_unsaved_piece_apart(tmp_path):
         adaptor._dump_output_code([module], None, None)
     dumped = sorted(f.read_text() for f in adaptor.dump_dir.glob("output_code_*.py"))
     assert dumped == [f"# piece {i}\n" for i in range(3)]
+
+
+def test_the_cpu_thread_count_is_part_of_the_compilers_hash():
+    # Inductor writes num_threads(n) into code compiled with fewer threads than CPUs: a cache
+    # shared across thread counts would pin a later run to the first run's count.
+    cpu = InductorStandaloneAdaptor(device="cpu")
+    threads = torch.get_num_threads()
+    before = cpu.compute_hash()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert cpu.compute_hash() != before
+    finally:
+        torch.set_num_threads(threads)
+    assert cpu.compute_hash() == before
