@@ -65,6 +65,23 @@ def native_cpu_ops() -> bool:
     return os.environ.get("KILN_NATIVE_CPU_OPS", "1") not in ("", "0", "false", "False")
 
 
+def cpu_num_reserved_cpu(default: int) -> int:
+    """`KILN_CPU_NUM_OF_RESERVED_CPU` (vLLM-CPU's `VLLM_CPU_NUM_OF_RESERVED_CPU`): cores the
+    engine core's OpenMP threads leave to the front end (API server, tokenizer, the OS).
+    Unset: `default` (1 for a served engine, 0 for `LLM`)."""
+    value = os.environ.get("KILN_CPU_NUM_OF_RESERVED_CPU")
+    if value is None or value == "":
+        return default
+    try:
+        cores = int(value)
+    except ValueError:
+        cores = -1
+    if cores < 0:
+        raise ValueError(f"KILN_CPU_NUM_OF_RESERVED_CPU={value!r} must be a whole number of "
+                         "cores >= 0 (0: the engine core's threads use every core)")
+    return cores
+
+
 def cpu_omp_threads_bind() -> str:
     """`KILN_CPU_OMP_THREADS_BIND` (vLLM-CPU's `VLLM_CPU_OMP_THREADS_BIND`): the cores each CPU
     rank's OpenMP threads run on: `auto` (the default: the machine's cores split evenly),

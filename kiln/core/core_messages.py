@@ -55,6 +55,7 @@ class Ready(msgspec.Struct, tag=True):
     max_model_len: int  # lowered by the core when the KV cache cannot hold the model's
     # Start-up phases in seconds: the core process's imports, then EngineCore's own.
     timings: dict[str, float] = {}
+    num_threads: int = 0  # torch's threads for steps, after any left to the front end
 
 
 class StepOutputs(msgspec.Struct, tag=True):

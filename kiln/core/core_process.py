@@ -133,10 +133,35 @@ def _aborted(request_id: str):
     return EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason="abort")
 
 
+def _leave_cores(kiln_config, executor_class: type, front_end_cores: int) -> int:
+    """Shrink the model's OpenMP threads so the front end's event loop and tokenizer threads
+    find a free core (vLLM-CPU reserves one too): a thread of the core that loses its core to
+    them stalls every parallel region of a step. The threads steps run with."""
+    import torch
+
+    from kiln.config.compilation_config import CompilationMode
+    from kiln.distributed.cpu_binding import cores_to_leave, leave_cores_to_front_end
+    from kiln.executor.uniproc_executor import UniprocExecutor
+
+    front_end_cores = cores_to_leave(
+        front_end_cores, device=kiln_config.device_config.device_obj.type,
+        model_here=issubclass(executor_class, UniprocExecutor),
+        guarded=kiln_config.compilation_config.mode == CompilationMode.STOCK_TORCH_COMPILE)
+    if front_end_cores:
+        changed = leave_cores_to_front_end(front_end_cores)
+        if changed is not None:
+            logger.info("engine core: %d OpenMP threads of %d, %d core(s) left to the front "
+                        "end (KILN_CPU_NUM_OF_RESERVED_CPU)", changed[1], changed[0],
+                        changed[0] - changed[1])
+    return torch.get_num_threads()
+
+
 def run_engine_core(kiln_config, executor_class: type, input_address: str, output_address: str,
-                    parent_pid: int, launched_at: float, goodbye_fd: int | None = None) -> None:
+                    parent_pid: int, launched_at: float, goodbye_fd: int | None = None,
+                    front_end_cores: int = 0) -> None:
     """The process's work, once its arguments are read (kiln.engine.core_client starts it).
-    `goodbye_fd`: written to as the last act before exiting (core_interpreter.py)."""
+    `goodbye_fd`: written to as the last act before exiting (core_interpreter.py).
+    `front_end_cores`: cores a CPU model running here leaves to the front end once warm."""
     # Ctrl-C reaches the whole process group: the front end decides what stops, and tells us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -155,10 +180,12 @@ def run_engine_core(kiln_config, executor_class: type, input_address: str, outpu
 
         imported = time.monotonic()
         core = EngineCore(kiln_config, executor_class)
+        num_threads = _leave_cores(kiln_config, executor_class, front_end_cores)
         # time.monotonic() is one clock for every process of the machine (Linux).
         timings = {"core_process_start_s": imported - launched_at, **core.startup_timings}
         output_socket.send(encoder.encode(Ready(num_blocks=core.num_blocks,
                                                 max_model_len=core.max_model_len,
+                                                num_threads=num_threads,
                                                 timings=timings)))
         CoreLoop(core, input_socket, output_socket).run()
     except BaseException as e:  # noqa: BLE001 - the front end must learn why, then we exit

@@ -1,5 +1,6 @@
-"""Which cores a CPU rank's OpenMP threads may use, as vLLM-CPU's VLLM_CPU_OMP_THREADS_BIND
-decides it: ranks on one machine share its cores evenly, or take the lists given.
+"""Which cores a CPU engine's OpenMP threads may use, as vLLM-CPU decides it: ranks on one
+machine share its cores evenly or take the lists given (VLLM_CPU_OMP_THREADS_BIND), and a
+served engine leaves cores to its front end (VLLM_CPU_NUM_OF_RESERVED_CPU).
 """
 import os
 
@@ -43,6 +44,34 @@ def cores_for_rank(bind: str, local_rank: int, local_world_size: int,
                          f"for {local_world_size} ranks on this machine; give one per rank, "
                          "separated by '|', or use auto / nobind")
     return parse_core_list(lists[local_rank])
+
+
+def threads_left(threads: int, reserved: int) -> int:
+    """OpenMP threads an engine keeps when `reserved` of its `threads` cores go to the front
+    end: at least one."""
+    return max(1, threads - reserved)
+
+
+def cores_to_leave(requested: int, device: str, model_here: bool, guarded: bool) -> int:
+    """How many of the `requested` cores an engine core can leave to its front end: none
+    unless the model runs on CPU in this process (ranks in their own processes keep their
+    KILN_CPU_OMP_THREADS_BIND cores) and its compiled code has no guards (mode 1's Dynamo
+    guards the thread count: a change would recompile, which serving refuses)."""
+    return requested if device == "cpu" and model_here and not guarded else 0
+
+
+def leave_cores_to_front_end(reserved: int) -> tuple[int, int] | None:
+    """Shrink this process's torch thread pool by `reserved` cores, after the model compiled
+    and warmed up with all of them (so what is compiled and cached is the same as `LLM`'s).
+    A user's OMP_NUM_THREADS is kept. (threads before, after), or None where unchanged."""
+    if reserved <= 0 or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    before = torch.get_num_threads()
+    after = threads_left(before, reserved)
+    if after == before:
+        return None
+    torch.set_num_threads(after)
+    return before, after
 
 
 def bind_this_process(bind: str, local_rank: int, local_world_size: int) -> list[int] | None:

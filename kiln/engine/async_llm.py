@@ -91,7 +91,7 @@ class AsyncLLM:
     def from_engine_args(cls, engine_args, stat_loggers: Iterable[StatLogger] = ()) -> "AsyncLLM":
         from kiln.engine.llm_engine import LLMEngine
 
-        return cls(LLMEngine.from_engine_args(engine_args), stat_loggers)
+        return cls(LLMEngine.from_engine_args(engine_args, served=True), stat_loggers)
 
     # ---- properties the server reads -------------------------------------------------------
     @property
@@ -110,6 +110,10 @@ class AsyncLLM:
     @property
     def num_blocks(self) -> int:
         return self.engine.num_blocks
+
+    @property
+    def num_threads(self) -> int | None:
+        return getattr(self.engine, "num_threads", None)
 
     @property
     def core_pid(self) -> int | None:

@@ -57,6 +57,8 @@ class InprocCoreClient:
     look inside the executor."""
 
     def __init__(self, kiln_config, executor_class: type):
+        import torch
+
         from kiln.core.engine_core import EngineCore
 
         self.core = EngineCore(kiln_config, executor_class)
@@ -65,6 +67,7 @@ class InprocCoreClient:
         self.pid = os.getpid()
         self.num_blocks = self.core.num_blocks  # the KV cache's size, in blocks
         self.max_model_len = self.core.max_model_len  # the config's, or what the cache holds
+        self.num_threads = torch.get_num_threads()
 
     def add_request(self, request: Request) -> None:
         self.core.add_request(request)
@@ -127,8 +130,9 @@ class CoreProcClient:
     one PULL socket; the process sentinel is polled with it, so a dead core ends every wait."""
 
     def __init__(self, kiln_config, executor_class: type,
-                 interpreter: "CoreInterpreter | None" = None):
-        """`interpreter`: one started earlier (else it starts now)."""
+                 interpreter: "CoreInterpreter | None" = None, front_end_cores: int = 0):
+        """`interpreter`: one started earlier (else it starts now). `front_end_cores`: cores
+        the core's CPU threads leave to this process once warm (core_process._leave_cores)."""
         self._kiln_config = kiln_config
         self._encoder, _ = input_codec()
         _, self._decoder = output_codec()
@@ -150,6 +154,7 @@ class CoreProcClient:
         # lower one the cache holds.
         self.num_blocks: int | None = None
         self.max_model_len: int | None = None
+        self.num_threads: int | None = None  # torch's threads in the core, told by Ready
         self._dead: BaseException | None = None
         self._failure_reported = threading.Event()  # set once a CoreFailed was read
         self._death_callbacks: list = []
@@ -157,7 +162,8 @@ class CoreProcClient:
         # A fresh interpreter, not fork (the caller may hold OpenMP threads, CUDA, or the
         # tokenizer's pool) and not multiprocessing's spawn (it re-runs an unguarded script).
         interpreter = interpreter or CoreInterpreter()
-        self.proc = interpreter.start(kiln_config, executor_class, input_address, output_address)
+        self.proc = interpreter.start(kiln_config, executor_class, input_address, output_address,
+                                      front_end_cores)
         self.pid = self.proc.pid
         # Readable once the process has exited: polled beside the output socket.
         self._sentinel = os.pidfd_open(self.pid)
@@ -186,6 +192,7 @@ class CoreProcClient:
         self.startup_timings = dict(message.timings)
         self.num_blocks = message.num_blocks
         self.max_model_len = message.max_model_len
+        self.num_threads = message.num_threads
         self._watch()
         logger.info("engine core running in process %d", self.pid)
 

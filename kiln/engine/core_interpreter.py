@@ -51,14 +51,15 @@ class CoreInterpreter:
         self._goodbye_w = goodbye_w  # its number, the same in the child
 
     def start(self, kiln_config, executor_class: type, input_address: str,
-              output_address: str) -> subprocess.Popen:
+              output_address: str, front_end_cores: int = 0) -> subprocess.Popen:
         """Hand over the arguments, pickled (the config is not a request: only requests and
         outputs must cross without pickle); the caller's sys.path first, so a test's executor
         class imports there too."""
         try:
             pickle.dump(sys.path, self.proc.stdin)
             pickle.dump((kiln_config, executor_class, input_address, output_address,
-                         os.getpid(), self.launched_at, self._goodbye_w), self.proc.stdin)
+                         os.getpid(), self.launched_at, self._goodbye_w, front_end_cores),
+                        self.proc.stdin)
             self.proc.stdin.close()
         except BaseException:
             self.discard()

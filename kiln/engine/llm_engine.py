@@ -36,10 +36,13 @@ def get_executor_class(parallel_config: ParallelConfig) -> type:
 
 class LLMEngine:
     def __init__(self, kiln_config: KilnConfig, executor_class: type | None = None,
-                 core_interpreter=None, multiprocess: bool | None = None):
+                 core_interpreter=None, multiprocess: bool | None = None,
+                 front_end_cores: int = 0):
         """`core_interpreter`: a core_interpreter.CoreInterpreter started before the config was
         built (from_engine_args does). `multiprocess`: the core in its own process (None:
-        KILN_ENABLE_V1_MULTIPROCESSING, default on); False for one core step per step()."""
+        KILN_ENABLE_V1_MULTIPROCESSING, default on); False for one core step per step().
+        `front_end_cores`: cores a core process running the model on CPU leaves to this one
+        once warm (in-process, none: this process's threads are the caller's)."""
         if multiprocess is None:
             multiprocess = envs.enable_multiprocessing()
         from kiln.engine.core_client import CoreProcClient, InprocCoreClient
@@ -59,8 +62,8 @@ class LLMEngine:
         # Seconds per start-up phase of this process (the core's are in engine_core's).
         self.startup_timings: dict[str, float] = {}
         clock = time.perf_counter()
-        starting = (CoreProcClient(kiln_config, executor_class, core_interpreter)
-                    if multiprocess else None)
+        starting = (CoreProcClient(kiln_config, executor_class, core_interpreter,
+                                   front_end_cores) if multiprocess else None)
         try:
             self.tokenizer = get_tokenizer(self.model_config)  # None: skip_tokenizer_init
             eos_ids = generation_eos_token_ids(self.model_config)
@@ -95,9 +98,13 @@ class LLMEngine:
         self.num_generation_tokens = 0
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
+    def from_engine_args(cls, engine_args: EngineArgs, served: bool = False) -> "LLMEngine":
+        """`served`: the front end is a server (AsyncLLM), whose event loop and tokenizing
+        need a core of their own: the core leaves it one unless KILN_CPU_NUM_OF_RESERVED_CPU
+        says otherwise. `LLM`'s front end only waits for outputs: it leaves none."""
         from kiln.engine import core_interpreter
 
+        front_end_cores = envs.cpu_num_reserved_cpu(default=1 if served else 0)
         interpreter = core_interpreter.take() if envs.enable_multiprocessing() else None
         try:
             start = time.perf_counter()
@@ -107,7 +114,7 @@ class LLMEngine:
             if interpreter is not None:
                 interpreter.discard()
             raise
-        engine = cls(kiln_config, core_interpreter=interpreter)
+        engine = cls(kiln_config, core_interpreter=interpreter, front_end_cores=front_end_cores)
         engine.startup_timings = {"config_s": config_s, **engine.startup_timings}
         return engine
 
@@ -115,6 +122,12 @@ class LLMEngine:
     def num_blocks(self) -> int:
         """The KV cache's size in blocks, as the core sized it (not a config field)."""
         return self.engine_core.num_blocks
+
+    @property
+    def num_threads(self) -> int | None:
+        """torch's threads in the core for steps (fewer than the cores where some are left to
+        the front end); None for a core that does not say."""
+        return getattr(self.engine_core, "num_threads", None)
 
     @property
     def max_model_len(self) -> int:

@@ -4,6 +4,7 @@ server with a non-zero exit (bounded waits, never a hang)."""
 import asyncio
 import json
 import os
+import re
 import signal
 import threading
 from pathlib import Path
@@ -46,6 +47,10 @@ def test_one_banner_says_what_is_served(core_server):
     for part in (f"model {NAME}", "dtype float32", "compile mode 0", "blocks x 16 tokens",
                  f"http://127.0.0.1:{port}", "API key off"):
         assert part in lines[0], (part, lines[0])
+    # A served core leaves a core to the front end (tests/engine/test_front_end_cores.py).
+    threads = int(re.search(r"engine threads (\d+)", lines[0]).group(1))
+    cores = len(os.sched_getaffinity(0))
+    assert threads >= 1 and (threads < cores or cores == 1), lines[0]
 
 
 def test_a_stream_keeps_going_while_the_front_end_tokenizes_huge_bodies(core_server):

@@ -155,6 +155,16 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _threads(llm) -> str:
+    """The core's threads, and the cores left to this process (KILN_CPU_NUM_OF_RESERVED_CPU)."""
+    threads = llm.num_threads
+    if not threads:
+        return ""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    left = f", {cores - threads} core(s) left to the front end" if cores and cores > threads else ""
+    return f"engine threads {threads}{left} | "
+
+
 def banner(llm, settings) -> str:
     """One line: what is served, how, where, and whether it needs a key (`llm`: the started
     AsyncLLM, whose core sized the KV cache)."""
@@ -169,5 +179,6 @@ def banner(llm, settings) -> str:
     return (f"kiln serve: model {name} | dtype {dtype} | compile mode {int(mode)} "
             f"({getattr(mode, 'name', mode)}) | KV cache {llm.num_blocks} blocks x "
             f"{cache.block_size} tokens | max_model_len {llm.max_model_len} | "
+            f"{_threads(llm)}"
             f"http://{settings.host}:{settings.port} | API key "
             f"{'on' if settings.api_key else 'off'}")
