@@ -39,6 +39,24 @@ def is_bulk(args, kwargs) -> bool:
     return False
 
 
+# The front end's niceness where it shares every core with the engine core's threads.
+SHARED_CORES_NICENESS = 5
+
+
+def frontend_niceness(chosen: int | None, core_threads: int | None,
+                      cores: int | None = None) -> int:
+    """The user's choice, else: none where the core's threads leave this process a core (it
+    then needs no priority below theirs, and a lower one loses its core to whatever else runs
+    there), SHARED_CORES_NICENESS where they take every core."""
+    if chosen is not None:
+        return chosen
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if core_threads and cores and core_threads < cores:
+        return 0
+    return SHARED_CORES_NICENESS
+
+
 def lower_front_end(niceness: int) -> int:
     """Add `niceness` to every thread of this process (threads started later inherit it from
     their creator), not to the engine core's process started before: where both share a

@@ -70,3 +70,13 @@ core.kill()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.stdout.split() == ["True"] * 4, out.stderr
+
+
+def test_the_front_end_yields_by_default_only_where_it_shares_every_core():
+    from kiln.engine.frontend_lanes import SHARED_CORES_NICENESS, frontend_niceness
+
+    assert frontend_niceness(None, core_threads=1, cores=2) == 0  # the core left it one
+    assert frontend_niceness(None, core_threads=2, cores=2) == SHARED_CORES_NICENESS
+    assert frontend_niceness(None, core_threads=None, cores=2) == SHARED_CORES_NICENESS
+    assert frontend_niceness(7, core_threads=1, cores=2) == 7  # the user's choice
+    assert frontend_niceness(0, core_threads=2, cores=2) == 0

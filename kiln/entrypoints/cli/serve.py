@@ -39,10 +39,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seconds a client has to send complete request headers")
     g.add_argument("--request-body-timeout", type=float, default=30.0,
                    help="seconds a request body may pause before the request gets HTTP 408")
-    g.add_argument("--frontend-niceness", type=int, default=5,
+    g.add_argument("--frontend-niceness", type=int, default=None,
                    help="once the engine core runs in its own process, lower this server "
-                        "process's CPU priority by this much (0: not at all), so steps never "
-                        "wait for front-end work on shared cores")
+                        "process's CPU priority by this much (0: not at all), so steps wait "
+                        "less for front-end work on shared cores (default: 0 where the core "
+                        "leaves this process a core, KILN_CPU_NUM_OF_RESERVED_CPU; else 5)")
     g.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     g.add_argument("--disable-access-log", action="store_true",
@@ -81,7 +82,7 @@ def settings_from_args(args: argparse.Namespace):
     from kiln.entrypoints.openai.structured_fields import parse_structured_outputs_config
 
     no_whitespace = parse_structured_outputs_config(args.structured_outputs_config)
-    if not 0 <= args.frontend_niceness <= 19:
+    if args.frontend_niceness is not None and not 0 <= args.frontend_niceness <= 19:
         raise ValueError(f"--frontend-niceness must be in 0..19, got {args.frontend_niceness}")
     if args.max_sequences_per_request < 1:
         raise ValueError(f"--max-sequences-per-request must be >= 1, got "
@@ -131,9 +132,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         llm = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
         if llm.core_pid != os.getpid():  # the core keeps its priority; only we yield
-            from kiln.engine.frontend_lanes import lower_front_end
+            from kiln.engine.frontend_lanes import frontend_niceness, lower_front_end
 
-            lower_front_end(args.frontend_niceness)
+            lower_front_end(frontend_niceness(args.frontend_niceness, llm.num_threads))
         print(banner(llm, settings), file=sys.stderr, flush=True)
         return serve(llm, settings, sock)
     finally:
