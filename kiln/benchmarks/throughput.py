@@ -120,14 +120,15 @@ def run_hf(model, prompts: list[list[int]], output_len: int, batch_size: int,
     return RunResult(elapsed, len(prompts), sum(map(len, prompts)), num_out)
 
 
-def _timed_engine_run(kiln_config, prompts_for, output_len: int):
+def _timed_engine_run(kiln_config, prompts_for, output_len: int, multiprocess: bool = False):
     """Build an engine, time one run over prompts_for(engine): (result, comm figures, weight
-    bytes, prompts, tokenizer)."""
+    bytes, prompts, tokenizer). In this process by default (as the latency benchmark): the
+    figures read the executor and the model. `multiprocess`: the core in its own process, as
+    `LLM` runs it (no communication or weight figures then)."""
     from kiln.benchmarks.latency import model_weight_bytes
     from kiln.engine.llm_engine import LLMEngine
 
-    # In this process (as the latency benchmark): the figures read the executor and the model.
-    engine = LLMEngine(kiln_config, multiprocess=False)
+    engine = LLMEngine(kiln_config, multiprocess=multiprocess)
     prompts = prompts_for(engine)
     executor = getattr(getattr(engine, "engine_core", None), "executor", None)
     try:
@@ -142,9 +143,11 @@ def _timed_engine_run(kiln_config, prompts_for, output_len: int):
 
 
 def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, output_len: int,
-                   backend: str = "kiln", compare_unquantized: bool = False) -> dict:
+                   backend: str = "kiln", compare_unquantized: bool = False,
+                   multiprocess: bool = False) -> dict:
     """Benchmark; returns the one-line JSON report as a dict. compare_unquantized: then the
-    same prompts through the same engine without --quantization (the baseline), and ratios."""
+    same prompts through the same engine without --quantization (the baseline), and ratios.
+    multiprocess: each engine's core in its own process, as `LLM` runs it."""
     if backend not in ("kiln", "hf"):
         raise ValueError(f"--backend must be kiln or hf, got {backend!r}")
     if compare_unquantized and engine_args.quantization is None:
@@ -158,7 +161,7 @@ def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, ou
         return random_prompts(num_prompts, input_len, mc.vocab_size, engine_args.seed, exclude)
 
     result, comm, weight_bytes, prompts, tokenizer = _timed_engine_run(
-        kiln_config, seeded_prompts, output_len)
+        kiln_config, seeded_prompts, output_len, multiprocess)
     report = {"backend": backend, "num_prompts": num_prompts, "input_len": input_len,
               "output_len": output_len, **result.figures(),
               "num_output_tokens": result.num_output_tokens, "model": mc.model,
@@ -170,13 +173,14 @@ def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, ou
               "tensor_parallel_size": kiln_config.parallel_config.tensor_parallel_size,
               "pipeline_parallel_size": kiln_config.parallel_config.pipeline_parallel_size,
               "distributed_executor_backend":
-                  kiln_config.parallel_config.distributed_executor_backend}
+                  kiln_config.parallel_config.distributed_executor_backend,
+              "engine_core": "own process" if multiprocess else "in-process"}
     if comm:
         report["communication"] = comm
     if compare_unquantized:
         base_config = dataclasses.replace(engine_args, quantization=None).create_kiln_config()
         base, _, base_bytes, _, _ = _timed_engine_run(base_config, lambda engine: prompts,
-                                                      output_len)
+                                                      output_len, multiprocess)
         report.update(base.figures("unquantized_"),
                       unquantized_model_weight_bytes=base_bytes,
                       speedup_vs_unquantized=(result.num_output_tokens / result.elapsed_s)

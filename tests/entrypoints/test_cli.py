@@ -115,6 +115,7 @@ def test_bench_throughput_dummy_with_hf(stories):
     (line,) = r.stdout.splitlines()
     report = json.loads(line)
     assert report["backend"] == "hf" and report["num_prompts"] == 4
+    assert report["engine_core"] == "in-process"
     assert report["num_output_tokens"] == report["hf_num_output_tokens"] == 16
     for key in ("elapsed_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
                 "hf_output_tokens_per_s", "kiln_vs_hf_output_tokens_per_s"):
@@ -135,6 +136,15 @@ def test_bench_throughput_int8_against_unquantized_in_one_run(stories):
     assert report["model_weight_bytes"] < report["unquantized_model_weight_bytes"]
     r = kiln("bench", "throughput", "--model", stories, "--compare-unquantized", *ENGINE)
     assert r.returncode == 2 and "--compare-unquantized needs --quantization" in r.stderr
+
+
+def test_bench_throughput_with_the_core_in_its_own_process(stories):
+    r = kiln("bench", "throughput", "--model", stories, "--num-prompts", "2", "--input-len", "8",
+             "--output-len", "3", "--multiprocess", *ENGINE)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["engine_core"] == "own process" and report["num_output_tokens"] == 6
+    assert report["output_tokens_per_s"] > 0 and report["model_weight_bytes"] is None
 
 
 def test_bench_rejects_lengths_over_max_model_len(stories):

@@ -33,6 +33,10 @@ def register(subparsers) -> None:
     parser.add_argument("--compare-unquantized", action="store_true",
                         help="with --quantization: also run the same prompts unquantized and "
                              "report speedup_vs_unquantized and weight_bytes_vs_unquantized")
+    parser.add_argument("--multiprocess", action="store_true",
+                        help="the engine core in its own process, as LLM runs it by default "
+                             "(default: in this process, which also reports weight bytes and "
+                             "communication figures)")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run)
     for name in BENCHMARKS:
@@ -44,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from kiln.benchmarks.throughput import run_throughput
 
     report = run_throughput(EngineArgs.from_cli_args(args), args.num_prompts, args.input_len,
-                            args.output_len, args.backend, args.compare_unquantized)
+                            args.output_len, args.backend, args.compare_unquantized,
+                            args.multiprocess)
     print(json.dumps(report), flush=True)
     return 0
