@@ -43,6 +43,13 @@ def is_bulk(args, kwargs) -> bool:
 SHARED_CORES_NICENESS = 5
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity; the engine core's process inherits it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def frontend_niceness(chosen: int | None, core_threads: int | None,
                       cores: int | None = None) -> int:
     """The user's choice, else: none where the core's threads leave this process a core (it
@@ -51,8 +58,8 @@ def frontend_niceness(chosen: int | None, core_threads: int | None,
     if chosen is not None:
         return chosen
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if core_threads and cores and core_threads < cores:
+        cores = usable_cores()
+    if core_threads and core_threads < cores:
         return 0
     return SHARED_CORES_NICENESS
 

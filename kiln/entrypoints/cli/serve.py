@@ -158,11 +158,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def _threads(llm) -> str:
     """The core's threads, and the cores left to this process (KILN_CPU_NUM_OF_RESERVED_CPU)."""
+    from kiln.engine.frontend_lanes import usable_cores
+
     threads = llm.num_threads
     if not threads:
         return ""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    left = f", {cores - threads} core(s) left to the front end" if cores and cores > threads else ""
+    cores = usable_cores()
+    left = f", {cores - threads} core(s) left to the front end" if cores > threads else ""
     return f"engine threads {threads}{left} | "
 
 
