@@ -49,7 +49,7 @@ def engine_prompts(prompt) -> list:
     if not prompt:
         raise OpenAIError("prompt is empty: give a string, a list of strings or token ids",
                           param="prompt", code="invalid_value")
-    if all(isinstance(p, int) for p in prompt):
+    if set(map(type, prompt)) == {int}:  # in C: a 4 MB list of ids is on the event loop
         return [{"prompt_token_ids": list(prompt)}]
     if all(isinstance(p, list) for p in prompt):
         return [{"prompt_token_ids": list(p)} for p in prompt]

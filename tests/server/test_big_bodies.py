@@ -1,0 +1,136 @@
+"""Megabyte request bodies cost the event loop no Python work per item: token-id lists are
+validated in pydantic's core, the prompt's union picks its member from the first item, and long
+decodes release the GIL. Structure, not timing: Python calls are counted (sys.setprofile)."""
+import sys
+import threading
+import time
+
+import pytest
+from pydantic import TypeAdapter, ValidationError
+
+from kiln.engine.detokenizer import GIL_FREE_DECODE_IDS, fast_decode
+from kiln.entrypoints.openai.errors import _loc_to_param
+from kiln.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    PromptInput,
+)
+from kiln.entrypoints.openai.serving_completion import engine_prompts
+
+
+def python_calls(fn) -> int:
+    """Python function calls made while fn() runs on this thread (C and Rust calls not
+    counted)."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_a_long_id_prompt_and_detokenize_body_validate_without_python_per_id():
+    ids = list(range(20_000))
+    for body in ({"model": "m", "prompt": ids}, {"model": "m", "prompt": [ids, ids]}):
+        assert python_calls(lambda b=body: CompletionRequest.model_validate(b)) < 50
+    assert python_calls(lambda: DetokenizeRequest.model_validate({"tokens": ids})) < 50
+    # Text prompts too: the union no longer tries each member item by item.
+    assert python_calls(lambda: CompletionRequest.model_validate(
+        {"model": "m", "prompt": ["w"] * 20_000})) < 50
+
+
+@pytest.mark.parametrize("prompt,expected", [
+    ("text", "text"), ([], []), (["a", "b"], ["a", "b"]), ([1, 2], [1, 2]),
+    ([1.0, 2], [1, 2]), ([[1], [2.0, 3]], [[1], [2, 3]]), ([[]], [[]])])
+def test_prompt_shapes_validate_as_before(prompt, expected):
+    value = TypeAdapter(PromptInput).validate_python(prompt)
+    assert value == expected and all(type(t) is int for t in value if not isinstance(t, (str, list)))
+
+
+@pytest.mark.parametrize("prompt", [[True], [1, "a"], ["a", 1], [1.5], 5, {"a": 1}, None,
+                                    [[1], "a"], [["a"]]])
+def test_bad_prompts_are_refused_naming_the_prompt(prompt):
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate({"model": "m", "prompt": prompt})
+    first = info.value.errors()[0]
+    assert _loc_to_param(("body", *first["loc"])) == "prompt", first
+
+
+def test_token_ids_take_what_json_integers_are_and_refuse_the_rest():
+    for good, value in ((7, 7), (7.0, 7)):
+        assert DetokenizeRequest.model_validate({"tokens": [good]}).tokens == [value]
+        assert type(DetokenizeRequest.model_validate({"tokens": [good]}).tokens[0]) is int
+    for bad in (True, "7", 7.5, None, float("inf")):
+        with pytest.raises(ValidationError):
+            DetokenizeRequest.model_validate({"tokens": [bad]})
+
+
+def test_the_openapi_schema_of_ids_and_prompts_is_unchanged():
+    schema = TypeAdapter(PromptInput).json_schema()
+    assert schema == {"anyOf": [
+        {"type": "string"}, {"type": "array", "items": {"type": "string"}},
+        {"type": "array", "items": {"type": "integer"}},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]}
+    assert DetokenizeRequest.model_json_schema()["properties"]["tokens"]["items"] == {
+        "type": "integer"}
+
+
+def test_engine_prompts_of_a_long_id_list_take_no_python_per_id():
+    ids = list(range(20_000))
+    assert python_calls(lambda: engine_prompts(ids)) < 10
+    assert engine_prompts(ids) == [{"prompt_token_ids": ids}]
+
+
+def test_many_chat_messages_without_nulls_skip_the_null_rewrite():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}] * 2_000}
+    # One before-validator call per message is left (the model's), not a dict rewrite each.
+    assert python_calls(lambda: ChatCompletionRequest.model_validate(body)) < 3 * 2_000
+    with_null = {"model": "m", "messages": [{"role": "user", "content": "hi", "name": None}]}
+    assert ChatCompletionRequest.model_validate(with_null).messages[0].name is None
+
+
+def _byte_level_tokenizer():
+    from tests.engine.test_detokenizer import _byte_level_bpe
+    return _byte_level_bpe()
+
+
+def test_long_decodes_equal_the_tokenizers_and_release_the_gil():
+    tokenizer = _byte_level_tokenizer()
+    decode = fast_decode(tokenizer)
+    ids = (tokenizer("once upon a time there was a cat", add_special_tokens=False).input_ids
+           * (GIL_FREE_DECODE_IDS // 4))
+    assert len(ids) >= GIL_FREE_DECODE_IDS
+    for skip in (False, True):
+        assert decode(ids, skip_special_tokens=skip) == tokenizer.decode(
+            ids, skip_special_tokens=skip)
+    # Released: another thread runs Python in the middle of a long decode.
+    ids = ids * 200
+    stamps, done = [], threading.Event()
+
+    def other():
+        while not done.is_set():
+            now = time.perf_counter()
+            if not stamps or now - stamps[-1] > 0.001:
+                stamps.append(now)
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    try:
+        while not stamps:
+            time.sleep(0.001)
+        start = time.perf_counter()
+        decode(ids)
+        end = time.perf_counter()
+    finally:
+        done.set()
+        worker.join()
+    quarter = (end - start) / 4
+    middle = [t for t in stamps if start + quarter < t < end - quarter]
+    assert middle, f"no other thread ran in the middle of a {end - start:.3f} s decode"
