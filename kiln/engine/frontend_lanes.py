@@ -7,25 +7,35 @@ import os
 import threading
 from collections.abc import Callable
 
+from pydantic import BaseModel
+
 # Inputs past this many characters (or list items) take the bulk lane.
 BULK_CHARS = 64 * 1024
 # The bulk thread's niceness, added to the process's (0-19; higher yields more).
 BULK_NICENESS = 10
 _DEPTH = 4  # how deep input_size looks into messages: [{"content": [{"text": ...}]}]
+# What each item of a long list counts for, so that a list of thousands of messages is bulk
+# without being walked item by item (input_size runs on the event loop).
+ITEM_CHARS = 16
 
 
 def input_size(obj, depth: int = _DEPTH) -> int:
     """Characters of text (and ids of token lists) in a call's argument: prompts, prompt
-    dicts, chat messages. Cheap: lengths only, never the text itself."""
+    dicts, chat messages (dicts or request models). Cheap: lengths only, never the text
+    itself, and a list of more than BULK_CHARS / ITEM_CHARS items is not walked."""
     if isinstance(obj, str):
         return len(obj)
     if depth == 0:
         return 0
+    if isinstance(obj, BaseModel):
+        obj = obj.__dict__  # its fields, at the model's own depth
     if isinstance(obj, dict):
         return sum(input_size(v, depth - 1) for v in obj.values())
     if isinstance(obj, (list, tuple)):
         if obj and isinstance(obj[0], int):
             return len(obj)
+        if len(obj) * ITEM_CHARS > BULK_CHARS:
+            return len(obj) * ITEM_CHARS
         return sum(input_size(v, depth - 1) for v in obj)
     return 0
 

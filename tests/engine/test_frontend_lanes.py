@@ -3,7 +3,14 @@ never queues behind it."""
 import os
 import threading
 
-from kiln.engine.frontend_lanes import BULK_CHARS, BULK_NICENESS, FrontendLanes, input_size, is_bulk
+from kiln.engine.frontend_lanes import (
+    BULK_CHARS,
+    BULK_NICENESS,
+    ITEM_CHARS,
+    FrontendLanes,
+    input_size,
+    is_bulk,
+)
 
 
 def test_input_size_counts_text_and_ids_in_prompts_and_messages():
@@ -14,6 +21,24 @@ def test_input_size_counts_text_and_ids_in_prompts_and_messages():
     assert input_size(object()) == 0
     assert not is_bulk(("x" * BULK_CHARS,), {})
     assert is_bulk(("x" * BULK_CHARS, "y"), {}) and is_bulk((), {"text": "x" * (BULK_CHARS + 1)})
+
+
+def test_request_models_count_their_fields_and_long_lists_are_bulk_unwalked():
+    from kiln.entrypoints.openai.protocol import ChatMessage
+
+    parts = ChatMessage.model_validate({"role": "user", "content": [{"type": "text",
+                                                                     "text": "hey"}]})
+    assert input_size([ChatMessage(role="user", content="hello")]) == 9  # role + content
+    assert input_size([parts]) == input_size([parts.model_dump()]) == 11
+    assert is_bulk(([ChatMessage(role="user", content="x" * BULK_CHARS)],), {})
+
+    class Unwalkable(dict):
+        def values(self):
+            raise AssertionError("a long list's items are not walked")
+
+    many = [Unwalkable()] * (BULK_CHARS // ITEM_CHARS + 1)
+    assert is_bulk((many,), {})
+    assert not is_bulk(([{"role": "user", "content": "hi"}] * 100,), {})
 
 
 def test_a_short_call_runs_while_a_huge_one_is_still_going():

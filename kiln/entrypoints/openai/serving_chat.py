@@ -80,6 +80,13 @@ def _arguments_as_objects(messages: list[dict]) -> list[dict]:
     return messages
 
 
+def _plain_messages(messages: list[ChatMessage]) -> list[dict]:
+    """The request's messages as the template takes them (on a front-end thread: for thousands
+    of messages this is 100 ms and more of Python)."""
+    return _arguments_as_objects(
+        chat_messages([m.model_dump(exclude_none=True) for m in messages]))
+
+
 async def render_chat_prompt(llm: AsyncLLM, messages: list[ChatMessage],
                              add_generation_prompt: bool, continue_final_message: bool = False,
                              template_kwargs: dict | None = None,
@@ -96,8 +103,7 @@ async def render_chat_prompt(llm: AsyncLLM, messages: list[ChatMessage],
         raise OpenAIError("chat_template_kwargs may not set 'chat_template'",
                           param="chat_template_kwargs", code="invalid_value")
     try:
-        plain = _arguments_as_objects(
-            chat_messages([m.model_dump(exclude_none=True) for m in messages]))
+        plain = await llm.run_in_engine(_plain_messages, messages)
     except MessageError as e:
         raise OpenAIError(str(e), param=e.field, code="unsupported_content") from None
     try:  # the default add_generation_prompt yields to continue_final_message (see above)

@@ -49,9 +49,10 @@ def engine_prompts(prompt) -> list:
     if not prompt:
         raise OpenAIError("prompt is empty: give a string, a list of strings or token ids",
                           param="prompt", code="invalid_value")
-    if set(map(type, prompt)) == {int}:  # in C: a 4 MB list of ids is on the event loop
+    # Validated (protocol.PromptInput): one kind of item throughout, so the first one says which.
+    if isinstance(prompt[0], int):
         return [{"prompt_token_ids": list(prompt)}]
-    if all(isinstance(p, list) for p in prompt):
+    if isinstance(prompt[0], list):
         return [{"prompt_token_ids": list(p)} for p in prompt]
     return list(prompt)
 
