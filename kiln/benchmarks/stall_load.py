@@ -58,6 +58,9 @@ def _body(kind: str, model: str, size: int) -> bytes:
     filler = "hello world, " * max(1, size // 13)
     if kind == "tokenize":
         return json.dumps({"model": model, "prompt": filler}).encode()
+    if kind == "ids":  # ", 123" is 5 bytes an id
+        ids = [100 + i % 900 for i in range(max(1, size // 5))]
+        return json.dumps({"model": model, "prompt": ids, "max_tokens": 4}).encode()
     return json.dumps({"model": model, "prompt": filler, "max_tokens": 4}).encode()
 
 
@@ -82,6 +85,10 @@ async def run_load(base_url: str, headers: dict, model: str, load: dict,
         tasks += [asyncio.create_task(_big_posts(session, f"{base_url}/v1/completions",
                                                  headers, prompt, 400, intervals, stop))
                   for _ in range(load["prompt_400_clients"])]
+        ids = _body("ids", model, load["prompt_400_bytes"])
+        tasks += [asyncio.create_task(_big_posts(session, f"{base_url}/v1/completions",
+                                                 headers, ids, 400, intervals, stop))
+                  for _ in range(load.get("id_prompt_400_clients", 0))]
         tasks.append(asyncio.create_task(_idle_connections(host, port, load["idle_connections"],
                                                            opened, stop)))
         tasks += [asyncio.create_task(_churn(host, port, churned, stop))

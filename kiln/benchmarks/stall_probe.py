@@ -23,6 +23,9 @@ class LoadSpec:
     tokenize_clients: int = 1
     prompt_400_bytes: int = 4_000_000  # a completions prompt too long for the model: a 400
     prompt_400_clients: int = 1
+    # The same, as token ids (prompt_400_bytes of JSON): not in the load; a body whose
+    # every item the front end once validated in Python on its event loop.
+    id_prompt_400_clients: int = 0
     idle_connections: int = 1000  # opened and held, sending nothing
     churn_clients: int = 200  # each opens a connection and drops it, in a loop
     # Added to the load process's OS niceness (Unix; 0-19). 0: the load competes for the

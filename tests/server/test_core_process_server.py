@@ -57,7 +57,7 @@ def test_a_stream_keeps_going_while_the_front_end_tokenizes_huge_bodies(core_ser
     url, _, _ = core_server
     # Smaller than the benchmark's load, same kinds: big bodies, idle and churning connections.
     load = LoadSpec(tokenize_bytes=1_500_000, prompt_400_bytes=1_500_000, idle_connections=50,
-                    churn_clients=10)
+                    churn_clients=10, id_prompt_400_clients=1)
     report = asyncio.run(run_probe(url, duration=3.0, load=load, max_tokens=200))
     assert report["big_requests_done"] >= 2, report
     assert report["idle_connections_held"] == 50, report

@@ -44,6 +44,9 @@ def register_bench(kinds) -> None:
     parser.add_argument("--stall-load-niceness", type=int, default=0,
                         help="OS niceness added to the stall probe's load process (0-19; 19: "
                              "clients that yield the server's cores, as remote ones would)")
+    parser.add_argument("--stall-id-prompt-clients", type=int, default=0,
+                        help="stall probe: clients also posting 4 MB prompts of token ids that "
+                             "end in 400 (not in the default load)")
     parser.add_argument("--server-start-timeout", type=float, default=600.0)
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run)
@@ -97,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--probe-duration must be > 0 seconds, got {args.probe_duration}")
     if not 0 <= args.stall_load_niceness <= 19:
         raise ValueError(f"--stall-load-niceness must be in 0..19, got {args.stall_load_niceness}")
+    if args.stall_id_prompt_clients < 0:
+        raise ValueError("--stall-id-prompt-clients must be >= 0, got "
+                         f"{args.stall_id_prompt_clients}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     proc = None
@@ -123,7 +129,9 @@ def run(args: argparse.Namespace) -> int:
             from kiln.benchmarks.stall_probe import LoadSpec, run_probe
 
             report = asyncio.run(run_probe(base_url, duration=args.probe_duration,
-                                           load=LoadSpec(niceness=args.stall_load_niceness),
+                                           load=LoadSpec(
+                                               niceness=args.stall_load_niceness,
+                                               id_prompt_400_clients=args.stall_id_prompt_clients),
                                            api_key=args.api_key, model=args.model))
             report["failed"] = 0  # a failed probe raises
         else:
