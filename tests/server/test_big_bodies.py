@@ -47,7 +47,7 @@ def test_a_long_id_prompt_and_detokenize_body_validate_without_python_per_id():
 
 
 @pytest.mark.parametrize("prompt,expected", [
-    ("text", "text"), ([], []), (["a", "b"], ["a", "b"]), ([1, 2], [1, 2]),
+    ("text", "text"), ([], []), (["a", "b"], ["a", "b"]), ([1, 2], [1, 2]), ((1, 2), [1, 2]),
     ([1.0, 2], [1, 2]), ([[1], [2.0, 3]], [[1], [2, 3]]), ([[]], [[]])])
 def test_prompt_shapes_validate_as_before(prompt, expected):
     value = TypeAdapter(PromptInput).validate_python(prompt)
@@ -67,9 +67,23 @@ def test_token_ids_take_what_json_integers_are_and_refuse_the_rest():
     for good, value in ((7, 7), (7.0, 7)):
         assert DetokenizeRequest.model_validate({"tokens": [good]}).tokens == [value]
         assert type(DetokenizeRequest.model_validate({"tokens": [good]}).tokens[0]) is int
-    for bad in (True, "7", 7.5, None, float("inf")):
-        with pytest.raises(ValidationError):
+    for bad in (True, "7", 7.5, None, float("inf"), float("nan"), 1e20):
+        with pytest.raises(ValidationError) as info:
             DetokenizeRequest.model_validate({"tokens": [bad]})
+        (error,) = info.value.errors()  # one error, not one per union member
+        assert error["msg"] == "must be an integer JSON number", error
+
+
+def test_a_long_list_of_bad_ids_is_refused_at_its_first():
+    # One error, not 20,000: pydantic built them all on the event loop before the 400.
+    for bad in (0.5, True, "x"):
+        with pytest.raises(ValidationError) as info:
+            DetokenizeRequest.model_validate({"tokens": [1] + [bad] * 20_000})
+        assert len(info.value.errors()) == 1
+        for prompt in ([1] + [bad] * 20_000, [[1]] + [[bad]] * 20_000, ["a"] + [0.5] * 20_000):
+            with pytest.raises(ValidationError) as info:
+                CompletionRequest.model_validate({"model": "m", "prompt": prompt})
+            assert len(info.value.errors()) == 1
 
 
 def test_the_openapi_schema_of_ids_and_prompts_is_unchanged():
