@@ -1,15 +1,21 @@
 """Megabyte request bodies cost the event loop no Python work per item: token-id lists are
-validated in pydantic's core, the prompt's union picks its member from the first item, and long
-decodes release the GIL. Structure, not timing: Python calls are counted (sys.setprofile)."""
+validated in pydantic's core, the prompt's union picks its member from the first item, bodies are
+parsed by jiter, and long decodes release the GIL. Structure, not timing: Python calls are
+counted (sys.setprofile)."""
+import json
 import sys
 import threading
 import time
 
 import pytest
+from fastapi.routing import APIRoute
 from pydantic import TypeAdapter, ValidationError
 
+from kiln.engine.async_llm import AsyncLLM
 from kiln.engine.detokenizer import GIL_FREE_DECODE_IDS, fast_decode
+from kiln.entrypoints.openai.api_server import ServerSettings, build_app
 from kiln.entrypoints.openai.errors import _loc_to_param
+from kiln.entrypoints.openai.json_body import JSONBodyRoute, parse_json
 from kiln.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -17,6 +23,8 @@ from kiln.entrypoints.openai.protocol import (
     PromptInput,
 )
 from kiln.entrypoints.openai.serving_completion import engine_prompts
+
+from .fake_engine import FakeEngine
 
 
 def python_calls(fn) -> int:
@@ -148,3 +156,26 @@ def test_long_decodes_equal_the_tokenizers_and_release_the_gil():
     quarter = (end - start) / 4
     middle = [t for t in stamps if start + quarter < t < end - quarter]
     assert middle, f"no other thread ran in the middle of a {end - start:.3f} s decode"
+
+
+@pytest.mark.parametrize("body", [
+    b'{"a": [1, 2.5, -0.0, 1e400, "x"]}', b'{"a": NaN, "b": -Infinity}', b'{"a": 1, "a": 2}',
+    b'{"big": 123456789012345678901234567890}', b'\xef\xbb\xbf{"bom": 1}',
+    '{"utf16": "é"}'.encode("utf-16"), b'{"lone": "\\ud800"}', b' [1] ', b'"\\u0000"'])
+def test_bodies_parse_to_what_json_loads_gives(body):
+    assert repr(parse_json(body)) == repr(json.loads(body))
+
+
+@pytest.mark.parametrize("body", [b'{"a": 1}x', b"[1,2", b'{"a": "\xff"}', b""])
+def test_bad_bodies_raise_what_json_loads_raises(body):
+    with pytest.raises(Exception) as ours:
+        parse_json(body)
+    with pytest.raises(Exception) as theirs:
+        json.loads(body)
+    assert type(ours.value) is type(theirs.value) and str(ours.value) == str(theirs.value)
+
+
+def test_every_served_route_parses_its_body_with_jiter():
+    app = build_app(AsyncLLM(FakeEngine()), ServerSettings())
+    posts = [r for r in app.routes if isinstance(r, APIRoute) and "POST" in r.methods]
+    assert len(posts) >= 4 and all(isinstance(r, JSONBodyRoute) for r in posts), posts

@@ -19,6 +19,7 @@ from kiln.engine.async_llm import AsyncLLM
 from kiln.engine.text_encoding import encode_text
 from kiln.entrypoints.openai.errors import install_error_handlers
 from kiln.entrypoints.openai.http_protocol import header_timeout_protocol
+from kiln.entrypoints.openai.json_body import JSONBodyRoute
 from kiln.entrypoints.openai.metrics import ServerMetrics
 from kiln.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
 from kiln.entrypoints.openai.openapi import describe
@@ -68,6 +69,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         await llm.shutdown()
 
     app = FastAPI(title="Kiln OpenAI-compatible server", lifespan=lifespan)
+    app.router.route_class = JSONBodyRoute  # every route below parses its body with jiter
     app.state.llm = llm
     app.state.metrics = metrics
     app.state.models = models
