@@ -16,7 +16,7 @@ from kiln.entrypoints.openai.openapi_cross_field import (
     switched_fields,
 )
 from kiln.entrypoints.openai.openapi_responses import describe_bodies
-from kiln.entrypoints.openai.protocol import ErrorResponse, RequestBase
+from kiln.entrypoints.openai.protocol import ErrorResponse, RequestBase, RequestPart
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 # (schema, property): a JSON array there must not be empty (the handler refuses it with a 400).
@@ -75,7 +75,7 @@ def decimal_below(n: int) -> str:
 
 
 def _request_models() -> set[str]:
-    names, todo = set(), [RequestBase]
+    names, todo = set(), [RequestBase, RequestPart]
     while todo:
         cls = todo.pop()
         names.add(cls.__name__)

@@ -25,15 +25,18 @@ from pydantic_core import core_schema
 MAX_N = 128
 
 
+_MODEL_CONFIG = ConfigDict(extra="ignore", protected_namespaces=())
+
+
 class OpenAIBase(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = _MODEL_CONFIG
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data):
         """An explicit null takes the field's default, as OpenAI and vLLM treat it (clients
         send `"n": null`); a required field stays required."""
-        if isinstance(data, dict) and None in data.values():  # per message: keep it in C
+        if isinstance(data, dict) and None in data.values():
             return {k: v for k, v in data.items()
                     if v is not None or k not in cls.model_fields
                     or cls.model_fields[k].is_required()}
@@ -79,6 +82,14 @@ TokenIds = Annotated[list[TokenId], Field(fail_fast=True)]
 
 class RequestBase(OpenAIBase):
     """Request bodies (their int, float and bool fields are JSON numbers and booleans)."""
+
+
+class RequestPart(BaseModel):
+    """Items of a request's lists, which a body may hold by the thousand (messages, content
+    parts): as RequestBase, without the null-is-default rewrite, a Python call per item on the
+    event loop. None of their optional fields defaults to anything but None, so it would change
+    nothing (tests/server/test_big_bodies.py checks that)."""
+    model_config = _MODEL_CONFIG
 
 
 class StreamOptions(RequestBase):
@@ -182,12 +193,12 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: StrictBool = True
 
 
-class TextContentPart(RequestBase):
+class TextContentPart(RequestPart):
     type: str
     text: str | None = None
 
 
-class ChatMessage(RequestBase):
+class ChatMessage(RequestPart):
     role: str
     content: str | list[TextContentPart] | None = None
     name: str | None = None
