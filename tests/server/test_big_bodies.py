@@ -27,7 +27,6 @@ from kiln.entrypoints.openai.serving_completion import engine_prompts
 
 from .fake_engine import FakeEngine
 
-
 # Well above the few calls a validation makes (and a lazy import or GC callback adds), far
 # below the 20,000 a Python call per item would.
 FEW_CALLS = 200
