@@ -85,10 +85,11 @@ async def run_load(base_url: str, headers: dict, model: str, load: dict,
         tasks += [asyncio.create_task(_big_posts(session, f"{base_url}/v1/completions",
                                                  headers, prompt, 400, intervals, stop))
                   for _ in range(load["prompt_400_clients"])]
-        ids = _body("ids", model, load["prompt_400_bytes"])
-        tasks += [asyncio.create_task(_big_posts(session, f"{base_url}/v1/completions",
-                                                 headers, ids, 400, intervals, stop))
-                  for _ in range(load.get("id_prompt_400_clients", 0))]
+        if load["id_prompt_400_clients"]:  # off by default: no 4 MB body built for nothing
+            ids = _body("ids", model, load["prompt_400_bytes"])
+            tasks += [asyncio.create_task(_big_posts(session, f"{base_url}/v1/completions",
+                                                     headers, ids, 400, intervals, stop))
+                      for _ in range(load["id_prompt_400_clients"])]
         tasks.append(asyncio.create_task(_idle_connections(host, port, load["idle_connections"],
                                                            opened, stop)))
         tasks += [asyncio.create_task(_churn(host, port, churned, stop))
