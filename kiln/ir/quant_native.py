@@ -1,5 +1,6 @@
 """The `native` provider of the W8A8 int8 IR ops: kiln/native/int8_ops.py's AVX512-VNNI kernels
-(oneDNN's int8 GEMM through torch._int_mm from 64 rows, or from 16 with AMX-INT8),
+(the GEMM on AMX-INT8 tiles from 16 rows where the CPU has them, else oneDNN's int8 GEMM through
+torch._int_mm from 64 rows),
 each with what it supports, as the `torch.ops.kiln.<op>_native` ops (csrc/ops_int8.cpp).
 """
 from kiln.ir import quant as ir

@@ -1,5 +1,6 @@
 """The W8A8 int8 CPU kernels (csrc/ops_int8.cpp over int8_ops.c: per-token dynamic quant, alone or
-fused after RMSNorm / SiLU-and-mul, and the int8 GEMM) on AVX512-VNNI, as torch ops.
+fused after RMSNorm / SiLU-and-mul, and the int8 GEMM) on AVX512-VNNI, the GEMM also on AMX-INT8
+tiles (int8_amx.c) where the CPU has them, as torch ops.
 
 `*_supported(...)` says whether these tensors may take them: on the CPU, in a kernel dtype, the
 library built for a CPU with AVX512-VNNI (`isa()`); otherwise the torch reference runs.
@@ -13,14 +14,22 @@ from kiln.native import build
 
 @functools.cache
 def isa() -> str | None:
-    """The dot-product instructions the kernels were built with ("avx512_vnni"), or None (no
-    compiler, or a CPU without them). AMX-INT8 CPUs run the same AVX512-VNNI code."""
+    """The dot-product instructions the kernels run ("avx512_vnni", or "amx_int8+avx512_vnni"
+    where the GEMM's larger row counts run on AMX tiles), or None (no compiler, or a CPU
+    without AVX512-VNNI)."""
     return (torch.ops.kiln.int8_isa() or None) if build.available() else None
 
 
+def amx_min_rows() -> int:
+    """From this many rows the GEMM op runs on AMX-INT8 tiles; 0 where it never does (a CPU
+    without AMX-INT8, or an OS that refuses this process the tiles' state)."""
+    return torch.ops.kiln.int8_amx_min_rows()
+
+
 def onednn_min_rows() -> int:
-    """From this many rows the GEMM op runs oneDNN's int8 GEMM and the VNNI kernel's epilogue,
-    below it the VNNI kernel (csrc/ops_int8.cpp's ONEDNN_MIN_ROWS: 16 with AMX-INT8, else 64)."""
+    """Without AMX, from this many rows the GEMM op runs oneDNN's int8 GEMM and the VNNI
+    kernel's epilogue, below it the VNNI kernel (csrc/ops_int8.cpp's ONEDNN_MIN_ROWS: 16 where
+    the library was built for AMX-INT8, else 64)."""
     return torch.ops.kiln.int8_onednn_min_rows()
 
 

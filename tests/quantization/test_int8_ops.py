@@ -19,11 +19,12 @@ ref = SimpleNamespace(**{op.name: op.reference for op in (
     quant.fused_add_rms_norm_dynamic_int8_quant, quant.silu_and_mul_dynamic_int8_quant)})
 
 DTYPES = [torch.float32, torch.bfloat16]
-# (rows, K): one token, a few and a batch (the VNNI kernel), many (oneDNN's GEMM, from
-# native.onednn_min_rows(): 16 with AMX-INT8, 64 without; 19 and 40 rows take the kernel without
-# AMX and oneDNN with it), K not a multiple of 16 or 64 (masked tails), K == 1 (torch's own
-# _int_mm is wrong)
-SHAPES = [(1, 576), (5, 100), (19, 192), (40, 576), (70, 33), (130, 192), (3, 1)]
+# (rows, K): one token, a few and a batch (the VNNI kernel), many (with AMX-INT8 the tile GEMM
+# from native.amx_min_rows(), 16; without it oneDNN's GEMM from native.onednn_min_rows(), 64:
+# 19 and 40 rows take the VNNI kernel there), K not a multiple of 16 or 64 (masked tails; the
+# tile GEMM's padded copy), K == 1 (torch's own _int_mm is wrong). With tiles, 40 x 576 reads a
+# full block of 32 rows in place and pads the 8 after it; 300 rows cross its 256-row blocks.
+SHAPES = [(1, 576), (5, 100), (19, 192), (40, 576), (70, 33), (130, 192), (3, 1), (300, 576)]
 
 
 def _x(rows, k, dtype, seed=0):
@@ -92,10 +93,27 @@ def test_int8_gemm_equals_reference(dtype, rows, k, n):
 def test_gemm_shapes_reach_both_paths():
     if native.isa() is None:
         return
-    threshold = native.onednn_min_rows()
-    assert threshold in (16, 64)  # AMX-INT8 or VNNI only (csrc/ops_int8.cpp)
+    has_amx = "amx_int8" in native.isa()
+    assert (native.amx_min_rows() > 0) == has_amx
+    threshold = native.amx_min_rows() if has_amx else native.onednn_min_rows()
+    assert threshold in (16, 64)  # AMX-INT8 tiles, or oneDNN without them (csrc/ops_int8.cpp)
     assert any(rows < threshold for rows, k in SHAPES if k > 1)
     assert any(rows >= threshold for rows, k in SHAPES if k > 1)
+
+
+def test_amx_int8_runs_where_the_cpu_has_it():
+    """A CPU that lists AMX-INT8 (and AVX512-VNNI) must run the tile GEMM: a build or an OS
+    that silently lost it would fall back to oneDNN and pass every other test."""
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    if native.isa() is None or not {"amx_tile", "amx_int8"} <= flags:
+        assert native.isa() is None or "amx_int8" not in native.isa()
+        return
+    assert native.isa() == "amx_int8+avx512_vnni" and native.amx_min_rows() == 16
 
 
 def test_int8_gemm_refuses_mismatched_shapes():

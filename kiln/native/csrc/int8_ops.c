@@ -23,15 +23,13 @@
 /* The unfused kernels (layer_ops.c, in the same library) are called whole, so a fused op's normed
  * or activated values are the very ones the unfused op writes. */
 #include "kernels.h"
+#include "int8_simd.h"
 
 /* As layer_ops.c: fewer rows stay on one thread. */
 #define PARALLEL_MIN_ROWS 64
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512VNNI__)
-#include <immintrin.h>
+#if KILN_INT8_SIMD
 
-#define RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 /* Rows a thread normalises or activates into its scratch before quantizing them (in L1/L2). */
 #define CHUNK_ROWS 16
 /* GEMM blocks one task computes: rows x output channels. */
@@ -39,30 +37,6 @@
 #define BLOCK_N 32
 
 int kiln_int8_isa(void) { return 1; }
-
-static inline size_t elem_size(int dtype) { return dtype == KILN_F32 ? 4 : 2; }
-
-static inline __mmask16 tail16(int64_t left) {
-    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-}
-
-static inline __m512 load16(const void *base, int64_t i, int dtype, __mmask16 m) {
-    if (dtype == KILN_F32) return _mm512_maskz_loadu_ps(m, (const float *)base + i);
-    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)base + i);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-static inline void store16(void *base, int64_t i, __m512 v, int dtype, __mmask16 m) {
-    if (dtype == KILN_F32) {
-        _mm512_mask_storeu_ps((float *)base + i, m, v);
-        return;
-    }
-    /* round to nearest even, as dtype.h's f32_to_bf16 (finite values) */
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-    _mm256_mask_storeu_epi16((uint16_t *)base + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
-}
 
 /* A chunk's scratch, 64-byte aligned like torch's tensors: the unfused kernels' vector loops
  * peel by alignment, and libmvec's vector expf rounds differently from the scalar one, so a
@@ -146,22 +120,6 @@ int kiln_silu_and_mul_int8_quant(const void *x, int64_t x_stride, int8_t *q, flo
         free(buf);
     }
     return failed ? 2 : 0;
-}
-
-/* out[0:n] = dtype(float32(acc[c] - off) * sa * w_scale[c] (+ bias[c])), each step rounded as
- * torch's float32 ops round it. */
-static inline void scale_row(const int32_t *acc, int32_t off, float a_scale, const float *w_scale,
-                             const void *bias, int bias_dtype, void *out, int64_t n, int out_dtype) {
-    const __m512 sa = _mm512_set1_ps(a_scale);
-    const __m512i voff = _mm512_set1_epi32(off);
-    for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 m = tail16(n - j);
-        __m512i v = _mm512_sub_epi32(_mm512_maskz_loadu_epi32(m, acc + j), voff);
-        __m512 f = _mm512_mul_round_ps(_mm512_cvt_roundepi32_ps(v, RNE), sa, RNE);
-        f = _mm512_mul_round_ps(f, _mm512_maskz_loadu_ps(m, w_scale + j), RNE);
-        if (bias) f = _mm512_add_round_ps(f, load16(bias, j, bias_dtype, m), RNE);
-        store16(out, j, f, out_dtype, m);
-    }
 }
 
 /* The GEMM's epilogue alone, over int32 sums acc [m, n] (row stride acc_stride) another GEMM

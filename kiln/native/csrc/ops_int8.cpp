@@ -1,7 +1,8 @@
 /* The `native` implementations of the W8A8 int8 IR ops (kiln/ir/quant.py defines each one's
  * result) as torch ops over int8_ops.c's AVX512-VNNI kernels: per-token dynamic quant, alone or
- * after (add +) RMSNorm or SiLU-and-mul, and the int8 GEMM with its scales (oneDNN's int8 GEMM
- * through aten's _int_mm from ONEDNN_MIN_ROWS rows, the kernel here's epilogue after it). */
+ * after (add +) RMSNorm or SiLU-and-mul, and the int8 GEMM with its scales (on AMX-INT8 tiles from
+ * AMX_MIN_ROWS rows where the CPU has them; else oneDNN's int8 GEMM through aten's _int_mm from
+ * ONEDNN_MIN_ROWS rows, the kernel here's epilogue after it). */
 #include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -15,10 +16,12 @@ namespace {
 
 using kiln::rows_of;
 
-/* From this many rows oneDNN's int8 GEMM (its int32 sums exact) and the epilogue here beat the
- * VNNI kernel, which reads the weight as stored, prefetching it, and wins at decode sizes. With
- * AMX-INT8 (known at build time: the library is built with -march=native) oneDNN runs tiles and
- * wins early; with VNNI only, the two meet at about 64 rows (a decode step's weights, cold). */
+/* From this many rows the GEMM runs on AMX-INT8 tiles (int8_amx.c) where the CPU has them and
+ * the OS grants this process their state; below it the VNNI kernel, which reads the weight as
+ * stored, prefetching it, and wins at decode sizes. Without AMX, oneDNN's int8 GEMM (its int32
+ * sums exact) and the epilogue here take over from ONEDNN_MIN_ROWS: with VNNI only, it and the
+ * kernel meet at about 64 rows (a decode step's weights, cold). */
+constexpr int64_t AMX_MIN_ROWS = 16;
 #if defined(__AMX_INT8__)
 constexpr int64_t ONEDNN_MIN_ROWS = 16;
 #else
@@ -75,6 +78,14 @@ at::Tensor int8_scaled_mm(const at::Tensor &q_in, const at::Tensor &scale_in,
     }
     const void *b = bias.defined() ? bias.data_ptr() : nullptr;
     at::Tensor out = at::empty({m, n}, q.options().dtype(out_dtype));
+    if (m >= AMX_MIN_ROWS && kiln_int8_amx_ready()) {
+        check(kiln_int8_gemm_amx(q.data_ptr<int8_t>(), q.stride(0), scale.data_ptr<float>(),
+                                 w_q.data_ptr<int8_t>(), w_q.stride(0), w_scale.data_ptr<float>(),
+                                 b, bias_code, out.data_ptr(), n, m, n, k, out_code,
+                                 kiln::threads()),
+              "kiln_int8_gemm_amx");
+        return out;
+    }
     if (m >= ONEDNN_MIN_ROWS && k > 1) { /* (torch 2.13's CPU _int_mm is wrong for k == 1) */
         const at::Tensor acc = at::_int_mm(q, w_q.t());  // [M, N] int32
         check(kiln_int8_scale(acc.data_ptr<int32_t>(), acc.stride(0), scale.data_ptr<float>(),
@@ -146,8 +157,13 @@ std::tuple<at::Tensor, at::Tensor> silu_and_mul_quant(const at::Tensor &x) {
     return {q, scale};
 }
 
-/* "avx512_vnni" when the kernels were built with those instructions, else "". */
-std::string isa() { return kiln_int8_isa() == 1 ? "avx512_vnni" : ""; }
+/* "avx512_vnni" when the kernels were built with those instructions ("amx_int8+avx512_vnni"
+ * where the GEMM also runs on AMX tiles), else "". */
+std::string isa() {
+    if (kiln_int8_isa() != 1) return "";
+    return kiln_int8_amx_ready() ? "amx_int8+avx512_vnni" : "avx512_vnni";
+}
+int64_t amx_min_rows() { return kiln_int8_amx_ready() ? AMX_MIN_ROWS : 0; }
 int64_t onednn_min_rows() { return ONEDNN_MIN_ROWS; }
 
 }  // namespace
@@ -155,6 +171,7 @@ int64_t onednn_min_rows() { return ONEDNN_MIN_ROWS; }
 TORCH_LIBRARY_FRAGMENT(kiln, m) {
     m.def("int8_isa() -> str", &isa);
     m.def("int8_onednn_min_rows() -> int", &onednn_min_rows);
+    m.def("int8_amx_min_rows() -> int", &amx_min_rows);
     /* the IR ops' schemas (kiln/ir/quant.py) */
     m.def("dynamic_int8_quant_native(Tensor x) -> (Tensor, Tensor)");
     m.def("int8_scaled_mm_native(Tensor q, Tensor scale, Tensor w_q, Tensor w_scale, "

@@ -1,0 +1,211 @@
+/* The W8A8 int8 GEMM on AMX-INT8 tiles, with the VNNI kernels' epilogue (int8_simd.h) applied to
+ * each 32 x 32 block of int32 sums while it is in L1: out as kiln_int8_gemm writes it, bit for
+ * bit (the sums are exact integers either way).
+ *
+ * The weight stays as stored, int8 [N, K] row-major (one byte a parameter, shared with the VNNI
+ * kernel). A tile multiply wants B in VNNI layout (a row per 4 values of k, 16 channels x 4 bytes
+ * each), so each thread first repacks its share of the channels: a 16 x 16 transpose of dwords
+ * per 1 KiB tile, once per call, a few percent of the multiplies at prefill sizes. Activations
+ * are read in place (a padded copy only for a K tail or a short last block of rows).
+ *
+ * Linux hands out the tile registers' state only on request (arch_prctl), once per process:
+ * `kiln_int8_amx_ready` asks, and says 0 where the library was built without AMX-INT8 or the
+ * kernel refuses; the op then takes oneDNN's GEMM as before.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "int8_simd.h"
+
+#if KILN_INT8_SIMD && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* A block of output: 2 x 2 tiles of 16 x 16 int32 (tiles 0-3), from 2 A tiles (4, 5) of 16 rows
+ * x 64 bytes of k and 2 B tiles (6, 7) of 16 k-quads x 16 channels. */
+#define AMX_ROWS 32
+#define AMX_COLS 32
+#define KSTEP 64
+#define TILE_BYTES 1024
+/* Rows of activations a thread walks its channels over at a time (kept in L2). */
+#define ROW_BLOCK 256
+
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) TileConfig;
+
+int kiln_int8_amx_ready(void) {
+    static int state; /* 0 not asked yet, 1 granted, -1 refused */
+    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (s == 0) {
+        s = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
+    }
+    return s == 1;
+}
+
+static void configure_tiles(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* The 16 x 16 dword transpose of r (in place): r[c] becomes dword c of every input row. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* u[i + j]: dword 4L + j of rows i..i+3, in lane L */
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int j = 0; j < 4; ++j) { /* the 4 x 4 transpose of 128-bit lanes */
+        const __m512i s0 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(1, 0, 1, 0));
+        const __m512i s1 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(3, 2, 3, 2));
+        const __m512i s2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(1, 0, 1, 0));
+        const __m512i s3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(3, 2, 3, 2));
+        r[j] = _mm512_shuffle_i32x4(s0, s2, _MM_SHUFFLE(2, 0, 2, 0));
+        r[4 + j] = _mm512_shuffle_i32x4(s0, s2, _MM_SHUFFLE(3, 1, 3, 1));
+        r[8 + j] = _mm512_shuffle_i32x4(s1, s3, _MM_SHUFFLE(2, 0, 2, 0));
+        r[12 + j] = _mm512_shuffle_i32x4(s1, s3, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+}
+
+/* Channels [c0, c0 + 32) of w as B tiles, [k step][2 tiles][16 k-quads][16 channels x 4 bytes];
+ * channels past n and k past its end are zeros. */
+static void pack_channels(const int8_t *w, int64_t w_stride, int64_t n, int64_t k, int64_t c0,
+                          int64_t ksteps, int8_t *dst) {
+    for (int64_t s = 0; s < ksteps; ++s) {
+        const int64_t k0 = s * KSTEP;
+        const __mmask64 m = k - k0 >= KSTEP ? ~(__mmask64)0 : (((__mmask64)1 << (k - k0)) - 1);
+        for (int t = 0; t < 2; ++t) {
+            __m512i r[16];
+            for (int i = 0; i < 16; ++i) {
+                const int64_t c = c0 + 16 * t + i;
+                r[i] = c < n ? _mm512_maskz_loadu_epi8(m, w + c * w_stride + k0)
+                             : _mm512_setzero_si512();
+            }
+            transpose16(r);
+            int8_t *tile = dst + (s * 2 + t) * TILE_BYTES;
+            for (int i = 0; i < 16; ++i) _mm512_store_si512((__m512i *)(tile + i * 64), r[i]);
+        }
+    }
+}
+
+/* Rows [r0, r0 + rows) of a, zero-padded to 32 rows of ksteps * 64 bytes. */
+static void pad_rows(const int8_t *a, int64_t a_stride, int64_t r0, int64_t rows, int64_t k,
+                     int64_t kpad, int8_t *dst) {
+    memset(dst, 0, (size_t)AMX_ROWS * kpad);
+    for (int64_t i = 0; i < rows; ++i) memcpy(dst + i * kpad, a + (r0 + i) * a_stride, (size_t)k);
+}
+
+/* acc [32 x 32] = a rows [32, ksteps * 64] (row stride as) x the packed channels. */
+static inline void block_product(const int8_t *a, int64_t as, const int8_t *packed,
+                                 int64_t ksteps, int32_t *acc) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < ksteps; ++s) {
+        _tile_loadd(4, a + s * KSTEP, as);
+        _tile_loadd(5, a + 16 * as + s * KSTEP, as);
+        _tile_loadd(6, packed + s * 2 * TILE_BYTES, 64);
+        _tile_loadd(7, packed + (s * 2 + 1) * TILE_BYTES, 64);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(1, 4, 7);
+        _tile_dpbssd(2, 5, 6);
+        _tile_dpbssd(3, 5, 7);
+    }
+    _tile_stored(0, acc, AMX_COLS * 4);
+    _tile_stored(1, acc + 16, AMX_COLS * 4);
+    _tile_stored(2, acc + 16 * AMX_COLS, AMX_COLS * 4);
+    _tile_stored(3, acc + 16 * AMX_COLS + 16, AMX_COLS * 4);
+}
+
+int kiln_int8_gemm_amx(const int8_t *a, int64_t a_stride, const float *a_scale, const int8_t *w,
+                       int64_t w_stride, const float *w_scale, const void *bias,
+                       int32_t bias_dtype, void *out, int64_t out_stride, int64_t m, int64_t n,
+                       int64_t k, int32_t out_dtype, int32_t num_threads) {
+    if (!kiln_int8_amx_ready()) return 4;
+    if (m == 0 || n == 0) return 0;
+    const int64_t ksteps = (k + KSTEP - 1) / KSTEP, kpad = ksteps * KSTEP;
+    const int64_t panels = (n + AMX_COLS - 1) / AMX_COLS;
+    const size_t panel_bytes = (size_t)ksteps * 2 * TILE_BYTES;
+    const int direct = k % KSTEP == 0; /* full blocks of rows are read in place */
+    const size_t oes = elem_size(out_dtype), bes = elem_size(bias_dtype);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        /* this thread's channels: a contiguous share of the panels, packed once */
+        const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t p0 = panels * me / nt, p1 = panels * (me + 1) / nt;
+        int8_t *packed =
+            p1 > p0 ? (int8_t *)aligned_alloc(64, (size_t)(p1 - p0) * panel_bytes) : NULL;
+        int8_t *padded = (int8_t *)aligned_alloc(64, (size_t)AMX_ROWS * kpad);
+        int32_t acc[AMX_ROWS * AMX_COLS] __attribute__((aligned(64)));
+        if ((p1 > p0 && !packed) || !padded) failed = 1;
+        if (!failed && p1 > p0) {
+            configure_tiles();
+            for (int64_t p = p0; p < p1; ++p)
+                pack_channels(w, w_stride, n, k, p * AMX_COLS, ksteps,
+                              packed + (p - p0) * panel_bytes);
+            for (int64_t b0 = 0; b0 < m; b0 += ROW_BLOCK) {
+                const int64_t b1 = b0 + ROW_BLOCK < m ? b0 + ROW_BLOCK : m;
+                for (int64_t p = p0; p < p1; ++p) {
+                    const int64_t c0 = p * AMX_COLS;
+                    const int64_t cols = n - c0 < AMX_COLS ? n - c0 : AMX_COLS;
+                    for (int64_t r0 = b0; r0 < b1; r0 += AMX_ROWS) {
+                        const int64_t rows = b1 - r0 < AMX_ROWS ? b1 - r0 : AMX_ROWS;
+                        const int8_t *rows_at = a + r0 * a_stride;
+                        int64_t as = a_stride;
+                        if (!direct || rows < AMX_ROWS) {
+                            pad_rows(a, a_stride, r0, rows, k, kpad, padded);
+                            rows_at = padded;
+                            as = kpad;
+                        }
+                        block_product(rows_at, as, packed + (p - p0) * panel_bytes, ksteps, acc);
+                        for (int64_t i = 0; i < rows; ++i)
+                            scale_row(acc + i * AMX_COLS, 0, a_scale[r0 + i], w_scale + c0,
+                                      bias ? (const char *)bias + c0 * bes : NULL, bias_dtype,
+                                      (char *)out + ((r0 + i) * out_stride + c0) * oes, cols,
+                                      out_dtype);
+                    }
+                }
+            }
+            _tile_release();
+        }
+        free(packed);
+        free(padded);
+    }
+    return failed ? 2 : 0;
+}
+
+#else /* built without AMX-INT8: the op never calls the GEMM below */
+
+int kiln_int8_amx_ready(void) { return 0; }
+int kiln_int8_gemm_amx(const int8_t *a, int64_t a_stride, const float *a_scale, const int8_t *w,
+                       int64_t w_stride, const float *w_scale, const void *bias,
+                       int32_t bias_dtype, void *out, int64_t out_stride, int64_t m, int64_t n,
+                       int64_t k, int32_t out_dtype, int32_t num_threads) {
+    return 4;
+}
+#endif
