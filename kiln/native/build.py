@@ -66,6 +66,12 @@ def sources() -> list[Path]:
     return sorted(p for p in CSRC.iterdir() if p.suffix in (".c", ".cpp"))
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it does not exist)."""
+    line = _cpu_flags()
+    return set(line.split(":", 1)[1].split()) if line.startswith("flags") else set()
+
+
 def _cpu_flags() -> str:
     # -march=native bakes the CPU in, so a cache shared between machines must not mix builds.
     try:

@@ -19,14 +19,27 @@ def simd(dtype: torch.dtype, head_size: int) -> bool:
     return bool(torch.ops.kiln.prefill_attention_simd(dtype, head_size))
 
 
+@functools.cache
+def amx(dtype: torch.dtype, head_size: int) -> bool:
+    """Whether AMX-BF16 tiles serve this dtype and head size on this machine (bfloat16, head
+    sizes a multiple of 32, a CPU with AMX whose OS grants the tiles); they then take the
+    place of the AVX512-BF16 tiles."""
+    return bool(torch.ops.kiln.prefill_attention_amx(dtype, head_size))
+
+
+# The kernel's code paths (csrc/kernels.h): the fastest that serves, the AVX512 tiles even where
+# AMX's serve, the scalar loop. Tests run each; the engine takes the first.
+PATHS = {"best": 0, "avx512": 1, "portable": 2}
+
+
 def run(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, step: StepArgs, scale: float,
-        portable: bool = False) -> None:
+        path: str = "best") -> None:
     """Fill out [T, nh*hd] for the step's requests `step.reqs` from q [T, nh*hd] and kv_cache
-    [2, nb, bs, nkv, hd]; rows may be strided, other rows of out are left alone. portable: the
-    scalar path even where the SIMD tiles serve (tests)."""
+    [2, nb, bs, nkv, hd]; rows may be strided, other rows of out are left alone. path: one of
+    PATHS (tests pin the slower ones)."""
     if not build.available():
         raise RuntimeError("the CPU prefill-attention kernel is not available; see the warning "
                            "logged when it was first requested")
     torch.ops.kiln.prefill_attention(q, out, kv_cache, scale, step.block_table,
                                      step.query_start_loc, step.seq_lens, step.reqs,
-                                     step.max_seq_len, portable)
+                                     step.max_seq_len, PATHS[path])

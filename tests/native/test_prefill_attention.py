@@ -7,6 +7,7 @@ import pytest
 import torch
 from paged_reference import reference_attention, shuffled_block_tables
 
+from kiln.native import build
 from kiln.native import paged_attention as pa
 from kiln.native import prefill_attention as pf
 
@@ -45,17 +46,17 @@ def _step(case, dtype):
     return q, kv, step, want
 
 
-@pytest.mark.parametrize("portable", [False, True], ids=["simd", "portable"])
+@pytest.mark.parametrize("path", list(pf.PATHS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_matches_float64_softmax(case, dtype, portable):
+def test_matches_float64_softmax(case, dtype, path):
     q, kv, step, want = _step(case, dtype)
     hd = kv.shape[-1]
     out = torch.full((q.shape[0], q.shape[1]), 7.0, dtype=dtype)
     before = torch.get_num_threads()
     torch.set_num_threads(1 + case % 2)
     try:
-        pf.run(q, out, kv, step, hd ** -0.5, portable=portable)
+        pf.run(q, out, kv, step, hd ** -0.5, path=path)
     finally:
         torch.set_num_threads(before)
     # measured worst (max error over the row's largest value, both paths): float32 1e-6
@@ -84,3 +85,13 @@ def test_bad_lengths_are_an_error():
     step.seq_lens[0] = 3  # shorter than its query
     with pytest.raises(RuntimeError, match="below its query length"):
         pf.run(q, torch.empty(q.shape[0], q.shape[1]), kv, step, 1.0)
+
+
+def test_amx_tiles_serve_bfloat16_where_the_cpu_has_them():
+    """A CPU that lists AMX-BF16 must run the AMX tiles (the `best` path of the test above),
+    for head sizes that are a multiple of 32: a build or an OS that lost them would fall back to
+    the AVX512-BF16 tiles and pass every other test. Never for float32."""
+    has = {"amx_tile", "amx_bf16", "avx512_bf16"} <= build.cpu_flags()
+    for hd in (64, 128, 256):
+        assert pf.amx(torch.bfloat16, hd) == has, hd
+    assert not pf.amx(torch.bfloat16, 80) and not pf.amx(torch.float32, 64)

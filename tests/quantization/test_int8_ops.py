@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kiln.ir import quant
+from kiln.native import build, layer_ops
 from kiln.native import int8_ops as native
-from kiln.native import layer_ops
 
 ref = SimpleNamespace(**{op.name: op.reference for op in (
     quant.dynamic_int8_quant, quant.int8_scaled_mm, quant.rms_norm_dynamic_int8_quant,
@@ -104,13 +104,7 @@ def test_gemm_shapes_reach_both_paths():
 def test_amx_int8_runs_where_the_cpu_has_it():
     """A CPU that lists AMX-INT8 (and AVX512-VNNI) must run the tile GEMM: a build or an OS
     that silently lost it would fall back to oneDNN and pass every other test."""
-    flags = set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    if native.isa() is None or not {"amx_tile", "amx_int8"} <= flags:
+    if native.isa() is None or not {"amx_tile", "amx_int8"} <= build.cpu_flags():
         assert native.isa() is None or "amx_int8" not in native.isa()
         return
     assert native.isa() == "amx_int8+avx512_vnni" and native.amx_min_rows() == 16

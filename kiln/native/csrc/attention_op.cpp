@@ -130,7 +130,10 @@ void paged_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor 
 void prefill_attention(const at::Tensor &q, const at::Tensor &out, const at::Tensor &kv_cache,
                        double scale, const at::Tensor &block_table,
                        const at::Tensor &query_start_loc, const at::Tensor &seq_lens,
-                       const at::Tensor &reqs, int64_t max_seq_len, bool portable) {
+                       const at::Tensor &reqs, int64_t max_seq_len, int64_t path) {
+    TORCH_CHECK_VALUE(path >= KILN_PREFILL_BEST && path <= KILN_PREFILL_PORTABLE,
+                      "prefill_attention: path ", path, " is not 0 (best), 1 (avx512) or 2 "
+                      "(portable)");
     const KilnKvCache cache = cache_struct(kv_cache);
     const StepPlan plan(block_table, query_start_loc, seq_lens, reqs,
                         at::Tensor(at::detail::empty_cpu({0}, at::kLong, false, std::nullopt)),
@@ -153,7 +156,7 @@ void prefill_attention(const at::Tensor &q, const at::Tensor &out, const at::Ten
     const int rc = kiln_prefill_attention(
         q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), rows,
         static_cast<int32_t>(width / cache.head_size), static_cast<float>(scale), &cache,
-        &plan.args, portable, kiln::threads());
+        &plan.args, static_cast<int32_t>(path), kiln::threads());
     TORCH_CHECK(rc == 0, "prefill_attention: the CPU kernel failed with code ", rc, ":",
                 (rc & KILN_ATTN_BAD_LENGTHS) ? " a query outside q's rows, or a seq_len above "
                 "max_seq_len or below its query length" : "",
@@ -163,6 +166,10 @@ void prefill_attention(const at::Tensor &q, const at::Tensor &out, const at::Ten
 
 bool prefill_attention_simd(at::ScalarType dtype, int64_t head_size) {
     return kiln_prefill_attention_simd(kiln::dtype_code(dtype), static_cast<int32_t>(head_size));
+}
+
+bool prefill_attention_amx(at::ScalarType dtype, int64_t head_size) {
+    return kiln_prefill_attention_amx(kiln::dtype_code(dtype), static_cast<int32_t>(head_size));
 }
 
 struct Layer {
@@ -274,9 +281,11 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
           "int num_actual) -> ()", &begin_step);
     m.def("prefill_attention(Tensor q, Tensor(a!) out, Tensor kv_cache, float scale, "
           "Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor reqs, "
-          "int max_seq_len, bool portable=False) -> ()");
+          "int max_seq_len, int path=0) -> ()");
     m.def("prefill_attention_simd(ScalarType dtype, int head_size) -> bool",
           &prefill_attention_simd);
+    m.def("prefill_attention_amx(ScalarType dtype, int head_size) -> bool",
+          &prefill_attention_amx);
     m.def("attention_end_step() -> ()", &end_step);
     m.def("attention_call_counts() -> int[]", &call_counts);
 }

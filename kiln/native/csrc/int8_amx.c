@@ -8,24 +8,18 @@
  * per 1 KiB tile, once per call, a few percent of the multiplies at prefill sizes. Activations
  * are read in place (a padded copy only for a K tail or a short last block of rows).
  *
- * Linux hands out the tile registers' state only on request (arch_prctl), once per process:
- * `kiln_int8_amx_ready` asks, and says 0 where the library was built without AMX-INT8 or the
- * kernel refuses; the op then takes oneDNN's GEMM as before.
+ * Where the tiles are not to be had (kiln_amx_ready, amx.c), the op takes oneDNN's GEMM as before.
  */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels.h"
+#include "amx.h"
 #include "int8_simd.h"
+#include "kernels.h"
 
-#if KILN_INT8_SIMD && defined(__AMX_TILE__) && defined(__AMX_INT8__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#if KILN_INT8_SIMD && KILN_AMX_TILES && defined(__AMX_INT8__)
 
 /* A block of output: 2 x 2 tiles of 16 x 16 int32 (tiles 0-3), from 2 A tiles (4, 5) of 16 rows
  * x 64 bytes of k and 2 B tiles (6, 7) of 16 k-quads x 16 channels. */
@@ -36,59 +30,7 @@
 /* Rows of activations a thread walks its channels over at a time (kept in L2). */
 #define ROW_BLOCK 256
 
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed, aligned(64))) TileConfig;
-
-int kiln_int8_amx_ready(void) {
-    static int state; /* 0 not asked yet, 1 granted, -1 refused */
-    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
-    if (s == 0) {
-        s = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
-    }
-    return s == 1;
-}
-
-static void configure_tiles(void) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
-
-/* The 16 x 16 dword transpose of r (in place): r[c] becomes dword c of every input row. */
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) { /* u[i + j]: dword 4L + j of rows i..i+3, in lane L */
-        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int j = 0; j < 4; ++j) { /* the 4 x 4 transpose of 128-bit lanes */
-        const __m512i s0 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(1, 0, 1, 0));
-        const __m512i s1 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(3, 2, 3, 2));
-        const __m512i s2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(1, 0, 1, 0));
-        const __m512i s3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(3, 2, 3, 2));
-        r[j] = _mm512_shuffle_i32x4(s0, s2, _MM_SHUFFLE(2, 0, 2, 0));
-        r[4 + j] = _mm512_shuffle_i32x4(s0, s2, _MM_SHUFFLE(3, 1, 3, 1));
-        r[8 + j] = _mm512_shuffle_i32x4(s1, s3, _MM_SHUFFLE(2, 0, 2, 0));
-        r[12 + j] = _mm512_shuffle_i32x4(s1, s3, _MM_SHUFFLE(3, 1, 3, 1));
-    }
-}
+int kiln_int8_amx_ready(void) { return kiln_amx_ready(); }
 
 /* Channels [c0, c0 + 32) of w as B tiles, [k step][2 tiles][16 k-quads][16 channels x 4 bytes];
  * channels past n and k past its end are zeros. */
@@ -104,7 +46,7 @@ static void pack_channels(const int8_t *w, int64_t w_stride, int64_t n, int64_t 
                 r[i] = c < n ? _mm512_maskz_loadu_epi8(m, w + c * w_stride + k0)
                              : _mm512_setzero_si512();
             }
-            transpose16(r);
+            kiln_transpose16(r);
             int8_t *tile = dst + (s * 2 + t) * TILE_BYTES;
             for (int i = 0; i < 16; ++i) _mm512_store_si512((__m512i *)(tile + i * 64), r[i]);
         }
@@ -145,7 +87,7 @@ int kiln_int8_gemm_amx(const int8_t *a, int64_t a_stride, const float *a_scale, 
                        int64_t w_stride, const float *w_scale, const void *bias,
                        int32_t bias_dtype, void *out, int64_t out_stride, int64_t m, int64_t n,
                        int64_t k, int32_t out_dtype, int32_t num_threads) {
-    if (!kiln_int8_amx_ready()) return 4;
+    if (!kiln_amx_ready()) return 4;
     if (m == 0 || n == 0) return 0;
     const int64_t ksteps = (k + KSTEP - 1) / KSTEP, kpad = ksteps * KSTEP;
     const int64_t panels = (n + AMX_COLS - 1) / AMX_COLS;
@@ -164,7 +106,7 @@ int kiln_int8_gemm_amx(const int8_t *a, int64_t a_stride, const float *a_scale, 
         int32_t acc[AMX_ROWS * AMX_COLS] __attribute__((aligned(64)));
         if ((p1 > p0 && !packed) || !padded) failed = 1;
         if (!failed && p1 > p0) {
-            configure_tiles();
+            kiln_amx_configure();
             for (int64_t p = p0; p < p1; ++p)
                 pack_channels(w, w_stride, n, k, p * AMX_COLS, ksteps,
                               packed + (p - p0) * panel_bytes);
@@ -202,6 +144,7 @@ int kiln_int8_gemm_amx(const int8_t *a, int64_t a_stride, const float *a_scale, 
 #else /* built without AMX-INT8: the op never calls the GEMM below */
 
 int kiln_int8_amx_ready(void) { return 0; }
+
 int kiln_int8_gemm_amx(const int8_t *a, int64_t a_stride, const float *a_scale, const int8_t *w,
                        int64_t w_stride, const float *w_scale, const void *bias,
                        int32_t bias_dtype, void *out, int64_t out_stride, int64_t m, int64_t n,

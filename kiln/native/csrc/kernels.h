@@ -61,7 +61,10 @@ int kiln_int8_gemm(const int8_t *a, int64_t a_stride, const float *a_scale, cons
                    void *out, int64_t out_stride, int64_t m, int64_t n, int64_t k,
                    int32_t out_dtype, int32_t num_threads);
 
-/* int8_amx.c */
+/* amx.c */
+int kiln_amx_ready(void);
+
+/* int8_amx.c: 1 where the GEMM below runs (AMX-INT8 built in, the tiles granted) */
 int kiln_int8_amx_ready(void);
 int kiln_int8_gemm_amx(const int8_t *a, int64_t a_stride, const float *a_scale, const int8_t *w,
                        int64_t w_stride, const float *w_scale, const void *bias,
@@ -76,9 +79,11 @@ int kiln_paged_attention(const void *q, int64_t q_stride, const void *k, int64_t
 
 /* prefill_attention.c */
 int kiln_prefill_attention_simd(int32_t dtype, int32_t head_size);
+int kiln_prefill_attention_amx(int32_t dtype, int32_t head_size);
+enum { KILN_PREFILL_BEST = 0, KILN_PREFILL_AVX512 = 1, KILN_PREFILL_PORTABLE = 2 };
 int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t out_stride,
                            int64_t num_rows, int32_t num_heads, float scale,
-                           const KilnKvCache *cache, const KilnAttnStep *step, int32_t portable,
+                           const KilnKvCache *cache, const KilnAttnStep *step, int32_t path,
                            int32_t num_threads);
 
 #ifdef __cplusplus

@@ -6,8 +6,10 @@
  * takes the same key and value loads (GQA). Query j of a request sits at position ctx + j (ctx =
  * seq_len - query length: context cached by earlier steps) and sees keys 0 .. ctx + j. The tiles
  * (prefill_tiles.h) use AVX512-BF16 for bfloat16 (probabilities rounded to bfloat16 before P.V,
- * as SDPA does) and AVX512F for float32; a scalar path serves any other CPU, head size, or a
- * caller asking for it (tests). Layouts: paged_attention.c's (q/out rows, cache, block table). */
+ * as SDPA does) and AVX512F for float32; AMX-BF16 tiles (prefill_amx.c) take bfloat16 where the
+ * CPU has them and the head size is a multiple of 32; a scalar path serves any other CPU, head
+ * size, or a caller asking for it (tests). Layouts: paged_attention.c's (q/out rows, cache,
+ * block table). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -16,34 +18,7 @@
 #include "dtype.h"
 #include "kernels.h"
 #include "prefill_tiles.h"
-
-#define MASKED (-1e30f) /* a masked score: finite, since the library builds with -ffast-math */
-
-typedef struct {
-    int req, kv_head, t0, nt; /* query rows [t0, t0 + nt) of request req */
-} Unit;
-
-typedef struct { /* what every unit of a call shares */
-    const void *q, *k_cache, *v_cache;
-    void *out;
-    int64_t q_stride, out_stride, slot_stride, bt_stride;
-    const int32_t *block_table, *query_start, *seq_lens;
-    int block_size, hd, group, tb, dtype, elem;
-    float scale;
-} Call;
-
-typedef struct { /* one thread's buffers; layouts in prefill_tiles.h */
-    float *qp, *s, *o, *m, *l, *buf;
-    int32_t *pp, *vpk;
-    const void **kp, **vp;
-    void *zero; /* a zero key/value row, standing in for the keys past a block's end */
-} Scratch;
-
-/* Where key `key` of the unit's request sits for its kv head (elements into a cache half). */
-static inline int64_t key_offset(const Call *c, const int32_t *blocks, int key, int kv_head) {
-    const int64_t slot = (int64_t)blocks[key / c->block_size] * c->block_size + key % c->block_size;
-    return slot * c->slot_stride + (int64_t)kv_head * c->hd;
-}
+#include "prefill_unit.h"
 
 /* The portable path: one (token, head) at a time, keys in blocks, the same rounding points. */
 static void unit_scalar(const Call *c, const Unit *u, Scratch *w) {
@@ -227,17 +202,24 @@ int kiln_prefill_attention_simd(int32_t dtype, int32_t head_size) {
     return simd_serves(dtype, head_size);
 }
 
+int kiln_prefill_attention_amx(int32_t dtype, int32_t head_size) {
+    return simd_serves(dtype, head_size) && prefill_amx_serves(dtype, head_size);
+}
+
 /* out rows of the step's selected requests from q (num_rows rows) and the cache, whose K/V the
- * step has written already. portable: the scalar path even where the tiles serve. Returns 0 or
- * paged_attention.h's error bits. */
+ * step has written already. path: KILN_PREFILL_BEST the fastest that serves, KILN_PREFILL_AVX512
+ * the AVX512 tiles even where AMX's serve, KILN_PREFILL_PORTABLE the scalar path (tests).
+ * Returns 0 or paged_attention.h's error bits. */
 int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t out_stride,
                            int64_t num_rows, int32_t num_heads, float scale,
-                           const KilnKvCache *cache, const KilnAttnStep *st, int32_t portable,
+                           const KilnKvCache *cache, const KilnAttnStep *st, int32_t path,
                            int32_t num_threads) {
     const int nkv = cache->num_kv_heads, hd = cache->head_size;
     if (nkv <= 0 || num_heads % nkv || cache->block_size <= 0 || hd <= 0)
         return KILN_ATTN_BAD_HEADS;
-    const int group = num_heads / nkv, simd = !portable && simd_serves(cache->dtype, hd);
+    const int group = num_heads / nkv;
+    const int simd = path != KILN_PREFILL_PORTABLE && simd_serves(cache->dtype, hd);
+    const int amx = simd && path == KILN_PREFILL_BEST && prefill_amx_serves(cache->dtype, hd);
     /* tokens per unit in lanes of 16: enough row groups for a tile of 3, at most 4 lanes' worth */
     const int tb = group >= 3 ? 1 : 3 / group;
     const int per_unit = simd ? 16 * tb : 16;
@@ -268,7 +250,8 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
     const int rgs = group * tb;
     /* per row group qp, o, s, pp, m, l; then vpk, the scalar path's rows and the zero row */
     const size_t floats = (size_t)rgs * 16 * (2 * hd + PF_BK + PF_BK / 2 + 2) +
-                          (size_t)PF_BK / 2 * hd + 3 * (size_t)hd + PF_BK;
+                          (size_t)PF_BK / 2 * hd + 3 * (size_t)hd + PF_BK +
+                          (amx ? PREFILL_AMX_KT_BYTES(hd) / sizeof(float) : 0);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -286,14 +269,20 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
             w.vpk = (int32_t *)(w.l + rgs * 16);
             w.buf = (float *)(w.vpk + (size_t)PF_BK / 2 * hd);
             w.zero = w.buf + 2 * hd + PF_BK; /* hd floats, never written */
+            w.kt = (float *)w.zero + hd;
             w.kp = ptrs;
             w.vp = ptrs + PF_BK;
         } else {
             failed = KILN_ATTN_NO_MEMORY;
         }
+        if (amx) prefill_amx_begin();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_units; ++i) {
             if (failed) continue;
+            if (amx) {
+                unit_amx(&call, &units[i], &w);
+                continue;
+            }
 #if KILN_PREFILL_F32_SIMD
             if (simd) {
                 unit_simd(&call, &units[i], &w);
@@ -302,6 +291,7 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
 #endif
             unit_scalar(&call, &units[i], &w);
         }
+        if (amx) prefill_amx_end();
         free(mem);
         free(ptrs);
     }

@@ -1,0 +1,49 @@
+/* What the prefill attention kernel's paths share (prefill_attention.c's scalar and AVX512 tiles,
+ * prefill_amx.c's AMX tiles): a work unit, the call's arguments, a thread's scratch buffers. */
+#ifndef KILN_PREFILL_UNIT_H
+#define KILN_PREFILL_UNIT_H
+
+#include <stdint.h>
+
+#define MASKED (-1e30f) /* a masked score: finite, since the library builds with -ffast-math */
+
+typedef struct {
+    int req, kv_head, t0, nt; /* query rows [t0, t0 + nt) of request req */
+} Unit;
+
+typedef struct { /* what every unit of a call shares */
+    const void *q, *k_cache, *v_cache;
+    void *out;
+    int64_t q_stride, out_stride, slot_stride, bt_stride;
+    const int32_t *block_table, *query_start, *seq_lens;
+    int block_size, hd, group, tb, dtype, elem;
+    float scale;
+} Call;
+
+typedef struct { /* one thread's buffers; layouts in prefill_tiles.h (prefill_amx.c's its own) */
+    float *qp, *s, *o, *m, *l, *buf;
+    int32_t *pp, *vpk;
+    void *kt; /* the AMX path's K tiles of a key block */
+    const void **kp, **vp;
+    void *zero; /* a zero key/value row, standing in for the keys past a block's end */
+} Scratch;
+
+/* Where key `key` of the unit's request sits for its kv head (elements into a cache half). */
+static inline int64_t key_offset(const Call *c, const int32_t *blocks, int key, int kv_head) {
+    const int64_t slot = (int64_t)blocks[key / c->block_size] * c->block_size + key % c->block_size;
+    return slot * c->slot_stride + (int64_t)kv_head * c->hd;
+}
+
+/* The AMX path (prefill_amx.c): 1 where it serves this dtype and head size and the tiles are to
+ * be had; unit_amx computes a unit as unit_simd does, its K tiles in w->kt. */
+int prefill_amx_serves(int dtype, int hd);
+/* a thread's tile configuration, before its first unit_amx and after its last */
+void prefill_amx_begin(void);
+void prefill_amx_end(void);
+void unit_amx(const Call *c, const Unit *u, Scratch *w);
+/* w->kt: a key block's K tiles (2 tiles of 16 keys x hd / 32 steps of 1 KiB), then a [16][hd]
+ * float32 block of P.V sums */
+#define PREFILL_AMX_KEY_TILES(hd) ((size_t)64 * (hd))
+#define PREFILL_AMX_KT_BYTES(hd) (PREFILL_AMX_KEY_TILES(hd) + (size_t)64 * (hd))
+
+#endif
