@@ -94,6 +94,38 @@ def test_silu_and_mul(provider, dtype, rows, d, strided):
     close(got, want, dtype)
 
 
+def _shifted(t: torch.Tensor) -> torch.Tensor:
+    """t's values in storage one element further on (another alignment)."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype)[1:]
+    return flat.view(t.shape).copy_(t)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [37, 100, 576, 1536])
+def test_native_norm_and_silu_rows_do_not_depend_on_the_call(dtype, width):
+    """A row's bits are the same alone, in a chunk or among many rows (threaded from 64), and at
+    any alignment: the fused int8 kernels call these on 16-row chunks into their own scratch and
+    must equal the unfused op bit for bit. A vector and a scalar expf differ in the last bit, as
+    do sums of squares added in another order: no value may take another path (a scalar tail,
+    a peel for alignment)."""
+    assert build.available()
+    g, rows = _gen(width), 130
+    x = torch.randn(rows, 2 * width, generator=g).to(dtype) * 4
+    res = torch.randn(rows, width, generator=g).to(dtype)
+    w = torch.randn(width, generator=g).to(dtype)
+    silu = layer_ops.silu_and_mul(x)
+    norm = layer_ops.rms_norm(x[:, :width], w, 1e-6)
+    fused, total = layer_ops.rms_norm(x[:, :width], w, 1e-6, res)
+    for r0, r1 in [(0, 1), (5, 6), (rows - 1, rows), (17, 33), (3, 70)]:
+        part = x[r0:r1]
+        for xs in (part, _shifted(part)):
+            assert torch.equal(layer_ops.silu_and_mul(xs), silu[r0:r1])
+            assert torch.equal(layer_ops.rms_norm(xs[:, :width], w, 1e-6), norm[r0:r1])
+            got, got_total = layer_ops.rms_norm(_shifted(xs[:, :width]), w, 1e-6,
+                                                _shifted(res[r0:r1]))
+            assert torch.equal(got, fused[r0:r1]) and torch.equal(got_total, total[r0:r1])
+
+
 @pytest.mark.parametrize("provider", ["native", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_size, nq, nk", [(64, 4, 4), (80, 6, 2), (128, 7, 1), (32, 4, 2)])

@@ -16,29 +16,256 @@
  * of waking the OpenMP team. */
 #define PARALLEL_MIN_ROWS 64
 
+/* Each dtype gets its own inlined loop (with the dtype known the loops vectorize; a runtime dtype
+ * left them scalar). A row's values go through it in blocks, the last one padded or masked, so
+ * that every value takes the same path (the same exp, its square summed in the same place)
+ * whatever the row's length, position or alignment and however many rows the call has. The
+ * fused int8 kernels (int8_ops.c) call these whole on chunks of rows into their own scratch and
+ * must equal the unfused op bit for bit: a vector expf and a scalar one differ in the last bit,
+ * so a scalar tail or a peel for alignment would break that. */
+#define KILN_INLINE static inline __attribute__((always_inline))
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+/* AVX-512: blocks of 32 values in two registers, the last block masked. A bfloat16 block is one
+ * 64-byte load split into its even and odd values (a shift and a mask, no shuffles) and joined
+ * back the same way on store; float32's is two loads. The float steps use the explicitly
+ * rounded intrinsics (_round_ps): the library builds with -ffast-math, under which GCC could
+ * reassociate plain vector arithmetic or turn a division into a reciprocal estimate, and each
+ * step must round as the torch op it stands for does. */
+#include <immintrin.h>
+
+#define KILN_RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define KILN_BLOCK 32
+
+/* e^x, inline: x = k ln2 + r, |r| <= ln2 / 2 (ln2 in two parts), e^r by Cephes' expf
+ * polynomial, times 2^k (VSCALEFPS: inf past 88.7, subnormals below -87); 0 from -104 down, for
+ * -inf (whose reduction is NaN) and for NaN (silu's quotient is NaN all the same). Within 1 ulp
+ * of e^x; libmvec's vector expf, which GCC calls for a vectorized expf, is within 2.6 and costs
+ * a call per 16 values. Explicit FMAs: -ffast-math reassociates none of these builtins. */
+KILN_INLINE __m512 exp_lanes(__m512 x) {
+    const __m512 k = _mm512_roundscale_ps(
+        _mm512_mul_round_ps(x, _mm512_set1_ps(1.44269504f), KILN_RNE), KILN_RNE);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_round_ps(r, r, KILN_RNE), r);
+    p = _mm512_add_round_ps(p, _mm512_set1_ps(1.f), KILN_RNE);
+    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.f), _CMP_GT_OQ), p, k);
+}
+
+/* 32 values: bfloat16's even (a) and odd (b) ones, float32's first (a) and last (b) 16. */
+typedef struct {
+    __m512 a, b;
+} f32x32;
+
+KILN_INLINE __mmask32 block_mask(int left) {
+    return left >= KILN_BLOCK ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1);
+}
+
+KILN_INLINE f32x32 load_block(const void *base, int64_t i, int dtype, __mmask32 m) {
+    f32x32 v;
+    if (dtype == KILN_F32) {
+        v.a = _mm512_maskz_loadu_ps((__mmask16)m, (const float *)base + i);
+        v.b = _mm512_maskz_loadu_ps((__mmask16)(m >> 16), (const float *)base + i + 16);
+    } else {
+        const __m512i w = _mm512_maskz_loadu_epi16(m, (const uint16_t *)base + i);
+        v.a = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+        v.b = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)));
+    }
+    return v;
+}
+
+/* v rounded to bfloat16 as dtype.h's f32_to_bf16 (nearest even; a NaN stays a NaN, made quiet),
+ * its bits in the top half of each lane; the bottom half is left over. Not VCVTNEPS2BF16: it
+ * flushes subnormals to zero. */
+KILN_INLINE __m512i bf16_top(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __mmask16 nan = _mm512_fpclass_ps_mask(v, 0x81); /* quiet or signalling NaN */
+    const __mmask16 odd = _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x10000));
+    __m512i r = _mm512_add_epi32(u, _mm512_set1_epi32(0x7fff));
+    r = _mm512_mask_add_epi32(r, odd, r, _mm512_set1_epi32(1));
+    return _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
+}
+
+/* v as the dtype holds it (round_to). */
+KILN_INLINE __m512 round_lanes(__m512 v, int dtype) {
+    if (dtype == KILN_F32) return v;
+    return _mm512_castsi512_ps(_mm512_and_si512(bf16_top(v), _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* Stores v, rounding it to the dtype unless `exact` (its values already are bfloat16's). */
+KILN_INLINE void store_block(void *base, int64_t i, f32x32 v, int dtype, __mmask32 m, int exact) {
+    if (dtype == KILN_F32) {
+        _mm512_mask_storeu_ps((float *)base + i, (__mmask16)m, v.a);
+        _mm512_mask_storeu_ps((float *)base + i + 16, (__mmask16)(m >> 16), v.b);
+        return;
+    }
+    const __m512i a = exact ? _mm512_castps_si512(v.a) : bf16_top(v.a);
+    const __m512i b = exact ? _mm512_castps_si512(v.b) : bf16_top(v.b);
+    /* (b & 0xffff0000) | (a >> 16): the odd values' top halves over the even ones' */
+    const __m512i w = _mm512_ternarylogic_epi32(b, _mm512_srli_epi32(a, 16),
+                                                _mm512_set1_epi32((int)0xffff0000u), 0xEC);
+    _mm512_mask_storeu_epi16((uint16_t *)base + i, m, w);
+}
+
+/* One block of a row's first pass: the values (with the residual added, rounded, and written
+ * to residual_out) into buf, their squares into the sums. */
+KILN_INLINE void rms_norm_sum_block(const void *x, const void *residual, void *residual_out,
+                                    float *buf, int64_t i, __m512 *sq_a, __m512 *sq_b, int dtype,
+                                    __mmask32 m) {
+    f32x32 v = load_block(x, i, dtype, m);
+    if (residual) {
+        const f32x32 r = load_block(residual, i, dtype, m);
+        v.a = round_lanes(_mm512_add_round_ps(v.a, r.a, KILN_RNE), dtype);
+        v.b = round_lanes(_mm512_add_round_ps(v.b, r.b, KILN_RNE), dtype);
+        /* residual_out may be residual: this block of it is read */
+        if (residual_out) store_block(residual_out, i, v, dtype, m, 1);
+    }
+    _mm512_store_ps(buf + i, v.a);
+    _mm512_store_ps(buf + i + 16, v.b);
+    *sq_a = _mm512_fmadd_round_ps(v.a, v.a, *sq_a, KILN_RNE);
+    *sq_b = _mm512_fmadd_round_ps(v.b, v.b, *sq_b, KILN_RNE);
+}
+
+KILN_INLINE void rms_norm_out_block(const void *weight, void *out, const float *buf, int64_t i,
+                                    __m512 inv, int dtype, __mmask32 m) {
+    const f32x32 w = load_block(weight, i, dtype, m);
+    f32x32 o;
+    o.a = round_lanes(_mm512_mul_round_ps(_mm512_load_ps(buf + i), inv, KILN_RNE), dtype);
+    o.b = round_lanes(_mm512_mul_round_ps(_mm512_load_ps(buf + i + 16), inv, KILN_RNE), dtype);
+    o.a = _mm512_mul_round_ps(o.a, w.a, KILN_RNE);
+    o.b = _mm512_mul_round_ps(o.b, w.b, KILN_RNE);
+    store_block(out, i, o, dtype, m, 0);
+}
+
+/* One row: see kiln_rms_norm. buf (64-byte aligned, hidden rounded up to KILN_BLOCK) holds the
+ * row's values. Full blocks, then the last one masked (its missing lanes are 0). */
+KILN_INLINE void rms_norm_row(const void *x, const void *residual, void *residual_out,
+                              const void *weight, void *out, float *buf, int hidden, float eps,
+                              int dtype) {
+    const __mmask32 full = block_mask(KILN_BLOCK), last = block_mask(hidden % KILN_BLOCK);
+    const int whole = hidden - hidden % KILN_BLOCK;
+    __m512 sq_a = _mm512_setzero_ps(), sq_b = _mm512_setzero_ps();
+    for (int i = 0; i < whole; i += KILN_BLOCK)
+        rms_norm_sum_block(x, residual, residual_out, buf, i, &sq_a, &sq_b, dtype, full);
+    if (whole < hidden)
+        rms_norm_sum_block(x, residual, residual_out, buf, whole, &sq_a, &sq_b, dtype, last);
+    const float sq = _mm512_reduce_add_ps(_mm512_add_round_ps(sq_a, sq_b, KILN_RNE));
+    const __m512 inv = _mm512_set1_ps(1.f / sqrtf(sq / hidden + eps));
+    for (int i = 0; i < whole; i += KILN_BLOCK)
+        rms_norm_out_block(weight, out, buf, i, inv, dtype, full);
+    if (whole < hidden) rms_norm_out_block(weight, out, buf, whole, inv, dtype, last);
+}
+
+/* dtype(silu(g)) = dtype(g / (1 + e^-g)), the division exact as torch's; a masked-off lane
+ * holds 0 (e^0 = 1). */
+KILN_INLINE __m512 silu_lanes(__m512 g, int dtype) {
+    const __m512 e = exp_lanes(_mm512_sub_round_ps(_mm512_setzero_ps(), g, KILN_RNE));
+    const __m512 s = _mm512_div_round_ps(
+        g, _mm512_add_round_ps(_mm512_set1_ps(1.f), e, KILN_RNE), KILN_RNE);
+    return round_lanes(s, dtype);
+}
+
+KILN_INLINE void silu_and_mul_block(const void *x, void *out, int d, int64_t i, int dtype,
+                                    __mmask32 m) {
+    const f32x32 g = load_block(x, i, dtype, m);
+    f32x32 o;
+    o.a = silu_lanes(g.a, dtype);
+    o.b = silu_lanes(g.b, dtype);
+    const f32x32 u = load_block(x, (int64_t)d + i, dtype, m);
+    o.a = _mm512_mul_round_ps(o.a, u.a, KILN_RNE);
+    o.b = _mm512_mul_round_ps(o.b, u.b, KILN_RNE);
+    store_block(out, i, o, dtype, m, 0);
+}
+
+/* One row: see kiln_silu_and_mul. */
+KILN_INLINE void silu_and_mul_row(const void *x, void *out, int d, int dtype) {
+    const int whole = d - d % KILN_BLOCK;
+    for (int i = 0; i < whole; i += KILN_BLOCK)
+        silu_and_mul_block(x, out, d, i, dtype, block_mask(KILN_BLOCK));
+    if (whole < d) silu_and_mul_block(x, out, d, whole, dtype, block_mask(d % KILN_BLOCK));
+}
+
+#else
+/* Portable: loads, stores and the rounding of sums (exact steps, however GCC vectorizes them) are
+ * plain loops; what is not exact (the sum of squares, silu's expf and division) runs over padded
+ * blocks of 16 values in fixed-length loops, which GCC vectorizes whole or not at all. */
+#define KILN_BLOCK 16
+/* silu_and_mul's values a pass (on the stack) */
+#define KILN_CHUNK 512
+
+KILN_INLINE void rms_norm_row(const void *x, const void *residual, void *residual_out,
+                              const void *weight, void *out, float *buf, int hidden, float eps,
+                              int dtype) {
+    const int padded = (hidden + KILN_BLOCK - 1) / KILN_BLOCK * KILN_BLOCK;
+    if (residual) {
+        /* the row read whole first: residual_out may be residual */
+        for (int i = 0; i < hidden; ++i)
+            buf[i] = round_to(load_elem(x, i, dtype) + load_elem(residual, i, dtype), dtype);
+        if (residual_out)
+            for (int i = 0; i < hidden; ++i) store_elem(residual_out, i, buf[i], dtype);
+    } else {
+        for (int i = 0; i < hidden; ++i) buf[i] = load_elem(x, i, dtype);
+    }
+    for (int i = hidden; i < padded; ++i) buf[i] = 0.f;
+    float sq[KILN_BLOCK] = {0};
+    for (int i = 0; i < padded; i += KILN_BLOCK)
+        for (int j = 0; j < KILN_BLOCK; ++j) sq[j] += buf[i + j] * buf[i + j];
+    float total = 0.f;
+    for (int j = 0; j < KILN_BLOCK; ++j) total += sq[j];
+    const float inv = 1.f / sqrtf(total / hidden + eps);
+    for (int i = 0; i < hidden; ++i) {
+        const float n = round_to(buf[i] * inv, dtype);
+        store_elem(out, i, n * load_elem(weight, i, dtype), dtype);
+    }
+}
+
+KILN_INLINE void silu_and_mul_row(const void *x, void *out, int d, int dtype) {
+    for (int c = 0; c < d; c += KILN_CHUNK) {
+        const int n = d - c < KILN_CHUNK ? d - c : KILN_CHUNK;
+        const int padded = (n + KILN_BLOCK - 1) / KILN_BLOCK * KILN_BLOCK;
+        float g[KILN_CHUNK] __attribute__((aligned(64))), u[KILN_CHUNK] __attribute__((aligned(64)));
+        for (int j = 0; j < n; ++j) g[j] = load_elem(x, c + j, dtype);
+        for (int j = 0; j < n; ++j) u[j] = load_elem(x, (int64_t)d + c + j, dtype);
+        for (int j = n; j < padded; ++j) g[j] = u[j] = 0.f;
+        for (int b = 0; b < padded; b += KILN_BLOCK) {
+            /* Vectorized under -ffast-math the division is a reciprocal estimate, whose
+             * refinement gives NaN for an infinite divisor: expf's argument stops short of
+             * overflow (from there on the quotient is within a subnormal of torch's -0). */
+#pragma omp simd
+            for (int j = b; j < b + KILN_BLOCK; ++j)
+                g[j] = round_to(g[j] / (1.f + expf(fminf(-g[j], 88.7f))), dtype) * u[j];
+        }
+        for (int j = 0; j < n; ++j) store_elem(out, c + j, g[j], dtype);
+    }
+}
+#endif
+
 /* out = weight * dtype(x32 * rsqrt(mean(x32^2) + eps)), and with a residual first
  * x = dtype(x + residual), written to residual_out (rows of `hidden`). residual/residual_out may
- * be NULL. out may be x and residual_out residual (in place): a row is read whole first. */
+ * be NULL. out may be x and residual_out residual (in place): a row is read whole before out is
+ * written, and residual_out is written where residual was just read. */
 int kiln_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t res_stride,
                   void *residual_out, const void *weight, void *out, int64_t out_stride,
                   int64_t rows, int32_t hidden, float eps, int32_t dtype, int32_t num_threads) {
+    const int64_t es = dtype == KILN_F32 ? 4 : 2;
+    const int padded = (hidden + KILN_BLOCK - 1) / KILN_BLOCK * KILN_BLOCK; /* whole blocks */
 #pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_MIN_ROWS)
     for (int64_t r = 0; r < rows; ++r) {
-        float buf[hidden];
-        float sq = 0.f;
-        for (int i = 0; i < hidden; ++i) {
-            float v = load_elem(x, r * x_stride + i, dtype);
-            if (residual) v = round_to(v + load_elem(residual, r * res_stride + i, dtype), dtype);
-            buf[i] = v;
-            sq += v * v;
-        }
-        if (residual_out)
-            for (int i = 0; i < hidden; ++i) store_elem(residual_out, r * hidden + i, buf[i], dtype);
-        const float inv = 1.f / sqrtf(sq / hidden + eps);
-        for (int i = 0; i < hidden; ++i) {
-            const float n = round_to(buf[i] * inv, dtype);
-            store_elem(out, r * out_stride + i, n * load_elem(weight, i, dtype), dtype);
-        }
+        float buf[padded] __attribute__((aligned(64)));
+        const char *xr = (const char *)x + r * x_stride * es;
+        const char *rr = residual ? (const char *)residual + r * res_stride * es : NULL;
+        char *ro = residual_out ? (char *)residual_out + r * hidden * es : NULL;
+        char *o = (char *)out + r * out_stride * es;
+        if (dtype == KILN_F32)
+            rms_norm_row(xr, rr, ro, weight, o, buf, hidden, eps, KILN_F32);
+        else
+            rms_norm_row(xr, rr, ro, weight, o, buf, hidden, eps, KILN_BF16);
     }
     return 0;
 }
@@ -46,13 +273,15 @@ int kiln_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t
 /* out [rows, d] = dtype(silu(gate)) * up, from x [rows, 2d] = [gate | up]. */
 int kiln_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int32_t d,
                       int32_t dtype, int32_t num_threads) {
+    const int64_t es = dtype == KILN_F32 ? 4 : 2;
 #pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_MIN_ROWS)
     for (int64_t r = 0; r < rows; ++r) {
-        for (int i = 0; i < d; ++i) {
-            const float g = load_elem(x, r * x_stride + i, dtype);
-            const float s = round_to(g / (1.f + expf(-g)), dtype);
-            store_elem(out, r * d + i, s * load_elem(x, r * x_stride + d + i, dtype), dtype);
-        }
+        const char *xr = (const char *)x + r * x_stride * es;
+        char *o = (char *)out + r * d * es;
+        if (dtype == KILN_F32)
+            silu_and_mul_row(xr, o, d, KILN_F32);
+        else
+            silu_and_mul_row(xr, o, d, KILN_BF16);
     }
     return 0;
 }
