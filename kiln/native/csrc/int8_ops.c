@@ -38,9 +38,9 @@
 
 int kiln_int8_isa(void) { return 1; }
 
-/* A chunk's scratch, 64-byte aligned like torch's tensors: the unfused kernels' vector loops
- * peel by alignment, and libmvec's vector expf rounds differently from the scalar one, so a
- * differently aligned scratch would change SiLU's last bits. */
+/* A chunk's scratch, 64-byte aligned. The unfused kernels give every value the same bits
+ * whatever the alignment and row count of their call (layer_ops.c), which the fused ops'
+ * equality with them rests on. */
 static char *scratch(size_t bytes) { return (char *)aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
 /* One row x[0:k] -> q[0:k] = round(x * (127 / amax)) and *scale = amax / 127. */
