@@ -6,7 +6,9 @@
  * kernel). A tile multiply wants B in VNNI layout (a row per 4 values of k, 16 channels x 4 bytes
  * each), so each thread first repacks its share of the channels: a 16 x 16 transpose of dwords
  * per 1 KiB tile, once per call, a few percent of the multiplies at prefill sizes. Activations
- * are read in place (a padded copy only for a K tail or a short last block of rows).
+ * are read in place (a padded copy only for a K tail or a short last block of rows). For a
+ * decode batch's few rows the roles swap (gemm_few_rows): the weight is read in place as A
+ * tiles and the rows are packed, which halves the step's int8 linears at 16-32 rows.
  *
  * Where the tiles are not to be had (kiln_amx_ready, amx.c), the op takes oneDNN's GEMM as before.
  */
@@ -27,13 +29,16 @@
 #define AMX_COLS 32
 #define KSTEP 64
 #define TILE_BYTES 1024
+/* Up to this many rows the weight is the A operand (gemm_few_rows), read once in place. */
+#define FEW_ROWS 128
 /* Rows of activations a thread walks its channels over at a time (kept in L2). */
 #define ROW_BLOCK 256
 
 int kiln_int8_amx_ready(void) { return kiln_amx_ready(); }
 
-/* Channels [c0, c0 + 32) of w as B tiles, [k step][2 tiles][16 k-quads][16 channels x 4 bytes];
- * channels past n and k past its end are zeros. */
+/* Rows [c0, c0 + 32) of an int8 [n, k] matrix (the weight's channels, or a few rows of
+ * activations) as B tiles, [k step][2 tiles][16 k-quads][16 rows x 4 bytes]; rows past n and k
+ * past its end are zeros. */
 static void pack_channels(const int8_t *w, int64_t w_stride, int64_t n, int64_t k, int64_t c0,
                           int64_t ksteps, int8_t *dst) {
     for (int64_t s = 0; s < ksteps; ++s) {
@@ -83,12 +88,80 @@ static inline void block_product(const int8_t *a, int64_t as, const int8_t *pack
     _tile_stored(3, acc + 16 * AMX_COLS + 16, AMX_COLS * 4);
 }
 
+/* acc_t [32][32] = acc [32][32] transposed, 16 x 16 blocks at a time. */
+static void transpose32(const int32_t *acc, int32_t *acc_t) {
+    for (int bi = 0; bi < 2; ++bi)
+        for (int bj = 0; bj < 2; ++bj) {
+            __m512i r[16];
+            for (int i = 0; i < 16; ++i)
+                r[i] = _mm512_load_si512(acc + (16 * bi + i) * AMX_COLS + 16 * bj);
+            kiln_transpose16(r);
+            for (int i = 0; i < 16; ++i)
+                _mm512_store_si512(acc_t + (16 * bj + i) * AMX_COLS + 16 * bi, r[i]);
+        }
+}
+
+/* Few rows (a decode batch): the roles swap, so that the weight is read once, in place, as A
+ * tiles of 32 channels, and the rows are what gets packed into B tiles (each thread packs them
+ * all: m x k bytes); each 32 x 32 block of sums is transposed back before its epilogue. */
+static int gemm_few_rows(const int8_t *a, int64_t a_stride, const float *a_scale, const int8_t *w,
+                         int64_t w_stride, const float *w_scale, const void *bias,
+                         int32_t bias_dtype, void *out, int64_t out_stride, int64_t m, int64_t n,
+                         int64_t k, int32_t out_dtype, int32_t num_threads) {
+    const int64_t ksteps = (k + KSTEP - 1) / KSTEP, kpad = ksteps * KSTEP;
+    const int64_t row_panels = (m + AMX_ROWS - 1) / AMX_ROWS;
+    const int64_t blocks = (n + AMX_COLS - 1) / AMX_COLS;
+    const size_t panel_bytes = (size_t)ksteps * 2 * TILE_BYTES;
+    const size_t oes = elem_size(out_dtype), bes = elem_size(bias_dtype);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        int8_t *packed = (int8_t *)aligned_alloc(64, (size_t)row_panels * panel_bytes);
+        int8_t *padded = (int8_t *)aligned_alloc(64, (size_t)AMX_COLS * kpad);
+        int32_t acc[AMX_ROWS * AMX_COLS] __attribute__((aligned(64)));
+        int32_t acc_t[AMX_ROWS * AMX_COLS] __attribute__((aligned(64)));
+        if (!packed || !padded) failed = 1;
+        if (!failed) {
+            kiln_amx_configure();
+            for (int64_t p = 0; p < row_panels; ++p)
+                pack_channels(a, a_stride, m, k, p * AMX_ROWS, ksteps, packed + p * panel_bytes);
+        }
+#pragma omp for schedule(static) /* every thread meets it, failed or not */
+        for (int64_t cb = 0; cb < blocks; ++cb) {
+            if (failed) continue;
+            const int64_t c0 = cb * AMX_COLS, cols = n - c0 < AMX_COLS ? n - c0 : AMX_COLS;
+            const int8_t *wa = w + c0 * w_stride;
+            int64_t ws = w_stride;
+            if (k % KSTEP || cols < AMX_COLS) {
+                pad_rows(w, w_stride, c0, cols, k, kpad, padded);
+                wa = padded, ws = kpad;
+            }
+            for (int64_t p = 0; p < row_panels; ++p) {
+                const int64_t r0 = p * AMX_ROWS, rows = m - r0 < AMX_ROWS ? m - r0 : AMX_ROWS;
+                block_product(wa, ws, packed + p * panel_bytes, ksteps, acc); /* [ch][row] */
+                transpose32(acc, acc_t);
+                for (int64_t i = 0; i < rows; ++i)
+                    scale_row(acc_t + i * AMX_COLS, 0, a_scale[r0 + i], w_scale + c0,
+                              bias ? (const char *)bias + c0 * bes : NULL, bias_dtype,
+                              (char *)out + ((r0 + i) * out_stride + c0) * oes, cols, out_dtype);
+            }
+        }
+        if (!failed) _tile_release();
+        free(packed);
+        free(padded);
+    }
+    return failed ? 2 : 0;
+}
+
 int kiln_int8_gemm_amx(const int8_t *a, int64_t a_stride, const float *a_scale, const int8_t *w,
                        int64_t w_stride, const float *w_scale, const void *bias,
                        int32_t bias_dtype, void *out, int64_t out_stride, int64_t m, int64_t n,
                        int64_t k, int32_t out_dtype, int32_t num_threads) {
     if (!kiln_amx_ready()) return 4;
     if (m == 0 || n == 0) return 0;
+    if (m <= FEW_ROWS)
+        return gemm_few_rows(a, a_stride, a_scale, w, w_stride, w_scale, bias, bias_dtype, out,
+                             out_stride, m, n, k, out_dtype, num_threads);
     const int64_t ksteps = (k + KSTEP - 1) / KSTEP, kpad = ksteps * KSTEP;
     const int64_t panels = (n + AMX_COLS - 1) / AMX_COLS;
     const size_t panel_bytes = (size_t)ksteps * 2 * TILE_BYTES;
