@@ -77,6 +77,17 @@ def test_rms_norm(provider, dtype, rows, hidden, strided):
 
 
 @pytest.mark.parametrize("provider", ["native", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_of_a_row_whose_squares_overflow_is_zero_as_torchs(provider, dtype):
+    """Squares past float32's range: torch's rsqrt(inf) is 0. A kernel that computed 1/sqrt as
+    -ffast-math's rsqrt estimate with a Newton step got 0 * inf = NaN for every value."""
+    x = torch.tensor([[1e20, 1.0], [3.0, 4.0]]).to(dtype)
+    got, want = _run("rms_norm", provider, x, torch.ones(2, dtype=dtype), 1e-6)
+    assert not got.isnan().any() and torch.equal(got[0], want[0]) and (got[0] == 0).all()
+    close(got, want, dtype)
+
+
+@pytest.mark.parametrize("provider", ["native", "torch"])
 def test_rms_norm_per_head_view(provider):
     # Qwen3 normalises each head of a [T, heads, hd] view of q.
     x, w = torch.randn(4, 3, 16, generator=_gen(1)), torch.rand(16, generator=_gen(2))

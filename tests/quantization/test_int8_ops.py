@@ -110,6 +110,32 @@ def test_amx_int8_runs_where_the_cpu_has_it():
     assert native.isa() == "amx_int8+avx512_vnni" and native.amx_min_rows() == 16
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_with_nan_quantizes_as_the_reference(dtype):
+    """NaN stays visible: scale NaN and q 0 for that row, as the reference gives (a vector max
+    drops NaN and would have made finite garbage of it); other rows are untouched."""
+    x = torch.tensor([[1.0, float("nan"), 2.0], [1.0, -2.0, 0.5]]).to(dtype)
+    if not _native_or_skip_check(x):
+        return
+    q, s = native.dynamic_int8_quant(x)
+    rq, rs = ref.dynamic_int8_quant(x)
+    assert s[0].isnan() and rs[0].isnan() and (q[0] == 0).all() and torch.equal(q[0], rq[0])
+    assert torch.equal(q[1], rq[1]) and torch.equal(s[1], rs[1])
+
+
+def test_gemm_of_rows_that_share_memory():
+    """A q whose rows are one row expanded (stride 0): torch 2.13's _int_mm sums those wrong,
+    which the reference works around; the kernels read strides as given."""
+    g = torch.Generator().manual_seed(5)
+    row = torch.randint(-128, 128, (1, 70), dtype=torch.int8, generator=g)
+    q, w = row.expand(20, 70), torch.randint(-128, 128, (9, 70), dtype=torch.int8, generator=g)
+    s, ws = torch.rand(20, 1, generator=g), torch.rand(9, generator=g)
+    exact = (row.long() @ w.long().t()).float().expand(20, 9) * s * ws
+    assert torch.equal(ref.int8_scaled_mm(q, s, w, ws, None, torch.float32), exact)
+    if native.isa() is not None:
+        assert torch.equal(native.int8_scaled_mm(q, s, w, ws, None, torch.float32), exact)
+
+
 def test_int8_gemm_refuses_mismatched_shapes():
     if native.isa() is None:
         return

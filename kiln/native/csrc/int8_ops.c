@@ -46,8 +46,17 @@ static char *scratch(size_t bytes) { return (char *)aligned_alloc(64, (bytes + 6
 /* One row x[0:k] -> q[0:k] = round(x * (127 / amax)) and *scale = amax / 127. */
 static void quant_row(const void *x, int64_t k, int dtype, int8_t *q, float *scale) {
     __m512 amax = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; i += 16)
-        amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(x, i, dtype, tail16(k - i))));
+    __mmask16 nan = 0;
+    for (int64_t i = 0; i < k; i += 16) {
+        const __m512 v = load16(x, i, dtype, tail16(k - i));
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+    }
+    if (nan) { /* as the reference: amax NaN, so scale NaN and every q 0 (max_ps drops NaN) */
+        *scale = __builtin_nanf("");
+        for (int64_t i = 0; i < k; ++i) q[i] = 0;
+        return;
+    }
     const __m128 a = _mm_set_ss(_mm512_reduce_max_ps(amax)), c = _mm_set_ss(127.f);
     *scale = _mm_cvtss_f32(_mm_div_round_ss(a, c, RNE));
     const float inv = _mm_cvtss_f32(a) > 0.f ? _mm_cvtss_f32(_mm_div_round_ss(c, a, RNE)) : 0.f;

@@ -156,7 +156,14 @@ KILN_INLINE void rms_norm_row(const void *x, const void *residual, void *residua
     if (whole < hidden)
         rms_norm_sum_block(x, residual, residual_out, buf, whole, &sq_a, &sq_b, dtype, last);
     const float sq = _mm512_reduce_add_ps(_mm512_add_round_ps(sq_a, sq_b, KILN_RNE));
-    const __m512 inv = _mm512_set1_ps(1.f / sqrtf(sq / hidden + eps));
+    /* rsqrt(mean + eps) step by step: under -ffast-math a plain 1 / sqrtf becomes an rsqrt
+     * estimate and a Newton step, 1-2 ulp off and NaN (0 * inf) where the squares overflow and
+     * torch's rsqrt gives 0 */
+    const __m128 var = _mm_add_round_ss(
+        _mm_div_round_ss(_mm_set_ss(sq), _mm_set_ss((float)hidden), KILN_RNE), _mm_set_ss(eps),
+        KILN_RNE);
+    const __m512 inv = _mm512_set1_ps(_mm_cvtss_f32(
+        _mm_div_round_ss(_mm_set_ss(1.f), _mm_sqrt_round_ss(var, var, KILN_RNE), KILN_RNE)));
     for (int i = 0; i < whole; i += KILN_BLOCK)
         rms_norm_out_block(weight, out, buf, i, inv, dtype, full);
     if (whole < hidden) rms_norm_out_block(weight, out, buf, whole, inv, dtype, last);
@@ -218,7 +225,8 @@ KILN_INLINE void rms_norm_row(const void *x, const void *residual, void *residua
         for (int j = 0; j < KILN_BLOCK; ++j) sq[j] += buf[i + j] * buf[i + j];
     float total = 0.f;
     for (int j = 0; j < KILN_BLOCK; ++j) total += sq[j];
-    const float inv = 1.f / sqrtf(total / hidden + eps);
+    /* in double: -ffast-math turns a float 1 / sqrtf into an rsqrt estimate (NaN for inf) */
+    const float inv = (float)(1.0 / sqrt((double)(total / hidden + eps)));
     for (int i = 0; i < hidden; ++i) {
         const float n = round_to(buf[i] * inv, dtype);
         store_elem(out, i, n * load_elem(weight, i, dtype), dtype);
