@@ -59,12 +59,6 @@ def require_native() -> bool:
     return os.environ.get("KILN_REQUIRE_NATIVE", "0") not in ("", "0", "false", "False")
 
 
-def cpu_malloc_tuning() -> bool:
-    """`KILN_CPU_MALLOC_TUNING=0`: leave glibc's malloc as it is, rather than have it keep freed
-    memory for reuse (kiln/worker/host_memory.keep_freed_heap)."""
-    return os.environ.get("KILN_CPU_MALLOC_TUNING", "1") not in ("", "0", "false", "False")
-
-
 def native_cpu_ops() -> bool:
     """`KILN_NATIVE_CPU_OPS=0`: the torch reference first for every IR op (kiln/ir/selection.py),
     and the linear kernel's GEMV, GGUF and SiLU-and-mul paths off."""

@@ -12,7 +12,7 @@ from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kiln.cudagraphs.capture import capture_model
 from kiln.logger import init_logger
 from kiln.worker import kv_cache_sizing
-from kiln.worker.host_memory import freeze_gc_heap, keep_freed_heap, zeros_on_first_touch
+from kiln.worker.host_memory import freeze_gc_heap, zeros_on_first_touch
 from kiln.worker.model_runner import ModelRunner
 
 logger = init_logger(__name__)
@@ -44,8 +44,6 @@ class Worker:
             device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(device)
         self.device = device
-        if device.type == "cpu":
-            keep_freed_heap()
         self.platform = self.kiln_config.platform
         self.platform.seed_everything(self.kiln_config.model_config.seed)
         self.model_runner = ModelRunner(self.kiln_config, device)

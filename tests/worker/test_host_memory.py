@@ -1,9 +1,7 @@
-"""Lazily committed zero buffers (the CPU KV caches) and the malloc that keeps freed memory; the
-frozen heap is tested through a dropped engine (tests/entrypoints/test_llm.py)."""
+"""Lazily committed zero buffers (the CPU KV caches); the frozen heap is tested through a
+dropped engine (tests/entrypoints/test_llm.py)."""
 import gc
 import os
-import subprocess
-import sys
 import weakref
 
 import pytest
@@ -57,39 +55,3 @@ def test_warm_up_collects_garbage_only_after_compiling_or_tracing():
                                                                      num_dynamo_traces=2))
     # Stock torch.compile compiles through Dynamo's own machinery, which no counter sees.
     assert warm_up_left_garbage(CompilationMode.STOCK_TORCH_COMPILE, before, loaded)
-
-
-_STEP_FAULTS = """
-import resource, torch
-from kiln.worker.host_memory import keep_freed_heap
-applied = keep_freed_heap()
-x = torch.randn(2048, 576).to(torch.bfloat16)
-w, w2 = torch.randn(3072, 576).to(torch.bfloat16), torch.randn(576, 1536).to(torch.bfloat16)
-faults = []
-for _ in range(16):  # a prefill step's MLP of the default model
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    y = torch.nn.functional.linear(x, w)  # [2048, 3072] bfloat16, 12 MB
-    gate, up = y.chunk(2, dim=-1)
-    z = torch.nn.functional.silu(gate) * up
-    small = [torch.empty(100) for _ in range(50)]
-    del y, gate, up
-    out = torch.nn.functional.linear(z, w2)
-    del z, out, small
-    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(applied, sum(faults[6:]))
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux's glibc")
-def test_keep_freed_heap_reuses_a_steps_pages():
-    """A step's activations come back from the heap, already mapped: without it each of these
-    iterations faulted in ~6,800 fresh pages on a 2-core Xeon with glibc 2.36 (a fresh mapping
-    per large block, every step)."""
-    env = dict(os.environ, KILN_CPU_MALLOC_TUNING="1")
-    out = subprocess.run([sys.executable, "-c", _STEP_FAULTS], env=env, capture_output=True,
-                         text=True, check=True).stdout.split()
-    assert out[0] == "True" and int(out[1]) < 1000, out
-    env["KILN_CPU_MALLOC_TUNING"] = "0"
-    out = subprocess.run([sys.executable, "-c", _STEP_FAULTS], env=env, capture_output=True,
-                         text=True, check=True).stdout.split()
-    assert out[0] == "False", out
