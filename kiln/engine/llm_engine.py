@@ -217,7 +217,10 @@ class LLMEngine:
         return processed.request_outputs
 
     def _count_tokens(self, core_outputs) -> None:
-        """Before the output processor sees them: a sample with no tokens yet is prefilled now."""
+        """Before the output processor sees them: a sample with no tokens yet is prefilled now.
+        One batch can hold several steps' outputs of a sample (the core ran ahead of this loop),
+        all before the output processor has given it any token: its prompt counts once."""
+        prefilled = set()
         for out in core_outputs:
             entry = self.output_processor.samples.get(out.request_id)
             if entry is None or not out.new_token_ids:
@@ -225,7 +228,8 @@ class LLMEngine:
             state, sample = entry
             if sample.finished:
                 continue  # a stop string ended it; the output processor drops late tokens too
-            if not sample.token_ids:
+            if not sample.token_ids and out.request_id not in prefilled:
+                prefilled.add(out.request_id)
                 self.num_prompt_tokens += len(state.prompt_token_ids)
             self.num_generation_tokens += len(out.new_token_ids)
 

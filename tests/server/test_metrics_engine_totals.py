@@ -39,3 +39,19 @@ def test_token_totals_count_prefilled_samples(engine):
     assert after["generation_tokens_total"] == mid["generation_tokens_total"]
     assert after["num_running"] == after["num_waiting"] == 0
     assert after["kv_cache_usage"] == 0.0
+
+
+def test_a_batch_with_several_steps_of_a_sample_counts_its_prompt_once():
+    """The core can run ahead of the front end: one batch then holds a sample's first and later
+    outputs before the output processor has given it a token. The prompt counted once per such
+    output made the test above fail about one run in four."""
+    from types import SimpleNamespace
+
+    state = SimpleNamespace(prompt_token_ids=[5, 6, 7, 8, 9])
+    samples = {rid: (state, SimpleNamespace(token_ids=[], finished=False)) for rid in ("a", "b")}
+    fake = SimpleNamespace(output_processor=SimpleNamespace(samples=samples),
+                           num_prompt_tokens=0, num_generation_tokens=0)
+    outs = [SimpleNamespace(request_id=rid, new_token_ids=[t])
+            for t in (1, 2, 3) for rid in ("a", "b")]
+    LLMEngine._count_tokens(fake, outs)
+    assert fake.num_prompt_tokens == 2 * 5 and fake.num_generation_tokens == 6
