@@ -88,6 +88,25 @@ static inline void block_product(const int8_t *a, int64_t as, const int8_t *pack
     _tile_stored(3, acc + 16 * AMX_COLS + 16, AMX_COLS * 4);
 }
 
+/* What turns a block of int32 sums into output: the call's scales, bias and output. */
+typedef struct {
+    const float *a_scale, *w_scale;
+    const void *bias;
+    void *out;
+    int64_t out_stride;
+    int32_t bias_dtype, out_dtype;
+} Epilogue;
+
+/* out rows [r0, r0 + rows) x channels [c0, c0 + cols) from a block of sums (row stride 32). */
+static void epilogue(const Epilogue *e, const int32_t *acc, int64_t r0, int64_t rows,
+                     int64_t c0, int64_t cols) {
+    const size_t oes = elem_size(e->out_dtype), bes = elem_size(e->bias_dtype);
+    for (int64_t i = 0; i < rows; ++i)
+        scale_row(acc + i * AMX_COLS, 0, e->a_scale[r0 + i], e->w_scale + c0,
+                  e->bias ? (const char *)e->bias + c0 * bes : NULL, e->bias_dtype,
+                  (char *)e->out + ((r0 + i) * e->out_stride + c0) * oes, cols, e->out_dtype);
+}
+
 /* acc_t [32][32] = acc [32][32] transposed, 16 x 16 blocks at a time. */
 static void transpose32(const int32_t *acc, int32_t *acc_t) {
     for (int bi = 0; bi < 2; ++bi)
@@ -104,15 +123,13 @@ static void transpose32(const int32_t *acc, int32_t *acc_t) {
 /* Few rows (a decode batch): the roles swap, so that the weight is read once, in place, as A
  * tiles of 32 channels, and the rows are what gets packed into B tiles (each thread packs them
  * all: m x k bytes); each 32 x 32 block of sums is transposed back before its epilogue. */
-static int gemm_few_rows(const int8_t *a, int64_t a_stride, const float *a_scale, const int8_t *w,
-                         int64_t w_stride, const float *w_scale, const void *bias,
-                         int32_t bias_dtype, void *out, int64_t out_stride, int64_t m, int64_t n,
-                         int64_t k, int32_t out_dtype, int32_t num_threads) {
+static int gemm_few_rows(const int8_t *a, int64_t a_stride, const int8_t *w, int64_t w_stride,
+                         const Epilogue *e, int64_t m, int64_t n, int64_t k,
+                         int32_t num_threads) {
     const int64_t ksteps = (k + KSTEP - 1) / KSTEP, kpad = ksteps * KSTEP;
     const int64_t row_panels = (m + AMX_ROWS - 1) / AMX_ROWS;
     const int64_t blocks = (n + AMX_COLS - 1) / AMX_COLS;
     const size_t panel_bytes = (size_t)ksteps * 2 * TILE_BYTES;
-    const size_t oes = elem_size(out_dtype), bes = elem_size(bias_dtype);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -140,10 +157,7 @@ static int gemm_few_rows(const int8_t *a, int64_t a_stride, const float *a_scale
                 const int64_t r0 = p * AMX_ROWS, rows = m - r0 < AMX_ROWS ? m - r0 : AMX_ROWS;
                 block_product(wa, ws, packed + p * panel_bytes, ksteps, acc); /* [ch][row] */
                 transpose32(acc, acc_t);
-                for (int64_t i = 0; i < rows; ++i)
-                    scale_row(acc_t + i * AMX_COLS, 0, a_scale[r0 + i], w_scale + c0,
-                              bias ? (const char *)bias + c0 * bes : NULL, bias_dtype,
-                              (char *)out + ((r0 + i) * out_stride + c0) * oes, cols, out_dtype);
+                epilogue(e, acc_t, r0, rows, c0, cols);
             }
         }
         if (!failed) _tile_release();
@@ -159,14 +173,12 @@ int kiln_int8_gemm_amx(const int8_t *a, int64_t a_stride, const float *a_scale, 
                        int64_t k, int32_t out_dtype, int32_t num_threads) {
     if (!kiln_amx_ready()) return 4;
     if (m == 0 || n == 0) return 0;
-    if (m <= FEW_ROWS)
-        return gemm_few_rows(a, a_stride, a_scale, w, w_stride, w_scale, bias, bias_dtype, out,
-                             out_stride, m, n, k, out_dtype, num_threads);
+    const Epilogue e = {a_scale, w_scale, bias, out, out_stride, bias_dtype, out_dtype};
+    if (m <= FEW_ROWS) return gemm_few_rows(a, a_stride, w, w_stride, &e, m, n, k, num_threads);
     const int64_t ksteps = (k + KSTEP - 1) / KSTEP, kpad = ksteps * KSTEP;
     const int64_t panels = (n + AMX_COLS - 1) / AMX_COLS;
     const size_t panel_bytes = (size_t)ksteps * 2 * TILE_BYTES;
     const int direct = k % KSTEP == 0; /* full blocks of rows are read in place */
-    const size_t oes = elem_size(out_dtype), bes = elem_size(bias_dtype);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -198,11 +210,7 @@ int kiln_int8_gemm_amx(const int8_t *a, int64_t a_stride, const float *a_scale, 
                             as = kpad;
                         }
                         block_product(rows_at, as, packed + (p - p0) * panel_bytes, ksteps, acc);
-                        for (int64_t i = 0; i < rows; ++i)
-                            scale_row(acc + i * AMX_COLS, 0, a_scale[r0 + i], w_scale + c0,
-                                      bias ? (const char *)bias + c0 * bes : NULL, bias_dtype,
-                                      (char *)out + ((r0 + i) * out_stride + c0) * oes, cols,
-                                      out_dtype);
+                        epilogue(&e, acc, r0, rows, c0, cols);
                     }
                 }
             }

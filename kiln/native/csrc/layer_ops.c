@@ -34,29 +34,10 @@
  * step must round as the torch op it stands for does. */
 #include <immintrin.h>
 
+#include "simd_exp.h"
+
 #define KILN_RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define KILN_BLOCK 32
-
-/* e^x, inline: x = k ln2 + r, |r| <= ln2 / 2 (ln2 in two parts), e^r by Cephes' expf
- * polynomial, times 2^k (VSCALEFPS: inf past 88.7, subnormals below -87); 0 from -104 down, for
- * -inf (whose reduction is NaN) and for NaN (silu's quotient is NaN all the same). Within 1 ulp
- * of e^x; libmvec's vector expf, which GCC calls for a vectorized expf, is within 2.6 and costs
- * a call per 16 values. Explicit FMAs: -ffast-math reassociates none of these builtins. */
-KILN_INLINE __m512 exp_lanes(__m512 x) {
-    const __m512 k = _mm512_roundscale_ps(
-        _mm512_mul_round_ps(x, _mm512_set1_ps(1.44269504f), KILN_RNE), KILN_RNE);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_round_ps(r, r, KILN_RNE), r);
-    p = _mm512_add_round_ps(p, _mm512_set1_ps(1.f), KILN_RNE);
-    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.f), _CMP_GT_OQ), p, k);
-}
 
 /* 32 values: bfloat16's even (a) and odd (b) ones, float32's first (a) and last (b) 16. */
 typedef struct {
@@ -172,7 +153,7 @@ KILN_INLINE void rms_norm_row(const void *x, const void *residual, void *residua
 /* dtype(silu(g)) = dtype(g / (1 + e^-g)), the division exact as torch's; a masked-off lane
  * holds 0 (e^0 = 1). */
 KILN_INLINE __m512 silu_lanes(__m512 g, int dtype) {
-    const __m512 e = exp_lanes(_mm512_sub_round_ps(_mm512_setzero_ps(), g, KILN_RNE));
+    const __m512 e = kiln_exp512(_mm512_sub_round_ps(_mm512_setzero_ps(), g, KILN_RNE));
     const __m512 s = _mm512_div_round_ps(
         g, _mm512_add_round_ps(_mm512_set1_ps(1.f), e, KILN_RNE), KILN_RNE);
     return round_lanes(s, dtype);

@@ -65,9 +65,9 @@ static void softmax_rows(const float *s, int kb, const int *pos, float scale, fl
         x1 = _mm512_mask_mov_ps(x1, _mm512_cmpgt_epi32_mask(hi, p), masked);
         const float mx = fmaxf(m[i], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
         const __m512 vmx = _mm512_set1_ps(mx);
-        const __m512 e0 = pf_exp(_mm512_sub_ps(x0, vmx)), e1 = pf_exp(_mm512_sub_ps(x1, vmx));
+        const __m512 e0 = kiln_exp512(_mm512_sub_ps(x0, vmx)), e1 = kiln_exp512(_mm512_sub_ps(x1, vmx));
         if (mx != m[i]) {
-            const __m512 alpha = pf_exp(_mm512_set1_ps(m[i] - mx));
+            const __m512 alpha = kiln_exp512(_mm512_set1_ps(m[i] - mx));
             l[i] *= _mm512_cvtss_f32(alpha);
             for (int d = 0; d < hd; d += 16)
                 _mm512_storeu_ps(o + hd * i + d, _mm512_mul_ps(_mm512_loadu_ps(o + hd * i + d), alpha));
@@ -106,18 +106,9 @@ void unit_amx(const Call *c, const Unit *u, Scratch *w) {
     const int n_keys = pos[u->nt - 1] + 1;
     for (int kb = 0; kb < n_keys; kb += PF_BK) {
         const int nk = n_keys - kb < PF_BK ? n_keys - kb : PF_BK;
-        for (int j = 0; j < PF_BK; ++j) {
-            const int64_t off = j < nk ? key_offset(c, blocks, kb + j, u->kv_head) : -1;
-            w->kp[j] = off < 0 ? w->zero : (const char *)c->k_cache + off * c->elem;
-            w->vp[j] = off < 0 ? w->zero : (const char *)c->v_cache + off * c->elem;
-        }
+        key_rows(c, blocks, u->kv_head, kb, nk, PF_BK, w);
         pack_keys(w->kp, hd, kt);
-        for (int j = 0; j < PF_BK / 2; ++j) { /* V's key pairs: a B tile's rows */
-            const uint16_t *a = (const uint16_t *)w->vp[2 * j];
-            const uint16_t *b = (const uint16_t *)w->vp[2 * j + 1];
-            for (int d = 0; d < hd; ++d)
-                w->vpk[j * hd + d] = (int32_t)((uint32_t)a[d] | (uint32_t)b[d] << 16);
-        }
+        pack_value_pairs(w->vp, PF_BK / 2, hd, w->vpk);
         for (int rg = 0; rg < rgs; ++rg) {
             float *s = w->s + rg * 16 * PF_BK, *o = w->o + (int64_t)rg * 16 * hd;
             uint16_t *pp = (uint16_t *)(w->pp + rg * 16 * PF_BK / 2);

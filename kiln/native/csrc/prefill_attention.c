@@ -80,12 +80,12 @@ static void softmax_step(float *s, int nkp, int kb, const int *pos, float sscale
         _mm512_storeu_ps(s + 16 * j, x);
         mx = _mm512_max_ps(mx, x);
     }
-    const __m512 alpha = pf_exp(_mm512_sub_ps(m_old, mx));
+    const __m512 alpha = kiln_exp512(_mm512_sub_ps(m_old, mx));
     if (_mm512_cmp_ps_mask(mx, m_old, _CMP_NEQ_OQ)) /* maxima seldom move after a few blocks */
         for (int d = 0; d < hd; ++d)
             _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * d), alpha));
     for (int j = 0; j < nkp; ++j) {
-        const __m512 p = pf_exp(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * j), mx));
+        const __m512 p = kiln_exp512(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * j), mx));
         _mm512_storeu_ps(s + 16 * j, p);
         sum = _mm512_add_ps(sum, p);
     }
@@ -127,11 +127,7 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
     for (int kb = 0; kb < n_keys; kb += PF_BK) {
         const int nk = n_keys - kb < PF_BK ? n_keys - kb : PF_BK;
         const int nkp = (nk + PF_KEYS - 1) / PF_KEYS * PF_KEYS;
-        for (int j = 0; j < nkp; ++j) {
-            const int64_t off = j < nk ? key_offset(c, blocks, kb + j, u->kv_head) : -1;
-            w->kp[j] = off < 0 ? w->zero : (const char *)c->k_cache + off * c->elem;
-            w->vp[j] = off < 0 ? w->zero : (const char *)c->v_cache + off * c->elem;
-        }
+        key_rows(c, blocks, u->kv_head, kb, nk, nkp, w);
         for (int r0 = 0; r0 < rgs; r0 += 3) {
             const int R = rgs - r0 < 3 ? rgs - r0 : 3;
             for (int j0 = 0; j0 < nkp; j0 += PF_KEYS) {
@@ -152,15 +148,9 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
                          w->m + rg * 16, w->l + rg * 16, w->o + rg * rg_o, hd);
 #if KILN_PREFILL_BF16_SIMD
         if (bf) {
-            const int pairs = (nk + 1) / 2;
+            const int pairs = (nk + 1) / 2; /* vp holds nkp >= 2 * pairs rows, zeros past nk */
             const int64_t rg_p = PF_BK / 2 * 16;
-            for (int j = 0; j < pairs; ++j) {
-                const void *second = 2 * j + 1 < nk ? w->vp[2 * j + 1] : w->zero;
-                const uint16_t *a = (const uint16_t *)w->vp[2 * j], *b = (const uint16_t *)second;
-                int32_t *dst = w->vpk + (int64_t)j * hd;
-                for (int d = 0; d < hd; ++d)
-                    dst[d] = (int32_t)((uint32_t)a[d] | (uint32_t)b[d] << 16);
-            }
+            pack_value_pairs(w->vp, pairs, hd, w->vpk);
             for (int rg = 0; rg < rgs; ++rg)
                 pack_probs_bf16(w->s + rg * rg_s, pairs, w->pp + rg * rg_p);
             for (int r0 = 0; r0 < rgs; r0 += 3) {

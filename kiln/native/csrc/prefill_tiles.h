@@ -22,6 +22,8 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+
+#include "simd_exp.h" /* libmvec's expf took a third of the kernel's time */
 #define KILN_PREFILL_F32_SIMD 1
 #else
 #define KILN_PREFILL_F32_SIMD 0
@@ -44,24 +46,6 @@ static inline int32_t pf_word(const void *p) { /* an unaligned 32-bit load */
 }
 
 #if KILN_PREFILL_F32_SIMD
-/* e^x, inline: libmvec's expf took a third of the kernel's time (a call per 16 scores). x =
- * n ln2 + r, |r| <= ln2 / 2 (ln2 in two parts), e^r by its Taylor series to r^6 (relative error
- * 1.2e-7), times 2^n; below -87 (e^x < 2^-126) it is 0, as a masked score must give. */
-static inline __m512 pf_exp(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GT_OQ), p, n);
-}
-
 /* s[r][j] = qp[r] . k[j] for PF_KEYS keys from kp and R row groups. */
 PF_INLINE void qk_f32(const float *qp, int64_t rg_q, const float *const *kp, int hd, float *s,
                       int64_t rg_s, const int R) {

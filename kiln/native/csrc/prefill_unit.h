@@ -34,6 +34,27 @@ static inline int64_t key_offset(const Call *c, const int32_t *blocks, int key, 
     return slot * c->slot_stride + (int64_t)kv_head * c->hd;
 }
 
+/* w->kp, w->vp [0, count): the cache rows of keys kb .. kb + nk - 1 of the unit's kv head, the
+ * zero row for the rest (count >= nk). */
+static inline void key_rows(const Call *c, const int32_t *blocks, int kv_head, int kb, int nk,
+                            int count, Scratch *w) {
+    for (int j = 0; j < count; ++j) {
+        const int64_t off = j < nk ? key_offset(c, blocks, kb + j, kv_head) : -1;
+        w->kp[j] = off < 0 ? w->zero : (const char *)c->k_cache + off * c->elem;
+        w->vp[j] = off < 0 ? w->zero : (const char *)c->v_cache + off * c->elem;
+    }
+}
+
+/* vpk [pairs][hd]: bfloat16 value rows vp[2j], vp[2j + 1] interleaved, one word per dim (what
+ * dpbf16 reduces over: an AVX512-BF16 broadcast, an AMX B tile's rows). */
+static inline void pack_value_pairs(const void *const *vp, int pairs, int hd, int32_t *vpk) {
+    for (int j = 0; j < pairs; ++j) {
+        const uint16_t *a = (const uint16_t *)vp[2 * j], *b = (const uint16_t *)vp[2 * j + 1];
+        for (int d = 0; d < hd; ++d)
+            vpk[(int64_t)j * hd + d] = (int32_t)((uint32_t)a[d] | (uint32_t)b[d] << 16);
+    }
+}
+
 /* The AMX path (prefill_amx.c): 1 where it serves this dtype and head size and the tiles are to
  * be had; unit_amx computes a unit as unit_simd does, its K tiles in w->kt. */
 int prefill_amx_serves(int dtype, int hd);
