@@ -38,6 +38,12 @@ def disable_compile_cache() -> bool:
     return os.environ.get("KILN_DISABLE_COMPILE_CACHE", "0") not in ("", "0", "false", "False")
 
 
+def weight_snapshot() -> bool:
+    """`KILN_WEIGHT_SNAPSHOT=0`: load a GGUF model from its file on every start, not from the
+    snapshot of its loaded weights (kiln/model/loader/weight_snapshot.py)."""
+    return os.environ.get("KILN_WEIGHT_SNAPSHOT", "1") not in ("", "0", "false", "False")
+
+
 def api_key() -> str | None:
     return os.environ.get("KILN_API_KEY") or None
 

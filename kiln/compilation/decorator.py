@@ -109,6 +109,9 @@ def support_torch_compile(cls: type | None = None, *,
 
 
 def _make_wrapper(module: torch.nn.Module, config, state) -> Callable:
+    from kiln.compilation import preload
+
+    preload.wait()  # the engine core may be importing the compile stack on a thread
     from kiln.compilation.backend import KilnBackend
     from kiln.compilation.wrapper import GuardedCompileWrapper, TraceOnceWrapper
 

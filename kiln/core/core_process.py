@@ -176,9 +176,13 @@ def run_engine_core(kiln_config, executor_class: type, input_address: str, outpu
     core = None
     code = 0
     try:
+        from kiln.compilation import preload
+        from kiln.config.compilation_config import CompilationMode
         from kiln.core.engine_core import EngineCore
 
         imported = time.monotonic()
+        if kiln_config.compilation_config.mode != CompilationMode.NONE:
+            preload.start()  # beside the model load
         core = EngineCore(kiln_config, executor_class)
         num_threads = _leave_cores(kiln_config, executor_class, front_end_cores)
         # time.monotonic() is one clock for every process of the machine (Linux).

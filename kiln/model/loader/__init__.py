@@ -8,7 +8,10 @@ import torch
 from torch import nn
 
 from kiln.config import KilnConfig, set_current_kiln_config
+from kiln.logger import init_logger
 from kiln.model.registry import get_model_class
+
+logger = init_logger(__name__)
 
 
 @contextlib.contextmanager
@@ -65,12 +68,34 @@ def get_model(kiln_config: KilnConfig) -> nn.Module:
     with torch.no_grad():
         if quant_config is not None:
             quant_config.prepare(model)
-        load_weights_into(model, kiln_config)
+        check = _load_or_restore(model, kiln_config)
         if quant_config is not None:
             quant_config.quantize_loaded(model)
         prepack_for_cpu(model)
+        if check is not None and not check.passed():  # checked while the weights were packed
+            logger.warning("weight snapshot %s is damaged (CRC mismatch); loading the model "
+                           "file and saving it again", check.path)
+            check.path.unlink(missing_ok=True)
+            return get_model(kiln_config)
         release_dense_copies(model)
     return model.eval()
+
+
+def _load_or_restore(model: nn.Module, kiln_config: KilnConfig):
+    """Fill the weights: from the snapshot of an earlier load where one is kept (returns its
+    running CRC check), else from the checkpoint, saving a snapshot where one is kept."""
+    from kiln.model.loader import weight_snapshot
+
+    path = weight_snapshot.snapshot_path(kiln_config)
+    if path is not None:
+        check = weight_snapshot.restore(model, path)
+        if check is not None:
+            return check
+        attrs = weight_snapshot.primitive_attrs(model)
+    load_weights_into(model, kiln_config)
+    if path is not None:
+        weight_snapshot.save(model, path, attrs)
+    return None
 
 
 __all__ = ["get_model", "build_model", "load_weights_into"]

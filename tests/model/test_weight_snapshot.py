@@ -1,0 +1,133 @@
+"""The weight snapshot of a GGUF model: a second load maps what the first saved and equals a load
+from the file; a damaged, truncated or stale snapshot is loaded past (from the file) and replaced."""
+import json
+import struct
+
+import pytest
+import torch
+
+from kiln.model.layers import cpu_gemm
+from kiln.model.loader import get_model, weight_snapshot
+from model._attn_helper import kiln_config_for
+from model.test_gguf_vs_hf import write_gguf
+
+_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+            "output")
+
+
+@pytest.fixture
+def gguf_cfg(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "q8.gguf", tiny_llama_dir, {p: "Q8_0" for p in _LINEARS})
+    return kiln_config_for(path, tokenizer=str(tiny_llama_dir))
+
+
+def _state(model) -> dict:
+    """Every plain tensor the model holds (by module and name), what each linear holds for the
+    native kernels, and the modules' plain attributes."""
+    tensors = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for name, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is None or t.is_meta or t.layout != torch.strided:
+                tensors[f"{path}.{name}"] = None if t is None else (t.shape, t.dtype, t.layout)
+            else:
+                tensors[f"{path}.{name}"] = t.detach().clone()
+    held = {p: cpu_gemm.held(m) for p, m in model.named_modules() if hasattr(m, "cpu_plan")}
+    return {"tensors": tensors, "held": held, "attrs": weight_snapshot.primitive_attrs(model)}
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a["held"] == b["held"] and a["attrs"] == b["attrs"]
+    assert a["tensors"].keys() == b["tensors"].keys()
+    for name, x in a["tensors"].items():
+        y = b["tensors"][name]
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), name
+        else:
+            assert x == y, name
+
+
+def _fresh(cfg, monkeypatch) -> dict:
+    with monkeypatch.context() as m:
+        m.setenv("KILN_WEIGHT_SNAPSHOT", "0")
+        return _state(get_model(cfg))
+
+
+def _no_file_loads(monkeypatch):
+    """Make loading from the model file fail: what loads after this came from the snapshot."""
+    import kiln.model.loader as loader
+
+    def refuse(*_):
+        raise AssertionError("loaded from the model file")
+
+    monkeypatch.setattr(loader, "load_weights_into", refuse)
+
+
+def _snapshots(cfg) -> list:
+    path = weight_snapshot.snapshot_path(cfg)
+    return sorted(path.parent.glob(f"{path.stem}-*{path.suffix}"))
+
+
+def test_second_load_maps_the_first_loads_snapshot(gguf_cfg, monkeypatch):
+    fresh = _fresh(gguf_cfg, monkeypatch)
+    assert _snapshots(gguf_cfg) == []  # KILN_WEIGHT_SNAPSHOT=0 saved nothing
+    _assert_same(_state(get_model(gguf_cfg)), fresh)  # loads the file and saves
+    [saved] = _snapshots(gguf_cfg)
+    assert weight_snapshot.find(weight_snapshot.snapshot_path(gguf_cfg)) == (
+        saved, weight_snapshot.data_crc(saved))
+    _no_file_loads(monkeypatch)
+    restored = get_model(gguf_cfg)
+    _assert_same(_state(restored), fresh)
+    # the blocks the small-batch kernel reads came back with the weights
+    assert any(cpu_gemm.held(m).blocks for m in restored.modules() if hasattr(m, "cpu_plan"))
+
+
+def test_damaged_snapshot_is_loaded_past_and_saved_again(gguf_cfg, monkeypatch):
+    fresh = _fresh(gguf_cfg, monkeypatch)
+    get_model(gguf_cfg)
+    [saved] = _snapshots(gguf_cfg)
+    data = bytearray(saved.read_bytes())
+    header = struct.unpack("<Q", data[:8])[0]
+    data[8 + header + (len(data) - 8 - header) // 2] ^= 0x40  # one bit inside the weights
+    saved.write_bytes(bytes(data))
+    _assert_same(_state(get_model(gguf_cfg)), fresh)  # the CRC caught it: loaded from the file
+    [again] = _snapshots(gguf_cfg)
+    assert weight_snapshot.data_crc(again) == int(again.stem.rsplit("-", 1)[1], 16)
+    _no_file_loads(monkeypatch)
+    _assert_same(_state(get_model(gguf_cfg)), fresh)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "stale"])
+def test_unusable_snapshot_is_removed_and_the_file_loaded(gguf_cfg, monkeypatch, damage):
+    fresh = _fresh(gguf_cfg, monkeypatch)
+    get_model(gguf_cfg)
+    [saved] = _snapshots(gguf_cfg)
+    if damage == "truncated":
+        saved.write_bytes(saved.read_bytes()[:-1000])
+    else:  # saved by a model with another layer: a slot this model does not have
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        with safe_open(str(saved), framework="pt") as f:
+            manifest = json.loads(f.metadata()["manifest"])
+            tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
+        manifest["slots"]["model.layers.9|p|weight"] = None
+        save_file(tensors, str(saved), metadata={"manifest": json.dumps(manifest)})
+    _assert_same(_state(get_model(gguf_cfg)), fresh)
+    _no_file_loads(monkeypatch)
+    _assert_same(_state(get_model(gguf_cfg)), fresh)  # saved again, whole
+
+
+def test_snapshot_kept_only_for_a_whole_gguf_model_in_its_own_key(gguf_cfg, tiny_llama_dir,
+                                                                  monkeypatch):
+    path = weight_snapshot.snapshot_path(gguf_cfg)
+    assert path is not None
+    assert weight_snapshot.snapshot_path(kiln_config_for(tiny_llama_dir)) is None  # safetensors
+    bf16 = kiln_config_for(gguf_cfg.model_config.model_path, dtype="bfloat16",
+                           tokenizer=str(tiny_llama_dir))
+    assert weight_snapshot.snapshot_path(bf16) not in (None, path)
+    int8 = kiln_config_for(gguf_cfg.model_config.model_path, quantization="int8",
+                           tokenizer=str(tiny_llama_dir))
+    assert weight_snapshot.snapshot_path(int8) is None  # quantized on load: not kept
+    monkeypatch.setenv("KILN_WEIGHT_SNAPSHOT", "0")
+    assert weight_snapshot.snapshot_path(gguf_cfg) is None
