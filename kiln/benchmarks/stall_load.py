@@ -2,7 +2,8 @@
 connections. Apart from the probe's stream, so the stream's clock never waits on this work.
 
 `python -m kiln.benchmarks.stall_load` reads {base_url, headers, model, load, duration} as JSON
-on stdin and prints {intervals, opened, churned} (time.monotonic(): one clock machine-wide).
+on stdin and prints {intervals, opened, churned, held_until} (time.monotonic(): one clock
+machine-wide; held_until: the load's end, before its idle connections all hang up).
 """
 import asyncio
 import json
@@ -25,21 +26,20 @@ async def _big_posts(session, url: str, headers: dict, body: bytes, expect: int,
         intervals.append((start, time.monotonic()))
 
 
-async def _idle_connections(host: str, port: int, n: int, opened: list,
+async def _idle_connections(host: str, port: int, n: int, writers: list,
                             stop: asyncio.Event) -> None:
-    writers = []
-    try:
-        for _ in range(n):
-            try:
-                _, w = await asyncio.open_connection(host, port)
-            except OSError:
-                break  # out of file descriptors: hold what we have
-            writers.append(w)
-        opened.append(len(writers))
-        await stop.wait()
-    finally:
-        for w in writers:
-            w.close()
+    """Open `n` connections into `writers`, 50 at a time (one by one, under the rest of the
+    load, 1,000 took longer than the probe), and hold them (the caller closes them)."""
+    async def one() -> None:
+        try:
+            writers.append((await asyncio.open_connection(host, port))[1])
+        except OSError:
+            pass  # out of file descriptors: hold what we have
+
+    for start in range(0, n, 50):
+        if stop.is_set():
+            return
+        await asyncio.gather(*(one() for _ in range(min(50, n - start))))
 
 
 async def _churn(host: str, port: int, counter: list, stop: asyncio.Event) -> None:
@@ -74,7 +74,7 @@ async def run_load(base_url: str, headers: dict, model: str, load: dict,
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
     stop = asyncio.Event()
     intervals: list[tuple[float, float]] = []
-    opened: list[int] = []
+    idle: list = []  # the idle connections' writers
     churned = [0]
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         tokenize = _body("tokenize", model, load["tokenize_bytes"])
@@ -91,14 +91,21 @@ async def run_load(base_url: str, headers: dict, model: str, load: dict,
                                                      headers, ids, 400, intervals, stop))
                       for _ in range(load["id_prompt_400_clients"])]
         tasks.append(asyncio.create_task(_idle_connections(host, port, load["idle_connections"],
-                                                           opened, stop)))
+                                                           idle, stop)))
         tasks += [asyncio.create_task(_churn(host, port, churned, stop))
                   for _ in range(load["churn_clients"])]
-        await asyncio.sleep(duration)
-        stop.set()
-        await asyncio.gather(*tasks)
-    return {"intervals": intervals, "opened": opened[0] if opened else 0,
-            "churned": churned[0]}
+        try:
+            await asyncio.sleep(duration)
+            stop.set()
+            await asyncio.gather(*tasks)
+            held_until = time.monotonic()
+        finally:
+            # The idle connections all drop at once: a disconnect storm, timed apart.
+            for w in idle:
+                w.close()
+            await asyncio.sleep(0.5)  # the server sees the hang-ups while the stream runs
+    return {"intervals": intervals, "opened": len(idle), "churned": churned[0],
+            "held_until": held_until}
 
 
 def lower_priority(niceness: int) -> int | None:

@@ -2,7 +2,8 @@
 
 One steady stream runs alone, then beside the load (stall_load.py, another process); the report
 compares its largest gap between tokens in the two phases and counts the tokens that arrived
-while a big request was in flight.
+while a big request was in flight. The moment the load's 1,000 idle connections all hang up (a
+disconnect storm) is reported on its own, as `teardown`.
 """
 import asyncio
 import dataclasses
@@ -43,8 +44,12 @@ class StreamRecord:
     def gaps(self, start: float, end: float) -> list[float]:
         """Gaps between consecutive tokens of the stream within [start, end], across its
         back-to-back requests too: a new request that waits is a stall the client sees."""
+        return [gap for _, gap in self.gap_starts(start, end)]
+
+    def gap_starts(self, start: float, end: float) -> list[tuple[float, float]]:
+        """(when it began, gap) for each gap that `gaps` counts within [start, end]."""
         times = [t for request in self.requests for t in request]
-        return [b - a for a, b in zip(times, times[1:]) if start <= a and b <= end]
+        return [(a, b - a) for a, b in zip(times, times[1:]) if start <= a and b <= end]
 
     def gaps_within_requests(self, start: float, end: float) -> list[float]:
         """Gaps between consecutive tokens of one request within [start, end]: the stream's
@@ -55,8 +60,7 @@ class StreamRecord:
 
     def largest_gap_start(self, start: float, end: float) -> float | None:
         """When (seconds after `start`) the largest gap within [start, end] began."""
-        times = [t for request in self.requests for t in request]
-        pairs = [(b - a, a) for a, b in zip(times, times[1:]) if start <= a and b <= end]
+        pairs = [(gap, a) for a, gap in self.gap_starts(start, end)]
         return round(max(pairs)[1] - start, 3) if pairs else None
 
     def tokens_within(self, intervals: list[tuple[float, float]]) -> int:
@@ -124,20 +128,27 @@ async def run_probe(base_url: str, duration: float = 5.0, load: LoadSpec | None 
         stop_stream.set()
         await stream
     intervals = [tuple(i) for i in loaded["intervals"]]
+    held_until = loaded["held_until"]
     idle_gaps = record.gaps(idle_start, idle_end)
-    loaded_gaps = record.gaps(load_start, load_end)
+    loaded_gaps = record.gaps(load_start, held_until)
+    # the gap that spans the hang-ups counts here (it may begin before held_until)
+    teardown_gaps = [g for a, g in record.gap_starts(load_start, load_end)
+                     if a + g > held_until]
     idle_max = max(idle_gaps, default=0.0)
     loaded_max = max(loaded_gaps, default=0.0)
     idle_within = max(record.gaps_within_requests(idle_start, idle_end), default=0.0)
-    loaded_within = max(record.gaps_within_requests(load_start, load_end), default=0.0)
+    loaded_within = max(record.gaps_within_requests(load_start, held_until), default=0.0)
+    teardown_max = max(teardown_gaps, default=0.0)
     return {
         "idle": {"tokens": len(idle_gaps), "max_gap_ms": round(idle_max * 1000, 3),
                  "max_gap_within_request_ms": round(idle_within * 1000, 3),
                  "gap_ms": percentiles(idle_gaps)},
         "loaded": {"tokens": len(loaded_gaps), "max_gap_ms": round(loaded_max * 1000, 3),
                    "max_gap_within_request_ms": round(loaded_within * 1000, 3),
-                   "max_gap_at_s": record.largest_gap_start(load_start, load_end),
+                   "max_gap_at_s": record.largest_gap_start(load_start, held_until),
                    "gap_ms": percentiles(loaded_gaps)},
+        "teardown": {"connections": loaded["opened"], "max_gap_ms": round(teardown_max * 1000, 3),
+                     "max_gap_ratio": round(teardown_max / idle_max, 3) if idle_max else None},
         "max_gap_ratio": round(loaded_max / idle_max, 3) if idle_max else None,
         "max_gap_within_request_ratio": (round(loaded_within / idle_within, 3)
                                          if idle_within else None),

@@ -72,3 +72,5 @@ def test_stall_record_tells_a_request_s_own_gaps_from_the_waits_between_requests
     assert within == [0.01, 0.01, 0.01, 0.04]  # the 80 ms before request 2 is not a stream gap
     assert [round(g, 3) for g in record.gaps_within_requests(0.05, 0.12)] == [0.01]
     assert record.largest_gap_start(0.0, 1.0) == 0.02
+    starts = [(round(a, 3), round(g, 3)) for a, g in record.gap_starts(0.09, 0.2)]
+    assert starts == [(0.1, 0.01), (0.11, 0.04), (0.15, 0.01)]

@@ -61,6 +61,8 @@ def test_a_stream_keeps_going_while_the_front_end_tokenizes_huge_bodies(core_ser
     report = asyncio.run(run_probe(url, duration=3.0, load=load, max_tokens=200))
     assert report["big_requests_done"] >= 2, report
     assert report["idle_connections_held"] == 50, report
+    # their hang-up, all at once, is timed apart from the load it ends
+    assert report["teardown"]["connections"] == 50 and report["teardown"]["max_gap_ms"] > 0
     # The report says at what OS niceness the load ran (LoadSpec.niceness added to ours).
     assert report["load_niceness"] == min(19, os.nice(0) + LoadSpec().niceness), report
     # One thread for tokenizing and stepping froze the stream for each big request (a token or
