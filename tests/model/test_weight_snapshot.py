@@ -1,6 +1,7 @@
 """The weight snapshot of a GGUF model: a second load maps what the first saved and equals a load
 from the file; a damaged, truncated or stale snapshot is loaded past (from the file) and replaced."""
 import json
+import os
 import struct
 
 import pytest
@@ -131,3 +132,34 @@ def test_snapshot_kept_only_for_a_whole_gguf_model_in_its_own_key(gguf_cfg, tiny
     assert weight_snapshot.snapshot_path(int8) is None  # quantized on load: not kept
     monkeypatch.setenv("KILN_WEIGHT_SNAPSHOT", "0")
     assert weight_snapshot.snapshot_path(gguf_cfg) is None
+
+
+def test_a_snapshot_that_cannot_be_saved_leaves_the_load_alone(gguf_cfg, monkeypatch):
+    import safetensors.torch
+
+    fresh = _fresh(gguf_cfg, monkeypatch)
+
+    def fail(*_, **__):
+        raise RuntimeError("Some tensors share memory")  # what safetensors says of views
+
+    monkeypatch.setattr(safetensors.torch, "save_file", fail)
+    _assert_same(_state(get_model(gguf_cfg)), fresh)
+    assert _snapshots(gguf_cfg) == [] and not list(
+        weight_snapshot.snapshot_path(gguf_cfg).parent.glob(".weights-*"))  # no temporary left
+
+
+def test_only_the_most_recently_used_snapshots_are_kept(gguf_cfg, monkeypatch):
+    get_model(gguf_cfg)
+    [saved] = _snapshots(gguf_cfg)
+    folder = saved.parent
+    for i in range(4):  # snapshots of older keys, used longer ago
+        old = folder / f"weights-{i:016x}-00000000.safetensors"
+        old.write_bytes(b"x")
+        os.utime(old, (1000 + i, 1000 + i))
+    get_model(gguf_cfg)  # restores: the used one is now the newest
+    bf16 = kiln_config_for(gguf_cfg.model_config.model_path, dtype="bfloat16",
+                           tokenizer=str(gguf_cfg.model_config.tokenizer))
+    get_model(bf16)  # saves a second key: the folder is pruned to the three newest
+    left = sorted(p.name for p in folder.glob("weights-*.safetensors"))
+    newest_old = "weights-0000000000000003-00000000.safetensors"
+    assert len(left) == 3 and saved.name in left and newest_old in left

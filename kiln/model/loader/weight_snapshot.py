@@ -44,7 +44,7 @@ def _loading_code_digest() -> str:
 
 def snapshot_path(kiln_config) -> Path | None:
     """Where this GGUF model's loaded weights are kept under this config; None where they are
-    not (not a GGUF load, quantized on load, split across ranks, or KILN_WEIGHT_SNAPSHOT=0)."""
+    not (not a GGUF load on CPU, quantized on load, split across ranks, KILN_WEIGHT_SNAPSHOT=0)."""
     from kiln.config.gguf_metadata import converted_dir
     from kiln.native import build
 
@@ -53,7 +53,7 @@ def snapshot_path(kiln_config) -> Path | None:
     if load_format == "auto":
         load_format = mc.load_format
     if (not envs.weight_snapshot() or load_format != "gguf" or mc.gguf_file is None
-            or mc.quantization is not None
+            or mc.quantization is not None or kiln_config.device_config.device_obj.type != "cpu"
             or pc.tensor_parallel_size * pc.pipeline_parallel_size != 1):
         return None
     hf = mc.hf_config.to_dict() if hasattr(mc.hf_config, "to_dict") else vars(mc.hf_config)
@@ -102,7 +102,10 @@ def save(model: nn.Module, path: Path, attrs_before: dict[str, dict]) -> bool:
         else:
             first[id(value)] = slot
             key = f"t{len(tensors)}"
-            tensors[key] = value.detach().contiguous()
+            value = value.detach().contiguous()
+            if value.untyped_storage().nbytes() != value.nbytes:  # a view: saved on its own
+                value = value.clone()
+            tensors[key] = value
             slots[slot] = key
     after = primitive_attrs(model)
     changed = {p: {k: v for k, v in a.items() if attrs_before.get(p, {}).get(k, ...) != v}
@@ -116,9 +119,10 @@ def save(model: nn.Module, path: Path, attrs_before: dict[str, dict]) -> bool:
         # the CRC goes in the name: the header that would hold it is written before the data
         os.replace(tmp, path.with_name(f"{path.stem}-{crc:08x}{path.suffix}"))
         _prune(path.parent)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - a cache must never stop the model loading
         tmp.unlink(missing_ok=True)
-        logger.debug("could not keep the weight snapshot at %s: %s", path, e)
+        logger.warning("could not keep the weight snapshot at %s (%s: %s); later starts load "
+                       "the model file", path, type(e).__name__, e)
         return False
     logger.info("kept the loaded weights at %s for later starts", path.parent)
     return True
@@ -126,9 +130,13 @@ def save(model: nn.Module, path: Path, attrs_before: dict[str, dict]) -> bool:
 
 def _prune(folder: Path) -> None:
     """Remove all but the `_KEEP` most recently used snapshots (a code change makes new keys)."""
-    snapshots = sorted(folder.glob("weights-*.safetensors"), key=lambda p: p.stat().st_mtime,
-                       reverse=True)
-    for old in snapshots[_KEEP:]:
+    def last_used(p: Path) -> float:
+        try:
+            return p.stat().st_mtime
+        except OSError:  # another process pruned it first
+            return 0.0
+
+    for old in sorted(folder.glob("weights-*.safetensors"), key=last_used, reverse=True)[_KEEP:]:
         old.unlink(missing_ok=True)
 
 
