@@ -28,7 +28,9 @@ def _state(model) -> dict:
     native kernels, and the modules' plain attributes."""
     tensors = {}
     for path, module in model.named_modules(remove_duplicate=False):
-        for name, t in [*module._parameters.items(), *module._buffers.items()]:
+        plain = [(k, v) for k, v in vars(module).items()
+                 if not k.startswith("_") and isinstance(v, torch.Tensor)]  # inv_freq
+        for name, t in [*module._parameters.items(), *module._buffers.items(), *plain]:
             if t is None or t.is_meta or t.layout != torch.strided:
                 tensors[f"{path}.{name}"] = None if t is None else (t.shape, t.dtype, t.layout)
             else:
@@ -64,6 +66,11 @@ def _no_file_loads(monkeypatch):
     monkeypatch.setattr(loader, "load_weights_into", refuse)
 
 
+def _crc(path) -> int:
+    with open(path, "rb") as f:
+        return weight_snapshot.file_crc(f)
+
+
 def _snapshots(cfg) -> list:
     path = weight_snapshot.snapshot_path(cfg)
     return sorted(path.parent.glob(f"{path.stem}-*{path.suffix}"))
@@ -74,8 +81,7 @@ def test_second_load_maps_the_first_loads_snapshot(gguf_cfg, monkeypatch):
     assert _snapshots(gguf_cfg) == []  # KILN_WEIGHT_SNAPSHOT=0 saved nothing
     _assert_same(_state(get_model(gguf_cfg)), fresh)  # loads the file and saves
     [saved] = _snapshots(gguf_cfg)
-    assert weight_snapshot.find(weight_snapshot.snapshot_path(gguf_cfg)) == (
-        saved, weight_snapshot.data_crc(saved))
+    assert weight_snapshot.find(weight_snapshot.snapshot_path(gguf_cfg)) == (saved, _crc(saved))
     _no_file_loads(monkeypatch)
     restored = get_model(gguf_cfg)
     _assert_same(_state(restored), fresh)
@@ -83,7 +89,7 @@ def test_second_load_maps_the_first_loads_snapshot(gguf_cfg, monkeypatch):
     assert any(cpu_gemm.held(m).blocks for m in restored.modules() if hasattr(m, "cpu_plan"))
 
 
-def test_damaged_snapshot_is_loaded_past_and_saved_again(gguf_cfg, monkeypatch):
+def test_damaged_snapshot_is_loaded_past_and_saved_again(gguf_cfg, monkeypatch, caplog):
     fresh = _fresh(gguf_cfg, monkeypatch)
     get_model(gguf_cfg)
     [saved] = _snapshots(gguf_cfg)
@@ -92,10 +98,35 @@ def test_damaged_snapshot_is_loaded_past_and_saved_again(gguf_cfg, monkeypatch):
     data[8 + header + (len(data) - 8 - header) // 2] ^= 0x40  # one bit inside the weights
     saved.write_bytes(bytes(data))
     _assert_same(_state(get_model(gguf_cfg)), fresh)  # the CRC caught it: loaded from the file
+    assert "CRC mismatch" in caplog.text
     [again] = _snapshots(gguf_cfg)
-    assert weight_snapshot.data_crc(again) == int(again.stem.rsplit("-", 1)[1], 16)
+    assert _crc(again) == int(again.stem.rsplit("-", 1)[1], 16)
     _no_file_loads(monkeypatch)
     _assert_same(_state(get_model(gguf_cfg)), fresh)
+
+
+def test_a_header_pointing_a_weight_at_another_tensor_is_caught(gguf_cfg, monkeypatch, caplog):
+    """Two same-shaped norms swapped in the manifest: every structural check passes, the CRC
+    (over the header too) does not."""
+    fresh = _fresh(gguf_cfg, monkeypatch)
+    get_model(gguf_cfg)
+    [saved] = _snapshots(gguf_cfg)
+    data = saved.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    slots = json.loads(json.loads(data[8:8 + n])["__metadata__"]["manifest"])["slots"]
+    a, b = (f"model.layers.0.{x}_layernorm|p|weight" for x in ("input", "post_attention"))
+    ka, kb = slots[a], slots[b]
+    assert len(ka) == len(kb) and ka != kb
+    header = data[8:8 + n]
+    for slot, old, new in ((a, ka, kb), (b, kb, ka)):
+        entry = f'{slot}\\": \\"{{}}\\"'
+        assert header.count(entry.format(old).encode()) == 1
+        header = header.replace(entry.format(old).encode(), entry.format(new).encode())
+    saved.write_bytes(data[:8] + header + data[8 + n:])
+    _assert_same(_state(get_model(gguf_cfg)), fresh)
+    assert "CRC mismatch" in caplog.text
+    _no_file_loads(monkeypatch)
+    _assert_same(_state(get_model(gguf_cfg)), fresh)  # saved again, whole
 
 
 @pytest.mark.parametrize("damage", ["truncated", "stale"])

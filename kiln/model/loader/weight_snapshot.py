@@ -2,7 +2,7 @@
 out) kept as one safetensors file, so a restart maps them instead of converting the file again.
 
 The first start saves the model's parameters and buffers right after loading; later starts map
-that file (zero-copy) and check its CRC on a thread while the weights are packed. The file sits
+that file (zero-copy) and check its CRC (in its name) on a thread while the weights are packed. The file sits
 beside the GGUF's other conversions (gguf_metadata.converted_dir), keyed by everything the
 conversion depends on: the file, dtype, kernel choice, CPU, torch and Kiln's loading code.
 """
@@ -10,11 +10,14 @@ import functools
 import hashlib
 import json
 import os
+import shutil
 import threading
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -26,6 +29,8 @@ logger = init_logger(__name__)
 # Of the file's layout; bump when what is saved changes meaning.
 _FORMAT = 1
 _PRIMITIVES = (bool, int, float, str)
+# Disk space a snapshot leaves free, or it is not kept.
+_FREE_MARGIN = 2 << 30
 # Snapshots kept per GGUF file (dtypes, kernel choices); older ones go when a new one is saved.
 _KEEP = 3
 # Kiln's code that decides what loading leaves in the model (besides the C++ sources).
@@ -61,17 +66,21 @@ def snapshot_path(kiln_config) -> Path | None:
                repr(sorted((k, repr(v)) for k, v in hf.items() if k != "_name_or_path")),
                repr(kiln_config.ir_selection.chosen), torch.__version__,
                torch.get_float32_matmul_precision(), sorted(build.cpu_flags()),
-               build.sources_digest(), _loading_code_digest()]
+               build.sources_digest(), _loading_code_digest(), np.__version__]
     key = hashlib.sha256(repr(factors).encode()).hexdigest()[:16]
     return converted_dir(mc.gguf_file) / f"weights-{key}.safetensors"
 
 
 def _slots(model: nn.Module) -> Iterator[tuple[str, str, nn.Module, str]]:
-    """(slot name, kind, module, attribute) for every parameter and buffer, tied ones included."""
+    """(slot name, kind, module, attribute) for every parameter, buffer and plain tensor
+    attribute (a rotary layer's inv_freq), tied ones included."""
     for path, module in model.named_modules(remove_duplicate=False):
         for kind, table in (("p", module._parameters), ("b", module._buffers)):
             for name in table:
                 yield f"{path}|{kind}|{name}", kind, module, name
+        for name, value in vars(module).items():
+            if not name.startswith("_") and isinstance(value, torch.Tensor):
+                yield f"{path}|a|{name}", "a", module, name
 
 
 def primitive_attrs(model: nn.Module) -> dict[str, dict]:
@@ -107,6 +116,16 @@ def save(model: nn.Module, path: Path, attrs_before: dict[str, dict]) -> bool:
                 value = value.clone()
             tensors[key] = value
             slots[slot] = key
+    size = sum(t.nbytes for t in tensors.values())
+    try:
+        free = shutil.disk_usage(path.parent if path.parent.exists() else envs.cache_root()).free
+    except OSError:
+        free = 0
+    if free - size < _FREE_MARGIN:
+        logger.info("weight snapshot not kept: it needs %.2f GB and %s has %.2f GB free (a "
+                    "margin of %.0f GB is left)", size / 1e9, path.parent, free / 1e9,
+                    _FREE_MARGIN / 1e9)
+        return False
     after = primitive_attrs(model)
     changed = {p: {k: v for k, v in a.items() if attrs_before.get(p, {}).get(k, ...) != v}
                for p, a in after.items()}
@@ -115,8 +134,9 @@ def save(model: nn.Module, path: Path, attrs_before: dict[str, dict]) -> bool:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(tmp), metadata={"manifest": json.dumps(manifest)})
-        crc = data_crc(tmp)
-        # the CRC goes in the name: the header that would hold it is written before the data
+        with open(tmp, "rb") as f:
+            crc = file_crc(f)
+        # the CRC (of the whole file, header included) goes in the name
         os.replace(tmp, path.with_name(f"{path.stem}-{crc:08x}{path.suffix}"))
         _prune(path.parent)
     except Exception as e:  # noqa: BLE001 - a cache must never stop the model loading
@@ -140,14 +160,13 @@ def _prune(folder: Path) -> None:
         old.unlink(missing_ok=True)
 
 
-def data_crc(path: Path) -> int:
-    """CRC-32 of a safetensors file's bytes after its header (its tensors' data)."""
-    with open(path, "rb") as f:
-        header = int.from_bytes(f.read(8), "little")
-        f.seek(8 + header)
-        crc = 0
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)  # releases the GIL: runs beside the packing
+def file_crc(f: BinaryIO) -> int:
+    """CRC-32 of an open file's every byte (a snapshot's header, its manifest and tensor
+    offsets, and its data)."""
+    f.seek(0)
+    crc = 0
+    while chunk := f.read(1 << 24):
+        crc = zlib.crc32(chunk, crc)  # releases the GIL: runs beside the packing
     return crc
 
 
@@ -162,19 +181,22 @@ def find(path: Path) -> tuple[Path, int] | None:
 
 
 class Check:
-    """The CRC of a mapped snapshot, computed on a thread; `passed()` waits for it."""
+    """The CRC of a mapped snapshot, computed on a thread from the file as it was opened (a
+    racing prune may unlink it meanwhile); `passed()` waits for it."""
 
-    def __init__(self, path: Path, expected: int):
+    def __init__(self, path: Path, handle: BinaryIO, expected: int):
         self.path, self.expected = path, expected
         self._crc: int | None = None
-        self._thread = threading.Thread(target=self._run, name="kiln-weight-crc", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(handle,),
+                                        name="kiln-weight-crc", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
-        try:
-            self._crc = data_crc(self.path)
-        except OSError:
-            self._crc = None
+    def _run(self, handle: BinaryIO) -> None:
+        with handle:
+            try:
+                self._crc = file_crc(handle)
+            except OSError:  # unreadable: not trusted
+                self._crc = None
 
     def passed(self) -> bool:
         self._thread.join()
@@ -190,20 +212,29 @@ def restore(model: nn.Module, path: Path) -> Check | None:
     if found is None:
         return None
     file, crc = found
+    handle = None
     try:
+        handle = open(file, "rb")  # noqa: SIM115 - the CRC thread reads and closes it
         with safe_open(str(file), framework="pt") as f:
             manifest = json.loads(f.metadata()["manifest"])
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # views of the mapped file
         plan = _assignments(model, manifest, tensors)
     except Exception as e:  # a damaged or stale file must not stop the engine: load instead
+        if handle is not None:
+            handle.close()
+        if isinstance(e, FileNotFoundError):
+            return None  # pruned by another process as we looked
         logger.warning("weight snapshot %s unusable (%s: %s); loading the model file", file,
                        type(e).__name__, e)
         file.unlink(missing_ok=True)
         return None
     for apply in plan:
         apply()
-    os.utime(file)  # recently used: kept by _prune
-    return Check(file, crc)
+    try:
+        os.utime(file)  # recently used: kept by _prune
+    except OSError:  # a read-only or shared cache: still usable
+        pass
+    return Check(file, handle, crc)
 
 
 def _assignments(model: nn.Module, manifest: dict,
@@ -236,8 +267,10 @@ def _assignments(model: nn.Module, manifest: dict,
                 raise ValueError(f"{slot}: {tuple(value.shape)} {value.dtype} saved, the model "
                                  f"has {tuple(current.shape)} {current.dtype}")
             plan.append(functools.partial(setattr, current, "data", value))
-        else:
+        elif kind == "b":
             plan.append(functools.partial(module._buffers.__setitem__, name, value))
+        else:
+            plan.append(functools.partial(setattr, module, name, value))
     if seen != set(saved):
         raise ValueError(f"{len(set(saved) - seen)} saved slots are not in the model")
     modules = dict(model.named_modules(remove_duplicate=False))
