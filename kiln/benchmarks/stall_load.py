@@ -28,8 +28,9 @@ async def _big_posts(session, url: str, headers: dict, body: bytes, expect: int,
 
 async def _idle_connections(host: str, port: int, n: int, writers: list,
                             stop: asyncio.Event) -> None:
-    """Open `n` connections into `writers`, 50 at a time (one by one, under the rest of the
-    load, 1,000 took longer than the probe), and hold them (the caller closes them)."""
+    """Open `n` connections into `writers`, 50 at a time every 50 ms (one by one, under the
+    rest of the load, 1,000 took longer than the probe; all at once, their accepts held the
+    server's event loop), and hold them (the caller closes them)."""
     async def one() -> None:
         try:
             writers.append((await asyncio.open_connection(host, port))[1])
@@ -40,6 +41,7 @@ async def _idle_connections(host: str, port: int, n: int, writers: list,
         if stop.is_set():
             return
         await asyncio.gather(*(one() for _ in range(min(50, n - start))))
+        await asyncio.sleep(0.05)
 
 
 async def _churn(host: str, port: int, counter: list, stop: asyncio.Event) -> None:
