@@ -223,6 +223,12 @@ _loaded: Path | None = None
 _on_load: list[Callable[[], None]] = []
 
 
+def loaded_key() -> str | None:
+    """The loaded library's build key (`build_key`: its sources, compiler, flags, CPU and
+    torch), None when none is loaded."""
+    return None if _loaded is None else _loaded.parent.name
+
+
 def on_load(fn: Callable[[], None]) -> None:
     """Run fn once the library is loaded (at once if it is): the Python fakes of its ops."""
     _on_load.append(fn)

@@ -194,3 +194,13 @@ def test_only_the_most_recently_used_snapshots_are_kept(gguf_cfg, monkeypatch):
     left = sorted(p.name for p in folder.glob("weights-*.safetensors"))
     newest_old = "weights-0000000000000003-00000000.safetensors"
     assert len(left) == 3 and saved.name in left and newest_old in left
+
+
+def test_no_snapshot_where_it_would_leave_the_disk_nearly_full(gguf_cfg, monkeypatch):
+    import shutil
+
+    fresh = _fresh(gguf_cfg, monkeypatch)
+    tight = shutil.disk_usage("/")._replace(free=weight_snapshot._FREE_MARGIN)
+    monkeypatch.setattr(weight_snapshot.shutil, "disk_usage", lambda _: tight)
+    _assert_same(_state(get_model(gguf_cfg)), fresh)
+    assert _snapshots(gguf_cfg) == []

@@ -2,9 +2,10 @@
 out) kept as one safetensors file, so a restart maps them instead of converting the file again.
 
 The first start saves the model's parameters and buffers right after loading; later starts map
-that file (zero-copy) and check its CRC (in its name) on a thread while the weights are packed. The file sits
-beside the GGUF's other conversions (gguf_metadata.converted_dir), keyed by everything the
-conversion depends on: the file, dtype, kernel choice, CPU, torch and Kiln's loading code.
+that file (zero-copy) and check its CRC (in its name) on a thread while the weights are packed.
+The file sits beside the GGUF's other conversions (gguf_metadata.converted_dir), keyed by
+everything the conversion depends on: the file, dtype, kernel choice, CPU, torch and Kiln's
+loading code.
 """
 import functools
 import hashlib
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from kiln import envs
+from kiln.atomic_write import temporary_beside
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -62,11 +64,13 @@ def snapshot_path(kiln_config) -> Path | None:
             or pc.tensor_parallel_size * pc.pipeline_parallel_size != 1):
         return None
     hf = mc.hf_config.to_dict() if hasattr(mc.hf_config, "to_dict") else vars(mc.hf_config)
-    factors = [_FORMAT, str(mc.torch_dtype), kiln_config.device_config.device,
+    build.available()  # loads the kernels (once) if nothing has yet
+    # the kernels' build key covers their sources, compiler, CPU and torch
+    factors = [_FORMAT, str(mc.torch_dtype),
                repr(sorted((k, repr(v)) for k, v in hf.items() if k != "_name_or_path")),
                repr(kiln_config.ir_selection.chosen), torch.__version__,
-               torch.get_float32_matmul_precision(), sorted(build.cpu_flags()),
-               build.sources_digest(), _loading_code_digest(), np.__version__]
+               torch.get_float32_matmul_precision(), build.loaded_key(),
+               _loading_code_digest(), np.__version__]
     key = hashlib.sha256(repr(factors).encode()).hexdigest()[:16]
     return converted_dir(mc.gguf_file) / f"weights-{key}.safetensors"
 
@@ -130,7 +134,7 @@ def save(model: nn.Module, path: Path, attrs_before: dict[str, dict]) -> bool:
     changed = {p: {k: v for k, v in a.items() if attrs_before.get(p, {}).get(k, ...) != v}
                for p, a in after.items()}
     manifest = {"slots": slots, "attrs": {p: a for p, a in changed.items() if a}}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp = temporary_beside(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(tmp), metadata={"manifest": json.dumps(manifest)})
@@ -219,11 +223,13 @@ def restore(model: nn.Module, path: Path) -> Check | None:
             manifest = json.loads(f.metadata()["manifest"])
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # views of the mapped file
         plan = _assignments(model, manifest, tensors)
+    except FileNotFoundError:  # pruned by another process as we looked
+        if handle is not None:
+            handle.close()
+        return None
     except Exception as e:  # a damaged or stale file must not stop the engine: load instead
         if handle is not None:
             handle.close()
-        if isinstance(e, FileNotFoundError):
-            return None  # pruned by another process as we looked
         logger.warning("weight snapshot %s unusable (%s: %s); loading the model file", file,
                        type(e).__name__, e)
         file.unlink(missing_ok=True)
