@@ -12,7 +12,7 @@ from kiln.ir import (
 )
 from kiln.ir.attention import unified_attention
 from kiln.ir.collectives import all_reduce
-from kiln.ir.gguf import gguf_linear
+from kiln.ir.gguf import gguf_embedding, gguf_linear
 from kiln.ir.layer_ops import (
                                fused_add_rms_norm,
                                linear,
@@ -35,6 +35,6 @@ quant_native.register()
 quant_fp8.register()
 
 __all__ = ["PROVIDERS", "REGISTRY", "Implementation", "IrOp", "Selection", "all_reduce",
-           "applied", "apply",
-           "check_priority", "fused_add_rms_norm", "gguf_linear", "linear", "parse_cli",
-           "resolve", "rms_norm", "rotary_embedding", "silu_and_mul", "unified_attention", "quant"]
+           "applied", "apply", "check_priority", "fused_add_rms_norm", "gguf_embedding",
+           "gguf_linear", "linear", "parse_cli", "resolve", "rms_norm", "rotary_embedding",
+           "silu_and_mul", "unified_attention", "quant"]

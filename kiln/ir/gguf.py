@@ -1,5 +1,7 @@
-"""The IR op `gguf_linear`: a linear whose weight is a GGUF file's blocks, in the layout Kiln keeps
-them in (gguf_layout.py); its meaning is theirs alone, its native kernel reads them directly.
+"""The IR ops on a GGUF file's blocks, in the layout Kiln keeps them in (gguf_layout.py):
+`gguf_linear`, a linear whose weight they are, and `gguf_embedding`, a lookup of their rows (a
+tied embedding reading its LM head's blocks); their meaning is the blocks' alone, their native
+kernels read them directly.
 
 The choice of kernel per row count, for a layer that also holds a dense (and packed) copy:
 the native implementation takes the blocks for up to `plan`'s block_rows rows (the row count
@@ -54,3 +56,38 @@ TAIL = ("Tensor blocks, int qtype, int out_features, Tensor? bias=None, Tensor? 
 
 gguf_linear = define("gguf_linear", f"(Tensor x, {TAIL}) -> Tensor", _gguf_linear_ref,
                      _gguf_linear_fake, _examples)
+
+
+def _gguf_embedding_ref(ids: torch.Tensor, blocks: torch.Tensor, qtype: int, num_embeddings: int,
+                        embedding_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """ids (int64, any shape) -> [*ids.shape, embedding_dim] in dtype: rows `ids` of the
+    [num_embeddings, embedding_dim] weight whose blocks (ggml type `qtype`, Kiln's layout) these
+    are, dequantized exactly in float32 (gguf_layout.dequantize), then rounded to dtype; an id
+    outside the vocabulary is an IndexError, as in F.embedding."""
+    flat = ids.reshape(-1)
+    if flat.numel() and not bool(((flat >= 0) & (flat < num_embeddings)).all()):
+        raise IndexError(f"gguf_embedding: a token id is outside the vocabulary "
+                         f"[0, {num_embeddings})")
+    group = gguf_layout.GROUP_ROWS
+    # each id's whole group of rows, dequantized as a weight of its own; then the id's row
+    groups = blocks.view(-1, group * blocks.shape[1])[flat // group]  # [T, 16 * row_bytes]
+    rows = gguf_layout.dequantize(groups.view(-1, blocks.shape[1]), qtype, flat.numel() * group,
+                                  embedding_dim).view(-1, group, embedding_dim)  # [T, 16, H]
+    picked = rows[torch.arange(flat.numel(), device=ids.device), flat % group]  # [T, H]
+    return picked.to(dtype).view(*ids.shape, embedding_dim)
+
+
+def _gguf_embedding_fake(ids, blocks, qtype, num_embeddings, embedding_dim, dtype):
+    return blocks.new_empty((*ids.shape, embedding_dim), dtype=dtype)
+
+
+def _embedding_examples(dtype: torch.dtype, device: str):
+    """Q8_0 blocks of a [16, 32] table (zeros), and two ids."""
+    shape = gguf_layout.kernel_shape(8, 16, 32)
+    return (torch.tensor([0, 15], device=device),
+            torch.zeros(shape, dtype=torch.uint8, device=device), 8, 16, 32, dtype)
+
+
+gguf_embedding = define("gguf_embedding", "(Tensor ids, Tensor blocks, int qtype, "
+                        "int num_embeddings, int embedding_dim, ScalarType dtype) -> Tensor",
+                        _gguf_embedding_ref, _gguf_embedding_fake, _embedding_examples)

@@ -76,6 +76,13 @@ def _gguf_linear_supported(x, blocks, qtype, out_features, bias=None, weight=Non
             and gguf_matmul.kernel_available())
 
 
+def _gguf_embedding_supported(ids, blocks, qtype, num_embeddings, embedding_dim, dtype) -> bool:
+    return (dtype in build.DTYPES and ids.device.type == "cpu" and ids.dtype == torch.int64
+            and blocks.device.type == "cpu"
+            and gguf_layout.fits(blocks, qtype, num_embeddings, embedding_dim)
+            and gguf_matmul.kernel_available())
+
+
 # IR op -> (its native op, the IR op's fake: the native op's too)
 NATIVE_OPS = {
     ir.rms_norm: ("rms_norm_native", _rms_norm_supported, ir._rms_norm_fake),
@@ -88,6 +95,9 @@ NATIVE_OPS = {
     # plan's row limit, the dense copy's kernels above it.
     ir.linear: ("linear_native", _linear_supported, ir._linear_fake),
     gguf.gguf_linear: ("gguf_linear_native", _gguf_linear_supported, gguf._gguf_linear_fake),
+    # csrc/gguf_rows.c: each id's row decoded from its group of 16
+    gguf.gguf_embedding: ("gguf_embedding_native", _gguf_embedding_supported,
+                          gguf._gguf_embedding_fake),
 }
 
 

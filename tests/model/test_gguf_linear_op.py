@@ -7,8 +7,6 @@ them exactly): float32 within 4e-6 of sum |x| |w| per output (a few float32 roun
 in 3 int8 limbs); bfloat16 within 2^-7 of it (the output's rounding and the weight's in the
 reference).
 """
-import gguf
-import numpy as np
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -20,25 +18,11 @@ from kiln.model.layers import cpu_gemm
 from kiln.model.layers.linear import ReplicatedLinear
 from kiln.native import gguf_matmul, linear_op
 
-from gguf_blocks import quantized_blocks
+from gguf_blocks import file_blocks as _file_blocks
+from gguf_blocks import kernel_blocks as _kernel_blocks
+from gguf_blocks import needs_kernel
 
 QTYPES = sorted(gguf_matmul.QTYPES)
-needs_kernel = pytest.mark.skipif(not gguf_matmul.kernel_available(),
-                                  reason="the GGUF kernel needs AVX-512")
-
-
-def _file_blocks(name: str, out_features: int, in_features: int, seed: int = 0):
-    """(the file's uint8 blocks, their values float32 [out, in] by gguf's dequantize)."""
-    w = np.random.default_rng(seed).standard_normal((out_features, in_features))
-    blocks = quantized_blocks(w, name, seed)
-    values = gguf.quants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, name))
-    return (torch.from_numpy(np.ascontiguousarray(blocks)),
-            torch.from_numpy(values.astype(np.float32).reshape(out_features, in_features)))
-
-
-def _kernel_blocks(name, out_features, in_features, seed=0):
-    blocks, values = _file_blocks(name, out_features, in_features, seed)
-    return gguf_matmul.kernel_blocks(gguf_matmul.QTYPES[name], blocks), values
 
 
 @needs_kernel

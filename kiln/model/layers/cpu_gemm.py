@@ -118,24 +118,30 @@ def prepack_for_cpu(model: nn.Module) -> int:
 def release_dense_copies(model: nn.Module) -> int:
     """Let go of the dense weight of every layer whose blocks and packed copy serve every row
     count without it (the GEMV range, the one path that reads it, lies within the blocks'),
-    unless another module shares it (a tied embedding looks its rows up); returns the bytes
-    freed. The weight stays as a meta tensor: its shape and dtype, no storage. Call after
+    unless another module reads it (a tied embedding that looks its rows up in the dense weight,
+    not in the head's blocks: vocab_embedding.embed_from_head_blocks); returns the bytes freed.
+    The weight stays as a meta tensor: its shape and dtype, no storage. Call after
     `prepack_for_cpu`; a GGUF model would otherwise hold each weight three times."""
-    owners: dict[int, int] = {}
+    readers: dict[int, int] = {}
+    holders: dict[int, list[nn.Module]] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
-            owners[id(param)] = owners.get(id(param), 0) + 1
+            holders.setdefault(id(param), []).append(module)
+            if getattr(module, "table_blocks", None) is None:
+                readers[id(param)] = readers.get(id(param), 0) + 1
     freed = 0
     for module in model.modules():
         if getattr(module, "cpu_blocks", None) is None or module.cpu_packed is None:
             continue
         weight = module.weight
         plan = held(module)
-        if weight.is_meta or owners[id(weight)] > 1 or plan.gemv_rows > plan.block_rows:
+        if weight.is_meta or readers[id(weight)] > 1 or plan.gemv_rows > plan.block_rows:
             continue
         freed += weight.numel() * weight.element_size()
-        module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
-                                     requires_grad=False)
+        meta = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
+                            requires_grad=False)
+        for holder in holders[id(weight)]:  # a tie holds the storage too
+            holder.weight = meta
     if freed:
         logger.info("let go of %.0f MB of dense weights that the GGUF blocks and packed copies "
                     "stand in for", freed / 1e6)

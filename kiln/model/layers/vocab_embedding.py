@@ -2,12 +2,14 @@
 
 Each rank holds ceil(vocab / tp) rows (the last rank's tail is zero padding): the embedding sums
 the ranks' lookups with one all-reduce; the head gathers every rank's logits for sampling.
-The head may tie its weight to the embedding's, as SmolLM and small Qwen models do.
+The head may tie its weight to the embedding's, as SmolLM and small Qwen models do; a tied
+embedding whose head keeps a GGUF file's blocks then looks its rows up in those blocks.
 """
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln import ir
 from kiln.distributed.communication_op import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
@@ -29,6 +31,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        # the tied head's GGUF blocks, when the lookup reads them (embed_from_head_blocks)
+        self.register_buffer("table_blocks", None, persistent=False)
+        self.table_qtype = 0
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if self.tp_size == 1:
@@ -44,6 +49,10 @@ class VocabParallelEmbedding(nn.Module):
         param.data[rows:].zero_()  # padding rows: zero logits, sliced off after the gather
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.table_blocks is not None:
+            return ir.gguf_embedding(input_ids, self.table_blocks, self.table_qtype,
+                                     self.num_embeddings, self.embedding_dim,
+                                     self.weight.dtype)  # [T, H]
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)  # [T, H]
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
@@ -72,3 +81,20 @@ class ParallelLMHead(EagerCall, VocabParallelEmbedding):
             return logits
         # [N, rows_per_rank * tp] in rank order -> drop the padding rows' columns
         return tensor_model_parallel_all_gather(logits, dim=-1)[:, :self.num_embeddings]
+
+
+def embed_from_head_blocks(model: nn.Module) -> bool:
+    """Let a tied embedding look its rows up in the LM head's GGUF blocks (the IR op
+    gguf_embedding, exact: the values the dense weight was dequantized to), so that nothing
+    reads the dense weight and cpu_gemm.release_dense_copies lets it go; True if it does.
+    Only where the native kernel is bound: the reference decodes a group of 16 rows an id."""
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    if not (isinstance(embed, VocabParallelEmbedding) and isinstance(head, ParallelLMHead)
+            and head.weight is embed.weight and embed.tp_size == 1
+            and getattr(head, "cpu_blocks", None) is not None):
+        return False
+    if ir.gguf_embedding.chosen(embed.weight.device.type, embed.weight.dtype) != "native":
+        return False
+    embed.table_blocks, embed.table_qtype = head.cpu_blocks, head.cpu_qtype
+    return True

@@ -196,6 +196,7 @@ def attach_blocks(model: nn.Module, blocks: dict[str, tuple[int, torch.Tensor]])
     """Give each linear weight whose every part the file stores in one kernel type its blocks
     (merged parts, such as q/k/v, concatenated in the merged order); returns how many."""
     from kiln.model.layers.cpu_gemm import attach_gguf_blocks
+    from kiln.model.layers.vocab_embedding import embed_from_head_blocks
     from kiln.model.llama import STACKED_PARAMS
 
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -228,4 +229,5 @@ def attach_blocks(model: nn.Module, blocks: dict[str, tuple[int, torch.Tensor]])
         if all([attach_gguf_blocks(m, qtype, rows) for m in matmul_layers[id(param)]]):
             count += 1
     logger.info("kept the GGUF blocks of %d weights for small-batch CPU matmuls", count)
+    embed_from_head_blocks(model)
     return count

@@ -42,6 +42,10 @@ int kiln_gguf_matmul(const void *x, const uint8_t *weight, int32_t qtype, const 
 int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t rows,
                                int64_t row_blocks, uint8_t *dst);
 
+/* gguf_rows.c */
+int kiln_gguf_rows(const uint8_t *blocks, int32_t qtype, int64_t rows, int64_t in_features,
+                   const int64_t *ids, int64_t n, void *out, int32_t dtype, int32_t num_threads);
+
 /* int8_ops.c */
 int kiln_int8_isa(void);
 int kiln_dynamic_int8_quant(const void *x, int64_t x_stride, int8_t *q, float *scale,

@@ -1,6 +1,6 @@
 /* GGUF blocks and the dense GEMV kernel as torch ops: the blocks' sizes (gguf_blocks.h), their
- * conversion into the kernel's layout (gguf_layout.c), the blocks matmul itself (gguf_matmul.c)
- * and the GEMV (gemv.c), called alone; `kiln::linear_native` (linear_op.cpp) picks between them
+ * conversion into the kernel's layout (gguf_layout.c), the blocks matmul itself (gguf_matmul.c),
+ * the lookup of their rows (gguf_rows.c) and the GEMV (gemv.c), called alone; `kiln::linear_native` (linear_op.cpp) picks between them
  * per call. */
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -65,6 +65,32 @@ at::Tensor gguf_matmul(const at::Tensor &x, const at::Tensor &blocks, int64_t qt
     return out;
 }
 
+/* Rows `ids` of the [num_embeddings, embedding_dim] weight whose kernel-layout blocks these are,
+ * dequantized into dtype: [*ids.shape, embedding_dim] (the IR op gguf_embedding). */
+at::Tensor gguf_embedding(const at::Tensor &ids, const at::Tensor &blocks, int64_t qtype,
+                          int64_t num_embeddings, int64_t embedding_dim, at::ScalarType dtype) {
+    TORCH_CHECK_VALUE(kiln::gguf_blocks_fit(blocks, static_cast<int32_t>(qtype), num_embeddings,
+                                            embedding_dim),
+                      "kiln::gguf_embedding: blocks ", blocks.sizes(), " are not the kernel "
+                      "layout of a [", num_embeddings, ", ", embedding_dim, "] weight of ggml "
+                      "type ", qtype);
+    TORCH_CHECK_VALUE(ids.scalar_type() == at::kLong, "kiln::gguf_embedding: ids must be int64");
+    at::Tensor out = at::empty({ids.numel(), embedding_dim}, blocks.options().dtype(dtype));
+    const int32_t code = kiln::kernel_dtype(out, "kiln::gguf_embedding");
+    const at::Tensor flat = ids.contiguous();
+    const int64_t n = flat.numel(), *id = flat.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i)
+        TORCH_CHECK_INDEX(id[i] >= 0 && id[i] < num_embeddings, "kiln::gguf_embedding: token id ",
+                          id[i], " is outside the vocabulary [0, ", num_embeddings, ")");
+    kiln::check_rc(kiln_gguf_rows(blocks.data_ptr<uint8_t>(), static_cast<int32_t>(qtype),
+                                  num_embeddings, embedding_dim, id, n, out.data_ptr(), code,
+                                  kiln::threads()),
+                   "kiln_gguf_rows");
+    std::vector<int64_t> shape = ids.sizes().vec();
+    shape.push_back(embedding_dim);
+    return out.view(shape);
+}
+
 at::Tensor gemv(const at::Tensor &x, const at::Tensor &weight,
                 const std::optional<at::Tensor> &bias) {
     const int32_t dtype = kiln::kernel_dtype(x, "kiln::gemv");
@@ -95,10 +121,13 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
     m.def("gguf_matmul(Tensor x, Tensor blocks, int qtype, int out_features, Tensor? bias, "
           "int limbs) -> Tensor");
     m.def("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+    m.def("gguf_embedding_native(Tensor ids, Tensor blocks, int qtype, int num_embeddings, "
+          "int embedding_dim, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
     m.impl("gguf_to_kernel_layout", &to_kernel_layout);
     m.impl("gguf_matmul", &gguf_matmul);
     m.impl("gemv", &gemv);
+    m.impl("gguf_embedding_native", &gguf_embedding);
 }
