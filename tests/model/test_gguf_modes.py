@@ -26,3 +26,32 @@ def test_gguf_blocks_compiled_and_torch_first_give_the_eager_tokens(
     assert _tokens(path, tiny_llama_dir, tmp_path / "cc3", 3) == eager
     torch_first = {"gguf_linear": ["torch"]}
     assert _tokens(path, tiny_llama_dir, tmp_path / "cc3", 3, ir_op_priority=torch_first) == eager
+
+
+def test_a_tied_q8_0_table_read_from_the_heads_blocks_gives_the_dense_tables_tokens(
+        tmp_path, monkeypatch):
+    """The default model's shape: a tied Q8_0 token_embd. The embedding looks its rows up in the
+    head's blocks (gguf_embedding) in modes 0 and 3, the dense table let go; with the op's torch
+    reference first it keeps the dense table. All three give the same tokens."""
+    from checkpoints import make_tiny_checkpoint
+    from kiln.benchmarks.latency import engine_model
+
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
+    monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")  # to look at the model
+    hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=True)
+    path = write_gguf(tmp_path / "tied.gguf", hf_dir,
+                      {p: "Q8_0" for p in ("token_embd", *_LINEARS[:-1])})
+    runs = {}
+    for name, mode, kw in (("blocks0", 0, {}), ("blocks3", 3, {}),
+                           ("dense", 0, {"ir_op_priority": {"gguf_embedding": ["torch"]}})):
+        llm = LLM(model=str(path), tokenizer=str(hf_dir), dtype="float32",
+                  max_num_batched_tokens=128, max_num_seqs=4, kv_cache_memory=0.05,
+                  compilation_config={"mode": mode, "cache_dir": str(tmp_path / f"cc{mode}")},
+                  **kw)
+        embed = engine_model(llm.llm_engine).model.embed_tokens
+        assert (embed.table_blocks is None) == (name == "dense"), name
+        assert embed.weight.is_meta == (name != "dense"), name
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+        runs[name] = [list(o.outputs[0].token_ids) for o in outs]
+        llm.shutdown()
+    assert runs["blocks0"] == runs["blocks3"] == runs["dense"]
