@@ -33,8 +33,9 @@ def test_a_tied_q8_0_table_read_from_the_heads_blocks_gives_the_dense_tables_tok
     """The default model's shape: a tied Q8_0 token_embd. The embedding looks its rows up in the
     head's blocks (gguf_embedding) in modes 0 and 3, the dense table let go; with the op's torch
     reference first it keeps the dense table. All three give the same tokens."""
-    from checkpoints import make_tiny_checkpoint
     from kiln.benchmarks.latency import engine_model
+
+    from checkpoints import make_tiny_checkpoint
 
     monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
     monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")  # to look at the model
