@@ -33,6 +33,12 @@ def onednn_min_rows() -> int:
     return torch.ops.kiln.int8_onednn_min_rows()
 
 
+def panels_min_rows() -> int:
+    """Without AMX, from this many rows (k a multiple of 4) the GEMM op runs the panel GEMM
+    (csrc/int8_vnni_gemm.c) instead of oneDNN's; 0 where the AMX tiles take those rows."""
+    return torch.ops.kiln.int8_panels_min_rows()
+
+
 def _on_cpu_in(dtype: torch.dtype, *tensors: torch.Tensor) -> bool:
     return dtype in build.DTYPES and all(t.device.type == "cpu" for t in tensors)
 

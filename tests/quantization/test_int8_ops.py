@@ -24,7 +24,11 @@ DTYPES = [torch.float32, torch.bfloat16]
 # 19 and 40 rows take the VNNI kernel there), K not a multiple of 16 or 64 (masked tails; the
 # tile GEMM's padded copy), K == 1 (torch's own _int_mm is wrong). With tiles, 40 x 576 reads a
 # full block of 32 rows in place and pads the 8 after it; 300 rows cross its 256-row blocks.
-SHAPES = [(1, 576), (5, 100), (19, 192), (40, 576), (70, 33), (130, 192), (3, 1), (300, 576)]
+# Without AMX, from native.panels_min_rows() (1024) the panel GEMM where K is a multiple of 4
+# (1031 rows: a last register tile of 5 rows; 13 and 96 columns: partial panels), oneDNN's
+# where it is not (1029 x 33).
+SHAPES = [(1, 576), (5, 100), (19, 192), (40, 576), (70, 33), (130, 192), (3, 1), (300, 576),
+          (1031, 576), (1029, 33)]
 
 
 def _x(rows, k, dtype, seed=0):
@@ -99,6 +103,11 @@ def test_gemm_shapes_reach_both_paths():
     assert threshold in (16, 64)  # AMX-INT8 tiles, or oneDNN without them (csrc/ops_int8.cpp)
     assert any(rows < threshold for rows, k in SHAPES if k > 1)
     assert any(rows >= threshold for rows, k in SHAPES if k > 1)
+    panels = native.panels_min_rows()
+    assert panels == (0 if has_amx else 1024)
+    if panels:
+        assert any(rows >= panels and k % 4 == 0 for rows, k in SHAPES)
+        assert any(threshold <= rows < panels for rows, k in SHAPES if k > 1)
 
 
 def test_amx_int8_runs_where_the_cpu_has_it():

@@ -75,6 +75,13 @@ int kiln_int8_gemm_amx(const int8_t *a, int64_t a_stride, const float *a_scale, 
                        int32_t bias_dtype, void *out, int64_t out_stride, int64_t m, int64_t n,
                        int64_t k, int32_t out_dtype, int32_t num_threads);
 
+/* int8_vnni_gemm.c: kiln_int8_gemm for many rows without AMX (k a multiple of 4) */
+int kiln_int8_gemm_panels(const int8_t *a, int64_t a_stride, const float *a_scale,
+                          const int8_t *w, int64_t w_stride, const float *w_scale,
+                          const void *bias, int32_t bias_dtype, void *out, int64_t out_stride,
+                          int64_t m, int64_t n, int64_t k, int32_t out_dtype,
+                          int32_t num_threads);
+
 /* paged_attention.c */
 int kiln_paged_attention(const void *q, int64_t q_stride, const void *k, int64_t k_stride,
                          const void *v, int64_t v_stride, void *out, int64_t out_stride,

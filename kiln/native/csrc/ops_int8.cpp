@@ -1,8 +1,8 @@
 /* The `native` implementations of the W8A8 int8 IR ops (kiln/ir/quant.py defines each one's
  * result) as torch ops over int8_ops.c's AVX512-VNNI kernels: per-token dynamic quant, alone or
  * after (add +) RMSNorm or SiLU-and-mul, and the int8 GEMM with its scales (on AMX-INT8 tiles from
- * AMX_MIN_ROWS rows where the CPU has them; else oneDNN's int8 GEMM through aten's _int_mm from
- * ONEDNN_MIN_ROWS rows, the kernel here's epilogue after it). */
+ * AMX_MIN_ROWS rows where the CPU has them; else the panel GEMM from PANELS_MIN_ROWS rows, and
+ * oneDNN's int8 GEMM through aten's _int_mm from ONEDNN_MIN_ROWS, the epilogue here after it). */
 #include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -27,6 +27,10 @@ constexpr int64_t ONEDNN_MIN_ROWS = 16;
 #else
 constexpr int64_t ONEDNN_MIN_ROWS = 64;
 #endif
+/* From this many rows (a prefill chunk), without AMX tiles, the panel GEMM (int8_vnni_gemm.c):
+ * as fast as oneDNN's in its loop, without the pass over int32 sums; below it packing the
+ * weight each call does not pay. */
+constexpr int64_t PANELS_MIN_ROWS = 1024;
 constexpr int32_t NO_BIAS = -1;
 
 void check(int rc, const char *fn) {
@@ -84,6 +88,14 @@ at::Tensor int8_scaled_mm(const at::Tensor &q_in, const at::Tensor &scale_in,
                                  b, bias_code, out.data_ptr(), n, m, n, k, out_code,
                                  kiln::threads()),
               "kiln_int8_gemm_amx");
+        return out;
+    }
+    if (m >= PANELS_MIN_ROWS && k % 4 == 0) {
+        check(kiln_int8_gemm_panels(q.data_ptr<int8_t>(), q.stride(0), scale.data_ptr<float>(),
+                                    w_q.data_ptr<int8_t>(), w_q.stride(0),
+                                    w_scale.data_ptr<float>(), b, bias_code, out.data_ptr(), n, m,
+                                    n, k, out_code, kiln::threads()),
+              "kiln_int8_gemm_panels");
         return out;
     }
     if (m >= ONEDNN_MIN_ROWS && k > 1) { /* (torch 2.13's CPU _int_mm is wrong for k == 1) */
@@ -165,6 +177,7 @@ std::string isa() {
 }
 int64_t amx_min_rows() { return kiln_int8_amx_ready() ? AMX_MIN_ROWS : 0; }
 int64_t onednn_min_rows() { return ONEDNN_MIN_ROWS; }
+int64_t panels_min_rows() { return kiln_int8_amx_ready() ? 0 : PANELS_MIN_ROWS; }
 
 }  // namespace
 
@@ -172,6 +185,7 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
     m.def("int8_isa() -> str", &isa);
     m.def("int8_onednn_min_rows() -> int", &onednn_min_rows);
     m.def("int8_amx_min_rows() -> int", &amx_min_rows);
+    m.def("int8_panels_min_rows() -> int", &panels_min_rows);
     /* the IR ops' schemas (kiln/ir/quant.py) */
     m.def("dynamic_int8_quant_native(Tensor x) -> (Tensor, Tensor)");
     m.def("int8_scaled_mm_native(Tensor q, Tensor scale, Tensor w_q, Tensor w_scale, "

@@ -1,0 +1,183 @@
+/* The W8A8 GEMM for many rows on CPUs with AVX512-VNNI and no AMX: the weight packed per call into
+ * panels of 64 columns, register tiles of 6 rows x 64 columns, and the epilogue from registers,
+ * so the int32 sums never go to memory (oneDNN's GEMM writes them, and a second pass read them). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "int8_simd.h"
+#include "kernels.h"
+
+#if KILN_INT8_SIMD
+
+#define NR 4 /* zmm of 16 columns a register tile */
+#define PANEL (16 * NR) /* columns a panel */
+#define MR 6 /* rows a register tile: 24 accumulators, 4 weight vectors */
+#define TILE_M 96 /* rows a task: its activations stay in L2 while it walks a panel */
+
+/* Panel p of w (int8 [n, k], row stride w_stride) as the micro-kernel reads it: per 4 k, the
+ * panel's 64 columns' 4 bytes each, plus 128 (u8: VNNI multiplies u8 by s8); columns past n are
+ * zero, and contribute nothing. */
+static void pack_panel(const int8_t *w, int64_t w_stride, int64_t n, int64_t k, int64_t p,
+                       uint8_t *dst) {
+    const int64_t c0 = p * PANEL, cols = n - c0 < PANEL ? n - c0 : PANEL;
+    uint32_t *out = (uint32_t *)dst; /* [k / 4][PANEL] words of 4 bytes */
+    for (int64_t g = 0; g < k / 4; ++g) {
+        for (int64_t c = 0; c < cols; ++c) {
+            uint32_t four;
+            memcpy(&four, w + (c0 + c) * w_stride + 4 * g, 4);
+            out[g * PANEL + c] = four ^ 0x80808080u;
+        }
+        for (int64_t c = cols; c < PANEL; ++c) out[g * PANEL + c] = 0;
+    }
+}
+
+/* out row r, columns [c0, c0 + cols) from the tile's sums, as scale_row rounds them. */
+static inline void epilogue(__m512i acc, int32_t off, __m512 sa, const float *w_scale,
+                            const void *bias, int bias_dtype, void *out, int64_t c, int64_t left,
+                            int out_dtype) {
+    if (left <= 0) return;
+    const __mmask16 m = tail16(left);
+    __m512 f = _mm512_mul_round_ps(_mm512_cvt_roundepi32_ps(_mm512_sub_epi32(acc,
+                                                            _mm512_set1_epi32(off)), RNE), sa, RNE);
+    f = _mm512_mul_round_ps(f, _mm512_maskz_loadu_ps(m, w_scale + c), RNE);
+    if (bias) f = _mm512_add_round_ps(f, load16(bias, c, bias_dtype, m), RNE);
+    store16(out, c, f, out_dtype, m);
+}
+
+/* The sums of rows [0, R) x one panel into acc (R <= MR, a constant at each call: unrolled, the
+ * accumulators named one by one so that they all stay in registers). */
+#define DOT(r)                                                                                  \
+    do {                                                                                        \
+        if (R > r) {                                                                            \
+            const __m512i av = _mm512_set1_epi32(*(const int32_t *)(a##r + 4 * g));            \
+            c##r##0 = _mm512_dpbusd_epi32(c##r##0, b0, av);                                     \
+            c##r##1 = _mm512_dpbusd_epi32(c##r##1, b1, av);                                     \
+            c##r##2 = _mm512_dpbusd_epi32(c##r##2, b2, av);                                     \
+            c##r##3 = _mm512_dpbusd_epi32(c##r##3, b3, av);                                     \
+        }                                                                                       \
+    } while (0)
+#define SAVE(r)                                                                                 \
+    do {                                                                                        \
+        if (R > r) {                                                                            \
+            acc[r][0] = c##r##0, acc[r][1] = c##r##1, acc[r][2] = c##r##2, acc[r][3] = c##r##3; \
+        }                                                                                       \
+    } while (0)
+
+static inline __attribute__((always_inline)) void sums_of(const int R, const int8_t *a,
+                                                          int64_t a_stride, const uint8_t *panel,
+                                                          int64_t k, __m512i acc[MR][NR]) {
+    const __m512i z = _mm512_setzero_si512();
+    __m512i c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z;
+    __m512i c20 = z, c21 = z, c22 = z, c23 = z, c30 = z, c31 = z, c32 = z, c33 = z;
+    __m512i c40 = z, c41 = z, c42 = z, c43 = z, c50 = z, c51 = z, c52 = z, c53 = z;
+    const int8_t *a0 = a, *a1 = a + a_stride, *a2 = a + 2 * a_stride, *a3 = a + 3 * a_stride;
+    const int8_t *a4 = a + 4 * a_stride, *a5 = a + 5 * a_stride;
+    for (int64_t g = 0; g < k / 4; ++g) {
+        const uint8_t *bp = panel + g * 4 * PANEL;
+        const __m512i b0 = _mm512_load_si512((const void *)bp);
+        const __m512i b1 = _mm512_load_si512((const void *)(bp + 64));
+        const __m512i b2 = _mm512_load_si512((const void *)(bp + 128));
+        const __m512i b3 = _mm512_load_si512((const void *)(bp + 192));
+        DOT(0);
+        DOT(1);
+        DOT(2);
+        DOT(3);
+        DOT(4);
+        DOT(5);
+    }
+    SAVE(0);
+    SAVE(1);
+    SAVE(2);
+    SAVE(3);
+    SAVE(4);
+    SAVE(5);
+}
+#undef DOT
+#undef SAVE
+
+/* rows [0, R) x one panel (columns from c0), sums and epilogue. */
+static inline __attribute__((always_inline)) void tile(
+    const int R, const int8_t *a, int64_t a_stride, const float *a_scale, const int32_t *sums,
+    const uint8_t *panel, int64_t k, const float *w_scale, const void *bias, int bias_dtype,
+    void *out, int64_t out_stride, int64_t c0, int64_t n, int out_dtype) {
+    __m512i acc[MR][NR];
+    sums_of(R, a, a_stride, panel, k, acc);
+    const size_t es = elem_size(out_dtype);
+    for (int r = 0; r < R; ++r) {
+        const __m512 sa = _mm512_set1_ps(a_scale[r]);
+        char *row = (char *)out + r * out_stride * es;
+        for (int j = 0; j < NR; ++j)
+            epilogue(acc[r][j], sums[r], sa, w_scale, bias, bias_dtype, row, c0 + 16 * j,
+                     n - c0 - 16 * j, out_dtype);
+    }
+}
+
+/* kiln_int8_gemm's contract (int8_ops.c), for k a multiple of 4; 1 otherwise, 2 out of memory. */
+int kiln_int8_gemm_panels(const int8_t *a, int64_t a_stride, const float *a_scale,
+                          const int8_t *w, int64_t w_stride, const float *w_scale,
+                          const void *bias, int32_t bias_dtype, void *out, int64_t out_stride,
+                          int64_t m, int64_t n, int64_t k, int32_t out_dtype,
+                          int32_t num_threads) {
+    if (k % 4 || k <= 0) return 1;
+    if (m == 0 || n == 0) return 0;
+    const int64_t panels = (n + PANEL - 1) / PANEL, tiles = (m + TILE_M - 1) / TILE_M;
+    const int64_t panel_bytes = k * PANEL;
+    uint8_t *packed = (uint8_t *)aligned_alloc(64, (size_t)(panels * panel_bytes));
+    int32_t *sums = (int32_t *)malloc((size_t)m * sizeof(int32_t));
+    if (!packed || !sums) {
+        free(packed);
+        free(sums);
+        return 2;
+    }
+    const size_t es = elem_size(out_dtype);
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; ++p)
+            pack_panel(w, w_stride, n, k, p, packed + p * panel_bytes);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; ++r) { /* the +128 on the weights, taken back per row */
+            int32_t s = 0;
+            for (int64_t i = 0; i < k; ++i) s += a[r * a_stride + i];
+            sums[r] = 128 * s;
+        }
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t t = 0; t < tiles; ++t)
+            for (int64_t p = 0; p < panels; ++p) {
+                const uint8_t *panel = packed + p * panel_bytes;
+                const int64_t end = (t + 1) * TILE_M < m ? (t + 1) * TILE_M : m;
+                for (int64_t r = t * TILE_M; r < end; r += MR) {
+                    const int8_t *ar = a + r * a_stride;
+                    char *o = (char *)out + r * out_stride * es;
+#define TILE(R)                                                                                 \
+    tile(R, ar, a_stride, a_scale + r, sums + r, panel, k, w_scale, bias, bias_dtype, o,        \
+         out_stride, p * PANEL, n, out_dtype)
+                    switch (end - r < MR ? end - r : MR) {
+                        case 6: TILE(6); break;
+                        case 5: TILE(5); break;
+                        case 4: TILE(4); break;
+                        case 3: TILE(3); break;
+                        case 2: TILE(2); break;
+                        default: TILE(1); break;
+                    }
+#undef TILE
+                }
+            }
+    }
+    free(packed);
+    free(sums);
+    return 0;
+}
+
+#else
+
+int kiln_int8_gemm_panels(const int8_t *a, int64_t a_stride, const float *a_scale,
+                          const int8_t *w, int64_t w_stride, const float *w_scale,
+                          const void *bias, int32_t bias_dtype, void *out, int64_t out_stride,
+                          int64_t m, int64_t n, int64_t k, int32_t out_dtype,
+                          int32_t num_threads) {
+    return 4;
+}
+
+#endif
