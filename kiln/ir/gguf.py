@@ -60,10 +60,12 @@ gguf_linear = define("gguf_linear", f"(Tensor x, {TAIL}) -> Tensor", _gguf_linea
 
 def _gguf_embedding_ref(ids: torch.Tensor, blocks: torch.Tensor, qtype: int, num_embeddings: int,
                         embedding_dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """ids (int64, any shape) -> [*ids.shape, embedding_dim] in dtype: rows `ids` of the
-    [num_embeddings, embedding_dim] weight whose blocks (ggml type `qtype`, Kiln's layout) these
-    are, dequantized exactly in float32 (gguf_layout.dequantize), then rounded to dtype; an id
-    outside the vocabulary is an IndexError, as in F.embedding."""
+    """ids (int64 or int32, any shape) -> [*ids.shape, embedding_dim] in dtype: rows `ids` of
+    the [num_embeddings, embedding_dim] weight whose blocks (ggml type `qtype`, Kiln's layout)
+    these are, dequantized exactly in float32 (gguf_layout.dequantize), then rounded to dtype;
+    an id outside the vocabulary is an IndexError, as in F.embedding. (Equal values to gguf's
+    own dequantization; Q4_0's zeros come out +0 where gguf's d * (q - 8) gives -0 for d < 0,
+    which nothing after an embedding can tell apart.)"""
     flat = ids.reshape(-1)
     if flat.numel() and not bool(((flat >= 0) & (flat < num_embeddings)).all()):
         raise IndexError(f"gguf_embedding: a token id is outside the vocabulary "

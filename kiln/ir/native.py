@@ -77,7 +77,8 @@ def _gguf_linear_supported(x, blocks, qtype, out_features, bias=None, weight=Non
 
 
 def _gguf_embedding_supported(ids, blocks, qtype, num_embeddings, embedding_dim, dtype) -> bool:
-    return (dtype in build.DTYPES and ids.device.type == "cpu" and ids.dtype == torch.int64
+    return (dtype in build.DTYPES and ids.device.type == "cpu"
+            and ids.dtype in (torch.int64, torch.int32)
             and blocks.device.type == "cpu"
             and gguf_layout.fits(blocks, qtype, num_embeddings, embedding_dim)
             and gguf_matmul.kernel_available())

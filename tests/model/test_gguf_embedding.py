@@ -48,6 +48,9 @@ def test_reference_and_native_are_the_dequantized_rows(name, dtype):
     many = torch.arange(vocab).repeat(8)
     assert torch.equal(torch.ops.kiln.gguf_embedding_native(many, *args[1:]),
                        values[many].to(dtype))
+    # int32 ids, as F.embedding takes them
+    assert NATIVE.supported(ids.int(), *args[1:])
+    assert torch.equal(torch.ops.kiln.gguf_embedding_native(ids.int(), *args[1:]), want)
 
 
 @needs_kernel

@@ -145,6 +145,17 @@ def test_gemm_of_rows_that_share_memory():
         assert torch.equal(native.int8_scaled_mm(q, s, w, ws, None, torch.float32), exact)
 
 
+def test_gemm_over_no_columns_is_the_bias_at_every_row_count():
+    """K == 0 (no path may refuse it: the panel GEMM takes K a positive multiple of 4)."""
+    for rows in (3, 100, 1030):
+        q, s = torch.zeros(rows, 0, dtype=torch.int8), torch.rand(rows, 1)
+        w, ws, bias = torch.zeros(5, 0, dtype=torch.int8), torch.rand(5), torch.randn(5)
+        want = ref.int8_scaled_mm(q, s, w, ws, bias, torch.float32)
+        assert torch.equal(want, bias.expand(rows, 5))
+        if native.isa() is not None:
+            assert torch.equal(native.int8_scaled_mm(q, s, w, ws, bias, torch.float32), want)
+
+
 def test_int8_gemm_refuses_mismatched_shapes():
     if native.isa() is None:
         return

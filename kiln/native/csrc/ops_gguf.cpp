@@ -74,10 +74,11 @@ at::Tensor gguf_embedding(const at::Tensor &ids, const at::Tensor &blocks, int64
                       "kiln::gguf_embedding: blocks ", blocks.sizes(), " are not the kernel "
                       "layout of a [", num_embeddings, ", ", embedding_dim, "] weight of ggml "
                       "type ", qtype);
-    TORCH_CHECK_VALUE(ids.scalar_type() == at::kLong, "kiln::gguf_embedding: ids must be int64");
+    TORCH_CHECK_VALUE(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt,
+                      "kiln::gguf_embedding: ids must be int64 or int32, got ", ids.scalar_type());
     at::Tensor out = at::empty({ids.numel(), embedding_dim}, blocks.options().dtype(dtype));
     const int32_t code = kiln::kernel_dtype(out, "kiln::gguf_embedding");
-    const at::Tensor flat = ids.contiguous();
+    const at::Tensor flat = ids.to(at::kLong).contiguous();
     const int64_t n = flat.numel(), *id = flat.data_ptr<int64_t>();
     for (int64_t i = 0; i < n; ++i)
         TORCH_CHECK_INDEX(id[i] >= 0 && id[i] < num_embeddings, "kiln::gguf_embedding: token id ",

@@ -90,7 +90,7 @@ at::Tensor int8_scaled_mm(const at::Tensor &q_in, const at::Tensor &scale_in,
               "kiln_int8_gemm_amx");
         return out;
     }
-    if (m >= PANELS_MIN_ROWS && k % 4 == 0) {
+    if (m >= PANELS_MIN_ROWS && k > 0 && k % 4 == 0) {
         check(kiln_int8_gemm_panels(q.data_ptr<int8_t>(), q.stride(0), scale.data_ptr<float>(),
                                     w_q.data_ptr<int8_t>(), w_q.stride(0),
                                     w_scale.data_ptr<float>(), b, bias_code, out.data_ptr(), n, m,
