@@ -1,11 +1,13 @@
 """Offline throughput: fixed-length random-token requests through Kiln, and optionally HF generate
-or the same engine unquantized (`--compare-unquantized`) as the baseline, in one invocation.
+or the same engine unquantized (`--compare-unquantized`) as the baseline, in one invocation
+(`--rounds N`: the two engines alternate N rounds, for hosts whose speed drifts).
 
 Every run gets the same prompts, dtype and greedy decoding with exactly `output_len` new tokens
 per request; engine construction (load, compile, warm-up) is outside the timed region.
 """
 import dataclasses
 import random
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -142,24 +144,86 @@ def _timed_engine_run(kiln_config, prompts_for, output_len: int, multiprocess: b
     return result, comm, weight_bytes, prompts, engine.tokenizer
 
 
+def alternated_rounds(engines: list, prompts_for_round, output_len: int,
+                      rounds: int) -> list[list[RunResult]]:
+    """Each engine's results over `rounds` rounds, the engines taking turns within a round on
+    that round's prompts (fresh ones each round: the prefix cache must not serve a later round),
+    so that a host whose speed drifts slows every engine alike."""
+    results: list[list[RunResult]] = [[] for _ in engines]
+    for r in range(rounds):
+        prompts = prompts_for_round(r)
+        for engine, mine in zip(engines, results):
+            mine.append(run_kiln(engine, prompts, output_len))
+    return results
+
+
+def _compare_rounds(quant_config, base_config, seeded_prompts, output_len: int, rounds: int,
+                    multiprocess: bool) -> dict:
+    """Both engines built up front, then alternated rounds (alternated_rounds): the report's
+    per-round figures and the median of the rounds' speedups."""
+    from kiln.benchmarks.latency import model_weight_bytes
+    from kiln.engine.llm_engine import LLMEngine
+
+    engines = []
+    try:
+        for config in (quant_config, base_config):
+            engines.append(LLMEngine(config, multiprocess=multiprocess))
+        quant, base = alternated_rounds(engines, lambda r: seeded_prompts(engines[0], r),
+                                        output_len, rounds)
+        weights = [model_weight_bytes(e) for e in engines]
+    finally:
+        for engine in engines:
+            engine.shutdown()
+    speedups = [(q.num_output_tokens / q.elapsed_s) / (b.num_output_tokens / b.elapsed_s)
+                for q, b in zip(quant, base)]
+    best = min(range(rounds), key=lambda i: abs(speedups[i] - statistics.median(speedups)))
+    report = {**quant[best].figures(), **base[best].figures("unquantized_"),
+              "num_output_tokens": quant[best].num_output_tokens, "rounds": rounds,
+              "round_output_tokens_per_s": [round(q.num_output_tokens / q.elapsed_s, 2)
+                                            for q in quant],
+              "round_unquantized_output_tokens_per_s": [
+                  round(b.num_output_tokens / b.elapsed_s, 2) for b in base],
+              "round_speedups": [round(x, 4) for x in speedups],
+              "speedup_vs_unquantized": statistics.median(speedups),
+              "model_weight_bytes": weights[0], "unquantized_model_weight_bytes": weights[1]}
+    if weights[0] and weights[1]:
+        report["weight_bytes_vs_unquantized"] = weights[0] / weights[1]
+    return report
+
+
 def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, output_len: int,
                    backend: str = "kiln", compare_unquantized: bool = False,
-                   multiprocess: bool = False) -> dict:
+                   multiprocess: bool = False, rounds: int = 1) -> dict:
     """Benchmark; returns the one-line JSON report as a dict. compare_unquantized: then the
-    same prompts through the same engine without --quantization (the baseline), and ratios.
+    same prompts through the same engine without --quantization (the baseline), and ratios;
+    with rounds > 1 both engines alternate that many rounds (the median round reported).
     multiprocess: each engine's core in its own process, as `LLM` runs it."""
     if backend not in ("kiln", "hf"):
         raise ValueError(f"--backend must be kiln or hf, got {backend!r}")
     if compare_unquantized and engine_args.quantization is None:
         raise ValueError("--compare-unquantized needs --quantization (the run to compare)")
+    if rounds < 1 or (rounds > 1 and not compare_unquantized):
+        raise ValueError(f"--rounds {rounds}: must be >= 1, and above 1 only with "
+                         "--compare-unquantized (rounds alternate the two engines)")
     kiln_config = engine_args.create_kiln_config()
     mc = kiln_config.model_config
     check_lengths(input_len, output_len, mc.max_model_len)
 
-    def seeded_prompts(engine):
+    def seeded_prompts(engine, round_index: int = 0):
         exclude = set(getattr(engine.tokenizer, "all_special_ids", []))
-        return random_prompts(num_prompts, input_len, mc.vocab_size, engine_args.seed, exclude)
+        return random_prompts(num_prompts, input_len, mc.vocab_size,
+                              engine_args.seed + round_index, exclude)
 
+    if rounds > 1:
+        base_config = dataclasses.replace(engine_args, quantization=None).create_kiln_config()
+        report = _compare_rounds(kiln_config, base_config, seeded_prompts, output_len, rounds,
+                                 multiprocess)
+        return {"backend": backend, "num_prompts": num_prompts, "input_len": input_len,
+                "output_len": output_len, **report, "model": mc.model,
+                "dtype": str(mc.torch_dtype).removeprefix("torch."),
+                "quantization": mc.quantization, "device": kiln_config.device_config.device,
+                "compilation_mode": int(kiln_config.compilation_config.mode),
+                "engine_core": "own process" if multiprocess else "in-process"}
     result, comm, weight_bytes, prompts, tokenizer = _timed_engine_run(
         kiln_config, seeded_prompts, output_len, multiprocess)
     report = {"backend": backend, "num_prompts": num_prompts, "input_len": input_len,

@@ -138,6 +138,24 @@ def test_bench_throughput_int8_against_unquantized_in_one_run(stories):
     assert r.returncode == 2 and "--compare-unquantized needs --quantization" in r.stderr
 
 
+def test_bench_throughput_alternated_rounds(stories):
+    """--rounds: both engines built first, then alternated rounds on fresh prompts; the median
+    round's figures and every round's listed."""
+    r = kiln("bench", "throughput", "--model", stories, "--num-prompts", "2", "--input-len", "8",
+             "--output-len", "3", "--quantization", "int8", "--compare-unquantized",
+             "--rounds", "3", *ENGINE)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["rounds"] == 3 and report["num_output_tokens"] == 6
+    speedups = report["round_speedups"]
+    assert len(speedups) == len(report["round_output_tokens_per_s"]) == 3
+    assert report["speedup_vs_unquantized"] == sorted(speedups)[1] or abs(
+        report["speedup_vs_unquantized"] / sorted(speedups)[1] - 1) < 1e-3  # unrounded median
+    assert 0.2 < report["weight_bytes_vs_unquantized"] < 1
+    r = kiln("bench", "throughput", "--model", stories, "--rounds", "2", *ENGINE)
+    assert r.returncode == 2 and "--rounds 2" in r.stderr
+
+
 def test_bench_throughput_with_the_core_in_its_own_process(stories):
     r = kiln("bench", "throughput", "--model", stories, "--num-prompts", "2", "--input-len", "8",
              "--output-len", "3", "--multiprocess", *ENGINE)

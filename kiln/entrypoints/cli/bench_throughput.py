@@ -1,7 +1,8 @@
 """`kiln bench throughput`: offline throughput on random prompts; prints one JSON line.
 
 `--backend hf` also times HF transformers generate on the same prompts and adds the ratio;
-`--compare-unquantized` times the same engine without `--quantization` and adds those ratios.
+`--compare-unquantized` times the same engine without `--quantization` and adds those ratios
+(`--rounds N`: alternated rounds, the median reported).
 """
 import argparse
 import importlib
@@ -33,6 +34,10 @@ def register(subparsers) -> None:
     parser.add_argument("--compare-unquantized", action="store_true",
                         help="with --quantization: also run the same prompts unquantized and "
                              "report speedup_vs_unquantized and weight_bytes_vs_unquantized")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --compare-unquantized: build both engines first, then "
+                             "alternate this many rounds on fresh prompts and report the "
+                             "median round (for hosts whose speed drifts)")
     parser.add_argument("--multiprocess", action="store_true",
                         help="the engine core in its own process, as LLM runs it by default "
                              "(default: in this process, which also reports weight bytes and "
@@ -49,6 +54,6 @@ def run(args: argparse.Namespace) -> int:
 
     report = run_throughput(EngineArgs.from_cli_args(args), args.num_prompts, args.input_len,
                             args.output_len, args.backend, args.compare_unquantized,
-                            args.multiprocess)
+                            args.multiprocess, args.rounds)
     print(json.dumps(report), flush=True)
     return 0
