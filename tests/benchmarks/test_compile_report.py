@@ -55,6 +55,7 @@ def test_cold_run_reports_pieces_shapes_and_compiles(cold, cache_dir):
     fp8 = {op: ops.pop(op) for op in list(ops) if "fp8" in op}  # GPU kernels only
     assert fp8 == {"dynamic_fp8_quant": "torch", "fp8_scaled_mm": "torch"}
     assert ops == {"all_reduce": "torch", "fused_add_rms_norm": "native",
+                   "gguf_embedding": "native" if gguf_matmul.kernel_available() else "torch",
                    "gguf_linear": "native" if gguf_matmul.kernel_available() else "torch",
                    "linear": "native", "rms_norm": "native", "rotary_embedding": "native",
                    "silu_and_mul": "native", "unified_attention": "native"}
