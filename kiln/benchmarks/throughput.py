@@ -25,11 +25,15 @@ class RunResult:
     num_prompt_tokens: int
     num_output_tokens: int
 
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.elapsed_s
+
     def figures(self, prefix: str = "") -> dict:
         e = self.elapsed_s
         return {f"{prefix}elapsed_s": round(e, 4),
                 f"{prefix}requests_per_s": round(self.num_requests / e, 4),
-                f"{prefix}output_tokens_per_s": round(self.num_output_tokens / e, 4),
+                f"{prefix}output_tokens_per_s": round(self.output_tokens_per_s, 4),
                 f"{prefix}total_tokens_per_s":
                     round((self.num_prompt_tokens + self.num_output_tokens) / e, 4)}
 
@@ -174,15 +178,13 @@ def _compare_rounds(quant_config, base_config, seeded_prompts, output_len: int, 
     finally:
         for engine in engines:
             engine.shutdown()
-    speedups = [(q.num_output_tokens / q.elapsed_s) / (b.num_output_tokens / b.elapsed_s)
-                for q, b in zip(quant, base)]
+    speedups = [q.output_tokens_per_s / b.output_tokens_per_s for q, b in zip(quant, base)]
     best = min(range(rounds), key=lambda i: abs(speedups[i] - statistics.median(speedups)))
     report = {**quant[best].figures(), **base[best].figures("unquantized_"),
               "num_output_tokens": quant[best].num_output_tokens, "rounds": rounds,
-              "round_output_tokens_per_s": [round(q.num_output_tokens / q.elapsed_s, 2)
-                                            for q in quant],
+              "round_output_tokens_per_s": [round(q.output_tokens_per_s, 2) for q in quant],
               "round_unquantized_output_tokens_per_s": [
-                  round(b.num_output_tokens / b.elapsed_s, 2) for b in base],
+                  round(b.output_tokens_per_s, 2) for b in base],
               "round_speedups": [round(x, 4) for x in speedups],
               "speedup_vs_unquantized": statistics.median(speedups),
               "model_weight_bytes": weights[0], "unquantized_model_weight_bytes": weights[1]}
@@ -202,9 +204,10 @@ def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, ou
         raise ValueError(f"--backend must be kiln or hf, got {backend!r}")
     if compare_unquantized and engine_args.quantization is None:
         raise ValueError("--compare-unquantized needs --quantization (the run to compare)")
-    if rounds < 1 or (rounds > 1 and not compare_unquantized):
+    if rounds < 1 or (rounds > 1 and (not compare_unquantized or backend == "hf")):
         raise ValueError(f"--rounds {rounds}: must be >= 1, and above 1 only with "
-                         "--compare-unquantized (rounds alternate the two engines)")
+                         "--compare-unquantized and the kiln backend (rounds alternate the "
+                         "two engines)")
     kiln_config = engine_args.create_kiln_config()
     mc = kiln_config.model_config
     check_lengths(input_len, output_len, mc.max_model_len)
@@ -214,41 +217,36 @@ def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, ou
         return random_prompts(num_prompts, input_len, mc.vocab_size,
                               engine_args.seed + round_index, exclude)
 
-    if rounds > 1:
-        base_config = dataclasses.replace(engine_args, quantization=None).create_kiln_config()
-        report = _compare_rounds(kiln_config, base_config, seeded_prompts, output_len, rounds,
-                                 multiprocess)
-        return {"backend": backend, "num_prompts": num_prompts, "input_len": input_len,
-                "output_len": output_len, **report, "model": mc.model,
-                "dtype": str(mc.torch_dtype).removeprefix("torch."),
-                "quantization": mc.quantization, "device": kiln_config.device_config.device,
-                "compilation_mode": int(kiln_config.compilation_config.mode),
-                "engine_core": "own process" if multiprocess else "in-process"}
-    result, comm, weight_bytes, prompts, tokenizer = _timed_engine_run(
-        kiln_config, seeded_prompts, output_len, multiprocess)
+    pc = kiln_config.parallel_config
     report = {"backend": backend, "num_prompts": num_prompts, "input_len": input_len,
-              "output_len": output_len, **result.figures(),
-              "num_output_tokens": result.num_output_tokens, "model": mc.model,
+              "output_len": output_len, "model": mc.model,
               "dtype": str(mc.torch_dtype).removeprefix("torch."),
-              "quantization": mc.quantization, "model_weight_bytes": weight_bytes,
-              "device": kiln_config.device_config.device,
+              "quantization": mc.quantization, "device": kiln_config.device_config.device,
               "compilation_mode": int(kiln_config.compilation_config.mode),
               "max_num_seqs": kiln_config.scheduler_config.max_num_seqs,
-              "tensor_parallel_size": kiln_config.parallel_config.tensor_parallel_size,
-              "pipeline_parallel_size": kiln_config.parallel_config.pipeline_parallel_size,
-              "distributed_executor_backend":
-                  kiln_config.parallel_config.distributed_executor_backend,
+              "tensor_parallel_size": pc.tensor_parallel_size,
+              "pipeline_parallel_size": pc.pipeline_parallel_size,
+              "distributed_executor_backend": pc.distributed_executor_backend,
               "engine_core": "own process" if multiprocess else "in-process"}
+    base_config = dataclasses.replace(engine_args, quantization=None).create_kiln_config() \
+        if compare_unquantized else None
+    if rounds > 1:
+        report.update(_compare_rounds(kiln_config, base_config, seeded_prompts, output_len,
+                                      rounds, multiprocess))
+        return report
+    result, comm, weight_bytes, prompts, tokenizer = _timed_engine_run(
+        kiln_config, seeded_prompts, output_len, multiprocess)
+    report.update(result.figures(), num_output_tokens=result.num_output_tokens,
+                  model_weight_bytes=weight_bytes)
     if comm:
         report["communication"] = comm
     if compare_unquantized:
-        base_config = dataclasses.replace(engine_args, quantization=None).create_kiln_config()
         base, _, base_bytes, _, _ = _timed_engine_run(base_config, lambda engine: prompts,
                                                       output_len, multiprocess)
         report.update(base.figures("unquantized_"),
                       unquantized_model_weight_bytes=base_bytes,
-                      speedup_vs_unquantized=(result.num_output_tokens / result.elapsed_s)
-                      / (base.num_output_tokens / base.elapsed_s))
+                      speedup_vs_unquantized=result.output_tokens_per_s
+                      / base.output_tokens_per_s)
         if weight_bytes and base_bytes:
             report["weight_bytes_vs_unquantized"] = weight_bytes / base_bytes
     if backend == "hf":
@@ -258,6 +256,5 @@ def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, ou
         hf = run_hf(model, prompts, output_len, kiln_config.scheduler_config.max_num_seqs, pad_id)
         report.update(hf.figures("hf_"), hf_num_output_tokens=hf.num_output_tokens,
                       kiln_vs_hf_output_tokens_per_s=(
-                          result.num_output_tokens / result.elapsed_s
-                          / (hf.num_output_tokens / hf.elapsed_s)))
+                          result.output_tokens_per_s / hf.output_tokens_per_s))
     return report

@@ -223,13 +223,11 @@ def restore(model: nn.Module, path: Path) -> Check | None:
             manifest = json.loads(f.metadata()["manifest"])
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # views of the mapped file
         plan = _assignments(model, manifest, tensors)
-    except FileNotFoundError:  # pruned by another process as we looked
-        if handle is not None:
-            handle.close()
-        return None
     except Exception as e:  # a damaged or stale file must not stop the engine: load instead
         if handle is not None:
             handle.close()
+        if isinstance(e, FileNotFoundError):  # pruned by another process as we looked
+            return None
         logger.warning("weight snapshot %s unusable (%s: %s); loading the model file", file,
                        type(e).__name__, e)
         file.unlink(missing_ok=True)

@@ -25,9 +25,8 @@
 #include "kernels.h"
 #include "int8_simd.h"
 
-/* Fewer rows stay on one thread: from two chunks (CHUNK_ROWS) on, a 32-row decode step's quant
- * ops split across threads (an int8 decode-heavy run 2-3% faster on a Zen 4 EPYC than from 64,
- * layer_ops.c's threshold, in alternated runs). */
+/* Fewer rows stay on one thread: from two chunks (CHUNK_ROWS) on, so a decode step's quant ops
+ * split across threads (layer_ops.c's unfused kernels start at 64 rows). */
 #define PARALLEL_MIN_ROWS (2 * CHUNK_ROWS)
 
 #if KILN_INT8_SIMD
@@ -184,17 +183,6 @@ static inline __attribute__((always_inline)) void micro(const int MR, const int8
     for (int r = 0; r < MR; ++r)
         _mm_storeu_si128((__m128i *)(out + r * out_stride),
                          hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
-}
-
-/* sum(a[0:k]) in int32. */
-static int32_t row_sum(const int8_t *a, int64_t k) {
-    const __m512i ones = _mm512_set1_epi8(1);
-    __m512i acc = _mm512_setzero_si512();
-    for (int64_t i = 0; i < k; i += 64) {
-        const __mmask64 m = k - i >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (k - i)) - 1);
-        acc = _mm512_dpbusd_epi32(acc, ones, _mm512_maskz_loadu_epi8(m, a + i));
-    }
-    return _mm512_reduce_add_epi32(acc);
 }
 
 /* out [m, n] (out_dtype, row stride out_stride) = float32(a @ w^T) * a_scale[r] * w_scale[c]

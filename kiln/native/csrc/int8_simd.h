@@ -39,20 +39,40 @@ static inline void store16(void *base, int64_t i, __m512 v, int dtype, __mmask16
     _mm256_mask_storeu_epi16((uint16_t *)base + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
 }
 
-/* out[0:n] = dtype(float32(acc[c] - off) * sa * w_scale[c] (+ bias[c])), each step rounded as
- * torch's float32 ops round it. */
+/* out[j:j+16] (lanes m) = dtype(float32(acc - off) * sa * w_scale[c] (+ bias[c])), each step
+ * rounded as torch's float32 ops round it: the GEMMs' epilogue on 16 sums in a register. */
+static inline void scale16(__m512i acc, __m512i off, __m512 sa, const float *w_scale,
+                           const void *bias, int bias_dtype, void *out, int64_t j, __mmask16 m,
+                           int out_dtype) {
+    __m512 f = _mm512_mul_round_ps(_mm512_cvt_roundepi32_ps(_mm512_sub_epi32(acc, off), RNE), sa,
+                                   RNE);
+    f = _mm512_mul_round_ps(f, _mm512_maskz_loadu_ps(m, w_scale + j), RNE);
+    if (bias) f = _mm512_add_round_ps(f, load16(bias, j, bias_dtype, m), RNE);
+    store16(out, j, f, out_dtype, m);
+}
+
+/* out[0:n] = scale16 over int32 sums acc[0:n] in memory. */
 static inline void scale_row(const int32_t *acc, int32_t off, float a_scale, const float *w_scale,
                              const void *bias, int bias_dtype, void *out, int64_t n, int out_dtype) {
     const __m512 sa = _mm512_set1_ps(a_scale);
     const __m512i voff = _mm512_set1_epi32(off);
     for (int64_t j = 0; j < n; j += 16) {
         const __mmask16 m = tail16(n - j);
-        __m512i v = _mm512_sub_epi32(_mm512_maskz_loadu_epi32(m, acc + j), voff);
-        __m512 f = _mm512_mul_round_ps(_mm512_cvt_roundepi32_ps(v, RNE), sa, RNE);
-        f = _mm512_mul_round_ps(f, _mm512_maskz_loadu_ps(m, w_scale + j), RNE);
-        if (bias) f = _mm512_add_round_ps(f, load16(bias, j, bias_dtype, m), RNE);
-        store16(out, j, f, out_dtype, m);
+        scale16(_mm512_maskz_loadu_epi32(m, acc + j), voff, sa, w_scale, bias, bias_dtype, out, j,
+                m, out_dtype);
     }
+}
+
+/* sum(a[0:k]) in int32: what a GEMM that adds 128 to the weights (VNNI multiplies u8 by s8)
+ * takes back, 128 times, per row. */
+static inline int32_t row_sum(const int8_t *a, int64_t k) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    __m512i acc = _mm512_setzero_si512();
+    for (int64_t i = 0; i < k; i += 64) {
+        const __mmask64 m = k - i >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (k - i)) - 1);
+        acc = _mm512_dpbusd_epi32(acc, ones, _mm512_maskz_loadu_epi8(m, a + i));
+    }
+    return _mm512_reduce_add_epi32(acc);
 }
 
 #else

@@ -32,19 +32,6 @@ static void pack_panel(const int8_t *w, int64_t w_stride, int64_t n, int64_t k, 
     }
 }
 
-/* out row r, columns [c0, c0 + cols) from the tile's sums, as scale_row rounds them. */
-static inline void epilogue(__m512i acc, int32_t off, __m512 sa, const float *w_scale,
-                            const void *bias, int bias_dtype, void *out, int64_t c, int64_t left,
-                            int out_dtype) {
-    if (left <= 0) return;
-    const __mmask16 m = tail16(left);
-    __m512 f = _mm512_mul_round_ps(_mm512_cvt_roundepi32_ps(_mm512_sub_epi32(acc,
-                                                            _mm512_set1_epi32(off)), RNE), sa, RNE);
-    f = _mm512_mul_round_ps(f, _mm512_maskz_loadu_ps(m, w_scale + c), RNE);
-    if (bias) f = _mm512_add_round_ps(f, load16(bias, c, bias_dtype, m), RNE);
-    store16(out, c, f, out_dtype, m);
-}
-
 /* The sums of rows [0, R) x one panel into acc (R <= MR, a constant at each call: unrolled, the
  * accumulators named one by one so that they all stay in registers). */
 #define DOT(r)                                                                                  \
@@ -106,10 +93,11 @@ static inline __attribute__((always_inline)) void tile(
     const size_t es = elem_size(out_dtype);
     for (int r = 0; r < R; ++r) {
         const __m512 sa = _mm512_set1_ps(a_scale[r]);
+        const __m512i off = _mm512_set1_epi32(sums[r]);
         char *row = (char *)out + r * out_stride * es;
-        for (int j = 0; j < NR; ++j)
-            epilogue(acc[r][j], sums[r], sa, w_scale, bias, bias_dtype, row, c0 + 16 * j,
-                     n - c0 - 16 * j, out_dtype);
+        for (int j = 0; j < NR && c0 + 16 * j < n; ++j)
+            scale16(acc[r][j], off, sa, w_scale, bias, bias_dtype, row, c0 + 16 * j,
+                    tail16(n - c0 - 16 * j), out_dtype);
     }
 }
 
@@ -137,11 +125,7 @@ int kiln_int8_gemm_panels(const int8_t *a, int64_t a_stride, const float *a_scal
         for (int64_t p = 0; p < panels; ++p)
             pack_panel(w, w_stride, n, k, p, packed + p * panel_bytes);
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; ++r) { /* the +128 on the weights, taken back per row */
-            int32_t s = 0;
-            for (int64_t i = 0; i < k; ++i) s += a[r * a_stride + i];
-            sums[r] = 128 * s;
-        }
+        for (int64_t r = 0; r < m; ++r) sums[r] = 128 * row_sum(a + r * a_stride, k);
 #pragma omp for collapse(2) schedule(static)
         for (int64_t t = 0; t < tiles; ++t)
             for (int64_t p = 0; p < panels; ++p) {

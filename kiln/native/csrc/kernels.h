@@ -43,7 +43,7 @@ int kiln_gguf_to_kernel_layout(const uint8_t *src, int32_t qtype, int64_t rows,
                                int64_t row_blocks, uint8_t *dst);
 
 /* gguf_rows.c */
-int kiln_gguf_rows(const uint8_t *blocks, int32_t qtype, int64_t rows, int64_t in_features,
+int kiln_gguf_rows(const uint8_t *blocks, int32_t qtype, int64_t in_features,
                    const int64_t *ids, int64_t n, void *out, int32_t dtype, int32_t num_threads);
 
 /* int8_ops.c */

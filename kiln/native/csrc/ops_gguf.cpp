@@ -84,7 +84,7 @@ at::Tensor gguf_embedding(const at::Tensor &ids, const at::Tensor &blocks, int64
         TORCH_CHECK_INDEX(id[i] >= 0 && id[i] < num_embeddings, "kiln::gguf_embedding: token id ",
                           id[i], " is outside the vocabulary [0, ", num_embeddings, ")");
     kiln::check_rc(kiln_gguf_rows(blocks.data_ptr<uint8_t>(), static_cast<int32_t>(qtype),
-                                  num_embeddings, embedding_dim, id, n, out.data_ptr(), code,
+                                  embedding_dim, id, n, out.data_ptr(), code,
                                   kiln::threads()),
                    "kiln_gguf_rows");
     std::vector<int64_t> shape = ids.sizes().vec();
