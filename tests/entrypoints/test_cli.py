@@ -154,6 +154,9 @@ def test_bench_throughput_alternated_rounds(stories):
     assert 0.2 < report["weight_bytes_vs_unquantized"] < 1
     r = kiln("bench", "throughput", "--model", stories, "--rounds", "2", *ENGINE)
     assert r.returncode == 2 and "--rounds 2" in r.stderr
+    r = kiln("bench", "throughput", "--model", stories, "--quantization", "int8",
+             "--compare-unquantized", "--rounds", "2", "--backend", "hf", *ENGINE)
+    assert r.returncode == 2 and "the kiln backend" in r.stderr
 
 
 def test_bench_throughput_with_the_core_in_its_own_process(stories):
