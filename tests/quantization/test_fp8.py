@@ -2,7 +2,8 @@
 within e4m3's half step, the GEMM reference against torch._scaled_mm's row-wise kernel, and
 online `quantization="fp8"` / `"ptpc_fp8"` engines: weights stored as e4m3, the same greedy
 tokens in modes 0 and 3, logprobs near the float model's. tests/gpu/test_fp8_gpu.py runs the
-`cuda` provider (torch._scaled_mm) on a GPU."""
+`cuda` provider (torch._scaled_mm) on a GPU; its calling code also runs here, on torch's CPU
+kernel."""
 import pytest
 import torch
 
@@ -45,6 +46,28 @@ def test_gemm_reference_matches_torch_scaled_mm_rowwise():
     assert torch.allclose(ref, other, rtol=1e-5, atol=1e-4)
     # and it approximates the float GEMM: e4m3's error on both operands
     assert (ref - (x @ w.t() + bias)).abs().max() < 0.1 * (x @ w.t()).abs().max()
+
+
+@pytest.mark.parametrize("k", [64, 40])
+def test_the_cuda_providers_call_runs_on_cpu_tensors(k):
+    """The `cuda` provider's own code (operand layout, scale shapes, the bias added after, the
+    reference for a layer off the 16-wide tiles) run through torch._scaled_mm's CPU kernel:
+    the GPU test checks its numerics on hardware this suite may never see."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(9, k, generator=g).to(torch.bfloat16)
+    q, scale = quant_fp8.dynamic_fp8_quant.reference(x)
+    w_q, w_scale = quantize_weight_fp8(torch.randn(48, k, generator=g), per_channel=True)
+    bias = torch.randn(48, generator=g).to(torch.bfloat16)
+    args = (q, scale, w_q, w_scale, bias, torch.bfloat16)
+    got = quant_fp8.fp8_scaled_mm.impls["cuda"].fn(*args)
+    ref = quant_fp8.fp8_scaled_mm.reference(*args)
+    assert got.dtype == torch.bfloat16 and got.shape == (9, 48)
+    if k % 16:
+        assert torch.equal(got, ref)  # off the tiles: the reference itself
+    else:
+        # the bias is added in bfloat16 after the GEMM's rounding, not in float32 before one
+        # rounding: within two bfloat16 steps of the largest output
+        assert torch.allclose(got.float(), ref.float(), rtol=0, atol=2 ** -6 * ref.abs().max())
 
 
 def test_per_tensor_weights_share_one_scale():
