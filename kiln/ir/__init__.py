@@ -5,6 +5,7 @@ Model code calls these ops only: `ir.rms_norm(x, weight, eps)`.
 """
 from kiln.ir import (
                                fused,  # noqa: F401  (the fusion passes' ops)
+                               int8_panels,
                                native,
                                quant,
                                quant_fp8,
@@ -37,4 +38,4 @@ quant_fp8.register()
 __all__ = ["PROVIDERS", "REGISTRY", "Implementation", "IrOp", "Selection", "all_reduce",
            "applied", "apply", "check_priority", "fused_add_rms_norm", "gguf_embedding",
            "gguf_linear", "linear", "parse_cli", "resolve", "rms_norm", "rotary_embedding",
-           "silu_and_mul", "unified_attention", "quant"]
+           "silu_and_mul", "unified_attention", "quant", "int8_panels"]

@@ -1,8 +1,9 @@
 """The `native` provider of the W8A8 int8 IR ops: kiln/native/int8_ops.py's AVX512-VNNI kernels
 (the GEMM on AMX-INT8 tiles from 16 rows where the CPU has them, else oneDNN's int8 GEMM through
-torch._int_mm from 64 rows),
+torch._int_mm from 64 rows; over a weight packed at load, the panel GEMM at every row count),
 each with what it supports, as the `torch.ops.kiln.<op>_native` ops (csrc/ops_int8.cpp).
 """
+from kiln.ir import int8_panels
 from kiln.ir import quant as ir
 from kiln.ir.native import register_all
 from kiln.native import int8_ops
@@ -27,6 +28,9 @@ def register() -> None:
         ir.dynamic_int8_quant: ("dynamic_int8_quant_native", int8_ops.quant_supported,
                                 ir._quant_fake),
         ir.int8_scaled_mm: ("int8_scaled_mm_native", int8_ops.gemm_supported, ir._mm_fake),
+        int8_panels.int8_scaled_mm_panels: ("int8_scaled_mm_panels_native",
+                                            int8_ops.panels_gemm_supported,
+                                            int8_panels._panels_mm_fake),
         ir.rms_norm_dynamic_int8_quant: ("rms_norm_dynamic_int8_quant_native", _norm_supported,
                                          ir._rms_norm_quant_fake),
         ir.fused_add_rms_norm_dynamic_int8_quant: (

@@ -54,6 +54,26 @@ def gemm_supported(q, scale, w_q, w_scale, bias, out_dtype) -> bool:
             and isa() is not None)
 
 
+def panels_gemm_supported(q, scale, w_panels, w_scale, bias, out_dtype) -> bool:
+    return (_on_cpu_in(out_dtype, q, scale, w_panels, w_scale) and q.dtype == torch.int8
+            and w_panels.dtype == torch.uint8 and scale.dtype == w_scale.dtype == torch.float32
+            and q.dim() == 2 and w_panels.dim() == 4
+            and (bias is None or (bias.device.type == "cpu" and bias.dtype in build.DTYPES))
+            and isa() is not None)
+
+
+def panel_cpu() -> bool:
+    """This CPU's int8 GEMM reads weights packed into panels at every row count: VNNI without
+    AMX tiles (whose kernel reads the weight as stored)."""
+    return isa() is not None and amx_min_rows() == 0
+
+
+def packs_weights(in_features: int, device: torch.device | str) -> bool:
+    """Whether an int8 weight of `in_features` columns on `device` is packed into panels at load
+    (kiln/ir/int8_panels.py): on a panel CPU, K a multiple of 4."""
+    return torch.device(device).type == "cpu" and in_features % 4 == 0 and panel_cpu()
+
+
 def dynamic_int8_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] -> (q int8 [..., K], scale float32 [..., 1])."""
     return torch.ops.kiln.dynamic_int8_quant_native(x)
@@ -63,6 +83,12 @@ def int8_scaled_mm(q: torch.Tensor, scale: torch.Tensor, w_q: torch.Tensor, w_sc
                    bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """q int8 [M, K], scale float32 [M, 1], w_q int8 [N, K], w_scale float32 [N] -> [M, N]."""
     return torch.ops.kiln.int8_scaled_mm_native(q, scale, w_q, w_scale, bias, out_dtype)
+
+
+def int8_scaled_mm_panels(q, scale, w_panels, w_scale, bias, out_dtype) -> torch.Tensor:
+    """int8_scaled_mm with the weight in panels (kiln/ir/int8_panels.py) -> [M, len(w_scale)]."""
+    return torch.ops.kiln.int8_scaled_mm_panels_native(q, scale, w_panels, w_scale, bias,
+                                                       out_dtype)
 
 
 def rms_norm_dynamic_int8_quant(x, weight, eps):

@@ -1,6 +1,8 @@
-/* The W8A8 GEMM for many rows on CPUs with AVX512-VNNI and no AMX: the weight packed per call into
- * panels of 64 columns, register tiles of 6 rows x 64 columns, and the epilogue from registers,
- * so the int32 sums never go to memory (oneDNN's GEMM writes them, and a second pass read them). */
+/* The W8A8 GEMM on CPUs with AVX512-VNNI and no AMX, over the weight in panels of 64 columns
+ * (kiln/ir/int8_panels.py's layout): packed once at load (kiln_int8_gemm_packed, every row count)
+ * or per call (kiln_int8_gemm_panels, many rows of a weight kept as stored). Register tiles of
+ * 6 rows x 64 columns and the epilogue from registers: the int32 sums never go to memory, no
+ * weight byte is offset and no sum reduced across lanes per call. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +16,10 @@
 #define PANEL (16 * NR) /* columns a panel */
 #define MR 6 /* rows a register tile: 24 accumulators, 4 weight vectors */
 #define TILE_M 96 /* rows a task: its activations stay in L2 while it walks a panel */
+/* How far ahead of its reads a tile prefetches the panel, into L2: a decode step reads each
+ * weight once, from memory, and the hardware prefetchers alone left a row or two short of the
+ * DRAM bandwidth. */
+#define PREFETCH_BYTES 4096
 
 /* Panel p of w (int8 [n, k], row stride w_stride) as the micro-kernel reads it: per 4 k, the
  * panel's 64 columns' 4 bytes each, plus 128 (u8: VNNI multiplies u8 by s8); columns past n are
@@ -62,6 +68,8 @@ static inline __attribute__((always_inline)) void sums_of(const int R, const int
     const int8_t *a4 = a + 4 * a_stride, *a5 = a + 5 * a_stride;
     for (int64_t g = 0; g < k / 4; ++g) {
         const uint8_t *bp = panel + g * 4 * PANEL;
+        for (int line = 0; line < 4; ++line)
+            _mm_prefetch((const char *)bp + PREFETCH_BYTES + 64 * line, _MM_HINT_T1);
         const __m512i b0 = _mm512_load_si512((const void *)bp);
         const __m512i b1 = _mm512_load_si512((const void *)(bp + 64));
         const __m512i b2 = _mm512_load_si512((const void *)(bp + 128));
@@ -101,35 +109,27 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
-/* kiln_int8_gemm's contract (int8_ops.c), for k a multiple of 4; 1 otherwise, 2 out of memory. */
-int kiln_int8_gemm_panels(const int8_t *a, int64_t a_stride, const float *a_scale,
-                          const int8_t *w, int64_t w_stride, const float *w_scale,
-                          const void *bias, int32_t bias_dtype, void *out, int64_t out_stride,
-                          int64_t m, int64_t n, int64_t k, int32_t out_dtype,
-                          int32_t num_threads) {
-    if (k % 4 || k <= 0) return 1;
+/* kiln_int8_gemm's contract (int8_ops.c) with the weight as `panels` (uint8 [ceil(n / 64), k / 4,
+ * 64, 4], 64-byte aligned), k a multiple of 4; 1 otherwise. */
+int kiln_int8_gemm_packed(const int8_t *a, int64_t a_stride, const float *a_scale,
+                          const uint8_t *panels, const float *w_scale, const void *bias,
+                          int32_t bias_dtype, void *out, int64_t out_stride, int64_t m, int64_t n,
+                          int64_t k, int32_t out_dtype, int32_t num_threads) {
+    if (k % 4 || k < 0) return 1;
     if (m == 0 || n == 0) return 0;
-    const int64_t panels = (n + PANEL - 1) / PANEL, tiles = (m + TILE_M - 1) / TILE_M;
+    const int64_t panel_count = (n + PANEL - 1) / PANEL, tiles = (m + TILE_M - 1) / TILE_M;
     const int64_t panel_bytes = k * PANEL;
-    uint8_t *packed = (uint8_t *)aligned_alloc(64, (size_t)(panels * panel_bytes));
     int32_t *sums = (int32_t *)malloc((size_t)m * sizeof(int32_t));
-    if (!packed || !sums) {
-        free(packed);
-        free(sums);
-        return 2;
-    }
+    if (!sums) return 2;
     const size_t es = elem_size(out_dtype);
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; ++p)
-            pack_panel(w, w_stride, n, k, p, packed + p * panel_bytes);
-#pragma omp for schedule(static)
         for (int64_t r = 0; r < m; ++r) sums[r] = 128 * row_sum(a + r * a_stride, k);
 #pragma omp for collapse(2) schedule(static)
         for (int64_t t = 0; t < tiles; ++t)
-            for (int64_t p = 0; p < panels; ++p) {
-                const uint8_t *panel = packed + p * panel_bytes;
+            for (int64_t p = 0; p < panel_count; ++p) {
+                const uint8_t *panel = panels + p * panel_bytes;
                 const int64_t end = (t + 1) * TILE_M < m ? (t + 1) * TILE_M : m;
                 for (int64_t r = t * TILE_M; r < end; r += MR) {
                     const int8_t *ar = a + r * a_stride;
@@ -149,12 +149,39 @@ int kiln_int8_gemm_panels(const int8_t *a, int64_t a_stride, const float *a_scal
                 }
             }
     }
-    free(packed);
     free(sums);
     return 0;
 }
 
+/* kiln_int8_gemm's contract (int8_ops.c), for k a multiple of 4 (1 otherwise), the weight packed
+ * for this call; 2 out of memory. */
+int kiln_int8_gemm_panels(const int8_t *a, int64_t a_stride, const float *a_scale,
+                          const int8_t *w, int64_t w_stride, const float *w_scale,
+                          const void *bias, int32_t bias_dtype, void *out, int64_t out_stride,
+                          int64_t m, int64_t n, int64_t k, int32_t out_dtype,
+                          int32_t num_threads) {
+    if (k % 4 || k <= 0) return 1;
+    if (m == 0 || n == 0) return 0;
+    const int64_t panel_count = (n + PANEL - 1) / PANEL, panel_bytes = k * PANEL;
+    uint8_t *packed = (uint8_t *)aligned_alloc(64, (size_t)(panel_count * panel_bytes));
+    if (!packed) return 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < panel_count; ++p)
+        pack_panel(w, w_stride, n, k, p, packed + p * panel_bytes);
+    const int rc = kiln_int8_gemm_packed(a, a_stride, a_scale, packed, w_scale, bias, bias_dtype,
+                                         out, out_stride, m, n, k, out_dtype, num_threads);
+    free(packed);
+    return rc;
+}
+
 #else
+
+int kiln_int8_gemm_packed(const int8_t *a, int64_t a_stride, const float *a_scale,
+                          const uint8_t *panels, const float *w_scale, const void *bias,
+                          int32_t bias_dtype, void *out, int64_t out_stride, int64_t m, int64_t n,
+                          int64_t k, int32_t out_dtype, int32_t num_threads) {
+    return 4;
+}
 
 int kiln_int8_gemm_panels(const int8_t *a, int64_t a_stride, const float *a_scale,
                           const int8_t *w, int64_t w_stride, const float *w_scale,

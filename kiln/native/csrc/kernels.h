@@ -75,7 +75,12 @@ int kiln_int8_gemm_amx(const int8_t *a, int64_t a_stride, const float *a_scale, 
                        int32_t bias_dtype, void *out, int64_t out_stride, int64_t m, int64_t n,
                        int64_t k, int32_t out_dtype, int32_t num_threads);
 
-/* int8_vnni_gemm.c: kiln_int8_gemm for many rows without AMX (k a multiple of 4) */
+/* int8_vnni_gemm.c: kiln_int8_gemm without AMX over the weight in 64-column panels (k a multiple
+ * of 4), packed at load (_packed) or for this call (_panels, for many rows) */
+int kiln_int8_gemm_packed(const int8_t *a, int64_t a_stride, const float *a_scale,
+                          const uint8_t *panels, const float *w_scale, const void *bias,
+                          int32_t bias_dtype, void *out, int64_t out_stride, int64_t m, int64_t n,
+                          int64_t k, int32_t out_dtype, int32_t num_threads);
 int kiln_int8_gemm_panels(const int8_t *a, int64_t a_stride, const float *a_scale,
                           const int8_t *w, int64_t w_stride, const float *w_scale,
                           const void *bias, int32_t bias_dtype, void *out, int64_t out_stride,

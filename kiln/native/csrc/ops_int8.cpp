@@ -2,12 +2,15 @@
  * result) as torch ops over int8_ops.c's AVX512-VNNI kernels: per-token dynamic quant, alone or
  * after (add +) RMSNorm or SiLU-and-mul, and the int8 GEMM with its scales (on AMX-INT8 tiles from
  * AMX_MIN_ROWS rows where the CPU has them; else the panel GEMM from PANELS_MIN_ROWS rows, and
- * oneDNN's int8 GEMM through aten's _int_mm from ONEDNN_MIN_ROWS, the epilogue here after it). */
+ * oneDNN's int8 GEMM through aten's _int_mm from ONEDNN_MIN_ROWS, the epilogue here after it), and
+ * the same GEMM over a weight packed at load into panels (int8_vnni_gemm.c), for every row count. */
 #include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <cstdint>
 #include <optional>
+#include <string>
 #include <tuple>
 
 #include "torch_ops.h"
@@ -56,6 +59,26 @@ std::tuple<at::Tensor, at::Tensor> dynamic_int8_quant(const at::Tensor &x) {
     return {q, scale};
 }
 
+/* A GEMM op's activations, scales and bias as the kernels read them. */
+struct Operands {
+    at::Tensor q, scale, w_scale, bias;
+    int32_t bias_code = NO_BIAS, out_code;
+
+    Operands(const at::Tensor &q_in, const at::Tensor &scale_in, const at::Tensor &w_scale_in,
+             const std::optional<at::Tensor> &bias_in, at::ScalarType out_dtype, const char *op)
+        : q(q_in.stride(-1) == 1 ? q_in : q_in.contiguous()),
+          scale(scale_in.to(at::kFloat).contiguous()),
+          w_scale(w_scale_in.to(at::kFloat).contiguous()),
+          out_code(kiln::dtype_code(out_dtype)) {
+        TORCH_CHECK_TYPE(out_code >= 0, op, ": out_dtype ", out_dtype);
+        if (bias_in) {
+            bias = bias_in->contiguous();
+            bias_code = kiln::kernel_dtype(bias, (std::string(op) + " (bias)").c_str());
+        }
+    }
+    const void *bias_ptr() const { return bias.defined() ? bias.data_ptr() : nullptr; }
+};
+
 at::Tensor int8_scaled_mm(const at::Tensor &q_in, const at::Tensor &scale_in,
                           const at::Tensor &w_q_in, const at::Tensor &w_scale_in,
                           const std::optional<at::Tensor> &bias_in, at::ScalarType out_dtype) {
@@ -68,19 +91,11 @@ at::Tensor int8_scaled_mm(const at::Tensor &q_in, const at::Tensor &scale_in,
                       "kiln::int8_scaled_mm_native: q ", q_in.sizes(), ", scale ",
                       scale_in.sizes(), ", w_q ", w_q_in.sizes(), ", w_scale ",
                       w_scale_in.sizes(), " do not fit together");
-    const int32_t out_code = kiln::dtype_code(out_dtype);
-    TORCH_CHECK_TYPE(out_code >= 0, "kiln::int8_scaled_mm_native: out_dtype ", out_dtype);
-    const at::Tensor q = q_in.stride(-1) == 1 ? q_in : q_in.contiguous();
+    const Operands ops(q_in, scale_in, w_scale_in, bias_in, out_dtype, "kiln::int8_scaled_mm_native");
+    const at::Tensor &q = ops.q, &scale = ops.scale, &w_scale = ops.w_scale;
+    const void *b = ops.bias_ptr();
+    const int32_t bias_code = ops.bias_code, out_code = ops.out_code;
     const at::Tensor w_q = w_q_in.stride(-1) == 1 ? w_q_in : w_q_in.contiguous();
-    const at::Tensor scale = scale_in.to(at::kFloat).contiguous();
-    const at::Tensor w_scale = w_scale_in.to(at::kFloat).contiguous();
-    at::Tensor bias;
-    int32_t bias_code = NO_BIAS;
-    if (bias_in) {
-        bias = bias_in->contiguous();
-        bias_code = kiln::kernel_dtype(bias, "kiln::int8_scaled_mm_native (bias)");
-    }
-    const void *b = bias.defined() ? bias.data_ptr() : nullptr;
     at::Tensor out = at::empty({m, n}, q.options().dtype(out_dtype));
     if (m >= AMX_MIN_ROWS && kiln_int8_amx_ready()) {
         check(kiln_int8_gemm_amx(q.data_ptr<int8_t>(), q.stride(0), scale.data_ptr<float>(),
@@ -110,6 +125,41 @@ at::Tensor int8_scaled_mm(const at::Tensor &q_in, const at::Tensor &scale_in,
                          w_q.data_ptr<int8_t>(), w_q.stride(0), w_scale.data_ptr<float>(), b,
                          bias_code, out.data_ptr(), n, m, n, k, out_code, kiln::threads()),
           "kiln_int8_gemm");
+    return out;
+}
+
+/* int8_scaled_mm over the weight packed at load: w_panels uint8 [ceil(N / 64), K / 4, 64, 4]
+ * (kiln/ir/int8_panels.py), N the length of w_scale. */
+at::Tensor int8_scaled_mm_panels(const at::Tensor &q_in, const at::Tensor &scale_in,
+                                 const at::Tensor &w_panels_in, const at::Tensor &w_scale_in,
+                                 const std::optional<at::Tensor> &bias_in,
+                                 at::ScalarType out_dtype) {
+    const char *op = "kiln::int8_scaled_mm_panels_native";
+    TORCH_CHECK_VALUE(q_in.dim() == 2 && q_in.scalar_type() == at::kChar &&
+                          w_panels_in.dim() == 4 && w_panels_in.scalar_type() == at::kByte,
+                      op, ": q must be an int8 matrix and w_panels uint8 [panels, K / 4, 64, 4]");
+    const int64_t m = q_in.size(0), k = q_in.size(1), n = w_scale_in.numel();
+    TORCH_CHECK_VALUE(k % 4 == 0 && w_panels_in.size(0) == (n + 63) / 64 &&
+                          w_panels_in.size(1) == k / 4 && w_panels_in.size(2) == 64 &&
+                          w_panels_in.size(3) == 4 && scale_in.numel() == m &&
+                          (!bias_in || bias_in->numel() == n),
+                      op, ": q ", q_in.sizes(), ", scale ", scale_in.sizes(), ", w_panels ",
+                      w_panels_in.sizes(), ", w_scale ", w_scale_in.sizes(),
+                      " do not fit together");
+    const Operands ops(q_in, scale_in, w_scale_in, bias_in, out_dtype, op);
+    // the kernel's aligned loads: at::empty's storage is 64-byte aligned, a view's may not be
+    const bool aligned = w_panels_in.is_contiguous() &&
+                         reinterpret_cast<uintptr_t>(w_panels_in.data_ptr()) % 64 == 0;
+    const at::Tensor w_panels =
+        aligned ? w_panels_in : w_panels_in.clone(at::MemoryFormat::Contiguous);
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(w_panels.data_ptr()) % 64 == 0, op,
+                ": could not align the panels to 64 bytes");
+    at::Tensor out = at::empty({m, n}, ops.q.options().dtype(out_dtype));
+    check(kiln_int8_gemm_packed(ops.q.data_ptr<int8_t>(), ops.q.stride(0),
+                                ops.scale.data_ptr<float>(), w_panels.data_ptr<uint8_t>(),
+                                ops.w_scale.data_ptr<float>(), ops.bias_ptr(), ops.bias_code,
+                                out.data_ptr(), n, m, n, k, ops.out_code, kiln::threads()),
+          "kiln_int8_gemm_packed");
     return out;
 }
 
@@ -190,6 +240,8 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
     m.def("dynamic_int8_quant_native(Tensor x) -> (Tensor, Tensor)");
     m.def("int8_scaled_mm_native(Tensor q, Tensor scale, Tensor w_q, Tensor w_scale, "
           "Tensor? bias, ScalarType out_dtype) -> Tensor");
+    m.def("int8_scaled_mm_panels_native(Tensor q, Tensor scale, Tensor w_panels, Tensor w_scale, "
+          "Tensor? bias, ScalarType out_dtype) -> Tensor");
     m.def("rms_norm_dynamic_int8_quant_native(Tensor x, Tensor weight, float eps) -> "
           "(Tensor, Tensor)");
     m.def("fused_add_rms_norm_dynamic_int8_quant_native(Tensor x, Tensor residual, "
@@ -200,6 +252,7 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
     m.impl("dynamic_int8_quant_native", &dynamic_int8_quant);
     m.impl("int8_scaled_mm_native", &int8_scaled_mm);
+    m.impl("int8_scaled_mm_panels_native", &int8_scaled_mm_panels);
     m.impl("rms_norm_dynamic_int8_quant_native", &rms_norm_quant);
     m.impl("fused_add_rms_norm_dynamic_int8_quant_native", &add_rms_norm_quant);
     m.impl("silu_and_mul_dynamic_int8_quant_native", &silu_and_mul_quant);

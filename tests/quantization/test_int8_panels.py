@@ -1,0 +1,102 @@
+"""The int8 weight packed into VNNI panels at load (kiln/ir/int8_panels.py): the layout packs and
+unpacks exactly, the IR op int8_scaled_mm_panels's native kernel equals its reference (the
+int8_scaled_mm reference on the unpacked weight) bit for bit at every row count, and which CPUs
+pack (int8_ops.packs_weights). On a CPU without AVX512-VNNI the native op is not supported and
+the reference runs; the layout tests run everywhere.
+"""
+import pytest
+import torch
+
+from kiln.ir import int8_panels, quant
+from kiln.native import int8_ops as native
+
+DTYPES = [torch.float32, torch.bfloat16]
+# rows: one token (the decode kernel's two chains per column group), each register-tile height
+# (1-6) and past it, a decode batch, a prefill chunk (a 96-row task and more); (K, N): K a
+# multiple of 4 but not of 64 (the group loop's end), N past a panel's 64 columns and below one.
+ROWS = [1, 2, 5, 6, 7, 32, 97, 1031]
+KN = [(576, 960), (100, 13), (64, 130), (4, 1)]
+
+
+def _w(n, k, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+
+
+def test_layout_holds_each_byte_plus_128_by_panel_group_and_column():
+    w = _w(70, 12)
+    panels = int8_panels.pack_int8_panels(w)
+    assert panels.dtype == torch.uint8 and panels.shape == (2, 3, 64, 4)
+    for p, g, c, b in [(0, 0, 0, 0), (0, 2, 63, 3), (1, 1, 5, 2), (1, 0, 5, 0)]:
+        assert panels[p, g, c, b].item() == w[64 * p + c, 4 * g + b].item() + 128
+    assert (panels[1, :, 6:] == 0).all()  # past N
+    assert torch.equal(int8_panels.unpack_int8_panels(panels, 70), w)
+
+
+def test_pack_refuses_k_not_a_multiple_of_4():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        int8_panels.pack_int8_panels(_w(8, 6))
+
+
+def _operands(rows, k, n, dtype):
+    g = torch.Generator().manual_seed(rows * 7 + k)
+    x = (torch.randn(rows, k, generator=g) * 3).to(dtype)
+    q, scale = quant.dynamic_int8_quant.reference(x)
+    w = _w(n, k)
+    return q, scale, w, torch.rand(n, generator=g) * 0.02, torch.randn(n, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k,n", KN)
+@pytest.mark.parametrize("rows", ROWS)
+def test_native_equals_reference(rows, k, n, dtype):
+    q, scale, w, w_scale, bias = _operands(rows, k, n, dtype)
+    panels = int8_panels.pack_int8_panels(w)
+    op = int8_panels.int8_scaled_mm_panels
+    for b in (None, bias):
+        args = (q, scale, panels, w_scale, b, dtype)
+        want = quant.int8_scaled_mm.reference(q, scale, w, w_scale, b, dtype)
+        assert torch.equal(op.reference(*args), want)
+        assert native.panels_gemm_supported(*args) == (native.isa() is not None)
+        if native.isa() is not None:
+            assert torch.equal(native.int8_scaled_mm_panels(*args), want)
+
+
+def test_native_takes_panels_off_a_64_byte_boundary_and_no_columns():
+    if native.isa() is None:
+        return
+    q, scale, w, w_scale, _ = _operands(3, 64, 70, torch.float32)
+    panels = int8_panels.pack_int8_panels(w)
+    store = torch.empty(panels.numel() + 1, dtype=torch.uint8)
+    shifted = store[1:].view(panels.shape)  # one byte past the allocation's alignment
+    shifted.copy_(panels)
+    want = quant.int8_scaled_mm.reference(q, scale, w, w_scale, None, torch.float32)
+    assert torch.equal(native.int8_scaled_mm_panels(q, scale, shifted, w_scale, None,
+                                                    torch.float32), want)
+    # K == 0: every output is the bias
+    empty = int8_panels.pack_int8_panels(torch.zeros(5, 0, dtype=torch.int8))
+    bias = torch.randn(5)
+    got = native.int8_scaled_mm_panels(torch.zeros(4, 0, dtype=torch.int8), torch.rand(4, 1),
+                                       empty, torch.rand(5), bias, torch.float32)
+    assert torch.equal(got, bias.expand(4, 5))
+
+
+def test_native_refuses_panels_that_do_not_fit():
+    if native.isa() is None:
+        return
+    q, scale, w, w_scale, _ = _operands(2, 64, 70, torch.float32)
+    panels = int8_panels.pack_int8_panels(w)
+    with pytest.raises(ValueError, match="do not fit together"):  # N says one panel, not two
+        native.int8_scaled_mm_panels(q, scale, panels, w_scale[:60], None, torch.float32)
+    with pytest.raises(ValueError, match="do not fit together"):  # K 64 against panels of 68
+        native.int8_scaled_mm_panels(q, scale, int8_panels.pack_int8_panels(_w(70, 68)),
+                                     w_scale, None, torch.float32)
+
+
+def test_which_cpus_pack():
+    """Packed only where every row count runs the panel kernel: VNNI without AMX tiles (whose
+    GEMM reads the weight as stored), K a multiple of 4, on the CPU."""
+    panel_cpu = native.isa() is not None and native.amx_min_rows() == 0
+    assert native.packs_weights(576, "cpu") == panel_cpu
+    assert not native.packs_weights(6, "cpu")
+    assert not native.packs_weights(576, "meta")
