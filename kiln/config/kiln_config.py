@@ -97,6 +97,16 @@ class KilnConfig(FreezableConfig):
         return resolve(self.ir_op_priority, self.device_config.device,
                        self.model_config.torch_dtype)
 
+    def _int8_weight_layout(self) -> str:
+        """How int8 weights are held here, which decides the GEMM op a graph calls: packed into
+        panels at load on CPUs without AMX, as stored elsewhere (w8a8_int8.pack_for_cpu)."""
+        if self.model_config.quantization not in ("int8", "compressed-tensors") or (
+                self.device_config.device != "cpu"):
+            return ""
+        from kiln.native import int8_ops
+
+        return "panels" if int8_ops.panel_cpu() else "rows"
+
     def compute_hash(self) -> str:
         """Hash of the factors that change the traced graph (part of the compile cache key)."""
         m, c = self.model_config, self.compilation_config
@@ -110,6 +120,7 @@ class KilnConfig(FreezableConfig):
             self.parallel_config.pipeline_parallel_size, self.scheduler_config.max_num_batched_tokens,
             int(c.mode), c.backend, c.splitting_ops, c.custom_ops, sorted(c.pass_config.items()),
             sorted(c.inductor_compile_config.items()), self.ir_selection.chosen,
+            self._int8_weight_layout(),
         ]
         return hashlib.sha256(repr(factors).encode()).hexdigest()[:16]
 

@@ -50,3 +50,18 @@ def test_cache_key_does_not_follow_the_checkpoints_path(tiny_llama_dir, tmp_path
                    (tiny_llama_dir, moved))
     assert here.model_config.hf_config._name_or_path != there.model_config.hf_config._name_or_path
     assert here.compute_hash() == there.compute_hash()
+
+
+def test_cache_key_follows_how_int8_weights_are_held(tiny_llama_dir, monkeypatch):
+    """A graph calls the panel GEMM where int8 weights were packed at load, the GEMM over the
+    weight as stored elsewhere: artifacts from a CPU of the one kind must not load on the other."""
+    from kiln.config import KilnConfig, ModelConfig
+    from kiln.native import int8_ops
+
+    def key(quantization, panels):
+        monkeypatch.setattr(int8_ops, "panel_cpu", lambda: panels)
+        return KilnConfig(model_config=ModelConfig(model=str(tiny_llama_dir),
+                                                   quantization=quantization)).compute_hash()
+
+    assert key("int8", True) != key("int8", False)
+    assert key(None, True) == key(None, False)

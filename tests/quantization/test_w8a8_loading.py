@@ -12,7 +12,9 @@ from safetensors.torch import load_file
 
 from kiln.model.layers.linear import LinearBase
 from kiln.model.layers.quantization.compressed_tensors import UnsupportedQuantization
+from kiln.model.layers.quantization.w8a8_int8 import int8_weight
 from kiln.model.loader import get_model
+from kiln.native import int8_ops
 
 from w8a8_checkpoint import w8a8_quantization_config, write_w8a8_checkpoint
 
@@ -27,6 +29,14 @@ def _linears(model):
     return {n: m for n, m in model.named_modules() if isinstance(m, LinearBase)}
 
 
+def _assert_packed_where_the_cpu_reads_panels(layer):
+    """Packed into panels (the weight as stored let go) on a CPU whose GEMM reads them, else
+    kept as stored; the same values either way (int8_weight)."""
+    packed = int8_ops.packs_weights(layer.weight.shape[1], "cpu")
+    assert (layer.weight_panels is not None) == packed and layer.weight.is_meta == packed
+    assert int8_weight(layer).shape == layer.weight.shape
+
+
 def test_checkpoint_loads_int8_weights_and_scales(w8a8_dir):
     cfg = kiln_config_for(w8a8_dir)
     assert cfg.model_config.quantization == "compressed-tensors"
@@ -35,9 +45,10 @@ def test_checkpoint_loads_int8_weights_and_scales(w8a8_dir):
     for layer in _linears(model).values():
         assert layer.weight.dtype == torch.int8 and layer.weight_scale.dtype == torch.float32
         assert layer.quant_method is not None
+        _assert_packed_where_the_cpu_reads_panels(layer)
     qkv = model.model.layers[1].self_attn.qkv_proj
     prefix = "model.layers.1.self_attn."
-    assert torch.equal(qkv.weight, torch.cat([stored[prefix + p + ".weight"]
+    assert torch.equal(int8_weight(qkv), torch.cat([stored[prefix + p + ".weight"]
                                               for p in ("q_proj", "k_proj", "v_proj")]))
     assert torch.equal(qkv.weight_scale, torch.cat([
         stored[prefix + p + ".weight_scale"].float().reshape(-1)
@@ -148,9 +159,10 @@ def test_online_int8_quantizes_linears_per_channel(tiny_llama_dir):
     for name, layer in _linears(model).items():
         w = floats[name].weight
         assert layer.weight.dtype == torch.int8
+        _assert_packed_where_the_cpu_reads_panels(layer)
         assert torch.equal(layer.weight_scale, w.abs().amax(1) / 127)
         # per channel: dequantized within half a step of the float weight
-        err = (layer.weight.float() * layer.weight_scale[:, None] - w).abs()
+        err = (int8_weight(layer).float() * layer.weight_scale[:, None] - w).abs()
         assert (err <= layer.weight_scale[:, None] * 0.5 * (1 + 1e-5)).all()
     assert model.lm_head.weight.dtype == torch.float32
 

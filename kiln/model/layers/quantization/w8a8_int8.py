@@ -3,13 +3,16 @@ quantized per token at run time (dynamic, symmetric), the GEMM in int8 with int3
 
 `Int8W8A8Config.prepare(model)` gives the targeted linears int8 parameters before a
 compressed-tensors checkpoint loads into them; `quantize_loaded(model)` (online, `--quantization
-int8`) quantizes float weights already loaded. Embeddings and the LM head stay in the model dtype.
+int8`) quantizes float weights already loaded, then packs every int8 weight into VNNI panels on
+CPUs whose GEMM reads them so (kiln/ir/int8_panels.py; the weight as stored is let go).
+Embeddings and the LM head stay in the model dtype.
 """
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from kiln.ir import int8_panels
 from kiln.ir import quant as ir_quant
 from kiln.logger import init_logger
 from kiln.model.layers.cpu_gemm import BUFFERS
@@ -27,7 +30,32 @@ class Int8LinearMethod:
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         q, scale = ir_quant.dynamic_int8_quant(x)  # [T, K] int8, [T, 1] float32
+        if layer.weight_panels is not None:
+            return int8_panels.int8_scaled_mm_panels(q, scale, layer.weight_panels,
+                                                     layer.weight_scale, bias, x.dtype)
         return ir_quant.int8_scaled_mm(q, scale, layer.weight, layer.weight_scale, bias, x.dtype)
+
+
+def int8_weight(layer: LinearBase) -> torch.Tensor:
+    """The layer's int8 weight [N, K], from its panels where it was packed."""
+    if layer.weight_panels is None:
+        return layer.weight
+    return int8_panels.unpack_int8_panels(layer.weight_panels, layer.weight_scale.numel())
+
+
+def pack_for_cpu(layer: LinearBase) -> bool:
+    """Pack the layer's int8 weight into panels where this CPU's GEMM reads it so
+    (int8_ops.packs_weights), letting the weight as stored go (a meta tensor keeps its shape)."""
+    from kiln.native import int8_ops
+
+    w = layer.weight
+    if w.is_meta or layer.weight_panels is not None or not int8_ops.packs_weights(w.shape[1],
+                                                                                 w.device):
+        return False
+    layer.weight_panels = int8_panels.pack_int8_panels(w.data)
+    layer.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"),
+                                requires_grad=False)
+    return True
 
 
 def quantize_weight_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,6 +96,7 @@ def to_int8(layer: LinearBase, weight: torch.Tensor | None = None,
     layer.supports_cpu_packing = False  # oneDNN's float packing does not apply
     for name in BUFFERS:  # nor do the float weight's packed copy or GGUF blocks
         setattr(layer, name, None)
+    layer.register_buffer("weight_panels", None, persistent=False)  # pack_for_cpu
 
 
 @dataclass
@@ -106,12 +135,16 @@ class Int8W8A8Config:
     @torch.no_grad()
     def quantize_loaded(self, model: nn.Module) -> int:
         """Online: each linear's loaded float weight -> int8 per channel (the float copy and
-        anything attached to it, such as GGUF blocks, are freed)."""
-        if not self.online:
-            return 0
-        chosen = self.layers(model)
+        anything attached to it, such as GGUF blocks, are freed). Then, online or not, every
+        int8 weight goes into panels where this CPU reads it so. The layers quantized here."""
+        chosen = self.layers(model) if self.online else []
         for _, layer in chosen:
             q, scale = quantize_weight_per_channel(layer.weight.data)
             to_int8(layer, q, scale)
-        logger.info("W8A8 int8: quantized %d linear layers on load", len(chosen))
+        if chosen:
+            logger.info("W8A8 int8: quantized %d linear layers on load", len(chosen))
+        packed = sum(pack_for_cpu(m) for m in model.modules()
+                     if isinstance(m, LinearBase) and isinstance(m.quant_method, Int8LinearMethod))
+        if packed:
+            logger.info("W8A8 int8: packed %d weights into VNNI panels", packed)
         return len(chosen)
