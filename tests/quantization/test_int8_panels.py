@@ -1,13 +1,17 @@
 """The int8 weight packed into VNNI panels at load (kiln/ir/int8_panels.py): the layout packs and
 unpacks exactly, the IR op int8_scaled_mm_panels's native kernel equals its reference (the
 int8_scaled_mm reference on the unpacked weight) bit for bit at every row count, and which CPUs
-pack (int8_ops.packs_weights). On a CPU without AVX512-VNNI the native op is not supported and
-the reference runs; the layout tests run everywhere.
+pack (int8_ops.packs_weights), only where the panel op's native kernel is chosen. On a CPU
+without AVX512-VNNI the native op is not supported and the reference runs; the layout tests run
+everywhere.
 """
 import pytest
 import torch
 
+from kiln.config import DeviceConfig, KilnConfig, ModelConfig
 from kiln.ir import int8_panels, quant
+from kiln.model.layers.linear import LinearBase
+from kiln.model.loader import get_model
 from kiln.native import int8_ops as native
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -100,3 +104,20 @@ def test_which_cpus_pack():
     assert native.packs_weights(576, "cpu") == panel_cpu
     assert not native.packs_weights(6, "cpu")
     assert not native.packs_weights(576, "meta")
+
+
+def _packed(model_dir, **kw) -> set[bool]:
+    cfg = KilnConfig(ModelConfig(model=str(model_dir), dtype="float32", quantization="int8"),
+                     device_config=DeviceConfig("cpu"), enforce_eager=True, **kw)
+    return {m.weight_panels is not None for m in get_model(cfg).modules()
+            if isinstance(m, LinearBase)}
+
+
+def test_packed_only_where_the_panel_kernel_is_chosen(tiny_llama_dir, monkeypatch):
+    """With the torch reference chosen for the panel op (KILN_NATIVE_CPU_OPS=0, or a priority
+    naming it), packing would unpack the whole weight on every call: the weight stays as
+    stored and int8_scaled_mm (with its own selection) runs."""
+    assert _packed(tiny_llama_dir) == {native.packs_weights(64, "cpu")}
+    assert _packed(tiny_llama_dir, ir_op_priority={"int8_scaled_mm_panels": ["torch"]}) == {False}
+    monkeypatch.setenv("KILN_NATIVE_CPU_OPS", "0")
+    assert _packed(tiny_llama_dir) == {False}

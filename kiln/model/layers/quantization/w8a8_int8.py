@@ -45,12 +45,18 @@ def int8_weight(layer: LinearBase) -> torch.Tensor:
 
 def pack_for_cpu(layer: LinearBase) -> bool:
     """Pack the layer's int8 weight into panels where this CPU's GEMM reads it so
-    (int8_ops.packs_weights), letting the weight as stored go (a meta tensor keeps its shape)."""
+    (int8_ops.packs_weights) and the panel op's native kernel is chosen, letting the weight as
+    stored go (a meta tensor keeps its shape)."""
     from kiln.native import int8_ops
 
     w = layer.weight
     if w.is_meta or layer.weight_panels is not None or not int8_ops.packs_weights(w.shape[1],
                                                                                  w.device):
+        return False
+    # only for the panel kernel: the op's torch reference (KILN_NATIVE_CPU_OPS=0, or a priority
+    # naming torch for int8_scaled_mm_panels) would unpack the whole weight on every call. The
+    # selection is applied before loading; the dtype only matters where none was.
+    if int8_panels.int8_scaled_mm_panels.chosen(w.device.type, torch.float32) != "native":
         return False
     layer.weight_panels = int8_panels.pack_int8_panels(w.data)
     layer.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"),
