@@ -47,19 +47,22 @@ def quant_supported(x: torch.Tensor) -> bool:
     return _on_cpu_in(x.dtype, x) and isa() is not None
 
 
-def gemm_supported(q, scale, w_q, w_scale, bias, out_dtype) -> bool:
-    return (_on_cpu_in(out_dtype, q, scale, w_q, w_scale) and q.dtype == w_q.dtype == torch.int8
-            and scale.dtype == w_scale.dtype == torch.float32 and q.dim() == 2 and w_q.dim() == 2
+def _gemm_supported(q, scale, w, w_dtype, w_dim, w_scale, bias, out_dtype) -> bool:
+    """What both GEMM ops' kernels take: q int8 [M, K], float32 scales, the weight `w` in
+    `w_dtype` with `w_dim` dimensions, a bias and output in a kernel dtype, all on the CPU."""
+    return (_on_cpu_in(out_dtype, q, scale, w, w_scale) and q.dtype == torch.int8
+            and w.dtype == w_dtype and scale.dtype == w_scale.dtype == torch.float32
+            and q.dim() == 2 and w.dim() == w_dim
             and (bias is None or (bias.device.type == "cpu" and bias.dtype in build.DTYPES))
             and isa() is not None)
+
+
+def gemm_supported(q, scale, w_q, w_scale, bias, out_dtype) -> bool:
+    return _gemm_supported(q, scale, w_q, torch.int8, 2, w_scale, bias, out_dtype)
 
 
 def panels_gemm_supported(q, scale, w_panels, w_scale, bias, out_dtype) -> bool:
-    return (_on_cpu_in(out_dtype, q, scale, w_panels, w_scale) and q.dtype == torch.int8
-            and w_panels.dtype == torch.uint8 and scale.dtype == w_scale.dtype == torch.float32
-            and q.dim() == 2 and w_panels.dim() == 4
-            and (bias is None or (bias.device.type == "cpu" and bias.dtype in build.DTYPES))
-            and isa() is not None)
+    return _gemm_supported(q, scale, w_panels, torch.uint8, 4, w_scale, bias, out_dtype)
 
 
 def panel_cpu() -> bool:
