@@ -1,9 +1,11 @@
 """The stall probe's front-end load, in a process of its own: huge bodies, idle and churning
 connections. Apart from the probe's stream, so the stream's clock never waits on this work.
 
-`python -m kiln.benchmarks.stall_load` reads {base_url, headers, model, load, duration} as JSON
-on stdin and prints {intervals, opened, churned, held_until} (time.monotonic(): one clock
-machine-wide; held_until: the load's end, before its idle connections all hang up).
+`python -m kiln.benchmarks.stall_load` reads {base_url, headers, model, load, duration} as one
+JSON line on stdin, builds its bodies, prints `ready`, and starts on the next line of stdin; then
+it prints {intervals, opened, churned, held_until} (time.monotonic(): one clock machine-wide;
+held_until: the load's end, before its idle connections all hang up). The handshake keeps the
+interpreter's start-up (imports, 8 MB of bodies: CPU on the server's cores) out of the phase.
 """
 import asyncio
 import json
@@ -66,10 +68,20 @@ def _body(kind: str, model: str, size: int) -> bytes:
     return json.dumps({"model": model, "prompt": filler, "max_tokens": 4}).encode()
 
 
-async def run_load(base_url: str, headers: dict, model: str, load: dict,
-                   duration: float) -> dict:
-    """`load`: LoadSpec's fields. Runs every kind of load for `duration` s, then lets the big
-    requests in flight finish (their errors surface)."""
+def build_bodies(model: str, load: dict) -> dict[str, bytes]:
+    """The big requests' bodies, by kind (`load`: LoadSpec's fields)."""
+    bodies = {"tokenize": _body("tokenize", model, load["tokenize_bytes"]),
+              "prompt": _body("prompt", model, load["prompt_400_bytes"])}
+    if load["id_prompt_400_clients"]:  # off by default: no 4 MB body built for nothing
+        bodies["ids"] = _body("ids", model, load["prompt_400_bytes"])
+    return bodies
+
+
+async def run_load(base_url: str, headers: dict, model: str, load: dict, duration: float,
+                   bodies: dict[str, bytes] | None = None) -> dict:
+    """`load`: LoadSpec's fields; `bodies`: build_bodies'. Runs every kind of load for
+    `duration` s, then lets the big requests in flight finish (their errors surface)."""
+    bodies = bodies or build_bodies(model, load)
     host, port = base_url.split("://", 1)[1].rsplit(":", 1)
     port = int(port.rstrip("/"))
     connector = aiohttp.TCPConnector(limit=0)
@@ -79,19 +91,16 @@ async def run_load(base_url: str, headers: dict, model: str, load: dict,
     idle: list = []  # the idle connections' writers
     churned = [0]
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        tokenize = _body("tokenize", model, load["tokenize_bytes"])
-        prompt = _body("prompt", model, load["prompt_400_bytes"])
         tasks = [asyncio.create_task(_big_posts(session, f"{base_url}/tokenize", headers,
-                                                tokenize, 200, intervals, stop))
+                                                bodies["tokenize"], 200, intervals, stop))
                  for _ in range(load["tokenize_clients"])]
         tasks += [asyncio.create_task(_big_posts(session, f"{base_url}/v1/completions",
-                                                 headers, prompt, 400, intervals, stop))
+                                                 headers, bodies["prompt"], 400, intervals,
+                                                 stop))
                   for _ in range(load["prompt_400_clients"])]
-        if load["id_prompt_400_clients"]:  # off by default: no 4 MB body built for nothing
-            ids = _body("ids", model, load["prompt_400_bytes"])
-            tasks += [asyncio.create_task(_big_posts(session, f"{base_url}/v1/completions",
-                                                     headers, ids, 400, intervals, stop))
-                      for _ in range(load["id_prompt_400_clients"])]
+        tasks += [asyncio.create_task(_big_posts(session, f"{base_url}/v1/completions",
+                                                 headers, bodies["ids"], 400, intervals, stop))
+                  for _ in range(load["id_prompt_400_clients"])]
         tasks.append(asyncio.create_task(_idle_connections(host, port, load["idle_connections"],
                                                            idle, stop)))
         tasks += [asyncio.create_task(_churn(host, port, churned, stop))
@@ -120,9 +129,14 @@ def lower_priority(niceness: int) -> int | None:
 
 
 def main() -> None:
-    spec = json.load(sys.stdin)
+    spec = json.loads(sys.stdin.readline())
     niceness = lower_priority(spec["load"].get("niceness", 0))
-    print(json.dumps({**asyncio.run(run_load(**spec)), "niceness": niceness}), flush=True)
+    bodies = build_bodies(spec["model"], spec["load"])
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        sys.exit("stall_load: expected `go` on stdin after `ready`")
+    print(json.dumps({**asyncio.run(run_load(**spec, bodies=bodies)), "niceness": niceness}),
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -90,49 +90,59 @@ async def _stream(session, base_url: str, headers: dict, model: str, max_tokens:
                     break
 
 
-async def _loaded(base_url: str, headers: dict, model: str, load: LoadSpec,
-                  duration: float) -> dict:
-    """Run the load in its own interpreter (kiln/benchmarks/stall_load.py) and wait for it."""
+async def _start_load(base_url: str, headers: dict, model: str, load: LoadSpec,
+                      duration: float) -> asyncio.subprocess.Process:
+    """Start the load in its own interpreter (kiln/benchmarks/stall_load.py) and wait until it
+    is ready: its start-up is not part of the load."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kiln.benchmarks.stall_load", stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE)
     spec = dict(base_url=base_url, headers=headers, model=model, load=dataclasses.asdict(load),
                 duration=duration)
-    out, _ = await proc.communicate(json.dumps(spec).encode())
+    proc.stdin.write(json.dumps(spec).encode() + b"\n")
+    await proc.stdin.drain()
+    if (await proc.stdout.readline()).strip() != b"ready":
+        if proc.returncode is None:
+            proc.kill()  # an exit that is already under way keeps its own code
+        await proc.wait()
+        raise RuntimeError(f"the probe's load process failed to start (exit "
+                           f"{proc.returncode}); its error is above")
+    return proc
+
+
+async def _run_load(proc: asyncio.subprocess.Process) -> dict:
+    """Let the ready load process go; its report once it is done."""
+    out, _ = await proc.communicate(b"go\n")
     if proc.returncode != 0:
         raise RuntimeError(f"the probe's load process failed (exit {proc.returncode}); its "
                            "error is above")
     return json.loads(out)
 
 
-async def run_probe(base_url: str, duration: float = 5.0, load: LoadSpec | None = None,
-                    api_key: str | None = None, model: str | None = None,
-                    max_tokens: int = 64) -> dict:
-    """Idle phase, then load phase, `duration` s each; a JSON-able report. The load runs in
-    another process, so this one's event loop only reads the stream and times its tokens."""
-    load = load or LoadSpec()
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        model = await _served_model(session, base_url, headers, model)
-        record = StreamRecord()
-        stop_stream = asyncio.Event()
-        stream = asyncio.create_task(_stream(session, base_url, headers, model, max_tokens,
-                                             record, stop_stream))
-        idle_start = time.monotonic()
-        await asyncio.sleep(duration)
-        idle_end = load_start = time.monotonic()
-        loaded = await _loaded(base_url, headers, model, load, duration)
-        load_end = time.monotonic()
-        stop_stream.set()
-        await stream
+@dataclass
+class Phases:
+    """One round's clock: its idle phase, then its load phase (time.monotonic())."""
+    idle_start: float
+    idle_end: float
+    load_end: float
+    loaded: dict  # stall_load's report
+
+    @property
+    def load_start(self) -> float:
+        return self.idle_end
+
+
+def round_report(record: StreamRecord, phases: Phases) -> dict:
+    """The stream's gaps in one round: idle, loaded (until the load's idle connections hang
+    up), and the hang-up itself (`teardown`)."""
+    idle_start, idle_end, load_start = phases.idle_start, phases.idle_end, phases.load_start
+    loaded = phases.loaded
     intervals = [tuple(i) for i in loaded["intervals"]]
     held_until = loaded["held_until"]
     idle_gaps = record.gaps(idle_start, idle_end)
     loaded_gaps = record.gaps(load_start, held_until)
     # the gap that spans the hang-ups counts here (it may begin before held_until)
-    teardown_gaps = [g for a, g in record.gap_starts(load_start, load_end)
+    teardown_gaps = [g for a, g in record.gap_starts(load_start, phases.load_end)
                      if a + g > held_until]
     idle_max = max(idle_gaps, default=0.0)
     loaded_max = max(loaded_gaps, default=0.0)
@@ -142,6 +152,7 @@ async def run_probe(base_url: str, duration: float = 5.0, load: LoadSpec | None 
     return {
         "idle": {"tokens": len(idle_gaps), "max_gap_ms": round(idle_max * 1000, 3),
                  "max_gap_within_request_ms": round(idle_within * 1000, 3),
+                 "max_gap_at_s": record.largest_gap_start(idle_start, idle_end),
                  "gap_ms": percentiles(idle_gaps)},
         "loaded": {"tokens": len(loaded_gaps), "max_gap_ms": round(loaded_max * 1000, 3),
                    "max_gap_within_request_ms": round(loaded_within * 1000, 3),
@@ -157,5 +168,69 @@ async def run_probe(base_url: str, duration: float = 5.0, load: LoadSpec | None 
         "idle_connections_held": loaded["opened"],
         "load_niceness": loaded["niceness"],
         "connections_churned": loaded["churned"],
-        "load": dataclasses.asdict(load), "duration_s": duration,
     }
+
+
+def median_round(ratios: list[float | None]) -> int:
+    """Index of the round whose loaded/idle ratio is the median (the lower of the middle two
+    for an even count; a round without a ratio, for want of idle tokens, counts as the
+    worst): one pause of the whole machine, which both phases see at random, moves one
+    round's ratio, not the report's."""
+    if not ratios:
+        raise ValueError("median_round: no rounds")
+    order = sorted(range(len(ratios)),
+                   key=lambda i: (ratios[i] is None, ratios[i] or 0.0, i))
+    return order[(len(order) - 1) // 2]
+
+
+async def run_probe(base_url: str, duration: float = 5.0, load: LoadSpec | None = None,
+                    api_key: str | None = None, model: str | None = None,
+                    max_tokens: int = 64, rounds: int = 1) -> dict:
+    """`rounds` x (idle phase, then load phase, `duration` s each) on one steady stream; a
+    JSON-able report: the median round's figures, and every round's ratios. The load runs in
+    another process, so this one's event loop only reads the stream and times its tokens."""
+    if rounds < 1:
+        raise ValueError(f"the stall probe needs at least one round, got {rounds}")
+    load = load or LoadSpec()
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
+    record = StreamRecord()
+    rounds_run: list[Phases] = []
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        model = await _served_model(session, base_url, headers, model)
+        stop_stream = asyncio.Event()
+        stream = None
+        try:
+            for _ in range(rounds):
+                # Started and ready before the idle phase: its start-up falls in neither.
+                load_proc = await _start_load(base_url, headers, model, load, duration)
+                try:
+                    if stream is None:
+                        stream = asyncio.create_task(_stream(
+                            session, base_url, headers, model, max_tokens, record,
+                            stop_stream))
+                    idle_start = time.monotonic()
+                    await asyncio.sleep(duration)
+                    idle_end = time.monotonic()
+                    loaded = await _run_load(load_proc)
+                    rounds_run.append(Phases(idle_start, idle_end, time.monotonic(), loaded))
+                finally:
+                    if load_proc.returncode is None:
+                        load_proc.kill()
+                        await load_proc.wait()
+                if stream.done():
+                    break  # it failed: awaited below, which raises its error
+        finally:
+            stop_stream.set()
+            if stream is not None:
+                await stream
+    reports = [round_report(record, phases) for phases in rounds_run]
+    chosen = median_round([r["max_gap_ratio"] for r in reports])
+    return {**reports[chosen], "median_round": chosen,
+            "rounds": [{"max_gap_ratio": r["max_gap_ratio"],
+                        "idle_max_gap_ms": r["idle"]["max_gap_ms"],
+                        "loaded_max_gap_ms": r["loaded"]["max_gap_ms"],
+                        "teardown_max_gap_ratio": r["teardown"]["max_gap_ratio"]}
+                       for r in reports],
+            "load": dataclasses.asdict(load), "duration_s": duration}

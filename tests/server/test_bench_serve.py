@@ -1,5 +1,8 @@
 """`kiln bench serve`'s pure parts: arrivals, prompts, percentiles, flags for the child server."""
+import dataclasses
 import math
+
+import pytest
 
 from kiln.benchmarks.serve import RequestResult, arrival_delays, percentiles, random_token_prompts, summarize
 from kiln.engine.arg_utils import EngineArgs
@@ -74,3 +77,60 @@ def test_stall_record_tells_a_request_s_own_gaps_from_the_waits_between_requests
     assert record.largest_gap_start(0.0, 1.0) == 0.02
     starts = [(round(a, 3), round(g, 3)) for a, g in record.gap_starts(0.09, 0.2)]
     assert starts == [(0.1, 0.01), (0.11, 0.04), (0.15, 0.01)]
+
+
+def test_a_round_reports_each_phase_s_gaps_and_the_teardown_apart():
+    from kiln.benchmarks.stall_probe import Phases, StreamRecord, round_report
+
+    # idle 0-1 s: tokens every 10 ms but one 30 ms gap; load 1-2 s, held until 1.8 s: one
+    # 60 ms gap; the hang-ups at 1.8 s: a 100 ms gap that spans them
+    idle = [i * 0.01 for i in range(50)] + [0.52 + i * 0.01 for i in range(48)]
+    loaded = [1.0 + i * 0.01 for i in range(40)] + [1.45 + i * 0.01 for i in range(30)]
+    teardown = [1.79, 1.89]
+    record = StreamRecord([idle, loaded + teardown])
+    load = {"intervals": [(1.095, 1.305)], "held_until": 1.8, "opened": 7, "churned": 3,
+            "niceness": 19}
+    report = round_report(record, Phases(0.0, 1.0, 2.0, load))
+    assert report["idle"]["max_gap_ms"] == pytest.approx(30.0)
+    assert report["loaded"]["max_gap_ms"] == pytest.approx(60.0)
+    assert report["max_gap_ratio"] == pytest.approx(2.0)
+    assert report["teardown"]["max_gap_ms"] == pytest.approx(100.0)
+    assert report["tokens_during_big_requests"] == 21  # 1.10 .. 1.30
+    assert report["loaded"]["max_gap_at_s"] == pytest.approx(0.39)
+
+
+def test_the_report_is_the_median_round_s():
+    from kiln.benchmarks.stall_probe import median_round
+
+    assert median_round([1.5]) == 0
+    # a round in which the machine paused (8.9 or 0.2: a pause in either phase) moves no report
+    assert median_round([1.6, 8.9, 1.4, 0.2, 1.8]) == 0
+    assert median_round([2.0, 1.0, 3.0, 4.0]) == 0  # the lower middle of an even count
+    assert median_round([None, 1.2, 1.1]) == 1  # no idle tokens: the worst
+    with pytest.raises(ValueError, match="no rounds"):
+        median_round([])
+
+
+def test_probe_rounds_must_be_positive():
+    from kiln.entrypoints.cli.bench_serve import run
+
+    args = build_parser().parse_args(["bench", "serve", "--stall-probe", "--probe-rounds", "0"])
+    with pytest.raises(ValueError, match="--probe-rounds must be >= 1, got 0"):
+        run(args)
+
+
+def test_the_load_process_waits_for_go_after_ready():
+    import json
+    import subprocess
+    import sys
+
+    from kiln.benchmarks.stall_probe import LoadSpec
+
+    spec = dict(base_url="http://127.0.0.1:9", headers={}, model="m", duration=0.1,
+                load=dataclasses.asdict(LoadSpec(tokenize_bytes=100, prompt_400_bytes=100)))
+    proc = subprocess.run([sys.executable, "-m", "kiln.benchmarks.stall_load"],
+                          input=json.dumps(spec) + "\nstop\n", capture_output=True, text=True,
+                          timeout=60)
+    # ready once its bodies are built; anything but `go` ends it before any load is sent
+    assert proc.stdout.splitlines() == ["ready"], proc.stdout
+    assert proc.returncode != 0 and "expected `go`" in proc.stderr

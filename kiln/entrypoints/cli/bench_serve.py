@@ -41,6 +41,10 @@ def register_bench(kinds) -> None:
                              "churning connections); report its largest inter-token gaps")
     parser.add_argument("--probe-duration", type=float, default=10.0,
                         help="seconds of each stall-probe phase")
+    parser.add_argument("--probe-rounds", type=int, default=1,
+                        help="stall probe: rounds of (idle phase, load phase) on one stream; the "
+                             "report is the median round's (a pause of the whole machine, "
+                             "which either phase may catch, then moves one round)")
     parser.add_argument("--stall-load-niceness", type=int, default=0,
                         help="OS niceness added to the stall probe's load process (0-19; 19: "
                              "clients that yield the server's cores, as remote ones would)")
@@ -98,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
     if not args.probe_duration > 0:
         raise ValueError(f"--probe-duration must be > 0 seconds, got {args.probe_duration}")
+    if args.probe_rounds < 1:
+        raise ValueError(f"--probe-rounds must be >= 1, got {args.probe_rounds}")
     if not 0 <= args.stall_load_niceness <= 19:
         raise ValueError(f"--stall-load-niceness must be in 0..19, got {args.stall_load_niceness}")
     if args.stall_id_prompt_clients < 0:
@@ -132,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
                                            load=LoadSpec(
                                                niceness=args.stall_load_niceness,
                                                id_prompt_400_clients=args.stall_id_prompt_clients),
-                                           api_key=args.api_key, model=args.model))
+                                           api_key=args.api_key, model=args.model,
+                                           rounds=args.probe_rounds))
             report["failed"] = 0  # a failed probe raises
         else:
             report = asyncio.run(run_benchmark(
