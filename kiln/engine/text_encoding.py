@@ -29,7 +29,7 @@ def keeps_stock(tokenizer, names: tuple[str, ...]) -> bool:
     return _class_keeps_stock(type(tokenizer), names)
 
 
-def _plain_backend(tokenizer):
+def plain_backend(tokenizer):
     """The `tokenizers.Tokenizer` that `tokenizer(text)` would run unchanged, or None when
     __call__ would do more than encode (a class that overrides it, truncation or padding set on
     the backend, special tokens split differently, an older tokenizers without
@@ -48,7 +48,7 @@ def _plain_backend(tokenizer):
 
 def encode_text(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     """`tokenizer(text, add_special_tokens=...).input_ids` as a list, without offsets."""
-    backend = _plain_backend(tokenizer)
+    backend = plain_backend(tokenizer)
     if backend is None:
         return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
     return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids

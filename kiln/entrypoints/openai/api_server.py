@@ -60,6 +60,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         llm.start()
+        tokenization.start()
         # The start-up heap (torch, the tokenizer, the app) lives as long as the server: left
         # tracked, each full collection rescanned it on the event loop, and every stream waited
         # (docs/architecture.md has the figures).
@@ -67,6 +68,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         yield
         logger.info("shutting down: aborting %d in-flight request(s)", llm.num_in_flight)
         await llm.shutdown()
+        tokenization.close()
 
     app = FastAPI(title="Kiln OpenAI-compatible server", lifespan=lifespan)
     app.router.route_class = JSONBodyRoute  # every route below parses its body with jiter

@@ -2,12 +2,12 @@
 
 A tokenize request gives either `prompt` text or chat `messages` (rendered by the template).
 """
-import msgspec
-
 from kiln.engine.async_llm import AsyncLLM
+from kiln.engine.bulk_tokenizer import BulkTokenizer, BulkTokenizerDied, tokenize_response_json
 from kiln.engine.detokenizer import fast_decode
+from kiln.engine.frontend_lanes import BULK_CHARS, BULK_NICENESS
 from kiln.engine.input_processor import encoding_problem
-from kiln.engine.text_encoding import encode_text
+from kiln.engine.text_encoding import encode_text, plain_backend
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.protocol import (
     DetokenizeRequest,
@@ -16,6 +16,9 @@ from kiln.entrypoints.openai.protocol import (
 )
 from kiln.entrypoints.openai.serving_chat import check_generation_flags, render_chat_prompt
 from kiln.entrypoints.openai.serving_models import ServingModels
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 class ServingTokenization:
@@ -23,6 +26,18 @@ class ServingTokenization:
         self.llm = llm
         self.models = models
         self.vocab_size = vocab_size
+        # Huge texts' ids and JSON in a child process (bulk_tokenizer.py), where the tokenizer
+        # is the plain `tokenizers` backend; else on the bulk lane's thread.
+        backend = plain_backend(llm.tokenizer) if llm.tokenizer is not None else None
+        self.bulk = BulkTokenizer(backend, BULK_NICENESS) if backend is not None else None
+
+    def start(self) -> None:
+        if self.bulk is not None:
+            self.bulk.start()
+
+    def close(self) -> None:
+        if self.bulk is not None:
+            self.bulk.close()
 
     def _tokenizer(self, param: str):
         if self.llm.tokenizer is None:
@@ -56,6 +71,12 @@ class ServingTokenization:
             raise OpenAIError(f"prompt {problem}", param="prompt", code="invalid_value")
 
         def tokenize_text(text: str) -> bytes:
+            if self.bulk is not None and len(text) > BULK_CHARS and not req.return_token_strs:
+                try:
+                    return self.bulk.tokenize_json(text, req.add_special_tokens,
+                                                   self.models.max_model_len)
+                except BulkTokenizerDied as e:
+                    logger.warning("%s: tokenizing this request here", e)
             ids = encode_text(tokenizer, text, add_special_tokens=req.add_special_tokens)
             return self._response_body(tokenizer, ids, req.return_token_strs)
         return await self.llm.run_in_engine(tokenize_text, req.prompt)
@@ -79,11 +100,3 @@ class ServingTokenization:
         return DetokenizeResponse(prompt=await self.llm.run_in_engine(detokenize_ids,
                                                                       req.tokens))
 
-
-def tokenize_response_json(ids: list[int], max_model_len: int, strs: list[str] | None) -> bytes:
-    """TokenizeResponse(...).model_dump(exclude_none=True) as JSON, without the model: msgspec
-    encodes a million ids in ms, where pydantic validates and copies the list twice."""
-    body = {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
-    if strs is not None:
-        body["token_strs"] = strs
-    return msgspec.json.encode(body)
