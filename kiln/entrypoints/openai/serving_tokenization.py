@@ -5,7 +5,7 @@ A tokenize request gives either `prompt` text or chat `messages` (rendered by th
 from kiln.engine.async_llm import AsyncLLM
 from kiln.engine.bulk_tokenizer import BulkTokenizer, BulkTokenizerDied, tokenize_response_json
 from kiln.engine.detokenizer import fast_decode
-from kiln.engine.frontend_lanes import BULK_CHARS, BULK_NICENESS
+from kiln.engine.frontend_lanes import BULK_NICENESS, is_bulk
 from kiln.engine.input_processor import encoding_problem
 from kiln.engine.text_encoding import encode_text, plain_backend
 from kiln.entrypoints.openai.errors import OpenAIError
@@ -26,18 +26,27 @@ class ServingTokenization:
         self.llm = llm
         self.models = models
         self.vocab_size = vocab_size
-        # Huge texts' ids and JSON in a child process (bulk_tokenizer.py), where the tokenizer
-        # is the plain `tokenizers` backend; else on the bulk lane's thread.
+        # Huge text prompts' ids and JSON in a child process (bulk_tokenizer.py), where the
+        # tokenizer is the plain `tokenizers` backend; else (and for chat messages, and token
+        # strings) on the bulk lane's thread.
         backend = plain_backend(llm.tokenizer) if llm.tokenizer is not None else None
         self.bulk = BulkTokenizer(backend, BULK_NICENESS) if backend is not None else None
 
     def start(self) -> None:
         if self.bulk is not None:
             self.bulk.start()
+            self._give_up_if_unusable()
+
+    def _give_up_if_unusable(self) -> None:
+        if self.bulk is not None and self.bulk.unusable is not None:
+            logger.warning("%s: huge /tokenize texts are tokenized in this process from now on",
+                           self.bulk.unusable)
+            self.bulk = None
 
     def close(self) -> None:
-        if self.bulk is not None:
-            self.bulk.close()
+        bulk, self.bulk = self.bulk, None  # requests still in flight tokenize here
+        if bulk is not None:
+            bulk.close()
 
     def _tokenizer(self, param: str):
         if self.llm.tokenizer is None:
@@ -71,12 +80,13 @@ class ServingTokenization:
             raise OpenAIError(f"prompt {problem}", param="prompt", code="invalid_value")
 
         def tokenize_text(text: str) -> bytes:
-            if self.bulk is not None and len(text) > BULK_CHARS and not req.return_token_strs:
+            if self.bulk is not None and is_bulk((text,), {}) and not req.return_token_strs:
                 try:
                     return self.bulk.tokenize_json(text, req.add_special_tokens,
                                                    self.models.max_model_len)
                 except BulkTokenizerDied as e:
                     logger.warning("%s: tokenizing this request here", e)
+                    self._give_up_if_unusable()
             ids = encode_text(tokenizer, text, add_special_tokens=req.add_special_tokens)
             return self._response_body(tokenizer, ids, req.return_token_strs)
         return await self.llm.run_in_engine(tokenize_text, req.prompt)
