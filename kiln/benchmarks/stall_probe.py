@@ -6,6 +6,7 @@ while a big request was in flight. The moment the load's 1,000 idle connections 
 disconnect storm) is reported on its own, as `teardown`.
 """
 import asyncio
+import contextlib
 import dataclasses
 import json
 import sys
@@ -31,8 +32,9 @@ class LoadSpec:
     churn_clients: int = 200  # each opens a connection and drops it, in a loop
     # Added to the load process's OS niceness (Unix; 0-19). 0: the load competes for the
     # server's cores as the issue's probe did. At 19 (clients that yield the cores, as remote
-    # ones would) it churns a quarter of the connections, yet the stream's largest gap grew to
-    # 270-390 ms in a quiet 2-core sitting (64-72 ms at 0): not understood, so not the default.
+    # ones would) it churns a fifth of the connections and finishes more big requests. Single
+    # gaps of 100-370 ms at either setting, in either phase, were the VM's host pausing its
+    # vCPUs (steal, or no ticks at all, in /proc/stat): hence rounds and their median.
     niceness: int = 0
 
 
@@ -102,8 +104,8 @@ async def _start_load(base_url: str, headers: dict, model: str, load: LoadSpec,
     proc.stdin.write(json.dumps(spec).encode() + b"\n")
     await proc.stdin.drain()
     if (await proc.stdout.readline()).strip() != b"ready":
-        if proc.returncode is None:
-            proc.kill()  # an exit that is already under way keeps its own code
+        with contextlib.suppress(ProcessLookupError):  # an exit under way keeps its own code
+            proc.kill()
         await proc.wait()
         raise RuntimeError(f"the probe's load process failed to start (exit "
                            f"{proc.returncode}); its error is above")
@@ -217,7 +219,8 @@ async def run_probe(base_url: str, duration: float = 5.0, load: LoadSpec | None 
                     rounds_run.append(Phases(idle_start, idle_end, time.monotonic(), loaded))
                 finally:
                     if load_proc.returncode is None:
-                        load_proc.kill()
+                        with contextlib.suppress(ProcessLookupError):
+                            load_proc.kill()
                         await load_proc.wait()
                 if stream.done():
                     break  # it failed: awaited below, which raises its error
