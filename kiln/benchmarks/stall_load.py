@@ -78,10 +78,9 @@ def build_bodies(model: str, load: dict) -> dict[str, bytes]:
 
 
 async def run_load(base_url: str, headers: dict, model: str, load: dict, duration: float,
-                   bodies: dict[str, bytes] | None = None) -> dict:
+                   bodies: dict[str, bytes]) -> dict:
     """`load`: LoadSpec's fields; `bodies`: build_bodies'. Runs every kind of load for
     `duration` s, then lets the big requests in flight finish (their errors surface)."""
-    bodies = bodies or build_bodies(model, load)
     host, port = base_url.split("://", 1)[1].rsplit(":", 1)
     port = int(port.rstrip("/"))
     connector = aiohttp.TCPConnector(limit=0)

@@ -202,16 +202,13 @@ async def run_probe(base_url: str, duration: float = 5.0, load: LoadSpec | None 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         model = await _served_model(session, base_url, headers, model)
         stop_stream = asyncio.Event()
-        stream = None
+        stream = asyncio.create_task(_stream(session, base_url, headers, model, max_tokens,
+                                             record, stop_stream))
         try:
             for _ in range(rounds):
                 # Started and ready before the idle phase: its start-up falls in neither.
                 load_proc = await _start_load(base_url, headers, model, load, duration)
                 try:
-                    if stream is None:
-                        stream = asyncio.create_task(_stream(
-                            session, base_url, headers, model, max_tokens, record,
-                            stop_stream))
                     idle_start = time.monotonic()
                     await asyncio.sleep(duration)
                     idle_end = time.monotonic()
@@ -226,8 +223,7 @@ async def run_probe(base_url: str, duration: float = 5.0, load: LoadSpec | None 
                     break  # it failed: awaited below, which raises its error
         finally:
             stop_stream.set()
-            if stream is not None:
-                await stream
+            await stream
     reports = [round_report(record, phases) for phases in rounds_run]
     chosen = median_round([r["max_gap_ratio"] for r in reports])
     return {**reports[chosen], "median_round": chosen,

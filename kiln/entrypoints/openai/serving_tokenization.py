@@ -29,7 +29,7 @@ class ServingTokenization:
         # Huge text prompts' ids and JSON in a child process (bulk_tokenizer.py), where the
         # tokenizer is the plain `tokenizers` backend; else (and for chat messages, and token
         # strings) on the bulk lane's thread.
-        backend = plain_backend(llm.tokenizer) if llm.tokenizer is not None else None
+        backend = plain_backend(llm.tokenizer)  # None without a tokenizer too
         self.bulk = BulkTokenizer(backend, BULK_NICENESS) if backend is not None else None
 
     def start(self) -> None:
