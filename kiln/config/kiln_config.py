@@ -99,7 +99,8 @@ class KilnConfig(FreezableConfig):
 
     def _int8_weight_layout(self) -> str:
         """How int8 weights are held here, which decides the GEMM op a graph calls: packed into
-        panels at load on CPUs without AMX, as stored elsewhere (w8a8_int8.pack_for_cpu)."""
+        panels at load on CPUs the int8 kernels run on, as stored elsewhere
+        (w8a8_int8.pack_for_cpu)."""
         if self.model_config.quantization not in ("int8", "compressed-tensors") or (
                 self.device_config.device != "cpu"):
             return ""

@@ -1,6 +1,6 @@
 """The W8A8 int8 CPU kernels (csrc/ops_int8.cpp over int8_ops.c: per-token dynamic quant, alone or
-fused after RMSNorm / SiLU-and-mul, and the int8 GEMM) on AVX512-VNNI, the GEMM also on AMX-INT8
-tiles (int8_amx.c) where the CPU has them, as torch ops.
+fused after RMSNorm / SiLU-and-mul, and the int8 GEMM) on AVX512-VNNI, the GEMM over packed
+weights also on AMX-INT8 tiles (int8_amx_panels.c) where the CPU has them, as torch ops.
 
 `*_supported(...)` says whether these tensors may take them: on the CPU, in a kernel dtype, the
 library built for a CPU with AVX512-VNNI (`isa()`); otherwise the torch reference runs.
@@ -15,27 +15,28 @@ from kiln.native import build
 @functools.cache
 def isa() -> str | None:
     """The dot-product instructions the kernels run ("avx512_vnni", or "amx_int8+avx512_vnni"
-    where the GEMM's larger row counts run on AMX tiles), or None (no compiler, or a CPU
+    where the packed GEMM's larger row counts run on AMX tiles), or None (no compiler, or a CPU
     without AVX512-VNNI)."""
     return (torch.ops.kiln.int8_isa() or None) if build.available() else None
 
 
 def amx_min_rows() -> int:
-    """From this many rows the GEMM op runs on AMX-INT8 tiles; 0 where it never does (a CPU
-    without AMX-INT8, or an OS that refuses this process the tiles' state)."""
+    """From this many rows the GEMM over packed weights (and the panel GEMM) runs on AMX-INT8
+    tiles; 0 where it never does (a CPU without AMX-INT8, or an OS that refuses this process the
+    tiles' state)."""
     return torch.ops.kiln.int8_amx_min_rows()
 
 
 def onednn_min_rows() -> int:
-    """Without AMX, from this many rows the GEMM op runs oneDNN's int8 GEMM and the VNNI
-    kernel's epilogue, below it the VNNI kernel (csrc/ops_int8.cpp's ONEDNN_MIN_ROWS: 16 where
-    the library was built for AMX-INT8, else 64)."""
+    """From this many rows the GEMM op over a weight as stored runs oneDNN's int8 GEMM and the
+    VNNI kernel's epilogue, below it the VNNI kernel (csrc/ops_int8.cpp's ONEDNN_MIN_ROWS: 16
+    where the library was built for AMX-INT8, else 64)."""
     return torch.ops.kiln.int8_onednn_min_rows()
 
 
 def panels_min_rows() -> int:
-    """Without AMX, from this many rows (k a multiple of 4) the GEMM op runs the panel GEMM
-    (csrc/int8_vnni_gemm.c) instead of oneDNN's; 0 where the AMX tiles take those rows."""
+    """From this many rows (k a multiple of 4) the GEMM op over a weight as stored packs it for
+    the call and runs the panel GEMM (csrc/int8_vnni_gemm.c) instead of oneDNN's."""
     return torch.ops.kiln.int8_panels_min_rows()
 
 
@@ -66,9 +67,9 @@ def panels_gemm_supported(q, scale, w_panels, w_scale, bias, out_dtype) -> bool:
 
 
 def panel_cpu() -> bool:
-    """This CPU's int8 GEMM reads weights packed into panels at every row count: VNNI without
-    AMX tiles (whose kernel reads the weight as stored)."""
-    return isa() is not None and amx_min_rows() == 0
+    """This CPU's int8 GEMM reads weights packed into panels at every row count: any CPU the
+    kernels run on (VNNI register tiles, and AMX tiles from amx_min_rows())."""
+    return isa() is not None
 
 
 def packs_weights(in_features: int, device: torch.device | str) -> bool:

@@ -19,14 +19,13 @@ ref = SimpleNamespace(**{op.name: op.reference for op in (
     quant.fused_add_rms_norm_dynamic_int8_quant, quant.silu_and_mul_dynamic_int8_quant)})
 
 DTYPES = [torch.float32, torch.bfloat16]
-# (rows, K): one token, a few and a batch (the VNNI kernel), many (with AMX-INT8 the tile GEMM
-# from native.amx_min_rows(), 16; without it oneDNN's GEMM from native.onednn_min_rows(), 64:
-# 19 and 40 rows take the VNNI kernel there), K not a multiple of 16 or 64 (masked tails; the
-# tile GEMM's padded copy), K == 1 (torch's own _int_mm is wrong). With tiles, 40 x 576 reads a
-# full block of 32 rows in place and pads the 8 after it; 300 rows cross its 256-row blocks.
-# Without AMX, from native.panels_min_rows() (1024) the panel GEMM where K is a multiple of 4
-# (1031 rows: a last register tile of 5 rows; 13 and 96 columns: partial panels), oneDNN's
-# where it is not (1029 x 33).
+# (rows, K) of a weight as stored: one token, a few and a batch (the VNNI kernel), many
+# (oneDNN's GEMM from native.onednn_min_rows(): 16 in a library built for AMX-INT8, else 64,
+# where 19 and 40 rows take the VNNI kernel), K not a multiple of 16 or 64 (masked tails), K == 1
+# (torch's own _int_mm is wrong). From native.panels_min_rows() (1024) the panel GEMM over the
+# weight packed for the call where K is a multiple of 4 (1031 rows: a last register tile of 5
+# rows, or on AMX tiles many blocks of rows; 13 and 96 columns: partial panels), oneDNN's where it
+# is not (1029 x 33).
 SHAPES = [(1, 576), (5, 100), (19, 192), (40, 576), (70, 33), (130, 192), (3, 1), (300, 576),
           (1031, 576), (1029, 33)]
 
@@ -97,26 +96,25 @@ def test_int8_gemm_equals_reference(dtype, rows, k, n):
 def test_gemm_shapes_reach_both_paths():
     if native.isa() is None:
         return
-    has_amx = "amx_int8" in native.isa()
-    assert (native.amx_min_rows() > 0) == has_amx
-    threshold = native.amx_min_rows() if has_amx else native.onednn_min_rows()
-    assert threshold in (16, 64)  # AMX-INT8 tiles, or oneDNN without them (csrc/ops_int8.cpp)
+    assert (native.amx_min_rows() > 0) == ("amx_int8" in native.isa())
+    threshold = native.onednn_min_rows()
+    assert threshold in (16, 64)  # a library built for AMX-INT8, or not (csrc/ops_int8.cpp)
     assert any(rows < threshold for rows, k in SHAPES if k > 1)
     assert any(rows >= threshold for rows, k in SHAPES if k > 1)
     panels = native.panels_min_rows()
-    assert panels == (0 if has_amx else 1024)
-    if panels:
-        assert any(rows >= panels and k % 4 == 0 for rows, k in SHAPES)
-        assert any(threshold <= rows < panels for rows, k in SHAPES if k > 1)
+    assert panels == 1024
+    assert any(rows >= panels and k % 4 == 0 for rows, k in SHAPES)
+    assert any(threshold <= rows < panels for rows, k in SHAPES if k > 1)
 
 
 def test_amx_int8_runs_where_the_cpu_has_it():
-    """A CPU that lists AMX-INT8 (and AVX512-VNNI) must run the tile GEMM: a build or an OS
-    that silently lost it would fall back to oneDNN and pass every other test."""
+    """A CPU that lists AMX-INT8 (and AVX512-VNNI) must run the packed GEMM's tile kernel: a
+    build or an OS that silently lost it would fall back to the VNNI kernel and pass every other
+    test (test_int8_panels checks its results at rows either side of the threshold)."""
     if native.isa() is None or not {"amx_tile", "amx_int8"} <= build.cpu_flags():
         assert native.isa() is None or "amx_int8" not in native.isa()
         return
-    assert native.isa() == "amx_int8+avx512_vnni" and native.amx_min_rows() == 16
+    assert native.isa() == "amx_int8+avx512_vnni" and native.amx_min_rows() == 12
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -134,15 +132,18 @@ def test_a_row_with_nan_quantizes_as_the_reference(dtype):
 
 def test_gemm_of_rows_that_share_memory():
     """A q whose rows are one row expanded (stride 0): torch 2.13's _int_mm sums those wrong,
-    which the reference works around; the kernels read strides as given."""
+    which the reference and the oneDNN path work around (a copy); the kernels read strides as
+    given. 20 rows take the VNNI kernel (or oneDNN's in a library built for AMX), 70 oneDNN's."""
     g = torch.Generator().manual_seed(5)
     row = torch.randint(-128, 128, (1, 70), dtype=torch.int8, generator=g)
-    q, w = row.expand(20, 70), torch.randint(-128, 128, (9, 70), dtype=torch.int8, generator=g)
-    s, ws = torch.rand(20, 1, generator=g), torch.rand(9, generator=g)
-    exact = (row.long() @ w.long().t()).float().expand(20, 9) * s * ws
-    assert torch.equal(ref.int8_scaled_mm(q, s, w, ws, None, torch.float32), exact)
-    if native.isa() is not None:
-        assert torch.equal(native.int8_scaled_mm(q, s, w, ws, None, torch.float32), exact)
+    w = torch.randint(-128, 128, (9, 70), dtype=torch.int8, generator=g)
+    for rows in (20, 70):
+        q = row.expand(rows, 70)
+        s, ws = torch.rand(rows, 1, generator=g), torch.rand(9, generator=g)
+        exact = (row.long() @ w.long().t()).float().expand(rows, 9) * s * ws
+        assert torch.equal(ref.int8_scaled_mm(q, s, w, ws, None, torch.float32), exact)
+        if native.isa() is not None:
+            assert torch.equal(native.int8_scaled_mm(q, s, w, ws, None, torch.float32), exact)
 
 
 def test_gemm_over_no_columns_is_the_bias_at_every_row_count():

@@ -12,14 +12,17 @@ from kiln.config import DeviceConfig, KilnConfig, ModelConfig
 from kiln.ir import int8_panels, quant
 from kiln.model.layers.linear import LinearBase
 from kiln.model.loader import get_model
-from kiln.native import build
 from kiln.native import int8_ops as native
 
 DTYPES = [torch.float32, torch.bfloat16]
 # rows: one token (the decode kernel's two chains per column group), each register-tile height
-# (1-6) and past it, a decode batch, a prefill chunk (a 96-row task and more); (K, N): K a
-# multiple of 4 but not of 64 (the group loop's end), N past a panel's 64 columns and below one.
-ROWS = [1, 2, 5, 6, 7, 32, 97, 1031]
+# (1-6) and past it, a decode batch, a prefill chunk (a 96-row task and more). Where the CPU
+# grants AMX tiles (from native.amx_min_rows(), 12): 11 and 12 either side of it; 12 and 17 a
+# padded copy of the rows (16 of them in one tile, and two tiles); 32 and 40 rows read in place
+# (40: and 8 padded after them); 257 and 1031 many blocks of rows, the half panels copied.
+# (K, N): K a multiple of 4 but not of 64 (the group loop's end; the tiles' k tail), N past a
+# panel's 64 columns and below one (a last panel with no second half of 32 channels).
+ROWS = [1, 2, 5, 6, 7, 11, 12, 17, 32, 40, 97, 257, 1031]
 KN = [(576, 960), (100, 13), (64, 130), (4, 1)]
 
 
@@ -99,11 +102,9 @@ def test_native_refuses_panels_that_do_not_fit():
 
 
 def test_which_cpus_pack():
-    """Packed only where every row count runs the panel kernel: VNNI without AMX tiles (whose
-    GEMM reads the weight as stored), K a multiple of 4, on the CPU."""
-    # from the CPU's flags, not the code's own test (test_int8_ops checks AMX runs where listed)
-    panel_cpu = native.isa() is not None and not {"amx_tile", "amx_int8"} <= build.cpu_flags()
-    assert native.packs_weights(576, "cpu") == panel_cpu
+    """Packed wherever the int8 kernels run (VNNI register tiles, AMX tiles from
+    native.amx_min_rows() rows), K a multiple of 4, on the CPU."""
+    assert native.packs_weights(576, "cpu") == (native.isa() is not None)
     assert not native.packs_weights(6, "cpu")
     assert not native.packs_weights(576, "meta")
 

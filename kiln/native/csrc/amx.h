@@ -1,4 +1,4 @@
-/* What the AMX tile kernels (int8_amx.c, prefill_amx.c) share: the tile configuration every
+/* What the AMX tile kernels (int8_amx_panels.c, prefill_amx.c) share: the tile configuration every
  * thread loads before its first tile instruction, and the 16 x 16 dword transpose that turns
  * 16 rows of a matrix into a B tile's VNNI layout (a row per dword of k, one column per row).
  * Whether this process may use the tiles at all is kiln_amx_ready() (amx.c). */

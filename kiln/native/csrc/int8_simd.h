@@ -1,4 +1,4 @@
-/* The AVX512 pieces the int8 kernels share (int8_ops.c's VNNI kernels, int8_amx.c's AMX GEMM):
+/* The AVX512 pieces the int8 kernels share (int8_ops.c's VNNI kernels, the panel GEMMs):
  * masked loads and stores of float32 / bfloat16 rows, and the GEMM's epilogue. */
 #ifndef KILN_INT8_SIMD_H
 #define KILN_INT8_SIMD_H

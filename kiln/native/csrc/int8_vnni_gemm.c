@@ -1,8 +1,9 @@
-/* The W8A8 GEMM on CPUs with AVX512-VNNI and no AMX, over the weight in panels of 64 columns
- * (kiln/ir/int8_panels.py's layout): packed once at load (kiln_int8_gemm_packed, every row count)
- * or per call (kiln_int8_gemm_panels, many rows of a weight kept as stored). Register tiles of
- * 6 rows x 64 columns and the epilogue from registers: the int32 sums never go to memory, no
- * weight byte is offset and no sum reduced across lanes per call. */
+/* The W8A8 GEMM on AVX512-VNNI over the weight in panels of 64 columns (kiln/ir/int8_panels.py's
+ * layout): packed once at load (kiln_int8_gemm_packed, every row count) or per call
+ * (kiln_int8_gemm_panels, many rows of a weight kept as stored). Register tiles of 6 rows x 64
+ * columns and the epilogue from registers: the int32 sums never go to memory, no weight byte is
+ * offset and no sum reduced across lanes per call. Where the CPU grants AMX-INT8 tiles, from
+ * kiln_int8_amx_min_rows() rows the same panels go to int8_amx_panels.c instead. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -117,6 +118,10 @@ int kiln_int8_gemm_packed(const int8_t *a, int64_t a_stride, const float *a_scal
                           int64_t k, int32_t out_dtype, int32_t num_threads) {
     if (k % 4 || k < 0) return 1;
     if (m == 0 || n == 0) return 0;
+    const int64_t amx_rows = kiln_int8_amx_min_rows();
+    if (amx_rows && m >= amx_rows && k > 0)
+        return kiln_int8_gemm_amx_panels(a, a_stride, a_scale, panels, w_scale, bias, bias_dtype,
+                                         out, out_stride, m, n, k, out_dtype, num_threads);
     const int64_t panel_count = (n + PANEL - 1) / PANEL, tiles = (m + TILE_M - 1) / TILE_M;
     const int64_t panel_bytes = k * PANEL;
     int32_t *sums = (int32_t *)malloc((size_t)m * sizeof(int32_t));

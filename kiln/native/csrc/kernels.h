@@ -68,15 +68,9 @@ int kiln_int8_gemm(const int8_t *a, int64_t a_stride, const float *a_scale, cons
 /* amx.c */
 int kiln_amx_ready(void);
 
-/* int8_amx.c: 1 where the GEMM below runs (AMX-INT8 built in, the tiles granted) */
-int kiln_int8_amx_ready(void);
-int kiln_int8_gemm_amx(const int8_t *a, int64_t a_stride, const float *a_scale, const int8_t *w,
-                       int64_t w_stride, const float *w_scale, const void *bias,
-                       int32_t bias_dtype, void *out, int64_t out_stride, int64_t m, int64_t n,
-                       int64_t k, int32_t out_dtype, int32_t num_threads);
-
-/* int8_vnni_gemm.c: kiln_int8_gemm without AMX over the weight in 64-column panels (k a multiple
- * of 4), packed at load (_packed) or for this call (_panels, for many rows) */
+/* int8_vnni_gemm.c: kiln_int8_gemm over the weight in 64-column panels (k a multiple of 4),
+ * packed at load (_packed) or for this call (_panels, for many rows); from
+ * kiln_int8_amx_min_rows() rows on AMX tiles (int8_amx_panels.c) */
 int kiln_int8_gemm_packed(const int8_t *a, int64_t a_stride, const float *a_scale,
                           const uint8_t *panels, const float *w_scale, const void *bias,
                           int32_t bias_dtype, void *out, int64_t out_stride, int64_t m, int64_t n,
@@ -86,6 +80,15 @@ int kiln_int8_gemm_panels(const int8_t *a, int64_t a_stride, const float *a_scal
                           const void *bias, int32_t bias_dtype, void *out, int64_t out_stride,
                           int64_t m, int64_t n, int64_t k, int32_t out_dtype,
                           int32_t num_threads);
+
+/* int8_amx_panels.c: kiln_int8_gemm_packed on AMX-INT8 tiles, 4 where they are not granted;
+ * the rows from which _packed takes them, 0 where it never does (built without AMX-INT8, or the
+ * OS refuses this process the tiles' state) */
+int kiln_int8_amx_min_rows(void);
+int kiln_int8_gemm_amx_panels(const int8_t *a, int64_t a_stride, const float *a_scale,
+                              const uint8_t *panels, const float *w_scale, const void *bias,
+                              int32_t bias_dtype, void *out, int64_t out_stride, int64_t m,
+                              int64_t n, int64_t k, int32_t out_dtype, int32_t num_threads);
 
 /* paged_attention.c */
 int kiln_paged_attention(const void *q, int64_t q_stride, const void *k, int64_t k_stride,

@@ -1,9 +1,10 @@
 /* The `native` implementations of the W8A8 int8 IR ops (kiln/ir/quant.py defines each one's
  * result) as torch ops over int8_ops.c's AVX512-VNNI kernels: per-token dynamic quant, alone or
- * after (add +) RMSNorm or SiLU-and-mul, and the int8 GEMM with its scales (on AMX-INT8 tiles from
- * AMX_MIN_ROWS rows where the CPU has them; else the panel GEMM from PANELS_MIN_ROWS rows, and
- * oneDNN's int8 GEMM through aten's _int_mm from ONEDNN_MIN_ROWS, the epilogue here after it), and
- * the same GEMM over a weight packed at load into panels (int8_vnni_gemm.c), for every row count. */
+ * after (add +) RMSNorm or SiLU-and-mul; the int8 GEMM with its scales over a weight packed at
+ * load into panels (int8_vnni_gemm.c, on AMX-INT8 tiles from kiln_int8_amx_min_rows() rows where
+ * the CPU grants them), for every row count; and the same GEMM over a weight as stored (the panel
+ * GEMM from PANELS_MIN_ROWS rows, oneDNN's int8 GEMM through aten's _int_mm from ONEDNN_MIN_ROWS,
+ * the epilogue here after it, the VNNI kernel below). */
 #include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -19,20 +20,18 @@ namespace {
 
 using kiln::rows_of;
 
-/* From this many rows the GEMM runs on AMX-INT8 tiles (int8_amx.c) where the CPU has them and
- * the OS grants this process their state; below it the VNNI kernel, which reads the weight as
- * stored, prefetching it, and wins at decode sizes. Without AMX, oneDNN's int8 GEMM (its int32
- * sums exact) and the epilogue here take over from ONEDNN_MIN_ROWS: with VNNI only, it and the
- * kernel meet at about 64 rows (a decode step's weights, cold). */
-constexpr int64_t AMX_MIN_ROWS = 16;
+/* A weight as stored (not packed at load: K not a multiple of 4, or the panel op not the native
+ * one): oneDNN's int8 GEMM (its int32 sums exact) and the epilogue here take over from the VNNI
+ * kernel at ONEDNN_MIN_ROWS. With VNNI only, the two meet at about 64 rows (a decode step's
+ * weights, cold); oneDNN runs AMX tiles where the CPU has them. */
 #if defined(__AMX_INT8__)
 constexpr int64_t ONEDNN_MIN_ROWS = 16;
 #else
 constexpr int64_t ONEDNN_MIN_ROWS = 64;
 #endif
-/* From this many rows (a prefill chunk), without AMX tiles, the panel GEMM (int8_vnni_gemm.c):
- * as fast as oneDNN's in its loop, without the pass over int32 sums; below it packing the
- * weight each call does not pay. */
+/* From this many rows (a prefill chunk) the panel GEMM (int8_vnni_gemm.c) over the weight packed
+ * for the call: as fast as oneDNN's in its loop, without the pass over int32 sums; below it
+ * packing the weight each call does not pay. */
 constexpr int64_t PANELS_MIN_ROWS = 1024;
 constexpr int32_t NO_BIAS = -1;
 
@@ -97,14 +96,6 @@ at::Tensor int8_scaled_mm(const at::Tensor &q_in, const at::Tensor &scale_in,
     const int32_t bias_code = ops.bias_code, out_code = ops.out_code;
     const at::Tensor w_q = w_q_in.stride(-1) == 1 ? w_q_in : w_q_in.contiguous();
     at::Tensor out = at::empty({m, n}, q.options().dtype(out_dtype));
-    if (m >= AMX_MIN_ROWS && kiln_int8_amx_ready()) {
-        check(kiln_int8_gemm_amx(q.data_ptr<int8_t>(), q.stride(0), scale.data_ptr<float>(),
-                                 w_q.data_ptr<int8_t>(), w_q.stride(0), w_scale.data_ptr<float>(),
-                                 b, bias_code, out.data_ptr(), n, m, n, k, out_code,
-                                 kiln::threads()),
-              "kiln_int8_gemm_amx");
-        return out;
-    }
     if (m >= PANELS_MIN_ROWS && k > 0 && k % 4 == 0) {
         check(kiln_int8_gemm_panels(q.data_ptr<int8_t>(), q.stride(0), scale.data_ptr<float>(),
                                     w_q.data_ptr<int8_t>(), w_q.stride(0),
@@ -114,7 +105,8 @@ at::Tensor int8_scaled_mm(const at::Tensor &q_in, const at::Tensor &scale_in,
         return out;
     }
     if (m >= ONEDNN_MIN_ROWS && k > 1) { /* (torch 2.13's CPU _int_mm is wrong for k == 1) */
-        const at::Tensor acc = at::_int_mm(q, w_q.t());  // [M, N] int32
+        // torch 2.13's _int_mm sums rows that share memory (an expanded row) wrong
+        const at::Tensor acc = at::_int_mm(q.stride(0) >= k ? q : q.contiguous(), w_q.t());
         check(kiln_int8_scale(acc.data_ptr<int32_t>(), acc.stride(0), scale.data_ptr<float>(),
                               w_scale.data_ptr<float>(), b, bias_code, out.data_ptr(), n, m, n,
                               out_code, kiln::threads()),
@@ -220,14 +212,14 @@ std::tuple<at::Tensor, at::Tensor> silu_and_mul_quant(const at::Tensor &x) {
 }
 
 /* "avx512_vnni" when the kernels were built with those instructions ("amx_int8+avx512_vnni"
- * where the GEMM also runs on AMX tiles), else "". */
+ * where the packed GEMM also runs on AMX tiles), else "". */
 std::string isa() {
     if (kiln_int8_isa() != 1) return "";
-    return kiln_int8_amx_ready() ? "amx_int8+avx512_vnni" : "avx512_vnni";
+    return kiln_int8_amx_min_rows() ? "amx_int8+avx512_vnni" : "avx512_vnni";
 }
-int64_t amx_min_rows() { return kiln_int8_amx_ready() ? AMX_MIN_ROWS : 0; }
+int64_t amx_min_rows() { return kiln_int8_amx_min_rows(); }
 int64_t onednn_min_rows() { return ONEDNN_MIN_ROWS; }
-int64_t panels_min_rows() { return kiln_int8_amx_ready() ? 0 : PANELS_MIN_ROWS; }
+int64_t panels_min_rows() { return PANELS_MIN_ROWS; }
 
 }  // namespace
 
