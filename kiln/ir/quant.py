@@ -33,8 +33,9 @@ def _int8_scaled_mm_ref(q: torch.Tensor, scale: torch.Tensor, w_q: torch.Tensor,
     bias [N] or None -> out_dtype [M, N] = dtype(float32(q @ w_q^T) * scale * w_scale + bias):
     int32 sums exact, then float32 in that order, one rounding to out_dtype."""
     if q.shape[-1] > 1:
-        # contiguous: torch 2.13's CPU _int_mm sums wrong for rows that share memory (stride 0)
-        acc = torch._int_mm(q.contiguous(), w_q.t())  # [M, N] int32, exact
+        # contiguous: torch 2.13's CPU _int_mm sums wrong for rows that share memory (stride 0),
+        # of either operand
+        acc = torch._int_mm(q.contiguous(), w_q.contiguous().t())  # [M, N] int32, exact
     else:  # torch 2.13's CPU _int_mm returns wrong sums for K == 1
         acc = (q.to(torch.int32).unsqueeze(1) * w_q.to(torch.int32)).sum(-1, dtype=torch.int32)
     out = acc.to(torch.float32) * scale.reshape(-1, 1) * w_scale.reshape(1, -1)

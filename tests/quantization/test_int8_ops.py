@@ -131,19 +131,22 @@ def test_a_row_with_nan_quantizes_as_the_reference(dtype):
 
 
 def test_gemm_of_rows_that_share_memory():
-    """A q whose rows are one row expanded (stride 0): torch 2.13's _int_mm sums those wrong,
-    which the reference and the oneDNN path work around (a copy); the kernels read strides as
-    given. 20 rows take the VNNI kernel (or oneDNN's in a library built for AMX), 70 oneDNN's."""
+    """A q or a weight whose rows are one row expanded (stride 0): torch 2.13's _int_mm sums
+    those wrong, which the reference and the oneDNN path work around (a copy); the kernels read
+    strides as given. 20 rows take the VNNI kernel (or oneDNN's in a library built for AMX), 70
+    oneDNN's."""
     g = torch.Generator().manual_seed(5)
     row = torch.randint(-128, 128, (1, 70), dtype=torch.int8, generator=g)
     w = torch.randint(-128, 128, (9, 70), dtype=torch.int8, generator=g)
     for rows in (20, 70):
-        q = row.expand(rows, 70)
+        x = torch.randint(-128, 128, (rows, 70), dtype=torch.int8, generator=g)
         s, ws = torch.rand(rows, 1, generator=g), torch.rand(9, generator=g)
-        exact = (row.long() @ w.long().t()).float().expand(rows, 9) * s * ws
-        assert torch.equal(ref.int8_scaled_mm(q, s, w, ws, None, torch.float32), exact)
-        if native.isa() is not None:
-            assert torch.equal(native.int8_scaled_mm(q, s, w, ws, None, torch.float32), exact)
+        for q, wq in ((row.expand(rows, 70), w), (x, row.expand(9, 70))):
+            exact = (q.long() @ wq.long().t()).float() * s * ws
+            assert torch.equal(ref.int8_scaled_mm(q, s, wq, ws, None, torch.float32), exact)
+            if native.isa() is not None:
+                assert torch.equal(native.int8_scaled_mm(q, s, wq, ws, None, torch.float32),
+                                   exact)
 
 
 def test_gemm_over_no_columns_is_the_bias_at_every_row_count():

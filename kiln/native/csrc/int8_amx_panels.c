@@ -115,7 +115,7 @@ int kiln_int8_gemm_amx_panels(const int8_t *a, int64_t a_stride, const float *a_
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; ++r) sums[r] = 128 * row_sum(a + r * a_stride, k);
+        for (int64_t r = 0; r < m; ++r) sums[r] = row_offset(a + r * a_stride, k);
         const int nt = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t u0 = tasks * me / nt, u1 = tasks * (me + 1) / nt;
         int32_t acc[ROWS * HALF] __attribute__((aligned(64)));

@@ -204,7 +204,7 @@ int kiln_int8_gemm(const int8_t *a, int64_t a_stride, const float *a_scale, cons
         int32_t *tile = (int32_t *)malloc((size_t)BLOCK_M * BLOCK_N * sizeof(int32_t));
         if (!tile) failed = 1;
 #pragma omp for
-        for (int64_t r = 0; r < m; ++r) sums[r] = 128 * row_sum(a + r * a_stride, k);
+        for (int64_t r = 0; r < m; ++r) sums[r] = row_offset(a + r * a_stride, k);
 #pragma omp for collapse(2) schedule(static)
         for (int64_t bi = 0; bi < mb; ++bi)
             for (int64_t bj = 0; bj < nb; ++bj) {

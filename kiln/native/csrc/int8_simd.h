@@ -75,6 +75,12 @@ static inline int32_t row_sum(const int8_t *a, int64_t k) {
     return _mm512_reduce_add_epi32(acc);
 }
 
+/* 128 x row_sum: the offset a GEMM over weights + 128 takes back, wrapping as the int32 sums
+ * it is taken from do (no signed overflow at large k). */
+static inline int32_t row_offset(const int8_t *a, int64_t k) {
+    return (int32_t)((uint32_t)row_sum(a, k) << 7);
+}
+
 #else
 #define KILN_INT8_SIMD 0
 #endif

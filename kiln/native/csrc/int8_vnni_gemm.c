@@ -130,7 +130,7 @@ int kiln_int8_gemm_packed(const int8_t *a, int64_t a_stride, const float *a_scal
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; ++r) sums[r] = 128 * row_sum(a + r * a_stride, k);
+        for (int64_t r = 0; r < m; ++r) sums[r] = row_offset(a + r * a_stride, k);
 #pragma omp for collapse(2) schedule(static)
         for (int64_t t = 0; t < tiles; ++t)
             for (int64_t p = 0; p < panel_count; ++p) {

@@ -94,7 +94,10 @@ at::Tensor int8_scaled_mm(const at::Tensor &q_in, const at::Tensor &scale_in,
     const at::Tensor &q = ops.q, &scale = ops.scale, &w_scale = ops.w_scale;
     const void *b = ops.bias_ptr();
     const int32_t bias_code = ops.bias_code, out_code = ops.out_code;
-    const at::Tensor w_q = w_q_in.stride(-1) == 1 ? w_q_in : w_q_in.contiguous();
+    // rows that share memory (an expanded weight): read as given by the kernels, but torch 2.13's
+    // _int_mm sums them wrong, as it does q's below
+    const at::Tensor w_q = w_q_in.stride(-1) == 1 && w_q_in.stride(0) >= k ? w_q_in
+                                                                            : w_q_in.contiguous();
     at::Tensor out = at::empty({m, n}, q.options().dtype(out_dtype));
     if (m >= PANELS_MIN_ROWS && k > 0 && k % 4 == 0) {
         check(kiln_int8_gemm_panels(q.data_ptr<int8_t>(), q.stride(0), scale.data_ptr<float>(),
