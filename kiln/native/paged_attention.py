@@ -5,6 +5,8 @@ cache and attends the short queries (decodes, small chunks) straight from it.
 What is fixed for a step (`StepArgs`: its metadata tensors) is gathered once and shared by every
 layer; the op checks its tensors each call (in C++).
 """
+import functools
+
 import torch
 
 from kiln.native import build
@@ -12,6 +14,14 @@ from kiln.native import build
 
 def available() -> bool:
     return build.available()
+
+
+@functools.cache  # fixed for the process: the library is built for this machine's CPU
+def bf16_dot(dtype: torch.dtype, head_size: int) -> bool:
+    """Whether a decode's query . key products run on AVX512-BF16 dot products for this cache
+    dtype and head size (bfloat16, head sizes a multiple of 32, the library built for a CPU
+    with AVX512-BF16); otherwise on float32 FMAs."""
+    return bool(torch.ops.kiln.paged_attention_bf16_dot(dtype, head_size))
 
 
 def cache_supported(kv_cache: torch.Tensor) -> bool:

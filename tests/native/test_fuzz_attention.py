@@ -8,6 +8,7 @@ import pytest
 import torch
 from paged_reference import reference_attention, shuffled_block_tables
 
+from kiln.native import build
 from kiln.native import paged_attention as pa
 
 pytestmark = pytest.mark.skipif(not pa.available(), reason="no C compiler")
@@ -59,3 +60,13 @@ def test_matches_float64_softmax(case, threads, dtype):
     tol = 4e-6 if dtype == torch.float32 else 2 ** -6  # measured worst 1e-6 / 8e-3: rounding
     for t, row in want.items():
         assert (out[t].double() - row).abs().max() <= tol * max(1.0, row.abs().max()), t
+
+
+def test_bfloat16_dot_products_where_the_cpu_has_them():
+    """A CPU that lists AVX512-BF16 must take a bfloat16 decode's query . key products on it
+    (the fuzz above checks their results): a build that lost the instructions would fall back
+    to float32 FMAs and pass every other test. Never for float32 or head sizes off 32."""
+    has = "avx512_bf16" in build.cpu_flags()
+    for hd in (32, 64, 128):
+        assert pa.bf16_dot(torch.bfloat16, hd) == has, hd
+    assert not pa.bf16_dot(torch.bfloat16, 80) and not pa.bf16_dot(torch.float32, 64)

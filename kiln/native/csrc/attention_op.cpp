@@ -168,6 +168,10 @@ bool prefill_attention_simd(at::ScalarType dtype, int64_t head_size) {
     return kiln_prefill_attention_simd(kiln::dtype_code(dtype), static_cast<int32_t>(head_size));
 }
 
+bool paged_attention_bf16_dot(at::ScalarType dtype, int64_t head_size) {
+    return kiln_paged_attention_bf16_dot(kiln::dtype_code(dtype), static_cast<int32_t>(head_size));
+}
+
 bool prefill_attention_amx(at::ScalarType dtype, int64_t head_size) {
     return kiln_prefill_attention_amx(kiln::dtype_code(dtype), static_cast<int32_t>(head_size));
 }
@@ -282,6 +286,8 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
     m.def("prefill_attention(Tensor q, Tensor(a!) out, Tensor kv_cache, float scale, "
           "Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor reqs, "
           "int max_seq_len, int path=0) -> ()");
+    m.def("paged_attention_bf16_dot(ScalarType dtype, int head_size) -> bool",
+          &paged_attention_bf16_dot);
     m.def("prefill_attention_simd(ScalarType dtype, int head_size) -> bool",
           &prefill_attention_simd);
     m.def("prefill_attention_amx(ScalarType dtype, int head_size) -> bool",

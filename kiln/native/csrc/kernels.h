@@ -95,6 +95,8 @@ int kiln_paged_attention(const void *q, int64_t q_stride, const void *k, int64_t
                          const void *v, int64_t v_stride, void *out, int64_t out_stride,
                          int32_t num_heads, float scale, const KilnKvCache *cache,
                          const KilnAttnStep *step, int32_t num_threads);
+/* 1 where a decode's query . key products of this dtype and head size run on AVX512-BF16 */
+int kiln_paged_attention_bf16_dot(int32_t dtype, int32_t head_size);
 
 /* prefill_attention.c */
 int kiln_prefill_attention_simd(int32_t dtype, int32_t head_size);

@@ -29,6 +29,14 @@
 #else
 #define KILN_ATTN_SIMD 0
 #endif
+/* bfloat16 query . key dot products with VDPBF16PS: the cache's bytes as they are, 32 products
+ * an instruction, where widening each key to float32 for FMAs cost four times the instructions
+ * (the products are exact in float32 either way; denormal inputs count as zero). */
+#if KILN_ATTN_SIMD && defined(__AVX512BF16__)
+#define KILN_ATTN_BF16_DOT 1
+#else
+#define KILN_ATTN_BF16_DOT 0
+#endif
 
 
 /* n values at element offset `off` of `base` as floats: a pointer into base for float32, else
@@ -92,6 +100,43 @@ static inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     const __m256 abcd = _mm256_hadd_ps(ab, _mm256_hadd_ps(halves(c), halves(d)));
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
+
+/* A query row qg (float32, pre-scaled) against the key rows at element offsets off[0..3]. */
+static inline __attribute__((always_inline)) __m128 dot4(const float *qg, const void *k_cache,
+                                                         const int64_t off[4], int dtype,
+                                                         const int hd) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int d = 0; d < hd; d += 16) {
+        const __m512 qv = _mm512_loadu_ps(qg + d);
+        a0 = _mm512_fmadd_ps(qv, load16(k_cache, off[0] + d, dtype), a0);
+        a1 = _mm512_fmadd_ps(qv, load16(k_cache, off[1] + d, dtype), a1);
+        a2 = _mm512_fmadd_ps(qv, load16(k_cache, off[2] + d, dtype), a2);
+        a3 = _mm512_fmadd_ps(qv, load16(k_cache, off[3] + d, dtype), a3);
+    }
+    return sum4(a0, a1, a2, a3);
+}
+
+#if KILN_ATTN_BF16_DOT
+/* dot4 of a bfloat16 query row (unscaled: the scale goes on the sums) against a bfloat16 cache,
+ * hd a multiple of 32. */
+static inline __attribute__((always_inline)) __m128 dot4_bf16(const uint16_t *qg,
+                                                              const void *k_cache,
+                                                              const int64_t off[4], float scale,
+                                                              const int hd) {
+    const uint16_t *k = (const uint16_t *)k_cache;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int d = 0; d < hd; d += 32) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qg + d);
+        a0 = _mm512_dpbf16_ps(a0, qv, (__m512bh)_mm512_loadu_si512(k + off[0] + d));
+        a1 = _mm512_dpbf16_ps(a1, qv, (__m512bh)_mm512_loadu_si512(k + off[1] + d));
+        a2 = _mm512_dpbf16_ps(a2, qv, (__m512bh)_mm512_loadu_si512(k + off[2] + d));
+        a3 = _mm512_dpbf16_ps(a3, qv, (__m512bh)_mm512_loadu_si512(k + off[3] + d));
+    }
+    return _mm_mul_ps(sum4(a0, a1, a2, a3), _mm_set1_ps(scale));
+}
+#else
+#define dot4_bf16(qg, k_cache, off, scale, hd) _mm_setzero_ps() /* never taken: bf16_dot is 0 */
+#endif
 #endif
 
 
@@ -123,7 +168,8 @@ static inline __attribute__((always_inline)) void pv_tile(
 #endif
 
 /* One query token against keys [k0, n_keys) of kv heads [h0, h0 + nh_kv), each shared by `group`
- * query heads. qs [nh_kv * group, hd] is pre-scaled; scores [nh_kv * group, n_keys - k0]; slots
+ * query heads. qs [nh_kv * group, hd] is pre-scaled; qb, where not NULL, the same rows as the
+ * bfloat16 query holds them (unscaled: `scale` is applied to their dot products); scores [nh_kv * group, n_keys - k0]; slots
  * [n_keys - k0]: each key's cache slot. Out: acc (like qs) = sum of exp(score - mx) * value,
  * denom = sum of exp(score - mx), mx = the row's largest score. A key's heads sit next to each
  * other, so taking them together reads the cache in whole rows.
@@ -132,10 +178,10 @@ static inline __attribute__((always_inline)) void pv_tile(
  * requests of 1000 keys 2.86 / 2.32, 8 of 2000 1.67 / 1.30, 8 of 250 0.195 / 0.168; no loss at
  * 8000 keys, whose values outgrow L2). */
 static inline __attribute__((always_inline)) void attend_token(
-    const float *qs, const void *k_cache, const void *v_cache, const int32_t *blocks,
-    int block_size, int n_keys, int h0, int nh_kv, int64_t slot_stride, int group, int dtype,
-    float *scores, float *acc, float *buf, float *denom, int64_t *slots, int k0, float *mx,
-    const int hd) {
+    const float *qs, const uint16_t *qb, float scale, const void *k_cache, const void *v_cache,
+    const int32_t *blocks, int block_size, int n_keys, int h0, int nh_kv, int64_t slot_stride,
+    int group, int dtype, float *scores, float *acc, float *buf, float *denom, int64_t *slots,
+    int k0, float *mx, const int hd) {
     const int rows = nh_kv * group, elem = dtype == KILN_F32 ? 4 : 2, nk = n_keys - k0;
     const int64_t head_off = (int64_t)h0 * hd, span = (int64_t)nh_kv * hd;
     for (int s = 0; s < nk; ++s) slots[s] = key_slot(blocks, block_size, k0 + s);
@@ -152,6 +198,7 @@ static inline __attribute__((always_inline)) void attend_token(
     int done = 0; /* keys whose scores are in (relative to k0) */
 #if KILN_ATTN_SIMD
     if (hd % 16 == 0) {  /* four keys at a time, their dot products reduced together */
+        const int bf16_dot = KILN_ATTN_BF16_DOT && qb && hd % 32 == 0;
         for (int s = 0; s + 4 <= nk; s += 4, done = s) {
             for (int j = 0; j < 4; ++j) {
                 prefetch_rows(k_cache, blocks, block_size, k0 + s + j + PREFETCH_AHEAD, n_keys,
@@ -163,17 +210,10 @@ static inline __attribute__((always_inline)) void attend_token(
                 int64_t off[4];
                 for (int j = 0; j < 4; ++j) off[j] = slots[s + j] * slot_stride + (h0 + h) * hd;
                 for (int g = 0; g < group; ++g) {
-                    const float *qg = qs + (int64_t)(h * group + g) * hd;
-                    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-                    for (int d = 0; d < hd; d += 16) {
-                        const __m512 qv = _mm512_loadu_ps(qg + d);
-                        a0 = _mm512_fmadd_ps(qv, load16(k_cache, off[0] + d, dtype), a0);
-                        a1 = _mm512_fmadd_ps(qv, load16(k_cache, off[1] + d, dtype), a1);
-                        a2 = _mm512_fmadd_ps(qv, load16(k_cache, off[2] + d, dtype), a2);
-                        a3 = _mm512_fmadd_ps(qv, load16(k_cache, off[3] + d, dtype), a3);
-                    }
+                    const int64_t row = (int64_t)(h * group + g) * hd;
                     _mm_storeu_ps(scores + (int64_t)(h * group + g) * nk + s,
-                                  sum4(a0, a1, a2, a3));
+                                  bf16_dot ? dot4_bf16(qb + row, k_cache, off, scale, hd)
+                                           : dot4(qs + row, k_cache, off, dtype, hd));
                 }
             }
         }
@@ -252,13 +292,13 @@ static inline __attribute__((always_inline)) void attend_token(
 /* Copies of attend_token with the head size fixed, so its inner loops unroll into whole vector
  * registers: the common sizes, and any other through the generic one. */
 #define ATTEND_TOKEN_ARGS                                                                    \
-    const float *qs, const void *k_cache, const void *v_cache, const int32_t *blocks,        \
-        int block_size, int n_keys, int h0, int nh_kv, int64_t slot_stride, int group,       \
-        int dtype, float *scores, float *acc, float *buf, float *denom, int64_t *slots, int k0, \
-        float *mx
+    const float *qs, const uint16_t *qb, float scale, const void *k_cache, const void *v_cache, \
+        const int32_t *blocks, int block_size, int n_keys, int h0, int nh_kv,                \
+        int64_t slot_stride, int group, int dtype, float *scores, float *acc, float *buf,    \
+        float *denom, int64_t *slots, int k0, float *mx
 #define ATTEND_TOKEN_PASS                                                                    \
-    qs, k_cache, v_cache, blocks, block_size, n_keys, h0, nh_kv, slot_stride, group, dtype,  \
-        scores, acc, buf, denom, slots, k0, mx
+    qs, qb, scale, k_cache, v_cache, blocks, block_size, n_keys, h0, nh_kv, slot_stride,     \
+        group, dtype, scores, acc, buf, denom, slots, k0, mx
 static void attend_token_64(ATTEND_TOKEN_ARGS) { attend_token(ATTEND_TOKEN_PASS, 64); }
 static void attend_token_128(ATTEND_TOKEN_ARGS) { attend_token(ATTEND_TOKEN_PASS, 128); }
 static void attend_token_any(ATTEND_TOKEN_ARGS, int hd) { attend_token(ATTEND_TOKEN_PASS, hd); }
@@ -361,9 +401,11 @@ static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride
                     const float *qr = row_f32(q, q_off + (int64_t)i * hd, hd, dtype, buf);
                     for (int d = 0; d < hd; ++d) qs[i * hd + d] = qr[d] * scale;
                 }
-                attend_token_hd(qs, k_cache, v_cache, blocks, block_size, k1, h0, heads_per_item,
-                                slot_stride, group, dtype, scores, o, buf, sums, slots, k0,
-                                maxima, hd);
+                /* bfloat16: the query rows as they are, for the bfloat16 dot products */
+                const uint16_t *qb = dtype == KILN_F32 ? NULL : (const uint16_t *)q + q_off;
+                attend_token_hd(qs, qb, scale, k_cache, v_cache, blocks, block_size, k1, h0,
+                                heads_per_item, slot_stride, group, dtype, scores, o, buf, sums,
+                                slots, k0, maxima, hd);
                 if (parts > 1) continue;
                 const int64_t o_off = (int64_t)t * out_stride + (int64_t)h0 * group * hd;
                 for (size_t i = 0; i < rows; ++i)
@@ -429,6 +471,10 @@ static int write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_st
                row_bytes);
     }
     return 0;
+}
+
+int kiln_paged_attention_bf16_dot(int32_t dtype, int32_t head_size) {
+    return KILN_ATTN_BF16_DOT && dtype != KILN_F32 && head_size % 32 == 0;
 }
 
 /* One layer's attention for a step: its new keys and values into the cache, then the selected
