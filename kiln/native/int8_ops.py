@@ -23,21 +23,22 @@ def isa() -> str | None:
 def amx_min_rows() -> int:
     """From this many rows the GEMM over packed weights (and the panel GEMM) runs on AMX-INT8
     tiles; 0 where it never does (a CPU without AMX-INT8, or an OS that refuses this process the
-    tiles' state)."""
-    return torch.ops.kiln.int8_amx_min_rows()
+    tiles' state, or no kernels at all)."""
+    return torch.ops.kiln.int8_amx_min_rows() if isa() is not None else 0
 
 
 def onednn_min_rows() -> int:
     """From this many rows the GEMM op over a weight as stored runs oneDNN's int8 GEMM and the
     VNNI kernel's epilogue, below it the VNNI kernel (csrc/ops_int8.cpp's ONEDNN_MIN_ROWS: 16
-    where the library was built for AMX-INT8, else 64)."""
-    return torch.ops.kiln.int8_onednn_min_rows()
+    where the library was built for AMX-INT8, else 64); 0 where there are no kernels."""
+    return torch.ops.kiln.int8_onednn_min_rows() if isa() is not None else 0
 
 
 def panels_min_rows() -> int:
     """From this many rows (k a multiple of 4) the GEMM op over a weight as stored packs it for
-    the call and runs the panel GEMM (csrc/int8_vnni_gemm.c) instead of oneDNN's."""
-    return torch.ops.kiln.int8_panels_min_rows()
+    the call and runs the panel GEMM (csrc/int8_vnni_gemm.c) instead of oneDNN's; 0 where
+    there are no kernels."""
+    return torch.ops.kiln.int8_panels_min_rows() if isa() is not None else 0
 
 
 def _on_cpu_in(dtype: torch.dtype, *tensors: torch.Tensor) -> bool:

@@ -5,6 +5,8 @@ results exactly; the fused norm ops equal the unfused native kernels bit for bit
 On a CPU without AVX512-VNNI the kernels are not built for it: the tests then check that
 `supported` says so (the reference runs) and that the reference itself is exact.
 """
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -219,3 +221,13 @@ def test_ir_ops_native_where_supported_else_the_reference():
     args = quant.int8_scaled_mm.example_args(torch.bfloat16, "cpu")
     assert quant.int8_scaled_mm.supported_by("native", *args) == has
     assert not quant.int8_scaled_mm.supported_by("native", args[0].float(), *args[1:])
+
+
+def test_thresholds_answer_before_anything_loads_the_kernels():
+    """The row thresholds load the library themselves (a fresh process asks them first)."""
+    code = ("from kiln.native import int8_ops as n; "
+            "print(n.amx_min_rows(), n.onednn_min_rows(), n.panels_min_rows())")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert got == [str(native.amx_min_rows()), str(native.onednn_min_rows()),
+                   str(native.panels_min_rows())]
