@@ -70,3 +70,4 @@ def test_bfloat16_dot_products_where_the_cpu_has_them():
     for hd in (32, 64, 128):
         assert pa.bf16_dot(torch.bfloat16, hd) == has, hd
     assert not pa.bf16_dot(torch.bfloat16, 80) and not pa.bf16_dot(torch.float32, 64)
+    assert not pa.bf16_dot(torch.float16, 64) and not pa.bf16_dot(torch.bfloat16, 0)

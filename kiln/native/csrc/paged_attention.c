@@ -31,7 +31,10 @@
 #endif
 /* bfloat16 query . key dot products with VDPBF16PS: the cache's bytes as they are, 32 products
  * an instruction, where widening each key to float32 for FMAs cost four times the instructions
- * (the products are exact in float32 either way; denormal inputs count as zero). */
+ * (the products are exact in float32 either way). Two differences, both far from real
+ * activations: denormal inputs count as zero, and the sums are of unscaled products, so a score
+ * overflows 1 / scale times sooner (8x at head size 64, past about 4e37) than the float32
+ * path's, whose query is scaled first. */
 #if KILN_ATTN_SIMD && defined(__AVX512BF16__)
 #define KILN_ATTN_BF16_DOT 1
 #else
@@ -474,7 +477,7 @@ static int write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_st
 }
 
 int kiln_paged_attention_bf16_dot(int32_t dtype, int32_t head_size) {
-    return KILN_ATTN_BF16_DOT && dtype != KILN_F32 && head_size % 32 == 0;
+    return KILN_ATTN_BF16_DOT && dtype == KILN_BF16 && head_size > 0 && head_size % 32 == 0;
 }
 
 /* One layer's attention for a step: its new keys and values into the cache, then the selected
