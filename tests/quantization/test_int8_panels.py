@@ -8,10 +8,12 @@ everywhere.
 import pytest
 import torch
 
+from kiln import ir
 from kiln.config import DeviceConfig, KilnConfig, ModelConfig
 from kiln.ir import int8_panels, quant
 from kiln.model.layers.linear import LinearBase
 from kiln.model.loader import get_model
+from kiln.native import build
 from kiln.native import int8_ops as native
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -104,7 +106,10 @@ def test_native_refuses_panels_that_do_not_fit():
 def test_which_cpus_pack():
     """Packed wherever the int8 kernels run (VNNI register tiles, AMX tiles from
     native.amx_min_rows() rows), K a multiple of 4, on the CPU."""
-    assert native.packs_weights(576, "cpu") == (native.isa() is not None)
+    # from the CPU's flags, not the code's own answer (isa): AMX machines pack too
+    kernels = build.available() and {"avx512f", "avx512bw", "avx512vl",
+                                     "avx512_vnni"} <= build.cpu_flags()
+    assert native.packs_weights(576, "cpu") == kernels
     assert not native.packs_weights(6, "cpu")
     assert not native.packs_weights(576, "meta")
 
@@ -116,7 +121,17 @@ def _packed(model_dir, **kw) -> set[bool]:
             if isinstance(m, LinearBase)}
 
 
-def test_packed_only_where_the_panel_kernel_is_chosen(tiny_llama_dir, monkeypatch):
+@pytest.fixture
+def default_ir_selection_after(monkeypatch):
+    """get_model binds its config's IR selection process-wide (here torch for some ops): the
+    tests after this one get the default back, resolved without this test's environment."""
+    yield
+    monkeypatch.undo()
+    ir.apply(ir.resolve({}, "cpu", torch.float32))
+
+
+def test_packed_only_where_the_panel_kernel_is_chosen(tiny_llama_dir, monkeypatch,
+                                                      default_ir_selection_after):
     """With the torch reference chosen for the panel op (KILN_NATIVE_CPU_OPS=0, or a priority
     naming it), packing would unpack the whole weight on every call: the weight stays as
     stored and int8_scaled_mm (with its own selection) runs."""

@@ -40,6 +40,12 @@ void check(int rc, const char *fn) {
     kiln::check_rc(rc, fn);
 }
 
+/* x [rows, k] itself, or a copy where its rows share memory (an expanded row: stride(0) below
+ * k), which torch 2.13's CPU _int_mm sums wrong; the kernels read strides as given. */
+at::Tensor rows_apart(const at::Tensor &x) {
+    return x.stride(0) >= x.size(1) ? x : x.contiguous();
+}
+
 std::vector<int64_t> with_last(const at::Tensor &x, int64_t last) {
     std::vector<int64_t> shape = x.sizes().vec();
     shape.back() = last;
@@ -94,10 +100,7 @@ at::Tensor int8_scaled_mm(const at::Tensor &q_in, const at::Tensor &scale_in,
     const at::Tensor &q = ops.q, &scale = ops.scale, &w_scale = ops.w_scale;
     const void *b = ops.bias_ptr();
     const int32_t bias_code = ops.bias_code, out_code = ops.out_code;
-    // rows that share memory (an expanded weight): read as given by the kernels, but torch 2.13's
-    // _int_mm sums them wrong, as it does q's below
-    const at::Tensor w_q = w_q_in.stride(-1) == 1 && w_q_in.stride(0) >= k ? w_q_in
-                                                                            : w_q_in.contiguous();
+    const at::Tensor w_q = w_q_in.stride(-1) == 1 ? w_q_in : w_q_in.contiguous();
     at::Tensor out = at::empty({m, n}, q.options().dtype(out_dtype));
     if (m >= PANELS_MIN_ROWS && k > 0 && k % 4 == 0) {
         check(kiln_int8_gemm_panels(q.data_ptr<int8_t>(), q.stride(0), scale.data_ptr<float>(),
@@ -108,8 +111,7 @@ at::Tensor int8_scaled_mm(const at::Tensor &q_in, const at::Tensor &scale_in,
         return out;
     }
     if (m >= ONEDNN_MIN_ROWS && k > 1) { /* (torch 2.13's CPU _int_mm is wrong for k == 1) */
-        // torch 2.13's _int_mm sums rows that share memory (an expanded row) wrong
-        const at::Tensor acc = at::_int_mm(q.stride(0) >= k ? q : q.contiguous(), w_q.t());
+        const at::Tensor acc = at::_int_mm(rows_apart(q), rows_apart(w_q).t());  // [M, N] int32
         check(kiln_int8_scale(acc.data_ptr<int32_t>(), acc.stride(0), scale.data_ptr<float>(),
                               w_scale.data_ptr<float>(), b, bias_code, out.data_ptr(), n, m, n,
                               out_code, kiln::threads()),

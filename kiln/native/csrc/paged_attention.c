@@ -41,6 +41,11 @@
 #define KILN_ATTN_BF16_DOT 0
 #endif
 
+/* Whether attend_token takes them (reported to Python by the same function). */
+int kiln_paged_attention_bf16_dot(int32_t dtype, int32_t head_size) {
+    return KILN_ATTN_BF16_DOT && dtype == KILN_BF16 && head_size > 0 && head_size % 32 == 0;
+}
+
 
 /* n values at element offset `off` of `base` as floats: a pointer into base for float32, else
  * converted into buf. */
@@ -172,8 +177,8 @@ static inline __attribute__((always_inline)) void pv_tile(
 
 /* One query token against keys [k0, n_keys) of kv heads [h0, h0 + nh_kv), each shared by `group`
  * query heads. qs [nh_kv * group, hd] is pre-scaled; qb, where not NULL, the same rows as the
- * bfloat16 query holds them (unscaled: `scale` is applied to their dot products); scores [nh_kv * group, n_keys - k0]; slots
- * [n_keys - k0]: each key's cache slot. Out: acc (like qs) = sum of exp(score - mx) * value,
+ * bfloat16 query holds them (unscaled: `scale` is applied to their dot products); scores
+ * [nh_kv * group, n_keys - k0]; slots [n_keys - k0]: each key's cache slot. Out: acc (like qs) = sum of exp(score - mx) * value,
  * denom = sum of exp(score - mx), mx = the row's largest score. A key's heads sit next to each
  * other, so taking them together reads the cache in whole rows.
  * The value rows are prefetched with the key rows, so that memory is read in one stream and the
@@ -201,7 +206,7 @@ static inline __attribute__((always_inline)) void attend_token(
     int done = 0; /* keys whose scores are in (relative to k0) */
 #if KILN_ATTN_SIMD
     if (hd % 16 == 0) {  /* four keys at a time, their dot products reduced together */
-        const int bf16_dot = KILN_ATTN_BF16_DOT && qb && hd % 32 == 0;
+        const int bf16_dot = qb && kiln_paged_attention_bf16_dot(dtype, hd);
         for (int s = 0; s + 4 <= nk; s += 4, done = s) {
             for (int j = 0; j < 4; ++j) {
                 prefetch_rows(k_cache, blocks, block_size, k0 + s + j + PREFETCH_AHEAD, n_keys,
@@ -474,10 +479,6 @@ static int write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_st
                row_bytes);
     }
     return 0;
-}
-
-int kiln_paged_attention_bf16_dot(int32_t dtype, int32_t head_size) {
-    return KILN_ATTN_BF16_DOT && dtype == KILN_BF16 && head_size > 0 && head_size % 32 == 0;
 }
 
 /* One layer's attention for a step: its new keys and values into the cache, then the selected
