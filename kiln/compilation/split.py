@@ -98,6 +98,25 @@ def _position(graph: fx.Graph):
     return lambda n: order[n]
 
 
+def _tuple_outputs(split_gm: fx.GraphModule) -> None:
+    """Make every piece return a tuple, also a piece with one output, so each compiled piece and
+    its CUDA graph hand back the same kind of value. (torch 2.13's split_module does this with
+    tuple_return=True; torch 2.11's has no such argument.)"""
+    for node in list(split_gm.graph.nodes):
+        if node.op != "call_module":
+            continue
+        piece = getattr(split_gm, node.target)
+        output = next(n for n in reversed(piece.graph.nodes) if n.op == "output")
+        if isinstance(output.args[0], (tuple, list)):
+            continue
+        output.args = ((output.args[0],),)
+        piece.recompile()
+        with split_gm.graph.inserting_after(node):
+            value = split_gm.graph.call_function(operator.getitem, (node, 0))
+        node.replace_all_uses_with(value, delete_user_cb=lambda user, value=value: user is not value)
+    split_gm.recompile()
+
+
 def split_graph(gm: fx.GraphModule, splitting_ops: list[str]) -> tuple[fx.GraphModule,
                                                                       list[SplitItem]]:
     """Split `gm` (modified in place) into a stitching module whose children are the pieces."""
@@ -107,8 +126,8 @@ def split_graph(gm: fx.GraphModule, splitting_ops: list[str]) -> tuple[fx.GraphM
                        "stays one piece (is the op name right?)", splitting_ops)
     _localise_size_nodes(gm.graph, piece_of)
     gm.recompile()
-    split_gm = split_module(gm, None, lambda node: piece_of[node], keep_original_order=True,
-                            tuple_return=True)
+    split_gm = split_module(gm, None, lambda node: piece_of[node], keep_original_order=True)
+    _tuple_outputs(split_gm)
     items = []
     names = {node.target for node in split_gm.graph.nodes if node.op == "call_module"}
     for node in split_gm.graph.nodes:

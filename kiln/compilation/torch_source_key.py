@@ -76,10 +76,12 @@ def _recorded_torch_key(torch, torch_key) -> bytes:
     name = hashlib.sha256(str(root).encode()).hexdigest()[:16]
     key = cached_key(torch_key, source_signature(root, torch.__version__),
                      envs.cache_root() / "torch_source_key" / f"{name}.json")
-    setter = getattr(torch_key, "set", None)  # torch 2.13's prefetchable cache
+    setter = getattr(torch_key, "set", None)  # torch's prefetchable cache
     if setter is not None:
         try:
             setter(key)
-        except RuntimeError:  # already computed in this process: that value is the truth
+        # Already computed in this process: that value is the truth. torch 2.13 raises
+        # RuntimeError here, torch 2.11 fails an assert.
+        except (RuntimeError, AssertionError):
             return torch_key()
     return key

@@ -17,6 +17,10 @@ def _compile_and_load(tmp_path, fn, *inputs):
     return torch._inductor.CompiledArtifact.load(path=str(tmp_path / "a.bin"), format="binary")
 
 
+# torch 2.13 generates the runtime wrapper's code, which is what direct_callable recognises.
+_GENERATED_WRAPPER = torch.__version__ >= (2, 13)
+
+
 def _plain(x, w):
     return (torch.relu(x @ w) + 1.0,)
 
@@ -27,6 +31,9 @@ def test_plain_graph_is_called_directly_with_the_same_outputs(monkeypatch, tmp_p
     with torch.inference_mode():
         expected = artifact(x, w)
     call = direct_callable(artifact)
+    if not _GENERATED_WRAPPER:  # torch 2.11: a closure over runtime metadata, kept as it is
+        assert call is artifact and torch.equal(call(x, w)[0], expected[0])
+        return
     assert isinstance(call, DirectCall)
     through_artifact, generated_calls = [], []
     monkeypatch.setattr(call, "artifact",

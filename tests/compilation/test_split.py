@@ -74,3 +74,19 @@ def test_size_node_moves_to_its_user_piece():
     last = items[-1].graph
     assert any(n.target is torch.ops.aten.sym_size.int for n in last.graph.nodes)
     assert split_gm(torch.randn(3, 8)).shape == (3, 8)
+
+
+def test_every_piece_returns_a_tuple():
+    """Also a piece with one output (torch 2.11's split_module returns it bare): the stitching
+    graph takes element 0."""
+    gm = _layers_graph(1)
+    x = torch.randn(4, 8)
+    expected = gm(x)
+    split_gm, items = split_graph(gm, [OP])
+    for item in items:
+        output = next(n for n in reversed(item.graph.graph.nodes) if n.op == "output")
+        assert isinstance(output.args[0], tuple)
+    single = [it for it in items if len(next(
+        n for n in reversed(it.graph.graph.nodes) if n.op == "output").args[0]) == 1]
+    assert single
+    torch.testing.assert_close(split_gm(x), expected)
