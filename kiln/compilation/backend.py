@@ -3,6 +3,7 @@
 It keys the disk cache, installs the post-grad pass manager, splits the graph at the splitting
 ops, compiles (or loads) each non-splitting piece per shape, and returns the stitched graph.
 """
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -85,6 +86,21 @@ def fake_example_inputs(example_inputs: list[Any]) -> list[Any]:
         else:
             fakes.append(x)
     return fakes
+
+
+@contextlib.contextmanager
+def shape_guards_dropped(shape_env):
+    """Leave out of Dynamo's guards what compiling the pieces adds to its shape env. The pieces'
+    sizes are symbols of Kiln's fake inputs, which Dynamo has no source for: a guard on one (on
+    GPU, Triton's 32-bit indexing check `64*s <= 2**31 - 1`) fails Dynamo's guard building.
+    Kiln never evaluates Dynamo's guards (it calls the traced bytecode), and the token counts it
+    runs stay within max_num_batched_tokens, which such a guard bounds far above."""
+    before = len(shape_env.guards) if shape_env is not None else 0
+    try:
+        yield
+    finally:
+        if shape_env is not None:
+            del shape_env.guards[before:]
 
 
 class KilnBackend:
@@ -187,7 +203,8 @@ class KilnBackend:
 
         fakes = fake_example_inputs(example_inputs)
         from torch._guards import TracingContext
-        with TracingContext.get().fake_mode:
+        fake_mode = TracingContext.get().fake_mode
+        with fake_mode, shape_guards_dropped(fake_mode.shape_env):
             _Compile(split_gm).run(*fakes)
         call_splitting_pieces_directly(split_gm)
         return self.warm_start.observe_first_outputs(split_gm)
