@@ -7,9 +7,11 @@ from kiln.config.frozen import FreezableConfig
 @dataclass
 class CacheConfig(FreezableConfig):
     block_size: int = 16
-    # CPU: GiB of host memory for the KV cache (None: KILN_CPU_KVCACHE_SPACE, else 4 GiB).
+    # GiB for the KV cache. CPU: host memory (None: KILN_CPU_KVCACHE_SPACE, else 4 GiB).
+    # CUDA: device memory, in place of gpu_memory_utilization's share (None: that share).
     kv_cache_memory: float | None = None
-    # CUDA: fraction of total device memory the engine may use (weights + activations + KV).
+    # CUDA: fraction of total device memory in use once the KV cache is allocated (weights,
+    # activations, KV; other engines and processes on the device count too).
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     # Overrides the memory-derived block count (tests use it to force preemption). The count

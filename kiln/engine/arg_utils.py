@@ -201,7 +201,8 @@ class EngineArgs:
         g.add_argument("--load-format", default=d.load_format, choices=list(LOAD_FORMATS))
         g.add_argument("--block-size", type=int, default=d.block_size)
         g.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory,
-                       help="GiB of host memory for the KV cache (CPU)")
+                       help="GiB for the KV cache: host memory on CPU; on CUDA, device "
+                            "memory in place of --gpu-memory-utilization's share")
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=d.enable_prefix_caching)

@@ -25,9 +25,14 @@ def cpu_kv_cache_bytes(kv_cache_memory_gib: float | None, env_gib: float | None)
     return int(DEFAULT_CPU_KV_CACHE_GIB * GiB)
 
 
-def cuda_kv_cache_bytes(total: int, used: int, gpu_memory_utilization: float) -> int:
-    """CUDA budget: the utilisation share of the device minus what is in use after profiling
-    (weights, peak activations held by the allocator, other processes)."""
+def cuda_kv_cache_bytes(total: int, used: int, gpu_memory_utilization: float,
+                        kv_cache_memory_gib: float | None = None) -> int:
+    """CUDA budget: cache_config.kv_cache_memory when set (as vLLM's --kv-cache-memory, it
+    replaces the utilisation share), else the utilisation share of the device minus what is in
+    use after profiling (weights, peak activations held by the allocator, other engines and
+    processes)."""
+    if kv_cache_memory_gib is not None:
+        return int(kv_cache_memory_gib * GiB)
     return int(gpu_memory_utilization * total) - used
 
 

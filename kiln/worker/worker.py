@@ -80,7 +80,8 @@ class Worker:
             torch.cuda.synchronize()
             free, total = self.platform.mem_get_info()
             budget = kv_cache_sizing.cuda_kv_cache_bytes(total, total - free,
-                                                         cache.gpu_memory_utilization)
+                                                         cache.gpu_memory_utilization,
+                                                         cache.kv_cache_memory)
             num_blocks = kv_cache_sizing.num_blocks_for(budget, block_bytes)
         else:
             budget = kv_cache_sizing.cpu_kv_cache_bytes(cache.kv_cache_memory,

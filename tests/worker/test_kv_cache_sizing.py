@@ -23,6 +23,9 @@ def test_cuda_budget_and_block_count():
     assert kvs.num_blocks_for(budget, kvs.GiB // 4) == 80
     # Over budget already: no blocks rather than a negative count.
     assert kvs.num_blocks_for(kvs.cuda_kv_cache_bytes(total, 79 * kvs.GiB, 0.5), 1024) == 0
+    # --kv-cache-memory replaces the share, whatever else is on the device (a second engine).
+    assert kvs.cuda_kv_cache_bytes(total, 79 * kvs.GiB, 0.5, kv_cache_memory_gib=2.5) == \
+        int(2.5 * kvs.GiB)
 
 
 def test_cpu_budget_warning_only_past_available_memory():
