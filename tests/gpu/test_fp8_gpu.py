@@ -1,6 +1,6 @@
 """W8A8 fp8 on a GPU: the IR's `cuda` provider (torch._scaled_mm, row-wise scales) is chosen for
 a bfloat16 model and matches the reference; online `quantization="fp8"` and `"ptpc_fp8"` engines
-give the same greedy tokens eagerly and compiled (mode 3, with CUDA graphs)."""
+give the same greedy tokens eagerly and compiled (mode 3, with CUDA graphs) up to near-ties."""
 import pytest
 import torch
 
@@ -32,6 +32,27 @@ def test_the_cuda_gemm_is_chosen_and_matches_the_reference():
     assert torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.abs().max())
 
 
+# Eager and compiled bfloat16 runs round differently (likely: Inductor fuses the per-token
+# quant into the norm before it and need not round the norm's output to bfloat16 first, so an
+# activation can land on the next e4m3 value; not traced): greedy tokens agree until a near-tie
+# flips, and logprobs of agreeing tokens stay close. A random tiny model's logits are nearly
+# flat, so ties are common.
+LOGPROB_TOL = 0.1
+
+
+def assert_greedy_agrees(eager, compiled, tol=LOGPROB_TOL):
+    """Tokens equal until the first difference, which must be a near-tie in the eager run: the
+    compiled run's token within `tol` of the eager top token's logprob."""
+    for i, (a, b) in enumerate(zip(eager.token_ids, compiled.token_ids)):
+        top = eager.logprobs[i]
+        if a != b:
+            gap = top[a].logprob - top[b].logprob if b in top else float("inf")
+            assert gap <= tol, (i, a, b, gap)
+            return
+        diff = abs(top[a].logprob - compiled.logprobs[i][a].logprob)
+        assert diff <= tol, (i, diff)
+
+
 @needs_sm90
 @pytest.mark.parametrize("quantization", ["fp8", "ptpc_fp8"])
 def test_online_fp8_greedy_is_the_same_eager_and_compiled(tiny_llama_dir, tmp_path, quantization):
@@ -42,9 +63,10 @@ def test_online_fp8_greedy_is_the_same_eager_and_compiled(tiny_llama_dir, tmp_pa
         llm = LLM(model=str(tiny_llama_dir), dtype="bfloat16", quantization=quantization,
                   max_model_len=128, max_num_batched_tokens=64, num_gpu_blocks_override=256,
                   compilation_config={"mode": mode, "cache_dir": str(tmp_path / "cc")})
-        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
         res = llm.generate([{"prompt_token_ids": p} for p in ([5, 6, 7], list(range(9, 40)))],
                            params, use_tqdm=False)
-        outs.append([list(r.outputs[0].token_ids) for r in res])
+        outs.append([r.outputs[0] for r in res])
         llm.shutdown()
-    assert outs[0] == outs[1]
+    for eager, compiled in zip(*outs):
+        assert_greedy_agrees(eager, compiled)
