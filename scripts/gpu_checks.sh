@@ -39,14 +39,16 @@ bench() {  # name args...
   timeout -s INT "$BENCH_S" python3 -m kiln.entrypoints.cli.main bench "$@" --load-format dummy \
     --skip-tokenizer-init --dtype bfloat16 --max-model-len 1024 >"$OUT/$name.json" \
     2>"$OUT/$name.log"
-  echo "== $name (rc $?)"; tail -c 1500 "$OUT/$name.json"; grep -E "Error|error" "$OUT/$name.log" | tail -5
+  echo "== $name (rc $?)"; tail -c 1500 "$OUT/$name.json"
+  grep -E "Error|error" "$OUT/$name.log" | tail -5
 }
 # BENCHES picks which run, in order (all by default).
 for b in ${BENCHES:-fp8_1b ptpc_fp8_1b graphs_smol}; do
   case $b in
     fp8_1b|ptpc_fp8_1b)
       bench "throughput_$b" throughput --model /tmp/llama1b-shape --quantization "${b%_1b}" \
-        --compare-unquantized --kv-cache-memory 16 --num-prompts "$PROMPTS" --input-len "$LEN" --output-len "$LEN" ;;
+        --compare-unquantized --rounds 3 --kv-cache-memory 16 --num-prompts "$PROMPTS" \
+        --input-len "$LEN" --output-len "$LEN" ;;
     graphs_smol)
       bench latency_smol_graphs latency --model /tmp/smollm2-shape --batch-sizes 1 32 \
         --input-len 32 --num-steps 32 --compare '{"mode":3,"cudagraph_mode":"NONE"}' \
