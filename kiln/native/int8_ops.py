@@ -3,7 +3,9 @@ fused after RMSNorm / SiLU-and-mul, and the int8 GEMM) on AVX512-VNNI, the GEMM 
 weights also on AMX-INT8 tiles (int8_amx_panels.c) where the CPU has them, as torch ops.
 
 `*_supported(...)` says whether these tensors may take them: on the CPU, in a kernel dtype, the
-library built for a CPU with AVX512-VNNI (`isa()`); otherwise the torch reference runs.
+library built for a CPU with AVX512-VNNI (`isa()`); otherwise the torch reference runs, whose
+GEMM is torch._int_mm: oneDNN's, with AVX-VNNI dot products on CPUs that have those and no
+AVX-512 (tests/quantization/test_int8_ops.py shows it with oneDNN capped there).
 """
 import functools
 

@@ -5,6 +5,7 @@ results exactly; the fused norm ops equal the unfused native kernels bit for bit
 On a CPU without AVX512-VNNI the kernels are not built for it: the tests then check that
 `supported` says so (the reference runs) and that the reference itself is exact.
 """
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -231,3 +232,31 @@ def test_thresholds_answer_before_anything_loads_the_kernels():
                          check=True).stdout.split()
     assert got == [str(native.amx_min_rows()), str(native.onednn_min_rows()),
                    str(native.panels_min_rows())]
+
+
+_ONEDNN_CHILD = """
+import torch
+from kiln.ir import quant
+g = torch.Generator().manual_seed(0)
+q = torch.randint(-128, 128, (64, 576), generator=g, dtype=torch.int8)
+w = torch.randint(-128, 128, (1536, 576), generator=g, dtype=torch.int8)
+ones = torch.ones(64, 1), torch.ones(1536)
+got = quant.int8_scaled_mm.reference(q, ones[0], w, ones[1], None, torch.float32)
+exact = (q.to(torch.int64) @ w.to(torch.int64).t()).to(torch.float32)
+assert torch.equal(got, exact)
+"""
+
+
+def test_without_avx512_the_gemm_is_onednns_vnni():
+    """A CPU with AVX-VNNI and no AVX-512 (client Intel) gets no native int8 kernels; the
+    reference's GEMM is torch._int_mm, which oneDNN runs there with AVX-VNNI dot products.
+    Shown by capping oneDNN at AVX2_VNNI in a child process (oneDNN reads the cap once)."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI", "ONEDNN_VERBOSE": "1"}
+    out = subprocess.run([sys.executable, "-c", _ONEDNN_CHILD], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    isa = next(line for line in out.splitlines() if ",isa:" in line)
+    assert any(",exec," in line and "s8" in line for line in out.splitlines())
+    if "avx_vnni" in build.cpu_flags():
+        assert "AVX2 with Intel DL Boost" in isa, isa
+    else:  # e.g. Zen 4: AVX512-VNNI but no AVX-VNNI, so the capped oneDNN has plain AVX2
+        assert "AVX2" in isa and "DL Boost" not in isa, isa
