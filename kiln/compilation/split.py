@@ -99,9 +99,10 @@ def _position(graph: fx.Graph):
 
 
 def _tuple_outputs(split_gm: fx.GraphModule) -> None:
-    """Make every piece return a tuple, also a piece with one output, so each compiled piece and
-    its CUDA graph hand back the same kind of value. (torch 2.13's split_module does this with
-    tuple_return=True; torch 2.11's has no such argument.)"""
+    """Make every piece return a tuple, also a piece with one output, and the stitching graph
+    index it: a compiled piece hands back a sequence whichever way it is called (DirectCall
+    returns the generated code's list). torch 2.13's split_module does this with
+    tuple_return=True; torch 2.11's has no such argument."""
     for node in list(split_gm.graph.nodes):
         if node.op != "call_module":
             continue
