@@ -2,7 +2,6 @@
 configs in one process, with speedups vs the first; on CPU the engines take turns on each batch.
 """
 import dataclasses
-import gc
 import math
 import statistics
 import time
@@ -146,16 +145,6 @@ def model_weight_bytes(engine) -> int | None:
     return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)  # meta: let go
 
 
-def _free(engine) -> None:
-    import torch
-
-    engine.shutdown()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
 @dataclasses.dataclass
 class Subject:
     """One compilation config's engine under test, with what the report says about it."""
@@ -218,7 +207,7 @@ def start_subject(label: str, spec: dict, engine_args: EngineArgs, batch_sizes: 
                               engine.engine_core.num_blocks,
                               cache.block_size)
     except ValueError:
-        _free(engine)
+        engine.shutdown()
         raise
     return subject
 
@@ -237,7 +226,7 @@ def run_one_after_another(configs: list[tuple[str, dict]], plan: dict,
                     plan["warmup_steps"], subject.max_tokens(plan["input_len"]),
                     f"latency-b{b}"))
         finally:
-            _free(subject.engine)
+            subject.engine.shutdown()
         done.append(subject)
     return done, None
 
@@ -280,7 +269,7 @@ def run_interleaved(configs: list[tuple[str, dict]], plan: dict,
                 floor_results[str(b)] = summarize_ms(floor_times)
     finally:
         for s in subjects:
-            _free(s.engine)
+            s.engine.shutdown()
     return subjects, (floor_results if floor is not None else None)
 
 

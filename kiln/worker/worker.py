@@ -137,5 +137,10 @@ class Worker:
 
     def shutdown(self) -> None:
         self.model_runner = None
-        # What start-up froze may now be garbage (this engine's model and caches, in cycles).
+        # What start-up froze is now garbage in cycles (a compiled model's pieces refer back to
+        # it): collected now, not at some later collection, so that its weights, KV cache and
+        # device memory are free for the next engine (bench --compare-unquantized builds one).
         gc.unfreeze()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

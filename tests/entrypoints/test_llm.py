@@ -204,6 +204,24 @@ def test_unknown_llm_argument():
         LLM(model="x", max_num_seq=3)
 
 
+def test_shutdown_frees_the_model_and_kv_cache(tiny_llama_dir, monkeypatch):
+    """shutdown() frees a compiled engine's weights and KV cache itself: they sit in cycles,
+    which the caller's next engine (bench --compare-unquantized) must not wait on a collection
+    for. The core in this process: the test looks at its layers."""
+    import weakref
+
+    monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")
+    llm = LLM(model=str(tiny_llama_dir), **dict(ENGINE, compilation_config={
+        "mode": 3, "backend": "eager"}))
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2))
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    kv_cache = weakref.ref(next(iter(runner.attention_layers.values())).kv_cache)
+    weight = weakref.ref(next(runner.model.parameters()))
+    del runner
+    llm.shutdown()
+    assert kv_cache() is None and weight() is None
+
+
 @pytest.mark.parametrize("compilation", [None, {"mode": 1, "backend": "eager"},
                                          {"mode": 2, "backend": "eager"},
                                          {"mode": 3, "backend": "eager"}],
