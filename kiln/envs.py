@@ -21,8 +21,8 @@ def cpu_kvcache_space_gib() -> float | None:
         gib = float(value)
     except ValueError:
         gib = float("nan")
-    if not gib > 0:  # NaN too
-        raise ValueError(f"KILN_CPU_KVCACHE_SPACE={value!r} must be a number of GiB > 0 "
+    if not 0 < gib < float("inf"):  # NaN too
+        raise ValueError(f"KILN_CPU_KVCACHE_SPACE={value!r} must be a finite number of GiB > 0 "
                          "(or unset it and pass --kv-cache-memory)")
     return gib
 

@@ -1,4 +1,5 @@
 """KV cache configuration: block size, memory budget, prefix caching."""
+import math
 from dataclasses import dataclass
 
 from kiln.config.frozen import FreezableConfig
@@ -21,8 +22,9 @@ class CacheConfig(FreezableConfig):
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if self.kv_cache_memory is not None and not 0 < self.kv_cache_memory < math.inf:
+            raise ValueError("kv_cache_memory (--kv-cache-memory) must be a finite number of "
+                             f"GiB > 0, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

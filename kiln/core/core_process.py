@@ -194,7 +194,11 @@ def run_engine_core(kiln_config, executor_class: type, input_address: str, outpu
         CoreLoop(core, input_socket, output_socket).run()
     except BaseException as e:  # noqa: BLE001 - the front end must learn why, then we exit
         if not isinstance(e, SystemExit):
-            logger.error("engine core failed: %s", "".join(traceback.format_exception(e)))
+            # A setting the model or machine cannot meet (ValueError, a missing file) is the
+            # front end's to report, in one line; its traceback only helps debugging.
+            user_error = isinstance(e, (ValueError, FileNotFoundError))
+            logger.log(logging.DEBUG if user_error else logging.ERROR, "engine core failed: %s",
+                       "".join(traceback.format_exception(e)))
             output_socket.send(encoder.encode(_failure(e)))
             code = 1
     finally:

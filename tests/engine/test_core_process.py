@@ -122,10 +122,12 @@ def test_stats_are_fresh_after_an_abort(mp_llm):
     assert not engine.has_unfinished_requests()
 
 
-def test_a_core_start_up_error_keeps_its_kind_and_message(tiny_llama_dir):
+def test_a_core_start_up_error_keeps_its_kind_and_message(tiny_llama_dir, capfd):
     with pytest.raises(ValueError, match="no memory left for the KV cache"):
         LLM(model=str(tiny_llama_dir), enforce_eager=True, max_model_len=64,
             kv_cache_memory=1e-9)
+    # a setting the user must change is one line from the front end, not the core's traceback
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def _wait_gone(pid: int, timeout: float = 30.0) -> bool:

@@ -48,9 +48,20 @@ def test_cpu_kvcache_space_env_is_checked(monkeypatch):
 
     monkeypatch.setenv("KILN_CPU_KVCACHE_SPACE", "2.5")
     assert envs.cpu_kvcache_space_gib() == 2.5
-    for bad in ("abc", "0", "-1", "nan"):
+    for bad in ("abc", "0", "-1", "nan", "inf"):
         monkeypatch.setenv("KILN_CPU_KVCACHE_SPACE", bad)
-        with pytest.raises(ValueError, match=rf"KILN_CPU_KVCACHE_SPACE='{bad}' must be a number"):
+        with pytest.raises(ValueError, match=rf"KILN_CPU_KVCACHE_SPACE='{bad}' must be a finite"):
             envs.cpu_kvcache_space_gib()
     monkeypatch.setenv("KILN_CPU_KVCACHE_SPACE", "")
     assert envs.cpu_kvcache_space_gib() is None
+
+
+def test_kv_cache_memory_is_a_finite_positive_size():
+    import pytest
+
+    from kiln.config.cache_config import CacheConfig
+
+    assert CacheConfig(kv_cache_memory=0.5).kv_cache_memory == 0.5
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="--kv-cache-memory"):
+            CacheConfig(kv_cache_memory=bad)
