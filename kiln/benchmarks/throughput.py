@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from kiln.benchmarks.comm_figures import comm_figures
 from kiln.engine.arg_utils import EngineArgs
 from kiln.logger import init_logger
+from kiln.model.layers.quantization import ONLINE_METHODS
 
 logger = init_logger(__name__)
 
@@ -49,12 +50,15 @@ def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int,
     return [[rng.choice(choices) for _ in range(input_len)] for _ in range(num_prompts)]
 
 
-def check_lengths(input_len: int, output_len: int, max_model_len: int) -> None:
+def check_lengths(input_len: int, output_len: int, max_model_len: int,
+                  longer: str = "raise --max-model-len") -> None:
+    """`longer`: what lets a request run longer (InputProcessor.longer_context_fix, once an
+    engine is built: its KV cache may cap max_model_len)."""
     if output_len < 1:
         raise ValueError(f"--output-len must be >= 1, got {output_len}")
     if input_len + output_len > max_model_len:
         raise ValueError(f"--input-len {input_len} + --output-len {output_len} exceeds "
-                         f"max_model_len {max_model_len}; shorten them or raise --max-model-len")
+                         f"max_model_len {max_model_len}; shorten them or {longer}")
 
 
 def run_kiln(engine, prompts: list[list[int]], output_len: int) -> RunResult:
@@ -71,6 +75,9 @@ def run_kiln(engine, prompts: list[list[int]], output_len: int) -> RunResult:
         for out in engine.step():
             num_out += sum(len(c.token_ids) for c in out.outputs)
     elapsed = time.perf_counter() - start
+    if num_out != len(prompts) * output_len:  # a figure for other work than asked is no figure
+        raise RuntimeError(f"the engine produced {num_out} output tokens, not {len(prompts)} "
+                           f"x {output_len}")
     return RunResult(elapsed, len(prompts), sum(map(len, prompts)), num_out)
 
 
@@ -164,7 +171,7 @@ def alternated_rounds(engines: list, prompts_for_round, output_len: int,
 def _compare_rounds(quant_config, base_config, seeded_prompts, output_len: int, rounds: int,
                     multiprocess: bool) -> dict:
     """Both engines built up front, then alternated rounds (alternated_rounds): the report's
-    per-round figures and the median of the rounds' speedups."""
+    per-round figures and the median round's (the lower middle one of an even count)."""
     from kiln.benchmarks.latency import model_weight_bytes
     from kiln.engine.llm_engine import LLMEngine
 
@@ -179,14 +186,15 @@ def _compare_rounds(quant_config, base_config, seeded_prompts, output_len: int, 
         for engine in engines:
             engine.shutdown()
     speedups = [q.output_tokens_per_s / b.output_tokens_per_s for q, b in zip(quant, base)]
-    best = min(range(rounds), key=lambda i: abs(speedups[i] - statistics.median(speedups)))
+    # a round's own ratio (the lower middle one of an even count), so it matches its figures
+    best = speedups.index(statistics.median_low(speedups))
     report = {**quant[best].figures(), **base[best].figures("unquantized_"),
               "num_output_tokens": quant[best].num_output_tokens, "rounds": rounds,
               "round_output_tokens_per_s": [round(q.output_tokens_per_s, 2) for q in quant],
               "round_unquantized_output_tokens_per_s": [
                   round(b.output_tokens_per_s, 2) for b in base],
               "round_speedups": [round(x, 4) for x in speedups],
-              "speedup_vs_unquantized": statistics.median(speedups),
+              "speedup_vs_unquantized": speedups[best],
               "model_weight_bytes": weights[0], "unquantized_model_weight_bytes": weights[1]}
     if weights[0] and weights[1]:
         report["weight_bytes_vs_unquantized"] = weights[0] / weights[1]
@@ -204,6 +212,11 @@ def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, ou
         raise ValueError(f"--backend must be kiln or hf, got {backend!r}")
     if compare_unquantized and engine_args.quantization is None:
         raise ValueError("--compare-unquantized needs --quantization (the run to compare)")
+    if compare_unquantized and engine_args.quantization not in ONLINE_METHODS:
+        raise ValueError(f"--compare-unquantized runs a float checkpoint quantized on load "
+                         f"against itself unquantized; --quantization "
+                         f"{engine_args.quantization} has no float weights to compare: give "
+                         f"the float checkpoint with --quantization {' / '.join(ONLINE_METHODS)}")
     if rounds < 1 or (rounds > 1 and (not compare_unquantized or backend == "hf")):
         raise ValueError(f"--rounds {rounds}: must be >= 1, and above 1 only with "
                          "--compare-unquantized and the kiln backend (rounds alternate the "
@@ -213,6 +226,9 @@ def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, ou
     check_lengths(input_len, output_len, mc.max_model_len)
 
     def seeded_prompts(engine, round_index: int = 0):
+        # the engine may cap max_model_len to what its KV cache holds
+        check_lengths(input_len, output_len, engine.max_model_len,
+                      engine.input_processor.longer_context_fix())
         exclude = set(getattr(engine.tokenizer, "all_special_ids", []))
         return random_prompts(num_prompts, input_len, mc.vocab_size,
                               engine_args.seed + round_index, exclude)

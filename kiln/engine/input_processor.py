@@ -59,7 +59,9 @@ def bad_words_token_ids(tokenizer, bad_words: list[str]) -> list[list[int]]:
     return out
 
 
-def validate_prompt_token_ids(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+def validate_prompt_token_ids(token_ids: list[int], vocab_size: int, max_model_len: int,
+                              longer: str = "raise --max-model-len") -> None:
+    """`longer`: what lets a request run longer (longer_context_fix)."""
     if not token_ids:
         raise ValueError("prompt is empty: give at least one token (text or prompt_token_ids; "
                          "empty text is a prompt only for a tokenizer that adds BOS)")
@@ -67,7 +69,7 @@ def validate_prompt_token_ids(token_ids: list[int], vocab_size: int, max_model_l
         raise ValueError(
             f"prompt length {len(token_ids)} leaves no room to generate within max_model_len "
             f"{max_model_len} (prompt must be shorter than max_model_len); shorten the prompt "
-            "or raise --max-model-len")
+            f"or {longer}")
     for t in token_ids:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
             raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab_size})")
@@ -174,12 +176,22 @@ def too_long_for_head(num_head_tokens: int, max_model_len: int) -> bool:
 class InputProcessor:
     def __init__(self, model_config: ModelConfig, tokenizer, extra_eos_token_ids=()):
         self.tokenizer = tokenizer
-        self.max_model_len = model_config.max_model_len
+        self.max_model_len = model_config.max_model_len  # the engine may lower it (its KV)
+        self.config_max_model_len = model_config.max_model_len
         self.vocab_size = model_config.vocab_size
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.extra_eos_token_ids = set(extra_eos_token_ids)
         # Tokens the whole KV cache holds, once the engine sized it (None: not known yet).
         self.kv_cache_tokens: int | None = None
+
+    def longer_context_fix(self) -> str:
+        """What lets a request run longer: the engine may have capped max_model_len below the
+        model's to what its KV cache holds, and then only a larger cache helps."""
+        if self.max_model_len < self.config_max_model_len:
+            return (f"raise --kv-cache-memory (CPU) or --gpu-memory-utilization: the KV cache "
+                    f"capped max_model_len at {self.max_model_len}, below the model's "
+                    f"{self.config_max_model_len}")
+        return "raise --max-model-len"
 
     def tokenize(self, prompt: PromptType, whole: bool = True) -> tuple[str | None, list[int]]:
         """`whole=False`: a text too long for max_model_len may be refused from its head alone
@@ -218,8 +230,8 @@ class InputProcessor:
                     f"prompt length is more than {len(head) - HEAD_MARGIN_TOKENS} tokens (its "
                     f"first {head_chars} of {len(text)} characters alone), which leaves no "
                     f"room to generate within max_model_len {self.max_model_len} (prompt must "
-                    "be shorter than max_model_len); shorten the prompt or raise "
-                    "--max-model-len")
+                    f"be shorter than max_model_len); shorten the prompt or "
+                    f"{self.longer_context_fix()}")
         # add_special_tokens: BOS where the tokenizer adds one (Llama), nothing for Qwen. So ""
         # is [BOS] for Llama (accepted, as in vLLM) and [] for Qwen (refused by validation).
         return encode_text(self.tokenizer, text, add_special_tokens=True)
@@ -236,7 +248,8 @@ class InputProcessor:
         params = (params or SamplingParams()).clone()
         params.verify()  # fields may have changed since the user built it
         token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
-        validate_prompt_token_ids(token_ids, self.vocab_size, self.max_model_len)
+        validate_prompt_token_ids(token_ids, self.vocab_size, self.max_model_len,
+                                  self.longer_context_fix())
         if self.kv_cache_tokens is not None and len(token_ids) > self.kv_cache_tokens:
             raise ValueError(f"prompt length {len(token_ids)} is more than the whole KV cache "
                              f"holds ({self.kv_cache_tokens} tokens); raise --kv-cache-memory "

@@ -121,19 +121,19 @@ class LLMEngine:
     @property
     def num_blocks(self) -> int:
         """The KV cache's size in blocks, as the core sized it (not a config field)."""
-        return self.engine_core.num_blocks
+        return self._core().num_blocks
 
     @property
     def num_threads(self) -> int | None:
         """torch's threads in the core for steps (fewer than the cores where some are left to
         the front end); None for a core that does not say."""
-        return getattr(self.engine_core, "num_threads", None)
+        return getattr(self._core(), "num_threads", None)
 
     @property
     def max_model_len(self) -> int:
         """What a request may reach: the config's, or lower where the core capped it to what
         the KV cache holds."""
-        return self.engine_core.max_model_len
+        return self._core().max_model_len
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -177,23 +177,23 @@ class LLMEngine:
         added = []
         try:
             for req in core_requests:
-                self.engine_core.add_request(req)
+                self._core().add_request(req)
                 added.append(req.request_id)
         except BaseException:
             # Leave no half-added request behind: other requests must be unaffected.
             self.output_processor.abort_requests([request_id])
             if added:
-                self.engine_core.abort_requests(added)
+                self._core().abort_requests(added)
             raise
 
     def reset_prefix_cache(self) -> bool:
-        return self.engine_core.reset_prefix_cache()
+        return self._core().reset_prefix_cache()
 
     def abort_request(self, request_ids: list[str] | str) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         core_ids = self.output_processor.abort_requests(list(request_ids))
-        if core_ids:
+        if core_ids and self.engine_core is not None:  # a shut-down core has none to abort
             self.engine_core.abort_requests(core_ids)
 
     # ---- stepping ----------------------------------------------------------------------------
@@ -205,15 +205,15 @@ class LLMEngine:
         return self.output_processor.get_num_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        if not self.engine_core.has_unfinished_requests():
+        core = self._core()
+        if not core.has_unfinished_requests():
             return []
-        core_outputs = self.engine_core.step()
+        core_outputs = core.step()
         self._count_tokens(core_outputs)
         processed = self.output_processor.process_outputs(core_outputs)
         if processed.reqs_to_finish:
             # Stop strings are found here, not in the core: release those requests' blocks now.
-            self.engine_core.finish_requests(processed.reqs_to_finish,
-                                             RequestStatus.FINISHED_STOPPED)
+            core.finish_requests(processed.reqs_to_finish, RequestStatus.FINISHED_STOPPED)
         return processed.request_outputs
 
     def _count_tokens(self, core_outputs) -> None:
@@ -235,15 +235,15 @@ class LLMEngine:
 
     def add_death_callback(self, callback) -> None:
         """`callback(error)` runs (on another thread) if the core process dies unasked."""
-        self.engine_core.add_death_callback(callback)
+        self._core().add_death_callback(callback)
 
     def get_stats(self) -> dict:
         """Fresh stats: they show every abort and add made before this call."""
-        return self._stats(self.engine_core.make_stats())
+        return self._stats(self._core().make_stats())
 
     def step_stats(self) -> dict:
         """The stats as of the last step (no round trip to a core process)."""
-        return self._stats(self.engine_core.step_stats())
+        return self._stats(self._core().step_stats())
 
     def _stats(self, scheduler_stats) -> dict:
         stats = scheduler_stats.to_dict()
@@ -289,6 +289,12 @@ class LLMEngine:
         check_encodable(text, "messages")  # a name or a template variable may hold one too
         return {"prompt": text,
                 "prompt_token_ids": encode_text(self.tokenizer, text, add_special_tokens=False)}
+
+    def _core(self):
+        if self.engine_core is None:
+            raise RuntimeError("this engine was shut down (shutdown()); create a new LLM or "
+                               "engine to generate again")
+        return self.engine_core
 
     def shutdown(self) -> None:
         self.engine_core = None

@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -172,3 +173,18 @@ def test_bench_rejects_lengths_over_max_model_len(stories):
     r = kiln("bench", "throughput", "--model", stories, "--input-len", "100", "--output-len",
              "100", *ENGINE)
     assert r.returncode == 2 and "--max-model-len" in r.stderr
+    # A KV cache too small for the lengths caps max_model_len: a larger cache is the fix, and
+    # no report counts fewer output tokens than asked for.
+    r = kiln("bench", "throughput", "--model", stories, "--input-len", "20", "--output-len",
+             "30", "--enforce-eager", "--kv-cache-memory", "0.00004")  # 32 tokens
+    assert r.returncode == 2 and "raise --kv-cache-memory" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not r.stdout
+
+
+def test_bench_compares_only_what_is_quantized_on_load(stories, tmp_path):
+    from w8a8_checkpoint import write_w8a8_checkpoint
+
+    ckpt = write_w8a8_checkpoint(Path(stories), tmp_path / "w8a8")
+    r = kiln("bench", "throughput", "--model", str(ckpt), "--quantization", "compressed-tensors",
+             "--compare-unquantized", *ENGINE)
+    assert r.returncode == 2 and "no float weights to compare" in r.stderr, r.stderr

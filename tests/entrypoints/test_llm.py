@@ -220,6 +220,8 @@ def test_shutdown_frees_the_model_and_kv_cache(tiny_llama_dir, monkeypatch):
     del runner
     llm.shutdown()
     assert kv_cache() is None and weight() is None
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2))
 
 
 @pytest.mark.parametrize("compilation", [None, {"mode": 1, "backend": "eager"},
