@@ -108,12 +108,27 @@ def _group(qc):
      "config_groups.group_0.input_activations=None"),
     (lambda qc: qc.update(format="pack-quantized"), "format='pack-quantized'"),
     (lambda qc: qc.update(ignore=[]), "ignore=[]"),
+    # a rotation applied at run time, as QuIP / SpinQuant checkpoints hold
+    (lambda qc: qc.update(transform_config={"config_groups": {"R4": {
+        "type": "hadamard", "apply": [{"targets": ["re:.*down_proj$"], "location": "input"}]}}}),
+     "transform_config="),
+    (lambda qc: qc.update(sparsity_config={"format": "sparse-24-bitmask", "targets": ["Linear"]}),
+     "sparsity_config.format='sparse-24-bitmask'"),
+    # only q_proj targeted: Kiln's merged q/k/v would be part int8; the targets split it
+    (lambda qc: _group(qc).update(targets=["re:.*q_proj$"]), "targets=['re:.*q_proj$']"),
 ], ids=["static-activations", "asymmetric", "group-wise", "4-bit", "weight-only", "format",
-        "lm-head-quantized"])
+        "lm-head-quantized", "online-rotation", "sparse", "part-of-merged-targeted"])
 def test_other_schemes_are_refused_naming_the_field(tiny_llama_dir, tmp_path, edit, field):
     d = _edited(tiny_llama_dir, tmp_path / "q", edit)
     with pytest.raises(UnsupportedQuantization, match=re.escape(f"quantization_config.{field}")):
         get_model(kiln_config_for(d))
+
+
+def test_the_empty_sections_llm_compressor_writes_load(tiny_llama_dir, tmp_path):
+    d = _edited(tiny_llama_dir, tmp_path / "q", lambda qc: qc.update(
+        transform_config={}, sparsity_config={"format": "dense"}))
+    assert _linears(get_model(kiln_config_for(d)))[
+        "model.layers.0.mlp.down_proj"].weight.dtype == torch.int8
 
 
 def test_other_quant_methods_and_conflicting_flags_are_refused(tiny_llama_dir, w8a8_dir,

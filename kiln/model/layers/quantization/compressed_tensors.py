@@ -39,6 +39,21 @@ def _check_args(field: str, args, strategy: str, dynamic: bool) -> None:
         _refuse(f"{field}.actorder", args.actorder, "activation reordering is not supported")
 
 
+def _check_unread_sections(raw: dict) -> None:
+    """Sections beside the quantization scheme that change what the weights mean, which the
+    scheme's validation drops: an online rotation (transform_config, as QuIP and SpinQuant
+    write) or sparse storage (sparsity_config). Run without them, such a checkpoint computes
+    something else. Empty ones, as llm-compressor writes by default, are fine."""
+    transform = raw.get("transform_config")
+    if transform:
+        _refuse("transform_config", transform, "rotations applied at run time (QuIP, "
+                "SpinQuant) are not supported")
+    sparsity = raw.get("sparsity_config") or {}
+    if sparsity.get("format", "dense") != "dense":
+        _refuse("sparsity_config.format", sparsity["format"], "sparse weight storage is not "
+                "supported (only 'dense')")
+
+
 def parse_w8a8_int8(raw: dict) -> tuple[list[str], list[str]]:
     """Validate `raw` (config.json's quantization_config) as W8A8 int8; returns its targets
     and its `ignore` list (module names or `re:` patterns; those stay in the model dtype)."""
@@ -47,6 +62,7 @@ def parse_w8a8_int8(raw: dict) -> tuple[list[str], list[str]]:
 
     if not isinstance(raw, dict):
         raw = raw.to_dict()
+    _check_unread_sections(raw)
     try:
         config = QuantizationConfig.model_validate(raw)
     except (ValidationError, ValueError, KeyError) as e:
@@ -96,9 +112,13 @@ def is_quantized(module_name: str, shard_names: list[str], targets: list[str],
     from compressed_tensors.utils.match import match_name
 
     names = shard_names or [module_name]
-    flags = {n: any(t == "Linear" or match_name(n, t) for t in targets)
-             and not _ignored(n, ignore) for n in names}
+    targeted = {n: any(t == "Linear" or match_name(n, t) for t in targets) for n in names}
+    ignored = {n: _ignored(n, ignore) for n in names}
+    flags = {n: targeted[n] and not ignored[n] for n in names}
     if len(set(flags.values())) > 1:
-        _refuse("ignore", ignore, f"the parts of {module_name} ({', '.join(names)}) must all be "
+        # name the list that splits them: the targets, else the ignore list
+        field, value = (("targets", targets) if len(set(targeted.values())) > 1
+                        else ("ignore", ignore))
+        _refuse(field, value, f"the parts of {module_name} ({', '.join(names)}) must all be "
                 "quantized or all left unquantized: they run as one matmul")
     return next(iter(flags.values()))
