@@ -32,7 +32,9 @@ def _int8_scaled_mm_ref(q: torch.Tensor, scale: torch.Tensor, w_q: torch.Tensor,
     """q int8 [M, K], scale float32 [M, 1], w_q int8 [N, K], w_scale float32 [N] (or [N, 1]),
     bias [N] or None -> out_dtype [M, N] = dtype(float32(q @ w_q^T) * scale * w_scale + bias):
     int32 sums exact, then float32 in that order, one rounding to out_dtype."""
-    if q.shape[-1] > 1:
+    if q.is_cuda:
+        acc = _int_mm_padded(q, w_q)
+    elif q.shape[-1] > 1:
         # contiguous: torch 2.13's CPU _int_mm sums wrong for rows that share memory (stride 0),
         # of either operand
         acc = torch._int_mm(q.contiguous(), w_q.contiguous().t())  # [M, N] int32, exact
@@ -42,6 +44,24 @@ def _int8_scaled_mm_ref(q: torch.Tensor, scale: torch.Tensor, w_q: torch.Tensor,
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out.to(out_dtype)
+
+
+def cuda_int_mm_padding(m: int, k: int, n: int) -> tuple[int, int, int]:
+    """Zero rows of q, zero k columns of both operands, zero rows of w (the channels) that make
+    [m, k] x [k, n] a shape CUDA's _int_mm (cuBLASLt) takes: more than 16 rows, k and n
+    multiples of 8. Zeros add nothing to the sums: the result's [m, n] corner is exact."""
+    return max(0, 17 - m), -k % 8, -n % 8
+
+
+def _int_mm_padded(q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
+    """q int8 [M, K] @ w_q int8 [N, K]^T -> int32 [M, N], through operands padded with zeros
+    to cuda_int_mm_padding's shape (a decode step has 16 rows or fewer)."""
+    m, k = q.shape
+    n = w_q.shape[0]
+    pad_m, pad_k, pad_n = cuda_int_mm_padding(m, k, n)
+    q = torch.nn.functional.pad(q, (0, pad_k, 0, pad_m))
+    w_q = torch.nn.functional.pad(w_q, (0, pad_k, 0, pad_n))
+    return torch._int_mm(q.contiguous(), w_q.contiguous().t())[:m, :n]
 
 
 def _rms_norm_quant_ref(x, weight, eps):

@@ -1,7 +1,7 @@
 """W8A8 fp8 (e4m3) on CPU, where its IR ops run their torch references: quantization error
 within e4m3's half step, the GEMM reference against torch._scaled_mm's row-wise kernel, and
 online `quantization="fp8"` / `"ptpc_fp8"` engines: weights stored as e4m3, the same greedy
-tokens in modes 0 and 3, logprobs near the float model's. tests/gpu/test_fp8_gpu.py runs the
+tokens in modes 0 and 3, logprobs near the float model's. tests/gpu/test_w8a8_gpu.py runs the
 `cuda` provider (torch._scaled_mm) on a GPU; its calling code also runs here, on torch's CPU
 kernel."""
 import pytest

@@ -68,6 +68,21 @@ def test_reference_gemm_is_the_integer_product_scaled():
                        (q[:, :1].long() @ w[:, :1].long().t()).float() * s * ws)
 
 
+def test_cuda_gemm_operands_are_padded_to_what_cublaslt_takes():
+    """CUDA's _int_mm takes more than 16 rows and k, n multiples of 8: the reference pads with
+    zeros, exact (checked here on CPU, whose _int_mm takes the padded shapes too)."""
+    from kiln.ir.quant import _int_mm_padded, cuda_int_mm_padding
+
+    assert cuda_int_mm_padding(1, 64, 96) == (16, 0, 0)
+    assert cuda_int_mm_padding(17, 60, 70) == (0, 4, 2)
+    assert cuda_int_mm_padding(300, 576, 960) == (0, 0, 0)
+    g = torch.Generator().manual_seed(3)
+    for m, k, n in ((1, 64, 96), (16, 60, 70), (17, 7, 9), (33, 576, 960)):
+        q = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
+        w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+        assert torch.equal(_int_mm_padded(q, w), (q.long() @ w.long().t()).int()), (m, k, n)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,k", SHAPES)
 def test_dynamic_quant_equals_reference(dtype, rows, k):

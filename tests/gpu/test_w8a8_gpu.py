@@ -1,6 +1,8 @@
-"""W8A8 fp8 on a GPU: the IR's `cuda` provider (torch._scaled_mm, row-wise scales) is chosen for
-a bfloat16 model and matches the reference; online `quantization="fp8"` and `"ptpc_fp8"` engines
-give the same greedy tokens eagerly and compiled (mode 3, with CUDA graphs) up to near-ties."""
+"""W8A8 on a GPU. fp8: the IR's `cuda` provider (torch._scaled_mm, row-wise scales) is chosen
+for a bfloat16 model and matches the reference; online `quantization="fp8"` and `"ptpc_fp8"`
+engines give the same greedy tokens eagerly and compiled (mode 3, with CUDA graphs) up to
+near-ties. int8: the reference's GEMM (torch._int_mm, operands padded to a shape cuBLASLt takes)
+is exact at decode's few rows, and online `quantization="int8"` runs eager and compiled alike."""
 import pytest
 import torch
 
@@ -53,10 +55,24 @@ def assert_greedy_agrees(eager, compiled, tol=LOGPROB_TOL):
         assert diff <= tol, (i, diff)
 
 
-@needs_sm90
-@pytest.mark.parametrize("quantization", ["fp8", "ptpc_fp8"])
-def test_online_fp8_greedy_is_the_same_eager_and_compiled(tiny_llama_dir, tmp_path, quantization):
+def test_int8_gemm_is_exact_at_every_row_count():
+    from kiln.ir import quant
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for m, k, n in ((1, 64, 96), (16, 64, 96), (17, 64, 96), (40, 60, 70), (3, 576, 960)):
+        q = torch.randint(-128, 128, (m, k), dtype=torch.int8, device="cuda", generator=g)
+        w = torch.randint(-128, 128, (n, k), dtype=torch.int8, device="cuda", generator=g)
+        exact = (q.cpu().long() @ w.cpu().long().t()).int()
+        assert torch.equal(quant._int_mm_padded(q, w).cpu(), exact), (m, k, n)
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "ptpc_fp8", "int8"])
+def test_online_quantization_greedy_is_the_same_eager_and_compiled(tiny_llama_dir, tmp_path,
+                                                                   quantization):
     from kiln import LLM, SamplingParams
+
+    if quantization != "int8" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs CUDA compute capability 9.0 (row-wise fp8 scales)")
 
     outs = []
     for mode in (0, 3):
