@@ -30,12 +30,17 @@ def random_token_prompts(num: int, input_len: int, vocab_size: int, seed: int) -
     return [[rng.randrange(low, vocab_size) for _ in range(input_len)] for _ in range(num)]
 
 
+def check_request_rate(rate: float) -> None:
+    if not (rate == math.inf or 0 < rate < math.inf):  # NaN and -inf too
+        raise ValueError(f"--request-rate must be > 0 requests/s (or inf: all at once), got "
+                         f"{rate}")
+
+
 def arrival_delays(num: int, rate: float, seed: int) -> list[float]:
     """Gaps between sends: exponential (Poisson process) at `rate`/s; all zero for inf."""
-    if math.isinf(rate):
+    check_request_rate(rate)
+    if rate == math.inf:
         return [0.0] * num
-    if rate <= 0:
-        raise ValueError(f"--request-rate must be > 0 (or inf), got {rate}")
     rng = random.Random(seed + 1)
     return [rng.expovariate(rate) for _ in range(num)]
 

@@ -88,6 +88,10 @@ class ModelConfig(FreezableConfig):
             self.model_path = resolve_path(self.model, revision=self.revision,
                                            download_dir=self.download_dir)
             self.gguf_file = find_gguf_file(self.model_path)
+            if self.load_format == "safetensors" and self.model_path.is_file():
+                raise ValueError(f"--load-format safetensors reads a checkpoint directory, and "
+                                 f"--model {self.model} is a file; for a .gguf file use "
+                                 "--load-format gguf (or auto)")
             self.hf_config = self._load_hf_config()
         self._resolve_tokenizer_side()
         if self.load_format == "auto":

@@ -399,3 +399,15 @@ def test_chunked_dequantization_is_gguf_pys_bit_for_bit(qtype, monkeypatch):
         got = gguf_loader.dequantize(raw, kind, "t", None)
     assert got.dtype == np.float32 and got.shape == expected.shape
     assert np.array_equal(got, expected.astype(np.float32), equal_nan=True)
+
+
+def test_a_gguf_file_with_load_format_safetensors_names_the_flag(tiny_llama_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from kiln.config import ModelConfig
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, load_file(str(tiny_llama_dir / "model.safetensors")),
+                    kiln_config_for(tiny_llama_dir).model_config.hf_config)
+    with pytest.raises(ValueError, match="use --load-format gguf"):
+        ModelConfig(model=str(path), load_format="safetensors")

@@ -15,6 +15,17 @@ def test_arrivals_are_poisson_at_the_rate_and_zero_for_inf():
     gaps = arrival_delays(4000, 20.0, 0)
     assert abs(sum(gaps) / len(gaps) - 1 / 20) < 0.005
     assert gaps == arrival_delays(4000, 20.0, 0)  # seeded
+    for bad in (0.0, -1.0, -math.inf, math.nan):
+        with pytest.raises(ValueError, match="--request-rate must be > 0"):
+            arrival_delays(3, bad, 0)
+
+
+def test_a_bad_request_rate_is_refused_before_a_server_starts():
+    from kiln.entrypoints.cli import bench_serve
+
+    args = build_parser().parse_args(["bench", "serve", "--request-rate", "nan"])
+    with pytest.raises(ValueError, match="--request-rate"):
+        bench_serve.run(args)  # would start `kiln serve` first if it got past the check
 
 
 def test_prompts_have_the_length_and_stay_in_vocab():

@@ -96,10 +96,11 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kiln.benchmarks.serve import run_benchmark
+    from kiln.benchmarks.serve import check_request_rate, run_benchmark
 
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
+    check_request_rate(args.request_rate)  # before a server starts
     if not args.probe_duration > 0:
         raise ValueError(f"--probe-duration must be > 0 seconds, got {args.probe_duration}")
     if args.probe_rounds < 1:
