@@ -125,10 +125,24 @@ def test_other_schemes_are_refused_naming_the_field(tiny_llama_dir, tmp_path, ed
 
 
 def test_the_empty_sections_llm_compressor_writes_load(tiny_llama_dir, tmp_path):
-    d = _edited(tiny_llama_dir, tmp_path / "q", lambda qc: qc.update(
-        transform_config={}, sparsity_config={"format": "dense"}))
+    # actorder "weight": GPTQ's quantization order, stored like any per-channel weight
+    d = _edited(tiny_llama_dir, tmp_path / "q", lambda qc: (qc.update(
+        transform_config={}, sparsity_config={"format": "dense"}),
+        _group(qc)["weights"].update(actorder="weight")))
     assert _linears(get_model(kiln_config_for(d)))[
         "model.layers.0.mlp.down_proj"].weight.dtype == torch.int8
+
+
+def test_a_g_idx_tensor_is_refused(tiny_llama_dir, tmp_path):
+    """A GPTQ column order stored as a g_idx would change what the weight means: not read."""
+    from safetensors.torch import save_file
+
+    d = write_w8a8_checkpoint(tiny_llama_dir, tmp_path / "q")
+    state = load_file(str(d / "model.safetensors"))
+    state["model.layers.0.mlp.down_proj.weight_g_idx"] = torch.zeros(128, dtype=torch.int32)
+    save_file(state, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match="weight_g_idx"):
+        get_model(kiln_config_for(d))
 
 
 def test_other_quant_methods_and_conflicting_flags_are_refused(tiny_llama_dir, w8a8_dir,

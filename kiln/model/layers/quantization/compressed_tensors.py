@@ -35,8 +35,9 @@ def _check_args(field: str, args, strategy: str, dynamic: bool) -> None:
     if args.block_structure is not None:
         _refuse(f"{field}.block_structure", args.block_structure, "block-wise scales are not "
                 "supported")
-    if getattr(args, "actorder", None) is not None:
-        _refuse(f"{field}.actorder", args.actorder, "activation reordering is not supported")
+    # `actorder` is not checked: the orders compressed-tensors still accepts ("weight",
+    # "static") only changed the order GPTQ quantized columns in, and store a per-channel
+    # weight the same; a checkpoint holding a g_idx is refused at load (a tensor Kiln lacks).
 
 
 def _check_unread_sections(raw: dict) -> None:
