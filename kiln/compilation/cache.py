@@ -27,6 +27,10 @@ from kiln.version import __version__
 
 logger = init_logger(__name__)
 
+# The running checkout: a saved trace names its traced files by absolute path, so another
+# checkout sharing the cache would otherwise hash the first one's files and load its code.
+KILN_ROOT = str(Path(__file__).resolve().parents[1])
+
 
 def source_hash(files: list[str]) -> str:
     """Hash of the contents of the traced source files (missing files hash by name)."""
@@ -43,7 +47,7 @@ def source_hash(files: list[str]) -> str:
 def compute_cache_key(config_hash: str, traced_files: list[str], compiler_hash: str,
                       device: str) -> str:
     """The cache key; pure, so tests can check what changes it."""
-    factors = [__version__, config_hash, source_hash(traced_files), compiler_hash,
+    factors = [__version__, KILN_ROOT, config_hash, source_hash(traced_files), compiler_hash,
                torch.__version__, device, platform.machine(), sys.version_info[:2]]
     return hashlib.sha256(repr(factors).encode()).hexdigest()[:16]
 

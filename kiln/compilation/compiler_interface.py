@@ -72,6 +72,15 @@ def cpu_threads_factor() -> tuple[int, int]:
     return torch.get_num_threads(), os.cpu_count() or 1
 
 
+def cpu_vec_isa_factor() -> str:
+    """The vector ISA Inductor writes CPU kernels for here (the CPU's, or lower under
+    ATEN_CPU_CAPABILITY): AVX-512 code loaded where AVX2 is picked computed NaNs."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()
+    return f"{isa}|{isa.build_arch_flags() if isa else ''}"
+
+
 class InductorStandaloneAdaptor(CompilerInterface):
     name = "inductor_standalone"
 
@@ -94,7 +103,7 @@ class InductorStandaloneAdaptor(CompilerInterface):
             uuid = self.pass_manager.uuid()
         factors = f"{inductor_config_hash()}|{uuid}|{sorted(self.defaults.items())}"
         if self.device == "cpu":
-            factors += f"|{cpu_threads_factor()}"
+            factors += f"|{cpu_threads_factor()}|{cpu_vec_isa_factor()}"
         return hashlib.sha256(factors.encode()).hexdigest()[:16]
 
     def config_patches(self, config: dict[str, Any]) -> dict[str, Any]:

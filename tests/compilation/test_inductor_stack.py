@@ -242,6 +242,36 @@ def test_cache_key_follows_config_source_and_compiler(cold, tmp_path):
     assert compute_cache_key("cfg", [str(source)], "other", "cpu") != key
 
 
+def test_another_checkout_sharing_the_cache_has_its_own_keys(monkeypatch, tmp_path):
+    """A saved trace lists its traced files by absolute path: another checkout's start would
+    hash the first one's files, unchanged, and load its code. The checkout is in the key."""
+    from kiln.compilation import cache
+
+    source = tmp_path / "model.py"
+    source.write_text("x = 1\n")
+    key = compute_cache_key("cfg", [str(source)], "compiler", "cpu")
+    monkeypatch.setattr(cache, "KILN_ROOT", str(tmp_path / "other_checkout" / "kiln"))
+    assert compute_cache_key("cfg", [str(source)], "compiler", "cpu") != key
+
+
+def test_the_ir_and_pass_sources_are_in_the_pass_managers_uuid(tmp_path, monkeypatch):
+    """What lowering puts in a graph (an IR op's reference) is no traced file: an edit there
+    must change the uuid that keys Inductor's cache and Kiln's."""
+    from kiln.compilation.passes import pass_manager
+    from kiln.compilation.passes.pass_manager import GRAPH_CODE_DIRS, graph_code_hash
+
+    for directory in GRAPH_CODE_DIRS:
+        (tmp_path / directory).mkdir(parents=True)
+        (tmp_path / directory / "a.py").write_text("x = 1\n")
+    before = graph_code_hash(tmp_path)
+    (tmp_path / "ir" / "a.py").write_text("x = 2\n")
+    assert graph_code_hash.__wrapped__(tmp_path) != before
+    manager = pass_manager.PostGradPassManager()
+    uuid = manager.uuid()
+    monkeypatch.setattr(pass_manager, "graph_code_hash", lambda: "edited")
+    assert manager.uuid() != uuid
+
+
 def test_cache_root_env(monkeypatch, tmp_path):
     monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
     assert cache_base_dir("") == tmp_path / "torch_compile_cache"
@@ -463,6 +493,17 @@ def test_debug_dump_names_each_unsaved_piece_apart(tmp_path):
         adaptor._dump_output_code([module], None, None)
     dumped = sorted(f.read_text() for f in adaptor.dump_dir.glob("output_code_*.py"))
     assert dumped == [f"# piece {i}\n" for i in range(3)]
+
+
+def test_the_cpu_vector_isa_is_part_of_the_compilers_hash(monkeypatch):
+    """Code for AVX-512 loaded where Inductor picks AVX2 (ATEN_CPU_CAPABILITY=avx2, or a cache
+    copied to an older CPU) computed NaNs."""
+    from kiln.compilation import compiler_interface
+
+    cpu = InductorStandaloneAdaptor(device="cpu")
+    before = cpu.compute_hash()
+    monkeypatch.setattr(compiler_interface, "cpu_vec_isa_factor", lambda: "avx2|-mavx2")
+    assert cpu.compute_hash() != before
 
 
 def test_the_cpu_thread_count_is_part_of_the_compilers_hash():

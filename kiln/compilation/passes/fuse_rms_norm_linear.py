@@ -48,8 +48,6 @@ def match(linear: fx.Node) -> dict | None:
 
 class FuseAddRmsNormLinear(KilnInductorPass):
     """`linear_ops`: the names of the linear IR ops it fuses into (both by default)."""
-    helper_modules = (fx_match,)
-
     def __init__(self, linear_ops=tuple(FUSED)):
         self.linear_ops = tuple(linear_ops)
 

@@ -34,8 +34,6 @@ def match(linear: fx.Node) -> fx.Node | None:
 
 class FuseSiluMulLinear(KilnInductorPass):
     """`linear_ops`: the names of the linear IR ops it fuses into (both by default)."""
-    helper_modules = (fx_match,)
-
     def __init__(self, linear_ops=tuple(FUSED)):
         self.linear_ops = tuple(linear_ops)
 

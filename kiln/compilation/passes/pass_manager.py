@@ -1,25 +1,44 @@
 """`PostGradPassManager`: Kiln's passes, installed as Inductor's post_grad_custom_pre_pass.
 
 Pre, not post: on CPU Inductor's own post-grad passes fold adds into addmm before a post pass
-could match them. Its uuid (pass list and sources, each pass's own factors such as the IR ops'
-chosen implementations, Kiln's op schemas, pass config, shape) enters Inductor's cache key
-and Kiln's.
+could match them. Its uuid (pass list, each pass's own factors such as the IR ops' chosen
+implementations, the sources of the passes and of the IR, Kiln's op schemas, pass config,
+shape) enters Inductor's cache key and Kiln's.
 """
+import functools
 import hashlib
 import inspect
 import json
+from pathlib import Path
 
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from kiln.compilation.op_schemas import schemas_hash
 
+_KILN = Path(__file__).resolve().parents[2]
+# The Python that decides a compiled piece's code without being traced: the passes and what
+# they call, and the IR's op definitions (references, fakes, in-place variants, providers'
+# predicates), which lowering puts into the graph. Inductor keys its cache on the pass
+# manager's uuid, not on what a pass calls: an edited IR reference loaded stale code.
+GRAPH_CODE_DIRS = ("ir", "compilation/passes")
+
+
+@functools.cache
+def graph_code_hash(root: Path = _KILN) -> str:
+    """A hash of every .py file under `root`'s GRAPH_CODE_DIRS, names and contents."""
+    h = hashlib.sha256()
+    for directory in GRAPH_CODE_DIRS:
+        for path in sorted((root / directory).glob("*.py")):
+            h.update(f"{directory}/{path.name}".encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
 
 class KilnInductorPass:
-    """Base of a Kiln pass: a callable on an FX graph whose uuid is the hash of its module's
-    source, of the modules in `helper_modules` (what it calls there changes its output) and of
-    `factors()`. `matched` counts what it rewrote in the graph it last ran on."""
-    helper_modules: tuple = ()
+    """Base of a Kiln pass: a callable on an FX graph whose uuid is the hash of its name and
+    `factors()` (its source, with every pass's and the IR's, is in the manager's uuid:
+    graph_code_hash). `matched` counts what it rewrote in the graph it last ran on."""
     matched = 0
 
     def __call__(self, graph: fx.Graph) -> None:
@@ -33,9 +52,7 @@ class KilnInductorPass:
         return {}
 
     def uuid(self) -> str:
-        modules = (inspect.getmodule(type(self)), *self.helper_modules)
-        source = "".join(inspect.getsource(m) for m in modules)
-        source += json.dumps(self.factors(), sort_keys=True, default=str)
+        source = self.name + json.dumps(self.factors(), sort_keys=True, default=str)
         return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
@@ -70,7 +87,7 @@ class PostGradPassManager(CustomGraphPass):
 
     def uuid(self) -> str:
         factors = {"manager": hashlib.sha256(inspect.getsource(type(self)).encode()).hexdigest(),
-                   "op_schemas": schemas_hash(),
+                   "op_schemas": schemas_hash(), "graph_code": graph_code_hash(),
                    "passes": [(p.name, p.uuid()) for p in self.passes],
                    "pass_config": self.pass_config, "shape": self.shape}
         return hashlib.sha256(json.dumps(factors, sort_keys=True, default=str).encode()

@@ -10,7 +10,13 @@ from typing import Any
 from torch import fx
 
 from kiln import envs
-from kiln.compilation.cache import CompileCache, cache_base_dir, compiled_graph_key, rank_dir_of
+from kiln.compilation.cache import (
+    KILN_ROOT,
+    CompileCache,
+    cache_base_dir,
+    compiled_graph_key,
+    rank_dir_of,
+)
 from kiln.compilation.compiler_interface import CompilerInterface, file_sha256
 from kiln.compilation.warm_start import graph_cache
 from kiln.compilation.warm_start.graph_pickle import CodeOnlyGraph
@@ -45,7 +51,7 @@ class WarmStart:
         cfg = self.kiln_config
         name = graph_cache.entry_name(cfg.compute_hash(), self.compiler.compute_hash(),
                                       cfg.device_config.device, cfg.parallel_config.rank,
-                                      self.prefix)
+                                      self.prefix, KILN_ROOT)  # checkouts keep their own
         return cache_base_dir(cfg.compilation_config.cache_dir) / "saved_graphs" / name
 
     # ---- the cold trace ----------------------------------------------------------------------
