@@ -231,6 +231,13 @@ def test_required_tool_choice(client):
     assert finish == "tool_calls"
     assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == \
         [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+    # the SDK's own accumulator copies each delta's keys over what it gathered: a later
+    # piece must leave out id, type and name, not send them as null
+    with client.chat.completions.stream(**kw) as events:
+        final = events.get_final_completion()
+    assert [(c.type, c.function.name, json.loads(c.function.arguments))
+            for c in final.choices[0].message.tool_calls] == \
+        [("function", c.function.name, json.loads(c.function.arguments)) for c in calls]
     for seed in range(3):  # parallel_tool_calls=false: the grammar allows one call only
         r = client.chat.completions.create(**{**kw, "temperature": 1.0}, seed=seed,
                                            parallel_tool_calls=False)

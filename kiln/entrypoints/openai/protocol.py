@@ -13,6 +13,7 @@ from pydantic import (
     Discriminator,
     Field,
     GetPydanticSchema,
+    SerializerFunctionWrapHandler,
     StrictBool,
     Tag,
     WithJsonSchema,
@@ -386,12 +387,23 @@ class ChatCompletionResponse(OpenAIBase):
     prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
-class DeltaFunctionCall(OpenAIBase):
+class StreamDelta(OpenAIBase):
+    """A streamed delta: fields it does not carry are left out, not sent as null, as OpenAI
+    and vLLM stream them. The openai SDK's stream accumulator copies each delta's keys over
+    what it has gathered: a later tool-call piece's `"type": null` erased the first one's
+    "function" and failed its check."""
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: SerializerFunctionWrapHandler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(StreamDelta):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(OpenAIBase):
+class DeltaToolCall(StreamDelta):
     """A streamed piece of a tool call: the first carries id, type and name, the rest pieces
     of the arguments' JSON text (concatenated, they are the whole arguments)."""
     index: int
@@ -400,7 +412,7 @@ class DeltaToolCall(OpenAIBase):
     function: DeltaFunctionCall | None = None
 
 
-class DeltaMessage(OpenAIBase):
+class DeltaMessage(StreamDelta):
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
