@@ -264,6 +264,20 @@ def test_auto_tool_choice_reads_hermes_calls(client):
     assert not r.choices[0].message.tool_calls and "<tool_call>" in r.choices[0].message.content
 
 
+def test_tokenize_renders_the_tools_as_chat_does(client):
+    """/tokenize with messages and tools counts what a chat request's prompt_tokens count."""
+    import httpx
+
+    r = client.chat.completions.create(model=NAME, messages=MESSAGES, tools=[WEATHER],
+                                       tool_choice="none", max_tokens=1)
+    base = str(client.base_url).removesuffix("/v1/")
+    headers = {"Authorization": f"Bearer {KEY}"}
+    counts = [httpx.post(f"{base}/tokenize", headers=headers, json={
+        "model": NAME, "messages": MESSAGES, **extra}).json()["count"]
+        for extra in ({"tools": [WEATHER]}, {})]
+    assert counts[0] == r.usage.prompt_tokens > counts[1]
+
+
 def test_tool_history_renders(client):
     """An assistant turn with tool_calls and a tool result go through the template."""
     messages = MESSAGES + [

@@ -260,6 +260,9 @@ class TokenizeRequest(RequestBase):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False  # as in chat completions, so counts agree
     chat_template_kwargs: dict[str, Any] | None = None
+    # what the chat template renders besides the messages, as in chat completions (vLLM's)
+    tools: list[ChatCompletionTool] | None = None
+    documents: list[dict[str, str]] | None = None
     return_token_strs: StrictBool = False
 
 

@@ -91,10 +91,13 @@ async def render_chat_prompt(llm: AsyncLLM, messages: list[ChatMessage],
                              add_generation_prompt: bool, continue_final_message: bool = False,
                              template_kwargs: dict | None = None,
                              add_special_tokens: bool = False,
-                             tools: list[dict] | None = None) -> dict:
+                             tools: list[dict] | None = None,
+                             documents: list[dict] | None = None) -> dict:
     """The engine prompt for a conversation: {"prompt": text, "prompt_token_ids": ids}.
     Templates write their own BOS, so no special tokens are added unless asked (vLLM's
-    add_special_tokens, default false)."""
+    add_special_tokens, default false). `tools` and `documents` go to the template."""
+    if documents is not None:  # HF's apply_chat_template hands them to the template
+        template_kwargs = {"documents": documents, **(template_kwargs or {})}
     if not messages:
         raise OpenAIError("messages is empty: give at least one message", param="messages",
                           code="invalid_value")
@@ -153,12 +156,10 @@ class ServingChat:
             constraint, field = plan.constraint, "tools"
         if constraint is not None:
             await check_compiles(constraint, field)
-        template_kwargs = req.chat_template_kwargs
-        if req.documents is not None:  # HF's apply_chat_template hands them to the template
-            template_kwargs = {"documents": req.documents, **(template_kwargs or {})}
         prompt = await render_chat_prompt(self.llm, req.messages, req.add_generation_prompt,
-                                          req.continue_final_message, template_kwargs,
-                                          req.add_special_tokens, plan.template_tools)
+                                          req.continue_final_message, req.chat_template_kwargs,
+                                          req.add_special_tokens, plan.template_tools,
+                                          req.documents)
         prompt = with_cache_salt(prompt, req.cache_salt)
         if constraint is not None:
             if (self.reasoning_parser is not None and constraint.reasoning_end is None

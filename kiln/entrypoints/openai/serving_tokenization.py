@@ -16,6 +16,7 @@ from kiln.entrypoints.openai.protocol import (
 )
 from kiln.entrypoints.openai.serving_chat import check_generation_flags, render_chat_prompt
 from kiln.entrypoints.openai.serving_models import ServingModels
+from kiln.entrypoints.openai.tool_parsers.tool_plan import template_tool_dicts
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -70,7 +71,8 @@ class ServingTokenization:
             prompt = await render_chat_prompt(
                 self.llm, req.messages, req.add_generation_prompt, req.continue_final_message,
                 req.chat_template_kwargs,
-                req.add_special_tokens and "add_special_tokens" in req.model_fields_set)
+                req.add_special_tokens and "add_special_tokens" in req.model_fields_set,
+                template_tool_dicts(req.tools), req.documents)
             # The ids as the argument: their number picks the thread (frontend_lanes.py).
             return await self.llm.run_in_engine(
                 lambda ids: self._response_body(tokenizer, ids, req.return_token_strs),

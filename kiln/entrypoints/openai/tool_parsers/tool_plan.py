@@ -25,6 +25,11 @@ class ToolPlan:
     max_calls: int | None = None
 
 
+def template_tool_dicts(tools) -> list[dict] | None:
+    """The request's tools as the chat template reads them (OpenAI tool dicts)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
 def plan_tools(req, tool_call_parser: str | None, enable_auto_tool_choice: bool) -> ToolPlan:
     plan = _plan(req, tool_call_parser, enable_auto_tool_choice)
     if plan.parser is not None:
@@ -47,7 +52,7 @@ def _plan(req, tool_call_parser: str | None, enable_auto_tool_choice: bool) -> T
         return ToolPlan()
     single = not req.parallel_tool_calls
     names = [t.function.name for t in tools]
-    template_tools = [t.model_dump(exclude_none=True) for t in tools]
+    template_tools = template_tool_dicts(tools)
     if choice == "none":
         return ToolPlan(template_tools=template_tools)
     if choice == "auto":
