@@ -69,11 +69,23 @@ def test_whole_and_streamed_agree(parser, text, content, expected):
     (HermesToolParser(), "<tool_call>\n{not json}\n</tool_call>"),
     (HermesToolParser(), '<tool_call>\n{"name": "f", "arguments": {"a": '),  # cut short
     (Llama3JsonToolParser(), "Plain answer { with a brace"),
-    (NamedToolParser("f"), '{"a": '),
 ])
 def test_answers_that_are_no_calls_stay_content(parser, text):
     content, calls = parser.extract(text)
     assert calls == [] and content == text
+
+
+def test_a_forced_call_cut_short_is_still_the_call_as_it_streams():
+    """tool_choice named or required: the grammar wrote a call, which max_tokens cut short;
+    the whole answer holds it as the stream did (vLLM's), its arguments the text so far."""
+    text = '{"a": '
+    content, (call,) = NamedToolParser("f").extract(text)
+    stream = ToolCallStream(NamedToolParser("f"))
+    _, deltas = stream.feed(text, final=True)
+    assert content is None and (call.function.name, call.function.arguments) == ("f", '{"a":')
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments
+    # required: a call whose name is not written yet is no call
+    assert RequiredToolParser().extract('[{"na') == ('[{"na', [])
 
 
 def test_hermes_stream_holds_back_a_split_tag():

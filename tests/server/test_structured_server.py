@@ -215,6 +215,13 @@ def test_named_tool_choice(client):
     calls, finish, _ = _reassemble(client.chat.completions.create(stream=True, **kw))
     assert [c["name"] for c in calls.values()] == ["get_weather"] and calls[0]["id"]
     assert json.loads(calls[0]["arguments"]) == args and finish == "stop"
+    # cut short by max_tokens: still the call, its arguments the text so far, streamed or not
+    kw["max_tokens"] = 3
+    r = client.chat.completions.create(**kw)
+    (call,) = r.choices[0].message.tool_calls
+    calls, finish, content = _reassemble(client.chat.completions.create(stream=True, **kw))
+    assert r.choices[0].finish_reason == finish == "length" and not content
+    assert call.function.arguments == calls[0]["arguments"] != ""
 
 
 def test_required_tool_choice(client):

@@ -17,6 +17,9 @@ class ToolParser:
     (parallel_tool_calls=false): calls past it are dropped."""
 
     max_calls: int | None = None
+    # The answer's shape is forced by a grammar (tool_choice required or named): its calls are
+    # calls even when max_tokens cut their arguments short, as they stream (and as vLLM's are).
+    forced = False
 
     def parse(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
         raise NotImplementedError
@@ -29,7 +32,11 @@ class ToolParser:
         """The whole answer: (content or None, tool calls). Calls that are not valid JSON leave
         the text as content (a model that did not follow the format)."""
         content, calls = self.calls(text, final=True)
-        if not calls or not all(c.done and c.name and is_json(c.args) for c in calls):
+        if self.forced:
+            calls = [c for c in calls if c.name]  # a name not yet written: no call yet
+        elif not all(c.done and c.name and is_json(c.args) for c in calls):
+            calls = []
+        if not calls:
             return text or None, []
         return content or None, [ToolCall(id=tool_call_id(), function=FunctionCall(
             name=c.name, arguments=c.args)) for c in calls]

@@ -22,6 +22,8 @@ def required_schema(tools, max_calls: int | None = None) -> dict:
 
 
 class NamedToolParser(ToolParser):
+    forced = True
+
     def __init__(self, name: str):
         self.name = name
 
@@ -31,6 +33,8 @@ class NamedToolParser(ToolParser):
 
 
 class RequiredToolParser(ToolParser):
+    forced = True
+
     def parse(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
         i = skip_ws(text, 0)
         if i >= len(text) or text[i] != "[":
