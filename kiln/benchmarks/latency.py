@@ -129,11 +129,16 @@ def measure_batch(engine, prompts: list[list[int]], num_steps: int, warmup_steps
         engine.abort_request(ids)
 
 
+def engine_runner(engine):
+    """The model runner of an in-process engine's worker (None behind other executors: its
+    ranks hold theirs)."""
+    executor = getattr(engine.engine_core, "executor", None)
+    return getattr(getattr(executor, "worker", None), "model_runner", None)
+
+
 def engine_model(engine):
     """The model of an in-process engine's worker (None behind other executors)."""
-    executor = getattr(engine.engine_core, "executor", None)
-    worker = getattr(executor, "worker", None)
-    return getattr(getattr(worker, "model_runner", None), "model", None)
+    return getattr(engine_runner(engine), "model", None)
 
 
 def model_weight_bytes(engine) -> int | None:
@@ -198,9 +203,12 @@ def start_subject(label: str, spec: dict, engine_args: EngineArgs, batch_sizes: 
     # In this process: a core process runs ahead of step(), and the model is read here.
     engine = LLMEngine(kiln_config, multiprocess=False)
     startup_s = time.perf_counter() - start
-    runner = engine.engine_core.executor.worker.model_runner
+    runner = engine_runner(engine)
+    # -tp / -pp: the ranks resolve the mode; the report gives the one asked for
+    cudagraph_mode = (runner.cudagraph_dispatcher.cudagraph_mode.name if runner is not None
+                      else f"{kiln_config.compilation_config.cudagraph_mode} (requested)")
     subject = Subject(label, spec, args, engine, kiln_config, startup_s,
-                      model_weight_bytes(engine), runner.cudagraph_dispatcher.cudagraph_mode.name)
+                      model_weight_bytes(engine), cudagraph_mode)
     try:
         for b in batch_sizes:
             check_kv_capacity(b, input_len + warmup_steps + num_steps + 2,

@@ -122,6 +122,19 @@ def test_bench_latency_compares_two_configs_in_one_run(tiny_llama_dir, interleav
         assert ratio == pytest.approx(expected, rel=1e-12)
 
 
+def test_bench_latency_with_tensor_parallel_ranks(tiny_llama_dir):
+    """-tp 2: the model lives in the ranks, which the report says (it read the in-process
+    worker's runner and failed)."""
+    r = subprocess.run([sys.executable, "-m", "kiln.entrypoints.cli.main", "bench", "latency",
+                        "--model", str(tiny_llama_dir), *SMALL, "-tp", "2", "--batch-sizes",
+                        "1", "--input-len", "4", "--num-steps", "2", "--warmup-steps", "1",
+                        "--compare", "0"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout)
+    assert report["model_weight_bytes"] is None
+    assert report["configs"][0]["results"]["1"]["num_steps"] == 2
+
+
 def test_interleaved_engines_take_turns_on_the_same_batch(tiny_llama_dir, monkeypatch):
     turns, real = [], latency.time_steps
     monkeypatch.setattr(latency, "time_steps", lambda engine, n, b, tag: turns.append(
