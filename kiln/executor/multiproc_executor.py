@@ -112,12 +112,16 @@ class MultiprocExecutor(Executor):
                     self.world_size, pc.tensor_parallel_size, pc.pipeline_parallel_size)
 
     # ---- calls ---------------------------------------------------------------------------
-    def _fail(self, message: str) -> None:
+    def _stop(self, message: str) -> None:
+        """Stop every rank and refuse later calls with `message`."""
         self.failure = message
         logger.error("%s; stopping every rank", message)
         # The others may wait in a collective for the failed rank forever: no grace period.
         self._kill_all(self.procs)
         self.shutdown()
+
+    def _fail(self, message: str) -> None:
+        self._stop(message)
         raise WorkerFailedError(message)
 
     def _collect(self, timeout: float | None, what: str) -> list:
@@ -158,14 +162,22 @@ class MultiprocExecutor(Executor):
         start = time.perf_counter()
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            for conn in self.conns:
-                conn.send_bytes(payload)
-        except (BrokenPipeError, OSError):
-            pass  # a dead rank: _collect names it
-        if method == "execute_model":
-            self.broadcast_seconds += time.perf_counter() - start
-            self.broadcast_calls += 1
-        return self._collect(timeout=None, what=method)
+            try:
+                for conn in self.conns:
+                    conn.send_bytes(payload)
+            except (BrokenPipeError, OSError):
+                pass  # a dead rank: _collect names it
+            if method == "execute_model":
+                self.broadcast_seconds += time.perf_counter() - start
+                self.broadcast_calls += 1
+            return self._collect(timeout=None, what=method)
+        except BaseException as e:
+            if self.failure is None:  # interrupted (Ctrl-C) between a send and its replies
+                # Some ranks may have the call and unread replies may wait in the pipes: a
+                # next call would read this one's replies as its own, a step behind, or hang.
+                self._stop(f"{method} was interrupted ({type(e).__name__}) before every rank "
+                           "answered; create a new engine")
+            raise
 
     def determine_num_blocks(self) -> int:
         return min(self._run_on_all("determine_num_blocks"))

@@ -50,6 +50,31 @@ def test_killed_worker_fails_requests_in_flight_naming_its_rank(tiny_llama_dir, 
     engine.engine_core.shutdown()  # a second shutdown is harmless
 
 
+def test_a_step_interrupted_before_every_rank_answered_stops_the_engine(tiny_llama_dir, bounded):
+    """Ctrl-C between sending a step and reading the ranks' replies (an in-process engine in a
+    REPL) leaves replies in the pipes: the next step would read them as its own, a step behind,
+    with wrong tokens. The engine stops instead, and says why."""
+    llm = make_llm(tiny_llama_dir, tensor_parallel_size=2)
+    engine = llm.llm_engine
+    executor = engine.engine_core.executor
+    procs = list(executor.procs)
+    engine.add_request("r0", {"prompt_token_ids": [5, 6, 7, 8]}, greedy(50))
+    engine.step()
+    collect = executor._collect
+
+    def interrupted(*args, **kwargs):
+        executor._collect = collect
+        raise KeyboardInterrupt
+
+    executor._collect = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    with pytest.raises(WorkerFailedError, match="interrupted .KeyboardInterrupt. before every "
+                                                "rank answered; create a new engine"):
+        engine.step()
+    assert _wait_exited(procs) == []
+
+
 def test_rank_failing_at_start_up_is_named_and_leaves_no_process(tiny_llama_dir, bounded,
                                                                   monkeypatch):
     import multiprocessing
