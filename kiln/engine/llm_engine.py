@@ -158,6 +158,7 @@ class LLMEngine:
 
     def add_processed_request(self, request_id: str, processed: ProcessedPrompt,
                               arrival_time: float | None = None) -> None:
+        core = self._core()
         params = processed.params
         if params.n == 1:
             samples = [(request_id, params)]
@@ -177,13 +178,13 @@ class LLMEngine:
         added = []
         try:
             for req in core_requests:
-                self._core().add_request(req)
+                core.add_request(req)
                 added.append(req.request_id)
         except BaseException:
             # Leave no half-added request behind: other requests must be unaffected.
             self.output_processor.abort_requests([request_id])
             if added:
-                self._core().abort_requests(added)
+                core.abort_requests(added)
             raise
 
     def reset_prefix_cache(self) -> bool:

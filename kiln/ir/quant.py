@@ -55,12 +55,15 @@ def cuda_int_mm_padding(m: int, k: int, n: int) -> tuple[int, int, int]:
 
 def _int_mm_padded(q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
     """q int8 [M, K] @ w_q int8 [N, K]^T -> int32 [M, N], through operands padded with zeros
-    to cuda_int_mm_padding's shape (a decode step has 16 rows or fewer)."""
+    to cuda_int_mm_padding's shape (a decode step has 16 rows or fewer). An operand that needs
+    none is not copied: padding the weight would copy it on every call."""
     m, k = q.shape
     n = w_q.shape[0]
     pad_m, pad_k, pad_n = cuda_int_mm_padding(m, k, n)
-    q = torch.nn.functional.pad(q, (0, pad_k, 0, pad_m))
-    w_q = torch.nn.functional.pad(w_q, (0, pad_k, 0, pad_n))
+    if pad_m or pad_k:
+        q = torch.nn.functional.pad(q, (0, pad_k, 0, pad_m))
+    if pad_k or pad_n:
+        w_q = torch.nn.functional.pad(w_q, (0, pad_k, 0, pad_n))
     return torch._int_mm(q.contiguous(), w_q.contiguous().t())[:m, :n]
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from kiln.compilation.cache import KILN_ROOT
 from kiln.compilation.op_schemas import schemas_hash
 
-_KILN = Path(__file__).resolve().parents[2]
 # The Python that decides a compiled piece's code without being traced: the passes and what
 # they call, and the IR's op definitions (references, fakes, in-place variants, providers'
 # predicates), which lowering puts into the graph. Inductor keys its cache on the pass
@@ -25,7 +25,7 @@ GRAPH_CODE_DIRS = ("ir", "compilation/passes")
 
 
 @functools.cache
-def graph_code_hash(root: Path = _KILN) -> str:
+def graph_code_hash(root: Path = Path(KILN_ROOT)) -> str:
     """A hash of every .py file under `root`'s GRAPH_CODE_DIRS, names and contents."""
     h = hashlib.sha256()
     for directory in GRAPH_CODE_DIRS:
