@@ -135,6 +135,40 @@ def test_completion_echo_with_logprobs_covers_the_prompt(client):
         assert chunks[0]["token_logprobs"][:3] == [None, -0.25, -0.25]
 
 
+def test_completion_echo_with_max_tokens_0_scores_the_prompt_only(client):
+    """echo + max_tokens 0 (how evaluation harnesses score a text): the prompt back with its
+    logprobs, no generated token, finish_reason length, no completion tokens counted."""
+    body = dict(prompt=[5, 6, 7], max_tokens=0, echo=True, logprobs=1, return_token_ids=True)
+    r = client.post("/v1/completions", json=body).json()
+    choice = r["choices"][0]
+    assert choice["text"] == "5 6 7 " and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == ["5 ", "6 ", "7 "]
+    assert choice["logprobs"]["token_logprobs"] == [None, -0.25, -0.25]
+    assert choice["token_ids"] == [] and choice["prompt_token_ids"] == [5, 6, 7]
+    assert r["usage"]["completion_tokens"] == 0 and r["usage"]["prompt_tokens"] == 3
+    events = sse_events(client, "/v1/completions",
+                        {**body, "n": 2, "stream": True, "stream_options": {"include_usage": True}})
+    for index in (0, 1):
+        chunks = [c for e in events for c in e["choices"] if c["index"] == index]
+        assert "".join(c["text"] for c in chunks) == "5 6 7 "
+        assert [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]] == \
+            ["5 ", "6 ", "7 "]
+        assert chunks[-1]["finish_reason"] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 0
+
+
+@pytest.mark.parametrize("body,param,hint", [
+    (dict(max_tokens=0), "max_tokens", "echo=true"),
+    (dict(max_tokens=0, echo=False), "max_tokens", "echo=true"),
+    (dict(max_tokens=0, echo=True, min_tokens=1), "min_tokens", "max_tokens=0")])
+def test_completion_max_tokens_0_without_echo_is_refused_naming_the_field(client, body, param,
+                                                                          hint):
+    r = client.post("/v1/completions", json=dict(prompt="hi", **body))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and hint in error["message"]
+
+
 def test_chat_whole_streamed_and_logprobs(client):
     body = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                 logprobs=True, top_logprobs=2)

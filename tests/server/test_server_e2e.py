@@ -177,6 +177,14 @@ def test_completion_echo_logprobs_scores_the_prompt(client):
     streamed = [x for c in chunks if c.choices and c.choices[0].logprobs
                 for x in c.choices[0].logprobs.token_logprobs]
     assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+    # max_tokens 0 (the openai SDK passes it through): the same prompt scores, nothing else.
+    only = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=0, logprobs=2,
+                                     echo=True)
+    assert only.choices[0].text == PROMPTS[2] and only.choices[0].finish_reason == "length"
+    assert only.usage.completion_tokens == 0
+    assert only.choices[0].logprobs.tokens == lp.tokens[:n_prompt]
+    assert only.choices[0].logprobs.token_logprobs[1:] == \
+        pytest.approx(lp.token_logprobs[1:n_prompt], abs=1e-4)
 
 
 def test_chat_whole_streamed_n_logprobs(client, server):

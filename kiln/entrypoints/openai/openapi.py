@@ -10,6 +10,7 @@ from fastapi.openapi.utils import get_openapi
 from kiln.entrypoints.openai.openapi_cross_field import (
     CONTINUE_AND_NEW_TURN,
     EMPTY_TEXT_BARE,
+    GENERATE_NOTHING,
     NULL,
     one_constraint,
     refuse,
@@ -112,6 +113,8 @@ def _sampling_ranges(model_schema: dict) -> None:
         props["best_of"] = {"anyOf": [{"const": 1}, {"type": "null"}], "title": "Best Of"}
     if "max_completion_tokens" in props:  # chat: it overrides max_tokens, then unchecked
         del ranges["max_tokens"]
+    elif "echo" in props:  # completions: 0 with echo scores the prompt (GENERATE_NOTHING)
+        ranges["max_tokens"] = {"minimum": 0}
     for name, bounds in ranges.items():
         prop = props.get(name, {})
         for member in prop.get("anyOf", [prop]):
@@ -248,6 +251,7 @@ def patch_schema(schema: dict, vocab_size: int | None = None,
                         member["minLength"] = 1
     if "CompletionRequest" in components:
         refuse(components["CompletionRequest"], EMPTY_TEXT_BARE)
+        refuse(components["CompletionRequest"], GENERATE_NOTHING)
         if not empty_text_has_tokens:
             refuse(components["CompletionRequest"], {"required": ["prompt"], "properties": {
                 "prompt": EMPTY_TEXT_BARE["properties"]["prompt"]}})

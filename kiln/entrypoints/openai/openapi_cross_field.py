@@ -12,6 +12,12 @@ EMPTY_TEXT_BARE = {"required": ["add_special_tokens", "prompt"], "properties": {
     "add_special_tokens": {"const": False},
     "prompt": {"anyOf": [{"const": ""}, {"type": "array", "contains": {"const": ""}}]}}}
 
+# max_tokens 0 only scores an echoed prompt (sampling.echo_only): without echo, and with
+# min_tokens above it, refused.
+GENERATE_NOTHING = {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}},
+                    "anyOf": [{"properties": {"echo": {"not": {"const": True}}}},
+                              {"required": ["min_tokens"],
+                               "properties": {"min_tokens": {"exclusiveMinimum": 0}}}]}
 
 _NULL_ONLY = {"type": "null"}
 # switch -> (what turns it on; field -> what it takes with the switch off; field -> what it

@@ -98,10 +98,31 @@ def completion_sampling_params(req: CompletionRequest,
     defaults = defaults or {}
     kw = _common_kwargs(req, defaults)
     kw.update(max_tokens=default_max_tokens(req.max_tokens, defaults), logprobs=req.logprobs)
+    if req.max_tokens == 0:
+        _check_echo_only(req)
+        # The engine samples one token after the prompt, which the answer leaves out (vLLM's
+        # way): the prompt's logprobs come from the step that ends in that sample.
+        kw["max_tokens"] = 1
     if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
         kw["prompt_logprobs"] = req.logprobs  # the echoed prompt's tokens get logprobs too
     names = {name: name for name in _SHARED_FIELDS}
     return _build(kw, names, req.stream)
+
+
+def echo_only(req: CompletionRequest) -> bool:
+    """echo with max_tokens 0 (OpenAI's legacy API, vLLM's): the prompt comes back, with its
+    logprobs when asked, and nothing generated: how evaluation harnesses score a text."""
+    return req.echo and req.max_tokens == 0
+
+
+def _check_echo_only(req: CompletionRequest) -> None:
+    if not req.echo:
+        raise OpenAIError("max_tokens=0 generates nothing: give echo=true to get the prompt "
+                          "back scored (its logprobs with logprobs=N), or ask for 1 token or "
+                          "more", param="max_tokens", code="invalid_value")
+    if req.min_tokens:
+        raise OpenAIError(f"min_tokens={req.min_tokens} is more than max_tokens=0; omit it",
+                          param="min_tokens", code="invalid_value")
 
 
 def chat_sampling_params(req: ChatCompletionRequest,

@@ -2,6 +2,7 @@
 
 Choice index = prompt index * n + sample index, as OpenAI numbers them.
 """
+import dataclasses
 import time
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,7 +25,7 @@ from kiln.entrypoints.openai.request_fields import (
     token_ids_fields,
     with_cache_salt,
 )
-from kiln.entrypoints.openai.sampling import completion_sampling_params
+from kiln.entrypoints.openai.sampling import completion_sampling_params, echo_only
 from kiln.entrypoints.openai.serving_engine import (
     SSE_DONE,
     ClientDisconnected,
@@ -149,6 +150,7 @@ class ServingCompletion:
             prompt_tokens += len(out.prompt_token_ids)
             prefix = await self._prompt_text(prompts[i], out) if req.echo else ""
             for o in out.outputs:
+                o = _as_answered(req, o)
                 completion_tokens += len(o.token_ids)
                 choices.append(CompletionChoice(
                     index=i * req.n + o.index, text=prefix + o.text,
@@ -183,6 +185,7 @@ class ServingCompletion:
                 if out.prompt_logprobs is not None:
                     with_prompt_logprobs[i] = out
                 for o in out.outputs:
+                    o = _as_answered(req, o)
                     index = i * req.n + o.index
                     text, echoed = o.text, None
                     if req.echo and index not in offsets:
@@ -217,3 +220,15 @@ class ServingCompletion:
         finally:
             abort_unfinished(self.llm, streams)
         yield SSE_DONE
+
+
+def _as_answered(req: CompletionRequest, o: CompletionOutput) -> CompletionOutput:
+    """A sample as the answer shows it: an echo-only request's (max_tokens 0) without the one
+    token the engine sampled after the prompt, ended by its length of 0 once the engine is
+    done with it."""
+    if not echo_only(req):
+        return o
+    return dataclasses.replace(o, text="", token_ids=[], cumulative_logprob=None,
+                               logprobs=None if o.logprobs is None else [],
+                               finish_reason="length" if o.finished() else None,
+                               stop_reason=None)
