@@ -23,15 +23,31 @@ def grammar_waits_for_reasoning(name: str, prompt: str | None) -> bool:
     return name in REASONING_PARSERS and prompt_opens_thinking(prompt) is not False
 
 
-def make_splitter(name: str, prompt: str | None, constrained: bool = False) -> ThinkSplitter:
-    """A splitter for one answer to `prompt` (its rendered text, when known). `constrained`:
-    a grammar shapes the answer from its first token, so it starts outside any thinking (a
-    <think> the grammar itself allows at the start still opens one)."""
-    if constrained:
-        return ThinkSplitter(False)
+def make_splitter(name: str, prompt: str | None,
+                  thinking_first: bool | None = None) -> ThinkSplitter:
+    """A splitter for one answer to `prompt` (its rendered text, when known). `thinking_first`:
+    how the answer's grammar reads its start, where it has one. False: the grammar shapes it
+    from the first token, so no thinking comes first (a <think> the grammar itself allows at the
+    start still opens one). True: the grammar waits for </think>, so all before it is thinking,
+    even in an answer that never writes one (as vLLM's qwen3 parser reads it): what the grammar
+    left free must not come back as content, nor as a forced call."""
+    if thinking_first is not None:
+        return ThinkSplitter(thinking_first)
     opened = prompt_opens_thinking(prompt)
     return ThinkSplitter(REASONING_PARSERS[name] if opened is None else opened)
 
 
+def grammar_thinking_first(constraint) -> bool | None:
+    """make_splitter's `thinking_first` for an answer under `constraint` (its structured
+    outputs, or None): False where the grammar applies from the first token, True where it waits
+    for </think>; None without one, or where it waits for another marker (the splitter knows
+    only </think>): then the prompt and the parser decide."""
+    if constraint is None:
+        return None
+    if constraint.reasoning_end is None:
+        return False
+    return True if constraint.reasoning_end == END else None
+
+
 __all__ = ["END", "REASONING_PARSERS", "ThinkSplitter", "check_reasoning_parser",
-           "grammar_waits_for_reasoning", "make_splitter"]
+           "grammar_waits_for_reasoning", "grammar_thinking_first", "make_splitter"]

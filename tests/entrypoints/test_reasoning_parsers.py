@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from kiln.reasoning import grammar_waits_for_reasoning, make_splitter
+from kiln.reasoning import grammar_thinking_first, grammar_waits_for_reasoning, make_splitter
 from kiln.reasoning.think_splitter import ThinkSplitter, prompt_opens_thinking
+from kiln.sampling_params import StructuredOutputsParams
 
 CASES = [
     # (answer, starts inside, (reasoning, content))
@@ -48,9 +49,9 @@ def test_the_prompt_decides_where_an_answer_starts():
     assert make_splitter("qwen3", "<think>\n").split("r</think>c") == ("r", "c")
     assert make_splitter("deepseek_r1", "<think></think>").split("c") == (None, "c")
     # Under a grammar the answer is shaped from its first token: no thinking comes first.
-    assert make_splitter("deepseek_r1", "<think>\n", constrained=True).split('{"a": 1}') == \
+    assert make_splitter("deepseek_r1", "<think>\n", thinking_first=False).split('{"a": 1}') == \
         (None, '{"a": 1}')
-    assert make_splitter("deepseek_r1", "x", constrained=True).split("<think>r</think>c") == \
+    assert make_splitter("deepseek_r1", "x", thinking_first=False).split("<think>r</think>c") == \
         ("r", "c")
 
 
@@ -58,3 +59,17 @@ def test_a_grammar_waits_unless_the_prompt_closed_the_thinking():
     assert grammar_waits_for_reasoning("qwen3", "<|im_start|>assistant\n")
     assert grammar_waits_for_reasoning("deepseek_r1", "Assistant: <think>\n")
     assert not grammar_waits_for_reasoning("qwen3", "assistant\n<think>\n\n</think>\n\n")
+
+
+def test_a_grammar_waiting_for_the_end_of_thinking_counts_all_before_it_as_thinking():
+    """What the grammar left free (it waits for </think>) is thinking, even when the answer
+    never writes </think>: it must not come back as content the grammar never shaped."""
+    waits = StructuredOutputsParams(json={"type": "object"}, reasoning_end="</think>")
+    assert grammar_thinking_first(waits) is True
+    assert make_splitter("qwen3", "user: hi", True).split("cut short") == ("cut short", None)
+    assert make_splitter("qwen3", "user: hi", True).split("<think>r</think>{}") == ("r", "{}")
+    assert grammar_thinking_first(StructuredOutputsParams(json={"type": "object"})) is False
+    assert grammar_thinking_first(None) is None
+    # another marker than </think>: the splitter cannot follow it, the prompt decides
+    other = StructuredOutputsParams(json={"type": "object"}, reasoning_end="[END]")
+    assert grammar_thinking_first(other) is None

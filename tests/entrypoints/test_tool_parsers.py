@@ -88,6 +88,14 @@ def test_a_forced_call_cut_short_is_still_the_call_as_it_streams():
     assert RequiredToolParser().extract('[{"na') == ('[{"na', [])
 
 
+def test_a_named_call_with_nothing_written_is_no_call_whole_or_streamed():
+    """All the answer was thinking (the grammar waited for </think>): no call, and the stream
+    announces none either."""
+    assert NamedToolParser("f").extract("") == (None, [])
+    stream = ToolCallStream(NamedToolParser("f"))
+    assert stream.feed("") == ("", []) and stream.feed("", final=True) == ("", [])
+
+
 def test_hermes_stream_holds_back_a_split_tag():
     stream = ToolCallStream(HermesToolParser())
     assert stream.feed("Hi <tool_") == ("Hi ", [])

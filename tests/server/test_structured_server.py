@@ -30,10 +30,14 @@ TIME = {"type": "function", "function": {
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def tiny_qwen_chat(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen_chat"), "qwen2", tie=True,
                                 tokenizer="chat", max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_qwen_chat(tmp_path_factory)
 
 
 def _serve(model, tmp_path_factory, *flags):
@@ -49,12 +53,6 @@ def _serve(model, tmp_path_factory, *flags):
 def client(model, tmp_path_factory):
     with _serve(model, tmp_path_factory, "--tool-call-parser", "hermes",
                 "--enable-auto-tool-choice") as (url, _):
-        yield openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def reasoning_client(model, tmp_path_factory):
-    with _serve(model, tmp_path_factory, "--reasoning-parser", "qwen3") as (url, _):
         yield openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
 
 
@@ -295,47 +293,3 @@ def test_tool_history_renders(client):
     r = client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER],
                                        tool_choice="none", max_tokens=3)
     assert r.choices[0].message.content is not None
-
-
-def test_reasoning_split(reasoning_client):
-    """The grammar writes a <think> block: its text comes back as reasoning_content, whole and
-    streamed alike. (Thinking is switched off in the template, so the grammar applies from the
-    first token rather than after the model's own </think>.)"""
-    client = reasoning_client
-    pattern = "<think>[a-z]{1,6}( [a-z]{1,6}){0,2}</think>[a-z]{1,6}"
-    kw = dict(model=NAME, messages=MESSAGES, max_tokens=60, temperature=0,
-              extra_body={"structured_outputs": {"regex": pattern},
-                          "chat_template_kwargs": {"enable_thinking": False}})
-    r = client.chat.completions.create(**kw)
-    m = r.choices[0].message
-    raw = f"<think>{m.reasoning_content}</think>{m.content}"
-    assert re.fullmatch(pattern, raw), raw
-    reasoning = content = ""
-    for chunk in client.chat.completions.create(stream=True, **kw):
-        for c in chunk.choices:
-            reasoning += getattr(c.delta, "reasoning_content", None) or ""
-            content += c.delta.content or ""
-    assert (reasoning, content) == (m.reasoning_content, m.content)
-    # include_reasoning=false: the thinking is dropped, the content stays.
-    r = client.chat.completions.create(**{**kw, "extra_body": {
-        **kw["extra_body"], "include_reasoning": False}})
-    assert r.choices[0].message.reasoning_content is None
-    assert r.choices[0].message.content == m.content
-    # A constrained answer with the thinking closed in the prompt is all content.
-    r = client.chat.completions.create(
-        model=NAME, messages=MESSAGES, max_tokens=20, temperature=0,
-        extra_body={"structured_outputs": {"regex": "[a-z]{3}"},
-                    "chat_template_kwargs": {"enable_thinking": False}})
-    assert r.choices[0].message.reasoning_content is None
-    assert re.fullmatch("[a-z]{3}", r.choices[0].message.content)
-
-
-def test_grammar_waits_for_the_thinking(reasoning_client):
-    """With thinking on, the grammar applies after </think>: this random model never writes
-    one, so its answer runs free (to max_tokens) instead of being forced into the pattern."""
-    r = reasoning_client.chat.completions.create(
-        model=NAME, messages=MESSAGES, max_tokens=12, temperature=0,
-        extra_body={"structured_outputs": {"regex": "z{1,3}"}})
-    assert r.choices[0].finish_reason == "length"
-    m = r.choices[0].message
-    assert not re.fullmatch("z{1,3}", (m.reasoning_content or "") + (m.content or ""))

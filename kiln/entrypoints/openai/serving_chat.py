@@ -53,7 +53,7 @@ from kiln.entrypoints.openai.structured_fields import check_compiles, request_st
 from kiln.entrypoints.openai.tool_parsers.base import ToolCallStream
 from kiln.entrypoints.openai.tool_parsers.tool_plan import ToolPlan, plan_tools
 from kiln.outputs import CompletionOutput
-from kiln.reasoning import END, grammar_waits_for_reasoning, make_splitter
+from kiln.reasoning import END, grammar_thinking_first, grammar_waits_for_reasoning, make_splitter
 
 
 def check_generation_flags(req) -> None:
@@ -166,8 +166,7 @@ class ServingChat:
                     and grammar_waits_for_reasoning(self.reasoning_parser, prompt.get("prompt"))):
                 constraint = dataclasses.replace(constraint, reasoning_end=END)
             params.structured_outputs = constraint
-        # The answer starts under the grammar: no thinking comes first.
-        constrained = constraint is not None and constraint.reasoning_end is None
+        thinking_first = grammar_thinking_first(constraint)
         request_id = response_id("chatcmpl", req.request_id)
         max_tokens_param = ("max_completion_tokens" if req.max_completion_tokens is not None
                             else "max_tokens")
@@ -175,7 +174,7 @@ class ServingChat:
                                max_tokens_param)
         if req.stream:
             return StreamingResponse(self._stream(req, model, request_id, streams, plan,
-                                                  prompt.get("prompt"), constrained),
+                                                  prompt.get("prompt"), thinking_first),
                                      media_type="text/event-stream")
         try:
             final = await until_disconnect(raw, self._collect(streams[0]))
@@ -184,7 +183,7 @@ class ServingChat:
         finally:
             abort_unfinished(self.llm, streams)
         echoed = echo_prefix(req, req.messages)
-        choices = [self._choice(req, plan, prompt.get("prompt"), o, echoed, constrained)
+        choices = [self._choice(req, plan, prompt.get("prompt"), o, echoed, thinking_first)
                    for o in final.outputs]
         usage = make_usage(len(final.prompt_token_ids), sum(len(o.token_ids)
                                                             for o in final.outputs),
@@ -208,18 +207,18 @@ class ServingChat:
                               "--reasoning-parser (without one, no reasoning is split off)",
                               param="include_reasoning", code="invalid_value")
 
-    def _splitter(self, req, prompt_text: str | None, constrained: bool):
+    def _splitter(self, req, prompt_text: str | None, thinking_first: bool | None):
         """The reasoning splitter for one answer; None without --reasoning-parser."""
         if self.reasoning_parser is None:
             return None
-        splitter = make_splitter(self.reasoning_parser, prompt_text, constrained)
+        splitter = make_splitter(self.reasoning_parser, prompt_text, thinking_first)
         splitter.keep_reasoning = req.include_reasoning
         return splitter
 
     def _choice(self, req, plan: ToolPlan, prompt_text: str | None, o: CompletionOutput,
-                echoed: str = "", constrained: bool = False) -> ChatCompletionChoice:
+                echoed: str = "", thinking_first: bool | None = None) -> ChatCompletionChoice:
         reasoning, content = None, o.text
-        splitter = self._splitter(req, prompt_text, constrained)
+        splitter = self._splitter(req, prompt_text, thinking_first)
         if splitter is not None:
             reasoning, content = splitter.split(o.text)
         calls = []
@@ -249,7 +248,7 @@ class ServingChat:
                                                   bool(req.return_tokens_as_token_ids)))
 
     async def _stream(self, req, model, request_id, streams, plan: ToolPlan,
-                      prompt_text: str | None, constrained: bool):
+                      prompt_text: str | None, thinking_first: bool | None):
         created = int(time.time())
 
         def chunk(choices, usage=None, prompt_token_ids=None) -> str:
@@ -275,7 +274,7 @@ class ServingChat:
                     completion_tokens += len(o.token_ids)
                     if o.index not in parsers:
                         parsers[o.index] = (
-                            self._splitter(req, prompt_text, constrained),
+                            self._splitter(req, prompt_text, thinking_first),
                             ToolCallStream(plan.parser) if plan.parser is not None else None)
                     delta, calls = _delta(*parsers[o.index], o)
                     if (not delta.content and not delta.reasoning_content

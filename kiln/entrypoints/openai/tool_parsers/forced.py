@@ -28,8 +28,10 @@ class NamedToolParser(ToolParser):
         self.name = name
 
     def parse(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
-        return "", [PartialCall(name=self.name, args=text.strip() if final else text.lstrip(),
-                                done=final)]
+        args = text.strip() if final else text.lstrip()
+        if not args:  # nothing past the thinking yet: a stream must not announce a call
+            return "", []
+        return "", [PartialCall(name=self.name, args=args, done=final)]
 
 
 class RequiredToolParser(ToolParser):

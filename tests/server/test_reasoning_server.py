@@ -1,0 +1,80 @@
+"""End to end with --reasoning-parser qwen3: the <think> block comes back as reasoning_content,
+whole and streamed alike, and a grammar (schemas, forced tool_choice) waits for its end."""
+import re
+
+import pytest
+
+from .test_server_e2e import KEY, NAME
+from .test_structured_server import MESSAGES, TIME, WEATHER, _reassemble, _serve, tiny_qwen_chat
+
+openai = pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def reasoning_client(tmp_path_factory):
+    model = tiny_qwen_chat(tmp_path_factory)
+    with _serve(model, tmp_path_factory, "--reasoning-parser", "qwen3") as (url, _):
+        yield openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_reasoning_split(reasoning_client):
+    """The grammar writes a <think> block: its text comes back as reasoning_content, whole and
+    streamed alike. (Thinking is switched off in the template, so the grammar applies from the
+    first token rather than after the model's own </think>.)"""
+    client = reasoning_client
+    pattern = "<think>[a-z]{1,6}( [a-z]{1,6}){0,2}</think>[a-z]{1,6}"
+    kw = dict(model=NAME, messages=MESSAGES, max_tokens=60, temperature=0,
+              extra_body={"structured_outputs": {"regex": pattern},
+                          "chat_template_kwargs": {"enable_thinking": False}})
+    r = client.chat.completions.create(**kw)
+    m = r.choices[0].message
+    raw = f"<think>{m.reasoning_content}</think>{m.content}"
+    assert re.fullmatch(pattern, raw), raw
+    reasoning = content = ""
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            reasoning += getattr(c.delta, "reasoning_content", None) or ""
+            content += c.delta.content or ""
+    assert (reasoning, content) == (m.reasoning_content, m.content)
+    # include_reasoning=false: the thinking is dropped, the content stays.
+    r = client.chat.completions.create(**{**kw, "extra_body": {
+        **kw["extra_body"], "include_reasoning": False}})
+    assert r.choices[0].message.reasoning_content is None
+    assert r.choices[0].message.content == m.content
+    # A constrained answer with the thinking closed in the prompt is all content.
+    r = client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=20, temperature=0,
+        extra_body={"structured_outputs": {"regex": "[a-z]{3}"},
+                    "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].message.reasoning_content is None
+    assert re.fullmatch("[a-z]{3}", r.choices[0].message.content)
+
+
+def test_grammar_waits_for_the_thinking(reasoning_client):
+    """With thinking on, the grammar applies after </think>: this random model never writes
+    one, so its answer runs free (to max_tokens) instead of being forced into the pattern."""
+    r = reasoning_client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=12, temperature=0,
+        extra_body={"structured_outputs": {"regex": "z{1,3}"}})
+    assert r.choices[0].finish_reason == "length"
+    m = r.choices[0].message
+    assert not re.fullmatch("z{1,3}", (m.reasoning_content or "") + (m.content or ""))
+
+
+@pytest.mark.parametrize("tool_choice", [
+    {"type": "function", "function": {"name": "get_weather"}}, "required"])
+def test_a_forced_call_that_never_leaves_the_thinking(reasoning_client, tool_choice):
+    """Thinking on, a call forced: the grammar waits for </think>, which this random model never
+    writes, so all it wrote is thinking and no call began: reasoning_content, no content, no
+    tool_calls, finish_reason the engine's, whole and streamed alike (as vLLM's qwen3 parser
+    reads an answer that never closes its thinking)."""
+    kw = dict(model=NAME, messages=MESSAGES, tools=[WEATHER, TIME], max_tokens=12,
+              temperature=0, tool_choice=tool_choice)
+    choice = reasoning_client.chat.completions.create(**kw).choices[0]
+    m = choice.message
+    assert m.reasoning_content and (m.content, m.tool_calls, choice.finish_reason) == (
+        None, [], "length"), choice
+    chunks = list(reasoning_client.chat.completions.create(stream=True, **kw))
+    reasoning = "".join(getattr(c.delta, "reasoning_content", None) or ""
+                        for chunk in chunks for c in chunk.choices)
+    assert (reasoning, *_reassemble(chunks)) == (m.reasoning_content, {}, "length", "")
