@@ -84,8 +84,15 @@ def test_a_forced_call_cut_short_is_still_the_call_as_it_streams():
     _, deltas = stream.feed(text, final=True)
     assert content is None and (call.function.name, call.function.arguments) == ("f", '{"a":')
     assert "".join(d.function.arguments for d in deltas) == call.function.arguments
-    # required: a call whose name is not written yet is no call
-    assert RequiredToolParser().extract('[{"na') == ('[{"na', [])
+
+
+@pytest.mark.parametrize("parser, text", [
+    (RequiredToolParser(), '[{"na'), (RequiredToolParser(), "["), (NamedToolParser("f"), "  ")])
+def test_a_forced_answer_cut_before_its_call_is_no_content_whole_or_streamed(parser, text):
+    """Cut before a call's name: no call, and no content either, as the stream sends none."""
+    assert parser.extract(text) == (None, [])
+    content, calls = streamed(parser, text, random.Random(0))
+    assert (content, calls) == ("", [])
 
 
 def test_a_named_call_with_nothing_written_is_no_call_whole_or_streamed():

@@ -30,13 +30,15 @@ class ToolParser:
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The whole answer: (content or None, tool calls). Calls that are not valid JSON leave
-        the text as content (a model that did not follow the format)."""
+        the text as content (a model that did not follow the format); a forced answer is calls
+        only, so what it wrote before a call's name (max_tokens cut it there) is neither: its
+        stream sends no content, and vLLM's is empty too."""
         content, calls = self.calls(text, final=True)
         if self.forced:
             calls = [c for c in calls if c.name]  # a name not yet written: no call yet
         elif not all(c.done and c.name and is_json(c.args) for c in calls):
             calls = []
-        if not calls:
+        if not calls and not self.forced:
             return text or None, []
         return content or None, [ToolCall(id=tool_call_id(), function=FunctionCall(
             name=c.name, arguments=c.args)) for c in calls]
