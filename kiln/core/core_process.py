@@ -37,16 +37,34 @@ _IDLE_POLL_MS = 1000
 _PARENT_CHECK_S = 0.5
 
 
-def _exit_with_parent(parent_pid: int) -> None:
+def _exit_with_parent(parent_pid: int, addresses: tuple[str, ...]) -> None:
     """A core whose front end died (kill -9) must not live on holding the model and the port's
-    clients: it exits as soon as it is re-parented."""
+    clients: it exits as soon as it is re-parented, removing the sockets the front end bound
+    (a killed front end runs no cleanup, and nobody else knows of them)."""
     def watch():
         while True:
             time.sleep(_PARENT_CHECK_S)
             if os.getppid() != parent_pid:
+                _remove_ipc_sockets(addresses)
                 os._exit(1)
 
     threading.Thread(target=watch, name="kiln-core-parent-watch", daemon=True).start()
+
+
+def _remove_ipc_sockets(addresses: tuple[str, ...]) -> None:
+    """Unlink the ipc:// socket files, then their directory (the front end's own, holding
+    nothing else: rmdir leaves one that does)."""
+    paths = [a.removeprefix("ipc://") for a in addresses if a.startswith("ipc://")]
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass  # a front end that exited cleanly removed it first
+    for directory in {os.path.dirname(p) for p in paths}:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            pass
 
 
 def _failure(e: BaseException) -> CoreFailed:
@@ -165,7 +183,7 @@ def run_engine_core(kiln_config, executor_class: type, input_address: str, outpu
     # Ctrl-C reaches the whole process group: the front end decides what stops, and tells us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    _exit_with_parent(parent_pid)
+    _exit_with_parent(parent_pid, (input_address, output_address))
     ctx = zmq.Context()
     input_socket = ctx.socket(zmq.PULL)
     input_socket.connect(input_address)

@@ -176,6 +176,28 @@ def test_a_dropped_llm_ends_its_core_process(tiny_llama_dir):
     assert _wait_gone(pid)
 
 
+def test_a_killed_front_end_leaves_no_socket_directory(tiny_llama_dir):
+    """kill -9 of the front end: nothing runs its cleanup, so the core, re-parented, removes the
+    socket directory on its way out rather than leave it in /tmp."""
+    import subprocess
+    import sys
+
+    code = ("import time; from kiln.entrypoints.llm import LLM; "
+            f"llm = LLM(model={str(tiny_llama_dir)!r}, **{ENGINE!r}); "
+            "core = llm.llm_engine.engine_core; "
+            "print(core.pid, core._dir.name, flush=True); time.sleep(300)")
+    front = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        pid, socket_dir = front.stdout.readline().split()
+        assert os.path.isdir(socket_dir)
+    finally:
+        front.kill()
+        front.wait()
+    assert _wait_gone(int(pid))
+    assert not os.path.exists(socket_dir)
+
+
 def test_a_kv_cache_smaller_than_one_request_refuses_or_caps(tiny_llama_dir):
     """vLLM's check: one max_model_len request must fit, never be cut short with "length".
     Two blocks of 16 tokens (8 KiB each on this model) hold 32 tokens."""
