@@ -12,19 +12,24 @@ def cache_root() -> Path:
     return Path(os.environ.get("KILN_CACHE_ROOT", default)).expanduser()
 
 
-def cpu_kvcache_space_gib() -> float | None:
-    """GiB of host memory for the KV cache on CPU (`KILN_CPU_KVCACHE_SPACE`)."""
-    value = os.environ.get("KILN_CPU_KVCACHE_SPACE")
+def _positive_finite(name: str, unit: str, otherwise: str) -> float | None:
+    """`name`'s value as a finite number > 0; None where unset or empty."""
+    value = os.environ.get(name)
     if not value:
         return None
     try:
-        gib = float(value)
+        number = float(value)
     except ValueError:
-        gib = float("nan")
-    if not 0 < gib < float("inf"):  # NaN too
-        raise ValueError(f"KILN_CPU_KVCACHE_SPACE={value!r} must be a finite number of GiB > 0 "
-                         "(or unset it and pass --kv-cache-memory)")
-    return gib
+        number = float("nan")
+    if not 0 < number < float("inf"):  # NaN too
+        raise ValueError(f"{name}={value!r} must be a finite number of {unit} > 0 ({otherwise})")
+    return number
+
+
+def cpu_kvcache_space_gib() -> float | None:
+    """GiB of host memory for the KV cache on CPU (`KILN_CPU_KVCACHE_SPACE`)."""
+    return _positive_finite("KILN_CPU_KVCACHE_SPACE", "GiB",
+                            "or unset it and pass --kv-cache-memory")
 
 
 def enable_multiprocessing() -> bool:
@@ -93,3 +98,12 @@ def cpu_omp_threads_bind() -> str:
     rank's OpenMP threads run on: `auto` (the default: the machine's cores split evenly),
     `nobind`, or one core list per rank separated by `|` (`0-3|4-7`)."""
     return os.environ.get("KILN_CPU_OMP_THREADS_BIND") or "auto"
+
+
+def execute_model_timeout_s() -> float:
+    """`KILN_EXECUTE_MODEL_TIMEOUT_SECONDS` (vLLM's `VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`): how long
+    a multi-rank engine waits for every rank's answer to one step before it fails the engine
+    (a stopped rank or a deadlocked collective would hang it forever). Default 300."""
+    seconds = _positive_finite("KILN_EXECUTE_MODEL_TIMEOUT_SECONDS", "seconds",
+                               "or unset it for the default, 300")
+    return 300.0 if seconds is None else seconds

@@ -3,7 +3,8 @@
 Each call is pickled once and its bytes written to every rank's pipe (the scheduler output's
 delivery; its cost is measured). Replies are awaited together with the processes' sentinels, so
 a rank that dies ends the call with an error naming it instead of a hang, and takes the others
-down with it: after a rank fails, the executor is finished and every later call says why.
+down with it: after a rank fails, the executor is finished and every later call says why. A step
+that some rank does not answer within KILN_EXECUTE_MODEL_TIMEOUT_SECONDS fails the same way.
 """
 import atexit
 import multiprocessing
@@ -16,6 +17,7 @@ import time
 import traceback
 import weakref
 
+from kiln import envs
 from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kiln.distributed.model_split import check_parallel_split
 from kiln.executor.abstract import Executor
@@ -79,12 +81,24 @@ def _exit_description(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+def unanswered_message(what: str, ranks: list[int], timeout: float) -> str:
+    """A call that `ranks` did not answer within `timeout` s, and what to do about it."""
+    message = (f"{what}: worker rank(s) {', '.join(map(str, ranks))} did not answer within "
+               f"{timeout:g} s")
+    if what == "execute_model":
+        message += ("; a rank is stopped or stuck (a hung device, a deadlocked collective): "
+                    "restart the engine, or raise KILN_EXECUTE_MODEL_TIMEOUT_SECONDS if steps "
+                    "this long are expected")
+    return message
+
+
 class MultiprocExecutor(Executor):
     def __init__(self, kiln_config):
         super().__init__(kiln_config)
         check_parallel_split(kiln_config)
         pc = kiln_config.parallel_config
         self.world_size = pc.world_size
+        self.step_timeout_s = envs.execute_model_timeout_s()  # checked before any rank starts
         self.failure: str | None = None
         self.procs: list = []
         self.conns: list = []
@@ -136,8 +150,8 @@ class MultiprocExecutor(Executor):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = multiprocessing.connection.wait(waiting + sentinels, timeout=left)
             if not ready:
-                self._fail(f"{what}: ranks {sorted(set(range(self.world_size)) - set(replies))}"
-                           f" did not answer within {timeout:.0f} s")
+                self._fail(unanswered_message(
+                    what, sorted(set(range(self.world_size)) - set(replies)), timeout))
             for obj in ready:
                 if obj in by_conn:
                     rank = by_conn[obj]
@@ -170,7 +184,8 @@ class MultiprocExecutor(Executor):
             if method == "execute_model":
                 self.broadcast_seconds += time.perf_counter() - start
                 self.broadcast_calls += 1
-            return self._collect(timeout=None, what=method)
+            timeout = self.step_timeout_s if method == "execute_model" else None
+            return self._collect(timeout=timeout, what=method)
         except BaseException as e:
             if self.failure is None:  # interrupted (Ctrl-C) between a send and its replies
                 # Some ranks may have the call and unread replies may wait in the pipes: a

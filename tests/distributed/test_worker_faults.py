@@ -1,6 +1,7 @@
 """Faults of a 2-rank engine: a rank killed with SIGKILL fails the step in flight with an error
-naming it, later steps say why, and every rank exits; a rank failing at start-up is a clear
-error with no process left behind. Each test is bounded by an alarm, so a hang fails it."""
+naming it, later steps say why, and every rank exits; a stopped rank fails the step once
+KILN_EXECUTE_MODEL_TIMEOUT_SECONDS pass; a rank failing at start-up is a clear error with no
+process left behind. Each test is bounded by an alarm, so a hang fails it."""
 import os
 import signal
 import time
@@ -10,20 +11,6 @@ import pytest
 from kiln.executor.multiproc_executor import WorkerFailedError
 
 from parallel_helpers import greedy, make_llm
-
-BOUND_S = 120
-
-
-@pytest.fixture
-def bounded():
-    def on_alarm(signum, frame):
-        raise TimeoutError(f"no answer within {BOUND_S} s: the engine hung")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.alarm(BOUND_S)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 def _wait_exited(procs, timeout=10.0):
@@ -73,6 +60,54 @@ def test_a_step_interrupted_before_every_rank_answered_stops_the_engine(tiny_lla
                                                 "rank answered; create a new engine"):
         engine.step()
     assert _wait_exited(procs) == []
+
+
+def test_a_stopped_rank_fails_the_step_once_the_timeout_passes(tiny_llama_dir, bounded,
+                                                               monkeypatch):
+    """A rank that never answers (SIGSTOP here; a deadlocked collective or a hung device in
+    life) used to hang the step, and every request, forever."""
+    monkeypatch.setenv("KILN_EXECUTE_MODEL_TIMEOUT_SECONDS", "1.5")
+    llm = make_llm(tiny_llama_dir, tensor_parallel_size=2)
+    engine = llm.llm_engine
+    procs = list(engine.engine_core.executor.procs)
+    engine.add_request("r0", {"prompt_token_ids": [5, 6, 7, 8]}, greedy(50))
+    engine.step()
+    os.kill(procs[1].pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        # rank 0 waits for rank 1 in the step's collectives: neither answers
+        with pytest.raises(WorkerFailedError, match=r"execute_model: worker rank\(s\) 0, 1 did "
+                                                    r"not answer within 1.5 s(.|\n)*raise "
+                                                    r"KILN_EXECUTE_MODEL_TIMEOUT_SECONDS"):
+            engine.step()
+        assert time.monotonic() - started < 10
+        assert _wait_exited(procs) == []
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.join(5)
+    with pytest.raises(WorkerFailedError, match="workers are gone: execute_model"):
+        engine.step()
+
+
+def test_the_step_timeout_is_checked_before_any_rank_starts(tiny_llama_dir, monkeypatch):
+    import multiprocessing
+
+    from kiln import envs
+
+    monkeypatch.delenv("KILN_EXECUTE_MODEL_TIMEOUT_SECONDS", raising=False)
+    assert envs.execute_model_timeout_s() == 300.0
+    monkeypatch.setenv("KILN_EXECUTE_MODEL_TIMEOUT_SECONDS", "0.25")
+    assert envs.execute_model_timeout_s() == 0.25
+    before = len(multiprocessing.active_children())
+    for bad in ("abc", "0", "-1", "nan", "inf"):
+        monkeypatch.setenv("KILN_EXECUTE_MODEL_TIMEOUT_SECONDS", bad)
+        with pytest.raises(ValueError, match=rf"KILN_EXECUTE_MODEL_TIMEOUT_SECONDS='{bad}' must "
+                                             "be a finite number of seconds > 0"):
+            make_llm(tiny_llama_dir, tensor_parallel_size=2)
+    assert len(multiprocessing.active_children()) == before
 
 
 def test_rank_failing_at_start_up_is_named_and_leaves_no_process(tiny_llama_dir, bounded,
