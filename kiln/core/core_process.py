@@ -1,7 +1,8 @@
 """The engine core process: builds an EngineCore and runs it in a busy loop, talking over ZeroMQ.
 
 Between steps it takes every message waiting (add, abort, finish, utility calls); each step's
-outputs go back at once, so the front end's tokenizing and detokenizing never delay a step.
+outputs go back at once, so the front end's tokenizing and detokenizing never delay a step. A rank
+process that dies while it waits fails the core at once, as a failed step does.
 """
 import logging
 import os
@@ -83,6 +84,14 @@ class CoreLoop:
         self.encoder, _ = output_codec()
         _, self.decoder = input_codec()
         self.running = True
+        # An idle core steps no more, so no step would find a dead rank and the front end's
+        # /health would stay 200 until the next request: the ranks' sentinels end the wait
+        # instead (vLLM's worker monitor, with no thread to synchronize with the loop).
+        self.poller = zmq.Poller()
+        self.poller.register(self.input, zmq.POLLIN)
+        self.rank_sentinels = core.executor.rank_sentinels()
+        for sentinel in self.rank_sentinels:
+            self.poller.register(sentinel, zmq.POLLIN)
 
     def send(self, message) -> None:
         self.output.send(self.encoder.encode(message), copy=False)
@@ -120,9 +129,13 @@ class CoreLoop:
         return False
 
     def drain(self, timeout_ms: int) -> bool:
-        """Handle every waiting input (waiting up to `timeout_ms` for the first)."""
+        """Handle every waiting input (waiting up to `timeout_ms` for the first); raises
+        WorkerFailedError once a rank has died."""
         changed = False
-        if not self.input.poll(timeout_ms):
+        events = dict(self.poller.poll(timeout_ms))
+        if any(sentinel in events for sentinel in self.rank_sentinels):
+            self.core.executor.check_health()
+        if self.input not in events:
             return False
         while self.running:
             try:

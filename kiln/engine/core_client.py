@@ -12,6 +12,7 @@ import select
 import subprocess
 import tempfile
 import threading
+import time
 import weakref
 
 import msgspec
@@ -42,9 +43,9 @@ logger = init_logger(__name__)
 # an add or an abort); the core's death ends any wait at once.
 _STEP_WAIT_MS = 50
 _SHUTDOWN_WAIT_S = 10.0
-# How long the exit watcher waits for the output reader to take the failure report a failing core
-# sends before it exits, so death callbacks hear the named error (a rank that died), not only an
-# exit code.
+# How long the exit watcher waits for the failure report a failing core sends before it exits (read
+# by the caller's wait for outputs, or by the watcher where nobody waits: an idle server), so death
+# callbacks hear the named error (a rank that died), not only an exit code.
 _FAILURE_REPORT_WAIT_S = 1.0
 
 
@@ -157,6 +158,9 @@ class CoreProcClient:
         self.num_threads: int | None = None  # torch's threads in the core, told by Ready
         self._dead: BaseException | None = None
         self._failure_reported = threading.Event()  # set once a CoreFailed was read
+        # zmq sockets are not thread-safe: the caller's thread reads outputs, and the exit watcher
+        # reads the core's last report where that thread is not reading (an idle server).
+        self._reading = threading.Lock()
         self._death_callbacks: list = []
         self._closing = threading.Event()  # set when we stop the process: no death to report
         # A fresh interpreter, not fork (the caller may hold OpenMP threads, CUDA, or the
@@ -217,32 +221,54 @@ class CoreProcClient:
 
     def _recv(self, timeout_ms: int):
         """The next message from the core, None after `timeout_ms`; raises once the core died."""
-        if self._dead is not None:
-            raise self._dead
-        events = dict(self._poller.poll(timeout_ms))
-        if self._output in events:
-            message = self._decoder.decode(self._output.recv(copy=False).buffer)
-            if isinstance(message, CoreFailed):
-                self._dead = _rebuild_error(message)
-                self._failure_reported.set()
-                _wait(self.proc, 5)
+        with self._reading:
+            if self._dead is not None:  # perhaps read by the exit watcher while we waited
                 raise self._dead
-            return message
-        if self._sentinel in events:
-            self._dead = self._exit_error()
-            raise self._dead
+            events = dict(self._poller.poll(timeout_ms))
+            if self._output in events:
+                message = self._read_output()
+                if isinstance(message, CoreFailed):
+                    _wait(self.proc, 5)
+                    raise self._dead
+                return message
+            if self._sentinel in events:
+                self._dead = self._exit_error()
+                raise self._dead
         return None
+
+    def _read_output(self):
+        """One message from the output socket (the caller holds `_reading`); a CoreFailed is
+        noted as the client's death."""
+        message = self._decoder.decode(self._output.recv(copy=False).buffer)
+        if isinstance(message, CoreFailed):
+            self._dead = _rebuild_error(message)
+            self._failure_reported.set()
+        return message
+
+    def _read_failure_report(self) -> bool:
+        """Whether the exited core's own report of its failure arrived (waits for it)."""
+        deadline = time.monotonic() + _FAILURE_REPORT_WAIT_S
+        if not self._reading.acquire(timeout=_FAILURE_REPORT_WAIT_S):
+            return self._failure_reported.is_set()
+        try:  # nobody else reads: what the core sent last is read here
+            while not self._failure_reported.is_set():
+                left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+                if not self._output.poll(left_ms):
+                    break
+                self._take(self._read_output())
+        finally:
+            self._reading.release()
+        return self._failure_reported.is_set()
 
     def _on_exit(self) -> None:
         if self._closing.is_set():
             return
         logger.error("the engine core process (pid %d) exited with code %s", self.pid,
                      self.proc.returncode)
-        # Only the reader thread touches the socket: wait for it to take the core's own report,
-        # which only a core that exited by itself can have sent (a killed one: no wait).
+        # Only a core that exited by itself can have sent its own report (a killed one: no wait).
         exited_itself = self.proc.returncode is not None and self.proc.returncode >= 0
         reported = self._failure_reported.is_set() or (
-            exited_itself and self._failure_reported.wait(_FAILURE_REPORT_WAIT_S))
+            exited_itself and self._read_failure_report())
         error = self._dead if reported else self._exit_error()
         for callback in list(self._death_callbacks):
             try:

@@ -36,6 +36,16 @@ class Executor(ABC):
         """Start measuring comm_stats afresh (after warm-up, before a benchmark's timed run)."""
         return None
 
+    def rank_sentinels(self) -> list[int]:
+        """File descriptors that become readable when a rank dies, for a caller that waits
+        between steps and must not miss a death there (empty: no rank of its own to watch)."""
+        return []
+
+    def check_health(self) -> None:
+        """Raise WorkerFailedError naming a rank that died between steps (a step finds one that
+        dies during it); called where `rank_sentinels` woke the caller."""
+        return None
+
     @abstractmethod
     def shutdown(self) -> None:
         """Release workers and their resources; safe to call twice."""

@@ -4,7 +4,8 @@ Each call is pickled once and its bytes written to every rank's pipe (the schedu
 delivery; its cost is measured). Replies are awaited together with the processes' sentinels, so
 a rank that dies ends the call with an error naming it instead of a hang, and takes the others
 down with it: after a rank fails, the executor is finished and every later call says why. A step
-that some rank does not answer within KILN_EXECUTE_MODEL_TIMEOUT_SECONDS fails the same way.
+that some rank does not answer within KILN_EXECUTE_MODEL_TIMEOUT_SECONDS fails the same way, and
+the engine core watches the sentinels between steps (`rank_sentinels`, `check_health`).
 """
 import atexit
 import multiprocessing
@@ -163,12 +164,24 @@ class MultiprocExecutor(Executor):
                         self._fail(f"worker rank {rank} failed during {what}:\n{value}")
                     replies[rank] = value
                 elif by_sentinel[obj] not in replies:
-                    rank = by_sentinel[obj]
-                    proc = self.procs[rank]
-                    proc.join(0.1)
-                    self._fail(f"worker rank {rank} (pid {proc.pid}) "
-                               f"{_exit_description(proc.exitcode)} during {what}")
+                    self._fail_dead(by_sentinel[obj], f"during {what}")
         return [replies[r] for r in range(self.world_size)]
+
+    def _fail_dead(self, rank: int, when: str) -> None:
+        proc = self.procs[rank]
+        proc.join(0.1)
+        self._fail(f"worker rank {rank} (pid {proc.pid}) {_exit_description(proc.exitcode)} "
+                   f"{when}")
+
+    def rank_sentinels(self) -> list[int]:
+        return [proc.sentinel for proc in self.procs]
+
+    def check_health(self) -> None:
+        if self.failure is not None:
+            raise WorkerFailedError(f"the engine's workers are gone: {self.failure}")
+        dead = multiprocessing.connection.wait(self.rank_sentinels(), timeout=0)
+        if dead:
+            self._fail_dead(self.rank_sentinels().index(dead[0]), "between steps")
 
     def _run_on_all(self, method: str, *args) -> list:
         if self.failure is not None:

@@ -1,6 +1,6 @@
-"""`kiln serve -tp 2` when a rank dies mid-stream (SIGKILL): the stream in flight ends with an
-error event naming the rank, then [DONE]; the server exits non-zero and every process it started
-(engine core, ranks) is gone. Every wait is bounded, so a hang fails the test."""
+"""`kiln serve -tp 2` when a rank dies (SIGKILL): a stream in flight ends with an error event
+naming the rank, then [DONE]; with none in flight /health turns 503 at once; either way the server
+exits non-zero and every process it started (engine core, ranks) is gone. Waits are bounded."""
 import os
 import re
 import signal
@@ -10,6 +10,9 @@ from pathlib import Path
 import httpx
 
 from .test_server_e2e import NAME, running_server
+
+SERVE_ARGS = ["-tp", "2", "--enforce-eager", "--dtype", "float32", "--max-model-len", "128",
+              "--graceful-shutdown-timeout", "0", "--disable-access-log"]
 
 
 def _children(pid: int) -> set[int]:
@@ -55,10 +58,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_killed_rank_ends_the_stream_with_an_error_naming_it(tiny_llama_dir, tmp_path):
-    args = ["-tp", "2", "--enforce-eager", "--dtype", "float32", "--max-model-len", "128",
-            "--graceful-shutdown-timeout", "0", "--disable-access-log"]
     env = dict(os.environ, KILN_LOGGING_LEVEL="WARNING")
-    with running_server(tiny_llama_dir, args, tmp_path / "serve.log", env) as (url, proc):
+    with running_server(tiny_llama_dir, SERVE_ARGS, tmp_path / "serve.log", env) as (url, proc):
         started = _descendants(proc.pid)
         victim = _rank_pids(proc.pid)[-1]
         events: list[str] = []
@@ -82,7 +83,66 @@ def test_a_killed_rank_ends_the_stream_with_an_error_naming_it(tiny_llama_dir, t
         except httpx.TransportError:
             pass
         assert proc.wait(timeout=60) != 0
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(map(_alive, started)):
-            time.sleep(0.1)
-        assert [p for p in started if _alive(p)] == []
+        _assert_all_exit(started)
+
+
+def _assert_all_exit(pids: set[int]) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(map(_alive, pids)):
+        time.sleep(0.1)
+    assert [p for p in pids if _alive(p)] == []
+
+
+def test_a_rank_killed_while_idle_turns_health_503_and_the_server_exits(tiny_llama_dir,
+                                                                        tmp_path):
+    """No request is in flight, so no step finds the dead rank: the engine core watches the
+    ranks between steps, and load balancers see the death on /health, not on a next request."""
+    log = tmp_path / "serve.log"
+    env = dict(os.environ, KILN_LOGGING_LEVEL="WARNING")
+    with running_server(tiny_llama_dir, SERVE_ARGS, log, env) as (url, proc):
+        started = _descendants(proc.pid)
+        victim = _rank_pids(proc.pid)[-1]
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        while True:  # 200 until the death is seen, then 503 until the server is gone
+            try:
+                status = httpx.get(f"{url}/health", timeout=1).status_code
+            except httpx.TransportError:
+                status = None
+            if status != 200:
+                break
+            assert time.monotonic() - killed < 5, "/health still 200 5 s after a rank died"
+            time.sleep(0.02)
+        assert status in (503, None), status
+        assert proc.wait(timeout=30) == 1
+        _assert_all_exit(started)
+    assert re.search(rf"the engine died \(worker rank \d \(pid {victim}\) was killed by "
+                     r"SIGKILL between steps\)", log.read_text()), log.read_text()[-3000:]
+
+
+def test_health_is_503_once_an_idle_rank_died(tiny_llama_dir):
+    """The same death seen through the app without `serve` (which would exit): /health answers
+    503, and the engine's error names the rank and how it died."""
+    from fastapi.testclient import TestClient
+
+    from kiln.engine.arg_utils import EngineArgs
+    from kiln.engine.async_llm import AsyncLLM
+    from kiln.entrypoints.openai.api_server import build_app
+    from kiln.entrypoints.openai.server_settings import ServerSettings
+
+    llm = AsyncLLM.from_engine_args(EngineArgs(
+        model=str(tiny_llama_dir), tensor_parallel_size=2, enforce_eager=True, dtype="float32",
+        max_model_len=128))
+    deaths: list[BaseException] = []
+    llm.dead_callbacks.append(deaths.append)
+    with TestClient(build_app(llm, ServerSettings())) as client:
+        assert client.get("/health").status_code == 200
+        victim = _rank_pids(llm.core_pid)[-1]
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 3
+        while llm.is_running and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert client.get("/health").status_code == 503
+    assert [type(e).__name__ for e in deaths] == ["WorkerFailedError"], deaths
+    assert re.fullmatch(rf"worker rank \d \(pid {victim}\) was killed by SIGKILL between steps",
+                        str(deaths[0])), deaths
