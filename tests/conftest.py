@@ -1,4 +1,6 @@
-"""Shared test fixtures: tiny random-weight HF checkpoints, built once per session."""
+"""Shared test fixtures: tiny random-weight HF checkpoints, built once per session; kiln log
+capture."""
+import logging
 from pathlib import Path
 
 import pytest
@@ -30,3 +32,14 @@ def inprocess_core():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")
         yield
+
+
+@pytest.fixture
+def kiln_logs(caplog):
+    """caplog for the `kiln` logger tree (it does not propagate to the root logger)."""
+    logger = logging.getLogger("kiln")
+    logger.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)

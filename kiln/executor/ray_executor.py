@@ -2,21 +2,31 @@
 ranks can live on several machines (`ray start --head` / `ray start --address`, then
 `kiln serve -tp N -pp M --distributed-executor-backend ray`).
 
-It joins the cluster at RAY_ADDRESS when set (else starts a local Ray). Each call's arguments
-are pickled once and put in Ray's object store for every rank; a dead actor fails the call with
-an error naming its rank, and the executor then stops every actor.
+It joins the cluster at RAY_ADDRESS when set (else starts a local Ray); a placement the cluster
+cannot hold fails at once, and one that waits for resources says so. Each call's arguments are
+pickled once and put in Ray's object store for every rank; a dead actor, or a step some rank does
+not answer within KILN_EXECUTE_MODEL_TIMEOUT_SECONDS, fails the call with an error naming the
+rank, and the executor then stops every actor.
 """
 import os
 import pickle
 import time
 
+from kiln import envs
 from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kiln.distributed.model_split import check_parallel_split
 from kiln.executor.abstract import Executor
-from kiln.executor.multiproc_executor import STARTUP_TIMEOUT_S, WorkerFailedError
+from kiln.executor.multiproc_executor import (
+    STARTUP_TIMEOUT_S,
+    WorkerFailedError,
+    unanswered_message,
+)
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
+
+# How often a placement waiting for resources says what it waits for (silence looked like a hang).
+PLACEMENT_LOG_S = 15.0
 
 
 def import_ray():
@@ -61,6 +71,35 @@ class RayRankActor:
             self.worker = None
 
 
+def _needed(bundles: list[dict]) -> dict:
+    needed: dict = {}
+    for bundle in bundles:
+        for name, amount in bundle.items():
+            needed[name] = needed.get(name, 0) + amount
+    return needed
+
+
+def never_fits(bundles: list[dict], total: dict) -> bool:
+    """Whether the bundles need more of a resource than the whole cluster has (else they fit
+    once other jobs free what they hold)."""
+    return any(total.get(name, 0) < amount for name, amount in _needed(bundles).items())
+
+
+def placement_error(bundles: list[dict], why: str, total: dict,
+                    available: dict) -> RuntimeError:
+    return RuntimeError(
+        f"Ray cannot place {len(bundles)} ranks (tensor_parallel_size x "
+        f"pipeline_parallel_size), one bundle of {bundles[0]} each: {why}. Asked for "
+        f"{_needed(bundles)} in all; the cluster has {_resources(total)} in all, "
+        f"{_resources(available)} available now. Lower -tp / -pp, add nodes or resources to "
+        "the cluster (ray start --num-cpus / --num-gpus), or free what other jobs hold")
+
+
+def _resources(resources: dict) -> dict:
+    """The resources a bundle asks for (not Ray's memory and per-node bookkeeping keys)."""
+    return {k: v for k, v in resources.items() if k in ("CPU", "GPU")}
+
+
 def local_ranks(node_ips: list[str]) -> list[tuple[int, int]]:
     """(local rank, ranks on that machine) for each global rank, from each rank's node IP."""
     out = []
@@ -80,21 +119,26 @@ class RayExecutor(Executor):
 
         pc = kiln_config.parallel_config
         self.world_size = pc.world_size
+        self.step_timeout_s = envs.execute_model_timeout_s()  # checked before any rank starts
         self.failure: str | None = None
         self.actors: list = []
+        self.pg = None
         self.broadcast_seconds, self.broadcast_calls = 0.0, 0
         if not ray.is_initialized():
             ray.init(ignore_reinit_error=True)  # RAY_ADDRESS, when set, names the cluster
         device = kiln_config.device_config.device_obj
         bundle = {"GPU": 1, "CPU": 1} if device.type == "cuda" else {"CPU": 1}
-        self.pg = placement_group([dict(bundle) for _ in range(self.world_size)],
-                                  strategy="PACK")
+        bundles = [dict(bundle) for _ in range(self.world_size)]
+        if never_fits(bundles, ray.cluster_resources()):  # Ray would wait for nothing
+            raise placement_error(bundles, "the whole cluster holds less",
+                                  ray.cluster_resources(), ray.available_resources())
+        self.pg = placement_group(bundles, strategy="PACK")
         try:
-            ray.get(self.pg.ready(), timeout=STARTUP_TIMEOUT_S)
-        except Exception as e:
+            self._wait_for_placement(bundles)
+        except BaseException:
             ray.util.remove_placement_group(self.pg)
-            raise RuntimeError(f"Ray could not place {self.world_size} ranks of {bundle} "
-                               f"(cluster resources: {ray.cluster_resources()}): {e}") from None
+            self.pg = None
+            raise
         actor_cls = ray.remote(RayRankActor)
         for rank in range(self.world_size):
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
@@ -116,19 +160,43 @@ class RayExecutor(Executor):
         logger.info("%d Ray ranks started (tensor_parallel_size=%d, pipeline_parallel_size=%d)",
                     self.world_size, pc.tensor_parallel_size, pc.pipeline_parallel_size)
 
+    def _wait_for_placement(self, bundles: list[dict]) -> None:
+        ray = self.ray
+        ready = self.pg.ready()
+        start = time.monotonic()
+        while True:
+            left = STARTUP_TIMEOUT_S - (time.monotonic() - start)
+            if ray.wait([ready], timeout=max(0.0, min(PLACEMENT_LOG_S, left)))[0]:
+                ray.get(ready)  # raises where the group failed rather than was placed
+                return
+            waited = time.monotonic() - start
+            if waited >= STARTUP_TIMEOUT_S:
+                raise placement_error(bundles, f"still unplaced after {waited:.0f} s",
+                                      ray.cluster_resources(), ray.available_resources())
+            logger.warning("waiting %.0f s so far for Ray to place %d ranks of %s each; the "
+                           "cluster has %s available (of %s); gives up after %.0f s",
+                           waited, len(bundles), bundles[0],
+                           _resources(ray.available_resources()),
+                           _resources(ray.cluster_resources()), STARTUP_TIMEOUT_S)
+
     def _fail(self, message: str) -> None:
         self.failure = message
         logger.error("%s; stopping every rank", message)
         self.shutdown(graceful=False)
         raise WorkerFailedError(message)
 
-    def _gather(self, refs: list, what: str) -> list:
-        """Each rank's result in rank order; the first rank whose call failed is named."""
+    def _gather(self, refs: list, what: str, timeout: float | None = None) -> list:
+        """Each rank's result in rank order; the first rank whose call failed is named, as are
+        the ranks that did not answer within `timeout` s."""
         ray = self.ray
         pending = {ref: rank for rank, ref in enumerate(refs)}
         results = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+            if not ready:
+                self._fail(unanswered_message(what, sorted(pending.values()), timeout))
             for ref in ready:
                 rank = pending.pop(ref)
                 try:
@@ -149,7 +217,8 @@ class RayExecutor(Executor):
         if method == "execute_model":
             self.broadcast_seconds += time.perf_counter() - start
             self.broadcast_calls += 1
-        return self._gather(refs, method)
+        timeout = self.step_timeout_s if method == "execute_model" else None
+        return self._gather(refs, method, timeout)
 
     def determine_num_blocks(self) -> int:
         return min(self._run_on_all("determine_num_blocks"))
@@ -184,6 +253,6 @@ class RayExecutor(Executor):
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
-        if getattr(self, "pg", None) is not None:
+        if self.pg is not None:
             ray.util.remove_placement_group(self.pg)
             self.pg = None

@@ -1,9 +1,18 @@
 """TP=2 on the Ray backend: a local Ray started by the test (2 CPUs), rank actors in a
-placement group; greedy tokens equal HF's and the actors are gone after shutdown."""
+placement group; greedy tokens equal HF's and the actors are gone after shutdown. Placements the
+cluster cannot hold fail (at once where it never could), and a stopped rank fails the step."""
+import os
+import re
+import signal
+import time
+
 import pytest
 
+from kiln.executor import ray_executor
+from kiln.executor.multiproc_executor import WorkerFailedError
+
 from checkpoints import hf_greedy
-from parallel_helpers import MAX_TOKENS, PROMPTS, generate_ids, make_llm
+from parallel_helpers import MAX_TOKENS, PROMPTS, generate_ids, greedy, make_llm
 
 
 @pytest.fixture(scope="module")
@@ -15,10 +24,74 @@ def local_ray():
     ray.shutdown()
 
 
+def _groups_left(ray) -> list:
+    return [pg for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"]
+
+
 def test_tp2_on_ray_matches_hf(local_ray, tiny_llama_dir):
     llm = make_llm(tiny_llama_dir, tensor_parallel_size=2, distributed_executor_backend="ray")
     assert generate_ids(llm) == hf_greedy(tiny_llama_dir, PROMPTS, MAX_TOKENS)
     executor = llm.llm_engine.engine_core.executor
     assert len(executor.actors) == 2
     llm.llm_engine.engine_core.shutdown()
+    assert executor.actors == [] and executor.pg is None
+
+
+def test_more_ranks_than_the_cluster_has_cpus_fail_at_once(local_ray, tiny_llama_dir):
+    started = time.monotonic()
+    # (what is available lags: Ray frees the previous test's actors in the background)
+    with pytest.raises(RuntimeError, match=re.escape(
+            "Ray cannot place 4 ranks (tensor_parallel_size x pipeline_parallel_size), one "
+            "bundle of {'CPU': 1} each: the whole cluster holds less. Asked for {'CPU': 4} in "
+            "all; the cluster has {'CPU': 2.0} in all, ") + r"\{.*\} available now\. " + re.escape(
+            "Lower -tp / -pp, add nodes or resources to the cluster (ray start --num-cpus")):
+        make_llm(tiny_llama_dir, tensor_parallel_size=4, distributed_executor_backend="ray")
+    assert time.monotonic() - started < 10  # not Ray's wait for resources that never come
+    assert _groups_left(local_ray) == []
+
+
+def test_a_placement_waiting_for_resources_says_so_then_gives_up(local_ray, tiny_llama_dir,
+                                                                 kiln_logs, monkeypatch):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    monkeypatch.setattr(ray_executor, "STARTUP_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(ray_executor, "PLACEMENT_LOG_S", 0.4)
+    holder = placement_group([{"CPU": 2}])  # another job holds every CPU
+    try:
+        local_ray.get(holder.ready(), timeout=60)
+        with pytest.raises(RuntimeError, match=r"Ray cannot place 2 ranks .* still unplaced "
+                                               r"after \d+ s\. Asked for \{'CPU': 2\} in all; the "
+                                               r"cluster has \{'CPU': 2\.0\} in all, \{\} "
+                                               r"available now\. Lower -tp / -pp"):
+            make_llm(tiny_llama_dir, tensor_parallel_size=2, distributed_executor_backend="ray")
+    finally:
+        remove_placement_group(holder)
+    waits = [r.getMessage() for r in kiln_logs.records if "for Ray to place" in r.getMessage()]
+    assert waits and all(re.fullmatch(
+        r"waiting \d+ s so far for Ray to place 2 ranks of \{'CPU': 1\} each; the cluster has "
+        r"\{\} available \(of \{'CPU': 2\.0\}\); gives up after 2 s", w) for w in waits), waits
+    assert _groups_left(local_ray) == []
+
+
+def test_a_stopped_rank_fails_the_step_once_the_timeout_passes(local_ray, tiny_llama_dir,
+                                                               bounded, monkeypatch):
+    monkeypatch.setenv("KILN_EXECUTE_MODEL_TIMEOUT_SECONDS", "1.5")
+    llm = make_llm(tiny_llama_dir, tensor_parallel_size=2, distributed_executor_backend="ray")
+    engine = llm.llm_engine
+    executor = engine.engine_core.executor
+    pids = local_ray.get([actor.pid.remote() for actor in executor.actors])
+    engine.add_request("r0", {"prompt_token_ids": [5, 6, 7, 8]}, greedy(50))
+    engine.step()
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        with pytest.raises(WorkerFailedError, match=r"execute_model: worker rank\(s\) 0, 1 did "
+                                                    r"not answer within 1.5 s(.|\n)*raise "
+                                                    r"KILN_EXECUTE_MODEL_TIMEOUT_SECONDS"):
+            engine.step()
+    finally:
+        for pid in pids:  # Ray's kill of a stopped process lands once it runs again
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
     assert executor.actors == [] and executor.pg is None
