@@ -60,7 +60,9 @@ CHECKS = [schemathesis.checks.not_a_server_error, schemathesis.checks.status_cod
 @settings(max_examples=10, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 def test_no_server_error_and_every_response_in_the_schema(case, base_url):
-    case.call_and_validate(base_url=base_url, checks=CHECKS)
+    # schemathesis' 10 s default timed out once on a loaded host (n=64 samples of hundreds of
+    # fake tokens each): the checks are about the answer, not its speed.
+    case.call_and_validate(base_url=base_url, checks=CHECKS, timeout=60)
 
 
 _CHAT = [{"role": "user", "content": "hi"}]
