@@ -25,11 +25,14 @@ from kiln.structured_output.manager import StructuredOutputManager
 logger = init_logger(__name__)
 
 
-def check_stop(request: Request, max_model_len: int) -> bool:
-    """After a token was appended: set the finished status (and stop_reason) if the request ends."""
+def check_stop(request: Request, max_model_len: int, grammar_ended: bool = False) -> bool:
+    """After a token was appended: set the finished status (and stop_reason) if the request ends.
+    `grammar_ended`: its grammar took the token as its end, which the sampler let win over
+    min_tokens (nothing may follow a finished grammar: the request would go on unconstrained)."""
     params = request.sampling_params
     token = request.output_token_ids[-1]
-    if request.num_output_tokens >= params.min_tokens and token in params.all_stop_token_ids:
+    if ((request.num_output_tokens >= params.min_tokens or grammar_ended)
+            and token in params.all_stop_token_ids):
         request.status = RequestStatus.FINISHED_STOPPED
         # As in vLLM: an explicit stop token is reported, the end-of-sequence token is not.
         request.stop_reason = token if token in params.stop_token_ids else None
@@ -227,7 +230,8 @@ class Scheduler:
                 new_token_ids.append(token)
                 if grammar is not None:
                     grammar.accept(req_id, token)
-                if check_stop(request, self.max_model_len):
+                if check_stop(request, self.max_model_len,
+                              grammar is not None and grammar.ended):
                     finished.append(request)
                     break
             logprobs = model_runner_output.logprobs.get(req_id)

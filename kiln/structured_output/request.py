@@ -53,6 +53,11 @@ class StructuredOutputRequest:
         return (self.matcher is not None and not self.in_reasoning and not self._broken
                 and not self.matcher.is_terminated())
 
+    @property
+    def ended(self) -> bool:
+        """Whether the grammar has taken its last token (a stop token): it allows nothing more."""
+        return self.matcher is not None and not self._broken and self.matcher.is_terminated()
+
     def fill_bitmask(self, bitmask, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 

@@ -16,9 +16,10 @@ class FakeMatcher:
 
     def __init__(self, allowed):
         self.allowed, self.accepted = allowed, []
+        self.ends = set()  # tokens that end the grammar when accepted
 
     def is_terminated(self):
-        return False
+        return bool(self.accepted) and self.accepted[-1] in self.ends
 
     def fill_next_token_bitmask(self, bitmask, row):
         bitmask[row] = 0
@@ -143,3 +144,28 @@ def test_grammar_waits_for_the_end_of_reasoning():
                                                        sampled_token_ids=[[token]]))
     assert rows == [[]] * 5 + [["t"]] * 2
     assert grammar.matcher.accepted == [40, 5]
+
+
+def test_a_grammar_ended_by_a_stop_token_ends_the_request_before_min_tokens():
+    """The sampler lets a finished grammar's stop token win over min_tokens (test_grammar_mask):
+    the request ends there, where it went on unconstrained until max_tokens."""
+    sched, backend = make()
+    backend.release.set()
+    sched.add_request(make_request("g", [1, 2], max_tokens=20, min_tokens=10, stop_token_ids=[77],
+                                   structured_outputs=regex()))
+    sched.add_request(make_request("plain", [1, 2], max_tokens=20, min_tokens=10,
+                                   stop_token_ids=[77]))
+    grammar = sched.requests["g"].structured_output_request
+    while not grammar.is_ready():
+        grammar.wait(1)
+    grammar.matcher.ends = {77}
+    finished = {}
+    for tokens in ([40, 40], [77, 77]):
+        so = sched.schedule()
+        ids = list(so.num_scheduled_tokens)
+        by_id = dict(zip(["g", "plain"], tokens))
+        for o in sched.update_from_output(so, ModelRunnerOutput(
+                req_ids=ids, sampled_token_ids=[[by_id[r]] for r in ids])):
+            finished[o.request_id] = (o.finish_reason, o.stop_reason)
+    assert finished["g"] == ("stop", 77)
+    assert finished["plain"] == (None, None)  # below min_tokens, no grammar: it goes on
