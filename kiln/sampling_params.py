@@ -7,6 +7,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from kiln.structured_output.json_schema_rules import MAX_SCHEMA_DEPTH, schema_depth
+
 _GREEDY_EPS = 1e-5
 # The sampler divides logits by the penalty in float32: a smaller one overflows them.
 _MIN_REPETITION_PENALTY = 1e-6
@@ -53,10 +55,11 @@ class StructuredOutputsParams:
         if len(given) != 1:
             raise ValueError(f"structured_outputs must set exactly one of "
                              f"{list(STRUCTURED_OUTPUT_KINDS)}, got {given or 'none'}")
+        schema = self.json
         if isinstance(self.json, str):
             try:
                 schema = json.loads(self.json)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("structured_outputs.json must be a JSON schema (an object), "
@@ -64,6 +67,9 @@ class StructuredOutputsParams:
         elif self.json is not None and not isinstance(self.json, dict):
             raise ValueError("structured_outputs.json must be a JSON schema (dict or str), got "
                              f"{type(self.json).__name__}")
+        if self.json is not None and schema_depth(schema) > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"structured_outputs.json nests {schema_depth(schema)} objects and "
+                             f"arrays deep; at most {MAX_SCHEMA_DEPTH} are accepted")
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, str) and v):

@@ -2,11 +2,13 @@
 end can refuse a bad schema as a 400) and compiling it against the model's vocabulary (core side).
 """
 import functools
+import json
 import math
 import re
 
 from kiln.engine.text_encoding import encode_text
 from kiln.sampling_params import StructuredOutputsParams
+from kiln.structured_output.json_schema_rules import unenforced_keywords
 from kiln.structured_output.spec import GrammarSpec, grammar_spec
 
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: ": the user needs the rest.
@@ -52,6 +54,8 @@ def _spec_error(spec: GrammarSpec) -> str | None:
 
 def check_spec(spec: GrammarSpec) -> None:
     xgr = _import_xgrammar()
+    if spec.kind == "json":
+        _check_enforceable(spec)
     try:
         if spec.kind == "json":
             xgr.Grammar.from_json_schema(spec.text, any_whitespace=spec.any_whitespace,
@@ -67,6 +71,20 @@ def check_spec(spec: GrammarSpec) -> None:
                 "lark": "Lark grammar"}[spec.kind]
         raise ValueError(f"{spec.field} is not a {what} this server can compile: "
                          f"{_clean(e)}") from None
+
+
+def _check_enforceable(spec: GrammarSpec) -> None:
+    """Refuse a schema with keywords the grammar would not enforce (vLLM refuses some of them
+    too): served, its outputs could break the schema while finishing as `stop`."""
+    try:
+        unenforced = unenforced_keywords(json.loads(spec.text))
+    except ValueError:
+        return  # not JSON: xgrammar's own error names what is wrong
+    if unenforced:
+        raise ValueError(f"{spec.field} uses JSON Schema keywords this server's grammar "
+                         f"(xgrammar) does not enforce, so outputs could break them: "
+                         f"{', '.join(unenforced)}; remove them (and check them after "
+                         "generation)")
 
 
 class XgrammarBackend:

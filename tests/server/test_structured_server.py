@@ -173,6 +173,11 @@ def test_cut_by_max_tokens_says_length(client):
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
     ({"guided_json": "{not json"}, "guided_json"),
+    # A keyword the grammar would not enforce; nesting that overflowed the request's copy (500).
+    ({"structured_outputs": {"json": {"type": "array", "uniqueItems": True}}},
+     "structured_outputs"),
+    ({"guided_json": json.dumps({"type": "array", "items": {"type": "array", "items": {}}})
+      .replace('{}', '{"type": "array", "items": ' * 500 + '{}' + '}' * 500)}, "guided_json"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
 ])
 def test_bad_constraint_is_400_naming_it(client, body, param):

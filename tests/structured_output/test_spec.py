@@ -6,6 +6,11 @@ import json
 import pytest
 
 from kiln.sampling_params import SamplingParams, StructuredOutputsParams
+from kiln.structured_output.json_schema_rules import (
+    MAX_SCHEMA_DEPTH,
+    schema_depth,
+    unenforced_keywords,
+)
 from kiln.structured_output.spec import choice_ebnf, grammar_spec
 from kiln.structured_output.xgrammar_backend import check_structured_outputs
 
@@ -69,3 +74,51 @@ def test_same_request_same_spec():
                                              disable_any_whitespace=True))
     assert c != a and not c.any_whitespace
     assert grammar_spec(StructuredOutputsParams(grammar="start: x")).kind == "lark"
+
+
+def _nested_arrays(depth: int) -> dict:
+    schema = {"type": "integer"}
+    for _ in range(depth - 1):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def test_a_schema_nested_past_the_limit_is_refused_as_dict_and_text():
+    """500 levels overflowed Python's recursion copying the request (a 500 on the server), and
+    checking a few hundred took seconds."""
+    deep = _nested_arrays(MAX_SCHEMA_DEPTH + 1)
+    assert schema_depth(deep) == MAX_SCHEMA_DEPTH + 1
+    for form in (deep, json.dumps(deep), _nested_arrays(500), "[" * 100_000):
+        with pytest.raises(ValueError, match="structured_outputs.json"):
+            StructuredOutputsParams(json=form)
+    StructuredOutputsParams(json=_nested_arrays(MAX_SCHEMA_DEPTH))  # at the limit: served
+
+
+# Each keyword below was measured: xgrammar 0.2.9 compiled the schema and accepted an output
+# breaking it.
+@pytest.mark.parametrize("schema, keyword", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems at /"),
+    ({"type": "array", "contains": {"const": 5}}, "contains at /"),
+    ({"not": {"type": "integer"}}, "not at /"),
+    ({"if": {"type": "integer"}, "then": {"minimum": 5}}, "if at /"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired at /"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "allOf"),
+    ({"type": "object", "properties": {"s": {"type": "string", "pattern": "^a+$",
+                                             "maxLength": 2}}}, "pattern with"),
+    ({"type": "object", "$defs": {"t": {"type": "array", "uniqueItems": True}},
+      "properties": {"t": {"$ref": "#/$defs/t"}}}, "uniqueItems at /$defs/t"),
+])
+def test_keywords_the_grammar_does_not_enforce_are_refused_naming_them(schema, keyword):
+    with pytest.raises(ValueError, match="structured_outputs.json uses JSON Schema keywords") as e:
+        check_structured_outputs(StructuredOutputsParams(json=schema))
+    assert keyword in str(e.value)
+
+
+def test_keyword_names_as_data_and_annotation_only_all_of_are_served():
+    """Property names and enum values are data, not keywords; an allOf whose other members only
+    describe adds no constraint (pydantic writes such schemas)."""
+    schema = {"type": "object", "properties": {"not": {"type": "string"}, "contains": {
+        "enum": [{"uniqueItems": True}]}}, "allOf": [{"required": ["not"]},
+                                                     {"description": "d"}]}
+    assert unenforced_keywords(schema) == []
+    check_structured_outputs(StructuredOutputsParams(json=schema))

@@ -1,0 +1,67 @@
+"""What a JSON schema may hold to be served: keywords xgrammar compiles but does not enforce, and
+a nesting limit. A schema outside them is refused (a 400 naming the field), not served outputs
+that break it."""
+
+# Deeper schemas took seconds to check (the compile grows with the cube of the depth) and
+# overflowed Python's recursion copying the request (a 500): no real schema comes near.
+MAX_SCHEMA_DEPTH = 100
+
+# Keywords that only describe: an allOf member made of these adds no constraint.
+_ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated",
+                "readOnly", "writeOnly"}
+# Keywords whose value is one subschema, a list of them, or a name -> subschema map.
+_ONE = ("additionalProperties", "items", "additionalItems", "propertyNames",
+        "unevaluatedProperties", "unevaluatedItems", "contains", "not", "if", "then", "else")
+_LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def schema_depth(value) -> int:
+    """How deep objects and arrays nest in `value` (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(
+            node, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _unenforced(node: dict) -> list[str]:
+    """The keywords of one schema node that xgrammar 0.2 compiles without enforcing (each
+    measured: an output breaking it was accepted)."""
+    found = [k for k in ("contains", "minContains", "maxContains", "not", "if", "then", "else",
+                         "dependentRequired", "dependentSchemas") if k in node]
+    if node.get("uniqueItems") is True:
+        found.append("uniqueItems")
+    all_of = node.get("allOf")
+    if isinstance(all_of, list) and sum(
+            1 for m in all_of if not (isinstance(m, dict) and set(m) <= _ANNOTATIONS)) > 1:
+        found.append("allOf (of more than one schema)")
+    if "pattern" in node and ("minLength" in node or "maxLength" in node):
+        found.append("pattern with minLength/maxLength (the lengths are dropped)")
+    return found
+
+
+def unenforced_keywords(schema) -> list[str]:
+    """'keyword at /json/pointer' for every keyword of the schema xgrammar would not enforce.
+    Walks subschemas only: property names and enum / const values are data, not keywords."""
+    found, stack = [], [(schema, "")]
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        found.extend(f"{k} at {path or '/'}" for k in _unenforced(node))
+        for key in _ONE:
+            if isinstance(node.get(key), dict):
+                stack.append((node[key], f"{path}/{key}"))
+        for key in _LIST:
+            if isinstance(node.get(key), list):
+                stack.extend((sub, f"{path}/{key}/{i}") for i, sub in enumerate(node[key]))
+        for key in _MAP:
+            if isinstance(node.get(key), dict):
+                stack.extend((sub, f"{path}/{key}/{name}") for name, sub in node[key].items())
+    return sorted(found)
