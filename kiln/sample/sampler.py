@@ -57,6 +57,7 @@ class Sampler(torch.nn.Module):
                             else log_softmax_of_sanitized(logits))
 
         if meta.edits_logits:
+            grammar_only = logits if meta.grammar_rows is not None else None
             logits = logits.clone()  # the in-place edits must not write into the model's buffer
         if meta.allowed_rows is not None:
             logits = apply_allowed_token_ids(logits, meta.allowed_rows, meta.allowed_mask)
@@ -67,12 +68,15 @@ class Sampler(torch.nn.Module):
                                          meta.repetition_penalty, meta.presence_penalty,
                                          meta.frequency_penalty)
         if meta.min_tokens_rows is not None:
-            before = logits.clone() if meta.grammar_rows is not None else None
             logits = mask_min_tokens(logits, meta.min_tokens_rows, meta.min_tokens_cols)
-            if before is not None:
-                # A finished grammar allows only stop tokens: it wins over min_tokens.
-                dead = torch.isneginf(logits).all(dim=1, keepdim=True)  # [N, 1]
-                logits = torch.where(dead, before, logits)
+        if meta.edits_logits and grammar_only is not None:
+            # The grammar wins over the request's own masks (min_tokens, allowed_token_ids,
+            # bad words): a grammar row they leave no token in samples under the grammar alone
+            # (a finished grammar allows only stop tokens), not token 0 outside it.
+            dead = torch.isneginf(logits).all(dim=1)  # [N]
+            in_grammar = torch.zeros_like(dead)
+            in_grammar[meta.grammar_rows] = True
+            logits = torch.where((dead & in_grammar)[:, None], grammar_only, logits)
 
         sampled = self.sample(logits, meta)
         out = SamplerOutput(sampled_token_ids=sampled, nonfinite_rows=nonfinite_rows)

@@ -79,3 +79,22 @@ def test_grammar_that_allows_only_stop_wins_over_min_tokens():
     meta.grammar_rows = torch.tensor([0])
     meta.grammar_bitmask = pack([{9}])
     assert Sampler()(torch.randn(1, V), meta).sampled_token_ids.tolist() == [9]
+
+
+def test_the_grammar_wins_over_allowed_token_ids_and_bad_words_that_leave_it_nothing():
+    """A grammar row whose allowed_token_ids / banned tokens leave no token the grammar allows
+    samples under the grammar alone (it sampled token 0, outside both, and the request then ran
+    unconstrained); a row with no grammar keeps its own masks."""
+    params = [SamplingParams(temperature=0, allowed_token_ids=[7]),
+              SamplingParams(temperature=1.0, seed=1),
+              SamplingParams(temperature=0, allowed_token_ids=[7, 8])]
+    for p in params:
+        p.update_from_tokenizer(None, V)
+    params[1].bad_words_token_ids = [[5]]  # a one-token bad word: always banned
+    meta = _meta(params)
+    meta.grammar_rows = torch.tensor([0, 1])
+    meta.grammar_bitmask = pack([{5, 6}, {5}])
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0))
+    tokens = Sampler()(logits, meta).sampled_token_ids.tolist()
+    assert tokens[0] == max((5, 6), key=lambda t: logits[0, t]) and tokens[1] == 5
+    assert tokens[2] == max((7, 8), key=lambda t: logits[2, t])
