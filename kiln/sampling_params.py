@@ -254,6 +254,21 @@ class SamplingParams:
         if eos_token_id is not None and not self.ignore_eos:
             self.all_stop_token_ids.add(eos_token_id)
 
+    def check_masks_leave_a_token(self) -> None:
+        """Refuse masks that together leave nothing to sample, once the stop tokens and bad
+        words are known: the sampler would draw token 0, which none of them allows."""
+        if not self.allowed_token_ids:
+            return
+        banned = {w[0] for w in self.bad_words_token_ids or () if len(w) == 1}
+        left = set(self.allowed_token_ids) - banned
+        if not left:
+            raise ValueError("allowed_token_ids are all banned by bad_words: no token is left "
+                             "to sample; allow another token or drop the bad word")
+        if self.min_tokens and left <= self.all_stop_token_ids:
+            raise ValueError(f"allowed_token_ids hold only stop tokens, which min_tokens="
+                             f"{self.min_tokens} holds back: no token is left to sample; allow "
+                             "a token that is not a stop token, or drop min_tokens")
+
     def clone(self) -> "SamplingParams":
         import copy
 

@@ -266,6 +266,7 @@ class InputProcessor:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.extra_eos_token_ids
+        params.check_masks_leave_a_token()
         clip_max_tokens(params, len(token_ids), self.max_model_len, max_tokens_must_fit)
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and not (isinstance(salt, str) and salt):

@@ -126,3 +126,23 @@ def test_a_huge_text_prompt_is_refused_from_its_head(stories_dir, tokenizer):
     # A head that leaves room (long tokens) is no verdict: the whole text is then tokenized.
     assert not too_long_for_head(64 + HEAD_MARGIN_TOKENS - 1, 64)
     assert too_long_for_head(64 + HEAD_MARGIN_TOKENS, 64)
+
+
+def test_masks_that_leave_no_token_are_refused(proc, tokenizer):
+    """Nothing left to sample drew token 0, which none of the masks allowed."""
+    eos = tokenizer.eos_token_id
+    word = tokenizer.decode([300]).strip()
+    one_token = proc.process({"prompt_token_ids": [1, 5]},
+                             SamplingParams(bad_words=[word])).params.bad_words_token_ids
+    assert [300] in one_token  # the word is the one token 300 here
+    with pytest.raises(ValueError, match="allowed_token_ids are all banned by bad_words"):
+        proc.process({"prompt_token_ids": [1, 5]},
+                     SamplingParams(allowed_token_ids=[300], bad_words=[word]))
+    for stops in ([eos], [7], [eos, 7]):  # 7: the model's extra end-of-sequence token
+        with pytest.raises(ValueError, match="only stop tokens, which min_tokens=2"):
+            proc.process({"prompt_token_ids": [1, 5]},
+                         SamplingParams(allowed_token_ids=stops, min_tokens=2))
+    for fine in (SamplingParams(allowed_token_ids=[eos, 300], min_tokens=2),
+                 SamplingParams(allowed_token_ids=[eos]),
+                 SamplingParams(allowed_token_ids=[300, 301], bad_words=[word])):
+        proc.process({"prompt_token_ids": [1, 5]}, fine)
