@@ -182,6 +182,9 @@ class CoreProcClient:
         self._poller = zmq.Poller()
         self._poller.register(self._output, zmq.POLLIN)
         self._poller.register(self._sentinel, zmq.POLLIN)
+        self._send_poller = zmq.Poller()  # room in the input queue, or the core's exit
+        self._send_poller.register(self._input, zmq.POLLOUT)
+        self._send_poller.register(self._sentinel, zmq.POLLIN)
 
     def wait_until_ready(self) -> None:
         """Block until the core built its engine (raising what it raised if it could not)."""
@@ -256,6 +259,8 @@ class CoreProcClient:
                 if not self._output.poll(left_ms):
                     break
                 self._take(self._read_output())
+        except zmq.ZMQError:
+            pass  # the front end is shutting down too (a signal to the whole group): closed
         finally:
             self._reading.release()
         return self._failure_reported.is_set()
@@ -286,12 +291,20 @@ class CoreProcClient:
 
     # ---- EngineCore's calls ------------------------------------------------------------------
     def _send(self, message) -> None:
-        if self._dead is not None:
-            raise self._dead
-        if self._exited():
-            self._dead = self._exit_error()
-            raise self._dead
-        self._input.send(self._encoder.encode(message), copy=False)
+        data = self._encoder.encode(message)
+        while True:
+            if self._dead is not None:
+                raise self._dead
+            if self._exited():
+                self._dead = self._exit_error()
+                raise self._dead
+            try:
+                self._input.send(data, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                # No core takes it: one on its way out closed its socket (a blocking send then
+                # waited forever, the core long gone), or one in a long step has a full queue.
+                self._send_poller.poll(_STEP_WAIT_MS)
 
     def add_request(self, request: Request) -> None:
         self._send(to_wire(request))

@@ -281,3 +281,47 @@ def test_a_discarded_interpreter_leaves_no_descriptor_open():
     fds = len(os.listdir("/proc/self/fd"))
     CoreInterpreter().discard()
     assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_a_send_to_a_core_that_closed_its_socket_ends_when_the_core_exits(tmp_path):
+    """A core failing while idle closes its input socket before it exits: a request sent in
+    between found no peer, and the blocking send waited forever (the server never exited)."""
+    import subprocess
+    import sys
+    import threading
+
+    import zmq
+
+    from kiln.core.core_messages import AbortRequests, input_codec
+    from kiln.engine.core_client import CoreProcClient, EngineCoreDeadError
+
+    client = CoreProcClient.__new__(CoreProcClient)  # its sending half, with a stand-in core
+    ctx = zmq.Context()
+    client._input = ctx.socket(zmq.PUSH)
+    client._input.setsockopt(zmq.LINGER, 0)
+    client._input.bind(f"ipc://{tmp_path}/input")  # nobody connects: the core closed its end
+    client.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
+    client.pid = client.proc.pid
+    client._sentinel = os.pidfd_open(client.pid)
+    client._send_poller = zmq.Poller()
+    client._send_poller.register(client._input, zmq.POLLOUT)
+    client._send_poller.register(client._sentinel, zmq.POLLIN)
+    client._dead = None
+    client._encoder, _ = input_codec()
+    raised = []
+
+    def send():
+        try:
+            client._send(AbortRequests(request_ids=["a"]))
+        except EngineCoreDeadError as e:
+            raised.append(e)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    sender.join(30)
+    try:
+        assert not sender.is_alive(), "the send still waits for a core that has exited"
+        assert raised and "exited with code 0" in str(raised[0])
+    finally:
+        os.close(client._sentinel)
+        ctx.destroy(linger=0)
