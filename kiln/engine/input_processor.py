@@ -37,10 +37,11 @@ def clip_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int,
 
 def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None,
                     max_model_len: int) -> list[int]:
-    """The prompt's last truncate_prompt_tokens tokens (-1: its last max_model_len)."""
+    """The prompt's last truncate_prompt_tokens tokens (-1: as many as leave room for one token
+    to generate within max_model_len)."""
     if truncate_prompt_tokens is None:
         return token_ids
-    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    keep = max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
     return token_ids[-keep:]
 
 

@@ -146,3 +146,10 @@ def test_masks_that_leave_no_token_are_refused(proc, tokenizer):
                  SamplingParams(allowed_token_ids=[eos]),
                  SamplingParams(allowed_token_ids=[300, 301], bad_words=[word])):
         proc.process({"prompt_token_ids": [1, 5]}, fine)
+
+
+def test_truncate_to_minus_one_leaves_room_to_generate(proc):
+    """-1 kept max_model_len tokens, which the length check then refused: every prompt that
+    needed the truncation failed."""
+    out = proc.process({"prompt_token_ids": [5] * 100}, SamplingParams(truncate_prompt_tokens=-1))
+    assert len(out.prompt_token_ids) == 63 and out.params.max_tokens == 1

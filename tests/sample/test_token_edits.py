@@ -36,7 +36,7 @@ def test_validation_names_the_field_and_vocab_bound():
     with pytest.raises(ValueError, match="allowed_token_ids contains 600"):
         p.update_from_tokenizer(2, 512)
     assert truncate_prompt([1, 2, 3, 4], 2, 10) == [3, 4]
-    assert truncate_prompt([1, 2, 3, 4], -1, 3) == [2, 3, 4]
+    assert truncate_prompt([1, 2, 3, 4], -1, 3) == [3, 4]  # room for one token to generate
     assert truncate_prompt([1, 2, 3, 4], None, 3) == [1, 2, 3, 4]
 
 
