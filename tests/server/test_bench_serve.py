@@ -20,12 +20,30 @@ def test_arrivals_are_poisson_at_the_rate_and_zero_for_inf():
             arrival_delays(3, bad, 0)
 
 
-def test_a_bad_request_rate_is_refused_before_a_server_starts():
+@pytest.mark.parametrize("flags, named", [(["--request-rate", "nan"], "--request-rate"),
+                                          (["--server-start-timeout", "-5"],
+                                           "--server-start-timeout"),
+                                          (["--server-start-timeout", "nan"],
+                                           "--server-start-timeout")])
+def test_bad_flags_are_refused_before_a_server_starts(flags, named):
     from kiln.entrypoints.cli import bench_serve
 
-    args = build_parser().parse_args(["bench", "serve", "--request-rate", "nan"])
-    with pytest.raises(ValueError, match="--request-rate"):
+    args = build_parser().parse_args(["bench", "serve", *flags])
+    with pytest.raises(ValueError, match=named):
         bench_serve.run(args)  # would start `kiln serve` first if it got past the check
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--graceful-shutdown-timeout", "nan"], "--graceful-shutdown-timeout"),
+    (["--graceful-shutdown-timeout", "-1"], "--graceful-shutdown-timeout"),
+    (["--served-model-name", ""], "--served-model-name"),
+    (["--request-body-timeout", "nan"], "--request-body-timeout")])
+def test_bad_serve_flags_are_refused_before_the_model_loads(flags, named):
+    from kiln.entrypoints.cli.serve import settings_from_args
+
+    with pytest.raises(ValueError, match=named):
+        settings_from_args(build_parser().parse_args(["serve", *flags]))
+    settings_from_args(build_parser().parse_args(["serve", "--graceful-shutdown-timeout", "0"]))
 
 
 def test_prompts_have_the_length_and_stay_in_vocab():

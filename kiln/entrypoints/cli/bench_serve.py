@@ -101,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
     check_request_rate(args.request_rate)  # before a server starts
+    if not 0 < args.server_start_timeout < float("inf"):
+        raise ValueError(f"--server-start-timeout must be a finite number of seconds > 0, got "
+                         f"{args.server_start_timeout}")
     if not args.probe_duration > 0:
         raise ValueError(f"--probe-duration must be > 0 seconds, got {args.probe_duration}")
     if args.probe_rounds < 1:

@@ -91,6 +91,12 @@ def settings_from_args(args: argparse.Namespace):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got "
                              f"{getattr(args, flag)}")
+    if not 0 <= args.graceful_shutdown_timeout < float("inf"):  # NaN failed only at shutdown
+        raise ValueError(f"--graceful-shutdown-timeout must be a finite number of seconds >= 0 "
+                         f"(0: abort requests in flight at once), got "
+                         f"{args.graceful_shutdown_timeout}")
+    if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
+        raise ValueError(f"--served-model-name must not be empty, got {args.served_model_name}")
     return ServerSettings(host=args.host, port=args.port, api_key=args.api_key or env_api_key(),
                           served_model_names=args.served_model_name,
                           max_request_body_bytes=args.max_request_body_bytes,
