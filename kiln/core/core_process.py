@@ -68,6 +68,13 @@ def _remove_ipc_sockets(addresses: tuple[str, ...]) -> None:
             pass
 
 
+def _exit_on_sigterm(*_) -> None:
+    # Once: a second SIGTERM (the whole group's, then the front end's own) raised again inside
+    # the way out, and its SystemExit escaped into the interpreter's exit hooks (a traceback).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(0)
+
+
 def _failure(e: BaseException) -> CoreFailed:
     return CoreFailed(error_type=type(e).__name__, message=str(e),
                       traceback="".join(traceback.format_exception(e)),
@@ -195,7 +202,7 @@ def run_engine_core(kiln_config, executor_class: type, input_address: str, outpu
     `front_end_cores`: cores a CPU model running here leaves to the front end once warm."""
     # Ctrl-C reaches the whole process group: the front end decides what stops, and tells us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     _exit_with_parent(parent_pid, (input_address, output_address))
     ctx = zmq.Context()
     input_socket = ctx.socket(zmq.PULL)
@@ -279,8 +286,12 @@ def main() -> None:
 
     _preimport()
 
-    sys.path[:0] = [p for p in pickle.load(sys.stdin.buffer) if p not in sys.path]
-    run_engine_core(*pickle.load(sys.stdin.buffer))
+    try:
+        sys.path[:0] = [p for p in pickle.load(sys.stdin.buffer) if p not in sys.path]
+        arguments = pickle.load(sys.stdin.buffer)
+    except EOFError:  # the front end ended before handing the engine over: nothing to run
+        sys.exit(1)
+    run_engine_core(*arguments)
 
 
 if __name__ == "__main__":

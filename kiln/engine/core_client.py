@@ -373,11 +373,13 @@ class CoreProcClient:
         self._closing.set()
         if not self._exited() and self._dead is None:
             try:
-                self._input.send(self._encoder.encode(Shutdown()), copy=False)
-            except zmq.ZMQError:
-                pass
+                self._input.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK,
+                                 copy=False)
+                told = True
+            except zmq.ZMQError:  # no core takes it (one still starting up): the finalizer
+                told = False  # stops it; a blocking send waited forever (SIGTERM at start-up)
             ready, _, _ = select.select([self._goodbye, self._sentinel], [], [],
-                                        _SHUTDOWN_WAIT_S)
+                                        _SHUTDOWN_WAIT_S if told else 0)
             if self._goodbye in ready:
                 self._said_goodbye.set()
                 if not self._watched:  # someone must reap it

@@ -29,6 +29,13 @@ def core_environment(environ) -> dict:
     return env
 
 
+# `python -m kiln.core.core_process`, deaf to Ctrl-C from its first line: the terminal sends it
+# to the whole process group, and the front end decides what stops (a Ctrl-C while the core
+# imported torch printed its KeyboardInterrupt traceback).
+_BOOT = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); import runpy; "
+         "runpy.run_module('kiln.core.core_process', run_name='__main__', alter_sys=True)")
+
+
 class CoreInterpreter:
     """`python -m kiln.core.core_process`, started before the engine's config exists: it imports
     torch and the engine (seconds) while this process resolves the config and loads the
@@ -40,7 +47,7 @@ class CoreInterpreter:
         # memory is left (0.16 s for the default model on 2 cores), which shutdown need not wait.
         self.goodbye, goodbye_w = os.pipe()
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kiln.core.core_process"],
+            self.proc = subprocess.Popen([sys.executable, "-c", _BOOT],
                                          stdin=subprocess.PIPE, env=core_environment(os.environ),
                                          pass_fds=(goodbye_w,))
         except BaseException:

@@ -325,3 +325,47 @@ def test_a_send_to_a_core_that_closed_its_socket_ends_when_the_core_exits(tmp_pa
     finally:
         os.close(client._sentinel)
         ctx.destroy(linger=0)
+
+
+def test_the_core_interpreter_ignores_ctrl_c_while_it_imports():
+    """The terminal sends Ctrl-C to the whole process group; the core left its imports with a
+    KeyboardInterrupt traceback. The front end decides what stops."""
+    from kiln.engine.core_interpreter import CoreInterpreter
+
+    interpreter = CoreInterpreter()
+    try:
+        time.sleep(0.3)  # past the interpreter's start, in the middle of importing torch
+        interpreter.proc.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        assert interpreter.proc.poll() is None
+    finally:
+        interpreter.discard()
+
+
+def test_sigterm_to_kiln_generate_starting_up_leaves_nothing_behind(tiny_llama_dir, tmp_path):
+    """`timeout` or a service manager signals the whole group while the engine starts: the front
+    end died at once and left its socket directory in the temporary folder."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "kiln.entrypoints.cli.main", "generate", "hello",
+           "--model", str(tiny_llama_dir), "--enforce-eager", "--max-model-len", "64",
+           "--max-tokens", "4"]
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as err:  # a file, not a pipe: nothing may block on a full pipe
+        front = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("kiln-core-*")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if not list(tmp_path.glob("kiln-core-*")):
+        os.killpg(front.pid, signal.SIGKILL)
+        pytest.fail(f"the engine never started: {log.read_text()}")
+    os.killpg(front.pid, signal.SIGTERM)
+    front.wait(timeout=60)
+    assert front.returncode != 0 and "Traceback" not in log.read_text(), log.read_text()
+    deadline = time.monotonic() + 30
+    while list(tmp_path.glob("kiln-core-*")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not list(tmp_path.glob("kiln-core-*"))

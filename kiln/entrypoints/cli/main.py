@@ -4,6 +4,7 @@ A subcommand is a module with `register(subparsers)` that sets `func`; add it to
 """
 import argparse
 import importlib
+import signal
 import sys
 
 SUBCOMMANDS = [
@@ -47,14 +48,22 @@ def _prestart_core(argv: list[str]) -> None:
         core_interpreter.prestart()
 
 
+def _terminated(signum, frame) -> None:
+    # SIGTERM (`timeout`, `docker stop`, a service manager) unwinds like Ctrl-C: the engine's
+    # finalizers stop its core and remove its socket directory, which the default action (die
+    # at once) left behind. `kiln serve` hands SIGTERM to uvicorn once it serves.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> None:
-    _prestart_core(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if getattr(args, "func", None) is None:
-        parser.print_help(sys.stderr)
-        sys.exit(USAGE_ERROR_EXIT)
-    try:
+    signal.signal(signal.SIGTERM, _terminated)
+    try:  # Ctrl-C may come during the imports too: no traceback then either
+        _prestart_core(sys.argv[1:] if argv is None else argv)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if getattr(args, "func", None) is None:
+            parser.print_help(sys.stderr)
+            sys.exit(USAGE_ERROR_EXIT)
         code = args.func(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
