@@ -32,8 +32,10 @@ def core_environment(environ) -> dict:
 # `python -m kiln.core.core_process`, deaf to Ctrl-C from its first line: the terminal sends it
 # to the whole process group, and the front end decides what stops (a Ctrl-C while the core
 # imported torch printed its KeyboardInterrupt traceback).
-_BOOT = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); import runpy; "
-         "runpy.run_module('kiln.core.core_process', run_name='__main__', alter_sys=True)")
+# The module is an argument of its own, so `ps` (and a test) still sees the process's job.
+_BOOT = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); import runpy; "
+         "runpy.run_module(sys.argv[1], run_name='__main__', alter_sys=True)")
+_MODULE = "kiln.core.core_process"
 
 
 class CoreInterpreter:
@@ -47,7 +49,7 @@ class CoreInterpreter:
         # memory is left (0.16 s for the default model on 2 cores), which shutdown need not wait.
         self.goodbye, goodbye_w = os.pipe()
         try:
-            self.proc = subprocess.Popen([sys.executable, "-c", _BOOT],
+            self.proc = subprocess.Popen([sys.executable, "-c", _BOOT, _MODULE],
                                          stdin=subprocess.PIPE, env=core_environment(os.environ),
                                          pass_fds=(goodbye_w,))
         except BaseException:

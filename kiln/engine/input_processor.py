@@ -45,6 +45,23 @@ def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None,
     return token_ids[-keep:]
 
 
+# A dict prompt's keys (vLLM's TextPrompt / TokensPrompt, less what a text-only engine lacks).
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+_MULTIMODAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids",
+                    "prompt_embeds", "token_type_ids")
+
+
+def check_prompt_keys(prompt: dict) -> None:
+    """Refuse keys Kiln would ignore (a misspelled one, or images for a text-only model)."""
+    for key in prompt:
+        if key in _MULTIMODAL_KEYS:
+            raise ValueError(f"prompt key {key!r} is not supported: Kiln's models are text-only "
+                             "(text or token ids)")
+        if key not in PROMPT_KEYS:
+            raise ValueError(f"unknown prompt key {key!r}; a dict prompt takes "
+                             f"{', '.join(PROMPT_KEYS)}")
+
+
 def bad_words_token_ids(tokenizer, bad_words: list[str]) -> list[list[int]]:
     """Each bad word's token ids, as a text's first word and after a space (tokenizers give a
     word different tokens there), each sequence once."""
@@ -205,6 +222,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             return prompt, self._encode(prompt, whole)
         if isinstance(prompt, dict):
+            check_prompt_keys(prompt)
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)):

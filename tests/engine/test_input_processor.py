@@ -153,3 +153,14 @@ def test_truncate_to_minus_one_leaves_room_to_generate(proc):
     needed the truncation failed."""
     out = proc.process({"prompt_token_ids": [5] * 100}, SamplingParams(truncate_prompt_tokens=-1))
     assert len(out.prompt_token_ids) == 63 and out.params.max_tokens == 1
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ({"prompt": "hi", "multi_modal_data": {"image": 1}}, "'multi_modal_data' is not supported"),
+    ({"prompt": "hi", "mm_processor_kwargs": {}}, "'mm_processor_kwargs' is not supported"),
+    ({"prompt": "hi", "promt_token_ids": [1, 2]}, "unknown prompt key 'promt_token_ids'")])
+def test_prompt_keys_it_would_ignore_are_refused(proc, prompt, message):
+    """They were ignored: an image prompt generated from its text alone."""
+    with pytest.raises(ValueError, match=message):
+        proc.process(prompt, None)
+    proc.process({"prompt": "hi", "cache_salt": "s"}, None)
