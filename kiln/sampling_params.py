@@ -12,6 +12,7 @@ from kiln.structured_output.json_schema_rules import MAX_SCHEMA_DEPTH, schema_de
 _GREEDY_EPS = 1e-5
 # The sampler divides logits by the penalty in float32: a smaller one overflows them.
 _MIN_REPETITION_PENALTY = 1e-6
+_MAX_REPETITION_PENALTY = 3.4e38  # float32's largest, about
 _INT64 = (-2 ** 63, 2 ** 63 - 1)  # seeds: torch generators take 64 bits
 
 
@@ -175,8 +176,10 @@ class SamplingParams:
         in_range("min_p", 0, 1, "in [0, 1]")
         in_range("presence_penalty", -2, 2, "in [-2, 2]")
         in_range("frequency_penalty", -2, 2, "in [-2, 2]")
-        in_range("repetition_penalty", _MIN_REPETITION_PENALTY, 2,
-                 f"in [{_MIN_REPETITION_PENALTY}, 2]")
+        # Past 2 too, as vLLM and HF take it; within float32, where the sampler applies it
+        # (an infinite one makes a zero logit NaN).
+        in_range("repetition_penalty", _MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY,
+                 f"in [{_MIN_REPETITION_PENALTY}, {_MAX_REPETITION_PENALTY:g}]")
         check(self.max_tokens is None or (integer(self.max_tokens) and self.max_tokens >= 1),
               "max_tokens", "an integer >= 1 or None", self.max_tokens)
         check(integer(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
@@ -195,6 +198,9 @@ class SamplingParams:
         check(isinstance(self.stop_token_ids, list)
               and all(integer(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "a list of non-negative integers", self.stop_token_ids)
+        check(isinstance(self.output_kind, RequestOutputKind)
+              or self.output_kind in set(RequestOutputKind), "output_kind",
+              f"one of {[k.name for k in RequestOutputKind]}", self.output_kind)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
                      "detokenize"):
             check(isinstance(getattr(self, name), bool), name, "True or False",

@@ -11,7 +11,8 @@ from kiln.sampling_params import SamplingParams
     ("top_p", 0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
     ("presence_penalty", 3), ("frequency_penalty", -3),
     # 1e-50 is 0 in float32: the sampler's logits would become NaN
-    ("repetition_penalty", 0), ("repetition_penalty", 1e-50), ("repetition_penalty", 3),
+    ("repetition_penalty", 0), ("repetition_penalty", 1e-50),
+    ("repetition_penalty", 1e39), ("repetition_penalty", math.inf), ("output_kind", 7),
     ("max_tokens", 0), ("min_tokens", -1), ("logprobs", 21), ("prompt_logprobs", -1),
     # torch generators take 64 bits
     ("seed", 2 ** 63), ("seed", -2 ** 63 - 1), ("seed", 1.5),
@@ -25,6 +26,7 @@ def test_bad_values_name_the_field(field, value):
 def test_edges_that_are_allowed():
     SamplingParams(seed=2 ** 63 - 1, n=4)  # the samples' seeds go past int64: fine for torch
     SamplingParams(seed=-2 ** 63, temperature=0, repetition_penalty=1e-6, top_k=-1)
+    SamplingParams(repetition_penalty=2.5)  # vLLM and HF take any positive penalty
     assert SamplingParams(min_tokens=16, max_tokens=16).min_tokens == 16
     with pytest.raises(ValueError, match="min_tokens must be <= max_tokens"):
         SamplingParams(min_tokens=17, max_tokens=16)

@@ -97,13 +97,14 @@ def _nulls_allowed(model_schema: dict) -> None:
 
 def _sampling_ranges(model_schema: dict) -> None:
     """The sampling fields' ranges, as SamplingParams checks them (outside is a 400)."""
-    from kiln.sampling_params import _MIN_REPETITION_PENALTY
+    from kiln.sampling_params import _MAX_REPETITION_PENALTY, _MIN_REPETITION_PENALTY
 
     ranges = {"temperature": {"minimum": 0}, "top_p": {"exclusiveMinimum": 0, "maximum": 1},
               "min_p": {"minimum": 0, "maximum": 1}, "top_k": {"minimum": -1},
               "presence_penalty": {"minimum": -2, "maximum": 2},
               "frequency_penalty": {"minimum": -2, "maximum": 2},
-              "repetition_penalty": {"minimum": _MIN_REPETITION_PENALTY, "maximum": 2},
+              "repetition_penalty": {"minimum": _MIN_REPETITION_PENALTY,
+                                     "maximum": _MAX_REPETITION_PENALTY},
               "max_tokens": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
               "min_tokens": {"minimum": 0}, "logprobs": {"minimum": 0, "maximum": 20},
               "top_logprobs": {"minimum": 0, "maximum": 20},
