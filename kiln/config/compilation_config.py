@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.config.frozen import FreezableConfig
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 class CompilationMode(enum.IntEnum):
@@ -97,6 +100,9 @@ class CompilationConfig(FreezableConfig):
 
     def resolve_mode(self, enforce_eager: bool) -> None:
         if enforce_eager:
+            if self.mode not in (None, CompilationMode.NONE):  # vLLM warns the same
+                logger.warning("--enforce-eager overrides compilation mode %d: the model runs "
+                               "eagerly; drop one of the two", self.mode)
             self.mode = CompilationMode.NONE
         elif self.mode is None:
             self.mode = CompilationMode.KILN_COMPILE

@@ -69,11 +69,13 @@ def test_create_kiln_config(stories_dir):
     assert c.device_config.device == "cpu"
 
 
-def test_enforce_eager_and_shared_compilation_config(stories_dir):
+def test_enforce_eager_and_shared_compilation_config(stories_dir, kiln_logs):
     shared = CompilationConfig(mode=3)
     c = EngineArgs(model=str(stories_dir), enforce_eager=True,
                    compilation_config=shared).create_kiln_config()
     assert c.compilation_config.mode == CompilationMode.NONE
+    # Said, as vLLM says it: -O 3 beside --enforce-eager ran eagerly in silence.
+    assert "--enforce-eager overrides compilation mode 3" in kiln_logs.text
     assert shared.mode == CompilationMode.KILN_COMPILE  # the caller's object is untouched
     assert EngineArgs(model=str(stories_dir), compilation_config={"mode": 1}
                       ).create_kiln_config().compilation_config.mode == 1
