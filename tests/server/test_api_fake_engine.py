@@ -282,6 +282,22 @@ def test_engine_death_while_collecting_is_503():
         assert_error(r, 503, None, "engine_dead")
 
 
+def test_a_request_racing_the_engines_death_is_503(monkeypatch):
+    """The core (or a rank) died before the watcher told the server: the request's own add
+    found it, and its error was a 500."""
+    from kiln.executor.multiproc_executor import WorkerFailedError
+
+    llm = AsyncLLM(FakeEngine())
+
+    def dead(*args, **kwargs):
+        raise WorkerFailedError("worker rank 1 (pid 7) was killed by SIGKILL between steps")
+
+    monkeypatch.setattr(llm.engine, "add_processed_request", dead)
+    with TestClient(build_app(llm, ServerSettings())) as c:
+        r = c.post("/v1/completions", json=dict(prompt="x", max_tokens=5))
+        assert "worker rank 1" in assert_error(r, 503, None, "engine_dead")["message"]
+
+
 def test_malformed_json_wrong_body_unknown_route(client):
     r = client.post("/v1/completions", content=b'{"prompt": "x",',
                     headers={"content-type": "application/json"})
