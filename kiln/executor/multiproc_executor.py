@@ -82,10 +82,31 @@ def _exit_description(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def unanswered_message(what: str, ranks: list[int], timeout: float) -> str:
-    """A call that `ranks` did not answer within `timeout` s, and what to do about it."""
+# /proc/<pid>/stat states that say why a rank does not answer (the others, waiting for it in a
+# collective, are running or sleeping and do not answer either).
+_STUCK_STATES = {"T": "is stopped (SIGSTOP, or a debugger)", "t": "is stopped by a debugger",
+                 "D": "is stuck in the kernel (a device or a disk)"}
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state /proc gives for `pid` ("" where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]  # past the name, which may hold spaces
+    except (OSError, IndexError):
+        return ""
+
+
+def unanswered_message(what: str, ranks: list[int], timeout: float,
+                       pids: dict[int, int] | None = None) -> str:
+    """A call that `ranks` did not answer within `timeout` s, and what to do about it; `pids`
+    (rank -> process id, where known) names a rank whose process is stopped or stuck."""
     message = (f"{what}: worker rank(s) {', '.join(map(str, ranks))} did not answer within "
                f"{timeout:g} s")
+    stuck = [f"rank {r} (pid {pids[r]}) {_STUCK_STATES[state]}" for r in ranks
+             if pids and r in pids and (state := process_state(pids[r])) in _STUCK_STATES]
+    if stuck:
+        message += f" ({'; '.join(stuck)})"
     if what == "execute_model":
         message += ("; a rank is stopped or stuck (a hung device, a deadlocked collective): "
                     "restart the engine, or raise KILN_EXECUTE_MODEL_TIMEOUT_SECONDS if steps "
@@ -152,7 +173,8 @@ class MultiprocExecutor(Executor):
             ready = multiprocessing.connection.wait(waiting + sentinels, timeout=left)
             if not ready:
                 self._fail(unanswered_message(
-                    what, sorted(set(range(self.world_size)) - set(replies)), timeout))
+                    what, sorted(set(range(self.world_size)) - set(replies)), timeout,
+                    {rank: proc.pid for rank, proc in enumerate(self.procs)}))
             for obj in ready:
                 if obj in by_conn:
                     rank = by_conn[obj]

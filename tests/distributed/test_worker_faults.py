@@ -78,8 +78,11 @@ def test_a_stopped_rank_fails_the_step_once_the_timeout_passes(tiny_llama_dir, b
         # rank 0 waits for rank 1 in the step's collectives: neither answers
         with pytest.raises(WorkerFailedError, match=r"execute_model: worker rank\(s\) 0, 1 did "
                                                     r"not answer within 1.5 s(.|\n)*raise "
-                                                    r"KILN_EXECUTE_MODEL_TIMEOUT_SECONDS"):
+                                                    r"KILN_EXECUTE_MODEL_TIMEOUT_SECONDS") as e:
             engine.step()
+        # ... and which one is to blame: rank 0 only waits for it.
+        assert f"rank 1 (pid {procs[1].pid}) is stopped" in str(e.value)
+        assert "rank 0 (pid" not in str(e.value)
         assert time.monotonic() - started < 10
         assert _wait_exited(procs) == []
     finally:
