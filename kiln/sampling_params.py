@@ -52,6 +52,9 @@ class StructuredOutputsParams:
                     if getattr(self, k) not in (None, False))
 
     def verify(self) -> None:
+        if isinstance(self.json, bool):  # else `false` read as not given: "got none"
+            raise ValueError("structured_outputs.json must be a JSON schema (dict or str), got "
+                             f"{self.json!r}")
         given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"structured_outputs must set exactly one of "

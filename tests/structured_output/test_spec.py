@@ -20,6 +20,7 @@ from kiln.structured_output.xgrammar_backend import check_structured_outputs
     ({"regex": "a", "choice": ["a"]}, "exactly one"),
     ({"json": "{bad"}, "structured_outputs.json is not valid JSON"),
     ({"json": 3}, "structured_outputs.json must be"),
+    ({"json": False}, "structured_outputs.json must be"),  # said "got none"
     ({"choice": []}, "structured_outputs.choice"),
     ({"choice": ["a", 1]}, "structured_outputs.choice"),
     ({"regex": ""}, "structured_outputs.regex"),
