@@ -201,8 +201,9 @@ class SamplingParams:
         check(isinstance(self.stop_token_ids, list)
               and all(integer(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "a list of non-negative integers", self.stop_token_ids)
-        check(isinstance(self.output_kind, RequestOutputKind)
-              or self.output_kind in set(RequestOutputKind), "output_kind",
+        check(type(self.output_kind) is RequestOutputKind  # noqa: E721 - a bool is an int
+              or (type(self.output_kind) is int and self.output_kind in set(RequestOutputKind)),
+              "output_kind",
               f"one of {[k.name for k in RequestOutputKind]}", self.output_kind)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
                      "detokenize"):

@@ -222,11 +222,23 @@ class CoreProcClient:
         return EngineCoreDeadError(f"the engine core process (pid {self.pid}) {how}; requests "
                                    "in flight are lost: restart the engine")
 
+    def _gone(self) -> EngineCoreDeadError:
+        """What a call raises once the core is known dead: the failure's own kind went to the
+        call that read it; every later one says the engine is gone, naming the failure, so a
+        caller tells it from a bad request (the core's ValueError read as a 400 on the prompt,
+        its RuntimeError as a 500)."""
+        if isinstance(self._dead, EngineCoreDeadError):
+            return self._dead
+        error = EngineCoreDeadError(f"the engine core failed: {self._dead}; requests in flight "
+                                    "are lost: restart the engine")
+        error.__cause__ = self._dead
+        return error
+
     def _recv(self, timeout_ms: int):
         """The next message from the core, None after `timeout_ms`; raises once the core died."""
         with self._reading:
             if self._dead is not None:  # perhaps read by the exit watcher while we waited
-                raise self._dead
+                raise self._gone()
             events = dict(self._poller.poll(timeout_ms))
             if self._output in events:
                 message = self._read_output()
@@ -294,7 +306,7 @@ class CoreProcClient:
         data = self._encoder.encode(message)
         while True:
             if self._dead is not None:
-                raise self._dead
+                raise self._gone()
             if self._exited():
                 self._dead = self._exit_error()
                 raise self._dead
@@ -372,12 +384,15 @@ class CoreProcClient:
             return  # already shut down
         self._closing.set()
         if not self._exited() and self._dead is None:
+            # A core still starting up (no Ready yet) reads no message until its model is
+            # loaded: the finalizer stops it rather than wait (a blocking send waited forever).
+            told = self.num_blocks is not None
             try:
-                self._input.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK,
-                                 copy=False)
-                told = True
-            except zmq.ZMQError:  # no core takes it (one still starting up): the finalizer
-                told = False  # stops it; a blocking send waited forever (SIGTERM at start-up)
+                if told:
+                    self._input.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK,
+                                     copy=False)
+            except zmq.ZMQError:
+                told = False
             ready, _, _ = select.select([self._goodbye, self._sentinel], [], [],
                                         _SHUTDOWN_WAIT_S if told else 0)
             if self._goodbye in ready:

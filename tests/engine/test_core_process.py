@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from kiln.core.core_messages import input_codec
+
 from kiln.core.core_messages import decode_params, encode_params, from_wire, input_codec, to_wire
 from kiln.core.request import Request
 from kiln.engine.core_client import EngineCoreDeadError
@@ -363,9 +365,29 @@ def test_sigterm_to_kiln_generate_starting_up_leaves_nothing_behind(tiny_llama_d
         os.killpg(front.pid, signal.SIGKILL)
         pytest.fail(f"the engine never started: {log.read_text()}")
     os.killpg(front.pid, signal.SIGTERM)
-    front.wait(timeout=60)
+    try:
+        front.wait(timeout=60)
+    finally:  # a hang must not outlive the test
+        if front.poll() is None:
+            os.killpg(front.pid, signal.SIGKILL)
     assert front.returncode != 0 and "Traceback" not in log.read_text(), log.read_text()
     deadline = time.monotonic() + 30
     while list(tmp_path.glob("kiln-core-*")) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not list(tmp_path.glob("kiln-core-*"))
+
+
+def test_calls_after_the_cores_failure_say_the_engine_is_gone():
+    """The failure's own kind reaches the call that read it; a later call (a request racing the
+    death) raised that same error, which a server read as a bad request (ValueError: a 400 on
+    the prompt) or its own bug (a 500)."""
+    from kiln.core.core_messages import AbortRequests
+    from kiln.engine.core_client import CoreProcClient, EngineCoreDeadError
+
+    client = CoreProcClient.__new__(CoreProcClient)
+    client._encoder, _ = input_codec()
+    failure = ValueError("CUDA error: an illegal memory access")  # as _rebuild_error builds it
+    client._dead = failure
+    with pytest.raises(EngineCoreDeadError, match="engine core failed: CUDA error") as e:
+        client._send(AbortRequests(request_ids=["a"]))
+    assert e.value.__cause__ is failure
