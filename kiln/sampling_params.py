@@ -12,7 +12,9 @@ from kiln.structured_output.json_schema_rules import MAX_SCHEMA_DEPTH, schema_de
 _GREEDY_EPS = 1e-5
 # The sampler divides logits by the penalty in float32: a smaller one overflows them.
 _MIN_REPETITION_PENALTY = 1e-6
-_MAX_REPETITION_PENALTY = 3.4e38  # float32's largest, about
+# Far past any useful penalty (vLLM has no bound), short of where a logit times it overflows
+# float32 to -inf, which could leave a row nothing to sample.
+_MAX_REPETITION_PENALTY = 1e6
 _INT64 = (-2 ** 63, 2 ** 63 - 1)  # seeds: torch generators take 64 bits
 
 
@@ -179,8 +181,7 @@ class SamplingParams:
         in_range("min_p", 0, 1, "in [0, 1]")
         in_range("presence_penalty", -2, 2, "in [-2, 2]")
         in_range("frequency_penalty", -2, 2, "in [-2, 2]")
-        # Past 2 too, as vLLM and HF take it; within float32, where the sampler applies it
-        # (an infinite one makes a zero logit NaN).
+        # Past 2 too, as vLLM and HF take it.
         in_range("repetition_penalty", _MIN_REPETITION_PENALTY, _MAX_REPETITION_PENALTY,
                  f"in [{_MIN_REPETITION_PENALTY}, {_MAX_REPETITION_PENALTY:g}]")
         check(self.max_tokens is None or (integer(self.max_tokens) and self.max_tokens >= 1),
