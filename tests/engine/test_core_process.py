@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from kiln.core.core_messages import input_codec
-
 from kiln.core.core_messages import decode_params, encode_params, from_wire, input_codec, to_wire
 from kiln.core.request import Request
 from kiln.engine.core_client import EngineCoreDeadError
@@ -294,7 +292,7 @@ def test_a_send_to_a_core_that_closed_its_socket_ends_when_the_core_exits(tmp_pa
 
     import zmq
 
-    from kiln.core.core_messages import AbortRequests, input_codec
+    from kiln.core.core_messages import AbortRequests
     from kiln.engine.core_client import CoreProcClient, EngineCoreDeadError
 
     client = CoreProcClient.__new__(CoreProcClient)  # its sending half, with a stand-in core
