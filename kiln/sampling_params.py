@@ -73,9 +73,10 @@ class StructuredOutputsParams:
         elif self.json is not None and not isinstance(self.json, dict):
             raise ValueError("structured_outputs.json must be a JSON schema (dict or str), got "
                              f"{type(self.json).__name__}")
-        if self.json is not None and schema_depth(schema) > MAX_SCHEMA_DEPTH:
-            raise ValueError(f"structured_outputs.json nests {schema_depth(schema)} objects and "
-                             f"arrays deep; at most {MAX_SCHEMA_DEPTH} are accepted")
+        depth = schema_depth(schema) if self.json is not None else 0
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"structured_outputs.json nests {depth} objects and arrays deep; "
+                             f"at most {MAX_SCHEMA_DEPTH} are accepted")
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, str) and v):

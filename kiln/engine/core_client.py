@@ -386,13 +386,14 @@ class CoreProcClient:
         if not self._exited() and self._dead is None:
             # A core still starting up (no Ready yet) reads no message until its model is
             # loaded: the finalizer stops it rather than wait (a blocking send waited forever).
-            told = self.num_blocks is not None
-            try:
-                if told:
+            told = False
+            if self.num_blocks is not None:
+                try:
                     self._input.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK,
                                      copy=False)
-            except zmq.ZMQError:
-                told = False
+                    told = True
+                except zmq.ZMQError:
+                    pass
             ready, _, _ = select.select([self._goodbye, self._sentinel], [], [],
                                         _SHUTDOWN_WAIT_S if told else 0)
             if self._goodbye in ready:

@@ -201,9 +201,10 @@ class MultiprocExecutor(Executor):
     def check_health(self) -> None:
         if self.failure is not None:
             raise WorkerFailedError(f"the engine's workers are gone: {self.failure}")
-        dead = multiprocessing.connection.wait(self.rank_sentinels(), timeout=0)
+        sentinels = self.rank_sentinels()
+        dead = multiprocessing.connection.wait(sentinels, timeout=0)
         if dead:
-            self._fail_dead(self.rank_sentinels().index(dead[0]), "between steps")
+            self._fail_dead(sentinels.index(dead[0]), "between steps")
 
     def _run_on_all(self, method: str, *args) -> list:
         if self.failure is not None:

@@ -56,8 +56,10 @@ class Sampler(torch.nn.Module):
             raw_logprobs = (logits.log_softmax(dim=1) if nonfinite_rows is None
                             else log_softmax_of_sanitized(logits))
 
+        grammar_only = None  # the logits under the grammar alone, where the request edits them
         if meta.edits_logits:
-            grammar_only = logits if meta.grammar_rows is not None else None
+            if meta.grammar_rows is not None:
+                grammar_only = logits
             logits = logits.clone()  # the in-place edits must not write into the model's buffer
         if meta.allowed_rows is not None:
             logits = apply_allowed_token_ids(logits, meta.allowed_rows, meta.allowed_mask)
@@ -69,14 +71,13 @@ class Sampler(torch.nn.Module):
                                          meta.frequency_penalty)
         if meta.min_tokens_rows is not None:
             logits = mask_min_tokens(logits, meta.min_tokens_rows, meta.min_tokens_cols)
-        if meta.edits_logits and grammar_only is not None:
+        if grammar_only is not None:
             # The grammar wins over the request's own masks (min_tokens, allowed_token_ids,
             # bad words): a grammar row they leave no token in samples under the grammar alone
             # (a finished grammar allows only stop tokens), not token 0 outside it.
-            dead = torch.isneginf(logits).all(dim=1)  # [N]
-            in_grammar = torch.zeros_like(dead)
-            in_grammar[meta.grammar_rows] = True
-            logits = torch.where((dead & in_grammar)[:, None], grammar_only, logits)
+            rows = meta.grammar_rows
+            dead = rows[torch.isneginf(logits[rows]).all(dim=1)]  # [<= G]
+            logits[dead] = grammar_only[dead]
 
         sampled = self.sample(logits, meta)
         out = SamplerOutput(sampled_token_ids=sampled, nonfinite_rows=nonfinite_rows)
