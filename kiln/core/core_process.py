@@ -14,6 +14,7 @@ import traceback
 
 import zmq
 
+from kiln.child_signals import STOP_SIGNAL, exit_once, leave_group_signals_to_parent
 from kiln.core.core_messages import (
     UTILITY_METHODS,
     AbortRequests,
@@ -66,13 +67,6 @@ def _remove_ipc_sockets(addresses: tuple[str, ...]) -> None:
             os.rmdir(directory)
         except OSError:
             pass
-
-
-def _exit_on_sigterm(*_) -> None:
-    # Once: a second SIGTERM (the whole group's, then the front end's own) raised again inside
-    # the way out, and its SystemExit escaped into the interpreter's exit hooks (a traceback).
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sys.exit(0)
 
 
 def _failure(e: BaseException) -> CoreFailed:
@@ -200,9 +194,10 @@ def run_engine_core(kiln_config, executor_class: type, input_address: str, outpu
     """The process's work, once its arguments are read (kiln.engine.core_client starts it).
     `goodbye_fd`: written to as the last act before exiting (core_interpreter.py).
     `front_end_cores`: cores a CPU model running here leaves to the front end once warm."""
-    # Ctrl-C reaches the whole process group: the front end decides what stops, and tells us.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # Ctrl-C and a service manager's SIGTERM reach the whole process group: the front end
+    # decides what stops (after its grace period), and tells us by message or STOP_SIGNAL.
+    leave_group_signals_to_parent("engine core")
+    signal.signal(STOP_SIGNAL, exit_once)
     _exit_with_parent(parent_pid, (input_address, output_address))
     ctx = zmq.Context()
     input_socket = ctx.socket(zmq.PULL)

@@ -7,7 +7,6 @@ token. In the child those holds are its own; the front end only moves bytes thro
 """
 import os
 import select
-import signal
 import struct
 import subprocess
 import sys
@@ -221,7 +220,10 @@ def main() -> None:
     """The child: argv[1] is the niceness to run at; stdin: the setup, then requests; the
     original stdout: one reply per request (fd 1 is pointed at stderr, so a stray print cannot
     break a frame). Ends at the end of stdin (the front end closed it, or died)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the server decides
+    from kiln.child_signals import leave_group_signals_to_parent
+
+    # Ctrl-C and SIGTERM reach the group: the server decides, and ends us by closing our input.
+    leave_group_signals_to_parent("bulk tokenizer")
     replies = os.dup(1)
     os.dup2(2, 1)
     try:

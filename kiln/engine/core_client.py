@@ -18,6 +18,7 @@ import weakref
 import msgspec
 import zmq
 
+from kiln.child_signals import STOP_SIGNAL
 from kiln.core.core_messages import (
     AbortRequests,
     CoreFailed,
@@ -422,7 +423,7 @@ def _watch(client_ref, proc) -> None:
 def _terminate(proc, ctx, tmpdir, sentinel, closing, goodbye, said_goodbye) -> None:
     closing.set()
     if not said_goodbye.is_set() and proc.poll() is None:
-        proc.terminate()
+        proc.send_signal(STOP_SIGNAL)  # SIGTERM is the group's: a core ignores it
         _wait(proc, 5)
         if proc.poll() is None:
             proc.kill()

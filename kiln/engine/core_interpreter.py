@@ -29,11 +29,12 @@ def core_environment(environ) -> dict:
     return env
 
 
-# `python -m kiln.core.core_process`, deaf to Ctrl-C from its first line: the terminal sends it
-# to the whole process group, and the front end decides what stops (a Ctrl-C while the core
-# imported torch printed its KeyboardInterrupt traceback).
+# `python -m kiln.core.core_process`, deaf to Ctrl-C and SIGTERM from its first line: the
+# terminal and service managers signal the whole process group, and the front end decides what
+# stops (a Ctrl-C while the core imported torch printed its KeyboardInterrupt traceback).
 # The module is an argument of its own, so `ps` (and a test) still sees the process's job.
-_BOOT = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); import runpy; "
+_BOOT = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+         "signal.signal(signal.SIGTERM, signal.SIG_IGN); import runpy; "
          "runpy.run_module(sys.argv[1], run_name='__main__', alter_sys=True)")
 _MODULE = "kiln.core.core_process"
 

@@ -19,6 +19,7 @@ import traceback
 import weakref
 
 from kiln import envs
+from kiln.child_signals import leave_group_signals_to_parent
 from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kiln.distributed.model_split import check_parallel_split
 from kiln.executor.abstract import Executor
@@ -49,7 +50,7 @@ def _rank_main(kiln_config, rank: int, world_size: int, init_method: str, conn,
     from kiln.executor.rank_worker import RankWorker
 
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
+    leave_group_signals_to_parent(f"rank {rank}")  # the engine stops its ranks
     try:
         worker = RankWorker(kiln_config, rank, rank, world_size, init_method)
     except BaseException:

@@ -10,6 +10,8 @@ rank, and the executor then stops every actor.
 """
 import os
 import pickle
+import signal
+import threading
 import time
 
 from kiln import envs
@@ -37,6 +39,16 @@ def import_ray():
                           "'kiln-llm[ray]' (or use --distributed-executor-backend mp on one "
                           "machine)") from None
     return ray
+
+
+def _init_keeping_sigterm(ray) -> None:
+    """ray.init (RAY_ADDRESS, when set, names the cluster), keeping this process's SIGTERM
+    handler: Ray's driver puts in its own (print a stack, then abort), which killed an engine
+    core that leaves the group's SIGTERM to its front end (kiln/child_signals.py)."""
+    handler = signal.getsignal(signal.SIGTERM)
+    ray.init(ignore_reinit_error=True)
+    if handler is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
 
 
 class RayRankActor:
@@ -125,7 +137,7 @@ class RayExecutor(Executor):
         self.pg = None
         self.broadcast_seconds, self.broadcast_calls = 0.0, 0
         if not ray.is_initialized():
-            ray.init(ignore_reinit_error=True)  # RAY_ADDRESS, when set, names the cluster
+            _init_keeping_sigterm(ray)
         device = kiln_config.device_config.device_obj
         bundle = {"GPU": 1, "CPU": 1} if device.type == "cuda" else {"CPU": 1}
         bundles = [dict(bundle) for _ in range(self.world_size)]

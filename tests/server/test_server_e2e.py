@@ -48,15 +48,17 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @contextlib.contextmanager
-def running_server(model: Path, args: list[str], log_path: Path, env: dict):
+def running_server(model: Path, args: list[str], log_path: Path, env: dict,
+                   new_session: bool = False):
     """`kiln serve model *args` on a free loopback port, once /health answers: (url, process);
-    killed on exit if still running. Its output goes to log_path (a file: nobody drains a pipe
-    while tests run)."""
+    killed on exit if still running (its whole group, with `new_session`: a process group of its
+    own). Its output goes to log_path (a file: nobody drains a pipe while tests run)."""
     port = free_port()
     cmd = [sys.executable, "-m", "kiln.entrypoints.cli.main", "serve", str(model),
            "--port", str(port), "--served-model-name", NAME, *args]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=new_session)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -73,9 +75,12 @@ def running_server(model: Path, args: list[str], log_path: Path, env: dict):
         try:
             yield url, proc
         finally:
+            if new_session:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
             if proc.poll() is None:
                 proc.kill()
-                proc.wait()
+            proc.wait()
 
 
 @pytest.fixture(scope="module")
