@@ -22,8 +22,8 @@ from kiln.logger import init_logger
 logger = init_logger(__name__)
 
 # Of what is kept; 2: rope scaling metadata in the table, 3: missing metadata, 4: the config
-# as a snapshot (config/config.json in hf_config_snapshot's format).
-_FORMAT = 4
+# as a snapshot (config/config.json in hf_config_snapshot's format), 5: the head size.
+_FORMAT = 5
 # The model's shape: without these transformers takes its defaults (32 layers, ...).
 _REQUIRED_METADATA = ("block_count", "embedding_length", "feed_forward_length",
                       "attention.head_count")
@@ -89,6 +89,7 @@ def load_config(gguf: Path):
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
         config.name_or_path = str(gguf.parent)  # what transformers names it
         _apply_rope_scaling(config, table.get("rope_scaling"))
+        _apply_head_size(config, table.get("head_size"), gguf)
         return config
     return cached_snapshot(converted_dir(gguf) / "config" / "config.json", convert)
 
@@ -110,6 +111,19 @@ def _apply_rope_scaling(config, scaling: dict | None) -> None:
         config.rope_scaling = dict(scaling)
 
 
+def _apply_head_size(config, head_size: dict | None, gguf: Path) -> None:
+    """Put the file's `{arch}.attention.key_length` into the config, which transformers' GGUF
+    conversion drops: its default (hidden / heads for Llama, 128 for Qwen3) failed to load every
+    file whose heads are another size (Mistral Nemo: 5120 hidden, 32 heads of 128)."""
+    if not head_size or head_size.get("key") is None:
+        return
+    key, value = head_size["key"], head_size.get("value")
+    if value is not None and value != key:
+        raise ValueError(f"GGUF file {gguf}: attention.key_length {key} differs from "
+                         f"attention.value_length {value}; Kiln's attention needs them equal")
+    config.head_dim = int(key)
+
+
 def load_tokenizer(gguf: Path):
     """AutoTokenizer (vocabulary, special tokens, chat template) of a .gguf file."""
     from transformers import AutoTokenizer
@@ -120,26 +134,43 @@ def load_tokenizer(gguf: Path):
 def _tensor_table(gguf_path: Path) -> dict:
     """Where each tensor's bytes lie, as gguf's reader lays them out: {"architecture",
     "tensors": [{name, type, dtype, shape, offset, nbytes}]}, offsets absolute in the file."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(gguf_path))
+    reader = _reader(gguf_path)
     field = reader.fields.get("general.architecture")
     arch = None if field is None else str(field.contents())
     missing = [f"{arch}.{key}" for key in _REQUIRED_METADATA
                if f"{arch}.{key}" not in reader.fields]
     return {"architecture": arch, "rope_scaling": _rope_scaling_fields(reader, arch),
+            "head_size": {"key": _field(reader, f"{arch}.attention.key_length"),
+                          "value": _field(reader, f"{arch}.attention.value_length")},
             "missing_metadata": missing if arch is not None else ["general.architecture"],
             "tensors": [{"name": t.name, "type": int(t.tensor_type), "dtype": t.data.dtype.str,
                          "shape": list(t.data.shape), "offset": int(t.data_offset),
                          "nbytes": int(t.n_bytes)} for t in reader.tensors]}
 
 
+def _reader(gguf_path: Path):
+    """gguf's reader of the file; a damaged file (an interrupted download) fails naming it, not
+    with the numpy error its parse happens to hit."""
+    import gguf
+
+    size = gguf_path.stat().st_size
+    try:
+        return gguf.GGUFReader(str(gguf_path))
+    except Exception as e:  # noqa: BLE001 - any parse error means a file gguf cannot read
+        raise ValueError(f"GGUF file {gguf_path} ({size} bytes) cannot be read ({type(e).__name__}: "
+                         f"{e}): it is truncated or damaged; download or convert it again") from e
+
+
+def _field(reader, key: str):
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
 def _rope_scaling_fields(reader, arch: str | None) -> dict | None:
     """{"rope_type", "factor", "original_max_position_embeddings"} as HF names them, from
     `{arch}.rope.scaling.*`; None when the file has none."""
     def value(key: str):
-        field = reader.fields.get(f"{arch}.rope.scaling.{key}")
-        return None if field is None else field.contents()
+        return _field(reader, f"{arch}.rope.scaling.{key}")
 
     rope_type = value("type")
     if rope_type is None:

@@ -48,6 +48,9 @@ def write_gguf(path, hf_dir, types: dict | None = None, extra: dict | None = Non
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_key_length(head_dim)  # as llama.cpp's converter writes them
+    w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(10000.0)
     if rope_scaling is not None:  # (type, factor), as llama.cpp's converter writes them
@@ -124,6 +127,26 @@ def _llama3_factors(hf_dir) -> np.ndarray:
     head_dim = config.hidden_size // config.num_attention_heads
     default = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     return (default / scaled).numpy().astype(np.float32)
+
+
+def test_head_size_other_than_hidden_over_heads_is_read_from_the_file(tmp_path):
+    """transformers' GGUF config drops `llama.attention.key_length`, and its default (hidden /
+    heads) failed to load a file whose heads are another size (Mistral Nemo's)."""
+    hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False, head_dim=32)
+    path = write_gguf(tmp_path / "m.gguf", hf_dir)
+    assert kiln_config_for(path).model_config.hf_config.head_dim == 32
+    assert logits_diff(path, hf_dir) < TOL
+
+
+def test_truncated_file_is_named(tmp_path):
+    """An interrupted download failed with numpy's reshape error, naming neither the file nor
+    what is wrong with it."""
+    hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False)
+    path = write_gguf(tmp_path / "m.gguf", hf_dir)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=rf"GGUF file {path} \(\d+ bytes\) cannot be read .*"
+                                         r"truncated or damaged"):
+        kiln_config_for(path)
 
 
 def test_llama3_rope_freqs_tensor_is_applied(tmp_path):
