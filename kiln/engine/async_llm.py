@@ -36,11 +36,11 @@ class EngineDeadError(RuntimeError):
 class RequestStream:
     """One request's outputs, in the kind its SamplingParams asked for."""
 
-    def __init__(self, request_id: str, kind: RequestOutputKind, arrival_time: float):
+    def __init__(self, request_id: str, params: SamplingParams, arrival_time: float):
         self.request_id = request_id
-        self.kind = kind
+        self.kind = params.output_kind
         self.finished = False
-        self.timer = RequestTimer(arrival_time)
+        self.timer = RequestTimer(arrival_time, params.n, params.max_tokens)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._merged = DeltaAccumulator()  # for CUMULATIVE / FINAL_ONLY
 
@@ -211,7 +211,7 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in flight; ids must be unique")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        stream = RequestStream(request_id, params.output_kind, arrival_time)
+        stream = RequestStream(request_id, params, arrival_time)
         self._streams[request_id] = stream
         try:
             if processed is None:
@@ -324,7 +324,7 @@ class AsyncLLM:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
-        stats = IterationStats()
+        stats = IterationStats(engine_step=True)
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted while the step ran

@@ -16,6 +16,7 @@ from kiln.outputs import RequestOutput
 
 @dataclass
 class IterationStats:
+    engine_step: bool = False  # one engine step's outputs (else an abort's bookkeeping)
     num_prompt_tokens: int = 0  # prompt once per sample that produced its first token
     num_generation_tokens: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)  # seconds, per request
@@ -25,6 +26,9 @@ class IterationStats:
     finished_reasons: list[str] = field(default_factory=list)
     request_prompt_tokens: list[int] = field(default_factory=list)  # not for aborts
     request_generation_tokens: list[int] = field(default_factory=list)  # not for aborts
+    request_max_generation_tokens: list[int] = field(default_factory=list)  # longest sample's
+    request_params_n: list[int] = field(default_factory=list)
+    request_params_max_tokens: list[int] = field(default_factory=list)  # None: not recorded
     request_decode_times: list[float] = field(default_factory=list)  # first -> last token
     # Finished requests that were scheduled and produced a token, not aborted ones (as vLLM).
     request_queue_times: list[float] = field(default_factory=list)  # arrival -> scheduled
@@ -39,12 +43,16 @@ class StatLogger(Protocol):
 class RequestTimer:
     """Times one request's outputs; writes what it saw this step into an IterationStats."""
 
-    def __init__(self, arrival_time: float):
+    def __init__(self, arrival_time: float, n: int = 1, max_tokens: int | None = None):
+        """`n`, `max_tokens`: the request's sampling parameters, observed when it finishes."""
         self.arrival_time = arrival_time
+        self.n = n
+        self.max_tokens = max_tokens
         self.first_token_time: float | None = None  # of the request (any sample)
         self.last_token_time: float | None = None
         self.first_scheduled_time: float | None = None  # from the core, via RequestOutput.metrics
         self._sample_last_token: dict[int, float] = {}  # by sample index
+        self._sample_tokens: dict[int, int] = {}  # generated tokens, by sample index
         self._finish_reasons: dict[int, str] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -63,6 +71,8 @@ class RequestTimer:
             if not out.token_ids:
                 continue
             self.num_generation_tokens += len(out.token_ids)
+            self._sample_tokens[out.index] = self._sample_tokens.get(out.index, 0) + \
+                len(out.token_ids)
             stats.num_generation_tokens += len(out.token_ids)
             last = self._sample_last_token.get(out.index)
             if last is None:  # this sample's prefill ended
@@ -88,6 +98,11 @@ class RequestTimer:
             stats.finished_reasons.append(reason)
             stats.request_prompt_tokens.append(self.num_prompt_tokens or prompt_len)
             stats.request_generation_tokens.append(self.num_generation_tokens)
+            stats.request_max_generation_tokens.append(max(self._sample_tokens.values(),
+                                                           default=0))
+            stats.request_params_n.append(self.n)
+            if self.max_tokens is not None:
+                stats.request_params_max_tokens.append(self.max_tokens)
             if self.first_token_time is not None:
                 stats.request_decode_times.append(self.last_token_time - self.first_token_time)
             self._record_phases(reason, stats)

@@ -185,3 +185,28 @@ def test_tokens_that_arrive_together_are_one_inter_token_sample_each():
                       now, stats)
     assert stats.inter_token_latencies == [0.0, 0.5, 1.0, 0.0, 0.0]  # 6 tokens: 5 gaps
     assert stats.time_to_first_tokens == [1.0] and stats.num_generation_tokens == 6
+
+
+def test_request_params_and_step_token_histograms(engine):
+    """vLLM's request_params_n / request_params_max_tokens / request_max_num_generation_tokens
+    per finished request, and iteration_tokens_total per engine step, summing to the token
+    counters; the KV cache's settings as an info gauge."""
+    metrics = ServerMetrics("tiny", log_interval=None,
+                            cache_info={"block_size": 16, "num_gpu_blocks": 7})
+    llm = AsyncLLM(engine, [metrics])
+    jobs = {"a": SamplingParams(max_tokens=4, ignore_eos=True, temperature=0),
+            "n3": SamplingParams(n=3, max_tokens=5, min_tokens=2, temperature=1.0, seed=3)}
+    before = scrape(metrics)
+    asyncio.run(run_together(llm, jobs))
+    d = delta(before, scrape(metrics))
+    assert d["kiln:request_params_n_count"] == 2 and d["kiln:request_params_n_sum"] == 4
+    assert d["kiln:request_params_max_tokens_sum"] == 9
+    longest = d["kiln:request_max_num_generation_tokens_sum"] - 4  # "a": 4 tokens
+    assert 2 <= longest <= 5
+    assert d["kiln:iteration_tokens_total_sum"] == \
+        d["kiln:prompt_tokens_total"] + d["kiln:generation_tokens_total"]
+    assert d["kiln:iteration_tokens_total_count"] >= 4 + 2  # one step a token, one seq a step
+    info = [s for f in text_string_to_metric_families(metrics.render().decode())
+            for s in f.samples if s.name == "kiln:cache_config_info"]
+    assert [(s.labels, s.value) for s in info] == [({"block_size": "16",
+                                                     "num_gpu_blocks": "7"}, 1.0)]

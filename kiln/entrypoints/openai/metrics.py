@@ -22,6 +22,9 @@ _E2E_BUCKETS = [0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
                 60.0, 120.0, 240.0, 480.0, 960.0]
 # 1, 2, 5, 10, 20, 50, ... tokens: request sizes from one token to a million.
 _TOKEN_BUCKETS = [m * 10 ** e for e in range(7) for m in (1, 2, 5) if m * 10 ** e <= 1_000_000]
+# Tokens of one engine step: 1 to max_num_batched_tokens.
+_STEP_BUCKETS = [2 ** e for e in range(17)]
+_N_BUCKETS = [1, 2, 5, 10, 20]
 # Every finish reason the engine gives, so each series exists (at 0) before its first request.
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -47,8 +50,10 @@ class ServerMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str, log_interval: float | None = 5.0):
-        """`log_interval`: seconds between stats log lines while busy; None: no log lines."""
+    def __init__(self, model_name: str, log_interval: float | None = 5.0,
+                 cache_info: dict | None = None):
+        """`log_interval`: seconds between stats log lines while busy; None: no log lines.
+        `cache_info`: the KV cache's settings, exposed as kiln:cache_config_info labels."""
         self.stats_log = LoggingStatLogger(log_interval) if log_interval else None
         self.registry = CollectorRegistry()
         labels = ["model_name"]
@@ -85,6 +90,20 @@ class ServerMetrics:
         self.request_generation_tokens = histogram(
             "kiln:request_generation_tokens", "Generated tokens of finished requests (all "
             "samples)", _TOKEN_BUCKETS)
+        self.request_max_generation_tokens = histogram(
+            "kiln:request_max_num_generation_tokens", "Generated tokens of the longest sample "
+            "of finished requests", _TOKEN_BUCKETS)
+        self.request_params_n = histogram("kiln:request_params_n", "The n of finished requests",
+                                          _N_BUCKETS)
+        self.request_params_max_tokens = histogram(
+            "kiln:request_params_max_tokens", "The max_tokens of finished requests",
+            _TOKEN_BUCKETS)
+        self.iteration_tokens = histogram(
+            "kiln:iteration_tokens_total", "Prompt and generated tokens an engine step "
+            "returned", _STEP_BUCKETS)
+        if cache_info:
+            Gauge("kiln:cache_config_info", "The KV cache's settings", sorted(cache_info),
+                  registry=reg).labels(**{k: str(v) for k, v in cache_info.items()}).set(1)
         self.request_decode_time = histogram(
             "kiln:request_decode_time_seconds", "First to last token of finished requests",
             _E2E_BUCKETS)
@@ -104,12 +123,20 @@ class ServerMetrics:
             self.prompt_tokens.inc(iteration.num_prompt_tokens)
         if iteration.num_generation_tokens:
             self.generation_tokens.inc(iteration.num_generation_tokens)
+        if iteration.engine_step:
+            self.iteration_tokens.observe(iteration.num_prompt_tokens
+                                          + iteration.num_generation_tokens)
         for values, hist in ((iteration.time_to_first_tokens, self.ttft),
                              (iteration.inter_token_latencies, self.itl),
                              (iteration.e2e_latencies, self.e2e),
                              (iteration.request_prompt_tokens, self.request_prompt_tokens),
                              (iteration.request_generation_tokens,
                               self.request_generation_tokens),
+                             (iteration.request_max_generation_tokens,
+                              self.request_max_generation_tokens),
+                             (iteration.request_params_n, self.request_params_n),
+                             (iteration.request_params_max_tokens,
+                              self.request_params_max_tokens),
                              (iteration.request_decode_times, self.request_decode_time),
                              (iteration.request_queue_times, self.request_queue_time),
                              (iteration.request_prefill_times, self.request_prefill_time),
