@@ -49,8 +49,7 @@ class KVCacheManager:
         Never covers the whole request: the last token must be computed to get its logits.
         Pure lookup: no references are taken until `allocate_slots` accepts the blocks.
         """
-        # Prompt logprobs need every prompt position computed (vLLM skips the cache alike).
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self._reads_cache(request):
             return [], 0
         hashes = update_block_hashes(request, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -61,6 +60,10 @@ class KVCacheManager:
                 break
             hit.append(block)
         return hit, len(hit) * self.block_size
+
+    def _reads_cache(self, request: Request) -> bool:
+        # Prompt logprobs need every prompt position computed (vLLM skips the cache alike).
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None) -> list[int] | None:
@@ -82,7 +85,9 @@ class KVCacheManager:
         if num_new_blocks + num_revived > self.block_pool.num_free_blocks:
             return None
 
-        if is_new and self.enable_caching:
+        # A prompt's first admission only: a preempted one's return finds its own blocks (and
+        # holds generated tokens), and one that skips the cache looked nothing up.
+        if is_new and request.num_preemptions == 0 and self._reads_cache(request):
             self.prefix_cache_stats.queries += request.num_tokens
             self.prefix_cache_stats.hits += len(new_computed_blocks) * self.block_size
         # Touch the hits before taking new blocks so eviction cannot recycle them under us.

@@ -66,6 +66,22 @@ def test_prefix_hit_is_shared_and_counted():
     assert kv.num_free_blocks == 20
 
 
+def test_only_a_prompts_first_lookup_is_counted():
+    """A preempted request's return found its own recomputed blocks and counted them as hits
+    (its generated tokens as prompt tokens looked up); a prompt-logprobs request, which skips
+    the cache, counted as a lookup that missed (helper-21)."""
+    kv = KVCacheManager(BS, 20)
+    a = make_request("a", range(50, 60))
+    admit(kv, a)
+    a.output_token_ids.extend([61, 62])
+    kv.free(a)
+    a.num_computed_tokens, a.num_preemptions = 0, 1  # preempted: back to waiting
+    assert admit(kv, a) == 8  # its own blocks still findable
+    scoring = make_request("p", range(50, 60), prompt_logprobs=1)
+    assert admit(kv, scoring) == 0
+    assert (kv.prefix_cache_stats.queries, kv.prefix_cache_stats.hits) == (10, 0)
+
+
 def test_hit_never_covers_the_last_token():
     kv = KVCacheManager(BS, 20)
     prompt = list(range(8))  # exactly 2 full blocks
