@@ -328,6 +328,20 @@ class ModelRunner:
         if not self.stage.is_last_rank:
             return self._finish_earlier_stage(inputs, hidden)
 
+        # A step that raises past its draws is undone and recomputed (EngineCore.step): the
+        # seeded requests' generators must then draw the same numbers again.
+        seeded = [g for g in (self.requests[r].generator for r in inputs.sample_req_ids)
+                  if g is not None]
+        drawn_from = [g.get_state() for g in seeded]
+        try:
+            return self._sample(so, inputs, hidden)
+        except BaseException:
+            for generator, state in zip(seeded, drawn_from):
+                generator.set_state(state)
+            raise
+
+    def _sample(self, so: SchedulerOutput, inputs: StepInputs,
+                hidden: torch.Tensor) -> ModelRunnerOutput:
         sampled: dict[str, int] = {}
         logprobs: dict[str, LogprobsLists] = {}
         if inputs.sample_req_ids:

@@ -132,3 +132,50 @@ def test_logprobs_and_seeded_sampling_through_runner(executor, prompts_and_oracl
         return [o.sampled_token_ids[o.req_ids.index("s")][0] for o in d.outputs[:4]]
 
     assert tokens(alone) == tokens(crowd)
+
+
+def test_a_step_undone_after_its_draws_leaves_seeded_streams_unchanged(tiny_llama_dir,
+                                                                        inprocess_core,
+                                                                        monkeypatch):
+    """A step that raised after the sampler drew (Ctrl-C while another request's prompt
+    logprobs were computed) is undone and recomputed; the seeded request's generator kept the
+    lost draw, so its later tokens differed from a run without the failure (helper-21)."""
+    import kiln.worker.model_runner as model_runner
+    from kiln import LLM
+
+    scoring = model_runner.compute_prompt_logprobs
+
+    def run(interrupt: bool) -> list[int]:
+        engine = LLM(model=str(tiny_llama_dir), enforce_eager=True, dtype="float32",
+                     max_model_len=128).llm_engine
+        fired = []
+
+        def interrupted(*args, **kwargs):
+            if interrupt and not fired:
+                fired.append(True)
+                raise KeyboardInterrupt
+            return scoring(*args, **kwargs)
+
+        monkeypatch.setattr(model_runner, "compute_prompt_logprobs", interrupted)
+        engine.add_request("seeded", {"prompt_token_ids": list(range(10, 40))},
+                           SamplingParams(temperature=1.0, seed=1234, max_tokens=8,
+                                          ignore_eos=True))
+        tokens = []
+        for step in range(20):
+            if step == 2:  # it shares the next step with a prompt-logprobs request
+                engine.add_request("scored", {"prompt_token_ids": list(range(50, 90))},
+                                   SamplingParams(temperature=0, max_tokens=1,
+                                                  prompt_logprobs=1))
+            if not engine.has_unfinished_requests():
+                break
+            try:
+                outputs = engine.step()
+            except KeyboardInterrupt:
+                continue
+            tokens += [t for o in outputs if o.request_id == "seeded"
+                       for t in o.outputs[0].token_ids]
+        engine.shutdown()
+        assert fired == ([True] if interrupt else [])
+        return tokens
+
+    assert run(True) == run(False)
