@@ -188,7 +188,11 @@ class Scheduler:
         sampling = [r for r in map(self.requests.get, num_scheduled)
                     if r.structured_output_request is not None
                     and r.num_computed_tokens >= r.num_tokens]
-        so_ids, bitmask = self.structured_output_manager.grammar_bitmask(sampling)
+        try:
+            so_ids, bitmask = self.structured_output_manager.grammar_bitmask(sampling)
+        except BaseException:  # the step is committed above but will never run: take it back
+            self._undo(num_scheduled)
+            raise
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=total,
@@ -285,8 +289,10 @@ class Scheduler:
         scheduled was computed, so its requests go back to the front of the queue and are
         computed again from scratch, as after a preemption, and a caller that goes on stepping
         gets the same tokens as without the failure."""
-        scheduled = {id(r) for r in map(self.requests.get, scheduler_output.num_scheduled_tokens)
-                     if r is not None}
+        self._undo(scheduler_output.num_scheduled_tokens)
+
+    def _undo(self, num_scheduled: dict[str, int]) -> None:
+        scheduled = {id(r) for r in map(self.requests.get, num_scheduled) if r is not None}
         undone = [r for r in self.running if id(r) in scheduled]
         self.running = [r for r in self.running if id(r) not in scheduled]
         # Latest first onto the front of the queue: the earliest ends up first again.

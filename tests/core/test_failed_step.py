@@ -74,3 +74,25 @@ def test_stepping_on_after_a_failed_step_gives_the_tokens_of_a_clean_run(fail_at
     clean, failed = run(False), run(True)
     assert clean == {rid: reference_tokens(p, 6) for rid, p in prompts.items()}
     assert failed == clean
+
+
+def test_a_failure_inside_schedule_takes_its_step_back():
+    """schedule() commits its step (admissions, computed tokens) before it builds the grammar
+    bitmask; that raising (xgrammar, a Ctrl-C there) left requests counted as computed that
+    never ran, and the next step failed: "finished its prefill but the runner returned no
+    sampled token" (helper-21)."""
+    core = EngineCore(make_config(), PagedTokenExecutor)
+    manager = core.scheduler.structured_output_manager
+    bitmask, failed = manager.grammar_bitmask, []
+
+    def fails_once(requests):
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("injected")
+        return bitmask(requests)
+
+    manager.grammar_bitmask = fails_once
+    core.add_request(make_request("a", range(3, 12), max_tokens=4))
+    with pytest.raises(RuntimeError, match="injected"):
+        core.step()
+    assert run_until_done(core)["a"][0] == reference_tokens(range(3, 12), 4)
