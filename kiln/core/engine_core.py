@@ -26,12 +26,20 @@ def kv_cache_too_small_message(max_model_len: int, block_size: int, num_blocks: 
         need, have = f"{max_model_len} tokens of", f"{capacity} tokens"
     else:
         needed = -(-max_model_len // block_size) * block_bytes
-        need, have = f"{needed / _GIB:.2f} GiB", f"{num_blocks * block_bytes / _GIB:.2f} GiB"
+        need, have = _amount(needed), _amount(num_blocks * block_bytes)
     return (f"To serve at least one request with the model's max seq len ({max_model_len}), "
             f"({need} KV cache is needed, which is larger than the available KV cache memory "
             f"({have}). Based on the available memory, the estimated maximum model length is "
             f"{capacity}. Try increasing `gpu_memory_utilization` (`--kv-cache-memory` on CPU) "
             "or decreasing `max_model_len` when initializing the engine.")
+
+
+def _amount(num_bytes: int) -> str:
+    # vLLM says GiB; a tiny model's cache read "0.00 GiB is needed ... larger than 0.00 GiB".
+    for unit, size in (("GiB", _GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.2f} {unit}"
+    return f"{num_bytes} bytes"
 
 
 class EngineCore:

@@ -203,7 +203,9 @@ def test_a_kv_cache_smaller_than_one_request_refuses_or_caps(tiny_llama_dir):
     Two blocks of 16 tokens (8 KiB each on this model) hold 32 tokens."""
     tiny = dict(enforce_eager=True, kv_cache_memory=20_000 / 2 ** 30)
     with pytest.raises(ValueError, match=r"To serve at least one request with the model's max "
-                       r"seq len \(64\).*estimated maximum model length is 32"):
+                       r"seq len \(64\), \(32.00 KiB KV cache is needed, which is larger "
+                       r"than the available KV cache memory \(16.00 KiB\).*estimated maximum "
+                       r"model length is 32"):
         LLM(model=str(tiny_llama_dir), max_model_len=64, **tiny)
     llm = LLM(model=str(tiny_llama_dir), **tiny)  # the model's own max_model_len: capped
     try:
