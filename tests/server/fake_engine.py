@@ -8,6 +8,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+from kiln.config import CacheConfig
 from kiln.engine.input_processor import validate_prompt_token_ids
 from kiln.outputs import CompletionOutput, Logprob, RequestOutput
 from kiln.sampling_params import SamplingParams
@@ -36,7 +37,8 @@ class FakeEngine:
         self.tokenizer = FakeTokenizer()
         model_config = SimpleNamespace(model="fake-model", max_model_len=max_model_len,
                                        vocab_size=VOCAB, generation_defaults={})
-        self.kiln_config = SimpleNamespace(model_config=model_config)
+        self.kiln_config = SimpleNamespace(model_config=model_config,
+                                           cache_config=CacheConfig(block_size=16))
         self.step_delay = step_delay
         self.requests: dict[str, dict] = {}
         self.num_total_blocks = 32

@@ -44,6 +44,35 @@ _TOTALS = {
     "num_preemptions": ("kiln:num_preemptions", "Requests preempted (to be recomputed)"),
 }
 
+# IterationStats field -> (histogram name, help, buckets). Phases (queue, prefill, inference)
+# are of finished requests from the core's first scheduling; aborts observe none.
+_HISTOGRAMS = {
+    "time_to_first_tokens": ("kiln:time_to_first_token_seconds", "Time to first token",
+                             _LATENCY_BUCKETS),
+    "inter_token_latencies": ("kiln:inter_token_latency_seconds", "Time between output tokens",
+                              _LATENCY_BUCKETS),
+    "e2e_latencies": ("kiln:e2e_request_latency_seconds", "Arrival to last output",
+                      _E2E_BUCKETS),
+    "request_prompt_tokens": ("kiln:request_prompt_tokens", "Prompt tokens of finished "
+                              "requests", _TOKEN_BUCKETS),
+    "request_generation_tokens": ("kiln:request_generation_tokens", "Generated tokens of "
+                                  "finished requests (all samples)", _TOKEN_BUCKETS),
+    "request_max_generation_tokens": ("kiln:request_max_num_generation_tokens", "Generated "
+                                      "tokens of the longest sample of finished requests",
+                                      _TOKEN_BUCKETS),
+    "request_params_n": ("kiln:request_params_n", "The n of finished requests", _N_BUCKETS),
+    "request_params_max_tokens": ("kiln:request_params_max_tokens", "The max_tokens of "
+                                  "finished requests", _TOKEN_BUCKETS),
+    "request_decode_times": ("kiln:request_decode_time_seconds", "First to last token of "
+                             "finished requests", _E2E_BUCKETS),
+    "request_queue_times": ("kiln:request_queue_time_seconds", "Arrival to first scheduled, "
+                            "of finished requests", _E2E_BUCKETS),
+    "request_prefill_times": ("kiln:request_prefill_time_seconds", "First scheduled to first "
+                              "token, of finished requests", _E2E_BUCKETS),
+    "request_inference_times": ("kiln:request_inference_time_seconds", "First scheduled to "
+                                "last token, of finished requests", _E2E_BUCKETS),
+}
+
 
 class ServerMetrics:
     """Owns its registry, so several servers (or tests) in one process do not collide."""
@@ -79,44 +108,15 @@ class ServerMetrics:
                                        labels + ["finished_reason"], registry=reg)
         for reason in FINISH_REASONS:
             self.request_success.labels(finished_reason=reason, **self._label)
-        self.ttft = histogram("kiln:time_to_first_token_seconds", "Time to first token",
-                              _LATENCY_BUCKETS)
-        self.itl = histogram("kiln:inter_token_latency_seconds", "Time between output tokens",
-                             _LATENCY_BUCKETS)
-        self.e2e = histogram("kiln:e2e_request_latency_seconds", "Arrival to last output",
-                             _E2E_BUCKETS)
-        self.request_prompt_tokens = histogram(
-            "kiln:request_prompt_tokens", "Prompt tokens of finished requests", _TOKEN_BUCKETS)
-        self.request_generation_tokens = histogram(
-            "kiln:request_generation_tokens", "Generated tokens of finished requests (all "
-            "samples)", _TOKEN_BUCKETS)
-        self.request_max_generation_tokens = histogram(
-            "kiln:request_max_num_generation_tokens", "Generated tokens of the longest sample "
-            "of finished requests", _TOKEN_BUCKETS)
-        self.request_params_n = histogram("kiln:request_params_n", "The n of finished requests",
-                                          _N_BUCKETS)
-        self.request_params_max_tokens = histogram(
-            "kiln:request_params_max_tokens", "The max_tokens of finished requests",
-            _TOKEN_BUCKETS)
+        # One observation per value of the IterationStats field each is keyed by.
+        self.histograms = {field: histogram(name, doc, buckets)
+                           for field, (name, doc, buckets) in _HISTOGRAMS.items()}
         self.iteration_tokens = histogram(
             "kiln:iteration_tokens_total", "Prompt and generated tokens an engine step "
             "returned", _STEP_BUCKETS)
         if cache_info:
             Gauge("kiln:cache_config_info", "The KV cache's settings", sorted(cache_info),
                   registry=reg).labels(**{k: str(v) for k, v in cache_info.items()}).set(1)
-        self.request_decode_time = histogram(
-            "kiln:request_decode_time_seconds", "First to last token of finished requests",
-            _E2E_BUCKETS)
-        # Phases of finished requests from the core's first scheduling (aborts not observed).
-        self.request_queue_time = histogram(
-            "kiln:request_queue_time_seconds", "Arrival to first scheduled, of finished "
-            "requests", _E2E_BUCKETS)
-        self.request_prefill_time = histogram(
-            "kiln:request_prefill_time_seconds", "First scheduled to first token, of finished "
-            "requests", _E2E_BUCKETS)
-        self.request_inference_time = histogram(
-            "kiln:request_inference_time_seconds", "First scheduled to last token, of finished "
-            "requests", _E2E_BUCKETS)
 
     def record(self, iteration: IterationStats, engine_stats: dict) -> None:
         if iteration.num_prompt_tokens:
@@ -126,23 +126,8 @@ class ServerMetrics:
         if iteration.engine_step:
             self.iteration_tokens.observe(iteration.num_prompt_tokens
                                           + iteration.num_generation_tokens)
-        for values, hist in ((iteration.time_to_first_tokens, self.ttft),
-                             (iteration.inter_token_latencies, self.itl),
-                             (iteration.e2e_latencies, self.e2e),
-                             (iteration.request_prompt_tokens, self.request_prompt_tokens),
-                             (iteration.request_generation_tokens,
-                              self.request_generation_tokens),
-                             (iteration.request_max_generation_tokens,
-                              self.request_max_generation_tokens),
-                             (iteration.request_params_n, self.request_params_n),
-                             (iteration.request_params_max_tokens,
-                              self.request_params_max_tokens),
-                             (iteration.request_decode_times, self.request_decode_time),
-                             (iteration.request_queue_times, self.request_queue_time),
-                             (iteration.request_prefill_times, self.request_prefill_time),
-                             (iteration.request_inference_times,
-                              self.request_inference_time)):
-            for v in values:
+        for field, hist in self.histograms.items():
+            for v in getattr(iteration, field):
                 hist.observe(v)
         for reason in iteration.finished_reasons:
             self.request_success.labels(finished_reason=reason, **self._label).inc()
