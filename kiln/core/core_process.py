@@ -148,11 +148,16 @@ class CoreLoop:
 
     def run(self) -> None:
         core = self.core
+        check_every = core.executor.idle_check_s
+        next_check = time.monotonic()
         while self.running:
             busy = core.has_unfinished_requests()
             changed = self.drain(0 if busy else _IDLE_POLL_MS)
             if not self.running:
                 break
+            if not busy and check_every is not None and time.monotonic() >= next_check:
+                core.executor.check_health()  # ranks without a sentinel: Ray's actors
+                next_check = time.monotonic() + check_every
             if core.has_unfinished_requests():
                 self.send(StepOutputs(outputs=core.step(), stats=core.make_stats()))
             elif changed:  # aborts freed blocks: the front's stats must show it

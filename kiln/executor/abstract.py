@@ -41,9 +41,14 @@ class Executor(ABC):
         between steps and must not miss a death there (empty: no rank of its own to watch)."""
         return []
 
+    # Seconds between `check_health` calls while the engine is idle, for ranks that have no
+    # sentinel to wait on (Ray actors, perhaps on other machines); None: not needed.
+    idle_check_s: float | None = None
+
     def check_health(self) -> None:
         """Raise WorkerFailedError naming a rank that died between steps (a step finds one that
-        dies during it); called where `rank_sentinels` woke the caller."""
+        dies during it); called where `rank_sentinels` woke the caller, and every
+        `idle_check_s` while idle. Never blocks."""
         return None
 
     @abstractmethod

@@ -122,6 +122,8 @@ def local_ranks(node_ips: list[str]) -> list[tuple[int, int]]:
 
 
 class RayExecutor(Executor):
+    idle_check_s = 1.0  # a ping an actor: nothing while idle but Ray's own RPCs
+
     def __init__(self, kiln_config):
         super().__init__(kiln_config)
         check_parallel_split(kiln_config)
@@ -136,6 +138,9 @@ class RayExecutor(Executor):
         self.actors: list = []
         self.pg = None
         self.broadcast_seconds, self.broadcast_calls = 0.0, 0
+        # Health pings in flight (ref -> rank) and when they were sent: check_health.
+        self._pings: dict = {}
+        self._pinged_at = 0.0
         if not ray.is_initialized():
             _init_keeping_sigterm(ray)
         device = kiln_config.device_config.device_obj
@@ -196,6 +201,30 @@ class RayExecutor(Executor):
         logger.error("%s; stopping every rank", message)
         self.shutdown(graceful=False)
         raise WorkerFailedError(message)
+
+    def check_health(self) -> None:
+        """Non-blocking: read the pings sent last time (a dead actor's fails at once), then
+        ping again once all have answered; one unanswered past the step timeout is a stuck
+        rank."""
+        if self.failure is not None:
+            raise WorkerFailedError(f"the engine's workers are gone: {self.failure}")
+        ray = self.ray
+        if self._pings:
+            ready, _ = ray.wait(list(self._pings), num_returns=len(self._pings), timeout=0)
+            for ref in ready:
+                rank = self._pings.pop(ref)
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    self._fail(f"worker rank {rank} (Ray actor) died between steps: "
+                               f"{str(e).splitlines()[0]}")
+            waited = time.monotonic() - self._pinged_at
+            if self._pings and waited > self.step_timeout_s:
+                self._fail(unanswered_message("a health check between steps",
+                                              sorted(self._pings.values()), self.step_timeout_s))
+        if not self._pings:
+            self._pings = {actor.pid.remote(): rank for rank, actor in enumerate(self.actors)}
+            self._pinged_at = time.monotonic()
 
     def _gather(self, refs: list, what: str, timeout: float | None = None) -> list:
         """Each rank's result in rank order; the first rank whose call failed is named, as are

@@ -146,3 +146,39 @@ def test_health_is_503_once_an_idle_rank_died(tiny_llama_dir):
     assert [type(e).__name__ for e in deaths] == ["WorkerFailedError"], deaths
     assert re.fullmatch(rf"worker rank \d \(pid {victim}\) was killed by SIGKILL between steps",
                         str(deaths[0])), deaths
+
+
+def test_a_ray_actor_killed_while_idle_turns_health_503(tiny_llama_dir, tmp_path):
+    """Ray's actors have no process sentinel for the core to wait on (they may be on another
+    machine): an idle actor's death was found only by the next request. The core now pings them
+    every second while idle."""
+    log = tmp_path / "serve.log"
+    env = dict(os.environ, KILN_LOGGING_LEVEL="WARNING", RAY_USAGE_STATS_ENABLED="0")
+    args = [*SERVE_ARGS, "--distributed-executor-backend", "ray"]
+    with running_server(tiny_llama_dir, args, log, env, new_session=True) as (url, proc):
+        def actors() -> list[int]:
+            found = []
+            for pid in _descendants(proc.pid):
+                try:
+                    if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::RayRank"):
+                        found.append(pid)
+                except FileNotFoundError:
+                    pass
+            return sorted(found)
+
+        assert len(actors()) == 2, actors()
+        os.kill(actors()[-1], signal.SIGKILL)
+        killed = time.monotonic()
+        while True:
+            try:
+                status = httpx.get(f"{url}/health", timeout=1).status_code
+            except httpx.TransportError:
+                status = None
+            if status != 200:
+                break
+            assert time.monotonic() - killed < 15, "/health still 200 15 s after an actor died"
+            time.sleep(0.05)
+        assert status in (503, None), status
+        assert proc.wait(timeout=60) == 1
+    assert re.search(r"the engine died \(worker rank \d \(Ray actor\) died between steps",
+                     log.read_text()), log.read_text()[-3000:]
