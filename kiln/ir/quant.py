@@ -11,18 +11,20 @@ import torch
 
 from kiln.ir import layer_ops as ir
 from kiln.ir.op import define
+from kiln.native import int8_ops
 
 QMAX = 127.0
 
 
 def _dynamic_int8_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] float -> (q int8 [..., K], scale float32 [..., 1]) with x ~= q * scale per row;
-    scale = amax / 127 (0 for an all-zero row, whose q is 0)."""
+    scale = amax / 127 (0 for an all-zero row, whose q is 0). Where 127 / amax overflows (a row
+    below 4e-37) or amax is inf, x * (127 / amax) saturates and 0 * inf is 0."""
     x32 = x.to(torch.float32)
     amax = x32.abs().amax(dim=-1, keepdim=True)  # [..., 1]
     qmax = torch.full_like(amax, QMAX)
     inv = torch.where(amax > 0, qmax / amax, torch.zeros_like(amax))
-    q = torch.round(x32 * inv).clamp(-128, 127).to(torch.int8)
+    q = torch.round(x32 * inv).nan_to_num(0.0).clamp(-128, 127).to(torch.int8)
     return q, amax / qmax
 
 
@@ -34,6 +36,9 @@ def _int8_scaled_mm_ref(q: torch.Tensor, scale: torch.Tensor, w_q: torch.Tensor,
     int32 sums exact, then float32 in that order, one rounding to out_dtype."""
     if q.is_cuda:
         acc = _int_mm_padded(q, w_q)
+    elif not int8_ops.cpu_int_mm_exact():
+        # Products below 2^14, sums below 2^53 for any K a model has: float64 holds them all.
+        acc = (q.to(torch.float64) @ w_q.to(torch.float64).t()).to(torch.int32)
     elif q.shape[-1] > 1:
         # contiguous: torch 2.13's CPU _int_mm sums wrong for rows that share memory (stride 0),
         # of either operand

@@ -10,8 +10,9 @@ from kiln.native import int8_ops
 
 
 def _norm_supported(x, weight, eps) -> bool:
+    # The kernel reads the weight in x's dtype (the reference multiplies in the promoted one).
     return (int8_ops.quant_supported(x) and weight.device.type == "cpu" and weight.dim() == 1
-            and weight.numel() == x.shape[-1])
+            and weight.numel() == x.shape[-1] and weight.dtype == x.dtype)
 
 
 def _add_norm_supported(x, residual, weight, eps) -> bool:

@@ -8,10 +8,41 @@ GEMM is torch._int_mm: oneDNN's, with AVX-VNNI dot products on CPUs that have th
 AVX-512 (tests/quantization/test_int8_ops.py shows it with oneDNN capped there).
 """
 import functools
+import os
 
 import torch
 
+from kiln.logger import init_logger
 from kiln.native import build
+
+logger = init_logger(__name__)
+
+# oneDNN's levels without an int8 dot product: its s8 GEMM then sums pairs of u8 x s8 products
+# in saturating int16 (vpmaddubsw), so its int32 results are wrong, not rounded.
+_NO_DOT_PRODUCT_ISAS = frozenset({"SSE41", "AVX", "AVX2", "AVX512_CORE", "AVX512_MIC",
+                                  "AVX512_MIC_4OPS"})
+_DOT_PRODUCT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+def onednn_int8_exact(cpu_flags: set[str], max_isa: str | None) -> bool:
+    """Whether oneDNN's int8 GEMM (torch._int_mm on the CPU) sums exactly: the CPU has VNNI or
+    AMX-INT8 dot products (`cpu_flags` as /proc/cpuinfo names them) and `max_isa`
+    (ONEDNN_MAX_CPU_ISA) does not hold oneDNN below them."""
+    if max_isa and max_isa.strip().upper() in _NO_DOT_PRODUCT_ISAS:
+        return False
+    return bool(_DOT_PRODUCT_FLAGS & cpu_flags)
+
+
+@functools.cache
+def cpu_int_mm_exact() -> bool:
+    """onednn_int8_exact for this machine and process (said once where it is not)."""
+    max_isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    exact = onednn_int8_exact(build.cpu_flags(), max_isa)
+    if not exact:
+        logger.warning("this CPU has no int8 dot products (VNNI, AMX-INT8)%s: int8 GEMMs run "
+                       "as exact but slow float64 matmuls; bfloat16 serves faster here",
+                       f" for oneDNN (ONEDNN_MAX_CPU_ISA={max_isa})" if max_isa else "")
+    return exact
 
 
 @functools.cache
@@ -62,7 +93,9 @@ def _gemm_supported(q, scale, w, w_dtype, w_dim, w_scale, bias, out_dtype) -> bo
 
 
 def gemm_supported(q, scale, w_q, w_scale, bias, out_dtype) -> bool:
-    return _gemm_supported(q, scale, w_q, torch.int8, 2, w_scale, bias, out_dtype)
+    # Its larger row counts run oneDNN's GEMM (csrc/ops_int8.cpp), which must sum exactly.
+    return (_gemm_supported(q, scale, w_q, torch.int8, 2, w_scale, bias, out_dtype)
+            and cpu_int_mm_exact())
 
 
 def panels_gemm_supported(q, scale, w_panels, w_scale, bias, out_dtype) -> bool:

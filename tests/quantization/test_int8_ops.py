@@ -148,6 +148,38 @@ def test_a_row_with_nan_quantizes_as_the_reference(dtype):
     assert torch.equal(q[1], rq[1]) and torch.equal(s[1], rs[1])
 
 
+@pytest.mark.parametrize("row", [[3e-38, -1e-38, 0.0, 2e-38], [1e-40, 0.0, -5e-41, 2e-41],
+                                 [float("inf"), 1.0, -2.0, 0.0]], ids=["tiny", "denormal", "inf"])
+def test_rows_where_127_over_amax_is_not_finite_quantize_as_the_reference(row):
+    """127 / amax overflows for a row below 4e-37, and is 0 for a row holding inf: x * inv then
+    holds inf and NaN (0 * inf), which the kernel converted to -128 everywhere, positive
+    values and zeros too (helper-24). Both now saturate inf and give 0 for 0 * inf."""
+    x = torch.tensor([row, [1.0, -2.0, 0.5, 0.25]])
+    rq, rs = ref.dynamic_int8_quant(x)
+    if row[0] != float("inf"):
+        assert rq[0].tolist() == [127 if v > 0 else -128 if v < 0 else 0 for v in row]
+    else:
+        assert rq[0].tolist() == [0, 0, 0, 0]
+    if not _native_or_skip_check(x):
+        return
+    q, s = native.dynamic_int8_quant(x)
+    assert torch.equal(q, rq) and torch.equal(s, rs)
+
+
+def test_norm_quant_kernels_take_the_weight_in_xs_dtype_only():
+    """The kernel reads the weight in x's dtype, the reference multiplies in the promoted one:
+    a float32 weight beside bfloat16 x differed by a step in 31 of 320 values (helper-24)."""
+    x = _x(4, 64, torch.bfloat16)
+    if not _native_or_skip_check(x):
+        return
+    weight = torch.ones(64)
+    assert not quant.rms_norm_dynamic_int8_quant.supported_by("native", x, weight, 1e-5)
+    assert not quant.fused_add_rms_norm_dynamic_int8_quant.supported_by("native", x, x, weight,
+                                                                        1e-5)
+    assert quant.rms_norm_dynamic_int8_quant.supported_by("native", x,
+                                                          weight.to(torch.bfloat16), 1e-5)
+
+
 def test_gemm_of_rows_that_share_memory():
     """A q or a weight whose rows are one row expanded (stride 0): torch 2.13's _int_mm sums
     those wrong, which the reference and the oneDNN path work around (a copy); the kernels read
@@ -260,6 +292,30 @@ got = quant.int8_scaled_mm.reference(q, ones[0], w, ones[1], None, torch.float32
 exact = (q.to(torch.int64) @ w.to(torch.int64).t()).to(torch.float32)
 assert torch.equal(got, exact)
 """
+
+
+def test_without_dot_products_the_reference_still_sums_exactly():
+    """A CPU without VNNI (Zen 2/3, Haswell, Skylake-X), shown by capping oneDNN there: its
+    int8 GEMM saturates pairs of products in int16, and the reference's answers were 7-13%
+    off (helper-24). The reference now sums in float64 there; the native GEMM over weights as
+    stored, whose larger row counts are oneDNN's, steps aside."""
+    child = _ONEDNN_CHILD + """
+from kiln.native import int8_ops
+assert not int8_ops.cpu_int_mm_exact()
+assert not int8_ops.gemm_supported(q, ones[0], w, ones[1], None, torch.float32)
+"""
+    for cap in ("AVX2", "AVX512_CORE"):
+        subprocess.run([sys.executable, "-c", child], env={**os.environ, "ONEDNN_MAX_CPU_ISA": cap},
+                       check=True)
+
+
+@pytest.mark.parametrize("flags, cap, exact", [
+    ({"avx2", "avx512_vnni"}, None, True), ({"avx2", "avx_vnni"}, None, True),
+    ({"amx_int8", "avx512_vnni"}, "AVX512_CORE_AMX", True), ({"avx2", "avx512f"}, None, False),
+    ({"avx2", "avx512_vnni"}, "avx2", False), ({"avx2", "avx512_vnni"}, "AVX512_CORE", False),
+    ({"avx2", "avx_vnni"}, "AVX2_VNNI", True), (set(), None, False)])
+def test_onednn_int8_is_exact_only_with_dot_products(flags, cap, exact):
+    assert native.onednn_int8_exact(flags, cap) is exact
 
 
 def test_without_avx512_the_gemm_is_onednns_vnni():
