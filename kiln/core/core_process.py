@@ -14,7 +14,6 @@ import traceback
 
 import zmq
 
-from kiln.child_signals import STOP_SIGNAL, exit_once, leave_group_signals_to_parent
 from kiln.core.core_messages import (
     UTILITY_METHODS,
     AbortRequests,
@@ -32,6 +31,7 @@ from kiln.core.core_messages import (
 )
 from kiln.core.request import RequestStatus
 from kiln.logger import init_logger
+from kiln.process_signals import STOP_SIGNAL, exit_once, leave_group_signals_to_parent
 
 logger = init_logger(__name__)
 
@@ -248,6 +248,8 @@ def run_engine_core(kiln_config, executor_class: type, input_address: str, outpu
         input_socket.close(linger=0)
         output_socket.close()
         ctx.term()
+    if os.getppid() != parent_pid:  # an orphan (its front end killed): nobody else will
+        _remove_ipc_sockets((input_address, output_address))
     # No interpreter teardown (torch's exit hooks take seconds): the front end waits for it.
     logging.shutdown()
     sys.stdout.flush()

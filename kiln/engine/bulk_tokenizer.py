@@ -220,7 +220,7 @@ def main() -> None:
     """The child: argv[1] is the niceness to run at; stdin: the setup, then requests; the
     original stdout: one reply per request (fd 1 is pointed at stderr, so a stray print cannot
     break a frame). Ends at the end of stdin (the front end closed it, or died)."""
-    from kiln.child_signals import leave_group_signals_to_parent
+    from kiln.process_signals import leave_group_signals_to_parent
 
     # Ctrl-C and SIGTERM reach the group: the server decides, and ends us by closing our input.
     leave_group_signals_to_parent("bulk tokenizer")

@@ -18,7 +18,6 @@ import weakref
 import msgspec
 import zmq
 
-from kiln.child_signals import STOP_SIGNAL
 from kiln.core.core_messages import (
     AbortRequests,
     CoreFailed,
@@ -37,6 +36,7 @@ from kiln.core.request import Request, RequestStatus
 from kiln.core.stats import SchedulerStats
 from kiln.engine.core_interpreter import CoreInterpreter
 from kiln.logger import init_logger
+from kiln.process_signals import STOP_SIGNAL
 
 logger = init_logger(__name__)
 

@@ -19,12 +19,12 @@ import traceback
 import weakref
 
 from kiln import envs
-from kiln.child_signals import leave_group_signals_to_parent
 from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kiln.distributed.model_split import check_parallel_split
 from kiln.executor.abstract import Executor
 from kiln.executor.free_port import free_port
 from kiln.logger import init_logger
+from kiln.process_signals import leave_group_signals_to_parent
 
 logger = init_logger(__name__)
 

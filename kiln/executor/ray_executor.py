@@ -44,7 +44,7 @@ def import_ray():
 def _init_keeping_sigterm(ray) -> None:
     """ray.init (RAY_ADDRESS, when set, names the cluster), keeping this process's SIGTERM
     handler: Ray's driver puts in its own (print a stack, then abort), which killed an engine
-    core that leaves the group's SIGTERM to its front end (kiln/child_signals.py)."""
+    core that leaves the group's SIGTERM to its front end (kiln/process_signals.py)."""
     handler = signal.getsignal(signal.SIGTERM)
     ray.init(ignore_reinit_error=True)
     if handler is not None and threading.current_thread() is threading.main_thread():

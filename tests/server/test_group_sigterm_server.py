@@ -5,6 +5,8 @@ core used to exit at once and cut every stream."""
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -12,6 +14,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kiln import process_signals
+from kiln.engine.async_llm import AsyncLLM
+from kiln.entrypoints.cli.serve import bind_socket
+from kiln.entrypoints.openai.api_server import ServerSettings, serve
+from kiln.executor.free_port import free_port
+
+from .fake_engine import FakeEngine
 from .test_core_process_server import children_running
 from .test_server_e2e import NAME, STORIES_DIR, running_server
 
@@ -74,3 +83,72 @@ def test_group_sigterm_lets_streams_in_flight_finish(tmp_path, extra):
         while any(Path(f"/proc/{p}").exists() for p in family) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [p for p in family if Path(f"/proc/{p}").exists()]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_sigterm_whose_systemexit_was_swallowed_is_still_kept(monkeypatch):
+    """A SIGTERM landing in a __del__ during start-up: Python prints "Exception ignored" and
+    drops the SystemExit, and `kiln serve` went on to serve forever (helper-23)."""
+    monkeypatch.setattr(process_signals, "_stopped_by", None)
+
+    class Collected:
+        def __del__(self):
+            process_signals.terminate(signal.SIGTERM, None)
+
+    Collected()  # its SystemExit is swallowed right here
+    assert process_signals.stopped_by() == signal.SIGTERM
+
+
+def test_a_stop_signal_before_serving_stops_the_server_at_once():
+    port = free_port()
+    sock = bind_socket("127.0.0.1", port)
+    started = time.monotonic()
+    try:
+        code = serve(AsyncLLM(FakeEngine()), ServerSettings(port=port), sock,
+                     stop_signal=lambda: signal.SIGTERM)
+    finally:
+        sock.close()
+    assert code == 128 + signal.SIGTERM and time.monotonic() - started < 10
+
+
+def test_both_stop_signals_at_once_leave_no_traceback():
+    """The group's SIGTERM and the front end's STOP_SIGNAL pending together (the core was in a
+    long C call): the first handler set SIGTERM to SIG_IGN with one still pending, and CPython
+    raised "Signal 15 ignored due to race condition" on the way out (helper-23)."""
+    child = """
+import os, signal, time
+from kiln.process_signals import STOP_SIGNAL, exit_once, leave_group_signals_to_parent
+leave_group_signals_to_parent("engine core")
+signal.signal(STOP_SIGNAL, exit_once)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, STOP_SIGNAL})  # a long C call
+os.kill(os.getpid(), signal.SIGTERM)
+os.kill(os.getpid(), STOP_SIGNAL)
+try:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, STOP_SIGNAL})
+    time.sleep(0.1)
+except SystemExit:
+    pass
+time.sleep(0.1)  # the way out
+print("out")
+"""
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                          timeout=60)
+    assert done.stdout == "out\n" and "Traceback" not in done.stderr, done.stderr
+
+
+def test_an_orphaned_core_stopped_by_sigterm_removes_its_sockets(tmp_path):
+    """The front end killed (OOM), then the group's SIGTERM within the core's 0.5 s watch: the
+    core left by the signal's way out, which never removed the sockets (helper-23)."""
+    env = dict(os.environ, KILN_LOGGING_LEVEL="WARNING", TMPDIR=str(tmp_path))
+    args = ["--enforce-eager", "--max-model-len", "128", "--kv-cache-memory", "0.05"]
+    with running_server(STORIES_DIR, args, tmp_path / "serve.log", env,
+                        new_session=True) as (_, proc):
+        family = _family(proc.pid)
+        assert list(tmp_path.glob("kiln-core-*"))
+        proc.kill()
+        proc.wait()  # gone: the core is an orphan from now on
+        os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while any(Path(f"/proc/{p}").exists() for p in family) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert not list(tmp_path.glob("kiln-core-*"))

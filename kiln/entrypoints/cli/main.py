@@ -7,6 +7,8 @@ import importlib
 import signal
 import sys
 
+from kiln import process_signals
+
 SUBCOMMANDS = [
     "kiln.entrypoints.cli.generate",
     "kiln.entrypoints.cli.chat",
@@ -48,15 +50,9 @@ def _prestart_core(argv: list[str]) -> None:
         core_interpreter.prestart()
 
 
-def _terminated(signum, frame) -> None:
-    # SIGTERM (`timeout`, `docker stop`, a service manager) unwinds like Ctrl-C: the engine's
-    # finalizers stop its core and remove its socket directory, which the default action (die
-    # at once) left behind. `kiln serve` hands SIGTERM to uvicorn once it serves.
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> None:
-    signal.signal(signal.SIGTERM, _terminated)
+    # `kiln serve` hands SIGTERM to uvicorn once it serves.
+    signal.signal(signal.SIGTERM, process_signals.terminate)
     try:  # Ctrl-C may come during the imports too: no traceback then either
         _prestart_core(sys.argv[1:] if argv is None else argv)
         parser = build_parser()

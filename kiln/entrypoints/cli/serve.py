@@ -128,6 +128,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from kiln.engine.async_llm import AsyncLLM
     from kiln.entrypoints.openai.api_server import serve
+    from kiln.process_signals import stopped_by
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
 
             lower_front_end(frontend_niceness(args.frontend_niceness, llm.num_threads))
         print(banner(llm, settings), file=sys.stderr, flush=True)
-        return serve(llm, settings, sock)
+        return serve(llm, settings, sock, stop_signal=stopped_by)
     finally:
         sock.close()
 

@@ -10,6 +10,7 @@ import contextlib
 import signal
 import socket
 import threading
+from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -149,10 +150,13 @@ class _Server(uvicorn.Server):
     """uvicorn's server, minus re-raising the caught signal after a graceful shutdown, plus
     ending in-flight requests in-band once the grace period is over."""
 
-    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, grace_s: float):
+    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, grace_s: float,
+                 stop_signal: Callable[[], int | None]):
         super().__init__(config)
         self.llm = llm
         self.grace_s = grace_s
+        self.stop_signal = stop_signal
+        self.stopped_early: int | None = None  # a signal that came before serving
 
     async def shutdown(self, sockets=None) -> None:
         ender = asyncio.create_task(self._end_in_flight())
@@ -177,6 +181,11 @@ class _Server(uvicorn.Server):
             return
         originals = {sig: signal.signal(sig, self._on_signal)
                      for sig in (signal.SIGINT, signal.SIGTERM)}
+        # One that came during start-up, whose SystemExit was swallowed (in a __del__, say):
+        # the server stops at once rather than serve on.
+        self.stopped_early = self.stop_signal()
+        if self.stopped_early is not None:
+            self._on_signal(self.stopped_early, None)
         try:
             yield
         finally:
@@ -189,9 +198,11 @@ class _Server(uvicorn.Server):
         self.handle_exit(sig, frame)
 
 
-def serve(llm: AsyncLLM, settings: ServerSettings, sock: socket.socket | None = None) -> int:
+def serve(llm: AsyncLLM, settings: ServerSettings, sock: socket.socket | None = None,
+          stop_signal: Callable[[], int | None] = lambda: None) -> int:
     """Serve until SIGINT / SIGTERM (0) or the engine's death (1); blocking. The exit code.
-    `sock`: a socket already bound to the address (else uvicorn binds it)."""
+    `sock`: a socket already bound to the address (else uvicorn binds it). `stop_signal`: a
+    stop signal that reached this process before serving began, if any (then 128 + it)."""
     app = build_app(llm, settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             http=header_timeout_protocol(settings.request_header_timeout),
@@ -199,7 +210,7 @@ def serve(llm: AsyncLLM, settings: ServerSettings, sock: socket.socket | None = 
                             timeout_graceful_shutdown=(settings.graceful_shutdown_timeout
                                                        + _REPORT_ABORT_S),
                             timeout_keep_alive=5, lifespan="on")
-    server = _Server(config, llm, settings.graceful_shutdown_timeout)
+    server = _Server(config, llm, settings.graceful_shutdown_timeout, stop_signal)
     exit_code = 0
 
     def on_engine_dead(error: BaseException) -> None:
@@ -214,4 +225,6 @@ def serve(llm: AsyncLLM, settings: ServerSettings, sock: socket.socket | None = 
         raise RuntimeError(f"the server did not start on {settings.host}:{settings.port} "
                            "(port in use?); pick another with --port")
     logger.info("server stopped")
+    if exit_code == 0 and server.stopped_early is not None:
+        return 128 + server.stopped_early
     return exit_code

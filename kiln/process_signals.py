@@ -1,5 +1,5 @@
-"""Signals in Kiln's child processes (engine core, ranks, bulk tokenizer): Ctrl-C and SIGTERM sent
-to the whole process group are the front end's to act on; it stops its children once done.
+"""Stop signals across Kiln's processes: the front end's SIGTERM, kept where its SystemExit is
+lost; its children (engine core, ranks, bulk tokenizer) leave the group's signals to it.
 
 A service manager stops a service by signalling every process of it (systemd's default), and
 `timeout` or `kill -- -PGID` do the same: a child that died of it at once cut the requests the
@@ -18,13 +18,37 @@ STOP_SIGNAL = signal.SIGUSR1
 
 logger = init_logger(__name__)
 
+_stopped_by: int | None = None
+
+
+def terminate(signum, frame) -> None:
+    """The `kiln` command's SIGTERM handler (`timeout`, `docker stop`, a service manager): unwind
+    as Ctrl-C does, so the engine's finalizers stop its core and remove its socket directory
+    (which dying at once left behind). The signal is kept: the SystemExit is lost where it lands
+    in a __del__ or a broad except, and `kiln serve` must not go on to serve after it."""
+    global _stopped_by
+    _stopped_by = signum
+    raise SystemExit(128 + signum)
+
+
+def stopped_by() -> int | None:
+    """The stop signal `terminate` took, if one came."""
+    return _stopped_by
+
 
 def exit_once(*_) -> None:
     """A signal handler: unwind (SystemExit 0), once: a second signal raised again inside the
-    way out, and its SystemExit escaped into the interpreter's exit hooks (a traceback)."""
+    way out, and its SystemExit escaped into the interpreter's exit hooks (a traceback). The
+    rest are caught and dropped, not ignored: CPython raises "Signal 15 ignored due to race
+    condition" for one still pending when its handler becomes SIG_IGN (the group's SIGTERM and
+    the front end's STOP_SIGNAL arrive together)."""
     for sig in (signal.SIGTERM, STOP_SIGNAL):
-        signal.signal(sig, signal.SIG_IGN)
+        signal.signal(sig, _drop)
     sys.exit(0)
+
+
+def _drop(*_) -> None:
+    pass
 
 
 def leave_group_signals_to_parent(who: str) -> None:
