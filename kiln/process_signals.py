@@ -36,6 +36,13 @@ def stopped_by() -> int | None:
     return _stopped_by
 
 
+def exit_if_stopped() -> None:
+    """Unwind now if a stop signal came whose SystemExit was lost (a command that built its
+    engine and would go on working, or wait for input, regardless)."""
+    if _stopped_by is not None:
+        raise SystemExit(128 + _stopped_by)
+
+
 def exit_once(*_) -> None:
     """A signal handler: unwind (SystemExit 0), once: a second signal raised again inside the
     way out, and its SystemExit escaped into the interpreter's exit hooks (a traceback). The

@@ -152,3 +152,14 @@ def test_an_orphaned_core_stopped_by_sigterm_removes_its_sockets(tmp_path):
         while any(Path(f"/proc/{p}").exists() for p in family) and time.monotonic() < deadline:
             time.sleep(0.1)
     assert not list(tmp_path.glob("kiln-core-*"))
+
+
+def test_commands_unwind_once_their_engine_is_built_after_a_lost_stop(monkeypatch):
+    """`kiln chat` would wait for input forever, `kiln generate` work on, after a SIGTERM whose
+    SystemExit was swallowed while the engine started."""
+    monkeypatch.setattr(process_signals, "_stopped_by", None)
+    process_signals.exit_if_stopped()  # nothing came: nothing happens
+    monkeypatch.setattr(process_signals, "_stopped_by", signal.SIGTERM)
+    with pytest.raises(SystemExit) as e:
+        process_signals.exit_if_stopped()
+    assert e.value.code == 143

@@ -8,6 +8,7 @@ import sys
 
 from kiln.engine.arg_utils import EngineArgs
 from kiln.entrypoints.cli.sampling_args import add_sampling_args, sampling_params_from_args
+from kiln.process_signals import exit_if_stopped
 from kiln.sampling_params import RequestOutputKind
 
 EXIT_WORDS = ("exit", "quit")
@@ -49,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     # Checked before the model loads: a bad flag is a usage error, not one per turn.
     params = sampling_params_from_args(args, output_kind=RequestOutputKind.DELTA)
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    exit_if_stopped()
     start = [{"role": "system", "content": args.system}] if args.system else []
     history = list(start)
     interactive = sys.stdin.isatty()

@@ -9,6 +9,7 @@ import sys
 
 from kiln.engine.arg_utils import EngineArgs
 from kiln.entrypoints.cli.sampling_args import add_sampling_args, sampling_params_from_args
+from kiln.process_signals import exit_if_stopped
 
 
 def register(subparsers) -> None:
@@ -36,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
                                        prompt_logprobs=args.prompt_logprobs)
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**vars(engine_args))
+    exit_if_stopped()
     try:
         (output,) = llm.generate(prompt, params, use_tqdm=False)
     finally:
