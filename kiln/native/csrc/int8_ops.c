@@ -64,14 +64,17 @@ static void quant_row(const void *x, int64_t k, int dtype, int8_t *q, float *sca
     *scale = _mm_cvtss_f32(_mm_div_round_ss(a, c, RNE));
     const float inv = _mm_cvtss_f32(a) > 0.f ? _mm_cvtss_f32(_mm_div_round_ss(c, a, RNE)) : 0.f;
     const __m512 vinv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
+    /* x * inv is non-finite only where 127 / amax overflowed (a row of tiny values) or amax is
+     * inf: there 0 * inf is 0 and +-inf saturates, as the reference says (the conversion alone
+     * gave -128 for all three). Other rows skip the check. */
+    const int finite = __builtin_isfinite(inv) && __builtin_isfinite(_mm_cvtss_f32(a));
     for (int64_t i = 0; i < k; i += 16) {
         const __mmask16 m = tail16(k - i);
         __m512 p = _mm512_mul_round_ps(load16(x, i, dtype, m), vinv, RNE);
-        /* Non-finite only where 127 / amax overflowed (a row of tiny values) or amax is inf:
-         * 0 * inf is 0 and +-inf saturates, as the reference says; the conversion alone gave
-         * -128 for all three. */
-        p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(p, p, _CMP_ORD_Q), p);
-        p = _mm512_min_ps(_mm512_max_ps(p, lo), hi);
+        if (!finite) {
+            p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(p, p, _CMP_ORD_Q), p);
+            p = _mm512_min_ps(_mm512_max_ps(p, lo), hi);
+        }
         _mm512_mask_cvtsepi32_storeu_epi8(q + i, m, _mm512_cvt_roundps_epi32(p, RNE));
     }
 }
