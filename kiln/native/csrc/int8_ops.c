@@ -17,6 +17,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "dtype.h"
 
@@ -46,6 +47,13 @@ int kiln_int8_isa(void) { return 1; }
  * equality with them rests on. */
 static char *scratch(size_t bytes) { return (char *)aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
+/* From the bits: -ffast-math lets the compiler assume every float finite (isfinite: true). */
+static inline int finite_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (u & 0x7f800000u) != 0x7f800000u;
+}
+
 /* One row x[0:k] -> q[0:k] = round(x * (127 / amax)) and *scale = amax / 127. */
 static void quant_row(const void *x, int64_t k, int dtype, int8_t *q, float *scale) {
     __m512 amax = _mm512_setzero_ps();
@@ -67,7 +75,7 @@ static void quant_row(const void *x, int64_t k, int dtype, int8_t *q, float *sca
     /* x * inv is non-finite only where 127 / amax overflowed (a row of tiny values) or amax is
      * inf: there 0 * inf is 0 and +-inf saturates, as the reference says (the conversion alone
      * gave -128 for all three). Other rows skip the check. */
-    const int finite = __builtin_isfinite(inv) && __builtin_isfinite(_mm_cvtss_f32(a));
+    const int finite = finite_bits(inv) && finite_bits(_mm_cvtss_f32(a));
     for (int64_t i = 0; i < k; i += 16) {
         const __mmask16 m = tail16(k - i);
         __m512 p = _mm512_mul_round_ps(load16(x, i, dtype, m), vinv, RNE);
