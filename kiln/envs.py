@@ -8,8 +8,9 @@ from pathlib import Path
 
 def cache_root() -> Path:
     """Root of everything Kiln caches: the default model, compiled artifacts."""
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kiln"
-    return Path(os.environ.get("KILN_CACHE_ROOT", default)).expanduser()
+    # Empty means unset (as for the other variables): Path("") is the working directory.
+    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kiln"
+    return Path(os.environ.get("KILN_CACHE_ROOT") or default).expanduser()
 
 
 def _positive_finite(name: str, unit: str, otherwise: str) -> float | None:

@@ -131,7 +131,11 @@ class CompileCache:
 
     def check_writable(self) -> None:
         """Raise OSError unless artifacts, the index and Inductor's cache can be written here
-        (loading an artifact writes too: Inductor unpacks it into its cache)."""
+        (loading an artifact writes too: Inductor unpacks it into its cache), and Inductor can
+        build there: its C++ command line is split on whitespace."""
+        if any(c.isspace() for c in str(self.inductor_cache_dir)):
+            raise OSError(f"Inductor cannot build in a path with whitespace "
+                          f"({self.inductor_cache_dir})")
         for directory in (self.dir, self.inductor_cache_dir):
             directory.mkdir(parents=True, exist_ok=True)
             probe = directory / f".write_probe.{os.getpid()}"

@@ -132,7 +132,9 @@ def _recall_build(isa, code: str, probe) -> bool:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         return probe(isa, code)
-    builds = known.setdefault("builds", {})
+    if not isinstance(known, dict) or not isinstance(known.setdefault("builds", {}), dict):
+        return probe(isa, code)  # valid JSON of another shape: damaged all the same
+    builds = known["builds"]
     if key not in builds:
         builds[key] = bool(probe(isa, code))
         try:

@@ -385,6 +385,14 @@ def test_unwritable_cache_serves_without_it(cold, tmp_path, kiln_logs, monkeypat
         torch.testing.assert_close(_run(model, n), _run(cold["reference"], n))
 
 
+def test_a_cache_path_with_whitespace_is_refused_before_inductor_builds_there(tmp_path):
+    """Inductor splits its C++ command line on whitespace: a KILN_CACHE_ROOT with a space failed
+    every mode-3 compile with g++'s "input file is the same as output file" (helper-25)."""
+    cache = CompileCache(tmp_path / "with space" / "key", "rank_0", "backbone")
+    with pytest.raises(OSError, match="whitespace"):
+        cache.check_writable()
+
+
 def test_failed_save_and_unwritable_dump_still_serve(cold, tmp_path, kiln_logs, monkeypatch):
     """An artifact Inductor compiled but could not save (as with freezing), and a debug dump
     path that cannot be written: warnings, then a served model."""

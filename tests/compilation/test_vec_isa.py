@@ -88,6 +88,18 @@ def test_extension_probes_are_remembered_in_the_verdict(tmp_path):
     assert VecISA.check_build(isa, VecISA._avx_code) is True
 
 
+def test_a_recorded_probe_of_the_wrong_shape_is_probed_again(tmp_path):
+    """Valid JSON of another shape failed every compile with a TypeError from the probe's
+    lookup, on every start (helper-25)."""
+    from torch._inductor.cpu_vec_isa import VecISA, pick_vec_isa
+
+    assert vec_isa.settle(tmp_path)
+    verdict = tmp_path / f"{vec_isa.machine_key()}.json"
+    for damage in ({"all_candidates_pass": True, "builds": [1]}, [1, 2]):
+        verdict.write_text(json.dumps(damage))
+        assert VecISA.check_build(pick_vec_isa(), VecISA._avx_code) is True
+
+
 def test_a_process_that_let_inductor_probe_keeps_doing_so(tmp_path, monkeypatch):
     # A failed first settle (here: no compiler identity) followed by a working one would change
     # Inductor's config hash, so the compile cache key, between two compiles of one process.
