@@ -161,6 +161,8 @@ class KilnBackend:
             return None
         # Inductor's cache (compiled .so files) lives under the key so a warm start runs no gcc.
         self.inductor_dir = cache.inductor_cache_dir
+        if cache.was_warm:
+            cache.drop_cut_libraries()
         monitor.log_cache_dir(cache.dir, cache.was_warm, self.inductor_dir)
         return cache
 

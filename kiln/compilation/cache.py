@@ -16,6 +16,7 @@ import platform
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -113,6 +114,22 @@ def rank_dir_of(parallel_config) -> str:
     return rank_dir_name(pc.rank, pc.pipeline_parallel_size, pc.pp_rank)
 
 
+# How long a compiled library must have been left alone before a cut-short one is removed:
+# a link writes its output in seconds at most.
+_SETTLED_S = 10.0
+
+
+def elf_complete(head: bytes, size: int) -> bool:
+    """Whether a 64-bit little-endian ELF file of `size` bytes, starting with `head` (its first
+    64 bytes), holds its whole section header table (the last thing a linker writes)."""
+    if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+        return False
+    shoff = int.from_bytes(head[0x28:0x30], "little")
+    shentsize = int.from_bytes(head[0x3A:0x3C], "little")
+    shnum = int.from_bytes(head[0x3C:0x3E], "little")
+    return shoff + shentsize * shnum <= size
+
+
 class CompileCache:
     """One (key, rank, prefix) directory: the index of saved artifacts and the artifacts."""
 
@@ -141,6 +158,28 @@ class CompileCache:
             probe = directory / f".write_probe.{os.getpid()}"
             probe.write_bytes(b"")
             probe.unlink()
+
+    def drop_cut_libraries(self, settled_s: float = _SETTLED_S) -> list[Path]:
+        """Delete Inductor's compiled libraries that end before their ELF section headers (a
+        link cut short: its compiler writes the .so in place, and Inductor reuses any file
+        there); loading one killed the process with SIGBUS on every start. Inductor builds
+        them again. Files younger than `settled_s` may still be being written: left alone."""
+        dropped = []
+        now = time.time()
+        for path in self.inductor_cache_dir.glob("*/*.so"):
+            try:
+                stat = path.stat()
+                with open(path, "rb") as f:
+                    head = f.read(64)
+                if now - stat.st_mtime < settled_s or elf_complete(head, stat.st_size):
+                    continue
+                path.unlink()
+            except OSError:
+                continue
+            dropped.append(path)
+            logger.warning("compiled library %s is cut short (%d bytes); removed, to be built "
+                           "again", path, stat.st_size)
+        return dropped
 
     def clear_inductor_cache(self) -> None:
         """Remove Inductor's cache under the key (it is rebuilt by compiling); Inductor's

@@ -385,6 +385,28 @@ def test_unwritable_cache_serves_without_it(cold, tmp_path, kiln_logs, monkeypat
         torch.testing.assert_close(_run(model, n), _run(cold["reference"], n))
 
 
+def test_a_compiled_library_cut_short_is_removed_before_anything_loads_it(tmp_path):
+    """A link cut short (killed, disk full) leaves a truncated .so that Inductor reuses as it is:
+    loading it killed every start with SIGBUS (helper-25). Complete libraries stay, and so do
+    young ones, which another process may still be writing."""
+    from kiln.compilation.cache import elf_complete
+
+    library = Path(torch._C.__file__).read_bytes()
+    assert elf_complete(library[:64], len(library))
+    assert not elf_complete(library[:64], 2000) and not elf_complete(b"", 0)
+    cache = CompileCache(tmp_path / "key", "rank_0", "backbone")
+    (cache.inductor_cache_dir / "ab").mkdir(parents=True)
+    whole, cut, young = (cache.inductor_cache_dir / "ab" / f"{n}.main.so"
+                         for n in ("whole", "cut", "young"))
+    whole.write_bytes(library)
+    cut.write_bytes(library[:2000])
+    young.write_bytes(library[:2000])
+    for path in (whole, cut):
+        os.utime(path, (0, 0))
+    assert cache.drop_cut_libraries() == [cut]
+    assert whole.exists() and young.exists() and not cut.exists()
+
+
 def test_a_cache_path_with_whitespace_is_refused_before_inductor_builds_there(tmp_path):
     """Inductor splits its C++ command line on whitespace: a KILN_CACHE_ROOT with a space failed
     every mode-3 compile with g++'s "input file is the same as output file" (helper-25)."""
