@@ -79,10 +79,15 @@ def bind_this_process(bind: str, local_rank: int, local_world_size: int) -> list
     compiles: the thread count is part of Dynamo's global-state guard)."""
     if not hasattr(os, "sched_setaffinity"):
         return None
-    cores = cores_for_rank(bind, local_rank, local_world_size,
-                           sorted(os.sched_getaffinity(0)))
+    available = sorted(os.sched_getaffinity(0))
+    cores = cores_for_rank(bind, local_rank, local_world_size, available)
     if cores is None:
         return None
+    missing = sorted(set(cores) - set(available))
+    if missing:  # sched_setaffinity's bare "Invalid argument" named neither the rank nor cores
+        raise ValueError(f"KILN_CPU_OMP_THREADS_BIND={bind!r}: rank {local_rank}'s cores "
+                         f"{missing} are not available to it (available: {available}); "
+                         "name cores of this machine, or use auto / nobind")
     os.sched_setaffinity(0, cores)
     torch.set_num_threads(len(cores))
     return cores

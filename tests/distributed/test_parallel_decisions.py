@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from kiln.config.parallel_config import ParallelConfig, resolve_executor_backend
-from kiln.distributed.cpu_binding import cores_for_rank, parse_core_list
+from kiln.distributed.cpu_binding import bind_this_process, cores_for_rank, parse_core_list
 from kiln.distributed.model_split import parallel_split_errors
 from kiln.distributed.parallel_state import group_ranks
 from kiln.distributed.pipeline import stage_layer_range
@@ -59,6 +59,17 @@ def test_cores_split_evenly_or_follow_the_lists():
         cores_for_rank("0|1|2", 0, 2, [0, 1])
     with pytest.raises(ValueError, match="'x' .* is not a core number"):
         parse_core_list("0,x")
+
+
+def test_binding_to_a_core_the_machine_lacks_names_it():
+    """sched_setaffinity's bare "OSError: Invalid argument" reached the user from a rank's
+    start-up (helper-26)."""
+    import os
+
+    missing = max(os.sched_getaffinity(0)) + 1000
+    with pytest.raises(ValueError, match=rf"KILN_CPU_OMP_THREADS_BIND='0\|{missing}': rank 1's "
+                                         rf"cores \[{missing}\] are not available"):
+        bind_this_process(f"0|{missing}", 1, 2)
 
 
 def test_model_split_errors_name_the_field():
