@@ -4,6 +4,7 @@ The range artifact serves [1, max_num_batched_tokens]; each compile size gets it
 size wins. `PieceCompiler` compiles or loads artifacts, sharing them between identical pieces.
 """
 import collections
+import errno
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
@@ -58,6 +59,19 @@ def find_size_arg(example_inputs: list[Any]) -> tuple[int, int | None] | None:
                 if isinstance(size, torch.SymInt):
                     return i, dim
     return None
+
+
+def _no_space(error: BaseException) -> bool:
+    """Whether `error` or one it came from is a full disk (Inductor reports a linker's, inside a
+    compile error thousands of lines long)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if (isinstance(error, OSError) and error.errno == errno.ENOSPC) \
+                or "No space left on device" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 class PieceCompiler:
@@ -117,8 +131,16 @@ class PieceCompiler:
                            "%s and compiling again", piece, "range" if shape is None else shape,
                            type(e).__name__, e, self.cache.inductor_cache_dir)
             self.cache.clear_inductor_cache()
-            return self.compiler.compile(graph, example_inputs, self.inductor_config, shape,
-                                         save_path)
+            try:
+                return self.compiler.compile(graph, example_inputs, self.inductor_config, shape,
+                                             save_path)
+            except Exception as again:  # noqa: BLE001 - said in one line where it is the disk
+                if _no_space(again):
+                    raise RuntimeError(
+                        f"compiling piece {piece} failed: no space left on the device holding "
+                        f"the compile cache {self.cache.key_dir}; free space there, or point "
+                        "KILN_CACHE_ROOT at another disk") from again
+                raise
 
     def _record(self, shape, piece, handle) -> None:
         if self.cache is not None and handle is not None:

@@ -407,6 +407,25 @@ def test_a_compiled_library_cut_short_is_removed_before_anything_loads_it(tmp_pa
     assert whole.exists() and young.exists() and not cut.exists()
 
 
+def test_a_full_disk_is_said_in_one_line(tmp_path):
+    """A compile on a full disk ended in Inductor's C++ compile error, 2,000 lines with the
+    linker's "No space left on device" in the middle (helper-25)."""
+    from kiln.compilation.phase import WarmupPhase
+    from kiln.compilation.piecewise import PieceCompiler
+
+    class FullDisk:
+        def compile(self, *args):
+            raise RuntimeError("C++ compile error\n...\nld: final link failed: No space left "
+                               "on device\n...")
+
+    cache = CompileCache(tmp_path / "key", "rank_0", "backbone")
+    cache.inductor_cache_dir.mkdir(parents=True)
+    pieces = PieceCompiler(FullDisk(), cache, {}, WarmupPhase())
+    with pytest.raises(RuntimeError, match=r"^compiling piece 3 failed: no space left on the "
+                                           r"device holding the compile cache .*KILN_CACHE_ROOT"):
+        pieces._compile_or_retry(3, None, [], None, None)
+
+
 def test_a_cache_path_with_whitespace_is_refused_before_inductor_builds_there(tmp_path):
     """Inductor splits its C++ command line on whitespace: a KILN_CACHE_ROOT with a space failed
     every mode-3 compile with g++'s "input file is the same as output file" (helper-25)."""
