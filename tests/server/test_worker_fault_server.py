@@ -86,6 +86,21 @@ def test_a_killed_rank_ends_the_stream_with_an_error_naming_it(tiny_llama_dir, t
         _assert_all_exit(started)
 
 
+def _health_turns_503(url: str, within_s: float) -> None:
+    """/health answers 200 until the death is seen, then 503 until the server is gone."""
+    killed = time.monotonic()
+    while True:
+        try:
+            status = httpx.get(f"{url}/health", timeout=1).status_code
+        except httpx.TransportError:
+            status = None
+        if status != 200:
+            break
+        assert time.monotonic() - killed < within_s, f"/health still 200 {within_s} s after"
+        time.sleep(0.02)
+    assert status in (503, None), status
+
+
 def _assert_all_exit(pids: set[int]) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and any(map(_alive, pids)):
@@ -103,17 +118,7 @@ def test_a_rank_killed_while_idle_turns_health_503_and_the_server_exits(tiny_lla
         started = _descendants(proc.pid)
         victim = _rank_pids(proc.pid)[-1]
         os.kill(victim, signal.SIGKILL)
-        killed = time.monotonic()
-        while True:  # 200 until the death is seen, then 503 until the server is gone
-            try:
-                status = httpx.get(f"{url}/health", timeout=1).status_code
-            except httpx.TransportError:
-                status = None
-            if status != 200:
-                break
-            assert time.monotonic() - killed < 5, "/health still 200 5 s after a rank died"
-            time.sleep(0.02)
-        assert status in (503, None), status
+        _health_turns_503(url, within_s=5)
         assert proc.wait(timeout=30) == 1
         _assert_all_exit(started)
     assert re.search(rf"the engine died \(worker rank \d \(pid {victim}\) was killed by "
@@ -168,17 +173,7 @@ def test_a_ray_actor_killed_while_idle_turns_health_503(tiny_llama_dir, tmp_path
 
         assert len(actors()) == 2, actors()
         os.kill(actors()[-1], signal.SIGKILL)
-        killed = time.monotonic()
-        while True:
-            try:
-                status = httpx.get(f"{url}/health", timeout=1).status_code
-            except httpx.TransportError:
-                status = None
-            if status != 200:
-                break
-            assert time.monotonic() - killed < 15, "/health still 200 15 s after an actor died"
-            time.sleep(0.05)
-        assert status in (503, None), status
+        _health_turns_503(url, within_s=15)
         assert proc.wait(timeout=60) == 1
     assert re.search(r"the engine died \(worker rank \d \(Ray actor\) died between steps",
                      log.read_text()), log.read_text()[-3000:]
