@@ -215,7 +215,7 @@ class CompileCache:
     def record(self, shape: int | None, piece: int, compiler: str, handle: dict) -> None:
         """Add an entry, merging with what other processes wrote meanwhile (under a file lock)."""
         self.index[index_key(shape, piece, compiler)] = handle
-        with self._locked():
+        with self.locked():
             on_disk = self._read_index()
             on_disk.update(self.index)
             self.index = on_disk
@@ -226,7 +226,7 @@ class CompileCache:
         bring it back (another process may have written a good one meanwhile: kept)."""
         key = index_key(shape, piece, compiler)
         bad = self.index.pop(key, None)
-        with self._locked():
+        with self.locked():
             on_disk = self._read_index()
             if bad is None or on_disk.get(key) != bad:
                 return
@@ -237,7 +237,8 @@ class CompileCache:
         atomic_write_text(self.dir / name, text)
 
     @contextlib.contextmanager
-    def _locked(self):
+    def locked(self):
+        """The cache directory's lock (index updates; the saved graph and its plan)."""
         with open(self.dir / "index.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:

@@ -1,8 +1,12 @@
 """Pure parts of the saved-graph warm start: which input sources are allowed, how the forward's
 result maps to graph outputs, side-effect detection, gathering inputs from the forward's locals."""
+import hashlib
+import json
+
 import pytest
 import torch
 
+from kiln.compilation.cache import CompileCache
 from kiln.compilation.warm_start import graph_cache as gc
 
 
@@ -104,9 +108,47 @@ def test_plan_round_trip_and_checksum(tmp_path):
     plan = gc.SavedPlan(["L['x']"], 0, "sig", [{"submod": "submod_0", "graph_id": 0,
                                                  "fingerprint": "f", "size_arg": [0, 0]}],
                         [["tensor", "torch.float32", [None], [1], "cpu"]])
-    gc.save_plan(tmp_path, plan, pickle.dumps(gm))
-    loaded, graph = gc.load_plan(tmp_path)
+    cache = CompileCache(tmp_path, "rank_0", "backbone")
+    gc.save_plan(cache, plan, pickle.dumps(gm))
+    loaded, graph = gc.load_plan(cache)
     assert loaded == plan and torch.equal(graph(torch.tensor([-1.0, 2.0])), torch.tensor([0., 2.]))
-    (tmp_path / gc.GRAPH_FILE).write_bytes(b"garbage")
+    (cache.dir / gc.GRAPH_FILE).write_bytes(b"garbage")
     with pytest.raises(ValueError, match="checksum"):
-        gc.load_plan(tmp_path)
+        gc.load_plan(cache)
+
+
+def _save_slowly(key_dir: str, tag: bytes, plan_delay: float, start_delay: float) -> None:
+    """A process saving its graph and plan, the plan's write delayed."""
+    import time
+    from pathlib import Path
+
+    time.sleep(start_delay)
+    write = gc.atomic_write_text
+
+    def slow(path, text):
+        time.sleep(plan_delay)
+        write(path, text)
+
+    gc.atomic_write_text = slow
+    plan = gc.SavedPlan(sources=["L['x']"], output=0, signature="sig", pieces=[], input_meta=[])
+    gc.save_plan(CompileCache(Path(key_dir), "rank_0", "backbone"), plan,
+                 b"split graph of process " + tag)
+
+
+def test_two_processes_saving_at_once_leave_a_plan_and_its_own_graph(tmp_path):
+    """Two cold starts saving in the same second: A's graph, B's graph, B's plan, A's plan left
+    A's plan naming B's graph, and the next start traced again (helper-25)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    writers = [ctx.Process(target=_save_slowly, args=(str(tmp_path), b"A", 1.0, 0.0)),
+               ctx.Process(target=_save_slowly, args=(str(tmp_path), b"B", 0.0, 0.5))]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(60)
+        assert w.exitcode == 0
+    directory = CompileCache(tmp_path, "rank_0", "backbone").dir
+    plan = json.loads((directory / gc.PLAN_FILE).read_text())
+    graph = (directory / gc.GRAPH_FILE).read_bytes()
+    assert plan["graph_sha256"] == hashlib.sha256(graph).hexdigest(), graph

@@ -487,7 +487,7 @@ def test_warm_start_checks_each_artifact_file_once(cold, monkeypatch):
     from kiln.compilation.warm_start import graph_cache, warm_start
 
     backend: KilnBackend = cold["model"]._kiln_compile.backend
-    plan, _ = graph_cache.load_plan(backend.cache.dir)
+    plan, _ = graph_cache.load_plan(backend.cache)
     hashed = []
     monkeypatch.setattr(warm_start, "file_sha256",
                         lambda path: hashed.append(path.name) or file_sha256(path))

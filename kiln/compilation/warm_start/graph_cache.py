@@ -5,6 +5,7 @@ Saved per cache key: the split graph (pickled), the source of each graph input a
 pieces' fingerprints and how the forward's result is made of the graph's outputs.
 """
 import ast
+import contextlib
 import dis
 import hashlib
 import inspect
@@ -20,6 +21,7 @@ import torch
 from torch import fx
 
 from kiln.atomic_write import atomic_write_text
+from kiln.compilation.cache import CompileCache
 from kiln.compilation.warm_start import graph_pickle
 from kiln.compilation.warm_start.graph_pickle import CodeOnlyGraph
 
@@ -245,15 +247,19 @@ def read_entry(path: Path) -> tuple[str, list[str]] | None:
         return None
 
 
-def save_plan(directory: Path, plan: SavedPlan, graph_bytes: bytes) -> None:
-    """Graph first, plan last (both atomic): a reader that finds the plan finds its graph."""
-    tmp = directory / f".{GRAPH_FILE}.{os.getpid()}.tmp"
-    tmp.write_bytes(graph_bytes)
-    tmp.replace(directory / GRAPH_FILE)
+def save_plan(cache: CompileCache, plan: SavedPlan, graph_bytes: bytes) -> None:
+    """Graph first, plan last (both atomic), under the cache's lock: a reader that finds the
+    plan finds its graph, never another process's (the pickled graph differs between
+    processes)."""
+    directory = cache.dir
     data = asdict(plan)
     data["graph_sha256"] = hashlib.sha256(graph_bytes).hexdigest()
     data["plan_sha256"] = _plan_digest(data)
-    atomic_write_text(directory / PLAN_FILE, json.dumps(data, indent=1))
+    with cache.locked():
+        tmp = directory / f".{GRAPH_FILE}.{os.getpid()}.tmp"
+        tmp.write_bytes(graph_bytes)
+        tmp.replace(directory / GRAPH_FILE)
+        atomic_write_text(directory / PLAN_FILE, json.dumps(data, indent=1))
 
 
 def _plan_digest(data: dict) -> str:
@@ -263,9 +269,17 @@ def _plan_digest(data: dict) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
-def load_plan(directory: Path) -> tuple[SavedPlan, CodeOnlyGraph]:
-    """The plan and its split graph, code-only (see graph_pickle.py). Raises
-    (FileNotFoundError, ValueError, unpickling errors) when absent or damaged."""
+def load_plan(cache: CompileCache) -> tuple[SavedPlan, CodeOnlyGraph]:
+    """The plan and its split graph, code-only (see graph_pickle.py), read under the cache's
+    lock where it can be taken (not in a read-only cache). Raises (FileNotFoundError,
+    ValueError, unpickling errors) when absent or damaged."""
+    with contextlib.ExitStack() as stack:
+        with contextlib.suppress(OSError):
+            stack.enter_context(cache.locked())
+        return _load_plan(cache.dir)
+
+
+def _load_plan(directory: Path) -> tuple[SavedPlan, CodeOnlyGraph]:
     data = json.loads((directory / PLAN_FILE).read_text())
     if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION:
         raise ValueError(f"{directory / PLAN_FILE} is not a saved graph plan of format "

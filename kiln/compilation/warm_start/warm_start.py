@@ -105,7 +105,7 @@ class WarmStart:
                        "size_arg": p.size_arg} for i, p in sorted(pieces.items())]
         plan = graph_cache.SavedPlan(saved["sources"], output, signature, piece_list,
                                      saved["meta"])
-        graph_cache.save_plan(cache.dir, plan, saved["bytes"])
+        graph_cache.save_plan(cache, plan, saved["bytes"])
         graph_cache.write_entry(self.entry_path(), key, traced)
         logger.info("saved the traced graph of %s for warm starts in %s", self.prefix, cache.dir)
 
@@ -139,7 +139,7 @@ class WarmStart:
         try:
             cache = CompileCache(cache_base_dir(cfg.compilation_config.cache_dir) / key,
                                  rank_dir_of(cfg.parallel_config), self.prefix)
-            plan, split_gm = graph_cache.load_plan(cache.dir)
+            plan, split_gm = graph_cache.load_plan(cache)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except Exception as e:
