@@ -9,6 +9,7 @@ its parent stops it by message, by STOP_SIGNAL (the core) or by SIGKILL (the oth
 import os
 import signal
 import sys
+import threading
 
 from kiln.logger import init_logger
 
@@ -19,6 +20,9 @@ STOP_SIGNAL = signal.SIGUSR1
 logger = init_logger(__name__)
 
 _stopped_by: int | None = None
+# How long a child waits before saying it ignored a SIGTERM: its parent dying of the same one
+# has ended it by then.
+_WARN_AFTER_S = 2.0
 
 
 def terminate(signum, frame) -> None:
@@ -64,15 +68,23 @@ def leave_group_signals_to_parent(who: str) -> None:
     parent_pid = os.getppid()
     warned = False
 
+    def warn_if_parent_lives() -> None:
+        # Only for a SIGTERM meant for this process alone: one the parent got too (a script
+        # under `timeout`) ends the parent, and the child with it, before this runs.
+        if os.getppid() == parent_pid:
+            logger.warning("%s (pid %d): SIGTERM ignored; its parent (pid %d) stops it once the "
+                           "requests in flight have finished. To stop Kiln, signal the `kiln` "
+                           "process itself.", who, os.getpid(), parent_pid)
+
     def on_sigterm(*_) -> None:
         nonlocal warned
         if os.getppid() != parent_pid:
             exit_once()
         if not warned:
             warned = True
-            logger.warning("%s (pid %d): SIGTERM ignored; its parent (pid %d) stops it once the "
-                           "requests in flight have finished. To stop Kiln, signal the `kiln` "
-                           "process itself.", who, os.getpid(), parent_pid)
+            timer = threading.Timer(_WARN_AFTER_S, warn_if_parent_lives)
+            timer.daemon = True
+            timer.start()
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, on_sigterm)

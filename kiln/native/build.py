@@ -177,6 +177,9 @@ def _ninja_path() -> str:
 
 
 def _compile(cxx: str, target: Path) -> None:
+    # Under the key's lock no other build of it runs: any folder left is a killed build's.
+    for stale in target.parent.glob("build-*"):
+        shutil.rmtree(stale, ignore_errors=True)
     work = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
     try:
         torch_dir = Path(torch.__file__).parent

@@ -40,10 +40,12 @@ def test_a_damaged_cached_library_fails_its_checksum_and_is_rebuilt(cached_kerne
     catches it (and flipped bytes: the engine test below) before it is loaded."""
     good = cached_kernels.read_bytes()
     _damage(cached_kernels, "half-truncated")
+    (cached_kernels.parent / "build-killed").mkdir()  # a build SIGKILLed before its cleanup
     assert not build.intact(cached_kernels)
     assert build.build(build.compiler()) == cached_kernels
     assert build.intact(cached_kernels) and len(cached_kernels.read_bytes()) == len(good)
-    # Nothing but the library, its checksum and the lock beside it (no build folder left).
+    # Nothing but the library, its checksum and the lock beside it (no build folder left, a
+    # killed build's neither: helper-25).
     assert sorted(p.name for p in cached_kernels.parent.iterdir()) == sorted([
         ".lock", cached_kernels.name, cached_kernels.name + ".sha256"])
 
