@@ -132,9 +132,9 @@ def _recall_build(isa, code: str, probe) -> bool:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         return probe(isa, code)
-    if not isinstance(known, dict) or not isinstance(known.setdefault("builds", {}), dict):
-        return probe(isa, code)  # valid JSON of another shape: damaged all the same
-    builds = known["builds"]
+    builds = known.setdefault("builds", {}) if isinstance(known, dict) else None
+    if not isinstance(builds, dict):  # valid JSON of another shape: damaged all the same
+        return probe(isa, code)
     if key not in builds:
         builds[key] = bool(probe(isa, code))
         try:

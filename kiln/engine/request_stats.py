@@ -28,7 +28,7 @@ class IterationStats:
     request_generation_tokens: list[int] = field(default_factory=list)  # not for aborts
     request_max_generation_tokens: list[int] = field(default_factory=list)  # longest sample's
     request_params_n: list[int] = field(default_factory=list)
-    request_params_max_tokens: list[int] = field(default_factory=list)  # None: not recorded
+    request_params_max_tokens: list[int] = field(default_factory=list)  # where one was set
     request_decode_times: list[float] = field(default_factory=list)  # first -> last token
     # Finished requests that were scheduled and produced a token, not aborted ones (as vLLM).
     request_queue_times: list[float] = field(default_factory=list)  # arrival -> scheduled
@@ -55,7 +55,6 @@ class RequestTimer:
         self._sample_tokens: dict[int, int] = {}  # generated tokens, by sample index
         self._finish_reasons: dict[int, str] = {}
         self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
 
     def observe(self, delta: RequestOutput, new_tokens: int, now: float,
                 stats: IterationStats) -> None:
@@ -70,7 +69,6 @@ class RequestTimer:
                 self._finish_reasons[out.index] = out.finish_reason
             if not out.token_ids:
                 continue
-            self.num_generation_tokens += len(out.token_ids)
             self._sample_tokens[out.index] = self._sample_tokens.get(out.index, 0) + \
                 len(out.token_ids)
             stats.num_generation_tokens += len(out.token_ids)
@@ -97,7 +95,7 @@ class RequestTimer:
                 if self._finish_reasons else "stop"
             stats.finished_reasons.append(reason)
             stats.request_prompt_tokens.append(self.num_prompt_tokens or prompt_len)
-            stats.request_generation_tokens.append(self.num_generation_tokens)
+            stats.request_generation_tokens.append(sum(self._sample_tokens.values()))
             stats.request_max_generation_tokens.append(max(self._sample_tokens.values(),
                                                            default=0))
             stats.request_params_n.append(self.n)

@@ -122,7 +122,7 @@ def local_ranks(node_ips: list[str]) -> list[tuple[int, int]]:
 
 
 class RayExecutor(Executor):
-    idle_check_s = 1.0  # a ping an actor: nothing while idle but Ray's own RPCs
+    idle_check_s = 1.0  # one ping per actor a second: next to nothing beside Ray's own RPCs
 
     def __init__(self, kiln_config):
         super().__init__(kiln_config)

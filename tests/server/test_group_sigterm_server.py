@@ -152,7 +152,7 @@ def test_an_orphaned_core_stopped_by_sigterm_removes_its_sockets(tmp_path):
     assert not list(tmp_path.glob("kiln-core-*"))
 
 
-def test_a_child_says_it_ignored_sigterm_only_while_its_parent_lives():
+def test_a_child_says_it_ignored_sigterm_only_while_its_parent_lives(tmp_path):
     """A script under `timeout -s TERM`: the core logged "SIGTERM ignored" although its parent
     was dying of the same signal. The warning now waits for the parent to outlive it."""
     child = """
@@ -168,6 +168,31 @@ print("alive")
                           timeout=60)
     assert done.stdout == "alive\n" and "engine core (pid" in done.stderr, done.stderr
     assert "SIGTERM ignored" in done.stderr
+    # The same SIGTERM ending the parent: the child, orphaned before the warning's time, is
+    # silent (its stderr is a file, which outlives the parent).
+    log = tmp_path / "child.log"
+    orphan = """
+import sys, time
+from kiln import process_signals
+process_signals._WARN_AFTER_S = 0.3
+process_signals.leave_group_signals_to_parent("engine core")
+print("ready", file=sys.stderr, flush=True)
+time.sleep(1.5)
+print("alive", file=sys.stderr, flush=True)
+"""
+    parent = f"""
+import os, signal, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", {orphan!r}], stderr=open({str(log)!r}, "w"))
+while "ready" not in open({str(log)!r}).read():
+    time.sleep(0.02)
+os.kill(child.pid, signal.SIGTERM)  # and exit at once, as a parent dying of the same signal
+"""
+    subprocess.run([sys.executable, "-c", parent], timeout=60, check=True)
+    deadline = time.monotonic() + 30
+    while "alive" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "alive" in log.read_text() and "SIGTERM ignored" not in log.read_text(), \
+        log.read_text()
 
 
 def test_commands_unwind_once_their_engine_is_built_after_a_lost_stop(monkeypatch):
