@@ -62,6 +62,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "--tool-call-parser")
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSER_NAMES,
                    help="split thinking (<think>...</think>) into reasoning_content")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat with the request's own chat_template when it gives one "
+                        "(Jinja in transformers' sandbox; off, such requests get HTTP 400)")
     g.add_argument("--structured-outputs-config", default=None,
                    help="JSON, e.g. '{\"disable_any_whitespace\": true}': structured outputs "
                         "without free whitespace unless a request sets it")
@@ -111,7 +114,8 @@ def settings_from_args(args: argparse.Namespace):
                           tool_call_parser=args.tool_call_parser,
                           enable_auto_tool_choice=args.enable_auto_tool_choice,
                           reasoning_parser=args.reasoning_parser,
-                          disable_any_whitespace=no_whitespace)
+                          disable_any_whitespace=no_whitespace,
+                          trust_request_chat_template=args.trust_request_chat_template)
 
 
 def register(subparsers) -> None:

@@ -60,8 +60,10 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
                        tool_call_parser=settings.tool_call_parser,
                        enable_auto_tool_choice=settings.enable_auto_tool_choice,
                        reasoning_parser=settings.reasoning_parser,
-                       disable_any_whitespace=settings.disable_any_whitespace)
-    tokenization = ServingTokenization(llm, models, model_config.vocab_size)
+                       disable_any_whitespace=settings.disable_any_whitespace,
+                       trust_request_chat_template=settings.trust_request_chat_template)
+    tokenization = ServingTokenization(llm, models, model_config.vocab_size,
+                                       settings.trust_request_chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -90,7 +92,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
              empty_text_has_tokens=tokenizer is not None
              and bool(encode_text(tokenizer, "", add_special_tokens=True)),
              reasoning_parser=settings.reasoning_parser is not None,
-             max_model_len=model_config.max_model_len, open_paths=open_paths)
+             max_model_len=model_config.max_model_len, open_paths=open_paths,
+             request_chat_template=settings.trust_request_chat_template)
 
     @app.get("/health", response_class=Response, responses={
         200: {"description": "The engine is running", "content": {}},

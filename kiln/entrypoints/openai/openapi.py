@@ -187,12 +187,14 @@ def _structured_outputs_object() -> dict:
 def patch_schema(schema: dict, vocab_size: int | None = None,
                  empty_text_has_tokens: bool = True, reasoning_parser: bool = False,
                  max_model_len: int | None = None,
-                 open_paths: tuple[str, ...] | None = None) -> dict:
+                 open_paths: tuple[str, ...] | None = None,
+                 request_chat_template: bool = False) -> dict:
     """`vocab_size`: the served model's, bounding the token-id fields (None: unbounded).
     `empty_text_has_tokens`: the tokenizer adds BOS, so "" is a prompt (else refused).
     `reasoning_parser`: the server splits reasoning off (include_reasoning may be false).
     `max_model_len`: the served context, bounding the tokens to generate.
-    `open_paths`: with --api-key, the paths that take no key (None: no key anywhere)."""
+    `open_paths`: with --api-key, the paths that take no key (None: no key anywhere).
+    `request_chat_template`: --trust-request-chat-template (else chat_template is null only)."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components["ErrorResponse"] = ErrorResponse.model_json_schema(
         ref_template="#/components/schemas/{model}")
@@ -237,6 +239,11 @@ def patch_schema(schema: dict, vocab_size: int | None = None,
         refuse(tokenize, {"required": [*CONTINUE_AND_NEW_TURN["required"], "messages"],
                            "properties": {**CONTINUE_AND_NEW_TURN["properties"],
                                           "messages": {"not": {"type": "null"}}}})
+    for model in ("ChatCompletionRequest", "TokenizeRequest"):
+        template = components.get(model, {}).get("properties", {}).get("chat_template")
+        if template is not None and not request_chat_template:
+            components[model]["properties"]["chat_template"] = {
+                "type": "null", **{k: template[k] for k in ("title", "default") if k in template}}
     for model in ("CompletionRequest", "ChatCompletionRequest"):
         if model in components:
             _off_only(components[model], reasoning_parser)

@@ -248,7 +248,7 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: StrictBool = False  # on top of what the template writes (BOS, usually)
     echo: StrictBool = False  # the reply starts with the last message when it is the same role's
     documents: list[dict[str, str]] | None = None  # for templates that render documents (RAG)
-    chat_template: str | None = None  # refused: the server renders with its own template
+    chat_template: str | None = None  # Jinja text; needs --trust-request-chat-template
     mm_processor_kwargs: dict[str, Any] | None = None  # refused: text-only models
 
 
@@ -260,6 +260,7 @@ class TokenizeRequest(RequestBase):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False  # as in chat completions, so counts agree
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # as in chat completions
     # what the chat template renders besides the messages, as in chat completions (vLLM's)
     tools: list[ChatCompletionTool] | None = None
     documents: list[dict[str, str]] | None = None

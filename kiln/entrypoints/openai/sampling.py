@@ -28,8 +28,6 @@ OFF_ONLY = {
     "prompt_embeds": (None, "prompts are text or token ids (no embeddings)"),
     "suffix": (None, "suffix (insertion) is not supported"),
     "mm_processor_kwargs": (None, "the model is text-only"),
-    "chat_template": (None, "the server renders every chat with its own template "
-                            "(--chat-template); pass template variables in chat_template_kwargs"),
 }
 
 

@@ -33,3 +33,5 @@ class ServerSettings:
     # Structured outputs without free whitespace unless a request asks for it
     # (--structured-outputs-config '{"disable_any_whitespace": true}').
     disable_any_whitespace: bool = False
+    # A request's own chat_template (Jinja text) renders its chat; off, such a request is a 400.
+    trust_request_chat_template: bool = False

@@ -92,7 +92,8 @@ async def render_chat_prompt(llm: AsyncLLM, messages: list[ChatMessage],
                              template_kwargs: dict | None = None,
                              add_special_tokens: bool = False,
                              tools: list[dict] | None = None,
-                             documents: list[dict] | None = None) -> dict:
+                             documents: list[dict] | None = None,
+                             chat_template: str | None = None) -> dict:
     """The engine prompt for a conversation: {"prompt": text, "prompt_token_ids": ids}.
     Templates write their own BOS, so no special tokens are added unless asked (vLLM's
     add_special_tokens, default false). `tools` and `documents` go to the template."""
@@ -102,16 +103,16 @@ async def render_chat_prompt(llm: AsyncLLM, messages: list[ChatMessage],
         raise OpenAIError("messages is empty: give at least one message", param="messages",
                           code="invalid_value")
     if "chat_template" in (template_kwargs or {}):
-        # The server's template is the model's; clients pass variables, not templates.
-        raise OpenAIError("chat_template_kwargs may not set 'chat_template'",
-                          param="chat_template_kwargs", code="invalid_value")
+        raise OpenAIError("chat_template_kwargs may not set 'chat_template': give a template in "
+                          "the request's chat_template field", param="chat_template_kwargs",
+                          code="invalid_value")
     try:
         plain = await llm.run_in_engine(_plain_messages, messages)
     except MessageError as e:
         raise OpenAIError(str(e), param=e.field, code="unsupported_content") from None
     try:  # the default add_generation_prompt yields to continue_final_message (see above)
         kwargs = chat_render_kwargs(add_generation_prompt and not continue_final_message,
-                                    continue_final_message, None, template_kwargs)
+                                    continue_final_message, chat_template, template_kwargs)
     except ValueError as e:
         raise OpenAIError(str(e), param="chat_template_kwargs", code="invalid_value") from None
     if tools is not None:
@@ -128,11 +129,27 @@ async def render_chat_prompt(llm: AsyncLLM, messages: list[ChatMessage],
     return prompt
 
 
+def request_chat_template(req, trusted: bool) -> str | None:
+    """The request's own chat template (Jinja text), where the server was started with
+    --trust-request-chat-template (vLLM's flag); an empty one means the server's template."""
+    if req.chat_template is None:
+        return None
+    if not trusted:
+        # A client's template runs in the server (sandboxed Jinja, but unbounded work), so it
+        # is opt-in, as in vLLM.
+        raise OpenAIError("chat_template is refused: this server renders chats with its own "
+                          "template; start it with --trust-request-chat-template to accept a "
+                          "request's, or pass template variables in chat_template_kwargs",
+                          param="chat_template", code="unsupported_parameter")
+    return req.chat_template or None
+
+
 class ServingChat:
     def __init__(self, llm: AsyncLLM, models: ServingModels,
                  enable_prompt_tokens_details: bool = False, *,
                  tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
-                 reasoning_parser: str | None = None, disable_any_whitespace: bool = False):
+                 reasoning_parser: str | None = None, disable_any_whitespace: bool = False,
+                 trust_request_chat_template: bool = False):
         self.llm = llm
         self.models = models
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
@@ -140,6 +157,7 @@ class ServingChat:
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.reasoning_parser = reasoning_parser
         self.disable_any_whitespace = disable_any_whitespace
+        self.trust_request_chat_template = trust_request_chat_template
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         model = self.models.resolve(req.model)
@@ -159,7 +177,8 @@ class ServingChat:
         prompt = await render_chat_prompt(self.llm, req.messages, req.add_generation_prompt,
                                           req.continue_final_message, req.chat_template_kwargs,
                                           req.add_special_tokens, plan.template_tools,
-                                          req.documents)
+                                          req.documents, request_chat_template(
+                                              req, self.trust_request_chat_template))
         prompt = with_cache_salt(prompt, req.cache_salt)
         if constraint is not None:
             if (self.reasoning_parser is not None and constraint.reasoning_end is None

@@ -14,7 +14,11 @@ from kiln.entrypoints.openai.protocol import (
     DetokenizeResponse,
     TokenizeRequest,
 )
-from kiln.entrypoints.openai.serving_chat import check_generation_flags, render_chat_prompt
+from kiln.entrypoints.openai.serving_chat import (
+    check_generation_flags,
+    render_chat_prompt,
+    request_chat_template,
+)
 from kiln.entrypoints.openai.serving_models import ServingModels
 from kiln.entrypoints.openai.tool_parsers.tool_plan import template_tool_dicts
 from kiln.logger import init_logger
@@ -23,8 +27,10 @@ logger = init_logger(__name__)
 
 
 class ServingTokenization:
-    def __init__(self, llm: AsyncLLM, models: ServingModels, vocab_size: int):
+    def __init__(self, llm: AsyncLLM, models: ServingModels, vocab_size: int,
+                 trust_request_chat_template: bool = False):
         self.llm = llm
+        self.trust_request_chat_template = trust_request_chat_template
         self.models = models
         self.vocab_size = vocab_size
         # Huge text prompts' ids and JSON in a child process (bulk_tokenizer.py), where the
@@ -72,7 +78,8 @@ class ServingTokenization:
                 self.llm, req.messages, req.add_generation_prompt, req.continue_final_message,
                 req.chat_template_kwargs,
                 req.add_special_tokens and "add_special_tokens" in req.model_fields_set,
-                template_tool_dicts(req.tools), req.documents)
+                template_tool_dicts(req.tools), req.documents,
+                request_chat_template(req, self.trust_request_chat_template))
             # The ids as the argument: their number picks the thread (frontend_lanes.py).
             return await self.llm.run_in_engine(
                 lambda ids: self._response_body(tokenizer, ids, req.return_token_strs),
