@@ -75,6 +75,46 @@ def test_answers_that_are_no_calls_stay_content(parser, text):
     assert calls == [] and content == text
 
 
+# Answers a model may write under tool_choice "auto": calls, text that only looks like one,
+# calls after text, a good call before a broken one.
+AUTO_ANSWERS = [
+    (HermesToolParser(), [
+        HERMES, "I use <tool_call> tags sometimes", "<tool_call>\nnot json at all</tool_call>",
+        '<tool_call>{"name": 5, "arguments": {}}</tool_call> then text',
+        '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call> after',
+        '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call><tool_call>{oops}',
+        '<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>']),
+    (Llama3JsonToolParser(), [
+        LLAMA, '{"foo": 1}', '{"name": 5, "parameters": {}}', ' {"answer": {"x": [1, 2]}}',
+        '{"name": "f", "parameters": {"a": 1}} trailing', '{"name": "f", "parameters": {}}; {x}',
+        '<|python_tag|>{"name": "f", "parameters": {"a": 1}}', "Plain { answer"]),
+]
+
+
+@pytest.mark.parametrize("parser, text", [(p, t) for p, texts in AUTO_ANSWERS for t in texts])
+def test_every_cut_of_an_auto_answer_streams_what_it_holds_whole(parser, text):
+    """Wherever max_tokens (or a stop) ends the answer, the stream sent exactly the whole
+    answer's content and calls: held-back text that turned out not to be a call is sent as
+    content, and no call goes out before it is whole (it might still turn out to be none)."""
+    for end in range(len(text) + 1):
+        answer = text[:end]
+        content, calls = parser.extract(answer)
+        s_content, s_calls = streamed(parser, answer, random.Random(end))
+        assert (s_content or None) == content, answer
+        assert [(c["name"], c["arguments"]) for c in s_calls] == \
+            [(c.function.name, c.function.arguments) for c in calls], answer
+
+
+def test_a_first_call_that_is_none_releases_the_text_before_the_end():
+    """Text held back as a possible call goes out once it cannot be one, not at the end."""
+    stream = ToolCallStream(HermesToolParser())
+    assert stream.feed("I use <tool_call>") == ("I use ", [])
+    assert stream.feed(" tags") == ("<tool_call> tags", [])
+    stream = ToolCallStream(Llama3JsonToolParser())
+    assert stream.feed('{"answer": 1') == ("", [])
+    assert stream.feed("}") == ('{"answer": 1}', [])
+
+
 def test_a_forced_call_cut_short_is_still_the_call_as_it_streams():
     """tool_choice named or required: the grammar wrote a call, which max_tokens cut short;
     the whole answer holds it as the stream did (vLLM's), its arguments the text so far."""

@@ -29,19 +29,28 @@ class ToolParser:
         return content, calls if self.max_calls is None else calls[:self.max_calls]
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """The whole answer: (content or None, tool calls). Calls that are not valid JSON leave
-        the text as content (a model that did not follow the format); a forced answer is calls
-        only, so what it wrote before a call's name (max_tokens cut it there) is neither: its
-        stream sends no content, and vLLM's is empty too."""
+        """The whole answer: (content or None, tool calls). Unforced, the calls are the leading
+        run of whole, named, JSON ones; an answer whose first call is not one (a model that
+        did not follow the format, or max_tokens cut it) is all content. A forced answer is
+        calls only, so what it wrote before a call's name (max_tokens cut it there) is neither:
+        its stream sends no content, and vLLM's is empty too."""
         content, calls = self.calls(text, final=True)
         if self.forced:
             calls = [c for c in calls if c.name]  # a name not yet written: no call yet
-        elif not all(c.done and c.name and is_json(c.args) for c in calls):
-            calls = []
-        if not calls and not self.forced:
-            return text or None, []
+        else:
+            calls = complete_calls(calls)
+            if not calls:
+                return text or None, []
         return content or None, [ToolCall(id=tool_call_id(), function=FunctionCall(
             name=c.name, arguments=c.args)) for c in calls]
+
+
+def complete_calls(calls: list[PartialCall]) -> list[PartialCall]:
+    """The leading calls that are whole, named and JSON: fixed once seen, as the text grows."""
+    n = 0
+    while n < len(calls) and calls[n].done and calls[n].name and is_json(calls[n].args):
+        n += 1
+    return calls[:n]
 
 
 class ToolCallStream:
@@ -60,6 +69,13 @@ class ToolCallStream:
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[DeltaToolCall]]:
         self.text += delta
         content, calls = self.parser.calls(self.text, final)
+        if not self.parser.forced:
+            # Only what the whole answer will hold goes out (extract's rule): a call once it is
+            # whole; the text held back as a possible call once its first call is none.
+            first_done = bool(calls) and calls[0].done
+            calls = complete_calls(calls)
+            if not calls and (final or first_done):
+                content = self.text  # its first call is none: all of it is content
         new_content = content[self._content_sent:]
         self._content_sent = max(self._content_sent, len(content))
         deltas: list[DeltaToolCall] = []

@@ -2,7 +2,12 @@
 {"name": ..., "arguments": {...}} between <tool_call> and </tool_call>; content is the text
 before the first one."""
 from kiln.entrypoints.openai.tool_parsers.base import ToolParser
-from kiln.entrypoints.openai.tool_parsers.json_scan import PartialCall, partial_suffix, scan_call
+from kiln.entrypoints.openai.tool_parsers.json_scan import (
+    PartialCall,
+    not_a_call,
+    partial_suffix,
+    scan_call,
+)
 
 START = "<tool_call>"
 
@@ -17,6 +22,7 @@ class HermesToolParser(ToolParser):
         while at >= 0:
             call, end = scan_call(text, at + len(START), ("arguments", "parameters"), final)
             if call is None:
+                calls.append(not_a_call())
                 break
             calls.append(call)
             if end is None:

@@ -13,7 +13,12 @@ _WS = " \t\n\r"
 class PartialCall:
     name: str | None = None
     args: str = ""  # the arguments' JSON text so far ("{}" for a whole call without any)
-    done: bool = False  # the object's closing brace was seen
+    done: bool = False  # the object's closing brace was seen (or the text there is no call)
+
+
+def not_a_call() -> PartialCall:
+    """Where a call was due, text that cannot be one: done, with no name."""
+    return PartialCall(done=True)
 
 
 def skip_ws(text: str, i: int) -> int:
@@ -139,12 +144,13 @@ def is_json(text: str) -> bool:
 def scan_calls(text: str, i: int, args_keys: tuple[str, ...], separator: str,
                final: bool) -> list[PartialCall]:
     """Calls from text[i] on, one after another with `separator` between them (`,` inside a
-    JSON list, `;` between llama3 calls), up to the first that is open or not a call."""
+    JSON list, `;` between llama3 calls), up to the first that is open or not a call (then
+    not_a_call())."""
     calls: list[PartialCall] = []
     while True:
         call, end = scan_call(text, i, args_keys, final)
         if call is None:
-            return calls
+            return calls + [not_a_call()]
         calls.append(call)
         if end is None:
             return calls
