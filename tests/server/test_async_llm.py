@@ -5,6 +5,7 @@ import pytest
 
 from kiln.engine.async_llm import AsyncLLM, EngineDeadError
 from kiln.engine.output_merge import DeltaAccumulator
+from kiln.entrypoints.openai.serving_engine import add_request_error
 from kiln.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
@@ -82,8 +83,10 @@ def test_add_request_error_surfaces_and_others_continue():
         good = asyncio.create_task(_collect(llm.generate("ok", params(max_tokens=6), "good")))
         with pytest.raises(ValueError, match="max_model_len"):
             await _collect(llm.generate("x" * 40, params(), "bad"))
-        with pytest.raises(ValueError, match="already in flight"):
+        with pytest.raises(ValueError, match="already in flight") as dup:
             await llm.add_request("good", "ok", params())
+        # The server's 400 names the field at fault, not the prompt.
+        assert add_request_error(dup.value, "prompt").param == "request_id"
         outs = await good
         await llm.shutdown()
         return outs

@@ -355,3 +355,16 @@ def test_generation_config_defaults_fill_what_requests_leave_unset(tiny_llama_di
         assert tokens(CMPL, **prompt, seed=0, temperature=2.0, max_tokens=2)[1] != greedy
         chat = dict(messages=[{"role": "user", "content": "w5"}], ignore_eos=True)
         assert tokens(CHAT, **chat)[0] == 2
+
+
+def test_completions_max_tokens_null_runs_to_the_context_end(client):
+    """vLLM's reading: null is up to max_model_len (64 here), where an absent max_tokens is 16."""
+    def usage(**fields):
+        body = {k: v for k, v in {**BASE[CMPL], **fields}.items() if v is not ...}
+        r = client.post(CMPL, json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+
+    null = usage(max_tokens=None, ignore_eos=True)
+    assert null["prompt_tokens"] + null["completion_tokens"] == 64
+    assert usage(max_tokens=..., ignore_eos=True)["completion_tokens"] == 16

@@ -4,7 +4,7 @@ Unknown request fields are ignored, as OpenAI-compatible servers do; wrong types
 Every field vLLM accepts is here, and is honoured or refused (entrypoints/openai/sampling.py).
 """
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -31,6 +31,8 @@ _MODEL_CONFIG = ConfigDict(extra="ignore", protected_namespaces=())
 
 class OpenAIBase(BaseModel):
     model_config = _MODEL_CONFIG
+    # Fields whose null means something of its own, not the default.
+    null_kept: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
@@ -40,7 +42,7 @@ class OpenAIBase(BaseModel):
         if isinstance(data, dict) and None in data.values():
             return {k: v for k, v in data.items()
                     if v is not None or k not in cls.model_fields
-                    or cls.model_fields[k].is_required()}
+                    or cls.model_fields[k].is_required() or k in cls.null_kept}
         return data
 
 
@@ -184,6 +186,8 @@ PromptInput = Annotated[
 
 
 class CompletionRequest(SamplingFields):
+    # max_tokens null: up to the context's end (vLLM's), where absent is 16.
+    null_kept: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
     prompt: PromptInput
     max_tokens: JsonInt | None = 16
     logprobs: JsonInt | None = None

@@ -16,8 +16,10 @@ from kiln.sampling_params import SamplingParams
 
 SSE_DONE = "data: [DONE]\n\n"
 # Request fields the engine checks against the tokenizer, vocabulary or prompt (same names).
-_TOKEN_FIELDS = {name: name for name in ("logit_bias", "allowed_token_ids", "bad_words",
-                                         "truncate_prompt_tokens", "cache_salt")}
+# Request fields an engine refusal may name, under the same name in the API.
+_SAME_NAME_FIELDS = {name: name for name in ("logit_bias", "allowed_token_ids", "bad_words",
+                                             "truncate_prompt_tokens", "cache_salt",
+                                             "request_id")}
 
 
 def sse(payload: BaseModel | dict) -> str:
@@ -45,7 +47,7 @@ def add_request_error(e: ValueError, prompt_param: str,
     """A ValueError from LLMEngine.add_request as a 400 naming the request field."""
     message, param = in_api_terms(str(e), {"stop_token_ids": "stop_token_ids",
                                            "max_tokens": max_tokens_param,
-                                           "prompt": prompt_param, **_TOKEN_FIELDS})
+                                           "prompt": prompt_param, **_SAME_NAME_FIELDS})
     param = param or prompt_param
     code = "context_length_exceeded" if "max_model_len" in message else "invalid_value"
     return OpenAIError(message, param=param, code=code)
