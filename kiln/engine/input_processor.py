@@ -2,6 +2,7 @@
 
 Every check happens here, before anything is queued, so a bad request never half-enters the engine.
 """
+import json
 import numbers
 from dataclasses import dataclass
 
@@ -123,9 +124,27 @@ def check_encodable(text: str, field: str) -> None:
         raise ValueError(f"{field} {problem}")
 
 
+def _arguments_as_objects(calls: list) -> list:
+    """Assistant turns' tool-call arguments arrive as JSON text (OpenAI's shape); templates
+    print them with tojson, so they get the object, as vLLM hands them over. A copy: the
+    caller's messages stay as they were."""
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                call = {**call, "function": {**function,
+                                             "arguments": json.loads(function["arguments"])}}
+            except ValueError:
+                pass  # not JSON: the template gets the text as it came
+        out.append(call)
+    return out
+
+
 def chat_messages(messages: list) -> list[dict]:
     """Messages as chat templates expect them, as vLLM hands them over: text content parts
-    joined with newlines, missing or null content as "", other keys (name, ...) kept."""
+    joined with newlines, missing or null content as "", tool-call arguments as objects,
+    other keys (name, ...) kept."""
     out = []
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
@@ -154,7 +173,10 @@ def chat_messages(messages: list) -> list[dict]:
         problem = encoding_problem(content)
         if problem is not None:
             raise MessageError(f"messages[{i}].content", problem)
-        out.append({**m, "content": content})
+        message = {**m, "content": content}
+        if isinstance(m.get("tool_calls"), list):
+            message["tool_calls"] = _arguments_as_objects(m["tool_calls"])
+        out.append(message)
     return out
 
 

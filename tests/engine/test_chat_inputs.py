@@ -19,6 +19,19 @@ def test_text_parts_are_joined_with_newlines_and_null_content_is_empty():
                     {"role": "user", "content": ""}]
 
 
+def test_tool_call_arguments_reach_the_template_as_objects_without_touching_the_callers():
+    """OpenAI's shape has the arguments as JSON text; templates print them with tojson, so they
+    get the object (vLLM's LLM.chat and server both do), for LLM.chat as for the server."""
+    calls = [{"id": "c1", "type": "function",
+              "function": {"name": "f", "arguments": '{"city": "Paris"}'}},
+             {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}}]
+    given = {"role": "assistant", "content": "", "tool_calls": calls}
+    (msg,) = chat_messages([given])
+    assert [c["function"]["arguments"] for c in msg["tool_calls"]] == [{"city": "Paris"},
+                                                                        "not json"]
+    assert calls[0]["function"]["arguments"] == '{"city": "Paris"}'  # the caller's, unchanged
+
+
 @pytest.mark.parametrize("msg, where", [
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
      r"messages\[0\]\.content\[0\].*image_url"),

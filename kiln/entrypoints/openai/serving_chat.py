@@ -4,7 +4,6 @@ The template renders through the tokenizer's sandboxed Jinja environment (LLMEng
 which tokenizes without extra special tokens, since templates write their own BOS).
 """
 import dataclasses
-import json
 import time
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -66,25 +65,10 @@ def check_generation_flags(req) -> None:
                           param="continue_final_message", code="invalid_value")
 
 
-def _arguments_as_objects(messages: list[dict]) -> list[dict]:
-    """Assistant turns' tool-call arguments arrive as JSON text; templates print them with
-    tojson, so they get the object (as vLLM hands them over)."""
-    for m in messages:
-        for call in m.get("tool_calls") or []:
-            function = call.get("function") if isinstance(call, dict) else None
-            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-                try:
-                    function["arguments"] = json.loads(function["arguments"])
-                except ValueError:
-                    pass  # not JSON: the template gets the text as it came
-    return messages
-
-
 def _plain_messages(messages: list[ChatMessage]) -> list[dict]:
     """The request's messages as the template takes them (on a front-end thread: for thousands
     of messages this is 100 ms and more of Python)."""
-    return _arguments_as_objects(
-        chat_messages([m.model_dump(exclude_none=True) for m in messages]))
+    return chat_messages([m.model_dump(exclude_none=True) for m in messages])
 
 
 async def render_chat_prompt(llm: AsyncLLM, messages: list[ChatMessage],
