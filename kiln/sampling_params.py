@@ -271,11 +271,20 @@ class SamplingParams:
         words are known: the sampler would draw token 0, which none of them allows."""
         if not self.allowed_token_ids:
             return
-        banned = {w[0] for w in self.bad_words_token_ids or () if len(w) == 1}
-        left = set(self.allowed_token_ids) - banned
-        if not left:
-            raise ValueError("allowed_token_ids are all banned by bad_words: no token is left "
-                             "to sample; allow another token or drop the bad word")
+        allowed = set(self.allowed_token_ids)
+        words = [tuple(w) for w in self.bad_words_token_ids or ()]
+        # A bad word bans its last token where the output ends with the rest of it; the output
+        # holds allowed tokens only, so those are the endings to check (each with the shorter
+        # words it ends with too).
+        for ending in sorted({()} | {w[:-1] for w in words if set(w[:-1]) <= allowed}):
+            banned = {w[-1] for w in words
+                      if len(w) - 1 <= len(ending) and ending[len(ending) - len(w) + 1:] == w[:-1]}
+            if allowed <= banned:
+                after = f" once the output ends with tokens {list(ending)}" if ending else ""
+                raise ValueError(f"allowed_token_ids are all banned by bad_words{after}: no "
+                                 "token is left to sample; allow another token or drop a bad "
+                                 "word")
+        left = allowed - {w[0] for w in words if len(w) == 1}
         if self.min_tokens and left <= self.all_stop_token_ids:
             raise ValueError(f"allowed_token_ids hold only stop tokens, which min_tokens="
                              f"{self.min_tokens} holds back: no token is left to sample; allow "

@@ -295,6 +295,9 @@ class InputProcessor:
             raise ValueError(f"prompt length {len(token_ids)} is more than the whole KV cache "
                              f"holds ({self.kv_cache_tokens} tokens); raise --kv-cache-memory "
                              "(CPU) or --gpu-memory-utilization, or shorten the prompt")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings are found in the output's text, and this engine "
+                             "writes none (skip_tokenizer_init=True); use stop_token_ids")
         if params.structured_outputs is not None:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs needs the model's tokenizer to compile "

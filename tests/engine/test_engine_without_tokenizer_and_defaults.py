@@ -40,6 +40,10 @@ def test_skip_tokenizer_init_refuses_text_and_stops_at_the_config_eos(llm_no_tok
     with pytest.raises(ValueError, match="skip_tokenizer_init"):
         llm_no_tokenizer.chat([{"role": "user", "content": "hi"}], use_tqdm=False)
     engine = llm_no_tokenizer.llm_engine
+    # Stop strings are looked for in the text, which this engine never writes: they were
+    # accepted and ignored (the request ran to max_tokens).
+    with pytest.raises(ValueError, match="stop strings.*skip_tokenizer_init.*stop_token_ids"):
+        engine.process_inputs(PROMPT, SamplingParams(stop=["w7"]))
     processed = engine.process_inputs(PROMPT, SamplingParams())
     assert 2 in processed.params.all_stop_token_ids  # eos of the model config (no tokenizer)
 

@@ -148,6 +148,27 @@ def test_masks_that_leave_no_token_are_refused(proc, tokenizer):
         proc.process({"prompt_token_ids": [1, 5]}, fine)
 
 
+@pytest.mark.parametrize("allowed, words, dead_after", [
+    ([5], [[5, 5]], [5]),  # the only token, banned once it was written
+    ([5, 6], [[5, 6], [5, 5]], [5]),
+    ([5, 6], [[6], [5, 5]], [5]),
+    ([5, 6], [[6, 5, 6], [5, 5]], [6, 5]),  # the shorter word ends the longer one's ending
+    ([5, 6], [[5, 6], [6, 5]], None),  # each ending leaves the other token
+    ([5, 6], [[7, 5], [7, 6]], None),  # 7 is never written, so neither word bans
+])
+def test_bad_words_of_several_tokens_that_leave_no_token_are_refused(allowed, words, dead_after):
+    """A bad word bans its last token after the rest of it: where every allowed token is then
+    banned, the sampler had nothing to draw and wrote token 0, outside allowed_token_ids."""
+    params = SamplingParams(allowed_token_ids=allowed)
+    params.bad_words_token_ids = words
+    if dead_after is None:
+        params.check_masks_leave_a_token()
+        return
+    with pytest.raises(ValueError, match=rf"all banned by bad_words once the output ends with "
+                                         rf"tokens \[{', '.join(map(str, dead_after))}\]"):
+        params.check_masks_leave_a_token()
+
+
 def test_truncate_to_minus_one_leaves_room_to_generate(proc):
     """-1 kept max_model_len tokens, which the length check then refused: every prompt that
     needed the truncation failed."""
