@@ -121,6 +121,8 @@ class SamplingParams:
     # Per prompt token after the first: its logprob and rank, and the top-N (N = this value).
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # vLLM's field; only True: special tokens keep the tokenizer's own spacing.
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # False: outputs carry token ids only (text "", logprob token strings None), as vLLM's.
     detokenize: bool = True
@@ -221,6 +223,9 @@ class SamplingParams:
         if so is not None:
             so.verify()
 
+        check(self.spaces_between_special_tokens is True, "spaces_between_special_tokens",
+              "True (special tokens are decoded with the tokenizer's own spacing; False is not "
+              "supported)", self.spaces_between_special_tokens)
         check(self.detokenize is not False or not self.stop, "stop",
               "empty when detokenize=False (stop strings are found in the text; set "
               "detokenize=True or use stop_token_ids)", self.stop)

@@ -15,6 +15,11 @@ from kiln.sampling_params import RequestOutputKind, SamplingParams
 _DEFAULT_MAX_NUM_SEQS = EngineArgs.max_num_seqs
 
 
+def refuse_lora(lora_request) -> None:
+    if lora_request is not None:
+        raise ValueError("lora_request must be None: Kiln serves no LoRA adapters")
+
+
 class LLM:
     def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = _DEFAULT_MAX_NUM_SEQS,
@@ -45,8 +50,10 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order. `lora_request`:
+        vLLM's argument, None only (no LoRA adapters here)."""
+        refuse_lora(lora_request)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -80,12 +87,16 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None, chat_template_kwargs: dict | None = None,
              continue_final_message: bool = False,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, lora_request=None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, via the chat template.
         `continue_final_message`: extend the last message (no end-of-turn after it) instead of
         opening a new assistant turn; it needs add_generation_prompt=False. `tools`: OpenAI
         tool dicts the template renders (as vLLM's LLM.chat); read calls out of the text with
         a tool parser (kiln.entrypoints.openai.tool_parsers)."""
+        refuse_lora(lora_request)
+        if isinstance(messages, str):
+            raise ValueError("messages must be a list of {'role', 'content'} dicts (or a list "
+                             "of such conversations), got a str; for plain text use generate()")
         if not messages:
             raise ValueError("messages is empty: give a list of {'role', 'content'} dicts")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)

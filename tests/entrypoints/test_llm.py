@@ -77,6 +77,12 @@ def test_inputs_of_the_wrong_kind_name_what_is_wrong(llm):
         llm.generate(None, use_tqdm=False)
     with pytest.raises(ValueError, match=r"messages\[0\] must be"):
         llm.chat([{"content": "hi"}], chat_template="{{ messages }}", use_tqdm=False)
+    with pytest.raises(ValueError, match="got a str; for plain text use generate"):
+        llm.chat("hi", use_tqdm=False)  # was taken for conversations, one a character
+    with pytest.raises(ValueError, match="lora_request must be None"):
+        llm.generate(good, lora_request=object(), use_tqdm=False)
+    llm.generate(good, SamplingParams(max_tokens=1, spaces_between_special_tokens=True),
+                 use_tqdm=False, lora_request=None)  # vLLM's arguments at their defaults
     with pytest.raises(ValueError, match="chat template does not render"):
         llm.chat([{"role": "user", "content": "hi"}], chat_template="{% for m in messages %}")
     # numpy token ids (from an array) are token ids

@@ -17,6 +17,8 @@ from kiln.sampling_params import SamplingParams
     # torch generators take 64 bits
     ("seed", 2 ** 63), ("seed", -2 ** 63 - 1), ("seed", 1.5),
     ("stop", [""]), ("stop_token_ids", [-1]),
+    # vLLM's field is taken (a TypeError before), at its default only
+    ("spaces_between_special_tokens", False),
 ])
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field} must be"):
