@@ -2,6 +2,7 @@
 
 Every check happens here, before anything is queued, so a bad request never half-enters the engine.
 """
+import functools
 import json
 import numbers
 from dataclasses import dataclass
@@ -37,13 +38,28 @@ def clip_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int,
 
 
 def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None,
-                    max_model_len: int) -> list[int]:
+                    max_model_len: int, head: int = 0) -> list[int]:
     """The prompt's last truncate_prompt_tokens tokens (-1: as many as leave room for one token
-    to generate within max_model_len)."""
+    to generate within max_model_len), after its first `head` (a text prompt's special tokens,
+    BOS: HF's left truncation, which vLLM's tokenizing does, keeps them)."""
     if truncate_prompt_tokens is None:
         return token_ids
     keep = max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    if len(token_ids) <= keep:
+        return token_ids
+    if 0 < head < keep:
+        return token_ids[:head] + token_ids[len(token_ids) - keep + head:]
     return token_ids[-keep:]
+
+
+def special_prefix_len(tokenizer) -> int:
+    """How many special tokens (BOS) the tokenizer puts before a text's own tokens."""
+    if tokenizer is None:
+        return 0
+    plain = encode_text(tokenizer, "a", add_special_tokens=False)
+    marked = encode_text(tokenizer, "a", add_special_tokens=True)
+    return next((k for k in range(len(marked) - len(plain) + 1)
+                 if marked[k:k + len(plain)] == plain), 0)
 
 
 # A dict prompt's keys (vLLM's TextPrompt / TokensPrompt, less what a text-only engine lacks).
@@ -224,6 +240,10 @@ class InputProcessor:
         # Tokens the whole KV cache holds, once the engine sized it (None: not known yet).
         self.kv_cache_tokens: int | None = None
 
+    @functools.cached_property
+    def special_prefix_len(self) -> int:
+        return special_prefix_len(self.tokenizer)
+
     def longer_context_fix(self) -> str:
         """What lets a request run longer: the engine may have capped max_model_len below the
         model's to what its KV cache holds, and then only a larger cache helps."""
@@ -288,7 +308,10 @@ class InputProcessor:
         text, token_ids = self.tokenize(prompt, whole=truncates)
         params = (params or SamplingParams()).clone()
         params.verify()  # fields may have changed since the user built it
-        token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
+        from_text = not (isinstance(prompt, dict) and "prompt_token_ids" in prompt)
+        token_ids = truncate_prompt(
+            token_ids, params.truncate_prompt_tokens, self.max_model_len,
+            self.special_prefix_len if from_text and params.truncate_prompt_tokens else 0)
         validate_prompt_token_ids(token_ids, self.vocab_size, self.max_model_len,
                                   self.longer_context_fix())
         if self.kv_cache_tokens is not None and len(token_ids) > self.kv_cache_tokens:

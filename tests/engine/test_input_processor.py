@@ -122,7 +122,10 @@ def test_a_huge_text_prompt_is_refused_from_its_head(stories_dir, tokenizer):
     assert counting.chars == [head]
     counting.chars.clear()
     out = proc.process(text, SamplingParams(truncate_prompt_tokens=8))
-    assert counting.chars == [len(text)] and len(out.prompt_token_ids) == 8
+    assert counting.chars[0] == len(text) and len(out.prompt_token_ids) == 8
+    # The text's BOS stays, before its last 7 tokens (HF's left truncation, vLLM's).
+    whole = tokenizer.encode(text)
+    assert whole[0] == tokenizer.bos_token_id and out.prompt_token_ids == whole[:1] + whole[-7:]
     # A head that leaves room (long tokens) is no verdict: the whole text is then tokenized.
     assert not too_long_for_head(64 + HEAD_MARGIN_TOKENS - 1, 64)
     assert too_long_for_head(64 + HEAD_MARGIN_TOKENS, 64)

@@ -38,6 +38,9 @@ def test_validation_names_the_field_and_vocab_bound():
     assert truncate_prompt([1, 2, 3, 4], 2, 10) == [3, 4]
     assert truncate_prompt([1, 2, 3, 4], -1, 3) == [3, 4]  # room for one token to generate
     assert truncate_prompt([1, 2, 3, 4], None, 3) == [1, 2, 3, 4]
+    # a text prompt's BOS stays (HF's left truncation, as vLLM tokenizes)
+    assert truncate_prompt([1, 2, 3, 4, 5], 3, 10, head=1) == [1, 4, 5]
+    assert truncate_prompt([1, 2, 3], 3, 10, head=1) == [1, 2, 3]
 
 
 @pytest.fixture(scope="module")
