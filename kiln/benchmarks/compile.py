@@ -2,21 +2,21 @@
 (`kiln compile`), and cold vs warm start-up, each in its own process (`kiln bench compile`).
 """
 import dataclasses
-import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from kiln import envs
+from kiln.benchmarks.child import run_json_child
 from kiln.compilation import monitor
 from kiln.compilation.counters import compilation_counter
 from kiln.compilation.passes import pass_manager
 from kiln.config import CompilationConfig, CompilationMode
+from kiln.config.compilation_config import spec_to_dict
 from kiln.engine.arg_utils import EngineArgs
 from kiln.logger import init_logger
 
@@ -24,39 +24,6 @@ logger = init_logger(__name__)
 
 # Flags the `kiln compile` child of `kiln bench compile` is started with, besides engine flags.
 CHILD_COMMAND = [sys.executable, "-m", "kiln.entrypoints.cli.main", "compile", "--json"]
-
-
-# ---- compilation-config specs ---------------------------------------------------------------
-
-def spec_to_dict(value) -> dict:
-    """A compilation-config spec (None, 3, "3", JSON text, dict, CompilationConfig) as a dict of
-    the fields it sets, checked by CompilationConfig.from_cli (ValueError names the field)."""
-    if value is None:
-        return {}
-    if isinstance(value, CompilationConfig):
-        out = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-        out["mode"] = None if value.mode is None else int(value.mode)
-        return out
-    if isinstance(value, bool):
-        raise ValueError(f"a compilation config must be a mode or JSON object, got {value!r}")
-    if isinstance(value, int):
-        out = {"mode": value}
-    elif isinstance(value, dict):
-        out = dict(value)
-    else:
-        text = str(value).strip()
-        if text.isdigit():
-            out = {"mode": int(text)}
-        else:
-            try:
-                out = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"compilation config {text!r} is neither a mode number nor "
-                                 f"JSON: {e}") from None
-            if not isinstance(out, dict):
-                raise ValueError(f"compilation config JSON must be an object, got {text!r}")
-    CompilationConfig.from_cli(dict(out))  # validate now, before any model is loaded
-    return out
 
 
 # ---- one start-up, in this process ----------------------------------------------------------
@@ -153,29 +120,6 @@ def compile_report(engine_args: EngineArgs) -> dict:
 
 # ---- cold vs warm, each in a fresh process --------------------------------------------------
 
-def engine_cli_args(engine_args: EngineArgs) -> list[str]:
-    """The engine flags that rebuild `engine_args` (non-default fields only)."""
-    default = EngineArgs()
-    argv: list[str] = []
-    for f in dataclasses.fields(EngineArgs):
-        value = getattr(engine_args, f.name)
-        if value == getattr(default, f.name):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if f.name == "enforce_eager":
-            argv.append(flag)
-        elif f.name == "enable_prefix_caching":
-            argv.append(flag if value else "--no-enable-prefix-caching")
-        elif f.name == "compilation_config":
-            argv += [flag, json.dumps(spec_to_dict(value))]
-        elif f.name == "ir_op_priority":
-            for op, providers in value.items():
-                argv += [flag, f"{op}={','.join(providers)}"]
-        else:
-            argv += [flag, str(value)]
-    return argv
-
-
 def child_env(base: dict, root: Path) -> dict:
     """The environment of a `kiln compile` child: the compile cache on, and any Inductor cache
     use before Kiln points it under its own cache landing in `root`, where it is visible."""
@@ -186,20 +130,6 @@ def child_env(base: dict, root: Path) -> dict:
     env["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor_outside_kiln_cache")
     env.pop("TRITON_CACHE_DIR", None)  # Triton's cache then follows Inductor's
     return env
-
-
-def _run_child(argv: list[str], env: dict, timeout: float | None) -> tuple[dict, float]:
-    start = time.perf_counter()
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"`{shlex.join(argv)}` ran past --timeout {timeout} s") from None
-    wall = time.perf_counter() - start
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-        raise RuntimeError(f"`{shlex.join(argv)}` failed (exit {proc.returncode}):\n{tail}")
-    return json.loads(lines[-1]), wall
 
 
 def _files_under(path: Path) -> int:
@@ -236,12 +166,12 @@ def run_compile_bench(engine_args: EngineArgs, keep_cache: bool = False,
     try:
         spec = {**base, "cache_dir": str(root / "torch_compile_cache")}
         args = dataclasses.replace(engine_args, compilation_config=spec)
-        argv = CHILD_COMMAND + engine_cli_args(args)
+        argv = CHILD_COMMAND + args.to_cli_args()
         env = child_env(dict(os.environ), root)
         runs = {}
         for name in ("cold", "warm"):
             logger.info("bench compile: %s start: %s", name, shlex.join(argv))
-            report, wall = _run_child(argv, env, timeout)
+            report, wall = run_json_child(argv, env, timeout)
             runs[name] = start_figures(report, wall)
         # Model, pieces and shapes are the same in both reports; take them from the last.
         cold, warm = runs["cold"], runs["warm"]

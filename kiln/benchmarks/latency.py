@@ -6,9 +6,9 @@ import math
 import statistics
 import time
 
-from kiln.benchmarks.compile import spec_to_dict
 from kiln.benchmarks.linear_floor import LinearFloor, above_floor, speedup_ceiling
 from kiln.benchmarks.throughput import random_prompts
+from kiln.config.compilation_config import spec_to_dict
 from kiln.engine.arg_utils import EngineArgs
 from kiln.logger import init_logger
 

@@ -6,7 +6,6 @@ Phases: interpreter and imports, config, tokenizer, the core (its process start,
 KV cache sizing, compile / warm-up), the wait for it, the generation, and shutdown.
 """
 import json
-import subprocess
 import sys
 import time
 
@@ -42,18 +41,15 @@ def measure(launched_at: float, engine_kwargs: dict, prompt: str, max_tokens: in
 def run_startup_bench(engine_kwargs: dict, prompt: str = "Hi", max_tokens: int = 8,
                       runs: int = 2, timeout: float | None = None) -> dict:
     """`runs` fresh processes one after another; the report's phases are the last one's."""
+    from kiln.benchmarks.child import run_json_child  # not in the child's measured imports
+
     results = []
     for _ in range(runs):
         launched = time.monotonic()
         cmd = [sys.executable, "-m", "kiln.benchmarks.startup",
                json.dumps([launched, engine_kwargs, prompt, max_tokens])]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        wall = time.monotonic() - launched
-        if proc.returncode != 0:
-            raise RuntimeError(f"the start-up process failed (exit {proc.returncode}): "
-                               f"{proc.stderr.strip()[-2000:]}")
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-        result["process_wall_s"] = wall
+        result, _ = run_json_child(cmd, timeout)
+        result["process_wall_s"] = time.monotonic() - launched
         results.append(result)
     report = {k: _round(v) for k, v in results[-1].items()}
     report["process_wall_s_per_run"] = [round(r["process_wall_s"], 3) for r in results]

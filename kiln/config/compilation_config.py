@@ -4,7 +4,7 @@
 """
 import enum
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kiln.config.frozen import FreezableConfig
@@ -122,3 +122,24 @@ def cli_fields(text: str) -> dict:
     if not isinstance(parsed, dict):
         raise ValueError(f"-O/--compilation-config JSON must be an object, got {text}")
     return parsed
+
+
+def spec_to_dict(value) -> dict:
+    """A compilation-config spec (None, 3, "3", JSON text, dict, CompilationConfig) as the dict
+    of the fields it sets, checked by CompilationConfig.from_cli (ValueError names the field)."""
+    if value is None:
+        return {}
+    if isinstance(value, CompilationConfig):
+        out = {f.name: getattr(value, f.name) for f in fields(value)}
+        out["mode"] = None if value.mode is None else int(value.mode)
+        return out
+    if isinstance(value, bool):
+        raise ValueError(f"a compilation config must be a mode or JSON object, got {value!r}")
+    if isinstance(value, int):
+        out = {"mode": value}
+    elif isinstance(value, dict):
+        out = dict(value)
+    else:
+        out = cli_fields(str(value))
+    CompilationConfig.from_cli(dict(out))  # validate now, before any model is loaded
+    return out

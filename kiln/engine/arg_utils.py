@@ -4,6 +4,7 @@ The LLM class, the CLI and the server all build their configuration through this
 """
 import argparse
 import dataclasses
+import json
 import os
 import typing
 from dataclasses import dataclass, fields
@@ -19,7 +20,7 @@ from kiln.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from kiln.config.compilation_config import cli_fields
+from kiln.config.compilation_config import cli_fields, spec_to_dict
 from kiln.config.load_config import LOAD_FORMATS
 
 _DEFAULT_MAX_NUM_SEQS = SchedulerConfig.__dataclass_fields__["max_num_seqs"].default
@@ -220,6 +221,27 @@ class EngineArgs:
                        help="providers of an IR op in order of preference, e.g. "
                             "rms_norm=native,torch (repeatable; kiln compile reports the choice)")
         return parser
+
+    def to_cli_args(self) -> list[str]:
+        """The engine flags that rebuild these arguments in a child `kiln` command (non-default
+        fields only): from_cli_args's inverse."""
+        default = EngineArgs()
+        argv: list[str] = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value == getattr(default, f.name):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if f.name == "compilation_config":
+                argv += [flag, json.dumps(spec_to_dict(value))]
+            elif f.name == "ir_op_priority":
+                for op, providers in value.items():
+                    argv += [flag, f"{op}={','.join(providers)}"]
+            elif isinstance(value, bool):  # store_true, or --no- of a BooleanOptionalAction
+                argv.append(flag if value else "--no-" + flag[2:])
+            else:
+                argv += [flag, str(value)]
+        return argv
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":

@@ -1,6 +1,7 @@
 """`kiln bench compile`: the child command and environment it builds, and (slow) a real cold
 then warm start in two processes."""
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -8,23 +9,36 @@ from pathlib import Path
 
 import pytest
 
-from kiln.benchmarks.compile import child_env, engine_cli_args, run_compile_bench, spec_to_dict, start_figures
+from kiln.benchmarks.compile import child_env, run_compile_bench, start_figures
 from kiln.config import CompilationConfig
+from kiln.config.compilation_config import spec_to_dict
 from kiln.engine.arg_utils import EngineArgs
 
+# Every engine argument away from its default (a new field must be added here).
+NON_DEFAULT = dict(
+    model="/m", tokenizer="/t", dtype="bfloat16", max_model_len=64, max_num_seqs=4,
+    max_num_batched_tokens=128, enforce_eager=True,
+    compilation_config='{"mode": 3, "compile_sizes": [1, 8]}', tensor_parallel_size=2,
+    pipeline_parallel_size=2, distributed_executor_backend="mp", seed=7, load_format="dummy",
+    block_size=32, kv_cache_memory=0.5, gpu_memory_utilization=0.5,
+    enable_prefix_caching=False, num_gpu_blocks_override=10, device="cpu", revision="r",
+    tokenizer_revision="tr", download_dir="/d", skip_tokenizer_init=True, chat_template="t",
+    generation_config="vllm", quantization="int8",
+    ir_op_priority={"rms_norm": ["torch"], "linear": ["native", "torch"]})
 
-def test_engine_cli_args_round_trip():
-    args = EngineArgs(model="/m", dtype="bfloat16", max_model_len=64, max_num_seqs=4,
-                      enforce_eager=True, enable_prefix_caching=False, kv_cache_memory=0.5,
-                      compilation_config='{"mode": 3, "compile_sizes": [1, 8]}', seed=7,
-                      load_format="dummy", num_gpu_blocks_override=10, device="cpu")
-    argv = engine_cli_args(args)
+
+def test_engine_args_round_trip_through_the_cli():
+    """to_cli_args is from_cli_args' inverse for every field (kiln bench compile/serve start
+    children with it: a bool flag given a value, or an op priority as JSON, failed them)."""
+    assert set(NON_DEFAULT) == {f.name for f in dataclasses.fields(EngineArgs)}
+    args = EngineArgs(**NON_DEFAULT)
+    argv = args.to_cli_args()
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     back = EngineArgs.from_cli_args(parser.parse_args(argv))
     assert spec_to_dict(back.compilation_config) == {"mode": 3, "compile_sizes": [1, 8]}
     back.compilation_config = args.compilation_config
     assert back == args
-    assert engine_cli_args(EngineArgs()) == []
+    assert EngineArgs().to_cli_args() == []
 
 
 def test_spec_to_dict_accepts_every_form():

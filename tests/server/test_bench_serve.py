@@ -6,7 +6,6 @@ import pytest
 
 from kiln.benchmarks.serve import RequestResult, arrival_delays, percentiles, random_token_prompts, summarize
 from kiln.engine.arg_utils import EngineArgs
-from kiln.entrypoints.cli.bench_serve import engine_flags
 from kiln.entrypoints.cli.main import build_parser
 
 
@@ -70,9 +69,10 @@ def test_summary_counts_only_completed_requests():
 
 def test_engine_flags_round_trip_through_kiln_serve_parser():
     ea = EngineArgs(model="/m", enforce_eager=True, max_model_len=256,
-                    compilation_config={"mode": 0},
-                    enable_prefix_caching=False, kv_cache_memory=0.5)
-    argv = engine_flags(ea)
+                    compilation_config={"mode": 0}, skip_tokenizer_init=True,
+                    enable_prefix_caching=False, kv_cache_memory=0.5,
+                    ir_op_priority={"rms_norm": ["torch"]})
+    argv = ea.to_cli_args()
     args = build_parser().parse_args(["serve", *argv])
     assert EngineArgs.from_cli_args(args) == ea
     bench = build_parser().parse_args(["bench", "serve", "--num-prompts", "3", *argv])

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import fields
 
 from kiln.engine.arg_utils import EngineArgs
 from kiln.executor.free_port import free_port
@@ -54,24 +53,6 @@ def register_bench(kinds) -> None:
     parser.add_argument("--server-start-timeout", type=float, default=600.0)
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run)
-
-
-def engine_flags(engine_args: EngineArgs) -> list[str]:
-    """CLI flags that rebuild `engine_args` in a `kiln serve` child (non-defaults only)."""
-    default = EngineArgs()
-    argv = []
-    for f in fields(EngineArgs):
-        value = getattr(engine_args, f.name)
-        if value == getattr(default, f.name):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + f.name.replace("_", "-"))
-        elif isinstance(value, dict):
-            argv += [flag, json.dumps(value)]
-        else:
-            argv += [flag, str(value)]
-    return argv
 
 
 class ServerStartError(RuntimeError):
@@ -121,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         port = free_port()
         base_url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "kiln.entrypoints.cli.main", "serve", "--port", str(port),
-               "--disable-access-log", *engine_flags(EngineArgs.from_cli_args(args))]
+               "--disable-access-log", *EngineArgs.from_cli_args(args).to_cli_args()]
         if args.stall_probe:  # its 4 MB bodies, past the default 4 MiB limit with the JSON
             cmd += ["--max-request-body-bytes", str(8 << 20)]
         if args.api_key:

@@ -1,0 +1,24 @@
+"""A benchmark's child process: run it, and read the JSON report it prints last.
+
+Failures and a run past the benchmark's --timeout are RuntimeErrors naming the command.
+"""
+import json
+import shlex
+import subprocess
+import time
+
+
+def run_json_child(argv: list[str], timeout: float | None, env: dict | None = None
+                   ) -> tuple[dict, float]:
+    """(the last JSON object line of its stdout, wall seconds)."""
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"`{shlex.join(argv)}` ran past --timeout {timeout} s") from None
+    wall = time.perf_counter() - start
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"`{shlex.join(argv)}` failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(lines[-1]), wall
