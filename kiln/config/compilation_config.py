@@ -23,11 +23,72 @@ class CompilationMode(enum.IntEnum):
 DEFAULT_SPLITTING_OPS = ["kiln::unified_attention"]
 
 
-def _inductor_options() -> set[str]:
-    """Every option torch._inductor.config has, dotted names of its sub-configs included."""
+# pass_config keys: Kiln's graph passes (kiln/compilation/passes/), each on unless set false,
+# and enable_fusion (norms and activations fused into the linear op after them).
+PASS_NAMES = ("eliminate_noops", "fuse_norm_quant", "fuse_act_quant", "reinplace_ir_ops",
+              "enable_fusion")
+_PASS_ALIASES = {"enable_noop": "eliminate_noops"}  # vLLM's older name
+# vLLM's passes that Kiln does not have: false (what Kiln does anyway) is taken.
+_VLLM_PASSES_OFF_ONLY = ("enable_sequence_parallelism", "enable_async_tp", "fuse_allreduce_rms",
+                         "enable_fi_allreduce_fusion", "fuse_attn_quant", "enable_attn_fusion")
+
+
+def _inductor_defaults() -> dict:
+    """Every option torch._inductor.config has (dotted names of its sub-configs included) and
+    its default."""
     from torch._inductor import config
 
-    return set(config._config)
+    return {name: entry.default for name, entry in config._config.items()}
+
+
+def _pass_config(given: dict) -> dict:
+    """pass_config checked, vLLM's older names mapped, and only what differs from the default
+    kept (so an equal config makes the same compile cache key)."""
+    out = {}
+    for key, value in given.items():
+        name = _PASS_ALIASES.get(key, key)
+        if not isinstance(value, bool):
+            raise ValueError(f"compilation_config.pass_config.{key} must be true or false; got "
+                             f"{value!r}")
+        if name in _VLLM_PASSES_OFF_ONLY:
+            if value:
+                raise ValueError(f"compilation_config.pass_config.{key}: Kiln has no such pass; "
+                                 "drop it (or set it false)")
+            continue
+        if name not in PASS_NAMES:
+            raise ValueError(f"compilation_config.pass_config has unknown key {key!r}; Kiln's "
+                             f"passes: {', '.join(PASS_NAMES)}")
+        if out.get(name, value) != value:
+            raise ValueError(f"compilation_config.pass_config sets {name} both ways ({key} "
+                             "is its older name)")
+        out[name] = value
+    return {name: value for name, value in out.items() if value is not True}
+
+
+def _check_inductor_options(options: dict) -> None:
+    defaults = _inductor_defaults()
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise ValueError(f"compilation_config.inductor_compile_config must be options of "
+                         f"torch._inductor.config (unknown: {unknown})")
+    for name, value in options.items():
+        if not _fits(value, defaults[name]):
+            raise ValueError(f"compilation_config.inductor_compile_config[{name!r}] must be of "
+                             f"type {type(defaults[name]).__name__} (its default is "
+                             f"{defaults[name]!r}); got {value!r}")
+
+
+def _fits(value, default) -> bool:
+    """Whether `value` has the type of an option whose default is `default` (None: any)."""
+    if value is None or type(default) not in (bool, int, float, str):
+        return True
+    if type(default) is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if type(default) is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, type(default))
 
 
 @dataclass
@@ -72,13 +133,14 @@ class CompilationConfig(FreezableConfig):
         for name in ("pass_config", "inductor_compile_config"):
             if not isinstance(getattr(self, name), dict):
                 fail(name, "a JSON object (dict)", getattr(self, name))
+        for name in ("cache_dir", "debug_dump_path"):
+            if not isinstance(getattr(self, name), str):
+                fail(name, "a path (string)", getattr(self, name))
+        self.pass_config = _pass_config(self.pass_config)
         # Checked only when given: importing Inductor takes seconds, and the engine front end
         # (which builds this config too) never compiles.
-        unknown = (sorted(set(self.inductor_compile_config) - _inductor_options())
-                   if self.inductor_compile_config else [])
-        if unknown:
-            fail("inductor_compile_config", "options of torch._inductor.config (unknown: "
-                 f"{unknown})", self.inductor_compile_config)
+        if self.inductor_compile_config:
+            _check_inductor_options(self.inductor_compile_config)
 
     @classmethod
     def from_cli(cls, value: "str | int | dict | CompilationConfig | None") -> "CompilationConfig":

@@ -15,10 +15,41 @@ from kiln.config import CompilationConfig
     (dict(inductor_compile_config={"no_such_option": 1}), "inductor_compile_config"),
     (dict(inductor_compile_config=[1]), "inductor_compile_config"),
     (dict(pass_config="fusion"), "pass_config"),
+    (dict(cache_dir=5), "cache_dir"), (dict(debug_dump_path=5), "debug_dump_path"),
+    # an option of the wrong type failed mid-compile, or ("yes") was taken as true
+    (dict(inductor_compile_config={"cpp.threads": "x"}), r"inductor_compile_config\['cpp.threads'\]"),
+    (dict(inductor_compile_config={"max_autotune": "yes"}), r"inductor_compile_config\['max_autotune'\]"),
+    (dict(pass_config={"enable_fusion": "no"}), r"pass_config\.enable_fusion"),
 ])
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^compilation_config\.{field} must be"):
         CompilationConfig(**kwargs)
+
+
+@pytest.mark.parametrize("pass_config, message", [
+    # a misspelt pass left the pass on, and still changed the compile cache key
+    ({"fuse_nrom_quant": False}, "unknown key 'fuse_nrom_quant'; Kiln's passes: eliminate_noops"),
+    ({"enable_async_tp": True}, "enable_async_tp: Kiln has no such pass"),
+    ({"enable_noop": False, "eliminate_noops": True}, "sets eliminate_noops both ways"),
+])
+def test_pass_config_keys_are_kilns_passes(pass_config, message):
+    with pytest.raises(ValueError, match=message):
+        CompilationConfig(pass_config=pass_config)
+
+
+def test_pass_config_keeps_only_what_differs_from_the_defaults():
+    """vLLM's older name maps onto Kiln's; its passes Kiln lacks may be set off; a pass set on
+    (its default) is as if unset, so the compile cache key does not change."""
+    given = {"enable_noop": False, "enable_async_tp": False, "fuse_norm_quant": True}
+    assert CompilationConfig(pass_config=given).pass_config == {"eliminate_noops": False}
+    assert given["enable_noop"] is False  # the caller's dict is not changed
+
+
+def test_pass_names_are_the_passes():
+    from kiln.compilation.passes.early_passes import LATE_PASSES, PASSES
+    from kiln.config.compilation_config import PASS_NAMES
+
+    assert set(PASS_NAMES) == {*PASSES, *LATE_PASSES, "enable_fusion"}
 
 
 def test_good_values_normalise():

@@ -222,7 +222,7 @@ def test_the_pass_is_on_by_default_named_in_pass_config_and_keyed():
     assert [type(p) for p in passes({})] == [ReinplaceIrOps]
     assert passes({"reinplace_ir_ops": False}) == []
     with pytest.raises(ValueError, match="pass_config.reinplace_ir_ops must be true or false"):
-        passes({"reinplace_ir_ops": "yes"})
+        passes({"reinplace_ir_ops": "yes"})  # refused by the config, before any pass runs
     on, off = PostGradPassManager({}), PostGradPassManager({"reinplace_ir_ops": False})
     on.add(ReinplaceIrOps())
     assert on.uuid() != off.uuid()  # Inductor's cache key and Kiln's (compiler hash)

@@ -13,11 +13,7 @@ PASSES = {"eliminate_noops": EliminateNoops, "fuse_norm_quant": FuseNormQuant,
 
 
 def enabled(pass_config: dict, name: str) -> bool:
-    value = pass_config.get(name, True)
-    if not isinstance(value, bool):
-        raise ValueError(f"compilation_config pass_config.{name} must be true or false, got "
-                         f"{value!r}")
-    return value
+    return pass_config.get(name, True)  # checked by CompilationConfig (PASS_NAMES)
 
 
 def early_passes(kiln_config) -> list:
