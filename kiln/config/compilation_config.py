@@ -100,6 +100,8 @@ class CompilationConfig(FreezableConfig):
     cudagraph_mode: Any = None  # a CUDAGraphMode name or value; None: platform default
     cudagraph_capture_sizes: list[int] | None = None
     max_cudagraph_capture_size: int | None = None
+    # vLLM's: "none" / "all" / "-op" / "+op" choose IR ops' torch reference or kernel, under
+    # any --ir-op-priority (KilnConfig)
     custom_ops: list[str] = field(default_factory=list)
     pass_config: dict = field(default_factory=dict)
     inductor_compile_config: dict = field(default_factory=dict)
@@ -133,6 +135,11 @@ class CompilationConfig(FreezableConfig):
         for name in ("pass_config", "inductor_compile_config"):
             if not isinstance(getattr(self, name), dict):
                 fail(name, "a JSON object (dict)", getattr(self, name))
+        if not (isinstance(self.custom_ops, (list, tuple))
+                and all(isinstance(op, str) for op in self.custom_ops)):
+            fail("custom_ops", 'a list such as ["none", "+rms_norm"] (IR ops, kiln/ir/)',
+                 self.custom_ops)
+        self.custom_ops = list(self.custom_ops)
         for name in ("cache_dir", "debug_dump_path"):
             if not isinstance(getattr(self, name), str):
                 fail(name, "a path (string)", getattr(self, name))

@@ -47,8 +47,11 @@ class KilnConfig(FreezableConfig):
 
     def _resolve(self) -> None:
         from kiln.ir import check_priority
+        from kiln.ir.selection import custom_ops_priority
 
-        self.ir_op_priority = check_priority(self.ir_op_priority)
+        self.ir_op_priority = {
+            **custom_ops_priority(self.compilation_config.custom_ops, self.device_config.device),
+            **check_priority(self.ir_op_priority)}
         # "auto" dtype follows the configured device's platform, not the machine's: a CPU
         # engine on a GPU host keeps float32.
         self.model_config.torch_dtype = self.model_config.resolve_dtype(
@@ -119,7 +122,7 @@ class KilnConfig(FreezableConfig):
             self.cache_config.block_size,
             self.parallel_config.tensor_parallel_size,
             self.parallel_config.pipeline_parallel_size, self.scheduler_config.max_num_batched_tokens,
-            int(c.mode), c.backend, c.splitting_ops, c.custom_ops, sorted(c.pass_config.items()),
+            int(c.mode), c.backend, c.splitting_ops, sorted(c.pass_config.items()),
             sorted(c.inductor_compile_config.items()), self.ir_selection.chosen,
             self._int8_weight_layout(),
         ]

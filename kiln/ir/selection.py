@@ -21,6 +21,24 @@ def platform_defaults(device: str) -> dict[str, list[str]]:
     return {name: list(first) for name in REGISTRY}
 
 
+def custom_ops_priority(custom_ops: list[str], device: str) -> dict[str, list[str]]:
+    """vLLM's compilation_config.custom_ops as IR op priorities: "all" / "none" put every op's
+    kernel / torch reference first, then "+op" / "-op" one op's."""
+    kernel = "native" if torch.device(device).type == "cpu" else "cuda"
+    on, off = [kernel, "torch"], ["torch"]
+    out: dict[str, list[str]] = {}
+    for entry in custom_ops:
+        if entry in ("all", "none"):
+            out = {name: list(on if entry == "all" else off) for name in REGISTRY}
+        elif not (isinstance(entry, str) and entry[:1] in ("+", "-") and entry[1:] in REGISTRY):
+            raise ValueError(f"compilation_config.custom_ops: {entry!r} is none of 'all', "
+                             f"'none', '+OP', '-OP' for an IR op ({', '.join(sorted(REGISTRY))})")
+    for entry in custom_ops:
+        if entry[0] in "+-":
+            out[entry[1:]] = list(on if entry[0] == "+" else off)
+    return out
+
+
 def check_priority(priority: dict) -> dict[str, list[str]]:
     """`priority` ({op: [provider, ...]}) checked against the registry; an unknown op or provider
     is a ValueError listing the valid ones."""

@@ -59,6 +59,31 @@ def test_cli_flag_is_repeatable_and_checked():
         "silu_and_mul": ["torch", "native"]}
 
 
+def test_vllm_custom_ops_choose_the_torch_reference_or_the_kernel():
+    """compilation_config.custom_ops as vLLM users write it (it was taken and did nothing):
+    "none" / "all" for every op, then "-op" / "+op", whatever their order."""
+    all_torch = selection.custom_ops_priority(["+rms_norm", "none"], "cpu")
+    assert all_torch["rms_norm"] == ["native", "torch"]
+    assert {k: v for k, v in all_torch.items() if k != "rms_norm"} == {
+        name: ["torch"] for name in ir.REGISTRY if name != "rms_norm"}
+    assert selection.custom_ops_priority(["all", "-linear"], "cpu")["linear"] == ["torch"]
+    assert selection.custom_ops_priority(["-silu_and_mul"], "cuda") == {"silu_and_mul": ["torch"]}
+    assert selection.custom_ops_priority([], "cpu") == {}
+    for bad in (["rms_norm"], ["-rmsnorm"], ["None"]):
+        with pytest.raises(ValueError, match="custom_ops: .* is none of 'all', 'none'"):
+            selection.custom_ops_priority(bad, "cpu")
+
+
+def test_custom_ops_reach_the_engine_under_an_explicit_priority(tiny_llama_dir):
+    config = EngineArgs(model=str(tiny_llama_dir),
+                        compilation_config={"custom_ops": ["none"]},
+                        ir_op_priority={"linear": ["native"]}).create_kiln_config()
+    chosen = config.ir_selection.as_dict()
+    assert chosen["linear"] == "native" and chosen["rms_norm"] == "torch"
+    with pytest.raises(ValueError, match="compilation_config.custom_ops must be"):
+        EngineArgs(compilation_config={"custom_ops": "none"}).create_kiln_config()
+
+
 def test_engine_args_refuse_an_unknown_op_before_loading_anything():
     with pytest.raises(ValueError, match="unknown IR op 'rmsnorm'"):
         EngineArgs(ir_op_priority={"rmsnorm": ["torch"]}).create_kiln_config()
