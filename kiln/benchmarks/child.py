@@ -8,7 +8,7 @@ import subprocess
 import time
 
 
-def run_json_child(argv: list[str], timeout: float | None, env: dict | None = None
+def run_json_child(argv: list[str], *, timeout: float | None, env: dict | None = None
                    ) -> tuple[dict, float]:
     """(the last JSON object line of its stdout, wall seconds)."""
     start = time.perf_counter()

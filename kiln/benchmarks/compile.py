@@ -171,7 +171,7 @@ def run_compile_bench(engine_args: EngineArgs, keep_cache: bool = False,
         runs = {}
         for name in ("cold", "warm"):
             logger.info("bench compile: %s start: %s", name, shlex.join(argv))
-            report, wall = run_json_child(argv, env, timeout)
+            report, wall = run_json_child(argv, timeout=timeout, env=env)
             runs[name] = start_figures(report, wall)
         # Model, pieces and shapes are the same in both reports; take them from the last.
         cold, warm = runs["cold"], runs["warm"]

@@ -48,7 +48,7 @@ def run_startup_bench(engine_kwargs: dict, prompt: str = "Hi", max_tokens: int =
         launched = time.monotonic()
         cmd = [sys.executable, "-m", "kiln.benchmarks.startup",
                json.dumps([launched, engine_kwargs, prompt, max_tokens])]
-        result, _ = run_json_child(cmd, timeout)
+        result, _ = run_json_child(cmd, timeout=timeout)
         result["process_wall_s"] = time.monotonic() - launched
         results.append(result)
     report = {k: _round(v) for k, v in results[-1].items()}

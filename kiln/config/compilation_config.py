@@ -178,19 +178,45 @@ class CompilationConfig(FreezableConfig):
 
 
 def cli_fields(text: str) -> dict:
-    """The fields one -O / --compilation-config value sets: {"mode": N} for "N", else its JSON
+    """The fields one -O / --compilation-config value sets: {"mode": N} for "N", vLLM's dotted
+    form (".pass_config.eliminate_noops=false": a JSON value, else the text), else its JSON
     object. Raises ValueError naming the flag."""
     text = text.strip()
     if text.isdigit():
         return {"mode": int(text)}
+    if text.startswith("."):
+        path, sep, raw = text[1:].partition("=")
+        keys = path.split(".")
+        if not sep or not all(keys):
+            raise ValueError(f"-O{text} must be -O.FIELD=VALUE (or -O.FIELD.KEY=VALUE), e.g. "
+                             "-O.mode=3")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw  # a bare word: -O.cudagraph_mode=NONE
+        for key in reversed(keys):
+            value = {key: value}
+        return value
     try:
         parsed = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"-O/--compilation-config must be a mode number or a JSON object: "
-                         f"{e}") from None
+        raise ValueError(f"-O/--compilation-config must be a mode number, -O.FIELD=VALUE or a "
+                         f"JSON object: {e}") from None
     if not isinstance(parsed, dict):
         raise ValueError(f"-O/--compilation-config JSON must be an object, got {text}")
     return parsed
+
+
+def merged_fields(current: dict, update: dict) -> dict:
+    """`update` over `current`, one level into the dict fields (pass_config, ...): repeated -O
+    flags add up, as vLLM's dotted flags do."""
+    out = dict(current)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
 
 
 def spec_to_dict(value) -> dict:

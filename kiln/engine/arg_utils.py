@@ -20,15 +20,16 @@ from kiln.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from kiln.config.compilation_config import cli_fields, spec_to_dict
+from kiln.config.compilation_config import cli_fields, merged_fields, spec_to_dict
 from kiln.config.load_config import LOAD_FORMATS
 
 _DEFAULT_MAX_NUM_SEQS = SchedulerConfig.__dataclass_fields__["max_num_seqs"].default
 
 
 class _MergeCompilationConfig(argparse.Action):
-    """-O / --compilation-config, repeatable: each value (a mode number or a JSON object)
-    updates the fields given before it, so `-O '{"compile_sizes": [4]}' -O3` keeps the sizes."""
+    """-O / --compilation-config, repeatable: each value (a mode number, -O.FIELD=VALUE or a
+    JSON object) updates the fields given before it, so `-O '{"compile_sizes": [4]}' -O3` keeps
+    the sizes, and -O.pass_config.X=false -O.pass_config.Y=false sets both."""
 
     def __call__(self, parser, namespace, value, option_string=None):
         try:
@@ -36,8 +37,8 @@ class _MergeCompilationConfig(argparse.Action):
         except ValueError as e:
             parser.error(str(e))
         current = getattr(namespace, self.dest, None)
-        setattr(namespace, self.dest, {**(current if isinstance(current, dict) else {}),
-                                       **update})
+        setattr(namespace, self.dest,
+                merged_fields(current if isinstance(current, dict) else {}, update))
 
 
 class _IrOpPriority(argparse.Action):
@@ -83,6 +84,14 @@ class EngineArgs:
     generation_config: str = "auto"  # auto | vllm | a directory with generation_config.json
     quantization: str | None = None  # "int8": W8A8 on load; a quantized checkpoint sets it
     ir_op_priority: dict | None = None  # {"rms_norm": ["native", "torch"]}; see kiln/ir/
+    # vLLM's arguments that have one meaning here, taken so users' scripts and flags carry over
+    # (other values are refused by _check_vllm_only_defaults).
+    trust_remote_code: bool = False  # no checkpoint code ever runs: Kiln's own models only
+    enable_chunked_prefill: bool | None = None  # prompts longer than a step's budget are chunked
+    kv_cache_dtype: str = "auto"  # the model's dtype
+    tokenizer_mode: str = "auto"  # a fast (tokenizers) tokenizer; "hf" is the same
+    swap_space: float = 4.0  # GiB; unused: preempted requests are recomputed (vLLM V1's way)
+    disable_log_stats: bool = False  # kiln serve: no periodic throughput line in the log
 
     def _check_types(self) -> None:
         """A value of the wrong type names its argument (LLM(max_model_len="64") used to fail
@@ -112,9 +121,25 @@ class EngineArgs:
                 raise ValueError(f"{f.name} must be {names}, got {value!r} "
                                  f"({type(value).__name__})")
 
+    def _check_vllm_only_defaults(self) -> None:
+        if self.enable_chunked_prefill is False:
+            raise ValueError("enable_chunked_prefill=False is not supported: a prompt longer "
+                             "than --max-num-batched-tokens is always prefilled in chunks; to "
+                             "prefill each prompt in one step, raise --max-num-batched-tokens "
+                             "to --max-model-len")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: the KV "
+                             "cache holds the model's dtype ('auto')")
+        if self.tokenizer_mode not in ("auto", "hf"):
+            raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} is not supported: the "
+                             "model's fast tokenizer is used ('auto' or 'hf')")
+        if not self.swap_space >= 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+
     def create_kiln_config(self) -> KilnConfig:
         # Cheap checks first so a bad flag fails before the checkpoint is read.
         self._check_types()
+        self._check_vllm_only_defaults()
         load_config = LoadConfig(load_format=self.load_format)
         cache_config = CacheConfig(
             block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
@@ -187,8 +212,9 @@ class EngineArgs:
         g.add_argument("-O", "--compilation-config", dest="compilation_config",
                        default=d.compilation_config, action=_MergeCompilationConfig,
                        help="compilation mode (-O3) or CompilationConfig JSON "
-                            "(-O '{\"mode\": 3, \"compile_sizes\": [1, 8]}'); given more "
-                            "than once, later fields override earlier ones")
+                            "(-O '{\"mode\": 3, \"compile_sizes\": [1, 8]}'; given more "
+                            "than once, later fields override earlier ones; vLLM's "
+                            "-O.FIELD=VALUE too)")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                        help="ranks that split each layer (heads, MLP, vocab)")
         g.add_argument("--pipeline-parallel-size", "-pp", type=int,
@@ -220,6 +246,22 @@ class EngineArgs:
                        default=d.ir_op_priority, metavar="OP=PROVIDER[,PROVIDER...]",
                        help="providers of an IR op in order of preference, e.g. "
                             "rms_norm=native,torch (repeatable; kiln compile reports the choice)")
+        v = parser.add_argument_group("vLLM flags with one meaning here (taken so commands "
+                                      "carry over)")
+        v.add_argument("--trust-remote-code", action="store_true", default=d.trust_remote_code,
+                       help="accepted; Kiln runs no code from checkpoints (its own Llama, "
+                            "Qwen2 and Qwen3 only)")
+        v.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                       default=d.enable_chunked_prefill,
+                       help="long prompts are always prefilled in chunks (--no-... is refused)")
+        v.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto"],
+                       help="the KV cache holds the model's dtype")
+        v.add_argument("--tokenizer-mode", default=d.tokenizer_mode, choices=["auto", "hf"],
+                       help="the model's fast tokenizer")
+        v.add_argument("--swap-space", type=float, default=d.swap_space,
+                       help="GiB; unused: preempted requests are recomputed, as in vLLM V1")
+        v.add_argument("--disable-log-stats", action="store_true", default=d.disable_log_stats,
+                       help="kiln serve: no periodic throughput line in the log")
         return parser
 
     def to_cli_args(self) -> list[str]:

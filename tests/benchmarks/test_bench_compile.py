@@ -24,7 +24,9 @@ NON_DEFAULT = dict(
     enable_prefix_caching=False, num_gpu_blocks_override=10, device="cpu", revision="r",
     tokenizer_revision="tr", download_dir="/d", skip_tokenizer_init=True, chat_template="t",
     generation_config="vllm", quantization="int8",
-    ir_op_priority={"rms_norm": ["torch"], "linear": ["native", "torch"]})
+    ir_op_priority={"rms_norm": ["torch"], "linear": ["native", "torch"]},
+    trust_remote_code=True, enable_chunked_prefill=True, kv_cache_dtype="auto",
+    tokenizer_mode="hf", swap_space=2.0, disable_log_stats=True)
 
 
 def test_engine_args_round_trip_through_the_cli():

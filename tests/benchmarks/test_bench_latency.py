@@ -41,7 +41,7 @@ def test_merge_spec_item_wins_over_base():
         merge_spec(None, '{"no_such_field": 1}')
     with pytest.raises(ValueError, match="mode"):
         merge_spec(None, "7")
-    with pytest.raises(ValueError, match="a mode number or a JSON object"):
+    with pytest.raises(ValueError, match="a mode number, -O.FIELD=VALUE or a JSON object"):
         merge_spec(None, "{bad")
 
 

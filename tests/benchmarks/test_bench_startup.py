@@ -1,7 +1,11 @@
-"""`kiln bench startup`'s own failures: a bad --timeout is refused, and a process that runs past
+"""Benchmarks' child processes: their JSON report read back with the environment given, and
+`kiln bench startup`'s own failures: a bad --timeout is refused, and a process that runs past
 it is one error line (a subprocess traceback before)."""
+import sys
+
 import pytest
 
+from kiln.benchmarks.child import run_json_child
 from kiln.entrypoints.cli.bench_startup import run
 from kiln.entrypoints.cli.main import build_parser
 
@@ -21,3 +25,11 @@ def test_a_process_past_the_timeout_is_one_error_line(capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: `") and "ran past --timeout 0.05 s" in err
     assert "Traceback" not in err
+
+
+def test_a_child_runs_in_the_environment_given_and_its_last_json_line_is_the_report():
+    code = "import os; print('{\"x\": 1}'); print('{\"env\": \"%s\"}' % os.environ['K'])"
+    report, wall = run_json_child([sys.executable, "-c", code], timeout=60, env={"K": "v"})
+    assert report == {"env": "v"} and wall > 0
+    with pytest.raises(RuntimeError, match=r"failed \(exit 3\)"):
+        run_json_child([sys.executable, "-c", "raise SystemExit(3)"], timeout=60)

@@ -50,11 +50,30 @@ def _prestart_core(argv: list[str]) -> None:
         core_interpreter.prestart()
 
 
+def dotted_flags_as_O(argv: list[str]) -> list[str]:
+    """vLLM's --compilation-config.FIELD[=]VALUE and -O.FIELD VALUE as -O.FIELD=VALUE."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        for prefix in ("--compilation-config.", "-O."):
+            if arg.startswith(prefix):
+                rest = arg[len(prefix):]
+                if "=" not in rest and i + 1 < len(argv):
+                    i += 1
+                    rest += "=" + argv[i]
+                arg = "-O." + rest
+                break
+        out.append(arg)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     # `kiln serve` hands SIGTERM to uvicorn once it serves.
     signal.signal(signal.SIGTERM, process_signals.terminate)
     try:  # Ctrl-C may come during the imports too: no traceback then either
-        _prestart_core(sys.argv[1:] if argv is None else argv)
+        argv = dotted_flags_as_O(sys.argv[1:] if argv is None else argv)
+        _prestart_core(argv)
         parser = build_parser()
         args = parser.parse_args(argv)
         if getattr(args, "func", None) is None:

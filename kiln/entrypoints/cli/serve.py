@@ -48,6 +48,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     g.add_argument("--disable-access-log", action="store_true",
                    help="do not log one line per HTTP request")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted (vLLM's flag): request contents are never logged")
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens (prompt tokens the "
                         "prefix cache held)")
@@ -115,7 +117,8 @@ def settings_from_args(args: argparse.Namespace):
                           enable_auto_tool_choice=args.enable_auto_tool_choice,
                           reasoning_parser=args.reasoning_parser,
                           disable_any_whitespace=no_whitespace,
-                          trust_request_chat_template=args.trust_request_chat_template)
+                          trust_request_chat_template=args.trust_request_chat_template,
+                          stats_log_interval=None if args.disable_log_stats else 5.0)
 
 
 def register(subparsers) -> None:

@@ -48,11 +48,13 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     models = ServingModels(settings.served_model_names or [name], name, llm.max_model_len)
     llm.max_sequences_per_request = settings.max_sequences_per_request
     cache = llm.kiln_config.cache_config
-    metrics = ServerMetrics(models.default_name, cache_info={
-        "block_size": cache.block_size, "num_gpu_blocks": llm.num_blocks,
-        "enable_prefix_caching": cache.enable_prefix_caching,
-        "kv_cache_memory": cache.kv_cache_memory,
-        "gpu_memory_utilization": cache.gpu_memory_utilization})
+    metrics = ServerMetrics(models.default_name, log_interval=settings.stats_log_interval,
+                            cache_info={
+                                "block_size": cache.block_size,
+                                "num_gpu_blocks": llm.num_blocks,
+                                "enable_prefix_caching": cache.enable_prefix_caching,
+                                "kv_cache_memory": cache.kv_cache_memory,
+                                "gpu_memory_utilization": cache.gpu_memory_utilization})
     llm.stat_loggers.append(metrics)
     completion = ServingCompletion(llm, models, settings.enable_prompt_tokens_details,
                                    settings.disable_any_whitespace)

@@ -35,3 +35,5 @@ class ServerSettings:
     disable_any_whitespace: bool = False
     # A request's own chat_template (Jinja text) renders its chat; off, such a request is a 400.
     trust_request_chat_template: bool = False
+    # Seconds between throughput lines in the log while busy; None: none (--disable-log-stats).
+    stats_log_interval: float | None = 5.0
