@@ -52,3 +52,15 @@ def test_vllm_flags_with_one_meaning_here_are_taken():
 def test_other_values_are_refused_before_loading_anything(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(model="/nowhere", **kwargs).create_kiln_config()
+
+
+def test_cli_errors_name_the_flag_beside_the_field():
+    from kiln.entrypoints.cli.main import with_flag
+
+    parser = build_parser()
+    assert with_flag("max_num_seqs must be >= 1, got 0", parser) == \
+        "max_num_seqs (--max-num-seqs) must be >= 1, got 0"
+    assert with_flag("top_p must be in (0, 1], got 0.0", parser).startswith("top_p (--top-p)")
+    for unchanged in ("kv_cache_memory (--kv-cache-memory) must be > 0",  # says it already
+                      "prompt 0: too long", "engine died"):
+        assert with_flag(unchanged, parser) == unchanged

@@ -4,6 +4,7 @@ A subcommand is a module with `register(subparsers)` that sets `func`; add it to
 """
 import argparse
 import importlib
+import re
 import signal
 import sys
 
@@ -68,9 +69,33 @@ def dotted_flags_as_O(argv: list[str]) -> list[str]:
     return out
 
 
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string of `parser` and of its subcommands, theirs too."""
+    out = set()
+    for action in parser._actions:
+        out.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= _option_strings(sub)
+    return out
+
+
+def with_flag(message: str, parser: argparse.ArgumentParser) -> str:
+    """An error that opens with a field's name (max_num_seqs must be ...) names the flag for
+    it too: max_num_seqs (--max-num-seqs) must be ..."""
+    field = re.match(r"[a-z][a-z0-9_]*", message)
+    if field is None:
+        return message
+    flag = "--" + field.group().replace("_", "-")
+    if flag in message or flag not in _option_strings(parser):
+        return message
+    return f"{field.group()} ({flag}){message[field.end():]}"
+
+
 def main(argv: list[str] | None = None) -> None:
     # `kiln serve` hands SIGTERM to uvicorn once it serves.
     signal.signal(signal.SIGTERM, process_signals.terminate)
+    parser = None
     try:  # Ctrl-C may come during the imports too: no traceback then either
         argv = dotted_flags_as_O(sys.argv[1:] if argv is None else argv)
         _prestart_core(argv)
@@ -81,7 +106,10 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(USAGE_ERROR_EXIT)
         code = args.func(args)
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        message = str(e)
+        if parser is not None:
+            message = with_flag(message, parser)
+        print(f"error: {message}", file=sys.stderr)
         sys.exit(USAGE_ERROR_EXIT)
     except KeyboardInterrupt:
         sys.exit(130)
