@@ -102,7 +102,7 @@ def test_chat_template_file_and_bad_flags(tiny_llama_dir, tmp_path):
     assert len(r.stdout.splitlines()) == 1
     for flags, message in ((["--chat-template", "{% for m in messages %}"], "chat template"),
                            (["--chat-template", str(tmp_path / "missing.jinja")], "no such file"),
-                           (["--temperature", "-1"], "temperature must be")):
+                           (["--temperature", "-1"], "temperature (--temperature) must be")):
         r = kiln("chat", *model, *flags, stdin="w5\n")
         assert r.returncode == 2, (flags, r.stderr)
         assert message in r.stderr and "Traceback" not in r.stderr, r.stderr

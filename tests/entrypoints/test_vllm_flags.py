@@ -61,6 +61,7 @@ def test_cli_errors_name_the_flag_beside_the_field():
     assert with_flag("max_num_seqs must be >= 1, got 0", parser) == \
         "max_num_seqs (--max-num-seqs) must be >= 1, got 0"
     assert with_flag("top_p must be in (0, 1], got 0.0", parser).startswith("top_p (--top-p)")
+
     for unchanged in ("kv_cache_memory (--kv-cache-memory) must be > 0",  # says it already
                       "prompt 0: too long", "engine died"):
         assert with_flag(unchanged, parser) == unchanged

@@ -83,7 +83,7 @@ def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
 def with_flag(message: str, parser: argparse.ArgumentParser) -> str:
     """An error that opens with a field's name (max_num_seqs must be ...) names the flag for
     it too: max_num_seqs (--max-num-seqs) must be ..."""
-    field = re.match(r"[a-z][a-z0-9_]*", message)
+    field = re.match(r"[a-z][a-z0-9_]*(?= must )", message)
     if field is None:
         return message
     flag = "--" + field.group().replace("_", "-")
