@@ -41,8 +41,20 @@ def _unenforced(node: dict) -> list[str]:
     if isinstance(all_of, list) and sum(
             1 for m in all_of if not (isinstance(m, dict) and set(m) <= _ANNOTATIONS)) > 1:
         found.append("allOf (of more than one schema)")
-    if "pattern" in node and ("minLength" in node or "maxLength" in node):
-        found.append("pattern with minLength/maxLength (the lengths are dropped)")
+    if "minLength" in node or "maxLength" in node:
+        # With a pattern or a format the lengths are dropped; alone, xgrammar's length-bounded
+        # string lets raw control characters in (outputs that are not JSON). A pattern bounds
+        # a length instead: "^[a-z]{0,8}$".
+        found.append("minLength/maxLength (bound the length in a pattern instead)")
+    multiple = node.get("multipleOf")
+    if multiple is not None and not (node.get("type") == "integer" and isinstance(
+            multiple, (int, float)) and float(multiple).is_integer()):
+        found.append("multipleOf (enforced only as an integer's whole multiple)")
+    required, properties = node.get("required"), node.get("properties")
+    if isinstance(required, list) and isinstance(properties, dict):
+        missing = [name for name in required if name not in properties]
+        if missing:  # never written: the grammar allows only the listed properties
+            found.append(f"required names not in properties ({', '.join(map(str, missing))})")
     return found
 
 

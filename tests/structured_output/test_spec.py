@@ -105,7 +105,15 @@ def test_a_schema_nested_past_the_limit_is_refused_as_dict_and_text():
     ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired at /"),
     ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "allOf"),
     ({"type": "object", "properties": {"s": {"type": "string", "pattern": "^a+$",
-                                             "maxLength": 2}}}, "pattern with"),
+                                             "maxLength": 2}}},
+     "minLength/maxLength (bound the length in a pattern instead) at /properties/s"),
+    # alone, the bounded string admitted raw control characters: 10 of 30 outputs not JSON
+    ({"type": "object", "properties": {"s": {"type": "string", "maxLength": 4}}},
+     "minLength/maxLength (bound the length in a pattern instead) at /properties/s"),
+    ({"type": "string", "format": "date", "minLength": 20}, "pattern instead) at /"),
+    ({"type": "number", "multipleOf": 0.25}, "whole multiple) at /"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zz"]},
+     "required names not in properties (zz) at /"),
     ({"type": "object", "$defs": {"t": {"type": "array", "uniqueItems": True}},
       "properties": {"t": {"$ref": "#/$defs/t"}}}, "uniqueItems at /$defs/t"),
 ])
