@@ -16,6 +16,32 @@ _LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
+def regex_anchor_problem(regex: str) -> str | None:
+    """What xgrammar would misread in `regex` (it matches the whole output anyway): \\A, \\Z
+    and \\z become letters, and a ^ or $ inside a branch is dropped (a$b gave "ab")."""
+    i, in_class = 0, False
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\":
+            if not in_class and regex[i + 1:i + 2] in ("A", "Z", "z"):
+                return f"\\{regex[i + 1]}"
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            i += 1 + (regex[i + 1:i + 2] == "^")
+            i += regex[i:i + 1] == "]"  # a ] first in a class is the character
+            continue
+        elif c == "^" and not (i == 0 or regex[i - 1] in "(|" or regex[:i].endswith("(?:")):
+            return "^ inside the pattern"
+        elif c == "$" and i + 1 < len(regex) and regex[i + 1] not in ")|":
+            return "$ inside the pattern"
+        i += 1
+    return None
+
+
 def schema_depth(value) -> int:
     """How deep objects and arrays nest in `value` (a scalar: 0), without recursion."""
     deepest, stack = 0, [(value, 1)]
@@ -46,6 +72,10 @@ def _unenforced(node: dict) -> list[str]:
         # string lets raw control characters in (outputs that are not JSON). A pattern bounds
         # a length instead: "^[a-z]{0,8}$".
         found.append("minLength/maxLength (bound the length in a pattern instead)")
+    pattern = node.get("pattern")
+    problem = regex_anchor_problem(pattern) if isinstance(pattern, str) else None
+    if problem is not None:
+        found.append(f"pattern with {problem} (misread: the pattern matches the whole string)")
     multiple = node.get("multipleOf")
     if multiple is not None and not (node.get("type") == "integer" and isinstance(
             multiple, (int, float)) and float(multiple).is_integer()):

@@ -8,7 +8,7 @@ import re
 
 from kiln.engine.text_encoding import encode_text
 from kiln.sampling_params import StructuredOutputsParams
-from kiln.structured_output.json_schema_rules import unenforced_keywords
+from kiln.structured_output.json_schema_rules import regex_anchor_problem, unenforced_keywords
 from kiln.structured_output.spec import GrammarSpec, grammar_spec
 
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: ": the user needs the rest.
@@ -56,6 +56,10 @@ def check_spec(spec: GrammarSpec) -> None:
     xgr = _import_xgrammar()
     if spec.kind == "json":
         _check_enforceable(spec)
+    elif spec.kind == "regex" and (problem := regex_anchor_problem(spec.text)) is not None:
+        raise ValueError(f"{spec.field} has {problem}, which this server's grammar (xgrammar) "
+                         "would misread: the regex always matches the whole output, so drop "
+                         "the anchor")
     try:
         if spec.kind == "json":
             xgr.Grammar.from_json_schema(spec.text, any_whitespace=spec.any_whitespace,

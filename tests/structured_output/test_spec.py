@@ -131,3 +131,19 @@ def test_keyword_names_as_data_and_annotation_only_all_of_are_served():
                                                      {"description": "d"}]}
     assert unenforced_keywords(schema) == []
     check_structured_outputs(StructuredOutputsParams(json=schema))
+
+
+@pytest.mark.parametrize("regex, problem", [
+    (r"\d{2}\Z", r"\Z"), (r"\Aab", r"\A"), ("a$b", "$ inside the pattern"),
+    ("a^b", "^ inside the pattern")])
+def test_anchors_the_grammar_misreads_are_refused(regex, problem):
+    """xgrammar took \\Z as the letter Z (91Z) and dropped a $ inside (a$b gave "ab"), all
+    finishing as `stop`; anchors where they change nothing are served."""
+    with pytest.raises(ValueError, match="structured_outputs.regex has") as e:
+        check_structured_outputs(StructuredOutputsParams(regex=regex))
+    assert problem in str(e.value)
+    with pytest.raises(ValueError, match="pattern with"):
+        check_structured_outputs(StructuredOutputsParams(json={"type": "string",
+                                                               "pattern": regex}))
+    for fine in ("^a$", "^a|^b", "(^a|b$)", "[$^]x", r"\$x", "(?:^a)b"):
+        check_structured_outputs(StructuredOutputsParams(regex=fine))
