@@ -230,15 +230,21 @@ class Scheduler:
             new_token_ids = []
             grammar = request.structured_output_request
             for token in sampled:
+                if grammar is not None and not grammar.accept(token):
+                    # Its grammar allowed no token: what was drawn is no output, and the request
+                    # ends (abort), as one whose grammar fails to compile does.
+                    logger.error("request %s: its grammar (%s) allows no token here; ending it",
+                                 req_id, grammar.spec.field)
+                    request.status = RequestStatus.FINISHED_ABORTED
+                    finished.append(request)
+                    break
                 request.output_token_ids.append(token)
                 new_token_ids.append(token)
-                if grammar is not None:
-                    grammar.accept(req_id, token)
                 if check_stop(request, self.max_model_len,
                               grammar is not None and grammar.ended):
                     finished.append(request)
                     break
-            logprobs = model_runner_output.logprobs.get(req_id)
+            logprobs = model_runner_output.logprobs.get(req_id) if new_token_ids else None
             outputs.append(EngineCoreOutput(
                 request_id=req_id, new_token_ids=new_token_ids,
                 new_logprobs=[logprobs] if logprobs is not None else [],

@@ -24,7 +24,7 @@ class StructuredOutputRequest:
         self._tail: list[int] = []  # the last output tokens, while in reasoning
         self.matcher = None
         self.error: str | None = None  # set when the grammar could not be compiled
-        self._broken = False  # a token the grammar refused: stop constraining (logged)
+        self._broken = False  # a token the grammar refused: the request is ended
 
     def is_ready(self) -> bool:
         """Compiled (the matcher exists) or failed; False while the compile is still running."""
@@ -61,16 +61,18 @@ class StructuredOutputRequest:
     def fill_bitmask(self, bitmask, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
-    def accept(self, request_id: str, token_id: int) -> None:
+    def accept(self, token_id: int) -> bool:
+        """Advance by the sampled token; False when the grammar refuses it, which happens only
+        where it allowed no token at all (a dead end such as the regex [^\\s\\S]): the
+        sampler then had nothing to draw."""
         if self.in_reasoning:
             n = len(self._end_ids)
             self._tail = (self._tail + [token_id])[-n:]
             self.in_reasoning = self._tail != self._end_ids
-            return
+            return True
         if not self.active:
-            return
+            return True
         if not self.matcher.accept_token(token_id):
-            # Only a sampler that skipped the bitmask gets here; the request goes on unconstrained.
-            logger.error("request %s: token %d is outside its grammar (%s); no longer "
-                         "constraining it", request_id, token_id, self.spec.field)
             self._broken = True
+            return False
+        return True

@@ -83,6 +83,18 @@ def test_bad_schema_is_refused_before_queueing(model_dir):
         out = llm.generate("x", SamplingParams(max_tokens=2, structured_outputs={
             "regex": "[a-z]{9}"}), use_tqdm=False)[0].outputs[0]
         assert out.finish_reason == "length" and len(out.token_ids) == 2
+        # A grammar that reaches a dead end (no token allowed) ends its request there: the
+        # sampler drew token 0 outside it, with a NaN logprob, and generation went on
+        # unconstrained. Its neighbour in the batch is untouched.
+        dead, alive = llm.generate(["x", "x"], [
+            SamplingParams(max_tokens=8, logprobs=1, structured_outputs={"regex": "ab[^\\s\\S]"}),
+            SamplingParams(max_tokens=3, temperature=0, structured_outputs={"regex": "[a-z]{9}"})],
+            use_tqdm=False)
+        assert dead.outputs[0].finish_reason == "abort" and dead.outputs[0].text == "ab"
+        assert all(math.isfinite(next(iter(lp.values())).logprob)
+                   for lp in dead.outputs[0].logprobs)
+        assert alive.outputs[0].finish_reason == "length"
+        assert re.fullmatch("[a-z]+", alive.outputs[0].text) and len(alive.outputs[0].token_ids) == 3
     finally:
         llm.shutdown()
 
