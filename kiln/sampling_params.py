@@ -73,6 +73,12 @@ class StructuredOutputsParams:
         elif self.json is not None and not isinstance(self.json, dict):
             raise ValueError("structured_outputs.json must be a JSON schema (dict or str), got "
                              f"{type(self.json).__name__}")
+        if isinstance(self.json, dict):
+            try:  # a set or bytes inside failed later, deep in building the grammar
+                json.dumps(self.json)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"structured_outputs.json must hold JSON values only: {e}"
+                                 ) from None
         depth = schema_depth(schema) if self.json is not None else 0
         if depth > MAX_SCHEMA_DEPTH:
             raise ValueError(f"structured_outputs.json nests {depth} objects and arrays deep; "
@@ -217,6 +223,10 @@ class SamplingParams:
         self._validate_token_fields(check, integer, number)
         so = self.structured_outputs
         if isinstance(so, dict):  # vLLM's dict form, and what a wire decode may hand over
+            unknown = sorted(set(so) - set(StructuredOutputsParams.__dataclass_fields__))
+            check(not unknown, "structured_outputs",
+                  f"a dict of {sorted(StructuredOutputsParams.__dataclass_fields__)} (unknown: "
+                  f"{unknown})", so)
             so = self.structured_outputs = StructuredOutputsParams(**so)
         check(so is None or isinstance(so, StructuredOutputsParams), "structured_outputs",
               "None or a StructuredOutputsParams", so)

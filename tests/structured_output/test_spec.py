@@ -147,3 +147,12 @@ def test_anchors_the_grammar_misreads_are_refused(regex, problem):
                                                                "pattern": regex}))
     for fine in ("^a$", "^a|^b", "(^a|b$)", "[$^]x", r"\$x", "(?:^a)b"):
         check_structured_outputs(StructuredOutputsParams(regex=fine))
+
+
+def test_values_that_are_no_json_name_the_field():
+    """A set inside a schema, or a misspelt key of the dict form, were TypeErrors from deep
+    inside building the grammar."""
+    with pytest.raises(ValueError, match="structured_outputs.json must hold JSON values only"):
+        StructuredOutputsParams(json={"type": "string", "enum": {"a"}})
+    with pytest.raises(ValueError, match=r"structured_outputs must be a dict of .*\['jsn'\]"):
+        SamplingParams(structured_outputs={"jsn": {"type": "object"}})
