@@ -107,6 +107,10 @@ class StructuredOutputsParams:
                              f"got {self.disable_any_whitespace!r}")
 
 
+# Stop strings one request may give (OpenAI takes 4; vLLM does not limit them).
+MAX_STOP_STRINGS = 256
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -208,6 +212,11 @@ class SamplingParams:
               "seed", f"None or an integer in [{_INT64[0]}, {_INT64[1]}]", self.seed)
         check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
               "stop", "a non-empty string or a list of them", self.stop)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            # Each is looked for after every token of every sample: 20,000 of them held every
+            # stream on the server for seconds.
+            raise ValueError(f"stop must be at most {MAX_STOP_STRINGS} strings, got "
+                             f"{len(self.stop)}")
         check(isinstance(self.stop_token_ids, list)
               and all(integer(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "a list of non-negative integers", self.stop_token_ids)

@@ -19,6 +19,7 @@ from kiln.sampling_params import SamplingParams
     ("stop", [""]), ("stop_token_ids", [-1]),
     # vLLM's field is taken (a TypeError before), at its default only
     ("spaces_between_special_tokens", False),
+    ("stop", [f"s{i}" for i in range(257)]),  # each is searched after every token
 ])
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field} must be"):

@@ -97,7 +97,11 @@ def _nulls_allowed(model_schema: dict) -> None:
 
 def _sampling_ranges(model_schema: dict) -> None:
     """The sampling fields' ranges, as SamplingParams checks them (outside is a 400)."""
-    from kiln.sampling_params import _MAX_REPETITION_PENALTY, _MIN_REPETITION_PENALTY
+    from kiln.sampling_params import (
+        _MAX_REPETITION_PENALTY,
+        _MIN_REPETITION_PENALTY,
+        MAX_STOP_STRINGS,
+    )
 
     ranges = {"temperature": {"minimum": 0}, "top_p": {"exclusiveMinimum": 0, "maximum": 1},
               "min_p": {"minimum": 0, "maximum": 1}, "top_k": {"minimum": -1},
@@ -126,6 +130,9 @@ def _sampling_ranges(model_schema: dict) -> None:
         target = member.get("items") if member.get("type") == "array" else member
         if isinstance(target, dict) and target.get("type") == "string":
             target["minLength"] = 1
+    for member in props.get("stop", {}).get("anyOf", ()):
+        if member.get("type") == "array":
+            member["maxItems"] = MAX_STOP_STRINGS
     for member in props.get("logit_bias", {}).get("anyOf", ()):
         if member.get("type") == "object":  # token id -> bias, OpenAI's range
             member["propertyNames"] = {"pattern": "^[0-9]+$"}
