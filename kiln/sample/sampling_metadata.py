@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kiln.sample.logit_masks import bad_word_bans
+from kiln.sample.logit_masks import BadWordIndex
 from kiln.sampling_params import SamplingParams
 
 
@@ -124,7 +124,7 @@ def build_sampling_metadata(
             rows.extend([i] * len(stops))
             cols.extend(stops)
         if p.bad_words_token_ids:
-            banned = bad_word_bans(p.bad_words_token_ids, output_token_ids[i])
+            banned = _request_arrays(p, vocab_size)["bad_words"].bans(output_token_ids[i])
             rows.extend([i] * len(banned))
             cols.extend(banned)
     if rows:
@@ -138,21 +138,44 @@ def build_sampling_metadata(
     return meta
 
 
+def _request_arrays(p: SamplingParams, vocab_size: int) -> dict:
+    """What one request's token edits need at every step, built at its first and kept on its
+    params: allowed_token_ids as a mask [V], logit_bias as columns and values, bad words by
+    their ending. Rebuilding a whole-vocabulary list in Python at every step held every stream
+    on the server for seconds."""
+    cached = p.__dict__.get("_kiln_step_arrays")
+    if cached is not None and cached["vocab_size"] == vocab_size:
+        return cached
+    mask = cols = values = None
+    if p.allowed_token_ids:
+        ids = np.asarray(p.allowed_token_ids, dtype=np.int64)
+        mask = np.zeros(vocab_size, dtype=bool)
+        mask[ids[ids < vocab_size]] = True
+    if p.logit_bias:
+        cols = np.fromiter(p.logit_bias.keys(), dtype=np.int64, count=len(p.logit_bias))
+        values = np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias))
+        keep = cols < vocab_size
+        cols, values = cols[keep], values[keep]
+    cached = {"vocab_size": vocab_size, "allowed": mask, "bias_cols": cols,
+              "bias_values": values, "bad_words": BadWordIndex(p.bad_words_token_ids or [])}
+    p.__dict__["_kiln_step_arrays"] = cached
+    return cached
+
+
 def _token_edits(meta: SamplingMetadata, params: Sequence[SamplingParams], vocab_size: int,
                  device: torch.device) -> None:
     """allowed_token_ids and logit_bias of the rows that set them."""
-    allowed = [(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids]
+    allowed = [i for i, p in enumerate(params) if p.allowed_token_ids]
     if allowed:
-        mask = np.zeros((len(allowed), vocab_size), dtype=bool)
-        for r, (_, ids) in enumerate(allowed):
-            mask[r, [t for t in ids if t < vocab_size]] = True
-        meta.allowed_rows = torch.tensor([i for i, _ in allowed], dtype=torch.int64,
-                                         device=device)
-        meta.allowed_mask = torch.from_numpy(mask).to(device)
-    triples = [(i, t, b) for i, p in enumerate(params) if p.logit_bias
-               for t, b in p.logit_bias.items() if t < vocab_size]
-    if triples:
-        rows, cols, values = zip(*triples)
-        meta.bias_rows = torch.tensor(rows, dtype=torch.int64, device=device)
-        meta.bias_cols = torch.tensor(cols, dtype=torch.int64, device=device)
-        meta.bias_values = torch.tensor(values, dtype=torch.float32, device=device)
+        mask = np.stack([_request_arrays(params[i], vocab_size)["allowed"] for i in allowed])
+        meta.allowed_rows = torch.tensor(allowed, dtype=torch.int64, device=device)
+        meta.allowed_mask = torch.from_numpy(mask).to(device)  # [R, V]
+    biased = [(i, _request_arrays(p, vocab_size)) for i, p in enumerate(params) if p.logit_bias]
+    biased = [(i, a) for i, a in biased if len(a["bias_cols"])]
+    if biased:
+        meta.bias_rows = torch.from_numpy(np.concatenate(
+            [np.full(len(a["bias_cols"]), i, dtype=np.int64) for i, a in biased])).to(device)
+        meta.bias_cols = torch.from_numpy(np.concatenate(
+            [a["bias_cols"] for _, a in biased])).to(device)
+        meta.bias_values = torch.from_numpy(np.concatenate(
+            [a["bias_values"] for _, a in biased])).to(device)

@@ -45,7 +45,7 @@ def test_compilation_flags_given_twice_merge():
 
 
 @pytest.mark.parametrize("value, error", [
-    ("fast", "-O/--compilation-config must be a mode number or a JSON object"),
+    ("fast", "-O/--compilation-config must be a mode number, -O.FIELD=VALUE or a JSON object"),
     ("[1, 2]", "-O/--compilation-config JSON must be an object")])
 def test_compilation_flag_that_is_no_mode_or_object_is_a_usage_error(value, error, capsys):
     with pytest.raises(SystemExit) as e:

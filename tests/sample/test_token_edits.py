@@ -27,6 +27,35 @@ def test_allowed_mask_and_bias_edit_only_their_rows():
     assert logits[0, 3] == 3.0 and logits[2, 1] == -5.0
 
 
+def test_a_requests_edits_are_built_once_and_shared_by_its_steps():
+    """allowed_token_ids, logit_bias and bad words become arrays at a request's first step and
+    are reused (the whole vocabulary rebuilt in Python each step held every stream seconds);
+    the step's tensors are as before."""
+    from kiln.sample.sampling_metadata import build_sampling_metadata
+
+    vocab = 50
+    biased = SamplingParams(logit_bias={t: 1.0 for t in range(60)}, bad_words=["x"])
+    biased.bad_words_token_ids = [[7], [3, 4]]
+    allowed = SamplingParams(allowed_token_ids=[2, 5, 70])
+    plain = SamplingParams()
+
+    def step(outputs):
+        return build_sampling_metadata([plain, biased, allowed], [[1]] * 3, outputs,
+                                       [None] * 3, None, vocab, torch.device("cpu"))
+
+    first = step([[], [9, 3], []])
+    kept = biased.__dict__["_kiln_step_arrays"]
+    second = step([[], [3, 4, 9], []])
+    assert biased.__dict__["_kiln_step_arrays"] is kept
+    for meta in (first, second):
+        assert meta.bias_rows.tolist() == [1] * vocab and meta.bias_cols.tolist() == list(
+            range(vocab))
+        assert meta.allowed_rows.tolist() == [2]
+        assert meta.allowed_mask[0].nonzero().flatten().tolist() == [2, 5]
+    assert sorted(first.min_tokens_cols.tolist()) == [4, 7]  # the output ends in the 3 of 3 4
+    assert second.min_tokens_cols.tolist() == [7]
+
+
 def test_validation_names_the_field_and_vocab_bound():
     from kiln.engine.input_processor import truncate_prompt
 
