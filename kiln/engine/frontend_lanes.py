@@ -4,10 +4,11 @@ thread runs at a lower OS priority (Linux: per thread), so the engine core and t
 get the CPU first. And the whole front end may yield to its engine core (lower_front_end)."""
 import concurrent.futures
 import os
-import threading
 from collections.abc import Callable
 
 from pydantic import BaseModel
+
+from kiln.thread_priority import lower_this_thread
 
 # Inputs past this many characters (or list items) take the bulk lane.
 BULK_CHARS = 64 * 1024
@@ -96,14 +97,6 @@ def lower_front_end(niceness: int) -> int:
     return lowered
 
 
-def _lower_this_thread() -> None:
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
-                       os.getpriority(os.PRIO_PROCESS, 0) + BULK_NICENESS)
-    except (AttributeError, OSError):  # not Linux, or not allowed: the lanes still separate
-        pass
-
-
 class FrontendLanes:
     """Two one-thread pools; `submit` picks by the size of the call's arguments."""
 
@@ -111,7 +104,8 @@ class FrontendLanes:
         self.ordinary = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="kiln-frontend")
         self.bulk = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="kiln-frontend-bulk", initializer=_lower_this_thread)
+            1, thread_name_prefix="kiln-frontend-bulk", initializer=lower_this_thread,
+            initargs=(BULK_NICENESS,))
 
     def pool_for(self, args, kwargs) -> concurrent.futures.ThreadPoolExecutor:
         return self.bulk if is_bulk(args, kwargs) else self.ordinary

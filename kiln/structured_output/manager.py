@@ -10,6 +10,7 @@ import numpy as np
 from kiln.logger import init_logger
 from kiln.structured_output.request import StructuredOutputRequest
 from kiln.structured_output.spec import GrammarSpec, grammar_spec
+from kiln.thread_priority import lower_this_thread
 
 logger = init_logger(__name__)
 
@@ -17,6 +18,7 @@ logger = init_logger(__name__)
 # in bytes (xgrammar_backend.py), keeps more behind it. A grammar over a large vocabulary holds
 # megabytes of token masks, so this stays short.
 _CACHE_SIZE = 32
+GRAMMAR_NICENESS = 10  # added to the compile threads' (xgrammar's own threads inherit it)
 
 
 class StructuredOutputManager:
@@ -54,8 +56,11 @@ class StructuredOutputManager:
             self._cache.move_to_end(spec)
             return future
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._max_workers,
-                                            thread_name_prefix="kiln-grammar")
+            # Below the engine's threads: a compile of minutes (50,000 choices, a huge schema)
+            # slowed every stream's steps, and cannot be stopped once its request is gone.
+            self._pool = ThreadPoolExecutor(self._max_workers, thread_name_prefix="kiln-grammar",
+                                            initializer=lower_this_thread,
+                                            initargs=(GRAMMAR_NICENESS,))
         future = self._pool.submit(self._compile, spec)
         self._cache[spec] = future
         while len(self._cache) > _CACHE_SIZE:
