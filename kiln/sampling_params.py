@@ -107,8 +107,10 @@ class StructuredOutputsParams:
                              f"got {self.disable_any_whitespace!r}")
 
 
-# Stop strings one request may give (OpenAI takes 4; vLLM does not limit them).
+# Stop strings and stop token ids one request may give (OpenAI takes 4 strings; vLLM does not
+# limit either): each is looked for, or copied per sample, for every request's sample.
 MAX_STOP_STRINGS = 256
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -220,6 +222,10 @@ class SamplingParams:
         check(isinstance(self.stop_token_ids, list)
               and all(integer(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "a list of non-negative integers", self.stop_token_ids)
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            # 49,152 of them at n=128 held the server's other streams 7 s as the request came in
+            raise ValueError(f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} ids, got "
+                             f"{len(self.stop_token_ids)}")
         check(type(self.output_kind) is RequestOutputKind  # noqa: E721 - a bool is an int
               or (type(self.output_kind) is int and self.output_kind in set(RequestOutputKind)),
               "output_kind",

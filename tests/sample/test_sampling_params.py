@@ -20,6 +20,7 @@ from kiln.sampling_params import SamplingParams
     # vLLM's field is taken (a TypeError before), at its default only
     ("spaces_between_special_tokens", False),
     ("stop", [f"s{i}" for i in range(257)]),  # each is searched after every token
+    ("stop_token_ids", list(range(1025))),
 ])
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"^{field} must be"):

@@ -101,6 +101,7 @@ def _sampling_ranges(model_schema: dict) -> None:
         _MAX_REPETITION_PENALTY,
         _MIN_REPETITION_PENALTY,
         MAX_STOP_STRINGS,
+        MAX_STOP_TOKEN_IDS,
     )
 
     ranges = {"temperature": {"minimum": 0}, "top_p": {"exclusiveMinimum": 0, "maximum": 1},
@@ -130,9 +131,10 @@ def _sampling_ranges(model_schema: dict) -> None:
         target = member.get("items") if member.get("type") == "array" else member
         if isinstance(target, dict) and target.get("type") == "string":
             target["minLength"] = 1
-    for member in props.get("stop", {}).get("anyOf", ()):
-        if member.get("type") == "array":
-            member["maxItems"] = MAX_STOP_STRINGS
+    for name, limit in (("stop", MAX_STOP_STRINGS), ("stop_token_ids", MAX_STOP_TOKEN_IDS)):
+        for member in props.get(name, {}).get("anyOf", ()):
+            if member.get("type") == "array":
+                member["maxItems"] = limit
     for member in props.get("logit_bias", {}).get("anyOf", ()):
         if member.get("type") == "object":  # token id -> bias, OpenAI's range
             member["propertyNames"] = {"pattern": "^[0-9]+$"}
