@@ -320,15 +320,21 @@ def test_tokenize_detokenize(client):
 
 
 
-def test_tokenize_body_is_built_on_a_front_end_thread(client, monkeypatch):
-    # Not on the event loop: a huge prompt's ids would hold every stream's next token.
+def threads_calling(monkeypatch, module, name: str) -> list[str]:
+    """The names of the threads that call module.name from now on (the list fills)."""
     threads = []
-    real = serving_tokenization.tokenize_response_json
+    real = getattr(module, name)
 
     def spy(*args):
         threads.append(threading.current_thread().name)
         return real(*args)
-    monkeypatch.setattr(serving_tokenization, "tokenize_response_json", spy)
+    monkeypatch.setattr(module, name, spy)
+    return threads
+
+
+def test_tokenize_body_is_built_on_a_front_end_thread(client, monkeypatch):
+    # Not on the event loop: a huge prompt's ids would hold every stream's next token.
+    threads = threads_calling(monkeypatch, serving_tokenization, "tokenize_response_json")
     assert client.post("/tokenize", json=dict(prompt="ab")).json()["count"] == 3
     client.post("/tokenize", json=dict(messages=[{"role": "user", "content": "a"}]))
     assert len(threads) == 2 and all(n.startswith("kiln-frontend") for n in threads), threads
@@ -398,27 +404,15 @@ def test_server_start_freezes_the_heap_out_of_the_collector():
         assert c.get("/health").status_code == 200
 
 
-def test_a_chats_tools_are_read_off_the_event_loop(monkeypatch):
+def test_a_chats_tools_are_read_off_the_event_loop(client, monkeypatch):
     """Their dicts for the template (and a forced call's schema) are built on a front-end
     thread: 20,000 tools held every other stream 1.4 s on the event loop."""
-    import threading
-
     from kiln.entrypoints.openai import serving_chat
 
-    threads = []
-    real = serving_chat.plan_tools
-
-    def plan_tools(*args):
-        threads.append(threading.current_thread().name)
-        return real(*args)
-
-    monkeypatch.setattr(serving_chat, "plan_tools", plan_tools)
-    llm = AsyncLLM(FakeEngine(max_model_len=64))
-    with TestClient(build_app(llm, ServerSettings())) as c:
-        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-        for body in ({"tools": [tool], "tool_choice": "none"}, {}):
-            r = c.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                **body})
-            assert r.status_code == 200, r.text
+    threads = threads_calling(monkeypatch, serving_chat, "plan_tools")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for body in ({"tools": [tool], "tool_choice": "none"}, {}):
+        r = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body})
+        assert r.status_code == 200, r.text
     assert threads[0].startswith("kiln-frontend") and not threads[1].startswith("kiln-frontend")
