@@ -302,19 +302,20 @@ class SamplingParams:
         if not self.allowed_token_ids:
             return
         allowed = set(self.allowed_token_ids)
-        words = [tuple(w) for w in self.bad_words_token_ids or ()]
-        # A bad word bans its last token where the output ends with the rest of it; the output
-        # holds allowed tokens only, so those are the endings to check (each with the shorter
-        # words it ends with too).
-        for ending in sorted({()} | {w[:-1] for w in words if set(w[:-1]) <= allowed}):
-            banned = {w[-1] for w in words
-                      if len(w) - 1 <= len(ending) and ending[len(ending) - len(w) + 1:] == w[:-1]}
+        # A bad word bans its last token where the output ends with the rest of it: the tokens
+        # banned after each such ending. The output holds allowed tokens only, so those are the
+        # endings to check, each with the shorter endings it ends with (its suffixes).
+        bans_after: dict[tuple, set[int]] = {}
+        for word in self.bad_words_token_ids or ():
+            bans_after.setdefault(tuple(word[:-1]), set()).add(word[-1])
+        for ending in sorted(e for e in bans_after if set(e) <= allowed):
+            banned = set().union(*(bans_after.get(ending[k:], ()) for k in range(len(ending) + 1)))
             if allowed <= banned:
                 after = f" once the output ends with tokens {list(ending)}" if ending else ""
                 raise ValueError(f"allowed_token_ids are all banned by bad_words{after}: no "
                                  "token is left to sample; allow another token or drop a bad "
                                  "word")
-        left = allowed - {w[0] for w in words if len(w) == 1}
+        left = allowed - bans_after.get((), set())
         if self.min_tokens and left <= self.all_stop_token_ids:
             raise ValueError(f"allowed_token_ids hold only stop tokens, which min_tokens="
                              f"{self.min_tokens} holds back: no token is left to sample; allow "

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from pydantic import BaseModel
 
-from kiln.thread_priority import lower_this_thread
+from kiln.thread_priority import lower_this_thread, lower_thread
 
 # Inputs past this many characters (or list items) take the bulk lane.
 BULK_CHARS = 64 * 1024
@@ -82,19 +82,11 @@ def lower_front_end(niceness: int) -> int:
     How many threads were lowered (0 where the OS does not allow it)."""
     if niceness <= 0:
         return 0
-    lowered = 0
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
         return 0
-    for tid in tids:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid,
-                           min(19, os.getpriority(os.PRIO_PROCESS, tid) + niceness))
-            lowered += 1
-        except (AttributeError, OSError):  # exited meanwhile, or not allowed
-            pass
-    return lowered
+    return sum(lower_thread(tid, niceness) for tid in tids)
 
 
 class FrontendLanes:

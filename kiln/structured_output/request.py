@@ -24,7 +24,6 @@ class StructuredOutputRequest:
         self._tail: list[int] = []  # the last output tokens, while in reasoning
         self.matcher = None
         self.error: str | None = None  # set when the grammar could not be compiled
-        self._broken = False  # a token the grammar refused: the request is ended
 
     def is_ready(self) -> bool:
         """Compiled (the matcher exists) or failed; False while the compile is still running."""
@@ -50,13 +49,13 @@ class StructuredOutputRequest:
     @property
     def active(self) -> bool:
         """Whether the next token is constrained (not once the grammar has ended)."""
-        return (self.matcher is not None and not self.in_reasoning and not self._broken
+        return (self.matcher is not None and not self.in_reasoning
                 and not self.matcher.is_terminated())
 
     @property
     def ended(self) -> bool:
         """Whether the grammar has taken its last token (a stop token): it allows nothing more."""
-        return self.matcher is not None and not self._broken and self.matcher.is_terminated()
+        return self.matcher is not None and self.matcher.is_terminated()
 
     def fill_bitmask(self, bitmask, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
@@ -72,7 +71,4 @@ class StructuredOutputRequest:
             return True
         if not self.active:
             return True
-        if not self.matcher.accept_token(token_id):
-            self._broken = True
-            return False
-        return True
+        return self.matcher.accept_token(token_id)  # refused: the scheduler ends the request
