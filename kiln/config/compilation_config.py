@@ -25,8 +25,8 @@ DEFAULT_SPLITTING_OPS = ["kiln::unified_attention"]
 
 # pass_config keys: Kiln's graph passes (kiln/compilation/passes/), each on unless set false,
 # and enable_fusion (norms and activations fused into the linear op after them).
-PASS_NAMES = ("eliminate_noops", "fuse_norm_quant", "fuse_act_quant", "reinplace_ir_ops",
-              "enable_fusion")
+PASS_NAMES = ("eliminate_noops", "fuse_norm_quant", "fuse_act_quant", "fuse_mm_act_quant",
+              "reinplace_ir_ops", "enable_fusion")
 _PASS_ALIASES = {"enable_noop": "eliminate_noops"}  # vLLM's older name
 # vLLM's passes that Kiln does not have: false (what Kiln does anyway) is taken.
 _VLLM_PASSES_OFF_ONLY = ("enable_sequence_parallelism", "enable_async_tp", "fuse_allreduce_rms",

@@ -1,5 +1,7 @@
 """The int8 weight in VNNI panels, packed once at load for CPUs whose int8 GEMM reads it so
-(csrc/int8_vnni_gemm.c), and the IR op int8_scaled_mm_panels: int8_scaled_mm on that layout.
+(csrc/int8_vnni_gemm.c), and the IR ops on that layout: int8_scaled_mm_panels (int8_scaled_mm)
+and int8_scaled_mm_panels_silu_quant (the MLP's gate/up GEMM with the SiLU-and-mul and the
+quantization after it, which kiln/compilation/passes/fuse_mm_act_quant.py puts in graphs).
 
 Layout: uint8 [ceil(N / 64), K / 4, 64, 4]; panel p, group g, column c, byte b holds
 w_q[64 p + c, 4 g + b] + 128 (VPDPBUSD multiplies unsigned by signed bytes), 0 past N. A decode
@@ -47,7 +49,22 @@ def _panels_mm_examples(dtype, device):
     return (q, scale, pack_int8_panels(w_q), w_scale, bias, out_dtype)
 
 
+def _mm_silu_quant_ref(q, scale, w_panels, w_scale, bias, out_dtype):
+    """dynamic_int8_quant(silu_and_mul(int8_scaled_mm_panels(...))) -> (q [M, N / 2], scale)."""
+    return quant._silu_quant_ref(
+        _int8_scaled_mm_panels_ref(q, scale, w_panels, w_scale, bias, out_dtype))
+
+
+def _mm_silu_quant_fake(q, scale, w_panels, w_scale, bias, out_dtype):
+    return quant._quant_fake_of((*q.shape[:-1], w_scale.shape[0] // 2), q)
+
+
 int8_scaled_mm_panels = define(
     "int8_scaled_mm_panels", "(Tensor q, Tensor scale, Tensor w_panels, Tensor w_scale, "
     "Tensor? bias, ScalarType out_dtype) -> Tensor", _int8_scaled_mm_panels_ref, _panels_mm_fake,
     _panels_mm_examples)
+
+int8_scaled_mm_panels_silu_quant = define(
+    "int8_scaled_mm_panels_silu_quant", "(Tensor q, Tensor scale, Tensor w_panels, "
+    "Tensor w_scale, Tensor? bias, ScalarType out_dtype) -> (Tensor, Tensor)",
+    _mm_silu_quant_ref, _mm_silu_quant_fake, _panels_mm_examples)

@@ -24,6 +24,11 @@ def _silu_supported(x) -> bool:
     return int8_ops.quant_supported(x) and x.shape[-1] % 2 == 0
 
 
+def _mm_silu_quant_supported(q, scale, w_panels, w_scale, bias, out_dtype) -> bool:
+    return (int8_ops.panels_gemm_supported(q, scale, w_panels, w_scale, bias, out_dtype)
+            and w_scale.numel() % 2 == 0)
+
+
 def register() -> None:
     register_all({
         ir.dynamic_int8_quant: ("dynamic_int8_quant_native", int8_ops.quant_supported,
@@ -32,6 +37,9 @@ def register() -> None:
         int8_panels.int8_scaled_mm_panels: ("int8_scaled_mm_panels_native",
                                             int8_ops.panels_gemm_supported,
                                             int8_panels._panels_mm_fake),
+        int8_panels.int8_scaled_mm_panels_silu_quant: (
+            "int8_scaled_mm_panels_silu_quant_native", _mm_silu_quant_supported,
+            int8_panels._mm_silu_quant_fake),
         ir.rms_norm_dynamic_int8_quant: ("rms_norm_dynamic_int8_quant_native", _norm_supported,
                                          ir._rms_norm_quant_fake),
         ir.fused_add_rms_norm_dynamic_int8_quant: (

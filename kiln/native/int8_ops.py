@@ -74,6 +74,13 @@ def panels_min_rows() -> int:
     return torch.ops.kiln.int8_panels_min_rows() if isa() is not None else 0
 
 
+def mm_silu_quant_min_rows() -> int:
+    """From this many rows the GEMM + SiLU-and-mul + quant op runs blocks of rows through all
+    three in each thread (csrc/int8_gemm_silu_quant.c), below it the three kernels one after
+    the other; 0 where it never does (no AMX-INT8 tiles, or no kernels)."""
+    return torch.ops.kiln.int8_mm_silu_quant_min_rows() if isa() is not None else 0
+
+
 def _on_cpu_in(dtype: torch.dtype, *tensors: torch.Tensor) -> bool:
     return dtype in build.DTYPES and all(t.device.type == "cpu" for t in tensors)
 
@@ -129,6 +136,12 @@ def int8_scaled_mm_panels(q, scale, w_panels, w_scale, bias, out_dtype) -> torch
     """int8_scaled_mm with the weight in panels (kiln/ir/int8_panels.py) -> [M, len(w_scale)]."""
     return torch.ops.kiln.int8_scaled_mm_panels_native(q, scale, w_panels, w_scale, bias,
                                                        out_dtype)
+
+
+def int8_scaled_mm_panels_silu_quant(q, scale, w_panels, w_scale, bias, out_dtype):
+    """dynamic_int8_quant(silu_and_mul(int8_scaled_mm_panels(...))) -> (q [M, N / 2], scale)."""
+    return torch.ops.kiln.int8_scaled_mm_panels_silu_quant_native(q, scale, w_panels, w_scale,
+                                                                  bias, out_dtype)
 
 
 def rms_norm_dynamic_int8_quant(x, weight, eps):

@@ -1,12 +1,14 @@
 """The W8A8 passes on IR graphs: fuse_norm_quant ((add +) RMSNorm -> dynamic quant), fuse_act_quant
-(SiLU-and-mul -> dynamic quant), eliminate_noops; what each matches, what it leaves (a normed
+(SiLU-and-mul -> dynamic quant), fuse_mm_act_quant (the packed int8 GEMM -> the fused SiLU-and-mul
++ quant), eliminate_noops; what each matches, what it leaves (a normed
 value with a second user), and that the rewritten graph computes what the original did.
 """
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from kiln.compilation.passes import EliminateNoops, FuseActQuant, FuseNormQuant
+from kiln.compilation.passes import EliminateNoops, FuseActQuant, FuseMmActQuant, FuseNormQuant
+from kiln.ir.int8_panels import pack_int8_panels
 
 EPS = 1e-5
 kiln = torch.ops.kiln
@@ -38,6 +40,25 @@ def act_used_twice(x, res, w):
     a = kiln.silu_and_mul(torch.cat([x, res], dim=-1))
     q, s = kiln.dynamic_int8_quant(a)
     return q, s, a.sum()
+
+
+def mm_act_quant(q, scale, w_panels, w_scale):
+    gate_up = kiln.int8_scaled_mm_panels(q, scale, w_panels, w_scale, None, torch.bfloat16)
+    return kiln.dynamic_int8_quant(kiln.silu_and_mul(gate_up))
+
+
+def mm_used_twice(q, scale, w_panels, w_scale):
+    gate_up = kiln.int8_scaled_mm_panels(q, scale, w_panels, w_scale, None, torch.bfloat16)
+    q2, s2 = kiln.dynamic_int8_quant(kiln.silu_and_mul(gate_up))
+    return q2, s2, gate_up.sum()
+
+
+def _mm_inputs(rows=5, k=64, n=128):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-128, 128, (rows, k), dtype=torch.int8, generator=g)
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    return [q, torch.rand(rows, 1, generator=g) * 0.05, pack_int8_panels(w),
+            torch.rand(n, generator=g) * 0.05]
 
 
 def _inputs(dtype=torch.bfloat16, rows=5, h=64):
@@ -82,6 +103,33 @@ def test_no_match_where_the_intermediate_has_a_second_user(fn, pass_cls):
     gm = _graph(fn, _inputs())
     before = _targets(gm)
     fuse = pass_cls()
+    fuse(gm.graph)
+    assert fuse.matched == 0 and _targets(gm) == before
+
+
+def test_mm_act_quant_matches_after_act_quant_and_keeps_every_bit():
+    inputs = _mm_inputs()
+    gm = _graph(mm_act_quant, inputs)
+    before = mm_act_quant(*inputs)
+    act, mm = FuseActQuant(), FuseMmActQuant()
+    mm(gm.graph)
+    assert mm.matched == 0  # the SiLU-and-mul + quant op is fuse_act_quant's to make
+    act(gm.graph)
+    mm(gm.graph)
+    gm.recompile()
+    assert (act.matched, mm.matched) == (1, 1)
+    assert _targets(gm).count("kiln.int8_scaled_mm_panels_silu_quant.default") == 1
+    assert not {"kiln.int8_scaled_mm_panels.default",
+                "kiln.silu_and_mul_dynamic_int8_quant.default"} & set(_targets(gm))
+    for got, want in zip(gm(*inputs), before):
+        assert torch.equal(got, want)
+
+
+def test_mm_act_quant_leaves_a_projection_with_a_second_user():
+    gm = _graph(mm_used_twice, _mm_inputs())
+    FuseActQuant()(gm.graph)
+    before = _targets(gm)
+    fuse = FuseMmActQuant()
     fuse(gm.graph)
     assert fuse.matched == 0 and _targets(gm) == before
 

@@ -274,11 +274,12 @@ def test_ir_ops_native_where_supported_else_the_reference():
 def test_thresholds_answer_before_anything_loads_the_kernels():
     """The row thresholds load the library themselves (a fresh process asks them first)."""
     code = ("from kiln.native import int8_ops as n; "
-            "print(n.amx_min_rows(), n.onednn_min_rows(), n.panels_min_rows())")
+            "print(n.amx_min_rows(), n.onednn_min_rows(), n.panels_min_rows(), "
+            "n.mm_silu_quant_min_rows())")
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
     assert got == [str(native.amx_min_rows()), str(native.onednn_min_rows()),
-                   str(native.panels_min_rows())]
+                   str(native.panels_min_rows()), str(native.mm_silu_quant_min_rows())]
 
 
 _ONEDNN_CHILD = """

@@ -72,6 +72,43 @@ def test_native_equals_reference(rows, k, n, dtype):
             assert torch.equal(native.int8_scaled_mm_panels(*args), want)
 
 
+# Rows either side of native.mm_silu_quant_min_rows() (256, where the CPU grants AMX tiles): below
+# it the three kernels in turn, from it blocks of 64 rows per thread, the last one short (257,
+# 300) or whole (256, 1024). N even: [gate | up], a last panel of 32 channels or fewer (26, 130).
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k,n", [(576, 960), (100, 26), (64, 130)])
+@pytest.mark.parametrize("rows", [1, 12, 255, 256, 257, 300, 1024])
+def test_mm_silu_quant_equals_the_unfused_native_ops(rows, k, n, dtype):
+    """Bit for bit the unfused native GEMM then SiLU-and-mul + quant (the fused op computes
+    blocks of rows with the same kernels); within one int8 step of the reference composition,
+    as the SiLU-and-mul + quant kernel alone is (tests/quantization/test_int8_ops.py)."""
+    q, scale, w, w_scale, bias = _operands(rows, k, n, dtype)
+    panels = int8_panels.pack_int8_panels(w)
+    op = int8_panels.int8_scaled_mm_panels_silu_quant
+    for b in (None, bias):
+        args = (q, scale, panels, w_scale, b, dtype)
+        rq, rs = op.reference(*args)
+        assert rq.shape == (rows, n // 2) and rs.shape == (rows, 1)
+        if native.isa() is None:
+            continue
+        got_q, got_s = native.int8_scaled_mm_panels_silu_quant(*args)
+        want_q, want_s = native.silu_and_mul_dynamic_int8_quant(
+            native.int8_scaled_mm_panels(*args))
+        assert torch.equal(got_q, want_q) and torch.equal(got_s, want_s)
+        assert (got_q.int() - rq.int()).abs().max() <= 1
+        assert torch.allclose(got_s, rs, rtol=2 ** -7, atol=0)
+
+
+def test_mm_silu_quant_blocks_rows_where_the_gemm_runs_on_amx_tiles():
+    assert native.mm_silu_quant_min_rows() == (256 if native.amx_min_rows() > 0 else 0)
+    if native.isa() is None:
+        return
+    q, scale, w, w_scale, _ = _operands(2, 64, 70, torch.float32)
+    with pytest.raises(ValueError, match="must be even"):  # 69 channels: no [gate | up] halves
+        native.int8_scaled_mm_panels_silu_quant(q, scale, int8_panels.pack_int8_panels(w[:69]),
+                                                w_scale[:69], None, torch.float32)
+
+
 def test_native_takes_panels_off_a_64_byte_boundary_and_no_columns():
     if native.isa() is None:
         return

@@ -2,8 +2,9 @@
 compressed-tensors checkpoint and online `quantization="int8"`, mixed lengths with chunked
 prefill. Their logprobs differ from the float model's (the int8 path runs) but stay close. In
 mode 3 (a cold cache: the passes run on every piece) fuse_norm_quant matches twice a layer (the
-input and post-attention norms) and fuse_act_quant once, and the compiled code calls the fused
-ops' native kernels (the GEMM's over the weight packed at load where this CPU reads it so).
+input and post-attention norms), fuse_act_quant once, and fuse_mm_act_quant once where weights
+are packed at load (the gate/up GEMM then joins the SiLU-and-mul + quant), and the compiled code
+calls the fused ops' native kernels.
 """
 import pytest
 
@@ -68,14 +69,15 @@ def test_modes_0_and_3_give_identical_greedy_tokens(dirs, tmp_path, which):
     assert compiled_tokens == eager_tokens
     matches = pass_matches(_run.last_llm)
     assert matches["FuseNormQuant"] == 2 * NUM_LAYERS and matches["FuseActQuant"] == NUM_LAYERS
+    packed = int8_ops.packs_weights(64, "cpu")
+    assert matches["FuseMmActQuant"] == (NUM_LAYERS if packed else 0)
     if int8_ops.isa() is not None:
         code = "".join(p.read_text() for p in (tmp_path / "cc").rglob("*.py"))
-        # the GEMM over the weight packed at load where this CPU reads it so, else as stored
-        gemm = ("int8_scaled_mm_panels_native" if int8_ops.packs_weights(64, "cpu")
-                else "int8_scaled_mm_native")
+        # the GEMMs over the weight packed at load where this CPU reads it so, else as stored
+        ops = (["int8_scaled_mm_panels_native", "int8_scaled_mm_panels_silu_quant_native"]
+               if packed else ["int8_scaled_mm_native", "silu_and_mul_dynamic_int8_quant_native"])
         for op in ("fused_add_rms_norm_dynamic_int8_quant_native",
-                   "rms_norm_dynamic_int8_quant_native", "silu_and_mul_dynamic_int8_quant_native",
-                   gemm):
+                   "rms_norm_dynamic_int8_quant_native", *ops):
             assert op in code, op
     assert _max_diff(compiled_lp, eager_lp) < 1e-3
     float_tokens, float_lp = _run(src, tmp_path, 0)

@@ -90,6 +90,15 @@ int kiln_int8_gemm_amx_panels(const int8_t *a, int64_t a_stride, const float *a_
                               int32_t bias_dtype, void *out, int64_t out_stride, int64_t m,
                               int64_t n, int64_t k, int32_t out_dtype, int32_t num_threads);
 
+/* int8_gemm_silu_quant.c: dynamic_int8_quant(silu_and_mul(kiln_int8_gemm_packed)) into q [m, n / 2]
+ * and scale [m]; the rows from which threads take blocks of rows through all three, 0 where
+ * they never do */
+int kiln_int8_gemm_silu_quant_min_rows(void);
+int kiln_int8_gemm_silu_quant(const int8_t *a, int64_t a_stride, const float *a_scale,
+                              const uint8_t *panels, const float *w_scale, const void *bias,
+                              int32_t bias_dtype, int8_t *q, float *scale, int64_t m, int64_t n,
+                              int64_t k, int32_t dtype, int32_t num_threads);
+
 /* paged_attention.c */
 int kiln_paged_attention(const void *q, int64_t q_stride, const void *k, int64_t k_stride,
                          const void *v, int64_t v_stride, void *out, int64_t out_stride,

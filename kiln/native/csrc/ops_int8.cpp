@@ -2,7 +2,8 @@
  * result) as torch ops over int8_ops.c's AVX512-VNNI kernels: per-token dynamic quant, alone or
  * after (add +) RMSNorm or SiLU-and-mul; the int8 GEMM with its scales over a weight packed at
  * load into panels (int8_vnni_gemm.c, on AMX-INT8 tiles from kiln_int8_amx_min_rows() rows where
- * the CPU grants them), for every row count; and the same GEMM over a weight as stored (the panel
+ * the CPU grants them), for every row count, alone or with the SiLU-and-mul and quant after it
+ * (int8_gemm_silu_quant.c); and the same GEMM over a weight as stored (the panel
  * GEMM from PANELS_MIN_ROWS rows, oneDNN's int8 GEMM through aten's _int_mm from ONEDNN_MIN_ROWS,
  * the epilogue here after it, the VNNI kernel below). */
 #include <ATen/ops/_int_mm.h>
@@ -125,13 +126,12 @@ at::Tensor int8_scaled_mm(const at::Tensor &q_in, const at::Tensor &scale_in,
     return out;
 }
 
-/* int8_scaled_mm over the weight packed at load: w_panels uint8 [ceil(N / 64), K / 4, 64, 4]
- * (kiln/ir/int8_panels.py), N the length of w_scale. */
-at::Tensor int8_scaled_mm_panels(const at::Tensor &q_in, const at::Tensor &scale_in,
-                                 const at::Tensor &w_panels_in, const at::Tensor &w_scale_in,
-                                 const std::optional<at::Tensor> &bias_in,
-                                 at::ScalarType out_dtype) {
-    const char *op = "kiln::int8_scaled_mm_panels_native";
+/* The weight packed at load, w_panels uint8 [ceil(N / 64), K / 4, 64, 4] (kiln/ir/int8_panels.py)
+ * with N the length of w_scale, checked against q [M, K] and the scales and 64-byte aligned for
+ * the kernels' aligned loads (at::empty's storage is, a view's may not be). */
+at::Tensor checked_panels(const at::Tensor &q_in, const at::Tensor &scale_in,
+                          const at::Tensor &w_panels_in, const at::Tensor &w_scale_in,
+                          const std::optional<at::Tensor> &bias_in, const char *op) {
     TORCH_CHECK_VALUE(q_in.dim() == 2 && q_in.scalar_type() == at::kChar &&
                           w_panels_in.dim() == 4 && w_panels_in.scalar_type() == at::kByte,
                       op, ": q must be an int8 matrix and w_panels uint8 [panels, K / 4, 64, 4]");
@@ -143,14 +143,25 @@ at::Tensor int8_scaled_mm_panels(const at::Tensor &q_in, const at::Tensor &scale
                       op, ": q ", q_in.sizes(), ", scale ", scale_in.sizes(), ", w_panels ",
                       w_panels_in.sizes(), ", w_scale ", w_scale_in.sizes(),
                       " do not fit together");
-    const Operands ops(q_in, scale_in, w_scale_in, bias_in, out_dtype, op);
-    // the kernel's aligned loads: at::empty's storage is 64-byte aligned, a view's may not be
     const bool aligned = w_panels_in.is_contiguous() &&
                          reinterpret_cast<uintptr_t>(w_panels_in.data_ptr()) % 64 == 0;
     const at::Tensor w_panels =
         aligned ? w_panels_in : w_panels_in.clone(at::MemoryFormat::Contiguous);
     TORCH_CHECK(reinterpret_cast<uintptr_t>(w_panels.data_ptr()) % 64 == 0, op,
                 ": could not align the panels to 64 bytes");
+    return w_panels;
+}
+
+/* int8_scaled_mm over the weight packed at load (checked_panels). */
+at::Tensor int8_scaled_mm_panels(const at::Tensor &q_in, const at::Tensor &scale_in,
+                                 const at::Tensor &w_panels_in, const at::Tensor &w_scale_in,
+                                 const std::optional<at::Tensor> &bias_in,
+                                 at::ScalarType out_dtype) {
+    const char *op = "kiln::int8_scaled_mm_panels_native";
+    const at::Tensor w_panels =
+        checked_panels(q_in, scale_in, w_panels_in, w_scale_in, bias_in, op);
+    const Operands ops(q_in, scale_in, w_scale_in, bias_in, out_dtype, op);
+    const int64_t m = q_in.size(0), k = q_in.size(1), n = w_scale_in.numel();
     at::Tensor out = at::empty({m, n}, ops.q.options().dtype(out_dtype));
     check(kiln_int8_gemm_packed(ops.q.data_ptr<int8_t>(), ops.q.stride(0),
                                 ops.scale.data_ptr<float>(), w_panels.data_ptr<uint8_t>(),
@@ -158,6 +169,29 @@ at::Tensor int8_scaled_mm_panels(const at::Tensor &q_in, const at::Tensor &scale
                                 out.data_ptr(), n, m, n, k, ops.out_code, kiln::threads()),
           "kiln_int8_gemm_packed");
     return out;
+}
+
+/* dynamic_int8_quant(silu_and_mul(int8_scaled_mm_panels(...))): q int8 [M, N / 2], scale
+ * float32 [M, 1]; out_dtype is the GEMM's and the activation's. */
+std::tuple<at::Tensor, at::Tensor> int8_scaled_mm_panels_silu_quant(
+    const at::Tensor &q_in, const at::Tensor &scale_in, const at::Tensor &w_panels_in,
+    const at::Tensor &w_scale_in, const std::optional<at::Tensor> &bias_in,
+    at::ScalarType out_dtype) {
+    const char *op = "kiln::int8_scaled_mm_panels_silu_quant_native";
+    const at::Tensor w_panels =
+        checked_panels(q_in, scale_in, w_panels_in, w_scale_in, bias_in, op);
+    const int64_t m = q_in.size(0), k = q_in.size(1), n = w_scale_in.numel();
+    TORCH_CHECK_VALUE(n % 2 == 0, op, ": the weight's ", n, " channels must be even [gate | up]");
+    const Operands ops(q_in, scale_in, w_scale_in, bias_in, out_dtype, op);
+    at::Tensor q = at::empty({m, n / 2}, ops.q.options());
+    at::Tensor scale = at::empty({m, 1}, ops.q.options().dtype(at::kFloat));
+    check(kiln_int8_gemm_silu_quant(ops.q.data_ptr<int8_t>(), ops.q.stride(0),
+                                    ops.scale.data_ptr<float>(), w_panels.data_ptr<uint8_t>(),
+                                    ops.w_scale.data_ptr<float>(), ops.bias_ptr(), ops.bias_code,
+                                    q.data_ptr<int8_t>(), scale.data_ptr<float>(), m, n, k,
+                                    ops.out_code, kiln::threads()),
+          "kiln_int8_gemm_silu_quant");
+    return {q, scale};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_quant(
@@ -225,6 +259,7 @@ std::string isa() {
 int64_t amx_min_rows() { return kiln_int8_amx_min_rows(); }
 int64_t onednn_min_rows() { return ONEDNN_MIN_ROWS; }
 int64_t panels_min_rows() { return PANELS_MIN_ROWS; }
+int64_t silu_quant_min_rows() { return kiln_int8_gemm_silu_quant_min_rows(); }
 
 }  // namespace
 
@@ -233,6 +268,7 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
     m.def("int8_onednn_min_rows() -> int", &onednn_min_rows);
     m.def("int8_amx_min_rows() -> int", &amx_min_rows);
     m.def("int8_panels_min_rows() -> int", &panels_min_rows);
+    m.def("int8_mm_silu_quant_min_rows() -> int", &silu_quant_min_rows);
     /* the IR ops' schemas (kiln/ir/quant.py) */
     m.def("dynamic_int8_quant_native(Tensor x) -> (Tensor, Tensor)");
     m.def("int8_scaled_mm_native(Tensor q, Tensor scale, Tensor w_q, Tensor w_scale, "
@@ -244,6 +280,8 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
     m.def("fused_add_rms_norm_dynamic_int8_quant_native(Tensor x, Tensor residual, "
           "Tensor weight, float eps) -> (Tensor, Tensor, Tensor)");
     m.def("silu_and_mul_dynamic_int8_quant_native(Tensor x) -> (Tensor, Tensor)");
+    m.def("int8_scaled_mm_panels_silu_quant_native(Tensor q, Tensor scale, Tensor w_panels, "
+          "Tensor w_scale, Tensor? bias, ScalarType out_dtype) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
@@ -253,4 +291,5 @@ TORCH_LIBRARY_IMPL(kiln, CPU, m) {
     m.impl("rms_norm_dynamic_int8_quant_native", &rms_norm_quant);
     m.impl("fused_add_rms_norm_dynamic_int8_quant_native", &add_rms_norm_quant);
     m.impl("silu_and_mul_dynamic_int8_quant_native", &silu_and_mul_quant);
+    m.impl("int8_scaled_mm_panels_silu_quant_native", &int8_scaled_mm_panels_silu_quant);
 }
