@@ -109,6 +109,20 @@ def test_mm_silu_quant_blocks_rows_where_the_gemm_runs_on_amx_tiles():
                                                 w_scale[:69], None, torch.float32)
 
 
+@pytest.mark.parametrize("rows", [3, 40])  # the VNNI register tiles, the AMX tiles where granted
+def test_native_keeps_subnormal_outputs_in_bfloat16(rows):
+    """Outputs below float32's smallest normal (scales of 1e-21): the epilogue's one-instruction
+    bfloat16 conversion would flush them to zero; they round as the reference's do."""
+    q, _, w, _, _ = _operands(rows, 64, 64, torch.bfloat16)
+    scale, w_scale = torch.full((rows, 1), 1e-21), torch.full((64,), 1e-21)
+    panels = int8_panels.pack_int8_panels(w)
+    want = quant.int8_scaled_mm.reference(q, scale, w, w_scale, None, torch.bfloat16)
+    assert (want != 0).sum() > rows * 32  # mostly subnormal, not zero
+    if native.isa() is not None:
+        got = native.int8_scaled_mm_panels(q, scale, panels, w_scale, None, torch.bfloat16)
+        assert torch.equal(got, want)
+
+
 def test_native_takes_panels_off_a_64_byte_boundary_and_no_columns():
     if native.isa() is None:
         return

@@ -104,7 +104,11 @@ static inline __attribute__((always_inline)) void tile(
         const __m512 sa = _mm512_set1_ps(a_scale[r]);
         const __m512i off = _mm512_set1_epi32(sums[r]);
         char *row = (char *)out + r * out_stride * es;
-        for (int j = 0; j < NR && c0 + 16 * j < n; ++j)
+        int j = 0;
+        for (; j + 1 < NR && c0 + 16 * j + 32 <= n; j += 2)
+            scale32(acc[r][j], acc[r][j + 1], off, sa, w_scale, bias, bias_dtype, row,
+                    c0 + 16 * j, out_dtype);
+        for (; j < NR && c0 + 16 * j < n; ++j)
             scale16(acc[r][j], off, sa, w_scale, bias, bias_dtype, row, c0 + 16 * j,
                     tail16(n - c0 - 16 * j), out_dtype);
     }
