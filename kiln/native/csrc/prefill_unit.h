@@ -5,6 +5,10 @@
 
 #include <stdint.h>
 
+#if defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+
 #define MASKED (-1e30f) /* a masked score: finite, since the library builds with -ffast-math */
 
 typedef struct {
@@ -50,8 +54,24 @@ static inline void key_rows(const Call *c, const int32_t *blocks, int kv_head, i
 static inline void pack_value_pairs(const void *const *vp, int pairs, int hd, int32_t *vpk) {
     for (int j = 0; j < pairs; ++j) {
         const uint16_t *a = (const uint16_t *)vp[2 * j], *b = (const uint16_t *)vp[2 * j + 1];
-        for (int d = 0; d < hd; ++d)
-            vpk[(int64_t)j * hd + d] = (int32_t)((uint32_t)a[d] | (uint32_t)b[d] << 16);
+        int32_t *dst = vpk + (int64_t)j * hd;
+        int d = 0;
+#if defined(__AVX512BW__)
+        /* 16 dims at a time: the two rows' words interleaved (a scalar loop here took about an
+         * eighth of the AMX path's time) */
+        /* word 2i of the result is a's word i (index i of ab), word 2i + 1 b's (index 16 + i) */
+        const __m512i lo = _mm512_setr_epi32(0x100000, 0x110001, 0x120002, 0x130003, 0x140004,
+                                             0x150005, 0x160006, 0x170007, 0x180008, 0x190009,
+                                             0x1a000a, 0x1b000b, 0x1c000c, 0x1d000d, 0x1e000e,
+                                             0x1f000f);
+        for (; d + 16 <= hd; d += 16) {
+            const __m512i ab = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(a + d))),
+                _mm256_loadu_si256((const __m256i *)(b + d)), 1); /* a[d..d+16], b[d..d+16] */
+            _mm512_storeu_si512(dst + d, _mm512_permutexvar_epi16(lo, ab));
+        }
+#endif
+        for (; d < hd; ++d) dst[d] = (int32_t)((uint32_t)a[d] | (uint32_t)b[d] << 16);
     }
 }
 
