@@ -78,3 +78,29 @@ def test_a_forced_call_that_never_leaves_the_thinking(reasoning_client, tool_cho
     reasoning = "".join(getattr(c.delta, "reasoning_content", None) or ""
                         for chunk in chunks for c in chunk.choices)
     assert (reasoning, *_reassemble(chunks)) == (m.reasoning_content, {}, "length", "")
+
+
+def test_a_think_tag_in_a_message_is_not_the_templates(reasoning_client):
+    """A user asking about "<think>" wrote the tag, not the template: the answer (thinking on,
+    the template opening nothing) is content, whole and streamed alike; the tag read anywhere
+    in the prompt put all of it in reasoning_content."""
+    messages = [{"role": "user", "content": "What does the <think> tag mean?"}]
+    kw = dict(model=NAME, messages=messages, max_tokens=8, temperature=0)
+    m = reasoning_client.chat.completions.create(**kw).choices[0].message
+    assert m.reasoning_content is None and m.content
+    chunks = list(reasoning_client.chat.completions.create(stream=True, **kw))
+    assert "".join(c.delta.content or "" for chunk in chunks for c in chunk.choices) == m.content
+    # The template's own closed block still closes it, after a message that writes </think>.
+    m = reasoning_client.chat.completions.create(
+        model=NAME, max_tokens=8, temperature=0,
+        messages=[{"role": "user", "content": "Say <think> then </think> then <think>"}],
+        extra_body={"structured_outputs": {"regex": "[a-z]{3}"},
+                    "chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
+    assert m.reasoning_content is None and re.fullmatch("[a-z]{3}", m.content)
+    # The message the answer continues is part of what it follows: an open <think> there is.
+    m = reasoning_client.chat.completions.create(
+        model=NAME, max_tokens=8, temperature=0,
+        messages=[*messages, {"role": "assistant", "content": "<think>\nLet me"}],
+        extra_body={"continue_final_message": True, "add_generation_prompt": False}
+    ).choices[0].message
+    assert m.reasoning_content and m.content is None

@@ -52,7 +52,13 @@ from kiln.entrypoints.openai.structured_fields import check_compiles, request_st
 from kiln.entrypoints.openai.tool_parsers.base import ToolCallStream
 from kiln.entrypoints.openai.tool_parsers.tool_plan import ToolPlan, plan_tools
 from kiln.outputs import CompletionOutput
-from kiln.reasoning import END, grammar_thinking_first, grammar_waits_for_reasoning, make_splitter
+from kiln.reasoning import (
+    END,
+    grammar_thinking_first,
+    grammar_waits_for_reasoning,
+    make_splitter,
+    prompt_opens_thinking,
+)
 
 
 def check_generation_flags(req) -> None:
@@ -113,6 +119,24 @@ async def render_chat_prompt(llm: AsyncLLM, messages: list[ChatMessage],
     return prompt
 
 
+async def generation_tail(llm: AsyncLLM, render_args: dict, prompt_text: str) -> str:
+    """The end of a rendered chat prompt that the answer follows: what the template wrote after
+    the earlier turns (the generation prompt; under continue_final_message, the message the
+    answer continues). A think tag written in a message, a tool's description or a document is
+    not the template opening or closing the thinking: read whole, a user asking about "<think>"
+    got an empty answer, all of it taken for reasoning. The whole prompt where the earlier
+    turns' own render is not its start (a template that rewrites history)."""
+    messages = render_args["messages"]
+    earlier = messages[:-1] if render_args["continue_final_message"] else messages
+    if not earlier:
+        return prompt_text
+    before = await render_chat_prompt(llm, **{
+        **render_args, "messages": earlier, "add_generation_prompt": False,
+        "continue_final_message": False, "add_special_tokens": False})
+    start = before["prompt"]
+    return prompt_text[len(start):] if prompt_text.startswith(start) else prompt_text
+
+
 def request_chat_template(req, trusted: bool) -> str | None:
     """The request's own chat template (Jinja text), where the server was started with
     --trust-request-chat-template (vLLM's flag); an empty one means the server's template."""
@@ -162,15 +186,21 @@ class ServingChat:
             constraint, field = plan.constraint, "tools"
         if constraint is not None:
             await check_compiles(constraint, field)
-        prompt = await render_chat_prompt(self.llm, req.messages, req.add_generation_prompt,
-                                          req.continue_final_message, req.chat_template_kwargs,
-                                          req.add_special_tokens, plan.template_tools,
-                                          req.documents, request_chat_template(
-                                              req, self.trust_request_chat_template))
+        render_args = dict(messages=req.messages, add_generation_prompt=req.add_generation_prompt,
+                           continue_final_message=req.continue_final_message,
+                           template_kwargs=req.chat_template_kwargs,
+                           add_special_tokens=req.add_special_tokens,
+                           tools=plan.template_tools, documents=req.documents,
+                           chat_template=request_chat_template(
+                               req, self.trust_request_chat_template))
+        prompt = await render_chat_prompt(self.llm, **render_args)
         prompt = with_cache_salt(prompt, req.cache_salt)
+        prompt_text = prompt.get("prompt")  # what the reasoning parser reads think tags from
+        if self.reasoning_parser is not None and prompt_opens_thinking(prompt_text) is not None:
+            prompt_text = await generation_tail(self.llm, render_args, prompt_text)
         if constraint is not None:
             if (self.reasoning_parser is not None and constraint.reasoning_end is None
-                    and grammar_waits_for_reasoning(self.reasoning_parser, prompt.get("prompt"))):
+                    and grammar_waits_for_reasoning(self.reasoning_parser, prompt_text)):
                 constraint = dataclasses.replace(constraint, reasoning_end=END)
             params.structured_outputs = constraint
         thinking_first = grammar_thinking_first(constraint)
@@ -181,7 +211,7 @@ class ServingChat:
                                max_tokens_param)
         if req.stream:
             return StreamingResponse(self._stream(req, model, request_id, streams, plan,
-                                                  prompt.get("prompt"), thinking_first),
+                                                  prompt_text, thinking_first),
                                      media_type="text/event-stream")
         try:
             final = await until_disconnect(raw, self._collect(streams[0]))
@@ -190,7 +220,7 @@ class ServingChat:
         finally:
             abort_unfinished(self.llm, streams)
         echoed = echo_prefix(req, req.messages)
-        choices = [self._choice(req, plan, prompt.get("prompt"), o, echoed, thinking_first)
+        choices = [self._choice(req, plan, prompt_text, o, echoed, thinking_first)
                    for o in final.outputs]
         usage = make_usage(len(final.prompt_token_ids), sum(len(o.token_ids)
                                                             for o in final.outputs),
