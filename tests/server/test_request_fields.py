@@ -233,7 +233,8 @@ PROBES = {
     # Refused: what they ask for does not exist in Kiln.
     "suffix": lambda c, p: refused(c, p, dict(suffix="w9"), "suffix"),
     "prompt_embeds": lambda c, p: refused(c, p, dict(prompt_embeds="AAAA"), "prompt_embeds"),
-    "best_of": lambda c, p: refused(c, p, dict(best_of=3), "best_of"),
+    "best_of": lambda c, p: (refused(c, p, dict(best_of=3), "best_of"),  # 1 or below n: no
+                             refused(c, p, dict(best_of=1, n=2), "best_of")),
     "use_beam_search": lambda c, p: refused(c, p, dict(use_beam_search=True), "use_beam_search"),
     "length_penalty": lambda c, p: refused(c, p, dict(length_penalty=0.5), "length_penalty"),
     "spaces_between_special_tokens": lambda c, p: refused(

@@ -44,6 +44,10 @@ def refuse_unsupported(req: SamplingFields) -> None:
         raise OpenAIError(f"best_of={req.best_of!r} is refused: extra samples ranked by "
                           "logprob are not supported; omit it (or give 1)", param="best_of",
                           code="unsupported_parameter")
+    n = getattr(req, "n", None) or 1
+    if req.best_of is not None and req.best_of < n:  # OpenAI's and vLLM's rule
+        raise OpenAIError(f"best_of must be >= n, got best_of={req.best_of} and n={n}",
+                          param="best_of", code="invalid_value")
     if req.prompt_logprobs is not None and req.stream:
         raise OpenAIError("prompt_logprobs are not available with stream=true (as in vLLM)",
                           param="prompt_logprobs", code="invalid_value")
