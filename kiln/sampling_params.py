@@ -151,6 +151,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: every token id that ends the request (eos + stop_token_ids).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled by the engine: the end-of-sequence token id where it ends the request (not
+    # ignore_eos); never a stop_reason, even when stop_token_ids holds it too (as in vLLM).
+    eos_stop_token_id: int | None = field(default=None, repr=False)
     # Filled by the engine: bad_words as token id sequences (with and without a leading space).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -295,6 +298,7 @@ class SamplingParams:
             self.top_k = 0
         if eos_token_id is not None and not self.ignore_eos:
             self.all_stop_token_ids.add(eos_token_id)
+            self.eos_stop_token_id = eos_token_id
 
     def check_masks_leave_a_token(self) -> None:
         """Refuse masks that together leave nothing to sample, once the stop tokens and bad

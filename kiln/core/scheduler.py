@@ -34,8 +34,10 @@ def check_stop(request: Request, max_model_len: int, grammar_ended: bool = False
     if ((request.num_output_tokens >= params.min_tokens or grammar_ended)
             and token in params.all_stop_token_ids):
         request.status = RequestStatus.FINISHED_STOPPED
-        # As in vLLM: an explicit stop token is reported, the end-of-sequence token is not.
-        request.stop_reason = token if token in params.stop_token_ids else None
+        # As in vLLM: an explicit stop token is reported, the end-of-sequence token is not
+        # (also where stop_token_ids lists it, unless ignore_eos made it an ordinary token).
+        explicit = token in params.stop_token_ids and token != params.eos_stop_token_id
+        request.stop_reason = token if explicit else None
     elif params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
     elif request.num_tokens >= max_model_len:

@@ -126,6 +126,17 @@ def test_eos_stops_without_stop_reason_unless_ignored():
     results = drain(sched, ex)
     assert results["eos"] == {"tokens": ref[:2], "finish": "stop", "stop_reason": None}
     assert results["ignore"]["tokens"] == ref and results["ignore"]["finish"] == "length"
+    # eos listed in stop_token_ids too: still no stop_reason (vLLM checks eos first), unless
+    # ignore_eos leaves only the explicit stop token
+    sched, ex = make_scheduler()
+    for name, ignore_eos in (("eos", False), ("listed", True)):
+        req = make_request(name, prompt, max_tokens=6, stop_token_ids=[ref[1]],
+                           ignore_eos=ignore_eos)
+        req.sampling_params.update_from_tokenizer(eos_token_id=ref[1], vocab_size=1000)
+        sched.add_request(req)
+    results = drain(sched, ex)
+    assert results["eos"] == {"tokens": ref[:2], "finish": "stop", "stop_reason": None}
+    assert results["listed"] == {"tokens": ref[:2], "finish": "stop", "stop_reason": ref[1]}
 
 
 def test_max_model_len_caps_generation():
