@@ -85,6 +85,18 @@ def test_chat_streams_and_keeps_history(stories):
     assert len(r.stdout.splitlines()) == 2  # one reply per turn, none after "exit"
 
 
+def test_chat_says_when_a_reply_is_empty(stories):
+    """Every character a stop string: each reply ends before its first, and the user is told
+    so rather than shown a bare blank line."""
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }} {% endfor %}"
+    stops = [a for c in " .,!?'\"0123456789abcdefghijklmnopqrstuvwxyz" for a in ("--stop", c)]
+    stops += [a for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ\n" for a in ("--stop", c)]
+    r = kiln("chat", "--model", stories, "--temperature", "0", "--max-tokens", "6",
+             "--chat-template", template, *stops, *ENGINE, stdin="Lily saw a\nexit\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "" and "(empty reply" in r.stderr
+
+
 def test_chat_without_template_is_a_user_error(stories):
     r = kiln("chat", "--model", stories, *ENGINE, stdin="Hi\n")
     assert r.returncode == 2 and "chat template" in r.stderr and "Traceback" not in r.stderr

@@ -83,6 +83,9 @@ def run(args: argparse.Namespace) -> int:
                 hint = f" ({RESET_WORD} starts over)" if len(history) > len(start) else ""
                 print(f"error: {e}{hint}", file=sys.stderr)
                 continue
+            if not reply.strip():  # a blank line alone looks like a hang or a crash
+                print(f"(empty reply: the model ended its turn at once; {RESET_WORD} starts "
+                      "over)", file=sys.stderr, flush=True)
             history.append({"role": "assistant", "content": reply})
             turn += 1
     finally:
