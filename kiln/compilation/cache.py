@@ -73,6 +73,13 @@ def private_inductor_cache_dir() -> Path:
     return path
 
 
+def remove_private_inductor_cache() -> None:
+    """Remove this process's private Inductor cache now, if it made one: for a process that ends
+    in os._exit (the engine core), which runs no atexit handler."""
+    if private_inductor_cache_dir.cache_info().currsize:
+        shutil.rmtree(private_inductor_cache_dir(), ignore_errors=True)
+
+
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 # Set by Inductor itself before it loads each C++ kernel library (which reads it at import).
 _INDUCTOR_WRITES = ("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",)

@@ -250,6 +250,9 @@ def run_engine_core(kiln_config, executor_class: type, input_address: str, outpu
         ctx.term()
     if os.getppid() != parent_pid:  # an orphan (its front end killed): nobody else will
         _remove_ipc_sockets((input_address, output_address))
+    from kiln.compilation.cache import remove_private_inductor_cache
+
+    remove_private_inductor_cache()  # os._exit below runs no atexit handler
     # No interpreter teardown (torch's exit hooks take seconds): the front end waits for it.
     logging.shutdown()
     sys.stdout.flush()

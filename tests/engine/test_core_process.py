@@ -391,3 +391,17 @@ def test_calls_after_the_cores_failure_say_the_engine_is_gone():
     with pytest.raises(EngineCoreDeadError, match="engine core failed: CUDA error") as e:
         client._send(AbortRequests(request_ids=["a"]))
     assert e.value.__cause__ is failure
+
+
+def test_the_core_removes_its_private_inductor_cache(tiny_llama_dir, tmp_path, monkeypatch):
+    """With Kiln's compile cache off, the core compiles into an Inductor cache of its own
+    (compilation/cache.py); it ends in os._exit, which skips atexit, so it removes the directory
+    itself rather than leave one in the temporary directory per start."""
+    monkeypatch.setenv("KILN_DISABLE_COMPILE_CACHE", "1")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the core's tempfile directory
+    llm = LLM(model=str(tiny_llama_dir), max_model_len=64, kv_cache_memory=0.01,
+              compilation_config={"mode": 3})
+    assert list(tmp_path.glob("kiln_inductor_*"))  # compiled there
+    llm.generate(PROMPTS, SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.shutdown()
+    assert not list(tmp_path.glob("kiln_inductor_*"))
