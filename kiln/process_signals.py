@@ -62,6 +62,16 @@ def _drop(*_) -> None:
     pass
 
 
+def die_with_parent() -> None:
+    """A child's preexec_fn: the OS sends the child SIGTERM when the process that started it
+    dies, however it dies (SIGKILL, the OOM killer), so no server started for a command is left
+    running with nobody to stop it. Linux's prctl(PR_SET_PDEATHSIG); elsewhere nothing."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # 1: PR_SET_PDEATHSIG
+
+
 def leave_group_signals_to_parent(who: str) -> None:
     """In a child process: ignore Ctrl-C, and SIGTERM while the parent that started us lives
     (saying so once, for whoever signalled this process alone). An orphan exits on SIGTERM."""

@@ -94,6 +94,50 @@ def test_server_that_dies_at_start_is_one_error_line(monkeypatch, capsys):
     assert "error: `kiln serve` exited with code 2 before it was ready" in err
 
 
+def test_the_server_dies_with_a_killed_bench(monkeypatch):
+    """kill -9 of `kiln bench serve` (the OOM killer, a cancelled job) left the `kiln serve` it
+    started running, holding its port and cores: the server is started to get SIGTERM when the
+    bench dies."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from kiln.entrypoints.cli import bench_serve
+    from kiln.process_signals import die_with_parent
+
+    seen, popen = {}, subprocess.Popen
+    monkeypatch.setattr(bench_serve.subprocess, "Popen", lambda cmd, **kw: seen.update(kw) or
+                        popen([sys.executable, "-c", "raise SystemExit(2)"]))
+    bench_serve.run(build_parser().parse_args(["bench", "serve", "--model", "/m",
+                                               "--num-prompts", "1"]))
+    assert seen["preexec_fn"] is die_with_parent
+    # the mechanism: a parent that starts a sleeper so, then dies of SIGKILL
+    code = ("import subprocess, sys, time; from kiln.process_signals import die_with_parent; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], "
+            "preexec_fn=die_with_parent); print(p.pid, flush=True); time.sleep(300)")
+    parent = popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        try:  # reaped by init, or a zombie of it: either way gone once /proc says so
+            if open(f"/proc/{child}/stat").read().split()[2] == "Z":
+                break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the child outlived its killed parent")
+
+
 def test_stall_record_tells_a_request_s_own_gaps_from_the_waits_between_requests():
     from kiln.benchmarks.stall_probe import StreamRecord
 

@@ -13,6 +13,7 @@ import urllib.request
 
 from kiln.engine.arg_utils import EngineArgs
 from kiln.executor.free_port import free_port
+from kiln.process_signals import die_with_parent
 
 
 def register_bench(kinds) -> None:
@@ -108,7 +109,9 @@ def run(args: argparse.Namespace) -> int:
         if args.api_key:
             cmd += ["--api-key", args.api_key]
         print("starting: " + " ".join(cmd), file=sys.stderr, flush=True)
-        proc = subprocess.Popen(cmd, stdout=sys.stderr, env=os.environ.copy())
+        # a SIGKILLed bench (the OOM killer, a cancelled CI job) must not leave it serving
+        proc = subprocess.Popen(cmd, stdout=sys.stderr, env=os.environ.copy(),
+                                preexec_fn=die_with_parent)
     try:
         if proc is not None:
             try:
