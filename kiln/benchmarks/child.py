@@ -1,11 +1,15 @@
 """A benchmark's child process: run it, and read the JSON report it prints last.
 
-Failures and a run past the benchmark's --timeout are RuntimeErrors naming the command.
+A child refusing its arguments (exit 2 after one "error: ..." line, as the `kiln` command does)
+is that ValueError again; other failures and a run past the benchmark's --timeout are
+RuntimeErrors naming the command.
 """
 import json
 import shlex
 import subprocess
 import time
+
+from kiln.entrypoints.cli.main import USAGE_ERROR_EXIT
 
 
 def run_json_child(argv: list[str], *, timeout: float | None, env: dict | None = None
@@ -18,6 +22,9 @@ def run_json_child(argv: list[str], *, timeout: float | None, env: dict | None =
         raise RuntimeError(f"`{shlex.join(argv)}` ran past --timeout {timeout} s") from None
     wall = time.perf_counter() - start
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    last = (proc.stderr.strip().splitlines() or [""])[-1]
+    if proc.returncode == USAGE_ERROR_EXIT and last.startswith("error: "):
+        raise ValueError(last.removeprefix("error: "))  # the arguments: the user's to fix
     if proc.returncode != 0 or not lines:
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
         raise RuntimeError(f"`{shlex.join(argv)}` failed (exit {proc.returncode}):\n{tail}")

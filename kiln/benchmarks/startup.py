@@ -66,8 +66,13 @@ def _round(value):
 
 
 if __name__ == "__main__":
-    launched_at, kwargs, prompt_text, tokens = json.loads(sys.argv[1])
-    print(json.dumps(measure(launched_at, kwargs, prompt_text, tokens)), flush=True)
-    from kiln.entrypoints.cli.main import exit_without_teardown
+    from kiln.entrypoints.cli.main import USAGE_ERROR_EXIT, exit_without_teardown
 
+    launched_at, kwargs, prompt_text, tokens = json.loads(sys.argv[1])
+    try:
+        report = measure(launched_at, kwargs, prompt_text, tokens)
+    except (ValueError, FileNotFoundError) as e:  # the arguments, as the `kiln` command says
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        exit_without_teardown(USAGE_ERROR_EXIT)
+    print(json.dumps(report), flush=True)
     exit_without_teardown(0)  # as the `kiln` command exits

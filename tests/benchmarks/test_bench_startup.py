@@ -1,6 +1,6 @@
 """Benchmarks' child processes: their JSON report read back with the environment given, and
-`kiln bench startup`'s own failures: a bad --timeout is refused, and a process that runs past
-it is one error line (a subprocess traceback before)."""
+`kiln bench startup`'s own failures: a bad --timeout is refused, a process that runs past it
+is one error line (a subprocess traceback before), and so is a child refusing its arguments."""
 import sys
 
 import pytest
@@ -33,3 +33,13 @@ def test_a_child_runs_in_the_environment_given_and_its_last_json_line_is_the_rep
     assert report == {"env": "v"} and wall > 0
     with pytest.raises(RuntimeError, match=r"failed \(exit 3\)"):
         run_json_child([sys.executable, "-c", "raise SystemExit(3)"], timeout=60)
+
+
+def test_a_child_refusing_its_arguments_is_that_error_again():
+    code = "import sys; print('error: prompt 0: prompt is empty', file=sys.stderr); sys.exit(2)"
+    with pytest.raises(ValueError, match="^prompt 0: prompt is empty$"):
+        run_json_child([sys.executable, "-c", code], timeout=60)
+    # the startup child itself: a model that is not there is the user's to fix, not a traceback
+    with pytest.raises((ValueError, FileNotFoundError)) as e:
+        run(args_of("--model", "/no/such/model", "--runs", "1"))
+    assert "/no/such/model" in str(e.value) and "Traceback" not in str(e.value)
