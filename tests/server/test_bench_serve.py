@@ -23,7 +23,11 @@ def test_arrivals_are_poisson_at_the_rate_and_zero_for_inf():
                                           (["--server-start-timeout", "-5"],
                                            "--server-start-timeout"),
                                           (["--server-start-timeout", "nan"],
-                                           "--server-start-timeout")])
+                                           "--server-start-timeout"),
+                                          # a running server's: configured already
+                                          (["--base-url", "http://127.0.0.1:9", "-tp", "2",
+                                            "--enforce-eager"],
+                                           "--enforce-eager, --tensor-parallel-size")])
 def test_bad_flags_are_refused_before_a_server_starts(flags, named):
     from kiln.entrypoints.cli import bench_serve
 

@@ -97,13 +97,22 @@ def run(args: argparse.Namespace) -> int:
                          f"{args.stall_id_prompt_clients}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    engine_flags = EngineArgs.from_cli_args(args).to_cli_args()
+    if args.base_url is not None:
+        # --model names the served model in each request; the rest would configure a server
+        # that is already running, and were dropped without a word
+        given = [f for f in engine_flags if f.startswith("--") and f != "--model"]
+        if given:
+            raise ValueError(f"{', '.join(given)}: engine flags configure the server `kiln "
+                             "bench serve` starts; with --base-url it is already running "
+                             "(drop them, or drop --base-url)")
     proc = None
     base_url = args.base_url
     if base_url is None:
         port = free_port()
         base_url = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "kiln.entrypoints.cli.main", "serve", "--port", str(port),
-               "--disable-access-log", *EngineArgs.from_cli_args(args).to_cli_args()]
+               "--disable-access-log", *engine_flags]
         if args.stall_probe:  # its 4 MB bodies, past the default 4 MiB limit with the JSON
             cmd += ["--max-request-body-bytes", str(8 << 20)]
         if args.api_key:
