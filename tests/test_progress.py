@@ -41,3 +41,14 @@ def test_weight_loading_and_warm_up_draw_on_a_terminal(monkeypatch, tiny_llama_d
     drawn = terminal.getvalue()
     assert "loading weights" in drawn and model.count > 0
     assert "warming up" in drawn
+
+
+def test_bars_lock_with_a_thread_lock_not_a_semaphore():
+    """tqdm's default lock holds a multiprocessing semaphore, which every rank process of a
+    multi-rank engine left behind ("2 leaked semaphore objects" at each exit)."""
+    import threading
+
+    from tqdm import tqdm
+
+    list(progress(range(3), desc="x"))
+    assert isinstance(tqdm.get_lock(), type(threading.RLock()))
