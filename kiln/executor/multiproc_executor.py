@@ -31,6 +31,9 @@ logger = init_logger(__name__)
 # How long a rank may take to start (load, join the groups) before the engine gives up on it.
 STARTUP_TIMEOUT_S = 600.0
 _JOIN_S = 5.0
+# How long a rank's error waits for a peer's death to show: a killed rank's peers see its
+# socket close (gloo: "Connection closed by peer") before the engine sees it gone.
+_PEER_DEATH_S = 0.5
 
 
 class WorkerFailedError(RuntimeError):
@@ -184,11 +187,27 @@ class MultiprocExecutor(Executor):
                     except (EOFError, OSError):
                         continue  # its sentinel says how it ended
                     if status == "error":
+                        # A collective fails in every rank when one dies: name the dead one
+                        dead = self._dead_rank(_PEER_DEATH_S, besides=rank)
+                        if dead is not None:
+                            self._fail_dead(dead, f"during {what}")
                         self._fail(f"worker rank {rank} failed during {what}:\n{value}")
                     replies[rank] = value
                 elif by_sentinel[obj] not in replies:
                     self._fail_dead(by_sentinel[obj], f"during {what}")
         return [replies[r] for r in range(self.world_size)]
+
+    def _dead_rank(self, wait_s: float, besides: int | None = None) -> int | None:
+        """A rank whose process has ended (waiting up to `wait_s` for one), else None.
+        `besides`: a rank that reported an error: another's death only counts if it died of a
+        signal or an error (a rank that reported its own error then exits cleanly)."""
+        sentinels = {p.sentinel: r for r, p in enumerate(self.procs) if r != besides}
+        for sentinel in multiprocessing.connection.wait(list(sentinels), timeout=wait_s):
+            rank = sentinels[sentinel]
+            self.procs[rank].join(0.1)
+            if besides is None or self.procs[rank].exitcode != 0:
+                return rank
+        return None
 
     def _fail_dead(self, rank: int, when: str) -> None:
         proc = self.procs[rank]
@@ -202,10 +221,9 @@ class MultiprocExecutor(Executor):
     def check_health(self) -> None:
         if self.failure is not None:
             raise WorkerFailedError(f"the engine's workers are gone: {self.failure}")
-        sentinels = self.rank_sentinels()
-        dead = multiprocessing.connection.wait(sentinels, timeout=0)
-        if dead:
-            self._fail_dead(sentinels.index(dead[0]), "between steps")
+        dead = self._dead_rank(0)
+        if dead is not None:
+            self._fail_dead(dead, "between steps")
 
     def _run_on_all(self, method: str, *args) -> list:
         if self.failure is not None:
