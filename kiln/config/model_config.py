@@ -64,6 +64,9 @@ class ModelConfig(FreezableConfig):
     # auto: the checkpoint's generation_config.json gives sampling defaults; vllm: none; or a
     # directory holding a generation_config.json.
     generation_config: str = "auto"
+    # Most logprobs (and prompt_logprobs) a request may ask for; -1: the whole vocabulary.
+    # vLLM's --max-logprobs, and its default.
+    max_logprobs: int = 20
 
     model_path: Path = field(init=False)
     tokenizer_path: Path | None = field(init=False, default=None)
@@ -77,6 +80,11 @@ class ModelConfig(FreezableConfig):
 
     def __post_init__(self):
         from kiln.platforms import current_platform
+
+        if not (isinstance(self.max_logprobs, int) and not isinstance(self.max_logprobs, bool)
+                and self.max_logprobs >= -1):
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 (the vocabulary), "
+                             f"got {self.max_logprobs!r}")
 
         if self.model is None:
             from kiln.model.loader.default_model import default_model_path
@@ -187,6 +195,11 @@ class ModelConfig(FreezableConfig):
     @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
+
+    @property
+    def logprobs_cap(self) -> int:
+        """The most (prompt_)logprobs a request may ask for: max_logprobs, -1 the vocabulary."""
+        return self.vocab_size if self.max_logprobs == -1 else self.max_logprobs
 
     @property
     def hidden_size(self) -> int:

@@ -82,6 +82,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     chat_template: str | None = None  # a Jinja file or the template text
     generation_config: str = "auto"  # auto | vllm | a directory with generation_config.json
+    max_logprobs: int = 20  # most (prompt_)logprobs a request may ask for; -1: the vocabulary
     quantization: str | None = None  # "int8": W8A8 on load; a quantized checkpoint sets it
     ir_op_priority: dict | None = None  # {"rms_norm": ["native", "torch"]}; see kiln/ir/
     # vLLM's arguments that have one meaning here, taken so users' scripts and flags carry over
@@ -165,6 +166,7 @@ class EngineArgs:
                                    skip_tokenizer_init=self.skip_tokenizer_init,
                                    chat_template=self.chat_template,
                                    generation_config=self.generation_config,
+                                   max_logprobs=self.max_logprobs,
                                    quantization=self.quantization)
         return KilnConfig(model_config=model_config, cache_config=cache_config,
                           scheduler_config=scheduler_config, parallel_config=parallel_config,
@@ -203,6 +205,9 @@ class EngineArgs:
                        choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
         g.add_argument("--max-model-len", type=int, default=d.max_model_len,
                        help="context length (prompt + output); default: the model's")
+        g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                       help="most logprobs (and prompt_logprobs) a request may ask for; -1: "
+                            "the whole vocabulary")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                        help="most sequences in one step")
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,

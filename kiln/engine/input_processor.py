@@ -196,6 +196,15 @@ def chat_messages(messages: list) -> list[dict]:
     return out
 
 
+def check_logprobs_cap(params, cap: int) -> None:
+    """The request's logprobs and prompt_logprobs within the engine's max_logprobs."""
+    for name in ("logprobs", "prompt_logprobs"):
+        v = getattr(params, name)
+        if v is not None and v > cap:
+            raise ValueError(f"{name} must be <= {cap}, the engine's max_logprobs "
+                             f"(--max-logprobs), got {v}")
+
+
 def chat_render_kwargs(add_generation_prompt: bool, continue_final_message: bool,
                        chat_template: str | None, chat_template_kwargs: dict | None) -> dict:
     """The arguments for rendering a chat; chat_template_kwargs override the named flags, as
@@ -235,6 +244,7 @@ class InputProcessor:
         self.max_model_len = model_config.max_model_len  # the engine may lower it (its KV)
         self.config_max_model_len = model_config.max_model_len
         self.vocab_size = model_config.vocab_size
+        self.max_logprobs = model_config.logprobs_cap
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.extra_eos_token_ids = set(extra_eos_token_ids)
         # Tokens the whole KV cache holds, once the engine sized it (None: not known yet).
@@ -328,6 +338,7 @@ class InputProcessor:
             from kiln.structured_output.xgrammar_backend import check_structured_outputs
 
             check_structured_outputs(params.structured_outputs)
+        check_logprobs_cap(params, self.max_logprobs)
         params.update_from_tokenizer(self.eos_token_id, self.vocab_size)
         if params.bad_words:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)

@@ -76,8 +76,23 @@ def test_prompt_logprobs_compiled_and_streamed_once(tiny_qwen2_dir):
     _check(prompt, carrying[0], _hf_logprobs(tiny_qwen2_dir, prompt), 2)
 
 
-def test_prompt_logprobs_validated():
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=21)
+def test_prompt_logprobs_validated(tiny_llama_dir):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
+    # the cap is the engine's: vLLM's --max-logprobs, 20 by default, -1 the vocabulary
+    llm = LLM(model=str(tiny_llama_dir), enforce_eager=True, max_model_len=64,
+              kv_cache_memory=0.01)
+    prompt = {"prompt_token_ids": [1, 2, 3]}
+    for name in ("prompt_logprobs", "logprobs"):
+        with pytest.raises(ValueError, match=f"{name} must be <= 20.*--max-logprobs"):
+            llm.generate(prompt, SamplingParams(max_tokens=1, **{name: 21}), use_tqdm=False)
+    llm.shutdown()
+    llm = LLM(model=str(tiny_llama_dir), enforce_eager=True, max_model_len=64,
+              kv_cache_memory=0.01, max_logprobs=-1)
+    vocab = llm.llm_engine.kiln_config.model_config.vocab_size
+    out = llm.generate(prompt, SamplingParams(max_tokens=1, logprobs=30, prompt_logprobs=vocab),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].logprobs[0]) >= 30 and len(out.prompt_logprobs[1]) >= vocab
+    llm.shutdown()
+    with pytest.raises(ValueError, match="max_logprobs must be"):
+        LLM(model=str(tiny_llama_dir), enforce_eager=True, max_logprobs=-2)

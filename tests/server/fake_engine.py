@@ -9,7 +9,7 @@ import time
 from types import SimpleNamespace
 
 from kiln.config import CacheConfig
-from kiln.engine.input_processor import validate_prompt_token_ids
+from kiln.engine.input_processor import check_logprobs_cap, validate_prompt_token_ids
 from kiln.outputs import CompletionOutput, Logprob, RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -36,7 +36,8 @@ class FakeEngine:
     def __init__(self, max_model_len: int = 64, step_delay: float = 0.0):
         self.tokenizer = FakeTokenizer()
         model_config = SimpleNamespace(model="fake-model", max_model_len=max_model_len,
-                                       vocab_size=VOCAB, generation_defaults={})
+                                       vocab_size=VOCAB, generation_defaults={},
+                                       logprobs_cap=20)
         self.kiln_config = SimpleNamespace(model_config=model_config,
                                            cache_config=CacheConfig(block_size=16))
         self.step_delay = step_delay
@@ -73,6 +74,7 @@ class FakeEngine:
             text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
         # The engine's own checks: ids within the vocabulary, room to generate.
         validate_prompt_token_ids(ids, VOCAB, self.kiln_config.model_config.max_model_len)
+        check_logprobs_cap(params, self.kiln_config.model_config.logprobs_cap)
         params.clone().update_from_tokenizer(EOS, VOCAB)  # token-id fields within it
         room = self.kiln_config.model_config.max_model_len - len(ids)
         if max_tokens_must_fit and params.max_tokens is not None and params.max_tokens > room:

@@ -95,8 +95,9 @@ def _nulls_allowed(model_schema: dict) -> None:
         model_schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **keep}
 
 
-def _sampling_ranges(model_schema: dict) -> None:
-    """The sampling fields' ranges, as SamplingParams checks them (outside is a 400)."""
+def _sampling_ranges(model_schema: dict, max_logprobs: int) -> None:
+    """The sampling fields' ranges, as SamplingParams and the engine check them (outside is a
+    400); `max_logprobs`: the engine's cap on (top_/prompt_)logprobs."""
     from kiln.sampling_params import (
         _MAX_REPETITION_PENALTY,
         _MIN_REPETITION_PENALTY,
@@ -111,9 +112,9 @@ def _sampling_ranges(model_schema: dict) -> None:
               "repetition_penalty": {"minimum": _MIN_REPETITION_PENALTY,
                                      "maximum": _MAX_REPETITION_PENALTY},
               "max_tokens": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
-              "min_tokens": {"minimum": 0}, "logprobs": {"minimum": 0, "maximum": 20},
-              "top_logprobs": {"minimum": 0, "maximum": 20},
-              "prompt_logprobs": {"minimum": 0, "maximum": 20}}
+              "min_tokens": {"minimum": 0},
+              **{name: {"minimum": 0, "maximum": max_logprobs}
+                 for name in ("logprobs", "top_logprobs", "prompt_logprobs")}}
     props = model_schema.get("properties", {})
     if "best_of" in props:  # one sample per choice (sampling.refuse_unsupported)
         props["best_of"] = {"anyOf": [{"const": 1}, {"type": "null"}], "title": "Best Of"}
@@ -197,13 +198,14 @@ def patch_schema(schema: dict, vocab_size: int | None = None,
                  empty_text_has_tokens: bool = True, reasoning_parser: bool = False,
                  max_model_len: int | None = None,
                  open_paths: tuple[str, ...] | None = None,
-                 request_chat_template: bool = False) -> dict:
+                 request_chat_template: bool = False, max_logprobs: int = 20) -> dict:
     """`vocab_size`: the served model's, bounding the token-id fields (None: unbounded).
     `empty_text_has_tokens`: the tokenizer adds BOS, so "" is a prompt (else refused).
     `reasoning_parser`: the server splits reasoning off (include_reasoning may be false).
     `max_model_len`: the served context, bounding the tokens to generate.
     `open_paths`: with --api-key, the paths that take no key (None: no key anywhere).
-    `request_chat_template`: --trust-request-chat-template (else chat_template is null only)."""
+    `request_chat_template`: --trust-request-chat-template (else chat_template is null only).
+    `max_logprobs`: the engine's cap on (top_/prompt_)logprobs (--max-logprobs, resolved)."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components["ErrorResponse"] = ErrorResponse.model_json_schema(
         ref_template="#/components/schemas/{model}")
@@ -257,7 +259,7 @@ def patch_schema(schema: dict, vocab_size: int | None = None,
         if model in components:
             _off_only(components[model], reasoning_parser)
             switched_fields(components[model])
-            _sampling_ranges(components[model])
+            _sampling_ranges(components[model], max_logprobs)
             so = components[model]["properties"].get("structured_outputs", {})
             so["anyOf"] = [_structured_outputs_object() if m.get("type") == "object" else m
                            for m in so.get("anyOf", ())]

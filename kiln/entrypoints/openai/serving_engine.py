@@ -19,7 +19,8 @@ SSE_DONE = "data: [DONE]\n\n"
 # Request fields an engine refusal may name, under the same name in the API.
 _SAME_NAME_FIELDS = {name: name for name in ("logit_bias", "allowed_token_ids", "bad_words",
                                              "truncate_prompt_tokens", "cache_salt",
-                                             "request_id")}
+                                             "request_id", "max_tokens", "logprobs",
+                                             "prompt_logprobs", "stop_token_ids")}
 
 
 def sse(payload: BaseModel | dict) -> str:
@@ -43,11 +44,12 @@ def continuous_usage(req) -> bool:
 
 
 def add_request_error(e: ValueError, prompt_param: str,
-                      max_tokens_param: str = "max_tokens") -> OpenAIError:
-    """A ValueError from LLMEngine.add_request as a 400 naming the request field."""
-    message, param = in_api_terms(str(e), {"stop_token_ids": "stop_token_ids",
-                                           "max_tokens": max_tokens_param,
-                                           "prompt": prompt_param, **_SAME_NAME_FIELDS})
+                      renamed: dict[str, str] | None = None) -> OpenAIError:
+    """A ValueError from LLMEngine.add_request as a 400 naming the request field; `renamed`:
+    engine names the request calls otherwise (chat: max_tokens -> max_completion_tokens,
+    logprobs -> top_logprobs)."""
+    message, param = in_api_terms(str(e), {**_SAME_NAME_FIELDS, "prompt": prompt_param,
+                                           **(renamed or {})})
     param = param or prompt_param
     code = "context_length_exceeded" if "max_model_len" in message else "invalid_value"
     return OpenAIError(message, param=param, code=code)
@@ -66,7 +68,8 @@ def check_num_sequences(num_prompts: int, n: int, limit: int | None, prompt_para
 
 
 async def submit(llm: AsyncLLM, base_id: str, prompts: list, params: SamplingParams,
-                 prompt_param: str, max_tokens_param: str = "max_tokens") -> list[RequestStream]:
+                 prompt_param: str, renamed: dict[str, str] | None = None
+                 ) -> list[RequestStream]:
     """Add every prompt as its own request; if one is refused, none stays queued. As OpenAI
     and vLLM do, a max_tokens that does not fit beside the prompt is refused (400)."""
     check_num_sequences(len(prompts), params.n, llm.max_sequences_per_request, prompt_param)
@@ -82,7 +85,7 @@ async def submit(llm: AsyncLLM, base_id: str, prompts: list, params: SamplingPar
                                                  max_tokens_must_fit=True, processed=item))
     except ValueError as e:  # the whole call is refused (400): its requests never ran
         await llm.abort([s.request_id for s in streams], record=False)
-        raise add_request_error(e, prompt_param, max_tokens_param) from None
+        raise add_request_error(e, prompt_param, renamed) from None
     except EngineDeadError as e:
         await llm.abort([s.request_id for s in streams])
         raise _engine_dead(e) from None
