@@ -106,7 +106,10 @@ def validate_prompt_token_ids(token_ids: list[int], vocab_size: int, max_model_l
             f"{max_model_len} (prompt must be shorter than max_model_len); shorten the prompt "
             f"or {longer}")
     for t in token_ids:
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise ValueError(f"prompt token id {t!r} is a {type(t).__name__}: token ids are "
+                             "integers")
+        if not 0 <= t < vocab_size:
             raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab_size})")
 
 
@@ -318,6 +321,11 @@ class InputProcessor:
         text, token_ids = self.tokenize(prompt, whole=truncates)
         params = (params or SamplingParams()).clone()
         params.verify()  # fields may have changed since the user built it
+        if (params.truncate_prompt_tokens is not None
+                and params.truncate_prompt_tokens >= self.max_model_len):
+            raise ValueError(f"truncate_prompt_tokens {params.truncate_prompt_tokens} leaves no "
+                             f"room to generate within max_model_len {self.max_model_len}: give "
+                             f"at most {self.max_model_len - 1}, or -1 (as many as fit)")
         from_text = not (isinstance(prompt, dict) and "prompt_token_ids" in prompt)
         token_ids = truncate_prompt(
             token_ids, params.truncate_prompt_tokens, self.max_model_len,

@@ -179,6 +179,17 @@ def test_truncate_to_minus_one_leaves_room_to_generate(proc):
     assert len(out.prompt_token_ids) == 63 and out.params.max_tokens == 1
 
 
+def test_truncation_past_the_context_and_ids_that_are_no_integers_say_so(proc):
+    """truncate_prompt_tokens 100 of a 64-token context was 'prompt length 100 leaves no room
+    ... shorten the prompt', though the user had asked to truncate it; a float or bool id was
+    'outside the vocabulary', though 1.0 is inside it (as vLLM refuses both)."""
+    with pytest.raises(ValueError, match="truncate_prompt_tokens 100 leaves no room.*at most 63"):
+        proc.process({"prompt_token_ids": [5] * 200}, SamplingParams(truncate_prompt_tokens=100))
+    for bad in (1.0, True):
+        with pytest.raises(ValueError, match=f"token id {bad!r} is a .*token ids are integers"):
+            proc.process({"prompt_token_ids": [bad]}, SamplingParams())
+
+
 @pytest.mark.parametrize("prompt, message", [
     ({"prompt": "hi", "multi_modal_data": {"image": 1}}, "'multi_modal_data' is not supported"),
     ({"prompt": "hi", "mm_processor_kwargs": {}}, "'mm_processor_kwargs' is not supported"),
