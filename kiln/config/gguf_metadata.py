@@ -73,11 +73,28 @@ def _load(gguf: Path, part: str, auto_class):
     return value
 
 
+# The GGUF architectures Kiln's models run (general.architecture).
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def check_architecture(table: dict, gguf: Path) -> None:
+    """Refuse a file whose general.architecture Kiln does not run, naming the file and what it
+    runs: before transformers reads it, whose own refusal of an architecture it lacks named
+    neither."""
+    arch = table["architecture"]
+    if arch is None:
+        raise ValueError(f"GGUF file {gguf} has no general.architecture field")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF file {gguf}: architecture {arch!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+
+
 def load_config(gguf: Path):
     """AutoConfig of a .gguf file, as an HFConfigSnapshot (converted once, then read back)."""
     from kiln.config.hf_config_snapshot import cached_snapshot
 
     table = load_tensor_table(gguf)
+    check_architecture(table, gguf)
     missing = table.get("missing_metadata")
     if missing:  # transformers would fill in its defaults: a model of the wrong shape
         raise ValueError(f"GGUF file {gguf} lacks the metadata {', '.join(missing)}; the file "

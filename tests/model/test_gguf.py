@@ -62,13 +62,14 @@ def llama_cpp_tensor(hf_name: str, t: torch.Tensor, hf_config) -> tuple[str, np.
     return gname, w
 
 
-def write_tiny_gguf(path, hf_state: dict, hf_config, types: dict = _TYPES) -> dict:
+def write_tiny_gguf(path, hf_state: dict, hf_config, types: dict = _TYPES,
+                    arch: str = "llama") -> dict:
     """Write hf_state as a llama GGUF (llama.cpp name part -> storage type in `types`, F32 when
     absent; K-quant tensors hold random blocks, see gguf_blocks); returns the float32 values a
-    correct loader must produce."""
+    correct loader must produce. `arch`: the general.architecture it claims."""
     import gguf
 
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(hf_config.num_hidden_layers)
     expected = {}
     for name, t in hf_state.items():
@@ -411,3 +412,19 @@ def test_a_gguf_file_with_load_format_safetensors_names_the_flag(tiny_llama_dir,
                     kiln_config_for(tiny_llama_dir).model_config.hf_config)
     with pytest.raises(ValueError, match="use --load-format gguf"):
         ModelConfig(model=str(path), load_format="safetensors")
+
+
+def test_an_architecture_kiln_lacks_is_refused_naming_the_file_and_what_it_runs(
+        tiny_llama_dir, tmp_path):
+    """Before transformers reads the file: its own refusal ("GGUF model with architecture gemma
+    is not supported yet") named neither the file nor Kiln's architectures."""
+    from safetensors.torch import load_file
+
+    from kiln.config import ModelConfig
+
+    path = tmp_path / "gemma.gguf"
+    write_tiny_gguf(path, load_file(str(tiny_llama_dir / "model.safetensors")),
+                    kiln_config_for(tiny_llama_dir).model_config.hf_config, arch="gemma")
+    with pytest.raises(ValueError, match=r"gemma.gguf: architecture 'gemma' is not supported; "
+                                         r"supported: llama, mistral, qwen2, qwen3"):
+        ModelConfig(model=str(path))

@@ -16,7 +16,6 @@ from kiln.logger import init_logger
 
 logger = init_logger(__name__)
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # llama.cpp permutes q/k rows only for the architectures it ropes in the "normal" (GPT-J) style.
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
@@ -108,18 +107,14 @@ def iterate_gguf(path: Path, hf_config,
     {HF name: (ggml type id, uint8 [rows, row_bytes] blocks, rows in HF order)}."""
     import gguf
 
-    from kiln.config.gguf_metadata import load_tensor_table
+    from kiln.config.gguf_metadata import check_architecture, load_tensor_table
     from kiln.native.gguf_matmul import QTYPES
 
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     table = load_tensor_table(path)  # parsed once per file, then read from Kiln's cache
+    check_architecture(table, path)
     arch = table["architecture"]
-    if arch is None:
-        raise ValueError(f"GGUF file {path} has no general.architecture field")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
-                         f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     data = np.memmap(path, mode="r")
