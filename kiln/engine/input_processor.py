@@ -352,6 +352,11 @@ class InputProcessor:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.extra_eos_token_ids
+            # As vLLM does: the model's other end tokens (generation_config) are stop tokens,
+            # reported as the stop_reason; the tokenizer's eos is not
+            extra = sorted(self.extra_eos_token_ids - set(params.stop_token_ids)
+                           - {params.eos_stop_token_id})
+            params.stop_token_ids = [*params.stop_token_ids, *extra]
         params.check_masks_leave_a_token()
         clip_max_tokens(params, len(token_ids), self.max_model_len, max_tokens_must_fit)
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None

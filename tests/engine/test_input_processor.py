@@ -61,8 +61,11 @@ def test_params_are_resolved_on_a_copy(proc, tokenizer):
     assert out.params is not user and user.max_tokens is None
     assert out.params.max_tokens == 60  # up to max_model_len
     assert out.params.all_stop_token_ids == {9, tokenizer.eos_token_id, 7}
+    # the model's extra end token (7) is a stop token, reported as stop_reason as vLLM does;
+    # the tokenizer's eos stays apart (never reported)
+    assert out.params.stop_token_ids == [9, 7] and user.stop_token_ids == [9]
     ignore = proc.process({"prompt_token_ids": [1]}, SamplingParams(ignore_eos=True))
-    assert ignore.params.all_stop_token_ids == set()
+    assert ignore.params.all_stop_token_ids == set() and ignore.params.stop_token_ids == []
 
 
 def test_stop_token_outside_vocab(proc):
