@@ -13,7 +13,8 @@ from kiln.sampling_params import SamplingParams
     # 1e-50 is 0 in float32: the sampler's logits would become NaN
     ("repetition_penalty", 0), ("repetition_penalty", 1e-50),
     ("repetition_penalty", 1e7), ("repetition_penalty", math.inf), ("output_kind", 7), ("output_kind", True),
-    ("max_tokens", 0), ("min_tokens", -1), ("logprobs", 21), ("prompt_logprobs", -1),
+    ("max_tokens", 0), ("min_tokens", -1), ("logprobs", -1), ("prompt_logprobs", -1),
+    ("logprobs", 1.5),  # above the cap (--max-logprobs) is the engine's to refuse
     # torch generators take 64 bits
     ("seed", 2 ** 63), ("seed", -2 ** 63 - 1), ("seed", 1.5),
     ("stop", [""]), ("stop_token_ids", [-1]),
