@@ -249,7 +249,8 @@ class InputProcessor:
         self.vocab_size = model_config.vocab_size
         self.max_logprobs = model_config.logprobs_cap
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
-        self.extra_eos_token_ids = set(extra_eos_token_ids)
+        # an id past the vocabulary is never sampled (and would fail stop_token_ids' check)
+        self.extra_eos_token_ids = {t for t in extra_eos_token_ids if 0 <= t < self.vocab_size}
         # Tokens the whole KV cache holds, once the engine sized it (None: not known yet).
         self.kv_cache_tokens: int | None = None
 
@@ -347,16 +348,15 @@ class InputProcessor:
 
             check_structured_outputs(params.structured_outputs)
         check_logprobs_cap(params, self.max_logprobs)
+        if not params.ignore_eos:
+            # As vLLM does: the model's other end tokens (generation_config) are stop tokens,
+            # reported as the stop_reason; the tokenizer's eos is not (update_from_tokenizer)
+            extra = sorted(self.extra_eos_token_ids - set(params.stop_token_ids)
+                           - {self.eos_token_id})
+            params.stop_token_ids = [*params.stop_token_ids, *extra]
         params.update_from_tokenizer(self.eos_token_id, self.vocab_size)
         if params.bad_words:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
-        if not params.ignore_eos:
-            params.all_stop_token_ids |= self.extra_eos_token_ids
-            # As vLLM does: the model's other end tokens (generation_config) are stop tokens,
-            # reported as the stop_reason; the tokenizer's eos is not
-            extra = sorted(self.extra_eos_token_ids - set(params.stop_token_ids)
-                           - {params.eos_stop_token_id})
-            params.stop_token_ids = [*params.stop_token_ids, *extra]
         params.check_masks_leave_a_token()
         clip_max_tokens(params, len(token_ids), self.max_model_len, max_tokens_must_fit)
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None

@@ -29,10 +29,6 @@ class BadWordIndex:
         return banned
 
 
-def bad_word_bans(bad_words_token_ids: list[list[int]], output_token_ids) -> list[int]:
-    return BadWordIndex(bad_words_token_ids).bans(output_token_ids)
-
-
 def apply_allowed_token_ids(logits: torch.Tensor, rows: torch.Tensor,
                             allowed: torch.Tensor) -> torch.Tensor:
     """Rows `rows` [R] keep only the tokens allowed [R, V] (bool) marks; in place."""

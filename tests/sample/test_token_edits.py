@@ -3,7 +3,7 @@ their effect on a tiny model's greedy tokens; cache_salt keeps prefix-cache hits
 import pytest
 import torch
 
-from kiln.sample.logit_masks import apply_allowed_token_ids, apply_logit_bias, bad_word_bans
+from kiln.sample.logit_masks import BadWordIndex, apply_allowed_token_ids, apply_logit_bias
 from kiln.sampling_params import SamplingParams
 
 PROMPT = {"prompt_token_ids": [5, 17, 33, 64, 101, 7, 9, 250]}
@@ -11,9 +11,9 @@ PROMPT = {"prompt_token_ids": [5, 17, 33, 64, 101, 7, 9, 250]}
 
 def test_bad_word_bans_follow_the_output():
     words = [[7], [3, 4, 5], [9, 9]]
-    assert bad_word_bans(words, []) == [7]
-    assert bad_word_bans(words, [1, 3, 4]) == [7, 5]
-    assert bad_word_bans(words, [3, 4, 9]) == [7, 9]
+    assert BadWordIndex(words).bans([]) == [7]
+    assert BadWordIndex(words).bans([1, 3, 4]) == [7, 5]
+    assert BadWordIndex(words).bans([3, 4, 9]) == [7, 9]
 
 
 def test_allowed_mask_and_bias_edit_only_their_rows():

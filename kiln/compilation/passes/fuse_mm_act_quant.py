@@ -6,7 +6,7 @@ gate/up projection in each thread's cache instead of writing it to memory and re
 
 Runs after `fuse_act_quant`. Numerics: the fused reference is the composition of the two, and
 the native kernel calls the unfused kernels' own functions on blocks of rows, so its q and
-scales equal the unfused native pair's bit for bit (tests/quantization/test_int8_ops.py).
+scales equal the unfused native pair's bit for bit (tests/quantization/test_int8_panels.py).
 """
 from torch import fx
 

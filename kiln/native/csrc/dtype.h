@@ -40,4 +40,17 @@ static inline float round_to(float v, int dtype) {
     return dtype == KILN_F32 ? v : bf16_to_f32(f32_to_bf16(v));
 }
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+/* dst[0:32] = bfloat16 of lo then hi, in one VCVTNE2PS2BF16, which rounds to nearest even as
+ * f32_to_bf16 does but flushes subnormals to zero: where a value is subnormal it stores nothing
+ * and returns 0, for the caller to round those 32 its own way; else 1. */
+static inline int store_bf16x32(uint16_t *dst, __m512 lo, __m512 hi) {
+    if (_mm512_fpclass_ps_mask(lo, 0x20) | _mm512_fpclass_ps_mask(hi, 0x20)) return 0;
+    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    return 1;
+}
+#endif
+
 #endif

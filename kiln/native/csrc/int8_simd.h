@@ -57,20 +57,15 @@ static inline void scale16(__m512i acc, __m512i off, __m512 sa, const float *w_s
     store16(out, j, scaled16(acc, off, sa, w_scale, bias, bias_dtype, j, m), out_dtype, m);
 }
 
-/* out[j:j+32] = scale16 of two whole registers of sums. bfloat16 in one VCVTNE2PS2BF16 where
- * the CPU has it: it rounds to nearest even as store16 does but flushes subnormals to zero, so
- * a pair holding one takes store16's way (which rounds 16 values in six instructions). */
+/* out[j:j+32] = scale16 of two whole registers of sums: bfloat16 in one instruction where the
+ * CPU has AVX512-BF16 (dtype.h's store_bf16x32; store16 rounds 16 values in six). */
 static inline void scale32(__m512i acc0, __m512i acc1, __m512i off, __m512 sa,
                            const float *w_scale, const void *bias, int bias_dtype, void *out,
                            int64_t j, int out_dtype) {
     const __m512 f0 = scaled16(acc0, off, sa, w_scale, bias, bias_dtype, j, 0xffff);
     const __m512 f1 = scaled16(acc1, off, sa, w_scale, bias, bias_dtype, j + 16, 0xffff);
 #if defined(__AVX512BF16__)
-    if (out_dtype != KILN_F32 &&
-        !(_mm512_fpclass_ps_mask(f0, 0x20) | _mm512_fpclass_ps_mask(f1, 0x20))) { /* subnormal */
-        _mm512_storeu_si512((uint16_t *)out + j, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));
-        return;
-    }
+    if (out_dtype != KILN_F32 && store_bf16x32((uint16_t *)out + j, f0, f1)) return;
 #endif
     store16(out, j, f0, out_dtype, 0xffff);
     store16(out, j + 16, f1, out_dtype, 0xffff);

@@ -148,16 +148,12 @@ void unit_amx(const Call *c, const Unit *u, Scratch *w) {
             const int64_t row = (u->t0 + 16 * b + i) * c->out_stride + head_of(c, u, rg) * hd;
             const float inv = 1.f / w->l[rg * 16 + i], *o = w->o + ((int64_t)rg * 16 + i) * hd;
             uint16_t *dst = (uint16_t *)c->out + row; /* bfloat16: the only dtype served here */
+            const __m512 vinv = _mm512_set1_ps(inv);
             for (int d = 0; d < hd; d += 32) { /* hd a multiple of 32 (prefill_amx_serves) */
-                const __m512 a = _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(inv));
-                const __m512 b = _mm512_mul_ps(_mm512_loadu_ps(o + d + 16), _mm512_set1_ps(inv));
-                if (_mm512_fpclass_ps_mask(a, 0x20) | _mm512_fpclass_ps_mask(b, 0x20)) {
-                    /* a subnormal: VCVTNE2PS2BF16 would flush it, store_elem rounds it */
-                    for (int e = 0; e < 32; ++e) store_elem(c->out, row + d + e, o[d + e] * inv,
-                                                            c->dtype);
-                    continue;
-                }
-                _mm512_storeu_si512(dst + d, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+                if (!store_bf16x32(dst + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), vinv),
+                                   _mm512_mul_ps(_mm512_loadu_ps(o + d + 16), vinv)))
+                    for (int e = 0; e < 32; ++e) /* a subnormal among them */
+                        dst[d + e] = f32_to_bf16(o[d + e] * inv);
             }
         }
     }

@@ -57,9 +57,8 @@ static inline void pack_value_pairs(const void *const *vp, int pairs, int hd, in
         int32_t *dst = vpk + (int64_t)j * hd;
         int d = 0;
 #if defined(__AVX512BW__)
-        /* 16 dims at a time: the two rows' words interleaved (a scalar loop here took about an
-         * eighth of the AMX path's time) */
-        /* word 2i of the result is a's word i (index i of ab), word 2i + 1 b's (index 16 + i) */
+        /* 16 dims at a time (a scalar loop here took about an eighth of the AMX path's time):
+         * word 2i of the result is a's word i (index i of ab), word 2i + 1 b's (index 16 + i) */
         const __m512i lo = _mm512_setr_epi32(0x100000, 0x110001, 0x120002, 0x130003, 0x140004,
                                              0x150005, 0x160006, 0x170007, 0x180008, 0x190009,
                                              0x1a000a, 0x1b000b, 0x1c000c, 0x1d000d, 0x1e000e,
