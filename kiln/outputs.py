@@ -29,6 +29,9 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # Why the engine ended it with "abort" (its grammar allowed no token, the KV cache can never
+    # hold it); None when it finished otherwise or a caller aborted it.
+    error: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -80,6 +80,8 @@ class EngineCoreOutput:
     # time.monotonic() of the request's first scheduling (None if never scheduled); the engine
     # front's queue / prefill / inference times start or end here.
     first_scheduled_time: float | None = None
+    # Why the core itself ended the request (an "abort" no client asked for), for the client.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

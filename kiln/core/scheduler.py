@@ -230,13 +230,16 @@ class Scheduler:
                                        "returned no sampled token for it")
                 continue  # a partial prefill chunk: nothing to report yet
             new_token_ids = []
+            error = None
             grammar = request.structured_output_request
             for token in sampled:
                 if grammar is not None and not grammar.accept(token):
                     # Its grammar allowed no token: what was drawn is no output, and the request
                     # ends (abort), as one whose grammar fails to compile does.
-                    logger.error("request %s: its grammar (%s) allows no token here; ending it",
-                                 req_id, grammar.spec.field)
+                    error = (f"{grammar.spec.field} allows no token after "
+                             f"{request.num_output_tokens} generated token(s); check that the "
+                             "constraint can be satisfied")
+                    logger.error("request %s: %s; ending it", req_id, error)
                     request.status = RequestStatus.FINISHED_ABORTED
                     finished.append(request)
                     break
@@ -253,7 +256,7 @@ class Scheduler:
                 finish_reason=request.get_finish_reason(), stop_reason=request.stop_reason,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 prompt_logprobs=request.take_prompt_logprobs(),
-                first_scheduled_time=request.first_scheduled_time))
+                first_scheduled_time=request.first_scheduled_time, error=error))
         if finished:
             gone = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in gone]
@@ -336,15 +339,17 @@ class Scheduler:
         # With output already produced, running out of room is a length limit; otherwise abort.
         request.status = (RequestStatus.FINISHED_LENGTH_CAPPED if request.num_output_tokens
                           else RequestStatus.FINISHED_ABORTED)
-        logger.error("request %s needs %d tokens of KV cache (max_model_len=%d) but the cache "
-                     "holds %d; ending it as %s. Raise --kv-cache-memory or lower "
-                     "--max-model-len", request.request_id, num_tokens, self.max_model_len,
-                     capacity, request.get_finish_reason())
+        error = (f"the request needs {num_tokens} tokens of KV cache (max_model_len="
+                 f"{self.max_model_len}) but the cache holds {capacity}; raise "
+                 "--kv-cache-memory or lower --max-model-len")
+        logger.error("request %s: %s; ending it as %s", request.request_id, error,
+                     request.get_finish_reason())
         self._finished_outputs.append(EngineCoreOutput(
             request_id=request.request_id, new_token_ids=[],
             finish_reason=request.get_finish_reason(),
             num_cached_tokens=max(request.num_cached_tokens, 0),
-            first_scheduled_time=request.first_scheduled_time))
+            first_scheduled_time=request.first_scheduled_time,
+            error=error if request.status == RequestStatus.FINISHED_ABORTED else None))
         self._release(request)
 
     def _finish_grammar_error(self, request: Request) -> None:
@@ -356,7 +361,8 @@ class Scheduler:
         self._finished_outputs.append(EngineCoreOutput(
             request_id=request.request_id, new_token_ids=[],
             finish_reason=request.get_finish_reason(), num_cached_tokens=0,
-            first_scheduled_time=request.first_scheduled_time))
+            first_scheduled_time=request.first_scheduled_time,
+            error=request.structured_output_request.error))
         self._release(request)
 
     def _release(self, request: Request) -> None:

@@ -24,6 +24,7 @@ class _Sample:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None
 
     def add(self, d: CompletionOutput) -> None:
         self.text_parts.append(d.text)
@@ -37,6 +38,7 @@ class _Sample:
         self.finish_reason = d.finish_reason or self.finish_reason
         if d.stop_reason is not None:
             self.stop_reason = d.stop_reason
+        self.error = d.error or self.error
 
     def snapshot(self) -> CompletionOutput:
         text = "".join(self.text_parts)
@@ -45,7 +47,7 @@ class _Sample:
             index=self.index, text=text, token_ids=list(self.token_ids),
             cumulative_logprob=self.cumulative_logprob,
             logprobs=None if self.logprobs is None else list(self.logprobs),
-            finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason, error=self.error)
 
 
 class DeltaAccumulator:

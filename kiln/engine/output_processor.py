@@ -51,6 +51,7 @@ class SampleState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None
     # Tokens / logprobs not yet sent (DELTA) and whether this sample changed this step.
     num_sent_tokens: int = 0
     updated: bool = False
@@ -68,7 +69,7 @@ class SampleState:
             index=self.index, text=text, token_ids=self.token_ids[start:],
             cumulative_logprob=self.cumulative_logprob,
             logprobs=None if self.logprobs is None else self.logprobs[start:],
-            finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason, error=self.error)
 
 
 @dataclass
@@ -240,4 +241,5 @@ class OutputProcessor:
             return not out.finished
         if out.finished:
             sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+            sample.error = out.error
         return False

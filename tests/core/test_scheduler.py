@@ -173,6 +173,9 @@ def test_prompt_larger_than_cache_is_aborted_not_hung():
     sched.add_request(make_request("ok", range(100, 105), max_tokens=2))
     so, outs = step(sched, ex)
     assert [(o.request_id, o.finish_reason) for o in outs if o.finished] == [("huge", "abort")]
+    # the client learns why, not only the log
+    huge = next(o for o in outs if o.request_id == "huge")
+    assert "needs 20 tokens of KV cache" in huge.error and "--kv-cache-memory" in huge.error
     assert "huge" in so.finished_req_ids and "huge" not in so.num_scheduled_tokens
     results = drain(sched, ex, earlier_outputs=[o for o in outs if o.request_id == "ok"])
     assert results["ok"]["tokens"] == reference_tokens(range(100, 105), 2)

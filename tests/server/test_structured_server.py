@@ -189,6 +189,29 @@ def test_bad_constraint_is_400_naming_it(client, body, param):
     assert client.completions.create(model=NAME, prompt="a", max_tokens=2).choices
 
 
+def test_a_grammar_with_no_way_on_fails_with_its_reason(client):
+    """The grammar allows "ab" and then nothing: the engine ends the request, and the client
+    is told why (a 400, or an error event once the stream has begun), not a 200 "abort"."""
+    dead = {"structured_outputs": {"regex": "ab[^\\s\\S]"}}
+    want = "structured_outputs.regex allows no token after 2 generated token(s)"
+    for n in (1, 2):
+        with pytest.raises(openai.BadRequestError, match=re.escape(want)) as e:
+            client.completions.create(model=NAME, prompt="x", max_tokens=8, n=n,
+                                      extra_body=dead)
+        assert e.value.body["code"] == "request_failed"
+    with pytest.raises(openai.BadRequestError, match=re.escape(want)):
+        client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=8,
+                                       extra_body=dead)
+    for stream in (client.completions.create(model=NAME, prompt="x", max_tokens=8, stream=True,
+                                             extra_body=dead),
+                   client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=8,
+                                                  stream=True, extra_body=dead)):
+        with pytest.raises(openai.APIError, match=re.escape(want)):
+            for _ in stream:
+                pass
+    assert client.completions.create(model=NAME, prompt="a", max_tokens=2).choices
+
+
 def _reassemble(stream) -> tuple[dict[int, dict], str | None, str]:
     calls: dict[int, dict] = {}
     finish, content = None, ""

@@ -91,6 +91,10 @@ def test_bad_schema_is_refused_before_queueing(model_dir):
             SamplingParams(max_tokens=3, temperature=0, structured_outputs={"regex": "[a-z]{9}"})],
             use_tqdm=False)
         assert dead.outputs[0].finish_reason == "abort" and dead.outputs[0].text == "ab"
+        assert dead.outputs[0].error == ("structured_outputs.regex allows no token after 2 "
+                                         "generated token(s); check that the constraint can "
+                                         "be satisfied")
+        assert alive.outputs[0].error is None
         assert all(math.isfinite(next(iter(lp.values())).logprob)
                    for lp in dead.outputs[0].logprobs)
         assert alive.outputs[0].finish_reason == "length"

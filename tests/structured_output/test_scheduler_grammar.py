@@ -124,6 +124,7 @@ def test_a_failed_compile_ends_only_that_request():
     assert [(o.request_id, o.finish_reason) for o in outs if o.request_id == "bad"] == \
         [("bad", "abort")]
     assert "bad" not in sched.requests and "too big" in grammar.error
+    assert next(o.error for o in outs if o.request_id == "bad") == grammar.error
 
 
 def test_grammar_waits_for_the_end_of_reasoning():

@@ -1,10 +1,9 @@
 """Post-grad pass `fuse_act_quant` (vLLM's name): a silu_and_mul IR op whose output feeds only a
 dynamic_int8_quant becomes one `silu_and_mul_dynamic_int8_quant` IR op.
 
-Numerics: under the torch provider bit-identical (the fused reference is the composition); the
-native fused kernel is within one int8 step of the unfused native sequence, the bound
-tests/quantization/test_int8_ops.py checks (the unfused SiLU kernel's expf rounds in its vector
-or scalar loop depending on the call's shape).
+Numerics: bit-identical under either provider. The fused torch reference is the composition,
+and the native fused kernel equals the unfused native pair bit for bit (its SiLU takes every value
+through the same path whatever the call's shape); tests/quantization/test_int8_ops.py checks it.
 """
 from torch import fx
 

@@ -273,7 +273,7 @@ class ServingChat:
 
     async def _collect(self, stream: RequestStream):
         final = None
-        async for out in stream:
+        async for _, out in merge_streams([stream]):
             final = out
         return final
 

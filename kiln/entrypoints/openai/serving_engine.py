@@ -105,11 +105,21 @@ def abort_unfinished(llm: AsyncLLM, streams: list[RequestStream]) -> None:
         llm.abort_nowait(ids)
 
 
+def check_not_failed(out: RequestOutput) -> None:
+    """A sample the engine ended for a reason of its own (its grammar allowed no token, the KV
+    cache can never hold it) fails the whole call with that reason: a 400, or an error event
+    once a stream has begun."""
+    for o in out.outputs:
+        if o.error is not None:
+            raise OpenAIError(o.error, code="request_failed")
+
+
 async def merge_streams(streams: list[RequestStream]
                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from every stream as they come; the caller aborts leftovers."""
     if len(streams) == 1:
         async for out in streams[0]:
+            check_not_failed(out)
             yield 0, out
         return
     queue: asyncio.Queue = asyncio.Queue()
@@ -133,6 +143,7 @@ async def merge_streams(streams: list[RequestStream]
             elif isinstance(item, BaseException):
                 raise item
             else:
+                check_not_failed(item)
                 yield i, item
     finally:
         for t in tasks:
@@ -173,6 +184,8 @@ class ClientDisconnected(Exception):
 
 
 def engine_error_event(e: Exception) -> str:
+    if isinstance(e, OpenAIError):
+        return sse(e.body())
     status = 503 if isinstance(e, EngineDeadError) else 500
     err = OpenAIError(str(e), status=status, code="engine_error")
     return sse(err.body())
