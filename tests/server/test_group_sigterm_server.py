@@ -5,6 +5,7 @@ core used to exit at once and cut every stream."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -107,6 +108,51 @@ def test_a_stop_signal_before_serving_stops_the_server_at_once():
     finally:
         sock.close()
     assert code == 128 + signal.SIGTERM and time.monotonic() - started < 10
+
+
+def test_a_body_still_uploading_at_the_end_of_the_grace_period_gets_a_503():
+    """Its handler waits in the body reader, out of the engine's reach: uvicorn cancelled it
+    after the grace period and the report time, answering a plain-text 500 (helper-38)."""
+    port = free_port()
+    sock = bind_socket("127.0.0.1", port)
+    reply = []
+
+    def upload_then_stop():
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: 50\r\n\r\n{")
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGTERM)
+            started = time.monotonic()
+            data = b""
+            while chunk := conn.recv(65536):
+                data += chunk
+            reply.append((data, time.monotonic() - started))
+
+    # serve() runs on this (the main) thread, whose SIGTERM handler it installs.
+    thread = threading.Thread(target=lambda: (_wait_listening(port), upload_then_stop()))
+    thread.start()
+    try:
+        code = serve(AsyncLLM(FakeEngine()), ServerSettings(port=port, request_body_timeout=60,
+                                                            graceful_shutdown_timeout=0.5),
+                     sock)
+    finally:
+        sock.close()
+        thread.join(30)
+    (data, waited), = reply
+    assert data.startswith(b"HTTP/1.1 503"), data[:300]
+    assert b'"server_shutting_down"' in data and b"--graceful-shutdown-timeout" in data
+    assert waited < 4 and code == 0
+
+
+def _wait_listening(port: int) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
 
 
 def test_both_stop_signals_at_once_leave_no_traceback():

@@ -130,3 +130,81 @@ def test_a_complete_request_is_answered_on_the_same_server(live_server):
     with socket.create_connection(("127.0.0.1", live_server)) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         assert _read_all(sock).startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.parametrize("flood", [b"X-Big: " + b"a" * 100_000, b"X-h: v\r\n" * 12_000])
+def test_oversized_headers_get_431_and_the_connection_closes(live_server, flood):
+    """Unbounded, httptools copied a growing header value on every read and kept every line:
+    one client stalled the event loop and grew the process by gigabytes."""
+    with socket.create_connection(("127.0.0.1", live_server)) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        try:
+            sock.sendall(flood)
+        except OSError:  # the server may close while we still send
+            pass
+        reply = _read_all(sock)
+    assert reply.startswith(b"HTTP/1.1 431"), reply[:200]
+    assert b'"request_header_fields_too_large"' in reply and b"connection: close" in reply
+
+
+def test_a_trickled_body_gets_408(live_server):
+    """Each byte comes within the 0.5 s gap allowed, but far slower than the minimum rate."""
+    with socket.create_connection(("127.0.0.1", live_server)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: 100\r\n\r\n")
+        sock.settimeout(0.3)
+        reply = b""
+        for _ in range(20):  # 6 s at most
+            try:
+                sock.sendall(b" ")
+                reply += sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if reply:
+                break
+        reply += _read_all(sock)
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert b"bytes/s" in reply and b"--request-body-timeout" in reply
+
+
+def test_a_413_closes_the_connection_instead_of_reading_the_rest(live_server):
+    with socket.create_connection(("127.0.0.1", live_server)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: 20000000000\r\n\r\n{")
+        reply = _read_all(sock)  # fails if the server kept the connection open
+    assert reply.startswith(b"HTTP/1.1 413") and b"connection: close" in reply
+
+
+def test_health_answers_head():
+    with TestClient(build_app(AsyncLLM(FakeEngine()), ServerSettings(api_key=KEY))) as c:
+        assert c.head("/health").status_code == 200
+
+
+def test_the_auth_scheme_is_case_blind_and_one_header_is_required():
+    with TestClient(build_app(AsyncLLM(FakeEngine()), ServerSettings(api_key=KEY))) as c:
+        assert c.get("/v1/models", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
+        assert c.get("/v1/models", headers={"Authorization": f"BEARER  {KEY} "}
+                     ).status_code == 200
+        assert_error(c.get("/v1/models", headers={"Authorization": KEY}), 401, None,
+                     "invalid_api_key")
+        two = [("Authorization", "Bearer wrong"), ("Authorization", f"Bearer {KEY}")]
+        err = assert_error(c.get("/v1/models", headers=two), 400, None, "invalid_api_key")
+        assert "exactly one" in err["message"]
+
+
+@pytest.mark.parametrize("body,headers,needle", [
+    (b'{"prompt": "\xff", "max_tokens": 1}', {}, "not UTF-8"),
+    (b"[" * 100_000 + b"]" * 100_000, {}, "too deeply"),
+    (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", {}, "digits"),
+    (b'{"prompt": "x"}', {"content-type": "application/x-www-form-urlencoded"},
+     "Content-Type: application/json"),
+])
+def test_unreadable_bodies_say_why(client, body, headers, needle):
+    """Before, FastAPI answered the first three with "There was an error parsing the body" and
+    the last with a pydantic message that never named the Content-Type."""
+    r = client.post("/v1/completions", content=body,
+                    headers=headers or {"content-type": "application/json"})
+    err = assert_error(r, 400, None)
+    assert needle in err["message"], err

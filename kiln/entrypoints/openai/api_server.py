@@ -22,7 +22,11 @@ from kiln.entrypoints.openai.errors import install_error_handlers
 from kiln.entrypoints.openai.http_protocol import header_timeout_protocol
 from kiln.entrypoints.openai.json_body import JSONBodyRoute
 from kiln.entrypoints.openai.metrics import ServerMetrics
-from kiln.entrypoints.openai.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from kiln.entrypoints.openai.middleware import (
+    ApiKeyMiddleware,
+    BodySizeLimitMiddleware,
+    ShutdownGate,
+)
 from kiln.entrypoints.openai.openapi import describe
 from kiln.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -98,7 +102,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
              request_chat_template=settings.trust_request_chat_template,
              max_logprobs=model_config.logprobs_cap)
 
-    @app.get("/health", response_class=Response, responses={
+    # HEAD too: some load balancers probe with it.
+    @app.api_route("/health", methods=["GET", "HEAD"], response_class=Response, responses={
         200: {"description": "The engine is running", "content": {}},
         503: {"description": "The engine died or is shutting down", "content": {}}})
     async def health() -> Response:
@@ -139,8 +144,10 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         return Response(metrics.render(), media_type=metrics.content_type)
 
     # Outermost first: auth refuses before the body is read; the size limit guards the rest.
+    app.state.shutdown_gate = ShutdownGate()
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes,
-                       read_timeout=settings.request_body_timeout)
+                       read_timeout=settings.request_body_timeout,
+                       gate=app.state.shutdown_gate)
     if open_paths is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
     return app
@@ -173,9 +180,10 @@ class _Server(uvicorn.Server):
 
     async def _end_in_flight(self) -> None:
         await asyncio.sleep(self.grace_s)
-        n = await self.llm.abort_all(
-            f"the server is shutting down: request aborted after the {self.grace_s:g} s grace "
-            "period (--graceful-shutdown-timeout)")
+        reason = (f"the server is shutting down: request aborted after the {self.grace_s:g} s "
+                  "grace period (--graceful-shutdown-timeout)")
+        self.config.app.state.shutdown_gate.close(reason)  # requests still sending their body
+        n = await self.llm.abort_all(reason)
         if n:
             logger.warning("shutdown: aborted %d request(s) still in flight after the %g s "
                            "grace period", n, self.grace_s)

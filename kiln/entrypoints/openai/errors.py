@@ -96,6 +96,10 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
         detail = first.get("ctx", {}).get("error", first.get("msg", ""))
         return OpenAIError(f"request body is not valid JSON: {detail}", code="json_invalid")
     param = _loc_to_param(tuple(first.get("loc", ())))
+    if param is None and isinstance(first.get("input"), bytes):
+        # FastAPI leaves a body unparsed unless its Content-Type is JSON (curl -d sends a form)
+        return OpenAIError("the request body was not read as JSON: send it with the header "
+                           "'Content-Type: application/json'", code="invalid_content_type")
     msg = first.get("msg", "invalid value")
     if kind == "missing":
         text = f"missing required field {param!r}" if param else "missing request body"

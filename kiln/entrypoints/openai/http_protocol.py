@@ -1,10 +1,29 @@
-"""uvicorn's HTTP protocol with a deadline for request headers: uvicorn waits for them forever,
-so a client that connects and sends nothing (or half a header line) would hold a socket for good.
+"""uvicorn's HTTP protocol with a deadline and a size cap for request headers: uvicorn waits for
+them forever, so a client that connects and sends nothing (or half a header line) would hold a
+socket for good; and its httptools path buffers them without limit (a header value grows by
+copying, so megabytes of one keep the event loop busy and the process's memory growing).
 
 On httptools (C) where it is installed, else h11 (pure Python, several times the CPU per
 connection: a flood of connections then starves the event loop that streams tokens). Between
 requests of a kept-alive connection uvicorn's own keep-alive timeout applies.
 """
+
+import json
+
+from kiln.entrypoints.openai.errors import error_body
+
+# What a request's headers may take before the reply is 431 (h11's own cap is 16 KiB; proxies
+# commonly allow 8-32 KiB). Counted per read, so a read can pass it by up to its own size.
+MAX_HEADER_BYTES = 64 * 1024
+
+
+def _too_large_reply() -> bytes:
+    body = json.dumps(error_body(
+        f"request headers exceed {MAX_HEADER_BYTES} bytes; send fewer or shorter headers",
+        431, code="request_header_fields_too_large")).encode()
+    return (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json"
+            b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n"
+            + body)
 
 
 def base_protocol() -> type:
@@ -22,7 +41,7 @@ def base_protocol() -> type:
 def header_timeout_protocol(timeout_s: float, base: type | None = None) -> type:
     """A protocol class (over `base`, default base_protocol()) that closes a connection whose
     request headers are not complete `timeout_s` seconds after it opened or after the first
-    bytes of a request came."""
+    bytes of a request came, and answers 431 (and closes) once they pass MAX_HEADER_BYTES."""
 
     class HeaderTimeoutProtocol(base or base_protocol()):
         header_timeout_s = timeout_s
@@ -30,14 +49,23 @@ def header_timeout_protocol(timeout_s: float, base: type | None = None) -> type:
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._header_deadline = None
+            self._header_bytes = 0
             self._arm_header_deadline()
 
         def data_received(self, data: bytes) -> None:
+            if self.transport.is_closing():
+                return  # refused below: what is still in flight is not parsed
             super().data_received(data)
             if self._awaiting_headers():
                 if self._header_deadline is None:  # the first bytes of a new request
                     self._arm_header_deadline()
+                self._header_bytes += len(data)
+                if self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
+                    self._disarm_header_deadline()
+                    self.transport.write(_too_large_reply())
+                    self.transport.close()
             else:
+                self._header_bytes = 0
                 self._disarm_header_deadline()
 
         def connection_lost(self, exc) -> None:

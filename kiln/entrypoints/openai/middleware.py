@@ -1,11 +1,12 @@
 """Pure ASGI middleware: bearer-key auth on every route but the open ones, a request body size
-limit (HTTP 413) and a body read timeout (HTTP 408).
+limit (HTTP 413) and body read deadlines (HTTP 408).
 
 Pure ASGI (not BaseHTTPMiddleware) so streamed responses and disconnect detection pass through.
 """
 import asyncio
 import hmac
 import json
+import time
 
 from kiln.entrypoints.openai.errors import error_body
 
@@ -20,19 +21,24 @@ async def _send_json(send, status: int, body: dict, headers: list | None = None)
 
 class ApiKeyMiddleware:
     """401 unless `Authorization: Bearer <key>` matches, on every path but `open_paths` (/health:
-    load balancers probe it without a key)."""
+    load balancers probe it without a key). The scheme's case does not matter (RFC 7235)."""
 
     def __init__(self, app, api_key: str, open_paths: tuple[str, ...] = ("/health",)):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
         self.open_paths = frozenset(open_paths)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] == "OPTIONS" or \
                 scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
+        given = [v for k, v in scope["headers"] if k == b"authorization"]
+        if len(given) > 1:  # which one counts would differ between proxies: refuse both
+            return await _send_json(send, 400, error_body(
+                f"{len(given)} Authorization headers; send exactly one", 400,
+                code="invalid_api_key"))
+        scheme, _, key = (given[0] if given else b"").strip().partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.expected):
             return await self.app(scope, receive, send)
         msg = ("missing API key: send 'Authorization: Bearer <key>'" if not given
                else "incorrect API key")
@@ -40,41 +46,90 @@ class ApiKeyMiddleware:
                          [(b"www-authenticate", b"Bearer")])
 
 
+# A body must also arrive at this average rate (after the first read_timeout s), as Apache's
+# mod_reqtimeout asks: a client trickling a byte now and then would otherwise hold a handler and
+# a socket for as long as it likes.
+MIN_BODY_BYTES_PER_S = 500
+_CLOSE = [(b"connection", b"close")]  # the unread rest of the body is not read, nor waited for
+
+
+class ShutdownGate:
+    """Closed by the server once its shutdown grace period is over: a body still being read
+    then gets a 503 at once (the engine's abort never reaches a handler that is not in it)."""
+
+    def __init__(self):
+        self.reason: str | None = None
+        self._event: asyncio.Event | None = None
+
+    def close(self, reason: str) -> None:
+        self.reason = reason
+        if self._event is not None:
+            self._event.set()
+
+    async def wait(self) -> None:
+        if self._event is None:
+            self._event = asyncio.Event()
+            if self.reason is not None:
+                self._event.set()
+        await self._event.wait()
+
+
 class BodySizeLimitMiddleware:
     """Reads the whole body first (refusing past `max_bytes`, or a client that sends nothing for
-    `read_timeout` s: a half-open connection must not hold a handler forever), then replays it
-    to the app."""
+    `read_timeout` s or sends slower than MIN_BODY_BYTES_PER_S: a half-open connection must not
+    hold a handler forever), then replays it to the app."""
 
-    def __init__(self, app, max_bytes: int, read_timeout: float | None = None):
+    def __init__(self, app, max_bytes: int, read_timeout: float | None = None,
+                 gate: ShutdownGate | None = None):
         self.app = app
         self.max_bytes = max_bytes
         self.read_timeout = read_timeout
+        self.gate = gate or ShutdownGate()
 
     def _too_large(self) -> dict:
         return error_body(f"request body exceeds {self.max_bytes} bytes; send less or raise "
                           "--max-request-body-bytes", 413, code="request_too_large")
+
+    def _timed_out(self, size: int) -> dict:
+        return error_body(f"the request body did not arrive in time (after {size} bytes: no "
+                          f"data for {self.read_timeout:g} s, or slower than "
+                          f"{MIN_BODY_BYTES_PER_S} bytes/s); send the whole body promptly "
+                          "(--request-body-timeout)", 408, code="request_timeout")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await _send_json(send, 413, self._too_large())
+            return await _send_json(send, 413, self._too_large(), _CLOSE)
         chunks, size = [], 0
+        start = time.monotonic()
         while True:
+            timeout = self.read_timeout
+            if timeout is not None:
+                deadline = start + timeout + size / MIN_BODY_BYTES_PER_S
+                timeout = max(0.0, min(timeout, deadline - time.monotonic()))
+            read = asyncio.ensure_future(receive())
+            closing = asyncio.ensure_future(self.gate.wait())
             try:
-                message = await asyncio.wait_for(receive(), self.read_timeout)
-            except TimeoutError:
-                body = error_body(f"no request body data for {self.read_timeout:g} s; send the "
-                                  "whole body promptly (--request-body-timeout)", 408,
-                                  code="request_timeout")
-                return await _send_json(send, 408, body, [(b"connection", b"close")])
+                await asyncio.wait({read, closing}, timeout=timeout,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                closing.cancel()
+                if not read.done():
+                    read.cancel()
+            if not read.done() or read.cancelled():
+                if self.gate.reason is not None:
+                    return await _send_json(send, 503, error_body(
+                        self.gate.reason, 503, code="server_shutting_down"), _CLOSE)
+                return await _send_json(send, 408, self._timed_out(size), _CLOSE)
+            message = read.result()
             if message["type"] != "http.request":  # client left before sending it all
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                return await _send_json(send, 413, self._too_large())
+                return await _send_json(send, 413, self._too_large(), _CLOSE)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
