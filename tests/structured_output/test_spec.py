@@ -116,6 +116,30 @@ def test_a_schema_nested_past_the_limit_is_refused_as_dict_and_text():
      "required names not in properties (zz) at /"),
     ({"type": "object", "$defs": {"t": {"type": "array", "uniqueItems": True}},
       "properties": {"t": {"$ref": "#/$defs/t"}}}, "uniqueItems at /$defs/t"),
+    # helper-39: the grammar allowed only {} (strict objects hold only listed properties)
+    ({"type": "object", "required": ["a"]}, "required names not in properties (a) at /"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "dependencies": {"a": ["b"]}},
+     "dependencies at /"),
+    # beside $ref / anyOf / oneOf / allOf / enum / const, xgrammar drops every other constraint
+    ({"$ref": "#/$defs/x", "maximum": 5, "$defs": {"x": {"type": "integer"}}},
+     "maximum beside $ref"),
+    ({"allOf": [{"type": "integer"}], "maximum": 3}, "maximum beside allOf"),
+    ({"anyOf": [{"type": "integer"}], "minimum": 5}, "minimum beside anyOf"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}},
+      "anyOf": [{"required": ["a"]}]}, "properties beside anyOf"),
+    ({"type": "string", "enum": ["a", "b"], "pattern": "^a$"}, "pattern beside enum"),
+    ({"type": "integer", "enum": [1, 2], "maximum": 1}, "maximum beside enum"),
+    ({"type": "string", "enum": [1, "a"]}, "type beside enum"),
+    ({"type": "integer", "const": 1.5}, "type beside const"),
+    ({"const": "ab", "pattern": "^a$"}, "pattern beside const"),
+    ({"enum": ["a"], "anyOf": [{"type": "string"}]}, "anyOf and enum together"),
+    # served as anyOf: "yes" matched both branches
+    ({"oneOf": [{"enum": ["yes", "no"]}, {"type": "string"}]}, "oneOf whose branches may"),
+    ({"oneOf": [{"type": "integer", "minimum": 3}, {"type": "number", "maximum": 5}]},
+     "oneOf whose branches may"),
+    ({"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
+                {"type": "object", "properties": {"k": {"enum": ["b", "a"]}},
+                 "required": ["k"]}]}, "oneOf whose branches may"),
 ])
 def test_keywords_the_grammar_does_not_enforce_are_refused_naming_them(schema, keyword):
     with pytest.raises(ValueError, match="structured_outputs.json uses JSON Schema keywords") as e:
@@ -125,12 +149,56 @@ def test_keywords_the_grammar_does_not_enforce_are_refused_naming_them(schema, k
 
 def test_keyword_names_as_data_and_annotation_only_all_of_are_served():
     """Property names and enum values are data, not keywords; an allOf whose other members only
-    describe adds no constraint (pydantic writes such schemas)."""
+    describe adds no constraint, nor do annotations and definitions beside it (pydantic writes
+    such schemas)."""
     schema = {"type": "object", "properties": {"not": {"type": "string"}, "contains": {
-        "enum": [{"uniqueItems": True}]}}, "allOf": [{"required": ["not"]},
-                                                     {"description": "d"}]}
+        "enum": [{"uniqueItems": True}], "type": "object"}, "c": {
+            "allOf": [{"$ref": "#/$defs/c"}, {"description": "d"}], "title": "C"}},
+        "required": ["not"], "$defs": {"c": {"type": "integer"}}}
     assert unenforced_keywords(schema) == []
     check_structured_outputs(StructuredOutputsParams(json=schema))
+
+
+def test_pydantic_schemas_are_served():
+    """What pydantic writes: a $ref or an enum with annotations beside it, Optional as anyOf with
+    null, a discriminated union as a oneOf of $refs tagged by a Literal, recursion."""
+    from typing import Annotated, Literal
+
+    from pydantic import BaseModel, Field
+
+    class Cat(BaseModel):
+        kind: Literal["cat"]
+        lives: int
+
+    class Dog(BaseModel):
+        kind: Literal["dog"]
+        bark: str = Field(pattern="^w+$")
+
+    class Node(BaseModel):
+        value: int
+        children: list["Node"] = []
+
+    class Pet(BaseModel):
+        name: str | None = None
+        tag: Literal["a", "b"] = "a"
+        pet: Annotated[Cat | Dog, Field(discriminator="kind")]
+        either: Cat | Dog
+        number: int | str
+        node: Node
+
+    schema = Pet.model_json_schema()
+    assert unenforced_keywords(schema) == []
+    check_structured_outputs(StructuredOutputsParams(json=schema))
+
+
+def test_one_of_served_where_no_value_can_match_two_branches():
+    """Distinct types (integer and number overlap) or a required tag whose values differ."""
+    tagged = [{"type": "object", "properties": {"k": {"const": k}, "v": {"type": "integer"}},
+               "required": ["k"]} for k in ("a", "b")]
+    for branches in ([{"type": "integer"}, {"type": "string"}, {"type": "null"}], tagged,
+                     [{"$ref": "#/$defs/x"}, {"type": "string"}]):
+        schema = {"oneOf": branches, "$defs": {"x": {"type": "array"}}}
+        assert unenforced_keywords(schema) == [], branches
 
 
 @pytest.mark.parametrize("regex, problem", [
