@@ -69,6 +69,10 @@ def test_whole_and_streamed_agree(parser, text, content, expected):
     (HermesToolParser(), "<tool_call>\n{not json}\n</tool_call>"),
     (HermesToolParser(), '<tool_call>\n{"name": "f", "arguments": {"a": '),  # cut short
     (Llama3JsonToolParser(), "Plain answer { with a brace"),
+    # keys that are no JSON strings (a bad escape, a raw control character)
+    (HermesToolParser(), '<tool_call>{"a\\q": 1}</tool_call>'),
+    (Llama3JsonToolParser(), '{"C:\\dir": 1}'),
+    (Llama3JsonToolParser(), '{"na\tme": "f", "parameters": {}}'),
 ])
 def test_answers_that_are_no_calls_stay_content(parser, text):
     content, calls = parser.extract(text)
@@ -83,11 +87,13 @@ AUTO_ANSWERS = [
         '<tool_call>{"name": 5, "arguments": {}}</tool_call> then text',
         '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call> after',
         '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call><tool_call>{oops}',
-        '<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>']),
+        '<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>',
+        '<tool_call>{"a\\q": 1}</tool_call>']),
     (Llama3JsonToolParser(), [
         LLAMA, '{"foo": 1}', '{"name": 5, "parameters": {}}', ' {"answer": {"x": [1, 2]}}',
         '{"name": "f", "parameters": {"a": 1}} trailing', '{"name": "f", "parameters": {}}; {x}',
-        '<|python_tag|>{"name": "f", "parameters": {"a": 1}}', "Plain { answer"]),
+        '<|python_tag|>{"name": "f", "parameters": {"a": 1}}', "Plain { answer",
+        '{"C:\\dir": 1}']),
 ]
 
 

@@ -101,7 +101,10 @@ def scan_call(text: str, i: int, args_keys: tuple[str, ...],
         end = string_end(text, i)
         if end is None:
             return call, None
-        key = json.loads(text[i:end])
+        try:  # a bad escape or a raw control character: not JSON, so no call
+            key = json.loads(text[i:end])
+        except ValueError:
+            return None, None
         i = skip_ws(text, end)
         if i >= len(text):
             return call, None
