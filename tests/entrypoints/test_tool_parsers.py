@@ -26,20 +26,16 @@ REQUIRED = ('[{"name": "get_weather", "parameters": {"city": "Oslo"}}, '
 def streamed(parser, text: str, rng: random.Random):
     stream, content, calls = ToolCallStream(parser), "", {}
     i = 0
-    while i < len(text):
+    while i <= len(text):  # then once more, final (a call may first go out there)
         j = min(len(text), i + rng.randint(1, 6))
-        c, deltas = stream.feed(text[i:j])
+        c, deltas = stream.feed(text[i:j], final=i == len(text))
         content += c
         for d in deltas:
             call = calls.setdefault(d.index, {"name": None, "arguments": "", "id": None})
             call["id"] = call["id"] or d.id
             call["name"] = call["name"] or d.function.name
             call["arguments"] += d.function.arguments or ""
-        i = j
-    c, deltas = stream.feed("", final=True)
-    content += c
-    for d in deltas:
-        calls[d.index]["arguments"] += d.function.arguments or ""
+        i = j if i < len(text) else j + 1
     return content, [calls[k] for k in sorted(calls)]
 
 
@@ -73,6 +69,13 @@ def test_whole_and_streamed_agree(parser, text, content, expected):
     (HermesToolParser(), '<tool_call>{"a\\q": 1}</tool_call>'),
     (Llama3JsonToolParser(), '{"C:\\dir": 1}'),
     (Llama3JsonToolParser(), '{"na\tme": "f", "parameters": {}}'),
+    # objects outside JSON's grammar: a missing comma, extra commas; text after the object
+    (HermesToolParser(), '<tool_call>{"name": "f" "arguments": {}}</tool_call>'),
+    (HermesToolParser(), '<tool_call>{,,"name": "f",, "arguments": {}}</tool_call>'),
+    (HermesToolParser(), '<tool_call>{"name": "f", "arguments": {},}</tool_call>'),
+    (HermesToolParser(), '<tool_call>{"name": "f", "arguments": {}}} junk</tool_call>'),
+    (Llama3JsonToolParser(), '{"name": "f" "parameters": {}}'),
+    (Llama3JsonToolParser(), '{,"name": "f", "parameters": {}}'),
 ])
 def test_answers_that_are_no_calls_stay_content(parser, text):
     content, calls = parser.extract(text)
@@ -88,7 +91,10 @@ AUTO_ANSWERS = [
         '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call> after',
         '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call><tool_call>{oops}',
         '<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>',
-        '<tool_call>{"a\\q": 1}</tool_call>']),
+        '<tool_call>{"a\\q": 1}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {}}} junk</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {}} \n</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g" "a": 1}']),
     (Llama3JsonToolParser(), [
         LLAMA, '{"foo": 1}', '{"name": 5, "parameters": {}}', ' {"answer": {"x": [1, 2]}}',
         '{"name": "f", "parameters": {"a": 1}} trailing', '{"name": "f", "parameters": {}}; {x}',

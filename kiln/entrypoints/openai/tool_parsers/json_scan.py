@@ -75,27 +75,22 @@ def value_end(text: str, i: int, final: bool) -> int | None:
 def scan_call(text: str, i: int, args_keys: tuple[str, ...],
               final: bool) -> tuple[PartialCall | None, int | None]:
     """Scan `{"name": ..., "<args key>": ...}` from text[i]: (the call so far, or None when
-    the text there is no such object; the index after its closing brace, or None if open)."""
+    the text there is no such object; the index after its closing brace, or None if open).
+    JSON's object grammar, member by member: a missing or extra comma is no call."""
     i = skip_ws(text, i)
     call = PartialCall()
     if i >= len(text):
         return call, None
     if text[i] != "{":
         return None, None
-    i += 1
+    i = skip_ws(text, i + 1)
+    if text.startswith("}", i):
+        call.done, call.args = True, "{}"
+        return call, i + 1
     has_args = False
-    while True:
-        i = skip_ws(text, i)
+    while True:  # a member is due at i
         if i >= len(text):
             return call, None
-        if text[i] == "}":
-            call.done = True
-            if not has_args:
-                call.args = "{}"
-            return call, i + 1
-        if text[i] == ",":
-            i += 1
-            continue
         if text[i] != '"':
             return None, None
         end = string_end(text, i)
@@ -125,7 +120,17 @@ def scan_call(text: str, i: int, args_keys: tuple[str, ...],
             except ValueError:
                 return None, None
             call.name = name if isinstance(name, str) else None
-        i = end
+        i = skip_ws(text, end)
+        if i >= len(text):
+            return call, None
+        if text[i] == "}":
+            call.done = True
+            if not has_args:
+                call.args = "{}"
+            return call, i + 1
+        if text[i] != ",":
+            return None, None
+        i = skip_ws(text, i + 1)
 
 
 def partial_suffix(text: str, tag: str) -> int:
