@@ -11,6 +11,7 @@ from kiln.entrypoints.openai.protocol import ChatCompletionRequest
 from kiln.entrypoints.openai.tool_parsers.base import ToolCallStream
 from kiln.entrypoints.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser
 from kiln.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+from kiln.entrypoints.openai.tool_parsers.json_scan import value_end
 from kiln.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from kiln.entrypoints.openai.tool_parsers.tool_plan import plan_tools
 
@@ -23,11 +24,12 @@ REQUIRED = ('[{"name": "get_weather", "parameters": {"city": "Oslo"}}, '
             '{"name": "x", "parameters": {"k": true}}]')
 
 
-def streamed(parser, text: str, rng: random.Random):
+def streamed(parser, text: str, rng: random.Random | None = None, step: int = 4):
+    """Deltas of 1 to 6 characters (`rng`), else of `step`."""
     stream, content, calls = ToolCallStream(parser), "", {}
     i = 0
     while i <= len(text):  # then once more, final (a call may first go out there)
-        j = min(len(text), i + rng.randint(1, 6))
+        j = min(len(text), i + (rng.randint(1, 6) if rng else step))
         c, deltas = stream.feed(text[i:j], final=i == len(text))
         content += c
         for d in deltas:
@@ -153,6 +155,33 @@ def test_a_named_call_with_nothing_written_is_no_call_whole_or_streamed():
     assert NamedToolParser("f").extract("") == (None, [])
     stream = ToolCallStream(NamedToolParser("f"))
     assert stream.feed("") == ("", []) and stream.feed("", final=True) == ("", [])
+
+
+@pytest.mark.parametrize("parser, opening, closing", [
+    (HermesToolParser(), '<tool_call>{"name": "write", "arguments": ', "}</tool_call>"),
+    (Llama3JsonToolParser(), '{"name": "write", "parameters": ', "}"),
+    (RequiredToolParser(), '[{"name": "write", "parameters": ', "}]"),
+])
+def test_a_long_call_streams_as_it_reads_whole(parser, opening, closing):
+    """40K characters of code in a string argument, 4 at a time (escapes split at every
+    place): each delta resumes the open value's scan, and the calls come out whole."""
+    code = "def f(x):\n    return {'a': [x, \"q\\\\\"]}\n" * 1000
+    args = json.dumps({"path": "a.py", "content": code})
+    text = opening + args + closing
+    _, (call,) = parser.extract(text)
+    for step in (3, 4):
+        _, (s_call,) = streamed(parser, text, step=step)
+        assert (s_call["name"], s_call["arguments"]) == ("write", call.function.arguments)
+    assert json.loads(call.function.arguments)["content"] == code
+
+
+def test_a_scan_resumes_after_an_escape_cut_at_its_backslash():
+    memo: dict = {}
+    assert value_end('{"a": "x\\', 0, False, memo) is None
+    assert value_end('{"a": "x\\"', 0, False, memo) is None  # an escaped quote, not the end
+    assert value_end('{"a": "x\\""', 0, False, memo) is None
+    assert value_end('{"a": "x\\""}', 0, False, memo) == 12
+    assert value_end('{"a": "x\\""} ', 0, False, memo) == 12  # read whole before
 
 
 def test_hermes_stream_holds_back_a_split_tag():

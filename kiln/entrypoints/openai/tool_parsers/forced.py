@@ -2,7 +2,12 @@
 answer's shape (forced_schema), and these parsers read it: a named call's answer is its
 arguments; a required one's is a JSON array of {"name": ..., "parameters": {...}}."""
 from kiln.entrypoints.openai.tool_parsers.base import ToolParser
-from kiln.entrypoints.openai.tool_parsers.json_scan import PartialCall, scan_calls, skip_ws
+from kiln.entrypoints.openai.tool_parsers.json_scan import (
+    PartialCall,
+    ScanMemo,
+    scan_calls,
+    skip_ws,
+)
 
 _ANY_OBJECT = {"type": "object"}
 
@@ -27,7 +32,8 @@ class NamedToolParser(ToolParser):
     def __init__(self, name: str):
         self.name = name
 
-    def parse(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
+    def parse(self, text: str, final: bool,
+              memo: ScanMemo | None = None) -> tuple[str, list[PartialCall]]:
         args = text.strip() if final else text.lstrip()
         if not args:  # nothing past the thinking yet: a stream must not announce a call
             return "", []
@@ -37,8 +43,9 @@ class NamedToolParser(ToolParser):
 class RequiredToolParser(ToolParser):
     forced = True
 
-    def parse(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
+    def parse(self, text: str, final: bool,
+              memo: ScanMemo | None = None) -> tuple[str, list[PartialCall]]:
         i = skip_ws(text, 0)
         if i >= len(text) or text[i] != "[":
             return "", []
-        return "", scan_calls(text, i + 1, ("parameters",), ",", final)
+        return "", scan_calls(text, i + 1, ("parameters",), ",", final, memo)

@@ -4,6 +4,7 @@ before the first one."""
 from kiln.entrypoints.openai.tool_parsers.base import ToolParser
 from kiln.entrypoints.openai.tool_parsers.json_scan import (
     PartialCall,
+    ScanMemo,
     not_a_call,
     partial_suffix,
     scan_call,
@@ -26,14 +27,16 @@ def _end_tag_follows(text: str, i: int) -> bool | None:
 
 
 class HermesToolParser(ToolParser):
-    def parse(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
+    def parse(self, text: str, final: bool,
+              memo: ScanMemo | None = None) -> tuple[str, list[PartialCall]]:
         first = text.find(START)
         if first < 0:
             return (text if final else text[:len(text) - partial_suffix(text, START)]), []
         calls: list[PartialCall] = []
         at = first
         while at >= 0:
-            call, end = scan_call(text, at + len(START), ("arguments", "parameters"), final)
+            call, end = scan_call(text, at + len(START), ("arguments", "parameters"), final,
+                                  memo)
             if call is None:
                 calls.append(not_a_call())
                 break
