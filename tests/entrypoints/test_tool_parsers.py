@@ -136,8 +136,19 @@ def test_a_forced_call_cut_short_is_still_the_call_as_it_streams():
     content, (call,) = NamedToolParser("f").extract(text)
     stream = ToolCallStream(NamedToolParser("f"))
     _, deltas = stream.feed(text, final=True)
-    assert content is None and (call.function.name, call.function.arguments) == ("f", '{"a":')
+    assert content is None and (call.function.name, call.function.arguments) == ("f", '{"a": ')
     assert "".join(d.function.arguments for d in deltas) == call.function.arguments
+
+
+@pytest.mark.parametrize("text, arguments", [
+    ('{"a": 1}{"a": 1}{"a"', '{"a": 1}'),  # ignore_eos: the model wrote on past the grammar
+    (' {"a": "x"} \n\n', '{"a": "x"}'), ('"\n', '"\n'), ('{"a": [1, \n', '{"a": [1, \n')])
+def test_a_named_call_is_its_json_value_whole_or_streamed(text, arguments):
+    _, (call,) = NamedToolParser("f").extract(text)
+    assert call.function.arguments == arguments
+    for seed in range(10):
+        _, (s_call,) = streamed(NamedToolParser("f"), text, random.Random(seed))
+        assert s_call["arguments"] == arguments
 
 
 @pytest.mark.parametrize("parser, text", [

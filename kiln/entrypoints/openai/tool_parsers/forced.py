@@ -7,6 +7,7 @@ from kiln.entrypoints.openai.tool_parsers.json_scan import (
     ScanMemo,
     scan_calls,
     skip_ws,
+    value_end,
 )
 
 _ANY_OBJECT = {"type": "object"}
@@ -34,10 +35,14 @@ class NamedToolParser(ToolParser):
 
     def parse(self, text: str, final: bool,
               memo: ScanMemo | None = None) -> tuple[str, list[PartialCall]]:
-        args = text.strip() if final else text.lstrip()
-        if not args:  # nothing past the thinking yet: a stream must not announce a call
+        i = skip_ws(text, 0)
+        if i == len(text):  # nothing past the thinking yet: a stream must not announce a call
             return "", []
-        return "", [PartialCall(name=self.name, args=args, done=final)]
+        # The grammar ends with the arguments' JSON value; past it (ignore_eos) the model
+        # writes on unconstrained, and none of that is the call. Cut short, the arguments are
+        # all the text, trailing whitespace too: the stream sent it already.
+        end = value_end(text, i, final, memo)
+        return "", [PartialCall(name=self.name, args=text[i:end], done=end is not None)]
 
 
 class RequiredToolParser(ToolParser):
