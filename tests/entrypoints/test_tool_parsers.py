@@ -160,6 +160,12 @@ def test_a_forced_answer_cut_before_its_call_is_no_content_whole_or_streamed(par
     assert (content, calls) == ("", [])
 
 
+def test_a_forced_call_with_an_empty_name_is_none_whole_or_streamed():
+    text = '[{"name": "", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]'
+    assert RequiredToolParser().extract(text) == (None, [])
+    assert streamed(RequiredToolParser(), text, random.Random(0)) == ("", [])
+
+
 def test_a_named_call_with_nothing_written_is_no_call_whole_or_streamed():
     """All the answer was thinking (the grammar waited for </think>): no call, and the stream
     announces none either."""

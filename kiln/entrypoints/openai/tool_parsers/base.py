@@ -1,6 +1,7 @@
 """`ToolParser`: reads tool calls out of a model's text; `ToolCallStream` turns the same reading
 of a growing text into OpenAI's streamed deltas, so streamed and whole answers agree.
 """
+import itertools
 import uuid
 
 from kiln.entrypoints.openai.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
@@ -39,7 +40,8 @@ class ToolParser:
         its stream sends no content, and vLLM's is empty too."""
         content, calls = self.calls(text, final=True)
         if self.forced:
-            calls = [c for c in calls if c.name]  # a name not yet written: no call yet
+            # A name not yet written (or empty): no call yet, nor any after it, as streamed.
+            calls = list(itertools.takewhile(lambda c: c.name, calls))
         else:
             calls = complete_calls(calls)
             if not calls:
@@ -85,7 +87,7 @@ class ToolCallStream:
         deltas: list[DeltaToolCall] = []
         for i, call in enumerate(calls):
             if i == len(self._args_sent):
-                if call.name is None:
+                if not call.name:
                     break  # the name comes first in the stream; wait for it
                 self._args_sent.append(0)
                 deltas.append(DeltaToolCall(index=i, id=tool_call_id(), type="function",

@@ -50,6 +50,7 @@ def _plan(req, tool_call_parser: str | None, enable_auto_tool_choice: bool) -> T
             raise OpenAIError("parallel_tool_calls=false needs tools: give tools or drop it",
                               param="parallel_tool_calls", code="invalid_value")
         return ToolPlan()
+    check_tools(tools)
     single = not req.parallel_tool_calls
     names = [t.function.name for t in tools]
     template_tools = template_tool_dicts(tools)
@@ -75,6 +76,16 @@ def _plan(req, tool_call_parser: str | None, enable_auto_tool_choice: bool) -> T
     schema = tool.function.parameters or {"type": "object"}
     return ToolPlan(template_tools=template_tools, parser=NamedToolParser(name),
                     constraint=_forced(schema))
+
+
+def check_tools(tools) -> None:
+    """Refuse what OpenAI refuses in a tool, and what would come back broken: a call to a
+    nameless function (no stream can announce it)."""
+    for k, tool in enumerate(tools):
+        name = tool.function.name
+        if not name.strip():
+            raise OpenAIError(f"tools[{k}].function.name is empty: give each function a name",
+                              param="tools", code="invalid_value")
 
 
 def _forced(schema: dict) -> StructuredOutputsParams:

@@ -1,0 +1,27 @@
+"""tool_plan: the tools a request may give (what OpenAI refuses is refused, naming `tools`)."""
+import pytest
+
+from kiln.entrypoints.openai.errors import OpenAIError
+from kiln.entrypoints.openai.protocol import ChatCompletionRequest
+from kiln.entrypoints.openai.tool_parsers.tool_plan import plan_tools
+
+
+def tool(name="f", **function):
+    return {"type": "function", "function": {"name": name, **function}}
+
+
+def req(tools, tool_choice="required"):
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=tools,
+                                 tool_choice=tool_choice)
+
+
+@pytest.mark.parametrize("tools, message", [
+    ([tool("")], r"tools\[0\].function.name is empty"),
+    ([tool("f"), tool(" \t")], r"tools\[1\].function.name is empty"),
+])
+def test_tools_openai_refuses_are_400s_naming_tools(tools, message):
+    for choice in ("required", "none"):
+        with pytest.raises(OpenAIError, match=message) as e:
+            plan_tools(req(tools, choice), "hermes", True)
+        assert e.value.param == "tools" and e.value.status == 400
+
