@@ -18,6 +18,10 @@ def req(tools, tool_choice="required"):
 @pytest.mark.parametrize("tools, message", [
     ([tool("")], r"tools\[0\].function.name is empty"),
     ([tool("f"), tool(" \t")], r"tools\[1\].function.name is empty"),
+    ([tool(parameters={"type": "integer"})],
+     r"""tools\[0\] \(function 'f'\): parameters must be a JSON schema of type "object"""),
+    ([tool(parameters={"type": ["object", "null"]})], "parameters must be"),
+    ([tool(parameters={"description": "no type, no properties"})], "parameters must be"),
 ])
 def test_tools_openai_refuses_are_400s_naming_tools(tools, message):
     for choice in ("required", "none"):
@@ -25,3 +29,8 @@ def test_tools_openai_refuses_are_400s_naming_tools(tools, message):
             plan_tools(req(tools, choice), "hermes", True)
         assert e.value.param == "tools" and e.value.status == 400
 
+
+@pytest.mark.parametrize("parameters", [
+    None, {}, {"type": "object"}, {"properties": {"a": {"type": "integer"}}}])
+def test_object_parameters_or_none_are_taken(parameters):
+    plan_tools(req([tool(parameters=parameters)]), None, False)

@@ -3,6 +3,7 @@ the constraint that forces a call (required, named) and the parser that reads th
 
 Pure: the server's flags come in as arguments; errors are 400s naming the field.
 """
+import json
 from dataclasses import dataclass
 
 from kiln.entrypoints.openai.errors import OpenAIError
@@ -80,12 +81,23 @@ def _plan(req, tool_call_parser: str | None, enable_auto_tool_choice: bool) -> T
 
 def check_tools(tools) -> None:
     """Refuse what OpenAI refuses in a tool, and what would come back broken: a call to a
-    nameless function (no stream can announce it)."""
+    nameless function (no stream can announce it), arguments that are no JSON object."""
     for k, tool in enumerate(tools):
-        name = tool.function.name
+        name, params = tool.function.name, tool.function.parameters
         if not name.strip():
             raise OpenAIError(f"tools[{k}].function.name is empty: give each function a name",
                               param="tools", code="invalid_value")
+        # No parameters ({} too) is any object; "properties" without "type" is JSON Schema's
+        # way to describe an object's members.
+        if params and params.get("type", "object" if "properties" in params else None) != "object":
+            raise OpenAIError(f"tools[{k}] (function {name!r}): parameters must be a JSON "
+                              f'schema of type "object" (arguments are a JSON object), got '
+                              f"{_shorten(params)}", param="tools", code="invalid_value")
+
+
+def _shorten(value, limit: int = 80) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _forced(schema: dict) -> StructuredOutputsParams:
