@@ -34,3 +34,30 @@ def test_tools_openai_refuses_are_400s_naming_tools(tools, message):
     None, {}, {"type": "object"}, {"properties": {"a": {"type": "integer"}}}])
 def test_object_parameters_or_none_are_taken(parameters):
     plan_tools(req([tool(parameters=parameters)]), None, False)
+
+
+# What pydantic's model_json_schema() (and so the OpenAI SDK) writes for nested models.
+CITY = {"type": "object", "properties": {"name": {"type": "string", "enum": ["Paris", "Rome"]}},
+        "required": ["name"], "additionalProperties": False}
+BOOK = tool("book", parameters={"$defs": {"City": CITY}, "type": "object",
+                                "properties": {"city": {"$ref": "#/$defs/City"}},
+                                "required": ["city"]})
+COUNT = tool("count", parameters={"definitions": {"N": {"type": "integer"}}, "type": "object",
+                                  "properties": {"n": {"$ref": "#/definitions/N"}}})
+
+
+def test_required_hoists_each_tools_definitions_to_the_root():
+    """Nested under the combined schema's items, "#/$defs/City" would not resolve."""
+    from kiln.structured_output.xgrammar_backend import check_structured_outputs
+
+    schema = plan_tools(req([BOOK, COUNT, BOOK]), None, False).constraint.json
+    assert schema["$defs"] == {"City": CITY} and schema["definitions"] == {"N": {"type": "integer"}}
+    assert all("$defs" not in o["properties"]["parameters"] for o in schema["items"]["anyOf"])
+    check_structured_outputs(plan_tools(req([BOOK, COUNT]), None, False).constraint)
+
+
+def test_required_refuses_two_tools_defining_one_name_differently():
+    other = tool("g", parameters={"$defs": {"City": {"type": "string"}}, "type": "object"})
+    with pytest.raises(OpenAIError, match=r"function 'g' defines \$defs 'City'") as e:
+        plan_tools(req([BOOK, other]), None, False)
+    assert e.value.param == "tools"

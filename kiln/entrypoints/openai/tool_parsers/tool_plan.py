@@ -66,9 +66,12 @@ def _plan(req, tool_call_parser: str | None, enable_auto_tool_choice: bool) -> T
         return ToolPlan(template_tools=template_tools, parser=TOOL_PARSERS[tool_call_parser](),
                         calls_finish=True, max_calls=1 if single else None)
     if choice == "required":
+        try:
+            schema = required_schema(tools, 1 if single else None)
+        except ValueError as e:
+            raise OpenAIError(f"tools: {e}", param="tools", code="invalid_value") from None
         return ToolPlan(template_tools=template_tools, parser=RequiredToolParser(),
-                        constraint=_forced(required_schema(tools, 1 if single else None)),
-                        calls_finish=True)
+                        constraint=_forced(schema), calls_finish=True)
     name = choice.function.name
     if name not in names:
         raise OpenAIError(f"tool_choice names function {name!r}, which is not among tools "
