@@ -61,3 +61,17 @@ def test_required_refuses_two_tools_defining_one_name_differently():
     with pytest.raises(OpenAIError, match=r"function 'g' defines \$defs 'City'") as e:
         plan_tools(req([BOOK, other]), None, False)
     assert e.value.param == "tools"
+
+
+def test_a_tools_schema_that_does_not_compile_is_named_as_the_client_sent_it():
+    import asyncio
+
+    from kiln.entrypoints.openai.structured_fields import check_compiles
+
+    bad = tool(parameters={"type": "object", "properties": {"a": {"type": "objectx"}}})
+    plan = plan_tools(req([bad]), None, False)
+    with pytest.raises(OpenAIError) as e:
+        asyncio.run(check_compiles(plan.constraint, "tools"))
+    assert e.value.param == "tools" and "structured_outputs" not in str(e.value)
+    assert str(e.value).startswith("tools: the schema of the tools' parameters is not a JSON "
+                                   "schema this server can compile: ")
