@@ -11,6 +11,7 @@ from kiln.entrypoints.openai.protocol import ChatCompletionRequest
 from kiln.entrypoints.openai.tool_parsers.base import ToolCallStream
 from kiln.entrypoints.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser
 from kiln.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+from kiln.entrypoints.openai.tool_parsers.json_scan import value_end
 from kiln.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from kiln.entrypoints.openai.tool_parsers.tool_plan import plan_tools
 
@@ -23,23 +24,20 @@ REQUIRED = ('[{"name": "get_weather", "parameters": {"city": "Oslo"}}, '
             '{"name": "x", "parameters": {"k": true}}]')
 
 
-def streamed(parser, text: str, rng: random.Random):
+def streamed(parser, text: str, rng: random.Random | None = None, step: int = 4):
+    """Deltas of 1 to 6 characters (`rng`), else of `step`."""
     stream, content, calls = ToolCallStream(parser), "", {}
     i = 0
-    while i < len(text):
-        j = min(len(text), i + rng.randint(1, 6))
-        c, deltas = stream.feed(text[i:j])
+    while i <= len(text):  # then once more, final (a call may first go out there)
+        j = min(len(text), i + (rng.randint(1, 6) if rng else step))
+        c, deltas = stream.feed(text[i:j], final=i == len(text))
         content += c
         for d in deltas:
             call = calls.setdefault(d.index, {"name": None, "arguments": "", "id": None})
             call["id"] = call["id"] or d.id
             call["name"] = call["name"] or d.function.name
             call["arguments"] += d.function.arguments or ""
-        i = j
-    c, deltas = stream.feed("", final=True)
-    content += c
-    for d in deltas:
-        calls[d.index]["arguments"] += d.function.arguments or ""
+        i = j if i < len(text) else j + 1
     return content, [calls[k] for k in sorted(calls)]
 
 
@@ -69,6 +67,17 @@ def test_whole_and_streamed_agree(parser, text, content, expected):
     (HermesToolParser(), "<tool_call>\n{not json}\n</tool_call>"),
     (HermesToolParser(), '<tool_call>\n{"name": "f", "arguments": {"a": '),  # cut short
     (Llama3JsonToolParser(), "Plain answer { with a brace"),
+    # keys that are no JSON strings (a bad escape, a raw control character)
+    (HermesToolParser(), '<tool_call>{"a\\q": 1}</tool_call>'),
+    (Llama3JsonToolParser(), '{"C:\\dir": 1}'),
+    (Llama3JsonToolParser(), '{"na\tme": "f", "parameters": {}}'),
+    # objects outside JSON's grammar: a missing comma, extra commas; text after the object
+    (HermesToolParser(), '<tool_call>{"name": "f" "arguments": {}}</tool_call>'),
+    (HermesToolParser(), '<tool_call>{,,"name": "f",, "arguments": {}}</tool_call>'),
+    (HermesToolParser(), '<tool_call>{"name": "f", "arguments": {},}</tool_call>'),
+    (HermesToolParser(), '<tool_call>{"name": "f", "arguments": {}}} junk</tool_call>'),
+    (Llama3JsonToolParser(), '{"name": "f" "parameters": {}}'),
+    (Llama3JsonToolParser(), '{,"name": "f", "parameters": {}}'),
 ])
 def test_answers_that_are_no_calls_stay_content(parser, text):
     content, calls = parser.extract(text)
@@ -83,11 +92,16 @@ AUTO_ANSWERS = [
         '<tool_call>{"name": 5, "arguments": {}}</tool_call> then text',
         '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call> after',
         '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call><tool_call>{oops}',
-        '<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>']),
+        '<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>',
+        '<tool_call>{"a\\q": 1}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {}}} junk</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {}} \n</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g" "a": 1}']),
     (Llama3JsonToolParser(), [
         LLAMA, '{"foo": 1}', '{"name": 5, "parameters": {}}', ' {"answer": {"x": [1, 2]}}',
         '{"name": "f", "parameters": {"a": 1}} trailing', '{"name": "f", "parameters": {}}; {x}',
-        '<|python_tag|>{"name": "f", "parameters": {"a": 1}}', "Plain { answer"]),
+        '<|python_tag|>{"name": "f", "parameters": {"a": 1}}', "Plain { answer",
+        '{"C:\\dir": 1}']),
 ]
 
 
@@ -122,8 +136,19 @@ def test_a_forced_call_cut_short_is_still_the_call_as_it_streams():
     content, (call,) = NamedToolParser("f").extract(text)
     stream = ToolCallStream(NamedToolParser("f"))
     _, deltas = stream.feed(text, final=True)
-    assert content is None and (call.function.name, call.function.arguments) == ("f", '{"a":')
+    assert content is None and (call.function.name, call.function.arguments) == ("f", '{"a": ')
     assert "".join(d.function.arguments for d in deltas) == call.function.arguments
+
+
+@pytest.mark.parametrize("text, arguments", [
+    ('{"a": 1}{"a": 1}{"a"', '{"a": 1}'),  # ignore_eos: the model wrote on past the grammar
+    (' {"a": "x"} \n\n', '{"a": "x"}'), ('"\n', '"\n'), ('{"a": [1, \n', '{"a": [1, \n')])
+def test_a_named_call_is_its_json_value_whole_or_streamed(text, arguments):
+    _, (call,) = NamedToolParser("f").extract(text)
+    assert call.function.arguments == arguments
+    for seed in range(10):
+        _, (s_call,) = streamed(NamedToolParser("f"), text, random.Random(seed))
+        assert s_call["arguments"] == arguments
 
 
 @pytest.mark.parametrize("parser, text", [
@@ -135,12 +160,45 @@ def test_a_forced_answer_cut_before_its_call_is_no_content_whole_or_streamed(par
     assert (content, calls) == ("", [])
 
 
+def test_a_forced_call_with_an_empty_name_is_none_whole_or_streamed():
+    text = '[{"name": "", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]'
+    assert RequiredToolParser().extract(text) == (None, [])
+    assert streamed(RequiredToolParser(), text, random.Random(0)) == ("", [])
+
+
 def test_a_named_call_with_nothing_written_is_no_call_whole_or_streamed():
     """All the answer was thinking (the grammar waited for </think>): no call, and the stream
     announces none either."""
     assert NamedToolParser("f").extract("") == (None, [])
     stream = ToolCallStream(NamedToolParser("f"))
     assert stream.feed("") == ("", []) and stream.feed("", final=True) == ("", [])
+
+
+@pytest.mark.parametrize("parser, opening, closing", [
+    (HermesToolParser(), '<tool_call>{"name": "write", "arguments": ', "}</tool_call>"),
+    (Llama3JsonToolParser(), '{"name": "write", "parameters": ', "}"),
+    (RequiredToolParser(), '[{"name": "write", "parameters": ', "}]"),
+])
+def test_a_long_call_streams_as_it_reads_whole(parser, opening, closing):
+    """40K characters of code in a string argument, 4 at a time (escapes split at every
+    place): each delta resumes the open value's scan, and the calls come out whole."""
+    code = "def f(x):\n    return {'a': [x, \"q\\\\\"]}\n" * 1000
+    args = json.dumps({"path": "a.py", "content": code})
+    text = opening + args + closing
+    _, (call,) = parser.extract(text)
+    for step in (3, 4):
+        _, (s_call,) = streamed(parser, text, step=step)
+        assert (s_call["name"], s_call["arguments"]) == ("write", call.function.arguments)
+    assert json.loads(call.function.arguments)["content"] == code
+
+
+def test_a_scan_resumes_after_an_escape_cut_at_its_backslash():
+    memo: dict = {}
+    assert value_end('{"a": "x\\', 0, False, memo) is None
+    assert value_end('{"a": "x\\"', 0, False, memo) is None  # an escaped quote, not the end
+    assert value_end('{"a": "x\\""', 0, False, memo) is None
+    assert value_end('{"a": "x\\""}', 0, False, memo) == 12
+    assert value_end('{"a": "x\\""} ', 0, False, memo) == 12  # read whole before
 
 
 def test_hermes_stream_holds_back_a_split_tag():

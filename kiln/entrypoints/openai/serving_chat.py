@@ -268,7 +268,7 @@ class ServingChat:
                                                        reasoning_content=reasoning,
                                                        tool_calls=calls),
             logprobs=self._logprobs(req, o),
-            finish_reason=_finish_reason(o.finish_reason, plan, bool(calls)),
+            finish_reason=_finish_reason(o.finish_reason, o.stop_reason, plan, bool(calls)),
             stop_reason=o.stop_reason, **token_ids_fields(req, None, o.token_ids))
 
     async def _collect(self, stream: RequestStream):
@@ -320,7 +320,8 @@ class ServingChat:
                         continue
                     yield chunk([ChatStreamChoice(
                         index=o.index, delta=delta, logprobs=self._logprobs(req, o),
-                        finish_reason=_finish_reason(o.finish_reason, plan, calls),
+                        finish_reason=_finish_reason(o.finish_reason, o.stop_reason, plan,
+                                                     calls),
                         stop_reason=o.stop_reason, **token_ids_fields(req, None, o.token_ids))],
                         make_usage(prompt_tokens, completion_tokens)
                         if continuous_usage(req) else None,
@@ -338,8 +339,17 @@ class ServingChat:
         yield SSE_DONE
 
 
-def _finish_reason(reason: str | None, plan: ToolPlan, made_calls: bool) -> str | None:
-    return "tool_calls" if reason == "stop" and made_calls and plan.calls_finish else reason
+def _finish_reason(reason: str | None, stop_reason: int | str | None, plan: ToolPlan,
+                   made_calls: bool) -> str | None:
+    """"tool_calls" where calls were made and the answer stopped, as vLLM reports it, except
+    where a forced call met a stop string of the client's (stop_reason a str): that cut it
+    where the string matched, its arguments most likely short of JSON, so it keeps "stop".
+    Calls read under "auto" are whole JSON calls whatever ended the text (a stop string of
+    "</tool_call>" too)."""
+    if reason != "stop" or not made_calls or not plan.calls_finish:
+        return reason
+    cut = isinstance(stop_reason, str) and plan.parser is not None and plan.parser.forced
+    return reason if cut else "tool_calls"
 
 
 def _delta(splitter, tools: ToolCallStream | None,

@@ -2,6 +2,7 @@
 `StructuredOutputsParams`, every error a 400 naming the field the client sent.
 """
 import asyncio
+import re
 
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.sampling_params import StructuredOutputsParams
@@ -89,10 +90,17 @@ def build_params(fields: dict, param: str) -> StructuredOutputsParams:
                           code="invalid_value") from None
 
 
+# The engine names what it compiles structured_outputs.X; under a forced tool_choice that is a
+# schema made of the tools' parameters, a field the client never sent.
+_COMPILED_AS = {"tools": "the schema of the tools' parameters"}
+
+
 def _in_terms_of(message: str, param: str) -> str:
     """The engine names structured_outputs.X; the client may have sent response_format."""
     if param == "structured_outputs":
         return message
+    if param in _COMPILED_AS:
+        message = re.sub(r"^structured_outputs\.\w+", _COMPILED_AS[param], message)
     return f"{param}: {message}"
 
 

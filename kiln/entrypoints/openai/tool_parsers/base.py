@@ -1,10 +1,11 @@
 """`ToolParser`: reads tool calls out of a model's text; `ToolCallStream` turns the same reading
 of a growing text into OpenAI's streamed deltas, so streamed and whole answers agree.
 """
+import itertools
 import uuid
 
 from kiln.entrypoints.openai.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
-from kiln.entrypoints.openai.tool_parsers.json_scan import PartialCall, is_json
+from kiln.entrypoints.openai.tool_parsers.json_scan import PartialCall, ScanMemo, is_json
 
 
 def tool_call_id() -> str:
@@ -14,18 +15,21 @@ def tool_call_id() -> str:
 class ToolParser:
     """parse(text, final) -> (content so far, calls so far); content never shrinks as the text
     grows (a possible start of a tool-call marker is held back until `final`). `max_calls`
-    (parallel_tool_calls=false): calls past it are dropped."""
+    (parallel_tool_calls=false): calls past it are dropped. `memo`: a stream's, kept across
+    its growing texts so that open values resume their scan (None for a whole answer)."""
 
     max_calls: int | None = None
     # The answer's shape is forced by a grammar (tool_choice required or named): its calls are
     # calls even when max_tokens cut their arguments short, as they stream (and as vLLM's are).
     forced = False
 
-    def parse(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
+    def parse(self, text: str, final: bool,
+              memo: ScanMemo | None = None) -> tuple[str, list[PartialCall]]:
         raise NotImplementedError
 
-    def calls(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
-        content, calls = self.parse(text, final)
+    def calls(self, text: str, final: bool,
+              memo: ScanMemo | None = None) -> tuple[str, list[PartialCall]]:
+        content, calls = self.parse(text, final, memo)
         return content, calls if self.max_calls is None else calls[:self.max_calls]
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -36,7 +40,8 @@ class ToolParser:
         its stream sends no content, and vLLM's is empty too."""
         content, calls = self.calls(text, final=True)
         if self.forced:
-            calls = [c for c in calls if c.name]  # a name not yet written: no call yet
+            # A name not yet written (or empty): no call yet, nor any after it, as streamed.
+            calls = list(itertools.takewhile(lambda c: c.name, calls))
         else:
             calls = complete_calls(calls)
             if not calls:
@@ -61,6 +66,7 @@ class ToolCallStream:
         self.text = ""
         self._content_sent = 0
         self._args_sent: list[int] = []  # per call whose header (id, name) went out
+        self._memo: ScanMemo = {}
 
     @property
     def num_calls(self) -> int:
@@ -68,7 +74,7 @@ class ToolCallStream:
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[DeltaToolCall]]:
         self.text += delta
-        content, calls = self.parser.calls(self.text, final)
+        content, calls = self.parser.calls(self.text, final, self._memo)
         if not self.parser.forced:
             # Only what the whole answer will hold goes out (extract's rule): a call once it is
             # whole; the text held back as a possible call once its first call is none.
@@ -81,7 +87,7 @@ class ToolCallStream:
         deltas: list[DeltaToolCall] = []
         for i, call in enumerate(calls):
             if i == len(self._args_sent):
-                if call.name is None:
+                if not call.name:
                     break  # the name comes first in the stream; wait for it
                 self._args_sent.append(0)
                 deltas.append(DeltaToolCall(index=i, id=tool_call_id(), type="function",

@@ -3,7 +3,7 @@ one or more {"name": ..., "parameters": {...}} objects separated by ";", else pl
 from kiln.entrypoints.openai.tool_parsers.base import ToolParser
 from kiln.entrypoints.openai.tool_parsers.json_scan import (
     PartialCall,
-    partial_suffix,
+    ScanMemo,
     scan_calls,
     skip_ws,
 )
@@ -12,14 +12,15 @@ PYTHON_TAG = "<|python_tag|>"
 
 
 class Llama3JsonToolParser(ToolParser):
-    def parse(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
+    def parse(self, text: str, final: bool,
+              memo: ScanMemo | None = None) -> tuple[str, list[PartialCall]]:
         i = skip_ws(text, 0)
         if text.startswith(PYTHON_TAG, i):
             i = skip_ws(text, i + len(PYTHON_TAG))
-        elif not final and partial_suffix(text[i:], PYTHON_TAG) == len(text) - i:
+        elif not final and len(text) - i < len(PYTHON_TAG) and PYTHON_TAG.startswith(text[i:]):
             return "", []  # only whitespace or the start of the tag so far: undecided
         if i >= len(text):
             return ("" if not final else text), []
         if text[i] != "{":
             return text, []
-        return "", scan_calls(text, i, ("parameters", "arguments"), ";", final)
+        return "", scan_calls(text, i, ("parameters", "arguments"), ";", final, memo)

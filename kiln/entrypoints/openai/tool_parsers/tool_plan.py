@@ -3,6 +3,7 @@ the constraint that forces a call (required, named) and the parser that reads th
 
 Pure: the server's flags come in as arguments; errors are 400s naming the field.
 """
+import json
 from dataclasses import dataclass
 
 from kiln.entrypoints.openai.errors import OpenAIError
@@ -50,6 +51,7 @@ def _plan(req, tool_call_parser: str | None, enable_auto_tool_choice: bool) -> T
             raise OpenAIError("parallel_tool_calls=false needs tools: give tools or drop it",
                               param="parallel_tool_calls", code="invalid_value")
         return ToolPlan()
+    check_tools(tools)
     single = not req.parallel_tool_calls
     names = [t.function.name for t in tools]
     template_tools = template_tool_dicts(tools)
@@ -64,9 +66,12 @@ def _plan(req, tool_call_parser: str | None, enable_auto_tool_choice: bool) -> T
         return ToolPlan(template_tools=template_tools, parser=TOOL_PARSERS[tool_call_parser](),
                         calls_finish=True, max_calls=1 if single else None)
     if choice == "required":
+        try:
+            schema = required_schema(tools, 1 if single else None)
+        except ValueError as e:
+            raise OpenAIError(f"tools: {e}", param="tools", code="invalid_value") from None
         return ToolPlan(template_tools=template_tools, parser=RequiredToolParser(),
-                        constraint=_forced(required_schema(tools, 1 if single else None)),
-                        calls_finish=True)
+                        constraint=_forced(schema), calls_finish=True)
     name = choice.function.name
     if name not in names:
         raise OpenAIError(f"tool_choice names function {name!r}, which is not among tools "
@@ -75,6 +80,27 @@ def _plan(req, tool_call_parser: str | None, enable_auto_tool_choice: bool) -> T
     schema = tool.function.parameters or {"type": "object"}
     return ToolPlan(template_tools=template_tools, parser=NamedToolParser(name),
                     constraint=_forced(schema))
+
+
+def check_tools(tools) -> None:
+    """Refuse what OpenAI refuses in a tool, and what would come back broken: a call to a
+    nameless function (no stream can announce it), arguments that are no JSON object."""
+    for k, tool in enumerate(tools):
+        name, params = tool.function.name, tool.function.parameters
+        if not name.strip():
+            raise OpenAIError(f"tools[{k}].function.name is empty: give each function a name",
+                              param="tools", code="invalid_value")
+        # No parameters ({} too) is any object; "properties" without "type" is JSON Schema's
+        # way to describe an object's members.
+        if params and params.get("type", "object" if "properties" in params else None) != "object":
+            raise OpenAIError(f"tools[{k}] (function {name!r}): parameters must be a JSON "
+                              f'schema of type "object" (arguments are a JSON object), got '
+                              f"{_shorten(params)}", param="tools", code="invalid_value")
+
+
+def _shorten(value, limit: int = 80) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _forced(schema: dict) -> StructuredOutputsParams:
