@@ -101,6 +101,11 @@ def live_server():
         yield port
 
 
+def _post_headers(content_length: int) -> bytes:
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(content_length).encode() + b"\r\n\r\n")
+
+
 def _read_all(sock: socket.socket, timeout: float = 20.0) -> bytes:
     """Everything until the server closes (b"" at once: it closed); fails on our timeout."""
     sock.settimeout(timeout)
@@ -119,8 +124,7 @@ def test_a_connection_without_complete_headers_is_closed(live_server, sent):
 
 def test_a_stalled_body_gets_408_and_the_connection_closes(live_server):
     with socket.create_connection(("127.0.0.1", live_server)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                     b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+        sock.sendall(_post_headers(100) + b'{"prompt": ')
         reply = _read_all(sock)
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
     assert b"--request-body-timeout" in reply
@@ -150,8 +154,7 @@ def test_oversized_headers_get_431_and_the_connection_closes(live_server, flood)
 def test_a_trickled_body_gets_408(live_server):
     """Each byte comes within the 0.5 s gap allowed, but far slower than the minimum rate."""
     with socket.create_connection(("127.0.0.1", live_server)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                     b"application/json\r\nContent-Length: 100\r\n\r\n")
+        sock.sendall(_post_headers(100))
         sock.settimeout(0.3)
         reply = b""
         for _ in range(20):  # 6 s at most
@@ -171,8 +174,7 @@ def test_a_trickled_body_gets_408(live_server):
 
 def test_a_413_closes_the_connection_instead_of_reading_the_rest(live_server):
     with socket.create_connection(("127.0.0.1", live_server)) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                     b"application/json\r\nContent-Length: 20000000000\r\n\r\n{")
+        sock.sendall(_post_headers(20_000_000_000) + b"{")
         reply = _read_all(sock)  # fails if the server kept the connection open
     assert reply.startswith(b"HTTP/1.1 413") and b"connection: close" in reply
 
