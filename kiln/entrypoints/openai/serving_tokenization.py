@@ -8,16 +8,16 @@ from kiln.engine.detokenizer import fast_decode
 from kiln.engine.frontend_lanes import BULK_NICENESS, is_bulk
 from kiln.engine.input_processor import encoding_problem
 from kiln.engine.text_encoding import encode_text, plain_backend
+from kiln.entrypoints.openai.chat_rendering import (
+    check_generation_flags,
+    render_chat_prompt,
+    request_chat_template,
+)
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
-)
-from kiln.entrypoints.openai.serving_chat import (
-    check_generation_flags,
-    render_chat_prompt,
-    request_chat_template,
 )
 from kiln.entrypoints.openai.serving_models import ServingModels
 from kiln.entrypoints.openai.tool_parsers.tool_plan import template_tool_dicts
