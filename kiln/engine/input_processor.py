@@ -293,7 +293,9 @@ class InputProcessor:
                 return prompt["prompt"], self._encode(prompt["prompt"], whole)
             raise ValueError("a dict prompt needs 'prompt' (str) or 'prompt_token_ids' (list of "
                              f"int); got keys {sorted(prompt)}")
-        raise ValueError(f"prompt must be a str or a dict, got {type(prompt).__name__}")
+        hint = (": token ids go in a dict, {'prompt_token_ids': [...]} (a list of ints is "
+                "taken as one prompt per int)" if isinstance(prompt, int) else "")
+        raise ValueError(f"prompt must be a str or a dict, got {type(prompt).__name__}{hint}")
 
     def _encode(self, text: str, whole: bool = True) -> list[int]:
         check_encodable(text, "prompt")

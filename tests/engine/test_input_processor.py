@@ -24,6 +24,9 @@ def test_token_and_dict_prompts(proc):
     assert proc.process({"prompt": "Hi"}, None).prompt == "Hi"
     with pytest.raises(ValueError, match="prompt_token_ids"):
         proc.process({"text": "x"}, None)
+    # llm.generate([504, 3575]) hands each int over as a prompt
+    with pytest.raises(ValueError, match=r"got int: token ids go in a dict, \{'prompt_token_ids"):
+        proc.process(504, None)
 
 
 def test_empty_prompt(proc):
