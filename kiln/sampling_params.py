@@ -171,6 +171,8 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1:  # vLLM's "no seed"
+            self.seed = None
         self._validate()
         self.all_stop_token_ids = set(self.stop_token_ids)
 
@@ -211,7 +213,8 @@ class SamplingParams:
                   self.min_tokens)
         for name in ("logprobs", "prompt_logprobs"):  # the engine's max_logprobs caps them
             v = getattr(self, name)
-            check(v is None or (integer(v) and v >= 0), name, "None or an integer >= 0", v)
+            check(v is None or (integer(v) and v >= -1), name,
+                  "None, -1 (the whole vocabulary) or an integer >= 0", v)
         check(self.seed is None or (integer(self.seed) and _INT64[0] <= self.seed <= _INT64[1]),
               "seed", f"None or an integer in [{_INT64[0]}, {_INT64[1]}]", self.seed)
         check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),

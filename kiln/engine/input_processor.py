@@ -87,7 +87,7 @@ def bad_words_token_ids(tokenizer, bad_words: list[str]) -> list[list[int]]:
                          "engine runs with skip_tokenizer_init=True")
     out: list[list[int]] = []
     for word in bad_words:
-        for text in (word, " " + word.lstrip()):
+        for text in (word.lstrip(), " " + word.lstrip()):  # vLLM's two forms
             ids = encode_text(tokenizer, text, add_special_tokens=False)
             if ids and ids not in out:
                 out.append(ids)
@@ -199,10 +199,18 @@ def chat_messages(messages: list) -> list[dict]:
     return out
 
 
-def check_logprobs_cap(params, cap: int) -> None:
-    """The request's logprobs and prompt_logprobs within the engine's max_logprobs."""
+def check_logprobs_cap(params, cap: int, vocab_size: int) -> None:
+    """The request's logprobs and prompt_logprobs within the engine's max_logprobs; -1 (the
+    whole vocabulary, as in vLLM) becomes the vocabulary's size."""
     for name in ("logprobs", "prompt_logprobs"):
         v = getattr(params, name)
+        if v == -1:
+            v = vocab_size
+            setattr(params, name, v)
+            if v > cap:
+                raise ValueError(f"{name}=-1 asks for the whole vocabulary ({v}), more than "
+                                 f"the engine's max_logprobs {cap}; start it with "
+                                 "--max-logprobs -1 to allow that")
         if v is not None and v > cap:
             raise ValueError(f"{name} must be <= {cap}, the engine's max_logprobs "
                              f"(--max-logprobs), got {v}")
@@ -349,7 +357,7 @@ class InputProcessor:
             from kiln.structured_output.xgrammar_backend import check_structured_outputs
 
             check_structured_outputs(params.structured_outputs)
-        check_logprobs_cap(params, self.max_logprobs)
+        check_logprobs_cap(params, self.max_logprobs, self.vocab_size)
         if not params.ignore_eos:
             # As vLLM does: the model's other end tokens (generation_config) are stop tokens,
             # reported as the stop_reason; the tokenizer's eos is not (update_from_tokenizer)

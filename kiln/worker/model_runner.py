@@ -206,7 +206,9 @@ class ModelRunner:
             generator = self._parked_generators.pop(new.req_id, None)
             if generator is None and params.seed is not None:
                 generator = torch.Generator(device=self.device)
-                # 64 bits, as torch takes them: an n > 1 request's samples add their index
+                # torch takes 64 bits; its CPU generator keeps the low 32 (seeds 2**32 apart
+                # share a stream there, as in vLLM on CPU). An n > 1 request's samples add
+                # their index.
                 generator.manual_seed(params.seed % 2 ** 64)
             state = CachedRequestState(
                 req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),

@@ -78,7 +78,7 @@ def test_prompt_logprobs_compiled_and_streamed_once(tiny_qwen2_dir):
 
 def test_prompt_logprobs_validated(tiny_llama_dir):
     with pytest.raises(ValueError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=-1)
+        SamplingParams(prompt_logprobs=-2)
     # the cap is the engine's: vLLM's --max-logprobs, 20 by default, -1 the vocabulary
     llm = LLM(model=str(tiny_llama_dir), enforce_eager=True, max_model_len=64,
               kv_cache_memory=0.01)
@@ -86,6 +86,10 @@ def test_prompt_logprobs_validated(tiny_llama_dir):
     for name in ("prompt_logprobs", "logprobs"):
         with pytest.raises(ValueError, match=f"{name} must be <= 20.*--max-logprobs"):
             llm.generate(prompt, SamplingParams(max_tokens=1, **{name: 21}), use_tqdm=False)
+        # -1, vLLM's whole vocabulary, is within the cap only where the engine allows that
+        with pytest.raises(ValueError, match=f"{name}=-1 asks for the whole vocabulary.*"
+                                             "--max-logprobs -1"):
+            llm.generate(prompt, SamplingParams(max_tokens=1, **{name: -1}), use_tqdm=False)
     llm.shutdown()
     llm = LLM(model=str(tiny_llama_dir), enforce_eager=True, max_model_len=64,
               kv_cache_memory=0.01, max_logprobs=-1)
@@ -93,6 +97,9 @@ def test_prompt_logprobs_validated(tiny_llama_dir):
     out = llm.generate(prompt, SamplingParams(max_tokens=1, logprobs=30, prompt_logprobs=vocab),
                        use_tqdm=False)[0]
     assert len(out.outputs[0].logprobs[0]) >= 30 and len(out.prompt_logprobs[1]) >= vocab
+    out = llm.generate(prompt, SamplingParams(max_tokens=1, logprobs=-1, prompt_logprobs=-1),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].logprobs[0]) == vocab and len(out.prompt_logprobs[1]) == vocab
     llm.shutdown()
     with pytest.raises(ValueError, match="max_logprobs must be"):
         LLM(model=str(tiny_llama_dir), enforce_eager=True, max_logprobs=-2)

@@ -205,3 +205,22 @@ def test_prompt_keys_it_would_ignore_are_refused(proc, prompt, message):
     with pytest.raises(ValueError, match=message):
         proc.process(prompt, None)
     proc.process({"prompt": "hi", "cache_salt": "s"}, None)
+
+
+def test_a_bad_word_with_leading_space_is_banned_as_first_word_too(tmp_path):
+    """vLLM encodes a bad word stripped and after a space; " weather" was encoded as given, so
+    the unspaced word stayed allowed (helper-41). A byte-level BPE spells the two apart."""
+    from transformers import AutoTokenizer
+
+    from kiln.engine.input_processor import bad_words_token_ids
+    from kiln.engine.text_encoding import encode_text
+
+    from checkpoints import save_chat_tokenizer
+
+    save_chat_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    plain = encode_text(tok, "quick", add_special_tokens=False)
+    spaced = encode_text(tok, " quick", add_special_tokens=False)
+    assert plain != spaced
+    for word in (" quick", "\nquick"):
+        assert bad_words_token_ids(tok, [word]) == [plain, spaced], word

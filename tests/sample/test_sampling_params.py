@@ -13,7 +13,7 @@ from kiln.sampling_params import SamplingParams
     # 1e-50 is 0 in float32: the sampler's logits would become NaN
     ("repetition_penalty", 0), ("repetition_penalty", 1e-50),
     ("repetition_penalty", 1e7), ("repetition_penalty", math.inf), ("output_kind", 7), ("output_kind", True),
-    ("max_tokens", 0), ("min_tokens", -1), ("logprobs", -1), ("prompt_logprobs", -1),
+    ("max_tokens", 0), ("min_tokens", -1), ("logprobs", -2), ("prompt_logprobs", -2),
     ("logprobs", 1.5),  # above the cap (--max-logprobs) is the engine's to refuse
     # torch generators take 64 bits
     ("seed", 2 ** 63), ("seed", -2 ** 63 - 1), ("seed", 1.5),
@@ -30,6 +30,9 @@ def test_bad_values_name_the_field(field, value):
 
 def test_edges_that_are_allowed():
     SamplingParams(seed=2 ** 63 - 1, n=4)  # the samples' seeds go past int64: fine for torch
+    assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed": it was a fixed seed
+    # vLLM's whole vocabulary; the engine resolves it against --max-logprobs
+    assert SamplingParams(logprobs=-1, prompt_logprobs=-1).logprobs == -1
     SamplingParams(seed=-2 ** 63, temperature=0, repetition_penalty=1e-6, top_k=-1)
     SamplingParams(repetition_penalty=2.5)  # vLLM and HF take any positive penalty
     assert SamplingParams(min_tokens=16, max_tokens=16).min_tokens == 16

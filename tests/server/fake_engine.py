@@ -74,7 +74,7 @@ class FakeEngine:
             text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
         # The engine's own checks: ids within the vocabulary, room to generate.
         validate_prompt_token_ids(ids, VOCAB, self.kiln_config.model_config.max_model_len)
-        check_logprobs_cap(params, self.kiln_config.model_config.logprobs_cap)
+        check_logprobs_cap(params, self.kiln_config.model_config.logprobs_cap, VOCAB)
         params.clone().update_from_tokenizer(EOS, VOCAB)  # token-id fields within it
         room = self.kiln_config.model_config.max_model_len - len(ids)
         if max_tokens_must_fit and params.max_tokens is not None and params.max_tokens > room:

@@ -113,7 +113,8 @@ def _sampling_ranges(model_schema: dict, max_logprobs: int) -> None:
                                      "maximum": _MAX_REPETITION_PENALTY},
               "max_tokens": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
               "min_tokens": {"minimum": 0},
-              **{name: {"minimum": 0, "maximum": max_logprobs}
+              # -1: the whole vocabulary (vLLM's), where max_logprobs allows it
+              **{name: {"minimum": 0 if name == "top_logprobs" else -1, "maximum": max_logprobs}
                  for name in ("logprobs", "top_logprobs", "prompt_logprobs")}}
     props = model_schema.get("properties", {})
     if "best_of" in props:  # one sample per choice (sampling.refuse_unsupported)
