@@ -106,8 +106,10 @@ def inductor_cache_at(path: Path | None):
                 os.environ[name] = value
 
 
-def index_key(shape: int | None, piece: int, compiler: str) -> str:
-    return f"{'range' if shape is None else shape}/piece_{piece}/{compiler}"
+def index_key(shape: int | None, piece: int, compiler: str, fingerprint: str) -> str:
+    """One entry per piece graph: two builds under one cache key whose pieces differ (dummy and
+    real weights laid out apart, say) keep each other's entries instead of evicting them."""
+    return f"{'range' if shape is None else shape}/piece_{piece}/{compiler}/{fingerprint}"
 
 
 def rank_dir_name(rank: int, pipeline_parallel_size: int, pp_rank: int) -> str:
@@ -211,8 +213,9 @@ class CompileCache:
             return {}
         return index
 
-    def lookup(self, shape: int | None, piece: int, compiler: str) -> dict | None:
-        entry = self.index.get(index_key(shape, piece, compiler))
+    def lookup(self, shape: int | None, piece: int, compiler: str,
+               fingerprint: str) -> dict | None:
+        entry = self.index.get(index_key(shape, piece, compiler, fingerprint))
         # an entry of another shape (a hand-edited or damaged index) is no artifact
         return entry if isinstance(entry, dict) and isinstance(entry.get("file"), str) else None
 
@@ -221,19 +224,20 @@ class CompileCache:
 
     def record(self, shape: int | None, piece: int, compiler: str, handle: dict) -> None:
         """Add an entry, merging with what other processes wrote meanwhile (under a file lock)."""
-        self.index[index_key(shape, piece, compiler)] = handle
-        with self.locked():
-            on_disk = self._read_index()
-            on_disk.update(self.index)
-            self.index = on_disk
-            atomic_write_text(self.index_path, json.dumps(on_disk, indent=1, sort_keys=True))
+        self.index[index_key(shape, piece, compiler, handle["fingerprint"])] = handle
+        with self._writing(self.index_path):
+            with self.locked():
+                on_disk = self._read_index()
+                on_disk.update(self.index)
+                self.index = on_disk
+                atomic_write_text(self.index_path, json.dumps(on_disk, indent=1, sort_keys=True))
 
-    def forget(self, shape: int | None, piece: int, compiler: str) -> None:
+    def forget(self, shape: int | None, piece: int, compiler: str, fingerprint: str) -> None:
         """Drop a damaged entry here and on disk, so the next `record`'s merge does not
         bring it back (another process may have written a good one meanwhile: kept)."""
-        key = index_key(shape, piece, compiler)
+        key = index_key(shape, piece, compiler, fingerprint)
         bad = self.index.pop(key, None)
-        with self.locked():
+        with self._writing(self.index_path), self.locked():
             on_disk = self._read_index()
             if bad is None or on_disk.get(key) != bad:
                 return
@@ -241,7 +245,20 @@ class CompileCache:
             atomic_write_text(self.index_path, json.dumps(on_disk, indent=1, sort_keys=True))
 
     def write_text(self, name: str, text: str) -> None:
-        atomic_write_text(self.dir / name, text)
+        with self._writing(self.dir / name):
+            atomic_write_text(self.dir / name, text)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _writing(path: Path):
+        """The cache's bookkeeping is best effort, as saving an artifact is: a file it cannot
+        write (a full disk, a directory or an immutable file in its place) costs a compile at
+        the next start, never this one."""
+        try:
+            yield
+        except OSError as e:
+            logger.warning("compile cache: could not write %s (%s); serving on, and the next "
+                           "start may compile again", path, e)
 
     @contextlib.contextmanager
     def locked(self):

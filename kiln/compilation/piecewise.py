@@ -139,7 +139,8 @@ class PieceCompiler:
                     raise RuntimeError(
                         f"compiling piece {piece} failed: no space left on the device holding "
                         f"the compile cache {self.cache.key_dir}; free space there, or point "
-                        "KILN_CACHE_ROOT at another disk") from again
+                        "compilation_config.cache_dir (or KILN_CACHE_ROOT, where that is not "
+                        "set) at another disk") from again
                 raise
 
     def _record(self, shape, piece, handle) -> None:
@@ -153,7 +154,7 @@ class PieceCompiler:
             return self._memo[(fingerprint, shape)]
         if self.cache is None or self.compiler.name == "eager":
             return None
-        handle = self.cache.lookup(shape, piece, self.compiler.name)
+        handle = self.cache.lookup(shape, piece, self.compiler.name, fingerprint)
         if handle is None or handle.get("fingerprint") != fingerprint:
             return None
         path = self.cache.artifact_path(handle["file"])
@@ -161,7 +162,7 @@ class PieceCompiler:
         if not path.exists():  # deleted (a cleaned cache): a miss, not damage
             logger.warning("compiled artifact %s for piece %d (%s) is missing; recompiling it",
                            path, piece, label)
-            self.cache.forget(shape, piece, self.compiler.name)
+            self.cache.forget(shape, piece, self.compiler.name, fingerprint)
             return None
         try:
             with monitor.Timer() as t, inductor_cache_at(self.inductor_dir):
@@ -170,7 +171,7 @@ class PieceCompiler:
             compilation_counter.num_corrupt_artifacts += 1
             logger.warning("compiled artifact %s for piece %d (%s) failed to load (%s: %s); "
                            "recompiling it", path, piece, label, type(e).__name__, e)
-            self.cache.forget(shape, piece, self.compiler.name)
+            self.cache.forget(shape, piece, self.compiler.name, fingerprint)
             return None
         compilation_counter.num_cache_hits += 1
         self._handles[(fingerprint, shape)] = handle
@@ -207,7 +208,7 @@ class PiecewiseBackend:
         if self.size_arg is not None:
             for size in sorted(self.compile_sizes):
                 if compiler.cache is not None and compiler.cache.lookup(
-                        size, piece, compiler.compiler.name) is not None:
+                        size, piece, compiler.compiler.name, self.fingerprint) is not None:
                     fn = compiler.load(piece, self.fingerprint, graph, size)
                     if fn is not None:
                         self.by_size[size] = fn

@@ -305,20 +305,23 @@ def test_deleted_artifact_is_a_miss_not_damage(cold, tmp_path, kiln_logs):
 
 
 def test_forgotten_entry_stays_forgotten_on_disk(tmp_path):
+    def entry(name):
+        return {"file": name, "fingerprint": "f"}
+
     cache = CompileCache(tmp_path, "rank_0", "M")
-    cache.record(1, 0, "c", {"file": "damaged"})
-    cache.record(1, 1, "c", {"file": "good"})
-    cache.forget(1, 0, "c")
+    cache.record(1, 0, "c", entry("damaged"))
+    cache.record(1, 1, "c", entry("good"))
+    cache.forget(1, 0, "c", "f")
     other = CompileCache(tmp_path, "rank_0", "M")  # another process, or this one's next record
-    other.record(2, 0, "c", {"file": "new"})
-    assert other.lookup(1, 0, "c") is None and other.lookup(1, 1, "c") == {"file": "good"}
-    cache.record(8, 0, "c", {"file": "later"})  # a merge must not bring it back either
-    assert cache.lookup(1, 0, "c") is None
+    other.record(2, 0, "c", entry("new"))
+    assert other.lookup(1, 0, "c", "f") is None and other.lookup(1, 1, "c", "f") == entry("good")
+    cache.record(8, 0, "c", entry("later"))  # a merge must not bring it back either
+    assert cache.lookup(1, 0, "c", "f") is None
     # An entry another process wrote anew after the damage is not ours to drop.
-    other.record(1, 0, "c", {"file": "recompiled"})
-    cache.index[index_key(1, 0, "c")] = {"file": "damaged"}
-    cache.forget(1, 0, "c")
-    assert CompileCache(tmp_path, "rank_0", "M").lookup(1, 0, "c") == {"file": "recompiled"}
+    other.record(1, 0, "c", entry("recompiled"))
+    cache.index[index_key(1, 0, "c", "f")] = entry("damaged")
+    cache.forget(1, 0, "c", "f")
+    assert CompileCache(tmp_path, "rank_0", "M").lookup(1, 0, "c", "f") == entry("recompiled")
 
 
 def test_disabled_cache_reuses_nothing_from_inductor_cache(cold, monkeypatch):
@@ -462,9 +465,35 @@ def test_cache_index_of_the_wrong_shape_starts_afresh(cold, tmp_path, kiln_logs)
     index.write_text("[]")
     compile_cache = CompileCache(index.parent.parent.parent, "rank_0", "ToyModel")
     assert compile_cache.index == {} and "not a JSON object" in kiln_logs.text
-    index.write_text(json.dumps({"range/piece_0/inductor_standalone": "x"}))
+    index.write_text(json.dumps({"range/piece_0/inductor_standalone/f": "x"}))
     assert CompileCache(index.parent.parent.parent, "rank_0", "ToyModel").lookup(
-        None, 0, "inductor_standalone") is None
+        None, 0, "inductor_standalone", "f") is None
+
+
+def test_two_builds_of_a_piece_keep_their_own_entries(tmp_path):
+    """Keyed without the piece's fingerprint, two builds under one cache key (dummy and real
+    weights) overwrote each other's entries: every switch recompiled every piece (helper-37)."""
+    cache = CompileCache(tmp_path, "rank_0", "ToyModel")
+    for fingerprint in ("a", "b"):
+        cache.record(None, 0, "inductor_standalone", {"file": f"{fingerprint}.bin",
+                                                        "fingerprint": fingerprint})
+    again = CompileCache(tmp_path, "rank_0", "ToyModel")
+    assert again.lookup(None, 0, "inductor_standalone", "a")["file"] == "a.bin"
+    assert again.lookup(None, 0, "inductor_standalone", "b")["file"] == "b.bin"
+
+
+def test_bookkeeping_it_cannot_write_is_a_warning_not_a_failed_start(tmp_path, kiln_logs):
+    """A directory where index.json or split_graph.py goes (or a full disk, an immutable file)
+    raised through Dynamo as BackendCompilerFailed, and the engine did not start (helper-37)."""
+    cache = CompileCache(tmp_path, "rank_0", "ToyModel")
+    cache.index_path.mkdir()
+    (cache.dir / "split_graph.py").mkdir()
+    handle = {"file": "a.bin", "fingerprint": "a"}
+    cache.record(None, 0, "inductor_standalone", handle)
+    cache.forget(None, 0, "inductor_standalone", "a")
+    cache.write_text("split_graph.py", "graph")
+    assert kiln_logs.text.count("compile cache: could not write") == 2
+    assert str(cache.dir / "split_graph.py") in kiln_logs.text
 
 
 def test_warm_start_missing_a_size_artifact_traces_and_compiles_it(cold, tmp_path, kiln_logs):
@@ -503,7 +532,7 @@ def _record_many(args):
     cache_dir, worker = args
     cache = CompileCache(Path(cache_dir), "rank_0", "M")
     for i in range(20):
-        cache.record(i, worker, "c", {"file": f"{worker}_{i}"})
+        cache.record(i, worker, "c", {"file": f"{worker}_{i}", "fingerprint": "f"})
 
 
 def test_concurrent_index_writers_keep_every_entry(tmp_path):

@@ -196,7 +196,7 @@ def saved_artifact_ok(cache: CompileCache, compiler, piece: dict, shape: int | N
     and intact on disk (each file checked once, its verdict kept in `intact`)."""
     if compiler.name == "eager":
         return True
-    handle = cache.lookup(shape, piece["graph_id"], compiler.name)
+    handle = cache.lookup(shape, piece["graph_id"], compiler.name, piece["fingerprint"])
     if handle is None or handle.get("fingerprint") != piece["fingerprint"]:
         return False
     if handle["file"] not in intact:
