@@ -13,6 +13,33 @@ def cache_root() -> Path:
     return Path(os.environ.get("KILN_CACHE_ROOT") or default).expanduser()
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def _flag(name: str, default: bool) -> bool:
+    """A boolean variable: 1/true/yes/on or 0/false/no/off (any case; empty is false). Anything
+    else is refused: read as true, `off` turned a switch on."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if value.strip().lower() in _TRUE:
+        return True
+    if value.strip().lower() in _FALSE:
+        return False
+    raise ValueError(f"{name}={value!r} must be 1/true/yes/on or 0/false/no/off")
+
+
+def logging_level() -> str:
+    """`KILN_LOGGING_LEVEL` (vLLM's VLLM_LOGGING_LEVEL): DEBUG, INFO (the default), WARNING,
+    ERROR or CRITICAL."""
+    value = os.environ.get("KILN_LOGGING_LEVEL") or "INFO"
+    if value.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ValueError(f"KILN_LOGGING_LEVEL={value!r} must be DEBUG, INFO, WARNING, ERROR or "
+                         "CRITICAL")
+    return value.upper()
+
+
 def _positive_finite(name: str, unit: str, otherwise: str) -> float | None:
     """`name`'s value as a finite number > 0; None where unset or empty."""
     value = os.environ.get(name)
@@ -36,28 +63,28 @@ def cpu_kvcache_space_gib() -> float | None:
 def enable_multiprocessing() -> bool:
     """`KILN_ENABLE_V1_MULTIPROCESSING=0` (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING): run the engine
     core in the caller's process instead of its own, for debugging."""
-    return os.environ.get("KILN_ENABLE_V1_MULTIPROCESSING", "1") not in ("", "0", "false",
-                                                                          "False")
+    return _flag("KILN_ENABLE_V1_MULTIPROCESSING", True)
 
 
 def disable_compile_cache() -> bool:
-    return os.environ.get("KILN_DISABLE_COMPILE_CACHE", "0") not in ("", "0", "false", "False")
+    return _flag("KILN_DISABLE_COMPILE_CACHE", False)
 
 
 def weight_snapshot() -> bool:
     """`KILN_WEIGHT_SNAPSHOT=0`: load a GGUF model from its file on every start, not from the
     snapshot of its loaded weights (kiln/model/loader/weight_snapshot.py)."""
-    return os.environ.get("KILN_WEIGHT_SNAPSHOT", "1") not in ("", "0", "false", "False")
+    return _flag("KILN_WEIGHT_SNAPSHOT", True)
 
 
 def api_key() -> str | None:
-    return os.environ.get("KILN_API_KEY") or None
+    """`KILN_API_KEY`, else vLLM's `VLLM_API_KEY` (a server moved from vLLM keeps its key)."""
+    return os.environ.get("KILN_API_KEY") or os.environ.get("VLLM_API_KEY") or None
 
 
 def cudagraph_debug() -> bool:
     """`KILN_CUDAGRAPH_DEBUG=1`: check at every graph replay that inputs sit where they did at
     capture (a moved input makes a replay read stale memory)."""
-    return os.environ.get("KILN_CUDAGRAPH_DEBUG", "0") not in ("", "0", "false", "False")
+    return _flag("KILN_CUDAGRAPH_DEBUG", False)
 
 
 def attention_backend() -> str | None:
@@ -68,13 +95,13 @@ def attention_backend() -> str | None:
 def require_native() -> bool:
     """`KILN_REQUIRE_NATIVE=1`: a CPU kernel that cannot be built or loaded is an error, not a
     warning and the torch code (CI sets it: a kernel that stops building must fail the run)."""
-    return os.environ.get("KILN_REQUIRE_NATIVE", "0") not in ("", "0", "false", "False")
+    return _flag("KILN_REQUIRE_NATIVE", False)
 
 
 def native_cpu_ops() -> bool:
     """`KILN_NATIVE_CPU_OPS=0`: the torch reference first for every IR op (kiln/ir/selection.py),
     and the linear kernel's GEMV, GGUF and SiLU-and-mul paths off."""
-    return os.environ.get("KILN_NATIVE_CPU_OPS", "1") not in ("", "0", "false", "False")
+    return _flag("KILN_NATIVE_CPU_OPS", True)
 
 
 def cpu_num_reserved_cpu(default: int) -> int:

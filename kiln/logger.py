@@ -3,8 +3,9 @@
 Use `init_logger(__name__)` in every module; `KILN_LOGGING_LEVEL` sets the level.
 """
 import logging
-import os
 import sys
+
+from kiln import envs
 
 _FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
 _configured = False
@@ -19,9 +20,13 @@ def _configure_root() -> None:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
         root.addHandler(handler)
-    root.setLevel(os.environ.get("KILN_LOGGING_LEVEL", "INFO").upper())
     root.propagate = False
     _configured = True
+    try:
+        root.setLevel(envs.logging_level())
+    except ValueError as e:  # read at import, before any command could report it
+        root.setLevel("INFO")
+        root.warning("%s; logging at INFO", e)
 
 
 def init_logger(name: str) -> logging.Logger:

@@ -12,3 +12,39 @@ def test_an_empty_cache_root_means_the_default(monkeypatch, tmp_path):
     assert envs.cache_root() == tmp_path / "kiln"
     monkeypatch.setenv("XDG_CACHE_HOME", "")
     assert envs.cache_root() == Path.home() / ".cache" / "kiln"
+
+
+def test_switches_read_the_usual_spellings_and_refuse_the_rest(monkeypatch):
+    """Anything but ""/0/false read as true: KILN_ENABLE_V1_MULTIPROCESSING=off ran the core in
+    its own process, KILN_DISABLE_COMPILE_CACHE=no disabled the cache (helper-42)."""
+    import pytest
+
+    for value, want in (("off", False), ("NO", False), ("0", False), ("", False),
+                        ("on", True), ("Yes", True), ("1", True), ("TRUE", True)):
+        monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", value)
+        monkeypatch.setenv("KILN_DISABLE_COMPILE_CACHE", value)
+        assert envs.enable_multiprocessing() is want and envs.disable_compile_cache() is want
+    monkeypatch.delenv("KILN_DISABLE_COMPILE_CACHE")
+    assert envs.disable_compile_cache() is False
+    monkeypatch.setenv("KILN_WEIGHT_SNAPSHOT", "maybe")
+    with pytest.raises(ValueError, match="KILN_WEIGHT_SNAPSHOT='maybe' must be 1/true/yes/on"):
+        envs.weight_snapshot()
+
+
+def test_logging_level_is_checked_by_name(monkeypatch):
+    import pytest
+
+    monkeypatch.setenv("KILN_LOGGING_LEVEL", "debug")
+    assert envs.logging_level() == "DEBUG"
+    monkeypatch.setenv("KILN_LOGGING_LEVEL", "bogus")
+    with pytest.raises(ValueError, match="KILN_LOGGING_LEVEL='bogus' must be DEBUG, INFO"):
+        envs.logging_level()
+
+
+def test_vllm_api_key_protects_a_server_moved_from_vllm(monkeypatch):
+    """VLLM_API_KEY was ignored: the server came up open, saying "API key off" (helper-42)."""
+    monkeypatch.delenv("KILN_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "secret")
+    assert envs.api_key() == "secret"
+    monkeypatch.setenv("KILN_API_KEY", "mine")
+    assert envs.api_key() == "mine"

@@ -16,16 +16,27 @@ _DEFAULT_KEYS = {"repetition_penalty": "repetition_penalty", "temperature": "tem
 
 
 def load_chat_template(value: str | None) -> str | None:
-    """--chat-template as vLLM takes it: a path to a Jinja file, or the template's text."""
+    """--chat-template as vLLM takes it: a path to a Jinja file, or the template's text; one
+    that does not parse is refused here, not by every chat request afterwards."""
     if value is None:
         return None
     path = Path(value).expanduser()
     if path.is_file():
-        return path.read_text()
-    if "{" not in value:  # no Jinja in it: meant as a file that is not there
+        text, where = path.read_text(), str(path)
+    elif "{" not in value:  # no Jinja in it: meant as a file that is not there
         raise FileNotFoundError(f"--chat-template {value!r}: no such file (give a Jinja "
                                 "template file or the template text)")
-    return value
+    else:
+        text, where = value, "the template text"
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:  # the environment transformers renders chat templates in
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: {where} is no valid Jinja template: {e.message} "
+                         f"(line {e.lineno})") from None
+    return text
 
 
 def generation_config_file(generation_config: str, model_path: Path) -> Path | None:
@@ -60,10 +71,29 @@ def load_generation_defaults(generation_config: str, model_path: Path) -> dict:
                          f"({e})") from None
     defaults = {field: raw[key] for key, field in _DEFAULT_KEYS.items()
                 if raw.get(key) is not None}
+    for field, value in list(defaults.items()):
+        problem = _default_problem(field, value)
+        if problem is None:
+            continue
+        if generation_config != "auto":  # the user's file: every request would fail on it
+            raise ValueError(f"--generation-config {generation_config!r}: {path}: {problem}")
+        logger.warning("ignoring %s's %s: %s", path, field, problem)
+        del defaults[field]
     if defaults:
         logger.info("sampling defaults from %s for fields requests leave unset: %s "
                     "(--generation-config vllm ignores them)", path, defaults)
     return defaults
+
+
+def _default_problem(field: str, value) -> str | None:
+    """Why SamplingParams refuses `value` as `field`'s default, if it does."""
+    from kiln.sampling_params import SamplingParams
+
+    try:
+        SamplingParams(**{field: value})
+    except (TypeError, ValueError) as e:
+        return str(e)
+    return None
 
 
 def default_max_tokens(requested: int | None, defaults: dict) -> int | None:

@@ -64,6 +64,7 @@ class KilnConfig(FreezableConfig):
             raise ValueError(
                 f"max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({sched.max_num_seqs}); raise --max-num-batched-tokens or lower --max-num-seqs")
+        self._check_memory()
         if self.load_config.load_format == "auto":
             self.load_config.load_format = self.model_config.load_format
         else:
@@ -76,6 +77,28 @@ class KilnConfig(FreezableConfig):
                                  f"({sched.max_num_batched_tokens}): no step has that many "
                                  "tokens; drop it from compile_sizes or raise "
                                  "--max-num-batched-tokens")
+
+    def _check_memory(self) -> None:
+        """Sizes whose buffers no machine here could hold are refused by flag, before anything
+        is built (they failed deep in an allocation, or got the core killed minutes later)."""
+        from kiln.config import memory_estimate as mem
+        from kiln.platforms import for_device
+
+        m, s, c = self.model_config, self.scheduler_config, self.cache_config
+        needs = {f"--max-num-seqs {s.max_num_seqs} x --max-model-len {m.max_model_len}":
+                 mem.batch_table_bytes(s.max_num_seqs, m.max_model_len, c.block_size)}
+        if self.device_config.device == "cpu":  # a GPU's step buffers are on the GPU
+            intermediate = getattr(m.hf_config, "intermediate_size", None) or 4 * m.hidden_size
+            needs[f"--max-num-batched-tokens {s.max_num_batched_tokens}"] = \
+                mem.activation_bytes(s.max_num_batched_tokens, m.hidden_size, intermediate)
+            needs[f"--max-num-seqs {s.max_num_seqs} x the vocabulary ({m.vocab_size})"] = \
+                mem.logits_bytes(s.max_num_seqs, m.vocab_size)
+            if c.num_gpu_blocks_override is not None:
+                block = mem.kv_block_bytes(c.block_size, m.num_layers, m.num_kv_heads,
+                                           m.head_dim, m.torch_dtype.itemsize)
+                needs[f"--num-gpu-blocks-override {c.num_gpu_blocks_override}"] = \
+                    c.num_gpu_blocks_override * block
+        mem.check_fits(needs, for_device("cpu").mem_get_info()[1])
 
     def for_rank(self, rank: int) -> "KilnConfig":
         """This config as rank `rank` sees it (each worker process gets its own); frozen too."""

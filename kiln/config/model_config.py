@@ -85,6 +85,9 @@ class ModelConfig(FreezableConfig):
                 and self.max_logprobs >= -1):
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 (the vocabulary), "
                              f"got {self.max_logprobs!r}")
+        if not -2 ** 63 <= self.seed < 2 ** 64:  # what torch.manual_seed takes
+            raise ValueError(f"seed (--seed) must be an integer in [-2**63, 2**64 - 1], got "
+                             f"{self.seed}")
 
         if self.model is None:
             from kiln.model.loader.default_model import default_model_path

@@ -112,7 +112,8 @@ def test_chat_template_file_and_bad_flags(tiny_llama_dir, tmp_path):
              "--max-tokens", "3", stdin="w5 w6\nexit\n")
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.splitlines()) == 1
-    for flags, message in ((["--chat-template", "{% for m in messages %}"], "chat template"),
+    for flags, message in ((["--chat-template", "{% for m in messages %}"],
+                            "no valid Jinja template"),
                            (["--chat-template", str(tmp_path / "missing.jinja")], "no such file"),
                            (["--temperature", "-1"], "temperature (--temperature) must be")):
         r = kiln("chat", *model, *flags, stdin="w5\n")

@@ -1,0 +1,36 @@
+"""--generation-config and --chat-template are checked when the engine is configured: before,
+a bad default or an unparsable template was accepted and every request then failed on it
+(helper-42)."""
+import json
+
+import pytest
+
+from kiln.config.generation_defaults import load_chat_template, load_generation_defaults
+
+
+def test_a_bad_default_in_the_users_file_is_refused_naming_the_file(tmp_path):
+    for bad, field in (({"temperature": "hot"}, "temperature"),
+                       ({"temperature": -1}, "temperature"), ({"max_new_tokens": 0}, "max_tokens")):
+        (tmp_path / "generation_config.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=rf"--generation-config .*generation_config.json: "
+                                             rf"{field} must be"):
+            load_generation_defaults(str(tmp_path), tmp_path)
+
+
+def test_a_bad_default_in_the_models_own_file_is_dropped_with_a_warning(tmp_path, kiln_logs):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": -1, "top_p": 0.5}))
+    assert load_generation_defaults("auto", tmp_path) == {"top_p": 0.5}
+    assert "ignoring" in kiln_logs.text and "temperature must be" in kiln_logs.text
+
+
+def test_a_chat_template_that_does_not_parse_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"--chat-template: the template text is no valid "
+                                         r"Jinja template: .*'bad'.*\(line 1\)"):
+        load_chat_template("{% bad")
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages }")
+    with pytest.raises(ValueError, match=f"--chat-template: {path} is no valid Jinja"):
+        load_chat_template(str(path))
+    good = "{% for m in messages %}{{ m['content'] }}{% break %}{% endfor %}"
+    assert load_chat_template(good) == good
