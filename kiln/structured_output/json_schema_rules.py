@@ -14,7 +14,16 @@ _ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "depr
 # written beside it (measured: {"$ref": ..., "type": "string"} took an integer, an anyOf
 # beside "properties" took any object); a node may still hold definitions and annotations.
 _EXCLUSIVE = ("$ref", "anyOf", "oneOf", "allOf", "enum", "const")
-_BESIDE_EXCLUSIVE = _ANNOTATIONS | {"$defs", "definitions", "$schema", "$id", "discriminator"}
+# The keywords that constrain a value: beside an exclusive one, each is dropped. Any other key
+# (annotations, definitions, OpenAPI's "nullable" or "discriminator", "x-" extensions) asserts
+# nothing, as JSON Schema validators ignore unknown keywords.
+_ASSERTIONS = {"type", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
+               "maxLength", "minLength", "pattern", "format", "maxItems", "minItems",
+               "uniqueItems", "maxContains", "minContains", "maxProperties", "minProperties",
+               "required", "dependentRequired", "dependencies", "properties",
+               "patternProperties", "additionalProperties", "items", "prefixItems",
+               "additionalItems", "contains", "propertyNames", "unevaluatedItems",
+               "unevaluatedProperties", "not", "if", "then", "else", "dependentSchemas"}
 _JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float),
                "boolean": (bool,), "null": (type(None),), "array": (list,), "object": (dict,)}
 # Keywords whose value is one subschema, a list of them, or a name -> subschema map.
@@ -85,7 +94,7 @@ def _dropped_beside(node: dict) -> list[str]:
     if len(exclusive) > 1 and exclusive != ["enum", "const"]:
         found.append(f"{' and '.join(exclusive)} together (only one is enforced)")
     for key in node:
-        if key in _EXCLUSIVE or key in _BESIDE_EXCLUSIVE:
+        if key not in _ASSERTIONS:
             continue
         if key == "type" and values is not None and len(exclusive) == 1:
             kinds = node["type"] if isinstance(node["type"], list) else [node["type"]]

@@ -191,6 +191,16 @@ def test_pydantic_schemas_are_served():
     check_structured_outputs(StructuredOutputsParams(json=schema))
 
 
+def test_keys_that_assert_nothing_are_served_beside_a_ref():
+    """Unknown keywords constrain nothing (validators ignore them): OpenAPI's nullable, x-
+    extensions and annotations beside a $ref or an enum are no dropped constraint."""
+    schema = {"type": "object", "properties": {
+        "a": {"$ref": "#/$defs/x", "nullable": True, "x-order": 1, "description": "d"},
+        "b": {"enum": ["p", "q"], "x-enum-names": ["P", "Q"], "title": "B"}},
+        "$defs": {"x": {"type": "integer"}}}
+    assert unenforced_keywords(schema) == []
+
+
 def test_one_of_served_where_no_value_can_match_two_branches():
     """Distinct types (integer and number overlap) or a required tag whose values differ."""
     tagged = [{"type": "object", "properties": {"k": {"const": k}, "v": {"type": "integer"}},
