@@ -22,6 +22,7 @@ from kiln.config import (
 )
 from kiln.config.compilation_config import cli_fields, merged_fields, spec_to_dict
 from kiln.config.load_config import LOAD_FORMATS
+from kiln.engine.vllm_flags import add_vllm_only_flags
 
 _DEFAULT_MAX_NUM_SEQS = SchedulerConfig.__dataclass_fields__["max_num_seqs"].default
 
@@ -251,8 +252,10 @@ class EngineArgs:
                        default=d.ir_op_priority, metavar="OP=PROVIDER[,PROVIDER...]",
                        help="providers of an IR op in order of preference, e.g. "
                             "rms_norm=native,torch (repeatable; kiln compile reports the choice)")
-        v = parser.add_argument_group("vLLM flags with one meaning here (taken so commands "
-                                      "carry over)")
+        v = parser.add_argument_group(
+            "vLLM flags with one meaning here (taken so commands carry over)",
+            "vLLM flags Kiln has no counterpart for (--enable-lora, --speculative-config, "
+            "-dp, ...) are refused with the reason and what to use instead")
         v.add_argument("--trust-remote-code", action="store_true", default=d.trust_remote_code,
                        help="accepted; Kiln runs no code from checkpoints (its own Llama, "
                             "Qwen2 and Qwen3 only)")
@@ -267,6 +270,7 @@ class EngineArgs:
                        help="GiB; unused: preempted requests are recomputed, as in vLLM V1")
         v.add_argument("--disable-log-stats", action="store_true", default=d.disable_log_stats,
                        help="kiln serve: no periodic throughput line in the log")
+        add_vllm_only_flags(parser)
         return parser
 
     def to_cli_args(self) -> list[str]:
