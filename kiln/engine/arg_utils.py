@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import typing
 from dataclasses import dataclass, fields
 from typing import Any
@@ -22,9 +23,29 @@ from kiln.config import (
 )
 from kiln.config.compilation_config import cli_fields, merged_fields, spec_to_dict
 from kiln.config.load_config import LOAD_FORMATS
-from kiln.engine.vllm_flags import add_vllm_only_flags
+from kiln.engine.vllm_flags import add_vllm_only_flags, human_readable_int
 
 _DEFAULT_MAX_NUM_SEQS = SchedulerConfig.__dataclass_fields__["max_num_seqs"].default
+
+
+MODES_HELP = ("0: eager, no compilation; 1: plain torch.compile with its guards; 2: one "
+              "Dynamo trace, guards dropped; 3: Kiln's piecewise stack, split at attention, "
+              "compiled per shape and cached on disk (the default)")
+
+
+def compilation_fields(text: str, flag: str = "-O/--compilation-config") -> dict:
+    """The fields one -O value (or a bench --compare item) sets, its mistakes said in the
+    flag's terms: a number that is no mode, and vLLM's older name "level" for "mode"."""
+    stripped = text.strip()
+    if re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", stripped) and (
+            not stripped.isdigit() or int(stripped) > 3):
+        raise ValueError(f"{flag}: the compilation mode must be 0, 1, 2 or 3, got {stripped} "
+                         f"({MODES_HELP})")
+    fields_ = cli_fields(text)
+    if "level" in fields_:
+        raise ValueError(f"{flag}: 'level' is vLLM's older name for 'mode'; write "
+                         f"{json.dumps({'mode': fields_['level']})}")
+    return fields_
 
 
 class _MergeCompilationConfig(argparse.Action):
@@ -34,7 +55,7 @@ class _MergeCompilationConfig(argparse.Action):
 
     def __call__(self, parser, namespace, value, option_string=None):
         try:
-            update = cli_fields(value)
+            update = compilation_fields(value)
         except ValueError as e:
             parser.error(str(e))
         current = getattr(namespace, self.dest, None)
@@ -204,8 +225,9 @@ class EngineArgs:
                             "generation_config.json")
         g.add_argument("--dtype", default=d.dtype,
                        choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
-        g.add_argument("--max-model-len", type=int, default=d.max_model_len,
-                       help="context length (prompt + output); default: the model's")
+        g.add_argument("--max-model-len", type=human_readable_int, default=d.max_model_len,
+                       help="context length (prompt + output), as vLLM takes it: 4096, 32k "
+                            "(32000) or 32K (32768); default: the model's")
         g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                        help="most logprobs (and prompt_logprobs) a request may ask for; -1: "
                             "the whole vocabulary")

@@ -180,3 +180,39 @@ def test_unknown_flags_are_reported_by_the_subcommand(capsys):
         assert err.startswith(f"usage: {prog} "), err
         flag = " ".join(argv[2 if argv[0] == "bench" else 1:]).removeprefix("hi ")
         assert err.endswith(f"{prog}: error: unrecognized arguments: {flag}{hint}\n"), err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-O", "-1"], "the compilation mode must be 0, 1, 2 or 3, got -1"),
+    (["-O", "3.5"], "the compilation mode must be 0, 1, 2 or 3, got 3.5"),
+    (["-O", "7"], "the compilation mode must be 0, 1, 2 or 3, got 7"),
+    (["-O", '{"level": 3}'], "'level' is vLLM's older name for 'mode'; write {\"mode\": 3}"),
+    (["-O.level=3"], "'level' is vLLM's older name for 'mode'"),
+    (["--max-model-len", "1.5K"], "a binary suffix (K) takes a whole number; 1.5k is decimal"),
+    (["--max-model-len", "lots"], "give an integer"),
+])
+def test_compilation_and_length_flags_say_what_they_take(capsys, argv, message):
+    # -O -1 said "JSON must be an object, got -1"; -O '{"level": 3}' listed the known fields
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["generate", "hi", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_max_model_len_takes_vllms_human_readable_numbers():
+    # vLLM's rule: a lowercase suffix is decimal, an uppercase one binary
+    for text, value in (("4096", 4096), ("1k", 1000), ("1K", 1024), ("25.6k", 25600),
+                        ("2m", 2_000_000), ("2M", 2 << 20), ("32K", 32768)):
+        args = build_parser().parse_args(["serve", "--max-model-len", text])
+        assert args.max_model_len == value, text
+
+
+def test_bench_latency_compare_errors_name_compare():
+    from kiln.entrypoints.cli import bench_latency
+
+    for item, message in (("7", "--compare 7: the compilation mode must be 0, 1, 2 or 3"),
+                          ('{"mode": 9}', '--compare {"mode": 9}: compilation_config.mode'),
+                          ('{"level": 3}', "older name for 'mode'")):
+        args = build_parser().parse_args(["bench", "latency", "--model", "/nowhere",
+                                          "--compare", "0", item])
+        with pytest.raises(ValueError, match=re.escape(message)):
+            bench_latency.run(args)

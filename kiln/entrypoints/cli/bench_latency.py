@@ -37,7 +37,16 @@ def register_bench(kinds) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kiln.benchmarks.latency import run_latency
+    from kiln.config import CompilationConfig
+    from kiln.engine.arg_utils import compilation_fields
 
+    for item in args.compare or []:  # named as --compare, not as compilation_config
+        try:
+            CompilationConfig.from_cli(compilation_fields(item, flag=f"--compare {item}"))
+        except ValueError as e:
+            message = str(e)
+            raise ValueError(message if message.startswith("--compare ")
+                             else f"--compare {item}: {message}") from None
     report = run_latency(EngineArgs.from_cli_args(args), args.batch_sizes, args.input_len,
                          args.num_steps, args.compare, args.warmup_steps,
                          args.interleave)
