@@ -200,3 +200,27 @@ def test_bench_compares_only_what_is_quantized_on_load(stories, tmp_path):
     r = kiln("bench", "throughput", "--model", str(ckpt), "--quantization", "compressed-tensors",
              "--compare-unquantized", *ENGINE)
     assert r.returncode == 2 and "no float weights to compare" in r.stderr, r.stderr
+
+
+def test_generate_takes_the_models_sampling_defaults(tiny_llama_dir, tmp_path):
+    """Flags left out take the model's generation_config.json (its own, or --generation-config
+    DIR's), as LLM.generate does: the CLI passed temperature 1.0 and 128 tokens whatever the
+    model said. Flags given still win."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0,
+                                                              "max_new_tokens": 3}))
+
+    def tokens(*argv):
+        r = kiln("generate", "w5 w6", "--logprobs", "0", "--ignore-eos", *argv, *ENGINE)
+        assert r.returncode == 0, r.stderr
+        return r.stdout, sum(line.startswith('{"index"') for line in r.stderr.splitlines())
+
+    first = tokens("--model", str(model), "--seed", "1")
+    assert first[1] == 3  # max_new_tokens
+    assert tokens("--model", str(model), "--seed", "2") == first  # temperature 0
+    # --generation-config DIR on a model without one; --max-tokens over its max_new_tokens
+    assert tokens("--model", str(tiny_llama_dir), "--generation-config", str(model),
+                  "--max-tokens", "2")[1] == 2
