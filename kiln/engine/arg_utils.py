@@ -224,7 +224,9 @@ class EngineArgs:
                             "generation_config.json), 'vllm' (none) or a directory holding a "
                             "generation_config.json")
         g.add_argument("--dtype", default=d.dtype,
-                       choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+                       choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
+                       help="weights' and activations' dtype; auto: the platform's default "
+                            "(float32 on CPU), or on CUDA the checkpoint's float16/bfloat16")
         g.add_argument("--max-model-len", type=human_readable_int, default=d.max_model_len,
                        help="context length (prompt + output), as vLLM takes it: 4096, 32k "
                             "(32000) or 32K (32768); default: the model's")
@@ -239,10 +241,10 @@ class EngineArgs:
                        help="run eagerly: no torch.compile, no graphs")
         g.add_argument("-O", "--compilation-config", dest="compilation_config",
                        default=d.compilation_config, action=_MergeCompilationConfig,
-                       help="compilation mode (-O3) or CompilationConfig JSON "
-                            "(-O '{\"mode\": 3, \"compile_sizes\": [1, 8]}'; given more "
-                            "than once, later fields override earlier ones; vLLM's "
-                            "-O.FIELD=VALUE too)")
+                       help="compilation mode (-O0 to -O3; " + MODES_HELP + ") or "
+                            "CompilationConfig JSON (-O '{\"mode\": 3, \"compile_sizes\": "
+                            "[1, 8]}'; given more than once, later fields override earlier "
+                            "ones; vLLM's -O.FIELD=VALUE too)")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                        help="ranks that split each layer (heads, MLP, vocab)")
         g.add_argument("--pipeline-parallel-size", "-pp", type=int,
@@ -252,17 +254,28 @@ class EngineArgs:
                        choices=["uni", "mp", "ray"],
                        help="how ranks run: uni (in-process, one rank), mp (one process per "
                             "rank; the default for more than one), ray (Ray actors)")
-        g.add_argument("--seed", type=int, default=d.seed)
-        g.add_argument("--load-format", default=d.load_format, choices=list(LOAD_FORMATS))
-        g.add_argument("--block-size", type=int, default=d.block_size)
+        g.add_argument("--seed", type=int, default=d.seed,
+                       help="random seed of the engine (dummy weights, sampling without a "
+                            "request seed); kiln generate/chat also seed their sampling with it")
+        g.add_argument("--load-format", default=d.load_format, choices=list(LOAD_FORMATS),
+                       help="how weights are read: auto (by the files found), safetensors, gguf, "
+                            "or dummy (random weights in the model's shapes, for benchmarks)")
+        g.add_argument("--block-size", type=int, default=d.block_size,
+                       help="tokens per KV cache block (the prefix cache's unit)")
         g.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory,
                        help="GiB for the KV cache: host memory on CPU; on CUDA, device "
                             "memory in place of --gpu-memory-utilization's share")
-        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                       help="CUDA: the share of the GPU's memory the engine may use (weights, "
+                            "activations, KV cache)")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       default=d.enable_prefix_caching)
-        g.add_argument("--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks_override)
-        g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+                       default=d.enable_prefix_caching,
+                       help="reuse the KV cache of prompt prefixes earlier requests computed")
+        g.add_argument("--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks_override,
+                       help="KV cache blocks to allocate, whatever the memory sizing says "
+                            "(default: sized from memory)")
+        g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"],
+                       help="where the model runs; auto: CUDA if available, else CPU")
         g.add_argument("--quantization", "-q", default=d.quantization,
                        choices=["int8", "fp8", "ptpc_fp8", "compressed-tensors"],
                        help="int8: quantize the float checkpoint's linear layers on load (W8A8: "

@@ -16,8 +16,11 @@ def register_bench(kinds) -> None:
                     "config's speedup over the first. On CPU every config's engine is built up "
                     "front and they take turns of 4 timed steps (--no-interleave: one engine "
                     "at a time, the GPU default).")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32],
+                        help="requests decoding together in each measured step, one "
+                             "measurement per size")
+    parser.add_argument("--input-len", type=int, default=32,
+                        help="prompt tokens of each request")
     parser.add_argument("--num-steps", type=int, default=32, help="timed decode steps per batch")
     parser.add_argument("--warmup-steps", type=int, default=3,
                         help="untimed decode steps before the timed ones")

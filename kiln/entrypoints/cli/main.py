@@ -22,6 +22,25 @@ SUBCOMMANDS = [
 USAGE_ERROR_EXIT = 2
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, where it has one worth saying (not None, not
+    an off switch, not one its help already names)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (default is None or default is False or default == argparse.SUPPRESS
+                or not action.option_strings or "default" in text.lower()
+                or action.nargs == 0 and not isinstance(action,
+                                                        argparse.BooleanOptionalAction)):
+            return text
+        if isinstance(default, (list, tuple)):
+            shown = " ".join(map(str, default))
+        else:
+            shown = "%(default)s"
+        return f"{text} (default: {shown})" if text else f"default: {shown}"
+
+
 def _subparsers(parser: argparse.ArgumentParser):
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -37,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
         importlib.import_module(name).register(subparsers)
+    todo = [parser]
+    while todo:
+        p = todo.pop()
+        p.formatter_class = HelpFormatter
+        todo += [sub for action in _subparsers(p) for sub in action.choices.values()]
     return parser
 
 

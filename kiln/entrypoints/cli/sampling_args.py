@@ -7,11 +7,13 @@ engine's flag; it also seeds sampling so a CLI run is reproducible.
 """
 import argparse
 
+from kiln.config.generation_defaults import _DEFAULT_KEYS
 from kiln.sampling_params import SamplingParams
 
 _MODEL_DEFAULT = "the model's generation config, else "
 
-# flag -> (type, SamplingParams field, what it does); the default shown is SamplingParams'.
+# flag -> (type, SamplingParams field, what it does); a default not from the model's generation
+# config is SamplingParams'.
 _FLAGS = {
     "--temperature": (float, "temperature", "sampling temperature; 0 means greedy"),
     "--top-p": (float, "top_p", "sample from the smallest set of tokens whose probabilities add "
@@ -36,12 +38,14 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     """`max_tokens`: the command's --max-tokens where the model's generation config sets no
     max_new_tokens."""
     g = parser.add_argument_group(
-        "sampling", "a flag left out takes the model's default (its generation_config.json, "
-                    "or --generation-config's), else the one shown")
+        "sampling", "a flag left out takes the model's default where its "
+                    "generation_config.json (or --generation-config's) sets one, else the one "
+                    "shown")
     for flag, (kind, field, text) in _FLAGS.items():
+        # only some fields come from a generation config (vLLM's list)
+        model = _MODEL_DEFAULT if field in _DEFAULT_KEYS.values() else ""
         g.add_argument(flag, type=kind, default=None,
-                       help=f"{text} (default: {_MODEL_DEFAULT}"
-                            f"{getattr(_SAMPLING_DEFAULTS, field)})")
+                       help=f"{text} (default: {model}{getattr(_SAMPLING_DEFAULTS, field)})")
     g.add_argument("--max-tokens", type=int, default=None,
                    help=f"most tokens to generate (default: {_MODEL_DEFAULT}{max_tokens})")
     g.add_argument("--stop", action="append", default=None,
