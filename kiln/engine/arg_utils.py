@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import typing
 from dataclasses import dataclass, fields
 from typing import Any
@@ -22,8 +23,29 @@ from kiln.config import (
 )
 from kiln.config.compilation_config import cli_fields, merged_fields, spec_to_dict
 from kiln.config.load_config import LOAD_FORMATS
+from kiln.engine.vllm_flags import add_vllm_only_flags, human_readable_int
 
 _DEFAULT_MAX_NUM_SEQS = SchedulerConfig.__dataclass_fields__["max_num_seqs"].default
+
+
+MODES_HELP = ("0: eager, no compilation; 1: plain torch.compile with its guards; 2: one "
+              "Dynamo trace, guards dropped; 3: Kiln's piecewise stack, split at attention, "
+              "compiled per shape and cached on disk (the default)")
+
+
+def compilation_fields(text: str, flag: str = "-O/--compilation-config") -> dict:
+    """The fields one -O value (or a bench --compare item) sets, its mistakes said in the
+    flag's terms: a number that is no mode, and vLLM's older name "level" for "mode"."""
+    stripped = text.strip()
+    if re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", stripped) and (
+            not stripped.isdigit() or int(stripped) > 3):
+        raise ValueError(f"{flag}: the compilation mode must be 0, 1, 2 or 3, got {stripped} "
+                         f"({MODES_HELP})")
+    fields_ = cli_fields(text)
+    if "level" in fields_:
+        raise ValueError(f"{flag}: 'level' is vLLM's older name for 'mode'; write "
+                         f"{json.dumps({'mode': fields_['level']})}")
+    return fields_
 
 
 class _MergeCompilationConfig(argparse.Action):
@@ -33,7 +55,7 @@ class _MergeCompilationConfig(argparse.Action):
 
     def __call__(self, parser, namespace, value, option_string=None):
         try:
-            update = cli_fields(value)
+            update = compilation_fields(value)
         except ValueError as e:
             parser.error(str(e))
         current = getattr(namespace, self.dest, None)
@@ -202,9 +224,12 @@ class EngineArgs:
                             "generation_config.json), 'vllm' (none) or a directory holding a "
                             "generation_config.json")
         g.add_argument("--dtype", default=d.dtype,
-                       choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
-        g.add_argument("--max-model-len", type=int, default=d.max_model_len,
-                       help="context length (prompt + output); default: the model's")
+                       choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
+                       help="weights' and activations' dtype; auto: the platform's default "
+                            "(float32 on CPU), or on CUDA the checkpoint's float16/bfloat16")
+        g.add_argument("--max-model-len", type=human_readable_int, default=d.max_model_len,
+                       help="context length (prompt + output), as vLLM takes it: 4096, 32k "
+                            "(32000) or 32K (32768); default: the model's")
         g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                        help="most logprobs (and prompt_logprobs) a request may ask for; -1: "
                             "the whole vocabulary")
@@ -216,10 +241,10 @@ class EngineArgs:
                        help="run eagerly: no torch.compile, no graphs")
         g.add_argument("-O", "--compilation-config", dest="compilation_config",
                        default=d.compilation_config, action=_MergeCompilationConfig,
-                       help="compilation mode (-O3) or CompilationConfig JSON "
-                            "(-O '{\"mode\": 3, \"compile_sizes\": [1, 8]}'; given more "
-                            "than once, later fields override earlier ones; vLLM's "
-                            "-O.FIELD=VALUE too)")
+                       help="compilation mode (-O0 to -O3; " + MODES_HELP + ") or "
+                            "CompilationConfig JSON (-O '{\"mode\": 3, \"compile_sizes\": "
+                            "[1, 8]}'; given more than once, later fields override earlier "
+                            "ones; vLLM's -O.FIELD=VALUE too)")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                        help="ranks that split each layer (heads, MLP, vocab)")
         g.add_argument("--pipeline-parallel-size", "-pp", type=int,
@@ -229,17 +254,28 @@ class EngineArgs:
                        choices=["uni", "mp", "ray"],
                        help="how ranks run: uni (in-process, one rank), mp (one process per "
                             "rank; the default for more than one), ray (Ray actors)")
-        g.add_argument("--seed", type=int, default=d.seed)
-        g.add_argument("--load-format", default=d.load_format, choices=list(LOAD_FORMATS))
-        g.add_argument("--block-size", type=int, default=d.block_size)
+        g.add_argument("--seed", type=int, default=d.seed,
+                       help="random seed of the engine (dummy weights, sampling without a "
+                            "request seed); kiln generate/chat also seed their sampling with it")
+        g.add_argument("--load-format", default=d.load_format, choices=list(LOAD_FORMATS),
+                       help="how weights are read: auto (by the files found), safetensors, gguf, "
+                            "or dummy (random weights in the model's shapes, for benchmarks)")
+        g.add_argument("--block-size", type=int, default=d.block_size,
+                       help="tokens per KV cache block (the prefix cache's unit)")
         g.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory,
                        help="GiB for the KV cache: host memory on CPU; on CUDA, device "
                             "memory in place of --gpu-memory-utilization's share")
-        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                       help="CUDA: the share of the GPU's memory the engine may use (weights, "
+                            "activations, KV cache)")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       default=d.enable_prefix_caching)
-        g.add_argument("--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks_override)
-        g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+                       default=d.enable_prefix_caching,
+                       help="reuse the KV cache of prompt prefixes earlier requests computed")
+        g.add_argument("--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks_override,
+                       help="KV cache blocks to allocate, whatever the memory sizing says "
+                            "(default: sized from memory)")
+        g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"],
+                       help="where the model runs; auto: CUDA if available, else CPU")
         g.add_argument("--quantization", "-q", default=d.quantization,
                        choices=["int8", "fp8", "ptpc_fp8", "compressed-tensors"],
                        help="int8: quantize the float checkpoint's linear layers on load (W8A8: "
@@ -251,8 +287,10 @@ class EngineArgs:
                        default=d.ir_op_priority, metavar="OP=PROVIDER[,PROVIDER...]",
                        help="providers of an IR op in order of preference, e.g. "
                             "rms_norm=native,torch (repeatable; kiln compile reports the choice)")
-        v = parser.add_argument_group("vLLM flags with one meaning here (taken so commands "
-                                      "carry over)")
+        v = parser.add_argument_group(
+            "vLLM flags with one meaning here (taken so commands carry over)",
+            "vLLM flags Kiln has no counterpart for (--enable-lora, --speculative-config, "
+            "-dp, ...) are refused with the reason and what to use instead")
         v.add_argument("--trust-remote-code", action="store_true", default=d.trust_remote_code,
                        help="accepted; Kiln runs no code from checkpoints (its own Llama, "
                             "Qwen2 and Qwen3 only)")
@@ -267,6 +305,7 @@ class EngineArgs:
                        help="GiB; unused: preempted requests are recomputed, as in vLLM V1")
         v.add_argument("--disable-log-stats", action="store_true", default=d.disable_log_stats,
                        help="kiln serve: no periodic throughput line in the log")
+        add_vllm_only_flags(parser)
         return parser
 
     def to_cli_args(self) -> list[str]:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.input_processor import ProcessedPrompt, PromptType, chat_messages, chat_render_kwargs
 from kiln.engine.llm_engine import LLMEngine
+from kiln.engine.vllm_flags import check_vllm_only_kwargs
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
@@ -26,6 +27,9 @@ class LLM:
                  max_num_batched_tokens: int | None = None, enforce_eager: bool = False,
                  compilation_config=None, tensor_parallel_size: int = 1, seed: int = 0,
                  load_format: str = "auto", **kwargs):
+        # vLLM's arguments with no counterpart here: refused with the reason, or dropped where
+        # they ask for nothing (enable_lora=False, hf_overrides={})
+        kwargs = check_vllm_only_kwargs(kwargs)
         known = set(EngineArgs.__dataclass_fields__)
         unknown = sorted(set(kwargs) - known)
         if unknown:

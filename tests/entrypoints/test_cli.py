@@ -201,3 +201,60 @@ def test_bench_compares_only_what_is_quantized_on_load(stories, tmp_path):
     r = kiln("bench", "throughput", "--model", str(ckpt), "--quantization", "compressed-tensors",
              "--compare-unquantized", *ENGINE)
     assert r.returncode == 2 and "no float weights to compare" in r.stderr, r.stderr
+
+
+def _all_parsers(parser, prog="kiln"):
+    import argparse
+
+    yield prog, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _all_parsers(sub, f"{prog} {name}")
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    """--help said nothing of --port, --dtype, --seed, --top-p, ... nor of any default."""
+    import argparse
+
+    missing = [f"{prog} {action.option_strings[0]}" for prog, parser in _all_parsers(build_parser())
+               for action in parser._actions
+               if action.option_strings and not action.help]
+    assert missing == []
+    serve = dict(_all_parsers(build_parser()))["kiln serve"]
+    text = " ".join(serve.format_help().split())  # unwrapped
+    for shown in ("(default: 8000)", "(default: info)", "(default: 0.9)", "(default: 16)",
+                  "(default: auto)"):
+        assert shown in text, shown
+    assert "(default: None)" not in text and "(default: False)" not in text
+    # -O says what each mode is
+    assert "0: eager" in text and "3: Kiln's piecewise stack" in text
+    latency = " ".join(dict(_all_parsers(build_parser()))["kiln bench latency"].format_help().split())
+    assert "(default: 1 8 32)" in latency
+    assert isinstance(serve._option_string_actions["--enable-prefix-caching"],
+                      argparse.BooleanOptionalAction)
+    assert "(default: True)" in text
+
+
+def test_generate_takes_the_models_sampling_defaults(tiny_llama_dir, tmp_path):
+    """Flags left out take the model's generation_config.json (its own, or --generation-config
+    DIR's), as LLM.generate does: the CLI passed temperature 1.0 and 128 tokens whatever the
+    model said. Flags given still win."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0,
+                                                              "max_new_tokens": 3}))
+
+    def tokens(*argv):
+        r = kiln("generate", "w5 w6", "--logprobs", "0", "--ignore-eos", *argv, *ENGINE)
+        assert r.returncode == 0, r.stderr
+        return r.stdout, sum(line.startswith('{"index"') for line in r.stderr.splitlines())
+
+    first = tokens("--model", str(model), "--seed", "1")
+    assert first[1] == 3  # max_new_tokens
+    assert tokens("--model", str(model), "--seed", "2") == first  # temperature 0
+    # --generation-config DIR on a model without one; --max-tokens over its max_new_tokens
+    assert tokens("--model", str(tiny_llama_dir), "--generation-config", str(model),
+                  "--max-tokens", "2")[1] == 2

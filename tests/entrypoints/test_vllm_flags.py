@@ -1,5 +1,7 @@
 """vLLM's command lines carry over: its dotted -O form, repeated -O flags adding up, and the
 flags that have one meaning here (taken at that meaning, refused with a reason otherwise)."""
+import re
+
 import pytest
 
 from kiln.config.compilation_config import cli_fields, merged_fields
@@ -65,3 +67,152 @@ def test_cli_errors_name_the_flag_beside_the_field():
     for unchanged in ("kv_cache_memory (--kv-cache-memory) must be > 0",  # says it already
                       "prompt 0: too long", "engine died"):
         assert with_flag(unchanged, parser) == unchanged
+
+
+# The vLLM flags a tester's scripts carried over, each refused by name with its reason (it was
+# argparse's top-level "kiln: error: unrecognized arguments" with no word on why).
+TESTER_FLAGS = [
+    "--max-num-partial-prefills", "--override-generation-config", "--response-role",
+    "--lora-modules", "--enable-lora", "--limit-mm-per-prompt", "--speculative-config",
+    "--disable-sliding-window", "--hf-overrides", "--root-path", "--allowed-origins",
+    "--ssl-keyfile", "--ssl-certfile", "-dp", "--data-parallel-size", "--max-seq-len-to-capture",
+    "--disable-custom-all-reduce", "--scheduling-policy", "--enable-log-requests", "--task",
+    "--runner", "--config", "--chat-template-content-format", "--async-scheduling",
+    "--cpu-offload-gb", "--enable-sleep-mode", "--model-impl", "--api-server-count",
+    "--rope-scaling", "--kv-cache-memory-bytes"]
+
+
+def _engine_commands(parser=None, prefix=()):
+    """[(argv prefix, subparser)] of every command that takes engine flags."""
+    import argparse
+
+    parser = parser or build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                if "--model" in sub._option_string_actions:
+                    yield (*prefix, name), sub
+                yield from _engine_commands(sub, (*prefix, name))
+
+
+def test_every_vllm_flag_in_the_table_is_refused_by_every_engine_command():
+    from kiln.engine.vllm_flags import BY_FLAG, VllmOnlyFlagError
+
+    assert set(TESTER_FLAGS) <= set(BY_FLAG)
+    commands = dict(_engine_commands())
+    assert {("serve",), ("generate",), ("chat",), ("bench", "latency"),
+            ("bench", "serve")} <= set(commands)
+    parser = build_parser()
+    for argv in commands:
+        for flag, entry in BY_FLAG.items():
+            value = [] if not entry.takes_value else ["x-value"]
+            if entry.accepted_alone:
+                continue
+            with pytest.raises(VllmOnlyFlagError) as e:
+                parser.parse_args([*argv, flag, *value])
+            message = str(e.value)
+            assert message.startswith(f"{flag} is vLLM's flag for ") and "\n" not in message
+
+
+def test_vllm_flag_refusals_say_why_and_what_instead():
+    from kiln.engine.vllm_flags import VllmOnlyFlagError
+
+    parser = build_parser()
+    for argv, words in ((["serve", "--enable-lora"], "LoRA adapters"),
+                        (["generate", "--hf-overrides", "{}"], "config.json"),
+                        (["serve", "--kv-cache-memory-bytes", "4G"], "--kv-cache-memory 4)"),
+                        (["serve", "--override-generation-config", "{}"],
+                         "--generation-config DIR"),
+                        (["serve", "-dp", "2"], "only -dp 1 is taken")):
+        with pytest.raises(VllmOnlyFlagError, match=re.escape(words)):
+            parser.parse_args(argv)
+
+
+def test_vllm_flags_at_kilns_one_meaning_are_taken():
+    args = build_parser().parse_args([
+        "serve", "-dp", "1", "--task", "generate", "--runner", "auto", "--scheduling-policy",
+        "fcfs", "--disable-sliding-window", "--disable-custom-all-reduce", "--response-role",
+        "assistant", "--chat-template-content-format", "string", "--api-server-count", "1"])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert engine_args == EngineArgs()
+    assert not {"task", "runner", "data_parallel_size", "scheduling_policy"} & set(vars(args))
+
+
+def test_vllm_flag_refusal_is_one_line_exit_2():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kiln.entrypoints.cli.main", "serve",
+                        "--enable-lora"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.splitlines() == [
+        "error: --enable-lora is vLLM's flag for LoRA adapters; Kiln does not serve them: "
+        "merge the adapter into the weights and serve that checkpoint"]
+
+
+def test_llm_refuses_vllm_only_arguments_with_the_same_reason():
+    from kiln.entrypoints.llm import LLM
+
+    with pytest.raises(ValueError) as e:
+        LLM(model="/nowhere", enable_lora=True)
+    assert str(e.value).startswith("enable_lora=True is vLLM's argument for LoRA adapters")
+    with pytest.raises(ValueError, match=r"hf_overrides=\{'rope_theta': 1\} is vLLM's argument"):
+        LLM(model="/nowhere", hf_overrides={"rope_theta": 1})
+    with pytest.raises(ValueError, match="only data_parallel_size=1 is taken"):
+        LLM(model="/nowhere", data_parallel_size=2)
+    # vLLM's defaults ask for nothing: taken, and the next error is the missing model's
+    with pytest.raises(FileNotFoundError, match="/nowhere"):
+        LLM(model="/nowhere", enable_lora=False, hf_overrides={}, data_parallel_size=1)
+
+
+def test_unknown_flags_are_reported_by_the_subcommand(capsys):
+    from kiln.entrypoints.cli.main import parse_args
+
+    for argv, prog, hint in ((["serve", "--no-such-flag"], "kiln serve", ""),
+                             (["bench", "throughput", "--num-promts", "3"],
+                              "kiln bench throughput", " (did you mean --num-prompts?)"),
+                             (["generate", "hi", "--enable-lorra"], "kiln generate",
+                              " (did you mean --enable-lora?)")):
+        with pytest.raises(SystemExit) as e:
+            parse_args(build_parser(), argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2
+        assert err.startswith(f"usage: {prog} "), err
+        flag = " ".join(argv[2 if argv[0] == "bench" else 1:]).removeprefix("hi ")
+        assert err.endswith(f"{prog}: error: unrecognized arguments: {flag}{hint}\n"), err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-O", "-1"], "the compilation mode must be 0, 1, 2 or 3, got -1"),
+    (["-O", "3.5"], "the compilation mode must be 0, 1, 2 or 3, got 3.5"),
+    (["-O", "7"], "the compilation mode must be 0, 1, 2 or 3, got 7"),
+    (["-O", '{"level": 3}'], "'level' is vLLM's older name for 'mode'; write {\"mode\": 3}"),
+    (["-O.level=3"], "'level' is vLLM's older name for 'mode'"),
+    (["--max-model-len", "1.5K"], "a binary suffix (K) takes a whole number; 1.5k is decimal"),
+    (["--max-model-len", "lots"], "give an integer"),
+])
+def test_compilation_and_length_flags_say_what_they_take(capsys, argv, message):
+    # -O -1 said "JSON must be an object, got -1"; -O '{"level": 3}' listed the known fields
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["generate", "hi", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_max_model_len_takes_vllms_human_readable_numbers():
+    # vLLM's rule: a lowercase suffix is decimal, an uppercase one binary
+    for text, value in (("4096", 4096), ("1k", 1000), ("1K", 1024), ("25.6k", 25600),
+                        ("2m", 2_000_000), ("2M", 2 << 20), ("32K", 32768)):
+        args = build_parser().parse_args(["serve", "--max-model-len", text])
+        assert args.max_model_len == value, text
+
+
+def test_bench_latency_compare_errors_name_compare():
+    from kiln.entrypoints.cli import bench_latency
+
+    for item, message in (("7", "--compare 7: the compilation mode must be 0, 1, 2 or 3"),
+                          ('{"mode": 9}', '--compare {"mode": 9}: compilation_config.mode'),
+                          ('{"level": 3}', "older name for 'mode'")):
+        args = build_parser().parse_args(["bench", "latency", "--model", "/nowhere",
+                                          "--compare", "0", item])
+        with pytest.raises(ValueError, match=re.escape(message)):
+            bench_latency.run(args)

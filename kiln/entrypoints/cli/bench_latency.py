@@ -16,8 +16,11 @@ def register_bench(kinds) -> None:
                     "config's speedup over the first. On CPU every config's engine is built up "
                     "front and they take turns of 4 timed steps (--no-interleave: one engine "
                     "at a time, the GPU default).")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32],
+                        help="requests decoding together in each measured step, one "
+                             "measurement per size")
+    parser.add_argument("--input-len", type=int, default=32,
+                        help="prompt tokens of each request")
     parser.add_argument("--num-steps", type=int, default=32, help="timed decode steps per batch")
     parser.add_argument("--warmup-steps", type=int, default=3,
                         help="untimed decode steps before the timed ones")
@@ -37,7 +40,16 @@ def register_bench(kinds) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kiln.benchmarks.latency import run_latency
+    from kiln.config import CompilationConfig
+    from kiln.engine.arg_utils import compilation_fields
 
+    for item in args.compare or []:  # named as --compare, not as compilation_config
+        try:
+            CompilationConfig.from_cli(compilation_fields(item, flag=f"--compare {item}"))
+        except ValueError as e:
+            message = str(e)
+            raise ValueError(message if message.startswith("--compare ")
+                             else f"--compare {item}: {message}") from None
     report = run_latency(EngineArgs.from_cli_args(args), args.batch_sizes, args.input_len,
                          args.num_steps, args.compare, args.warmup_steps,
                          args.interleave)

@@ -23,18 +23,22 @@ def register_bench(kinds) -> None:
                     "reports requests/s, output tokens/s, TTFT and ITL percentiles as JSON.")
     parser.add_argument("--base-url", default=None,
                         help="a running server (default: start `kiln serve` with the engine flags)")
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests to send")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="requests per second (Poisson); inf sends all at once")
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--input-len", type=int, default=128,
+                        help="tokens of each random prompt")
+    parser.add_argument("--output-len", type=int, default=128,
+                        help="tokens generated for each request")
     parser.add_argument("--max-concurrency", type=int, default=None,
                         help="most requests in flight at once (default: no limit)")
     parser.add_argument("--prompt-seed", dest="bench_seed", type=int, default=0,
                         help="seed of the prompts and arrival times (--seed is the engine's)")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="prompt token ids are drawn below this (default: ask the server)")
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--api-key", default=None,
+                        help="the server's API key (sent as a Bearer token; passed to the "
+                             "server this benchmark starts)")
     parser.add_argument("--stall-probe", action="store_true",
                         help="instead: one steady stream alone, then beside front-end load (4 MB "
                              "/tokenize bodies, 4 MB prompts that end in 400, 1000 idle and 200 "
@@ -51,7 +55,8 @@ def register_bench(kinds) -> None:
     parser.add_argument("--stall-id-prompt-clients", type=int, default=0,
                         help="stall probe: clients also posting 4 MB prompts of token ids that "
                              "end in 400 (not in the default load)")
-    parser.add_argument("--server-start-timeout", type=float, default=600.0)
+    parser.add_argument("--server-start-timeout", type=float, default=600.0,
+                        help="seconds the started server has to become ready")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run)
 

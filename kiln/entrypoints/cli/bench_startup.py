@@ -15,8 +15,8 @@ def register_bench(kinds) -> None:
         description="Run `generate PROMPT --max-tokens N` in fresh processes and print the last "
                     "run's phases (imports, config, tokenizer, core start, model load, KV "
                     "cache, compile / warm-up, generation, shutdown) as JSON.")
-    parser.add_argument("--prompt", default="Hi")
-    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--prompt", default="Hi", help="the prompt each run completes")
+    parser.add_argument("--max-tokens", type=int, default=8, help="tokens each run generates")
     parser.add_argument("--runs", type=int, default=2,
                         help="processes to start one after another (the first warms caches)")
     parser.add_argument("--timeout", type=float, default=None,

@@ -26,9 +26,11 @@ def register(subparsers) -> None:
     parser = kinds.add_parser("throughput", help="offline throughput on random prompts",
                               description="Offline throughput on seeded random-token prompts "
                                           "with a fixed output length (ignore_eos, greedy).")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=64, help="prompts in the batch")
+    parser.add_argument("--input-len", type=int, default=128,
+                        help="tokens of each random prompt")
+    parser.add_argument("--output-len", type=int, default=128,
+                        help="tokens generated for each prompt")
     parser.add_argument("--backend", choices=["kiln", "hf"], default="kiln",
                         help="hf: also run HF transformers generate and report kiln/hf")
     parser.add_argument("--compare-unquantized", action="store_true",

@@ -48,9 +48,15 @@ def run(args: argparse.Namespace) -> int:
     from kiln.engine.llm_engine import LLMEngine
 
     # Checked before the model loads: a bad flag is a usage error, not one per turn.
-    params = sampling_params_from_args(args, output_kind=RequestOutputKind.DELTA)
+    sampling_params_from_args(args)
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     exit_if_stopped()
+    try:  # the flags given, over the model's sampling defaults
+        params = sampling_params_from_args(args, engine.model_config.generation_defaults,
+                                           output_kind=RequestOutputKind.DELTA)
+    except ValueError:
+        engine.shutdown()
+        raise
     start = [{"role": "system", "content": args.system}] if args.system else []
     history = list(start)
     interactive = sys.stdin.isatty()

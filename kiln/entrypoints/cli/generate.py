@@ -33,12 +33,15 @@ def run(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt:
         raise ValueError("prompt is empty: pass it as an argument or on stdin")
-    params = sampling_params_from_args(args, n=args.n, logprobs=args.logprobs,
-                                       prompt_logprobs=args.prompt_logprobs)
+    extra = dict(n=args.n, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
+    sampling_params_from_args(args, **extra)  # a bad flag fails before the model loads
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**vars(engine_args))
     exit_if_stopped()
     try:
+        # the flags given, over the model's sampling defaults (as LLM.generate's own)
+        params = sampling_params_from_args(
+            args, llm.llm_engine.model_config.generation_defaults, **extra)
         (output,) = llm.generate(prompt, params, use_tqdm=False)
     finally:
         llm.shutdown()

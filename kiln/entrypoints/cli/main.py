@@ -22,6 +22,31 @@ SUBCOMMANDS = [
 USAGE_ERROR_EXIT = 2
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, where it has one worth saying (not None, not
+    an off switch, not one its help already names)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (default is None or default is False or default == argparse.SUPPRESS
+                or not action.option_strings or "default" in text.lower()
+                or action.nargs == 0 and not isinstance(action,
+                                                        argparse.BooleanOptionalAction)):
+            return text
+        if isinstance(default, (list, tuple)):
+            shown = " ".join(map(str, default))
+        else:
+            shown = "%(default)s"
+        return f"{text} (default: {shown})" if text else f"default: {shown}"
+
+
+def _subparsers(parser: argparse.ArgumentParser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            yield action
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kiln.version import __version__
 
@@ -31,7 +56,36 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
         importlib.import_module(name).register(subparsers)
+    todo = [parser]
+    while todo:
+        p = todo.pop()
+        p.formatter_class = HelpFormatter
+        todo += [sub for action in _subparsers(p) for sub in action.choices.values()]
     return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, but an unknown flag is reported by the subcommand that was given it (its
+    usage line, a close match), not by `kiln` itself."""
+    args, extras = parser.parse_known_args(argv)
+    if not extras:
+        return args
+    culprit = parser
+    for dest in ("command", "bench_command"):
+        name = getattr(args, dest, None)
+        for action in _subparsers(culprit):
+            if action.dest == dest and name in action.choices:
+                culprit = action.choices[name]
+    message = f"unrecognized arguments: {' '.join(extras)}"
+    flags = [a for a in extras if a.startswith("-")]
+    if flags:
+        import difflib
+
+        close = difflib.get_close_matches(flags[0].split("=")[0],
+                                          list(culprit._option_string_actions), n=1, cutoff=0.8)
+        if close:
+            message += f" (did you mean {close[0]}?)"
+    culprit.error(message)
 
 
 # Commands that build an engine: the core's interpreter starts before their imports (below).
@@ -100,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         argv = dotted_flags_as_O(sys.argv[1:] if argv is None else argv)
         _prestart_core(argv)
         parser = build_parser()
-        args = parser.parse_args(argv)
+        args = parse_args(parser, argv)
         if getattr(args, "func", None) is None:
             parser.print_help(sys.stderr)
             sys.exit(USAGE_ERROR_EXIT)

@@ -22,7 +22,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health "
                         "(default: $KILN_API_KEY)")
@@ -54,7 +54,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="report usage.prompt_tokens_details.cached_tokens (prompt tokens the "
                         "prefix cache held)")
     g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own log level (HTTP server messages)")
     # The parsers' registries (tool_parsers.TOOL_PARSERS, reasoning.REASONING_PARSERS) import
     # the server's models; the CLI names them without that cost (a test keeps them equal).
     g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSER_NAMES,

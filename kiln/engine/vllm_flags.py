@@ -1,0 +1,194 @@
+"""vLLM's engine and server flags that Kiln has no counterpart for: one table, each with why and
+what to do instead, so `kiln serve --enable-lora` and `LLM(enable_lora=True)` say so by name
+rather than failing as an unknown argument.
+
+A few take the value that has Kiln's one meaning (`-dp 1`, `--scheduling-policy fcfs`) and
+ignore it, as EngineArgs does with --swap-space; any other value is refused with the reason.
+"""
+import argparse
+import re
+from dataclasses import dataclass
+from decimal import Decimal
+
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(text: str) -> int:
+    """An integer as vLLM's flags take it (--max-model-len 32k): a lowercase suffix is decimal
+    (1k = 1000, 25.6k = 25600), an uppercase one binary (1K = 1024, whole numbers only)."""
+    text = str(text).strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", text)
+    if match is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"invalid int value: {text!r} (give an integer, or one with vLLM's suffixes: "
+                "1k = 1000, 1K = 1024, 2m, 2M, ...)") from None
+    number, suffix = match.groups()
+    if suffix in _DECIMAL:
+        return int(Decimal(number) * _DECIMAL[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(
+            f"invalid int value: {text!r}: a binary suffix ({suffix}) takes a whole number; "
+            f"{number}{suffix.lower()} is decimal")
+    return int(number) * _BINARY[suffix]
+
+
+@dataclass(frozen=True)
+class VllmFlag:
+    flags: tuple[str, ...]  # the long flag first: its keyword is LLM(...)'s argument
+    what: str  # "{flag} is vLLM's flag for {what}"
+    instead: str  # why Kiln has none, and what to use
+    takes_value: bool = True
+    accepted: tuple[str, ...] = ()  # values with Kiln's one meaning, taken and ignored
+    accepted_alone: bool = False  # a value-less flag whose meaning Kiln always has
+
+    @property
+    def keyword(self) -> str:
+        return self.flags[0].lstrip("-").replace("-", "_")
+
+    def message(self, name: str, value=None, kind: str = "flag") -> str:
+        instead = self.instead
+        if self.keyword == "kv_cache_memory_bytes" and value is not None:
+            try:
+                gib = human_readable_int(str(value)) / 2**30
+                instead = instead.replace("e.g. --kv-cache-memory 4",
+                                          f"here --kv-cache-memory {gib:g}")
+            except (argparse.ArgumentTypeError, ValueError):
+                pass
+        text = f"{name} is vLLM's {kind} for {self.what}; {instead}"
+        if self.accepted:
+            taken = " or ".join(self.accepted)
+            text += (f" (only {name.split('=')[0]}={taken} is taken)" if kind == "argument"
+                     else f" (only {name} {taken} is taken)")
+        return text
+
+
+VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
+    VllmFlag(("--enable-lora",), "LoRA adapters", "Kiln does not serve them: merge the adapter "
+             "into the weights and serve that checkpoint", takes_value=False),
+    VllmFlag(("--lora-modules",), "LoRA adapters served by name", "Kiln does not serve "
+             "adapters: merge each into its base weights and serve that checkpoint"),
+    VllmFlag(("--max-num-partial-prefills",), "how many prompts may be prefilled in chunks at "
+             "once", "Kiln's scheduler has no such limit; --max-num-batched-tokens bounds the "
+             "prefill tokens of a step"),
+    VllmFlag(("--override-generation-config",), "sampling defaults given as JSON",
+             "give --generation-config DIR, a directory holding a generation_config.json with "
+             "those fields"),
+    VllmFlag(("--response-role",), "the role of chat answers", "Kiln answers as 'assistant'",
+             accepted=("assistant",)),
+    VllmFlag(("--limit-mm-per-prompt",), "multimodal inputs per prompt", "Kiln serves "
+             "text-only models"),
+    VllmFlag(("--speculative-config",), "speculative decoding", "Kiln has none: every token "
+             "comes from the model's own step"),
+    VllmFlag(("--hf-overrides",), "changes to the model's Hugging Face config", "Kiln takes "
+             "the checkpoint's config.json as it is: edit a copy of it"),
+    VllmFlag(("--rope-scaling",), "overriding the model's RoPE scaling", "Kiln reads "
+             "rope_scaling from the checkpoint's config.json: edit a copy of it"),
+    VllmFlag(("--root-path",), "serving behind a proxy under a path prefix", "Kiln serves at "
+             "/: have the proxy strip the prefix"),
+    VllmFlag(("--allowed-origins",), "CORS origins", "Kiln sends no CORS headers: put a proxy "
+             "that adds them in front of kiln serve"),
+    VllmFlag(("--ssl-keyfile",), "HTTPS", "Kiln serves plain HTTP: terminate TLS in a reverse "
+             "proxy (nginx, caddy) in front of kiln serve"),
+    VllmFlag(("--ssl-certfile",), "HTTPS", "Kiln serves plain HTTP: terminate TLS in a reverse "
+             "proxy (nginx, caddy) in front of kiln serve"),
+    VllmFlag(("--data-parallel-size", "-dp"), "data-parallel engine replicas", "Kiln runs one "
+             "engine: start one kiln serve per replica behind a load balancer (-tp / -pp split "
+             "one model over ranks)", accepted=("1",)),
+    VllmFlag(("--api-server-count",), "several API server processes", "kiln serve runs one",
+             accepted=("1",)),
+    VllmFlag(("--max-seq-len-to-capture",), "the longest sequence CUDA graphs cover",
+             "Kiln's CUDA graphs are sized by batch: -O '{\"cudagraph_capture_sizes\": [...]}' "
+             "or -O.max_cudagraph_capture_size=N"),
+    VllmFlag(("--disable-custom-all-reduce",), "using NCCL's all-reduce instead of vLLM's own "
+             "kernel", "Kiln's all-reduce is torch.distributed's (NCCL, gloo) already",
+             takes_value=False, accepted_alone=True),
+    VllmFlag(("--disable-sliding-window",), "capping the context at the model's sliding "
+             "window", "Kiln always does so (its attention has no sliding window)",
+             takes_value=False, accepted_alone=True),
+    VllmFlag(("--scheduling-policy",), "the order requests are scheduled in", "Kiln schedules "
+             "first come, first served (requests' priority must be 0)", accepted=("fcfs",)),
+    VllmFlag(("--enable-log-requests",), "logging request contents", "Kiln never logs them "
+             "(its access log has one line per HTTP request; --disable-access-log drops it)",
+             takes_value=False),
+    VllmFlag(("--task",), "choosing what the model does (generate, embed, classify, ...)",
+             "Kiln generates text only", accepted=("auto", "generate")),
+    VllmFlag(("--runner",), "choosing the model runner (generate, pooling, draft)",
+             "Kiln generates text only", accepted=("auto", "generate")),
+    VllmFlag(("--config",), "reading flags from a YAML file", "give the flags on the command "
+             "line"),
+    VllmFlag(("--chat-template-content-format",), "how message content reaches the chat "
+             "template", "Kiln joins the text parts into a string", accepted=("auto", "string")),
+    VllmFlag(("--async-scheduling",), "scheduling the next step while the GPU runs this one",
+             "Kiln schedules each step before it runs", takes_value=False),
+    VllmFlag(("--cpu-offload-gb",), "keeping part of the weights in CPU memory", "Kiln holds "
+             "all weights on the device: use a smaller dtype, --quantization or -tp / -pp",
+             accepted=("0",)),
+    VllmFlag(("--enable-sleep-mode",), "freeing GPU memory while the engine sleeps", "Kiln has "
+             "no sleep mode: stop the server to free the GPU", takes_value=False),
+    VllmFlag(("--model-impl",), "choosing vLLM's or transformers' model code", "Kiln runs its "
+             "own (Llama, Qwen2, Qwen3)", accepted=("auto",)),
+    VllmFlag(("--kv-cache-memory-bytes",), "the KV cache size in bytes", "Kiln's "
+             "--kv-cache-memory takes GiB (e.g. --kv-cache-memory 4)"),
+)
+
+BY_FLAG: dict[str, VllmFlag] = {name: entry for entry in VLLM_ONLY_FLAGS for name in entry.flags}
+BY_KEYWORD: dict[str, VllmFlag] = {entry.keyword: entry for entry in VLLM_ONLY_FLAGS}
+
+
+class VllmOnlyFlagError(ValueError):
+    """A vLLM flag or argument Kiln has no counterpart for (the message says why)."""
+
+
+class _RefuseVllmFlag(argparse.Action):
+    """Takes the flag's Kiln meaning (accepted values) silently; refuses anything else."""
+
+    def __init__(self, option_strings, dest, entry: VllmFlag, **kwargs):
+        self.entry = entry
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                         nargs="?", **kwargs)
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        entry = self.entry
+        if value is None and entry.accepted_alone:
+            return
+        if value is not None and value in entry.accepted:
+            return
+        raise VllmOnlyFlagError(entry.message(option_string or entry.flags[0], value))
+
+
+def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
+    """Each table flag on `parser`, hidden from --help: refused with its reason when given."""
+    existing = set(parser._option_string_actions)
+    for entry in VLLM_ONLY_FLAGS:
+        names = [f for f in entry.flags if f not in existing]
+        if names:
+            parser.add_argument(*names, action=_RefuseVllmFlag, entry=entry,
+                                help=argparse.SUPPRESS)
+
+
+def _asks_nothing(value) -> bool:
+    return value is None or value is False or (isinstance(value, (dict, list, tuple, str))
+                                                and len(value) == 0)
+
+
+def check_vllm_only_kwargs(kwargs: dict) -> dict:
+    """LLM(**kwargs): a table keyword is refused with its reason unless its value asks for
+    nothing (None, False, {}) or has Kiln's one meaning; those are dropped. Returns the rest."""
+    rest = {}
+    for key, value in kwargs.items():
+        entry = BY_KEYWORD.get(key)
+        if entry is None:
+            rest[key] = value
+            continue
+        if _asks_nothing(value):
+            continue
+        if value is True and entry.accepted_alone:
+            continue
+        if not isinstance(value, bool) and str(value) in entry.accepted:
+            continue
+        raise VllmOnlyFlagError(entry.message(f"{key}={value!r}", value, kind="argument"))
+    return rest
