@@ -21,7 +21,11 @@ def load_chat_template(value: str | None) -> str | None:
     if value is None:
         return None
     path = Path(value).expanduser()
-    if path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError:  # template text longer than a file name may be (ENAMETOOLONG)
+        is_file = False
+    if is_file:
         text, where = path.read_text(), str(path)
     elif "{" not in value:  # no Jinja in it: meant as a file that is not there
         raise FileNotFoundError(f"--chat-template {value!r}: no such file (give a Jinja "
@@ -29,14 +33,26 @@ def load_chat_template(value: str | None) -> str | None:
     else:
         text, where = value, "the template text"
     from jinja2 import TemplateSyntaxError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    try:  # the environment transformers renders chat templates in
-        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    try:
+        _compile_template(text)
     except TemplateSyntaxError as e:
         raise ValueError(f"--chat-template: {where} is no valid Jinja template: {e.message} "
                          f"(line {e.lineno})") from None
     return text
+
+
+def _compile_template(text: str) -> None:
+    """Compile as transformers does when it renders (its extensions: {% generation %}, loop
+    controls), raising jinja2's TemplateSyntaxError."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # its private helper moved: the sandbox it renders in, less extensions
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+        return
+    _compile_jinja_template(text)
 
 
 def generation_config_file(generation_config: str, model_path: Path) -> Path | None:

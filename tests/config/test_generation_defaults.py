@@ -34,3 +34,9 @@ def test_a_chat_template_that_does_not_parse_is_refused(tmp_path):
         load_chat_template(str(path))
     good = "{% for m in messages %}{{ m['content'] }}{% break %}{% endfor %}"
     assert load_chat_template(good) == good
+    # transformers' own tag (TRL's assistant masks), and text too long for a file name
+    tracked = "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}" \
+              "{% endfor %}"
+    assert load_chat_template(tracked) == tracked
+    long = "{# " + "x" * 5000 + " #}" + good
+    assert load_chat_template(long) == long

@@ -210,3 +210,16 @@ def test_unreadable_bodies_say_why(client, body, headers, needle):
                     headers=headers or {"content-type": "application/json"})
     err = assert_error(r, 400, None)
     assert needle in err["message"], err
+
+
+def test_an_early_answer_leaves_its_unread_body_out_of_the_header_count():
+    """A 401 answered before a 300 KB body was read: the rest of the body, parsed after the
+    response, was counted as the next request's headers, and a stray 431 followed (helper-44)."""
+    app = build_app(AsyncLLM(FakeEngine()), ServerSettings(api_key=KEY))
+    with uvicorn_in_thread(app, http=header_timeout_protocol(5)) as port, \
+            socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(_post_headers(300_000) + b" " * 300_000
+                     + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        reply = _read_all(sock)
+    assert reply.startswith(b"HTTP/1.1 401") and b" 431 " not in reply, reply[:400]
+    assert reply.count(b"HTTP/1.1 ") == 2 and b"HTTP/1.1 200" in reply, reply[-400:]

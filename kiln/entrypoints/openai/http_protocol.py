@@ -56,17 +56,31 @@ def header_timeout_protocol(timeout_s: float, base: type | None = None) -> type:
             if self.transport.is_closing():
                 return  # refused below: what is still in flight is not parsed
             super().data_received(data)
-            if self._awaiting_headers():
-                if self._header_deadline is None:  # the first bytes of a new request
-                    self._arm_header_deadline()
+            if self._in_headers:
                 self._header_bytes += len(data)
                 if self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
                     self._disarm_header_deadline()
                     self.transport.write(_too_large_reply())
                     self.transport.close()
+                    return
+            if self._awaiting_headers():
+                if self._header_deadline is None:  # the first bytes of a new request
+                    self._arm_header_deadline()
             else:
-                self._header_bytes = 0
                 self._disarm_header_deadline()
+
+        # httptools' parser calls these (h11 caps headers itself, at 16 KiB): only bytes that
+        # came while a request's headers were open count, not the unread rest of a body that
+        # follows an early answer (a 401) on a kept-alive connection.
+        _in_headers = False
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._in_headers, self._header_bytes = True, 0
+
+        def on_headers_complete(self) -> None:
+            self._in_headers = False
+            super().on_headers_complete()
 
         def connection_lost(self, exc) -> None:
             self._disarm_header_deadline()
