@@ -1,7 +1,13 @@
 """What a JSON schema may hold to be served: keywords xgrammar compiles but does not enforce, and
 a nesting limit. A schema outside them is refused (a 400 naming the field), not served outputs
 that break it."""
-import json
+from kiln.structured_output.schema_union import (
+    implied_types,
+    one_of_may_overlap,
+    types_of,
+    values_of,
+    within,
+)
 
 # Deeper schemas took seconds to check (the compile grows with the cube of the depth) and
 # overflowed Python's recursion copying the request (a 500): no real schema comes near.
@@ -24,8 +30,6 @@ _ASSERTIONS = {"type", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "
                "patternProperties", "additionalProperties", "items", "prefixItems",
                "additionalItems", "contains", "propertyNames", "unevaluatedItems",
                "unevaluatedProperties", "not", "if", "then", "else", "dependentSchemas"}
-_JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float),
-               "boolean": (bool,), "null": (type(None),), "array": (list,), "object": (dict,)}
 # Keywords whose value is one subschema, a list of them, or a name -> subschema map.
 _ONE = ("additionalProperties", "items", "additionalItems", "propertyNames",
         "unevaluatedProperties", "unevaluatedItems", "contains", "not", "if", "then", "else")
@@ -73,96 +77,33 @@ def schema_depth(value) -> int:
     return deepest
 
 
-def _has_type(value, name) -> bool:
-    kinds = _JSON_TYPES.get(name, ())
-    if isinstance(value, bool):
-        return name == "boolean"
-    if name == "integer" and isinstance(value, float):
-        return value.is_integer()
-    return isinstance(value, kinds)
+def _type_implied(node: dict, root) -> bool:
+    """A "type" beside an enum, const, $ref, anyOf or oneOf that every value they allow already
+    has changes nothing (pydantic writes {"enum": [...], "type": "string"}; OpenAPI writes
+    "type": "object" beside a oneOf of objects)."""
+    allowed = node["type"] if isinstance(node["type"], list) else [node["type"]]
+    rest = {k: v for k, v in node.items() if k != "type"}
+    if "allOf" in rest:
+        return False
+    kinds = types_of(rest) if values_of(rest) is not None else implied_types(rest, root)
+    return kinds is not None and within(kinds, set(allowed))
 
 
-def _dropped_beside(node: dict) -> list[str]:
-    """Constraints beside an exclusive keyword, which xgrammar drops. A "type" every enum or
-    const value already has changes nothing (pydantic writes {"enum": [...], "type": ...})."""
+def _dropped_beside(node: dict, root) -> list[str]:
+    """Constraints beside an exclusive keyword, which xgrammar drops."""
     exclusive = [k for k in _EXCLUSIVE if k in node]
     if not exclusive:
         return []
-    values = node["enum"] if isinstance(node.get("enum"), list) else (
-        [node["const"]] if "const" in node else None)
     found = []
     if len(exclusive) > 1 and exclusive != ["enum", "const"]:
         found.append(f"{' and '.join(exclusive)} together (only one is enforced)")
     for key in node:
         if key not in _ASSERTIONS:
             continue
-        if key == "type" and values is not None and len(exclusive) == 1:
-            kinds = node["type"] if isinstance(node["type"], list) else [node["type"]]
-            if all(any(_has_type(v, t) for t in kinds) for v in values):
-                continue
+        if key == "type" and len(exclusive) == 1 and _type_implied(node, root):
+            continue
         found.append(f"{key} beside {exclusive[0]} (only the {exclusive[0]} is enforced)")
     return found
-
-
-def _types_of(branch, root) -> set[str] | None:
-    """The JSON types a oneOf branch can take, None if unknown (no "type" to read)."""
-    branch = _resolve(branch, root)
-    if not isinstance(branch, dict):
-        return None
-    kinds = branch.get("type")
-    if isinstance(kinds, str):
-        kinds = [kinds]
-    if not isinstance(kinds, list):
-        return None
-    kinds = set(kinds)
-    return kinds | {"number"} if "integer" in kinds else kinds | (
-        {"integer"} if "number" in kinds else set())
-
-
-def _resolve(node, root, hops: int = 8):
-    """A local "#/..." $ref followed (a few hops at most); anything else as it is."""
-    while hops and isinstance(node, dict) and isinstance(node.get("$ref"), str) \
-            and node["$ref"].startswith("#/"):
-        target = root
-        for part in node["$ref"][2:].split("/"):
-            part = part.replace("~1", "/").replace("~0", "~")
-            target = target.get(part) if isinstance(target, dict) else None
-        if target is None:
-            return node
-        node, hops = target, hops - 1
-    return node
-
-
-def _tags(branch, root) -> dict[str, set]:
-    """Property name -> the values a oneOf branch allows there, for its required properties
-    that are a const or an enum (a discriminator's tag)."""
-    branch = _resolve(branch, root)
-    if not isinstance(branch, dict) or not isinstance(branch.get("properties"), dict):
-        return {}
-    out = {}
-    for name in branch.get("required") or ():
-        prop = _resolve(branch["properties"].get(name), root)
-        if isinstance(prop, dict) and "const" in prop:
-            out[name] = {json.dumps(prop["const"], sort_keys=True)}
-        elif isinstance(prop, dict) and isinstance(prop.get("enum"), list):
-            out[name] = {json.dumps(v, sort_keys=True) for v in prop["enum"]}
-    return out
-
-
-def one_of_may_overlap(branches: list, root) -> bool:
-    """Whether two branches of a oneOf may take the same value: xgrammar serves a oneOf as an
-    anyOf, which is right only when no value matches two branches. Disjoint means distinct JSON
-    types, or a required const/enum property whose values differ (a discriminated union)."""
-    types = [_types_of(b, root) for b in branches]
-    tags = [_tags(b, root) for b in branches]
-    for i in range(len(branches)):
-        for j in range(i + 1, len(branches)):
-            if types[i] is not None and types[j] is not None and not types[i] & types[j]:
-                continue
-            if any(not tags[i][name] & tags[j][name] for name in tags[i].keys() & tags[j]):
-                continue
-            return True
-    return False
 
 
 def _unenforced(node: dict, root) -> list[str]:
@@ -170,7 +111,7 @@ def _unenforced(node: dict, root) -> list[str]:
     measured: an output breaking it was accepted)."""
     found = [k for k in ("contains", "minContains", "maxContains", "not", "if", "then", "else",
                          "dependentRequired", "dependentSchemas", "dependencies") if k in node]
-    found += _dropped_beside(node)
+    found += _dropped_beside(node, root)
     one_of = node.get("oneOf")
     if isinstance(one_of, list) and one_of_may_overlap(one_of, root):
         found.append("oneOf whose branches may overlap (served as anyOf: use anyOf, or give "

@@ -31,7 +31,12 @@ def test_tools_openai_refuses_are_400s_naming_tools(tools, message):
 
 
 @pytest.mark.parametrize("parameters", [
-    None, {}, {"type": "object"}, {"properties": {"a": {"type": "integer"}}}])
+    None, {}, {"type": "object"}, {"properties": {"a": {"type": "integer"}}},
+    {"type": ["object"]},
+    # pydantic's schema of a recursive model: a root $ref (helper-44)
+    {"$defs": {"T": {"type": "object", "properties": {"c": {"type": "array", "items": {
+        "$ref": "#/$defs/T"}}}}}, "$ref": "#/$defs/T"},
+    {"anyOf": [{"type": "object"}, {"properties": {"b": {"type": "string"}}}]}])
 def test_object_parameters_or_none_are_taken(parameters):
     plan_tools(req([tool(parameters=parameters)]), None, False)
 
@@ -46,21 +51,29 @@ COUNT = tool("count", parameters={"definitions": {"N": {"type": "integer"}}, "ty
                                   "properties": {"n": {"$ref": "#/definitions/N"}}})
 
 
-def test_required_hoists_each_tools_definitions_to_the_root():
-    """Nested under the combined schema's items, "#/$defs/City" would not resolve."""
+def test_required_rebases_each_tools_references_under_its_own_place():
+    """Nested under the combined schema's items, "#/$defs/City" would not resolve, and "#" (a
+    recursive schema) pointed at the combined array (helper-44); two tools may define one name
+    differently."""
     from kiln.structured_output.xgrammar_backend import check_structured_outputs
 
-    schema = plan_tools(req([BOOK, COUNT, BOOK]), None, False).constraint.json
-    assert schema["$defs"] == {"City": CITY} and schema["definitions"] == {"N": {"type": "integer"}}
-    assert all("$defs" not in o["properties"]["parameters"] for o in schema["items"]["anyOf"])
-    check_structured_outputs(plan_tools(req([BOOK, COUNT]), None, False).constraint)
-
-
-def test_required_refuses_two_tools_defining_one_name_differently():
-    other = tool("g", parameters={"$defs": {"City": {"type": "string"}}, "type": "object"})
-    with pytest.raises(OpenAIError, match=r"function 'g' defines \$defs 'City'") as e:
-        plan_tools(req([BOOK, other]), None, False)
-    assert e.value.param == "tools"
+    tree = tool("tree", parameters={"type": "object", "properties": {
+        "children": {"type": "array", "items": {"$ref": "#"}}, "enum_data": {
+            "enum": [{"$ref": "#"}]}}})
+    other = tool("g", parameters={"$defs": {"City": {"type": "string"}}, "type": "object",
+                                  "properties": {"c": {"$ref": "#/$defs/City"}}})
+    schema = plan_tools(req([BOOK, COUNT, tree, other]), None, False).constraint.json
+    defs = schema["$defs"]
+    assert [o["properties"]["parameters"] for o in schema["items"]["anyOf"]] == [
+        {"$ref": f"#/$defs/kiln_tool_{i}"} for i in range(4)]
+    assert defs["kiln_tool_0"]["properties"]["city"] == {"$ref": "#/$defs/kiln_tool_0/$defs/City"}
+    assert defs["kiln_tool_1"]["properties"]["n"] == {
+        "$ref": "#/$defs/kiln_tool_1/definitions/N"}
+    tree_props = defs["kiln_tool_2"]["properties"]
+    assert tree_props["children"]["items"] == {"$ref": "#/$defs/kiln_tool_2"}
+    assert tree_props["enum_data"] == {"enum": [{"$ref": "#"}]}  # data, not a reference
+    assert defs["kiln_tool_3"]["properties"]["c"] == {"$ref": "#/$defs/kiln_tool_3/$defs/City"}
+    check_structured_outputs(plan_tools(req([BOOK, COUNT, tree, other]), None, False).constraint)
 
 
 def test_a_tools_schema_that_does_not_compile_is_named_as_the_client_sent_it():

@@ -178,11 +178,20 @@ def test_pydantic_schemas_are_served():
         value: int
         children: list["Node"] = []
 
+    class Meow(BaseModel):  # a tag with a default is not required: the other fields decide
+        sound: Literal["meow"] = "meow"
+        lives: int
+
+    class Woof(BaseModel):
+        sound: Literal["woof"] = "woof"
+        bark: str
+
     class Pet(BaseModel):
         name: str | None = None
         tag: Literal["a", "b"] = "a"
         pet: Annotated[Cat | Dog, Field(discriminator="kind")]
         either: Cat | Dog
+        tagged_by_default: Annotated[Meow | Woof, Field(discriminator="sound")]
         number: int | str
         node: Node
 
@@ -199,6 +208,31 @@ def test_keys_that_assert_nothing_are_served_beside_a_ref():
         "b": {"enum": ["p", "q"], "x-enum-names": ["P", "Q"], "title": "B"}},
         "$defs": {"x": {"type": "integer"}}}
     assert unenforced_keywords(schema) == []
+
+
+def _closed(*required):
+    return {"type": "object", "properties": {p: {"type": "integer"} for p in required},
+            "required": list(required), "additionalProperties": False}
+
+
+@pytest.mark.parametrize("schema", [
+    {"oneOf": [{"const": "a"}, {"const": "b"}]},
+    {"oneOf": [{"type": "string", "enum": ["a", "b"]}, {"enum": ["c", 1]}]},
+    # MCP's titled enum: a "type" every branch has
+    {"type": "string", "oneOf": [{"const": "#FF0000", "title": "Red"},
+                                 {"const": "#00FF00", "title": "Green"}]},
+    {"type": "object", "oneOf": [_closed("a"), _closed("b")]},
+    {"$ref": "#/$defs/A", "type": "object", "$defs": {"A": _closed("a")}},
+    {"type": ["object", "null"], "anyOf": [_closed("a"), {"type": "null"}]},
+    # a union of unions, each tagged
+    {"oneOf": [{"oneOf": [{"$ref": "#/$defs/B"}, {"$ref": "#/$defs/W"}]}, _closed("d")],
+     "$defs": {c: {"type": "object", "properties": {"color": {"const": c}, "n": {}},
+                   "required": ["color"]} for c in ("B", "W")}},
+])
+def test_unions_that_cannot_overlap_are_served(schema):
+    """Refused by the first cut of the overlap rule (helper-44): consts and enums without a
+    common value, a type every branch has, objects each requiring what the other lacks."""
+    assert unenforced_keywords(schema) == [], schema
 
 
 def test_one_of_served_where_no_value_can_match_two_branches():

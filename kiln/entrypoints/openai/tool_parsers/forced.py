@@ -13,42 +13,45 @@ from kiln.entrypoints.openai.tool_parsers.json_scan import (
 _ANY_OBJECT = {"type": "object"}
 
 
-_DEFS_KEYS = ("$defs", "definitions")
+# Keys whose values are data, not subschemas: a "$ref" in them is no reference.
+_DATA_KEYS = ("enum", "const", "default", "examples")
 
 
 def required_schema(tools, max_calls: int | None = None) -> dict:
     """One or more calls (at most max_calls), each to one of `tools` with its parameters
-    (vLLM's shape). ValueError where two tools define one $defs (or definitions) name
-    differently."""
-    defs: dict[str, dict] = {}
-    options = []
-    for tool in tools:
-        params = tool.function.parameters or _ANY_OBJECT
+    (vLLM's shape). Each tool's parameters sit under the combined schema's $defs, their local
+    references rebased there: nested under items as they were written, "#" (a recursive
+    schema) and "#/$defs/X" (pydantic's, the OpenAI SDK's) would point at the combined root."""
+    defs, options = {}, []
+    for i, tool in enumerate(tools):
+        where = f"#/$defs/kiln_tool_{i}"
+        defs[f"kiln_tool_{i}"] = rebase_refs(tool.function.parameters or _ANY_OBJECT, where)
         options.append({"type": "object",
-                         "properties": {"name": {"type": "string", "enum": [tool.function.name]},
-                                        "parameters": _hoist_defs(tool.function.name, params,
-                                                                  defs)},
-                         "required": ["name", "parameters"]})
+                        "properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                       "parameters": {"$ref": where}},
+                        "required": ["name", "parameters"]})
     schema = {"type": "array", "minItems": 1,
-              "items": options[0] if len(options) == 1 else {"anyOf": options}, **defs}
+              "items": options[0] if len(options) == 1 else {"anyOf": options}, "$defs": defs}
     if max_calls is not None:
         schema["maxItems"] = max_calls
     return schema
 
 
-def _hoist_defs(name: str, params: dict, defs: dict[str, dict]) -> dict:
-    """`params` without its $defs and definitions, which go to `defs`: nested under the
-    combined schema's items, a "#/$defs/X" reference (pydantic's, the OpenAI SDK's) would
-    point at its root."""
-    hoisted = [key for key in _DEFS_KEYS if isinstance(params.get(key), dict)]
-    for key in hoisted:
-        for def_name, sub in params[key].items():
-            seen = defs.setdefault(key, {}).setdefault(def_name, sub)
-            if seen != sub:
-                raise ValueError(f"function {name!r} defines {key} {def_name!r} otherwise than "
-                                 "another tool does: under tool_choice \"required\" all "
-                                 "tools' definitions share one namespace, so rename one")
-    return {k: v for k, v in params.items() if k not in hoisted}
+def rebase_refs(schema, base: str):
+    """A copy of `schema` whose local references ("#", "#/...") point under `base`."""
+    if isinstance(schema, list):
+        return [rebase_refs(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in _DATA_KEYS:
+            out[key] = value
+        else:
+            out[key] = rebase_refs(value, base)
+    return out
 
 
 class NamedToolParser(ToolParser):

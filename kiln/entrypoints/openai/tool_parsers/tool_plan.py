@@ -90,12 +90,33 @@ def check_tools(tools) -> None:
         if not name.strip():
             raise OpenAIError(f"tools[{k}].function.name is empty: give each function a name",
                               param="tools", code="invalid_value")
-        # No parameters ({} too) is any object; "properties" without "type" is JSON Schema's
-        # way to describe an object's members.
-        if params and params.get("type", "object" if "properties" in params else None) != "object":
+        if params and not describes_objects(params, params):
             raise OpenAIError(f"tools[{k}] (function {name!r}): parameters must be a JSON "
                               f'schema of type "object" (arguments are a JSON object), got '
                               f"{_shorten(params)}", param="tools", code="invalid_value")
+
+
+def describes_objects(schema, root, hops: int = 8) -> bool:
+    """Whether every value `schema` allows is a JSON object: "type" object (or "properties"
+    without a type, JSON Schema's way to describe members), a local $ref to such a schema
+    (pydantic's root model), or an anyOf/oneOf whose every branch is one."""
+    if not isinstance(schema, dict) or hops == 0:
+        return False
+    kind = schema.get("type")
+    if kind is not None:
+        return kind == "object" or kind == ["object"]
+    if "properties" in schema:
+        return True
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        target = root
+        for part in filter(None, ref[1:].split("/")):
+            target = target.get(part.replace("~1", "/").replace("~0", "~")) \
+                if isinstance(target, dict) else None
+        return describes_objects(target, root, hops - 1)
+    branches = schema.get("anyOf", schema.get("oneOf"))
+    return isinstance(branches, list) and bool(branches) and all(
+        describes_objects(b, root, hops - 1) for b in branches)
 
 
 def _shorten(value, limit: int = 80) -> str:
