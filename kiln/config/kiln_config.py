@@ -65,6 +65,7 @@ class KilnConfig(FreezableConfig):
                 f"max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({sched.max_num_seqs}); raise --max-num-batched-tokens or lower --max-num-seqs")
         self._check_memory()
+        self._check_binding()
         if self.load_config.load_format == "auto":
             self.load_config.load_format = self.model_config.load_format
         else:
@@ -99,6 +100,24 @@ class KilnConfig(FreezableConfig):
                 needs[f"--num-gpu-blocks-override {c.num_gpu_blocks_override}"] = \
                     c.num_gpu_blocks_override * block
         mem.check_fits(needs, for_device("cpu").mem_get_info()[1])
+
+    def _check_binding(self) -> None:
+        """KILN_CPU_OMP_THREADS_BIND pins the ranks of a multi-process CPU engine on this
+        machine: checked here, before they start; a one-process engine does not read it."""
+        from kiln import envs
+        from kiln.distributed.cpu_binding import check_binding
+        from kiln.logger import init_logger
+
+        bind, pc = envs.cpu_omp_threads_bind(), self.parallel_config
+        if self.device_config.device != "cpu":
+            return
+        if pc.distributed_executor_backend == "mp":
+            check_binding(bind, pc.world_size)
+        elif pc.distributed_executor_backend == "uni" and bind != "auto":
+            init_logger(__name__).warning(
+                "KILN_CPU_OMP_THREADS_BIND=%r is ignored: it pins the ranks of a multi-process "
+                "engine (tensor or pipeline parallel), and this one runs in one process "
+                "(OMP_NUM_THREADS and taskset set its threads and cores)", bind)
 
     def for_rank(self, rank: int) -> "KilnConfig":
         """This config as rank `rank` sees it (each worker process gets its own); frozen too."""

@@ -74,20 +74,36 @@ def leave_cores_to_front_end(reserved: int) -> tuple[int, int] | None:
     return before, after
 
 
+def checked_cores(bind: str, local_rank: int, local_world_size: int,
+                  available: list[int]) -> list[int] | None:
+    """cores_for_rank, refusing cores the process may not run on: sched_setaffinity's bare
+    "Invalid argument" named neither the rank nor the cores."""
+    cores = cores_for_rank(bind, local_rank, local_world_size, available)
+    missing = sorted(set(cores or ()) - set(available))
+    if missing:
+        raise ValueError(f"KILN_CPU_OMP_THREADS_BIND={bind!r}: rank {local_rank}'s cores "
+                         f"{missing} are not available to it (available: {available}); "
+                         "name cores of this machine, or use auto / nobind")
+    return cores
+
+
+def check_binding(bind: str, local_world_size: int) -> None:
+    """Every rank's cores checked in the front end, before any rank starts (a bad list was
+    each rank's traceback, stacked)."""
+    if hasattr(os, "sched_getaffinity"):
+        available = sorted(os.sched_getaffinity(0))
+        for rank in range(local_world_size):
+            checked_cores(bind, rank, local_world_size, available)
+
+
 def bind_this_process(bind: str, local_rank: int, local_world_size: int) -> list[int] | None:
     """Pin this process to its cores and size torch's thread pool to them (before anything
     compiles: the thread count is part of Dynamo's global-state guard)."""
     if not hasattr(os, "sched_setaffinity"):
         return None
-    available = sorted(os.sched_getaffinity(0))
-    cores = cores_for_rank(bind, local_rank, local_world_size, available)
+    cores = checked_cores(bind, local_rank, local_world_size, sorted(os.sched_getaffinity(0)))
     if cores is None:
         return None
-    missing = sorted(set(cores) - set(available))
-    if missing:  # sched_setaffinity's bare "Invalid argument" named neither the rank nor cores
-        raise ValueError(f"KILN_CPU_OMP_THREADS_BIND={bind!r}: rank {local_rank}'s cores "
-                         f"{missing} are not available to it (available: {available}); "
-                         "name cores of this machine, or use auto / nobind")
     os.sched_setaffinity(0, cores)
     torch.set_num_threads(len(cores))
     return cores

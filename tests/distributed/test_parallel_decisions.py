@@ -72,6 +72,25 @@ def test_binding_to_a_core_the_machine_lacks_names_it():
         bind_this_process(f"0|{missing}", 1, 2)
 
 
+def test_a_bad_binding_is_refused_before_any_rank_starts(monkeypatch, kiln_logs):
+    """Checked in each rank, a bad list was every rank's traceback, stacked; with one process
+    it was ignored without a word (helper-42)."""
+    import os
+
+    from kiln.engine.arg_utils import EngineArgs
+
+    from checkpoints import STORIES_DIR
+
+    missing = max(os.sched_getaffinity(0)) + 1000
+    monkeypatch.setenv("KILN_CPU_OMP_THREADS_BIND", f"0|{missing}")
+    with pytest.raises(ValueError, match=rf"rank 1's cores \[{missing}\] are not available"):
+        EngineArgs(model=str(STORIES_DIR), device="cpu", pipeline_parallel_size=2,
+                   distributed_executor_backend="mp").create_kiln_config()
+    monkeypatch.setenv("KILN_CPU_OMP_THREADS_BIND", "0")
+    EngineArgs(model=str(STORIES_DIR), device="cpu").create_kiln_config()
+    assert "KILN_CPU_OMP_THREADS_BIND='0' is ignored" in kiln_logs.text
+
+
 def test_model_split_errors_name_the_field():
     class Cfg:
         num_attention_heads, num_key_value_heads = 9, 3

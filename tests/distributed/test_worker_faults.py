@@ -117,11 +117,11 @@ def test_rank_failing_at_start_up_is_named_and_leaves_no_process(tiny_llama_dir,
                                                                   monkeypatch):
     import multiprocessing
 
-    # Three core lists for two ranks: each rank refuses the binding while it starts.
-    monkeypatch.setenv("KILN_CPU_OMP_THREADS_BIND", "0|0|0")
+    # Read by the ranks only, as they size their KV caches.
+    monkeypatch.setenv("KILN_CPU_KVCACHE_SPACE", "abc")
     before = {p.pid for p in multiprocessing.active_children()}
-    with pytest.raises(WorkerFailedError, match=r"worker rank \d failed during start-up(.|\n)*"
-                                                r"KILN_CPU_OMP_THREADS_BIND"):
+    with pytest.raises(WorkerFailedError, match=r"worker rank \d failed(.|\n)*"
+                                                r"KILN_CPU_KVCACHE_SPACE"):
         make_llm(tiny_llama_dir, tensor_parallel_size=2)
     left = [p for p in multiprocessing.active_children() if p.pid not in before]
     assert _wait_exited(left) == []
