@@ -10,7 +10,7 @@ from kiln.logger import init_logger
 logger = init_logger(__name__)
 
 # generation_config.json key -> SamplingParams field (vLLM's get_diff_sampling_param).
-_DEFAULT_KEYS = {"repetition_penalty": "repetition_penalty", "temperature": "temperature",
+GENERATION_CONFIG_KEYS = {"repetition_penalty": "repetition_penalty", "temperature": "temperature",
                  "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
                  "max_new_tokens": "max_tokens"}
 
@@ -85,7 +85,7 @@ def load_generation_defaults(generation_config: str, model_path: Path) -> dict:
             return {}
         raise ValueError(f"--generation-config {generation_config!r}: {path} is not JSON "
                          f"({e})") from None
-    defaults = {field: raw[key] for key, field in _DEFAULT_KEYS.items()
+    defaults = {field: raw[key] for key, field in GENERATION_CONFIG_KEYS.items()
                 if raw.get(key) is not None}
     for field, value in list(defaults.items()):
         problem = _default_problem(field, value)

@@ -41,7 +41,7 @@ class VllmFlag:
     flags: tuple[str, ...]  # the long flag first: its keyword is LLM(...)'s argument
     what: str  # "{flag} is vLLM's flag for {what}"
     instead: str  # why Kiln has none, and what to use
-    takes_value: bool = True
+    takes_value: bool = True  # False: a switch (nargs 0)
     accepted: tuple[str, ...] = ()  # values with Kiln's one meaning, taken and ignored
     accepted_alone: bool = False  # a value-less flag whose meaning Kiln always has
 
@@ -49,16 +49,8 @@ class VllmFlag:
     def keyword(self) -> str:
         return self.flags[0].lstrip("-").replace("-", "_")
 
-    def message(self, name: str, value=None, kind: str = "flag") -> str:
-        instead = self.instead
-        if self.keyword == "kv_cache_memory_bytes" and value is not None:
-            try:
-                gib = human_readable_int(str(value)) / 2**30
-                instead = instead.replace("e.g. --kv-cache-memory 4",
-                                          f"here --kv-cache-memory {gib:g}")
-            except (argparse.ArgumentTypeError, ValueError):
-                pass
-        text = f"{name} is vLLM's {kind} for {self.what}; {instead}"
+    def message(self, name: str, kind: str = "flag") -> str:
+        text = f"{name} is vLLM's {kind} for {self.what}; {self.instead}"
         if self.accepted:
             taken = " or ".join(self.accepted)
             text += (f" (only {name.split('=')[0]}={taken} is taken)" if kind == "argument"
@@ -148,16 +140,18 @@ class _RefuseVllmFlag(argparse.Action):
 
     def __init__(self, option_strings, dest, entry: VllmFlag, **kwargs):
         self.entry = entry
+        # a switch takes no value: `--enable-lora MODEL` must not swallow the model
         super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
-                         nargs="?", **kwargs)
+                         nargs="?" if entry.takes_value else 0, **kwargs)
 
     def __call__(self, parser, namespace, value, option_string=None):
         entry = self.entry
+        value = value or None  # a switch (nargs 0) passes []
         if value is None and entry.accepted_alone:
             return
         if value is not None and value in entry.accepted:
             return
-        raise VllmOnlyFlagError(entry.message(option_string or entry.flags[0], value))
+        raise VllmOnlyFlagError(entry.message(option_string or entry.flags[0]))
 
 
 def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
@@ -190,5 +184,5 @@ def check_vllm_only_kwargs(kwargs: dict) -> dict:
             continue
         if not isinstance(value, bool) and str(value) in entry.accepted:
             continue
-        raise VllmOnlyFlagError(entry.message(f"{key}={value!r}", value, kind="argument"))
+        raise VllmOnlyFlagError(entry.message(f"{key}={value!r}", kind="argument"))
     return rest

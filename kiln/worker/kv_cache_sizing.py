@@ -6,15 +6,15 @@ from collections.abc import Iterable
 
 import torch
 
-GiB = 1 << 30
+from kiln.config.memory_estimate import GiB, kv_block_bytes
+
 DEFAULT_CPU_KV_CACHE_GIB = 4.0
 
 
 def bytes_per_block(block_size: int, layer_shapes: Iterable[tuple[int, int]],
                     dtype: torch.dtype) -> int:
     """K and V of one block across every layer; layer_shapes: (num_kv_heads, head_size) each."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * block_size * nkv * hd * elem for nkv, hd in layer_shapes)
+    return sum(kv_block_bytes(block_size, 1, nkv, hd, dtype.itemsize) for nkv, hd in layer_shapes)
 
 
 def cpu_kv_cache_bytes(kv_cache_memory_gib: float | None, env_gib: float | None) -> int:

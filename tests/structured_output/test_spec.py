@@ -268,3 +268,29 @@ def test_values_that_are_no_json_name_the_field():
         StructuredOutputsParams(json={"type": "string", "enum": {"a"}})
     with pytest.raises(ValueError, match=r"structured_outputs must be a dict of .*\['jsn'\]"):
         SamplingParams(structured_outputs={"jsn": {"type": "object"}})
+
+
+def test_disable_any_whitespace_keeps_jsons_item_separators():
+    """What the README says of --structured-outputs-config's disable_any_whitespace: the
+    optional whitespace goes, and items are still joined by ", " and ": "."""
+    from transformers import AutoTokenizer
+
+    from kiln.structured_output.xgrammar_backend import XgrammarBackend
+
+    from checkpoints import STORIES_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(STORIES_DIR)
+    backend = XgrammarBackend(tokenizer, len(tokenizer))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"},
+                                               "b": {"type": "integer"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    grammar = backend.compile(grammar_spec(StructuredOutputsParams(
+        json=schema, disable_any_whitespace=True)))
+
+    def accepts(text: str) -> bool:
+        matcher = backend.matcher(grammar, [tokenizer.eos_token_id])
+        return (matcher.accept_string(text) and matcher.accept_token(tokenizer.eos_token_id)
+                and matcher.is_terminated())
+
+    assert accepts('{"a": 1, "b": 2}')
+    assert not accepts('{"a":1,"b":2}') and not accepts('{ "a": 1, "b": 2 }')

@@ -7,7 +7,7 @@ engine's flag; it also seeds sampling so a CLI run is reproducible.
 """
 import argparse
 
-from kiln.config.generation_defaults import _DEFAULT_KEYS
+from kiln.config.generation_defaults import GENERATION_CONFIG_KEYS
 from kiln.sampling_params import SamplingParams
 
 _MODEL_DEFAULT = "the model's generation config, else "
@@ -43,7 +43,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
                     "shown")
     for flag, (kind, field, text) in _FLAGS.items():
         # only some fields come from a generation config (vLLM's list)
-        model = _MODEL_DEFAULT if field in _DEFAULT_KEYS.values() else ""
+        model = _MODEL_DEFAULT if field in GENERATION_CONFIG_KEYS.values() else ""
         g.add_argument(flag, type=kind, default=None,
                        help=f"{text} (default: {model}{getattr(_SAMPLING_DEFAULTS, field)})")
     g.add_argument("--max-tokens", type=int, default=None,

@@ -49,7 +49,6 @@ def header_timeout_protocol(timeout_s: float, base: type | None = None) -> type:
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._header_deadline = None
-            self._header_bytes = 0
             self._arm_header_deadline()
 
         def data_received(self, data: bytes) -> None:

@@ -96,12 +96,8 @@ class BodySizeLimitMiddleware:
                           f"{MIN_BODY_BYTES_PER_S} bytes/s); send the whole body promptly "
                           "(--request-body-timeout)", 408, code="request_timeout")
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
-            return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await _send_json(send, 413, self._too_large(), _CLOSE)
+    async def _read_body(self, receive, send, closing: asyncio.Future) -> list[bytes] | None:
+        """The body's chunks; None where it answered instead or the client left."""
         chunks, size = [], 0
         start = time.monotonic()
         while True:
@@ -110,29 +106,44 @@ class BodySizeLimitMiddleware:
                 deadline = start + timeout + size / MIN_BODY_BYTES_PER_S
                 timeout = max(0.0, min(timeout, deadline - time.monotonic()))
             read = asyncio.ensure_future(receive())
-            closing = asyncio.ensure_future(self.gate.wait())
             try:
                 await asyncio.wait({read, closing}, timeout=timeout,
                                    return_when=asyncio.FIRST_COMPLETED)
             finally:
-                closing.cancel()
                 if not read.done():
                     read.cancel()
             if not read.done() or read.cancelled():
                 if self.gate.reason is not None:
-                    return await _send_json(send, 503, error_body(
+                    await _send_json(send, 503, error_body(
                         self.gate.reason, 503, code="server_shutting_down"), _CLOSE)
-                return await _send_json(send, 408, self._timed_out(size), _CLOSE)
+                else:
+                    await _send_json(send, 408, self._timed_out(size), _CLOSE)
+                return None
             message = read.result()
             if message["type"] != "http.request":  # client left before sending it all
-                return
+                return None
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                return await _send_json(send, 413, self._too_large(), _CLOSE)
+                await _send_json(send, 413, self._too_large(), _CLOSE)
+                return None
             chunks.append(chunk)
             if not message.get("more_body", False):
-                break
+                return chunks
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await _send_json(send, 413, self._too_large(), _CLOSE)
+        closing = asyncio.ensure_future(self.gate.wait())  # one watch for the whole body
+        try:
+            chunks = await self._read_body(receive, send, closing)
+        finally:
+            closing.cancel()
+        if chunks is None:  # answered (408, 413, 503), or the client left
+            return
         replayed = False
 
         async def replay():

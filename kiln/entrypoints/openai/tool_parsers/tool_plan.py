@@ -11,6 +11,7 @@ from kiln.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from kiln.entrypoints.openai.tool_parsers.base import ToolParser
 from kiln.entrypoints.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser, required_schema
 from kiln.sampling_params import StructuredOutputsParams
+from kiln.structured_output.schema_union import resolve
 
 
 @dataclass
@@ -107,13 +108,9 @@ def describes_objects(schema, root, hops: int = 8) -> bool:
         return kind == "object" or kind == ["object"]
     if "properties" in schema:
         return True
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#"):
-        target = root
-        for part in filter(None, ref[1:].split("/")):
-            target = target.get(part.replace("~1", "/").replace("~0", "~")) \
-                if isinstance(target, dict) else None
-        return describes_objects(target, root, hops - 1)
+    if isinstance(schema.get("$ref"), str):
+        target = resolve(schema, root, hops=1)
+        return target is not schema and describes_objects(target, root, hops - 1)
     branches = schema.get("anyOf", schema.get("oneOf"))
     return isinstance(branches, list) and bool(branches) and all(
         describes_objects(b, root, hops - 1) for b in branches)
