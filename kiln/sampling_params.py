@@ -154,6 +154,10 @@ class SamplingParams:
     # Filled by the engine: the end-of-sequence token id where it ends the request (not
     # ignore_eos); never a stop_reason, even when stop_token_ids holds it too (as in vLLM).
     eos_stop_token_id: int | None = field(default=None, repr=False)
+    # Filled by the engine: the tokens min_tokens holds back, the stop tokens and the model's
+    # end tokens even under ignore_eos (vLLM's _all_stop_token_ids: a benchmark that sets both
+    # wants min_tokens of text, not end tokens sampled as text).
+    min_tokens_held_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the engine: bad_words as token id sequences (with and without a leading space).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -175,6 +179,7 @@ class SamplingParams:
             self.seed = None
         self._validate()
         self.all_stop_token_ids = set(self.stop_token_ids)
+        self.min_tokens_held_ids = set(self.stop_token_ids)
 
     def _validate(self) -> None:
         def check(ok: bool, name: str, rule: str, value) -> None:
@@ -284,8 +289,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
-    def update_from_tokenizer(self, eos_token_id: int | None, vocab_size: int) -> None:
-        """Resolve the stop token set once the engine knows the tokenizer and vocabulary."""
+    def update_from_tokenizer(self, eos_token_id: int | None, vocab_size: int,
+                              model_end_ids=()) -> None:
+        """Resolve the stop token set once the engine knows the tokenizer and vocabulary;
+        `model_end_ids`: the model's other end tokens (generation_config), held back by
+        min_tokens whether or not they stop the request."""
         for t in self.stop_token_ids:
             if t >= vocab_size:
                 raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary "
@@ -301,6 +309,8 @@ class SamplingParams:
         if eos_token_id is not None and not self.ignore_eos:
             self.all_stop_token_ids.add(eos_token_id)
             self.eos_stop_token_id = eos_token_id
+        ends = {t for t in (eos_token_id, *model_end_ids) if t is not None and 0 <= t < vocab_size}
+        self.min_tokens_held_ids = self.all_stop_token_ids | ends
 
     def check_masks_leave_a_token(self) -> None:
         """Refuse masks that together leave nothing to sample, once the stop tokens and bad
@@ -322,8 +332,8 @@ class SamplingParams:
                                  "token is left to sample; allow another token or drop a bad "
                                  "word")
         left = allowed - bans_after.get((), set())
-        if self.min_tokens and left <= self.all_stop_token_ids:
-            raise ValueError(f"allowed_token_ids hold only stop tokens, which min_tokens="
+        if self.min_tokens and left <= self.min_tokens_held_ids:
+            raise ValueError(f"allowed_token_ids hold only stop or end tokens, which min_tokens="
                              f"{self.min_tokens} holds back: no token is left to sample; allow "
                              "a token that is not a stop token, or drop min_tokens")
 

@@ -364,7 +364,7 @@ class InputProcessor:
             extra = sorted(self.extra_eos_token_ids - set(params.stop_token_ids)
                            - {self.eos_token_id})
             params.stop_token_ids = [*params.stop_token_ids, *extra]
-        params.update_from_tokenizer(self.eos_token_id, self.vocab_size)
+        params.update_from_tokenizer(self.eos_token_id, self.vocab_size, self.extra_eos_token_ids)
         if params.bad_words:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         params.check_masks_leave_a_token()

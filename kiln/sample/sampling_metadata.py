@@ -120,7 +120,7 @@ def build_sampling_metadata(
     rows, cols = [], []
     for i, p in enumerate(params):
         if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
-            stops = [t for t in p.all_stop_token_ids if 0 <= t < vocab_size]
+            stops = [t for t in p.min_tokens_held_ids if 0 <= t < vocab_size]
             rows.extend([i] * len(stops))
             cols.extend(stops)
         if p.bad_words_token_ids:

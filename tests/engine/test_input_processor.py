@@ -148,9 +148,11 @@ def test_masks_that_leave_no_token_are_refused(proc, tokenizer):
         proc.process({"prompt_token_ids": [1, 5]},
                      SamplingParams(allowed_token_ids=[300], bad_words=[word]))
     for stops in ([eos], [7], [eos, 7]):  # 7: the model's extra end-of-sequence token
-        with pytest.raises(ValueError, match="only stop tokens, which min_tokens=2"):
-            proc.process({"prompt_token_ids": [1, 5]},
-                         SamplingParams(allowed_token_ids=stops, min_tokens=2))
+        for ignore_eos in (False, True):  # min_tokens holds eos back under ignore_eos too
+            with pytest.raises(ValueError, match="only stop or end tokens, which min_tokens=2"):
+                proc.process({"prompt_token_ids": [1, 5]},
+                             SamplingParams(allowed_token_ids=stops, min_tokens=2,
+                                            ignore_eos=ignore_eos))
     for fine in (SamplingParams(allowed_token_ids=[eos, 300], min_tokens=2),
                  SamplingParams(allowed_token_ids=[eos]),
                  SamplingParams(allowed_token_ids=[300, 301], bad_words=[word])):

@@ -120,10 +120,13 @@ def test_min_tokens_blocks_eos_and_stop_ids_until_reached():
     assert set(reached.tolist()) == {7, 8, 9}
 
 
-def test_min_tokens_leaves_eos_alone_with_ignore_eos():
+def test_min_tokens_holds_eos_back_under_ignore_eos_too():
+    """As vLLM: ignore_eos makes eos an ordinary token once min_tokens are out, and min_tokens
+    still holds it (and the model's other end tokens) back before that."""
     logits = torch.zeros(1, V)
-    logits[0, 9] = 5.0
-    p = _with_stops(temperature=0, min_tokens=3, ignore_eos=True)
-    assert run(logits, [p], [[1]], [[]]).tolist() == [9]
-    q = _with_stops(temperature=0, min_tokens=3)
-    assert run(logits, [q], [[1]], [[]]).tolist() != [9]
+    logits[0, [9, 11]] = 5.0
+    p = SamplingParams(temperature=0, min_tokens=3, ignore_eos=True)
+    p.update_from_tokenizer(eos_token_id=9, vocab_size=V, model_end_ids=[11])
+    assert run(logits, [p], [[1]], [[]]).tolist() not in ([9], [11])
+    assert run(logits, [p], [[1]], [[1, 2, 3]]).tolist() == [9]
+    assert 9 not in p.all_stop_token_ids  # sampled, it does not end the request
