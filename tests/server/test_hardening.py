@@ -1,13 +1,17 @@
 """Server hardening on a fake engine: the key on every route, 404 for an unknown model, text the
-tokenizer cannot take, the prompts x n cap, served names, and header / body read timeouts."""
+tokenizer cannot take, the prompts x n cap, served names, header / body read timeouts, and a
+client that stops reading."""
+import asyncio
 import socket
+import threading
+import time
 
 import pytest
 from fastapi.testclient import TestClient
 
 from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai.api_server import ServerSettings, build_app
-from kiln.entrypoints.openai.http_protocol import header_timeout_protocol
+from kiln.entrypoints.openai.http_protocol import hardened_protocol
 from kiln.model.loader import default_model
 
 from .fake_engine import FakeEngine
@@ -97,7 +101,7 @@ def test_models_name_the_model_not_its_cache_path(client, tmp_path, monkeypatch)
 def live_server():
     """The fake-engine app on uvicorn with 0.5 s header and body timeouts."""
     app = build_app(AsyncLLM(FakeEngine()), ServerSettings(request_body_timeout=0.5))
-    with uvicorn_in_thread(app, http=header_timeout_protocol(0.5)) as port:
+    with uvicorn_in_thread(app, http=hardened_protocol(0.5)) as port:
         yield port
 
 
@@ -216,10 +220,46 @@ def test_an_early_answer_leaves_its_unread_body_out_of_the_header_count():
     """A 401 answered before a 300 KB body was read: the rest of the body, parsed after the
     response, was counted as the next request's headers, and a stray 431 followed (helper-44)."""
     app = build_app(AsyncLLM(FakeEngine()), ServerSettings(api_key=KEY))
-    with uvicorn_in_thread(app, http=header_timeout_protocol(5)) as port, \
+    with uvicorn_in_thread(app, http=hardened_protocol(5)) as port, \
             socket.create_connection(("127.0.0.1", port)) as sock:
         sock.sendall(_post_headers(300_000) + b" " * 300_000
                      + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         reply = _read_all(sock)
     assert reply.startswith(b"HTTP/1.1 401") and b" 431 " not in reply, reply[:400]
     assert reply.count(b"HTTP/1.1 ") == 2 and b"HTTP/1.1 200" in reply, reply[-400:]
+
+
+def _endless_stream_app(disconnected: threading.Event):
+    """An ASGI app that streams 64 KiB chunks until the client is gone."""
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            return await send({"type": "lifespan.shutdown.complete"})
+
+        async def watch():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            disconnected.set()
+        watcher = asyncio.ensure_future(watch())
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        while not disconnected.is_set():
+            await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+        watcher.cancel()
+    return app
+
+
+@pytest.mark.parametrize("reads", [False, True])
+def test_a_client_that_reads_nothing_of_a_full_buffer_is_dropped(reads):
+    """A stream whose client read nothing waited on the full socket for good (its request ran
+    on, its output queued in the server); one that reads, however slowly, is kept."""
+    disconnected = threading.Event()
+    with uvicorn_in_thread(_endless_stream_app(disconnected),
+                           http=hardened_protocol(5, send_timeout_s=0.5)) as port, \
+            socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        deadline = time.monotonic() + 3
+        while reads and time.monotonic() < deadline:
+            sock.recv(65536)
+            time.sleep(0.02)
+        assert disconnected.wait(0 if reads else 10) != reads

@@ -39,6 +39,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seconds a client has to send complete request headers")
     g.add_argument("--request-body-timeout", type=float, default=30.0,
                    help="seconds a request body may pause before the request gets HTTP 408")
+    g.add_argument("--response-send-timeout", type=float, default=60.0,
+                   help="seconds a client may read nothing while the server's send buffer to "
+                        "it is full; then the connection is dropped and its request aborted")
     g.add_argument("--frontend-niceness", type=int, default=None,
                    help="once the engine core runs in its own process, lower this server "
                         "process's CPU priority by this much (0: not at all), so steps wait "
@@ -93,7 +96,7 @@ def settings_from_args(args: argparse.Namespace):
     if args.max_sequences_per_request < 1:
         raise ValueError(f"--max-sequences-per-request must be >= 1, got "
                          f"{args.max_sequences_per_request}")
-    for flag in ("request_header_timeout", "request_body_timeout"):
+    for flag in ("request_header_timeout", "request_body_timeout", "response_send_timeout"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got "
                              f"{getattr(args, flag)}")
@@ -110,6 +113,7 @@ def settings_from_args(args: argparse.Namespace):
                           metrics_public=args.metrics_public,
                           request_header_timeout=args.request_header_timeout,
                           request_body_timeout=args.request_body_timeout,
+                          response_send_timeout=args.response_send_timeout,
                           graceful_shutdown_timeout=args.graceful_shutdown_timeout,
                           access_log=not args.disable_access_log,
                           log_level=args.uvicorn_log_level,

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from kiln.engine.async_llm import AsyncLLM
 from kiln.engine.text_encoding import encode_text
 from kiln.entrypoints.openai.errors import install_error_handlers
-from kiln.entrypoints.openai.http_protocol import header_timeout_protocol
+from kiln.entrypoints.openai.http_protocol import hardened_protocol
 from kiln.entrypoints.openai.json_body import JSONBodyRoute
 from kiln.entrypoints.openai.metrics import ServerMetrics
 from kiln.entrypoints.openai.middleware import (
@@ -221,7 +221,8 @@ def serve(llm: AsyncLLM, settings: ServerSettings, sock: socket.socket | None = 
     stop signal that reached this process before serving began, if any (then 128 + it)."""
     app = build_app(llm, settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
-                            http=header_timeout_protocol(settings.request_header_timeout),
+                            http=hardened_protocol(settings.request_header_timeout,
+                                                     settings.response_send_timeout),
                             log_level=settings.log_level, access_log=settings.access_log,
                             timeout_graceful_shutdown=(settings.graceful_shutdown_timeout
                                                        + _REPORT_ABORT_S),

@@ -1,14 +1,19 @@
-"""uvicorn's HTTP protocol with a deadline and a size cap for request headers: uvicorn waits for
-them forever, so a client that connects and sends nothing (or half a header line) would hold a
-socket for good; and its httptools path buffers them without limit (a header value grows by
-copying, so megabytes of one keep the event loop busy and the process's memory growing).
+"""uvicorn's HTTP protocol with a deadline and a size cap for request headers, and a deadline for
+a reply the client stops reading. uvicorn waits for headers forever, so a client that connects
+and sends nothing (or half a header line) would hold a socket for good; its httptools path
+buffers them without limit (a header value grows by copying, so megabytes of one keep the event
+loop busy and the process's memory growing); and a stream whose client reads nothing waited on
+the full socket for good, its request running on and its output queueing in the server.
 
 On httptools (C) where it is installed, else h11 (pure Python, several times the CPU per
 connection: a flood of connections then starves the event loop that streams tokens). Between
 requests of a kept-alive connection uvicorn's own keep-alive timeout applies.
 """
 
+import fcntl
 import json
+import struct
+import termios
 
 from kiln.entrypoints.openai.errors import error_body
 
@@ -26,6 +31,19 @@ def _too_large_reply() -> bytes:
             + body)
 
 
+def unsent_bytes(transport) -> int:
+    """What `transport` holds that its client has not taken: its own buffer, and on Linux the
+    socket's kernel send queue, which holds megabytes a reading client drains long before the
+    transport's buffer moves."""
+    size = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    try:
+        queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except (AttributeError, OSError):
+        return size
+    return size + struct.unpack("i", queued)[0]
+
+
 def base_protocol() -> type:
     """uvicorn's httptools protocol where httptools imports, else its h11 one."""
     try:
@@ -38,13 +56,17 @@ def base_protocol() -> type:
         return H11Protocol
 
 
-def header_timeout_protocol(timeout_s: float, base: type | None = None) -> type:
+def hardened_protocol(header_timeout_s: float, send_timeout_s: float = 60.0,
+                      base: type | None = None) -> type:
     """A protocol class (over `base`, default base_protocol()) that closes a connection whose
-    request headers are not complete `timeout_s` seconds after it opened or after the first
-    bytes of a request came, and answers 431 (and closes) once they pass MAX_HEADER_BYTES."""
+    request headers are not complete `header_timeout_s` seconds after it opened or after the
+    first bytes of a request came, answers 431 (and closes) once they pass MAX_HEADER_BYTES,
+    and drops one whose client has read nothing of a full send buffer for `send_timeout_s`
+    (nginx's send_timeout, between two reads): the app then sees a disconnect, which aborts
+    the request."""
 
-    class HeaderTimeoutProtocol(base or base_protocol()):
-        header_timeout_s = timeout_s
+    class HardenedProtocol(base or base_protocol()):
+        _send_deadline = None
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -83,13 +105,40 @@ def header_timeout_protocol(timeout_s: float, base: type | None = None) -> type:
 
         def connection_lost(self, exc) -> None:
             self._disarm_header_deadline()
+            self._disarm_send_deadline()
             super().connection_lost(exc)
+
+        # The transport calls these as its send buffer passes its high and low water marks.
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            self._arm_send_deadline()
+
+        def _arm_send_deadline(self) -> None:
+            self._disarm_send_deadline()
+            self._unsent = unsent_bytes(self.transport)
+            self._send_deadline = self.loop.call_later(send_timeout_s, self._send_deadline_passed)
+
+        def resume_writing(self) -> None:
+            self._disarm_send_deadline()
+            super().resume_writing()
+
+        def _disarm_send_deadline(self) -> None:
+            if self._send_deadline is not None:
+                self._send_deadline.cancel()
+                self._send_deadline = None
+
+        def _send_deadline_passed(self) -> None:
+            self._send_deadline = None
+            if unsent_bytes(self.transport) < self._unsent:
+                self._arm_send_deadline()  # the client read some: a slow reader, not a dead one
+            else:  # abort, not close: close would wait for the unread buffer to drain
+                self.transport.abort()
 
         def _awaiting_headers(self) -> bool:
             return self.cycle is None or self.cycle.response_complete
 
         def _arm_header_deadline(self) -> None:
-            self._header_deadline = self.loop.call_later(self.header_timeout_s,
+            self._header_deadline = self.loop.call_later(header_timeout_s,
                                                          self._header_deadline_passed)
 
         def _disarm_header_deadline(self) -> None:
@@ -102,4 +151,4 @@ def header_timeout_protocol(timeout_s: float, base: type | None = None) -> type:
             if self._awaiting_headers() and not self.transport.is_closing():
                 self.transport.close()
 
-    return HeaderTimeoutProtocol
+    return HardenedProtocol

@@ -20,6 +20,9 @@ class ServerSettings:
     # A client that sends no complete request headers (or no body data) for this long is cut.
     request_header_timeout: float = 10.0
     request_body_timeout: float = 30.0
+    # A client that reads nothing of a full send buffer for this long is dropped, which aborts
+    # its request (nginx's send_timeout).
+    response_send_timeout: float = 60.0
     graceful_shutdown_timeout: float = 5.0  # seconds in-flight requests get on SIGTERM
     access_log: bool = True
     log_level: str = "info"
