@@ -34,6 +34,22 @@ def byte_fallback_token_ids(tokenizer) -> frozenset[int]:
     return cached
 
 
+def skipped_special_ids(tokenizer) -> frozenset[int]:
+    """Ids a decode with skip_special_tokens drops, cached on the tokenizer: the named special
+    tokens and every added token marked special (transformers lists only the named ones in
+    all_special_ids; the tokenizers backend skips them all, e.g. SmolLM2's <repo_name>)."""
+    cached = getattr(tokenizer, "_kiln_skipped_ids", None)
+    if cached is None:
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        cached = frozenset(getattr(tokenizer, "all_special_ids", ())).union(
+            i for i, tok in added.items() if getattr(tok, "special", False))
+        try:
+            tokenizer._kiln_skipped_ids = cached
+        except AttributeError:
+            pass
+    return cached
+
+
 # From this many ids fast_decode releases the GIL (the batch call costs 0.5 us more a call).
 GIL_FREE_DECODE_IDS = 1024
 
@@ -99,13 +115,18 @@ def find_stop_string(text: str, num_new_chars: int, stop: list[str],
     """(stop string, length to truncate text to) if a stop string ends in the new characters.
 
     Only matches overlapping the last `num_new_chars` are new, so earlier text is not re-scanned.
+    The stop that completes first wins (then the longer one), as it would had the new
+    characters come one token each: the cut must not depend on how the text was tokenized.
     """
-    best: tuple[str, int, int] | None = None  # (stop, index, cut)
+    best: tuple[int, int, str] | None = None  # (end, -length, stop)
     for s in stop:
         idx = text.find(s, max(0, len(text) - num_new_chars - len(s) + 1))
-        if idx != -1 and (best is None or idx < best[1]):
-            best = (s, idx, idx + len(s) if include_stop_str_in_output else idx)
-    return None if best is None else (best[0], best[2])
+        if idx != -1 and (best is None or (idx + len(s), -len(s)) < best[:2]):
+            best = (idx + len(s), -len(s), s)
+    if best is None:
+        return None
+    end, neg_len, s = best
+    return s, end if include_stop_str_in_output else end + neg_len
 
 
 @dataclass
@@ -136,7 +157,7 @@ class IncrementalDetokenizer:
         self._byte_token_ids = byte_fallback_token_ids(self.tokenizer)
         self._decode_ids = fast_decode(self.tokenizer)
         if self.skip_special_tokens:
-            self._skipped_ids = frozenset(getattr(self.tokenizer, "all_special_ids", ()))
+            self._skipped_ids = skipped_special_ids(self.tokenizer)
 
     @classmethod
     def for_request(cls, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,

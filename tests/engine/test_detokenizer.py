@@ -37,6 +37,24 @@ def test_incremental_equals_full_decode_on_random_ids(tokenizer, skip):
         assert d.output_text == full
 
 
+def test_an_added_special_token_inside_a_byte_run_is_skipped_as_decode_skips_it(stories_dir):
+    """transformers lists only named specials in all_special_ids; an added token marked special
+    (SmolLM2's <repo_name>) is skipped by the decode too, joining the byte runs around it. Taken
+    as text, it ended the run and "A" went out, which the full decode turns into U+FFFD."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(stories_dir)  # fresh: the ids are cached on it
+    tok.add_tokens([AddedToken("[CTRL]", special=True)])
+    ctrl = tok.convert_tokens_to_ids("[CTRL]")
+    assert ctrl not in tok.all_special_ids
+    the = tok.encode("the", add_special_tokens=False)
+    ids = the + tok.convert_tokens_to_ids(["<0x41>", "[CTRL]", "<0xE6>"]) + the
+    for skip in (True, False):
+        text, d = stream(tok, ids, random.Random(0), skip_special_tokens=skip)
+        assert text == d.output_text == tok.decode(ids, skip_special_tokens=skip)
+
+
 def test_multibyte_character_is_not_streamed_half_done(tokenizer):
     ids = tokenizer("é ü 日本", add_special_tokens=False).input_ids
     d = detokenizer_for_request(tokenizer, [])
@@ -69,6 +87,22 @@ def test_find_stop_string_only_in_new_text():
     assert find_stop_string("abc STOP", 2, ["STOP"], False) == ("STOP", 4)
     # The earliest of several stop strings wins.
     assert find_stop_string("x b a", 5, ["a", "b"], False) == ("b", 2)
+
+
+def test_the_stop_that_completes_first_wins_however_the_text_came():
+    """"b" completes before "abc" does: one token "xabc" cut at "abc" (the earlier start) while
+    the same text in one-character tokens cut at "b" (helper-46)."""
+    assert find_stop_string("xabc", 4, ["b", "abc"], False) == ("b", 2)
+    assert find_stop_string("xabc", 4, ["b", "abc"], True) == ("b", 3)
+    assert find_stop_string("xabc", 4, ["bc", "abc"], False) == ("abc", 1)  # same end: longer
+    rng = random.Random(0)
+    for _ in range(2000):
+        text = "".join(rng.choice("abc") for _ in range(8))
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 3))) for _ in range(3)]
+        whole = find_stop_string(text, len(text), stops, False)
+        one_by_one = next(filter(None, (find_stop_string(text[:i], 1, stops, False)
+                                        for i in range(1, len(text) + 1))), None)
+        assert whole == one_by_one, (text, stops)
 
 
 @pytest.mark.parametrize("include", [False, True])
