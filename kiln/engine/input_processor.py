@@ -208,9 +208,10 @@ def check_logprobs_cap(params, cap: int, vocab_size: int) -> None:
             v = vocab_size
             setattr(params, name, v)
             if v > cap:
-                raise ValueError(f"{name}=-1 asks for the whole vocabulary ({v}), more than "
-                                 f"the engine's max_logprobs {cap}; start it with "
-                                 "--max-logprobs -1 to allow that")
+                # The name first: the server reports the field a message opens with.
+                raise ValueError(f"{name} is -1, the whole vocabulary ({v}), more than the "
+                                 f"engine's max_logprobs {cap}; start it with --max-logprobs -1 "
+                                 "to allow that")
         if v is not None and v > cap:
             raise ValueError(f"{name} must be <= {cap}, the engine's max_logprobs "
                              f"(--max-logprobs), got {v}")

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai import serving_tokenization
 from kiln.entrypoints.openai.api_server import ServerSettings, build_app
-from kiln.entrypoints.openai.errors import _loc_to_param, param_from_message
+from kiln.entrypoints.openai.errors import _loc_to_param, in_api_terms, param_from_message
 from kiln.entrypoints.openai.protocol import TokenizeResponse
 
 from .fake_engine import FakeEngine
@@ -233,6 +233,11 @@ def test_chat_whole_streamed_and_logprobs(client):
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}],
                                   max_completion_tokens=100), "max_completion_tokens",
      "context_length_exceeded"),
+    # -1 (the whole vocabulary) past --max-logprobs names the field sent (it said "prompt")
+    ("/v1/completions", dict(prompt="x", logprobs=-1), "logprobs", None),
+    ("/v1/completions", dict(prompt="x", prompt_logprobs=-1), "prompt_logprobs", None),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], logprobs=True,
+                                  top_logprobs=-1), "top_logprobs", None),
     # OpenAI's cap: each choice is built in the engine at once
     ("/v1/completions", dict(prompt="x", n=129), "n", None),
     ("/v1/completions", dict(prompt=[True, False]), "prompt", None),  # no token ids
@@ -245,6 +250,8 @@ def test_bad_input_is_400_naming_the_field(client, path, body, param, code):
     status = 404 if code == "model_not_found" else 400
     err = assert_error(client.post(path, json=body), status, param, code)
     assert err["type"] == "invalid_request_error"
+    if param == "max_completion_tokens":  # its name throughout, not only first
+        assert "max_tokens" not in err["message"], err
     # and the server keeps serving
     assert client.post("/v1/completions", json=dict(prompt="x", max_tokens=1)).status_code == 200
 
@@ -392,6 +399,11 @@ def test_error_helpers():
     assert _loc_to_param(("body", "messages", 0, "content")) == "messages[0].content"
     assert _loc_to_param(("body", "stop", "str")) == "stop"
     assert _loc_to_param(("body", 12)) is None
+    # the client's name wherever the message names the field, never inside a flag
+    msg = "max_tokens 9 is too large: lower max_tokens (or --max-model-len, --max-tokens)"
+    assert in_api_terms(msg, {"max_tokens": "max_completion_tokens"}) == (
+        "max_completion_tokens 9 is too large: lower max_completion_tokens (or "
+        "--max-model-len, --max-tokens)", "max_completion_tokens")
 
 
 def test_server_start_freezes_the_heap_out_of_the_collector():

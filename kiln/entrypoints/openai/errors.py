@@ -2,6 +2,7 @@
 
 Validation failures become HTTP 400 (not FastAPI's 422) and name the offending field in `param`.
 """
+import re
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -61,12 +62,13 @@ def param_from_message(message: str, fields: dict[str, str]) -> str | None:
 
 def in_api_terms(message: str, fields: dict[str, str]) -> tuple[str, str | None]:
     """(message, param) of an engine ValueError: the field it names mapped through `fields`,
-    and the message opening with the name the client sent where it opens with the engine's
-    (max_tokens -> max_completion_tokens, logprobs -> top_logprobs)."""
+    and the message in the names the client sent where it opens with the engine's
+    (max_tokens -> max_completion_tokens, logprobs -> top_logprobs), wherever it names that
+    field again ("lower max_tokens"); never inside a flag (--max-logprobs)."""
     param = param_from_message(message, fields)
     first = message.split(" ", 1)[0]
     if fields.get(first, first) != first:
-        message = fields[first] + message[len(first):]
+        message = re.sub(rf"(?<![\w-]){re.escape(first)}(?![\w-])", fields[first], message)
     return message, param
 
 
