@@ -160,6 +160,12 @@ def _arguments_as_objects(calls: list) -> list:
     return out
 
 
+# Content parts that are text, and the key that holds it: OpenAI's assistant history carries
+# "refusal" parts, the Responses API "input_text" / "output_text" (vLLM reads all four as text).
+_TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text",
+                   "refusal": "refusal"}
+
+
 def chat_messages(messages: list) -> list[dict]:
     """Messages as chat templates expect them, as vLLM hands them over: text content parts
     joined with newlines, missing or null content as "", tool-call arguments as objects,
@@ -177,9 +183,9 @@ def chat_messages(messages: list) -> list[dict]:
             for j, part in enumerate(content):
                 if isinstance(part, str):
                     texts.append(part)
-                elif (isinstance(part, dict) and part.get("type") == "text"
-                      and isinstance(part.get("text"), str)):
-                    texts.append(part["text"])
+                elif (isinstance(part, dict) and part.get("type") in _TEXT_PART_KEYS
+                      and isinstance(part.get(_TEXT_PART_KEYS[part["type"]]), str)):
+                    texts.append(part[_TEXT_PART_KEYS[part["type"]]])
                 else:
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                     raise MessageError(f"messages[{i}].content[{j}]", f"is a content part of type "

@@ -19,6 +19,15 @@ def test_text_parts_are_joined_with_newlines_and_null_content_is_empty():
                     {"role": "user", "content": ""}]
 
 
+def test_refusal_and_responses_api_parts_are_text_as_in_vllm():
+    """A conversation replayed from OpenAI holds "refusal" parts in assistant turns; the
+    Responses API's parts are "input_text" / "output_text". They were 400s."""
+    (msg,) = chat_messages([{"role": "assistant", "content": [
+        {"type": "refusal", "refusal": "no"}, {"type": "output_text", "text": "b"},
+        {"type": "input_text", "text": "c"}]}])
+    assert msg["content"] == "no\nb\nc"
+
+
 def test_tool_call_arguments_reach_the_template_as_objects_without_touching_the_callers():
     """OpenAI's shape has the arguments as JSON text; templates print them with tojson, so they
     get the object (vLLM's LLM.chat and server both do), for LLM.chat as for the server."""

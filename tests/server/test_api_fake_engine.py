@@ -185,11 +185,13 @@ def test_chat_whole_streamed_and_logprobs(client):
     text0 = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"]
                     if c["index"] == 0)
     assert text0 == msg["content"]
-    # multi-part text content is accepted; images are not
+    # multi-part text content is accepted (an assistant's refusal part too); images are not
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
-    r = client.post("/v1/chat/completions", json=dict(messages=[{"role": "user",
-                                                                 "content": parts}]))
-    assert r.status_code == 200
+    r = client.post("/v1/chat/completions", json=dict(messages=[
+        {"role": "user", "content": parts},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+        {"role": "user", "content": "x"}]))
+    assert r.status_code == 200, r.text
     r = client.post("/v1/chat/completions", json=dict(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]))
     assert_error(r, 400, "messages[0].content[0]")

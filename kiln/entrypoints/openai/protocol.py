@@ -201,6 +201,7 @@ class CompletionRequest(SamplingFields):
 class TextContentPart(RequestPart):
     type: str
     text: str | None = None
+    refusal: str | None = None  # the text of an assistant history's "refusal" part
 
 
 class ChatMessage(RequestPart):
