@@ -235,6 +235,14 @@ def test_chat_whole_streamed_and_logprobs(client):
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}],
                                   max_completion_tokens=100), "max_completion_tokens",
      "context_length_exceeded"),
+    # fields that would change the output, refused rather than ignored (helper-49)
+    *[("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], **{k: v}), k,
+       "unsupported_parameter") for k, v in [
+        ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"),
+        ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
+        ("structural_tag", "{}"), ("guided_whitespace_pattern", " *"),
+        ("truncation_side", "right"), ("logprob_token_ids", [1]),
+        ("thinking_token_budget", 10)]],
     # -1 (the whole vocabulary) past --max-logprobs names the field sent (it said "prompt")
     ("/v1/completions", dict(prompt="x", logprobs=-1), "logprobs", None),
     ("/v1/completions", dict(prompt="x", prompt_logprobs=-1), "prompt_logprobs", None),
@@ -430,3 +438,16 @@ def test_a_chats_tools_are_read_off_the_event_loop(client, monkeypatch):
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **body})
         assert r.status_code == 200, r.text
     assert threads[0].startswith("kiln-frontend") and not threads[1].startswith("kiln-frontend")
+
+
+def test_fields_nothing_reads_are_named_in_the_log(client, caplog):
+    """vLLM's warning: a misspelled field otherwise leaves its default at work without a word;
+    OpenAI's fields that change nothing here (store, metadata) and accepted values pass."""
+    body = dict(prompt="x", max_tokens=1, temprature=0.5, store=False, metadata={"a": "b"},
+                truncation_side="left", guided_decoding_backend="xgrammar")
+    with caplog.at_level("WARNING", logger="kiln.entrypoints.openai.protocol"):
+        assert client.post("/v1/completions", json=body).status_code == 200
+        assert client.post("/v1/chat/completions", json=dict(
+            messages=[{"role": "user", "content": "x"}], modalities=["text"])).status_code == 200
+    ignored = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert ignored == ["request fields Kiln does not read, ignored: temprature"], ignored

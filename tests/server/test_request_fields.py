@@ -248,6 +248,12 @@ PROBES = {
     "chat_template": lambda c, p: refused(c, p, dict(chat_template="{{ 1 }}"), "chat_template"),
     "mm_processor_kwargs": lambda c, p: refused(c, p, dict(mm_processor_kwargs={"a": 1}),
                                                 "mm_processor_kwargs"),
+    **{name: (lambda c, p, name=name, value=value: refused(c, p, {name: value}, name))
+       for name, value in [("structural_tag", "{}"), ("guided_whitespace_pattern", " *"),
+                           ("guided_decoding_backend", "outlines"), ("logprob_token_ids", [1]),
+                           ("thinking_token_budget", 10), ("truncation_side", "right"),
+                           ("functions", [{"name": "f"}]), ("function_call", "auto"),
+                           ("audio", {"voice": "alloy"}), ("modalities", ["audio"])]},
     # Structured outputs: a grammar changes the output (this word-level vocabulary spells
     # only its words, so a one-word choice); a schema this vocabulary cannot spell is probed
     # by refusing a broken one, naming the field. Tools: read (auto needs the server's flags).

@@ -1,7 +1,8 @@
 """Pydantic models of the OpenAI HTTP API that Kiln serves (plus vLLM's sampling extras).
 
-Unknown request fields are ignored, as OpenAI-compatible servers do; wrong types fail validation.
-Every field vLLM accepts is here, and is honoured or refused (entrypoints/openai/sampling.py).
+Unknown request fields are ignored with a warning in the log, as vLLM does; wrong types fail
+validation. Every field vLLM accepts is here, and is honoured or refused
+(entrypoints/openai/sampling.py), as are OpenAI's that would change the output.
 """
 import time
 from typing import Annotated, Any, ClassVar, Literal
@@ -21,6 +22,10 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import core_schema
+
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
 
 # OpenAI's limit on choices per prompt; each is a sequence in the engine, built at once.
 MAX_N = 128
@@ -106,8 +111,24 @@ class ResponseFormat(RequestBase):
     json_schema: dict[str, Any] | None = None
 
 
+# OpenAI's request fields that change nothing a local model writes: ignored without a warning.
+_NO_EFFECT_FIELDS = frozenset({"metadata", "store", "service_tier", "prediction",
+                               "prompt_cache_key", "safety_identifier"})
+
+
 class SamplingFields(RequestBase):
     """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_ignored(cls, data):
+        """Name what a request sent that no field reads (vLLM's warning): a client that
+        misspells a field otherwise sees its default at work without a word."""
+        if isinstance(data, dict) and (
+                ignored := data.keys() - cls.model_fields.keys() - _NO_EFFECT_FIELDS):
+            logger.warning("request fields Kiln does not read, ignored: %s",
+                           ", ".join(sorted(map(str, ignored))))
+        return data
     model: str | None = None
     temperature: JsonFloat | None = None
     top_p: JsonFloat | None = None
@@ -155,6 +176,13 @@ class SamplingFields(RequestBase):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's, refused (sampling.OFF_ONLY): each would change the output if honoured
+    structural_tag: Any = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+    logprob_token_ids: Any = None
+    thinking_token_budget: Any = None
+    truncation_side: str | None = None
 
 
 def _prompt_shape(value) -> str | None:
@@ -255,6 +283,11 @@ class ChatCompletionRequest(SamplingFields):
     documents: list[dict[str, str]] | None = None  # for templates that render documents (RAG)
     chat_template: str | None = None  # Jinja text; needs --trust-request-chat-template
     mm_processor_kwargs: dict[str, Any] | None = None  # refused: text-only models
+    # OpenAI's, refused: legacy functions (use tools), audio output
+    functions: list[Any] | None = None
+    function_call: Any = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
 
 
 class TokenizeRequest(RequestBase):

@@ -28,13 +28,24 @@ OFF_ONLY = {
     "prompt_embeds": (None, "prompts are text or token ids (no embeddings)"),
     "suffix": (None, "suffix (insertion) is not supported"),
     "mm_processor_kwargs": (None, "the model is text-only"),
+    "structural_tag": (None, "structural tags are not supported; use structured_outputs"),
+    "guided_whitespace_pattern": (None, "whitespace follows JSON's grammar (or none with "
+                                        "structured_outputs.disable_any_whitespace)"),
+    "guided_decoding_backend": ("xgrammar", "structured outputs are compiled by xgrammar"),
+    "logprob_token_ids": (None, "logprobs are of the top tokens (logprobs=N), not given ids"),
+    "thinking_token_budget": (None, "no reasoning budget is enforced"),
+    "truncation_side": ("left", "truncate_prompt_tokens keeps the prompt's last tokens"),
+    "functions": (None, "the legacy functions API is not supported; give tools"),
+    "function_call": (None, "the legacy functions API is not supported; give tool_choice"),
+    "audio": (None, "the model writes text only"),
+    "modalities": (["text"], "the model writes text only"),
 }
 
 
 def refuse_unsupported(req: SamplingFields) -> None:
     """A 400 naming the first field that asks for something Kiln does not do."""
     for name, (off, why) in OFF_ONLY.items():
-        if name in type(req).model_fields and getattr(req, name) not in (off, "", {}, []):
+        if name in type(req).model_fields and getattr(req, name) not in (None, off, "", {}, []):
             raise OpenAIError(f"{name}={getattr(req, name)!r} is refused: {why}; omit it",
                               param=name, code="unsupported_parameter")
     # 1 (or unset) is one sample per choice; more would be ranked by logprob, which vLLM V1
