@@ -81,8 +81,6 @@ VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
              "rope_scaling from the checkpoint's config.json: edit a copy of it"),
     VllmFlag(("--root-path",), "serving behind a proxy under a path prefix", "Kiln serves at "
              "/: have the proxy strip the prefix"),
-    VllmFlag(("--allowed-origins",), "CORS origins", "Kiln sends no CORS headers: put a proxy "
-             "that adds them in front of kiln serve"),
     VllmFlag(("--ssl-keyfile",), "HTTPS", "Kiln serves plain HTTP: terminate TLS in a reverse "
              "proxy (nginx, caddy) in front of kiln serve"),
     VllmFlag(("--ssl-certfile",), "HTTPS", "Kiln serves plain HTTP: terminate TLS in a reverse "

@@ -74,7 +74,7 @@ def test_cli_errors_name_the_flag_beside_the_field():
 TESTER_FLAGS = [
     "--max-num-partial-prefills", "--override-generation-config", "--response-role",
     "--lora-modules", "--enable-lora", "--limit-mm-per-prompt", "--speculative-config",
-    "--disable-sliding-window", "--hf-overrides", "--root-path", "--allowed-origins",
+    "--disable-sliding-window", "--hf-overrides", "--root-path",
     "--ssl-keyfile", "--ssl-certfile", "-dp", "--data-parallel-size", "--max-seq-len-to-capture",
     "--disable-custom-all-reduce", "--scheduling-policy", "--enable-log-requests", "--task",
     "--runner", "--config", "--chat-template-content-format", "--async-scheduling",

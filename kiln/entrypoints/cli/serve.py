@@ -3,6 +3,7 @@
 Takes every engine flag of `kiln generate`, plus the server's own (host, port, key, limits).
 """
 import argparse
+import json
 import os
 import socket
 import sys
@@ -12,6 +13,20 @@ from kiln.envs import api_key as env_api_key
 
 TOOL_CALL_PARSER_NAMES = ["hermes", "llama3_json"]
 REASONING_PARSER_NAMES = ["deepseek_r1", "qwen3"]
+
+
+def _json_strings(flag: str):
+    """An argparse type: a JSON list of strings (vLLM's form, '["https://a.example"]')."""
+    def parse(text: str) -> list[str]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = None
+        if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise argparse.ArgumentTypeError(f"{flag} takes a JSON list of strings, e.g. "
+                                             f"'[\"*\"]', got {text!r}")
+        return value
+    return parse
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -42,6 +57,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--response-send-timeout", type=float, default=60.0,
                    help="seconds a client may read nothing while the server's send buffer to "
                         "it is full; then the connection is dropped and its request aborted")
+    for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
+                       ("--allowed-headers", "request headers")):
+        g.add_argument(flag, type=_json_strings(flag), default=["*"],
+                       help=f"CORS: the {what} browsers may use, a JSON list (vLLM's flag)")
+    g.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: let browsers send cookies and HTTP auth with cross-origin calls")
     g.add_argument("--frontend-niceness", type=int, default=None,
                    help="once the engine core runs in its own process, lower this server "
                         "process's CPU priority by this much (0: not at all), so steps wait "
@@ -113,6 +134,10 @@ def settings_from_args(args: argparse.Namespace):
                           metrics_public=args.metrics_public,
                           request_header_timeout=args.request_header_timeout,
                           request_body_timeout=args.request_body_timeout,
+                          allowed_origins=args.allowed_origins,
+                          allowed_methods=args.allowed_methods,
+                          allowed_headers=args.allowed_headers,
+                          allow_credentials=args.allow_credentials,
                           response_send_timeout=args.response_send_timeout,
                           graceful_shutdown_timeout=args.graceful_shutdown_timeout,
                           access_log=not args.disable_access_log,

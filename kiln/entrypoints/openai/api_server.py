@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from kiln.engine.async_llm import AsyncLLM
@@ -25,6 +26,7 @@ from kiln.entrypoints.openai.metrics import ServerMetrics
 from kiln.entrypoints.openai.middleware import (
     ApiKeyMiddleware,
     BodySizeLimitMiddleware,
+    RequestIdHeaderMiddleware,
     ShutdownGate,
 )
 from kiln.entrypoints.openai.openapi import describe
@@ -152,6 +154,12 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
                        gate=app.state.shutdown_gate)
     if open_paths is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
+    app.add_middleware(RequestIdHeaderMiddleware)
+    # Outermost: a browser's preflight (OPTIONS, no key) is answered here.
+    app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
+                       allow_methods=settings.allowed_methods,
+                       allow_headers=settings.allowed_headers,
+                       allow_credentials=settings.allow_credentials)
     return app
 
 

@@ -1,5 +1,5 @@
 """Pure ASGI middleware: bearer-key auth on every route but the open ones, a request body size
-limit (HTTP 413) and body read deadlines (HTTP 408).
+limit (HTTP 413), body read deadlines (HTTP 408) and the client's X-Request-Id echoed back.
 
 Pure ASGI (not BaseHTTPMiddleware) so streamed responses and disconnect detection pass through.
 """
@@ -44,6 +44,28 @@ class ApiKeyMiddleware:
                else "incorrect API key")
         await _send_json(send, 401, error_body(msg, 401, code="invalid_api_key"),
                          [(b"www-authenticate", b"Bearer")])
+
+
+class RequestIdHeaderMiddleware:
+    """The client's X-Request-Id back on its response, as OpenAI's API and vLLM's
+    --enable-request-id-headers answer (the OpenAI SDK reads it as the response's request id);
+    the completion routes also take it as the response's id (request_fields.response_id)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        given = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), None) \
+            if scope["type"] == "http" else None
+        if given is None:
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (b"x-request-id", given)]}
+            await send(message)
+        await self.app(scope, receive, send_with_id)
 
 
 # A body must also arrive at this average rate (after the first read_timeout s), as Apache's

@@ -6,11 +6,13 @@ from kiln.entrypoints.openai.protocol import PromptLogprob, PromptLogprobs
 from kiln.outputs import Logprob, RequestOutput
 
 
-def response_id(prefix: str, request_id: str | None) -> str:
-    """The response's id: the client's request_id if it sent one (vLLM's), else a fresh one."""
+def response_id(prefix: str, request_id: str | None, raw=None) -> str:
+    """The response's id: the client's X-Request-Id header or else its request_id field if it
+    sent one (vLLM's order), else a fresh one. `raw`: the HTTP request."""
     import uuid
 
-    return f"{prefix}-{request_id or uuid.uuid4().hex}"
+    header = raw.headers.get("x-request-id") if raw is not None else None
+    return f"{prefix}-{header or request_id or uuid.uuid4().hex}"
 
 
 def with_cache_salt(prompt: str | dict, cache_salt: str | None) -> str | dict:

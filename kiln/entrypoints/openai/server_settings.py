@@ -1,7 +1,7 @@
 """The server's settings (`kiln serve`'s own flags) and their defaults: light, so the CLI builds
 its parser without importing FastAPI and the engine.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
@@ -38,5 +38,11 @@ class ServerSettings:
     disable_any_whitespace: bool = False
     # A request's own chat_template (Jinja text) renders its chat; off, such a request is a 400.
     trust_request_chat_template: bool = False
+    # CORS (vLLM's flags and defaults): browsers on any origin may call the API; the key, where
+    # one is set, still guards every route.
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
     # Seconds between throughput lines in the log while busy; None: none (--disable-log-stats).
     stats_log_interval: float | None = 5.0

@@ -116,7 +116,7 @@ class ServingChat:
                 constraint = dataclasses.replace(constraint, reasoning_end=END)
             params.structured_outputs = constraint
         thinking_first = grammar_thinking_first(constraint)
-        request_id = response_id("chatcmpl", req.request_id)
+        request_id = response_id("chatcmpl", req.request_id, raw)
         max_tokens_param = ("max_completion_tokens" if req.max_completion_tokens is not None
                             else "max_tokens")
         streams = await submit(self.llm, request_id, [prompt], params, "messages",

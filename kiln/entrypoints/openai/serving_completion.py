@@ -97,7 +97,7 @@ class ServingCompletion:
         if not req.add_special_tokens:
             prompts = await without_special_tokens(self.llm, prompts)
         prompts = [with_cache_salt(p, req.cache_salt) for p in prompts]
-        request_id = response_id("cmpl", req.request_id)
+        request_id = response_id("cmpl", req.request_id, raw)
         try:  # a long list of prompts takes a while to add: a client that leaves stops it
             streams = await until_disconnect(
                 raw, submit(self.llm, request_id, prompts, params, "prompt"))
