@@ -300,9 +300,10 @@ class AsyncLLM:
                                                                      name="kiln-engine-loop")
         self._wake.set()
 
-    def _step(self) -> tuple[list[RequestOutput], bool, dict]:
+    def _step(self) -> tuple[list[RequestOutput], list[int], bool, dict]:
         outputs = self.engine.step()
-        return outputs, self.engine.has_unfinished_requests(), self.engine.step_stats()
+        return (outputs, list(self.engine.last_step_tokens),
+                self.engine.has_unfinished_requests(), self.engine.step_stats())
 
     async def _run_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -313,18 +314,19 @@ class AsyncLLM:
                 self._wake.clear()
                 more = True
                 while more and not self._closed:
-                    outputs, more, self.last_stats = await loop.run_in_executor(self._pool,
-                                                                                self._step)
-                    self._dispatch(outputs)
+                    outputs, step_tokens, more, self.last_stats = await loop.run_in_executor(
+                        self._pool, self._step)
+                    self._dispatch(outputs, step_tokens)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - every waiter must learn the engine died
             logger.exception("engine step loop failed; failing all in-flight requests")
             self._fail_all(e)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], step_tokens: list[int]) -> None:
+        """`step_tokens`: the engine's last_step_tokens (none for a poll that found no step)."""
         now = time.monotonic()
-        stats = IterationStats(engine_step=True)
+        stats = IterationStats(step_tokens=step_tokens)
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted while the step ran

@@ -16,7 +16,9 @@ from kiln.outputs import RequestOutput
 
 @dataclass
 class IterationStats:
-    engine_step: bool = False  # one engine step's outputs (else an abort's bookkeeping)
+    # Prompt + generated tokens of each engine core step with outputs that this batch took in
+    # (the engine's last_step_tokens): none for a poll that found no step, or an abort.
+    step_tokens: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0  # prompt once per sample that produced its first token
     num_generation_tokens: int = 0
     time_to_first_tokens: list[float] = field(default_factory=list)  # seconds, per request

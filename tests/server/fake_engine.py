@@ -49,6 +49,7 @@ class FakeEngine:
         self.shut_down = False
         self.busy = threading.Lock()  # proves no two engine calls overlap
         self.fail_next_step = False
+        self.last_step_tokens: list[int] = []  # as LLMEngine's: one step a call
 
     @contextlib.contextmanager
     def _exclusive(self):
@@ -106,8 +107,11 @@ class FakeEngine:
             if self.step_delay:
                 time.sleep(self.step_delay)
             outputs = []
+            tokens = 0
             for rid, req in list(self.requests.items()):
                 params = req["params"]
+                # Each sample's first token ends its prefill; each sample makes one token.
+                tokens += params.n * ((len(req["ids"]) if req["k"] == 0 else 0) + 1)
                 samples = []
                 for i in range(params.n):
                     tid = self._token(req, i)
@@ -141,6 +145,7 @@ class FakeEngine:
                                              prompt_logprobs=prompt_lps))
                 if finished:
                     del self.requests[rid]
+            self.last_step_tokens = [tokens] if outputs else []
             return outputs
 
     def has_unfinished_requests(self):

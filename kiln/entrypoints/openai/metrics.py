@@ -71,6 +71,8 @@ _HISTOGRAMS = {
                               "token, of finished requests", _E2E_BUCKETS),
     "request_inference_times": ("kiln:request_inference_time_seconds", "First scheduled to "
                                 "last token, of finished requests", _E2E_BUCKETS),
+    "step_tokens": ("kiln:iteration_tokens_total", "Prompt and generated tokens of each engine "
+                    "step with outputs", _STEP_BUCKETS),
 }
 
 
@@ -111,9 +113,6 @@ class ServerMetrics:
         # One observation per value of the IterationStats field each is keyed by.
         self.histograms = {field: histogram(name, doc, buckets)
                            for field, (name, doc, buckets) in _HISTOGRAMS.items()}
-        self.iteration_tokens = histogram(
-            "kiln:iteration_tokens_total", "Prompt and generated tokens an engine step "
-            "returned", _STEP_BUCKETS)
         if cache_info:
             Gauge("kiln:cache_config_info", "The KV cache's settings", sorted(cache_info),
                   registry=reg).labels(**{k: str(v) for k, v in cache_info.items()}).set(1)
@@ -123,9 +122,6 @@ class ServerMetrics:
             self.prompt_tokens.inc(iteration.num_prompt_tokens)
         if iteration.num_generation_tokens:
             self.generation_tokens.inc(iteration.num_generation_tokens)
-        if iteration.engine_step:
-            self.iteration_tokens.observe(iteration.num_prompt_tokens
-                                          + iteration.num_generation_tokens)
         for field, hist in self.histograms.items():
             for v in getattr(iteration, field):
                 hist.observe(v)
