@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from kiln.engine.frontend_lanes import FrontendLanes
-from kiln.engine.output_merge import DeltaAccumulator, num_new_tokens
+from kiln.engine.output_merge import DeltaAccumulator
 from kiln.engine.request_stats import IterationStats, RequestTimer, StatLogger
 from kiln.logger import init_logger
 from kiln.outputs import RequestOutput
@@ -274,8 +274,7 @@ class AsyncLLM:
 
     def _record_abort(self, stream: RequestStream) -> None:
         stats = IterationStats()
-        stats.finished_reasons.append("abort")
-        stats.e2e_latencies.append(time.monotonic() - stream.timer.arrival_time)
+        stream.timer.observe_abort(time.monotonic(), stats)
         for sl in self.stat_loggers:
             sl.record(stats, self.last_stats)
 
@@ -331,7 +330,7 @@ class AsyncLLM:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted while the step ran
                 continue
-            stream.timer.observe(out, num_new_tokens(out), now, stats)
+            stream.timer.observe(out, now, stats)
             stream.put_delta(out)
             if out.finished:
                 del self._streams[out.request_id]

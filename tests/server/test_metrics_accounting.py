@@ -82,9 +82,10 @@ def test_one_request_ground_truth(server):
     assert after["kiln:kv_cache_usage_perc"] == 0
 
 
-def test_n_samples_prefill_the_prompt_each_and_count_one_request(server):
-    """As vLLM: each of the n samples is prefilled, so prompt tokens count n times; the user
-    request succeeds once; every sample's token gaps are inter-token latencies."""
+def test_n_samples_each_count_as_a_finished_request(server):
+    """As vLLM v1, which runs each of the n samples as a child request: each is prefilled (its
+    prompt counts n times), succeeds, and has its own TTFT, e2e, prompt and generated tokens
+    and max_tokens; only n and the longest sample's tokens are observed once per request."""
     c, _, _ = server
     before = samples(c)
     r = c.post("/v1/completions", json=dict(model=MODEL, prompt=PROMPT, max_tokens=3, n=2))
@@ -93,10 +94,35 @@ def test_n_samples_prefill_the_prompt_each_and_count_one_request(server):
     assert d["kiln:prompt_tokens_total"] == 2 * 4
     assert d["kiln:generation_tokens_total"] == 2 * 3
     assert d["kiln:inter_token_latency_seconds_count"] == 2 * (3 - 1)
-    assert d["kiln:time_to_first_token_seconds_count"] == 1
+    assert d["kiln:time_to_first_token_seconds_count"] == 2
+    assert d["kiln:request_success_total{length}"] == 2
+    assert d["kiln:e2e_request_latency_seconds_count"] == 2
+    assert d["kiln:request_prompt_tokens_count"] == 2
+    assert d["kiln:request_prompt_tokens_sum"] == 2 * 4
+    assert d["kiln:request_generation_tokens_count"] == 2
+    assert d["kiln:request_generation_tokens_sum"] == 6  # 3 each
+    assert d["kiln:request_decode_time_seconds_count"] == 2
+    assert d["kiln:request_params_max_tokens_count"] == 2
+    assert d["kiln:request_params_n_count"] == 1 and d["kiln:request_params_n_sum"] == 2
+    assert d["kiln:request_max_num_generation_tokens_count"] == 1
+    assert d["kiln:request_max_num_generation_tokens_sum"] == 3
+
+
+def test_each_sample_is_labelled_by_its_own_finish_reason(server):
+    """n=2 where a stop string ends one sample and max_tokens the other: one success each."""
+    c, _, _ = server
+    first = c.post("/v1/completions", json=dict(model=MODEL, prompt=PROMPT, max_tokens=3, n=2)
+                   ).json()["choices"]
+    texts = {ch["index"]: ch["text"].split() for ch in first}
+    assert not set(texts[0]) & set(texts[1])  # the stop string below is in sample 0 alone
+    before = samples(c)
+    r = c.post("/v1/completions", json=dict(model=MODEL, prompt=PROMPT, max_tokens=3, n=2,
+                                            stop=[texts[0][0]]))
+    reasons = {ch["index"]: ch["finish_reason"] for ch in r.json()["choices"]}
+    assert reasons == {0: "stop", 1: "length"}
+    d = delta(before, samples(c))
+    assert d["kiln:request_success_total{stop}"] == 1
     assert d["kiln:request_success_total{length}"] == 1
-    assert d["kiln:e2e_request_latency_seconds_count"] == 1
-    assert d["kiln:request_generation_tokens_sum"] == 6
 
 
 def test_stop_reason_label(server):

@@ -44,8 +44,10 @@ _TOTALS = {
     "num_preemptions": ("kiln:num_preemptions", "Requests preempted (to be recomputed)"),
 }
 
-# IterationStats field -> (histogram name, help, buckets). Phases (queue, prefill, inference)
-# are of finished requests from the core's first scheduling; aborts observe none.
+# IterationStats field -> (histogram name, help, buckets). "Finished requests" are samples, as
+# vLLM's child requests: a request of n observes n (request_params_n and
+# request_max_num_generation_tokens: once). Phases (queue, prefill, inference) are from the
+# sample's first scheduling by the core; aborts observe none.
 _HISTOGRAMS = {
     "time_to_first_tokens": ("kiln:time_to_first_token_seconds", "Time to first token",
                              _LATENCY_BUCKETS),
@@ -56,7 +58,7 @@ _HISTOGRAMS = {
     "request_prompt_tokens": ("kiln:request_prompt_tokens", "Prompt tokens of finished "
                               "requests", _TOKEN_BUCKETS),
     "request_generation_tokens": ("kiln:request_generation_tokens", "Generated tokens of "
-                                  "finished requests (all samples)", _TOKEN_BUCKETS),
+                                  "finished requests (each sample's own)", _TOKEN_BUCKETS),
     "request_max_generation_tokens": ("kiln:request_max_num_generation_tokens", "Generated "
                                       "tokens of the longest sample of finished requests",
                                       _TOKEN_BUCKETS),
