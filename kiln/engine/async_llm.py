@@ -40,9 +40,15 @@ class RequestStream:
         self.request_id = request_id
         self.kind = params.output_kind
         self.finished = False
-        self.timer = RequestTimer(arrival_time, params.n, params.max_tokens)
+        self.timer = RequestTimer(arrival_time, params.n)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._merged = DeltaAccumulator()  # for CUMULATIVE / FINAL_ONLY
+
+    def accepted(self, processed) -> None:
+        """The engine's reading of the request (LLMEngine.process_inputs): its metrics observe
+        the max_tokens it settled on, which is the room beside the prompt where the request set
+        none (vLLM's request_params_max_tokens observes that too)."""
+        self.timer.max_tokens = processed.params.max_tokens
 
     def put_delta(self, delta: RequestOutput) -> None:
         """Feed one DELTA output from the engine; emit what this stream's kind wants."""
@@ -218,6 +224,7 @@ class AsyncLLM:
                 processed = await self.process_inputs(prompt, params,
                                                       max_tokens_must_fit=max_tokens_must_fit)
             self._check_alive()
+            stream.accepted(processed)
             await self._on_engine_thread(self.engine.add_processed_request, request_id,
                                          processed, arrival_time)
         except ValueError:

@@ -62,7 +62,8 @@ class RequestTimer:
     """Times one request's outputs; writes what it saw this step into an IterationStats."""
 
     def __init__(self, arrival_time: float, n: int = 1, max_tokens: int | None = None):
-        """`n`, `max_tokens`: the request's sampling parameters, observed when it finishes."""
+        """`n`: the request's; `max_tokens`: the engine's, after it filled an unset one with
+        the room beside the prompt (RequestStream.accepted sets it); observed at the end."""
         self.arrival_time = arrival_time
         self.n = n
         self.max_tokens = max_tokens

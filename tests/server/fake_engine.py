@@ -9,7 +9,11 @@ import time
 from types import SimpleNamespace
 
 from kiln.config import CacheConfig
-from kiln.engine.input_processor import check_logprobs_cap, validate_prompt_token_ids
+from kiln.engine.input_processor import (
+    ProcessedPrompt,
+    check_logprobs_cap,
+    validate_prompt_token_ids,
+)
 from kiln.outputs import CompletionOutput, Logprob, RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -81,15 +85,19 @@ class FakeEngine:
         if max_tokens_must_fit and params.max_tokens is not None and params.max_tokens > room:
             raise ValueError(f"max_tokens {params.max_tokens} is too large: {room} left of "
                              "max_model_len")
-        return dict(prompt=text, ids=ids, params=params, k=0,
-                    max_tokens=min(params.max_tokens or room, room),
-                    out=[[] for _ in range(params.n)])
+        params = params.clone()
+        params.max_tokens = min(params.max_tokens or room, room)  # as clip_max_tokens
+        return ProcessedPrompt(prompt=text, prompt_token_ids=ids, params=params)
 
     def add_processed_request(self, request_id, processed, arrival_time=None):
         with self._exclusive():
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self.requests[request_id] = processed
+            params = processed.params
+            self.requests[request_id] = dict(prompt=processed.prompt,
+                                             ids=processed.prompt_token_ids, params=params,
+                                             k=0, max_tokens=params.max_tokens,
+                                             out=[[] for _ in range(params.n)])
 
     def abort_request(self, request_ids):
         with self._exclusive():

@@ -125,6 +125,21 @@ def test_each_sample_is_labelled_by_its_own_finish_reason(server):
     assert d["kiln:request_success_total{length}"] == 1
 
 
+def test_max_tokens_observed_is_the_engines_where_the_request_set_none(server):
+    """As vLLM's request_params_max_tokens: the room the engine left beside the prompt
+    (max_model_len 64 here), not nothing."""
+    c, _, _ = server
+    before = samples(c)
+    r = c.post("/v1/chat/completions", json=dict(model=MODEL, messages=[
+        {"role": "user", "content": "hi"}]))
+    prompt_tokens = r.json()["usage"]["prompt_tokens"]
+    r = c.post("/v1/completions", json=dict(model=MODEL, prompt=PROMPT, max_tokens=None))
+    assert r.json()["usage"]["completion_tokens"] == 64 - 4
+    d = delta(before, samples(c))
+    assert d["kiln:request_params_max_tokens_count"] == 2
+    assert d["kiln:request_params_max_tokens_sum"] == (64 - prompt_tokens) + (64 - 4)
+
+
 def test_stop_reason_label(server):
     c, _, _ = server
     before = samples(c)
