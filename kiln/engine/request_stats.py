@@ -15,7 +15,7 @@ decode.
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kiln.outputs import RequestMetrics, RequestOutput
+from kiln.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
 @dataclass
@@ -47,6 +47,14 @@ class IterationStats:
 
 class StatLogger(Protocol):
     def record(self, iteration: IterationStats, engine_stats: dict) -> None: ...
+
+
+def finished_reason(out: CompletionOutput) -> str:
+    """A finished sample's request_success label: its finish reason, or "error" (vLLM v1's
+    label) where the engine ended it for a reason of its own (CompletionOutput.error: its
+    grammar allowed no token, the KV cache can never hold it), which the API reports as
+    request_failed; a caller's abort stays "abort"."""
+    return "error" if out.error is not None else out.finish_reason
 
 
 @dataclass
@@ -82,7 +90,7 @@ class RequestTimer:
                 self._observe_tokens(sample, len(out.token_ids), now, stats)
             if out.finish_reason and not sample.finished:
                 sample.finished = True
-                self._observe_finished(out.index, out.finish_reason, now, stats)
+                self._observe_finished(out.index, finished_reason(out), now, stats)
         if delta.finished:
             stats.request_params_n.append(self.n)
             stats.request_max_generation_tokens.append(max(s.num_tokens for s in self._samples))
@@ -123,9 +131,10 @@ class RequestTimer:
         if sample.first_token is None:
             return
         stats.request_decode_times.append(sample.last_token - sample.first_token)
-        # Phases: none for an abort, or for a sample never scheduled (nothing to measure from).
+        # Phases: none for an abort or an error, or for a sample never scheduled (nothing to
+        # measure from).
         scheduled = self._first_scheduled(index)
-        if reason == "abort" or scheduled is None:
+        if reason in ("abort", "error") or scheduled is None:
             return
         stats.request_queue_times.append(scheduled - self.arrival_time)
         stats.request_prefill_times.append(sample.first_token - scheduled)

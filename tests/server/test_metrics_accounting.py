@@ -20,9 +20,20 @@ class CountingEngine(FakeEngine):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.totals = dict(prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0)
+        self.fail_with: str | None = None  # an error that ends every request at its next step
 
     def get_stats(self):
         return {**super().get_stats(), **self.totals}
+
+    def step(self):
+        outputs = super().step()
+        if self.fail_with is not None:  # as the core ends a request it cannot serve
+            for out in outputs:
+                for o in out.outputs:
+                    o.finish_reason, o.error = "abort", self.fail_with
+                out.finished = True
+                self.requests.pop(out.request_id, None)
+        return outputs
 
 
 @pytest.fixture()
@@ -54,7 +65,7 @@ def test_success_labels_exist_from_the_start(server):
     """A dashboard's rate() over request_success{finished_reason="abort"} needs the series at 0."""
     c, _, _ = server
     s = samples(c)
-    for reason in ("stop", "length", "abort"):
+    for reason in ("stop", "length", "abort", "error"):
         assert s[f"kiln:request_success_total{{{reason}}}"] == 0
 
 
@@ -193,6 +204,20 @@ def test_abort_counts_once_as_abort_never_success(server):
     assert d["kiln:time_to_first_token_seconds_count"] == 1
     after = samples(c)
     assert after["kiln:num_requests_running"] == 0 and after["kiln:kv_cache_usage_perc"] == 0
+
+
+def test_a_request_the_engine_failed_counts_as_error(server):
+    """The engine ended it with an error (a 400 request_failed): vLLM v1's "error" label, not
+    "abort", which is left to requests their caller gave up."""
+    c, engine, _ = server
+    engine.fail_with = "json_schema allows no token after 1 generated token(s)"
+    before = samples(c)
+    r = c.post("/v1/completions", json=dict(model=MODEL, prompt=PROMPT, max_tokens=5))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "request_failed"
+    d = delta(before, samples(c))
+    assert d["kiln:request_success_total{error}"] == 1
+    assert "kiln:request_success_total{abort}" not in d
+    assert "kiln:request_queue_time_seconds_count" not in d
 
 
 def test_engine_totals_are_exported_as_counters(server):
