@@ -80,6 +80,7 @@ class ServingChat:
         self.trust_request_chat_template = trust_request_chat_template
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        created = int(time.time())  # the response's, whole or streamed: the request's start
         model = self.models.resolve(req.model)
         check_stream_options(req)
         check_generation_flags(req)
@@ -122,8 +123,8 @@ class ServingChat:
         streams = await submit(self.llm, request_id, [prompt], params, "messages",
                                {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"})
         if req.stream:
-            return StreamingResponse(self._stream(req, model, request_id, streams, plan,
-                                                  prompt_text, thinking_first),
+            return StreamingResponse(self._stream(req, model, request_id, created, streams,
+                                                  plan, prompt_text, thinking_first),
                                      media_type="text/event-stream")
         try:
             final = await until_disconnect(raw, self._collect(streams[0]))
@@ -139,7 +140,7 @@ class ServingChat:
                            cached_tokens([final], self.enable_prompt_tokens_details))
         as_ids = bool(req.return_tokens_as_token_ids)
         body = ChatCompletionResponse(
-            id=request_id, model=model, choices=choices, usage=usage,
+            id=request_id, created=created, model=model, choices=choices, usage=usage,
             prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs, as_ids)
             if req.prompt_logprobs is not None else None,
             **token_ids_fields(req, final.prompt_token_ids, None))
@@ -196,9 +197,8 @@ class ServingChat:
                                                   req.top_logprobs or 0,
                                                   bool(req.return_tokens_as_token_ids)))
 
-    async def _stream(self, req, model, request_id, streams, plan: ToolPlan,
+    async def _stream(self, req, model, request_id, created: int, streams, plan: ToolPlan,
                       prompt_text: str | None, thinking_first: bool | None):
-        created = int(time.time())
 
         def chunk(choices, usage=None, prompt_token_ids=None) -> str:
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,

@@ -81,6 +81,7 @@ class ServingCompletion:
         self.disable_any_whitespace = disable_any_whitespace
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
+        created = int(time.time())  # the response's, whole or streamed: the request's start
         model = self.models.resolve(req.model)
         check_stream_options(req)
         params = completion_sampling_params(req,
@@ -104,7 +105,8 @@ class ServingCompletion:
         except ClientDisconnected:
             return Response(status_code=499)
         if req.stream:
-            return StreamingResponse(self._stream(req, model, request_id, prompts, streams),
+            return StreamingResponse(self._stream(req, model, request_id, created, prompts,
+                                                  streams),
                                      media_type="text/event-stream")
         try:
             finals = await until_disconnect(raw, self._collect(streams))
@@ -112,7 +114,7 @@ class ServingCompletion:
             return Response(status_code=499)
         finally:
             abort_unfinished(self.llm, streams)
-        return JSONResponse((await self._response(req, model, request_id, prompts,
+        return JSONResponse((await self._response(req, model, request_id, created, prompts,
                                                   finals)).model_dump())
 
     async def _collect(self, streams: list[RequestStream]) -> list[RequestOutput]:
@@ -143,7 +145,7 @@ class ServingCompletion:
         return completion_logprobs(token_ids, logprobs, self.llm.tokenizer, req.logprobs,
                                    offset, as_token_ids=bool(req.return_tokens_as_token_ids))
 
-    async def _response(self, req, model, request_id, prompts,
+    async def _response(self, req, model, request_id, created: int, prompts,
                         finals: list[RequestOutput]) -> CompletionResponse:
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for i, out in enumerate(finals):
@@ -163,11 +165,10 @@ class ServingCompletion:
                     **token_ids_fields(req, out.prompt_token_ids, o.token_ids)))
         choices.sort(key=lambda c: c.index)
         cached = cached_tokens(finals, self.enable_prompt_tokens_details)
-        return CompletionResponse(id=request_id, model=model, choices=choices,
+        return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                   usage=make_usage(prompt_tokens, completion_tokens, cached))
 
-    async def _stream(self, req, model, request_id, prompts, streams):
-        created = int(time.time())
+    async def _stream(self, req, model, request_id, created: int, prompts, streams):
         prompt_tokens: dict[int, int] = {}
         completion_tokens = 0
         # choice index -> characters of its tokens so far (text_offset; text held back for a
