@@ -41,13 +41,16 @@ class RequestStream:
         self.kind = params.output_kind
         self.finished = False
         self.timer = RequestTimer(arrival_time, params.n)
+        self.num_prompt_tokens: int | None = None  # once the engine has read the prompt
         self._queue: asyncio.Queue = asyncio.Queue()
         self._merged = DeltaAccumulator()  # for CUMULATIVE / FINAL_ONLY
 
     def accepted(self, processed) -> None:
-        """The engine's reading of the request (LLMEngine.process_inputs): its metrics observe
-        the max_tokens it settled on, which is the room beside the prompt where the request set
-        none (vLLM's request_params_max_tokens observes that too)."""
+        """The engine's reading of the request (LLMEngine.process_inputs): the prompt's length
+        (what usage reports before the first output) and the max_tokens it settled on, which
+        its metrics observe: the room beside the prompt where the request set none (vLLM's
+        request_params_max_tokens observes that too)."""
+        self.num_prompt_tokens = len(processed.prompt_token_ids)
         self.timer.max_tokens = processed.params.max_tokens
 
     def put_delta(self, delta: RequestOutput) -> None:

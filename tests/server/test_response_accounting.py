@@ -70,3 +70,47 @@ def test_created_is_the_requests_start_whole_and_streamed(clocked, path):
     start = int(clock.now)
     events = sse_events(c, path, {**BODIES[path], "max_tokens": 3})
     assert {e["created"] for e in events} == {start}
+
+
+@pytest.fixture(scope="module")
+def client():
+    with TestClient(build_app(AsyncLLM(FakeEngine(max_model_len=64)), ServerSettings())) as c:
+        yield c
+
+
+CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
+
+
+def test_continuous_usage_counts_each_completion_choice_apart(client):
+    """n=2 over two prompts: a chunk's usage is its own prompt's tokens and its own choice's
+    tokens so far (vLLM's), not running totals over every choice; the last chunk sums them."""
+    events = sse_events(client, CMPL, dict(model=MODEL, prompt=["ab", "cdef"], n=2,
+                                           max_tokens=3, stream_options=CONTINUOUS))
+    seen: dict[int, int] = {}
+    for e in events[:-1]:
+        (choice,) = e["choices"]
+        seen[choice["index"]] = seen.get(choice["index"], 0) + 1  # one token a chunk here
+        prompt = 3 if choice["index"] < 2 else 5  # BOS + one id per character
+        assert e["usage"] == {"prompt_tokens": prompt, "completion_tokens": seen[choice["index"]],
+                              "total_tokens": prompt + seen[choice["index"]]}
+    assert seen == {0: 3, 1: 3, 2: 3, 3: 3}
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 4 * 3
+    assert events[-1]["usage"]["prompt_tokens"] == 3 + 5
+
+
+def test_continuous_usage_counts_each_chat_choice_apart_from_the_role_chunk_on(client):
+    """The role chunk carries usage too (the prompt, nothing generated), as vLLM's."""
+    events = sse_events(client, CHAT, {**BODIES[CHAT], "n": 2, "max_tokens": 3,
+                                       "stream_options": CONTINUOUS})
+    prompt = events[-1]["usage"]["prompt_tokens"]
+    role = events[0]
+    assert [c["delta"]["role"] for c in role["choices"]] == ["assistant", "assistant"]
+    assert role["usage"] == {"prompt_tokens": prompt, "completion_tokens": 0,
+                             "total_tokens": prompt}
+    seen: dict[int, int] = {}
+    for e in events[1:-1]:
+        (choice,) = e["choices"]
+        seen[choice["index"]] = seen.get(choice["index"], 0) + 1
+        assert e["usage"]["prompt_tokens"] == prompt
+        assert e["usage"]["completion_tokens"] == seen[choice["index"]]
+    assert seen == {0: 3, 1: 3} and events[-1]["usage"]["completion_tokens"] == 2 * 3

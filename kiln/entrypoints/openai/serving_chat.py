@@ -205,7 +205,10 @@ class ServingChat:
                                                     choices=choices, usage=usage,
                                                     prompt_token_ids=prompt_token_ids))
 
-        prompt_tokens = completion_tokens = cached = 0
+        prompt_tokens = streams[0].num_prompt_tokens or 0
+        cached = 0
+        completion_tokens: dict[int, int] = {}  # choice index -> its tokens so far
+        continuous = continuous_usage(req)
         prompt_ids_sent = False  # return_token_ids: the prompt's go in the first content chunk
         parsers = {}  # choice index -> (reasoning splitter or None, tool stream or None)
         try:
@@ -214,13 +217,15 @@ class ServingChat:
             echoed = echo_prefix(req, req.messages)
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
                                                                       content=echoed))
-                         for i in range(req.n)])
+                         for i in range(req.n)],
+                        make_usage(prompt_tokens, 0) if continuous else None)
             async for _, out in merge_streams(streams):
                 if out.prompt_token_ids:
                     prompt_tokens = len(out.prompt_token_ids)
                 cached = max(cached, out.num_cached_tokens)
                 for o in out.outputs:
-                    completion_tokens += len(o.token_ids)
+                    completion_tokens[o.index] = completion_tokens.get(o.index, 0) + \
+                        len(o.token_ids)
                     if o.index not in parsers:
                         parsers[o.index] = (
                             self._splitter(req, prompt_text, thinking_first),
@@ -235,13 +240,14 @@ class ServingChat:
                         finish_reason=_finish_reason(o.finish_reason, o.stop_reason, plan,
                                                      calls),
                         stop_reason=o.stop_reason, **token_ids_fields(req, None, o.token_ids))],
-                        make_usage(prompt_tokens, completion_tokens)
-                        if continuous_usage(req) else None,
+                        # As vLLM's: this choice's own tokens so far.
+                        make_usage(prompt_tokens, completion_tokens[o.index])
+                        if continuous else None,
                         token_ids_fields(req, out.prompt_token_ids, None).get(
                             "prompt_token_ids") if not prompt_ids_sent else None)
                     prompt_ids_sent = True
             if req.stream_options is not None and req.stream_options.include_usage:
-                yield chunk([], make_usage(prompt_tokens, completion_tokens,
+                yield chunk([], make_usage(prompt_tokens, sum(completion_tokens.values()),
                                            cached if self.enable_prompt_tokens_details
                                            else None))
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band

@@ -169,8 +169,8 @@ class ServingCompletion:
                                   usage=make_usage(prompt_tokens, completion_tokens, cached))
 
     async def _stream(self, req, model, request_id, created: int, prompts, streams):
-        prompt_tokens: dict[int, int] = {}
-        completion_tokens = 0
+        prompt_tokens: dict[int, int] = {}  # prompt index -> its tokens
+        completion_tokens: dict[int, int] = {}  # choice index -> its tokens so far
         # choice index -> characters of its tokens so far (text_offset; text held back for a
         # possible stop string is not sent yet, but its tokens' logprobs are)
         offsets: dict[int, int] = {}
@@ -192,7 +192,8 @@ class ServingCompletion:
                     if req.echo and index not in offsets:
                         text = await self._prompt_text(prompts[i], out) + text
                         echoed = with_prompt_logprobs.get(i, out)
-                    completion_tokens += len(o.token_ids)
+                    completion_tokens[index] = completion_tokens.get(index, 0) + \
+                        len(o.token_ids)
                     lp = self._logprobs(req, o, offsets.get(index, 0), echoed)
                     offsets[index] = (lp.text_offset[-1] + len(lp.tokens[-1]) if lp and lp.tokens
                                       else offsets.get(index, 0))
@@ -206,12 +207,13 @@ class ServingCompletion:
                                               **token_ids_fields(
                                                   req, out.prompt_token_ids if first_chunk
                                                   else None, o.token_ids))
-                    usage = (make_usage(sum(prompt_tokens.values()), completion_tokens)
+                    # As vLLM's: this choice's own prompt and tokens so far.
+                    usage = (make_usage(prompt_tokens.get(i, 0), completion_tokens[index])
                              if continuous_usage(req) else None)
                     yield sse(CompletionResponse(id=request_id, created=created, model=model,
                                                  choices=[choice], usage=usage))
             if req.stream_options is not None and req.stream_options.include_usage:
-                usage = make_usage(sum(prompt_tokens.values()), completion_tokens,
+                usage = make_usage(sum(prompt_tokens.values()), sum(completion_tokens.values()),
                                    sum(cached.values()) if self.enable_prompt_tokens_details
                                    else None)
                 yield sse(CompletionResponse(id=request_id, created=created, model=model,
