@@ -12,6 +12,7 @@ from kiln.config import CacheConfig
 from kiln.engine.input_processor import (
     ProcessedPrompt,
     check_logprobs_cap,
+    truncate_prompt,
     validate_prompt_token_ids,
 )
 from kiln.outputs import CompletionOutput, Logprob, RequestOutput
@@ -77,6 +78,9 @@ class FakeEngine:
             text, ids = prompt["prompt"], self.tokenizer(prompt["prompt"]).input_ids
         else:
             text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        from_text = not (isinstance(prompt, dict) and "prompt_token_ids" in prompt)
+        ids = truncate_prompt(ids, params.truncate_prompt_tokens,  # BOS kept, as the engine
+                              self.kiln_config.model_config.max_model_len, int(from_text))
         # The engine's own checks: ids within the vocabulary, room to generate.
         validate_prompt_token_ids(ids, VOCAB, self.kiln_config.model_config.max_model_len)
         check_logprobs_cap(params, self.kiln_config.model_config.logprobs_cap, VOCAB)

@@ -114,3 +114,22 @@ def test_continuous_usage_counts_each_chat_choice_apart_from_the_role_chunk_on(c
         assert e["usage"]["prompt_tokens"] == prompt
         assert e["usage"]["completion_tokens"] == seen[choice["index"]]
     assert seen == {0: 3, 1: 3} and events[-1]["usage"]["completion_tokens"] == 2 * 3
+
+
+def test_echo_of_a_truncated_prompt_is_the_text_of_its_kept_tokens(client):
+    """truncate_prompt_tokens kept the prompt's BOS and last 3 characters: the echo is their
+    text, so text, logprobs tokens and text_offset describe the same tokens; a prompt that fit
+    whole is echoed as sent."""
+    body = dict(model=MODEL, prompt="abcdefghij", max_tokens=2, truncate_prompt_tokens=4,
+                echo=True, logprobs=0)
+    whole = client.post(CMPL, json=body).json()
+    (choice,) = whole["choices"]
+    lp = choice["logprobs"]
+    assert whole["usage"]["prompt_tokens"] == 4 and len(lp["tokens"]) == 4 + 2
+    assert not choice["text"].startswith("abcdefghij")
+    assert choice["text"] == "".join(lp["tokens"])
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:k])) for k in range(6)]
+    events = sse_events(client, CMPL, body)
+    assert "".join(c["text"] for e in events for c in e["choices"]) == choice["text"]
+    fits = client.post(CMPL, json={**body, "prompt": "ab"}).json()["choices"][0]
+    assert fits["text"].startswith("ab")

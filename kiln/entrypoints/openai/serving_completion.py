@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
 from kiln.engine.async_llm import AsyncLLM, RequestStream
+from kiln.engine.input_processor import may_be_truncated
 from kiln.engine.text_encoding import encode_text
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.logprob_format import completion_logprobs
@@ -123,11 +124,15 @@ class ServingCompletion:
             finals[i] = out
         return finals
 
-    async def _prompt_text(self, prompt, out: RequestOutput) -> str:
-        if isinstance(prompt, str):
-            return prompt
-        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            return prompt["prompt"]
+    async def _prompt_text(self, req: CompletionRequest, prompt, out: RequestOutput) -> str:
+        """The prompt as echo writes it: the text sent, where the engine read all of it; else
+        the text of the tokens it read (token ids sent, or a text truncate_prompt_tokens cut,
+        whose echo must be the tokens its logprobs and text_offset describe)."""
+        text = prompt if isinstance(prompt, str) else (
+            prompt.get("prompt") if isinstance(prompt, dict) else None)
+        if isinstance(text, str) and not may_be_truncated(
+                len(out.prompt_token_ids), req.truncate_prompt_tokens, self.llm.max_model_len):
+            return text
         return await self.llm.run_in_engine(self.llm.tokenizer.decode, out.prompt_token_ids)
 
     def _logprobs(self, req: CompletionRequest, o: CompletionOutput, offset: int,
@@ -150,7 +155,7 @@ class ServingCompletion:
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for i, out in enumerate(finals):
             prompt_tokens += len(out.prompt_token_ids)
-            prefix = await self._prompt_text(prompts[i], out) if req.echo else ""
+            prefix = await self._prompt_text(req, prompts[i], out) if req.echo else ""
             for o in out.outputs:
                 o = _as_answered(req, o)
                 completion_tokens += len(o.token_ids)
@@ -190,7 +195,7 @@ class ServingCompletion:
                     index = i * req.n + o.index
                     text, echoed = o.text, None
                     if req.echo and index not in offsets:
-                        text = await self._prompt_text(prompts[i], out) + text
+                        text = await self._prompt_text(req, prompts[i], out) + text
                         echoed = with_prompt_logprobs.get(i, out)
                     completion_tokens[index] = completion_tokens.get(index, 0) + \
                         len(o.token_ids)
