@@ -33,13 +33,14 @@ class IterationStats:
     finished_reasons: list[str] = field(default_factory=list)
     request_prompt_tokens: list[int] = field(default_factory=list)  # not for aborts
     request_generation_tokens: list[int] = field(default_factory=list)  # not for aborts
-    request_params_max_tokens: list[int] = field(default_factory=list)  # where one was set
+    request_params_max_tokens: list[int] = field(default_factory=list)  # the engine's
     # Finished user requests, once all their samples are: one entry each.
     request_max_generation_tokens: list[int] = field(default_factory=list)  # longest sample's
     request_params_n: list[int] = field(default_factory=list)
     # Finished samples that produced a token: first -> last token.
     request_decode_times: list[float] = field(default_factory=list)
-    # Finished samples that were scheduled and produced a token, not aborted ones (as vLLM).
+    # Finished samples that were scheduled and produced a token, not aborted or failed ones
+    # (as vLLM).
     request_queue_times: list[float] = field(default_factory=list)  # arrival -> scheduled
     request_prefill_times: list[float] = field(default_factory=list)  # scheduled -> first token
     request_inference_times: list[float] = field(default_factory=list)  # scheduled -> last token

@@ -199,13 +199,12 @@ class ServingChat:
 
     async def _stream(self, req, model, request_id, created: int, streams, plan: ToolPlan,
                       prompt_text: str | None, thinking_first: bool | None):
-
         def chunk(choices, usage=None, prompt_token_ids=None) -> str:
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
                                                     choices=choices, usage=usage,
                                                     prompt_token_ids=prompt_token_ids))
 
-        prompt_tokens = streams[0].num_prompt_tokens or 0
+        prompt_tokens = streams[0].num_prompt_tokens  # the role chunk's usage needs it first
         cached = 0
         completion_tokens: dict[int, int] = {}  # choice index -> its tokens so far
         continuous = continuous_usage(req)
@@ -220,8 +219,6 @@ class ServingChat:
                          for i in range(req.n)],
                         make_usage(prompt_tokens, 0) if continuous else None)
             async for _, out in merge_streams(streams):
-                if out.prompt_token_ids:
-                    prompt_tokens = len(out.prompt_token_ids)
                 cached = max(cached, out.num_cached_tokens)
                 for o in out.outputs:
                     completion_tokens[o.index] = completion_tokens.get(o.index, 0) + \
