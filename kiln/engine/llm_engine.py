@@ -225,30 +225,33 @@ class LLMEngine:
     def _count_tokens(self, steps: list[list]) -> list[int]:
         """Count the tokens of core steps' outputs (one list per step) before the output
         processor sees them; returns each step's prompt + generated tokens, for every step with
-        an output (as vLLM observes iteration tokens: a step of a partial prefill sends none).
+        an output the user sees (as vLLM observes iteration tokens: a step of a partial prefill
+        sends none; nor does one that only finished requests aborted meanwhile count here).
         A sample with no tokens yet is prefilled now. One batch can hold several steps' outputs
         of a sample (the core ran ahead of this loop), all before the output processor has given
         it any token: its prompt counts once, in its first step."""
         prefilled = set()
         totals = []
         for outputs in steps:
-            if not outputs:
-                continue
-            tokens = 0
+            seen, tokens = False, 0
             for out in outputs:
                 entry = self.output_processor.samples.get(out.request_id)
-                if entry is None or not out.new_token_ids:
-                    continue  # aborted, or ended by a stop string: the user never sees these
+                if entry is None or entry[1].finished:
+                    # Aborted, or ended by a stop string (the output processor drops its late
+                    # tokens too): the user never sees these.
+                    continue
+                seen = True
                 state, sample = entry
-                if sample.finished:
-                    continue  # a stop string ended it; the output processor drops these too
+                if not out.new_token_ids:
+                    continue
                 if not sample.token_ids and out.request_id not in prefilled:
                     prefilled.add(out.request_id)
                     self.num_prompt_tokens += len(state.prompt_token_ids)
                     tokens += len(state.prompt_token_ids)
                 self.num_generation_tokens += len(out.new_token_ids)
                 tokens += len(out.new_token_ids)
-            totals.append(tokens)
+            if seen:
+                totals.append(tokens)
         return totals
 
     def add_death_callback(self, callback) -> None:
