@@ -41,6 +41,9 @@ class CompletionOutput:
 class RequestMetrics:
     """Timestamps the core recorded for a request, in time.monotonic() seconds (as arrival)."""
     first_scheduled_time: float | None = None  # earliest over the request's samples
+    # Each sample's own, by sample index (None until scheduled): the samples of an n > 1
+    # request are scheduled apart, and the server's metrics time each sample from its own.
+    sample_first_scheduled_times: tuple[float | None, ...] = ()
 
 
 @dataclass

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from kiln.engine.frontend_lanes import FrontendLanes
-from kiln.engine.output_merge import DeltaAccumulator, num_new_tokens
+from kiln.engine.output_merge import DeltaAccumulator
 from kiln.engine.request_stats import IterationStats, RequestTimer, StatLogger
 from kiln.logger import init_logger
 from kiln.outputs import RequestOutput
@@ -40,9 +40,18 @@ class RequestStream:
         self.request_id = request_id
         self.kind = params.output_kind
         self.finished = False
-        self.timer = RequestTimer(arrival_time, params.n, params.max_tokens)
+        self.timer = RequestTimer(arrival_time, params.n)
+        self.num_prompt_tokens: int | None = None  # once the engine has read the prompt
         self._queue: asyncio.Queue = asyncio.Queue()
         self._merged = DeltaAccumulator()  # for CUMULATIVE / FINAL_ONLY
+
+    def accepted(self, processed) -> None:
+        """The engine's reading of the request (LLMEngine.process_inputs): the prompt's length
+        (what usage reports before the first output) and the max_tokens it settled on, which
+        its metrics observe: the room beside the prompt where the request set none (vLLM's
+        request_params_max_tokens observes that too)."""
+        self.num_prompt_tokens = len(processed.prompt_token_ids)
+        self.timer.max_tokens = processed.params.max_tokens
 
     def put_delta(self, delta: RequestOutput) -> None:
         """Feed one DELTA output from the engine; emit what this stream's kind wants."""
@@ -218,6 +227,7 @@ class AsyncLLM:
                 processed = await self.process_inputs(prompt, params,
                                                       max_tokens_must_fit=max_tokens_must_fit)
             self._check_alive()
+            stream.accepted(processed)
             await self._on_engine_thread(self.engine.add_processed_request, request_id,
                                          processed, arrival_time)
         except ValueError:
@@ -274,8 +284,7 @@ class AsyncLLM:
 
     def _record_abort(self, stream: RequestStream) -> None:
         stats = IterationStats()
-        stats.finished_reasons.append("abort")
-        stats.e2e_latencies.append(time.monotonic() - stream.timer.arrival_time)
+        stream.timer.observe_abort(time.monotonic(), stats)
         for sl in self.stat_loggers:
             sl.record(stats, self.last_stats)
 
@@ -300,9 +309,10 @@ class AsyncLLM:
                                                                      name="kiln-engine-loop")
         self._wake.set()
 
-    def _step(self) -> tuple[list[RequestOutput], bool, dict]:
+    def _step(self) -> tuple[list[RequestOutput], list[int], bool, dict]:
         outputs = self.engine.step()
-        return outputs, self.engine.has_unfinished_requests(), self.engine.step_stats()
+        return (outputs, list(self.engine.last_step_tokens),
+                self.engine.has_unfinished_requests(), self.engine.step_stats())
 
     async def _run_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -313,23 +323,24 @@ class AsyncLLM:
                 self._wake.clear()
                 more = True
                 while more and not self._closed:
-                    outputs, more, self.last_stats = await loop.run_in_executor(self._pool,
-                                                                                self._step)
-                    self._dispatch(outputs)
+                    outputs, step_tokens, more, self.last_stats = await loop.run_in_executor(
+                        self._pool, self._step)
+                    self._dispatch(outputs, step_tokens)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - every waiter must learn the engine died
             logger.exception("engine step loop failed; failing all in-flight requests")
             self._fail_all(e)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], step_tokens: list[int]) -> None:
+        """`step_tokens`: the engine's last_step_tokens (none for a poll that found no step)."""
         now = time.monotonic()
-        stats = IterationStats(engine_step=True)
+        stats = IterationStats(step_tokens=step_tokens)
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted while the step ran
                 continue
-            stream.timer.observe(out, num_new_tokens(out), now, stats)
+            stream.timer.observe(out, now, stats)
             stream.put_delta(out)
             if out.finished:
                 del self._streams[out.request_id]

@@ -80,8 +80,9 @@ class InprocCoreClient:
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> None:
         self.core.finish_requests(req_ids, status)
 
-    def step(self) -> list[EngineCoreOutput]:
-        return self.core.step()
+    def step(self) -> list[list[EngineCoreOutput]]:
+        """One core step's outputs, as a list of one step (CoreProcClient.step's shape)."""
+        return [self.core.step()]
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
@@ -336,9 +337,10 @@ class CoreProcClient:
     def has_unfinished_requests(self) -> bool:
         return bool(self._unfinished)
 
-    def step(self) -> list[EngineCoreOutput]:
-        """Outputs of every core step since the last call, waiting up to _STEP_WAIT_MS for one
-        ([] then: the caller may queue work and call again)."""
+    def step(self) -> list[list[EngineCoreOutput]]:
+        """Outputs of every core step since the last call, one list per core step (a core
+        that ran ahead sent several: the step metrics observe each apart), waiting up to
+        _STEP_WAIT_MS for one ([] then: the caller may queue work and call again)."""
         if not self._pending:
             message = self._recv(_STEP_WAIT_MS)
             self._take(message)
@@ -347,15 +349,15 @@ class CoreProcClient:
             if message is None:
                 break
             self._take(message)
-        outputs: list[EngineCoreOutput] = []
+        steps: list[list[EngineCoreOutput]] = []
         while self._pending:
             message = self._pending.popleft()
-            outputs.extend(message.outputs)
+            steps.append(message.outputs)
             self._last_stats = message.stats
-        for out in outputs:
-            if out.finished:
-                self._unfinished.discard(out.request_id)
-        return outputs
+            for out in message.outputs:
+                if out.finished:
+                    self._unfinished.discard(out.request_id)
+        return steps
 
     def _call(self, method: str, *args):
         call_id = next(self._call_ids)

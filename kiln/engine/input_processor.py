@@ -44,12 +44,26 @@ def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None,
     BOS: HF's left truncation, which vLLM's tokenizing does, keeps them)."""
     if truncate_prompt_tokens is None:
         return token_ids
-    keep = max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    keep = truncation_length(truncate_prompt_tokens, max_model_len)
     if len(token_ids) <= keep:
         return token_ids
     if 0 < head < keep:
         return token_ids[:head] + token_ids[len(token_ids) - keep + head:]
     return token_ids[-keep:]
+
+
+def truncation_length(truncate_prompt_tokens: int, max_model_len: int) -> int:
+    """How many tokens truncate_prompt_tokens keeps of a longer prompt."""
+    return max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+
+
+def may_be_truncated(num_prompt_tokens: int, truncate_prompt_tokens: int | None,
+                     max_model_len: int) -> bool:
+    """Whether the engine's prompt of `num_prompt_tokens` may be a truncated one: a cut prompt
+    keeps exactly truncation_length tokens (one that fit whole may be as long, and then its
+    tokens say the same as its text)."""
+    return (truncate_prompt_tokens is not None
+            and num_prompt_tokens == truncation_length(truncate_prompt_tokens, max_model_len))
 
 
 def special_prefix_len(tokenizer) -> int:

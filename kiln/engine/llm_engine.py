@@ -96,6 +96,9 @@ class LLMEngine:
         # a prompt once per sample, when that sample's first token shows its prefill is done.
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        # Prompt + generated tokens of each core step the last step() took in that had outputs
+        # (vLLM's iteration_tokens_total observes one value per such step).
+        self.last_step_tokens: list[int] = []
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, served: bool = False) -> "LLMEngine":
@@ -207,32 +210,49 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         core = self._core()
+        self.last_step_tokens = []
         if not core.has_unfinished_requests():
             return []
-        core_outputs = core.step()
-        self._count_tokens(core_outputs)
+        steps = core.step()
+        self.last_step_tokens = self._count_tokens(steps)
+        core_outputs = [out for outputs in steps for out in outputs]
         processed = self.output_processor.process_outputs(core_outputs)
         if processed.reqs_to_finish:
             # Stop strings are found here, not in the core: release those requests' blocks now.
             core.finish_requests(processed.reqs_to_finish, RequestStatus.FINISHED_STOPPED)
         return processed.request_outputs
 
-    def _count_tokens(self, core_outputs) -> None:
-        """Before the output processor sees them: a sample with no tokens yet is prefilled now.
-        One batch can hold several steps' outputs of a sample (the core ran ahead of this loop),
-        all before the output processor has given it any token: its prompt counts once."""
+    def _count_tokens(self, steps: list[list]) -> list[int]:
+        """Count the tokens of core steps' outputs (one list per step) before the output
+        processor sees them; returns each step's prompt + generated tokens, for every step with
+        an output the user sees (as vLLM observes iteration tokens: a step of a partial prefill
+        sends none; nor does one that only finished requests aborted meanwhile count here).
+        A sample with no tokens yet is prefilled now. One batch can hold several steps' outputs
+        of a sample (the core ran ahead of this loop), all before the output processor has given
+        it any token: its prompt counts once, in its first step."""
         prefilled = set()
-        for out in core_outputs:
-            entry = self.output_processor.samples.get(out.request_id)
-            if entry is None or not out.new_token_ids:
-                continue  # aborted, or ended by a stop string: the user never sees these
-            state, sample = entry
-            if sample.finished:
-                continue  # a stop string ended it; the output processor drops late tokens too
-            if not sample.token_ids and out.request_id not in prefilled:
-                prefilled.add(out.request_id)
-                self.num_prompt_tokens += len(state.prompt_token_ids)
-            self.num_generation_tokens += len(out.new_token_ids)
+        totals = []
+        for outputs in steps:
+            seen, tokens = False, 0
+            for out in outputs:
+                entry = self.output_processor.samples.get(out.request_id)
+                if entry is None or entry[1].finished:
+                    # Aborted, or ended by a stop string (the output processor drops its late
+                    # tokens too): the user never sees these.
+                    continue
+                seen = True
+                state, sample = entry
+                if not out.new_token_ids:
+                    continue
+                if not sample.token_ids and out.request_id not in prefilled:
+                    prefilled.add(out.request_id)
+                    self.num_prompt_tokens += len(state.prompt_token_ids)
+                    tokens += len(state.prompt_token_ids)
+                self.num_generation_tokens += len(out.new_token_ids)
+                tokens += len(out.new_token_ids)
+            if seen:
+                totals.append(tokens)
+        return totals
 
     def add_death_callback(self, callback) -> None:
         """`callback(error)` runs (on another thread) if the core process dies unasked."""

@@ -10,11 +10,6 @@ from dataclasses import dataclass, field
 from kiln.outputs import CompletionOutput, RequestOutput
 
 
-def num_new_tokens(delta: RequestOutput) -> int:
-    """Tokens a DELTA output carries, over all its samples."""
-    return sum(len(o.token_ids) for o in delta.outputs)
-
-
 @dataclass
 class _Sample:
     index: int

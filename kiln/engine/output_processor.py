@@ -85,10 +85,17 @@ class RequestState:
     prompt_logprobs_sent: bool = False  # DELTA outputs carry them once
     metrics: RequestMetrics | None = None  # immutable: replaced, never changed under a reader
 
-    def note_scheduled(self, first_scheduled_time: float) -> None:
-        """A sample's first scheduling; the request's is its earliest sample's."""
-        if self.metrics is None or first_scheduled_time < self.metrics.first_scheduled_time:
-            self.metrics = RequestMetrics(first_scheduled_time=first_scheduled_time)
+    def note_scheduled(self, index: int, first_scheduled_time: float) -> None:
+        """Sample `index`'s first scheduling (every output of it repeats the stamp); the
+        request's is its earliest sample's."""
+        times = (self.metrics.sample_first_scheduled_times if self.metrics is not None
+                 else (None,) * len(self.samples))
+        if times[index] is not None:
+            return
+        times = times[:index] + (first_scheduled_time,) + times[index + 1:]
+        self.metrics = RequestMetrics(
+            first_scheduled_time=min(t for t in times if t is not None),
+            sample_first_scheduled_times=times)
 
     @property
     def finished(self) -> bool:
@@ -198,7 +205,7 @@ class OutputProcessor:
             if self._update_sample(sample, out):
                 to_abort.append(sample.core_id)
             if out.first_scheduled_time is not None:
-                state.note_scheduled(out.first_scheduled_time)
+                state.note_scheduled(sample.index, out.first_scheduled_time)
             if out.num_cached_tokens and sample.index == 0:
                 state.num_cached_tokens = out.num_cached_tokens
             # Every sample computes them (each may start first); the first to arrive is kept.

@@ -1,36 +1,46 @@
 """Per-request latency and token bookkeeping (TTFT, inter-token latency, phases, sizes) for stat
 loggers.
 
-`AsyncLLM` fills one `IterationStats` per engine step and hands it to every `StatLogger`.
-Token counts follow vLLM: each of a request's n samples prefills the prompt, so its prompt
-counts once per sample, when that sample's first token arrives; a request finishes once.
-Phases follow vLLM v1, from the core's first-scheduled time (a preemption does not reset it):
-queue = arrival -> first scheduled, prefill = first scheduled -> first token, inference = first
-scheduled -> last token; so queue + prefill = TTFT and inference = prefill + decode.
+`AsyncLLM` fills one `IterationStats` per batch of engine steps and hands it to every
+`StatLogger`. Units follow vLLM v1, which runs each of a request's n samples as a child request:
+each sample is a finished request of its own (success by its own finish reason, e2e, TTFT,
+phases, prompt and generated tokens, max_tokens), and its prompt counts as prefilled when its
+first token arrives; only `n` and the longest sample's tokens are the user request's, observed
+once when all its samples finished.
+Phases follow vLLM v1, from the core's first-scheduled time of the sample (a preemption does not
+reset it): queue = arrival -> first scheduled, prefill = first scheduled -> first token,
+inference = first scheduled -> last token; so queue + prefill = TTFT and inference = prefill +
+decode.
 """
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kiln.outputs import RequestOutput
+from kiln.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
 @dataclass
 class IterationStats:
-    engine_step: bool = False  # one engine step's outputs (else an abort's bookkeeping)
+    # Prompt + generated tokens of each engine core step with outputs that this batch took in
+    # (the engine's last_step_tokens): none for a poll that found no step, or an abort.
+    step_tokens: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0  # prompt once per sample that produced its first token
     num_generation_tokens: int = 0
-    time_to_first_tokens: list[float] = field(default_factory=list)  # seconds, per request
+    time_to_first_tokens: list[float] = field(default_factory=list)  # seconds, per sample
     inter_token_latencies: list[float] = field(default_factory=list)  # seconds, per sample
-    # Finished requests (user requests, not samples): one entry each, in the same order.
+    # Finished samples (a request of n finishes n times, as vLLM's child requests): one entry
+    # each, in the same order.
     e2e_latencies: list[float] = field(default_factory=list)  # seconds
     finished_reasons: list[str] = field(default_factory=list)
     request_prompt_tokens: list[int] = field(default_factory=list)  # not for aborts
     request_generation_tokens: list[int] = field(default_factory=list)  # not for aborts
+    request_params_max_tokens: list[int] = field(default_factory=list)  # the engine's
+    # Finished user requests, once all their samples are: one entry each.
     request_max_generation_tokens: list[int] = field(default_factory=list)  # longest sample's
     request_params_n: list[int] = field(default_factory=list)
-    request_params_max_tokens: list[int] = field(default_factory=list)  # where one was set
-    request_decode_times: list[float] = field(default_factory=list)  # first -> last token
-    # Finished requests that were scheduled and produced a token, not aborted ones (as vLLM).
+    # Finished samples that produced a token: first -> last token.
+    request_decode_times: list[float] = field(default_factory=list)
+    # Finished samples that were scheduled and produced a token, not aborted or failed ones
+    # (as vLLM).
     request_queue_times: list[float] = field(default_factory=list)  # arrival -> scheduled
     request_prefill_times: list[float] = field(default_factory=list)  # scheduled -> first token
     request_inference_times: list[float] = field(default_factory=list)  # scheduled -> last token
@@ -40,80 +50,103 @@ class StatLogger(Protocol):
     def record(self, iteration: IterationStats, engine_stats: dict) -> None: ...
 
 
+def finished_reason(out: CompletionOutput) -> str:
+    """A finished sample's request_success label: its finish reason, or "error" (vLLM v1's
+    label) where the engine ended it for a reason of its own (CompletionOutput.error: its
+    grammar allowed no token, the KV cache can never hold it), which the API reports as
+    request_failed; a caller's abort stays "abort"."""
+    return "error" if out.error is not None else out.finish_reason
+
+
+@dataclass
+class _SampleTimes:
+    """One sample's tokens so far and when they arrived."""
+    first_token: float | None = None
+    last_token: float | None = None
+    num_tokens: int = 0
+    finished: bool = False
+
+
 class RequestTimer:
     """Times one request's outputs; writes what it saw this step into an IterationStats."""
 
     def __init__(self, arrival_time: float, n: int = 1, max_tokens: int | None = None):
-        """`n`, `max_tokens`: the request's sampling parameters, observed when it finishes."""
+        """`n`: the request's; `max_tokens`: the engine's, after it filled an unset one with
+        the room beside the prompt (RequestStream.accepted sets it); observed at the end."""
         self.arrival_time = arrival_time
         self.n = n
         self.max_tokens = max_tokens
-        self.first_token_time: float | None = None  # of the request (any sample)
-        self.last_token_time: float | None = None
-        self.first_scheduled_time: float | None = None  # from the core, via RequestOutput.metrics
-        self._sample_last_token: dict[int, float] = {}  # by sample index
-        self._sample_tokens: dict[int, int] = {}  # generated tokens, by sample index
-        self._finish_reasons: dict[int, str] = {}
         self.num_prompt_tokens = 0
+        self._metrics: RequestMetrics | None = None  # the core's stamps, latest output's
+        self._samples = [_SampleTimes() for _ in range(n)]
 
-    def observe(self, delta: RequestOutput, new_tokens: int, now: float,
-                stats: IterationStats) -> None:
-        """`delta` is a DELTA output (only new tokens); `new_tokens` is their total."""
-        prompt_len = len(delta.prompt_token_ids or [])
-        scheduled = delta.metrics.first_scheduled_time if delta.metrics is not None else None
-        if scheduled is not None and (self.first_scheduled_time is None
-                                      or scheduled < self.first_scheduled_time):
-            self.first_scheduled_time = scheduled
+    def observe(self, delta: RequestOutput, now: float, stats: IterationStats) -> None:
+        """`delta` is a DELTA output (only new tokens) that arrived at `now`."""
+        if delta.prompt_token_ids:
+            self.num_prompt_tokens = len(delta.prompt_token_ids)
+        self._metrics = delta.metrics or self._metrics
         for out in delta.outputs:
-            if out.finish_reason:
-                self._finish_reasons[out.index] = out.finish_reason
-            if not out.token_ids:
-                continue
-            self._sample_tokens[out.index] = self._sample_tokens.get(out.index, 0) + \
-                len(out.token_ids)
-            stats.num_generation_tokens += len(out.token_ids)
-            last = self._sample_last_token.get(out.index)
-            if last is None:  # this sample's prefill ended
-                stats.num_prompt_tokens += prompt_len
-                self.num_prompt_tokens = prompt_len
-            else:
-                stats.inter_token_latencies.append(now - last)
-            # Tokens of several core steps that arrive in one delta (the front end caught up)
-            # reach the client together: one sample per token, as a streaming client times them.
-            if len(out.token_ids) > 1:
-                stats.inter_token_latencies.extend([0.0] * (len(out.token_ids) - 1))
-            self._sample_last_token[out.index] = now
-        if new_tokens > 0:
-            if self.first_token_time is None:
-                self.first_token_time = now
-                stats.time_to_first_tokens.append(now - self.arrival_time)
-            self.last_token_time = now
+            sample = self._samples[out.index]
+            if out.token_ids:
+                self._observe_tokens(sample, len(out.token_ids), now, stats)
+            if out.finish_reason and not sample.finished:
+                sample.finished = True
+                self._observe_finished(out.index, finished_reason(out), now, stats)
         if delta.finished:
-            stats.e2e_latencies.append(now - self.arrival_time)
-            # The request's reason is its first sample's, whichever sample ended last.
-            reason = self._finish_reasons[min(self._finish_reasons)] \
-                if self._finish_reasons else "stop"
-            stats.finished_reasons.append(reason)
-            stats.request_prompt_tokens.append(self.num_prompt_tokens or prompt_len)
-            stats.request_generation_tokens.append(sum(self._sample_tokens.values()))
-            stats.request_max_generation_tokens.append(max(self._sample_tokens.values(),
-                                                           default=0))
             stats.request_params_n.append(self.n)
-            if self.max_tokens is not None:
-                stats.request_params_max_tokens.append(self.max_tokens)
-            if self.first_token_time is not None:
-                stats.request_decode_times.append(self.last_token_time - self.first_token_time)
-            self._record_phases(reason, stats)
+            stats.request_max_generation_tokens.append(max(s.num_tokens for s in self._samples))
 
-    def _record_phases(self, reason: str, stats: IterationStats) -> None:
-        """Queue / prefill / inference of a finished request; none for an abort, or for a
-        request never scheduled or without a token (nothing to measure them to)."""
-        scheduled = self.first_scheduled_time
-        if reason == "abort" or scheduled is None or self.first_token_time is None:
+    def observe_abort(self, now: float, stats: IterationStats) -> None:
+        """The caller aborted the request: each sample still running ends as an abort (its
+        latency only, as nothing more of it is known)."""
+        for sample in self._samples:
+            if not sample.finished:
+                sample.finished = True
+                stats.finished_reasons.append("abort")
+                stats.e2e_latencies.append(now - self.arrival_time)
+
+    def _observe_tokens(self, sample: _SampleTimes, count: int, now: float,
+                        stats: IterationStats) -> None:
+        stats.num_generation_tokens += count
+        if sample.first_token is None:  # this sample's prefill ended
+            sample.first_token = now
+            stats.num_prompt_tokens += self.num_prompt_tokens
+            stats.time_to_first_tokens.append(now - self.arrival_time)
+        else:
+            stats.inter_token_latencies.append(now - sample.last_token)
+        # Tokens of several core steps that arrive in one delta (the front end caught up)
+        # reach the client together: one sample per token, as a streaming client times them.
+        stats.inter_token_latencies.extend([0.0] * (count - 1))
+        sample.last_token = now
+        sample.num_tokens += count
+
+    def _observe_finished(self, index: int, reason: str, now: float,
+                          stats: IterationStats) -> None:
+        sample = self._samples[index]
+        stats.e2e_latencies.append(now - self.arrival_time)
+        stats.finished_reasons.append(reason)
+        stats.request_prompt_tokens.append(self.num_prompt_tokens)
+        stats.request_generation_tokens.append(sample.num_tokens)
+        if self.max_tokens is not None:
+            stats.request_params_max_tokens.append(self.max_tokens)
+        if sample.first_token is None:
+            return
+        stats.request_decode_times.append(sample.last_token - sample.first_token)
+        # Phases: none for an abort or an error, or for a sample never scheduled (nothing to
+        # measure from).
+        scheduled = self._first_scheduled(index)
+        if reason in ("abort", "error") or scheduled is None:
             return
         stats.request_queue_times.append(scheduled - self.arrival_time)
-        stats.request_prefill_times.append(self.first_token_time - scheduled)
-        stats.request_inference_times.append(self.last_token_time - scheduled)
+        stats.request_prefill_times.append(sample.first_token - scheduled)
+        stats.request_inference_times.append(sample.last_token - scheduled)
+
+    def _first_scheduled(self, index: int) -> float | None:
+        metrics = self._metrics
+        if metrics is None:
+            return None
+        per_sample = metrics.sample_first_scheduled_times
+        return per_sample[index] if index < len(per_sample) else metrics.first_scheduled_time
 
 
 class LoggingStatLogger:

@@ -9,7 +9,12 @@ import time
 from types import SimpleNamespace
 
 from kiln.config import CacheConfig
-from kiln.engine.input_processor import check_logprobs_cap, validate_prompt_token_ids
+from kiln.engine.input_processor import (
+    ProcessedPrompt,
+    check_logprobs_cap,
+    truncate_prompt,
+    validate_prompt_token_ids,
+)
 from kiln.outputs import CompletionOutput, Logprob, RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -49,6 +54,7 @@ class FakeEngine:
         self.shut_down = False
         self.busy = threading.Lock()  # proves no two engine calls overlap
         self.fail_next_step = False
+        self.last_step_tokens: list[int] = []  # as LLMEngine's: one step a call
 
     @contextlib.contextmanager
     def _exclusive(self):
@@ -72,6 +78,9 @@ class FakeEngine:
             text, ids = prompt["prompt"], self.tokenizer(prompt["prompt"]).input_ids
         else:
             text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        from_text = not (isinstance(prompt, dict) and "prompt_token_ids" in prompt)
+        ids = truncate_prompt(ids, params.truncate_prompt_tokens,  # BOS kept, as the engine
+                              self.kiln_config.model_config.max_model_len, int(from_text))
         # The engine's own checks: ids within the vocabulary, room to generate.
         validate_prompt_token_ids(ids, VOCAB, self.kiln_config.model_config.max_model_len)
         check_logprobs_cap(params, self.kiln_config.model_config.logprobs_cap, VOCAB)
@@ -80,15 +89,19 @@ class FakeEngine:
         if max_tokens_must_fit and params.max_tokens is not None and params.max_tokens > room:
             raise ValueError(f"max_tokens {params.max_tokens} is too large: {room} left of "
                              "max_model_len")
-        return dict(prompt=text, ids=ids, params=params, k=0,
-                    max_tokens=min(params.max_tokens or room, room),
-                    out=[[] for _ in range(params.n)])
+        params = params.clone()
+        params.max_tokens = min(params.max_tokens or room, room)  # as clip_max_tokens
+        return ProcessedPrompt(prompt=text, prompt_token_ids=ids, params=params)
 
     def add_processed_request(self, request_id, processed, arrival_time=None):
         with self._exclusive():
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self.requests[request_id] = processed
+            params = processed.params
+            self.requests[request_id] = dict(prompt=processed.prompt,
+                                             ids=processed.prompt_token_ids, params=params,
+                                             k=0, max_tokens=params.max_tokens,
+                                             out=[[] for _ in range(params.n)])
 
     def abort_request(self, request_ids):
         with self._exclusive():
@@ -106,8 +119,11 @@ class FakeEngine:
             if self.step_delay:
                 time.sleep(self.step_delay)
             outputs = []
+            tokens = 0
             for rid, req in list(self.requests.items()):
                 params = req["params"]
+                # Each sample's first token ends its prefill; each sample makes one token.
+                tokens += params.n * ((len(req["ids"]) if req["k"] == 0 else 0) + 1)
                 samples = []
                 for i in range(params.n):
                     tid = self._token(req, i)
@@ -141,6 +157,7 @@ class FakeEngine:
                                              prompt_logprobs=prompt_lps))
                 if finished:
                     del self.requests[rid]
+            self.last_step_tokens = [tokens] if outputs else []
             return outputs
 
     def has_unfinished_requests(self):

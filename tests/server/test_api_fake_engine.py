@@ -77,7 +77,8 @@ def test_continuous_usage_stats_on_every_chunk(client, path, body):
                                        "stream_options": {"include_usage": True,
                                                           "continuous_usage_stats": True}})
     chunks = [e for e in events if e["choices"] and "usage" in e and e["usage"]]
-    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3, 4]
+    role_chunk = [0] if "messages" in body else []  # chat's first chunk: the role, 0 tokens
+    assert [c["usage"]["completion_tokens"] for c in chunks] == role_chunk + [1, 2, 3, 4]
     assert events[-1]["choices"] == [] and events[-1]["usage"] == chunks[-1]["usage"]
     plain = sse_events(client, path, {**body, "model": MODEL, "max_tokens": 4, "stream": True,
                                       "stream_options": {"include_usage": True}})

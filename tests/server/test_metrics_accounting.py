@@ -20,9 +20,20 @@ class CountingEngine(FakeEngine):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.totals = dict(prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0)
+        self.fail_with: str | None = None  # an error that ends every request at its next step
 
     def get_stats(self):
         return {**super().get_stats(), **self.totals}
+
+    def step(self):
+        outputs = super().step()
+        if self.fail_with is not None:  # as the core ends a request it cannot serve
+            for out in outputs:
+                for o in out.outputs:
+                    o.finish_reason, o.error = "abort", self.fail_with
+                out.finished = True
+                self.requests.pop(out.request_id, None)
+        return outputs
 
 
 @pytest.fixture()
@@ -54,7 +65,7 @@ def test_success_labels_exist_from_the_start(server):
     """A dashboard's rate() over request_success{finished_reason="abort"} needs the series at 0."""
     c, _, _ = server
     s = samples(c)
-    for reason in ("stop", "length", "abort"):
+    for reason in ("stop", "length", "abort", "error"):
         assert s[f"kiln:request_success_total{{{reason}}}"] == 0
 
 
@@ -82,9 +93,10 @@ def test_one_request_ground_truth(server):
     assert after["kiln:kv_cache_usage_perc"] == 0
 
 
-def test_n_samples_prefill_the_prompt_each_and_count_one_request(server):
-    """As vLLM: each of the n samples is prefilled, so prompt tokens count n times; the user
-    request succeeds once; every sample's token gaps are inter-token latencies."""
+def test_n_samples_each_count_as_a_finished_request(server):
+    """As vLLM v1, which runs each of the n samples as a child request: each is prefilled (its
+    prompt counts n times), succeeds, and has its own TTFT, e2e, prompt and generated tokens
+    and max_tokens; only n and the longest sample's tokens are observed once per request."""
     c, _, _ = server
     before = samples(c)
     r = c.post("/v1/completions", json=dict(model=MODEL, prompt=PROMPT, max_tokens=3, n=2))
@@ -93,10 +105,50 @@ def test_n_samples_prefill_the_prompt_each_and_count_one_request(server):
     assert d["kiln:prompt_tokens_total"] == 2 * 4
     assert d["kiln:generation_tokens_total"] == 2 * 3
     assert d["kiln:inter_token_latency_seconds_count"] == 2 * (3 - 1)
-    assert d["kiln:time_to_first_token_seconds_count"] == 1
+    assert d["kiln:time_to_first_token_seconds_count"] == 2
+    assert d["kiln:request_success_total{length}"] == 2
+    assert d["kiln:e2e_request_latency_seconds_count"] == 2
+    assert d["kiln:request_prompt_tokens_count"] == 2
+    assert d["kiln:request_prompt_tokens_sum"] == 2 * 4
+    assert d["kiln:request_generation_tokens_count"] == 2
+    assert d["kiln:request_generation_tokens_sum"] == 6  # 3 each
+    assert d["kiln:request_decode_time_seconds_count"] == 2
+    assert d["kiln:request_params_max_tokens_count"] == 2
+    assert d["kiln:request_params_n_count"] == 1 and d["kiln:request_params_n_sum"] == 2
+    assert d["kiln:request_max_num_generation_tokens_count"] == 1
+    assert d["kiln:request_max_num_generation_tokens_sum"] == 3
+
+
+def test_each_sample_is_labelled_by_its_own_finish_reason(server):
+    """n=2 where a stop string ends one sample and max_tokens the other: one success each."""
+    c, _, _ = server
+    first = c.post("/v1/completions", json=dict(model=MODEL, prompt=PROMPT, max_tokens=3, n=2)
+                   ).json()["choices"]
+    texts = {ch["index"]: ch["text"].split() for ch in first}
+    assert not set(texts[0]) & set(texts[1])  # the stop string below is in sample 0 alone
+    before = samples(c)
+    r = c.post("/v1/completions", json=dict(model=MODEL, prompt=PROMPT, max_tokens=3, n=2,
+                                            stop=[texts[0][0]]))
+    reasons = {ch["index"]: ch["finish_reason"] for ch in r.json()["choices"]}
+    assert reasons == {0: "stop", 1: "length"}
+    d = delta(before, samples(c))
+    assert d["kiln:request_success_total{stop}"] == 1
     assert d["kiln:request_success_total{length}"] == 1
-    assert d["kiln:e2e_request_latency_seconds_count"] == 1
-    assert d["kiln:request_generation_tokens_sum"] == 6
+
+
+def test_max_tokens_observed_is_the_engines_where_the_request_set_none(server):
+    """As vLLM's request_params_max_tokens: the room the engine left beside the prompt
+    (max_model_len 64 here), not nothing."""
+    c, _, _ = server
+    before = samples(c)
+    r = c.post("/v1/chat/completions", json=dict(model=MODEL, messages=[
+        {"role": "user", "content": "hi"}]))
+    prompt_tokens = r.json()["usage"]["prompt_tokens"]
+    r = c.post("/v1/completions", json=dict(model=MODEL, prompt=PROMPT, max_tokens=None))
+    assert r.json()["usage"]["completion_tokens"] == 64 - 4
+    d = delta(before, samples(c))
+    assert d["kiln:request_params_max_tokens_count"] == 2
+    assert d["kiln:request_params_max_tokens_sum"] == (64 - prompt_tokens) + (64 - 4)
 
 
 def test_stop_reason_label(server):
@@ -152,6 +204,20 @@ def test_abort_counts_once_as_abort_never_success(server):
     assert d["kiln:time_to_first_token_seconds_count"] == 1
     after = samples(c)
     assert after["kiln:num_requests_running"] == 0 and after["kiln:kv_cache_usage_perc"] == 0
+
+
+def test_a_request_the_engine_failed_counts_as_error(server):
+    """The engine ended it with an error (a 400 request_failed): vLLM v1's "error" label, not
+    "abort", which is left to requests their caller gave up."""
+    c, engine, _ = server
+    engine.fail_with = "json_schema allows no token after 1 generated token(s)"
+    before = samples(c)
+    r = c.post("/v1/completions", json=dict(model=MODEL, prompt=PROMPT, max_tokens=5))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "request_failed"
+    d = delta(before, samples(c))
+    assert d["kiln:request_success_total{error}"] == 1
+    assert "kiln:request_success_total{abort}" not in d
+    assert "kiln:request_queue_time_seconds_count" not in d
 
 
 def test_engine_totals_are_exported_as_counters(server):

@@ -44,14 +44,22 @@ def test_token_totals_count_prefilled_samples(engine):
 def test_a_batch_with_several_steps_of_a_sample_counts_its_prompt_once():
     """The core can run ahead of the front end: one batch then holds a sample's first and later
     outputs before the output processor has given it a token. The prompt counted once per such
-    output made the test above fail about one run in four."""
+    output made the test above fail about one run in four. Each core step's tokens stay apart
+    (iteration_tokens_total observes one value per core step with outputs, as vLLM's): the
+    prompt in the step of its first token; no value for a step without outputs (a partial
+    prefill) or with only outputs of a request no longer here (aborted meanwhile); 0 for a
+    step that ended a request without a token (the core's abort)."""
     from types import SimpleNamespace
 
     state = SimpleNamespace(prompt_token_ids=[5, 6, 7, 8, 9])
     samples = {rid: (state, SimpleNamespace(token_ids=[], finished=False)) for rid in ("a", "b")}
     fake = SimpleNamespace(output_processor=SimpleNamespace(samples=samples),
                            num_prompt_tokens=0, num_generation_tokens=0)
-    outs = [SimpleNamespace(request_id=rid, new_token_ids=[t])
-            for t in (1, 2, 3) for rid in ("a", "b")]
-    LLMEngine._count_tokens(fake, outs)
+    steps = [[SimpleNamespace(request_id=rid, new_token_ids=[t]) for rid in ("a", "b")]
+             for t in (1, 2, 3)]
+    steps.insert(1, [])
+    steps.append([SimpleNamespace(request_id="gone", new_token_ids=[4])])
+    steps.append([SimpleNamespace(request_id="a", new_token_ids=[])])
+    totals = LLMEngine._count_tokens(fake, steps)
     assert fake.num_prompt_tokens == 2 * 5 and fake.num_generation_tokens == 6
+    assert totals == [2 * 5 + 2, 2, 2, 0]

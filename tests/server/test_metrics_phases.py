@@ -80,24 +80,24 @@ def test_phase_histograms_from_scheduler_stamps(engine):
     arrivals = asyncio.run(run_together(llm, jobs))
     d = delta(before, scrape(metrics))
 
-    finished = len(jobs)
+    finished = len(jobs) + 1  # samples, as vLLM's child requests: n=2 finishes twice
     for phase in PHASES:
         assert d[f"kiln:request_{phase}_time_seconds_count"] == finished, phase
     assert d["kiln:time_to_first_token_seconds_count"] == finished
 
-    # The queue time is exactly the core's first scheduling minus the arrival; of the n=2
-    # request, its earlier-scheduled sample (max_num_seqs=1 runs the samples one after another).
+    # The queue time is exactly the core's first scheduling minus the arrival; each sample of
+    # the n=2 request from its own (max_num_seqs=1 runs the samples one after another).
     core = engine.core_requests
     stamps = {rid: core[rid].first_scheduled_time for rid in jobs if rid in core}
     first, second = (core[child_request_id(i, "n2")].first_scheduled_time for i in range(2))
     assert first < second
-    stamps["n2"] = first
-    expected_queue = sum(stamps[rid] - arrivals[rid] for rid in jobs)
+    expected_queue = sum(stamps[rid] - arrivals[rid] for rid in stamps) + \
+        first + second - 2 * arrivals["n2"]
     assert math.isclose(d["kiln:request_queue_time_seconds_sum"], expected_queue, abs_tol=1e-6)
     # One sequence at a time: the requests behind the first one waited for it.
     assert expected_queue > 0 and max(stamps.values()) - min(stamps.values()) > 0
 
-    # queue + prefill = TTFT and inference = prefill + decode, request by request.
+    # queue + prefill = TTFT and inference = prefill + decode, sample by sample.
     queue, prefill = (d[f"kiln:request_{p}_time_seconds_sum"] for p in ("queue", "prefill"))
     inference = d["kiln:request_inference_time_seconds_sum"]
     decode = d["kiln:request_decode_time_seconds_sum"]
@@ -150,6 +150,7 @@ def test_output_processor_takes_the_earliest_sample_stamp(engine):
                                    EngineCoreOutput(ids[0], [9], finish_reason="length",
                                                     first_scheduled_time=10.0)]).request_outputs
     assert out.finished and out.metrics.first_scheduled_time == 10.0
+    assert out.metrics.sample_first_scheduled_times == (10.0, 20.0)  # each sample's own
 
 
 def test_timer_phases_per_request_and_none_for_a_core_abort():
@@ -162,7 +163,7 @@ def test_timer_phases_per_request_and_none_for_a_core_abort():
             out = RequestOutput("r", None, [1, 2], [CompletionOutput(0, "", [7],
                                                                      finish_reason=finish)],
                                 finished=finish is not None, metrics=metrics)
-            timer.observe(out, 1, now, stats)
+            timer.observe(out, now, stats)
         return stats
 
     stats = run("length")
@@ -181,16 +182,16 @@ def test_tokens_that_arrive_together_are_one_inter_token_sample_each():
     sample's first is one inter-token sample, the ones that came together 0 s apart."""
     timer, stats = RequestTimer(arrival_time=10.0), IterationStats()
     for now, ids in ((11.0, [5, 6]), (11.5, [7]), (12.5, [8, 9, 10])):
-        timer.observe(RequestOutput("r", None, [1], [CompletionOutput(0, "", ids)]), len(ids),
-                      now, stats)
+        timer.observe(RequestOutput("r", None, [1], [CompletionOutput(0, "", ids)]), now, stats)
     assert stats.inter_token_latencies == [0.0, 0.5, 1.0, 0.0, 0.0]  # 6 tokens: 5 gaps
     assert stats.time_to_first_tokens == [1.0] and stats.num_generation_tokens == 6
 
 
 def test_request_params_and_step_token_histograms(engine):
-    """vLLM's request_params_n / request_params_max_tokens / request_max_num_generation_tokens
-    per finished request, and iteration_tokens_total per engine step, summing to the token
-    counters; the KV cache's settings as an info gauge."""
+    """vLLM's request_params_n and request_max_num_generation_tokens per finished request,
+    request_params_max_tokens per finished sample (vLLM's child requests), and
+    iteration_tokens_total per engine step, summing to the token counters; the KV cache's
+    settings as an info gauge."""
     metrics = ServerMetrics("tiny", log_interval=None,
                             cache_info={"block_size": 16, "num_gpu_blocks": 7})
     llm = AsyncLLM(engine, [metrics])
@@ -200,7 +201,8 @@ def test_request_params_and_step_token_histograms(engine):
     asyncio.run(run_together(llm, jobs))
     d = delta(before, scrape(metrics))
     assert d["kiln:request_params_n_count"] == 2 and d["kiln:request_params_n_sum"] == 4
-    assert d["kiln:request_params_max_tokens_sum"] == 9
+    assert d["kiln:request_params_max_tokens_count"] == 1 + 3
+    assert d["kiln:request_params_max_tokens_sum"] == 4 + 3 * 5
     longest = d["kiln:request_max_num_generation_tokens_sum"] - 4  # "a": 4 tokens
     assert 2 <= longest <= 5
     assert d["kiln:iteration_tokens_total_sum"] == \
@@ -210,3 +212,43 @@ def test_request_params_and_step_token_histograms(engine):
             for s in f.samples if s.name == "kiln:cache_config_info"]
     assert [(s.labels, s.value) for s in info] == [({"block_size": "16",
                                                      "num_gpu_blocks": "7"}, 1.0)]
+
+
+def test_timer_observes_each_sample_of_n_as_a_finished_request():
+    """As vLLM v1's child requests: each sample's own finish reason, e2e, TTFT, phases (from its
+    own first scheduling), prompt and generated tokens and max_tokens, when it ends; n and the
+    longest sample's tokens once, when the last one ends."""
+    timer, stats = RequestTimer(arrival_time=100.0, n=2, max_tokens=8), IterationStats()
+    first = RequestMetrics(100.5, (100.5, None))
+    both = RequestMetrics(100.5, (100.5, 101.5))
+    steps = [(101.0, first, [CompletionOutput(0, "", [7])]),
+             (102.0, both, [CompletionOutput(0, "", [8], finish_reason="stop"),
+                            CompletionOutput(1, "", [9])]),
+             (103.0, both, [CompletionOutput(1, "", [10, 11], finish_reason="length")])]
+    for now, metrics, outs in steps:
+        timer.observe(RequestOutput("r", None, [1, 2, 3], outs, finished=now == 103.0,
+                                    metrics=metrics), now, stats)
+    assert stats.finished_reasons == ["stop", "length"]
+    assert stats.e2e_latencies == [2.0, 3.0]
+    assert stats.time_to_first_tokens == [1.0, 2.0]
+    assert stats.inter_token_latencies == [1.0, 1.0, 0.0]
+    assert stats.request_prompt_tokens == [3, 3]
+    assert stats.request_generation_tokens == [2, 3]
+    assert stats.request_params_max_tokens == [8, 8]
+    assert stats.request_decode_times == [1.0, 1.0]
+    assert stats.request_queue_times == [0.5, 1.5]
+    assert stats.request_prefill_times == [0.5, 0.5]
+    assert stats.request_inference_times == [1.5, 1.5]
+    assert stats.request_params_n == [2] and stats.request_max_generation_tokens == [3]
+    assert stats.num_prompt_tokens == 2 * 3 and stats.num_generation_tokens == 5
+
+
+def test_an_abort_ends_each_sample_still_running():
+    timer, stats = RequestTimer(arrival_time=10.0, n=3), IterationStats()
+    timer.observe(RequestOutput("r", None, [1], [CompletionOutput(0, "", [7],
+                                                                  finish_reason="length"),
+                                                 CompletionOutput(1, "", [8])]), 11.0, stats)
+    timer.observe_abort(12.0, stats)
+    assert stats.finished_reasons == ["length", "abort", "abort"]
+    assert stats.e2e_latencies == [1.0, 2.0, 2.0]
+    assert stats.request_params_n == []  # the request did not finish

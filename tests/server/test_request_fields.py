@@ -375,3 +375,17 @@ def test_completions_max_tokens_null_runs_to_the_context_end(client):
     null = usage(max_tokens=None, ignore_eos=True)
     assert null["prompt_tokens"] + null["completion_tokens"] == 64
     assert usage(max_tokens=..., ignore_eos=True)["completion_tokens"] == 16
+
+
+def test_echo_of_a_truncated_prompt_is_the_text_of_its_kept_tokens(client):
+    """The echo of a prompt truncate_prompt_tokens cut is the text of the tokens the model
+    read (BOS and the last 3), which its logprobs tokens describe, not the prompt as sent."""
+    body = ok(client, CMPL, prompt="w1 w2 w3 w4 w5 w6 w7 w8 w9", max_tokens=2,
+              truncate_prompt_tokens=4, echo=True, logprobs=0)
+    (choice,) = body["choices"]
+    tokens = choice["logprobs"]["tokens"]
+    assert body["usage"]["prompt_tokens"] == 4 and len(tokens) == 4 + 2
+    assert choice["text"].startswith("<s> w7 w8 w9 ")
+    assert choice["text"] == "".join(tokens)
+    offsets = choice["logprobs"]["text_offset"]
+    assert offsets == [sum(map(len, tokens[:k])) for k in range(len(tokens))]

@@ -26,7 +26,7 @@ _TOKEN_BUCKETS = [m * 10 ** e for e in range(7) for m in (1, 2, 5) if m * 10 ** 
 _STEP_BUCKETS = [2 ** e for e in range(17)]
 _N_BUCKETS = [1, 2, 5, 10, 20]
 # Every finish reason the engine gives, so each series exists (at 0) before its first request.
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 # get_stats() key -> (gauge name, help)
 _GAUGES = {
@@ -44,8 +44,10 @@ _TOTALS = {
     "num_preemptions": ("kiln:num_preemptions", "Requests preempted (to be recomputed)"),
 }
 
-# IterationStats field -> (histogram name, help, buckets). Phases (queue, prefill, inference)
-# are of finished requests from the core's first scheduling; aborts observe none.
+# IterationStats field -> (histogram name, help, buckets). "Finished requests" are samples, as
+# vLLM's child requests: a request of n observes n (request_params_n and
+# request_max_num_generation_tokens: once). Phases (queue, prefill, inference) are from the
+# sample's first scheduling by the core; aborts observe none.
 _HISTOGRAMS = {
     "time_to_first_tokens": ("kiln:time_to_first_token_seconds", "Time to first token",
                              _LATENCY_BUCKETS),
@@ -56,7 +58,7 @@ _HISTOGRAMS = {
     "request_prompt_tokens": ("kiln:request_prompt_tokens", "Prompt tokens of finished "
                               "requests", _TOKEN_BUCKETS),
     "request_generation_tokens": ("kiln:request_generation_tokens", "Generated tokens of "
-                                  "finished requests (all samples)", _TOKEN_BUCKETS),
+                                  "finished requests (each sample's own)", _TOKEN_BUCKETS),
     "request_max_generation_tokens": ("kiln:request_max_num_generation_tokens", "Generated "
                                       "tokens of the longest sample of finished requests",
                                       _TOKEN_BUCKETS),
@@ -71,6 +73,8 @@ _HISTOGRAMS = {
                               "token, of finished requests", _E2E_BUCKETS),
     "request_inference_times": ("kiln:request_inference_time_seconds", "First scheduled to "
                                 "last token, of finished requests", _E2E_BUCKETS),
+    "step_tokens": ("kiln:iteration_tokens_total", "Prompt and generated tokens of each engine "
+                    "step with outputs", _STEP_BUCKETS),
 }
 
 
@@ -111,9 +115,6 @@ class ServerMetrics:
         # One observation per value of the IterationStats field each is keyed by.
         self.histograms = {field: histogram(name, doc, buckets)
                            for field, (name, doc, buckets) in _HISTOGRAMS.items()}
-        self.iteration_tokens = histogram(
-            "kiln:iteration_tokens_total", "Prompt and generated tokens an engine step "
-            "returned", _STEP_BUCKETS)
         if cache_info:
             Gauge("kiln:cache_config_info", "The KV cache's settings", sorted(cache_info),
                   registry=reg).labels(**{k: str(v) for k, v in cache_info.items()}).set(1)
@@ -123,9 +124,6 @@ class ServerMetrics:
             self.prompt_tokens.inc(iteration.num_prompt_tokens)
         if iteration.num_generation_tokens:
             self.generation_tokens.inc(iteration.num_generation_tokens)
-        if iteration.engine_step:
-            self.iteration_tokens.observe(iteration.num_prompt_tokens
-                                          + iteration.num_generation_tokens)
         for field, hist in self.histograms.items():
             for v in getattr(iteration, field):
                 hist.observe(v)

@@ -371,7 +371,7 @@ class CompletionChoice(OpenAIBase):
 class CompletionResponse(OpenAIBase):
     id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int  # when the request came in (unix s), in every chunk and whole: as vLLM's
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
@@ -421,7 +421,7 @@ class ChatCompletionChoice(OpenAIBase):
 class ChatCompletionResponse(OpenAIBase):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int  # when the request came in (unix s), in every chunk and whole: as vLLM's
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
@@ -473,7 +473,7 @@ class ChatStreamChoice(OpenAIBase):
 class ChatCompletionStreamResponse(OpenAIBase):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int  # when the request came in (unix s), in every chunk and whole: as vLLM's
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None

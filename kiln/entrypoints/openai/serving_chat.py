@@ -80,6 +80,7 @@ class ServingChat:
         self.trust_request_chat_template = trust_request_chat_template
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        created = int(time.time())  # the response's, whole or streamed: the request's start
         model = self.models.resolve(req.model)
         check_stream_options(req)
         check_generation_flags(req)
@@ -122,8 +123,8 @@ class ServingChat:
         streams = await submit(self.llm, request_id, [prompt], params, "messages",
                                {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"})
         if req.stream:
-            return StreamingResponse(self._stream(req, model, request_id, streams, plan,
-                                                  prompt_text, thinking_first),
+            return StreamingResponse(self._stream(req, model, request_id, created, streams,
+                                                  plan, prompt_text, thinking_first),
                                      media_type="text/event-stream")
         try:
             final = await until_disconnect(raw, self._collect(streams[0]))
@@ -139,7 +140,7 @@ class ServingChat:
                            cached_tokens([final], self.enable_prompt_tokens_details))
         as_ids = bool(req.return_tokens_as_token_ids)
         body = ChatCompletionResponse(
-            id=request_id, model=model, choices=choices, usage=usage,
+            id=request_id, created=created, model=model, choices=choices, usage=usage,
             prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs, as_ids)
             if req.prompt_logprobs is not None else None,
             **token_ids_fields(req, final.prompt_token_ids, None))
@@ -196,16 +197,17 @@ class ServingChat:
                                                   req.top_logprobs or 0,
                                                   bool(req.return_tokens_as_token_ids)))
 
-    async def _stream(self, req, model, request_id, streams, plan: ToolPlan,
+    async def _stream(self, req, model, request_id, created: int, streams, plan: ToolPlan,
                       prompt_text: str | None, thinking_first: bool | None):
-        created = int(time.time())
-
         def chunk(choices, usage=None, prompt_token_ids=None) -> str:
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
                                                     choices=choices, usage=usage,
                                                     prompt_token_ids=prompt_token_ids))
 
-        prompt_tokens = completion_tokens = cached = 0
+        prompt_tokens = streams[0].num_prompt_tokens  # the role chunk's usage needs it first
+        cached = 0
+        completion_tokens: dict[int, int] = {}  # choice index -> its tokens so far
+        continuous = continuous_usage(req)
         prompt_ids_sent = False  # return_token_ids: the prompt's go in the first content chunk
         parsers = {}  # choice index -> (reasoning splitter or None, tool stream or None)
         try:
@@ -214,13 +216,13 @@ class ServingChat:
             echoed = echo_prefix(req, req.messages)
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
                                                                       content=echoed))
-                         for i in range(req.n)])
+                         for i in range(req.n)],
+                        make_usage(prompt_tokens, 0) if continuous else None)
             async for _, out in merge_streams(streams):
-                if out.prompt_token_ids:
-                    prompt_tokens = len(out.prompt_token_ids)
                 cached = max(cached, out.num_cached_tokens)
                 for o in out.outputs:
-                    completion_tokens += len(o.token_ids)
+                    completion_tokens[o.index] = completion_tokens.get(o.index, 0) + \
+                        len(o.token_ids)
                     if o.index not in parsers:
                         parsers[o.index] = (
                             self._splitter(req, prompt_text, thinking_first),
@@ -235,13 +237,14 @@ class ServingChat:
                         finish_reason=_finish_reason(o.finish_reason, o.stop_reason, plan,
                                                      calls),
                         stop_reason=o.stop_reason, **token_ids_fields(req, None, o.token_ids))],
-                        make_usage(prompt_tokens, completion_tokens)
-                        if continuous_usage(req) else None,
+                        # As vLLM's: this choice's own tokens so far.
+                        make_usage(prompt_tokens, completion_tokens[o.index])
+                        if continuous else None,
                         token_ids_fields(req, out.prompt_token_ids, None).get(
                             "prompt_token_ids") if not prompt_ids_sent else None)
                     prompt_ids_sent = True
             if req.stream_options is not None and req.stream_options.include_usage:
-                yield chunk([], make_usage(prompt_tokens, completion_tokens,
+                yield chunk([], make_usage(prompt_tokens, sum(completion_tokens.values()),
                                            cached if self.enable_prompt_tokens_details
                                            else None))
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
 from kiln.engine.async_llm import AsyncLLM, RequestStream
+from kiln.engine.input_processor import may_be_truncated
 from kiln.engine.text_encoding import encode_text
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.logprob_format import completion_logprobs
@@ -81,6 +82,7 @@ class ServingCompletion:
         self.disable_any_whitespace = disable_any_whitespace
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
+        created = int(time.time())  # the response's, whole or streamed: the request's start
         model = self.models.resolve(req.model)
         check_stream_options(req)
         params = completion_sampling_params(req,
@@ -104,7 +106,8 @@ class ServingCompletion:
         except ClientDisconnected:
             return Response(status_code=499)
         if req.stream:
-            return StreamingResponse(self._stream(req, model, request_id, prompts, streams),
+            return StreamingResponse(self._stream(req, model, request_id, created, prompts,
+                                                  streams),
                                      media_type="text/event-stream")
         try:
             finals = await until_disconnect(raw, self._collect(streams))
@@ -112,7 +115,7 @@ class ServingCompletion:
             return Response(status_code=499)
         finally:
             abort_unfinished(self.llm, streams)
-        return JSONResponse((await self._response(req, model, request_id, prompts,
+        return JSONResponse((await self._response(req, model, request_id, created, prompts,
                                                   finals)).model_dump())
 
     async def _collect(self, streams: list[RequestStream]) -> list[RequestOutput]:
@@ -121,11 +124,15 @@ class ServingCompletion:
             finals[i] = out
         return finals
 
-    async def _prompt_text(self, prompt, out: RequestOutput) -> str:
-        if isinstance(prompt, str):
-            return prompt
-        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            return prompt["prompt"]
+    async def _prompt_text(self, req: CompletionRequest, prompt, out: RequestOutput) -> str:
+        """The prompt as echo writes it: the text sent, where the engine read all of it; else
+        the text of the tokens it read (token ids sent, or a text truncate_prompt_tokens cut,
+        whose echo must be the tokens its logprobs and text_offset describe)."""
+        text = prompt if isinstance(prompt, str) else (
+            prompt.get("prompt") if isinstance(prompt, dict) else None)
+        if isinstance(text, str) and not may_be_truncated(
+                len(out.prompt_token_ids), req.truncate_prompt_tokens, self.llm.max_model_len):
+            return text
         return await self.llm.run_in_engine(self.llm.tokenizer.decode, out.prompt_token_ids)
 
     def _logprobs(self, req: CompletionRequest, o: CompletionOutput, offset: int,
@@ -143,12 +150,12 @@ class ServingCompletion:
         return completion_logprobs(token_ids, logprobs, self.llm.tokenizer, req.logprobs,
                                    offset, as_token_ids=bool(req.return_tokens_as_token_ids))
 
-    async def _response(self, req, model, request_id, prompts,
+    async def _response(self, req, model, request_id, created: int, prompts,
                         finals: list[RequestOutput]) -> CompletionResponse:
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for i, out in enumerate(finals):
             prompt_tokens += len(out.prompt_token_ids)
-            prefix = await self._prompt_text(prompts[i], out) if req.echo else ""
+            prefix = await self._prompt_text(req, prompts[i], out) if req.echo else ""
             for o in out.outputs:
                 o = _as_answered(req, o)
                 completion_tokens += len(o.token_ids)
@@ -163,13 +170,12 @@ class ServingCompletion:
                     **token_ids_fields(req, out.prompt_token_ids, o.token_ids)))
         choices.sort(key=lambda c: c.index)
         cached = cached_tokens(finals, self.enable_prompt_tokens_details)
-        return CompletionResponse(id=request_id, model=model, choices=choices,
+        return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                   usage=make_usage(prompt_tokens, completion_tokens, cached))
 
-    async def _stream(self, req, model, request_id, prompts, streams):
-        created = int(time.time())
-        prompt_tokens: dict[int, int] = {}
-        completion_tokens = 0
+    async def _stream(self, req, model, request_id, created: int, prompts, streams):
+        prompt_tokens: dict[int, int] = {}  # prompt index -> its tokens
+        completion_tokens: dict[int, int] = {}  # choice index -> its tokens so far
         # choice index -> characters of its tokens so far (text_offset; text held back for a
         # possible stop string is not sent yet, but its tokens' logprobs are)
         offsets: dict[int, int] = {}
@@ -189,9 +195,10 @@ class ServingCompletion:
                     index = i * req.n + o.index
                     text, echoed = o.text, None
                     if req.echo and index not in offsets:
-                        text = await self._prompt_text(prompts[i], out) + text
+                        text = await self._prompt_text(req, prompts[i], out) + text
                         echoed = with_prompt_logprobs.get(i, out)
-                    completion_tokens += len(o.token_ids)
+                    completion_tokens[index] = completion_tokens.get(index, 0) + \
+                        len(o.token_ids)
                     lp = self._logprobs(req, o, offsets.get(index, 0), echoed)
                     offsets[index] = (lp.text_offset[-1] + len(lp.tokens[-1]) if lp and lp.tokens
                                       else offsets.get(index, 0))
@@ -205,12 +212,13 @@ class ServingCompletion:
                                               **token_ids_fields(
                                                   req, out.prompt_token_ids if first_chunk
                                                   else None, o.token_ids))
-                    usage = (make_usage(sum(prompt_tokens.values()), completion_tokens)
+                    # As vLLM's: this choice's own prompt and tokens so far.
+                    usage = (make_usage(prompt_tokens.get(i, 0), completion_tokens[index])
                              if continuous_usage(req) else None)
                     yield sse(CompletionResponse(id=request_id, created=created, model=model,
                                                  choices=[choice], usage=usage))
             if req.stream_options is not None and req.stream_options.include_usage:
-                usage = make_usage(sum(prompt_tokens.values()), completion_tokens,
+                usage = make_usage(sum(prompt_tokens.values()), sum(completion_tokens.values()),
                                    sum(cached.values()) if self.enable_prompt_tokens_details
                                    else None)
                 yield sse(CompletionResponse(id=request_id, created=created, model=model,
