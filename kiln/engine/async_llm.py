@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from kiln.engine.frontend_lanes import FrontendLanes
-from kiln.engine.output_merge import DeltaAccumulator
-from kiln.engine.request_stats import IterationStats, RequestTimer, StatLogger
+from kiln.engine.request_stats import IterationStats, StatLogger
+from kiln.engine.request_stream import RequestStream
 from kiln.logger import init_logger
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
@@ -31,53 +31,6 @@ def _engine_gone(e: BaseException) -> bool:
 class EngineDeadError(RuntimeError):
     """The step loop raised, the core process died, or the engine shut down; in-flight and
     later requests get this."""
-
-
-class RequestStream:
-    """One request's outputs, in the kind its SamplingParams asked for."""
-
-    def __init__(self, request_id: str, params: SamplingParams, arrival_time: float):
-        self.request_id = request_id
-        self.kind = params.output_kind
-        self.finished = False
-        self.timer = RequestTimer(arrival_time, params.n)
-        self.num_prompt_tokens: int | None = None  # once the engine has read the prompt
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._merged = DeltaAccumulator()  # for CUMULATIVE / FINAL_ONLY
-
-    def accepted(self, processed) -> None:
-        """The engine's reading of the request (LLMEngine.process_inputs): the prompt's length
-        (what usage reports before the first output) and the max_tokens it settled on, which
-        its metrics observe: the room beside the prompt where the request set none (vLLM's
-        request_params_max_tokens observes that too)."""
-        self.num_prompt_tokens = len(processed.prompt_token_ids)
-        self.timer.max_tokens = processed.params.max_tokens
-
-    def put_delta(self, delta: RequestOutput) -> None:
-        """Feed one DELTA output from the engine; emit what this stream's kind wants."""
-        if self.kind == RequestOutputKind.DELTA:
-            self._queue.put_nowait(delta)
-            return
-        self._merged.add(delta)
-        if self.kind == RequestOutputKind.CUMULATIVE or delta.finished:
-            self._queue.put_nowait(self._merged.snapshot())
-
-    def put_error(self, error: BaseException) -> None:
-        self._queue.put_nowait(error)
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
 
 
 class AsyncLLM:

@@ -9,7 +9,8 @@ import time
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
-from kiln.engine.async_llm import AsyncLLM, RequestStream
+from kiln.engine.async_llm import AsyncLLM
+from kiln.engine.request_stream import RequestStream
 from kiln.entrypoints.openai.chat_rendering import (
     check_generation_flags,
     generation_tail,

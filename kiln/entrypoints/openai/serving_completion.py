@@ -8,8 +8,9 @@ import time
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
-from kiln.engine.async_llm import AsyncLLM, RequestStream
+from kiln.engine.async_llm import AsyncLLM
 from kiln.engine.input_processor import may_be_truncated
+from kiln.engine.request_stream import RequestStream
 from kiln.engine.text_encoding import encode_text
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.logprob_format import completion_logprobs

@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator, Awaitable
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from kiln.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from kiln.engine.async_llm import AsyncLLM, EngineDeadError
+from kiln.engine.request_stream import RequestStream
 from kiln.entrypoints.openai.errors import OpenAIError, in_api_terms
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
