@@ -9,6 +9,7 @@ import importlib
 import itertools
 import os
 import select
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -139,14 +140,16 @@ class CoreProcClient:
         self._kiln_config = kiln_config
         self._encoder, _ = input_codec()
         _, self._decoder = output_codec()
-        self._dir = tempfile.TemporaryDirectory(prefix="kiln-core-")
+        # mkdtemp, removed by _terminate: a TemporaryDirectory's own exit hook would also run in
+        # a forked child, removing this process's sockets' directory.
+        self._dir = tempfile.mkdtemp(prefix="kiln-core-")
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
         self._output = self._ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
-        input_address = f"ipc://{self._dir.name}/input"
-        output_address = f"ipc://{self._dir.name}/output"
+        input_address = f"ipc://{self._dir}/input"
+        output_address = f"ipc://{self._dir}/output"
         self._input.bind(input_address)
         self._output.bind(output_address)
         self._pending: collections.deque[StepOutputs] = collections.deque()
@@ -168,8 +171,13 @@ class CoreProcClient:
         # A fresh interpreter, not fork (the caller may hold OpenMP threads, CUDA, or the
         # tokenizer's pool) and not multiprocessing's spawn (it re-runs an unguarded script).
         interpreter = interpreter or CoreInterpreter()
-        self.proc = interpreter.start(kiln_config, executor_class, input_address, output_address,
-                                      front_end_cores)
+        try:
+            self.proc = interpreter.start(kiln_config, executor_class, input_address,
+                                          output_address, front_end_cores)
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
         self.pid = self.proc.pid
         # Readable once the process has exited: polled beside the output socket.
         self._sentinel = os.pidfd_open(self.pid)
@@ -178,9 +186,9 @@ class CoreProcClient:
         self._goodbye = interpreter.goodbye
         self._said_goodbye = threading.Event()
         self._watched = False  # a watcher thread reaps the process
-        self._finalizer = weakref.finalize(self, _terminate, self.proc, self._ctx, self._dir,
-                                           self._sentinel, self._closing, self._goodbye,
-                                           self._said_goodbye)
+        self._finalizer = weakref.finalize(self, _terminate, os.getpid(), self.proc, self._ctx,
+                                           self._dir, self._sentinel, self._closing,
+                                           self._goodbye, self._said_goodbye)
         self._poller = zmq.Poller()
         self._poller.register(self._output, zmq.POLLIN)
         self._poller.register(self._sentinel, zmq.POLLIN)
@@ -422,7 +430,12 @@ def _watch(client_ref, proc) -> None:
         client._on_exit()
 
 
-def _terminate(proc, ctx, tmpdir, sentinel, closing, goodbye, said_goodbye) -> None:
+def _terminate(owner_pid, proc, ctx, tmpdir, sentinel, closing, goodbye, said_goodbye) -> None:
+    if os.getpid() != owner_pid:
+        # A forked child's exit (the finalizer runs at exit in every process that has it): the
+        # core is its parent's, and the parent's watcher held the Popen's wait lock at the fork,
+        # so waiting here would hang for good.
+        return
     closing.set()
     if not said_goodbye.is_set() and proc.poll() is None:
         proc.send_signal(STOP_SIGNAL)  # SIGTERM is the group's: a core ignores it
@@ -433,4 +446,4 @@ def _terminate(proc, ctx, tmpdir, sentinel, closing, goodbye, said_goodbye) -> N
     os.close(sentinel)
     os.close(goodbye)
     ctx.destroy(linger=0)
-    tmpdir.cleanup()
+    shutil.rmtree(tmpdir, ignore_errors=True)

@@ -4,6 +4,7 @@ Every prompt is validated before any is queued, so a bad prompt leaves the engin
 """
 import itertools
 import sys
+import threading
 from collections.abc import Sequence
 
 from kiln.engine.arg_utils import EngineArgs
@@ -43,6 +44,9 @@ class LLM:
             **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(engine_args)
         self._request_counter = itertools.count()
+        # One batch runs at a time: a second thread's step loop would take (and drop) the
+        # first's outputs, and an in-process core's forward is not re-entrant.
+        self._running = threading.Lock()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -124,6 +128,10 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, processed: list[ProcessedPrompt], use_tqdm: bool) -> list[RequestOutput]:
+        with self._running:
+            return self._run_batch(processed, use_tqdm)
+
+    def _run_batch(self, processed: list[ProcessedPrompt], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm import tqdm
 
         engine = self.llm_engine

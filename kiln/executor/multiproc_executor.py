@@ -132,7 +132,8 @@ class MultiprocExecutor(Executor):
         self.broadcast_calls = 0
         ctx = multiprocessing.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        self._finalizer = weakref.finalize(self, MultiprocExecutor._kill_all, self.procs)
+        self._finalizer = weakref.finalize(self, MultiprocExecutor._kill_all, self.procs,
+                                           os.getpid())
         atexit.register(self._finalizer)
         for rank in range(self.world_size):
             parent, child = ctx.Pipe(duplex=True)
@@ -274,7 +275,9 @@ class MultiprocExecutor(Executor):
 
     # ---- shutdown ------------------------------------------------------------------------
     @staticmethod
-    def _kill_all(procs: list) -> None:
+    def _kill_all(procs: list, owner_pid: int) -> None:
+        if os.getpid() != owner_pid:
+            return  # a forked child's exit: the ranks are its parent's
         for proc in procs:
             if proc.is_alive():
                 proc.kill()

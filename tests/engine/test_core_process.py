@@ -200,7 +200,7 @@ def test_a_killed_front_end_leaves_no_socket_directory(tiny_llama_dir):
     code = ("import time; from kiln.entrypoints.llm import LLM; "
             f"llm = LLM(model={str(tiny_llama_dir)!r}, **{ENGINE!r}); "
             "core = llm.llm_engine.engine_core; "
-            "print(core.pid, core._dir.name, flush=True); time.sleep(300)")
+            "print(core.pid, core._dir, flush=True); time.sleep(300)")
     front = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     try:
@@ -420,3 +420,42 @@ def test_the_core_removes_its_private_inductor_cache(tiny_llama_dir, tmp_path, m
     llm.generate(PROMPTS, SamplingParams(max_tokens=2), use_tqdm=False)
     llm.shutdown()
     assert not list(tmp_path.glob("kiln_inductor_*"))
+
+
+def test_a_forked_childs_exit_leaves_the_parents_engine_alone(tiny_llama_dir):
+    """The exit hooks ran in a forked child too: its plain exit stopped the parent's core and
+    then hung for good on the Popen's wait lock, which the parent's watcher held at the fork."""
+    import subprocess
+    import sys
+
+    code = f"""
+import os, sys, time
+from kiln.entrypoints.llm import LLM
+from kiln.sampling_params import SamplingParams
+llm = LLM(model={str(tiny_llama_dir)!r}, **{ENGINE!r})
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)
+deadline = time.monotonic() + 30
+while os.waitpid(pid, os.WNOHANG) == (0, 0):
+    assert time.monotonic() < deadline, "the forked child hangs at exit"
+    time.sleep(0.05)
+out = llm.generate({{"prompt_token_ids": [1, 2, 3]}}, SamplingParams(max_tokens=2))
+print("tokens", len(out[0].outputs[0].token_ids), flush=True)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert run.returncode == 0 and "tokens 2" in run.stdout, run.stderr[-2000:]
+
+
+def test_generate_from_several_threads_runs_one_batch_at_a_time(mp_llm):
+    """A second thread's step loop took the first's finished outputs and dropped them: 'engine
+    dropped requests' (an in-process core: its forward is not re-entrant)."""
+    import concurrent.futures
+
+    params = SamplingParams(temperature=0, max_tokens=6)
+    want = [o.outputs[0].token_ids for o in mp_llm.generate(PROMPTS, params, use_tqdm=False)]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        runs = [pool.submit(mp_llm.generate, PROMPTS, params, use_tqdm=False) for _ in range(6)]
+        for run in runs:
+            assert [o.outputs[0].token_ids for o in run.result()] == want
