@@ -90,7 +90,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
-    seed: int = 0
+    seed: int | None = 0  # None: a fresh random seed per engine (vLLM's LLM(seed=None))
     load_format: str = "auto"
     block_size: int = 16
     kv_cache_memory: float | None = None
@@ -181,7 +181,8 @@ class EngineArgs:
             compilation_config = dataclasses.replace(compilation_config)
         device_config = DeviceConfig(device=self.device)
         model_config = ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
-                                   max_model_len=self.max_model_len, seed=self.seed,
+                                   max_model_len=self.max_model_len,
+                                   seed=_random_seed() if self.seed is None else self.seed,
                                    load_format=self.load_format, revision=self.revision,
                                    tokenizer_revision=self.tokenizer_revision,
                                    download_dir=self.download_dir,
@@ -332,3 +333,8 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def _random_seed() -> int:
+    """A seed for an engine that was given none: runs differ, as vLLM's do with seed=None."""
+    return int.from_bytes(os.urandom(8), "little") >> 1

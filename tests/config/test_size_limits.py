@@ -37,3 +37,10 @@ def test_defaults_pass_and_a_seed_torch_cannot_take_is_refused():
     for seed in (2 ** 64, -2 ** 63 - 1):
         with pytest.raises(ValueError, match=r"seed \(--seed\) must be an integer in"):
             EngineArgs(model=str(STORIES_DIR), device="cpu", seed=seed).create_kiln_config()
+
+
+def test_no_seed_is_a_fresh_random_one_as_in_vllm():
+    """LLM(seed=None), vLLM's signature, was refused ('seed must be int')."""
+    seeds = {EngineArgs(model=str(STORIES_DIR), device="cpu", seed=None)
+             .create_kiln_config().model_config.seed for _ in range(2)}
+    assert len(seeds) == 2 and all(0 <= s < 2 ** 63 for s in seeds)

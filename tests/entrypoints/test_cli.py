@@ -258,3 +258,34 @@ def test_generate_takes_the_models_sampling_defaults(tiny_llama_dir, tmp_path):
     # --generation-config DIR on a model without one; --max-tokens over its max_new_tokens
     assert tokens("--model", str(tiny_llama_dir), "--generation-config", str(model),
                   "--max-tokens", "2")[1] == 2
+
+
+def test_a_piped_prompt_loses_its_last_newline_and_a_non_utf8_turn_is_named(tiny_llama_dir,
+                                                                              tmp_path):
+    """`echo PROMPT | kiln generate` generated after the echo's newline; a chat line that is
+    not UTF-8 was reported at an offset into the rendered template, with a needless /reset."""
+    greedy = [*ENGINE, "--temperature", "0", "--max-tokens", "4"]
+    stories = ["--model", str(STORIES_DIR), *greedy]  # its tokenizer spells the newline
+    piped = kiln("generate", *stories, stdin="Lily saw a\n")
+    given = kiln("generate", "Lily saw a", *stories)
+    assert piped.returncode == given.returncode == 0, piped.stderr
+    assert piped.stdout == given.stdout
+    model = ["--model", str(tiny_llama_dir), *greedy]
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }} {% endfor %}")
+    r = subprocess.run([sys.executable, "-m", "kiln.entrypoints.cli.main", "chat", *model,
+                        "--chat-template", str(template)], input=b"w5 \xff\nw6\nexit\n",
+                       capture_output=True, timeout=300)
+    err = r.stderr.decode()
+    assert r.returncode == 0, err
+    assert "not UTF-8 text (byte 0xff at character 3)" in err and "/reset" not in err, err
+    assert len(r.stdout.splitlines()) == 1  # the next turn is answered
+
+
+def test_an_engine_death_is_one_line_not_a_traceback():
+    from kiln.engine.core_client import EngineCoreDeadError
+    from kiln.entrypoints.cli.main import _engine_died
+    from kiln.executor.multiproc_executor import WorkerFailedError
+
+    assert _engine_died(EngineCoreDeadError("core died")) and _engine_died(WorkerFailedError("x"))
+    assert not _engine_died(RuntimeError("a bug"))

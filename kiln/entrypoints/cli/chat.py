@@ -77,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
                 history = list(start)
                 print("(conversation reset)", file=sys.stderr, flush=True)
                 continue
+            if (problem := _not_utf8(line)) is not None:
+                print(f"error: {problem}", file=sys.stderr, flush=True)
+                continue
             history.append({"role": "user", "content": line})
             try:
                 prompt = engine.chat_prompt(history)
@@ -97,3 +100,16 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def _not_utf8(line: str) -> str | None:
+    """Why a line read from stdin cannot be a turn: bytes that are not UTF-8 reach Python as
+    lone surrogates (U+DC80-U+DCFF stand for bytes 0x80-0xFF), which no tokenizer takes."""
+    bad = next((i for i, ch in enumerate(line) if "\ud800" <= ch <= "\udfff"), None)
+    if bad is None:
+        return None
+    ch = line[bad]
+    what = (f"byte 0x{ord(ch) - 0xDC00:02x}" if "\udc80" <= ch <= "\udcff"
+            else f"a lone surrogate {ch!r}")
+    return (f"the line is not UTF-8 text ({what} at character {bad}); nothing was sent, type "
+            "the turn again in UTF-8")

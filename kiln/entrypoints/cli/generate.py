@@ -30,7 +30,8 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from kiln.entrypoints.llm import LLM
 
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    # Piped text ends in the newline of its last line, which is no part of the prompt (echo).
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read().removesuffix("\n")
     if not prompt:
         raise ValueError("prompt is empty: pass it as an argument or on stdin")
     extra = dict(n=args.n, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
