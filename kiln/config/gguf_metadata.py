@@ -3,8 +3,9 @@
 Each needs all of the file's metadata parsed: 2.5 s per parse for the default model on 2 cores
 (its 49k-token vocabulary), by transformers for the config and the tokenizer and by `gguf` for
 the weights' table, on every start. The first start saves what it converted under
-<cache root>/gguf/<key>/ (key: the file's path, size and mtime, the transformers, gguf and Kiln
-versions); later starts read those files (the config as plain data: hf_config_snapshot.py).
+<cache root>/gguf/<stem>-<key>/ (key: the file's identity, hf_config_snapshot.source_key, and
+the transformers, gguf and Kiln versions); later starts read those files (the config as plain
+data: hf_config_snapshot.py).
 """
 import hashlib
 import importlib.metadata
@@ -30,7 +31,7 @@ _REQUIRED_METADATA = ("block_count", "embedding_length", "feed_forward_length",
 
 
 def converted_dir(gguf: Path) -> Path:
-    """Where this file's conversion is kept; a changed file (size, mtime) gets a new one."""
+    """Where this file's conversion is kept; a changed file (source_key) gets a new one."""
     from kiln.config.hf_config_snapshot import source_key
 
     # Both libraries parse the file: a new gguf may lay its tensors out differently.
