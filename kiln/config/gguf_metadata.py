@@ -12,12 +12,12 @@ import importlib.metadata
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kiln import envs
+from kiln.atomic_write import temporary_beside
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -39,10 +39,14 @@ def converted_dir(gguf: Path) -> Path:
     return envs.cache_root() / "gguf" / f"{gguf.resolve().stem}-{key}"
 
 
-def _cached(part: Path, load: Callable[[Path], Any], convert: Callable[[], Any],
+def _cached(gguf: Path, name: str, load: Callable[[Path], Any], convert: Callable[[], Any],
             save: Callable[[Any, Path], None]) -> Any:
-    """`load(part)` when a saved copy exists (a damaged one is converted again), else
-    `convert()`, saved to `part` by writing a temporary directory and renaming it."""
+    """`load(part)` for the part `name` of the file's conversion when a saved copy exists (a
+    damaged one is converted again), else `convert()`, saved to it by writing a temporary
+    directory and renaming it."""
+    from kiln.config import gguf_cache_cleanup
+
+    part = converted_dir(gguf) / name
     if part.is_dir():
         try:
             return load(part)
@@ -53,8 +57,12 @@ def _cached(part: Path, load: Callable[[Path], Any], convert: Callable[[], Any],
     value = convert()
     tmp = None
     try:
-        part.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{part.name}.", dir=part.parent))
+        # a new folder: older conversions of the same path go
+        gguf_cache_cleanup.claim(part.parent, gguf)
+        gguf_cache_cleanup.sweep(part.parent)
+        tmp = temporary_beside(part)  # names its writer: a killed one's is swept
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a dead process that had this pid
+        tmp.mkdir()
         save(value, tmp)
         os.rename(tmp, part)  # atomic; another process may have won the race: keep its copy
         tmp = None
@@ -67,7 +75,7 @@ def _cached(part: Path, load: Callable[[Path], Any], convert: Callable[[], Any],
 
 
 def _load(gguf: Path, part: str, auto_class):
-    value = _cached(converted_dir(gguf) / part, auto_class.from_pretrained,
+    value = _cached(gguf, part, auto_class.from_pretrained,
                     lambda: auto_class.from_pretrained(gguf.parent, gguf_file=gguf.name),
                     lambda converted, path: converted.save_pretrained(path))
     value.name_or_path = str(gguf.parent)  # what transformers names it, not the cache's path
@@ -224,7 +232,7 @@ def _read_table(part: Path, file_size: int) -> dict:
 
 def load_tensor_table(gguf_path: Path) -> dict:
     """The file's architecture and tensor table (see `_tensor_table`)."""
-    return _cached(converted_dir(gguf_path) / "tensors",
+    return _cached(gguf_path, "tensors",
                    lambda part: _read_table(part, gguf_path.stat().st_size),
                    lambda: _tensor_table(gguf_path),
                    lambda table, path: (path / "tensors.json").write_text(_table_text(table)))

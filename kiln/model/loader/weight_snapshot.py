@@ -102,6 +102,8 @@ def save(model: nn.Module, path: Path, attrs_before: dict[str, dict]) -> bool:
     `attrs_before`, from `primitive_attrs` before loading); False where it cannot."""
     from safetensors.torch import save_file
 
+    from kiln.config import gguf_cache_cleanup
+
     if find(path) is not None:  # a damaged one that could not be removed, or a racing save's
         logger.debug("weight snapshot not saved: %s already holds one for this key", path.parent)
         return False
@@ -126,6 +128,7 @@ def save(model: nn.Module, path: Path, attrs_before: dict[str, dict]) -> bool:
             tensors[key] = value
             slots[slot] = key
     size = sum(t.nbytes for t in tensors.values())
+    gguf_cache_cleanup.sweep(path.parent)  # a killed save's temporary holds the space checked
     try:
         free = shutil.disk_usage(path.parent if path.parent.exists() else envs.cache_root()).free
     except OSError:
