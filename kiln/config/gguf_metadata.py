@@ -18,16 +18,15 @@ from typing import Any
 
 from kiln import envs
 from kiln.atomic_write import temporary_beside
+from kiln.config import gguf_checks
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
 
 # Of what is kept; 2: rope scaling metadata in the table, 3: missing metadata, 4: the config
-# as a snapshot (config/config.json in hf_config_snapshot's format), 5: the head size.
-_FORMAT = 5
-# The model's shape: without these transformers takes its defaults (32 layers, ...).
-_REQUIRED_METADATA = ("block_count", "embedding_length", "feed_forward_length",
-                      "attention.head_count")
+# as a snapshot (config/config.json in hf_config_snapshot's format), 5: the head size, 6: the
+# metadata gguf_checks reads.
+_FORMAT = 6
 
 
 def converted_dir(gguf: Path) -> Path:
@@ -82,32 +81,13 @@ def _load(gguf: Path, part: str, auto_class):
     return value
 
 
-# The GGUF architectures Kiln's models run (general.architecture).
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def check_architecture(table: dict, gguf: Path) -> None:
-    """Refuse a file whose general.architecture Kiln does not run, naming the file and what it
-    runs: before transformers reads it, whose own refusal of an architecture it lacks named
-    neither."""
-    arch = table["architecture"]
-    if arch is None:
-        raise ValueError(f"GGUF file {gguf} has no general.architecture field")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(f"GGUF file {gguf}: architecture {arch!r} is not supported; "
-                         f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
-
-
 def load_config(gguf: Path):
     """AutoConfig of a .gguf file, as an HFConfigSnapshot (converted once, then read back)."""
     from kiln.config.hf_config_snapshot import cached_snapshot
 
     table = load_tensor_table(gguf)
-    check_architecture(table, gguf)
-    missing = table.get("missing_metadata")
-    if missing:  # transformers would fill in its defaults: a model of the wrong shape
-        raise ValueError(f"GGUF file {gguf} lacks the metadata {', '.join(missing)}; the file "
-                         "is incomplete or was not written by a llama.cpp converter")
+    gguf_checks.check_file(table, gguf)
+    gguf_checks.check_metadata(table, gguf)
 
     def convert():
         from transformers import AutoConfig
@@ -159,16 +139,16 @@ def load_tokenizer(gguf: Path):
 
 def _tensor_table(gguf_path: Path) -> dict:
     """Where each tensor's bytes lie, as gguf's reader lays them out: {"architecture",
-    "tensors": [{name, type, dtype, shape, offset, nbytes}]}, offsets absolute in the file."""
+    "tensors": [{name, type, dtype, shape, offset, nbytes}]}, offsets absolute in the file; and
+    the metadata read at start-up ("metadata": gguf_checks' keys, summarised)."""
     reader = _reader(gguf_path)
     field = reader.fields.get("general.architecture")
     arch = None if field is None else str(field.contents())
-    missing = [f"{arch}.{key}" for key in _REQUIRED_METADATA
-               if f"{arch}.{key}" not in reader.fields]
     return {"architecture": arch, "rope_scaling": _rope_scaling_fields(reader, arch),
             "head_size": {"key": _field(reader, f"{arch}.attention.key_length"),
                           "value": _field(reader, f"{arch}.attention.value_length")},
-            "missing_metadata": missing if arch is not None else ["general.architecture"],
+            "metadata": {key: _summary(reader.fields[key])
+                         for key in gguf_checks.metadata_keys(arch) if key in reader.fields},
             "tensors": [{"name": t.name, "type": int(t.tensor_type), "dtype": t.data.dtype.str,
                          "shape": list(t.data.shape), "offset": int(t.data_offset),
                          "nbytes": int(t.n_bytes)} for t in reader.tensors]}
@@ -185,6 +165,17 @@ def _reader(gguf_path: Path):
     except Exception as e:  # noqa: BLE001 - any parse error means a file gguf cannot read
         raise ValueError(f"GGUF file {gguf_path} ({size} bytes) cannot be read ({type(e).__name__}: "
                          f"{e}): it is truncated or damaged; download or convert it again") from e
+
+
+def _summary(field) -> dict:
+    """A metadata field as JSON: {"type": gguf's value type name, and "value" for one value or
+    "count" for an array} (an array's values are not read: a vocabulary's are 2.5 s)."""
+    import gguf
+
+    kind = gguf.GGUFValueType(field.types[0]).name
+    if field.types[0] == gguf.GGUFValueType.ARRAY:
+        return {"type": kind, "count": len(field.data)}
+    return {"type": kind, "value": field.contents()}
 
 
 def _field(reader, key: str):

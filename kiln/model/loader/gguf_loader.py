@@ -107,13 +107,14 @@ def iterate_gguf(path: Path, hf_config,
     {HF name: (ggml type id, uint8 [rows, row_bytes] blocks, rows in HF order)}."""
     import gguf
 
-    from kiln.config.gguf_metadata import check_architecture, load_tensor_table
+    from kiln.config.gguf_checks import check_file
+    from kiln.config.gguf_metadata import load_tensor_table
     from kiln.native.gguf_matmul import QTYPES
 
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     table = load_tensor_table(path)  # parsed once per file, then read from Kiln's cache
-    check_architecture(table, path)
+    check_file(table, path)
     arch = table["architecture"]
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
