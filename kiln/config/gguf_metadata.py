@@ -25,8 +25,8 @@ logger = init_logger(__name__)
 
 # Of what is kept; 2: rope scaling metadata in the table, 3: missing metadata, 4: the config
 # as a snapshot (config/config.json in hf_config_snapshot's format), 5: the head size, 6: the
-# metadata gguf_checks reads.
-_FORMAT = 6
+# metadata gguf_checks reads, 7: more of it (sizes' types, token ids).
+_FORMAT = 7
 
 
 def converted_dir(gguf: Path) -> Path:

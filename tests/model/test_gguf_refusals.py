@@ -48,3 +48,58 @@ def test_a_mixture_of_experts_file_is_refused(hf_dir, tmp_path):
     with pytest.raises(ValueError, match=r"moe\.gguf holds a mixture-of-experts model "
                                          r"\(llama\.expert_count = 4\); Kiln runs dense models"):
         kiln_config_for(path)
+
+
+def _types():
+    import gguf
+
+    return gguf.GGUFValueType
+
+
+@pytest.mark.parametrize("key, entry, message", [
+    ("llama.context_length", (0, "UINT32"), r"llama\.context_length is 0; it must be above 0"),
+    ("llama.context_length", (-5, "INT32"), r"llama\.context_length is -5; it must be above 0"),
+    ("llama.context_length", ("512", "STRING"),
+     r"llama\.context_length is '512', stored as STRING where an integer belongs"),
+    ("llama.block_count", (0, "UINT32"), r"llama\.block_count is 0; it must be above 0"),
+    ("llama.attention.head_count", (0, "UINT32"),
+     r"llama\.attention\.head_count is 0; it must be above 0"),
+    ("llama.attention.head_count", (4.0, "FLOAT32"),
+     r"llama\.attention\.head_count is 4\.0, stored as FLOAT32 where an integer belongs"),
+    ("llama.attention.head_count_kv", ([2, 2], "ARRAY"),
+     r"llama\.attention\.head_count_kv is an array of 2 values .*one value for the whole model"),
+    ("llama.attention.layer_norm_rms_epsilon", ("1e-6", "STRING"),
+     r"llama\.attention\.layer_norm_rms_epsilon is '1e-6', stored as STRING where a number"),
+    ("tokenizer.ggml.eos_token_id", (100000, "UINT32"),
+     r"tokenizer\.ggml\.eos_token_id is 100000, outside the vocabulary of \d+ tokens"),
+    ("tokenizer.ggml.bos_token_id", (-1, "INT32"),
+     r"tokenizer\.ggml\.bos_token_id is -1, a negative token id"),
+    ("llama.context_length", None, r"lacks the metadata llama\.context_length"),
+    ("llama.attention.layer_norm_rms_epsilon", None,
+     r"lacks the metadata llama\.attention\.layer_norm_rms_epsilon"),
+])
+def test_bad_metadata_is_refused_naming_the_key_and_value(hf_dir, tmp_path, key, entry,
+                                                          message):
+    """A context length of 0 failed in the rotary embedding, a head count of 0 as a
+    ZeroDivisionError, a string or an array in transformers' validator (naming the HF field),
+    an eos id past the vocabulary while generating; a missing context length or epsilon took a
+    default (llama.cpp refuses both)."""
+    if entry is not None:
+        entry = (entry[0], getattr(_types(), entry[1]))
+    path = write_gguf(tmp_path / "m.gguf", hf_dir, metadata={key: entry})
+    with pytest.raises(ValueError, match=rf"GGUF file {path}:? {message}"):
+        kiln_config_for(path)
+
+
+def test_the_default_model_has_all_the_metadata_checked(tmp_path, monkeypatch):
+    """What the checks require, the real file (a llama.cpp conversion) carries."""
+    from kiln.config import gguf_checks, gguf_metadata
+    from kiln.model.loader.default_model import default_model_path
+
+    path = default_model_path()  # under the real cache root, before the table goes elsewhere
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
+    table = gguf_metadata.load_tensor_table(path)
+    gguf_checks.check_file(table, path)
+    gguf_checks.check_metadata(table, path)
+    assert {"llama.context_length", "llama.attention.layer_norm_rms_epsilon",
+            "tokenizer.ggml.eos_token_id"} <= table["metadata"].keys()
