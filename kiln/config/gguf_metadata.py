@@ -141,7 +141,9 @@ def _tensor_table(gguf_path: Path) -> dict:
     """Where each tensor's bytes lie, as gguf's reader lays them out: {"architecture",
     "tensors": [{name, type, dtype, shape, offset, nbytes}]}, offsets absolute in the file; and
     the metadata read at start-up ("metadata": gguf_checks' keys, summarised)."""
-    reader = _reader(gguf_path)
+    from kiln.config.gguf_reader import open_gguf
+
+    reader = open_gguf(gguf_path)
     field = reader.fields.get("general.architecture")
     arch = None if field is None else str(field.contents())
     return {"architecture": arch, "rope_scaling": _rope_scaling_fields(reader, arch),
@@ -152,19 +154,6 @@ def _tensor_table(gguf_path: Path) -> dict:
             "tensors": [{"name": t.name, "type": int(t.tensor_type), "dtype": t.data.dtype.str,
                          "shape": list(t.data.shape), "offset": int(t.data_offset),
                          "nbytes": int(t.n_bytes)} for t in reader.tensors]}
-
-
-def _reader(gguf_path: Path):
-    """gguf's reader of the file; a damaged file (an interrupted download) fails naming it, not
-    with the numpy error its parse happens to hit."""
-    import gguf
-
-    size = gguf_path.stat().st_size
-    try:
-        return gguf.GGUFReader(str(gguf_path))
-    except Exception as e:  # noqa: BLE001 - any parse error means a file gguf cannot read
-        raise ValueError(f"GGUF file {gguf_path} ({size} bytes) cannot be read ({type(e).__name__}: "
-                         f"{e}): it is truncated or damaged; download or convert it again") from e
 
 
 def _summary(field) -> dict:

@@ -2,6 +2,8 @@
 each error names the file, what in it is wrong (the GGUF key and its value, the tensor) and what
 to do, where they failed deep inside (a missing parameter, a ZeroDivisionError, transformers'
 validator naming its own field)."""
+import struct
+
 import numpy as np
 import pytest
 
@@ -103,3 +105,19 @@ def test_the_default_model_has_all_the_metadata_checked(tmp_path, monkeypatch):
     gguf_checks.check_metadata(table, path)
     assert {"llama.context_length", "llama.attention.layer_norm_rms_epsilon",
             "tokenizer.ggml.eos_token_id"} <= table["metadata"].keys()
+
+
+def test_a_quant_type_gguf_does_not_know_names_the_type_and_tensor(hf_dir, tmp_path):
+    """A type id from a newer llama.cpp was reported as a truncated or damaged file, to be
+    downloaded again: it is neither."""
+    path = write_gguf(tmp_path / "m.gguf", hf_dir)
+    data = bytearray(path.read_bytes())
+    name = b"blk.0.attn_q.weight"  # its tensor info: name, dims count, dims, type id, offset
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, 99)
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"m\.gguf: tensor blk\.0\.attn_q\.weight is stored in "
+                                         r"quantization type 99, which the installed gguf "
+                                         r"package \([\w.]+\) does not know.*upgrade it"):
+        kiln_config_for(path)
