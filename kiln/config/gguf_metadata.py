@@ -25,8 +25,8 @@ logger = init_logger(__name__)
 
 # Of what is kept; 2: rope scaling metadata in the table, 3: missing metadata, 4: the config
 # as a snapshot (config/config.json in hf_config_snapshot's format), 5: the head size, 6: the
-# metadata gguf_checks reads, 7: more of it (sizes' types, token ids).
-_FORMAT = 7
+# metadata gguf_checks reads, 7: more of it (sizes' types, token ids), 8: tensors' dims.
+_FORMAT = 8
 
 
 def converted_dir(gguf: Path) -> Path:
@@ -139,7 +139,8 @@ def load_tokenizer(gguf: Path):
 
 def _tensor_table(gguf_path: Path) -> dict:
     """Where each tensor's bytes lie, as gguf's reader lays them out: {"architecture",
-    "tensors": [{name, type, dtype, shape, offset, nbytes}]}, offsets absolute in the file; and
+    "tensors": [{name, type, dtype, shape, dims, offset, nbytes}]}, offsets absolute in the
+    file; and
     the metadata read at start-up ("metadata": gguf_checks' keys, summarised)."""
     from kiln.config.gguf_reader import open_gguf
 
@@ -152,8 +153,15 @@ def _tensor_table(gguf_path: Path) -> dict:
             "metadata": {key: _summary(reader.fields[key])
                          for key in gguf_checks.metadata_keys(arch) if key in reader.fields},
             "tensors": [{"name": t.name, "type": int(t.tensor_type), "dtype": t.data.dtype.str,
-                         "shape": list(t.data.shape), "offset": int(t.data_offset),
+                         "shape": list(t.data.shape), "dims": _dims(t),
+                         "offset": int(t.data_offset),
                          "nbytes": int(t.n_bytes)} for t in reader.tensors]}
+
+
+def _dims(tensor) -> list[int]:
+    """A tensor's shape in values, outermost first as HF and torch order it (`shape` is the
+    bytes' as gguf presents them: rows of blocks for a quantized tensor)."""
+    return [int(d) for d in reversed(tensor.shape.tolist())]
 
 
 def _summary(field) -> dict:

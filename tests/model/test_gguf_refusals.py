@@ -121,3 +121,34 @@ def test_a_quant_type_gguf_does_not_know_names_the_type_and_tensor(hf_dir, tmp_p
                                          r"quantization type 99, which the installed gguf "
                                          r"package \([\w.]+\) does not know.*upgrade it"):
         kiln_config_for(path)
+
+
+def test_a_tensor_larger_than_its_parameter_is_refused_before_dequantizing(hf_dir, tmp_path,
+                                                                           monkeypatch):
+    """A tensor declaring many more rows (its bytes there: here a sparse file) was dequantized
+    whole before its shape was checked: for a large one, the process was killed for memory."""
+    import os
+
+    import gguf
+
+    from kiln.model.loader import get_model, gguf_loader
+
+    path = write_gguf(tmp_path / "m.gguf", hf_dir)
+    last = max(gguf.GGUFReader(str(path)).tensors, key=lambda t: t.data_offset)
+    dims = [int(d) for d in last.shape]  # innermost first, as the file holds them
+    dims[-1] *= 1000
+    data = bytearray(path.read_bytes())
+    name = last.name.encode()
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name) + 4
+    struct.pack_into(f"<{len(dims)}Q", data, at, *dims)
+    path.write_bytes(bytes(data))
+    os.truncate(path, last.data_offset + int(np.prod(dims)) * 4)  # F32: the bytes are there
+    cfg = kiln_config_for(path)
+    calls = []
+    dequantize = gguf_loader.dequantize
+    monkeypatch.setattr(gguf_loader, "dequantize", lambda *a: calls.append(a[2]) or dequantize(*a))
+    with pytest.raises(ValueError, match=rf"GGUF tensor {last.name} in {path} has shape "
+                                         r"\(\d+000,( \d+)?\) \([\d,]+ values\), more than its "
+                                         r"parameter \S+ takes"):
+        get_model(cfg)
+    assert calls == []  # refused from the table, before any tensor was dequantized
