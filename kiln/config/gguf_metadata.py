@@ -3,34 +3,34 @@
 Each needs all of the file's metadata parsed: 2.5 s per parse for the default model on 2 cores
 (its 49k-token vocabulary), by transformers for the config and the tokenizer and by `gguf` for
 the weights' table, on every start. The first start saves what it converted under
-<cache root>/gguf/<key>/ (key: the file's path, size and mtime, the transformers, gguf and Kiln
-versions); later starts read those files (the config as plain data: hf_config_snapshot.py).
+<cache root>/gguf/<stem>-<key>/ (key: the file's identity, hf_config_snapshot.source_key, and
+the transformers, gguf and Kiln versions); later starts read those files (the config as plain
+data: hf_config_snapshot.py).
 """
 import hashlib
 import importlib.metadata
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kiln import envs
+from kiln.atomic_write import temporary_beside
+from kiln.config import gguf_checks
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
 
 # Of what is kept; 2: rope scaling metadata in the table, 3: missing metadata, 4: the config
-# as a snapshot (config/config.json in hf_config_snapshot's format), 5: the head size.
-_FORMAT = 5
-# The model's shape: without these transformers takes its defaults (32 layers, ...).
-_REQUIRED_METADATA = ("block_count", "embedding_length", "feed_forward_length",
-                      "attention.head_count")
+# as a snapshot (config/config.json in hf_config_snapshot's format), 5: the head size, 6: the
+# metadata gguf_checks reads, 7: more of it (sizes' types, token ids), 8: tensors' dims.
+_FORMAT = 8
 
 
 def converted_dir(gguf: Path) -> Path:
-    """Where this file's conversion is kept; a changed file (size, mtime) gets a new one."""
+    """Where this file's conversion is kept; a changed file (source_key) gets a new one."""
     from kiln.config.hf_config_snapshot import source_key
 
     # Both libraries parse the file: a new gguf may lay its tensors out differently.
@@ -38,10 +38,14 @@ def converted_dir(gguf: Path) -> Path:
     return envs.cache_root() / "gguf" / f"{gguf.resolve().stem}-{key}"
 
 
-def _cached(part: Path, load: Callable[[Path], Any], convert: Callable[[], Any],
+def _cached(gguf: Path, name: str, load: Callable[[Path], Any], convert: Callable[[], Any],
             save: Callable[[Any, Path], None]) -> Any:
-    """`load(part)` when a saved copy exists (a damaged one is converted again), else
-    `convert()`, saved to `part` by writing a temporary directory and renaming it."""
+    """`load(part)` for the part `name` of the file's conversion when a saved copy exists (a
+    damaged one is converted again), else `convert()`, saved to it by writing a temporary
+    directory and renaming it."""
+    from kiln.config import gguf_cache_cleanup
+
+    part = converted_dir(gguf) / name
     if part.is_dir():
         try:
             return load(part)
@@ -52,8 +56,12 @@ def _cached(part: Path, load: Callable[[Path], Any], convert: Callable[[], Any],
     value = convert()
     tmp = None
     try:
-        part.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{part.name}.", dir=part.parent))
+        # a new folder: older conversions of the same path go
+        gguf_cache_cleanup.claim(part.parent, gguf)
+        gguf_cache_cleanup.sweep(part.parent)
+        tmp = temporary_beside(part)  # names its writer: a killed one's is swept
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a dead process that had this pid
+        tmp.mkdir()
         save(value, tmp)
         os.rename(tmp, part)  # atomic; another process may have won the race: keep its copy
         tmp = None
@@ -66,27 +74,11 @@ def _cached(part: Path, load: Callable[[Path], Any], convert: Callable[[], Any],
 
 
 def _load(gguf: Path, part: str, auto_class):
-    value = _cached(converted_dir(gguf) / part, auto_class.from_pretrained,
+    value = _cached(gguf, part, auto_class.from_pretrained,
                     lambda: auto_class.from_pretrained(gguf.parent, gguf_file=gguf.name),
                     lambda converted, path: converted.save_pretrained(path))
     value.name_or_path = str(gguf.parent)  # what transformers names it, not the cache's path
     return value
-
-
-# The GGUF architectures Kiln's models run (general.architecture).
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-def check_architecture(table: dict, gguf: Path) -> None:
-    """Refuse a file whose general.architecture Kiln does not run, naming the file and what it
-    runs: before transformers reads it, whose own refusal of an architecture it lacks named
-    neither."""
-    arch = table["architecture"]
-    if arch is None:
-        raise ValueError(f"GGUF file {gguf} has no general.architecture field")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(f"GGUF file {gguf}: architecture {arch!r} is not supported; "
-                         f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
 
 
 def load_config(gguf: Path):
@@ -94,11 +86,8 @@ def load_config(gguf: Path):
     from kiln.config.hf_config_snapshot import cached_snapshot
 
     table = load_tensor_table(gguf)
-    check_architecture(table, gguf)
-    missing = table.get("missing_metadata")
-    if missing:  # transformers would fill in its defaults: a model of the wrong shape
-        raise ValueError(f"GGUF file {gguf} lacks the metadata {', '.join(missing)}; the file "
-                         "is incomplete or was not written by a llama.cpp converter")
+    gguf_checks.check_file(table, gguf)
+    gguf_checks.check_metadata(table, gguf)
 
     def convert():
         from transformers import AutoConfig
@@ -150,32 +139,40 @@ def load_tokenizer(gguf: Path):
 
 def _tensor_table(gguf_path: Path) -> dict:
     """Where each tensor's bytes lie, as gguf's reader lays them out: {"architecture",
-    "tensors": [{name, type, dtype, shape, offset, nbytes}]}, offsets absolute in the file."""
-    reader = _reader(gguf_path)
+    "tensors": [{name, type, dtype, shape, dims, offset, nbytes}]}, offsets absolute in the
+    file; and
+    the metadata read at start-up ("metadata": gguf_checks' keys, summarised)."""
+    from kiln.config.gguf_reader import open_gguf
+
+    reader = open_gguf(gguf_path)
     field = reader.fields.get("general.architecture")
     arch = None if field is None else str(field.contents())
-    missing = [f"{arch}.{key}" for key in _REQUIRED_METADATA
-               if f"{arch}.{key}" not in reader.fields]
     return {"architecture": arch, "rope_scaling": _rope_scaling_fields(reader, arch),
             "head_size": {"key": _field(reader, f"{arch}.attention.key_length"),
                           "value": _field(reader, f"{arch}.attention.value_length")},
-            "missing_metadata": missing if arch is not None else ["general.architecture"],
+            "metadata": {key: _summary(reader.fields[key])
+                         for key in gguf_checks.metadata_keys(arch) if key in reader.fields},
             "tensors": [{"name": t.name, "type": int(t.tensor_type), "dtype": t.data.dtype.str,
-                         "shape": list(t.data.shape), "offset": int(t.data_offset),
+                         "shape": list(t.data.shape), "dims": _dims(t),
+                         "offset": int(t.data_offset),
                          "nbytes": int(t.n_bytes)} for t in reader.tensors]}
 
 
-def _reader(gguf_path: Path):
-    """gguf's reader of the file; a damaged file (an interrupted download) fails naming it, not
-    with the numpy error its parse happens to hit."""
+def _dims(tensor) -> list[int]:
+    """A tensor's shape in values, outermost first as HF and torch order it (`shape` is the
+    bytes' as gguf presents them: rows of blocks for a quantized tensor)."""
+    return [int(d) for d in reversed(tensor.shape.tolist())]
+
+
+def _summary(field) -> dict:
+    """A metadata field as JSON: {"type": gguf's value type name, and "value" for one value or
+    "count" for an array} (an array's values are not read: a vocabulary's are 2.5 s)."""
     import gguf
 
-    size = gguf_path.stat().st_size
-    try:
-        return gguf.GGUFReader(str(gguf_path))
-    except Exception as e:  # noqa: BLE001 - any parse error means a file gguf cannot read
-        raise ValueError(f"GGUF file {gguf_path} ({size} bytes) cannot be read ({type(e).__name__}: "
-                         f"{e}): it is truncated or damaged; download or convert it again") from e
+    kind = gguf.GGUFValueType(field.types[0]).name
+    if field.types[0] == gguf.GGUFValueType.ARRAY:
+        return {"type": kind, "count": len(field.data)}
+    return {"type": kind, "value": field.contents()}
 
 
 def _field(reader, key: str):
@@ -223,7 +220,7 @@ def _read_table(part: Path, file_size: int) -> dict:
 
 def load_tensor_table(gguf_path: Path) -> dict:
     """The file's architecture and tensor table (see `_tensor_table`)."""
-    return _cached(converted_dir(gguf_path) / "tensors",
+    return _cached(gguf_path, "tensors",
                    lambda part: _read_table(part, gguf_path.stat().st_size),
                    lambda: _tensor_table(gguf_path),
                    lambda table, path: (path / "tensors.json").write_text(_table_text(table)))

@@ -4,8 +4,9 @@ back without importing transformers' model classes: a second of imports in each 
 `LlamaConfig` alone imports torch.distributed.tensor through transformers' validators (0.9 s on
 2 cores) in the front end, and again in the core to unpickle it. The first start resolves the
 config with transformers and keeps `to_dict()` under <cache root>/hf_config/<name>-<key>/ (key:
-the config file's path, size and mtime, the transformers and Kiln versions, the format); later
-starts read that file, checked against the sha256 it holds (a damaged one is resolved again).
+the config file's identity (path, size, mtime, inode, ctime), the transformers and Kiln
+versions, the format); later starts read that file, checked against the sha256 it holds (a
+damaged one is resolved again).
 """
 import copy
 import hashlib
@@ -93,12 +94,19 @@ def read_snapshot(path: Path) -> HFConfigSnapshot:
 
 
 def source_key(source: Path, *extra: str) -> str:
-    """A key that changes with the file (path, size, mtime), transformers, Kiln and `extra`."""
+    """A key that changes with the file (path, size, mtime, inode, ctime), transformers, Kiln
+    and `extra`.
+
+    Size and mtime alone missed a file replaced or rewritten with its old size and mtime (`cp
+    -p`, `rsync -t`, `tar x` of a re-converted file, an edit followed by os.utime): the old
+    conversion was used. A file replaced whole has another inode; one rewritten in place gets a
+    new ctime, which, unlike mtime, nothing can set back."""
     from kiln.version import __version__
 
     source = source.resolve()
     stat = source.stat()
     factors = "|".join([str(source), str(stat.st_size), str(stat.st_mtime_ns),
+                        str(stat.st_ino), str(stat.st_ctime_ns),
                         importlib.metadata.version("transformers"), __version__, str(_FORMAT),
                         *extra])
     return hashlib.sha256(factors.encode()).hexdigest()[:16]

@@ -2,6 +2,7 @@
 Kiln's cache without parsing the file, identical in every way the engine uses them."""
 import json
 import os
+import time
 
 import pytest
 
@@ -80,4 +81,29 @@ def test_a_changed_file_gets_a_new_conversion(tmp_path, monkeypatch):
     first = gguf_metadata.converted_dir(f)
     assert first.parent == tmp_path / "gguf" and first.name.startswith("m-")
     f.write_bytes(b"GGUF v2")
+    assert gguf_metadata.converted_dir(f) != first
+
+
+@pytest.mark.parametrize("how", ["replaced", "edited"])
+def test_a_file_changed_with_its_size_and_mtime_kept_gets_a_new_conversion(tmp_path, monkeypatch,
+                                                                           how):
+    """`cp -p`, `rsync -t` or `tar x` of a re-converted file of the same size, or an edit in
+    place followed by os.utime, keep size and mtime: the old weights, config and tokenizer were
+    used without a word."""
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF v1")
+    before = f.stat()
+    first = gguf_metadata.converted_dir(f)
+    time.sleep(0.05)  # past the clock tick the kernel stamps ctime with
+    if how == "replaced":  # as cp -p over a hard link, rsync -t and tar x do: a new inode
+        new = tmp_path / "new.gguf"
+        new.write_bytes(b"GGUF v2")
+        os.replace(new, f)
+    else:
+        with open(f, "r+b") as out:
+            out.write(b"GGUF v2")
+    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = f.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
     assert gguf_metadata.converted_dir(f) != first

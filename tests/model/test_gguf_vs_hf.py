@@ -30,17 +30,20 @@ def _cache(tmp_path, monkeypatch):
 
 
 def write_gguf(path, hf_dir, types: dict | None = None, extra: dict | None = None,
-               rope_scaling: tuple[str, float] | None = None, block_count: bool = True):
+               rope_scaling: tuple[str, float] | None = None, block_count: bool = True,
+               metadata: dict | None = None, skip: tuple = (), split_max_tensors: int = 0):
     """hf_dir's weights as a llama GGUF with the metadata llama.cpp's converter writes (and a
     tiny vocabulary); `types`: llama.cpp name part -> F16 / BF16 / Q4_0 / Q4_1 / Q8_0 / any
     other raw type (zero blocks);
-    `extra`: more tensors by GGUF name."""
+    `extra`: more tensors by GGUF name; `metadata`: key -> (value, GGUFValueType) written
+    instead of the converter's, or None to leave the key out; `skip`: GGUF tensor names left
+    out; `split_max_tensors`: split into parts (`path`'s stem-0000N-of-0000M.gguf)."""
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(hf_dir)
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), "llama", split_max_tensors=split_max_tensors)
     if block_count:
         w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -62,8 +65,14 @@ def write_gguf(path, hf_dir, types: dict | None = None, extra: dict | None = Non
     w.add_token_list(tokens)
     w.add_token_scores([0.0] * len(tokens))
     w.add_token_types([1] * len(tokens))
+    for key, entry in (metadata or {}).items():
+        w.kv_data[0].pop(key, None)
+        if entry is not None:
+            w.add_key_value(key, *entry)
     for name, t in load_file(str(hf_dir / "model.safetensors")).items():
         gname, a = llama_cpp_tensor(name, t, c)
+        if gname in skip:
+            continue
         kind = (types or {}).get(gname.split(".")[-2], "F32")
         qtype = getattr(gguf.GGMLQuantizationType, kind)
         if kind in ("F32", "F16"):

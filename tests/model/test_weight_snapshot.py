@@ -204,3 +204,47 @@ def test_no_snapshot_where_it_would_leave_the_disk_nearly_full(gguf_cfg, monkeyp
     monkeypatch.setattr(weight_snapshot.shutil, "disk_usage", lambda _: tight)
     _assert_same(_state(get_model(gguf_cfg)), fresh)
     assert _snapshots(gguf_cfg) == []
+
+
+@pytest.mark.parametrize("damage", ["crc", "header"])
+def test_a_damaged_snapshot_that_cannot_be_removed_is_loaded_past(gguf_cfg, monkeypatch,
+                                                                  kiln_logs, damage):
+    """A read-only cache (EROFS, or another user's: EACCES): removing the damaged snapshot
+    raised, and the model did not load."""
+    import errno
+    from pathlib import Path
+
+    fresh = _fresh(gguf_cfg, monkeypatch)
+    get_model(gguf_cfg)
+    [saved] = _snapshots(gguf_cfg)
+    data = bytearray(saved.read_bytes())
+    if damage == "crc":  # one bit inside the weights: caught by the CRC, after restoring
+        header = struct.unpack("<Q", data[:8])[0]
+        data[8 + header + (len(data) - 8 - header) // 2] ^= 0x40
+    else:  # caught while reading the header
+        data = data[:-1000]
+    saved.write_bytes(bytes(data))
+    unlink = Path.unlink
+
+    def read_only(self, missing_ok=False):
+        if self.suffix == ".safetensors":
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        unlink(self, missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    _assert_same(_state(get_model(gguf_cfg)), fresh)
+    assert "could not remove the unusable weight snapshot" in kiln_logs.text
+    assert _snapshots(gguf_cfg) == [saved] and saved.read_bytes() == bytes(data)  # left alone
+
+
+def test_an_unusable_snapshot_is_named_in_a_short_warning(gguf_cfg, monkeypatch, kiln_logs):
+    """An error quoting the snapshot's header (its manifest: kilobytes) filled the log."""
+    get_model(gguf_cfg)
+
+    def fail(*_):
+        raise ValueError("header: " + "x" * 3000)
+
+    monkeypatch.setattr(weight_snapshot, "_assignments", fail)
+    get_model(gguf_cfg)
+    [warning] = {r.getMessage() for r in kiln_logs.records if " unusable (" in r.getMessage()}
+    assert "ValueError: header: xxx" in warning and len(warning) < 600

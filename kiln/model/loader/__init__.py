@@ -60,33 +60,40 @@ def load_weights_into(model: nn.Module, kiln_config: KilnConfig) -> None:
 
 def get_model(kiln_config: KilnConfig) -> nn.Module:
     """Build, load and return the model in eval mode."""
+    return _get_model(kiln_config, use_snapshot=True)
+
+
+def _get_model(kiln_config: KilnConfig, use_snapshot: bool) -> nn.Module:
     from kiln.model.layers.cpu_gemm import prepack_for_cpu, release_dense_copies
     from kiln.model.layers.quantization import get_quant_config
+    from kiln.model.loader import weight_snapshot
 
     quant_config = get_quant_config(kiln_config.model_config)  # refuses a bad scheme first
     model = build_model(kiln_config)
     with torch.no_grad():
         if quant_config is not None:
             quant_config.prepare(model)
-        check = _load_or_restore(model, kiln_config)
+        check = _load_or_restore(model, kiln_config, use_snapshot)
         if quant_config is not None:
             quant_config.quantize_loaded(model)
         prepack_for_cpu(model)
         if check is not None and not check.passed():  # checked while the weights were packed
             logger.warning("weight snapshot %s is damaged (CRC mismatch); loading the model "
-                           "file and saving it again", check.path)
-            check.path.unlink(missing_ok=True)
-            return get_model(kiln_config)
+                           "file", check.path)
+            # Saved again once removed; one that stays (a read-only cache) would be
+            # restored again, so this load leaves the snapshot alone.
+            return _get_model(kiln_config, use_snapshot=weight_snapshot.discard(check.path))
         release_dense_copies(model)
     return model.eval()
 
 
-def _load_or_restore(model: nn.Module, kiln_config: KilnConfig):
+def _load_or_restore(model: nn.Module, kiln_config: KilnConfig, use_snapshot: bool):
     """Fill the weights: from the snapshot of an earlier load where one is kept (returns its
-    running CRC check), else from the checkpoint, saving a snapshot where one is kept."""
+    running CRC check), else from the checkpoint, saving a snapshot where one is kept;
+    without `use_snapshot`, from the checkpoint alone."""
     from kiln.model.loader import weight_snapshot
 
-    path = weight_snapshot.snapshot_path(kiln_config)
+    path = weight_snapshot.snapshot_path(kiln_config) if use_snapshot else None
     if path is not None:
         check = weight_snapshot.restore(model, path)
         if check is not None:

@@ -107,13 +107,14 @@ def iterate_gguf(path: Path, hf_config,
     {HF name: (ggml type id, uint8 [rows, row_bytes] blocks, rows in HF order)}."""
     import gguf
 
-    from kiln.config.gguf_metadata import check_architecture, load_tensor_table
+    from kiln.config.gguf_checks import check_file
+    from kiln.config.gguf_metadata import load_tensor_table
     from kiln.native.gguf_matmul import QTYPES
 
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     table = load_tensor_table(path)  # parsed once per file, then read from Kiln's cache
-    check_architecture(table, path)
+    check_file(table, path)
     arch = table["architecture"]
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
@@ -155,6 +156,7 @@ def load_gguf_weights(model: nn.Module, path: Path, hf_config) -> None:
     keep = (weight.device.type == "cpu" and gguf_matmul.available()
             and get_tp_group().world_size == 1)
     blocks: dict | None = {} if keep else None
+    check_tensor_sizes(model, path, get_tp_group().world_size)
     from kiln.progress import progress
 
     model.load_weights(progress(iterate_gguf(path, hf_config, blocks), desc="loading weights",
@@ -162,6 +164,28 @@ def load_gguf_weights(model: nn.Module, path: Path, hf_config) -> None:
     apply_rope_freqs(model, path)
     if blocks:
         attach_blocks(model, blocks)
+
+
+def check_tensor_sizes(model: nn.Module, path: Path, tp_size: int) -> None:
+    """Refuse a tensor of more values than the parameter it fills takes (whole, over the
+    `tp_size` ranks), from the tensor table, before anything is dequantized: a damaged or
+    mismatched file's huge tensor was dequantized whole, as float32, before the parameter's
+    weight loader checked its shape, and the process was killed for memory. A tensor that
+    passes is still checked exactly by that loader."""
+    from kiln.config.gguf_metadata import load_tensor_table
+    from kiln.model.llama import merged_target
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for t in load_tensor_table(path)["tensors"]:
+        hf_name = gguf_to_hf_name(t["name"])
+        target = None if hf_name is None else merged_target(hf_name)[0]
+        if target not in params:  # not used, another stage's, or refused by load_weights
+            continue
+        values, room = int(np.prod(t["dims"])), params[target].numel() * tp_size
+        if values > room:
+            raise ValueError(f"GGUF tensor {t['name']} in {path} has shape {tuple(t['dims'])} "
+                             f"({values:,} values), more than its parameter {target} takes "
+                             f"({room:,}); the file is damaged or does not match its metadata")
 
 
 def apply_rope_freqs(model: nn.Module, path: Path) -> bool:

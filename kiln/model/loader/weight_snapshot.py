@@ -37,6 +37,8 @@ _FREE_MARGIN = 2 << 30
 _KEEP = 3
 # Kiln's code that decides what loading leaves in the model (besides the C++ sources).
 _LOADING_CODE = ("model", "native", "ir")
+# Characters of an error's text a warning quotes.
+_BRIEF = 200
 
 
 @functools.cache
@@ -100,6 +102,11 @@ def save(model: nn.Module, path: Path, attrs_before: dict[str, dict]) -> bool:
     `attrs_before`, from `primitive_attrs` before loading); False where it cannot."""
     from safetensors.torch import save_file
 
+    from kiln.config import gguf_cache_cleanup
+
+    if find(path) is not None:  # a damaged one that could not be removed, or a racing save's
+        logger.debug("weight snapshot not saved: %s already holds one for this key", path.parent)
+        return False
     tensors: dict[str, torch.Tensor] = {}
     first: dict[int, str] = {}  # id of a tensor -> the slot that saved it
     slots: dict[str, str | None] = {}  # slot -> its tensor's key, the slot it ties to, or None
@@ -121,6 +128,7 @@ def save(model: nn.Module, path: Path, attrs_before: dict[str, dict]) -> bool:
             tensors[key] = value
             slots[slot] = key
     size = sum(t.nbytes for t in tensors.values())
+    gguf_cache_cleanup.sweep(path.parent)  # a killed save's temporary holds the space checked
     try:
         free = shutil.disk_usage(path.parent if path.parent.exists() else envs.cache_root()).free
     except OSError:
@@ -228,9 +236,9 @@ def restore(model: nn.Module, path: Path) -> Check | None:
             handle.close()
         if isinstance(e, FileNotFoundError):  # pruned by another process as we looked
             return None
-        logger.warning("weight snapshot %s unusable (%s: %s); loading the model file", file,
-                       type(e).__name__, e)
-        file.unlink(missing_ok=True)
+        logger.warning("weight snapshot %s unusable (%s); loading the model file", file,
+                       _brief(e))
+        discard(file)
         return None
     for apply in plan:
         apply()
@@ -239,6 +247,24 @@ def restore(model: nn.Module, path: Path) -> Check | None:
     except OSError:  # a read-only or shared cache: still usable
         pass
     return Check(file, handle, crc)
+
+
+def _brief(e: Exception) -> str:
+    """An error's type and the start of its text: a damaged header's may quote all of it."""
+    text = str(e)
+    return f"{type(e).__name__}: {text[:_BRIEF] + ' ...' if len(text) > _BRIEF else text}"
+
+
+def discard(file: Path) -> bool:
+    """Remove an unusable snapshot; False, with a warning, where it cannot be (a read-only or
+    another user's cache): loading goes on from the model file."""
+    try:
+        file.unlink(missing_ok=True)
+    except OSError as e:
+        logger.warning("could not remove the unusable weight snapshot %s (%s); starts load the "
+                       "model file until it is removed", file, e)
+        return False
+    return True
 
 
 def _assignments(model: nn.Module, manifest: dict,
