@@ -123,8 +123,15 @@ class InductorStandaloneAdaptor(CompilerInterface):
         from torch._inductor.codecache import PyCodeCache
 
         known_modules = len(PyCodeCache.modules)
-        artifact = torch._inductor.standalone_compile(
-            graph, example_inputs, dynamic_shapes=dynamic, options={"config_patches": patches})
+        runs = len(self.pass_manager.runs) if self.pass_manager is not None else 0
+        try:
+            artifact = torch._inductor.standalone_compile(
+                graph, example_inputs, dynamic_shapes=dynamic,
+                options={"config_patches": patches})
+        except BaseException:
+            if self.pass_manager is not None:
+                self.pass_manager.forget_runs_since(runs)
+            raise
         compilation_counter.num_inductor_compiles += 1
         if self.dump_dir is not None:
             self._dump_output_code(PyCodeCache.modules[known_modules:], shape, save_path)

@@ -596,3 +596,27 @@ def test_the_cpu_thread_count_is_part_of_the_compilers_hash():
     finally:
         torch.set_num_threads(threads)
     assert cpu.compute_hash() == before
+
+
+def test_a_compile_that_fails_after_its_passes_forgets_their_runs(monkeypatch):
+    """Inductor raised past the passes (a TensorifyScalarRestartAnalysis that escaped
+    standalone_compile): the failed attempt's runs stayed beside its retry's, and the per-pass
+    match counts of a piece doubled."""
+    import torch._inductor
+
+    from kiln.compilation.compiler_interface import InductorStandaloneAdaptor
+    from kiln.compilation.passes import pass_manager
+
+    manager = pass_manager.PostGradPassManager()
+    manager(torch.fx.Graph())  # an earlier piece's run stays
+    kept = list(manager.runs)
+
+    def passes_then_fail(graph, *args, **kwargs):
+        manager(torch.fx.Graph())
+        raise RuntimeError("restart analysis")
+
+    monkeypatch.setattr(torch._inductor, "standalone_compile", passes_then_fail)
+    with pytest.raises(RuntimeError, match="restart analysis"):
+        InductorStandaloneAdaptor(manager).compile(torch.fx.GraphModule({}, torch.fx.Graph()),
+                                                   [], {}, None)
+    assert manager.runs == kept and pass_manager.RUNS[-1] is kept[-1]

@@ -85,6 +85,17 @@ class PostGradPassManager(CustomGraphPass):
         self.runs.append(run)
         RUNS.append(run)
 
+    def forget_runs_since(self, mark: int) -> None:
+        """Drop the runs recorded after `mark` (len(self.runs) then): a compile that failed
+        after its passes ran (Inductor can raise past them) left runs of a graph never
+        served, and its retry records its own."""
+        for run in self.runs[mark:]:
+            for i in range(len(RUNS) - 1, -1, -1):
+                if RUNS[i] is run:
+                    del RUNS[i]
+                    break
+        del self.runs[mark:]
+
     def uuid(self) -> str:
         factors = {"manager": hashlib.sha256(inspect.getsource(type(self)).encode()).hexdigest(),
                    "op_schemas": schemas_hash(), "graph_code": graph_code_hash(),
