@@ -79,7 +79,9 @@ def _scaled_mm(q, scale, w_q, w_scale, bias, out_dtype):
     if q.shape[1] % 16 or w_q.shape[0] % 16:  # chosen once per op: a layer off its tiles
         return _fp8_scaled_mm_ref(q, scale, w_q, w_scale, bias, out_dtype)
     # w_q [N, K] row-major: its transpose is the column-major [K, N] operand _scaled_mm wants.
-    # The bias is added after (not every torch takes one with row-wise scales).
+    # The bias is added after (not every torch takes one with row-wise scales, which also
+    # output bfloat16 only): the sum is rounded twice, within one bfloat16 step of the
+    # reference's single rounding (tests/gpu/test_w8a8_gpu.py bounds it).
     out = torch._scaled_mm(q.contiguous(), w_q.t(), scale_a=scale.reshape(-1, 1).float(),
                            scale_b=w_scale.reshape(1, -1).float(), out_dtype=out_dtype)
     return out if bias is None else out + bias.to(out_dtype)

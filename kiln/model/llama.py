@@ -166,9 +166,22 @@ def merged_target(name: str) -> tuple[str, str | int | None]:
     return name, None
 
 
+# Tensors of quantization schemes Kiln refuses by their config: met without such a config.
+_UNSERVED_QUANT_TENSORS = {
+    ".input_scale": "a static activation scale", ".input_zero_point": "an activation zero point",
+    ".weight_zero_point": "a weight zero point (asymmetric weights)",
+    ".weight_g_idx": "a group index (group-wise weights)"}
+
+
 def unexpected_tensor_message(name: str, hf_config) -> str:
     """Why a checkpoint tensor fits no parameter, with the config field most likely at fault."""
     hint = ""
+    quant_tail = next((t for t in _UNSERVED_QUANT_TENSORS if name.endswith(t)), None)
+    if quant_tail is not None:
+        return (f"checkpoint tensor {name} is {_UNSERVED_QUANT_TENSORS[quant_tail]}, which "
+                "Kiln does not serve (W8A8 int8 only: symmetric weights, dynamic per-token "
+                "activations); its quantization_config should say so too (input_activations "
+                "dynamic: false, or symmetric: false), else the checkpoint does not match it")
     if name.endswith(".bias"):
         field = "mlp_bias" if ".mlp." in name else "attention_bias"
         hint = f" (a bias, but the config has {field}={getattr(hf_config, field, False)})"

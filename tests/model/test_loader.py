@@ -59,6 +59,27 @@ def test_dummy_weights_are_seeded_and_sane(tiny_llama_dir):
     assert 0.01 < a["lm_head.weight"].std() < 0.03
 
 
+def test_dummy_int8_weights_are_random_int8_with_positive_scales(tiny_llama_dir, tmp_path):
+    """A compressed-tensors checkpoint with --load-format dummy got all-zero int8 weights (a
+    normal draw of std 0.02, truncated) and scales of random sign: a constant model."""
+    from kiln.model.layers.quantization import get_quant_config
+    from kiln.model.loader.dummy_loader import init_dummy_weights
+
+    from w8a8_checkpoint import write_w8a8_checkpoint
+
+    d = write_w8a8_checkpoint(tiny_llama_dir, tmp_path / "q")
+    config = kiln_config_for(d)
+    model = build_model(config)  # as get_model does, short of packing the weights away
+    get_quant_config(config.model_config).prepare(model)
+    init_dummy_weights(model, seed=0)
+    params = dict(model.named_parameters())
+    w = params["model.layers.0.mlp.down_proj.weight"]
+    assert w.dtype == torch.int8 and w.float().std() > 50
+    scale = params["model.layers.0.mlp.down_proj.weight_scale"]
+    assert torch.all(scale > 0)
+    assert 0.01 < (w.float() * scale.reshape(-1, 1)).std() < 0.03
+
+
 def test_bfloat16_build_keeps_rope_cache_float32(tiny_qwen3_dir):
     model = build_model(kiln_config_for(tiny_qwen3_dir, dtype="bfloat16"))
     assert model.lm_head.weight.dtype == torch.bfloat16

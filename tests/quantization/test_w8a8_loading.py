@@ -107,6 +107,8 @@ def _group(qc):
     (lambda qc: _group(qc).update(input_activations=None),
      "config_groups.group_0.input_activations=None"),
     (lambda qc: qc.update(format="pack-quantized"), "format='pack-quantized'"),
+    # none given: the package's model says "fakequant", which the user never wrote
+    (lambda qc: qc.pop("format"), "format=None"),
     (lambda qc: qc.update(ignore=[]), "ignore=[]"),
     # a rotation applied at run time, as QuIP / SpinQuant checkpoints hold
     (lambda qc: qc.update(transform_config={"config_groups": {"R4": {
@@ -117,6 +119,7 @@ def _group(qc):
     # only q_proj targeted: Kiln's merged q/k/v would be part int8; the targets split it
     (lambda qc: _group(qc).update(targets=["re:.*q_proj$"]), "targets=['re:.*q_proj$']"),
 ], ids=["static-activations", "asymmetric", "group-wise", "4-bit", "weight-only", "format",
+        "no-format",
         "lm-head-quantized", "online-rotation", "sparse", "part-of-merged-targeted"])
 def test_other_schemes_are_refused_naming_the_field(tiny_llama_dir, tmp_path, edit, field):
     d = _edited(tiny_llama_dir, tmp_path / "q", edit)
@@ -133,16 +136,32 @@ def test_the_empty_sections_llm_compressor_writes_load(tiny_llama_dir, tmp_path)
         "model.layers.0.mlp.down_proj"].weight.dtype == torch.int8
 
 
-def test_a_g_idx_tensor_is_refused(tiny_llama_dir, tmp_path):
-    """A GPTQ column order stored as a g_idx would change what the weight means: not read."""
+def test_naive_quantized_is_stored_the_same_and_loads(tiny_llama_dir, tmp_path):
+    """compressed-tensors' int-quantized compressor is its naive-quantized one; vLLM takes both."""
+    d = _edited(tiny_llama_dir, tmp_path / "q", lambda qc: qc.update(format="naive-quantized"))
+    assert _linears(get_model(kiln_config_for(d)))[
+        "model.layers.0.mlp.down_proj"].weight.dtype == torch.int8
+
+
+@pytest.mark.parametrize("tensor, dtype, says", [
+    # A GPTQ column order stored as a g_idx would change what the weight means: not read.
+    ("weight_g_idx", torch.int32, "a group index"),
+    # left over from a static or asymmetric scheme the config does not declare: it blamed
+    # num_hidden_layers
+    ("input_scale", torch.float32, "a static activation scale"),
+    ("weight_zero_point", torch.int8, "a weight zero point"),
+])
+def test_tensors_of_unserved_schemes_are_refused_saying_what_they_are(tiny_llama_dir, tmp_path,
+                                                                      tensor, dtype, says):
     from safetensors.torch import save_file
 
     d = write_w8a8_checkpoint(tiny_llama_dir, tmp_path / "q")
     state = load_file(str(d / "model.safetensors"))
-    state["model.layers.0.mlp.down_proj.weight_g_idx"] = torch.zeros(128, dtype=torch.int32)
+    state[f"model.layers.0.mlp.down_proj.{tensor}"] = torch.zeros(128, dtype=dtype)
     save_file(state, str(d / "model.safetensors"))
-    with pytest.raises(ValueError, match="weight_g_idx"):
+    with pytest.raises(ValueError, match=f"down_proj.{tensor} is {says}") as e:
         get_model(kiln_config_for(d))
+    assert "num_hidden_layers" not in str(e.value)
 
 
 def test_other_quant_methods_and_conflicting_flags_are_refused(tiny_llama_dir, w8a8_dir,

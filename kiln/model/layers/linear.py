@@ -25,8 +25,9 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
                              "quantization_config does not quantize)")
     elif not loaded.is_floating_point():
         raise ValueError(f"checkpoint dtype {loaded.dtype} is not a floating-point type; "
-                         "Kiln loads float32, float16 or bfloat16 weights (quantized "
-                         "checkpoints only as GGUF)")
+                         "Kiln loads float32, float16 or bfloat16 weights, and int8 ones where "
+                         "a compressed-tensors quantization_config says so (W8A8); a scale "
+                         "stored as integers is no such checkpoint")
     if param.shape != loaded.shape:
         raise ValueError(f"weight shape mismatch: parameter {tuple(param.shape)} vs checkpoint "
                          f"{tuple(loaded.shape)}{_CONFIG_HINT}")

@@ -1,8 +1,14 @@
 """Reading a compressed-tensors `quantization_config` (with the `compressed-tensors` package) and
 accepting only the scheme Kiln runs: int8 W8A8, symmetric per-channel weights, dynamic per-token
-activations, format int-quantized. Anything else is refused naming the field and its value.
+activations, format int-quantized (or naive-quantized). Anything else is refused naming the
+field and its value.
 """
 from typing import Any
+
+# Formats that store W8A8 int8 as Kiln reads it (an int8 `weight` beside its `weight_scale`):
+# compressed-tensors' int-quantized compressor is its naive-quantized one, and vLLM takes both.
+INT8_FORMATS = ("int-quantized", "naive-quantized")
+_FORMAT_WANTED = "needs format 'int-quantized' (or 'naive-quantized', stored the same way)"
 
 
 class UnsupportedQuantization(ValueError):
@@ -69,8 +75,9 @@ def parse_w8a8_int8(raw: dict) -> tuple[list[str], list[str]]:
     except (ValidationError, ValueError, KeyError) as e:
         raise UnsupportedQuantization(f"quantization_config is not a valid compressed-tensors "
                                       f"config: {e}") from None
-    if config.format != "int-quantized":
-        _refuse("format", config.format, "needs format 'int-quantized'")
+    # Read from the raw dict: the package's model fills a missing one with "fakequant".
+    if raw.get("format") not in INT8_FORMATS:
+        _refuse("format", raw.get("format"), _FORMAT_WANTED)
     if config.kv_cache_scheme is not None:
         _refuse("kv_cache_scheme", config.kv_cache_scheme.model_dump(), "KV cache quantization "
                 "is not supported")
@@ -78,8 +85,8 @@ def parse_w8a8_int8(raw: dict) -> tuple[list[str], list[str]]:
         _refuse("config_groups", {}, "needs at least one group")
     for name, scheme in config.config_groups.items():
         where = f"config_groups.{name}"
-        if scheme.format not in (None, "int-quantized"):
-            _refuse(f"{where}.format", scheme.format, "needs format 'int-quantized'")
+        if scheme.format not in (None, *INT8_FORMATS):
+            _refuse(f"{where}.format", scheme.format, _FORMAT_WANTED)
         _check_args(f"{where}.weights", scheme.weights, "channel", False)
         _check_args(f"{where}.input_activations", scheme.input_activations, "token", True)
         if scheme.output_activations is not None:
