@@ -23,6 +23,10 @@ def parse_core_list(spec: str) -> list[int]:
         except ValueError:
             raise ValueError(f"KILN_CPU_OMP_THREADS_BIND: {part!r} in {spec!r} is not a core "
                              "number or range like 0-3") from None
+    repeated = sorted({c for c in cores if cores.count(c) > 1})
+    if repeated:  # one thread per listed core: a repeat puts two threads on one core
+        raise ValueError(f"KILN_CPU_OMP_THREADS_BIND: {spec!r} lists core {repeated[0]} more "
+                         "than once; list each core of a rank once")
     return cores
 
 

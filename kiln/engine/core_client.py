@@ -71,6 +71,10 @@ class InprocCoreClient:
         self.num_blocks = self.core.num_blocks  # the KV cache's size, in blocks
         self.max_model_len = self.core.max_model_len  # the config's, or what the cache holds
         self.num_threads = torch.get_num_threads()
+        self._death_callbacks: list = []
+        self._watcher: threading.Thread | None = None
+        self._closing = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()  # wakes the watcher at shutdown
 
     def add_request(self, request: Request) -> None:
         self.core.add_request(request)
@@ -97,10 +101,45 @@ class InprocCoreClient:
     step_stats = make_stats  # in-process, the stats are always those after the last step
 
     def add_death_callback(self, callback) -> None:
-        pass  # it dies with us
+        """`callback(error)` on a watcher thread once a rank dies, also while no step runs (a
+        step finds a death during it itself): the core process watches its ranks so, and an
+        idle server on this core would otherwise answer /health 200 with a rank gone."""
+        self._death_callbacks.append(callback)
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch_ranks, name="kiln-rank-watch",
+                                             daemon=True)
+            self._watcher.start()
+
+    def _watch_ranks(self) -> None:
+        from multiprocessing.connection import wait
+
+        sentinels = list(self.executor.rank_sentinels())
+        every = self.executor.idle_check_s  # ranks without sentinels (Ray) are polled
+        if not sentinels and every is None:
+            return
+        while not self._closing.is_set():
+            fired = wait([*sentinels, self._wake_r], timeout=every)
+            if self._closing.is_set():
+                return
+            sentinels = [s for s in sentinels if s not in fired]  # each death is told once
+            try:
+                self.executor.check_health()
+            except Exception as e:  # noqa: BLE001 - the death, told to the callbacks
+                if not self._closing.is_set():
+                    for callback in self._death_callbacks:
+                        callback(e)
+                return
 
     def shutdown(self) -> None:
+        if self._closing.is_set():
+            return
+        self._closing.set()  # the ranks' exits below are no deaths to report
+        os.write(self._wake_w, b"x")
         self.core.shutdown()
+        if self._watcher is not None:
+            self._watcher.join(5)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
 
 def _error_class(failure: CoreFailed):

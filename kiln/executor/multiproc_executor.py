@@ -275,9 +275,9 @@ class MultiprocExecutor(Executor):
 
     # ---- shutdown ------------------------------------------------------------------------
     @staticmethod
-    def _kill_all(procs: list, owner_pid: int) -> None:
-        if os.getpid() != owner_pid:
-            return  # a forked child's exit: the ranks are its parent's
+    def _kill_all(procs: list, owner_pid: int | None = None) -> None:
+        if owner_pid is not None and os.getpid() != owner_pid:
+            return  # the finalizer at a forked child's exit: the ranks are its parent's
         for proc in procs:
             if proc.is_alive():
                 proc.kill()

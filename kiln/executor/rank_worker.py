@@ -36,7 +36,8 @@ class RankWorker:
         init_distributed(rank, pc.tensor_parallel_size, pc.pipeline_parallel_size, init_method,
                          device)
         self.is_output_rank = (pc.pp_rank == pc.pipeline_parallel_size - 1 and pc.tp_rank == 0)
-        self.worker = Worker(kiln_config, rank=rank, local_rank=local_rank)
+        self.worker = Worker(kiln_config, rank=rank, local_rank=local_rank,
+                             local_world_size=local_world_size)
         self.worker.init_device()
         self.worker.load_model()
         self.unpickle_seconds = 0.0

@@ -47,12 +47,17 @@ def useful_block_cap(max_num_seqs: int, max_model_len: int, block_size: int) -> 
     return 2 * max_num_seqs * -(-max_model_len // block_size)
 
 
-def cpu_budget_warning(cache_bytes: int, available_bytes: int) -> str | None:
+def cpu_budget_warning(cache_bytes: int, available_bytes: int, ranks: int = 1) -> str | None:
     """A warning when the CPU KV cache could outgrow the memory available at start-up. Its
     pages are committed as blocks are first used (host_memory.zeros_on_first_touch), so such a
-    cache starts fine and runs out of memory later, under load."""
-    if cache_bytes <= available_bytes:
+    cache starts fine and runs out of memory later, under load. `ranks`: the ranks on this
+    machine, each with a cache of `cache_bytes` (the budget is per rank, as in vLLM)."""
+    total = cache_bytes * ranks
+    if total <= available_bytes:
         return None
-    return (f"the KV cache ({cache_bytes / GiB:.2f} GiB) is larger than the memory available "
-            f"now ({available_bytes / GiB:.2f} GiB): it is committed as blocks are first used, "
-            "so the process may run out of memory under load")
+    what = (f"the KV cache ({total / GiB:.2f} GiB)" if ranks == 1 else
+            f"the KV caches of the {ranks} ranks on this machine ({cache_bytes / GiB:.2f} GiB "
+            f"each, {total / GiB:.2f} GiB together)")
+    return (f"{what} {'is' if ranks == 1 else 'are'} larger than the memory available now "
+            f"({available_bytes / GiB:.2f} GiB): committed as blocks are first used, so the "
+            "process may run out of memory under load")

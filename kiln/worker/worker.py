@@ -31,9 +31,11 @@ def warm_up_left_garbage(mode, before, after) -> bool:
 
 
 class Worker:
-    def __init__(self, kiln_config, rank: int = 0, local_rank: int = 0):
+    def __init__(self, kiln_config, rank: int = 0, local_rank: int = 0,
+                 local_world_size: int = 1):
         self.kiln_config = kiln_config
         self.rank, self.local_rank = rank, local_rank
+        self.local_world_size = local_world_size  # ranks on this machine, this one included
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
         self.num_blocks: int | None = None  # the KV cache's size once allocated
@@ -92,7 +94,8 @@ class Worker:
                                  sched.max_num_seqs, self.kiln_config.model_config.max_model_len,
                                  cache.block_size))
             warning = kv_cache_sizing.cpu_budget_warning(num_blocks * block_bytes,
-                                                         self.platform.mem_get_info()[0])
+                                                         self.platform.mem_get_info()[0],
+                                                         self.local_world_size)
             if warning:
                 logger.warning("%s; lower --kv-cache-memory (or KILN_CPU_KVCACHE_SPACE)", warning)
         logger.info("KV cache budget %.3f GiB; room for %d blocks of %d tokens (%d bytes per "

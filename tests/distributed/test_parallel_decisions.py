@@ -59,6 +59,10 @@ def test_cores_split_evenly_or_follow_the_lists():
         cores_for_rank("0|1|2", 0, 2, [0, 1])
     with pytest.raises(ValueError, match="'x' .* is not a core number"):
         parse_core_list("0,x")
+    # a repeat was one more thread on a core already taken (helper-51)
+    for repeats in ("0,0,0", "0-2,1"):
+        with pytest.raises(ValueError, match="lists core [01] more than once"):
+            parse_core_list(repeats)
 
 
 def test_binding_to_a_core_the_machine_lacks_names_it():

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from .test_server_e2e import NAME, running_server
 
@@ -125,9 +126,11 @@ def test_a_rank_killed_while_idle_turns_health_503_and_the_server_exits(tiny_lla
                      r"SIGKILL between steps\)", log.read_text()), log.read_text()[-3000:]
 
 
-def test_health_is_503_once_an_idle_rank_died(tiny_llama_dir):
+@pytest.mark.parametrize("core", ["own process", "in process"])
+def test_health_is_503_once_an_idle_rank_died(tiny_llama_dir, core, monkeypatch):
     """The same death seen through the app without `serve` (which would exit): /health answers
-    503, and the engine's error names the rank and how it died."""
+    503, and the engine's error names the rank and how it died. With the core in this process
+    nothing watched the ranks while idle: /health stayed 200 for good (helper-51)."""
     from fastapi.testclient import TestClient
 
     from kiln.engine.arg_utils import EngineArgs
@@ -135,6 +138,8 @@ def test_health_is_503_once_an_idle_rank_died(tiny_llama_dir):
     from kiln.entrypoints.openai.api_server import build_app
     from kiln.entrypoints.openai.server_settings import ServerSettings
 
+    if core == "in process":
+        monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")
     llm = AsyncLLM.from_engine_args(EngineArgs(
         model=str(tiny_llama_dir), tensor_parallel_size=2, enforce_eager=True, dtype="float32",
         max_model_len=128))

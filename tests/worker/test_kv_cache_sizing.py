@@ -32,6 +32,10 @@ def test_cpu_budget_warning_only_past_available_memory():
     assert kvs.cpu_budget_warning(4 * kvs.GiB, 4 * kvs.GiB) is None
     warning = kvs.cpu_budget_warning(6 * kvs.GiB, 2 * kvs.GiB)
     assert "6.00 GiB" in warning and "2.00 GiB" in warning
+    # the budget is per rank: two ranks on one machine commit it twice (helper-51)
+    assert kvs.cpu_budget_warning(3 * kvs.GiB, 4 * kvs.GiB, ranks=1) is None
+    warning = kvs.cpu_budget_warning(3 * kvs.GiB, 4 * kvs.GiB, ranks=2)
+    assert "2 ranks on this machine (3.00 GiB each, 6.00 GiB together)" in warning
 
 
 def test_cpu_platform_reports_available_and_total_memory():
