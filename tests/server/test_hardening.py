@@ -297,6 +297,28 @@ def test_the_clients_x_request_id_names_the_response_and_comes_back():
             assert "x-request-id" not in c.post(path, json=body).headers
 
 
+def test_a_clients_id_may_come_again_while_its_namesake_runs():
+    """Ids went to the engine as the client gave them: a retry with a proxy's X-Request-Id was
+    a 400 ('already in flight', naming a request_id never sent), and one sent just after an
+    abort got its namesake's leftover tokens (helper-54). The engine's ids are the client's plus
+    a random suffix, as vLLM's."""
+    import httpx
+
+    header = {"X-Request-Id": "same"}
+    body = dict(prompt="x", max_tokens=40, stream=True)
+    engine = FakeEngine(step_delay=0.05)  # 2 s for the first: still running at the second
+    with uvicorn_in_thread(build_app(AsyncLLM(engine), ServerSettings())) as port, \
+            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c, \
+            c.stream("POST", "/v1/completions", json=body, headers=header) as first:
+        next(first.iter_lines())  # in flight
+        short = dict(prompt="x", max_tokens=1)
+        again = c.post("/v1/completions", json=short, headers=header)
+        assert again.status_code == 200, again.text
+        assert again.json()["id"] == "cmpl-same"
+        alone = c.post("/v1/completions", json=short).json()["choices"][0]["text"]
+        assert again.json()["choices"][0]["text"] == alone  # none of the first's tokens
+
+
 def test_cors_flags_reach_the_settings_and_bad_ones_name_the_flag(capsys):
     from kiln.entrypoints.cli.main import build_parser
     from kiln.entrypoints.cli.serve import settings_from_args

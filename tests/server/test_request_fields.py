@@ -389,3 +389,9 @@ def test_echo_of_a_truncated_prompt_is_the_text_of_its_kept_tokens(client):
     assert choice["text"] == "".join(tokens)
     offsets = choice["logprobs"]["text_offset"]
     assert offsets == [sum(map(len, tokens[:k])) for k in range(len(tokens))]
+    # One as long as truncation keeps, but not cut, echoes the text sent (helper-54: it came
+    # back decoded, "<s> " first).
+    body = ok(client, CMPL, prompt="w1 w2 w3", max_tokens=1, truncate_prompt_tokens=4,
+              echo=True)
+    assert body["usage"]["prompt_tokens"] == 4
+    assert body["choices"][0]["text"].startswith("w1 w2 w3")

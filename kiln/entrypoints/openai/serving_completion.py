@@ -128,13 +128,22 @@ class ServingCompletion:
     async def _prompt_text(self, req: CompletionRequest, prompt, out: RequestOutput) -> str:
         """The prompt as echo writes it: the text sent, where the engine read all of it; else
         the text of the tokens it read (token ids sent, or a text truncate_prompt_tokens cut,
-        whose echo must be the tokens its logprobs and text_offset describe)."""
+        whose echo must be the tokens its logprobs and text_offset describe, BOS included)."""
         text = prompt if isinstance(prompt, str) else (
             prompt.get("prompt") if isinstance(prompt, dict) else None)
-        if isinstance(text, str) and not may_be_truncated(
-                len(out.prompt_token_ids), req.truncate_prompt_tokens, self.llm.max_model_len):
+        if isinstance(text, str) and not (
+                may_be_truncated(len(out.prompt_token_ids), req.truncate_prompt_tokens,
+                                 self.llm.max_model_len)
+                and await self._was_cut(text, req, len(out.prompt_token_ids))):
             return text
         return await self.llm.run_in_engine(self.llm.tokenizer.decode, out.prompt_token_ids)
+
+    async def _was_cut(self, text: str, req: CompletionRequest, num_read: int) -> bool:
+        """Whether the engine read fewer tokens than `text` has: one that fit whole may be
+        exactly as long as truncation keeps."""
+        ids = await self.llm.run_in_engine(encode_text, self.llm.tokenizer, text,
+                                           add_special_tokens=req.add_special_tokens)
+        return len(ids) > num_read
 
     def _logprobs(self, req: CompletionRequest, o: CompletionOutput, offset: int,
                   echoed: RequestOutput | None = None):

@@ -3,6 +3,7 @@ server-sent events, and aborting when the client goes away.
 """
 import asyncio
 import json
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable
 
@@ -72,8 +73,13 @@ async def submit(llm: AsyncLLM, base_id: str, prompts: list, params: SamplingPar
                  prompt_param: str, renamed: dict[str, str] | None = None
                  ) -> list[RequestStream]:
     """Add every prompt as its own request; if one is refused, none stays queued. As OpenAI
-    and vLLM do, a max_tokens that does not fit beside the prompt is refused (400)."""
+    and vLLM do, a max_tokens that does not fit beside the prompt is refused (400).
+
+    `base_id` names the response; the engine's ids add a random suffix (as vLLM's do): a
+    client's id (request_id, X-Request-Id, which proxies keep across retries) may come again
+    while the engine still holds outputs of its aborted namesake, which went to the new one."""
     check_num_sequences(len(prompts), params.n, llm.max_sequences_per_request, prompt_param)
+    base_id = f"{base_id}-{secrets.token_hex(4)}"
     arrival = time.monotonic()
     streams: list[RequestStream] = []
     try:
