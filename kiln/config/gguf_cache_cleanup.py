@@ -7,8 +7,10 @@ folder and the old one stayed forever, as did the temporaries of a load killed w
 weight snapshot's is the model's full size).
 
 Only what no live process can still use goes: the folders converted earlier from the same path
-(each folder's `source` file names the path it converts; folders without one are left alone),
-unless a live writer is at work in one, and temporaries whose writer process is gone.
+when the file there has changed since (each folder's `source` file names the path and the file's
+identity; folders without one are left alone), unless a live writer is at work in one, and
+temporaries whose writer process is gone. A folder of the same file made by other versions (of
+Kiln, transformers, gguf: another install sharing the cache) stays: it is that install's.
 """
 import glob
 import shutil
@@ -26,17 +28,22 @@ _MIN_AGE_S = 600.0
 
 def claim(folder: Path, gguf: Path) -> None:
     """Make `folder` (`gguf`'s converted folder) and note the file it converts in it; the first
-    time, remove the folders converted earlier from that path. OSError where it cannot write."""
+    time, remove the folders converted from that path before the file changed. OSError where
+    it cannot write."""
+    from kiln.config.hf_config_snapshot import file_identity
+
     record = folder / _SOURCE
     if record.is_file():
         return
-    source = str(gguf.resolve())
-    atomic_write_text(record, source)
+    source = (str(gguf.resolve()), file_identity(gguf.resolve()))
+    atomic_write_text(record, "\n".join(source))
     stem = folder.name.rsplit("-", 1)[0]  # converted_dir's "<stem>-<key>": the same path's stem
     for other in folder.parent.glob(f"{glob.escape(stem)}-*"):
-        if other != folder and _source_of(other) == source and not _in_use(other):
+        was = _source_of(other)
+        if (other != folder and was is not None and was[0] == source[0] and was[1] != source[1]
+                and not _in_use(other)):
             shutil.rmtree(other, ignore_errors=True)
-            logger.info("removed %s: an older conversion of %s", other, source)
+            logger.info("removed %s: a conversion of %s before it changed", other, source[0])
 
 
 def sweep(folder: Path) -> None:
@@ -50,11 +57,13 @@ def sweep(folder: Path) -> None:
                 tmp.unlink(missing_ok=True)
 
 
-def _source_of(folder: Path) -> str | None:
+def _source_of(folder: Path) -> tuple[str, str] | None:
+    """(path, file identity) a folder converts; None where it does not say both."""
     try:
-        return (folder / _SOURCE).read_text()
+        lines = (folder / _SOURCE).read_text().split("\n")
     except OSError:  # none (an older Kiln's folder, or not a conversion): not ours to judge
         return None
+    return (lines[0], lines[1]) if len(lines) == 2 else None
 
 
 def _in_use(folder: Path) -> bool:

@@ -104,12 +104,16 @@ def source_key(source: Path, *extra: str) -> str:
     from kiln.version import __version__
 
     source = source.resolve()
-    stat = source.stat()
-    factors = "|".join([str(source), str(stat.st_size), str(stat.st_mtime_ns),
-                        str(stat.st_ino), str(stat.st_ctime_ns),
+    factors = "|".join([str(source), file_identity(source),
                         importlib.metadata.version("transformers"), __version__, str(_FORMAT),
                         *extra])
     return hashlib.sha256(factors.encode()).hexdigest()[:16]
+
+
+def file_identity(source: Path) -> str:
+    """What changes when the file at `source` does: size, mtime, inode and ctime."""
+    stat = source.stat()
+    return "|".join(map(str, (stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns)))
 
 
 def cached_snapshot(path: Path, resolve: Callable[[], Any]) -> HFConfigSnapshot:

@@ -200,6 +200,10 @@ def chat_messages(messages: list) -> list[dict]:
                 elif (isinstance(part, dict) and part.get("type") in _TEXT_PART_KEYS
                       and isinstance(part.get(_TEXT_PART_KEYS[part["type"]]), str)):
                     texts.append(part[_TEXT_PART_KEYS[part["type"]]])
+                elif isinstance(part, dict) and part.get("type") in _TEXT_PART_KEYS:
+                    key = _TEXT_PART_KEYS[part["type"]]
+                    raise MessageError(f"messages[{i}].content[{j}]", f"is a {part['type']!r} "
+                                       f"part without its text: give it as {key!r} (a string)")
                 else:
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                     raise MessageError(f"messages[{i}].content[{j}]", f"is a content part of type "

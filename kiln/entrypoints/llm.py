@@ -3,6 +3,7 @@
 Every prompt is validated before any is queued, so a bad prompt leaves the engine untouched.
 """
 import itertools
+import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -47,6 +48,7 @@ class LLM:
         # One batch runs at a time: a second thread's step loop would take (and drop) the
         # first's outputs, and an in-process core's forward is not re-entrant.
         self._running = threading.Lock()
+        self._owner_pid = os.getpid()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -128,6 +130,10 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, processed: list[ProcessedPrompt], use_tqdm: bool) -> list[RequestOutput]:
+        if os.getpid() != self._owner_pid:  # its sockets' other ends are the parent's: a hang
+            raise RuntimeError("this LLM was made in the parent of this forked process, whose "
+                               "engine it cannot drive; make a new LLM in the child (or fork "
+                               "before making one)")
         with self._running:
             return self._run_batch(processed, use_tqdm)
 

@@ -45,6 +45,9 @@ def test_tool_call_arguments_reach_the_template_as_objects_without_touching_the_
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
      r"messages\[0\]\.content\[0\].*image_url"),
     ({"role": "user", "content": 5}, r"messages\[0\]\.content must be"),
+    ({"role": "assistant", "content": [{"type": "refusal", "text": "No."}]},
+     r"messages\[0\]\.content\[0\] is a 'refusal' part without its text: give it as "
+     r"'refusal'"),
     ({"content": "x"}, r"messages\[0\] must be a dict with a 'role'"),
 ])
 def test_bad_messages_name_the_field(msg, where):

@@ -435,11 +435,16 @@ from kiln.sampling_params import SamplingParams
 llm = LLM(model={str(tiny_llama_dir)!r}, **{ENGINE!r})
 pid = os.fork()
 if pid == 0:
-    sys.exit(0)
+    try:  # the parent's engine: refused at once (it hung)
+        llm.generate({{"prompt_token_ids": [1, 2]}}, SamplingParams(max_tokens=1))
+    except RuntimeError as e:
+        sys.exit(0 if "forked process" in str(e) else 3)
+    sys.exit(4)
 deadline = time.monotonic() + 30
-while os.waitpid(pid, os.WNOHANG) == (0, 0):
-    assert time.monotonic() < deadline, "the forked child hangs at exit"
+while (status := os.waitpid(pid, os.WNOHANG)) == (0, 0):
+    assert time.monotonic() < deadline, "the forked child hangs"
     time.sleep(0.05)
+assert os.waitstatus_to_exitcode(status[1]) == 0, status
 out = llm.generate({{"prompt_token_ids": [1, 2, 3]}}, SamplingParams(max_tokens=2))
 print("tokens", len(out[0].outputs[0].token_ids), flush=True)
 """

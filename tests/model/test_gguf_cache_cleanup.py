@@ -42,7 +42,7 @@ def test_a_changed_files_older_conversion_is_removed(hf_dir, tmp_path):
     gguf_metadata.load_config(path)
     gguf_metadata.load_config(other)
     first, others = gguf_metadata.converted_dir(path), gguf_metadata.converted_dir(other)
-    assert (first / "source").read_text() == str(path.resolve())
+    assert (first / "source").read_text().split("\n")[0] == str(path.resolve())
     older_kiln = first.with_name("m-0123456789abcdef")  # a folder without a record: left alone
     older_kiln.mkdir()
     time.sleep(0.05)
@@ -52,6 +52,21 @@ def test_a_changed_files_older_conversion_is_removed(hf_dir, tmp_path):
     gguf_metadata.load_config(path)
     assert second.is_dir() and not first.exists()
     assert others.is_dir() and older_kiln.is_dir()
+
+
+def test_another_installs_conversion_of_the_same_file_is_kept(hf_dir, tmp_path, monkeypatch):
+    """Two installs (Kiln, transformers or gguf versions) sharing the cache deleted each other's
+    conversions at every start, weight snapshots and all (helper-54)."""
+    from kiln import version
+
+    path = write_gguf(tmp_path / "m.gguf", hf_dir)
+    folders = []
+    for v in ("9.0.0", "9.0.1", "9.0.0"):
+        monkeypatch.setattr(version, "__version__", v)
+        gguf_metadata.load_config(path)
+        folders.append(gguf_metadata.converted_dir(path))
+    assert folders[0] == folders[2] != folders[1]
+    assert all(f.is_dir() for f in folders)
 
 
 def test_a_folder_a_live_process_writes_in_is_kept(hf_dir, tmp_path):

@@ -107,8 +107,9 @@ def _group(qc):
     (lambda qc: _group(qc).update(input_activations=None),
      "config_groups.group_0.input_activations=None"),
     (lambda qc: qc.update(format="pack-quantized"), "format='pack-quantized'"),
-    # none given: the package's model says "fakequant", which the user never wrote
-    (lambda qc: qc.pop("format"), "format=None"),
+    # none given here nor in the group: the package's model says "fakequant", which the user
+    # never wrote
+    (lambda qc: qc.pop("format"), "config_groups.group_0.format=None"),
     (lambda qc: qc.update(ignore=[]), "ignore=[]"),
     # a rotation applied at run time, as QuIP / SpinQuant checkpoints hold
     (lambda qc: qc.update(transform_config={"config_groups": {"R4": {
@@ -136,9 +137,15 @@ def test_the_empty_sections_llm_compressor_writes_load(tiny_llama_dir, tmp_path)
         "model.layers.0.mlp.down_proj"].weight.dtype == torch.int8
 
 
-def test_naive_quantized_is_stored_the_same_and_loads(tiny_llama_dir, tmp_path):
-    """compressed-tensors' int-quantized compressor is its naive-quantized one; vLLM takes both."""
-    d = _edited(tiny_llama_dir, tmp_path / "q", lambda qc: qc.update(format="naive-quantized"))
+@pytest.mark.parametrize("edit", [
+    # compressed-tensors' int-quantized compressor is its naive-quantized one; vLLM takes both
+    lambda qc: qc.update(format="naive-quantized"),
+    # no top-level format, or "mixed-precision": each group's own says (helper-54)
+    lambda qc: (qc.pop("format"), _group(qc).update(format="int-quantized")),
+    lambda qc: (qc.update(format="mixed-precision"), _group(qc).update(format="int-quantized")),
+], ids=["naive-quantized", "group-format", "mixed-precision"])
+def test_int8_formats_load(tiny_llama_dir, tmp_path, edit):
+    d = _edited(tiny_llama_dir, tmp_path / "q", edit)
     assert _linears(get_model(kiln_config_for(d)))[
         "model.layers.0.mlp.down_proj"].weight.dtype == torch.int8
 

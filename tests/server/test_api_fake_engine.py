@@ -244,6 +244,8 @@ def test_chat_whole_streamed_and_logprobs(client):
         ("structural_tag", "{}"), ("guided_whitespace_pattern", " *"),
         ("truncation_side", "right"), ("logprob_token_ids", [1]),
         ("thinking_token_budget", 10)]],
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}],
+                                  max_completion_tokens=3, min_tokens=5), "min_tokens", None),
     # -1 (the whole vocabulary) past --max-logprobs names the field sent (it said "prompt")
     ("/v1/completions", dict(prompt="x", logprobs=-1), "logprobs", None),
     ("/v1/completions", dict(prompt="x", prompt_logprobs=-1), "prompt_logprobs", None),
@@ -261,7 +263,7 @@ def test_bad_input_is_400_naming_the_field(client, path, body, param, code):
     status = 404 if code == "model_not_found" else 400
     err = assert_error(client.post(path, json=body), status, param, code)
     assert err["type"] == "invalid_request_error"
-    if param == "max_completion_tokens":  # its name throughout, not only first
+    if "max_completion_tokens" in body:  # its name throughout, not only first
         assert "max_tokens" not in err["message"], err
     # and the server keeps serving
     assert client.post("/v1/completions", json=dict(prompt="x", max_tokens=1)).status_code == 200
@@ -412,9 +414,14 @@ def test_error_helpers():
     assert _loc_to_param(("body", 12)) is None
     # the client's name wherever the message names the field, never inside a flag
     msg = "max_tokens 9 is too large: lower max_tokens (or --max-model-len, --max-tokens)"
-    assert in_api_terms(msg, {"max_tokens": "max_completion_tokens"}) == (
+    renamed = {"max_tokens": "max_completion_tokens"}
+    assert in_api_terms(msg, renamed, renamed) == (
         "max_completion_tokens 9 is too large: lower max_completion_tokens (or "
         "--max-model-len, --max-tokens)", "max_completion_tokens")
+    # named later in a message about another field (helper-54)
+    assert in_api_terms("min_tokens must be <= max_tokens, got 5", {"min_tokens": "min_tokens",
+                                                                    **renamed}, renamed) == (
+        "min_tokens must be <= max_completion_tokens, got 5", "min_tokens")
 
 
 def test_server_start_freezes_the_heap_out_of_the_collector():
@@ -445,7 +452,7 @@ def test_fields_nothing_reads_are_named_in_the_log(client, caplog):
     """vLLM's warning: a misspelled field otherwise leaves its default at work without a word;
     OpenAI's fields that change nothing here (store, metadata) and accepted values pass."""
     body = dict(prompt="x", max_tokens=1, temprature=0.5, store=False, metadata={"a": "b"},
-                truncation_side="left", guided_decoding_backend="xgrammar")
+                truncation_side="left")
     with caplog.at_level("WARNING", logger="kiln.entrypoints.openai.protocol"):
         assert client.post("/v1/completions", json=body).status_code == 200
         assert client.post("/v1/chat/completions", json=dict(

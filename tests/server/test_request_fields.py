@@ -250,7 +250,7 @@ PROBES = {
                                                 "mm_processor_kwargs"),
     **{name: (lambda c, p, name=name, value=value: refused(c, p, {name: value}, name))
        for name, value in [("structural_tag", "{}"), ("guided_whitespace_pattern", " *"),
-                           ("guided_decoding_backend", "outlines"), ("logprob_token_ids", [1]),
+                           ("logprob_token_ids", [1]),
                            ("thinking_token_budget", 10), ("truncation_side", "right"),
                            ("functions", [{"name": "f"}]), ("function_call", "auto"),
                            ("audio", {"voice": "alloy"}), ("modalities", ["audio"])]},

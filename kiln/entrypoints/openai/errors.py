@@ -60,15 +60,20 @@ def param_from_message(message: str, fields: dict[str, str]) -> str | None:
     return None
 
 
-def in_api_terms(message: str, fields: dict[str, str]) -> tuple[str, str | None]:
+def in_api_terms(message: str, fields: dict[str, str],
+                 renamed: dict[str, str] | None = None) -> tuple[str, str | None]:
     """(message, param) of an engine ValueError: the field it names mapped through `fields`,
-    and the message in the names the client sent where it opens with the engine's
-    (max_tokens -> max_completion_tokens, logprobs -> top_logprobs), wherever it names that
-    field again ("lower max_tokens"); never inside a flag (--max-logprobs)."""
+    the message opening with the name the client sent where it opens with the engine's, and
+    each of `renamed`'s engine names (max_tokens -> max_completion_tokens, logprobs ->
+    top_logprobs) the client's wherever the message says it ("min_tokens must be <= max_tokens",
+    "lower max_tokens"); never inside a flag (--max-logprobs) or a longer name."""
     param = param_from_message(message, fields)
     first = message.split(" ", 1)[0]
     if fields.get(first, first) != first:
-        message = re.sub(rf"(?<![\w-]){re.escape(first)}(?![\w-])", fields[first], message)
+        message = fields[first] + message[len(first):]
+    for engine, api in (renamed or {}).items():
+        if api != engine:
+            message = re.sub(rf"(?<![\w-]){re.escape(engine)}(?![\w-])", api, message)
     return message, param
 
 

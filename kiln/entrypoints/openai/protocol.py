@@ -179,7 +179,6 @@ class SamplingFields(RequestBase):
     # vLLM's, refused (sampling.OFF_ONLY): each would change the output if honoured
     structural_tag: Any = None
     guided_whitespace_pattern: str | None = None
-    guided_decoding_backend: str | None = None
     logprob_token_ids: Any = None
     thinking_token_budget: Any = None
     truncation_side: str | None = None

@@ -31,7 +31,6 @@ OFF_ONLY = {
     "structural_tag": (None, "structural tags are not supported; use structured_outputs"),
     "guided_whitespace_pattern": (None, "whitespace follows JSON's grammar (or none with "
                                         "structured_outputs.disable_any_whitespace)"),
-    "guided_decoding_backend": ("xgrammar", "structured outputs are compiled by xgrammar"),
     "logprob_token_ids": (None, "logprobs are of the top tokens (logprobs=N), not given ids"),
     "thinking_token_budget": (None, "no reasoning budget is enforced"),
     "truncation_side": ("left", "truncate_prompt_tokens keeps the prompt's last tokens"),
@@ -101,7 +100,8 @@ def _build(kw: dict, field_names: dict[str, str], stream: bool) -> SamplingParam
     try:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as e:
-        message, param = in_api_terms(str(e), field_names)
+        renamed = {k: v for k, v in field_names.items() if k != v}
+        message, param = in_api_terms(str(e), field_names, renamed)
         raise OpenAIError(message, param=param, code="invalid_value") from None
 
 

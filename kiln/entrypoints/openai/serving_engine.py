@@ -51,7 +51,7 @@ def add_request_error(e: ValueError, prompt_param: str,
     engine names the request calls otherwise (chat: max_tokens -> max_completion_tokens,
     logprobs -> top_logprobs)."""
     message, param = in_api_terms(str(e), {**_SAME_NAME_FIELDS, "prompt": prompt_param,
-                                           **(renamed or {})})
+                                           **(renamed or {})}, renamed)
     param = param or prompt_param
     code = "context_length_exceeded" if "max_model_len" in message else "invalid_value"
     return OpenAIError(message, param=param, code=code)

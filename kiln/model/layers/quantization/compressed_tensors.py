@@ -75,9 +75,12 @@ def parse_w8a8_int8(raw: dict) -> tuple[list[str], list[str]]:
     except (ValidationError, ValueError, KeyError) as e:
         raise UnsupportedQuantization(f"quantization_config is not a valid compressed-tensors "
                                       f"config: {e}") from None
-    # Read from the raw dict: the package's model fills a missing one with "fakequant".
-    if raw.get("format") not in INT8_FORMATS:
-        _refuse("format", raw.get("format"), _FORMAT_WANTED)
+    # Read from the raw dict: the package's model fills a missing one with "fakequant". None or
+    # "mixed-precision" defers to each group's own format (as vLLM reads it), checked below.
+    top_format = raw.get("format")
+    if top_format not in (*INT8_FORMATS, None, "mixed-precision"):
+        _refuse("format", top_format, _FORMAT_WANTED)
+    groups = raw.get("config_groups") or {}
     if config.kv_cache_scheme is not None:
         _refuse("kv_cache_scheme", config.kv_cache_scheme.model_dump(), "KV cache quantization "
                 "is not supported")
@@ -85,8 +88,9 @@ def parse_w8a8_int8(raw: dict) -> tuple[list[str], list[str]]:
         _refuse("config_groups", {}, "needs at least one group")
     for name, scheme in config.config_groups.items():
         where = f"config_groups.{name}"
-        if scheme.format not in (None, *INT8_FORMATS):
-            _refuse(f"{where}.format", scheme.format, _FORMAT_WANTED)
+        own = (groups.get(name) or {}).get("format")  # raw: the model may fill it in
+        if own not in (*INT8_FORMATS, *((None,) if top_format in INT8_FORMATS else ())):
+            _refuse(f"{where}.format", own, _FORMAT_WANTED)
         _check_args(f"{where}.weights", scheme.weights, "channel", False)
         _check_args(f"{where}.input_activations", scheme.input_activations, "token", True)
         if scheme.output_activations is not None:
