@@ -140,8 +140,7 @@ def load_tokenizer(gguf: Path):
 def _tensor_table(gguf_path: Path) -> dict:
     """Where each tensor's bytes lie, as gguf's reader lays them out: {"architecture",
     "tensors": [{name, type, dtype, shape, dims, offset, nbytes}]}, offsets absolute in the
-    file; and
-    the metadata read at start-up ("metadata": gguf_checks' keys, summarised)."""
+    file; and the metadata start-up checks ("metadata": gguf_checks' keys, summarised)."""
     from kiln.config.gguf_reader import open_gguf
 
     reader = open_gguf(gguf_path)

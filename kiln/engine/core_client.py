@@ -74,7 +74,7 @@ class InprocCoreClient:
         self._death_callbacks: list = []
         self._watcher: threading.Thread | None = None
         self._closing = threading.Event()
-        self._wake_r, self._wake_w = os.pipe()  # wakes the watcher at shutdown
+        self._wake: tuple[int, int] | None = None  # a pipe that wakes the watcher at shutdown
 
     def add_request(self, request: Request) -> None:
         self.core.add_request(request)
@@ -106,6 +106,7 @@ class InprocCoreClient:
         idle server on this core would otherwise answer /health 200 with a rank gone."""
         self._death_callbacks.append(callback)
         if self._watcher is None:
+            self._wake = os.pipe()
             self._watcher = threading.Thread(target=self._watch_ranks, name="kiln-rank-watch",
                                              daemon=True)
             self._watcher.start()
@@ -118,7 +119,7 @@ class InprocCoreClient:
         if not sentinels and every is None:
             return
         while not self._closing.is_set():
-            fired = wait([*sentinels, self._wake_r], timeout=every)
+            fired = wait([*sentinels, self._wake[0]], timeout=every)
             if self._closing.is_set():
                 return
             sentinels = [s for s in sentinels if s not in fired]  # each death is told once
@@ -134,12 +135,13 @@ class InprocCoreClient:
         if self._closing.is_set():
             return
         self._closing.set()  # the ranks' exits below are no deaths to report
-        os.write(self._wake_w, b"x")
+        if self._wake is not None:
+            os.write(self._wake[1], b"x")
         self.core.shutdown()
         if self._watcher is not None:
             self._watcher.join(5)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+            for fd in self._wake:
+                os.close(fd)
 
 
 def _error_class(failure: CoreFailed):

@@ -60,8 +60,8 @@ def truncation_length(truncate_prompt_tokens: int, max_model_len: int) -> int:
 def may_be_truncated(num_prompt_tokens: int, truncate_prompt_tokens: int | None,
                      max_model_len: int) -> bool:
     """Whether the engine's prompt of `num_prompt_tokens` may be a truncated one: a cut prompt
-    keeps exactly truncation_length tokens (one that fit whole may be as long, and then its
-    tokens say the same as its text)."""
+    keeps exactly truncation_length tokens, but one that fit whole may be as long (only its
+    text's own tokens tell the two apart)."""
     return (truncate_prompt_tokens is not None
             and num_prompt_tokens == truncation_length(truncate_prompt_tokens, max_model_len))
 
