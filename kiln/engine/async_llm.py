@@ -19,15 +19,6 @@ from kiln.sampling_params import RequestOutputKind, SamplingParams
 logger = init_logger(__name__)
 
 
-def _engine_gone(e: BaseException) -> bool:
-    """Whether an engine call failed because the engine is gone (its core process, or a rank),
-    not because of the request."""
-    from kiln.engine.core_client import EngineCoreDeadError
-    from kiln.executor.multiproc_executor import WorkerFailedError
-
-    return isinstance(e, (EngineCoreDeadError, WorkerFailedError))
-
-
 class EngineDeadError(RuntimeError):
     """The step loop raised, the core process died, or the engine shut down; in-flight and
     later requests get this."""
@@ -191,7 +182,9 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if not self._pool_closed:
                 self._pool.submit(self._abort_logged, [request_id])
-            if _engine_gone(e):  # a request racing the death, before the watcher told us
+            from kiln.engine.core_client import engine_gone
+
+            if engine_gone(e):  # a request racing the death, before the watcher told us
                 raise EngineDeadError(f"the engine failed: {e!r}; restart the server") from e
             raise
         self._start_loop()

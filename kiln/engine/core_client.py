@@ -55,6 +55,14 @@ class EngineCoreDeadError(RuntimeError):
     """The engine core process exited (killed, crashed, or a step failed)."""
 
 
+def engine_gone(e: BaseException) -> bool:
+    """Whether an engine call failed because the engine is gone (its core process, or a rank),
+    not because of the request."""
+    from kiln.executor.multiproc_executor import WorkerFailedError
+
+    return isinstance(e, (EngineCoreDeadError, WorkerFailedError))
+
+
 class InprocCoreClient:
     """The core in this process (KILN_ENABLE_V1_MULTIPROCESSING=0): for debugging and tests that
     look inside the executor."""

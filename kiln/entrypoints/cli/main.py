@@ -168,20 +168,13 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         sys.exit(130)
     except RuntimeError as e:
-        if not _engine_died(e):
+        from kiln.engine.core_client import engine_gone
+
+        if not engine_gone(e):
             raise
         print(f"error: {e}", file=sys.stderr)  # the message says what died; no traceback
         sys.exit(1)
     exit_without_teardown(code or 0)
-
-
-def _engine_died(error: RuntimeError) -> bool:
-    """Whether `error` is the engine's core process or a rank dying. Their modules are loaded
-    where such an error could come from, so the check imports nothing."""
-    kinds = [getattr(sys.modules.get(module), name, None) for module, name in (
-        ("kiln.engine.core_client", "EngineCoreDeadError"),
-        ("kiln.executor.multiproc_executor", "WorkerFailedError"))]
-    return any(kind is not None and isinstance(error, kind) for kind in kinds)
 
 
 def exit_without_teardown(code: int) -> None:
