@@ -235,7 +235,8 @@ class CoreProcClient:
         self._goodbye = interpreter.goodbye
         self._said_goodbye = threading.Event()
         self._watched = False  # a watcher thread reaps the process
-        self._finalizer = weakref.finalize(self, _terminate, os.getpid(), self.proc, self._ctx,
+        self._owner_pid = os.getpid()
+        self._finalizer = weakref.finalize(self, _terminate, self._owner_pid, self.proc, self._ctx,
                                            self._dir, self._sentinel, self._closing,
                                            self._goodbye, self._said_goodbye)
         self._poller = zmq.Poller()
@@ -442,6 +443,8 @@ class CoreProcClient:
     def shutdown(self) -> None:
         if not self._finalizer.alive:
             return  # already shut down
+        if os.getpid() != self._owner_pid:
+            return  # a forked child: the core is its parent's (a message would wait 10 s unsent)
         self._closing.set()
         if not self._exited() and self._dead is None:
             # A core still starting up (no Ready yet) reads no message until its model is

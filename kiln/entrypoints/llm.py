@@ -129,11 +129,14 @@ class LLM:
                     from None
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, processed: list[ProcessedPrompt], use_tqdm: bool) -> list[RequestOutput]:
+    def _check_owner(self) -> None:
         if os.getpid() != self._owner_pid:  # its sockets' other ends are the parent's: a hang
             raise RuntimeError("this LLM was made in the parent of this forked process, whose "
                                "engine it cannot drive; make a new LLM in the child (or fork "
                                "before making one)")
+
+    def _run(self, processed: list[ProcessedPrompt], use_tqdm: bool) -> list[RequestOutput]:
+        self._check_owner()
         with self._running:
             return self._run_batch(processed, use_tqdm)
 
@@ -166,9 +169,13 @@ class LLM:
         return results
 
     def reset_prefix_cache(self) -> bool:
-        """Forget the prefix cache (as vLLM's), e.g. between benchmark runs; False while
-        requests are in flight."""
-        return self.llm_engine.reset_prefix_cache()
+        """Forget the prefix cache (as vLLM's), e.g. between benchmark runs; waits for a batch
+        that another thread runs."""
+        self._check_owner()
+        # Between batches: a batch's step loop in another thread read (and dropped) this call's
+        # answer from the core, which was then waited for forever.
+        with self._running:
+            return self.llm_engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()
