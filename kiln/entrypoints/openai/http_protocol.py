@@ -63,7 +63,8 @@ def hardened_protocol(header_timeout_s: float, send_timeout_s: float = 60.0,
     first bytes of a request came, answers 431 (and closes) once they pass MAX_HEADER_BYTES,
     and drops one whose client has read nothing of a full send buffer for `send_timeout_s`
     (nginx's send_timeout, between two reads): the app then sees a disconnect, which aborts
-    the request."""
+    the request. A read shows only as the peer's TCP window reopens (about a segment freed), so
+    a client reading less than that per timeout counts as reading nothing."""
 
     class HardenedProtocol(base or base_protocol()):
         _send_deadline = None
