@@ -1,6 +1,8 @@
 """What a JSON schema may hold to be served: keywords xgrammar compiles but does not enforce, and
 a nesting limit. A schema outside them is refused (a 400 naming the field), not served outputs
 that break it."""
+import re
+
 from kiln.structured_output.schema_union import (
     implied_types,
     one_of_may_overlap,
@@ -112,6 +114,7 @@ def _unenforced(node: dict, root) -> list[str]:
     found = [k for k in ("contains", "minContains", "maxContains", "not", "if", "then", "else",
                          "dependentRequired", "dependentSchemas", "dependencies") if k in node]
     found += _dropped_beside(node, root)
+    found += _object_keys_unchecked(node)
     one_of = node.get("oneOf")
     if isinstance(one_of, list) and one_of_may_overlap(one_of, root):
         found.append("oneOf whose branches may overlap (served as anyOf: use anyOf, or give "
@@ -141,6 +144,48 @@ def _unenforced(node: dict, root) -> list[str]:
         missing = [name for name in required if name not in properties]
         if missing:  # never written: the grammar allows only the listed properties
             found.append(f"required names not in properties ({', '.join(map(str, missing))})")
+    return found
+
+
+def _may_match(pattern, name: str) -> bool:
+    """Whether a property-name pattern may match `name` (one Python cannot read: it may)."""
+    try:
+        return re.search(pattern, name) is not None
+    except (re.error, TypeError):
+        return True
+
+
+def _object_keys_unchecked(node: dict) -> list[str]:
+    """Where xgrammar 0.2.9 writes an object's keys unchecked against each other (each measured:
+    an output breaking the schema was accepted, and a default-model server wrote some). Keys
+    allowed by additionalProperties, patternProperties or propertyNames may repeat (a repeated
+    key counts twice toward minProperties) and, beside properties, may be a declared name:
+    {"a": "x"} where properties said a is an integer. A $ref that is not local ("#/...")
+    is not followed: any value passes."""
+    found = []
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        found.append(f"$ref {ref!r} (only local '#/...' references are followed: "
+                     "any value would pass)")
+    props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    patterns = node.get("patternProperties")
+    patterns = patterns if isinstance(patterns, dict) else {}
+    extra = any(key in node and node[key] is not False
+                for key in ("additionalProperties", "unevaluatedProperties"))
+    if patterns and props and (extra or any(_may_match(p, n) for p in patterns for n in props)):
+        found.append("patternProperties beside properties (a declared property could be "
+                     "written with another schema)")
+    names = node.get("propertyNames")
+    if "propertyNames" in node and props and (extra or not (
+            isinstance(names, dict) and set(names) - _ANNOTATIONS == {"pattern"}
+            and all(_may_match(names["pattern"], n) for n in props))):
+        found.append("propertyNames beside properties (a declared property could be written "
+                     "with another schema, or against the names' pattern)")
+    least = node.get("minProperties")
+    if (isinstance(least, (int, float)) and not isinstance(least, bool) and least > 1
+            and (extra or patterns or "propertyNames" in node)):
+        found.append("minProperties over keys not listed in properties (a key may repeat "
+                     "and count twice)")
     return found
 
 

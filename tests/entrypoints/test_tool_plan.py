@@ -88,3 +88,24 @@ def test_a_tools_schema_that_does_not_compile_is_named_as_the_client_sent_it():
     assert e.value.param == "tools" and "structured_outputs" not in str(e.value)
     assert str(e.value).startswith("tools: the schema of the tools' parameters is not a JSON "
                                    "schema this server can compile: ")
+
+
+@pytest.mark.parametrize("parameters, where", [
+    ({"type": "object", "properties": {"a": {"type": "string", "maxLength": 5}}},
+     "at tools[1].function.parameters/properties/a;"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}},
+     "in tools[1].function.parameters#/$defs/nope"),
+])
+def test_a_place_in_a_tools_schema_is_named_as_the_client_sent_it(parameters, where):
+    """tool_choice "required" compiles every tool's parameters under one schema's $defs; an error
+    at a place in them named that schema's internal /$defs/kiln_tool_1, which the client never
+    sent (helper-56)."""
+    import asyncio
+
+    from kiln.entrypoints.openai.structured_fields import check_compiles
+
+    plan = plan_tools(req([tool(), tool(name="g", parameters=parameters)], tool_choice="required"),
+                      None, False)
+    with pytest.raises(OpenAIError) as e:
+        asyncio.run(check_compiles(plan.constraint, "tools"))
+    assert where in str(e.value) and "kiln_tool" not in str(e.value)

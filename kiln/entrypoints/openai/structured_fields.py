@@ -93,6 +93,9 @@ def build_params(fields: dict, param: str) -> StructuredOutputsParams:
 # The engine names what it compiles structured_outputs.X; under a forced tool_choice that is a
 # schema made of the tools' parameters, a field the client never sent.
 _COMPILED_AS = {"tools": "the schema of the tools' parameters"}
+# ...where tool_choice "required" puts tool i's parameters at /$defs/kiln_tool_i (forced.py): a
+# place in it is named as the client wrote it, tools[i].function.parameters.
+_TOOL_DEFS = re.compile(r"(#?)/\$defs/kiln_tool_(\d+)")
 
 
 def _in_terms_of(message: str, param: str) -> str:
@@ -101,6 +104,8 @@ def _in_terms_of(message: str, param: str) -> str:
         return message
     if param in _COMPILED_AS:
         message = re.sub(r"^structured_outputs\.\w+", _COMPILED_AS[param], message)
+    if param == "tools":
+        message = _TOOL_DEFS.sub(r"tools[\2].function.parameters\1", message)
     return f"{param}: {message}"
 
 
