@@ -158,6 +158,8 @@ class SamplingParams:
     # end tokens even under ignore_eos (vLLM's _all_stop_token_ids: a benchmark that sets both
     # wants min_tokens of text, not end tokens sampled as text).
     min_tokens_held_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled by the engine: the tokenizer's eos and the model's end tokens (generation_config).
+    end_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the engine: bad_words as token id sequences (with and without a leading space).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -309,8 +311,9 @@ class SamplingParams:
         if eos_token_id is not None and not self.ignore_eos:
             self.all_stop_token_ids.add(eos_token_id)
             self.eos_stop_token_id = eos_token_id
-        ends = {t for t in (eos_token_id, *model_end_ids) if t is not None and 0 <= t < vocab_size}
-        self.min_tokens_held_ids = self.all_stop_token_ids | ends
+        self.end_token_ids = {t for t in (eos_token_id, *model_end_ids)
+                              if t is not None and 0 <= t < vocab_size}
+        self.min_tokens_held_ids = self.all_stop_token_ids | self.end_token_ids
 
     def check_masks_leave_a_token(self) -> None:
         """Refuse masks that together leave nothing to sample, once the stop tokens and bad

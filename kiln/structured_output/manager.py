@@ -72,9 +72,12 @@ class StructuredOutputManager:
         structured_output_request.is_ready()."""
         params = request.sampling_params
         spec = grammar_spec(params.structured_outputs)
-        # The grammar ends on the request's own stop tokens; with ignore_eos (none of them),
-        # on the tokenizer's, and the request then runs on unconstrained.
-        stops = sorted(params.all_stop_token_ids)
+        # The grammar ends on the request's stop tokens that end text (eos, the model's end
+        # tokens); with ignore_eos (none of them), on the tokenizer's, and the request then runs
+        # on unconstrained. A client's other stop_token_ids are text to the grammar, as in vLLM:
+        # allowed where their text fits, and they stop the request there ("\n" as a stop id
+        # under a JSON schema stops at a newline; as a grammar end it was masked mid-output).
+        stops = sorted(params.all_stop_token_ids & params.end_token_ids)
 
         def make_matcher(compiled):
             return self.backend().matcher(compiled, stops)

@@ -123,3 +123,21 @@ def test_chat_with_tools_renders_them_and_a_forced_call_parses(model_dir):
             llm.chat(messages, tools={"name": "ping"})
     finally:
         llm.shutdown()
+
+
+def test_a_clients_stop_token_is_text_to_the_grammar_and_stops_where_it_fits(model_dir):
+    """As in vLLM: a stop token id that is not an end token is allowed where its text fits the
+    grammar and ends the request there; as a grammar end it was masked until the grammar ended
+    (here, with every first token a stop id, the request failed: no token allowed)."""
+    llm = LLM(model=str(model_dir), max_model_len=128, kv_cache_memory=0.01,
+              enforce_eager=True)
+    try:
+        tok = llm.get_tokenizer()
+        ids = [tok.encode(c, add_special_tokens=False)[0] for c in "xy"]
+        out = llm.generate("alpha", SamplingParams(
+            temperature=0, max_tokens=12, stop_token_ids=ids,
+            structured_outputs=StructuredOutputsParams(regex=r"[xy]{2}\d")),
+            use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.shutdown()
+    assert (out.finish_reason, out.stop_reason in ids, len(out.token_ids)) == ("stop", True, 1)
