@@ -63,6 +63,10 @@ class StepOutputs(msgspec.Struct, tag=True):
     an abort changed the stats)."""
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats
+    # Input messages the core had handled when it sent this: outputs for an id the front end
+    # added again later (its namesake aborted or ended by a stop string while the core ran
+    # ahead) are the old request's, and the front end drops them by this count.
+    inputs_handled: int = 0
 
 
 class UtilityResult(msgspec.Struct, tag=True):

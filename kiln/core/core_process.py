@@ -85,6 +85,7 @@ class CoreLoop:
         self.encoder, _ = output_codec()
         _, self.decoder = input_codec()
         self.running = True
+        self.inputs_handled = 0  # messages taken off the input socket (StepOutputs tells it)
         # An idle core steps no more, so no step would find a dead rank and the front end's
         # /health would stay 200 until the next request: the ranks' sentinels end the wait
         # instead (vLLM's worker monitor, with no thread to synchronize with the loop).
@@ -106,7 +107,8 @@ class CoreLoop:
             except Exception:  # noqa: BLE001 - report it as the request's end, keep serving
                 logger.exception("request %s could not be added", message.request_id)
                 self.send(StepOutputs(outputs=[_aborted(message.request_id)],
-                                      stats=core.make_stats()))
+                                      stats=core.make_stats(),
+                                      inputs_handled=self.inputs_handled))
             return True
         if isinstance(message, AbortRequests):
             core.abort_requests(message.request_ids)
@@ -143,6 +145,7 @@ class CoreLoop:
                 frame = self.input.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
+            self.inputs_handled += 1
             changed |= self.handle(self.decoder.decode(frame.buffer))
         return changed
 
@@ -159,9 +162,11 @@ class CoreLoop:
                 core.executor.check_health()  # ranks without a sentinel: Ray's actors
                 next_check = time.monotonic() + check_every
             if core.has_unfinished_requests():
-                self.send(StepOutputs(outputs=core.step(), stats=core.make_stats()))
+                self.send(StepOutputs(outputs=core.step(), stats=core.make_stats(),
+                                      inputs_handled=self.inputs_handled))
             elif changed:  # aborts freed blocks: the front's stats must show it
-                self.send(StepOutputs(outputs=[], stats=core.make_stats()))
+                self.send(StepOutputs(outputs=[], stats=core.make_stats(),
+                                      inputs_handled=self.inputs_handled))
 
 
 def _aborted(request_id: str):

@@ -202,7 +202,11 @@ class CoreProcClient:
         self._input.bind(input_address)
         self._output.bind(output_address)
         self._pending: collections.deque[StepOutputs] = collections.deque()
-        self._unfinished: set[str] = set()
+        # Core request id -> how many messages had been sent once its add was: the core runs
+        # ahead, so outputs of an aborted (or stop-string-ended) request can arrive after the
+        # caller reused its id; those from before the core took the new add are dropped.
+        self._unfinished: dict[str, int] = {}
+        self._num_sent = 0
         self._last_stats = SchedulerStats()
         self._call_ids = itertools.count()
         # Told by Ready: the KV cache's size in blocks, and the config's max_model_len or the
@@ -372,6 +376,7 @@ class CoreProcClient:
                 raise self._dead
             try:
                 self._input.send(data, flags=zmq.NOBLOCK, copy=False)
+                self._num_sent += 1
                 return
             except zmq.Again:
                 # No core takes it: one on its way out closed its socket (a blocking send then
@@ -380,17 +385,21 @@ class CoreProcClient:
 
     def add_request(self, request: Request) -> None:
         self._send(to_wire(request))
-        self._unfinished.add(request.request_id)
+        self._unfinished[request.request_id] = self._num_sent
 
     def abort_requests(self, req_ids: list[str]) -> None:
         req_ids = [req_ids] if isinstance(req_ids, str) else list(req_ids)
-        self._unfinished.difference_update(req_ids)
+        self._forget(req_ids)
         self._send(AbortRequests(request_ids=req_ids))
 
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> None:
         req_ids = [req_ids] if isinstance(req_ids, str) else list(req_ids)
-        self._unfinished.difference_update(req_ids)
+        self._forget(req_ids)
         self._send(FinishRequests(request_ids=req_ids, status=int(status)))
+
+    def _forget(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            self._unfinished.pop(req_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._unfinished)
@@ -410,11 +419,13 @@ class CoreProcClient:
         steps: list[list[EngineCoreOutput]] = []
         while self._pending:
             message = self._pending.popleft()
-            steps.append(message.outputs)
+            outputs = [out for out in message.outputs
+                       if self._unfinished.get(out.request_id, 0) <= message.inputs_handled]
+            steps.append(outputs)
             self._last_stats = message.stats
-            for out in message.outputs:
+            for out in outputs:
                 if out.finished:
-                    self._unfinished.discard(out.request_id)
+                    self._unfinished.pop(out.request_id, None)
         return steps
 
     def _call(self, method: str, *args):

@@ -27,11 +27,11 @@ def test_the_core_client_keeps_each_core_steps_outputs_apart():
                                   StepOutputs([a2], SchedulerStats(num_running=1))])
     client._recv = lambda timeout_ms: messages.popleft() if messages else None
     client._pending = collections.deque()
-    client._unfinished = {"a", "b"}
+    client._unfinished = {"a": 0, "b": 0}
     client._last_stats = SchedulerStats()
     assert client.step() == [[a1, b1], [], [a2]]
     assert client.step_stats().num_running == 1
-    assert client._unfinished == {"b"}
+    assert set(client._unfinished) == {"b"}
     assert client.step() == []  # a poll that found nothing
 
 

@@ -1,0 +1,77 @@
+"""A request id used again once its namesake was aborted or ended by a stop string in the front
+end: the core (in its own process) runs ahead of the front end, so outputs of the old request
+can still be on their way; they must not be taken for the new request's."""
+import collections
+import time
+
+import pytest
+
+from kiln.core.core_messages import StepOutputs
+from kiln.core.outputs import EngineCoreOutput
+from kiln.core.stats import SchedulerStats
+from kiln.engine.core_client import CoreProcClient
+from kiln.entrypoints.llm import LLM
+from kiln.sampling_params import SamplingParams
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def mp_llm(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), enforce_eager=True, max_model_len=64,
+              kv_cache_memory=0.01)
+    yield llm
+    llm.shutdown()
+
+
+def test_outputs_from_before_the_core_took_the_new_add_are_dropped():
+    client = CoreProcClient.__new__(CoreProcClient)
+    old, new = EngineCoreOutput("x", [5], finish_reason="length"), EngineCoreOutput("x", [7])
+    other = EngineCoreOutput("y", [6])
+    messages = collections.deque([StepOutputs([old, other], SchedulerStats(), inputs_handled=4),
+                                  StepOutputs([new], SchedulerStats(), inputs_handled=5)])
+    client._recv = lambda timeout_ms: messages.popleft() if messages else None
+    client._pending = collections.deque()
+    client._unfinished = {"x": 5, "y": 1}  # "x" added again by the 5th message sent
+    client._last_stats = SchedulerStats()
+    assert client.step() == [[other], [new]]
+    assert client.has_unfinished_requests() and set(client._unfinished) == {"x", "y"}
+
+
+def test_an_aborted_requests_late_output_does_not_reach_its_successor(mp_llm):
+    engine = mp_llm.llm_engine
+    new_prompt = {"prompt_token_ids": [7, 3, 9, 11, 4]}
+    expected = mp_llm.generate(new_prompt, SamplingParams(max_tokens=5, **GREEDY),
+                               use_tqdm=False)[0].outputs[0].token_ids
+    engine.add_request("x", {"prompt_token_ids": [1, 2, 3]},
+                       SamplingParams(max_tokens=1, **GREEDY))
+    deadline = time.monotonic() + 30
+    while engine.get_stats()["num_running"] + engine.get_stats()["num_waiting"]:
+        assert time.monotonic() < deadline  # the core finished it; the front end read nothing
+    engine.abort_request("x")
+    engine.add_request("x", new_prompt, SamplingParams(max_tokens=5, **GREEDY))
+    final = None
+    while final is None and time.monotonic() < deadline:
+        final = next((o for o in engine.step() if o.finished), None)
+    assert final is not None, "the new request was lost"
+    assert final.outputs[0].token_ids == expected and final.outputs[0].finish_reason == "length"
+
+
+def test_a_stop_string_ended_requests_late_tokens_do_not_reach_its_successor(mp_llm):
+    engine = mp_llm.llm_engine
+    tokenizer = mp_llm.get_tokenizer()
+    old_prompt, new_prompt = {"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 4, 2]}
+    first = mp_llm.generate(old_prompt, SamplingParams(max_tokens=2, **GREEDY),
+                            use_tqdm=False)[0].outputs[0].token_ids
+    expected = mp_llm.generate(new_prompt, SamplingParams(max_tokens=6, **GREEDY),
+                               use_tqdm=False)[0].outputs[0].token_ids
+    stop = tokenizer.decode([first[1]]).strip()
+    for _ in range(5):  # the core runs ahead often, not always
+        engine.add_request("s", old_prompt, SamplingParams(max_tokens=40, stop=[stop], **GREEDY))
+        while not any(o.finished for o in engine.step()):
+            pass
+        engine.add_request("s", new_prompt, SamplingParams(max_tokens=6, **GREEDY))
+        final = None
+        while final is None:
+            final = next((o for o in engine.step() if o.finished), None)
+        assert final.outputs[0].token_ids == expected
