@@ -134,3 +134,26 @@ def test_fp8_on_a_quantized_checkpoint_is_refused():
 
     with pytest.raises(ValueError, match="already quantized"):
         resolve_quantization("fp8", Quantized())
+
+
+def test_online_fp8_on_a_gguf_file_lets_the_blocks_go(tiny_llama_dir, tmp_path):
+    """The fp8 GEMM reads only the e4m3 weight: a GGUF file's blocks go with the float weight,
+    as under int8 (they stayed attached to every linear)."""
+    from model._attn_helper import kiln_config_for
+    from model.test_gguf_vs_hf import write_gguf
+
+    from kiln.model.layers import cpu_gemm
+    from kiln.model.loader import get_model
+    from kiln.native import linear_op
+
+    types = {part: "Q8_0" for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                       "ffn_up", "ffn_down")}
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_llama_dir, types=types)
+    if linear_op.available():  # else no blocks are kept at all
+        float_layers = [m for m in get_model(kiln_config_for(path)).modules()
+                        if isinstance(m, LinearBase)]
+        assert all(cpu_gemm.held(m).blocks for m in float_layers)
+    layers = [m for m in get_model(kiln_config_for(path, quantization="fp8")).modules()
+              if isinstance(m, LinearBase)]
+    assert layers and all(m.weight.dtype == FP8 for m in layers)
+    assert not any(cpu_gemm.held(m).blocks or cpu_gemm.held(m).packed for m in layers)
