@@ -34,6 +34,17 @@ def test_dynamic_quant_is_within_half_an_e4m3_step(dtype):
     assert (err <= x32.abs() * 2 ** -4 + scale * 2 ** -10).all()
 
 
+def test_a_row_whose_scale_underflows_quantizes_to_zeros_not_nan():
+    """amax / 448 is 0 in float32 below 6e-43 (denormal activations or weight rows): the row
+    divided by it gave NaN (0 / 0), and NaN for the whole row of the GEMM's output."""
+    x = torch.tensor([[1e-44, 0.0, -5e-45, 0.0], [1.0, -2.0, 0.5, 0.0]])
+    q, scale = quant_fp8.dynamic_fp8_quant.reference(x)
+    assert not q.float().isnan().any() and scale[0].item() == 1.0
+    out = quant_fp8.fp8_scaled_mm.reference(q, scale, torch.ones(3, 4).to(FP8), torch.ones(3),
+                                            None, torch.float32)
+    assert out[0].abs().max().item() < 1e-30 and torch.equal(out[1], torch.full((3,), -0.5))
+
+
 def _cpu_rowwise_scaled_mm() -> bool:
     """Whether torch's CPU _scaled_mm takes row-wise scales (2.13 does; 2.11 takes per-tensor
     scales only)."""
