@@ -16,10 +16,12 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448
 def _dynamic_fp8_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] float -> (q float8_e4m3fn [..., K], scale float32 [..., 1]) with x ~= q * scale
     per row; scale = amax / 448 (1 for an all-zero row, whose q is 0), q = e4m3(x / scale)
-    rounded to nearest even and saturated at +-448."""
+    rounded to nearest even and saturated at +-448. A row whose amax / 448 underflows to 0 (amax
+    below 6e-43) also takes scale 1: x / 0 made NaN of its zeros, and of the row's GEMM output."""
     x32 = x.to(torch.float32)
     amax = x32.abs().amax(dim=-1, keepdim=True)  # [..., 1]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = amax / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(amax))
     q = (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
 

@@ -34,6 +34,17 @@ def test_dynamic_quant_is_within_half_an_e4m3_step(dtype):
     assert (err <= x32.abs() * 2 ** -4 + scale * 2 ** -10).all()
 
 
+def test_a_row_whose_scale_underflows_quantizes_to_zeros_not_nan():
+    """amax / 448 is 0 in float32 below 6e-43 (denormal activations or weight rows): the row
+    divided by it gave NaN (0 / 0), and NaN for the whole row of the GEMM's output."""
+    x = torch.tensor([[1e-44, 0.0, -5e-45, 0.0], [1.0, -2.0, 0.5, 0.0]])
+    q, scale = quant_fp8.dynamic_fp8_quant.reference(x)
+    assert not q.float().isnan().any() and scale[0].item() == 1.0
+    out = quant_fp8.fp8_scaled_mm.reference(q, scale, torch.ones(3, 4).to(FP8), torch.ones(3),
+                                            None, torch.float32)
+    assert out[0].abs().max().item() < 1e-30 and torch.equal(out[1], torch.full((3,), -0.5))
+
+
 def _cpu_rowwise_scaled_mm() -> bool:
     """Whether torch's CPU _scaled_mm takes row-wise scales (2.13 does; 2.11 takes per-tensor
     scales only)."""
@@ -134,3 +145,26 @@ def test_fp8_on_a_quantized_checkpoint_is_refused():
 
     with pytest.raises(ValueError, match="already quantized"):
         resolve_quantization("fp8", Quantized())
+
+
+def test_online_fp8_on_a_gguf_file_lets_the_blocks_go(tiny_llama_dir, tmp_path):
+    """The fp8 GEMM reads only the e4m3 weight: a GGUF file's blocks go with the float weight,
+    as under int8 (they stayed attached to every linear)."""
+    from model._attn_helper import kiln_config_for
+    from model.test_gguf_vs_hf import write_gguf
+
+    from kiln.model.layers import cpu_gemm
+    from kiln.model.loader import get_model
+    from kiln.native import linear_op
+
+    types = {part: "Q8_0" for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                       "ffn_up", "ffn_down")}
+    path = write_gguf(tmp_path / "tiny.gguf", tiny_llama_dir, types=types)
+    if linear_op.available():  # else no blocks are kept at all
+        float_layers = [m for m in get_model(kiln_config_for(path)).modules()
+                        if isinstance(m, LinearBase)]
+        assert all(cpu_gemm.held(m).blocks for m in float_layers)
+    layers = [m for m in get_model(kiln_config_for(path, quantization="fp8")).modules()
+              if isinstance(m, LinearBase)]
+    assert layers and all(m.weight.dtype == FP8 for m in layers)
+    assert not any(cpu_gemm.held(m).blocks or cpu_gemm.held(m).packed for m in layers)

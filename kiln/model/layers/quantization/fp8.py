@@ -11,6 +11,7 @@ from torch import nn
 
 from kiln.ir import quant_fp8 as ir_fp8
 from kiln.logger import init_logger
+from kiln.model.layers.cpu_gemm import BUFFERS
 from kiln.model.layers.linear import LinearBase
 
 logger = init_logger(__name__)
@@ -52,6 +53,10 @@ class Fp8W8A8Config:
             layer.weight_scale = nn.Parameter(scale, requires_grad=False)
             layer.quant_method = Fp8LinearMethod()
             layer.supports_cpu_packing = False
+            # The fp8 GEMM never reads a float weight's GGUF blocks or packed copy: they were
+            # kept for nothing (the default model's linears held their Q4_1 blocks beside fp8).
+            for name in BUFFERS:
+                setattr(layer, name, None)
         if chosen and chosen[0].weight.device.type == "cpu":
             logger.warning("fp8 on CPU runs the IR's torch reference (the weights dequantized in "
                            "each GEMM): correct but slow; --quantization int8 is the CPU's")
