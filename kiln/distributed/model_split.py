@@ -30,11 +30,6 @@ def check_parallel_split(kiln_config) -> None:
     pc = kiln_config.parallel_config
     errors = parallel_split_errors(kiln_config.model_config.hf_config,
                                    pc.tensor_parallel_size, pc.pipeline_parallel_size)
-    quantization = getattr(kiln_config.model_config, "quantization", None)
-    if quantization and pc.tensor_parallel_size > 1:
-        # Its scales are per output channel of the whole weight; splitting them is not built.
-        errors.append(f"quantization {quantization!r} does not run tensor parallel yet; use "
-                      "--tensor-parallel-size 1 (pipeline parallelism works)")
     if errors:
         raise ValueError(f"{kiln_config.model_config.architecture} cannot run with "
                          f"--tensor-parallel-size {pc.tensor_parallel_size} "
