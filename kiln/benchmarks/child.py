@@ -12,6 +12,14 @@ import time
 from kiln.entrypoints.cli.main import USAGE_ERROR_EXIT
 
 
+def check_timeout(timeout: float | None) -> None:
+    """A benchmark's --timeout: None or a finite number of seconds > 0 (inf reached
+    subprocess's select as an OverflowError traceback, nan a bare "cannot convert float NaN")."""
+    if timeout is not None and not 0 < timeout < float("inf"):
+        raise ValueError(f"--timeout must be > 0 seconds and finite (leave it out for no "
+                         f"limit), got {timeout}")
+
+
 def run_json_child(argv: list[str], *, timeout: float | None, env: dict | None = None
                    ) -> tuple[dict, float]:
     """(the last JSON object line of its stdout, wall seconds)."""

@@ -118,7 +118,9 @@ def _make_wrapper(module: torch.nn.Module, config, state) -> Callable:
     cc = config.compilation_config
     forward, prefix, phase = type(module).forward, type(module).__name__, state.warmup_phase
     if cc.mode == CompilationMode.STOCK_TORCH_COMPILE:
-        return GuardedCompileWrapper(module, forward, cc.backend, prefix, phase)
+        return GuardedCompileWrapper(module, forward, cc.backend, prefix, phase,
+                                     cc.inductor_compile_config)
     if cc.mode == CompilationMode.DYNAMO_TRACE_ONCE:
-        return TraceOnceWrapper(module, forward, cc.backend, prefix, phase)
+        return TraceOnceWrapper(module, forward, cc.backend, prefix, phase,
+                                cc.inductor_compile_config)
     return TraceOnceWrapper(module, forward, KilnBackend(config, prefix, state), prefix, phase)

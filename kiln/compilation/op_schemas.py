@@ -34,7 +34,10 @@ class KilnOpSchemas(CustomGraphPass):
         return schemas_hash()
 
 
-def stock_options(backend) -> dict | None:
-    """torch.compile options for a stock backend (modes 1 and 2): Inductor's cache keyed on
-    Kiln's op schemas too; None for any other backend."""
-    return {"post_grad_custom_post_pass": KilnOpSchemas()} if backend == "inductor" else None
+def stock_options(backend, inductor_config: dict | None = None) -> dict | None:
+    """torch.compile options for a stock backend (modes 1 and 2): the user's
+    compilation_config.inductor_compile_config (vLLM passes it to torch.compile there too; it
+    was dropped) and Inductor's cache keyed on Kiln's op schemas; None for any other backend."""
+    if backend != "inductor":
+        return None
+    return {**(inductor_config or {}), "post_grad_custom_post_pass": KilnOpSchemas()}

@@ -42,8 +42,11 @@ class TraceOnceWrapper:
     calls the transformed bytecode. `backend` is a Dynamo backend (KilnBackend, "inductor")."""
 
     def __init__(self, module: torch.nn.Module, forward: types.FunctionType, backend: Any,
-                 prefix: str, phase: WarmupPhase):
+                 prefix: str, phase: WarmupPhase, inductor_config: dict | None = None):
+        """`inductor_config`: compilation_config.inductor_compile_config, for a stock backend
+        (KilnBackend applies it to each piece itself)."""
         self.module, self.backend, self.prefix, self.phase = module, backend, prefix, phase
+        self.inductor_config = inductor_config
         self.source_fn = fresh_function(forward)
         self.direct: Callable | None = None
         self.traced_signature: tuple | None = None
@@ -86,7 +89,7 @@ class TraceOnceWrapper:
 
         handle = torch._dynamo.convert_frame.register_bytecode_hook(hook)
         compiled = torch.compile(self.source_fn, fullgraph=True, backend=self.backend,
-                                 options=stock_options(self.backend))
+                                 options=stock_options(self.backend, self.inductor_config))
         spent_before = monitor.stats.compile_s + monitor.stats.load_s
         try:
             with monitor.Timer() as t:
@@ -127,10 +130,10 @@ class GuardedCompileWrapper:
     is over a recompile raises (torch.compiler stance "fail_on_recompile")."""
 
     def __init__(self, module: torch.nn.Module, forward: types.FunctionType, backend: str,
-                 prefix: str, phase: WarmupPhase):
+                 prefix: str, phase: WarmupPhase, inductor_config: dict | None = None):
         self.module, self.prefix, self.phase = module, prefix, phase
         self.compiled = torch.compile(fresh_function(forward), fullgraph=True, backend=backend,
-                                      options=stock_options(backend))
+                                      options=stock_options(backend, inductor_config))
         self.calls = 0
 
     def __call__(self, *args, **kwargs):

@@ -66,6 +66,11 @@ class KilnConfig(FreezableConfig):
                 f"({sched.max_num_seqs}); raise --max-num-batched-tokens or lower --max-num-seqs")
         self._check_memory()
         self._check_binding()
+        # Read first inside Dynamo's backend, after the model loaded, where a bad value came out
+        # as a BackendCompilerFailed traceback: checked here, in one line, as the others are.
+        from kiln import envs
+
+        envs.disable_compile_cache()
         if self.load_config.load_format == "auto":
             self.load_config.load_format = self.model_config.load_format
         else:

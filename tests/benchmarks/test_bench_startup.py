@@ -14,10 +14,22 @@ def args_of(*argv):
     return build_parser().parse_args(["bench", "startup", *argv])
 
 
-@pytest.mark.parametrize("timeout", ["0", "-1", "nan"])
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan", "inf"])
 def test_a_timeout_that_is_no_time_is_refused(timeout):
-    with pytest.raises(ValueError, match="--timeout must be > 0 seconds"):
+    """inf reached subprocess's select: an OverflowError traceback (helper-58)."""
+    with pytest.raises(ValueError, match="--timeout must be > 0 seconds and finite"):
         run(args_of("--timeout", timeout))
+
+
+@pytest.mark.parametrize("timeout", ["nan", "inf", "0"])
+def test_bench_compile_refuses_the_same_timeouts(timeout):
+    """`kiln bench compile --timeout nan` said "cannot convert float NaN to integer" and inf
+    was an OverflowError traceback, after the cold start had begun (helper-58)."""
+    from kiln.entrypoints.cli.bench_compile import run as run_compile
+
+    args = build_parser().parse_args(["bench", "compile", "--timeout", timeout])
+    with pytest.raises(ValueError, match="--timeout must be > 0 seconds and finite"):
+        run_compile(args)
 
 
 def test_a_process_past_the_timeout_is_one_error_line(capsys):

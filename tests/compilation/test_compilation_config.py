@@ -96,3 +96,14 @@ def test_cache_key_follows_how_int8_weights_are_held(tiny_llama_dir, monkeypatch
 
     assert key("int8", True) != key("int8", False)
     assert key(None, True) == key(None, False)
+
+
+def test_a_bad_compile_cache_switch_is_refused_with_the_config(tiny_llama_dir, monkeypatch):
+    """KILN_DISABLE_COMPILE_CACHE=maybe was first read in Dynamo's backend, after the model
+    loaded: a BackendCompilerFailed traceback, where every other bad KILN_ variable is one line
+    before anything loads (helper-58)."""
+    from kiln.config import KilnConfig, ModelConfig
+
+    monkeypatch.setenv("KILN_DISABLE_COMPILE_CACHE", "maybe")
+    with pytest.raises(ValueError, match="^KILN_DISABLE_COMPILE_CACHE='maybe' must be"):
+        KilnConfig(model_config=ModelConfig(model=str(tiny_llama_dir)))

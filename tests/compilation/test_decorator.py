@@ -162,3 +162,25 @@ def test_eager_warm_start_runs_the_code_only_saved_graph(monkeypatch, tmp_path):
             compile_and_warm_up(lambda n, model=model: model(*tm.inputs(n)), config,
                                 compile_state_of(model).warmup_phase)
         _check(model, reference, [8, 3, 1])
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_stock_modes_pass_the_inductor_config_to_torch_compile(monkeypatch, mode):
+    """Modes 1 and 2 dropped compilation_config.inductor_compile_config: torch.compile got only
+    Kiln's schema pass, so a user's Inductor options never applied (vLLM passes them as
+    torch.compile's options there) (helper-58)."""
+    class Compiled(Exception):
+        pass
+
+    seen = []
+
+    def fake_compile(fn, **kwargs):  # records the options; compiling is not this test's part
+        seen.append(kwargs.get("options") or {})
+        raise Compiled
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    model = tm.build(tm.toy_config(mode=mode, inductor_compile_config={"epilogue_fusion": False}))
+    with torch.no_grad(), pytest.raises(Compiled):
+        model(*tm.inputs(4))
+    assert seen[-1]["epilogue_fusion"] is False
+    assert "post_grad_custom_post_pass" in seen[-1]  # Kiln's op schemas still key the cache

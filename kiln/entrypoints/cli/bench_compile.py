@@ -24,10 +24,10 @@ def register_bench(kinds) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kiln.benchmarks.child import check_timeout
     from kiln.benchmarks.compile import run_compile_bench
 
-    if args.timeout is not None and args.timeout <= 0:
-        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    check_timeout(args.timeout)
     try:
         report = run_compile_bench(EngineArgs.from_cli_args(args), args.keep_cache, args.timeout)
     except RuntimeError as e:  # a start-up process failed or ran past --timeout: say which

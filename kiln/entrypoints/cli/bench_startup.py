@@ -26,12 +26,12 @@ def register_bench(kinds) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kiln.benchmarks.child import check_timeout
     from kiln.benchmarks.startup import run_startup_bench
 
     if args.runs < 1 or args.max_tokens < 1:
         raise ValueError("--runs and --max-tokens must be >= 1")
-    if args.timeout is not None and not args.timeout > 0:
-        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    check_timeout(args.timeout)
     engine_args = EngineArgs.from_cli_args(args)
     default = EngineArgs()
     kwargs = {f.name: getattr(engine_args, f.name) for f in fields(EngineArgs)
