@@ -74,6 +74,25 @@ def _no_space(error: BaseException) -> bool:
     return False
 
 
+class PieceCompileError(RuntimeError):
+    """A piece that could not be compiled, named with its shape and what serves without it (the
+    compiler's own error, often thousands of lines of C++ output, is its cause, in the log)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        # Dynamo and the FX interpreter append their notes to args[0] on the way up ("While
+        # executing %submod_0 ...", "Set TORCHDYNAMO_VERBOSE=1"): the message stays one line.
+        return self.message
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
 class PieceCompiler:
     """Compiles or loads (piece, shape) artifacts through one compiler and one disk cache;
     Inductor's own cache is `inductor_dir` while it does (None: the process's)."""
@@ -115,8 +134,17 @@ class PieceCompiler:
         return fn
 
     def _compile(self, piece: int, graph, example_inputs, shape, save_path):
+        label = "range" if shape is None else shape
         with inductor_cache_at(self.inductor_dir):
-            return self._compile_or_retry(piece, graph, example_inputs, shape, save_path)
+            try:
+                return self._compile_or_retry(piece, graph, example_inputs, shape, save_path)
+            except PieceCompileError:
+                raise
+            except Exception as e:  # noqa: BLE001 - said in one line; the cause stays chained
+                raise PieceCompileError(
+                    f"compiling piece {piece} ({label}) failed ({_first_line(e)}); the engine's "
+                    "log holds the compiler's output. --enforce-eager (-O0) serves the model "
+                    "without compiling") from e
 
     def _compile_or_retry(self, piece: int, graph, example_inputs, shape, save_path):
         try:
@@ -136,7 +164,7 @@ class PieceCompiler:
                                              save_path)
             except Exception as again:  # noqa: BLE001 - said in one line where it is the disk
                 if _no_space(again):
-                    raise RuntimeError(
+                    raise PieceCompileError(
                         f"compiling piece {piece} failed: no space left on the device holding "
                         f"the compile cache {self.cache.key_dir}; free space there, or point "
                         "compilation_config.cache_dir (or KILN_CACHE_ROOT, where that is not "

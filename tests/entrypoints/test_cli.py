@@ -289,3 +289,19 @@ def test_an_engine_death_is_one_line_not_a_traceback():
 
     assert engine_gone(EngineCoreDeadError("core died")) and engine_gone(WorkerFailedError("x"))
     assert not engine_gone(RuntimeError("a bug"))
+
+
+def test_a_piece_that_will_not_compile_ends_in_one_line_naming_it_and_the_way_out(
+        tiny_llama_dir, tmp_path):
+    """No working C++ compiler: the command ended in Dynamo's wrapper of Inductor's error
+    (the backend object's address, "Set TORCHDYNAMO_VERBOSE=1", compiler output) with no word
+    of the piece or of serving without compiling (helper-58)."""
+    config = {"mode": 3, "cache_dir": str(tmp_path / "cc"),
+              "inductor_compile_config": {"cpp.cxx": [None, "/nonexistent/g++"]}}
+    r = kiln("generate", "hello", "--model", str(tiny_llama_dir), "--max-model-len", "64",
+             "--max-tokens", "4", "--compilation-config", json.dumps(config))
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and last.startswith("error: compiling piece 0 (range) failed ("), \
+        r.stderr[-3000:]
+    assert "/nonexistent/g++" in last and last.endswith("--enforce-eager (-O0) serves the model "
+                                                        "without compiling")

@@ -170,9 +170,11 @@ def main(argv: list[str] | None = None) -> None:
     except RuntimeError as e:
         from kiln.engine.core_client import engine_gone
 
-        if not engine_gone(e):
+        # Kiln's own errors (the engine died, a piece would not compile) say what failed and
+        # what to do; their traceback is in the engine's log. Any other is a bug: its traceback.
+        if not (engine_gone(e) or type(e).__module__.startswith("kiln.")):
             raise
-        print(f"error: {e}", file=sys.stderr)  # the message says what died; no traceback
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     exit_without_teardown(code or 0)
 
