@@ -223,6 +223,14 @@ def chat_messages(messages: list) -> list[dict]:
     return out
 
 
+def prompt_cache_salt(prompt) -> str | None:
+    """A prompt's cache_salt: None, or a non-empty string (vLLM refuses an empty one too)."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return salt
+
+
 def check_logprobs_cap(params, cap: int, vocab_size: int) -> None:
     """The request's logprobs and prompt_logprobs within the engine's max_logprobs; -1 (the
     whole vocabulary, as in vLLM) becomes the vocabulary's size."""
@@ -394,8 +402,6 @@ class InputProcessor:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         params.check_masks_leave_a_token()
         clip_max_tokens(params, len(token_ids), self.max_model_len, max_tokens_must_fit)
-        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        if salt is not None and not (isinstance(salt, str) and salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+        salt = prompt_cache_salt(prompt)
         return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids, params=params,
                                cache_salt=salt)

@@ -12,6 +12,7 @@ from kiln.config import CacheConfig
 from kiln.engine.input_processor import (
     ProcessedPrompt,
     check_logprobs_cap,
+    prompt_cache_salt,
     truncate_prompt,
     validate_prompt_token_ids,
 )
@@ -84,6 +85,7 @@ class FakeEngine:
         # The engine's own checks: ids within the vocabulary, room to generate.
         validate_prompt_token_ids(ids, VOCAB, self.kiln_config.model_config.max_model_len)
         check_logprobs_cap(params, self.kiln_config.model_config.logprobs_cap, VOCAB)
+        prompt_cache_salt(prompt)
         params.clone().update_from_tokenizer(EOS, VOCAB)  # token-id fields within it
         room = self.kiln_config.model_config.max_model_len - len(ids)
         if max_tokens_must_fit and params.max_tokens is not None and params.max_tokens > room:

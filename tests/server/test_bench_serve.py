@@ -211,3 +211,31 @@ def test_the_load_process_waits_for_go_after_ready():
     # ready once its bodies are built; anything but `go` ends it before any load is sent
     assert proc.stdout.splitlines() == ["ready"], proc.stdout
     assert proc.returncode != 0 and "expected `go`" in proc.stderr
+
+
+@pytest.mark.parametrize("var", ["KILN_API_KEY", "VLLM_API_KEY"])
+def test_the_key_in_the_environment_is_sent(monkeypatch, var):
+    """`KILN_API_KEY=k kiln bench serve`: the server it starts reads the variable and turns its
+    key on, so a client that read only --api-key got a 401 for every request."""
+    from kiln.benchmarks import serve
+    from kiln.entrypoints.cli import bench_serve
+
+    monkeypatch.delenv("KILN_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.setenv(var, "sekrit")
+    seen = {}
+
+    async def fake_benchmark(*args, api_key=None, **kw):
+        seen["api_key"] = api_key
+        return {"failed": 0}
+
+    monkeypatch.setattr(serve, "run_benchmark", fake_benchmark)
+    args = build_parser().parse_args(["bench", "serve", "--base-url", "http://127.0.0.1:9",
+                                      "--num-prompts", "1"])
+    assert bench_serve.run(args) == 0
+    assert seen["api_key"] == "sekrit"
+    # an explicit --api-key still wins
+    args = build_parser().parse_args(["bench", "serve", "--base-url", "http://127.0.0.1:9",
+                                      "--api-key", "other"])
+    bench_serve.run(args)
+    assert seen["api_key"] == "other"

@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.request
 
+from kiln import envs
 from kiln.engine.arg_utils import EngineArgs
 from kiln.executor.free_port import free_port
 from kiln.process_signals import die_with_parent
@@ -38,7 +39,8 @@ def register_bench(kinds) -> None:
                         help="prompt token ids are drawn below this (default: ask the server)")
     parser.add_argument("--api-key", default=None,
                         help="the server's API key (sent as a Bearer token; passed to the "
-                             "server this benchmark starts)")
+                             "server this benchmark starts; default: KILN_API_KEY, else "
+                             "VLLM_API_KEY, which the server reads too)")
     parser.add_argument("--stall-probe", action="store_true",
                         help="instead: one steady stream alone, then beside front-end load (4 MB "
                              "/tokenize bodies, 4 MB prompts that end in 400, 1000 idle and 200 "
@@ -103,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     engine_flags = EngineArgs.from_cli_args(args).to_cli_args()
+    # The server started here inherits the environment, so it turns KILN_API_KEY (or
+    # VLLM_API_KEY) on by itself: the client must send it too, or every request is a 401.
+    args.api_key = args.api_key or envs.api_key()
     if args.base_url is not None:
         # --model names the served model in each request; the rest would configure a server
         # that is already running, and were dropped without a word

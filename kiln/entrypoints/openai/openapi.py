@@ -95,15 +95,20 @@ def _nulls_allowed(model_schema: dict) -> None:
         model_schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **keep}
 
 
-def _sampling_ranges(model_schema: dict, max_logprobs: int) -> None:
+def _sampling_ranges(model_schema: dict, max_logprobs: int,
+                     vocab_size: int | None = None) -> None:
     """The sampling fields' ranges, as SamplingParams and the engine check them (outside is a
-    400); `max_logprobs`: the engine's cap on (top_/prompt_)logprobs."""
+    400); `max_logprobs`: the engine's cap on (top_/prompt_)logprobs; `vocab_size`: what -1
+    (the whole vocabulary) asks for, refused above the cap."""
     from kiln.sampling_params import (
+        _INT64,
         _MAX_REPETITION_PENALTY,
         _MIN_REPETITION_PENALTY,
         MAX_STOP_STRINGS,
         MAX_STOP_TOKEN_IDS,
     )
+
+    whole_vocab = -1 if vocab_size is None or vocab_size <= max_logprobs else 0
 
     ranges = {"temperature": {"minimum": 0}, "top_p": {"exclusiveMinimum": 0, "maximum": 1},
               "min_p": {"minimum": 0, "maximum": 1}, "top_k": {"minimum": -1},
@@ -113,8 +118,10 @@ def _sampling_ranges(model_schema: dict, max_logprobs: int) -> None:
                                      "maximum": _MAX_REPETITION_PENALTY},
               "max_tokens": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
               "min_tokens": {"minimum": 0},
+              "seed": {"minimum": _INT64[0], "maximum": _INT64[1]},  # torch's 64-bit seeds
               # -1: the whole vocabulary (vLLM's), where max_logprobs allows it
-              **{name: {"minimum": 0 if name == "top_logprobs" else -1, "maximum": max_logprobs}
+              **{name: {"minimum": 0 if name == "top_logprobs" else whole_vocab,
+                        "maximum": max_logprobs}
                  for name in ("logprobs", "top_logprobs", "prompt_logprobs")}}
     props = model_schema.get("properties", {})
     if "best_of" in props:  # one sample per choice (sampling.refuse_unsupported)
@@ -133,6 +140,9 @@ def _sampling_ranges(model_schema: dict, max_logprobs: int) -> None:
         target = member.get("items") if member.get("type") == "array" else member
         if isinstance(target, dict) and target.get("type") == "string":
             target["minLength"] = 1
+    for member in props.get("cache_salt", {}).get("anyOf", ()):  # "" is refused, as vLLM does
+        if member.get("type") == "string":
+            member["minLength"] = 1
     for name, limit in (("stop", MAX_STOP_STRINGS), ("stop_token_ids", MAX_STOP_TOKEN_IDS)):
         for member in props.get(name, {}).get("anyOf", ()):
             if member.get("type") == "array":
@@ -169,8 +179,11 @@ def _off_only(model_schema: dict, reasoning_parser: bool) -> None:
                 types = set(empties)
             if name in null_only:
                 types = set()
-            allowed = [{"type": "null"}] + [empties[t] for t in sorted(types & set(empties))] \
-                if off is None else [{"const": off}, {"type": "null"}]
+            # an empty value is off too (sampling.refuse_unsupported): truncation_side "",
+            # modalities []
+            allowed = [{"type": "null"}] + [empties[t] for t in sorted(types & set(empties))]
+            if off is not None:
+                allowed.insert(0, {"const": off})
             keep = {k: props[name][k] for k in ("title", "default") if k in props[name]}
             props[name] = {"anyOf": allowed, **keep}
 
@@ -260,7 +273,7 @@ def patch_schema(schema: dict, vocab_size: int | None = None,
         if model in components:
             _off_only(components[model], reasoning_parser)
             switched_fields(components[model])
-            _sampling_ranges(components[model], max_logprobs)
+            _sampling_ranges(components[model], max_logprobs, vocab_size)
             so = components[model]["properties"].get("structured_outputs", {})
             so["anyOf"] = [_structured_outputs_object() if m.get("type") == "object" else m
                            for m in so.get("anyOf", ())]

@@ -1,0 +1,65 @@
+"""Single fields whose schema once disagreed with the server on a real model (helper60's
+field-by-field sweep of /openapi.json against `kiln serve`): the schema took logprobs -1 that
+the engine's max_logprobs refuses, seeds past 64 bits and an empty cache_salt the server
+refuses, and refused the empty truncation_side / modalities the server takes as off."""
+import pytest
+
+from kiln.engine.async_llm import AsyncLLM
+from kiln.entrypoints.openai.api_server import ServerSettings, build_app
+
+from .fake_engine import VOCAB, FakeEngine
+from .uvicorn_thread import uvicorn_in_thread
+
+APP = build_app(AsyncLLM(FakeEngine(max_model_len=1024)), ServerSettings())
+SCHEMA = APP.openapi()
+_CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    with uvicorn_in_thread(APP) as port:
+        yield f"http://127.0.0.1:{port}"
+
+
+def _schema_takes(model: str, body: dict) -> bool:
+    import jsonschema
+
+    root = {"$ref": f"#/components/schemas/{model}", "components": SCHEMA["components"]}
+    return jsonschema.Draft202012Validator(root).is_valid(body)
+
+
+_CASES = [(field, value) for field in ("logprobs", "prompt_logprobs") for value in (-1, 0, 20)] \
+    + [("seed", v) for v in (2**63 - 1, 2**63, -2**63, -2**63 - 1)] \
+    + [("cache_salt", ""), ("cache_salt", "s"), ("truncation_side", ""),
+       ("truncation_side", "left"), ("truncation_side", "right")]
+
+
+@pytest.mark.parametrize("field,value", _CASES)
+def test_completion_field_schema_verdict_is_the_servers(base_url, field, value):
+    import httpx
+
+    body = {"prompt": "hi", "max_tokens": 1, field: value}
+    r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=30)
+    assert r.status_code in (200, 400), r.text
+    assert _schema_takes("CompletionRequest", body) == (r.status_code == 200), (body, r.text)
+
+
+@pytest.mark.parametrize("value", [[], ["text"], ["audio"]])
+def test_chat_modalities_schema_verdict_is_the_servers(base_url, value):
+    import httpx
+
+    body = {"messages": _CHAT, "max_tokens": 1, "modalities": value}
+    r = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=30)
+    assert _schema_takes("ChatCompletionRequest", body) == (r.status_code == 200), (body, r.text)
+
+
+def test_whole_vocabulary_logprobs_are_stated_only_where_the_cap_allows():
+    from kiln.entrypoints.openai.openapi import _sampling_ranges
+
+    def minimum(cap):
+        schema = {"properties": {"logprobs": {"anyOf": [{"type": "integer"}]}}}
+        _sampling_ranges(schema, cap, VOCAB)
+        return schema["properties"]["logprobs"]["anyOf"][0]["minimum"]
+
+    assert minimum(20) == 0 and minimum(VOCAB) == -1
+
