@@ -125,6 +125,22 @@ VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
              "--kv-cache-memory takes GiB (e.g. --kv-cache-memory 4)"),
 )
 
+_JSON_OUT = ("Kiln's benchmarks print their result as one JSON line on stdout: redirect it "
+             "(> result.json)")
+_RANDOM = "Kiln's benchmarks draw seeded random-token prompts of --input-len tokens"
+
+# `vllm bench` flags for what `kiln bench` does another way.
+VLLM_BENCH_FLAGS: tuple[VllmFlag, ...] = (
+    VllmFlag(("--dataset-name",), "choosing the prompt dataset", _RANDOM, accepted=("random",)),
+    VllmFlag(("--dataset-path",), "a file of prompts", _RANDOM),
+    VllmFlag(("--random-range-ratio",), "spreading the random prompts' lengths", "Kiln's "
+             "random prompts all have --input-len tokens", accepted=("0", "0.0")),
+    VllmFlag(("--save-result",), "writing the result to a file", _JSON_OUT, takes_value=False),
+    VllmFlag(("--result-dir",), "where the result file goes", _JSON_OUT),
+    VllmFlag(("--result-filename",), "the result file's name", _JSON_OUT),
+    VllmFlag(("--output-json",), "writing the result to a JSON file", _JSON_OUT),
+)
+
 BY_FLAG: dict[str, VllmFlag] = {name: entry for entry in VLLM_ONLY_FLAGS for name in entry.flags}
 BY_KEYWORD: dict[str, VllmFlag] = {entry.keyword: entry for entry in VLLM_ONLY_FLAGS}
 
@@ -152,10 +168,11 @@ class _RefuseVllmFlag(argparse.Action):
         raise VllmOnlyFlagError(entry.message(option_string or entry.flags[0]))
 
 
-def add_vllm_only_flags(parser: argparse.ArgumentParser) -> None:
+def add_vllm_only_flags(parser: argparse.ArgumentParser,
+                        table: tuple[VllmFlag, ...] = VLLM_ONLY_FLAGS) -> None:
     """Each table flag on `parser`, hidden from --help: refused with its reason when given."""
     existing = set(parser._option_string_actions)
-    for entry in VLLM_ONLY_FLAGS:
+    for entry in table:
         names = [f for f in entry.flags if f not in existing]
         if names:
             parser.add_argument(*names, action=_RefuseVllmFlag, entry=entry,

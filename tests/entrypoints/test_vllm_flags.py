@@ -216,3 +216,29 @@ def test_bench_latency_compare_errors_name_compare():
                                           "--compare", "0", item])
         with pytest.raises(ValueError, match=re.escape(message)):
             bench_latency.run(args)
+
+
+@pytest.mark.parametrize("bench", ["throughput", "latency", "serve", "startup", "compile"])
+def test_vllm_bench_dataset_and_result_file_flags_say_what_kiln_does_instead(bench):
+    """`vllm bench`'s --dataset-name, --save-result, --output-json ... were argparse's
+    "unrecognized arguments" (helper-60)."""
+    from kiln.engine.vllm_flags import VLLM_BENCH_FLAGS, VllmOnlyFlagError
+
+    parser = build_parser()
+    for entry in VLLM_BENCH_FLAGS:
+        flag = entry.flags[0]
+        with pytest.raises(VllmOnlyFlagError, match=rf"^{flag} is vLLM's flag for .*; Kiln"):
+            parser.parse_args(["bench", bench, flag, *(["x-value"] if entry.takes_value else [])])
+    parser.parse_args(["bench", bench, "--dataset-name", "random", "--random-range-ratio", "0"])
+
+
+def test_bench_serve_takes_vllms_random_lengths_and_points_seed_at_prompt_seed():
+    from kiln.entrypoints.cli.bench_serve import run
+
+    args = build_parser().parse_args(["bench", "serve", "--random-input-len", "7",
+                                      "--random-output-len", "5"])
+    assert (args.input_len, args.output_len) == (7, 5)
+    args = build_parser().parse_args(["bench", "serve", "--base-url", "http://127.0.0.1:1",
+                                      "--seed", "3"])
+    with pytest.raises(ValueError, match=r"--seed: .*is --prompt-seed here"):
+        run(args)

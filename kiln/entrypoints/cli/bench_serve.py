@@ -27,9 +27,9 @@ def register_bench(kinds) -> None:
     parser.add_argument("--num-prompts", type=int, default=64, help="requests to send")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="requests per second (Poisson); inf sends all at once")
-    parser.add_argument("--input-len", type=int, default=128,
+    parser.add_argument("--input-len", "--random-input-len", type=int, default=128,
                         help="tokens of each random prompt")
-    parser.add_argument("--output-len", type=int, default=128,
+    parser.add_argument("--output-len", "--random-output-len", type=int, default=128,
                         help="tokens generated for each request")
     parser.add_argument("--max-concurrency", type=int, default=None,
                         help="most requests in flight at once (default: no limit)")
@@ -113,9 +113,11 @@ def run(args: argparse.Namespace) -> int:
         # that is already running, and were dropped without a word
         given = [f for f in engine_flags if f.startswith("--") and f != "--model"]
         if given:
+            seed = (" (vllm bench's --seed, which seeds the prompts, is --prompt-seed here)"
+                    if "--seed" in given else "")
             raise ValueError(f"{', '.join(given)}: engine flags configure the server `kiln "
                              "bench serve` starts; with --base-url it is already running "
-                             "(drop them, or drop --base-url)")
+                             f"(drop them, or drop --base-url){seed}")
     proc = None
     base_url = args.base_url
     if base_url is None:

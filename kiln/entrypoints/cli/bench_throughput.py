@@ -9,6 +9,7 @@ import importlib
 import json
 
 from kiln.engine.arg_utils import EngineArgs
+from kiln.engine.vllm_flags import VLLM_BENCH_FLAGS, add_vllm_only_flags
 
 # Other benchmarks: modules whose register_bench(kinds) adds their parser under `kiln bench`.
 BENCHMARKS = [
@@ -48,6 +49,8 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
     for name in BENCHMARKS:
         importlib.import_module(name).register_bench(kinds)
+    for each in kinds.choices.values():  # `vllm bench`'s dataset and result-file flags
+        add_vllm_only_flags(each, VLLM_BENCH_FLAGS)
     bench.set_defaults(func=lambda args: bench.print_help() or 2)
 
 
