@@ -158,6 +158,7 @@ class AsyncLLM:
                           arrival_time: float | None = None, *,
                           max_tokens_must_fit: bool = False, processed=None) -> RequestStream:
         """Queue a request; raises ValueError (bad prompt or params) before anything is queued.
+        `arrival_time`: time.monotonic() when it arrived (vLLM's is time.time()).
         `max_tokens_must_fit`: refuse a max_tokens past max_model_len instead of cutting it.
         `processed`: process_inputs()'s result for this prompt and params (then not redone)."""
         self._check_alive()

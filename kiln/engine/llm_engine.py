@@ -156,6 +156,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, *,
                     max_tokens_must_fit: bool = False) -> None:
+        """`arrival_time`: time.monotonic() when it arrived (vLLM's is time.time(): queue
+        order and latency metrics read this clock)."""
         processed = self.process_inputs(prompt, params, max_tokens_must_fit=max_tokens_must_fit)
         self.add_processed_request(request_id, processed, arrival_time)
 
