@@ -174,7 +174,12 @@ class LLMEngine:
         if request_id in self.output_processor.requests or in_use:
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished "
                              "request; pick a unique request_id")
-        arrival = time.monotonic() if arrival_time is None else arrival_time
+        now = time.monotonic()
+        if arrival_time is not None and arrival_time > now + 1:
+            raise ValueError(f"arrival_time {arrival_time} is in the future of time.monotonic() "
+                             f"({now:.0f}); Kiln's arrival times are time.monotonic() values "
+                             "(vLLM's time.time() would reorder the queue)")
+        arrival = now if arrival_time is None else arrival_time
         core_requests = [Request(request_id=cid, prompt_token_ids=list(processed.prompt_token_ids),
                                  sampling_params=p, arrival_time=arrival,
                                  cache_salt=processed.cache_salt) for cid, p in samples]

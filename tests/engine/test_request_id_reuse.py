@@ -75,3 +75,13 @@ def test_a_stop_string_ended_requests_late_tokens_do_not_reach_its_successor(mp_
         while final is None:
             final = next((o for o in engine.step() if o.finished), None)
         assert final.outputs[0].token_ids == expected
+
+
+def test_a_wall_clock_arrival_time_is_refused_naming_the_clock(mp_llm):
+    """vLLM's arrival_time is time.time(); Kiln's queue and latencies read time.monotonic(): a
+    ported caller's wall-clock times put its requests behind later ones (helper-57)."""
+    engine = mp_llm.llm_engine
+    with pytest.raises(ValueError, match=r"arrival_time .* time\.monotonic\(\) values"):
+        engine.add_request("wall", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=1),
+                           arrival_time=time.time())
+    assert not engine.has_unfinished_requests()
