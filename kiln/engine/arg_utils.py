@@ -242,10 +242,12 @@ class EngineArgs:
                        help="run eagerly: no torch.compile, no graphs")
         g.add_argument("-O", "--compilation-config", dest="compilation_config",
                        default=d.compilation_config, action=_MergeCompilationConfig,
-                       help="compilation mode (-O0 to -O3; " + MODES_HELP + ") or "
+                       help="compilation mode (" + MODES_HELP + ") or "
                             "CompilationConfig JSON (-O '{\"mode\": 3, \"compile_sizes\": "
                             "[1, 8]}'; given more than once, later fields override earlier "
-                            "ones; vLLM's -O.FIELD=VALUE too)")
+                            "ones; vLLM's -O.FIELD=VALUE too). -O0..-O3 (or "
+                            "--optimization-level N) are vLLM's optimization levels: -O0 "
+                            "compiles nothing, -O1..-O3 run mode 3")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                        help="ranks that split each layer (heads, MLP, vocab)")
         g.add_argument("--pipeline-parallel-size", "-pp", type=int,

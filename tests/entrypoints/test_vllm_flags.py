@@ -19,7 +19,7 @@ def test_dotted_compilation_flags():
         cli_fields(".mode")
     assert dotted_flags_as_O(["serve", "--compilation-config.mode", "0", "-O.compile_sizes",
                               "[1, 8]", "--compilation-config.backend=eager", "-O3"]) == [
-        "serve", "-O.mode=0", "-O.compile_sizes=[1, 8]", "-O.backend=eager", "-O3"]
+        "serve", "-O.mode=0", "-O.compile_sizes=[1, 8]", "-O.backend=eager", "-O.mode=3"]
 
 
 def test_repeated_flags_add_up_inside_dict_fields():
@@ -242,3 +242,20 @@ def test_bench_serve_takes_vllms_random_lengths_and_points_seed_at_prompt_seed()
                                       "--seed", "3"])
     with pytest.raises(ValueError, match=r"--seed: .*is --prompt-seed here"):
         run(args)
+
+
+def test_dash_O_digits_are_vllms_optimization_levels():
+    """vLLM 0.12 made -O N its optimization level (-O1: piecewise compile, fast fusions); Kiln
+    read -O1 as mode 1, stock torch.compile with guards and no disk cache (helper-58)."""
+    parser = build_parser()
+
+    def mode(*argv):
+        return parser.parse_args(dotted_flags_as_O(["serve", *argv])).compilation_config
+
+    assert [mode(f"-O{n}") for n in range(4)] == [{"mode": 0}] + [{"mode": 3}] * 3
+    assert mode("-O", "1") == mode("--optimization-level", "2") == {"mode": 3}
+    assert mode("--optimization-level=0") == {"mode": 0}
+    assert mode("--compilation-config", "1") == mode("-O.mode=1") == {"mode": 1}
+    assert mode("-O1", "-O.mode=2") == {"mode": 2}  # a later explicit field wins
+    with pytest.raises(ValueError, match=r"--optimization-level takes 0, 1, 2 or 3"):
+        dotted_flags_as_O(["serve", "--optimization-level", "4"])
