@@ -6,7 +6,9 @@ It joins the cluster at RAY_ADDRESS when set (else starts a local Ray); a placem
 cannot hold fails at once, and one that waits for resources says so. Each call's arguments are
 pickled once and put in Ray's object store for every rank; a dead actor, or a step some rank does
 not answer within KILN_EXECUTE_MODEL_TIMEOUT_SECONDS, fails the call with an error naming the
-rank, and the executor then stops every actor.
+rank, and the executor then stops every actor. The engine's KILN_* settings go with each actor
+(as vLLM copies VLLM_* to its Ray workers): an actor's process is the cluster's, started with the
+environment of `ray start`, not the engine's.
 """
 import os
 import pickle
@@ -83,6 +85,13 @@ class RayRankActor:
             self.worker = None
 
 
+def kiln_env_vars(environ) -> dict[str, str]:
+    """The KILN_* settings of this process, for each rank actor's runtime_env: without them a
+    rank on a cluster started elsewhere read its own (KILN_CPU_OMP_THREADS_BIND=nobind, say,
+    still bound its cores)."""
+    return {name: value for name, value in environ.items() if name.startswith("KILN_")}
+
+
 def _needed(bundles: list[dict]) -> dict:
     needed: dict = {}
     for bundle in bundles:
@@ -157,12 +166,14 @@ class RayExecutor(Executor):
             self.pg = None
             raise
         actor_cls = ray.remote(RayRankActor)
+        env_vars = kiln_env_vars(os.environ)
+        runtime_env = {"env_vars": env_vars} if env_vars else None
         for rank in range(self.world_size):
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                         placement_group_bundle_index=rank)
             self.actors.append(actor_cls.options(
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                scheduling_strategy=strategy, name=None).remote())
+                scheduling_strategy=strategy, runtime_env=runtime_env, name=None).remote())
         try:
             places = self._gather([a.node_ip_and_port.remote() for a in self.actors],
                                   "placement")

@@ -95,3 +95,17 @@ def test_a_stopped_rank_fails_the_step_once_the_timeout_passes(local_ray, tiny_l
             except ProcessLookupError:
                 pass
     assert executor.actors == [] and executor.pg is None
+
+
+def test_the_engines_kiln_settings_reach_the_rank_actors(local_ray, tiny_llama_dir, monkeypatch):
+    # Set after the cluster started, so its workers' own environment lacks it, as on a cluster
+    # started by `ray start`: the actors must still bind no cores.
+    monkeypatch.setenv("KILN_CPU_OMP_THREADS_BIND", "nobind")
+    llm = make_llm(tiny_llama_dir, tensor_parallel_size=2, distributed_executor_backend="ray")
+    executor = llm.llm_engine.engine_core.executor
+    try:
+        cores = local_ray.get([actor.__ray_call__.remote(lambda rank: rank.worker.cores)
+                               for actor in executor.actors])
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert cores == [None, None]
