@@ -25,6 +25,14 @@ from kiln.executor.multiproc_executor import (
     WorkerFailedError,
     unanswered_message,
 )
+from kiln.executor.ray_placement import (
+    kiln_env_vars,
+    local_ranks,
+    never_fits,
+    node_visible_devices,
+    placement_error,
+    resources,
+)
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -67,8 +75,18 @@ class RayRankActor:
         ip = ray.util.get_node_ip_address()
         return ip, free_port("0.0.0.0")
 
+    def gpu_ids(self) -> list[str]:
+        import ray
+
+        return [str(g) for g in ray.get_gpu_ids()]
+
     def pid(self) -> int:
         return os.getpid()
+
+    def see_devices(self, visible_devices: str) -> None:
+        """CUDA_VISIBLE_DEVICES, in a call of its own before `start`, whose arguments (the
+        config) are unpickled before it runs: nothing may initialize CUDA before this."""
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
 
     def start(self, kiln_config, rank: int, local_rank: int, local_world_size: int,
               init_method: str) -> None:
@@ -83,51 +101,6 @@ class RayRankActor:
         if self.worker is not None:
             self.worker.shutdown()
             self.worker = None
-
-
-def kiln_env_vars(environ) -> dict[str, str]:
-    """The KILN_* settings of this process, for each rank actor's runtime_env: without them a
-    rank on a cluster started elsewhere read its own (KILN_CPU_OMP_THREADS_BIND=nobind, say,
-    still bound its cores)."""
-    return {name: value for name, value in environ.items() if name.startswith("KILN_")}
-
-
-def _needed(bundles: list[dict]) -> dict:
-    needed: dict = {}
-    for bundle in bundles:
-        for name, amount in bundle.items():
-            needed[name] = needed.get(name, 0) + amount
-    return needed
-
-
-def never_fits(bundles: list[dict], total: dict) -> bool:
-    """Whether the bundles need more of a resource than the whole cluster has (else they fit
-    once other jobs free what they hold)."""
-    return any(total.get(name, 0) < amount for name, amount in _needed(bundles).items())
-
-
-def placement_error(bundles: list[dict], why: str, total: dict,
-                    available: dict) -> RuntimeError:
-    return RuntimeError(
-        f"Ray cannot place {len(bundles)} ranks (tensor_parallel_size x "
-        f"pipeline_parallel_size), one bundle of {bundles[0]} each: {why}. Asked for "
-        f"{_needed(bundles)} in all; the cluster has {_resources(total)} in all, "
-        f"{_resources(available)} available now. Lower -tp / -pp, add nodes or resources to "
-        "the cluster (ray start --num-cpus / --num-gpus), or free what other jobs hold")
-
-
-def _resources(resources: dict) -> dict:
-    """The resources a bundle asks for (not Ray's memory and per-node bookkeeping keys)."""
-    return {k: v for k, v in resources.items() if k in ("CPU", "GPU")}
-
-
-def local_ranks(node_ips: list[str]) -> list[tuple[int, int]]:
-    """(local rank, ranks on that machine) for each global rank, from each rank's node IP."""
-    out = []
-    for rank, ip in enumerate(node_ips):
-        same = [r for r, other in enumerate(node_ips) if other == ip]
-        out.append((same.index(rank), len(same)))
-    return out
 
 
 class RayExecutor(Executor):
@@ -178,9 +151,15 @@ class RayExecutor(Executor):
             places = self._gather([a.node_ip_and_port.remote() for a in self.actors],
                                   "placement")
             init_method = f"tcp://{places[0][0]}:{places[0][1]}"
+            ips = [ip for ip, _ in places]
+            if device.type == "cuda":
+                visible = node_visible_devices(
+                    ips, self._gather([a.gpu_ids.remote() for a in self.actors], "placement"))
+                self._gather([a.see_devices.remote(v) for a, v in zip(self.actors, visible)],
+                             "placement")
             self._gather([actor.start.remote(kiln_config, rank, lr, lw, init_method)
                           for rank, (actor, (lr, lw)) in enumerate(
-                              zip(self.actors, local_ranks([ip for ip, _ in places])))],
+                              zip(self.actors, local_ranks(ips)))],
                          "start-up")
         except BaseException:
             self.shutdown()
@@ -204,8 +183,8 @@ class RayExecutor(Executor):
             logger.warning("waiting %.0f s so far for Ray to place %d ranks of %s each; the "
                            "cluster has %s available (of %s); gives up after %.0f s",
                            waited, len(bundles), bundles[0],
-                           _resources(ray.available_resources()),
-                           _resources(ray.cluster_resources()), STARTUP_TIMEOUT_S)
+                           resources(ray.available_resources()),
+                           resources(ray.cluster_resources()), STARTUP_TIMEOUT_S)
 
     def _fail(self, message: str) -> None:
         self.failure = message
