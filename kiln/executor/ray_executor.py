@@ -26,6 +26,7 @@ from kiln.executor.multiproc_executor import (
     unanswered_message,
 )
 from kiln.executor.ray_placement import (
+    check_ray_address,
     kiln_env_vars,
     local_ranks,
     never_fits,
@@ -55,6 +56,7 @@ def _init_keeping_sigterm(ray) -> None:
     """ray.init (RAY_ADDRESS, when set, names the cluster), keeping this process's SIGTERM
     handler: Ray's driver puts in its own (print a stack, then abort), which killed an engine
     core that leaves the group's SIGTERM to its front end (kiln/process_signals.py)."""
+    check_ray_address(os.environ.get("RAY_ADDRESS"))  # else ray.init waits on it for good
     handler = signal.getsignal(signal.SIGTERM)
     ray.init(ignore_reinit_error=True)
     if handler is not None and threading.current_thread() is threading.main_thread():

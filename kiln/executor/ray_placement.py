@@ -1,7 +1,37 @@
-"""What the Ray executor decides before and while it places its ranks: the resources its
-placement group asks for (and the error where the cluster cannot hold them), each rank's place
-on its machine, and what each rank actor's process is started with.
+"""What the Ray executor decides before and while it places its ranks: whether the cluster
+named can be reached, the resources its placement group asks for (and the error where the
+cluster cannot hold them), each rank's place on its machine, and what each rank actor's process
+is started with.
 """
+import socket
+import time
+
+# How long a RAY_ADDRESS may refuse connections (a head still starting) before the engine says
+# so: ray.init itself retries an address nobody listens on for good, warning every 40 s.
+RAY_CONNECT_WAIT_S = 10.0
+
+
+def check_ray_address(address: str | None, wait_s: float | None = None) -> None:
+    """Raise ValueError naming RAY_ADDRESS when its host:port accepts no connection within
+    `wait_s` (RAY_CONNECT_WAIT_S); other forms (auto, local, ray://) are Ray's to resolve."""
+    if not address or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    wait_s = RAY_CONNECT_WAIT_S if wait_s is None else wait_s
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=2.0):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ValueError(
+                    f"RAY_ADDRESS={address!r}: no Ray cluster answers there ({e}) after "
+                    f"{wait_s:g} s; start one (ray start --head --port {port}), correct "
+                    "RAY_ADDRESS, or unset it to have Kiln start a local Ray") from None
+        time.sleep(0.5)
 
 
 def kiln_env_vars(environ) -> dict[str, str]:
