@@ -34,11 +34,16 @@ def check_ray_address(address: str | None, wait_s: float | None = None) -> None:
         time.sleep(0.5)
 
 
+# What ranks never read and a runtime_env would show to anyone who can list the cluster's actors.
+_NOT_FOR_RANKS = frozenset({"KILN_API_KEY"})
+
+
 def kiln_env_vars(environ) -> dict[str, str]:
     """The KILN_* settings of this process, for each rank actor's runtime_env: without them a
     rank on a cluster started elsewhere read its own (KILN_CPU_OMP_THREADS_BIND=nobind, say,
     still bound its cores)."""
-    return {name: value for name, value in environ.items() if name.startswith("KILN_")}
+    return {name: value for name, value in environ.items()
+            if name.startswith("KILN_") and name not in _NOT_FOR_RANKS}
 
 
 def _needed(bundles: list[dict]) -> dict:

@@ -10,7 +10,7 @@ from kiln.distributed.model_split import parallel_split_errors
 from kiln.distributed.parallel_state import group_ranks
 from kiln.distributed.pipeline import stage_layer_range
 from kiln.engine.arg_utils import EngineArgs
-from kiln.executor.ray_placement import local_ranks, node_visible_devices
+from kiln.executor.ray_placement import kiln_env_vars, local_ranks, node_visible_devices
 
 
 def test_backend_defaults_to_mp_past_one_rank_and_refuses_uni_there():
@@ -120,6 +120,12 @@ def test_ray_ranks_on_cuda_see_every_gpu_ray_gave_their_machine():
         ["0,1", "0,1", "0,3", "0,3"]
     assert node_visible_devices(["a", "a", "a"], [["10"], ["9"], ["2"]]) == ["2,9,10"] * 3
     assert node_visible_devices(["a"], [["GPU-u1"]]) == ["GPU-u1"]
+
+
+def test_ray_rank_actors_get_the_engines_kiln_settings_but_not_its_api_key():
+    # (a runtime_env is shown to whoever lists the cluster's actors)
+    assert kiln_env_vars({"KILN_CPU_OMP_THREADS_BIND": "nobind", "KILN_API_KEY": "secret",
+                          "HOME": "/root"}) == {"KILN_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 def test_comm_figures_are_per_step_and_per_rank():
