@@ -26,7 +26,24 @@ def core_environment(environ) -> dict:
     env = dict(environ)
     if "OMP_WAIT_POLICY" not in env:
         env.setdefault("GOMP_SPINCOUNT", str(CORE_SPIN_COUNT))
+    address = _this_process_ray()
+    if address and not env.get("RAY_ADDRESS"):
+        env["RAY_ADDRESS"] = address
     return env
+
+
+def _this_process_ray() -> str | None:
+    """The address of the Ray this process joined or started (`ray.init()` before `LLM`), so a
+    core on --distributed-executor-backend ray places its ranks there: its own ray.init() found
+    no cluster to join and started a second one, deaf to the caller's num_cpus and resources.
+    Ray is not imported here (it is not, unless the caller did)."""
+    ray = sys.modules.get("ray")
+    try:
+        if ray is None or not ray.is_initialized():
+            return None
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001 - a Ray in an odd state: the core starts its own, as before
+        return None
 
 
 # `python -m kiln.core.core_process`, deaf to Ctrl-C and SIGTERM from its first line: the

@@ -6,7 +6,9 @@ It joins the cluster at RAY_ADDRESS when set (else starts a local Ray); a placem
 cannot hold fails at once, and one that waits for resources says so. Each call's arguments are
 pickled once and put in Ray's object store for every rank; a dead actor, or a step some rank does
 not answer within KILN_EXECUTE_MODEL_TIMEOUT_SECONDS, fails the call with an error naming the
-rank, and the executor then stops every actor.
+rank, and the executor then stops every actor. The engine's KILN_* settings go with each actor
+(as vLLM copies VLLM_* to its Ray workers): an actor's process is the cluster's, started with the
+environment of `ray start`, not the engine's.
 """
 import os
 import pickle
@@ -22,6 +24,15 @@ from kiln.executor.multiproc_executor import (
     STARTUP_TIMEOUT_S,
     WorkerFailedError,
     unanswered_message,
+)
+from kiln.executor.ray_placement import (
+    check_ray_address,
+    kiln_env_vars,
+    local_ranks,
+    never_fits,
+    node_visible_devices,
+    placement_error,
+    resources,
 )
 from kiln.logger import init_logger
 
@@ -45,6 +56,7 @@ def _init_keeping_sigterm(ray) -> None:
     """ray.init (RAY_ADDRESS, when set, names the cluster), keeping this process's SIGTERM
     handler: Ray's driver puts in its own (print a stack, then abort), which killed an engine
     core that leaves the group's SIGTERM to its front end (kiln/process_signals.py)."""
+    check_ray_address(os.environ.get("RAY_ADDRESS"))  # else ray.init waits on it for good
     handler = signal.getsignal(signal.SIGTERM)
     ray.init(ignore_reinit_error=True)
     if handler is not None and threading.current_thread() is threading.main_thread():
@@ -65,8 +77,18 @@ class RayRankActor:
         ip = ray.util.get_node_ip_address()
         return ip, free_port("0.0.0.0")
 
+    def gpu_ids(self) -> list[str]:
+        import ray
+
+        return [str(g) for g in ray.get_gpu_ids()]
+
     def pid(self) -> int:
         return os.getpid()
+
+    def see_devices(self, visible_devices: str) -> None:
+        """CUDA_VISIBLE_DEVICES, in a call of its own before `start`, whose arguments (the
+        config) are unpickled before it runs: nothing may initialize CUDA before this."""
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
 
     def start(self, kiln_config, rank: int, local_rank: int, local_world_size: int,
               init_method: str) -> None:
@@ -81,44 +103,6 @@ class RayRankActor:
         if self.worker is not None:
             self.worker.shutdown()
             self.worker = None
-
-
-def _needed(bundles: list[dict]) -> dict:
-    needed: dict = {}
-    for bundle in bundles:
-        for name, amount in bundle.items():
-            needed[name] = needed.get(name, 0) + amount
-    return needed
-
-
-def never_fits(bundles: list[dict], total: dict) -> bool:
-    """Whether the bundles need more of a resource than the whole cluster has (else they fit
-    once other jobs free what they hold)."""
-    return any(total.get(name, 0) < amount for name, amount in _needed(bundles).items())
-
-
-def placement_error(bundles: list[dict], why: str, total: dict,
-                    available: dict) -> RuntimeError:
-    return RuntimeError(
-        f"Ray cannot place {len(bundles)} ranks (tensor_parallel_size x "
-        f"pipeline_parallel_size), one bundle of {bundles[0]} each: {why}. Asked for "
-        f"{_needed(bundles)} in all; the cluster has {_resources(total)} in all, "
-        f"{_resources(available)} available now. Lower -tp / -pp, add nodes or resources to "
-        "the cluster (ray start --num-cpus / --num-gpus), or free what other jobs hold")
-
-
-def _resources(resources: dict) -> dict:
-    """The resources a bundle asks for (not Ray's memory and per-node bookkeeping keys)."""
-    return {k: v for k, v in resources.items() if k in ("CPU", "GPU")}
-
-
-def local_ranks(node_ips: list[str]) -> list[tuple[int, int]]:
-    """(local rank, ranks on that machine) for each global rank, from each rank's node IP."""
-    out = []
-    for rank, ip in enumerate(node_ips):
-        same = [r for r, other in enumerate(node_ips) if other == ip]
-        out.append((same.index(rank), len(same)))
-    return out
 
 
 class RayExecutor(Executor):
@@ -157,19 +141,27 @@ class RayExecutor(Executor):
             self.pg = None
             raise
         actor_cls = ray.remote(RayRankActor)
+        env_vars = kiln_env_vars(os.environ)
+        runtime_env = {"env_vars": env_vars} if env_vars else None
         for rank in range(self.world_size):
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                         placement_group_bundle_index=rank)
             self.actors.append(actor_cls.options(
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                scheduling_strategy=strategy, name=None).remote())
+                scheduling_strategy=strategy, runtime_env=runtime_env, name=None).remote())
         try:
             places = self._gather([a.node_ip_and_port.remote() for a in self.actors],
                                   "placement")
             init_method = f"tcp://{places[0][0]}:{places[0][1]}"
+            ips = [ip for ip, _ in places]
+            if device.type == "cuda":
+                visible = node_visible_devices(
+                    ips, self._gather([a.gpu_ids.remote() for a in self.actors], "placement"))
+                self._gather([a.see_devices.remote(v) for a, v in zip(self.actors, visible)],
+                             "placement")
             self._gather([actor.start.remote(kiln_config, rank, lr, lw, init_method)
                           for rank, (actor, (lr, lw)) in enumerate(
-                              zip(self.actors, local_ranks([ip for ip, _ in places])))],
+                              zip(self.actors, local_ranks(ips)))],
                          "start-up")
         except BaseException:
             self.shutdown()
@@ -193,8 +185,8 @@ class RayExecutor(Executor):
             logger.warning("waiting %.0f s so far for Ray to place %d ranks of %s each; the "
                            "cluster has %s available (of %s); gives up after %.0f s",
                            waited, len(bundles), bundles[0],
-                           _resources(ray.available_resources()),
-                           _resources(ray.cluster_resources()), STARTUP_TIMEOUT_S)
+                           resources(ray.available_resources()),
+                           resources(ray.cluster_resources()), STARTUP_TIMEOUT_S)
 
     def _fail(self, message: str) -> None:
         self.failure = message

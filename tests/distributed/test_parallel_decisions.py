@@ -10,7 +10,7 @@ from kiln.distributed.model_split import parallel_split_errors
 from kiln.distributed.parallel_state import group_ranks
 from kiln.distributed.pipeline import stage_layer_range
 from kiln.engine.arg_utils import EngineArgs
-from kiln.executor.ray_executor import local_ranks
+from kiln.executor.ray_placement import kiln_env_vars, local_ranks, node_visible_devices
 
 
 def test_backend_defaults_to_mp_past_one_rank_and_refuses_uni_there():
@@ -111,6 +111,21 @@ def test_model_split_errors_name_the_field():
 def test_ray_local_ranks_follow_node_ips():
     assert local_ranks(["a", "a", "b", "b"]) == [(0, 2), (1, 2), (0, 2), (1, 2)]
     assert local_ranks(["a", "b", "a"]) == [(0, 2), (0, 1), (1, 2)]
+
+
+def test_ray_ranks_on_cuda_see_every_gpu_ray_gave_their_machine():
+    # Ray shows a 1-GPU actor only its own GPU (as cuda:0); a rank opens cuda:<local rank>, so
+    # each must see all of its machine's, in one order on every rank of that machine.
+    assert node_visible_devices(["a", "a", "b", "b"], [["1"], ["0"], ["0"], ["3"]]) == \
+        ["0,1", "0,1", "0,3", "0,3"]
+    assert node_visible_devices(["a", "a", "a"], [["10"], ["9"], ["2"]]) == ["2,9,10"] * 3
+    assert node_visible_devices(["a"], [["GPU-u1"]]) == ["GPU-u1"]
+
+
+def test_ray_rank_actors_get_the_engines_kiln_settings_but_not_its_api_key():
+    # (a runtime_env is shown to whoever lists the cluster's actors)
+    assert kiln_env_vars({"KILN_CPU_OMP_THREADS_BIND": "nobind", "KILN_API_KEY": "secret",
+                          "HOME": "/root"}) == {"KILN_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 def test_comm_figures_are_per_step_and_per_rank():

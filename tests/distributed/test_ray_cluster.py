@@ -72,3 +72,18 @@ def test_pp2_on_an_existing_ray_cluster_matches_hf(ray_head, tiny_llama_dir, mon
         llm.llm_engine.engine_core.shutdown()
     assert executor.actors == [] and executor.pg is None
     assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
+def test_a_ray_address_nobody_answers_is_an_error_naming_it(tiny_llama_dir, monkeypatch,
+                                                            bounded):
+    # ray.init retries such an address for good (a typo hung `kiln serve` with no end).
+    from kiln.executor import ray_placement
+
+    monkeypatch.setattr(ray_placement, "RAY_CONNECT_WAIT_S", 1.0, raising=False)
+    address = f"127.0.0.1:{free_port()}"
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=rf"RAY_ADDRESS='{address}': no Ray cluster answers "
+                                         r"there \(.*\) after 1 s; start one \(ray start"):
+        make_llm(tiny_llama_dir, tensor_parallel_size=2, distributed_executor_backend="ray")
+    assert time.monotonic() - started < 30

@@ -95,3 +95,32 @@ def test_a_stopped_rank_fails_the_step_once_the_timeout_passes(local_ray, tiny_l
             except ProcessLookupError:
                 pass
     assert executor.actors == [] and executor.pg is None
+
+
+def test_the_engines_kiln_settings_reach_the_rank_actors(local_ray, tiny_llama_dir, monkeypatch):
+    # Set after the cluster started, so its workers' own environment lacks it, as on a cluster
+    # started by `ray start`: the actors must still bind no cores.
+    monkeypatch.setenv("KILN_CPU_OMP_THREADS_BIND", "nobind")
+    llm = make_llm(tiny_llama_dir, tensor_parallel_size=2, distributed_executor_backend="ray")
+    executor = llm.llm_engine.engine_core.executor
+    try:
+        cores = local_ray.get([actor.__ray_call__.remote(lambda rank: rank.worker.cores)
+                               for actor in executor.actors])
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert cores == [None, None]
+
+
+def test_an_engine_core_process_joins_the_callers_ray(local_ray, tiny_llama_dir, monkeypatch):
+    # LLM's default: the core (and so the executor) in a process of its own, which must place
+    # its ranks on the Ray this process started, not start a second one beside it.
+    monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "1")
+    llm = make_llm(tiny_llama_dir, tensor_parallel_size=2, distributed_executor_backend="ray")
+    try:
+        groups = _groups_left(local_ray)
+        assert generate_ids(llm) == hf_greedy(tiny_llama_dir, PROMPTS, MAX_TOKENS)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert [g["bundles"] for g in groups] == [{0: {"CPU": 1.0}, 1: {"CPU": 1.0}}]
+    assert _groups_left(local_ray) == []
+    assert local_ray.is_initialized()  # the caller's Ray, left running
