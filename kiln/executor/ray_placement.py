@@ -61,8 +61,10 @@ def never_fits(bundles: list[dict], total: dict) -> bool:
 
 
 def placement_error(bundles: list[dict], why: str, total: dict,
-                    available: dict) -> RuntimeError:
-    return RuntimeError(
+                    available: dict) -> ValueError:
+    # A ValueError, as vLLM's: a setting the cluster cannot meet, said in one line (a
+    # RuntimeError printed the core's traceback and the command's)
+    return ValueError(
         f"Ray cannot place {len(bundles)} ranks (tensor_parallel_size x "
         f"pipeline_parallel_size), one bundle of {bundles[0]} each: {why}. Asked for "
         f"{_needed(bundles)} in all; the cluster has {resources(total)} in all, "
