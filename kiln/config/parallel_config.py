@@ -2,6 +2,7 @@
 
 Ranks are laid out as vLLM lays them out: rank = pp_rank * tensor_parallel_size + tp_rank.
 """
+import importlib.util
 from dataclasses import dataclass
 
 from kiln.config.frozen import FreezableConfig
@@ -9,9 +10,18 @@ from kiln.config.frozen import FreezableConfig
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
-def resolve_executor_backend(backend: str | None, world_size: int) -> str:
+def resolve_executor_backend(backend: str | None, world_size: int,
+                             has_ray: bool | None = None) -> str:
     """The executor a world of `world_size` ranks runs on: the one asked for, else `uni` for one
-    rank and `mp` (one process per rank) for more, as in vLLM."""
+    rank and `mp` (one process per rank) for more, as in vLLM. `ray` without Ray installed
+    (`has_ray`; default: looked up) is refused here, before an engine process starts."""
+    if backend == "ray":
+        if has_ray is None:
+            has_ray = importlib.util.find_spec("ray") is not None
+        if not has_ray:
+            raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install "
+                             "'kiln-llm[ray]' (or use --distributed-executor-backend mp on one "
+                             "machine)")
     if backend is None:
         return "mp" if world_size > 1 else "uni"
     if backend == "uni" and world_size > 1:

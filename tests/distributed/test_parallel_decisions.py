@@ -17,6 +17,10 @@ def test_backend_defaults_to_mp_past_one_rank_and_refuses_uni_there():
     assert resolve_executor_backend(None, 1) == "uni"
     assert resolve_executor_backend(None, 2) == "mp"
     assert resolve_executor_backend("ray", 4) == "ray"
+    # without Ray: said before any engine process starts (it came from the core, with its
+    # traceback and the command's, seconds in; helper-62)
+    with pytest.raises(ValueError, match=r"'ray' needs Ray: pip install 'kiln-llm\[ray\]'"):
+        resolve_executor_backend("ray", 2, has_ray=False)
     with pytest.raises(ValueError, match="'uni' runs one rank.*--distributed-executor-backend"):
         ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="uni")
     with pytest.raises(ValueError, match="pipeline_parallel_size must be an integer >= 1"):
