@@ -63,3 +63,19 @@ def test_whole_vocabulary_logprobs_are_stated_only_where_the_cap_allows():
 
     assert minimum(20) == 0 and minimum(VOCAB) == -1
 
+
+
+def test_tokenize_add_special_tokens_defaults_by_input_as_the_schema_says(base_url):
+    """/openapi.json said add_special_tokens defaults to true; for messages the server's
+    default is false, as vLLM's (helper-60): the schema's default is null, described."""
+    import httpx
+
+    prop = SCHEMA["components"]["schemas"]["TokenizeRequest"]["properties"]["add_special_tokens"]
+    assert prop.get("default") is None and "false for messages" in prop["description"]
+    with_bos = httpx.post(f"{base_url}/tokenize", json={"prompt": "hi"}).json()["tokens"]
+    assert with_bos[0] == 1  # the fake tokenizer's BOS
+    assert httpx.post(f"{base_url}/tokenize", json={"prompt": "hi", "add_special_tokens": False}
+                      ).json()["tokens"] == with_bos[1:]
+    chat = [httpx.post(f"{base_url}/tokenize", json={"messages": _CHAT, **extra}).json()["tokens"]
+            for extra in ({}, {"add_special_tokens": False}, {"add_special_tokens": True})]
+    assert chat[0] == chat[1] and chat[2] == [1] + chat[0]

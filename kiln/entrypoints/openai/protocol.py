@@ -293,7 +293,10 @@ class TokenizeRequest(RequestBase):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: StrictBool = True
+    # default (null): true for a prompt, false for messages (their template writes them), as in
+    # vLLM's two tokenize requests
+    add_special_tokens: StrictBool | None = Field(
+        None, description="default: true for prompt, false for messages")
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False  # as in chat completions, so counts agree
     chat_template_kwargs: dict[str, Any] | None = None

@@ -73,17 +73,16 @@ class ServingTokenization:
                               code="invalid_value")
         if req.messages is not None:
             check_generation_flags(req)
-            # For messages add_special_tokens defaults to false (vLLM's): only an explicit true.
             prompt = await render_chat_prompt(
                 self.llm, req.messages, req.add_generation_prompt, req.continue_final_message,
-                req.chat_template_kwargs,
-                req.add_special_tokens and "add_special_tokens" in req.model_fields_set,
+                req.chat_template_kwargs, bool(req.add_special_tokens),
                 template_tool_dicts(req.tools), req.documents,
                 request_chat_template(req, self.trust_request_chat_template))
             # The ids as the argument: their number picks the thread (frontend_lanes.py).
             return await self.llm.run_in_engine(
                 lambda ids: self._response_body(tokenizer, ids, req.return_token_strs),
                 prompt["prompt_token_ids"])
+        add_special = req.add_special_tokens is not False
         problem = encoding_problem(req.prompt)
         if problem is not None:
             raise OpenAIError(f"prompt {problem}", param="prompt", code="invalid_value")
@@ -91,12 +90,12 @@ class ServingTokenization:
         def tokenize_text(text: str) -> bytes:
             if self.bulk is not None and is_bulk((text,), {}) and not req.return_token_strs:
                 try:
-                    return self.bulk.tokenize_json(text, req.add_special_tokens,
+                    return self.bulk.tokenize_json(text, add_special,
                                                    self.models.max_model_len)
                 except BulkTokenizerDied as e:
                     logger.warning("%s: tokenizing this request here", e)
                     self._give_up_if_unusable()
-            ids = encode_text(tokenizer, text, add_special_tokens=req.add_special_tokens)
+            ids = encode_text(tokenizer, text, add_special_tokens=add_special)
             return self._response_body(tokenizer, ids, req.return_token_strs)
         return await self.llm.run_in_engine(tokenize_text, req.prompt)
 
