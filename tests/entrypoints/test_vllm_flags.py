@@ -242,3 +242,11 @@ def test_bench_serve_takes_vllms_random_lengths_and_points_seed_at_prompt_seed()
                                       "--seed", "3"])
     with pytest.raises(ValueError, match=r"--seed: .*is --prompt-seed here"):
         run(args)
+
+
+def test_bench_throughput_takes_vllms_random_lengths():
+    """`vllm bench throughput --dataset-name random --random-input-len N` was argparse's
+    "unrecognized arguments" here while bench serve took it (helper-63)."""
+    args = build_parser().parse_args(["bench", "throughput", "--dataset-name", "random",
+                                      "--random-input-len", "7", "--random-output-len", "5"])
+    assert (args.input_len, args.output_len) == (7, 5)
