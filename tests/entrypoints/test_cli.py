@@ -305,3 +305,20 @@ def test_a_piece_that_will_not_compile_ends_in_one_line_naming_it_and_the_way_ou
         r.stderr[-3000:]
     assert "/nonexistent/g++" in last and last.endswith("--enforce-eager (-O0) serves the model "
                                                         "without compiling")
+
+
+@pytest.mark.parametrize("command", [["compile"], ["bench", "throughput", "--num-prompts", "1",
+                                                   "--input-len", "4", "--output-len", "2"]])
+def test_a_piece_that_will_not_compile_in_this_process_ends_in_one_line(tiny_llama_dir, tmp_path,
+                                                                        command):
+    """`kiln compile` and `kiln bench throughput` run the engine core in their own process,
+    where Dynamo's BackendCompilerFailed wraps the PieceCompileError: they ended in that
+    wrapper's traceback (the backend object's address, TORCHDYNAMO_VERBOSE) (helper-63)."""
+    config = {"mode": 3, "cache_dir": str(tmp_path / "cc"),
+              "inductor_compile_config": {"cpp.cxx": [None, "/nonexistent/g++"]}}
+    r = kiln(*command, "--model", str(tiny_llama_dir), "--max-model-len", "64",
+             "--compilation-config", json.dumps(config))
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and last.startswith("error: compiling piece 0 (range) failed ("), \
+        r.stderr[-3000:]
+    assert "engine core failed" in r.stderr  # the traceback is still logged, as a core's is

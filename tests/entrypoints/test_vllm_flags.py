@@ -259,3 +259,11 @@ def test_dash_O_digits_are_vllms_optimization_levels():
     assert mode("-O1", "-O.mode=2") == {"mode": 2}  # a later explicit field wins
     with pytest.raises(ValueError, match=r"--optimization-level takes 0, 1, 2 or 3"):
         dotted_flags_as_O(["serve", "--optimization-level", "4"])
+
+
+def test_bench_throughput_takes_vllms_random_lengths():
+    """`vllm bench throughput --dataset-name random --random-input-len N` was argparse's
+    "unrecognized arguments" here while bench serve took it (helper-63)."""
+    args = build_parser().parse_args(["bench", "throughput", "--dataset-name", "random",
+                                      "--random-input-len", "7", "--random-output-len", "5"])
+    assert (args.input_len, args.output_len) == (7, 5)

@@ -28,9 +28,10 @@ def register(subparsers) -> None:
                               description="Offline throughput on seeded random-token prompts "
                                           "with a fixed output length (ignore_eos, greedy).")
     parser.add_argument("--num-prompts", type=int, default=64, help="prompts in the batch")
-    parser.add_argument("--input-len", type=int, default=128,
+    # vLLM's random dataset names them --random-input-len / --random-output-len (as bench serve)
+    parser.add_argument("--input-len", "--random-input-len", type=int, default=128,
                         help="tokens of each random prompt")
-    parser.add_argument("--output-len", type=int, default=128,
+    parser.add_argument("--output-len", "--random-output-len", type=int, default=128,
                         help="tokens generated for each prompt")
     parser.add_argument("--backend", choices=["kiln", "hf"], default="kiln",
                         help="hf: also run HF transformers generate and report kiln/hf")

@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     except RuntimeError as e:
         from kiln.engine.core_client import engine_gone
 
+        e = _unwrap_in_process(e)
         # Kiln's own errors (the engine died, a piece would not compile) say what failed and
         # what to do; their traceback is in the engine's log. Any other is a bug: its traceback.
         if not (engine_gone(e) or type(e).__module__.startswith("kiln.")):
@@ -200,6 +201,23 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     exit_without_teardown(code or 0)
+
+
+def _unwrap_in_process(e: RuntimeError) -> RuntimeError:
+    """Kiln's own error inside Dynamo's BackendCompilerFailed, as an engine core in this process
+    raises it (`kiln compile`, `kiln bench throughput`, KILN_ENABLE_V1_MULTIPROCESSING=0): a core
+    process unwraps it itself and logs the traceback; here it is logged the same way."""
+    inner = getattr(e, "inner_exception", None)
+    if not (type(e).__name__ == "BackendCompilerFailed" and isinstance(inner, RuntimeError)
+            and type(inner).__module__.startswith("kiln.")):
+        return e
+    import traceback
+
+    from kiln.logger import init_logger
+
+    init_logger("kiln.engine").error("engine core failed: %s",
+                                     "".join(traceback.format_exception(e)))
+    return inner
 
 
 def exit_without_teardown(code: int) -> None:
