@@ -435,11 +435,19 @@ from kiln.sampling_params import SamplingParams
 llm = LLM(model={str(tiny_llama_dir)!r}, **{ENGINE!r})
 pid = os.fork()
 if pid == 0:
-    try:  # the parent's engine: refused at once (it hung)
-        llm.generate({{"prompt_token_ids": [1, 2]}}, SamplingParams(max_tokens=1))
-    except RuntimeError as e:
-        sys.exit(0 if "forked process" in str(e) else 3)
-    sys.exit(4)
+    # the parent's engine: generate and reset_prefix_cache refused at once (they hung), and
+    # shutdown does nothing at once (it waited 10 s on a goodbye that never left)
+    for call in (lambda: llm.generate({{"prompt_token_ids": [1, 2]}}, SamplingParams(max_tokens=1)),
+                 llm.reset_prefix_cache):
+        try:
+            call()
+            sys.exit(4)
+        except RuntimeError as e:
+            if "forked process" not in str(e):
+                sys.exit(3)
+    start = time.monotonic()
+    llm.shutdown()
+    sys.exit(0 if time.monotonic() - start < 2 else 5)  # a plain exit: the exit hooks run
 deadline = time.monotonic() + 30
 while (status := os.waitpid(pid, os.WNOHANG)) == (0, 0):
     assert time.monotonic() < deadline, "the forked child hangs"
@@ -464,3 +472,32 @@ def test_generate_from_several_threads_runs_one_batch_at_a_time(mp_llm):
         runs = [pool.submit(mp_llm.generate, PROMPTS, params, use_tqdm=False) for _ in range(6)]
         for run in runs:
             assert [o.outputs[0].token_ids for o in run.result()] == want
+
+
+def test_reset_prefix_cache_while_another_thread_generates(tiny_llama_dir):
+    """The batch's step loop read the reset's answer from the core and dropped it: the reset
+    then waited for good."""
+    import threading
+
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        started = threading.Event()
+        results = []
+
+        def generate():
+            started.set()
+            results.append(llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 4, params,
+                                        use_tqdm=False))
+        batch = threading.Thread(target=generate, daemon=True)
+        batch.start()
+        started.wait()
+        resets = threading.Thread(target=lambda: [llm.reset_prefix_cache() for _ in range(10)],
+                                  daemon=True)
+        resets.start()
+        resets.join(60)
+        batch.join(60)
+        assert not resets.is_alive(), "reset_prefix_cache hangs beside a running batch"
+        assert len(results) == 1 and all(len(o.outputs[0].token_ids) == 40 for o in results[0])
+    finally:
+        llm.shutdown()
