@@ -45,7 +45,8 @@ class LLMEngine:
         once warm (in-process, none: this process's threads are the caller's)."""
         if multiprocess is None:
             multiprocess = envs.enable_multiprocessing()
-        from kiln.engine.core_client import CoreProcClient, InprocCoreClient
+        from kiln.engine.core_client import CoreProcClient
+        from kiln.engine.inproc_core_client import InprocCoreClient
 
         self.kiln_config = kiln_config
         self.model_config = kiln_config.model_config

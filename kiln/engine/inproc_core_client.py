@@ -1,0 +1,98 @@
+"""`InprocCoreClient`: the engine core in the front end's process (KILN_ENABLE_V1_MULTIPROCESSING=0),
+with CoreProcClient's calls (core_client.py), and a watcher that hears a rank die between steps.
+"""
+import os
+import threading
+
+from kiln.core.outputs import EngineCoreOutput
+from kiln.core.request import Request, RequestStatus
+from kiln.core.stats import SchedulerStats
+
+
+class InprocCoreClient:
+    """The core in this process (KILN_ENABLE_V1_MULTIPROCESSING=0): for debugging and tests that
+    look inside the executor."""
+
+    def __init__(self, kiln_config, executor_class: type):
+        import torch
+
+        from kiln.core.engine_core import EngineCore
+
+        self.core = EngineCore(kiln_config, executor_class)
+        self.executor = self.core.executor
+        self.startup_timings = dict(self.core.startup_timings)
+        self.pid = os.getpid()
+        self.num_blocks = self.core.num_blocks  # the KV cache's size, in blocks
+        self.max_model_len = self.core.max_model_len  # the config's, or what the cache holds
+        self.num_threads = torch.get_num_threads()
+        self._death_callbacks: list = []
+        self._watcher: threading.Thread | None = None
+        self._closing = threading.Event()
+        self._wake: tuple[int, int] | None = None  # a pipe that wakes the watcher at shutdown
+
+    def add_request(self, request: Request) -> None:
+        self.core.add_request(request)
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        self.core.abort_requests(req_ids)
+
+    def finish_requests(self, req_ids: list[str], status: RequestStatus) -> None:
+        self.core.finish_requests(req_ids, status)
+
+    def step(self) -> list[list[EngineCoreOutput]]:
+        """One core step's outputs, as a list of one step (CoreProcClient.step's shape)."""
+        return [self.core.step()]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        return self.core.make_stats()
+
+    step_stats = make_stats  # in-process, the stats are always those after the last step
+
+    def add_death_callback(self, callback) -> None:
+        """`callback(error)` on a watcher thread once a rank dies, also while no step runs (a
+        step finds a death during it itself): the core process watches its ranks so, and an
+        idle server on this core would otherwise answer /health 200 with a rank gone."""
+        self._death_callbacks.append(callback)
+        if self._watcher is None:
+            self._wake = os.pipe()
+            self._watcher = threading.Thread(target=self._watch_ranks, name="kiln-rank-watch",
+                                             daemon=True)
+            self._watcher.start()
+
+    def _watch_ranks(self) -> None:
+        from multiprocessing.connection import wait
+
+        sentinels = list(self.executor.rank_sentinels())
+        every = self.executor.idle_check_s  # ranks without sentinels (Ray) are polled
+        if not sentinels and every is None:
+            return
+        while not self._closing.is_set():
+            fired = wait([*sentinels, self._wake[0]], timeout=every)
+            if self._closing.is_set():
+                return
+            sentinels = [s for s in sentinels if s not in fired]  # each death is told once
+            try:
+                self.executor.check_health()
+            except Exception as e:  # noqa: BLE001 - the death, told to the callbacks
+                if not self._closing.is_set():
+                    for callback in self._death_callbacks:
+                        callback(e)
+                return
+
+    def shutdown(self) -> None:
+        if self._closing.is_set():
+            return
+        self._closing.set()  # the ranks' exits below are no deaths to report
+        if self._wake is not None:
+            os.write(self._wake[1], b"x")
+        self.core.shutdown()
+        if self._watcher is not None:
+            self._watcher.join(5)
+            for fd in self._wake:
+                os.close(fd)
