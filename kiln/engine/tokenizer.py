@@ -47,12 +47,18 @@ def config_eos_token_ids(model_config: ModelConfig) -> set[int]:
 
 
 def generation_eos_token_ids(model_config: ModelConfig) -> set[int]:
-    """Extra end-of-sequence ids from generation_config.json (chat models often list several)."""
+    """Extra end-of-sequence ids from generation_config.json (chat models often list several).
+
+    A checkpoint directory without one ends sequences at its config.json's eos_token_id, as HF
+    generate and vLLM do (both build the generation config from the model config then): it
+    used to run past it to max_tokens where that id is not the tokenizer's eos. A GGUF file's
+    end of sequence is its tokenizer's (vLLM reads no generation config for one either)."""
     import json
 
     path = model_config.model_path / "generation_config.json"
     if not path.is_file():
-        return set()
+        return set() if model_config.gguf_file is not None else config_eos_token_ids(
+            model_config)
     try:
         value = json.loads(path.read_text()).get("eos_token_id")
     except (OSError, ValueError):

@@ -82,6 +82,30 @@ def test_generation_config_defaults_fill_only_unset_fields(tmp_path, tiny_llama_
         llm.shutdown()
 
 
+def test_config_eos_ends_sequences_without_a_generation_config(tmp_path, tiny_llama_dir):
+    """A checkpoint without generation_config.json ends sequences at config.json's eos ids, as
+    HF generate and vLLM (GenerationConfig.from_model_config) do: Kiln ran past one that is
+    not the tokenizer's eos; with the file, its eos ids are the ones."""
+    model = tmp_path / "m"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "generation_config.json").unlink()
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "eos_token_id": [2, 300]}))
+    llm = LLM(model=str(model), enforce_eager=True, max_model_len=64)
+    try:
+        stops = llm.llm_engine.process_inputs(PROMPT, SamplingParams()).params
+        assert 300 in stops.all_stop_token_ids
+    finally:
+        llm.shutdown()
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    llm = LLM(model=str(model), enforce_eager=True, max_model_len=64)
+    try:
+        stops = llm.llm_engine.process_inputs(PROMPT, SamplingParams()).params
+        assert 300 not in stops.all_stop_token_ids
+    finally:
+        llm.shutdown()
+
+
 def test_chat_template_flag_replaces_the_tokenizers(tmp_path, tiny_llama_dir):
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")

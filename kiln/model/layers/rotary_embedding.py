@@ -16,6 +16,12 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 def get_rope_config(hf_config) -> tuple[float, dict | None]:
     """(rope_theta, scaling dict or None) from a transformers config of any recent version."""
     params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
+        # transformers 5's per-layer-type form: read as one flat dict it gave theta 10000 and
+        # no scaling, silently (HF's Llama/Qwen classes cannot run it either).
+        raise ValueError(f"rope_parameters nested by layer type ({', '.join(map(str, params))})"
+                         " are not supported; give one flat rope_parameters (rope_type, "
+                         "rope_theta, ...) for every layer")
     if isinstance(params, dict) and params:
         theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
         scaling = dict(params)
