@@ -31,10 +31,19 @@ def head_dim_of(hf_config) -> int:
         hf_config.hidden_size // hf_config.num_attention_heads)
 
 
+def config_bias(hf_config, field: str) -> bool:
+    """`attention_bias` / `mlp_bias` as HF's class for the config reads it: Llama reads both,
+    Qwen2 and Qwen3 no mlp_bias, Mistral neither (a checkpoint with the flag set and no such
+    tensors was refused as missing them, where HF loads it)."""
+    model_type = getattr(hf_config, "model_type", "llama")
+    reads = {"mistral": (), "qwen2": ("attention_bias",), "qwen3": ("attention_bias",)}
+    return field in reads.get(model_type, (field,)) and bool(getattr(hf_config, field, False))
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, hf_config, prefix: str):
         super().__init__()
-        bias = bool(getattr(hf_config, "mlp_bias", False))
+        bias = config_bias(hf_config, "mlp_bias")
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"{prefix}: hidden_act {act!r} is not supported; only 'silu'")
@@ -68,10 +77,10 @@ class LlamaAttention(nn.Module):
                               self.num_kv_heads, prefix=f"{prefix}.attn")
 
     def qkv_bias(self, hf_config) -> bool:
-        return bool(getattr(hf_config, "attention_bias", False))
+        return config_bias(hf_config, "attention_bias")
 
     def o_proj_bias(self, hf_config) -> bool:
-        return bool(getattr(hf_config, "attention_bias", False))
+        return config_bias(hf_config, "attention_bias")
 
     def split_qkv(self, x: torch.Tensor):
         qkv = self.qkv_proj(x)  # [T, (nh + 2 nkv) * hd]
@@ -184,7 +193,7 @@ def unexpected_tensor_message(name: str, hf_config) -> str:
                 "dynamic: false, or symmetric: false), else the checkpoint does not match it")
     if name.endswith(".bias"):
         field = "mlp_bias" if ".mlp." in name else "attention_bias"
-        hint = f" (a bias, but the config has {field}={getattr(hf_config, field, False)})"
+        hint = f" (a bias, but the config has {field}={config_bias(hf_config, field)})"
     elif name.startswith("model.layers."):
         hint = f" (the config has num_hidden_layers={hf_config.num_hidden_layers})"
     return (f"checkpoint tensor {name} matches no parameter of this "

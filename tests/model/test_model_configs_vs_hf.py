@@ -84,6 +84,12 @@ CASES = {
     "qwen3_head_dim_wider": ("Qwen3Config", dict(head_dim=32)),
     "qwen3_bias_tied": ("Qwen3Config", dict(head_dim=16, attention_bias=True,
                                             tie_word_embeddings=True)),
+    # flags HF's class for the model never reads: no such tensors, and HF serves it (refused
+    # as missing biases; helper-64)
+    "qwen2_mlp_bias_unread": ("Qwen2Config", dict(mlp_bias=True)),
+    "qwen3_mlp_bias_unread": ("Qwen3Config", dict(head_dim=16, mlp_bias=True)),
+    "mistral_biases_unread": ("MistralConfig", dict(sliding_window=None, attention_bias=True,
+                                                    mlp_bias=True)),
 }
 
 
