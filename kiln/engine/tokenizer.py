@@ -55,7 +55,13 @@ def generation_eos_token_ids(model_config: ModelConfig) -> set[int]:
     end of sequence is its tokenizer's (vLLM reads no generation config for one either)."""
     import json
 
+    from kiln.config.generation_defaults import generation_config_file
+
+    # --generation-config DIR names the file for the end tokens too, as in vLLM; "vllm" drops
+    # only its sampling defaults
     path = model_config.model_path / "generation_config.json"
+    if model_config.generation_config not in ("auto", "vllm"):
+        path = generation_config_file(model_config.generation_config, model_config.model_path)
     if not path.is_file():
         return set() if model_config.gguf_file is not None else config_eos_token_ids(
             model_config)

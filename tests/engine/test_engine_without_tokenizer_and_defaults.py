@@ -98,12 +98,19 @@ def test_config_eos_ends_sequences_without_a_generation_config(tmp_path, tiny_ll
     finally:
         llm.shutdown()
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
-    llm = LLM(model=str(model), enforce_eager=True, max_model_len=64)
-    try:
-        stops = llm.llm_engine.process_inputs(PROMPT, SamplingParams()).params
-        assert 300 not in stops.all_stop_token_ids
-    finally:
-        llm.shutdown()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 301]}))
+    # --generation-config DIR names the end tokens too, as in vLLM (they came from the model's)
+    for source, stop in ((None, None), (str(other), 301)):
+        kw = {} if source is None else {"generation_config": source}
+        llm = LLM(model=str(model), enforce_eager=True, max_model_len=64, **kw)
+        try:
+            stops = llm.llm_engine.process_inputs(PROMPT, SamplingParams()).params
+            assert 300 not in stops.all_stop_token_ids
+            assert stop is None or stop in stops.all_stop_token_ids
+        finally:
+            llm.shutdown()
 
 
 def test_chat_template_flag_replaces_the_tokenizers(tmp_path, tiny_llama_dir):
