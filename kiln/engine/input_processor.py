@@ -7,7 +7,7 @@ import json
 import numbers
 from dataclasses import dataclass
 
-from kiln.config.model_config import ModelConfig
+from kiln.config.model_config import ModelConfig, sliding_window_of
 from kiln.engine.text_encoding import encode_text
 from kiln.sampling_params import SamplingParams
 
@@ -287,6 +287,9 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len = model_config.max_model_len  # the engine may lower it (its KV)
         self.config_max_model_len = model_config.max_model_len
+        # Kiln's attention has no sliding window: the model's caps max_model_len for good
+        window = sliding_window_of(model_config.hf_config)
+        self.window_cap = window if window == model_config.max_model_len else None
         self.vocab_size = model_config.vocab_size
         self.max_logprobs = model_config.logprobs_cap
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
@@ -306,6 +309,9 @@ class InputProcessor:
             return (f"raise --kv-cache-memory (CPU) or --gpu-memory-utilization: the KV cache "
                     f"capped max_model_len at {self.max_model_len}, below the model's "
                     f"{self.config_max_model_len}")
+        if self.window_cap is not None:
+            return (f"the model's sliding_window={self.window_cap} caps max_model_len (Kiln's "
+                    "attention has no sliding window): shorten the prompt")
         return "raise --max-model-len"
 
     def tokenize(self, prompt: PromptType, whole: bool = True) -> tuple[str | None, list[int]]:

@@ -152,4 +152,9 @@ def test_sliding_window_caps_max_model_len_and_is_exact_within(config_cls, overr
     with pytest.raises(ValueError, match=r"max_model_len=17 exceeds the model's "
                        r"sliding_window=16.*--max-model-len to 16"):
         kiln_config_for(path, max_model_len=17)
+    # a prompt too long is told to shrink, not to raise --max-model-len (refused; helper-64)
+    from kiln.engine.input_processor import InputProcessor
+
+    fix = InputProcessor(kiln_config_for(path).model_config, None).longer_context_fix()
+    assert fix.startswith("the model's sliding_window=16 caps max_model_len"), fix
     assert max_logit_diff(path, seq_len=16) < TOL
