@@ -256,11 +256,13 @@ class LlamaStyleForCausalLM(nn.Module):
         parameter the checkpoint did not provide (random weights must never be served)."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
+        stored_head = None
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
-                continue  # some tied checkpoints still store the head
+                stored_head = tensor  # some tied checkpoints still store the head
+                continue
             if not self.owns(name):
                 continue  # another pipeline stage's
             if self.head_loads_embedding and name == "model.embed_tokens.weight":
@@ -281,7 +283,21 @@ class LlamaStyleForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name}: {e}") from None
             loaded.add(target if shard_id is None else f"{target}#{shard_id}")
         self._check_complete(params, loaded)
+        if stored_head is not None:
+            self._warn_if_head_differs(stored_head)
         return loaded
+
+    def _warn_if_head_differs(self, stored_head: torch.Tensor) -> None:
+        """A tied checkpoint whose stored head is not its embedding: Kiln ties them, as vLLM
+        does; transformers 5 unties them and uses the stored head, so outputs differ."""
+        embedding = getattr(self.model.embed_tokens, "weight", None)
+        if (embedding is None or embedding.is_meta or embedding.shape != stored_head.shape
+                or torch.equal(stored_head.to(embedding.dtype), embedding.data)):
+            return
+        logger.warning("tie_word_embeddings is true but the checkpoint's lm_head.weight differs "
+                       "from model.embed_tokens.weight: Kiln uses the embedding as the head (as "
+                       "vLLM does); transformers 5 uses the stored head. Set "
+                       "tie_word_embeddings false in config.json to serve the stored head")
 
     def _check_complete(self, params: dict, loaded: set[str]) -> None:
         missing = []

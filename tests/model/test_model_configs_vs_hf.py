@@ -158,3 +158,22 @@ def test_sliding_window_caps_max_model_len_and_is_exact_within(config_cls, overr
     fix = InputProcessor(kiln_config_for(path).model_config, None).longer_context_fix()
     assert fix.startswith("the model's sliding_window=16 caps max_model_len"), fix
     assert max_logit_diff(path, seq_len=16) < TOL
+
+
+def test_a_tied_checkpoint_storing_another_head_is_served_tied_with_a_warning(tmp_path,
+                                                                              kiln_logs):
+    """Kiln ties, as vLLM does; transformers 5 serves the stored head (logits up to 3.8 apart
+    on a random model, with no word from Kiln; helper-64). An equal stored head says nothing."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_checkpoint(tmp_path / "m", "LlamaConfig", tie_word_embeddings=True)
+    tensors = load_file(path / "model.safetensors")
+    embedding = tensors["model.embed_tokens.weight"]
+    for head, warned in ((embedding.clone(), False), (embedding + 0.5, True)):
+        save_file({**tensors, "lm_head.weight": head}, path / "model.safetensors",
+                  metadata={"format": "pt"})
+        kiln_logs.clear()
+        model = get_model(kiln_config_for(path))
+        torch.testing.assert_close(model.lm_head.weight, model.model.embed_tokens.weight)
+        assert ("lm_head.weight differs from model.embed_tokens.weight" in kiln_logs.text) \
+            == warned
