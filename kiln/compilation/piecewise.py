@@ -88,6 +88,13 @@ class PieceCompileError(RuntimeError):
         return self.message
 
 
+def unwrap_backend_error(error: BaseException) -> BaseException:
+    """`error`, or what a backend raised where Dynamo wrapped it in BackendCompilerFailed (whose
+    message names the backend object's address and appends Dynamo's hints)."""
+    inner = getattr(error, "inner_exception", None)
+    return inner if type(error).__name__ == "BackendCompilerFailed" and inner else error
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__

@@ -70,10 +70,9 @@ def _remove_ipc_sockets(addresses: tuple[str, ...]) -> None:
 
 
 def _failure(e: BaseException) -> CoreFailed:
-    # Dynamo wraps what a backend raised (a piece that failed to compile) in BackendCompilerFailed,
-    # whose message names the backend object's address: the front end reports the error itself.
-    if type(e).__name__ == "BackendCompilerFailed" and getattr(e, "inner_exception", None):
-        e = e.inner_exception
+    from kiln.compilation.piecewise import unwrap_backend_error
+
+    e = unwrap_backend_error(e)  # a piece that failed to compile: the front end reports it
     return CoreFailed(error_type=type(e).__name__, message=str(e),
                       traceback="".join(traceback.format_exception(e)),
                       error_module=type(e).__module__)

@@ -59,10 +59,9 @@ def generation_eos_token_ids(model_config: ModelConfig) -> set[int]:
 
     # --generation-config DIR names the file for the end tokens too, as in vLLM; "vllm" drops
     # only its sampling defaults
-    path = model_config.model_path / "generation_config.json"
-    if model_config.generation_config not in ("auto", "vllm"):
-        path = generation_config_file(model_config.generation_config, model_config.model_path)
-    if not path.is_file():
+    source = model_config.generation_config
+    path = generation_config_file("auto" if source == "vllm" else source, model_config.model_path)
+    if path is None:
         return set() if model_config.gguf_file is not None else config_eos_token_ids(
             model_config)
     try:

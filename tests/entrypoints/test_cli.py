@@ -291,6 +291,27 @@ def test_an_engine_death_is_one_line_not_a_traceback():
     assert not engine_gone(RuntimeError("a bug"))
 
 
+def test_only_the_engines_death_and_a_piece_that_will_not_compile_end_in_one_line():
+    """A piece's compile error is one line, also inside Dynamo's wrapper (a core in this
+    process); Kiln's other RuntimeErrors mean a bug (a recompile after warm-up) and keep their
+    traceback (one cut printed every Kiln RuntimeError as one line)."""
+    from kiln.compilation.phase import RecompileAfterWarmupError
+    from kiln.compilation.piecewise import PieceCompileError
+    from kiln.engine.core_client import EngineCoreDeadError
+    from kiln.entrypoints.cli.main import one_line_error
+
+    piece = PieceCompileError("compiling piece 0 (range) failed")
+
+    class BackendCompilerFailed(RuntimeError):  # Dynamo's, by its name
+        inner_exception = piece
+
+    dead = EngineCoreDeadError("core died")
+    assert one_line_error(dead) is dead and one_line_error(piece) is piece
+    assert one_line_error(BackendCompilerFailed("wrapped")) is piece
+    assert one_line_error(RecompileAfterWarmupError("recompiled")) is None
+    assert one_line_error(RuntimeError("a bug")) is None
+
+
 def test_a_piece_that_will_not_compile_ends_in_one_line_naming_it_and_the_way_out(
         tiny_llama_dir, tmp_path):
     """No working C++ compiler: the command ended in Dynamo's wrapper of Inductor's error

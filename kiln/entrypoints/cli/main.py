@@ -191,32 +191,33 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         sys.exit(130)
     except RuntimeError as e:
-        from kiln.engine.core_client import engine_gone
-
-        e = _unwrap_in_process(e)
-        # Kiln's own errors (the engine died, a piece would not compile) say what failed and
-        # what to do; their traceback is in the engine's log. Any other is a bug: its traceback.
-        if not (engine_gone(e) or type(e).__module__.startswith("kiln.")):
+        said = one_line_error(e)
+        if said is None:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {said}", file=sys.stderr)
         sys.exit(1)
     exit_without_teardown(code or 0)
 
 
-def _unwrap_in_process(e: RuntimeError) -> RuntimeError:
-    """Kiln's own error inside Dynamo's BackendCompilerFailed, as an engine core in this process
-    raises it (`kiln compile`, `kiln bench throughput`, KILN_ENABLE_V1_MULTIPROCESSING=0): a core
-    process unwraps it itself and logs the traceback; here it is logged the same way."""
-    inner = getattr(e, "inner_exception", None)
-    if not (type(e).__name__ == "BackendCompilerFailed" and isinstance(inner, RuntimeError)
-            and type(inner).__module__.startswith("kiln.")):
+def one_line_error(e: RuntimeError) -> BaseException | None:
+    """The error the command ends with in one line: the engine's death, or a piece that would
+    not compile (the message says what failed and what to do; the traceback is in the engine's
+    log). None for any other, a bug (a recompile after warm-up, say): its traceback."""
+    from kiln.compilation.piecewise import PieceCompileError, unwrap_backend_error
+    from kiln.engine.core_client import engine_gone
+
+    if engine_gone(e):
         return e
-    import traceback
+    inner = unwrap_backend_error(e)
+    if not isinstance(inner, PieceCompileError):
+        return None
+    if inner is not e:  # an engine core in this process (kiln compile, bench throughput,
+        import traceback  # KILN_ENABLE_V1_MULTIPROCESSING=0): logged as a core process does
 
-    from kiln.logger import init_logger
+        from kiln.logger import init_logger
 
-    init_logger("kiln.engine").error("engine core failed: %s",
-                                     "".join(traceback.format_exception(e)))
+        init_logger("kiln.engine").error("engine core failed: %s",
+                                         "".join(traceback.format_exception(e)))
     return inner
 
 
