@@ -31,3 +31,10 @@ class CacheConfig(FreezableConfig):
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(
                 f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+
+    def larger_cache_flags(self) -> str:
+        """The flags that make the KV cache hold more tokens, for error messages. With
+        --num-gpu-blocks-override set, only it does: memory flags do not change its count."""
+        if self.num_gpu_blocks_override is not None:
+            return f"--num-gpu-blocks-override (set to {self.num_gpu_blocks_override})"
+        return "--kv-cache-memory (CPU) or --gpu-memory-utilization"

@@ -59,6 +59,7 @@ class Scheduler:
         self.max_model_len = sched.max_model_len
         self.kv_cache_manager = KVCacheManager(cache.block_size, num_blocks,
                                                cache.enable_prefix_caching)
+        self.larger_cache_flags = cache.larger_cache_flags()  # named when a request is cut
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # kept in priority order: earliest arrival first
@@ -341,7 +342,7 @@ class Scheduler:
                           else RequestStatus.FINISHED_ABORTED)
         error = (f"the request needs {num_tokens} tokens of KV cache (max_model_len="
                  f"{self.max_model_len}) but the cache holds {capacity}; raise "
-                 "--kv-cache-memory or lower --max-model-len")
+                 f"{self.larger_cache_flags} or lower --max-model-len")
         logger.error("request %s: %s; ending it as %s", request.request_id, error,
                      request.get_finish_reason())
         self._finished_outputs.append(EngineCoreOutput(

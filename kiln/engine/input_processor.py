@@ -297,6 +297,8 @@ class InputProcessor:
         self.extra_eos_token_ids = {t for t in extra_eos_token_ids if 0 <= t < self.vocab_size}
         # Tokens the whole KV cache holds, once the engine sized it (None: not known yet).
         self.kv_cache_tokens: int | None = None
+        # The flags that enlarge it (CacheConfig.larger_cache_flags), set with it.
+        self.larger_cache_flags = "--kv-cache-memory (CPU) or --gpu-memory-utilization"
 
     @functools.cached_property
     def special_prefix_len(self) -> int:
@@ -384,8 +386,8 @@ class InputProcessor:
                                   self.longer_context_fix())
         if self.kv_cache_tokens is not None and len(token_ids) > self.kv_cache_tokens:
             raise ValueError(f"prompt length {len(token_ids)} is more than the whole KV cache "
-                             f"holds ({self.kv_cache_tokens} tokens); raise --kv-cache-memory "
-                             "(CPU) or --gpu-memory-utilization, or shorten the prompt")
+                             f"holds ({self.kv_cache_tokens} tokens); raise "
+                             f"{self.larger_cache_flags}, or shorten the prompt")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings are found in the output's text, and this engine "
                              "writes none (skip_tokenizer_init=True); use stop_token_ids")

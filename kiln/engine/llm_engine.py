@@ -87,6 +87,7 @@ class LLMEngine:
             raise
         self.input_processor.kv_cache_tokens = (self.engine_core.num_blocks
                                                 * kiln_config.cache_config.block_size)
+        self.input_processor.larger_cache_flags = kiln_config.cache_config.larger_cache_flags()
         # The core may have lowered it to what the KV cache holds.
         self.input_processor.max_model_len = self.engine_core.max_model_len
         # Dropped without shutdown(), the engine still shuts its core down: a worker keeps

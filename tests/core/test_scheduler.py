@@ -181,6 +181,16 @@ def test_prompt_larger_than_cache_is_aborted_not_hung():
     assert results["ok"]["tokens"] == reference_tokens(range(100, 105), 2)
 
 
+def test_cache_overflow_names_the_override_that_sized_the_cache():
+    """With --num-gpu-blocks-override set, only it sizes the cache (memory flags do not)."""
+    sched, ex = make_scheduler(num_blocks=4, override=4)  # 16 token slots
+    sched.add_request(make_request("huge", range(20), max_tokens=2))
+    (out,) = [o for o in step(sched, ex)[1] if o.request_id == "huge"]
+    assert out.finish_reason == "abort"
+    assert "--num-gpu-blocks-override (set to 4)" in out.error
+    assert "--kv-cache-memory" not in out.error
+
+
 def test_empty_step_keeps_forget_list_and_reports_scheduler_finishes():
     sched, ex = make_scheduler(num_blocks=4, max_model_len=64)
     sched.add_request(make_request("a", range(5), max_tokens=10))

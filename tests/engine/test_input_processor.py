@@ -52,6 +52,22 @@ def test_prompt_larger_than_the_whole_kv_cache(proc):
         proc.kv_cache_tokens = None
 
 
+def test_prompt_larger_than_an_overridden_kv_cache_names_the_override(proc):
+    """LLMEngine hands over CacheConfig.larger_cache_flags(): with --num-gpu-blocks-override
+    the memory flags change nothing, so the refusal names the override."""
+    from kiln.config.cache_config import CacheConfig
+
+    proc.kv_cache_tokens, default = 16, proc.larger_cache_flags
+    proc.larger_cache_flags = CacheConfig(num_gpu_blocks_override=1).larger_cache_flags()
+    try:
+        with pytest.raises(ValueError, match=r"raise --num-gpu-blocks-override \(set to 1\), "
+                                             "or shorten the prompt"):
+            proc.process({"prompt_token_ids": [5] * 17}, None)
+    finally:
+        proc.kv_cache_tokens = None
+        proc.larger_cache_flags = default
+
+
 @pytest.mark.parametrize("bad", [512, -1, 10**9])
 def test_token_outside_vocab_names_it(proc, bad):
     with pytest.raises(ValueError, match=rf"{bad}.*\[0, 512\)"):

@@ -131,6 +131,25 @@ def test_max_tokens_none_runs_to_max_model_len(llm):
     assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
 
 
+def test_overridden_kv_cache_smaller_than_max_model_len(tiny_llama_dir):
+    """--num-gpu-blocks-override below max_model_len: a prompt past the cache is refused
+    naming the override (memory flags do not resize it), a shorter one ends "length" when
+    the cache is full, and both equal a roomy engine's tokens as far as they go."""
+    prompt = random_prompts(1, [30], seed=4)[0]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    small = LLM(model=str(tiny_llama_dir), enforce_eager=True, max_model_len=128,
+                block_size=16, num_gpu_blocks_override=2)  # 32 tokens
+    try:
+        with pytest.raises(ValueError, match=r"holds \(32 tokens\); raise "
+                                             r"--num-gpu-blocks-override \(set to 2\)"):
+            small.generate({"prompt_token_ids": prompt + [5, 6, 7]}, params, use_tqdm=False)
+        (out,) = small.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    finally:
+        small.shutdown()
+    assert out.outputs[0].finish_reason == "length"
+    assert out.outputs[0].token_ids == hf_greedy(tiny_llama_dir, [prompt], 10)[0][:3]
+
+
 def test_stop_string_finishes_and_frees_blocks(stories_llm):
     greedy = SamplingParams(temperature=0, max_tokens=40)
     (full,) = stories_llm.generate("Once upon a time", greedy, use_tqdm=False)
