@@ -47,7 +47,7 @@ def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None,
     keep = truncation_length(truncate_prompt_tokens, max_model_len)
     if len(token_ids) <= keep:
         return token_ids
-    if 0 < head < keep:
+    if 0 < head <= keep:  # keep == head: the special tokens alone, as HF's max_length=1 gives
         return token_ids[:head] + token_ids[len(token_ids) - keep + head:]
     return token_ids[-keep:]
 

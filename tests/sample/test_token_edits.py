@@ -70,6 +70,7 @@ def test_validation_names_the_field_and_vocab_bound():
     # a text prompt's BOS stays (HF's left truncation, as vLLM tokenizes)
     assert truncate_prompt([1, 2, 3, 4, 5], 3, 10, head=1) == [1, 4, 5]
     assert truncate_prompt([1, 2, 3], 3, 10, head=1) == [1, 2, 3]
+    assert truncate_prompt([1, 2, 3], 1, 10, head=1) == [1]  # HF (vLLM) keeps only the BOS
 
 
 @pytest.fixture(scope="module")
