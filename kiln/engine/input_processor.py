@@ -32,6 +32,11 @@ def clip_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int,
         raise ValueError(f"max_tokens {params.max_tokens} is too large: the prompt's "
                          f"{prompt_len} tokens leave {room} of max_model_len {max_model_len}; "
                          "lower max_tokens or shorten the prompt")
+    if must_fit and params.min_tokens > room:
+        # max_tokens left out defaults to the room, which min_tokens must not pass (vLLM: 400)
+        raise ValueError(f"min_tokens {params.min_tokens} is too large: the prompt's "
+                         f"{prompt_len} tokens leave {room} of max_model_len {max_model_len}; "
+                         "lower min_tokens or shorten the prompt")
     if params.max_tokens is None or params.max_tokens > room:
         params.max_tokens = room
     params.min_tokens = min(params.min_tokens, params.max_tokens)

@@ -113,6 +113,25 @@ def test_max_tokens_past_max_model_len_is_cut_or_refused(proc):
     assert fits.params.max_tokens == 4  # omitted: up to max_model_len
 
 
+def test_min_tokens_past_max_model_len_is_cut_or_refused(proc):
+    """max_tokens omitted defaults to the room left; a min_tokens past it cannot be met: the
+    server refuses it (vLLM: 400, min_tokens > max_tokens), LLM.generate cuts it as max_tokens."""
+    prompt = {"prompt_token_ids": [5] * 60}
+    assert proc.process(prompt, SamplingParams(max_tokens=None, min_tokens=10)).params \
+        .min_tokens == 4
+    with pytest.raises(ValueError, match=r"^min_tokens 10 is too large.*60 tokens leave 4 of "
+                                         r"max_model_len 64; lower min_tokens") as e:
+        proc.process(prompt, SamplingParams(max_tokens=None, min_tokens=10),
+                     max_tokens_must_fit=True)
+    from kiln.entrypoints.openai.serving_engine import add_request_error
+
+    error = add_request_error(e.value, "prompt")  # the server's 400 names the field
+    assert (error.param, error.code) == ("min_tokens", "context_length_exceeded")
+    fits = proc.process(prompt, SamplingParams(max_tokens=None, min_tokens=4),
+                        max_tokens_must_fit=True)
+    assert (fits.params.max_tokens, fits.params.min_tokens) == (4, 4)
+
+
 class CountingTokenizer:
     """The real tokenizer, counting the characters it was asked to encode."""
 

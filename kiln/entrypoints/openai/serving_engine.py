@@ -21,7 +21,8 @@ SSE_DONE = "data: [DONE]\n\n"
 # Request fields an engine refusal may name, under the same name in the API.
 _SAME_NAME_FIELDS = {name: name for name in ("logit_bias", "allowed_token_ids", "bad_words",
                                              "truncate_prompt_tokens", "cache_salt",
-                                             "request_id", "max_tokens", "logprobs",
+                                             "request_id", "max_tokens", "min_tokens",
+                                             "logprobs",
                                              "prompt_logprobs", "stop_token_ids")}
 
 
