@@ -172,7 +172,9 @@ def test_unknown_flags_are_reported_by_the_subcommand(capsys):
                              (["bench", "throughput", "--num-promts", "3"],
                               "kiln bench throughput", " (did you mean --num-prompts?)"),
                              (["generate", "hi", "--enable-lorra"], "kiln generate",
-                              " (did you mean --enable-lora?)")):
+                              " (did you mean --enable-lora?)"),
+                             # a prefix is not the flag: --prompt was taken as --prompt-logprobs
+                             (["generate", "hi", "--prompt", "x"], "kiln generate", "")):
         with pytest.raises(SystemExit) as e:
             parse_args(build_parser(), argv)
         err = capsys.readouterr().err

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     while todo:
         p = todo.pop()
         p.formatter_class = HelpFormatter
+        # A flag's prefix is not that flag: `generate --prompt` took `--prompt-logprobs`, and a
+        # new flag would change what an old prefix meant.
+        p.allow_abbrev = False
         todo += [sub for action in _subparsers(p) for sub in action.choices.values()]
     return parser
 
