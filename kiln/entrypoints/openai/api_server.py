@@ -27,6 +27,7 @@ from kiln.entrypoints.openai.middleware import (
     ApiKeyMiddleware,
     BodySizeLimitMiddleware,
     RequestIdHeaderMiddleware,
+    ServerLoadMiddleware,
     ShutdownGate,
 )
 from kiln.entrypoints.openai.openapi import describe
@@ -95,7 +96,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     tokenizer = llm.tokenizer
     open_paths = None  # every route takes the key but these (no key: none does)
     if settings.api_key:
-        open_paths = ("/health", "/metrics") if settings.metrics_public else ("/health",)
+        open_paths = ("/health", "/ping", "/metrics") if settings.metrics_public \
+            else ("/health", "/ping")
     describe(app, vocab_size=model_config.vocab_size,
              empty_text_has_tokens=tokenizer is not None
              and bool(encode_text(tokenizer, "", add_special_tokens=True)),
@@ -112,6 +114,19 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     # HEAD too (some load balancers probe with it), outside the schema: one operation id each
     app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+    # vLLM's /ping, the probe SageMaker sends (GET or POST): /health under another name.
+    app.add_api_route("/ping", health, methods=["GET", "POST"], name="health_ping",
+                      response_class=Response, responses={
+                          200: {"description": "The engine is running", "content": {}},
+                          503: {"description": "The engine died or is shutting down",
+                                "content": {}}})
+    server_load = ServerLoadMiddleware.Counter()
+
+    @app.get("/load")
+    async def load():
+        """vLLM's load report: the completion and chat requests in flight (a stream until its
+        last byte), for a load balancer that routes to the least busy server."""
+        return {"server_load": server_load.value}
 
     @app.get("/version")
     async def version():
@@ -149,6 +164,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     # Outermost first: auth refuses before the body is read; the size limit guards the rest.
     app.state.shutdown_gate = ShutdownGate()
+    app.add_middleware(ServerLoadMiddleware, counter=server_load)  # innermost: past the key
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes,
                        read_timeout=settings.request_body_timeout,
                        gate=app.state.shutdown_gate)
