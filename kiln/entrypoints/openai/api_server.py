@@ -3,6 +3,7 @@
 SIGINT / SIGTERM: uvicorn stops accepting, in-flight requests get the grace period, then the engine
 aborts what is left: each open stream ends with an error event and `data: [DONE]`, each waiting
 non-streamed request gets a 503; the app's shutdown stops the engine; the process exits with 0.
+A second signal ends the grace period at once; a third quits without waiting for handlers.
 An engine core that dies fails every request in flight at once; the server then exits with 1.
 """
 import asyncio
@@ -196,6 +197,14 @@ class _Server(uvicorn.Server):
         self.grace_s = grace_s
         self.stop_signal = stop_signal
         self.stopped_early: int | None = None  # a signal that came before serving
+        self._num_signals = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._grace_over: asyncio.Event | None = None  # set by a second stop signal
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._grace_over = asyncio.Event()
+        await super().serve(sockets)
 
     async def shutdown(self, sockets=None) -> None:
         ender = asyncio.create_task(self._end_in_flight())
@@ -205,14 +214,16 @@ class _Server(uvicorn.Server):
             ender.cancel()
 
     async def _end_in_flight(self) -> None:
-        await asyncio.sleep(self.grace_s)
-        reason = (f"the server is shutting down: request aborted after the {self.grace_s:g} s "
-                  "grace period (--graceful-shutdown-timeout)")
+        try:
+            await asyncio.wait_for(self._grace_over.wait(), self.grace_s)
+            why = "a second stop signal"
+        except TimeoutError:
+            why = f"the {self.grace_s:g} s grace period (--graceful-shutdown-timeout)"
+        reason = f"the server is shutting down: request aborted after {why}"
         self.config.app.state.shutdown_gate.close(reason)  # requests still sending their body
         n = await self.llm.abort_all(reason)
         if n:
-            logger.warning("shutdown: aborted %d request(s) still in flight after the %g s "
-                           "grace period", n, self.grace_s)
+            logger.warning("shutdown: aborted %d request(s) still in flight after %s", n, why)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -233,9 +244,25 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def _on_signal(self, sig, frame) -> None:
-        logger.info("received %s: finishing in-flight requests, then exiting",
-                    signal.Signals(sig).name)
-        self.handle_exit(sig, frame)
+        """The first stop signal starts the grace period; a second ends it at once, each
+        request in flight ending in-band (uvicorn's force quit on a second Ctrl-C cut streams
+        mid-body, answered plain-text 500s and skipped the engine's shutdown); a third quits
+        without waiting for handlers."""
+        self._num_signals += 1
+        name = signal.Signals(sig).name
+        if self._num_signals == 1:
+            logger.info("received %s: finishing in-flight requests, then exiting (a second "
+                        "signal aborts them at once)", name)
+            self.should_exit = True
+        elif self._num_signals == 2:
+            logger.warning("received %s again: aborting the requests in flight now (a third "
+                           "signal quits without waiting for them)", name)
+            self.should_exit = True
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._grace_over.set)
+        else:
+            logger.warning("received %s a third time: quitting now", name)
+            self.should_exit = self.force_exit = True
 
 
 def serve(llm: AsyncLLM, settings: ServerSettings, sock: socket.socket | None = None,
