@@ -121,6 +121,8 @@ VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
              "no sleep mode: stop the server to free the GPU", takes_value=False),
     VllmFlag(("--model-impl",), "choosing vLLM's or transformers' model code", "Kiln runs its "
              "own (Llama, Qwen2, Qwen3)", accepted=("auto",)),
+    VllmFlag(("--enable-server-load-tracking",), "counting requests in flight for GET /load",
+             "Kiln always counts them", takes_value=False, accepted_alone=True),
     VllmFlag(("--kv-cache-memory-bytes",), "the KV cache size in bytes", "Kiln's "
              "--kv-cache-memory takes GiB (e.g. --kv-cache-memory 4)"),
 )

@@ -132,7 +132,8 @@ def test_vllm_flags_at_kilns_one_meaning_are_taken():
     args = build_parser().parse_args([
         "serve", "-dp", "1", "--task", "generate", "--runner", "auto", "--scheduling-policy",
         "fcfs", "--disable-sliding-window", "--disable-custom-all-reduce", "--response-role",
-        "assistant", "--chat-template-content-format", "string", "--api-server-count", "1"])
+        "assistant", "--chat-template-content-format", "string", "--api-server-count", "1",
+        "--enable-server-load-tracking"])
     engine_args = EngineArgs.from_cli_args(args)
     assert engine_args == EngineArgs()
     assert not {"task", "runner", "data_parallel_size", "scheduling_policy"} & set(vars(args))

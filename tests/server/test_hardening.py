@@ -35,7 +35,7 @@ def app_routes(app) -> list[tuple[str, str]]:
 def test_every_route_but_health_needs_the_key(metrics_public):
     app = build_app(AsyncLLM(FakeEngine()), ServerSettings(api_key=KEY,
                                                            metrics_public=metrics_public))
-    open_paths = {"/health"} | ({"/metrics"} if metrics_public else set())
+    open_paths = {"/health", "/ping"} | ({"/metrics"} if metrics_public else set())
     routes = app_routes(app)
     assert {path for _, path in routes} >= {"/tokenize", "/detokenize", "/openapi.json",
                                             "/metrics", "/version", "/v1/models"}

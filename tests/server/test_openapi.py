@@ -240,8 +240,8 @@ def test_every_schemathesis_check_passes(base_url):
 
 @pytest.mark.parametrize("metrics_public", [False, True])
 def test_the_key_is_stated_and_enforced(metrics_public):
-    """With --api-key the schema says every route takes a bearer key but /health (and /metrics
-    when public); schemathesis' ignored_auth check finds each route refusing a missing or
+    """With --api-key the schema says every route takes a bearer key but /health, /ping (and
+    /metrics when public); schemathesis' ignored_auth check finds each route refusing a missing or
     wrong key."""
     app = build_app(AsyncLLM(FakeEngine(max_model_len=1024)),
                     ServerSettings(api_key="k", metrics_public=metrics_public))
@@ -249,7 +249,7 @@ def test_the_key_is_stated_and_enforced(metrics_public):
     assert schema["security"] == [{"apiKey": []}]
     assert schema["components"]["securitySchemes"]["apiKey"] == {"type": "http",
                                                                  "scheme": "bearer"}
-    open_paths = {"/health", "/metrics"} if metrics_public else {"/health"}
+    open_paths = {"/health", "/ping"} | ({"/metrics"} if metrics_public else set())
     assert {path for path, item in schema["paths"].items()
             if item[next(iter(item))].get("security") == []} == open_paths
     keyed = schemathesis.openapi.from_dict(schema)

@@ -39,8 +39,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health "
-                        "(default: $KILN_API_KEY, else $VLLM_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health and "
+                        "/ping (default: $KILN_API_KEY, else $VLLM_API_KEY)")
     g.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without the API key (for a Prometheus scraper)")
     g.add_argument("--served-model-name", nargs="+", default=None,

@@ -3,6 +3,7 @@
 SIGINT / SIGTERM: uvicorn stops accepting, in-flight requests get the grace period, then the engine
 aborts what is left: each open stream ends with an error event and `data: [DONE]`, each waiting
 non-streamed request gets a 503; the app's shutdown stops the engine; the process exits with 0.
+A second signal ends the grace period at once; a third quits without waiting for handlers.
 An engine core that dies fails every request in flight at once; the server then exits with 1.
 """
 import asyncio
@@ -27,6 +28,7 @@ from kiln.entrypoints.openai.middleware import (
     ApiKeyMiddleware,
     BodySizeLimitMiddleware,
     RequestIdHeaderMiddleware,
+    ServerLoadMiddleware,
     ShutdownGate,
 )
 from kiln.entrypoints.openai.openapi import describe
@@ -95,7 +97,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     tokenizer = llm.tokenizer
     open_paths = None  # every route takes the key but these (no key: none does)
     if settings.api_key:
-        open_paths = ("/health", "/metrics") if settings.metrics_public else ("/health",)
+        open_paths = ("/health", "/ping", "/metrics") if settings.metrics_public \
+            else ("/health", "/ping")
     describe(app, vocab_size=model_config.vocab_size,
              empty_text_has_tokens=tokenizer is not None
              and bool(encode_text(tokenizer, "", add_special_tokens=True)),
@@ -112,6 +115,19 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     # HEAD too (some load balancers probe with it), outside the schema: one operation id each
     app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+    # vLLM's /ping, the probe SageMaker sends (GET or POST): /health under another name.
+    app.add_api_route("/ping", health, methods=["GET", "POST"], name="health_ping",
+                      response_class=Response, responses={
+                          200: {"description": "The engine is running", "content": {}},
+                          503: {"description": "The engine died or is shutting down",
+                                "content": {}}})
+    server_load = ServerLoadMiddleware.Counter()
+
+    @app.get("/load")
+    async def load():
+        """vLLM's load report: the completion and chat requests in flight (a stream until its
+        last byte), for a load balancer that routes to the least busy server."""
+        return {"server_load": server_load.value}
 
     @app.get("/version")
     async def version():
@@ -149,6 +165,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     # Outermost first: auth refuses before the body is read; the size limit guards the rest.
     app.state.shutdown_gate = ShutdownGate()
+    app.add_middleware(ServerLoadMiddleware, counter=server_load)  # innermost: past the key
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes,
                        read_timeout=settings.request_body_timeout,
                        gate=app.state.shutdown_gate)
@@ -180,6 +197,14 @@ class _Server(uvicorn.Server):
         self.grace_s = grace_s
         self.stop_signal = stop_signal
         self.stopped_early: int | None = None  # a signal that came before serving
+        self._num_signals = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._grace_over: asyncio.Event | None = None  # set by a second stop signal
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._grace_over = asyncio.Event()
+        await super().serve(sockets)
 
     async def shutdown(self, sockets=None) -> None:
         ender = asyncio.create_task(self._end_in_flight())
@@ -189,14 +214,16 @@ class _Server(uvicorn.Server):
             ender.cancel()
 
     async def _end_in_flight(self) -> None:
-        await asyncio.sleep(self.grace_s)
-        reason = (f"the server is shutting down: request aborted after the {self.grace_s:g} s "
-                  "grace period (--graceful-shutdown-timeout)")
+        try:
+            await asyncio.wait_for(self._grace_over.wait(), self.grace_s)
+            why = "a second stop signal"
+        except TimeoutError:
+            why = f"the {self.grace_s:g} s grace period (--graceful-shutdown-timeout)"
+        reason = f"the server is shutting down: request aborted after {why}"
         self.config.app.state.shutdown_gate.close(reason)  # requests still sending their body
         n = await self.llm.abort_all(reason)
         if n:
-            logger.warning("shutdown: aborted %d request(s) still in flight after the %g s "
-                           "grace period", n, self.grace_s)
+            logger.warning("shutdown: aborted %d request(s) still in flight after %s", n, why)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -217,9 +244,25 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def _on_signal(self, sig, frame) -> None:
-        logger.info("received %s: finishing in-flight requests, then exiting",
-                    signal.Signals(sig).name)
-        self.handle_exit(sig, frame)
+        """The first stop signal starts the grace period; a second ends it at once, each
+        request in flight ending in-band (uvicorn's force quit on a second Ctrl-C cut streams
+        mid-body, answered plain-text 500s and skipped the engine's shutdown); a third quits
+        without waiting for handlers."""
+        self._num_signals += 1
+        name = signal.Signals(sig).name
+        if self._num_signals == 1:
+            logger.info("received %s: finishing in-flight requests, then exiting (a second "
+                        "signal aborts them at once)", name)
+            self.should_exit = True
+        elif self._num_signals == 2:
+            logger.warning("received %s again: aborting the requests in flight now (a third "
+                           "signal quits without waiting for them)", name)
+            self.should_exit = True
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._grace_over.set)
+        else:
+            logger.warning("received %s a third time: quitting now", name)
+            self.should_exit = self.force_exit = True
 
 
 def serve(llm: AsyncLLM, settings: ServerSettings, sock: socket.socket | None = None,

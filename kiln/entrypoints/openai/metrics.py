@@ -10,7 +10,10 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
+    PlatformCollector,
+    ProcessCollector,
     generate_latest,
 )
 
@@ -91,6 +94,12 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         reg = self.registry
+        # The server process's own series (process_resident_memory_bytes, process_open_fds,
+        # python_gc_*), as vLLM's /metrics has from prometheus_client's default registry:
+        # dashboards and leak alerts read them.
+        ProcessCollector(registry=reg)
+        PlatformCollector(registry=reg)
+        GCCollector(registry=reg)
         self._label = {"model_name": model_name}
 
         def histogram(name, doc, buckets):

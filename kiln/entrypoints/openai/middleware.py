@@ -1,5 +1,6 @@
 """Pure ASGI middleware: bearer-key auth on every route but the open ones, a request body size
-limit (HTTP 413), body read deadlines (HTTP 408) and the client's X-Request-Id echoed back.
+limit (HTTP 413), body read deadlines (HTTP 408), the client's X-Request-Id echoed back and the
+count of generation requests in flight (GET /load).
 
 Pure ASGI (not BaseHTTPMiddleware) so streamed responses and disconnect detection pass through.
 """
@@ -66,6 +67,31 @@ class RequestIdHeaderMiddleware:
                                                   (b"x-request-id", given)]}
             await send(message)
         await self.app(scope, receive, send_with_id)
+
+
+class ServerLoadMiddleware:
+    """Counts the generation requests in flight for GET /load (vLLM's server_load): each POST
+    to a completion route from its start until its response's last byte is sent or the client
+    left, whatever the outcome."""
+
+    PATHS = frozenset(("/v1/completions", "/v1/chat/completions"))
+
+    class Counter:
+        value = 0
+
+    def __init__(self, app, counter: "ServerLoadMiddleware.Counter"):
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or \
+                scope["path"] not in self.PATHS:
+            return await self.app(scope, receive, send)
+        self.counter.value += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.counter.value -= 1
 
 
 # A body must also arrive at this average rate (after the first read_timeout s), as Apache's

@@ -1,0 +1,74 @@
+"""A second SIGINT / SIGTERM during the grace period: every request in flight ends in-band at
+once (an error event and [DONE], a 503), and the server exits 0 with no traceback. uvicorn's
+force quit on a second Ctrl-C cut streams mid-body, answered plain-text 500s, skipped the
+engine's shutdown and logged tracebacks; a second SIGTERM did nothing."""
+import json
+import logging
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from kiln.engine.async_llm import AsyncLLM
+from kiln.entrypoints.cli.serve import bind_socket
+from kiln.entrypoints.openai.api_server import ServerSettings, serve
+from kiln.executor.free_port import free_port
+
+from .fake_engine import FakeEngine
+from .test_group_sigterm_server import _wait_listening
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["int", "term"])
+def test_a_second_stop_signal_ends_the_grace_period_in_band(sig, caplog):
+    port = free_port()
+    sock = bind_socket("127.0.0.1", port)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    streamed: list[str] = []
+    whole: list[httpx.Response] = []
+    started = threading.Event()
+    ended_after: list[float] = []
+
+    def stream():
+        body = dict(prompt="x", max_tokens=2000, stream=True)
+        with httpx.stream("POST", url, json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    streamed.append(line)
+                    started.set()
+
+    def clients_then_signals():
+        _wait_listening(port)
+        readers = [threading.Thread(target=stream), threading.Thread(
+            target=lambda: whole.append(httpx.post(url, json=dict(prompt="x", max_tokens=2000),
+                                                   timeout=60)))]
+        for t in readers:
+            t.start()
+        assert started.wait(30)
+        os.kill(os.getpid(), sig)
+        time.sleep(0.5)
+        signalled = time.monotonic()
+        os.kill(os.getpid(), sig)
+        for t in readers:
+            t.join(30)
+        ended_after.append(time.monotonic() - signalled)
+
+    thread = threading.Thread(target=clients_then_signals)
+    thread.start()
+    llm = AsyncLLM(FakeEngine(max_model_len=4096, step_delay=0.02))
+    try:
+        with caplog.at_level(logging.ERROR):
+            code = serve(llm, ServerSettings(port=port, graceful_shutdown_timeout=60), sock)
+    finally:
+        sock.close()
+        thread.join(60)
+    assert code == 0 and ended_after[0] < 10, ended_after
+    assert streamed[-1] == "data: [DONE]", streamed[-3:]
+    error = json.loads(streamed[-2].removeprefix("data: "))["error"]
+    assert "second stop signal" in error["message"], error
+    (r,) = whole
+    assert r.status_code == 503 and "second stop signal" in r.json()["error"]["message"], r.text
+    assert llm.engine.shut_down
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR], caplog.text
