@@ -95,3 +95,10 @@ def test_bos_text_in_a_prompt_is_a_second_bos_as_in_hf_encode(stories_dir, token
     proc = InputProcessor(ModelConfig(model=str(stories_dir), max_model_len=64), tokenizer)
     ids = proc.process("<s>Hello", None).prompt_token_ids
     assert ids == tokenizer("<s>Hello").input_ids and ids[:2] == [1, 1]
+
+
+def test_an_empty_tool_calls_list_is_no_calls_as_in_vllm():
+    """Llama 3.1's template takes `'tool_calls' in message` for a turn that called tools (and
+    raises unless there is exactly one): an assistant turn a client sends with [] is plain."""
+    (msg,) = chat_messages([{"role": "assistant", "content": "hi", "tool_calls": []}])
+    assert msg == {"role": "assistant", "content": "hi"}
