@@ -102,3 +102,13 @@ def test_an_empty_tool_calls_list_is_no_calls_as_in_vllm():
     raises unless there is exactly one): an assistant turn a client sends with [] is plain."""
     (msg,) = chat_messages([{"role": "assistant", "content": "hi", "tool_calls": []}])
     assert msg == {"role": "assistant", "content": "hi"}
+
+
+def test_vllms_reasoning_field_reaches_templates_as_reasoning_content():
+    """vLLM's clients replay an assistant turn's thinking as "reasoning"; templates (Qwen3's)
+    read reasoning_content, which vLLM fills from it. It was dropped."""
+    (msg,) = chat_messages([{"role": "assistant", "content": "4", "reasoning": "2+2"}])
+    assert msg["reasoning_content"] == "2+2"
+    (msg,) = chat_messages([{"role": "assistant", "content": "4", "reasoning": "a",
+                             "reasoning_content": "b"}])
+    assert msg["reasoning_content"] == "b"

@@ -37,3 +37,9 @@ def test_plain_strings_among_content_parts_are_text_as_in_vllm():
         "a", {"type": "text", "text": "b"}]}], echo=True, add_generation_prompt=False)
     assert _plain_messages(req.messages) == [{"role": "user", "content": "a\nb"}]
     assert echo_prefix(req, req.messages) == "a\nb"
+
+
+def test_reasoning_in_an_assistant_turn_is_kept_for_the_template():
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": "4", "reasoning": "2+2"}, {"role": "user", "content": "?"}])
+    assert _plain_messages(req.messages)[1]["reasoning_content"] == "2+2"

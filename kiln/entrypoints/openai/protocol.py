@@ -239,6 +239,7 @@ class ChatMessage(RequestPart):
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
     reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's newer name for reasoning_content
 
 
 class FunctionDefinition(RequestBase):
