@@ -63,7 +63,8 @@ ENGINE_FLAGS = ["--temperature", "0", "--max-tokens", "2", "--ignore-eos", "--en
 def test_help_and_slash_exit_are_commands_not_turns(tiny_llama_dir, monkeypatch, capsys):
     """"/help" and "/exit" went to the model as user turns (and the chat went on)."""
     seen = _spy_prompts(monkeypatch)
-    monkeypatch.setattr(sys, "stdin", io.StringIO("/help\nw5\n/exit\nw6\n"))
+    # CRLF line ends (a Windows file piped in): the turn is "w5", not "w5\r"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("/help\r\nw5\r\n/exit\r\nw6\n"))
     args = build_parser().parse_args(["chat", "--model", str(tiny_llama_dir), *ENGINE_FLAGS])
     assert args.func(args) == 0
     assert seen == [[{"role": "user", "content": "w5"}]]

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
             line = sys.stdin.readline()
             if not line:
                 break
-            line = line.rstrip("\n")
+            line = line.rstrip("\r\n")  # a CRLF pipe (Windows files) sent "\r" to the model
             if line.strip().lower() in EXIT_WORDS:
                 break
             if not line.strip():
