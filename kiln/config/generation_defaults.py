@@ -32,6 +32,8 @@ def load_chat_template(value: str | None) -> str | None:
                                 "template file or the template text)")
     else:
         text, where = value, "the template text"
+    if not text.strip():  # it would render every chat as an empty prompt
+        raise ValueError(f"--chat-template: {where} is empty; give a Jinja chat template")
     from jinja2 import TemplateSyntaxError
 
     try:

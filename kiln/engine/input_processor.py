@@ -222,7 +222,15 @@ def chat_messages(messages: list) -> list[dict]:
         if problem is not None:
             raise MessageError(f"messages[{i}].content", problem)
         message = {**m, "content": content}
-        if isinstance(m.get("tool_calls"), list):
+        if isinstance(m.get("reasoning"), str) and m.get("reasoning_content") is None:
+            # vLLM's current name for an assistant turn's thinking; templates read
+            # reasoning_content (Qwen3's), which vLLM sets from it too
+            message["reasoning_content"] = m["reasoning"]
+        if m.get("tool_calls") == []:
+            # No calls, as vLLM drops it: templates testing `'tool_calls' in message` (Llama
+            # 3.1's) took the turn for a call and raised, for clients that send [] for none.
+            del message["tool_calls"]
+        elif isinstance(m.get("tool_calls"), list):
             message["tool_calls"] = _arguments_as_objects(m["tool_calls"])
         out.append(message)
     return out

@@ -308,7 +308,12 @@ class LLMEngine:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template, **kwargs)
-        except TemplateError as e:  # a broken template, or one that raise_exception()s
+        except ValueError:
+            raise  # HF's own checks (continue_final_message, tools), which name the fix
+        except (TemplateError, ArithmeticError, LookupError, TypeError, AttributeError,
+                RecursionError) as e:
+            # A broken template, one that raise_exception()s, or one failing in its own code
+            # ({{ 1/0 }}, a str + an int): kiln chat died with a traceback on the latter.
             raise ValueError(f"the chat template does not render: {type(e).__name__}: {e}") \
                 from None
 
@@ -316,6 +321,9 @@ class LLMEngine:
                     chat_template: str | None = None, **kwargs) -> dict:
         """A rendered conversation as a prompt; the template already wrote BOS, so no extra one."""
         text = self.apply_chat_template(messages, add_generation_prompt, chat_template, **kwargs)
+        if not text:  # not the messages' fault: "prompt is empty" sent users looking there
+            raise ValueError("the chat template rendered an empty prompt for these messages; "
+                             "check the template (chat_template=, --chat-template)")
         check_encodable(text, "messages")  # a name or a template variable may hold one too
         return {"prompt": text,
                 "prompt_token_ids": encode_text(self.tokenizer, text, add_special_tokens=False)}

@@ -97,13 +97,22 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None, chat_template_kwargs: dict | None = None,
              continue_final_message: bool = False,
-             tools: list[dict] | None = None, lora_request=None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, lora_request=None,
+             chat_template_content_format: str = "auto",
+             mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, via the chat template.
         `continue_final_message`: extend the last message (no end-of-turn after it) instead of
         opening a new assistant turn; it needs add_generation_prompt=False. `tools`: OpenAI
         tool dicts the template renders (as vLLM's LLM.chat); read calls out of the text with
         a tool parser (kiln.entrypoints.openai.tool_parsers)."""
         refuse_lora(lora_request)
+        # vLLM's keywords (a TypeError here): text joined into a string is its "string" format
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format {chat_template_content_format!r} "
+                             "is not supported: Kiln joins the text parts into a string "
+                             "(\"auto\" or \"string\")")
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs is not supported: Kiln's models are text-only")
         if isinstance(messages, str):
             raise ValueError("messages must be a list of {'role', 'content'} dicts (or a list "
                              "of such conversations), got a str; for plain text use generate()")

@@ -40,3 +40,11 @@ def test_a_chat_template_that_does_not_parse_is_refused(tmp_path):
     assert load_chat_template(tracked) == tracked
     long = "{# " + "x" * 5000 + " #}" + good
     assert load_chat_template(long) == long
+
+
+def test_an_empty_chat_template_file_is_refused_at_start(tmp_path):
+    """It rendered every chat as an empty prompt, each request failing on its own."""
+    path = tmp_path / "empty.jinja"
+    path.write_text("\n")
+    with pytest.raises(ValueError, match=f"--chat-template: {path} is empty"):
+        load_chat_template(str(path))

@@ -42,3 +42,42 @@ def test_history_parity_overflow_and_reset(tiny_llama_dir, monkeypatch, capsys):
     for messages, prompt in zip(seen, prompts):
         assert prompt["prompt_token_ids"] == tok.apply_chat_template(
             messages, add_generation_prompt=True, return_dict=False)
+
+
+def _spy_prompts(monkeypatch) -> list:
+    seen = []
+    render = LLMEngine.chat_prompt
+
+    def spy(self, messages, *args, **kwargs):
+        seen.append([dict(m) for m in messages])
+        return render(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(LLMEngine, "chat_prompt", spy)
+    return seen
+
+
+ENGINE_FLAGS = ["--temperature", "0", "--max-tokens", "2", "--ignore-eos", "--enforce-eager",
+                "--kv-cache-memory", "0.01"]
+
+
+def test_help_and_slash_exit_are_commands_not_turns(tiny_llama_dir, monkeypatch, capsys):
+    """"/help" and "/exit" went to the model as user turns (and the chat went on)."""
+    seen = _spy_prompts(monkeypatch)
+    # CRLF line ends (a Windows file piped in): the turn is "w5", not "w5\r"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("/help\r\nw5\r\n/exit\r\nw6\n"))
+    args = build_parser().parse_args(["chat", "--model", str(tiny_llama_dir), *ENGINE_FLAGS])
+    assert args.func(args) == 0
+    assert seen == [[{"role": "user", "content": "w5"}]]
+    assert "/reset starts the conversation again" in capsys.readouterr().err
+
+
+def test_vllm_chat_flags_system_prompt_and_quick(tiny_llama_dir, monkeypatch, capsys):
+    """`vllm chat --system-prompt S --quick MESSAGE`: one turn, its reply printed, stdin unread."""
+    seen = _spy_prompts(monkeypatch)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("w9\n"))
+    args = build_parser().parse_args(["chat", "--model", str(tiny_llama_dir), *ENGINE_FLAGS,
+                                      "--system-prompt", "w3 w4", "--quick", "w5 w6"])
+    assert args.func(args) == 0
+    assert seen == [[{"role": "system", "content": "w3 w4"},
+                     {"role": "user", "content": "w5 w6"}]]
+    assert len(capsys.readouterr().out.splitlines()) == 1

@@ -95,3 +95,20 @@ def test_bos_text_in_a_prompt_is_a_second_bos_as_in_hf_encode(stories_dir, token
     proc = InputProcessor(ModelConfig(model=str(stories_dir), max_model_len=64), tokenizer)
     ids = proc.process("<s>Hello", None).prompt_token_ids
     assert ids == tokenizer("<s>Hello").input_ids and ids[:2] == [1, 1]
+
+
+def test_an_empty_tool_calls_list_is_no_calls_as_in_vllm():
+    """Llama 3.1's template takes `'tool_calls' in message` for a turn that called tools (and
+    raises unless there is exactly one): an assistant turn a client sends with [] is plain."""
+    (msg,) = chat_messages([{"role": "assistant", "content": "hi", "tool_calls": []}])
+    assert msg == {"role": "assistant", "content": "hi"}
+
+
+def test_vllms_reasoning_field_reaches_templates_as_reasoning_content():
+    """vLLM's clients replay an assistant turn's thinking as "reasoning"; templates (Qwen3's)
+    read reasoning_content, which vLLM fills from it. It was dropped."""
+    (msg,) = chat_messages([{"role": "assistant", "content": "4", "reasoning": "2+2"}])
+    assert msg["reasoning_content"] == "2+2"
+    (msg,) = chat_messages([{"role": "assistant", "content": "4", "reasoning": "a",
+                             "reasoning_content": "b"}])
+    assert msg["reasoning_content"] == "b"

@@ -222,6 +222,14 @@ def test_chat_uses_template(stories_llm):
     assert outs[0].prompt_token_ids == stories_llm.get_tokenizer()(
         "Lily saw a ", add_special_tokens=False).input_ids
     assert all(o.outputs[0].token_ids for o in outs)
+    # vLLM's content-format and multimodal keywords (a TypeError): "string" is Kiln's way
+    (same,) = stories_llm.chat([{"role": "user", "content": "Lily saw a"}], use_tqdm=False,
+                               chat_template=template, chat_template_content_format="string",
+                               mm_processor_kwargs=None)
+    assert same.prompt == "Lily saw a "
+    with pytest.raises(ValueError, match="chat_template_content_format 'openai' is not"):
+        stories_llm.chat([{"role": "user", "content": "Hi"}], chat_template=template,
+                         chat_template_content_format="openai")
 
 
 def test_unknown_llm_argument():

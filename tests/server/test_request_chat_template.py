@@ -47,6 +47,11 @@ def test_trusted_server_renders_the_requests_template(tiny_llama_dir):
         # A template that fails to render is the request's error, named as such.
         bad = c.post("/v1/chat/completions", json={**body, "chat_template": "{% if %}"})
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "chat_template_error"
+        # One that fails in its own code: the error says so once, and the server goes on.
+        bad = c.post("/v1/chat/completions", json={**body, "chat_template": "{{ 1/0 }}"})
+        assert bad.status_code == 400 and bad.json()["error"]["message"] == (
+            "the chat template does not render: ZeroDivisionError: division by zero")
+        assert c.post("/v1/chat/completions", json=body).status_code == 200
 
 
 @pytest.mark.parametrize("path,extra", [

@@ -1,7 +1,8 @@
 """`kiln chat`: an interactive conversation, streaming each reply token by token.
 
 Reads one user turn per stdin line until EOF or "exit"; keeps the history for the chat template
-("/reset" forgets it, keeping the system prompt).
+("/reset" forgets it, keeping the system prompt). vLLM's `vllm chat` flags --system-prompt and
+--quick work as there.
 """
 import argparse
 import sys
@@ -11,8 +12,10 @@ from kiln.entrypoints.cli.sampling_args import add_sampling_args, sampling_param
 from kiln.process_signals import exit_if_stopped
 from kiln.sampling_params import RequestOutputKind
 
-EXIT_WORDS = ("exit", "quit")
+EXIT_WORDS = ("exit", "quit", "/exit", "/quit")
 RESET_WORD = "/reset"
+HELP_WORD = "/help"
+COMMANDS = f"{RESET_WORD} starts the conversation again, /exit (or end of input) stops"
 
 
 def register(subparsers) -> None:
@@ -20,7 +23,12 @@ def register(subparsers) -> None:
                                    description="Chat with a model; one user turn per line, "
                                                f"'{RESET_WORD}' to start the conversation "
                                                "again, 'exit' or end of input to stop.")
-    parser.add_argument("--system", default=None, help="system prompt")
+    # --system-prompt and --quick are vLLM's names (`vllm chat`), which were unrecognized
+    # arguments; its -q is --quantization here, as in `vllm serve`
+    parser.add_argument("--system", "--system-prompt", dest="system", default=None,
+                        help="system prompt")
+    parser.add_argument("--quick", metavar="MESSAGE", default=None,
+                        help="send MESSAGE as the only turn, print the reply and exit")
     add_sampling_args(parser, max_tokens=512)
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run)
@@ -59,7 +67,16 @@ def run(args: argparse.Namespace) -> int:
         raise
     start = [{"role": "system", "content": args.system}] if args.system else []
     history = list(start)
+    if args.quick is not None:  # one turn: its error is the command's (exit status 2)
+        try:
+            stream_reply(engine, "chat-0", engine.chat_prompt(
+                start + [{"role": "user", "content": args.quick}]), params)
+        finally:
+            engine.shutdown()
+        return 0
     interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"(one turn per line; {COMMANDS})", file=sys.stderr, flush=True)
     turn = 0
     try:
         while True:
@@ -68,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
             line = sys.stdin.readline()
             if not line:
                 break
-            line = line.rstrip("\n")
+            line = line.rstrip("\r\n")  # a CRLF pipe (Windows files) sent "\r" to the model
             if line.strip().lower() in EXIT_WORDS:
                 break
             if not line.strip():
@@ -76,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
             if line.strip() == RESET_WORD:
                 history = list(start)
                 print("(conversation reset)", file=sys.stderr, flush=True)
+                continue
+            if line.strip() == HELP_WORD:  # not a turn: the model was asked what "/help" is
+                print(f"(one turn per line; {COMMANDS})", file=sys.stderr, flush=True)
                 continue
             if (problem := _not_utf8(line)) is not None:
                 print(f"error: {problem}", file=sys.stderr, flush=True)

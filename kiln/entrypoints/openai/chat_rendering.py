@@ -57,8 +57,11 @@ async def render_chat_prompt(llm: AsyncLLM, messages: list[ChatMessage],
     try:
         prompt = await llm.chat_prompt(plain, **kwargs)
     except Exception as e:  # noqa: BLE001 - jinja errors, sandbox violations, no template
-        raise OpenAIError(f"could not render the chat template: {type(e).__name__}: {e}",
-                          param="messages", code="chat_template_error") from None
+        # The engine's own errors say what failed with the template; "could not render the
+        # chat template: ValueError: the chat template does not render: ..." said it twice.
+        text = str(e) if isinstance(e, ValueError) and "chat template" in str(e) else \
+            f"could not render the chat template: {type(e).__name__}: {e}"
+        raise OpenAIError(text, param="messages", code="chat_template_error") from None
     if add_special_tokens:
         prompt["prompt_token_ids"] = await llm.run_in_engine(
             lambda text: encode_text(llm.tokenizer, text, add_special_tokens=True),

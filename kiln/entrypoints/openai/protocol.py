@@ -233,11 +233,13 @@ class TextContentPart(RequestPart):
 
 class ChatMessage(RequestPart):
     role: str
-    content: str | list[TextContentPart] | None = None
+    # plain strings among the parts are text, as vLLM (and LLM.chat) take them
+    content: str | list[str | TextContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: the call it answers
     reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's newer name for reasoning_content
 
 
 class FunctionDefinition(RequestBase):

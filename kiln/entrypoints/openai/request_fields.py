@@ -1,6 +1,7 @@
 """vLLM's request fields beyond sampling, as the completion and chat handlers apply them:
 request_id, cache_salt, prompt_logprobs in the response, cached-token usage, chat echo.
 """
+from kiln.engine.input_processor import chat_messages
 from kiln.entrypoints.openai.logprob_format import token_id_text
 from kiln.entrypoints.openai.protocol import PromptLogprob, PromptLogprobs
 from kiln.outputs import Logprob, RequestOutput
@@ -55,10 +56,9 @@ def echo_prefix(req, messages: list) -> str:
         else last.role
     if last.role != role:
         return ""
-    content = last.content
-    if isinstance(content, list):
-        return "\n".join(part.text or "" for part in content if part.type == "text")
-    return content or ""
+    # The content as the template got it: every text part (input_text, output_text, refusal
+    # too; "text" alone dropped the others from the echo), joined with newlines.
+    return chat_messages([last.model_dump(exclude_none=True)])[0]["content"]
 
 
 def token_ids_fields(req, prompt_token_ids: list[int] | None,
