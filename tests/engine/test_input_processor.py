@@ -226,3 +226,16 @@ def test_a_bad_word_with_leading_space_is_banned_as_first_word_too(tmp_path):
     assert plain != spaced
     for word in (" quick", "\nquick"):
         assert bad_words_token_ids(tok, [word]) == [plain, spaced], word
+
+
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
+def test_logprobs_past_the_vocabulary_refused_under_a_larger_cap(stories_dir, tokenizer, name):
+    # --max-logprobs above the vocabulary let logprobs=vocab+1 through to the sampler, whose
+    # top-k of more tokens than there are killed the engine core (every request lost).
+    mc = ModelConfig(model=str(stories_dir), max_model_len=64, max_logprobs=100_000)
+    proc = InputProcessor(mc, tokenizer)
+    vocab = mc.vocab_size
+    with pytest.raises(ValueError, match=f"{name} must be <= {vocab}, the vocabulary's size"):
+        proc.process({"prompt_token_ids": [1, 5]}, SamplingParams(**{name: vocab + 1}))
+    assert getattr(proc.process({"prompt_token_ids": [1, 5]},
+                                SamplingParams(**{name: vocab})).params, name) == vocab
