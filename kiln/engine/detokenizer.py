@@ -200,10 +200,14 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         return full_text[start:]
 
-    def update(self, new_token_ids: list[int], final: bool = False) -> str | None:
+    def update(self, new_token_ids: list[int], final: bool = False,
+               stop_terminated: bool = False) -> str | None:
         """Append tokens; returns the stop string if one appeared (text is then truncated).
 
         `final` flushes a trailing partial character (the request ends after these tokens).
+        `stop_terminated`: a stop token (eos, stop_token_ids) ended the request with these
+        tokens; its text (include_stop_str_in_output) is then not searched for stop strings,
+        as in vLLM: the token is the stop, reported as such, and its text stays whole.
         """
         new_chars = 0
         for i, tid in enumerate(new_token_ids):
@@ -217,7 +221,7 @@ class IncrementalDetokenizer:
             piece = self._flush()
             self.output_text += piece
             new_chars += len(piece)
-        if self.stop and new_chars:
+        if self.stop and new_chars and not stop_terminated:
             hit = find_stop_string(self.output_text, new_chars, self.stop,
                                    self.include_stop_str_in_output)
             if hit is not None:

@@ -98,9 +98,13 @@ def check_prompt_keys(prompt: dict) -> None:
                              f"{', '.join(PROMPT_KEYS)}")
 
 
-def bad_words_token_ids(tokenizer, bad_words: list[str]) -> list[list[int]]:
+def bad_words_token_ids(tokenizer, bad_words: list[str],
+                        vocab_size: int | None = None) -> list[list[int]]:
     """Each bad word's token ids, as a text's first word and after a space (tokenizers give a
-    word different tokens there), each sequence once."""
+    word different tokens there), each sequence once. A sequence holding an id at or past the
+    model's `vocab_size` (a tokenizer with more ids than the model's logits) is left out: the
+    model can never write it, and banning its last token indexed past the logits (the engine
+    core died)."""
     if tokenizer is None:
         raise ValueError("bad_words needs a tokenizer to find the words' tokens, and this "
                          "engine runs with skip_tokenizer_init=True")
@@ -108,7 +112,8 @@ def bad_words_token_ids(tokenizer, bad_words: list[str]) -> list[list[int]]:
     for word in bad_words:
         for text in (word.lstrip(), " " + word.lstrip()):  # vLLM's two forms
             ids = encode_text(tokenizer, text, add_special_tokens=False)
-            if ids and ids not in out:
+            outside = vocab_size is not None and any(not 0 <= t < vocab_size for t in ids)
+            if ids and ids not in out and not outside:
                 out.append(ids)
     return out
 
@@ -260,6 +265,11 @@ def check_logprobs_cap(params, cap: int, vocab_size: int) -> None:
         if v is not None and v > cap:
             raise ValueError(f"{name} must be <= {cap}, the engine's max_logprobs "
                              f"(--max-logprobs), got {v}")
+        if v is not None and v > vocab_size:
+            # A --max-logprobs past the vocabulary lets this through; the sampler's top-k of
+            # more tokens than there are killed the engine core.
+            raise ValueError(f"{name} must be <= {vocab_size}, the vocabulary's size (-1 asks "
+                             f"for all of it), got {v}")
 
 
 def chat_render_kwargs(add_generation_prompt: bool, continue_final_message: bool,
@@ -420,7 +430,8 @@ class InputProcessor:
             params.stop_token_ids = [*params.stop_token_ids, *extra]
         params.update_from_tokenizer(self.eos_token_id, self.vocab_size, self.extra_eos_token_ids)
         if params.bad_words:
-            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words,
+                                                             self.vocab_size)
         params.check_masks_leave_a_token()
         clip_max_tokens(params, len(token_ids), self.max_model_len, max_tokens_must_fit)
         salt = prompt_cache_salt(prompt)

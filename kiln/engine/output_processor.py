@@ -242,7 +242,8 @@ class OutputProcessor:
             detok_ids = new_ids[:-1]
         stop_str = None
         if sample.params.detokenize:  # else the text stays "" (stop strings are refused)
-            stop_str = sample.detokenizer.update(detok_ids, final=out.finished)
+            stop_str = sample.detokenizer.update(detok_ids, final=out.finished,
+                                                 stop_terminated=ended_by_token)
         if stop_str is not None:
             sample.finish_reason, sample.stop_reason = "stop", stop_str
             return not out.finished

@@ -102,7 +102,8 @@ class NoTextDetokenizer:
     """For requests with detokenize=False or an engine without a tokenizer: no text, ever."""
     output_text = ""
 
-    def update(self, new_token_ids: list[int], final: bool = False) -> None:
+    def update(self, new_token_ids: list[int], final: bool = False,
+               stop_terminated: bool = False) -> None:
         return None
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:

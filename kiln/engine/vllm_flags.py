@@ -101,6 +101,10 @@ VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
              takes_value=False, accepted_alone=True),
     VllmFlag(("--scheduling-policy",), "the order requests are scheduled in", "Kiln schedules "
              "first come, first served (requests' priority must be 0)", accepted=("fcfs",)),
+    VllmFlag(("--logprobs-mode",), "choosing what logprobs hold (raw or processed logprobs "
+             "or logits)", "Kiln's logprobs and prompt_logprobs are always the model's raw "
+             "log-probabilities, before penalties, temperature and top-k/top-p/min-p (vLLM's "
+             "default)", accepted=("raw_logprobs",)),
     VllmFlag(("--enable-log-requests",), "logging request contents", "Kiln never logs them "
              "(its access log has one line per HTTP request; --disable-access-log drops it)",
              takes_value=False),

@@ -157,7 +157,11 @@ def _request_arrays(p: SamplingParams, vocab_size: int) -> dict:
         keep = cols < vocab_size
         cols, values = cols[keep], values[keep]
     cached = {"vocab_size": vocab_size, "allowed": mask, "bias_cols": cols,
-              "bias_values": values, "bad_words": BadWordIndex(p.bad_words_token_ids or [])}
+              "bias_values": values,
+              # a word holding an id past the logits (a tokenizer larger than the model's
+              # vocabulary) is never written, and banning it would index past the row
+              "bad_words": BadWordIndex([w for w in p.bad_words_token_ids or ()
+                                         if all(0 <= t < vocab_size for t in w)])}
     p.__dict__["_kiln_step_arrays"] = cached
     return cached
 

@@ -261,3 +261,43 @@ def test_a_bad_word_with_leading_space_is_banned_as_first_word_too(tmp_path):
     assert plain != spaced
     for word in (" quick", "\nquick"):
         assert bad_words_token_ids(tok, [word]) == [plain, spaced], word
+
+
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
+def test_logprobs_past_the_vocabulary_refused_under_a_larger_cap(stories_dir, tokenizer, name):
+    # --max-logprobs above the vocabulary let logprobs=vocab+1 through to the sampler, whose
+    # top-k of more tokens than there are killed the engine core (every request lost).
+    mc = ModelConfig(model=str(stories_dir), max_model_len=64, max_logprobs=100_000)
+    proc = InputProcessor(mc, tokenizer)
+    vocab = mc.vocab_size
+    with pytest.raises(ValueError, match=f"{name} must be <= {vocab}, the vocabulary's size"):
+        proc.process({"prompt_token_ids": [1, 5]}, SamplingParams(**{name: vocab + 1}))
+    assert getattr(proc.process({"prompt_token_ids": [1, 5]},
+                                SamplingParams(**{name: vocab})).params, name) == vocab
+
+
+def test_bad_words_past_the_models_vocabulary_are_left_out(tmp_path):
+    """A tokenizer with more ids than the model's logits (here 512 against 400): a bad word
+    spelled with an id past them cannot be written, and banning it indexed past the logits,
+    which killed the engine core (every request in flight lost)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from kiln.sample.sampler import Sampler
+    from kiln.sample.sampling_metadata import build_sampling_metadata
+
+    from checkpoints import make_tiny_checkpoint, save_tiny_tokenizer
+
+    make_tiny_checkpoint(tmp_path, "llama", tie=False, vocab_size=400)
+    save_tiny_tokenizer(tmp_path, 512)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    proc = InputProcessor(ModelConfig(model=str(tmp_path), max_model_len=64), tok)
+    params = proc.process({"prompt_token_ids": [1, 5]},
+                          SamplingParams(bad_words=["w450", "w5 w450", "w7"])).params
+    assert params.bad_words_token_ids == [[7]]
+    # The sampler leaves such words out too (a request that reached it with them).
+    params.bad_words_token_ids = [[450], [5, 450], [7]]
+    meta = build_sampling_metadata([params], [[1, 5]], [[5]], [None], None, 400,
+                                   torch.device("cpu"))
+    assert meta.min_tokens_cols.tolist() == [7]
+    assert Sampler()(torch.randn(1, 400), meta).sampled_token_ids.item() != 7

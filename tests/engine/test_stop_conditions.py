@@ -104,6 +104,23 @@ def test_stop_token_id_reported_and_its_text_kept_only_if_asked(tokenizer, inclu
     assert c.text == (" a cat." if include else " a cat")
 
 
+def test_a_stop_token_kept_in_the_text_is_not_searched_for_stop_strings(tokenizer):
+    # vLLM: a request a stop token ended reports that token, its text (kept by
+    # include_stop_str_in_output) whole; stop strings are not looked for in it. Kiln cut the
+    # text at a stop string inside the token's text and reported the string instead.
+    ids = ids_of(tokenizer, "a cat.")
+    dot = ids[-1]
+    proc = start(tokenizer, stop=["."], stop_token_ids=[dot], include_stop_str_in_output=True)
+    c = run(proc, ids, finish="stop", stop_reason=dot)[0][-1].outputs[0]
+    assert (c.finish_reason, c.stop_reason, c.text) == ("stop", dot, " a cat.")
+    # A stop string ending inside the stop token's text: "king" is "▁k" "ing".
+    king = ids_of(tokenizer, "a king")
+    proc = start(tokenizer, stop=["kin"], stop_token_ids=[king[-1]],
+                 include_stop_str_in_output=True)
+    c = run(proc, king, finish="stop", stop_reason=king[-1])[0][-1].outputs[0]
+    assert (c.stop_reason, c.text) == (king[-1], " a king")
+
+
 def test_eos_ends_without_stop_reason_and_with_skip_false_its_text_is_dropped(tokenizer):
     ids = ids_of(tokenizer, "a cat") + [EOS]
     outs, _ = run(start(tokenizer, skip_special_tokens=False), ids, finish="stop")

@@ -79,7 +79,7 @@ TESTER_FLAGS = [
     "--disable-custom-all-reduce", "--scheduling-policy", "--enable-log-requests", "--task",
     "--runner", "--config", "--chat-template-content-format", "--async-scheduling",
     "--cpu-offload-gb", "--enable-sleep-mode", "--model-impl", "--api-server-count",
-    "--rope-scaling", "--kv-cache-memory-bytes"]
+    "--rope-scaling", "--kv-cache-memory-bytes", "--logprobs-mode"]
 
 
 def _engine_commands(parser=None, prefix=()):
@@ -123,7 +123,9 @@ def test_vllm_flag_refusals_say_why_and_what_instead():
                         (["serve", "--kv-cache-memory-bytes", "4G"], "--kv-cache-memory 4)"),
                         (["serve", "--override-generation-config", "{}"],
                          "--generation-config DIR"),
-                        (["serve", "-dp", "2"], "only -dp 1 is taken")):
+                        (["serve", "-dp", "2"], "only -dp 1 is taken"),
+                        (["serve", "--logprobs-mode", "processed_logprobs"],
+                         "always the model's raw log-probabilities")):
         with pytest.raises(VllmOnlyFlagError, match=re.escape(words)):
             parser.parse_args(argv)
 
@@ -133,7 +135,7 @@ def test_vllm_flags_at_kilns_one_meaning_are_taken():
         "serve", "-dp", "1", "--task", "generate", "--runner", "auto", "--scheduling-policy",
         "fcfs", "--disable-sliding-window", "--disable-custom-all-reduce", "--response-role",
         "assistant", "--chat-template-content-format", "string", "--api-server-count", "1",
-        "--enable-server-load-tracking"])
+        "--enable-server-load-tracking", "--logprobs-mode", "raw_logprobs"])
     engine_args = EngineArgs.from_cli_args(args)
     assert engine_args == EngineArgs()
     assert not {"task", "runner", "data_parallel_size", "scheduling_policy"} & set(vars(args))
@@ -270,3 +272,13 @@ def test_bench_throughput_takes_vllms_random_lengths():
     args = build_parser().parse_args(["bench", "throughput", "--dataset-name", "random",
                                       "--random-input-len", "7", "--random-output-len", "5"])
     assert (args.input_len, args.output_len) == (7, 5)
+
+
+def test_llm_logprobs_mode_raw_is_taken_and_others_refused():
+    # A vLLM script's LLM(logprobs_mode="raw_logprobs") asks for what Kiln always returns; it
+    # was refused as an unknown argument, and the processed modes with no word on why.
+    from kiln.engine.vllm_flags import VllmOnlyFlagError, check_vllm_only_kwargs
+
+    assert check_vllm_only_kwargs({"logprobs_mode": "raw_logprobs", "seed": 1}) == {"seed": 1}
+    with pytest.raises(VllmOnlyFlagError, match="raw log-probabilities"):
+        check_vllm_only_kwargs({"logprobs_mode": "processed_logprobs"})

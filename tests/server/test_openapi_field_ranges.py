@@ -62,6 +62,10 @@ def test_whole_vocabulary_logprobs_are_stated_only_where_the_cap_allows():
         return schema["properties"]["logprobs"]["anyOf"][0]["minimum"]
 
     assert minimum(20) == 0 and minimum(VOCAB) == -1
+    # a --max-logprobs past the vocabulary: the server refuses more than the vocabulary holds
+    schema = {"properties": {"logprobs": {"anyOf": [{"type": "integer"}]}}}
+    _sampling_ranges(schema, VOCAB * 10, VOCAB)
+    assert schema["properties"]["logprobs"]["anyOf"][0]["maximum"] == VOCAB
 
 
 

@@ -109,6 +109,8 @@ def _sampling_ranges(model_schema: dict, max_logprobs: int,
     )
 
     whole_vocab = -1 if vocab_size is None or vocab_size <= max_logprobs else 0
+    if vocab_size is not None:  # a --max-logprobs past the vocabulary: no more than it holds
+        max_logprobs = min(max_logprobs, vocab_size)
 
     ranges = {"temperature": {"minimum": 0}, "top_p": {"exclusiveMinimum": 0, "maximum": 1},
               "min_p": {"minimum": 0, "maximum": 1}, "top_k": {"minimum": -1},
