@@ -73,12 +73,16 @@ def _cached(gguf: Path, name: str, load: Callable[[Path], Any], convert: Callabl
     return value
 
 
-def _load(gguf: Path, part: str, auto_class):
-    value = _cached(gguf, part, auto_class.from_pretrained,
-                    lambda: auto_class.from_pretrained(gguf.parent, gguf_file=gguf.name),
-                    lambda converted, path: converted.save_pretrained(path))
-    value.name_or_path = str(gguf.parent)  # what transformers names it, not the cache's path
-    return value
+def _read_tokenizer(part: Path):
+    """The kept tokenizer as converted: tokenizer.json holds its whole pipeline. Read back as
+    its own class (AutoTokenizer), a transformers 5 class that builds its pipeline in __init__
+    (Qwen2Tokenizer, every qwen2 and qwen3 file's) replaced the converted one: later starts
+    NFC-normalized text the first did not ("e" + U+0301 gave other ids)."""
+    try:
+        from transformers import TokenizersBackend as reader  # transformers 5: the file as is
+    except ImportError:  # 4.x: every fast class reads tokenizer.json as it is
+        from transformers import AutoTokenizer as reader
+    return reader.from_pretrained(part)
 
 
 def load_config(gguf: Path):
@@ -134,7 +138,11 @@ def load_tokenizer(gguf: Path):
     """AutoTokenizer (vocabulary, special tokens, chat template) of a .gguf file."""
     from transformers import AutoTokenizer
 
-    return _load(gguf, "tokenizer", AutoTokenizer)
+    value = _cached(gguf, "tokenizer", _read_tokenizer,
+                    lambda: AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name),
+                    lambda converted, path: converted.save_pretrained(path))
+    value.name_or_path = str(gguf.parent)  # what transformers names it, not the cache's path
+    return value
 
 
 def _tensor_table(gguf_path: Path) -> dict:

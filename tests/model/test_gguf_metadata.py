@@ -3,6 +3,7 @@ Kiln's cache without parsing the file, identical in every way the engine uses th
 import json
 import os
 import time
+import unicodedata
 
 import pytest
 
@@ -107,3 +108,55 @@ def test_a_file_changed_with_its_size_and_mtime_kept_gets_a_new_conversion(tmp_p
     after = f.stat()
     assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
     assert gguf_metadata.converted_dir(f) != first
+
+
+def _qwen2_gguf(path):
+    """A qwen2 GGUF holding only metadata: checkpoints' byte-level chat tokenizer as llama.cpp's
+    converter writes a gpt2-model one (tokens, types, merges), no tensors."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from checkpoints import save_chat_tokenizer
+
+    save_chat_tokenizer(path.parent / "hf")
+    tok = AutoTokenizer.from_pretrained(path.parent / "hf")
+    model = json.loads(tok.backend_tokenizer.to_str())["model"]
+    tokens = sorted(tok.get_vocab(), key=tok.get_vocab().get)
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    for key in ("block_count", "context_length", "embedding_length", "feed_forward_length",
+                "head_count", "head_count_kv"):
+        getattr(w, f"add_{key}")(64)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model["merges"]])
+    w.add_eos_token_id(tok.eos_token_id)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_qwen2_files_tokenizer_reads_back_as_converted(tmp_path, monkeypatch):
+    """Read back as its class, Qwen2Tokenizer rebuilt the pipeline the conversion had made:
+    later starts NFC-normalized, the first (and transformers) did not; "cafe" + U+0301 had
+    other ids once the conversion was kept."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
+    path = _qwen2_gguf(tmp_path / "m.gguf")
+    direct = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    first = gguf_metadata.load_tokenizer(path)
+    with monkeypatch.context() as m:
+        _no_gguf_parsing(m)
+        again = gguf_metadata.load_tokenizer(path)
+    text = "cafe\u0301 \u212b <|im_end|>"
+    assert direct(text).input_ids != direct(unicodedata.normalize("NFC", text)).input_ids
+    for tok in (first, again):
+        assert json.loads(tok.backend_tokenizer.to_str()) == \
+            json.loads(direct.backend_tokenizer.to_str())
+        assert tok(text).input_ids == direct(text).input_ids
+        assert tok.eos_token_id == direct.eos_token_id
