@@ -85,6 +85,20 @@ def _read_tokenizer(part: Path):
     return reader.from_pretrained(part)
 
 
+def _convert_tokenizer(gguf: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception:
+        # A damaged --tokenizer file (the model's own is read first): transformers' parse
+        # fails with a struct.error or a numpy reshape, naming neither the file nor the fix.
+        from kiln.config.gguf_reader import open_gguf
+
+        open_gguf(gguf)  # raises the ValueError that does
+        raise
+
+
 def load_config(gguf: Path):
     """AutoConfig of a .gguf file, as an HFConfigSnapshot (converted once, then read back)."""
     from kiln.config.hf_config_snapshot import cached_snapshot
@@ -136,10 +150,7 @@ def _apply_head_size(config, head_size: dict | None, gguf: Path) -> None:
 
 def load_tokenizer(gguf: Path):
     """AutoTokenizer (vocabulary, special tokens, chat template) of a .gguf file."""
-    from transformers import AutoTokenizer
-
-    value = _cached(gguf, "tokenizer", _read_tokenizer,
-                    lambda: AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name),
+    value = _cached(gguf, "tokenizer", _read_tokenizer, lambda: _convert_tokenizer(gguf),
                     lambda converted, path: converted.save_pretrained(path))
     value.name_or_path = str(gguf.parent)  # what transformers names it, not the cache's path
     return value

@@ -160,3 +160,18 @@ def test_a_qwen2_files_tokenizer_reads_back_as_converted(tmp_path, monkeypatch):
             json.loads(direct.backend_tokenizer.to_str())
         assert tok(text).input_ids == direct(text).input_ids
         assert tok.eos_token_id == direct.eos_token_id
+
+
+@pytest.mark.parametrize("damage", ["truncated", "length"])
+def test_a_damaged_tokenizer_file_is_named(tmp_path, monkeypatch, damage):
+    """--tokenizer with a damaged GGUF (the model's own is checked before) failed with
+    transformers' struct.error and a traceback, naming neither the file nor the fix."""
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
+    path = _qwen2_gguf(tmp_path / "m.gguf")
+    data = path.read_bytes()
+    # the first key's length (after magic, version and the two counts) made huge
+    path.write_bytes(data[:len(data) // 2] if damage == "truncated" else
+                     data[:24] + (2 ** 50).to_bytes(8, "little") + data[32:])
+    with pytest.raises(ValueError, match=rf"GGUF file {path} \(\d+ bytes\) cannot be read .*"
+                                         "truncated or damaged"):
+        gguf_metadata.load_tokenizer(path)
