@@ -25,8 +25,9 @@ logger = init_logger(__name__)
 
 # Of what is kept; 2: rope scaling metadata in the table, 3: missing metadata, 4: the config
 # as a snapshot (config/config.json in hf_config_snapshot's format), 5: the head size, 6: the
-# metadata gguf_checks reads, 7: more of it (sizes' types, token ids), 8: tensors' dims.
-_FORMAT = 8
+# metadata gguf_checks reads, 7: more of it (sizes' types, token ids), 8: tensors' dims,
+# 9: the tokenizer's model and pre-tokenizer type (a tokenizer kept before splits no digits).
+_FORMAT = 9
 
 
 def converted_dir(gguf: Path) -> Path:
@@ -71,32 +72,6 @@ def _cached(gguf: Path, name: str, load: Callable[[Path], Any], convert: Callabl
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return value
-
-
-def _read_tokenizer(part: Path):
-    """The kept tokenizer as converted: tokenizer.json holds its whole pipeline. Read back as
-    its own class (AutoTokenizer), a transformers 5 class that builds its pipeline in __init__
-    (Qwen2Tokenizer, every qwen2 and qwen3 file's) replaced the converted one: later starts
-    NFC-normalized text the first did not ("e" + U+0301 gave other ids)."""
-    try:
-        from transformers import TokenizersBackend as reader  # transformers 5: the file as is
-    except ImportError:  # 4.x: every fast class reads tokenizer.json as it is
-        from transformers import AutoTokenizer as reader
-    return reader.from_pretrained(part)
-
-
-def _convert_tokenizer(gguf: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    except Exception:
-        # A damaged --tokenizer file (the model's own is read first): transformers' parse
-        # fails with a struct.error or a numpy reshape, naming neither the file nor the fix.
-        from kiln.config.gguf_reader import open_gguf
-
-        open_gguf(gguf)  # raises the ValueError that does
-        raise
 
 
 def load_config(gguf: Path):
@@ -150,7 +125,10 @@ def _apply_head_size(config, head_size: dict | None, gguf: Path) -> None:
 
 def load_tokenizer(gguf: Path):
     """AutoTokenizer (vocabulary, special tokens, chat template) of a .gguf file."""
-    value = _cached(gguf, "tokenizer", _read_tokenizer, lambda: _convert_tokenizer(gguf),
+    from kiln.config import gguf_tokenizer
+
+    value = _cached(gguf, "tokenizer", gguf_tokenizer.read,
+                    lambda: gguf_tokenizer.convert(gguf, load_tensor_table(gguf)),
                     lambda converted, path: converted.save_pretrained(path))
     value.name_or_path = str(gguf.parent)  # what transformers names it, not the cache's path
     return value
@@ -168,6 +146,8 @@ def _tensor_table(gguf_path: Path) -> dict:
     return {"architecture": arch, "rope_scaling": _rope_scaling_fields(reader, arch),
             "head_size": {"key": _field(reader, f"{arch}.attention.key_length"),
                           "value": _field(reader, f"{arch}.attention.value_length")},
+            "tokenizer": {"model": _field(reader, "tokenizer.ggml.model"),
+                          "pre": _field(reader, "tokenizer.ggml.pre")},
             "metadata": {key: _summary(reader.fields[key])
                          for key in gguf_checks.metadata_keys(arch) if key in reader.fields},
             "tensors": [{"name": t.name, "type": int(t.tensor_type), "dtype": t.data.dtype.str,

@@ -175,3 +175,31 @@ def test_a_damaged_tokenizer_file_is_named(tmp_path, monkeypatch, damage):
     with pytest.raises(ValueError, match=rf"GGUF file {path} \(\d+ bytes\) cannot be read .*"
                                          "truncated or damaged"):
         gguf_metadata.load_tokenizer(path)
+
+
+def test_smollm2_splits_digits_off_first_as_its_hf_tokenizer(default_gguf, tmp_path,
+                                                             monkeypatch):
+    """SmolLM2's HF tokenizer (and llama.cpp's "smollm" pre-tokenizer type) splits digits off
+    before the GPT-2 regex; transformers' GGUF conversion knows no "smollm" and ran the regex
+    alone: the spaces or newlines before a digit became a token each ("\\n\\n1": "Ċ", "Ċ",
+    "1" where the model was trained on "ĊĊ", "1")."""
+    import gguf
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
+    fields = gguf.GGUFReader(default_gguf).fields
+    assert fields["tokenizer.ggml.pre"].contents() == "smollm"
+    vocab = {t: i for i, t in enumerate(fields["tokenizer.ggml.tokens"].contents())}
+    merges = [tuple(m.split(" ")) for m in fields["tokenizer.ggml.merges"].contents()]
+    hf = Tokenizer(models.BPE(vocab, merges))  # SmolLM2's tokenizer.json pipeline
+    hf.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    texts = ["Steps:\n\n1. Mix", "a  1", "x   2024", "in 2024,  42 ", "v1.2.3\t\t7"]
+    direct = AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+    assert direct(texts[0]).input_ids != hf.encode(texts[0]).ids  # what transformers does
+    first = gguf_metadata.load_tokenizer(default_gguf)
+    again = gguf_metadata.load_tokenizer(default_gguf)
+    for text in texts:
+        assert first(text).input_ids == again(text).input_ids == hf.encode(text).ids, text
