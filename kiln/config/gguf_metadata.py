@@ -25,8 +25,9 @@ logger = init_logger(__name__)
 
 # Of what is kept; 2: rope scaling metadata in the table, 3: missing metadata, 4: the config
 # as a snapshot (config/config.json in hf_config_snapshot's format), 5: the head size, 6: the
-# metadata gguf_checks reads, 7: more of it (sizes' types, token ids), 8: tensors' dims.
-_FORMAT = 8
+# metadata gguf_checks reads, 7: more of it (sizes' types, token ids), 8: tensors' dims,
+# 9: the tokenizer's model and pre-tokenizer type (a tokenizer kept before splits no digits).
+_FORMAT = 9
 
 
 def converted_dir(gguf: Path) -> Path:
@@ -70,14 +71,6 @@ def _cached(gguf: Path, name: str, load: Callable[[Path], Any], convert: Callabl
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    return value
-
-
-def _load(gguf: Path, part: str, auto_class):
-    value = _cached(gguf, part, auto_class.from_pretrained,
-                    lambda: auto_class.from_pretrained(gguf.parent, gguf_file=gguf.name),
-                    lambda converted, path: converted.save_pretrained(path))
-    value.name_or_path = str(gguf.parent)  # what transformers names it, not the cache's path
     return value
 
 
@@ -132,9 +125,13 @@ def _apply_head_size(config, head_size: dict | None, gguf: Path) -> None:
 
 def load_tokenizer(gguf: Path):
     """AutoTokenizer (vocabulary, special tokens, chat template) of a .gguf file."""
-    from transformers import AutoTokenizer
+    from kiln.config import gguf_tokenizer
 
-    return _load(gguf, "tokenizer", AutoTokenizer)
+    value = _cached(gguf, "tokenizer", gguf_tokenizer.read,
+                    lambda: gguf_tokenizer.convert(gguf, load_tensor_table(gguf)),
+                    lambda converted, path: converted.save_pretrained(path))
+    value.name_or_path = str(gguf.parent)  # what transformers names it, not the cache's path
+    return value
 
 
 def _tensor_table(gguf_path: Path) -> dict:
@@ -149,6 +146,8 @@ def _tensor_table(gguf_path: Path) -> dict:
     return {"architecture": arch, "rope_scaling": _rope_scaling_fields(reader, arch),
             "head_size": {"key": _field(reader, f"{arch}.attention.key_length"),
                           "value": _field(reader, f"{arch}.attention.value_length")},
+            "tokenizer": {"model": _field(reader, "tokenizer.ggml.model"),
+                          "pre": _field(reader, "tokenizer.ggml.pre")},
             "metadata": {key: _summary(reader.fields[key])
                          for key in gguf_checks.metadata_keys(arch) if key in reader.fields},
             "tensors": [{"name": t.name, "type": int(t.tensor_type), "dtype": t.data.dtype.str,

@@ -3,6 +3,7 @@ Kiln's cache without parsing the file, identical in every way the engine uses th
 import json
 import os
 import time
+import unicodedata
 
 import pytest
 
@@ -107,3 +108,98 @@ def test_a_file_changed_with_its_size_and_mtime_kept_gets_a_new_conversion(tmp_p
     after = f.stat()
     assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
     assert gguf_metadata.converted_dir(f) != first
+
+
+def _qwen2_gguf(path):
+    """A qwen2 GGUF holding only metadata: checkpoints' byte-level chat tokenizer as llama.cpp's
+    converter writes a gpt2-model one (tokens, types, merges), no tensors."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from checkpoints import save_chat_tokenizer
+
+    save_chat_tokenizer(path.parent / "hf")
+    tok = AutoTokenizer.from_pretrained(path.parent / "hf")
+    model = json.loads(tok.backend_tokenizer.to_str())["model"]
+    tokens = sorted(tok.get_vocab(), key=tok.get_vocab().get)
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    for key in ("block_count", "context_length", "embedding_length", "feed_forward_length",
+                "head_count", "head_count_kv"):
+        getattr(w, f"add_{key}")(64)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model["merges"]])
+    w.add_eos_token_id(tok.eos_token_id)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_qwen2_files_tokenizer_reads_back_as_converted(tmp_path, monkeypatch):
+    """Read back as its class, Qwen2Tokenizer rebuilt the pipeline the conversion had made:
+    later starts NFC-normalized, the first (and transformers) did not; "cafe" + U+0301 had
+    other ids once the conversion was kept."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
+    path = _qwen2_gguf(tmp_path / "m.gguf")
+    direct = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    first = gguf_metadata.load_tokenizer(path)
+    with monkeypatch.context() as m:
+        _no_gguf_parsing(m)
+        again = gguf_metadata.load_tokenizer(path)
+    text = "cafe\u0301 \u212b <|im_end|>"
+    assert direct(text).input_ids != direct(unicodedata.normalize("NFC", text)).input_ids
+    for tok in (first, again):
+        assert json.loads(tok.backend_tokenizer.to_str()) == \
+            json.loads(direct.backend_tokenizer.to_str())
+        assert tok(text).input_ids == direct(text).input_ids
+        assert tok.eos_token_id == direct.eos_token_id
+
+
+@pytest.mark.parametrize("damage", ["truncated", "length"])
+def test_a_damaged_tokenizer_file_is_named(tmp_path, monkeypatch, damage):
+    """--tokenizer with a damaged GGUF (the model's own is checked before) failed with
+    transformers' struct.error and a traceback, naming neither the file nor the fix."""
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
+    path = _qwen2_gguf(tmp_path / "m.gguf")
+    data = path.read_bytes()
+    # the first key's length (after magic, version and the two counts) made huge
+    path.write_bytes(data[:len(data) // 2] if damage == "truncated" else
+                     data[:24] + (2 ** 50).to_bytes(8, "little") + data[32:])
+    with pytest.raises(ValueError, match=rf"GGUF file {path} \(\d+ bytes\) cannot be read .*"
+                                         "truncated or damaged"):
+        gguf_metadata.load_tokenizer(path)
+
+
+def test_smollm2_splits_digits_off_first_as_its_hf_tokenizer(default_gguf, tmp_path,
+                                                             monkeypatch):
+    """SmolLM2's HF tokenizer (and llama.cpp's "smollm" pre-tokenizer type) splits digits off
+    before the GPT-2 regex; transformers' GGUF conversion knows no "smollm" and ran the regex
+    alone: the spaces or newlines before a digit became a token each ("\\n\\n1": "Ċ", "Ċ",
+    "1" where the model was trained on "ĊĊ", "1")."""
+    import gguf
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
+    fields = gguf.GGUFReader(default_gguf).fields
+    assert fields["tokenizer.ggml.pre"].contents() == "smollm"
+    vocab = {t: i for i, t in enumerate(fields["tokenizer.ggml.tokens"].contents())}
+    merges = [tuple(m.split(" ")) for m in fields["tokenizer.ggml.merges"].contents()]
+    hf = Tokenizer(models.BPE(vocab, merges))  # SmolLM2's tokenizer.json pipeline
+    hf.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    texts = ["Steps:\n\n1. Mix", "a  1", "x   2024", "in 2024,  42 ", "v1.2.3\t\t7"]
+    direct = AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+    assert direct(texts[0]).input_ids != hf.encode(texts[0]).ids  # what transformers does
+    first = gguf_metadata.load_tokenizer(default_gguf)
+    again = gguf_metadata.load_tokenizer(default_gguf)
+    for text in texts:
+        assert first(text).input_ids == again(text).input_ids == hf.encode(text).ids, text
