@@ -69,7 +69,7 @@ def _remove_ipc_sockets(addresses: tuple[str, ...]) -> None:
             pass
 
 
-def _failure(e: BaseException) -> CoreFailed:
+def failure_report(e: BaseException) -> CoreFailed:
     from kiln.compilation.piecewise import unwrap_backend_error
 
     e = unwrap_backend_error(e)  # a piece that failed to compile: the front end reports it
@@ -264,7 +264,7 @@ def run_engine_core(kiln_config, executor_class: type, input_address: str, outpu
             user_error = isinstance(e, (ValueError, FileNotFoundError))
             logger.log(logging.DEBUG if user_error else logging.ERROR, "engine core failed: %s",
                        "".join(traceback.format_exception(e)))
-            output_socket.send(encoder.encode(_failure(e)))
+            output_socket.send(encoder.encode(failure_report(e)))
             code = 1
     finally:
         if core is not None:
