@@ -18,6 +18,9 @@ class RequestStream:
         self.finished = False
         self.timer = RequestTimer(arrival_time, params.n)
         self.num_prompt_tokens: int | None = None  # once the engine has read the prompt
+        # The first engine step after this request's add (AsyncLLM): earlier steps' outputs
+        # under its id are a namesake's. None until the engine has added it.
+        self.first_step: int | None = None
         self._queue: asyncio.Queue = asyncio.Queue()
         self._merged = DeltaAccumulator()  # for CUMULATIVE / FINAL_ONLY
 

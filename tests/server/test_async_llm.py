@@ -185,3 +185,24 @@ def test_shutdown_drain_lets_short_requests_finish():
 
     outs, engine = run(main())
     assert outs[-1].finished and engine.aborted == []
+
+
+def test_an_id_used_again_at_once_gets_none_of_its_namesakes_outputs():
+    """A caller that leaves a stream (aborting it) and adds the same id at once: the step then
+    running still made an output of the old request, which reached the new stream (its tokens
+    began with the old request's; a final one ended it with the old request's text)."""
+    async def main():
+        llm = AsyncLLM(FakeEngine(step_delay=0.05))
+        want = [o.outputs[0].token_ids async for o in llm.generate(
+            {"prompt_token_ids": [9, 8]}, params(max_tokens=4), "ref")]
+        for _ in range(3):
+            old = llm.generate({"prompt_token_ids": [5, 6, 7]}, params(max_tokens=50), "x")
+            async for _ in old:
+                break  # a step of x is running now
+            await old.aclose()
+            got = [o.outputs[0].token_ids async for o in llm.generate(
+                {"prompt_token_ids": [9, 8]}, params(max_tokens=4), "x")]
+            assert got == want
+        await llm.shutdown()
+
+    run(main())
