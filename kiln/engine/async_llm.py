@@ -176,6 +176,9 @@ class AsyncLLM:
                                                       max_tokens_must_fit=max_tokens_must_fit)
             self._check_alive()
             stream.accepted(processed)
+            if self._streams.get(request_id) is not stream:
+                stream.put_abort()  # aborted while its prompt was read: it never runs
+                return stream
             await self._on_engine_thread(self._add_on_engine_thread, stream, processed,
                                          arrival_time)
         except ValueError:
@@ -209,10 +212,12 @@ class AsyncLLM:
             if not stream.finished:
                 self.abort_nowait(request_id)
 
-    async def abort(self, request_ids: str | list[str], record: bool = True) -> None:
-        """Abort requests and wait until the engine has freed their KV blocks. `record=False`
-        takes back requests of a call that was refused: no abort enters the metrics."""
-        ids = self._forget(request_ids, record)
+    async def abort(self, request_ids: str | list[str], record: bool = True,
+                    end_streams: bool = True) -> None:
+        """Abort requests and wait until the engine has freed their KV blocks; their streams
+        end with a final "abort" output (`end_streams=False`: the caller ends them). `record=
+        False` takes back requests of a call that was refused: no abort enters the metrics."""
+        ids = self._forget(request_ids, record, end_streams)
         if ids:
             await self._on_engine_thread(self.engine.abort_request, ids)
 
@@ -228,12 +233,15 @@ class AsyncLLM:
         except Exception:  # noqa: BLE001 - an abort must never kill the engine thread
             logger.exception("aborting %s failed", ids)
 
-    def _forget(self, request_ids: str | list[str], record: bool = True) -> list[str]:
+    def _forget(self, request_ids: str | list[str], record: bool = True,
+                end_streams: bool = True) -> list[str]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for rid in ids:
             stream = self._streams.pop(rid, None)
             if record and stream is not None and not stream.finished:
                 self._record_abort(stream)
+            if end_streams and stream is not None:
+                stream.put_abort()  # a consumer elsewhere waits on it (as vLLM's ends it)
         return ids
 
     def _record_abort(self, stream: RequestStream) -> None:
@@ -315,7 +323,7 @@ class AsyncLLM:
         if self._dead is not None or self._closed or not self._streams:
             return 0
         streams = list(self._streams.values())
-        await self.abort([s.request_id for s in streams])
+        await self.abort([s.request_id for s in streams], end_streams=False)
         for stream in streams:
             stream.put_error(EngineDeadError(reason))
         return len(streams)
