@@ -15,7 +15,7 @@ from kiln.benchmarks.child import run_json_child
 from kiln.compilation import monitor
 from kiln.compilation.counters import compilation_counter
 from kiln.compilation.passes import pass_manager
-from kiln.config import CompilationConfig, CompilationMode
+from kiln.config import CompilationMode
 from kiln.config.compilation_config import spec_to_dict
 from kiln.engine.arg_utils import EngineArgs
 from kiln.logger import init_logger
@@ -158,8 +158,7 @@ def run_compile_bench(engine_args: EngineArgs, keep_cache: bool = False,
                       timeout: float | None = None) -> dict:
     """Cold start on an empty cache, then a warm start on the same cache, in two processes."""
     base = spec_to_dict(engine_args.compilation_config)
-    if CompilationConfig.from_cli(dict(base)).mode == CompilationMode.NONE or \
-            engine_args.enforce_eager:
+    if engine_args.compilation().mode == CompilationMode.NONE or engine_args.enforce_eager:
         raise ValueError("`kiln bench compile` needs compilation on: drop --enforce-eager / -O0")
     engine_args.create_kiln_config()  # a bad flag fails here, as a usage error, not in a child
     root = Path(tempfile.mkdtemp(prefix="kiln-bench-compile-"))

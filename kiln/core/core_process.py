@@ -69,7 +69,7 @@ def _remove_ipc_sockets(addresses: tuple[str, ...]) -> None:
             pass
 
 
-def _failure(e: BaseException) -> CoreFailed:
+def failure_report(e: BaseException) -> CoreFailed:
     from kiln.compilation.piecewise import unwrap_backend_error
 
     e = unwrap_backend_error(e)  # a piece that failed to compile: the front end reports it
@@ -78,17 +78,20 @@ def _failure(e: BaseException) -> CoreFailed:
                       error_module=type(e).__module__)
 
 
-def merged_aborts(messages: list) -> list:
+def merged_aborts(messages: list) -> list[tuple[object, int]]:
     """The inputs in order, each run of consecutive AbortRequests as one: each abort call
     rebuilds the scheduler's queues, so a disconnect storm handled one by one cost the square
     of the queue (4,000 queued requests kept the core 7 s from stepping). Other inputs keep
-    their place between them (an id's abort, then its re-add)."""
-    out = []
+    their place between them (an id's abort, then its re-add). Each with how many inputs it
+    stands for, so inputs_handled counts only what was applied (an add's failure report)."""
+    out: list[tuple[object, int]] = []
     for message in messages:
-        if isinstance(message, AbortRequests) and out and isinstance(out[-1], AbortRequests):
-            out[-1] = AbortRequests(request_ids=[*out[-1].request_ids, *message.request_ids])
+        if isinstance(message, AbortRequests) and out and isinstance(out[-1][0], AbortRequests):
+            merged, count = out[-1]
+            out[-1] = (AbortRequests(request_ids=[*merged.request_ids, *message.request_ids]),
+                       count + 1)
         else:
-            out.append(message)
+            out.append((message, 1))
     return out
 
 
@@ -164,10 +167,13 @@ class CoreLoop:
             except zmq.Again:
                 break
             messages.append(self.decoder.decode(frame.buffer))
-        self.inputs_handled += len(messages)
-        for message in merged_aborts(messages):
+        for message, count in merged_aborts(messages):
             if not self.running:  # a Shutdown came: what followed it is not served
                 break
+            # Counted before it is applied, only up to itself: an add that fails reports its
+            # abort as of its own input, so the client does not take that report for a later
+            # add of the same id behind it in this batch (core_client's _unfinished).
+            self.inputs_handled += count
             changed |= self.handle(message)
         return changed
 
@@ -264,7 +270,7 @@ def run_engine_core(kiln_config, executor_class: type, input_address: str, outpu
             user_error = isinstance(e, (ValueError, FileNotFoundError))
             logger.log(logging.DEBUG if user_error else logging.ERROR, "engine core failed: %s",
                        "".join(traceback.format_exception(e)))
-            output_socket.send(encoder.encode(_failure(e)))
+            output_socket.send(encoder.encode(failure_report(e)))
             code = 1
     finally:
         if core is not None:

@@ -21,7 +21,12 @@ from kiln.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from kiln.config.compilation_config import cli_fields, merged_fields, spec_to_dict
+from kiln.config.compilation_config import (
+    CompilationMode,
+    cli_fields,
+    merged_fields,
+    spec_to_dict,
+)
 from kiln.config.load_config import LOAD_FORMATS
 from kiln.engine.vllm_flags import add_vllm_only_flags, human_readable_int
 
@@ -87,6 +92,9 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     enforce_eager: bool = False
     compilation_config: Any = None  # int | dict | str (mode or JSON) | CompilationConfig
+    # vLLM's optimization level (-O0..-O3): a default for the mode only, as in vLLM: 0 compiles
+    # nothing, 1..3 run mode 3; a mode compilation_config names wins, whatever the order
+    optimization_level: int | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
@@ -159,6 +167,20 @@ class EngineArgs:
         if not self.swap_space >= 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
 
+    def compilation(self) -> CompilationConfig:
+        """compilation_config with the optimization level's mode where it names none (a copy:
+        KilnConfig resolves the mode in it)."""
+        level = self.optimization_level
+        if level is not None and level not in (0, 1, 2, 3):
+            raise ValueError(f"optimization_level must be 0, 1, 2 or 3 (vLLM's levels), got "
+                             f"{level!r}")
+        config = CompilationConfig.from_cli(self.compilation_config)
+        if config is self.compilation_config:
+            config = dataclasses.replace(config)
+        if level is not None and config.mode is None:
+            config.mode = CompilationMode.NONE if level == 0 else CompilationMode.KILN_COMPILE
+        return config
+
     def create_kiln_config(self) -> KilnConfig:
         # Cheap checks first so a bad flag fails before the checkpoint is read.
         self._check_types()
@@ -175,10 +197,7 @@ class EngineArgs:
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend)
-        compilation_config = CompilationConfig.from_cli(self.compilation_config)
-        if compilation_config is self.compilation_config:
-            # KilnConfig resolves the mode in it: never share a caller's copy.
-            compilation_config = dataclasses.replace(compilation_config)
+        compilation_config = self.compilation()
         device_config = DeviceConfig(device=self.device)
         model_config = ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                                    max_model_len=self.max_model_len,
@@ -245,9 +264,12 @@ class EngineArgs:
                        help="compilation mode (" + MODES_HELP + ") or "
                             "CompilationConfig JSON (-O '{\"mode\": 3, \"compile_sizes\": "
                             "[1, 8]}'; given more than once, later fields override earlier "
-                            "ones; vLLM's -O.FIELD=VALUE too). -O0..-O3 (or "
-                            "--optimization-level N) are vLLM's optimization levels: -O0 "
-                            "compiles nothing, -O1..-O3 run mode 3")
+                            "ones; vLLM's -O.FIELD=VALUE too). -O0..-O3 are "
+                            "--optimization-level N")
+        g.add_argument("--optimization-level", dest="optimization_level", type=int,
+                       choices=[0, 1, 2, 3], default=d.optimization_level,
+                       help="vLLM's optimization level (-O0..-O3): 0 compiles nothing, 1..3 run "
+                            "mode 3; a mode the compilation config names wins")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                        help="ranks that split each layer (heads, MLP, vocab)")
         g.add_argument("--pipeline-parallel-size", "-pp", type=int,

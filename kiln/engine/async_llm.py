@@ -45,6 +45,9 @@ class AsyncLLM:
         self.last_stats: dict = {}
         # The server's cap on one call's prompts x n (None: no cap): serving_engine.submit.
         self.max_sequences_per_request: int | None = None
+        # Steps run on the engine thread (read and written there only): a step's outputs go to
+        # a stream only if its add ran before that step (RequestStream.first_step).
+        self._steps_run = 0
         add_death_callback = getattr(engine, "add_death_callback", None)
         if add_death_callback is not None:
             add_death_callback(self._core_died)
@@ -173,8 +176,11 @@ class AsyncLLM:
                                                       max_tokens_must_fit=max_tokens_must_fit)
             self._check_alive()
             stream.accepted(processed)
-            await self._on_engine_thread(self.engine.add_processed_request, request_id,
-                                         processed, arrival_time)
+            if self._streams.get(request_id) is not stream:
+                stream.put_abort()  # aborted while its prompt was read: it never runs
+                return stream
+            await self._on_engine_thread(self._add_on_engine_thread, stream, processed,
+                                         arrival_time)
         except ValueError:
             self._streams.pop(request_id, None)  # refused: nothing entered the engine
             raise
@@ -191,6 +197,10 @@ class AsyncLLM:
         self._start_loop()
         return stream
 
+    def _add_on_engine_thread(self, stream: RequestStream, processed, arrival_time) -> None:
+        self.engine.add_processed_request(stream.request_id, processed, arrival_time)
+        stream.first_step = self._steps_run + 1
+
     async def generate(self, prompt, sampling_params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs of one request; leaving the loop early (or being cancelled) aborts it."""
@@ -202,10 +212,12 @@ class AsyncLLM:
             if not stream.finished:
                 self.abort_nowait(request_id)
 
-    async def abort(self, request_ids: str | list[str], record: bool = True) -> None:
-        """Abort requests and wait until the engine has freed their KV blocks. `record=False`
-        takes back requests of a call that was refused: no abort enters the metrics."""
-        ids = self._forget(request_ids, record)
+    async def abort(self, request_ids: str | list[str], record: bool = True,
+                    end_streams: bool = True) -> None:
+        """Abort requests and wait until the engine has freed their KV blocks; their streams
+        end with a final "abort" output (`end_streams=False`: the caller ends them). `record=
+        False` takes back requests of a call that was refused: no abort enters the metrics."""
+        ids = self._forget(request_ids, record, end_streams)
         if ids:
             await self._on_engine_thread(self.engine.abort_request, ids)
 
@@ -221,12 +233,15 @@ class AsyncLLM:
         except Exception:  # noqa: BLE001 - an abort must never kill the engine thread
             logger.exception("aborting %s failed", ids)
 
-    def _forget(self, request_ids: str | list[str], record: bool = True) -> list[str]:
+    def _forget(self, request_ids: str | list[str], record: bool = True,
+                end_streams: bool = True) -> list[str]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for rid in ids:
             stream = self._streams.pop(rid, None)
             if record and stream is not None and not stream.finished:
                 self._record_abort(stream)
+            if end_streams and stream is not None:
+                stream.put_abort()  # a consumer elsewhere waits on it (as vLLM's ends it)
         return ids
 
     def _record_abort(self, stream: RequestStream) -> None:
@@ -256,10 +271,11 @@ class AsyncLLM:
                                                                      name="kiln-engine-loop")
         self._wake.set()
 
-    def _step(self) -> tuple[list[RequestOutput], list[int], bool, dict]:
+    def _step(self) -> tuple[list[RequestOutput], list[int], bool, dict, int]:
         outputs = self.engine.step()
+        self._steps_run += 1
         return (outputs, list(self.engine.last_step_tokens),
-                self.engine.has_unfinished_requests(), self.engine.step_stats())
+                self.engine.has_unfinished_requests(), self.engine.step_stats(), self._steps_run)
 
     async def _run_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -270,22 +286,26 @@ class AsyncLLM:
                 self._wake.clear()
                 more = True
                 while more and not self._closed:
-                    outputs, step_tokens, more, self.last_stats = await loop.run_in_executor(
-                        self._pool, self._step)
-                    self._dispatch(outputs, step_tokens)
+                    outputs, step_tokens, more, self.last_stats, step = \
+                        await loop.run_in_executor(self._pool, self._step)
+                    self._dispatch(outputs, step_tokens, step)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - every waiter must learn the engine died
             logger.exception("engine step loop failed; failing all in-flight requests")
             self._fail_all(e)
 
-    def _dispatch(self, outputs: list[RequestOutput], step_tokens: list[int]) -> None:
-        """`step_tokens`: the engine's last_step_tokens (none for a poll that found no step)."""
+    def _dispatch(self, outputs: list[RequestOutput], step_tokens: list[int], step: int) -> None:
+        """`step_tokens`: the engine's last_step_tokens (none for a poll that found no step).
+        `step`: which engine step made `outputs` (_steps_run)."""
         now = time.monotonic()
         stats = IterationStats(step_tokens=step_tokens)
         for out in outputs:
             stream = self._streams.get(out.request_id)
-            if stream is None:  # aborted while the step ran
+            if stream is None or stream.first_step is None or step < stream.first_step:
+                # Aborted while the step ran; or its id was used again at once, and these are
+                # its namesake's (the step ran before the new add: its outputs reached the
+                # new stream, whose text then began with the old request's tokens)
                 continue
             stream.timer.observe(out, now, stats)
             stream.put_delta(out)
@@ -303,7 +323,7 @@ class AsyncLLM:
         if self._dead is not None or self._closed or not self._streams:
             return 0
         streams = list(self._streams.values())
-        await self.abort([s.request_id for s in streams])
+        await self.abort([s.request_id for s in streams], end_streams=False)
         for stream in streams:
             stream.put_error(EngineDeadError(reason))
         return len(streams)

@@ -76,7 +76,7 @@ def _error_class(failure: CoreFailed):
     return None
 
 
-def _rebuild_error(failure: CoreFailed) -> BaseException:
+def rebuild_error(failure: CoreFailed) -> BaseException:
     """The core's exception as the same kind where it is a built-in or Kiln's (ValueError stays
     ValueError, WorkerFailedError stays WorkerFailedError), else as an EngineCoreDeadError; the
     message is the core's own."""
@@ -232,7 +232,7 @@ class CoreProcClient:
         noted as the client's death."""
         message = self._decoder.decode(self._output.recv(copy=False).buffer)
         if isinstance(message, CoreFailed):
-            self._dead = _rebuild_error(message)
+            self._dead = rebuild_error(message)
             self._failure_reported.set()
         return message
 

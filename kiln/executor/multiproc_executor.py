@@ -8,6 +8,7 @@ that some rank does not answer within KILN_EXECUTE_MODEL_TIMEOUT_SECONDS fails t
 the engine core watches the sentinels between steps (`rank_sentinels`, `check_health`).
 """
 import atexit
+import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -15,7 +16,6 @@ import pickle
 import signal
 import threading
 import time
-import traceback
 import weakref
 
 from kiln import envs
@@ -23,6 +23,7 @@ from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kiln.distributed.model_split import check_parallel_split
 from kiln.executor.abstract import Executor
 from kiln.executor.free_port import free_port
+from kiln.executor.rank_errors import error_report, startup_error
 from kiln.logger import init_logger
 from kiln.process_signals import leave_group_signals_to_parent
 
@@ -56,8 +57,8 @@ def _rank_main(kiln_config, rank: int, world_size: int, init_method: str, conn,
     leave_group_signals_to_parent(f"rank {rank}")  # the engine stops its ranks
     try:
         worker = RankWorker(kiln_config, rank, rank, world_size, init_method)
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
+    except BaseException as e:
+        conn.send(("error", error_report(e)))
         return
     conn.send(("ok", None))
     while True:
@@ -69,8 +70,8 @@ def _rank_main(kiln_config, rank: int, world_size: int, init_method: str, conn,
             break
         try:
             reply = ("ok", worker.call_pickled(payload))
-        except BaseException:
-            reply = ("error", traceback.format_exc())
+        except BaseException as e:
+            reply = ("error", error_report(e))
         conn.send(reply)
     worker.shutdown()
 
@@ -153,10 +154,10 @@ class MultiprocExecutor(Executor):
                     self.world_size, pc.tensor_parallel_size, pc.pipeline_parallel_size)
 
     # ---- calls ---------------------------------------------------------------------------
-    def _stop(self, message: str) -> None:
+    def _stop(self, message: str, level: int = logging.ERROR) -> None:
         """Stop every rank and refuse later calls with `message`."""
         self.failure = message
-        logger.error("%s; stopping every rank", message)
+        logger.log(level, "%s; stopping every rank", message)
         # The others may wait in a collective for the failed rank forever: no grace period.
         self._kill_all(self.procs)
         self.shutdown()
@@ -192,7 +193,13 @@ class MultiprocExecutor(Executor):
                         dead = self._dead_rank(_PEER_DEATH_S, besides=rank)
                         if dead is not None:
                             self._fail_dead(dead, f"during {what}")
-                        self._fail(f"worker rank {rank} failed during {what}:\n{value}")
+                        error = startup_error(value, rank, what)
+                        if error is not None:  # the user's to fix, in one line (rank_errors.py)
+                            self._stop(f"worker rank {rank} failed during {what}: {error}",
+                                       logging.DEBUG)
+                            raise error
+                        self._fail(f"worker rank {rank} failed during {what}:\n"
+                                   f"{value.traceback}")
                     replies[rank] = value
                 elif by_sentinel[obj] not in replies:
                     self._fail_dead(by_sentinel[obj], f"during {what}")

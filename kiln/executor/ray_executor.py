@@ -16,6 +16,8 @@ import signal
 import threading
 import time
 
+import msgspec
+
 from kiln import envs
 from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kiln.distributed.model_split import check_parallel_split
@@ -25,6 +27,7 @@ from kiln.executor.multiproc_executor import (
     WorkerFailedError,
     unanswered_message,
 )
+from kiln.executor.rank_errors import error_report, startup_error
 from kiln.executor.ray_placement import (
     check_ray_address,
     kiln_env_vars,
@@ -194,6 +197,20 @@ class RayExecutor(Executor):
         self.shutdown(graceful=False)
         raise WorkerFailedError(message)
 
+    def _fail_with(self, e, rank: int, what: str) -> None:
+        """A rank's call raised `e` (Ray's RayTaskError around it): the user's error raised as
+        itself, in one line (rank_errors.py), any other as WorkerFailedError."""
+        cause = getattr(e, "cause", None)
+        error = None
+        if isinstance(cause, BaseException):
+            report = msgspec.structs.replace(error_report(cause), traceback=str(e))
+            error = startup_error(report, rank, what)
+        if error is None:
+            self._fail(f"worker rank {rank} failed during {what}:\n{e}")
+        self.failure = f"worker rank {rank} failed during {what}: {error}"
+        self.shutdown(graceful=False)
+        raise error
+
     def check_health(self) -> None:
         """Non-blocking: read the pings sent last time (a dead actor's fails at once), then
         ping again once all have answered; one unanswered past the step timeout is a stuck
@@ -238,7 +255,7 @@ class RayExecutor(Executor):
                     self._fail(f"worker rank {rank} (Ray actor) died during {what}: "
                                f"{str(e).splitlines()[0]}")
                 except ray.exceptions.RayTaskError as e:
-                    self._fail(f"worker rank {rank} failed during {what}:\n{e}")
+                    self._fail_with(e, rank, what)
         return [results[r] for r in range(len(refs))]
 
     def _run_on_all(self, method: str, *args) -> list:

@@ -18,7 +18,8 @@ from kiln.engine.arg_utils import EngineArgs
 NON_DEFAULT = dict(
     model="/m", tokenizer="/t", dtype="bfloat16", max_model_len=64, max_num_seqs=4,
     max_num_batched_tokens=128, enforce_eager=True,
-    compilation_config='{"mode": 3, "compile_sizes": [1, 8]}', tensor_parallel_size=2,
+    compilation_config='{"mode": 3, "compile_sizes": [1, 8]}', optimization_level=2,
+    tensor_parallel_size=2,
     pipeline_parallel_size=2, distributed_executor_backend="mp", seed=7, load_format="dummy",
     block_size=32, kv_cache_memory=0.5, gpu_memory_utilization=0.5,
     enable_prefix_caching=False, num_gpu_blocks_override=10, device="cpu", revision="r",

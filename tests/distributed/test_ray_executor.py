@@ -124,3 +124,21 @@ def test_an_engine_core_process_joins_the_callers_ray(local_ray, tiny_llama_dir,
     assert [g["bundles"] for g in groups] == [{0: {"CPU": 1.0}, 1: {"CPU": 1.0}}]
     assert _groups_left(local_ray) == []
     assert local_ray.is_initialized()  # the caller's Ray, left running
+
+
+def test_a_ranks_user_error_at_start_up_is_raised_as_itself(local_ray, tmp_path):
+    """As on the mp backend (rank_errors.py): a ValueError a rank raises while loading came
+    back as WorkerFailedError holding Ray's whole remote traceback."""
+    import json
+
+    from checkpoints import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(tmp_path / "m", "llama", tie=False)
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "dense"}
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"^quantization_config") as refused:
+        make_llm(model, tensor_parallel_size=2, distributed_executor_backend="ray")
+    assert not isinstance(refused.value, WorkerFailedError)
+    assert "Traceback" not in str(refused.value)
+    assert _groups_left(local_ray) == []

@@ -61,3 +61,44 @@ def test_online_int8_at_tp2_scores_as_tp1(dirs, tmp_path):
     tp1, _ = _run(src, tmp_path, 1, quantization="int8")
     tp2, _ = _run(src, tmp_path, 2, quantization="int8")
     assert _max_diff(tp2, tp1) < TP2_FROM_TP1
+
+
+def test_a_scheme_kiln_does_not_run_is_one_line_at_tp2_as_at_tp1(dirs, tmp_path):
+    """Each rank refuses the scheme as it loads: that came back as WorkerFailedError holding the
+    rank's whole traceback, so `kiln generate -tp 2` printed 30 lines where -tp 1 prints the
+    refusal (a ValueError, exit 2). The rank's ValueError is raised again as itself."""
+    import json
+    import shutil
+
+    from kiln.model.layers.quantization.compressed_tensors import UnsupportedQuantization
+
+    bad = shutil.copytree(dirs[1], tmp_path / "bad")
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "tensor"
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedQuantization) as refused:
+        make_llm(bad, tensor_parallel_size=2)
+    assert str(refused.value).startswith("quantization_config.config_groups.group_0.weights."
+                                         "strategy='tensor' is not supported")
+    assert "Traceback" not in str(refused.value)
+
+
+def test_only_a_ranks_start_up_user_error_or_compile_error_is_raised_as_itself():
+    from kiln.compilation.piecewise import PieceCompileError
+    from kiln.executor.rank_errors import error_report, startup_error
+
+    def report(e):
+        try:
+            raise e
+        except BaseException as raised:  # noqa: BLE001 - a traceback, as a rank's
+            return error_report(raised)
+
+    assert type(startup_error(report(ValueError("v")), 0, "start-up")) is ValueError
+    assert type(startup_error(report(FileNotFoundError("f")), 1, "start-up")) is \
+        FileNotFoundError
+    piece = startup_error(report(PieceCompileError("compiling piece 0 failed")), 0,
+                          "compile_or_warm_up_model")
+    assert type(piece) is PieceCompileError and str(piece) == "compiling piece 0 failed"
+    assert startup_error(report(TypeError("a bug")), 0, "start-up") is None
+    assert startup_error(report(RuntimeError("a bug")), 0, "start-up") is None
+    assert startup_error(report(ValueError("in a step")), 0, "execute_model") is None

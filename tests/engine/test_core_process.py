@@ -46,15 +46,15 @@ def test_sampling_params_cross_field_by_field():
 
 def test_a_kiln_error_from_the_core_is_raised_as_its_own_kind():
     from kiln.core.core_messages import CoreFailed
-    from kiln.engine.core_client import _rebuild_error
+    from kiln.engine.core_client import rebuild_error
     from kiln.executor.multiproc_executor import WorkerFailedError
 
-    error = _rebuild_error(CoreFailed(error_type="WorkerFailedError", message="rank 1 died",
+    error = rebuild_error(CoreFailed(error_type="WorkerFailedError", message="rank 1 died",
                                       error_module="kiln.executor.multiproc_executor"))
     assert type(error) is WorkerFailedError and str(error) == "rank 1 died"
-    assert type(_rebuild_error(CoreFailed(error_type="ValueError", message="m"))) is ValueError
+    assert type(rebuild_error(CoreFailed(error_type="ValueError", message="m"))) is ValueError
     # Not a built-in nor Kiln's: the front says the core failed, with the core's message.
-    other = _rebuild_error(CoreFailed(error_type="Boom", message="m", error_module="numpy"))
+    other = rebuild_error(CoreFailed(error_type="Boom", message="m", error_module="numpy"))
     assert type(other) is EngineCoreDeadError and "Boom: m" in str(other)
 
 
@@ -401,7 +401,7 @@ def test_calls_after_the_cores_failure_say_the_engine_is_gone():
 
     client = CoreProcClient.__new__(CoreProcClient)
     client._encoder, _ = input_codec()
-    failure = ValueError("CUDA error: an illegal memory access")  # as _rebuild_error builds it
+    failure = ValueError("CUDA error: an illegal memory access")  # as rebuild_error builds it
     client._dead = failure
     with pytest.raises(EngineCoreDeadError, match="engine core failed: CUDA error") as e:
         client._send(AbortRequests(request_ids=["a"]))

@@ -19,7 +19,8 @@ def test_dotted_compilation_flags():
         cli_fields(".mode")
     assert dotted_flags_as_O(["serve", "--compilation-config.mode", "0", "-O.compile_sizes",
                               "[1, 8]", "--compilation-config.backend=eager", "-O3"]) == [
-        "serve", "-O.mode=0", "-O.compile_sizes=[1, 8]", "-O.backend=eager", "-O.mode=3"]
+        "serve", "-O.mode=0", "-O.compile_sizes=[1, 8]", "-O.backend=eager",
+        "--optimization-level=3"]
 
 
 def test_repeated_flags_add_up_inside_dict_fields():
@@ -255,15 +256,38 @@ def test_dash_O_digits_are_vllms_optimization_levels():
     parser = build_parser()
 
     def mode(*argv):
-        return parser.parse_args(dotted_flags_as_O(["serve", *argv])).compilation_config
+        args = parser.parse_args(dotted_flags_as_O(["serve", *argv]))
+        return int(EngineArgs.from_cli_args(args).compilation().mode)
 
-    assert [mode(f"-O{n}") for n in range(4)] == [{"mode": 0}] + [{"mode": 3}] * 3
-    assert mode("-O", "1") == mode("--optimization-level", "2") == {"mode": 3}
-    assert mode("--optimization-level=0") == {"mode": 0}
-    assert mode("--compilation-config", "1") == mode("-O.mode=1") == {"mode": 1}
-    assert mode("-O1", "-O.mode=2") == {"mode": 2}  # a later explicit field wins
+    assert [mode(f"-O{n}") for n in range(4)] == [0, 3, 3, 3]
+    assert mode("-O", "1") == mode("--optimization-level", "2") == mode("-O=1") == 3
+    assert mode("--optimization-level=0") == 0
+    assert mode("--compilation-config", "1") == mode("-O.mode=1") == 1
+    assert mode("-O1", "-O.mode=2") == 2
     with pytest.raises(ValueError, match=r"--optimization-level takes 0, 1, 2 or 3"):
         dotted_flags_as_O(["serve", "--optimization-level", "4"])
+
+
+def test_a_mode_named_wins_over_the_optimization_level_in_any_order():
+    """vLLM: "defaults set by optimization levels are purely defaults; explicit user settings
+    will not be overwritten". -O.mode=1 -O3 ran mode 3 (the later flag won), and -O=1 was mode 1
+    (argparse read "1" as -O's value, the mode) where -O1 is level 1."""
+    parser = build_parser()
+
+    def resolved(*argv):
+        args = EngineArgs.from_cli_args(parser.parse_args(dotted_flags_as_O(["serve", *argv])))
+        return int(args.compilation().mode)
+
+    assert resolved("-O.mode=1", "-O3") == resolved("-O3", "-O.mode=1") == 1
+    assert resolved("--compilation-config", '{"mode": 2}', "-O1") == 2
+    assert resolved("--compilation-config", "3", "-O0") == 3
+    assert resolved("--compilation-config", '{"compile_sizes": [4]}', "-O0") == 0
+    assert resolved("-O=1") == 3
+    assert int(EngineArgs(optimization_level=0).compilation().mode) == 0  # LLM(...) takes it
+    assert EngineArgs(optimization_level=2, compilation_config=1).compilation().mode == 1
+    with pytest.raises(ValueError, match=r"optimization_level must be 0, 1, 2 or 3"):
+        EngineArgs(optimization_level=5).compilation()
+    assert EngineArgs(optimization_level=0).to_cli_args() == ["--optimization-level", "0"]
 
 
 def test_bench_throughput_takes_vllms_random_lengths():

@@ -1,5 +1,6 @@
 """AsyncLLM against a fake engine: concurrency, output kinds, abort, cancellation, failures."""
 import asyncio
+import time
 
 import pytest
 
@@ -185,3 +186,81 @@ def test_shutdown_drain_lets_short_requests_finish():
 
     outs, engine = run(main())
     assert outs[-1].finished and engine.aborted == []
+
+
+def test_an_id_used_again_at_once_gets_none_of_its_namesakes_outputs():
+    """A caller that leaves a stream (aborting it) and adds the same id at once: the step then
+    running still made an output of the old request, which reached the new stream (its tokens
+    began with the old request's; a final one ended it with the old request's text)."""
+    async def main():
+        llm = AsyncLLM(FakeEngine(step_delay=0.05))
+        want = [o.outputs[0].token_ids async for o in llm.generate(
+            {"prompt_token_ids": [9, 8]}, params(max_tokens=4), "ref")]
+        for _ in range(3):
+            old = llm.generate({"prompt_token_ids": [5, 6, 7]}, params(max_tokens=50), "x")
+            async for _ in old:
+                break  # a step of x is running now
+            await old.aclose()
+            got = [o.outputs[0].token_ids async for o in llm.generate(
+                {"prompt_token_ids": [9, 8]}, params(max_tokens=4), "x")]
+            assert got == want
+        await llm.shutdown()
+
+    run(main())
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_an_abort_by_another_caller_ends_the_consumers_stream(kind):
+    """llm.abort(id) from elsewhere left the task iterating generate() waiting for good; vLLM
+    ends the stream with a final output, finish_reason "abort"."""
+    async def main():
+        llm = AsyncLLM(FakeEngine(step_delay=0.01))
+        seen = []
+
+        async def consume():
+            async for out in llm.generate({"prompt_token_ids": [5, 6]},
+                                          params(kind, max_tokens=1000, n=2), "a"):
+                seen.append(out)
+
+        task = asyncio.create_task(consume())
+        while len(seen) < 2:
+            await asyncio.sleep(0.005)
+        await llm.abort("a")
+        await asyncio.wait_for(task, 5)
+        await llm.shutdown()
+        return seen
+
+    seen = run(main())
+    last = seen[-1]
+    assert last.finished and [o.finish_reason for o in last.outputs] == ["abort", "abort"]
+    assert last.prompt_token_ids == [5, 6]
+    if kind == RequestOutputKind.CUMULATIVE:
+        assert len(last.outputs[0].token_ids) == len(seen) - 1
+
+
+def test_an_abort_while_the_prompt_is_read_keeps_the_request_out_of_the_engine():
+    """The abort found the stream (registered first) and took it away, then the add went on:
+    the request ran in the engine for nobody, and its stream never ended."""
+    async def main():
+        engine = FakeEngine()
+        llm = AsyncLLM(engine)
+        read = engine.process_inputs
+
+        def slow(*args, **kwargs):
+            time.sleep(0.2)
+            return read(*args, **kwargs)
+
+        engine.process_inputs = slow
+        adding = asyncio.create_task(llm.add_request("x", {"prompt_token_ids": [5, 6]},
+                                                     params(max_tokens=3)))
+        await asyncio.sleep(0.05)
+        await llm.abort("x")
+        stream = await adding
+        out = await asyncio.wait_for(stream.__anext__(), 5)
+        stats = await llm.get_stats()
+        await llm.shutdown()
+        return out, stats
+
+    out, stats = run(main())
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert stats["num_running"] == 0

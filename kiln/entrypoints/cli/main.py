@@ -108,29 +108,26 @@ def _prestart_core(argv: list[str]) -> None:
         core_interpreter.prestart()
 
 
-def optimization_level_mode(level: str) -> int | None:
-    """The compilation mode of vLLM's optimization level `level` ("0".."3"; None otherwise):
-    -O0 compiles nothing; -O1..-O3 compile with Kiln's piecewise stack (on a CPU vLLM's levels
-    differ only in CUDA graphs and GPU fusions, which Kiln applies as the platform allows)."""
-    return {"0": 0, "1": 3, "2": 3, "3": 3}.get(level)
+_LEVELS = ("0", "1", "2", "3")
 
 
 def dotted_flags_as_O(argv: list[str]) -> list[str]:
     """vLLM's --compilation-config.FIELD[=]VALUE and -O.FIELD VALUE as -O.FIELD=VALUE, and its
-    optimization levels (-O0..-O3, --optimization-level N) as the compilation mode they run."""
+    optimization levels (-O0..-O3, -O N, -O=N) as --optimization-level=N: a default for the
+    mode (-O0 compiles nothing; -O1..-O3 Kiln's piecewise stack: on a CPU vLLM's levels differ
+    only in CUDA graphs and GPU fusions, which Kiln applies as the platform allows)."""
     out, i = [], 0
     while i < len(argv):
         arg = argv[i]
         level = None
         if arg in ("-O", "--optimization-level") and i + 1 < len(argv):
             level = argv[i + 1]
-        elif arg.startswith("--optimization-level="):
+        elif arg.startswith(("--optimization-level=", "-O=")):
             level = arg.partition("=")[2]
         elif len(arg) == 3 and arg.startswith("-O"):
             level = arg[2]
-        mode = optimization_level_mode(level) if level is not None else None
-        if mode is not None:
-            out.append(f"-O.mode={mode}")
+        if level in _LEVELS:
+            out.append(f"--optimization-level={level}")
             i += 2 if arg in ("-O", "--optimization-level") else 1
             continue
         if arg.startswith("--optimization-level"):
