@@ -4,6 +4,8 @@ compile is raised again in the engine as the same kind with the rank's one-line 
 one-rank engine raises it: the CLI then prints one line naming the flag, not the rank's
 traceback (which the log keeps). Any other error, or any error of a step, fails the ranks as
 WorkerFailedError with the rank's traceback."""
+import logging
+
 from kiln.core.core_messages import CoreFailed
 from kiln.logger import init_logger
 
@@ -30,6 +32,6 @@ def startup_error(report: CoreFailed, rank: int, what: str) -> BaseException | N
     if not (user or isinstance(error, PieceCompileError)):
         return None
     # as a core process logs its own: a user error's traceback only helps debugging
-    logger.log(10 if user else 40, "worker rank %d failed during %s: %s", rank, what,
+    logger.log(logging.DEBUG if user else logging.ERROR, "worker rank %d failed during %s: %s", rank, what,
                report.traceback)
     return error
