@@ -262,14 +262,15 @@ def check_logprobs_cap(params, cap: int, vocab_size: int) -> None:
                 raise ValueError(f"{name} is -1, the whole vocabulary ({v}), more than the "
                                  f"engine's max_logprobs {cap}; start it with --max-logprobs -1 "
                                  "to allow that")
+        if v is not None and v > vocab_size:
+            # A --max-logprobs past the vocabulary lets this through; the sampler's top-k of
+            # more tokens than there are killed the engine core. Said first: with a cap of the
+            # vocabulary (--max-logprobs -1), "raise --max-logprobs" would send users astray.
+            raise ValueError(f"{name} must be <= {vocab_size}, the vocabulary's size (-1 asks "
+                             f"for all of it), got {v}")
         if v is not None and v > cap:
             raise ValueError(f"{name} must be <= {cap}, the engine's max_logprobs "
                              f"(--max-logprobs), got {v}")
-        if v is not None and v > vocab_size:
-            # A --max-logprobs past the vocabulary lets this through; the sampler's top-k of
-            # more tokens than there are killed the engine core.
-            raise ValueError(f"{name} must be <= {vocab_size}, the vocabulary's size (-1 asks "
-                             f"for all of it), got {v}")
 
 
 def chat_render_kwargs(add_generation_prompt: bool, continue_final_message: bool,

@@ -20,6 +20,22 @@ from kiln.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
 
+# Errors only a template's own code raises while rendering (jinja's TemplateError is added
+# where jinja is imported); a ValueError is blamed on the template only from inside it.
+_TEMPLATE_FAULTS: tuple[type[BaseException], ...] = (
+    ArithmeticError, LookupError, TypeError, AttributeError, RecursionError)
+
+
+def _raised_in_template(e: BaseException) -> bool:
+    """Whether `e` came out of a jinja template's own code: jinja names the frames of the code
+    it compiled from a template string '<template>'."""
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            return True
+        tb = tb.tb_next
+    return False
+
 
 def get_executor_class(parallel_config: ParallelConfig) -> type:
     """The executor for a parallel config: in-process for one rank, else processes or Ray."""
@@ -308,12 +324,14 @@ class LLMEngine:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template, **kwargs)
-        except ValueError:
-            raise  # HF's own checks (continue_final_message, tools), which name the fix
-        except (TemplateError, ArithmeticError, LookupError, TypeError, AttributeError,
-                RecursionError) as e:
+        except Exception as e:  # noqa: BLE001 - whatever the template's own code raised
             # A broken template, one that raise_exception()s, or one failing in its own code
-            # ({{ 1/0 }}, a str + an int): kiln chat died with a traceback on the latter.
+            # ({{ 1/0 }}, "abc".index("z"), truncate(-1)'s assert): kiln chat died with a
+            # traceback, or said "substring not found" naming nothing. HF's own checks
+            # (continue_final_message, tools) are ValueErrors from outside it, which name the fix.
+            if not isinstance(e, (TemplateError, *_TEMPLATE_FAULTS)) and \
+                    not _raised_in_template(e):
+                raise
             raise ValueError(f"the chat template does not render: {type(e).__name__}: {e}") \
                 from None
 

@@ -28,10 +28,28 @@ def engine(tokenizer):
     ("{{ messages[0]['content'] + messages[0]['nope'] }}", "UndefinedError"),
     ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
     ("{{ raise_exception('no users') }}", "TemplateError: no users"),
+    # ValueErrors and assertions of the template's own code (a str method, a filter): bare,
+    # they named nothing ("substring not found"), or were a traceback in kiln chat
+    ("{{ 'abc'.index('z') }}", "ValueError: substring not found"),
+    ("{{ messages[0]['content'].encode('ascii') }}{{ 'é'.encode('ascii') }}",
+     "UnicodeEncodeError"),
+    ("{{ 'x'|wordwrap(0) }}", "ValueError: invalid width 0"),
+    ("{{ 'x'|truncate(-1) }}", "AssertionError"),
 ])
 def test_a_template_failing_at_render_is_a_value_error(engine, template, raised):
     with pytest.raises(ValueError, match=f"chat template does not render: {raised}"):
         engine.chat_prompt(USER, chat_template=template)
+
+
+def test_hf_own_value_errors_stay_as_they_are(engine):
+    """continue_final_message's check runs after rendering, outside the template: its message
+    names the fix, and is not blamed on the template."""
+    template = "{% for m in messages %}<{{ m['role'] }}>{% endfor %}"
+    with pytest.raises(ValueError, match="continue_final_message") as info:
+        engine.chat_prompt(USER + [{"role": "assistant", "content": "zz"}],
+                           add_generation_prompt=False, chat_template=template,
+                           continue_final_message=True)
+    assert "does not render" not in str(info.value)
 
 
 def test_an_empty_render_blames_the_template_not_the_messages(engine):

@@ -276,6 +276,16 @@ def test_logprobs_past_the_vocabulary_refused_under_a_larger_cap(stories_dir, to
                                 SamplingParams(**{name: vocab})).params, name) == vocab
 
 
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
+def test_logprobs_past_the_vocabulary_blame_it_under_an_unlimited_cap(stories_dir, tokenizer,
+                                                                       name):
+    # --max-logprobs -1 caps at the vocabulary: "raise --max-logprobs" could not help there
+    mc = ModelConfig(model=str(stories_dir), max_model_len=64, max_logprobs=-1)
+    proc = InputProcessor(mc, tokenizer)
+    with pytest.raises(ValueError, match=f"{name} must be <= {mc.vocab_size}, the vocabulary"):
+        proc.process({"prompt_token_ids": [1, 5]}, SamplingParams(**{name: mc.vocab_size + 1}))
+
+
 def test_bad_words_past_the_models_vocabulary_are_left_out(tmp_path):
     """A tokenizer with more ids than the model's logits (here 512 against 400): a bad word
     spelled with an id past them cannot be written, and banning it indexed past the logits,
