@@ -10,6 +10,7 @@ from kiln import envs
 from kiln.config import KilnConfig, ParallelConfig
 from kiln.core.request import Request, RequestStatus
 from kiln.engine.arg_utils import EngineArgs
+from kiln.engine.chat_template import render_chat_template
 from kiln.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType, check_encodable
 from kiln.engine.output_processor import OutputProcessor, child_params, child_request_id
 from kiln.engine.text_encoding import encode_text
@@ -19,23 +20,6 @@ from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
-
-# Errors only a template's own code raises while rendering (jinja's TemplateError is added
-# where jinja is imported); a ValueError is blamed on the template only from inside it.
-_TEMPLATE_FAULTS: tuple[type[BaseException], ...] = (
-    ArithmeticError, LookupError, TypeError, AttributeError, RecursionError)
-
-
-def _raised_in_template(e: BaseException) -> bool:
-    """Whether `e` came out of a jinja template's own code: jinja names the frames of the code
-    it compiled from a template string '<template>'."""
-    tb = e.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename == "<template>":
-            return True
-        tb = tb.tb_next
-    return False
-
 
 def get_executor_class(parallel_config: ParallelConfig) -> type:
     """The executor for a parallel config: in-process for one rank, else processes or Ray."""
@@ -302,38 +286,12 @@ class LLMEngine:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None, **kwargs) -> str:
-        """Render a conversation with the tokenizer's chat template (HF's sandboxed Jinja)."""
-        from jinja2 import TemplateError
-
-        from kiln.model.loader.default_model import model_display_name
-
-        if self.tokenizer is None:
-            raise ValueError("chat needs a tokenizer to render and tokenize the conversation; "
-                             "this engine runs with skip_tokenizer_init=True")
+        """Render a conversation with the tokenizer's chat template (HF's sandboxed Jinja);
+        --chat-template, if given, stands for the tokenizer's."""
         if chat_template is None:
-            chat_template = self.model_config.chat_template  # --chat-template, if given
-        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"the tokenizer of {model_display_name(self.model_config.model)!r} "
-                             "has no chat template; "
-                             "pass one (chat_template=, --chat-template) or use a chat model")
-        for i, m in enumerate(messages):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
-                raise ValueError(f"messages[{i}] must be a dict with 'role' (str) and 'content', "
-                                 f"got {m!r}")
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template, **kwargs)
-        except Exception as e:  # noqa: BLE001 - whatever the template's own code raised
-            # A broken template, one that raise_exception()s, or one failing in its own code
-            # ({{ 1/0 }}, "abc".index("z"), truncate(-1)'s assert): kiln chat died with a
-            # traceback, or said "substring not found" naming nothing. HF's own checks
-            # (continue_final_message, tools) are ValueErrors from outside it, which name the fix.
-            if not isinstance(e, (TemplateError, *_TEMPLATE_FAULTS)) and \
-                    not _raised_in_template(e):
-                raise
-            raise ValueError(f"the chat template does not render: {type(e).__name__}: {e}") \
-                from None
+            chat_template = self.model_config.chat_template
+        return render_chat_template(self.tokenizer, messages, add_generation_prompt,
+                                    chat_template, self.model_config.model, **kwargs)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     chat_template: str | None = None, **kwargs) -> dict:
