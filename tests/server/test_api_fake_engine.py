@@ -302,6 +302,20 @@ def test_engine_death_while_collecting_is_503():
         assert_error(r, 503, None, "engine_dead")
 
 
+def test_engine_death_while_streaming_is_the_same_error_in_band():
+    """A stream's error event had code engine_error where a collected request's 503 said
+    engine_dead, for the same death (a shutdown's abort, a dead core)."""
+    llm = AsyncLLM(FakeEngine(step_delay=0.01))
+    with TestClient(build_app(llm, ServerSettings())) as c:
+        llm.engine.fail_next_step = True
+        r = c.post("/v1/completions", json=dict(prompt="x", max_tokens=5, stream=True))
+        events = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]
+        errors = [e["error"] for e in events if "error" in e]
+        assert len(errors) == 1 and errors[0]["code"] == "engine_dead", r.text
+        assert r.text.rstrip().endswith("data: [DONE]")
+
+
 def test_a_request_racing_the_engines_death_is_503(monkeypatch):
     """The core (or a rank) died before the watcher told the server: the request's own add
     found it, and its error was a 500."""

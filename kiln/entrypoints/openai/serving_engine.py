@@ -194,6 +194,6 @@ class ClientDisconnected(Exception):
 def engine_error_event(e: Exception) -> str:
     if isinstance(e, OpenAIError):
         return sse(e.body())
-    status = 503 if isinstance(e, EngineDeadError) else 500
-    err = OpenAIError(str(e), status=status, code="engine_error")
-    return sse(err.body())
+    if isinstance(e, EngineDeadError):  # the code a collected request's 503 has for it
+        return sse(_engine_dead(e).body())
+    return sse(OpenAIError(str(e), status=500, code="engine_error").body())
