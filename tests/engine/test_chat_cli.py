@@ -3,6 +3,8 @@ token as HF renders it), a history past max_model_len says how to go on, and /re
 import io
 import sys
 
+import pytest
+
 from kiln.engine.llm_engine import LLMEngine
 from kiln.entrypoints.cli.main import build_parser
 
@@ -81,3 +83,12 @@ def test_vllm_chat_flags_system_prompt_and_quick(tiny_llama_dir, monkeypatch, ca
     assert seen == [[{"role": "system", "content": "w3 w4"},
                      {"role": "user", "content": "w5 w6"}]]
     assert len(capsys.readouterr().out.splitlines()) == 1
+
+
+def test_an_empty_quick_message_is_refused_before_the_model_loads(monkeypatch):
+    """`--quick ""` sent an empty user turn and printed the model's answer to it."""
+    monkeypatch.setattr(LLMEngine, "from_engine_args",
+                        lambda *a, **k: pytest.fail("the model loaded"))
+    args = build_parser().parse_args(["chat", "--quick", " "])
+    with pytest.raises(ValueError, match="--quick needs a message"):
+        args.func(args)

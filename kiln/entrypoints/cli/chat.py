@@ -57,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
 
     # Checked before the model loads: a bad flag is a usage error, not one per turn.
     sampling_params_from_args(args)
+    if args.quick is not None and not args.quick.strip():  # a turn the model would answer
+        raise ValueError("--quick needs a message to send, got an empty one; leave --quick "
+                         "out to chat one line at a time")
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     exit_if_stopped()
     try:  # the flags given, over the model's sampling defaults
