@@ -189,7 +189,7 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if not self._pool_closed:
                 self._pool.submit(self._abort_logged, [request_id])
-            from kiln.engine.core_client import engine_gone
+            from kiln.engine.core_errors import engine_gone
 
             if engine_gone(e):  # a request racing the death, before the watcher told us
                 raise EngineDeadError(f"the engine failed: {e!r}; restart the server") from e

@@ -4,9 +4,7 @@ LLMEngine picks it or the in-process one (inproc_core_client.py) by
 `KILN_ENABLE_V1_MULTIPROCESSING` (as vLLM's); both offer EngineCore's add / abort / finish / step
 calls, so the engine front drives either the same way.
 """
-import builtins
 import collections
-import importlib
 import itertools
 import os
 import select
@@ -36,6 +34,7 @@ from kiln.core.core_messages import (
 from kiln.core.outputs import EngineCoreOutput
 from kiln.core.request import Request, RequestStatus
 from kiln.core.stats import SchedulerStats
+from kiln.engine.core_errors import EngineCoreDeadError, rebuild_error
 from kiln.engine.core_interpreter import CoreInterpreter
 from kiln.logger import init_logger
 from kiln.process_signals import STOP_SIGNAL
@@ -50,44 +49,6 @@ _SHUTDOWN_WAIT_S = 10.0
 # by the caller's wait for outputs, or by the watcher where nobody waits: an idle server), so death
 # callbacks hear the named error (a rank that died), not only an exit code.
 _FAILURE_REPORT_WAIT_S = 1.0
-
-
-class EngineCoreDeadError(RuntimeError):
-    """The engine core process exited (killed, crashed, or a step failed)."""
-
-
-def engine_gone(e: BaseException) -> bool:
-    """Whether an engine call failed because the engine is gone (its core process, or a rank),
-    not because of the request."""
-    from kiln.executor.multiproc_executor import WorkerFailedError
-
-    return isinstance(e, (EngineCoreDeadError, WorkerFailedError))
-
-
-def _error_class(failure: CoreFailed):
-    """The class of the core's exception, where it is a built-in or Kiln's own."""
-    if failure.error_module == "builtins":
-        return getattr(builtins, failure.error_type, None)
-    if failure.error_module.startswith("kiln."):
-        try:
-            return getattr(importlib.import_module(failure.error_module), failure.error_type, None)
-        except ImportError:
-            return None
-    return None
-
-
-def rebuild_error(failure: CoreFailed) -> BaseException:
-    """The core's exception as the same kind where it is a built-in or Kiln's (ValueError stays
-    ValueError, WorkerFailedError stays WorkerFailedError), else as an EngineCoreDeadError; the
-    message is the core's own."""
-    kind = _error_class(failure)
-    if isinstance(kind, type) and issubclass(kind, Exception) and kind is not EngineCoreDeadError:
-        try:
-            return kind(failure.message)
-        except Exception:  # noqa: BLE001 - an exception type that wants other arguments
-            pass
-    return EngineCoreDeadError(f"the engine core failed: {failure.error_type}: "
-                               f"{failure.message}")
 
 
 class CoreProcClient:

@@ -23,7 +23,7 @@ def startup_error(report: CoreFailed, rank: int, what: str) -> BaseException | N
     """The error the engine raises for a rank's `report` during `what`, where it is the user's
     to fix or a piece's compile error; None where the rank failed otherwise (a bug, a step)."""
     from kiln.compilation.piecewise import PieceCompileError
-    from kiln.engine.core_client import rebuild_error
+    from kiln.engine.core_errors import rebuild_error
 
     if what == "execute_model":
         return None

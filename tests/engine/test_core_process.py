@@ -10,7 +10,7 @@ import pytest
 
 from kiln.core.core_messages import decode_params, encode_params, from_wire, input_codec, to_wire
 from kiln.core.request import Request
-from kiln.engine.core_client import EngineCoreDeadError
+from kiln.engine.core_errors import EngineCoreDeadError
 from kiln.entrypoints.llm import LLM
 from kiln.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -46,7 +46,7 @@ def test_sampling_params_cross_field_by_field():
 
 def test_a_kiln_error_from_the_core_is_raised_as_its_own_kind():
     from kiln.core.core_messages import CoreFailed
-    from kiln.engine.core_client import rebuild_error
+    from kiln.engine.core_errors import rebuild_error
     from kiln.executor.multiproc_executor import WorkerFailedError
 
     error = rebuild_error(CoreFailed(error_type="WorkerFailedError", message="rank 1 died",
@@ -310,7 +310,8 @@ def test_a_send_to_a_core_that_closed_its_socket_ends_when_the_core_exits(tmp_pa
     import zmq
 
     from kiln.core.core_messages import AbortRequests
-    from kiln.engine.core_client import CoreProcClient, EngineCoreDeadError
+    from kiln.engine.core_client import CoreProcClient
+    from kiln.engine.core_errors import EngineCoreDeadError
 
     client = CoreProcClient.__new__(CoreProcClient)  # its sending half, with a stand-in core
     ctx = zmq.Context()
@@ -397,7 +398,8 @@ def test_calls_after_the_cores_failure_say_the_engine_is_gone():
     death) raised that same error, which a server read as a bad request (ValueError: a 400 on
     the prompt) or its own bug (a 500)."""
     from kiln.core.core_messages import AbortRequests
-    from kiln.engine.core_client import CoreProcClient, EngineCoreDeadError
+    from kiln.engine.core_client import CoreProcClient
+    from kiln.engine.core_errors import EngineCoreDeadError
 
     client = CoreProcClient.__new__(CoreProcClient)
     client._encoder, _ = input_codec()

@@ -284,7 +284,7 @@ def test_a_piped_prompt_loses_its_last_newline_and_a_non_utf8_turn_is_named(tiny
 
 def test_an_engine_death_is_one_line_not_a_traceback():
     """kiln's main turns what engine_gone tells into one line and exit 1."""
-    from kiln.engine.core_client import EngineCoreDeadError, engine_gone
+    from kiln.engine.core_errors import EngineCoreDeadError, engine_gone
     from kiln.executor.multiproc_executor import WorkerFailedError
 
     assert engine_gone(EngineCoreDeadError("core died")) and engine_gone(WorkerFailedError("x"))
@@ -297,7 +297,7 @@ def test_only_the_engines_death_and_a_piece_that_will_not_compile_end_in_one_lin
     traceback (one cut printed every Kiln RuntimeError as one line)."""
     from kiln.compilation.phase import RecompileAfterWarmupError
     from kiln.compilation.piecewise import PieceCompileError
-    from kiln.engine.core_client import EngineCoreDeadError
+    from kiln.engine.core_errors import EngineCoreDeadError
     from kiln.entrypoints.cli.main import one_line_error
 
     piece = PieceCompileError("compiling piece 0 (range) failed")

@@ -204,7 +204,7 @@ def one_line_error(e: RuntimeError) -> BaseException | None:
     not compile (the message says what failed and what to do; the traceback is in the engine's
     log). None for any other, a bug (a recompile after warm-up, say): its traceback."""
     from kiln.compilation.piecewise import PieceCompileError, unwrap_backend_error
-    from kiln.engine.core_client import engine_gone
+    from kiln.engine.core_errors import engine_gone
 
     if engine_gone(e):
         return e
