@@ -2,12 +2,16 @@
 once (an error event and [DONE], a 503), and the server exits 0 with no traceback. uvicorn's
 force quit on a second Ctrl-C cut streams mid-body, answered plain-text 500s, skipped the
 engine's shutdown and logged tracebacks; a second SIGTERM did nothing."""
+import contextlib
 import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -72,3 +76,46 @@ def test_a_second_stop_signal_ends_the_grace_period_in_band(sig, caplog):
     assert r.status_code == 503 and "second stop signal" in r.json()["error"]["message"], r.text
     assert llm.engine.shut_down
     assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR], caplog.text
+
+
+def test_a_third_stop_signal_exits_at_once_without_a_traceback(tmp_path):
+    """uvicorn's force_exit on a third signal logged the lifespan's CancelledError traceback,
+    skipped the engine's shutdown, and did nothing once that shutdown had begun (helper-72)."""
+    port = free_port()
+    script = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
+from kiln.engine.async_llm import AsyncLLM
+from kiln.entrypoints.openai.api_server import ServerSettings, serve
+from server.fake_engine import FakeEngine
+llm = AsyncLLM(FakeEngine(max_model_len=4096, step_delay=0.02))
+sys.exit(serve(llm, ServerSettings(port={port}, graceful_shutdown_timeout=60)))
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_listening(port)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        chunks = []
+
+        def stream():
+            with contextlib.suppress(httpx.HTTPError):
+                with httpx.stream("POST", url, json=dict(prompt="x", max_tokens=4000,
+                                                         stream=True), timeout=60) as r:
+                    for line in r.iter_lines():
+                        chunks.append(line)
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        deadline = time.monotonic() + 30
+        while not chunks and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for _ in range(3):
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.02)
+        code = proc.wait(20)
+        reader.join(30)
+    finally:
+        proc.kill()
+        err = proc.stderr.read()
+    assert code == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err and "quitting now" in err, err

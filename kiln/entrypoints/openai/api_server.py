@@ -3,13 +3,15 @@
 SIGINT / SIGTERM: uvicorn stops accepting, in-flight requests get the grace period, then the engine
 aborts what is left: each open stream ends with an error event and `data: [DONE]`, each waiting
 non-streamed request gets a 503; the app's shutdown stops the engine; the process exits with 0.
-A second signal ends the grace period at once; a third quits without waiting for handlers.
+A second signal ends the grace period at once; a third exits at once (128 + the signal).
 An engine core that dies fails every request in flight at once; the server then exits with 1.
 """
 import asyncio
 import contextlib
+import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable
 
@@ -246,8 +248,8 @@ class _Server(uvicorn.Server):
     def _on_signal(self, sig, frame) -> None:
         """The first stop signal starts the grace period; a second ends it at once, each
         request in flight ending in-band (uvicorn's force quit on a second Ctrl-C cut streams
-        mid-body, answered plain-text 500s and skipped the engine's shutdown); a third quits
-        without waiting for handlers."""
+        mid-body, answered plain-text 500s and skipped the engine's shutdown); a third exits
+        the process at once."""
         self._num_signals += 1
         name = signal.Signals(sig).name
         if self._num_signals == 1:
@@ -261,8 +263,14 @@ class _Server(uvicorn.Server):
             if self._loop is not None:
                 self._loop.call_soon_threadsafe(self._grace_over.set)
         else:
-            logger.warning("received %s a third time: quitting now", name)
-            self.should_exit = self.force_exit = True
+            # uvicorn's force_exit skipped the app's shutdown and logged the lifespan's
+            # CancelledError, and did nothing while that shutdown ran: leave now, as a kill
+            # would (the engine core and its ranks exit when this process is gone).
+            logger.warning("received %s a third time: quitting now, without shutting the "
+                           "engine down", name)
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            os._exit(128 + sig)
 
 
 def serve(llm: AsyncLLM, settings: ServerSettings, sock: socket.socket | None = None,
