@@ -23,6 +23,23 @@ def refuse_lora(lora_request) -> None:
         raise ValueError("lora_request must be None: Kiln serves no LoRA adapters")
 
 
+def check_priority(priority, num_prompts: int) -> None:
+    """vLLM's `priority` (one int per prompt): Kiln schedules first come, first served, so
+    only 0s pass, as vLLM refuses non-zero ones under its default --scheduling-policy fcfs."""
+    if priority is None:
+        return
+    if not isinstance(priority, (list, tuple)) or len(priority) != num_prompts:
+        raise ValueError(f"priority must be a list of one int per prompt ({num_prompts}), got "
+                         f"{priority!r}")
+    for i, p in enumerate(priority):
+        if isinstance(p, bool) or not isinstance(p, int):
+            raise ValueError(f"priority[{i}] must be an int, got {p!r}")
+        if p != 0:
+            raise ValueError(f"priority[{i}]={p} is refused: Kiln schedules requests first "
+                             "come, first served (no priority scheduling); give 0 or omit "
+                             "priority")
+
+
 class LLM:
     def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = _DEFAULT_MAX_NUM_SEQS,
@@ -60,9 +77,11 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order. `lora_request`:
-        vLLM's argument, None only (no LoRA adapters here)."""
+                 use_tqdm: bool = True, lora_request=None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order. `lora_request`
+        and `priority`: vLLM's arguments, None (or all 0 priorities) only: no LoRA adapters
+        and no priority scheduling here."""
         refuse_lora(lora_request)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -70,6 +89,7 @@ class LLM:
             raise ValueError("prompts must be a str, a {'prompt_token_ids': [...]} dict or a "
                              f"list of them, got {type(prompts).__name__}")
         prompts = list(prompts)
+        check_priority(priority, len(prompts))
         if sampling_params is None:  # the model's generation-config defaults, as vLLM's
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
