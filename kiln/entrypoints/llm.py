@@ -40,6 +40,19 @@ def check_priority(priority, num_prompts: int) -> None:
                              "priority")
 
 
+def _unsupported(method: str, why: str):
+    """vLLM's LLM methods that Kiln does not have: a call says so by name (not an
+    AttributeError that reads like a typo)."""
+    def refuse(self, *args, **kwargs):
+        raise ValueError(f"LLM.{method}() is not supported: {why}")
+    refuse.__name__ = method
+    refuse.__doc__ = f"vLLM's LLM.{method}(): refused ({why})."
+    return refuse
+
+
+_POOLING = "Kiln runs generative models only (no pooling runner); use generate()"
+
+
 class LLM:
     def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = _DEFAULT_MAX_NUM_SEQS,
@@ -111,6 +124,14 @@ class LLM:
             item.params.output_kind = RequestOutputKind.FINAL_ONLY
             processed.append(item)
         return self._run(processed, use_tqdm)
+
+    beam_search = _unsupported("beam_search", "Kiln has no beam search; sample with "
+                               "generate() (n=..., seed=...) instead")
+    encode = _unsupported("encode", _POOLING)
+    embed = _unsupported("embed", _POOLING)
+    classify = _unsupported("classify", _POOLING)
+    score = _unsupported("score", _POOLING)
+    reward = _unsupported("reward", _POOLING)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
