@@ -6,7 +6,7 @@ import itertools
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.input_processor import ProcessedPrompt, PromptType, chat_messages, chat_render_kwargs
@@ -19,6 +19,9 @@ _DEFAULT_MAX_NUM_SEQS = EngineArgs.max_num_seqs
 
 
 def refuse_lora(lora_request) -> None:
+    # vLLM takes one LoRARequest or one per prompt; None (or a list of Nones) asks for none
+    if isinstance(lora_request, (list, tuple)) and all(r is None for r in lora_request):
+        return
     if lora_request is not None:
         raise ValueError("lora_request must be None: Kiln serves no LoRA adapters")
 
@@ -90,7 +93,7 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request=None,
+                 use_tqdm: bool | Callable = True, lora_request=None,
                  priority: list[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. `lora_request`
         and `priority`: vLLM's arguments, None (or all 0 priorities) only: no LoRA adapters
@@ -135,7 +138,7 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             use_tqdm: bool | Callable = True, add_generation_prompt: bool = True,
              chat_template: str | None = None, chat_template_kwargs: dict | None = None,
              continue_final_message: bool = False,
              tools: list[dict] | None = None, lora_request=None,
@@ -185,12 +188,12 @@ class LLM:
                                "engine it cannot drive; make a new LLM in the child (or fork "
                                "before making one)")
 
-    def _run(self, processed: list[ProcessedPrompt], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, processed: list[ProcessedPrompt], use_tqdm) -> list[RequestOutput]:
         self._check_owner()
         with self._running:
             return self._run_batch(processed, use_tqdm)
 
-    def _run_batch(self, processed: list[ProcessedPrompt], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_batch(self, processed: list[ProcessedPrompt], use_tqdm) -> list[RequestOutput]:
         from tqdm import tqdm
 
         engine = self.llm_engine
@@ -202,8 +205,11 @@ class LLM:
             for rid, item in zip(ids, processed):
                 engine.add_processed_request(rid, item)
                 pending.add(rid)
-            with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
-                      file=sys.stderr, dynamic_ncols=True) as bar:
+            # vLLM's use_tqdm may be a callable that makes the bar (a tqdm subclass, e.g.
+            # tqdm.notebook.tqdm); it is called with tqdm's arguments
+            bar_type = use_tqdm if callable(use_tqdm) else tqdm
+            with bar_type(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
+                          file=sys.stderr, dynamic_ncols=True) as bar:
                 while pending:
                     for out in engine.step():
                         if out.finished and out.request_id in pending:

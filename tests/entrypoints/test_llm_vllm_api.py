@@ -1,6 +1,7 @@
 """vLLM's LLM keywords and methods that Kiln has no feature for: taken at the values that ask
 for nothing, refused by name otherwise (not a TypeError or AttributeError)."""
 import pytest
+from tqdm import tqdm
 
 from kiln.entrypoints.llm import LLM
 from kiln.sampling_params import SamplingParams
@@ -34,3 +35,16 @@ def test_vllm_methods_without_a_feature_are_refused_by_name(llm, method):
     with pytest.raises(ValueError, match=rf"LLM\.{method}\(\) is not supported: "):
         getattr(llm, method)(["hi"], None)
 
+
+def test_use_tqdm_callable_makes_the_bar_and_lora_list_of_nones(llm):
+    made = []
+
+    class Bar(tqdm):  # vLLM's use_tqdm may be a bar factory (e.g. tqdm.notebook.tqdm)
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs["total"])
+            super().__init__(*args, **kwargs)
+
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=Bar, lora_request=[None, None])
+    assert len(outs) == 2 and made == [2]
+    with pytest.raises(ValueError, match="lora_request must be None"):
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False, lora_request=[None, object()])
