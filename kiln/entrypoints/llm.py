@@ -6,7 +6,7 @@ import itertools
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.input_processor import ProcessedPrompt, PromptType, chat_messages, chat_render_kwargs
@@ -19,8 +19,41 @@ _DEFAULT_MAX_NUM_SEQS = EngineArgs.max_num_seqs
 
 
 def refuse_lora(lora_request) -> None:
+    # vLLM takes one LoRARequest or one per prompt; None (or a list of Nones) asks for none
+    if isinstance(lora_request, (list, tuple)) and all(r is None for r in lora_request):
+        return
     if lora_request is not None:
         raise ValueError("lora_request must be None: Kiln serves no LoRA adapters")
+
+
+def check_priority(priority, num_prompts: int) -> None:
+    """vLLM's `priority` (one int per prompt): Kiln schedules first come, first served, so
+    only 0s pass, as vLLM refuses non-zero ones under its default --scheduling-policy fcfs."""
+    if priority is None:
+        return
+    if not isinstance(priority, (list, tuple)) or len(priority) != num_prompts:
+        raise ValueError(f"priority must be a list of one int per prompt ({num_prompts}), got "
+                         f"{priority!r}")
+    for i, p in enumerate(priority):
+        if isinstance(p, bool) or not isinstance(p, int):
+            raise ValueError(f"priority[{i}] must be an int, got {p!r}")
+        if p != 0:
+            raise ValueError(f"priority[{i}]={p} is refused: Kiln schedules requests first "
+                             "come, first served (no priority scheduling); give 0 or omit "
+                             "priority")
+
+
+def _unsupported(method: str, why: str):
+    """vLLM's LLM methods that Kiln does not have: a call says so by name (not an
+    AttributeError that reads like a typo)."""
+    def refuse(self, *args, **kwargs):
+        raise ValueError(f"LLM.{method}() is not supported: {why}")
+    refuse.__name__ = method
+    refuse.__doc__ = f"vLLM's LLM.{method}(): refused ({why})."
+    return refuse
+
+
+_POOLING = "Kiln runs generative models only (no pooling runner); use generate()"
 
 
 class LLM:
@@ -60,9 +93,11 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order. `lora_request`:
-        vLLM's argument, None only (no LoRA adapters here)."""
+                 use_tqdm: bool | Callable = True, lora_request=None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order. `lora_request`
+        and `priority`: vLLM's arguments, None (or all 0 priorities) only: no LoRA adapters
+        and no priority scheduling here."""
         refuse_lora(lora_request)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -70,6 +105,7 @@ class LLM:
             raise ValueError("prompts must be a str, a {'prompt_token_ids': [...]} dict or a "
                              f"list of them, got {type(prompts).__name__}")
         prompts = list(prompts)
+        check_priority(priority, len(prompts))
         if sampling_params is None:  # the model's generation-config defaults, as vLLM's
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -92,9 +128,17 @@ class LLM:
             processed.append(item)
         return self._run(processed, use_tqdm)
 
+    beam_search = _unsupported("beam_search", "Kiln has no beam search; sample with "
+                               "generate() (n=..., seed=...) instead")
+    encode = _unsupported("encode", _POOLING)
+    embed = _unsupported("embed", _POOLING)
+    classify = _unsupported("classify", _POOLING)
+    score = _unsupported("score", _POOLING)
+    reward = _unsupported("reward", _POOLING)
+
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             use_tqdm: bool | Callable = True, add_generation_prompt: bool = True,
              chat_template: str | None = None, chat_template_kwargs: dict | None = None,
              continue_final_message: bool = False,
              tools: list[dict] | None = None, lora_request=None,
@@ -144,12 +188,12 @@ class LLM:
                                "engine it cannot drive; make a new LLM in the child (or fork "
                                "before making one)")
 
-    def _run(self, processed: list[ProcessedPrompt], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, processed: list[ProcessedPrompt], use_tqdm) -> list[RequestOutput]:
         self._check_owner()
         with self._running:
             return self._run_batch(processed, use_tqdm)
 
-    def _run_batch(self, processed: list[ProcessedPrompt], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_batch(self, processed: list[ProcessedPrompt], use_tqdm) -> list[RequestOutput]:
         from tqdm import tqdm
 
         engine = self.llm_engine
@@ -161,8 +205,11 @@ class LLM:
             for rid, item in zip(ids, processed):
                 engine.add_processed_request(rid, item)
                 pending.add(rid)
-            with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
-                      file=sys.stderr, dynamic_ncols=True) as bar:
+            # vLLM's use_tqdm may be a callable that makes the bar (a tqdm subclass, e.g.
+            # tqdm.notebook.tqdm); it is called with tqdm's arguments
+            bar_type = use_tqdm if callable(use_tqdm) else tqdm
+            with bar_type(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
+                          file=sys.stderr, dynamic_ncols=True) as bar:
                 while pending:
                     for out in engine.step():
                         if out.finished and out.request_id in pending:

@@ -1,0 +1,50 @@
+"""vLLM's LLM keywords and methods that Kiln has no feature for: taken at the values that ask
+for nothing, refused by name otherwise (not a TypeError or AttributeError)."""
+import pytest
+from tqdm import tqdm
+
+from kiln.entrypoints.llm import LLM
+from kiln.sampling_params import SamplingParams
+
+ENGINE = dict(enforce_eager=True, max_model_len=64, max_num_seqs=2, kv_cache_memory=0.02)
+PROMPTS = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}]
+PARAMS = SamplingParams(temperature=0, max_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE)
+    yield llm
+    llm.shutdown()
+
+
+def test_priority_zeros_run_and_others_are_refused(llm):
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False, priority=[0, 0])
+    assert [o.prompt_token_ids for o in outs] == [[5, 6, 7], [8, 9]]
+    assert len(llm.generate(PROMPTS, PARAMS, use_tqdm=False, priority=None)) == 2
+    with pytest.raises(ValueError, match=r"priority\[1\]=3 is refused.*first come"):
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False, priority=[0, 3])
+    with pytest.raises(ValueError, match=r"priority must be a list of one int per prompt \(2\)"):
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False, priority=[0])
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("method", ["beam_search", "encode", "embed", "classify", "score",
+                                    "reward"])
+def test_vllm_methods_without_a_feature_are_refused_by_name(llm, method):
+    with pytest.raises(ValueError, match=rf"LLM\.{method}\(\) is not supported: "):
+        getattr(llm, method)(["hi"], None)
+
+
+def test_use_tqdm_callable_makes_the_bar_and_lora_list_of_nones(llm):
+    made = []
+
+    class Bar(tqdm):  # vLLM's use_tqdm may be a bar factory (e.g. tqdm.notebook.tqdm)
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs["total"])
+            super().__init__(*args, **kwargs)
+
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=Bar, lora_request=[None, None])
+    assert len(outs) == 2 and made == [2]
+    with pytest.raises(ValueError, match="lora_request must be None"):
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False, lora_request=[None, object()])
