@@ -26,7 +26,7 @@ def refuse_lora(lora_request) -> None:
         raise ValueError("lora_request must be None: Kiln serves no LoRA adapters")
 
 
-def check_priority(priority, num_prompts: int) -> None:
+def check_request_priorities(priority, num_prompts: int) -> None:
     """vLLM's `priority` (one int per prompt): Kiln schedules first come, first served, so
     only 0s pass, as vLLM refuses non-zero ones under its default --scheduling-policy fcfs."""
     if priority is None:
@@ -105,7 +105,7 @@ class LLM:
             raise ValueError("prompts must be a str, a {'prompt_token_ids': [...]} dict or a "
                              f"list of them, got {type(prompts).__name__}")
         prompts = list(prompts)
-        check_priority(priority, len(prompts))
+        check_request_priorities(priority, len(prompts))
         if sampling_params is None:  # the model's generation-config defaults, as vLLM's
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
