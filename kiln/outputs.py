@@ -36,6 +36,11 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def lora_request(self) -> None:
+        """vLLM's field: the adapter that wrote this sample; Kiln serves none."""
+        return None
+
 
 @dataclass(frozen=True)
 class RequestMetrics:
@@ -56,3 +61,26 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs is set
     metrics: RequestMetrics | None = None  # once the core has scheduled the request
+
+    # vLLM's fields for what Kiln does not serve (LoRA, encoder-decoder and multimodal models,
+    # KV transfer): always empty, so code ported from vLLM reads them as vLLM gives them for a
+    # text-only model without an adapter, not as an AttributeError.
+    @property
+    def lora_request(self) -> None:
+        return None
+
+    @property
+    def encoder_prompt(self) -> None:
+        return None
+
+    @property
+    def encoder_prompt_token_ids(self) -> None:
+        return None
+
+    @property
+    def multi_modal_placeholders(self) -> dict:
+        return {}
+
+    @property
+    def kv_transfer_params(self) -> None:
+        return None

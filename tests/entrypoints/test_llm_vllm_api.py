@@ -48,3 +48,11 @@ def test_use_tqdm_callable_makes_the_bar_and_lora_list_of_nones(llm):
     assert len(outs) == 2 and made == [2]
     with pytest.raises(ValueError, match="lora_request must be None"):
         llm.generate(PROMPTS, PARAMS, use_tqdm=False, lora_request=[None, object()])
+
+
+def test_vllms_fields_for_features_kiln_lacks_read_as_vllm_gives_them(llm):
+    """Code ported from vLLM read out.lora_request or out.encoder_prompt: an AttributeError."""
+    (out,) = llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)
+    assert (out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids,
+            out.multi_modal_placeholders, out.kv_transfer_params) == (None, None, None, {}, None)
+    assert out.outputs[0].lora_request is None
