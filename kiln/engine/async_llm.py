@@ -182,12 +182,12 @@ class AsyncLLM:
             await self._on_engine_thread(self._add_on_engine_thread, stream, processed,
                                          arrival_time)
         except ValueError:
-            self._streams.pop(request_id, None)  # refused: nothing entered the engine
+            self._drop(stream)  # refused: nothing entered the engine
             raise
         except BaseException as e:
-            # Cancelled while the engine thread was adding it: it may be in; take it out again.
-            self._streams.pop(request_id, None)
-            if not self._pool_closed:
+            # Cancelled while the engine thread was adding it: it may be in; take it out again
+            # (unless an abort took it already: the id may name a new request by now).
+            if self._drop(stream) and not self._pool_closed:
                 self._pool.submit(self._abort_logged, [request_id])
             from kiln.engine.core_errors import engine_gone
 
@@ -209,8 +209,17 @@ class AsyncLLM:
             async for out in stream:
                 yield out
         finally:
-            if not stream.finished:
+            # Only while the id is still ours: after llm.abort(id) from elsewhere the caller
+            # may have added the id again, and that request is not this consumer's to abort.
+            if not stream.finished and self._streams.get(request_id) is stream:
                 self.abort_nowait(request_id)
+
+    def _drop(self, stream: RequestStream) -> bool:
+        """Unregister `stream` if its id still names it; False if an abort took it already."""
+        if self._streams.get(stream.request_id) is not stream:
+            return False
+        del self._streams[stream.request_id]
+        return True
 
     async def abort(self, request_ids: str | list[str], record: bool = True,
                     end_streams: bool = True) -> None:

@@ -264,3 +264,51 @@ def test_an_abort_while_the_prompt_is_read_keeps_the_request_out_of_the_engine()
     out, stats = run(main())
     assert out.finished and out.outputs[0].finish_reason == "abort"
     assert stats["num_running"] == 0
+
+
+def test_an_old_consumer_leaving_after_an_abort_spares_the_ids_new_request():
+    """llm.abort(id) from elsewhere, the id added again, then the old consumer closes its
+    generator: its cleanup aborted by id, so the new request ended "abort" after one output."""
+    async def main():
+        llm = AsyncLLM(FakeEngine(step_delay=0.01))
+        old = llm.generate({"prompt_token_ids": [5, 6]}, params(max_tokens=1000), "x")
+        await old.__anext__()
+        await llm.abort("x")
+        new = llm.generate({"prompt_token_ids": [9, 8]}, params(max_tokens=4), "x")
+        outs = [await new.__anext__()]
+        await old.aclose()
+        outs += [o async for o in new]
+        await llm.shutdown()
+        return outs
+
+    outs = run(main())
+    assert [o.outputs[0].finish_reason for o in outs] == [None, None, None, "length"]
+
+
+def test_a_refused_add_after_an_abort_spares_the_ids_new_request():
+    """An add still reading its prompt is aborted and its id added again; the first add is then
+    refused (ValueError): it unregistered the new request's stream, which then ended "abort"."""
+    async def main():
+        engine = FakeEngine()
+        llm = AsyncLLM(engine)
+        read = engine.process_inputs
+
+        def slow(*args, **kwargs):
+            time.sleep(0.2)
+            return read(*args, **kwargs)
+
+        engine.process_inputs = slow
+        bad = asyncio.create_task(llm.add_request("x", {"prompt_token_ids": [10**6]},
+                                                  params(max_tokens=3)))
+        await asyncio.sleep(0.05)
+        await llm.abort("x")
+        good = asyncio.create_task(llm.add_request("x", {"prompt_token_ids": [5, 6]},
+                                                   params(max_tokens=3)))
+        with pytest.raises(ValueError):
+            await bad
+        outs = [o async for o in await good]
+        await llm.shutdown()
+        return outs
+
+    outs = run(main())
+    assert [o.outputs[0].finish_reason for o in outs] == [None, None, "length"]
