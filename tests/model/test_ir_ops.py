@@ -228,3 +228,20 @@ def test_shapes_the_kernels_would_read_past_are_refused():
     with pytest.raises(ValueError, match="head_size must be even, got 3"):
         layer_ops.rotary(torch.tensor([0, 1]), torch.randn(2, 6), torch.randn(2, 3),
                          torch.randn(16, 3), 3)
+
+
+@pytest.mark.parametrize("provider", ["native", "torch"])
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_every_layer_op_takes_a_batch_of_no_tokens(provider, is_neox):
+    """Zero rows give empty results of the right shapes. The torch reference's rotary reshaped
+    to [T, -1, ...], which torch refuses at T = 0 (-1 is then ambiguous)."""
+    hd = 64
+    x, w = torch.randn(0, hd), torch.randn(hd)
+    assert _run("rms_norm", provider, x, w, 1e-6)[0].shape == (0, hd)
+    got, total = _run("fused_add_rms_norm", provider, x, x.clone(), w, 1e-6)[0]
+    assert got.shape == total.shape == (0, hd)
+    assert _run("silu_and_mul", provider, x)[0].shape == (0, hd // 2)
+    cache = torch.randn(16, hd)
+    for (q, k) in _run("rotary_embedding", provider, torch.zeros(0, dtype=torch.long),
+                       torch.randn(0, 3 * hd), torch.randn(0, hd), cache, hd, is_neox):
+        assert q.shape == (0, 3 * hd) and k.shape == (0, hd)
