@@ -53,6 +53,10 @@ def layer_ops(g: torch.Generator) -> None:
                 # rounds the other way, and the product takes that step on
                 check(close(k.silu_and_mul_native(x * 4), ref._silu_and_mul_ref(x * 4), dtype, 2),
                       f"silu_and_mul {tag}")
+        # a row whose squares overflow is 0 (torch's rsqrt(inf)), also where x * w overflows
+        x, w = torch.tensor([[1.0, 3e38, -2.0]]).to(dtype), torch.tensor([-1.5, 2.0, 3.0]).to(dtype)
+        check(close(k.rms_norm_native(x, w, 1e-6), ref._rms_norm_ref(x, w, 1e-6), dtype),
+              f"rms_norm {dtype} of a row whose squares overflow")
         for hd, nq, nk, neox in [(64, 4, 2, True), (80, 3, 1, False), (128, 2, 2, True)]:
             pos = torch.randint(0, 50, (9,), generator=g)
             q, kk = (torch.randn(9, n * hd, generator=g).to(dtype) for n in (nq, nk))

@@ -208,10 +208,12 @@ KILN_INLINE void rms_norm_row(const void *x, const void *residual, void *residua
     for (int j = 0; j < KILN_BLOCK; ++j) total += sq[j];
     /* in double: -ffast-math turns a float 1 / sqrtf into an rsqrt estimate (NaN for inf) */
     const float inv = (float)(1.0 / sqrt((double)(total / hidden + eps)));
-    for (int i = 0; i < hidden; ++i) {
-        const float n = round_to(buf[i] * inv, dtype);
-        store_elem(out, i, n * load_elem(weight, i, dtype), dtype);
-    }
+    /* normed into buf, then times the weight, in two loops: in one, -ffast-math reassociated
+     * float32's (x * inv) * w into (x * w) * inv, NaN (inf * 0) where x * w overflows and
+     * torch's is 0 (a row whose squares overflow has inv 0) */
+    for (int i = 0; i < hidden; ++i) buf[i] = round_to(buf[i] * inv, dtype);
+    for (int i = 0; i < hidden; ++i)
+        store_elem(out, i, buf[i] * load_elem(weight, i, dtype), dtype);
 }
 
 KILN_INLINE void silu_and_mul_row(const void *x, void *out, int d, int dtype) {
