@@ -247,3 +247,34 @@ def test_every_layer_op_takes_a_batch_of_no_tokens(provider, is_neox):
     for (q, k) in _run("rotary_embedding", provider, torch.zeros(0, dtype=torch.long),
                        torch.randn(0, 3 * hd), torch.randn(0, hd), cache, hd, is_neox):
         assert q.shape == (0, 3 * hd) and k.shape == (0, hd)
+
+
+_WIDE_ROW = """
+import torch
+from kiln.native import build, layer_ops
+assert build.available()
+x, w = torch.randn(2, 1 << 22), torch.ones(1 << 22)
+want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+tol = dict(rtol=1e-4, atol=1e-5)  # 4M squares summed in another order
+torch.testing.assert_close(layer_ops.rms_norm(x[:1], w, 1e-6), want[:1], **tol)
+got, total = layer_ops.rms_norm(x, w, 1e-6, residual=torch.zeros_like(x))
+torch.testing.assert_close(got, want, **tol)
+from kiln.native import int8_ops
+if int8_ops.isa():  # the fused quant kernel norms its chunks of rows with the same kernel
+    q, s = int8_ops.rms_norm_dynamic_int8_quant(x, w, 1e-6)
+    uq, us = int8_ops.dynamic_int8_quant(layer_ops.rms_norm(x, w, 1e-6))
+    assert torch.equal(q, uq) and torch.equal(s, us)
+print("ok")
+"""
+
+
+def test_native_rms_norm_of_a_row_wider_than_a_stack():
+    """A row of 4M values (16 MB of float32 scratch) is normed on the heap: the kernel kept each
+    row's values in a variable-length array on the stack, and the process died (SIGSEGV)."""
+    import subprocess
+    import sys
+
+    assert build.available()
+    proc = subprocess.run([sys.executable, "-c", _WIDE_ROW], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and "ok" in proc.stdout, (proc.returncode, proc.stderr[-2000:])

@@ -7,6 +7,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "dtype.h"
@@ -15,6 +16,9 @@
 /* Fewer rows stay on one thread: a decode batch's few microseconds of work here are of the order
  * of waking the OpenMP team. */
 #define PARALLEL_MIN_ROWS 64
+/* rms_norm keeps a row's values on the stack up to this many (every model's hidden size), on the
+ * heap above: a row of 4M values on the stack overflowed it (SIGSEGV, not an error). */
+#define STACK_ROW_VALUES 16384
 
 /* Each dtype gets its own inlined loop (with the dtype known the loops vectorize; a runtime dtype
  * left them scalar). A row's values go through it in blocks, the last one padded or masked, so
@@ -246,9 +250,19 @@ int kiln_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t
                   int64_t rows, int32_t hidden, float eps, int32_t dtype, int32_t num_threads) {
     const int64_t es = dtype == KILN_F32 ? 4 : 2;
     const int padded = (hidden + KILN_BLOCK - 1) / KILN_BLOCK * KILN_BLOCK; /* whole blocks */
-#pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_MIN_ROWS)
+    const int on_stack = padded <= STACK_ROW_VALUES;
+    int failed = 0;
+#pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_MIN_ROWS) \
+    reduction(| : failed)
     for (int64_t r = 0; r < rows; ++r) {
-        float buf[padded] __attribute__((aligned(64)));
+        float stack_buf[on_stack && padded > 0 ? padded : 1] __attribute__((aligned(64)));
+        /* whole blocks of floats: a multiple of 64 bytes, as aligned_alloc wants */
+        float *heap = on_stack ? NULL : (float *)aligned_alloc(64, (size_t)padded * sizeof(float));
+        float *buf = on_stack ? stack_buf : heap;
+        if (!buf) {
+            failed = 1;
+            continue;
+        }
         const char *xr = (const char *)x + r * x_stride * es;
         const char *rr = residual ? (const char *)residual + r * res_stride * es : NULL;
         char *ro = residual_out ? (char *)residual_out + r * hidden * es : NULL;
@@ -257,8 +271,9 @@ int kiln_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t
             rms_norm_row(xr, rr, ro, weight, o, buf, hidden, eps, KILN_F32);
         else
             rms_norm_row(xr, rr, ro, weight, o, buf, hidden, eps, KILN_BF16);
+        free(heap);
     }
-    return 0;
+    return failed ? 2 : 0;
 }
 
 /* out [rows, d] = dtype(silu(gate)) * up, from x [rows, 2d] = [gate | up]. */
