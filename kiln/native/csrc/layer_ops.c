@@ -295,8 +295,12 @@ int kiln_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, 
 /* Rotation of one [heads, hd] row into out, with cos/sin already in the model dtype:
  * (x1 * cos - x2 * sin, x2 * cos + x1 * sin), each product rounded as torch does; (x1, x2) are
  * each head's halves (neox) or its interleaved pairs x[2i], x[2i + 1] (gpt-j). out may be x
- * (in place): each pair is read before it is written. */
-static inline __attribute__((always_inline)) void rotate_row(const void *x, int64_t off, void *out, int64_t out_off, int heads,
+ * (in place): each pair is read before it is written. No FMA contraction (-ffast-math's
+ * -ffp-contract=fast): in float32, where round_to is no step, a - b became fma(x1, c, -b), one
+ * rounding fewer than torch's, 1 ulp off in a quarter of the values (and finite where torch's
+ * product overflows). */
+#define KILN_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+static inline __attribute__((always_inline)) KILN_NO_CONTRACT void rotate_row(const void *x, int64_t off, void *out, int64_t out_off, int heads,
                               int hd, const float *cs, int neox, int dtype) {
     const int half = hd / 2;
     for (int h = 0; h < heads; ++h) {
@@ -318,11 +322,12 @@ static inline __attribute__((always_inline)) void rotate_row(const void *x, int6
  * strides in elements; q_out may be q and k_out k (in place, same strides). A position outside
  * the cache fails with 1 (in place, the other rows are rotated all the same), an odd head size
  * with 3. */
-int kiln_rotary(const int64_t *positions, const void *q, int64_t q_stride, const void *k,
-                int64_t k_stride, void *q_out, int64_t q_out_stride, void *k_out,
-                int64_t k_out_stride, const float *cos_sin_cache,
-                int64_t max_pos, int64_t num_tokens, int32_t nq, int32_t nk, int32_t hd,
-                int32_t is_neox, int32_t dtype, int32_t num_threads) {
+KILN_NO_CONTRACT int kiln_rotary(const int64_t *positions, const void *q, int64_t q_stride,
+                                 const void *k, int64_t k_stride, void *q_out,
+                                 int64_t q_out_stride, void *k_out, int64_t k_out_stride,
+                                 const float *cos_sin_cache, int64_t max_pos, int64_t num_tokens,
+                                 int32_t nq, int32_t nk, int32_t hd, int32_t is_neox,
+                                 int32_t dtype, int32_t num_threads) {
     if (hd % 2) return 3;
     int bad = 0;
 #pragma omp parallel for num_threads(num_threads) if (num_tokens >= PARALLEL_MIN_ROWS) \
