@@ -50,21 +50,21 @@ def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) for each head's halves, written as one
     elementwise expression of x and x with its halves swapped: no concatenation, which
     Inductor's CPU backend lowers to views of one buffer, each made per call."""
-    num_tokens = x.shape[0]
-    x = x.reshape(num_tokens, -1, 2, head_size // 2)  # [T, heads, 2 halves, hd/2]
+    num_tokens, heads = x.shape[0], x.shape[1] // head_size  # (not -1: ambiguous at 0 tokens)
+    x = x.reshape(num_tokens, heads, 2, head_size // 2)  # [T, heads, 2 halves, hd/2]
     sign = torch.arange(2, dtype=x.dtype, device=x.device).view(2, 1) * 2 - 1  # -1, +1
     out = x * cos.unsqueeze(2) + x.flip(2) * sin.unsqueeze(2) * sign
-    return out.reshape(num_tokens, -1)
+    return out.reshape(num_tokens, heads * head_size)
 
 
 def _rotate_gptj(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  head_size: int) -> torch.Tensor:
     """The same rotation of each head's interleaved pairs (x[2i], x[2i+1])."""
-    num_tokens = x.shape[0]
-    x = x.reshape(num_tokens, -1, head_size // 2, 2)  # [T, heads, hd/2 pairs, 2]
+    num_tokens, heads = x.shape[0], x.shape[1] // head_size
+    x = x.reshape(num_tokens, heads, head_size // 2, 2)  # [T, heads, hd/2 pairs, 2]
     x1, x2 = x[..., 0], x[..., 1]
     out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.reshape(num_tokens, -1)
+    return out.reshape(num_tokens, heads * head_size)
 
 
 def _rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -75,7 +75,7 @@ def _rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     of q and k, contiguous, in their dtype, cos and sin first rounded to it. is_neox: each
     head's halves rotate together (Llama); else its interleaved pairs (GPT-J)."""
     cos_sin = cos_sin_cache.index_select(0, positions).to(q.dtype)  # [T, hd]
-    cos, sin = cos_sin.view(-1, 1, head_size).chunk(2, dim=-1)  # [T, 1, hd/2]
+    cos, sin = cos_sin.view(positions.numel(), 1, head_size).chunk(2, dim=-1)  # [T, 1, hd/2]
     rotate = _rotate_neox if is_neox else _rotate_gptj
     return rotate(q, cos, sin, head_size), rotate(k, cos, sin, head_size)
 

@@ -80,10 +80,12 @@ def test_rms_norm(provider, dtype, rows, hidden, strided):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_of_a_row_whose_squares_overflow_is_zero_as_torchs(provider, dtype):
     """Squares past float32's range: torch's rsqrt(inf) is 0. A kernel that computed 1/sqrt as
-    -ffast-math's rsqrt estimate with a Newton step got 0 * inf = NaN for every value."""
-    x = torch.tensor([[1e20, 1.0], [3.0, 4.0]]).to(dtype)
-    got, want = _run("rms_norm", provider, x, torch.ones(2, dtype=dtype), 1e-6)
-    assert not got.isnan().any() and torch.equal(got[0], want[0]) and (got[0] == 0).all()
+    -ffast-math's rsqrt estimate with a Newton step got 0 * inf = NaN for every value; the
+    portable kernel (no AVX-512), reassociated to (x * w) * 0, NaN where x * w overflows (the
+    second row; tests/native/test_isa_tiers.py runs that kernel)."""
+    x = torch.tensor([[1e20, 1.0], [3e38, -1.0], [3.0, 4.0]]).to(dtype)
+    got, want = _run("rms_norm", provider, x, torch.tensor([2.0, -3.0], dtype=dtype), 1e-6)
+    assert not got.isnan().any() and torch.equal(got[:2], want[:2]) and (got[:2] == 0).all()
     close(got, want, dtype)
 
 
@@ -228,3 +230,65 @@ def test_shapes_the_kernels_would_read_past_are_refused():
     with pytest.raises(ValueError, match="head_size must be even, got 3"):
         layer_ops.rotary(torch.tensor([0, 1]), torch.randn(2, 6), torch.randn(2, 3),
                          torch.randn(16, 3), 3)
+
+
+@pytest.mark.parametrize("provider", ["native", "torch"])
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_every_layer_op_takes_a_batch_of_no_tokens(provider, is_neox):
+    """Zero rows give empty results of the right shapes. The torch reference's rotary reshaped
+    to [T, -1, ...], which torch refuses at T = 0 (-1 is then ambiguous)."""
+    hd = 64
+    x, w = torch.randn(0, hd), torch.randn(hd)
+    assert _run("rms_norm", provider, x, w, 1e-6)[0].shape == (0, hd)
+    got, total = _run("fused_add_rms_norm", provider, x, x.clone(), w, 1e-6)[0]
+    assert got.shape == total.shape == (0, hd)
+    assert _run("silu_and_mul", provider, x)[0].shape == (0, hd // 2)
+    cache = torch.randn(16, hd)
+    for (q, k) in _run("rotary_embedding", provider, torch.zeros(0, dtype=torch.long),
+                       torch.randn(0, 3 * hd), torch.randn(0, hd), cache, hd, is_neox):
+        assert q.shape == (0, 3 * hd) and k.shape == (0, hd)
+
+
+_WIDE_ROW = """
+import torch
+from kiln.native import build, layer_ops
+assert build.available()
+x, w = torch.randn(2, 1 << 22), torch.ones(1 << 22)
+want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+tol = dict(rtol=1e-4, atol=1e-5)  # 4M squares summed in another order
+torch.testing.assert_close(layer_ops.rms_norm(x[:1], w, 1e-6), want[:1], **tol)
+got, total = layer_ops.rms_norm(x, w, 1e-6, residual=torch.zeros_like(x))
+torch.testing.assert_close(got, want, **tol)
+from kiln.native import int8_ops
+if int8_ops.isa():  # the fused quant kernel norms its chunks of rows with the same kernel
+    q, s = int8_ops.rms_norm_dynamic_int8_quant(x, w, 1e-6)
+    uq, us = int8_ops.dynamic_int8_quant(layer_ops.rms_norm(x, w, 1e-6))
+    assert torch.equal(q, uq) and torch.equal(s, us)
+print("ok")
+"""
+
+
+def test_native_rms_norm_of_a_row_wider_than_a_stack():
+    """A row of 4M values (16 MB of float32 scratch) is normed on the heap: the kernel kept each
+    row's values in a variable-length array on the stack, and the process died (SIGSEGV)."""
+    import subprocess
+    import sys
+
+    assert build.available()
+    proc = subprocess.run([sys.executable, "-c", _WIDE_ROW], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and "ok" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_rotary_equals_the_reference_bit_for_bit(dtype, is_neox):
+    """Each product rounded, then the sum, as torch's ops do: in float32 -ffast-math contracted
+    x1 * cos - x2 * sin into one FMA, 1 ulp off in a quarter of the values."""
+    g = _gen(7)
+    hd = 128
+    positions = torch.randint(0, 64, (33,), generator=g)
+    q, k = (torch.randn(33, n * hd, generator=g).to(dtype) for n in (4, 2))
+    cache = torch.randn(64, hd, generator=g)
+    (gq, gk), (wq, wk) = _run("rotary_embedding", "native", positions, q, k, cache, hd, is_neox)
+    assert torch.equal(gq, wq) and torch.equal(gk, wk)

@@ -114,10 +114,14 @@ int kiln_rms_norm_int8_quant(const void *x, int64_t x_stride, const void *residu
         for (int64_t c = 0; c < chunks; ++c) {
             if (!buf) continue;
             const int64_t r0 = c * CHUNK_ROWS, n = rows - r0 < CHUNK_ROWS ? rows - r0 : CHUNK_ROWS;
-            kiln_rms_norm((const char *)x + r0 * x_stride * es, x_stride,
-                          residual ? (const char *)residual + r0 * res_stride * es : NULL,
-                          res_stride, residual_out ? (char *)residual_out + r0 * hidden * es : NULL,
-                          weight, buf, hidden, n, hidden, eps, dtype, 1);
+            if (kiln_rms_norm((const char *)x + r0 * x_stride * es, x_stride,
+                              residual ? (const char *)residual + r0 * res_stride * es : NULL,
+                              res_stride,
+                              residual_out ? (char *)residual_out + r0 * hidden * es : NULL,
+                              weight, buf, hidden, n, hidden, eps, dtype, 1)) {
+                failed = 1; /* out of memory for a row that large */
+                continue;
+            }
             for (int64_t r = 0; r < n; ++r)
                 quant_row(buf + r * hidden * es, hidden, dtype, q + (r0 + r) * hidden,
                           scale + r0 + r);

@@ -7,6 +7,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "dtype.h"
@@ -15,6 +16,9 @@
 /* Fewer rows stay on one thread: a decode batch's few microseconds of work here are of the order
  * of waking the OpenMP team. */
 #define PARALLEL_MIN_ROWS 64
+/* rms_norm keeps a row's values on the stack up to this many (every model's hidden size), on the
+ * heap above: a row of 4M values on the stack overflowed it (SIGSEGV, not an error). */
+#define STACK_ROW_VALUES 16384
 
 /* Each dtype gets its own inlined loop (with the dtype known the loops vectorize; a runtime dtype
  * left them scalar). A row's values go through it in blocks, the last one padded or masked, so
@@ -208,10 +212,12 @@ KILN_INLINE void rms_norm_row(const void *x, const void *residual, void *residua
     for (int j = 0; j < KILN_BLOCK; ++j) total += sq[j];
     /* in double: -ffast-math turns a float 1 / sqrtf into an rsqrt estimate (NaN for inf) */
     const float inv = (float)(1.0 / sqrt((double)(total / hidden + eps)));
-    for (int i = 0; i < hidden; ++i) {
-        const float n = round_to(buf[i] * inv, dtype);
-        store_elem(out, i, n * load_elem(weight, i, dtype), dtype);
-    }
+    /* normed into buf, then times the weight, in two loops: in one, -ffast-math reassociated
+     * float32's (x * inv) * w into (x * w) * inv, NaN (inf * 0) where x * w overflows and
+     * torch's is 0 (a row whose squares overflow has inv 0) */
+    for (int i = 0; i < hidden; ++i) buf[i] = round_to(buf[i] * inv, dtype);
+    for (int i = 0; i < hidden; ++i)
+        store_elem(out, i, buf[i] * load_elem(weight, i, dtype), dtype);
 }
 
 KILN_INLINE void silu_and_mul_row(const void *x, void *out, int d, int dtype) {
@@ -244,9 +250,19 @@ int kiln_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t
                   int64_t rows, int32_t hidden, float eps, int32_t dtype, int32_t num_threads) {
     const int64_t es = dtype == KILN_F32 ? 4 : 2;
     const int padded = (hidden + KILN_BLOCK - 1) / KILN_BLOCK * KILN_BLOCK; /* whole blocks */
-#pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_MIN_ROWS)
+    const int on_stack = padded <= STACK_ROW_VALUES;
+    int failed = 0;
+#pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_MIN_ROWS) \
+    reduction(| : failed)
     for (int64_t r = 0; r < rows; ++r) {
-        float buf[padded] __attribute__((aligned(64)));
+        float stack_buf[on_stack && padded > 0 ? padded : 1] __attribute__((aligned(64)));
+        /* whole blocks of floats: a multiple of 64 bytes, as aligned_alloc wants */
+        float *heap = on_stack ? NULL : (float *)aligned_alloc(64, (size_t)padded * sizeof(float));
+        float *buf = on_stack ? stack_buf : heap;
+        if (!buf) {
+            failed = 1;
+            continue;
+        }
         const char *xr = (const char *)x + r * x_stride * es;
         const char *rr = residual ? (const char *)residual + r * res_stride * es : NULL;
         char *ro = residual_out ? (char *)residual_out + r * hidden * es : NULL;
@@ -255,8 +271,9 @@ int kiln_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t
             rms_norm_row(xr, rr, ro, weight, o, buf, hidden, eps, KILN_F32);
         else
             rms_norm_row(xr, rr, ro, weight, o, buf, hidden, eps, KILN_BF16);
+        free(heap);
     }
-    return 0;
+    return failed ? 2 : 0;
 }
 
 /* out [rows, d] = dtype(silu(gate)) * up, from x [rows, 2d] = [gate | up]. */
@@ -278,8 +295,12 @@ int kiln_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, 
 /* Rotation of one [heads, hd] row into out, with cos/sin already in the model dtype:
  * (x1 * cos - x2 * sin, x2 * cos + x1 * sin), each product rounded as torch does; (x1, x2) are
  * each head's halves (neox) or its interleaved pairs x[2i], x[2i + 1] (gpt-j). out may be x
- * (in place): each pair is read before it is written. */
-static inline __attribute__((always_inline)) void rotate_row(const void *x, int64_t off, void *out, int64_t out_off, int heads,
+ * (in place): each pair is read before it is written. No FMA contraction (-ffast-math's
+ * -ffp-contract=fast): in float32, where round_to is no step, a - b became fma(x1, c, -b), one
+ * rounding fewer than torch's, 1 ulp off in a quarter of the values (and finite where torch's
+ * product overflows). */
+#define KILN_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+static inline __attribute__((always_inline)) KILN_NO_CONTRACT void rotate_row(const void *x, int64_t off, void *out, int64_t out_off, int heads,
                               int hd, const float *cs, int neox, int dtype) {
     const int half = hd / 2;
     for (int h = 0; h < heads; ++h) {
@@ -301,11 +322,12 @@ static inline __attribute__((always_inline)) void rotate_row(const void *x, int6
  * strides in elements; q_out may be q and k_out k (in place, same strides). A position outside
  * the cache fails with 1 (in place, the other rows are rotated all the same), an odd head size
  * with 3. */
-int kiln_rotary(const int64_t *positions, const void *q, int64_t q_stride, const void *k,
-                int64_t k_stride, void *q_out, int64_t q_out_stride, void *k_out,
-                int64_t k_out_stride, const float *cos_sin_cache,
-                int64_t max_pos, int64_t num_tokens, int32_t nq, int32_t nk, int32_t hd,
-                int32_t is_neox, int32_t dtype, int32_t num_threads) {
+KILN_NO_CONTRACT int kiln_rotary(const int64_t *positions, const void *q, int64_t q_stride,
+                                 const void *k, int64_t k_stride, void *q_out,
+                                 int64_t q_out_stride, void *k_out, int64_t k_out_stride,
+                                 const float *cos_sin_cache, int64_t max_pos, int64_t num_tokens,
+                                 int32_t nq, int32_t nk, int32_t hd, int32_t is_neox,
+                                 int32_t dtype, int32_t num_threads) {
     if (hd % 2) return 3;
     int bad = 0;
 #pragma omp parallel for num_threads(num_threads) if (num_tokens >= PARALLEL_MIN_ROWS) \

@@ -1,0 +1,160 @@
+"""Child process of test_isa_tiers.py: builds the CPU kernels with extra compile flags (a CPU below
+this one: -march=native with features turned off), loads them (a process loads one library,
+so a child) and checks what that CPU runs against the references. Prints one JSON line:
+what the library was built with, and every mismatch found (none expected).
+
+Usage: python _tier_child.py FLAG [FLAG ...]
+"""
+import json
+import random
+import sys
+
+import torch
+from paged_reference import reference_attention, shuffled_block_tables
+
+from kiln import ir
+from kiln.native import build
+
+failures: list[str] = []
+
+
+def check(ok: bool, what: str) -> None:
+    if not ok:
+        failures.append(what)
+
+
+def close(got, want, dtype, roundings: int = 1) -> bool:
+    """Within the layer-op tests' tolerance (tests/model/test_ir_ops.py) for bfloat16 results
+    `roundings` bfloat16 steps deep, NaN where NaN."""
+    got, want = got.float(), want.float()
+    if got.shape != want.shape or not torch.equal(got.isnan(), want.isnan()):
+        return False
+    rtol, atol = (1e-5, 1e-6) if dtype == torch.float32 else (2 ** -7 * roundings, 1e-2)
+    return torch.allclose(got, want, rtol=rtol, atol=atol, equal_nan=True)
+
+
+def layer_ops(g: torch.Generator) -> None:
+    from kiln.ir import layer_ops as ref
+    k = torch.ops.kiln
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, hidden in [(1, 64), (3, 31), (65, 130), (257, 576), (2, 1)]:
+            tag = f"{dtype} {rows}x{hidden}"
+            x = torch.randn(rows, hidden + 3, generator=g).to(dtype)[:, 3:]  # strided, offset
+            res, w = torch.randn(rows, hidden, generator=g).to(dtype), torch.randn(hidden).to(dtype)
+            check(close(k.rms_norm_native(x, w, 1e-6), ref._rms_norm_ref(x, w, 1e-6), dtype),
+                  f"rms_norm {tag}")
+            (got, total), (want, want_total) = (k.fused_add_rms_norm_native(x, res, w, 1e-6),
+                                                ref._fused_add_rms_norm_ref(x, res, w, 1e-6))
+            check(close(got, want, dtype) and torch.equal(total, want_total),
+                  f"fused_add_rms_norm {tag}")
+            if hidden % 2 == 0:
+                # two roundings: silu's, then the product's. The portable path's expf is a bit
+                # off torch's (a vector expf and Sleef's): a silu that lands on a bfloat16 tie
+                # rounds the other way, and the product takes that step on
+                check(close(k.silu_and_mul_native(x * 4), ref._silu_and_mul_ref(x * 4), dtype, 2),
+                      f"silu_and_mul {tag}")
+        # a row whose squares overflow is 0 (torch's rsqrt(inf)), also where x * w overflows
+        x, w = torch.tensor([[1.0, 3e38, -2.0]]).to(dtype), torch.tensor([-1.5, 2.0, 3.0]).to(dtype)
+        check(close(k.rms_norm_native(x, w, 1e-6), ref._rms_norm_ref(x, w, 1e-6), dtype),
+              f"rms_norm {dtype} of a row whose squares overflow")
+        for hd, nq, nk, neox in [(64, 4, 2, True), (80, 3, 1, False), (128, 2, 2, True)]:
+            pos = torch.randint(0, 50, (9,), generator=g)
+            q, kk = (torch.randn(9, n * hd, generator=g).to(dtype) for n in (nq, nk))
+            cache = torch.randn(50, hd, generator=g)
+            got = k.rotary_embedding_native(pos, q, kk, cache, hd, neox)
+            want = ref._rotary_ref(pos, q, kk, cache, hd, neox)
+            # bit for bit: each product rounded, then the sum, as torch's ops (no FMA)
+            check(all(torch.equal(a, b) for a, b in zip(got, want)), f"rotary {dtype} hd {hd}")
+
+
+def int8_ops(g: torch.Generator) -> None:
+    from kiln.ir import int8_panels
+    from kiln.ir import quant as ref
+    k = torch.ops.kiln
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(70, 130, generator=g).to(dtype)
+        x[3] = 0
+        q, s = k.dynamic_int8_quant_native(x)
+        rq, rs = ref._dynamic_int8_quant_ref(x)
+        check(torch.equal(q, rq) and torch.equal(s, rs), f"dynamic_int8_quant {dtype}")
+        # every row count either side of the GEMM's paths (VNNI, oneDNN, panels)
+        for m in (1, 15, 16, 63, 64, 65, 1024, 1025):
+            for kdim, n in [(1, 13), (5, 96), (64, 13), (132, 96)]:
+                tag = f"{dtype} m {m} k {kdim} n {n}"
+                a = torch.randint(-128, 128, (m, kdim), dtype=torch.int8, generator=g)
+                w = torch.randint(-128, 128, (n, kdim), dtype=torch.int8, generator=g)
+                sa, sw = torch.rand(m, 1, generator=g), torch.rand(n, generator=g) / 100
+                bias = torch.randn(n, generator=g).to(dtype)
+                want = ref._int8_scaled_mm_ref(a, sa, w, sw, bias, dtype)
+                check(torch.equal(k.int8_scaled_mm_native(a, sa, w, sw, bias, dtype), want),
+                      f"int8_scaled_mm {tag}")
+                if kdim % 4:
+                    continue
+                panels = int8_panels.pack_int8_panels(w)
+                check(torch.equal(k.int8_scaled_mm_panels_native(a, sa, panels, sw, bias, dtype),
+                                  want), f"int8_scaled_mm_panels {tag}")
+                if n % 2:
+                    continue
+                got = k.int8_scaled_mm_panels_silu_quant_native(a, sa, panels, sw, bias, dtype)
+                unfused = k.silu_and_mul_dynamic_int8_quant_native(want)
+                check(all(torch.equal(u, v) for u, v in zip(got, unfused)),
+                      f"int8_scaled_mm_panels_silu_quant {tag}")
+
+
+def attention(g: torch.Generator) -> None:
+    """The CPU backend's layer call on a mixed step (decodes, a chunk over a cached prefix, a
+    fresh prefill and a long one: the per-token kernel, the blocked one or SDPA) against a
+    float64 softmax, as tests/native/test_fuzz_attention.py does."""
+    from kiln.attention.cpu_backend import CpuAttentionImpl
+    from kiln.attention.metadata import AttentionMetadata
+    rnd = random.Random(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for bs, hd, nh, nkv in [(16, 64, 8, 2), (3, 80, 7, 1), (32, 128, 4, 4)]:
+            q_lens, ctx = [1, 1, 5, 40, 9], [17, 0, 33, 0, bs + 1]
+            seq_lens = [c + n for c, n in zip(ctx, q_lens)]
+            tables, block_table, num_blocks = shuffled_block_tables(seq_lens, bs, rnd)
+            kv = torch.full((2, num_blocks, bs, nkv, hd), float("nan"), dtype=dtype)
+            for r, table in enumerate(tables):
+                for p in range(ctx[r]):
+                    kv[:, table[p // bs], p % bs] = torch.randn(2, nkv, hd, generator=g).to(dtype)
+            starts = [0]
+            for n in q_lens:
+                starts.append(starts[-1] + n)
+            slots = torch.tensor([tables[r][p // bs] * bs + p % bs for r in range(len(q_lens))
+                                  for p in range(ctx[r], seq_lens[r])], dtype=torch.int64)
+            qkv = torch.randn(starts[-1], (nh + 2 * nkv) * hd + 3, generator=g).to(dtype)[:, 3:]
+            q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=1)
+            out = torch.full((starts[-1], nh * hd), 7.0, dtype=dtype)
+            loc, lens = (torch.tensor(t, dtype=torch.int32) for t in (starts, seq_lens))
+            md = AttentionMetadata(starts[-1], len(q_lens), max(q_lens), max(seq_lens), loc,
+                                   lens, block_table, slots, loc, lens)
+            CpuAttentionImpl(nh, hd, hd ** -0.5, nkv).forward(q, k, v, kv, md, out)
+            want = reference_attention(q, kv[0], kv[1], tables, starts, seq_lens, nh, nkv, hd, bs,
+                                       hd ** -0.5)
+            tol = 1e-5 if dtype == torch.float32 else 2 ** -6
+            worst = max(float((out[t].double() - row).abs().max() / max(1.0, row.abs().max()))
+                        for t, row in want.items())
+            check(worst <= tol, f"attention {dtype} bs {bs} hd {hd}: off by {worst:.2e}")
+
+
+if __name__ == "__main__":
+    build.CFLAGS = [*build.CFLAGS, *sys.argv[1:]]
+    assert build.available(), "the kernels did not build with " + " ".join(sys.argv[1:])
+    from kiln.native import gguf_matmul, paged_attention, prefill_attention
+    from kiln.native import int8_ops as native_int8
+    g = torch.Generator().manual_seed(0)
+    torch.set_num_threads(2)
+    layer_ops(g)
+    isa = native_int8.isa()
+    if isa is not None:
+        int8_ops(g)
+    attention(g)
+    chosen = ir.resolve({}, "cpu", torch.bfloat16).as_dict()
+    print(json.dumps({
+        "library": str(build._loaded), "int8_isa": isa, "amx_min_rows": native_int8.amx_min_rows(),
+        "onednn_min_rows": native_int8.onednn_min_rows(),
+        "gguf_kernel": gguf_matmul.kernel_available(),
+        "prefill_simd": [prefill_attention.simd(d, 128) for d in (torch.float32, torch.bfloat16)],
+        "prefill_amx": prefill_attention.amx(torch.bfloat16, 128),
+        "bf16_dot": paged_attention.bf16_dot(torch.bfloat16, 128),
+        "chosen": chosen, "failures": failures}))
