@@ -4,6 +4,9 @@ token ids are bounded by the served model's vocabulary.
 
 FastAPI builds the schema from the routes; `describe` patches what it cannot know, once.
 """
+import collections
+import warnings
+
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
@@ -329,13 +332,28 @@ def _max_tokens_bounded(components: dict, max_model_len: int) -> None:
                 member["maximum"] = max_model_len - 1
 
 
+def unique_operation_ids(schema: dict) -> dict:
+    """FastAPI gives every method of one route the route's operationId (/ping's GET and POST):
+    a shared id is suffixed with each operation's method. One route, not one per method, so a
+    405 lists every method the path takes in its Allow header."""
+    ops = [op for path in schema.get("paths", {}).values() for op in path.values()]
+    seen = collections.Counter(op.get("operationId") for op in ops)
+    for path in schema.get("paths", {}).values():
+        for method, op in path.items():
+            if seen[op.get("operationId")] > 1:
+                op["operationId"] = f"{op['operationId']}_{method}"
+    return schema
+
+
 def describe(app: FastAPI, **served) -> None:
     """Serve the patched schema at /openapi.json (built on first request); `served`: what
     patch_schema takes about the served model and flags."""
     def openapi() -> dict:
         if app.openapi_schema is None:
-            app.openapi_schema = patch_schema(get_openapi(
-                title=app.title, version=app.version, routes=app.routes), **served)
+            with warnings.catch_warnings():  # the duplicates it warns of are renamed below
+                warnings.filterwarnings("ignore", message="Duplicate Operation ID")
+                schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            app.openapi_schema = patch_schema(unique_operation_ids(schema), **served)
         return app.openapi_schema
 
     app.openapi = openapi
