@@ -238,19 +238,23 @@ def test_an_abort_by_another_caller_ends_the_consumers_stream(kind):
         assert len(last.outputs[0].token_ids) == len(seen) - 1
 
 
+def _slow_to_read_prompts(engine: FakeEngine) -> FakeEngine:
+    """Each prompt takes 0.2 s to read: time for an abort to land while it is read."""
+    read = engine.process_inputs
+
+    def slow(*args, **kwargs):
+        time.sleep(0.2)
+        return read(*args, **kwargs)
+
+    engine.process_inputs = slow
+    return engine
+
+
 def test_an_abort_while_the_prompt_is_read_keeps_the_request_out_of_the_engine():
     """The abort found the stream (registered first) and took it away, then the add went on:
     the request ran in the engine for nobody, and its stream never ended."""
     async def main():
-        engine = FakeEngine()
-        llm = AsyncLLM(engine)
-        read = engine.process_inputs
-
-        def slow(*args, **kwargs):
-            time.sleep(0.2)
-            return read(*args, **kwargs)
-
-        engine.process_inputs = slow
+        llm = AsyncLLM(_slow_to_read_prompts(FakeEngine()))
         adding = asyncio.create_task(llm.add_request("x", {"prompt_token_ids": [5, 6]},
                                                      params(max_tokens=3)))
         await asyncio.sleep(0.05)
@@ -289,15 +293,7 @@ def test_a_refused_add_after_an_abort_spares_the_ids_new_request():
     """An add still reading its prompt is aborted and its id added again; the first add is then
     refused (ValueError): it unregistered the new request's stream, which then ended "abort"."""
     async def main():
-        engine = FakeEngine()
-        llm = AsyncLLM(engine)
-        read = engine.process_inputs
-
-        def slow(*args, **kwargs):
-            time.sleep(0.2)
-            return read(*args, **kwargs)
-
-        engine.process_inputs = slow
+        llm = AsyncLLM(_slow_to_read_prompts(FakeEngine()))
         bad = asyncio.create_task(llm.add_request("x", {"prompt_token_ids": [10**6]},
                                                   params(max_tokens=3)))
         await asyncio.sleep(0.05)
