@@ -4,6 +4,7 @@ msgspec msgpack, no pickle: structs here, dataclasses (EngineCoreOutput, Schedul
 """
 import dataclasses
 import functools
+import traceback
 import typing
 from typing import Any
 
@@ -134,3 +135,14 @@ def from_wire(request: EngineCoreRequest) -> Request:
     return Request(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                    sampling_params=decode_params(request.sampling_params),
                    arrival_time=request.arrival_time, cache_salt=request.cache_salt)
+
+
+def failure_report(e: BaseException) -> CoreFailed:
+    """What a core or a rank sends back for `e` (picklable), Dynamo's BackendCompilerFailed
+    unwrapped: a piece that failed to compile is reported as itself."""
+    from kiln.compilation.piecewise import unwrap_backend_error
+
+    e = unwrap_backend_error(e)
+    return CoreFailed(error_type=type(e).__name__, message=str(e),
+                      traceback="".join(traceback.format_exception(e)),
+                      error_module=type(e).__module__)

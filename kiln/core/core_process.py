@@ -17,7 +17,6 @@ import zmq
 from kiln.core.core_messages import (
     UTILITY_METHODS,
     AbortRequests,
-    CoreFailed,
     EngineCoreRequest,
     FinishRequests,
     Ready,
@@ -25,6 +24,7 @@ from kiln.core.core_messages import (
     StepOutputs,
     UtilityCall,
     UtilityResult,
+    failure_report,
     from_wire,
     input_codec,
     output_codec,
@@ -67,15 +67,6 @@ def _remove_ipc_sockets(addresses: tuple[str, ...]) -> None:
             os.rmdir(directory)
         except OSError:
             pass
-
-
-def failure_report(e: BaseException) -> CoreFailed:
-    from kiln.compilation.piecewise import unwrap_backend_error
-
-    e = unwrap_backend_error(e)  # a piece that failed to compile: the front end reports it
-    return CoreFailed(error_type=type(e).__name__, message=str(e),
-                      traceback="".join(traceback.format_exception(e)),
-                      error_module=type(e).__module__)
 
 
 def merged_aborts(messages: list) -> list[tuple[object, int]]:

@@ -1,5 +1,6 @@
 """The errors of an engine core in its own process as the front end raises them: its death, and
-the exception it reported rebuilt as the same kind where that is a built-in or Kiln's own."""
+the exception it reported (core_messages.failure_report) rebuilt as the same kind where that is
+a built-in or Kiln's own."""
 import builtins
 import importlib
 
@@ -42,3 +43,4 @@ def rebuild_error(failure: CoreFailed) -> BaseException:
             pass
     return EngineCoreDeadError(f"the engine core failed: {failure.error_type}: "
                                f"{failure.message}")
+

@@ -322,7 +322,7 @@ class InputProcessor:
         # Tokens the whole KV cache holds, once the engine sized it (None: not known yet).
         self.kv_cache_tokens: int | None = None
         # The flags that enlarge it (CacheConfig.larger_cache_flags), set with it.
-        self.larger_cache_flags = "--kv-cache-memory (CPU) or --gpu-memory-utilization"
+        self.larger_cache_flags: str | None = None
 
     @functools.cached_property
     def special_prefix_len(self) -> int:

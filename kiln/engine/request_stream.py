@@ -35,7 +35,8 @@ class RequestStream:
         its metrics observe: the room beside the prompt where the request set none (vLLM's
         request_params_max_tokens observes that too)."""
         self.num_prompt_tokens = len(processed.prompt_token_ids)
-        self._prompt, self._prompt_token_ids = processed.prompt, list(processed.prompt_token_ids)
+        # for put_abort's final output (not copied: nothing changes a processed prompt's ids)
+        self._prompt, self._prompt_token_ids = processed.prompt, processed.prompt_token_ids
         self.timer.max_tokens = processed.params.max_tokens
 
     def put_delta(self, delta: RequestOutput) -> None:

@@ -19,11 +19,12 @@ import time
 import weakref
 
 from kiln import envs
+from kiln.core.core_messages import failure_report
 from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kiln.distributed.model_split import check_parallel_split
 from kiln.executor.abstract import Executor
 from kiln.executor.free_port import free_port
-from kiln.executor.rank_errors import error_report, startup_error
+from kiln.executor.rank_errors import startup_error
 from kiln.logger import init_logger
 from kiln.process_signals import leave_group_signals_to_parent
 
@@ -58,7 +59,7 @@ def _rank_main(kiln_config, rank: int, world_size: int, init_method: str, conn,
     try:
         worker = RankWorker(kiln_config, rank, rank, world_size, init_method)
     except BaseException as e:
-        conn.send(("error", error_report(e)))
+        conn.send(("error", failure_report(e)))
         return
     conn.send(("ok", None))
     while True:
@@ -71,7 +72,7 @@ def _rank_main(kiln_config, rank: int, world_size: int, init_method: str, conn,
         try:
             reply = ("ok", worker.call_pickled(payload))
         except BaseException as e:
-            reply = ("error", error_report(e))
+            reply = ("error", failure_report(e))
         conn.send(reply)
     worker.shutdown()
 

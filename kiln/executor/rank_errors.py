@@ -12,13 +12,6 @@ from kiln.logger import init_logger
 logger = init_logger(__name__)
 
 
-def error_report(e: BaseException) -> CoreFailed:
-    """What a rank sends back for `e` (picklable; Dynamo's BackendCompilerFailed unwrapped)."""
-    from kiln.core.core_process import failure_report
-
-    return failure_report(e)
-
-
 def startup_error(report: CoreFailed, rank: int, what: str) -> BaseException | None:
     """The error the engine raises for a rank's `report` during `what`, where it is the user's
     to fix or a piece's compile error; None where the rank failed otherwise (a bug, a step)."""
@@ -32,6 +25,6 @@ def startup_error(report: CoreFailed, rank: int, what: str) -> BaseException | N
     if not (user or isinstance(error, PieceCompileError)):
         return None
     # as a core process logs its own: a user error's traceback only helps debugging
-    logger.log(logging.DEBUG if user else logging.ERROR, "worker rank %d failed during %s: %s", rank, what,
-               report.traceback)
+    logger.log(logging.DEBUG if user else logging.ERROR, "worker rank %d failed during %s: %s",
+               rank, what, report.traceback)
     return error

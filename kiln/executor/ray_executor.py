@@ -19,6 +19,7 @@ import time
 import msgspec
 
 from kiln import envs
+from kiln.core.core_messages import failure_report
 from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kiln.distributed.model_split import check_parallel_split
 from kiln.executor.abstract import Executor
@@ -27,7 +28,7 @@ from kiln.executor.multiproc_executor import (
     WorkerFailedError,
     unanswered_message,
 )
-from kiln.executor.rank_errors import error_report, startup_error
+from kiln.executor.rank_errors import startup_error
 from kiln.executor.ray_placement import (
     check_ray_address,
     kiln_env_vars,
@@ -203,7 +204,7 @@ class RayExecutor(Executor):
         cause = getattr(e, "cause", None)
         error = None
         if isinstance(cause, BaseException):
-            report = msgspec.structs.replace(error_report(cause), traceback=str(e))
+            report = msgspec.structs.replace(failure_report(cause), traceback=str(e))
             error = startup_error(report, rank, what)
         if error is None:
             self._fail(f"worker rank {rank} failed during {what}:\n{e}")

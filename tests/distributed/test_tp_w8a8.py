@@ -85,13 +85,14 @@ def test_a_scheme_kiln_does_not_run_is_one_line_at_tp2_as_at_tp1(dirs, tmp_path)
 
 def test_only_a_ranks_start_up_user_error_or_compile_error_is_raised_as_itself():
     from kiln.compilation.piecewise import PieceCompileError
-    from kiln.executor.rank_errors import error_report, startup_error
+    from kiln.core.core_messages import failure_report
+    from kiln.executor.rank_errors import startup_error
 
     def report(e):
         try:
             raise e
         except BaseException as raised:  # noqa: BLE001 - a traceback, as a rank's
-            return error_report(raised)
+            return failure_report(raised)
 
     assert type(startup_error(report(ValueError("v")), 0, "start-up")) is ValueError
     assert type(startup_error(report(FileNotFoundError("f")), 1, "start-up")) is \
