@@ -5,6 +5,8 @@ Read them through these functions (not at import time) so tests can set them per
 import os
 from pathlib import Path
 
+from kiln.errors import ConfigError
+
 
 def cache_root() -> Path:
     """Root of everything Kiln caches: the default model, compiled artifacts."""
@@ -27,7 +29,7 @@ def _flag(name: str, default: bool) -> bool:
         return True
     if value.strip().lower() in _FALSE:
         return False
-    raise ValueError(f"{name}={value!r} must be 1/true/yes/on or 0/false/no/off")
+    raise ConfigError(f"{name}={value!r} must be 1/true/yes/on or 0/false/no/off")
 
 
 def logging_level() -> str:
@@ -35,8 +37,8 @@ def logging_level() -> str:
     ERROR or CRITICAL."""
     value = os.environ.get("KILN_LOGGING_LEVEL") or "INFO"
     if value.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-        raise ValueError(f"KILN_LOGGING_LEVEL={value!r} must be DEBUG, INFO, WARNING, ERROR or "
-                         "CRITICAL")
+        raise ConfigError(f"KILN_LOGGING_LEVEL={value!r} must be DEBUG, INFO, WARNING, ERROR or "
+                          "CRITICAL")
     return value.upper()
 
 
@@ -50,7 +52,7 @@ def _positive_finite(name: str, unit: str, otherwise: str) -> float | None:
     except ValueError:
         number = float("nan")
     if not 0 < number < float("inf"):  # NaN too
-        raise ValueError(f"{name}={value!r} must be a finite number of {unit} > 0 ({otherwise})")
+        raise ConfigError(f"{name}={value!r} must be a finite number of {unit} > 0 ({otherwise})")
     return number
 
 
@@ -116,8 +118,8 @@ def cpu_num_reserved_cpu(default: int) -> int:
     except ValueError:
         cores = -1
     if cores < 0:
-        raise ValueError(f"KILN_CPU_NUM_OF_RESERVED_CPU={value!r} must be a whole number of "
-                         "cores >= 0 (0: the engine core's threads use every core)")
+        raise ConfigError(f"KILN_CPU_NUM_OF_RESERVED_CPU={value!r} must be a whole number of "
+                          "cores >= 0 (0: the engine core's threads use every core)")
     return cores
 
 

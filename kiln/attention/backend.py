@@ -5,6 +5,7 @@ A backend is a class with static methods; the Attention layer builds one impl pe
 import torch
 
 from kiln.attention.metadata import AttentionMetadata
+from kiln.errors import ConfigError
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
@@ -18,8 +19,8 @@ class AttentionImpl:
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int):
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
-                             f"({num_kv_heads})")
+            raise ConfigError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                              f"({num_kv_heads})")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
@@ -72,7 +73,7 @@ def get_attn_backend(platform=None) -> type[AttentionBackend]:
         if name == "cpu" and device != "cpu":
             name = "torch"
     if name not in BACKENDS:
-        raise ValueError(f"KILN_ATTENTION_BACKEND={name!r} is not one of {', '.join(BACKENDS)}")
+        raise ConfigError(f"KILN_ATTENTION_BACKEND={name!r} is not one of {', '.join(BACKENDS)}")
     if name == "cpu":
         from kiln.attention.cpu_backend import CpuAttentionBackend
 

@@ -16,6 +16,7 @@ from kiln.compilation import vec_isa
 from kiln.compilation.artifact_call import direct_callable
 from kiln.compilation.counters import compilation_counter
 from kiln.compilation.inductor_patches import headers_not_precompiled, lazy_kernel_templates
+from kiln.errors import ConfigError
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -208,4 +209,4 @@ def make_compiler(backend: str, pass_manager=None, device: str = "cpu") -> Compi
         return EagerAdaptor()
     if backend == "inductor":
         return InductorStandaloneAdaptor(pass_manager, device)
-    raise ValueError(f"compilation_config.backend must be 'inductor' or 'eager'; got {backend!r}")
+    raise ConfigError(f"compilation_config.backend must be 'inductor' or 'eager'; got {backend!r}")

@@ -3,6 +3,7 @@ import math
 from dataclasses import dataclass
 
 from kiln.config.frozen import FreezableConfig
+from kiln.errors import ConfigError
 
 
 @dataclass
@@ -21,15 +22,15 @@ class CacheConfig(FreezableConfig):
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+            raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.kv_cache_memory is not None and not 0 < self.kv_cache_memory < math.inf:
-            raise ValueError("kv_cache_memory (--kv-cache-memory) must be a finite number of "
-                             f"GiB > 0, got {self.kv_cache_memory}")
+            raise ConfigError("kv_cache_memory (--kv-cache-memory) must be a finite number of "
+                              f"GiB > 0, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
+            raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
 
     def larger_cache_flags(self) -> str:

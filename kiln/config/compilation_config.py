@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kiln.config.frozen import FreezableConfig
+from kiln.errors import ConfigError
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -48,19 +49,19 @@ def _pass_config(given: dict) -> dict:
     for key, value in given.items():
         name = _PASS_ALIASES.get(key, key)
         if not isinstance(value, bool):
-            raise ValueError(f"compilation_config.pass_config.{key} must be true or false; got "
-                             f"{value!r}")
+            raise ConfigError(f"compilation_config.pass_config.{key} must be true or false; got "
+                              f"{value!r}")
         if name in _VLLM_PASSES_OFF_ONLY:
             if value:
-                raise ValueError(f"compilation_config.pass_config.{key}: Kiln has no such pass; "
-                                 "drop it (or set it false)")
+                raise ConfigError(f"compilation_config.pass_config.{key}: Kiln has no such pass; "
+                                  "drop it (or set it false)")
             continue
         if name not in PASS_NAMES:
-            raise ValueError(f"compilation_config.pass_config has unknown key {key!r}; Kiln's "
-                             f"passes: {', '.join(PASS_NAMES)}")
+            raise ConfigError(f"compilation_config.pass_config has unknown key {key!r}; Kiln's "
+                              f"passes: {', '.join(PASS_NAMES)}")
         if out.get(name, value) != value:
-            raise ValueError(f"compilation_config.pass_config sets {name} both ways ({key} "
-                             "is its older name)")
+            raise ConfigError(f"compilation_config.pass_config sets {name} both ways ({key} "
+                              "is its older name)")
         out[name] = value
     return {name: value for name, value in out.items() if value is not True}
 
@@ -69,13 +70,13 @@ def _check_inductor_options(options: dict) -> None:
     defaults = _inductor_defaults()
     unknown = sorted(set(options) - set(defaults))
     if unknown:
-        raise ValueError(f"compilation_config.inductor_compile_config must be options of "
-                         f"torch._inductor.config (unknown: {unknown})")
+        raise ConfigError(f"compilation_config.inductor_compile_config must be options of "
+                          f"torch._inductor.config (unknown: {unknown})")
     for name, value in options.items():
         if not _fits(value, defaults[name]):
-            raise ValueError(f"compilation_config.inductor_compile_config[{name!r}] must be of "
-                             f"type {type(defaults[name]).__name__} (its default is "
-                             f"{defaults[name]!r}); got {value!r}")
+            raise ConfigError(f"compilation_config.inductor_compile_config[{name!r}] must be of "
+                              f"type {type(defaults[name]).__name__} (its default is "
+                              f"{defaults[name]!r}); got {value!r}")
 
 
 def _fits(value, default) -> bool:
@@ -110,7 +111,7 @@ class CompilationConfig(FreezableConfig):
 
     def __post_init__(self):
         def fail(name: str, rule: str, value) -> None:
-            raise ValueError(f"compilation_config.{name} must be {rule}; got {value!r}")
+            raise ConfigError(f"compilation_config.{name} must be {rule}; got {value!r}")
 
         def integer(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
@@ -162,8 +163,8 @@ class CompilationConfig(FreezableConfig):
             known = set(cls.__dataclass_fields__)
             unknown = set(value) - known
             if unknown:
-                raise ValueError(f"unknown compilation_config field(s) {sorted(unknown)}; "
-                                 f"known: {sorted(known)}")
+                raise ConfigError(f"unknown compilation_config field(s) {sorted(unknown)}; "
+                                  f"known: {sorted(known)}")
             return cls(**value)
         return cls.from_cli(cli_fields(str(value)))
 
@@ -188,8 +189,8 @@ def cli_fields(text: str) -> dict:
         path, sep, raw = text[1:].partition("=")
         keys = path.split(".")
         if not sep or not all(keys):
-            raise ValueError(f"-O{text} must be -O.FIELD=VALUE (or -O.FIELD.KEY=VALUE), e.g. "
-                             "-O.mode=3")
+            raise ConfigError(f"-O{text} must be -O.FIELD=VALUE (or -O.FIELD.KEY=VALUE), e.g. "
+                              "-O.mode=3")
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:
@@ -200,10 +201,10 @@ def cli_fields(text: str) -> dict:
     try:
         parsed = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"-O/--compilation-config must be a mode number, -O.FIELD=VALUE or a "
-                         f"JSON object: {e}") from None
+        raise ConfigError(f"-O/--compilation-config must be a mode number, -O.FIELD=VALUE or a "
+                          f"JSON object: {e}") from None
     if not isinstance(parsed, dict):
-        raise ValueError(f"-O/--compilation-config JSON must be an object, got {text}")
+        raise ConfigError(f"-O/--compilation-config JSON must be an object, got {text}")
     return parsed
 
 
@@ -229,7 +230,7 @@ def spec_to_dict(value) -> dict:
         out["mode"] = None if value.mode is None else int(value.mode)
         return out
     if isinstance(value, bool):
-        raise ValueError(f"a compilation config must be a mode or JSON object, got {value!r}")
+        raise ConfigError(f"a compilation config must be a mode or JSON object, got {value!r}")
     if isinstance(value, int):
         out = {"mode": value}
     elif isinstance(value, dict):

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.config.frozen import FreezableConfig
+from kiln.errors import ConfigError
 
 
 def resolve_device(device: str) -> str:
@@ -12,7 +13,7 @@ def resolve_device(device: str) -> str:
 
     name = current_platform.device_type if device == "auto" else device
     if name not in ("cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda; got {device!r}")
+        raise ConfigError(f"device must be auto, cpu or cuda; got {device!r}")
     return name
 
 
@@ -24,7 +25,7 @@ class DeviceConfig(FreezableConfig):
     def __post_init__(self):
         name = resolve_device(self.device)
         if name == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device (a CPU "
-                             "build of torch, or no GPU); use --device cpu or auto")
+            raise ConfigError("device 'cuda' was asked for, but torch sees no CUDA device (a CPU "
+                              "build of torch, or no GPU); use --device cpu or auto")
         self.device = name
         self.device_obj = torch.device(name)

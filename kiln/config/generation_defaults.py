@@ -5,6 +5,7 @@ Defaults fill only the fields a request leaves unset, as vLLM's `--generation-co
 import json
 from pathlib import Path
 
+from kiln.errors import ConfigError
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -33,14 +34,14 @@ def load_chat_template(value: str | None) -> str | None:
     else:
         text, where = value, "the template text"
     if not text.strip():  # it would render every chat as an empty prompt
-        raise ValueError(f"--chat-template: {where} is empty; give a Jinja chat template")
+        raise ConfigError(f"--chat-template: {where} is empty; give a Jinja chat template")
     from jinja2 import TemplateSyntaxError
 
     try:
         _compile_template(text)
     except TemplateSyntaxError as e:
-        raise ValueError(f"--chat-template: {where} is no valid Jinja template: {e.message} "
-                         f"(line {e.lineno})") from None
+        raise ConfigError(f"--chat-template: {where} is no valid Jinja template: {e.message} "
+                          f"(line {e.lineno})") from None
     return text
 
 
@@ -85,8 +86,8 @@ def load_generation_defaults(generation_config: str, model_path: Path) -> dict:
         if generation_config == "auto":
             logger.warning("ignoring unreadable %s (%s)", path, e)
             return {}
-        raise ValueError(f"--generation-config {generation_config!r}: {path} is not JSON "
-                         f"({e})") from None
+        raise ConfigError(f"--generation-config {generation_config!r}: {path} is not JSON "
+                          f"({e})") from None
     defaults = {field: raw[key] for key, field in GENERATION_CONFIG_KEYS.items()
                 if raw.get(key) is not None}
     for field, value in list(defaults.items()):
@@ -94,7 +95,7 @@ def load_generation_defaults(generation_config: str, model_path: Path) -> dict:
         if problem is None:
             continue
         if generation_config != "auto":  # the user's file: every request would fail on it
-            raise ValueError(f"--generation-config {generation_config!r}: {path}: {problem}")
+            raise ConfigError(f"--generation-config {generation_config!r}: {path}: {problem}")
         logger.warning("ignoring %s's %s: %s", path, field, problem)
         del defaults[field]
     if defaults:

@@ -11,6 +11,8 @@ which keeps the metadata they need (`metadata_keys`), so a start parses no file 
 import math
 from pathlib import Path
 
+from kiln.errors import ConfigError
+
 # The GGUF architectures Kiln's models run (general.architecture).
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # <arch>.key -> what its value must be: "count" a positive integer, "positive" a number above 0.
@@ -44,22 +46,22 @@ def check_file(table: dict, gguf: Path) -> None:
     metadata = table["metadata"]
     split = metadata.get(_SPLIT_COUNT, {}).get("value")
     if isinstance(split, int) and split > 1:
-        raise ValueError(f"GGUF file {gguf} is one of {split} parts of a split model "
-                         f"({_SPLIT_COUNT} = {split}); Kiln does not read split files: merge "
-                         "them into one with `llama-gguf-split --merge FIRST-PART.gguf "
-                         "MERGED.gguf` and pass the merged file")
+        raise ConfigError(f"GGUF file {gguf} is one of {split} parts of a split model "
+                          f"({_SPLIT_COUNT} = {split}); Kiln does not read split files: merge "
+                          "them into one with `llama-gguf-split --merge FIRST-PART.gguf "
+                          "MERGED.gguf` and pass the merged file")
     arch = table["architecture"]
     if arch is None:
-        raise ValueError(f"GGUF file {gguf} has no general.architecture field")
+        raise ConfigError(f"GGUF file {gguf} has no general.architecture field")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(f"GGUF file {gguf}: architecture {arch!r} is not supported; "
-                         f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+        raise ConfigError(f"GGUF file {gguf}: architecture {arch!r} is not supported; "
+                          f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
     experts = metadata.get(f"{arch}.expert_count", {}).get("value")
     expert_tensors = [t["name"] for t in table["tensors"] if "_exps." in t["name"]]
     if (isinstance(experts, int) and experts > 0) or expert_tensors:
         what = f"{arch}.expert_count = {experts}" if experts else f"tensor {expert_tensors[0]}"
-        raise ValueError(f"GGUF file {gguf} holds a mixture-of-experts model ({what}); Kiln "
-                         "runs dense models only (Llama, Mistral, Qwen2, Qwen3)")
+        raise ConfigError(f"GGUF file {gguf} holds a mixture-of-experts model ({what}); Kiln "
+                          "runs dense models only (Llama, Mistral, Qwen2, Qwen3)")
 
 
 def check_metadata(table: dict, gguf: Path) -> None:
@@ -70,13 +72,13 @@ def check_metadata(table: dict, gguf: Path) -> None:
     arch, metadata = table["architecture"], table["metadata"]
     missing = [f"{arch}.{key}" for key in _REQUIRED if f"{arch}.{key}" not in metadata]
     if missing:
-        raise ValueError(f"GGUF file {gguf} lacks the metadata {', '.join(missing)}; "
-                         f"{_NOT_LLAMA_CPP}")
+        raise ConfigError(f"GGUF file {gguf} lacks the metadata {', '.join(missing)}; "
+                          f"{_NOT_LLAMA_CPP}")
     for key, kind in {**_REQUIRED, **_OPTIONAL}.items():
         entry = metadata.get(f"{arch}.{key}")
         problem = None if entry is None else _value_problem(entry, kind)
         if problem:
-            raise ValueError(f"GGUF file {gguf}: {arch}.{key} is {problem}; {_NOT_LLAMA_CPP}")
+            raise ConfigError(f"GGUF file {gguf}: {arch}.{key} is {problem}; {_NOT_LLAMA_CPP}")
     vocab = metadata.get(_TOKENS, {}).get("count") or \
         metadata.get(f"{arch}.vocab_size", {}).get("value")
     for key in _TOKEN_IDS:
@@ -87,7 +89,7 @@ def check_metadata(table: dict, gguf: Path) -> None:
         if problem is None and vocab is not None and entry["value"] >= vocab:
             problem = f"{entry['value']}, outside the vocabulary of {vocab} tokens"
         if problem:
-            raise ValueError(f"GGUF file {gguf}: {key} is {problem}; {_NOT_LLAMA_CPP}")
+            raise ConfigError(f"GGUF file {gguf}: {key} is {problem}; {_NOT_LLAMA_CPP}")
 
 
 def _value_problem(entry: dict, kind: str) -> str | None:

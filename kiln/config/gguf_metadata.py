@@ -19,6 +19,7 @@ from typing import Any
 from kiln import envs
 from kiln.atomic_write import temporary_beside
 from kiln.config import gguf_checks
+from kiln.errors import ConfigError
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -118,8 +119,8 @@ def _apply_head_size(config, head_size: dict | None, gguf: Path) -> None:
         return
     key, value = head_size["key"], head_size.get("value")
     if value is not None and value != key:
-        raise ValueError(f"GGUF file {gguf}: attention.key_length {key} differs from "
-                         f"attention.value_length {value}; Kiln's attention needs them equal")
+        raise ConfigError(f"GGUF file {gguf}: attention.key_length {key} differs from "
+                          f"attention.value_length {value}; Kiln's attention needs them equal")
     config.head_dim = int(key)
 
 

@@ -6,6 +6,8 @@ import functools
 import importlib.metadata
 from pathlib import Path
 
+from kiln.errors import ConfigError
+
 
 class UnknownQuantType(ValueError):
     """A tensor's type id is none of gguf's GGMLQuantizationType."""
@@ -21,14 +23,14 @@ def open_gguf(path: Path):
     try:
         return _reader_class()(str(path))
     except UnknownQuantType as e:
-        raise ValueError(
+        raise ConfigError(
             f"GGUF file {path}: tensor {e.tensor} is stored in quantization type {e.type_id}, "
             f"which the installed gguf package ({importlib.metadata.version('gguf')}) does not "
             "know (a type newer llama.cpp versions write); upgrade it (pip install -U gguf) or "
             "use a file quantized to a type it knows, such as Q8_0, Q4_K_M or F16") from None
     except Exception as e:  # noqa: BLE001 - any parse error means a file gguf cannot read
-        raise ValueError(f"GGUF file {path} ({size} bytes) cannot be read ({type(e).__name__}: "
-                         f"{e}): it is truncated or damaged; download or convert it again") from e
+        raise ConfigError(f"GGUF file {path} ({size} bytes) cannot be read ({type(e).__name__}: "
+                          f"{e}): it is truncated or damaged; download or convert it again") from e
 
 
 @functools.cache

@@ -15,6 +15,7 @@ from kiln.config.load_config import LoadConfig
 from kiln.config.model_config import ModelConfig
 from kiln.config.parallel_config import ParallelConfig
 from kiln.config.scheduler_config import SchedulerConfig
+from kiln.errors import ConfigError
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -61,7 +62,7 @@ class KilnConfig(FreezableConfig):
         if sched.max_num_batched_tokens is None:
             sched.max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, sched.max_num_seqs)
         if sched.max_num_batched_tokens < sched.max_num_seqs:
-            raise ValueError(
+            raise ConfigError(
                 f"max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({sched.max_num_seqs}); raise --max-num-batched-tokens or lower --max-num-seqs")
         self._check_memory()
@@ -79,10 +80,10 @@ class KilnConfig(FreezableConfig):
         compiles = self.compilation_config.mode == CompilationMode.KILN_COMPILE
         for size in self.compilation_config.compile_sizes:
             if compiles and size > sched.max_num_batched_tokens:
-                raise ValueError(f"compile size {size} exceeds max_num_batched_tokens "
-                                 f"({sched.max_num_batched_tokens}): no step has that many "
-                                 "tokens; drop it from compile_sizes or raise "
-                                 "--max-num-batched-tokens")
+                raise ConfigError(f"compile size {size} exceeds max_num_batched_tokens "
+                                  f"({sched.max_num_batched_tokens}): no step has that many "
+                                  "tokens; drop it from compile_sizes or raise "
+                                  "--max-num-batched-tokens")
 
     def _check_memory(self) -> None:
         """Sizes whose buffers no machine here could hold are refused by flag, before anything

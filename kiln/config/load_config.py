@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 
 from kiln.config.frozen import FreezableConfig
+from kiln.errors import ConfigError
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
@@ -12,5 +13,5 @@ class LoadConfig(FreezableConfig):
 
     def __post_init__(self):
         if self.load_format not in LOAD_FORMATS:
-            raise ValueError(
+            raise ConfigError(
                 f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")

@@ -4,6 +4,8 @@ of failing deep in an allocation, or being killed by the kernel minutes later.
 
 Rough on purpose: only what grows with the settings, each term an upper bound of its order.
 """
+from kiln.errors import ConfigError
+
 GiB = 1 << 30
 
 
@@ -38,6 +40,6 @@ def check_fits(needs: dict[str, int], total_bytes: int) -> None:
     if need <= total_bytes:
         return
     biggest = max(needs, key=needs.get)
-    raise ValueError(f"{biggest} needs about {needs[biggest] / GiB:,.1f} GiB of memory (all "
-                     f"buffers about {need / GiB:,.1f} GiB), more than this machine's "
-                     f"{total_bytes / GiB:,.1f} GiB; lower those settings")
+    raise ConfigError(f"{biggest} needs about {needs[biggest] / GiB:,.1f} GiB of memory (all "
+                      f"buffers about {need / GiB:,.1f} GiB), more than this machine's "
+                      f"{total_bytes / GiB:,.1f} GiB; lower those settings")

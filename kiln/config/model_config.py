@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kiln.config.frozen import FreezableConfig
+from kiln.errors import ConfigError
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -83,11 +84,11 @@ class ModelConfig(FreezableConfig):
 
         if not (isinstance(self.max_logprobs, int) and not isinstance(self.max_logprobs, bool)
                 and self.max_logprobs >= -1):
-            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 (the vocabulary), "
-                             f"got {self.max_logprobs!r}")
+            raise ConfigError(f"max_logprobs must be an integer >= 0, or -1 (the vocabulary), "
+                              f"got {self.max_logprobs!r}")
         if not -2 ** 63 <= self.seed < 2 ** 64:  # what torch.manual_seed takes
-            raise ValueError(f"seed (--seed) must be an integer in [-2**63, 2**64 - 1], got "
-                             f"{self.seed}")
+            raise ConfigError(f"seed (--seed) must be an integer in [-2**63, 2**64 - 1], got "
+                              f"{self.seed}")
 
         if self.model is None:
             from kiln.model.loader.default_model import default_model_path
@@ -100,9 +101,9 @@ class ModelConfig(FreezableConfig):
                                            download_dir=self.download_dir)
             self.gguf_file = find_gguf_file(self.model_path)
             if self.load_format == "safetensors" and self.model_path.is_file():
-                raise ValueError(f"--load-format safetensors reads a checkpoint directory, and "
-                                 f"--model {self.model} is a file; for a .gguf file use "
-                                 "--load-format gguf (or auto)")
+                raise ConfigError(f"--load-format safetensors reads a checkpoint directory, and "
+                                  f"--model {self.model} is a file; for a .gguf file use "
+                                  "--load-format gguf (or auto)")
             self.hf_config = self._load_hf_config()
         self._resolve_tokenizer_side()
         if self.load_format == "auto":
@@ -126,10 +127,10 @@ class ModelConfig(FreezableConfig):
                 init_logger(__name__).warning(
                     "max_model_len capped at the model's %s", why)
         elif self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         elif self.max_model_len > limit:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's {why}; "
-                             f"lower --max-model-len to {limit} or less")
+            raise ConfigError(f"max_model_len={self.max_model_len} exceeds the model's {why}; "
+                              f"lower --max-model-len to {limit} or less")
 
     def _resolve_tokenizer_side(self) -> None:
         from kiln.config.generation_defaults import load_chat_template, load_generation_defaults
@@ -178,7 +179,7 @@ class ModelConfig(FreezableConfig):
                 return config_dtype
             return platform_default
         if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16; got {self.dtype!r}")
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16; got {self.dtype!r}")
         return _DTYPES[self.dtype]
 
     @property

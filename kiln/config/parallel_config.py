@@ -6,6 +6,7 @@ import importlib.util
 from dataclasses import dataclass
 
 from kiln.config.frozen import FreezableConfig
+from kiln.errors import ConfigError
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
@@ -19,15 +20,15 @@ def resolve_executor_backend(backend: str | None, world_size: int,
         if has_ray is None:
             has_ray = importlib.util.find_spec("ray") is not None
         if not has_ray:
-            raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install "
-                             "'kiln-llm[ray]' (or use --distributed-executor-backend mp on one "
-                             "machine)")
+            raise ConfigError("distributed_executor_backend 'ray' needs Ray: pip install "
+                              "'kiln-llm[ray]' (or use --distributed-executor-backend mp on one "
+                              "machine)")
     if backend is None:
         return "mp" if world_size > 1 else "uni"
     if backend == "uni" and world_size > 1:
-        raise ValueError(f"distributed_executor_backend 'uni' runs one rank, but tensor_parallel_"
-                         f"size x pipeline_parallel_size = {world_size}; use 'mp' or 'ray' "
-                         "(--distributed-executor-backend)")
+        raise ConfigError(f"distributed_executor_backend 'uni' runs one rank, but tensor_parallel_"
+                          f"size x pipeline_parallel_size = {world_size}; use 'mp' or 'ray' "
+                          "(--distributed-executor-backend)")
     return backend
 
 
@@ -42,14 +43,14 @@ class ParallelConfig(FreezableConfig):
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
-            raise ValueError("distributed_executor_backend must be one of uni, mp, ray; got "
-                             f"{self.distributed_executor_backend!r}")
+            raise ConfigError("distributed_executor_backend must be one of uni, mp, ray; got "
+                              f"{self.distributed_executor_backend!r}")
         self.distributed_executor_backend = resolve_executor_backend(
             self.distributed_executor_backend, self.world_size)
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is outside the world of {self.world_size} ranks")
+            raise ConfigError(f"rank {self.rank} is outside the world of {self.world_size} ranks")
 
     @property
     def world_size(self) -> int:

@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 
 from kiln.config.frozen import FreezableConfig
+from kiln.errors import ConfigError
 
 
 @dataclass
@@ -13,7 +14,7 @@ class SchedulerConfig(FreezableConfig):
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

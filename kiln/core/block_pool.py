@@ -7,13 +7,14 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from kiln.core.kv_cache_utils import BlockHash, KVCacheBlock
+from kiln.errors import ConfigError
 
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True):
         if num_blocks < 1:
-            raise ValueError(f"the KV cache needs at least one block, got num_blocks={num_blocks}; "
-                             "raise --kv-cache-memory or --num-gpu-blocks-override")
+            raise ConfigError(f"the KV cache needs at least one block, got num_blocks={num_blocks}; "
+                              "raise --kv-cache-memory or --num-gpu-blocks-override")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]

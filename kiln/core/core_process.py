@@ -30,6 +30,7 @@ from kiln.core.core_messages import (
     output_codec,
 )
 from kiln.core.request import RequestStatus
+from kiln.errors import is_user_error
 from kiln.logger import init_logger
 from kiln.process_signals import STOP_SIGNAL, exit_once, leave_group_signals_to_parent
 
@@ -256,9 +257,9 @@ def run_engine_core(kiln_config, executor_class: type, input_address: str, outpu
         CoreLoop(core, input_socket, output_socket).run()
     except BaseException as e:  # noqa: BLE001 - the front end must learn why, then we exit
         if not isinstance(e, SystemExit):
-            # A setting the model or machine cannot meet (ValueError, a missing file) is the
-            # front end's to report, in one line; its traceback only helps debugging.
-            user_error = isinstance(e, (ValueError, FileNotFoundError))
+            # A setting the model or machine cannot meet is the front end's to report, in one
+            # line; a bug's traceback is logged here.
+            user_error = is_user_error(e)
             logger.log(logging.DEBUG if user_error else logging.ERROR, "engine core failed: %s",
                        "".join(traceback.format_exception(e)))
             output_socket.send(encoder.encode(failure_report(e)))

@@ -10,6 +10,7 @@ from kiln.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, EngineCoreOutput
 from kiln.core.request import Request, RequestStatus
 from kiln.core.scheduler import Scheduler
 from kiln.core.stats import SchedulerStats
+from kiln.errors import ConfigError
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -77,8 +78,8 @@ class EngineCore:
                         cache.num_gpu_blocks_override, num_blocks)
             num_blocks = cache.num_gpu_blocks_override
         if num_blocks < 1:
-            raise ValueError(f"no memory left for the KV cache (num_blocks={num_blocks}); raise "
-                             "--kv-cache-memory / --gpu-memory-utilization or use a smaller model")
+            raise ConfigError(f"no memory left for the KV cache (num_blocks={num_blocks}); raise "
+                              "--kv-cache-memory / --gpu-memory-utilization or use a smaller model")
         self.max_model_len = self._fit_max_model_len(num_blocks)
         self.executor.initialize_cache(num_blocks)
         return num_blocks
@@ -107,7 +108,7 @@ class EngineCore:
                            max_model_len, capacity)
             return capacity
         block_bytes = getattr(self.executor, "kv_cache_block_bytes", None)
-        raise ValueError(kv_cache_too_small_message(
+        raise ConfigError(kv_cache_too_small_message(
             max_model_len, self.kiln_config.cache_config.block_size, num_blocks,
             block_bytes() if block_bytes is not None else None))
 

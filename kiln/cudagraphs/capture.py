@@ -9,6 +9,7 @@ from kiln.attention.metadata import AttentionMetadata
 from kiln.cudagraphs.dispatcher import CudagraphDispatcher
 from kiln.cudagraphs.mode import BatchDescriptor, CUDAGraphMode
 from kiln.cudagraphs.wrapper import capture_phase
+from kiln.errors import ConfigError
 from kiln.forward_context import set_forward_context
 
 
@@ -32,8 +33,8 @@ def dummy_query_lens(desc: BatchDescriptor, max_num_reqs: int, max_model_len: in
     lens = np.full(busy, n // busy, dtype=np.int64)
     lens[-1] += n % busy
     if lens.max() > max_model_len:
-        raise ValueError(f"a FULL graph of {n} tokens needs requests longer than max_model_len "
-                         f"({max_model_len}); lower compilation_config.max_cudagraph_capture_size")
+        raise ConfigError(f"a FULL graph of {n} tokens needs requests longer than max_model_len "
+                          f"({max_model_len}); lower compilation_config.max_cudagraph_capture_size")
     return lens
 
 

@@ -6,6 +6,7 @@ import bisect
 
 from kiln.config.compilation_config import CompilationMode
 from kiln.cudagraphs.mode import BatchDescriptor, CUDAGraphMode
+from kiln.errors import ConfigError
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -32,23 +33,23 @@ def resolve_capture_sizes(explicit: list[int] | None, max_num_seqs: int,
     """The sorted, de-duplicated capture sizes: the explicit list if given, else the default."""
     if max_capture_size is not None and (not isinstance(max_capture_size, int)
                                          or max_capture_size < 0):
-        raise ValueError(f"compilation_config.max_cudagraph_capture_size must be a non-negative "
-                         f"integer; got {max_capture_size!r}")
+        raise ConfigError(f"compilation_config.max_cudagraph_capture_size must be a non-negative "
+                          f"integer; got {max_capture_size!r}")
     if explicit is None:
         return default_capture_sizes(max_num_seqs, max_num_batched_tokens, max_capture_size)
     for size in explicit:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"compilation_config.cudagraph_capture_sizes entries must be "
-                             f"positive integers; got {size!r}")
+            raise ConfigError(f"compilation_config.cudagraph_capture_sizes entries must be "
+                              f"positive integers; got {size!r}")
         if size > max_num_batched_tokens:
-            raise ValueError(f"cudagraph capture size {size} exceeds max_num_batched_tokens "
-                             f"({max_num_batched_tokens}); drop it from "
-                             f"compilation_config.cudagraph_capture_sizes or raise "
-                             f"--max-num-batched-tokens")
+            raise ConfigError(f"cudagraph capture size {size} exceeds max_num_batched_tokens "
+                              f"({max_num_batched_tokens}); drop it from "
+                              f"compilation_config.cudagraph_capture_sizes or raise "
+                              f"--max-num-batched-tokens")
         if max_capture_size is not None and size > max_capture_size:
-            raise ValueError(f"cudagraph capture size {size} exceeds compilation_config."
-                             f"max_cudagraph_capture_size ({max_capture_size}); drop it or "
-                             f"raise the maximum")
+            raise ConfigError(f"cudagraph capture size {size} exceeds compilation_config."
+                              f"max_cudagraph_capture_size ({max_capture_size}); drop it or "
+                              f"raise the maximum")
     return sorted(set(explicit))
 
 

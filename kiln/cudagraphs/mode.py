@@ -5,6 +5,8 @@ Pure values: the dispatcher decides with them, the wrapper and the model runner 
 import dataclasses
 import enum
 
+from kiln.errors import ConfigError
+
 
 class CUDAGraphMode(enum.Enum):
     """What to record. The combined modes use one routine for decode and another for mixed."""
@@ -31,8 +33,8 @@ class CUDAGraphMode(enum.Enum):
             except ValueError:
                 pass
         names = ", ".join(f"{m.name} ({m.value})" for m in cls)
-        raise ValueError(f"compilation_config.cudagraph_mode must be one of {names}; "
-                         f"got {value!r}")
+        raise ConfigError(f"compilation_config.cudagraph_mode must be one of {names}; "
+                          f"got {value!r}")
 
     def decode_mode(self) -> "CUDAGraphMode":
         """The runtime mode for batches where every request decodes one token."""

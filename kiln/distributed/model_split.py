@@ -3,6 +3,9 @@ rank starts, so a bad -tp / -pp is one clear error naming the model field and th
 """
 
 
+from kiln.errors import ConfigError
+
+
 def parallel_split_errors(hf_config, tp: int, pp: int) -> list[str]:
     """Every reason `hf_config` cannot run with tensor_parallel_size tp and
     pipeline_parallel_size pp (empty when it can)."""
@@ -31,7 +34,7 @@ def check_parallel_split(kiln_config) -> None:
     errors = parallel_split_errors(kiln_config.model_config.hf_config,
                                    pc.tensor_parallel_size, pc.pipeline_parallel_size)
     if errors:
-        raise ValueError(f"{kiln_config.model_config.architecture} cannot run with "
-                         f"--tensor-parallel-size {pc.tensor_parallel_size} "
-                         f"--pipeline-parallel-size {pc.pipeline_parallel_size}: "
-                         + "; ".join(errors))
+        raise ConfigError(f"{kiln_config.model_config.architecture} cannot run with "
+                          f"--tensor-parallel-size {pc.tensor_parallel_size} "
+                          f"--pipeline-parallel-size {pc.pipeline_parallel_size}: "
+                          + "; ".join(errors))

@@ -6,14 +6,15 @@ last); the others stay as `PPMissingLayer`, so parameter names keep their checkp
 from torch import nn
 
 from kiln.distributed.parallel_state import get_pp_group
+from kiln.errors import ConfigError
 
 
 def stage_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
     """[start, end) of the layers of stage `pp_rank`: equal shares, the first stages taking
     one more when they do not divide evenly."""
     if num_layers < pp_size:
-        raise ValueError(f"pipeline_parallel_size ({pp_size}) exceeds num_hidden_layers "
-                         f"({num_layers}): every stage needs at least one layer")
+        raise ConfigError(f"pipeline_parallel_size ({pp_size}) exceeds num_hidden_layers "
+                          f"({num_layers}): every stage needs at least one layer")
     share, extra = divmod(num_layers, pp_size)
     start = pp_rank * share + min(pp_rank, extra)
     return start, start + share + (1 if pp_rank < extra else 0)

@@ -6,6 +6,8 @@ is started with.
 import socket
 import time
 
+from kiln.errors import ConfigError
+
 # How long a RAY_ADDRESS may refuse connections (a head still starting) before the engine says
 # so: ray.init itself retries an address nobody listens on for good, warning every 40 s.
 RAY_CONNECT_WAIT_S = 10.0
@@ -27,7 +29,7 @@ def check_ray_address(address: str | None, wait_s: float | None = None) -> None:
                 return
         except OSError as e:
             if time.monotonic() >= deadline:
-                raise ValueError(
+                raise ConfigError(
                     f"RAY_ADDRESS={address!r}: no Ray cluster answers there ({e}) after "
                     f"{wait_s:g} s; start one (ray start --head --port {port}), correct "
                     "RAY_ADDRESS, or unset it to have Kiln start a local Ray") from None

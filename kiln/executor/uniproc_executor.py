@@ -1,5 +1,6 @@
 """`UniprocExecutor`: the engine's single worker, in this process (no IPC, no distribution)."""
 from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kiln.errors import ConfigError
 from kiln.executor.abstract import Executor
 from kiln.worker.worker import Worker
 
@@ -9,9 +10,9 @@ class UniprocExecutor(Executor):
         super().__init__(kiln_config)
         world = kiln_config.parallel_config.world_size
         if world != 1:
-            raise ValueError(f"UniprocExecutor runs one worker; a world of {world} ranks "
-                             "(tensor x pipeline parallel) needs the multiprocess executor "
-                             "(--distributed-executor-backend mp)")
+            raise ConfigError(f"UniprocExecutor runs one worker; a world of {world} ranks "
+                              "(tensor x pipeline parallel) needs the multiprocess executor "
+                              "(--distributed-executor-backend mp)")
         self.worker = Worker(kiln_config, rank=0, local_rank=0)
         self.worker.init_device()
         self.worker.load_model()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln import envs
+from kiln.errors import ConfigError
 from kiln.ir.op import PROVIDERS, REGISTRY
 
 
@@ -31,8 +32,8 @@ def custom_ops_priority(custom_ops: list[str], device: str) -> dict[str, list[st
         if entry in ("all", "none"):
             out = {name: list(on if entry == "all" else off) for name in REGISTRY}
         elif not (isinstance(entry, str) and entry[:1] in ("+", "-") and entry[1:] in REGISTRY):
-            raise ValueError(f"compilation_config.custom_ops: {entry!r} is none of 'all', "
-                             f"'none', '+OP', '-OP' for an IR op ({', '.join(sorted(REGISTRY))})")
+            raise ConfigError(f"compilation_config.custom_ops: {entry!r} is none of 'all', "
+                              f"'none', '+OP', '-OP' for an IR op ({', '.join(sorted(REGISTRY))})")
     for entry in custom_ops:
         if entry[0] in "+-":
             out[entry[1:]] = list(on if entry[0] == "+" else off)
@@ -44,23 +45,23 @@ def check_priority(priority: dict) -> dict[str, list[str]]:
     is a ValueError listing the valid ones."""
     if not isinstance(priority, dict):
         # ValueError, as for every bad engine argument (callers report those by field)
-        raise ValueError(  # noqa: TRY004
+        raise ConfigError(  # noqa: TRY004
             f"ir_op_priority must be a dict of op name -> list of providers, got {priority!r}")
     checked = {}
     for op, providers in priority.items():
         if op not in REGISTRY:
-            raise ValueError(f"ir_op_priority: unknown IR op {op!r}; valid ops: "
-                             f"{', '.join(sorted(REGISTRY))}")
+            raise ConfigError(f"ir_op_priority: unknown IR op {op!r}; valid ops: "
+                              f"{', '.join(sorted(REGISTRY))}")
         if isinstance(providers, str):
             providers = [providers]
         if not (isinstance(providers, (list, tuple)) and providers
                 and all(isinstance(p, str) for p in providers)):
-            raise ValueError(f"ir_op_priority[{op!r}] must be a non-empty list of provider "
-                             f"names, got {providers!r}")
+            raise ConfigError(f"ir_op_priority[{op!r}] must be a non-empty list of provider "
+                              f"names, got {providers!r}")
         for p in providers:
             if p not in PROVIDERS:
-                raise ValueError(f"ir_op_priority[{op!r}]: unknown provider {p!r}; valid "
-                                 f"providers: {', '.join(PROVIDERS)}")
+                raise ConfigError(f"ir_op_priority[{op!r}]: unknown provider {p!r}; valid "
+                                  f"providers: {', '.join(PROVIDERS)}")
         checked[op] = list(providers)
     return checked
 
@@ -71,8 +72,8 @@ def parse_cli(values: list[str] | None) -> dict[str, list[str]]:
     for value in values or []:
         op, sep, providers = value.partition("=")
         if not sep or not op.strip() or not providers.strip():
-            raise ValueError(f"--ir-op-priority takes OP=PROVIDER[,PROVIDER...], e.g. "
-                             f"rms_norm=native,torch; got {value!r}")
+            raise ConfigError(f"--ir-op-priority takes OP=PROVIDER[,PROVIDER...], e.g. "
+                              f"rms_norm=native,torch; got {value!r}")
         parsed[op.strip()] = [p.strip() for p in providers.split(",") if p.strip()]
     return check_priority(parsed)
 

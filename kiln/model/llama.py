@@ -11,6 +11,7 @@ from torch import nn
 from kiln.compilation.decorator import support_torch_compile
 from kiln.distributed.parallel_state import get_pp_group
 from kiln.distributed.pipeline import PPMissingLayer, this_stage_layer_range
+from kiln.errors import ConfigError
 from kiln.logger import init_logger
 from kiln.model.layers.activation import SiluAndMul
 from kiln.model.layers.attention import Attention
@@ -46,7 +47,7 @@ class LlamaMLP(nn.Module):
         bias = config_bias(hf_config, "mlp_bias")
         act = getattr(hf_config, "hidden_act", "silu")
         if act != "silu":
-            raise ValueError(f"{prefix}: hidden_act {act!r} is not supported; only 'silu'")
+            raise ConfigError(f"{prefix}: hidden_act {act!r} is not supported; only 'silu'")
         inter = hf_config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(hf_config.hidden_size, [inter, inter], bias)
         self.down_proj = RowParallelLinear(inter, hf_config.hidden_size, bias)
@@ -269,7 +270,7 @@ class LlamaStyleForCausalLM(nn.Module):
                 name = "lm_head.weight"
             target, shard_id = merged_target(name)
             if target not in params:
-                raise ValueError(unexpected_tensor_message(name, self.config))
+                raise ConfigError(unexpected_tensor_message(name, self.config))
             param = params[target]
             loader = getattr(param, "weight_loader", None)
             if loader is None:
@@ -279,8 +280,10 @@ class LlamaStyleForCausalLM(nn.Module):
                     loader(param, tensor)
                 else:
                     loader(param, tensor, shard_id)
-            except ValueError as e:
-                raise ValueError(f"checkpoint tensor {name}: {e}") from None
+            except ConfigError as e:  # the checkpoint does not fit the config
+                raise ConfigError(f"checkpoint tensor {name}: {e}") from None
+            except ValueError as e:  # a loader's bug: keep where it came from
+                raise ValueError(f"checkpoint tensor {name}: {e}") from e
             loaded.add(target if shard_id is None else f"{target}#{shard_id}")
         self._check_complete(params, loaded)
         if stored_head is not None:
@@ -312,8 +315,8 @@ class LlamaStyleForCausalLM(nn.Module):
             elif name not in loaded:
                 missing.append(name)
         if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} parameter(s): "
-                             f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+            raise ConfigError(f"checkpoint is missing {len(missing)} parameter(s): "
+                              f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
 
 
 class LlamaForCausalLM(LlamaStyleForCausalLM):

@@ -4,6 +4,8 @@ Classes are imported on lookup, so reading the registry stays cheap.
 """
 import importlib
 
+from kiln.errors import ConfigError
+
 _MODELS = {
     "LlamaForCausalLM": ("kiln.model.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("kiln.model.llama", "LlamaForCausalLM"),
@@ -18,7 +20,7 @@ def supported_architectures() -> list[str]:
 
 def get_model_class(architecture: str) -> type:
     if architecture not in _MODELS:
-        raise ValueError(f"architecture {architecture} is not supported; supported: "
-                         f"{', '.join(supported_architectures())}")
+        raise ConfigError(f"architecture {architecture} is not supported; supported: "
+                          f"{', '.join(supported_architectures())}")
     module, name = _MODELS[architecture]
     return getattr(importlib.import_module(module), name)

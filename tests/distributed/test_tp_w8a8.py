@@ -86,6 +86,7 @@ def test_a_scheme_kiln_does_not_run_is_one_line_at_tp2_as_at_tp1(dirs, tmp_path)
 def test_only_a_ranks_start_up_user_error_or_compile_error_is_raised_as_itself():
     from kiln.compilation.piecewise import PieceCompileError
     from kiln.core.core_messages import failure_report
+    from kiln.errors import ConfigError
     from kiln.executor.rank_errors import startup_error
 
     def report(e):
@@ -94,7 +95,8 @@ def test_only_a_ranks_start_up_user_error_or_compile_error_is_raised_as_itself()
         except BaseException as raised:  # noqa: BLE001 - a traceback, as a rank's
             return failure_report(raised)
 
-    assert type(startup_error(report(ValueError("v")), 0, "start-up")) is ValueError
+    assert type(startup_error(report(ConfigError("v")), 0, "start-up")) is ConfigError
+    assert startup_error(report(ValueError("a bug, not a refusal")), 0, "start-up") is None
     assert type(startup_error(report(FileNotFoundError("f")), 1, "start-up")) is \
         FileNotFoundError
     piece = startup_error(report(PieceCompileError("compiling piece 0 failed")), 0,

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from kiln.errors import ConfigError
 from kiln.executor.multiproc_executor import WorkerFailedError
 
 from parallel_helpers import greedy, make_llm
@@ -118,10 +119,10 @@ def test_rank_failing_at_start_up_is_named_and_leaves_no_process(tiny_llama_dir,
     import multiprocessing
 
     # Read by the ranks only, as they size their KV caches: the user's to fix, so the rank's
-    # ValueError is raised as itself, in one line, as with one rank (rank_errors.py)
+    # ConfigError is raised as itself, in one line, as with one rank (rank_errors.py)
     monkeypatch.setenv("KILN_CPU_KVCACHE_SPACE", "abc")
     before = {p.pid for p in multiprocessing.active_children()}
-    with pytest.raises(ValueError, match=r"KILN_CPU_KVCACHE_SPACE") as refused:
+    with pytest.raises(ConfigError, match=r"KILN_CPU_KVCACHE_SPACE") as refused:
         make_llm(tiny_llama_dir, tensor_parallel_size=2)
     assert "Traceback" not in str(refused.value)
     left = [p for p in multiprocessing.active_children() if p.pid not in before]

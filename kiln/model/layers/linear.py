@@ -8,6 +8,7 @@ from torch import nn
 
 from kiln.distributed.communication_op import tensor_model_parallel_all_reduce
 from kiln.distributed.parallel_state import get_tp_group
+from kiln.errors import ConfigError
 from kiln.model.layers import cpu_gemm
 from kiln.model.layers.eager_call import EagerCall
 
@@ -20,17 +21,17 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     # An int8 parameter (W8A8, kiln/model/layers/quantization/) takes int8 values only.
     if param.dtype == torch.int8 or loaded.dtype == torch.int8:
         if loaded.dtype != param.dtype:
-            raise ValueError(f"checkpoint dtype {loaded.dtype} where {param.dtype} is expected "
-                             "(a quantized layer's int8 weight, or a float weight the "
-                             "quantization_config does not quantize)")
+            raise ConfigError(f"checkpoint dtype {loaded.dtype} where {param.dtype} is expected "
+                              "(a quantized layer's int8 weight, or a float weight the "
+                              "quantization_config does not quantize)")
     elif not loaded.is_floating_point():
-        raise ValueError(f"checkpoint dtype {loaded.dtype} is not a floating-point type; "
-                         "Kiln loads float32, float16 or bfloat16 weights, and int8 ones where "
-                         "a compressed-tensors quantization_config says so (W8A8); a scale "
-                         "stored as integers is no such checkpoint")
+        raise ConfigError(f"checkpoint dtype {loaded.dtype} is not a floating-point type; "
+                          "Kiln loads float32, float16 or bfloat16 weights, and int8 ones where "
+                          "a compressed-tensors quantization_config says so (W8A8); a scale "
+                          "stored as integers is no such checkpoint")
     if param.shape != loaded.shape:
-        raise ValueError(f"weight shape mismatch: parameter {tuple(param.shape)} vs checkpoint "
-                         f"{tuple(loaded.shape)}{_CONFIG_HINT}")
+        raise ConfigError(f"weight shape mismatch: parameter {tuple(param.shape)} vs checkpoint "
+                          f"{tuple(loaded.shape)}{_CONFIG_HINT}")
     param.data.copy_(loaded)
 
 
@@ -38,9 +39,9 @@ def take_shard(loaded: torch.Tensor, dim: int, rank: int, size: int,
                num_shards: int) -> torch.Tensor:
     """This rank's `size` slice of `loaded` along dim, after checking the full extent."""
     if loaded.shape[dim] != size * num_shards:
-        raise ValueError(f"weight shape mismatch: checkpoint {tuple(loaded.shape)} has "
-                         f"{loaded.shape[dim]} along dim {dim}, expected {size * num_shards}"
-                         f"{_CONFIG_HINT}")
+        raise ConfigError(f"weight shape mismatch: checkpoint {tuple(loaded.shape)} has "
+                          f"{loaded.shape[dim]} along dim {dim}, expected {size * num_shards}"
+                          f"{_CONFIG_HINT}")
     return loaded.narrow(dim, rank * size, size)
 
 
@@ -105,7 +106,7 @@ class ReplicatedLinear(LinearBase):
 
 def _split(size: int, tp_size: int, what: str) -> int:
     if size % tp_size:
-        raise ValueError(f"{what} ({size}) is not divisible by tensor_parallel_size ({tp_size})")
+        raise ConfigError(f"{what} ({size}) is not divisible by tensor_parallel_size ({tp_size})")
     return size // tp_size
 
 
@@ -170,8 +171,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         # With more ranks than KV heads, KV heads are replicated across ranks.
         if tp_size >= total_num_kv_heads:
             if tp_size % total_num_kv_heads:
-                raise ValueError(f"tensor_parallel_size ({tp_size}) must divide or be a multiple "
-                                 f"of num_key_value_heads ({total_num_kv_heads})")
+                raise ConfigError(f"tensor_parallel_size ({tp_size}) must divide or be a multiple "
+                                  f"of num_key_value_heads ({total_num_kv_heads})")
             self.num_kv_heads, self.kv_replicas = 1, tp_size // total_num_kv_heads
         else:
             self.num_kv_heads = _split(total_num_kv_heads, tp_size, "num_key_value_heads")

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kiln import ir
+from kiln.errors import ConfigError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -19,9 +20,9 @@ def get_rope_config(hf_config) -> tuple[float, dict | None]:
     if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
         # transformers 5's per-layer-type form: read as one flat dict it gave theta 10000 and
         # no scaling, silently (HF's Llama/Qwen classes cannot run it either).
-        raise ValueError(f"rope_parameters nested by layer type ({', '.join(map(str, params))})"
-                         " are not supported; give one flat rope_parameters (rope_type, "
-                         "rope_theta, ...) for every layer")
+        raise ConfigError(f"rope_parameters nested by layer type ({', '.join(map(str, params))})"
+                          " are not supported; give one flat rope_parameters (rope_type, "
+                          "rope_theta, ...) for every layer")
     if isinstance(params, dict) and params:
         theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
         scaling = dict(params)
@@ -34,8 +35,8 @@ def get_rope_config(hf_config) -> tuple[float, dict | None]:
     if scaling is not None:
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: "
-                             f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+            raise ConfigError(f"rope_scaling type {rope_type!r} is not supported; supported: "
+                              f"{', '.join(SUPPORTED_ROPE_TYPES)}")
         scaling["rope_type"] = rope_type
         if rope_type == "default":
             scaling = None
@@ -82,12 +83,12 @@ class RotaryEmbedding(nn.Module):
         """Divide each frequency by its factor [hd/2]: how llama.cpp files carry rope scaling
         (the `rope_freqs` tensor of Llama 3.1+ GGUFs) instead of a rope_scaling config."""
         if self.scaling is not None:
-            raise ValueError(f"the config's rope_scaling {self.scaling['rope_type']!r} and the "
-                             "checkpoint's rope frequency factors (rope_freqs) would both scale "
-                             "the rotary frequencies; remove one")
+            raise ConfigError(f"the config's rope_scaling {self.scaling['rope_type']!r} and the "
+                              "checkpoint's rope frequency factors (rope_freqs) would both scale "
+                              "the rotary frequencies; remove one")
         if tuple(factors.shape) != tuple(self.inv_freq.shape):
-            raise ValueError(f"rope_freqs has shape {tuple(factors.shape)}, expected "
-                             f"{tuple(self.inv_freq.shape)} (head_dim / 2)")
+            raise ConfigError(f"rope_freqs has shape {tuple(factors.shape)}, expected "
+                              f"{tuple(self.inv_freq.shape)} (head_dim / 2)")
         self.inv_freq = self.inv_freq / factors.to(self.inv_freq.device, torch.float32)
         self.cos_sin_cache.copy_(self._cos_sin(self.inv_freq))
 

@@ -14,6 +14,7 @@ from kiln.distributed.communication_op import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from kiln.errors import ConfigError
 from kiln.model.layers import cpu_gemm
 from kiln.model.layers.eager_call import EagerCall
 from kiln.model.layers.linear import default_weight_loader, tp_rank_and_size
@@ -40,9 +41,9 @@ class VocabParallelEmbedding(nn.Module):
             default_weight_loader(param, loaded)
             return
         if tuple(loaded.shape) != (self.num_embeddings, self.embedding_dim):
-            raise ValueError(f"weight shape mismatch: parameter ({self.num_embeddings}, "
-                             f"{self.embedding_dim}) (whole vocabulary) vs checkpoint "
-                             f"{tuple(loaded.shape)}")
+            raise ConfigError(f"weight shape mismatch: parameter ({self.num_embeddings}, "
+                              f"{self.embedding_dim}) (whole vocabulary) vs checkpoint "
+                              f"{tuple(loaded.shape)}")
         rows = self.vocab_end - self.vocab_start
         default_weight_loader(param.data.narrow(0, 0, rows),
                               loaded.narrow(0, self.vocab_start, rows))

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from kiln.config import KilnConfig, set_current_kiln_config
+from kiln.errors import ConfigError
 from kiln.logger import init_logger
 from kiln.model.registry import get_model_class
 
@@ -54,8 +55,8 @@ def load_weights_into(model: nn.Module, kiln_config: KilnConfig) -> None:
         from kiln.model.loader.hf_loader import load_hf_weights
         load_hf_weights(model, model_config.model_path)
     else:
-        raise ValueError(f"load_format {load_format!r} is not supported; use safetensors, gguf "
-                         "or dummy")
+        raise ConfigError(f"load_format {load_format!r} is not supported; use safetensors, gguf "
+                          "or dummy")
 
 
 def get_model(kiln_config: KilnConfig) -> nn.Module:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from kiln.errors import ConfigError
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -93,10 +94,10 @@ def dequantize(raw: np.ndarray, qtype, name: str, path: Path) -> np.ndarray:
         out = _dequantize_in_chunks(raw, qtype)
         return gguf.quants.dequantize(raw, qtype) if out is None else out
     except (NotImplementedError, ValueError, TypeError) as e:
-        raise ValueError(f"GGUF tensor {name} in {path} is stored as {qtype.name}, which Kiln "
-                         f"cannot dequantize ({type(e).__name__}: {e}); use a file quantized "
-                         "to F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or a K-quant "
-                         "(Q2_K to Q6_K)") from None
+        raise ConfigError(f"GGUF tensor {name} in {path} is stored as {qtype.name}, which Kiln "
+                          f"cannot dequantize ({type(e).__name__}: {e}); use a file quantized "
+                          "to F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or a K-quant "
+                          "(Q2_K to Q6_K)") from None
 
 
 def iterate_gguf(path: Path, hf_config,
@@ -183,9 +184,9 @@ def check_tensor_sizes(model: nn.Module, path: Path, tp_size: int) -> None:
             continue
         values, room = int(np.prod(t["dims"])), params[target].numel() * tp_size
         if values > room:
-            raise ValueError(f"GGUF tensor {t['name']} in {path} has shape {tuple(t['dims'])} "
-                             f"({values:,} values), more than its parameter {target} takes "
-                             f"({room:,}); the file is damaged or does not match its metadata")
+            raise ConfigError(f"GGUF tensor {t['name']} in {path} has shape {tuple(t['dims'])} "
+                              f"({values:,} values), more than its parameter {target} takes "
+                              f"({room:,}); the file is damaged or does not match its metadata")
 
 
 def apply_rope_freqs(model: nn.Module, path: Path) -> bool:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from kiln.errors import ConfigError
+
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_SINGLE = "pytorch_model.bin"
@@ -17,8 +19,8 @@ def _indexed_files(model_dir: Path, index: Path) -> list[Path]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{index} is not a checkpoint index (a JSON object with a "
-                         f"'weight_map'): {type(e).__name__}: {e}") from None
+        raise ConfigError(f"{index} is not a checkpoint index (a JSON object with a "
+                          f"'weight_map'): {type(e).__name__}: {e}") from None
     files = [model_dir / name for name in sorted(set(weight_map.values()))]
     for f in files:
         if not f.exists():
@@ -51,9 +53,9 @@ def iterate_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             try:
                 handle = safe_open(str(path), framework="pt")
             except Exception as e:  # safetensors' own errors do not name the file
-                raise ValueError(f"could not read {path} as safetensors ({type(e).__name__}: "
-                                 f"{e}); the file is damaged or incomplete: download it "
-                                 "again") from None
+                raise ConfigError(f"could not read {path} as safetensors ({type(e).__name__}: "
+                                  f"{e}); the file is damaged or incomplete: download it "
+                                  "again") from None
             with handle as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
@@ -62,16 +64,16 @@ def iterate_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:
             # torch's message runs to many lines of advice to drop weights_only; not here.
-            raise ValueError(f"could not read {path} as a state dict of tensors only "
-                             f"({type(e).__name__}; Kiln reads .bin files with "
-                             "torch.load(weights_only=True)); convert it to safetensors") from None
+            raise ConfigError(f"could not read {path} as a state dict of tensors only "
+                              f"({type(e).__name__}; Kiln reads .bin files with "
+                              "torch.load(weights_only=True)); convert it to safetensors") from None
         if not isinstance(state, dict):
-            raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict of "
-                             "tensors; convert it to safetensors")
+            raise ConfigError(f"{path} holds a {type(state).__name__}, not a state dict of "
+                              "tensors; convert it to safetensors")
         for name, tensor in state.items():
             if not isinstance(tensor, torch.Tensor):
-                raise ValueError(f"{path}: entry {name} is a {type(tensor).__name__}, not a "
-                                 "tensor; convert the checkpoint to safetensors")
+                raise ConfigError(f"{path}: entry {name} is a {type(tensor).__name__}, not a "
+                                  "tensor; convert the checkpoint to safetensors")
             yield name, tensor
         del state
 

@@ -5,6 +5,8 @@ fp8 online (per-tensor `fp8` or per-channel `ptpc_fp8` weight scales).
 `resolve_quantization` decides from the flag and the checkpoint's `quantization_config`;
 `get_quant_config` builds the method's config for a ModelConfig (None: unquantized).
 """
+from kiln.errors import ConfigError
+
 QUANTIZATION_METHODS = ("int8", "fp8", "ptpc_fp8", "compressed-tensors")
 ONLINE_METHODS = ("int8", "fp8", "ptpc_fp8")
 
@@ -24,24 +26,24 @@ def resolve_quantization(requested: str | None, hf_config) -> str | None:
     A method Kiln lacks, or online quantization of a quantized checkpoint, is a ValueError
     naming the flag or field."""
     if requested is not None and requested not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or "
-                         f"unset), got {requested!r}")
+        raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or "
+                          f"unset), got {requested!r}")
     stored = checkpoint_quant_method(hf_config)
     if stored is not None:
         if stored != "compressed-tensors":
-            raise ValueError(f"quantization_config.quant_method={stored!r} is not supported; "
-                             "Kiln serves compressed-tensors W8A8 int8 checkpoints, or "
-                             "quantizes a float checkpoint on load (--quantization int8, fp8 or "
-                             "ptpc_fp8)")
+            raise ConfigError(f"quantization_config.quant_method={stored!r} is not supported; "
+                              "Kiln serves compressed-tensors W8A8 int8 checkpoints, or "
+                              "quantizes a float checkpoint on load (--quantization int8, fp8 or "
+                              "ptpc_fp8)")
         if requested not in (None, "compressed-tensors"):
-            raise ValueError(f"--quantization {requested} quantizes a float checkpoint, but this "
-                             "one is already quantized (quantization_config.quant_method="
-                             "'compressed-tensors'); drop --quantization")
+            raise ConfigError(f"--quantization {requested} quantizes a float checkpoint, but this "
+                              "one is already quantized (quantization_config.quant_method="
+                              "'compressed-tensors'); drop --quantization")
         return stored
     if requested == "compressed-tensors":
-        raise ValueError("--quantization compressed-tensors needs a checkpoint whose config.json "
-                         "has a quantization_config; for a float checkpoint use --quantization "
-                         "int8 (or fp8, ptpc_fp8)")
+        raise ConfigError("--quantization compressed-tensors needs a checkpoint whose config.json "
+                          "has a quantization_config; for a float checkpoint use --quantization "
+                          "int8 (or fp8, ptpc_fp8)")
     return requested
 
 

@@ -5,13 +5,15 @@ field and its value.
 """
 from typing import Any
 
+from kiln.errors import ConfigError
+
 # Formats that store W8A8 int8 as Kiln reads it (an int8 `weight` beside its `weight_scale`):
 # compressed-tensors' int-quantized compressor is its naive-quantized one, and vLLM takes both.
 INT8_FORMATS = ("int-quantized", "naive-quantized")
 _FORMAT_WANTED = "needs format 'int-quantized' (or 'naive-quantized', stored the same way)"
 
 
-class UnsupportedQuantization(ValueError):
+class UnsupportedQuantization(ConfigError):
     """A quantization_config Kiln does not run; the message names the field and value."""
 
 
