@@ -5,7 +5,6 @@
 import numpy as np
 import torch
 
-from kiln.attention.metadata import AttentionMetadata
 from kiln.cudagraphs.dispatcher import CudagraphDispatcher
 from kiln.cudagraphs.mode import BatchDescriptor, CUDAGraphMode
 from kiln.cudagraphs.wrapper import capture_phase
@@ -38,46 +37,25 @@ def dummy_query_lens(desc: BatchDescriptor, max_num_reqs: int, max_model_len: in
     return lens
 
 
-def _stage(device_buf: torch.Tensor, host_buf: torch.Tensor, n: int) -> torch.Tensor:
-    """The first n entries of a persistent device buffer, refreshed from its host twin."""
-    if device_buf is not host_buf:
-        device_buf[:n].copy_(host_buf[:n], non_blocking=True)
-    return device_buf[:n]
-
-
 def fill_dummy_step(runner, desc: BatchDescriptor, with_metadata: bool):
     """Write a dummy step for `desc` into the runner's persistent buffers.
 
     Returns (input_ids, positions, attn_metadata); metadata (FULL graphs only: attention is
     inside them) describes requests starting at position 0 whose tokens write no cache slot.
     """
-    n = desc.num_tokens
+    n, buf = desc.num_tokens, runner.buffers
     if not with_metadata:
-        runner.input_ids_np[:n] = 0
-        runner.positions_np[:n] = np.arange(n) % runner.max_model_len
-        return (_stage(runner.input_ids, runner.input_ids_cpu, n),
-                _stage(runner.positions, runner.positions_cpu, n), None)
+        return (*buf.dummy_tokens(n, np.arange(n) % runner.max_model_len), None)
     lens = dummy_query_lens(desc, runner.max_num_reqs, runner.max_model_len)
     r = len(lens)
     qsl = np.zeros(r + 1, dtype=np.int32)
     np.cumsum(lens, out=qsl[1:])
-    runner.input_ids_np[:n] = 0
-    runner.positions_np[:n] = np.arange(n) - np.repeat(qsl[:-1], lens)
-    runner.slot_mapping_np[:n] = -1
-    runner.query_start_loc_np[:r + 1] = qsl
-    runner.seq_lens_np[:r] = lens
-    runner.block_table_np[:r] = 0
-    md = AttentionMetadata(
-        num_actual_tokens=n, num_reqs=r, max_query_len=int(lens.max()),
-        max_seq_len=int(lens.max()),
-        query_start_loc=_stage(runner.query_start_loc, runner.query_start_loc_cpu, r + 1),
-        seq_lens=_stage(runner.seq_lens, runner.seq_lens_cpu, r),
-        block_table=_stage(runner.block_table, runner.block_table_cpu, r),
-        slot_mapping=_stage(runner.slot_mapping, runner.slot_mapping_cpu, n),
-        query_start_loc_cpu=runner.query_start_loc_cpu[:r + 1],
-        seq_lens_cpu=runner.seq_lens_cpu[:r], uniform_decode=desc.uniform_decode)
-    return (_stage(runner.input_ids, runner.input_ids_cpu, n),
-            _stage(runner.positions, runner.positions_cpu, n), md)
+    buf.slot_mapping_np[:n] = -1
+    buf.query_start_loc_np[:r + 1] = qsl
+    buf.seq_lens_np[:r] = lens
+    buf.block_table_np[:r] = 0
+    md = buf.attention_metadata(n, r, int(lens.max()), int(lens.max()), n, desc.uniform_decode)
+    return (*buf.dummy_tokens(n, np.arange(n) - np.repeat(qsl[:-1], lens)), md)
 
 
 @torch.inference_mode()

@@ -28,6 +28,7 @@ from kiln.sample.sampler import Sampler
 from kiln.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata
 from kiln.worker import input_prep
 from kiln.worker.input_batch import CachedRequestState, InputBatch
+from kiln.worker.step_buffers import StepBuffers
 
 logger = init_logger(__name__)
 
@@ -72,7 +73,8 @@ class ModelRunner:
         self._parked_generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(kiln_config.model_config.seed)
-        self._allocate_buffers()
+        self.buffers = StepBuffers(self.max_num_tokens, self.max_num_reqs,
+                                   self.max_blocks_per_req, device)
         # Before the model compiles: the piecewise backend reads the resolved mode.
         self.cudagraph_dispatcher = setup_cudagraphs(kiln_config)
         # This engine's compile stack state (warm-up phase, the resolved graph mode).
@@ -80,49 +82,6 @@ class ModelRunner:
         self._cudagraph_step: tuple[CUDAGraphMode, BatchDescriptor | None] = \
             (CUDAGraphMode.NONE, None)
         self.stage = get_pp_group()  # this rank's pipeline group (size 1 without PP)
-
-    # ---- buffers -------------------------------------------------------------------------
-    def _allocate_buffers(self) -> None:
-        on_host = self.device.type == "cpu"
-        pin = not on_host
-
-        def host(*shape, dtype):
-            return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
-
-        t, r, b = self.max_num_tokens, self.max_num_reqs, self.max_blocks_per_req
-        self.input_ids_cpu = host(t, dtype=torch.int64)
-        self.positions_cpu = host(t, dtype=torch.int64)
-        self.slot_mapping_cpu = host(t, dtype=torch.int64)
-        self.query_start_loc_cpu = host(r + 1, dtype=torch.int32)
-        self.seq_lens_cpu = host(r, dtype=torch.int32)
-        self.block_table_cpu = host(r, b, dtype=torch.int32)
-        self.logits_indices_cpu = host(r, dtype=torch.int64)
-        # numpy views for filling without per-element torch calls
-        self.input_ids_np = self.input_ids_cpu.numpy()
-        self.positions_np = self.positions_cpu.numpy()
-        self.slot_mapping_np = self.slot_mapping_cpu.numpy()
-        self.query_start_loc_np = self.query_start_loc_cpu.numpy()
-        self.seq_lens_np = self.seq_lens_cpu.numpy()
-        self.block_table_np = self.block_table_cpu.numpy()
-        self.logits_indices_np = self.logits_indices_cpu.numpy()
-
-        def dev(cpu: torch.Tensor) -> torch.Tensor:
-            # On CPU the host buffer is the device buffer; on CUDA a fixed device copy (stable
-            # addresses for graph capture) is refreshed from the pinned host one each step.
-            return cpu if on_host else torch.zeros_like(cpu, device=self.device)
-
-        self.input_ids = dev(self.input_ids_cpu)
-        self.positions = dev(self.positions_cpu)
-        self.slot_mapping = dev(self.slot_mapping_cpu)
-        self.query_start_loc = dev(self.query_start_loc_cpu)
-        self.seq_lens = dev(self.seq_lens_cpu)
-        self.block_table = dev(self.block_table_cpu)
-        self.logits_indices = dev(self.logits_indices_cpu)
-
-    def _to_device(self, dst: torch.Tensor, src: torch.Tensor, n: int) -> torch.Tensor:
-        if dst is not src:
-            dst[:n].copy_(src[:n], non_blocking=True)
-        return dst[:n]
 
     # ---- model ---------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -171,10 +130,8 @@ class ModelRunner:
         if not 1 <= num_tokens <= self.max_num_tokens:
             raise ValueError(f"dummy run of {num_tokens} tokens outside [1, "
                              f"max_num_batched_tokens={self.max_num_tokens}]")
-        self.input_ids_np[:num_tokens] = 0
-        self.positions_np[:num_tokens] = np.arange(num_tokens) % self.max_model_len
-        input_ids = self._to_device(self.input_ids, self.input_ids_cpu, num_tokens)
-        positions = self._to_device(self.positions, self.positions_cpu, num_tokens)
+        input_ids, positions = self.buffers.dummy_tokens(
+            num_tokens, np.arange(num_tokens) % self.max_model_len)
         return self._run_model(input_ids, positions, None, num_tokens)
 
     @torch.inference_mode()
@@ -235,7 +192,7 @@ class ModelRunner:
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         num_reqs = len(req_ids)
-        batch = self.input_batch
+        batch, buf = self.input_batch, self.buffers
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
         num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
         num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64,
@@ -260,48 +217,39 @@ class ModelRunner:
         qsl = input_prep.query_start_loc(num_sched)
         req_idx = input_prep.token_request_indices(num_sched)
         pos = input_prep.positions(num_computed, num_sched)
-        self.block_table_np[:num_reqs] = batch.block_table[rows]
-        self.input_ids_np[:num_tokens] = batch.token_ids[rows[req_idx], pos]
-        self.positions_np[:num_tokens] = pos
-        self.slot_mapping_np[:num_tokens] = input_prep.slot_mapping(
-            self.block_table_np, req_idx, pos, self.block_size)
+        buf.block_table_np[:num_reqs] = batch.block_table[rows]
+        buf.input_ids_np[:num_tokens] = batch.token_ids[rows[req_idx], pos]
+        buf.positions_np[:num_tokens] = pos
+        buf.slot_mapping_np[:num_tokens] = input_prep.slot_mapping(
+            buf.block_table_np, req_idx, pos, self.block_size)
         # Padding tokens: valid ids and positions, but they write no cache slot.
-        self.input_ids_np[num_tokens:num_input] = 0
-        self.positions_np[num_tokens:num_input] = 0
-        self.slot_mapping_np[num_tokens:num_input] = -1
-        self.query_start_loc_np[:num_reqs + 1] = qsl
+        buf.input_ids_np[num_tokens:num_input] = 0
+        buf.positions_np[num_tokens:num_input] = 0
+        buf.slot_mapping_np[num_tokens:num_input] = -1
+        buf.query_start_loc_np[:num_reqs + 1] = qsl
         seq_lens = num_computed + num_sched
-        self.seq_lens_np[:num_reqs] = seq_lens
+        buf.seq_lens_np[:num_reqs] = seq_lens
         if md_reqs > num_reqs:
-            self.query_start_loc_np[num_reqs + 1:md_reqs + 1] = \
+            buf.query_start_loc_np[num_reqs + 1:md_reqs + 1] = \
                 num_tokens + np.arange(1, md_reqs - num_reqs + 1)
-            self.seq_lens_np[num_reqs:md_reqs] = 1
-            self.block_table_np[num_reqs:md_reqs] = 0
+            buf.seq_lens_np[num_reqs:md_reqs] = 1
+            buf.block_table_np[num_reqs:md_reqs] = 0
 
         samples = input_prep.sampling_mask(num_computed, num_sched, known)
         n_sample = int(samples.sum())
         sample_rows = input_prep.logits_indices(qsl, samples)
         logits_rows = input_prep.as_slice(sample_rows)
         if logits_rows is None:  # rows with gaps: a tensor index on the device
-            self.logits_indices_np[:n_sample] = sample_rows
-            logits_rows = self._to_device(self.logits_indices, self.logits_indices_cpu, n_sample)
+            buf.logits_indices_np[:n_sample] = sample_rows
+            logits_rows = buf.staged("logits_indices", n_sample)
 
-        attn_metadata = AttentionMetadata(
-            num_actual_tokens=num_tokens, num_reqs=md_reqs,
-            max_query_len=int(num_sched.max()), max_seq_len=int(seq_lens.max()),
-            query_start_loc=self._to_device(self.query_start_loc, self.query_start_loc_cpu,
-                                            md_reqs + 1),
-            seq_lens=self._to_device(self.seq_lens, self.seq_lens_cpu, md_reqs),
-            block_table=self._to_device(self.block_table, self.block_table_cpu, md_reqs),
-            slot_mapping=self._to_device(self.slot_mapping, self.slot_mapping_cpu, num_input),
-            query_start_loc_cpu=self.query_start_loc_cpu[:md_reqs + 1],
-            seq_lens_cpu=self.seq_lens_cpu[:md_reqs],
-            uniform_decode=uniform_decode)
+        attn_metadata = buf.attention_metadata(num_tokens, md_reqs, int(num_sched.max()),
+                                               int(seq_lens.max()), num_input, uniform_decode)
         return StepInputs(
             req_ids=req_ids, num_tokens=num_tokens, num_input_tokens=num_input,
             prompt_logprob_rows=prompt_logprob_rows(states, num_computed, num_sched, qsl),
-            input_ids=self._to_device(self.input_ids, self.input_ids_cpu, num_input),
-            positions=self._to_device(self.positions, self.positions_cpu, num_input),
+            input_ids=buf.staged("input_ids", num_input),
+            positions=buf.staged("positions", num_input),
             attn_metadata=attn_metadata,
             sample_req_ids=[r for r, s in zip(req_ids, samples) if s],
             logits_indices=logits_rows,

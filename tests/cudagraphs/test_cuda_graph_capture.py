@@ -92,5 +92,5 @@ def test_capture_plan_runs_eager_then_records(runner, fake_cuda):  # noqa: F811
         with set_forward_context(None, runner.kiln_config, layers=runner.attention_layers,
                                  batch_descriptor=B(2, 2, True),
                                  cudagraph_runtime_mode=M.FULL):
-            full(runner.input_ids[:2], runner.positions[:2])
-    assert np.all(runner.slot_mapping_np[:4] == -1)
+            full(runner.buffers.input_ids[:2], runner.buffers.positions[:2])
+    assert np.all(runner.buffers.slot_mapping_np[:4] == -1)

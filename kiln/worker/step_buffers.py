@@ -1,0 +1,72 @@
+"""The model runner's persistent step inputs: host buffers filled through numpy views and, on a
+GPU, a device twin of each (fixed addresses for CUDA graphs) refreshed from it every step."""
+import numpy as np
+import torch
+
+from kiln.attention.metadata import AttentionMetadata
+
+
+class StepBuffers:
+    def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int,
+                 device: torch.device):
+        on_host = device.type == "cpu"
+        t, r, b = max_num_tokens, max_num_reqs, max_blocks_per_req
+
+        def host(*shape, dtype):
+            return torch.zeros(*shape, dtype=dtype, pin_memory=not on_host)
+
+        self.input_ids_cpu = host(t, dtype=torch.int64)
+        self.positions_cpu = host(t, dtype=torch.int64)
+        self.slot_mapping_cpu = host(t, dtype=torch.int64)
+        self.query_start_loc_cpu = host(r + 1, dtype=torch.int32)
+        self.seq_lens_cpu = host(r, dtype=torch.int32)
+        self.block_table_cpu = host(r, b, dtype=torch.int32)
+        self.logits_indices_cpu = host(r, dtype=torch.int64)
+        # numpy views for filling without per-element torch calls
+        self.input_ids_np = self.input_ids_cpu.numpy()
+        self.positions_np = self.positions_cpu.numpy()
+        self.slot_mapping_np = self.slot_mapping_cpu.numpy()
+        self.query_start_loc_np = self.query_start_loc_cpu.numpy()
+        self.seq_lens_np = self.seq_lens_cpu.numpy()
+        self.block_table_np = self.block_table_cpu.numpy()
+        self.logits_indices_np = self.logits_indices_cpu.numpy()
+
+        def dev(cpu: torch.Tensor) -> torch.Tensor:
+            # On CPU the host buffer is the device buffer.
+            return cpu if on_host else torch.zeros_like(cpu, device=device)
+
+        self.input_ids = dev(self.input_ids_cpu)
+        self.positions = dev(self.positions_cpu)
+        self.slot_mapping = dev(self.slot_mapping_cpu)
+        self.query_start_loc = dev(self.query_start_loc_cpu)
+        self.seq_lens = dev(self.seq_lens_cpu)
+        self.block_table = dev(self.block_table_cpu)
+        self.logits_indices = dev(self.logits_indices_cpu)
+
+    def staged(self, name: str, n: int) -> torch.Tensor:
+        """The first n entries of buffer `name` on the device, refreshed from its host twin."""
+        device_buf, host_buf = getattr(self, name), getattr(self, f"{name}_cpu")
+        if device_buf is not host_buf:
+            device_buf[:n].copy_(host_buf[:n], non_blocking=True)
+        return device_buf[:n]
+
+    def attention_metadata(self, num_tokens: int, num_reqs: int, max_query_len: int,
+                           max_seq_len: int, num_input_tokens: int,
+                           uniform_decode: bool) -> AttentionMetadata:
+        """Attention metadata over the first `num_reqs` rows and `num_input_tokens` slots the
+        caller filled."""
+        return AttentionMetadata(
+            num_actual_tokens=num_tokens, num_reqs=num_reqs, max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            query_start_loc=self.staged("query_start_loc", num_reqs + 1),
+            seq_lens=self.staged("seq_lens", num_reqs),
+            block_table=self.staged("block_table", num_reqs),
+            slot_mapping=self.staged("slot_mapping", num_input_tokens),
+            query_start_loc_cpu=self.query_start_loc_cpu[:num_reqs + 1],
+            seq_lens_cpu=self.seq_lens_cpu[:num_reqs], uniform_decode=uniform_decode)
+
+    def dummy_tokens(self, n: int, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token id 0 at each of `positions` ([n]): a warm-up's or a graph capture's inputs."""
+        self.input_ids_np[:n] = 0
+        self.positions_np[:n] = positions
+        return self.staged("input_ids", n), self.staged("positions", n)
