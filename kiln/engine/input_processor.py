@@ -3,12 +3,11 @@
 Every check happens here, before anything is queued, so a bad request never half-enters the engine.
 """
 import functools
-import json
 import numbers
 from dataclasses import dataclass
 
 from kiln.config.model_config import ModelConfig, sliding_window_of
-from kiln.engine.text_encoding import encode_text
+from kiln.engine.text_encoding import check_encodable, encode_text
 from kiln.sampling_params import SamplingParams
 
 PromptType = str | dict
@@ -137,110 +136,6 @@ def validate_prompt_token_ids(token_ids: list[int], vocab_size: int, max_model_l
             raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab_size})")
 
 
-# Keys apply_chat_template owns: a template variable by these names would break the render call.
-_RESERVED_TEMPLATE_KWARGS = ("tokenize", "conversation", "messages", "return_dict",
-                             "tokenizer_kwargs")
-
-
-class MessageError(ValueError):
-    """A chat message a template cannot take; `field` names it (messages[i].content[j])."""
-
-    def __init__(self, field: str, problem: str):
-        super().__init__(f"{field} {problem}")
-        self.field = field
-
-
-def encoding_problem(text: str) -> str | None:
-    """Why a tokenizer cannot take `text` (a lone UTF-16 surrogate, JSON's "\\ud800"), or None."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        return (f"contains a lone UTF-16 surrogate ({text[e.start]!r} at character {e.start}); "
-                "send valid Unicode text")
-    return None
-
-
-def check_encodable(text: str, field: str) -> None:
-    """Refuse text the tokenizer would fail on deep inside, naming the field."""
-    problem = encoding_problem(text)
-    if problem is not None:
-        raise ValueError(f"{field} {problem}")
-
-
-def _arguments_as_objects(calls: list) -> list:
-    """Assistant turns' tool-call arguments arrive as JSON text (OpenAI's shape); templates
-    print them with tojson, so they get the object, as vLLM hands them over. A copy: the
-    caller's messages stay as they were."""
-    out = []
-    for call in calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-            try:
-                call = {**call, "function": {**function,
-                                             "arguments": json.loads(function["arguments"])}}
-            except ValueError:
-                pass  # not JSON: the template gets the text as it came
-        out.append(call)
-    return out
-
-
-# Content parts that are text, and the key that holds it: OpenAI's assistant history carries
-# "refusal" parts, the Responses API "input_text" / "output_text" (vLLM reads all four as text).
-_TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text",
-                   "refusal": "refusal"}
-
-
-def chat_messages(messages: list) -> list[dict]:
-    """Messages as chat templates expect them, as vLLM hands them over: text content parts
-    joined with newlines, missing or null content as "", tool-call arguments as objects,
-    other keys (name, ...) kept."""
-    out = []
-    for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
-            raise MessageError(f"messages[{i}]", f"must be a dict with a 'role' (str) and "
-                               f"'content', got {m!r}")
-        content = m.get("content")
-        if content is None:
-            content = ""
-        elif isinstance(content, (list, tuple)):
-            texts = []
-            for j, part in enumerate(content):
-                if isinstance(part, str):
-                    texts.append(part)
-                elif (isinstance(part, dict) and part.get("type") in _TEXT_PART_KEYS
-                      and isinstance(part.get(_TEXT_PART_KEYS[part["type"]]), str)):
-                    texts.append(part[_TEXT_PART_KEYS[part["type"]]])
-                elif isinstance(part, dict) and part.get("type") in _TEXT_PART_KEYS:
-                    key = _TEXT_PART_KEYS[part["type"]]
-                    raise MessageError(f"messages[{i}].content[{j}]", f"is a {part['type']!r} "
-                                       f"part without its text: give it as {key!r} (a string)")
-                else:
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise MessageError(f"messages[{i}].content[{j}]", f"is a content part of type "
-                                       f"{kind!r}, not supported; give {{'type': 'text', 'text': "
-                                       "...} parts")
-            content = "\n".join(texts)
-        elif not isinstance(content, str):
-            raise MessageError(f"messages[{i}].content", "must be a str or a list of text parts, "
-                               f"got {type(content).__name__}")
-        problem = encoding_problem(content)
-        if problem is not None:
-            raise MessageError(f"messages[{i}].content", problem)
-        message = {**m, "content": content}
-        if isinstance(m.get("reasoning"), str) and m.get("reasoning_content") is None:
-            # vLLM's current name for an assistant turn's thinking; templates read
-            # reasoning_content (Qwen3's), which vLLM sets from it too
-            message["reasoning_content"] = m["reasoning"]
-        if m.get("tool_calls") == []:
-            # No calls, as vLLM drops it: templates testing `'tool_calls' in message` (Llama
-            # 3.1's) took the turn for a call and raised, for clients that send [] for none.
-            del message["tool_calls"]
-        elif isinstance(m.get("tool_calls"), list):
-            message["tool_calls"] = _arguments_as_objects(m["tool_calls"])
-        out.append(message)
-    return out
-
-
 def prompt_cache_salt(prompt) -> str | None:
     """A prompt's cache_salt: None, or a non-empty string (vLLM refuses an empty one too)."""
     salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
@@ -271,25 +166,6 @@ def check_logprobs_cap(params, cap: int, vocab_size: int) -> None:
         if v is not None and v > cap:
             raise ValueError(f"{name} must be <= {cap}, the engine's max_logprobs "
                              f"(--max-logprobs), got {v}")
-
-
-def chat_render_kwargs(add_generation_prompt: bool, continue_final_message: bool,
-                       chat_template: str | None, chat_template_kwargs: dict | None) -> dict:
-    """The arguments for rendering a chat; chat_template_kwargs override the named flags, as
-    in vLLM's LLM.chat. Both flags on is refused, as HF and vLLM refuse it."""
-    kwargs = dict(add_generation_prompt=add_generation_prompt,
-                  continue_final_message=continue_final_message, chat_template=chat_template)
-    extra = dict(chat_template_kwargs or {})
-    reserved = sorted(k for k in extra if k in _RESERVED_TEMPLATE_KWARGS)
-    if reserved:
-        raise ValueError(f"chat_template_kwargs may not set {reserved}: these belong to the "
-                         "renderer, not the template")
-    kwargs.update(extra)
-    if kwargs["continue_final_message"] and kwargs["add_generation_prompt"]:
-        raise ValueError("continue_final_message=True continues the last message, "
-                         "add_generation_prompt=True starts a new assistant turn: they cannot "
-                         "both be set; pass add_generation_prompt=False")
-    return kwargs
 
 
 # A text prompt longer than this many characters per max_model_len token is first tokenized

@@ -11,9 +11,9 @@ from kiln.config import KilnConfig, ParallelConfig
 from kiln.core.request import Request, RequestStatus
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.chat_template import render_chat_template
-from kiln.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType, check_encodable
+from kiln.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from kiln.engine.output_processor import OutputProcessor, child_params, child_request_id
-from kiln.engine.text_encoding import encode_text
+from kiln.engine.text_encoding import check_encodable, encode_text
 from kiln.engine.tokenizer import config_eos_token_ids, generation_eos_token_ids, get_tokenizer
 from kiln.logger import init_logger
 from kiln.outputs import RequestOutput

@@ -52,3 +52,20 @@ def encode_text(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     if backend is None:
         return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
     return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+def encoding_problem(text: str) -> str | None:
+    """Why a tokenizer cannot take `text` (a lone UTF-16 surrogate, JSON's "\\ud800"), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"contains a lone UTF-16 surrogate ({text[e.start]!r} at character {e.start}); "
+                "send valid Unicode text")
+    return None
+
+
+def check_encodable(text: str, field: str) -> None:
+    """Refuse text the tokenizer would fail on deep inside, naming the field."""
+    problem = encoding_problem(text)
+    if problem is not None:
+        raise ValueError(f"{field} {problem}")

@@ -9,7 +9,8 @@ import threading
 from collections.abc import Callable, Sequence
 
 from kiln.engine.arg_utils import EngineArgs
-from kiln.engine.input_processor import ProcessedPrompt, PromptType, chat_messages, chat_render_kwargs
+from kiln.engine.chat_messages import chat_messages, chat_render_kwargs
+from kiln.engine.input_processor import ProcessedPrompt, PromptType
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.vllm_flags import check_vllm_only_kwargs
 from kiln.outputs import RequestOutput

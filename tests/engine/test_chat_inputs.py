@@ -3,7 +3,8 @@ flags (continue_final_message vs add_generation_prompt), and the empty text prom
 import pytest
 
 from kiln.config import ModelConfig
-from kiln.engine.input_processor import InputProcessor, chat_messages, chat_render_kwargs
+from kiln.engine.chat_messages import chat_messages, chat_render_kwargs
+from kiln.engine.input_processor import InputProcessor
 
 
 def test_text_parts_are_joined_with_newlines_and_null_content_is_empty():

@@ -2,7 +2,7 @@
 request's) template, tools and documents, and the tail the answer follows (for reasoning).
 """
 from kiln.engine.async_llm import AsyncLLM
-from kiln.engine.input_processor import MessageError, chat_messages, chat_render_kwargs
+from kiln.engine.chat_messages import MessageError, chat_messages, chat_render_kwargs
 from kiln.engine.text_encoding import encode_text
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.protocol import ChatMessage

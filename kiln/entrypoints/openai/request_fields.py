@@ -1,7 +1,7 @@
 """vLLM's request fields beyond sampling, as the completion and chat handlers apply them:
 request_id, cache_salt, prompt_logprobs in the response, cached-token usage, chat echo.
 """
-from kiln.engine.input_processor import chat_messages
+from kiln.engine.chat_messages import chat_messages
 from kiln.entrypoints.openai.logprob_format import token_id_text
 from kiln.entrypoints.openai.protocol import PromptLogprob, PromptLogprobs
 from kiln.outputs import Logprob, RequestOutput

@@ -6,8 +6,7 @@ from kiln.engine.async_llm import AsyncLLM
 from kiln.engine.bulk_tokenizer import BulkTokenizer, BulkTokenizerDied, tokenize_response_json
 from kiln.engine.detokenizer import fast_decode
 from kiln.engine.frontend_lanes import BULK_NICENESS, is_bulk
-from kiln.engine.input_processor import encoding_problem
-from kiln.engine.text_encoding import encode_text, plain_backend
+from kiln.engine.text_encoding import encode_text, encoding_problem, plain_backend
 from kiln.entrypoints.openai.chat_rendering import (
     check_generation_flags,
     render_chat_prompt,
