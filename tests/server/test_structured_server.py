@@ -212,6 +212,31 @@ def test_a_grammar_with_no_way_on_fails_with_its_reason(client):
     assert client.completions.create(model=NAME, prompt="a", max_tokens=2).choices
 
 
+NEVER = {"type": "string", "pattern": "^a[^\\s\\S]$"}  # "a", then no character at all
+
+
+@pytest.mark.parametrize("body,param,text", [
+    ({"guided_regex": "ab[^\\s\\S]"}, "guided_regex", "guided_regex: structured_outputs.regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": NEVER}}},
+     "response_format", "response_format: structured_outputs.json"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": NEVER}, "required": ["a"]}}}],
+      "tool_choice": "required"}, "tools", "tools: the schema of the tools' parameters"),
+])
+def test_a_dead_grammar_names_the_field_the_client_sent(client, body, param, text):
+    """The core knows every constraint as structured_outputs.X: its failure is told in terms
+    of the field the client sent (param too), whole and streamed."""
+    with pytest.raises(openai.BadRequestError, match=re.escape(text)) as e:
+        client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=60,
+                                       extra_body=body)
+    assert (e.value.body["param"], e.value.body["code"]) == (param, "request_failed")
+    stream = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=60,
+                                            stream=True, extra_body=body)
+    with pytest.raises(openai.APIError, match=re.escape(text)):
+        for _ in stream:
+            pass
+
+
 def _reassemble(stream) -> tuple[dict[int, dict], str | None, str]:
     calls: dict[int, dict] = {}
     finish, content = None, ""

@@ -125,10 +125,10 @@ class ServingChat:
                                {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"})
         if req.stream:
             return StreamingResponse(self._stream(req, model, request_id, created, streams,
-                                                  plan, prompt_text, thinking_first),
+                                                  plan, prompt_text, thinking_first, field),
                                      media_type="text/event-stream")
         try:
-            final = await until_disconnect(raw, self._collect(streams[0]))
+            final = await until_disconnect(raw, self._collect(streams[0], field))
         except ClientDisconnected:
             return Response(status_code=499)
         finally:
@@ -185,9 +185,9 @@ class ServingChat:
             finish_reason=_finish_reason(o.finish_reason, o.stop_reason, plan, bool(calls)),
             stop_reason=o.stop_reason, **token_ids_fields(req, None, o.token_ids))
 
-    async def _collect(self, stream: RequestStream):
+    async def _collect(self, stream: RequestStream, field: str | None):
         final = None
-        async for _, out in merge_streams([stream]):
+        async for _, out in merge_streams([stream], field):
             final = out
         return final
 
@@ -199,7 +199,8 @@ class ServingChat:
                                                   bool(req.return_tokens_as_token_ids)))
 
     async def _stream(self, req, model, request_id, created: int, streams, plan: ToolPlan,
-                      prompt_text: str | None, thinking_first: bool | None):
+                      prompt_text: str | None, thinking_first: bool | None,
+                      field: str | None):
         def chunk(choices, usage=None, prompt_token_ids=None) -> str:
             return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
                                                     choices=choices, usage=usage,
@@ -219,7 +220,7 @@ class ServingChat:
                                                                       content=echoed))
                          for i in range(req.n)],
                         make_usage(prompt_tokens, 0) if continuous else None)
-            async for _, out in merge_streams(streams):
+            async for _, out in merge_streams(streams, field):
                 cached = max(cached, out.num_cached_tokens)
                 for o in out.outputs:
                     completion_tokens[o.index] = completion_tokens.get(o.index, 0) + \

@@ -108,10 +108,10 @@ class ServingCompletion:
             return Response(status_code=499)
         if req.stream:
             return StreamingResponse(self._stream(req, model, request_id, created, prompts,
-                                                  streams),
+                                                  streams, field),
                                      media_type="text/event-stream")
         try:
-            finals = await until_disconnect(raw, self._collect(streams))
+            finals = await until_disconnect(raw, self._collect(streams, field))
         except ClientDisconnected:
             return Response(status_code=499)
         finally:
@@ -119,9 +119,10 @@ class ServingCompletion:
         return JSONResponse((await self._response(req, model, request_id, created, prompts,
                                                   finals)).model_dump())
 
-    async def _collect(self, streams: list[RequestStream]) -> list[RequestOutput]:
+    async def _collect(self, streams: list[RequestStream], field: str | None
+                       ) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(streams)
-        async for i, out in merge_streams(streams):
+        async for i, out in merge_streams(streams, field):
             finals[i] = out
         return finals
 
@@ -183,7 +184,8 @@ class ServingCompletion:
         return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                   usage=make_usage(prompt_tokens, completion_tokens, cached))
 
-    async def _stream(self, req, model, request_id, created: int, prompts, streams):
+    async def _stream(self, req, model, request_id, created: int, prompts, streams,
+                      field: str | None):
         prompt_tokens: dict[int, int] = {}  # prompt index -> its tokens
         completion_tokens: dict[int, int] = {}  # choice index -> its tokens so far
         # choice index -> characters of its tokens so far (text_offset; text held back for a
@@ -194,7 +196,7 @@ class ServingCompletion:
         cached: dict[int, int] = {}
         sent: set[int] = set()  # choices that had a chunk
         try:
-            async for i, out in merge_streams(streams):
+            async for i, out in merge_streams(streams, field):
                 if out.prompt_token_ids:
                     prompt_tokens[i] = len(out.prompt_token_ids)
                 cached[i] = max(cached.get(i, 0), out.num_cached_tokens)

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from kiln.engine.async_llm import AsyncLLM, EngineDeadError
 from kiln.engine.request_stream import RequestStream
 from kiln.entrypoints.openai.errors import OpenAIError, in_api_terms
+from kiln.entrypoints.openai.structured_fields import constraint_failure
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -113,21 +114,26 @@ def abort_unfinished(llm: AsyncLLM, streams: list[RequestStream]) -> None:
         llm.abort_nowait(ids)
 
 
-def check_not_failed(out: RequestOutput) -> None:
+def check_not_failed(out: RequestOutput, constraint_field: str | None = None) -> None:
     """A sample the engine ended for a reason of its own (its grammar allowed no token, the KV
     cache can never hold it) fails the whole call with that reason: a 400, or an error event
-    once a stream has begun."""
+    once a stream has begun. A grammar's failure names `constraint_field`, the request field
+    its constraint came from (the core only knows it as structured_outputs.X)."""
     for o in out.outputs:
-        if o.error is not None:
-            raise OpenAIError(o.error, code="request_failed")
+        if o.error is None:
+            continue
+        if constraint_field is not None and o.error.startswith("structured_outputs."):
+            raise constraint_failure(o.error, constraint_field)
+        raise OpenAIError(o.error, code="request_failed")
 
 
-async def merge_streams(streams: list[RequestStream]
+async def merge_streams(streams: list[RequestStream], constraint_field: str | None = None
                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from every stream as they come; the caller aborts leftovers."""
+    """(prompt index, output) from every stream as they come; the caller aborts leftovers.
+    `constraint_field`: the request field of their structured-output constraint, if any."""
     if len(streams) == 1:
         async for out in streams[0]:
-            check_not_failed(out)
+            check_not_failed(out, constraint_field)
             yield 0, out
         return
     queue: asyncio.Queue = asyncio.Queue()
@@ -151,7 +157,7 @@ async def merge_streams(streams: list[RequestStream]
             elif isinstance(item, BaseException):
                 raise item
             else:
-                check_not_failed(item)
+                check_not_failed(item, constraint_field)
                 yield i, item
     finally:
         for t in tasks:

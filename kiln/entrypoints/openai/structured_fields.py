@@ -109,6 +109,13 @@ def _in_terms_of(message: str, param: str) -> str:
     return f"{param}: {message}"
 
 
+def constraint_failure(message: str, param: str) -> OpenAIError:
+    """The core's failure of a grammar it compiled ("structured_outputs.regex allows no token
+    after 3 generated token(s)"), as a 400 naming the request field the constraint came from:
+    the client may have sent guided_regex, response_format or tools."""
+    return OpenAIError(_in_terms_of(message, param), param=param, code="request_failed")
+
+
 async def check_compiles(params: StructuredOutputsParams, param: str) -> None:
     """400 naming `param` when the schema / regex / grammar does not parse. Off the event
     loop: the first call imports xgrammar."""
