@@ -172,6 +172,8 @@ def test_cut_by_max_tokens_says_length(client):
     ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
+    # The server's to set from --reasoning-parser: a marker never written left it unconstrained.
+    ({"structured_outputs": {"choice": ["a"], "reasoning_end": "x"}}, "structured_outputs"),
     ({"guided_json": "{not json"}, "guided_json"),
     # A keyword the grammar would not enforce; nesting that overflowed the request's copy (500).
     ({"structured_outputs": {"json": {"type": "array", "uniqueItems": True}}},

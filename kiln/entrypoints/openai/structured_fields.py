@@ -77,14 +77,19 @@ def parse_structured_outputs_config(text: str | None) -> bool:
     return value
 
 
+# Set by the server alone, from --reasoning-parser: a client's marker that the model never
+# writes would leave the output unconstrained, yet finished "stop".
+_SERVER_SET = ("reasoning_end",)
+
+
 def build_params(fields: dict, param: str) -> StructuredOutputsParams:
-    try:
-        return StructuredOutputsParams(**fields)
-    except TypeError:
-        known = sorted(StructuredOutputsParams.__dataclass_fields__)
+    known = sorted(set(StructuredOutputsParams.__dataclass_fields__) - set(_SERVER_SET))
+    if set(fields) - set(known):
         unknown = sorted(set(fields) - set(known))
         raise OpenAIError(f"{param} has unknown field(s) {unknown}; known: {known}",
-                          param=param, code="invalid_value") from None
+                          param=param, code="invalid_value")
+    try:
+        return StructuredOutputsParams(**fields)
     except ValueError as e:
         raise OpenAIError(_in_terms_of(str(e), param), param=param,
                           code="invalid_value") from None
