@@ -142,7 +142,16 @@ def load_hf_dir_config(model_dir: Path) -> HFConfigSnapshot:
     def resolve():
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(model_dir)
+        from kiln.config.remote_code import checkpoint_code_message, needs_checkpoint_code
+        from kiln.model.registry import supported_architectures
+
+        try:
+            return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+        except ValueError as e:
+            if not needs_checkpoint_code(e):
+                raise
+            raise ValueError(f"{checkpoint_code_message(config_json, 'model config')}; "
+                             f"Kiln serves {', '.join(supported_architectures())}") from None
     return cached_snapshot(path, resolve)
 
 
