@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kiln.compilation.decorator import support_torch_compile
+from kiln.config.model_config import max_positions_of
 from kiln.distributed.parallel_state import get_pp_group
 from kiln.distributed.pipeline import PPMissingLayer, this_stage_layer_range
 from kiln.logger import init_logger
@@ -71,8 +72,9 @@ class LlamaAttention(nn.Module):
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size
         theta, scaling = get_rope_config(hf_config)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, hf_config.max_position_embeddings,
-                                          theta, scaling)
+        # every position max_model_len may reach (a linear scaling's factor times more)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, max_positions_of(hf_config), theta,
+                                          scaling)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
                               self.num_kv_heads, prefix=f"{prefix}.attn")
 
