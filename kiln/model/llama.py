@@ -197,7 +197,11 @@ def unexpected_tensor_message(name: str, hf_config) -> str:
         field = "mlp_bias" if ".mlp." in name else "attention_bias"
         hint = f" (a bias, but the config has {field}={config_bias(hf_config, field)})"
     elif name.startswith("model.layers."):
-        hint = f" (the config has num_hidden_layers={hf_config.num_hidden_layers})"
+        index = name.split(".")[2]
+        # a layer the config has, holding a tensor no such layer has: no layer count is wrong
+        hint = (f" (the config has num_hidden_layers={hf_config.num_hidden_layers})"
+                if not index.isdigit() or int(index) >= hf_config.num_hidden_layers
+                else f" (no {_model_kind(hf_config)} layer has such a tensor)")
     return (f"checkpoint tensor {name} matches no parameter of this "
             f"{_model_kind(hf_config)} model{hint}; the checkpoint "
             "does not match its config (config.json or the GGUF metadata); fix the config or "
