@@ -33,11 +33,11 @@ _FORMAT = 9
 
 def converted_dir(gguf: Path) -> Path:
     """Where this file's conversion is kept; a changed file (source_key) gets a new one."""
-    from kiln.config.hf_config_snapshot import source_key
+    from kiln.config.hf_config_snapshot import cache_entry_name, source_key
 
     # Both libraries parse the file: a new gguf may lay its tensors out differently.
     key = source_key(gguf, importlib.metadata.version("gguf"), f"gguf{_FORMAT}")
-    return envs.cache_root() / "gguf" / f"{gguf.resolve().stem}-{key}"
+    return envs.cache_root() / "gguf" / cache_entry_name(gguf.resolve().stem, key)
 
 
 def _cached(gguf: Path, name: str, load: Callable[[Path], Any], convert: Callable[[], Any],

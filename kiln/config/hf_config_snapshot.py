@@ -110,6 +110,18 @@ def source_key(source: Path, *extra: str) -> str:
     return hashlib.sha256(factors.encode()).hexdigest()[:16]
 
 
+# Bytes of a model's name a cache folder's name keeps: with "-" and the 16-character key it
+# stays under the 255 bytes a file name may have (a longer model folder or file name failed the
+# start with "File name too long"); the key alone tells entries apart.
+_NAME_BYTES = 128
+
+
+def cache_entry_name(name: str, key: str) -> str:
+    """`name`-`key`, the name cut (at a character boundary) to what a file name holds."""
+    short = name.encode()[:_NAME_BYTES].decode(errors="ignore")
+    return f"{short}-{key}"
+
+
 def file_identity(source: Path) -> str:
     """What changes when the file at `source` does: size, mtime, inode and ctime."""
     stat = source.stat()
@@ -137,12 +149,21 @@ def load_hf_dir_config(model_dir: Path) -> HFConfigSnapshot:
     """AutoConfig of a checkpoint directory, cached by its config.json."""
     config_json = model_dir / "config.json"
     path = (envs.cache_root() / "hf_config" /
-            f"{model_dir.resolve().name}-{source_key(config_json)}" / "config.json")
+            cache_entry_name(model_dir.resolve().name, source_key(config_json)) / "config.json")
 
     def resolve():
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(model_dir)
+        from kiln.config.remote_code import checkpoint_code_message, needs_checkpoint_code
+        from kiln.model.registry import supported_architectures
+
+        try:
+            return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+        except ValueError as e:
+            if not needs_checkpoint_code(e):
+                raise
+            raise ValueError(f"{checkpoint_code_message(config_json, 'model config')}; "
+                             f"Kiln serves {', '.join(supported_architectures())}") from None
     return cached_snapshot(path, resolve)
 
 

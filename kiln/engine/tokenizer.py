@@ -23,9 +23,14 @@ def load_tokenizer(path: str | Path):
     gguf = find_gguf_file(path)
     if gguf is not None:
         return gguf_metadata.load_tokenizer(gguf)
+    from kiln.config.remote_code import checkpoint_code_message, needs_checkpoint_code
+
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as e:
+        if needs_checkpoint_code(e):
+            raise ValueError(f"{checkpoint_code_message(path, 'tokenizer')}; pass a tokenizer "
+                             "that transformers loads by itself with --tokenizer") from None
         raise ValueError(f"could not load a tokenizer from {str(path)!r} ({e}); "
                          "pass one with --tokenizer") from None
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kiln.compilation.decorator import support_torch_compile
+from kiln.config.model_config import max_positions_of
 from kiln.distributed.parallel_state import get_pp_group
 from kiln.distributed.pipeline import PPMissingLayer, this_stage_layer_range
 from kiln.errors import ConfigError
@@ -72,8 +73,9 @@ class LlamaAttention(nn.Module):
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size
         theta, scaling = get_rope_config(hf_config)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, hf_config.max_position_embeddings,
-                                          theta, scaling)
+        # every position max_model_len may reach (a linear scaling's factor times more)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, max_positions_of(hf_config), theta,
+                                          scaling)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
                               self.num_kv_heads, prefix=f"{prefix}.attn")
 
@@ -196,7 +198,11 @@ def unexpected_tensor_message(name: str, hf_config) -> str:
         field = "mlp_bias" if ".mlp." in name else "attention_bias"
         hint = f" (a bias, but the config has {field}={config_bias(hf_config, field)})"
     elif name.startswith("model.layers."):
-        hint = f" (the config has num_hidden_layers={hf_config.num_hidden_layers})"
+        index = name.split(".")[2]
+        # a layer the config has, holding a tensor no such layer has: no layer count is wrong
+        hint = (f" (the config has num_hidden_layers={hf_config.num_hidden_layers})"
+                if not index.isdigit() or int(index) >= hf_config.num_hidden_layers
+                else f" (no {_model_kind(hf_config)} layer has such a tensor)")
     return (f"checkpoint tensor {name} matches no parameter of this "
             f"{_model_kind(hf_config)} model{hint}; the checkpoint "
             "does not match its config (config.json or the GGUF metadata); fix the config or "

@@ -55,6 +55,18 @@ def test_second_load_reads_the_cache_and_matches_transformers(checkpoint, tmp_pa
     assert second.name_or_path == direct.name_or_path
 
 
+def test_a_folder_name_of_the_longest_length_is_cached(checkpoint, tmp_path, monkeypatch):
+    """A 252-byte folder name (84 CJK characters; a file name may have 255) plus the key made a
+    cache folder name too long: the start failed with "File name too long"."""
+    model = checkpoint.rename(checkpoint.with_name("模" * 84))
+    first = load_hf_dir_config(model)
+    with monkeypatch.context() as m:
+        _refuse_transformers(m)
+        assert load_hf_dir_config(model) == first
+    [cached] = _cache_files(tmp_path)
+    assert cached.parent.name.startswith("模" * 42 + "-")
+
+
 def test_snapshot_reads_like_a_config_and_pickles_without_transformers(checkpoint):
     snap = load_hf_dir_config(checkpoint)
     assert getattr(snap, "no_such_field", "default") == "default"

@@ -99,3 +99,11 @@ def test_temporaries_of_writers_that_died_are_swept_before_saving(hf_dir, tmp_pa
     get_model(cfg)  # saves the snapshot
     assert not left.exists() and not left_dir.exists()
     assert live.exists() and recent.exists() and unnamed.exists()
+
+
+def test_a_gguf_file_name_of_the_longest_length_is_converted_and_kept(hf_dir, tmp_path):
+    """A 255-byte file name gave a 267-byte conversion folder name: "File name too long"."""
+    path = write_gguf(tmp_path / ("q" * 250 + ".gguf"), hf_dir)
+    gguf_metadata.load_config(path)
+    folder = gguf_metadata.converted_dir(path)
+    assert folder.name.startswith("q" * 128 + "-") and (folder / "source").is_file()

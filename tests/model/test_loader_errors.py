@@ -82,9 +82,13 @@ def test_half_precision_weights_load_as_float32(tiny_llama_dir, tmp_path, dtype)
     assert torch.equal(params["lm_head.weight"], state["lm_head.weight"].float())
 
 
-def test_pytorch_bin_checkpoint_loads_like_safetensors(tiny_llama_dir, tmp_path):
+@pytest.mark.parametrize("zip_format", [True, False])
+def test_pytorch_bin_checkpoint_loads_like_safetensors(tiny_llama_dir, tmp_path, zip_format):
+    """Both torch.save formats: the legacy one (torch < 1.6, older hub checkpoints; HF and vLLM
+    load it) was refused as "not a state dict of tensors only", since it cannot be mapped."""
     path = _copy_with(tiny_llama_dir, tmp_path / "m", weights=False)
-    torch.save(_state(tiny_llama_dir), path / "pytorch_model.bin")
+    torch.save(_state(tiny_llama_dir), path / "pytorch_model.bin",
+               _use_new_zipfile_serialization=zip_format)
     ours = dict(get_model(kiln_config_for(path)).named_parameters())
     ref = dict(get_model(kiln_config_for(tiny_llama_dir)).named_parameters())
     assert all(torch.equal(ours[n], ref[n]) for n in ref)
@@ -157,3 +161,14 @@ def test_directory_of_several_gguf_files_asks_for_one(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"2 GGUF files \(a-Q4_0.gguf, a-Q8_0.gguf\); "
                        r"pass one file as --model"):
         ModelConfig(model=str(tmp_path))
+
+
+def test_unknown_tensor_in_an_existing_layer_blames_no_layer_count(tiny_llama_dir, tmp_path):
+    """It said "(the config has num_hidden_layers=2)" of layer 0, sending the user to a
+    config field that is right."""
+    state = {**_state(tiny_llama_dir), "model.layers.0.self_attn.foo.weight": torch.ones(3)}
+    path = _copy_with(tiny_llama_dir, tmp_path / "m", state)
+    with pytest.raises(ValueError, match=r"self_attn\.foo\.weight matches no parameter of this "
+                       r"llama model \(no llama layer has such a tensor\)") as e:
+        get_model(kiln_config_for(path))
+    assert "num_hidden_layers" not in str(e.value)

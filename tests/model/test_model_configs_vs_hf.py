@@ -177,3 +177,18 @@ def test_a_tied_checkpoint_storing_another_head_is_served_tied_with_a_warning(tm
         torch.testing.assert_close(model.lm_head.weight, model.model.embed_tokens.weight)
         assert ("lm_head.weight differs from model.embed_tokens.weight" in kiln_logs.text) \
             == warned
+
+
+@pytest.mark.parametrize("rope_scaling", [{"type": "linear", "factor": 4.0},
+                                          {"rope_type": "linear", "factor": 4.0}])
+def test_linear_rope_scaling_serves_factor_times_the_trained_positions(rope_scaling, tmp_path):
+    """Positions are divided by the factor, so the model serves max_position_embeddings x
+    factor (vicuna-7b-v1.5-16k: 4096 x 4), as vLLM derives; Kiln stopped at 4096 and refused
+    --max-model-len 16384. Past the trained 16 positions outputs match HF's."""
+    path = make_checkpoint(tmp_path / "m", "LlamaConfig", max_position_embeddings=16,
+                           rope_scaling=rope_scaling)
+    assert kiln_config_for(path).model_config.max_model_len == 64
+    with pytest.raises(ValueError, match=r"max_model_len=65 exceeds the model's "
+                       r"max_position_embeddings=16 x linear rope_scaling factor 4 = 64"):
+        kiln_config_for(path, max_model_len=65)
+    assert max_logit_diff(path, seq_len=60) < TOL

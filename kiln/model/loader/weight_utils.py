@@ -2,6 +2,7 @@
 files of an HF directory. Yields (HF name, tensor) pairs one file at a time.
 """
 import json
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,8 +61,11 @@ def iterate_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
             continue
+        # mapped where torch can: only its zip format (torch >= 1.6) maps; the legacy format
+        # of older checkpoints, which HF and vLLM load, is read whole
+        mmap = zipfile.is_zipfile(path)
         try:  # weights_only: a .bin is a pickle; never run code from it
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         except Exception as e:
             # torch's message runs to many lines of advice to drop weights_only; not here.
             raise ConfigError(f"could not read {path} as a state dict of tensors only "
