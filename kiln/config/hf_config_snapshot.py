@@ -18,6 +18,7 @@ from typing import Any
 
 from kiln import envs
 from kiln.atomic_write import atomic_write_text
+from kiln.errors import ConfigError
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -162,8 +163,8 @@ def load_hf_dir_config(model_dir: Path) -> HFConfigSnapshot:
         except ValueError as e:
             if not needs_checkpoint_code(e):
                 raise
-            raise ValueError(f"{checkpoint_code_message(config_json, 'model config')}; "
-                             f"Kiln serves {', '.join(supported_architectures())}") from None
+            raise ConfigError(f"{checkpoint_code_message(config_json, 'model config')}; "
+                              f"Kiln serves {', '.join(supported_architectures())}") from None
     return cached_snapshot(path, resolve)
 
 

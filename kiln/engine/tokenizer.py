@@ -7,6 +7,7 @@ from pathlib import Path
 
 from kiln.config import gguf_metadata
 from kiln.config.model_config import ModelConfig, find_gguf_file
+from kiln.errors import ConfigError
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -29,10 +30,10 @@ def load_tokenizer(path: str | Path):
         return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as e:
         if needs_checkpoint_code(e):
-            raise ValueError(f"{checkpoint_code_message(path, 'tokenizer')}; pass a tokenizer "
-                             "that transformers loads by itself with --tokenizer") from None
-        raise ValueError(f"could not load a tokenizer from {str(path)!r} ({e}); "
-                         "pass one with --tokenizer") from None
+            raise ConfigError(f"{checkpoint_code_message(path, 'tokenizer')}; pass a tokenizer "
+                              "that transformers loads by itself with --tokenizer") from None
+        raise ConfigError(f"could not load a tokenizer from {str(path)!r} ({e}); "
+                          "pass one with --tokenizer") from None
 
 
 def get_tokenizer(model_config: ModelConfig):
