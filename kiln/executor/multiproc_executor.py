@@ -73,7 +73,12 @@ def _rank_main(kiln_config, rank: int, world_size: int, init_method: str, conn,
             reply = ("ok", worker.call_pickled(payload))
         except BaseException as e:
             reply = ("error", failure_report(e))
-        conn.send(reply)
+        try:
+            conn.send(reply)
+        except OSError:
+            # The engine is gone mid-step (killed, or `kiln serve`'s third stop signal): a
+            # BrokenPipeError traceback per rank was all this rank had to say.
+            break
     worker.shutdown()
 
 

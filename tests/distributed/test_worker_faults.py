@@ -138,3 +138,47 @@ def test_model_that_does_not_split_is_refused_before_any_rank_starts(tiny_llama_
                                          r"tensor_parallel_size \(3\)"):
         make_llm(tiny_llama_dir, tensor_parallel_size=3)
     assert len(multiprocessing.active_children()) == before
+
+
+class _SlowWorker:
+    """A rank's worker whose step outlasts the engine that asked for it."""
+
+    def __init__(self, *args):
+        pass
+
+    def call_pickled(self, payload):
+        time.sleep(0.5)
+        return 1
+
+    def shutdown(self):
+        pass
+
+
+def _rank_alone(engine_end, *args):
+    """A rank whose copy of the engine's end is closed, as a spawned rank has none."""
+    from kiln.executor.multiproc_executor import _rank_main
+
+    engine_end.close()
+    _rank_main(*args)
+
+
+def test_a_rank_whose_engine_left_mid_step_exits_quietly(monkeypatch, capfd):
+    """`kiln serve`'s third stop signal ends the engine at once: a rank finishing its step
+    then replies into a closed pipe, and printed a BrokenPipeError traceback per rank."""
+    import multiprocessing
+
+    from kiln.executor import rank_worker
+
+    monkeypatch.setattr(rank_worker, "RankWorker", _SlowWorker)  # the forked child's too
+    ctx = multiprocessing.get_context("fork")
+    engine_end, rank_end = ctx.Pipe()
+    rank = ctx.Process(target=_rank_alone,
+                       args=(engine_end, None, 0, 1, "", rank_end, os.getpid()))
+    rank.start()
+    rank_end.close()
+    assert engine_end.recv() == ("ok", None)
+    engine_end.send_bytes(b"step")
+    engine_end.close()  # the engine is gone before the rank answers
+    rank.join(10)
+    assert rank.exitcode == 0
+    assert "BrokenPipeError" not in capfd.readouterr().err
