@@ -111,6 +111,10 @@ class StructuredOutputsParams:
 # limit either): each is looked for, or copied per sample, for every request's sample.
 MAX_STOP_STRINGS = 256
 MAX_STOP_TOKEN_IDS = 1024
+# Bad words x n one request may give (vLLM does not limit them): each sample's words cross to
+# the engine core and are indexed there on its step loop; 5,000 words at n=64 held every other
+# stream on the server for 7 s.
+MAX_BAD_WORDS_PER_REQUEST = 16384
 
 
 @dataclass
@@ -283,6 +287,10 @@ class SamplingParams:
         v = self.bad_words
         check(v is None or (isinstance(v, list) and all(isinstance(w, str) and w for w in v)),
               "bad_words", "None or a list of non-empty strings", v)
+        if v and len(v) * self.n > MAX_BAD_WORDS_PER_REQUEST:
+            raise ValueError(f"bad_words x n must be at most {MAX_BAD_WORDS_PER_REQUEST}, got "
+                             f"{len(v)} x {self.n} = {len(v) * self.n}; give fewer bad words or "
+                             "a smaller n")
         v = self.truncate_prompt_tokens
         check(v is None or (integer(v) and (v >= 1 or v == -1)), "truncate_prompt_tokens",
               "None, -1 (max_model_len) or an integer >= 1", v)

@@ -3,6 +3,7 @@ inputs, one for huge ones, so a short prompt never queues behind a 4 MB body; th
 thread runs at a lower OS priority (Linux: per thread), so the engine core and the event loop
 get the CPU first. And the whole front end may yield to its engine core (lower_front_end)."""
 import concurrent.futures
+import dataclasses
 import os
 from collections.abc import Callable
 
@@ -22,15 +23,20 @@ ITEM_CHARS = 16
 
 def input_size(obj, depth: int = _DEPTH) -> int:
     """Characters of text (and ids of token lists) in a call's argument: prompts, prompt
-    dicts, chat messages (dicts or request models). Cheap: lengths only, never the text
-    itself, and a list of more than BULK_CHARS / ITEM_CHARS items is not walked."""
+    dicts, chat messages (dicts or request models), sampling params (bad_words are tokenized
+    word by word: 100,000 of them in a short prompt's call held every short prompt behind it).
+    Cheap: lengths only, never the text itself, and a list or dict of more than
+    BULK_CHARS / ITEM_CHARS items is not walked."""
     if isinstance(obj, str):
         return len(obj)
     if depth == 0:
         return 0
-    if isinstance(obj, BaseModel):
+    if isinstance(obj, BaseModel) or (dataclasses.is_dataclass(obj)
+                                      and not isinstance(obj, type)):
         obj = obj.__dict__  # its fields, at the model's own depth
     if isinstance(obj, dict):
+        if len(obj) * ITEM_CHARS > BULK_CHARS:  # logit_bias of the whole vocabulary
+            return len(obj) * ITEM_CHARS
         return sum(input_size(v, depth - 1) for v in obj.values())
     if isinstance(obj, (list, tuple)):
         if obj and isinstance(obj[0], int):

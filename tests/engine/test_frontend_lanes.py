@@ -110,3 +110,20 @@ def test_the_front_end_yields_by_default_only_where_it_shares_every_core():
     assert frontend_niceness(None, core_threads=None, cores=2) == SHARED_CORES_NICENESS
     assert frontend_niceness(7, core_threads=1, cores=2) == 7  # the user's choice
     assert frontend_niceness(0, core_threads=2, cores=2) == 0
+
+
+def test_sampling_params_count_their_bad_words_and_long_dicts_are_bulk_unwalked():
+    """bad_words are tokenized word by word in the call that reads a prompt: a short prompt
+    with 100,000 of them went to the ordinary lane and every short prompt waited behind it."""
+    from kiln.sampling_params import SamplingParams
+
+    words = ["w"] * (BULK_CHARS // ITEM_CHARS + 1)
+    assert is_bulk(("x", SamplingParams(bad_words=words)), {"max_tokens_must_fit": True})
+    assert is_bulk(("x", SamplingParams(bad_words=["a" * 100] * 700)), {})
+    assert not is_bulk(("x", SamplingParams(bad_words=["word"] * 100, stop=["s"])), {})
+
+    class Unwalkable(dict):
+        def values(self):
+            raise AssertionError("a long dict's values are not walked")
+
+    assert is_bulk((Unwalkable({i: 1.0 for i in range(BULK_CHARS // ITEM_CHARS + 1)}),), {})

@@ -88,6 +88,23 @@ def test_prompts_times_n_is_capped(client):
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", dict(prompt="x", n=2)),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], n=2))])
+def test_bad_words_times_n_is_capped(path, body):
+    """Each sample's bad words cross to the engine core and are indexed on its step loop:
+    5,000 words at n=64 held every other stream on the server for 7 s."""
+    from kiln.sampling_params import MAX_BAD_WORDS_PER_REQUEST
+
+    words = [f"w{i}" for i in range(MAX_BAD_WORDS_PER_REQUEST // 2 + 1)]
+    with TestClient(build_app(AsyncLLM(FakeEngine()), ServerSettings())) as c:
+        err = assert_error(c.post(path, json=dict(body, bad_words=words)), 400, "bad_words",
+                           "invalid_value")
+        assert f"{len(words)} x 2 = {len(words) * 2}" in err["message"]
+        ok = c.post(path, json=dict(body, bad_words=words[:-1], max_tokens=1))
+        assert ok.status_code == 200, ok.text
+
+
 def test_models_name_the_model_not_its_cache_path(client, tmp_path, monkeypatch):
     (card,) = client.get("/v1/models").json()["data"]
     assert card["id"] == card["root"] == "fake-model"

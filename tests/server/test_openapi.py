@@ -153,9 +153,12 @@ def test_the_schema_says_what_requests_the_server_refuses():
     ids = [m for m in completion["allowed_token_ids"]["anyOf"] if m.get("type") == "array"][0]
     assert ids["minItems"] == 1 and ids["items"]["minimum"] == 0
     assert ids["items"]["maximum"] == VOCAB - 1
-    for model in ("CompletionRequest", "ChatCompletionRequest"):  # an empty bad word is refused
+    # an empty bad word is refused, and more than the cap on bad_words x n (at n=1)
+    from kiln.sampling_params import MAX_BAD_WORDS_PER_REQUEST
+    for model in ("CompletionRequest", "ChatCompletionRequest"):
         words = schemas[model]["properties"]["bad_words"]["anyOf"]
-        assert {"type": "array", "items": {"type": "string", "minLength": 1}} in words
+        assert {"type": "array", "items": {"type": "string", "minLength": 1},
+                "maxItems": MAX_BAD_WORDS_PER_REQUEST} in words
     # refused fields take only their off value; an optional field takes null
     assert {"const": False} in completion["use_beam_search"]["anyOf"]
     assert {"type": "null"} in schemas["TokenizeRequest"]["properties"]["return_token_strs"][

@@ -107,6 +107,7 @@ def _sampling_ranges(model_schema: dict, max_logprobs: int,
         _INT64,
         _MAX_REPETITION_PENALTY,
         _MIN_REPETITION_PENALTY,
+        MAX_BAD_WORDS_PER_REQUEST,
         MAX_STOP_STRINGS,
         MAX_STOP_TOKEN_IDS,
     )
@@ -148,7 +149,9 @@ def _sampling_ranges(model_schema: dict, max_logprobs: int,
     for member in props.get("cache_salt", {}).get("anyOf", ()):  # "" is refused, as vLLM does
         if member.get("type") == "string":
             member["minLength"] = 1
-    for name, limit in (("stop", MAX_STOP_STRINGS), ("stop_token_ids", MAX_STOP_TOKEN_IDS)):
+    # bad_words: the cap is on bad_words x n, so at n=1 this many
+    for name, limit in (("stop", MAX_STOP_STRINGS), ("stop_token_ids", MAX_STOP_TOKEN_IDS),
+                        ("bad_words", MAX_BAD_WORDS_PER_REQUEST)):
         for member in props.get(name, {}).get("anyOf", ()):
             if member.get("type") == "array":
                 member["maxItems"] = limit
