@@ -44,6 +44,10 @@ logger = init_logger(__name__)
 
 # How often a placement waiting for resources says what it waits for (silence looked like a hang).
 PLACEMENT_LOG_S = 15.0
+# How long a rank's error waits for a peer's death to show: a killed rank's peers fail their
+# collective at once (gloo: "Connection reset by peer"), and that error can reach the engine
+# before Ray has seen the actor die (the raylet tells the owner through the GCS).
+PEER_DEATH_S = 2.0
 
 
 def import_ray():
@@ -256,8 +260,29 @@ class RayExecutor(Executor):
                     self._fail(f"worker rank {rank} (Ray actor) died during {what}: "
                                f"{str(e).splitlines()[0]}")
                 except ray.exceptions.RayTaskError as e:
+                    dead = self._dead_rank(pending)  # the cause, where a peer died
+                    if dead is not None:
+                        self._fail(f"worker rank {dead[0]} (Ray actor) died during {what}: "
+                                   f"{dead[1]}")
                     self._fail_with(e, rank, what)
         return [results[r] for r in range(len(refs))]
+
+    def _dead_rank(self, pending: dict) -> tuple[int, str] | None:
+        """A rank of `pending` (its call's ref -> rank) whose actor died, and Ray's line on it,
+        waiting up to PEER_DEATH_S for one; None if none did."""
+        ray = self.ray
+        left = dict(pending)
+        deadline = time.monotonic() + PEER_DEATH_S
+        while left and (wait_s := deadline - time.monotonic()) > 0:
+            for ref in ray.wait(list(left), num_returns=1, timeout=wait_s)[0]:
+                rank = left.pop(ref)
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    return rank, str(e).splitlines()[0]
+                except ray.exceptions.RayError:
+                    pass  # another rank's own error, or the same peer's death seen by it
+        return None
 
     def _run_on_all(self, method: str, *args) -> list:
         if self.failure is not None:
