@@ -133,20 +133,24 @@ class RayExecutor(Executor):
         # Health pings in flight (ref -> rank) and when they were sent: check_health.
         self._pings: dict = {}
         self._pinged_at = 0.0
-        if not ray.is_initialized():
+        # A local Ray this executor starts is its to stop: an engine core leaves by os._exit,
+        # which runs no atexit handler, and Ray's agents outlived it by a minute or more.
+        self.started_ray = not ray.is_initialized()
+        if self.started_ray:
             _init_keeping_sigterm(ray)
         device = kiln_config.device_config.device_obj
         bundle = {"GPU": 1, "CPU": 1} if device.type == "cuda" else {"CPU": 1}
         bundles = [dict(bundle) for _ in range(self.world_size)]
         if never_fits(bundles, ray.cluster_resources()):  # Ray would wait for nothing
-            raise placement_error(bundles, "the whole cluster holds less",
-                                  ray.cluster_resources(), ray.available_resources())
+            error = placement_error(bundles, "the whole cluster holds less",
+                                    ray.cluster_resources(), ray.available_resources())
+            self.shutdown()
+            raise error
         self.pg = placement_group(bundles, strategy="PACK")
         try:
             self._wait_for_placement(bundles)
         except BaseException:
-            ray.util.remove_placement_group(self.pg)
-            self.pg = None
+            self.shutdown()
             raise
         actor_cls = ray.remote(RayRankActor)
         env_vars = kiln_env_vars(os.environ)
@@ -332,3 +336,6 @@ class RayExecutor(Executor):
         if self.pg is not None:
             ray.util.remove_placement_group(self.pg)
             self.pg = None
+        if self.started_ray:  # (joined through RAY_ADDRESS: this only leaves the cluster)
+            ray.shutdown()
+            self.started_ray = False
