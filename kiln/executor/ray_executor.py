@@ -44,6 +44,10 @@ logger = init_logger(__name__)
 
 # How often a placement waiting for resources says what it waits for (silence looked like a hang).
 PLACEMENT_LOG_S = 15.0
+# How long a rank's error waits for a peer's death to show: a killed rank's peers fail their
+# collective at once (gloo: "Connection reset by peer"), and that error can reach the engine
+# before Ray has seen the actor die (the raylet tells the owner through the GCS).
+PEER_DEATH_S = 2.0
 
 
 def import_ray():
@@ -129,20 +133,24 @@ class RayExecutor(Executor):
         # Health pings in flight (ref -> rank) and when they were sent: check_health.
         self._pings: dict = {}
         self._pinged_at = 0.0
-        if not ray.is_initialized():
+        # A local Ray this executor starts is its to stop: an engine core leaves by os._exit,
+        # which runs no atexit handler, and Ray's agents outlived it by a minute or more.
+        self.started_ray = not ray.is_initialized()
+        if self.started_ray:
             _init_keeping_sigterm(ray)
         device = kiln_config.device_config.device_obj
         bundle = {"GPU": 1, "CPU": 1} if device.type == "cuda" else {"CPU": 1}
         bundles = [dict(bundle) for _ in range(self.world_size)]
         if never_fits(bundles, ray.cluster_resources()):  # Ray would wait for nothing
-            raise placement_error(bundles, "the whole cluster holds less",
-                                  ray.cluster_resources(), ray.available_resources())
+            error = placement_error(bundles, "the whole cluster holds less",
+                                    ray.cluster_resources(), ray.available_resources())
+            self.shutdown()
+            raise error
         self.pg = placement_group(bundles, strategy="PACK")
         try:
             self._wait_for_placement(bundles)
         except BaseException:
-            ray.util.remove_placement_group(self.pg)
-            self.pg = None
+            self.shutdown()
             raise
         actor_cls = ray.remote(RayRankActor)
         env_vars = kiln_env_vars(os.environ)
@@ -256,8 +264,29 @@ class RayExecutor(Executor):
                     self._fail(f"worker rank {rank} (Ray actor) died during {what}: "
                                f"{str(e).splitlines()[0]}")
                 except ray.exceptions.RayTaskError as e:
+                    dead = self._dead_rank(pending)  # the cause, where a peer died
+                    if dead is not None:
+                        self._fail(f"worker rank {dead[0]} (Ray actor) died during {what}: "
+                                   f"{dead[1]}")
                     self._fail_with(e, rank, what)
         return [results[r] for r in range(len(refs))]
+
+    def _dead_rank(self, pending: dict) -> tuple[int, str] | None:
+        """A rank of `pending` (its call's ref -> rank) whose actor died, and Ray's line on it,
+        waiting up to PEER_DEATH_S for one; None if none did."""
+        ray = self.ray
+        left = dict(pending)
+        deadline = time.monotonic() + PEER_DEATH_S
+        while left and (wait_s := deadline - time.monotonic()) > 0:
+            for ref in ray.wait(list(left), num_returns=1, timeout=wait_s)[0]:
+                rank = left.pop(ref)
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    return rank, str(e).splitlines()[0]
+                except ray.exceptions.RayError:
+                    pass  # another rank's own error, or the same peer's death seen by it
+        return None
 
     def _run_on_all(self, method: str, *args) -> list:
         if self.failure is not None:
@@ -307,3 +336,6 @@ class RayExecutor(Executor):
         if self.pg is not None:
             ray.util.remove_placement_group(self.pg)
             self.pg = None
+        if self.started_ray:  # (joined through RAY_ADDRESS: this only leaves the cluster)
+            ray.shutdown()
+            self.started_ray = False

@@ -97,6 +97,29 @@ def test_a_stopped_rank_fails_the_step_once_the_timeout_passes(local_ray, tiny_l
     assert executor.actors == [] and executor.pg is None
 
 
+def test_a_peers_error_caused_by_a_dead_rank_names_the_dead_rank(local_ray, tiny_llama_dir,
+                                                                  bounded):
+    """A rank SIGKILLed mid-step makes its peers' collective fail at once (gloo: connection
+    reset by peer), and that error could reach the engine before Ray saw the actor die: the
+    engine then blamed the survivor, with its gloo traceback. Forced order here: rank 1's call
+    fails at once (a call no rank answers), rank 0 is stopped and dies 0.5 s later."""
+    import pickle
+    import threading
+
+    llm = make_llm(tiny_llama_dir, tensor_parallel_size=2, distributed_executor_backend="ray")
+    executor = llm.llm_engine.engine_core.executor
+    actors = list(executor.actors)
+    pid0 = local_ray.get(actors[0].pid.remote())
+    os.kill(pid0, signal.SIGSTOP)
+    threading.Timer(0.5, os.kill, (pid0, signal.SIGKILL)).start()
+    bad = pickle.dumps(("no_such_call", ()))
+    refs = [actors[0].call_pickled.remote(bad), actors[1].call_pickled.remote(bad)]
+    with pytest.raises(WorkerFailedError, match=r"^worker rank 0 \(Ray actor\) died during "
+                                                r"execute_model: "):
+        executor._gather(refs, "execute_model")
+    assert executor.actors == [] and executor.pg is None
+
+
 def test_the_engines_kiln_settings_reach_the_rank_actors(local_ray, tiny_llama_dir, monkeypatch):
     # Set after the cluster started, so its workers' own environment lacks it, as on a cluster
     # started by `ray start`: the actors must still bind no cores.
