@@ -264,8 +264,8 @@ class EngineArgs:
                        help="compilation mode (" + MODES_HELP + ") or "
                             "CompilationConfig JSON (-O '{\"mode\": 3, \"compile_sizes\": "
                             "[1, 8]}'; given more than once, later fields override earlier "
-                            "ones; vLLM's -O.FIELD=VALUE too). -O0..-O3 are "
-                            "--optimization-level N")
+                            "ones; vLLM's -O.FIELD=VALUE too). -O0..-O3 and -O N are "
+                            "--optimization-level N, not the mode: --compilation-config N is")
         g.add_argument("--optimization-level", dest="optimization_level", type=int,
                        choices=[0, 1, 2, 3], default=d.optimization_level,
                        help="vLLM's optimization level (-O0..-O3): 0 compiles nothing, 1..3 run "
