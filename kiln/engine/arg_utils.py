@@ -330,6 +330,9 @@ class EngineArgs:
                        help="GiB; unused: preempted requests are recomputed, as in vLLM V1")
         v.add_argument("--disable-log-stats", action="store_true", default=d.disable_log_stats,
                        help="kiln serve: no periodic throughput line in the log")
+        # vLLM's AsyncEngineArgs flag (its serve and bench throughput take it); no field here
+        v.add_argument("--disable-log-requests", action="store_true",
+                       help="accepted: request contents are never logged")
         add_vllm_only_flags(parser)
         return parser
 
