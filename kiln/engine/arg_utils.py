@@ -264,8 +264,8 @@ class EngineArgs:
                        help="compilation mode (" + MODES_HELP + ") or "
                             "CompilationConfig JSON (-O '{\"mode\": 3, \"compile_sizes\": "
                             "[1, 8]}'; given more than once, later fields override earlier "
-                            "ones; vLLM's -O.FIELD=VALUE too). -O0..-O3 are "
-                            "--optimization-level N")
+                            "ones; vLLM's -O.FIELD=VALUE too). -O0..-O3 and -O N are "
+                            "--optimization-level N, not the mode: --compilation-config N is")
         g.add_argument("--optimization-level", dest="optimization_level", type=int,
                        choices=[0, 1, 2, 3], default=d.optimization_level,
                        help="vLLM's optimization level (-O0..-O3): 0 compiles nothing, 1..3 run "
@@ -330,6 +330,9 @@ class EngineArgs:
                        help="GiB; unused: preempted requests are recomputed, as in vLLM V1")
         v.add_argument("--disable-log-stats", action="store_true", default=d.disable_log_stats,
                        help="kiln serve: no periodic throughput line in the log")
+        # vLLM's AsyncEngineArgs flag (its serve and bench throughput take it); no field here
+        v.add_argument("--disable-log-requests", action="store_true",
+                       help="accepted: request contents are never logged")
         add_vllm_only_flags(parser)
         return parser
 

@@ -214,8 +214,9 @@ class InputProcessor:
                     f"capped max_model_len at {self.max_model_len}, below the model's "
                     f"{self.config_max_model_len}")
         if self.window_cap is not None:
-            return (f"the model's sliding_window={self.window_cap} caps max_model_len (Kiln's "
-                    "attention has no sliding window): shorten the prompt")
+            # read after "shorten the prompt or ": no flag lengthens it
+            return (f"serve a model without a sliding window (this one's sliding_window="
+                    f"{self.window_cap} caps max_model_len: Kiln's attention has none)")
         return "raise --max-model-len"
 
     def tokenize(self, prompt: PromptType, whole: bool = True) -> tuple[str | None, list[int]]:

@@ -77,6 +77,15 @@ def test_user_errors_exit_2_without_traceback(stories, argv, message):
     assert "Traceback" not in r.stderr and r.stdout == ""
 
 
+@pytest.mark.parametrize("argv", [["generate", "hi"], ["chat", "--quick", "hi"]])
+def test_skip_tokenizer_init_is_refused_before_the_model_loads(argv):
+    """generate and chat take text: with --skip-tokenizer-init they loaded the model, then
+    generate asked for {'prompt_token_ids': [...]}, which the command cannot take (helper-80)."""
+    args = build_parser().parse_args([*argv, "--model", "/no/such/model",
+                                      "--skip-tokenizer-init"])
+    with pytest.raises(ValueError, match="drop --skip-tokenizer-init"):
+        args.func(args)
+
 def test_chat_streams_and_keeps_history(stories):
     template = "{% for m in messages %}[{{ m.role }}] {{ m.content }} {% endfor %}"
     r = kiln("chat", "--model", stories, "--temperature", "0", "--max-tokens", "6",

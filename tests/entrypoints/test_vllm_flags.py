@@ -46,6 +46,16 @@ def test_vllm_flags_with_one_meaning_here_are_taken():
     assert settings_from_args(build_parser().parse_args(["serve"])).stats_log_interval == 5.0
 
 
+
+@pytest.mark.parametrize("command", [["bench", "throughput"], ["generate", "hi"], ["chat"],
+                                     ["compile"]])
+def test_disable_log_requests_is_taken_wherever_engine_flags_are(command):
+    """vLLM's --disable-log-requests (its AsyncEngineArgs: `vllm serve`, `vllm bench
+    throughput`) was serve's alone: elsewhere an unknown flag, with a hint to use
+    --enable-log-requests, which is refused (helper-80)."""
+    args = build_parser().parse_args([*command, "--disable-log-requests"])
+    EngineArgs.from_cli_args(args)._check_vllm_only_defaults()
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(enable_chunked_prefill=False), "raise --max-num-batched-tokens to --max-model-len"),
     (dict(kv_cache_dtype="fp8"), "the KV cache holds the model's dtype"),

@@ -153,10 +153,15 @@ def test_sliding_window_caps_max_model_len_and_is_exact_within(config_cls, overr
                        r"sliding_window=16.*--max-model-len to 16"):
         kiln_config_for(path, max_model_len=17)
     # a prompt too long is told to shrink, not to raise --max-model-len (refused; helper-64)
-    from kiln.engine.input_processor import InputProcessor
+    from kiln.engine.input_processor import InputProcessor, validate_prompt_token_ids
 
     fix = InputProcessor(kiln_config_for(path).model_config, None).longer_context_fix()
-    assert fix.startswith("the model's sliding_window=16 caps max_model_len"), fix
+    assert "sliding_window=16 caps max_model_len" in fix and "--max-model-len" not in fix, fix
+    # it follows "shorten the prompt or ": it read "... or the model's sliding_window=16 caps
+    # max_model_len (...): shorten the prompt" (helper-80)
+    with pytest.raises(ValueError) as e:
+        validate_prompt_token_ids(list(range(20)), 512, 16, fix)
+    assert str(e.value).count("shorten the prompt") == 1, e.value
     assert max_logit_diff(path, seq_len=16) < TOL
 
 

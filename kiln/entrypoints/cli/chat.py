@@ -60,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
     if args.quick is not None and not args.quick.strip():  # a turn the model would answer
         raise ValueError("--quick needs a message to send, got an empty one; leave --quick "
                          "out to chat one line at a time")
+    if args.skip_tokenizer_init:  # found after the model loaded, at the first turn
+        raise ValueError("kiln chat renders and tokenizes text, which needs the tokenizer: "
+                         "drop --skip-tokenizer-init")
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     exit_if_stopped()
     try:  # the flags given, over the model's sampling defaults

@@ -36,6 +36,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("prompt is empty: pass it as an argument or on stdin")
     extra = dict(n=args.n, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
     sampling_params_from_args(args, **extra)  # a bad flag fails before the model loads
+    if args.skip_tokenizer_init:  # the engine's error, after loading, asked for token ids
+        raise ValueError("kiln generate takes prompt text, which needs the tokenizer: drop "
+                         "--skip-tokenizer-init")
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**vars(engine_args))
     exit_if_stopped()

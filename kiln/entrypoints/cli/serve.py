@@ -72,8 +72,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     g.add_argument("--disable-access-log", action="store_true",
                    help="do not log one line per HTTP request")
-    g.add_argument("--disable-log-requests", action="store_true",
-                   help="accepted (vLLM's flag): request contents are never logged")
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens (prompt tokens the "
                         "prefix cache held)")
