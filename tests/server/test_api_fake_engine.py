@@ -11,7 +11,7 @@ from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai import serving_tokenization
 from kiln.entrypoints.openai.api_server import ServerSettings, build_app
 from kiln.entrypoints.openai.errors import _loc_to_param, in_api_terms, param_from_message
-from kiln.entrypoints.openai.protocol import TokenizeResponse
+from kiln.entrypoints.openai.response_models import TokenizeResponse
 
 from .fake_engine import FakeEngine
 

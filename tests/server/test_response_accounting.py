@@ -7,7 +7,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kiln.engine.async_llm import AsyncLLM
-from kiln.entrypoints.openai import protocol, serving_chat, serving_completion
+from kiln.entrypoints.openai import response_models, serving_chat, serving_completion
 from kiln.entrypoints.openai.api_server import ServerSettings, build_app
 
 from .fake_engine import FakeEngine
@@ -53,7 +53,7 @@ class SlowEngine(FakeEngine):
 @pytest.fixture()
 def clocked(monkeypatch):
     clock = Clock()
-    for module in (protocol, serving_chat, serving_completion):
+    for module in (response_models, serving_chat, serving_completion):
         monkeypatch.setattr(module, "time", types.SimpleNamespace(time=clock.time))
     with TestClient(build_app(AsyncLLM(SlowEngine(clock)), ServerSettings())) as c:
         yield c, clock

@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kiln.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from kiln.entrypoints.openai.response_models import ErrorInfo, ErrorResponse
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)

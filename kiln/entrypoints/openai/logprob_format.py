@@ -4,7 +4,7 @@ JSON has no -inf, so impossible tokens report a large negative number instead.
 """
 import math
 
-from kiln.entrypoints.openai.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
+from kiln.entrypoints.openai.response_models import CompletionLogprobs, TokenLogprob, TopLogprob
 from kiln.outputs import Logprob
 
 _FLOOR = -9999.0

@@ -20,7 +20,8 @@ from kiln.entrypoints.openai.openapi_cross_field import (
     switched_fields,
 )
 from kiln.entrypoints.openai.openapi_responses import describe_bodies
-from kiln.entrypoints.openai.protocol import ErrorResponse, RequestBase, RequestPart
+from kiln.entrypoints.openai.protocol import RequestBase, RequestPart
+from kiln.entrypoints.openai.response_models import ErrorResponse
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 # (schema, property): a JSON array there must not be empty (the handler refuses it with a 400).

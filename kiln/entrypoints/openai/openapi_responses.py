@@ -3,7 +3,7 @@ a stream (a chunk's JSON, an in-band error, then `[DONE]`), as FastAPI describes
 """
 from pydantic import BaseModel
 
-from kiln.entrypoints.openai.protocol import (
+from kiln.entrypoints.openai.response_models import (
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
     CompletionResponse,

@@ -1,10 +1,10 @@
-"""Pydantic models of the OpenAI HTTP API that Kiln serves (plus vLLM's sampling extras).
+"""Pydantic models of the requests Kiln's OpenAI HTTP API takes (plus vLLM's sampling extras),
+and the base they share with the responses (response_models.py).
 
 Unknown request fields are ignored with a warning in the log, as vLLM does; wrong types fail
 validation. Every field vLLM accepts is here, and is honoured or refused
 (entrypoints/openai/sampling.py), as are OpenAI's that would change the output.
 """
-import time
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -14,11 +14,9 @@ from pydantic import (
     Discriminator,
     Field,
     GetPydanticSchema,
-    SerializerFunctionWrapHandler,
     StrictBool,
     Tag,
     WithJsonSchema,
-    model_serializer,
     model_validator,
 )
 from pydantic_core import core_schema
@@ -51,7 +49,6 @@ class OpenAIBase(BaseModel):
         return data
 
 
-# ---- requests -------------------------------------------------------------------------------
 def _json_number(value):
     """JSON numbers only: true is no 1 and "5" no 5 (pydantic's lax mode takes both), while
     an integral 5.0 stays the integer JSON Schema says it is."""
@@ -312,209 +309,3 @@ class TokenizeRequest(RequestBase):
 class DetokenizeRequest(RequestBase):
     model: str | None = None
     tokens: TokenIds
-
-
-# ---- responses ------------------------------------------------------------------------------
-class PromptTokenUsageInfo(OpenAIBase):
-    cached_tokens: int | None = None
-
-
-class UsageInfo(OpenAIBase):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    # Only with --enable-prompt-tokens-details (as vLLM): prompt tokens the prefix cache held.
-    prompt_tokens_details: PromptTokenUsageInfo | None = None
-
-    @model_serializer(mode="wrap")
-    def _no_null_details(self, handler):  # no null details key when the flag is off
-        data = handler(self)
-        if data.get("prompt_tokens_details", 0) is None:
-            del data["prompt_tokens_details"]
-        return data
-
-
-def make_usage(prompt_tokens: int, completion_tokens: int,
-               cached_tokens: int | None = None) -> UsageInfo:
-    """`cached_tokens`: None leaves prompt_tokens_details out."""
-    details = None if cached_tokens is None else PromptTokenUsageInfo(cached_tokens=cached_tokens)
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens,
-                     prompt_tokens_details=details)
-
-
-class CompletionLogprobs(OpenAIBase):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class PromptLogprob(OpenAIBase):
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-# Per prompt token (the first has none): token id -> its logprob, rank and text, as vLLM's.
-PromptLogprobs = list[dict[int, PromptLogprob] | None]
-
-
-class CompletionChoice(OpenAIBase):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-    # return_token_ids (vLLM's): in a stream, prompt_token_ids only in a choice's first chunk.
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] | None = None
-
-
-class CompletionResponse(OpenAIBase):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int  # when the request came in (unix s), in every chunk and whole: as vLLM's
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(OpenAIBase):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(OpenAIBase):
-    content: list[TokenLogprob] | None = None
-
-
-class FunctionCall(OpenAIBase):
-    name: str
-    arguments: str  # JSON text
-
-
-class ToolCall(OpenAIBase):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatResponseMessage(OpenAIBase):
-    role: str = "assistant"
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
-
-
-class ChatCompletionChoice(OpenAIBase):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None  # return_token_ids
-
-
-class ChatCompletionResponse(OpenAIBase):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int  # when the request came in (unix s), in every chunk and whole: as vLLM's
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-    prompt_token_ids: list[int] | None = None  # return_token_ids
-
-
-class StreamDelta(OpenAIBase):
-    """A streamed delta: fields it does not carry are left out, not sent as null, as OpenAI
-    and vLLM stream them. The openai SDK's stream accumulator copies each delta's keys over
-    what it has gathered: a later tool-call piece's `"type": null` erased the first one's
-    "function" and failed its check."""
-
-    @model_serializer(mode="wrap")
-    def _omit_none(self, handler: SerializerFunctionWrapHandler):
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class DeltaFunctionCall(StreamDelta):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(StreamDelta):
-    """A streamed piece of a tool call: the first carries id, type and name, the rest pieces
-    of the arguments' JSON text (concatenated, they are the whole arguments)."""
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall | None = None
-
-
-class DeltaMessage(StreamDelta):
-    role: str | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatStreamChoice(OpenAIBase):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None  # return_token_ids: this chunk's tokens
-
-
-class ChatCompletionStreamResponse(OpenAIBase):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int  # when the request came in (unix s), in every chunk and whole: as vLLM's
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk
-
-
-class ModelCard(OpenAIBase):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "kiln"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(OpenAIBase):
-    object: Literal["list"] = "list"
-    data: list[ModelCard] = Field(default_factory=list)
-
-
-class TokenizeResponse(OpenAIBase):
-    tokens: list[int]
-    count: int
-    max_model_len: int
-    token_strs: list[str] | None = None
-
-
-class DetokenizeResponse(OpenAIBase):
-    prompt: str
-
-
-class ErrorInfo(OpenAIBase):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(OpenAIBase):
-    error: ErrorInfo

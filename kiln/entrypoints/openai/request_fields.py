@@ -3,7 +3,7 @@ request_id, cache_salt, prompt_logprobs in the response, cached-token usage, cha
 """
 from kiln.engine.chat_messages import chat_messages
 from kiln.entrypoints.openai.logprob_format import token_id_text
-from kiln.entrypoints.openai.protocol import PromptLogprob, PromptLogprobs
+from kiln.entrypoints.openai.response_models import PromptLogprob, PromptLogprobs
 from kiln.outputs import Logprob, RequestOutput
 
 

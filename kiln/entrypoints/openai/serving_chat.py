@@ -19,17 +19,7 @@ from kiln.entrypoints.openai.chat_rendering import (
 )
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.logprob_format import chat_logprobs
-from kiln.entrypoints.openai.protocol import (
-    ChatCompletionChoice,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatCompletionStreamResponse,
-    ChatLogprobs,
-    ChatResponseMessage,
-    ChatStreamChoice,
-    DeltaMessage,
-    make_usage,
-)
+from kiln.entrypoints.openai.protocol import ChatCompletionRequest
 from kiln.entrypoints.openai.request_fields import (
     cached_tokens,
     echo_prefix,
@@ -37,6 +27,16 @@ from kiln.entrypoints.openai.request_fields import (
     response_id,
     token_ids_fields,
     with_cache_salt,
+)
+from kiln.entrypoints.openai.response_models import (
+    ChatCompletionChoice,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    make_usage,
 )
 from kiln.entrypoints.openai.sampling import chat_sampling_params
 from kiln.entrypoints.openai.serving_engine import (

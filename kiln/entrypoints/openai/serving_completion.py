@@ -14,12 +14,7 @@ from kiln.engine.request_stream import RequestStream
 from kiln.engine.text_encoding import encode_text
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.logprob_format import completion_logprobs
-from kiln.entrypoints.openai.protocol import (
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    make_usage,
-)
+from kiln.entrypoints.openai.protocol import CompletionRequest
 from kiln.entrypoints.openai.request_fields import (
     cached_tokens,
     prompt_logprobs_body,
@@ -27,6 +22,7 @@ from kiln.entrypoints.openai.request_fields import (
     token_ids_fields,
     with_cache_salt,
 )
+from kiln.entrypoints.openai.response_models import CompletionChoice, CompletionResponse, make_usage
 from kiln.entrypoints.openai.sampling import completion_sampling_params, echo_only
 from kiln.entrypoints.openai.serving_engine import (
     SSE_DONE,

@@ -3,7 +3,7 @@
 The first served name is the default when a request leaves `model` out.
 """
 from kiln.entrypoints.openai.errors import OpenAIError
-from kiln.entrypoints.openai.protocol import ModelCard, ModelList
+from kiln.entrypoints.openai.response_models import ModelCard, ModelList
 
 
 class ServingModels:

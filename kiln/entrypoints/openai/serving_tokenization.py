@@ -13,11 +13,8 @@ from kiln.entrypoints.openai.chat_rendering import (
     request_chat_template,
 )
 from kiln.entrypoints.openai.errors import OpenAIError
-from kiln.entrypoints.openai.protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    TokenizeRequest,
-)
+from kiln.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
+from kiln.entrypoints.openai.response_models import DetokenizeResponse
 from kiln.entrypoints.openai.serving_models import ServingModels
 from kiln.entrypoints.openai.tool_parsers.tool_plan import template_tool_dicts
 from kiln.logger import init_logger

@@ -4,7 +4,12 @@ of a growing text into OpenAI's streamed deltas, so streamed and whole answers a
 import itertools
 import uuid
 
-from kiln.entrypoints.openai.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from kiln.entrypoints.openai.response_models import (
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
 from kiln.entrypoints.openai.tool_parsers.json_scan import PartialCall, ScanMemo, is_json
 
 
