@@ -9,7 +9,6 @@ import itertools
 import os
 import select
 import shutil
-import subprocess
 import tempfile
 import threading
 import time
@@ -36,8 +35,8 @@ from kiln.core.request import Request, RequestStatus
 from kiln.core.stats import SchedulerStats
 from kiln.engine.core_errors import EngineCoreDeadError, rebuild_error
 from kiln.engine.core_interpreter import CoreInterpreter
+from kiln.engine.core_proc_exit import exit_error, terminate, wait_briefly, watch_exit
 from kiln.logger import init_logger
-from kiln.process_signals import STOP_SIGNAL
 
 logger = init_logger(__name__)
 
@@ -113,7 +112,7 @@ class CoreProcClient:
         self._said_goodbye = threading.Event()
         self._watched = False  # a watcher thread reaps the process
         self._owner_pid = os.getpid()
-        self._finalizer = weakref.finalize(self, _terminate, self._owner_pid, self.proc, self._ctx,
+        self._finalizer = weakref.finalize(self, terminate, self._owner_pid, self.proc, self._ctx,
                                            self._dir, self._sentinel, self._closing,
                                            self._goodbye, self._said_goodbye)
         self._poller = zmq.Poller()
@@ -141,23 +140,14 @@ class CoreProcClient:
         logger.info("engine core running in process %d", self.pid)
 
     def _watch(self) -> None:
-        threading.Thread(target=_watch, args=(weakref.ref(self), self.proc), name="kiln-core-watch",
-                         daemon=True).start()
+        threading.Thread(target=watch_exit, args=(weakref.ref(self), self.proc),
+                         name="kiln-core-watch", daemon=True).start()
         self._watched = True
 
     # ---- receiving ---------------------------------------------------------------------------
     def _exited(self) -> bool:
         """From the pidfd: Popen.poll() says None while the watcher thread reaps the process."""
         return bool(select.select([self._sentinel], [], [], 0)[0])
-
-    def _exit_error(self) -> EngineCoreDeadError:
-        # Exited (its pidfd said so); the watcher thread may be reaping it: wait for that.
-        _wait(self.proc, 5)
-        code = self.proc.returncode
-        how = f"was killed by signal {-code}" if code is not None and code < 0 else \
-            f"exited with code {code}"
-        return EngineCoreDeadError(f"the engine core process (pid {self.pid}) {how}; requests "
-                                   "in flight are lost: restart the engine")
 
     def _gone(self) -> EngineCoreDeadError:
         """What a call raises once the core is known dead: the failure's own kind went to the
@@ -180,11 +170,11 @@ class CoreProcClient:
             if self._output in events:
                 message = self._read_output()
                 if isinstance(message, CoreFailed):
-                    _wait(self.proc, 5)
+                    wait_briefly(self.proc, 5)
                     raise self._dead
                 return message
             if self._sentinel in events:
-                self._dead = self._exit_error()
+                self._dead = exit_error(self.proc)
                 raise self._dead
         return None
 
@@ -214,7 +204,9 @@ class CoreProcClient:
             self._reading.release()
         return self._failure_reported.is_set()
 
-    def _on_exit(self) -> None:
+    def on_exit(self) -> None:
+        """Run by watch_exit once the process has exited: tells the death callbacks, unless we
+        stopped it."""
         if self._closing.is_set():
             return
         logger.error("the engine core process (pid %d) exited with code %s", self.pid,
@@ -223,7 +215,7 @@ class CoreProcClient:
         exited_itself = self.proc.returncode is not None and self.proc.returncode >= 0
         reported = self._failure_reported.is_set() or (
             exited_itself and self._read_failure_report())
-        error = self._dead if reported else self._exit_error()
+        error = self._dead if reported else exit_error(self.proc)
         for callback in list(self._death_callbacks):
             try:
                 callback(error)
@@ -245,7 +237,7 @@ class CoreProcClient:
             if self._dead is not None:
                 raise self._gone()
             if self._exited():
-                self._dead = self._exit_error()
+                self._dead = exit_error(self.proc)
                 raise self._dead
             try:
                 self._input.send(data, flags=zmq.NOBLOCK, copy=False)
@@ -349,37 +341,3 @@ class CoreProcClient:
                     self._watch()
         self._finalizer()
 
-
-def _wait(proc: subprocess.Popen, timeout: float) -> None:
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-def _watch(client_ref, proc) -> None:
-    """Tell the death callbacks at once, even while nobody waits on outputs (an idle server);
-    holds the client weakly so a dropped engine is still collected."""
-    proc.wait()
-    client = client_ref()
-    if client is not None:
-        client._on_exit()
-
-
-def _terminate(owner_pid, proc, ctx, tmpdir, sentinel, closing, goodbye, said_goodbye) -> None:
-    if os.getpid() != owner_pid:
-        # A forked child's exit (the finalizer runs at exit in every process that has it): the
-        # core is its parent's, and the parent's watcher held the Popen's wait lock at the fork,
-        # so waiting here would hang for good.
-        return
-    closing.set()
-    if not said_goodbye.is_set() and proc.poll() is None:
-        proc.send_signal(STOP_SIGNAL)  # SIGTERM is the group's: a core ignores it
-        _wait(proc, 5)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    os.close(sentinel)
-    os.close(goodbye)
-    ctx.destroy(linger=0)
-    shutil.rmtree(tmpdir, ignore_errors=True)
