@@ -36,14 +36,12 @@ from kiln.executor.ray_placement import (
     never_fits,
     node_visible_devices,
     placement_error,
-    resources,
+    wait_for_placement,
 )
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
 
-# How often a placement waiting for resources says what it waits for (silence looked like a hang).
-PLACEMENT_LOG_S = 15.0
 # How long a rank's error waits for a peer's death to show: a killed rank's peers fail their
 # collective at once (gloo: "Connection reset by peer"), and that error can reach the engine
 # before Ray has seen the actor die (the raylet tells the owner through the GCS).
@@ -148,7 +146,7 @@ class RayExecutor(Executor):
             raise error
         self.pg = placement_group(bundles, strategy="PACK")
         try:
-            self._wait_for_placement(bundles)
+            wait_for_placement(ray, self.pg, bundles, STARTUP_TIMEOUT_S)
         except BaseException:
             self.shutdown()
             raise
@@ -180,25 +178,6 @@ class RayExecutor(Executor):
             raise
         logger.info("%d Ray ranks started (tensor_parallel_size=%d, pipeline_parallel_size=%d)",
                     self.world_size, pc.tensor_parallel_size, pc.pipeline_parallel_size)
-
-    def _wait_for_placement(self, bundles: list[dict]) -> None:
-        ray = self.ray
-        ready = self.pg.ready()
-        start = time.monotonic()
-        while True:
-            left = STARTUP_TIMEOUT_S - (time.monotonic() - start)
-            if ray.wait([ready], timeout=max(0.0, min(PLACEMENT_LOG_S, left)))[0]:
-                ray.get(ready)  # raises where the group failed rather than was placed
-                return
-            waited = time.monotonic() - start
-            if waited >= STARTUP_TIMEOUT_S:
-                raise placement_error(bundles, f"still unplaced after {waited:.0f} s",
-                                      ray.cluster_resources(), ray.available_resources())
-            logger.warning("waiting %.0f s so far for Ray to place %d ranks of %s each; the "
-                           "cluster has %s available (of %s); gives up after %.0f s",
-                           waited, len(bundles), bundles[0],
-                           resources(ray.available_resources()),
-                           resources(ray.cluster_resources()), STARTUP_TIMEOUT_S)
 
     def _fail(self, message: str) -> None:
         self.failure = message

@@ -1,12 +1,15 @@
 """What the Ray executor decides before and while it places its ranks: whether the cluster
 named can be reached, the resources its placement group asks for (and the error where the
-cluster cannot hold them), each rank's place on its machine, and what each rank actor's process
-is started with.
+cluster cannot hold them, now or after a wait), each rank's place on its machine, and what each
+rank actor's process is started with.
 """
 import socket
 import time
 
 from kiln.errors import ConfigError
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
 
 # How long a RAY_ADDRESS may refuse connections (a head still starting) before the engine says
 # so: ray.init itself retries an address nobody listens on for good, warning every 40 s.
@@ -72,6 +75,31 @@ def placement_error(bundles: list[dict], why: str, total: dict,
         f"{_needed(bundles)} in all; the cluster has {resources(total)} in all, "
         f"{resources(available)} available now. Lower -tp / -pp, add nodes or resources to "
         "the cluster (ray start --num-cpus / --num-gpus), or free what other jobs hold")
+
+
+# How often a placement waiting for resources says what it waits for (silence looked like a hang).
+PLACEMENT_LOG_S = 15.0
+
+
+def wait_for_placement(ray, pg, bundles: list[dict], timeout_s: float) -> None:
+    """Wait until Ray has placed the group `pg` of `bundles`, saying what it waits for every
+    PLACEMENT_LOG_S; the placement error after `timeout_s` (the ranks' start-up timeout)."""
+    ready = pg.ready()
+    start = time.monotonic()
+    while True:
+        left = timeout_s - (time.monotonic() - start)
+        if ray.wait([ready], timeout=max(0.0, min(PLACEMENT_LOG_S, left)))[0]:
+            ray.get(ready)  # raises where the group failed rather than was placed
+            return
+        waited = time.monotonic() - start
+        if waited >= timeout_s:
+            raise placement_error(bundles, f"still unplaced after {waited:.0f} s",
+                                  ray.cluster_resources(), ray.available_resources())
+        logger.warning("waiting %.0f s so far for Ray to place %d ranks of %s each; the "
+                       "cluster has %s available (of %s); gives up after %.0f s",
+                       waited, len(bundles), bundles[0],
+                       resources(ray.available_resources()),
+                       resources(ray.cluster_resources()), timeout_s)
 
 
 def resources(resources: dict) -> dict:

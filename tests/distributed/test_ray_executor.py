@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kiln.executor import ray_executor
+from kiln.executor import ray_executor, ray_placement
 from kiln.executor.multiproc_executor import WorkerFailedError
 
 from checkpoints import hf_greedy
@@ -55,7 +55,7 @@ def test_a_placement_waiting_for_resources_says_so_then_gives_up(local_ray, tiny
     from ray.util.placement_group import placement_group, remove_placement_group
 
     monkeypatch.setattr(ray_executor, "STARTUP_TIMEOUT_S", 2.0)
-    monkeypatch.setattr(ray_executor, "PLACEMENT_LOG_S", 0.4)
+    monkeypatch.setattr(ray_placement, "PLACEMENT_LOG_S", 0.4)
     holder = placement_group([{"CPU": 2}])  # another job holds every CPU
     try:
         local_ray.get(holder.ready(), timeout=60)
