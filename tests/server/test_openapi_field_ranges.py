@@ -54,17 +54,17 @@ def test_chat_modalities_schema_verdict_is_the_servers(base_url, value):
 
 
 def test_whole_vocabulary_logprobs_are_stated_only_where_the_cap_allows():
-    from kiln.entrypoints.openai.openapi import _sampling_ranges
+    from kiln.entrypoints.openai.openapi_sampling import sampling_ranges
 
     def minimum(cap):
         schema = {"properties": {"logprobs": {"anyOf": [{"type": "integer"}]}}}
-        _sampling_ranges(schema, cap, VOCAB)
+        sampling_ranges(schema, cap, VOCAB)
         return schema["properties"]["logprobs"]["anyOf"][0]["minimum"]
 
     assert minimum(20) == 0 and minimum(VOCAB) == -1
     # a --max-logprobs past the vocabulary: the server refuses more than the vocabulary holds
     schema = {"properties": {"logprobs": {"anyOf": [{"type": "integer"}]}}}
-    _sampling_ranges(schema, VOCAB * 10, VOCAB)
+    sampling_ranges(schema, VOCAB * 10, VOCAB)
     assert schema["properties"]["logprobs"]["anyOf"][0]["maximum"] == VOCAB
 
 
