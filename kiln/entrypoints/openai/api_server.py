@@ -118,7 +118,10 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     # HEAD too (some load balancers probe with it), outside the schema: one operation id each
     app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
     # vLLM's /ping, the probe SageMaker sends (GET or POST): /health under another name.
+    # operation_id: FastAPI's own names the route by the first of its methods, a set whose
+    # order follows PYTHONHASHSEED, so the ids changed from one start to the next.
     app.add_api_route("/ping", health, methods=["GET", "POST"], name="health_ping",
+                      operation_id="health_ping",
                       response_class=Response, responses={
                           200: {"description": "The engine is running", "content": {}},
                           503: {"description": "The engine died or is shutting down",
