@@ -65,7 +65,7 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
-        self.scheduler = Scheduler(kiln_config, self.num_blocks)
+        self.scheduler = Scheduler(kiln_config, self.num_blocks, self.max_model_len)
         logger.info("engine core ready: %d KV blocks of %d tokens", self.num_blocks,
                     kiln_config.cache_config.block_size)
 

@@ -48,15 +48,16 @@ def check_stop(request: Request, max_model_len: int, grammar_ended: bool = False
 
 
 class Scheduler:
-    def __init__(self, kiln_config, num_blocks: int):
-        """`num_blocks`: the KV cache's size in blocks, as the engine core settled it."""
+    def __init__(self, kiln_config, num_blocks: int, max_model_len: int | None = None):
+        """`num_blocks`: the KV cache's size in blocks, as the engine core settled it;
+        `max_model_len`: the length it settled (below the config's where the cache caps it)."""
         sched, cache = kiln_config.scheduler_config, kiln_config.cache_config
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"the Scheduler needs the KV cache's block count (>= 1; EngineCore "
                              f"sizes the cache); got num_blocks={num_blocks!r}")
         self.max_num_seqs = sched.max_num_seqs
         self.max_num_batched_tokens = sched.max_num_batched_tokens
-        self.max_model_len = sched.max_model_len
+        self.max_model_len = max_model_len or sched.max_model_len
         self.kv_cache_manager = KVCacheManager(cache.block_size, num_blocks,
                                                cache.enable_prefix_caching)
         self.larger_cache_flags = cache.larger_cache_flags()  # named when a request is cut

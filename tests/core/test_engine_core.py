@@ -105,3 +105,10 @@ def test_interrupted_step_leaves_no_unwritten_blocks_in_the_prefix_cache():
     # blocks written by a forward that ran stay cached
     core.add_request(make_request("third", prompt + [99], max_tokens=1))
     assert core.step()[0].num_cached_tokens == 20
+
+
+def test_a_max_model_len_capped_to_the_cache_reaches_the_scheduler():
+    """The model's own max_model_len (512) over a cache of 64 blocks of 4: capped at 256, and
+    the scheduler's limits and messages say 256, not the config's 512."""
+    core = EngineCore(make_config(max_model_len=None), PagedTokenExecutor)
+    assert core.max_model_len == 256 and core.scheduler.max_model_len == 256
