@@ -14,7 +14,7 @@ class EngineCoreDeadError(RuntimeError):
 def engine_gone(e: BaseException) -> bool:
     """Whether an engine call failed because the engine is gone (its core process, or a rank),
     not because of the request."""
-    from kiln.executor.multiproc_executor import WorkerFailedError
+    from kiln.executor.rank_errors import WorkerFailedError
 
     return isinstance(e, (EngineCoreDeadError, WorkerFailedError))
 

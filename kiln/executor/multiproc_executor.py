@@ -24,22 +24,16 @@ from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kiln.distributed.model_split import check_parallel_split
 from kiln.executor.abstract import Executor
 from kiln.executor.free_port import free_port
-from kiln.executor.rank_errors import startup_error
+from kiln.executor.rank_errors import STARTUP_TIMEOUT_S, WorkerFailedError, startup_error, unanswered_message
 from kiln.logger import init_logger
 from kiln.process_signals import leave_group_signals_to_parent
 
 logger = init_logger(__name__)
 
-# How long a rank may take to start (load, join the groups) before the engine gives up on it.
-STARTUP_TIMEOUT_S = 600.0
 _JOIN_S = 5.0
 # How long a rank's error waits for a peer's death to show: a killed rank's peers see its
 # socket close (gloo: "Connection closed by peer") before the engine sees it gone.
 _PEER_DEATH_S = 0.5
-
-
-class WorkerFailedError(RuntimeError):
-    """A rank died or raised; the engine cannot continue with the ranks it has."""
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -91,38 +85,6 @@ def _exit_description(code: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
-
-
-# /proc/<pid>/stat states that say why a rank does not answer (the others, waiting for it in a
-# collective, are running or sleeping and do not answer either).
-_STUCK_STATES = {"T": "is stopped (SIGSTOP, or a debugger)", "t": "is stopped by a debugger",
-                 "D": "is stuck in the kernel (a device or a disk)"}
-
-
-def process_state(pid: int) -> str:
-    """The one-letter state /proc gives for `pid` ("" where it cannot be read)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]  # past the name, which may hold spaces
-    except (OSError, IndexError):
-        return ""
-
-
-def unanswered_message(what: str, ranks: list[int], timeout: float,
-                       pids: dict[int, int] | None = None) -> str:
-    """A call that `ranks` did not answer within `timeout` s, and what to do about it; `pids`
-    (rank -> process id, where known) names a rank whose process is stopped or stuck."""
-    message = (f"{what}: worker rank(s) {', '.join(map(str, ranks))} did not answer within "
-               f"{timeout:g} s")
-    stuck = [f"rank {r} (pid {pids[r]}) {_STUCK_STATES[state]}" for r in ranks
-             if pids and r in pids and (state := process_state(pids[r])) in _STUCK_STATES]
-    if stuck:
-        message += f" ({'; '.join(stuck)})"
-    if what == "execute_model":
-        message += ("; a rank is stopped or stuck (a hung device, a deadlocked collective): "
-                    "restart the engine, or raise KILN_EXECUTE_MODEL_TIMEOUT_SECONDS if steps "
-                    "this long are expected")
-    return message
 
 
 class MultiprocExecutor(Executor):

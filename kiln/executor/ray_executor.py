@@ -23,12 +23,7 @@ from kiln.core.core_messages import failure_report
 from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kiln.distributed.model_split import check_parallel_split
 from kiln.executor.abstract import Executor
-from kiln.executor.multiproc_executor import (
-    STARTUP_TIMEOUT_S,
-    WorkerFailedError,
-    unanswered_message,
-)
-from kiln.executor.rank_errors import startup_error
+from kiln.executor.rank_errors import STARTUP_TIMEOUT_S, WorkerFailedError, startup_error, unanswered_message
 from kiln.executor.ray_placement import (
     check_ray_address,
     kiln_env_vars,

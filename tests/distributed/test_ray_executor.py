@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kiln.executor import ray_executor, ray_placement
-from kiln.executor.multiproc_executor import WorkerFailedError
+from kiln.executor.rank_errors import WorkerFailedError
 
 from checkpoints import hf_greedy
 from parallel_helpers import MAX_TOKENS, PROMPTS, generate_ids, greedy, make_llm

@@ -5,7 +5,7 @@ import os
 import sys
 import time
 
-from kiln.executor.multiproc_executor import process_state
+from kiln.executor.rank_errors import process_state
 
 from checkpoints import hf_greedy
 from parallel_helpers import MAX_TOKENS, PROMPTS, generate_ids, make_llm

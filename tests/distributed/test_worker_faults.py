@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kiln.errors import ConfigError
-from kiln.executor.multiproc_executor import WorkerFailedError
+from kiln.executor.rank_errors import WorkerFailedError
 
 from parallel_helpers import greedy, make_llm
 

@@ -47,10 +47,10 @@ def test_sampling_params_cross_field_by_field():
 def test_a_kiln_error_from_the_core_is_raised_as_its_own_kind():
     from kiln.core.core_messages import CoreFailed
     from kiln.engine.core_errors import rebuild_error
-    from kiln.executor.multiproc_executor import WorkerFailedError
+    from kiln.executor.rank_errors import WorkerFailedError
 
     error = rebuild_error(CoreFailed(error_type="WorkerFailedError", message="rank 1 died",
-                                      error_module="kiln.executor.multiproc_executor"))
+                                      error_module="kiln.executor.rank_errors"))
     assert type(error) is WorkerFailedError and str(error) == "rank 1 died"
     assert type(rebuild_error(CoreFailed(error_type="ValueError", message="m"))) is ValueError
     # Not a built-in nor Kiln's: the front says the core failed, with the core's message.

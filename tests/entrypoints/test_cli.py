@@ -294,7 +294,7 @@ def test_a_piped_prompt_loses_its_last_newline_and_a_non_utf8_turn_is_named(tiny
 def test_an_engine_death_is_one_line_not_a_traceback():
     """kiln's main turns what engine_gone tells into one line and exit 1."""
     from kiln.engine.core_errors import EngineCoreDeadError, engine_gone
-    from kiln.executor.multiproc_executor import WorkerFailedError
+    from kiln.executor.rank_errors import WorkerFailedError
 
     assert engine_gone(EngineCoreDeadError("core died")) and engine_gone(WorkerFailedError("x"))
     assert not engine_gone(RuntimeError("a bug"))

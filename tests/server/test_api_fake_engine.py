@@ -319,7 +319,7 @@ def test_engine_death_while_streaming_is_the_same_error_in_band():
 def test_a_request_racing_the_engines_death_is_503(monkeypatch):
     """The core (or a rank) died before the watcher told the server: the request's own add
     found it, and its error was a 500."""
-    from kiln.executor.multiproc_executor import WorkerFailedError
+    from kiln.executor.rank_errors import WorkerFailedError
 
     llm = AsyncLLM(FakeEngine())
 
