@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -354,8 +355,13 @@ def test_damaged_inductor_cache_is_cleared_and_compiled_again(cold, tmp_path):
     shutil.copytree(cold["root"] / "cache", cache)
     libraries = list(cache.glob("*/inductor_cache/**/*.so"))
     assert libraries
+    # Dated ahead: a cut file younger than drop_cut_libraries' settling time is left alone (it
+    # may be being written), so the load fails whenever the child starts, also on a machine
+    # slow enough that it would have started past that time (the files then dropped instead).
+    ahead = time.time() + 3600
     for lib in libraries:
         lib.write_bytes(lib.read_bytes()[:64])
+        os.utime(lib, (ahead, ahead))
     for run in ("damaged", "after"):
         out = tmp_path / f"{run}.pt"
         child = subprocess.run([sys.executable, str(HERE / "_child.py"), str(cache), str(out)],

@@ -387,7 +387,8 @@ def test_sigterm_to_kiln_generate_starting_up_leaves_nothing_behind(tiny_llama_d
         if front.poll() is None:
             os.killpg(front.pid, signal.SIGKILL)
     assert front.returncode != 0 and "Traceback" not in log.read_text(), log.read_text()
-    deadline = time.monotonic() + 30
+    # The orphaned core removes it once it notices (after its imports: slow on a loaded machine)
+    deadline = time.monotonic() + 120
     while list(tmp_path.glob("kiln-core-*")) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not list(tmp_path.glob("kiln-core-*"))
