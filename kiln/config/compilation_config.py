@@ -45,7 +45,7 @@ def _inductor_defaults() -> dict:
 def _pass_config(given: dict) -> dict:
     """pass_config checked, vLLM's older names mapped, and only what differs from the default
     kept (so an equal config makes the same compile cache key)."""
-    out = {}
+    out, given_as = {}, {}  # given_as: the key that set each pass, for the error below
     for key, value in given.items():
         name = _PASS_ALIASES.get(key, key)
         if not isinstance(value, bool):
@@ -60,9 +60,10 @@ def _pass_config(given: dict) -> dict:
             raise ConfigError(f"compilation_config.pass_config has unknown key {key!r}; Kiln's "
                               f"passes: {', '.join(PASS_NAMES)}")
         if out.get(name, value) != value:
-            raise ConfigError(f"compilation_config.pass_config sets {name} both ways ({key} "
+            older = next(k for k in (key, given_as[name]) if k != name)
+            raise ConfigError(f"compilation_config.pass_config sets {name} both ways ({older} "
                               "is its older name)")
-        out[name] = value
+        out[name], given_as[name] = value, key
     return {name: value for name, value in out.items() if value is not True}
 
 

@@ -30,7 +30,11 @@ def test_bad_values_name_the_field(kwargs, field):
     # a misspelt pass left the pass on, and still changed the compile cache key
     ({"fuse_nrom_quant": False}, "unknown key 'fuse_nrom_quant'; Kiln's passes: eliminate_noops"),
     ({"enable_async_tp": True}, "enable_async_tp: Kiln has no such pass"),
-    ({"enable_noop": False, "eliminate_noops": True}, "sets eliminate_noops both ways"),
+    ({"enable_noop": False, "eliminate_noops": True},
+     r"sets eliminate_noops both ways \(enable_noop is its older name\)"),
+    # the message named the new key as the older one when the older came first
+    ({"eliminate_noops": True, "enable_noop": False},
+     r"sets eliminate_noops both ways \(enable_noop is its older name\)"),
 ])
 def test_pass_config_keys_are_kilns_passes(pass_config, message):
     with pytest.raises(ValueError, match=message):
