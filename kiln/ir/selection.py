@@ -34,6 +34,14 @@ def custom_ops_priority(custom_ops: list[str], device: str) -> dict[str, list[st
         elif not (isinstance(entry, str) and entry[:1] in ("+", "-") and entry[1:] in REGISTRY):
             raise ConfigError(f"compilation_config.custom_ops: {entry!r} is none of 'all', "
                               f"'none', '+OP', '-OP' for an IR op ({', '.join(sorted(REGISTRY))})")
+    # Both ways for one op, or "all" and "none": which was meant is unknowable (vLLM asserts).
+    if {"all", "none"} <= set(custom_ops):
+        raise ConfigError("compilation_config.custom_ops holds both 'all' and 'none'; keep one")
+    both = sorted({e[1:] for e in custom_ops if e[0] == "+"} & {e[1:] for e in custom_ops
+                                                                 if e[0] == "-"})
+    if both:
+        raise ConfigError(f"compilation_config.custom_ops turns {', '.join(both)} both on (+) "
+                          "and off (-); keep one")
     for entry in custom_ops:
         if entry[0] in "+-":
             out[entry[1:]] = list(on if entry[0] == "+" else off)

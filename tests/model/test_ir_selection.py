@@ -72,6 +72,11 @@ def test_vllm_custom_ops_choose_the_torch_reference_or_the_kernel():
     for bad in (["rms_norm"], ["-rmsnorm"], ["None"]):
         with pytest.raises(ValueError, match="custom_ops: .* is none of 'all', 'none'"):
             selection.custom_ops_priority(bad, "cpu")
+    # Contradictions are refused, as vLLM asserts, not settled by order.
+    with pytest.raises(ValueError, match="custom_ops holds both 'all' and 'none'"):
+        selection.custom_ops_priority(["all", "none"], "cpu")
+    with pytest.raises(ValueError, match=r"turns rms_norm both on \(\+\) and off \(-\)"):
+        selection.custom_ops_priority(["+rms_norm", "-rms_norm"], "cpu")
 
 
 def test_custom_ops_reach_the_engine_under_an_explicit_priority(tiny_llama_dir):
