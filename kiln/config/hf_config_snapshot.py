@@ -153,6 +153,7 @@ def load_hf_dir_config(model_dir: Path) -> HFConfigSnapshot:
             cache_entry_name(model_dir.resolve().name, source_key(config_json)) / "config.json")
 
     def resolve():
+        from huggingface_hub.errors import StrictDataclassError
         from transformers import AutoConfig
 
         from kiln.config.remote_code import checkpoint_code_message, needs_checkpoint_code
@@ -165,6 +166,15 @@ def load_hf_dir_config(model_dir: Path) -> HFConfigSnapshot:
                 raise
             raise ConfigError(f"{checkpoint_code_message(config_json, 'model config')}; "
                               f"Kiln serves {', '.join(supported_architectures())}") from None
+        except FileNotFoundError:
+            raise
+        except (StrictDataclassError, KeyError, TypeError, AttributeError, OSError) as e:
+            # transformers validating the user's config.json (sizes that do not divide, a rope
+            # missing its factor, a file that is not JSON): theirs to fix, so one line, not a
+            # transformers traceback.
+            cause = str(e).replace("\n", " ").strip()
+            raise ConfigError(f"{config_json} is not a model config transformers accepts "
+                              f"({type(e).__name__}: {cause}); fix the file") from e
     return cached_snapshot(path, resolve)
 
 
