@@ -146,6 +146,14 @@ def cached_snapshot(path: Path, resolve: Callable[[], Any]) -> HFConfigSnapshot:
     return snapshot
 
 
+def config_refused(e: Exception, source: Path) -> ConfigError:
+    """transformers' refusal `e` of the config in `source` (its validators' StrictDataclassError:
+    heads that do not divide hidden_size, a field of the wrong type) as one line naming it."""
+    cause = " ".join(str(e).split())
+    return ConfigError(f"{source} is not a model config transformers accepts "
+                       f"({type(e).__name__}: {cause}); fix the file")
+
+
 def load_hf_dir_config(model_dir: Path) -> HFConfigSnapshot:
     """AutoConfig of a checkpoint directory, cached by its config.json."""
     config_json = model_dir / "config.json"
@@ -169,12 +177,9 @@ def load_hf_dir_config(model_dir: Path) -> HFConfigSnapshot:
         except FileNotFoundError:
             raise
         except (StrictDataclassError, KeyError, TypeError, AttributeError, OSError) as e:
-            # transformers validating the user's config.json (sizes that do not divide, a rope
-            # missing its factor, a file that is not JSON): theirs to fix, so one line, not a
-            # transformers traceback.
-            cause = str(e).replace("\n", " ").strip()
-            raise ConfigError(f"{config_json} is not a model config transformers accepts "
-                              f"({type(e).__name__}: {cause}); fix the file") from e
+            # transformers reading the user's config.json (a rope missing its factor, a file
+            # that is not JSON): theirs to fix, so one line, not a transformers traceback.
+            raise config_refused(e, config_json) from e
     return cached_snapshot(path, resolve)
 
 
