@@ -84,9 +84,15 @@ def load_config(gguf: Path):
     gguf_checks.check_metadata(table, gguf)
 
     def convert():
+        from huggingface_hub.errors import StrictDataclassError
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        from kiln.config.hf_config_snapshot import config_refused
+
+        try:
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        except StrictDataclassError as e:  # its validators: head_count not dividing, ...
+            raise config_refused(e, gguf) from e
         config.name_or_path = str(gguf.parent)  # what transformers names it
         _apply_rope_scaling(config, table.get("rope_scaling"))
         _apply_head_size(config, table.get("head_size"), gguf)

@@ -146,6 +146,14 @@ def cached_snapshot(path: Path, resolve: Callable[[], Any]) -> HFConfigSnapshot:
     return snapshot
 
 
+def config_refused(e: Exception, source: Path) -> ConfigError:
+    """transformers' refusal `e` of the config in `source` (its validators' StrictDataclassError:
+    heads that do not divide hidden_size, a field of the wrong type) as one line naming it."""
+    cause = " ".join(str(e).split())
+    return ConfigError(f"{source} is not a model config transformers accepts "
+                       f"({type(e).__name__}: {cause}); fix the file")
+
+
 def load_hf_dir_config(model_dir: Path) -> HFConfigSnapshot:
     """AutoConfig of a checkpoint directory, cached by its config.json."""
     config_json = model_dir / "config.json"
@@ -153,6 +161,7 @@ def load_hf_dir_config(model_dir: Path) -> HFConfigSnapshot:
             cache_entry_name(model_dir.resolve().name, source_key(config_json)) / "config.json")
 
     def resolve():
+        from huggingface_hub.errors import StrictDataclassError
         from transformers import AutoConfig
 
         from kiln.config.remote_code import checkpoint_code_message, needs_checkpoint_code
@@ -165,6 +174,12 @@ def load_hf_dir_config(model_dir: Path) -> HFConfigSnapshot:
                 raise
             raise ConfigError(f"{checkpoint_code_message(config_json, 'model config')}; "
                               f"Kiln serves {', '.join(supported_architectures())}") from None
+        except FileNotFoundError:
+            raise
+        except (StrictDataclassError, KeyError, TypeError, AttributeError, OSError) as e:
+            # transformers reading the user's config.json (a rope missing its factor, a file
+            # that is not JSON): theirs to fix, so one line, not a transformers traceback.
+            raise config_refused(e, config_json) from e
     return cached_snapshot(path, resolve)
 
 

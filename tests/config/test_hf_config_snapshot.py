@@ -154,3 +154,24 @@ def test_a_snapshot_rebuilds_as_transformers_config(checkpoint):
     direct = AutoConfig.from_pretrained(checkpoint)
     assert isinstance(rebuilt, LlamaConfig)
     assert rebuilt.to_diff_dict() == direct.to_diff_dict()
+
+
+@pytest.mark.parametrize("edit, names", [
+    ({"num_attention_heads": 3, "num_key_value_heads": 3}, "hidden size .64."),
+    ({"rms_norm_eps": "abc"}, "rms_norm_eps"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0}}, "factor"),
+    (None, "not a valid JSON file"),
+])
+def test_a_config_transformers_refuses_is_a_config_error_naming_the_file(checkpoint, edit, names):
+    # transformers' own validation (a StrictDataclassError, a KeyError, an OSError) was not a
+    # ValueError: `kiln generate` printed its traceback for the user's config.json
+    from kiln.errors import ConfigError
+
+    config_json = checkpoint / "config.json"
+    if edit is None:
+        config_json.write_text('{"architectures": [')
+    else:
+        config_json.write_text(json.dumps({**json.loads(config_json.read_text()), **edit}))
+    with pytest.raises(ConfigError, match=names) as e:
+        load_hf_dir_config(checkpoint)
+    assert str(config_json) in str(e.value)

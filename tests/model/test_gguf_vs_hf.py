@@ -226,3 +226,18 @@ def test_metadata_inconsistent_with_tensors_names_the_tensor(tmp_path):
 def test_gguf_format_for_a_directory_without_one_is_refused(tiny_llama_dir):
     with pytest.raises(FileNotFoundError, match=r"load_format='gguf'.*\.gguf"):
         get_model(kiln_config_for(tiny_llama_dir, load_format="gguf"))
+
+
+def test_a_head_count_transformers_refuses_is_a_config_error_naming_the_file(tmp_path):
+    """transformers' validators refuse heads that do not divide the embedding length with a
+    StrictDataclassError, not a ValueError: `kiln generate` printed its traceback."""
+    import gguf
+
+    from kiln.errors import ConfigError
+
+    hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False)
+    path = write_gguf(tmp_path / "m.gguf", hf_dir,
+                      metadata={"llama.attention.head_count": (3, gguf.GGUFValueType.UINT32)})
+    with pytest.raises(ConfigError, match=rf"{path} is not a model config .*hidden size \(64\) "
+                                          r"is not a multiple of the number of attention heads"):
+        kiln_config_for(path)
