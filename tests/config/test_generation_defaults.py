@@ -6,13 +6,14 @@ import json
 import pytest
 
 from kiln.config.generation_defaults import load_chat_template, load_generation_defaults
+from kiln.errors import ConfigError
 
 
 def test_a_bad_default_in_the_users_file_is_refused_naming_the_file(tmp_path):
     for bad, field in (({"temperature": "hot"}, "temperature"),
                        ({"temperature": -1}, "temperature"), ({"max_new_tokens": 0}, "max_tokens")):
         (tmp_path / "generation_config.json").write_text(json.dumps(bad))
-        with pytest.raises(ValueError, match=rf"--generation-config .*generation_config.json: "
+        with pytest.raises(ConfigError, match=rf"--generation-config .*generation_config.json: "
                                              rf"{field} must be"):
             load_generation_defaults(str(tmp_path), tmp_path)
 
@@ -25,12 +26,12 @@ def test_a_bad_default_in_the_models_own_file_is_dropped_with_a_warning(tmp_path
 
 
 def test_a_chat_template_that_does_not_parse_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"--chat-template: the template text is no valid "
+    with pytest.raises(ConfigError, match=r"--chat-template: the template text is no valid "
                                          r"Jinja template: .*'bad'.*\(line 1\)"):
         load_chat_template("{% bad")
     path = tmp_path / "t.jinja"
     path.write_text("{{ messages }")
-    with pytest.raises(ValueError, match=f"--chat-template: {path} is no valid Jinja"):
+    with pytest.raises(ConfigError, match=f"--chat-template: {path} is no valid Jinja"):
         load_chat_template(str(path))
     good = "{% for m in messages %}{{ m['content'] }}{% break %}{% endfor %}"
     assert load_chat_template(good) == good
@@ -46,5 +47,5 @@ def test_an_empty_chat_template_file_is_refused_at_start(tmp_path):
     """It rendered every chat as an empty prompt, each request failing on its own."""
     path = tmp_path / "empty.jinja"
     path.write_text("\n")
-    with pytest.raises(ValueError, match=f"--chat-template: {path} is empty"):
+    with pytest.raises(ConfigError, match=f"--chat-template: {path} is empty"):
         load_chat_template(str(path))

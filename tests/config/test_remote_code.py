@@ -7,6 +7,8 @@ import shutil
 
 import pytest
 
+from kiln.errors import ConfigError
+
 CODE = ("import pathlib; pathlib.Path(__file__).with_name('RAN').touch()\n"
         "from transformers import {base}\n"
         "class {cls}({base}):\n    {attr}\n")
@@ -37,7 +39,7 @@ def test_a_config_needing_its_own_code_is_refused_unrun(tiny_llama_dir, tmp_path
         auto_map={"AutoConfig": "configuration_foo.FooConfig"}))
     (path / "configuration_foo.py").write_text(CODE.format(
         base="LlamaConfig", cls="FooConfig", attr="model_type = 'foo_bar'"))
-    with pytest.raises(ValueError, match=r"config\.json needs the checkpoint's own Python code "
+    with pytest.raises(ConfigError, match=r"config\.json needs the checkpoint's own Python code "
                        r"\(auto_map\), and Kiln runs no code from checkpoints.*--trust-remote-"
                        r"code.*changes nothing.*serves LlamaForCausalLM"):
         ModelConfig(model=str(path), dtype="float32")
@@ -54,7 +56,7 @@ def test_a_tokenizer_needing_its_own_code_is_refused_unrun(tiny_llama_dir, tmp_p
         auto_map={"AutoTokenizer": ["tokenization_foo.FooTokenizer", None]}))
     (path / "tokenization_foo.py").write_text(CODE.format(
         base="PreTrainedTokenizerFast", cls="FooTokenizer", attr="pass"))
-    with pytest.raises(ValueError, match=r"the tokenizer at .* needs the checkpoint's own Python "
+    with pytest.raises(ConfigError, match=r"the tokenizer at .* needs the checkpoint's own Python "
                        r"code.*--trust-remote-code.*changes nothing.*with --tokenizer"):
         load_tokenizer(path)
     assert answer_yes == [] and not (path / "RAN").exists()

@@ -5,13 +5,14 @@ import pytest
 
 from kiln.config import memory_estimate as mem
 from kiln.engine.arg_utils import EngineArgs
+from kiln.errors import ConfigError
 
 from checkpoints import STORIES_DIR
 
 
 def test_check_fits_names_the_biggest_setting():
     mem.check_fits({"--a 1": 10, "--b 2": 20}, total_bytes=30)  # fits
-    with pytest.raises(ValueError, match=r"^--b 2 needs about .* GiB of memory .* lower those"):
+    with pytest.raises(ConfigError, match=r"^--b 2 needs about .* GiB of memory .* lower those"):
         mem.check_fits({"--a 1": 10, "--b 2": 21}, total_bytes=30)
 
 
@@ -28,14 +29,14 @@ def test_the_estimates_grow_with_their_settings():
     (dict(num_gpu_blocks_override=10 ** 12), "--num-gpu-blocks-override 1000000000000"),
 ])
 def test_sizes_past_the_machine_are_refused_by_flag(kwargs, flag):
-    with pytest.raises(ValueError, match=f"^{flag}.*more than this machine's"):
+    with pytest.raises(ConfigError, match=f"^{flag}.*more than this machine's"):
         EngineArgs(model=str(STORIES_DIR), device="cpu", **kwargs).create_kiln_config()
 
 
 def test_defaults_pass_and_a_seed_torch_cannot_take_is_refused():
     EngineArgs(model=str(STORIES_DIR), device="cpu").create_kiln_config()
     for seed in (2 ** 64, -2 ** 63 - 1):
-        with pytest.raises(ValueError, match=r"seed \(--seed\) must be an integer in"):
+        with pytest.raises(ConfigError, match=r"seed \(--seed\) must be an integer in"):
             EngineArgs(model=str(STORIES_DIR), device="cpu", seed=seed).create_kiln_config()
 
 

@@ -10,6 +10,7 @@ from kiln.distributed.model_split import parallel_split_errors
 from kiln.distributed.parallel_state import group_ranks
 from kiln.distributed.pipeline import stage_layer_range
 from kiln.engine.arg_utils import EngineArgs
+from kiln.errors import ConfigError
 from kiln.executor.ray_placement import kiln_env_vars, local_ranks, node_visible_devices
 
 
@@ -19,11 +20,11 @@ def test_backend_defaults_to_mp_past_one_rank_and_refuses_uni_there():
     assert resolve_executor_backend("ray", 4) == "ray"
     # without Ray: said before any engine process starts (it came from the core, with its
     # traceback and the command's, seconds in; helper-62)
-    with pytest.raises(ValueError, match=r"'ray' needs Ray: pip install 'kiln-llm\[ray\]'"):
+    with pytest.raises(ConfigError, match=r"'ray' needs Ray: pip install 'kiln-llm\[ray\]'"):
         resolve_executor_backend("ray", 2, has_ray=False)
-    with pytest.raises(ValueError, match="'uni' runs one rank.*--distributed-executor-backend"):
+    with pytest.raises(ConfigError, match="'uni' runs one rank.*--distributed-executor-backend"):
         ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="uni")
-    with pytest.raises(ValueError, match="pipeline_parallel_size must be an integer >= 1"):
+    with pytest.raises(ConfigError, match="pipeline_parallel_size must be an integer >= 1"):
         ParallelConfig(pipeline_parallel_size=0)
 
 
@@ -48,7 +49,7 @@ def test_flags_use_vllm_names():
 def test_stage_layer_ranges_cover_every_layer_once():
     assert [stage_layer_range(30, s, 2) for s in range(2)] == [(0, 15), (15, 30)]
     assert [stage_layer_range(7, s, 3) for s in range(3)] == [(0, 3), (3, 5), (5, 7)]
-    with pytest.raises(ValueError, match="exceeds num_hidden_layers"):
+    with pytest.raises(ConfigError, match="exceeds num_hidden_layers"):
         stage_layer_range(2, 0, 3)
 
 
@@ -59,13 +60,13 @@ def test_cores_split_evenly_or_follow_the_lists():
     assert cores_for_rank("nobind", 0, 2, [0, 1]) is None
     assert cores_for_rank("0-1,4|2-3", 0, 2, [0]) == [0, 1, 4]
     assert parse_core_list("2-3") == [2, 3]
-    with pytest.raises(ValueError, match="gives 3 core list.*for 2 ranks"):
+    with pytest.raises(ConfigError, match="gives 3 core list.*for 2 ranks"):
         cores_for_rank("0|1|2", 0, 2, [0, 1])
-    with pytest.raises(ValueError, match="'x' .* is not a core number"):
+    with pytest.raises(ConfigError, match="'x' .* is not a core number"):
         parse_core_list("0,x")
     # a repeat was one more thread on a core already taken (helper-51)
     for repeats in ("0,0,0", "0-2,1"):
-        with pytest.raises(ValueError, match="lists core [01] more than once"):
+        with pytest.raises(ConfigError, match="lists core [01] more than once"):
             parse_core_list(repeats)
 
 
@@ -75,7 +76,7 @@ def test_binding_to_a_core_the_machine_lacks_names_it():
     import os
 
     missing = max(os.sched_getaffinity(0)) + 1000
-    with pytest.raises(ValueError, match=rf"KILN_CPU_OMP_THREADS_BIND='0\|{missing}': rank 1's "
+    with pytest.raises(ConfigError, match=rf"KILN_CPU_OMP_THREADS_BIND='0\|{missing}': rank 1's "
                                          rf"cores \[{missing}\] are not available"):
         bind_this_process(f"0|{missing}", 1, 2)
 
@@ -91,7 +92,7 @@ def test_a_bad_binding_is_refused_before_any_rank_starts(monkeypatch, kiln_logs)
 
     missing = max(os.sched_getaffinity(0)) + 1000
     monkeypatch.setenv("KILN_CPU_OMP_THREADS_BIND", f"0|{missing}")
-    with pytest.raises(ValueError, match=rf"rank 1's cores \[{missing}\] are not available"):
+    with pytest.raises(ConfigError, match=rf"rank 1's cores \[{missing}\] are not available"):
         EngineArgs(model=str(STORIES_DIR), device="cpu", pipeline_parallel_size=2,
                    distributed_executor_backend="mp").create_kiln_config()
     monkeypatch.setenv("KILN_CPU_OMP_THREADS_BIND", "0")

@@ -9,6 +9,7 @@ import pytest
 
 from kiln.config import gguf_metadata
 from kiln.config.hf_config_snapshot import HFConfigSnapshot
+from kiln.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +173,7 @@ def test_a_damaged_tokenizer_file_is_named(tmp_path, monkeypatch, damage):
     # the first key's length (after magic, version and the two counts) made huge
     path.write_bytes(data[:len(data) // 2] if damage == "truncated" else
                      data[:24] + (2 ** 50).to_bytes(8, "little") + data[32:])
-    with pytest.raises(ValueError, match=rf"GGUF file {path} \(\d+ bytes\) cannot be read .*"
+    with pytest.raises(ConfigError, match=rf"GGUF file {path} \(\d+ bytes\) cannot be read .*"
                                          "truncated or damaged"):
         gguf_metadata.load_tokenizer(path)
 

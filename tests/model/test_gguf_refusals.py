@@ -7,6 +7,7 @@ import struct
 import numpy as np
 import pytest
 
+from kiln.errors import ConfigError
 from model._attn_helper import kiln_config_for
 from model.test_gguf_vs_hf import write_gguf
 
@@ -26,7 +27,7 @@ def test_a_split_file_is_refused_saying_to_merge_it(hf_dir, tmp_path):
     parts = sorted(tmp_path.glob("m-*-of-*.gguf"))
     assert len(parts) > 1
     for part in parts:
-        with pytest.raises(ValueError, match=rf"{part.name} is one of {len(parts)} parts of a "
+        with pytest.raises(ConfigError, match=rf"{part.name} is one of {len(parts)} parts of a "
                                              r"split model \(split\.count = \d\).*"
                                              r"llama-gguf-split --merge"):
             kiln_config_for(part)
@@ -47,7 +48,7 @@ def test_a_mixture_of_experts_file_is_refused(hf_dir, tmp_path):
     path = write_gguf(tmp_path / "moe.gguf", hf_dir, extra=experts, skip=tuple(dense),
                       metadata={"llama.expert_count": (4, gguf.GGUFValueType.UINT32),
                                 "llama.expert_used_count": (2, gguf.GGUFValueType.UINT32)})
-    with pytest.raises(ValueError, match=r"moe\.gguf holds a mixture-of-experts model "
+    with pytest.raises(ConfigError, match=r"moe\.gguf holds a mixture-of-experts model "
                                          r"\(llama\.expert_count = 4\); Kiln runs dense models"):
         kiln_config_for(path)
 
@@ -89,7 +90,7 @@ def test_bad_metadata_is_refused_naming_the_key_and_value(hf_dir, tmp_path, key,
     if entry is not None:
         entry = (entry[0], getattr(_types(), entry[1]))
     path = write_gguf(tmp_path / "m.gguf", hf_dir, metadata={key: entry})
-    with pytest.raises(ValueError, match=rf"GGUF file {path}:? {message}"):
+    with pytest.raises(ConfigError, match=rf"GGUF file {path}:? {message}"):
         kiln_config_for(path)
 
 
@@ -117,7 +118,7 @@ def test_a_quant_type_gguf_does_not_know_names_the_type_and_tensor(hf_dir, tmp_p
     n_dims = struct.unpack_from("<I", data, at)[0]
     struct.pack_into("<I", data, at + 4 + 8 * n_dims, 99)
     path.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match=r"m\.gguf: tensor blk\.0\.attn_q\.weight is stored in "
+    with pytest.raises(ConfigError, match=r"m\.gguf: tensor blk\.0\.attn_q\.weight is stored in "
                                          r"quantization type 99, which the installed gguf "
                                          r"package \([\w.]+\) does not know.*upgrade it"):
         kiln_config_for(path)
@@ -147,7 +148,7 @@ def test_a_tensor_larger_than_its_parameter_is_refused_before_dequantizing(hf_di
     calls = []
     dequantize = gguf_loader.dequantize
     monkeypatch.setattr(gguf_loader, "dequantize", lambda *a: calls.append(a[2]) or dequantize(*a))
-    with pytest.raises(ValueError, match=rf"GGUF tensor {last.name} in {path} has shape "
+    with pytest.raises(ConfigError, match=rf"GGUF tensor {last.name} in {path} has shape "
                                          r"\(\d+000,( \d+)?\) \([\d,]+ values\), more than its "
                                          r"parameter \S+ takes"):
         get_model(cfg)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from kiln.errors import ConfigError
 from kiln.model.loader import get_model
 from model._attn_helper import (
     BlockPool,
@@ -153,7 +154,7 @@ def test_truncated_file_is_named(tmp_path):
     hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False)
     path = write_gguf(tmp_path / "m.gguf", hf_dir)
     path.write_bytes(path.read_bytes()[:-100])
-    with pytest.raises(ValueError, match=rf"GGUF file {path} \(\d+ bytes\) cannot be read .*"
+    with pytest.raises(ConfigError, match=rf"GGUF file {path} \(\d+ bytes\) cannot be read .*"
                                          r"truncated or damaged"):
         kiln_config_for(path)
 
@@ -182,7 +183,7 @@ def test_linear_rope_scaling_metadata_is_applied(tmp_path):
 def test_yarn_rope_scaling_metadata_is_refused(tmp_path):
     hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False)
     path = write_gguf(tmp_path / "m.gguf", hf_dir, rope_scaling=("yarn", 4.0))
-    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
+    with pytest.raises(ConfigError, match="rope_scaling type 'yarn' is not supported"):
         get_model(kiln_config_for(path))
 
 
@@ -190,14 +191,14 @@ def test_rope_freqs_of_the_wrong_size_is_refused(tmp_path):
     hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False)
     path = write_gguf(tmp_path / "m.gguf", hf_dir,
                       extra={"rope_freqs.weight": np.ones(5, np.float32)})
-    with pytest.raises(ValueError, match=r"rope_freqs has shape \(5,\), expected \(8,\)"):
+    with pytest.raises(ConfigError, match=r"rope_freqs has shape \(5,\), expected \(8,\)"):
         get_model(kiln_config_for(path))
 
 
 def test_unsupported_quant_type_names_tensor_and_type(tmp_path):
     hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False)
     path = write_gguf(tmp_path / "m.gguf", hf_dir, {"ffn_up": "Q8_1"})
-    with pytest.raises(ValueError, match=r"GGUF tensor blk\.0\.ffn_up\.weight .* stored as Q8_1"):
+    with pytest.raises(ConfigError, match=r"GGUF tensor blk\.0\.ffn_up\.weight .* stored as Q8_1"):
         get_model(kiln_config_for(path))
 
 
@@ -206,7 +207,7 @@ def test_missing_shape_metadata_is_named(tmp_path):
     list of 270 missing parameters."""
     hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False)
     path = write_gguf(tmp_path / "m.gguf", hf_dir, block_count=False)
-    with pytest.raises(ValueError, match=r"lacks the metadata llama\.block_count"):
+    with pytest.raises(ConfigError, match=r"lacks the metadata llama\.block_count"):
         kiln_config_for(path)
 
 
@@ -218,7 +219,7 @@ def test_metadata_inconsistent_with_tensors_names_the_tensor(tmp_path):
     good = write_gguf(tmp_path / "good.gguf", hf_dir)
     reader = gguf.GGUFReader(str(good), "r+")
     reader.fields["llama.attention.head_count_kv"].parts[-1][0] = 4  # the tensors hold 2
-    with pytest.raises(ValueError, match=r"checkpoint tensor model\.layers\.0\.self_attn\.k_proj"
+    with pytest.raises(ConfigError, match=r"checkpoint tensor model\.layers\.0\.self_attn\.k_proj"
                                          r"\.weight: weight shape mismatch.*GGUF metadata"):
         get_model(kiln_config_for(good))
 

@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 
+from kiln.errors import ConfigError
 from kiln.model.loader import get_model
 from model._attn_helper import kiln_config_for
 
@@ -39,7 +40,7 @@ def test_bias_the_config_does_not_declare_is_refused(tiny_llama_dir, tmp_path):
     """It used to be dropped with a log line: a model without the bias, unlike HF's."""
     state = {**_state(tiny_llama_dir), "model.layers.0.self_attn.q_proj.bias": torch.ones(64)}
     path = _copy_with(tiny_llama_dir, tmp_path / "m", state)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.bias matches no "
+    with pytest.raises(ConfigError, match=r"model\.layers\.0\.self_attn\.q_proj\.bias matches no "
                                          r"parameter.*attention_bias=False"):
         get_model(kiln_config_for(path))
 
@@ -47,7 +48,7 @@ def test_bias_the_config_does_not_declare_is_refused(tiny_llama_dir, tmp_path):
 def test_layer_beyond_the_config_is_refused(tiny_llama_dir, tmp_path):
     state = {**_state(tiny_llama_dir), "model.layers.2.mlp.down_proj.weight": torch.ones(64, 128)}
     path = _copy_with(tiny_llama_dir, tmp_path / "m", state)
-    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.down_proj\.weight matches no "
+    with pytest.raises(ConfigError, match=r"model\.layers\.2\.mlp\.down_proj\.weight matches no "
                                          r"parameter.*num_hidden_layers=2"):
         get_model(kiln_config_for(path))
 
@@ -61,7 +62,7 @@ def test_layer_beyond_the_config_is_refused(tiny_llama_dir, tmp_path):
 def test_misshaped_tensor_is_named(tiny_llama_dir, tmp_path, name, shape):
     state = {**_state(tiny_llama_dir), name: torch.ones(shape)}
     path = _copy_with(tiny_llama_dir, tmp_path / "m", state)
-    with pytest.raises(ValueError, match=rf"checkpoint tensor {name}: weight shape mismatch.*"
+    with pytest.raises(ConfigError, match=rf"checkpoint tensor {name}: weight shape mismatch.*"
                                          r"config"):
         get_model(kiln_config_for(path))
 
@@ -69,7 +70,7 @@ def test_misshaped_tensor_is_named(tiny_llama_dir, tmp_path, name, shape):
 def test_integer_tensor_is_refused(tiny_llama_dir, tmp_path):
     state = {**_state(tiny_llama_dir), "model.norm.weight": torch.ones(64, dtype=torch.int64)}
     path = _copy_with(tiny_llama_dir, tmp_path / "m", state)
-    with pytest.raises(ValueError, match=r"model\.norm\.weight: checkpoint dtype torch\.int64"):
+    with pytest.raises(ConfigError, match=r"model\.norm\.weight: checkpoint dtype torch\.int64"):
         get_model(kiln_config_for(path))
 
 
@@ -112,14 +113,14 @@ def test_bin_holding_code_is_not_run(tiny_llama_dir, tmp_path):
     """A .bin is a pickle: loaded with weights_only, anything but tensors is an error."""
     path = _copy_with(tiny_llama_dir, tmp_path / "m", weights=False)
     torch.save({"model.norm.weight": torch.ones(64), "extra": object()}, path / "pytorch_model.bin")
-    with pytest.raises(ValueError, match=r"pytorch_model\.bin.*convert it to safetensors"):
+    with pytest.raises(ConfigError, match=r"pytorch_model\.bin.*convert it to safetensors"):
         get_model(kiln_config_for(path))
 
 
 def test_damaged_safetensors_names_the_file(tiny_llama_dir, tmp_path):
     path = _copy_with(tiny_llama_dir, tmp_path / "m", weights=False)
     (path / "model.safetensors").write_bytes(b"\xff" * 64)
-    with pytest.raises(ValueError, match=r"model\.safetensors as safetensors.*download it again"):
+    with pytest.raises(ConfigError, match=r"model\.safetensors as safetensors.*download it again"):
         get_model(kiln_config_for(path))
 
 
@@ -132,7 +133,7 @@ def test_config_only_directory_names_the_files_it_looked_for(tiny_llama_dir, tmp
 def test_unsupported_architecture_lists_the_supported(tiny_llama_dir, tmp_path):
     path = _copy_with(tiny_llama_dir, tmp_path / "m",
                       config_edit=lambda c: c.update(architectures=["GPT2LMHeadModel"]))
-    with pytest.raises(ValueError, match=r"GPT2LMHeadModel is not supported.*LlamaForCausalLM"):
+    with pytest.raises(ConfigError, match=r"GPT2LMHeadModel is not supported.*LlamaForCausalLM"):
         get_model(kiln_config_for(path))
 
 
@@ -168,7 +169,7 @@ def test_unknown_tensor_in_an_existing_layer_blames_no_layer_count(tiny_llama_di
     config field that is right."""
     state = {**_state(tiny_llama_dir), "model.layers.0.self_attn.foo.weight": torch.ones(3)}
     path = _copy_with(tiny_llama_dir, tmp_path / "m", state)
-    with pytest.raises(ValueError, match=r"self_attn\.foo\.weight matches no parameter of this "
+    with pytest.raises(ConfigError, match=r"self_attn\.foo\.weight matches no parameter of this "
                        r"llama model \(no llama layer has such a tensor\)") as e:
         get_model(kiln_config_for(path))
     assert "num_hidden_layers" not in str(e.value)

@@ -10,6 +10,7 @@ import torch
 from model._attn_helper import kiln_config_for
 from safetensors.torch import load_file
 
+from kiln.errors import ConfigError
 from kiln.model.layers.linear import LinearBase
 from kiln.model.layers.quantization.compressed_tensors import UnsupportedQuantization
 from kiln.model.layers.quantization.w8a8_int8 import int8_weight
@@ -166,22 +167,22 @@ def test_tensors_of_unserved_schemes_are_refused_saying_what_they_are(tiny_llama
     state = load_file(str(d / "model.safetensors"))
     state[f"model.layers.0.mlp.down_proj.{tensor}"] = torch.zeros(128, dtype=dtype)
     save_file(state, str(d / "model.safetensors"))
-    with pytest.raises(ValueError, match=f"down_proj.{tensor} is {says}") as e:
+    with pytest.raises(ConfigError, match=f"down_proj.{tensor} is {says}") as e:
         get_model(kiln_config_for(d))
     assert "num_hidden_layers" not in str(e.value)
 
 
 def test_other_quant_methods_and_conflicting_flags_are_refused(tiny_llama_dir, w8a8_dir,
                                                                 tmp_path):
-    with pytest.raises(ValueError, match="drop --quantization"):
+    with pytest.raises(ConfigError, match="drop --quantization"):
         kiln_config_for(w8a8_dir, quantization="int8")
     d = _edited(tiny_llama_dir, tmp_path / "awq", lambda qc: qc.update(quant_method="awq"))
-    with pytest.raises(ValueError, match="quant_method='awq' is not supported"):
+    with pytest.raises(ConfigError, match="quant_method='awq' is not supported"):
         kiln_config_for(d)
-    with pytest.raises(ValueError, match="quantization must be one of int8, fp8, ptpc_fp8, "
+    with pytest.raises(ConfigError, match="quantization must be one of int8, fp8, ptpc_fp8, "
                                          "compressed-tensors"):
         kiln_config_for(tiny_llama_dir, quantization="fp4")
-    with pytest.raises(ValueError, match="needs a checkpoint whose config.json has a "
+    with pytest.raises(ConfigError, match="needs a checkpoint whose config.json has a "
                                          "quantization_config"):
         kiln_config_for(tiny_llama_dir, quantization="compressed-tensors")
 
@@ -192,7 +193,7 @@ def test_a_float_tensor_where_int8_is_expected_is_refused(tiny_llama_dir, tmp_pa
     state = load_file(str(d / "model.safetensors"))
     state["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"].float()
     save_file(state, str(d / "model.safetensors"))
-    with pytest.raises(ValueError, match="up_proj.weight: checkpoint dtype torch.float32 where "
+    with pytest.raises(ConfigError, match="up_proj.weight: checkpoint dtype torch.float32 where "
                                          "torch.int8 is expected"):
         get_model(kiln_config_for(d))
 
