@@ -14,7 +14,7 @@ def test_a_bad_default_in_the_users_file_is_refused_naming_the_file(tmp_path):
                        ({"temperature": -1}, "temperature"), ({"max_new_tokens": 0}, "max_tokens")):
         (tmp_path / "generation_config.json").write_text(json.dumps(bad))
         with pytest.raises(ConfigError, match=rf"--generation-config .*generation_config.json: "
-                                             rf"{field} must be"):
+                                              rf"{field} must be"):
             load_generation_defaults(str(tmp_path), tmp_path)
 
 
@@ -27,7 +27,7 @@ def test_a_bad_default_in_the_models_own_file_is_dropped_with_a_warning(tmp_path
 
 def test_a_chat_template_that_does_not_parse_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"--chat-template: the template text is no valid "
-                                         r"Jinja template: .*'bad'.*\(line 1\)"):
+                                          r"Jinja template: .*'bad'.*\(line 1\)"):
         load_chat_template("{% bad")
     path = tmp_path / "t.jinja"
     path.write_text("{{ messages }")

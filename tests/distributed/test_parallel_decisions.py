@@ -77,7 +77,7 @@ def test_binding_to_a_core_the_machine_lacks_names_it():
 
     missing = max(os.sched_getaffinity(0)) + 1000
     with pytest.raises(ConfigError, match=rf"KILN_CPU_OMP_THREADS_BIND='0\|{missing}': rank 1's "
-                                         rf"cores \[{missing}\] are not available"):
+                                          rf"cores \[{missing}\] are not available"):
         bind_this_process(f"0|{missing}", 1, 2)
 
 

@@ -174,7 +174,7 @@ def test_a_damaged_tokenizer_file_is_named(tmp_path, monkeypatch, damage):
     path.write_bytes(data[:len(data) // 2] if damage == "truncated" else
                      data[:24] + (2 ** 50).to_bytes(8, "little") + data[32:])
     with pytest.raises(ConfigError, match=rf"GGUF file {path} \(\d+ bytes\) cannot be read .*"
-                                         "truncated or damaged"):
+                                          "truncated or damaged"):
         gguf_metadata.load_tokenizer(path)
 
 

@@ -28,8 +28,8 @@ def test_a_split_file_is_refused_saying_to_merge_it(hf_dir, tmp_path):
     assert len(parts) > 1
     for part in parts:
         with pytest.raises(ConfigError, match=rf"{part.name} is one of {len(parts)} parts of a "
-                                             r"split model \(split\.count = \d\).*"
-                                             r"llama-gguf-split --merge"):
+                                              r"split model \(split\.count = \d\).*"
+                                              r"llama-gguf-split --merge"):
             kiln_config_for(part)
 
 
@@ -49,7 +49,7 @@ def test_a_mixture_of_experts_file_is_refused(hf_dir, tmp_path):
                       metadata={"llama.expert_count": (4, gguf.GGUFValueType.UINT32),
                                 "llama.expert_used_count": (2, gguf.GGUFValueType.UINT32)})
     with pytest.raises(ConfigError, match=r"moe\.gguf holds a mixture-of-experts model "
-                                         r"\(llama\.expert_count = 4\); Kiln runs dense models"):
+                                          r"\(llama\.expert_count = 4\); Kiln runs dense models"):
         kiln_config_for(path)
 
 
@@ -119,8 +119,8 @@ def test_a_quant_type_gguf_does_not_know_names_the_type_and_tensor(hf_dir, tmp_p
     struct.pack_into("<I", data, at + 4 + 8 * n_dims, 99)
     path.write_bytes(bytes(data))
     with pytest.raises(ConfigError, match=r"m\.gguf: tensor blk\.0\.attn_q\.weight is stored in "
-                                         r"quantization type 99, which the installed gguf "
-                                         r"package \([\w.]+\) does not know.*upgrade it"):
+                                          r"quantization type 99, which the installed gguf "
+                                          r"package \([\w.]+\) does not know.*upgrade it"):
         kiln_config_for(path)
 
 
@@ -149,7 +149,7 @@ def test_a_tensor_larger_than_its_parameter_is_refused_before_dequantizing(hf_di
     dequantize = gguf_loader.dequantize
     monkeypatch.setattr(gguf_loader, "dequantize", lambda *a: calls.append(a[2]) or dequantize(*a))
     with pytest.raises(ConfigError, match=rf"GGUF tensor {last.name} in {path} has shape "
-                                         r"\(\d+000,( \d+)?\) \([\d,]+ values\), more than its "
-                                         r"parameter \S+ takes"):
+                                          r"\(\d+000,( \d+)?\) \([\d,]+ values\), more than its "
+                                          r"parameter \S+ takes"):
         get_model(cfg)
     assert calls == []  # refused from the table, before any tensor was dequantized

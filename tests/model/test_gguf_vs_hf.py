@@ -155,7 +155,7 @@ def test_truncated_file_is_named(tmp_path):
     path = write_gguf(tmp_path / "m.gguf", hf_dir)
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(ConfigError, match=rf"GGUF file {path} \(\d+ bytes\) cannot be read .*"
-                                         r"truncated or damaged"):
+                                          r"truncated or damaged"):
         kiln_config_for(path)
 
 
@@ -220,7 +220,7 @@ def test_metadata_inconsistent_with_tensors_names_the_tensor(tmp_path):
     reader = gguf.GGUFReader(str(good), "r+")
     reader.fields["llama.attention.head_count_kv"].parts[-1][0] = 4  # the tensors hold 2
     with pytest.raises(ConfigError, match=r"checkpoint tensor model\.layers\.0\.self_attn\.k_proj"
-                                         r"\.weight: weight shape mismatch.*GGUF metadata"):
+                                          r"\.weight: weight shape mismatch.*GGUF metadata"):
         get_model(kiln_config_for(good))
 
 

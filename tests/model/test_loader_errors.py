@@ -41,7 +41,7 @@ def test_bias_the_config_does_not_declare_is_refused(tiny_llama_dir, tmp_path):
     state = {**_state(tiny_llama_dir), "model.layers.0.self_attn.q_proj.bias": torch.ones(64)}
     path = _copy_with(tiny_llama_dir, tmp_path / "m", state)
     with pytest.raises(ConfigError, match=r"model\.layers\.0\.self_attn\.q_proj\.bias matches no "
-                                         r"parameter.*attention_bias=False"):
+                                          r"parameter.*attention_bias=False"):
         get_model(kiln_config_for(path))
 
 
@@ -49,7 +49,7 @@ def test_layer_beyond_the_config_is_refused(tiny_llama_dir, tmp_path):
     state = {**_state(tiny_llama_dir), "model.layers.2.mlp.down_proj.weight": torch.ones(64, 128)}
     path = _copy_with(tiny_llama_dir, tmp_path / "m", state)
     with pytest.raises(ConfigError, match=r"model\.layers\.2\.mlp\.down_proj\.weight matches no "
-                                         r"parameter.*num_hidden_layers=2"):
+                                          r"parameter.*num_hidden_layers=2"):
         get_model(kiln_config_for(path))
 
 
@@ -63,7 +63,7 @@ def test_misshaped_tensor_is_named(tiny_llama_dir, tmp_path, name, shape):
     state = {**_state(tiny_llama_dir), name: torch.ones(shape)}
     path = _copy_with(tiny_llama_dir, tmp_path / "m", state)
     with pytest.raises(ConfigError, match=rf"checkpoint tensor {name}: weight shape mismatch.*"
-                                         r"config"):
+                                          r"config"):
         get_model(kiln_config_for(path))
 
 

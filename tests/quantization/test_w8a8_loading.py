@@ -180,10 +180,10 @@ def test_other_quant_methods_and_conflicting_flags_are_refused(tiny_llama_dir, w
     with pytest.raises(ConfigError, match="quant_method='awq' is not supported"):
         kiln_config_for(d)
     with pytest.raises(ConfigError, match="quantization must be one of int8, fp8, ptpc_fp8, "
-                                         "compressed-tensors"):
+                                          "compressed-tensors"):
         kiln_config_for(tiny_llama_dir, quantization="fp4")
     with pytest.raises(ConfigError, match="needs a checkpoint whose config.json has a "
-                                         "quantization_config"):
+                                          "quantization_config"):
         kiln_config_for(tiny_llama_dir, quantization="compressed-tensors")
 
 
@@ -194,7 +194,7 @@ def test_a_float_tensor_where_int8_is_expected_is_refused(tiny_llama_dir, tmp_pa
     state["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"].float()
     save_file(state, str(d / "model.safetensors"))
     with pytest.raises(ConfigError, match="up_proj.weight: checkpoint dtype torch.float32 where "
-                                         "torch.int8 is expected"):
+                                          "torch.int8 is expected"):
         get_model(kiln_config_for(d))
 
 
