@@ -29,6 +29,7 @@ from kiln.config.compilation_config import (
 )
 from kiln.config.load_config import LOAD_FORMATS
 from kiln.engine.vllm_flags import add_vllm_only_flags, human_readable_int
+from kiln.errors import ConfigError
 
 _DEFAULT_MAX_NUM_SEQS = SchedulerConfig.__dataclass_fields__["max_num_seqs"].default
 
@@ -171,9 +172,9 @@ class EngineArgs:
         """compilation_config with the optimization level's mode where it names none (a copy:
         KilnConfig resolves the mode in it)."""
         level = self.optimization_level
-        if level is not None and level not in (0, 1, 2, 3):
-            raise ValueError(f"optimization_level must be 0, 1, 2 or 3 (vLLM's levels), got "
-                             f"{level!r}")
+        if level is not None and (isinstance(level, bool) or level not in (0, 1, 2, 3)):
+            raise ConfigError(f"optimization_level must be 0, 1, 2 or 3 (vLLM's levels), got "
+                              f"{level!r}")
         config = CompilationConfig.from_cli(self.compilation_config)
         if config is self.compilation_config:
             config = dataclasses.replace(config)

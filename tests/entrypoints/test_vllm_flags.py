@@ -295,8 +295,9 @@ def test_a_mode_named_wins_over_the_optimization_level_in_any_order():
     assert resolved("-O=1") == 3
     assert int(EngineArgs(optimization_level=0).compilation().mode) == 0  # LLM(...) takes it
     assert EngineArgs(optimization_level=2, compilation_config=1).compilation().mode == 1
-    with pytest.raises(ValueError, match=r"optimization_level must be 0, 1, 2 or 3"):
-        EngineArgs(optimization_level=5).compilation()
+    for bad in (5, True):  # True == 1, but no level
+        with pytest.raises(ValueError, match=r"optimization_level must be 0, 1, 2 or 3"):
+            EngineArgs(optimization_level=bad).compilation()
     assert EngineArgs(optimization_level=0).to_cli_args() == ["--optimization-level", "0"]
 
 
