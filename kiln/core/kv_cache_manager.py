@@ -85,11 +85,12 @@ class KVCacheManager:
         if num_new_blocks + num_revived > self.block_pool.num_free_blocks:
             return None
 
-        # A prompt's first admission only: a preempted one's return finds its own blocks (and
+        # A prompt's first admission only: a requeued one's return finds its own blocks (and
         # holds generated tokens), and one that skips the cache looked nothing up.
-        if is_new and request.num_preemptions == 0 and self._reads_cache(request):
+        if is_new and not request.prefix_stats_counted and self._reads_cache(request):
             self.prefix_cache_stats.queries += request.num_tokens
             self.prefix_cache_stats.hits += len(new_computed_blocks) * self.block_size
+            request.prefix_stats_counted = True
         # Touch the hits before taking new blocks so eviction cannot recycle them under us.
         self.block_pool.touch(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)

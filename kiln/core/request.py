@@ -39,6 +39,9 @@ class Request:
     # Prompt tokens found in the prefix cache when the request was first scheduled.
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    # Whether the prefix cache's stats counted its prompt: once, whatever sends it back to
+    # the queue (a preemption, or a failed step, which counts none).
+    prefix_stats_counted: bool = False
     # time.monotonic() when the scheduler first admitted it; kept across preemptions, so the
     # queue time is the wait before its first step (as vLLM's).
     first_scheduled_time: float | None = None

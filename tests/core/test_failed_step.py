@@ -96,3 +96,15 @@ def test_a_failure_inside_schedule_takes_its_step_back():
     with pytest.raises(RuntimeError, match="injected"):
         core.step()
     assert run_until_done(core)["a"][0] == reference_tokens(range(3, 12), 4)
+
+
+def test_a_request_admitted_again_after_a_failed_step_is_not_counted_twice_in_prefix_stats():
+    """A failed step puts its requests back as a preemption does, but without counting one: its
+    prompt was looked up in the prefix cache again and counted again (queries, hits)."""
+    core = EngineCore(make_config(), PagedTokenExecutor)
+    core.add_request(make_request("a", range(3, 20), max_tokens=2))
+    core.executor.fail_next_step = True
+    with pytest.raises(KeyboardInterrupt):
+        core.step()
+    run_until_done(core)
+    assert core.make_stats().prefix_cache_queries == 17  # the prompt's tokens, once
