@@ -117,6 +117,17 @@ def test_bin_holding_code_is_not_run(tiny_llama_dir, tmp_path):
         get_model(kiln_config_for(path))
 
 
+def test_cut_bin_says_what_failed(tiny_llama_dir, tmp_path):
+    """A truncated download: the refusal said only "not a state dict of tensors only"."""
+    path = _copy_with(tiny_llama_dir, tmp_path / "m", weights=False)
+    torch.save(_state(tiny_llama_dir), path / "pytorch_model.bin")
+    whole = (path / "pytorch_model.bin").read_bytes()
+    (path / "pytorch_model.bin").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(ConfigError, match=r"pytorch_model\.bin .*zip archive.*damaged or "
+                                          r"incomplete \(download it again\)"):
+        get_model(kiln_config_for(path))
+
+
 def test_damaged_safetensors_names_the_file(tiny_llama_dir, tmp_path):
     path = _copy_with(tiny_llama_dir, tmp_path / "m", weights=False)
     (path / "model.safetensors").write_bytes(b"\xff" * 64)

@@ -67,10 +67,14 @@ def iterate_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         try:  # weights_only: a .bin is a pickle; never run code from it
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         except Exception as e:
-            # torch's message runs to many lines of advice to drop weights_only; not here.
+            # torch's first line says what failed (a cut archive, a non-tensor object); the
+            # rest is advice to drop weights_only, which Kiln never does.
+            first = next((line for line in str(e).splitlines() if line.strip()), "")
             raise ConfigError(f"could not read {path} as a state dict of tensors only "
-                              f"({type(e).__name__}; Kiln reads .bin files with "
-                              "torch.load(weights_only=True)); convert it to safetensors") from None
+                              f"({type(e).__name__}: {first.strip()}); the file is damaged or "
+                              "incomplete (download it again), or holds more than tensors, "
+                              "which Kiln never loads (torch.load(weights_only=True)): convert "
+                              "it to safetensors") from None
         if not isinstance(state, dict):
             raise ConfigError(f"{path} holds a {type(state).__name__}, not a state dict of "
                               "tensors; convert it to safetensors")
