@@ -30,26 +30,6 @@ def sliding_window_of(hf_config) -> int | None:
     return int(window)
 
 
-def linear_rope_factor(hf_config) -> float:
-    """The factor of a linear rope scaling (1 for any other): it divides positions, so the
-    model serves that many times max_position_embeddings (vicuna-7b-v1.5-16k: 4096 x 4), as
-    vLLM derives its length; HF computes rotary angles for any position."""
-    params = getattr(hf_config, "rope_parameters", None)
-    scaling = params if isinstance(params, dict) and params else getattr(
-        hf_config, "rope_scaling", None)
-    if not isinstance(scaling, dict) or scaling.get("rope_type",
-                                                    scaling.get("type")) != "linear":
-        return 1.0
-    return float(scaling.get("factor", 1.0))
-
-
-def max_positions_of(hf_config) -> int:
-    """Positions the model serves: max_position_embeddings (2048 where unset), times a linear
-    rope scaling's factor."""
-    trained = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
-    return int(trained * linear_rope_factor(hf_config))
-
-
 def find_gguf_file(path: Path) -> Path | None:
     """The GGUF file a model path names: the file itself, or the only *.gguf in a directory."""
     if path.is_file() and path.suffix == ".gguf":
@@ -136,11 +116,10 @@ class ModelConfig(FreezableConfig):
         # the window, so the window caps the length (as vLLM's does with the window disabled).
         window = sliding_window_of(self.hf_config)
         why = f"max_position_embeddings={limit}"
-        factor = linear_rope_factor(self.hf_config)
-        if factor != 1.0:
-            trained = getattr(self.hf_config, "max_position_embeddings", None) or 2048
-            why = (f"max_position_embeddings={trained} x "
-                   f"linear rope_scaling factor {factor:g} = {limit}")
+        trained = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        if limit != trained:  # a linear rope scaling stretched it
+            why = (f"max_position_embeddings={trained} x linear rope_scaling factor "
+                   f"{limit / trained:g} = {limit}")
         if window is not None and window < limit:
             limit, why = window, (f"sliding_window={window} (Kiln's attention has no sliding "
                                   "window: a longer sequence would give wrong outputs)")
@@ -209,6 +188,8 @@ class ModelConfig(FreezableConfig):
 
     @property
     def derived_max_model_len(self) -> int:
+        from kiln.config.rope import max_positions_of
+
         return max_positions_of(self.hf_config)
 
     @property

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from kiln.compilation.decorator import support_torch_compile
-from kiln.config.model_config import max_positions_of
+from kiln.config.rope import get_rope_config, max_positions_of
 from kiln.distributed.parallel_state import get_pp_group
 from kiln.distributed.pipeline import PPMissingLayer, this_stage_layer_range
 from kiln.errors import ConfigError
@@ -20,7 +20,6 @@ from kiln.model.layers.layernorm import RMSNorm
 from kiln.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kiln.model.layers.rotary_embedding import (
     RotaryEmbedding,
-    get_rope_config,
     share_rotary_embeddings,
 )
 from kiln.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding

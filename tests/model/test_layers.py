@@ -2,8 +2,9 @@
 import pytest
 import torch
 
+from kiln.config.rope import get_rope_config
 from kiln.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
-from kiln.model.layers.rotary_embedding import compute_inv_freq, get_rope_config
+from kiln.model.layers.rotary_embedding import compute_inv_freq
 from kiln.model.registry import get_model_class
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

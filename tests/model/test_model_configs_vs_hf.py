@@ -114,7 +114,7 @@ def test_unsupported_rope_scaling_is_refused(rope_scaling, what, tmp_path):
 def test_rope_parameters_nested_by_layer_type_are_refused():
     """Read as one flat dict they gave theta 10000 and no scaling, silently."""
     from kiln.config.hf_config_snapshot import HFConfigSnapshot
-    from kiln.model.layers.rotary_embedding import get_rope_config
+    from kiln.config.rope import get_rope_config
 
     rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}
     config = HFConfigSnapshot({"rope_parameters": {"full_attention": rope,

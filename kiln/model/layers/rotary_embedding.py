@@ -1,7 +1,7 @@
 """Rotary position embedding (neox style, as HF Llama): a cos/sin cache indexed by positions, and
 the IR op `rotary_embedding` (kiln/ir/layer_ops.py) applying it.
 
-Reads rope settings from either transformers' `rope_parameters` (5.x) or rope_theta/rope_scaling.
+Its settings (theta, scaling) are read by kiln/config/rope.py.
 """
 import math
 
@@ -10,37 +10,6 @@ from torch import nn
 
 from kiln import ir
 from kiln.errors import ConfigError
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-def get_rope_config(hf_config) -> tuple[float, dict | None]:
-    """(rope_theta, scaling dict or None) from a transformers config of any recent version."""
-    params = getattr(hf_config, "rope_parameters", None)
-    if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
-        # transformers 5's per-layer-type form: read as one flat dict it gave theta 10000 and
-        # no scaling, silently (HF's Llama/Qwen classes cannot run it either).
-        raise ConfigError(f"rope_parameters nested by layer type ({', '.join(map(str, params))})"
-                          " are not supported; give one flat rope_parameters (rope_type, "
-                          "rope_theta, ...) for every layer")
-    if isinstance(params, dict) and params:
-        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
-        scaling = dict(params)
-    else:
-        theta = getattr(hf_config, "rope_theta", None)
-        scaling = getattr(hf_config, "rope_scaling", None)
-        scaling = dict(scaling) if scaling else None
-    if theta is None:
-        theta = 10000.0
-    if scaling is not None:
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ConfigError(f"rope_scaling type {rope_type!r} is not supported; supported: "
-                              f"{', '.join(SUPPORTED_ROPE_TYPES)}")
-        scaling["rope_type"] = rope_type
-        if rope_type == "default":
-            scaling = None
-    return float(theta), scaling
 
 
 def compute_inv_freq(rotary_dim: int, base: float, scaling: dict | None) -> torch.Tensor:

@@ -1,0 +1,45 @@
+"""A model's rope settings, from transformers' `rope_parameters` (5.x) or rope_theta /
+rope_scaling, and the positions they let it serve (a linear scaling stretches them)."""
+from kiln.errors import ConfigError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def get_rope_config(hf_config) -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict or None) from a transformers config of any recent version."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
+        # transformers 5's per-layer-type form: read as one flat dict it gave theta 10000 and
+        # no scaling, silently (HF's Llama/Qwen classes cannot run it either).
+        raise ConfigError(f"rope_parameters nested by layer type ({', '.join(map(str, params))})"
+                          " are not supported; give one flat rope_parameters (rope_type, "
+                          "rope_theta, ...) for every layer")
+    if isinstance(params, dict) and params:
+        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+        scaling = dict(params)
+    else:
+        theta = getattr(hf_config, "rope_theta", None)
+        scaling = getattr(hf_config, "rope_scaling", None)
+        scaling = dict(scaling) if scaling else None
+    if theta is None:
+        theta = 10000.0
+    if scaling is not None:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError(f"rope_scaling type {rope_type!r} is not supported; supported: "
+                              f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+        scaling["rope_type"] = rope_type
+        if rope_type == "default":
+            scaling = None
+    return float(theta), scaling
+
+
+def max_positions_of(hf_config) -> int:
+    """Positions the model serves: max_position_embeddings (2048 where unset), times a linear
+    rope scaling's factor, which divides positions (vicuna-7b-v1.5-16k: 4096 x 4), as vLLM
+    derives its length; HF computes rotary angles for any position."""
+    trained = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
+    _, scaling = get_rope_config(hf_config)
+    if scaling is None or scaling["rope_type"] != "linear":
+        return trained
+    return int(trained * float(scaling["factor"]))
