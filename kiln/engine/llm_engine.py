@@ -21,6 +21,7 @@ from kiln.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
 
+
 def get_executor_class(parallel_config: ParallelConfig) -> type:
     """The executor for a parallel config: in-process for one rank, else processes or Ray."""
     backend = parallel_config.distributed_executor_backend

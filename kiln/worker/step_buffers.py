@@ -42,10 +42,14 @@ class StepBuffers:
         self.seq_lens = dev(self.seq_lens_cpu)
         self.block_table = dev(self.block_table_cpu)
         self.logits_indices = dev(self.logits_indices_cpu)
+        # name -> (device buffer, host twin), looked up once per staging on the step's path
+        self._twins = {name: (getattr(self, name), getattr(self, f"{name}_cpu"))
+                       for name in ("input_ids", "positions", "slot_mapping", "query_start_loc",
+                                    "seq_lens", "block_table", "logits_indices")}
 
     def staged(self, name: str, n: int) -> torch.Tensor:
         """The first n entries of buffer `name` on the device, refreshed from its host twin."""
-        device_buf, host_buf = getattr(self, name), getattr(self, f"{name}_cpu")
+        device_buf, host_buf = self._twins[name]
         if device_buf is not host_buf:
             device_buf[:n].copy_(host_buf[:n], non_blocking=True)
         return device_buf[:n]

@@ -84,8 +84,8 @@ _SERVER_SET = ("reasoning_end",)
 
 def build_params(fields: dict, param: str) -> StructuredOutputsParams:
     known = sorted(set(StructuredOutputsParams.__dataclass_fields__) - set(_SERVER_SET))
-    if set(fields) - set(known):
-        unknown = sorted(set(fields) - set(known))
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
         raise OpenAIError(f"{param} has unknown field(s) {unknown}; known: {known}",
                           param=param, code="invalid_value")
     try:
