@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kiln.config.frozen import FreezableConfig
+from kiln.config.rope import max_positions_of
 from kiln.errors import ConfigError
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -188,8 +189,6 @@ class ModelConfig(FreezableConfig):
 
     @property
     def derived_max_model_len(self) -> int:
-        from kiln.config.rope import max_positions_of
-
         return max_positions_of(self.hf_config)
 
     @property
