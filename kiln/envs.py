@@ -16,14 +16,15 @@ def cache_root() -> Path:
 
 
 _TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
+_FALSE = ("0", "false", "no", "off")
 
 
 def _flag(name: str, default: bool) -> bool:
-    """A boolean variable: 1/true/yes/on or 0/false/no/off (any case; empty is false). Anything
-    else is refused: read as true, `off` turned a switch on."""
+    """A boolean variable: 1/true/yes/on or 0/false/no/off (any case). Empty means unset, as for
+    the other variables: `KILN_NATIVE_CPU_OPS=` turned a default-on switch off. Anything else is
+    refused: read as true, `off` turned a switch on."""
     value = os.environ.get(name)
-    if value is None:
+    if value is None or not value.strip():
         return default
     if value.strip().lower() in _TRUE:
         return True

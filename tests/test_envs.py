@@ -19,7 +19,7 @@ def test_switches_read_the_usual_spellings_and_refuse_the_rest(monkeypatch):
     its own process, KILN_DISABLE_COMPILE_CACHE=no disabled the cache (helper-42)."""
     import pytest
 
-    for value, want in (("off", False), ("NO", False), ("0", False), ("", False),
+    for value, want in (("off", False), ("NO", False), ("0", False),
                         ("on", True), ("Yes", True), ("1", True), ("TRUE", True)):
         monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", value)
         monkeypatch.setenv("KILN_DISABLE_COMPILE_CACHE", value)
@@ -29,6 +29,18 @@ def test_switches_read_the_usual_spellings_and_refuse_the_rest(monkeypatch):
     monkeypatch.setenv("KILN_WEIGHT_SNAPSHOT", "maybe")
     with pytest.raises(ValueError, match="KILN_WEIGHT_SNAPSHOT='maybe' must be 1/true/yes/on"):
         envs.weight_snapshot()
+
+
+def test_an_empty_switch_means_its_default(monkeypatch):
+    """KILN_NATIVE_CPU_OPS= (empty) read as false and turned a default-on switch off, where every
+    other variable treats empty as unset."""
+    for value in ("", "  "):
+        for name in ("KILN_NATIVE_CPU_OPS", "KILN_WEIGHT_SNAPSHOT", "KILN_ENABLE_V1_MULTIPROCESSING",
+                     "KILN_DISABLE_COMPILE_CACHE", "KILN_REQUIRE_NATIVE", "KILN_CUDAGRAPH_DEBUG"):
+            monkeypatch.setenv(name, value)
+        assert envs.native_cpu_ops() and envs.weight_snapshot() and envs.enable_multiprocessing()
+        assert not (envs.disable_compile_cache() or envs.require_native()
+                    or envs.cudagraph_debug())
 
 
 def test_logging_level_is_checked_by_name(monkeypatch):
