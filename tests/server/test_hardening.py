@@ -200,6 +200,28 @@ def test_a_413_closes_the_connection_instead_of_reading_the_rest(live_server):
     assert reply.startswith(b"HTTP/1.1 413") and b"connection: close" in reply
 
 
+def test_a_413_reaches_a_client_that_sends_its_whole_body_first():
+    """urllib writes the whole body before it reads: the 413 sent (and the connection closed)
+    while 32 MB were still coming was a broken pipe or reset (helper-90). Read to its end now; a
+    client that waits for 100 Continue gets the 413 without sending its body."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    app = build_app(AsyncLLM(FakeEngine()), ServerSettings(max_request_body_bytes=2000))
+    with uvicorn_in_thread(app, http=hardened_protocol(5)) as port:
+        body = json.dumps({"prompt": "x" * 32_000_000}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"content-type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 413
+        assert b"--max-request-body-bytes" in refused.value.read()
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(_post_headers(len(body))[:-2] + b"Expect: 100-continue\r\n\r\n")
+            assert _read_all(sock).startswith(b"HTTP/1.1 413")
+
+
 def test_health_answers_head():
     with TestClient(build_app(AsyncLLM(FakeEngine()), ServerSettings(api_key=KEY))) as c:
         assert c.head("/health").status_code == 200

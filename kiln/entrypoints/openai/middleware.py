@@ -99,6 +99,10 @@ class ServerLoadMiddleware:
 # a socket for as long as it likes.
 MIN_BODY_BYTES_PER_S = 500
 _CLOSE = [(b"connection", b"close")]  # the unread rest of the body is not read, nor waited for
+# A body this far past --max-request-body-bytes is still read (and dropped) before the 413: a
+# client that writes its whole body before it reads (Python's urllib) otherwise gets a connection
+# reset (the close with unread data) instead of the answer. Past it, the 413 comes at once.
+DRAIN_BYTES = 64 * 1024 * 1024
 
 
 class ShutdownGate:
@@ -164,6 +168,8 @@ class BodySizeLimitMiddleware:
                 if self.gate.reason is not None:
                     await _send_json(send, 503, error_body(
                         self.gate.reason, 503, code="server_shutting_down"), _CLOSE)
+                elif size > self.max_bytes:  # too slow to drain: too large all the same
+                    await _send_json(send, 413, self._too_large(), _CLOSE)
                 else:
                     await _send_json(send, 408, self._timed_out(size), _CLOSE)
                 return None
@@ -172,18 +178,25 @@ class BodySizeLimitMiddleware:
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_bytes:
-                await _send_json(send, 413, self._too_large(), _CLOSE)
-                return None
+            more = message.get("more_body", False)
+            if size > self.max_bytes:  # dropped, and read on to its end (DRAIN_BYTES)
+                if not more or size > self.max_bytes + DRAIN_BYTES:
+                    await _send_json(send, 413, self._too_large(), _CLOSE)
+                    return None
+                chunks = []
+                continue
             chunks.append(chunk)
-            if not message.get("more_body", False):
+            if not more:
                 return chunks
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes and (
+                int(length) > self.max_bytes + DRAIN_BYTES
+                or headers.get(b"expect", b"").lower() == b"100-continue"):  # nothing sent yet
             return await _send_json(send, 413, self._too_large(), _CLOSE)
         closing = asyncio.ensure_future(self.gate.wait())  # one watch for the whole body
         try:
