@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._dynamo.utils import counters
 
 from kiln.compilation import monitor
 from kiln.compilation.counters import compilation_counter
@@ -139,7 +140,14 @@ class GuardedCompileWrapper:
     def __call__(self, *args, **kwargs):
         if not self.phase.serving:
             self.calls += 1
-            return self.compiled(self.module, *args, **kwargs)
+            # A call that made a graph traced and compiled it (the backend compiles inside
+            # Dynamo): its time is the trace's, else the total said "took 0.00 s".
+            graphs = counters["stats"]["unique_graphs"]
+            with monitor.Timer() as t:
+                output = self.compiled(self.module, *args, **kwargs)
+            if counters["stats"]["unique_graphs"] != graphs:
+                monitor.log_trace(f"{self.prefix} (and compiled it)", t.seconds)
+            return output
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
                 return self.compiled(self.module, *args, **kwargs)

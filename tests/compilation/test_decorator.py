@@ -97,6 +97,19 @@ def test_each_engine_keeps_its_own_warmup_phase():
             first(ids.int(), positions)
     _check(first, reference, [5, 1])
 
+def test_mode1_accounts_its_trace_and_compile_time():
+    """Mode 1 (stock torch.compile) reported "torch.compile took 0.00 s in all": its Dynamo
+    frames and the backend's compile inside them were never timed (helper-90)."""
+    from kiln.compilation import monitor
+
+    config = tm.toy_config(mode=1, backend="eager")
+    model, traced = tm.build(config), monitor.stats.trace_s
+    with torch.no_grad():
+        compile_and_warm_up(lambda n: model(*tm.inputs(n)), config,
+                            compile_state_of(model).warmup_phase)
+    assert monitor.stats.trace_s > traced
+
+
 def test_mode3_counts_pieces_and_shares_identical_layers():
     with compilation_counter.expect(num_graphs_seen=1, num_piecewise_graphs_seen=7,
                                     num_piecewise_capturable_graphs_seen=4,
