@@ -60,6 +60,19 @@ def _counter_deltas(before) -> dict:
             for f in dataclasses.fields(compilation_counter)}
 
 
+def _ops_in_use(kiln_config) -> list[str]:
+    """The IR ops the model can call: the int8, fp8 and GGUF ops only under their quantization
+    or load format, all_reduce only across tensor-parallel ranks (the text report listed the
+    int8 ops of a float model)."""
+    mc = kiln_config.model_config
+    quant = {"int8": "int8", "compressed-tensors": "int8", "fp8": "fp8", "ptpc_fp8": "fp8"}.get(
+        mc.quantization or "")
+    kinds = {"int8": quant == "int8", "fp8": quant == "fp8", "gguf": mc.load_format == "gguf",
+             "all_reduce": kiln_config.parallel_config.tensor_parallel_size > 1}
+    return [op for op in kiln_config.ir_selection.as_dict()
+            if all(on for kind, on in kinds.items() if kind in op)]
+
+
 def compile_report(engine_args: EngineArgs) -> dict:
     """Build the engine's config, load the model, size the KV cache, compile and warm up every
     shape (all the engine does before serving), and report what the compile stack did."""
@@ -91,6 +104,7 @@ def compile_report(engine_args: EngineArgs) -> dict:
             "compilation_mode": int(cc.mode), "compilation_mode_name": CompilationMode(cc.mode).name,
             "backend": cc.backend, "splitting_ops": list(cc.splitting_ops),
             "ir_ops": kiln_config.ir_selection.as_dict(),  # each IR op's chosen provider
+            "ir_ops_used": _ops_in_use(kiln_config),
             # per piece compiled cold: {"shape": .., "matches": {pass: rewrites}}
             "pass_runs": pass_manager.RUNS[pass_runs_before:],
             "pieces": {"total": d["num_piecewise_graphs_seen"],

@@ -98,9 +98,7 @@ def test_text_report_names_pieces_cache_and_times(cold):
     assert f"{next(iter(cold['cache']['dirs']))} [miss]" in text
     assert f"inductor   {cold['inductor']['compiles']} compiles, 0 artifacts loaded" in text
     assert "total" in text and "Dynamo trace" in text
-    assert "ir ops     all_reduce torch, dynamic_fp8_quant torch, dynamic_int8_quant " in text
-    assert "fused_add_rms_norm native, " in text and ", linear native, rms_norm native" in text
-    assert f"gguf_linear {cold['ir_ops']['gguf_linear']}, " in text
+    assert "ir ops     fused_add_rms_norm native, linear native, rms_norm native" in text
     assert "passes     EliminateNoops " in text and "FuseAddRmsNormLinear " in text
     assert "cold piece compiles" in text
 
@@ -115,6 +113,21 @@ def test_report_names_every_ir_op_implementation_and_an_override(tiny_llama_dir,
     assert args.func(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["ir_ops"] == {**natives, "rms_norm": "torch"}
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_ir_ops_line_lists_the_models_ops_only(tiny_llama_dir, capsys, quantization):
+    """A float model's report listed the int8, fp8 and GGUF ops and all_reduce at one rank
+    (helper-90); the JSON keeps every op's choice."""
+    flags = ["--quantization", quantization] if quantization else []
+    args = build_parser().parse_args(["compile", "--json", "--model", str(tiny_llama_dir),
+                                      *SMALL, "-O0", *flags])
+    assert args.func(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    (line,) = [x for x in format_report(report).splitlines() if x.startswith("ir ops")]
+    assert "fp8" not in line and "gguf" not in line and "all_reduce" not in line
+    assert ("int8" in line) == (quantization == "int8") and "rms_norm " in line
+    assert "gguf_linear" in report["ir_ops"]
 
 
 def test_mode0_text_report_in_process(tiny_llama_dir, capsys):

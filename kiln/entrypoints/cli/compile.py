@@ -31,9 +31,9 @@ def format_report(r: dict) -> str:
              f"{r['device']}, {r['dtype']}",
              f"mode       {r['compilation_mode']} ({r['compilation_mode_name']}), backend "
              f"{r['backend']}"]
-    if r.get("ir_ops"):
-        lines.append("ir ops     " + ", ".join(f"{op} {provider}"
-                                               for op, provider in sorted(r["ir_ops"].items())))
+    if r.get("ir_ops"):  # the model's ops only (a float model calls no int8 op)
+        used = r.get("ir_ops_used", r["ir_ops"])
+        lines.append("ir ops     " + ", ".join(f"{op} {r['ir_ops'][op]}" for op in sorted(used)))
     piecewise = r["compilation_mode"] == 3
     if r["compilation_mode"] == 0:
         lines.append("           nothing compiled (mode 0 runs eagerly)")
