@@ -82,8 +82,8 @@ class KilnConfig(FreezableConfig):
             if compiles and size > sched.max_num_batched_tokens:
                 raise ConfigError(f"compile size {size} exceeds max_num_batched_tokens "
                                   f"({sched.max_num_batched_tokens}): no step has that many "
-                                  "tokens; drop it from compile_sizes or raise "
-                                  "--max-num-batched-tokens")
+                                  "tokens; drop it from compilation_config.compile_sizes or "
+                                  "raise --max-num-batched-tokens")
 
     def _check_memory(self) -> None:
         """Sizes whose buffers no machine here could hold are refused by flag, before anything

@@ -48,8 +48,8 @@ def resolve_capture_sizes(explicit: list[int] | None, max_num_seqs: int,
                               f"--max-num-batched-tokens")
         if max_capture_size is not None and size > max_capture_size:
             raise ConfigError(f"cudagraph capture size {size} exceeds compilation_config."
-                              f"max_cudagraph_capture_size ({max_capture_size}); drop it or "
-                              f"raise the maximum")
+                              f"max_cudagraph_capture_size ({max_capture_size}); drop it from "
+                              f"compilation_config.cudagraph_capture_sizes or raise the maximum")
     return sorted(set(explicit))
 
 

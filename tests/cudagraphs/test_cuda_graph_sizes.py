@@ -50,8 +50,8 @@ def test_explicit_capture_sizes_sorted_deduped():
 @pytest.mark.parametrize("sizes, limit, match", [
     ([0, 4], None, "positive integers"),
     ([2.5], None, "positive integers"),
-    ([4, 4096], None, "max_num_batched_tokens"),
-    ([4, 64], 32, "max_cudagraph_capture_size"),
+    ([4, 4096], None, "max_num_batched_tokens.*compilation_config.cudagraph_capture_sizes"),
+    ([4, 64], 32, "max_cudagraph_capture_size.*compilation_config.cudagraph_capture_sizes"),
 ])
 def test_explicit_capture_sizes_validated(sizes, limit, match):
     with pytest.raises(ValueError, match=match):
