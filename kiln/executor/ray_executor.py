@@ -6,7 +6,8 @@ It joins the cluster at RAY_ADDRESS when set (else starts a local Ray); a placem
 cannot hold fails at once, and one that waits for resources says so. Each call's arguments are
 pickled once and put in Ray's object store for every rank; a dead actor, or a step some rank does
 not answer within KILN_EXECUTE_MODEL_TIMEOUT_SECONDS, fails the call with an error naming the
-rank, and the executor then stops every actor. The engine's KILN_* settings go with each actor
+rank (and, for a rank on this machine, why: stopped, stuck in the kernel), and the executor then
+stops every actor. The engine's KILN_* settings go with each actor
 (as vLLM copies VLLM_* to its Ray workers): an actor's process is the cluster's, started with the
 environment of `ray start`, not the engine's.
 """
@@ -80,6 +81,9 @@ class RayExecutor(Executor):
         self.step_timeout_s = envs.execute_model_timeout_s()  # checked before any rank starts
         self.failure: str | None = None
         self.actors: list = []
+        # Rank -> process id of the ranks on this machine, so a rank that does not answer is
+        # named with why where /proc tells (stopped, stuck in the kernel), as mp names it.
+        self.local_pids: dict[int, int] = {}
         self.pg = None
         self.broadcast_seconds, self.broadcast_calls = 0.0, 0
         # Health pings in flight (ref -> rank) and when they were sent: check_health.
@@ -118,6 +122,7 @@ class RayExecutor(Executor):
                                   "placement")
             init_method = f"tcp://{places[0][0]}:{places[0][1]}"
             ips = [ip for ip, _ in places]
+            self.local_pids = self._local_pids()
             if device.type == "cuda":
                 visible = node_visible_devices(
                     ips, self._gather([a.gpu_ids.remote() for a in self.actors], "placement"))
@@ -132,6 +137,13 @@ class RayExecutor(Executor):
             raise
         logger.info("%d Ray ranks started (tensor_parallel_size=%d, pipeline_parallel_size=%d)",
                     self.world_size, pc.tensor_parallel_size, pc.pipeline_parallel_size)
+
+    def _local_pids(self) -> dict[int, int]:
+        """Rank -> process id of the ranks on this node (another node's pid means nothing to
+        this machine's /proc)."""
+        here = self.ray.get_runtime_context().get_node_id()
+        nodes = self._gather([a.node_id_and_pid.remote() for a in self.actors], "placement")
+        return {rank: pid for rank, (node, pid) in enumerate(nodes) if node == here}
 
     def _fail(self, message: str) -> None:
         self.failure = message
@@ -172,7 +184,8 @@ class RayExecutor(Executor):
             waited = time.monotonic() - self._pinged_at
             if self._pings and waited > self.step_timeout_s:
                 self._fail(unanswered_message("a health check between steps",
-                                              sorted(self._pings.values()), self.step_timeout_s))
+                                              sorted(self._pings.values()), self.step_timeout_s,
+                                              self.local_pids))
         if not self._pings:
             self._pings = {actor.pid.remote(): rank for rank, actor in enumerate(self.actors)}
             self._pinged_at = time.monotonic()
@@ -188,7 +201,8 @@ class RayExecutor(Executor):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
             if not ready:
-                self._fail(unanswered_message(what, sorted(pending.values()), timeout))
+                self._fail(unanswered_message(what, sorted(pending.values()), timeout,
+                                              self.local_pids))
             for ref in ready:
                 rank = pending.pop(ref)
                 try:

@@ -26,6 +26,11 @@ class RayRankActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def node_id_and_pid(self) -> tuple[str, int]:
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
     def see_devices(self, visible_devices: str) -> None:
         """CUDA_VISIBLE_DEVICES, in a call of its own before `start`, whose arguments (the
         config) are unpickled before it runs: nothing may initialize CUDA before this."""
