@@ -6,7 +6,8 @@ It joins the cluster at RAY_ADDRESS when set (else starts a local Ray); a placem
 cannot hold fails at once, and one that waits for resources says so. Each call's arguments are
 pickled once and put in Ray's object store for every rank; a dead actor, or a step some rank does
 not answer within KILN_EXECUTE_MODEL_TIMEOUT_SECONDS, fails the call with an error naming the
-rank, and the executor then stops every actor. The engine's KILN_* settings go with each actor
+rank (and, for a rank on this machine, why: stopped, stuck in the kernel), and the executor then
+stops every actor. The engine's KILN_* settings go with each actor
 (as vLLM copies VLLM_* to its Ray workers): an actor's process is the cluster's, started with the
 environment of `ray start`, not the engine's.
 """
@@ -33,6 +34,7 @@ from kiln.executor.ray_placement import (
     placement_error,
     wait_for_placement,
 )
+from kiln.executor.ray_rank_actor import RayRankActor
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -64,48 +66,6 @@ def _init_keeping_sigterm(ray) -> None:
         signal.signal(signal.SIGTERM, handler)
 
 
-class RayRankActor:
-    """The body of one rank's actor: placement facts first, then the rank worker itself."""
-
-    def __init__(self):
-        self.worker = None
-
-    def node_ip_and_port(self) -> tuple[str, int]:
-        import ray
-
-        from kiln.executor.free_port import free_port
-
-        ip = ray.util.get_node_ip_address()
-        return ip, free_port("0.0.0.0")
-
-    def gpu_ids(self) -> list[str]:
-        import ray
-
-        return [str(g) for g in ray.get_gpu_ids()]
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def see_devices(self, visible_devices: str) -> None:
-        """CUDA_VISIBLE_DEVICES, in a call of its own before `start`, whose arguments (the
-        config) are unpickled before it runs: nothing may initialize CUDA before this."""
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
-
-    def start(self, kiln_config, rank: int, local_rank: int, local_world_size: int,
-              init_method: str) -> None:
-        from kiln.executor.rank_worker import RankWorker
-
-        self.worker = RankWorker(kiln_config, rank, local_rank, local_world_size, init_method)
-
-    def call_pickled(self, payload: bytes):
-        return self.worker.call_pickled(payload)
-
-    def shutdown(self) -> None:
-        if self.worker is not None:
-            self.worker.shutdown()
-            self.worker = None
-
-
 class RayExecutor(Executor):
     idle_check_s = 1.0  # one ping per actor a second: next to nothing beside Ray's own RPCs
 
@@ -121,6 +81,9 @@ class RayExecutor(Executor):
         self.step_timeout_s = envs.execute_model_timeout_s()  # checked before any rank starts
         self.failure: str | None = None
         self.actors: list = []
+        # Rank -> process id of the ranks on this machine, so a rank that does not answer is
+        # named with why where /proc tells (stopped, stuck in the kernel), as mp names it.
+        self.local_pids: dict[int, int] = {}
         self.pg = None
         self.broadcast_seconds, self.broadcast_calls = 0.0, 0
         # Health pings in flight (ref -> rank) and when they were sent: check_health.
@@ -159,6 +122,7 @@ class RayExecutor(Executor):
                                   "placement")
             init_method = f"tcp://{places[0][0]}:{places[0][1]}"
             ips = [ip for ip, _ in places]
+            self.local_pids = self._local_pids()
             if device.type == "cuda":
                 visible = node_visible_devices(
                     ips, self._gather([a.gpu_ids.remote() for a in self.actors], "placement"))
@@ -173,6 +137,13 @@ class RayExecutor(Executor):
             raise
         logger.info("%d Ray ranks started (tensor_parallel_size=%d, pipeline_parallel_size=%d)",
                     self.world_size, pc.tensor_parallel_size, pc.pipeline_parallel_size)
+
+    def _local_pids(self) -> dict[int, int]:
+        """Rank -> process id of the ranks on this node (another node's pid means nothing to
+        this machine's /proc)."""
+        here = self.ray.get_runtime_context().get_node_id()
+        nodes = self._gather([a.node_id_and_pid.remote() for a in self.actors], "placement")
+        return {rank: pid for rank, (node, pid) in enumerate(nodes) if node == here}
 
     def _fail(self, message: str) -> None:
         self.failure = message
@@ -213,7 +184,8 @@ class RayExecutor(Executor):
             waited = time.monotonic() - self._pinged_at
             if self._pings and waited > self.step_timeout_s:
                 self._fail(unanswered_message("a health check between steps",
-                                              sorted(self._pings.values()), self.step_timeout_s))
+                                              sorted(self._pings.values()), self.step_timeout_s,
+                                              self.local_pids))
         if not self._pings:
             self._pings = {actor.pid.remote(): rank for rank, actor in enumerate(self.actors)}
             self._pinged_at = time.monotonic()
@@ -229,7 +201,8 @@ class RayExecutor(Executor):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
             if not ready:
-                self._fail(unanswered_message(what, sorted(pending.values()), timeout))
+                self._fail(unanswered_message(what, sorted(pending.values()), timeout,
+                                              self.local_pids))
             for ref in ready:
                 rank = pending.pop(ref)
                 try:

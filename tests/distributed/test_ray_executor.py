@@ -1,6 +1,7 @@
 """TP=2 on the Ray backend: a local Ray started by the test (2 CPUs), rank actors in a
 placement group; greedy tokens equal HF's and the actors are gone after shutdown. Placements the
-cluster cannot hold fail (at once where it never could), and a stopped rank fails the step."""
+cluster cannot hold fail (at once where it never could), and a stopped rank fails the step,
+the stopped one named."""
 import os
 import re
 import signal
@@ -86,8 +87,10 @@ def test_a_stopped_rank_fails_the_step_once_the_timeout_passes(local_ray, tiny_l
     try:
         with pytest.raises(WorkerFailedError, match=r"execute_model: worker rank\(s\) 0, 1 did "
                                                     r"not answer within 1.5 s(.|\n)*raise "
-                                                    r"KILN_EXECUTE_MODEL_TIMEOUT_SECONDS"):
+                                                    r"KILN_EXECUTE_MODEL_TIMEOUT_SECONDS") as e:
             engine.step()
+        # which rank is the cause, as the mp backend names it (test_worker_faults.py)
+        assert f"rank 1 (pid {pids[1]}) is stopped" in str(e.value)
     finally:
         for pid in pids:  # Ray's kill of a stopped process lands once it runs again
             try:

@@ -21,8 +21,8 @@ from kiln.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     PromptInput,
-    RequestPart,
 )
+from kiln.entrypoints.openai.protocol_base import RequestPart
 from kiln.entrypoints.openai.serving_completion import engine_prompts
 
 from .fake_engine import FakeEngine

@@ -41,7 +41,7 @@ def register_bench(kinds) -> None:
 def run(args: argparse.Namespace) -> int:
     from kiln.benchmarks.latency import run_latency
     from kiln.config import CompilationConfig
-    from kiln.engine.arg_utils import compilation_fields
+    from kiln.engine.engine_flags import compilation_fields
 
     for item in args.compare or []:  # named as --compare, not as compilation_config
         try:

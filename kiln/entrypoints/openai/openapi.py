@@ -20,7 +20,7 @@ from kiln.entrypoints.openai.openapi_cross_field import (
 )
 from kiln.entrypoints.openai.openapi_responses import describe_bodies
 from kiln.entrypoints.openai.openapi_sampling import off_only, sampling_ranges, structured_outputs_object
-from kiln.entrypoints.openai.protocol import RequestBase, RequestPart
+from kiln.entrypoints.openai.protocol_base import RequestBase, RequestPart
 from kiln.entrypoints.openai.response_models import ErrorResponse
 
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}

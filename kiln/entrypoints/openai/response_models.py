@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
-from kiln.entrypoints.openai.protocol import OpenAIBase
+from kiln.entrypoints.openai.protocol_base import OpenAIBase
 
 
 class PromptTokenUsageInfo(OpenAIBase):

@@ -1,0 +1,183 @@
+"""The engine's command-line flags (`kiln generate/chat/serve/bench/compile`): one per EngineArgs
+field, with vLLM's names, help and the -O / --ir-op-priority parsers that merge repeated values.
+"""
+import argparse
+import json
+import re
+from typing import TYPE_CHECKING
+
+from kiln.config.compilation_config import cli_fields, merged_fields
+from kiln.config.load_config import LOAD_FORMATS
+from kiln.engine.vllm_flags import add_vllm_only_flags, human_readable_int
+
+if TYPE_CHECKING:
+    from kiln.engine.arg_utils import EngineArgs
+
+MODES_HELP = ("0: eager, no compilation; 1: plain torch.compile with its guards; 2: one "
+              "Dynamo trace, guards dropped; 3: Kiln's piecewise stack, split at attention, "
+              "compiled per shape and cached on disk (the default)")
+
+
+def compilation_fields(text: str, flag: str = "-O/--compilation-config") -> dict:
+    """The fields one -O value (or a bench --compare item) sets, its mistakes said in the
+    flag's terms: a number that is no mode, and vLLM's older name "level" for "mode"."""
+    stripped = text.strip()
+    if re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", stripped) and (
+            not stripped.isdigit() or int(stripped) > 3):
+        raise ValueError(f"{flag}: the compilation mode must be 0, 1, 2 or 3, got {stripped} "
+                         f"({MODES_HELP})")
+    fields_ = cli_fields(text)
+    if "level" in fields_:
+        raise ValueError(f"{flag}: 'level' is vLLM's older name for 'mode'; write "
+                         f"{json.dumps({'mode': fields_['level']})}")
+    return fields_
+
+
+class _MergeCompilationConfig(argparse.Action):
+    """-O / --compilation-config, repeatable: each value (a mode number, -O.FIELD=VALUE or a
+    JSON object) updates the fields given before it, so `-O '{"compile_sizes": [4]}' -O3` keeps
+    the sizes, and -O.pass_config.X=false -O.pass_config.Y=false sets both."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        try:
+            update = compilation_fields(value)
+        except ValueError as e:
+            parser.error(str(e))
+        current = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest,
+                merged_fields(current if isinstance(current, dict) else {}, update))
+
+
+class _IrOpPriority(argparse.Action):
+    """--ir-op-priority OP=PROVIDER[,...], repeatable: each one sets its op's list."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        from kiln.ir import parse_cli
+
+        try:
+            update = parse_cli([value])
+        except ValueError as e:
+            parser.error(str(e))
+        current = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, {**(current or {}), **update})
+
+
+def add_engine_flags(parser: argparse.ArgumentParser,
+                     d: "EngineArgs") -> argparse.ArgumentParser:
+    """Add every engine flag to `parser`, each defaulting to its field in `d`."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=d.model,
+                   help="local HF checkpoint directory or .gguf file, or a Hugging Face hub "
+                        "id (org/name; org/repo:Q4_K_M for one GGUF file of a repo), looked "
+                        "up in the hub cache first (default: built-in model)")
+    g.add_argument("--tokenizer", default=d.tokenizer,
+                   help="tokenizer directory, .gguf or hub id (default: the model's)")
+    g.add_argument("--revision", default=d.revision,
+                   help="hub revision (branch, tag or commit) of a hub-id --model")
+    g.add_argument("--tokenizer-revision", default=d.tokenizer_revision,
+                   help="hub revision of a hub-id --tokenizer")
+    g.add_argument("--download-dir", default=d.download_dir,
+                   help="hub cache directory to look in and download to (default: "
+                        "HF_HUB_CACHE or HF_HOME/hub)")
+    g.add_argument("--skip-tokenizer-init", action="store_true",
+                   default=d.skip_tokenizer_init,
+                   help="load no tokenizer: prompts are token ids, outputs carry no text")
+    g.add_argument("--chat-template", default=d.chat_template,
+                   help="a Jinja chat template replacing the tokenizer's: a file, or the "
+                        "template itself")
+    g.add_argument("--generation-config", default=d.generation_config,
+                   help="sampling defaults for unset request fields: 'auto' (the model's "
+                        "generation_config.json), 'vllm' (none) or a directory holding a "
+                        "generation_config.json")
+    g.add_argument("--dtype", default=d.dtype,
+                   choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
+                   help="weights' and activations' dtype; auto: the platform's default "
+                        "(float32 on CPU), or on CUDA the checkpoint's float16/bfloat16")
+    g.add_argument("--max-model-len", type=human_readable_int, default=d.max_model_len,
+                   help="context length (prompt + output), as vLLM takes it: 4096, 32k "
+                        "(32000) or 32K (32768); default: the model's")
+    g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                   help="most logprobs (and prompt_logprobs) a request may ask for; -1: "
+                        "the whole vocabulary")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="most sequences in one step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="token budget of one step")
+    g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
+                   help="run eagerly: no torch.compile, no graphs")
+    g.add_argument("-O", "--compilation-config", dest="compilation_config",
+                   default=d.compilation_config, action=_MergeCompilationConfig,
+                   help="compilation mode (" + MODES_HELP + ") or "
+                        "CompilationConfig JSON (-O '{\"mode\": 3, \"compile_sizes\": "
+                        "[1, 8]}'; given more than once, later fields override earlier "
+                        "ones; vLLM's -O.FIELD=VALUE too). -O0..-O3 and -O N are "
+                        "--optimization-level N, not the mode: --compilation-config N is")
+    g.add_argument("--optimization-level", dest="optimization_level", type=int,
+                   choices=[0, 1, 2, 3], default=d.optimization_level,
+                   help="vLLM's optimization level (-O0..-O3): 0 compiles nothing, 1..3 run "
+                        "mode 3; a mode the compilation config names wins")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                   help="ranks that split each layer (heads, MLP, vocab)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int,
+                   default=d.pipeline_parallel_size,
+                   help="stages that split the layers (one batch in flight at a time)")
+    g.add_argument("--distributed-executor-backend", default=d.distributed_executor_backend,
+                   choices=["uni", "mp", "ray"],
+                   help="how ranks run: uni (in-process, one rank), mp (one process per "
+                        "rank; the default for more than one), ray (Ray actors)")
+    g.add_argument("--seed", type=int, default=d.seed,
+                   help="random seed of the engine (dummy weights, sampling without a "
+                        "request seed); kiln generate/chat also seed their sampling with it")
+    g.add_argument("--load-format", default=d.load_format, choices=list(LOAD_FORMATS),
+                   help="how weights are read: auto (by the files found), safetensors, gguf, "
+                        "or dummy (random weights in the model's shapes, for benchmarks)")
+    g.add_argument("--block-size", type=int, default=d.block_size,
+                   help="tokens per KV cache block (the prefix cache's unit)")
+    g.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory,
+                   help="GiB for the KV cache: host memory on CPU; on CUDA, device "
+                        "memory in place of --gpu-memory-utilization's share")
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="CUDA: the share of the GPU's memory the engine may use (weights, "
+                        "activations, KV cache)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d.enable_prefix_caching,
+                   help="reuse the KV cache of prompt prefixes earlier requests computed")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=d.num_gpu_blocks_override,
+                   help="KV cache blocks to allocate, whatever the memory sizing says "
+                        "(default: sized from memory)")
+    g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"],
+                   help="where the model runs; auto: CUDA if available, else CPU")
+    g.add_argument("--quantization", "-q", default=d.quantization,
+                   choices=["int8", "fp8", "ptpc_fp8", "compressed-tensors"],
+                   help="int8: quantize the float checkpoint's linear layers on load (W8A8: "
+                        "per-channel int8 weights, dynamic per-token int8 activations); "
+                        "fp8 / ptpc_fp8: the same in e4m3 with per-tensor / per-channel "
+                        "weight scales (fast on GPUs with fp8 tensor cores); a "
+                        "compressed-tensors checkpoint needs no flag")
+    g.add_argument("--ir-op-priority", dest="ir_op_priority", action=_IrOpPriority,
+                   default=d.ir_op_priority, metavar="OP=PROVIDER[,PROVIDER...]",
+                   help="providers of an IR op in order of preference, e.g. "
+                        "rms_norm=native,torch (repeatable; kiln compile reports the choice)")
+    v = parser.add_argument_group(
+        "vLLM flags with one meaning here (taken so commands carry over)",
+        "vLLM flags Kiln has no counterpart for (--enable-lora, --speculative-config, "
+        "-dp, ...) are refused with the reason and what to use instead")
+    v.add_argument("--trust-remote-code", action="store_true", default=d.trust_remote_code,
+                   help="accepted; Kiln runs no code from checkpoints (its own Llama, "
+                        "Qwen2 and Qwen3 only)")
+    v.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=d.enable_chunked_prefill,
+                   help="long prompts are always prefilled in chunks (--no-... is refused)")
+    v.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto"],
+                   help="the KV cache holds the model's dtype")
+    v.add_argument("--tokenizer-mode", default=d.tokenizer_mode, choices=["auto", "hf"],
+                   help="the model's fast tokenizer")
+    v.add_argument("--swap-space", type=float, default=d.swap_space,
+                   help="GiB; unused: preempted requests are recomputed, as in vLLM V1")
+    v.add_argument("--disable-log-stats", action="store_true", default=d.disable_log_stats,
+                   help="kiln serve: no periodic throughput line in the log")
+    # vLLM's AsyncEngineArgs flag (its serve and bench throughput take it); no field here
+    v.add_argument("--disable-log-requests", action="store_true",
+                   help="accepted: request contents are never logged")
+    add_vllm_only_flags(parser)
+    return parser
