@@ -156,7 +156,9 @@ def test_the_server_logs_sequential_requests_once_per_interval():
         for _ in range(4):
             assert c.post("/v1/completions",
                           json=dict(prompt="abc", max_tokens=3)).status_code == 200
-        assert time.monotonic() - start < 2.0, "too slow to test: the interval went by"
-        assert len(lines) == 1, lines
+        # A line per request was 4; one per 2 s is 1 (2 on a machine slow enough to take 2 s).
+        assert len(lines) <= 1 + (time.monotonic() - start) // 2.0 < 4, lines
+        logged = len(lines)
         time.sleep(2.5)  # the deferred line, on the server's event loop
-        assert len(lines) == 2 and "Running: 0 reqs, Waiting: 0 reqs" in lines[1], lines
+        assert len(lines) == logged + 1, lines
+        assert "Running: 0 reqs, Waiting: 0 reqs" in lines[-1]
