@@ -204,7 +204,7 @@ class LoggingStatLogger:
             self._drained = (now, engine_stats)
             return
         self._log(now, engine_stats)
-        self._idle = True
+        self._drained, self._idle = None, True  # a flush still due finds nothing to log
 
     def _flush_drain(self) -> None:
         self._flush_set = False

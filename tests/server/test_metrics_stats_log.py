@@ -162,3 +162,20 @@ def test_the_server_logs_sequential_requests_once_per_interval():
         time.sleep(2.5)  # the deferred line, on the server's event loop
         assert len(lines) == logged + 1, lines
         assert "Running: 0 reqs, Waiting: 0 reqs" in lines[-1]
+
+
+def test_a_drain_logged_at_its_time_leaves_nothing_for_a_late_flush():
+    """The event loop ran the flush late: a drain that came after its time logged at once, and
+    the flush must not log that window a second time."""
+    clock, lines, timers = Clock(), [], []
+    log = LoggingStatLogger(interval=5.0, clock=clock, emit=lines.append,
+                            schedule=lambda delay, fn: timers.append(fn) or True)
+    log.record(IterationStats(num_generation_tokens=5), IDLE)  # logged
+    log.record(IterationStats(num_generation_tokens=5), busy())
+    clock.t += 1
+    log.record(IterationStats(num_generation_tokens=5), IDLE)  # deferred
+    clock.t += 5
+    log.record(IterationStats(num_generation_tokens=5), IDLE)  # past its time: logged now
+    assert len(lines) == 2
+    timers.pop()()
+    assert len(lines) == 2
