@@ -179,7 +179,7 @@ class LoggingStatLogger:
         self._schedule = schedule or _call_later
         self._last_line = float("-inf")
         self._drained: tuple[float, dict] | None = None  # a drain not logged yet: (when, stats)
-        self._flush_set = False  # _flush_drain is scheduled
+        self._flush_set = False  # flush is scheduled
 
     def record(self, iteration: IterationStats, engine_stats: dict) -> None:
         now = self._clock()
@@ -199,14 +199,15 @@ class LoggingStatLogger:
                 self._log(now, engine_stats)
             return
         wait = self._last_line + self.interval - now
-        if wait > 0 and (self._flush_set or self._schedule(wait, self._flush_drain)):
+        if wait > 0 and (self._flush_set or self._schedule(wait, self.flush)):
             self._flush_set = True
             self._drained = (now, engine_stats)
             return
         self._log(now, engine_stats)
         self._drained, self._idle = None, True  # a flush still due finds nothing to log
 
-    def _flush_drain(self) -> None:
+    def flush(self) -> None:
+        """Log a drain still waiting for its time (the server calls it as it stops)."""
         self._flush_set = False
         if self._drained is not None:
             self._log(*self._drained)

@@ -179,3 +179,23 @@ def test_a_drain_logged_at_its_time_leaves_nothing_for_a_late_flush():
     assert len(lines) == 2
     timers.pop()()
     assert len(lines) == 2
+
+
+def test_a_drain_line_still_due_is_logged_when_the_server_stops():
+    """Otherwise the log's last line could say requests were running (a busy window's line)."""
+    from fastapi.testclient import TestClient
+
+    from kiln.engine.async_llm import AsyncLLM
+    from kiln.entrypoints.openai.api_server import ServerSettings, build_app
+
+    from .fake_engine import FakeEngine
+
+    app = build_app(AsyncLLM(FakeEngine()), ServerSettings(stats_log_interval=600.0))
+    lines = []
+    app.state.metrics.stats_log._emit = lines.append
+    with TestClient(app) as c:
+        for _ in range(2):
+            assert c.post("/v1/completions",
+                          json=dict(prompt="abc", max_tokens=3)).status_code == 200
+        assert len(lines) == 1
+    assert len(lines) == 2 and "Running: 0 reqs, Waiting: 0 reqs" in lines[1], lines
