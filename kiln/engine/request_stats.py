@@ -154,10 +154,15 @@ class LoggingStatLogger:
 
     A line every `interval` s while the engine is busy, and one when it drains (so the last line
     says it is idle); nothing while idle. A busy period's first window starts when its first
-    request arrived, so an idle gap never dilutes the throughput shown after it.
+    request arrived, so an idle gap never dilutes the throughput shown after it. Never two lines
+    within `interval` s: back-to-back requests each drain the engine, and a line per request
+    flooded the log (vLLM logs one per interval); a drain too soon after the last line is logged
+    `interval` s after it, unless a request came meanwhile.
     """
 
-    def __init__(self, interval: float = 5.0, clock=None, emit=None):
+    def __init__(self, interval: float = 5.0, clock=None, emit=None, schedule=None):
+        """`schedule(delay, fn)`: run `fn` on this thread `delay` s later, False where it cannot
+        (default: the running event loop's call_later; without one a drain logs at once)."""
         import time
 
         from kiln.logger import init_logger
@@ -171,6 +176,10 @@ class LoggingStatLogger:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._prefix = (0, 0)  # (queries, hits) totals when the window started
+        self._schedule = schedule or _call_later
+        self._last_line = float("-inf")
+        self._drained: tuple[float, dict] | None = None  # a drain not logged yet: (when, stats)
+        self._flush_set = False  # flush is scheduled
 
     def record(self, iteration: IterationStats, engine_stats: dict) -> None:
         now = self._clock()
@@ -184,11 +193,25 @@ class LoggingStatLogger:
             self._start = min(self._start, now - max(iteration.time_to_first_tokens))
         self._prompt_tokens += iteration.num_prompt_tokens
         self._generation_tokens += iteration.num_generation_tokens
-        if not busy:
-            self._log(now, engine_stats)
-            self._idle = True
-        elif now - self._start >= self.interval:
-            self._log(now, engine_stats)
+        if busy:
+            self._drained = None  # busy again before its line: this window goes on
+            if now - self._start >= self.interval:
+                self._log(now, engine_stats)
+            return
+        wait = self._last_line + self.interval - now
+        if wait > 0 and (self._flush_set or self._schedule(wait, self.flush)):
+            self._flush_set = True
+            self._drained = (now, engine_stats)
+            return
+        self._log(now, engine_stats)
+        self._drained, self._idle = None, True  # a flush still due finds nothing to log
+
+    def flush(self) -> None:
+        """Log a drain still waiting for its time (the server calls it as it stops)."""
+        self._flush_set = False
+        if self._drained is not None:
+            self._log(*self._drained)
+            self._drained, self._idle = None, True
 
     def _log(self, now: float, engine_stats: dict) -> None:
         elapsed = now - self._start
@@ -199,9 +222,19 @@ class LoggingStatLogger:
             self._prompt_tokens / elapsed if elapsed > 0 else 0.0,
             self._generation_tokens / elapsed if elapsed > 0 else 0.0,
             engine_stats, d_hits / d_queries if d_queries > 0 else 0.0))
-        self._start, self._first_window = now, False
+        self._start, self._first_window, self._last_line = now, False, now
         self._prompt_tokens = self._generation_tokens = 0
         self._prefix = (queries, hits)
+
+
+def _call_later(delay: float, fn) -> bool:
+    import asyncio
+
+    try:
+        asyncio.get_running_loop().call_later(delay, fn)
+    except RuntimeError:  # no event loop in this thread
+        return False
+    return True
 
 
 def format_stats_line(prompt_tps: float, generation_tps: float, engine_stats: dict,

@@ -88,3 +88,114 @@ def test_the_server_logs_a_line_when_it_drains():
     with TestClient(app) as c:
         assert c.post("/v1/completions", json=dict(prompt="abc", max_tokens=3)).status_code == 200
     assert len(lines) == 1 and "Running: 0 reqs, Waiting: 0 reqs" in lines[0], lines
+
+
+def test_back_to_back_requests_log_one_line_per_interval_not_one_each():
+    """Each of a sequential client's requests drains the engine: a line per request flooded the
+    log (vLLM logs once per interval). A drain too soon after the last line waits for its time
+    and then says it is idle, with the throughput of all the requests it covers."""
+    clock, lines, timers = Clock(), [], []
+
+    def schedule(delay, fn):
+        timers.append((clock.t + delay, fn))
+        return True
+
+    log = LoggingStatLogger(interval=5.0, clock=clock, emit=lines.append, schedule=schedule)
+    for _ in range(10):  # ten 0.4 s requests, 0.1 s apart: 10 generated tokens each
+        log.record(IterationStats(num_prompt_tokens=4), busy(running=1, waiting=0))
+        clock.t += 0.4
+        log.record(IterationStats(num_generation_tokens=10), IDLE)
+        clock.t += 0.1
+    assert len(lines) == 1 and len(timers) == 1  # the first drain; one more pending
+    due, fn = timers.pop()
+    assert due == 1000.0 + 0.4 + 5.0
+    clock.t = due
+    fn()
+    assert len(lines) == 2
+    # Requests 2-10 (90 tokens) from the second's arrival (1000.5) to the last drain (1004.9).
+    assert "Avg generation throughput: 20.5 tokens/s" in lines[1]
+    assert "Running: 0 reqs, Waiting: 0 reqs, KV cache usage: 0.0%" in lines[1]
+    clock.t += 3600  # idle: nothing more; a later drain logs at once (the last line is old)
+    log.record(IterationStats(num_prompt_tokens=4), busy(running=1, waiting=0))
+    clock.t += 1.0
+    log.record(IterationStats(num_generation_tokens=10), IDLE)
+    assert len(lines) == 3 and not timers
+
+
+def test_a_request_before_the_deferred_line_keeps_the_window_open():
+    clock, lines, timers = Clock(), [], []
+    log = LoggingStatLogger(interval=5.0, clock=clock, emit=lines.append,
+                            schedule=lambda delay, fn: timers.append(fn) or True)
+    log.record(IterationStats(num_generation_tokens=5), IDLE)  # first drain: logged
+    log.record(IterationStats(num_generation_tokens=5), busy())
+    clock.t += 1
+    log.record(IterationStats(num_generation_tokens=5), IDLE)  # deferred
+    log.record(IterationStats(num_generation_tokens=5), busy())  # busy again before it
+    clock.t += 4
+    log.record(IterationStats(num_generation_tokens=5), busy())  # the interval's own line
+    assert len(lines) == 2 and "Running: 2 reqs" in lines[1]
+    timers.pop()()  # its drain line was overtaken: nothing more
+    assert len(lines) == 2
+
+
+def test_the_server_logs_sequential_requests_once_per_interval():
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from kiln.engine.async_llm import AsyncLLM
+    from kiln.entrypoints.openai.api_server import ServerSettings, build_app
+
+    from .fake_engine import FakeEngine
+
+    app = build_app(AsyncLLM(FakeEngine()), ServerSettings(stats_log_interval=2.0))
+    lines = []
+    app.state.metrics.stats_log._emit = lines.append
+    with TestClient(app) as c:
+        start = time.monotonic()
+        for _ in range(4):
+            assert c.post("/v1/completions",
+                          json=dict(prompt="abc", max_tokens=3)).status_code == 200
+        # A line per request was 4; one per 2 s is 1 (2 on a machine slow enough to take 2 s).
+        assert len(lines) <= 1 + (time.monotonic() - start) // 2.0 < 4, lines
+        logged = len(lines)
+        time.sleep(2.5)  # the deferred line, on the server's event loop
+        assert len(lines) == logged + 1, lines
+        assert "Running: 0 reqs, Waiting: 0 reqs" in lines[-1]
+
+
+def test_a_drain_logged_at_its_time_leaves_nothing_for_a_late_flush():
+    """The event loop ran the flush late: a drain that came after its time logged at once, and
+    the flush must not log that window a second time."""
+    clock, lines, timers = Clock(), [], []
+    log = LoggingStatLogger(interval=5.0, clock=clock, emit=lines.append,
+                            schedule=lambda delay, fn: timers.append(fn) or True)
+    log.record(IterationStats(num_generation_tokens=5), IDLE)  # logged
+    log.record(IterationStats(num_generation_tokens=5), busy())
+    clock.t += 1
+    log.record(IterationStats(num_generation_tokens=5), IDLE)  # deferred
+    clock.t += 5
+    log.record(IterationStats(num_generation_tokens=5), IDLE)  # past its time: logged now
+    assert len(lines) == 2
+    timers.pop()()
+    assert len(lines) == 2
+
+
+def test_a_drain_line_still_due_is_logged_when_the_server_stops():
+    """Otherwise the log's last line could say requests were running (a busy window's line)."""
+    from fastapi.testclient import TestClient
+
+    from kiln.engine.async_llm import AsyncLLM
+    from kiln.entrypoints.openai.api_server import ServerSettings, build_app
+
+    from .fake_engine import FakeEngine
+
+    app = build_app(AsyncLLM(FakeEngine()), ServerSettings(stats_log_interval=600.0))
+    lines = []
+    app.state.metrics.stats_log._emit = lines.append
+    with TestClient(app) as c:
+        for _ in range(2):
+            assert c.post("/v1/completions",
+                          json=dict(prompt="abc", max_tokens=3)).status_code == 200
+        assert len(lines) == 1
+    assert len(lines) == 2 and "Running: 0 reqs, Waiting: 0 reqs" in lines[1], lines
