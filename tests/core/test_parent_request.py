@@ -56,3 +56,36 @@ def test_a_parent_with_the_wrong_number_of_ids_is_refused():
     with pytest.raises(ValueError, match="n=3"):
         core.add_request(parent, ids[:2])
     assert not core.scheduler.requests
+
+
+def test_the_core_process_reports_every_sample_of_a_parent_it_could_not_add():
+    """The front end awaits the samples, not the parent: each must end, or the request hangs."""
+    import zmq
+
+    from kiln.core.core_messages import StepOutputs, input_codec, output_codec, to_wire
+    from kiln.core.core_process import CoreLoop
+
+    core = EngineCore(make_config(), PagedTokenExecutor)
+    core.add_request(make_request("1_r", [1, 2, 3], max_tokens=2))
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    out_pull, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind("inproc://parent-add-fails")
+    push.connect("inproc://parent-add-fails")
+    out_pull.bind("inproc://parent-add-fails-out")
+    out.connect("inproc://parent-add-fails-out")
+    try:
+        loop = CoreLoop(core, pull, out)
+        encoder, _ = input_codec()
+        _, decoder = output_codec()
+        parent, ids = _parent("r", 2)
+        push.send(encoder.encode(to_wire(parent, ids)))
+        assert loop.drain(1000) is True
+        report = decoder.decode(out_pull.recv())
+        assert isinstance(report, StepOutputs)
+        assert [(o.request_id, o.finish_reason) for o in report.outputs] == [
+            ("0_r", "abort"), ("1_r", "abort")]
+    finally:
+        for s in (pull, push, out, out_pull):
+            s.close(linger=0)
+        ctx.term()
