@@ -66,3 +66,16 @@ def test_aborting_the_parent_ends_every_sample_in_the_core(mp_llm):
     assert not engine.has_unfinished_requests()
     stats = engine.engine_core.make_stats()
     assert stats.num_running == 0 and stats.num_waiting == 0
+
+
+def test_an_in_process_core_makes_the_same_samples(mp_llm, tiny_llama_dir, monkeypatch):
+    params = SamplingParams(n=3, seed=9, temperature=1.0, max_tokens=5, ignore_eos=True,
+                            logit_bias={7: 3.0})
+    [there] = mp_llm.generate([PROMPT], params, use_tqdm=False)
+    monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")
+    here = LLM(model=str(tiny_llama_dir), **ENGINE)
+    try:
+        [local] = here.generate([PROMPT], params, use_tqdm=False)
+    finally:
+        here.shutdown()
+    assert [c.token_ids for c in local.outputs] == [c.token_ids for c in there.outputs]
