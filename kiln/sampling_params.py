@@ -111,9 +111,9 @@ class StructuredOutputsParams:
 # limit either): each is looked for, or copied per sample, for every request's sample.
 MAX_STOP_STRINGS = 256
 MAX_STOP_TOKEN_IDS = 1024
-# Bad words x n one request may give (vLLM does not limit them): each sample's words cross to
-# the engine core and are indexed there on its step loop; 5,000 words at n=64 held every other
-# stream on the server for 7 s.
+# Bad words x n one request may give (vLLM does not limit them): each sample's words are indexed
+# on the engine core's step loop (the request crosses to the core once, its samples made there);
+# 5,000 words at n=64 held every other stream on the server for 7 s.
 MAX_BAD_WORDS_PER_REQUEST = 16384
 
 

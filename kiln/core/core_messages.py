@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import traceback
 import typing
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -23,6 +24,9 @@ class EngineCoreRequest(msgspec.Struct, tag=True):
     sampling_params: dict[str, Any]  # encode_params(); decode_params() rebuilds it
     arrival_time: float
     cache_salt: str | None = None
+    # An n > 1 request's samples, sample i named child_ids[i]: the core makes them from this one
+    # message (parent_request.py), its params sent once. Empty: the request is its own sample.
+    child_ids: list[str] = []
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -124,11 +128,12 @@ def decode_params(fields: dict[str, Any]) -> SamplingParams:
     return params
 
 
-def to_wire(request: Request) -> EngineCoreRequest:
+def to_wire(request: Request, child_ids: Sequence[str] = ()) -> EngineCoreRequest:
     return EngineCoreRequest(request_id=request.request_id,
                              prompt_token_ids=list(request.prompt_token_ids),
                              sampling_params=encode_params(request.sampling_params),
-                             arrival_time=request.arrival_time, cache_salt=request.cache_salt)
+                             arrival_time=request.arrival_time, cache_salt=request.cache_salt,
+                             child_ids=list(child_ids))
 
 
 def from_wire(request: EngineCoreRequest) -> Request:

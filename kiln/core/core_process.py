@@ -115,10 +115,11 @@ class CoreLoop:
         core = self.core
         if isinstance(message, EngineCoreRequest):
             try:
-                core.add_request(from_wire(message))
+                core.add_request(from_wire(message), message.child_ids)
             except Exception:  # noqa: BLE001 - report it as the request's end, keep serving
                 logger.exception("request %s could not be added", message.request_id)
-                self.send(StepOutputs(outputs=[_aborted(message.request_id)],
+                ids = message.child_ids or [message.request_id]  # the ids the front end awaits
+                self.send(StepOutputs(outputs=[_aborted(rid) for rid in ids],
                                       stats=core.make_stats(),
                                       inputs_handled=self.inputs_handled))
             return True

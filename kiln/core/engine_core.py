@@ -4,9 +4,10 @@ Built once per engine: it sizes the KV cache through the executor, warms the mod
 serves steps. The engine front talks to it through add/abort/step only.
 """
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from kiln.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, EngineCoreOutput
+from kiln.core.parent_request import child_requests
 from kiln.core.request import Request, RequestStatus
 from kiln.core.scheduler import Scheduler
 from kiln.core.stats import SchedulerStats
@@ -112,8 +113,20 @@ class EngineCore:
             max_model_len, self.kiln_config.cache_config.block_size, num_blocks,
             block_bytes() if block_bytes is not None else None))
 
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+    def add_request(self, request: Request, child_ids: Sequence[str] = ()) -> None:
+        """`child_ids`: `request` is an n > 1 request, and its samples are added as child
+        requests of these ids sharing its params' fields (parent_request.py); all or none."""
+        if not child_ids:
+            self.scheduler.add_request(request)
+            return
+        added = []
+        try:
+            for child in child_requests(request, child_ids):
+                self.scheduler.add_request(child)
+                added.append(child.request_id)
+        except BaseException:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
 
     def abort_requests(self, req_ids: str | Iterable[str]) -> None:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)

@@ -13,6 +13,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 
 import msgspec
 import zmq
@@ -248,9 +249,12 @@ class CoreProcClient:
                 # waited forever, the core long gone), or one in a long step has a full queue.
                 self._send_poller.poll(_STEP_WAIT_MS)
 
-    def add_request(self, request: Request) -> None:
-        self._send(to_wire(request))
-        self._unfinished[request.request_id] = self._num_sent
+    def add_request(self, request: Request, child_ids: Sequence[str] = ()) -> None:
+        """`child_ids`: an n > 1 request's samples, which the core makes (EngineCore.add_request):
+        one message carries the params the samples share."""
+        self._send(to_wire(request, child_ids))
+        for req_id in child_ids or [request.request_id]:
+            self._unfinished[req_id] = self._num_sent
 
     def abort_requests(self, req_ids: list[str]) -> None:
         req_ids = [req_ids] if isinstance(req_ids, str) else list(req_ids)

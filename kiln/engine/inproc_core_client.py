@@ -3,6 +3,7 @@ with CoreProcClient's calls (core_client.py), and a watcher that hears a rank di
 """
 import os
 import threading
+from collections.abc import Sequence
 
 from kiln.core.outputs import EngineCoreOutput
 from kiln.core.request import Request, RequestStatus
@@ -30,8 +31,8 @@ class InprocCoreClient:
         self._closing = threading.Event()
         self._wake: tuple[int, int] | None = None  # a pipe that wakes the watcher at shutdown
 
-    def add_request(self, request: Request) -> None:
-        self.core.add_request(request)
+    def add_request(self, request: Request, child_ids: Sequence[str] = ()) -> None:
+        self.core.add_request(request, child_ids)
 
     def abort_requests(self, req_ids: list[str]) -> None:
         self.core.abort_requests(req_ids)

@@ -8,11 +8,12 @@ import weakref
 
 from kiln import envs
 from kiln.config import KilnConfig, ParallelConfig
+from kiln.core.parent_request import child_params, child_request_id
 from kiln.core.request import Request, RequestStatus
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.chat_template import render_chat_template
 from kiln.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
-from kiln.engine.output_processor import OutputProcessor, child_params, child_request_id
+from kiln.engine.output_processor import OutputProcessor
 from kiln.engine.text_encoding import check_encodable, encode_text
 from kiln.engine.tokenizer import config_eos_token_ids, generation_eos_token_ids, get_tokenizer
 from kiln.logger import init_logger
@@ -183,21 +184,21 @@ class LLMEngine:
                              f"({now:.0f}); Kiln's arrival times are time.monotonic() values "
                              "(vLLM's time.time() would reorder the queue)")
         arrival = now if arrival_time is None else arrival_time
-        core_requests = [Request(request_id=cid, prompt_token_ids=list(processed.prompt_token_ids),
-                                 sampling_params=p, arrival_time=arrival,
-                                 cache_salt=processed.cache_salt) for cid, p in samples]
+        # One core request: an n > 1 request goes once with its samples' ids, and the core makes
+        # them (parent_request.py), so its params cross to the core process once, not n times.
+        core_request = Request(request_id=request_id,
+                               prompt_token_ids=list(processed.prompt_token_ids),
+                               sampling_params=params, arrival_time=arrival,
+                               cache_salt=processed.cache_salt)
+        child_ids = [cid for cid, _ in samples] if params.n > 1 else []
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
                                           samples, params.output_kind)
-        added = []
         try:
-            for req in core_requests:
-                core.add_request(req)
-                added.append(req.request_id)
+            core.add_request(core_request, child_ids)
         except BaseException:
-            # Leave no half-added request behind: other requests must be unaffected.
+            # Leave no half-added request behind (the core adds a parent's samples all or
+            # none): other requests must be unaffected.
             self.output_processor.abort_requests([request_id])
-            if added:
-                core.abort_requests(added)
             raise
 
     def reset_prefix_cache(self) -> bool:

@@ -3,7 +3,6 @@
 Owns each request's detokenizer, stop-string checks, logprobs, and the fan-in of n > 1 samples
 (child core requests) into one RequestOutput per user request, per output kind.
 """
-import copy
 from dataclasses import dataclass, field
 
 from kiln.core.outputs import EngineCoreOutput, LogprobsLists
@@ -11,22 +10,6 @@ from kiln.engine.detokenizer import IncrementalDetokenizer, decode_anchor, lone_
 from kiln.engine.stream_detokenizer import NoTextDetokenizer, detokenizer_for_request
 from kiln.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
-
-
-def child_request_id(index: int, request_id: str) -> str:
-    return f"{index}_{request_id}"
-
-
-def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Params of sample `index` of an n > 1 request: n=1, and distinct seeds if seeded.
-    A shallow copy, as vLLM's: the samples share the lists nothing changes (bad_words and their
-    ids, stop strings, logit_bias), which a deep copy per sample rebuilt on the engine thread
-    (1,000 bad words at n=128 held every stream for seconds)."""
-    child = copy.copy(params)
-    child.n = 1
-    if params.seed is not None:
-        child.seed = params.seed + index
-    return child
 
 
 def to_logprob_dict(lists: LogprobsLists, decode) -> dict[int, Logprob]:

@@ -89,6 +89,9 @@ class PagedTokenExecutor:
     def shutdown(self) -> None:
         self.shut_down = True
 
+    def rank_sentinels(self) -> list:
+        return []  # no rank processes: the model is this object
+
     def _slot(self, req: _RunnerRequest, pos: int) -> tuple[int, int]:
         return req.block_ids[pos // self.block_size], pos % self.block_size
 

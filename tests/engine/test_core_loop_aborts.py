@@ -18,7 +18,7 @@ class RecordingCore:
     def __init__(self):
         self.calls = []
 
-    def add_request(self, request):
+    def add_request(self, request, child_ids=()):
         self.calls.append(("add", request.request_id))
 
     def abort_requests(self, req_ids):
@@ -60,10 +60,10 @@ def test_a_failed_adds_report_counts_the_inputs_up_to_it_not_those_behind_it():
     from kiln.core.core_messages import StepOutputs, output_codec
 
     class FailingCore(RecordingCore):
-        def add_request(self, request):
+        def add_request(self, request, child_ids=()):
             if not self.calls:  # the first one
                 raise RuntimeError("the add fails")
-            super().add_request(request)
+            super().add_request(request, child_ids)
 
         def make_stats(self):
             from kiln.core.stats import SchedulerStats

@@ -2,7 +2,8 @@
 import pytest
 
 from kiln.core.outputs import EngineCoreOutput, LogprobsLists
-from kiln.engine.output_processor import OutputProcessor, child_params, child_request_id
+from kiln.core.parent_request import child_params, child_request_id
+from kiln.engine.output_processor import OutputProcessor
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("detokenizer_kind")

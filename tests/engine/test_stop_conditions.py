@@ -5,7 +5,8 @@ Core outputs are hand-made (one token per step, as the scheduler sends), so no m
 import pytest
 
 from kiln.core.outputs import EngineCoreOutput
-from kiln.engine.output_processor import OutputProcessor, child_params, child_request_id
+from kiln.core.parent_request import child_params, child_request_id
+from kiln.engine.output_processor import OutputProcessor
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("detokenizer_kind")

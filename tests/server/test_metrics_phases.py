@@ -8,10 +8,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kiln.core.outputs import EngineCoreOutput
+from kiln.core.parent_request import child_params, child_request_id
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.async_llm import AsyncLLM
 from kiln.engine.llm_engine import LLMEngine
-from kiln.engine.output_processor import OutputProcessor, child_params, child_request_id
+from kiln.engine.output_processor import OutputProcessor
 from kiln.engine.request_stats import IterationStats, RequestTimer
 from kiln.entrypoints.openai.metrics import ServerMetrics
 from kiln.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -28,14 +29,16 @@ def engine(inprocess_core, tiny_llama_dir):
         model=str(tiny_llama_dir), enforce_eager=True, max_model_len=128, max_num_seqs=1,
         kv_cache_memory=0.02))
     # Keep every core request the engine creates, to read its stamp after it is gone.
+    # The scheduler's: the core makes an n > 1 request's samples itself.
     core_requests = {}
-    add = eng.engine_core.add_request
+    scheduler = eng.engine_core.core.scheduler
+    add = scheduler.add_request
 
     def recording_add(request):
         core_requests[request.request_id] = request
         add(request)
 
-    eng.engine_core.add_request = recording_add
+    scheduler.add_request = recording_add
     eng.core_requests = core_requests
     yield eng
     eng.shutdown()
