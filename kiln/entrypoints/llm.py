@@ -117,7 +117,15 @@ class LLM:
             raise ValueError("sampling_params must be a SamplingParams or a list of them, got "
                              f"{type(sampling_params).__name__}")
         else:
-            params_list = list(sampling_params)
+            # a None in the list: that prompt's defaults are the ones None gives the batch
+            # (the model's generation config), not a bare SamplingParams()
+            defaults = None
+            params_list = []
+            for params in sampling_params:
+                if params is None:
+                    defaults = defaults or self.get_default_sampling_params()
+                    params = defaults
+                params_list.append(params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} "
                                  "prompts; pass one SamplingParams or one per prompt")
