@@ -1,9 +1,11 @@
 """The per-step forward context: attention metadata, layer table and graph mode for one forward.
 
 The attention custom op looks up its layer by name here, which keeps per-step and per-layer data
-out of the traced graph. Setting a context while one is active is an error.
+out of the traced graph. Setting a context while this thread's is active is an error; another
+thread's (a second in-process engine, KILN_ENABLE_V1_MULTIPROCESSING=0) is waited for.
 """
 import contextlib
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +26,11 @@ class ForwardContext:
 
 
 _forward_context: ForwardContext | None = None
+# The context is process-wide (the attention op reads it from any thread): two engines stepping
+# in two threads of one process take turns. Without the lock the second thread's step failed,
+# or, between the first's check and its set, replaced the first's context mid-forward.
+_turn = threading.Lock()
+_holder: int | None = None  # the thread whose forward holds _turn
 
 
 def get_forward_context() -> ForwardContext:
@@ -42,19 +49,24 @@ def set_forward_context(attn_metadata: AttentionMetadata | None, kiln_config, *,
                         layers: dict[str, Any], batch_descriptor=None,
                         cudagraph_runtime_mode=None):
     """`layers`: layer name -> Attention module (kiln.model.layers.attention.attention_layers)."""
-    global _forward_context
-    if _forward_context is not None:
+    global _forward_context, _holder
+    if _holder == threading.get_ident():
         raise RuntimeError("set_forward_context() is not re-entrant: a forward context is active")
-    if "ir_selection" in kiln_config.__dict__:  # this engine's IR op choices (kiln/ir/)
-        apply_ir_selection(kiln_config.ir_selection)
-    _forward_context = ForwardContext(
-        no_compile_layers=layers,
-        attn_metadata=attn_metadata, batch_descriptor=batch_descriptor,
-        cudagraph_runtime_mode=cudagraph_runtime_mode)
-    context = _forward_context
-    try:
-        yield context
-    finally:
-        _forward_context = None
-        for callback in context.on_exit:
-            callback()
+    with _turn:
+        _holder = threading.get_ident()
+        try:
+            if "ir_selection" in kiln_config.__dict__:  # this engine's IR op choices (kiln/ir/)
+                apply_ir_selection(kiln_config.ir_selection)
+            _forward_context = ForwardContext(
+                no_compile_layers=layers,
+                attn_metadata=attn_metadata, batch_descriptor=batch_descriptor,
+                cudagraph_runtime_mode=cudagraph_runtime_mode)
+            context = _forward_context
+            try:
+                yield context
+            finally:
+                _forward_context = None
+                for callback in context.on_exit:
+                    callback()
+        finally:
+            _holder = None

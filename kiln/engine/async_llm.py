@@ -111,8 +111,28 @@ class AsyncLLM:
     def start(self) -> None:
         """Note the event loop (the server calls it at start-up): a core that dies while no
         request runs is reported there."""
+        loop = asyncio.get_running_loop()
         if self._loop is None:
-            self._loop = asyncio.get_running_loop()
+            self._loop = loop
+        elif self._loop is not loop:
+            self._move_to(loop)
+
+    def _move_to(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A later loop (a script's second asyncio.run, a notebook's new loop) takes the engine
+        over from one that stopped: the step loop's wake event and task were bound to the old
+        one, whose first wait then failed the engine for good ("restart the server")."""
+        if self._loop.is_running():
+            raise RuntimeError("this AsyncLLM is in use by an event loop running in another "
+                               "thread; submit to that loop (asyncio.run_coroutine_threadsafe)")
+        # The old loop's requests have no consumer left to read them: abort them here, ending
+        # no stream (their waiters belong to the old loop).
+        ids = self._forget(list(self._streams), end_streams=False)
+        if ids and not self._pool_closed:
+            self._pool.submit(self._abort_logged, ids)
+        if self._loop_task is not None and not self._loop_task.done() \
+                and not self._loop.is_closed():
+            self._loop_task.cancel()  # it would step beside the new loop's if the old ran again
+        self._loop, self._wake, self._loop_task = loop, None, None
 
     def _core_died(self, error: BaseException) -> None:
         """From the core client's watcher thread."""
@@ -165,6 +185,7 @@ class AsyncLLM:
         `max_tokens_must_fit`: refuse a max_tokens past max_model_len instead of cutting it.
         `processed`: process_inputs()'s result for this prompt and params (then not redone)."""
         self._check_alive()
+        self.start()  # before the stream registers: a move to a new loop aborts the old ones
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in flight; ids must be unique")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -2,6 +2,7 @@
 
 Every prompt is validated before any is queued, so a bad prompt leaves the engine untouched.
 """
+import contextlib
 import itertools
 import os
 import sys
@@ -82,6 +83,7 @@ class LLM:
         # One batch runs at a time: a second thread's step loop would take (and drop) the
         # first's outputs, and an in-process core's forward is not re-entrant.
         self._running = threading.Lock()
+        self._running_thread: int | None = None  # the thread that holds _running
         self._owner_pid = os.getpid()
 
     def get_tokenizer(self):
@@ -115,7 +117,15 @@ class LLM:
             raise ValueError("sampling_params must be a SamplingParams or a list of them, got "
                              f"{type(sampling_params).__name__}")
         else:
-            params_list = list(sampling_params)
+            # a None in the list: that prompt's defaults are the ones None gives the batch
+            # (the model's generation config), not a bare SamplingParams()
+            defaults = None
+            params_list = []
+            for params in sampling_params:
+                if params is None:
+                    defaults = defaults or self.get_default_sampling_params()
+                    params = defaults
+                params_list.append(params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} "
                                  "prompts; pass one SamplingParams or one per prompt")
@@ -189,9 +199,24 @@ class LLM:
                                "engine it cannot drive; make a new LLM in the child (or fork "
                                "before making one)")
 
+    @contextlib.contextmanager
+    def _one_batch(self, method: str):
+        """Hold the one-batch lock. A call from inside this thread's own batch (a use_tqdm bar,
+        a signal handler) would wait on itself forever: refused instead."""
+        if self._running_thread == threading.get_ident():
+            raise RuntimeError(f"LLM.{method}() was called from inside this LLM's running "
+                               "generate()/chat() on the same thread (e.g. from a use_tqdm bar "
+                               "or a signal handler); call it after that batch returns")
+        with self._running:
+            self._running_thread = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._running_thread = None
+
     def _run(self, processed: list[ProcessedPrompt], use_tqdm) -> list[RequestOutput]:
         self._check_owner()
-        with self._running:
+        with self._one_batch("generate"):
             return self._run_batch(processed, use_tqdm)
 
     def _run_batch(self, processed: list[ProcessedPrompt], use_tqdm) -> list[RequestOutput]:
@@ -231,7 +256,7 @@ class LLM:
         self._check_owner()
         # Between batches: a batch's step loop in another thread read (and dropped) this call's
         # answer from the core, which was then waited for forever.
-        with self._running:
+        with self._one_batch("reset_prefix_cache"):
             return self.llm_engine.reset_prefix_cache()
 
     def shutdown(self) -> None:

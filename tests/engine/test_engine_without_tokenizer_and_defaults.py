@@ -73,6 +73,12 @@ def test_generation_config_defaults_fill_only_unset_fields(tmp_path, tiny_llama_
         assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.0, 7, 3)
         (out,) = llm.generate(PROMPT, use_tqdm=False)  # no params: the model's defaults
         assert len(out.outputs[0].token_ids) <= 3
+        # a None in a per-prompt list asks for the same defaults (it got a bare
+        # SamplingParams(): temperature 1, 16 tokens)
+        mixed = llm.generate([PROMPT, PROMPT], [None, SamplingParams(max_tokens=1)],
+                             use_tqdm=False)
+        assert mixed[0].outputs[0].token_ids == out.outputs[0].token_ids
+        assert len(mixed[1].outputs[0].token_ids) == 1
     finally:
         llm.shutdown()
     llm = LLM(model=str(model), enforce_eager=True, max_model_len=64, generation_config="vllm")

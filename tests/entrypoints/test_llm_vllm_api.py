@@ -1,5 +1,7 @@
 """vLLM's LLM keywords and methods that Kiln has no feature for: taken at the values that ask
 for nothing, refused by name otherwise (not a TypeError or AttributeError)."""
+import signal
+
 import pytest
 from tqdm import tqdm
 
@@ -56,3 +58,33 @@ def test_vllms_fields_for_features_kiln_lacks_read_as_vllm_gives_them(llm):
     assert (out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids,
             out.multi_modal_placeholders, out.kv_transfer_params) == (None, None, None, {}, None)
     assert out.outputs[0].lora_request is None
+
+
+def test_generate_from_inside_its_own_batch_is_refused_not_a_hang(llm):
+    """A use_tqdm bar (or a signal handler) that calls back into the LLM on the batch's own
+    thread used to wait on the batch lock it held: a silent hang, forever."""
+    inner = []
+
+    def hung(signum, frame):
+        raise TimeoutError("the call from inside the batch waited on the batch's own lock")
+
+    class Bar(tqdm):
+        def update(self, n=1):
+            for call in (lambda: llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False),
+                         llm.reset_prefix_cache):
+                with pytest.raises(RuntimeError, match="inside this LLM's running generate"):
+                    call()
+                inner.append(True)
+            return super().update(n)
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=Bar)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert len(outs) == 2 and inner
+    # the outer batch finished and the LLM takes the next call
+    assert len(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == 2
+    assert not llm.llm_engine.has_unfinished_requests()

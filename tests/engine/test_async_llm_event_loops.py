@@ -1,0 +1,79 @@
+"""AsyncLLM used directly from more than one event loop, one after another (a script's second
+asyncio.run, a notebook's new loop): the engine carries on, and a loop's abandoned requests are
+aborted, not left running."""
+import asyncio
+import threading
+
+import pytest
+
+from kiln.engine.arg_utils import EngineArgs
+from kiln.engine.async_llm import AsyncLLM
+from kiln.sampling_params import RequestOutputKind, SamplingParams
+
+PROMPT = {"prompt_token_ids": [5, 6, 7]}
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    engine = AsyncLLM.from_engine_args(EngineArgs(
+        model=str(tiny_llama_dir), enforce_eager=True, max_model_len=128, max_num_seqs=4,
+        kv_cache_memory=0.02))
+    yield engine
+    asyncio.run(engine.shutdown())
+
+
+async def tokens(engine, request_id):
+    async def run():
+        outs = [o async for o in engine.generate(PROMPT, GREEDY, request_id)]
+        return outs[-1].outputs[0].token_ids
+    return await asyncio.wait_for(run(), 60)
+
+
+def test_later_event_loops_keep_the_engine_running(engine):
+    """The step loop's wake event was bound to the first loop: the next loop's first idle wait
+    raised, and the engine failed every request after ("restart the server")."""
+    first = asyncio.run(tokens(engine, "a"))
+    assert len(first) == 6
+    for i in range(3):
+        assert asyncio.run(tokens(engine, f"b{i}")) == first
+
+    async def leave_one_running():
+        stream = engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=100,
+                                                        ignore_eos=True), "left")
+        await stream.__anext__()
+        return stream  # its loop closes under it
+
+    asyncio.run(leave_one_running())
+    assert asyncio.run(tokens(engine, "c")) == first
+    assert engine.is_running and engine.num_in_flight == 0
+    stats = engine.engine.get_stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_a_second_loop_while_the_first_runs_is_refused(engine):
+    started, stop = threading.Event(), None
+
+    def other_thread():
+        nonlocal stop
+        async def hold():
+            nonlocal stop
+            stop = asyncio.Event()
+            await tokens(engine, "other")
+            started.set()
+            await stop.wait()
+        asyncio.run(hold())
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    assert started.wait(60)
+    try:
+        with pytest.raises(RuntimeError, match="event loop running in another thread"):
+            asyncio.run(tokens(engine, "here"))
+    finally:
+        engine._loop.call_soon_threadsafe(stop.set)
+        thread.join(60)
+    assert asyncio.run(tokens(engine, "after")) == asyncio.run(tokens(engine, "again"))
+    assert engine.is_running
