@@ -2,6 +2,7 @@
 whole and streamed alike, and a grammar (schemas, forced tool_choice) waits for its end."""
 import re
 
+import httpx
 import pytest
 
 from .test_server_e2e import KEY, NAME
@@ -104,3 +105,30 @@ def test_a_think_tag_in_a_message_is_not_the_templates(reasoning_client):
         extra_body={"continue_final_message": True, "add_generation_prompt": False}
     ).choices[0].message
     assert m.reasoning_content and m.content is None
+
+
+def test_completions_grammar_waits_for_the_thinking(reasoning_client):
+    """/v1/completions too (vLLM's reasoner is the engine's, for every constrained request):
+    the grammar applies after </think> unless the prompt closed the thinking; each prompt of a
+    batch by its own, token ids as text. The text is not split (vLLM's completions have no
+    reasoning_content)."""
+    def answer(prompt):
+        return reasoning_client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=12, temperature=0,
+            extra_body={"structured_outputs": {"regex": "z{1,3}"}}).choices
+
+    free = answer("Hello")[0]
+    assert free.finish_reason == "length" and not re.fullmatch("z{1,3}", free.text), free
+    closed = "Hello<think>\n\n</think>\n\n"
+    assert re.fullmatch("z{1,3}", answer(closed)[0].text)
+    choices = answer([_tokens(reasoning_client, closed), _tokens(reasoning_client, "Hello")])
+    assert re.fullmatch("z{1,3}", choices[0].text) and choices[1].text == free.text, choices
+    choices = answer(["Hello", closed, "Hi <think>"])
+    assert [bool(re.fullmatch("z{1,3}", c.text)) for c in choices] == [False, True, False]
+
+
+def _tokens(client, text: str) -> list[int]:
+    url = str(client.base_url).removesuffix("/").removesuffix("v1") + "tokenize"
+    r = httpx.post(url, json={"model": NAME, "prompt": text},
+                   headers={"Authorization": f"Bearer {KEY}"})
+    return r.raise_for_status().json()["tokens"]
