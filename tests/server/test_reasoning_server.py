@@ -132,3 +132,29 @@ def _tokens(client, text: str) -> list[int]:
     r = httpx.post(url, json={"model": NAME, "prompt": text},
                    headers={"Authorization": f"Bearer {KEY}"})
     return r.raise_for_status().json()["tokens"]
+
+
+def test_usage_counts_the_reasoning_tokens(reasoning_client):
+    """usage.completion_tokens_details.reasoning_tokens (vLLM's, with a reasoning parser): the
+    tokens between <think> and </think>, the tags not counted, over all choices; whole and in
+    the streamed usage alike."""
+    think, end = _tokens(reasoning_client, "<think></think>")
+    letters = _tokens(reasoning_client, "ab")
+    kw = dict(model=NAME, messages=MESSAGES, max_tokens=12, temperature=1.0, n=3,
+              extra_body={"allowed_token_ids": [think, end, *letters], "seed": 20,
+                          "return_token_ids": True})
+    r = reasoning_client.chat.completions.create(**kw)
+
+    def thinking(ids):
+        if not ids or ids[0] != think:
+            return 0
+        return (ids.index(end) if end in ids else len(ids)) - 1
+
+    expected = sum(thinking(c.token_ids) for c in r.choices)
+    assert r.usage.completion_tokens_details.reasoning_tokens == expected
+    # (this seed: one answer thinks, closes it and answers; one never thinks)
+    assert any(c.token_ids[0] == think and end in c.token_ids for c in r.choices)
+    assert any(thinking(c.token_ids) == 0 for c in r.choices) and expected
+    chunks = list(reasoning_client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == expected
