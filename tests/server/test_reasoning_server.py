@@ -37,6 +37,11 @@ def test_reasoning_split(reasoning_client):
             reasoning += getattr(c.delta, "reasoning_content", None) or ""
             content += c.delta.content or ""
     assert (reasoning, content) == (m.reasoning_content, m.content)
+    # vLLM's newer name for the field (its clients read `reasoning`), whole and streamed
+    assert m.model_extra["reasoning"] == m.reasoning_content
+    assert "".join(c.delta.model_extra.get("reasoning") or ""
+                   for chunk in client.chat.completions.create(stream=True, **kw)
+                   for c in chunk.choices) == m.reasoning_content
     # include_reasoning=false: the thinking is dropped, the content stays.
     r = client.chat.completions.create(**{**kw, "extra_body": {
         **kw["extra_body"], "include_reasoning": False}})

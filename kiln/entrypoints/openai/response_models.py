@@ -4,7 +4,7 @@ streamed), models, tokenization and errors. The requests they answer are protoco
 import time
 from typing import Literal
 
-from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from kiln.entrypoints.openai.protocol import OpenAIBase
 
@@ -115,6 +115,13 @@ class ChatResponseMessage(OpenAIBase):
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    # vLLM's name for reasoning_content since 0.11 (what its clients read): the same text
+    reasoning: str | None = None
+
+    @model_validator(mode="after")
+    def _reasoning_too(self):
+        self.reasoning = self.reasoning_content
+        return self
 
 
 class ChatCompletionChoice(OpenAIBase):
@@ -167,6 +174,13 @@ class DeltaMessage(StreamDelta):
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    # vLLM's name for reasoning_content since 0.11 (what its clients read): the same text
+    reasoning: str | None = None
+
+    @model_validator(mode="after")
+    def _reasoning_too(self):
+        self.reasoning = self.reasoning_content
+        return self
 
 
 class ChatStreamChoice(OpenAIBase):
