@@ -94,3 +94,13 @@ def test_reasoning_tokens(ids, inside, expected):
     for token in ids:
         counter.feed([token])
     assert counter.count == expected
+
+
+def test_usage_details_only_where_counted():
+    """Without a reasoning parser (nothing counted) usage has no completion_tokens_details key,
+    as vLLM's; with one, the count, 0 included."""
+    from kiln.entrypoints.openai.response_models import make_usage
+
+    assert "completion_tokens_details" not in make_usage(3, 4).model_dump()
+    assert make_usage(3, 4, reasoning_tokens=0).model_dump()["completion_tokens_details"] == {
+        "reasoning_tokens": 0}
