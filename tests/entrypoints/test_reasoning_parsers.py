@@ -8,6 +8,7 @@ import pytest
 
 from kiln.reasoning import grammar_thinking_first, grammar_waits_for_reasoning, make_splitter
 from kiln.reasoning.think_splitter import ThinkSplitter, prompt_opens_thinking
+from kiln.reasoning.token_count import ReasoningTokenCounter
 from kiln.sampling_params import StructuredOutputsParams
 
 CASES = [
@@ -73,3 +74,33 @@ def test_a_grammar_waiting_for_the_end_of_thinking_counts_all_before_it_as_think
     # another marker than </think>: the splitter cannot follow it, the prompt decides
     other = StructuredOutputsParams(json={"type": "object"}, reasoning_end="[END]")
     assert grammar_thinking_first(other) is None
+
+
+@pytest.mark.parametrize("ids, inside, expected", [
+    ([1, 5, 5, 2, 5], False, 2),  # <think> a a </think> b
+    ([5, 1, 5, 2], False, 0),  # a <think> only opens as the first token
+    ([5, 5, 2, 5], True, 2),  # opened by the prompt
+    ([1, 5, 2, 5], True, 1),  # ... and by the answer as well: one block
+    ([1, 5, 1, 5], False, 3),  # never closed: all of it after the tag
+    ([2, 5], False, 0),
+])
+def test_reasoning_tokens(ids, inside, expected):
+    """usage's reasoning_tokens: the tokens the splitter gives reasoning, the tags not counted
+    (ids: 1 <think>, 2 </think>), fed whole or token by token."""
+    counter = ReasoningTokenCounter((1, 2), inside)
+    counter.feed(ids)
+    assert counter.count == expected
+    counter = ReasoningTokenCounter((1, 2), inside)
+    for token in ids:
+        counter.feed([token])
+    assert counter.count == expected
+
+
+def test_usage_details_only_where_counted():
+    """Without a reasoning parser (nothing counted) usage has no completion_tokens_details key,
+    as vLLM's; with one, the count, 0 included."""
+    from kiln.entrypoints.openai.response_models import make_usage
+
+    assert "completion_tokens_details" not in make_usage(3, 4).model_dump()
+    assert make_usage(3, 4, reasoning_tokens=0).model_dump()["completion_tokens_details"] == {
+        "reasoning_tokens": 0}

@@ -2,6 +2,7 @@
 whole and streamed alike, and a grammar (schemas, forced tool_choice) waits for its end."""
 import re
 
+import httpx
 import pytest
 
 from .test_server_e2e import KEY, NAME
@@ -36,6 +37,11 @@ def test_reasoning_split(reasoning_client):
             reasoning += getattr(c.delta, "reasoning_content", None) or ""
             content += c.delta.content or ""
     assert (reasoning, content) == (m.reasoning_content, m.content)
+    # vLLM's newer name for the field (its clients read `reasoning`), whole and streamed
+    assert m.model_extra["reasoning"] == m.reasoning_content
+    assert "".join(c.delta.model_extra.get("reasoning") or ""
+                   for chunk in client.chat.completions.create(stream=True, **kw)
+                   for c in chunk.choices) == m.reasoning_content
     # include_reasoning=false: the thinking is dropped, the content stays.
     r = client.chat.completions.create(**{**kw, "extra_body": {
         **kw["extra_body"], "include_reasoning": False}})
@@ -104,3 +110,56 @@ def test_a_think_tag_in_a_message_is_not_the_templates(reasoning_client):
         extra_body={"continue_final_message": True, "add_generation_prompt": False}
     ).choices[0].message
     assert m.reasoning_content and m.content is None
+
+
+def test_completions_grammar_waits_for_the_thinking(reasoning_client):
+    """/v1/completions too (vLLM's reasoner is the engine's, for every constrained request):
+    the grammar applies after </think> unless the prompt closed the thinking; each prompt of a
+    batch by its own, token ids as text. The text is not split (vLLM's completions have no
+    reasoning_content)."""
+    def answer(prompt):
+        return reasoning_client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=12, temperature=0,
+            extra_body={"structured_outputs": {"regex": "z{1,3}"}}).choices
+
+    free = answer("Hello")[0]
+    assert free.finish_reason == "length" and not re.fullmatch("z{1,3}", free.text), free
+    closed = "Hello<think>\n\n</think>\n\n"
+    assert re.fullmatch("z{1,3}", answer(closed)[0].text)
+    choices = answer([_tokens(reasoning_client, closed), _tokens(reasoning_client, "Hello")])
+    assert re.fullmatch("z{1,3}", choices[0].text) and choices[1].text == free.text, choices
+    choices = answer(["Hello", closed, "Hi <think>"])
+    assert [bool(re.fullmatch("z{1,3}", c.text)) for c in choices] == [False, True, False]
+
+
+def _tokens(client, text: str) -> list[int]:
+    url = str(client.base_url).removesuffix("/").removesuffix("v1") + "tokenize"
+    r = httpx.post(url, json={"model": NAME, "prompt": text},
+                   headers={"Authorization": f"Bearer {KEY}"})
+    return r.raise_for_status().json()["tokens"]
+
+
+def test_usage_counts_the_reasoning_tokens(reasoning_client):
+    """usage.completion_tokens_details.reasoning_tokens (vLLM's, with a reasoning parser): the
+    tokens between <think> and </think>, the tags not counted, over all choices; whole and in
+    the streamed usage alike."""
+    think, end = _tokens(reasoning_client, "<think></think>")
+    letters = _tokens(reasoning_client, "ab")
+    kw = dict(model=NAME, messages=MESSAGES, max_tokens=12, temperature=1.0, n=3,
+              extra_body={"allowed_token_ids": [think, end, *letters], "seed": 20,
+                          "return_token_ids": True})
+    r = reasoning_client.chat.completions.create(**kw)
+
+    def thinking(ids):
+        if not ids or ids[0] != think:
+            return 0
+        return (ids.index(end) if end in ids else len(ids)) - 1
+
+    expected = sum(thinking(c.token_ids) for c in r.choices)
+    assert r.usage.completion_tokens_details.reasoning_tokens == expected
+    # (this seed: one answer thinks, closes it and answers; one never thinks)
+    assert any(c.token_ids[0] == think and end in c.token_ids for c in r.choices)
+    assert any(thinking(c.token_ids) == 0 for c in r.choices) and expected
+    chunks = list(reasoning_client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == expected

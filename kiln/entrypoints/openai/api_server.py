@@ -67,7 +67,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
                                 "gpu_memory_utilization": cache.gpu_memory_utilization})
     llm.stat_loggers.append(metrics)
     completion = ServingCompletion(llm, models, settings.enable_prompt_tokens_details,
-                                   settings.disable_any_whitespace)
+                                   settings.disable_any_whitespace,
+                                   reasoning_parser=settings.reasoning_parser)
     chat = ServingChat(llm, models, settings.enable_prompt_tokens_details,
                        tool_call_parser=settings.tool_call_parser,
                        enable_auto_tool_choice=settings.enable_auto_tool_choice,

@@ -4,7 +4,7 @@ streamed), models, tokenization and errors. The requests they answer are protoco
 import time
 from typing import Literal
 
-from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from kiln.entrypoints.openai.protocol_base import OpenAIBase
 
@@ -13,28 +13,38 @@ class PromptTokenUsageInfo(OpenAIBase):
     cached_tokens: int | None = None
 
 
+class CompletionTokenUsageInfo(OpenAIBase):
+    reasoning_tokens: int | None = None
+
+
 class UsageInfo(OpenAIBase):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     # Only with --enable-prompt-tokens-details (as vLLM): prompt tokens the prefix cache held.
     prompt_tokens_details: PromptTokenUsageInfo | None = None
+    # Only with --reasoning-parser, on a chat's whole usage (as vLLM): its thinking's tokens.
+    completion_tokens_details: CompletionTokenUsageInfo | None = None
 
     @model_serializer(mode="wrap")
     def _no_null_details(self, handler):  # no null details key when the flag is off
         data = handler(self)
-        if data.get("prompt_tokens_details", 0) is None:
-            del data["prompt_tokens_details"]
+        for key in ("prompt_tokens_details", "completion_tokens_details"):
+            if data.get(key, 0) is None:
+                del data[key]
         return data
 
 
 def make_usage(prompt_tokens: int, completion_tokens: int,
-               cached_tokens: int | None = None) -> UsageInfo:
-    """`cached_tokens`: None leaves prompt_tokens_details out."""
+               cached_tokens: int | None = None,
+               reasoning_tokens: int | None = None) -> UsageInfo:
+    """`cached_tokens`, `reasoning_tokens`: None leaves their details out."""
     details = None if cached_tokens is None else PromptTokenUsageInfo(cached_tokens=cached_tokens)
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens,
-                     prompt_tokens_details=details)
+                     prompt_tokens_details=details,
+                     completion_tokens_details=None if reasoning_tokens is None else
+                     CompletionTokenUsageInfo(reasoning_tokens=reasoning_tokens))
 
 
 class CompletionLogprobs(OpenAIBase):
@@ -105,6 +115,13 @@ class ChatResponseMessage(OpenAIBase):
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    # vLLM's name for reasoning_content since 0.11 (what its clients read): the same text
+    reasoning: str | None = None
+
+    @model_validator(mode="after")
+    def _reasoning_too(self):
+        self.reasoning = self.reasoning_content
+        return self
 
 
 class ChatCompletionChoice(OpenAIBase):
@@ -157,6 +174,13 @@ class DeltaMessage(StreamDelta):
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    # vLLM's name for reasoning_content since 0.11 (what its clients read): the same text
+    reasoning: str | None = None
+
+    @model_validator(mode="after")
+    def _reasoning_too(self):
+        self.reasoning = self.reasoning_content
+        return self
 
 
 class ChatStreamChoice(OpenAIBase):

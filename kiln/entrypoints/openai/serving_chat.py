@@ -4,6 +4,7 @@ The template renders through the tokenizer's sandboxed Jinja environment (LLMEng
 which tokenizes without extra special tokens, since templates write their own BOS).
 """
 import dataclasses
+import functools
 import time
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -63,6 +64,7 @@ from kiln.reasoning import (
     make_splitter,
     prompt_opens_thinking,
 )
+from kiln.reasoning.token_count import ReasoningTokenCounter, think_tag_ids, total_reasoning_tokens
 
 
 class ServingChat:
@@ -136,9 +138,12 @@ class ServingChat:
         echoed = echo_prefix(req, req.messages)
         choices = [self._choice(req, plan, prompt_text, o, echoed, thinking_first)
                    for o in final.outputs]
+        counters = [self._counter(prompt_text, thinking_first, o.token_ids)
+                    for o in final.outputs]
         usage = make_usage(len(final.prompt_token_ids), sum(len(o.token_ids)
                                                             for o in final.outputs),
-                           cached_tokens([final], self.enable_prompt_tokens_details))
+                           cached_tokens([final], self.enable_prompt_tokens_details),
+                           total_reasoning_tokens(counters))
         as_ids = bool(req.return_tokens_as_token_ids)
         body = ChatCompletionResponse(
             id=request_id, created=created, model=model, choices=choices, usage=usage,
@@ -165,6 +170,21 @@ class ServingChat:
         splitter = make_splitter(self.reasoning_parser, prompt_text, thinking_first)
         splitter.keep_reasoning = req.include_reasoning
         return splitter
+
+    @functools.cached_property
+    def _think_tag_ids(self) -> tuple[int, int] | None:
+        return think_tag_ids(self.llm.tokenizer)
+
+    def _counter(self, prompt_text: str | None, thinking_first: bool | None, token_ids=()):
+        """One answer's reasoning token counter (usage's reasoning_tokens, as vLLM reports with
+        a reasoning parser), fed `token_ids`; None without --reasoning-parser or single-token
+        think tags."""
+        if self.reasoning_parser is None or self._think_tag_ids is None:
+            return None
+        start = make_splitter(self.reasoning_parser, prompt_text, thinking_first).in_reasoning
+        counter = ReasoningTokenCounter(self._think_tag_ids, start)
+        counter.feed(token_ids)
+        return counter
 
     def _choice(self, req, plan: ToolPlan, prompt_text: str | None, o: CompletionOutput,
                 echoed: str = "", thinking_first: bool | None = None) -> ChatCompletionChoice:
@@ -212,6 +232,7 @@ class ServingChat:
         continuous = continuous_usage(req)
         prompt_ids_sent = False  # return_token_ids: the prompt's go in the first content chunk
         parsers = {}  # choice index -> (reasoning splitter or None, tool stream or None)
+        counters = {}  # choice index -> its reasoning token counter (or None)
         try:
             # Every choice opens with the assistant role, as OpenAI's stream does (and with
             # the echoed last message, when echo asks for it).
@@ -229,6 +250,9 @@ class ServingChat:
                         parsers[o.index] = (
                             self._splitter(req, prompt_text, thinking_first),
                             ToolCallStream(plan.parser) if plan.parser is not None else None)
+                        counters[o.index] = self._counter(prompt_text, thinking_first)
+                    if counters[o.index] is not None:
+                        counters[o.index].feed(o.token_ids)
                     delta, calls = _delta(*parsers[o.index], o)
                     if (not delta.content and not delta.reasoning_content
                             and not delta.tool_calls and not o.token_ids
@@ -248,7 +272,7 @@ class ServingChat:
             if req.stream_options is not None and req.stream_options.include_usage:
                 yield chunk([], make_usage(prompt_tokens, sum(completion_tokens.values()),
                                            cached if self.enable_prompt_tokens_details
-                                           else None))
+                                           else None, total_reasoning_tokens(counters.values())))
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
             yield engine_error_event(e)
         finally:

@@ -39,6 +39,8 @@ from kiln.entrypoints.openai.serving_engine import (
 from kiln.entrypoints.openai.serving_models import ServingModels
 from kiln.entrypoints.openai.structured_fields import check_compiles, request_structured_outputs
 from kiln.outputs import CompletionOutput, RequestOutput
+from kiln.reasoning import END, grammar_waits_for_reasoning
+from kiln.sampling_params import SamplingParams
 
 
 def engine_prompts(prompt) -> list:
@@ -72,8 +74,9 @@ async def without_special_tokens(llm: AsyncLLM, prompts: list) -> list:
 class ServingCompletion:
     def __init__(self, llm: AsyncLLM, models: ServingModels,
                  enable_prompt_tokens_details: bool = False,
-                 disable_any_whitespace: bool = False):
+                 disable_any_whitespace: bool = False, reasoning_parser: str | None = None):
         self.llm = llm
+        self.reasoning_parser = reasoning_parser
         self.models = models
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.disable_any_whitespace = disable_any_whitespace
@@ -97,9 +100,10 @@ class ServingCompletion:
             prompts = await without_special_tokens(self.llm, prompts)
         prompts = [with_cache_salt(p, req.cache_salt) for p in prompts]
         request_id = response_id("cmpl", req.request_id, raw)
+        per_prompt = await self._reasoning_params(params, prompts)
         try:  # a long list of prompts takes a while to add: a client that leaves stops it
             streams = await until_disconnect(
-                raw, submit(self.llm, request_id, prompts, params, "prompt"))
+                raw, submit(self.llm, request_id, prompts, per_prompt, "prompt"))
         except ClientDisconnected:
             return Response(status_code=499)
         if req.stream:
@@ -114,6 +118,28 @@ class ServingCompletion:
             abort_unfinished(self.llm, streams)
         return JSONResponse((await self._response(req, model, request_id, created, prompts,
                                                   finals)).model_dump())
+
+    async def _reasoning_params(self, params: SamplingParams, prompts: list
+                                ) -> list[SamplingParams]:
+        """Each prompt's params. With --reasoning-parser, a grammar waits for </think> unless
+        the prompt closed the thinking, here as in chat: vLLM's reasoner is the engine's and
+        reads every constrained request's prompt (its text is not split: vLLM's completions
+        have no reasoning_content)."""
+        constraint = params.structured_outputs
+        if (self.reasoning_parser is None or constraint is None
+                or constraint.reasoning_end is not None):
+            return [params] * len(prompts)
+        waiting = params.clone()
+        waiting.structured_outputs = dataclasses.replace(constraint, reasoning_end=END)
+        out = []
+        for prompt in prompts:
+            text = prompt if isinstance(prompt, str) else prompt.get("prompt")
+            if text is None and self.llm.tokenizer is not None:  # token ids: their text
+                text = await self.llm.run_in_engine(self.llm.tokenizer.decode,
+                                                    prompt["prompt_token_ids"])
+            waits = grammar_waits_for_reasoning(self.reasoning_parser, text)
+            out.append(waiting if waits else params)
+        return out
 
     async def _collect(self, streams: list[RequestStream], field: str | None
                        ) -> list[RequestOutput]:

@@ -71,26 +71,29 @@ def check_num_sequences(num_prompts: int, n: int, limit: int | None, prompt_para
                       param="n" if n > 1 else prompt_param, code="too_many_sequences")
 
 
-async def submit(llm: AsyncLLM, base_id: str, prompts: list, params: SamplingParams,
-                 prompt_param: str, renamed: dict[str, str] | None = None
-                 ) -> list[RequestStream]:
-    """Add every prompt as its own request; if one is refused, none stays queued. As OpenAI
+async def submit(llm: AsyncLLM, base_id: str, prompts: list,
+                 params: SamplingParams | list[SamplingParams], prompt_param: str,
+                 renamed: dict[str, str] | None = None) -> list[RequestStream]:
+    """Add every prompt as its own request (with its own params, where `params` is a list);
+    if one is refused, none stays queued. As OpenAI
     and vLLM do, a max_tokens that does not fit beside the prompt is refused (400).
 
     `base_id` names the response; the engine's ids add a random suffix (as vLLM's do): a
     client's id (request_id, X-Request-Id, which proxies keep across retries) may come again
     while the engine still holds outputs of its aborted namesake, which went to the new one."""
-    check_num_sequences(len(prompts), params.n, llm.max_sequences_per_request, prompt_param)
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    check_num_sequences(len(prompts), per_prompt[0].n, llm.max_sequences_per_request,
+                        prompt_param)
     base_id = f"{base_id}-{secrets.token_hex(4)}"
     arrival = time.monotonic()
     streams: list[RequestStream] = []
     try:
         # Every prompt validated before any is queued: a refused call never runs a step.
-        processed = [await llm.process_inputs(prompt, params, max_tokens_must_fit=True)
-                     for prompt in prompts]
-        for i, (prompt, item) in enumerate(zip(prompts, processed)):
+        processed = [await llm.process_inputs(prompt, p, max_tokens_must_fit=True)
+                     for prompt, p in zip(prompts, per_prompt)]
+        for i, (prompt, p, item) in enumerate(zip(prompts, per_prompt, processed)):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            streams.append(await llm.add_request(rid, prompt, params, arrival,
+            streams.append(await llm.add_request(rid, prompt, p, arrival,
                                                  max_tokens_must_fit=True, processed=item))
     except ValueError as e:  # the whole call is refused (400): its requests never ran
         await llm.abort([s.request_id for s in streams], record=False)
