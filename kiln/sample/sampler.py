@@ -61,10 +61,10 @@ class Sampler(torch.nn.Module):
             if meta.grammar_rows is not None:
                 grammar_only = logits
             logits = logits.clone()  # the in-place edits must not write into the model's buffer
-        if meta.allowed_rows is not None:
-            logits = apply_allowed_token_ids(logits, meta.allowed_rows, meta.allowed_mask)
-        if meta.bias_rows is not None:
-            logits = apply_logit_bias(logits, meta.bias_rows, meta.bias_cols, meta.bias_values)
+        for group in meta.allowed:
+            logits = apply_allowed_token_ids(logits, group.rows, group.mask)
+        for group in meta.bias:
+            logits = apply_logit_bias(logits, group.rows, group.cols, group.values)
         if not meta.no_penalties:
             logits = apply_all_penalties(logits, meta.prompt_token_ids, meta.output_token_ids,
                                          meta.repetition_penalty, meta.presence_penalty,

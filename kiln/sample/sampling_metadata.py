@@ -4,12 +4,24 @@ Built once per step from the requests that sample; the sampler reads only this o
 """
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from kiln.sample.logit_masks import BadWordIndex
 from kiln.sampling_params import SamplingParams
+
+
+class AllowedGroup(NamedTuple):
+    rows: torch.Tensor  # [R] int64
+    mask: torch.Tensor  # [V] bool: the tokens these rows may sample
+
+
+class BiasGroup(NamedTuple):
+    rows: torch.Tensor  # [R] int64
+    cols: torch.Tensor  # [C] int64
+    values: torch.Tensor  # [C] float32: added to each row's logits at cols
 
 
 @dataclass
@@ -35,19 +47,15 @@ class SamplingMetadata:
     # min_tokens, and bad words' last tokens.
     min_tokens_rows: torch.Tensor | None = None  # [M] int64
     min_tokens_cols: torch.Tensor | None = None  # [M] int64
-    # allowed_token_ids: the rows that have it and, per such row, which tokens it allows.
-    allowed_rows: torch.Tensor | None = None  # [R] int64
-    allowed_mask: torch.Tensor | None = None  # [R, V] bool
-    # logit_bias: (row, token, bias) triples.
-    bias_rows: torch.Tensor | None = None  # [B] int64
-    bias_cols: torch.Tensor | None = None  # [B] int64
-    bias_values: torch.Tensor | None = None  # [B] float32
+    # allowed_token_ids and logit_bias, one group per distinct setting: the samples of an n > 1
+    # request share theirs, so n rows of a whole-vocabulary bias are one [V] array, not n.
+    allowed: list[AllowedGroup] = field(default_factory=list)
+    bias: list[BiasGroup] = field(default_factory=list)
 
     @property
     def edits_logits(self) -> bool:
         """Whether the sampler writes into the logits before sampling (then on a copy)."""
-        return (self.min_tokens_rows is not None or self.allowed_rows is not None
-                or self.bias_rows is not None)
+        return self.min_tokens_rows is not None or bool(self.allowed) or bool(self.bias)
     # logprobs: per row the number of top logprobs wanted (None: none); max over rows.
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None
@@ -118,34 +126,40 @@ def build_sampling_metadata(
         meta.output_token_ids = _pad_tokens(output_token_ids, vocab_size, device)
 
     rows, cols = [], []
+    shared = {}  # this step's token-edit arrays by their fields (_request_arrays)
     for i, p in enumerate(params):
         if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
             stops = [t for t in p.min_tokens_held_ids if 0 <= t < vocab_size]
             rows.extend([i] * len(stops))
             cols.extend(stops)
         if p.bad_words_token_ids:
-            banned = _request_arrays(p, vocab_size)["bad_words"].bans(output_token_ids[i])
+            banned = _request_arrays(p, vocab_size, shared)["bad_words"].bans(output_token_ids[i])
             rows.extend([i] * len(banned))
             cols.extend(banned)
     if rows:
         meta.min_tokens_rows = torch.tensor(rows, dtype=torch.int64, device=device)
         meta.min_tokens_cols = torch.tensor(cols, dtype=torch.int64, device=device)
 
-    _token_edits(meta, params, vocab_size, device)
+    _token_edits(meta, params, vocab_size, device, shared)
     meta.num_logprobs = [p.logprobs for p in params]
     wanted = [k for k in meta.num_logprobs if k is not None]
     meta.max_num_logprobs = max(wanted) if wanted else None
     return meta
 
 
-def _request_arrays(p: SamplingParams, vocab_size: int) -> dict:
+def _request_arrays(p: SamplingParams, vocab_size: int, shared: dict | None = None) -> dict:
     """What one request's token edits need at every step, built at its first and kept on its
     params: allowed_token_ids as a mask [V], logit_bias as columns and values, bad words by
     their ending. Rebuilding a whole-vocabulary list in Python at every step held every stream
-    on the server for seconds."""
+    on the server for seconds. `shared`: this step's arrays by the fields they come from, so
+    the samples of an n > 1 request (sharing those objects) build them once, not n times."""
     cached = p.__dict__.get("_kiln_step_arrays")
     if cached is not None and cached["vocab_size"] == vocab_size:
         return cached
+    key = (id(p.allowed_token_ids), id(p.logit_bias), id(p.bad_words_token_ids), vocab_size)
+    if shared is not None and key in shared:
+        p.__dict__["_kiln_step_arrays"] = shared[key]
+        return shared[key]
     mask = cols = values = None
     if p.allowed_token_ids:
         ids = np.asarray(p.allowed_token_ids, dtype=np.int64)
@@ -163,23 +177,34 @@ def _request_arrays(p: SamplingParams, vocab_size: int) -> dict:
               "bad_words": BadWordIndex([w for w in p.bad_words_token_ids or ()
                                          if all(0 <= t < vocab_size for t in w)])}
     p.__dict__["_kiln_step_arrays"] = cached
+    if shared is not None:
+        shared[key] = cached
     return cached
 
 
+def _group_rows(params: Sequence[SamplingParams], uses, field_of) -> dict[int, list[int]]:
+    """Rows that `uses`, by the identity of the object `field_of` gives: an n > 1 request's
+    samples are shallow copies sharing their fields, so they form one group."""
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(params):
+        if uses(p):
+            groups.setdefault(id(field_of(p)), []).append(i)
+    return groups
+
+
 def _token_edits(meta: SamplingMetadata, params: Sequence[SamplingParams], vocab_size: int,
-                 device: torch.device) -> None:
-    """allowed_token_ids and logit_bias of the rows that set them."""
-    allowed = [i for i, p in enumerate(params) if p.allowed_token_ids]
-    if allowed:
-        mask = np.stack([_request_arrays(params[i], vocab_size)["allowed"] for i in allowed])
-        meta.allowed_rows = torch.tensor(allowed, dtype=torch.int64, device=device)
-        meta.allowed_mask = torch.from_numpy(mask).to(device)  # [R, V]
-    biased = [(i, _request_arrays(p, vocab_size)) for i, p in enumerate(params) if p.logit_bias]
-    biased = [(i, a) for i, a in biased if len(a["bias_cols"])]
-    if biased:
-        meta.bias_rows = torch.from_numpy(np.concatenate(
-            [np.full(len(a["bias_cols"]), i, dtype=np.int64) for i, a in biased])).to(device)
-        meta.bias_cols = torch.from_numpy(np.concatenate(
-            [a["bias_cols"] for _, a in biased])).to(device)
-        meta.bias_values = torch.from_numpy(np.concatenate(
-            [a["bias_values"] for _, a in biased])).to(device)
+                 device: torch.device, shared: dict) -> None:
+    """allowed_token_ids and logit_bias of the rows that set them, one group per setting."""
+    def rows_tensor(rows: list[int]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.int64, device=device)
+
+    for rows in _group_rows(params, lambda p: p.allowed_token_ids,
+                            lambda p: p.allowed_token_ids).values():
+        mask = _request_arrays(params[rows[0]], vocab_size, shared)["allowed"]
+        meta.allowed.append(AllowedGroup(rows_tensor(rows), torch.from_numpy(mask).to(device)))
+    for rows in _group_rows(params, lambda p: p.logit_bias, lambda p: p.logit_bias).values():
+        arrays = _request_arrays(params[rows[0]], vocab_size, shared)
+        if len(arrays["bias_cols"]):
+            meta.bias.append(BiasGroup(rows_tensor(rows),
+                                       torch.from_numpy(arrays["bias_cols"]).to(device),
+                                       torch.from_numpy(arrays["bias_values"]).to(device)))

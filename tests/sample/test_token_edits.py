@@ -17,14 +17,14 @@ def test_bad_word_bans_follow_the_output():
 
 
 def test_allowed_mask_and_bias_edit_only_their_rows():
-    logits = torch.zeros(3, 5)
-    allowed = torch.tensor([[False, True, False, False, True]])
-    apply_allowed_token_ids(logits, torch.tensor([1]), allowed)
-    assert torch.isinf(logits[1, [0, 2, 3]]).all() and (logits[1, [1, 4]] == 0).all()
+    logits = torch.zeros(4, 5)
+    allowed = torch.tensor([False, True, False, False, True])
+    apply_allowed_token_ids(logits, torch.tensor([1, 3]), allowed)
+    assert torch.isinf(logits[[1, 3]][:, [0, 2, 3]]).all() and (logits[[1, 3]][:, [1, 4]] == 0).all()
     assert (logits[[0, 2]] == 0).all()
-    apply_logit_bias(logits, torch.tensor([0, 0, 2]), torch.tensor([3, 3, 1]),
-                     torch.tensor([1.0, 2.0, -5.0]))
-    assert logits[0, 3] == 3.0 and logits[2, 1] == -5.0
+    apply_logit_bias(logits, torch.tensor([0, 2]), torch.tensor([3, 1]), torch.tensor([1.0, -5.0]))
+    assert logits[0].tolist() == [0, -5.0, 0, 1.0, 0] and logits[2].tolist() == [0, -5.0, 0, 1.0, 0]
+    assert logits[1, 1] == 0 and logits[1, 4] == 0
 
 
 def test_a_requests_edits_are_built_once_and_shared_by_its_steps():
@@ -48,12 +48,40 @@ def test_a_requests_edits_are_built_once_and_shared_by_its_steps():
     second = step([[], [3, 4, 9], []])
     assert biased.__dict__["_kiln_step_arrays"] is kept
     for meta in (first, second):
-        assert meta.bias_rows.tolist() == [1] * vocab and meta.bias_cols.tolist() == list(
-            range(vocab))
-        assert meta.allowed_rows.tolist() == [2]
-        assert meta.allowed_mask[0].nonzero().flatten().tolist() == [2, 5]
+        [bias] = meta.bias
+        assert bias.rows.tolist() == [1] and bias.cols.tolist() == list(range(vocab))
+        [allowed_group] = meta.allowed
+        assert allowed_group.rows.tolist() == [2]
+        assert allowed_group.mask.nonzero().flatten().tolist() == [2, 5]
     assert sorted(first.min_tokens_cols.tolist()) == [4, 7]  # the output ends in the 3 of 3 4
     assert second.min_tokens_cols.tolist() == [7]
+
+
+def test_an_n_requests_samples_share_one_edit_group_and_one_build():
+    """The samples of an n > 1 request (shallow copies sharing logit_bias, allowed_token_ids and
+    bad words) are one group of rows over one [V] array, built once: per-row copies of a
+    whole-vocabulary bias at n=128 joined 6M entries on every step, and each sample built its
+    own arrays at its first."""
+    from kiln.core.parent_request import child_params
+    from kiln.sample.sampler import Sampler
+    from kiln.sample.sampling_metadata import build_sampling_metadata
+
+    vocab = 40
+    parent = SamplingParams(n=3, temperature=0.0, logit_bias={t: float(t) for t in range(vocab)},
+                            allowed_token_ids=list(range(0, vocab, 2)), bad_words=["x"])
+    parent.bad_words_token_ids = [[5]]
+    other = SamplingParams(temperature=0.0, logit_bias={3: 100.0})
+    params = [child_params(parent, i) for i in range(3)] + [other]
+    meta = build_sampling_metadata(params, [[1]] * 4, [[]] * 4, [None] * 4, None, vocab,
+                                   torch.device("cpu"))
+    assert [g.rows.tolist() for g in meta.bias] == [[0, 1, 2], [3]]
+    assert [g.rows.tolist() for g in meta.allowed] == [[0, 1, 2]]
+    built = {id(p.__dict__["_kiln_step_arrays"]) for p in params[:3]}
+    assert len(built) == 1  # one build for the three samples
+    logits = torch.zeros(4, vocab)
+    out = Sampler()(logits, meta)
+    # greedy: each sample takes its largest even token that is not banned; the other row its bias
+    assert out.sampled_token_ids.flatten().tolist() == [38, 38, 38, 3]
 
 
 def test_validation_names_the_field_and_vocab_bound():
