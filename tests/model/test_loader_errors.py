@@ -184,3 +184,12 @@ def test_unknown_tensor_in_an_existing_layer_blames_no_layer_count(tiny_llama_di
                        r"llama model \(no llama layer has such a tensor\)") as e:
         get_model(kiln_config_for(path))
     assert "num_hidden_layers" not in str(e.value)
+
+
+def test_a_layer_tensor_without_a_layer_number_is_refused_naming_it(tiny_llama_dir, tmp_path):
+    """model.layers.extra.weight failed as int()'s 'invalid literal' traceback (a bare
+    ValueError, reported as a bug) instead of the unexpected tensor it is."""
+    state = {**_state(tiny_llama_dir), "model.layers.extra.weight": torch.ones(3)}
+    path = _copy_with(tiny_llama_dir, tmp_path / "m", state)
+    with pytest.raises(ConfigError, match=r"model\.layers\.extra\.weight matches no parameter"):
+        get_model(kiln_config_for(path))
