@@ -176,9 +176,11 @@ def load_hf_dir_config(model_dir: Path) -> HFConfigSnapshot:
                               f"Kiln serves {', '.join(supported_architectures())}") from None
         except FileNotFoundError:
             raise
-        except (StrictDataclassError, KeyError, TypeError, AttributeError, OSError) as e:
+        except (StrictDataclassError, KeyError, TypeError, AttributeError, OSError,
+                ArithmeticError) as e:
             # transformers reading the user's config.json (a rope missing its factor, a file
-            # that is not JSON): theirs to fix, so one line, not a transformers traceback.
+            # that is not JSON, num_attention_heads 0 dividing hidden_size in a validator that
+            # raises ZeroDivisionError): theirs to fix, so one line, not a transformers traceback.
             raise config_refused(e, config_json) from e
     return cached_snapshot(path, resolve)
 

@@ -159,6 +159,8 @@ def test_a_snapshot_rebuilds_as_transformers_config(checkpoint):
 @pytest.mark.parametrize("edit, names", [
     ({"num_attention_heads": 3, "num_key_value_heads": 3}, "hidden size .64."),
     ({"rms_norm_eps": "abc"}, "rms_norm_eps"),
+    # its validator divides by the head count: a ZeroDivisionError traceback
+    ({"num_attention_heads": 0}, "ZeroDivisionError: integer modulo by zero"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0}}, "factor"),
     (None, "not a valid JSON file"),
 ])
