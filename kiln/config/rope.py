@@ -1,6 +1,7 @@
 """A model's rope settings, from transformers' `rope_parameters` (5.x) or rope_theta /
 rope_scaling, and the positions they let it serve (a linear scaling stretches them)."""
 import math
+import numbers
 
 from kiln.errors import ConfigError
 
@@ -17,7 +18,7 @@ def _check_numbers(scaling: dict) -> None:
     building a rotary cache of negative length, neither naming the field."""
     for name in _POSITIVE_FIELDS.get(scaling["rope_type"], ()):
         value = scaling.get(name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) \
                 or not 0 < value < math.inf:
             raise ConfigError(f"rope_scaling {name} must be a finite number > 0 for rope_type "
                               f"{scaling['rope_type']!r}, got {value!r}")
@@ -41,6 +42,10 @@ def get_rope_config(hf_config) -> tuple[float, dict | None]:
         scaling = dict(scaling) if scaling else None
     if theta is None:
         theta = 10000.0
+    if isinstance(theta, bool) or not isinstance(theta, numbers.Real) or not 0 < theta < math.inf:
+        # 0 or below gives NaN frequencies: every logit NaN, served with a warning that blamed
+        # float16 or the weights
+        raise ConfigError(f"rope_theta must be a finite number > 0, got {theta!r}")
     if scaling is not None:
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:

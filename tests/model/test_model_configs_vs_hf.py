@@ -208,6 +208,9 @@ def test_linear_rope_scaling_serves_factor_times_the_trained_positions(rope_scal
      "rope_scaling factor .* got None"),
     ({"max_position_embeddings": -5}, "max_position_embeddings must be an integer >= 1, got -5"),
     ({"max_position_embeddings": 0}, "max_position_embeddings must be an integer >= 1, got 0"),
+    # NaN frequencies: every logit NaN, served with a warning blaming float16 or the weights
+    ({"rope_theta": 0.0}, "rope_theta must be a finite number > 0, got 0.0"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}}, "rope_theta .* got -1.0"),
 ])
 def test_rope_numbers_transformers_only_warns_about_are_refused_naming_the_field(fields, what):
     """transformers loads such a config with a warning: a string factor failed as 'could not
