@@ -170,6 +170,11 @@ def load_hf_dir_config(model_dir: Path) -> HFConfigSnapshot:
         try:
             return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
         except ValueError as e:
+            if "does not recognize this architecture" in str(e):
+                # transformers advised upgrading itself: no upgrade gives Kiln that model
+                model_type = json.loads(config_json.read_text()).get("model_type")
+                raise ConfigError(f"{config_json}: model_type {model_type!r} is not supported; "
+                                  f"Kiln serves {', '.join(supported_architectures())}") from None
             if not needs_checkpoint_code(e):
                 raise
             raise ConfigError(f"{checkpoint_code_message(config_json, 'model config')}; "

@@ -177,3 +177,17 @@ def test_a_config_transformers_refuses_is_a_config_error_naming_the_file(checkpo
     with pytest.raises(ConfigError, match=names) as e:
         load_hf_dir_config(checkpoint)
     assert str(config_json) in str(e.value)
+
+
+def test_a_model_type_transformers_lacks_is_refused_naming_what_kiln_serves(checkpoint):
+    """transformers' refusal advised `pip install --upgrade transformers`, which gives Kiln no
+    model of that type."""
+    from kiln.errors import ConfigError
+
+    config_json = checkpoint / "config.json"
+    config_json.write_text(json.dumps({**json.loads(config_json.read_text()),
+                                       "model_type": "foo", "architectures": ["FooForCausalLM"]}))
+    with pytest.raises(ConfigError, match=r"model_type 'foo' is not supported; Kiln serves "
+                       r"LlamaForCausalLM") as e:
+        load_hf_dir_config(checkpoint)
+    assert str(config_json) in str(e.value) and "upgrade" not in str(e.value)
