@@ -90,7 +90,8 @@ def load_config(gguf: Path):
         from kiln.config.hf_config_snapshot import config_refused
 
         try:
-            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                trust_remote_code=False)
         except StrictDataclassError as e:  # its validators: head_count not dividing, ...
             raise config_refused(e, gguf) from e
         config.name_or_path = str(gguf.parent)  # what transformers names it

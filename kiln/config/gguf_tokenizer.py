@@ -16,7 +16,21 @@ def convert(gguf: Path, table: dict):
     type (`table["tokenizer"]`, from gguf_metadata's tensor table) says so."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    from kiln.config.remote_code import checkpoint_code_message, needs_checkpoint_code
+    from kiln.errors import ConfigError
+
+    try:
+        # transformers reads the folder's tokenizer_config.json beside the file too: one naming
+        # its own code (auto_map) made it ask on stdin and run that code on "y"
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                            trust_remote_code=False)
+    except ValueError as e:
+        if not needs_checkpoint_code(e):
+            raise
+        raise ConfigError(f"{checkpoint_code_message(gguf.parent, 'tokenizer')} (its "
+                          "tokenizer_config.json, read beside the GGUF file); move the .gguf "
+                          "file to a folder of its own or pass a tokenizer with --tokenizer") \
+            from None
     info = table.get("tokenizer") or {}
     if info.get("model") == "gpt2" and info.get("pre") in DIGITS_FIRST_PRE_TYPES:
         _split_digits_first(tok)
@@ -46,4 +60,4 @@ def read(part: Path):
         from transformers import TokenizersBackend as reader  # transformers 5: the file as is
     except ImportError:  # 4.x: every fast class reads tokenizer.json as it is
         from transformers import AutoTokenizer as reader
-    return reader.from_pretrained(part)
+    return reader.from_pretrained(part, trust_remote_code=False)

@@ -170,15 +170,22 @@ def load_hf_dir_config(model_dir: Path) -> HFConfigSnapshot:
         try:
             return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
         except ValueError as e:
+            if "does not recognize this architecture" in str(e):
+                # transformers advised upgrading itself: no upgrade gives Kiln that model
+                model_type = json.loads(config_json.read_text()).get("model_type")
+                raise ConfigError(f"{config_json}: model_type {model_type!r} is not supported; "
+                                  f"Kiln serves {', '.join(supported_architectures())}") from None
             if not needs_checkpoint_code(e):
                 raise
             raise ConfigError(f"{checkpoint_code_message(config_json, 'model config')}; "
                               f"Kiln serves {', '.join(supported_architectures())}") from None
         except FileNotFoundError:
             raise
-        except (StrictDataclassError, KeyError, TypeError, AttributeError, OSError) as e:
+        except (StrictDataclassError, KeyError, TypeError, AttributeError, OSError,
+                ArithmeticError) as e:
             # transformers reading the user's config.json (a rope missing its factor, a file
-            # that is not JSON): theirs to fix, so one line, not a transformers traceback.
+            # that is not JSON, num_attention_heads 0 dividing hidden_size in a validator that
+            # raises ZeroDivisionError): theirs to fix, so one line, not a transformers traceback.
             raise config_refused(e, config_json) from e
     return cached_snapshot(path, resolve)
 

@@ -106,6 +106,7 @@ class ModelConfig(FreezableConfig):
                                   f"--model {self.model} is a file; for a .gguf file use "
                                   "--load-format gguf (or auto)")
             self.hf_config = self._load_hf_config()
+            self._check_architecture()
         self._resolve_tokenizer_side()
         if self.load_format == "auto":
             self.load_format = "gguf" if self.gguf_file else "safetensors"
@@ -136,6 +137,16 @@ class ModelConfig(FreezableConfig):
         elif self.max_model_len > limit:
             raise ConfigError(f"max_model_len={self.max_model_len} exceeds the model's {why}; "
                               f"lower --max-model-len to {limit} or less")
+
+    def _check_architecture(self) -> None:
+        """A checkpoint's architecture is refused here, not first where the model loads: a GPT-2
+        one (n_embd, no hidden_size) failed before that, in the start-up memory checks, as an
+        AttributeError traceback."""
+        from kiln.model.registry import supported_architectures
+
+        if self.architecture not in supported_architectures():
+            raise ConfigError(f"architecture {self.architecture} is not supported; supported: "
+                              f"{', '.join(supported_architectures())}")
 
     def _resolve_tokenizer_side(self) -> None:
         from kiln.config.generation_defaults import load_chat_template, load_generation_defaults

@@ -1,8 +1,27 @@
 """A model's rope settings, from transformers' `rope_parameters` (5.x) or rope_theta /
 rope_scaling, and the positions they let it serve (a linear scaling stretches them)."""
+import math
+import numbers
+
 from kiln.errors import ConfigError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# The numbers each type's formula divides by (kiln/model/layers/rotary_embedding.py).
+_POSITIVE_FIELDS = {"linear": ("factor",),
+                    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                               "original_max_position_embeddings")}
+
+
+def _check_numbers(scaling: dict) -> None:
+    """transformers only warns about a factor that is not a number >= 1 and loads the config:
+    "abc" then failed as 'could not convert string to float', and -2 (or 0) as a traceback
+    building a rotary cache of negative length, neither naming the field."""
+    for name in _POSITIVE_FIELDS.get(scaling["rope_type"], ()):
+        value = scaling.get(name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+                or not 0 < value < math.inf:
+            raise ConfigError(f"rope_scaling {name} must be a finite number > 0 for rope_type "
+                              f"{scaling['rope_type']!r}, got {value!r}")
 
 
 def get_rope_config(hf_config) -> tuple[float, dict | None]:
@@ -23,12 +42,17 @@ def get_rope_config(hf_config) -> tuple[float, dict | None]:
         scaling = dict(scaling) if scaling else None
     if theta is None:
         theta = 10000.0
+    if isinstance(theta, bool) or not isinstance(theta, numbers.Real) or not 0 < theta < math.inf:
+        # 0 or below gives NaN frequencies: every logit NaN, served with a warning that blamed
+        # float16 or the weights
+        raise ConfigError(f"rope_theta must be a finite number > 0, got {theta!r}")
     if scaling is not None:
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ConfigError(f"rope_scaling type {rope_type!r} is not supported; supported: "
                               f"{', '.join(SUPPORTED_ROPE_TYPES)}")
         scaling["rope_type"] = rope_type
+        _check_numbers(scaling)
         if rope_type == "default":
             scaling = None
     return float(theta), scaling
@@ -38,7 +62,15 @@ def max_positions_of(hf_config) -> int:
     """Positions the model serves: max_position_embeddings (2048 where unset), times a linear
     rope scaling's factor, which divides positions (vicuna-7b-v1.5-16k: 4096 x 4), as vLLM
     derives its length; HF computes rotary angles for any position."""
-    trained = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
+    trained = getattr(hf_config, "max_position_embeddings", None)
+    if trained is None:
+        trained = 2048
+    if isinstance(trained, float) and trained.is_integer():
+        trained = int(trained)
+    if isinstance(trained, bool) or not isinstance(trained, int) or trained < 1:
+        # -5 failed as a traceback building a rotary cache of negative length, 0 was read as
+        # unset (2048)
+        raise ConfigError(f"max_position_embeddings must be an integer >= 1, got {trained!r}")
     _, scaling = get_rope_config(hf_config)
     if scaling is None or scaling["rope_type"] != "linear":
         return trained

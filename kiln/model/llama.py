@@ -244,7 +244,10 @@ class LlamaStyleForCausalLM(nn.Module):
     def owns(self, name: str) -> bool:
         """Whether a checkpoint tensor belongs to this pipeline stage."""
         if name.startswith("model.layers."):
-            index = int(name.split(".")[2])
+            index = name.split(".")[2]
+            if not index.isdigit():  # no layer's (model.layers.extra.weight): refused as
+                return True           # unexpected, not an int() traceback
+            index = int(index)
             # A layer past the config's count is no stage's: it is refused as unexpected.
             return (self.model.start_layer <= index < self.model.end_layer
                     or index >= len(self.model.layers))

@@ -159,6 +159,8 @@ def test_a_snapshot_rebuilds_as_transformers_config(checkpoint):
 @pytest.mark.parametrize("edit, names", [
     ({"num_attention_heads": 3, "num_key_value_heads": 3}, "hidden size .64."),
     ({"rms_norm_eps": "abc"}, "rms_norm_eps"),
+    # its validator divides by the head count: a ZeroDivisionError traceback
+    ({"num_attention_heads": 0}, "ZeroDivisionError: integer modulo by zero"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0}}, "factor"),
     (None, "not a valid JSON file"),
 ])
@@ -175,3 +177,17 @@ def test_a_config_transformers_refuses_is_a_config_error_naming_the_file(checkpo
     with pytest.raises(ConfigError, match=names) as e:
         load_hf_dir_config(checkpoint)
     assert str(config_json) in str(e.value)
+
+
+def test_a_model_type_transformers_lacks_is_refused_naming_what_kiln_serves(checkpoint):
+    """transformers' refusal advised `pip install --upgrade transformers`, which gives Kiln no
+    model of that type."""
+    from kiln.errors import ConfigError
+
+    config_json = checkpoint / "config.json"
+    config_json.write_text(json.dumps({**json.loads(config_json.read_text()),
+                                       "model_type": "foo", "architectures": ["FooForCausalLM"]}))
+    with pytest.raises(ConfigError, match=r"model_type 'foo' is not supported; Kiln serves "
+                       r"LlamaForCausalLM") as e:
+        load_hf_dir_config(checkpoint)
+    assert str(config_json) in str(e.value) and "upgrade" not in str(e.value)

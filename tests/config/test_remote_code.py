@@ -60,3 +60,28 @@ def test_a_tokenizer_needing_its_own_code_is_refused_unrun(tiny_llama_dir, tmp_p
                        r"code.*--trust-remote-code.*changes nothing.*with --tokenizer"):
         load_tokenizer(path)
     assert answer_yes == [] and not (path / "RAN").exists()
+
+
+def test_a_gguf_beside_a_tokenizer_config_needing_its_own_code_is_refused_unrun(
+        tmp_path, answer_yes, monkeypatch):
+    """transformers reads the tokenizer_config.json in the GGUF file's folder too: one naming
+    its own code asked on stdin and, on "y", loaded the folder's tokenizer class (its code
+    ran), though the file's own tokenizer is complete."""
+    from kiln.config import gguf_metadata
+    from kiln.model.loader.default_model import default_model_path
+
+    gguf = default_model_path()  # under the real cache root, before KILN_CACHE_ROOT moves it
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "m.gguf").symlink_to(gguf)
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "FooTokenizer",
+         "auto_map": {"AutoTokenizer": ["tokenization_foo.FooTokenizer", None]}}))
+    (folder / "tokenization_foo.py").write_text(CODE.format(
+        base="PreTrainedTokenizerFast", cls="FooTokenizer", attr="pass"))
+    gguf_metadata.load_config(folder / "m.gguf")
+    with pytest.raises(ConfigError, match=r"the tokenizer at .* needs the checkpoint's own Python "
+                       r"code.*beside the GGUF file.*--tokenizer"):
+        gguf_metadata.load_tokenizer(folder / "m.gguf")
+    assert answer_yes == []

@@ -184,3 +184,26 @@ def test_unknown_tensor_in_an_existing_layer_blames_no_layer_count(tiny_llama_di
                        r"llama model \(no llama layer has such a tensor\)") as e:
         get_model(kiln_config_for(path))
     assert "num_hidden_layers" not in str(e.value)
+
+
+def test_a_layer_tensor_without_a_layer_number_is_refused_naming_it(tiny_llama_dir, tmp_path):
+    """model.layers.extra.weight failed as int()'s 'invalid literal' traceback (a bare
+    ValueError, reported as a bug) instead of the unexpected tensor it is."""
+    state = {**_state(tiny_llama_dir), "model.layers.extra.weight": torch.ones(3)}
+    path = _copy_with(tiny_llama_dir, tmp_path / "m", state)
+    with pytest.raises(ConfigError, match=r"model\.layers\.extra\.weight matches no parameter"):
+        get_model(kiln_config_for(path))
+
+
+def test_an_unsupported_architecture_is_refused_before_its_fields_are_read(tiny_llama_dir,
+                                                                           tmp_path):
+    """A GPT-2 checkpoint (n_embd, no hidden_size) failed at construction, in the memory
+    checks, as an AttributeError traceback ('the model config has no field hidden_size'),
+    before the load that names the architecture."""
+    from transformers import GPT2Config
+
+    path = _copy_with(tiny_llama_dir, tmp_path / "m", weights=False)
+    GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512,
+               architectures=["GPT2LMHeadModel"]).save_pretrained(path)
+    with pytest.raises(ConfigError, match=r"GPT2LMHeadModel is not supported.*LlamaForCausalLM"):
+        kiln_config_for(path)

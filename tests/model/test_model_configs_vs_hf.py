@@ -197,3 +197,35 @@ def test_linear_rope_scaling_serves_factor_times_the_trained_positions(rope_scal
                        r"max_position_embeddings=16 x linear rope_scaling factor 4 = 64"):
         kiln_config_for(path, max_model_len=65)
     assert max_logit_diff(path, seq_len=60) < TOL
+
+
+@pytest.mark.parametrize("fields, what", [
+    ({"rope_scaling": {"type": "linear", "factor": "abc"}}, "rope_scaling factor .* got 'abc'"),
+    ({"rope_scaling": {"type": "linear", "factor": -2}}, "rope_scaling factor .* got -2"),
+    ({"rope_scaling": {"type": "linear", "factor": 0}}, "rope_scaling factor .* got 0"),
+    ({"rope_scaling": dict(LLAMA3, low_freq_factor="x")}, "rope_scaling low_freq_factor"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": None, "rope_theta": 1e4}},
+     "rope_scaling factor .* got None"),
+    ({"max_position_embeddings": -5}, "max_position_embeddings must be an integer >= 1, got -5"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings must be an integer >= 1, got 0"),
+    # NaN frequencies: every logit NaN, served with a warning blaming float16 or the weights
+    ({"rope_theta": 0.0}, "rope_theta must be a finite number > 0, got 0.0"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}}, "rope_theta .* got -1.0"),
+])
+def test_rope_numbers_transformers_only_warns_about_are_refused_naming_the_field(fields, what):
+    """transformers loads such a config with a warning: a string factor failed as 'could not
+    convert string to float', a negative one (or max_position_embeddings) as a traceback
+    building a rotary cache of negative length, and 0 served no KV block."""
+    from kiln.config.hf_config_snapshot import HFConfigSnapshot
+    from kiln.config.rope import max_positions_of
+    from kiln.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=what):
+        max_positions_of(HFConfigSnapshot({"max_position_embeddings": 16, **fields}))
+
+
+def test_max_position_embeddings_written_as_a_whole_float_is_read():
+    from kiln.config.hf_config_snapshot import HFConfigSnapshot
+    from kiln.config.rope import max_positions_of
+
+    assert max_positions_of(HFConfigSnapshot({"max_position_embeddings": 4096.0})) == 4096
