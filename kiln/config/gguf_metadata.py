@@ -27,8 +27,9 @@ logger = init_logger(__name__)
 # Of what is kept; 2: rope scaling metadata in the table, 3: missing metadata, 4: the config
 # as a snapshot (config/config.json in hf_config_snapshot's format), 5: the head size, 6: the
 # metadata gguf_checks reads, 7: more of it (sizes' types, token ids), 8: tensors' dims,
-# 9: the tokenizer's model and pre-tokenizer type (a tokenizer kept before splits no digits).
-_FORMAT = 9
+# 9: the tokenizer's model and pre-tokenizer type (a tokenizer kept before splits no digits),
+# 10: rope scaling read as llama.cpp reads it (rope.scale_linear, a missing type or factor).
+_FORMAT = 10
 
 
 def converted_dir(gguf: Path) -> Path:
@@ -187,18 +188,25 @@ def _field(reader, key: str):
 
 def _rope_scaling_fields(reader, arch: str | None) -> dict | None:
     """{"rope_type", "factor", "original_max_position_embeddings"} as HF names them, from
-    `{arch}.rope.scaling.*`; None when the file has none."""
+    `{arch}.rope.scaling.*`, read as llama.cpp reads them: the type "linear" where the file has
+    none, the factor from the older `{arch}.rope.scale_linear` where it has no
+    `rope.scaling.factor` (2023 conversions of linearly scaled models), and a missing or 0
+    factor no scaling. None when the file has none. (A linear type without a factor failed with
+    KeyError 'factor'; a file with only rope.scale_linear ran unscaled, every position wrong.)"""
     def value(key: str):
         return _field(reader, f"{arch}.rope.scaling.{key}")
 
-    rope_type = value("type")
-    if rope_type is None:
+    factor = value("factor")
+    if factor is None:
+        factor = _field(reader, f"{arch}.rope.scale_linear")
+    rope_type = str(value("type") or "linear")
+    if rope_type in ("linear", "none") and not factor:  # 1 / 0 is no scaling, as in llama.cpp
         return None
-    scaling = {"rope_type": str(rope_type)}
-    for key, name in (("factor", "factor"),
-                      ("original_context_length", "original_max_position_embeddings")):
-        if value(key) is not None:
-            scaling[name] = value(key)
+    scaling = {"rope_type": rope_type}
+    if factor is not None:
+        scaling["factor"] = factor
+    if value("original_context_length") is not None:
+        scaling["original_max_position_embeddings"] = value("original_context_length")
     return scaling
 
 

@@ -180,6 +180,33 @@ def test_linear_rope_scaling_metadata_is_applied(tmp_path):
     assert logits_diff(path, hf_dir) < TOL
 
 
+def test_linear_rope_scaling_in_the_older_scale_linear_key_is_applied(tmp_path):
+    """llama.cpp's converters of 2023 wrote a linear scaling as `llama.rope.scale_linear` alone
+    (no rope.scaling.type, which llama.cpp then takes as linear): Kiln ran such a file
+    unscaled, every position rotated wrong."""
+    import gguf
+
+    hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False,
+                                  rope_scaling=dict(rope_type="linear", factor=4.0))
+    path = write_gguf(tmp_path / "m.gguf", hf_dir, metadata={
+        "llama.rope.scale_linear": (4.0, gguf.GGUFValueType.FLOAT32)})
+    assert logits_diff(path, hf_dir) < TOL
+
+
+@pytest.mark.parametrize("factor", [None, 0.0])
+def test_a_rope_scaling_without_a_factor_is_no_scaling(tmp_path, factor):
+    """llama.cpp reads a missing or 0 rope.scaling.factor as a scale of 1: Kiln failed with
+    KeyError: 'factor' (missing) or built a rotary table of 0 positions (0)."""
+    import gguf
+
+    hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False)
+    metadata = {"llama.rope.scaling.type": ("linear", gguf.GGUFValueType.STRING)}
+    if factor is not None:
+        metadata["llama.rope.scaling.factor"] = (factor, gguf.GGUFValueType.FLOAT32)
+    path = write_gguf(tmp_path / "m.gguf", hf_dir, metadata=metadata)
+    assert logits_diff(path, hf_dir) < TOL
+
+
 def test_yarn_rope_scaling_metadata_is_refused(tmp_path):
     hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False)
     path = write_gguf(tmp_path / "m.gguf", hf_dir, rope_scaling=("yarn", 4.0))
