@@ -24,7 +24,8 @@ _REQUIRED = {"block_count": "count", "context_length": "count", "embedding_lengt
              "attention.layer_norm_rms_epsilon": "positive"}
 _OPTIONAL = {"attention.head_count_kv": "count", "attention.key_length": "count",
              "attention.value_length": "count", "vocab_size": "count",
-             "rope.freq_base": "positive", "rope.scaling.factor": "scale",
+             "rope.freq_base": "positive", "rope.dimension_count": "count",
+             "rope.scaling.factor": "scale",
              "rope.scale_linear": "scale"}
 # Token ids the tokenizer and the engine use; each must be in the vocabulary.
 _TOKEN_IDS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")

@@ -28,8 +28,9 @@ logger = init_logger(__name__)
 # as a snapshot (config/config.json in hf_config_snapshot's format), 5: the head size, 6: the
 # metadata gguf_checks reads, 7: more of it (sizes' types, token ids), 8: tensors' dims,
 # 9: the tokenizer's model and pre-tokenizer type (a tokenizer kept before splits no digits),
-# 10: rope scaling read as llama.cpp reads it (rope.scale_linear, a missing type or factor).
-_FORMAT = 10
+# 10: rope scaling read as llama.cpp reads it (rope.scale_linear, a missing type or factor),
+# 11: rope.dimension_count.
+_FORMAT = 11
 
 
 def converted_dir(gguf: Path) -> Path:
@@ -97,6 +98,7 @@ def load_config(gguf: Path):
         config.name_or_path = str(gguf.parent)  # what transformers names it
         _apply_rope_scaling(config, table.get("rope_scaling"))
         _apply_head_size(config, table.get("head_size"), gguf)
+        _check_rotary_dims(config, table, gguf)
         return config
     return cached_snapshot(converted_dir(gguf) / "config" / "config.json", convert)
 
@@ -129,6 +131,20 @@ def _apply_head_size(config, head_size: dict | None, gguf: Path) -> None:
         raise ConfigError(f"GGUF file {gguf}: attention.key_length {key} differs from "
                           f"attention.value_length {value}; Kiln's attention needs them equal")
     config.head_dim = int(key)
+
+
+def _check_rotary_dims(config, table: dict, gguf: Path) -> None:
+    """Refuse a file that ropes only part of each head (`{arch}.rope.dimension_count` below the
+    head size): llama.cpp ropes that many dimensions (and refuses it for llama), Kiln's rotary
+    embedding ropes them all; such a file ran with every position rotated wrong."""
+    key = f"{table['architecture']}.rope.dimension_count"
+    rotary = table["metadata"].get(key, {}).get("value")
+    head_dim = getattr(config, "head_dim", None) or \
+        config.hidden_size // config.num_attention_heads
+    if rotary is not None and rotary != head_dim:
+        raise ConfigError(f"GGUF file {gguf}: {key} is {rotary}, but each attention head has "
+                          f"{head_dim} dimensions; Kiln ropes whole heads only (partial rotary "
+                          "embeddings are not supported)")
 
 
 def load_tokenizer(gguf: Path):

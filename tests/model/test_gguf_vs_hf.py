@@ -207,6 +207,22 @@ def test_a_rope_scaling_without_a_factor_is_no_scaling(tmp_path, factor):
     assert logits_diff(path, hf_dir) < TOL
 
 
+def test_a_rotary_dimension_count_below_the_head_size_is_refused(tmp_path):
+    """llama.cpp ropes only `rope.dimension_count` dimensions of each head (and refuses that for
+    llama); Kiln ignored the key and roped whole heads, every position rotated wrong."""
+    import gguf
+
+    hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False)
+    count = {"llama.rope.dimension_count": (16, gguf.GGUFValueType.UINT32)}  # the head size
+    assert logits_diff(write_gguf(tmp_path / "whole.gguf", hf_dir, metadata=count),
+                       hf_dir) < TOL
+    count = {"llama.rope.dimension_count": (8, gguf.GGUFValueType.UINT32)}
+    path = write_gguf(tmp_path / "m.gguf", hf_dir, metadata=count)
+    with pytest.raises(ConfigError, match=rf"GGUF file {path}: llama\.rope\.dimension_count is "
+                                          r"8, but each attention head has 16 dimensions"):
+        kiln_config_for(path)
+
+
 def test_yarn_rope_scaling_metadata_is_refused(tmp_path):
     hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False)
     path = write_gguf(tmp_path / "m.gguf", hf_dir, rope_scaling=("yarn", 4.0))
