@@ -245,6 +245,18 @@ def test_unsupported_quant_type_names_tensor_and_type(tmp_path):
         get_model(kiln_config_for(path))
 
 
+@pytest.mark.parametrize("skip", ["blk.1.ffn_up.weight", "blk.0.attn_k.weight",
+                                  "output_norm.weight"])
+def test_a_missing_tensor_is_named_with_the_file(tmp_path, skip):
+    """The error named the merged parameter it fills ("checkpoint is missing 1 parameter(s):
+    model.layers.1.mlp.gate_up_proj.weight (shard 1)"), neither the file nor the tensor."""
+    hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False)
+    path = write_gguf(tmp_path / "m.gguf", hf_dir, skip=(skip,))
+    with pytest.raises(ConfigError, match=rf"GGUF file {path} lacks the tensor\(s\) "
+                                          rf"{skip.replace('.', '[.]')} that"):
+        get_model(kiln_config_for(path))
+
+
 def test_missing_shape_metadata_is_named(tmp_path):
     """Without llama.block_count transformers took its default of 32 layers: the error was a
     list of 270 missing parameters."""
