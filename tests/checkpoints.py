@@ -97,7 +97,7 @@ def make_tiny_checkpoint(path: Path, arch: str, *, tie: bool, seed: int = 0,
     elif arch == "qwen2":
         config = Qwen2Config(**common)  # q/k/v projections carry a bias
     elif arch == "qwen3":
-        config = Qwen3Config(head_dim=16, **common)  # per-head q/k RMSNorm, explicit head_dim
+        config = Qwen3Config(**{"head_dim": 16, **common})  # per-head q/k RMSNorm, explicit head_dim
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)

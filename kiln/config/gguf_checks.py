@@ -15,7 +15,8 @@ from kiln.errors import ConfigError
 
 # The GGUF architectures Kiln's models run (general.architecture).
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-# <arch>.key -> what its value must be: "count" a positive integer, "positive" a number above 0.
+# <arch>.key -> what its value must be: "count" a positive integer, "positive" a number above 0,
+# "scale" a number from 0 (a rope scaling factor: 0 is none, as llama.cpp reads it).
 # Required: without the model's shape transformers takes its defaults (32 layers, ...); without
 # the context length or the norm's epsilon llama.cpp refuses the file, transformers defaults.
 _REQUIRED = {"block_count": "count", "context_length": "count", "embedding_length": "count",
@@ -23,7 +24,9 @@ _REQUIRED = {"block_count": "count", "context_length": "count", "embedding_lengt
              "attention.layer_norm_rms_epsilon": "positive"}
 _OPTIONAL = {"attention.head_count_kv": "count", "attention.key_length": "count",
              "attention.value_length": "count", "vocab_size": "count",
-             "rope.freq_base": "positive"}
+             "rope.freq_base": "positive", "rope.dimension_count": "count",
+             "rope.scaling.factor": "scale",
+             "rope.scale_linear": "scale"}
 # Token ids the tokenizer and the engine use; each must be in the vocabulary.
 _TOKEN_IDS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
 _TOKENS = "tokenizer.ggml.tokens"
@@ -94,8 +97,9 @@ def check_metadata(table: dict, gguf: Path) -> None:
 
 def _value_problem(entry: dict, kind: str) -> str | None:
     """What is wrong with a summarised metadata value (gguf_metadata's {"type", "value" or
-    "count"}) that must be `kind`: "count" (an integer above 0), "id" (an integer from 0) or
-    "positive" (a finite number above 0); None when nothing is."""
+    "count"}) that must be `kind`: "count" (an integer above 0), "id" (an integer from 0),
+    "positive" (a finite number above 0) or "scale" (a finite number from 0); None when
+    nothing is."""
     if entry["type"] == "ARRAY":
         return (f"an array of {entry['count']} values (one per layer?), where Kiln needs one "
                 "value for the whole model")
@@ -105,6 +109,8 @@ def _value_problem(entry: dict, kind: str) -> str | None:
         return f"{value!r}, stored as {entry['type']} where {wanted} belongs"
     if kind == "id":
         return None if value >= 0 else f"{value}, a negative token id"
+    if kind == "scale":
+        return None if math.isfinite(value) and value >= 0 else f"{value!r}; it must be 0 or above"
     if not (math.isfinite(value) and value > 0):
         return f"{value!r}; it must be above 0"
     return None

@@ -27,8 +27,10 @@ logger = init_logger(__name__)
 # Of what is kept; 2: rope scaling metadata in the table, 3: missing metadata, 4: the config
 # as a snapshot (config/config.json in hf_config_snapshot's format), 5: the head size, 6: the
 # metadata gguf_checks reads, 7: more of it (sizes' types, token ids), 8: tensors' dims,
-# 9: the tokenizer's model and pre-tokenizer type (a tokenizer kept before splits no digits).
-_FORMAT = 9
+# 9: the tokenizer's model and pre-tokenizer type (a tokenizer kept before splits no digits),
+# 10: rope scaling read as llama.cpp reads it (rope.scale_linear, a missing type or factor),
+# 11: rope.dimension_count.
+_FORMAT = 11
 
 
 def converted_dir(gguf: Path) -> Path:
@@ -97,6 +99,7 @@ def load_config(gguf: Path):
         config.name_or_path = str(gguf.parent)  # what transformers names it
         _apply_rope_scaling(config, table.get("rope_scaling"))
         _apply_head_size(config, table.get("head_size"), gguf)
+        _check_rotary_dims(config, table, gguf)
         return config
     return cached_snapshot(converted_dir(gguf) / "config" / "config.json", convert)
 
@@ -129,6 +132,20 @@ def _apply_head_size(config, head_size: dict | None, gguf: Path) -> None:
         raise ConfigError(f"GGUF file {gguf}: attention.key_length {key} differs from "
                           f"attention.value_length {value}; Kiln's attention needs them equal")
     config.head_dim = int(key)
+
+
+def _check_rotary_dims(config, table: dict, gguf: Path) -> None:
+    """Refuse a file that ropes only part of each head (`{arch}.rope.dimension_count` below the
+    head size): llama.cpp ropes that many dimensions (and refuses it for llama), Kiln's rotary
+    embedding ropes them all; such a file ran with every position rotated wrong."""
+    key = f"{table['architecture']}.rope.dimension_count"
+    rotary = table["metadata"].get(key, {}).get("value")
+    head_dim = getattr(config, "head_dim", None) or \
+        config.hidden_size // config.num_attention_heads
+    if rotary is not None and rotary != head_dim:
+        raise ConfigError(f"GGUF file {gguf}: {key} is {rotary}, but each attention head has "
+                          f"{head_dim} dimensions; Kiln ropes whole heads only (partial rotary "
+                          "embeddings are not supported)")
 
 
 def load_tokenizer(gguf: Path):
@@ -188,18 +205,25 @@ def _field(reader, key: str):
 
 def _rope_scaling_fields(reader, arch: str | None) -> dict | None:
     """{"rope_type", "factor", "original_max_position_embeddings"} as HF names them, from
-    `{arch}.rope.scaling.*`; None when the file has none."""
+    `{arch}.rope.scaling.*`, read as llama.cpp reads them: the type "linear" where the file has
+    none, the factor from the older `{arch}.rope.scale_linear` where it has no
+    `rope.scaling.factor` (2023 conversions of linearly scaled models), and a missing or 0
+    factor no scaling. None when the file has none. (A linear type without a factor failed with
+    KeyError 'factor'; a file with only rope.scale_linear ran unscaled, every position wrong.)"""
     def value(key: str):
         return _field(reader, f"{arch}.rope.scaling.{key}")
 
-    rope_type = value("type")
-    if rope_type is None:
+    factor = value("factor")
+    if factor is None:
+        factor = _field(reader, f"{arch}.rope.scale_linear")
+    rope_type = str(value("type") or "linear")
+    if rope_type in ("linear", "none") and not factor:  # 1 / 0 is no scaling, as in llama.cpp
         return None
-    scaling = {"rope_type": str(rope_type)}
-    for key, name in (("factor", "factor"),
-                      ("original_context_length", "original_max_position_embeddings")):
-        if value(key) is not None:
-            scaling[name] = value(key)
+    scaling = {"rope_type": rope_type}
+    if factor is not None:
+        scaling["factor"] = factor
+    if value("original_context_length") is not None:
+        scaling["original_max_position_embeddings"] = value("original_context_length")
     return scaling
 
 

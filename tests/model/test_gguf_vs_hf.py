@@ -180,6 +180,49 @@ def test_linear_rope_scaling_metadata_is_applied(tmp_path):
     assert logits_diff(path, hf_dir) < TOL
 
 
+def test_linear_rope_scaling_in_the_older_scale_linear_key_is_applied(tmp_path):
+    """llama.cpp's converters of 2023 wrote a linear scaling as `llama.rope.scale_linear` alone
+    (no rope.scaling.type, which llama.cpp then takes as linear): Kiln ran such a file
+    unscaled, every position rotated wrong."""
+    import gguf
+
+    hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False,
+                                  rope_scaling=dict(rope_type="linear", factor=4.0))
+    path = write_gguf(tmp_path / "m.gguf", hf_dir, metadata={
+        "llama.rope.scale_linear": (4.0, gguf.GGUFValueType.FLOAT32)})
+    assert logits_diff(path, hf_dir) < TOL
+
+
+@pytest.mark.parametrize("factor", [None, 0.0])
+def test_a_rope_scaling_without_a_factor_is_no_scaling(tmp_path, factor):
+    """llama.cpp reads a missing or 0 rope.scaling.factor as a scale of 1: Kiln failed with
+    KeyError: 'factor' (missing) or built a rotary table of 0 positions (0)."""
+    import gguf
+
+    hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False)
+    metadata = {"llama.rope.scaling.type": ("linear", gguf.GGUFValueType.STRING)}
+    if factor is not None:
+        metadata["llama.rope.scaling.factor"] = (factor, gguf.GGUFValueType.FLOAT32)
+    path = write_gguf(tmp_path / "m.gguf", hf_dir, metadata=metadata)
+    assert logits_diff(path, hf_dir) < TOL
+
+
+def test_a_rotary_dimension_count_below_the_head_size_is_refused(tmp_path):
+    """llama.cpp ropes only `rope.dimension_count` dimensions of each head (and refuses that for
+    llama); Kiln ignored the key and roped whole heads, every position rotated wrong."""
+    import gguf
+
+    hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False)
+    count = {"llama.rope.dimension_count": (16, gguf.GGUFValueType.UINT32)}  # the head size
+    assert logits_diff(write_gguf(tmp_path / "whole.gguf", hf_dir, metadata=count),
+                       hf_dir) < TOL
+    count = {"llama.rope.dimension_count": (8, gguf.GGUFValueType.UINT32)}
+    path = write_gguf(tmp_path / "m.gguf", hf_dir, metadata=count)
+    with pytest.raises(ConfigError, match=rf"GGUF file {path}: llama\.rope\.dimension_count is "
+                                          r"8, but each attention head has 16 dimensions"):
+        kiln_config_for(path)
+
+
 def test_yarn_rope_scaling_metadata_is_refused(tmp_path):
     hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False)
     path = write_gguf(tmp_path / "m.gguf", hf_dir, rope_scaling=("yarn", 4.0))
@@ -199,6 +242,18 @@ def test_unsupported_quant_type_names_tensor_and_type(tmp_path):
     hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False)
     path = write_gguf(tmp_path / "m.gguf", hf_dir, {"ffn_up": "Q8_1"})
     with pytest.raises(ConfigError, match=r"GGUF tensor blk\.0\.ffn_up\.weight .* stored as Q8_1"):
+        get_model(kiln_config_for(path))
+
+
+@pytest.mark.parametrize("skip", ["blk.1.ffn_up.weight", "blk.0.attn_k.weight",
+                                  "output_norm.weight"])
+def test_a_missing_tensor_is_named_with_the_file(tmp_path, skip):
+    """The error named the merged parameter it fills ("checkpoint is missing 1 parameter(s):
+    model.layers.1.mlp.gate_up_proj.weight (shard 1)"), neither the file nor the tensor."""
+    hf_dir = make_tiny_checkpoint(tmp_path / "hf", "llama", tie=False)
+    path = write_gguf(tmp_path / "m.gguf", hf_dir, skip=(skip,))
+    with pytest.raises(ConfigError, match=rf"GGUF file {path} lacks the tensor\(s\) "
+                                          rf"{skip.replace('.', '[.]')} that"):
         get_model(kiln_config_for(path))
 
 

@@ -55,6 +55,17 @@ def gguf_to_hf_name(name: str) -> str | None:
     return None
 
 
+def hf_to_gguf_name(hf_name: str) -> str | None:
+    """The llama.cpp tensor name that fills an HF parameter (gguf_to_hf_name's inverse)."""
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$", hf_name)
+    if m:
+        part = next((k for k, v in _BLOCK_NAMES.items() if v == m.group(2)), None)
+        return None if part is None else f"blk.{m.group(1)}.{part}.{m.group(3)}"
+    base, _, kind = hf_name.rpartition(".")
+    part = next((k for k, v in _GLOBAL_NAMES.items() if v == base), None)
+    return None if part is None else f"{part}.{kind}"
+
+
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Invert llama.cpp's q/k permutation: per head, rows [pairs interleaved] -> [halves]."""
     half = w.shape[0] // num_heads // 2
@@ -158,6 +169,7 @@ def load_gguf_weights(model: nn.Module, path: Path, hf_config) -> None:
             and get_tp_group().world_size == 1)
     blocks: dict | None = {} if keep else None
     check_tensor_sizes(model, path, get_tp_group().world_size)
+    check_tensors_present(model, path)
     from kiln.progress import progress
 
     model.load_weights(progress(iterate_gguf(path, hf_config, blocks), desc="loading weights",
@@ -187,6 +199,33 @@ def check_tensor_sizes(model: nn.Module, path: Path, tp_size: int) -> None:
             raise ConfigError(f"GGUF tensor {t['name']} in {path} has shape {tuple(t['dims'])} "
                               f"({values:,} values), more than its parameter {target} takes "
                               f"({room:,}); the file is damaged or does not match its metadata")
+
+
+def check_tensors_present(model: nn.Module, path: Path) -> None:
+    """Refuse a file lacking a tensor the model needs, naming the file and the llama.cpp names
+    (load_weights' "checkpoint is missing model.layers.1.mlp.gate_up_proj.weight (shard 1)"
+    named neither the file nor the tensor to look for in it)."""
+    from kiln.config.gguf_metadata import load_tensor_table
+    from kiln.model.llama import STACKED_PARAMS
+
+    present = {t["name"] for t in load_tensor_table(path)["tensors"]}
+    tied = getattr(model, "tie_word_embeddings", False)
+    missing = []
+    for name, _ in model.named_parameters():
+        merged = {m for m, _, _ in STACKED_PARAMS if m + "." in name}
+        parts = [name.replace(m + ".", p + ".") for m, p, _ in STACKED_PARAMS if m in merged] \
+            if merged else [name]
+        for part in parts:
+            if tied and part == "lm_head.weight":
+                part = "model.embed_tokens.weight"  # a tied head is the embedding's tensor
+            gguf_name = hf_to_gguf_name(part)
+            if gguf_name is not None and gguf_name not in present and gguf_name not in missing:
+                missing.append(gguf_name)
+    if missing:
+        raise ConfigError(f"GGUF file {path} lacks the tensor(s) {', '.join(missing[:8])}"
+                          f"{' ...' if len(missing) > 8 else ''} that its metadata's model "
+                          "needs; the file is incomplete or damaged, or its metadata (block "
+                          "count, architecture) does not match its tensors")
 
 
 def apply_rope_freqs(model: nn.Module, path: Path) -> bool:
