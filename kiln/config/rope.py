@@ -12,14 +12,18 @@ _POSITIVE_FIELDS = {"linear": ("factor",),
                                "original_max_position_embeddings")}
 
 
+def _positive(value) -> bool:
+    """A finite number > 0 (not a bool, not a string)."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and 0 < value < math.inf
+
+
 def _check_numbers(scaling: dict) -> None:
     """transformers only warns about a factor that is not a number >= 1 and loads the config:
     "abc" then failed as 'could not convert string to float', and -2 (or 0) as a traceback
     building a rotary cache of negative length, neither naming the field."""
     for name in _POSITIVE_FIELDS.get(scaling["rope_type"], ()):
         value = scaling.get(name)
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-                or not 0 < value < math.inf:
+        if not _positive(value):
             raise ConfigError(f"rope_scaling {name} must be a finite number > 0 for rope_type "
                               f"{scaling['rope_type']!r}, got {value!r}")
 
@@ -42,7 +46,7 @@ def get_rope_config(hf_config) -> tuple[float, dict | None]:
         scaling = dict(scaling) if scaling else None
     if theta is None:
         theta = 10000.0
-    if isinstance(theta, bool) or not isinstance(theta, numbers.Real) or not 0 < theta < math.inf:
+    if not _positive(theta):
         # 0 or below gives NaN frequencies: every logit NaN, served with a warning that blamed
         # float16 or the weights
         raise ConfigError(f"rope_theta must be a finite number > 0, got {theta!r}")
