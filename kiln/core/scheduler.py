@@ -18,33 +18,12 @@ from kiln.core.outputs import (
     SchedulerOutput,
 )
 from kiln.core.request import Request, RequestStatus
+from kiln.core.request_progress import grammar_error_output, step_output, unschedulable_output
 from kiln.core.stats import SchedulerStats
 from kiln.logger import init_logger
 from kiln.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
-
-
-def check_stop(request: Request, max_model_len: int, grammar_ended: bool = False) -> bool:
-    """After a token was appended: set the finished status (and stop_reason) if the request ends.
-    `grammar_ended`: its grammar took the token as its end, which the sampler let win over
-    min_tokens (nothing may follow a finished grammar: the request would go on unconstrained)."""
-    params = request.sampling_params
-    token = request.output_token_ids[-1]
-    if ((request.num_output_tokens >= params.min_tokens or grammar_ended)
-            and token in params.all_stop_token_ids):
-        request.status = RequestStatus.FINISHED_STOPPED
-        # As in vLLM: an explicit stop token is reported, the end-of-sequence token is not
-        # (also where stop_token_ids lists it, unless ignore_eos made it an ordinary token).
-        explicit = token in params.stop_token_ids and token != params.eos_stop_token_id
-        request.stop_reason = token if explicit else None
-    elif params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    elif request.num_tokens >= max_model_len:
-        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    else:
-        return False
-    return True
 
 
 class Scheduler:
@@ -221,44 +200,13 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue  # ended between schedule and update
-            i = row.get(req_id)
-            chunk = model_runner_output.prompt_logprobs.get(req_id)
-            if chunk is not None and request.prompt_logprobs is not None:
-                request.add_prompt_logprobs(chunk.start, chunk.entries)
-            sampled = model_runner_output.sampled_token_ids[i] if i is not None else []
-            if not sampled:
-                if request.num_computed_tokens >= request.num_tokens:
-                    raise RuntimeError(f"request {req_id!r} finished its prefill but the runner "
-                                       "returned no sampled token for it")
+            output = step_output(request, model_runner_output, row.get(req_id),
+                                 self.max_model_len)
+            if output is None:
                 continue  # a partial prefill chunk: nothing to report yet
-            new_token_ids = []
-            error = None
-            grammar = request.structured_output_request
-            for token in sampled:
-                if grammar is not None and not grammar.accept(token):
-                    # Its grammar allowed no token: what was drawn is no output, and the request
-                    # ends (abort), as one whose grammar fails to compile does.
-                    error = (f"{grammar.spec.field} allows no token after "
-                             f"{request.num_output_tokens} generated token(s); check that the "
-                             "constraint can be satisfied")
-                    logger.error("request %s: %s; ending it", req_id, error)
-                    request.status = RequestStatus.FINISHED_ABORTED
-                    finished.append(request)
-                    break
-                request.output_token_ids.append(token)
-                new_token_ids.append(token)
-                if check_stop(request, self.max_model_len,
-                              grammar is not None and grammar.ended):
-                    finished.append(request)
-                    break
-            logprobs = model_runner_output.logprobs.get(req_id) if new_token_ids else None
-            outputs.append(EngineCoreOutput(
-                request_id=req_id, new_token_ids=new_token_ids,
-                new_logprobs=[logprobs] if logprobs is not None else [],
-                finish_reason=request.get_finish_reason(), stop_reason=request.stop_reason,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-                prompt_logprobs=request.take_prompt_logprobs(),
-                first_scheduled_time=request.first_scheduled_time, error=error))
+            outputs.append(output)
+            if request.is_finished():
+                finished.append(request)
         if finished:
             gone = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in gone]
@@ -335,36 +283,13 @@ class Scheduler:
                 or kv.num_blocks_for(request.num_tokens) > kv.num_blocks)
 
     def _finish_unschedulable(self, request: Request, num_tokens: int) -> None:
-        """End a request the cache can never hold, instead of letting it block the queue."""
-        kv = self.kv_cache_manager
-        capacity = kv.num_blocks * kv.block_size
-        # With output already produced, running out of room is a length limit; otherwise abort.
-        request.status = (RequestStatus.FINISHED_LENGTH_CAPPED if request.num_output_tokens
-                          else RequestStatus.FINISHED_ABORTED)
-        error = (f"the request needs {num_tokens} tokens of KV cache (max_model_len="
-                 f"{self.max_model_len}) but the cache holds {capacity}; raise "
-                 f"{self.larger_cache_flags} or lower --max-model-len")
-        logger.error("request %s: %s; ending it as %s", request.request_id, error,
-                     request.get_finish_reason())
-        self._finished_outputs.append(EngineCoreOutput(
-            request_id=request.request_id, new_token_ids=[],
-            finish_reason=request.get_finish_reason(),
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            first_scheduled_time=request.first_scheduled_time,
-            error=error if request.status == RequestStatus.FINISHED_ABORTED else None))
+        self._finished_outputs.append(unschedulable_output(
+            request, num_tokens, self.kv_cache_manager, self.max_model_len,
+            self.larger_cache_flags))
         self._release(request)
 
     def _finish_grammar_error(self, request: Request) -> None:
-        """The front end checks every grammar, so a compile failing here is rare (an xgrammar
-        limit of the vocabulary): end the request (abort) and say why, leaving the rest be."""
-        request.status = RequestStatus.FINISHED_ABORTED
-        logger.error("request %s: %s; ending it", request.request_id,
-                     request.structured_output_request.error)
-        self._finished_outputs.append(EngineCoreOutput(
-            request_id=request.request_id, new_token_ids=[],
-            finish_reason=request.get_finish_reason(), num_cached_tokens=0,
-            first_scheduled_time=request.first_scheduled_time,
-            error=request.structured_output_request.error))
+        self._finished_outputs.append(grammar_error_output(request))
         self._release(request)
 
     def _release(self, request: Request) -> None:

@@ -1,17 +1,19 @@
 """`AsyncLLM`: many coroutines share one `LLMEngine`; a background task runs its step loop.
 
 Engine calls (add, abort, step, stats) run on one engine thread, in order, so an abort never races
-a step; tokenizing and templates run on a front-end thread, so a big prompt never delays a step.
+a step (step_loop.py); tokenizing and templates run on a front-end thread, so a big prompt never
+delays a step; each request's outputs reach its stream (in_flight_streams.py).
 """
 import asyncio
-import concurrent.futures
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from kiln.engine.frontend_lanes import FrontendLanes
+from kiln.engine.in_flight_streams import InFlightStreams
 from kiln.engine.request_stats import IterationStats, StatLogger
 from kiln.engine.request_stream import RequestStream
+from kiln.engine.step_loop import StepLoop
 from kiln.logger import init_logger
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
@@ -28,26 +30,20 @@ class AsyncLLM:
     def __init__(self, engine, stat_loggers: Iterable[StatLogger] = ()):
         self.engine = engine
         self.stat_loggers = list(stat_loggers)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kiln-engine")
+        self._steps = StepLoop(engine, self._on_step, self._fail_all)
         # Tokenizer and template work: one thread for ordinary inputs, one (at a lower OS
         # priority) for huge ones; more would take cores from the engine.
         self._frontend = FrontendLanes()
         self._loop: asyncio.AbstractEventLoop | None = None
         # Called on the event loop once the engine died (the server exits non-zero).
         self.dead_callbacks: list[Callable[[BaseException], None]] = []
-        self._streams: dict[str, RequestStream] = {}
-        self._wake: asyncio.Event | None = None
-        self._loop_task: asyncio.Task | None = None
+        self._streams = InFlightStreams(self._record_stats)
         self._dead: BaseException | None = None
         self._closed = False
         self._refusing: str | None = None  # set by abort_all: new requests are refused
-        self._pool_closed = False
         self.last_stats: dict = {}
         # The server's cap on one call's prompts x n (None: no cap): serving_engine.submit.
         self.max_sequences_per_request: int | None = None
-        # Steps run on the engine thread (read and written there only): a step's outputs go to
-        # a stream only if its add ran before that step (RequestStream.first_step).
-        self._steps_run = 0
         add_death_callback = getattr(engine, "add_death_callback", None)
         if add_death_callback is not None:
             add_death_callback(self._core_died)
@@ -105,8 +101,7 @@ class AsyncLLM:
     async def _on_engine_thread(self, fn: Callable, *args, **kwargs) -> Any:
         """Run an engine call on the engine thread, between steps."""
         self.start()
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool, lambda: fn(*args, **kwargs))
+        return await self._steps.run(fn, *args, **kwargs)
 
     def start(self) -> None:
         """Note the event loop (the server calls it at start-up): a core that dies while no
@@ -126,13 +121,11 @@ class AsyncLLM:
                                "thread; submit to that loop (asyncio.run_coroutine_threadsafe)")
         # The old loop's requests have no consumer left to read them: abort them here, ending
         # no stream (their waiters belong to the old loop).
-        ids = self._forget(list(self._streams), end_streams=False)
-        if ids and not self._pool_closed:
-            self._pool.submit(self._abort_logged, ids)
-        if self._loop_task is not None and not self._loop_task.done() \
-                and not self._loop.is_closed():
-            self._loop_task.cancel()  # it would step beside the new loop's if the old ran again
-        self._loop, self._wake, self._loop_task = loop, None, None
+        ids = self._streams.forget(list(self._streams), end_streams=False)
+        if ids:
+            self._steps.submit(self._abort_logged, ids)
+        self._steps.leave(self._loop)
+        self._loop = loop
 
     def _core_died(self, error: BaseException) -> None:
         """From the core client's watcher thread."""
@@ -149,10 +142,7 @@ class AsyncLLM:
         first = self._dead is None
         if first:
             self._dead = error
-        err = EngineDeadError(f"the engine loop failed: {error!r}")
-        for stream in self._streams.values():
-            stream.put_error(err)
-        self._streams.clear()
+        self._streams.fail_all(EngineDeadError(f"the engine loop failed: {error!r}"))
         if first and not self._closed:
             for callback in self.dead_callbacks:
                 callback(error)
@@ -203,24 +193,24 @@ class AsyncLLM:
             await self._on_engine_thread(self._add_on_engine_thread, stream, processed,
                                          arrival_time)
         except ValueError:
-            self._drop(stream)  # refused: nothing entered the engine
+            self._streams.drop(stream)  # refused: nothing entered the engine
             raise
         except BaseException as e:
             # Cancelled while the engine thread was adding it: it may be in; take it out again
             # (unless an abort took it already: the id may name a new request by now).
-            if self._drop(stream) and not self._pool_closed:
-                self._pool.submit(self._abort_logged, [request_id])
+            if self._streams.drop(stream):
+                self._steps.submit(self._abort_logged, [request_id])
             from kiln.engine.core_errors import engine_gone
 
             if engine_gone(e):  # a request racing the death, before the watcher told us
                 raise EngineDeadError(f"the engine failed: {e!r}; restart the server") from e
             raise
-        self._start_loop()
+        self._steps.kick()
         return stream
 
     def _add_on_engine_thread(self, stream: RequestStream, processed, arrival_time) -> None:
         self.engine.add_processed_request(stream.request_id, processed, arrival_time)
-        stream.first_step = self._steps_run + 1
+        stream.first_step = self._steps.steps_run + 1
 
     async def generate(self, prompt, sampling_params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -235,50 +225,26 @@ class AsyncLLM:
             if not stream.finished and self._streams.get(request_id) is stream:
                 self.abort_nowait(request_id)
 
-    def _drop(self, stream: RequestStream) -> bool:
-        """Unregister `stream` if its id still names it; False if an abort took it already."""
-        if self._streams.get(stream.request_id) is not stream:
-            return False
-        del self._streams[stream.request_id]
-        return True
-
     async def abort(self, request_ids: str | list[str], record: bool = True,
                     end_streams: bool = True) -> None:
         """Abort requests and wait until the engine has freed their KV blocks; their streams
         end with a final "abort" output (`end_streams=False`: the caller ends them). `record=
         False` takes back requests of a call that was refused: no abort enters the metrics."""
-        ids = self._forget(request_ids, record, end_streams)
+        ids = self._streams.forget(request_ids, record, end_streams)
         if ids:
             await self._on_engine_thread(self.engine.abort_request, ids)
 
     def abort_nowait(self, request_ids: str | list[str]) -> None:
         """Abort from code that cannot await (a cancelled coroutine's cleanup)."""
-        ids = self._forget(request_ids)
-        if ids and not self._pool_closed:
-            self._pool.submit(self._abort_logged, ids)
+        ids = self._streams.forget(request_ids)
+        if ids:
+            self._steps.submit(self._abort_logged, ids)
 
     def _abort_logged(self, ids: list[str]) -> None:
         try:
             self.engine.abort_request(ids)
         except Exception:  # noqa: BLE001 - an abort must never kill the engine thread
             logger.exception("aborting %s failed", ids)
-
-    def _forget(self, request_ids: str | list[str], record: bool = True,
-                end_streams: bool = True) -> list[str]:
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        for rid in ids:
-            stream = self._streams.pop(rid, None)
-            if record and stream is not None and not stream.finished:
-                self._record_abort(stream)
-            if end_streams and stream is not None:
-                stream.put_abort()  # a consumer elsewhere waits on it (as vLLM's ends it)
-        return ids
-
-    def _record_abort(self, stream: RequestStream) -> None:
-        stats = IterationStats()
-        stream.timer.observe_abort(time.monotonic(), stats)
-        for sl in self.stat_loggers:
-            sl.record(stats, self.last_stats)
 
     async def get_stats(self) -> dict:
         """Fresh engine stats, taken between steps (after any queued abort has run)."""
@@ -292,55 +258,14 @@ class AsyncLLM:
         """{"prompt": rendered text, "prompt_token_ids": ids} for a conversation."""
         return await self.run_in_engine(self.engine.chat_prompt, messages, **kwargs)
 
-    # ---- the step loop ---------------------------------------------------------------------
-    def _start_loop(self) -> None:
-        if self._wake is None:
-            self._wake = asyncio.Event()
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop(),
-                                                                     name="kiln-engine-loop")
-        self._wake.set()
+    def _on_step(self, outputs: list[RequestOutput], step_tokens: list[int], stats: dict,
+                 step: int) -> None:
+        """The step loop's outputs, on the event loop."""
+        self.last_stats = stats
+        self._streams.dispatch(outputs, step_tokens, step)
 
-    def _step(self) -> tuple[list[RequestOutput], list[int], bool, dict, int]:
-        outputs = self.engine.step()
-        self._steps_run += 1
-        return (outputs, list(self.engine.last_step_tokens),
-                self.engine.has_unfinished_requests(), self.engine.step_stats(), self._steps_run)
-
-    async def _run_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            while not self._closed:
-                await self._wake.wait()
-                # Cleared before stepping: an add that lands during the steps below sets it again.
-                self._wake.clear()
-                more = True
-                while more and not self._closed:
-                    outputs, step_tokens, more, self.last_stats, step = \
-                        await loop.run_in_executor(self._pool, self._step)
-                    self._dispatch(outputs, step_tokens, step)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # noqa: BLE001 - every waiter must learn the engine died
-            logger.exception("engine step loop failed; failing all in-flight requests")
-            self._fail_all(e)
-
-    def _dispatch(self, outputs: list[RequestOutput], step_tokens: list[int], step: int) -> None:
-        """`step_tokens`: the engine's last_step_tokens (none for a poll that found no step).
-        `step`: which engine step made `outputs` (_steps_run)."""
-        now = time.monotonic()
-        stats = IterationStats(step_tokens=step_tokens)
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None or stream.first_step is None or step < stream.first_step:
-                # Aborted while the step ran; or its id was used again at once, and these are
-                # its namesake's (the step ran before the new add: its outputs reached the
-                # new stream, whose text then began with the old request's tokens)
-                continue
-            stream.timer.observe(out, now, stats)
-            stream.put_delta(out)
-            if out.finished:
-                del self._streams[out.request_id]
+    def _record_stats(self, stats: IterationStats) -> None:
+        """A step's or an abort's stats to every stat logger, with the engine's latest."""
         for sl in self.stat_loggers:
             sl.record(stats, self.last_stats)
 
@@ -367,17 +292,9 @@ class AsyncLLM:
             await asyncio.sleep(0.05)
         await self.abort_all("the engine shut down; request aborted")
         self._closed = True
-        if self._wake is not None:
-            self._wake.set()
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - already logged
-                pass
+        await self._steps.stop()
         shutdown = getattr(self.engine, "shutdown", None)
         if shutdown is not None:
             await self._on_engine_thread(shutdown)
-        self._pool_closed = True
-        self._pool.shutdown(wait=True)
+        self._steps.close()
         self._frontend.shutdown()

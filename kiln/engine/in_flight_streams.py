@@ -1,0 +1,65 @@
+"""`InFlightStreams`: the streams of AsyncLLM's requests in flight, by request id: each engine
+step's outputs routed to theirs, and streams ended by an abort or by the engine's death.
+"""
+import time
+from collections.abc import Callable
+
+from kiln.engine.request_stats import IterationStats
+from kiln.engine.request_stream import RequestStream
+from kiln.outputs import RequestOutput
+
+
+class InFlightStreams(dict[str, RequestStream]):
+    """`record(stats)` hands a step's or an abort's IterationStats to the stat loggers."""
+
+    def __init__(self, record: Callable[[IterationStats], None]):
+        super().__init__()
+        self._record = record
+
+    def drop(self, stream: RequestStream) -> bool:
+        """Unregister `stream` if its id still names it; False if an abort took it already."""
+        if self.get(stream.request_id) is not stream:
+            return False
+        del self[stream.request_id]
+        return True
+
+    def forget(self, request_ids: str | list[str], record: bool = True,
+               end_streams: bool = True) -> list[str]:
+        """Unregister aborted requests; returns their ids, for the engine's abort."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            stream = self.pop(rid, None)
+            if record and stream is not None and not stream.finished:
+                self._record_abort(stream)
+            if end_streams and stream is not None:
+                stream.put_abort()  # a consumer elsewhere waits on it (as vLLM's ends it)
+        return ids
+
+    def _record_abort(self, stream: RequestStream) -> None:
+        stats = IterationStats()
+        stream.timer.observe_abort(time.monotonic(), stats)
+        self._record(stats)
+
+    def dispatch(self, outputs: list[RequestOutput], step_tokens: list[int], step: int) -> None:
+        """`step_tokens`: the engine's last_step_tokens (none for a poll that found no step).
+        `step`: which engine step made `outputs` (StepLoop.steps_run)."""
+        now = time.monotonic()
+        stats = IterationStats(step_tokens=step_tokens)
+        for out in outputs:
+            stream = self.get(out.request_id)
+            if stream is None or stream.first_step is None or step < stream.first_step:
+                # Aborted while the step ran; or its id was used again at once, and these are
+                # its namesake's (the step ran before the new add: its outputs reached the
+                # new stream, whose text then began with the old request's tokens)
+                continue
+            stream.timer.observe(out, now, stats)
+            stream.put_delta(out)
+            if out.finished:
+                del self[out.request_id]
+        self._record(stats)
+
+    def fail_all(self, error: BaseException) -> None:
+        """The engine is gone: every stream ends with `error`."""
+        for stream in self.values():
+            stream.put_error(error)
+        self.clear()
