@@ -55,11 +55,6 @@ def _timed_executor_class(base: type, timings: dict) -> type:
     return TimedExecutor
 
 
-def _counter_deltas(before) -> dict:
-    return {f.name: getattr(compilation_counter, f.name) - getattr(before, f.name)
-            for f in dataclasses.fields(compilation_counter)}
-
-
 def _ops_in_use(kiln_config) -> list[str]:
     """The IR ops the model can call: the int8, fp8 and GGUF ops only under their quantization
     or load format, all_reduce only across tensor-parallel ranks (the text report listed the
@@ -73,20 +68,63 @@ def _ops_in_use(kiln_config) -> list[str]:
             if all(on for kind, on in kinds.items() if kind in op)]
 
 
+def process_compile_state() -> dict:
+    """What this process's compile stack has done so far: counters, pass runs, per-piece events,
+    cache directories and times (a rank answers `compile_stats` with it)."""
+    s = monitor.stats
+    return {"counters": dataclasses.asdict(compilation_counter),
+            "pass_runs": list(pass_manager.RUNS), "events": list(s.events),
+            "cache_dirs": dict(s.cache_dirs), "inductor_cache_dir": s.inductor_cache_dir,
+            "trace_s": s.trace_s, "compile_s": s.compile_s, "load_s": s.load_s}
+
+
+def _since(after: dict, before: dict) -> dict:
+    """The part of `after` (a process_compile_state) that came after `before`."""
+    return {"counters": {k: v - before["counters"][k] for k, v in after["counters"].items()},
+            "pass_runs": after["pass_runs"][len(before["pass_runs"]):],
+            "events": after["events"][len(before["events"]):],
+            "cache_dirs": {p: st for p, st in after["cache_dirs"].items()
+                           if p not in before["cache_dirs"]},
+            "inductor_cache_dir": after["inductor_cache_dir"],
+            **{k: after[k] - before[k] for k in ("trace_s", "compile_s", "load_s")}}
+
+
+def _compile_fields(state: dict) -> dict:
+    """The report's compile fields from one process's compile state."""
+    d = state["counters"]
+    return {
+        # per piece compiled cold: {"shape": .., "matches": {pass: rewrites}}
+        "pass_runs": state["pass_runs"],
+        "pieces": {"total": d["num_piecewise_graphs_seen"],
+                   "compiled": d["num_piecewise_capturable_graphs_seen"],
+                   # Traced by Dynamo (cold) or loaded from the saved graph (warm).
+                   "graphs": d["num_graphs_seen"] + d["num_saved_graph_loads"]},
+        "per_shape": monitor.per_shape(state["events"]),
+        "events": state["events"],
+        "cache": {"enabled": not envs.disable_compile_cache(), "dirs": state["cache_dirs"],
+                  "key_dirs": sorted({str(Path(p).parents[1]) for p in state["cache_dirs"]}),
+                  "inductor_cache_dir": state["inductor_cache_dir"],
+                  "hits": d["num_cache_hits"], "misses": d["num_cache_misses"],
+                  "corrupt": d["num_corrupt_artifacts"]},
+        "inductor": {"compiles": d["num_inductor_compiles"],
+                     "artifacts_loaded": d["num_compiled_artifacts_loaded"],
+                     "artifacts_saved": d["num_compiled_artifacts_saved"]},
+        "counters": d,
+    }
+
+
 def compile_report(engine_args: EngineArgs) -> dict:
     """Build the engine's config, load the model, size the KV cache, compile and warm up every
-    shape (all the engine does before serving), and report what the compile stack did."""
+    shape (all the engine does before serving), and report what the compile stack did. With
+    several ranks each compiles in its own process: the report is rank 0's, and "ranks" holds
+    every rank's (the stages of a pipeline compile different layers)."""
     from kiln.core.engine_core import EngineCore
     from kiln.engine.llm_engine import get_executor_class
 
     start = time.perf_counter()
     kiln_config = engine_args.create_kiln_config()
     config_s = time.perf_counter() - start
-    counters_before = compilation_counter.clone()
-    pass_runs_before = len(pass_manager.RUNS)
-    s = monitor.stats
-    events_before, dirs_before = len(s.events), set(s.cache_dirs)
-    trace0, compile0, load0 = s.trace_s, s.compile_s, s.load_s
+    before = process_compile_state()
     timings: dict[str, float] = {}
     executor_class = _timed_executor_class(get_executor_class(kiln_config.parallel_config),
                                            timings)
@@ -94,9 +132,13 @@ def compile_report(engine_args: EngineArgs) -> dict:
     total_s = time.perf_counter() - start
     try:
         mc, cc = kiln_config.model_config, kiln_config.compilation_config
-        d = _counter_deltas(counters_before)
-        cache_dirs = {p: state for p, state in s.cache_dirs.items() if p not in dirs_before}
-        events = s.events[events_before:]
+        # a rank process is started for this engine: all its compile state is this start-up's
+        rank_states = core.executor.compile_stats()
+        states = rank_states or [{"rank": 0, **_since(process_compile_state(), before)}]
+        ranks = [{"rank": st["rank"], **_compile_fields(st),
+                  "times": {k: st[k] for k in ("trace_s", "compile_s", "load_s")}}
+                 for st in states]
+        first = states[0]
         return {
             "model": mc.model, "architecture": mc.architecture, "num_layers": mc.num_layers,
             "device": kiln_config.device_config.device,
@@ -105,28 +147,13 @@ def compile_report(engine_args: EngineArgs) -> dict:
             "backend": cc.backend, "splitting_ops": list(cc.splitting_ops),
             "ir_ops": kiln_config.ir_selection.as_dict(),  # each IR op's chosen provider
             "ir_ops_used": _ops_in_use(kiln_config),
-            # per piece compiled cold: {"shape": .., "matches": {pass: rewrites}}
-            "pass_runs": pass_manager.RUNS[pass_runs_before:],
-            "pieces": {"total": d["num_piecewise_graphs_seen"],
-                       "compiled": d["num_piecewise_capturable_graphs_seen"],
-                       # Traced by Dynamo (cold) or loaded from the saved graph (warm).
-                       "graphs": d["num_graphs_seen"] + d["num_saved_graph_loads"]},
+            **_compile_fields(first),
             "shapes": {"range": [1, kiln_config.scheduler_config.max_num_batched_tokens],
                        "compile_sizes": list(cc.compile_sizes)},
-            "per_shape": monitor.per_shape(events),
-            "events": events,
-            "cache": {"enabled": not envs.disable_compile_cache(), "dirs": cache_dirs,
-                      "key_dirs": sorted({str(Path(p).parents[1]) for p in cache_dirs}),
-                      "inductor_cache_dir": s.inductor_cache_dir,
-                      "hits": d["num_cache_hits"], "misses": d["num_cache_misses"],
-                      "corrupt": d["num_corrupt_artifacts"]},
-            "inductor": {"compiles": d["num_inductor_compiles"],
-                         "artifacts_loaded": d["num_compiled_artifacts_loaded"],
-                         "artifacts_saved": d["num_compiled_artifacts_saved"]},
-            "counters": d,
             "times": {"total_s": total_s, "config_s": config_s, **timings,
-                      "trace_s": s.trace_s - trace0, "compile_s": s.compile_s - compile0,
-                      "artifact_load_s": s.load_s - load0},
+                      "trace_s": first["trace_s"], "compile_s": first["compile_s"],
+                      "artifact_load_s": first["load_s"]},
+            **({"ranks": ranks} if rank_states else {}),
         }
     finally:
         core.shutdown()

@@ -36,6 +36,12 @@ class Executor(ABC):
         """Start measuring comm_stats afresh (after warm-up, before a benchmark's timed run)."""
         return None
 
+    def compile_stats(self) -> list[dict] | None:
+        """Each rank's compile state (kiln/benchmarks/compile.py process_compile_state), for
+        `kiln compile`: its ranks compile in their own processes. None: the model runs in
+        this process, whose state the caller reads itself."""
+        return None
+
     def rank_sentinels(self) -> list[int]:
         """File descriptors that become readable when a rank dies, for a caller that waits
         between steps and must not miss a death there (empty: no rank of its own to watch)."""

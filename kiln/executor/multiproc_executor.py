@@ -244,6 +244,9 @@ class MultiprocExecutor(Executor):
                 "scheduler_output_broadcast_s": self.broadcast_seconds,
                 "scheduler_output_broadcasts": self.broadcast_calls, "ranks": per_rank}
 
+    def compile_stats(self) -> list[dict]:
+        return self._run_on_all("compile_stats")
+
     def reset_comm_stats(self) -> None:
         self._run_on_all("reset_comm_stats")
         self.broadcast_seconds, self.broadcast_calls = 0.0, 0

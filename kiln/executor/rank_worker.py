@@ -15,7 +15,7 @@ logger = init_logger(__name__)
 
 # The executor methods a rank answers (anything else is a programming error in the executor).
 METHODS = ("determine_num_blocks", "initialize_cache", "compile_or_warm_up_model",
-           "execute_model", "comm_stats", "reset_comm_stats")
+           "execute_model", "comm_stats", "reset_comm_stats", "compile_stats")
 
 
 class RankWorker:
@@ -53,6 +53,10 @@ class RankWorker:
             return {"rank": self.rank, "comm": comm_timing.snapshot(),
                     "scheduler_output_unpickle_s": self.unpickle_seconds,
                     "compilation": dataclasses.asdict(compilation_counter)}
+        if method == "compile_stats":  # what `kiln compile` reports, this rank's
+            from kiln.benchmarks.compile import process_compile_state
+
+            return {"rank": self.rank, **process_compile_state()}
         if method == "reset_comm_stats":
             comm_timing.reset()
             self.unpickle_seconds = 0.0

@@ -266,6 +266,9 @@ class RayExecutor(Executor):
                 "scheduler_output_broadcasts": self.broadcast_calls,
                 "ranks": self._run_on_all("comm_stats")}
 
+    def compile_stats(self) -> list[dict]:
+        return self._run_on_all("compile_stats")
+
     def reset_comm_stats(self) -> None:
         self._run_on_all("reset_comm_stats")
         self.broadcast_seconds, self.broadcast_calls = 0.0, 0

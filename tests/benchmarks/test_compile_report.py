@@ -157,3 +157,27 @@ def test_per_shape_groups_and_orders_shapes():
     assert rows[0] == {"shape": "range", "compiled": 0, "loaded": 2, "reused": 0,
                        "compile_s": 0.0, "load_s": 0.75}
     assert (rows[2]["compiled"], rows[2]["reused"], rows[2]["compile_s"]) == (1, 1, 1.0)
+
+
+@pytest.mark.slow  # two ranks each compile their pieces cold (about 2 minutes on 2 cores)
+def test_tp2_int8_report_is_each_ranks_compile(tiny_llama_dir, tmp_path):
+    """At -tp 2 the ranks compile in their own processes: the report counted this process's
+    compiles, so it said '0 total, 0 compiled', no passes and no cache at all (helper-94)."""
+    report = kiln_compile(tiny_llama_dir, tmp_path / "cc", "-tp", "2", "--quantization", "int8")
+    n = NUM_LAYERS
+    assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    for rank in report["ranks"]:
+        assert rank["pieces"] == {"total": 2 * n + 1, "compiled": n + 1, "graphs": 1}
+        assert rank["inductor"]["compiles"] >= 1 and list(rank["cache"]["dirs"].values()) == [
+            "miss"]
+    # The ranks' graphs are alike and share Inductor's cache: the rank compiling a piece first
+    # runs the passes on it, the other finds it rewritten. Every layer's input and
+    # post-attention norms' quant and its activation's are fused on some rank.
+    runs = [r["matches"] for rank in report["ranks"] for r in rank["pass_runs"]]
+    assert sum(m["FuseNormQuant"] for m in runs) >= 2 * n
+    assert sum(m["FuseActQuant"] for m in runs) >= n
+    assert report["pieces"] == report["ranks"][0]["pieces"]
+    assert report["times"]["compile_s"] > 0
+    text = format_report(report)
+    assert f"pieces     {2 * n + 1} total, {n + 1} compiled" in text
+    assert f"rank 1: {2 * n + 1} pieces, {n + 1} compiled" in text and "FuseNormQuant" in text

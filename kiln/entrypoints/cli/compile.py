@@ -24,6 +24,18 @@ def _s(value) -> str:
     return "-" if value is None else f"{value:.2f} s"
 
 
+def _pass_totals(r: dict) -> str:
+    """Each pass's rewrites summed over the cold piece compiles of `r` (a report or a rank's)."""
+    totals: dict[str, int] = {}
+    for run in r.get("pass_runs", []):
+        for name, n in run["matches"].items():
+            totals[name] = totals.get(name, 0) + n
+    if not totals:
+        return ""
+    return (", ".join(f"{name} {n}" for name, n in totals.items())
+            + f" rewrites over {len(r['pass_runs'])} cold piece compiles")
+
+
 def format_report(r: dict) -> str:
     """The human-readable report (pure: tests check it on a hand-made dict)."""
     t, c = r["times"], r["cache"]
@@ -58,19 +70,25 @@ def format_report(r: dict) -> str:
             lines.append(f"cache      {path} [{state}]")
         lines.append(f"           {c['hits']} hits, {c['misses']} misses, {c['corrupt']} corrupt "
                      f"artifacts; Inductor cache {c['inductor_cache_dir']}")
-        totals: dict[str, int] = {}
-        for run in r.get("pass_runs", []):
-            for name, n in run["matches"].items():
-                totals[name] = totals.get(name, 0) + n
-        if totals:
-            lines.append("passes     " + ", ".join(f"{name} {n}" for name, n in totals.items())
-                         + f" rewrites over {len(r['pass_runs'])} cold piece compiles")
+        if _pass_totals(r):
+            lines.append(f"passes     {_pass_totals(r)}")
         ind = r["inductor"]
         lines.append(f"inductor   {ind['compiles']} compiles, {ind['artifacts_loaded']} artifacts "
                      f"loaded, {ind['artifacts_saved']} saved")
         captured = r["counters"].get("num_cudagraph_captured", 0)
         if captured:
             lines.append(f"cudagraphs {captured} captured")
+        for rank in r.get("ranks", []):  # each rank compiled its own graphs (above: rank 0's)
+            p, ind = rank["pieces"], rank["inductor"]
+            lines.append(f"{'ranks' if rank is r['ranks'][0] else '':<10} rank {rank['rank']}: "
+                         f"{p['total']} pieces, {p['compiled']} compiled, {ind['compiles']} "
+                         f"Inductor compiles; passes {_pass_totals(rank) or 'none ran'}")
+            # the ranks share Inductor's cache: a graph another rank compiled first is found
+            # there, already rewritten, and its passes do not run (nor count) again
+            cached = ind["compiles"] - len(rank["pass_runs"])
+            if cached > 0:
+                lines.append(f"{'':<10} rank {rank['rank']}: {cached} of its compiles found in "
+                             "Inductor's cache (a graph another rank compiled and rewrote)")
     lines.append(f"time       total {_s(t['total_s'])}: config {_s(t['config_s'])}, load model "
                  f"{_s(t.get('load_model_s'))}, profile + KV cache "
                  f"{_s(t.get('profile_kv_cache_s'))}, warm-up {_s(t.get('warmup_s'))}")
