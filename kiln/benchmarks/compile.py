@@ -13,8 +13,6 @@ from pathlib import Path
 from kiln import envs
 from kiln.benchmarks.child import run_json_child
 from kiln.compilation import monitor
-from kiln.compilation.counters import compilation_counter
-from kiln.compilation.passes import pass_manager
 from kiln.config import CompilationMode
 from kiln.config.compilation_config import spec_to_dict
 from kiln.engine.arg_utils import EngineArgs
@@ -68,16 +66,6 @@ def _ops_in_use(kiln_config) -> list[str]:
             if all(on for kind, on in kinds.items() if kind in op)]
 
 
-def process_compile_state() -> dict:
-    """What this process's compile stack has done so far: counters, pass runs, per-piece events,
-    cache directories and times (a rank answers `compile_stats` with it)."""
-    s = monitor.stats
-    return {"counters": dataclasses.asdict(compilation_counter),
-            "pass_runs": list(pass_manager.RUNS), "events": list(s.events),
-            "cache_dirs": dict(s.cache_dirs), "inductor_cache_dir": s.inductor_cache_dir,
-            "trace_s": s.trace_s, "compile_s": s.compile_s, "load_s": s.load_s}
-
-
 def _since(after: dict, before: dict) -> dict:
     """The part of `after` (a process_compile_state) that came after `before`."""
     return {"counters": {k: v - before["counters"][k] for k, v in after["counters"].items()},
@@ -124,7 +112,7 @@ def compile_report(engine_args: EngineArgs) -> dict:
     start = time.perf_counter()
     kiln_config = engine_args.create_kiln_config()
     config_s = time.perf_counter() - start
-    before = process_compile_state()
+    before = monitor.process_compile_state()
     timings: dict[str, float] = {}
     executor_class = _timed_executor_class(get_executor_class(kiln_config.parallel_config),
                                            timings)
@@ -134,7 +122,7 @@ def compile_report(engine_args: EngineArgs) -> dict:
         mc, cc = kiln_config.model_config, kiln_config.compilation_config
         # a rank process is started for this engine: all its compile state is this start-up's
         rank_states = core.executor.compile_stats()
-        states = rank_states or [{"rank": 0, **_since(process_compile_state(), before)}]
+        states = rank_states or [{"rank": 0, **_since(monitor.process_compile_state(), before)}]
         ranks = [{"rank": st["rank"], **_compile_fields(st),
                   "times": {k: st[k] for k in ("trace_s", "compile_s", "load_s")}}
                  for st in states]

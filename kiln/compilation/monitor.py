@@ -91,3 +91,18 @@ class Timer:
 
     def __exit__(self, *exc):
         self.seconds = time.perf_counter() - self.start
+
+
+def process_compile_state() -> dict:
+    """What this process's compile stack has done so far: counters, pass runs, per-piece events,
+    cache directories and times (a rank answers `compile_stats` with it)."""
+    import dataclasses
+
+    from kiln.compilation.counters import compilation_counter
+    from kiln.compilation.passes import pass_manager
+
+    s = stats
+    return {"counters": dataclasses.asdict(compilation_counter),
+            "pass_runs": list(pass_manager.RUNS), "events": list(s.events),
+            "cache_dirs": dict(s.cache_dirs), "inductor_cache_dir": s.inductor_cache_dir,
+            "trace_s": s.trace_s, "compile_s": s.compile_s, "load_s": s.load_s}

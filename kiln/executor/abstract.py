@@ -37,7 +37,7 @@ class Executor(ABC):
         return None
 
     def compile_stats(self) -> list[dict] | None:
-        """Each rank's compile state (kiln/benchmarks/compile.py process_compile_state), for
+        """Each rank's compile state (kiln/compilation/monitor.py process_compile_state), for
         `kiln compile`: its ranks compile in their own processes. None: the model runs in
         this process, whose state the caller reads itself."""
         return None

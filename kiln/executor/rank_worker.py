@@ -54,7 +54,7 @@ class RankWorker:
                     "scheduler_output_unpickle_s": self.unpickle_seconds,
                     "compilation": dataclasses.asdict(compilation_counter)}
         if method == "compile_stats":  # what `kiln compile` reports, this rank's
-            from kiln.benchmarks.compile import process_compile_state
+            from kiln.compilation.monitor import process_compile_state
 
             return {"rank": self.rank, **process_compile_state()}
         if method == "reset_comm_stats":
