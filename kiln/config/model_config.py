@@ -125,6 +125,10 @@ class ModelConfig(FreezableConfig):
         if window is not None and window < limit:
             limit, why = window, (f"sliding_window={window} (Kiln's attention has no sliding "
                                   "window: a longer sequence would give wrong outputs)")
+        if self.max_model_len == -1:
+            # vLLM's auto-fit (--max-model-len -1 / auto): the model's length, lowered to what
+            # the KV cache holds, which is what an unset one gets here; -1 was refused
+            self.max_model_len = None
         if self.max_model_len is None:
             self.max_model_len = limit
             self.max_model_len_from_model = True
