@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from kiln.config.frozen import FreezableConfig
-from kiln.config.rope import max_positions_of
+from kiln.config.rope import max_positions_of, trained_length_of
 from kiln.errors import ConfigError
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -117,14 +117,18 @@ class ModelConfig(FreezableConfig):
         # Kiln's attention has no sliding window: it is exact only while no sequence outgrows
         # the window, so the window caps the length (as vLLM's does with the window disabled).
         window = sliding_window_of(self.hf_config)
-        why = f"max_position_embeddings={limit}"
-        trained = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        key, trained = trained_length_of(self.hf_config)
+        why = f"{key}={limit}"
         if limit != trained:  # a linear rope scaling stretched it
-            why = (f"max_position_embeddings={trained} x linear rope_scaling factor "
-                   f"{limit / trained:g} = {limit}")
+            why = (f"{key}={trained} x linear rope_scaling factor {limit / trained:g} = "
+                   f"{limit}")
         if window is not None and window < limit:
             limit, why = window, (f"sliding_window={window} (Kiln's attention has no sliding "
                                   "window: a longer sequence would give wrong outputs)")
+        if self.max_model_len == -1:
+            # vLLM's auto-fit (--max-model-len -1 / auto): the model's length, lowered to what
+            # the KV cache holds, which is what an unset one gets here; -1 was refused
+            self.max_model_len = None
         if self.max_model_len is None:
             self.max_model_len = limit
             self.max_model_len_from_model = True

@@ -62,19 +62,44 @@ def get_rope_config(hf_config) -> tuple[float, dict | None]:
     return float(theta), scaling
 
 
-def max_positions_of(hf_config) -> int:
-    """Positions the model serves: max_position_embeddings (2048 where unset), times a linear
-    rope scaling's factor, which divides positions (vicuna-7b-v1.5-16k: 4096 x 4), as vLLM
-    derives its length; HF computes rotary angles for any position."""
-    trained = getattr(hf_config, "max_position_embeddings", None)
-    if trained is None:
-        trained = 2048
-    if isinstance(trained, float) and trained.is_integer():
-        trained = int(trained)
-    if isinstance(trained, bool) or not isinstance(trained, int) or trained < 1:
+# The config keys vLLM reads a model's length from (_get_and_verify_max_len), smallest first
+# wins: a checkpoint's config.json may carry a shorter max_seq_len / seq_length beside the
+# base model's max_position_embeddings (Kiln read only the latter and served past it).
+_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                "model_max_length", "max_target_positions", "max_sequence_length",
+                "max_seq_length", "seq_len")
+
+
+def _length_of(hf_config, key: str) -> int | None:
+    value = getattr(hf_config, key, None)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         # -5 failed as a traceback building a rotary cache of negative length, 0 was read as
         # unset (2048)
-        raise ConfigError(f"max_position_embeddings must be an integer >= 1, got {trained!r}")
+        raise ConfigError(f"{key} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def trained_length_of(hf_config) -> tuple[str, int]:
+    """(key, length) of the config's trained length as vLLM derives it: the smallest of
+    _LENGTH_KEYS, model_max_length where set winning outright (vLLM's rule for Command-R),
+    2048 where none is set (named max_position_embeddings, the key Kiln's models have)."""
+    lengths = {key: n for key in _LENGTH_KEYS if (n := _length_of(hf_config, key)) is not None}
+    if "model_max_length" in lengths:
+        return "model_max_length", lengths["model_max_length"]
+    if not lengths:
+        return "max_position_embeddings", 2048
+    return min(lengths.items(), key=lambda item: item[1])
+
+
+def max_positions_of(hf_config) -> int:
+    """Positions the model serves: its trained length (trained_length_of), times a linear
+    rope scaling's factor, which divides positions (vicuna-7b-v1.5-16k: 4096 x 4), as vLLM
+    derives its length; HF computes rotary angles for any position."""
+    _, trained = trained_length_of(hf_config)
     _, scaling = get_rope_config(hf_config)
     if scaling is None or scaling["rope_type"] != "linear":
         return trained

@@ -21,19 +21,22 @@ _GIB = 1 << 30
 
 
 def kv_cache_too_small_message(max_model_len: int, block_size: int, num_blocks: int,
-                               block_bytes: int | None) -> str:
-    """vLLM's refusal when one max_model_len request does not fit the KV cache."""
+                               block_bytes: int | None, override: int | None = None) -> str:
+    """vLLM's refusal when one max_model_len request does not fit the KV cache; with
+    --num-gpu-blocks-override set (`override`) only it resizes the cache, so it is named."""
     capacity = num_blocks * block_size
     if block_bytes is None:  # an executor that does not say: in tokens
         need, have = f"{max_model_len} tokens of", f"{capacity} tokens"
     else:
         needed = -(-max_model_len // block_size) * block_bytes
         need, have = _amount(needed), _amount(num_blocks * block_bytes)
+    grow = ("`gpu_memory_utilization` (`--kv-cache-memory` on CPU)" if override is None else
+            f"`--num-gpu-blocks-override` (set to {override})")
     return (f"To serve at least one request with the model's max seq len ({max_model_len}), "
             f"({need} KV cache is needed, which is larger than the available KV cache memory "
             f"({have}). Based on the available memory, the estimated maximum model length is "
-            f"{capacity}. Try increasing `gpu_memory_utilization` (`--kv-cache-memory` on CPU) "
-            "or decreasing `max_model_len` when initializing the engine.")
+            f"{capacity}. Try increasing {grow} or decreasing `max_model_len` when "
+            "initializing the engine.")
 
 
 def _amount(num_bytes: int) -> str:
@@ -87,31 +90,25 @@ class EngineCore:
 
     def _fit_max_model_len(self, num_blocks: int) -> int:
         """One request of max_model_len must fit the KV cache, or it would be cut short with
-        finish_reason "length": refuse to start (vLLM's check), or, when max_model_len is the
-        model's own and not the user's, lower it to what fits (returned; the config keeps the
-        one it resolved)."""
-        model = self.kiln_config.model_config
+        finish_reason "length": refuse to start (vLLM's check, which counts an overridden block
+        count too), or, when max_model_len is the model's own and not the user's, lower it to
+        what fits (returned; the config keeps the one it resolved)."""
+        model, cache = self.kiln_config.model_config, self.kiln_config.cache_config
         max_model_len = model.max_model_len
-        capacity = num_blocks * self.kiln_config.cache_config.block_size
+        capacity = num_blocks * cache.block_size
         if capacity >= max_model_len:
-            return max_model_len
-        if self.kiln_config.cache_config.num_gpu_blocks_override is not None:
-            # The user chose the block count (a test or debugging knob; vLLM does not check it
-            # either): longer requests end as the cache allows.
-            logger.warning("num_gpu_blocks_override=%d holds %d tokens, fewer than "
-                           "max_model_len=%d: longer requests will be cut short",
-                           num_blocks, capacity, max_model_len)
             return max_model_len
         if model.max_model_len_from_model:
             logger.warning("the KV cache holds %d tokens, fewer than the model's max_model_len "
-                           "%d: max_model_len is capped at %d. Raise --kv-cache-memory (CPU) "
-                           "or --gpu-memory-utilization for longer requests", capacity,
-                           max_model_len, capacity)
+                           "%d: max_model_len is capped at %d. Raise %s for longer requests",
+                           capacity, max_model_len, capacity, cache.larger_cache_flags())
             return capacity
+        # --num-gpu-blocks-override 2 --max-model-len 512 started with a 32-token cache and cut
+        # every longer request short; vLLM refuses it (its check runs on the overridden count).
         block_bytes = getattr(self.executor, "kv_cache_block_bytes", None)
         raise ConfigError(kv_cache_too_small_message(
-            max_model_len, self.kiln_config.cache_config.block_size, num_blocks,
-            block_bytes() if block_bytes is not None else None))
+            max_model_len, cache.block_size, num_blocks,
+            block_bytes() if block_bytes is not None else None, cache.num_gpu_blocks_override))
 
     def add_request(self, request: Request, child_ids: Sequence[str] = ()) -> None:
         """`child_ids`: `request` is an n > 1 request, and its samples are added as child

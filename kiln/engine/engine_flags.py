@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from kiln.config.compilation_config import cli_fields, merged_fields
 from kiln.config.load_config import LOAD_FORMATS
-from kiln.engine.vllm_flags import add_vllm_only_flags, human_readable_int
+from kiln.engine.vllm_flags import add_vllm_only_flags, max_model_len_flag
 
 if TYPE_CHECKING:
     from kiln.engine.arg_utils import EngineArgs
@@ -93,9 +93,10 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                    choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
                    help="weights' and activations' dtype; auto: the platform's default "
                         "(float32 on CPU), or on CUDA the checkpoint's float16/bfloat16")
-    g.add_argument("--max-model-len", type=human_readable_int, default=d.max_model_len,
+    g.add_argument("--max-model-len", type=max_model_len_flag, default=d.max_model_len,
                    help="context length (prompt + output), as vLLM takes it: 4096, 32k "
-                        "(32000) or 32K (32768); default: the model's")
+                        "(32000) or 32K (32768); -1 or auto: the model's, lowered to what the "
+                        "KV cache holds (also the default)")
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                    help="most logprobs (and prompt_logprobs) a request may ask for; -1: "
                         "the whole vocabulary")

@@ -210,9 +210,10 @@ class InputProcessor:
         """What lets a request run longer: the engine may have capped max_model_len below the
         model's to what its KV cache holds, and then only a larger cache helps."""
         if self.max_model_len < self.config_max_model_len:
-            return (f"raise --kv-cache-memory (CPU) or --gpu-memory-utilization: the KV cache "
-                    f"capped max_model_len at {self.max_model_len}, below the model's "
-                    f"{self.config_max_model_len}")
+            # with --num-gpu-blocks-override set only it enlarges the cache
+            grow = self.larger_cache_flags or "--kv-cache-memory (CPU) or --gpu-memory-utilization"
+            return (f"raise {grow}: the KV cache capped max_model_len at {self.max_model_len}, "
+                    f"below the model's {self.config_max_model_len}")
         if self.window_cap is not None:
             # read after "shorten the prompt or ": no flag lengthens it
             return (f"serve a model without a sliding window (this one's sliding_window="

@@ -36,6 +36,13 @@ def human_readable_int(text: str) -> int:
     return int(number) * _BINARY[suffix]
 
 
+def max_model_len_flag(text: str) -> int:
+    """--max-model-len as vLLM takes it: human_readable_int, or -1 / auto (vLLM's auto-fit:
+    the model's length lowered to what the KV cache holds); "auto" was refused as no int."""
+    text = str(text).strip()
+    return -1 if text.lower() == "auto" else human_readable_int(text)
+
+
 @dataclass(frozen=True)
 class VllmFlag:
     flags: tuple[str, ...]  # the long flag first: its keyword is LLM(...)'s argument

@@ -17,7 +17,9 @@ VOCAB = 1000
 
 
 def make_config(*, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                max_model_len=256, enable_prefix_caching=True, override=None) -> KilnConfig:
+                max_model_len=None, enable_prefix_caching=True, override=None) -> KilnConfig:
+    if max_model_len is None:  # 256, or what an overridden cache holds: a larger one is refused
+        max_model_len = 256 if override is None else min(256, override * block_size)
     hf = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                      max_position_embeddings=512)

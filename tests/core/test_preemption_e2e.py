@@ -52,15 +52,16 @@ def roomy_tokens(tiny_llama_dir):
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_outputs_identical_under_preemption(tiny_llama_dir, roomy_tokens, prefix_caching):
-    # 12 blocks of 4 = 48 slots: two of these requests (up to 49 tokens) do not fit together.
+    # 16 blocks of 4 = 64 slots (one max_model_len=64 request, as vLLM requires): two of
+    # these requests (up to 49 tokens, 13 blocks) do not fit together.
     llm, tokens = _generate(tiny_llama_dir, max_num_seqs=4, max_num_batched_tokens=8,
-                            block_size=4, num_gpu_blocks_override=12,
+                            block_size=4, num_gpu_blocks_override=16,
                             enable_prefix_caching=prefix_caching)
     core = llm.llm_engine.engine_core.core  # the EngineCore (in this process)
     stats = core.make_stats()
     assert stats.num_preemptions > 0
     assert tokens == roomy_tokens
     pool = core.scheduler.kv_cache_manager.block_pool
-    assert stats.num_free_blocks == 12 and all(b.ref_cnt == 0 for b in pool.blocks)
+    assert stats.num_free_blocks == 16 and all(b.ref_cnt == 0 for b in pool.blocks)
     assert (stats.prefix_cache_hits > 0) == prefix_caching
     assert llm.reset_prefix_cache() and pool.num_cached_blocks() == 0

@@ -5,26 +5,26 @@ from .doubles import PagedTokenExecutor, make_config, make_request, reference_to
 
 
 def test_single_request_using_the_whole_cache_finishes():
-    # 4 blocks of 4 = 16 slots: a 10-token prompt and 7 outputs computes 16 tokens (the last
-    # sampled token never needs a slot).
-    core = EngineCore(make_config(override=4, max_model_len=64), PagedTokenExecutor)
-    core.add_request(make_request("whole", range(3, 13), max_tokens=7))
+    # 4 blocks of 4 = 16 slots, max_model_len 16 (a longer one is refused at start): a 10-token
+    # prompt and 6 outputs reach it, computing 15 tokens (the last sampled needs no slot).
+    core = EngineCore(make_config(override=4, max_model_len=16), PagedTokenExecutor)
+    core.add_request(make_request("whole", range(3, 13), max_tokens=6))
     results = run_until_done(core, max_steps=50)
-    assert results["whole"] == [reference_tokens(range(3, 13), 7), "length", None]
+    assert results["whole"] == [reference_tokens(range(3, 13), 6), "length", None]
     assert core.make_stats().num_preemptions == 0
 
 
 def test_one_token_past_the_cache_is_cut_short_as_length():
-    core = EngineCore(make_config(override=4, max_model_len=64), PagedTokenExecutor)
+    core = EngineCore(make_config(override=4, max_model_len=16), PagedTokenExecutor)
     core.add_request(make_request("over", range(3, 13), max_tokens=9))
     results = run_until_done(core, max_steps=50)
-    assert results["over"] == [reference_tokens(range(3, 13), 7), "length", None]
+    assert results["over"] == [reference_tokens(range(3, 13), 6), "length", None]
     assert core.make_stats().num_free_blocks == 4
 
 
 def test_requests_needing_more_than_the_cache_together_all_finish():
     # 8 blocks of 4 = 32 slots; six requests of up to 28 tokens each: only one fits at its end.
-    config = make_config(override=8, max_num_seqs=6, max_num_batched_tokens=12, max_model_len=64)
+    config = make_config(override=8, max_num_seqs=6, max_num_batched_tokens=12, max_model_len=32)
     core = EngineCore(config, PagedTokenExecutor)
     prompts = {f"r{i}": list(range(10 * i + 3, 10 * i + 3 + 8 + i)) for i in range(6)}
     for i, (rid, prompt) in enumerate(prompts.items()):

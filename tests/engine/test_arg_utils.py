@@ -53,6 +53,16 @@ def test_compilation_flag_that_is_no_mode_or_object_is_a_usage_error(value, erro
     assert e.value.code == 2 and error in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["-1", "auto", "AUTO"])
+def test_max_model_len_auto_is_the_models_lowered_to_fit_as_vllm_takes_it(flag, tiny_llama_dir):
+    """vLLM's --max-model-len -1 / auto (the model's length, auto-fit to the KV cache) was
+    refused ("auto" as no int, -1 as max_model_len < 1); it is what an unset one gets."""
+    args = parse("--model", str(tiny_llama_dir), "--max-model-len", flag, "--device", "cpu")
+    assert args.max_model_len == -1
+    model = args.create_kiln_config().model_config
+    assert model.max_model_len == 512 and model.max_model_len_from_model
+
+
 def test_create_kiln_config(stories_dir):
     args = EngineArgs(model=str(stories_dir), max_model_len=128, max_num_seqs=8,
                       max_num_batched_tokens=256, compilation_config='{"mode": 3, '

@@ -132,22 +132,32 @@ def test_max_tokens_none_runs_to_max_model_len(llm):
 
 
 def test_overridden_kv_cache_smaller_than_max_model_len(tiny_llama_dir):
-    """--num-gpu-blocks-override below max_model_len: a prompt past the cache is refused
-    naming the override (memory flags do not resize it), a shorter one ends "length" when
-    the cache is full, and both equal a roomy engine's tokens as far as they go."""
+    """--num-gpu-blocks-override below a --max-model-len the user set is refused naming the
+    override, as vLLM (whose check counts the overridden blocks) does: it started with a
+    32-token cache and cut longer requests short. Unset, max_model_len is lowered to the
+    cache: a prompt past it is refused naming the override (memory flags do not resize it),
+    a shorter one ends "length" when the cache is full, equal to HF's tokens as far as it
+    goes."""
+    from kiln.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"max seq len \(128\).*estimated maximum model length "
+                                          r"is 32\. Try increasing `--num-gpu-blocks-override` "
+                                          r"\(set to 2\) or decreasing `max_model_len`"):
+        LLM(model=str(tiny_llama_dir), enforce_eager=True, max_model_len=128, block_size=16,
+            num_gpu_blocks_override=2)
     prompt = random_prompts(1, [30], seed=4)[0]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    small = LLM(model=str(tiny_llama_dir), enforce_eager=True, max_model_len=128,
-                block_size=16, num_gpu_blocks_override=2)  # 32 tokens
+    small = LLM(model=str(tiny_llama_dir), enforce_eager=True, block_size=16,
+                num_gpu_blocks_override=2)  # 32 tokens
     try:
-        with pytest.raises(ValueError, match=r"holds \(32 tokens\); raise "
-                                             r"--num-gpu-blocks-override \(set to 2\)"):
+        with pytest.raises(ValueError, match=r"raise --num-gpu-blocks-override \(set to 2\): "
+                                             r"the KV cache capped max_model_len at 32"):
             small.generate({"prompt_token_ids": prompt + [5, 6, 7]}, params, use_tqdm=False)
         (out,) = small.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
     finally:
         small.shutdown()
     assert out.outputs[0].finish_reason == "length"
-    assert out.outputs[0].token_ids == hf_greedy(tiny_llama_dir, [prompt], 10)[0][:3]
+    assert out.outputs[0].token_ids == hf_greedy(tiny_llama_dir, [prompt], 10)[0][:2]
 
 
 def test_stop_string_finishes_and_frees_blocks(stories_llm):

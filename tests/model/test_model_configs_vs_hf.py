@@ -229,3 +229,30 @@ def test_max_position_embeddings_written_as_a_whole_float_is_read():
     from kiln.config.rope import max_positions_of
 
     assert max_positions_of(HFConfigSnapshot({"max_position_embeddings": 4096.0})) == 4096
+
+
+@pytest.mark.parametrize("extra, key, length", [
+    ({"max_seq_len": 24}, "max_seq_len", 24),
+    ({"seq_length": 20, "max_sequence_length": 40}, "seq_length", 20),
+    ({"n_positions": 1024}, "max_position_embeddings", 32),  # larger: the smallest wins
+    ({"model_max_length": 48}, "model_max_length", 48),  # vLLM's Command-R rule: it wins
+])
+def test_max_model_len_is_the_smallest_length_key_as_vllm_derives_it(extra, key, length,
+                                                                      tmp_path):
+    """vLLM takes the smallest of max_position_embeddings, n_positions, max_seq_len,
+    seq_length, ... (model_max_length outright); Kiln read max_position_embeddings only and
+    served a config.json's shorter max_seq_len past it."""
+    path = make_checkpoint(tmp_path / "m", "LlamaConfig", max_position_embeddings=32, **extra)
+    assert kiln_config_for(path).model_config.max_model_len == length
+    with pytest.raises(ValueError, match=rf"max_model_len={length + 1} exceeds the model's "
+                       rf"{key}={length}"):
+        kiln_config_for(path, max_model_len=length + 1)
+
+
+def test_a_length_key_that_is_not_a_positive_integer_is_refused_naming_it():
+    from kiln.config.hf_config_snapshot import HFConfigSnapshot
+    from kiln.config.rope import max_positions_of
+    from kiln.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="seq_length must be an integer >= 1, got 'x'"):
+        max_positions_of(HFConfigSnapshot({"max_position_embeddings": 16, "seq_length": "x"}))
