@@ -90,7 +90,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         logger.info("shutting down: aborting %d in-flight request(s)", llm.num_in_flight)
         await llm.shutdown()
         if metrics.stats_log is not None:
-            metrics.stats_log.flush()  # the last line says the engine drained
+            metrics.stats_log.flush(stopped=True)  # the last line says the engine drained
         tokenization.close()
 
     app = FastAPI(title="Kiln OpenAI-compatible server", lifespan=lifespan)
