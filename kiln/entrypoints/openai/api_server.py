@@ -178,7 +178,9 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
                        read_timeout=settings.request_body_timeout,
                        gate=app.state.shutdown_gate)
     if open_paths is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=open_paths,
+                           body_bytes=settings.max_request_body_bytes,
+                           body_timeout=settings.request_body_timeout)
     app.add_middleware(RequestIdHeaderMiddleware)
     # Outermost: a browser's preflight (OPTIONS, no key) is answered here.
     app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
