@@ -180,9 +180,11 @@ class LoggingStatLogger:
         self._last_line = float("-inf")
         self._drained: tuple[float, dict] | None = None  # a drain not logged yet: (when, stats)
         self._flush_set = False  # flush is scheduled
+        self._engine_stats: dict = {}  # the latest recorded
 
     def record(self, iteration: IterationStats, engine_stats: dict) -> None:
         now = self._clock()
+        self._engine_stats = engine_stats
         busy = engine_stats.get("num_running", 0) + engine_stats.get("num_waiting", 0) > 0
         tokens = iteration.num_prompt_tokens + iteration.num_generation_tokens
         if self._idle:
@@ -206,9 +208,15 @@ class LoggingStatLogger:
         self._log(now, engine_stats)
         self._drained, self._idle = None, True  # a flush still due finds nothing to log
 
-    def flush(self) -> None:
-        """Log a drain still waiting for its time (the server calls it as it stops)."""
+    def flush(self, stopped: bool = False) -> None:
+        """Log a drain still waiting for its time. `stopped`: the engine has stopped, its
+        requests aborted (the server calls it so as it stops): a window still open is logged
+        as drained too. Aborts are recorded with the engine's stats of the step before them
+        and no step follows a shutdown, so the log's last line said requests were running."""
         self._flush_set = False
+        if self._drained is None and stopped and not self._idle:
+            self._drained = (self._clock(), {**self._engine_stats, "num_running": 0,
+                                             "num_waiting": 0, "kv_cache_usage": 0.0})
         if self._drained is not None:
             self._log(*self._drained)
             self._drained, self._idle = None, True

@@ -104,3 +104,25 @@ def test_usage_details_only_where_counted():
     assert "completion_tokens_details" not in make_usage(3, 4).model_dump()
     assert make_usage(3, 4, reasoning_tokens=0).model_dump()["completion_tokens_details"] == {
         "reasoning_tokens": 0}
+
+
+@pytest.mark.parametrize("ids,inside", [
+    ([9, 1, 5, 5, 2, 5], False),  # \n <think> a a </think> b: the splitter opens after whitespace
+    ([9, 9, 1, 5, 2], True),  # opened by the prompt, and by the answer after whitespace
+    ([9, 9, 5, 2, 5], True),  # whitespace inside the thinking is thinking
+    ([9, 9], True),  # nothing but whitespace, still thinking
+    ([9, 5, 1, 5], False),  # not at the start: no tag
+    ([9, 2, 5], True),
+    ([9], False),
+])
+def test_reasoning_tokens_after_leading_whitespace(ids, inside):
+    """An answer opening with whitespace and then <think>: the splitter takes it as the opening
+    tag, so its thinking's tokens count ("\\n<think>a</think>" counted 0 for reasoning "a").
+    One character a token here, so the count is the length of the splitter's reasoning."""
+    text = {1: "<think>", 2: "</think>", 5: "a", 9: "\n"}
+    reasoning, _ = ThinkSplitter(inside).split("".join(text[i] for i in ids))
+    for pieces in ([ids], [[i] for i in ids]):
+        counter = ReasoningTokenCounter((1, 2), inside, lambda token: token == 9)
+        for piece in pieces:
+            counter.feed(piece)
+        assert counter.count == len(reasoning or ""), pieces

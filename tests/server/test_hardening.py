@@ -222,6 +222,32 @@ def test_a_413_reaches_a_client_that_sends_its_whole_body_first():
             assert _read_all(sock).startswith(b"HTTP/1.1 413")
 
 
+def test_a_401_reaches_a_client_that_sends_its_whole_body_first():
+    """As the 413: a wrong key's answer was sent (and the connection closed) while a 32 MB body
+    was still coming, and urllib got a broken pipe instead of the 401. Its body is dropped
+    now; a client that waits for 100 Continue gets the 401 without sending it."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    app = build_app(AsyncLLM(FakeEngine()), ServerSettings(api_key=KEY,
+                                                           max_request_body_bytes=64_000_000))
+    with uvicorn_in_thread(app, http=hardened_protocol(5)) as port:
+        body = json.dumps({"prompt": "x" * 32_000_000}).encode()
+        for auth in ({"Authorization": "Bearer wrong"}, {}):
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                             data=body, headers={
+                                                 "content-type": "application/json", **auth})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=30)
+            assert refused.value.code == 401
+            assert b"API key" in refused.value.read()
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(_post_headers(len(body))[:-2] + b"Expect: 100-continue\r\n\r\n")
+            sock.settimeout(10)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 401")
+
+
 def test_health_answers_head():
     with TestClient(build_app(AsyncLLM(FakeEngine()), ServerSettings(api_key=KEY))) as c:
         assert c.head("/health").status_code == 200

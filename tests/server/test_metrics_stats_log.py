@@ -1,5 +1,8 @@
 """The periodic stats log line on a scripted clock: right throughput while busy, a final line
 when the engine drains, silence while idle, and no idle gap (or zero time) in the numbers."""
+import contextlib
+import time
+
 from kiln.engine.request_stats import IterationStats, LoggingStatLogger
 
 
@@ -199,3 +202,48 @@ def test_a_drain_line_still_due_is_logged_when_the_server_stops():
                           json=dict(prompt="abc", max_tokens=3)).status_code == 200
         assert len(lines) == 1
     assert len(lines) == 2 and "Running: 0 reqs, Waiting: 0 reqs" in lines[1], lines
+
+
+def test_a_window_still_open_when_the_engine_stops_is_logged_as_drained():
+    """Aborts are recorded with the engine's stats of the step before them, and no step
+    follows a shutdown: the server's stop logs the open window as drained (nothing runs once
+    its requests are aborted), once."""
+    log, clock, lines = make()
+    log.record(IterationStats(num_generation_tokens=5), busy())
+    clock.t += 1
+    log.record(IterationStats(num_generation_tokens=5), busy())  # the aborts, stale stats
+    log.flush()  # not stopped: a busy window stays open
+    assert lines == []
+    log.flush(stopped=True)
+    assert len(lines) == 1 and "Running: 0 reqs, Waiting: 0 reqs, KV cache usage: 0.0%" in \
+        lines[0], lines
+    assert "generation throughput: 10.0 tokens/s" in lines[0]
+    log.flush(stopped=True)
+    assert len(lines) == 1
+
+
+def test_the_server_stopping_with_requests_in_flight_logs_that_it_drained():
+    import threading
+
+    import httpx
+
+    from kiln.engine.async_llm import AsyncLLM
+    from kiln.entrypoints.openai.api_server import ServerSettings, build_app
+
+    from .fake_engine import FakeEngine
+    from .uvicorn_thread import uvicorn_in_thread
+
+    app = build_app(AsyncLLM(FakeEngine(max_model_len=4096, step_delay=0.05)),
+                    ServerSettings(stats_log_interval=600.0))
+    lines = []
+    app.state.metrics.stats_log._emit = lines.append
+    with uvicorn_in_thread(app, timeout_graceful_shutdown=1) as port:
+        def generate():
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                           json=dict(prompt="abc", max_tokens=2000), timeout=60)
+        threading.Thread(target=generate, daemon=True).start()
+        while app.state.llm.num_in_flight == 0:
+            time.sleep(0.05)
+        time.sleep(0.3)
+    assert len(lines) == 1 and "Running: 0 reqs, Waiting: 0 reqs" in lines[0], lines

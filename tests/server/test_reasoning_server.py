@@ -163,3 +163,32 @@ def test_usage_counts_the_reasoning_tokens(reasoning_client):
     chunks = list(reasoning_client.chat.completions.create(
         stream=True, stream_options={"include_usage": True}, **kw))
     assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == expected
+
+
+def test_reasoning_tokens_after_leading_whitespace(reasoning_client):
+    """An answer opening "\\n<think>": the splitter reads the tag after the whitespace as the
+    opening one (its thinking is reasoning_content), so usage counts that thinking too; it
+    counted only a <think> that was the very first token (0 here), whole and streamed."""
+    think, end = _tokens(reasoning_client, "<think></think>")
+    (newline,), (letter,) = _tokens(reasoning_client, "\n"), _tokens(reasoning_client, "a")
+    kw = dict(model=NAME, messages=MESSAGES, max_tokens=8, temperature=1.0, n=16,
+              extra_body={"allowed_token_ids": [newline, think, end, letter], "seed": 0,
+                          "return_token_ids": True, "logit_bias": {
+                              str(newline): 8, str(think): 12, str(end): -3}})
+    r = reasoning_client.chat.completions.create(**kw)
+
+    def thinking(ids):
+        while ids and ids[0] == newline:
+            ids = ids[1:]
+        if not ids or ids[0] != think:
+            return 0
+        return (ids.index(end) if end in ids else len(ids)) - 1
+
+    # (this seed: some answers open with the newline, then <think>)
+    assert any(c.token_ids[:2] == [newline, think] and c.message.reasoning_content
+               for c in r.choices)
+    expected = sum(thinking(c.token_ids) for c in r.choices)
+    assert r.usage.completion_tokens_details.reasoning_tokens == expected
+    chunks = list(reasoning_client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == expected

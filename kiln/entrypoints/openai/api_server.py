@@ -90,7 +90,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         logger.info("shutting down: aborting %d in-flight request(s)", llm.num_in_flight)
         await llm.shutdown()
         if metrics.stats_log is not None:
-            metrics.stats_log.flush()  # the last line says the engine drained
+            metrics.stats_log.flush(stopped=True)  # the last line says the engine drained
         tokenization.close()
 
     app = FastAPI(title="Kiln OpenAI-compatible server", lifespan=lifespan)
@@ -178,7 +178,9 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
                        read_timeout=settings.request_body_timeout,
                        gate=app.state.shutdown_gate)
     if open_paths is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=open_paths,
+                           body_bytes=settings.max_request_body_bytes,
+                           body_timeout=settings.request_body_timeout)
     app.add_middleware(RequestIdHeaderMiddleware)
     # Outermost: a browser's preflight (OPTIONS, no key) is answered here.
     app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,

@@ -20,14 +20,42 @@ async def _send_json(send, status: int, body: dict, headers: list | None = None)
     await send({"type": "http.response.body", "body": payload})
 
 
+async def _drop_body(scope, receive, max_bytes: int, timeout: float | None) -> None:
+    """Read a refused request's body to its end and drop it, for up to `max_bytes` and
+    `timeout` s: a client that writes its whole body before it reads (Python's urllib) got a
+    broken pipe (the close with unread data) instead of the answer. Past either, or where the
+    client waits for 100 Continue (it has sent nothing), the answer comes at once."""
+    headers = dict(scope["headers"])
+    if scope["method"] in ("GET", "HEAD", "OPTIONS") or \
+            headers.get(b"expect", b"").lower() == b"100-continue":
+        return
+
+    async def drain():
+        size = 0
+        while True:
+            message = await receive()
+            size += len(message.get("body", b""))
+            if message["type"] != "http.request" or not message.get("more_body", False) or \
+                    size > max_bytes:
+                return
+    try:
+        await asyncio.wait_for(drain(), timeout)
+    except TimeoutError:
+        pass
+
+
 class ApiKeyMiddleware:
     """401 unless `Authorization: Bearer <key>` matches, on every path but `open_paths` (/health:
-    load balancers probe it without a key). The scheme's case does not matter (RFC 7235)."""
+    load balancers probe it without a key). The scheme's case does not matter (RFC 7235). A
+    refused body is dropped (`body_bytes`, `body_timeout`: --max-request-body-bytes and
+    --request-body-timeout), never kept."""
 
-    def __init__(self, app, api_key: str, open_paths: tuple[str, ...] = ("/health",)):
+    def __init__(self, app, api_key: str, open_paths: tuple[str, ...] = ("/health",),
+                 body_bytes: int = 4 * 1024 * 1024, body_timeout: float | None = 30.0):
         self.app = app
         self.expected = api_key.encode()
         self.open_paths = frozenset(open_paths)
+        self.body_bytes, self.body_timeout = body_bytes, body_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] == "OPTIONS" or \
@@ -35,6 +63,7 @@ class ApiKeyMiddleware:
             return await self.app(scope, receive, send)
         given = [v for k, v in scope["headers"] if k == b"authorization"]
         if len(given) > 1:  # which one counts would differ between proxies: refuse both
+            await _drop_body(scope, receive, self.body_bytes, self.body_timeout)
             return await _send_json(send, 400, error_body(
                 f"{len(given)} Authorization headers; send exactly one", 400,
                 code="invalid_api_key"))
@@ -43,6 +72,7 @@ class ApiKeyMiddleware:
             return await self.app(scope, receive, send)
         msg = ("missing API key: send 'Authorization: Bearer <key>'" if not given
                else "incorrect API key")
+        await _drop_body(scope, receive, self.body_bytes, self.body_timeout)
         await _send_json(send, 401, error_body(msg, 401, code="invalid_api_key"),
                          [(b"www-authenticate", b"Bearer")])
 

@@ -64,7 +64,12 @@ from kiln.reasoning import (
     make_splitter,
     prompt_opens_thinking,
 )
-from kiln.reasoning.token_count import ReasoningTokenCounter, think_tag_ids, total_reasoning_tokens
+from kiln.reasoning.token_count import (
+    ReasoningTokenCounter,
+    is_blank,
+    think_tag_ids,
+    total_reasoning_tokens,
+)
 
 
 class ServingChat:
@@ -182,7 +187,8 @@ class ServingChat:
         if self.reasoning_parser is None or self._think_tag_ids is None:
             return None
         start = make_splitter(self.reasoning_parser, prompt_text, thinking_first).in_reasoning
-        counter = ReasoningTokenCounter(self._think_tag_ids, start)
+        counter = ReasoningTokenCounter(self._think_tag_ids, start,
+                                        functools.partial(is_blank, self.llm.tokenizer))
         counter.feed(token_ids)
         return counter
 
