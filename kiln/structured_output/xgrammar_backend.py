@@ -14,6 +14,10 @@ from kiln.structured_output.spec import GrammarSpec, grammar_spec
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: ": the user needs the rest.
 _ANY_OBJECT = '{"type": "object"}'
 _CACHE_LIMIT_BYTES = 512 * 1024 * 1024
+# Specs checked by the front end are remembered (a client repeats its schema) only up to this
+# size: the cache is bounded by count, and 256 distinct multi-megabyte schemas (a body may be
+# 4 MiB) held a gigabyte for the server's life. A big spec costs its size to check anyway.
+_SPEC_CACHE_MAX_CHARS = 64 * 1024
 _CPP_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
 
 
@@ -38,7 +42,9 @@ def _import_xgrammar():
 def check_structured_outputs(params: StructuredOutputsParams) -> None:
     """Raise ValueError naming the request field when the schema, regex or grammar does not
     parse (the tokenizer-independent half of compiling: it is quick, and cached)."""
-    error = _spec_error(grammar_spec(params))
+    spec = grammar_spec(params)
+    check = _spec_error if len(spec.text) <= _SPEC_CACHE_MAX_CHARS else _spec_error.__wrapped__
+    error = check(spec)
     if error is not None:
         raise ValueError(error)
 
