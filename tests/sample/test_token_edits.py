@@ -84,6 +84,56 @@ def test_an_n_requests_samples_share_one_edit_group_and_one_build():
     assert out.sampled_token_ids.flatten().tolist() == [38, 38, 38, 3]
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_a_mixed_batchs_edits_are_each_rows_own(seed):
+    """Rows grouped by the identity of their settings (n > 1 samples), rows of other requests
+    with equal but separate settings, and rows with none, beside bad words, min_tokens and
+    penalties: each row samples what it samples alone, in any order of the batch."""
+    import copy
+    import random
+
+    from kiln.core.parent_request import child_params
+    from kiln.sample.sampler import Sampler
+    from kiln.sample.sampling_metadata import build_sampling_metadata
+
+    rng, vocab, cpu = random.Random(seed), 48, torch.device("cpu")
+    biases = [{rng.randrange(vocab): rng.uniform(-5, 5) for _ in range(8)} for _ in range(2)]
+    allowed = [rng.sample(range(vocab), 12) for _ in range(2)]
+    rows = []  # (params, output token ids)
+    for _ in range(rng.randrange(1, 6)):
+        kw = dict(n=rng.choice([1, 2, 4]), temperature=0.0, min_tokens=rng.choice([0, 3]),
+                  repetition_penalty=rng.choice([1.0, 1.5]))
+        if rng.random() < 0.6:
+            kw["logit_bias"] = dict(rng.choice(biases))  # equal to another's, not the same
+        if rng.random() < 0.6:
+            kw["allowed_token_ids"] = list(rng.choice(allowed))
+        parent = SamplingParams(**kw)
+        parent.update_from_tokenizer(2, vocab)
+        if rng.random() < 0.4:
+            parent.bad_words_token_ids = [[rng.randrange(vocab)], [7, rng.randrange(vocab)]]
+        for i in range(parent.n):
+            rows.append((child_params(parent, i) if parent.n > 1 else parent,
+                         [rng.choice([7, rng.randrange(vocab)]) for _ in range(rng.randrange(3))]))
+    rng.shuffle(rows)
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(seed))
+
+    def sample(batch, logits):
+        meta = build_sampling_metadata([p for p, _ in batch], [[1, 7]] * len(batch),
+                                       [o for _, o in batch], [None] * len(batch), None, vocab, cpu)
+        return Sampler()(logits, meta).sampled_token_ids.flatten().tolist()
+
+    def fresh(p):  # its own copy, its arrays built anew
+        p = copy.deepcopy(p)
+        p.__dict__.pop("_kiln_step_arrays", None)
+        return p
+
+    together = sample(rows, logits)
+    alone = [sample([(fresh(p), o)], logits[i:i + 1])[0] for i, (p, o) in enumerate(rows)]
+    assert together == alone
+    order = list(range(len(rows)))[::-1]  # a later step, its arrays kept on the params
+    assert sample([rows[i] for i in order], logits[order]) == [together[i] for i in order]
+
+
 def test_validation_names_the_field_and_vocab_bound():
     from kiln.engine.input_processor import truncate_prompt
 
