@@ -33,6 +33,7 @@ from kiln.compilation.passes import (
     late_passes,
 )
 from kiln.compilation.piecewise import PieceCompiler, PiecewiseBackend
+from kiln.compilation.precision import inductor_options
 from kiln.compilation.split import SplitItem, split_graph
 from kiln.compilation.warm_start import SavedGraph, WarmStart
 from kiln.cudagraphs.wrapper import wrap_piece_for_cudagraph
@@ -167,8 +168,7 @@ class KilnBackend:
         return cache
 
     def piece_compiler(self) -> PieceCompiler:
-        cc = self.kiln_config.compilation_config
-        return PieceCompiler(self.compiler, self.cache, dict(cc.inductor_compile_config),
+        return PieceCompiler(self.compiler, self.cache, inductor_options(self.kiln_config),
                              self.state.warmup_phase, self.inductor_dir)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:

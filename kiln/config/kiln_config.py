@@ -161,6 +161,8 @@ class KilnConfig(FreezableConfig):
 
     def compute_hash(self) -> str:
         """Hash of the factors that change the traced graph (part of the compile cache key)."""
+        from kiln.compilation.precision import inductor_options
+
         m, c = self.model_config, self.compilation_config
         factors = [
             m.architecture, repr(sorted((k, v) for k, v in m.hf_config.to_dict().items()
@@ -171,7 +173,9 @@ class KilnConfig(FreezableConfig):
             self.parallel_config.tensor_parallel_size,
             self.parallel_config.pipeline_parallel_size, self.scheduler_config.max_num_batched_tokens,
             int(c.mode), c.backend, c.splitting_ops, sorted(c.pass_config.items()),
-            sorted(c.inductor_compile_config.items()), self.ir_selection.chosen,
+            # with the options Kiln adds for the model (a cache from before they were added
+            # compiled without them)
+            sorted(inductor_options(self).items()), self.ir_selection.chosen,
             self._int8_weight_layout(),
         ]
         return hashlib.sha256(repr(factors).encode()).hexdigest()[:16]
