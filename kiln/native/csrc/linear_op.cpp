@@ -71,17 +71,37 @@ int64_t linear_path(int64_t rows, bool blocks, bool dense, bool packed, const Op
     return choose_path(rows, blocks, dense, packed, read_plan(plan));
 }
 
+/* The row count oneDNN is asked for: rows itself up to 32, above that rounded up to one of 8
+ * steps per power of two (at most 12.5% padding). oneDNN and ideep each cache a primitive per
+ * shape (1024 of them, ~0.4 MB each): a server whose steps carry ever-new token counts filled
+ * both caches, ~400 MB the process never gave back; rounded, a weight has ~100 shapes up to
+ * 8192 rows. */
+int64_t gemm_rows(int64_t rows) {
+    if (rows <= 32) return rows;
+    const int64_t step = int64_t(1) << (63 - __builtin_clzll(static_cast<uint64_t>(rows)) - 3);
+    return (rows + step - 1) / step * step;
+}
+
 at::Tensor packed_gemm(const at::Tensor &x, const at::Tensor &packed, int64_t out_features,
                        const std::optional<at::Tensor> &bias) {
     static const c10::OperatorHandle op =
         c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-    std::vector<c10::IValue> stack{x.reshape({-1, x.size(-1)}), packed, bias,
+    at::Tensor x2 = x.reshape({-1, x.size(-1)});
+    const int64_t rows = x2.size(0), padded = gemm_rows(rows);
+    if (padded != rows) {
+        at::Tensor grown = at::empty({padded, x2.size(1)}, x2.options());
+        grown.narrow(0, 0, rows).copy_(x2);
+        grown.narrow(0, rows, padded - rows).zero_();
+        x2 = grown;
+    }
+    std::vector<c10::IValue> stack{x2, packed, bias,
                                    std::string("none"), c10::List<std::optional<at::Scalar>>(),
                                    std::optional<std::string>("")};
     op.callBoxed(&stack);
     std::vector<int64_t> shape = x.sizes().vec();
     shape.back() = out_features;
-    return stack[0].toTensor().view(shape);
+    /* the first rows of a contiguous result: still contiguous */
+    return stack[0].toTensor().narrow(0, 0, rows).view(shape);
 }
 
 /* A bias the kernels read as n values of x's dtype (else aten's semantics, errors included). */
