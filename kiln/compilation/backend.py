@@ -33,9 +33,9 @@ from kiln.compilation.passes import (
     late_passes,
 )
 from kiln.compilation.piecewise import PieceCompiler, PiecewiseBackend
-from kiln.compilation.precision import inductor_options
 from kiln.compilation.split import SplitItem, split_graph
 from kiln.compilation.warm_start import SavedGraph, WarmStart
+from kiln.config.inductor_options import inductor_options
 from kiln.cudagraphs.wrapper import wrap_piece_for_cudagraph
 from kiln.logger import init_logger
 

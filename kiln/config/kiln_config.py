@@ -161,7 +161,7 @@ class KilnConfig(FreezableConfig):
 
     def compute_hash(self) -> str:
         """Hash of the factors that change the traced graph (part of the compile cache key)."""
-        from kiln.compilation.precision import inductor_options
+        from kiln.config.inductor_options import inductor_options
 
         m, c = self.model_config, self.compilation_config
         factors = [

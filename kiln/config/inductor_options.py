@@ -1,4 +1,5 @@
-"""Inductor options a compiled model's numerics need, under the user's inductor_compile_config.
+"""Inductor options a compiled model's numerics need, under the user's inductor_compile_config
+(a pure function of the config: kiln/compilation/backend.py passes them to each piece).
 
 W8A8 int8 in bfloat16 / float16 with an activation quantization on its torch reference
 (compilation_config custom_ops ["none"], "-rms_norm_dynamic_int8_quant", ...): the references
