@@ -58,9 +58,8 @@ def _ops_in_use(kiln_config) -> list[str]:
     or load format, all_reduce only across tensor-parallel ranks (the text report listed the
     int8 ops of a float model)."""
     mc = kiln_config.model_config
-    quant = {"int8": "int8", "compressed-tensors": "int8", "fp8": "fp8", "ptpc_fp8": "fp8"}.get(
-        mc.quantization or "")
-    kinds = {"int8": quant == "int8", "fp8": quant == "fp8", "gguf": mc.load_format == "gguf",
+    kinds = {"int8": mc.quant_kind == "int8", "fp8": mc.quant_kind == "fp8",
+             "gguf": mc.load_format == "gguf",
              "all_reduce": kiln_config.parallel_config.tensor_parallel_size > 1}
     return [op for op in kiln_config.ir_selection.as_dict()
             if all(on for kind, on in kinds.items() if kind in op)]

@@ -3,7 +3,7 @@
 `compile_report()` gives the totals (also used by `kiln compile`).
 """
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from kiln.logger import init_logger
 
@@ -96,13 +96,11 @@ class Timer:
 def process_compile_state() -> dict:
     """What this process's compile stack has done so far: counters, pass runs, per-piece events,
     cache directories and times (a rank answers `compile_stats` with it)."""
-    import dataclasses
-
     from kiln.compilation.counters import compilation_counter
     from kiln.compilation.passes import pass_manager
 
     s = stats
-    return {"counters": dataclasses.asdict(compilation_counter),
+    return {"counters": asdict(compilation_counter),
             "pass_runs": list(pass_manager.RUNS), "events": list(s.events),
             "cache_dirs": dict(s.cache_dirs), "inductor_cache_dir": s.inductor_cache_dir,
             "trace_s": s.trace_s, "compile_s": s.compile_s, "load_s": s.load_s}

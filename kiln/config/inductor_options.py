@@ -23,13 +23,12 @@ import torch
 INT8_ACT_QUANT_OPS = ("dynamic_int8_quant", "rms_norm_dynamic_int8_quant",
                       "fused_add_rms_norm_dynamic_int8_quant",
                       "silu_and_mul_dynamic_int8_quant", "int8_scaled_mm_panels_silu_quant")
-INT8_METHODS = ("int8", "compressed-tensors")  # compressed-tensors: W8A8 int8 only
 
 
 def needs_emulated_casts(kiln_config) -> bool:
     """An int8 model in a 16-bit dtype with an activation quantization on its torch reference."""
     chosen = kiln_config.ir_selection.as_dict()
-    return (kiln_config.model_config.quantization in INT8_METHODS
+    return (kiln_config.model_config.quant_kind == "int8"
             and kiln_config.model_config.torch_dtype in (torch.bfloat16, torch.float16)
             and any(chosen.get(op) == "torch" for op in INT8_ACT_QUANT_OPS))
 

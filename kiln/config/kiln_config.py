@@ -152,8 +152,7 @@ class KilnConfig(FreezableConfig):
         """How int8 weights are held here, which decides the GEMM op a graph calls: packed into
         panels at load on CPUs the int8 kernels run on, as stored elsewhere
         (w8a8_int8.pack_for_cpu)."""
-        if self.model_config.quantization not in ("int8", "compressed-tensors") or (
-                self.device_config.device != "cpu"):
+        if self.model_config.quant_kind != "int8" or self.device_config.device != "cpu":
             return ""
         from kiln.native import int8_ops
 

@@ -207,6 +207,13 @@ class ModelConfig(FreezableConfig):
         return max_positions_of(self.hf_config)
 
     @property
+    def quant_kind(self) -> str | None:
+        """The number format of the quantized linears: "int8" (online int8, compressed-tensors
+        W8A8), "fp8" (fp8, ptpc_fp8), or None for a float model."""
+        return {"int8": "int8", "compressed-tensors": "int8", "fp8": "fp8",
+                "ptpc_fp8": "fp8"}.get(self.quantization or "")
+
+    @property
     def architecture(self) -> str:
         archs = getattr(self.hf_config, "architectures", None) or []
         if archs:

@@ -177,6 +177,13 @@ def merged_target(name: str) -> tuple[str, str | int | None]:
     return name, None
 
 
+def checkpoint_parts(name: str) -> list[tuple[str, str | int | None]]:
+    """(HF tensor name, shard id) of each checkpoint tensor that fills Kiln parameter `name`
+    (merged_target's inverse): a merged one's parts, else the name itself with shard None."""
+    parts = [(name.replace(m + ".", p + "."), s) for m, p, s in STACKED_PARAMS if m + "." in name]
+    return parts or [(name, None)]
+
+
 # Tensors of quantization schemes Kiln refuses by their config: met without such a config.
 _UNSERVED_QUANT_TENSORS = {
     ".input_scale": "a static activation scale", ".input_zero_point": "an activation zero point",
@@ -316,12 +323,11 @@ class LlamaStyleForCausalLM(nn.Module):
             if self.tie_word_embeddings and name == "lm_head.weight" \
                     and not self.head_loads_embedding:
                 continue
-            merged = [(m, s) for m, _, s in STACKED_PARAMS if m + "." in name]
-            if merged:
-                missing += [f"{name} (shard {s})" for m, s in merged
-                            if f"{name}#{s}" not in loaded]
-            elif name not in loaded:
-                missing.append(name)
+            for _, shard in checkpoint_parts(name):
+                if shard is None and name not in loaded:
+                    missing.append(name)
+                elif shard is not None and f"{name}#{shard}" not in loaded:
+                    missing.append(f"{name} (shard {shard})")
         if missing:
             raise ConfigError(f"checkpoint is missing {len(missing)} parameter(s): "
                               f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")

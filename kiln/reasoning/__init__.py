@@ -1,5 +1,7 @@
 """Reasoning parsers (vLLM's --reasoning-parser): the text a thinking model writes between
 <think> and </think> goes to reasoning_content, the rest to content."""
+import dataclasses
+
 from kiln.reasoning.think_splitter import ThinkSplitter, prompt_opens_thinking
 
 # parser name -> whether an answer starts inside the thinking when nothing says otherwise:
@@ -21,6 +23,16 @@ def grammar_waits_for_reasoning(name: str, prompt: str | None) -> bool:
     reasoning parser): unless the prompt already closed the thinking (Qwen3 with
     enable_thinking=false), the model may think first, freely."""
     return name in REASONING_PARSERS and prompt_opens_thinking(prompt) is not False
+
+
+def with_reasoning_end(name: str | None, constraint, prompt: str | None):
+    """`constraint` (StructuredOutputsParams or None) as reasoning parser `name` runs it for an
+    answer to `prompt`: waiting for </think> where grammar_waits_for_reasoning says so, unless
+    it names its own end; unchanged otherwise (the same object)."""
+    if (name is None or constraint is None or constraint.reasoning_end is not None
+            or not grammar_waits_for_reasoning(name, prompt)):
+        return constraint
+    return dataclasses.replace(constraint, reasoning_end=END)
 
 
 def make_splitter(name: str, prompt: str | None,

@@ -182,14 +182,14 @@ def _request_arrays(p: SamplingParams, vocab_size: int, shared: dict | None = No
     return cached
 
 
-def _group_rows(params: Sequence[SamplingParams], uses, field_of) -> dict[int, list[int]]:
-    """Rows that `uses`, by the identity of the object `field_of` gives: an n > 1 request's
-    samples are shallow copies sharing their fields, so they form one group."""
+def _group_rows(params: Sequence[SamplingParams], name: str) -> list[list[int]]:
+    """The rows that set field `name`, grouped by the identity of its value: an n > 1
+    request's samples are shallow copies sharing their fields, so they form one group."""
     groups: dict[int, list[int]] = {}
     for i, p in enumerate(params):
-        if uses(p):
-            groups.setdefault(id(field_of(p)), []).append(i)
-    return groups
+        if value := getattr(p, name):
+            groups.setdefault(id(value), []).append(i)
+    return list(groups.values())
 
 
 def _token_edits(meta: SamplingMetadata, params: Sequence[SamplingParams], vocab_size: int,
@@ -198,11 +198,10 @@ def _token_edits(meta: SamplingMetadata, params: Sequence[SamplingParams], vocab
     def rows_tensor(rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.int64, device=device)
 
-    for rows in _group_rows(params, lambda p: p.allowed_token_ids,
-                            lambda p: p.allowed_token_ids).values():
+    for rows in _group_rows(params, "allowed_token_ids"):
         mask = _request_arrays(params[rows[0]], vocab_size, shared)["allowed"]
         meta.allowed.append(AllowedGroup(rows_tensor(rows), torch.from_numpy(mask).to(device)))
-    for rows in _group_rows(params, lambda p: p.logit_bias, lambda p: p.logit_bias).values():
+    for rows in _group_rows(params, "logit_bias"):
         arrays = _request_arrays(params[rows[0]], vocab_size, shared)
         if len(arrays["bias_cols"]):
             meta.bias.append(BiasGroup(rows_tensor(rows),

@@ -110,18 +110,20 @@ class ToolCall(OpenAIBase):
     function: FunctionCall
 
 
+def _same_reasoning(message):
+    """`reasoning`, vLLM's name for reasoning_content since 0.11 (what its clients read), holds
+    the same text."""
+    message.reasoning = message.reasoning_content
+    return message
+
+
 class ChatResponseMessage(OpenAIBase):
     role: str = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
-    # vLLM's name for reasoning_content since 0.11 (what its clients read): the same text
-    reasoning: str | None = None
-
-    @model_validator(mode="after")
-    def _reasoning_too(self):
-        self.reasoning = self.reasoning_content
-        return self
+    reasoning: str | None = None  # vLLM's name for it since 0.11 (_same_reasoning)
+    _reasoning_too = model_validator(mode="after")(_same_reasoning)
 
 
 class ChatCompletionChoice(OpenAIBase):
@@ -174,13 +176,8 @@ class DeltaMessage(StreamDelta):
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
-    # vLLM's name for reasoning_content since 0.11 (what its clients read): the same text
-    reasoning: str | None = None
-
-    @model_validator(mode="after")
-    def _reasoning_too(self):
-        self.reasoning = self.reasoning_content
-        return self
+    reasoning: str | None = None  # vLLM's name for it since 0.11 (_same_reasoning)
+    _reasoning_too = model_validator(mode="after")(_same_reasoning)
 
 
 class ChatStreamChoice(OpenAIBase):

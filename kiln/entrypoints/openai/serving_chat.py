@@ -3,7 +3,6 @@
 The template renders through the tokenizer's sandboxed Jinja environment (LLMEngine.chat_prompt,
 which tokenizes without extra special tokens, since templates write their own BOS).
 """
-import dataclasses
 import functools
 import time
 
@@ -58,11 +57,10 @@ from kiln.entrypoints.openai.tool_parsers.base import ToolCallStream
 from kiln.entrypoints.openai.tool_parsers.tool_plan import ToolPlan, plan_tools
 from kiln.outputs import CompletionOutput
 from kiln.reasoning import (
-    END,
     grammar_thinking_first,
-    grammar_waits_for_reasoning,
     make_splitter,
     prompt_opens_thinking,
+    with_reasoning_end,
 )
 from kiln.reasoning.token_count import (
     ReasoningTokenCounter,
@@ -120,9 +118,7 @@ class ServingChat:
         if self.reasoning_parser is not None and prompt_opens_thinking(prompt_text) is not None:
             prompt_text = await generation_tail(self.llm, render_args, prompt_text)
         if constraint is not None:
-            if (self.reasoning_parser is not None and constraint.reasoning_end is None
-                    and grammar_waits_for_reasoning(self.reasoning_parser, prompt_text)):
-                constraint = dataclasses.replace(constraint, reasoning_end=END)
+            constraint = with_reasoning_end(self.reasoning_parser, constraint, prompt_text)
             params.structured_outputs = constraint
         thinking_first = grammar_thinking_first(constraint)
         request_id = response_id("chatcmpl", req.request_id, raw)

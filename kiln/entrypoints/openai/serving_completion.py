@@ -39,7 +39,7 @@ from kiln.entrypoints.openai.serving_engine import (
 from kiln.entrypoints.openai.serving_models import ServingModels
 from kiln.entrypoints.openai.structured_fields import check_compiles, request_structured_outputs
 from kiln.outputs import CompletionOutput, RequestOutput
-from kiln.reasoning import END, grammar_waits_for_reasoning
+from kiln.reasoning import with_reasoning_end
 from kiln.sampling_params import SamplingParams
 
 
@@ -126,19 +126,19 @@ class ServingCompletion:
         reads every constrained request's prompt (its text is not split: vLLM's completions
         have no reasoning_content)."""
         constraint = params.structured_outputs
-        if (self.reasoning_parser is None or constraint is None
-                or constraint.reasoning_end is not None):
+        if self.reasoning_parser is None or constraint is None:
             return [params] * len(prompts)
-        waiting = params.clone()
-        waiting.structured_outputs = dataclasses.replace(constraint, reasoning_end=END)
-        out = []
+        waiting, out = None, []  # the params whose grammar waits, made once
         for prompt in prompts:
             text = prompt if isinstance(prompt, str) else prompt.get("prompt")
             if text is None and self.llm.tokenizer is not None:  # token ids: their text
                 text = await self.llm.run_in_engine(self.llm.tokenizer.decode,
                                                     prompt["prompt_token_ids"])
-            waits = grammar_waits_for_reasoning(self.reasoning_parser, text)
-            out.append(waiting if waits else params)
+            waits = with_reasoning_end(self.reasoning_parser, constraint, text)
+            if waits is not constraint and waiting is None:
+                waiting = params.clone()
+                waiting.structured_outputs = waits
+            out.append(params if waits is constraint else waiting)
         return out
 
     async def _collect(self, streams: list[RequestStream], field: str | None

@@ -206,16 +206,13 @@ def check_tensors_present(model: nn.Module, path: Path) -> None:
     (load_weights' "checkpoint is missing model.layers.1.mlp.gate_up_proj.weight (shard 1)"
     named neither the file nor the tensor to look for in it)."""
     from kiln.config.gguf_metadata import load_tensor_table
-    from kiln.model.llama import STACKED_PARAMS
+    from kiln.model.llama import checkpoint_parts
 
     present = {t["name"] for t in load_tensor_table(path)["tensors"]}
     tied = getattr(model, "tie_word_embeddings", False)
     missing = []
     for name, _ in model.named_parameters():
-        merged = {m for m, _, _ in STACKED_PARAMS if m + "." in name}
-        parts = [name.replace(m + ".", p + ".") for m, p, _ in STACKED_PARAMS if m in merged] \
-            if merged else [name]
-        for part in parts:
+        for part, _ in checkpoint_parts(name):
             if tied and part == "lm_head.weight":
                 part = "model.embed_tokens.weight"  # a tied head is the embedding's tensor
             gguf_name = hf_to_gguf_name(part)
@@ -256,7 +253,7 @@ def attach_blocks(model: nn.Module, blocks: dict[str, tuple[int, torch.Tensor]])
     (merged parts, such as q/k/v, concatenated in the merged order); returns how many."""
     from kiln.model.layers.cpu_gemm import attach_gguf_blocks
     from kiln.model.layers.vocab_embedding import embed_from_head_blocks
-    from kiln.model.llama import STACKED_PARAMS
+    from kiln.model.llama import checkpoint_parts, merged_target
 
     params = dict(model.named_parameters(remove_duplicate=False))
     if getattr(model, "tie_word_embeddings", False):
@@ -269,13 +266,8 @@ def attach_blocks(model: nn.Module, blocks: dict[str, tuple[int, torch.Tensor]])
             matmul_layers.setdefault(id(m.weight), []).append(m)
     parts: dict[str, list[str]] = {}  # weight name -> the HF names of its parts, in order
     for name in blocks:
-        merged = [(m, p) for m, p, _ in STACKED_PARAMS if p in name]
-        if not merged:
-            parts[name] = [name]
-            continue
-        target = name.replace(merged[0][1], merged[0][0])
-        parts[target] = [name.replace(merged[0][1], p) for m, p, _ in STACKED_PARAMS
-                         if m == merged[0][0]]
+        target, _ = merged_target(name)
+        parts[target] = [part for part, _ in checkpoint_parts(target)]
     count = 0
     for target, names in parts.items():
         param = params.get(target)
