@@ -45,6 +45,23 @@ def is_forward_context_available() -> bool:
 
 
 @contextlib.contextmanager
+def ir_selection_turn(selection):
+    """Hold the forward turn with `selection` bound: building and loading a model read the IR
+    binding, and applying another engine's choices outside the turn rebound the ops of a
+    forward running in another thread."""
+    global _holder
+    if _holder == threading.get_ident():
+        raise RuntimeError("a model cannot be built inside a forward context")
+    with _turn:
+        _holder = threading.get_ident()
+        try:
+            apply_ir_selection(selection)
+            yield
+        finally:
+            _holder = None
+
+
+@contextlib.contextmanager
 def set_forward_context(attn_metadata: AttentionMetadata | None, kiln_config, *,
                         layers: dict[str, Any], batch_descriptor=None,
                         cudagraph_runtime_mode=None):

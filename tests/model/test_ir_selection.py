@@ -122,3 +122,30 @@ def test_a_traced_call_is_the_ir_op_itself():
     fn = torch.compile(lambda x, w: ir.rms_norm(x, w, 1e-6), backend=backend, fullgraph=True)
     fn(torch.randn(2, 8), torch.randn(8))
     assert seen == [torch.ops.kiln.rms_norm.default]
+
+
+def test_building_a_model_waits_for_another_engines_forward(tiny_llama_dir):
+    """Two in-process engines with different op choices: one building its model while the
+    other's forward runs in another thread must not rebind the running forward's ops."""
+    import threading
+
+    from kiln.forward_context import set_forward_context
+    from kiln.model.loader import get_model
+
+    running = EngineArgs(model=str(tiny_llama_dir),
+                         ir_op_priority={"rms_norm": ["native"]}).create_kiln_config()
+    building = EngineArgs(model=str(tiny_llama_dir),
+                          ir_op_priority={"rms_norm": ["torch"]}).create_kiln_config()
+    built = threading.Event()
+    thread = threading.Thread(target=lambda: (get_model(building), built.set()))
+    try:
+        with set_forward_context(None, running, layers={}):
+            thread.start()
+            built.wait(5)  # the build ends before this unless it waits for the turn
+            assert ir.applied()["rms_norm"] == "native"
+            assert not built.is_set()
+        thread.join(120)
+        assert built.is_set() and ir.applied()["rms_norm"] == "torch"
+    finally:
+        thread.join(120)
+        ir.apply(ir.resolve({}, "cpu", torch.float32))

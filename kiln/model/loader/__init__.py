@@ -9,6 +9,7 @@ from torch import nn
 
 from kiln.config import KilnConfig, set_current_kiln_config
 from kiln.errors import ConfigError
+from kiln.forward_context import ir_selection_turn
 from kiln.logger import init_logger
 from kiln.model.registry import get_model_class
 
@@ -61,7 +62,8 @@ def load_weights_into(model: nn.Module, kiln_config: KilnConfig) -> None:
 
 def get_model(kiln_config: KilnConfig) -> nn.Module:
     """Build, load and return the model in eval mode."""
-    return _get_model(kiln_config, use_snapshot=True)
+    with ir_selection_turn(kiln_config.ir_selection):  # another engine's forward waits
+        return _get_model(kiln_config, use_snapshot=True)
 
 
 def _get_model(kiln_config: KilnConfig, use_snapshot: bool) -> nn.Module:
