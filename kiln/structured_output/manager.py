@@ -51,8 +51,10 @@ class StructuredOutputManager:
         return self.backend().compile(spec)
 
     def _compiled(self, spec: GrammarSpec) -> Future:
+        # A failed compile stays cached too: a grammar's failure is a function of its spec, and
+        # the n samples of one request (or a client's retries) each compiled it again.
         future = self._cache.get(spec)
-        if future is not None and not (future.done() and future.exception() is not None):
+        if future is not None:
             self._cache.move_to_end(spec)
             return future
         if self._pool is None:

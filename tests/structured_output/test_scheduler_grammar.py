@@ -187,3 +187,24 @@ def test_grammar_compiles_yield_the_cpu_to_engine_steps():
     base = os.getpriority(os.PRIO_PROCESS, 0)
     assert manager._compiled("spec").result(timeout=10) == min(19, base + GRAMMAR_NICENESS)
     manager._pool.shutdown()
+
+
+def test_a_grammar_that_fails_to_compile_is_compiled_once():
+    """n samples of one request each start their grammar: a failing compile ran n times."""
+    from types import SimpleNamespace
+
+    from kiln.structured_output.manager import StructuredOutputManager
+
+    manager = StructuredOutputManager(SimpleNamespace(model_config=SimpleNamespace(
+        vocab_size=8)))
+    calls = []
+
+    def failing(spec):
+        calls.append(spec)
+        raise ValueError("no such rule")
+
+    manager._compile = failing
+    first = manager._compiled("spec")
+    assert isinstance(first.exception(timeout=10), ValueError)
+    assert manager._compiled("spec") is first and calls == ["spec"]
+    manager._pool.shutdown()
