@@ -397,3 +397,18 @@ def test_cors_flags_reach_the_settings_and_bad_ones_name_the_flag(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--allowed-origins", "https://a.b"])
     assert "--allowed-origins takes a JSON list of strings" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, env", [(["--api-key", "key "], {}), ([], {"KILN_API_KEY": " "}),
+                                        ([], {"VLLM_API_KEY": "\tkey"})])
+def test_an_api_key_with_outer_whitespace_is_refused(flags, env, monkeypatch):
+    """HTTP strips the header's outer whitespace: such a key made every request a 401."""
+    from kiln.entrypoints.cli.main import build_parser
+    from kiln.entrypoints.cli.serve import settings_from_args
+
+    for name in ("KILN_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="--api-key, else .*KILN_API_KEY.* whitespace"):
+        settings_from_args(build_parser().parse_args(["serve", *flags]))

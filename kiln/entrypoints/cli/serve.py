@@ -125,7 +125,13 @@ def settings_from_args(args: argparse.Namespace):
                          f"{args.graceful_shutdown_timeout}")
     if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
         raise ValueError(f"--served-model-name must not be empty, got {args.served_model_name}")
-    return ServerSettings(host=args.host, port=args.port, api_key=args.api_key or env_api_key(),
+    api_key = args.api_key or env_api_key()
+    if api_key is not None and api_key != api_key.strip():
+        # HTTP strips a header value's outer whitespace: no client could ever send this key.
+        raise ValueError("the API key (--api-key, else $KILN_API_KEY or $VLLM_API_KEY) begins "
+                         "or ends with whitespace, which no Authorization header can carry; "
+                         "set it without")
+    return ServerSettings(host=args.host, port=args.port, api_key=api_key,
                           served_model_names=args.served_model_name,
                           max_request_body_bytes=args.max_request_body_bytes,
                           max_sequences_per_request=args.max_sequences_per_request,
