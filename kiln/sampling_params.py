@@ -15,6 +15,10 @@ _MIN_REPETITION_PENALTY = 1e-6
 # Far past any useful penalty (vLLM has no bound), short of where a logit times it overflows
 # float32 to -inf, which could leave a row nothing to sample.
 _MAX_REPETITION_PENALTY = 1e6
+# The sampler divides logits by the temperature in float32: a larger one is inf there, a
+# masked token's -inf logit over it NaN, and the row sampled token 0 (outside
+# allowed_token_ids too). float32's largest finite value.
+_MAX_TEMPERATURE = 3.4028234663852886e38
 _INT64 = (-2 ** 63, 2 ** 63 - 1)  # seeds: torch generators take 64 bits
 
 
@@ -204,7 +208,7 @@ class SamplingParams:
             check(number(v) and lo <= v <= hi, name, rule, v)
 
         check(integer(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
-        in_range("temperature", 0, math.inf, "a finite number >= 0")
+        in_range("temperature", 0, _MAX_TEMPERATURE, f"in [0, {_MAX_TEMPERATURE:.4g}]")
         v = self.top_p
         check(number(v) and 0 < v <= 1, "top_p", "in (0, 1]", v)
         check(integer(self.top_k) and self.top_k >= 0, "top_k",

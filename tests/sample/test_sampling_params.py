@@ -8,6 +8,7 @@ from kiln.sampling_params import SamplingParams
 
 @pytest.mark.parametrize("field,value", [
     ("n", 0), ("temperature", -0.5), ("temperature", math.inf), ("temperature", math.nan),
+    ("temperature", 1e39),  # inf in the sampler's float32: rows sampled token 0
     ("top_p", 0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
     ("presence_penalty", 3), ("frequency_penalty", -3),
     # 1e-50 is 0 in float32: the sampler's logits would become NaN

@@ -30,6 +30,7 @@ def _schema_takes(model: str, body: dict) -> bool:
 
 _CASES = [(field, value) for field in ("logprobs", "prompt_logprobs") for value in (-1, 0, 20)] \
     + [("seed", v) for v in (2**63 - 1, 2**63, -2**63, -2**63 - 1)] \
+    + [("temperature", 3e38), ("temperature", 1e39)] \
     + [("cache_salt", ""), ("cache_salt", "s"), ("truncation_side", ""),
        ("truncation_side", "left"), ("truncation_side", "right")]
 
@@ -56,12 +57,15 @@ def test_chat_modalities_schema_verdict_is_the_servers(base_url, value):
 def test_whole_vocabulary_logprobs_are_stated_only_where_the_cap_allows():
     from kiln.entrypoints.openai.openapi_sampling import sampling_ranges
 
-    def minimum(cap):
-        schema = {"properties": {"logprobs": {"anyOf": [{"type": "integer"}]}}}
+    def minimum(cap, name="logprobs"):
+        schema = {"properties": {name: {"anyOf": [{"type": "integer"}]}}}
         sampling_ranges(schema, cap, VOCAB)
-        return schema["properties"]["logprobs"]["anyOf"][0]["minimum"]
+        return schema["properties"][name]["anyOf"][0]["minimum"]
 
     assert minimum(20) == 0 and minimum(VOCAB) == -1
+    # chat's top_logprobs=-1 is the whole vocabulary too (the server takes it; the schema said
+    # 0 at least)
+    assert minimum(20, "top_logprobs") == 0 and minimum(VOCAB, "top_logprobs") == -1
     # a --max-logprobs past the vocabulary: the server refuses more than the vocabulary holds
     schema = {"properties": {"logprobs": {"anyOf": [{"type": "integer"}]}}}
     sampling_ranges(schema, VOCAB * 10, VOCAB)

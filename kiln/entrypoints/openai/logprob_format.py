@@ -33,10 +33,11 @@ def _sampled(token_id: int, step: dict[int, Logprob]) -> Logprob | None:
 
 
 def _top(step: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
-    """The k best candidates by rank (ties by logprob)."""
+    """The k best candidates by rank (ties by logprob); k -1: all of them (logprobs=-1, the
+    whole vocabulary; a slice to -1 dropped the least likely token)."""
     ranked = sorted(step.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None
                                                   else math.inf, -kv[1].logprob))
-    return ranked[:k]
+    return ranked if k < 0 else ranked[:k]
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob] | None],

@@ -12,6 +12,7 @@ def sampling_ranges(model_schema: dict, max_logprobs: int,
     from kiln.sampling_params import (
         _INT64,
         _MAX_REPETITION_PENALTY,
+        _MAX_TEMPERATURE,
         _MIN_REPETITION_PENALTY,
         MAX_BAD_WORDS_PER_REQUEST,
         MAX_STOP_STRINGS,
@@ -22,7 +23,8 @@ def sampling_ranges(model_schema: dict, max_logprobs: int,
     if vocab_size is not None:  # a --max-logprobs past the vocabulary: no more than it holds
         max_logprobs = min(max_logprobs, vocab_size)
 
-    ranges = {"temperature": {"minimum": 0}, "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    ranges = {"temperature": {"minimum": 0, "maximum": _MAX_TEMPERATURE},
+              "top_p": {"exclusiveMinimum": 0, "maximum": 1},
               "min_p": {"minimum": 0, "maximum": 1}, "top_k": {"minimum": -1},
               "presence_penalty": {"minimum": -2, "maximum": 2},
               "frequency_penalty": {"minimum": -2, "maximum": 2},
@@ -32,8 +34,7 @@ def sampling_ranges(model_schema: dict, max_logprobs: int,
               "min_tokens": {"minimum": 0},
               "seed": {"minimum": _INT64[0], "maximum": _INT64[1]},  # torch's 64-bit seeds
               # -1: the whole vocabulary (vLLM's), where max_logprobs allows it
-              **{name: {"minimum": 0 if name == "top_logprobs" else whole_vocab,
-                        "maximum": max_logprobs}
+              **{name: {"minimum": whole_vocab, "maximum": max_logprobs}
                  for name in ("logprobs", "top_logprobs", "prompt_logprobs")}}
     props = model_schema.get("properties", {})
     if "best_of" in props:  # one sample per choice (sampling.refuse_unsupported)
