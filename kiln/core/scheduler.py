@@ -69,8 +69,7 @@ class Scheduler:
             self.structured_output_manager.grammar_init(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self._order[request.request_id] = order_key(self.policy, request,
-                                                    next(self._arrival_counter))
+        self._order[request.request_id] = order_key(self.policy, request, next(self._arrival_counter))
         self.waiting.add(request)
 
     def finish_requests(self, req_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
@@ -149,9 +148,7 @@ class Scheduler:
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
             if kv.allocate_slots(request, num_new, hit_blocks) is None:
-                # Nobody overtakes the head of the queue, and it preempts no running request
-                # (vLLM V1 under either policy): it waits for blocks to free.
-                break
+                break  # nobody overtakes the head, which preempts no one (vLLM V1): it waits
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
@@ -239,8 +236,7 @@ class Scheduler:
             new_block_ids = kv.allocate_slots(request, num_new)
             if new_block_ids is not None:
                 return new_block_ids
-            # Running requests are in the policy's order, so the victim (the one that stands
-            # last) is never one already scheduled this step: at worst `request` itself.
+            # Running is in the policy's order: the victim was not scheduled yet (or is `request`).
             victim = preemption_victim(self.running, self._key)
             self.running = [r for r in self.running if r is not victim]
             if victim is not request:
