@@ -164,7 +164,6 @@ class LLMEngine:
         """`arrival_time`: time.monotonic() when it arrived (vLLM's is time.time(): queue
         order and latency metrics read this clock). `priority`: vLLM's; lower is served first
         under --scheduling-policy priority, ignored under fcfs."""
-        check_priority(priority)
         processed = self.process_inputs(prompt, params, max_tokens_must_fit=max_tokens_must_fit)
         self.add_processed_request(request_id, processed, arrival_time, priority=priority)
 
