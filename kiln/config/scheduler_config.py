@@ -1,4 +1,4 @@
-"""Scheduler configuration: batch limits (token budget, sequences per step)."""
+"""Scheduler configuration: batch limits (token budget, sequences per step) and the policy."""
 from dataclasses import dataclass
 
 from kiln.config.frozen import FreezableConfig
@@ -11,8 +11,14 @@ class SchedulerConfig(FreezableConfig):
     # Token budget per step; None: derived from max_model_len by KilnConfig.
     max_num_batched_tokens: int | None = None
     max_model_len: int = 2048  # mirrored from ModelConfig by KilnConfig
+    # vLLM's --scheduling-policy: "fcfs" (arrival order) or "priority" (lower request priority
+    # first, then arrival); kiln/core/request_queue.py
+    policy: str = "fcfs"
 
     def __post_init__(self):
+        if self.policy not in ("fcfs", "priority"):
+            raise ConfigError(f"--scheduling-policy must be fcfs or priority, got "
+                              f"{self.policy!r}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

@@ -24,6 +24,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True):
     sampling_params: dict[str, Any]  # encode_params(); decode_params() rebuilds it
     arrival_time: float
     cache_salt: str | None = None
+    priority: int = 0
     # An n > 1 request's samples, sample i named child_ids[i]: the core makes them from this one
     # message (parent_request.py), its params sent once. Empty: the request is its own sample.
     child_ids: list[str] = []
@@ -133,13 +134,14 @@ def to_wire(request: Request, child_ids: Sequence[str] = ()) -> EngineCoreReques
                              prompt_token_ids=list(request.prompt_token_ids),
                              sampling_params=encode_params(request.sampling_params),
                              arrival_time=request.arrival_time, cache_salt=request.cache_salt,
-                             child_ids=list(child_ids))
+                             priority=request.priority, child_ids=list(child_ids))
 
 
 def from_wire(request: EngineCoreRequest) -> Request:
     return Request(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                    sampling_params=decode_params(request.sampling_params),
-                   arrival_time=request.arrival_time, cache_salt=request.cache_salt)
+                   arrival_time=request.arrival_time, cache_salt=request.cache_salt,
+                   priority=request.priority)
 
 
 def failure_report(e: BaseException) -> CoreFailed:

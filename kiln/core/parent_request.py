@@ -29,11 +29,13 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
 
 def child_requests(parent: Request, child_ids: Sequence[str]) -> list[Request]:
     """The core requests of `parent`'s samples, sample i named child_ids[i]; each its own
-    prompt list (the core's requests never share mutable state but their params' fields)."""
+    prompt list (the core's requests never share mutable state but their params' fields), and
+    the parent's arrival time and priority, so the samples queue together."""
     params = parent.sampling_params
     if len(child_ids) != params.n:
         raise ValueError(f"request {parent.request_id!r} has n={params.n} but "
                          f"{len(child_ids)} child ids")
     return [Request(request_id=cid, prompt_token_ids=list(parent.prompt_token_ids),
                     sampling_params=child_params(params, i), arrival_time=parent.arrival_time,
-                    cache_salt=parent.cache_salt) for i, cid in enumerate(child_ids)]
+                    cache_salt=parent.cache_salt, priority=parent.priority)
+            for i, cid in enumerate(child_ids)]

@@ -32,6 +32,9 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
+    # vLLM's request priority: lower is served earlier under --scheduling-policy priority
+    # (request_queue.py); fcfs ignores it.
+    priority: int = 0
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V are in the cache (computed or found by prefix caching).

@@ -1,7 +1,8 @@
 """`Scheduler`: picks, each step, which requests run and how many of their tokens.
 
-FCFS with a per-step token budget, chunked prefill, running requests before waiting ones, and
-preemption by recompute (latest-arrived first) when the KV cache runs out of blocks.
+A per-step token budget, chunked prefill, running requests before waiting ones, and preemption
+by recompute when the KV cache runs out of blocks; --scheduling-policy (request_queue.py) orders
+the queues and picks the preempted: arrival order (fcfs) or (priority, arrival) (priority).
 """
 import bisect
 import itertools
@@ -19,6 +20,7 @@ from kiln.core.outputs import (
 )
 from kiln.core.request import Request, RequestStatus
 from kiln.core.request_progress import grammar_error_output, step_output, unschedulable_output
+from kiln.core.request_queue import WaitingQueue, order_key, preemption_victim
 from kiln.core.stats import SchedulerStats
 from kiln.logger import init_logger
 from kiln.structured_output.manager import StructuredOutputManager
@@ -41,14 +43,15 @@ class Scheduler:
                                                cache.enable_prefix_caching)
         self.larger_cache_flags = cache.larger_cache_flags()  # named when a request is cut
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # kept in priority order: earliest arrival first
+        self.policy = sched.policy
+        self.waiting = WaitingQueue(self.policy, self._key)
+        self.running: list[Request] = []  # kept in the policy's order: the last goes first
         # Ids the runner must forget, reported in the next SchedulerOutput.
         self.finished_req_ids: set[str] = set()
         self.preempted_req_ids: set[str] = set()
         # Requests the scheduler itself ended while scheduling (too long for the cache).
         self._finished_outputs: list[EngineCoreOutput] = []
-        self._priority: dict[str, tuple[float, int]] = {}
+        self._order: dict[str, tuple] = {}  # request id -> order_key()
         self._arrival_counter = itertools.count()
         self.num_preemptions = 0
         self.structured_output_manager = StructuredOutputManager(kiln_config)
@@ -66,8 +69,8 @@ class Scheduler:
             self.structured_output_manager.grammar_init(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self._priority[request.request_id] = (request.arrival_time, next(self._arrival_counter))
-        self.waiting.append(request)
+        self._order[request.request_id] = order_key(self.policy, request, next(self._arrival_counter))
+        self.waiting.add(request)
 
     def finish_requests(self, req_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
         """End requests from outside (abort, stop string); unknown or finished ids are ignored."""
@@ -80,7 +83,7 @@ class Scheduler:
             return
         gone = {id(r) for r in ending}
         self.running = [r for r in self.running if id(r) not in gone]
-        self.waiting = deque(r for r in self.waiting if id(r) not in gone)
+        self.waiting.remove_all(gone)
         for request in ending:
             request.status = finished_status
             self._release(request)
@@ -124,36 +127,36 @@ class Scheduler:
             budget -= num_new
             index += 1
 
-        # Then waiting ones in arrival order; after a preemption the cache is too tight to admit.
-        # A request whose grammar is still compiling keeps its place but lets later ones by.
+        # Then waiting ones in the queue's order; after a preemption the cache is too tight to
+        # admit. A request whose grammar is still compiling keeps its place but lets later ones by.
         compiling: deque[Request] = deque()
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and self.num_preemptions == preemptions_before):
-            request = self.waiting[0]
+            request = self.waiting.peek()
             grammar = request.structured_output_request
             if grammar is not None and not grammar.is_ready():
-                compiling.append(self.waiting.popleft())
+                compiling.append(self.waiting.pop())
                 continue
             if grammar is not None and grammar.error is not None:
-                self.waiting.popleft()
+                self.waiting.pop()
                 self._finish_grammar_error(request)
                 continue
             if self._cannot_ever_fit(request):
-                self.waiting.popleft()
+                self.waiting.pop()
                 self._finish_unschedulable(request, request.num_tokens)
                 continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
             if kv.allocate_slots(request, num_new, hit_blocks) is None:
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # nobody overtakes the head, which preempts no one (vLLM V1): it waits
+            self.waiting.pop()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             if request.first_scheduled_time is None:  # once: a preempted one keeps its first
                 request.first_scheduled_time = time.monotonic()
-            bisect.insort(self.running, request, key=lambda r: self._priority[r.request_id])
+            bisect.insort(self.running, request, key=self._key)
             new_reqs.append(NewRequestData(
                 req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                 output_token_ids=list(request.output_token_ids),
@@ -161,7 +164,7 @@ class Scheduler:
                 block_ids=kv.get_block_ids(request.request_id), num_computed_tokens=num_hit))
             num_scheduled[request.request_id] = num_new
             budget -= num_new
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.prepend_all(compiling)
 
         for req_id, num_new in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += num_new
@@ -233,8 +236,9 @@ class Scheduler:
             new_block_ids = kv.allocate_slots(request, num_new)
             if new_block_ids is not None:
                 return new_block_ids
-            # The last running request has the lowest priority and was not scheduled this step.
-            victim = self.running.pop()
+            # Running is in the policy's order: the victim was not scheduled yet (or is `request`).
+            victim = preemption_victim(self.running, self._key)
+            self.running = [r for r in self.running if r is not victim]
             if victim is not request:
                 self._preempt(victim)
                 continue
@@ -257,7 +261,7 @@ class Scheduler:
         undone = [r for r in self.running if id(r) in scheduled]
         self.running = [r for r in self.running if id(r) not in scheduled]
         # Latest first onto the front of the queue: the earliest ends up first again.
-        for request in sorted(undone, key=lambda r: self._priority[r.request_id], reverse=True):
+        for request in sorted(undone, key=self._key, reverse=True):
             self._requeue(request)
 
     def _preempt(self, request: Request) -> None:
@@ -273,9 +277,12 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        self.waiting.appendleft(request)
+        self.waiting.prepend(request)
         self.preempted_req_ids.add(request.request_id)
         self.finished_req_ids.add(request.request_id)
+
+    def _key(self, request: Request) -> tuple:
+        return self._order[request.request_id]
 
     def _cannot_ever_fit(self, request: Request) -> bool:
         kv = self.kv_cache_manager
@@ -296,7 +303,7 @@ class Scheduler:
         """Forget a finished request (already off the queues): blocks back, runner told."""
         self.kv_cache_manager.free(request)
         self.requests.pop(request.request_id, None)
-        self._priority.pop(request.request_id, None)
+        self._order.pop(request.request_id, None)
         # A finished request is forgotten for good, not parked as a preempted one would be.
         self.preempted_req_ids.discard(request.request_id)
         self.finished_req_ids.add(request.request_id)

@@ -36,6 +36,7 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = _DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int | None = None
+    scheduling_policy: str = "fcfs"  # vLLM's: "fcfs" or "priority" (requests' priority)
     enforce_eager: bool = False
     compilation_config: Any = None  # int | dict | str (mode or JSON) | CompilationConfig
     # vLLM's optimization level (-O0..-O3): a default for the mode only, as in vLLM: 0 compiles
@@ -138,7 +139,8 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             num_gpu_blocks_override=self.num_gpu_blocks_override)
         scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                           max_num_batched_tokens=self.max_num_batched_tokens)
+                                           max_num_batched_tokens=self.max_num_batched_tokens,
+                                           policy=self.scheduling_policy)
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,

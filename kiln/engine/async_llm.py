@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
+from kiln.core.request_queue import check_priority
 from kiln.engine.frontend_lanes import FrontendLanes
 from kiln.engine.in_flight_streams import InFlightStreams
 from kiln.engine.request_stats import IterationStats, StatLogger
@@ -169,11 +170,14 @@ class AsyncLLM:
 
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
                           arrival_time: float | None = None, *,
-                          max_tokens_must_fit: bool = False, processed=None) -> RequestStream:
+                          max_tokens_must_fit: bool = False, processed=None,
+                          priority: int = 0) -> RequestStream:
         """Queue a request; raises ValueError (bad prompt or params) before anything is queued.
         `arrival_time`: time.monotonic() when it arrived (vLLM's is time.time()).
         `max_tokens_must_fit`: refuse a max_tokens past max_model_len instead of cutting it.
-        `processed`: process_inputs()'s result for this prompt and params (then not redone)."""
+        `processed`: process_inputs()'s result for this prompt and params (then not redone).
+        `priority`: vLLM's; lower is served first under --scheduling-policy priority."""
+        check_priority(priority)  # before the stream registers: a refusal leaves nothing behind
         self._check_alive()
         self.start()  # before the stream registers: a move to a new loop aborts the old ones
         if request_id in self._streams:
@@ -191,7 +195,7 @@ class AsyncLLM:
                 stream.put_abort()  # aborted while its prompt was read: it never runs
                 return stream
             await self._on_engine_thread(self._add_on_engine_thread, stream, processed,
-                                         arrival_time)
+                                         arrival_time, priority)
         except ValueError:
             self._streams.drop(stream)  # refused: nothing entered the engine
             raise
@@ -208,14 +212,16 @@ class AsyncLLM:
         self._steps.kick()
         return stream
 
-    def _add_on_engine_thread(self, stream: RequestStream, processed, arrival_time) -> None:
-        self.engine.add_processed_request(stream.request_id, processed, arrival_time)
+    def _add_on_engine_thread(self, stream: RequestStream, processed, arrival_time,
+                              priority: int = 0) -> None:
+        self.engine.add_processed_request(stream.request_id, processed, arrival_time,
+                                          priority=priority)
         stream.first_step = self._steps.steps_run + 1
 
-    async def generate(self, prompt, sampling_params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt, sampling_params: SamplingParams, request_id: str, *,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Outputs of one request; leaving the loop early (or being cancelled) aborts it."""
-        stream = await self.add_request(request_id, prompt, sampling_params)
+        stream = await self.add_request(request_id, prompt, sampling_params, priority=priority)
         try:
             async for out in stream:
                 yield out

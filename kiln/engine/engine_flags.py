@@ -104,6 +104,12 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                    help="most sequences in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="token budget of one step")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
+                   default=d.scheduling_policy,
+                   help="the order requests are served in: fcfs (arrival; a request's "
+                        "priority is ignored, as vLLM V1 does) or priority (a lower request "
+                        "priority first, then arrival; a full KV cache preempts the running "
+                        "request with the largest priority)")
     g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
                    help="run eagerly: no torch.compile, no graphs")
     g.add_argument("-O", "--compilation-config", dest="compilation_config",

@@ -10,6 +10,7 @@ from kiln import envs
 from kiln.config import KilnConfig, ParallelConfig
 from kiln.core.parent_request import child_params, child_request_id
 from kiln.core.request import Request, RequestStatus
+from kiln.core.request_queue import check_priority
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.chat_template import render_chat_template
 from kiln.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
@@ -158,15 +159,17 @@ class LLMEngine:
                                             max_tokens_must_fit=max_tokens_must_fit)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, *,
-                    max_tokens_must_fit: bool = False) -> None:
+                    arrival_time: float | None = None, *, max_tokens_must_fit: bool = False,
+                    priority: int = 0) -> None:
         """`arrival_time`: time.monotonic() when it arrived (vLLM's is time.time(): queue
-        order and latency metrics read this clock)."""
+        order and latency metrics read this clock). `priority`: vLLM's; lower is served first
+        under --scheduling-policy priority, ignored under fcfs."""
         processed = self.process_inputs(prompt, params, max_tokens_must_fit=max_tokens_must_fit)
-        self.add_processed_request(request_id, processed, arrival_time)
+        self.add_processed_request(request_id, processed, arrival_time, priority=priority)
 
     def add_processed_request(self, request_id: str, processed: ProcessedPrompt,
-                              arrival_time: float | None = None) -> None:
+                              arrival_time: float | None = None, *, priority: int = 0) -> None:
+        check_priority(priority)
         core = self._core()
         params = processed.params
         if params.n == 1:
@@ -189,7 +192,7 @@ class LLMEngine:
         core_request = Request(request_id=request_id,
                                prompt_token_ids=list(processed.prompt_token_ids),
                                sampling_params=params, arrival_time=arrival,
-                               cache_salt=processed.cache_salt)
+                               cache_salt=processed.cache_salt, priority=priority)
         child_ids = [cid for cid, _ in samples] if params.n > 1 else []
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
                                           samples, params.output_kind)

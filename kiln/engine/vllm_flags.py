@@ -2,7 +2,7 @@
 what to do instead, so `kiln serve --enable-lora` and `LLM(enable_lora=True)` say so by name
 rather than failing as an unknown argument.
 
-A few take the value that has Kiln's one meaning (`-dp 1`, `--scheduling-policy fcfs`) and
+A few take the value that has Kiln's one meaning (`-dp 1`, `--task generate`) and
 ignore it, as EngineArgs does with --swap-space; any other value is refused with the reason.
 """
 import argparse
@@ -106,8 +106,6 @@ VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--disable-sliding-window",), "capping the context at the model's sliding "
              "window", "Kiln always does so (its attention has no sliding window)",
              takes_value=False, accepted_alone=True),
-    VllmFlag(("--scheduling-policy",), "the order requests are scheduled in", "Kiln schedules "
-             "first come, first served (requests' priority must be 0)", accepted=("fcfs",)),
     VllmFlag(("--logprobs-mode",), "choosing what logprobs hold (raw or processed logprobs "
              "or logits)", "Kiln's logprobs and prompt_logprobs are always the model's raw "
              "log-probabilities, before penalties, temperature and top-k/top-p/min-p (vLLM's "

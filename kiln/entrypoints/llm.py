@@ -9,6 +9,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
+from kiln.core.request_queue import check_priority
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.chat_messages import chat_messages, chat_render_kwargs
 from kiln.engine.input_processor import ProcessedPrompt, PromptType
@@ -28,21 +29,21 @@ def refuse_lora(lora_request) -> None:
         raise ValueError("lora_request must be None: Kiln serves no LoRA adapters")
 
 
-def check_request_priorities(priority, num_prompts: int) -> None:
-    """vLLM's `priority` (one int per prompt): Kiln schedules first come, first served, so
-    only 0s pass, as vLLM refuses non-zero ones under its default --scheduling-policy fcfs."""
+def request_priorities(priority, num_prompts: int) -> list[int]:
+    """vLLM's `priority` (one int per prompt; None: all 0) as one per prompt. Lower is served
+    first under scheduling_policy="priority"; under the default fcfs it is accepted and ignored,
+    as vLLM V1 does (V0 refused a non-zero one)."""
     if priority is None:
-        return
+        return [0] * num_prompts
     if not isinstance(priority, (list, tuple)) or len(priority) != num_prompts:
         raise ValueError(f"priority must be a list of one int per prompt ({num_prompts}), got "
                          f"{priority!r}")
     for i, p in enumerate(priority):
-        if isinstance(p, bool) or not isinstance(p, int):
-            raise ValueError(f"priority[{i}] must be an int, got {p!r}")
-        if p != 0:
-            raise ValueError(f"priority[{i}]={p} is refused: Kiln schedules requests first "
-                             "come, first served (no priority scheduling); give 0 or omit "
-                             "priority")
+        try:
+            check_priority(p)
+        except ValueError as e:
+            raise ValueError(f"priority[{i}]: {e}") from None
+    return list(priority)
 
 
 def _unsupported(method: str, why: str):
@@ -98,9 +99,9 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | Callable = True, lora_request=None,
                  priority: list[int] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order. `lora_request`
-        and `priority`: vLLM's arguments, None (or all 0 priorities) only: no LoRA adapters
-        and no priority scheduling here."""
+        """Run every prompt to completion; outputs come back in input order. `lora_request`:
+        vLLM's argument, None only (no LoRA adapters). `priority`: one int per prompt, lower
+        served first under scheduling_policy="priority" (an n > 1 prompt's samples share it)."""
         refuse_lora(lora_request)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -108,7 +109,7 @@ class LLM:
             raise ValueError("prompts must be a str, a {'prompt_token_ids': [...]} dict or a "
                              f"list of them, got {type(prompts).__name__}")
         prompts = list(prompts)
-        check_request_priorities(priority, len(prompts))
+        priorities = request_priorities(priority, len(prompts))
         if sampling_params is None:  # the model's generation-config defaults, as vLLM's
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -137,7 +138,7 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
             item.params.output_kind = RequestOutputKind.FINAL_ONLY
             processed.append(item)
-        return self._run(processed, use_tqdm)
+        return self._run(processed, use_tqdm, priorities)
 
     beam_search = _unsupported("beam_search", "Kiln has no beam search; sample with "
                                "generate() (n=..., seed=...) instead")
@@ -214,12 +215,14 @@ class LLM:
             finally:
                 self._running_thread = None
 
-    def _run(self, processed: list[ProcessedPrompt], use_tqdm) -> list[RequestOutput]:
+    def _run(self, processed: list[ProcessedPrompt], use_tqdm,
+             priorities: list[int] | None = None) -> list[RequestOutput]:
         self._check_owner()
         with self._one_batch("generate"):
-            return self._run_batch(processed, use_tqdm)
+            return self._run_batch(processed, use_tqdm, priorities or [0] * len(processed))
 
-    def _run_batch(self, processed: list[ProcessedPrompt], use_tqdm) -> list[RequestOutput]:
+    def _run_batch(self, processed: list[ProcessedPrompt], use_tqdm,
+                   priorities: list[int]) -> list[RequestOutput]:
         from tqdm import tqdm
 
         engine = self.llm_engine
@@ -228,8 +231,8 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(ids)
         pending = set()
         try:
-            for rid, item in zip(ids, processed):
-                engine.add_processed_request(rid, item)
+            for rid, item, priority in zip(ids, processed, priorities):
+                engine.add_processed_request(rid, item, priority=priority)
                 pending.add(rid)
             # vLLM's use_tqdm may be a callable that makes the bar (a tqdm subclass, e.g.
             # tqdm.notebook.tqdm); it is called with tqdm's arguments

@@ -17,7 +17,8 @@ VOCAB = 1000
 
 
 def make_config(*, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-                max_model_len=None, enable_prefix_caching=True, override=None) -> KilnConfig:
+                max_model_len=None, enable_prefix_caching=True, override=None,
+                policy="fcfs") -> KilnConfig:
     if max_model_len is None:  # 256, or what an overridden cache holds: a larger one is refused
         max_model_len = 256 if override is None else min(256, override * block_size)
     hf = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -29,15 +30,16 @@ def make_config(*, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                                  num_gpu_blocks_override=override),
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                         max_num_batched_tokens=max_num_batched_tokens))
+                                         max_num_batched_tokens=max_num_batched_tokens,
+                                         policy=policy))
     return config
 
 
-def make_request(req_id, prompt, max_tokens=8, arrival=None, **params) -> Request:
+def make_request(req_id, prompt, max_tokens=8, arrival=None, priority=0, **params) -> Request:
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, **params)
     if arrival is None:
-        return Request(req_id, list(prompt), sp)
-    return Request(req_id, list(prompt), sp, arrival_time=arrival)
+        return Request(req_id, list(prompt), sp, priority=priority)
+    return Request(req_id, list(prompt), sp, arrival_time=arrival, priority=priority)
 
 
 def next_token(context: list[int]) -> int:

@@ -49,15 +49,18 @@ def test_preemption_notice_survives_a_step_that_never_ran():
 
 
 @pytest.mark.parametrize("fail_at", [1, 2, 5])
-def test_stepping_on_after_a_failed_step_gives_the_tokens_of_a_clean_run(fail_at):
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_stepping_on_after_a_failed_step_gives_the_tokens_of_a_clean_run(fail_at, policy):
     """A caller of the core that goes on after a failed step (no abort): the step's requests
     computed nothing and are computed again, so every request ends as in a run without it."""
     prompts = {"a": range(3, 12), "b": range(20, 26), "c": range(40, 53)}
 
     def run(fail: bool) -> dict:
-        core = EngineCore(make_config(max_num_batched_tokens=8), PagedTokenExecutor)
+        core = EngineCore(make_config(max_num_batched_tokens=8, policy=policy),
+                          PagedTokenExecutor)
         for i, (rid, prompt) in enumerate(prompts.items()):
-            core.add_request(make_request(rid, prompt, max_tokens=6, arrival=float(i)))
+            core.add_request(make_request(rid, prompt, max_tokens=6, arrival=float(i),
+                                          priority=[2, 0, 1][i]))
         results = {}
         for step in range(200):
             if not core.has_unfinished_requests():

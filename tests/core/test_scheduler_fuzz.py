@@ -28,6 +28,12 @@ def check_invariants(sched: Scheduler) -> None:
     assert set(running) | set(waiting) == set(sched.requests)
     assert all(r.status == RequestStatus.RUNNING for r in sched.running)
     assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in sched.waiting)
+    # The policy's order (request_queue.py): running always, waiting under priority.
+    keys = [sched._key(r) for r in sched.running]
+    assert keys == sorted(keys)
+    if sched.policy == "priority":
+        keys = [sched._key(r) for r in sched.waiting]
+        assert keys == sorted(keys)
     # Only running requests hold blocks; every reference is one holder; free list = ref 0.
     assert set(kv.req_to_blocks) <= set(running)
     holders = Counter(b.block_id for blocks in kv.req_to_blocks.values() for b in blocks)
@@ -50,7 +56,7 @@ def check_invariants(sched: Scheduler) -> None:
                 assert request.block_hashes[i] == block.block_hash, (request.request_id, i)
 
 
-def run_workload(seed: int, steps: int) -> int:
+def run_workload(seed: int, steps: int, policy: str = "fcfs") -> int:
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 8])
     num_blocks = rng.randrange(2, 40)
@@ -59,7 +65,7 @@ def run_workload(seed: int, steps: int) -> int:
     max_model_len = rng.randrange(8, 120)
     config = make_config(block_size=block_size, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=budget, max_model_len=max_model_len,
-                         enable_prefix_caching=rng.random() < 0.7)
+                         enable_prefix_caching=rng.random() < 0.7, policy=policy)
     executor = PagedTokenExecutor(config)
     executor.initialize_cache(num_blocks)
     sched = Scheduler(config, num_blocks)
@@ -94,7 +100,8 @@ def run_workload(seed: int, steps: int) -> int:
                 kw = {}
                 if rng.random() < 0.3:  # a stop token the fake model will actually produce
                     kw["stop_token_ids"] = [rng.choice(reference_tokens(prompt, max_tokens))]
-                made[rid] = make_request(rid, prompt, max_tokens=max_tokens, **kw)
+                made[rid] = make_request(rid, prompt, max_tokens=max_tokens,
+                                         priority=rng.randrange(-2, 3), **kw)
                 sched.add_request(made[rid])
         if rng.random() < 0.1 and sched.requests:
             ids = sorted(sched.requests)
@@ -124,6 +131,7 @@ def run_workload(seed: int, steps: int) -> int:
 
 
 @pytest.mark.parametrize("seeds", [range(0, 12), range(12, 24)])
-def test_random_workloads_keep_invariants(seeds):
-    preemptions = sum(run_workload(seed, steps=250) for seed in seeds)
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_random_workloads_keep_invariants(seeds, policy):
+    preemptions = sum(run_workload(seed, steps=250, policy=policy) for seed in seeds)
     assert preemptions > 0  # the random caches are small enough to exercise recompute

@@ -30,6 +30,15 @@ def test_flags_map_to_fields():
     assert parse("--tensor-parallel-size", "4").tensor_parallel_size == 4
 
 
+def test_scheduling_policy_flag_reaches_the_scheduler_config_and_round_trips():
+    a = parse("--scheduling-policy", "priority")
+    assert a.scheduling_policy == "priority"
+    assert a.to_cli_args() == ["--scheduling-policy", "priority"]
+    assert parse().scheduling_policy == "fcfs"  # vLLM's default
+    with pytest.raises(SystemExit):
+        parse("--scheduling-policy", "lifo")
+
+
 @pytest.mark.parametrize("argv,mode", [(["-O3"], 3), (["-O", "0"], 0),
                                        (["-O", '{"mode": 2}'], 2),
                                        (["--compilation-config", '{"mode":1}'], 1)])
@@ -104,6 +113,7 @@ def test_enforce_eager_and_shared_compilation_config(stories_dir, kiln_logs):
     (dict(max_model_len="64"), "max_model_len must be int or None"),
     (dict(max_num_seqs=2.5), "max_num_seqs must be int"),
     (dict(enforce_eager="no"), "enforce_eager must be bool"),
+    (dict(scheduling_policy="sjf"), "--scheduling-policy must be fcfs or priority"),
 ])
 def test_bad_values_raise_naming_the_field(stories_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):

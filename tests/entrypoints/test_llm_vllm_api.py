@@ -20,14 +20,20 @@ def llm(tiny_llama_dir):
     llm.shutdown()
 
 
-def test_priority_zeros_run_and_others_are_refused(llm):
+def test_priority_under_fcfs_is_taken_and_ignored_bad_ones_are_refused(llm):
+    # vLLM V1 takes any int priority under its default fcfs policy and ignores it (V0 refused
+    # a non-zero one); tests/core/test_priority_e2e.py runs scheduling_policy="priority".
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False, priority=[0, 0])
     assert [o.prompt_token_ids for o in outs] == [[5, 6, 7], [8, 9]]
-    assert len(llm.generate(PROMPTS, PARAMS, use_tqdm=False, priority=None)) == 2
-    with pytest.raises(ValueError, match=r"priority\[1\]=3 is refused.*first come"):
-        llm.generate(PROMPTS, PARAMS, use_tqdm=False, priority=[0, 3])
+    plain = llm.generate(PROMPTS, PARAMS, use_tqdm=False, priority=None)
+    ranked = llm.generate(PROMPTS, PARAMS, use_tqdm=False, priority=[5, -3])
+    assert [o.outputs[0].token_ids for o in ranked] == [o.outputs[0].token_ids for o in plain]
     with pytest.raises(ValueError, match=r"priority must be a list of one int per prompt \(2\)"):
         llm.generate(PROMPTS, PARAMS, use_tqdm=False, priority=[0])
+    with pytest.raises(ValueError, match=r"priority\[1\]: priority must be an int, got 1.5"):
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False, priority=[0, 1.5])
+    with pytest.raises(ValueError, match=r"priority\[0\]: .*64-bit"):
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False, priority=[2**70, 0])
     assert not llm.llm_engine.has_unfinished_requests()
 
 

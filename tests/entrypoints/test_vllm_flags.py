@@ -87,7 +87,7 @@ TESTER_FLAGS = [
     "--lora-modules", "--enable-lora", "--limit-mm-per-prompt", "--speculative-config",
     "--disable-sliding-window", "--hf-overrides", "--root-path",
     "--ssl-keyfile", "--ssl-certfile", "-dp", "--data-parallel-size", "--max-seq-len-to-capture",
-    "--disable-custom-all-reduce", "--scheduling-policy", "--enable-log-requests", "--task",
+    "--disable-custom-all-reduce", "--enable-log-requests", "--task",
     "--runner", "--config", "--chat-template-content-format", "--async-scheduling",
     "--cpu-offload-gb", "--enable-sleep-mode", "--model-impl", "--api-server-count",
     "--rope-scaling", "--kv-cache-memory-bytes", "--logprobs-mode"]
@@ -149,7 +149,7 @@ def test_vllm_flags_at_kilns_one_meaning_are_taken():
         "--enable-server-load-tracking", "--logprobs-mode", "raw_logprobs"])
     engine_args = EngineArgs.from_cli_args(args)
     assert engine_args == EngineArgs()
-    assert not {"task", "runner", "data_parallel_size", "scheduling_policy"} & set(vars(args))
+    assert not {"task", "runner", "data_parallel_size"} & set(vars(args))
 
 
 def test_vllm_flag_refusal_is_one_line_exit_2():

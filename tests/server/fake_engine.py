@@ -67,9 +67,9 @@ class FakeEngine:
             self.busy.release()
 
     def add_request(self, request_id, prompt, params: SamplingParams, arrival_time=None, *,
-                    max_tokens_must_fit=False):
+                    max_tokens_must_fit=False, priority=0):
         processed = self.process_inputs(prompt, params, max_tokens_must_fit=max_tokens_must_fit)
-        self.add_processed_request(request_id, processed, arrival_time)
+        self.add_processed_request(request_id, processed, arrival_time, priority=priority)
 
     def process_inputs(self, prompt, params: SamplingParams, *, max_tokens_must_fit=False):
         """Tokenize and check (the front-end thread: it may overlap a step)."""
@@ -95,7 +95,8 @@ class FakeEngine:
         params.max_tokens = min(params.max_tokens or room, room)  # as clip_max_tokens
         return ProcessedPrompt(prompt=text, prompt_token_ids=ids, params=params)
 
-    def add_processed_request(self, request_id, processed, arrival_time=None):
+    def add_processed_request(self, request_id, processed, arrival_time=None, *, priority=0):
+        # LLMEngine's signature; the fake serves in arrival order (priority is not its subject)
         with self._exclusive():
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")

@@ -84,7 +84,8 @@ class SamplingFields(RequestBase):
     allowed_token_ids: list[JsonInt] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: JsonInt | None = None
-    priority: JsonInt = 0  # refused unless 0: no priority scheduling
+    # vLLM's: lower is served first under --scheduling-policy priority; fcfs ignores it
+    priority: JsonInt = Field(0, ge=-2**63, lt=2**63)
     request_id: str | None = None  # names the response (cmpl-<request_id>)
     logits_processors: list[Any] | None = None  # refused: no user code in the sampler
     return_tokens_as_token_ids: StrictBool | None = None  # logprob tokens as "token_id:<id>"

@@ -21,7 +21,6 @@ OFF_ONLY = {
     "length_penalty": (1.0, "length_penalty only applies to beam search, which is not supported"),
     "spaces_between_special_tokens": (True, "special tokens are always decoded with the "
                                             "tokenizer's own spacing"),
-    "priority": (0, "requests are scheduled first come, first served (no priority scheduling)"),
     "logits_processors": (None, "custom logits processors are not supported"),
     "kv_transfer_params": (None, "disaggregated serving (KV transfer) is not supported"),
     "vllm_xargs": (None, "no extension reads extra arguments"),

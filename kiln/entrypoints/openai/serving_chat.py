@@ -125,7 +125,8 @@ class ServingChat:
         max_tokens_param = ("max_completion_tokens" if req.max_completion_tokens is not None
                             else "max_tokens")
         streams = await submit(self.llm, request_id, [prompt], params, "messages",
-                               {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"})
+                               {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"},
+                               priority=req.priority)
         if req.stream:
             return StreamingResponse(self._stream(req, model, request_id, created, streams,
                                                   plan, prompt_text, thinking_first, field),

@@ -103,7 +103,8 @@ class ServingCompletion:
         per_prompt = await self._reasoning_params(params, prompts)
         try:  # a long list of prompts takes a while to add: a client that leaves stops it
             streams = await until_disconnect(
-                raw, submit(self.llm, request_id, prompts, per_prompt, "prompt"))
+                raw, submit(self.llm, request_id, prompts, per_prompt, "prompt",
+                                 priority=req.priority))
         except ClientDisconnected:
             return Response(status_code=499)
         if req.stream:

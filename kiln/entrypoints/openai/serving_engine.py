@@ -73,9 +73,10 @@ def check_num_sequences(num_prompts: int, n: int, limit: int | None, prompt_para
 
 async def submit(llm: AsyncLLM, base_id: str, prompts: list,
                  params: SamplingParams | list[SamplingParams], prompt_param: str,
-                 renamed: dict[str, str] | None = None) -> list[RequestStream]:
-    """Add every prompt as its own request (with its own params, where `params` is a list);
-    if one is refused, none stays queued. As OpenAI
+                 renamed: dict[str, str] | None = None, *,
+                 priority: int = 0) -> list[RequestStream]:
+    """Add every prompt as its own request (with its own params, where `params` is a list),
+    each with the request's `priority`; if one is refused, none stays queued. As OpenAI
     and vLLM do, a max_tokens that does not fit beside the prompt is refused (400).
 
     `base_id` names the response; the engine's ids add a random suffix (as vLLM's do): a
@@ -94,7 +95,8 @@ async def submit(llm: AsyncLLM, base_id: str, prompts: list,
         for i, (prompt, p, item) in enumerate(zip(prompts, per_prompt, processed)):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             streams.append(await llm.add_request(rid, prompt, p, arrival,
-                                                 max_tokens_must_fit=True, processed=item))
+                                                 max_tokens_must_fit=True, processed=item,
+                                                 priority=priority))
     except ValueError as e:  # the whole call is refused (400): its requests never ran
         await llm.abort([s.request_id for s in streams], record=False)
         raise add_request_error(e, prompt_param, renamed) from None
