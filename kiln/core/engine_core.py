@@ -128,9 +128,12 @@ class EngineCore:
     def abort_requests(self, req_ids: str | Iterable[str]) -> None:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block hash; False (nothing done) while requests hold blocks."""
-        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False,
+                           reset_connector: bool = False) -> bool:
+        """Forget every cached block hash; False (nothing done) while requests hold blocks,
+        unless `reset_running_requests` sends them back to the queue first (vLLM's arguments;
+        Kiln has no KV connector, so `reset_connector` has nothing to reset)."""
+        return self.scheduler.reset_prefix_cache(reset_running_requests)
 
     def finish_requests(self, req_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
         """End requests with a given status (the output processor uses it for stop strings)."""

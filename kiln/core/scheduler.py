@@ -217,6 +217,17 @@ class Scheduler:
                 self._release(request)
         return outputs
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached block hash (stale after new weights); False while requests hold
+        blocks, unless `reset_running_requests` requeues them first, to be recomputed (vLLM's)."""
+        if reset_running_requests:
+            self._undo(dict.fromkeys(r.request_id for r in self.running))
+        if self.kv_cache_manager.reset_prefix_cache():
+            return True
+        logger.warning("prefix cache not reset: running requests hold KV blocks "
+                       "(reset_running_requests=True requeues them)")
+        return False
+
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         return SchedulerStats(

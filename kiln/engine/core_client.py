@@ -212,8 +212,9 @@ class CoreProcClient(CoreReceiver):
                 return message.result
             self._take(message)
 
-    def reset_prefix_cache(self) -> bool:
-        return bool(self._call("reset_prefix_cache"))
+    def reset_prefix_cache(self, reset_running_requests: bool = False,
+                           reset_connector: bool = False) -> bool:
+        return bool(self._call("reset_prefix_cache", reset_running_requests, reset_connector))
 
     def make_stats(self) -> SchedulerStats:
         """Fresh stats: taken by the core after every message sent before this call."""

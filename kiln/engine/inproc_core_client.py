@@ -47,8 +47,9 @@ class InprocCoreClient:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
-    def reset_prefix_cache(self) -> bool:
-        return self.core.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False,
+                           reset_connector: bool = False) -> bool:
+        return self.core.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def make_stats(self) -> SchedulerStats:
         return self.core.make_stats()

@@ -143,6 +143,14 @@ def prompt_cache_salt(prompt) -> str | None:
     salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
     if salt is not None and not (isinstance(salt, str) and salt):
         raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    if salt is not None:
+        # Hashed as UTF-8 by the core: a lone surrogate (JSON's "\ud800") failed there, or on
+        # the way to it, with an error naming no field (the prompt's, in the server's 400).
+        try:
+            salt.encode()
+        except UnicodeEncodeError:
+            raise ValueError(f"cache_salt must be valid Unicode text (no lone surrogates), "
+                             f"got {salt!r}") from None
     return salt
 
 

@@ -204,8 +204,12 @@ class LLMEngine:
             self.output_processor.abort_requests([request_id])
             raise
 
-    def reset_prefix_cache(self) -> bool:
-        return self._core().reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False,
+                           reset_connector: bool = False) -> bool:
+        """vLLM's: False while running requests hold blocks, unless `reset_running_requests`
+        sends them back to the queue (to be recomputed) first."""
+        return self._core().reset_prefix_cache(bool(reset_running_requests),
+                                               bool(reset_connector))
 
     def abort_request(self, request_ids: list[str] | str) -> None:
         if isinstance(request_ids, str):

@@ -132,6 +132,9 @@ VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
              "own (Llama, Qwen2, Qwen3)", accepted=("auto",)),
     VllmFlag(("--enable-server-load-tracking",), "counting requests in flight for GET /load",
              "Kiln always counts them", takes_value=False, accepted_alone=True),
+    VllmFlag(("--prefix-caching-hash-algo",), "choosing the hash of prefix-cache blocks",
+             "Kiln hashes each block (chained with its prefix) with SHA-256, vLLM's default, "
+             "and publishes no block hashes (no KV events)", accepted=("sha256",)),
     VllmFlag(("--kv-cache-memory-bytes",), "the KV cache size in bytes", "Kiln's "
              "--kv-cache-memory takes GiB (e.g. --kv-cache-memory 4)"),
 )

@@ -253,14 +253,15 @@ class LLM:
                 engine.abort_request(sorted(pending))
         return results
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False,
+                           reset_connector: bool = False) -> bool:
         """Forget the prefix cache (as vLLM's), e.g. between benchmark runs; waits for a batch
         that another thread runs."""
         self._check_owner()
         # Between batches: a batch's step loop in another thread read (and dropped) this call's
         # answer from the core, which was then waited for forever.
         with self._one_batch("reset_prefix_cache"):
-            return self.llm_engine.reset_prefix_cache()
+            return self.llm_engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()

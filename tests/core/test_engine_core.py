@@ -112,3 +112,26 @@ def test_a_max_model_len_capped_to_the_cache_reaches_the_scheduler():
     the scheduler's limits and messages say 256, not the config's 512."""
     core = EngineCore(make_config(max_model_len=None), PagedTokenExecutor)
     assert core.max_model_len == 256 and core.scheduler.max_model_len == 256
+
+
+def test_reset_prefix_cache_with_running_requests_requeues_them():
+    """vLLM's reset_prefix_cache(reset_running_requests=True), used after a weight update:
+    the keyword was a TypeError. Running requests hold blocks, so a plain reset is refused;
+    with it they go back to the queue and are recomputed, and their outputs are unchanged."""
+    core = EngineCore(make_config(), PagedTokenExecutor)
+    prompts = {f"r{i}": list(range(3 + i, 23 + i)) for i in range(3)}
+    for req_id, prompt in prompts.items():
+        core.add_request(make_request(req_id, prompt, max_tokens=6))
+    before = {req_id: [] for req_id in prompts}
+    for _ in range(3):
+        for out in core.step():
+            before[out.request_id].extend(out.new_token_ids)
+    assert all(before.values())  # every request is decoding
+    assert not core.reset_prefix_cache()
+    assert core.reset_prefix_cache(reset_running_requests=True, reset_connector=False)
+    pool = core.scheduler.kv_cache_manager.block_pool
+    assert pool.num_cached_blocks() == 0 and core.make_stats().num_free_blocks == pool.num_blocks
+    results = run_until_done(core)
+    for req_id, prompt in prompts.items():
+        assert before[req_id] + results[req_id][0] == reference_tokens(prompt, 6)
+    assert core.reset_prefix_cache()

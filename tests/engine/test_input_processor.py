@@ -244,6 +244,15 @@ def test_prompt_keys_it_would_ignore_are_refused(proc, prompt, message):
     proc.process({"prompt": "hi", "cache_salt": "s"}, None)
 
 
+def test_a_cache_salt_that_is_no_utf8_is_refused_naming_the_field(proc):
+    """A lone surrogate (JSON's "\\ud800") passed the check and failed to encode in the core
+    client (the server's 400 named the prompt) or, with the core in process, in the scheduler's
+    block hashing, failing the step."""
+    with pytest.raises(ValueError, match="cache_salt must be valid Unicode"):
+        proc.process({"prompt": "hi", "cache_salt": "a\ud800"}, None)
+    assert proc.process({"prompt": "hi", "cache_salt": "sel \u00e9\U0001f600"}, None).cache_salt
+
+
 def test_a_bad_word_with_leading_space_is_banned_as_first_word_too(tmp_path):
     """vLLM encodes a bad word stripped and after a space; " weather" was encoded as given, so
     the unspaced word stayed allowed (helper-41). A byte-level BPE spells the two apart."""

@@ -98,6 +98,19 @@ def test_inputs_of_the_wrong_kind_name_what_is_wrong(llm):
     (again,) = llm.generate({"prompt_token_ids": list(range(3, 40))},
                             SamplingParams(max_tokens=1), use_tqdm=False)
     assert again.num_cached_tokens == 0
+    # vLLM's keywords (a TypeError before); mid-run (LLMEngine), running requests go back to
+    # the queue and are recomputed
+    assert llm.reset_prefix_cache(reset_running_requests=True, reset_connector=False)
+    prompt, greedy = {"prompt_token_ids": list(range(3, 40))}, SamplingParams(temperature=0,
+                                                                               max_tokens=8)
+    (want,) = llm.generate(prompt, greedy, use_tqdm=False)
+    engine, final = llm.llm_engine, []
+    engine.add_request("mid-reset", prompt, greedy)
+    final += [o for o in engine.step() if o.finished]
+    assert engine.reset_prefix_cache(reset_running_requests=True)
+    while engine.has_unfinished_requests():
+        final += [o for o in engine.step() if o.finished]
+    assert final[0].outputs[0].token_ids == want.outputs[0].token_ids
     # the largest seed, n = 2: the second sample's seed passes int64 (torch takes 64 bits)
     (top,) = llm.generate(good, SamplingParams(n=2, seed=2 ** 63 - 1, temperature=1.0,
                                                max_tokens=2), use_tqdm=False)

@@ -152,6 +152,21 @@ def test_vllm_flags_at_kilns_one_meaning_are_taken():
     assert not {"task", "runner", "data_parallel_size"} & set(vars(args))
 
 
+def test_prefix_caching_hash_algo_sha256_is_taken_others_refused():
+    """vLLM's --prefix-caching-hash-algo was an unrecognized argument; Kiln's block hash is
+    SHA-256, vLLM's default, so that value is taken and the others refused with why."""
+    from kiln.engine.vllm_flags import VllmOnlyFlagError, check_vllm_only_kwargs
+
+    args = build_parser().parse_args(["serve", "--prefix-caching-hash-algo", "sha256"])
+    assert EngineArgs.from_cli_args(args) == EngineArgs()
+    with pytest.raises(VllmOnlyFlagError, match=r"--prefix-caching-hash-algo is vLLM's flag "
+                       r"for choosing the hash of prefix-cache blocks; Kiln hashes .*SHA-256"):
+        build_parser().parse_args(["serve", "--prefix-caching-hash-algo", "xxhash"])
+    assert check_vllm_only_kwargs({"prefix_caching_hash_algo": "sha256"}) == {}
+    with pytest.raises(VllmOnlyFlagError, match="only prefix_caching_hash_algo=sha256"):
+        check_vllm_only_kwargs({"prefix_caching_hash_algo": "builtin"})
+
+
 def test_vllm_flag_refusal_is_one_line_exit_2():
     import subprocess
     import sys
