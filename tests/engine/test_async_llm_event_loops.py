@@ -2,6 +2,7 @@
 asyncio.run, a notebook's new loop): the engine carries on, and a loop's abandoned requests are
 aborted, not left running."""
 import asyncio
+import gc
 import threading
 
 import pytest
@@ -77,3 +78,17 @@ def test_a_second_loop_while_the_first_runs_is_refused(engine):
         thread.join(60)
     assert asyncio.run(tokens(engine, "after")) == asyncio.run(tokens(engine, "again"))
     assert engine.is_running
+
+
+def test_a_closed_loops_step_task_collected_later_leaves_the_engine_running(engine):
+    """A loop closed without cancelling its tasks (run_until_complete, then close) left the
+    idle step task pending; collected after a later loop took over, its GeneratorExit was
+    taken for a failed step: every later request got "restart the server"."""
+    loop = asyncio.new_event_loop()
+    first = loop.run_until_complete(tokens(engine, "own-loop"))
+    loop.close()
+    assert asyncio.run(tokens(engine, "next")) == first  # takes over from the closed loop
+    gc.collect()
+    assert asyncio.run(tokens(engine, "after-collect")) == first
+    assert engine.is_running
+
