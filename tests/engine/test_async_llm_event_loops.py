@@ -92,3 +92,31 @@ def test_a_closed_loops_step_task_collected_later_leaves_the_engine_running(engi
     assert asyncio.run(tokens(engine, "after-collect")) == first
     assert engine.is_running
 
+
+# the test's own consumer task, destroyed with its closed loop, cannot cancel its queue wait
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_new_loop_aborts_a_request_whose_loop_was_closed_under_its_consumer(engine):
+    """abort() from a new loop ended the old stream first, waking a waiter of the closed loop:
+    RuntimeError('Event loop is closed'), and the request (already forgotten) ran on."""
+    loop = asyncio.new_event_loop()
+
+    async def leave_a_consumer_waiting():
+        stream = await engine.add_request("orphan", PROMPT, SamplingParams(
+            n=2, temperature=0, max_tokens=100, ignore_eos=True))
+        first = loop.create_future()
+
+        async def consume():
+            async for _ in stream:
+                if not first.done():
+                    first.set_result(None)
+        loop.create_task(consume())
+        await first
+
+    loop.run_until_complete(leave_a_consumer_waiting())
+    loop.close()
+    asyncio.run(engine.abort("orphan"))
+    stats = engine.engine.get_stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert engine.num_in_flight == 0
+    assert asyncio.run(tokens(engine, "then")) == asyncio.run(tokens(engine, "again"))
