@@ -236,6 +236,10 @@ class AsyncLLM:
         """Abort requests and wait until the engine has freed their KV blocks; their streams
         end with a final "abort" output (`end_streams=False`: the caller ends them). `record=
         False` takes back requests of a call that was refused: no abort enters the metrics."""
+        # A later loop takes over first: the old loop's streams are then let go unended, where
+        # ending them here woke waiters of that loop, which raised once it was closed, and the
+        # request, already forgotten, ran on in the engine with no consumer.
+        self.start()
         ids = self._streams.forget(request_ids, record, end_streams)
         if ids:
             await self._on_engine_thread(self.engine.abort_request, ids)

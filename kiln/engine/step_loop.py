@@ -73,7 +73,10 @@ class StepLoop:
                     outputs, step_tokens, more, stats, step = \
                         await loop.run_in_executor(self._pool, self._step)
                     self._on_step(outputs, step_tokens, stats, step)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # GeneratorExit: a loop closed without cancelling this task (run_until_complete,
+            # then close) and the task was collected after a later loop took over; no step
+            # failed, and failing the engine here refused every later request
             raise
         except BaseException as e:  # noqa: BLE001 - every waiter must learn the engine died
             logger.exception("engine step loop failed; failing all in-flight requests")

@@ -2,6 +2,7 @@
 asyncio.run, a notebook's new loop): the engine carries on, and a loop's abandoned requests are
 aborted, not left running."""
 import asyncio
+import gc
 import threading
 
 import pytest
@@ -77,3 +78,45 @@ def test_a_second_loop_while_the_first_runs_is_refused(engine):
         thread.join(60)
     assert asyncio.run(tokens(engine, "after")) == asyncio.run(tokens(engine, "again"))
     assert engine.is_running
+
+
+def test_a_closed_loops_step_task_collected_later_leaves_the_engine_running(engine):
+    """A loop closed without cancelling its tasks (run_until_complete, then close) left the
+    idle step task pending; collected after a later loop took over, its GeneratorExit was
+    taken for a failed step: every later request got "restart the server"."""
+    loop = asyncio.new_event_loop()
+    first = loop.run_until_complete(tokens(engine, "own-loop"))
+    loop.close()
+    assert asyncio.run(tokens(engine, "next")) == first  # takes over from the closed loop
+    gc.collect()
+    assert asyncio.run(tokens(engine, "after-collect")) == first
+    assert engine.is_running
+
+
+# the test's own consumer task, destroyed with its closed loop, cannot cancel its queue wait
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_new_loop_aborts_a_request_whose_loop_was_closed_under_its_consumer(engine):
+    """abort() from a new loop ended the old stream first, waking a waiter of the closed loop:
+    RuntimeError('Event loop is closed'), and the request (already forgotten) ran on."""
+    loop = asyncio.new_event_loop()
+
+    async def leave_a_consumer_waiting():
+        stream = await engine.add_request("orphan", PROMPT, SamplingParams(
+            n=2, temperature=0, max_tokens=100, ignore_eos=True))
+        first = loop.create_future()
+
+        async def consume():
+            async for _ in stream:
+                if not first.done():
+                    first.set_result(None)
+        loop.create_task(consume())
+        await first
+
+    loop.run_until_complete(leave_a_consumer_waiting())
+    loop.close()
+    asyncio.run(engine.abort("orphan"))
+    stats = engine.engine.get_stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert engine.num_in_flight == 0
+    assert asyncio.run(tokens(engine, "then")) == asyncio.run(tokens(engine, "again"))
