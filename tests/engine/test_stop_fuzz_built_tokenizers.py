@@ -91,17 +91,24 @@ def _reference_cut(full, stop, include):
 
 
 def test_streamed_and_whole_text_match_a_full_decode_cut_at_the_first_stop(built_tokenizer):
+    """Some requests end with a stop token (stop_token_ids; not a byte token): its text is
+    kept only with include_stop_str_in_output and never searched, the text before it is."""
     tok = built_tokenizer
     vocab = tok.get_vocab()
-    pool = [vocab[f"<0x{b:02X}>"] for b in "€😀日".encode() if f"<0x{b:02X}>" in vocab]
+    byte_tokens = [vocab[f"<0x{b:02X}>"] for b in "€😀日\n".encode() if f"<0x{b:02X}>" in vocab]
+    pool = list(byte_tokens)
     pool += list(tok.added_tokens_decoder)
     pool += [i for t, i in vocab.items() if any(ord(c) > 127 for c in t)][:100]
-    for seed in range(150):
+    for seed in range(200):
         rng = random.Random(seed)
         skip, include = rng.random() < 0.5, rng.random() < 0.5
         ids = [rng.choice(pool) if rng.random() < 0.5 else rng.randrange(len(tok))
                for _ in range(rng.randint(1, 20))]
         prompt = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 6))]
+        stop_token = None
+        if rng.random() < 0.4:
+            stop_token = rng.choice([t for t in pool + [rng.randrange(len(tok))]
+                                     if t not in byte_tokens])
         full = _full_text(tok, prompt, ids, skip)
         stop = []
         for _ in range(rng.randint(1, 3) if full else 0):
@@ -115,13 +122,21 @@ def test_streamed_and_whole_text_match_a_full_decode_cut_at_the_first_stop(built
                                 skip_special_tokens=skip, output_kind=kind)
         proc.add_request("r", None, prompt, [("r", params)], kind)
         outs = []
-        for i, t in enumerate(ids):
+        steps = ids + ([stop_token] if stop_token is not None else [])
+        end = ("stop", stop_token) if stop_token is not None else ("length", None)
+        for i, t in enumerate(steps):
+            last = i == len(steps) - 1
             res = proc.process_outputs([EngineCoreOutput(
-                "r", [t], finish_reason="length" if i == len(ids) - 1 else None)])
+                "r", [t], finish_reason=end[0] if last else None,
+                stop_reason=end[1] if last else None)])
             outs += res.request_outputs
             if outs and outs[-1].finished:
                 break
         want, reason = _reference_cut(full, stop, include)
+        if reason is None and stop_token is not None:
+            reason = stop_token
+            if include:
+                want = _full_text(tok, prompt, ids + [stop_token], skip)
         texts = [o.outputs[0].text for o in outs]
         if kind == RequestOutputKind.DELTA:
             got = "".join(texts)
