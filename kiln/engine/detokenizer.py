@@ -223,7 +223,8 @@ class IncrementalDetokenizer:
         if not new_token_ids and final:
             piece = self._flush()
             self.output_text += piece
-            new_chars += len(piece)
+            if self._num_output_tokens > self.min_tokens:  # else it is too early, as above
+                new_chars += len(piece)
         stop_text = ""
         if stop_token:
             # The request ends here: the rest of the text by full decodes. What the tokens

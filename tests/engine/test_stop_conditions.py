@@ -210,3 +210,12 @@ def test_stop_string_in_a_byte_run_the_stop_token_ends_is_found(tokenizer, inclu
     assert (c.finish_reason, c.stop_reason) == ("stop", "\n")
     text = "".join(texts) if kind == RequestOutputKind.DELTA else texts[-1]
     assert text == (" a cat\n" if include else " a cat")
+
+
+def test_min_tokens_holds_for_text_a_stop_token_releases(tokenizer):
+    # " a" "\n"(<0x0A>) then eos as token 3 of min_tokens=3: the newline is token 2's text,
+    # too early to end a stop string, though it is released only when eos ends the run.
+    ids = ids_of(tokenizer, "a\n")
+    proc = start(tokenizer, stop=["\n"], min_tokens=3)
+    c = run(proc, ids + [EOS], finish="stop")[0][-1].outputs[0]
+    assert (c.finish_reason, c.stop_reason, c.text) == ("stop", None, " a\n")
