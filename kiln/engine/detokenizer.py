@@ -205,29 +205,59 @@ class IncrementalDetokenizer:
         """Append tokens; returns the stop string if one appeared (text is then truncated).
 
         `final` flushes a trailing partial character (the request ends after these tokens).
-        `stop_terminated`: a stop token (eos, stop_token_ids) ended the request with these
-        tokens; its text (include_stop_str_in_output) is then not searched for stop strings,
-        as in vLLM: the token is the stop, reported as such, and its text stays whole.
+        `stop_terminated`: the last of these tokens is the stop token (eos, stop_token_ids)
+        that ended the request, kept for include_stop_str_in_output. Its own text is not
+        searched for stop strings (the token is the stop, reported as such, its text whole);
+        the text before it is, settled first: a byte run the token ends was still held back.
         """
+        stop_token = new_token_ids[-1:] if stop_terminated else []
+        searched = new_token_ids[:len(new_token_ids) - len(stop_token)]
         new_chars = 0
-        for i, tid in enumerate(new_token_ids):
+        for i, tid in enumerate(searched):
             self.token_ids.append(tid)
             self._num_output_tokens += 1
-            piece = self._decode_next(final and i == len(new_token_ids) - 1)
+            piece = self._decode_next(final and not stop_token and i == len(searched) - 1)
             self.output_text += piece
             # text up to the min_tokens-th token cannot end a stop string
             new_chars = 0 if self._num_output_tokens <= self.min_tokens else new_chars + len(piece)
         if not new_token_ids and final:
             piece = self._flush()
             self.output_text += piece
-            new_chars += len(piece)
-        if self.stop and new_chars and not stop_terminated:
+            if self._num_output_tokens > self.min_tokens:  # else it is too early, as above
+                new_chars += len(piece)
+        stop_text = ""
+        if stop_token:
+            # The request ends here: the rest of the text by full decodes. What the tokens
+            # before the stop token still held back (a byte run it ends) is theirs to search,
+            # unless the stop token changes it (completes its character).
+            settled = self._num_settled_tokens()
+            held = self._text_after(settled, self.token_ids)
+            self.token_ids.append(stop_token[0])
+            self._num_output_tokens += 1
+            stop_text = self._text_after(settled, self.token_ids)
+            if held and stop_text.startswith(held):
+                self.output_text += held
+                stop_text = stop_text[len(held):]
+                if self._num_output_tokens - 1 > self.min_tokens:
+                    new_chars += len(held)
+        if self.stop and new_chars:
             hit = find_stop_string(self.output_text, new_chars, self.stop,
                                    self.include_stop_str_in_output)
             if hit is not None:
                 self.output_text = self.output_text[:hit[1]]
                 return hit[0]
+        self.output_text += stop_text
         return None
+
+    def _num_settled_tokens(self) -> int:
+        """token_ids[:this] have given all their text."""
+        return self.read_offset
+
+    def _text_after(self, start: int, ids: list[int]) -> str:
+        """The text `ids` add to ids[:start], by full decodes (from where they differ: the
+        prompt may end inside a character)."""
+        full, before = self._decode(ids), self._decode(ids[:start])
+        return full[len(os.path.commonprefix([full, before])):]
 
     def _flush(self) -> str:
         if self.read_offset >= len(self.token_ids):

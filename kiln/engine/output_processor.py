@@ -222,15 +222,18 @@ class OutputProcessor:
                 sample.logprobs.append(to_logprob_dict(lists, decode))
                 sample.cumulative_logprob += lists.logprobs[0]
         sample.updated = True
-        # The text of the eos / stop token that ended the request is not part of the output.
+        # The text of the eos / stop token that ended the request is not part of the output
+        # unless include_stop_str_in_output keeps it; the text before it is searched for stop
+        # strings either way.
         detok_ids = new_ids
         ended_by_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
-        if ended_by_token and new_ids and not sample.params.include_stop_str_in_output:
-            detok_ids = new_ids[:-1]
+        keeps_stop_token = ended_by_token and bool(new_ids)
+        if keeps_stop_token and not sample.params.include_stop_str_in_output:
+            detok_ids, keeps_stop_token = new_ids[:-1], False
         stop_str = None
         if sample.params.detokenize:  # else the text stays "" (stop strings are refused)
             stop_str = sample.detokenizer.update(detok_ids, final=out.finished,
-                                                 stop_terminated=ended_by_token)
+                                                 stop_terminated=keeps_stop_token)
         if stop_str is not None:
             sample.finish_reason, sample.stop_reason = "stop", stop_str
             return not out.finished

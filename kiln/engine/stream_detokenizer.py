@@ -90,6 +90,9 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         self._emitted = len(self.token_ids)
         return chunk
 
+    def _num_settled_tokens(self) -> int:
+        return self._emitted
+
     def _flush(self) -> str:
         if self._emitted >= len(self.token_ids):
             return ""

@@ -192,3 +192,30 @@ def test_detokenize_false_gives_token_ids_without_text(tokenizer):
     c = res.request_outputs[0].outputs[0]
     assert c.text == "" and c.token_ids == ids and c.finish_reason == "length"
     assert all(step[t].decoded_token is None for t, step in zip(ids, c.logprobs))
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_stop_string_in_a_byte_run_the_stop_token_ends_is_found(tokenizer, include, kind):
+    # "\n" is the byte token <0x0A> here (as in Llama-2 / Mistral): a byte run's text is held
+    # until the run ends, and eos ended it. Kiln flushed "\n" unsearched: the text kept the
+    # newline and stop_reason was None; vLLM stops on the string.
+    ids = ids_of(tokenizer, "a cat\n")
+    assert tokenizer.convert_ids_to_tokens(ids[-1:]) == ["<0x0A>"]
+    proc = start(tokenizer, kind, stop=["\n"], include_stop_str_in_output=include,
+                 skip_special_tokens=False)
+    outs, _ = run(proc, ids + [EOS], finish="stop")
+    texts = [o.outputs[0].text for o in outs]
+    c = outs[-1].outputs[0]
+    assert (c.finish_reason, c.stop_reason) == ("stop", "\n")
+    text = "".join(texts) if kind == RequestOutputKind.DELTA else texts[-1]
+    assert text == (" a cat\n" if include else " a cat")
+
+
+def test_min_tokens_holds_for_text_a_stop_token_releases(tokenizer):
+    # " a" "\n"(<0x0A>) then eos as token 3 of min_tokens=3: the newline is token 2's text,
+    # too early to end a stop string, though it is released only when eos ends the run.
+    ids = ids_of(tokenizer, "a\n")
+    proc = start(tokenizer, stop=["\n"], min_tokens=3)
+    c = run(proc, ids + [EOS], finish="stop")[0][-1].outputs[0]
+    assert (c.finish_reason, c.stop_reason, c.text) == ("stop", None, " a\n")
