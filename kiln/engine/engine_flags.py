@@ -79,7 +79,8 @@ def add_engine_flags(parser: argparse.ArgumentParser,
     g.add_argument("--download-dir", default=d.download_dir,
                    help="hub cache directory to look in and download to (default: "
                         "HF_HUB_CACHE or HF_HOME/hub)")
-    g.add_argument("--skip-tokenizer-init", action="store_true",
+    # vLLM's boolean engine flags take --no-FLAG too (BooleanOptionalAction)
+    g.add_argument("--skip-tokenizer-init", action=argparse.BooleanOptionalAction,
                    default=d.skip_tokenizer_init,
                    help="load no tokenizer: prompts are token ids, outputs carry no text")
     g.add_argument("--chat-template", default=d.chat_template,
@@ -104,7 +105,8 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                    help="most sequences in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="token budget of one step")
-    g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
+                   default=d.enforce_eager,
                    help="run eagerly: no torch.compile, no graphs")
     g.add_argument("-O", "--compilation-config", dest="compilation_config",
                    default=d.compilation_config, action=_MergeCompilationConfig,
@@ -163,7 +165,8 @@ def add_engine_flags(parser: argparse.ArgumentParser,
         "vLLM flags with one meaning here (taken so commands carry over)",
         "vLLM flags Kiln has no counterpart for (--enable-lora, --speculative-config, "
         "-dp, ...) are refused with the reason and what to use instead")
-    v.add_argument("--trust-remote-code", action="store_true", default=d.trust_remote_code,
+    v.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction,
+                   default=d.trust_remote_code,
                    help="accepted; Kiln runs no code from checkpoints (its own Llama, "
                         "Qwen2 and Qwen3 only)")
     v.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,

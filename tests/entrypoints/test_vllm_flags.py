@@ -47,6 +47,19 @@ def test_vllm_flags_with_one_meaning_here_are_taken():
 
 
 
+@pytest.mark.parametrize("flag, field", [("--enforce-eager", "enforce_eager"),
+                                         ("--trust-remote-code", "trust_remote_code"),
+                                         ("--skip-tokenizer-init", "skip_tokenizer_init")])
+def test_boolean_engine_flags_take_vllms_no_form(flag, field):
+    """vLLM makes every boolean engine field a BooleanOptionalAction: `vllm serve M
+    --no-enforce-eager` runs; here it was an unrecognized argument (helper-106)."""
+    parser = build_parser()
+    for argv, _ in _engine_commands(parser):
+        on = EngineArgs.from_cli_args(parser.parse_args([*argv, flag]))
+        off = EngineArgs.from_cli_args(parser.parse_args([*argv, flag, "--no-" + flag[2:]]))
+        assert (getattr(on, field), getattr(off, field)) == (True, False), argv
+
+
 @pytest.mark.parametrize("command", [["bench", "throughput"], ["generate", "hi"], ["chat"],
                                      ["compile"]])
 def test_disable_log_requests_is_taken_wherever_engine_flags_are(command):
