@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from kiln.benchmarks.comm_figures import comm_figures
+from kiln.benchmarks.vllm_fields import throughput_fields
 from kiln.engine.arg_utils import EngineArgs
 from kiln.logger import init_logger
 from kiln.model.layers.quantization import ONLINE_METHODS
@@ -36,7 +37,10 @@ class RunResult:
                 f"{prefix}requests_per_s": round(self.num_requests / e, 4),
                 f"{prefix}output_tokens_per_s": round(self.output_tokens_per_s, 4),
                 f"{prefix}total_tokens_per_s":
-                    round((self.num_prompt_tokens + self.num_output_tokens) / e, 4)}
+                    round((self.num_prompt_tokens + self.num_output_tokens) / e, 4),
+                # the same figures under `vllm bench throughput --output-json`'s names
+                **throughput_fields(e, self.num_requests, self.num_prompt_tokens,
+                                    self.num_output_tokens, prefix)}
 
 
 def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int,
