@@ -88,7 +88,8 @@ async def _one_request(session: aiohttp.ClientSession, url: str, model: str,
                     return result
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    # the ids sent, where a server's usage leaves the count out
+                    result.prompt_tokens = chunk["usage"].get("prompt_tokens", len(prompt))
                 if chunk.get("choices"):
                     now = time.perf_counter()
                     if last is None:
