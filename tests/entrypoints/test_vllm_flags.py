@@ -6,7 +6,7 @@ import pytest
 
 from kiln.config.compilation_config import cli_fields, merged_fields
 from kiln.engine.arg_utils import EngineArgs
-from kiln.entrypoints.cli.main import build_parser, dotted_flags_as_O
+from kiln.entrypoints.cli.main import build_parser, dotted_flags_as_O, underscored_flags_dashed
 from kiln.entrypoints.cli.serve import settings_from_args
 
 
@@ -330,3 +330,20 @@ def test_llm_logprobs_mode_raw_is_taken_and_others_refused():
     assert check_vllm_only_kwargs({"logprobs_mode": "raw_logprobs", "seed": 1}) == {"seed": 1}
     with pytest.raises(VllmOnlyFlagError, match="raw log-probabilities"):
         check_vllm_only_kwargs({"logprobs_mode": "processed_logprobs"})
+
+
+def test_flags_written_with_underscores_are_vllms_dashed_flags():
+    """vLLM's FlexibleArgumentParser takes --max_model_len for --max-model-len; here each was an
+    unrecognized argument, and `serve --max_model_len 64` even took 64 as the model (helper-106)."""
+    argv = ["serve", "m", "--max_model_len=64", "--tensor_parallel_size", "1",
+            "--no_enable_prefix_caching", "--compilation_config.pass_config.fuse_x=true",
+            "--stop_me", "--", "--keep_this"]
+    assert underscored_flags_dashed(argv) == [
+        "serve", "m", "--max-model-len=64", "--tensor-parallel-size", "1",
+        "--no-enable-prefix-caching", "--compilation-config.pass_config.fuse_x=true",
+        "--stop-me", "--", "--keep_this"]
+    args = build_parser().parse_args(dotted_flags_as_O(underscored_flags_dashed([
+        "bench", "throughput", "--num_prompts", "3", "--max_model_len", "64",
+        "--no_enable_prefix_caching", "--compilation_config.mode=0"])))
+    assert (args.num_prompts, args.max_model_len, args.enable_prefix_caching,
+            args.compilation_config) == (3, 64, False, {"mode": 0})

@@ -146,6 +146,20 @@ def dotted_flags_as_O(argv: list[str]) -> list[str]:
     return out
 
 
+def underscored_flags_dashed(argv: list[str]) -> list[str]:
+    """vLLM's parser takes a flag with underscores for dashes (--max_model_len=64,
+    --compilation_config.pass_config.x): the name before any "=" or "." is dashed; values and
+    whatever follows a bare "--" are left alone."""
+    out = list(argv)
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        if arg.startswith("--"):
+            name = re.match(r"--[^=.]*", arg).group()
+            out[i] = "--" + name[2:].replace("_", "-") + arg[len(name):]
+    return out
+
+
 def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
     """Every option string of `parser` and of its subcommands, theirs too."""
     out = set()
@@ -174,7 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, process_signals.terminate)
     parser = None
     try:  # Ctrl-C may come during the imports too: no traceback then either
-        argv = dotted_flags_as_O(sys.argv[1:] if argv is None else argv)
+        argv = dotted_flags_as_O(underscored_flags_dashed(sys.argv[1:] if argv is None
+                                                          else argv))
         _prestart_core(argv)
         parser = build_parser()
         args = parse_args(parser, argv)
