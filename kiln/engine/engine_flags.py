@@ -70,6 +70,11 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                    help="local HF checkpoint directory or .gguf file, or a Hugging Face hub "
                         "id (org/name; org/repo:Q4_K_M for one GGUF file of a repo), looked "
                         "up in the hub cache first (default: built-in model)")
+    # read by kiln.entrypoints.cli.config_file before parsing; here for --help
+    g.add_argument("--config", metavar="YAML",
+                   help="flags from a YAML file, as vLLM's --config: a mapping of flag names "
+                        "to values (max-model-len: 4096, enforce-eager: true); flags on the "
+                        "command line win")
     g.add_argument("--tokenizer", default=d.tokenizer,
                    help="tokenizer directory, .gguf or hub id (default: the model's)")
     g.add_argument("--revision", default=d.revision,

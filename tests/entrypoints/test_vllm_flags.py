@@ -101,7 +101,7 @@ TESTER_FLAGS = [
     "--disable-sliding-window", "--hf-overrides", "--root-path",
     "--ssl-keyfile", "--ssl-certfile", "-dp", "--data-parallel-size", "--max-seq-len-to-capture",
     "--disable-custom-all-reduce", "--scheduling-policy", "--enable-log-requests", "--task",
-    "--runner", "--config", "--chat-template-content-format", "--async-scheduling",
+    "--runner", "--chat-template-content-format", "--async-scheduling",
     "--cpu-offload-gb", "--enable-sleep-mode", "--model-impl", "--api-server-count",
     "--rope-scaling", "--kv-cache-memory-bytes", "--logprobs-mode"]
 

@@ -9,6 +9,7 @@ import signal
 import sys
 
 from kiln import process_signals
+from kiln.entrypoints.cli.config_file import flags_from_config_file, option_strings
 
 SUBCOMMANDS = [
     "kiln.entrypoints.cli.generate",
@@ -160,17 +161,6 @@ def underscored_flags_dashed(argv: list[str]) -> list[str]:
     return out
 
 
-def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
-    """Every option string of `parser` and of its subcommands, theirs too."""
-    out = set()
-    for action in parser._actions:
-        out.update(action.option_strings)
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                out |= _option_strings(sub)
-    return out
-
-
 def with_flag(message: str, parser: argparse.ArgumentParser) -> str:
     """An error that opens with a field's name (max_num_seqs must be ...) names the flag for
     it too: max_num_seqs (--max-num-seqs) must be ..."""
@@ -178,7 +168,7 @@ def with_flag(message: str, parser: argparse.ArgumentParser) -> str:
     if field is None:
         return message
     flag = "--" + field.group().replace("_", "-")
-    if flag in message or flag not in _option_strings(parser):
+    if flag in message or flag not in option_strings(parser):
         return message
     return f"{field.group()} ({flag}){message[field.end():]}"
 
@@ -188,10 +178,10 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, process_signals.terminate)
     parser = None
     try:  # Ctrl-C may come during the imports too: no traceback then either
-        argv = dotted_flags_as_O(underscored_flags_dashed(sys.argv[1:] if argv is None
-                                                          else argv))
+        argv = underscored_flags_dashed(sys.argv[1:] if argv is None else argv)
         _prestart_core(argv)
         parser = build_parser()
+        argv = dotted_flags_as_O(flags_from_config_file(argv, parser))
         args = parse_args(parser, argv)
         if getattr(args, "func", None) is None:
             parser.print_help(sys.stderr)
