@@ -347,3 +347,18 @@ def test_flags_written_with_underscores_are_vllms_dashed_flags():
         "--no_enable_prefix_caching", "--compilation_config.mode=0"])))
     assert (args.num_prompts, args.max_model_len, args.enable_prefix_caching,
             args.compilation_config) == (3, 64, False, {"mode": 0})
+
+
+def test_vllm_bench_latency_flags_are_taken_or_refused_with_what_to_give():
+    """`vllm bench latency --batch-size 8 --output-len 128 --num-iters 3`: --batch-size was
+    unknown, and --output-len's hint was "did you mean --output-json?" (helper-106)."""
+    from kiln.engine.vllm_flags import VllmOnlyFlagError
+
+    parser = build_parser()
+    args = parser.parse_args(["bench", "latency", "--batch-size", "8", "--input-len", "32"])
+    assert (args.batch_sizes, args.input_len) == ([8], 32)
+    for flag in ("--output-len", "--num-iters", "--num-iters-warmup"):
+        with pytest.raises(VllmOnlyFlagError, match=f"^{flag} is vLLM's flag for .*--num-steps"):
+            parser.parse_args(["bench", "latency", flag, "3"])
+    with pytest.raises(VllmOnlyFlagError, match="--batch-sizes sets how many"):
+        parser.parse_args(["bench", "latency", "--n", "2"])
