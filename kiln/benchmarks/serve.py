@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from kiln.benchmarks.vllm_fields import percentile, serve_fields
+
 
 @dataclass
 class RequestResult:
@@ -20,6 +22,7 @@ class RequestResult:
     itls: list[float] = field(default_factory=list)  # gaps between token-bearing chunks
     latency: float = 0.0
     output_tokens: int = 0
+    prompt_tokens: int = 0
     error: str = ""
 
 
@@ -57,16 +60,8 @@ def send_offsets(delays: list[float]) -> list[float]:
 
 def percentiles(values: list[float], qs=(50, 90, 99)) -> dict[str, float]:
     """Linear-interpolated percentiles in milliseconds (NaN-free: 0 for no data)."""
-    out = {}
     data = sorted(values)
-    for q in qs:
-        if not data:
-            out[f"p{q}"] = 0.0
-            continue
-        pos = (len(data) - 1) * q / 100
-        lo, hi = math.floor(pos), math.ceil(pos)
-        v = data[lo] + (data[hi] - data[lo]) * (pos - lo)
-        out[f"p{q}"] = round(v * 1000, 3)
+    out = {f"p{q}": round(percentile(data, q) * 1000, 3) for q in qs}
     out["mean"] = round(sum(data) / len(data) * 1000, 3) if data else 0.0
     return out
 
@@ -93,6 +88,8 @@ async def _one_request(session: aiohttp.ClientSession, url: str, model: str,
                     return result
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
+                    # the ids sent, where a server's usage leaves the count out
+                    result.prompt_tokens = chunk["usage"].get("prompt_tokens", len(prompt))
                 if chunk.get("choices"):
                     now = time.perf_counter()
                     if last is None:
@@ -208,4 +205,5 @@ def summarize(results: list[RequestResult], duration: float, config: dict) -> di
         "ttft_ms": percentiles([r.ttft for r in ok]),
         "itl_ms": percentiles([g for r in ok for g in r.itls]),
         "e2e_latency_ms": percentiles([r.latency for r in ok]),
+        **serve_fields(ok, duration),  # the same figures (and TPOT) under vllm bench's names
     }

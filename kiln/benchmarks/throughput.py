@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from kiln.benchmarks.comm_figures import comm_figures
+from kiln.benchmarks.vllm_fields import throughput_fields
 from kiln.engine.arg_utils import EngineArgs
 from kiln.logger import init_logger
 from kiln.model.layers.quantization import ONLINE_METHODS
@@ -36,18 +37,25 @@ class RunResult:
                 f"{prefix}requests_per_s": round(self.num_requests / e, 4),
                 f"{prefix}output_tokens_per_s": round(self.output_tokens_per_s, 4),
                 f"{prefix}total_tokens_per_s":
-                    round((self.num_prompt_tokens + self.num_output_tokens) / e, 4)}
+                    round((self.num_prompt_tokens + self.num_output_tokens) / e, 4),
+                # the same figures under `vllm bench throughput --output-json`'s names
+                **throughput_fields(e, self.num_requests, self.num_prompt_tokens,
+                                    self.num_output_tokens, prefix)}
 
 
 def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int,
                    exclude: set[int] = frozenset()) -> list[list[int]]:
     """Seeded random token ids, avoiding special tokens so no prompt holds an early eos."""
-    if num_prompts < 1 or input_len < 1:
-        raise ValueError(f"--num-prompts and --input-len must be >= 1, got {num_prompts} and "
-                         f"{input_len}")
+    check_counts(num_prompts, input_len)
     choices = [t for t in range(vocab_size) if t not in exclude]
     rng = random.Random(seed)
     return [[rng.choice(choices) for _ in range(input_len)] for _ in range(num_prompts)]
+
+
+def check_counts(num_prompts: int, input_len: int) -> None:
+    if num_prompts < 1 or input_len < 1:
+        raise ValueError(f"--num-prompts and --input-len must be >= 1, got {num_prompts} and "
+                         f"{input_len}")
 
 
 def check_lengths(input_len: int, output_len: int, max_model_len: int,
@@ -208,6 +216,7 @@ def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, ou
     same prompts through the same engine without --quantization (the baseline), and ratios;
     with rounds > 1 both engines alternate that many rounds (the median round reported).
     multiprocess: each engine's core in its own process, as `LLM` runs it."""
+    check_counts(num_prompts, input_len)  # said before the model loads and compiles
     if backend not in ("kiln", "hf"):
         raise ValueError(f"--backend must be kiln or hf, got {backend!r}")
     if compare_unquantized and engine_args.quantization is None:

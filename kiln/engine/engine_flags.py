@@ -70,6 +70,11 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                    help="local HF checkpoint directory or .gguf file, or a Hugging Face hub "
                         "id (org/name; org/repo:Q4_K_M for one GGUF file of a repo), looked "
                         "up in the hub cache first (default: built-in model)")
+    # read by kiln.entrypoints.cli.config_file before parsing; here for --help
+    g.add_argument("--config", metavar="YAML",
+                   help="flags from a YAML file, as vLLM's --config: a mapping of flag names "
+                        "to values (max-model-len: 4096, enforce-eager: true); flags on the "
+                        "command line win")
     g.add_argument("--tokenizer", default=d.tokenizer,
                    help="tokenizer directory, .gguf or hub id (default: the model's)")
     g.add_argument("--revision", default=d.revision,
@@ -79,7 +84,8 @@ def add_engine_flags(parser: argparse.ArgumentParser,
     g.add_argument("--download-dir", default=d.download_dir,
                    help="hub cache directory to look in and download to (default: "
                         "HF_HUB_CACHE or HF_HOME/hub)")
-    g.add_argument("--skip-tokenizer-init", action="store_true",
+    # vLLM's boolean engine flags take --no-FLAG too (BooleanOptionalAction)
+    g.add_argument("--skip-tokenizer-init", action=argparse.BooleanOptionalAction,
                    default=d.skip_tokenizer_init,
                    help="load no tokenizer: prompts are token ids, outputs carry no text")
     g.add_argument("--chat-template", default=d.chat_template,
@@ -110,7 +116,8 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                         "priority is ignored, as vLLM V1 does) or priority (a lower request "
                         "priority first, then arrival; a full KV cache preempts the running "
                         "request with the largest priority)")
-    g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
+                   default=d.enforce_eager,
                    help="run eagerly: no torch.compile, no graphs")
     g.add_argument("-O", "--compilation-config", dest="compilation_config",
                    default=d.compilation_config, action=_MergeCompilationConfig,
@@ -169,7 +176,8 @@ def add_engine_flags(parser: argparse.ArgumentParser,
         "vLLM flags with one meaning here (taken so commands carry over)",
         "vLLM flags Kiln has no counterpart for (--enable-lora, --speculative-config, "
         "-dp, ...) are refused with the reason and what to use instead")
-    v.add_argument("--trust-remote-code", action="store_true", default=d.trust_remote_code,
+    v.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction,
+                   default=d.trust_remote_code,
                    help="accepted; Kiln runs no code from checkpoints (its own Llama, "
                         "Qwen2 and Qwen3 only)")
     v.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,

@@ -117,8 +117,6 @@ VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
              "Kiln generates text only", accepted=("auto", "generate")),
     VllmFlag(("--runner",), "choosing the model runner (generate, pooling, draft)",
              "Kiln generates text only", accepted=("auto", "generate")),
-    VllmFlag(("--config",), "reading flags from a YAML file", "give the flags on the command "
-             "line"),
     VllmFlag(("--chat-template-content-format",), "how message content reaches the chat "
              "template", "Kiln joins the text parts into a string", accepted=("auto", "string")),
     VllmFlag(("--async-scheduling",), "scheduling the next step while the GPU runs this one",

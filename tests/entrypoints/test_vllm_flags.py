@@ -6,7 +6,7 @@ import pytest
 
 from kiln.config.compilation_config import cli_fields, merged_fields
 from kiln.engine.arg_utils import EngineArgs
-from kiln.entrypoints.cli.main import build_parser, dotted_flags_as_O
+from kiln.entrypoints.cli.main import build_parser, dotted_flags_as_O, underscored_flags_dashed
 from kiln.entrypoints.cli.serve import settings_from_args
 
 
@@ -45,6 +45,19 @@ def test_vllm_flags_with_one_meaning_here_are_taken():
     assert settings_from_args(args).stats_log_interval is None
     assert settings_from_args(build_parser().parse_args(["serve"])).stats_log_interval == 5.0
 
+
+
+@pytest.mark.parametrize("flag, field", [("--enforce-eager", "enforce_eager"),
+                                         ("--trust-remote-code", "trust_remote_code"),
+                                         ("--skip-tokenizer-init", "skip_tokenizer_init")])
+def test_boolean_engine_flags_take_vllms_no_form(flag, field):
+    """vLLM makes every boolean engine field a BooleanOptionalAction: `vllm serve M
+    --no-enforce-eager` runs; here it was an unrecognized argument (helper-106)."""
+    parser = build_parser()
+    for argv, _ in _engine_commands(parser):
+        on = EngineArgs.from_cli_args(parser.parse_args([*argv, flag]))
+        off = EngineArgs.from_cli_args(parser.parse_args([*argv, flag, "--no-" + flag[2:]]))
+        assert (getattr(on, field), getattr(off, field)) == (True, False), argv
 
 
 @pytest.mark.parametrize("command", [["bench", "throughput"], ["generate", "hi"], ["chat"],
@@ -88,7 +101,7 @@ TESTER_FLAGS = [
     "--disable-sliding-window", "--hf-overrides", "--root-path",
     "--ssl-keyfile", "--ssl-certfile", "-dp", "--data-parallel-size", "--max-seq-len-to-capture",
     "--disable-custom-all-reduce", "--enable-log-requests", "--task",
-    "--runner", "--config", "--chat-template-content-format", "--async-scheduling",
+    "--runner", "--chat-template-content-format", "--async-scheduling",
     "--cpu-offload-gb", "--enable-sleep-mode", "--model-impl", "--api-server-count",
     "--rope-scaling", "--kv-cache-memory-bytes", "--logprobs-mode"]
 
@@ -332,3 +345,35 @@ def test_llm_logprobs_mode_raw_is_taken_and_others_refused():
     assert check_vllm_only_kwargs({"logprobs_mode": "raw_logprobs", "seed": 1}) == {"seed": 1}
     with pytest.raises(VllmOnlyFlagError, match="raw log-probabilities"):
         check_vllm_only_kwargs({"logprobs_mode": "processed_logprobs"})
+
+
+def test_flags_written_with_underscores_are_vllms_dashed_flags():
+    """vLLM's FlexibleArgumentParser takes --max_model_len for --max-model-len; here each was an
+    unrecognized argument, and `serve --max_model_len 64` even took 64 as the model (helper-106)."""
+    argv = ["serve", "m", "--max_model_len=64", "--tensor_parallel_size", "1",
+            "--no_enable_prefix_caching", "--compilation_config.pass_config.fuse_x=true",
+            "--stop_me", "--", "--keep_this"]
+    assert underscored_flags_dashed(argv) == [
+        "serve", "m", "--max-model-len=64", "--tensor-parallel-size", "1",
+        "--no-enable-prefix-caching", "--compilation-config.pass_config.fuse_x=true",
+        "--stop-me", "--", "--keep_this"]
+    args = build_parser().parse_args(dotted_flags_as_O(underscored_flags_dashed([
+        "bench", "throughput", "--num_prompts", "3", "--max_model_len", "64",
+        "--no_enable_prefix_caching", "--compilation_config.mode=0"])))
+    assert (args.num_prompts, args.max_model_len, args.enable_prefix_caching,
+            args.compilation_config) == (3, 64, False, {"mode": 0})
+
+
+def test_vllm_bench_latency_flags_are_taken_or_refused_with_what_to_give():
+    """`vllm bench latency --batch-size 8 --output-len 128 --num-iters 3`: --batch-size was
+    unknown, and --output-len's hint was "did you mean --output-json?" (helper-106)."""
+    from kiln.engine.vllm_flags import VllmOnlyFlagError
+
+    parser = build_parser()
+    args = parser.parse_args(["bench", "latency", "--batch-size", "8", "--input-len", "32"])
+    assert (args.batch_sizes, args.input_len) == ([8], 32)
+    for flag in ("--output-len", "--num-iters", "--num-iters-warmup"):
+        with pytest.raises(VllmOnlyFlagError, match=f"^{flag} is vLLM's flag for .*--num-steps"):
+            parser.parse_args(["bench", "latency", flag, "3"])
+    with pytest.raises(VllmOnlyFlagError, match="--batch-sizes sets how many"):
+        parser.parse_args(["bench", "latency", "--n", "2"])

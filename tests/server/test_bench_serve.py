@@ -71,6 +71,29 @@ def test_summary_counts_only_completed_requests():
     assert s["ttft_ms"]["p50"] == 100.0 and s["itl_ms"]["p50"] == 15.0
 
 
+def test_summary_has_vllm_bench_serve_fields():
+    """A script reading `vllm bench serve`'s result (request_throughput, p99_ttft_ms, ...) found
+    none of them; TPOT was missing outright (helper-106)."""
+    results = [RequestResult(ok=True, ttft=0.1, itls=[0.02], latency=0.14, output_tokens=3,
+                             prompt_tokens=8),  # a chunk of two tokens: one ITL, TPOT 20 ms
+               RequestResult(ok=True, ttft=0.3, itls=[0.01, 0.01], latency=0.32,
+                             output_tokens=3, prompt_tokens=8),
+               RequestResult(ok=False, error="HTTP 500: boom")]
+    s = summarize(results, 2.0, {"num_prompts": 3})
+    assert (s["completed"], s["failed"], s["total_output_tokens"]) == (2, 1, 6)
+    assert s["duration"] == 2.0 and s["total_input_tokens"] == 16
+    assert (s["request_throughput"], s["output_throughput"], s["total_token_throughput"]) == (
+        1.0, 3.0, 11.0)
+    assert s["mean_ttft_ms"] == pytest.approx(200) and s["median_ttft_ms"] == pytest.approx(200)
+    assert s["std_ttft_ms"] == pytest.approx(100) and s["p99_ttft_ms"] == pytest.approx(298)
+    assert s["mean_tpot_ms"] == pytest.approx(15) and s["median_itl_ms"] == pytest.approx(10)
+    assert s["mean_e2el_ms"] == pytest.approx(230)
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        assert {f"{stat}_{metric}_ms" for stat in ("mean", "median", "std", "p99")} <= set(s)
+    empty = summarize([RequestResult(ok=False, error="x")], 1.0, {})
+    assert empty["mean_tpot_ms"] == empty["p99_itl_ms"] == empty["request_throughput"] == 0.0
+
+
 def test_engine_flags_round_trip_through_kiln_serve_parser():
     ea = EngineArgs(model="/m", enforce_eager=True, max_model_len=256,
                     compilation_config={"mode": 0}, skip_tokenizer_init=True,

@@ -74,6 +74,8 @@ def test_latencies_from_chunk_arrival_and_vocab_probe_with_key():
     r = bench(gap=0.03, model="m2")
     assert r["model"] == "m2" and (r["completed"], r["failed"]) == (4, 0)
     assert r["total_output_tokens"] == 16
+    # this server's usage has no prompt_tokens: the ids sent are counted (vLLM's field)
+    assert r["total_input_tokens"] == 12 and 25 <= r["median_tpot_ms"] < 200
     # First chunk after one gap, then one gap per chunk: 3 ITLs per request of 4 tokens.
     assert 25 <= r["ttft_ms"]["p50"] < 200
     assert 25 <= r["itl_ms"]["p50"] < 200

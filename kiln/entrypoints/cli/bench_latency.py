@@ -5,6 +5,19 @@ import argparse
 import json
 
 from kiln.engine.arg_utils import EngineArgs
+from kiln.engine.vllm_flags import VllmFlag, add_vllm_only_flags
+
+_STEPS = ("Kiln's bench latency times single decode steps of a full batch, not whole requests: "
+          "give --num-steps (timed steps) and --warmup-steps")
+# `vllm bench latency` times whole batches of requests end to end; its flags for that, refused
+# with what to give here (they were unknown, `--output-len` said "did you mean --output-json?").
+VLLM_LATENCY_FLAGS = (
+    VllmFlag(("--output-len",), "tokens generated per request", _STEPS),
+    VllmFlag(("--num-iters",), "timed batches", _STEPS),
+    VllmFlag(("--num-iters-warmup",), "untimed batches", _STEPS),
+    VllmFlag(("--n",), "sequences per prompt", "Kiln's bench latency decodes one per request: "
+             "--batch-sizes sets how many decode together"),
+)
 
 
 def register_bench(kinds) -> None:
@@ -16,7 +29,7 @@ def register_bench(kinds) -> None:
                     "config's speedup over the first. On CPU every config's engine is built up "
                     "front and they take turns of 4 timed steps (--no-interleave: one engine "
                     "at a time, the GPU default).")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32],
+    parser.add_argument("--batch-sizes", "--batch-size", type=int, nargs="+", default=[1, 8, 32],
                         help="requests decoding together in each measured step, one "
                              "measurement per size")
     parser.add_argument("--input-len", type=int, default=32,
@@ -35,6 +48,7 @@ def register_bench(kinds) -> None:
                              "every engine and its KV cache are held at once, which "
                              "--kv-cache-memory bounds")
     EngineArgs.add_cli_args(parser)
+    add_vllm_only_flags(parser, VLLM_LATENCY_FLAGS)
     parser.set_defaults(func=run)
 
 

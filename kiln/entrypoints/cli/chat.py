@@ -103,8 +103,9 @@ def run(args: argparse.Namespace) -> int:
             if line.strip() == HELP_WORD:  # not a turn: the model was asked what "/help" is
                 print(f"(one turn per line; {COMMANDS})", file=sys.stderr, flush=True)
                 continue
-            if (problem := _not_utf8(line)) is not None:
-                print(f"error: {problem}", file=sys.stderr, flush=True)
+            if (problem := not_utf8(line)) is not None:
+                print(f"error: the line is {problem}; nothing was sent, type the turn again "
+                      "in UTF-8", file=sys.stderr, flush=True)
                 continue
             history.append({"role": "user", "content": line})
             try:
@@ -128,14 +129,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _not_utf8(line: str) -> str | None:
-    """Why a line read from stdin cannot be a turn: bytes that are not UTF-8 reach Python as
-    lone surrogates (U+DC80-U+DCFF stand for bytes 0x80-0xFF), which no tokenizer takes."""
-    bad = next((i for i, ch in enumerate(line) if "\ud800" <= ch <= "\udfff"), None)
+def not_utf8(text: str) -> str | None:
+    """Why text read from stdin or argv cannot be a prompt ("not UTF-8 text (byte 0xff at
+    character 3)"), or None: bytes that are not UTF-8 reach Python as lone surrogates
+    (U+DC80-U+DCFF stand for bytes 0x80-0xFF), which no tokenizer takes."""
+    bad = next((i for i, ch in enumerate(text) if "\ud800" <= ch <= "\udfff"), None)
     if bad is None:
         return None
-    ch = line[bad]
+    ch = text[bad]
     what = (f"byte 0x{ord(ch) - 0xDC00:02x}" if "\udc80" <= ch <= "\udcff"
             else f"a lone surrogate {ch!r}")
-    return (f"the line is not UTF-8 text ({what} at character {bad}); nothing was sent, type "
-            "the turn again in UTF-8")
+    return f"not UTF-8 text ({what} at character {bad})"

@@ -9,6 +9,7 @@ import signal
 import sys
 
 from kiln import process_signals
+from kiln.entrypoints.cli.config_file import flags_from_config_file, option_strings
 
 SUBCOMMANDS = [
     "kiln.entrypoints.cli.generate",
@@ -146,14 +147,17 @@ def dotted_flags_as_O(argv: list[str]) -> list[str]:
     return out
 
 
-def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
-    """Every option string of `parser` and of its subcommands, theirs too."""
-    out = set()
-    for action in parser._actions:
-        out.update(action.option_strings)
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                out |= _option_strings(sub)
+def underscored_flags_dashed(argv: list[str]) -> list[str]:
+    """vLLM's parser takes a flag with underscores for dashes (--max_model_len=64,
+    --compilation_config.pass_config.x): the name before any "=" or "." is dashed; values and
+    whatever follows a bare "--" are left alone."""
+    out = list(argv)
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        if arg.startswith("--"):
+            name = re.match(r"--[^=.]*", arg).group()
+            out[i] = "--" + name[2:].replace("_", "-") + arg[len(name):]
     return out
 
 
@@ -164,7 +168,7 @@ def with_flag(message: str, parser: argparse.ArgumentParser) -> str:
     if field is None:
         return message
     flag = "--" + field.group().replace("_", "-")
-    if flag in message or flag not in _option_strings(parser):
+    if flag in message or flag not in option_strings(parser):
         return message
     return f"{field.group()} ({flag}){message[field.end():]}"
 
@@ -174,9 +178,10 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, process_signals.terminate)
     parser = None
     try:  # Ctrl-C may come during the imports too: no traceback then either
-        argv = dotted_flags_as_O(sys.argv[1:] if argv is None else argv)
+        argv = underscored_flags_dashed(sys.argv[1:] if argv is None else argv)
         _prestart_core(argv)
         parser = build_parser()
+        argv = dotted_flags_as_O(flags_from_config_file(argv, parser))
         args = parse_args(parser, argv)
         if getattr(args, "func", None) is None:
             parser.print_help(sys.stderr)

@@ -1,0 +1,75 @@
+"""vLLM's `--config FILE.yaml` (flags from a YAML mapping) for every `kiln` command; it was
+refused as a flag Kiln has no counterpart for (helper-106)."""
+import subprocess
+import sys
+
+import pytest
+
+from kiln.entrypoints.cli.config_file import flags_from_config_file
+from kiln.entrypoints.cli.main import build_parser, dotted_flags_as_O, underscored_flags_dashed
+
+from checkpoints import STORIES_DIR
+
+
+def parse(argv):
+    parser = build_parser()
+    argv = flags_from_config_file(underscored_flags_dashed(argv), parser)
+    return parser.parse_args(dotted_flags_as_O(argv))
+
+
+def test_the_files_flags_and_the_command_line_winning(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: /m\nport: 8001\nmax_model_len: 64\nenforce-eager: true\n"
+                      "enable-prefix-caching: false\ntrust-remote-code: false\n"
+                      "served-model-name: [a, b]\ncompilation-config: {mode: 0}\n"
+                      "optimization-level: 3\ntokenizer: null\n")
+    args = parse(["serve", "--config", str(config)])
+    assert (args.model, args.model_tag, args.port, args.max_model_len) == ("/m", None, 8001, 64)
+    assert args.enforce_eager and not args.enable_prefix_caching and not args.trust_remote_code
+    assert args.served_model_name == ["a", "b"] and args.compilation_config == {"mode": 0}
+    assert args.optimization_level == 3 and args.tokenizer is None
+    # the command line wins, wherever --config stands; a positional model over the file's
+    args = parse(["serve", "--port", "9000", "/other", f"--config={config}",
+                  "--max_model_len", "32", "--enable-prefix-caching"])
+    assert (args.model_tag, args.model, args.port, args.max_model_len) == (
+        "/other", None, 9000, 32)
+    assert args.enable_prefix_caching
+    config.write_text("num-prompts: 8\ninput-len: 16\nmax-model-len: 64\n")
+    args = parse(["bench", "throughput", "--num-prompts", "3", "--config", str(config)])
+    assert (args.num_prompts, args.input_len, args.max_model_len) == (3, 16, 64)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("just text\n", "must be a YAML mapping of flag names to values"),
+    ("a: [1\n", "is not valid YAML"),
+    ("config: other.yaml\n", "names another config file"),
+])
+def test_a_bad_file_is_named(tmp_path, text, message):
+    config = tmp_path / "c.yaml"
+    config.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        parse(["serve", "--config", str(config)])
+    with pytest.raises(FileNotFoundError, match="--config /nowhere.yaml"):
+        parse(["serve", "--config", "/nowhere.yaml"])
+    with pytest.raises(ValueError, match="--config needs a YAML file"):
+        parse(["serve", "--config"])
+
+
+def test_generate_runs_from_a_config_file(tmp_path):
+    config = tmp_path / "generate.yaml"
+    config.write_text(f"model: {STORIES_DIR}\nenforce_eager: true\nkv-cache-memory: 0.02\n"
+                      "max-model-len: 64\ntemperature: 0\nmax-tokens: 3\n")
+    run = [sys.executable, "-m", "kiln.entrypoints.cli.main", "generate", "Tom"]
+    r = subprocess.run([*run, "--config", str(config)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
+    same = subprocess.run([*run, "--model", str(STORIES_DIR), "--enforce-eager",
+                           "--kv-cache-memory", "0.02", "--max-model-len", "64",
+                           "--temperature", "0", "--max-tokens", "3"],
+                          capture_output=True, text=True, timeout=300)
+    assert same.returncode == 0 and r.stdout == same.stdout
+    (config.parent / "bad.yaml").write_text("[1, 2]\n")
+    r = subprocess.run([*run, "--config", str(config.parent / "bad.yaml")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: --config ")
