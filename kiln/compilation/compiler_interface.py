@@ -37,8 +37,10 @@ class CompilerInterface:
         the artifact there (atomically) and return a handle to it."""
         raise NotImplementedError
 
-    def load(self, handle: Handle, path: Path, graph: fx.GraphModule) -> Callable:
-        """Rebuild the callable a previous compile saved at `path`."""
+    def load(self, handle: Handle, path: Path, graph: fx.GraphModule,
+             config: dict[str, Any] | None = None) -> Callable:
+        """Rebuild the callable a previous compile saved at `path`, under the `config` it was
+        compiled with."""
         raise NotImplementedError
 
 
@@ -51,7 +53,7 @@ class EagerAdaptor(CompilerInterface):
     def compile(self, graph, example_inputs, config, shape, save_path=None):
         return graph, None  # nothing to save: the graph itself is the "artifact"
 
-    def load(self, handle, path, graph):
+    def load(self, handle, path, graph, config=None):
         return graph
 
 
@@ -146,7 +148,8 @@ class InductorStandaloneAdaptor(CompilerInterface):
             else:
                 # Served as loaded, like a warm start's: the loaded form's call can skip the
                 # runtime wrapper (artifact_call.py), the fresh one's is built differently.
-                artifact = _load_artifact(save_path.with_name(handle["file"]), "binary")
+                artifact = self._load_under(config, save_path.with_name(handle["file"]),
+                                            "binary")
         return direct_callable(artifact), handle
 
     @staticmethod
@@ -177,18 +180,29 @@ class InductorStandaloneAdaptor(CompilerInterface):
             if source and os.path.exists(source):
                 (self.dump_dir / f"output_code_{stem}_{i}.py").write_text(Path(source).read_text())
 
-    def load(self, handle, path, graph):
+    def load(self, handle, path, graph, config=None):
         if file_sha256(path) != handle["sha256"]:
             raise ValueError(f"compiled artifact {path} does not match its recorded checksum "
                              "(truncated or corrupted)")
         from torch._inductor.codecache import PyCodeCache
 
         known_modules = len(PyCodeCache.modules)
-        artifact = _load_artifact(path, handle["format"])
+        artifact = self._load_under(config or {}, path, handle["format"])
         compilation_counter.num_compiled_artifacts_loaded += 1
         if self.dump_dir is not None:
             self._dump_output_code(PyCodeCache.modules[known_modules:], None, path)
         return direct_callable(artifact)
+
+    def _load_under(self, config: dict[str, Any], path: Path, fmt: str):
+        """Load an artifact under the options it was compiled with. Loading builds its C++
+        kernels again where Inductor's cache lacks them, with flags from Inductor's config:
+        under the process's (cpp.simdlen unset: AVX-512) the AVX2 code a user's
+        {"cpp.simdlen": 256} generated was built for AVX-512 vectors, and wrote past its
+        buffers (a heap corruption abort at the first forward)."""
+        from torch._inductor import config as inductor_config
+
+        with inductor_config.patch(self.config_patches(config)):
+            return _load_artifact(path, fmt)
 
 
 def _load_artifact(path: Path, fmt: str):

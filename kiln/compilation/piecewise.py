@@ -201,7 +201,7 @@ class PieceCompiler:
             return None
         try:
             with monitor.Timer() as t, inductor_cache_at(self.inductor_dir):
-                fn = self.compiler.load(handle, path, graph)
+                fn = self.compiler.load(handle, path, graph, self.inductor_config)
         except Exception as e:  # a corrupt artifact must not stop serving: recompile instead
             compilation_counter.num_corrupt_artifacts += 1
             logger.warning("compiled artifact %s for piece %d (%s) failed to load (%s: %s); "

@@ -130,6 +130,26 @@ def test_warm_start_in_second_process_compiles_nothing(cold, tmp_path):
         assert torch.equal(result["outputs"][n], _run(cold["model"], n))
 
 
+def test_artifacts_load_under_the_inductor_options_they_were_compiled_with(cold, tmp_path):
+    """inductor_compile_config {"cpp.simdlen": 256} on an AVX-512 machine: Inductor writes AVX2
+    kernels. Loading an artifact (right after saving it, and at a warm start) built them again
+    under the process's own options, for AVX-512 vectors: the first forward corrupted the heap
+    (glibc abort). Both processes must serve the eager model's outputs, the warm one building
+    nothing."""
+    more = json.dumps({"inductor_compile_config": {"cpp.simdlen": 256}})
+    reference = {n: _run(cold["reference"], n) for n in SIZES}
+    for run in ("cold", "warm"):
+        out = tmp_path / f"{run}.pt"
+        child = subprocess.run([sys.executable, str(HERE / "_child.py"), str(tmp_path / "cache"),
+                                str(out), more], cwd=HERE, timeout=300, capture_output=True,
+                               text=True)
+        assert child.returncode == 0, f"{run} start: {child.stderr[-2000:]}"
+        result = torch.load(out)
+        for n in SIZES:
+            torch.testing.assert_close(result["outputs"][n], reference[n])
+    assert result["counters"]["num_inductor_compiles"] == 0 and result["cpp_builds"] == []
+
+
 def _warm_model(cache: Path, deltas: dict, compile_sizes=(1, 8), **config_args):
     config = tm.toy_config(mode=3, compile_sizes=list(compile_sizes), cache_dir=str(cache),
                            **config_args)

@@ -69,3 +69,34 @@ def test_replace_gives_a_config_to_resolve_again():
     other.enable_prefix_caching = False  # a new config, not yet resolved
     assert not other.frozen and config.cache_config.block_size == 16
     assert _config(cache_config=other).cache_config.block_size == 32
+
+
+def test_a_resolved_configs_lists_and_dicts_refuse_changes_in_place():
+    """Assignment was refused, but compile_sizes.append(...) or pass_config[...] = ... changed
+    a resolved config silently (its compile cache key with it), in every rank's copy at once."""
+    import copy
+    import json
+    import pickle
+
+    config = _config(compilation_config=CompilationConfig(
+        mode=3, compile_sizes=[4], pass_config={"eliminate_noops": False}))
+    key = config.compute_hash()
+    cc = config.compilation_config
+    for change, name in [(lambda: cc.compile_sizes.append(8), "CompilationConfig.compile_sizes"),
+                         (lambda: cc.splitting_ops.clear(), "CompilationConfig.splitting_ops"),
+                         (lambda: cc.pass_config.update(fuse_norm_quant=False),
+                          "CompilationConfig.pass_config"),
+                         (lambda: cc.inductor_compile_config.__setitem__("max_autotune", True),
+                          "CompilationConfig.inductor_compile_config")]:
+        with pytest.raises(ConfigFrozenError, match=rf"{name} cannot be changed in place"):
+            change()
+    assert cc.compile_sizes == [4] and config.compute_hash() == key
+    # still lists and dicts to read, copy, send to a rank and write as JSON
+    for same in (pickle.loads(pickle.dumps(config)), copy.deepcopy(config), config.for_rank(0)):
+        assert same.compute_hash() == key and same.compilation_config.compile_sizes == [4]
+        with pytest.raises(ConfigFrozenError):
+            same.compilation_config.compile_sizes.append(8)
+    assert json.loads(json.dumps(cc.pass_config)) == {"eliminate_noops": False}
+    again = KilnConfig(model_config=config.model_config,
+                       scheduler_config=config.scheduler_config, compilation_config=cc)
+    assert again.compute_hash() == key
