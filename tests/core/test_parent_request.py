@@ -62,8 +62,8 @@ def test_the_core_process_reports_every_sample_of_a_parent_it_could_not_add():
     """The front end awaits the samples, not the parent: each must end, or the request hangs."""
     import zmq
 
+    from kiln.core.core_loop import CoreLoop
     from kiln.core.core_messages import StepOutputs, input_codec, output_codec, to_wire
-    from kiln.core.core_process import CoreLoop
 
     core = EngineCore(make_config(), PagedTokenExecutor)
     core.add_request(make_request("1_r", [1, 2, 3], max_tokens=2))

@@ -3,8 +3,8 @@ queues: one by one, a disconnect storm cost the square of the queue), in order w
 inputs, so an id's abort still comes before its re-add."""
 import zmq
 
+from kiln.core.core_loop import CoreLoop
 from kiln.core.core_messages import AbortRequests, input_codec, to_wire
-from kiln.core.core_process import CoreLoop
 from kiln.core.request import Request
 from kiln.sampling_params import SamplingParams
 

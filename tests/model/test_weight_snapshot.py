@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kiln.model.layers import cpu_gemm
-from kiln.model.loader import get_model, weight_snapshot
+from kiln.model.loader import get_model, snapshot_crc, weight_snapshot
 from model._attn_helper import kiln_config_for
 from model.test_gguf_vs_hf import write_gguf
 
@@ -68,7 +68,7 @@ def _no_file_loads(monkeypatch):
 
 def _crc(path) -> int:
     with open(path, "rb") as f:
-        return weight_snapshot.file_crc(f)
+        return snapshot_crc.file_crc(f)
 
 
 def _snapshots(cfg) -> list:
@@ -81,7 +81,7 @@ def test_second_load_maps_the_first_loads_snapshot(gguf_cfg, monkeypatch):
     assert _snapshots(gguf_cfg) == []  # KILN_WEIGHT_SNAPSHOT=0 saved nothing
     _assert_same(_state(get_model(gguf_cfg)), fresh)  # loads the file and saves
     [saved] = _snapshots(gguf_cfg)
-    assert weight_snapshot.find(weight_snapshot.snapshot_path(gguf_cfg)) == (saved, _crc(saved))
+    assert snapshot_crc.find(weight_snapshot.snapshot_path(gguf_cfg)) == (saved, _crc(saved))
     _no_file_loads(monkeypatch)
     restored = get_model(gguf_cfg)
     _assert_same(_state(restored), fresh)

@@ -186,7 +186,7 @@ def check_tensor_sizes(model: nn.Module, path: Path, tp_size: int) -> None:
     weight loader checked its shape, and the process was killed for memory. A tensor that
     passes is still checked exactly by that loader."""
     from kiln.config.gguf_metadata import load_tensor_table
-    from kiln.model.llama import merged_target
+    from kiln.model.checkpoint_names import merged_target
 
     params = dict(model.named_parameters(remove_duplicate=False))
     for t in load_tensor_table(path)["tensors"]:
@@ -206,7 +206,7 @@ def check_tensors_present(model: nn.Module, path: Path) -> None:
     (load_weights' "checkpoint is missing model.layers.1.mlp.gate_up_proj.weight (shard 1)"
     named neither the file nor the tensor to look for in it)."""
     from kiln.config.gguf_metadata import load_tensor_table
-    from kiln.model.llama import checkpoint_parts
+    from kiln.model.checkpoint_names import checkpoint_parts
 
     present = {t["name"] for t in load_tensor_table(path)["tensors"]}
     tied = getattr(model, "tie_word_embeddings", False)
@@ -251,9 +251,9 @@ def apply_rope_freqs(model: nn.Module, path: Path) -> bool:
 def attach_blocks(model: nn.Module, blocks: dict[str, tuple[int, torch.Tensor]]) -> int:
     """Give each linear weight whose every part the file stores in one kernel type its blocks
     (merged parts, such as q/k/v, concatenated in the merged order); returns how many."""
+    from kiln.model.checkpoint_names import checkpoint_parts, merged_target
     from kiln.model.layers.cpu_gemm import attach_gguf_blocks
     from kiln.model.layers.vocab_embedding import embed_from_head_blocks
-    from kiln.model.llama import checkpoint_parts, merged_target
 
     params = dict(model.named_parameters(remove_duplicate=False))
     if getattr(model, "tie_word_embeddings", False):

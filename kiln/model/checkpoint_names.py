@@ -1,0 +1,75 @@
+"""HF checkpoint tensor names against Kiln's parameters: the merged projections' parts, the bias
+tensors a config implies, and why a tensor fits no parameter (loaders and load_weights use them)."""
+
+
+def config_bias(hf_config, field: str) -> bool:
+    """`attention_bias` / `mlp_bias` as HF's class for the config reads it: Llama reads both,
+    Qwen2 and Qwen3 no mlp_bias, Mistral neither (a checkpoint with the flag set and no such
+    tensors was refused as missing them, where HF loads it)."""
+    model_type = getattr(hf_config, "model_type", "llama")
+    reads = {"mistral": (), "qwen2": ("attention_bias",), "qwen3": ("attention_bias",)}
+    return field in reads.get(model_type, (field,)) and bool(getattr(hf_config, field, False))
+
+
+# (merged param, HF name part, shard id)
+STACKED_PARAMS = [
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+    (".gate_up_proj", ".gate_proj", 0),
+    (".gate_up_proj", ".up_proj", 1),
+]
+
+
+def merged_target(name: str) -> tuple[str, str | int | None]:
+    """(Kiln parameter name, shard id) for an HF tensor name; shard id None when unmerged."""
+    for merged, part, shard_id in STACKED_PARAMS:
+        if part + "." in name:
+            return name.replace(part + ".", merged + "."), shard_id
+    return name, None
+
+
+def checkpoint_parts(name: str) -> list[tuple[str, str | int | None]]:
+    """(HF tensor name, shard id) of each checkpoint tensor that fills Kiln parameter `name`
+    (merged_target's inverse): a merged one's parts, else the name itself with shard None."""
+    parts = [(name.replace(m + ".", p + "."), s) for m, p, s in STACKED_PARAMS if m + "." in name]
+    return parts or [(name, None)]
+
+
+# Tensors of quantization schemes Kiln refuses by their config: met without such a config.
+_UNSERVED_QUANT_TENSORS = {
+    ".input_scale": "a static activation scale", ".input_zero_point": "an activation zero point",
+    ".weight_zero_point": "a weight zero point (asymmetric weights)",
+    ".weight_g_idx": "a group index (group-wise weights)"}
+
+
+def unexpected_tensor_message(name: str, hf_config) -> str:
+    """Why a checkpoint tensor fits no parameter, with the config field most likely at fault."""
+    hint = ""
+    quant_tail = next((t for t in _UNSERVED_QUANT_TENSORS if name.endswith(t)), None)
+    if quant_tail is not None:
+        return (f"checkpoint tensor {name} is {_UNSERVED_QUANT_TENSORS[quant_tail]}, which "
+                "Kiln does not serve (W8A8 int8 only: symmetric weights, dynamic per-token "
+                "activations); its quantization_config should say so too (input_activations "
+                "dynamic: false, or symmetric: false), else the checkpoint does not match it")
+    if name.endswith(".bias"):
+        field = "mlp_bias" if ".mlp." in name else "attention_bias"
+        hint = f" (a bias, but the config has {field}={config_bias(hf_config, field)})"
+    elif name.startswith("model.layers."):
+        index = name.split(".")[2]
+        # a layer the config has, holding a tensor no such layer has: no layer count is wrong
+        hint = (f" (the config has num_hidden_layers={hf_config.num_hidden_layers})"
+                if not index.isdigit() or int(index) >= hf_config.num_hidden_layers
+                else f" (no {_model_kind(hf_config)} layer has such a tensor)")
+    return (f"checkpoint tensor {name} matches no parameter of this "
+            f"{_model_kind(hf_config)} model{hint}; the checkpoint "
+            "does not match its config (config.json or the GGUF metadata); fix the config or "
+            "use the checkpoint it came with")
+
+
+def _model_kind(hf_config) -> str:
+    """"Llama", "Qwen2", ...: the config class's name, or its model_type for a snapshot."""
+    name = type(hf_config).__name__
+    if name.endswith("Config"):
+        return name.removesuffix("Config")
+    return str(getattr(hf_config, "model_type", "") or "this")
