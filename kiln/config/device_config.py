@@ -23,8 +23,10 @@ class DeviceConfig(FreezableConfig):
     device_obj: torch.device = field(init=False)
 
     def __post_init__(self):
+        from kiln.platforms import current_platform
+
         name = resolve_device(self.device)
-        if name == "cuda" and not torch.cuda.is_available():
+        if name == "cuda" and not current_platform.is_cuda():
             raise ConfigError("device 'cuda' was asked for, but torch sees no CUDA device (a CPU "
                               "build of torch, or no GPU); use --device cpu or auto")
         self.device = name

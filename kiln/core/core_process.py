@@ -81,10 +81,12 @@ def _leave_cores(kiln_config, executor_class: type, front_end_cores: int) -> int
 
 def run_engine_core(kiln_config, executor_class: type, input_address: str, output_address: str,
                     parent_pid: int, launched_at: float, goodbye_fd: int | None = None,
-                    front_end_cores: int = 0) -> None:
+                    front_end_cores: int = 0, float32_matmul_precision: str | None = None) -> None:
     """The process's work, once its arguments are read (kiln.engine.core_client starts it).
     `goodbye_fd`: written to as the last act before exiting (core_interpreter.py).
-    `front_end_cores`: cores a CPU model running here leaves to the front end once warm."""
+    `front_end_cores`: cores a CPU model running here leaves to the front end once warm.
+    `float32_matmul_precision`: the front end's torch setting, applied before the model loads,
+    as an in-process core would have it."""
     # Ctrl-C and a service manager's SIGTERM reach the whole process group: the front end
     # decides what stops (after its grace period), and tells us by message or STOP_SIGNAL.
     leave_group_signals_to_parent("engine core")
@@ -104,6 +106,10 @@ def run_engine_core(kiln_config, executor_class: type, input_address: str, outpu
         from kiln.config.compilation_config import CompilationMode
         from kiln.core.engine_core import EngineCore
 
+        if float32_matmul_precision is not None:
+            import torch
+
+            torch.set_float32_matmul_precision(float32_matmul_precision)
         imported = time.monotonic()
         if kiln_config.compilation_config.mode != CompilationMode.NONE:
             preload.start()  # beside the model load

@@ -46,6 +46,14 @@ def _this_process_ray() -> str | None:
         return None
 
 
+def _float32_matmul_precision() -> str | None:
+    """This process's torch.set_float32_matmul_precision, for the core to load under: a GGUF
+    model's float32 kernels read it at load (gguf_matmul.float32_limbs), and the core's fresh
+    interpreter had torch's default whatever the caller set. None where torch is not imported."""
+    torch = sys.modules.get("torch")
+    return None if torch is None else torch.get_float32_matmul_precision()
+
+
 # `python -m kiln.core.core_process`, deaf to Ctrl-C and SIGTERM from its first line: the
 # terminal and service managers signal the whole process group, and the front end decides what
 # stops (a Ctrl-C while the core imported torch printed its KeyboardInterrupt traceback).
@@ -85,8 +93,8 @@ class CoreInterpreter:
         try:
             pickle.dump(sys.path, self.proc.stdin)
             pickle.dump((kiln_config, executor_class, input_address, output_address,
-                         os.getpid(), self.launched_at, self._goodbye_w, front_end_cores),
-                        self.proc.stdin)
+                         os.getpid(), self.launched_at, self._goodbye_w, front_end_cores,
+                         _float32_matmul_precision()), self.proc.stdin)
             self.proc.stdin.close()
         except BaseException:
             self.discard()

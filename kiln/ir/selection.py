@@ -13,8 +13,8 @@ from kiln.ir.op import PROVIDERS, REGISTRY
 
 def platform_defaults(device: str) -> dict[str, list[str]]:
     """Each op's priority list on a device: Kiln's CPU kernels first on CPU
-    (`KILN_NATIVE_CPU_OPS=0`: the torch reference first), the torch reference elsewhere (room
-    for a `cuda` provider)."""
+    (`KILN_NATIVE_CPU_OPS=0`: the torch reference first); on CUDA the `cuda` provider's
+    (today fp8's `torch._scaled_mm` only), else the torch reference."""
     if torch.device(device).type == "cpu":
         first = ["native", "torch"] if envs.native_cpu_ops() else ["torch", "native"]
     else:

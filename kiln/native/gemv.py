@@ -2,14 +2,14 @@
 of one or two rows, and which weights it can take; `kiln::gemv` runs it alone.
 
 There a linear is a pass over its weight; this kernel streams the dense weight at close to memory
-bandwidth (measured, 2 cores: a 135M-parameter model's weights in 21 ms vs oneDNN's 30 ms, fp32).
+bandwidth, faster than oneDNN at that size (docs/measurements.md).
 """
 import torch
 
 from kiln import envs
 from kiln.native import build
 
-# Up to this many rows the kernel wins; from 4 rows on oneDNN's packed GEMM does (measured).
+# Up to this many rows the kernel wins; from 4 rows on oneDNN's packed GEMM did when measured.
 MAX_ROWS = 2
 
 

@@ -21,19 +21,7 @@ TILE_ROWS = 8  # rows of x the kernel takes at a time; it goes through more in t
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 _F32, _BF16 = torch.float32, torch.bfloat16
 # Up to how many rows the blocks beat the dense weight's kernels (GEMV, oneDNN), by type and
-# activation dtype; measured on 2 cores, blocks / dense.
-# - 4- and 5-bit types: the default model's linears + LM head, float32 70.9
-#   / 90.6 ms at 48 rows, 91.3 / 100.4 at 64, 131.1 / 141.5 at 96, 179.0 / 182.1 at 128;
-#   bfloat16 17.9 / 22.0 at 16, 26.3 / 27.5 at 24, 33.9 / 32.8 at 32. 40 random [2048, 2048]
-#   weights, us per weight: float32 Q4_K 1858 / 2165 at 48, 2465 / 2795 at 64, Q5_K 2625 /
-#   2920 at 64; bfloat16 Q4_K 471 / 495 at 16, 700 / 689 at 24, Q5_K 501 / 582 at 16, 750 /
-#   668 at 24.
-# - Q8_0: the default model's [49152, 576] LM head, ms, float32 12.0 /
-#   14.9 at 48 rows, 18.8 / 18.8 at 64; bfloat16 3.5 / 4.0 at 16, 5.6 / 5.3 at 24. Random
-#   [2048, 2048], us per weight: float32 2610 / 2973 at 64; bfloat16 501 / 511 at 16, 717 / 662
-#   at 24.
-# - Q6_K: random [2048, 2048], us per weight, float32 1993 / 2196 at 48, 2708 / 2835 at 64;
-#   bfloat16 316 / 400 at 8, 548 / 511 at 16.
+# activation dtype: the crossovers measured on 2 cores (figures: docs/measurements.md).
 _ROWS_WORTH_IT = {"Q4_0": {_F32: 64, _BF16: 16}, "Q4_1": {_F32: 64, _BF16: 16},
                   "Q8_0": {_F32: 48, _BF16: 16}, "Q4_K": {_F32: 64, _BF16: 16},
                   "Q5_K": {_F32: 64, _BF16: 16}, "Q6_K": {_F32: 48, _BF16: 8}}

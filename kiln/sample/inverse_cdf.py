@@ -2,8 +2,8 @@
 inverting the row's cumulative distribution in two levels (blocks, then one block's entries).
 
 It replaced an exponential race (argmax of p / q, q ~ Exp(1) per entry): drawing a vocabulary's
-worth of exponentials cost 0.93 ms a row on CPU (7.4 ms at 8 rows, 30 at 32), more than a
-decode step's attention; this takes one uniform a row and two short scans.
+worth of exponentials cost more than a decode step's attention on CPU (figures:
+docs/measurements.md); this takes one uniform a row and two short scans.
 """
 import torch
 import torch.nn.functional as F

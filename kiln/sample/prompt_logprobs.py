@@ -17,9 +17,8 @@ from kiln.sample.nonfinite import finite_log_softmax
 # Bytes of float32 logits made at once. A 2048-token prompt chunk with a 150k vocabulary would
 # otherwise take 1.2 GB. Under glibc's largest mmap threshold (32 MiB), the logits and their
 # log_softmax can reuse freed heap memory; above it each chunk maps (and page-faults) fresh
-# memory, the likely reason why log_softmax of 256 rows of 49152 (50 MB) took 70 ms in the
-# engine against 18 ms alone. A 512-token prompt's logprobs: 1.12 s in chunks of 256 rows,
-# 0.85-0.99 s in chunks of 128.
+# memory, which made a chunk's log_softmax several times slower in the engine than alone
+# (figures: docs/measurements.md).
 LOGITS_BYTES_PER_CHUNK = 24 << 20
 
 

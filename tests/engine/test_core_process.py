@@ -504,3 +504,35 @@ def test_reset_prefix_cache_while_another_thread_generates(tiny_llama_dir):
         assert len(results) == 1 and all(len(o.outputs[0].token_ids) == 40 for o in results[0])
     finally:
         llm.shutdown()
+
+
+class PrecisionNamingExecutor:
+    """Fails the core's start-up naming torch's float32 matmul precision there."""
+
+    def __init__(self, kiln_config):
+        import torch
+
+        from kiln.errors import ConfigError
+
+        raise ConfigError(f"core float32 matmul precision: {torch.get_float32_matmul_precision()}")
+
+
+def test_the_core_loads_under_the_callers_float32_matmul_precision(tiny_llama_dir):
+    # The README's torch.set_float32_matmul_precision("high") before loading (a GGUF model's
+    # float32 kernels read it at load) reached only an in-process core: the core's own
+    # interpreter kept torch's default.
+    import torch
+
+    from kiln.engine.arg_utils import EngineArgs
+    from kiln.engine.llm_engine import LLMEngine
+    from kiln.errors import ConfigError
+
+    config = EngineArgs(model=str(tiny_llama_dir), **ENGINE).create_kiln_config()
+    before = torch.get_float32_matmul_precision()
+    try:
+        for precision in ("high", "highest"):
+            torch.set_float32_matmul_precision(precision)
+            with pytest.raises(ConfigError, match=f"precision: {precision}$"):
+                LLMEngine(config, executor_class=PrecisionNamingExecutor, multiprocess=True)
+    finally:
+        torch.set_float32_matmul_precision(before)

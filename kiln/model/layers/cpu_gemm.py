@@ -4,16 +4,16 @@ serves how many rows; `prepack_for_cpu` packs, `attach_gguf_blocks` keeps the bl
 `linear_call` is the IR call for what the layer holds.
 
 On x86 CPUs a weight reordered once into oneDNN's blocked layout multiplies 2-3x faster than
-aten's dense `linear` at serving batch sizes (measured: [32, 576] x [576, 3072] fp32, 2 cores,
-0.6 ms vs 2.2 ms). Steps of one or two rows take the C GEMV kernel on the dense weight instead
-(kiln/native/gemv.py), which reads the weights faster than oneDNN does at that size. A weight
-loaded from a GGUF file in Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K also keeps the file's blocks:
-steps of a few rows (up to 8-64 by type and dtype, gguf_matmul.rows_worth_it) read those
-instead, 5.3x fewer bytes than float32 for Q4_1 (kiln/native/gguf_matmul.py). They are the
-layer's buffers (`cpu_packed`, `cpu_blocks`, `cpu_plan`, not saved; the blocks' ggml type is
-`cpu_qtype`), passed with its weight on every call: a traced graph takes them as inputs like
-the weight, and the choice per call is made in C++ (csrc/linear_op.cpp; kiln/ir/gguf.py says
-the rule). A layer holding blocks calls the IR op gguf_linear, any other the IR op linear.
+aten's dense `linear` at serving batch sizes (docs/measurements.md). Steps of one or two rows
+take the C GEMV kernel on the dense weight instead (kiln/native/gemv.py), which reads the
+weights faster than oneDNN does at that size. A weight loaded from a GGUF file in Q4_0, Q4_1,
+Q8_0, Q4_K, Q5_K or Q6_K also keeps the file's blocks: steps of a few rows (up to 8-64 by type
+and dtype, gguf_matmul.rows_worth_it) read those instead, 5.3x fewer bytes than float32 for Q4_1
+(kiln/native/gguf_matmul.py). They are the layer's buffers (`cpu_packed`, `cpu_blocks`,
+`cpu_plan`, not saved; the blocks' ggml type is `cpu_qtype`), passed with its weight on every
+call: a traced graph takes them as inputs like the weight, and the choice per call is made in
+C++ (csrc/linear_op.cpp; kiln/ir/gguf.py says the rule). A layer holding blocks calls the IR op
+gguf_linear, any other the IR op linear.
 Without the native kernels nothing is held and the layers run aten's linear.
 """
 from typing import NamedTuple
