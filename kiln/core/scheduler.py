@@ -221,6 +221,10 @@ class Scheduler:
         """Forget every cached block hash (stale after new weights); False while requests hold
         blocks, unless `reset_running_requests` requeues them first, to be recomputed (vLLM's)."""
         if reset_running_requests:
+            # Preempted as in vLLM, which counts them: their K/V is recomputed like any victim's.
+            for request in self.running:
+                request.num_preemptions += 1
+            self.num_preemptions += len(self.running)
             self._undo(dict.fromkeys(r.request_id for r in self.running))
         if self.kv_cache_manager.reset_prefix_cache():
             return True

@@ -261,6 +261,15 @@ class AsyncLLM:
         self.last_stats = await self._on_engine_thread(self.engine.get_stats)
         return self.last_stats
 
+    async def reset_prefix_cache(self, reset_running_requests: bool = False,
+                                 reset_connector: bool = False) -> bool:
+        """vLLM's AsyncLLM.reset_prefix_cache (after a weight update): forget every cached
+        block; False while running requests hold blocks, unless `reset_running_requests` sends
+        them back to the queue to be recomputed (their streams go on). Between steps."""
+        self._check_alive()
+        return await self._on_engine_thread(self.engine.reset_prefix_cache,
+                                            bool(reset_running_requests), bool(reset_connector))
+
     async def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
         return await self.run_in_engine(self.engine.apply_chat_template, messages, **kwargs)
 

@@ -3,6 +3,7 @@
 One `step()` runs one core step (schedule -> execute -> update) and returns the RequestOutputs
 it produced; the LLM class and the CLI drive it in a loop.
 """
+import math
 import time
 import weakref
 
@@ -182,6 +183,11 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished "
                              "request; pick a unique request_id")
         now = time.monotonic()
+        if arrival_time is not None and not math.isfinite(arrival_time):
+            # NaN sorts nowhere: the scheduler's queues (keyed by arrival) lost their order and
+            # a full cache preempted a request already scheduled in the step: the core died.
+            raise ValueError(f"arrival_time must be a finite time.monotonic() value, got "
+                             f"{arrival_time}")
         if arrival_time is not None and arrival_time > now + 1:
             raise ValueError(f"arrival_time {arrival_time} is in the future of time.monotonic() "
                              f"({now:.0f}); Kiln's arrival times are time.monotonic() values "

@@ -128,7 +128,11 @@ def test_reset_prefix_cache_with_running_requests_requeues_them():
             before[out.request_id].extend(out.new_token_ids)
     assert all(before.values())  # every request is decoding
     assert not core.reset_prefix_cache()
+    assert core.make_stats().num_preemptions == 0
     assert core.reset_prefix_cache(reset_running_requests=True, reset_connector=False)
+    # vLLM counts them as preemptions (kiln:num_preemptions: "to be recomputed")
+    assert core.make_stats().num_preemptions == len(prompts)
+    assert all(r.num_preemptions == 1 for r in core.scheduler.requests.values())
     pool = core.scheduler.kv_cache_manager.block_pool
     assert pool.num_cached_blocks() == 0 and core.make_stats().num_free_blocks == pool.num_blocks
     results = run_until_done(core)

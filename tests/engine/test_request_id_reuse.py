@@ -85,3 +85,15 @@ def test_a_wall_clock_arrival_time_is_refused_naming_the_clock(mp_llm):
         engine.add_request("wall", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=1),
                            arrival_time=time.time())
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("arrival_time", [float("nan"), float("-inf")])
+def test_a_non_finite_arrival_time_is_refused(mp_llm, arrival_time):
+    """A NaN arrival time sorts nowhere: the scheduler's queues (keyed by arrival) lost their
+    order, a full cache preempted a request already scheduled in the step, and the core died
+    ("scheduler sent cached request ... the model runner does not hold")."""
+    engine = mp_llm.llm_engine
+    with pytest.raises(ValueError, match="arrival_time must be a finite"):
+        engine.add_request("nan", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=1),
+                           arrival_time=arrival_time)
+    assert not engine.has_unfinished_requests()
