@@ -33,6 +33,27 @@ logger = init_logger(__name__)
 KILN_ROOT = str(Path(__file__).resolve().parents[1])
 
 
+# Kiln's own compile stack (splitting, piecewise assembly, the saved-graph format) decides what a
+# cached model is without being traced: an edit there in a checkout must not load old artifacts.
+STACK_CODE_DIRS = ("compilation", "compilation/warm_start")
+
+
+def code_hash(root: Path, directories: tuple[str, ...]) -> str:
+    """A hash of every .py file directly under each of `root`'s `directories`, names and
+    contents."""
+    h = hashlib.sha256()
+    for directory in directories:
+        for path in sorted((root / directory).glob("*.py")):
+            h.update(f"{directory}/{path.name}".encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def stack_code_hash() -> str:
+    return code_hash(Path(KILN_ROOT), STACK_CODE_DIRS)
+
+
 def source_hash(files: list[str]) -> str:
     """Hash of the contents of the traced source files (missing files hash by name)."""
     h = hashlib.sha256()
@@ -48,8 +69,8 @@ def source_hash(files: list[str]) -> str:
 def compute_cache_key(config_hash: str, traced_files: list[str], compiler_hash: str,
                       device: str) -> str:
     """The cache key; pure, so tests can check what changes it."""
-    factors = [__version__, KILN_ROOT, config_hash, source_hash(traced_files), compiler_hash,
-               torch.__version__, device, platform.machine(), sys.version_info[:2]]
+    factors = [__version__, KILN_ROOT, stack_code_hash(), config_hash, source_hash(traced_files),
+               compiler_hash, torch.__version__, device, platform.machine(), sys.version_info[:2]]
     return hashlib.sha256(repr(factors).encode()).hexdigest()[:16]
 
 

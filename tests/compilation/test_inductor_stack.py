@@ -275,6 +275,23 @@ def test_another_checkout_sharing_the_cache_has_its_own_keys(monkeypatch, tmp_pa
     assert compute_cache_key("cfg", [str(source)], "compiler", "cpu") != key
 
 
+def test_an_edit_to_the_compile_stack_changes_the_key(monkeypatch, tmp_path):
+    """Splitting, piecewise assembly and the saved-graph format are no traced file: a checkout's
+    edit there loaded the artifacts the old code had made."""
+    from kiln.compilation import cache
+
+    key = compute_cache_key("cfg", [], "compiler", "cpu")
+    monkeypatch.setattr(cache, "stack_code_hash", lambda: "edited")
+    assert compute_cache_key("cfg", [], "compiler", "cpu") != key
+    assert "split.py" in str(sorted((Path(cache.KILN_ROOT) / "compilation").glob("*.py")))
+    assert cache.STACK_CODE_DIRS == ("compilation", "compilation/warm_start")
+    (tmp_path / "compilation").mkdir()
+    (tmp_path / "compilation" / "split.py").write_text("x = 1\n")
+    before = cache.code_hash(tmp_path, ("compilation",))
+    (tmp_path / "compilation" / "split.py").write_text("x = 2\n")
+    assert cache.code_hash(tmp_path, ("compilation",)) != before
+
+
 def test_the_ir_and_pass_sources_are_in_the_pass_managers_uuid(tmp_path, monkeypatch):
     """What lowering puts in a graph (an IR op's reference) is no traced file: an edit there
     must change the uuid that keys Inductor's cache and Kiln's."""

@@ -14,7 +14,7 @@ from pathlib import Path
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from kiln.compilation.cache import KILN_ROOT
+from kiln.compilation.cache import KILN_ROOT, code_hash
 from kiln.compilation.op_schemas import schemas_hash
 
 # The Python that decides a compiled piece's code without being traced: the passes and what
@@ -26,13 +26,7 @@ GRAPH_CODE_DIRS = ("ir", "compilation/passes")
 
 @functools.cache
 def graph_code_hash(root: Path = Path(KILN_ROOT)) -> str:
-    """A hash of every .py file under `root`'s GRAPH_CODE_DIRS, names and contents."""
-    h = hashlib.sha256()
-    for directory in GRAPH_CODE_DIRS:
-        for path in sorted((root / directory).glob("*.py")):
-            h.update(f"{directory}/{path.name}".encode())
-            h.update(path.read_bytes())
-    return h.hexdigest()[:16]
+    return code_hash(root, GRAPH_CODE_DIRS)
 
 
 class KilnInductorPass:
