@@ -69,3 +69,11 @@ def check_encodable(text: str, field: str) -> None:
     problem = encoding_problem(text)
     if problem is not None:
         raise ValueError(f"{field} {problem}")
+
+
+def check_request_id(request_id) -> None:
+    """A request id crosses to the engine core as UTF-8 text: a lone surrogate (JSON's
+    "\\ud800") or a non-str failed there, with an error that named no field."""
+    if not isinstance(request_id, str):
+        raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
+    check_encodable(request_id, "request_id")
