@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from kiln.engine.arg_utils import EngineArgs
+from kiln.engine.text_encoding import not_utf8
 from kiln.entrypoints.cli.sampling_args import add_sampling_args, sampling_params_from_args
 from kiln.process_signals import exit_if_stopped
 from kiln.sampling_params import RequestOutputKind
@@ -129,13 +130,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _not_utf8(line: str) -> str | None:
-    """Why a line read from stdin cannot be a turn: bytes that are not UTF-8 reach Python as
-    lone surrogates (U+DC80-U+DCFF stand for bytes 0x80-0xFF), which no tokenizer takes."""
-    bad = next((i for i, ch in enumerate(line) if "\ud800" <= ch <= "\udfff"), None)
-    if bad is None:
+    """Why a line read from stdin cannot be a turn, or None."""
+    problem = not_utf8(line)
+    if problem is None:
         return None
-    ch = line[bad]
-    what = (f"byte 0x{ord(ch) - 0xDC00:02x}" if "\udc80" <= ch <= "\udcff"
-            else f"a lone surrogate {ch!r}")
-    return (f"the line is not UTF-8 text ({what} at character {bad}); nothing was sent, type "
-            "the turn again in UTF-8")
+    return f"the line {problem}; nothing was sent, type the turn again in UTF-8"
