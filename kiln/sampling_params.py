@@ -87,9 +87,10 @@ class StructuredOutputsParams:
         elif self.json is not None and not isinstance(self.json, dict):
             raise ValueError("structured_outputs.json must be a JSON schema (dict or str), got "
                              f"{type(self.json).__name__}")
+        json_text = self.json
         if isinstance(self.json, dict):
             try:  # a set or bytes inside failed later, deep in building the grammar
-                json.dumps(self.json)
+                json_text = json.dumps(self.json, ensure_ascii=False)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"structured_outputs.json must hold JSON values only: {e}"
                                  ) from None
@@ -119,6 +120,12 @@ class StructuredOutputsParams:
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError("structured_outputs.disable_any_whitespace must be True or False, "
                              f"got {self.disable_any_whitespace!r}")
+        for name, texts in (("json", [json_text]), ("regex", [self.regex]),
+                            ("choice", self.choice or ()), ("grammar", [self.grammar]),
+                            ("reasoning_end", [self.reasoning_end])):
+            # the grammar compiler's codec error named no character; reasoning_end's failed
+            # on its way to the engine core
+            _check_texts(f"structured_outputs.{name}", [t for t in texts if t is not None])
 
 
 # Stop strings and stop token ids one request may give (OpenAI takes 4 strings; vLLM does not

@@ -58,3 +58,18 @@ def test_a_lone_surrogate_in_text_the_engine_encodes_names_the_field(field, valu
     with pytest.raises(ValueError, match=rf"^{field} contains a lone UTF-16 surrogate"):
         SamplingParams(**{field: value})
     SamplingParams(**{field: "a\x00\x1b"})  # NUL and control characters are text: vLLM's too
+
+
+@pytest.mark.parametrize("kind,value", [
+    ("regex", "a\ud800"), ("choice", ["ok", "\udfff"]), ("grammar", 'root ::= "\ud800"'),
+    ("json", {"enum": ["\ud800"]}), ("json", '{"const": "\ud800"}')])
+def test_a_lone_surrogate_in_structured_outputs_names_the_field(kind, value):
+    """The grammar compiler failed with a bare codec error; reasoning_end failed on its way to
+    the engine core."""
+    from kiln.sampling_params import StructuredOutputsParams
+
+    with pytest.raises(ValueError, match=rf"^structured_outputs\.{kind} contains a lone UTF-16"):
+        StructuredOutputsParams(**{kind: value})
+    with pytest.raises(ValueError, match=r"^structured_outputs\.reasoning_end contains a lone"):
+        StructuredOutputsParams(regex="a", reasoning_end="</think>\ud800")
+    StructuredOutputsParams(choice=["a\x00", "é"])
