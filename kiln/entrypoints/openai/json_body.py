@@ -75,7 +75,14 @@ class JSONBodyRequest(Request):
             except ValueError:
                 # Only what jiter refused may hold a lone surrogate: a body of 600k token ids
                 # is not walked on the event loop.
-                value = _parse_with_json_loads(body)
+                try:
+                    value = _parse_with_json_loads(body)
+                except json.JSONDecodeError as e:
+                    if not e.doc:  # one of ours, saying why
+                        raise
+                    # FastAPI shows the bare msg: "Invalid control character at", no place
+                    raise json.JSONDecodeError(f"{e.msg} line {e.lineno} column {e.colno} "
+                                               f"(char {e.pos})", e.doc, e.pos) from None
                 if (error := lone_surrogate_error(value)) is not None:
                     raise OpenAIBodyError(error) from None
                 self._json = value
