@@ -140,6 +140,18 @@ def test_bad_words_times_n_is_capped(path, body):
         assert ok.status_code == 200, ok.text
 
 
+def test_a_model_folder_whose_name_is_not_utf8_is_served_under_a_displayable_name():
+    """Its lone surrogates (bytes that are not UTF-8) made /v1/models and every answer that
+    names the model a 500."""
+    engine = FakeEngine()
+    engine.kiln_config.model_config.model = "/models/caf\udce9"
+    with TestClient(build_app(AsyncLLM(engine), ServerSettings())) as c:
+        (card,) = c.get("/v1/models").json()["data"]
+        assert card["id"] == card["root"] == "/models/caf\ufffd"
+        r = c.post("/v1/completions", json=dict(prompt="x", max_tokens=1))
+        assert r.status_code == 200 and r.json()["model"] == "/models/caf\ufffd", r.text
+
+
 def test_models_name_the_model_not_its_cache_path(client, tmp_path, monkeypatch):
     (card,) = client.get("/v1/models").json()["data"]
     assert card["id"] == card["root"] == "fake-model"
