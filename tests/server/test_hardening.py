@@ -51,6 +51,24 @@ def test_every_route_but_health_needs_the_key(metrics_public):
                 assert ok.status_code == 200, (path, ok.text)
 
 
+def test_an_api_key_that_is_not_utf8_is_its_bytes():
+    """Bytes that are not UTF-8 in $KILN_API_KEY reach Python as lone surrogates: the server
+    failed to start, after loading the model, with a bare UnicodeEncodeError. (Raw ASGI: the
+    test client re-encodes header bytes.)"""
+    from kiln.entrypoints.openai.middleware import ApiKeyMiddleware
+
+    reached = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    guard = ApiKeyMiddleware(app, "k\udcff")
+    scope = {"type": "http", "method": "GET", "path": "/v1/models",
+             "headers": [(b"authorization", b"Bearer k\xff")]}
+    asyncio.run(guard(scope, None, None))
+    assert reached == ["/v1/models"]
+
+
 @pytest.fixture(scope="module")
 def client():
     llm = AsyncLLM(FakeEngine(max_model_len=64))
