@@ -61,6 +61,10 @@ def run(args: argparse.Namespace) -> int:
     if args.quick is not None and not args.quick.strip():  # a turn the model would answer
         raise ValueError("--quick needs a message to send, got an empty one; leave --quick "
                          "out to chat one line at a time")
+    for flag, text in (("--system", args.system), ("--quick", args.quick)):
+        # bytes that are not UTF-8 (lone surrogates): every turn failed, blamed on "messages"
+        if text is not None and (problem := not_utf8(text)) is not None:
+            raise ValueError(f"{flag} {problem}: pass UTF-8 text")
     if args.skip_tokenizer_init:  # found after the model loaded, at the first turn
         raise ValueError("kiln chat renders and tokenizes text, which needs the tokenizer: "
                          "drop --skip-tokenizer-init")
