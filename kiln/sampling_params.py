@@ -7,6 +7,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from kiln.engine.text_encoding import encoding_problem
 from kiln.structured_output.json_schema_rules import MAX_SCHEMA_DEPTH, schema_depth
 
 _GREEDY_EPS = 1e-5
@@ -30,6 +31,15 @@ class RequestOutputKind(enum.IntEnum):
 
 # The constraints of StructuredOutputsParams: exactly one is set.
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _check_texts(name: str, texts) -> None:
+    """Refuse a lone UTF-16 surrogate (JSON's "\\ud800") in strings the engine encodes: a stop
+    string failed on its way to the engine core (a bare UnicodeEncodeError), a bad word inside
+    the tokenizer (a TypeError)."""
+    for text in texts:
+        if (problem := encoding_problem(text)) is not None:
+            raise ValueError(f"{name} {problem}")
 
 
 @dataclass
@@ -77,9 +87,10 @@ class StructuredOutputsParams:
         elif self.json is not None and not isinstance(self.json, dict):
             raise ValueError("structured_outputs.json must be a JSON schema (dict or str), got "
                              f"{type(self.json).__name__}")
+        json_text = self.json
         if isinstance(self.json, dict):
             try:  # a set or bytes inside failed later, deep in building the grammar
-                json.dumps(self.json)
+                json_text = json.dumps(self.json, ensure_ascii=False)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"structured_outputs.json must hold JSON values only: {e}"
                                  ) from None
@@ -109,6 +120,12 @@ class StructuredOutputsParams:
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError("structured_outputs.disable_any_whitespace must be True or False, "
                              f"got {self.disable_any_whitespace!r}")
+        for name, texts in (("json", [json_text]), ("regex", [self.regex]),
+                            ("choice", self.choice or ()), ("grammar", [self.grammar]),
+                            ("reasoning_end", [self.reasoning_end])):
+            # the grammar compiler's codec error named no character; reasoning_end's failed
+            # on its way to the engine core
+            _check_texts(f"structured_outputs.{name}", [t for t in texts if t is not None])
 
 
 # Stop strings and stop token ids one request may give (OpenAI takes 4 strings; vLLM does not
@@ -239,6 +256,7 @@ class SamplingParams:
             # stream on the server for seconds.
             raise ValueError(f"stop must be at most {MAX_STOP_STRINGS} strings, got "
                              f"{len(self.stop)}")
+        _check_texts("stop", self.stop)
         check(isinstance(self.stop_token_ids, list)
               and all(integer(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "a list of non-negative integers", self.stop_token_ids)
@@ -295,6 +313,7 @@ class SamplingParams:
             raise ValueError(f"bad_words x n must be at most {MAX_BAD_WORDS_PER_REQUEST}, got "
                              f"{len(v)} x {self.n} = {len(v) * self.n}; give fewer bad words or "
                              "a smaller n")
+        _check_texts("bad_words", v or ())
         v = self.truncate_prompt_tokens
         check(v is None or (integer(v) and (v >= 1 or v == -1)), "truncate_prompt_tokens",
               "None, -1 (max_model_len) or an integer >= 1", v)

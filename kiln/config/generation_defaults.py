@@ -27,12 +27,24 @@ def load_chat_template(value: str | None) -> str | None:
     except OSError:  # template text longer than a file name may be (ENAMETOOLONG)
         is_file = False
     if is_file:
-        text, where = path.read_text(), str(path)
+        where = str(path)
+        try:  # UTF-8 whatever the locale: Jinja files are, as transformers reads them
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:  # a bare codec error named neither flag nor file
+            raise ConfigError(f"--chat-template: {where} is not UTF-8 text ({e.reason} at "
+                              f"byte {e.start}); save the template as UTF-8") from None
     elif "{" not in value:  # no Jinja in it: meant as a file that is not there
         raise FileNotFoundError(f"--chat-template {value!r}: no such file (give a Jinja "
                                 "template file or the template text)")
     else:
         text, where = value, "the template text"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        # bytes that are not UTF-8 on the command line reach Python as lone surrogates: every
+        # chat failed to render, blamed on its messages
+        raise ConfigError(f"--chat-template: {where} is not UTF-8 text ({text[e.start]!r} at "
+                          f"character {e.start}); give UTF-8 text") from None
     if not text.strip():  # it would render every chat as an empty prompt
         raise ConfigError(f"--chat-template: {where} is empty; give a Jinja chat template")
     from jinja2 import TemplateSyntaxError

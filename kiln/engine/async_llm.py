@@ -15,6 +15,7 @@ from kiln.engine.in_flight_streams import InFlightStreams
 from kiln.engine.request_stats import IterationStats, StatLogger
 from kiln.engine.request_stream import RequestStream
 from kiln.engine.step_loop import StepLoop
+from kiln.engine.text_encoding import check_request_id
 from kiln.logger import init_logger
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
@@ -178,6 +179,7 @@ class AsyncLLM:
         `processed`: process_inputs()'s result for this prompt and params (then not redone).
         `priority`: vLLM's; lower is served first under --scheduling-policy priority."""
         check_priority(priority)  # before the stream registers: a refusal leaves nothing behind
+        check_request_id(request_id)
         self._check_alive()
         self.start()  # before the stream registers: a move to a new loop aborts the old ones
         if request_id in self._streams:

@@ -97,6 +97,13 @@ def chat_render_kwargs(add_generation_prompt: bool, continue_final_message: bool
     in vLLM's LLM.chat. Both flags on is refused, as HF and vLLM refuse it."""
     kwargs = dict(add_generation_prompt=add_generation_prompt,
                   continue_final_message=continue_final_message, chat_template=chat_template)
+    if chat_template_kwargs is not None and not (
+            isinstance(chat_template_kwargs, dict)
+            and all(isinstance(k, str) for k in chat_template_kwargs)):
+        # they become the template's variables: a str failed in dict() ("dictionary update
+        # sequence element #0..."), an int key in the render ("keywords must be strings")
+        raise ValueError("chat_template_kwargs must be a dict of template variable names "
+                         f"(str) to values, got {chat_template_kwargs!r:.200}")
     extra = dict(chat_template_kwargs or {})
     reserved = sorted(k for k in extra if k in _RESERVED_TEMPLATE_KWARGS)
     if reserved:

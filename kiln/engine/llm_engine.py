@@ -16,7 +16,7 @@ from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.chat_template import render_chat_template
 from kiln.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from kiln.engine.output_processor import OutputProcessor
-from kiln.engine.text_encoding import check_encodable, encode_text
+from kiln.engine.text_encoding import check_encodable, check_request_id, encode_text
 from kiln.engine.tokenizer import config_eos_token_ids, generation_eos_token_ids, get_tokenizer
 from kiln.logger import init_logger
 from kiln.outputs import RequestOutput
@@ -171,6 +171,7 @@ class LLMEngine:
     def add_processed_request(self, request_id: str, processed: ProcessedPrompt,
                               arrival_time: float | None = None, *, priority: int = 0) -> None:
         check_priority(priority)
+        check_request_id(request_id)
         core = self._core()
         params = processed.params
         if params.n == 1:

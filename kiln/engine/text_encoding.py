@@ -64,8 +64,32 @@ def encoding_problem(text: str) -> str | None:
     return None
 
 
+def not_utf8(text: str) -> str | None:
+    """Why text read from a command line, a file or stdin is not UTF-8 ("is not UTF-8 text
+    (byte 0xff at character 2)"), or None: bytes that are not UTF-8 reach Python as lone
+    surrogates (U+DC80-U+DCFF stand for bytes 0x80-0xFF), which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = e.start
+    else:
+        return None
+    ch = text[bad]
+    what = (f"byte 0x{ord(ch) - 0xDC00:02x}" if "\udc80" <= ch <= "\udcff"
+            else f"a lone surrogate {ch!r}")
+    return f"is not UTF-8 text ({what} at character {bad})"
+
+
 def check_encodable(text: str, field: str) -> None:
     """Refuse text the tokenizer would fail on deep inside, naming the field."""
     problem = encoding_problem(text)
     if problem is not None:
         raise ValueError(f"{field} {problem}")
+
+
+def check_request_id(request_id) -> None:
+    """A request id crosses to the engine core as UTF-8 text: a lone surrogate (JSON's
+    "\\ud800") or a non-str failed there, with an error that named no field."""
+    if not isinstance(request_id, str):
+        raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
+    check_encodable(request_id, "request_id")

@@ -49,3 +49,19 @@ def test_an_empty_chat_template_file_is_refused_at_start(tmp_path):
     path.write_text("\n")
     with pytest.raises(ConfigError, match=f"--chat-template: {path} is empty"):
         load_chat_template(str(path))
+
+
+def test_a_chat_template_that_is_not_utf8_is_refused_at_start(tmp_path):
+    """A file: a bare "'utf-8' codec can't decode byte 0xff" named neither the flag nor the
+    file. Text on the command line (bytes that are not UTF-8 become lone surrogates): every
+    chat then failed to render, blamed on its messages."""
+    path = tmp_path / "latin1.jinja"
+    path.write_bytes("{{ 'café' }}{{ messages[0].content }}".encode("latin-1"))
+    with pytest.raises(ConfigError, match=f"--chat-template: {path} is not UTF-8 text "
+                                          r"\(invalid continuation byte at byte 7\)"):
+        load_chat_template(str(path))
+    with pytest.raises(ConfigError, match=r"--chat-template: the template text is not UTF-8 "
+                                          r"text \('\\udce9' at character 7\)"):
+        load_chat_template("{{ 'caf\udce9' }}{{ messages[0].content }}")
+    path.write_text("{{ 'café\x00' }}", encoding="utf-8")
+    assert load_chat_template(str(path)) == "{{ 'café\x00' }}"

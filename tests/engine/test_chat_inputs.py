@@ -74,6 +74,14 @@ def test_renderer_arguments_are_not_template_variables():
         chat_render_kwargs(True, False, None, {"tokenize": True})
 
 
+@pytest.mark.parametrize("kwargs", ["abc", {1: "x"}, [("a", 1)]])
+def test_chat_template_kwargs_must_be_a_dict_of_names(kwargs):
+    """LLM.chat's: a str failed as "dictionary update sequence element #0 has length 1", an int
+    key in the render as a TypeError, "keywords must be strings"."""
+    with pytest.raises(ValueError, match=r"^chat_template_kwargs must be a dict"):
+        chat_render_kwargs(True, False, None, kwargs)
+
+
 def test_empty_text_is_bos_alone_where_the_tokenizer_adds_one(stories_dir, tokenizer):
     """vLLM tokenizes "" and refuses only an empty token list: a Llama tokenizer makes [BOS]."""
     proc = InputProcessor(ModelConfig(model=str(stories_dir), max_model_len=64), tokenizer)

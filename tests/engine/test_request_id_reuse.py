@@ -97,3 +97,16 @@ def test_a_non_finite_arrival_time_is_refused(mp_llm, arrival_time):
         engine.add_request("nan", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=1),
                            arrival_time=arrival_time)
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("request_id,why", [("a\ud800", "surrogate"), (5, "must be a str")])
+def test_a_request_id_the_core_cannot_take_is_refused_naming_it(mp_llm, request_id, why):
+    """It crosses to the core process as UTF-8: a lone surrogate failed there with a bare
+    UnicodeEncodeError (labelled the prompt's on the server)."""
+    engine = mp_llm.llm_engine
+    with pytest.raises(ValueError, match=rf"^request_id .*{why}"):
+        engine.add_request(request_id, {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=1))
+    assert not engine.has_unfinished_requests()
+    out = mp_llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2, **GREEDY),
+                          use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2

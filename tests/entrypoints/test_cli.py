@@ -86,6 +86,23 @@ def test_skip_tokenizer_init_is_refused_before_the_model_loads(argv):
     with pytest.raises(ValueError, match="drop --skip-tokenizer-init"):
         args.func(args)
 
+def test_a_non_utf8_generate_prompt_is_refused_before_the_model_loads():
+    """Bytes that are not UTF-8 (an argument, a file on stdin) reach Python as lone surrogates:
+    the model loaded, then "prompt 0: prompt contains a lone UTF-16 surrogate ('\\udcff')"."""
+    args = build_parser().parse_args(["generate", "ab\udcffc", "--model", "/no/such/model"])
+    with pytest.raises(ValueError, match=r"not UTF-8 text \(byte 0xff at character 2\)"):
+        args.func(args)
+
+
+@pytest.mark.parametrize("flags", [["--system", "s\udce9"], ["--quick", "q\udce9"]])
+def test_a_non_utf8_chat_flag_is_refused_before_the_model_loads(flags):
+    """--system's lone surrogates failed every turn after the model loaded, blamed on
+    'messages'."""
+    args = build_parser().parse_args(["chat", *flags, "--model", "/no/such/model"])
+    with pytest.raises(ValueError, match=rf"^{flags[0]} is not UTF-8 text \(byte 0xe9"):
+        args.func(args)
+
+
 def test_chat_streams_and_keeps_history(stories):
     template = "{% for m in messages %}[{{ m.role }}] {{ m.content }} {% endfor %}"
     r = kiln("chat", "--model", stories, "--temperature", "0", "--max-tokens", "6",

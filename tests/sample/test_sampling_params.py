@@ -48,3 +48,28 @@ def test_top_k_of_the_vocabulary_or_more_is_off():
     p = SamplingParams(top_k=511)
     p.update_from_tokenizer(eos_token_id=2, vocab_size=512)
     assert p.top_k == 511
+
+
+@pytest.mark.parametrize("field,value", [("stop", "a\ud800"), ("stop", ["ok", "\udfff"]),
+                                         ("bad_words", ["\ud83d"])])
+def test_a_lone_surrogate_in_text_the_engine_encodes_names_the_field(field, value):
+    """JSON's "\\ud800" decodes to a lone surrogate: a stop string failed to encode on its way
+    to the engine core (a bare UnicodeEncodeError), a bad word in the tokenizer (a TypeError)."""
+    with pytest.raises(ValueError, match=rf"^{field} contains a lone UTF-16 surrogate"):
+        SamplingParams(**{field: value})
+    SamplingParams(**{field: "a\x00\x1b"})  # NUL and control characters are text: vLLM's too
+
+
+@pytest.mark.parametrize("kind,value", [
+    ("regex", "a\ud800"), ("choice", ["ok", "\udfff"]), ("grammar", 'root ::= "\ud800"'),
+    ("json", {"enum": ["\ud800"]}), ("json", '{"const": "\ud800"}')])
+def test_a_lone_surrogate_in_structured_outputs_names_the_field(kind, value):
+    """The grammar compiler failed with a bare codec error; reasoning_end failed on its way to
+    the engine core."""
+    from kiln.sampling_params import StructuredOutputsParams
+
+    with pytest.raises(ValueError, match=rf"^structured_outputs\.{kind} contains a lone UTF-16"):
+        StructuredOutputsParams(**{kind: value})
+    with pytest.raises(ValueError, match=r"^structured_outputs\.reasoning_end contains a lone"):
+        StructuredOutputsParams(regex="a", reasoning_end="</think>\ud800")
+    StructuredOutputsParams(choice=["a\x00", "é"])

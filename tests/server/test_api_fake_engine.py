@@ -336,6 +336,12 @@ def test_malformed_json_wrong_body_unknown_route(client):
     r = client.post("/v1/completions", content=b'{"prompt": "x",',
                     headers={"content-type": "application/json"})
     assert_error(r, 400, None, "json_invalid")
+    # a raw control character in a string: json.loads's message without its place read
+    # "request body is not valid JSON: Invalid control character at"
+    r = client.post("/v1/completions", content=b'{"prompt": "a\x01"}',
+                    headers={"content-type": "application/json"})
+    assert assert_error(r, 400, None, "json_invalid")["message"].endswith(
+        "Invalid control character at line 1 column 14 (char 13)")
     assert_error(client.post("/v1/completions", json=[1, 2]), 400, None)
     assert_error(client.get("/v1/nothing"), 404, None)
     assert_error(client.post("/v1/completions", content=b"x" * 5000,

@@ -88,6 +88,10 @@ def test_add_request_error_surfaces_and_others_continue():
             await llm.add_request("good", "ok", params())
         # The server's 400 names the field at fault, not the prompt.
         assert add_request_error(dup.value, "prompt").param == "request_id"
+        # A lone surrogate failed on its way to the core process, labelled the prompt's
+        with pytest.raises(ValueError, match="surrogate") as odd:
+            await llm.add_request("a\ud800", "ok", params())
+        assert add_request_error(odd.value, "prompt").param == "request_id"
         outs = await good
         await llm.shutdown()
         return outs

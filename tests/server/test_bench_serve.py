@@ -40,6 +40,8 @@ def test_bad_flags_are_refused_before_a_server_starts(flags, named):
     (["--graceful-shutdown-timeout", "nan"], "--graceful-shutdown-timeout"),
     (["--graceful-shutdown-timeout", "-1"], "--graceful-shutdown-timeout"),
     (["--served-model-name", ""], "--served-model-name"),
+    # bytes that are not UTF-8 (lone surrogates): every response naming the model was a 500
+    (["--served-model-name", "ok", "m\udcff"], "--served-model-name 'm.udcff' is not UTF-8"),
     (["--request-body-timeout", "nan"], "--request-body-timeout")])
 def test_bad_serve_flags_are_refused_before_the_model_loads(flags, named):
     from kiln.entrypoints.cli.serve import settings_from_args

@@ -94,14 +94,18 @@ def test_a_huge_text_is_tokenized_in_a_child_with_the_same_ids(core_server):
     assert len(children_running(proc.pid, "kiln.engine.bulk_tokenizer")) == 1
 
 
-@pytest.mark.parametrize("prompt", ['"ab\\ud800c"', '["ok", "\\udfff"]'])
-def test_a_lone_surrogate_in_a_prompt_is_a_400_naming_it(core_server, prompt):
+@pytest.mark.parametrize("fields,param", [
+    ('"prompt": "ab\\ud800c"', "prompt"), ('"prompt": ["ok", "\\udfff"]', "prompt[1]"),
+    # these failed on their way to the core process: a 400 that named the prompt
+    ('"prompt": "x", "stop": "\\ud800"', "stop"),
+    ('"prompt": "x", "request_id": "\\ud800"', "request_id")])
+def test_a_lone_surrogate_is_a_400_naming_its_field(core_server, fields, param):
     url, _, _ = core_server
     r = httpx.post(f"{url}/v1/completions", timeout=30,
-                   content=f'{{"prompt": {prompt}, "max_tokens": 2}}',
+                   content=f'{{{fields}, "max_tokens": 2}}',
                    headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == "prompt" and "surrogate" in r.text
+    assert r.json()["error"]["param"] == param and "surrogate" in r.text
 
 
 def test_a_killed_core_ends_streams_with_an_error_and_the_server_exits_non_zero(core_server):

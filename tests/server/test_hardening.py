@@ -2,6 +2,7 @@
 tokenizer cannot take, the prompts x n cap, served names, header / body read timeouts, and a
 client that stops reading."""
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -50,6 +51,24 @@ def test_every_route_but_health_needs_the_key(metrics_public):
                 assert ok.status_code == 200, (path, ok.text)
 
 
+def test_an_api_key_that_is_not_utf8_is_its_bytes():
+    """Bytes that are not UTF-8 in $KILN_API_KEY reach Python as lone surrogates: the server
+    failed to start, after loading the model, with a bare UnicodeEncodeError. (Raw ASGI: the
+    test client re-encodes header bytes.)"""
+    from kiln.entrypoints.openai.middleware import ApiKeyMiddleware
+
+    reached = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    guard = ApiKeyMiddleware(app, "k\udcff")
+    scope = {"type": "http", "method": "GET", "path": "/v1/models",
+             "headers": [(b"authorization", b"Bearer k\xff")]}
+    asyncio.run(guard(scope, None, None))
+    assert reached == ["/v1/models"]
+
+
 @pytest.fixture(scope="module")
 def client():
     llm = AsyncLLM(FakeEngine(max_model_len=64))
@@ -74,6 +93,40 @@ def test_a_lone_surrogate_is_a_400_naming_the_field(client, path, body, param):
     r = client.post(path, content=body, headers={"content-type": "application/json"})
     err = assert_error(r, 400, param)
     assert "surrogate" in err["message"]
+
+
+TOOL = {"type": "function", "function": {"name": "f\ud800"}}
+
+
+# Every string of a body, as the first bad one's path: the model's name in a 404 and a named tool
+# in the answer failed to render (500s, the second after the whole generation), a stop string or
+# request_id failed on its way to the core (a 400 naming the prompt), a bad word in the tokenizer.
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", dict(prompt="x", model="m\ud800"), "model"),
+    ("/detokenize", dict(tokens=[5], model="\udc00"), "model"),
+    ("/v1/completions", dict(prompt="x", stop=["ok", "\ud800"]), "stop[1]"),
+    ("/v1/completions", dict(prompt="x", request_id="\ud800"), "request_id"),
+    ("/v1/completions", dict(prompt="x", bad_words=["\ud800"]), "bad_words[0]"),
+    ("/v1/completions", dict(prompt="x", logit_bias={"\ud800": 1}), "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "\ud800": 1}, None),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x", "name": "\ud800"}]),
+     "messages[0].name"),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], tools=[TOOL],
+                                  tool_choice={"type": "function", "function": {"name": "f\ud800"}}),
+     "tools[0].function.name"),
+])
+def test_a_lone_surrogate_anywhere_in_the_body_is_a_400_naming_it(client, path, body, param):
+    raw = json.dumps(body)  # "\\ud800" escapes, as JSON carries them
+    r = client.post(path, content=raw, headers={"content-type": "application/json"})
+    err = assert_error(r, 400, param, "invalid_value")
+    assert "surrogate" in err["message"]
+
+
+def test_a_body_jiter_refuses_for_another_reason_is_read_as_before(client):
+    """UTF-16 (json.loads reads it, jiter does not) without a surrogate is served."""
+    body = json.dumps(dict(prompt="x é", max_tokens=1)).encode("utf-16")
+    r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
 
 
 def test_prompts_times_n_is_capped(client):
@@ -103,6 +156,18 @@ def test_bad_words_times_n_is_capped(path, body):
         assert f"{len(words)} x 2 = {len(words) * 2}" in err["message"]
         ok = c.post(path, json=dict(body, bad_words=words[:-1], max_tokens=1))
         assert ok.status_code == 200, ok.text
+
+
+def test_a_model_folder_whose_name_is_not_utf8_is_served_under_a_displayable_name():
+    """Its lone surrogates (bytes that are not UTF-8) made /v1/models and every answer that
+    names the model a 500."""
+    engine = FakeEngine()
+    engine.kiln_config.model_config.model = "/models/caf\udce9"
+    with TestClient(build_app(AsyncLLM(engine), ServerSettings())) as c:
+        (card,) = c.get("/v1/models").json()["data"]
+        assert card["id"] == card["root"] == "/models/caf\ufffd"
+        r = c.post("/v1/completions", json=dict(prompt="x", max_tokens=1))
+        assert r.status_code == 200 and r.json()["model"] == "/models/caf\ufffd", r.text
 
 
 def test_models_name_the_model_not_its_cache_path(client, tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from kiln.engine.arg_utils import EngineArgs
+from kiln.engine.text_encoding import not_utf8
 from kiln.entrypoints.cli.sampling_args import add_sampling_args, sampling_params_from_args
 from kiln.process_signals import exit_if_stopped
 from kiln.sampling_params import RequestOutputKind
@@ -60,6 +61,10 @@ def run(args: argparse.Namespace) -> int:
     if args.quick is not None and not args.quick.strip():  # a turn the model would answer
         raise ValueError("--quick needs a message to send, got an empty one; leave --quick "
                          "out to chat one line at a time")
+    for flag, text in (("--system", args.system), ("--quick", args.quick)):
+        # bytes that are not UTF-8 (lone surrogates): every turn failed, blamed on "messages"
+        if text is not None and (problem := not_utf8(text)) is not None:
+            raise ValueError(f"{flag} {problem}: pass UTF-8 text")
     if args.skip_tokenizer_init:  # found after the model loaded, at the first turn
         raise ValueError("kiln chat renders and tokenizes text, which needs the tokenizer: "
                          "drop --skip-tokenizer-init")
@@ -129,14 +134,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def not_utf8(text: str) -> str | None:
-    """Why text read from stdin or argv cannot be a prompt ("not UTF-8 text (byte 0xff at
-    character 3)"), or None: bytes that are not UTF-8 reach Python as lone surrogates
-    (U+DC80-U+DCFF stand for bytes 0x80-0xFF), which no tokenizer takes."""
-    bad = next((i for i, ch in enumerate(text) if "\ud800" <= ch <= "\udfff"), None)
-    if bad is None:
+def _not_utf8(line: str) -> str | None:
+    """Why a line read from stdin cannot be a turn, or None."""
+    problem = not_utf8(line)
+    if problem is None:
         return None
-    ch = text[bad]
-    what = (f"byte 0x{ord(ch) - 0xDC00:02x}" if "\udc80" <= ch <= "\udcff"
-            else f"a lone surrogate {ch!r}")
-    return f"not UTF-8 text ({what} at character {bad})"
+    return f"the line {problem}; nothing was sent, type the turn again in UTF-8"

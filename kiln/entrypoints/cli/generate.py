@@ -8,7 +8,7 @@ import json
 import sys
 
 from kiln.engine.arg_utils import EngineArgs
-from kiln.entrypoints.cli.chat import not_utf8
+from kiln.engine.text_encoding import not_utf8
 from kiln.entrypoints.cli.sampling_args import add_sampling_args, sampling_params_from_args
 from kiln.process_signals import exit_if_stopped
 
@@ -35,8 +35,8 @@ def run(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read().removesuffix("\n")
     if not prompt:
         raise ValueError("prompt is empty: pass it as an argument or on stdin")
-    if (problem := not_utf8(prompt)) is not None:  # said before the model loads, as bytes
-        raise ValueError(f"the prompt is {problem}: pass UTF-8 text")
+    if (problem := not_utf8(prompt)) is not None:  # said before the model loads
+        raise ValueError(f"the prompt {problem}: pass UTF-8 text")
     extra = dict(n=args.n, logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs)
     sampling_params_from_args(args, **extra)  # a bad flag fails before the model loads
     if args.skip_tokenizer_init:  # the engine's error, after loading, asked for token ids

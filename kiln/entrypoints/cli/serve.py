@@ -107,6 +107,7 @@ def settings_from_args(args: argparse.Namespace):
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
                          "hermes, llama3_json)")
+    from kiln.entrypoints.openai.serving_models import check_served_names
     from kiln.entrypoints.openai.structured_fields import parse_structured_outputs_config
 
     no_whitespace = parse_structured_outputs_config(args.structured_outputs_config)
@@ -125,6 +126,7 @@ def settings_from_args(args: argparse.Namespace):
                          f"{args.graceful_shutdown_timeout}")
     if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
         raise ValueError(f"--served-model-name must not be empty, got {args.served_model_name}")
+    check_served_names(args.served_model_name or [])  # before the model loads
     api_key = args.api_key or env_api_key()
     if api_key is not None and api_key != api_key.strip():
         # HTTP strips a header value's outer whitespace: no client could ever send this key.

@@ -43,7 +43,7 @@ from kiln.entrypoints.openai.protocol import (
 from kiln.entrypoints.openai.server_settings import ServerSettings
 from kiln.entrypoints.openai.serving_chat import ServingChat
 from kiln.entrypoints.openai.serving_completion import ServingCompletion
-from kiln.entrypoints.openai.serving_models import ServingModels
+from kiln.entrypoints.openai.serving_models import ServingModels, displayable
 from kiln.entrypoints.openai.serving_tokenization import ServingTokenization
 from kiln.logger import init_logger
 from kiln.worker.host_memory import freeze_gc_heap
@@ -54,7 +54,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     from kiln.model.loader.default_model import model_display_name
 
     model_config = llm.kiln_config.model_config
-    name = model_display_name(str(model_config.model))
+    name = displayable(model_display_name(str(model_config.model)))
     models = ServingModels(settings.served_model_names or [name], name, llm.max_model_len)
     llm.max_sequences_per_request = settings.max_sequences_per_request
     cache = llm.kiln_config.cache_config

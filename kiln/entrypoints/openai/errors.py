@@ -41,6 +41,15 @@ class OpenAIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+class OpenAIBodyError(StarletteHTTPException):
+    """An OpenAIError found while FastAPI reads a request's body, where only an HTTPException
+    passes through as itself (anything else is a bare "There was an error parsing the body")."""
+
+    def __init__(self, error: OpenAIError):
+        super().__init__(error.status, error.message)
+        self.error = error
+
+
 def error_body(message: str, status: int, param: str | None = None,
                code: str | None = None) -> dict:
     return OpenAIError(message, status=status, param=param, code=code).body()
@@ -132,6 +141,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
+        if isinstance(exc, OpenAIBodyError):
+            return exc.error.response()
         try:
             phrase = HTTPStatus(exc.status_code).phrase
         except ValueError:

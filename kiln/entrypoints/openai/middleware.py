@@ -53,7 +53,9 @@ class ApiKeyMiddleware:
     def __init__(self, app, api_key: str, open_paths: tuple[str, ...] = ("/health",),
                  body_bytes: int = 4 * 1024 * 1024, body_timeout: float | None = 30.0):
         self.app = app
-        self.expected = api_key.encode()
+        # The key's bytes as given: ones that are not UTF-8 ($KILN_API_KEY, --api-key) reach
+        # Python as lone surrogates, which a plain encode() refused as the server started.
+        self.expected = api_key.encode("utf-8", "surrogateescape")
         self.open_paths = frozenset(open_paths)
         self.body_bytes, self.body_timeout = body_bytes, body_timeout
 
