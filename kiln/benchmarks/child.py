@@ -2,11 +2,13 @@
 
 A child refusing its arguments (exit 2 after one "error: ..." line, as the `kiln` command does)
 is that ValueError again; other failures and a run past the benchmark's --timeout are
-RuntimeErrors naming the command.
+RuntimeErrors naming the command, which the benchmark's command prints as one "error: ..." line
+(print_report).
 """
 import json
 import shlex
 import subprocess
+import sys
 import time
 
 from kiln.entrypoints.cli.main import USAGE_ERROR_EXIT
@@ -37,3 +39,16 @@ def run_json_child(argv: list[str], *, timeout: float | None, env: dict | None =
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
         raise RuntimeError(f"`{shlex.join(argv)}` failed (exit {proc.returncode}):\n{tail}")
     return json.loads(lines[-1]), wall
+
+
+def print_report(make_report) -> int:
+    """`kiln bench compile/startup`'s end: make_report()'s report printed as one JSON line (exit
+    0), or the RuntimeError of a child that failed or ran past --timeout as one "error: ..."
+    line (exit 1)."""
+    try:
+        report = make_report()
+    except RuntimeError as e:  # a start-up process failed or ran past --timeout: say which
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(report), flush=True)
+    return 0

@@ -1,223 +1,26 @@
 """Per-step decode latency of LLMEngine.step at fixed batch sizes, for several compilation
 configs in one process, with speedups vs the first; on CPU the engines take turns on each batch.
 """
-import dataclasses
-import math
-import statistics
-import time
-
+from kiln.benchmarks.decode_steps import (
+    STEPS_PER_TURN,
+    measure_batch,
+    start_batch,
+    summarize_ms,
+    time_steps,
+    turn_lengths,
+)
+from kiln.benchmarks.engine_probe import engine_model
+from kiln.benchmarks.latency_subject import Subject, start_subject
 from kiln.benchmarks.linear_floor import LinearFloor, above_floor, speedup_ceiling
-from kiln.benchmarks.throughput import random_prompts
 from kiln.config.compilation_config import spec_to_dict
 from kiln.engine.arg_utils import EngineArgs
-from kiln.logger import init_logger
-
-logger = init_logger(__name__)
 
 DEFAULT_COMPARE = ["0", "3"]
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated q-th percentile (0..100) of a non-empty list."""
-    data = sorted(values)
-    pos = (len(data) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
-
-
-def summarize_ms(seconds: list[float]) -> dict:
-    ms = [s * 1000 for s in seconds]
-    # Unrounded, so ratios computed from the report equal the report's own ratios.
-    return {"median_ms": statistics.median(ms), "p90_ms": percentile(ms, 90),
-            "mean_ms": statistics.fmean(ms), "min_ms": min(ms), "max_ms": max(ms),
-            "num_steps": len(ms)}
 
 
 def merge_spec(base, spec) -> dict:
     """A --compare item on top of the engine's -O: the item's fields win."""
     return {**spec_to_dict(base), **spec_to_dict(spec)}
-
-
-def check_plan(batch_sizes: list[int], input_len: int, num_steps: int, warmup_steps: int,
-               max_num_seqs: int, max_model_len: int) -> None:
-    if not batch_sizes or min(batch_sizes) < 1:
-        raise ValueError(f"--batch-sizes must be positive integers, got {batch_sizes}")
-    if input_len < 1 or num_steps < 1 or warmup_steps < 0:
-        raise ValueError(f"--input-len and --num-steps must be >= 1 and --warmup-steps >= 0, got "
-                         f"{input_len}, {num_steps}, {warmup_steps}")
-    if max(batch_sizes) > max_num_seqs:
-        raise ValueError(f"batch size {max(batch_sizes)} exceeds max_num_seqs ({max_num_seqs}): "
-                         "raise --max-num-seqs so the whole batch decodes in one step")
-    if input_len + warmup_steps + num_steps + 2 > max_model_len:
-        raise ValueError(f"--input-len {input_len} + --warmup-steps {warmup_steps} + --num-steps "
-                         f"{num_steps} (+2) exceeds max_model_len {max_model_len}; shorten them "
-                         "or raise --max-model-len")
-
-
-def check_kv_capacity(batch_size: int, tokens_per_request: int, num_blocks: int,
-                      block_size: int) -> None:
-    need = batch_size * math.ceil(tokens_per_request / block_size)
-    if need > num_blocks:
-        raise ValueError(f"batch {batch_size} x {tokens_per_request} tokens needs {need} KV blocks, "
-                         f"the cache has {num_blocks}: requests would be preempted mid-measurement. "
-                         "Raise --kv-cache-memory (CPU) / --gpu-memory-utilization, or lower "
-                         "--batch-sizes / --num-steps")
-
-
-def _check_decode_step(outs, batch_size: int, what: str) -> None:
-    tokens = [len(o.outputs[0].token_ids) for o in outs if o.outputs]
-    if len(outs) != batch_size or tokens != [1] * batch_size or any(o.finished for o in outs):
-        raise RuntimeError(f"{what}: expected {batch_size} requests each decoding one token, got "
-                           f"{len(outs)} outputs with {tokens} new tokens (preempted or finished "
-                           "early?); raise --kv-cache-memory or --max-model-len")
-
-
-STEPS_PER_TURN = 4  # interleaved runs: timed steps each engine takes per turn
-
-
-def turn_lengths(num_steps: int, per_turn: int = STEPS_PER_TURN) -> list[int]:
-    """num_steps cut into turns of per_turn (the last may be shorter)."""
-    return [min(per_turn, num_steps - i) for i in range(0, num_steps, per_turn)]
-
-
-def start_batch(engine, prompts: list[list[int]], warmup_steps: int, max_tokens: int,
-                tag: str) -> list[str]:
-    """Add the prompts, step until every one has its first token, then `warmup_steps` untimed
-    decode steps; returns the request ids (abort them when done)."""
-    from kiln.sampling_params import RequestOutputKind, SamplingParams
-
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens,
-                            output_kind=RequestOutputKind.DELTA)
-    ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts):
-        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-    try:
-        started: set[str] = set()
-        for _ in range(sum(map(len, prompts)) + 1):  # a prefill step computes >= 1 token
-            started.update(o.request_id for o in engine.step()
-                           if o.outputs and o.outputs[0].token_ids)
-            if len(started) == len(prompts):
-                break
-        else:
-            raise RuntimeError(f"{tag}: prefill did not finish for every request")
-        for i in range(warmup_steps):
-            _check_decode_step(engine.step(), len(prompts), f"{tag} warm-up step {i}")
-    except BaseException:
-        engine.abort_request(ids)
-        raise
-    return ids
-
-
-def time_steps(engine, num_steps: int, batch_size: int, tag: str) -> list[float]:
-    """Seconds per LLMEngine.step for num_steps steps in which every request decodes one token."""
-    times = []
-    for i in range(num_steps):
-        start = time.perf_counter()
-        outs = engine.step()  # returns sampled tokens on the host: the step has finished
-        times.append(time.perf_counter() - start)
-        _check_decode_step(outs, batch_size, f"{tag} step {i}")
-    return times
-
-
-def measure_batch(engine, prompts: list[list[int]], num_steps: int, warmup_steps: int,
-                  max_tokens: int, tag: str) -> list[float]:
-    """Seconds per LLMEngine.step for `num_steps` steps in which every prompt decodes one token."""
-    ids = start_batch(engine, prompts, warmup_steps, max_tokens, tag)
-    try:
-        return time_steps(engine, num_steps, len(prompts), tag)
-    finally:
-        engine.abort_request(ids)
-
-
-def engine_runner(engine):
-    """The model runner of an in-process engine's worker (None behind other executors: its
-    ranks hold theirs)."""
-    executor = getattr(engine.engine_core, "executor", None)
-    return getattr(getattr(executor, "worker", None), "model_runner", None)
-
-
-def engine_model(engine):
-    """The model of an in-process engine's worker (None behind other executors)."""
-    return getattr(engine_runner(engine), "model", None)
-
-
-def model_weight_bytes(engine) -> int | None:
-    """Bytes of the model's parameters and buffers (what one decode step must read at least)."""
-    model = engine_model(engine)
-    if model is None:
-        return None
-    tensors = list(model.parameters()) + list(model.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)  # meta: let go
-
-
-@dataclasses.dataclass
-class Subject:
-    """One compilation config's engine under test, with what the report says about it."""
-    label: str
-    spec: dict
-    engine_args: EngineArgs
-    engine: object
-    kiln_config: object
-    startup_s: float
-    weight_bytes: int | None
-    cudagraph_mode: str  # as the model runner resolved it (the request may be downgraded)
-    results: dict = dataclasses.field(default_factory=dict)
-
-    def prompts(self, batch_size: int, input_len: int) -> list[list[int]]:
-        mc = self.kiln_config.model_config
-        exclude = set(getattr(self.engine.tokenizer, "all_special_ids", []))
-        return random_prompts(batch_size, input_len, mc.vocab_size,
-                              self.engine_args.seed + batch_size, exclude)
-
-    def max_tokens(self, input_len: int) -> int:
-        """Generation budget of a prompt of input_len (the bench aborts long before it)."""
-        return self.kiln_config.model_config.max_model_len - input_len
-
-    def record(self, batch_size: int, times: list[float]) -> None:
-        self.results[str(batch_size)] = summarize_ms(times)
-        logger.info("bench latency: %s batch %d: median %.3f ms/step", self.label, batch_size,
-                    self.results[str(batch_size)]["median_ms"])
-
-    def report(self) -> dict:
-        cc, mc = self.kiln_config.compilation_config, self.kiln_config.model_config
-        return {"spec": self.label, "compilation_config": self.spec,
-                "compilation_mode": int(cc.mode), "cudagraph_mode": self.cudagraph_mode,
-                "startup_s": self.startup_s,
-                "model_weight_bytes": self.weight_bytes, "model": mc.model,
-                "dtype": str(mc.torch_dtype).removeprefix("torch."),
-                "device": self.kiln_config.device_config.device, "results": self.results}
-
-
-def start_subject(label: str, spec: dict, engine_args: EngineArgs, batch_sizes: list[int],
-                  input_len: int, num_steps: int, warmup_steps: int) -> Subject:
-    """Check the plan against this config's limits, then build its engine."""
-    from kiln.engine.llm_engine import LLMEngine
-
-    args = dataclasses.replace(engine_args, compilation_config=spec)
-    kiln_config = args.create_kiln_config()
-    mc, sched, cache = (kiln_config.model_config, kiln_config.scheduler_config,
-                        kiln_config.cache_config)
-    check_plan(batch_sizes, input_len, num_steps, warmup_steps, sched.max_num_seqs,
-               mc.max_model_len)
-    start = time.perf_counter()
-    # In this process: a core process runs ahead of step(), and the model is read here.
-    engine = LLMEngine(kiln_config, multiprocess=False)
-    startup_s = time.perf_counter() - start
-    runner = engine_runner(engine)
-    # -tp / -pp: the ranks resolve the mode; the report gives the one asked for
-    cudagraph_mode = (runner.cudagraph_dispatcher.cudagraph_mode.name if runner is not None
-                      else f"{kiln_config.compilation_config.cudagraph_mode} (requested)")
-    subject = Subject(label, spec, args, engine, kiln_config, startup_s,
-                      model_weight_bytes(engine), cudagraph_mode)
-    try:
-        for b in batch_sizes:
-            check_kv_capacity(b, input_len + warmup_steps + num_steps + 2,
-                              engine.engine_core.num_blocks,
-                              cache.block_size)
-    except ValueError:
-        engine.shutdown()
-        raise
-    return subject
 
 
 def run_one_after_another(configs: list[tuple[str, dict]], plan: dict,

@@ -146,7 +146,7 @@ def _timed_engine_run(kiln_config, prompts_for, output_len: int, multiprocess: b
     bytes, prompts, tokenizer). In this process by default (as the latency benchmark): the
     figures read the executor and the model. `multiprocess`: the core in its own process, as
     `LLM` runs it (no communication or weight figures then)."""
-    from kiln.benchmarks.latency import model_weight_bytes
+    from kiln.benchmarks.engine_probe import model_weight_bytes
     from kiln.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(kiln_config, multiprocess=multiprocess)
@@ -180,7 +180,7 @@ def _compare_rounds(quant_config, base_config, seeded_prompts, output_len: int, 
                     multiprocess: bool) -> dict:
     """Both engines built up front, then alternated rounds (alternated_rounds): the report's
     per-round figures and the median round's (the lower middle one of an even count)."""
-    from kiln.benchmarks.latency import model_weight_bytes
+    from kiln.benchmarks.engine_probe import model_weight_bytes
     from kiln.engine.llm_engine import LLMEngine
 
     engines = []

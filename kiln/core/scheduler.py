@@ -2,7 +2,8 @@
 
 A per-step token budget, chunked prefill, running requests before waiting ones, and preemption
 by recompute when the KV cache runs out of blocks; --scheduling-policy (request_queue.py) orders
-the queues and picks the preempted: arrival order (fcfs) or (priority, arrival) (priority).
+the queues and picks the preempted: arrival order (fcfs) or (priority, arrival) (priority);
+preemption, a failed step undone and the prefix cache reset requeue requests (requeueing.py).
 """
 import bisect
 import itertools
@@ -20,15 +21,13 @@ from kiln.core.outputs import (
 )
 from kiln.core.request import Request, RequestStatus
 from kiln.core.request_progress import grammar_error_output, step_output, unschedulable_output
-from kiln.core.request_queue import WaitingQueue, order_key, preemption_victim
+from kiln.core.request_queue import WaitingQueue, order_key
+from kiln.core.requeueing import Requeueing
 from kiln.core.stats import SchedulerStats
-from kiln.logger import init_logger
 from kiln.structured_output.manager import StructuredOutputManager
 
-logger = init_logger(__name__)
 
-
-class Scheduler:
+class Scheduler(Requeueing):
     def __init__(self, kiln_config, num_blocks: int, max_model_len: int | None = None):
         """`num_blocks`: the KV cache's size in blocks, as the engine core settled it;
         `max_model_len`: the length it settled (below the config's where the cache caps it)."""
@@ -217,21 +216,6 @@ class Scheduler:
                 self._release(request)
         return outputs
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        """Forget every cached block hash (stale after new weights); False while requests hold
-        blocks, unless `reset_running_requests` requeues them first, to be recomputed (vLLM's)."""
-        if reset_running_requests:
-            # Preempted as in vLLM, which counts them: their K/V is recomputed like any victim's.
-            for request in self.running:
-                request.num_preemptions += 1
-            self.num_preemptions += len(self.running)
-            self._undo(dict.fromkeys(r.request_id for r in self.running))
-        if self.kv_cache_manager.reset_prefix_cache():
-            return True
-        logger.warning("prefix cache not reset: running requests hold KV blocks "
-                       "(reset_running_requests=True requeues them)")
-        return False
-
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         return SchedulerStats(
@@ -241,61 +225,6 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_stats.hits, num_preemptions=self.num_preemptions)
 
     # ---- helpers ------------------------------------------------------------------------------
-    def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
-        """Allocate for a running request, preempting lower-priority ones until it fits.
-
-        Returns the new block ids, or None when `request` itself was preempted or ended.
-        """
-        kv = self.kv_cache_manager
-        while True:
-            new_block_ids = kv.allocate_slots(request, num_new)
-            if new_block_ids is not None:
-                return new_block_ids
-            # Running is in the policy's order: the victim was not scheduled yet (or is `request`).
-            victim = preemption_victim(self.running, self._key)
-            self.running = [r for r in self.running if r is not victim]
-            if victim is not request:
-                self._preempt(victim)
-                continue
-            needed = request.num_computed_tokens + num_new
-            if kv.num_blocks_for(needed) > kv.num_blocks:
-                self._finish_unschedulable(request, needed)
-            else:
-                self._preempt(request)
-            return None
-
-    def undo_step(self, scheduler_output: SchedulerOutput) -> None:
-        """The step's forward raised (Ctrl-C in LLM.generate, a failed kernel): nothing it
-        scheduled was computed, so its requests go back to the front of the queue and are
-        computed again from scratch, as after a preemption, and a caller that goes on stepping
-        gets the same tokens as without the failure."""
-        self._undo(scheduler_output.num_scheduled_tokens)
-
-    def _undo(self, num_scheduled: dict[str, int]) -> None:
-        scheduled = {id(r) for r in map(self.requests.get, num_scheduled) if r is not None}
-        undone = [r for r in self.running if id(r) in scheduled]
-        self.running = [r for r in self.running if id(r) not in scheduled]
-        # Latest first onto the front of the queue: the earliest ends up first again.
-        for request in sorted(undone, key=self._key, reverse=True):
-            self._requeue(request)
-
-    def _preempt(self, request: Request) -> None:
-        self._requeue(request)
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        logger.info("preempted request %s (KV cache full; it will be recomputed); "
-                    "%d preemptions so far", request.request_id, self.num_preemptions)
-
-    def _requeue(self, request: Request) -> None:
-        """Back to the front of the queue with its blocks freed, to be recomputed; the runner
-        is told to drop its state (it re-adds the request when it is scheduled again)."""
-        self.kv_cache_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        self.waiting.prepend(request)
-        self.preempted_req_ids.add(request.request_id)
-        self.finished_req_ids.add(request.request_id)
-
     def _key(self, request: Request) -> tuple:
         return self._order[request.request_id]
 

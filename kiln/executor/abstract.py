@@ -60,3 +60,39 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Release workers and their resources; safe to call twice."""
+
+
+class RankFanOutExecutor(Executor):
+    """An executor whose ranks run in processes of their own (multiproc, Ray): every call goes
+    to all ranks through `_run_on_all`, which also times the scheduler outputs it delivers
+    (`broadcast_seconds`, `broadcast_calls`, set by the subclass with `world_size`)."""
+
+    @abstractmethod
+    def _run_on_all(self, method: str, *args) -> list:
+        """Call the rank workers' `method` on every rank; their replies, in rank order."""
+
+    def determine_num_blocks(self) -> int:
+        return min(self._run_on_all("determine_num_blocks"))
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self._run_on_all("initialize_cache", num_blocks)
+
+    def compile_or_warm_up_model(self) -> None:
+        self._run_on_all("compile_or_warm_up_model")
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        replies = self._run_on_all("execute_model", scheduler_output)
+        return next(r for r in replies if r is not None)
+
+    def comm_stats(self) -> dict:
+        per_rank = self._run_on_all("comm_stats")
+        return {"world_size": self.world_size,
+                "scheduler_output_broadcast_s": self.broadcast_seconds,
+                "scheduler_output_broadcasts": self.broadcast_calls, "ranks": per_rank}
+
+    def compile_stats(self) -> list[dict]:
+        return self._run_on_all("compile_stats")
+
+    def reset_comm_stats(self) -> None:
+        self._run_on_all("reset_comm_stats")
+        self.broadcast_seconds, self.broadcast_calls = 0.0, 0

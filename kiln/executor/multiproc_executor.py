@@ -20,9 +20,8 @@ import weakref
 
 from kiln import envs
 from kiln.core.core_messages import failure_report
-from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kiln.distributed.model_split import check_parallel_split
-from kiln.executor.abstract import Executor
+from kiln.executor.abstract import RankFanOutExecutor
 from kiln.executor.free_port import free_port
 from kiln.executor.rank_errors import STARTUP_TIMEOUT_S, WorkerFailedError, startup_error, unanswered_message
 from kiln.logger import init_logger
@@ -87,7 +86,7 @@ def _exit_description(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RankFanOutExecutor):
     def __init__(self, kiln_config):
         super().__init__(kiln_config)
         check_parallel_split(kiln_config)
@@ -224,32 +223,6 @@ class MultiprocExecutor(Executor):
                 self._stop(f"{method} was interrupted ({type(e).__name__}) before every rank "
                            "answered; create a new engine")
             raise
-
-    def determine_num_blocks(self) -> int:
-        return min(self._run_on_all("determine_num_blocks"))
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        self._run_on_all("initialize_cache", num_blocks)
-
-    def compile_or_warm_up_model(self) -> None:
-        self._run_on_all("compile_or_warm_up_model")
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        replies = self._run_on_all("execute_model", scheduler_output)
-        return next(r for r in replies if r is not None)
-
-    def comm_stats(self) -> dict:
-        per_rank = self._run_on_all("comm_stats")
-        return {"world_size": self.world_size,
-                "scheduler_output_broadcast_s": self.broadcast_seconds,
-                "scheduler_output_broadcasts": self.broadcast_calls, "ranks": per_rank}
-
-    def compile_stats(self) -> list[dict]:
-        return self._run_on_all("compile_stats")
-
-    def reset_comm_stats(self) -> None:
-        self._run_on_all("reset_comm_stats")
-        self.broadcast_seconds, self.broadcast_calls = 0.0, 0
 
     # ---- shutdown ------------------------------------------------------------------------
     @staticmethod

@@ -21,9 +21,8 @@ import msgspec
 
 from kiln import envs
 from kiln.core.core_messages import failure_report
-from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kiln.distributed.model_split import check_parallel_split
-from kiln.executor.abstract import Executor
+from kiln.executor.abstract import RankFanOutExecutor
 from kiln.executor.rank_errors import STARTUP_TIMEOUT_S, WorkerFailedError, startup_error, unanswered_message
 from kiln.executor.ray_placement import (
     check_ray_address,
@@ -66,7 +65,7 @@ def _init_keeping_sigterm(ray) -> None:
         signal.signal(signal.SIGTERM, handler)
 
 
-class RayExecutor(Executor):
+class RayExecutor(RankFanOutExecutor):
     idle_check_s = 1.0  # one ping per actor a second: next to nothing beside Ray's own RPCs
 
     def __init__(self, kiln_config):
@@ -246,32 +245,6 @@ class RayExecutor(Executor):
             self.broadcast_calls += 1
         timeout = self.step_timeout_s if method == "execute_model" else None
         return self._gather(refs, method, timeout)
-
-    def determine_num_blocks(self) -> int:
-        return min(self._run_on_all("determine_num_blocks"))
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        self._run_on_all("initialize_cache", num_blocks)
-
-    def compile_or_warm_up_model(self) -> None:
-        self._run_on_all("compile_or_warm_up_model")
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return next(r for r in self._run_on_all("execute_model", scheduler_output)
-                    if r is not None)
-
-    def comm_stats(self) -> dict:
-        return {"world_size": self.world_size,
-                "scheduler_output_broadcast_s": self.broadcast_seconds,
-                "scheduler_output_broadcasts": self.broadcast_calls,
-                "ranks": self._run_on_all("comm_stats")}
-
-    def compile_stats(self) -> list[dict]:
-        return self._run_on_all("compile_stats")
-
-    def reset_comm_stats(self) -> None:
-        self._run_on_all("reset_comm_stats")
-        self.broadcast_seconds, self.broadcast_calls = 0.0, 0
 
     def shutdown(self, graceful: bool = True) -> None:
         ray = self.ray

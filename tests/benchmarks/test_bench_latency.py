@@ -7,16 +7,9 @@ import sys
 import pytest
 
 from kiln.benchmarks import latency
-from kiln.benchmarks.latency import (
-    check_kv_capacity,
-    check_plan,
-    merge_spec,
-    percentile,
-    run_latency,
-    speedups,
-    summarize_ms,
-    turn_lengths,
-)
+from kiln.benchmarks.decode_steps import percentile, summarize_ms, turn_lengths
+from kiln.benchmarks.latency import merge_spec, run_latency, speedups
+from kiln.benchmarks.latency_subject import check_kv_capacity, check_plan
 from kiln.engine.arg_utils import EngineArgs
 
 SMALL = ["--kv-cache-memory", "0.01", "--max-model-len", "64", "--max-num-seqs", "8",

@@ -33,7 +33,7 @@ def test_a_tied_q8_0_table_read_from_the_heads_blocks_gives_the_dense_tables_tok
     """The default model's shape: a tied Q8_0 token_embd. The embedding looks its rows up in the
     head's blocks (gguf_embedding) in modes 0 and 3, the dense table let go; with the op's torch
     reference first it keeps the dense table. All three give the same tokens."""
-    from kiln.benchmarks.latency import engine_model
+    from kiln.benchmarks.engine_probe import engine_model
 
     from checkpoints import make_tiny_checkpoint
 

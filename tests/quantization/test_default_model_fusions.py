@@ -7,7 +7,7 @@ so the passes run three times: per layer is first + (layers - 1) x middle + last
 import pytest
 
 from kiln import LLM, SamplingParams
-from kiln.benchmarks.latency import engine_model
+from kiln.benchmarks.engine_probe import engine_model
 from kiln.native import int8_ops
 
 # 31 cold piece compiles (tests/quantization/test_w8a8_generation.py checks the same counts on a

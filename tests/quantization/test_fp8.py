@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.benchmarks.latency import engine_model
+from kiln.benchmarks.engine_probe import engine_model
 from kiln.ir import quant_fp8
 from kiln.model.layers.linear import LinearBase
 from kiln.model.layers.quantization.fp8 import quantize_weight_fp8

@@ -9,7 +9,7 @@ calls the fused ops' native kernels.
 import pytest
 
 from kiln import LLM, SamplingParams
-from kiln.benchmarks.latency import engine_model
+from kiln.benchmarks.engine_probe import engine_model
 from kiln.native import int8_ops
 
 from checkpoints import make_tiny_checkpoint, random_prompts

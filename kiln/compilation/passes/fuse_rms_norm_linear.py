@@ -8,7 +8,6 @@ residual's later users. Float32 only (the kernel's exact path; bfloat16 gains no
 """
 import operator
 
-import torch
 from torch import fx
 
 from kiln import ir
@@ -17,11 +16,10 @@ from kiln.compilation.passes.fx_match import (
     all_float32,
     call_args,
     getitem_of,
-    linear_calls,
     linear_operands,
     only_user,
 )
-from kiln.compilation.passes.pass_manager import KilnInductorPass
+from kiln.compilation.passes.linear_fusion import LinearFusionPass
 
 # linear IR op -> the fused op that ends in it
 FUSED = {"linear": "add_rms_norm_linear", "gguf_linear": "add_rms_norm_gguf_linear"}
@@ -46,26 +44,15 @@ def match(linear: fx.Node) -> dict | None:
             "args": (x, residual, norm_weight, eps)}
 
 
-class FuseAddRmsNormLinear(KilnInductorPass):
-    """`linear_ops`: the names of the linear IR ops it fuses into (both by default)."""
-    def __init__(self, linear_ops=tuple(FUSED)):
-        self.linear_ops = tuple(linear_ops)
-
-    def factors(self) -> dict:
-        return {"linear_ops": self.linear_ops}
+class FuseAddRmsNormLinear(LinearFusionPass):
+    FUSED = FUSED
 
     def __call__(self, graph: fx.Graph) -> None:
-        ops = {ir.REGISTRY[name].packet: FUSED[name] for name in self.linear_ops}
-        for linear in linear_calls(graph, [ir.REGISTRY[n] for n in self.linear_ops]):
-            found = match(linear)
-            if found is None:
-                continue
+        for linear, found, fused_op in self.fusable(graph, match):
             norm = found["norm"]
             # At the norm's place: its operands are ready there, the linear's weights always.
             with graph.inserting_before(norm):
-                fused = graph.call_function(
-                    getattr(torch.ops.kiln, ops[linear.target]).default,
-                    (*found["args"], *call_args(linear)[1:]))
+                fused = graph.call_function(fused_op, (*found["args"], *call_args(linear)[1:]))
                 out = graph.call_function(operator.getitem, (fused, 0))
                 total = graph.call_function(operator.getitem, (fused, 1))
             total_val = norm.meta["val"][1]

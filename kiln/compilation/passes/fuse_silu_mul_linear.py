@@ -3,7 +3,6 @@ MLP's down projection) becomes one `kiln::silu_mul_linear` (`silu_mul_gguf_linea
 CPU kernel in csrc/linear_op.cpp, the activation by the native C kernel), saving a call between
 the two. Float32 only.
 """
-import torch
 from torch import fx
 
 from kiln import ir
@@ -11,11 +10,10 @@ from kiln.compilation.passes import fx_match
 from kiln.compilation.passes.fx_match import (
     all_float32,
     call_args,
-    linear_calls,
     linear_operands,
     only_user,
 )
-from kiln.compilation.passes.pass_manager import KilnInductorPass
+from kiln.compilation.passes.linear_fusion import LinearFusionPass
 
 # linear IR op -> the fused op that ends in it
 FUSED = {"linear": "silu_mul_linear", "gguf_linear": "silu_mul_gguf_linear"}
@@ -32,24 +30,13 @@ def match(linear: fx.Node) -> fx.Node | None:
     return act
 
 
-class FuseSiluMulLinear(KilnInductorPass):
-    """`linear_ops`: the names of the linear IR ops it fuses into (both by default)."""
-    def __init__(self, linear_ops=tuple(FUSED)):
-        self.linear_ops = tuple(linear_ops)
-
-    def factors(self) -> dict:
-        return {"linear_ops": self.linear_ops}
+class FuseSiluMulLinear(LinearFusionPass):
+    FUSED = FUSED
 
     def __call__(self, graph: fx.Graph) -> None:
-        ops = {ir.REGISTRY[name].packet: FUSED[name] for name in self.linear_ops}
-        for linear in linear_calls(graph, [ir.REGISTRY[n] for n in self.linear_ops]):
-            act = match(linear)
-            if act is None:
-                continue
+        for linear, act, fused_op in self.fusable(graph, match):
             with graph.inserting_before(linear):
-                fused = graph.call_function(
-                    getattr(torch.ops.kiln, ops[linear.target]).default,
-                    (act.args[0], *call_args(linear)[1:]))
+                fused = graph.call_function(fused_op, (act.args[0], *call_args(linear)[1:]))
             fused.meta["val"] = linear.meta["val"]
             linear.replace_all_uses_with(fused)
             graph.erase_node(linear)

@@ -3,8 +3,6 @@
 Each start is a separate `kiln compile --json` process on a fresh temporary cache directory.
 """
 import argparse
-import json
-import sys
 
 from kiln.engine.arg_utils import EngineArgs
 
@@ -24,14 +22,9 @@ def register_bench(kinds) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kiln.benchmarks.child import check_timeout
+    from kiln.benchmarks.child import check_timeout, print_report
     from kiln.benchmarks.compile import run_compile_bench
 
     check_timeout(args.timeout)
-    try:
-        report = run_compile_bench(EngineArgs.from_cli_args(args), args.keep_cache, args.timeout)
-    except RuntimeError as e:  # a start-up process failed or ran past --timeout: say which
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(json.dumps(report), flush=True)
-    return 0
+    return print_report(lambda: run_compile_bench(EngineArgs.from_cli_args(args),
+                                                  args.keep_cache, args.timeout))

@@ -2,8 +2,6 @@
 JSON line (each run a fresh process: the first may compile, the last is reported).
 """
 import argparse
-import json
-import sys
 from dataclasses import fields
 
 from kiln.engine.arg_utils import EngineArgs
@@ -26,7 +24,7 @@ def register_bench(kinds) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kiln.benchmarks.child import check_timeout
+    from kiln.benchmarks.child import check_timeout, print_report
     from kiln.benchmarks.startup import run_startup_bench
 
     if args.runs < 1 or args.max_tokens < 1:
@@ -36,10 +34,5 @@ def run(args: argparse.Namespace) -> int:
     default = EngineArgs()
     kwargs = {f.name: getattr(engine_args, f.name) for f in fields(EngineArgs)
               if getattr(engine_args, f.name) != getattr(default, f.name)}
-    try:
-        report = run_startup_bench(kwargs, args.prompt, args.max_tokens, args.runs, args.timeout)
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(json.dumps(report), flush=True)
-    return 0
+    return print_report(lambda: run_startup_bench(kwargs, args.prompt, args.max_tokens, args.runs,
+                                                  args.timeout))
