@@ -206,9 +206,9 @@ class IncrementalDetokenizer:
 
         `final` flushes a trailing partial character (the request ends after these tokens).
         `stop_terminated`: the last of these tokens is the stop token (eos, stop_token_ids)
-        that ended the request, kept for include_stop_str_in_output. Its own text is not
-        searched for stop strings (the token is the stop, reported as such, its text whole);
-        the text before it is, settled first: a byte run the token ends was still held back.
+        that ended the request, kept for include_stop_str_in_output. Its text is searched for
+        stop strings as all new text is (vLLM since PR #23938: a stop string found there wins,
+        cut and reported); the text before it is settled first: a byte run the token ends.
         """
         stop_token = new_token_ids[-1:] if stop_terminated else []
         searched = new_token_ids[:len(new_token_ids) - len(stop_token)]
@@ -225,7 +225,6 @@ class IncrementalDetokenizer:
             self.output_text += piece
             if self._num_output_tokens > self.min_tokens:  # else it is too early, as above
                 new_chars += len(piece)
-        stop_text = ""
         if stop_token:
             # The request ends here: the rest of the text by full decodes. What the tokens
             # before the stop token still held back (a byte run it ends) is theirs to search,
@@ -240,13 +239,15 @@ class IncrementalDetokenizer:
                 stop_text = stop_text[len(held):]
                 if self._num_output_tokens - 1 > self.min_tokens:
                     new_chars += len(held)
+            self.output_text += stop_text
+            if self._num_output_tokens > self.min_tokens:
+                new_chars += len(stop_text)
         if self.stop and new_chars:
             hit = find_stop_string(self.output_text, new_chars, self.stop,
                                    self.include_stop_str_in_output)
             if hit is not None:
                 self.output_text = self.output_text[:hit[1]]
                 return hit[0]
-        self.output_text += stop_text
         return None
 
     def _num_settled_tokens(self) -> int:
