@@ -230,3 +230,16 @@ def test_min_tokens_holds_for_text_a_stop_token_releases(tokenizer):
     proc = start(tokenizer, stop=["\n"], min_tokens=3)
     c = run(proc, ids + [EOS], finish="stop")[0][-1].outputs[0]
     assert (c.finish_reason, c.stop_reason, c.text) == ("stop", None, " a\n")
+
+
+def test_a_stop_string_in_a_byte_run_stops_the_request_when_its_last_byte_arrives(tokenizer):
+    # "😀日😀..." spelled in byte tokens: the stop string "日" is whole at its third byte, and
+    # the request stops there (the core is told to finish it) instead of running on to the
+    # end of the run; the emoji before it streamed already.
+    data = "😀日😀😀".encode()
+    ids = [tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in data]
+    proc = start(tokenizer, RequestOutputKind.DELTA, stop=["日"])
+    outs, to_finish = run(proc, ids, finish="length")
+    assert to_finish == ["r"] and len(outs) == len("😀日".encode())
+    assert [o.outputs[0].text for o in outs if o.outputs[0].text] == ["😀"]
+    assert outs[-1].outputs[0].stop_reason == "日"

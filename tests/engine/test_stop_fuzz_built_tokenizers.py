@@ -6,15 +6,14 @@ Reference: the full decode of the output (less the prompt context's own text), c
 first-completing stop string ends; every output kind must agree with it and never take back
 text it showed.
 """
-import os
 import random
 
 import pytest
 
 from kiln.core.outputs import EngineCoreOutput
-from kiln.engine.detokenizer import INITIAL_CONTEXT_TOKENS
 from kiln.engine.output_processor import OutputProcessor
 from kiln.sampling_params import RequestOutputKind, SamplingParams
+from tests.engine.released_text import released_text
 
 pytestmark = pytest.mark.usefixtures("detokenizer_kind")
 
@@ -73,10 +72,7 @@ def built_tokenizer(request):
 
 
 def _full_text(tok, prompt, ids, skip):
-    ctx = list(prompt[-INITIAL_CONTEXT_TOKENS:])
-    joined = tok.decode(ctx + ids, skip_special_tokens=skip)
-    alone = tok.decode(ctx, skip_special_tokens=skip)
-    return joined[len(os.path.commonprefix([joined, alone])):]
+    return released_text(tok, prompt, ids, skip)
 
 
 def _reference_cut(full, stop, include):
