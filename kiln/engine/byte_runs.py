@@ -79,7 +79,8 @@ class ByteRunRelease:
             return self._decode(ids)
         anchor_ids, anchor_text = self._anchor
         text = self._decode(anchor_ids + ids)
-        return text[len(anchor_text):] if text.startswith(anchor_text) else None
+        # (a decoder that changes the anchor's text: the plain decode, at worst a space short)
+        return text[len(anchor_text):] if text.startswith(anchor_text) else self._decode(ids)
 
     def _gain_after_split(self, end: int) -> tuple[str, str]:
         """(new text, all text) of token_ids[_split:end] beyond what was given of it."""
