@@ -19,6 +19,7 @@ released as it arrives. Text after a split is decoded behind an anchor token (se
 import os
 import re
 
+_FFFD = "\ufffd"
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -66,7 +67,8 @@ class ByteRunRelease:
     """Mixin of the incremental detokenizers. Needs token_ids, _decode, _skipped_ids,
     _byte_values, _anchor, _split (token index where the unreleased part of the current run
     begins, None outside a split run), _split_text (the text after the split already given),
-    _split_behind_text (text precedes the split: decode behind the anchor), _run_start,
+    _split_behind_text (text precedes the split: decode behind the anchor), _split_invalid
+    (the decoder gave the part after the split one U+FFFD a byte: it can only grow so), _run_start,
     _num_settled_tokens() and _resume_at(index)."""
 
     def _anchored(self, ids: list[int], behind_text: bool) -> str | None:
@@ -103,7 +105,14 @@ class ByteRunRelease:
             behind = bool(self.output_text) or bool(self._decode(ids[:base]))
             before = self._anchored(ids[base:settled], behind) if base < settled else ""
             self._split, self._split_text, self._run_start = base, before or "", start
-            self._split_behind_text = behind
+            self._split_behind_text, self._split_invalid = behind, False
+        if self._split_invalid:
+            # One U+FFFD a byte from here on, without a decode: a long bad run decoded whole
+            # at each byte took quadratic time (3000 bytes: 4 s).
+            if ids[-1] not in values:
+                return ""
+            self._split_text += _FFFD
+            return _FFFD
         settled = self._num_settled_tokens()
         positions = [j for j in range(max(self._split, self._run_start), len(ids))
                      if ids[j] in values]
@@ -116,6 +125,8 @@ class ByteRunRelease:
         if invalid:  # the rest is one U+FFFD a byte, now and whatever follows in the run
             piece, self._split_text = self._gain_after_split(len(ids))
             out += piece
+            num_bytes = sum(1 for j in range(self._split, len(ids)) if ids[j] in values)
+            self._split_invalid = self._split_text.endswith(_FFFD * num_bytes)
         return out
 
     def _held_text(self, ids: list[int]) -> str:

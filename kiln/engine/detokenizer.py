@@ -157,6 +157,7 @@ class IncrementalDetokenizer(ByteRunRelease):
     _split: int | None = None
     _split_text: str = ""
     _split_behind_text: bool = False
+    _split_invalid: bool = False
     _run_start: int = 0
     _skipped_ids: frozenset = frozenset()
     _decode_ids: Callable[..., str] | None = None

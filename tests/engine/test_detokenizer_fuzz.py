@@ -158,3 +158,17 @@ def test_random_byte_runs_release_whole_characters_at_their_last_byte(tok_with_a
             assert d.output_text == want, (seed, i, prompt, ids)
         d.update([], final=True)
         assert d.output_text == released_text(tok, prompt, ids, skip), (seed, prompt, ids)
+
+
+def test_a_long_bad_byte_run_is_not_decoded_again_at_each_byte(tokenizer):
+    """After the first bad byte each byte of the run is one U+FFFD; decoding the run's rest at
+    every byte took quadratic time (3000 bytes: 4 s)."""
+    d = detokenizer_for_request(tokenizer, tokenizer("Once").input_ids)
+    calls = []
+    decode = d._decode_ids
+    d._decode_ids = lambda ids, **kw: calls.append(len(ids)) or decode(ids, **kw)
+    for t in byte_ids(tokenizer, "😀".encode() + b"\xff" * 500):
+        d.update([t])
+    d.update(tokenizer("a", add_special_tokens=False).input_ids, final=True)
+    assert d.output_text == "😀" + FFFD * 500 + " a"
+    assert sum(calls) < 2000, (len(calls), sum(calls))
