@@ -9,6 +9,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kiln.engine.byte_runs import ByteRunRelease, byte_token_values, cached_anchor
 from kiln.engine.text_encoding import keeps_stock
 
 # Prompt tokens kept as left context, so the first output token decodes with its leading space.
@@ -20,8 +21,8 @@ _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 def byte_fallback_token_ids(tokenizer) -> frozenset[int]:
     """Ids of SentencePiece byte-fallback tokens ("<0xE4>"), cached on the tokenizer.
 
-    A run of them decodes as one unit (an invalid run turns every byte into U+FFFD), so text
-    ending in such a run may still change and is held back until the run ends.
+    A run of them decodes as one unit (an invalid run turns every byte into U+FFFD): see
+    byte_runs for how its characters are released before it ends.
     """
     cached = getattr(tokenizer, "_kiln_byte_token_ids", None)
     if cached is None:
@@ -130,7 +131,7 @@ def find_stop_string(text: str, num_new_chars: int, stop: list[str],
 
 
 @dataclass
-class IncrementalDetokenizer:
+class IncrementalDetokenizer(ByteRunRelease):
     tokenizer: object
     skip_special_tokens: bool = True
     stop: list[str] = field(default_factory=list)
@@ -150,11 +151,22 @@ class IncrementalDetokenizer:
     _num_output_tokens: int = 0
     _num_streamed_chars: int = 0
     _byte_token_ids: frozenset = frozenset()
+    _byte_values: dict = field(default_factory=dict)
+    _anchor: tuple | None = None
+    # The current byte run, split where its released characters end (see byte_runs).
+    _split: int | None = None
+    _split_text: str = ""
+    _split_behind_text: bool = False
+    _split_invalid: bool = False
+    _run_start: int = 0
     _skipped_ids: frozenset = frozenset()
     _decode_ids: Callable[..., str] | None = None
 
     def __post_init__(self):
         self._byte_token_ids = byte_fallback_token_ids(self.tokenizer)
+        self._byte_values = byte_token_values(self.tokenizer)
+        if self._byte_values:
+            self._anchor = cached_anchor(self.tokenizer)
         self._decode_ids = fast_decode(self.tokenizer)
         if self.skip_special_tokens:
             self._skipped_ids = skipped_special_ids(self.tokenizer)
@@ -184,7 +196,9 @@ class IncrementalDetokenizer:
     def _decode_next(self, final: bool) -> str:
         """Text the window gained since read_offset; '' while it ends in a partial character."""
         if not final and self._ends_in_byte_run():
-            return ""  # inside a byte run: its text is not settled until the run ends
+            return self._release_in_run()  # its whole characters, as each completes
+        if self._split is not None:
+            return self._end_split()
         prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         full_text = self._decode(self.token_ids[self.prefix_offset:])
         start = len(prefix_text)
@@ -206,9 +220,9 @@ class IncrementalDetokenizer:
 
         `final` flushes a trailing partial character (the request ends after these tokens).
         `stop_terminated`: the last of these tokens is the stop token (eos, stop_token_ids)
-        that ended the request, kept for include_stop_str_in_output. Its own text is not
-        searched for stop strings (the token is the stop, reported as such, its text whole);
-        the text before it is, settled first: a byte run the token ends was still held back.
+        that ended the request, kept for include_stop_str_in_output. Its text is searched for
+        stop strings as all new text is (vLLM since PR #23938: a stop string found there wins,
+        cut and reported); the text before it is settled first: a byte run the token ends.
         """
         stop_token = new_token_ids[-1:] if stop_terminated else []
         searched = new_token_ids[:len(new_token_ids) - len(stop_token)]
@@ -225,33 +239,37 @@ class IncrementalDetokenizer:
             self.output_text += piece
             if self._num_output_tokens > self.min_tokens:  # else it is too early, as above
                 new_chars += len(piece)
-        stop_text = ""
         if stop_token:
             # The request ends here: the rest of the text by full decodes. What the tokens
             # before the stop token still held back (a byte run it ends) is theirs to search,
             # unless the stop token changes it (completes its character).
-            settled = self._num_settled_tokens()
-            held = self._text_after(settled, self.token_ids)
+            held = self._held_text(self.token_ids)
             self.token_ids.append(stop_token[0])
             self._num_output_tokens += 1
-            stop_text = self._text_after(settled, self.token_ids)
+            stop_text = self._held_text(self.token_ids)
             if held and stop_text.startswith(held):
                 self.output_text += held
                 stop_text = stop_text[len(held):]
                 if self._num_output_tokens - 1 > self.min_tokens:
                     new_chars += len(held)
+            self.output_text += stop_text
+            if self._num_output_tokens > self.min_tokens:
+                new_chars += len(stop_text)
         if self.stop and new_chars:
             hit = find_stop_string(self.output_text, new_chars, self.stop,
                                    self.include_stop_str_in_output)
             if hit is not None:
                 self.output_text = self.output_text[:hit[1]]
                 return hit[0]
-        self.output_text += stop_text
         return None
 
     def _num_settled_tokens(self) -> int:
         """token_ids[:this] have given all their text."""
         return self.read_offset
+
+    def _resume_at(self, split: int) -> None:
+        """Decode on from token_ids[split:], all of whose text was given."""
+        self.prefix_offset, self.read_offset = split, len(self.token_ids)
 
     def _text_after(self, start: int, ids: list[int]) -> str:
         """The text `ids` add to ids[:start], by full decodes (from where they differ: the
@@ -260,7 +278,7 @@ class IncrementalDetokenizer:
         return full[len(os.path.commonprefix([full, before])):]
 
     def _flush(self) -> str:
-        if self.read_offset >= len(self.token_ids):
+        if self._split is None and self.read_offset >= len(self.token_ids):
             return ""
         return self._decode_next(final=True)
 

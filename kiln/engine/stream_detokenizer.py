@@ -30,7 +30,8 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
     _backend: Any = None
     _emitted: int = 0  # token_ids[:_emitted] have given all their text
     # Ids not yet stepped: a byte-fallback run goes into the stream whole, as a full decode
-    # reads it (an invalid run turns all its bytes into U+FFFD, retroactively).
+    # reads it (an invalid run turns all its bytes into U+FFFD, retroactively); a run split by
+    # released characters (byte_runs) restarts the stream at the split instead.
     _pending: list = None
     # The prompt ends inside a character: its first text is found by decoding (see below).
     _partial_prompt_end: bool = False
@@ -77,7 +78,9 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
     def _decode_next(self, final: bool) -> str:
         self._pending.append(self.token_ids[-1])
         if not final and self._ends_in_byte_run():
-            return ""  # inside a byte run: its text is not settled until the run ends
+            return self._release_in_run()  # its whole characters, as each completes
+        if self._split is not None:
+            return self._end_split()
         chunk = self._step(self._pending)
         self._pending = []
         if chunk is None and not final:
@@ -93,7 +96,16 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
     def _num_settled_tokens(self) -> int:
         return self._emitted
 
+    def _resume_at(self, split: int) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._stream = DecodeStream(ids=self.token_ids[split:],
+                                    skip_special_tokens=self.skip_special_tokens)
+        self._emitted, self._pending, self._partial_prompt_end = len(self.token_ids), [], False
+
     def _flush(self) -> str:
+        if self._split is not None:
+            return self._end_split()
         if self._emitted >= len(self.token_ids):
             return ""
         piece = self._decoded_since_emitted(first=self._partial_prompt_end)

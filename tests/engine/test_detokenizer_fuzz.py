@@ -1,15 +1,16 @@
 """Streamed text equals a full decode at the prompt boundary, in byte runs, with added tokens.
 
-Reference: decode(prompt context + output) less the context's own text, from where they first
-differ (a prompt may end inside a character the output completes).
+Reference: tests/engine/released_text.py (the full decode but for byte runs whose released
+characters a bad byte follows).
 """
-import os
 import random
 
 import pytest
 
-from kiln.engine.detokenizer import INITIAL_CONTEXT_TOKENS
+from kiln.engine.byte_runs import byte_token_values, valid_prefix
+from kiln.engine.detokenizer import INITIAL_CONTEXT_TOKENS, skipped_special_ids
 from kiln.engine.stream_detokenizer import detokenizer_for_request
+from tests.engine.released_text import released_text
 
 pytestmark = pytest.mark.usefixtures("detokenizer_kind")
 
@@ -17,10 +18,7 @@ FFFD = "\ufffd"
 
 
 def expected(tok, prompt, ids, skip):
-    ctx = list(prompt[-INITIAL_CONTEXT_TOKENS:])
-    joined = tok.decode(ctx + ids, skip_special_tokens=skip)
-    alone = tok.decode(ctx, skip_special_tokens=skip)
-    return joined[len(os.path.commonprefix([joined, alone])):]
+    return released_text(tok, prompt, ids, skip)
 
 
 def stream(tok, prompt, ids, rng, skip):
@@ -89,3 +87,88 @@ def test_multibyte_text_streams_whole_characters(tokenizer, text, prompt_text):
     deltas, d = stream(tokenizer, prompt, ids, random.Random(0), True)
     assert "".join(deltas) == expected(tokenizer, prompt, ids, True)
     assert not any(FFFD in x for x in deltas)
+
+
+def test_an_all_emoji_reply_streams_each_character_when_its_last_byte_arrives(tokenizer):
+    """Llama-2 / Mistral vocabularies spell 😀 as <0xF0><0x9F><0x98><0x80>. Kiln held a byte run
+    until a non-byte token ended it, so a reply of emoji (or CJK by bytes) streamed nothing;
+    vLLM releases each character with its last byte, and so does Kiln now."""
+    text = "😀日€😀"
+    ids = byte_ids(tokenizer, text.encode())
+    d = detokenizer_for_request(tokenizer, tokenizer("Once upon").input_ids)
+    deltas = []
+    for t in ids:
+        d.update([t])
+        deltas.append(d.get_next_output_text(False, delta=True))
+    assert [x for x in deltas if x] == list(text)
+    ends = [len(text[:k + 1].encode()) - 1 for k in range(len(text))]
+    assert [i for i, x in enumerate(deltas) if x] == ends
+
+
+def test_a_bad_byte_after_released_characters_is_one_u_fffd(tokenizer):
+    """The full decode turns a byte run with a bad byte into one U+FFFD a byte, the characters
+    before it too; those went out already and stay: the rest of the run is U+FFFDs, released
+    as soon as it cannot become valid."""
+    prompt = tokenizer("Once upon").input_ids
+    a = tokenizer("a", add_special_tokens=False).input_ids
+    d = detokenizer_for_request(tokenizer, prompt)
+    got = []
+    for t in byte_ids(tokenizer, "😀".encode() + b"\xe6\xff\xe6") + a:
+        d.update([t])
+        got.append(d.get_next_output_text(False, delta=True))
+    assert got == ["", "", "", "😀", "", FFFD * 2, FFFD, " a"]
+    assert tokenizer.decode(prompt + byte_ids(tokenizer, "😀".encode() + b"\xe6\xff\xe6") + a
+                            ).endswith(FFFD * 7 + " a")  # what the full decode shows
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_random_byte_runs_release_whole_characters_at_their_last_byte(tok_with_added, skip):
+    """One token a step: after each byte token the text out is the reference text up to the
+    last whole character of the run (all of it once the run cannot become valid)."""
+    tok = tok_with_added
+    values = byte_token_values(tok)
+    skipped = skipped_special_ids(tok) if skip else frozenset()
+    plain = [tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|tool|>", "</s>", "日本")]
+    for seed in range(150):
+        rng = random.Random(seed)
+        data = b"".join(rng.choice(["😀".encode(), "日".encode(), "€".encode(), b"a", b"\n",
+                                    bytes([rng.randrange(256)])]) for _ in range(8))
+        ids = byte_ids(tok, data)
+        for _ in range(rng.randint(0, 3)):
+            ids.insert(rng.randrange(len(ids) + 1), rng.choice(plain + [rng.randrange(len(tok))]))
+        prompt = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 3))]
+        prompt += byte_ids(tok, bytes(rng.randrange(256) for _ in range(rng.randint(0, 2))))
+        ctx = prompt[-INITIAL_CONTEXT_TOKENS:]
+        d = detokenizer_for_request(tok, prompt, skip_special_tokens=skip)
+        for i, t in enumerate(ids):
+            d.update([t])
+            if t not in values:
+                continue
+            everything = ctx + ids[:i + 1]
+            run = []
+            for j in range(len(everything) - 1, -1, -1):
+                if everything[j] in values:
+                    run.insert(0, j)
+                elif everything[j] not in skipped:
+                    break
+            p, invalid = valid_prefix(bytes(values[everything[j]] for j in run))
+            cut = len(everything) if invalid or p == len(run) else (
+                run[p - 1] + 1 if p else run[0])
+            want = released_text(tok, prompt, ids[:max(cut - len(ctx), 0)], skip)
+            assert d.output_text == want, (seed, i, prompt, ids)
+        d.update([], final=True)
+        assert d.output_text == released_text(tok, prompt, ids, skip), (seed, prompt, ids)
+
+
+def test_a_long_bad_byte_run_is_not_decoded_again_at_each_byte(tokenizer):
+    """After the first bad byte each byte of the run is one U+FFFD; decoding the run's rest at
+    every byte took quadratic time (3000 bytes: 4 s)."""
+    d = detokenizer_for_request(tokenizer, tokenizer("Once").input_ids)
+    calls = []
+    decode = d._decode_ids
+    d._decode_ids = lambda ids, **kw: calls.append(len(ids)) or decode(ids, **kw)
+    for t in byte_ids(tokenizer, "😀".encode() + b"\xff" * 500):
+        d.update([t])
+    d.update(tokenizer("a", add_special_tokens=False).input_ids, final=True)
+    assert d.output_text == "😀" + FFFD * 500 + " a"
+    assert sum(calls) < 2000, (len(calls), sum(calls))

@@ -105,21 +105,32 @@ def test_stop_token_id_reported_and_its_text_kept_only_if_asked(tokenizer, inclu
     assert c.text == (" a cat." if include else " a cat")
 
 
-def test_a_stop_token_kept_in_the_text_is_not_searched_for_stop_strings(tokenizer):
-    # vLLM: a request a stop token ended reports that token, its text (kept by
-    # include_stop_str_in_output) whole; stop strings are not looked for in it. Kiln cut the
-    # text at a stop string inside the token's text and reported the string instead.
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_a_stop_token_kept_in_the_text_is_searched_for_stop_strings(tokenizer, kind):
+    # vLLM (BaseIncrementalDetokenizer.update since PR #23938) decodes the stop token's text
+    # when include_stop_str_in_output keeps it and searches it like all new text: a stop string
+    # found there is the stop reason and the text ends with it. Kiln (5d65587) followed the
+    # older vLLM that skipped the search after a stop token, keeping the whole token instead.
     ids = ids_of(tokenizer, "a cat.")
     dot = ids[-1]
-    proc = start(tokenizer, stop=["."], stop_token_ids=[dot], include_stop_str_in_output=True)
-    c = run(proc, ids, finish="stop", stop_reason=dot)[0][-1].outputs[0]
-    assert (c.finish_reason, c.stop_reason, c.text) == ("stop", dot, " a cat.")
+    proc = start(tokenizer, kind, stop=["."], stop_token_ids=[dot],
+                 include_stop_str_in_output=True)
+    outs = run(proc, ids, finish="stop", stop_reason=dot)[0]
+    c = outs[-1].outputs[0]
+    text = "".join(o.outputs[0].text for o in outs) if kind == RequestOutputKind.DELTA else c.text
+    assert (c.finish_reason, c.stop_reason, text) == ("stop", ".", " a cat.")
     # A stop string ending inside the stop token's text: "king" is "▁k" "ing".
     king = ids_of(tokenizer, "a king")
-    proc = start(tokenizer, stop=["kin"], stop_token_ids=[king[-1]],
+    proc = start(tokenizer, kind, stop=["kin"], stop_token_ids=[king[-1]],
                  include_stop_str_in_output=True)
+    outs = run(proc, king, finish="stop", stop_reason=king[-1])[0]
+    c = outs[-1].outputs[0]
+    text = "".join(o.outputs[0].text for o in outs) if kind == RequestOutputKind.DELTA else c.text
+    assert (c.stop_reason, text) == ("kin", " a kin")
+    # Without include_stop_str_in_output the token's text is not decoded, so not searched.
+    proc = start(tokenizer, stop=["kin"], stop_token_ids=[king[-1]])
     c = run(proc, king, finish="stop", stop_reason=king[-1])[0][-1].outputs[0]
-    assert (c.stop_reason, c.text) == (king[-1], " a king")
+    assert (c.stop_reason, c.text) == (king[-1], " a k")
 
 
 def test_eos_ends_without_stop_reason_and_with_skip_false_its_text_is_dropped(tokenizer):
@@ -219,3 +230,16 @@ def test_min_tokens_holds_for_text_a_stop_token_releases(tokenizer):
     proc = start(tokenizer, stop=["\n"], min_tokens=3)
     c = run(proc, ids + [EOS], finish="stop")[0][-1].outputs[0]
     assert (c.finish_reason, c.stop_reason, c.text) == ("stop", None, " a\n")
+
+
+def test_a_stop_string_in_a_byte_run_stops_the_request_when_its_last_byte_arrives(tokenizer):
+    # "😀日😀..." spelled in byte tokens: the stop string "日" is whole at its third byte, and
+    # the request stops there (the core is told to finish it) instead of running on to the
+    # end of the run; the emoji before it streamed already.
+    data = "😀日😀😀".encode()
+    ids = [tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in data]
+    proc = start(tokenizer, RequestOutputKind.DELTA, stop=["日"])
+    outs, to_finish = run(proc, ids, finish="length")
+    assert to_finish == ["r"] and len(outs) == len("😀日".encode())
+    assert [o.outputs[0].text for o in outs if o.outputs[0].text] == ["😀"]
+    assert outs[-1].outputs[0].stop_reason == "日"

@@ -6,15 +6,14 @@ Reference: the full decode of the output (less the prompt context's own text), c
 first-completing stop string ends; every output kind must agree with it and never take back
 text it showed.
 """
-import os
 import random
 
 import pytest
 
 from kiln.core.outputs import EngineCoreOutput
-from kiln.engine.detokenizer import INITIAL_CONTEXT_TOKENS
 from kiln.engine.output_processor import OutputProcessor
 from kiln.sampling_params import RequestOutputKind, SamplingParams
+from tests.engine.released_text import released_text
 
 pytestmark = pytest.mark.usefixtures("detokenizer_kind")
 
@@ -73,10 +72,7 @@ def built_tokenizer(request):
 
 
 def _full_text(tok, prompt, ids, skip):
-    ctx = list(prompt[-INITIAL_CONTEXT_TOKENS:])
-    joined = tok.decode(ctx + ids, skip_special_tokens=skip)
-    alone = tok.decode(ctx, skip_special_tokens=skip)
-    return joined[len(os.path.commonprefix([joined, alone])):]
+    return released_text(tok, prompt, ids, skip)
 
 
 def _reference_cut(full, stop, include):
@@ -92,7 +88,8 @@ def _reference_cut(full, stop, include):
 
 def test_streamed_and_whole_text_match_a_full_decode_cut_at_the_first_stop(built_tokenizer):
     """Some requests end with a stop token (stop_token_ids; not a byte token): its text is
-    kept only with include_stop_str_in_output and never searched, the text before it is."""
+    kept, and searched for stop strings as vLLM does, only with include_stop_str_in_output;
+    the text before it is searched either way."""
     tok = built_tokenizer
     vocab = tok.get_vocab()
     byte_tokens = [vocab[f"<0x{b:02X}>"] for b in "€😀日\n".encode() if f"<0x{b:02X}>" in vocab]
@@ -132,11 +129,11 @@ def test_streamed_and_whole_text_match_a_full_decode_cut_at_the_first_stop(built
             outs += res.request_outputs
             if outs and outs[-1].finished:
                 break
+        if stop_token is not None and include:
+            full = _full_text(tok, prompt, ids + [stop_token], skip)
         want, reason = _reference_cut(full, stop, include)
         if reason is None and stop_token is not None:
             reason = stop_token
-            if include:
-                want = _full_text(tok, prompt, ids + [stop_token], skip)
         texts = [o.outputs[0].text for o in outs]
         if kind == RequestOutputKind.DELTA:
             got = "".join(texts)
