@@ -27,7 +27,7 @@ NON_DEFAULT = dict(
     generation_config="vllm", max_logprobs=5, quantization="int8",
     ir_op_priority={"rms_norm": ["torch"], "linear": ["native", "torch"]},
     trust_remote_code=True, enable_chunked_prefill=True, kv_cache_dtype="auto",
-    tokenizer_mode="hf", swap_space=2.0, disable_log_stats=True)
+    tokenizer_mode="hf", swap_space=2.0, disable_log_stats=True, scheduling_policy="priority")
 
 
 def test_engine_args_round_trip_through_the_cli():
