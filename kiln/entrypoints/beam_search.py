@@ -42,6 +42,7 @@ class BeamSearch:
         self.params = params
         self.eos_token_id = None if params.ignore_eos else eos_token_id
         self.max_model_len = max_model_len
+        self.prompt_token_ids = list(prompt_token_ids)
         self.prompt_len = len(prompt_token_ids)
         self.beams = [BeamSearchSequence(tokens=list(prompt_token_ids))]
         self.completed: list[BeamSearchSequence] = []

@@ -1,0 +1,125 @@
+"""use_beam_search=true on the server, on a real tiny engine: n beams equal HF's num_beams,
+fields the search would ignore are refused naming them, and requests running beside a search
+get the answer they get alone."""
+import threading
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from kiln.engine.arg_utils import EngineArgs
+from kiln.engine.async_llm import AsyncLLM
+from kiln.engine.llm_engine import LLMEngine
+from kiln.entrypoints.openai.api_server import ServerSettings, build_app
+
+from checkpoints import random_prompts
+
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def client(tiny_llama_dir):
+    args = EngineArgs(model=str(tiny_llama_dir), enforce_eager=True, max_model_len=64,
+                      block_size=4, chat_template="{% for m in messages %}w4 {{ m['content'] }}"
+                      " {% endfor %}w3")
+    llm = AsyncLLM(LLMEngine(args.create_kiln_config()))
+    app = build_app(llm, ServerSettings(served_model_names=["m"]))
+    with TestClient(app) as c:
+        yield c
+
+
+def hf_beams(model_dir, prompt: list[int], k: int, max_new: int, length_penalty=1.0):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, num_beams=k,
+                             num_return_sequences=k, max_new_tokens=max_new, pad_token_id=0,
+                             length_penalty=length_penalty)
+    return [row[len(prompt):] for row in out.tolist()]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_completion_beams_equal_hf(client, tiny_llama_dir, n):
+    prompts = random_prompts(2, [5, 8], seed=n)
+    r = client.post(CMPL, json=dict(prompt=prompts, use_beam_search=True, n=n, max_tokens=6,
+                                    temperature=0, ignore_eos=True, return_token_ids=True,
+                                    length_penalty=1.5))
+    assert r.status_code == 200, r.json()
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(2 * n))
+    for i, p in enumerate(prompts):
+        got = [c["token_ids"] for c in choices[i * n:(i + 1) * n]]
+        assert got == hf_beams(tiny_llama_dir, p, n, 6, 1.5)
+        assert all(c["finish_reason"] == "length" for c in choices[i * n:(i + 1) * n])
+    usage = r.json()["usage"]
+    assert usage["completion_tokens"] == 2 * n * 6
+    assert usage["prompt_tokens"] == 13
+
+
+def test_chat_beams(client):
+    r = client.post(CHAT, json=dict(messages=[{"role": "user", "content": "w5 w6"}],
+                                    use_beam_search=True, n=3, max_tokens=4, temperature=0))
+    assert r.status_code == 200, r.json()
+    choices = r.json()["choices"]
+    assert len(choices) == 3 and len({c["message"]["content"] for c in choices}) == 3
+    assert r.json()["usage"]["completion_tokens"] <= 12
+
+
+# field the message opens with, the param (the switch it conflicts with, or itself)
+BEAM = "use_beam_search"
+
+
+@pytest.mark.parametrize("path, extra, named, param", [
+    (CMPL, dict(stream=True), "stream", BEAM),
+    (CMPL, dict(logprobs=2), "logprobs", BEAM),
+    (CHAT, dict(logprobs=True), "logprobs", BEAM),
+    (CMPL, dict(top_p=0.5), "top_p", BEAM),
+    (CMPL, dict(stop=["w9"]), "stop", BEAM),
+    (CMPL, dict(seed=3), "seed", BEAM),
+    (CMPL, dict(min_tokens=2), "min_tokens", BEAM),
+    (CHAT, dict(response_format={"type": "json_object"}), "response_format", BEAM),
+    (CMPL, dict(n=11), "n=11", "n"),  # 22 logprobs a step: past --max-logprobs 20
+    (CMPL, dict(max_tokens=100), "max_tokens", "max_tokens"),  # past max_model_len
+    (CHAT, dict(max_completion_tokens=100), "max_completion_tokens", "max_completion_tokens"),
+])
+def test_refused_naming_the_field(client, path, extra, named, param):
+    body = dict(prompt="w5 w6", max_tokens=3) if path == CMPL else dict(
+        messages=[{"role": "user", "content": "w5"}], max_tokens=3)
+    r = client.post(path, json={**body, "use_beam_search": True, "n": 2, **extra})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param, error
+    assert error["message"].startswith(named), error
+
+
+def test_length_penalty_without_beam_search_is_refused(client):
+    r = client.post(CMPL, json=dict(prompt="w5", max_tokens=2, length_penalty=0.5))
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == BEAM
+    assert error["message"].startswith("length_penalty=0.5")
+
+
+def test_other_requests_are_undisturbed_by_a_search(client):
+    greedy = dict(prompt="w7 w8 w9", max_tokens=12, temperature=0, ignore_eos=True)
+    alone = client.post(CMPL, json=greedy).json()["choices"][0]["text"]
+    results, errors = [], []
+
+    def search():
+        try:
+            r = client.post(CMPL, json=dict(prompt="w5 w6", use_beam_search=True, n=4,
+                                            max_tokens=20, temperature=0, ignore_eos=True))
+            results.append(r.status_code)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=search) for _ in range(2)]
+    for t in threads:
+        t.start()
+    beside = [client.post(CMPL, json=greedy).json()["choices"][0]["text"] for _ in range(3)]
+    for t in threads:
+        t.join()
+    assert not errors and results == [200, 200]
+    assert beside == [alone] * 3
+    stats = client.get("/metrics").text
+    assert "kiln:num_requests_running" in stats
