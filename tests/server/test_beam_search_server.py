@@ -58,6 +58,18 @@ def test_completion_beams_equal_hf(client, tiny_llama_dir, n):
     assert usage["prompt_tokens"] == 13
 
 
+@pytest.mark.parametrize("path, body", [
+    (CMPL, dict(prompt="w5 w6", echo=True)),
+    (CHAT, dict(messages=[{"role": "user", "content": "w5 w6"}])),
+])
+def test_one_beam_answers_as_greedy_sampling(client, path, body):
+    # the same tokens, the same text: a word's leading space after the prompt kept
+    body = dict(body, max_tokens=6, temperature=0, ignore_eos=True, return_token_ids=True)
+    greedy = client.post(path, json=body).json()["choices"]
+    beam = client.post(path, json=dict(body, use_beam_search=True)).json()["choices"]
+    assert beam == greedy
+
+
 def test_chat_beams(client):
     r = client.post(CHAT, json=dict(messages=[{"role": "user", "content": "w5 w6"}],
                                     use_beam_search=True, n=3, max_tokens=4, temperature=0))

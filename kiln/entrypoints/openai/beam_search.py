@@ -12,6 +12,7 @@ import secrets
 
 from kiln.beam_search import BeamSearchParams
 from kiln.engine.async_llm import AsyncLLM
+from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.entrypoints.beam_search import BeamSearch, step_logprobs, step_params
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.serving_engine import (
@@ -123,20 +124,30 @@ async def beam_search(llm: AsyncLLM, base_id: str, prompts: list, params: Sampli
 async def _output(llm: AsyncLLM, request_id: str, search: BeamSearch, prompt_text,
                   params: SamplingParams) -> RequestOutput:
     """A search's best sequences as the choices show them: the generated tokens, a final eos
-    kept only with include_stop_str_in_output (vLLM's), the text without it."""
+    kept only with include_stop_str_in_output (vLLM's). The text is what sampling the same
+    tokens writes (decoded after the prompt, so a word's leading space stays: vLLM's decode
+    of the new tokens alone dropped it, "w5 w6" + "w89" under echo)."""
     outputs = []
     for j, beam in enumerate(search.result()):
         tokens = beam.tokens[search.prompt_len:]
         ended_by_eos = beam.finish_reason == "stop"
         shown = tokens if (params.include_stop_str_in_output or not ended_by_eos) \
             else tokens[:-1]
-        text = await llm.run_in_engine(llm.tokenizer.decode, tokens[:-1] if ended_by_eos
-                                       else tokens,
-                                       skip_special_tokens=params.skip_special_tokens) \
-            if llm.tokenizer is not None else ""
+        text = await llm.run_in_engine(_text, llm.tokenizer, search.prompt_token_ids, shown,
+                                       params.skip_special_tokens)
         outputs.append(CompletionOutput(index=j, text=text, token_ids=shown,
                                         cumulative_logprob=beam.cum_logprob,
                                         finish_reason=beam.finish_reason))
     return RequestOutput(request_id=request_id, prompt=prompt_text,
                          prompt_token_ids=search.prompt_token_ids,
                          outputs=outputs, finished=True)
+
+
+def _text(tokenizer, prompt_token_ids: list[int], token_ids: list[int],
+          skip_special_tokens: bool) -> str:
+    if tokenizer is None:  # --skip-tokenizer-init: token ids only
+        return ""
+    detok = IncrementalDetokenizer.for_request(tokenizer, prompt_token_ids,
+                                               skip_special_tokens=skip_special_tokens)
+    detok.update(token_ids, final=True)
+    return detok.output_text
