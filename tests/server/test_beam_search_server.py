@@ -103,6 +103,7 @@ def test_refused_naming_the_field(client, path, extra, named, param):
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == param, error
     assert error["message"].startswith(named), error
+    assert "beam_width" not in error["message"]  # the request calls it n
 
 
 def test_length_penalty_without_beam_search_is_refused(client):

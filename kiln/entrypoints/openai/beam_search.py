@@ -82,7 +82,8 @@ async def beam_search(llm: AsyncLLM, base_id: str, prompts: list, params: Sampli
                                           temperature=params.temperature),
                          processor.vocab_size, processor.max_logprobs)
     except ValueError as e:
-        raise OpenAIError(str(e).replace("beam_width=", "n="), param="n",
+        # the request's beam width is n
+        raise OpenAIError(str(e).replace("beam_width", "n"), param="n",
                           code="invalid_value") from None
     searches, salts = [], []
     for prompt in prompts:  # each checked (and its max_tokens fitted) before any step runs
