@@ -64,20 +64,20 @@ class BeamSearch:
         """Each live beam's candidates (token -> logprob, in live() order) -> the next beams."""
         if len(offered) != len(self.beams):
             raise ValueError(f"got candidates for {len(offered)} beams, {len(self.beams)} live")
-        candidates = []
+        # Only the kept candidates become sequences (each copies its parent's lists): making
+        # all 2 * beam_width per beam cost O(length) each, steps of a long search seconds.
+        candidates = []  # (sum, beam, its candidates, token)
         for beam, step in zip(self.beams, offered):
             for token, lp in step.items():
-                new = BeamSearchSequence(tokens=beam.tokens + [token],
-                                         logprobs=beam.logprobs + [step],
-                                         cum_logprob=beam.cum_logprob + lp.logprob)
+                cum = beam.cum_logprob + lp.logprob
                 if token == self.eos_token_id:
-                    new.finish_reason = "stop"
-                    self.completed.append(new)
+                    self.completed.append(_extend(beam, step, token, cum, "stop"))
                 else:
-                    candidates.append(new)
+                    candidates.append((cum, beam, step, token))
         # Stable: equal sums keep the order the beams and their candidates came in.
-        candidates.sort(key=lambda b: b.cum_logprob, reverse=True)
-        self.beams = candidates[:self.params.beam_width]
+        candidates.sort(key=lambda c: c[0], reverse=True)
+        self.beams = [_extend(beam, step, token, cum)
+                      for cum, beam, step, token in candidates[:self.params.beam_width]]
         self.steps += 1
 
     def result(self) -> list[BeamSearchSequence]:
@@ -88,6 +88,12 @@ class BeamSearch:
                 b.finish_reason = "length"
         ranked = sorted(self.completed + self.beams, key=self.sort_key, reverse=True)
         return ranked[:self.params.beam_width]
+
+
+def _extend(beam: BeamSearchSequence, step: dict[int, Logprob], token: int, cum: float,
+            finish_reason: str | None = None) -> BeamSearchSequence:
+    return BeamSearchSequence(tokens=beam.tokens + [token], logprobs=beam.logprobs + [step],
+                              cum_logprob=cum, finish_reason=finish_reason)
 
 
 def step_logprobs(out, beam_index: int) -> dict[int, Logprob]:

@@ -95,3 +95,24 @@ def test_step_params_ask_for_2k_logprobs_capped_by_the_vocabulary():
 def test_params_name_the_bad_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         BeamSearchParams(**kwargs)
+
+
+def test_only_kept_candidates_become_sequences(monkeypatch):
+    # each sequence copies its parent's tokens and logprobs: making all 2 * beam_width per
+    # beam made a long search's steps O(length * candidates) (seconds over 1,000 steps)
+    import kiln.entrypoints.beam_search as bs
+
+    made = []
+
+    class Counted(BeamSearchSequence):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(bs, "BeamSearchSequence", Counted)
+    s = BeamSearch([9], BeamSearchParams(beam_width=2, max_tokens=3), EOS, max_model_len=100)
+    s.advance([lps(t5=-0.5, t6=-1.0, t7=-1.5, t8=-2.0)])
+    made.clear()
+    s.advance([lps(t2=-0.1, t5=-0.2, t6=-0.3, t7=-0.4), lps(t5=-0.1, t6=-0.2, t7=-3, t8=-4)])
+    assert len(made) == 3  # the eos one finished, and the 2 kept of the 7 others
+    assert [b.tokens for b in s.beams] == [[9, 5, 5], [9, 5, 6]]
