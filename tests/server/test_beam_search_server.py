@@ -136,3 +136,17 @@ def test_other_requests_are_undisturbed_by_a_search(client):
     assert beside == [alone] * 3
     stats = client.get("/metrics").text
     assert "kiln:num_requests_running" in stats
+
+
+def test_truncate_prompt_tokens_applies(client):
+    # the prompt's last 5 tokens, as sampling reads them: the beams of the cut prompt
+    long = " ".join(f"w{5 + i % 90}" for i in range(80))  # past max_model_len 64
+    tail = " ".join(long.split()[-5:])
+    body = dict(use_beam_search=True, n=2, max_tokens=4, temperature=0, ignore_eos=True,
+                return_token_ids=True)
+    cut = client.post(CMPL, json=dict(body, prompt=long, truncate_prompt_tokens=5))
+    assert cut.status_code == 200, cut.json()
+    whole = client.post(CMPL, json=dict(body, prompt=tail)).json()
+    assert [c["token_ids"] for c in cut.json()["choices"]] == \
+        [c["token_ids"] for c in whole["choices"]]
+    assert cut.json()["usage"]["prompt_tokens"] == 5

@@ -87,8 +87,9 @@ async def beam_search(llm: AsyncLLM, base_id: str, prompts: list, params: Sampli
                           code="invalid_value") from None
     searches, salts = [], []
     for prompt in prompts:  # each checked (and its max_tokens fitted) before any step runs
-        first = sp.clone()
+        first = sp.clone()  # the prompt as sampling reads it: cut to truncate_prompt_tokens
         first.max_tokens = params.max_tokens
+        first.truncate_prompt_tokens = params.truncate_prompt_tokens
         try:
             item = await llm.process_inputs(prompt, first, max_tokens_must_fit=True)
         except ValueError as e:
