@@ -150,3 +150,33 @@ def test_truncate_prompt_tokens_applies(client):
     assert [c["token_ids"] for c in cut.json()["choices"]] == \
         [c["token_ids"] for c in whole["choices"]]
     assert cut.json()["usage"]["prompt_tokens"] == 5
+
+
+def test_a_client_that_leaves_stops_the_search(tiny_llama_dir):
+    import json
+    import socket
+    import time
+
+    from .uvicorn_thread import uvicorn_in_thread
+
+    args = EngineArgs(model=str(tiny_llama_dir), enforce_eager=True, max_model_len=256,
+                      block_size=4)
+    llm = AsyncLLM(LLMEngine(args.create_kiln_config()))
+    app = build_app(llm, ServerSettings(served_model_names=["m"]))
+    body = json.dumps(dict(prompt="w5 w6", use_beam_search=True, n=8, max_tokens=200,
+                           ignore_eos=True)).encode()
+    with uvicorn_in_thread(app) as port:
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            time.sleep(1.0)  # some steps in
+        idle_since, deadline = None, time.monotonic() + 20
+        while time.monotonic() < deadline:  # idle, and it stays idle: no step follows
+            stats = llm.engine.get_stats()
+            idle = stats["num_running"] == stats["num_waiting"] == 0 and \
+                stats["num_free_blocks"] == stats["num_total_blocks"]
+            idle_since = (idle_since or time.monotonic()) if idle else None
+            if idle_since is not None and time.monotonic() - idle_since > 1.5:
+                break
+            time.sleep(0.1)
+        assert idle_since is not None and time.monotonic() - idle_since > 1.5, stats
