@@ -156,6 +156,7 @@ def test_a_client_that_leaves_stops_the_search(tiny_llama_dir):
     import json
     import socket
     import time
+    import urllib.request
 
     from .uvicorn_thread import uvicorn_in_thread
 
@@ -172,9 +173,14 @@ def test_a_client_that_leaves_stops_the_search(tiny_llama_dir):
             time.sleep(1.0)  # some steps in
         idle_since, deadline = None, time.monotonic() + 20
         while time.monotonic() < deadline:  # idle, and it stays idle: no step follows
-            stats = llm.engine.get_stats()
-            idle = stats["num_running"] == stats["num_waiting"] == 0 and \
-                stats["num_free_blocks"] == stats["num_total_blocks"]
+            # the server's own view (/metrics): the engine's core client is its step loop's
+            # alone; asking it from this thread could take the loop's answers
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as r:
+                stats = {line.split("{")[0]: float(line.split()[-1])
+                         for line in r.read().decode().splitlines()
+                         if line.startswith(("kiln:num_requests_", "kiln:kv_cache_usage"))}
+            idle = stats["kiln:num_requests_running"] == stats["kiln:num_requests_waiting"] \
+                == stats["kiln:kv_cache_usage_perc"] == 0
             idle_since = (idle_since or time.monotonic()) if idle else None
             if idle_since is not None and time.monotonic() - idle_since > 1.5:
                 break
