@@ -375,3 +375,7 @@ class SamplingParams:
         import copy
 
         return copy.deepcopy(self)
+
+
+# vLLM's users import it from here (vllm.sampling_params.BeamSearchParams).
+from kiln.beam_search import BeamSearchParams  # noqa: E402,F401

@@ -9,6 +9,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
+from kiln.beam_search import BeamSearchOutput, BeamSearchParams
 from kiln.core.request_queue import check_priority
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.chat_messages import chat_messages, chat_render_kwargs
@@ -140,8 +141,17 @@ class LLM:
             processed.append(item)
         return self._run(processed, use_tqdm, priorities)
 
-    beam_search = _unsupported("beam_search", "Kiln has no beam search; sample with "
-                               "generate() (n=..., seed=...) instead")
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None,
+                    use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's beam search: per prompt, the best params.beam_width sequences (best first),
+        each with its tokens (the prompt's first), text, cum_logprob and per-step logprobs.
+        `concurrency_limit`: how many prompts search at once (None: all)."""
+        from kiln.entrypoints.beam_search import run_offline
+
+        refuse_lora(lora_request)
+        return run_offline(self, prompts, params, use_tqdm, concurrency_limit)
+
     encode = _unsupported("encode", _POOLING)
     embed = _unsupported("embed", _POOLING)
     classify = _unsupported("classify", _POOLING)

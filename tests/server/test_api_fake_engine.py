@@ -213,7 +213,7 @@ def test_chat_whole_streamed_and_logprobs(client):
     ("/v1/completions", dict(temperature=0.5), "prompt", "missing"),
     ("/v1/completions", dict(prompt="x", logit_bias={"five": 1}), "logit_bias", None),
     ("/v1/completions", dict(prompt="x", allowed_token_ids=[]), "allowed_token_ids", None),
-    ("/v1/completions", dict(prompt="x", use_beam_search=True), "use_beam_search",
+    ("/v1/completions", dict(prompt="x", use_beam_search=True, stream=True), "use_beam_search",
      "unsupported_parameter"),
     ("/v1/chat/completions", dict(messages="hi"), "messages", None),
     ("/v1/chat/completions", dict(messages=[]), "messages", None),

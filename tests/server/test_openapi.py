@@ -163,7 +163,7 @@ def test_the_schema_says_what_requests_the_server_refuses():
         assert {"type": "array", "items": {"type": "string", "minLength": 1},
                 "maxItems": MAX_BAD_WORDS_PER_REQUEST} in words
     # refused fields take only their off value; an optional field takes null
-    assert {"const": False} in completion["use_beam_search"]["anyOf"]
+    assert {"const": True} in completion["spaces_between_special_tokens"]["anyOf"]
     assert {"type": "null"} in schemas["TokenizeRequest"]["properties"]["return_token_strs"][
         "anyOf"]
     assert schemas["TextContentPart"]["properties"]["type"]["enum"] == ["text"]
@@ -188,8 +188,11 @@ def test_json_types_are_not_coerced(base_url, field, value):
 # (counted in tokens). And one a JSON schema can state but schemathesis cannot take beside the
 # others (openapi._SWITCHES): parallel_tool_calls=false needs tools. schemathesis' positive
 # data may hit them.
+# use_beam_search=true with a field the search ignores (stream, stop, ...), or length_penalty
+# without it: another split past the canonicalizer's budget (it gave up on the chat schema).
 _INEXPRESSIBLE = {"guided_json", "guided_regex", "guided_grammar", "structured_outputs",
-                  "response_format", "tool_choice", "min_tokens", "parallel_tool_calls"}
+                  "response_format", "tool_choice", "min_tokens", "parallel_tool_calls",
+                  "use_beam_search"}
 
 
 @pytest.mark.parametrize("n", [1, 2, 10, 100, 101, 49152])

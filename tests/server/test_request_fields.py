@@ -242,8 +242,9 @@ PROBES = {
     "prompt_embeds": lambda c, p: refused(c, p, dict(prompt_embeds="AAAA"), "prompt_embeds"),
     "best_of": lambda c, p: (refused(c, p, dict(best_of=3), "best_of"),  # 1 or below n: no
                              refused(c, p, dict(best_of=1, n=2), "best_of")),
-    "use_beam_search": lambda c, p: refused(c, p, dict(use_beam_search=True), "use_beam_search"),
-    "length_penalty": lambda c, p: refused(c, p, dict(length_penalty=0.5), "length_penalty"),
+    "use_beam_search": lambda c, p: changed(c, p, dict(use_beam_search=True), dict(n=2)),
+    # scores beam search's sequences only (tests/server/test_beam_search_server.py)
+    "length_penalty": lambda c, p: refused(c, p, dict(length_penalty=0.5), "use_beam_search"),
     "spaces_between_special_tokens": lambda c, p: refused(
         c, p, dict(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
     "priority": probe_priority,

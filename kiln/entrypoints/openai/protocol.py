@@ -76,8 +76,8 @@ class SamplingFields(RequestBase):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     best_of: JsonInt | None = None  # only 1: no ranking of extra samples
-    use_beam_search: StrictBool = False  # refused: no beam search
-    length_penalty: JsonFloat = 1.0  # beam search only: refused unless 1.0
+    use_beam_search: StrictBool = False  # beam search: n beams (openai/beam_search.py)
+    length_penalty: JsonFloat = 1.0  # beam search only: refused without use_beam_search
     # refused when false (fast tokenizers ignore it)
     spaces_between_special_tokens: StrictBool = True
     truncate_prompt_tokens: JsonInt | None = Field(None, ge=-1)

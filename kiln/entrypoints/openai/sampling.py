@@ -5,6 +5,7 @@ fields a request leaves unset from the model's generation config, and refuses (4
 field) every vLLM field whose requested behaviour Kiln does not have.
 """
 from kiln.config.generation_defaults import default_max_tokens
+from kiln.entrypoints.openai.beam_search import check_beam_fields
 from kiln.entrypoints.openai.errors import OpenAIError, in_api_terms
 from kiln.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kiln.sampling_params import RequestOutputKind, SamplingParams
@@ -17,8 +18,6 @@ _SHARED_FIELDS = ["n", "temperature", "top_p", "top_k", "min_p", "seed", "presen
 # Fields whose default is "off": any other value asks for what Kiln does not do.
 # field -> (its off value, why it is refused)
 OFF_ONLY = {
-    "use_beam_search": (False, "beam search is not supported"),
-    "length_penalty": (1.0, "length_penalty only applies to beam search, which is not supported"),
     "spaces_between_special_tokens": (True, "special tokens are always decoded with the "
                                             "tokenizer's own spacing"),
     "logits_processors": (None, "custom logits processors are not supported"),
@@ -42,6 +41,7 @@ OFF_ONLY = {
 
 def refuse_unsupported(req: SamplingFields) -> None:
     """A 400 naming the first field that asks for something Kiln does not do."""
+    check_beam_fields(req)
     for name, (off, why) in OFF_ONLY.items():
         if name in type(req).model_fields and getattr(req, name) not in (None, off, "", {}, []):
             raise OpenAIError(f"{name}={getattr(req, name)!r} is refused: {why}; omit it",

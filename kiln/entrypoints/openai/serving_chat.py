@@ -11,6 +11,7 @@ from starlette.requests import Request
 
 from kiln.engine.async_llm import AsyncLLM
 from kiln.engine.request_stream import RequestStream
+from kiln.entrypoints.openai.beam_search import beam_search
 from kiln.entrypoints.openai.chat_rendering import (
     check_generation_flags,
     generation_tail,
@@ -124,19 +125,23 @@ class ServingChat:
         request_id = response_id("chatcmpl", req.request_id, raw)
         max_tokens_param = ("max_completion_tokens" if req.max_completion_tokens is not None
                             else "max_tokens")
-        streams = await submit(self.llm, request_id, [prompt], params, "messages",
-                               {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"},
-                               priority=req.priority)
-        if req.stream:
-            return StreamingResponse(self._stream(req, model, request_id, created, streams,
-                                                  plan, prompt_text, thinking_first, field),
-                                     media_type="text/event-stream")
-        try:
-            final = await until_disconnect(raw, self._collect(streams[0], field))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        finally:
-            abort_unfinished(self.llm, streams)
+        renamed = {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"}
+        if req.use_beam_search:
+            if constraint is not None:  # a tool_choice's grammar: the search follows none
+                raise OpenAIError(f"tool_choice={req.tool_choice!r} is refused with "
+                                  "use_beam_search=true: beam search follows no grammar",
+                                  param="tool_choice", code="unsupported_parameter")
+            try:
+                (final,) = await until_disconnect(raw, beam_search(
+                    self.llm, request_id, [prompt], params, req.length_penalty, "messages",
+                    renamed, priority=req.priority))
+            except ClientDisconnected:
+                return Response(status_code=499)
+        else:
+            final = await self._generate(req, raw, model, request_id, created, prompt, params,
+                                         renamed, plan, prompt_text, thinking_first, field)
+            if isinstance(final, Response):
+                return final
         echoed = echo_prefix(req, req.messages)
         choices = [self._choice(req, plan, prompt_text, o, echoed, thinking_first)
                    for o in final.outputs]
@@ -153,6 +158,22 @@ class ServingChat:
             if req.prompt_logprobs is not None else None,
             **token_ids_fields(req, final.prompt_token_ids, None))
         return JSONResponse(body.model_dump())
+
+    async def _generate(self, req, raw, model, request_id, created, prompt, params, renamed,
+                        plan, prompt_text, thinking_first, field):
+        """The sampled answer: its final output, or the streaming (or 499) response."""
+        streams = await submit(self.llm, request_id, [prompt], params, "messages", renamed,
+                               priority=req.priority)
+        if req.stream:
+            return StreamingResponse(self._stream(req, model, request_id, created, streams,
+                                                  plan, prompt_text, thinking_first, field),
+                                     media_type="text/event-stream")
+        try:
+            return await until_disconnect(raw, self._collect(streams[0], field))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        finally:
+            abort_unfinished(self.llm, streams)
 
     def _check_reasoning_fields(self, req: ChatCompletionRequest) -> None:
         if req.reasoning_effort is not None:

@@ -12,6 +12,7 @@ from kiln.engine.async_llm import AsyncLLM
 from kiln.engine.input_processor import may_be_truncated
 from kiln.engine.request_stream import RequestStream
 from kiln.engine.text_encoding import encode_text
+from kiln.entrypoints.openai.beam_search import beam_search
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.logprob_format import completion_logprobs
 from kiln.entrypoints.openai.protocol import CompletionRequest
@@ -100,6 +101,15 @@ class ServingCompletion:
             prompts = await without_special_tokens(self.llm, prompts)
         prompts = [with_cache_salt(p, req.cache_salt) for p in prompts]
         request_id = response_id("cmpl", req.request_id, raw)
+        if req.use_beam_search:
+            try:
+                finals = await until_disconnect(raw, beam_search(
+                    self.llm, request_id, prompts, params, req.length_penalty, "prompt",
+                    priority=req.priority))
+            except ClientDisconnected:
+                return Response(status_code=499)
+            return JSONResponse((await self._response(req, model, request_id, created, prompts,
+                                                      finals)).model_dump())
         per_prompt = await self._reasoning_params(params, prompts)
         try:  # a long list of prompts takes a while to add: a client that leaves stops it
             streams = await until_disconnect(
