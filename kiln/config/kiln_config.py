@@ -121,9 +121,10 @@ class KilnConfig(FreezableConfig):
             check_binding(bind, pc.world_size)
         elif pc.distributed_executor_backend == "uni" and bind != "auto":
             init_logger(__name__).warning(
-                "KILN_CPU_OMP_THREADS_BIND=%r is ignored: it pins the ranks of a multi-process "
+                "%s=%r is ignored: it pins the ranks of a multi-process "
                 "engine (tensor or pipeline parallel), and this one runs in one process "
-                "(OMP_NUM_THREADS and taskset set its threads and cores)", bind)
+                "(OMP_NUM_THREADS and taskset set its threads and cores)",
+                envs.source("KILN_CPU_OMP_THREADS_BIND"), bind)
 
     def for_rank(self, rank: int) -> "KilnConfig":
         """This config as rank `rank` sees it (each worker process gets its own); frozen too."""
