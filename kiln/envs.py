@@ -22,6 +22,7 @@ VLLM_NAMES = {
     "KILN_ENABLE_V1_MULTIPROCESSING": "VLLM_ENABLE_V1_MULTIPROCESSING",
     "KILN_DISABLE_COMPILE_CACHE": "VLLM_DISABLE_COMPILE_CACHE",
     "KILN_EXECUTE_MODEL_TIMEOUT_SECONDS": "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS",
+    "KILN_SERVER_DEV_MODE": "VLLM_SERVER_DEV_MODE",
 }
 
 
@@ -124,6 +125,12 @@ def enable_multiprocessing() -> bool:
 
 def disable_compile_cache() -> bool:
     return _flag("KILN_DISABLE_COMPILE_CACHE", False)
+
+
+def server_dev_mode() -> bool:
+    """`KILN_SERVER_DEV_MODE=1` (vLLM's VLLM_SERVER_DEV_MODE): kiln serve adds vLLM's
+    POST /reset_prefix_cache (kiln/entrypoints/openai/dev_routes.py)."""
+    return _flag("KILN_SERVER_DEV_MODE", False)
 
 
 def weight_snapshot() -> bool:

@@ -6,7 +6,8 @@ vLLM's behaviour is named here, with what to use instead, rather than ignored in
 """
 from kiln import envs
 
-# vLLM's variable -> (its values that change nothing here, what Kiln does or offers instead).
+# vLLM's variable -> (its values that change nothing here, what Kiln does or offers instead);
+# for one that is also in envs.VLLM_NAMES, what of it Kiln does not honour.
 UNHONOURED: dict[str, tuple[tuple[str, ...], str]] = {
     "VLLM_USE_V1": (("1", "true"), "Kiln has only vLLM's V1 engine"),
     "VLLM_CACHE_ROOT": ((), "Kiln caches under KILN_CACHE_ROOT (default ~/.cache/kiln)"),
@@ -14,9 +15,9 @@ UNHONOURED: dict[str, tuple[tuple[str, ...], str]] = {
         ("0", "false"), "Kiln refuses a --max-model-len beyond the model's length"),
     "VLLM_WORKER_MULTIPROC_METHOD": (
         ("spawn",), "Kiln always spawns its rank processes"),
-    "VLLM_SERVER_DEV_MODE": (
-        ("0", "false"), "kiln serve has no development endpoints (/reset_prefix_cache); call "
-        "LLM.reset_prefix_cache() offline"),
+    "VLLM_SERVER_DEV_MODE": (  # read as KILN_SERVER_DEV_MODE: only part of it is served
+        ("0", "false"), "kiln serve adds POST /reset_prefix_cache, not vLLM's /sleep, "
+        "/wake_up, /is_sleeping or /collective_rpc"),
     "VLLM_HOST_IP": ((), "ranks on one machine meet on 127.0.0.1; Ray ranks on the addresses "
                      "Ray gives them"),
     "VLLM_PORT": ((), "Kiln picks a free port for its ranks; kiln serve listens on --port"),
@@ -52,14 +53,16 @@ def unhonoured_vllm_settings(environ) -> list[str]:
         value = environ[name]
         if not name.startswith("VLLM_") or not value.strip() or name in _NO_EFFECT:
             continue
+        harmless, instead = UNHONOURED.get(name, ((), ""))
         if name in envs.VLLM_NAMES.values():
             kiln_name = next(k for k, v in envs.VLLM_NAMES.items() if v == name)
             if (environ.get(kiln_name) or "").strip() and environ[kiln_name] != value:
                 lines.append(f"{name}={value!r} is overridden by {kiln_name}="
                              f"{environ[kiln_name]!r}")
+            elif instead and value.strip().lower() not in harmless:
+                lines.append(f"{name}={value!r} is honoured in part: {instead}")
             continue
         if name in UNHONOURED:
-            harmless, instead = UNHONOURED[name]
             if value.strip().lower() not in harmless:
                 lines.append(f"{name}={value!r} is not honoured: {instead}")
             continue

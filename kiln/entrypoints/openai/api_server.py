@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
+from kiln import envs
 from kiln.engine.async_llm import AsyncLLM
 from kiln.engine.text_encoding import encode_text
 from kiln.entrypoints.openai.errors import install_error_handlers
@@ -170,6 +171,10 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         if llm.is_running:
             metrics.update_gauges(await llm.get_stats())
         return Response(metrics.render(), media_type=metrics.content_type)
+
+    if envs.server_dev_mode():
+        from kiln.entrypoints.openai.dev_routes import add_dev_routes
+        add_dev_routes(app, llm)
 
     # Outermost first: auth refuses before the body is read; the size limit guards the rest.
     app.state.shutdown_gate = ShutdownGate()
