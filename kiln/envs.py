@@ -23,6 +23,7 @@ VLLM_NAMES = {
     "KILN_DISABLE_COMPILE_CACHE": "VLLM_DISABLE_COMPILE_CACHE",
     "KILN_EXECUTE_MODEL_TIMEOUT_SECONDS": "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS",
     "KILN_SERVER_DEV_MODE": "VLLM_SERVER_DEV_MODE",
+    "KILN_HTTP_TIMEOUT_KEEP_ALIVE": "VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
 }
 
 
@@ -131,6 +132,14 @@ def server_dev_mode() -> bool:
     """`KILN_SERVER_DEV_MODE=1` (vLLM's VLLM_SERVER_DEV_MODE): kiln serve adds vLLM's
     POST /reset_prefix_cache (kiln/entrypoints/openai/dev_routes.py)."""
     return _flag("KILN_SERVER_DEV_MODE", False)
+
+
+def http_timeout_keep_alive_s() -> float:
+    """`KILN_HTTP_TIMEOUT_KEEP_ALIVE` (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE): seconds kiln serve
+    keeps an idle HTTP connection open. Default 5, as vLLM's."""
+    seconds = _positive_finite("KILN_HTTP_TIMEOUT_KEEP_ALIVE", "seconds",
+                               "or unset it for the default, 5")
+    return 5.0 if seconds is None else seconds
 
 
 def weight_snapshot() -> bool:

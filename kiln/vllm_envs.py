@@ -27,7 +27,6 @@ UNHONOURED: dict[str, tuple[tuple[str, ...], str]] = {
     "VLLM_ATTENTION_BACKEND": ((), "use KILN_ATTENTION_BACKEND (torch | cpu)"),
     "VLLM_LOGGING_CONFIG_PATH": (
         (), "set KILN_CONFIGURE_LOGGING=0 and configure the `kiln` logger yourself"),
-    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": (("5",), "kiln serve keeps idle connections 5 s"),
     "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": (
         ("0", "false"), "kiln serve stops when its engine dies"),
     "VLLM_USE_MODELSCOPE": (("0", "false"), "Kiln loads from the Hugging Face hub or a path"),

@@ -137,3 +137,22 @@ def test_vllm_logging_prefix_and_configure_logging_are_honoured():
     assert "APP" not in out.stdout
     out = _log_once({"VLLM_CONFIGURE_LOGGING": "0"})
     assert out.stdout == "APP kiln.t hello\n" and "hello" not in out.stderr, out
+
+
+def test_vllm_http_keep_alive_reaches_the_servers_settings(monkeypatch):
+    """VLLM_HTTP_TIMEOUT_KEEP_ALIVE=60 (behind a load balancer that reuses connections for 60 s)
+    still closed idle connections after Kiln's fixed 5 s."""
+    from kiln.entrypoints.cli.main import build_parser
+    from kiln.entrypoints.cli.serve import settings_from_args
+
+    def settings():
+        return settings_from_args(build_parser().parse_args(["serve"]))
+
+    assert settings().timeout_keep_alive == 5
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "60")
+    assert settings().timeout_keep_alive == 60
+    monkeypatch.setenv("KILN_HTTP_TIMEOUT_KEEP_ALIVE", "7")
+    assert settings().timeout_keep_alive == 7
+    monkeypatch.setenv("KILN_HTTP_TIMEOUT_KEEP_ALIVE", "-1")
+    with pytest.raises(ValueError, match="KILN_HTTP_TIMEOUT_KEEP_ALIVE='-1' must be a finite"):
+        settings()

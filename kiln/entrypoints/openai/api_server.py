@@ -298,7 +298,7 @@ def serve(llm: AsyncLLM, settings: ServerSettings, sock: socket.socket | None = 
                             log_level=settings.log_level, access_log=settings.access_log,
                             timeout_graceful_shutdown=(settings.graceful_shutdown_timeout
                                                        + _REPORT_ABORT_S),
-                            timeout_keep_alive=5, lifespan="on")
+                            timeout_keep_alive=settings.timeout_keep_alive, lifespan="on")
     server = _Server(config, llm, settings.graceful_shutdown_timeout, stop_signal)
     exit_code = 0
 
