@@ -156,3 +156,14 @@ def test_vllm_http_keep_alive_reaches_the_servers_settings(monkeypatch):
     monkeypatch.setenv("KILN_HTTP_TIMEOUT_KEEP_ALIVE", "-1")
     with pytest.raises(ValueError, match="KILN_HTTP_TIMEOUT_KEEP_ALIVE='-1' must be a finite"):
         settings()
+
+
+def test_a_bad_vllm_binding_is_refused_by_its_own_name(monkeypatch):
+    """VLLM_CPU_OMP_THREADS_BIND=0-1 for two ranks was refused as KILN_CPU_OMP_THREADS_BIND, a
+    variable the user never set."""
+    from kiln.distributed.cpu_binding import cores_for_rank
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    with pytest.raises(ValueError, match=r"^VLLM_CPU_OMP_THREADS_BIND='0-1' gives 1 core list"):
+        cores_for_rank(envs.cpu_omp_threads_bind(), 0, 2, [0, 1])
+    assert cores_for_rank(envs.cpu_omp_threads_bind(), 0, 1, [0, 1, 2]) == [0, 1]
