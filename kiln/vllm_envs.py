@@ -44,6 +44,9 @@ _NO_EFFECT = frozenset({
     "VLLM_ASSETS_CACHE", "VLLM_USE_PRECOMPILED"})
 
 
+_SECRET = frozenset({"VLLM_API_KEY"})
+
+
 def unhonoured_vllm_settings(environ) -> list[str]:
     """One line per VLLM_* variable in `environ` that is set, would change vLLM's behaviour,
     and is not honoured here; each names what Kiln uses instead. Pure (tested as such)."""
@@ -56,8 +59,11 @@ def unhonoured_vllm_settings(environ) -> list[str]:
         if name in envs.VLLM_NAMES.values():
             kiln_name = next(k for k, v in envs.VLLM_NAMES.items() if v == name)
             if (environ.get(kiln_name) or "").strip() and environ[kiln_name] != value:
-                lines.append(f"{name}={value!r} is overridden by {kiln_name}="
-                             f"{environ[kiln_name]!r}")
+                if name in _SECRET:  # a log line must not carry the keys
+                    lines.append(f"{name} is overridden by {kiln_name}")
+                else:
+                    lines.append(f"{name}={value!r} is overridden by {kiln_name}="
+                                 f"{environ[kiln_name]!r}")
             elif instead and value.strip().lower() not in harmless:
                 lines.append(f"{name}={value!r} is honoured in part: {instead}")
             continue

@@ -167,3 +167,9 @@ def test_a_bad_vllm_binding_is_refused_by_its_own_name(monkeypatch):
     with pytest.raises(ValueError, match=r"^VLLM_CPU_OMP_THREADS_BIND='0-1' gives 1 core list"):
         cores_for_rank(envs.cpu_omp_threads_bind(), 0, 2, [0, 1])
     assert cores_for_rank(envs.cpu_omp_threads_bind(), 0, 1, [0, 1, 2]) == [0, 1]
+
+
+def test_an_overridden_api_key_is_named_without_either_key():
+    lines = vllm_envs.unhonoured_vllm_settings({"VLLM_API_KEY": "old-secret",
+                                                "KILN_API_KEY": "new-secret"})
+    assert lines == ["VLLM_API_KEY is overridden by KILN_API_KEY"]
