@@ -173,3 +173,21 @@ def test_an_overridden_api_key_is_named_without_either_key():
     lines = vllm_envs.unhonoured_vllm_settings({"VLLM_API_KEY": "old-secret",
                                                 "KILN_API_KEY": "new-secret"})
     assert lines == ["VLLM_API_KEY is overridden by KILN_API_KEY"]
+
+
+def test_reserved_cores_at_tp2_are_named_as_ignored(monkeypatch, kiln_logs):
+    """VLLM_CPU_NUM_OF_RESERVED_CPU=1 with two ranks: vLLM-CPU leaves a core per rank, Kiln's
+    ranks take every core of their share, and nothing said so."""
+    from kiln.engine.arg_utils import EngineArgs
+
+    from checkpoints import STORIES_DIR
+
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    EngineArgs(model=str(STORIES_DIR), device="cpu", pipeline_parallel_size=2,
+               distributed_executor_backend="mp").create_kiln_config()
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU=1 is ignored" in kiln_logs.text
+    kiln_logs.clear()
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    EngineArgs(model=str(STORIES_DIR), device="cpu", pipeline_parallel_size=2,
+               distributed_executor_backend="mp").create_kiln_config()
+    assert "RESERVED" not in kiln_logs.text

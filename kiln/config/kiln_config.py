@@ -119,6 +119,13 @@ class KilnConfig(FreezableConfig):
             return
         if pc.distributed_executor_backend == "mp":
             check_binding(bind, pc.world_size)
+            if envs.cpu_num_reserved_cpu(default=0):  # set, and read by no rank: said so
+                init_logger(__name__).warning(
+                    "%s=%d is ignored: it thins a one-process engine's threads, and this "
+                    "one's ranks run on the cores %s gives them (%r); list cores that leave "
+                    "some free", envs.source("KILN_CPU_NUM_OF_RESERVED_CPU"),
+                    envs.cpu_num_reserved_cpu(default=0), envs.source("KILN_CPU_OMP_THREADS_BIND"),
+                    bind)
         elif pc.distributed_executor_backend == "uni" and bind != "auto":
             init_logger(__name__).warning(
                 "%s=%r is ignored: it pins the ranks of a multi-process "
