@@ -119,6 +119,7 @@ class KilnConfig(FreezableConfig):
             return
         if pc.distributed_executor_backend == "mp":
             check_binding(bind, pc.world_size)
+        if pc.distributed_executor_backend in ("mp", "ray"):
             if envs.cpu_num_reserved_cpu(default=0):  # set, and read by no rank: said so
                 init_logger(__name__).warning(
                     "%s=%d is ignored: it thins a one-process engine's threads, and this "
