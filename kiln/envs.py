@@ -1,11 +1,47 @@
 """Environment variables Kiln reads, in one place, with their defaults.
 
 Read them through these functions (not at import time) so tests can set them per case.
+Where vLLM has the same setting, its variable is read when Kiln's is unset (a deployment moved
+from vLLM keeps its settings); Kiln's wins where both are set. vLLM variables Kiln does not
+honour are named at start-up by kiln/vllm_envs.py.
 """
 import os
 from pathlib import Path
 
 from kiln.errors import ConfigError
+
+# Kiln's variable -> vLLM's with the same meaning, read when Kiln's is unset or empty.
+VLLM_NAMES = {
+    "KILN_API_KEY": "VLLM_API_KEY",
+    "KILN_LOGGING_LEVEL": "VLLM_LOGGING_LEVEL",
+    "KILN_CONFIGURE_LOGGING": "VLLM_CONFIGURE_LOGGING",
+    "KILN_LOGGING_PREFIX": "VLLM_LOGGING_PREFIX",
+    "KILN_CPU_KVCACHE_SPACE": "VLLM_CPU_KVCACHE_SPACE",
+    "KILN_CPU_OMP_THREADS_BIND": "VLLM_CPU_OMP_THREADS_BIND",
+    "KILN_CPU_NUM_OF_RESERVED_CPU": "VLLM_CPU_NUM_OF_RESERVED_CPU",
+    "KILN_ENABLE_V1_MULTIPROCESSING": "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "KILN_DISABLE_COMPILE_CACHE": "VLLM_DISABLE_COMPILE_CACHE",
+    "KILN_EXECUTE_MODEL_TIMEOUT_SECONDS": "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS",
+    "KILN_SERVER_DEV_MODE": "VLLM_SERVER_DEV_MODE",
+    "KILN_HTTP_TIMEOUT_KEEP_ALIVE": "VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
+}
+
+
+def _read(name: str) -> tuple[str, str | None]:
+    """(the variable read, its value): Kiln's `name` where set and not blank, else vLLM's
+    (VLLM_NAMES), else (name, None). Errors name the variable that was read."""
+    value = os.environ.get(name)
+    if value is not None and value.strip():
+        return name, value
+    alias = VLLM_NAMES.get(name)
+    if alias is not None and (os.environ.get(alias) or "").strip():
+        return alias, os.environ[alias]
+    return name, value
+
+
+def source(name: str) -> str:
+    """The variable `name`'s setting is read from: `name`, or vLLM's in its place."""
+    return _read(name)[0]
 
 
 def cache_root() -> Path:
@@ -23,7 +59,7 @@ def _flag(name: str, default: bool) -> bool:
     """A boolean variable: 1/true/yes/on or 0/false/no/off (any case). Empty means unset, as for
     the other variables: `KILN_NATIVE_CPU_OPS=` turned a default-on switch off. Anything else is
     refused: read as true, `off` turned a switch on."""
-    value = os.environ.get(name)
+    name, value = _read(name)
     if value is None or not value.strip():
         return default
     if value.strip().lower() in _TRUE:
@@ -36,16 +72,27 @@ def _flag(name: str, default: bool) -> bool:
 def logging_level() -> str:
     """`KILN_LOGGING_LEVEL` (vLLM's VLLM_LOGGING_LEVEL): DEBUG, INFO (the default), WARNING,
     ERROR or CRITICAL."""
-    value = os.environ.get("KILN_LOGGING_LEVEL") or "INFO"
+    name, value = _read("KILN_LOGGING_LEVEL")
+    value = (value or "INFO").strip()
     if value.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-        raise ConfigError(f"KILN_LOGGING_LEVEL={value!r} must be DEBUG, INFO, WARNING, ERROR or "
-                          "CRITICAL")
+        raise ConfigError(f"{name}={value!r} must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
     return value.upper()
+
+
+def configure_logging() -> bool:
+    """`KILN_CONFIGURE_LOGGING=0` (vLLM's VLLM_CONFIGURE_LOGGING): leave the `kiln` logger to the
+    application (no handler, no level; records propagate to the root logger)."""
+    return _flag("KILN_CONFIGURE_LOGGING", True)
+
+
+def logging_prefix() -> str:
+    """`KILN_LOGGING_PREFIX` (vLLM's VLLM_LOGGING_PREFIX): text put before every log line."""
+    return _read("KILN_LOGGING_PREFIX")[1] or ""
 
 
 def _positive_finite(name: str, unit: str, otherwise: str) -> float | None:
     """`name`'s value as a finite number > 0; None where unset or empty."""
-    value = os.environ.get(name)
+    name, value = _read(name)
     if not value:
         return None
     try:
@@ -58,7 +105,15 @@ def _positive_finite(name: str, unit: str, otherwise: str) -> float | None:
 
 
 def cpu_kvcache_space_gib() -> float | None:
-    """GiB of host memory for the KV cache on CPU (`KILN_CPU_KVCACHE_SPACE`)."""
+    """GiB of host memory for the KV cache on CPU (`KILN_CPU_KVCACHE_SPACE`, vLLM-CPU's
+    `VLLM_CPU_KVCACHE_SPACE`); an explicit --kv-cache-memory wins. None: Kiln's default.
+    vLLM's variable defaults to 0, meaning its own default size: read as unset."""
+    if _read("KILN_CPU_KVCACHE_SPACE")[0] == "VLLM_CPU_KVCACHE_SPACE":
+        try:
+            if float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) == 0:
+                return None
+        except ValueError:
+            pass  # refused below, by name
     return _positive_finite("KILN_CPU_KVCACHE_SPACE", "GiB",
                             "or unset it and pass --kv-cache-memory")
 
@@ -71,6 +126,20 @@ def enable_multiprocessing() -> bool:
 
 def disable_compile_cache() -> bool:
     return _flag("KILN_DISABLE_COMPILE_CACHE", False)
+
+
+def server_dev_mode() -> bool:
+    """`KILN_SERVER_DEV_MODE=1` (vLLM's VLLM_SERVER_DEV_MODE): kiln serve adds vLLM's
+    POST /reset_prefix_cache (kiln/entrypoints/openai/dev_routes.py)."""
+    return _flag("KILN_SERVER_DEV_MODE", False)
+
+
+def http_timeout_keep_alive_s() -> float:
+    """`KILN_HTTP_TIMEOUT_KEEP_ALIVE` (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE): seconds kiln serve
+    keeps an idle HTTP connection open. Default 5, as vLLM's."""
+    seconds = _positive_finite("KILN_HTTP_TIMEOUT_KEEP_ALIVE", "seconds",
+                               "or unset it for the default, 5")
+    return 5.0 if seconds is None else seconds
 
 
 def weight_snapshot() -> bool:
@@ -111,15 +180,15 @@ def cpu_num_reserved_cpu(default: int) -> int:
     """`KILN_CPU_NUM_OF_RESERVED_CPU` (vLLM-CPU's `VLLM_CPU_NUM_OF_RESERVED_CPU`): cores the
     engine core's OpenMP threads leave to the front end (API server, tokenizer, the OS).
     Unset: `default` (1 for a served engine, 0 for `LLM`)."""
-    value = os.environ.get("KILN_CPU_NUM_OF_RESERVED_CPU")
-    if value is None or value == "":
+    name, value = _read("KILN_CPU_NUM_OF_RESERVED_CPU")
+    if value is None or not value.strip():
         return default
     try:
         cores = int(value)
     except ValueError:
         cores = -1
     if cores < 0:
-        raise ConfigError(f"KILN_CPU_NUM_OF_RESERVED_CPU={value!r} must be a whole number of "
+        raise ConfigError(f"{name}={value!r} must be a whole number of "
                           "cores >= 0 (0: the engine core's threads use every core)")
     return cores
 
@@ -128,7 +197,8 @@ def cpu_omp_threads_bind() -> str:
     """`KILN_CPU_OMP_THREADS_BIND` (vLLM-CPU's `VLLM_CPU_OMP_THREADS_BIND`): the cores each CPU
     rank's OpenMP threads run on: `auto` (the default: the machine's cores split evenly),
     `nobind`, or one core list per rank separated by `|` (`0-3|4-7`)."""
-    return os.environ.get("KILN_CPU_OMP_THREADS_BIND") or "auto"
+    value = _read("KILN_CPU_OMP_THREADS_BIND")[1]
+    return value.strip() if value and value.strip() else "auto"
 
 
 def execute_model_timeout_s() -> float:

@@ -119,11 +119,20 @@ class KilnConfig(FreezableConfig):
             return
         if pc.distributed_executor_backend == "mp":
             check_binding(bind, pc.world_size)
+        if pc.distributed_executor_backend in ("mp", "ray"):
+            if envs.cpu_num_reserved_cpu(default=0):  # set, and read by no rank: said so
+                init_logger(__name__).warning(
+                    "%s=%d is ignored: it thins a one-process engine's threads, and this "
+                    "one's ranks run on the cores %s gives them (%r); list cores that leave "
+                    "some free", envs.source("KILN_CPU_NUM_OF_RESERVED_CPU"),
+                    envs.cpu_num_reserved_cpu(default=0), envs.source("KILN_CPU_OMP_THREADS_BIND"),
+                    bind)
         elif pc.distributed_executor_backend == "uni" and bind != "auto":
             init_logger(__name__).warning(
-                "KILN_CPU_OMP_THREADS_BIND=%r is ignored: it pins the ranks of a multi-process "
+                "%s=%r is ignored: it pins the ranks of a multi-process "
                 "engine (tensor or pipeline parallel), and this one runs in one process "
-                "(OMP_NUM_THREADS and taskset set its threads and cores)", bind)
+                "(OMP_NUM_THREADS and taskset set its threads and cores)",
+                envs.source("KILN_CPU_OMP_THREADS_BIND"), bind)
 
     def for_rank(self, rank: int) -> "KilnConfig":
         """This config as rank `rank` sees it (each worker process gets its own); frozen too."""

@@ -6,7 +6,13 @@ import os
 
 import torch
 
+from kiln import envs
 from kiln.errors import ConfigError
+
+
+def _name() -> str:
+    """The variable the binding was read from, for errors (vLLM's where Kiln's is unset)."""
+    return envs.source("KILN_CPU_OMP_THREADS_BIND")
 
 
 def parse_core_list(spec: str) -> list[int]:
@@ -23,11 +29,11 @@ def parse_core_list(spec: str) -> list[int]:
             else:
                 cores.append(int(part))
         except ValueError:
-            raise ConfigError(f"KILN_CPU_OMP_THREADS_BIND: {part!r} in {spec!r} is not a core "
+            raise ConfigError(f"{_name()}: {part!r} in {spec!r} is not a core "
                               "number or range like 0-3") from None
     repeated = sorted({c for c in cores if cores.count(c) > 1})
     if repeated:  # one thread per listed core: a repeat puts two threads on one core
-        raise ConfigError(f"KILN_CPU_OMP_THREADS_BIND: {spec!r} lists core {repeated[0]} more "
+        raise ConfigError(f"{_name()}: {spec!r} lists core {repeated[0]} more "
                           "than once; list each core of a rank once")
     return cores
 
@@ -46,7 +52,7 @@ def cores_for_rank(bind: str, local_rank: int, local_world_size: int,
         return available[start:start + share]
     lists = bind.split("|")
     if len(lists) != local_world_size:
-        raise ConfigError(f"KILN_CPU_OMP_THREADS_BIND={bind!r} gives {len(lists)} core list(s) "
+        raise ConfigError(f"{_name()}={bind!r} gives {len(lists)} core list(s) "
                           f"for {local_world_size} ranks on this machine; give one per rank, "
                           "separated by '|', or use auto / nobind")
     return parse_core_list(lists[local_rank])
@@ -87,7 +93,7 @@ def checked_cores(bind: str, local_rank: int, local_world_size: int,
     cores = cores_for_rank(bind, local_rank, local_world_size, available)
     missing = sorted(set(cores or ()) - set(available))
     if missing:
-        raise ConfigError(f"KILN_CPU_OMP_THREADS_BIND={bind!r}: rank {local_rank}'s cores "
+        raise ConfigError(f"{_name()}={bind!r}: rank {local_rank}'s cores "
                           f"{missing} are not available to it (available: {available}); "
                           "name cores of this machine, or use auto / nobind")
     return cores

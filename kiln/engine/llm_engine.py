@@ -4,6 +4,7 @@ One `step()` runs one core step (schedule -> execute -> update) and returns the 
 it produced; the LLM class and the CLI drive it in a loop.
 """
 import math
+import os
 import time
 import weakref
 
@@ -111,8 +112,10 @@ class LLMEngine:
         """`served`: the front end is a server (AsyncLLM), whose event loop and tokenizing
         need a core of their own: the core leaves it one unless KILN_CPU_NUM_OF_RESERVED_CPU
         says otherwise. `LLM`'s front end only waits for outputs: it leaves none."""
+        from kiln import vllm_envs
         from kiln.engine import core_interpreter
 
+        vllm_envs.warn_unhonoured_once(os.environ)
         front_end_cores = envs.cpu_num_reserved_cpu(default=1 if served else 0)
         interpreter = core_interpreter.take() if envs.enable_multiprocessing() else None
         try:

@@ -6,6 +6,7 @@ rank actor's process is started with.
 import socket
 import time
 
+from kiln import envs
 from kiln.errors import ConfigError
 from kiln.logger import init_logger
 
@@ -40,15 +41,17 @@ def check_ray_address(address: str | None, wait_s: float | None = None) -> None:
 
 
 # What ranks never read and a runtime_env would show to anyone who can list the cluster's actors.
-_NOT_FOR_RANKS = frozenset({"KILN_API_KEY"})
+_NOT_FOR_RANKS = frozenset({"KILN_API_KEY", "VLLM_API_KEY"})
 
 
 def kiln_env_vars(environ) -> dict[str, str]:
-    """The KILN_* settings of this process, for each rank actor's runtime_env: without them a
-    rank on a cluster started elsewhere read its own (KILN_CPU_OMP_THREADS_BIND=nobind, say,
-    still bound its cores)."""
+    """The KILN_* settings of this process, and the vLLM variables read in their place
+    (envs.VLLM_NAMES), for each rank actor's runtime_env: without them a rank on a cluster
+    started elsewhere read its own (KILN_CPU_OMP_THREADS_BIND=nobind, say, still bound its
+    cores)."""
+    vllm_names = set(envs.VLLM_NAMES.values())
     return {name: value for name, value in environ.items()
-            if name.startswith("KILN_") and name not in _NOT_FOR_RANKS}
+            if (name.startswith("KILN_") or name in vllm_names) and name not in _NOT_FOR_RANKS}
 
 
 def _needed(bundles: list[dict]) -> dict:

@@ -97,7 +97,8 @@ class Worker:
                                                          self.platform.mem_get_info()[0],
                                                          self.local_world_size)
             if warning:
-                logger.warning("%s; lower --kv-cache-memory (or KILN_CPU_KVCACHE_SPACE)", warning)
+                logger.warning("%s; lower --kv-cache-memory (or %s)", warning,
+                               envs.source("KILN_CPU_KVCACHE_SPACE"))
         logger.info("KV cache budget %.3f GiB; room for %d blocks of %d tokens (%d bytes per "
                     "block)", budget / kv_cache_sizing.GiB, num_blocks, cache.block_size,
                     block_bytes)

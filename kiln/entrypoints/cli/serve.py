@@ -10,6 +10,7 @@ import sys
 
 from kiln.engine.arg_utils import EngineArgs
 from kiln.envs import api_key as env_api_key
+from kiln.envs import http_timeout_keep_alive_s
 
 TOOL_CALL_PARSER_NAMES = ["hermes", "llama3_json"]
 REASONING_PARSER_NAMES = ["deepseek_r1", "qwen3"]
@@ -154,7 +155,8 @@ def settings_from_args(args: argparse.Namespace):
                           reasoning_parser=args.reasoning_parser,
                           disable_any_whitespace=no_whitespace,
                           trust_request_chat_template=args.trust_request_chat_template,
-                          stats_log_interval=None if args.disable_log_stats else 5.0)
+                          stats_log_interval=None if args.disable_log_stats else 5.0,
+                          timeout_keep_alive=http_timeout_keep_alive_s())
 
 
 def register(subparsers) -> None:

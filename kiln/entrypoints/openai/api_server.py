@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
+from kiln import envs
 from kiln.engine.async_llm import AsyncLLM
 from kiln.engine.text_encoding import encode_text
 from kiln.entrypoints.openai.errors import install_error_handlers
@@ -171,6 +172,10 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
             metrics.update_gauges(await llm.get_stats())
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    if envs.server_dev_mode():
+        from kiln.entrypoints.openai.dev_routes import add_dev_routes
+        add_dev_routes(app, llm)
+
     # Outermost first: auth refuses before the body is read; the size limit guards the rest.
     app.state.shutdown_gate = ShutdownGate()
     app.add_middleware(ServerLoadMiddleware, counter=server_load)  # innermost: past the key
@@ -293,7 +298,7 @@ def serve(llm: AsyncLLM, settings: ServerSettings, sock: socket.socket | None = 
                             log_level=settings.log_level, access_log=settings.access_log,
                             timeout_graceful_shutdown=(settings.graceful_shutdown_timeout
                                                        + _REPORT_ABORT_S),
-                            timeout_keep_alive=5, lifespan="on")
+                            timeout_keep_alive=settings.timeout_keep_alive, lifespan="on")
     server = _Server(config, llm, settings.graceful_shutdown_timeout, stop_signal)
     exit_code = 0
 

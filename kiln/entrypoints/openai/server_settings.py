@@ -24,6 +24,7 @@ class ServerSettings:
     # its request (nginx's send_timeout).
     response_send_timeout: float = 60.0
     graceful_shutdown_timeout: float = 5.0  # seconds in-flight requests get on SIGTERM
+    timeout_keep_alive: float = 5.0  # seconds an idle connection stays open (KILN_HTTP_...)
     access_log: bool = True
     log_level: str = "info"
     # usage.prompt_tokens_details.cached_tokens in responses (vLLM's flag of the same name).

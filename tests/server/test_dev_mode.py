@@ -1,0 +1,45 @@
+"""VLLM_SERVER_DEV_MODE=1 (KILN_SERVER_DEV_MODE): vLLM's POST /reset_prefix_cache, which a
+benchmark moved from vLLM calls between runs; it was a 404 and every run after the first
+measured a warm prefix cache."""
+import pytest
+from fastapi.testclient import TestClient
+
+from kiln.engine.arg_utils import EngineArgs
+from kiln.engine.async_llm import AsyncLLM
+from kiln.engine.llm_engine import LLMEngine
+from kiln.entrypoints.openai.api_server import build_app
+from kiln.entrypoints.openai.server_settings import ServerSettings
+
+
+@pytest.fixture  # the server shuts its engine down when it stops
+def engine(tiny_llama_dir):
+    args = EngineArgs(model=str(tiny_llama_dir), enforce_eager=True, max_model_len=64,
+                      block_size=4, enable_prefix_caching=True)
+    return LLMEngine(args.create_kiln_config(), multiprocess=False)
+
+
+def cached_tokens(client) -> int:
+    r = client.post("/v1/completions", json={"model": "m", "prompt": list(range(5, 25)),
+                                             "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def test_dev_mode_serves_reset_prefix_cache(engine, monkeypatch):
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    app = build_app(AsyncLLM(engine), ServerSettings(served_model_names=["m"],
+                                                     enable_prompt_tokens_details=True))
+    with TestClient(app) as c:
+        cached_tokens(c)
+        assert cached_tokens(c) > 0  # the second run hits the prefix cache
+        assert c.post("/reset_prefix_cache").status_code == 200
+        assert cached_tokens(c) == 0
+        assert c.post("/reset_prefix_cache?reset_running_requests=true").status_code == 200
+        assert "/reset_prefix_cache" in c.get("/openapi.json").json()["paths"]
+
+
+def test_without_dev_mode_there_is_no_reset_endpoint(engine, monkeypatch):
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    monkeypatch.delenv("KILN_SERVER_DEV_MODE", raising=False)
+    with TestClient(build_app(AsyncLLM(engine), ServerSettings(served_model_names=["m"]))) as c:
+        assert c.post("/reset_prefix_cache").status_code == 404
