@@ -258,12 +258,6 @@ class AsyncLLM:
         except Exception:  # noqa: BLE001 - an abort must never kill the engine thread
             logger.exception("aborting %s failed", ids)
 
-    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        """LLMEngine.reset_prefix_cache, between steps."""
-        self._check_alive()
-        return await self._on_engine_thread(self.engine.reset_prefix_cache,
-                                            reset_running_requests)
-
     async def get_stats(self) -> dict:
         """Fresh engine stats, taken between steps (after any queued abort has run)."""
         self.last_stats = await self._on_engine_thread(self.engine.get_stats)
