@@ -73,3 +73,43 @@ def test_generate_runs_from_a_config_file(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: --config ")
+
+
+def test_a_list_flag_in_the_file_leaves_the_positional_alone(tmp_path):
+    """The file's flags went right after the command, before `kiln serve MODEL`'s model: a
+    list flag (served-model-name, nargs +) took the model as one more name, as did a key the
+    parser does not know; vLLM puts them after serve's model."""
+    config = tmp_path / "c.yaml"
+    config.write_text("served-model-name: my_model\n")
+    args = parse(["serve", "/m", "--config", str(config), "--port", "9000"])
+    assert (args.model_tag, args.served_model_name, args.port) == ("/m", ["my_model"], 9000)
+    config.write_text("served-model-name: []\nstop: [x]\n")  # an empty list asks for nothing
+    args = parse(["generate", "Tom", "--config", str(config)])
+    assert (args.prompt, args.stop) == ("Tom", ["x"])
+    config.write_text("served-model-name: []\n")
+    args = parse(["serve", "/m", "--config", str(config)])
+    assert (args.model_tag, args.served_model_name) == ("/m", None)
+
+
+def test_a_repeatable_flag_from_the_file(tmp_path):
+    """--stop is repeated (append), not a list flag: a list of two made the second an
+    unrecognized argument, and a typed --stop added to the file's instead of winning."""
+    config = tmp_path / "c.yaml"
+    config.write_text("stop: [x, y]\n")
+    assert parse(["generate", "Tom", "--config", str(config)]).stop == ["x", "y"]
+    assert parse(["generate", "Tom", "--config", str(config), "--stop", "z"]).stop == ["z"]
+
+
+def test_a_dotted_key_sets_one_field(tmp_path):
+    """compilation_config.pass_config.X: only the flag's name is dashed (the field was
+    pass-config.X), false is the field's value (it was dropped as a --no- switch that does
+    not exist) and true too (a bare flag that took the next argument as its value)."""
+    config = tmp_path / "c.yaml"
+    config.write_text("compilation_config.pass_config.fuse_norm_quant: true\n"
+                      "compilation-config.pass_config.eliminate_noops: false\n"
+                      "compilation_config.compile_sizes: [1, 2]\n"
+                      "compilation_config.mode: 0\n")
+    args = parse(["serve", "/m", "--config", str(config)])
+    assert args.model_tag == "/m"
+    assert args.compilation_config == {"mode": 0, "compile_sizes": [1, 2], "pass_config": {
+        "fuse_norm_quant": True, "eliminate_noops": False}}

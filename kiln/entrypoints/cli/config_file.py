@@ -2,22 +2,29 @@
 (`max-model-len: 4096`, `enforce-eager: true`, `served-model-name: [a, b]`), for any command.
 
 A flag given on the command line wins over the file's (vLLM's order: command line, config file,
-defaults): the file's flags go right after the command's name, before everything typed.
+defaults): the file's flags go before every flag typed, but after a positional typed first
+(`kiln serve MODEL`, `kiln generate PROMPT`), as vLLM puts them after serve's model: a list
+flag (served-model-name: a) right before the positional would take it as one more value.
 """
 import argparse
 import json
 from pathlib import Path
 
 
-def option_strings(parser: argparse.ArgumentParser) -> set[str]:
-    """Every option string of `parser` and of its subcommands, theirs too."""
-    out = set()
+def option_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Every option string of `parser` and of its subcommands, theirs too, with its action."""
+    out = {}
     for action in parser._actions:
-        out.update(action.option_strings)
+        out.update(dict.fromkeys(action.option_strings, action))
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
-                out |= option_strings(sub)
+                out.update(option_actions(sub))
     return out
+
+
+def option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string of `parser` and of its subcommands, theirs too."""
+    return set(option_actions(parser))
 
 
 def flags_from_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
@@ -36,11 +43,19 @@ def flags_from_config_file(argv: list[str], parser: argparse.ArgumentParser) -> 
         path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
     else:
         path, rest = argv[i].partition("=")[2], argv[:i] + argv[i + 1:]
-    flags = _flags(path, _load(path), option_strings(parser))
+    actions = option_actions(parser)
+    groups = _flags(path, _load(path), actions)
+    typed = {arg.partition("=")[0] for arg in rest if arg.startswith("-")}
+    # a repeatable flag (--stop) adds to the file's values: typed, it replaces them
+    groups = [g for g in groups if not (g[0] in typed
+                                        and isinstance(actions.get(g[0]), argparse._AppendAction))]
+    if (rest[:1] == ["serve"] and any(g[0] == "--model" for g in groups)
+            and parser.parse_known_args(rest)[0].model_tag):
+        groups = [g for g in groups if g[0] != "--model"]  # `kiln serve MODEL` wins
+    flags = [arg for group in groups for arg in group]
     words = 2 if rest[:1] == ["bench"] else 1
-    if rest[:1] == ["serve"] and "--model" in flags and parser.parse_known_args(rest)[0].model_tag:
-        flags = _without(flags, "--model")  # `kiln serve MODEL` wins over the file's model
-    return rest[:words] + flags + rest[words:]
+    at = next((j for j in range(words, len(rest)) if rest[j].startswith("-")), len(rest))
+    return rest[:at] + flags + rest[at:]
 
 
 def _load(path: str) -> dict:
@@ -65,31 +80,38 @@ def _load(path: str) -> dict:
     return config
 
 
-def _flags(path: str, config: dict, option_strings: set[str]) -> list[str]:
+def _flags(path: str, config: dict, actions: dict[str, argparse.Action]) -> list[list[str]]:
+    """The file's flags, one list (the flag, then its values) per key."""
     out = []
     for key, value in config.items():
-        flag = "--" + str(key).lstrip("-").replace("_", "-")
+        # the name is dashed, not the field after a dot (compilation_config.pass_config.x)
+        name, dot, field = str(key).lstrip("-").partition(".")
+        flag = "--" + name.replace("_", "-")
         if flag == "--config":
             raise ValueError(f"--config {path} names another config file; give one file")
         if value is None:
             continue
-        if isinstance(value, bool):
+        if dot:  # one JSON value, as -O.FIELD=VALUE reads it: true stays true, not a switch
+            out.append([f"{flag}.{field}={_json(value)}"])
+        elif isinstance(value, bool):
             off = "--no-" + flag[2:]
             if value:
-                out.append(flag)
-            elif off in option_strings:
-                out.append(off)
+                out.append([flag])
+            elif off in actions:
+                out.append([off])
         elif isinstance(value, list):
-            out += [flag, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in value)]
+            values = [_json(v) if isinstance(v, dict) else str(v) for v in value]
+            if isinstance(actions.get(flag), argparse._AppendAction):  # --stop a --stop b
+                out += [[flag, v] for v in values]
+            elif values:  # an empty list asks for nothing, as in vLLM
+                out.append([flag, *values])
         elif isinstance(value, dict):  # -O's JSON, --structured-outputs-config's
-            out += [flag, json.dumps(value)]
+            out.append([flag, _json(value)])
         else:
-            out += [flag, str(value)]
+            out.append([flag, str(value)])
     return out
 
 
-def _without(flags: list[str], flag: str) -> list[str]:
-    if flag not in flags:
-        return flags
-    i = flags.index(flag)
-    return flags[:i] + flags[i + 2:]
+def _json(value) -> str:
+    # YAML reads 2024-01-01 as a date, which JSON has no type for: its text, as written
+    return json.dumps(value, default=str)
