@@ -1,5 +1,6 @@
 """vLLM's `--config FILE.yaml` (flags from a YAML mapping) for every `kiln` command; it was
 refused as a flag Kiln has no counterpart for (helper-106)."""
+import os
 import subprocess
 import sys
 
@@ -53,6 +54,25 @@ def test_a_bad_file_is_named(tmp_path, text, message):
         parse(["serve", "--config", "/nowhere.yaml"])
     with pytest.raises(ValueError, match="--config needs a YAML file"):
         parse(["serve", "--config"])
+
+
+def test_the_file_is_read_as_yaml_reads_it(tmp_path):
+    """UTF-8 whatever the locale (it was read in the locale's encoding: ASCII under LC_ALL=C
+    without UTF-8 mode), and a byte that is no UTF-8 is named as this file's (it was 'error:
+    'utf-8' codec can't decode byte 0xff', no file named)."""
+    config = tmp_path / "c.yaml"
+    config.write_bytes("served-model-name: модель\n".encode())
+    run = [sys.executable, "-c", "import sys; sys.path.insert(0, 'tests'); from "
+           "entrypoints.test_config_file import parse; "
+           "print(ascii(parse(['serve', '/m', '--config', sys.argv[1]]).served_model_name))",
+           str(config)]
+    r = subprocess.run(run, capture_output=True, text=True, encoding="utf-8", timeout=120,
+                       env={**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0",
+                            "PYTHONCOERCECLOCALE": "0"})
+    assert r.returncode == 0 and r.stdout.strip() == ascii(["модель"]), r.stderr
+    config.write_bytes(b"served-model-name: \xff\n")
+    with pytest.raises(ValueError, match=f"--config {config} is not valid YAML"):
+        parse(["serve", "--config", str(config)])
 
 
 def test_generate_runs_from_a_config_file(tmp_path):

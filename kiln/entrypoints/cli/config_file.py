@@ -62,7 +62,9 @@ def _load(path: str) -> dict:
     import yaml
 
     try:
-        text = Path(path).read_text()
+        # bytes: YAML's own reader decodes them (UTF-8, or UTF-16 by its BOM), whatever the
+        # locale, and names a bad byte as a YAML error of this file
+        text = Path(path).read_bytes()
     except FileNotFoundError:
         raise FileNotFoundError(f"--config {path}: no such file") from None
     except OSError as e:
