@@ -133,3 +133,17 @@ def test_a_dotted_key_sets_one_field(tmp_path):
     assert args.model_tag == "/m"
     assert args.compilation_config == {"mode": 0, "compile_sizes": [1, 2], "pass_config": {
         "fuse_norm_quant": True, "eliminate_noops": False}}
+
+
+def test_a_text_flag_takes_the_text_as_written(tmp_path):
+    """YAML 1.1 reads 0777 as 511, 1.10 as 1.1 and no as false: `api-key: 0777` gave a server
+    whose key was 511 (every request a 401), `served-model-name: [1.10, no]` a model named 1.1
+    and `--served-model-name` with no value. A number flag keeps YAML's reading (.inf)."""
+    config = tmp_path / "c.yaml"
+    config.write_text("api-key: 0777\nserved-model-name: [1.10, no]\nmax-model-len: 0x40\n")
+    args = parse(["serve", "/m", "--config", str(config)])
+    assert (args.api_key, args.served_model_name, args.max_model_len) == (
+        "0777", ["1.10", "no"], 64)
+    config.write_text("request-rate: .inf\nnum-prompts: 2\n")
+    args = parse(["bench", "serve", "--config", str(config)])
+    assert args.request_rate == float("inf") and args.num_prompts == 2

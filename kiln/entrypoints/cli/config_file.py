@@ -44,7 +44,7 @@ def flags_from_config_file(argv: list[str], parser: argparse.ArgumentParser) -> 
     else:
         path, rest = argv[i].partition("=")[2], argv[:i] + argv[i + 1:]
     actions = option_actions(parser)
-    groups = _flags(path, _load(path), actions)
+    groups = _flags(path, *_load(path), actions)
     typed = {arg.partition("=")[0] for arg in rest if arg.startswith("-")}
     # a repeatable flag (--stop) adds to the file's values: typed, it replaces them
     groups = [g for g in groups if not (g[0] in typed
@@ -58,7 +58,8 @@ def flags_from_config_file(argv: list[str], parser: argparse.ArgumentParser) -> 
     return rest[:at] + flags + rest[at:]
 
 
-def _load(path: str) -> dict:
+def _load(path: str) -> tuple[dict, dict]:
+    """The file's mapping as YAML types it, and as the text it holds (yaml.BaseLoader)."""
     import yaml
 
     try:
@@ -71,21 +72,25 @@ def _load(path: str) -> dict:
         raise ValueError(f"--config {path}: cannot read it ({e.strerror})") from None
     try:
         config = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=yaml.BaseLoader)
     except yaml.YAMLError as e:
         raise ValueError(f"--config {path} is not valid YAML: "
                          f"{' '.join(str(e).split())}") from None
     if config is None:
-        return {}
+        return {}, {}
     if not isinstance(config, dict):
         raise ValueError(f"--config {path} must be a YAML mapping of flag names to values "
                          f"(max-model-len: 4096), got a {type(config).__name__}")
-    return config
+    return config, raw
 
 
-def _flags(path: str, config: dict, actions: dict[str, argparse.Action]) -> list[list[str]]:
-    """The file's flags, one list (the flag, then its values) per key."""
+def _flags(path: str, config: dict, raw: dict,
+           actions: dict[str, argparse.Action]) -> list[list[str]]:
+    """The file's flags, one list (the flag, then its values) per key. A flag taking text
+    (--api-key, --served-model-name, --revision) gets the text as written: YAML 1.1 reads
+    0777 as 511, 1.10 as 1.1 and no as false."""
     out = []
-    for key, value in config.items():
+    for (key, value), text in zip(config.items(), raw.values()):
         # the name is dashed, not the field after a dot (compilation_config.pass_config.x)
         name, dot, field = str(key).lstrip("-").partition(".")
         flag = "--" + name.replace("_", "-")
@@ -93,6 +98,9 @@ def _flags(path: str, config: dict, actions: dict[str, argparse.Action]) -> list
             raise ValueError(f"--config {path} names another config file; give one file")
         if value is None:
             continue
+        action = actions.get(flag)
+        if not dot and action is not None and action.nargs != 0 and action.type in (None, str):
+            value = _as_written(value, text)
         if dot:  # one JSON value, as -O.FIELD=VALUE reads it: true stays true, not a switch
             out.append([f"{flag}.{field}={_json(value)}"])
         elif isinstance(value, bool):
@@ -112,6 +120,13 @@ def _flags(path: str, config: dict, actions: dict[str, argparse.Action]) -> list
         else:
             out.append([flag, str(value)])
     return out
+
+
+def _as_written(value, text):
+    """`value` (YAML's reading) with its scalars, its list's too, as the file's text."""
+    if isinstance(value, list) and isinstance(text, list):
+        return [_as_written(v, t) for v, t in zip(value, text)]
+    return text if isinstance(text, str) and not isinstance(value, dict) else value
 
 
 def _json(value) -> str:
