@@ -147,3 +147,14 @@ def test_a_text_flag_takes_the_text_as_written(tmp_path):
     config.write_text("request-rate: .inf\nnum-prompts: 2\n")
     args = parse(["bench", "serve", "--config", str(config)])
     assert args.request_rate == float("inf") and args.num_prompts == 2
+
+
+def test_after_a_bare_double_dash_everything_is_positional(tmp_path):
+    """`kiln generate -- -O3` asks for the prompt "-O3" (argparse's reading of "--"): it became
+    "--optimization-level=3", and a prompt "--config" was taken for the flag."""
+    assert parse(["generate", "--max-tokens", "3", "--", "-O3"]).prompt == "-O3"
+    assert parse(["generate", "--", "--config"]).prompt == "--config"
+    config = tmp_path / "c.yaml"
+    config.write_text("max-tokens: 4\n")
+    args = parse(["generate", "--config", str(config), "--", "--max_tokens"])
+    assert (args.prompt, args.max_tokens) == ("--max_tokens", 4)

@@ -31,7 +31,9 @@ def flags_from_config_file(argv: list[str], parser: argparse.ArgumentParser) -> 
     """`argv` with its `--config FILE` replaced by the file's flags (after the command's
     words: `serve`, `bench throughput`); `false` becomes `--no-FLAG` where `parser` has one
     (and is left out where there is none)."""
-    at = [i for i, arg in enumerate(argv) if arg == "--config" or arg.startswith("--config=")]
+    end = argv.index("--") if "--" in argv else len(argv)  # after it: positionals
+    at = [i for i, arg in enumerate(argv[:end])
+          if arg == "--config" or arg.startswith("--config=")]
     if not at:
         return argv
     if len(at) > 1:
