@@ -118,6 +118,10 @@ def test_a_repeatable_flag_from_the_file(tmp_path):
     config.write_text("stop: [x, y]\n")
     assert parse(["generate", "Tom", "--config", str(config)]).stop == ["x", "y"]
     assert parse(["generate", "Tom", "--config", str(config), "--stop", "z"]).stop == ["z"]
+    config.write_text("ir-op-priority: [rms_norm=native, silu_and_mul=torch]\n")
+    args = parse(["serve", "/m", "--config", str(config)])
+    assert args.model_tag == "/m"
+    assert args.ir_op_priority == {"rms_norm": ["native"], "silu_and_mul": ["torch"]}
 
 
 def test_a_dotted_key_sets_one_field(tmp_path):

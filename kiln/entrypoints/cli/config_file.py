@@ -113,8 +113,8 @@ def _flags(path: str, config: dict, raw: dict,
                 out.append([off])
         elif isinstance(value, list):
             values = [_json(v) if isinstance(v, dict) else str(v) for v in value]
-            if isinstance(actions.get(flag), argparse._AppendAction):  # --stop a --stop b
-                out += [[flag, v] for v in values]
+            if action is not None and action.nargs is None:  # one value a time, repeatable:
+                out += [[flag, v] for v in values]  # --stop a --stop b, --ir-op-priority
             elif values:  # an empty list asks for nothing, as in vLLM
                 out.append([flag, *values])
         elif isinstance(value, dict):  # -O's JSON, --structured-outputs-config's
