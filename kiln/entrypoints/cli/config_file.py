@@ -92,7 +92,8 @@ def _flags(path: str, config: dict, raw: dict,
     (--api-key, --served-model-name, --revision) gets the text as written: YAML 1.1 reads
     0777 as 511, 1.10 as 1.1 and no as false."""
     out = []
-    for (key, value), text in zip(config.items(), raw.values()):
+    for key, value in config.items():
+        text = raw.get(key) if isinstance(key, str) else None  # merged (<<) keys: none
         # the name is dashed, not the field after a dot (compilation_config.pass_config.x)
         name, dot, field = str(key).lstrip("-").partition(".")
         flag = "--" + name.replace("_", "-")
