@@ -20,6 +20,8 @@ class RequestResult:
     ok: bool
     ttft: float = 0.0  # seconds from send to the first token
     itls: list[float] = field(default_factory=list)  # gaps between token-bearing chunks
+    # to the last token-bearing chunk, as vllm bench's latency (its e2el, and TPOT from it):
+    # the usage chunk and [DONE] after it do not move it
     latency: float = 0.0
     output_tokens: int = 0
     prompt_tokens: int = 0
@@ -97,8 +99,8 @@ async def _one_request(session: aiohttp.ClientSession, url: str, model: str,
                     else:
                         result.itls.append(now - last)
                     last = now
-        result.latency = time.perf_counter() - start
         result.ok = last is not None
+        result.latency = last - start if result.ok else time.perf_counter() - start
         if not result.ok:
             result.error = "no tokens received"
     except (TimeoutError, aiohttp.ClientError) as e:

@@ -76,6 +76,10 @@ class FreezableConfig:
                 f"resolved them (what the engine learns at run time is the worker's, model "
                 f"runner's or engine core's state); build another config, or "
                 f"dataclasses.replace() this one")
+        if isinstance(value, (FrozenList, FrozenDict)):
+            # a config not yet resolved (dataclasses.replace() of a resolved one, or one built
+            # from its fields) takes its own changeable copy, as the error above advises
+            value = thawed_value(value)
         object.__setattr__(self, name, value)
 
     def __delattr__(self, name):

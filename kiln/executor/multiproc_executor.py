@@ -44,13 +44,14 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def _rank_main(kiln_config, rank: int, world_size: int, init_method: str, conn,
-               parent_pid: int) -> None:
+               parent_pid: int, float32_matmul_precision: str | None = None) -> None:
     from kiln.executor.rank_worker import RankWorker
 
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     leave_group_signals_to_parent(f"rank {rank}")  # the engine stops its ranks
     try:
-        worker = RankWorker(kiln_config, rank, rank, world_size, init_method)
+        worker = RankWorker(kiln_config, rank, rank, world_size, init_method,
+                            float32_matmul_precision)
     except BaseException as e:
         conn.send(("error", failure_report(e)))
         return
@@ -99,6 +100,9 @@ class MultiprocExecutor(RankFanOutExecutor):
         self.broadcast_seconds = 0.0
         self.broadcast_calls = 0
         ctx = multiprocessing.get_context("spawn")
+        import torch
+
+        precision = torch.get_float32_matmul_precision()  # a spawned rank starts at torch's
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self._finalizer = weakref.finalize(self, MultiprocExecutor._kill_all, self.procs,
                                            os.getpid())
@@ -107,7 +111,7 @@ class MultiprocExecutor(RankFanOutExecutor):
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=_rank_main, name=f"kiln-rank-{rank}", daemon=False,
                                args=(kiln_config, rank, self.world_size, init_method, child,
-                                     os.getpid()))
+                                     os.getpid(), precision))
             proc.start()
             child.close()
             self.procs.append(proc)

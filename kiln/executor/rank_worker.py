@@ -20,11 +20,18 @@ METHODS = ("determine_num_blocks", "initialize_cache", "compile_or_warm_up_model
 
 class RankWorker:
     def __init__(self, kiln_config, rank: int, local_rank: int, local_world_size: int,
-                 init_method: str):
+                 init_method: str, float32_matmul_precision: str | None = None):
+        """`float32_matmul_precision`: the engine's torch setting, which a rank's own
+        interpreter (spawned, or a Ray actor) does not inherit: a GGUF model's float32 kernels
+        read it (gguf_matmul.float32_limbs), so every rank computes as a one-rank engine."""
+        import torch
+
         from kiln.distributed.cpu_binding import bind_this_process
         from kiln.distributed.parallel_state import init_distributed
         from kiln.worker.worker import Worker
 
+        if float32_matmul_precision is not None:
+            torch.set_float32_matmul_precision(float32_matmul_precision)
         kiln_config = kiln_config.for_rank(rank)  # this rank's view: its own rank, its own layers
         self.rank = rank
         device = kiln_config.device_config.device_obj
@@ -41,8 +48,10 @@ class RankWorker:
         self.worker.init_device()
         self.worker.load_model()
         self.unpickle_seconds = 0.0
-        logger.info("rank %d ready (tp rank %d, pp stage %d, cores %s)", rank, pc.tp_rank,
-                    pc.pp_rank, self.cores if self.cores is not None else "unbound")
+        logger.info("rank %d ready (tp rank %d, pp stage %d, cores %s, float32 matmul "
+                    "precision %s)", rank, pc.tp_rank, pc.pp_rank,
+                    self.cores if self.cores is not None else "unbound",
+                    torch.get_float32_matmul_precision())
 
     def call(self, method: str, args: tuple):
         if method not in METHODS:

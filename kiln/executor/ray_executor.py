@@ -127,7 +127,10 @@ class RayExecutor(RankFanOutExecutor):
                     ips, self._gather([a.gpu_ids.remote() for a in self.actors], "placement"))
                 self._gather([a.see_devices.remote(v) for a, v in zip(self.actors, visible)],
                              "placement")
-            self._gather([actor.start.remote(kiln_config, rank, lr, lw, init_method)
+            import torch
+
+            precision = torch.get_float32_matmul_precision()  # an actor starts at torch's
+            self._gather([actor.start.remote(kiln_config, rank, lr, lw, init_method, precision)
                           for rank, (actor, (lr, lw)) in enumerate(
                               zip(self.actors, local_ranks(ips)))],
                          "start-up")

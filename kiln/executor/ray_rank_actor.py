@@ -37,10 +37,11 @@ class RayRankActor:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
 
     def start(self, kiln_config, rank: int, local_rank: int, local_world_size: int,
-              init_method: str) -> None:
+              init_method: str, float32_matmul_precision: str | None = None) -> None:
         from kiln.executor.rank_worker import RankWorker
 
-        self.worker = RankWorker(kiln_config, rank, local_rank, local_world_size, init_method)
+        self.worker = RankWorker(kiln_config, rank, local_rank, local_world_size, init_method,
+                                 float32_matmul_precision)
 
     def call_pickled(self, payload: bytes):
         return self.worker.call_pickled(payload)

@@ -100,3 +100,22 @@ def test_a_resolved_configs_lists_and_dicts_refuse_changes_in_place():
     again = KilnConfig(model_config=config.model_config,
                        scheduler_config=config.scheduler_config, compilation_config=cc)
     assert again.compute_hash() == key
+
+
+def test_a_replaced_config_has_its_own_lists_and_dicts():
+    """dataclasses.replace(), which a frozen config's errors advise, gave a config that took
+    assignment but refused inductor_compile_config[...] = ... (the resolved config's dict,
+    shared); lists and dicts that resolution copies (compile_sizes, pass_config) were fine."""
+    config = _config(compilation_config=CompilationConfig(
+        mode=3, compile_sizes=[4], inductor_compile_config={"max_autotune": False}))
+    cc = config.compilation_config
+    other = dataclasses.replace(cc, mode=0)
+    other.inductor_compile_config["max_autotune"] = True
+    other.compile_sizes.append(8)
+    assert cc.inductor_compile_config == {"max_autotune": False} and cc.compile_sizes == [4]
+    built = CompilationConfig(inductor_compile_config=cc.inductor_compile_config)
+    built.inductor_compile_config["max_autotune"] = True
+    assert cc.inductor_compile_config == {"max_autotune": False}
+    again = _config(compilation_config=other).compilation_config
+    assert again.inductor_compile_config == {"max_autotune": True}
+    assert again.compile_sizes == [4, 8] and again.frozen

@@ -13,8 +13,9 @@ from kiln.executor.free_port import free_port
 KEY = "sekrit"
 
 
-def make_app(gap: float, fail_every: int = 0) -> web.Application:
-    """Streams output_len one-token chunks `gap` s apart; every `fail_every`-th request breaks."""
+def make_app(gap: float, fail_every: int = 0, tail: float = 0.0) -> web.Application:
+    """Streams output_len one-token chunks `gap` s apart, then the usage chunk `tail` s later;
+    every `fail_every`-th request breaks."""
     seen = {"n": 0}
 
     def authed(request):
@@ -44,6 +45,7 @@ def make_app(gap: float, fail_every: int = 0) -> web.Application:
             chunk = {"model": body["model"], "choices": [{"index": 0, "text": f"t{k}"}]}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
+        await asyncio.sleep(tail)
         await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
         return resp
 
@@ -54,10 +56,10 @@ def make_app(gap: float, fail_every: int = 0) -> web.Application:
     return app
 
 
-def bench(gap=0.02, fail_every=0, **kw):
+def bench(gap=0.02, fail_every=0, tail=0.0, **kw):
     async def go():
         port = free_port()
-        runner = web.AppRunner(make_app(gap, fail_every))
+        runner = web.AppRunner(make_app(gap, fail_every, tail))
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         try:
@@ -80,6 +82,16 @@ def test_latencies_from_chunk_arrival_and_vocab_probe_with_key():
     assert 25 <= r["ttft_ms"]["p50"] < 200
     assert 25 <= r["itl_ms"]["p50"] < 200
     assert r["e2e_latency_ms"]["p50"] >= 4 * 25
+
+
+def test_latency_ends_at_the_last_token():
+    """vllm bench's latency (e2el, and TPOT from it) ends at the last token-bearing chunk; the
+    usage chunk after it carries no token. Kiln's ran to the stream's end: a usage chunk 0.6 s
+    late made TPOT (4 tokens 30 ms apart) 0.2 s."""
+    r = bench(gap=0.03, tail=0.6, vocab_size=50)
+    assert r["completed"] == 4
+    assert 25 <= r["median_tpot_ms"] < 150 and r["median_e2el_ms"] < 450
+    assert r["e2e_latency_ms"]["p50"] < 450
 
 
 def test_default_model_is_the_servers_first():

@@ -120,6 +120,8 @@ def dotted_flags_as_O(argv: list[str]) -> list[str]:
     out, i = [], 0
     while i < len(argv):
         arg = argv[i]
+        if arg == "--":  # what follows is positional (a prompt "-O3"), as argparse reads it
+            return out + argv[i:]
         level = None
         if arg in ("-O", "--optimization-level") and i + 1 < len(argv):
             level = argv[i + 1]
