@@ -11,28 +11,33 @@ from kiln.entrypoints.openai.responses_protocol import ResponsesRequest
 
 ROLES = ("user", "system", "developer", "assistant")
 # Content parts that are text, and the key holding it (chat_messages reads the same ones).
-_TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
-# field -> why it is refused when set to anything but off / empty.
-_REFUSED = {
-    "tools": "tools (function calling, built-in tools) are not supported on /v1/responses; "
-             "use /v1/chat/completions with tools",
-    "previous_response_id": "responses are not stored, so none can be continued; send the "
-                            "whole conversation in input",
-    "conversation": "conversations are not stored; send the whole conversation in input",
-    "background": "background responses need a stored response to poll; stream instead",
-    "include": "no extra output (logprobs, encrypted reasoning, tool results) is included",
-    "top_logprobs": "logprobs are not returned on /v1/responses; use /v1/chat/completions",
-    "max_tool_calls": "tools are not supported on /v1/responses",
-    "prompt": "stored prompt templates are not supported; send the text in input",
-    "context_management": "context compaction is not supported",
+TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
+# field -> (its off value, why any other is refused). Any-typed fields take null only: 0 or
+# false there is no "off" the client meant.
+REFUSED = {
+    "tools": ([], "tools (function calling, built-in tools) are not supported on "
+                  "/v1/responses; use /v1/chat/completions with tools"),
+    "previous_response_id": (None, "responses are not stored, so none can be continued; send "
+                                   "the whole conversation in input"),
+    "conversation": (None, "conversations are not stored; send the whole conversation in "
+                           "input"),
+    "background": (False, "background responses need a stored response to poll; stream "
+                          "instead"),
+    "include": ([], "no extra output (logprobs, encrypted reasoning, tool results) is "
+                    "included"),
+    "top_logprobs": (0, "logprobs are not returned on /v1/responses; use "
+                        "/v1/chat/completions"),
+    "max_tool_calls": (None, "tools are not supported on /v1/responses"),
+    "prompt": (None, "stored prompt templates are not supported; send the text in input"),
+    "context_management": (None, "context compaction is not supported"),
 }
 
 
 def refuse_unsupported(req: ResponsesRequest) -> None:
     """A 400 naming the first field that asks for what Kiln does not do on this route."""
-    for name, why in _REFUSED.items():
+    for name, (off, why) in REFUSED.items():
         value = getattr(req, name)
-        if value not in (None, False, [], {}):  # False and 0 (top_logprobs) are off
+        if value is not None and value != off:
             raise OpenAIError(f"{name}={value!r} is refused: {why}; omit it", param=name,
                               code="unsupported_parameter")
     if req.tool_choice not in (None, "auto", "none"):
@@ -64,7 +69,7 @@ def _content(i: int, content) -> str | list:
         return content
     parts = []
     for j, part in enumerate(content):
-        key = _TEXT_PARTS.get(part.type)
+        key = TEXT_PARTS.get(part.type)
         if key is None:
             raise OpenAIError(f"input[{i}].content[{j}] is a {part.type!r} part, not supported "
                               "(the model is text-only); give input_text parts",

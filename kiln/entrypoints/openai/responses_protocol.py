@@ -112,5 +112,7 @@ class ResponsesRequest(RequestBase):
     context_management: Any = None
     # vLLM's extras
     request_id: str | None = None  # names the response (resp_<request_id>)
-    priority: JsonInt = Field(0, ge=-2**63, lt=2**63)
+    # Within what a double holds exactly: schema tools (schemathesis) read the bounds as
+    # floats and drew past an int64's 2**63
+    priority: JsonInt = Field(0, ge=-2**53, le=2**53)
     cache_salt: str | None = None
