@@ -256,3 +256,18 @@ def test_client_leaving_mid_stream_aborts_and_others_are_undisturbed():
             assert time.monotonic() < deadline, "the left stream's request was not aborted"
             time.sleep(0.05)
         assert not engine.requests
+
+
+def test_engine_death_while_streaming_is_an_error_event():
+    """OpenAI's error event (type "error", code, message, param, its sequence number) ends the
+    stream, with the code a whole request's 503 has."""
+    llm = AsyncLLM(FakeEngine(step_delay=0.01))
+    with TestClient(build_app(llm, ServerSettings())) as c:
+        llm.engine.fail_next_step = True
+        r = c.post("/v1/responses", json=dict(input="x", max_output_tokens=5, stream=True))
+        blocks = r.text.strip().split("\n\n")
+        last = json.loads(blocks[-1].split("\n")[1].removeprefix("data: "))
+        assert blocks[-1].startswith("event: error\n")
+        assert last["type"] == "error" and last["code"] == "engine_dead" and last["message"]
+        assert last["sequence_number"] == len(blocks) - 1 and "param" in last
+        assert not any("response.completed" in b for b in blocks)
