@@ -16,9 +16,9 @@ def _part() -> dict:
 
 
 def _item() -> dict:
-    """A message item (type "message" or absent), its role one of ROLES, its content text."""
+    """A message item (type "message", null or absent), its role one of ROLES, its content text."""
     return {"type": "object", "required": ["role", "content"], "properties": {
-        "type": {"const": "message"}, "role": {"enum": list(ROLES)},
+        "type": {"enum": ["message", None]}, "role": {"enum": list(ROLES)},
         "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _part()}]},
         "id": {"anyOf": [{"type": "string"}, _NULL]},
         "status": {"anyOf": [{"type": "string"}, _NULL]}}}

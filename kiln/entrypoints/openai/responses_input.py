@@ -92,7 +92,7 @@ def input_messages(req: ResponsesRequest) -> tuple[list[ChatMessage], int]:
         raise OpenAIError("input is empty: give a string or at least one message item",
                           param="input", code="invalid_value")
     for i, item in enumerate(req.input):
-        if item.type != "message":
+        if item.type not in (None, "message"):
             raise OpenAIError(f"input[{i}] is a {item.type!r} item, not supported: give message "
                               "items (role and content)", param=f"input[{i}].type",
                               code="unsupported_content")

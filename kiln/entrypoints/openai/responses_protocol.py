@@ -29,7 +29,7 @@ class ResponseContentPart(RequestPart):
 class ResponseInputItem(RequestPart):
     """An item of `input`: a message (type "message" or none, a role and its content), or an
     item the server refuses by its type (function_call, reasoning, item_reference, ...)."""
-    type: str = "message"
+    type: str | None = None  # none (or null): a message
     role: str | None = None
     content: str | list[ResponseContentPart] | None = None
     id: str | None = None  # an output message sent back as history carries its own
