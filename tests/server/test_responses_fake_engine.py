@@ -285,3 +285,28 @@ def test_items_are_read_on_a_front_end_thread(client, monkeypatch):
     r = client.post("/v1/responses", json=dict(input=items, max_output_tokens=1))
     assert r.status_code == 200, r.text
     assert len(threads) == 1 and threads[0].startswith("kiln-frontend"), threads
+
+
+class _GrammarFailing(FakeEngine):
+    """Ends every constrained sample with the core's grammar failure."""
+
+    def step(self):
+        outs = super().step()
+        for out in outs:
+            for o in out.outputs:
+                o.error = "structured_outputs.json allows no token after 1 generated token(s)"
+        return outs
+
+
+def test_a_grammar_failure_names_text_format():
+    """A grammar the engine gives up on names the field the client sent, text.format (chat's
+    response_format is no field of this API), collected and streamed."""
+    with TestClient(build_app(AsyncLLM(_GrammarFailing()), ServerSettings())) as c:
+        body = dict(input="x", max_output_tokens=5, text={"format": {
+            "type": "json_schema", "name": "n", "schema": {"type": "object"}}})
+        err = assert_error(c.post("/v1/responses", json=body), 400, "text.format",
+                           "request_failed")
+        assert "response_format" not in err["message"]
+        r = c.post("/v1/responses", json={**body, "stream": True})
+        last = json.loads(r.text.strip().split("\n\n")[-1].split("\n")[1][6:])
+        assert last["type"] == "error" and last["param"] == "text.format", last

@@ -64,6 +64,8 @@ class ServingResponses:
                 creq, self.llm.kiln_config.model_config.generation_defaults)
             constraint, field = request_structured_outputs(creq,
                                                            self.chat.disable_any_whitespace)
+            # what a grammar's failure names, in a stream or a collected answer too
+            field = "text.format" if field == "response_format" else field
             if constraint is not None:
                 await check_compiles(constraint, field)
             render_args = dict(messages=messages, add_generation_prompt=True,
