@@ -146,6 +146,12 @@ def test_leaving_mid_stream_aborts(server):
                 break  # the connection closes mid-stream
     after = _wait_for_abort(server, before)
     assert after["kiln:kv_cache_free_blocks"] == free0
+    # A client that gives up on a whole response is noticed too.
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server}/v1/responses", json={**body, "stream": False},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=0.3)
+    after = _wait_for_abort(server, after)
+    assert after["kiln:kv_cache_free_blocks"] == free0
 
 
 # A template whose generation prompt opens the thinking (as DeepSeek-R1's does).
