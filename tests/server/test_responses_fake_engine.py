@@ -100,7 +100,7 @@ def test_stream_event_sequence(client):
     assert types == ["response.created", "response.in_progress", "response.output_item.added",
                      "response.content_part.added", *["response.output_text.delta"] * 5,
                      "response.output_text.done", "response.content_part.done",
-                     "response.output_item.done", "response.incomplete"]
+                     "response.output_item.done", "response.completed"]
     assert evs[0]["response"]["status"] == "in_progress" and evs[0]["response"]["output"] == []
     rid = evs[0]["response"]["id"]
     assert all(e["response"]["id"] == rid for e in evs if "response" in e)

@@ -89,7 +89,7 @@ def test_greedy_answer_is_chats(client, input, instructions, limit):
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == resp.output_text
     last = events[-1]
-    assert last.type == f"response.{resp.status}"
+    assert last.type == "response.completed" and last.response.status == resp.status
     assert last.response.output_text == text and last.response.usage == resp.usage
     assert last.response.output[0].status == resp.output[0].status
 
@@ -107,6 +107,17 @@ def test_an_answer_that_ends_itself_is_completed(client):
     events = list(client.responses.create(stream=True, **kw))
     assert events[-1].type == "response.completed"
     assert events[-1].response.output_text == resp.output_text
+
+
+def test_the_sdks_stream_helper_has_the_final_response(client):
+    """responses.stream()'s get_final_response() reads response.completed: a stream cut at
+    max_output_tokens ends with it too (status incomplete), as vLLM's do."""
+    kw = dict(model=NAME, input="Once upon a time", max_output_tokens=10, temperature=0)
+    with client.responses.stream(**kw) as stream:
+        deltas = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert final.status == "incomplete" and final.output_text == deltas
+    assert final.output_text == client.responses.create(**kw).output_text
 
 
 def test_text_format_is_chats_response_format(client):

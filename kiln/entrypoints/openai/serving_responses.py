@@ -194,9 +194,10 @@ class ServingResponses:
                 yield e
             usage = make_response_usage(prompt_tokens, generated, cached,
                                         None if counter is None else counter.count)
-            done = "response.incomplete" if status == "incomplete" else \
-                "response.completed"
-            yield event(done, response=shape.response(status, output, usage))
+            # response.completed whatever the status (incomplete at the token limit), as vLLM
+            # ends its streams: the openai SDK's responses.stream() has no final response
+            # (get_final_response raises) after OpenAI's response.incomplete.
+            yield event("response.completed", response=shape.response(status, output, usage))
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
             # OpenAI's error event: the error body's fields, beside the type
             info = json.loads(engine_error_event(e).removeprefix("data: "))["error"]
