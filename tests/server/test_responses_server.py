@@ -200,4 +200,8 @@ def test_reasoning_item_is_chats_reasoning(tmp_path_factory):
                            if e.type == "response.reasoning_text.delta")
         assert streamed == (m.reasoning_content or "")
         assert events[-1].response.output_text == resp.output_text
-        assert [i.type for i in events[-1].response.output] == [i.type for i in resp.output]
+        # whole and streamed alike: the item kinds and their statuses (cut while thinking,
+        # both incomplete)
+        assert [(i.type, i.status) for i in events[-1].response.output] == \
+            [(i.type, i.status) for i in resp.output] == \
+            [("reasoning", "incomplete"), ("message", "incomplete")]

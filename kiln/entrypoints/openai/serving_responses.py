@@ -101,12 +101,13 @@ class ServingResponses:
         splitter = self.chat._splitter(creq, prompt_text, thinking_first)
         if splitter is not None:
             reasoning, content = splitter.split(o.text)
-        output = []
-        if reasoning:
-            output.append(ReasoningItem(content=[ReasoningText(text=reasoning)]))
         status = _STATUS.get(o.finish_reason, "completed")
-        output.append(OutputMessage(content=[OutputText(text=content or "")],
-                                    status="incomplete" if status != "completed" else status))
+        last = "incomplete" if status != "completed" else status  # the last item's, as streamed
+        output = []
+        if reasoning:  # cut while thinking (no content after it): incomplete too
+            output.append(ReasoningItem(content=[ReasoningText(text=reasoning)],
+                                        status="completed" if content else last))
+        output.append(OutputMessage(content=[OutputText(text=content or "")], status=last))
         counter = self.chat._counter(prompt_text, thinking_first, o.token_ids)
         usage = make_response_usage(len(final.prompt_token_ids), len(o.token_ids),
                                     final.num_cached_tokens,
