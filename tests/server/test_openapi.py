@@ -271,7 +271,8 @@ def test_the_key_is_stated_and_enforced(metrics_public):
     routes = [("/health", "GET", None), ("/metrics", "GET", None), ("/v1/models", "GET", None),
               ("/tokenize", "POST", {"prompt": "hi"}), ("/detokenize", "POST", {"tokens": [5]}),
               ("/v1/completions", "POST", {"prompt": "hi", "max_tokens": 1}),
-              ("/v1/chat/completions", "POST", {"messages": _CHAT, "max_tokens": 1})]
+              ("/v1/chat/completions", "POST", {"messages": _CHAT, "max_tokens": 1}),
+              ("/v1/responses", "POST", {"input": "hi", "max_output_tokens": 1})]
     with uvicorn_in_thread(app) as port:
         for path, method, body in routes:
             given = {"body": body} if body is not None else {}

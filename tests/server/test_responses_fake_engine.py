@@ -310,3 +310,20 @@ def test_a_grammar_failure_names_text_format():
         r = c.post("/v1/responses", json={**body, "stream": True})
         last = json.loads(r.text.strip().split("\n\n")[-1].split("\n")[1][6:])
         assert last["type"] == "error" and last["param"] == "text.format", last
+
+
+def test_load_counts_a_responses_stream():
+    """GET /load (vLLM's server_load) counts /v1/responses as it counts completions and chat."""
+    app = build_app(AsyncLLM(FakeEngine(max_model_len=256, step_delay=0.05)), ServerSettings())
+    with uvicorn_in_thread(app) as port:
+        url = f"http://127.0.0.1:{port}"
+        body = {"input": "x", "max_output_tokens": 40, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/responses", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines) == "event: response.created"
+            assert httpx.get(f"{url}/load").json()["server_load"] == 1
+            list(lines)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/load").json()["server_load"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(f"{url}/load").json()["server_load"] == 0
