@@ -205,3 +205,15 @@ def test_reasoning_item_is_chats_reasoning(tmp_path_factory):
         assert [(i.type, i.status) for i in events[-1].response.output] == \
             [(i.type, i.status) for i in resp.output] == \
             [("reasoning", "incomplete"), ("message", "incomplete")]
+
+
+def test_cached_tokens_count_the_prefix_cache(client):
+    """usage.input_tokens_details.cached_tokens: the prompt tokens the prefix cache held (always
+    reported, as OpenAI and vLLM's Responses API do), the same prompt's second time."""
+    kw = dict(model=NAME, input="Lily and Tom went to the park. " * 8, max_output_tokens=2,
+              temperature=0)
+    first = client.responses.create(**kw).usage
+    again = client.responses.create(**kw).usage
+    assert first.input_tokens == again.input_tokens > 32
+    assert again.input_tokens_details.cached_tokens >= 32
+    assert again.input_tokens_details.cached_tokens < again.input_tokens
