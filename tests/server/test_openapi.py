@@ -192,7 +192,8 @@ def test_json_types_are_not_coerced(base_url, field, value):
 # without it: another split past the canonicalizer's budget (it gave up on the chat schema).
 _INEXPRESSIBLE = {"guided_json", "guided_regex", "guided_grammar", "structured_outputs",
                   "response_format", "tool_choice", "min_tokens", "parallel_tool_calls",
-                  "use_beam_search"}
+                  "use_beam_search",
+                  "text.format"}  # /v1/responses' response_format: a schema that compiles
 
 
 @pytest.mark.parametrize("n", [1, 2, 10, 100, 101, 49152])
@@ -273,7 +274,8 @@ def test_the_key_is_stated_and_enforced(metrics_public):
     routes = [("/health", "GET", None), ("/metrics", "GET", None), ("/v1/models", "GET", None),
               ("/tokenize", "POST", {"prompt": "hi"}), ("/detokenize", "POST", {"tokens": [5]}),
               ("/v1/completions", "POST", {"prompt": "hi", "max_tokens": 1}),
-              ("/v1/chat/completions", "POST", {"messages": _CHAT, "max_tokens": 1})]
+              ("/v1/chat/completions", "POST", {"messages": _CHAT, "max_tokens": 1}),
+              ("/v1/responses", "POST", {"input": "hi", "max_output_tokens": 1})]
     with uvicorn_in_thread(app) as port:
         for path, method, body in routes:
             given = {"body": body} if body is not None else {}

@@ -41,10 +41,12 @@ from kiln.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from kiln.entrypoints.openai.responses_protocol import ResponsesRequest
 from kiln.entrypoints.openai.server_settings import ServerSettings
 from kiln.entrypoints.openai.serving_chat import ServingChat
 from kiln.entrypoints.openai.serving_completion import ServingCompletion
 from kiln.entrypoints.openai.serving_models import ServingModels, displayable
+from kiln.entrypoints.openai.serving_responses import ServingResponses
 from kiln.entrypoints.openai.serving_tokenization import ServingTokenization
 from kiln.logger import init_logger
 from kiln.worker.host_memory import freeze_gc_heap
@@ -76,6 +78,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
                        reasoning_parser=settings.reasoning_parser,
                        disable_any_whitespace=settings.disable_any_whitespace,
                        trust_request_chat_template=settings.trust_request_chat_template)
+    responses = ServingResponses(chat)
     tokenization = ServingTokenization(llm, models, model_config.vocab_size,
                                        settings.trust_request_chat_template)
 
@@ -134,7 +137,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     @app.get("/load")
     async def load():
-        """vLLM's load report: the completion and chat requests in flight (a stream until its
+        """vLLM's load report: the completion, chat and responses requests in flight (a stream until its
         last byte), for a load balancer that routes to the least busy server."""
         return {"server_load": server_load.value}
 
@@ -154,6 +157,10 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request):
         return await chat.create(req, raw)
+
+    @app.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, raw: Request):
+        return await responses.create(req, raw)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

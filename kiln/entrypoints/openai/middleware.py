@@ -106,7 +106,7 @@ class ServerLoadMiddleware:
     to a completion route from its start until its response's last byte is sent or the client
     left, whatever the outcome."""
 
-    PATHS = frozenset(("/v1/completions", "/v1/chat/completions"))
+    PATHS = frozenset(("/v1/completions", "/v1/chat/completions", "/v1/responses"))
 
     class Counter:
         value = 0

@@ -19,6 +19,7 @@ from kiln.entrypoints.openai.openapi_cross_field import (
     switched_fields,
 )
 from kiln.entrypoints.openai.openapi_responses import describe_bodies
+from kiln.entrypoints.openai.openapi_responses_request import responses_request
 from kiln.entrypoints.openai.openapi_sampling import off_only, sampling_ranges, structured_outputs_object
 from kiln.entrypoints.openai.protocol_base import RequestBase, RequestPart
 from kiln.entrypoints.openai.response_models import ErrorResponse
@@ -191,6 +192,9 @@ def patch_schema(schema: dict, vocab_size: int | None = None,
                     member["propertyNames"] = {"pattern": decimal_below(vocab_size)}
     if max_model_len is not None:
         _max_tokens_bounded(components, max_model_len)
+    if "ResponsesRequest" in components:
+        sampling_ranges(components["ResponsesRequest"], max_logprobs, vocab_size)
+        responses_request(components, max_model_len)
     if open_paths is not None:
         _key_required(schema, open_paths)
     return schema

@@ -11,6 +11,7 @@ from kiln.entrypoints.openai.response_models import (
     ModelList,
     TokenizeResponse,
 )
+from kiln.entrypoints.openai.responses_objects import ResponsesResponse, ResponseStreamEvent
 from kiln.entrypoints.openai.serving_engine import SSE_DONE
 
 _REF = "#/components/schemas/{model}"
@@ -18,6 +19,7 @@ _REF = "#/components/schemas/{model}"
 _BODIES: dict[str, tuple[type[BaseModel], type[BaseModel] | None]] = {
     "/v1/completions": (CompletionResponse, CompletionResponse),
     "/v1/chat/completions": (ChatCompletionResponse, ChatCompletionStreamResponse),
+    "/v1/responses": (ResponsesResponse, ResponseStreamEvent),
     "/v1/models": (ModelList, None), "/tokenize": (TokenizeResponse, None),
     "/detokenize": (DetokenizeResponse, None)}
 _VERSION = {"type": "object", "required": ["version"],
@@ -57,8 +59,13 @@ def describe_bodies(schema: dict, error: dict) -> None:
         content = ok.setdefault("content", {})
         content["application/json"] = {"schema": model_ref(components, body)}
         if chunk is not None:  # stream=true
-            content["text/event-stream"] = {
-                "itemSchema": event_schema(model_ref(components, chunk), error)}
+            item = event_schema(model_ref(components, chunk), error)
+            if path == "/v1/responses":  # named events (the data's type; an error's is
+                # "error"), no [DONE]
+                item["properties"]["event"] = {"type": "string"}
+                data = item["properties"]["data"] = item["properties"]["data"]["anyOf"][1]
+                data["contentSchema"] = data["contentSchema"]["anyOf"][0]
+            content["text/event-stream"] = {"itemSchema": item}
     version = paths.get("/version", {}).get("get", {}).get("responses", {}).get("200")
     if version is not None:
         version.setdefault("content", {})["application/json"] = {"schema": _VERSION}

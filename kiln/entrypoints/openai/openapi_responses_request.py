@@ -1,0 +1,67 @@
+"""What /openapi.json says POST /v1/responses takes, as the handler checks it
+(responses_input.py): message items of the known roles with text parts, the refused fields at
+their off values only, and the sampling fields' ranges.
+"""
+from kiln.entrypoints.openai.openapi_cross_field import switched_fields
+from kiln.entrypoints.openai.responses_input import REFUSED, ROLES, TEXT_PARTS
+
+_NULL = {"type": "null"}
+
+
+def _part() -> dict:
+    """A content part: a text kind with its text (a string)."""
+    return {"anyOf": [{"type": "object", "required": ["type", key], "properties": {
+        "type": {"enum": [kind for kind, k in TEXT_PARTS.items() if k == key]},
+        key: {"type": "string"}}} for key in sorted(set(TEXT_PARTS.values()))]}
+
+
+def _item() -> dict:
+    """A message item (type "message", null or absent), its role one of ROLES, its content text."""
+    return {"type": "object", "required": ["role", "content"], "properties": {
+        "type": {"enum": ["message", None]}, "role": {"enum": list(ROLES)},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _part()}]},
+        "id": {"anyOf": [{"type": "string"}, _NULL]},
+        "status": {"anyOf": [{"type": "string"}, _NULL]}}}
+
+
+def _off(value) -> dict:
+    """Only null or the field's off value."""
+    if value is None:
+        return _NULL
+    if value == []:
+        return {"anyOf": [_NULL, {"type": "array", "maxItems": 0}]}
+    return {"enum": [None, value]}
+
+
+def responses_request(components: dict, max_model_len: int | None) -> None:
+    """Patch ResponsesRequest and what it holds in `components` (after the null defaults and
+    sampling ranges are stated)."""
+    request = components.get("ResponsesRequest")
+    if request is None:
+        return
+    props = request["properties"]
+    title = props["input"].get("title")
+    props["input"] = {"anyOf": [{"type": "string"},
+                                {"type": "array", "minItems": 1, "items": _item()}],
+                      **({"title": title} if title else {})}
+    for name, (off, _) in REFUSED.items():
+        props[name] = {**_off(off), "title": props[name].get("title", name)}
+    props["tool_choice"] = {"enum": [None, "auto", "none"], "title": "Tool Choice"}
+    props["truncation"] = {"enum": [None, "disabled"], "title": "Truncation"}
+    props["reasoning"] = {"anyOf": [_NULL, {"type": "object",
+                                            "additionalProperties": _NULL}],
+                          "title": "Reasoning"}
+    maximum = {} if max_model_len is None else {"maximum": max_model_len - 1}
+    props["max_output_tokens"] = {"anyOf": [{"type": "integer", "minimum": 1, **maximum},
+                                            _NULL], "title": "Max Output Tokens"}
+    switched_fields(request)  # stream_options needs stream=true
+    config = components.get("TextConfig", {}).get("properties", {})
+    if "verbosity" in config:
+        config["verbosity"] = {"enum": [None, "medium"], "title": "Verbosity"}
+    fmt = components.get("TextFormat")
+    if fmt is not None:  # json_schema needs its schema
+        fmt["anyOf"] = [{"properties": {"type": {"enum": ["text", "json_object", None]}}},
+                        {"required": ["type", "schema"], "properties": {
+                            "type": {"const": "json_schema"}, "schema": {"type": "object"}}}]
+    for name in ("ResponseInputItem", "ResponseContentPart"):
+        components.pop(name, None)  # stated inline above

@@ -1,0 +1,156 @@
+"""A Responses API request as the chat request Kiln renders and runs: its instructions and input
+items as chat messages, its fields as chat's; what it asks for that Kiln does not do is refused
+(400, naming the field), and errors from the chat path name the Responses field the client sent.
+"""
+import contextlib
+import re
+
+from kiln.entrypoints.openai.errors import OpenAIError
+from kiln.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ResponseFormat
+from kiln.entrypoints.openai.responses_protocol import ResponsesRequest
+
+ROLES = ("user", "system", "developer", "assistant")
+# Content parts that are text, and the key holding it (chat_messages reads the same ones).
+TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
+# field -> (its off value, why any other is refused). Any-typed fields take null only: 0 or
+# false there is no "off" the client meant.
+REFUSED = {
+    "tools": ([], "tools (function calling, built-in tools) are not supported on "
+                  "/v1/responses; use /v1/chat/completions with tools"),
+    "previous_response_id": (None, "responses are not stored, so none can be continued; send "
+                                   "the whole conversation in input"),
+    "conversation": (None, "conversations are not stored; send the whole conversation in "
+                           "input"),
+    "background": (False, "background responses need a stored response to poll; stream "
+                          "instead"),
+    "include": ([], "no extra output (logprobs, encrypted reasoning, tool results) is "
+                    "included"),
+    "top_logprobs": (0, "logprobs are not returned on /v1/responses; use "
+                        "/v1/chat/completions"),
+    "max_tool_calls": (None, "tools are not supported on /v1/responses"),
+    "prompt": (None, "stored prompt templates are not supported; send the text in input"),
+    "context_management": (None, "context compaction is not supported"),
+}
+
+
+def refuse_unsupported(req: ResponsesRequest) -> None:
+    """A 400 naming the first field that asks for what Kiln does not do on this route."""
+    for name, (off, why) in REFUSED.items():
+        value = getattr(req, name)
+        if value is not None and value != off:
+            raise OpenAIError(f"{name}={value!r} is refused: {why}; omit it", param=name,
+                              code="unsupported_parameter")
+    if req.tool_choice not in (None, "auto", "none"):
+        raise OpenAIError(f"tool_choice={req.tool_choice!r} is refused: no tools are taken on "
+                          "/v1/responses; omit it", param="tool_choice",
+                          code="unsupported_parameter")
+    if req.truncation not in (None, "disabled"):
+        raise OpenAIError(f"truncation={req.truncation!r} is refused: an input longer than the "
+                          "context is refused, never cut; omit it (or give \"disabled\")",
+                          param="truncation", code="unsupported_parameter")
+    if req.reasoning is not None and any(v is not None for v in req.reasoning.values()):
+        raise OpenAIError(f"reasoning={req.reasoning!r} is refused: the chat templates this "
+                          "server renders read no effort or summary setting; omit it",
+                          param="reasoning", code="unsupported_parameter")
+    if req.text is not None and req.text.verbosity not in (None, "medium"):
+        raise OpenAIError(f"text.verbosity={req.text.verbosity!r} is refused: no template reads "
+                          "it; omit it", param="text.verbosity", code="unsupported_parameter")
+    if req.stream_options is not None and not req.stream:
+        raise OpenAIError("stream_options is only allowed with stream=true",
+                          param="stream_options", code="invalid_value")
+
+
+def _content(i: int, content) -> str | list:
+    """A message item's content as chat's (text parts), refusing parts that are not text."""
+    if content is None:
+        raise OpenAIError(f"input[{i}].content is missing: give a string or a list of "
+                          "input_text parts", param=f"input[{i}].content", code="invalid_value")
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        key = TEXT_PARTS.get(part.type)
+        if key is None:
+            raise OpenAIError(f"input[{i}].content[{j}] is a {part.type!r} part, not supported "
+                              "(the model is text-only); give input_text parts",
+                              param=f"input[{i}].content[{j}].type", code="unsupported_content")
+        if getattr(part, key) is None:
+            raise OpenAIError(f"input[{i}].content[{j}] is a {part.type!r} part without its "
+                              f"{key!r} (a string)", param=f"input[{i}].content[{j}].{key}",
+                              code="invalid_value")
+        parts.append({"type": "text", "text": getattr(part, key)})
+    return parts
+
+
+def input_messages(req: ResponsesRequest) -> tuple[list[ChatMessage], int]:
+    """(the chat messages, how many come before input[0]: the instructions' system message)."""
+    messages = []
+    if req.instructions:
+        messages.append(ChatMessage(role="system", content=req.instructions))
+    offset = len(messages)
+    if not req.input:
+        raise OpenAIError("input is empty: give a string or at least one message item",
+                          param="input", code="invalid_value")
+    for i, item in enumerate(req.input):
+        if item.type not in (None, "message"):
+            raise OpenAIError(f"input[{i}] is a {item.type!r} item, not supported: give message "
+                              "items (role and content)", param=f"input[{i}].type",
+                              code="unsupported_content")
+        if item.role not in ROLES:
+            raise OpenAIError(f"input[{i}].role must be one of {list(ROLES)}, got {item.role!r}",
+                              param=f"input[{i}].role", code="invalid_value")
+        messages.append(ChatMessage(role=item.role, content=_content(i, item.content)))
+    return messages, offset
+
+
+def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatCompletionRequest:
+    """The chat request the answer is rendered, sampled and constrained by."""
+    fields = dict(messages=messages, model=req.model, temperature=req.temperature,
+                  top_p=req.top_p, max_completion_tokens=req.max_output_tokens,
+                  stream=req.stream, user=req.user, request_id=req.request_id,
+                  priority=req.priority, cache_salt=req.cache_salt)
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type != "text":
+        schema = None if fmt.schema_ is None else {"name": fmt.name, "schema": fmt.schema_}
+        if fmt.type == "json_schema" and fmt.schema_ is None:
+            raise OpenAIError("text.format json_schema needs its schema", param="text.format",
+                              code="invalid_value")
+        fields["response_format"] = ResponseFormat(type=fmt.type, json_schema=schema)
+    return ChatCompletionRequest(**fields)
+
+
+# Chat's names for what a Responses request calls otherwise.
+_RENAMED = [(re.compile(r"(?<![\w-])max_completion_tokens(?![\w-])"), "max_output_tokens"),
+            (re.compile(r"(?<![\w-])response_format(?![\w-])"), "text.format")]
+_MESSAGE = re.compile(r"(?<![\w-])messages(\[(\d+)\](\.content)?)?")
+
+
+def responses_terms(text: str | None, offset: int) -> str | None:
+    """A chat error's field names as the Responses request has them: messages[k] is
+    input[k - offset] (or the instructions, before it), max_completion_tokens is
+    max_output_tokens, response_format is text.format."""
+    if text is None:
+        return None
+    for pattern, name in _RENAMED:
+        text = pattern.sub(name, text)
+
+    def message(m: re.Match) -> str:
+        if m.group(2) is None:
+            return "input"
+        k = int(m.group(2))
+        if k < offset:  # the instructions' system message: a string, no parts
+            return "instructions"
+        return f"input[{k - offset}]{m.group(3) or ''}"
+    return _MESSAGE.sub(message, text)
+
+
+@contextlib.contextmanager
+def in_responses_terms(offset: int):
+    """Errors raised inside name the Responses request's fields (see responses_terms)."""
+    try:
+        yield
+    except OpenAIError as e:
+        e.message = responses_terms(e.message, offset)
+        e.param = responses_terms(e.param, offset)
+        e.args = (e.message,)
+        raise

@@ -1,0 +1,118 @@
+"""The request body of OpenAI's Responses API (POST /v1/responses), as Kiln takes it: what vLLM
+serves for a text model (input as text or message items, instructions, max_output_tokens,
+temperature, top_p, stream, text.format, metadata, user) plus vLLM's request_id, priority and
+cache_salt. Every other field of OpenAI's is here too, so that responses_input.py refuses it
+(400, naming it) rather than ignoring it.
+"""
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field, StrictBool, model_validator
+
+from kiln.entrypoints.openai.protocol_base import JsonFloat, JsonInt, RequestBase, RequestPart
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
+
+# OpenAI's fields that change nothing a local model writes: taken without a warning.
+_NO_EFFECT_FIELDS = frozenset({"service_tier", "prompt_cache_key", "safety_identifier",
+                               "prompt_cache_retention"})
+
+
+class ResponseContentPart(RequestPart):
+    """A part of a message item's content: input_text / output_text (its text), refusal (an
+    assistant history's), or a kind the server refuses (input_image, input_file, ...)."""
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+class ResponseInputItem(RequestPart):
+    """An item of `input`: a message (type "message" or none, a role and its content), or an
+    item the server refuses by its type (function_call, reasoning, item_reference, ...)."""
+    type: str | None = None  # none (or null): a message
+    role: str | None = None
+    content: str | list[ResponseContentPart] | None = None
+    id: str | None = None  # an output message sent back as history carries its own
+    status: str | None = None
+
+
+def _text_as_message(value):
+    """A string input is one user message: validated as such, a bad item's error names its
+    place (input[0].content), where a union with str named only `input`."""
+    return [{"role": "user", "content": value}] if isinstance(value, str) else value
+
+
+def _string_or_items(schema: dict) -> None:
+    items = dict(schema)
+    title = items.pop("title", None)
+    schema.clear()
+    schema.update(anyOf=[{"type": "string"}, items], **({"title": title} if title else {}))
+
+
+# The input: text, or message items.
+ResponsesInput = Annotated[list[ResponseInputItem], BeforeValidator(_text_as_message),
+                           Field(json_schema_extra=_string_or_items)]
+
+
+class TextFormat(RequestBase):
+    """text.format: "text", "json_object", or "json_schema" with the schema beside the type
+    (not under a json_schema key, as chat's response_format has it)."""
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: StrictBool | None = None
+
+    model_config = {**RequestBase.model_config, "populate_by_name": True}
+
+
+class TextConfig(RequestBase):
+    format: TextFormat | None = None
+    verbosity: str | None = None  # refused unless "medium" (no template reads it)
+
+
+class ResponsesRequest(RequestBase):
+    @model_validator(mode="before")
+    @classmethod
+    def _log_ignored(cls, data):
+        """Name what a request sent that no field reads, as chat's warning does."""
+        if isinstance(data, dict) and (
+                ignored := data.keys() - cls.model_fields.keys() - _NO_EFFECT_FIELDS):
+            logger.warning("request fields Kiln does not read, ignored: %s",
+                           ", ".join(sorted(map(str, ignored))))
+        return data
+
+    model: str | None = None
+    input: ResponsesInput
+    instructions: str | None = None  # a system message before the input
+    max_output_tokens: JsonInt | None = None  # null: up to the context's end
+    temperature: JsonFloat | None = None
+    top_p: JsonFloat | None = None
+    stream: StrictBool = False
+    stream_options: dict[str, Any] | None = None  # include_obfuscation: no random padding here
+    user: str | None = None  # echoed
+    metadata: dict[str, str] | None = None  # echoed
+    text: TextConfig | None = None
+    # OpenAI's default is true; nothing is stored here and the response says store false, as
+    # vLLM answers without VLLM_ENABLE_RESPONSES_API_STORE.
+    store: StrictBool | None = None
+    parallel_tool_calls: StrictBool | None = None  # echoed; no tools are taken
+    # Refused unless off / empty (responses_input.refuse_unsupported):
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: StrictBool | None = None
+    include: list[Any] | None = None
+    truncation: str | None = None
+    reasoning: dict[str, Any] | None = None
+    top_logprobs: JsonInt | None = None
+    max_tool_calls: JsonInt | None = None
+    prompt: Any = None
+    context_management: Any = None
+    # vLLM's extras
+    request_id: str | None = None  # names the response (resp_<request_id>)
+    # Within what a double holds exactly: schema tools (schemathesis) read the bounds as
+    # floats and drew past an int64's 2**63
+    priority: JsonInt = Field(0, ge=-2**53, le=2**53)
+    cache_salt: str | None = None

@@ -1,0 +1,234 @@
+"""POST /v1/responses (OpenAI's Responses API, as vLLM serves it for a text model), on the chat
+path: the input rendered as a chat (responses_input.py), sampled and constrained as chat's
+fields say, the answer shaped as a response object or its event stream (responses_objects.py).
+"""
+import json
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kiln.entrypoints.openai.chat_rendering import generation_tail, render_chat_prompt
+from kiln.entrypoints.openai.request_fields import with_cache_salt
+from kiln.entrypoints.openai.responses_input import (
+    chat_request,
+    in_responses_terms,
+    input_messages,
+    refuse_unsupported,
+)
+from kiln.entrypoints.openai.responses_objects import (
+    EventWriter,
+    IncompleteDetails,
+    OutputMessage,
+    OutputText,
+    ReasoningItem,
+    ReasoningText,
+    ResponsesResponse,
+    make_response_usage,
+)
+from kiln.entrypoints.openai.responses_protocol import ResponsesRequest
+from kiln.entrypoints.openai.sampling import chat_sampling_params
+from kiln.entrypoints.openai.serving_chat import ServingChat
+from kiln.entrypoints.openai.serving_engine import (
+    ClientDisconnected,
+    abort_unfinished,
+    engine_error_event,
+    merge_streams,
+    submit,
+    until_disconnect,
+)
+from kiln.entrypoints.openai.structured_fields import check_compiles, request_structured_outputs
+from kiln.reasoning import grammar_thinking_first, prompt_opens_thinking, with_reasoning_end
+
+# The engine's finish reason -> the response's status.
+_STATUS = {"length": "incomplete", "abort": "cancelled"}
+
+
+class ServingResponses:
+    """Shares the chat handler's engine, models, flags and reasoning splitting."""
+
+    def __init__(self, chat: ServingChat):
+        self.chat = chat
+        self.llm = chat.llm
+
+    async def create(self, req: ResponsesRequest, raw: Request) -> Response:
+        created = int(time.time())
+        model = self.chat.models.resolve(req.model)
+        refuse_unsupported(req)
+        # Off the event loop, as chat's messages: 20,000 items held every stream 0.3 s there
+        messages, offset = await self.llm.run_in_engine(input_messages, req)
+        with in_responses_terms(offset):
+            creq = chat_request(req, messages)
+            params = chat_sampling_params(
+                creq, self.llm.kiln_config.model_config.generation_defaults)
+            constraint, field = request_structured_outputs(creq,
+                                                           self.chat.disable_any_whitespace)
+            # what a grammar's failure names, in a stream or a collected answer too
+            field = "text.format" if field == "response_format" else field
+            if constraint is not None:
+                await check_compiles(constraint, field)
+            render_args = dict(messages=messages, add_generation_prompt=True,
+                               continue_final_message=False, template_kwargs=None,
+                               add_special_tokens=False, tools=None, documents=None,
+                               chat_template=None)
+            prompt = await render_chat_prompt(self.llm, **render_args)
+        prompt = with_cache_salt(prompt, req.cache_salt)
+        prompt_text = prompt.get("prompt")
+        if self.chat.reasoning_parser is not None and \
+                prompt_opens_thinking(prompt_text) is not None:
+            prompt_text = await generation_tail(self.llm, render_args, prompt_text)
+        if constraint is not None:
+            constraint = with_reasoning_end(self.chat.reasoning_parser, constraint, prompt_text)
+            params.structured_outputs = constraint
+        thinking_first = grammar_thinking_first(constraint)
+        header = raw.headers.get("x-request-id")
+        rid = f"resp_{header or req.request_id or uuid.uuid4().hex}"
+        streams = await submit(self.llm, rid, [prompt], params, "input",
+                               {"max_tokens": "max_output_tokens"}, priority=req.priority)
+        shape = _Shape(req, model, rid, created, params, creq, prompt_text, thinking_first)
+        if req.stream:
+            return StreamingResponse(self._stream(shape, streams, field),
+                                     media_type="text/event-stream")
+        try:
+            final = await until_disconnect(raw, self.chat._collect(streams[0], field))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        finally:
+            abort_unfinished(self.llm, streams)
+        o = final.outputs[0]
+        reasoning, content = None, o.text
+        splitter = self.chat._splitter(creq, prompt_text, thinking_first)
+        if splitter is not None:
+            reasoning, content = splitter.split(o.text)
+        status = _STATUS.get(o.finish_reason, "completed")
+        last = "incomplete" if status != "completed" else status  # the last item's, as streamed
+        output = []
+        if reasoning:  # cut while thinking (no content after it): incomplete too
+            output.append(ReasoningItem(content=[ReasoningText(text=reasoning)],
+                                        status="completed" if content else last))
+        output.append(OutputMessage(content=[OutputText(text=content or "")], status=last))
+        counter = self.chat._counter(prompt_text, thinking_first, o.token_ids)
+        usage = make_response_usage(len(final.prompt_token_ids), len(o.token_ids),
+                                    final.num_cached_tokens,
+                                    None if counter is None else counter.count)
+        return JSONResponse(shape.response(status, output, usage).model_dump())
+
+    async def _stream(self, shape: "_Shape", streams, field: str | None):
+        event = EventWriter()
+        prompt_tokens = streams[0].num_prompt_tokens
+        splitter = self.chat._splitter(shape.creq, shape.prompt_text, shape.thinking_first)
+        counter = self.chat._counter(shape.prompt_text, shape.thinking_first)
+        output: list = []  # items done, then the open one
+        open_item = None  # the item deltas go to: (kind, item, its text so far)
+        texts: list[str] = []
+        generated = cached = 0
+        finish = None
+
+        def close(status: str) -> list[str]:
+            kind, item, index = open_item
+            text = "".join(texts)
+            part = (ReasoningText if kind == "reasoning" else OutputText)(text=text)
+            item.content, item.status = [part], status
+            ids = dict(item_id=item.id, output_index=index, content_index=0)
+            done = "response.reasoning_text.done" if kind == "reasoning" else \
+                "response.output_text.done"
+            extra = {} if kind == "reasoning" else {"logprobs": []}
+            return [event(done, **ids, text=text, **extra),
+                    event("response.content_part.done", **ids, part=part),
+                    event("response.output_item.done", output_index=index, item=item)]
+
+        def begin(kind: str) -> list[str]:
+            nonlocal open_item
+            item = ReasoningItem(status="in_progress") if kind == "reasoning" else \
+                OutputMessage(status="in_progress")
+            part = ReasoningText() if kind == "reasoning" else OutputText()
+            open_item = (kind, item, len(output))
+            output.append(item)
+            texts.clear()
+            return [event("response.output_item.added", output_index=len(output) - 1,
+                          item=item),
+                    event("response.content_part.added", item_id=item.id,
+                          output_index=len(output) - 1, content_index=0, part=part)]
+
+        def delta(kind: str, text: str) -> list[str]:
+            events = []
+            if open_item is None or open_item[0] != kind:
+                if open_item is not None:
+                    events += close("completed")
+                events += begin(kind)
+            texts.append(text)
+            name = "response.reasoning_text.delta" if kind == "reasoning" else \
+                "response.output_text.delta"
+            extra = {} if kind == "reasoning" else {"logprobs": []}
+            events.append(event(name, item_id=open_item[1].id, output_index=open_item[2],
+                                content_index=0, delta=text, **extra))
+            return events
+
+        try:
+            start = shape.response("in_progress", [], None)
+            yield event("response.created", response=start)
+            yield event("response.in_progress", response=start)
+            async for _, out in merge_streams(streams, field):
+                cached = max(cached, out.num_cached_tokens)
+                for o in out.outputs:
+                    generated += len(o.token_ids)
+                    if counter is not None:
+                        counter.feed(o.token_ids)
+                    final = o.finish_reason is not None
+                    finish = o.finish_reason if final else finish
+                    reasoning, content = ("", o.text) if splitter is None else \
+                        splitter.feed(o.text, final)
+                    for kind, text in (("reasoning", reasoning), ("message", content)):
+                        if text:
+                            for e in delta(kind, text):
+                                yield e
+            status = _STATUS.get(finish, "completed")
+            last = "incomplete" if status != "completed" else status  # the last item's
+            if open_item is None or open_item[0] != "message":
+                if open_item is not None:  # the answer ended while thinking
+                    for e in close(last):
+                        yield e
+                for e in begin("message"):  # the answer's message, empty
+                    yield e
+            for e in close(last):
+                yield e
+            usage = make_response_usage(prompt_tokens, generated, cached,
+                                        None if counter is None else counter.count)
+            # response.completed whatever the status (incomplete at the token limit), as vLLM
+            # ends its streams: the openai SDK's responses.stream() has no final response
+            # (get_final_response raises) after OpenAI's response.incomplete.
+            yield event("response.completed", response=shape.response(status, output, usage))
+        except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
+            # OpenAI's error event: the error body's fields, beside the type
+            info = json.loads(engine_error_event(e).removeprefix("data: "))["error"]
+            yield event("error", code=info["code"], message=info["message"],
+                        param=info["param"])
+        finally:
+            abort_unfinished(self.llm, streams)
+
+
+class _Shape:
+    """What every response object of one request shares: the request's echoed fields and the
+    sampling it ran with."""
+
+    def __init__(self, req: ResponsesRequest, model: str, rid: str, created: int, params,
+                 creq, prompt_text: str | None, thinking_first: bool | None):
+        self.req, self.model, self.rid, self.created, self.params = \
+            req, model, rid, created, params
+        self.creq, self.prompt_text, self.thinking_first = creq, prompt_text, thinking_first
+
+    def response(self, status: str, output: list, usage) -> ResponsesResponse:
+        req = self.req
+        text = req.text.model_dump(by_alias=True, exclude_none=True) \
+            if req.text is not None and req.text.format is not None else None
+        return ResponsesResponse(
+            id=self.rid, created_at=self.created, status=status, model=self.model,
+            output=list(output), usage=usage,
+            incomplete_details=IncompleteDetails() if status == "incomplete" else None,
+            instructions=req.instructions, max_output_tokens=req.max_output_tokens,
+            metadata=req.metadata or {}, user=req.user,
+            parallel_tool_calls=req.parallel_tool_calls is not False,
+            temperature=self.params.temperature, top_p=self.params.top_p,
+            tool_choice=req.tool_choice or "auto",
+            **({"text": text} if text is not None else {}))
