@@ -179,7 +179,7 @@ def test_refused_naming_the_field(client, body, param, code):
 
 @pytest.mark.parametrize("raw,param", [
     ('{"input": "hi", "instructions": "\\ud800"}', "instructions"),
-    ('{"input": "\\udc00"}', "input[0].content"),
+    ('{"input": "\\udc00"}', "input"),  # the body's own path (a string input)
     ('{"input": "hi", "instructions": "s", "input": [{"role": "user", "content": "\\udc00"}]}',
      "input[0].content")])
 def test_chat_errors_name_the_responses_field(client, raw, param):
