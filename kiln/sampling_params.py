@@ -3,12 +3,11 @@
 Every invalid value raises ValueError naming the field and its allowed range.
 """
 import enum
-import json
 import math
 from dataclasses import dataclass, field
 
-from kiln.engine.text_encoding import encoding_problem
-from kiln.structured_output.json_schema_rules import MAX_SCHEMA_DEPTH, schema_depth
+from kiln.engine.text_encoding import check_texts
+from kiln.structured_output.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 # The sampler divides logits by the penalty in float32: a smaller one overflows them.
@@ -27,105 +26,6 @@ class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0  # every output carries all text so far
     DELTA = 1  # every output carries only what is new (streaming)
     FINAL_ONLY = 2  # one output when the request finishes (LLM.generate)
-
-
-# The constraints of StructuredOutputsParams: exactly one is set.
-STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
-
-
-def _check_texts(name: str, texts) -> None:
-    """Refuse a lone UTF-16 surrogate (JSON's "\\ud800") in strings the engine encodes: a stop
-    string failed on its way to the engine core (a bare UnicodeEncodeError), a bad word inside
-    the tokenizer (a TypeError)."""
-    for text in texts:
-        if (problem := encoding_problem(text)) is not None:
-            raise ValueError(f"{name} {problem}")
-
-
-@dataclass
-class StructuredOutputsParams:
-    """vLLM's constraint on what a request may generate, as plain data (it crosses to the
-    engine core as is): a JSON schema (dict or its text), a regex, a list of choices, an EBNF or
-    Lark grammar, or any JSON object. The core compiles it (kiln/structured_output)."""
-    json: str | dict | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    # No free whitespace between JSON tokens (vLLM's flag): compact, bounded output.
-    disable_any_whitespace: bool = False
-    # The grammar applies only after this text (a reasoning parser's end marker, "</think>"):
-    # a thinking model thinks freely first, as vLLM does with a reasoning parser. The server
-    # sets it; None: from the first token.
-    reasoning_end: str | None = None
-
-    def __post_init__(self):
-        self.verify()
-
-    @property
-    def kind(self) -> str:
-        return next(k for k in STRUCTURED_OUTPUT_KINDS
-                    if getattr(self, k) not in (None, False))
-
-    def verify(self) -> None:
-        if isinstance(self.json, bool):  # else `false` read as not given: "got none"
-            raise ValueError("structured_outputs.json must be a JSON schema (dict or str), got "
-                             f"{self.json!r}")
-        given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
-        if len(given) != 1:
-            raise ValueError(f"structured_outputs must set exactly one of "
-                             f"{list(STRUCTURED_OUTPUT_KINDS)}, got {given or 'none'}")
-        schema = self.json
-        if isinstance(self.json, str):
-            try:
-                schema = json.loads(self.json)
-            except (ValueError, RecursionError) as e:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
-            if not isinstance(schema, (dict, bool)):
-                raise ValueError("structured_outputs.json must be a JSON schema (an object), "
-                                 f"got {type(schema).__name__}")
-        elif self.json is not None and not isinstance(self.json, dict):
-            raise ValueError("structured_outputs.json must be a JSON schema (dict or str), got "
-                             f"{type(self.json).__name__}")
-        json_text = self.json
-        if isinstance(self.json, dict):
-            try:  # a set or bytes inside failed later, deep in building the grammar
-                json_text = json.dumps(self.json, ensure_ascii=False)
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"structured_outputs.json must hold JSON values only: {e}"
-                                 ) from None
-        depth = schema_depth(schema) if self.json is not None else 0
-        if depth > MAX_SCHEMA_DEPTH:
-            raise ValueError(f"structured_outputs.json nests {depth} objects and arrays deep; "
-                             f"at most {MAX_SCHEMA_DEPTH} are accepted")
-        for name in ("regex", "grammar"):
-            v = getattr(self, name)
-            if v is not None and not (isinstance(v, str) and v):
-                raise ValueError(f"structured_outputs.{name} must be a non-empty string, "
-                                 f"got {v!r}")
-        if self.choice is not None and not (
-                isinstance(self.choice, (list, tuple)) and self.choice
-                and all(isinstance(c, str) and c for c in self.choice)):
-            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty "
-                             f"strings, got {self.choice!r}")
-        if self.choice is not None:
-            self.choice = list(self.choice)
-        if self.json_object is not None and not isinstance(self.json_object, bool):
-            raise ValueError(f"structured_outputs.json_object must be true, got "
-                             f"{self.json_object!r}")
-        if self.reasoning_end is not None and not (isinstance(self.reasoning_end, str)
-                                                   and self.reasoning_end):
-            raise ValueError("structured_outputs.reasoning_end must be None or a non-empty "
-                             f"string, got {self.reasoning_end!r}")
-        if not isinstance(self.disable_any_whitespace, bool):
-            raise ValueError("structured_outputs.disable_any_whitespace must be True or False, "
-                             f"got {self.disable_any_whitespace!r}")
-        for name, texts in (("json", [json_text]), ("regex", [self.regex]),
-                            ("choice", self.choice or ()), ("grammar", [self.grammar]),
-                            ("reasoning_end", [self.reasoning_end])):
-            # the grammar compiler's codec error named no character; reasoning_end's failed
-            # on its way to the engine core
-            _check_texts(f"structured_outputs.{name}", [t for t in texts if t is not None])
 
 
 # Stop strings and stop token ids one request may give (OpenAI takes 4 strings; vLLM does not
@@ -256,7 +156,7 @@ class SamplingParams:
             # stream on the server for seconds.
             raise ValueError(f"stop must be at most {MAX_STOP_STRINGS} strings, got "
                              f"{len(self.stop)}")
-        _check_texts("stop", self.stop)
+        check_texts("stop", self.stop)
         check(isinstance(self.stop_token_ids, list)
               and all(integer(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
               "a list of non-negative integers", self.stop_token_ids)
@@ -313,7 +213,7 @@ class SamplingParams:
             raise ValueError(f"bad_words x n must be at most {MAX_BAD_WORDS_PER_REQUEST}, got "
                              f"{len(v)} x {self.n} = {len(v) * self.n}; give fewer bad words or "
                              "a smaller n")
-        _check_texts("bad_words", v or ())
+        check_texts("bad_words", v or ())
         v = self.truncate_prompt_tokens
         check(v is None or (integer(v) and (v >= 1 or v == -1)), "truncate_prompt_tokens",
               "None, -1 (max_model_len) or an integer >= 1", v)

@@ -15,6 +15,7 @@ from kiln.core.request import Request, RequestStatus
 from kiln.core.request_queue import check_priority
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.chat_template import render_chat_template
+from kiln.engine.engine_token_stats import EngineTokenStats
 from kiln.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from kiln.engine.output_processor import OutputProcessor
 from kiln.engine.text_encoding import check_encodable, check_request_id, encode_text
@@ -39,7 +40,7 @@ def get_executor_class(parallel_config: ParallelConfig) -> type:
     return MultiprocExecutor
 
 
-class LLMEngine:
+class LLMEngine(EngineTokenStats):
     def __init__(self, kiln_config: KilnConfig, executor_class: type | None = None,
                  core_interpreter=None, multiprocess: bool | None = None,
                  front_end_cores: int = 0):
@@ -250,56 +251,9 @@ class LLMEngine:
             core.finish_requests(processed.reqs_to_finish, RequestStatus.FINISHED_STOPPED)
         return processed.request_outputs
 
-    def _count_tokens(self, steps: list[list]) -> list[int]:
-        """Count the tokens of core steps' outputs (one list per step) before the output
-        processor sees them; returns each step's prompt + generated tokens, for every step with
-        an output the user sees (as vLLM observes iteration tokens: a step of a partial prefill
-        sends none; nor does one that only finished requests aborted meanwhile count here).
-        A sample with no tokens yet is prefilled now. One batch can hold several steps' outputs
-        of a sample (the core ran ahead of this loop), all before the output processor has given
-        it any token: its prompt counts once, in its first step."""
-        prefilled = set()
-        totals = []
-        for outputs in steps:
-            seen, tokens = False, 0
-            for out in outputs:
-                entry = self.output_processor.samples.get(out.request_id)
-                if entry is None or entry[1].finished:
-                    # Aborted, or ended by a stop string (the output processor drops its late
-                    # tokens too): the user never sees these.
-                    continue
-                seen = True
-                state, sample = entry
-                if not out.new_token_ids:
-                    continue
-                if not sample.token_ids and out.request_id not in prefilled:
-                    prefilled.add(out.request_id)
-                    self.num_prompt_tokens += len(state.prompt_token_ids)
-                    tokens += len(state.prompt_token_ids)
-                self.num_generation_tokens += len(out.new_token_ids)
-                tokens += len(out.new_token_ids)
-            if seen:
-                totals.append(tokens)
-        return totals
-
     def add_death_callback(self, callback) -> None:
         """`callback(error)` runs (on another thread) if the core process dies unasked."""
         self._core().add_death_callback(callback)
-
-    def get_stats(self) -> dict:
-        """Fresh stats: they show every abort and add made before this call."""
-        return self._stats(self._core().make_stats())
-
-    def step_stats(self) -> dict:
-        """The stats as of the last step (no round trip to a core process)."""
-        return self._stats(self._core().step_stats())
-
-    def _stats(self, scheduler_stats) -> dict:
-        stats = scheduler_stats.to_dict()
-        stats.update(prompt_tokens_total=self.num_prompt_tokens,
-                     generation_tokens_total=self.num_generation_tokens,
-                     num_unfinished_requests=self.get_num_unfinished_requests())
-        return stats
 
     # ---- chat --------------------------------------------------------------------------------
 

@@ -93,3 +93,12 @@ def check_request_id(request_id) -> None:
     if not isinstance(request_id, str):
         raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
     check_encodable(request_id, "request_id")
+
+
+def check_texts(name: str, texts) -> None:
+    """Refuse a lone UTF-16 surrogate (JSON's "\\ud800") in strings the engine encodes: a stop
+    string failed on its way to the engine core (a bare UnicodeEncodeError), a bad word inside
+    the tokenizer (a TypeError)."""
+    for text in texts:
+        if (problem := encoding_problem(text)) is not None:
+            raise ValueError(f"{name} {problem}")

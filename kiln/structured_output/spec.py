@@ -5,7 +5,7 @@ Pure: the grammar compiler's cache and the front end's validation both start fro
 import json
 from dataclasses import dataclass
 
-from kiln.sampling_params import StructuredOutputsParams
+from kiln.structured_output.params import StructuredOutputsParams
 
 
 @dataclass(frozen=True)

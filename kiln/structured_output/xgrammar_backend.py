@@ -7,8 +7,8 @@ import math
 import re
 
 from kiln.engine.text_encoding import encode_text
-from kiln.sampling_params import StructuredOutputsParams
 from kiln.structured_output.json_schema_rules import regex_anchor_problem, unenforced_keywords
+from kiln.structured_output.params import StructuredOutputsParams
 from kiln.structured_output.spec import GrammarSpec, grammar_spec
 
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: ": the user needs the rest.

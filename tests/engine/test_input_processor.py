@@ -2,7 +2,8 @@
 import pytest
 
 from kiln.config import ModelConfig
-from kiln.engine.input_processor import InputProcessor, clip_max_tokens
+from kiln.engine.input_processor import InputProcessor
+from kiln.engine.prompt_length import clip_max_tokens
 from kiln.sampling_params import SamplingParams
 
 
@@ -147,7 +148,7 @@ class CountingTokenizer:
 def test_a_huge_text_prompt_is_refused_from_its_head(stories_dir, tokenizer):
     """Past max_model_len x 16 characters only the head is tokenized: if it alone leaves no
     room the prompt is refused (a 4 MB body costs milliseconds); with truncation it is whole."""
-    from kiln.engine.input_processor import (
+    from kiln.engine.prompt_length import (
         HEAD_CHARS_PER_TOKEN,
         HEAD_MARGIN_TOKENS,
         too_long_for_head,

@@ -135,7 +135,7 @@ def test_a_mixed_batchs_edits_are_each_rows_own(seed):
 
 
 def test_validation_names_the_field_and_vocab_bound():
-    from kiln.engine.input_processor import truncate_prompt
+    from kiln.engine.prompt_length import truncate_prompt
 
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={"5": 1.0})

@@ -13,9 +13,9 @@ from kiln.engine.input_processor import (
     ProcessedPrompt,
     check_logprobs_cap,
     prompt_cache_salt,
-    truncate_prompt,
     validate_prompt_token_ids,
 )
+from kiln.engine.prompt_length import truncate_prompt
 from kiln.outputs import CompletionOutput, Logprob, RequestOutput
 from kiln.sampling_params import SamplingParams
 

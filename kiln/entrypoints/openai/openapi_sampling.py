@@ -106,7 +106,7 @@ def off_only(model_schema: dict, reasoning_parser: bool) -> None:
 def structured_outputs_object() -> dict:
     """What `structured_outputs` takes (StructuredOutputsParams' fields; any other is refused):
     exactly one constraint (a case per kind, the others absent or off), its options."""
-    from kiln.sampling_params import STRUCTURED_OUTPUT_KINDS
+    from kiln.structured_output.params import STRUCTURED_OUTPUT_KINDS
 
     text = {"type": "string", "minLength": 1}
     kinds = {"json": {"anyOf": [text, {"type": "object"}]}, "regex": text,

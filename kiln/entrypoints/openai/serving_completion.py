@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
 from kiln.engine.async_llm import AsyncLLM
-from kiln.engine.input_processor import may_be_truncated
+from kiln.engine.prompt_length import may_be_truncated
 from kiln.engine.request_stream import RequestStream
 from kiln.engine.text_encoding import encode_text
 from kiln.entrypoints.openai.beam_search import beam_search
