@@ -10,6 +10,8 @@ from fastapi.testclient import TestClient
 
 from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai.api_server import ServerSettings, build_app
+from kiln.entrypoints.openai.responses_input import input_messages
+from kiln.entrypoints.openai.responses_protocol import ResponsesRequest
 
 from .fake_engine import FakeEngine
 from .test_api_fake_engine import assert_error
@@ -92,6 +94,38 @@ def test_answers_as_chat_does(client):
     assert resp["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
 
 
+def test_reasoning_items_sent_back_are_the_thinking(client):
+    """A response's output sent back as history (OpenAI's and vLLM's conversation examples:
+    `input += response.output`) holds its reasoning item: the thinking of the assistant turn
+    after it, as chat's reasoning_content; alone, an assistant turn of its own (as vLLM's)."""
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [], "status": "completed",
+                 "content": [{"type": "reasoning_text", "text": "think"}]}
+    answer = {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+              "content": [{"type": "output_text", "text": "a", "annotations": [],
+                          "logprobs": []}]}
+    items = [{"role": "user", "content": "q"}, reasoning, answer,
+             {"role": "user", "content": "q2"}, {**reasoning, "content": None,
+                                                 "summary": [{"type": "summary_text",
+                                                              "text": "s"}]}]
+    messages, sources = input_messages(ResponsesRequest(input=items, instructions="i"))
+    assert [(m.role, m.content if isinstance(m.content, str) else m.content[0].text,
+             m.reasoning_content) for m in messages] == [
+        ("system", "i", None), ("user", "q", None),
+        ("assistant", "a", "think"), ("user", "q2", None),
+        ("assistant", "", "s")]
+    assert sources == ["instructions", "input[0]", "input[2]", "input[3]", "input[4]"]
+    chat = client.post("/v1/chat/completions", json=dict(messages=[
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a", "reasoning_content": "think"},
+        {"role": "user", "content": "q2"}], max_tokens=6, temperature=0)).json()
+    r = client.post("/v1/responses", json=dict(input=items[:4], max_output_tokens=6,
+                                               temperature=0))
+    assert r.status_code == 200, r.text
+    assert r.json()["output"][0]["content"][0]["text"] == \
+        chat["choices"][0]["message"]["content"]
+    assert r.json()["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+
+
 def test_stream_event_sequence(client):
     body = dict(input="hello", max_output_tokens=5, metadata={"a": "b"})
     whole = client.post("/v1/responses", json=body).json()
@@ -127,7 +161,13 @@ BAD = [
     ({}, "input", "missing"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].type",
      "unsupported_content"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type", None),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]},
+     "input[0].encrypted_content", "unsupported_content"),
+    ({"input": [{"type": "reasoning", "summary": [], "content": "t"}]}, "input[0].content",
+     "invalid_value"),
+    ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text"}],
+                 "content": [{"type": "reasoning_text", "text": "t"}]}]},
+     "input[0].summary[0].text", "invalid_value"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "invalid_value"),
     ({"input": [{"content": "x"}]}, "input[0].role", "invalid_value"),
     ({"input": [{"role": "user"}]}, "input[0].content", "invalid_value"),
@@ -181,7 +221,11 @@ def test_refused_naming_the_field(client, body, param, code):
     ('{"input": "hi", "instructions": "\\ud800"}', "instructions"),
     ('{"input": "\\udc00"}', "input"),  # the body's own path (a string input)
     ('{"input": "hi", "instructions": "s", "input": [{"role": "user", "content": "\\udc00"}]}',
-     "input[0].content")])
+     "input[0].content"),
+    # after a reasoning item merged into the assistant turn, an item is named at its place
+    ('{"input": [{"role": "user", "content": "q"}, {"type": "reasoning", "summary": [], '
+     '"content": [{"type": "reasoning_text", "text": "t"}]}, {"role": "assistant", '
+     '"content": "a"}, {"role": "user", "content": "\\udc00"}]}', "input[3].content")])
 def test_chat_errors_name_the_responses_field(client, raw, param):
     r = client.post("/v1/responses", content=raw, headers={"content-type": "application/json"})
     err = assert_error(r, 400, param)

@@ -205,6 +205,17 @@ def test_reasoning_item_is_chats_reasoning(tmp_path_factory):
         assert [(i.type, i.status) for i in events[-1].response.output] == \
             [(i.type, i.status) for i in resp.output] == \
             [("reasoning", "incomplete"), ("message", "incomplete")]
+        # The output sent back as history (vLLM's examples/online_serving/
+        # openai_responses_client.py, OpenAI's `input += response.output`): the reasoning item
+        # is the assistant turn's thinking, as chat's reasoning_content
+        then = [{"role": "user", "content": "And in Rome?"}]
+        again = client.responses.create(**{**kw, "input": messages + resp.output + then})
+        chat = client.chat.completions.create(
+            model=NAME, max_completion_tokens=12, temperature=0, messages=messages + [
+                {"role": "assistant", "content": resp.output_text,
+                 "reasoning_content": m.reasoning_content}] + then)
+        assert again.usage.input_tokens == chat.usage.prompt_tokens
+        assert again.output[0].content[0].text == chat.choices[0].message.reasoning_content
 
 
 def test_cached_tokens_count_the_prefix_cache(client):

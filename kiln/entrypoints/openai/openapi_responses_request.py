@@ -24,6 +24,18 @@ def _item() -> dict:
         "status": {"anyOf": [{"type": "string"}, _NULL]}}}
 
 
+def _reasoning_item() -> dict:
+    """A reasoning item sent back as history: its text in reasoning_text content or summary
+    parts, never encrypted."""
+    texts = {"anyOf": [_NULL, {"type": "array", "items": {
+        "type": "object", "required": ["type", "text"], "properties": {
+            "type": {"type": "string"}, "text": {"type": "string"}}}}]}
+    return {"type": "object", "required": ["type"], "properties": {
+        "type": {"const": "reasoning"}, "content": texts, "summary": texts,
+        "encrypted_content": _NULL, "id": {"anyOf": [{"type": "string"}, _NULL]},
+        "status": {"anyOf": [{"type": "string"}, _NULL]}}}
+
+
 def _off(value) -> dict:
     """Only null or the field's off value."""
     if value is None:
@@ -42,7 +54,8 @@ def responses_request(components: dict, max_model_len: int | None) -> None:
     props = request["properties"]
     title = props["input"].get("title")
     props["input"] = {"anyOf": [{"type": "string"},
-                                {"type": "array", "minItems": 1, "items": _item()}],
+                                {"type": "array", "minItems": 1,
+                                 "items": {"anyOf": [_item(), _reasoning_item()]}}],
                       **({"title": title} if title else {})}
     for name, (off, _) in REFUSED.items():
         props[name] = {**_off(off), "title": props[name].get("title", name)}

@@ -82,16 +82,50 @@ def _content(i: int, content) -> str | list:
     return parts
 
 
-def input_messages(req: ResponsesRequest) -> tuple[list[ChatMessage], int]:
-    """(the chat messages, how many come before input[0]: the instructions' system message)."""
-    messages = []
+def _reasoning_text(i: int, item) -> str:
+    """A reasoning item's text (its reasoning_text parts, else its summary's), as the thinking
+    of the assistant turn it belongs to."""
+    if item.encrypted_content is not None:
+        raise OpenAIError(f"input[{i}].encrypted_content is refused: this server never "
+                          "encrypts reasoning; send the item's content or summary text",
+                          param=f"input[{i}].encrypted_content", code="unsupported_content")
+    if isinstance(item.content, str):
+        raise OpenAIError(f"input[{i}].content of a reasoning item is a list of reasoning_text "
+                          "parts, not a string", param=f"input[{i}].content",
+                          code="invalid_value")
+    for key in ("content", "summary"):
+        for j, part in enumerate(getattr(item, key) or []):
+            if part.text is None:
+                raise OpenAIError(f"input[{i}].{key}[{j}] has no 'text' (a string)",
+                                  param=f"input[{i}].{key}[{j}].text", code="invalid_value")
+    return "\n".join(part.text for part in item.content or item.summary or [])
+
+
+def input_messages(req: ResponsesRequest) -> tuple[list[ChatMessage], list[str]]:
+    """(the chat messages, what each stands for: "instructions" or "input[i]").
+
+    A reasoning item (a response's output sent back as history, as OpenAI's and vLLM's
+    conversation examples do) is the reasoning_content of the assistant message item after
+    it, or an assistant turn of its own (vLLM's) when none follows."""
+    messages, sources = [], []
     if req.instructions:
         messages.append(ChatMessage(role="system", content=req.instructions))
-    offset = len(messages)
+        sources.append("instructions")
     if not req.input:
         raise OpenAIError("input is empty: give a string or at least one message item",
                           param="input", code="invalid_value")
+    reasoning = None  # (its item's index, its text): waiting for the assistant message
+
+    def alone():  # the waiting reasoning as an assistant turn of its own
+        messages.append(ChatMessage(role="assistant", content="", reasoning_content=reasoning[1]))
+        sources.append(f"input[{reasoning[0]}]")
+
     for i, item in enumerate(req.input):
+        if item.type == "reasoning":
+            if reasoning is not None:
+                alone()
+            reasoning = (i, _reasoning_text(i, item))
+            continue
         if item.type not in (None, "message"):
             raise OpenAIError(f"input[{i}] is a {item.type!r} item, not supported: give message "
                               "items (role and content)", param=f"input[{i}].type",
@@ -99,8 +133,19 @@ def input_messages(req: ResponsesRequest) -> tuple[list[ChatMessage], int]:
         if item.role not in ROLES:
             raise OpenAIError(f"input[{i}].role must be one of {list(ROLES)}, got {item.role!r}",
                               param=f"input[{i}].role", code="invalid_value")
-        messages.append(ChatMessage(role=item.role, content=_content(i, item.content)))
-    return messages, offset
+        thinking = None
+        if reasoning is not None:
+            if item.role == "assistant":
+                thinking = reasoning[1]
+            else:
+                alone()
+            reasoning = None
+        messages.append(ChatMessage(role=item.role, content=_content(i, item.content),
+                                    reasoning_content=thinking))
+        sources.append(f"input[{i}]")
+    if reasoning is not None:
+        alone()
+    return messages, sources
 
 
 def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatCompletionRequest:
@@ -125,9 +170,9 @@ _RENAMED = [(re.compile(r"(?<![\w-])max_completion_tokens(?![\w-])"), "max_outpu
 _MESSAGE = re.compile(r"(?<![\w-])messages(\[(\d+)\](\.content)?)?")
 
 
-def responses_terms(text: str | None, offset: int) -> str | None:
+def responses_terms(text: str | None, sources: list[str]) -> str | None:
     """A chat error's field names as the Responses request has them: messages[k] is
-    input[k - offset] (or the instructions, before it), max_completion_tokens is
+    sources[k] (the instructions or an input item), max_completion_tokens is
     max_output_tokens, response_format is text.format."""
     if text is None:
         return None
@@ -138,19 +183,21 @@ def responses_terms(text: str | None, offset: int) -> str | None:
         if m.group(2) is None:
             return "input"
         k = int(m.group(2))
-        if k < offset:  # the instructions' system message: a string, no parts
+        if k >= len(sources):
+            return m.group(0)
+        if sources[k] == "instructions":  # the instructions' system message: no parts
             return "instructions"
-        return f"input[{k - offset}]{m.group(3) or ''}"
+        return f"{sources[k]}{m.group(3) or ''}"
     return _MESSAGE.sub(message, text)
 
 
 @contextlib.contextmanager
-def in_responses_terms(offset: int):
+def in_responses_terms(sources: list[str]):
     """Errors raised inside name the Responses request's fields (see responses_terms)."""
     try:
         yield
     except OpenAIError as e:
-        e.message = responses_terms(e.message, offset)
-        e.param = responses_terms(e.param, offset)
+        e.message = responses_terms(e.message, sources)
+        e.param = responses_terms(e.param, sources)
         e.args = (e.message,)
         raise

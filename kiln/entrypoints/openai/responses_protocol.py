@@ -27,13 +27,16 @@ class ResponseContentPart(RequestPart):
 
 
 class ResponseInputItem(RequestPart):
-    """An item of `input`: a message (type "message" or none, a role and its content), or an
-    item the server refuses by its type (function_call, reasoning, item_reference, ...)."""
+    """An item of `input`: a message (type "message" or none, a role and its content), a
+    reasoning item (a response's, sent back as history: its reasoning_text content or its
+    summary), or an item the server refuses by its type (function_call, item_reference, ...)."""
     type: str | None = None  # none (or null): a message
     role: str | None = None
     content: str | list[ResponseContentPart] | None = None
-    id: str | None = None  # an output message sent back as history carries its own
+    id: str | None = None  # an output item sent back as history carries its own
     status: str | None = None
+    summary: list[ResponseContentPart] | None = None  # a reasoning item's (summary_text parts)
+    encrypted_content: str | None = None  # a reasoning item's: refused
 
 
 def _text_as_message(value):

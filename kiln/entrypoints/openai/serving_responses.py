@@ -57,8 +57,8 @@ class ServingResponses:
         model = self.chat.models.resolve(req.model)
         refuse_unsupported(req)
         # Off the event loop, as chat's messages: 20,000 items held every stream 0.3 s there
-        messages, offset = await self.llm.run_in_engine(input_messages, req)
-        with in_responses_terms(offset):
+        messages, sources = await self.llm.run_in_engine(input_messages, req)
+        with in_responses_terms(sources):
             creq = chat_request(req, messages)
             params = chat_sampling_params(
                 creq, self.llm.kiln_config.model_config.generation_defaults)
