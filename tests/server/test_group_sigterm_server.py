@@ -18,7 +18,7 @@ import pytest
 from kiln import process_signals
 from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.cli.serve import bind_socket
-from kiln.entrypoints.openai.api_server import ServerSettings, serve
+from kiln.entrypoints.openai.server_lifecycle import ServerSettings, serve
 from kiln.executor.free_port import free_port
 
 from .fake_engine import FakeEngine

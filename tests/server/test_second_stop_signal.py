@@ -18,7 +18,7 @@ import pytest
 
 from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.cli.serve import bind_socket
-from kiln.entrypoints.openai.api_server import ServerSettings, serve
+from kiln.entrypoints.openai.server_lifecycle import ServerSettings, serve
 from kiln.executor.free_port import free_port
 
 from .fake_engine import FakeEngine
@@ -86,7 +86,7 @@ def test_a_third_stop_signal_exits_at_once_without_a_traceback(tmp_path):
 import sys
 sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
 from kiln.engine.async_llm import AsyncLLM
-from kiln.entrypoints.openai.api_server import ServerSettings, serve
+from kiln.entrypoints.openai.server_lifecycle import ServerSettings, serve
 from server.fake_engine import FakeEngine
 llm = AsyncLLM(FakeEngine(max_model_len=4096, step_delay=0.02))
 sys.exit(serve(llm, ServerSettings(port={port}, graceful_shutdown_timeout=60)))

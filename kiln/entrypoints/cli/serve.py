@@ -172,7 +172,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kiln.engine.async_llm import AsyncLLM
-    from kiln.entrypoints.openai.api_server import serve
+    from kiln.entrypoints.openai.server_lifecycle import serve
     from kiln.process_signals import stopped_by
 
     if args.model_tag is not None:
