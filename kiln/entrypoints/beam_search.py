@@ -159,7 +159,7 @@ def run_offline(llm, prompts, params: BeamSearchParams, use_tqdm=False,
                     break
                 batch = [engine.process_inputs({"prompt_token_ids": b.tokens, **salts[i]}, sp)
                          for i, b in work]
-                outs = llm._run_batch(batch, use_tqdm=False)
+                outs = llm._run_batch(batch, use_tqdm=False, priorities=[0] * len(batch))
                 offered: dict[int, list] = {i: [] for i in group}
                 for k, ((i, _), out) in enumerate(zip(work, outs)):
                     offered[i].append(step_logprobs(out, k))
