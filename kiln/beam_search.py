@@ -81,7 +81,17 @@ def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_toke
         seq_len -= 1
     # A bare eos (an empty prompt's first token) has length 0: count it as 1, not a
     # ZeroDivisionError (or 0 ** negative).
-    return cumulative_logprob / (max(seq_len, 1) ** length_penalty)
+    seq_len = max(seq_len, 1)
+    try:
+        return cumulative_logprob / (seq_len ** length_penalty)
+    except (OverflowError, ZeroDivisionError):
+        # A large |length_penalty| (length_penalty=1000 past 10 tokens) overflows the power
+        # (or underflows it to 0): rank in log space, where the order the division would give
+        # still holds, instead of failing the search (a 500 on the server).
+        if cumulative_logprob == 0:
+            return 0.0
+        log_score = math.log(abs(cumulative_logprob)) - length_penalty * math.log(seq_len)
+        return math.copysign(math.exp(min(log_score, 709.0)), cumulative_logprob)
 
 
 def create_sort_beams_key_function(eos_token_id: int | None, length_penalty: float):

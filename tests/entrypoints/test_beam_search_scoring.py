@@ -116,3 +116,14 @@ def test_only_kept_candidates_become_sequences(monkeypatch):
     s.advance([lps(t2=-0.1, t5=-0.2, t6=-0.3, t7=-0.4), lps(t5=-0.1, t6=-0.2, t7=-3, t8=-4)])
     assert len(made) == 3  # the eos one finished, and the 2 kept of the 7 others
     assert [b.tokens for b in s.beams] == [[9, 5, 5], [9, 5, 6]]
+
+
+def test_score_survives_a_power_out_of_float_range():
+    # 10 ** 1000 overflows a float (OverflowError), 10 ** -1000 underflows to 0 (a
+    # ZeroDivisionError): each failed the whole search; the ranking still follows the division.
+    big = [get_beam_search_score([5] * n, -2.0, EOS, 1000.0) for n in (2, 10, 20)]
+    assert all(math.isfinite(s) and s <= 0 for s in big)
+    assert big[0] <= big[1] <= big[2]  # a longer sequence is penalized less, as the division's
+    small = [get_beam_search_score([5] * 10, cum, EOS, -1000.0) for cum in (-1.0, -2.0)]
+    assert all(s < 0 for s in small) and small[0] >= small[1]
+    assert get_beam_search_score([5] * 10, 0.0, EOS, -1000.0) == 0.0
