@@ -118,12 +118,21 @@ def test_only_kept_candidates_become_sequences(monkeypatch):
     assert [b.tokens for b in s.beams] == [[9, 5, 5], [9, 5, 6]]
 
 
-def test_score_survives_a_power_out_of_float_range():
-    # 10 ** 1000 overflows a float (OverflowError), 10 ** -1000 underflows to 0 (a
-    # ZeroDivisionError): each failed the whole search; the ranking still follows the division.
-    big = [get_beam_search_score([5] * n, -2.0, EOS, 1000.0) for n in (2, 10, 20)]
-    assert all(math.isfinite(s) and s <= 0 for s in big)
-    assert big[0] <= big[1] <= big[2]  # a longer sequence is penalized less, as the division's
-    small = [get_beam_search_score([5] * 10, cum, EOS, -1000.0) for cum in (-1.0, -2.0)]
-    assert all(s < 0 for s in small) and small[0] >= small[1]
-    assert get_beam_search_score([5] * 10, 0.0, EOS, -1000.0) == 0.0
+def test_a_length_penalty_past_float_range_still_ranks():
+    # 10 ** 400 overflows a float (OverflowError), 10 ** -400 underflows to 0 (a
+    # ZeroDivisionError): either failed the whole search. Ranked as the exact division would.
+    assert get_beam_search_score([5] * 10, -2.0, EOS, 400.0) == 0.0
+    assert get_beam_search_score([5] * 10, -2.0, EOS, -400.0) == -math.inf
+
+    def ranked(length_penalty, seqs):
+        key = create_sort_beams_key_function(EOS, length_penalty)
+        return sorted((BeamSearchSequence(tokens=[5] * n, cum_logprob=c) for n, c in seqs),
+                      key=key, reverse=True)
+
+    seqs = [(3, -1.0), (20, -9.0), (10, -2.0), (10, -0.5), (2, -1.5), (4, 0.0)]
+    # large positive penalty: -|c| / n ** 400, the longest (then the smallest |c|) best
+    want = [(4, 0.0), (20, -9.0), (10, -0.5), (10, -2.0), (3, -1.0), (2, -1.5)]
+    assert [(len(s.tokens), s.cum_logprob) for s in ranked(400.0, seqs)] == want
+    # large negative penalty: -|c| * n ** 400, the shortest (then the smallest |c|) best
+    want = [(4, 0.0), (2, -1.5), (3, -1.0), (10, -0.5), (10, -2.0), (20, -9.0)]
+    assert [(len(s.tokens), s.cum_logprob) for s in ranked(-400.0, seqs)] == want
