@@ -72,20 +72,41 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
-def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_token_id: int | None,
-                          length_penalty: float = 1.0) -> float:
-    """vLLM's score: cumulative_logprob / len ** length_penalty, where len counts the prompt and
-    not a final eos token (HF's beam scorer's normalization, as vLLM adapted it)."""
+def _scored_length(tokens: list[int], eos_token_id: int | None) -> int:
     seq_len = len(tokens)
     if tokens and tokens[-1] == eos_token_id:
         seq_len -= 1
     # A bare eos (an empty prompt's first token) has length 0: count it as 1, not a
     # ZeroDivisionError (or 0 ** negative).
-    return cumulative_logprob / (max(seq_len, 1) ** length_penalty)
+    return max(seq_len, 1)
+
+
+def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_token_id: int | None,
+                          length_penalty: float = 1.0) -> float:
+    """vLLM's score: cumulative_logprob / len ** length_penalty, where len counts the prompt and
+    not a final eos token (HF's beam scorer's normalization, as vLLM adapted it)."""
+    seq_len = _scored_length(tokens, eos_token_id)
+    try:
+        return cumulative_logprob / (seq_len ** length_penalty)
+    except OverflowError:  # length_penalty=400 past 6 tokens: the power is past float range
+        return math.copysign(0.0, cumulative_logprob)  # its limit (-inf / inf is no nan)
+    except ZeroDivisionError:  # length_penalty=-400: the power underflowed to 0
+        return -math.inf if cumulative_logprob < 0 else 0.0
 
 
 def create_sort_beams_key_function(eos_token_id: int | None, length_penalty: float):
-    def sort_beams_key(x: BeamSearchSequence) -> float:
-        return get_beam_search_score(x.tokens, x.cum_logprob, eos_token_id, length_penalty)
+    """A sequence's sort key, larger better: (score, 0) or, where the score left float range (0
+    or infinite: a large |length_penalty| made the power overflow or underflow), (score, the
+    order the log of its magnitude gives) for what the division could not tell apart (such a
+    search raised OverflowError before: a 500 on the server)."""
+    def sort_beams_key(x: BeamSearchSequence) -> tuple[float, float]:
+        score = get_beam_search_score(x.tokens, x.cum_logprob, eos_token_id, length_penalty)
+        if score != 0 and math.isfinite(score):
+            return score, 0.0
+        if x.cum_logprob >= 0:  # a score of exactly 0 beats any below it
+            return score, math.inf
+        seq_len = _scored_length(x.tokens, eos_token_id)
+        # the score is -exp(log_magnitude): the smaller the magnitude, the better
+        return score, -(math.log(-x.cum_logprob) - length_penalty * math.log(seq_len))
 
     return sort_beams_key

@@ -137,6 +137,9 @@ def run_offline(llm, prompts, params: BeamSearchParams, use_tqdm=False,
     engine = llm.llm_engine
     processor = engine.input_processor
     sp = step_params(params, processor.vocab_size, processor.max_logprobs)
+    # vLLM's offline steps decode what they offer: seq.logprobs[i][token].decoded_token is the
+    # token's text there (the server's answer shows no logprobs: its steps skip the decode).
+    sp.detokenize = True
     searches, salts = [], []
     for i, prompt in enumerate(prompts):  # every prompt checked before any step runs
         try:
@@ -159,7 +162,7 @@ def run_offline(llm, prompts, params: BeamSearchParams, use_tqdm=False,
                     break
                 batch = [engine.process_inputs({"prompt_token_ids": b.tokens, **salts[i]}, sp)
                          for i, b in work]
-                outs = llm._run_batch(batch, use_tqdm=False)
+                outs = llm._run_batch(batch, use_tqdm=False, priorities=[0] * len(batch))
                 offered: dict[int, list] = {i: [] for i in group}
                 for k, ((i, _), out) in enumerate(zip(work, outs)):
                     offered[i].append(step_logprobs(out, k))

@@ -192,3 +192,17 @@ def test_prompt_near_max_model_len_ends_by_length(llm):
                              BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True))
     assert len(out.sequences) == 3
     assert all(len(s.tokens) == 64 and s.finish_reason == "length" for s in out.sequences)
+
+
+def test_offered_logprobs_carry_their_text(llm):
+    # vLLM's steps detokenize: each offered token's Logprob has its text (it was None), the
+    # text generate() gives the same token at the same place
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    (out,) = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=3,
+                                                        ignore_eos=True))
+    (sampled,) = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=4),
+                              use_tqdm=False)
+    want = {t: lp.decoded_token for t, lp in sampled.outputs[0].logprobs[0].items()}
+    assert {t: lp.decoded_token for t, lp in out.sequences[0].logprobs[0].items()} == want
+    assert all(lp.decoded_token for seq in out.sequences for step in seq.logprobs
+               for lp in step.values())

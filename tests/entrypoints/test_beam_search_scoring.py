@@ -116,3 +116,23 @@ def test_only_kept_candidates_become_sequences(monkeypatch):
     s.advance([lps(t2=-0.1, t5=-0.2, t6=-0.3, t7=-0.4), lps(t5=-0.1, t6=-0.2, t7=-3, t8=-4)])
     assert len(made) == 3  # the eos one finished, and the 2 kept of the 7 others
     assert [b.tokens for b in s.beams] == [[9, 5, 5], [9, 5, 6]]
+
+
+def test_a_length_penalty_past_float_range_still_ranks():
+    # 10 ** 400 overflows a float (OverflowError), 10 ** -400 underflows to 0 (a
+    # ZeroDivisionError): either failed the whole search. Ranked as the exact division would.
+    assert get_beam_search_score([5] * 10, -2.0, EOS, 400.0) == 0.0
+    assert get_beam_search_score([5] * 10, -2.0, EOS, -400.0) == -math.inf
+
+    def ranked(length_penalty, seqs):
+        key = create_sort_beams_key_function(EOS, length_penalty)
+        return sorted((BeamSearchSequence(tokens=[5] * n, cum_logprob=c) for n, c in seqs),
+                      key=key, reverse=True)
+
+    seqs = [(3, -1.0), (20, -9.0), (10, -2.0), (10, -0.5), (2, -1.5), (4, 0.0)]
+    # large positive penalty: -|c| / n ** 400, the longest (then the smallest |c|) best
+    want = [(4, 0.0), (20, -9.0), (10, -0.5), (10, -2.0), (3, -1.0), (2, -1.5)]
+    assert [(len(s.tokens), s.cum_logprob) for s in ranked(400.0, seqs)] == want
+    # large negative penalty: -|c| * n ** 400, the shortest (then the smallest |c|) best
+    want = [(4, 0.0), (2, -1.5), (3, -1.0), (10, -0.5), (10, -2.0), (20, -9.0)]
+    assert [(len(s.tokens), s.cum_logprob) for s in ranked(-400.0, seqs)] == want

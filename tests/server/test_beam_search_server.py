@@ -106,6 +106,16 @@ def test_refused_naming_the_field(client, path, extra, named, param):
     assert "beam_width" not in error["message"]  # the request calls it n
 
 
+@pytest.mark.parametrize("value", ["NaN", "Infinity"])
+def test_a_length_penalty_that_is_no_number_is_refused(client, value):
+    # JSON's NaN / Infinity passed the field's type and failed the search's own check: a 500
+    body = '{"prompt": "w5", "max_tokens": 2, "use_beam_search": true, "n": 2, ' \
+           f'"length_penalty": {value}}}'
+    r = client.post(CMPL, content=body, headers={"Content-Type": "application/json"})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "length_penalty", error
+
+
 def test_length_penalty_without_beam_search_is_refused(client):
     r = client.post(CMPL, json=dict(prompt="w5", max_tokens=2, length_penalty=0.5))
     error = r.json()["error"]

@@ -8,6 +8,7 @@ What the search would ignore (vLLM ignores it silently) is refused with a 400 wh
 opens with the field (param use_beam_search): streaming (the answer exists only once the search
 ends), logprobs, and every sampling field beyond those above.
 """
+import math
 import secrets
 
 from kiln.beam_search import BeamSearchParams
@@ -41,6 +42,9 @@ def check_beam_fields(req) -> None:
     """A 400 naming the first field beam search cannot honour; length_penalty without
     use_beam_search too (it scores beams only: vLLM ignores it there)."""
     fields = type(req).model_fields
+    if not math.isfinite(getattr(req, "length_penalty", 1.0)):  # JSON's NaN / Infinity
+        raise OpenAIError(f"length_penalty must be a finite number, got {req.length_penalty}",
+                          param="length_penalty", code="invalid_value")
     if not getattr(req, "use_beam_search", False):
         if getattr(req, "length_penalty", 1.0) != 1.0:
             raise _refused("length_penalty", req.length_penalty,
