@@ -24,6 +24,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 BODIES = {"/v1/completions": dict(prompt="x", max_tokens=1),
           "/v1/chat/completions": dict(messages=[{"role": "user", "content": "x"}],
                                        max_tokens=1),
+          "/v1/responses": dict(input="x", max_output_tokens=1),
           "/tokenize": dict(prompt="x"), "/detokenize": dict(tokens=[5])}
 
 

@@ -139,6 +139,9 @@ def patch_schema(schema: dict, vocab_size: int | None = None,
         part["properties"]["type"]["enum"] = ["text"]
         part["properties"]["text"] = {"type": "string", "title": "Text"}
         part["required"] = ["type", "text"]
+    function = components.get("FunctionDefinition")
+    if function is not None:  # a blank name is refused: no stream could announce the call
+        function["properties"]["name"]["pattern"] = r"\S"
     for model in ("CompletionRequest", "ChatCompletionRequest"):
         choice = components.get(model, {}).get("properties", {}).get("guided_choice")
         for member in (choice or {}).get("anyOf", ()):

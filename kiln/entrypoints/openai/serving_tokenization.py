@@ -16,7 +16,7 @@ from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from kiln.entrypoints.openai.response_models import DetokenizeResponse
 from kiln.entrypoints.openai.serving_models import ServingModels
-from kiln.entrypoints.openai.tool_parsers.tool_plan import template_tool_dicts
+from kiln.entrypoints.openai.tool_parsers.tool_plan import check_tools, template_tool_dicts
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -69,6 +69,8 @@ class ServingTokenization:
                               code="invalid_value")
         if req.messages is not None:
             check_generation_flags(req)
+            if req.tools:  # what a chat with these tools refuses (a blank name, say), too
+                check_tools(req.tools)
             prompt = await render_chat_prompt(
                 self.llm, req.messages, req.add_generation_prompt, req.continue_final_message,
                 req.chat_template_kwargs, bool(req.add_special_tokens),
