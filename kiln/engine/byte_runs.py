@@ -25,13 +25,15 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 def byte_token_values(tokenizer) -> dict[int, int]:
     """id -> byte of the SentencePiece byte-fallback tokens ("<0xE4>"), cached on the
-    tokenizer."""
+    tokenizer. Only tokens the decoder turns into their byte: a byte-level BPE (or any decoder
+    without ByteFallback) may have a token spelled "<0xE4>" that is that text, and splitting
+    "runs" of those repeated text in the stream."""
     cached = getattr(tokenizer, "_kiln_byte_token_values", None)
     if cached is None:
         cached = {}
         for tok, i in tokenizer.get_vocab().items():
             m = _BYTE_TOKEN.fullmatch(tok)
-            if m:
+            if m and tok not in tokenizer.decode([i]):
                 cached[i] = int(m.group(1), 16)
         try:
             tokenizer._kiln_byte_token_values = cached

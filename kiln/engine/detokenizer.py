@@ -5,7 +5,6 @@ O(window), leading spaces and multi-byte characters split over several tokens co
 the concatenated stream equals decoding all tokens at once.
 """
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -15,7 +14,6 @@ from kiln.engine.text_encoding import keeps_stock
 # Prompt tokens kept as left context, so the first output token decodes with its leading space.
 INITIAL_CONTEXT_TOKENS = 5
 _INCOMPLETE = "\ufffd"  # what a partial UTF-8 sequence decodes to
-_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def byte_fallback_token_ids(tokenizer) -> frozenset[int]:
@@ -26,8 +24,7 @@ def byte_fallback_token_ids(tokenizer) -> frozenset[int]:
     """
     cached = getattr(tokenizer, "_kiln_byte_token_ids", None)
     if cached is None:
-        cached = frozenset(i for tok, i in tokenizer.get_vocab().items()
-                           if _BYTE_TOKEN.fullmatch(tok))
+        cached = frozenset(byte_token_values(tokenizer))
         try:
             tokenizer._kiln_byte_token_ids = cached
         except AttributeError:
