@@ -192,8 +192,12 @@ class IncrementalDetokenizer(ByteRunRelease):
 
     def _decode_next(self, final: bool) -> str:
         """Text the window gained since read_offset; '' while it ends in a partial character."""
-        if not final and self._ends_in_byte_run():
-            return self._release_in_run()  # its whole characters, as each completes
+        if self._ends_in_byte_run():
+            released = self._release_in_run()  # its whole characters, as each completes
+            if not final:
+                return released
+            if self._split is not None:  # (a run's last token: split as any other would be)
+                return released + self._end_split()
         if self._split is not None:
             return self._end_split()
         prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
@@ -275,7 +279,9 @@ class IncrementalDetokenizer(ByteRunRelease):
         return full[len(os.path.commonprefix([full, before])):]
 
     def _flush(self) -> str:
-        if self._split is None and self.read_offset >= len(self.token_ids):
+        if self._split is not None:  # (no new token: the run's last byte was counted)
+            return self._end_split()
+        if self.read_offset >= len(self.token_ids):
             return ""
         return self._decode_next(final=True)
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from kiln.engine.byte_runs import byte_token_values, valid_prefix
+from kiln.engine.byte_runs import byte_token_values, final_prefix, valid_prefix
 from kiln.engine.detokenizer import INITIAL_CONTEXT_TOKENS, skipped_special_ids
 from kiln.engine.stream_detokenizer import detokenizer_for_request
 from tests.engine.released_text import released_text
@@ -60,6 +60,23 @@ def test_prompt_ending_inside_a_character_loses_no_output_text(tokenizer):
             d.update([t])
         d.update([], final=True)
         assert d.output_text == "日 the cat sat", cut
+
+
+def test_a_prompts_own_characters_in_its_last_byte_run_are_not_the_outputs(tokenizer):
+    """A prompt ending in "\n" as <0x0A> (a chat template's last token in Llama-2's
+    vocabulary): an output of bytes that cannot be valid (a character cut off by max_tokens)
+    decoded with it as one run, so the "\n" became a U+FFFD of the output's text (3 for 2
+    bytes); one ending in 0x13 and half of 旟 gave the output "\x13旟"."""
+    prompt = tokenizer("Once upon").input_ids
+    for tail, out, want in ((b"\n", b"\xf0\x9f", FFFD * 2), (b"\x13\xe6", b"\x97\x9f", "旟"),
+                            (b"\n", b"\xff", FFFD), (b"\n", "😀".encode() + b"\xff", "😀" + FFFD)):
+        for steps in (1, len(out)):
+            d = detokenizer_for_request(tokenizer, prompt + byte_ids(tokenizer, tail))
+            ids = byte_ids(tokenizer, out)
+            for k in range(0, len(ids), len(ids) // steps):
+                chunk = ids[k:k + len(ids) // steps]
+                d.update(chunk, final=k + len(chunk) >= len(ids))
+            assert d.output_text == want, (tail, out, steps)
 
 
 @pytest.mark.parametrize("skip", [True, False])
@@ -152,6 +169,8 @@ def test_random_byte_runs_release_whole_characters_at_their_last_byte(tok_with_a
                     run.insert(0, j)
                 elif everything[j] not in skipped:
                     break
+            in_prompt = [j for j in run if j < len(ctx)]  # its final bytes are the prompt's
+            run = run[final_prefix(bytes(values[everything[j]] for j in in_prompt)):]
             p, invalid = valid_prefix(bytes(values[everything[j]] for j in run))
             cut = len(everything) if invalid or p == len(run) else (
                 run[p - 1] + 1 if p else run[0])
