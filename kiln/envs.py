@@ -74,9 +74,12 @@ def logging_level() -> str:
     ERROR or CRITICAL."""
     name, value = _read("KILN_LOGGING_LEVEL")
     value = (value or "INFO").strip()
-    if value.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+    # WARN and FATAL: Python's logging takes them, so vLLM's variable does (it is given to
+    # logging as written); a deployment with VLLM_LOGGING_LEVEL=WARN got INFO and a warning.
+    level = {"WARN": "WARNING", "FATAL": "CRITICAL"}.get(value.upper(), value.upper())
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         raise ConfigError(f"{name}={value!r} must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
-    return value.upper()
+    return level
 
 
 def configure_logging() -> bool:

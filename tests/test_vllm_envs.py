@@ -67,6 +67,17 @@ def test_vllm_switches_logging_and_timeouts_are_honoured(monkeypatch):
         envs.disable_compile_cache()
 
 
+def test_vllm_logging_level_takes_the_names_pythons_logging_takes(monkeypatch):
+    """vLLM gives VLLM_LOGGING_LEVEL to logging as written: WARN and FATAL are levels there;
+    here they were refused (INFO, and a warning at every start)."""
+    for value, level in (("WARN", "WARNING"), ("warn", "WARNING"), ("FATAL", "CRITICAL")):
+        monkeypatch.setenv("VLLM_LOGGING_LEVEL", value)
+        assert envs.logging_level() == level
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "LOUD")
+    with pytest.raises(ValueError, match="VLLM_LOGGING_LEVEL='LOUD'"):
+        envs.logging_level()
+
+
 def test_honoured_vllm_settings_reach_ray_ranks_but_the_api_key_does_not():
     from kiln.executor.ray_placement import kiln_env_vars
 

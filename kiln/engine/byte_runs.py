@@ -12,6 +12,8 @@ released characters split the run there, and what follows the split decodes as a
 own (so a bad byte after a released 😀 is "😀�", not the full decode's "�����", nor vLLM's
 "😀"). The text is the full decode's except where a run has complete characters before a bad
 byte (or an unfinished last character); without released characters the run is the decoder's.
+A run that began in the prompt is split where the prompt's final bytes end (all but a
+partial character the output may complete): they are the prompt's text, not the output's.
 Once the part after the split cannot become valid, each of its bytes is a final U+FFFD and is
 released as it arrives. Text after a split is decoded behind an anchor token (see
 `decode_anchor`), so a leading space survives SentencePiece's strip.
@@ -25,13 +27,15 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 def byte_token_values(tokenizer) -> dict[int, int]:
     """id -> byte of the SentencePiece byte-fallback tokens ("<0xE4>"), cached on the
-    tokenizer."""
+    tokenizer. Only tokens the decoder turns into their byte: a byte-level BPE (or any decoder
+    without ByteFallback) may have a token spelled "<0xE4>" that is that text, and splitting
+    "runs" of those repeated text in the stream."""
     cached = getattr(tokenizer, "_kiln_byte_token_values", None)
     if cached is None:
         cached = {}
         for tok, i in tokenizer.get_vocab().items():
             m = _BYTE_TOKEN.fullmatch(tok)
-            if m:
+            if m and tok not in tokenizer.decode([i]):
                 cached[i] = int(m.group(1), 16)
         try:
             tokenizer._kiln_byte_token_values = cached
@@ -48,6 +52,15 @@ def valid_prefix(data: bytes) -> tuple[int, bool]:
     except UnicodeDecodeError as e:
         return e.start, e.reason != "unexpected end of data"
     return len(data), False
+
+
+def final_prefix(data: bytes) -> int:
+    """Bytes of `data` (a prompt's part of a byte run) no later byte can change: all but a
+    trailing partial character, which the output may complete."""
+    for tail in range(min(3, len(data)), 0, -1):
+        if valid_prefix(data[-tail:]) == (0, False):  # the start of a character, cut off
+            return len(data) - tail
+    return len(data)
 
 
 def cached_anchor(tokenizer):
@@ -102,6 +115,15 @@ class ByteRunRelease:
                 return ""  # no anchor token: the run is held to its end, whole
             settled = self._num_settled_tokens()
             base = min(start, settled)
+            if base < settled:
+                # The run began in the prompt: its final bytes ("\n" as <0x0A>, a chat
+                # template's last token) are the prompt's text. Decoded with the output's they
+                # took part in its validity: an output byte that cannot be valid turned them
+                # into U+FFFD, and the output's text began with a character of the prompt.
+                prompt_bytes = [j for j in range(base, settled) if ids[j] in values]
+                kept = final_prefix(bytes(values[ids[j]] for j in prompt_bytes))
+                if kept:
+                    base = prompt_bytes[kept - 1] + 1
             behind = bool(self.output_text) or bool(self._decode(ids[:base]))
             before = self._anchored(ids[base:settled], behind) if base < settled else ""
             self._split, self._split_text, self._run_start = base, before or "", start

@@ -5,7 +5,6 @@ O(window), leading spaces and multi-byte characters split over several tokens co
 the concatenated stream equals decoding all tokens at once.
 """
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -15,7 +14,6 @@ from kiln.engine.text_encoding import keeps_stock
 # Prompt tokens kept as left context, so the first output token decodes with its leading space.
 INITIAL_CONTEXT_TOKENS = 5
 _INCOMPLETE = "\ufffd"  # what a partial UTF-8 sequence decodes to
-_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def byte_fallback_token_ids(tokenizer) -> frozenset[int]:
@@ -26,8 +24,7 @@ def byte_fallback_token_ids(tokenizer) -> frozenset[int]:
     """
     cached = getattr(tokenizer, "_kiln_byte_token_ids", None)
     if cached is None:
-        cached = frozenset(i for tok, i in tokenizer.get_vocab().items()
-                           if _BYTE_TOKEN.fullmatch(tok))
+        cached = frozenset(byte_token_values(tokenizer))
         try:
             tokenizer._kiln_byte_token_ids = cached
         except AttributeError:
@@ -195,8 +192,12 @@ class IncrementalDetokenizer(ByteRunRelease):
 
     def _decode_next(self, final: bool) -> str:
         """Text the window gained since read_offset; '' while it ends in a partial character."""
-        if not final and self._ends_in_byte_run():
-            return self._release_in_run()  # its whole characters, as each completes
+        if self._ends_in_byte_run():
+            released = self._release_in_run()  # its whole characters, as each completes
+            if not final:
+                return released
+            if self._split is not None:  # (a run's last token: split as any other would be)
+                return released + self._end_split()
         if self._split is not None:
             return self._end_split()
         prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
@@ -278,7 +279,9 @@ class IncrementalDetokenizer(ByteRunRelease):
         return full[len(os.path.commonprefix([full, before])):]
 
     def _flush(self) -> str:
-        if self._split is None and self.read_offset >= len(self.token_ids):
+        if self._split is not None:  # (no new token: the run's last byte was counted)
+            return self._end_split()
+        if self.read_offset >= len(self.token_ids):
             return ""
         return self._decode_next(final=True)
 

@@ -77,8 +77,12 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
 
     def _decode_next(self, final: bool) -> str:
         self._pending.append(self.token_ids[-1])
-        if not final and self._ends_in_byte_run():
-            return self._release_in_run()  # its whole characters, as each completes
+        if self._ends_in_byte_run():
+            released = self._release_in_run()  # its whole characters, as each completes
+            if not final:
+                return released
+            if self._split is not None:  # (a run's last token: split as any other would be)
+                return released + self._end_split()
         if self._split is not None:
             return self._end_split()
         chunk = self._step(self._pending)

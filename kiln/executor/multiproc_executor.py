@@ -23,7 +23,14 @@ from kiln.core.core_messages import failure_report
 from kiln.distributed.model_split import check_parallel_split
 from kiln.executor.abstract import RankFanOutExecutor
 from kiln.executor.free_port import free_port
-from kiln.executor.rank_errors import STARTUP_TIMEOUT_S, WorkerFailedError, startup_error, unanswered_message
+from kiln.executor.rank_errors import (
+    STARTUP_TIMEOUT_S,
+    WorkerFailedError,
+    past,
+    startup_error,
+    unanswered_message,
+    wait_slice,
+)
 from kiln.logger import init_logger
 from kiln.process_signals import leave_group_signals_to_parent
 
@@ -146,8 +153,10 @@ class MultiprocExecutor(RankFanOutExecutor):
         while len(replies) < self.world_size:
             waiting = [c for c, r in by_conn.items() if r not in replies]
             sentinels = [s for s, r in by_sentinel.items() if r not in replies]
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = multiprocessing.connection.wait(waiting + sentinels, timeout=left)
+            ready = multiprocessing.connection.wait(waiting + sentinels,
+                                                    timeout=wait_slice(deadline))
+            if not ready and not past(deadline):
+                continue  # one slice of a very long timeout
             if not ready:
                 self._fail(unanswered_message(
                     what, sorted(set(range(self.world_size)) - set(replies)), timeout,

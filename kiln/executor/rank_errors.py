@@ -6,6 +6,7 @@ traceback (which the log keeps). Any other error, or any error of a step, fails 
 WorkerFailedError with the rank's traceback; a rank that does not answer is named, with why
 where /proc tells (stopped, stuck in the kernel)."""
 import logging
+import time
 
 from kiln.core.core_messages import CoreFailed
 from kiln.errors import is_user_error
@@ -69,3 +70,22 @@ def unanswered_message(what: str, ranks: list[int], timeout: float,
                     "restart the engine, or raise KILN_EXECUTE_MODEL_TIMEOUT_SECONDS if steps "
                     "this long are expected")
     return message
+
+
+# The longest one wait for the ranks may be: poll/epoll take milliseconds as a C int (24.8
+# days); a longer step timeout (KILN_EXECUTE_MODEL_TIMEOUT_SECONDS=1e7, "never") is waited in
+# slices, and a wait of its whole length raised OverflowError at every step, killing the engine.
+MAX_WAIT_SLICE_S = 86400.0
+
+
+def wait_slice(deadline: float | None) -> float | None:
+    """Seconds to wait next for the ranks: what is left to `deadline` (a time.monotonic()),
+    at most MAX_WAIT_SLICE_S; None (no deadline): without limit."""
+    if deadline is None:
+        return None
+    return min(max(0.0, deadline - time.monotonic()), MAX_WAIT_SLICE_S)
+
+
+def past(deadline: float | None) -> bool:
+    """A wait that returned nothing ran out the step timeout, not only a slice of it."""
+    return deadline is None or time.monotonic() >= deadline

@@ -23,7 +23,14 @@ from kiln import envs
 from kiln.core.core_messages import failure_report
 from kiln.distributed.model_split import check_parallel_split
 from kiln.executor.abstract import RankFanOutExecutor
-from kiln.executor.rank_errors import STARTUP_TIMEOUT_S, WorkerFailedError, startup_error, unanswered_message
+from kiln.executor.rank_errors import (
+    STARTUP_TIMEOUT_S,
+    WorkerFailedError,
+    past,
+    startup_error,
+    unanswered_message,
+    wait_slice,
+)
 from kiln.executor.ray_placement import (
     check_ray_address,
     kiln_env_vars,
@@ -200,8 +207,9 @@ class RayExecutor(RankFanOutExecutor):
         results = {}
         deadline = None if timeout is None else time.monotonic() + timeout
         while pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait_slice(deadline))
+            if not ready and not past(deadline):
+                continue  # one slice of a very long timeout
             if not ready:
                 self._fail(unanswered_message(what, sorted(pending.values()), timeout,
                                               self.local_pids))

@@ -96,6 +96,22 @@ def test_a_stopped_rank_fails_the_step_once_the_timeout_passes(tiny_llama_dir, b
         engine.step()
 
 
+def test_a_step_timeout_beyond_what_poll_takes_is_waited_in_slices(tiny_llama_dir, bounded,
+                                                                    monkeypatch):
+    """VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=1e7 (a deployment's "never"): the wait for the ranks
+    passed it whole to poll, whose milliseconds are a C int: OverflowError at the first step,
+    and the engine was stopped."""
+    monkeypatch.delenv("KILN_EXECUTE_MODEL_TIMEOUT_SECONDS", raising=False)
+    monkeypatch.setenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "1e7")
+    llm = make_llm(tiny_llama_dir, tensor_parallel_size=2)
+    engine = llm.llm_engine
+    engine.add_request("r0", {"prompt_token_ids": [5, 6, 7, 8]}, greedy(3))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert len(outs[-1].outputs[0].token_ids) == 3
+
+
 def test_the_step_timeout_is_checked_before_any_rank_starts(tiny_llama_dir, monkeypatch):
     import multiprocessing
 

@@ -3,11 +3,12 @@
 Reference: tests/engine/released_text.py (the full decode but for byte runs whose released
 characters a bad byte follows).
 """
+import os
 import random
 
 import pytest
 
-from kiln.engine.byte_runs import byte_token_values, valid_prefix
+from kiln.engine.byte_runs import byte_token_values, final_prefix, valid_prefix
 from kiln.engine.detokenizer import INITIAL_CONTEXT_TOKENS, skipped_special_ids
 from kiln.engine.stream_detokenizer import detokenizer_for_request
 from tests.engine.released_text import released_text
@@ -59,6 +60,23 @@ def test_prompt_ending_inside_a_character_loses_no_output_text(tokenizer):
             d.update([t])
         d.update([], final=True)
         assert d.output_text == "日 the cat sat", cut
+
+
+def test_a_prompts_own_characters_in_its_last_byte_run_are_not_the_outputs(tokenizer):
+    """A prompt ending in "\n" as <0x0A> (a chat template's last token in Llama-2's
+    vocabulary): an output of bytes that cannot be valid (a character cut off by max_tokens)
+    decoded with it as one run, so the "\n" became a U+FFFD of the output's text (3 for 2
+    bytes); one ending in 0x13 and half of 旟 gave the output "\x13旟"."""
+    prompt = tokenizer("Once upon").input_ids
+    for tail, out, want in ((b"\n", b"\xf0\x9f", FFFD * 2), (b"\x13\xe6", b"\x97\x9f", "旟"),
+                            (b"\n", b"\xff", FFFD), (b"\n", "😀".encode() + b"\xff", "😀" + FFFD)):
+        for steps in (1, len(out)):
+            d = detokenizer_for_request(tokenizer, prompt + byte_ids(tokenizer, tail))
+            ids = byte_ids(tokenizer, out)
+            for k in range(0, len(ids), len(ids) // steps):
+                chunk = ids[k:k + len(ids) // steps]
+                d.update(chunk, final=k + len(chunk) >= len(ids))
+            assert d.output_text == want, (tail, out, steps)
 
 
 @pytest.mark.parametrize("skip", [True, False])
@@ -151,6 +169,8 @@ def test_random_byte_runs_release_whole_characters_at_their_last_byte(tok_with_a
                     run.insert(0, j)
                 elif everything[j] not in skipped:
                     break
+            in_prompt = [j for j in run if j < len(ctx)]  # its final bytes are the prompt's
+            run = run[final_prefix(bytes(values[everything[j]] for j in in_prompt)):]
             p, invalid = valid_prefix(bytes(values[everything[j]] for j in run))
             cut = len(everything) if invalid or p == len(run) else (
                 run[p - 1] + 1 if p else run[0])
@@ -172,3 +192,44 @@ def test_a_long_bad_byte_run_is_not_decoded_again_at_each_byte(tokenizer):
     d.update(tokenizer("a", add_special_tokens=False).input_ids, final=True)
     assert d.output_text == "😀" + FFFD * 500 + " a"
     assert sum(calls) < 2000, (len(calls), sum(calls))
+
+
+def _byte_level_bpe_with_hex_tokens():
+    """A byte-level BPE whose vocabulary has tokens spelled "<0xE6>": text, not bytes (its
+    decoder has no ByteFallback), as code or hex-dump training text can give."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab, merges = {"<|endoftext|>": 0}, []
+    for c in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab.setdefault(c, len(vocab))
+    for b in (0xE6, 0x97, 0xA5, 0xFF, 0x41, 0x9F, 0xF0, 0x98, 0x80):
+        word = f"<0x{b:02X}>"
+        for k in range(2, len(word) + 1):
+            if word[:k] not in vocab:
+                merges.append((word[:k - 1], word[k - 1]))
+                vocab[word[:k]] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>",
+                                   clean_up_tokenization_spaces=False)
+
+
+def test_tokens_spelled_like_bytes_in_a_byte_level_bpe_are_plain_text():
+    """"<0x80>" then "Í" (the byte 0xCD, half a character) streamed "<0x80>�<0x80>�؇" for
+    decode's "<0x80>�؇": the "<0x80>" token was taken for a byte-fallback token, its "run"
+    split and its text given twice."""
+    tok = _byte_level_bpe_with_hex_tokens()
+    hexes = [i for t, i in tok.get_vocab().items() if len(t) == 6 and t.startswith("<0x")]
+    assert len(hexes) == 9
+    for seed in range(100):
+        rng = random.Random(seed)
+        ids = [rng.choice(hexes) if rng.random() < 0.7 else rng.randrange(len(tok))
+               for _ in range(rng.randint(1, 20))]
+        prompt = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 4))]
+        deltas, d = stream(tok, prompt, ids, rng, skip=True)
+        ctx = prompt[-INITIAL_CONTEXT_TOKENS:]
+        full, alone = (tok.decode(x, skip_special_tokens=True) for x in (ctx + ids, ctx))
+        want = full[len(os.path.commonprefix([full, alone])):]
+        assert "".join(deltas) == d.output_text == want, (seed, prompt, ids)
