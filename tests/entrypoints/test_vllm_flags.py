@@ -377,3 +377,11 @@ def test_vllm_bench_latency_flags_are_taken_or_refused_with_what_to_give():
             parser.parse_args(["bench", "latency", flag, "3"])
     with pytest.raises(VllmOnlyFlagError, match="--batch-sizes sets how many"):
         parser.parse_args(["bench", "latency", "--n", "2"])
+
+
+def test_vllms_disable_uvicorn_access_log_is_disable_access_log():
+    """`vllm serve M --disable-uvicorn-access-log` (vLLM's docs' flag) was an unrecognized
+    argument here; it is Kiln's --disable-access-log."""
+    assert settings_from_args(build_parser().parse_args(["serve"])).access_log
+    args = build_parser().parse_args(["serve", "--disable-uvicorn-access-log"])
+    assert not settings_from_args(args).access_log
