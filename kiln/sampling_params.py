@@ -3,6 +3,7 @@
 Every invalid value raises ValueError naming the field and its allowed range.
 """
 import enum
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -127,6 +128,30 @@ class StructuredOutputsParams:
             # on its way to the engine core
             _check_texts(f"structured_outputs.{name}", [t for t in texts if t is not None])
 
+
+
+# vLLM's StructuredOutputsParams fields with no counterpart here: a script passing one got a
+# bare TypeError ("unexpected keyword argument"); now a ValueError saying why. vLLM's
+# disable_fallback is taken: Kiln has one grammar backend, nothing to fall back to.
+_VLLM_ONLY_STRUCTURED_FIELDS = {
+    "structural_tag": "structural tags are not supported; use json, regex, choice or grammar",
+    "whitespace_pattern": "JSON's whitespace follows JSON's grammar (none with "
+                          "disable_any_whitespace=True)",
+    "disable_additional_properties": "it is vLLM's guidance-backend option; Kiln's grammars "
+                                     "follow the schema's additionalProperties as written",
+}
+_dataclass_init = StructuredOutputsParams.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init_with_vllm_fields(self, *args, disable_fallback: bool = False, **kwargs):
+    for name, why in _VLLM_ONLY_STRUCTURED_FIELDS.items():
+        if kwargs.pop(name, None) not in (None, False):
+            raise ValueError(f"structured_outputs.{name} is not supported: {why}")
+    _dataclass_init(self, *args, **kwargs)
+
+
+StructuredOutputsParams.__init__ = _init_with_vllm_fields
 
 # Stop strings and stop token ids one request may give (OpenAI takes 4 strings; vLLM does not
 # limit either): each is looked for, or copied per sample, for every request's sample.
