@@ -385,3 +385,19 @@ def test_vllms_disable_uvicorn_access_log_is_disable_access_log():
     assert settings_from_args(build_parser().parse_args(["serve"])).access_log
     args = build_parser().parse_args(["serve", "--disable-uvicorn-access-log"])
     assert not settings_from_args(args).access_log
+
+
+def test_vllm_deployment_flags_say_why_not_unrecognized():
+    """helper-124's migrated `vllm serve` scripts: these were bare "unrecognized arguments"."""
+    from kiln.engine.vllm_flags import VllmOnlyFlagError
+
+    parser = build_parser()
+    for argv, words in ((["--hf-token", "t"], "HF_TOKEN"), (["--uds", "/tmp/s"], "TCP"),
+                        (["--enable-log-outputs"], "never logs them"),
+                        (["--guided-decoding-backend", "outlines"], "xgrammar"),
+                        (["--otlp-traces-endpoint", "x"], "/metrics")):
+        with pytest.raises(VllmOnlyFlagError, match=re.escape(words)):
+            parser.parse_args(["serve", *argv])
+    args = parser.parse_args(["serve", "--guided-decoding-backend", "xgrammar",
+                              "--long-prefill-token-threshold", "0", "--calculate-kv-scales"])
+    assert EngineArgs.from_cli_args(args) == EngineArgs()
