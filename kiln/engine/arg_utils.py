@@ -85,6 +85,9 @@ class EngineArgs:
                 return isinstance(value, (int, float)) and not isinstance(value, bool)
             return isinstance(value, kind)
 
+        if type(self.dtype).__name__ == "dtype" and str(self.dtype).startswith("torch."):
+            # vLLM takes a torch.dtype too (LLM(dtype=torch.bfloat16), common in RL trainers)
+            self.dtype = str(self.dtype).removeprefix("torch.")
         for name in ("model", "tokenizer", "download_dir", "chat_template",
                      "generation_config"):  # a pathlib.Path is a path too
             if isinstance(getattr(self, name), os.PathLike):

@@ -135,6 +135,22 @@ VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
              "and publishes no block hashes (no KV events)", accepted=("sha256",)),
     VllmFlag(("--kv-cache-memory-bytes",), "the KV cache size in bytes", "Kiln's "
              "--kv-cache-memory takes GiB (e.g. --kv-cache-memory 4)"),
+    # vLLM serve flags seen in deployment scripts, which were a bare "unrecognized argument"
+    VllmFlag(("--enable-log-outputs",), "logging generated outputs", "Kiln never logs them "
+             "(its access log has one line per HTTP request)", takes_value=False),
+    VllmFlag(("--hf-token",), "the Hugging Face token for downloads", "set the HF_TOKEN "
+             "environment variable instead (huggingface_hub reads it)"),
+    VllmFlag(("--guided-decoding-backend",), "the structured-output backend (its older name)",
+             "Kiln compiles grammars with xgrammar", accepted=("xgrammar", "auto")),
+    VllmFlag(("--long-prefill-token-threshold",), "which prompts count as long for partial "
+             "prefills", "Kiln's scheduler has no such limit; --max-num-batched-tokens bounds "
+             "the prefill tokens of a step", accepted=("0",)),
+    VllmFlag(("--otlp-traces-endpoint",), "exporting OpenTelemetry traces", "Kiln exports "
+             "none: scrape GET /metrics (Prometheus)"),
+    VllmFlag(("--calculate-kv-scales",), "fp8 KV-cache scales", "the KV cache holds the "
+             "model's dtype (no scales to calculate)", takes_value=False, accepted_alone=True),
+    VllmFlag(("--uds",), "serving on a Unix domain socket", "kiln serve listens on TCP "
+             "(--host, --port): put a proxy on the socket"),
 )
 
 _JSON_OUT = ("Kiln's benchmarks print their result as one JSON line on stdout: redirect it "

@@ -229,12 +229,14 @@ class LLM:
              priorities: list[int] | None = None) -> list[RequestOutput]:
         self._check_owner()
         with self._one_batch("generate"):
-            return self._run_batch(processed, use_tqdm, priorities or [0] * len(processed))
+            return self._run_batch(processed, use_tqdm, priorities)
 
     def _run_batch(self, processed: list[ProcessedPrompt], use_tqdm,
-                   priorities: list[int]) -> list[RequestOutput]:
+                   priorities: list[int] | None = None) -> list[RequestOutput]:
         from tqdm import tqdm
 
+        # None: every request at priority 0 (beam search's steps call this without any)
+        priorities = priorities or [0] * len(processed)
         engine = self.llm_engine
         ids = [str(next(self._request_counter)) for _ in processed]
         order = {rid: i for i, rid in enumerate(ids)}

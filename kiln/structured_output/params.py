@@ -1,6 +1,7 @@
 """`StructuredOutputsParams`: vLLM's constraint on what a request may generate (a schema, regex,
 choice list or grammar), checked up front with errors naming the field.
 """
+import functools
 import json
 from dataclasses import dataclass
 
@@ -95,3 +96,27 @@ class StructuredOutputsParams:
             # the grammar compiler's codec error named no character; reasoning_end's failed
             # on its way to the engine core
             check_texts(f"structured_outputs.{name}", [t for t in texts if t is not None])
+
+
+# vLLM's StructuredOutputsParams fields with no counterpart here: a script passing one got a
+# bare TypeError ("unexpected keyword argument"); now a ValueError saying why. vLLM's
+# disable_fallback is taken: Kiln has one grammar backend, nothing to fall back to.
+_VLLM_ONLY_STRUCTURED_FIELDS = {
+    "structural_tag": "structural tags are not supported; use json, regex, choice or grammar",
+    "whitespace_pattern": "JSON's whitespace follows JSON's grammar (none with "
+                          "disable_any_whitespace=True)",
+    "disable_additional_properties": "it is vLLM's guidance-backend option; Kiln's grammars "
+                                     "follow the schema's additionalProperties as written",
+}
+_dataclass_init = StructuredOutputsParams.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init_with_vllm_fields(self, *args, disable_fallback: bool = False, **kwargs):
+    for name, why in _VLLM_ONLY_STRUCTURED_FIELDS.items():
+        if kwargs.pop(name, None) not in (None, False):
+            raise ValueError(f"structured_outputs.{name} is not supported: {why}")
+    _dataclass_init(self, *args, **kwargs)
+
+
+StructuredOutputsParams.__init__ = _init_with_vllm_fields

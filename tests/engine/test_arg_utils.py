@@ -143,3 +143,15 @@ def test_device_cuda_without_cuda_names_the_flag():
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match="--device cpu"):
         DeviceConfig("cuda")
+
+
+def test_a_torch_dtype_is_taken_as_vllm_takes_it(stories_dir):
+    """LLM(dtype=torch.bfloat16) (vLLM's dtype is a str or a torch.dtype) was refused:
+    "dtype must be str, got torch.bfloat16"."""
+    import torch
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        c = EngineArgs(model=str(stories_dir), dtype=dtype).create_kiln_config()
+        assert c.model_config.torch_dtype == dtype
+    with pytest.raises(ValueError, match="dtype must be auto, float32, bfloat16 or float16"):
+        EngineArgs(model=str(stories_dir), dtype=torch.float64).create_kiln_config()

@@ -377,3 +377,27 @@ def test_vllm_bench_latency_flags_are_taken_or_refused_with_what_to_give():
             parser.parse_args(["bench", "latency", flag, "3"])
     with pytest.raises(VllmOnlyFlagError, match="--batch-sizes sets how many"):
         parser.parse_args(["bench", "latency", "--n", "2"])
+
+
+def test_vllms_disable_uvicorn_access_log_is_disable_access_log():
+    """`vllm serve M --disable-uvicorn-access-log` (vLLM's docs' flag) was an unrecognized
+    argument here; it is Kiln's --disable-access-log."""
+    assert settings_from_args(build_parser().parse_args(["serve"])).access_log
+    args = build_parser().parse_args(["serve", "--disable-uvicorn-access-log"])
+    assert not settings_from_args(args).access_log
+
+
+def test_vllm_deployment_flags_say_why_not_unrecognized():
+    """helper-124's migrated `vllm serve` scripts: these were bare "unrecognized arguments"."""
+    from kiln.engine.vllm_flags import VllmOnlyFlagError
+
+    parser = build_parser()
+    for argv, words in ((["--hf-token", "t"], "HF_TOKEN"), (["--uds", "/tmp/s"], "TCP"),
+                        (["--enable-log-outputs"], "never logs them"),
+                        (["--guided-decoding-backend", "outlines"], "xgrammar"),
+                        (["--otlp-traces-endpoint", "x"], "/metrics")):
+        with pytest.raises(VllmOnlyFlagError, match=re.escape(words)):
+            parser.parse_args(["serve", *argv])
+    args = parser.parse_args(["serve", "--guided-decoding-backend", "xgrammar",
+                              "--long-prefill-token-threshold", "0", "--calculate-kv-scales"])
+    assert EngineArgs.from_cli_args(args) == EngineArgs()

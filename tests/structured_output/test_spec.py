@@ -31,6 +31,22 @@ def test_bad_params_name_the_field(kw, message):
         StructuredOutputsParams(**kw)
 
 
+
+def test_vllms_other_fields_are_refused_saying_why_or_taken():
+    """vLLM's StructuredOutputsParams(structural_tag=..., whitespace_pattern=...,
+    disable_additional_properties=True) raised a bare TypeError (unexpected keyword);
+    disable_fallback (nothing to fall back to here) is taken."""
+    tag = json.dumps({"type": "structural_tag", "structures": [], "triggers": []})
+    for kw in ({"structural_tag": tag}, {"whitespace_pattern": " "},
+               {"disable_additional_properties": True}):
+        with pytest.raises(ValueError, match=f"structured_outputs.{next(iter(kw))} is not "
+                                             "supported"):
+            StructuredOutputsParams(json={"type": "object"}, **kw)
+    assert StructuredOutputsParams(regex="a", disable_fallback=True) == \
+        StructuredOutputsParams(regex="a")
+    assert StructuredOutputsParams(regex="a", structural_tag=None,
+                                   disable_additional_properties=False).regex == "a"
+
 def test_sampling_params_take_the_dict_form():
     p = SamplingParams(structured_outputs={"regex": "[0-9]+"})
     assert p.structured_outputs == StructuredOutputsParams(regex="[0-9]+")

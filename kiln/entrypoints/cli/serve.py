@@ -71,7 +71,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "leaves this process a core, KILN_CPU_NUM_OF_RESERVED_CPU; else 5)")
     g.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
-    g.add_argument("--disable-access-log", action="store_true",
+    # vLLM's name for it too: `vllm serve ... --disable-uvicorn-access-log` scripts carry over
+    g.add_argument("--disable-access-log", "--disable-uvicorn-access-log", action="store_true",
                    help="do not log one line per HTTP request")
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens (prompt tokens the "
