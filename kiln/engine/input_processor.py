@@ -16,9 +16,8 @@ from kiln.engine.prompt_length import (
     truncate_prompt,
 )
 from kiln.engine.text_encoding import check_encodable, encode_text
+from kiln.inputs import PromptType
 from kiln.sampling_params import SamplingParams
-
-PromptType = str | dict
 
 
 @dataclass
