@@ -190,16 +190,23 @@ class IncrementalDetokenizer(ByteRunRelease):
             return tid in self._byte_token_ids
         return False
 
-    def _decode_next(self, final: bool) -> str:
-        """Text the window gained since read_offset; '' while it ends in a partial character."""
+    def _byte_run_text(self, final: bool) -> str | None:
+        """This step's text where a byte run decides it (None: a plain decode does): the run's
+        whole characters as each completes; a split run ends at its final token or past it."""
         if self._ends_in_byte_run():
-            released = self._release_in_run()  # its whole characters, as each completes
+            released = self._release_in_run()
             if not final:
                 return released
             if self._split is not None:  # (a run's last token: split as any other would be)
                 return released + self._end_split()
         if self._split is not None:
             return self._end_split()
+        return None
+
+    def _decode_next(self, final: bool) -> str:
+        """Text the window gained since read_offset; '' while it ends in a partial character."""
+        if (text := self._byte_run_text(final)) is not None:
+            return text
         prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         full_text = self._decode(self.token_ids[self.prefix_offset:])
         start = len(prefix_text)

@@ -77,14 +77,8 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
 
     def _decode_next(self, final: bool) -> str:
         self._pending.append(self.token_ids[-1])
-        if self._ends_in_byte_run():
-            released = self._release_in_run()  # its whole characters, as each completes
-            if not final:
-                return released
-            if self._split is not None:  # (a run's last token: split as any other would be)
-                return released + self._end_split()
-        if self._split is not None:
-            return self._end_split()
+        if (text := self._byte_run_text(final)) is not None:
+            return text
         chunk = self._step(self._pending)
         self._pending = []
         if chunk is None and not final:

@@ -16,6 +16,7 @@ from kiln.entrypoints.openai.protocol_base import (
     RequestBase,
     RequestPart,
     TokenIds,
+    warn_ignored_fields,
 )
 from kiln.logger import init_logger
 
@@ -47,12 +48,7 @@ class SamplingFields(RequestBase):
     @model_validator(mode="before")
     @classmethod
     def _log_ignored(cls, data):
-        """Name what a request sent that no field reads (vLLM's warning): a client that
-        misspells a field otherwise sees its default at work without a word."""
-        if isinstance(data, dict) and (
-                ignored := data.keys() - cls.model_fields.keys() - _NO_EFFECT_FIELDS):
-            logger.warning("request fields Kiln does not read, ignored: %s",
-                           ", ".join(sorted(map(str, ignored))))
+        warn_ignored_fields(logger, cls, data, _NO_EFFECT_FIELDS)
         return data
     model: str | None = None
     temperature: JsonFloat | None = None

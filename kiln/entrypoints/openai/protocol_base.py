@@ -80,3 +80,13 @@ class RequestPart(BaseModel):
     event loop. None of their optional fields defaults to anything but None, so it would change
     nothing (tests/server/test_big_bodies.py checks that)."""
     model_config = _MODEL_CONFIG
+
+
+def warn_ignored_fields(logger, model_cls, data, no_effect: frozenset[str]) -> None:
+    """Name what a request sent that no field of `model_cls` reads (vLLM's warning): a client
+    that misspells a field otherwise sees its default at work without a word. `no_effect`:
+    fields taken in silence (OpenAI's that change nothing a local model writes)."""
+    if isinstance(data, dict) and (
+            ignored := data.keys() - model_cls.model_fields.keys() - no_effect):
+        logger.warning("request fields Kiln does not read, ignored: %s",
+                       ", ".join(sorted(map(str, ignored))))

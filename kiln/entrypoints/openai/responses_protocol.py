@@ -8,7 +8,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, StrictBool, model_validator
 
-from kiln.entrypoints.openai.protocol_base import JsonFloat, JsonInt, RequestBase, RequestPart
+from kiln.entrypoints.openai.protocol_base import (
+    JsonFloat,
+    JsonInt,
+    RequestBase,
+    RequestPart,
+    warn_ignored_fields,
+)
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -78,11 +84,7 @@ class ResponsesRequest(RequestBase):
     @model_validator(mode="before")
     @classmethod
     def _log_ignored(cls, data):
-        """Name what a request sent that no field reads, as chat's warning does."""
-        if isinstance(data, dict) and (
-                ignored := data.keys() - cls.model_fields.keys() - _NO_EFFECT_FIELDS):
-            logger.warning("request fields Kiln does not read, ignored: %s",
-                           ", ".join(sorted(map(str, ignored))))
+        warn_ignored_fields(logger, cls, data, _NO_EFFECT_FIELDS)
         return data
 
     model: str | None = None
