@@ -1,6 +1,8 @@
 """`ChatAnswers`: ServingChat's engine outputs as chat completion bodies: a whole answer's choices
 (reasoning, content and tool calls split apart), and the stream's chunks, each choice's deltas.
 """
+from dataclasses import replace
+
 from kiln.entrypoints.openai.logprob_format import chat_logprobs
 from kiln.entrypoints.openai.protocol import ChatCompletionRequest
 from kiln.entrypoints.openai.request_fields import echo_prefix, token_ids_fields
@@ -72,6 +74,7 @@ class ChatAnswers:
         prompt_ids_sent = False  # return_token_ids: the prompt's go in the first content chunk
         parsers = {}  # choice index -> (reasoning splitter or None, tool stream or None)
         counters = {}  # choice index -> its reasoning token counter (or None)
+        held = {}  # choice index -> its tokens whose chunk was skipped (ids, logprobs)
         try:
             # Every choice opens with the assistant role, as OpenAI's stream does (and with
             # the echoed last message, when echo asks for it).
@@ -94,9 +97,16 @@ class ChatAnswers:
                         counters[o.index].feed(o.token_ids)
                     delta, calls = _delta(*parsers[o.index], o)
                     if (not delta.content and not delta.reasoning_content
-                            and not delta.tool_calls and not o.token_ids
-                            and o.finish_reason is None):
+                            and not delta.tool_calls and o.finish_reason is None
+                            and (not o.token_ids or parsers[o.index] != (None, None))):
+                        # As vLLM's: a token the parsers turned into nothing (a tool call's
+                        # text before it is whole, a <think> tag) sends no `"delta": {}`
+                        # chunk. vLLM drops such a token's logprobs and token_ids; here they
+                        # go out with the choice's next chunk.
+                        held[o.index] = _joined(held.get(o.index), o)
                         continue
+                    if o.index in held:
+                        o = _joined(held.pop(o.index), o)
                     yield chunk([ChatStreamChoice(
                         index=o.index, delta=delta, logprobs=self._logprobs(req, o),
                         finish_reason=_finish_reason(o.finish_reason, o.stop_reason, plan,
@@ -130,6 +140,14 @@ def _finish_reason(reason: str | None, stop_reason: int | str | None, plan: Tool
         return reason
     cut = isinstance(stop_reason, str) and plan.parser is not None and plan.parser.forced
     return reason if cut else "tool_calls"
+
+
+def _joined(first: CompletionOutput | None, then: CompletionOutput) -> CompletionOutput:
+    """`then` with the token ids and logprobs of `first` (skipped chunks) ahead of its own."""
+    if first is None:
+        return then
+    logprobs = None if then.logprobs is None else (first.logprobs or []) + then.logprobs
+    return replace(then, token_ids=[*first.token_ids, *then.token_ids], logprobs=logprobs)
 
 
 def _delta(splitter, tools: ToolCallStream | None,
