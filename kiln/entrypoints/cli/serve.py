@@ -95,6 +95,25 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--structured-outputs-config", default=None,
                    help="JSON, e.g. '{\"disable_any_whitespace\": true}': structured outputs "
                         "without free whitespace unless a request sets it")
+    g.add_argument("--default-chat-template-kwargs", default=None,
+                   help="JSON object of chat template variables every chat gets under its own "
+                        "chat_template_kwargs (the request's keys win), e.g. "
+                        "'{\"enable_thinking\": false}'")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprob tokens as 'token_id:<id>' where a request leaves "
+                        "return_tokens_as_token_ids unset")
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="end every stream with its usage chunk, as if stream_options "
+                        "include_usage were set")
+    g.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="serve no OpenAPI schema (/openapi.json) and no /docs or /redoc pages")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="send X-Request-Id on every response: a new id where the request "
+                        "sent none (a client's own X-Request-Id is always echoed)")
+    # vLLM's flag, taken so that vLLM command lines carry over
+    g.add_argument("--max-log-len", default=None, metavar="N",
+                   help="accepted for vLLM command lines: Kiln never logs prompts, so there "
+                        "is nothing to shorten")
     return parser
 
 
@@ -109,10 +128,12 @@ def settings_from_args(args: argparse.Namespace):
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
                          "hermes, llama3_json)")
+    from kiln.entrypoints.openai.request_defaults import parse_default_chat_template_kwargs
     from kiln.entrypoints.openai.serving_models import check_served_names
     from kiln.entrypoints.openai.structured_fields import parse_structured_outputs_config
 
     no_whitespace = parse_structured_outputs_config(args.structured_outputs_config)
+    template_kwargs = parse_default_chat_template_kwargs(args.default_chat_template_kwargs)
     if args.frontend_niceness is not None and not 0 <= args.frontend_niceness <= 19:
         raise ValueError(f"--frontend-niceness must be in 0..19, got {args.frontend_niceness}")
     if args.max_sequences_per_request < 1:
@@ -156,6 +177,11 @@ def settings_from_args(args: argparse.Namespace):
                           reasoning_parser=args.reasoning_parser,
                           disable_any_whitespace=no_whitespace,
                           trust_request_chat_template=args.trust_request_chat_template,
+                          default_chat_template_kwargs=template_kwargs,
+                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                          enable_force_include_usage=args.enable_force_include_usage,
+                          disable_fastapi_docs=args.disable_fastapi_docs,
+                          enable_request_id_headers=args.enable_request_id_headers,
                           stats_log_interval=None if args.disable_log_stats else 5.0,
                           timeout_keep_alive=http_timeout_keep_alive_s())
 

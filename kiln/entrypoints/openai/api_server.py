@@ -27,6 +27,7 @@ from kiln.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from kiln.entrypoints.openai.request_defaults import RequestDefaults
 from kiln.entrypoints.openai.responses_protocol import ResponsesRequest
 from kiln.entrypoints.openai.server_settings import ServerSettings
 from kiln.entrypoints.openai.serving_chat import ServingChat
@@ -55,18 +56,23 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
                                 "kv_cache_memory": cache.kv_cache_memory,
                                 "gpu_memory_utilization": cache.gpu_memory_utilization})
     llm.stat_loggers.append(metrics)
+    defaults = RequestDefaults(settings.default_chat_template_kwargs,
+                               settings.return_tokens_as_token_ids,
+                               settings.enable_force_include_usage)
     completion = ServingCompletion(llm, models, settings.enable_prompt_tokens_details,
                                    settings.disable_any_whitespace,
-                                   reasoning_parser=settings.reasoning_parser)
+                                   reasoning_parser=settings.reasoning_parser,
+                                   defaults=defaults)
     chat = ServingChat(llm, models, settings.enable_prompt_tokens_details,
                        tool_call_parser=settings.tool_call_parser,
                        enable_auto_tool_choice=settings.enable_auto_tool_choice,
                        reasoning_parser=settings.reasoning_parser,
                        disable_any_whitespace=settings.disable_any_whitespace,
-                       trust_request_chat_template=settings.trust_request_chat_template)
+                       trust_request_chat_template=settings.trust_request_chat_template,
+                       defaults=defaults)
     responses = ServingResponses(chat)
     tokenization = ServingTokenization(llm, models, model_config.vocab_size,
-                                       settings.trust_request_chat_template)
+                                       settings.trust_request_chat_template, defaults)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -83,7 +89,10 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
             metrics.stats_log.flush(stopped=True)  # the last line says the engine drained
         tokenization.close()
 
-    app = FastAPI(title="Kiln OpenAI-compatible server", lifespan=lifespan)
+    # --disable-fastapi-docs (vLLM's): no /openapi.json, /docs, /docs/oauth2-redirect, /redoc
+    docs = {} if not settings.disable_fastapi_docs else dict(openapi_url=None, docs_url=None,
+                                                              redoc_url=None)
+    app = FastAPI(title="Kiln OpenAI-compatible server", lifespan=lifespan, **docs)
     app.router.route_class = JSONBodyRoute  # every route below parses its body with jiter
     app.state.llm = llm
     app.state.metrics = metrics
@@ -179,7 +188,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, open_paths=open_paths,
                            body_bytes=settings.max_request_body_bytes,
                            body_timeout=settings.request_body_timeout)
-    app.add_middleware(RequestIdHeaderMiddleware)
+    app.add_middleware(RequestIdHeaderMiddleware, always=settings.enable_request_id_headers)
     # Outermost: a browser's preflight (OPTIONS, no key) is answered here.
     app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
                        allow_methods=settings.allowed_methods,

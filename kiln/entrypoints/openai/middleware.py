@@ -8,6 +8,7 @@ import asyncio
 import hmac
 import json
 import time
+import uuid
 
 from kiln.entrypoints.openai.errors import error_body
 
@@ -82,14 +83,19 @@ class ApiKeyMiddleware:
 class RequestIdHeaderMiddleware:
     """The client's X-Request-Id back on its response, as OpenAI's API and vLLM's
     --enable-request-id-headers answer (the OpenAI SDK reads it as the response's request id);
-    the completion routes also take it as the response's id (request_fields.response_id)."""
+    the completion routes also take it as the response's id (request_fields.response_id).
+    `always` (--enable-request-id-headers): a request without one gets a new id, as vLLM's."""
 
-    def __init__(self, app):
+    def __init__(self, app, always: bool = False):
         self.app = app
+        self.always = always
 
     async def __call__(self, scope, receive, send):
-        given = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), None) \
-            if scope["type"] == "http" else None
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), None)
+        if given is None and self.always:
+            given = uuid.uuid4().hex.encode()
         if given is None:
             return await self.app(scope, receive, send)
 

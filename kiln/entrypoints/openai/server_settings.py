@@ -45,5 +45,15 @@ class ServerSettings:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    # vLLM's: template variables under each chat's chat_template_kwargs (the request's win),
+    # return_tokens_as_token_ids where a request leaves it unset, and usage at the end of
+    # every stream (as stream_options.include_usage); see request_defaults.py.
+    default_chat_template_kwargs: dict = field(default_factory=dict)
+    return_tokens_as_token_ids: bool = False
+    enable_force_include_usage: bool = False
+    disable_fastapi_docs: bool = False  # no /openapi.json, /docs, /redoc
+    # X-Request-Id on every response: a new one where the request sent none (the client's own
+    # is always echoed)
+    enable_request_id_headers: bool = False
     # Seconds between throughput lines in the log while busy; None: none (--disable-log-stats).
     stats_log_interval: float | None = 5.0

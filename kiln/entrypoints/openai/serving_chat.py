@@ -21,6 +21,7 @@ from kiln.entrypoints.openai.chat_rendering import (
 )
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.protocol import ChatCompletionRequest
+from kiln.entrypoints.openai.request_defaults import RequestDefaults
 from kiln.entrypoints.openai.request_fields import (
     cached_tokens,
     echo_prefix,
@@ -61,8 +62,10 @@ class ServingChat(ChatAnswers):
                  enable_prompt_tokens_details: bool = False, *,
                  tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
                  reasoning_parser: str | None = None, disable_any_whitespace: bool = False,
-                 trust_request_chat_template: bool = False):
+                 trust_request_chat_template: bool = False,
+                 defaults: RequestDefaults | None = None):
         self.llm = llm
+        self.defaults = defaults or RequestDefaults()
         self.models = models
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.tool_call_parser = tool_call_parser
@@ -75,6 +78,7 @@ class ServingChat(ChatAnswers):
         created = int(time.time())  # the response's, whole or streamed: the request's start
         model = self.models.resolve(req.model)
         check_stream_options(req)
+        self.defaults.apply(req)
         check_generation_flags(req)
         self._check_reasoning_fields(req)
         if req.tools:  # off the event loop: 20,000 tools held every stream 1.4 s there

@@ -16,6 +16,7 @@ from kiln.entrypoints.openai.beam_search import beam_search
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.logprob_format import completion_logprobs
 from kiln.entrypoints.openai.protocol import CompletionRequest
+from kiln.entrypoints.openai.request_defaults import RequestDefaults
 from kiln.entrypoints.openai.request_fields import (
     cached_tokens,
     prompt_logprobs_body,
@@ -75,8 +76,10 @@ async def without_special_tokens(llm: AsyncLLM, prompts: list) -> list:
 class ServingCompletion:
     def __init__(self, llm: AsyncLLM, models: ServingModels,
                  enable_prompt_tokens_details: bool = False,
-                 disable_any_whitespace: bool = False, reasoning_parser: str | None = None):
+                 disable_any_whitespace: bool = False, reasoning_parser: str | None = None,
+                 defaults: RequestDefaults | None = None):
         self.llm = llm
+        self.defaults = defaults or RequestDefaults()
         self.reasoning_parser = reasoning_parser
         self.models = models
         self.enable_prompt_tokens_details = enable_prompt_tokens_details
@@ -86,6 +89,7 @@ class ServingCompletion:
         created = int(time.time())  # the response's, whole or streamed: the request's start
         model = self.models.resolve(req.model)
         check_stream_options(req)
+        self.defaults.apply(req)
         params = completion_sampling_params(req,
                                             self.llm.kiln_config.model_config.generation_defaults)
         constraint, field = request_structured_outputs(req, self.disable_any_whitespace)

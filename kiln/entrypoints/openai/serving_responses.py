@@ -69,7 +69,8 @@ class ServingResponses:
             if constraint is not None:
                 await check_compiles(constraint, field)
             render_args = dict(messages=messages, add_generation_prompt=True,
-                               continue_final_message=False, template_kwargs=None,
+                               continue_final_message=False,
+                               template_kwargs=self.chat.defaults.template_kwargs(None),
                                add_special_tokens=False, tools=None, documents=None,
                                chat_template=None)
             prompt = await render_chat_prompt(self.llm, **render_args)

@@ -14,6 +14,7 @@ from kiln.entrypoints.openai.chat_rendering import (
 )
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
+from kiln.entrypoints.openai.request_defaults import RequestDefaults
 from kiln.entrypoints.openai.response_models import DetokenizeResponse
 from kiln.entrypoints.openai.serving_models import ServingModels
 from kiln.entrypoints.openai.tool_parsers.tool_plan import check_tools, template_tool_dicts
@@ -24,8 +25,10 @@ logger = init_logger(__name__)
 
 class ServingTokenization:
     def __init__(self, llm: AsyncLLM, models: ServingModels, vocab_size: int,
-                 trust_request_chat_template: bool = False):
+                 trust_request_chat_template: bool = False,
+                 defaults: RequestDefaults | None = None):
         self.llm = llm
+        self.defaults = defaults or RequestDefaults()
         self.trust_request_chat_template = trust_request_chat_template
         self.models = models
         self.vocab_size = vocab_size
@@ -73,7 +76,8 @@ class ServingTokenization:
                 check_tools(req.tools)
             prompt = await render_chat_prompt(
                 self.llm, req.messages, req.add_generation_prompt, req.continue_final_message,
-                req.chat_template_kwargs, bool(req.add_special_tokens),
+                self.defaults.template_kwargs(req.chat_template_kwargs),
+                bool(req.add_special_tokens),
                 template_tool_dicts(req.tools), req.documents,
                 request_chat_template(req, self.trust_request_chat_template))
             # The ids as the argument: their number picks the thread (frontend_lanes.py).
