@@ -32,6 +32,10 @@ class EngineVllmViews:
     def get_model_config(self):
         return self.kiln_config.model_config
 
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's tasks this engine runs: text generation only (no pooling runner)."""
+        return ("generate",)
+
     def do_log_stats(self) -> None:
         """vLLM's: one stats line (throughput since the last call, running / waiting, KV cache
         usage, prefix hit rate), the line kiln serve logs while busy."""

@@ -101,6 +101,8 @@ def test_engine_has_vllms_config_views_over_its_own_config(llm, kiln_logs):
     engine = llm.llm_engine
     assert engine.vllm_config is engine.kiln_config is engine.get_vllm_config()
     assert engine.get_model_config() is engine.model_config is engine.vllm_config.model_config
+    assert llm.model_config is engine.model_config
+    assert engine.get_supported_tasks() == ("generate",)
     assert engine.cache_config is engine.kiln_config.cache_config
     assert engine.cache_config.block_size == 16
     assert engine.scheduler_config.max_num_seqs == 2
