@@ -161,7 +161,7 @@ class CompilationConfig(FreezableConfig):
         if isinstance(value, int):
             return cls(mode=value)
         if isinstance(value, dict):
-            value = _level_as_mode(value)
+            value = level_as_mode(value)
             known = set(cls.__dataclass_fields__)
             unknown = set(value) - known
             if unknown:
@@ -180,7 +180,7 @@ class CompilationConfig(FreezableConfig):
             self.mode = CompilationMode.KILN_COMPILE
 
 
-def _level_as_mode(value: dict) -> dict:
+def level_as_mode(value: dict) -> dict:
     """vLLM's deprecated `level` read as `mode` (vLLM still takes it, warning; a `mode` given
     too wins): {"level": 0} in scripts written for older vLLM was refused as unknown."""
     if "level" not in value:
@@ -257,6 +257,6 @@ def spec_to_dict(value) -> dict:
         out = dict(value)
     else:
         out = cli_fields(str(value))
-    out = _level_as_mode(out)  # a spec merged over another sets the mode it names
+    out = level_as_mode(out)  # a spec merged over another sets the mode it names
     CompilationConfig.from_cli(dict(out))  # validate now, before any model is loaded
     return out
