@@ -161,6 +161,7 @@ class CompilationConfig(FreezableConfig):
         if isinstance(value, int):
             return cls(mode=value)
         if isinstance(value, dict):
+            value = level_as_mode(value)
             known = set(cls.__dataclass_fields__)
             unknown = set(value) - known
             if unknown:
@@ -177,6 +178,24 @@ class CompilationConfig(FreezableConfig):
             self.mode = CompilationMode.NONE
         elif self.mode is None:
             self.mode = CompilationMode.KILN_COMPILE
+
+
+def level_as_mode(value: dict) -> dict:
+    """vLLM's deprecated `level` read as `mode` (vLLM still takes it, warning; a `mode` given
+    too wins): {"level": 0} in scripts written for older vLLM was refused as unknown."""
+    if "level" not in value:
+        return value
+    value = dict(value)
+    level = value.pop("level")
+    if isinstance(level, bool) or level not in (*CompilationMode.__members__.values(), None):
+        raise ConfigError(f"compilation_config.level (vLLM's deprecated name for mode) must be "
+                          f"0, 1, 2 or 3; got {level!r}")
+    logger.warning("compilation_config.level is vLLM's deprecated name for mode; %s",
+                   "mode, given too, is used" if value.get("mode") is not None
+                   else f"read as mode={level!r}")
+    if value.get("mode") is None:
+        value["mode"] = level
+    return value
 
 
 def cli_fields(text: str) -> dict:
@@ -238,5 +257,6 @@ def spec_to_dict(value) -> dict:
         out = dict(value)
     else:
         out = cli_fields(str(value))
+    out = level_as_mode(out)  # a spec merged over another sets the mode it names
     CompilationConfig.from_cli(dict(out))  # validate now, before any model is loaded
     return out

@@ -251,3 +251,25 @@ class ModelConfig(FreezableConfig):
     @property
     def head_dim(self) -> int:
         return getattr(self.hf_config, "head_dim", None) or self.hidden_size // self.num_heads
+
+    # ---- vLLM's ModelConfig getters, read by scripts ported from vLLM ------------------------
+
+    def get_vocab_size(self) -> int:
+        return self.vocab_size
+
+    def get_hidden_size(self) -> int:
+        return self.hidden_size
+
+    def get_head_size(self) -> int:
+        return self.head_dim
+
+    def get_total_num_kv_heads(self) -> int:
+        return self.num_kv_heads
+
+    def get_total_num_hidden_layers(self) -> int:
+        return self.num_layers
+
+    def get_sliding_window(self) -> None:
+        """None, as vLLM's with --disable-sliding-window: Kiln's attention has no window (the
+        context is capped at it instead: max_model_len)."""
+        return None

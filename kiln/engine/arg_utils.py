@@ -88,6 +88,10 @@ class EngineArgs:
         if type(self.dtype).__name__ == "dtype" and str(self.dtype).startswith("torch."):
             # vLLM takes a torch.dtype too (LLM(dtype=torch.bfloat16), common in RL trainers)
             self.dtype = str(self.dtype).removeprefix("torch.")
+        if self.max_num_seqs is None:
+            # vLLM's None: its default (lm-eval's vllm backend passes max_num_seqs=None unless
+            # given max_batch_size)
+            self.max_num_seqs = _DEFAULT_MAX_NUM_SEQS
         for name in ("model", "tokenizer", "download_dir", "chat_template",
                      "generation_config"):  # a pathlib.Path is a path too
             if isinstance(getattr(self, name), os.PathLike):

@@ -2,11 +2,10 @@
 field, with vLLM's names, help and the -O / --ir-op-priority parsers that merge repeated values.
 """
 import argparse
-import json
 import re
 from typing import TYPE_CHECKING
 
-from kiln.config.compilation_config import cli_fields, merged_fields
+from kiln.config.compilation_config import cli_fields, level_as_mode, merged_fields
 from kiln.config.load_config import LOAD_FORMATS
 from kiln.engine.vllm_flags import add_vllm_only_flags, max_model_len_flag
 
@@ -20,17 +19,19 @@ MODES_HELP = ("0: eager, no compilation; 1: plain torch.compile with its guards;
 
 def compilation_fields(text: str, flag: str = "-O/--compilation-config") -> dict:
     """The fields one -O value (or a bench --compare item) sets, its mistakes said in the
-    flag's terms: a number that is no mode, and vLLM's older name "level" for "mode"."""
+    flag's terms: a number that is no mode, or a bad one under vLLM's older name "level"."""
     stripped = text.strip()
     if re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", stripped) and (
             not stripped.isdigit() or int(stripped) > 3):
         raise ValueError(f"{flag}: the compilation mode must be 0, 1, 2 or 3, got {stripped} "
                          f"({MODES_HELP})")
+    # vLLM's older name "level" is read as "mode", as vLLM still does (a later -O's level
+    # then sets the mode over an earlier -O's)
     fields_ = cli_fields(text)
-    if "level" in fields_:
-        raise ValueError(f"{flag}: 'level' is vLLM's older name for 'mode'; write "
-                         f"{json.dumps({'mode': fields_['level']})}")
-    return fields_
+    try:
+        return level_as_mode(fields_)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
 
 
 class _MergeCompilationConfig(argparse.Action):

@@ -16,6 +16,7 @@ from kiln.core.request_queue import check_priority
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.chat_template import render_chat_template
 from kiln.engine.engine_token_stats import EngineTokenStats
+from kiln.engine.engine_vllm_views import EngineVllmViews
 from kiln.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from kiln.engine.output_processor import OutputProcessor
 from kiln.engine.text_encoding import check_encodable, check_request_id, encode_text
@@ -40,7 +41,7 @@ def get_executor_class(parallel_config: ParallelConfig) -> type:
     return MultiprocExecutor
 
 
-class LLMEngine(EngineTokenStats):
+class LLMEngine(EngineTokenStats, EngineVllmViews):
     def __init__(self, kiln_config: KilnConfig, executor_class: type | None = None,
                  core_interpreter=None, multiprocess: bool | None = None,
                  front_end_cores: int = 0):
@@ -107,6 +108,8 @@ class LLMEngine(EngineTokenStats):
         # Prompt + generated tokens of each core step the last step() took in that had outputs
         # (vLLM's iteration_tokens_total observes one value per such step).
         self.last_step_tokens: list[int] = []
+        # do_log_stats()'s window: since when, and the totals then (engine_vllm_views.py)
+        self._last_logged = (time.monotonic(), 0, 0, 0, 0)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, served: bool = False) -> "LLMEngine":

@@ -51,6 +51,9 @@ class VllmFlag:
     takes_value: bool = True  # False: a switch (nargs 0)
     accepted: tuple[str, ...] = ()  # values with Kiln's one meaning, taken and ignored
     accepted_alone: bool = False  # a value-less flag whose meaning Kiln always has
+    # sizes a feature another flag of the table refuses (--max-lora-rank, of --enable-lora):
+    # any value asks for nothing here (lm-eval's vllm backend always passes max_lora_rank=16)
+    any_value: bool = False
 
     @property
     def keyword(self) -> str:
@@ -70,6 +73,10 @@ VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
              "into the weights and serve that checkpoint", takes_value=False),
     VllmFlag(("--lora-modules",), "LoRA adapters served by name", "Kiln does not serve "
              "adapters: merge each into its base weights and serve that checkpoint"),
+    VllmFlag(("--max-lora-rank",), "the largest LoRA adapter rank", "Kiln serves no "
+             "adapters (--enable-lora is refused), so there is nothing to size", any_value=True),
+    VllmFlag(("--max-loras",), "LoRA adapters per batch", "Kiln serves no adapters "
+             "(--enable-lora is refused), so there is nothing to size", any_value=True),
     VllmFlag(("--max-num-partial-prefills",), "how many prompts may be prefilled in chunks at "
              "once", "Kiln's scheduler has no such limit; --max-num-batched-tokens bounds the "
              "prefill tokens of a step"),
@@ -80,6 +87,10 @@ VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
              accepted=("assistant",)),
     VllmFlag(("--limit-mm-per-prompt",), "multimodal inputs per prompt", "Kiln serves "
              "text-only models"),
+    VllmFlag(("--mm-processor-kwargs",), "arguments of the multimodal processor", "Kiln "
+             "serves text-only models"),
+    VllmFlag(("--allowed-local-media-path",), "media files a prompt may name on this machine",
+             "Kiln serves text-only models"),
     VllmFlag(("--speculative-config",), "speculative decoding", "Kiln has none: every token "
              "comes from the model's own step"),
     VllmFlag(("--hf-overrides",), "changes to the model's Hugging Face config", "Kiln takes "
@@ -189,6 +200,8 @@ class _RefuseVllmFlag(argparse.Action):
     def __call__(self, parser, namespace, value, option_string=None):
         entry = self.entry
         value = value or None  # a switch (nargs 0) passes []
+        if entry.any_value:
+            return
         if value is None and entry.accepted_alone:
             return
         if value is not None and value in entry.accepted:
@@ -221,7 +234,7 @@ def check_vllm_only_kwargs(kwargs: dict) -> dict:
         if entry is None:
             rest[key] = value
             continue
-        if _asks_nothing(value):
+        if _asks_nothing(value) or entry.any_value:
             continue
         if value is True and entry.accepted_alone:
             continue

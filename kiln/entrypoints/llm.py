@@ -88,6 +88,11 @@ class LLM:
         self._running_thread: int | None = None  # the thread that holds _running
         self._owner_pid = os.getpid()
 
+    @property
+    def model_config(self):
+        """vLLM's LLM.model_config (lm-eval and trainers read it): the engine's."""
+        return self.llm_engine.model_config
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

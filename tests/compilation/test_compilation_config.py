@@ -111,3 +111,18 @@ def test_a_bad_compile_cache_switch_is_refused_with_the_config(tiny_llama_dir, m
     monkeypatch.setenv("KILN_DISABLE_COMPILE_CACHE", "maybe")
     with pytest.raises(ValueError, match="^KILN_DISABLE_COMPILE_CACHE='maybe' must be"):
         KilnConfig(model_config=ModelConfig(model=str(tiny_llama_dir)))
+
+
+def test_vllms_deprecated_level_is_read_as_mode(kiln_logs):
+    """vLLM still takes compilation_config={"level": N} (deprecated for mode, which wins when
+    both are given): scripts written for older vLLM were refused with an unknown field."""
+    from kiln.config.compilation_config import spec_to_dict
+
+    assert CompilationConfig.from_cli({"level": 0}).mode == 0
+    assert CompilationConfig.from_cli('{"level": 2}').mode == 2
+    assert CompilationConfig.from_cli({"level": 0, "mode": 3}).mode == 3
+    assert "deprecated name for mode" in kiln_logs.text
+    with pytest.raises(ValueError, match=r"compilation_config\.level .* got 7"):
+        CompilationConfig.from_cli({"level": 7})
+    # a spec merged over another (kiln bench latency --compare) sets the mode its level names
+    assert {**spec_to_dict(3), **spec_to_dict({"level": 0})} == {"mode": 0}

@@ -93,3 +93,47 @@ def test_generate_from_inside_its_own_batch_is_refused_not_a_hang(llm):
     # the outer batch finished and the LLM takes the next call
     assert len(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == 2
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_engine_has_vllms_config_views_over_its_own_config(llm, kiln_logs):
+    """What vLLM scripts read off llm.llm_engine (RL trainers, lm-eval's vllm backend): views of
+    the one KilnConfig, whose sub-configs carry vLLM's names."""
+    engine = llm.llm_engine
+    assert engine.vllm_config is engine.kiln_config is engine.get_vllm_config()
+    assert engine.get_model_config() is engine.model_config is engine.vllm_config.model_config
+    assert llm.model_config is engine.model_config
+    assert engine.get_supported_tasks() == ("generate",)
+    assert engine.cache_config is engine.kiln_config.cache_config
+    assert engine.cache_config.block_size == 16
+    assert engine.scheduler_config.max_num_seqs == 2
+    assert engine.parallel_config.tensor_parallel_size == 1
+    with pytest.raises(AttributeError):  # read-only: no second copy to fall out of step
+        engine.cache_config = None
+    hf = engine.model_config.hf_config
+    mc = engine.model_config
+    assert (mc.get_vocab_size(), mc.get_hidden_size(), mc.get_head_size(),
+            mc.get_total_num_kv_heads(), mc.get_total_num_hidden_layers()) == (
+        hf.vocab_size, hf.hidden_size, hf.hidden_size // hf.num_attention_heads,
+        hf.num_key_value_heads, hf.num_hidden_layers)
+    assert mc.get_sliding_window() is None and mc.max_model_len == 64
+    llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    engine.do_log_stats()
+    assert "Avg generation throughput" in kiln_logs.text and "Running: 0 reqs" in kiln_logs.text
+
+
+def test_vllm_arguments_that_ask_for_nothing_are_taken(tiny_llama_dir):
+    """lm-eval's vllm backend always passes max_lora_rank=16 and, without max_batch_size,
+    max_num_seqs=None; vLLM's LLM defaults mm_processor_kwargs=None and
+    allowed_local_media_path="": each was refused as unknown or of the wrong type."""
+    from kiln.engine.arg_utils import EngineArgs
+    from kiln.engine.vllm_flags import VllmOnlyFlagError, check_vllm_only_kwargs
+
+    taken = dict(max_lora_rank=16, max_loras=1, enable_lora=False, mm_processor_kwargs=None,
+                 allowed_local_media_path="", calculate_kv_scales=False)
+    assert check_vllm_only_kwargs(taken) == {}
+    for key, value in [("mm_processor_kwargs", {"num_crops": 4}),
+                       ("allowed_local_media_path", "/data")]:
+        with pytest.raises(VllmOnlyFlagError, match=rf"{key}=.* is vLLM's argument"):
+            check_vllm_only_kwargs({key: value})
+    config = EngineArgs(model=str(tiny_llama_dir), max_num_seqs=None).create_kiln_config()
+    assert config.scheduler_config.max_num_seqs == EngineArgs.max_num_seqs

@@ -132,6 +132,9 @@ def test_every_vllm_flag_in_the_table_is_refused_by_every_engine_command():
             value = [] if not entry.takes_value else ["x-value"]
             if entry.accepted_alone:
                 continue
+            if entry.any_value:  # sizes LoRA, which --enable-lora refuses: any value is moot
+                parser.parse_args([*argv, flag, "16"])
+                continue
             with pytest.raises(VllmOnlyFlagError) as e:
                 parser.parse_args([*argv, flag, *value])
             message = str(e.value)
@@ -230,8 +233,8 @@ def test_unknown_flags_are_reported_by_the_subcommand(capsys):
     (["-O", "-1"], "the compilation mode must be 0, 1, 2 or 3, got -1"),
     (["-O", "3.5"], "the compilation mode must be 0, 1, 2 or 3, got 3.5"),
     (["-O", "7"], "the compilation mode must be 0, 1, 2 or 3, got 7"),
-    (["-O", '{"level": 3}'], "'level' is vLLM's older name for 'mode'; write {\"mode\": 3}"),
-    (["-O.level=3"], "'level' is vLLM's older name for 'mode'"),
+    (["-O", '{"level": 7}'], "compilation_config.level (vLLM's deprecated name for mode) "
+                             "must be 0, 1, 2 or 3; got 7"),
     (["--max-model-len", "1.5K"], "a binary suffix (K) takes a whole number; 1.5k is decimal"),
     (["--max-model-len", "lots"], "give an integer"),
 ])
@@ -240,6 +243,14 @@ def test_compilation_and_length_flags_say_what_they_take(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["generate", "hi", *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_vllms_deprecated_level_is_taken_as_mode():
+    """vLLM still takes -O '{"level": N}' / -O.level=N (deprecated for mode): refused here."""
+    for argv, mode in ((["-O", '{"level": 0}'], 0), (["-O.level=2"], 2),
+                       (["-O3", "-O.level=0"], 0), (["-O", '{"level": 0, "mode": 3}'], 3)):
+        args = build_parser().parse_args(["serve", *argv])
+        assert args.compilation_config == {"mode": mode}, argv
 
 
 def test_max_model_len_takes_vllms_human_readable_numbers():
@@ -255,7 +266,7 @@ def test_bench_latency_compare_errors_name_compare():
 
     for item, message in (("7", "--compare 7: the compilation mode must be 0, 1, 2 or 3"),
                           ('{"mode": 9}', '--compare {"mode": 9}: compilation_config.mode'),
-                          ('{"level": 3}', "older name for 'mode'")):
+                          ('{"level": 9}', "--compare {\"level\": 9}: compilation_config.level")):
         args = build_parser().parse_args(["bench", "latency", "--model", "/nowhere",
                                           "--compare", "0", item])
         with pytest.raises(ValueError, match=re.escape(message)):

@@ -1,0 +1,54 @@
+"""`EngineVllmViews`: the config attributes and methods vLLM's LLMEngine has that scripts read
+(RL trainers, eval harnesses: `llm.llm_engine.vllm_config.cache_config.block_size`), as read-only
+views over the engine's KilnConfig, whose sub-configs carry vLLM's names: no second copy.
+"""
+import time
+
+
+class EngineVllmViews:
+    """Mixed into `LLMEngine` (llm_engine.py), whose `kiln_config` these read."""
+
+    @property
+    def vllm_config(self):
+        """vLLM's VllmConfig: the KilnConfig (model_config, cache_config, scheduler_config,
+        parallel_config, load_config, device_config, compilation_config, as vLLM names them)."""
+        return self.kiln_config
+
+    @property
+    def cache_config(self):
+        return self.kiln_config.cache_config
+
+    @property
+    def scheduler_config(self):
+        return self.kiln_config.scheduler_config
+
+    @property
+    def parallel_config(self):
+        return self.kiln_config.parallel_config
+
+    def get_vllm_config(self):
+        return self.kiln_config
+
+    def get_model_config(self):
+        return self.kiln_config.model_config
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's tasks this engine runs: text generation only (no pooling runner)."""
+        return ("generate",)
+
+    def do_log_stats(self) -> None:
+        """vLLM's: one stats line (throughput since the last call, running / waiting, KV cache
+        usage, prefix hit rate), the line kiln serve logs while busy."""
+        from kiln.engine.request_stats import format_stats_line
+        from kiln.logger import init_logger
+
+        stats, now = self.get_stats(), time.monotonic()
+        since, prompt, generation, queries, hits = self._last_logged
+        elapsed = now - since
+        d_queries = stats["prefix_cache_queries"] - queries
+        init_logger(__name__).info(format_stats_line(
+            (stats["prompt_tokens_total"] - prompt) / elapsed if elapsed > 0 else 0.0,
+            (stats["generation_tokens_total"] - generation) / elapsed if elapsed > 0 else 0.0,
+            stats, (stats["prefix_cache_hits"] - hits) / d_queries if d_queries > 0 else 0.0))
+        self._last_logged = (now, stats["prompt_tokens_total"], stats["generation_tokens_total"],
+                             stats["prefix_cache_queries"], stats["prefix_cache_hits"])
