@@ -7,7 +7,11 @@ import math
 from dataclasses import dataclass, field
 
 from kiln.engine.text_encoding import check_texts
-from kiln.structured_output.params import StructuredOutputsParams
+from kiln.structured_output.params import (
+    STRUCTURED_OUTPUT_KEYWORDS,
+    TAKEN_STRUCTURED_OUTPUT_KEYWORDS,
+    StructuredOutputsParams,
+)
 
 _GREEDY_EPS = 1e-5
 # The sampler divides logits by the penalty in float32: a smaller one overflows them.
@@ -176,10 +180,9 @@ class SamplingParams:
         self._validate_token_fields(check, integer, number)
         so = self.structured_outputs
         if isinstance(so, dict):  # vLLM's dict form, and what a wire decode may hand over
-            unknown = sorted(set(so) - set(StructuredOutputsParams.__dataclass_fields__))
+            unknown = sorted(set(so) - STRUCTURED_OUTPUT_KEYWORDS)
             check(not unknown, "structured_outputs",
-                  f"a dict of {sorted(StructuredOutputsParams.__dataclass_fields__)} (unknown: "
-                  f"{unknown})", so)
+                  f"a dict of {sorted(TAKEN_STRUCTURED_OUTPUT_KEYWORDS)} (unknown: {unknown})", so)
             so = self.structured_outputs = StructuredOutputsParams(**so)
         check(so is None or isinstance(so, StructuredOutputsParams), "structured_outputs",
               "None or a StructuredOutputsParams", so)

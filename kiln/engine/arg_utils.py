@@ -71,6 +71,9 @@ class EngineArgs:
     swap_space: float = 4.0  # GiB; unused: preempted requests are recomputed (vLLM V1's way)
     disable_log_stats: bool = False  # kiln serve: no periodic throughput line in the log
 
+    def __post_init__(self):
+        self.dtype = _dtype_name(self.dtype)  # so to_cli_args and == see the name too
+
     def _check_types(self) -> None:
         """A value of the wrong type names its argument (LLM(max_model_len="64") used to fail
         deep inside a config)."""
@@ -85,9 +88,7 @@ class EngineArgs:
                 return isinstance(value, (int, float)) and not isinstance(value, bool)
             return isinstance(value, kind)
 
-        if type(self.dtype).__name__ == "dtype" and str(self.dtype).startswith("torch."):
-            # vLLM takes a torch.dtype too (LLM(dtype=torch.bfloat16), common in RL trainers)
-            self.dtype = str(self.dtype).removeprefix("torch.")
+        self.dtype = _dtype_name(self.dtype)  # (set after construction, too)
         if self.max_num_seqs is None:
             # vLLM's None: its default (lm-eval's vllm backend passes max_num_seqs=None unless
             # given max_batch_size)
@@ -199,6 +200,15 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def _dtype_name(dtype):
+    """vLLM takes a torch.dtype too (LLM(dtype=torch.bfloat16), common in RL trainers): its
+    name. A torch.dtype kept as given became `--dtype torch.bfloat16` in to_cli_args' child
+    command line, which refuses it."""
+    if type(dtype).__name__ == "dtype" and str(dtype).startswith("torch."):
+        return str(dtype).removeprefix("torch.")
+    return dtype
 
 
 def _random_seed() -> int:

@@ -108,6 +108,13 @@ _VLLM_ONLY_STRUCTURED_FIELDS = {
     "disable_additional_properties": "it is vLLM's guidance-backend option; Kiln's grammars "
                                      "follow the schema's additionalProperties as written",
 }
+# Every keyword StructuredOutputsParams(...) takes: what its dict form (SamplingParams'
+# structured_outputs, a request body's) may hold. Without vLLM's names the dict refused
+# disable_fallback, which the class takes, and named a vLLM-only field "unknown", not why.
+# TAKEN: those that set something (what an "unknown field" error lists).
+TAKEN_STRUCTURED_OUTPUT_KEYWORDS = frozenset(
+    {*StructuredOutputsParams.__dataclass_fields__, "disable_fallback"})
+STRUCTURED_OUTPUT_KEYWORDS = TAKEN_STRUCTURED_OUTPUT_KEYWORDS | set(_VLLM_ONLY_STRUCTURED_FIELDS)
 _dataclass_init = StructuredOutputsParams.__init__
 
 
@@ -116,6 +123,9 @@ def _init_with_vllm_fields(self, *args, disable_fallback: bool = False, **kwargs
     for name, why in _VLLM_ONLY_STRUCTURED_FIELDS.items():
         if kwargs.pop(name, None) not in (None, False):
             raise ValueError(f"structured_outputs.{name} is not supported: {why}")
+    if not isinstance(disable_fallback, bool):  # taken, so checked as vLLM's bool field is
+        raise ValueError("structured_outputs.disable_fallback must be True or False, got "
+                         f"{disable_fallback!r}")
     _dataclass_init(self, *args, **kwargs)
 
 

@@ -155,3 +155,21 @@ def test_a_torch_dtype_is_taken_as_vllm_takes_it(stories_dir):
         assert c.model_config.torch_dtype == dtype
     with pytest.raises(ValueError, match="dtype must be auto, float32, bfloat16 or float16"):
         EngineArgs(model=str(stories_dir), dtype=torch.float64).create_kiln_config()
+
+
+def test_a_torch_dtype_crosses_to_a_child_command_by_name():
+    """EngineArgs(dtype=torch.float16).to_cli_args() gave `--dtype torch.float16` (the child
+    `kiln` command refuses it); dataclasses.replace and == see the name as well."""
+    import dataclasses
+
+    import torch
+
+    for dtype, name in ((torch.half, "float16"), (torch.bfloat16, "bfloat16"),
+                        (torch.float, "float32")):
+        args = EngineArgs(model="m", dtype=dtype)
+        assert args.to_cli_args() == ["--model", "m", "--dtype", name]
+        assert args == EngineArgs(model="m", dtype=name)
+        assert dataclasses.replace(EngineArgs(model="m"), dtype=dtype).dtype == name
+        parsed = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(
+            args.to_cli_args())
+        assert EngineArgs.from_cli_args(parsed) == args

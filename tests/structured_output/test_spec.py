@@ -47,6 +47,29 @@ def test_vllms_other_fields_are_refused_saying_why_or_taken():
     assert StructuredOutputsParams(regex="a", structural_tag=None,
                                    disable_additional_properties=False).regex == "a"
 
+def test_the_dict_forms_take_what_the_class_takes():
+    """SamplingParams(structured_outputs={...}) and a request's structured_outputs refused
+    vLLM's disable_fallback as an unknown field though StructuredOutputsParams takes it, and
+    named structural_tag unknown rather than saying why."""
+    from kiln.entrypoints.openai.errors import OpenAIError
+    from kiln.entrypoints.openai.structured_fields import build_params
+
+    taken = {"regex": "a", "disable_fallback": True}
+    assert SamplingParams(structured_outputs=dict(taken)).structured_outputs == \
+        StructuredOutputsParams(regex="a")
+    assert build_params(dict(taken), "structured_outputs") == StructuredOutputsParams(regex="a")
+    vllm_only = {"regex": "a", "structural_tag": "{}"}
+    with pytest.raises(ValueError, match="structural_tag is not supported: structural tags"):
+        SamplingParams(structured_outputs=dict(vllm_only))
+    with pytest.raises(OpenAIError, match="structural_tag is not supported: structural tags"):
+        build_params(dict(vllm_only), "structured_outputs")
+    with pytest.raises(OpenAIError, match=r"unknown field\(s\) \['jsn'\]; known: \[.*"
+                                          r"'disable_fallback'"):
+        build_params({"jsn": {}}, "structured_outputs")
+    with pytest.raises(ValueError, match="disable_fallback must be True or False"):
+        StructuredOutputsParams(regex="a", disable_fallback="yes")
+
+
 def test_sampling_params_take_the_dict_form():
     p = SamplingParams(structured_outputs={"regex": "[0-9]+"})
     assert p.structured_outputs == StructuredOutputsParams(regex="[0-9]+")

@@ -116,7 +116,7 @@ def structured_outputs_object() -> dict:
     assert set(kinds) == set(STRUCTURED_OUTPUT_KINDS)
     return {"type": "object", "additionalProperties": False, "properties": {
         **{k: {"anyOf": [v, off.get(k, NULL)]} for k, v in kinds.items()},
-        "disable_any_whitespace": {"type": "boolean"}},
+        "disable_any_whitespace": {"type": "boolean"}, "disable_fallback": {"type": "boolean"}},
         "oneOf": [{"required": [kind], "properties": {kind: kinds[kind], **{
             other: off.get(other, NULL) for other in kinds if other != kind}}}
             for kind in kinds]}

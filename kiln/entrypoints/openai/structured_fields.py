@@ -6,6 +6,10 @@ import re
 
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.sampling_params import StructuredOutputsParams
+from kiln.structured_output.params import (
+    STRUCTURED_OUTPUT_KEYWORDS,
+    TAKEN_STRUCTURED_OUTPUT_KEYWORDS,
+)
 
 # vLLM's older names -> the StructuredOutputsParams field they set.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -83,8 +87,9 @@ _SERVER_SET = ("reasoning_end",)
 
 
 def build_params(fields: dict, param: str) -> StructuredOutputsParams:
-    known = sorted(set(StructuredOutputsParams.__dataclass_fields__) - set(_SERVER_SET))
-    unknown = sorted(set(fields) - set(known))
+    known = sorted(TAKEN_STRUCTURED_OUTPUT_KEYWORDS - set(_SERVER_SET))
+    # (vLLM's fields this server does not take are refused below, saying why)
+    unknown = sorted(set(fields) - (STRUCTURED_OUTPUT_KEYWORDS - set(_SERVER_SET)))
     if unknown:
         raise OpenAIError(f"{param} has unknown field(s) {unknown}; known: {known}",
                           param=param, code="invalid_value")
