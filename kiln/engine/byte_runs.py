@@ -21,6 +21,8 @@ released as it arrives. Text after a split is decoded behind an anchor token (se
 import os
 import re
 
+from kiln.engine.tokenizer_cache import cached_on
+
 _FFFD = "\ufffd"
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -30,18 +32,14 @@ def byte_token_values(tokenizer) -> dict[int, int]:
     tokenizer. Only tokens the decoder turns into their byte: a byte-level BPE (or any decoder
     without ByteFallback) may have a token spelled "<0xE4>" that is that text, and splitting
     "runs" of those repeated text in the stream."""
-    cached = getattr(tokenizer, "_kiln_byte_token_values", None)
-    if cached is None:
-        cached = {}
+    def compute(tokenizer) -> dict[int, int]:
+        values = {}
         for tok, i in tokenizer.get_vocab().items():
             m = _BYTE_TOKEN.fullmatch(tok)
             if m and tok not in tokenizer.decode([i]):
-                cached[i] = int(m.group(1), 16)
-        try:
-            tokenizer._kiln_byte_token_values = cached
-        except AttributeError:
-            pass
-    return cached
+                values[i] = int(m.group(1), 16)
+        return values
+    return cached_on(tokenizer, "_kiln_byte_token_values", compute)
 
 
 def valid_prefix(data: bytes) -> tuple[int, bool]:
@@ -66,14 +64,7 @@ def final_prefix(data: bytes) -> int:
 def cached_anchor(tokenizer):
     from kiln.engine.detokenizer import decode_anchor  # it imports this module
 
-    cached = getattr(tokenizer, "_kiln_decode_anchor", False)
-    if cached is False:
-        cached = decode_anchor(tokenizer)
-        try:
-            tokenizer._kiln_decode_anchor = cached
-        except AttributeError:
-            pass
-    return cached
+    return cached_on(tokenizer, "_kiln_decode_anchor", decode_anchor)
 
 
 class ByteRunRelease:

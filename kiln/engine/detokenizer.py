@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from kiln.engine.byte_runs import ByteRunRelease, byte_token_values, cached_anchor
 from kiln.engine.text_encoding import keeps_stock
+from kiln.engine.tokenizer_cache import cached_on
 
 # Prompt tokens kept as left context, so the first output token decodes with its leading space.
 INITIAL_CONTEXT_TOKENS = 5
@@ -22,30 +23,19 @@ def byte_fallback_token_ids(tokenizer) -> frozenset[int]:
     A run of them decodes as one unit (an invalid run turns every byte into U+FFFD): see
     byte_runs for how its characters are released before it ends.
     """
-    cached = getattr(tokenizer, "_kiln_byte_token_ids", None)
-    if cached is None:
-        cached = frozenset(byte_token_values(tokenizer))
-        try:
-            tokenizer._kiln_byte_token_ids = cached
-        except AttributeError:
-            pass
-    return cached
+    return cached_on(tokenizer, "_kiln_byte_token_ids",
+                     lambda t: frozenset(byte_token_values(t)))
 
 
 def skipped_special_ids(tokenizer) -> frozenset[int]:
     """Ids a decode with skip_special_tokens drops, cached on the tokenizer: the named special
     tokens and every added token marked special (transformers lists only the named ones in
     all_special_ids; the tokenizers backend skips them all, e.g. SmolLM2's <repo_name>)."""
-    cached = getattr(tokenizer, "_kiln_skipped_ids", None)
-    if cached is None:
+    def compute(tokenizer) -> frozenset[int]:
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-        cached = frozenset(getattr(tokenizer, "all_special_ids", ())).union(
+        return frozenset(getattr(tokenizer, "all_special_ids", ())).union(
             i for i, tok in added.items() if getattr(tok, "special", False))
-        try:
-            tokenizer._kiln_skipped_ids = cached
-        except AttributeError:
-            pass
-    return cached
+    return cached_on(tokenizer, "_kiln_skipped_ids", compute)
 
 
 # From this many ids fast_decode releases the GIL (the batch call costs 0.5 us more a call).
@@ -57,9 +47,10 @@ def fast_decode(tokenizer) -> Callable[..., str]:
     nothing to it: a fast tokenizer whose class keeps the stock decode and that does not clean
     up tokenization spaces. transformers' wrapper took 3.3 us a call, the backend's 1.2; the
     detokenizer decodes twice per token of every request. Cached on the tokenizer."""
-    cached = getattr(tokenizer, "_kiln_fast_decode", None)
-    if cached is not None:
-        return cached
+    return cached_on(tokenizer, "_kiln_fast_decode", _fastest_decode)
+
+
+def _fastest_decode(tokenizer) -> Callable[..., str]:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     stock = keeps_stock(tokenizer, ("decode", "_decode"))
     if backend is not None and stock and not getattr(tokenizer, "clean_up_tokenization_spaces",
@@ -70,13 +61,8 @@ def fast_decode(tokenizer) -> Callable[..., str]:
             # The backend's decode holds the GIL throughout (a /detokenize of 600k ids froze
             # every stream for 240 ms); its batch decode lets it go.
             return backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
-    else:
-        decode = tokenizer.decode
-    try:
-        tokenizer._kiln_fast_decode = decode
-    except AttributeError:
-        pass
-    return decode
+        return decode
+    return tokenizer.decode
 
 
 def decode_anchor(tokenizer) -> tuple[list[int], str] | None:
