@@ -74,7 +74,7 @@ class ChatAnswers:
         prompt_ids_sent = False  # return_token_ids: the prompt's go in the first content chunk
         parsers = {}  # choice index -> (reasoning splitter or None, tool stream or None)
         counters = {}  # choice index -> its reasoning token counter (or None)
-        held = {}  # choice index -> its tokens whose chunk was skipped (ids, logprobs)
+        held = {}  # choice index -> (ids, logprobs) of its tokens whose chunk was skipped
         try:
             # Every choice opens with the assistant role, as OpenAI's stream does (and with
             # the echoed last message, when echo asks for it).
@@ -103,10 +103,12 @@ class ChatAnswers:
                         # text before it is whole, a <think> tag) sends no `"delta": {}`
                         # chunk. vLLM drops such a token's logprobs and token_ids; here they
                         # go out with the choice's next chunk.
-                        held[o.index] = _joined(held.get(o.index), o)
+                        ids, logprobs = held.setdefault(o.index, ([], []))
+                        ids.extend(o.token_ids)  # in place: a long call holds every token
+                        logprobs.extend(o.logprobs or ())
                         continue
                     if o.index in held:
-                        o = _joined(held.pop(o.index), o)
+                        o = _joined(*held.pop(o.index), o)
                     yield chunk([ChatStreamChoice(
                         index=o.index, delta=delta, logprobs=self._logprobs(req, o),
                         finish_reason=_finish_reason(o.finish_reason, o.stop_reason, plan,
@@ -142,12 +144,10 @@ def _finish_reason(reason: str | None, stop_reason: int | str | None, plan: Tool
     return reason if cut else "tool_calls"
 
 
-def _joined(first: CompletionOutput | None, then: CompletionOutput) -> CompletionOutput:
-    """`then` with the token ids and logprobs of `first` (skipped chunks) ahead of its own."""
-    if first is None:
-        return then
-    logprobs = None if then.logprobs is None else (first.logprobs or []) + then.logprobs
-    return replace(then, token_ids=[*first.token_ids, *then.token_ids], logprobs=logprobs)
+def _joined(ids: list[int], logprobs: list, then: CompletionOutput) -> CompletionOutput:
+    """`then` with the token ids and logprobs of skipped chunks ahead of its own."""
+    return replace(then, token_ids=[*ids, *then.token_ids],
+                   logprobs=None if then.logprobs is None else [*logprobs, *then.logprobs])
 
 
 def _delta(splitter, tools: ToolCallStream | None,
