@@ -24,6 +24,7 @@ VLLM_NAMES = {
     "KILN_EXECUTE_MODEL_TIMEOUT_SECONDS": "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS",
     "KILN_SERVER_DEV_MODE": "VLLM_SERVER_DEV_MODE",
     "KILN_HTTP_TIMEOUT_KEEP_ALIVE": "VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
+    "KILN_ENABLE_RESPONSES_API_STORE": "VLLM_ENABLE_RESPONSES_API_STORE",
 }
 
 
@@ -135,6 +136,13 @@ def server_dev_mode() -> bool:
     """`KILN_SERVER_DEV_MODE=1` (vLLM's VLLM_SERVER_DEV_MODE): kiln serve adds vLLM's
     POST /reset_prefix_cache (kiln/entrypoints/openai/dev_routes.py)."""
     return _flag("KILN_SERVER_DEV_MODE", False)
+
+
+def responses_api_store() -> bool:
+    """`KILN_ENABLE_RESPONSES_API_STORE=1` (vLLM's VLLM_ENABLE_RESPONSES_API_STORE): kiln serve
+    keeps /v1/responses answers in memory for GET /v1/responses/{id} and previous_response_id
+    (kiln/entrypoints/openai/responses_store.py)."""
+    return _flag("KILN_ENABLE_RESPONSES_API_STORE", False)
 
 
 def http_timeout_keep_alive_s() -> float:

@@ -157,6 +157,14 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     async def create_response(req: ResponsesRequest, raw: Request):
         return await responses.create(req, raw)
 
+    # The store's (KILN_ENABLE_RESPONSES_API_STORE; 404 without it): GET as vLLM's, DELETE
+    # as OpenAI's. One route, so that a 405 lists both methods in its Allow header.
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    async def stored_response(response_id: str, raw: Request):
+        if raw.method == "DELETE":
+            return JSONResponse(responses.store.delete(response_id))
+        return JSONResponse(responses.store.get(response_id))
+
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         # The body comes encoded from a front-end thread (serving_tokenization.py).

@@ -1,6 +1,7 @@
 """What /openapi.json says POST /v1/responses takes, as the handler checks it
-(responses_input.py): message items of the known roles with text parts, the refused fields at
-their off values only, and the sampling fields' ranges.
+(responses_input.py, responses_tools.py): message items of the known roles with text parts,
+function_call and function_call_output items, function tools and tool_choice, the refused fields
+at their off values only, and the sampling fields' ranges.
 """
 from kiln.entrypoints.openai.openapi_cross_field import switched_fields
 from kiln.entrypoints.openai.responses_input import REFUSED, ROLES, TEXT_PARTS
@@ -36,6 +37,29 @@ def _reasoning_item() -> dict:
         "status": {"anyOf": [{"type": "string"}, _NULL]}}}
 
 
+def _call_items() -> list[dict]:
+    """function_call (call_id, name, arguments) and function_call_output (call_id, output)."""
+    string = {"type": "string"}
+    call = {"type": "object", "required": ["type", "call_id", "name", "arguments"],
+            "properties": {"type": {"const": "function_call"}, "call_id": string,
+                           "name": string, "arguments": string}}
+    output = {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+        "type": {"const": "function_call_output"}, "call_id": string,
+        "output": {"anyOf": [string, {"type": "array", "items": {
+            "type": "object", "required": ["text"], "properties": {"text": string}}}]}}}
+    return [call, output]
+
+
+def _tools() -> dict:
+    """Function tools only (built-in ones are refused)."""
+    return {"anyOf": [_NULL, {"type": "array", "items": {
+        "type": "object", "required": ["type", "name"], "properties": {
+            "type": {"const": "function"}, "name": {"type": "string"},
+            "description": {"anyOf": [{"type": "string"}, _NULL]},
+            "parameters": {"anyOf": [{"type": "object"}, _NULL]},
+            "strict": {"anyOf": [{"type": "boolean"}, _NULL]}}}}], "title": "Tools"}
+
+
 def _off(value) -> dict:
     """Only null or the field's off value."""
     if value is None:
@@ -55,11 +79,16 @@ def responses_request(components: dict, max_model_len: int | None) -> None:
     title = props["input"].get("title")
     props["input"] = {"anyOf": [{"type": "string"},
                                 {"type": "array", "minItems": 1,
-                                 "items": {"anyOf": [_item(), _reasoning_item()]}}],
+                                 "items": {"anyOf": [_item(), _reasoning_item(),
+                                                     *_call_items()]}}],
                       **({"title": title} if title else {})}
     for name, (off, _) in REFUSED.items():
         props[name] = {**_off(off), "title": props[name].get("title", name)}
-    props["tool_choice"] = {"enum": [None, "auto", "none"], "title": "Tool Choice"}
+    props["tools"] = _tools()
+    props["tool_choice"] = {"anyOf": [{"enum": [None, "auto", "none", "required"]}, {
+        "type": "object", "required": ["type", "name"], "properties": {
+            "type": {"const": "function"}, "name": {"type": "string"}}}],
+        "title": "Tool Choice"}
     props["truncation"] = {"enum": [None, "disabled"], "title": "Truncation"}
     props["reasoning"] = {"anyOf": [_NULL, {"type": "object",
                                             "additionalProperties": _NULL}],

@@ -7,7 +7,13 @@ import re
 
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ResponseFormat
-from kiln.entrypoints.openai.responses_protocol import ResponsesRequest
+from kiln.entrypoints.openai.responses_protocol import ResponseInputItem, ResponsesRequest
+from kiln.entrypoints.openai.responses_tools import (
+    add_function_call,
+    chat_tool_choice,
+    chat_tools,
+    function_output_message,
+)
 
 ROLES = ("user", "system", "developer", "assistant")
 # Content parts that are text, and the key holding it (chat_messages reads the same ones).
@@ -15,10 +21,6 @@ TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
 # field -> (its off value, why any other is refused). Any-typed fields take null only: 0 or
 # false there is no "off" the client meant.
 REFUSED = {
-    "tools": ([], "tools (function calling, built-in tools) are not supported on "
-                  "/v1/responses; use /v1/chat/completions with tools"),
-    "previous_response_id": (None, "responses are not stored, so none can be continued; send "
-                                   "the whole conversation in input"),
     "conversation": (None, "conversations are not stored; send the whole conversation in "
                            "input"),
     "background": (False, "background responses need a stored response to poll; stream "
@@ -27,7 +29,8 @@ REFUSED = {
                     "included"),
     "top_logprobs": (0, "logprobs are not returned on /v1/responses; use "
                         "/v1/chat/completions"),
-    "max_tool_calls": (None, "tools are not supported on /v1/responses"),
+    "max_tool_calls": (None, "no limit on tool calls is enforced (parallel_tool_calls=false "
+                             "allows one)"),
     "prompt": (None, "stored prompt templates are not supported; send the text in input"),
     "context_management": (None, "context compaction is not supported"),
 }
@@ -40,10 +43,6 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
         if value is not None and value != off:
             raise OpenAIError(f"{name}={value!r} is refused: {why}; omit it", param=name,
                               code="unsupported_parameter")
-    if req.tool_choice not in (None, "auto", "none"):
-        raise OpenAIError(f"tool_choice={req.tool_choice!r} is refused: no tools are taken on "
-                          "/v1/responses; omit it", param="tool_choice",
-                          code="unsupported_parameter")
     if req.truncation not in (None, "disabled"):
         raise OpenAIError(f"truncation={req.truncation!r} is refused: an input longer than the "
                           "context is refused, never cut; omit it (or give \"disabled\")",
@@ -101,10 +100,15 @@ def _reasoning_text(i: int, item) -> str:
     return "\n".join(part.text for part in item.content or item.summary or [])
 
 
-def input_messages(req: ResponsesRequest) -> tuple[list[ChatMessage], list[str]]:
-    """(the chat messages, what each stands for: "instructions" or "input[i]").
+def input_messages(req: ResponsesRequest, history: list[ResponseInputItem] = ()
+                   ) -> tuple[list[ChatMessage], list[str]]:
+    """(the chat messages, what each stands for: "instructions", "input[i]" or
+    "previous_response_id"). `history`: the items of the response previous_response_id names,
+    before the input.
 
-    A reasoning item (a response's output sent back as history, as OpenAI's and vLLM's
+    A function_call item is a tool call of the assistant turn (parallel calls, and the
+    message before them, one turn); a function_call_output item the tool message. A reasoning
+    item (a response's output sent back as history, as OpenAI's and vLLM's
     conversation examples do) is the reasoning_content of the assistant message item after
     it, or an assistant turn of its own (vLLM's) when none follows."""
     messages, sources = [], []
@@ -114,17 +118,30 @@ def input_messages(req: ResponsesRequest) -> tuple[list[ChatMessage], list[str]]
     if not req.input:
         raise OpenAIError("input is empty: give a string or at least one message item",
                           param="input", code="invalid_value")
-    reasoning = None  # (its item's index, its text): waiting for the assistant message
+    reasoning = None  # (its item's place, its text): waiting for the assistant message
 
     def alone():  # the waiting reasoning as an assistant turn of its own
         messages.append(ChatMessage(role="assistant", content="", reasoning_content=reasoning[1]))
-        sources.append(f"input[{reasoning[0]}]")
+        sources.append(reasoning[0])
 
-    for i, item in enumerate(req.input):
+    # history: checked when it was sent; what it becomes names where it came from
+    items = [(None, item) for item in history] + list(enumerate(req.input))
+    for i, item in items:
+        where = "previous_response_id" if i is None else f"input[{i}]"
+        if item.type == "function_call":
+            if reasoning is not None:  # the thinking before the call: the calling turn's
+                alone()
+                reasoning = None
+            add_function_call(messages, sources, i, item, where)
+            continue
+        if item.type == "function_call_output":
+            messages.append(function_output_message(i, item))
+            sources.append(where)
+            continue
         if item.type == "reasoning":
             if reasoning is not None:
                 alone()
-            reasoning = (i, _reasoning_text(i, item))
+            reasoning = (where, _reasoning_text(i, item))
             continue
         if item.type not in (None, "message"):
             raise OpenAIError(f"input[{i}] is a {item.type!r} item, not supported: give message "
@@ -142,7 +159,7 @@ def input_messages(req: ResponsesRequest) -> tuple[list[ChatMessage], list[str]]
             reasoning = None
         messages.append(ChatMessage(role=item.role, content=_content(i, item.content),
                                     reasoning_content=thinking))
-        sources.append(f"input[{i}]")
+        sources.append(where)
     if reasoning is not None:
         alone()
     return messages, sources
@@ -154,6 +171,14 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatComp
                   top_p=req.top_p, max_completion_tokens=req.max_output_tokens,
                   stream=req.stream, user=req.user, request_id=req.request_id,
                   priority=req.priority, cache_salt=req.cache_salt)
+    tools = chat_tools(req.tools)
+    choice = chat_tool_choice(req.tool_choice)
+    if tools:
+        fields.update(tools=tools, tool_choice=choice,
+                      parallel_tool_calls=req.parallel_tool_calls is not False)
+    elif choice not in (None, "auto", "none"):  # "auto" and "none" choose among no tools
+        raise OpenAIError(f"tool_choice={req.tool_choice!r} needs tools: give tools or drop "
+                          "tool_choice", param="tool_choice", code="invalid_value")
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type != "text":
         schema = None if fmt.schema_ is None else {"name": fmt.name, "schema": fmt.schema_}
@@ -166,6 +191,7 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatComp
 
 # Chat's names for what a Responses request calls otherwise.
 _RENAMED = [(re.compile(r"(?<![\w-])max_completion_tokens(?![\w-])"), "max_output_tokens"),
+            (re.compile(r"(?<![\w-])(tools\[\d+\])\.function\."), r"\1."),
             (re.compile(r"(?<![\w-])response_format(?![\w-])"), "text.format")]
 _MESSAGE = re.compile(r"(?<![\w-])messages(\[(\d+)\](\.content)?)?")
 

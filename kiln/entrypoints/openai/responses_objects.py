@@ -1,7 +1,8 @@
 """The bodies /v1/responses sends back: the response object (whole, and inside the stream's
 created / in_progress / completed events), its output items (a reasoning item with
---reasoning-parser, then the assistant message) and usage, in OpenAI's shapes; and the stream's
-server-sent events (`event: <type>`, then the JSON with the same type and a sequence_number).
+--reasoning-parser, then the assistant message, then function calls: responses_tools.py) and
+usage, in OpenAI's shapes; and the stream's server-sent events (`event: <type>`, then the JSON
+with the same type and a sequence_number).
 """
 import json
 import secrets
@@ -10,6 +11,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field
 
 from kiln.entrypoints.openai.protocol_base import OpenAIBase
+from kiln.entrypoints.openai.responses_tools import FunctionCallItem
 
 
 def item_id(prefix: str) -> str:
@@ -85,17 +87,17 @@ class ResponsesResponse(OpenAIBase):
     max_output_tokens: int | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     model: str
-    output: list[ReasoningItem | OutputMessage] = Field(default_factory=list)
+    output: list[ReasoningItem | OutputMessage | FunctionCallItem] = Field(default_factory=list)
     parallel_tool_calls: bool = True
-    previous_response_id: None = None
+    previous_response_id: str | None = None
     reasoning: None = None
-    store: bool = False  # nothing is stored (as vLLM without its store)
+    store: bool = False  # kept (responses_store.py): only with KILN_ENABLE_RESPONSES_API_STORE
     background: bool = False
     temperature: float | None = None  # the ones sampled with (the model's defaults if unset)
     top_p: float | None = None
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
-    tool_choice: str = "auto"
-    tools: list[Any] = Field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)  # the request's, as sent
     truncation: Literal["disabled"] = "disabled"
     usage: ResponseUsage | None = None
     user: str | None = None

@@ -1,8 +1,9 @@
 """The request body of OpenAI's Responses API (POST /v1/responses), as Kiln takes it: what vLLM
-serves for a text model (input as text or message items, instructions, max_output_tokens,
-temperature, top_p, stream, text.format, metadata, user) plus vLLM's request_id, priority and
-cache_salt. Every other field of OpenAI's is here too, so that responses_input.py refuses it
-(400, naming it) rather than ignoring it.
+serves for a text model (input as text or message, reasoning, function_call and
+function_call_output items, instructions, max_output_tokens, temperature, top_p, stream,
+text.format, function tools and tool_choice, store and previous_response_id, metadata, user)
+plus vLLM's request_id, priority and cache_salt. Every other field of OpenAI's is here too, so
+that responses_input.py refuses it (400, naming it) rather than ignoring it.
 """
 from typing import Annotated, Any, Literal
 
@@ -35,7 +36,8 @@ class ResponseContentPart(RequestPart):
 class ResponseInputItem(RequestPart):
     """An item of `input`: a message (type "message" or none, a role and its content), a
     reasoning item (a response's, sent back as history: its reasoning_text content or its
-    summary), or an item the server refuses by its type (function_call, item_reference, ...)."""
+    summary), a function_call (call_id, name, arguments) or function_call_output (call_id,
+    output) item, or an item the server refuses by its type (item_reference, ...)."""
     type: str | None = None  # none (or null): a message
     role: str | None = None
     content: str | list[ResponseContentPart] | None = None
@@ -43,6 +45,10 @@ class ResponseInputItem(RequestPart):
     status: str | None = None
     summary: list[ResponseContentPart] | None = None  # a reasoning item's (summary_text parts)
     encrypted_content: str | None = None  # a reasoning item's: refused
+    call_id: str | None = None  # a function_call's, and the function_call_output answering it
+    name: str | None = None  # a function_call's function
+    arguments: str | None = None  # a function_call's (JSON text)
+    output: Any = None  # a function_call_output's: a string (or input_text parts)
 
 
 def _text_as_message(value):
@@ -98,14 +104,16 @@ class ResponsesRequest(RequestBase):
     user: str | None = None  # echoed
     metadata: dict[str, str] | None = None  # echoed
     text: TextConfig | None = None
-    # OpenAI's default is true; nothing is stored here and the response says store false, as
-    # vLLM answers without VLLM_ENABLE_RESPONSES_API_STORE.
+    # OpenAI's default is true: kept with KILN_ENABLE_RESPONSES_API_STORE=1 (responses_store.py);
+    # without it nothing is kept and the response says store false, as vLLM's.
     store: StrictBool | None = None
-    parallel_tool_calls: StrictBool | None = None  # echoed; no tools are taken
-    # Refused unless off / empty (responses_input.refuse_unsupported):
+    previous_response_id: str | None = None  # needs the store
+    # Function tools in the Responses API's flat shape; built-in tools refused
+    # (responses_tools.py), checked by hand to name tools[i].type.
     tools: list[Any] | None = None
     tool_choice: Any = None
-    previous_response_id: str | None = None
+    parallel_tool_calls: StrictBool | None = None
+    # Refused unless off / empty (responses_input.refuse_unsupported):
     conversation: Any = None
     background: StrictBool | None = None
     include: list[Any] | None = None

@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kiln.entrypoints.openai.chat_rendering import generation_tail, render_chat_prompt
+from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.request_fields import with_cache_salt
 from kiln.entrypoints.openai.responses_input import (
     chat_request,
@@ -28,6 +29,9 @@ from kiln.entrypoints.openai.responses_objects import (
     make_response_usage,
 )
 from kiln.entrypoints.openai.responses_protocol import ResponsesRequest
+from kiln.entrypoints.openai.responses_store import ResponseStore
+from kiln.entrypoints.openai.responses_stream import StreamItems
+from kiln.entrypoints.openai.responses_tools import call_items
 from kiln.entrypoints.openai.sampling import chat_sampling_params
 from kiln.entrypoints.openai.serving_chat import ServingChat
 from kiln.entrypoints.openai.serving_engine import (
@@ -39,6 +43,8 @@ from kiln.entrypoints.openai.serving_engine import (
     until_disconnect,
 )
 from kiln.entrypoints.openai.structured_fields import check_compiles, request_structured_outputs
+from kiln.entrypoints.openai.tool_parsers.base import ToolCallStream
+from kiln.entrypoints.openai.tool_parsers.tool_plan import plan_tools
 from kiln.reasoning import grammar_thinking_first, prompt_opens_thinking, with_reasoning_end
 
 # The engine's finish reason -> the response's status.
@@ -48,31 +54,45 @@ _STATUS = {"length": "incomplete", "abort": "cancelled"}
 class ServingResponses:
     """Shares the chat handler's engine, models, flags and reasoning splitting."""
 
-    def __init__(self, chat: ServingChat):
+    def __init__(self, chat: ServingChat, store: ResponseStore | None = None):
         self.chat = chat
         self.llm = chat.llm
+        self.store = store or ResponseStore()
 
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
         created = int(time.time())
         model = self.chat.models.resolve(req.model)
         refuse_unsupported(req)
+        previous = self.store.check(req)
+        history = previous.history() if previous is not None else ()
         # Off the event loop, as chat's messages: 20,000 items held every stream 0.3 s there
-        messages, sources = await self.llm.run_in_engine(input_messages, req)
+        messages, sources = await self.llm.run_in_engine(input_messages, req, history)
         with in_responses_terms(sources):
             creq = chat_request(req, messages)
+            if creq.tools:  # off the event loop, as chat's
+                plan = await self.llm.run_in_engine(plan_tools, creq, self.chat.tool_call_parser,
+                                                    self.chat.enable_auto_tool_choice)
+            else:
+                plan = plan_tools(creq, None, False)
             params = chat_sampling_params(
                 creq, self.llm.kiln_config.model_config.generation_defaults)
             constraint, field = request_structured_outputs(creq,
                                                            self.chat.disable_any_whitespace)
             # what a grammar's failure names, in a stream or a collected answer too
             field = "text.format" if field == "response_format" else field
+            if plan.constraint is not None:  # tool_choice required or a named function
+                if constraint is not None:
+                    raise OpenAIError(f"tool_choice {req.tool_choice!r} fixes the answer's "
+                                      "shape; drop text.format", param="text.format",
+                                      code="invalid_value")
+                constraint, field = plan.constraint, "tools"
             if constraint is not None:
                 await check_compiles(constraint, field)
             render_args = dict(messages=messages, add_generation_prompt=True,
                                continue_final_message=False,
                                template_kwargs=self.chat.defaults.template_kwargs(None),
-                               add_special_tokens=False, tools=None, documents=None,
-                               chat_template=None)
+                               add_special_tokens=False, tools=plan.template_tools,
+                               documents=None, chat_template=None)
             prompt = await render_chat_prompt(self.llm, **render_args)
         prompt = with_cache_salt(prompt, req.cache_salt)
         prompt_text = prompt.get("prompt")
@@ -88,6 +108,7 @@ class ServingResponses:
         streams = await submit(self.llm, rid, [prompt], params, "input",
                                {"max_tokens": "max_output_tokens"}, priority=req.priority)
         shape = _Shape(req, model, rid, created, params, creq, prompt_text, thinking_first)
+        shape.plan, shape.previous, shape.store = plan, previous, self.store.keeps(req)
         if req.stream:
             return StreamingResponse(self._stream(shape, streams, field),
                                      media_type="text/event-stream")
@@ -102,70 +123,36 @@ class ServingResponses:
         splitter = self.chat._splitter(creq, prompt_text, thinking_first)
         if splitter is not None:
             reasoning, content = splitter.split(o.text)
+        calls = []
+        if plan.parser is not None and content is not None:
+            content, calls = plan.parser.extract(content)
         status = _STATUS.get(o.finish_reason, "completed")
         last = "incomplete" if status != "completed" else status  # the last item's, as streamed
         output = []
         if reasoning:  # cut while thinking (no content after it): incomplete too
             output.append(ReasoningItem(content=[ReasoningText(text=reasoning)],
-                                        status="completed" if content else last))
-        output.append(OutputMessage(content=[OutputText(text=content or "")], status=last))
+                                        status="completed" if content or calls else last))
+        if content or not calls:
+            output.append(OutputMessage(content=[OutputText(text=content or "")],
+                                        status=last if not calls else "completed"))
+        output += call_items(calls)
+        if calls:
+            output[-1].status = last
         counter = self.chat._counter(prompt_text, thinking_first, o.token_ids)
         usage = make_response_usage(len(final.prompt_token_ids), len(o.token_ids),
                                     final.num_cached_tokens,
                                     None if counter is None else counter.count)
-        return JSONResponse(shape.response(status, output, usage).model_dump())
+        return JSONResponse(self._kept(shape, shape.response(status, output, usage)).model_dump())
 
     async def _stream(self, shape: "_Shape", streams, field: str | None):
         event = EventWriter()
         prompt_tokens = streams[0].num_prompt_tokens
         splitter = self.chat._splitter(shape.creq, shape.prompt_text, shape.thinking_first)
+        tools = ToolCallStream(shape.plan.parser) if shape.plan.parser is not None else None
         counter = self.chat._counter(shape.prompt_text, shape.thinking_first)
-        output: list = []  # items done, then the open one
-        open_item = None  # the item deltas go to: (kind, item, its text so far)
-        texts: list[str] = []
+        items = StreamItems(event)
         generated = cached = 0
         finish = None
-
-        def close(status: str) -> list[str]:
-            kind, item, index = open_item
-            text = "".join(texts)
-            part = (ReasoningText if kind == "reasoning" else OutputText)(text=text)
-            item.content, item.status = [part], status
-            ids = dict(item_id=item.id, output_index=index, content_index=0)
-            done = "response.reasoning_text.done" if kind == "reasoning" else \
-                "response.output_text.done"
-            extra = {} if kind == "reasoning" else {"logprobs": []}
-            return [event(done, **ids, text=text, **extra),
-                    event("response.content_part.done", **ids, part=part),
-                    event("response.output_item.done", output_index=index, item=item)]
-
-        def begin(kind: str) -> list[str]:
-            nonlocal open_item
-            item = ReasoningItem(status="in_progress") if kind == "reasoning" else \
-                OutputMessage(status="in_progress")
-            part = ReasoningText() if kind == "reasoning" else OutputText()
-            open_item = (kind, item, len(output))
-            output.append(item)
-            texts.clear()
-            return [event("response.output_item.added", output_index=len(output) - 1,
-                          item=item),
-                    event("response.content_part.added", item_id=item.id,
-                          output_index=len(output) - 1, content_index=0, part=part)]
-
-        def delta(kind: str, text: str) -> list[str]:
-            events = []
-            if open_item is None or open_item[0] != kind:
-                if open_item is not None:
-                    events += close("completed")
-                events += begin(kind)
-            texts.append(text)
-            name = "response.reasoning_text.delta" if kind == "reasoning" else \
-                "response.output_text.delta"
-            extra = {} if kind == "reasoning" else {"logprobs": []}
-            events.append(event(name, item_id=open_item[1].id, output_index=open_item[2],
-                                content_index=0, delta=text, **extra))
-            return events
-
         try:
             start = shape.response("in_progress", [], None)
             yield event("response.created", response=start)
@@ -180,26 +167,26 @@ class ServingResponses:
                     finish = o.finish_reason if final else finish
                     reasoning, content = ("", o.text) if splitter is None else \
                         splitter.feed(o.text, final)
+                    calls = []
+                    if tools is not None:
+                        content, calls = tools.feed(content, final)
                     for kind, text in (("reasoning", reasoning), ("message", content)):
                         if text:
-                            for e in delta(kind, text):
+                            for e in items.text(kind, text):
                                 yield e
+                    for e in items.tool_calls(calls):
+                        yield e
             status = _STATUS.get(finish, "completed")
             last = "incomplete" if status != "completed" else status  # the last item's
-            if open_item is None or open_item[0] != "message":
-                if open_item is not None:  # the answer ended while thinking
-                    for e in close(last):
-                        yield e
-                for e in begin("message"):  # the answer's message, empty
-                    yield e
-            for e in close(last):
+            for e in items.finish(last):
                 yield e
             usage = make_response_usage(prompt_tokens, generated, cached,
                                         None if counter is None else counter.count)
             # response.completed whatever the status (incomplete at the token limit), as vLLM
             # ends its streams: the openai SDK's responses.stream() has no final response
             # (get_final_response raises) after OpenAI's response.incomplete.
-            yield event("response.completed", response=shape.response(status, output, usage))
+            yield event("response.completed",
+                        response=self._kept(shape, shape.response(status, items.output, usage)))
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
             # OpenAI's error event: the error body's fields, beside the type
             info = json.loads(engine_error_event(e).removeprefix("data: "))["error"]
@@ -207,6 +194,12 @@ class ServingResponses:
                         param=info["param"])
         finally:
             abort_unfinished(self.llm, streams)
+
+    def _kept(self, shape: "_Shape", response: ResponsesResponse) -> ResponsesResponse:
+        """`response`, stored where the request asks to keep it."""
+        if response.store:
+            self.store.put(response.model_dump(), shape.previous, shape.req.input)
+        return response
 
 
 class _Shape:
@@ -218,6 +211,8 @@ class _Shape:
         self.req, self.model, self.rid, self.created, self.params = \
             req, model, rid, created, params
         self.creq, self.prompt_text, self.thinking_first = creq, prompt_text, thinking_first
+        self.plan = self.previous = None  # the tool plan; the stored response continued
+        self.store = False  # whether the response is kept
 
     def response(self, status: str, output: list, usage) -> ResponsesResponse:
         req = self.req
@@ -231,5 +226,6 @@ class _Shape:
             metadata=req.metadata or {}, user=req.user,
             parallel_tool_calls=req.parallel_tool_calls is not False,
             temperature=self.params.temperature, top_p=self.params.top_p,
-            tool_choice=req.tool_choice or "auto",
+            tool_choice=req.tool_choice or "auto", tools=req.tools or [],
+            store=self.store, previous_response_id=req.previous_response_id,
             **({"text": text} if text is not None else {}))
