@@ -40,8 +40,8 @@ def model(tmp_path_factory):
     return tiny_qwen_chat(tmp_path_factory)
 
 
-def _serve(model, tmp_path_factory, *flags):
-    env = dict(os.environ, KILN_API_KEY=KEY, KILN_LOGGING_LEVEL="WARNING")
+def _serve(model, tmp_path_factory, *flags, env: dict | None = None):
+    env = dict(os.environ, KILN_API_KEY=KEY, KILN_LOGGING_LEVEL="WARNING", **(env or {}))
     args = ["--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "64",
             "--kv-cache-memory", "0.05", "--disable-access-log", "--uvicorn-log-level",
             "warning", "--structured-outputs-config", '{"disable_any_whitespace": true}',

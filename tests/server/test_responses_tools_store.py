@@ -1,0 +1,164 @@
+"""/v1/responses function-call items and the response store without a model: input items as
+the chat messages they stand for, an "auto" answer's calls streamed as OpenAI's events (hermes'
+<tool_call> text), and the store (KILN_ENABLE_RESPONSES_API_STORE) against the fake engine:
+kept, retrieved, continued, deleted, bounded; refused with the variable named when off."""
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kiln.engine.async_llm import AsyncLLM
+from kiln.entrypoints.openai.api_server import ServerSettings, build_app
+from kiln.entrypoints.openai.responses_input import input_messages
+from kiln.entrypoints.openai.responses_objects import EventWriter
+from kiln.entrypoints.openai.responses_protocol import ResponsesRequest
+from kiln.entrypoints.openai.responses_store import ResponseStore
+from kiln.entrypoints.openai.responses_stream import StreamItems
+from kiln.entrypoints.openai.responses_tools import call_items
+from kiln.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from kiln.entrypoints.openai.tool_parsers.base import ToolCallStream
+
+from .fake_engine import FakeEngine
+from .test_api_fake_engine import assert_error
+
+
+def test_call_items_are_the_assistants_tool_calls_and_tool_messages():
+    """A message then parallel calls (a response's output sent back) are one assistant turn;
+    each output the tool message answering its call_id; reasoning before a call its thinking."""
+    items = [{"role": "user", "content": "q"},
+             {"type": "message", "role": "assistant", "content": [
+                 {"type": "output_text", "text": "let me see"}]},
+             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+             {"type": "function_call", "call_id": "c2", "name": "g", "arguments": '{"a":1}'},
+             {"type": "function_call_output", "call_id": "c1", "output": "one"},
+             {"type": "function_call_output", "call_id": "c2",
+              "output": [{"type": "input_text", "text": "two"}]},
+             {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hm"}]},
+             {"type": "function_call", "call_id": "c3", "name": "f", "arguments": "{}"}]
+    messages, sources = input_messages(ResponsesRequest(input=items))
+    shown = [(m.role, m.content if isinstance(m.content, str) else m.content[0].text,
+              [c["id"] for c in m.tool_calls or []], m.tool_call_id, m.reasoning_content)
+             for m in messages]
+    assert shown == [("user", "q", [], None, None),
+                     ("assistant", "let me see", ["c1", "c2"], None, None),
+                     ("tool", "one", [], "c1", None), ("tool", "two", [], "c2", None),
+                     ("assistant", "", ["c3"], None, "hm")]
+    assert messages[1].tool_calls[1]["function"] == {"name": "g", "arguments": '{"a":1}'}
+    assert sources == ["input[0]", "input[1]", "input[4]", "input[5]", "input[6]"]
+
+
+def test_an_auto_answers_calls_stream_as_openais_events():
+    """hermes' text, cut anywhere: the message then a function_call item per call, their
+    argument deltas making each call's arguments, the final items those of the whole answer."""
+    text = ('I will check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}'
+            '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}'
+            '\n</tool_call>')
+    content, calls = TOOL_PARSERS["hermes"]().extract(text)
+    whole = call_items(calls)
+    for size in (1, 3, 7, len(text)):
+        items, tools = StreamItems(EventWriter()), ToolCallStream(TOOL_PARSERS["hermes"]())
+        events = []
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        for k, piece in enumerate(pieces):
+            said, deltas = tools.feed(piece, k == len(pieces) - 1)
+            if said:
+                events += items.text("message", said)
+            events += items.tool_calls(deltas)
+        events += items.finish("completed")
+        events = [json.loads(e.split("data: ", 1)[1]) for e in events]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert [o.type for o in items.output] == ["message", "function_call", "function_call"]
+        assert items.output[0].content[0].text == content == "I will check."
+        assert [(o.name, o.arguments, o.status) for o in items.output[1:]] == \
+            [(c.name, c.arguments, "completed") for c in whole]
+        for index, call in enumerate(items.output[1:], 1):
+            mine = [e for e in events if e.get("output_index") == index]
+            assert [e["type"] for e in mine][0] == "response.output_item.added"
+            assert "".join(e["delta"] for e in mine
+                           if e["type"] == "response.function_call_arguments.delta") == \
+                call.arguments
+            assert [e["type"] for e in mine][-2:] == [
+                "response.function_call_arguments.done", "response.output_item.done"]
+            assert mine[-2]["arguments"] == call.arguments and mine[-2]["name"] == call.name
+
+
+def _client(monkeypatch, store: str | None):
+    if store is None:
+        monkeypatch.delenv("KILN_ENABLE_RESPONSES_API_STORE", raising=False)
+    else:
+        monkeypatch.setenv("KILN_ENABLE_RESPONSES_API_STORE", store)
+    monkeypatch.delenv("VLLM_ENABLE_RESPONSES_API_STORE", raising=False)
+    return TestClient(build_app(AsyncLLM(FakeEngine(max_model_len=256)), ServerSettings()))
+
+
+def test_the_store_keeps_retrieves_continues_and_deletes(monkeypatch):
+    with _client(monkeypatch, "1") as client:
+        first = client.post("/v1/responses", json=dict(input="hi", instructions="be brief",
+                                                       max_output_tokens=3)).json()
+        assert first["store"] is True
+        assert client.get(f"/v1/responses/{first['id']}").json() == first
+        # continued: the first's input and output, then the new input (its instructions are
+        # not carried over, as OpenAI's are not)
+        text = first["output"][0]["content"][0]["text"]
+        history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": text},
+                   {"role": "user", "content": "more"}]
+        body = dict(max_output_tokens=3, temperature=0)
+        chained = client.post("/v1/responses", json=dict(
+            previous_response_id=first["id"], input="more", **body)).json()
+        sent = client.post("/v1/responses", json=dict(input=history, store=False,
+                                                      **body)).json()
+        assert chained["previous_response_id"] == first["id"] and sent["store"] is False
+        assert chained["output"][0]["content"][0]["text"] == \
+            sent["output"][0]["content"][0]["text"]
+        assert chained["usage"]["input_tokens"] == sent["usage"]["input_tokens"]
+        assert_error(client.get(f"/v1/responses/{sent['id']}"), 404, None,
+                     "response_not_found")
+        # streamed responses are kept too, as response.completed has them
+        with client.stream("POST", "/v1/responses", json=dict(
+                input="x", max_output_tokens=2, stream=True,
+                previous_response_id=chained["id"])) as r:
+            last = json.loads(r.read().decode().strip().split("data: ")[-1])["response"]
+        assert client.get(f"/v1/responses/{last['id']}").json() == last
+        assert client.delete(f"/v1/responses/{first['id']}").json() == \
+            {"id": first["id"], "object": "response", "deleted": True}
+        err = assert_error(client.get(f"/v1/responses/{first['id']}"), 404, None)
+        assert first["id"] in err["message"]
+        err = assert_error(client.post("/v1/responses", json=dict(
+            previous_response_id="resp_gone", input="x")), 404, "previous_response_id",
+            "response_not_found")
+        assert "resp_gone" in err["message"]
+        # a chain outlives the responses it continued
+        r = client.post("/v1/responses", json=dict(previous_response_id=chained["id"],
+                                                   input="x", max_output_tokens=2))
+        assert r.status_code == 200, r.text
+        assert client.delete("/v1/responses/resp_gone").status_code == 404
+
+
+def test_the_store_is_bounded():
+    store = ResponseStore(enabled=True, max_stored=2)
+    for k in range(3):
+        store.put({"id": f"r{k}", "output": []}, None, [])
+    with pytest.raises(Exception, match="r0"):
+        store.get("r0")
+    assert [store.get(f"r{k}")["id"] for k in (1, 2)] == ["r1", "r2"]
+
+
+@pytest.mark.parametrize("store", [None, "0"])
+def test_without_the_store_previous_response_id_names_the_variable(monkeypatch, store):
+    with _client(monkeypatch, store) as client:
+        r = client.post("/v1/responses", json=dict(input="hi", max_output_tokens=2))
+        assert r.json()["store"] is False
+        err = assert_error(client.post("/v1/responses", json=dict(
+            input="hi", previous_response_id=r.json()["id"])), 400, "previous_response_id",
+            "unsupported_parameter")
+        assert "KILN_ENABLE_RESPONSES_API_STORE=1" in err["message"]
+        err = assert_error(client.get(f"/v1/responses/{r.json()['id']}"), 404, None)
+        assert "KILN_ENABLE_RESPONSES_API_STORE=1" in err["message"]
+
+
+def test_vllms_variable_turns_the_store_on(monkeypatch):
+    monkeypatch.delenv("KILN_ENABLE_RESPONSES_API_STORE", raising=False)
+    monkeypatch.setenv("VLLM_ENABLE_RESPONSES_API_STORE", "1")
+    assert ResponseStore().enabled
+    monkeypatch.setenv("KILN_ENABLE_RESPONSES_API_STORE", "0")  # Kiln's wins
+    assert not ResponseStore().enabled
