@@ -119,6 +119,9 @@ def test_the_store_keeps_retrieves_continues_and_deletes(monkeypatch):
                 previous_response_id=chained["id"])) as r:
             last = json.loads(r.read().decode().strip().split("data: ")[-1])["response"]
         assert client.get(f"/v1/responses/{last['id']}").json() == last
+        # only background responses (refused) can be cancelled, as vLLM answers
+        err = assert_error(client.post(f"/v1/responses/{first['id']}/cancel"), 400, None)
+        assert "synchronous" in err["message"]
         assert client.delete(f"/v1/responses/{first['id']}").json() == \
             {"id": first["id"], "object": "response", "deleted": True}
         err = assert_error(client.get(f"/v1/responses/{first['id']}"), 404, None)
@@ -132,6 +135,7 @@ def test_the_store_keeps_retrieves_continues_and_deletes(monkeypatch):
                                                    input="x", max_output_tokens=2))
         assert r.status_code == 200, r.text
         assert client.delete("/v1/responses/resp_gone").status_code == 404
+        assert client.post("/v1/responses/resp_gone/cancel").status_code == 404
 
 
 def test_the_store_is_bounded():

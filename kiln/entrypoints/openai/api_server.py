@@ -165,6 +165,10 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
             return JSONResponse(responses.store.delete(response_id))
         return JSONResponse(responses.store.get(response_id))
 
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        responses.store.cancel(response_id)
+
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         # The body comes encoded from a front-end thread (serving_tokenization.py).

@@ -1,7 +1,8 @@
 """The Responses API's store, as vLLM keeps it with VLLM_ENABLE_RESPONSES_API_STORE=1 (Kiln:
 KILN_ENABLE_RESPONSES_API_STORE, or vLLM's name): responses made with `store` (true by default)
 are kept in this process's memory, the newest MAX_STORED of them (vLLM's store is unbounded); GET
-/v1/responses/{id} returns one, DELETE /v1/responses/{id} forgets it, and a request's
+/v1/responses/{id} returns one, DELETE /v1/responses/{id} forgets it (POST .../cancel: 400, as
+vLLM answers for a response that is not a background one), and a request's
 `previous_response_id` continues one: its input (and that of the responses it continued) and
 its output come before the new input, as history. Instructions are not carried over, as
 OpenAI's are not. Off (the default), nothing is kept and previous_response_id is refused.
@@ -101,6 +102,14 @@ class ResponseStore:
         if self._items.pop(response_id, None) is None:
             raise self._missing(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+    def cancel(self, response_id: str) -> None:
+        """vLLM's POST /v1/responses/{id}/cancel: only a background response (none here: they
+        are refused) can be cancelled; a kept one is finished."""
+        self.get(response_id)
+        raise OpenAIError("Cannot cancel a synchronous response: only background responses "
+                          "can be cancelled, and background is not supported", status=400,
+                          code="invalid_value")
 
     def _missing(self, response_id: str) -> OpenAIError:
         error = not_found(response_id)
