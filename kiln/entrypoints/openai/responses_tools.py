@@ -105,7 +105,9 @@ def add_function_call(messages: list[ChatMessage], sources: list[str], i, item,
             "function": {"name": item.name, "arguments": _arguments(i, item)}}
     last = messages[-1] if messages else None
     if last is not None and last.role == "assistant":
-        last.tool_calls = [*(last.tool_calls or []), call]
+        if last.tool_calls is None:
+            last.tool_calls = []
+        last.tool_calls.append(call)  # in place: thousands of parallel calls stay linear
         return
     messages.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
     sources.append(where)
