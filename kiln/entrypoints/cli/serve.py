@@ -83,7 +83,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     # The parsers' registries (tool_parsers.TOOL_PARSERS, reasoning.REASONING_PARSERS) import
     # the server's models; the CLI names them without that cost (a test keeps them equal).
     g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSER_NAMES,
-                   help="how tool calls are read from chat answers (tool_choice auto)")
+                   help="how tool calls are read from chat and /v1/responses answers "
+                        "(tool_choice auto)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="let the model choose to call tools (tool_choice auto); needs "
                         "--tool-call-parser")
