@@ -2,8 +2,13 @@
 --tool-call-parser names), and what tool_choice asks of it (tool_plan.py)."""
 from kiln.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from kiln.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
+from kiln.entrypoints.openai.tool_parsers.mistral import MistralToolParser
+from kiln.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
+from kiln.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
-TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
+                "mistral": MistralToolParser, "pythonic": PythonicToolParser,
+                "qwen3_coder": Qwen3CoderToolParser}
 
 
 def check_tool_parser(name: str | None) -> None:

@@ -1,0 +1,128 @@
+"""`qwen3_coder`: Qwen3-Coder tool calls in XML,
+`<tool_call><function=NAME><parameter=P>VALUE</parameter>...</function></tool_call>`; content is
+the text before the first `<tool_call>` (or `<function=`). A parameter's value is text, turned
+into JSON by the type the request's tool gives it (vLLM's conversions: integer, number,
+boolean, object / array by json, other types by Python's literal syntax read with
+`ast.literal_eval`, never evaluated; "null" is null; a value that does not convert stays a
+string). As vLLM's, a missing </parameter> or </tool_call> is forgiven; a function with no ">"
+after its name, or a value that is no JSON, makes the whole answer content."""
+import ast
+import json
+import re
+
+from kiln.entrypoints.openai.tool_parsers.base import ToolParser
+from kiln.entrypoints.openai.tool_parsers.json_scan import (
+    PartialCall,
+    ScanMemo,
+    not_a_call,
+    partial_suffix,
+)
+
+TOOL_CALL = "<tool_call>"
+FUNCTION = "<function="
+FUNCTION_END = "</function>"
+# A parameter ends at its </parameter>, else where the next one (or the function's end) starts.
+_PARAMETER = re.compile(r"<parameter=(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
+_NOT_A_NAME = re.compile(r"[\s<]")
+_STRINGS = ("string", "str", "text", "varchar", "char", "enum")
+_INTEGERS = ("int", "uint", "long", "short", "unsigned")
+_CALLS_KEY = -1  # a stream's read calls, by where they start, in its ScanMemo
+
+
+def _properties(tools, name: str) -> dict:
+    for tool in tools:
+        if tool.function.name == name:
+            params = tool.function.parameters
+            if isinstance(params, dict):
+                return params.get("properties", params)
+            return {}
+    return {}
+
+
+def convert(value: str, schema) -> object:
+    """A parameter's text as the JSON value its schema's "type" asks for (vLLM's rules)."""
+    if value.lower() == "null":
+        return None
+    kind = str(schema["type"]).strip().lower() if isinstance(schema, dict) and \
+        "type" in schema else "string"
+    if kind in _STRINGS:
+        return value
+    if kind.startswith(_INTEGERS):
+        try:
+            return int(value)
+        except ValueError:
+            return value
+    if kind.startswith(("num", "float")):
+        try:
+            number = float(value)
+            return number if number - int(number) != 0 else int(number)
+        except (ValueError, OverflowError):  # not a number; nan, inf
+            return value
+    if kind in ("boolean", "bool", "binary"):
+        return value.lower() == "true"
+    if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
+        try:
+            return json.loads(value)
+        except ValueError:
+            pass
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return value
+
+
+def _call(body: str, tools) -> PartialCall:
+    """A whole `<function=...` (its text after "=", before </function>) as a call."""
+    gt = body.find(">")
+    if gt < 0:
+        return not_a_call()
+    name = body[:gt]
+    if not name or _NOT_A_NAME.search(name):  # e.g. "f\n<parameter=a": its ">" never came
+        return not_a_call()
+    properties = _properties(tools, name)
+    args = {}
+    for raw in _PARAMETER.findall(body, gt + 1):
+        end = raw.find(">")
+        if end < 0:
+            return not_a_call()
+        key, value = raw[:end], raw[end + 1:]
+        value = value[1:] if value.startswith("\n") else value
+        value = value[:-1] if value.endswith("\n") else value
+        args[key] = convert(value, properties[key]) if key in properties else value
+    try:
+        text = json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError):  # a literal JSON has no form for (a set, bytes, inf)
+        return not_a_call()
+    return PartialCall(name=name, args=text, done=True)
+
+
+class Qwen3CoderToolParser(ToolParser):
+    def parse(self, text: str, final: bool,
+              memo: ScanMemo | None = None) -> tuple[str, list[PartialCall]]:
+        starts = [i for i in (text.find(TOOL_CALL), text.find(FUNCTION)) if i >= 0]
+        if not starts:
+            held = 0 if final else max(partial_suffix(text, TOOL_CALL),
+                                       partial_suffix(text, FUNCTION))
+            return text[:len(text) - held], []
+        first = min(starts)
+        # Calls read whole, by where their name starts: a stream reads each once.
+        read = memo.setdefault(_CALLS_KEY, {}) if memo is not None else {}  # type: ignore
+        calls: list[PartialCall] = []
+        at = text.find(FUNCTION, first)
+        while at >= 0:
+            start = at + len(FUNCTION)
+            if start not in read:
+                end = text.find(FUNCTION_END, start)
+                if end < 0 and not final:
+                    calls.append(PartialCall())  # open: whole once </function> comes
+                    break
+                read[start] = (_call(text[start:] if end < 0 else text[start:end], self.tools),
+                               len(text) if end < 0 else end + len(FUNCTION_END))
+            call, after = read[start]
+            calls.append(call)
+            if call.name is None:
+                break
+            at = text.find(FUNCTION, after)
+        if not calls:  # <tool_call> with no function in it (yet)
+            calls.append(not_a_call() if final else PartialCall())
+        return text[:first], calls
