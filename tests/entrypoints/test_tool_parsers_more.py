@@ -70,15 +70,20 @@ def test_whole_and_streamed_agree(name):
         assert all(c["id"] for c in s_calls)
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_token_by_token_with_a_real_tokenizer(name, tmp_path):
-    """Deltas as a byte-level BPE tokenizer's detokenizer makes them (the test chat one)."""
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from checkpoints import save_chat_tokenizer
 
-    save_chat_tokenizer(tmp_path)
-    tok = AutoTokenizer.from_pretrained(tmp_path)
+    path = tmp_path_factory.mktemp("chat_tokenizer")
+    save_chat_tokenizer(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_token_by_token_with_a_real_tokenizer(name, tok):
+    """Deltas as a byte-level BPE tokenizer's detokenizer makes them (the test chat one)."""
     make, text, content, expected = EXPECTED[name]
     ids = tok(text, add_special_tokens=False).input_ids
     assert tok.decode(ids) == text
