@@ -1,6 +1,7 @@
-"""vLLM's pythonic, mistral and qwen3_coder tool-call parsers: calls and content out of whole
-answers; streams cut at every place (and token by token with a real tokenizer) reassemble to the
-same calls, their arguments the same JSON text; what is no call stays content."""
+"""vLLM's pythonic, mistral, qwen3_coder, granite and internlm tool-call parsers: calls and
+content out of whole answers; streams cut at every place (and token by token with a real
+tokenizer) reassemble to the same calls, their arguments the same JSON text; what is no call
+stays content."""
 import json
 import random
 import re
@@ -11,6 +12,8 @@ from test_tool_parsers import streamed
 from kiln.entrypoints.openai.protocol import ChatCompletionRequest
 from kiln.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from kiln.entrypoints.openai.tool_parsers.base import ToolCallStream
+from kiln.entrypoints.openai.tool_parsers.granite import GraniteToolParser
+from kiln.entrypoints.openai.tool_parsers.internlm import InternLMToolParser
 from kiln.entrypoints.openai.tool_parsers.mistral import MistralToolParser
 from kiln.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
 from kiln.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
@@ -40,8 +43,16 @@ QWEN3_CODER = ("Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=ci
                '{"k": [1, {"n": null}]}\n</parameter>\n<parameter=tags>\n[\'a\', "b"]\n'
                "</parameter>\n<parameter=other>\n7\n</parameter>\n</function>\n</tool_call>\n"
                "<tool_call>\n<function=get_time>\n</function>\n</tool_call>")
+GRANITE = (' <|tool_call|>[{"name": "get_weather", "arguments": {"city": "Ærø", "q": "]\\"}"}}, '
+           '{"name": "get_time", "arguments": {}}] ')
+INTERNLM = ('Let me see.<|action_start|><|plugin|>\n{"name": "get_weather", "parameters": '
+            '{"city": "Kraków", "n": [1, {"x": "}<|action_end|>"}]}}<|action_end|>')
 
 EXPECTED = {
+    "granite": (GraniteToolParser, GRANITE, None, [
+        ("get_weather", {"city": "Ærø", "q": ']"}'}), ("get_time", {})]),
+    "internlm": (InternLMToolParser, INTERNLM, "Let me see.", [
+        ("get_weather", {"city": "Kraków", "n": [1, {"x": "}<|action_end|>"}]})]),
     "pythonic": (PythonicToolParser, PYTHONIC, None, [
         ("get_weather", {"city": "São Paulo", "days": -3, "opts": {"a": [1, 2.5, None],
                                                                    "b": True},
@@ -143,6 +154,15 @@ NOT_CALLS = [
     (MistralToolParser, "no marker [{\"name\": \"f\", \"arguments\": {}}]"),
     (MistralToolParser, "[TOOL_CALLS] not json"), (MistralToolParser, "[TOOL_CALLS]"),
     (MistralToolParser, '[TOOL_CALLS][{"name": "f", "arguments": {"a": }}]'),
+    (GraniteToolParser, "Sure."), (GraniteToolParser, "<tool_call> no list"),
+    (GraniteToolParser, '[{"name": "f", "arguments": {}}] and text'),
+    (GraniteToolParser, '[{"name": "f", "arguments": {}}, {"name": "g"}]'),
+    (GraniteToolParser, '[{"name": "f", "arguments": {}}'), (GraniteToolParser, "[]"),
+    (GraniteToolParser, '{"name": "f", "arguments": {}}'),
+    (InternLMToolParser, "no call <|action_start|> here"),
+    (InternLMToolParser, "<|action_start|><|plugin|>\nnot json<|action_end|>"),
+    (InternLMToolParser, '<|action_start|><|plugin|>{"name": "f"} junk<|action_end|>'),
+    (InternLMToolParser, '<|action_start|><|plugin|>{"name": "f", "parameters": {'),
     (Qwen3CoderToolParser, "plain <b>text</b> with <function words"),
     (Qwen3CoderToolParser, "<tool_call>\n</tool_call>"),
     (Qwen3CoderToolParser, "<tool_call>\n<function=f\n<parameter=a>1</parameter>"),
@@ -164,6 +184,11 @@ AUTO_ANSWERS = [
     (MistralToolParser, MISTRAL), (MistralToolParser, "[TOOL_CALLS] x"),
     (MistralToolParser, '[TOOL_CALLS][{"name": "f", "parameters": {"a": [1]}}]'),
     (MistralToolParser, 'a [TOOL_CALLS][{"name": "f", "arguments": {}}, {oops}]'),
+    (GraniteToolParser, GRANITE), (GraniteToolParser, "<tool_call>[{oops}]"),
+    (GraniteToolParser, '<|tool_call|>[{"name": "f", "arguments": {"a": 1}}]x'),
+    (InternLMToolParser, INTERNLM),
+    (InternLMToolParser, 'a<|action_start|><|plugin|>{"name": "f", "arguments": {}} '),
+    (InternLMToolParser, '<|action_start|><|plugin|>{"name": "f"}<|action_e'),
     (qwen3_coder, QWEN3_CODER), (Qwen3CoderToolParser, "a <tool_call> b"),
     (Qwen3CoderToolParser, "<function=f>\n<parameter=a>\n1\n</function>\n<function=g\n"),
 ]
@@ -204,14 +229,15 @@ def test_a_long_pythonic_call_streams_in_time():
     assert s_call["arguments"] == call.function.arguments
 
 
-def test_mistral_keeps_special_tokens_under_auto():
+def test_mistral_and_internlm_keep_special_tokens_under_auto():
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=TOOLS)
     assert plan_tools(req, "mistral", True).parser.keeps_special_tokens
+    assert plan_tools(req, "internlm", True).parser.keeps_special_tokens
     assert not plan_tools(req, "hermes", True).parser.keeps_special_tokens
 
 
 def test_registry_and_cli_list_the_new_parsers():
     from kiln.entrypoints.cli.serve import TOOL_CALL_PARSER_NAMES
 
-    for name in ("pythonic", "mistral", "qwen3_coder"):
+    for name in ("pythonic", "mistral", "qwen3_coder", "granite", "internlm"):
         assert name in TOOL_PARSERS and name in TOOL_CALL_PARSER_NAMES

@@ -1,8 +1,8 @@
-"""End to end, the pythonic, mistral and qwen3_coder parsers through /v1/chat/completions of
-the server app (`--tool-call-parser NAME --enable-auto-tool-choice`) on the tiny random Qwen2 of
-test_structured_server, in process (three `kiln serve` start-ups took 100 s on 2 cores): a
-regex forces the model to write each format's calls after some content; whole and streamed
-answers agree, with finish_reason "tool_calls"."""
+"""End to end, the pythonic, mistral, qwen3_coder, granite and internlm parsers through
+/v1/chat/completions of the server app (`--tool-call-parser NAME --enable-auto-tool-choice`) on
+the tiny random Qwen2 of test_structured_server, in process (three `kiln serve` start-ups took
+100 s on 2 shared cores): a regex forces the model to write each format's calls after some
+content; whole and streamed answers agree, with finish_reason "tool_calls"."""
 import json
 import re
 
@@ -20,6 +20,11 @@ from .test_structured_server import MESSAGES, WEATHER, tiny_qwen_chat
 
 # name -> (the answer the regex forces, its content, its calls)
 ANSWERS = {
+    "granite": ('<tool_call>[{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}]',
+                None, [("get_weather", {"city": "Rome", "days": 2})]),
+    "internlm": ('Ok.<|action_start|><|plugin|>\n{"name": "get_weather", "parameters": '
+                 '{"city": "Rome", "days": 2}}<|action_end|>', "Ok.",
+                 [("get_weather", {"city": "Rome", "days": 2})]),
     "pythonic": ("[get_weather(city='Rome', days=2), get_time(zone=\"UTC\")]", None,
                  [("get_weather", {"city": "Rome", "days": 2}), ("get_time", {"zone": "UTC"})]),
     "mistral": ('Ok.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome", '
@@ -89,10 +94,12 @@ class _Recording(FakeEngine):
 
 
 @pytest.mark.parametrize("parser, tool_choice, skip", [
-    ("mistral", "auto", False), ("mistral", "none", True), ("hermes", "auto", True)])
-def test_mistral_decodes_its_special_call_token_under_auto(parser, tool_choice, skip):
-    """[TOOL_CALLS] is a special token: skipped, no call could ever be read (vLLM's
-    adjust_request keeps special tokens where tools may be called)."""
+    ("mistral", "auto", False), ("mistral", "none", True), ("internlm", "auto", False),
+    ("hermes", "auto", True)])
+def test_special_call_markers_are_decoded_under_auto(parser, tool_choice, skip):
+    """mistral's [TOOL_CALLS] and internlm's <|action_start|> are special tokens: skipped, no
+    call could ever be read (vLLM's adjust_request keeps special tokens where tools may be
+    called)."""
     engine = _Recording(max_model_len=64)
     settings = ServerSettings(tool_call_parser=parser, enable_auto_tool_choice=True)
     with TestClient(build_app(AsyncLLM(engine), settings)) as c:

@@ -12,7 +12,8 @@ from kiln.engine.arg_utils import EngineArgs
 from kiln.envs import api_key as env_api_key
 from kiln.envs import http_timeout_keep_alive_s
 
-TOOL_CALL_PARSER_NAMES = ["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
+TOOL_CALL_PARSER_NAMES = ["granite", "hermes", "internlm", "llama3_json", "mistral", "pythonic",
+                          "qwen3_coder"]
 REASONING_PARSER_NAMES = ["deepseek_r1", "qwen3"]
 
 
