@@ -122,7 +122,11 @@ def test_mistral_ids_are_nine_alphanumerics():
 
 
 @pytest.mark.parametrize("value, schema, expected", [
-    ("null", {"type": "integer"}, None), ("42", {"type": "integer"}, 42),
+    ("null", {"type": "integer"}, None), ("None", {"type": "object"}, None),
+    ("null", {"type": "string"}, "null"),
+    ("None", {"anyOf": [{"type": "string"}, {"type": "null"}]}, None),
+    ("5", {"anyOf": [{"type": "null"}, {"type": "integer"}]}, 5),
+    ('"{\'a\': 1}"', {"type": "object"}, {"a": 1}), ("42", {"type": "integer"}, 42),
     ("4x", {"type": "integer"}, "4x"), ("3.0", {"type": "number"}, 3),
     ("1e400", {"type": "number"}, "1e400"), ("nan", {"type": "number"}, "nan"),
     ("FALSE", {"type": "boolean"}, False), ("yes", {"type": "boolean"}, False),

@@ -3,9 +3,10 @@
 the text before the first `<tool_call>` (or `<function=`). A parameter's value is text, turned
 into JSON by the type the request's tool gives it (vLLM's conversions: integer, number,
 boolean, object / array by json, other types by Python's literal syntax read with
-`ast.literal_eval`, never evaluated; "null" is null; a value that does not convert stays a
-string). As vLLM's, a missing </parameter> or </tool_call> is forgiven; a function with no ">"
-after its name, or a value that is no JSON, makes the whole answer content."""
+`ast.literal_eval`, never evaluated; "null" or "None" is null unless the type is a string one
+that admits no null; a value that does not convert stays a string). As vLLM's, a missing
+</parameter> or </tool_call> is forgiven; a function with no ">" after its name, or a value
+that is no JSON, makes the whole answer content."""
 import ast
 import json
 import re
@@ -39,14 +40,35 @@ def _properties(tools, name: str) -> dict:
     return {}
 
 
-def convert(value: str, schema) -> object:
-    """A parameter's text as the JSON value its schema's "type" asks for (vLLM's rules)."""
-    if value.lower() == "null":
-        return None
-    kind = str(schema["type"]).strip().lower() if isinstance(schema, dict) and \
-        "type" in schema else "string"
-    if kind in _STRINGS:
+def _type(schema) -> tuple[str, bool]:
+    """(the schema's type, as vLLM reads it; whether it admits null): "type", else the first
+    non-null type of an anyOf, else string."""
+    if not isinstance(schema, dict):
+        return "string", False
+    if "type" in schema:
+        kind = str(schema["type"]).strip().lower()
+        return kind, kind == "null"
+    kinds = [str(o["type"]).strip().lower() for o in schema.get("anyOf") or ()
+             if isinstance(o, dict) and "type" in o]
+    return next((k for k in kinds if k != "null"), "string"), "null" in kinds
+
+
+def _literal(value: str):
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return value
+
+
+def convert(value: str, schema) -> object:
+    """A parameter's text as the JSON value its schema's type asks for (vLLM's rules)."""
+    kind, nullable = _type(schema)
+    if nullable and value.lower() in ("null", "none"):
+        return None
+    if kind in _STRINGS:
+        return value  # "null" too: a string that says null
+    if value.lower() in ("null", "none"):
+        return None
     if kind.startswith(_INTEGERS):
         try:
             return int(value)
@@ -60,15 +82,16 @@ def convert(value: str, schema) -> object:
             return value
     if kind in ("boolean", "bool", "binary"):
         return value.lower() == "true"
-    if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
+    container = kind in ("object", "array", "arr") or kind.startswith(("dict", "list"))
+    if container:
         try:
-            return json.loads(value)
+            parsed = json.loads(value)
         except ValueError:
             pass
-    try:
-        return ast.literal_eval(value)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return value
+        else:  # a JSON string of a Python repr ("{'k': 'v'}"): read once more
+            return _literal(parsed) if isinstance(parsed, str) else parsed
+    parsed = _literal(value)
+    return _literal(parsed) if container and isinstance(parsed, str) else parsed
 
 
 def _call(body: str, tools) -> PartialCall:
