@@ -145,6 +145,26 @@ def test_qwen3_coder_converts_values_by_their_schema_type(value, schema, expecte
     assert json.loads(call.function.arguments) == {"p": expected}
 
 
+@pytest.mark.parametrize("text, expected", [
+    # end tags inside a value are text where the next tag does not follow them (code, HTML)
+    ("<tool_call>\n<function=w>\n<parameter=code>\nx = '</parameter>' + '</function>'\n"
+     "</parameter>\n<parameter=n>\n1\n</parameter>\n</function>\n</tool_call>",
+     [("w", {"code": "x = '</parameter>' + '</function>'", "n": "1"})]),
+    # a missing </parameter>: the next parameter (or the function's end) ends the value
+    ("<function=f>\n<parameter=a>\n1\n<parameter=b>\n2</parameter>\n</function>",
+     [("f", {"a": "1", "b": "2"})]),
+    ("<tool_call>\n<function=a>\n<parameter=x>\n1\n</function>\n<function=b>\n</function>",
+     [("a", {"x": "1"}), ("b", {})]),
+])
+def test_qwen3_coder_reads_structure_not_tags_in_values(text, expected):
+    _, calls = Qwen3CoderToolParser().extract(text)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == expected
+    for seed in range(5):
+        _, s_calls = streamed(Qwen3CoderToolParser(), text, random.Random(seed))
+        assert [(c["name"], c["arguments"]) for c in s_calls] == \
+            [(c.function.name, c.function.arguments) for c in calls]
+
+
 NOT_CALLS = [
     (PythonicToolParser, "Sure, here it is."), (PythonicToolParser, "[Note] no calls"),
     (PythonicToolParser, "[1, 2, 3]"), (PythonicToolParser, "[]"),
@@ -223,13 +243,25 @@ def test_held_back_markers_are_released_as_content():
     assert stream.feed("e] x") == ("[Note] x", [])
 
 
-def test_a_long_pythonic_call_streams_in_time():
-    """40K characters of code in one argument, 4 at a time: the scan resumes, never restarts."""
-    code = "def f(x):\n    return {'a': [x, \"q\\\\\"]}\n" * 1000
-    text = f"[write(path='a.py', content={code!r})]"
-    _, (call,) = PythonicToolParser().extract(text)
-    assert json.loads(call.function.arguments)["content"] == code
-    _, (s_call,) = streamed(PythonicToolParser(), text, step=4)
+CODE = "def f(x):\n    return {'a': [x, \"q\\\\\"]}  # </function>\n" * 1000
+
+
+@pytest.mark.parametrize("make, text", [
+    (PythonicToolParser, f"[write(path='a.py', content={CODE!r})]"),
+    (Qwen3CoderToolParser, "<tool_call>\n<function=write>\n<parameter=content>\n" + CODE +
+     "\n</parameter>\n</function>\n</tool_call>"),
+    (GraniteToolParser, json.dumps([{"name": "write", "arguments": {"content": CODE}}])),
+    (MistralToolParser, "[TOOL_CALLS]" + json.dumps([{"name": "write",
+                                                      "arguments": {"content": CODE}}])),
+    (InternLMToolParser, "<|action_start|><|plugin|>" + json.dumps(
+        {"name": "write", "parameters": {"content": CODE}}) + "<|action_end|>"),
+])
+def test_a_long_call_streams_in_time(make, text):
+    """50K characters of code in one argument, 4 at a time: each delta resumes the scan where
+    the last stopped (a </function> in qwen3_coder's value, 1000 times, took 55 s before)."""
+    _, (call,) = make().extract(text)
+    assert json.loads(call.function.arguments)["content"] == CODE
+    _, (s_call,) = streamed(make(), text, step=4)
     assert s_call["arguments"] == call.function.arguments
 
 
