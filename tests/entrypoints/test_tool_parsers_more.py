@@ -272,8 +272,21 @@ def test_mistral_and_internlm_keep_special_tokens_under_auto():
     assert not plan_tools(req, "hermes", True).parser.keeps_special_tokens
 
 
-def test_registry_and_cli_list_the_new_parsers():
-    from kiln.entrypoints.cli.serve import TOOL_CALL_PARSER_NAMES
+def test_registry_and_cli_list_the_new_parsers(capsys):
+    import argparse
 
-    for name in ("pythonic", "mistral", "qwen3_coder", "granite", "internlm"):
-        assert name in TOOL_PARSERS and name in TOOL_CALL_PARSER_NAMES
+    from kiln.entrypoints.cli.serve import (
+        TOOL_CALL_PARSER_NAMES,
+        add_server_args,
+        settings_from_args,
+    )
+
+    names = ("pythonic", "mistral", "qwen3_coder", "granite", "internlm")
+    assert all(name in TOOL_PARSERS and name in TOOL_CALL_PARSER_NAMES for name in names)
+    parser = add_server_args(argparse.ArgumentParser())
+    with pytest.raises(ValueError, match="--tool-call-parser") as e:
+        settings_from_args(parser.parse_args(["--enable-auto-tool-choice"]))
+    assert all(name in str(e.value) for name in names)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tool-call-parser", "nope"])
+    assert all(name in capsys.readouterr().err for name in names)
