@@ -289,4 +289,5 @@ def test_registry_and_cli_list_the_new_parsers(capsys):
     assert all(name in str(e.value) for name in names)
     with pytest.raises(SystemExit):
         parser.parse_args(["--tool-call-parser", "nope"])
-    assert all(name in capsys.readouterr().err for name in names)
+    err = capsys.readouterr().err
+    assert all(name in err for name in names), err
