@@ -108,3 +108,46 @@ def test_special_call_markers_are_decoded_under_auto(parser, tool_choice, skip):
             tools=[WEATHER], tool_choice=tool_choice))
     assert r.status_code == 200, r.text
     assert engine.params.skip_special_tokens is skip
+
+
+class _Writes(FakeEngine):
+    """Writes `text` as its first token, then stops."""
+
+    def __init__(self, text: str):
+        super().__init__(max_model_len=64)
+        self.text = text
+
+    def step(self):
+        outputs = super().step()
+        for out in outputs:
+            for o in out.outputs:  # max_tokens 1: its one token ends it
+                o.text, o.finish_reason = self.text, o.finish_reason and "stop"
+        return outputs
+
+
+DEEP = "[" * 5000 + "]" * 5000  # past json.loads's recursion limit
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": ' + DEEP + "}}</tool_call>"),
+    ("llama3_json", '{"name": "f", "parameters": {"a": ' + DEEP + "}}"),
+    ("granite", '[{"name": "f", "arguments": {"a": ' + DEEP + "}}]"),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": ' + DEEP + "}}]")])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_nested_past_the_json_reader_limit_is_content(parser, text, stream):
+    """A model that wrote "[" thousands of times: no call, its text content (was HTTP 500, or
+    an error event in the stream, from json.loads's RecursionError)."""
+    settings = ServerSettings(tool_call_parser=parser, enable_auto_tool_choice=True)
+    body = dict(model="fake-model", messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                tools=[WEATHER])
+    with TestClient(build_app(AsyncLLM(_Writes(text)), settings)) as c:
+        if stream:
+            events = sse_events(c, "/v1/chat/completions", {**body, "stream": True})
+            assert "".join(ch["delta"].get("content") or "" for e in events
+                           for ch in e.get("choices", ())) == text
+            assert not any("error" in e for e in events)
+            return
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert message["content"] == text and not message.get("tool_calls")

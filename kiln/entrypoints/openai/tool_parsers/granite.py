@@ -20,7 +20,7 @@ MARKERS = ("<|tool_call|>", "<tool_call>")  # 3.0's special token, 3.1's text
 def _calls(text: str) -> list[PartialCall]:
     try:
         members = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return [not_a_call()]
     if not isinstance(members, list) or not members or not all(
             isinstance(m, dict) and isinstance(m.get("name"), str) and "arguments" in m

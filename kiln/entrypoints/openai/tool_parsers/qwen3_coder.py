@@ -91,7 +91,7 @@ def convert(value: str, schema) -> object:
     if container:
         try:
             parsed = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):
             pass
         else:  # a JSON string of a Python repr ("{'k': 'v'}"): read once more
             return _literal(parsed) if isinstance(parsed, str) else parsed
