@@ -165,6 +165,15 @@ def test_qwen3_coder_reads_structure_not_tags_in_values(text, expected):
             [(c.function.name, c.function.arguments) for c in calls]
 
 
+def test_qwen3_coder_reads_types_from_tool_dicts_too():
+    """An offline LLM.chat caller sets the parser's tools from its OpenAI tool dicts."""
+    parser = Qwen3CoderToolParser()
+    parser.tools = TOOLS
+    _, (call,) = parser.extract("<function=get_weather>\n<parameter=days>\n3\n</parameter>\n"
+                                "</function>")
+    assert json.loads(call.function.arguments) == {"days": 3}
+
+
 NOT_CALLS = [
     (PythonicToolParser, "Sure, here it is."), (PythonicToolParser, "[Note] no calls"),
     (PythonicToolParser, "[1, 2, 3]"), (PythonicToolParser, "[]"),

@@ -36,9 +36,15 @@ _CALLS_KEY, _RESUME_KEY = -1, -2
 
 
 def _properties(tools, name: str) -> dict:
+    """The named tool's parameter schemas; `tools` the request's, or OpenAI tool dicts (an
+    offline LLM.chat caller's)."""
     for tool in tools:
-        if tool.function.name == name:
-            params = tool.function.parameters
+        function = tool.get("function") or {} if isinstance(tool, dict) else tool.function
+        if isinstance(function, dict):
+            found, params = function.get("name"), function.get("parameters")
+        else:
+            found, params = function.name, function.parameters
+        if found == name:
             if isinstance(params, dict):
                 return params.get("properties", params)
             return {}
