@@ -12,7 +12,8 @@ from kiln.engine.arg_utils import EngineArgs
 from kiln.envs import api_key as env_api_key
 from kiln.envs import http_timeout_keep_alive_s
 
-TOOL_CALL_PARSER_NAMES = ["hermes", "llama3_json"]
+TOOL_CALL_PARSER_NAMES = ["granite", "hermes", "internlm", "llama3_json", "mistral", "pythonic",
+                          "qwen3_coder"]
 REASONING_PARSER_NAMES = ["deepseek_r1", "qwen3"]
 
 
@@ -128,7 +129,7 @@ def settings_from_args(args: argparse.Namespace):
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
-                         "hermes, llama3_json)")
+                         f"{', '.join(TOOL_CALL_PARSER_NAMES)})")
     from kiln.entrypoints.openai.request_defaults import parse_default_chat_template_kwargs
     from kiln.entrypoints.openai.serving_models import check_served_names
     from kiln.entrypoints.openai.structured_fields import parse_structured_outputs_config

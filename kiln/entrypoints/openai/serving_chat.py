@@ -87,6 +87,8 @@ class ServingChat(ChatAnswers):
         else:
             plan = plan_tools(req, self.tool_call_parser, self.enable_auto_tool_choice)
         params = chat_sampling_params(req, self.llm.kiln_config.model_config.generation_defaults)
+        if plan.parser is not None and plan.parser.keeps_special_tokens:
+            params.skip_special_tokens = False  # the call marker is one (vLLM's too)
         constraint, field = request_structured_outputs(req, self.disable_any_whitespace)
         if plan.constraint is not None:
             if constraint is not None:

@@ -27,6 +27,16 @@ class ToolParser:
     # The answer's shape is forced by a grammar (tool_choice required or named): its calls are
     # calls even when max_tokens cut their arguments short, as they stream (and as vLLM's are).
     forced = False
+    # The request's tools (ChatCompletionToolsParam), for parsers that read arguments by their
+    # schema (qwen3_coder's parameter types); set by plan_tools.
+    tools: tuple = ()
+    # The call marker is a special token (mistral's [TOOL_CALLS]): decode with special tokens
+    # kept, as vLLM's adjust_request does, or the answer never shows it.
+    keeps_special_tokens = False
+
+    def new_id(self) -> str:
+        """A call's id (vLLM's format for the parser: mistral's are 9 alphanumerics)."""
+        return tool_call_id()
 
     def parse(self, text: str, final: bool,
               memo: ScanMemo | None = None) -> tuple[str, list[PartialCall]]:
@@ -51,7 +61,7 @@ class ToolParser:
             calls = complete_calls(calls)
             if not calls:
                 return text or None, []
-        return content or None, [ToolCall(id=tool_call_id(), function=FunctionCall(
+        return content or None, [ToolCall(id=self.new_id(), function=FunctionCall(
             name=c.name, arguments=c.args)) for c in calls]
 
 
@@ -95,7 +105,7 @@ class ToolCallStream:
                 if not call.name:
                     break  # the name comes first in the stream; wait for it
                 self._args_sent.append(0)
-                deltas.append(DeltaToolCall(index=i, id=tool_call_id(), type="function",
+                deltas.append(DeltaToolCall(index=i, id=self.parser.new_id(), type="function",
                                             function=DeltaFunctionCall(name=call.name,
                                                                        arguments="")))
             piece = call.args[self._args_sent[i]:]

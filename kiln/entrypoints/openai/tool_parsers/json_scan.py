@@ -113,7 +113,7 @@ def scan_call(text: str, i: int, args_keys: tuple[str, ...], final: bool,
             return call, None
         try:  # a bad escape or a raw control character: not JSON, so no call
             key = json.loads(text[i:end])
-        except ValueError:
+        except (ValueError, RecursionError):
             return None, None
         i = skip_ws(text, end)
         if i >= len(text):
@@ -132,7 +132,7 @@ def scan_call(text: str, i: int, args_keys: tuple[str, ...], final: bool,
         if key == "name":
             try:
                 name = json.loads(text[i:end])
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None, None
             call.name = name if isinstance(name, str) else None
         i = skip_ws(text, end)
@@ -157,9 +157,11 @@ def partial_suffix(text: str, tag: str) -> int:
 
 
 def is_json(text: str) -> bool:
+    """Whether `text` is JSON that json.loads reads: nested past its recursion limit (a model
+    that wrote "[" a thousand times) it is none, not a crash of the request."""
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return True
 

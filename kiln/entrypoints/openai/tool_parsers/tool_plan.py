@@ -64,7 +64,9 @@ def _plan(req, tool_call_parser: str | None, enable_auto_tool_choice: bool) -> T
                               "--enable-auto-tool-choice and --tool-call-parser; or pass "
                               'tool_choice "required", "none" or a named function',
                               param="tool_choice", code="invalid_value")
-        return ToolPlan(template_tools=template_tools, parser=TOOL_PARSERS[tool_call_parser](),
+        parser = TOOL_PARSERS[tool_call_parser]()
+        parser.tools = tuple(tools)
+        return ToolPlan(template_tools=template_tools, parser=parser,
                         calls_finish=True, max_calls=1 if single else None)
     if choice == "required":
         try:
