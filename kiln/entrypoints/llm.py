@@ -57,7 +57,8 @@ def _unsupported(method: str, why: str):
     return refuse
 
 
-_POOLING = "Kiln runs generative models only (no pooling runner); use generate()"
+_POOLING = ("Kiln's pooling runner embeds only (LLM(model, runner=\"pooling\").embed()); "
+            "classification, scoring and reward need a model head its decoders lack")
 
 
 class LLM:
@@ -157,8 +158,27 @@ class LLM:
         refuse_lora(lora_request)
         return run_offline(self, prompts, params, use_tqdm, concurrency_limit)
 
-    encode = _unsupported("encode", _POOLING)
-    embed = _unsupported("embed", _POOLING)
+    def embed(self, prompts, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool | Callable = True, pooling_params=None, lora_request=None):
+        """vLLM's: one EmbeddingRequestOutput per prompt (`.outputs.embedding`, a list of
+        floats), for an LLM built with runner="pooling" (or task="embed")."""
+        from kiln.pooling.offline import embed
+
+        return embed(self, prompts, truncate_prompt_tokens, use_tqdm, pooling_params,
+                     lora_request)
+
+    def encode(self, prompts, pooling_params=None, *, truncate_prompt_tokens: int | None = None,
+               use_tqdm: bool | Callable = True, lora_request=None, pooling_task: str = "embed"):
+        """vLLM's: one PoolingRequestOutput per prompt (`.outputs.data`, a float32 tensor);
+        Kiln's pooling runner has the "embed" task only."""
+        from kiln.pooling.offline import run_pooling
+
+        if pooling_task not in ("embed", None):
+            raise ValueError(f"pooling_task {pooling_task!r} is not supported: Kiln's pooling "
+                             "runner embeds (pooling_task=\"embed\")")
+        return run_pooling(self, prompts, pooling_params, truncate_prompt_tokens, use_tqdm,
+                           lora_request)
+
     classify = _unsupported("classify", _POOLING)
     score = _unsupported("score", _POOLING)
     reward = _unsupported("reward", _POOLING)
