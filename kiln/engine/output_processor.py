@@ -100,9 +100,9 @@ class RequestState:
         if not chosen:
             return None
         if self.pooled is not None:
-            from kiln.pooling.outputs import pooling_request_output
-            return pooling_request_output(self.request_id, self.pooled, self.prompt_token_ids,
-                                          self.num_cached_tokens)
+            from kiln.pooling.outputs import pooled_request_output
+            return pooled_request_output(self.request_id, self.pooled, self.prompt_token_ids,
+                                         self.num_cached_tokens, self.metrics)
         prompt_logprobs = self.prompt_logprobs
         if delta and self.prompt_logprobs_sent:
             prompt_logprobs = None

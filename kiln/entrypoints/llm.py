@@ -110,6 +110,7 @@ class LLM:
         vLLM's argument, None only (no LoRA adapters). `priority`: one int per prompt, lower
         served first under scheduling_policy="priority" (an n > 1 prompt's samples share it)."""
         refuse_lora(lora_request)
+        self._check_generate_runner("generate")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -156,6 +157,7 @@ class LLM:
         from kiln.entrypoints.beam_search import run_offline
 
         refuse_lora(lora_request)
+        self._check_generate_runner("beam_search")
         return run_offline(self, prompts, params, use_tqdm, concurrency_limit)
 
     def embed(self, prompts, *, truncate_prompt_tokens: int | None = None,
@@ -197,6 +199,7 @@ class LLM:
         tool dicts the template renders (as vLLM's LLM.chat); read calls out of the text with
         a tool parser (kiln.entrypoints.openai.tool_parsers)."""
         refuse_lora(lora_request)
+        self._check_generate_runner("chat")
         # vLLM's keywords (a TypeError here): text joined into a string is its "string" format
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError(f"chat_template_content_format {chat_template_content_format!r} "
@@ -228,6 +231,12 @@ class LLM:
                 raise ValueError(str(e) if len(conversations) == 1 else f"conversation {i}: {e}") \
                     from None
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _check_generate_runner(self, method: str) -> None:
+        if self.llm_engine.model_config.runner_type == "pooling":  # vLLM refuses it too
+            raise ValueError(f"LLM.{method}() is only supported for generative models; this "
+                             "LLM runs the pooling runner (runner=\"pooling\"): use embed() or "
+                             "encode(), or build it without runner=\"pooling\" to generate")
 
     def _check_owner(self) -> None:
         if os.getpid() != self._owner_pid:  # its sockets' other ends are the parent's: a hang

@@ -5,10 +5,9 @@ from collections.abc import Sequence
 
 from kiln.pooling.outputs import (
     EmbeddingRequestOutput,
-    PoolingOutput,
     PoolingParams,
     PoolingRequestOutput,
-    finish_vector,
+    as_pooling_output,
 )
 from kiln.pooling.pooling_inputs import check_pooling_engine, process_pooling
 
@@ -56,9 +55,7 @@ def run_pooling(llm, prompts, pooling_params, truncate_prompt_tokens, use_tqdm,
             raise ValueError(f"prompt {i}: {e}") from None
     outputs = llm._run(processed, use_tqdm)
     normalize = engine.model_config.pooler_config.normalize
-    for out, p in zip(outputs, params):
-        out.outputs = PoolingOutput(finish_vector(out.outputs.data.tolist(), p, normalize))
-    return outputs
+    return [as_pooling_output(out, p, normalize) for out, p in zip(outputs, params)]
 
 
 def embed(llm, prompts, truncate_prompt_tokens=None, use_tqdm=True,

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from kiln.outputs import CompletionOutput, RequestOutput
+
 
 @dataclass
 class PoolingParams:
@@ -65,12 +67,30 @@ class EmbeddingRequestOutput(PoolingRequestOutput):
                    num_cached_tokens=request_output.num_cached_tokens)
 
 
-def pooling_request_output(request_id: str, pooled: list[float], prompt_token_ids: list[int],
-                           num_cached_tokens: int) -> PoolingRequestOutput:
-    """The engine's output of a finished pooling request: the pooled vector as the runner gave
-    it (float32, not normalized: LLM.embed and /v1/embeddings finish it per request)."""
-    return PoolingRequestOutput(request_id, PoolingOutput(torch.tensor(pooled, dtype=torch.float32)),
-                                list(prompt_token_ids), True, num_cached_tokens)
+@dataclass
+class PooledRequestOutput(RequestOutput):
+    """What the engine (LLMEngine.step, AsyncLLM's streams) gives for a finished pooling
+    request: a RequestOutput whose one sample ended with no token ("stop"), so streams and
+    metrics take it as any other, and `pooled`, the runner's vector (float32, not
+    normalized: LLM.embed and /v1/embeddings finish it per request)."""
+    pooled: list[float] | None = None
+
+
+def pooled_request_output(request_id: str, pooled: list[float], prompt_token_ids: list[int],
+                          num_cached_tokens: int, metrics) -> PooledRequestOutput:
+    return PooledRequestOutput(
+        request_id=request_id, prompt=None, prompt_token_ids=list(prompt_token_ids),
+        outputs=[CompletionOutput(0, "", [], finish_reason="stop")], finished=True,
+        num_cached_tokens=num_cached_tokens, metrics=metrics, pooled=list(pooled))
+
+
+def as_pooling_output(out: PooledRequestOutput, params: "PoolingParams | None",
+                      default_normalize: bool) -> PoolingRequestOutput:
+    """vLLM's PoolingRequestOutput of an engine output, its vector finished per `params`."""
+    return PoolingRequestOutput(out.request_id,
+                                PoolingOutput(finish_vector(out.pooled, params,
+                                                            default_normalize)),
+                                out.prompt_token_ids, out.finished, out.num_cached_tokens)
 
 
 def finish_vector(pooled: list[float], params: PoolingParams | None,

@@ -32,6 +32,11 @@ from kiln.entrypoints.openai.responses_protocol import ResponsesRequest
 from kiln.entrypoints.openai.server_settings import ServerSettings
 from kiln.entrypoints.openai.serving_chat import ServingChat
 from kiln.entrypoints.openai.serving_completion import ServingCompletion
+from kiln.entrypoints.openai.serving_embedding import (
+    EmbeddingRequest,
+    ServingEmbedding,
+    refuse_generate,
+)
 from kiln.entrypoints.openai.serving_models import ServingModels, displayable
 from kiln.entrypoints.openai.serving_responses import ServingResponses
 from kiln.entrypoints.openai.serving_tokenization import ServingTokenization
@@ -71,6 +76,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
                        trust_request_chat_template=settings.trust_request_chat_template,
                        defaults=defaults)
     responses = ServingResponses(chat)
+    embedding = ServingEmbedding(llm, models)
+    pooling = embedding.pooling  # --runner pooling: the generate endpoints refuse (vLLM's)
     tokenization = ServingTokenization(llm, models, model_config.vocab_size,
                                        settings.trust_request_chat_template, defaults)
 
@@ -147,15 +154,25 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw: Request):
+        if pooling:
+            raise refuse_generate("Completions")
         return await completion.create(req, raw)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request):
+        if pooling:
+            raise refuse_generate("Chat Completions")
         return await chat.create(req, raw)
 
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, raw: Request):
+        if pooling:
+            raise refuse_generate("Responses")
         return await responses.create(req, raw)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(req: EmbeddingRequest, raw: Request):
+        return await embedding.create(req, raw)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
