@@ -8,25 +8,13 @@ import torch
 from kiln.entrypoints.llm import LLM
 from kiln.pooling.outputs import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
 from kiln.sampling_params import SamplingParams
+from pooling.hf_pooled import hf_pooled
 
 from checkpoints import random_prompts
 
 ENGINE = dict(max_model_len=64, max_num_seqs=4, kv_cache_memory=0.02)
 LENGTHS = [3, 19, 40, 64]  # one fills max_model_len: nothing is generated after it
 ATOL = 2e-5  # float32 on both sides; observed ~2e-7
-
-
-def hf_pooled(model_dir, prompts, pooling_type: str, normalize: bool) -> list[torch.Tensor]:
-    from transformers import AutoModel
-
-    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:  # one at a time: no padding in the oracle
-            hidden = model(torch.tensor([ids])).last_hidden_state[0]
-            vec = {"LAST": hidden[-1], "MEAN": hidden.mean(0), "CLS": hidden[0]}[pooling_type]
-            outs.append(torch.nn.functional.normalize(vec, dim=-1) if normalize else vec)
-    return outs
 
 
 def embed(llm, prompts, **kwargs) -> list[torch.Tensor]:
