@@ -93,6 +93,8 @@ def test_truncation_keeps_the_last_tokens(client):
 
 
 def test_generate_endpoints_refuse_on_a_pooling_server(client):
+    paths = client.get("/openapi.json").json()["paths"]  # the schema states what it serves
+    assert "/v1/embeddings" in paths and "/v1/completions" not in paths
     for path, body, api in (("/v1/completions", {"prompt": "hi"}, "Completions"),
                             ("/v1/chat/completions",
                              {"messages": [{"role": "user", "content": "hi"}]},
@@ -105,5 +107,6 @@ def test_generate_endpoints_refuse_on_a_pooling_server(client):
 def test_a_generate_server_names_runner_pooling(tiny_llama_dir, inprocess_core):
     with _client(tiny_llama_dir) as c:
         r = c.post(EMB, json={"input": "hi"})
+        assert "/v1/embeddings" not in c.get("/openapi.json").json()["paths"]
     assert r.status_code == 400
     assert "--runner pooling" in r.json()["error"]["message"]

@@ -170,9 +170,16 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
             raise refuse_generate("Responses")
         return await responses.create(req, raw)
 
-    @app.post("/v1/embeddings")
+    # Each runner's schema states the endpoints it serves; the others answer their refusal.
+    @app.post("/v1/embeddings", include_in_schema=pooling)
     async def create_embedding(req: EmbeddingRequest, raw: Request):
         return await embedding.create(req, raw)
+
+    if pooling:
+        for route in app.routes:
+            if getattr(route, "path", None) in ("/v1/completions", "/v1/chat/completions",
+                                                "/v1/responses"):
+                route.include_in_schema = False
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
