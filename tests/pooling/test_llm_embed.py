@@ -5,8 +5,8 @@ the compiled graph (mode 3) against eager."""
 import pytest
 import torch
 
+from kiln import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
 from kiln.entrypoints.llm import LLM
-from kiln.pooling.outputs import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
 from kiln.sampling_params import SamplingParams
 from pooling.hf_pooled import hf_pooled
 
