@@ -24,7 +24,7 @@ from kiln.config import (
 from kiln.config.compilation_config import CompilationMode, spec_to_dict
 from kiln.engine.engine_flags import add_engine_flags
 from kiln.errors import ConfigError
-from kiln.pooling.pooler_config import resolve_pooler_config, resolve_runner
+from kiln.pooling.pooler_config import pooler_config_json, resolve_pooler_config, resolve_runner
 
 _DEFAULT_MAX_NUM_SEQS = SchedulerConfig.__dataclass_fields__["max_num_seqs"].default
 
@@ -207,7 +207,7 @@ class EngineArgs:
                 for op, providers in value.items():
                     argv += [flag, f"{op}={','.join(providers)}"]
             elif f.name in ("pooler_config", "override_pooler_config"):
-                argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+                argv += [flag, pooler_config_json(value, flag)]
             elif isinstance(value, bool):  # store_true, or --no- of a BooleanOptionalAction
                 argv.append(flag if value else "--no-" + flag[2:])
             else:

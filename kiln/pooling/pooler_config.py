@@ -78,6 +78,12 @@ def _parse(spec, flag: str) -> dict:
     return out
 
 
+def pooler_config_json(spec, flag: str = "--pooler-config") -> str:
+    """A pooler config (JSON text, dict or PoolerConfig) as the flag's JSON, for a child
+    command line."""
+    return json.dumps(_parse(spec, flag))
+
+
 def checkpoint_pooling(model_path: Path | None) -> dict:
     """A sentence-transformers checkpoint's pooling (vLLM's get_pooling_config): its
     1_Pooling/config.json mode, and normalize where modules.json lists a Normalize module."""

@@ -67,6 +67,8 @@ def test_cli_flags_reach_engine_args_and_back():
     assert engine_args.pooler_config == '{"pooling_type": "MEAN"}'
     argv = EngineArgs(runner="pooling", pooler_config={"pooling_type": "CLS"}).to_cli_args()
     assert argv == ["--runner", "pooling", "--pooler-config", '{"pooling_type": "CLS"}']
+    assert EngineArgs(pooler_config=PoolerConfig("MEAN", False)).to_cli_args() == [
+        "--pooler-config", '{"pooling_type": "MEAN", "normalize": false}']
     again = EngineArgs.from_cli_args(build_parser().parse_args(["serve", *argv]))
     assert json.loads(again.pooler_config) == {"pooling_type": "CLS"}
     task = build_parser().parse_args(["serve", "--task", "embed"])
