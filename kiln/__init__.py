@@ -2,7 +2,7 @@
 from kiln.version import __version__
 
 __all__ = ["LLM", "SamplingParams", "CompilationConfig", "RequestOutput", "CompletionOutput",
-           "__version__"]
+           "PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput", "__version__"]
 
 
 def __getattr__(name):
@@ -19,4 +19,7 @@ def __getattr__(name):
     if name in ("RequestOutput", "CompletionOutput"):
         from kiln import outputs
         return getattr(outputs, name)
+    if name in ("PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput"):
+        from kiln.pooling import outputs as pooling_outputs  # vLLM's names, as `from vllm`
+        return getattr(pooling_outputs, name)
     raise AttributeError(f"module 'kiln' has no attribute {name!r}")

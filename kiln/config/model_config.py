@@ -69,6 +69,9 @@ class ModelConfig(FreezableConfig):
     # Most logprobs (and prompt_logprobs) a request may ask for; -1: the whole vocabulary.
     # vLLM's --max-logprobs, and its default.
     max_logprobs: int = 20
+    # vLLM's runner: "generate", or "pooling" (embeddings; kiln/pooling/), with its pooler.
+    runner_type: str = "generate"
+    pooler_config: Any = None  # kiln.pooling.pooler_config.PoolerConfig for "pooling"
 
     model_path: Path = field(init=False)
     tokenizer_path: Path | None = field(init=False, default=None)

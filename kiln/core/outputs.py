@@ -62,6 +62,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # req_id -> this step's prompt logprobs (kiln/sample/prompt_logprobs.PromptLogprobsChunk).
     prompt_logprobs: dict = field(default_factory=dict)
+    # Pooling runner (kiln/pooling/): req_id -> its pooled hidden state (float32, not yet
+    # normalized), for the requests whose prefill ended this step.
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -82,6 +85,8 @@ class EngineCoreOutput:
     first_scheduled_time: float | None = None
     # Why the core itself ended the request (an "abort" no client asked for), for the client.
     error: str | None = None
+    # A pooling request's pooled hidden state (it finishes with it; no tokens).
+    pooling_output: list[float] | None = None
 
     @property
     def finished(self) -> bool:

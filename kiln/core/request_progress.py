@@ -64,6 +64,9 @@ def step_output(request: Request, runner_output: ModelRunnerOutput, row: int | N
     chunk = runner_output.prompt_logprobs.get(req_id)
     if chunk is not None and request.prompt_logprobs is not None:
         request.add_prompt_logprobs(chunk.start, chunk.entries)
+    pooled = runner_output.pooler_output.get(req_id)
+    if pooled is not None:
+        return pooled_output(request, pooled)
     sampled = runner_output.sampled_token_ids[row] if row is not None else []
     if not sampled:
         if request.num_computed_tokens >= request.num_tokens:
@@ -79,6 +82,15 @@ def step_output(request: Request, runner_output: ModelRunnerOutput, row: int | N
         num_cached_tokens=max(request.num_cached_tokens, 0),
         prompt_logprobs=request.take_prompt_logprobs(),
         first_scheduled_time=request.first_scheduled_time, error=error)
+
+
+def pooled_output(request: Request, pooled: list[float]) -> EngineCoreOutput:
+    """A pooling request ends with its prefill: its pooled vector, no token (vLLM's "stop")."""
+    request.status = RequestStatus.FINISHED_STOPPED
+    return EngineCoreOutput(
+        request_id=request.request_id, new_token_ids=[], finish_reason="stop",
+        num_cached_tokens=max(request.num_cached_tokens, 0),
+        first_scheduled_time=request.first_scheduled_time, pooling_output=pooled)
 
 
 def unschedulable_output(request: Request, num_tokens: int, kv: KVCacheManager,

@@ -24,6 +24,7 @@ from kiln.config import (
 from kiln.config.compilation_config import CompilationMode, spec_to_dict
 from kiln.engine.engine_flags import add_engine_flags
 from kiln.errors import ConfigError
+from kiln.pooling.pooler_config import pooler_config_json, resolve_pooler_config, resolve_runner
 
 _DEFAULT_MAX_NUM_SEQS = SchedulerConfig.__dataclass_fields__["max_num_seqs"].default
 
@@ -70,6 +71,12 @@ class EngineArgs:
     tokenizer_mode: str = "auto"  # a fast (tokenizers) tokenizer; "hf" is the same
     swap_space: float = 4.0  # GiB; unused: preempted requests are recomputed (vLLM V1's way)
     disable_log_stats: bool = False  # kiln serve: no periodic throughput line in the log
+    # vLLM's pooling runner (kiln/pooling/): runner "pooling" (or its older task "embed") serves
+    # embeddings; pooler_config (older override_pooler_config): {"pooling_type", "normalize"}
+    runner: str = "auto"
+    task: str | None = None
+    pooler_config: Any = None
+    override_pooler_config: Any = None
 
     def __post_init__(self):
         self.dtype = _dtype_name(self.dtype)  # so to_cli_args and == see the name too
@@ -154,6 +161,9 @@ class EngineArgs:
             pipeline_parallel_size=self.pipeline_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend)
         compilation_config = self.compilation()
+        runner = resolve_runner(self.runner, self.task)
+        if runner == "pooling":
+            check_pooling_engine(self)
         device_config = DeviceConfig(device=self.device)
         model_config = ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                                    max_model_len=self.max_model_len,
@@ -165,7 +175,12 @@ class EngineArgs:
                                    chat_template=self.chat_template,
                                    generation_config=self.generation_config,
                                    max_logprobs=self.max_logprobs,
-                                   quantization=self.quantization)
+                                   quantization=self.quantization, runner_type=runner)
+        model_config.pooler_config = resolve_pooler_config(
+            runner, self.pooler_config, self.override_pooler_config, model_config.model_path)
+        if runner == "pooling" and model_config.pooler_config.pooling_type != "LAST":
+            # The prefix cache skips the hidden states MEAN and CLS pool (vLLM's the same).
+            cache_config.enable_prefix_caching = False
         return KilnConfig(model_config=model_config, cache_config=cache_config,
                           scheduler_config=scheduler_config, parallel_config=parallel_config,
                           load_config=load_config, device_config=device_config,
@@ -191,6 +206,8 @@ class EngineArgs:
             elif f.name == "ir_op_priority":
                 for op, providers in value.items():
                     argv += [flag, f"{op}={','.join(providers)}"]
+            elif f.name in ("pooler_config", "override_pooler_config"):
+                argv += [flag, pooler_config_json(value, flag)]
             elif isinstance(value, bool):  # store_true, or --no- of a BooleanOptionalAction
                 argv.append(flag if value else "--no-" + flag[2:])
             else:
@@ -200,6 +217,13 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def check_pooling_engine(args: EngineArgs) -> None:
+    """What the pooling runner does not do yet, refused by its flag."""
+    if args.pipeline_parallel_size != 1:
+        raise ConfigError("--runner pooling runs without pipeline parallelism: drop "
+                          "--pipeline-parallel-size (tensor parallelism works)")
 
 
 def _dtype_name(dtype):

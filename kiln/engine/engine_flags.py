@@ -173,6 +173,16 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                    default=d.ir_op_priority, metavar="OP=PROVIDER[,PROVIDER...]",
                    help="providers of an IR op in order of preference, e.g. "
                         "rms_norm=native,torch (repeatable; kiln compile reports the choice)")
+    g.add_argument("--runner", default=d.runner, choices=["auto", "generate", "pooling"],
+                   help="pooling: serve embeddings (/v1/embeddings, LLM.embed) from the "
+                        "model's final hidden states instead of generating text")
+    g.add_argument("--task", default=d.task, choices=["auto", "generate", "embed"],
+                   help="vLLM's older name of --runner: embed is --runner pooling")
+    g.add_argument("--pooler-config", "--override-pooler-config", dest="pooler_config",
+                   default=d.pooler_config, metavar="JSON",
+                   help="the pooling runner's pooler, e.g. '{\"pooling_type\": \"MEAN\", "
+                        "\"normalize\": true}' (LAST, MEAN or CLS; default: the checkpoint's "
+                        "sentence-transformers pooling, else LAST, normalized)")
     v = parser.add_argument_group(
         "vLLM flags with one meaning here (taken so commands carry over)",
         "vLLM flags Kiln has no counterpart for (--enable-lora, --speculative-config, "

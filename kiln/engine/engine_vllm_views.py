@@ -33,8 +33,10 @@ class EngineVllmViews:
         return self.kiln_config.model_config
 
     def get_supported_tasks(self) -> tuple[str, ...]:
-        """vLLM's tasks this engine runs: text generation only (no pooling runner)."""
-        return ("generate",)
+        """vLLM's tasks this engine runs: its runner's (generate, or embed for --runner
+        pooling)."""
+        pooling = self.kiln_config.model_config.runner_type == "pooling"
+        return ("embed", "encode") if pooling else ("generate",)
 
     def do_log_stats(self) -> None:
         """vLLM's: one stats line (throughput since the last call, running / waiting, KV cache

@@ -71,6 +71,7 @@ class RequestState:
     prompt_logprobs: list | None = None  # PromptLogprobs, once the core has sent them
     prompt_logprobs_sent: bool = False  # DELTA outputs carry them once
     metrics: RequestMetrics | None = None  # immutable: replaced, never changed under a reader
+    pooled: list[float] | None = None  # a pooling request's vector (kiln/pooling/)
 
     def note_scheduled(self, index: int, first_scheduled_time: float) -> None:
         """Sample `index`'s first scheduling (every output of it repeats the stamp); the
@@ -98,6 +99,10 @@ class RequestState:
             s.updated = False
         if not chosen:
             return None
+        if self.pooled is not None:
+            from kiln.pooling.outputs import pooled_request_output
+            return pooled_request_output(self.request_id, self.pooled, self.prompt_token_ids,
+                                         self.num_cached_tokens, self.metrics)
         prompt_logprobs = self.prompt_logprobs
         if delta and self.prompt_logprobs_sent:
             prompt_logprobs = None
@@ -200,6 +205,8 @@ class OutputProcessor:
                 decode = self._decode_token if self._has_text(sample) else _no_text
                 state.prompt_logprobs = [None] + [to_logprob_dict(lists, decode)
                                                   for lists in out.prompt_logprobs]
+            if out.pooling_output is not None:
+                state.pooled = out.pooling_output
             touched[state.request_id] = state
         results = []
         for state in touched.values():

@@ -2,7 +2,7 @@
 what to do instead, so `kiln serve --enable-lora` and `LLM(enable_lora=True)` say so by name
 rather than failing as an unknown argument.
 
-A few take the value that has Kiln's one meaning (`-dp 1`, `--task generate`) and
+A few take the value that has Kiln's one meaning (`-dp 1`, `--model-impl auto`) and
 ignore it, as EngineArgs does with --swap-space; any other value is refused with the reason.
 """
 import argparse
@@ -124,10 +124,6 @@ VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--enable-log-requests",), "logging request contents", "Kiln never logs them "
              "(its access log has one line per HTTP request; --disable-access-log drops it)",
              takes_value=False),
-    VllmFlag(("--task",), "choosing what the model does (generate, embed, classify, ...)",
-             "Kiln generates text only", accepted=("auto", "generate")),
-    VllmFlag(("--runner",), "choosing the model runner (generate, pooling, draft)",
-             "Kiln generates text only", accepted=("auto", "generate")),
     VllmFlag(("--chat-template-content-format",), "how message content reaches the chat "
              "template", "Kiln joins the text parts into a string", accepted=("auto", "string")),
     VllmFlag(("--async-scheduling",), "scheduling the next step while the GPU runs this one",

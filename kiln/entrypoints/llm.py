@@ -57,7 +57,8 @@ def _unsupported(method: str, why: str):
     return refuse
 
 
-_POOLING = "Kiln runs generative models only (no pooling runner); use generate()"
+_POOLING = ("Kiln's pooling runner embeds only (LLM(model, runner=\"pooling\").embed()); "
+            "classification, scoring and reward need a model head its decoders lack")
 
 
 class LLM:
@@ -109,6 +110,7 @@ class LLM:
         vLLM's argument, None only (no LoRA adapters). `priority`: one int per prompt, lower
         served first under scheduling_policy="priority" (an n > 1 prompt's samples share it)."""
         refuse_lora(lora_request)
+        self._check_generate_runner("generate")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -155,10 +157,30 @@ class LLM:
         from kiln.entrypoints.beam_search import run_offline
 
         refuse_lora(lora_request)
+        self._check_generate_runner("beam_search")
         return run_offline(self, prompts, params, use_tqdm, concurrency_limit)
 
-    encode = _unsupported("encode", _POOLING)
-    embed = _unsupported("embed", _POOLING)
+    def embed(self, prompts, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool | Callable = True, pooling_params=None, lora_request=None):
+        """vLLM's: one EmbeddingRequestOutput per prompt (`.outputs.embedding`, a list of
+        floats), for an LLM built with runner="pooling" (or task="embed")."""
+        from kiln.pooling.offline import embed
+
+        return embed(self, prompts, truncate_prompt_tokens, use_tqdm, pooling_params,
+                     lora_request)
+
+    def encode(self, prompts, pooling_params=None, *, truncate_prompt_tokens: int | None = None,
+               use_tqdm: bool | Callable = True, lora_request=None, pooling_task: str = "embed"):
+        """vLLM's: one PoolingRequestOutput per prompt (`.outputs.data`, a float32 tensor);
+        Kiln's pooling runner has the "embed" task only."""
+        from kiln.pooling.offline import run_pooling
+
+        if pooling_task not in ("embed", None):
+            raise ValueError(f"pooling_task {pooling_task!r} is not supported: Kiln's pooling "
+                             "runner embeds (pooling_task=\"embed\")")
+        return run_pooling(self, prompts, pooling_params, truncate_prompt_tokens, use_tqdm,
+                           lora_request)
+
     classify = _unsupported("classify", _POOLING)
     score = _unsupported("score", _POOLING)
     reward = _unsupported("reward", _POOLING)
@@ -177,6 +199,7 @@ class LLM:
         tool dicts the template renders (as vLLM's LLM.chat); read calls out of the text with
         a tool parser (kiln.entrypoints.openai.tool_parsers)."""
         refuse_lora(lora_request)
+        self._check_generate_runner("chat")
         # vLLM's keywords (a TypeError here): text joined into a string is its "string" format
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError(f"chat_template_content_format {chat_template_content_format!r} "
@@ -208,6 +231,12 @@ class LLM:
                 raise ValueError(str(e) if len(conversations) == 1 else f"conversation {i}: {e}") \
                     from None
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _check_generate_runner(self, method: str) -> None:
+        if self.llm_engine.model_config.runner_type == "pooling":  # vLLM refuses it too
+            raise ValueError(f"LLM.{method}() is only supported for generative models; this "
+                             "LLM runs the pooling runner (runner=\"pooling\"): use embed() or "
+                             "encode(), or build it without runner=\"pooling\" to generate")
 
     def _check_owner(self) -> None:
         if os.getpid() != self._owner_pid:  # its sockets' other ends are the parent's: a hang

@@ -63,6 +63,11 @@ class ModelRunner(StepInputPreparation):
         self._cudagraph_step: tuple[CUDAGraphMode, BatchDescriptor | None] = \
             (CUDAGraphMode.NONE, None)
         self.stage = get_pp_group()  # this rank's pipeline group (size 1 without PP)
+        # --runner pooling: steps pool hidden states instead of sampling (kiln/pooling/).
+        self.pooler = None
+        if kiln_config.model_config.runner_type == "pooling":
+            from kiln.pooling.runner_pooler import RunnerPooler
+            self.pooler = RunnerPooler(kiln_config.model_config.pooler_config, device)
 
     # ---- model ---------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -186,6 +191,8 @@ class ModelRunner(StepInputPreparation):
             self._cudagraph_step = (CUDAGraphMode.NONE, None)
         if not self.stage.is_last_rank:
             return self._finish_earlier_stage(inputs, hidden)
+        if self.pooler is not None:
+            return self.pooler.step(so, inputs.req_ids, hidden, self.requests)
 
         # A step that raises past its draws is undone and recomputed (EngineCore.step): the
         # seeded requests' generators must then draw the same numbers again.

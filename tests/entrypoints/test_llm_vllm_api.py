@@ -37,7 +37,7 @@ def test_priority_under_fcfs_is_taken_and_ignored_bad_ones_are_refused(llm):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("method", ["encode", "embed", "classify", "score", "reward"])
+@pytest.mark.parametrize("method", ["classify", "score", "reward"])
 def test_vllm_methods_without_a_feature_are_refused_by_name(llm, method):
     with pytest.raises(ValueError, match=rf"LLM\.{method}\(\) is not supported: "):
         getattr(llm, method)(["hi"], None)

@@ -43,7 +43,7 @@ class FakeEngine:
         self.tokenizer = FakeTokenizer()
         model_config = SimpleNamespace(model="fake-model", max_model_len=max_model_len,
                                        vocab_size=VOCAB, generation_defaults={},
-                                       logprobs_cap=20)
+                                       logprobs_cap=20, runner_type="generate")
         self.kiln_config = SimpleNamespace(model_config=model_config,
                                            cache_config=CacheConfig(block_size=16))
         self.step_delay = step_delay

@@ -32,6 +32,11 @@ from kiln.entrypoints.openai.responses_protocol import ResponsesRequest
 from kiln.entrypoints.openai.server_settings import ServerSettings
 from kiln.entrypoints.openai.serving_chat import ServingChat
 from kiln.entrypoints.openai.serving_completion import ServingCompletion
+from kiln.entrypoints.openai.serving_embedding import (
+    EmbeddingRequest,
+    ServingEmbedding,
+    refuse_generate,
+)
 from kiln.entrypoints.openai.serving_models import ServingModels, displayable
 from kiln.entrypoints.openai.serving_responses import ServingResponses
 from kiln.entrypoints.openai.serving_tokenization import ServingTokenization
@@ -71,6 +76,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
                        trust_request_chat_template=settings.trust_request_chat_template,
                        defaults=defaults)
     responses = ServingResponses(chat)
+    embedding = ServingEmbedding(llm, models)
+    pooling = embedding.pooling  # --runner pooling: the generate endpoints refuse (vLLM's)
     tokenization = ServingTokenization(llm, models, model_config.vocab_size,
                                        settings.trust_request_chat_template, defaults)
 
@@ -147,14 +154,20 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw: Request):
+        if pooling:
+            raise refuse_generate("Completions")
         return await completion.create(req, raw)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request):
+        if pooling:
+            raise refuse_generate("Chat Completions")
         return await chat.create(req, raw)
 
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, raw: Request):
+        if pooling:
+            raise refuse_generate("Responses")
         return await responses.create(req, raw)
 
     # The store's (KILN_ENABLE_RESPONSES_API_STORE; 404 without it): GET as vLLM's, DELETE
@@ -168,6 +181,18 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str):
         responses.store.cancel(response_id)
+
+    # Each runner's schema states the endpoints it serves; the others answer their refusal.
+    @app.post("/v1/embeddings", include_in_schema=pooling)
+    async def create_embedding(req: EmbeddingRequest, raw: Request):
+        return await embedding.create(req, raw)
+
+    if pooling:
+        for route in app.routes:
+            if getattr(route, "path", None) in ("/v1/completions", "/v1/chat/completions",
+                                                "/v1/responses", "/v1/responses/{response_id}",
+                                                "/v1/responses/{response_id}/cancel"):
+                route.include_in_schema = False
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):

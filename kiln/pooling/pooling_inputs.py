@@ -1,0 +1,71 @@
+"""A pooling request's prompt and parameters checked before it is queued (LLM.embed / encode and
+/v1/embeddings): the prompt may fill max_model_len (nothing is generated), `dimensions` only for a
+model that declares matryoshka embeddings, as vLLM."""
+from kiln.engine.input_processor import ProcessedPrompt, validate_prompt_token_ids
+from kiln.pooling.outputs import PoolingParams
+from kiln.pooling.pooler_config import matryoshka_dimensions
+from kiln.sampling_params import RequestOutputKind, SamplingParams
+
+NOT_POOLING = ("this engine runs the generate runner; start it with --runner pooling (or "
+               "--task embed; LLM(model, runner=\"pooling\")) to get embeddings")
+
+
+def check_pooling_engine(engine) -> None:
+    if engine.model_config.runner_type != "pooling":
+        raise ValueError(NOT_POOLING)
+
+
+def check_dimensions(dimensions, model_config) -> None:
+    if dimensions is None:
+        return
+    if not isinstance(dimensions, int) or isinstance(dimensions, bool) or dimensions < 1:
+        raise ValueError(f"dimensions must be an integer greater than 0, got {dimensions!r}")
+    declared, sizes = matryoshka_dimensions(model_config.hf_config)
+    name = model_config.model
+    if not declared:
+        raise ValueError(f"dimensions: model {name!r} does not support matryoshka "
+                         "representation, changing output dimensions will lead to poor "
+                         "results (leave dimensions unset)")
+    if sizes and dimensions not in sizes:
+        raise ValueError(f"dimensions: model {name!r} only supports {list(sizes)} matryoshka "
+                         f"dimensions, using other output dimensions will lead to poor results")
+    if dimensions > model_config.hidden_size:
+        raise ValueError(f"dimensions {dimensions} is more than the model's embedding size "
+                         f"{model_config.hidden_size}")
+
+
+def process_pooling(engine, prompt, params: PoolingParams | None) -> ProcessedPrompt:
+    """Tokenize, truncate and validate one pooling prompt (raises ValueError naming the
+    field); the engine request it makes is prefill only (max_tokens=1 is never sampled)."""
+    check_pooling_engine(engine)
+    params = params or PoolingParams()
+    if not isinstance(params, PoolingParams):
+        raise ValueError(f"pooling_params must be a PoolingParams (or one per prompt), got "
+                         f"{type(params).__name__}")
+    processor = engine.input_processor
+    max_len = processor.max_model_len
+    check_dimensions(params.dimensions, engine.model_config)
+    text, token_ids = processor.tokenize(prompt, whole=True)
+    keep = params.truncate_prompt_tokens
+    if keep is not None:
+        if keep == -1:
+            keep = max_len
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1 or keep > max_len:
+            raise ValueError(f"truncate_prompt_tokens must be -1 or between 1 and max_model_len "
+                             f"{max_len}, got {params.truncate_prompt_tokens!r}")
+        token_ids = token_ids[-keep:]  # the last tokens, as vLLM keeps them
+    if len(token_ids) > max_len:
+        raise ValueError(f"This model's maximum context length is {max_len} tokens. However, "
+                         f"you requested {len(token_ids)} tokens in the input for embedding "
+                         "generation. Please reduce the length of the input (or set "
+                         "truncate_prompt_tokens).")
+    # max_model_len + 1: a prompt may fill the context (nothing is generated after it)
+    validate_prompt_token_ids(token_ids, processor.vocab_size, max_len + 1)
+    cache = processor.kv_cache_tokens
+    if cache is not None and len(token_ids) > cache:
+        raise ValueError(f"prompt length {len(token_ids)} is more than the whole KV cache holds "
+                         f"({cache} tokens); raise {processor.larger_cache_flags}, or shorten "
+                         "the prompt")
+    sampling = SamplingParams(max_tokens=1, detokenize=False)
+    sampling.output_kind = RequestOutputKind.FINAL_ONLY
+    return ProcessedPrompt(prompt=text, prompt_token_ids=list(token_ids), params=sampling)
