@@ -46,7 +46,9 @@ def find_gguf_file(path: Path) -> Path | None:
 class ModelConfig(FreezableConfig):
     model: str | None = None
     tokenizer: str | None = None
-    dtype: str = "auto"
+    # Requested: "auto", a name or a torch.dtype; once resolved, the torch.dtype the model
+    # runs in, as vLLM's ModelConfig.dtype (what was asked stays in `requested_dtype`).
+    dtype: Any = "auto"
     max_model_len: int | None = None
     seed: int = 0
     load_format: str = "auto"
@@ -78,6 +80,7 @@ class ModelConfig(FreezableConfig):
     # True when max_model_len came from the model, not the user: a KV cache too small for it
     # caps it (with a warning) instead of refusing to start.
     max_model_len_from_model: bool = field(init=False, default=False)
+    requested_dtype: Any = field(init=False, default="auto")
     torch_dtype: torch.dtype = field(init=False)
 
     def __post_init__(self):
@@ -112,7 +115,8 @@ class ModelConfig(FreezableConfig):
             self.load_format = "gguf" if self.gguf_file else "safetensors"
         from kiln.model.layers.quantization import resolve_quantization
         self.quantization = resolve_quantization(self.quantization, self.hf_config)
-        self.torch_dtype = self.resolve_dtype(current_platform.default_dtype)
+        self.requested_dtype = self.dtype
+        self.torch_dtype = self.dtype = self.resolve_dtype(current_platform.default_dtype)
         limit = self.derived_max_model_len
         # Kiln's attention has no sliding window: it is exact only while no sequence outgrows
         # the window, so the window caps the length (as vLLM's does with the window disabled).
@@ -186,8 +190,12 @@ class ModelConfig(FreezableConfig):
         return load_hf_dir_config(self.model_path)
 
     def resolve_dtype(self, platform_default: torch.dtype) -> torch.dtype:
-        """torch dtype of `dtype` on a platform whose default is platform_default."""
-        if self.dtype == "auto":
+        """torch dtype of the requested dtype on a platform whose default is
+        platform_default."""
+        requested = self.requested_dtype
+        if isinstance(requested, torch.dtype):  # LLM(dtype=torch.bfloat16), a resolved config
+            requested = str(requested).removeprefix("torch.")
+        if requested == "auto":
             # transformers 5 names it `dtype` (reading `torch_dtype` there logs a deprecation).
             config_dtype = getattr(self.hf_config, "dtype", None) or getattr(
                 self.hf_config, "torch_dtype", None)
@@ -198,9 +206,10 @@ class ModelConfig(FreezableConfig):
             if config_dtype in (torch.float16, torch.bfloat16) and platform_default != torch.float32:
                 return config_dtype
             return platform_default
-        if self.dtype not in _DTYPES:
-            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16; got {self.dtype!r}")
-        return _DTYPES[self.dtype]
+        if requested not in _DTYPES:
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16; got "
+                              f"{self.requested_dtype!r}")
+        return _DTYPES[requested]
 
     @property
     def derived_max_model_len(self) -> int:
