@@ -6,6 +6,7 @@ import contextlib
 import re
 
 from kiln.entrypoints.openai.errors import OpenAIError
+from kiln.entrypoints.openai.openai_limits import check_format_name, check_metadata
 from kiln.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ResponseFormat
 from kiln.entrypoints.openai.responses_protocol import ResponsesRequest
 
@@ -58,6 +59,9 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
     if req.stream_options is not None and not req.stream:
         raise OpenAIError("stream_options is only allowed with stream=true",
                           param="stream_options", code="invalid_value")
+    check_metadata(req.metadata)
+    if req.text is not None and req.text.format is not None:
+        check_format_name(req.text.format.name, "text.format.name")
 
 
 def _content(i: int, content) -> str | list:

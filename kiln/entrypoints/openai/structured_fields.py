@@ -5,6 +5,7 @@ import asyncio
 import re
 
 from kiln.entrypoints.openai.errors import OpenAIError
+from kiln.entrypoints.openai.openai_limits import check_format_name
 from kiln.sampling_params import StructuredOutputsParams
 from kiln.structured_output.params import (
     STRUCTURED_OUTPUT_KEYWORDS,
@@ -24,6 +25,7 @@ def _from_response_format(fmt) -> dict | None:
     if fmt.type == "json_object":
         return {"json_object": True}
     spec = fmt.json_schema or {}
+    check_format_name(spec.get("name"), "response_format.json_schema.name")
     schema = spec.get("schema")
     if schema is None:  # OpenAI requires one; vLLM reads its absence as any JSON object
         return {"json_object": True}
