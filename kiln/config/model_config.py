@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kiln.config.frozen import FreezableConfig
+from kiln.config.hf_overrides import apply_hf_overrides, check_hf_overrides
 from kiln.config.rope import max_positions_of, trained_length_of
 from kiln.errors import ConfigError
 
@@ -71,6 +72,8 @@ class ModelConfig(FreezableConfig):
     # Most logprobs (and prompt_logprobs) a request may ask for; -1: the whole vocabulary.
     # vLLM's --max-logprobs, and its default.
     max_logprobs: int = 20
+    # vLLM's --hf-overrides: changes to the HF config before the model is built (hf_overrides.py)
+    hf_overrides: dict | None = None
 
     model_path: Path = field(init=False)
     tokenizer_path: Path | None = field(init=False, default=None)
@@ -94,6 +97,7 @@ class ModelConfig(FreezableConfig):
             raise ConfigError(f"seed (--seed) must be an integer in [-2**63, 2**64 - 1], got "
                               f"{self.seed}")
 
+        check_hf_overrides(self.hf_overrides)
         if self.model is None:
             from kiln.model.loader.default_model import default_model_path
             self.model = str(default_model_path())
@@ -108,8 +112,10 @@ class ModelConfig(FreezableConfig):
                 raise ConfigError(f"--load-format safetensors reads a checkpoint directory, and "
                                   f"--model {self.model} is a file; for a .gguf file use "
                                   "--load-format gguf (or auto)")
-            self.hf_config = self._load_hf_config()
+            self.hf_config = apply_hf_overrides(self._load_hf_config(), self.hf_overrides)
             self._check_architecture()
+        else:
+            self.hf_config = apply_hf_overrides(self.hf_config, self.hf_overrides)
         self._resolve_tokenizer_side()
         if self.load_format == "auto":
             self.load_format = "gguf" if self.gguf_file else "safetensors"

@@ -22,6 +22,7 @@ from kiln.config import (
     SchedulerConfig,
 )
 from kiln.config.compilation_config import CompilationMode, spec_to_dict
+from kiln.config.hf_overrides import check_hf_overrides
 from kiln.engine.engine_flags import add_engine_flags
 from kiln.errors import ConfigError
 
@@ -61,6 +62,7 @@ class EngineArgs:
     generation_config: str = "auto"  # auto | vllm | a directory with generation_config.json
     max_logprobs: int = 20  # most (prompt_)logprobs a request may ask for; -1: the vocabulary
     quantization: str | None = None  # "int8": W8A8 on load; a quantized checkpoint sets it
+    hf_overrides: dict | None = None  # vLLM's: changes to the model's HF config (JSON object)
     ir_op_priority: dict | None = None  # {"rms_norm": ["native", "torch"]}; see kiln/ir/
     # vLLM's arguments that have one meaning here, taken so users' scripts and flags carry over
     # (other values are refused by _check_vllm_only_defaults).
@@ -89,6 +91,7 @@ class EngineArgs:
             return isinstance(value, kind)
 
         self.dtype = _dtype_name(self.dtype)  # (set after construction, too)
+        check_hf_overrides(self.hf_overrides)  # vLLM's function form is named as such
         if self.max_num_seqs is None:
             # vLLM's None: its default (lm-eval's vllm backend passes max_num_seqs=None unless
             # given max_batch_size)
@@ -165,7 +168,8 @@ class EngineArgs:
                                    chat_template=self.chat_template,
                                    generation_config=self.generation_config,
                                    max_logprobs=self.max_logprobs,
-                                   quantization=self.quantization)
+                                   quantization=self.quantization,
+                                   hf_overrides=self.hf_overrides)
         return KilnConfig(model_config=model_config, cache_config=cache_config,
                           scheduler_config=scheduler_config, parallel_config=parallel_config,
                           load_config=load_config, device_config=device_config,
@@ -188,6 +192,8 @@ class EngineArgs:
             flag = "--" + f.name.replace("_", "-")
             if f.name == "compilation_config":
                 argv += [flag, json.dumps(spec_to_dict(value))]
+            elif f.name == "hf_overrides":
+                argv += [flag, json.dumps(value)]
             elif f.name == "ir_op_priority":
                 for op, providers in value.items():
                     argv += [flag, f"{op}={','.join(providers)}"]
