@@ -36,7 +36,7 @@ def test_responses_within_the_limits_are_taken(client):  # noqa: F811
     assert r.json()["metadata"] == metadata
 
 
-@pytest.mark.parametrize("name", [5, "a b", "n" * 65, ""])
+@pytest.mark.parametrize("name", [5, None, "a b", "n" * 65, ""])
 def test_chat_response_format_name_is_checked(chat_client, name):  # noqa: F811
     r = chat_client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2,

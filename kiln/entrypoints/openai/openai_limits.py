@@ -8,7 +8,16 @@ from kiln.entrypoints.openai.errors import OpenAIError
 METADATA_MAX_PAIRS = 16
 METADATA_MAX_KEY_CHARS = 64
 METADATA_MAX_VALUE_CHARS = 512
-_FORMAT_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+FORMAT_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+_FORMAT_NAME = re.compile(FORMAT_NAME_PATTERN)
+
+# The same limits in the request models' JSON schema (/openapi.json), so that clients and schema
+# tools see them: the checks below are what enforces them, with OpenAI's messages.
+METADATA_SCHEMA = {"maxProperties": METADATA_MAX_PAIRS,
+                   "propertyNames": {"maxLength": METADATA_MAX_KEY_CHARS},
+                   "additionalProperties": {"type": "string",
+                                            "maxLength": METADATA_MAX_VALUE_CHARS}}
+FORMAT_NAME_SCHEMA = {"pattern": FORMAT_NAME_PATTERN}
 
 
 def check_metadata(metadata: dict | None, param: str = "metadata") -> None:
@@ -29,15 +38,16 @@ def check_metadata(metadata: dict | None, param: str = "metadata") -> None:
                               code="invalid_value")
 
 
-def check_format_name(name, param: str) -> None:
+def check_format_name(name, param: str, nullable: bool = True) -> None:
     """A json_schema format's `name`, when given: a string of OpenAI's pattern
-    ^[a-zA-Z0-9_-]{1,64}$ (vLLM types it as a string; it named nothing in the constraint)."""
-    if name is None:
+    ^[a-zA-Z0-9_-]{1,64}$ (vLLM types it as a string; it named nothing in the constraint).
+    `nullable`: null counts as not given (text.format's name, typed string | null)."""
+    if name is None and nullable:
         return
     if not isinstance(name, str):
         raise OpenAIError(f"{param}: must be a string, got {type(name).__name__} {name!r}",
                           param=param, code="invalid_type")
-    if not _FORMAT_NAME.fullmatch(name):
+    if not _FORMAT_NAME.match(name):
         shown = name if len(name) <= 80 else name[:77] + "..."
         raise OpenAIError(f"{param}: must be 1 to 64 characters of a-z, A-Z, 0-9, _ and -, got "
                           f"{shown!r}", param=param, code="invalid_value")

@@ -160,7 +160,9 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatComp
                   priority=req.priority, cache_salt=req.cache_salt)
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type != "text":
-        schema = None if fmt.schema_ is None else {"name": fmt.name, "schema": fmt.schema_}
+        schema = None if fmt.schema_ is None else {"schema": fmt.schema_}
+        if schema is not None and fmt.name is not None:  # null: no name (checked above)
+            schema["name"] = fmt.name
         if fmt.type == "json_schema" and fmt.schema_ is None:
             raise OpenAIError("text.format json_schema needs its schema", param="text.format",
                               code="invalid_value")

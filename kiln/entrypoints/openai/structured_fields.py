@@ -20,12 +20,15 @@ CONSTRAINT_FIELDS = ("response_format", "structured_outputs", *_GUIDED)
 
 
 def _from_response_format(fmt) -> dict | None:
+    if fmt is not None and fmt.json_schema and "name" in fmt.json_schema:
+        # whatever the type, as the request's schema says (a string, null too refused)
+        check_format_name(fmt.json_schema["name"], "response_format.json_schema.name",
+                          nullable=False)
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
         return {"json_object": True}
     spec = fmt.json_schema or {}
-    check_format_name(spec.get("name"), "response_format.json_schema.name")
     schema = spec.get("schema")
     if schema is None:  # OpenAI requires one; vLLM reads its absence as any JSON object
         return {"json_object": True}
