@@ -99,12 +99,6 @@ VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
              "\"linear\", \"factor\": 2.0}}'"),
     VllmFlag(("--rope-theta",), "overriding the model's RoPE theta (removed from vLLM)",
              "give it as vLLM now does: --hf-overrides '{\"rope_theta\": 1000000}'"),
-    VllmFlag(("--root-path",), "serving behind a proxy under a path prefix", "Kiln serves at "
-             "/: have the proxy strip the prefix"),
-    VllmFlag(("--ssl-keyfile",), "HTTPS", "Kiln serves plain HTTP: terminate TLS in a reverse "
-             "proxy (nginx, caddy) in front of kiln serve"),
-    VllmFlag(("--ssl-certfile",), "HTTPS", "Kiln serves plain HTTP: terminate TLS in a reverse "
-             "proxy (nginx, caddy) in front of kiln serve"),
     VllmFlag(("--data-parallel-size", "-dp"), "data-parallel engine replicas", "Kiln runs one "
              "engine: start one kiln serve per replica behind a load balancer (-tp / -pp split "
              "one model over ranks)", accepted=("1",)),

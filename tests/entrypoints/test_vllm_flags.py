@@ -98,8 +98,7 @@ def test_cli_errors_name_the_flag_beside_the_field():
 TESTER_FLAGS = [
     "--max-num-partial-prefills", "--override-generation-config", "--response-role",
     "--lora-modules", "--enable-lora", "--limit-mm-per-prompt", "--speculative-config",
-    "--disable-sliding-window", "--root-path",
-    "--ssl-keyfile", "--ssl-certfile", "-dp", "--data-parallel-size", "--max-seq-len-to-capture",
+    "--disable-sliding-window", "-dp", "--data-parallel-size", "--max-seq-len-to-capture",
     "--disable-custom-all-reduce", "--enable-log-requests", "--task",
     "--runner", "--chat-template-content-format", "--async-scheduling",
     "--cpu-offload-gb", "--enable-sleep-mode", "--model-impl", "--api-server-count",
