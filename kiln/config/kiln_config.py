@@ -55,8 +55,8 @@ class KilnConfig(FreezableConfig):
             **check_priority(self.ir_op_priority)}
         # "auto" dtype follows the configured device's platform, not the machine's: a CPU
         # engine on a GPU host keeps float32.
-        self.model_config.torch_dtype = self.model_config.resolve_dtype(
-            self.platform.default_dtype)
+        self.model_config.torch_dtype = self.model_config.dtype = (
+            self.model_config.resolve_dtype(self.platform.default_dtype))
         sched = self.scheduler_config
         sched.max_model_len = self.model_config.max_model_len
         if sched.max_num_batched_tokens is None:

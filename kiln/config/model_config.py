@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kiln.config.frozen import FreezableConfig
+from kiln.config.hf_overrides import apply_hf_overrides, check_hf_overrides
 from kiln.config.rope import max_positions_of, trained_length_of
 from kiln.errors import ConfigError
 
@@ -46,7 +47,9 @@ def find_gguf_file(path: Path) -> Path | None:
 class ModelConfig(FreezableConfig):
     model: str | None = None
     tokenizer: str | None = None
-    dtype: str = "auto"
+    # Requested: "auto", a name or a torch.dtype; once resolved, the torch.dtype the model
+    # runs in, as vLLM's ModelConfig.dtype (what was asked stays in `requested_dtype`).
+    dtype: Any = "auto"
     max_model_len: int | None = None
     seed: int = 0
     load_format: str = "auto"
@@ -72,6 +75,8 @@ class ModelConfig(FreezableConfig):
     # vLLM's runner: "generate", or "pooling" (embeddings; kiln/pooling/), with its pooler.
     runner_type: str = "generate"
     pooler_config: Any = None  # kiln.pooling.pooler_config.PoolerConfig for "pooling"
+    # vLLM's --hf-overrides: changes to the HF config before the model is built (hf_overrides.py)
+    hf_overrides: dict | None = None
 
     model_path: Path = field(init=False)
     tokenizer_path: Path | None = field(init=False, default=None)
@@ -81,6 +86,7 @@ class ModelConfig(FreezableConfig):
     # True when max_model_len came from the model, not the user: a KV cache too small for it
     # caps it (with a warning) instead of refusing to start.
     max_model_len_from_model: bool = field(init=False, default=False)
+    requested_dtype: Any = field(init=False, default="auto")
     torch_dtype: torch.dtype = field(init=False)
 
     def __post_init__(self):
@@ -94,6 +100,7 @@ class ModelConfig(FreezableConfig):
             raise ConfigError(f"seed (--seed) must be an integer in [-2**63, 2**64 - 1], got "
                               f"{self.seed}")
 
+        check_hf_overrides(self.hf_overrides)
         if self.model is None:
             from kiln.model.loader.default_model import default_model_path
             self.model = str(default_model_path())
@@ -108,14 +115,17 @@ class ModelConfig(FreezableConfig):
                 raise ConfigError(f"--load-format safetensors reads a checkpoint directory, and "
                                   f"--model {self.model} is a file; for a .gguf file use "
                                   "--load-format gguf (or auto)")
-            self.hf_config = self._load_hf_config()
+            self.hf_config = apply_hf_overrides(self._load_hf_config(), self.hf_overrides)
             self._check_architecture()
+        else:
+            self.hf_config = apply_hf_overrides(self.hf_config, self.hf_overrides)
         self._resolve_tokenizer_side()
         if self.load_format == "auto":
             self.load_format = "gguf" if self.gguf_file else "safetensors"
         from kiln.model.layers.quantization import resolve_quantization
         self.quantization = resolve_quantization(self.quantization, self.hf_config)
-        self.torch_dtype = self.resolve_dtype(current_platform.default_dtype)
+        self.requested_dtype = self.dtype
+        self.torch_dtype = self.dtype = self.resolve_dtype(current_platform.default_dtype)
         limit = self.derived_max_model_len
         # Kiln's attention has no sliding window: it is exact only while no sequence outgrows
         # the window, so the window caps the length (as vLLM's does with the window disabled).
@@ -189,8 +199,12 @@ class ModelConfig(FreezableConfig):
         return load_hf_dir_config(self.model_path)
 
     def resolve_dtype(self, platform_default: torch.dtype) -> torch.dtype:
-        """torch dtype of `dtype` on a platform whose default is platform_default."""
-        if self.dtype == "auto":
+        """torch dtype of the requested dtype on a platform whose default is
+        platform_default."""
+        requested = self.requested_dtype
+        if isinstance(requested, torch.dtype):  # LLM(dtype=torch.bfloat16), a resolved config
+            requested = str(requested).removeprefix("torch.")
+        if requested == "auto":
             # transformers 5 names it `dtype` (reading `torch_dtype` there logs a deprecation).
             config_dtype = getattr(self.hf_config, "dtype", None) or getattr(
                 self.hf_config, "torch_dtype", None)
@@ -201,9 +215,10 @@ class ModelConfig(FreezableConfig):
             if config_dtype in (torch.float16, torch.bfloat16) and platform_default != torch.float32:
                 return config_dtype
             return platform_default
-        if self.dtype not in _DTYPES:
-            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16; got {self.dtype!r}")
-        return _DTYPES[self.dtype]
+        if requested not in _DTYPES:
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16; got "
+                              f"{self.requested_dtype!r}")
+        return _DTYPES[requested]
 
     @property
     def derived_max_model_len(self) -> int:

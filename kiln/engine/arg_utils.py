@@ -22,6 +22,7 @@ from kiln.config import (
     SchedulerConfig,
 )
 from kiln.config.compilation_config import CompilationMode, spec_to_dict
+from kiln.config.hf_overrides import check_hf_overrides
 from kiln.engine.engine_flags import add_engine_flags
 from kiln.errors import ConfigError
 from kiln.pooling.pooler_config import pooler_config_json, resolve_pooler_config, resolve_runner
@@ -62,6 +63,7 @@ class EngineArgs:
     generation_config: str = "auto"  # auto | vllm | a directory with generation_config.json
     max_logprobs: int = 20  # most (prompt_)logprobs a request may ask for; -1: the vocabulary
     quantization: str | None = None  # "int8": W8A8 on load; a quantized checkpoint sets it
+    hf_overrides: dict | None = None  # vLLM's: changes to the model's HF config (JSON object)
     ir_op_priority: dict | None = None  # {"rms_norm": ["native", "torch"]}; see kiln/ir/
     # vLLM's arguments that have one meaning here, taken so users' scripts and flags carry over
     # (other values are refused by _check_vllm_only_defaults).
@@ -96,6 +98,7 @@ class EngineArgs:
             return isinstance(value, kind)
 
         self.dtype = _dtype_name(self.dtype)  # (set after construction, too)
+        check_hf_overrides(self.hf_overrides)  # vLLM's function form is named as such
         if self.max_num_seqs is None:
             # vLLM's None: its default (lm-eval's vllm backend passes max_num_seqs=None unless
             # given max_batch_size)
@@ -175,7 +178,8 @@ class EngineArgs:
                                    chat_template=self.chat_template,
                                    generation_config=self.generation_config,
                                    max_logprobs=self.max_logprobs,
-                                   quantization=self.quantization, runner_type=runner)
+                                   quantization=self.quantization, runner_type=runner,
+                                   hf_overrides=self.hf_overrides)
         model_config.pooler_config = resolve_pooler_config(
             runner, self.pooler_config, self.override_pooler_config, model_config.model_path)
         if runner == "pooling" and model_config.pooler_config.pooling_type != "LAST":
@@ -203,6 +207,8 @@ class EngineArgs:
             flag = "--" + f.name.replace("_", "-")
             if f.name == "compilation_config":
                 argv += [flag, json.dumps(spec_to_dict(value))]
+            elif f.name == "hf_overrides":
+                argv += [flag, json.dumps(value)]
             elif f.name == "ir_op_priority":
                 for op, providers in value.items():
                     argv += [flag, f"{op}={','.join(providers)}"]

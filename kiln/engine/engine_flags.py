@@ -6,6 +6,7 @@ import re
 from typing import TYPE_CHECKING
 
 from kiln.config.compilation_config import cli_fields, level_as_mode, merged_fields
+from kiln.config.hf_overrides import parse_hf_overrides
 from kiln.config.load_config import LOAD_FORMATS
 from kiln.engine.vllm_flags import add_vllm_only_flags, max_model_len_flag
 
@@ -63,6 +64,14 @@ class _IrOpPriority(argparse.Action):
         setattr(namespace, self.dest, {**(current or {}), **update})
 
 
+def hf_overrides_flag(text: str) -> dict:
+    """--hf-overrides JSON: argparse names the flag and says what is wrong with the JSON."""
+    try:
+        return parse_hf_overrides(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--hf-overrides ")) from None
+
+
 def add_engine_flags(parser: argparse.ArgumentParser,
                      d: "EngineArgs") -> argparse.ArgumentParser:
     """Add every engine flag to `parser`, each defaulting to its field in `d`."""
@@ -104,6 +113,11 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                    help="context length (prompt + output), as vLLM takes it: 4096, 32k "
                         "(32000) or 32K (32768); -1 or auto: the model's, lowered to what the "
                         "KV cache holds (also the default)")
+    g.add_argument("--hf-overrides", type=hf_overrides_flag, default=d.hf_overrides,
+                   metavar="JSON",
+                   help="changes to the model's Hugging Face config, as vLLM's: a JSON object "
+                        "('{\"rope_theta\": 1000000}'); a key naming a sub-config merges "
+                        "into it, any other key replaces the value")
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                    help="most logprobs (and prompt_logprobs) a request may ask for; -1: "
                         "the whole vocabulary")

@@ -10,6 +10,7 @@ import weakref
 
 from kiln import envs
 from kiln.config import KilnConfig, ParallelConfig
+from kiln.config.settled_length import with_settled_max_model_len
 from kiln.core.parent_request import child_params, child_request_id
 from kiln.core.request import Request, RequestStatus
 from kiln.core.request_queue import check_priority
@@ -95,8 +96,10 @@ class LLMEngine(EngineTokenStats, EngineVllmViews):
         self.input_processor.kv_cache_tokens = (self.engine_core.num_blocks
                                                 * kiln_config.cache_config.block_size)
         self.input_processor.larger_cache_flags = kiln_config.cache_config.larger_cache_flags()
-        # The core may have lowered it to what the KV cache holds.
+        # The core may have lowered it to what the KV cache holds: so do the configs read.
         self.input_processor.max_model_len = self.engine_core.max_model_len
+        self.kiln_config = with_settled_max_model_len(kiln_config, self.engine_core.max_model_len)
+        self.model_config = self.kiln_config.model_config
         # Dropped without shutdown(), the engine still shuts its core down: a worker keeps
         # the start-up heap out of the garbage collector's reach until then (host_memory.py).
         self._shutdown = weakref.finalize(self, self.engine_core.shutdown)

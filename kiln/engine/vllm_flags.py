@@ -93,16 +93,12 @@ VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
              "Kiln serves text-only models"),
     VllmFlag(("--speculative-config",), "speculative decoding", "Kiln has none: every token "
              "comes from the model's own step"),
-    VllmFlag(("--hf-overrides",), "changes to the model's Hugging Face config", "Kiln takes "
-             "the checkpoint's config.json as it is: edit a copy of it"),
-    VllmFlag(("--rope-scaling",), "overriding the model's RoPE scaling", "Kiln reads "
-             "rope_scaling from the checkpoint's config.json: edit a copy of it"),
-    VllmFlag(("--root-path",), "serving behind a proxy under a path prefix", "Kiln serves at "
-             "/: have the proxy strip the prefix"),
-    VllmFlag(("--ssl-keyfile",), "HTTPS", "Kiln serves plain HTTP: terminate TLS in a reverse "
-             "proxy (nginx, caddy) in front of kiln serve"),
-    VllmFlag(("--ssl-certfile",), "HTTPS", "Kiln serves plain HTTP: terminate TLS in a reverse "
-             "proxy (nginx, caddy) in front of kiln serve"),
+    # vLLM removed both (vllm-project/vllm#28006) in favour of --hf-overrides
+    VllmFlag(("--rope-scaling",), "overriding the model's RoPE scaling (removed from vLLM)",
+             "give it as vLLM now does: --hf-overrides '{\"rope_scaling\": {\"rope_type\": "
+             "\"linear\", \"factor\": 2.0}}'"),
+    VllmFlag(("--rope-theta",), "overriding the model's RoPE theta (removed from vLLM)",
+             "give it as vLLM now does: --hf-overrides '{\"rope_theta\": 1000000}'"),
     VllmFlag(("--data-parallel-size", "-dp"), "data-parallel engine replicas", "Kiln runs one "
              "engine: start one kiln serve per replica behind a load balancer (-tp / -pp split "
              "one model over ranks)", accepted=("1",)),

@@ -71,7 +71,11 @@ class BeamSearch:
             for token, lp in step.items():
                 cum = beam.cum_logprob + lp.logprob
                 if token == self.eos_token_id:
-                    self.completed.append(_extend(beam, step, token, cum, "stop"))
+                    # vLLM's beam search ends it with finish_reason "stop" and the eos id as
+                    # stop_reason (a sampled request's eos leaves it None)
+                    ended = _extend(beam, step, token, cum, "stop")
+                    ended.stop_reason = token
+                    self.completed.append(ended)
                 else:
                     candidates.append((cum, beam, step, token))
         # Stable: equal sums keep the order the beams and their candidates came in.

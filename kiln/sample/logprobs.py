@@ -7,7 +7,7 @@ the model rules out (a -inf or NaN logit) has logprob -inf, never NaN; the OpenA
 import torch
 
 from kiln.core.outputs import LogprobsLists
-from kiln.sample.row_reductions import count_above
+from kiln.sample.row_reductions import count_at_least
 
 
 def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
@@ -16,7 +16,9 @@ def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
     top-K), and the sampled token's 1-based rank [N]. raw_logprobs [N, V], sampled [N]."""
     sampled_lp = raw_logprobs.gather(1, sampled.unsqueeze(1))  # [N, 1]
     top_lp, top_ids = raw_logprobs.topk(max_num_logprobs, dim=1)  # [N, K]
-    ranks = count_above(raw_logprobs, sampled_lp) + 1  # [N]
+    # vLLM's rank: the tokens at least as likely, itself included (a tie counts against it,
+    # so two tokens tied for the top both rank 2)
+    ranks = count_at_least(raw_logprobs, sampled_lp)  # [N]
     ids = torch.cat([sampled.unsqueeze(1), top_ids], dim=1)
     lps = torch.cat([sampled_lp, top_lp], dim=1)
     return ids, lps, ranks

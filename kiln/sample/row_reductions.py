@@ -21,13 +21,14 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=1) if a is None else torch.from_numpy(a.argmax(axis=1))
 
 
-def count_above(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """Per row of x [N, V], how many entries exceed value [N, 1] (int64 [N]), in numpy where it
-    can: several times faster than torch's comparison and bool sum (docs/measurements.md)."""
+def count_at_least(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Per row of x [N, V], how many entries are >= value [N, 1] (int64 [N]), in numpy where
+    it can: several times faster than torch's comparison and bool sum (docs/measurements.md).
+    vLLM's batched_count_greater_than (its logprob rank: ties count against the token)."""
     a, v = _as_numpy(x), _as_numpy(value)
     if a is None or v is None:
-        return (x > value).sum(dim=1)
-    return torch.from_numpy((a > v).sum(axis=1))
+        return (x >= value).sum(dim=1)
+    return torch.from_numpy((a >= v).sum(axis=1))
 
 
 def has_nan_or_posinf(x: torch.Tensor) -> bool:

@@ -206,3 +206,36 @@ def test_offered_logprobs_carry_their_text(llm):
     assert {t: lp.decoded_token for t, lp in out.sequences[0].logprobs[0].items()} == want
     assert all(lp.decoded_token for seq in out.sequences for step in seq.logprobs
                for lp in step.values())
+
+
+# A beam that eos ended reports finish_reason "stop" with the eos id as stop_reason, as vLLM's
+# beam search does (`stop_reason=tokenizer.eos_token_id`); Kiln's said null.
+EOS_PROMPTS = random_prompts(4, [3, 6], vocab=8, seed=11)
+
+
+def test_offline_beams_ended_by_eos_name_it(small_llm):
+    outs = small_llm.beam_search([{"prompt_token_ids": p} for p in EOS_PROMPTS],
+                                 BeamSearchParams(beam_width=3, max_tokens=3))
+    seqs = [s for out in outs for s in out.sequences]
+    assert any(s.finish_reason == "stop" for s in seqs)
+    for s in seqs:
+        assert s.stop_reason == (EOS if s.finish_reason == "stop" else None)
+        assert (s.finish_reason == "stop") == (s.tokens[-1] == EOS)
+
+
+def test_server_beams_ended_by_eos_name_it(small_llm):
+    from fastapi.testclient import TestClient
+
+    from kiln.engine.async_llm import AsyncLLM
+    from kiln.entrypoints.openai.api_server import ServerSettings, build_app
+
+    app = build_app(AsyncLLM(small_llm.llm_engine), ServerSettings(served_model_names=["m"]))
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json=dict(
+            model="m", prompt=EOS_PROMPTS, use_beam_search=True, n=3, max_tokens=3,
+            temperature=0, return_token_ids=True))
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert any(c["finish_reason"] == "stop" for c in choices)
+    for c in choices:
+        assert c["stop_reason"] == (EOS if c["finish_reason"] == "stop" else None)

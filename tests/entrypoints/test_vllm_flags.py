@@ -98,12 +98,11 @@ def test_cli_errors_name_the_flag_beside_the_field():
 TESTER_FLAGS = [
     "--max-num-partial-prefills", "--override-generation-config", "--response-role",
     "--lora-modules", "--enable-lora", "--limit-mm-per-prompt", "--speculative-config",
-    "--disable-sliding-window", "--hf-overrides", "--root-path",
-    "--ssl-keyfile", "--ssl-certfile", "-dp", "--data-parallel-size", "--max-seq-len-to-capture",
-    "--disable-custom-all-reduce", "--enable-log-requests",
-    "--chat-template-content-format", "--async-scheduling",
+    "--disable-sliding-window", "-dp", "--data-parallel-size", "--max-seq-len-to-capture",
+    "--disable-custom-all-reduce", "--enable-log-requests", "--chat-template-content-format",
+    "--async-scheduling",
     "--cpu-offload-gb", "--enable-sleep-mode", "--model-impl", "--api-server-count",
-    "--rope-scaling", "--kv-cache-memory-bytes", "--logprobs-mode"]
+    "--rope-scaling", "--rope-theta", "--kv-cache-memory-bytes", "--logprobs-mode"]
 
 
 def _engine_commands(parser=None, prefix=()):
@@ -146,7 +145,8 @@ def test_vllm_flag_refusals_say_why_and_what_instead():
 
     parser = build_parser()
     for argv, words in ((["serve", "--enable-lora"], "LoRA adapters"),
-                        (["generate", "--hf-overrides", "{}"], "config.json"),
+                        (["generate", "--rope-scaling", "{}"], "--hf-overrides '{\"rope_scaling"),
+                        (["generate", "--rope-theta", "1e6"], "--hf-overrides '{\"rope_theta"),
                         (["serve", "--kv-cache-memory-bytes", "4G"], "--kv-cache-memory 4)"),
                         (["serve", "--override-generation-config", "{}"],
                          "--generation-config DIR"),
@@ -201,8 +201,8 @@ def test_llm_refuses_vllm_only_arguments_with_the_same_reason():
     with pytest.raises(ValueError) as e:
         LLM(model="/nowhere", enable_lora=True)
     assert str(e.value).startswith("enable_lora=True is vLLM's argument for LoRA adapters")
-    with pytest.raises(ValueError, match=r"hf_overrides=\{'rope_theta': 1\} is vLLM's argument"):
-        LLM(model="/nowhere", hf_overrides={"rope_theta": 1})
+    with pytest.raises(ValueError, match=r"rope_theta=1000000 is vLLM's argument .*hf-overrides"):
+        LLM(model="/nowhere", rope_theta=1000000)
     with pytest.raises(ValueError, match="only data_parallel_size=1 is taken"):
         LLM(model="/nowhere", data_parallel_size=2)
     # vLLM's defaults ask for nothing: taken, and the next error is the missing model's

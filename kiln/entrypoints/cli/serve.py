@@ -112,6 +112,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--enable-request-id-headers", action="store_true",
                    help="send X-Request-Id on every response: a new id where the request "
                         "sent none (a client's own X-Request-Id is always echoed)")
+    g.add_argument("--root-path", default="",
+                   help="the path prefix a reverse proxy serves this server under (FastAPI's "
+                        "root_path, as vLLM's): routes answer with and without it")
+    g.add_argument("--ssl-keyfile", default=None, help="HTTPS: the server's private key file")
+    g.add_argument("--ssl-certfile", default=None,
+                   help="HTTPS: the server's certificate file (with it, kiln serve speaks HTTPS)")
+    g.add_argument("--ssl-ca-certs", default=None,
+                   help="HTTPS: CA certificates that client certificates are checked against")
+    g.add_argument("--ssl-cert-reqs", type=int, default=0,
+                   help="HTTPS: whether a client certificate is required (Python's ssl module: "
+                        "0 none, 1 optional, 2 required)")
     # vLLM's flag, taken so that vLLM command lines carry over
     g.add_argument("--max-log-len", default=None, metavar="N",
                    help="accepted for vLLM command lines: Kiln never logs prompts, so there "
@@ -158,7 +169,16 @@ def settings_from_args(args: argparse.Namespace):
         raise ValueError("the API key (--api-key, else $KILN_API_KEY or $VLLM_API_KEY) begins "
                          "or ends with whitespace, which no Authorization header can carry; "
                          "set it without")
+    from kiln.entrypoints.openai.server_tls import check_tls_flags
+
+    check_tls_flags(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+    if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
+        raise ValueError(f"--root-path must start with / and not end with one (e.g. /api), got "
+                         f"{args.root_path!r}")
     return ServerSettings(host=args.host, port=args.port, api_key=api_key,
+                          root_path=args.root_path, ssl_keyfile=args.ssl_keyfile,
+                          ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                          ssl_cert_reqs=args.ssl_cert_reqs,
                           served_model_names=args.served_model_name,
                           max_request_body_bytes=args.max_request_body_bytes,
                           max_sequences_per_request=args.max_sequences_per_request,
@@ -264,5 +284,6 @@ def banner(llm, settings) -> str:
             f"({getattr(mode, 'name', mode)}) | KV cache {llm.num_blocks} blocks x "
             f"{cache.block_size} tokens | max_model_len {llm.max_model_len} | "
             f"{_threads(llm)}"
-            f"http://{settings.host}:{settings.port} | API key "
+            f"{'https' if settings.ssl_certfile else 'http'}://{settings.host}:{settings.port}"
+            f"{settings.root_path} | API key "
             f"{'on' if settings.api_key else 'off'}")

@@ -100,6 +100,9 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     docs = {} if not settings.disable_fastapi_docs else dict(openapi_url=None, docs_url=None,
                                                               redoc_url=None)
     app = FastAPI(title="Kiln OpenAI-compatible server", lifespan=lifespan, **docs)
+    # --root-path, set as vLLM sets it (app.root_path; FastAPI's keyword for it is deprecated):
+    # routes answer under the prefix too, and the OpenAPI schema and docs pages name it
+    app.root_path = settings.root_path
     app.router.route_class = JSONBodyRoute  # every route below parses its body with jiter
     app.state.llm = llm
     app.state.metrics = metrics

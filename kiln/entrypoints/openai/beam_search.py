@@ -144,7 +144,8 @@ async def _output(llm: AsyncLLM, request_id: str, search: BeamSearch, prompt_tex
                                        params.skip_special_tokens)
         outputs.append(CompletionOutput(index=j, text=text, token_ids=shown,
                                         cumulative_logprob=beam.cum_logprob,
-                                        finish_reason=beam.finish_reason))
+                                        finish_reason=beam.finish_reason,
+                                        stop_reason=beam.stop_reason))
     return RequestOutput(request_id=request_id, prompt=prompt_text,
                          prompt_token_ids=search.prompt_token_ids,
                          outputs=outputs, finished=True)

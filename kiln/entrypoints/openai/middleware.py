@@ -13,6 +13,15 @@ import uuid
 from kiln.entrypoints.openai.errors import error_body
 
 
+def get_route_path(scope) -> str:
+    """The path the routes see: under --root-path (FastAPI's root_path), a request may come
+    with the prefix (a proxy that keeps it) or without; the prefix is not part of the route."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):] or "/"
+    return path
+
+
 async def _send_json(send, status: int, body: dict, headers: list | None = None) -> None:
     payload = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
@@ -62,7 +71,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] == "OPTIONS" or \
-                scope["path"] in self.open_paths:
+                get_route_path(scope) in self.open_paths:  # under --root-path too
             return await self.app(scope, receive, send)
         given = [v for k, v in scope["headers"] if k == b"authorization"]
         if len(given) > 1:  # which one counts would differ between proxies: refuse both
@@ -123,7 +132,7 @@ class ServerLoadMiddleware:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or \
-                scope["path"] not in self.PATHS:
+                get_route_path(scope) not in self.PATHS:
             return await self.app(scope, receive, send)
         self.counter.value += 1
         try:

@@ -245,7 +245,9 @@ def describe(app: FastAPI, **served) -> None:
         if app.openapi_schema is None:
             with warnings.catch_warnings():  # the duplicates it warns of are renamed below
                 warnings.filterwarnings("ignore", message="Duplicate Operation ID")
-                schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+                # servers: --root-path's prefix, which FastAPI's /openapi.json route adds
+                schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                                     servers=app.servers or None)
             app.openapi_schema = patch_schema(unique_operation_ids(schema), **served)
         return app.openapi_schema
 

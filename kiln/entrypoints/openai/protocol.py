@@ -10,6 +10,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Discriminator, Field, StrictBool, Tag, WithJsonSchema, model_validator
 
+from kiln.entrypoints.openai.openai_limits import FORMAT_NAME_SCHEMA
 from kiln.entrypoints.openai.protocol_base import (
     JsonFloat,
     JsonInt,
@@ -34,7 +35,8 @@ class StreamOptions(RequestBase):
 class ResponseFormat(RequestBase):
     type: Literal["text", "json_object", "json_schema"] = "text"
     # {"name": ..., "schema": {...}, "strict": ...} for type json_schema
-    json_schema: dict[str, Any] | None = None
+    json_schema: dict[str, Any] | None = Field(None, json_schema_extra={
+        "properties": {"name": {"type": "string", **FORMAT_NAME_SCHEMA}}})
 
 
 # OpenAI's request fields that change nothing a local model writes: ignored without a warning.

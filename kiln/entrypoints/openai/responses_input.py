@@ -6,6 +6,7 @@ import contextlib
 import re
 
 from kiln.entrypoints.openai.errors import OpenAIError
+from kiln.entrypoints.openai.openai_limits import check_format_name, check_metadata
 from kiln.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ResponseFormat
 from kiln.entrypoints.openai.responses_protocol import ResponseInputItem, ResponsesRequest
 from kiln.entrypoints.openai.responses_tools import (
@@ -57,6 +58,9 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
     if req.stream_options is not None and not req.stream:
         raise OpenAIError("stream_options is only allowed with stream=true",
                           param="stream_options", code="invalid_value")
+    check_metadata(req.metadata)
+    if req.text is not None and req.text.format is not None:
+        check_format_name(req.text.format.name, "text.format.name")
 
 
 def _content(i: int, content) -> str | list:
@@ -181,7 +185,9 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatComp
                           "tool_choice", param="tool_choice", code="invalid_value")
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type != "text":
-        schema = None if fmt.schema_ is None else {"name": fmt.name, "schema": fmt.schema_}
+        schema = None if fmt.schema_ is None else {"schema": fmt.schema_}
+        if schema is not None and fmt.name is not None:  # null: no name (checked above)
+            schema["name"] = fmt.name
         if fmt.type == "json_schema" and fmt.schema_ is None:
             raise OpenAIError("text.format json_schema needs its schema", param="text.format",
                               code="invalid_value")

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, StrictBool, model_validator
 
+from kiln.entrypoints.openai.openai_limits import FORMAT_NAME_SCHEMA, METADATA_SCHEMA
 from kiln.entrypoints.openai.protocol_base import (
     JsonFloat,
     JsonInt,
@@ -73,7 +74,7 @@ class TextFormat(RequestBase):
     """text.format: "text", "json_object", or "json_schema" with the schema beside the type
     (not under a json_schema key, as chat's response_format has it)."""
     type: Literal["text", "json_object", "json_schema"] = "text"
-    name: str | None = None
+    name: str | None = Field(None, json_schema_extra=FORMAT_NAME_SCHEMA)
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     description: str | None = None
     strict: StrictBool | None = None
@@ -102,7 +103,7 @@ class ResponsesRequest(RequestBase):
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None  # include_obfuscation: no random padding here
     user: str | None = None  # echoed
-    metadata: dict[str, str] | None = None  # echoed
+    metadata: dict[str, str] | None = Field(None, json_schema_extra=METADATA_SCHEMA)  # echoed
     text: TextConfig | None = None
     # OpenAI's default is true: kept with KILN_ENABLE_RESPONSES_API_STORE=1 (responses_store.py);
     # without it nothing is kept and the response says store false, as vLLM's.

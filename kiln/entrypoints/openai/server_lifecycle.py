@@ -22,6 +22,7 @@ from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai.api_server import build_app
 from kiln.entrypoints.openai.http_protocol import hardened_protocol
 from kiln.entrypoints.openai.server_settings import ServerSettings
+from kiln.entrypoints.openai.server_tls import uvicorn_tls_config
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -130,7 +131,8 @@ def serve(llm: AsyncLLM, settings: ServerSettings, sock: socket.socket | None = 
                             log_level=settings.log_level, access_log=settings.access_log,
                             timeout_graceful_shutdown=(settings.graceful_shutdown_timeout
                                                        + _REPORT_ABORT_S),
-                            timeout_keep_alive=settings.timeout_keep_alive, lifespan="on")
+                            timeout_keep_alive=settings.timeout_keep_alive, lifespan="on",
+                            **uvicorn_tls_config(settings))
     server = _Server(config, llm, settings.graceful_shutdown_timeout, stop_signal)
     exit_code = 0
 

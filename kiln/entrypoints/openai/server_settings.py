@@ -57,3 +57,10 @@ class ServerSettings:
     enable_request_id_headers: bool = False
     # Seconds between throughput lines in the log while busy; None: none (--disable-log-stats).
     stats_log_interval: float | None = 5.0
+    # vLLM's --root-path: the path prefix a proxy serves this app under (FastAPI's root_path)
+    root_path: str = ""
+    # vLLM's HTTPS flags (server_tls.py); no certificate: plain HTTP
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0  # ssl.CERT_NONE: no client certificate asked

@@ -5,6 +5,7 @@ import asyncio
 import re
 
 from kiln.entrypoints.openai.errors import OpenAIError
+from kiln.entrypoints.openai.openai_limits import check_format_name
 from kiln.sampling_params import StructuredOutputsParams
 from kiln.structured_output.params import (
     STRUCTURED_OUTPUT_KEYWORDS,
@@ -19,6 +20,10 @@ CONSTRAINT_FIELDS = ("response_format", "structured_outputs", *_GUIDED)
 
 
 def _from_response_format(fmt) -> dict | None:
+    if fmt is not None and fmt.json_schema and "name" in fmt.json_schema:
+        # whatever the type, as the request's schema says (a string, null too refused)
+        check_format_name(fmt.json_schema["name"], "response_format.json_schema.name",
+                          nullable=False)
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":

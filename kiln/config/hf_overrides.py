@@ -1,0 +1,95 @@
+"""vLLM's `--hf-overrides JSON` / `LLM(hf_overrides={...})`: changes to the model's Hugging Face
+config, applied before the model is built. As vLLM's ModelConfig._apply_dict_overrides: a key
+naming a sub-config (a nested config such as text_config) is merged into it, key by key and
+recursively; any other key (a plain value, or a dict-valued parameter such as rope_scaling) is
+set whole. The result is the config everything reads, so the compile cache key and the GGUF
+weight snapshot key (both hash `hf_config.to_dict()`) follow the overrides."""
+import json
+
+from kiln.config.hf_config_snapshot import HFConfigSnapshot, snapshot_of
+from kiln.errors import ConfigError
+
+# The legacy rope fields transformers 5 folds into rope_parameters (what Kiln reads first).
+_LEGACY_ROPE = ("rope_scaling", "rope_theta")
+
+
+def parse_hf_overrides(text) -> dict | None:
+    """--hf-overrides as vLLM takes it: a JSON object (a dict as given)."""
+    if text is None or isinstance(text, dict):
+        return text
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--hf-overrides must be a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--hf-overrides must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def check_hf_overrides(overrides) -> None:
+    if overrides is None:
+        return
+    if callable(overrides):
+        raise ConfigError("hf_overrides as a function is vLLM's offline form; Kiln takes a dict "
+                          "(its config crosses to the engine core's process): give the keys to "
+                          "change, e.g. hf_overrides={'rope_theta': 1e6}")
+    if not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides):
+        raise ConfigError(f"hf_overrides (--hf-overrides) must be a JSON object / dict with "
+                          f"string keys, got {overrides!r}")
+    try:  # it is hashed into cache keys and crosses to the core: plain JSON values only
+        json.dumps(overrides, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"hf_overrides (--hf-overrides) must hold JSON values: {e}") from None
+
+
+def _is_sub_config(value) -> bool:
+    """A nested config in to_dict() form (transformers writes model_type into each)."""
+    return isinstance(value, dict) and "model_type" in value
+
+
+def _merge_nested(target: dict, updates: dict) -> None:
+    """vLLM's _update_nested: dicts into existing dicts, key by key; anything else set."""
+    for key, value in updates.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            _merge_nested(target[key], value)
+        else:
+            target[key] = value
+
+
+def _fold_legacy_rope(values: dict, overrides: dict) -> None:
+    """An override of rope_scaling / rope_theta where the config keeps rope_parameters
+    (transformers 5) goes there too, as vLLM's patch_rope_parameters does: else Kiln, which
+    reads rope_parameters first, would not see it."""
+    params = values.get("rope_parameters")
+    if not isinstance(params, dict) or "rope_parameters" in overrides:
+        return
+    if "rope_scaling" in overrides:
+        scaling = overrides["rope_scaling"]
+        theta = params.get("rope_theta")
+        params = {} if scaling is None else dict(scaling)
+        if "type" in params and "rope_type" not in params:
+            params["rope_type"] = params.pop("type")
+        params.setdefault("rope_type", "default")
+        if theta is not None:
+            params.setdefault("rope_theta", theta)
+    if "rope_theta" in overrides:
+        params = {**params, "rope_theta": overrides["rope_theta"]}
+    values["rope_parameters"] = params
+
+
+def apply_hf_overrides(hf_config, overrides: dict | None):
+    """`hf_config` (a snapshot, or a transformers config) with `overrides` applied, as a new
+    snapshot; unchanged when there are none."""
+    if not overrides:
+        return hf_config
+    snapshot = hf_config if isinstance(hf_config, HFConfigSnapshot) else snapshot_of(hf_config)
+    values = snapshot.to_dict()
+    for key, value in overrides.items():
+        if _is_sub_config(values.get(key)) and isinstance(value, dict):
+            _merge_nested(values[key], value)
+        else:
+            values[key] = value
+    if any(key in overrides for key in _LEGACY_ROPE):
+        _fold_legacy_rope(values, overrides)
+    return HFConfigSnapshot(values)
+
