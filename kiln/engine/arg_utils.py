@@ -22,6 +22,7 @@ from kiln.config import (
     SchedulerConfig,
 )
 from kiln.config.compilation_config import CompilationMode, spec_to_dict
+from kiln.config.speculative_config import SpeculativeConfig
 from kiln.engine.engine_flags import add_engine_flags
 from kiln.errors import ConfigError
 
@@ -62,6 +63,8 @@ class EngineArgs:
     max_logprobs: int = 20  # most (prompt_)logprobs a request may ask for; -1: the vocabulary
     quantization: str | None = None  # "int8": W8A8 on load; a quantized checkpoint sets it
     ir_op_priority: dict | None = None  # {"rms_norm": ["native", "torch"]}; see kiln/ir/
+    # vLLM's: a dict, its JSON text or a SpeculativeConfig; only method "ngram" is served
+    speculative_config: Any = None
     # vLLM's arguments that have one meaning here, taken so users' scripts and flags carry over
     # (other values are refused by _check_vllm_only_defaults).
     trust_remote_code: bool = False  # no checkpoint code ever runs: Kiln's own models only
@@ -154,6 +157,7 @@ class EngineArgs:
             pipeline_parallel_size=self.pipeline_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend)
         compilation_config = self.compilation()
+        speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         device_config = DeviceConfig(device=self.device)
         model_config = ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                                    max_model_len=self.max_model_len,
@@ -170,7 +174,8 @@ class EngineArgs:
                           scheduler_config=scheduler_config, parallel_config=parallel_config,
                           load_config=load_config, device_config=device_config,
                           compilation_config=compilation_config, enforce_eager=self.enforce_eager,
-                          ir_op_priority=dict(self.ir_op_priority or {}))
+                          ir_op_priority=dict(self.ir_op_priority or {}),
+                          speculative_config=speculative_config)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -188,6 +193,10 @@ class EngineArgs:
             flag = "--" + f.name.replace("_", "-")
             if f.name == "compilation_config":
                 argv += [flag, json.dumps(spec_to_dict(value))]
+            elif f.name == "speculative_config":
+                config = SpeculativeConfig.from_value(value)
+                if config is not None:
+                    argv += [flag, json.dumps(config.to_dict())]
             elif f.name == "ir_op_priority":
                 for op, providers in value.items():
                     argv += [flag, f"{op}={','.join(providers)}"]

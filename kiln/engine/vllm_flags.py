@@ -91,8 +91,6 @@ VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
              "serves text-only models"),
     VllmFlag(("--allowed-local-media-path",), "media files a prompt may name on this machine",
              "Kiln serves text-only models"),
-    VllmFlag(("--speculative-config",), "speculative decoding", "Kiln has none: every token "
-             "comes from the model's own step"),
     VllmFlag(("--hf-overrides",), "changes to the model's Hugging Face config", "Kiln takes "
              "the checkpoint's config.json as it is: edit a copy of it"),
     VllmFlag(("--rope-scaling",), "overriding the model's RoPE scaling", "Kiln reads "

@@ -45,6 +45,11 @@ _TOTALS = {
                              "prefix cache"),
     "prefix_cache_hits": ("kiln:prefix_cache_hits", "Prompt tokens found in the prefix cache"),
     "num_preemptions": ("kiln:num_preemptions", "Requests preempted (to be recomputed)"),
+    # vLLM's vllm:spec_decode_* (speculative decoding; 0 without --speculative-config)
+    "spec_decode_num_drafts": ("kiln:spec_decode_num_drafts", "Request steps that ran drafts"),
+    "spec_decode_num_draft_tokens": ("kiln:spec_decode_num_draft_tokens", "Draft tokens run"),
+    "spec_decode_num_accepted_tokens": ("kiln:spec_decode_num_accepted_tokens", "Draft tokens "
+                                        "accepted"),
 }
 
 # IterationStats field -> (histogram name, help, buckets). "Finished requests" are samples, as
