@@ -19,18 +19,14 @@ class SpeculativeConfig:
     model: str | None = None  # vLLM's older way to say method="ngram"
 
     def __post_init__(self):
-        method = self.method
-        if self.model is not None:
-            if self.model not in ("ngram", "[ngram]"):
-                raise ConfigError(f"{_FLAG}: speculative_config.model={self.model!r} names a "
-                                  "draft model, which Kiln does not run; only "
-                                  "speculative_config.method='ngram' (prompt lookup) is taken")
-            method = "ngram" if method in (None, "ngram", "[ngram]") else method
-        if method == "[ngram]":
-            method = "ngram"
+        method = "ngram" if self.method == "[ngram]" else self.method
         if method not in METHODS:
             raise ConfigError(f"{_FLAG}: speculative_config.method={method!r} is not supported; "
                               "Kiln takes only method='ngram' (prompt lookup, no draft model)")
+        if self.model is not None and self.model not in ("ngram", "[ngram]"):
+            raise ConfigError(f"{_FLAG}: speculative_config.model={self.model!r} names a "
+                              "draft model, which Kiln does not run; only "
+                              "speculative_config.method='ngram' (prompt lookup) is taken")
         object.__setattr__(self, "method", method)
         k = self.num_speculative_tokens
         if k is None:

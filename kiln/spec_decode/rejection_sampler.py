@@ -22,20 +22,19 @@ def draw_uniforms(num_rows: list[int], greedy: list[bool],
     (k + 1 numbers a step whatever is accepted, so a seeded request repeats itself); greedy
     requests draw none."""
     u = torch.zeros(sum(num_rows), dtype=torch.float64, device=device)
-    shared = []
+    shared = []  # rows of unseeded random requests: one draw from the engine's generator
     start = 0
     for n, g, gen in zip(num_rows, greedy, generators):
         if not g:
             if gen is not None:
                 u[start:start + n].uniform_(generator=gen)
             else:
-                shared.append(torch.arange(start, start + n, device=device))
+                shared.extend(range(start, start + n))
         start += n
     if shared:
-        index = torch.cat(shared)
-        drawn = torch.empty(index.numel(), dtype=torch.float64, device=device)
+        drawn = torch.empty(len(shared), dtype=torch.float64, device=device)
         drawn.uniform_(generator=default_generator)
-        u[index] = drawn
+        u[torch.tensor(shared, dtype=torch.int64, device=device)] = drawn
     return u
 
 
