@@ -55,17 +55,24 @@ def test_greedy_output_and_logprobs_are_those_without_speculation(engines, tiny_
 
 def test_penalties_bias_and_min_tokens_apply_per_position(engines):
     spec, base = engines
-    cases = [SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3),
-             SamplingParams(temperature=0, max_tokens=20, frequency_penalty=0.4,
-                            presence_penalty=0.2),
-             SamplingParams(temperature=0, max_tokens=20, logit_bias={7: 3.0, 9: -5.0}),
-             SamplingParams(temperature=0, max_tokens=20, min_tokens=12,
-                            stop_token_ids=[6, 7, 8])]
-    for params in cases:
+    # a frequency penalty counts the accepted drafts before each position (without them
+    # the first prompt's output differed at 0.1 and 0.2)
+    cases = [SamplingParams(temperature=0, max_tokens=24, frequency_penalty=f)
+             for f in (0.1, 0.2)]
+    cases += [SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.05),
+              SamplingParams(temperature=0, max_tokens=20, frequency_penalty=0.4,
+                             presence_penalty=0.2),
+              SamplingParams(temperature=0, max_tokens=20, logit_bias={7: 3.0, 9: -5.0}),
+              SamplingParams(temperature=0, max_tokens=20, min_tokens=12,
+                             stop_token_ids=[6, 7, 8])]
+    before = spec_totals(spec)["spec_decode_num_accepted_tokens"]
+    for i, params in enumerate(cases):
         got = generate(spec, PROMPTS, params)
         want = generate(base, PROMPTS, params)
         assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in want], params
         assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+        if i == 1:
+            assert spec_totals(spec)["spec_decode_num_accepted_tokens"] > before
 
 
 def test_stops_and_max_tokens_inside_an_accepted_run(engines):
