@@ -12,8 +12,9 @@ PROMPTS = [[5, 6, 7, 8, 9] * 6, list(range(10, 30)) * 2, [40, 41, 42, 43] * 5 + 
 
 
 def make(model_dir, spec, mode=0, **kwargs):
+    compilation = {"mode": mode, "backend": "eager"} if mode == 3 else {"mode": mode}
     return LLM(model=str(model_dir), dtype="float32", max_model_len=256,
-               compilation_config={"mode": mode}, speculative_config=spec, **kwargs)
+               compilation_config=compilation, speculative_config=spec, **kwargs)
 
 
 @pytest.fixture(scope="module")
