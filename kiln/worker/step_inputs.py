@@ -91,13 +91,12 @@ class StepInputPreparation:
             buf.block_table_np[num_reqs:md_reqs] = 0
 
         samples = input_prep.sampling_mask(num_computed, num_sched, known)
-        n_sample = int(samples.sum())
         sample_rows = input_prep.logits_indices(qsl, samples) if drafts is None \
             else spec_logits_indices(qsl, samples, drafts)
         logits_rows = input_prep.as_slice(sample_rows)
         if logits_rows is None:  # rows with gaps: a tensor index on the device
-            buf.logits_indices_np[:n_sample] = sample_rows
-            logits_rows = buf.staged("logits_indices", n_sample)
+            buf.logits_indices_np[:sample_rows.size] = sample_rows
+            logits_rows = buf.staged("logits_indices", sample_rows.size)
 
         attn_metadata = buf.attention_metadata(num_tokens, md_reqs, int(num_sched.max()),
                                                int(seq_lens.max()), num_input, uniform_decode)

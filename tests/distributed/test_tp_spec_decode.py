@@ -1,9 +1,9 @@
 """N-gram speculative decoding at tensor parallel 2: every rank verifies the drafts alike (same
 logits, same generators), so greedy output is HF's and seeded sampling is TP=1's."""
+from kiln import SamplingParams
+
 from checkpoints import hf_greedy
 from parallel_helpers import make_llm
-
-from kiln import SamplingParams
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
         "prompt_lookup_min": 1}

@@ -13,8 +13,9 @@ PROMPTS = [[5, 6, 7, 8, 9] * 6, list(range(10, 30)) * 2, [40, 41, 42, 43] * 5 + 
 
 def make(model_dir, spec, mode=0, **kwargs):
     compilation = {"mode": mode, "backend": "eager"} if mode == 3 else {"mode": mode}
-    return LLM(model=str(model_dir), dtype="float32", max_model_len=256,
-               compilation_config=compilation, speculative_config=spec, **kwargs)
+    kwargs.setdefault("max_model_len", 256)
+    return LLM(model=str(model_dir), dtype="float32", compilation_config=compilation,
+               speculative_config=spec, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +114,37 @@ def test_seeded_sampling_repeats_and_accepts_drafts(engines):
     assert [list(o.token_ids) for o in first] == [list(o.token_ids) for o in again]
     assert all(len(o.token_ids) == len(o.logprobs) == 24 for o in first)
     assert spec_totals(spec)["spec_decode_num_accepted_tokens"] > before
+
+
+def test_small_budget_small_cache_and_context_end_change_no_token(engines, tiny_llama_dir):
+    """Drafts cut to the step's token budget, preemptions of drafted requests (a cache of few
+    blocks), chunked prefill, the context's end and prefix-cache hits on blocks computed with
+    drafts: the tokens are those without speculation."""
+    _, base = engines
+    tight = make(tiny_llama_dir, SPEC, max_model_len=64, max_num_batched_tokens=8,
+                 max_num_seqs=4, num_gpu_blocks_override=24, block_size=4)
+    prompts = [p[:30] for p in PROMPTS] * 2
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, logprobs=1)
+    got = generate(tight, prompts, params)
+    want = generate(base, prompts, params)
+    stats = tight.llm_engine.get_stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0 and stats["num_preemptions"] > 0
+    for g, w, p in zip(got, want, prompts):
+        n = 64 - len(p)  # the context ends first
+        assert list(g.token_ids) == list(w.token_ids)[:n] and g.finish_reason == "length"
+        assert len(g.logprobs) == n
+
+
+def test_prefix_cache_hits_blocks_filled_by_drafted_steps(engines):
+    """Blocks are hashed only over verified tokens: a later prompt running into a drafted
+    request's prompt and output hits them, and gets the tokens it gets without speculation."""
+    spec, base = engines
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    first = generate(spec, PROMPTS[:1], params)[0]
+    longer = [list(PROMPTS[0]) + list(first.token_ids)[:36]]
+    hits = spec.llm_engine.get_stats()["prefix_cache_hits"]
+    short = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert [list(o.token_ids) for o in generate(spec, longer, short)] == \
+        [list(o.token_ids) for o in generate(base, longer, short)]
+    # the prompt's 30 tokens and the output's blocks: past the prompt's own
+    assert spec.llm_engine.get_stats()["prefix_cache_hits"] - hits >= 48
