@@ -2,7 +2,7 @@
 
 Counters (prefix cache, preemptions) are totals since the engine started.
 """
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -19,6 +19,7 @@ class SchedulerStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -36,4 +37,5 @@ def spec_decode_stats(spec_decode) -> dict:
     s = spec_decode.stats
     return {"spec_decode_num_drafts": s.num_drafts,
             "spec_decode_num_draft_tokens": s.num_draft_tokens,
-            "spec_decode_num_accepted_tokens": s.num_accepted_tokens}
+            "spec_decode_num_accepted_tokens": s.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(s.num_accepted_tokens_per_pos)}
