@@ -94,6 +94,9 @@ def test_stops_and_max_tokens_inside_an_accepted_run(engines):
     # a stop token at each distinct place; a stop string at each word
     stops = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[t])
              for t in dict.fromkeys(full.token_ids)]
+    # min_tokens holding a stop token back until a position inside a run of drafts
+    stops += [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, min_tokens=m,
+                             stop_token_ids=[full.token_ids[2]]) for m in range(1, 9)]
     words = list(dict.fromkeys(full.text.split()))[:8]
     stops += [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[w])
               for w in words]
