@@ -8,6 +8,8 @@ drafts, which are never known tokens, are never hashed.
 """
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kiln.config.speculative_config import SpeculativeConfig
 from kiln.core.request import Request
 from kiln.spec_decode.ngram_proposer import propose_ngram
@@ -41,7 +43,7 @@ class SpecDecodeScheduling:
             k = min(k, max_tokens - request.num_output_tokens - 1)
         if k <= 0:
             return []
-        return propose_ngram(request.all_token_ids, c.prompt_lookup_min, c.prompt_lookup_max, k)
+        return propose_ngram(token_array(request), c.prompt_lookup_min, c.prompt_lookup_max, k)
 
     def settle(self, request: Request, drafts: list[int], sampled: list[int]) -> None:
         """After the runner verified `drafts`: it sampled the accepted ones and one more. The
@@ -56,3 +58,25 @@ class SpecDecodeScheduling:
         s.num_accepted_tokens += accepted
         for pos in range(accepted):
             s.num_accepted_tokens_per_pos[pos] += 1
+
+
+def token_array(request: Request) -> np.ndarray:
+    """The request's prompt + output tokens as an int64 array, kept on the request and
+    extended by the new output tokens only (rebuilding it from the lists cost O(context) per
+    request and step). Output tokens are only ever appended, preemption included."""
+    buf = request.spec_token_buffer
+    n = request.num_tokens
+    if buf is None:
+        buf = np.empty(max(2 * n, 64), dtype=np.int64)
+        buf[:request.num_prompt_tokens] = request.prompt_token_ids
+        have = request.num_prompt_tokens
+    else:
+        buf, have = buf
+    if have < n:
+        if n > buf.size:
+            grown = np.empty(2 * n, dtype=np.int64)
+            grown[:have] = buf[:have]
+            buf = grown
+        buf[have:n] = request.output_token_ids[have - request.num_prompt_tokens:]
+    request.spec_token_buffer = (buf, n)
+    return buf[:n]

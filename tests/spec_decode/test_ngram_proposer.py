@@ -118,3 +118,16 @@ def test_flag_is_taken_by_engine_commands_and_refuses_other_methods(capsys):
     with pytest.raises(ConfigError, match="--pipeline-parallel-size 2"):
         EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2},
                    pipeline_parallel_size=2, load_format="dummy").create_kiln_config()
+
+
+def test_token_array_follows_the_request_as_it_grows():
+    from kiln.core.request import Request
+    from kiln.sampling_params import SamplingParams
+    from kiln.spec_decode.scheduling import token_array
+
+    request = Request("r", list(range(5)), SamplingParams())
+    assert token_array(request).tolist() == [0, 1, 2, 3, 4]
+    for step in range(300):
+        request.output_token_ids.extend([step % 7] * (1 + step % 3))
+        if step % 5:
+            assert token_array(request).tolist() == request.all_token_ids
