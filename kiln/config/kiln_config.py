@@ -15,6 +15,7 @@ from kiln.config.load_config import LoadConfig
 from kiln.config.model_config import ModelConfig
 from kiln.config.parallel_config import ParallelConfig
 from kiln.config.scheduler_config import SchedulerConfig
+from kiln.config.speculative_config import SpeculativeConfig, check_speculative
 from kiln.errors import ConfigError
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -32,6 +33,8 @@ class KilnConfig(FreezableConfig):
     enforce_eager: bool = False
     # IR op -> providers in order of preference, over the platform's defaults (kiln/ir/)
     ir_op_priority: dict = field(default_factory=dict)
+    # --speculative-config (n-gram prompt lookup only; kiln/spec_decode/), None: off
+    speculative_config: SpeculativeConfig | None = None
 
     SUB_CONFIGS = ("model_config", "cache_config", "scheduler_config", "parallel_config",
                    "load_config", "device_config", "compilation_config")
@@ -66,6 +69,7 @@ class KilnConfig(FreezableConfig):
                 f"max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({sched.max_num_seqs}); raise --max-num-batched-tokens or lower --max-num-seqs")
         self._check_memory()
+        check_speculative(self.speculative_config, self.parallel_config)
         self._check_binding()
         # Read first inside Dynamo's backend, after the model loaded, where a bad value came out
         # as a BackendCompilerFailed traceback: checked here, in one line, as the others are.

@@ -44,6 +44,9 @@ class SchedulerOutput:
     # order): int32 [len(structured_output_request_ids), ceil(vocab / 32)], bit set = allowed.
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
+    # Speculative decoding (kiln/spec_decode): req_id -> the draft tokens scheduled after its
+    # last token (num_scheduled_tokens counts them); vLLM's name.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -59,7 +62,8 @@ class ModelRunnerOutput:
     req_ids: list[str]
     # One list per req (same order); empty when the request only ran a partial prefill chunk.
     sampled_token_ids: list[list[int]]
-    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # A list, one per sampled token, where a step sampled several (accepted drafts).
+    logprobs: dict[str, LogprobsLists | list[LogprobsLists]] = field(default_factory=dict)
     # req_id -> this step's prompt logprobs (kiln/sample/prompt_logprobs.PromptLogprobsChunk).
     prompt_logprobs: dict = field(default_factory=dict)
     # Pooling runner (kiln/pooling/): req_id -> its pooled hidden state (float32, not yet

@@ -58,6 +58,8 @@ class Request:
     prompt_logprobs: list | None = None
     # The grammar of a request with structured_outputs (the scheduler's manager sets it).
     structured_output_request: object = field(default=None, repr=False)
+    # Its tokens as a growing numpy array, for the n-gram proposer (kiln/spec_decode/).
+    spec_token_buffer: object = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.sampling_params.prompt_logprobs is not None:

@@ -75,9 +75,11 @@ def step_output(request: Request, runner_output: ModelRunnerOutput, row: int | N
         return None
     new_token_ids, error = append_sampled(request, sampled, max_model_len)
     logprobs = runner_output.logprobs.get(req_id) if new_token_ids else None
+    if logprobs is not None:  # one per token, those a stop did not cut off
+        logprobs = (logprobs if isinstance(logprobs, list) else [logprobs])[:len(new_token_ids)]
     return EngineCoreOutput(
         request_id=req_id, new_token_ids=new_token_ids,
-        new_logprobs=[logprobs] if logprobs is not None else [],
+        new_logprobs=logprobs or [],
         finish_reason=request.get_finish_reason(), stop_reason=request.stop_reason,
         num_cached_tokens=max(request.num_cached_tokens, 0),
         prompt_logprobs=request.take_prompt_logprobs(),

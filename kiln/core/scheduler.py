@@ -23,7 +23,8 @@ from kiln.core.request import Request, RequestStatus
 from kiln.core.request_progress import grammar_error_output, step_output, unschedulable_output
 from kiln.core.request_queue import WaitingQueue, order_key
 from kiln.core.requeueing import Requeueing
-from kiln.core.stats import SchedulerStats
+from kiln.core.stats import SchedulerStats, spec_decode_stats
+from kiln.spec_decode.scheduling import SpecDecodeScheduling
 from kiln.structured_output.manager import StructuredOutputManager
 
 
@@ -54,6 +55,8 @@ class Scheduler(Requeueing):
         self._arrival_counter = itertools.count()
         self.num_preemptions = 0
         self.structured_output_manager = StructuredOutputManager(kiln_config)
+        spec = kiln_config.speculative_config
+        self.spec_decode = SpecDecodeScheduling(spec) if spec is not None else None
 
     # ---- requests in and out ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -110,15 +113,20 @@ class Scheduler(Requeueing):
         cached = CachedRequestData()
         new_reqs: list[NewRequestData] = []
         preemptions_before = self.num_preemptions
+        spec_tokens: dict[str, list[int]] = {}
 
         # Running requests first, in priority order: decodes take 1 token, prefills a chunk.
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts = (self.spec_decode.drafts(request, budget, self.max_model_len)
+                      if self.spec_decode is not None else [])
+            num_new = min(request.num_tokens - request.num_computed_tokens + len(drafts), budget)
             new_block_ids = self._allocate_or_preempt(request, num_new)
             if new_block_ids is None:
                 break  # `request` was the last running one and had to go
+            if drafts:
+                spec_tokens[request.request_id] = drafts
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append(new_block_ids)
             cached.num_computed_tokens.append(request.num_computed_tokens)
@@ -183,7 +191,8 @@ class Scheduler(Requeueing):
             num_scheduled_tokens=num_scheduled, total_num_scheduled_tokens=total,
             finished_req_ids=set(self.finished_req_ids),
             preempted_req_ids=set(self.preempted_req_ids),
-            structured_output_request_ids=so_ids, grammar_bitmask=bitmask)
+            structured_output_request_ids=so_ids, grammar_bitmask=bitmask,
+            scheduled_spec_decode_tokens=spec_tokens)
         # The forget-lists are dropped in update_from_output, once the runner has taken the step:
         # an empty step or a failed forward must hand them on to the next step.
         return output
@@ -202,6 +211,10 @@ class Scheduler(Requeueing):
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue  # ended between schedule and update
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts and row.get(req_id) is not None:
+                self.spec_decode.settle(request, drafts,
+                                        model_runner_output.sampled_token_ids[row[req_id]])
             output = step_output(request, model_runner_output, row.get(req_id),
                                  self.max_model_len)
             if output is None:
@@ -222,7 +235,8 @@ class Scheduler(Requeueing):
             num_running=len(self.running), num_waiting=len(self.waiting),
             kv_cache_usage=kv.usage(), num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_blocks, prefix_cache_queries=kv.prefix_cache_stats.queries,
-            prefix_cache_hits=kv.prefix_cache_stats.hits, num_preemptions=self.num_preemptions)
+            prefix_cache_hits=kv.prefix_cache_stats.hits, num_preemptions=self.num_preemptions,
+            **spec_decode_stats(self.spec_decode))
 
     # ---- helpers ------------------------------------------------------------------------------
     def _key(self, request: Request) -> tuple:

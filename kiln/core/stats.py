@@ -2,7 +2,7 @@
 
 Counters (prefix cache, preemptions) are totals since the engine started.
 """
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -15,6 +15,11 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0  # tokens found
     num_preemptions: int = 0
+    # speculative decoding (vLLM's spec_decode counters; 0 without --speculative-config)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -22,3 +27,15 @@ class SchedulerStats:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "prefix_cache_hit_rate": self.prefix_cache_hit_rate}
+
+
+def spec_decode_stats(spec_decode) -> dict:
+    """SchedulerStats' spec_decode_* fields from the scheduler's SpecDecodeScheduling (None:
+    no speculative decoding)."""
+    if spec_decode is None:
+        return {}
+    s = spec_decode.stats
+    return {"spec_decode_num_drafts": s.num_drafts,
+            "spec_decode_num_draft_tokens": s.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": s.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(s.num_accepted_tokens_per_pos)}

@@ -23,6 +23,7 @@ from kiln.config import (
 )
 from kiln.config.compilation_config import CompilationMode, spec_to_dict
 from kiln.config.hf_overrides import check_hf_overrides
+from kiln.config.speculative_config import SpeculativeConfig
 from kiln.engine.engine_flags import add_engine_flags
 from kiln.errors import ConfigError
 from kiln.pooling.pooler_config import pooler_config_json, resolve_pooler_config, resolve_runner
@@ -65,6 +66,8 @@ class EngineArgs:
     quantization: str | None = None  # "int8": W8A8 on load; a quantized checkpoint sets it
     hf_overrides: dict | None = None  # vLLM's: changes to the model's HF config (JSON object)
     ir_op_priority: dict | None = None  # {"rms_norm": ["native", "torch"]}; see kiln/ir/
+    # vLLM's: a dict, its JSON text or a SpeculativeConfig; only method "ngram" is served
+    speculative_config: Any = None
     # vLLM's arguments that have one meaning here, taken so users' scripts and flags carry over
     # (other values are refused by _check_vllm_only_defaults).
     trust_remote_code: bool = False  # no checkpoint code ever runs: Kiln's own models only
@@ -167,6 +170,7 @@ class EngineArgs:
         runner = resolve_runner(self.runner, self.task)
         if runner == "pooling":
             check_pooling_engine(self)
+        speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         device_config = DeviceConfig(device=self.device)
         model_config = ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                                    max_model_len=self.max_model_len,
@@ -189,7 +193,8 @@ class EngineArgs:
                           scheduler_config=scheduler_config, parallel_config=parallel_config,
                           load_config=load_config, device_config=device_config,
                           compilation_config=compilation_config, enforce_eager=self.enforce_eager,
-                          ir_op_priority=dict(self.ir_op_priority or {}))
+                          ir_op_priority=dict(self.ir_op_priority or {}),
+                          speculative_config=speculative_config)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -209,6 +214,10 @@ class EngineArgs:
                 argv += [flag, json.dumps(spec_to_dict(value))]
             elif f.name == "hf_overrides":
                 argv += [flag, json.dumps(value)]
+            elif f.name == "speculative_config":
+                config = SpeculativeConfig.from_value(value)
+                if config is not None:
+                    argv += [flag, json.dumps(config.to_dict())]
             elif f.name == "ir_op_priority":
                 for op, providers in value.items():
                     argv += [flag, f"{op}={','.join(providers)}"]

@@ -183,6 +183,11 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                         "fp8 / ptpc_fp8: the same in e4m3 with per-tensor / per-channel "
                         "weight scales (fast on GPUs with fp8 tensor cores); a "
                         "compressed-tensors checkpoint needs no flag")
+    g.add_argument("--speculative-config", default=d.speculative_config, metavar="JSON",
+                   help="speculative decoding, as vLLM's: '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, "
+                        "\"prompt_lookup_min\": 2}' (prompt lookup, no draft model; other "
+                        "methods are refused)")
     g.add_argument("--ir-op-priority", dest="ir_op_priority", action=_IrOpPriority,
                    default=d.ir_op_priority, metavar="OP=PROVIDER[,PROVIDER...]",
                    help="providers of an IR op in order of preference, e.g. "
@@ -199,7 +204,7 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                         "sentence-transformers pooling, else LAST, normalized)")
     v = parser.add_argument_group(
         "vLLM flags with one meaning here (taken so commands carry over)",
-        "vLLM flags Kiln has no counterpart for (--enable-lora, --speculative-config, "
+        "vLLM flags Kiln has no counterpart for (--enable-lora, --hf-overrides, "
         "-dp, ...) are refused with the reason and what to use instead")
     v.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction,
                    default=d.trust_remote_code,

@@ -91,8 +91,6 @@ VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
              "serves text-only models"),
     VllmFlag(("--allowed-local-media-path",), "media files a prompt may name on this machine",
              "Kiln serves text-only models"),
-    VllmFlag(("--speculative-config",), "speculative decoding", "Kiln has none: every token "
-             "comes from the model's own step"),
     # vLLM removed both (vllm-project/vllm#28006) in favour of --hf-overrides
     VllmFlag(("--rope-scaling",), "overriding the model's RoPE scaling (removed from vLLM)",
              "give it as vLLM now does: --hf-overrides '{\"rope_scaling\": {\"rope_type\": "

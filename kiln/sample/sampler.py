@@ -43,7 +43,11 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
 
 
 class Sampler(torch.nn.Module):
-    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    def process(self, logits: torch.Tensor, meta: SamplingMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The request's edits of the logits before temperature (grammar, allowed tokens,
+        bias, penalties, min_tokens): (logits, raw logprobs or None, nonfinite rows or None).
+        Speculative decoding's verifier (kiln/spec_decode) runs it per position too."""
         logits = logits.float()  # [N, V]
         nonfinite_rows = None
         if has_nan_or_posinf(logits):
@@ -79,6 +83,10 @@ class Sampler(torch.nn.Module):
             dead = rows[torch.isneginf(logits[rows]).all(dim=1)]  # [<= G]
             logits[dead] = grammar_only[dead]
 
+        return logits, raw_logprobs, nonfinite_rows
+
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        logits, raw_logprobs, nonfinite_rows = self.process(logits, meta)
         sampled = self.sample(logits, meta)
         out = SamplerOutput(sampled_token_ids=sampled, nonfinite_rows=nonfinite_rows)
         if raw_logprobs is not None:
@@ -91,6 +99,16 @@ class Sampler(torch.nn.Module):
         if meta.all_greedy:
             return row_argmax(logits)
         greedy = None if meta.all_random else row_argmax(logits)
+        probs = Sampler.probs(logits, meta)
+        sampled = random_sample(probs, meta.generators, meta.default_generator)
+        if greedy is not None:
+            sampled = torch.where(meta.greedy_mask, greedy, sampled)
+        return sampled
+
+    @staticmethod
+    def probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The random rows' distribution: temperature, then min-p, top-k, top-p ([N, V]; the
+        greedy rows' are at temperature 1 and unused)."""
         logits = logits / meta.temperature.unsqueeze(1)
         # min-p first, as vLLM's v1 sampler: top-p then measures its mass among the tokens
         # min-p kept (min-p itself gives the same set before or after top-k / top-p).
@@ -100,8 +118,4 @@ class Sampler(torch.nn.Module):
             logits = apply_top_k(logits, meta.top_k)
         if meta.top_p is not None:
             logits = apply_top_p(logits, meta.top_p)
-        probs = logits.softmax(dim=1, dtype=torch.float32)
-        sampled = random_sample(probs, meta.generators, meta.default_generator)
-        if greedy is not None:
-            sampled = torch.where(meta.greedy_mask, greedy, sampled)
-        return sampled
+        return logits.softmax(dim=1, dtype=torch.float32)

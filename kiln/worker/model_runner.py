@@ -25,6 +25,7 @@ from kiln.sample.logprobs import to_logprobs_lists
 from kiln.sample.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs
 from kiln.sample.sampler import Sampler
 from kiln.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata
+from kiln.spec_decode.verifier import sample_with_drafts, write_drafts
 from kiln.worker.input_batch import CachedRequestState, InputBatch
 from kiln.worker.step_buffers import StepBuffers
 from kiln.worker.step_inputs import StepInputPreparation, StepInputs
@@ -182,6 +183,8 @@ class ModelRunner(StepInputPreparation):
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0 or not so.num_scheduled_tokens:
             return EMPTY_MODEL_RUNNER_OUTPUT
+        if so.scheduled_spec_decode_tokens:
+            write_drafts(self, so)
         inputs = self._prepare_inputs(so)
         self._cudagraph_step = (inputs.cudagraph_mode, inputs.batch_descriptor)
         try:
@@ -208,6 +211,8 @@ class ModelRunner(StepInputPreparation):
 
     def _sample(self, so: SchedulerOutput, inputs: StepInputs,
                 hidden: torch.Tensor) -> ModelRunnerOutput:
+        if so.scheduled_spec_decode_tokens:
+            return sample_with_drafts(self, so, inputs, hidden)
         sampled: dict[str, int] = {}
         logprobs: dict[str, LogprobsLists] = {}
         if inputs.sample_req_ids:

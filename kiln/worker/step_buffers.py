@@ -21,7 +21,8 @@ class StepBuffers:
         self.query_start_loc_cpu = host(r + 1, dtype=torch.int32)
         self.seq_lens_cpu = host(r, dtype=torch.int32)
         self.block_table_cpu = host(r, b, dtype=torch.int32)
-        self.logits_indices_cpu = host(r, dtype=torch.int64)
+        # up to a row per token: speculative decoding samples every drafted position
+        self.logits_indices_cpu = host(t, dtype=torch.int64)
         # numpy views for filling without per-element torch calls
         self.input_ids_np = self.input_ids_cpu.numpy()
         self.positions_np = self.positions_cpu.numpy()

@@ -9,6 +9,7 @@ from kiln.attention.metadata import AttentionMetadata
 from kiln.core.outputs import SchedulerOutput
 from kiln.cudagraphs.mode import BatchDescriptor, CUDAGraphMode
 from kiln.sample.prompt_logprobs import prompt_logprob_rows
+from kiln.spec_decode.verifier import num_drafts, spec_logits_indices
 from kiln.worker import input_prep
 
 
@@ -49,6 +50,9 @@ class StepInputPreparation:
         num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64,
                                    count=num_reqs)
         known = batch.num_tokens[rows]
+        drafts = num_drafts(so, req_ids) if so.scheduled_spec_decode_tokens else None
+        if drafts is not None:  # laid after the known tokens (spec_decode/verifier.py)
+            known = known + drafts
         input_prep.check_step(req_ids, num_computed, num_sched, known, batch.num_blocks[rows],
                               self.block_size)
         num_tokens = int(num_sched.sum())
@@ -87,12 +91,12 @@ class StepInputPreparation:
             buf.block_table_np[num_reqs:md_reqs] = 0
 
         samples = input_prep.sampling_mask(num_computed, num_sched, known)
-        n_sample = int(samples.sum())
-        sample_rows = input_prep.logits_indices(qsl, samples)
+        sample_rows = input_prep.logits_indices(qsl, samples) if drafts is None \
+            else spec_logits_indices(qsl, samples, drafts)
         logits_rows = input_prep.as_slice(sample_rows)
         if logits_rows is None:  # rows with gaps: a tensor index on the device
-            buf.logits_indices_np[:n_sample] = sample_rows
-            logits_rows = buf.staged("logits_indices", n_sample)
+            buf.logits_indices_np[:sample_rows.size] = sample_rows
+            logits_rows = buf.staged("logits_indices", sample_rows.size)
 
         attn_metadata = buf.attention_metadata(num_tokens, md_reqs, int(num_sched.max()),
                                                int(seq_lens.max()), num_input, uniform_decode)

@@ -97,7 +97,7 @@ def test_cli_errors_name_the_flag_beside_the_field():
 # argparse's top-level "kiln: error: unrecognized arguments" with no word on why).
 TESTER_FLAGS = [
     "--max-num-partial-prefills", "--override-generation-config", "--response-role",
-    "--lora-modules", "--enable-lora", "--limit-mm-per-prompt", "--speculative-config",
+    "--lora-modules", "--enable-lora", "--limit-mm-per-prompt",
     "--disable-sliding-window", "-dp", "--data-parallel-size", "--max-seq-len-to-capture",
     "--disable-custom-all-reduce", "--enable-log-requests", "--chat-template-content-format",
     "--async-scheduling",

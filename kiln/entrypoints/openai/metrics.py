@@ -45,6 +45,11 @@ _TOTALS = {
                              "prefix cache"),
     "prefix_cache_hits": ("kiln:prefix_cache_hits", "Prompt tokens found in the prefix cache"),
     "num_preemptions": ("kiln:num_preemptions", "Requests preempted (to be recomputed)"),
+    # vLLM's vllm:spec_decode_* (speculative decoding; 0 without --speculative-config)
+    "spec_decode_num_drafts": ("kiln:spec_decode_num_drafts", "Request steps that ran drafts"),
+    "spec_decode_num_draft_tokens": ("kiln:spec_decode_num_draft_tokens", "Draft tokens run"),
+    "spec_decode_num_accepted_tokens": ("kiln:spec_decode_num_accepted_tokens", "Draft tokens "
+                                        "accepted"),
 }
 
 # IterationStats field -> (histogram name, help, buckets). "Finished requests" are samples, as
@@ -113,6 +118,11 @@ class ServerMetrics:
         # Engine totals already counted: stats can arrive out of order (a stale snapshot after
         # a fresh scrape), so a counter only ever moves up to the largest total seen.
         self._seen_totals = {key: 0 for key in _TOTALS}
+        # vLLM's vllm:spec_decode_num_accepted_tokens_per_pos, by draft position (0-based)
+        self.accepted_per_pos = Counter("kiln:spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each draft position",
+                                        labels + ["position"], registry=reg)
+        self._seen_per_pos: dict[int, int] = {}
         self.prompt_tokens = Counter("kiln:prompt_tokens", "Prefilled prompt tokens", labels,
                                      registry=reg).labels(**self._label)
         self.generation_tokens = Counter("kiln:generation_tokens", "Generated tokens", labels,
@@ -152,6 +162,12 @@ class ServerMetrics:
             if total is not None and total > self._seen_totals[key]:
                 counter.inc(total - self._seen_totals[key])
                 self._seen_totals[key] = total
+        for pos, total in enumerate(engine_stats.get("spec_decode_num_accepted_tokens_per_pos")
+                                    or ()):
+            seen = self._seen_per_pos.get(pos, 0)
+            if total > seen:
+                self.accepted_per_pos.labels(position=str(pos), **self._label).inc(total - seen)
+                self._seen_per_pos[pos] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,82 @@
+"""The scheduler's side of n-gram speculative decoding: which drafts a decoding request runs
+this step, and, once the runner verified them, how far the request really advanced.
+
+A drafted request is scheduled 1 + k tokens (KV slots for them all); its num_computed_tokens
+then moves back by the rejected drafts, whose slots the next steps overwrite. The prefix cache
+only hashes blocks of known tokens (KVCacheManager._cache_full_blocks stops at num_tokens), so
+drafts, which are never known tokens, are never hashed.
+"""
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kiln.config.speculative_config import SpeculativeConfig
+from kiln.core.request import Request
+from kiln.spec_decode.ngram_proposer import propose_ngram
+
+
+@dataclass
+class SpecDecodingStats:
+    """vLLM's spec-decode counters, totals since the engine started."""
+    num_drafts: int = 0  # drafted request-steps
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+
+class SpecDecodeScheduling:
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.stats = SpecDecodingStats(
+            num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
+
+    def drafts(self, request: Request, budget: int, max_model_len: int) -> list[int]:
+        """The drafts to run after a decoding request's last token ([] for a prefill, or
+        a request under a grammar: its tokens are checked one by one as they are accepted)."""
+        if (request.num_computed_tokens != request.num_tokens - 1
+                or request.structured_output_request is not None):
+            return []
+        c = self.config
+        k = min(c.num_speculative_tokens, budget - 1, max_model_len - request.num_tokens)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:  # more could only be cut off
+            k = min(k, max_tokens - request.num_output_tokens - 1)
+        if k <= 0:
+            return []
+        return propose_ngram(token_array(request), c.prompt_lookup_min, c.prompt_lookup_max, k)
+
+    def settle(self, request: Request, drafts: list[int], sampled: list[int]) -> None:
+        """After the runner verified `drafts`: it sampled the accepted ones and one more. The
+        rejected drafts' positions are not computed (their KV slots are rewritten later)."""
+        if not sampled:
+            return
+        accepted = len(sampled) - 1
+        request.num_computed_tokens -= len(drafts) - accepted
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += len(drafts)
+        s.num_accepted_tokens += accepted
+        for pos in range(accepted):
+            s.num_accepted_tokens_per_pos[pos] += 1
+
+
+def token_array(request: Request) -> np.ndarray:
+    """The request's prompt + output tokens as an int64 array, kept on the request and
+    extended by the new output tokens only (rebuilding it from the lists cost O(context) per
+    request and step). Output tokens are only ever appended, preemption included."""
+    buf = request.spec_token_buffer
+    n = request.num_tokens
+    if buf is None:
+        buf = np.empty(max(2 * n, 64), dtype=np.int64)
+        buf[:request.num_prompt_tokens] = request.prompt_token_ids
+        have = request.num_prompt_tokens
+    else:
+        buf, have = buf
+    if have < n:
+        if n > buf.size:
+            grown = np.empty(2 * n, dtype=np.int64)
+            grown[:have] = buf[:have]
+            buf = grown
+        buf[have:n] = request.output_token_ids[have - request.num_prompt_tokens:]
+    request.spec_token_buffer = (buf, n)
+    return buf[:n]
