@@ -32,6 +32,8 @@ class KilnConfig(FreezableConfig):
     enforce_eager: bool = False
     # IR op -> providers in order of preference, over the platform's defaults (kiln/ir/)
     ir_op_priority: dict = field(default_factory=dict)
+    # LoRA serving (--enable-lora): a kiln.lora.config.LoRAConfig, None when off
+    lora_config: object = None
 
     SUB_CONFIGS = ("model_config", "cache_config", "scheduler_config", "parallel_config",
                    "load_config", "device_config", "compilation_config")
@@ -67,6 +69,8 @@ class KilnConfig(FreezableConfig):
                 f"({sched.max_num_seqs}); raise --max-num-batched-tokens or lower --max-num-seqs")
         self._check_memory()
         self._check_binding()
+        if self.lora_config is not None:
+            self.lora_config.check_parallel(self.parallel_config)
         # Read first inside Dynamo's backend, after the model loaded, where a bad value came out
         # as a BackendCompilerFailed traceback: checked here, in one line, as the others are.
         from kiln import envs
@@ -185,6 +189,8 @@ class KilnConfig(FreezableConfig):
             # compiled without them)
             sorted(inductor_options(self).items()), self.ir_selection.chosen,
             self._int8_weight_layout(),
+            # LoRA layers add their op and buffers to the graph
+            None if self.lora_config is None else repr(self.lora_config),
         ]
         return hashlib.sha256(repr(factors).encode()).hexdigest()[:16]
 

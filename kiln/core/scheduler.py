@@ -24,6 +24,7 @@ from kiln.core.request_progress import grammar_error_output, step_output, unsche
 from kiln.core.request_queue import WaitingQueue, order_key
 from kiln.core.requeueing import Requeueing
 from kiln.core.stats import SchedulerStats
+from kiln.lora.scheduling import fits_lora_slots
 from kiln.structured_output.manager import StructuredOutputManager
 
 
@@ -54,6 +55,9 @@ class Scheduler(Requeueing):
         self._arrival_counter = itertools.count()
         self.num_preemptions = 0
         self.structured_output_manager = StructuredOutputManager(kiln_config)
+        # Adapters running requests use at most (kiln/lora/scheduling.py); None: no LoRA.
+        lora = getattr(kiln_config, "lora_config", None)
+        self.max_loras = None if lora is None else lora.max_loras
 
     # ---- requests in and out ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -140,6 +144,9 @@ class Scheduler(Requeueing):
                 self.waiting.pop()
                 self._finish_grammar_error(request)
                 continue
+            if not fits_lora_slots(request, self.running, self.max_loras):
+                compiling.append(self.waiting.pop())  # waits for a slot; others go by
+                continue
             if self._cannot_ever_fit(request):
                 self.waiting.pop()
                 self._finish_unschedulable(request, request.num_tokens)
@@ -160,7 +167,8 @@ class Scheduler(Requeueing):
                 req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                 output_token_ids=list(request.output_token_ids),
                 sampling_params=request.sampling_params,
-                block_ids=kv.get_block_ids(request.request_id), num_computed_tokens=num_hit))
+                block_ids=kv.get_block_ids(request.request_id), num_computed_tokens=num_hit,
+                lora_request=request.lora_request))
             num_scheduled[request.request_id] = num_new
             budget -= num_new
         self.waiting.prepend_all(compiling)

@@ -173,9 +173,19 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                    default=d.ir_op_priority, metavar="OP=PROVIDER[,PROVIDER...]",
                    help="providers of an IR op in order of preference, e.g. "
                         "rms_norm=native,torch (repeatable; kiln compile reports the choice)")
+    g.add_argument("--enable-lora", action=argparse.BooleanOptionalAction,
+                   default=d.enable_lora,
+                   help="serve LoRA adapters (PEFT directories: --lora-modules, or a "
+                        "request's lora_request) on the q/k/v/o and gate/up/down projections")
+    g.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help="LoRA adapters one batch may use at once (device slots, LRU)")
+    g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                   help="the largest LoRA rank (r) an adapter may have")
+    g.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras,
+                   help="LoRA adapters kept in host memory (default: --max-loras)")
     v = parser.add_argument_group(
         "vLLM flags with one meaning here (taken so commands carry over)",
-        "vLLM flags Kiln has no counterpart for (--enable-lora, --speculative-config, "
+        "vLLM flags Kiln has no counterpart for (--hf-overrides, --speculative-config, "
         "-dp, ...) are refused with the reason and what to use instead")
     v.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction,
                    default=d.trust_remote_code,
