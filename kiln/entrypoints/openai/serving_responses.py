@@ -39,6 +39,7 @@ from kiln.entrypoints.openai.serving_engine import (
     until_disconnect,
 )
 from kiln.entrypoints.openai.structured_fields import check_compiles, request_structured_outputs
+from kiln.lora.frontend import with_lora
 from kiln.reasoning import grammar_thinking_first, prompt_opens_thinking, with_reasoning_end
 
 # The engine's finish reason -> the response's status.
@@ -74,7 +75,8 @@ class ServingResponses:
                                add_special_tokens=False, tools=None, documents=None,
                                chat_template=None)
             prompt = await render_chat_prompt(self.llm, **render_args)
-        prompt = with_cache_salt(prompt, req.cache_salt)
+        prompt = with_lora(with_cache_salt(prompt, req.cache_salt),
+                           self.chat.models.lora_request(model))
         prompt_text = prompt.get("prompt")
         if self.chat.reasoning_parser is not None and \
                 prompt_opens_thinking(prompt_text) is not None:
