@@ -24,6 +24,7 @@ VLLM_NAMES = {
     "KILN_EXECUTE_MODEL_TIMEOUT_SECONDS": "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS",
     "KILN_SERVER_DEV_MODE": "VLLM_SERVER_DEV_MODE",
     "KILN_HTTP_TIMEOUT_KEEP_ALIVE": "VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
+    "KILN_ALLOW_RUNTIME_LORA_UPDATING": "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
 }
 
 
@@ -135,6 +136,12 @@ def server_dev_mode() -> bool:
     """`KILN_SERVER_DEV_MODE=1` (vLLM's VLLM_SERVER_DEV_MODE): kiln serve adds vLLM's
     POST /reset_prefix_cache (kiln/entrypoints/openai/dev_routes.py)."""
     return _flag("KILN_SERVER_DEV_MODE", False)
+
+
+def allow_runtime_lora_updating() -> bool:
+    """`KILN_ALLOW_RUNTIME_LORA_UPDATING=1` (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): kiln
+    serve adds POST /v1/load_lora_adapter and /v1/unload_lora_adapter (kiln/lora/serving.py)."""
+    return _flag("KILN_ALLOW_RUNTIME_LORA_UPDATING", False)
 
 
 def http_timeout_keep_alive_s() -> float:

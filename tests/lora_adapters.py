@@ -2,7 +2,6 @@
 checkpoint with an adapter merged in (W + scale * B @ A): HF transformers' oracle for LoRA."""
 import json
 import math
-import shutil
 from pathlib import Path
 
 import torch
@@ -43,8 +42,9 @@ def write_adapter(path: Path, base_dir: Path, *, rank: int = 4, alpha: int = 8, 
     return path
 
 
-def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path) -> Path:
-    """The base checkpoint with the adapter merged into its weights, as PEFT's merge does."""
+def merged_model(base_dir: Path, adapter_dir: Path):
+    """HF transformers' model of the base checkpoint with the adapter merged into its weights
+    (W + scale * B @ A, as PEFT's merge does), in memory."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -52,7 +52,7 @@ def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path) -> Path:
     rank, alpha = config["r"], config["lora_alpha"]
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     params = dict(model.named_parameters())
     with torch.no_grad():
         for key, a in tensors.items():
@@ -61,9 +61,25 @@ def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path) -> Path:
             b = tensors[key.replace(".lora_A.", ".lora_B.")]
             name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
             params[name] += scale * (b @ a)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    for f in base_dir.iterdir():
-        if "token" in f.name or f.name == "special_tokens_map.json":
-            shutil.copy(f, out_dir / f.name)
-    return out_dir
+    return model
+
+
+def greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """HF's greedy continuation of each prompt, EOS ignored (checkpoints.hf_greedy's, given
+    the model)."""
+    model.generation_config.eos_token_id = None
+    outs = []
+    with torch.no_grad():
+        for ids in prompts:
+            y = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
+                               do_sample=False, pad_token_id=0)
+            outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+def token_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    """HF's logprob of each of `tokens` continuing `prompt`."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    lp = logits.log_softmax(-1)
+    return [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]

@@ -34,8 +34,8 @@ def slice_sizes(layer: nn.Module, layer_name: str) -> list[int]:
     if layer_name.endswith("qkv_proj"):
         return [layer.q_size, layer.kv_size, layer.kv_size]
     if layer_name.endswith("gate_up_proj"):
-        return [layer.weight.shape[0] // 2] * 2
-    return [layer.weight.shape[0]]
+        return list(layer.output_sizes)
+    return [layer.output_size]
 
 
 def attach(model: nn.Module, max_loras: int, max_rank: int, indices: torch.Tensor,
@@ -48,9 +48,7 @@ def attach(model: nn.Module, max_loras: int, max_rank: int, indices: torch.Tenso
         for name in fused:
             layer = decoder.get_submodule(name)
             sizes = slice_sizes(layer, name)
-            fan_in = layer.weight.shape[1]
-            if layer.weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-                fan_in = layer.input_size  # a quantized weight's stored width is not x's
+            fan_in = layer.input_size  # (not the weight's: a quantized one's width may differ)
             device = indices.device
             rank = max_rank * len(sizes)
             layer.register_buffer("lora_a", torch.zeros(max_loras, rank, fan_in, dtype=dtype,

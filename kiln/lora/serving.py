@@ -58,7 +58,41 @@ def checked_lora_requests(llm, modules: list[dict] | None) -> list[LoRARequest]:
     """--lora-modules as LoRARequests, each adapter read and checked now (a bad one stops the
     server at start, naming it, not its first request)."""
     requests = lora_requests(modules)
+    if not requests:
+        return requests
     checker = llm.engine.input_processor.lora_checker
     for lora in requests:
         checker.check(lora)
     return requests
+
+
+def add_lora_routes(app, llm, models) -> None:
+    """vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (served where
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING / KILN_ALLOW_RUNTIME_LORA_UPDATING is on)."""
+    from fastapi import Response
+    from pydantic import BaseModel
+
+    class LoadLoRAAdapterRequest(BaseModel):
+        lora_name: str
+        lora_path: str
+        load_inplace: bool = False
+
+    class UnloadLoRAAdapterRequest(BaseModel):
+        lora_name: str
+        lora_int_id: int | None = None
+
+    checker = llm.engine.input_processor.lora_checker
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest):
+        # the adapter is read and checked on the engine's thread, off the event loop
+        await llm.run_in_engine(models.add_lora, req.lora_name, req.lora_path, checker.check,
+                                req.load_inplace)
+        return Response(content=f"Success: LoRA adapter '{req.lora_name}' added successfully.",
+                        status_code=200)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
+        models.remove_lora(req.lora_name)
+        return Response(content=f"Success: LoRA adapter '{req.lora_name}' removed "
+                                "successfully.", status_code=200)

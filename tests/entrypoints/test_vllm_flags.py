@@ -97,7 +97,7 @@ def test_cli_errors_name_the_flag_beside_the_field():
 # argparse's top-level "kiln: error: unrecognized arguments" with no word on why).
 TESTER_FLAGS = [
     "--max-num-partial-prefills", "--override-generation-config", "--response-role",
-    "--lora-modules", "--enable-lora", "--limit-mm-per-prompt", "--speculative-config",
+    "--limit-mm-per-prompt", "--speculative-config",
     "--disable-sliding-window", "--hf-overrides", "--root-path",
     "--ssl-keyfile", "--ssl-certfile", "-dp", "--data-parallel-size", "--max-seq-len-to-capture",
     "--disable-custom-all-reduce", "--enable-log-requests", "--task",
@@ -132,7 +132,7 @@ def test_every_vllm_flag_in_the_table_is_refused_by_every_engine_command():
             value = [] if not entry.takes_value else ["x-value"]
             if entry.accepted_alone:
                 continue
-            if entry.any_value:  # sizes LoRA, which --enable-lora refuses: any value is moot
+            if entry.any_value:  # sizes a refused feature: any value is moot
                 parser.parse_args([*argv, flag, "16"])
                 continue
             with pytest.raises(VllmOnlyFlagError) as e:
@@ -145,7 +145,7 @@ def test_vllm_flag_refusals_say_why_and_what_instead():
     from kiln.engine.vllm_flags import VllmOnlyFlagError
 
     parser = build_parser()
-    for argv, words in ((["serve", "--enable-lora"], "LoRA adapters"),
+    for argv, words in ((["serve", "--speculative-config", "{}"], "speculative decoding"),
                         (["generate", "--hf-overrides", "{}"], "config.json"),
                         (["serve", "--kv-cache-memory-bytes", "4G"], "--kv-cache-memory 4)"),
                         (["serve", "--override-generation-config", "{}"],
@@ -188,19 +188,20 @@ def test_vllm_flag_refusal_is_one_line_exit_2():
     import sys
 
     r = subprocess.run([sys.executable, "-m", "kiln.entrypoints.cli.main", "serve",
-                        "--enable-lora"], capture_output=True, text=True, timeout=120)
+                        "--speculative-config"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.splitlines() == [
-        "error: --enable-lora is vLLM's flag for LoRA adapters; Kiln does not serve them: "
-        "merge the adapter into the weights and serve that checkpoint"]
+        "error: --speculative-config is vLLM's flag for speculative decoding; Kiln has none: "
+        "every token comes from the model's own step"]
 
 
 def test_llm_refuses_vllm_only_arguments_with_the_same_reason():
     from kiln.entrypoints.llm import LLM
 
     with pytest.raises(ValueError) as e:
-        LLM(model="/nowhere", enable_lora=True)
-    assert str(e.value).startswith("enable_lora=True is vLLM's argument for LoRA adapters")
+        LLM(model="/nowhere", speculative_config={"method": "ngram"})
+    assert str(e.value).startswith("speculative_config={'method': 'ngram'} is vLLM's argument "
+                                   "for speculative decoding")
     with pytest.raises(ValueError, match=r"hf_overrides=\{'rope_theta': 1\} is vLLM's argument"):
         LLM(model="/nowhere", hf_overrides={"rope_theta": 1})
     with pytest.raises(ValueError, match="only data_parallel_size=1 is taken"):

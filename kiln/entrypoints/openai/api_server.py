@@ -36,7 +36,7 @@ from kiln.entrypoints.openai.serving_models import ServingModels, displayable
 from kiln.entrypoints.openai.serving_responses import ServingResponses
 from kiln.entrypoints.openai.serving_tokenization import ServingTokenization
 from kiln.logger import init_logger
-from kiln.lora.serving import checked_lora_requests
+from kiln.lora.serving import add_lora_routes, checked_lora_requests
 from kiln.worker.host_memory import freeze_gc_heap
 
 logger = init_logger(__name__)
@@ -176,6 +176,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
             metrics.update_gauges(await llm.get_stats())
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    if envs.allow_runtime_lora_updating():
+        add_lora_routes(app, llm, models)
     if envs.server_dev_mode():
         from kiln.entrypoints.openai.dev_routes import add_dev_routes
         add_dev_routes(app, llm)

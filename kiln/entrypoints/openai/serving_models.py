@@ -40,6 +40,32 @@ class ServingModels:
                               code="model_not_found")
         return requested
 
+    def add_lora(self, name: str, path: str, check, replace: bool = False):
+        """A runtime-loaded adapter (vLLM's /v1/load_lora_adapter): a new lora_int_id, so a
+        replaced adapter's weights are never taken for its predecessor's. `check`: the
+        engine's LoRAChecker.check."""
+        from kiln.lora.request import LoRARequest
+
+        if name in self.loras and not replace:
+            raise OpenAIError(f"The lora adapter '{name}' has already been loaded. If you want "
+                              "to load the adapter in place, set 'load_inplace' to True.",
+                              param="lora_name")
+        if name in self.names:
+            raise OpenAIError(f"'{name}' is a served model name, not an adapter",
+                              param="lora_name")
+        self._next_lora_id = max([getattr(self, "_next_lora_id", 0)]
+                                 + [lora.lora_int_id for lora in self.loras.values()]) + 1
+        try:
+            lora = check(LoRARequest(name, self._next_lora_id, path))
+        except ValueError as e:
+            raise OpenAIError(str(e), param="lora_path") from None
+        self.loras[name] = lora
+
+    def remove_lora(self, name: str) -> None:
+        if self.loras.pop(name, None) is None:
+            raise OpenAIError(f"The lora adapter '{name}' cannot be found.", status=404,
+                              param="lora_name", code="model_not_found")
+
     def lora_request(self, name: str):
         """The adapter a resolved model name serves (kiln.lora.request.LoRARequest), or None
         for the base model."""
