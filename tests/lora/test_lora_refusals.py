@@ -99,3 +99,16 @@ def test_cli_flags_reach_the_engine_and_lm_eval_rank_is_harmless():
     assert EngineArgs.from_cli_args(parser.parse_args(args.to_cli_args())) == args
     # lm-eval's vllm backend passes max_lora_rank=16 with enable_lora False: no LoRA
     assert EngineArgs(max_lora_rank=16).lora_config() is None
+
+
+def test_the_adapter_crosses_to_the_core_process():
+    """The engine core runs in its own process: a request's adapter goes over the wire."""
+    from kiln.core.core_messages import from_wire, input_codec, to_wire
+    from kiln.core.request import Request
+    from kiln.sampling_params import SamplingParams
+
+    encoder, decoder = input_codec()
+    lora = LoRARequest("a", 3, "/p", "base")
+    for value in (lora, None):
+        request = Request("r", [1, 2], SamplingParams(max_tokens=1), lora_request=value)
+        assert from_wire(decoder.decode(encoder.encode(to_wire(request)))).lora_request == value
