@@ -17,7 +17,7 @@ from kiln.engine.input_processor import ProcessedPrompt, PromptType
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.vllm_flags import check_vllm_only_kwargs
 from kiln.lora.frontend import per_prompt as lora_per_prompt
-from kiln.lora.frontend import with_lora
+from kiln.lora.frontend import with_lora, with_lora_request
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
@@ -262,7 +262,8 @@ class LLM:
                 while pending:
                     for out in engine.step():
                         if out.finished and out.request_id in pending:
-                            results[order[out.request_id]] = out
+                            results[order[out.request_id]] = with_lora_request(
+                                out, processed[order[out.request_id]].lora_request)
                             pending.discard(out.request_id)
                             bar.update(1)
                     if pending and not engine.has_unfinished_requests():

@@ -70,3 +70,12 @@ def per_prompt(lora_request, num_prompts: int) -> list:
                              "pass one LoRARequest or one per prompt")
         return list(lora_request)
     return [lora_request] * num_prompts
+
+
+def with_lora_request(output, lora_request):
+    """A finished RequestOutput naming its adapter, as vLLM's (and each sample's)."""
+    if lora_request is not None:
+        output.lora_request = lora_request
+        for sample in output.outputs:
+            sample.lora_request = lora_request
+    return output

@@ -37,6 +37,8 @@ def test_mixed_batch_matches_hf_on_merged_weights(lora_setup):
     prompts, loras, expected = _mixed(lora_setup)
     outs = _run(llm, prompts, loras, logprobs=0)
     assert [o.outputs[0].token_ids for o in outs] == expected
+    assert [o.lora_request for o in outs] == loras  # vLLM's field
+    assert [o.outputs[0].lora_request for o in outs] == loras
     # logprobs close to HF's on the merged checkpoint (a2: rsLoRA scaling)
     for out, prompt, lora in zip(outs, prompts, loras):
         model = lora_setup["models"][None if lora is None else lora.lora_name]
