@@ -25,6 +25,7 @@ VLLM_NAMES = {
     "KILN_SERVER_DEV_MODE": "VLLM_SERVER_DEV_MODE",
     "KILN_HTTP_TIMEOUT_KEEP_ALIVE": "VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
     "KILN_ENABLE_RESPONSES_API_STORE": "VLLM_ENABLE_RESPONSES_API_STORE",
+    "KILN_ALLOW_RUNTIME_LORA_UPDATING": "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
 }
 
 
@@ -143,6 +144,10 @@ def responses_api_store() -> bool:
     keeps /v1/responses answers in memory for GET /v1/responses/{id} and previous_response_id
     (kiln/entrypoints/openai/responses_store.py)."""
     return _flag("KILN_ENABLE_RESPONSES_API_STORE", False)
+def allow_runtime_lora_updating() -> bool:
+    """`KILN_ALLOW_RUNTIME_LORA_UPDATING=1` (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): kiln
+    serve adds POST /v1/load_lora_adapter and /v1/unload_lora_adapter (kiln/lora/serving.py)."""
+    return _flag("KILN_ALLOW_RUNTIME_LORA_UPDATING", False)
 
 
 def http_timeout_keep_alive_s() -> float:

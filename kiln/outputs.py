@@ -32,14 +32,10 @@ class CompletionOutput:
     # Why the engine ended it with "abort" (its grammar allowed no token, the KV cache can never
     # hold it); None when it finished otherwise or a caller aborted it.
     error: str | None = None
+    lora_request: object = None  # vLLM's: the LoRARequest that wrote it (LLM.generate sets it)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def lora_request(self) -> None:
-        """vLLM's field: the adapter that wrote this sample; Kiln serves none."""
-        return None
 
 
 @dataclass(frozen=True)
@@ -61,13 +57,11 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs is set
     metrics: RequestMetrics | None = None  # once the core has scheduled the request
+    lora_request: object = None  # vLLM's: the request's LoRARequest (LLM.generate sets it)
 
-    # vLLM's fields for what Kiln does not serve (LoRA, encoder-decoder and multimodal models,
-    # KV transfer): always empty, so code ported from vLLM reads them as vLLM gives them for a
-    # text-only model without an adapter, not as an AttributeError.
-    @property
-    def lora_request(self) -> None:
-        return None
+    # vLLM's fields for what Kiln does not serve (encoder-decoder and multimodal models, KV
+    # transfer): always empty, so code ported from vLLM reads them as vLLM gives them for a
+    # text-only model, not as an AttributeError.
 
     @property
     def encoder_prompt(self) -> None:

@@ -34,7 +34,6 @@ UNHONOURED: dict[str, tuple[tuple[str, ...], str]] = {
     "VLLM_CPU_SGL_KERNEL": (("0", "false"), "Kiln's CPU kernels are its own (KILN_NATIVE_CPU_OPS)"),
     "VLLM_CPU_MOE_PREPACK": (("1", "true"), "Kiln has no IPEX MoE layer"),
     "VLLM_TORCH_PROFILER_DIR": ((), "Kiln has no profiler endpoints"),
-    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": (("0", "false"), "Kiln has no LoRA"),
 }
 
 # Set by vLLM's own deployments without changing what an engine computes or serves.

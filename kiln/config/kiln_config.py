@@ -35,6 +35,8 @@ class KilnConfig(FreezableConfig):
     ir_op_priority: dict = field(default_factory=dict)
     # --speculative-config (n-gram prompt lookup only; kiln/spec_decode/), None: off
     speculative_config: SpeculativeConfig | None = None
+    # LoRA serving (--enable-lora): a kiln.lora.config.LoRAConfig, None when off
+    lora_config: object = None
 
     SUB_CONFIGS = ("model_config", "cache_config", "scheduler_config", "parallel_config",
                    "load_config", "device_config", "compilation_config")
@@ -71,6 +73,8 @@ class KilnConfig(FreezableConfig):
         self._check_memory()
         check_speculative(self.speculative_config, self.parallel_config)
         self._check_binding()
+        if self.lora_config is not None:
+            self.lora_config.check_parallel(self.parallel_config)
         # Read first inside Dynamo's backend, after the model loaded, where a bad value came out
         # as a BackendCompilerFailed traceback: checked here, in one line, as the others are.
         from kiln import envs
@@ -189,6 +193,8 @@ class KilnConfig(FreezableConfig):
             # compiled without them)
             sorted(inductor_options(self).items()), self.ir_selection.chosen,
             self._int8_weight_layout(),
+            # LoRA layers add their op and buffers to the graph
+            None if self.lora_config is None else repr(self.lora_config),
         ]
         return hashlib.sha256(repr(factors).encode()).hexdigest()[:16]
 

@@ -14,6 +14,7 @@ import msgspec
 from kiln.core.outputs import EngineCoreOutput
 from kiln.core.request import Request
 from kiln.core.stats import SchedulerStats
+from kiln.lora.request import LoRARequest
 from kiln.sampling_params import SamplingParams
 
 # ---- front -> core ---------------------------------------------------------------------------
@@ -28,6 +29,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True):
     # An n > 1 request's samples, sample i named child_ids[i]: the core makes them from this one
     # message (parent_request.py), its params sent once. Empty: the request is its own sample.
     child_ids: list[str] = []
+    lora_request: list | None = None  # LoRARequest.to_wire()
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -134,14 +136,17 @@ def to_wire(request: Request, child_ids: Sequence[str] = ()) -> EngineCoreReques
                              prompt_token_ids=list(request.prompt_token_ids),
                              sampling_params=encode_params(request.sampling_params),
                              arrival_time=request.arrival_time, cache_salt=request.cache_salt,
-                             priority=request.priority, child_ids=list(child_ids))
+                             priority=request.priority, child_ids=list(child_ids),
+                             lora_request=None if request.lora_request is None
+                             else request.lora_request.to_wire())
 
 
 def from_wire(request: EngineCoreRequest) -> Request:
     return Request(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                    sampling_params=decode_params(request.sampling_params),
                    arrival_time=request.arrival_time, cache_salt=request.cache_salt,
-                   priority=request.priority)
+                   priority=request.priority,
+                   lora_request=LoRARequest.from_wire(request.lora_request))
 
 
 def failure_report(e: BaseException) -> CoreFailed:

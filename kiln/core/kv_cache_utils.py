@@ -26,11 +26,15 @@ class KVCacheBlock:
         return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
 
 
-def root_block_hash(cache_salt: str | None) -> BlockHash:
-    """Parent hash of a request's first block: a salt starts a chain no other salt shares."""
-    if cache_salt is None:
+def root_block_hash(cache_salt: str | None, lora_request=None) -> BlockHash:
+    """Parent hash of a request's first block: a salt starts a chain no other salt shares, and
+    so does a LoRA adapter (its K/V differ from the base model's and other adapters')."""
+    if cache_salt is None and lora_request is None:
         return ROOT_BLOCK_HASH
-    return hashlib.sha256(b"salt:" + cache_salt.encode()).digest()
+    root = b"" if cache_salt is None else b"salt:" + cache_salt.encode()
+    if lora_request is not None:
+        root += b"|" + lora_request.hash_key()
+    return hashlib.sha256(root).digest()
 
 
 def hash_block_tokens(parent_hash: BlockHash, token_ids) -> BlockHash:
@@ -59,7 +63,7 @@ def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
     if len(hashes) < num_full:
         start = len(hashes) * block_size
         tokens = request.all_token_ids[start:num_full * block_size]
-        parent = hashes[-1] if hashes else root_block_hash(request.cache_salt)
+        parent = hashes[-1] if hashes else root_block_hash(request.cache_salt, request.lora_request)
         hashes.extend(hash_token_blocks(tokens, block_size, parent))
     return hashes
 

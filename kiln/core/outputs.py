@@ -20,6 +20,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: object = None  # kiln.lora.request.LoRARequest, None: the base model
 
 
 @dataclass

@@ -37,5 +37,6 @@ def child_requests(parent: Request, child_ids: Sequence[str]) -> list[Request]:
                          f"{len(child_ids)} child ids")
     return [Request(request_id=cid, prompt_token_ids=list(parent.prompt_token_ids),
                     sampling_params=child_params(params, i), arrival_time=parent.arrival_time,
-                    cache_salt=parent.cache_salt, priority=parent.priority)
+                    cache_salt=parent.cache_salt, priority=parent.priority,
+                    lora_request=parent.lora_request)
             for i, cid in enumerate(child_ids)]

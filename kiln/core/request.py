@@ -53,6 +53,8 @@ class Request:
     block_hashes: list = field(default_factory=list)
     # Seeds the hash chain (vLLM's cache_salt): requests share cached blocks only if equal.
     cache_salt: str | None = None
+    # The LoRA adapter it runs under (kiln.lora.request.LoRARequest), None: the base model.
+    lora_request: object = None
     # Prompt logprobs so far (when asked for), one per prompt token after the first; handed
     # over with the first generated token, after which this is None again.
     prompt_logprobs: list | None = None

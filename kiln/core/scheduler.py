@@ -24,6 +24,7 @@ from kiln.core.request_progress import grammar_error_output, step_output, unsche
 from kiln.core.request_queue import WaitingQueue, order_key
 from kiln.core.requeueing import Requeueing
 from kiln.core.stats import SchedulerStats, spec_decode_stats
+from kiln.lora.scheduling import fits_lora_slots
 from kiln.spec_decode.scheduling import SpecDecodeScheduling
 from kiln.structured_output.manager import StructuredOutputManager
 
@@ -57,6 +58,9 @@ class Scheduler(Requeueing):
         self.structured_output_manager = StructuredOutputManager(kiln_config)
         spec = kiln_config.speculative_config
         self.spec_decode = SpecDecodeScheduling(spec) if spec is not None else None
+        # Adapters running requests use at most (kiln/lora/scheduling.py); None: no LoRA.
+        lora = getattr(kiln_config, "lora_config", None)
+        self.max_loras = None if lora is None else lora.max_loras
 
     # ---- requests in and out ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -148,6 +152,9 @@ class Scheduler(Requeueing):
                 self.waiting.pop()
                 self._finish_grammar_error(request)
                 continue
+            if not fits_lora_slots(request, self.running, self.max_loras):
+                compiling.append(self.waiting.pop())  # waits for a slot; others go by
+                continue
             if self._cannot_ever_fit(request):
                 self.waiting.pop()
                 self._finish_unschedulable(request, request.num_tokens)
@@ -168,7 +175,8 @@ class Scheduler(Requeueing):
                 req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids),
                 output_token_ids=list(request.output_token_ids),
                 sampling_params=request.sampling_params,
-                block_ids=kv.get_block_ids(request.request_id), num_computed_tokens=num_hit))
+                block_ids=kv.get_block_ids(request.request_id), num_computed_tokens=num_hit,
+                lora_request=request.lora_request))
             num_scheduled[request.request_id] = num_new
             budget -= num_new
         self.waiting.prepend_all(compiling)

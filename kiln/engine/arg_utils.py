@@ -82,6 +82,12 @@ class EngineArgs:
     task: str | None = None
     pooler_config: Any = None
     override_pooler_config: Any = None
+    # vLLM's LoRA knobs (kiln/lora/); the sizes are read only with enable_lora (lm-eval passes
+    # max_lora_rank=16 either way)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         self.dtype = _dtype_name(self.dtype)  # so to_cli_args and == see the name too
@@ -194,7 +200,16 @@ class EngineArgs:
                           load_config=load_config, device_config=device_config,
                           compilation_config=compilation_config, enforce_eager=self.enforce_eager,
                           ir_op_priority=dict(self.ir_op_priority or {}),
-                          speculative_config=speculative_config)
+                          speculative_config=speculative_config,
+                          lora_config=self.lora_config())
+
+    def lora_config(self):
+        if not self.enable_lora:
+            return None
+        from kiln.lora.config import LoRAConfig
+
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -202,9 +202,19 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                    help="the pooling runner's pooler, e.g. '{\"pooling_type\": \"MEAN\", "
                         "\"normalize\": true}' (LAST, MEAN or CLS; default: the checkpoint's "
                         "sentence-transformers pooling, else LAST, normalized)")
+    g.add_argument("--enable-lora", action=argparse.BooleanOptionalAction,
+                   default=d.enable_lora,
+                   help="serve LoRA adapters (PEFT directories: --lora-modules, or a "
+                        "request's lora_request) on the q/k/v/o and gate/up/down projections")
+    g.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help="LoRA adapters one batch may use at once (device slots, LRU)")
+    g.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                   help="the largest LoRA rank (r) an adapter may have")
+    g.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras,
+                   help="LoRA adapters kept in host memory (default: --max-loras)")
     v = parser.add_argument_group(
         "vLLM flags with one meaning here (taken so commands carry over)",
-        "vLLM flags Kiln has no counterpart for (--enable-lora, --hf-overrides, "
+        "vLLM flags Kiln has no counterpart for (--kv-cache-memory-bytes, "
         "-dp, ...) are refused with the reason and what to use instead")
     v.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction,
                    default=d.trust_remote_code,

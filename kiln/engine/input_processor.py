@@ -27,10 +27,11 @@ class ProcessedPrompt:
     params: SamplingParams  # a private copy, resolved against the tokenizer and max_model_len
     # Mixed into the prefix cache's block hashes: only prompts of the same salt share blocks.
     cache_salt: str | None = None
+    lora_request: object = None  # kiln.lora.request.LoRARequest, checked; None: the base model
 
 
 # A dict prompt's keys (vLLM's TextPrompt / TokensPrompt, less what a text-only engine lacks).
-PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt", "lora_request")
 _MULTIMODAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids",
                     "prompt_embeds", "token_type_ids")
 
@@ -259,5 +260,11 @@ class InputProcessor:
         params.check_masks_leave_a_token()
         clip_max_tokens(params, len(token_ids), self.max_model_len, max_tokens_must_fit)
         salt = prompt_cache_salt(prompt)
+        lora = prompt.get("lora_request") if isinstance(prompt, dict) else None
+        if lora is not None:  # the engine sets lora_checker (kiln/lora/frontend.py)
+            checker = getattr(self, "lora_checker", None)
+            if checker is None:
+                raise ValueError("lora_request needs an engine started with --enable-lora")
+            lora = checker.check(lora)
         return ProcessedPrompt(prompt=text, prompt_token_ids=token_ids, params=params,
-                               cache_salt=salt)
+                               cache_salt=salt, lora_request=lora)

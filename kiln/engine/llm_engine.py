@@ -23,6 +23,7 @@ from kiln.engine.output_processor import OutputProcessor
 from kiln.engine.text_encoding import check_encodable, check_request_id, encode_text
 from kiln.engine.tokenizer import config_eos_token_ids, generation_eos_token_ids, get_tokenizer
 from kiln.logger import init_logger
+from kiln.lora.frontend import LoRAChecker
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -79,6 +80,7 @@ class LLMEngine(EngineTokenStats, EngineVllmViews):
             if self.tokenizer is None:  # no tokenizer to name eos: the model config does
                 eos_ids |= config_eos_token_ids(self.model_config)
             self.input_processor = InputProcessor(self.model_config, self.tokenizer, eos_ids)
+            self.input_processor.lora_checker = LoRAChecker(kiln_config)
             self.output_processor = OutputProcessor(self.tokenizer)
             self.startup_timings["tokenizer_s"] = time.perf_counter() - clock
             clock = time.perf_counter()
@@ -209,7 +211,8 @@ class LLMEngine(EngineTokenStats, EngineVllmViews):
         core_request = Request(request_id=request_id,
                                prompt_token_ids=list(processed.prompt_token_ids),
                                sampling_params=params, arrival_time=arrival,
-                               cache_salt=processed.cache_salt, priority=priority)
+                               cache_salt=processed.cache_salt, priority=priority,
+                               lora_request=processed.lora_request)
         child_ids = [cid for cid, _ in samples] if params.n > 1 else []
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
                                           samples, params.output_kind)

@@ -1,5 +1,5 @@
 """vLLM's engine and server flags that Kiln has no counterpart for: one table, each with why and
-what to do instead, so `kiln serve --enable-lora` and `LLM(enable_lora=True)` say so by name
+what to do instead, so `kiln serve --speculative-config ...` and `LLM(hf_overrides=...)` say so by name
 rather than failing as an unknown argument.
 
 A few take the value that has Kiln's one meaning (`-dp 1`, `--model-impl auto`) and
@@ -51,8 +51,7 @@ class VllmFlag:
     takes_value: bool = True  # False: a switch (nargs 0)
     accepted: tuple[str, ...] = ()  # values with Kiln's one meaning, taken and ignored
     accepted_alone: bool = False  # a value-less flag whose meaning Kiln always has
-    # sizes a feature another flag of the table refuses (--max-lora-rank, of --enable-lora):
-    # any value asks for nothing here (lm-eval's vllm backend always passes max_lora_rank=16)
+    # sizes a feature another flag of the table refuses: any value asks for nothing here
     any_value: bool = False
 
     @property
@@ -69,14 +68,6 @@ class VllmFlag:
 
 
 VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
-    VllmFlag(("--enable-lora",), "LoRA adapters", "Kiln does not serve them: merge the adapter "
-             "into the weights and serve that checkpoint", takes_value=False),
-    VllmFlag(("--lora-modules",), "LoRA adapters served by name", "Kiln does not serve "
-             "adapters: merge each into its base weights and serve that checkpoint"),
-    VllmFlag(("--max-lora-rank",), "the largest LoRA adapter rank", "Kiln serves no "
-             "adapters (--enable-lora is refused), so there is nothing to size", any_value=True),
-    VllmFlag(("--max-loras",), "LoRA adapters per batch", "Kiln serves no adapters "
-             "(--enable-lora is refused), so there is nothing to size", any_value=True),
     VllmFlag(("--max-num-partial-prefills",), "how many prompts may be prefilled in chunks at "
              "once", "Kiln's scheduler has no such limit; --max-num-batched-tokens bounds the "
              "prefill tokens of a step"),
@@ -183,7 +174,7 @@ class _RefuseVllmFlag(argparse.Action):
 
     def __init__(self, option_strings, dest, entry: VllmFlag, **kwargs):
         self.entry = entry
-        # a switch takes no value: `--enable-lora MODEL` must not swallow the model
+        # a switch takes no value: `--enable-log-outputs MODEL` must not swallow the model
         super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
                          nargs="?" if entry.takes_value else 0, **kwargs)
 

@@ -16,6 +16,8 @@ from kiln.engine.chat_messages import chat_messages, chat_render_kwargs
 from kiln.engine.input_processor import ProcessedPrompt, PromptType
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.vllm_flags import check_vllm_only_kwargs
+from kiln.lora.frontend import per_prompt as lora_per_prompt
+from kiln.lora.frontend import with_lora, with_lora_request
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
@@ -27,7 +29,8 @@ def refuse_lora(lora_request) -> None:
     if isinstance(lora_request, (list, tuple)) and all(r is None for r in lora_request):
         return
     if lora_request is not None:
-        raise ValueError("lora_request must be None: Kiln serves no LoRA adapters")
+        raise ValueError("lora_request is not supported by LLM.beam_search() yet; use "
+                         "generate() or chat() with it")
 
 
 def request_priorities(priority, num_prompts: int) -> list[int]:
@@ -107,16 +110,17 @@ class LLM:
                  use_tqdm: bool | Callable = True, lora_request=None,
                  priority: list[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. `lora_request`:
-        vLLM's argument, None only (no LoRA adapters). `priority`: one int per prompt, lower
-        served first under scheduling_policy="priority" (an n > 1 prompt's samples share it)."""
-        refuse_lora(lora_request)
+        vLLM's LoRARequest (or one per prompt), with LLM(enable_lora=True). `priority`: one
+        int per prompt, lower served first under scheduling_policy="priority" (an n > 1
+        prompt's samples share it)."""
         self._check_generate_runner("generate")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts must be a str, a {'prompt_token_ids': [...]} dict or a "
                              f"list of them, got {type(prompts).__name__}")
-        prompts = list(prompts)
+        prompts = [with_lora(p, lora) for p, lora in
+                   zip(prompts, lora_per_prompt(lora_request, len(prompts)))]
         priorities = request_priorities(priority, len(prompts))
         if sampling_params is None:  # the model's generation-config defaults, as vLLM's
             sampling_params = self.get_default_sampling_params()
@@ -198,7 +202,6 @@ class LLM:
         opening a new assistant turn; it needs add_generation_prompt=False. `tools`: OpenAI
         tool dicts the template renders (as vLLM's LLM.chat); read calls out of the text with
         a tool parser (kiln.entrypoints.openai.tool_parsers)."""
-        refuse_lora(lora_request)
         self._check_generate_runner("chat")
         # vLLM's keywords (a TypeError here): text joined into a string is its "string" format
         if chat_template_content_format not in ("auto", "string"):
@@ -230,7 +233,7 @@ class LLM:
             except ValueError as e:
                 raise ValueError(str(e) if len(conversations) == 1 else f"conversation {i}: {e}") \
                     from None
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _check_generate_runner(self, method: str) -> None:
         if self.llm_engine.model_config.runner_type == "pooling":  # vLLM refuses it too
@@ -288,7 +291,8 @@ class LLM:
                 while pending:
                     for out in engine.step():
                         if out.finished and out.request_id in pending:
-                            results[order[out.request_id]] = out
+                            results[order[out.request_id]] = with_lora_request(
+                                out, processed[order[out.request_id]].lora_request)
                             pending.discard(out.request_id)
                             bar.update(1)
                     if pending and not engine.has_unfinished_requests():

@@ -21,6 +21,7 @@ from kiln.ir.layer_ops import (
                                rotary_embedding,
                                silu_and_mul,
 )
+from kiln.ir.lora import lora_add
 from kiln.ir.op import PROVIDERS, REGISTRY, Implementation, IrOp
 from kiln.ir.selection import (
                                Selection,
@@ -37,5 +38,5 @@ quant_fp8.register()
 
 __all__ = ["PROVIDERS", "REGISTRY", "Implementation", "IrOp", "Selection", "all_reduce",
            "applied", "apply", "check_priority", "fused_add_rms_norm", "gguf_embedding",
-           "gguf_linear", "linear", "parse_cli", "resolve", "rms_norm", "rotary_embedding",
+           "gguf_linear", "linear", "lora_add", "parse_cli", "resolve", "rms_norm", "rotary_embedding",
            "silu_and_mul", "unified_attention", "quant", "int8_panels"]

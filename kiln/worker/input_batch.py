@@ -21,6 +21,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     row: int = field(default=-1)  # row in InputBatch's tables
+    lora_request: object = None  # kiln.lora.request.LoRARequest; None: the base model
 
     @property
     def num_tokens(self) -> int:

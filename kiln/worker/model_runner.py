@@ -20,6 +20,7 @@ from kiln.distributed.parallel_state import get_pp_group
 from kiln.distributed.stage_inputs import StageInputs
 from kiln.forward_context import set_forward_context
 from kiln.logger import init_logger
+from kiln.lora.manager import attach_lora
 from kiln.sample.grammar_mask import bitmask_rows
 from kiln.sample.logprobs import to_logprobs_lists
 from kiln.sample.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs
@@ -45,6 +46,7 @@ class ModelRunner(StepInputPreparation):
         self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
 
         self.model: torch.nn.Module | None = None
+        self.lora_manager = None  # a kiln.lora.manager.LoRAManager under --enable-lora
         self.attn_backend: type[AttentionBackend] = AttentionBackend
         self.attention_layers: dict = {}  # layer name -> Attention, filled by load_model
         self.sampler = Sampler()
@@ -77,6 +79,9 @@ class ModelRunner(StepInputPreparation):
 
         with set_compile_state(self.compile_state):
             model = get_model(self.kiln_config)
+        # LoRA buffers join the layers before the first (tracing) call (kiln/lora/)
+        self.lora_manager = attach_lora(model, self.kiln_config, self.max_num_tokens,
+                                        self.device)
         self.model = wrap_model_for_full_cudagraph(model, self.compile_state.cudagraph_mode)
         self.stage_inputs = StageInputs(self.kiln_config.model_config.hf_config.hidden_size,
                                         self.kiln_config.model_config.torch_dtype)
@@ -153,7 +158,7 @@ class ModelRunner(StepInputPreparation):
                 req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
                 output_token_ids=list(new.output_token_ids), sampling_params=params,
                 generator=generator, block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens)
+                num_computed_tokens=new.num_computed_tokens, lora_request=new.lora_request)
             self.input_batch.add(state)
             self.requests[new.req_id] = state
 
@@ -186,6 +191,9 @@ class ModelRunner(StepInputPreparation):
         if so.scheduled_spec_decode_tokens:
             write_drafts(self, so)
         inputs = self._prepare_inputs(so)
+        if self.lora_manager is not None:
+            self.lora_manager.prepare_step([self.requests[r].lora_request for r in inputs.req_ids],
+                                           [so.num_scheduled_tokens[r] for r in inputs.req_ids])
         self._cudagraph_step = (inputs.cudagraph_mode, inputs.batch_descriptor)
         try:
             hidden = self._run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata,

@@ -79,7 +79,7 @@ def test_inputs_of_the_wrong_kind_name_what_is_wrong(llm):
         llm.chat([{"content": "hi"}], chat_template="{{ messages }}", use_tqdm=False)
     with pytest.raises(ValueError, match="got a str; for plain text use generate"):
         llm.chat("hi", use_tqdm=False)  # was taken for conversations, one a character
-    with pytest.raises(ValueError, match="lora_request must be None"):
+    with pytest.raises(ValueError, match="lora_request must be a LoRARequest"):
         llm.generate(good, lora_request=object(), use_tqdm=False)
     llm.generate(good, SamplingParams(max_tokens=1, spaces_between_special_tokens=True),
                  use_tqdm=False, lora_request=None)  # vLLM's arguments at their defaults

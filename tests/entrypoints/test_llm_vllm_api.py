@@ -53,7 +53,7 @@ def test_use_tqdm_callable_makes_the_bar_and_lora_list_of_nones(llm):
 
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=Bar, lora_request=[None, None])
     assert len(outs) == 2 and made == [2]
-    with pytest.raises(ValueError, match="lora_request must be None"):
+    with pytest.raises(ValueError, match="lora_request must be a LoRARequest"):
         llm.generate(PROMPTS, PARAMS, use_tqdm=False, lora_request=[None, object()])
 
 
@@ -130,7 +130,9 @@ def test_vllm_arguments_that_ask_for_nothing_are_taken(tiny_llama_dir):
 
     taken = dict(max_lora_rank=16, max_loras=1, enable_lora=False, mm_processor_kwargs=None,
                  allowed_local_media_path="", calculate_kv_scales=False)
-    assert check_vllm_only_kwargs(taken) == {}
+    # the LoRA sizes are engine arguments (kiln/lora/), read only with enable_lora
+    assert check_vllm_only_kwargs(taken) == dict(max_lora_rank=16, max_loras=1,
+                                                 enable_lora=False)
     for key, value in [("mm_processor_kwargs", {"num_crops": 4}),
                        ("allowed_local_media_path", "/data")]:
         with pytest.raises(VllmOnlyFlagError, match=rf"{key}=.* is vLLM's argument"):

@@ -97,7 +97,7 @@ def test_cli_errors_name_the_flag_beside_the_field():
 # argparse's top-level "kiln: error: unrecognized arguments" with no word on why).
 TESTER_FLAGS = [
     "--max-num-partial-prefills", "--override-generation-config", "--response-role",
-    "--lora-modules", "--enable-lora", "--limit-mm-per-prompt",
+    "--limit-mm-per-prompt",
     "--disable-sliding-window", "-dp", "--data-parallel-size", "--max-seq-len-to-capture",
     "--disable-custom-all-reduce", "--enable-log-requests", "--chat-template-content-format",
     "--async-scheduling",
@@ -131,7 +131,7 @@ def test_every_vllm_flag_in_the_table_is_refused_by_every_engine_command():
             value = [] if not entry.takes_value else ["x-value"]
             if entry.accepted_alone:
                 continue
-            if entry.any_value:  # sizes LoRA, which --enable-lora refuses: any value is moot
+            if entry.any_value:  # sizes a refused feature: any value is moot
                 parser.parse_args([*argv, flag, "16"])
                 continue
             with pytest.raises(VllmOnlyFlagError) as e:
@@ -144,7 +144,7 @@ def test_vllm_flag_refusals_say_why_and_what_instead():
     from kiln.engine.vllm_flags import VllmOnlyFlagError
 
     parser = build_parser()
-    for argv, words in ((["serve", "--enable-lora"], "LoRA adapters"),
+    for argv, words in ((["serve", "--limit-mm-per-prompt", "{}"], "text-only"),
                         (["generate", "--rope-scaling", "{}"], "--hf-overrides '{\"rope_scaling"),
                         (["generate", "--rope-theta", "1e6"], "--hf-overrides '{\"rope_theta"),
                         (["serve", "--kv-cache-memory-bytes", "4G"], "--kv-cache-memory 4)"),
@@ -188,19 +188,20 @@ def test_vllm_flag_refusal_is_one_line_exit_2():
     import sys
 
     r = subprocess.run([sys.executable, "-m", "kiln.entrypoints.cli.main", "serve",
-                        "--enable-lora"], capture_output=True, text=True, timeout=120)
+                        "--speculative-config"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.splitlines() == [
-        "error: --enable-lora is vLLM's flag for LoRA adapters; Kiln does not serve them: "
-        "merge the adapter into the weights and serve that checkpoint"]
+        "error: --speculative-config is vLLM's flag for speculative decoding; Kiln has none: "
+        "every token comes from the model's own step"]
 
 
 def test_llm_refuses_vllm_only_arguments_with_the_same_reason():
     from kiln.entrypoints.llm import LLM
 
     with pytest.raises(ValueError) as e:
-        LLM(model="/nowhere", enable_lora=True)
-    assert str(e.value).startswith("enable_lora=True is vLLM's argument for LoRA adapters")
+        LLM(model="/nowhere", limit_mm_per_prompt={"image": 1})
+    assert str(e.value).startswith("limit_mm_per_prompt={'image': 1} is vLLM's argument for "
+                                   "multimodal inputs per prompt")
     with pytest.raises(ValueError, match=r"rope_theta=1000000 is vLLM's argument .*hf-overrides"):
         LLM(model="/nowhere", rope_theta=1000000)
     with pytest.raises(ValueError, match="only data_parallel_size=1 is taken"):

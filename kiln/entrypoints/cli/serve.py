@@ -36,6 +36,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         DEFAULT_MAX_REQUEST_BODY_BYTES,
         DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     )
+    from kiln.lora.serving import lora_module_flag
 
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -47,6 +48,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="serve /metrics without the API key (for a Prometheus scraper)")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use (default: the --model value)")
+    g.add_argument("--lora-modules", nargs="+", default=None, type=lora_module_flag,
+                   metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) served by name, as vLLM's: "
+                        "name=path or '{\"name\": ..., \"path\": ..., "
+                        "\"base_model_name\": ...}'; needs --enable-lora")
     g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                    help="refuse larger request bodies with HTTP 413")
     g.add_argument("--max-sequences-per-request", type=int,
@@ -163,6 +169,8 @@ def settings_from_args(args: argparse.Namespace):
     if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
         raise ValueError(f"--served-model-name must not be empty, got {args.served_model_name}")
     check_served_names(args.served_model_name or [])  # before the model loads
+    if args.lora_modules and not getattr(args, "enable_lora", False):
+        raise ValueError("--lora-modules needs --enable-lora")
     api_key = args.api_key or env_api_key()
     if api_key is not None and api_key != api_key.strip():
         # HTTP strips a header value's outer whitespace: no client could ever send this key.
@@ -180,6 +188,7 @@ def settings_from_args(args: argparse.Namespace):
                           ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
                           ssl_cert_reqs=args.ssl_cert_reqs,
                           served_model_names=args.served_model_name,
+                          lora_modules=args.lora_modules,
                           max_request_body_bytes=args.max_request_body_bytes,
                           max_sequences_per_request=args.max_sequences_per_request,
                           metrics_public=args.metrics_public,

@@ -41,6 +41,7 @@ from kiln.entrypoints.openai.serving_models import ServingModels, displayable
 from kiln.entrypoints.openai.serving_responses import ServingResponses
 from kiln.entrypoints.openai.serving_tokenization import ServingTokenization
 from kiln.logger import init_logger
+from kiln.lora.serving import add_lora_routes, checked_lora_requests
 from kiln.worker.host_memory import freeze_gc_heap
 
 logger = init_logger(__name__)
@@ -50,7 +51,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     model_config = llm.kiln_config.model_config
     name = displayable(model_display_name(str(model_config.model)))
-    models = ServingModels(settings.served_model_names or [name], name, llm.max_model_len)
+    models = ServingModels(settings.served_model_names or [name], name, llm.max_model_len,
+                           checked_lora_requests(llm, settings.lora_modules))
     llm.max_sequences_per_request = settings.max_sequences_per_request
     cache = llm.kiln_config.cache_config
     metrics = ServerMetrics(models.default_name, log_interval=settings.stats_log_interval,
@@ -214,6 +216,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
             metrics.update_gauges(await llm.get_stats())
         return Response(metrics.render(), media_type=metrics.content_type)
 
+    if envs.allow_runtime_lora_updating():
+        add_lora_routes(app, llm, models)
     if envs.server_dev_mode():
         from kiln.entrypoints.openai.dev_routes import add_dev_routes
         add_dev_routes(app, llm)

@@ -205,6 +205,7 @@ class ModelCard(OpenAIBase):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "kiln"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     max_model_len: int | None = None
 
 

@@ -13,6 +13,8 @@ class ServerSettings:
     port: int = 8000
     api_key: str | None = None
     served_model_names: list[str] | None = None  # None: the --model value
+    # --lora-modules: {"name", "path", "base_model_name"} each (kiln/lora/serving.py)
+    lora_modules: list[dict] | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     # A request's prompts x n: more is a 400 naming --max-sequences-per-request.
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST

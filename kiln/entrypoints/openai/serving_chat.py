@@ -43,6 +43,8 @@ from kiln.entrypoints.openai.serving_engine import (
 from kiln.entrypoints.openai.serving_models import ServingModels
 from kiln.entrypoints.openai.structured_fields import check_compiles, request_structured_outputs
 from kiln.entrypoints.openai.tool_parsers.tool_plan import plan_tools
+from kiln.lora.frontend import with_lora
+from kiln.lora.serving import refuse_lora_beam_search
 from kiln.reasoning import (
     grammar_thinking_first,
     make_splitter,
@@ -105,7 +107,8 @@ class ServingChat(ChatAnswers):
                            chat_template=request_chat_template(
                                req, self.trust_request_chat_template))
         prompt = await render_chat_prompt(self.llm, **render_args)
-        prompt = with_cache_salt(prompt, req.cache_salt)
+        prompt = with_lora(with_cache_salt(prompt, req.cache_salt),
+                           self.models.lora_request(model))
         prompt_text = prompt.get("prompt")  # what the reasoning parser reads think tags from
         if self.reasoning_parser is not None and prompt_opens_thinking(prompt_text) is not None:
             prompt_text = await generation_tail(self.llm, render_args, prompt_text)
@@ -118,6 +121,7 @@ class ServingChat(ChatAnswers):
                             else "max_tokens")
         renamed = {"max_tokens": max_tokens_param, "logprobs": "top_logprobs"}
         if req.use_beam_search:
+            refuse_lora_beam_search(self.models.lora_request(model))
             if constraint is not None:  # a tool_choice's grammar: the search follows none
                 raise OpenAIError(f"tool_choice={req.tool_choice!r} is refused with "
                                   "use_beam_search=true: beam search follows no grammar",

@@ -40,6 +40,8 @@ from kiln.entrypoints.openai.serving_engine import (
 )
 from kiln.entrypoints.openai.serving_models import ServingModels
 from kiln.entrypoints.openai.structured_fields import check_compiles, request_structured_outputs
+from kiln.lora.frontend import with_lora
+from kiln.lora.serving import refuse_lora_beam_search
 from kiln.outputs import CompletionOutput, RequestOutput
 from kiln.reasoning import with_reasoning_end
 from kiln.sampling_params import SamplingParams
@@ -103,9 +105,11 @@ class ServingCompletion:
                               code="unsupported_parameter")
         if not req.add_special_tokens:
             prompts = await without_special_tokens(self.llm, prompts)
-        prompts = [with_cache_salt(p, req.cache_salt) for p in prompts]
+        lora = self.models.lora_request(model)
+        prompts = [with_lora(with_cache_salt(p, req.cache_salt), lora) for p in prompts]
         request_id = response_id("cmpl", req.request_id, raw)
         if req.use_beam_search:
+            refuse_lora_beam_search(lora)
             try:
                 finals = await until_disconnect(raw, beam_search(
                     self.llm, request_id, prompts, params, req.length_penalty, "prompt",

@@ -8,13 +8,20 @@ from kiln.entrypoints.openai.response_models import ModelCard, ModelList
 
 
 class ServingModels:
-    def __init__(self, served_model_names: list[str], root: str, max_model_len: int):
+    def __init__(self, served_model_names: list[str], root: str, max_model_len: int,
+                 lora_requests=()):
         """`root`: what /v1/models reports the names come from (the --model value as given,
-        never a resolved cache path)."""
+        never a resolved cache path). `lora_requests`: the --lora-modules adapters, each
+        served by its lora_name (kiln/lora/)."""
         if not served_model_names:
             raise ValueError("served_model_names is empty; pass --served-model-name or --model")
         check_served_names(served_model_names)
         self.names = list(served_model_names)
+        self.loras = {lora.lora_name: lora for lora in lora_requests}
+        clash = sorted(set(self.loras) & set(self.names))
+        if clash:
+            raise ValueError(f"--lora-modules name(s) {clash} are also served model names "
+                             "(--served-model-name); give each adapter its own name")
         self.root = displayable(root)
         self.max_model_len = max_model_len
 
@@ -27,16 +34,52 @@ class ServingModels:
         OpenAI and vLLM answer) naming `model`."""
         if requested is None:
             return self.default_name
-        if requested not in self.names:
+        if requested not in self.names and requested not in self.loras:
             raise OpenAIError(f"The model `{requested}` does not exist; this server serves "
-                              f"{self.names}", status=404, param="model",
+                              f"{self.names + list(self.loras)}", status=404, param="model",
                               code="model_not_found")
         return requested
 
+    def add_lora(self, name: str, path: str, check, replace: bool = False):
+        """A runtime-loaded adapter (vLLM's /v1/load_lora_adapter): a new lora_int_id, so a
+        replaced adapter's weights are never taken for its predecessor's. `check`: the
+        engine's LoRAChecker.check."""
+        from kiln.lora.request import LoRARequest
+
+        if name in self.loras and not replace:
+            raise OpenAIError(f"The lora adapter '{name}' has already been loaded. If you want "
+                              "to load the adapter in place, set 'load_inplace' to True.",
+                              param="lora_name")
+        if name in self.names:
+            raise OpenAIError(f"'{name}' is a served model name, not an adapter",
+                              param="lora_name")
+        self._next_lora_id = max([getattr(self, "_next_lora_id", 0)]
+                                 + [lora.lora_int_id for lora in self.loras.values()]) + 1
+        try:
+            lora = check(LoRARequest(name, self._next_lora_id, path))
+        except ValueError as e:
+            raise OpenAIError(str(e), param="lora_path") from None
+        self.loras[name] = lora
+
+    def remove_lora(self, name: str) -> None:
+        if self.loras.pop(name, None) is None:
+            raise OpenAIError(f"The lora adapter '{name}' cannot be found.", status=404,
+                              param="lora_name", code="model_not_found")
+
+    def lora_request(self, name: str):
+        """The adapter a resolved model name serves (kiln.lora.request.LoRARequest), or None
+        for the base model."""
+        return self.loras.get(name)
+
     def list_models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=self.root,
-                                         max_model_len=self.max_model_len)
-                               for name in self.names])
+        base = [ModelCard(id=name, root=self.root, max_model_len=self.max_model_len)
+                for name in self.names]
+        # vLLM's adapter cards: root the adapter's path, parent the base model's name
+        adapters = [ModelCard(id=lora.lora_name, root=lora.lora_path,
+                              parent=lora.base_model_name or self.default_name,
+                              max_model_len=self.max_model_len)
+                    for lora in self.loras.values()]
+        return ModelList(data=base + adapters)
 
 
 def check_served_names(names: list[str]) -> None:

@@ -45,6 +45,7 @@ from kiln.entrypoints.openai.serving_engine import (
 from kiln.entrypoints.openai.structured_fields import check_compiles, request_structured_outputs
 from kiln.entrypoints.openai.tool_parsers.base import ToolCallStream
 from kiln.entrypoints.openai.tool_parsers.tool_plan import plan_tools
+from kiln.lora.frontend import with_lora
 from kiln.reasoning import grammar_thinking_first, prompt_opens_thinking, with_reasoning_end
 
 # The engine's finish reason -> the response's status.
@@ -94,7 +95,8 @@ class ServingResponses:
                                add_special_tokens=False, tools=plan.template_tools,
                                documents=None, chat_template=None)
             prompt = await render_chat_prompt(self.llm, **render_args)
-        prompt = with_cache_salt(prompt, req.cache_salt)
+        prompt = with_lora(with_cache_salt(prompt, req.cache_salt),
+                           self.chat.models.lora_request(model))
         prompt_text = prompt.get("prompt")
         if self.chat.reasoning_parser is not None and \
                 prompt_opens_thinking(prompt_text) is not None:

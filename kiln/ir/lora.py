@@ -1,0 +1,38 @@
+"""The IR's LoRA op, `kiln::lora_add`: a linear layer's output plus each token's adapter delta,
+punica-style: every adapter slot stacked in one tensor and a per-token slot index, both runtime
+inputs, so one compiled graph serves any mix of adapters (kiln/lora/).
+"""
+import torch
+
+from kiln.ir.op import define
+
+
+def _lora_add_ref(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor,
+                  lora_b: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """x [T, in], base [T, out] (the layer's output), lora_a [S, R, in], lora_b [S, R, out]
+    (B^T, scaling folded in; a fused layer's slices as a block-diagonal R), indices int64 [T]
+    (slot of each token's adapter, -1: none) -> base + (x @ A_s^T) @ B_s^T per token, s its
+    slot. Written as two dense matmuls over every slot with the other slots' columns masked
+    out: no data-dependent shapes, nothing to break a trace."""
+    slots, rank, fan_in = lora_a.shape
+    xa = x @ lora_a.reshape(slots * rank, fan_in).t()  # [T, S*R]
+    column_slot = torch.arange(slots * rank, device=x.device) // rank
+    mask = (indices.unsqueeze(1) == column_slot.unsqueeze(0)).to(xa.dtype)
+    return base + (xa * mask) @ lora_b.reshape(slots * rank, lora_b.shape[-1])
+
+
+def _lora_add_fake(x, base, lora_a, lora_b, indices):
+    return torch.empty_like(base)
+
+
+def _examples(dtype: torch.dtype, device: str):
+    return (torch.randn(2, 64, dtype=dtype, device=device),
+            torch.randn(2, 32, dtype=dtype, device=device),
+            torch.randn(2, 8, 64, dtype=dtype, device=device),
+            torch.randn(2, 8, 32, dtype=dtype, device=device),
+            torch.tensor([0, -1], device=device))
+
+
+lora_add = define(
+    "lora_add", "(Tensor x, Tensor base, Tensor lora_a, Tensor lora_b, Tensor indices) -> Tensor",
+    _lora_add_ref, _lora_add_fake, _examples)

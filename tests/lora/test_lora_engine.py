@@ -1,0 +1,101 @@
+"""LoRA serving (kiln/lora/) against HF transformers on the MERGED weights (W + scale * B @ A):
+a batch mixing the base model and two adapters, max_loras=1 with two adapters (the scheduler
+keeps a batch within the slots), prefix caching kept apart per adapter, mode 3, refusals."""
+import pytest
+from lora_adapters import token_logprobs
+
+from kiln.entrypoints.llm import LLM
+from kiln.sampling_params import SamplingParams
+
+MAX_TOKENS = 6
+
+pytestmark = pytest.mark.usefixtures("inprocess_core")  # no core process to start per engine
+
+
+def _run(llm, prompts, loras, **kw):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, **kw)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                        lora_request=loras)
+
+
+def _mixed(lora_setup):
+    """Each prompt under the base model, a1 and a2, interleaved in one batch."""
+    names = [None, "a1", "a2"]
+    prompts, loras, expected = [], [], []
+    for i, prompt in enumerate(lora_setup["prompts"]):
+        for j in range(3):
+            name = names[(i + j) % 3]
+            prompts.append(prompt)
+            loras.append(None if name is None else lora_setup["loras"][name])
+            expected.append(lora_setup["refs"][name][i])
+    return prompts, loras, expected
+
+
+def test_mixed_batch_matches_hf_on_merged_weights(lora_setup):
+    llm = LLM(str(lora_setup["base"]), enforce_eager=True, enable_lora=True, max_loras=2,
+              max_lora_rank=8, max_model_len=128)
+    prompts, loras, expected = _mixed(lora_setup)
+    outs = _run(llm, prompts, loras, logprobs=0)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert [o.lora_request for o in outs] == loras  # vLLM's field
+    assert [o.outputs[0].lora_request for o in outs] == loras
+    # logprobs close to HF's on the merged checkpoint (a2: rsLoRA scaling)
+    for out, prompt, lora in zip(outs, prompts, loras):
+        model = lora_setup["models"][None if lora is None else lora.lora_name]
+        got = [next(iter(step.values())).logprob for step in out.outputs[0].logprobs]
+        want = token_logprobs(model, prompt, list(out.outputs[0].token_ids))
+        assert got == pytest.approx(want, abs=2e-4)
+    # each alone gives the same tokens as in the mixed batch
+    for name in ("a1", "a2"):
+        alone = _run(llm, lora_setup["prompts"], lora_setup["loras"][name])
+        assert [o.outputs[0].token_ids for o in alone] == lora_setup["refs"][name]
+    llm.shutdown()
+
+
+def test_one_slot_two_adapters_and_prefix_cache_kept_apart(lora_setup):
+    """max_loras=1: the scheduler runs one adapter's requests at a time (the manager raises if a
+    step needs two), max_cpu_loras=1 reloads an evicted adapter from disk; a prompt cached
+    under one adapter is never a hit for another or for the base model."""
+    llm = LLM(str(lora_setup["base"]), enforce_eager=True, enable_lora=True, max_loras=1,
+              max_cpu_loras=1, max_lora_rank=8, max_model_len=128, block_size=4)
+    prompts, loras, expected = _mixed(lora_setup)
+    outs = _run(llm, prompts, loras)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    llm.reset_prefix_cache()
+    long = lora_setup["prompts"][2]  # 21 tokens: 5 full blocks
+    first = _run(llm, [long], lora_setup["loras"]["a1"])[0]
+    again = _run(llm, [long], lora_setup["loras"]["a1"])[0]
+    other = _run(llm, [long], lora_setup["loras"]["a2"])[0]
+    base = _run(llm, [long], None)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 20
+    assert other.num_cached_tokens == 0 and base.num_cached_tokens == 0
+    assert list(other.outputs[0].token_ids) == lora_setup["refs"]["a2"][2]
+    assert list(base.outputs[0].token_ids) == lora_setup["refs"][None][2]
+    llm.shutdown()
+
+
+def test_mode3_graph_serves_every_adapter_mix(lora_setup):
+    """The op traces into the piecewise graph (fullgraph: no breaks); one graph serves any mix,
+    the slot indices and adapter weights being runtime inputs."""
+    llm = LLM(str(lora_setup["base"]), enable_lora=True, max_loras=2, max_lora_rank=8,
+              max_model_len=128, compilation_config={"mode": 3, "backend": "eager"})
+    prompts, loras, expected = _mixed(lora_setup)
+    assert [o.outputs[0].token_ids for o in _run(llm, prompts, loras)] == expected
+    alone = _run(llm, lora_setup["prompts"], lora_setup["loras"]["a2"])
+    assert [o.outputs[0].token_ids for o in alone] == lora_setup["refs"]["a2"]
+    llm.shutdown()
+
+
+def test_lora_request_without_enable_lora_is_refused_by_name(lora_setup):
+    llm = LLM(str(lora_setup["base"]), enforce_eager=True, max_model_len=64, max_lora_rank=16)
+    with pytest.raises(ValueError, match="--enable-lora"):
+        _run(llm, lora_setup["prompts"][:1], lora_setup["loras"]["a1"])
+    llm.shutdown()
+
+
+def test_tensor_parallel_is_refused_clearly(lora_setup):
+    from kiln.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match="--enable-lora.*--tensor-parallel-size"):
+        EngineArgs(model=str(lora_setup["base"]), enable_lora=True, tensor_parallel_size=2,
+                   distributed_executor_backend="mp").create_kiln_config()

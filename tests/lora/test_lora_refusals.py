@@ -1,0 +1,114 @@
+"""What a PEFT adapter may ask for that Kiln does not apply is refused naming the field: DoRA,
+modules_to_save, embedding / lm_head LoRA, a rank above --max-lora-rank, LoRA biases; and the
+flags' own checks."""
+import json
+
+import pytest
+from lora_adapters import write_adapter
+
+from kiln.errors import ConfigError
+from kiln.lora.adapter import load_adapter
+from kiln.lora.config import LoRAConfig
+from kiln.lora.request import LoRARequest
+from kiln.lora.serving import lora_module_flag, lora_requests
+
+from checkpoints import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("lora_base"), "llama", tie=False)
+    from transformers import AutoConfig
+
+    return path, AutoConfig.from_pretrained(path)
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"use_dora": True}, "use_dora"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"target_modules": ["q_proj", "embed_tokens"]}, "target_modules"),
+    ({"target_modules": ["lm_head"]}, "target_modules"),
+    ({"bias": "all"}, "bias"),
+    ({"rank_pattern": {"q_proj": 2}}, "rank_pattern"),
+    ({"r": 32}, "--max-lora-rank"),
+])
+def test_unsupported_adapter_fields_are_refused_by_name(base, tmp_path, extra, field):
+    path, config = base
+    adapter = write_adapter(tmp_path / "a", path)
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**cfg, **extra}))
+    with pytest.raises(ConfigError, match=field):
+        load_adapter(str(adapter), config, max_lora_rank=16)
+
+
+def test_unsupported_tensors_are_refused_by_name(base, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, config = base
+    adapter = write_adapter(tmp_path / "a", path)
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector"
+    save_file({**tensors, key: tensors[key.replace("lora_magnitude_vector", "lora_A.weight")].clone()},
+              str(adapter / "adapter_model.safetensors"))
+    with pytest.raises(ConfigError, match="DoRA"):
+        load_adapter(str(adapter), config, max_lora_rank=16)
+    save_file({**tensors, "base_model.model.lm_head.lora_A.weight": tensors[key.replace(
+        "lora_magnitude_vector", "lora_A.weight")].clone()}, str(adapter / "adapter_model.safetensors"))
+    with pytest.raises(ConfigError, match="lm_head"):
+        load_adapter(str(adapter), config, max_lora_rank=16)
+
+
+def test_an_adapter_of_another_model_is_refused_with_shapes(base, tmp_path):
+    path, config = base
+    other = make_tiny_checkpoint(tmp_path / "other", "llama", tie=False, hidden_size=32)
+    adapter = write_adapter(tmp_path / "a", other)
+    with pytest.raises(ConfigError, match="lora_A"):
+        load_adapter(str(adapter), config, max_lora_rank=16)
+    with pytest.raises(ConfigError, match="adapter_config.json"):
+        load_adapter(str(tmp_path), config, max_lora_rank=16)
+
+
+def test_flags_and_requests_check_their_values():
+    with pytest.raises(ConfigError, match="--max-loras"):
+        LoRAConfig(max_loras=0)
+    with pytest.raises(ConfigError, match="--max-cpu-loras"):
+        LoRAConfig(max_loras=2, max_cpu_loras=1)
+    with pytest.raises(ValueError, match="lora_int_id"):
+        LoRARequest("a", 0, "/x")
+    assert lora_module_flag("sql=/a/b") == {"name": "sql", "path": "/a/b",
+                                           "base_model_name": None}
+    assert lora_module_flag('{"name": "s", "path": "/p", "base_model_name": "m"}')[
+        "base_model_name"] == "m"
+    with pytest.raises(Exception, match="name=path"):
+        lora_module_flag("nopath")
+    assert [r.lora_int_id for r in lora_requests([lora_module_flag("a=/1"),
+                                                 lora_module_flag("b=/2")])] == [1, 2]
+    with pytest.raises(ValueError, match="twice"):
+        lora_requests([lora_module_flag("a=/1"), lora_module_flag("a=/2")])
+
+
+def test_cli_flags_reach_the_engine_and_lm_eval_rank_is_harmless():
+    import argparse
+
+    from kiln.engine.arg_utils import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(
+        ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "32", "--max-cpu-loras", "4"]))
+    assert args.lora_config() == LoRAConfig(max_loras=3, max_lora_rank=32, max_cpu_loras=4)
+    assert EngineArgs.from_cli_args(parser.parse_args(args.to_cli_args())) == args
+    # lm-eval's vllm backend passes max_lora_rank=16 with enable_lora False: no LoRA
+    assert EngineArgs(max_lora_rank=16).lora_config() is None
+
+
+def test_the_adapter_crosses_to_the_core_process():
+    """The engine core runs in its own process: a request's adapter goes over the wire."""
+    from kiln.core.core_messages import from_wire, input_codec, to_wire
+    from kiln.core.request import Request
+    from kiln.sampling_params import SamplingParams
+
+    encoder, decoder = input_codec()
+    lora = LoRARequest("a", 3, "/p", "base")
+    for value in (lora, None):
+        request = Request("r", [1, 2], SamplingParams(max_tokens=1), lora_request=value)
+        assert from_wire(decoder.decode(encoder.encode(to_wire(request)))).lora_request == value
