@@ -24,12 +24,12 @@ from kiln.sampling_params import RequestOutputKind, SamplingParams
 _DEFAULT_MAX_NUM_SEQS = EngineArgs.max_num_seqs
 
 
-def refuse_lora(lora_request) -> None:
+def refuse_lora(lora_request, method: str) -> None:
     # vLLM takes one LoRARequest or one per prompt; None (or a list of Nones) asks for none
     if isinstance(lora_request, (list, tuple)) and all(r is None for r in lora_request):
         return
     if lora_request is not None:
-        raise ValueError("lora_request is not supported by LLM.beam_search() yet; use "
+        raise ValueError(f"lora_request is not supported by LLM.{method}() yet; use "
                          "generate() or chat() with it")
 
 
@@ -160,7 +160,7 @@ class LLM:
         `concurrency_limit`: how many prompts search at once (None: all)."""
         from kiln.entrypoints.beam_search import run_offline
 
-        refuse_lora(lora_request)
+        refuse_lora(lora_request, "beam_search")
         self._check_generate_runner("beam_search")
         return run_offline(self, prompts, params, use_tqdm, concurrency_limit)
 

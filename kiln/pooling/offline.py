@@ -37,7 +37,7 @@ def run_pooling(llm, prompts, pooling_params, truncate_prompt_tokens, use_tqdm,
     (dimensions, normalize; the engine's --pooler-config normalize by default)."""
     from kiln.entrypoints.llm import refuse_lora
 
-    refuse_lora(lora_request)
+    refuse_lora(lora_request, "embed() or encode")
     engine = llm.llm_engine
     check_pooling_engine(engine)
     if isinstance(prompts, (str, dict)):
