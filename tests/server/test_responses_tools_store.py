@@ -166,3 +166,25 @@ def test_vllms_variable_turns_the_store_on(monkeypatch):
     assert ResponseStore().enabled
     monkeypatch.setenv("KILN_ENABLE_RESPONSES_API_STORE", "0")  # Kiln's wins
     assert not ResponseStore().enabled
+
+
+class _Recording(FakeEngine):
+    def add_processed_request(self, request_id, processed, arrival_time=None, *, priority=0):
+        self.params = processed.params
+        super().add_processed_request(request_id, processed, arrival_time, priority=priority)
+
+
+@pytest.mark.parametrize("parser, tool_choice, skip", [
+    ("mistral", "auto", False), ("internlm", "auto", False), ("mistral", "none", True),
+    ("hermes", "auto", True)])
+def test_special_call_markers_are_decoded_on_responses_too(parser, tool_choice, skip):
+    """mistral's [TOOL_CALLS] and internlm's <|action_start|> are special tokens: /v1/responses
+    skipped them (chat kept them), so no function_call item could ever be read."""
+    engine = _Recording(max_model_len=64)
+    settings = ServerSettings(tool_call_parser=parser, enable_auto_tool_choice=True)
+    with TestClient(build_app(AsyncLLM(engine), settings)) as c:
+        r = c.post("/v1/responses", json=dict(
+            input="x", max_output_tokens=2, tool_choice=tool_choice,
+            tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}}]))
+    assert r.status_code == 200, r.text
+    assert engine.params.skip_special_tokens is skip

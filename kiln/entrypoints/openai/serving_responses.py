@@ -76,6 +76,8 @@ class ServingResponses:
                 plan = plan_tools(creq, None, False)
             params = chat_sampling_params(
                 creq, self.llm.kiln_config.model_config.generation_defaults)
+            if plan.parser is not None and plan.parser.keeps_special_tokens:
+                params.skip_special_tokens = False  # the call marker is one, as on chat
             constraint, field = request_structured_outputs(creq,
                                                            self.chat.disable_any_whitespace)
             # what a grammar's failure names, in a stream or a collected answer too
