@@ -137,7 +137,7 @@ class ServingResponses:
         if content or not calls:
             output.append(OutputMessage(content=[OutputText(text=content or "")],
                                         status=last if not calls else "completed"))
-        output += call_items(calls)
+        output += call_items(calls, plan.parser.template_checks_ids if calls else False)
         if calls:
             output[-1].status = last
         counter = self.chat._counter(prompt_text, thinking_first, o.token_ids)
@@ -151,6 +151,7 @@ class ServingResponses:
         prompt_tokens = streams[0].num_prompt_tokens
         splitter = self.chat._splitter(shape.creq, shape.prompt_text, shape.thinking_first)
         tools = ToolCallStream(shape.plan.parser) if shape.plan.parser is not None else None
+        own_ids = tools is not None and tools.parser.template_checks_ids
         counter = self.chat._counter(shape.prompt_text, shape.thinking_first)
         items = StreamItems(event)
         generated = cached = 0
@@ -176,7 +177,7 @@ class ServingResponses:
                         if text:
                             for e in items.text(kind, text):
                                 yield e
-                    for e in items.tool_calls(calls):
+                    for e in items.tool_calls(calls, own_ids):
                         yield e
             status = _STATUS.get(finish, "completed")
             last = "incomplete" if status != "completed" else status  # the last item's
