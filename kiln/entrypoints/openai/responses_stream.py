@@ -49,12 +49,14 @@ class StreamItems:
                 self.event("response.content_part.done", **ids, part=part),
                 self.event("response.output_item.done", output_index=index, item=item)]
 
-    def begin(self, kind: str, name: str | None = None) -> list[str]:
-        """A new item of `kind` (reasoning, message, function_call of `name`) open, the one
-        open before it completed."""
+    def begin(self, kind: str, name: str | None = None, call_id: str | None = None
+              ) -> list[str]:
+        """A new item of `kind` (reasoning, message, function_call of `name`, `call_id` if
+        given) open, the one open before it completed."""
         events = self.close("completed")
         if kind == "function_call":
-            item = FunctionCallItem(name=name, status="in_progress")
+            item = FunctionCallItem(name=name, status="in_progress",
+                                    **({"call_id": call_id} if call_id else {}))
             self.calls += 1
         else:
             item = ReasoningItem(status="in_progress") if kind == "reasoning" else \
@@ -82,15 +84,17 @@ class StreamItems:
         events.append(self.event(name, **self._ids(), content_index=0, delta=text, **extra))
         return events
 
-    def tool_calls(self, deltas: list[DeltaToolCall]) -> list[str]:
+    def tool_calls(self, deltas: list[DeltaToolCall], own_ids: bool = False) -> list[str]:
         """Chat's tool call deltas (ToolCallStream's): a call's first (its name) begins its
-        function_call item; its argument pieces are deltas of that item."""
+        function_call item (`own_ids`: its call_id the delta's id); its argument pieces are
+        deltas of that item."""
         events = []
         for d in deltas:
             if d.function is None:
                 continue
             if d.function.name is not None:
-                events += self.begin("function_call", d.function.name)
+                events += self.begin("function_call", d.function.name,
+                                     d.id if own_ids else None)
             if d.function.arguments:
                 self.texts.append(d.function.arguments)
                 events.append(self.event("response.function_call_arguments.delta",

@@ -131,7 +131,8 @@ def function_output_message(i: int, item) -> ChatMessage:
     return ChatMessage(role="tool", content=output, tool_call_id=item.call_id)
 
 
-def call_items(calls: list[ToolCall]) -> list[FunctionCallItem]:
-    """The calls read from a whole answer as output items."""
-    return [FunctionCallItem(name=c.function.name, arguments=c.function.arguments)
-            for c in calls]
+def call_items(calls: list[ToolCall], own_ids: bool = False) -> list[FunctionCallItem]:
+    """The calls read from a whole answer as output items; `own_ids`: their call_ids are the
+    parser's (ToolParser.template_checks_ids)."""
+    return [FunctionCallItem(name=c.function.name, arguments=c.function.arguments,
+                             **({"call_id": c.id} if own_ids else {})) for c in calls]

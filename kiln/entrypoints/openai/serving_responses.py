@@ -77,6 +77,8 @@ class ServingResponses:
                 plan = plan_tools(creq, None, False)
             params = chat_sampling_params(
                 creq, self.llm.kiln_config.model_config.generation_defaults)
+            if plan.parser is not None and plan.parser.keeps_special_tokens:
+                params.skip_special_tokens = False  # the call marker is one, as on chat
             constraint, field = request_structured_outputs(creq,
                                                            self.chat.disable_any_whitespace)
             # what a grammar's failure names, in a stream or a collected answer too
@@ -137,7 +139,7 @@ class ServingResponses:
         if content or not calls:
             output.append(OutputMessage(content=[OutputText(text=content or "")],
                                         status=last if not calls else "completed"))
-        output += call_items(calls)
+        output += call_items(calls, plan.parser.template_checks_ids if calls else False)
         if calls:
             output[-1].status = last
         counter = self.chat._counter(prompt_text, thinking_first, o.token_ids)
@@ -151,6 +153,7 @@ class ServingResponses:
         prompt_tokens = streams[0].num_prompt_tokens
         splitter = self.chat._splitter(shape.creq, shape.prompt_text, shape.thinking_first)
         tools = ToolCallStream(shape.plan.parser) if shape.plan.parser is not None else None
+        own_ids = tools is not None and tools.parser.template_checks_ids
         counter = self.chat._counter(shape.prompt_text, shape.thinking_first)
         items = StreamItems(event)
         generated = cached = 0
@@ -176,7 +179,7 @@ class ServingResponses:
                         if text:
                             for e in items.text(kind, text):
                                 yield e
-                    for e in items.tool_calls(calls):
+                    for e in items.tool_calls(calls, own_ids):
                         yield e
             status = _STATUS.get(finish, "completed")
             last = "incomplete" if status != "completed" else status  # the last item's

@@ -33,6 +33,10 @@ class ToolParser:
     # The call marker is a special token (mistral's [TOOL_CALLS]): decode with special tokens
     # kept, as vLLM's adjust_request does, or the answer never shows it.
     keeps_special_tokens = False
+    # Its call ids have a format the model's chat template checks when the calls come back
+    # (mistral's raises on ids not 9 alphanumerics): /v1/responses sends them as call_ids,
+    # not OpenAI's call_... ones.
+    template_checks_ids = False
 
     def new_id(self) -> str:
         """A call's id (vLLM's format for the parser: mistral's are 9 alphanumerics)."""

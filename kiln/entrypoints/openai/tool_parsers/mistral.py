@@ -22,6 +22,7 @@ _ALPHANUMERIC = string.ascii_letters + string.digits
 
 class MistralToolParser(ToolParser):
     keeps_special_tokens = True
+    template_checks_ids = True
 
     def new_id(self) -> str:
         return "".join(random.choices(_ALPHANUMERIC, k=9))
