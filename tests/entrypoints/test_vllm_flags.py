@@ -188,11 +188,11 @@ def test_vllm_flag_refusal_is_one_line_exit_2():
     import sys
 
     r = subprocess.run([sys.executable, "-m", "kiln.entrypoints.cli.main", "serve",
-                        "--speculative-config"], capture_output=True, text=True, timeout=120)
+                        "--limit-mm-per-prompt"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.splitlines() == [
-        "error: --speculative-config is vLLM's flag for speculative decoding; Kiln has none: "
-        "every token comes from the model's own step"]
+        "error: --limit-mm-per-prompt is vLLM's flag for multimodal inputs per prompt; Kiln "
+        "serves text-only models"]
 
 
 def test_llm_refuses_vllm_only_arguments_with_the_same_reason():
