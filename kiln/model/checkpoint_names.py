@@ -7,7 +7,7 @@ def config_bias(hf_config, field: str) -> bool:
     Qwen2 and Qwen3 no mlp_bias, Mistral neither (a checkpoint with the flag set and no such
     tensors was refused as missing them, where HF loads it)."""
     model_type = getattr(hf_config, "model_type", "llama")
-    reads = {"mistral": (), "qwen2": ("attention_bias",), "qwen3": ("attention_bias",)}
+    reads = {"mistral": (), "phi3": (), "qwen2": ("attention_bias",), "qwen3": ("attention_bias",)}
     return field in reads.get(model_type, (field,)) and bool(getattr(hf_config, field, False))
 
 

@@ -9,6 +9,7 @@ from kiln.errors import ConfigError
 _MODELS = {
     "LlamaForCausalLM": ("kiln.model.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("kiln.model.llama", "LlamaForCausalLM"),
+    "Phi3ForCausalLM": ("kiln.model.phi3", "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": ("kiln.model.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("kiln.model.qwen3", "Qwen3ForCausalLM"),
 }
