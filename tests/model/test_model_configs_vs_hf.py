@@ -80,6 +80,8 @@ CASES = {
     "llama_theta_and_eps": ("LlamaConfig", dict(rope_theta=500000.0, rms_norm_eps=1e-2)),
     "mistral_no_window": ("MistralConfig", dict(sliding_window=None)),
     "qwen2_untied": ("Qwen2Config", dict()),
+    "phi3_tied_one_kv_head": ("Phi3Config", dict(tie_word_embeddings=True, sliding_window=None,
+                                                 num_key_value_heads=1, pad_token_id=0)),
     "qwen2_tied": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3_head_dim_wider": ("Qwen3Config", dict(head_dim=32)),
     "qwen3_bias_tied": ("Qwen3Config", dict(head_dim=16, attention_bias=True,
@@ -107,6 +109,19 @@ def test_config_variant_matches_hf(case, tmp_path):
 ])
 def test_unsupported_rope_scaling_is_refused(rope_scaling, what, tmp_path):
     path = make_checkpoint(tmp_path / "m", "LlamaConfig", rope_scaling=rope_scaling)
+    with pytest.raises(ValueError, match=what):
+        get_model(kiln_config_for(path))
+
+
+@pytest.mark.parametrize("overrides, what", [
+    (dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
+                        "long_factor": [2.0] * 8}, original_max_position_embeddings=256),
+     "rope_scaling type 'longrope' is not supported"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not supported"),
+])
+def test_phi3_settings_kiln_cannot_run_are_refused_naming_the_field(overrides, what, tmp_path):
+    path = make_checkpoint(tmp_path / "m", "Phi3Config", sliding_window=None, pad_token_id=0,
+                           **overrides)
     with pytest.raises(ValueError, match=what):
         get_model(kiln_config_for(path))
 
