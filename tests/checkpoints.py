@@ -87,6 +87,9 @@ ARCH_CONFIGS = {
     "qwen2": ("Qwen2Config", {}),  # q/k/v projections carry a bias
     "qwen3": ("Qwen3Config", {"head_dim": 16}),  # per-head q/k RMSNorm, explicit head_dim
     "phi3": ("Phi3Config", {"sliding_window": None, "pad_token_id": 0}),  # fused qkv, gate_up
+    # every multiplier away from 1 (attention_multiplier: the softmax scale, not hd ** -0.5)
+    "granite": ("GraniteConfig", {"embedding_multiplier": 3.0, "residual_multiplier": 0.6,
+                                  "attention_multiplier": 0.15, "logits_scaling": 1.5}),
 }
 
 

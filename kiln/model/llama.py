@@ -72,8 +72,11 @@ class LlamaAttention(nn.Module):
         # every position max_model_len may reach (a linear scaling's factor times more)
         self.rotary_emb = RotaryEmbedding(self.head_dim, max_positions_of(hf_config), theta,
                                           scaling)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
+        self.attn = Attention(self.num_heads, self.head_dim, self.softmax_scale(hf_config),
                               self.num_kv_heads, prefix=f"{prefix}.attn")
+
+    def softmax_scale(self, hf_config) -> float:
+        return self.head_dim ** -0.5
 
     def qkv_bias(self, hf_config) -> bool:
         return config_bias(hf_config, "attention_bias")
@@ -136,11 +139,15 @@ class LlamaStyleModel(nn.Module):
             else PPMissingLayer()
         share_rotary_embeddings(self.layers)  # one cos/sin cache, not one per layer
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first stage's input hidden states [T, H] (Granite and Gemma scale them)."""
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden_states: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None):
         if self.is_first_stage:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden, residual = self.embed(input_ids), None
         else:
             hidden = hidden_states  # [T, H] from the previous stage, with its residual
         for layer in self.layers[self.start_layer:self.end_layer]:

@@ -7,6 +7,7 @@ import importlib
 from kiln.errors import ConfigError
 
 _MODELS = {
+    "GraniteForCausalLM": ("kiln.model.granite", "GraniteForCausalLM"),
     "LlamaForCausalLM": ("kiln.model.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("kiln.model.llama", "LlamaForCausalLM"),
     "Phi3ForCausalLM": ("kiln.model.phi3", "Phi3ForCausalLM"),
