@@ -90,6 +90,8 @@ ARCH_CONFIGS = {
     # every multiplier away from 1 (attention_multiplier: the softmax scale, not hd ** -0.5)
     "granite": ("GraniteConfig", {"embedding_multiplier": 3.0, "residual_multiplier": 0.6,
                                   "attention_multiplier": 0.15, "logits_scaling": 1.5}),
+    # head_dim 32 (not hidden / heads), GeGLU, (1 + w) norms, sqrt(hidden)-scaled embeddings
+    "gemma": ("GemmaConfig", {"head_dim": 32, "pad_token_id": 0}),
 }
 
 

@@ -222,7 +222,8 @@ class ModelConfig(FreezableConfig):
         model_type = getattr(self.hf_config, "model_type", "")
         return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM"}.get(model_type, model_type)
+                "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
+                "gemma": "GemmaForCausalLM"}.get(model_type, model_type)
 
     @property
     def vocab_size(self) -> int:

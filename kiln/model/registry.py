@@ -7,6 +7,7 @@ import importlib
 from kiln.errors import ConfigError
 
 _MODELS = {
+    "GemmaForCausalLM": ("kiln.model.gemma", "GemmaForCausalLM"),
     "GraniteForCausalLM": ("kiln.model.granite", "GraniteForCausalLM"),
     "LlamaForCausalLM": ("kiln.model.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("kiln.model.llama", "LlamaForCausalLM"),

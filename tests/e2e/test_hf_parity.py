@@ -81,7 +81,7 @@ def test_logprobs_match_hf_log_softmax(tiny_qwen2_dir):
 
 
 @pytest.mark.parametrize("mode", [0, 3])
-@pytest.mark.parametrize("arch", ["phi3", "granite"])
+@pytest.mark.parametrize("arch", ["phi3", "granite", "gemma"])
 def test_more_families_greedy_and_logprobs_match_hf(arch, mode, request, tmp_path):
     """Phi-3 (fused qkv / gate_up in the checkpoint), eager and compiled (mode 3, with
     its fusion passes): greedy tokens equal HF's, logprobs within LOGPROB_TOL."""

@@ -84,6 +84,8 @@ CASES = {
                                                    embedding_multiplier=2.0,
                                                    residual_multiplier=0.5,
                                                    attention_multiplier=0.2, logits_scaling=2.0)),
+    "gemma_untied_bias_mqa": ("GemmaConfig", dict(head_dim=8, attention_bias=True,
+                                                  num_key_value_heads=1, pad_token_id=0)),
     "phi3_tied_one_kv_head": ("Phi3Config", dict(tie_word_embeddings=True, sliding_window=None,
                                                  num_key_value_heads=1, pad_token_id=0)),
     "qwen2_tied": ("Qwen2Config", dict(tie_word_embeddings=True)),

@@ -22,3 +22,14 @@ class RMSNorm(nn.Module):
         if residual is None:
             return ir.rms_norm(x, self.weight, self.eps)
         return ir.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scales by (1 + weight) in float32, then rounds to the input dtype (the
+    IR ops gemma_rms_norm / gemma_fused_add_rms_norm, kiln/ir/gemma_ops.py). Its own ops, so no
+    pass fuses it as a plain RMSNorm (whose weight scales after rounding)."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return ir.gemma_rms_norm(x, self.weight, self.eps)
+        return ir.gemma_fused_add_rms_norm(x, residual, self.weight, self.eps)
