@@ -92,6 +92,7 @@ ARCH_CONFIGS = {
                                   "attention_multiplier": 0.15, "logits_scaling": 1.5}),
     # head_dim 32 (not hidden / heads), GeGLU, (1 + w) norms, sqrt(hidden)-scaled embeddings
     "gemma": ("GemmaConfig", {"head_dim": 32, "pad_token_id": 0}),
+    "olmo2": ("Olmo2Config", {"pad_token_id": 0}),  # post-block norms, whole-projection q/k norms
 }
 
 

@@ -40,6 +40,11 @@ def tiny_gemma_dir(tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_gemma"), "gemma", tie=True)
 
 
+@pytest.fixture(scope="session")
+def tiny_olmo2_dir(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_olmo2"), "olmo2", tie=False)
+
+
 @pytest.fixture(scope="module")
 def inprocess_core():
     """The engine core in the test's own process (KILN_ENABLE_V1_MULTIPROCESSING=0), for tests

@@ -223,7 +223,7 @@ class ModelConfig(FreezableConfig):
         return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
-                "gemma": "GemmaForCausalLM"}.get(model_type, model_type)
+                "gemma": "GemmaForCausalLM", "olmo2": "Olmo2ForCausalLM"}.get(model_type, model_type)
 
     @property
     def vocab_size(self) -> int:

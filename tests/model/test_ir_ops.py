@@ -309,8 +309,9 @@ def test_gemma_ops_round_as_hf_gemma_does(dtype):
     with torch.no_grad():
         hf_norm.weight.copy_(torch.randn(96, generator=g) * 0.3)
         want = hf_norm(x)
-        assert torch.equal(ir.gemma_rms_norm.reference(x, hf_norm.weight, 1e-6), want)
-        got, total = ir.gemma_fused_add_rms_norm.reference(x, res, hf_norm.weight, 1e-6)
+        assert torch.equal(ir.rms_norm_f32_scale.reference(x, hf_norm.weight, 1e-6, 1.0), want)
+        got, total = ir.fused_add_rms_norm_f32_scale.reference(x, res, hf_norm.weight,
+                                                                  1e-6, 1.0)
         assert torch.equal(total, x + res) and torch.equal(got, hf_norm(x + res))
         gate, up = x[:, :48], x[:, 48:]
         assert torch.equal(ir.gelu_tanh_and_mul.reference(x),

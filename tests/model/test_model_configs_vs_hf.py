@@ -86,6 +86,8 @@ CASES = {
                                                    attention_multiplier=0.2, logits_scaling=2.0)),
     "gemma_untied_bias_mqa": ("GemmaConfig", dict(head_dim=8, attention_bias=True,
                                                   num_key_value_heads=1, pad_token_id=0)),
+    "olmo2_bias_tied_mqa": ("Olmo2Config", dict(attention_bias=True, tie_word_embeddings=True,
+                                                num_key_value_heads=1, pad_token_id=0)),
     "phi3_tied_one_kv_head": ("Phi3Config", dict(tie_word_embeddings=True, sliding_window=None,
                                                  num_key_value_heads=1, pad_token_id=0)),
     "qwen2_tied": ("Qwen2Config", dict(tie_word_embeddings=True)),
@@ -277,3 +279,13 @@ def test_a_length_key_that_is_not_a_positive_integer_is_refused_naming_it():
 
     with pytest.raises(ConfigError, match="seq_length must be an integer >= 1, got 'x'"):
         max_positions_of(HFConfigSnapshot({"max_position_embeddings": 16, "seq_length": "x"}))
+
+
+def test_olmo2_at_tensor_parallel_2_is_refused_naming_the_flag():
+    """Its q / k norms span the whole projection, which a rank holds only part of (a norm of
+    the rank's share would be silently wrong)."""
+    from kiln.model.olmo2 import Olmo2Attention
+
+    Olmo2Attention._check_tp(1)
+    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
+        Olmo2Attention._check_tp(2)

@@ -20,7 +20,7 @@ TOL = 1e-4
 NUM_BLOCKS, BLOCK_SIZE = 64, 4
 
 
-@pytest.fixture(params=["llama", "qwen2", "qwen3", "phi3", "granite", "gemma"])
+@pytest.fixture(params=["llama", "qwen2", "qwen3", "phi3", "granite", "gemma", "olmo2"])
 def ckpt_dir(request):
     return request.getfixturevalue(f"tiny_{request.param}_dir")
 
