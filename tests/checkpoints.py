@@ -1,4 +1,5 @@
-"""Tiny random-weight HF checkpoints (Llama, Qwen2, Qwen3) and the HF greedy oracle for tests.
+"""Tiny random-weight HF checkpoints (ARCH_CONFIGS: Llama, Qwen2, Qwen3, Phi-3, Granite, Gemma,
+OLMo-2) and the HF greedy oracle for tests.
 
 Imported by tests as `checkpoints` (pytest puts tests/ on sys.path through the root conftest).
 """
