@@ -22,10 +22,11 @@ from kiln.model.llama import (
 
 
 def _check_phi3_config(hf_config) -> None:
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    factor = params.get("partial_rotary_factor",
-                        getattr(hf_config, "partial_rotary_factor", 1.0)) if isinstance(
-                            params, dict) else getattr(hf_config, "partial_rotary_factor", 1.0)
+    # transformers 5 keeps it in rope_parameters; older configs as a top-level field
+    factor = getattr(hf_config, "partial_rotary_factor", 1.0)
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict):
+        factor = params.get("partial_rotary_factor", factor)
     if factor is not None and float(factor) != 1.0:
         raise ConfigError(f"partial_rotary_factor {factor} is not supported for Phi3ForCausalLM "
                           "(Kiln rotates the whole head); only 1.0")

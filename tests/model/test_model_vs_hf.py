@@ -1,4 +1,5 @@
-"""Kiln's Llama / Qwen2 / Qwen3 against HF transformers on tiny random checkpoints (float32).
+"""Kiln's Llama / Qwen2 / Qwen3 / Phi-3 / Granite / Gemma / OLMo-2 against HF transformers on
+tiny random checkpoints (float32).
 
 Covers one-shot prefill, decode through the paged cache, chunked prefill and a mixed batch.
 """
