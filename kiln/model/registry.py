@@ -18,6 +18,18 @@ _MODELS = {
 }
 
 
+# IR ops only some families call, by architecture (what `kiln compile`'s report lists as used).
+_F32_NORMS = ("rms_norm_f32_scale", "fused_add_rms_norm_f32_scale")
+_FAMILY_OPS = {"GemmaForCausalLM": (*_F32_NORMS, "gelu_tanh_and_mul"),
+               "Olmo2ForCausalLM": _F32_NORMS}
+
+
+def ir_ops_not_called(architecture: str) -> set[str]:
+    """The family-only IR ops (_FAMILY_OPS) that `architecture`'s model never calls."""
+    every = {op for ops in _FAMILY_OPS.values() for op in ops}
+    return every - set(_FAMILY_OPS.get(architecture, ()))
+
+
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
