@@ -1,4 +1,5 @@
-"""Tiny random-weight HF checkpoints (Llama, Qwen2, Qwen3) and the HF greedy oracle for tests.
+"""Tiny random-weight HF checkpoints (ARCH_CONFIGS: Llama, Qwen2, Qwen3, Phi-3, Granite, Gemma,
+OLMo-2) and the HF greedy oracle for tests.
 
 Imported by tests as `checkpoints` (pytest puts tests/ on sys.path through the root conftest).
 """
@@ -81,25 +82,37 @@ def save_chat_tokenizer(path: Path) -> None:
     tok.save_pretrained(path)
 
 
+# arch -> (transformers config class, fields each tiny checkpoint of it sets)
+ARCH_CONFIGS = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),  # q/k/v projections carry a bias
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),  # per-head q/k RMSNorm, explicit head_dim
+    "phi3": ("Phi3Config", {"sliding_window": None, "pad_token_id": 0}),  # fused qkv, gate_up
+    # every multiplier away from 1 (attention_multiplier: the softmax scale, not hd ** -0.5)
+    "granite": ("GraniteConfig", {"embedding_multiplier": 3.0, "residual_multiplier": 0.6,
+                                  "attention_multiplier": 0.15, "logits_scaling": 1.5}),
+    # head_dim 32 (not hidden / heads), GeGLU, (1 + w) norms, sqrt(hidden)-scaled embeddings
+    "gemma": ("GemmaConfig", {"head_dim": 32, "pad_token_id": 0}),
+    "olmo2": ("Olmo2Config", {"pad_token_id": 0}),  # post-block norms, whole-projection q/k norms
+}
+
+
 def make_tiny_checkpoint(path: Path, arch: str, *, tie: bool, seed: int = 0,
                          tokenizer: str = "words", **overrides) -> Path:
-    """Save a tiny random `arch` ("llama" | "qwen2" | "qwen3") checkpoint and a tokenizer:
+    """Save a tiny random `arch` (a key of ARCH_CONFIGS) checkpoint and a tokenizer:
     "words" (save_tiny_tokenizer) or "chat" (save_chat_tokenizer, eos <|im_end|>)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    import transformers
+    from transformers import AutoModelForCausalLM
 
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                   max_position_embeddings=512, tie_word_embeddings=tie, bos_token_id=1,
                   eos_token_id=2)
     common.update(overrides)
-    if arch == "llama":
-        config = LlamaConfig(**common)
-    elif arch == "qwen2":
-        config = Qwen2Config(**common)  # q/k/v projections carry a bias
-    elif arch == "qwen3":
-        config = Qwen3Config(**{"head_dim": 16, **common})  # per-head q/k RMSNorm, explicit head_dim
-    else:
+    if arch not in ARCH_CONFIGS:
         raise ValueError(arch)
+    config_cls, extra = ARCH_CONFIGS[arch]
+    config = getattr(transformers, config_cls)(**{**extra, **common})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init is tiny; widen it so greedy tokens are decisive rather than near-ties.

@@ -25,6 +25,26 @@ def tiny_qwen3_dir(tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", tie=False)
 
 
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_phi3"), "phi3", tie=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_granite_dir(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_granite"), "granite", tie=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_dir(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_gemma"), "gemma", tie=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_olmo2_dir(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_olmo2"), "olmo2", tie=False)
+
+
 @pytest.fixture(scope="module")
 def inprocess_core():
     """The engine core in the test's own process (KILN_ENABLE_V1_MULTIPROCESSING=0), for tests

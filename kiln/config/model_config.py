@@ -239,7 +239,9 @@ class ModelConfig(FreezableConfig):
         # GGUF configs carry model_type but sometimes no architectures list.
         model_type = getattr(self.hf_config, "model_type", "")
         return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(model_type, model_type)
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
+                "gemma": "GemmaForCausalLM", "olmo2": "Olmo2ForCausalLM"}.get(model_type, model_type)
 
     @property
     def vocab_size(self) -> int:

@@ -1,4 +1,4 @@
-"""Kiln runs no code from checkpoints (its own Llama, Qwen2 and Qwen3 classes only).
+"""Kiln runs no code from checkpoints (its own model classes only, kiln/model/registry.py).
 
 transformers is told so on every load (`trust_remote_code=False`): left at its default (None),
 a config or tokenizer naming its own code (`auto_map`) made transformers ask on stdin "Do you

@@ -218,8 +218,8 @@ def add_engine_flags(parser: argparse.ArgumentParser,
         "-dp, ...) are refused with the reason and what to use instead")
     v.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction,
                    default=d.trust_remote_code,
-                   help="accepted; Kiln runs no code from checkpoints (its own Llama, "
-                        "Qwen2 and Qwen3 only)")
+                   help="accepted; Kiln runs no code from checkpoints (its own model "
+                        "classes only)")
     v.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=d.enable_chunked_prefill,
                    help="long prompts are always prefilled in chunks (--no-... is refused)")

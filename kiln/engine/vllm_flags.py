@@ -119,7 +119,7 @@ VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--enable-sleep-mode",), "freeing GPU memory while the engine sleeps", "Kiln has "
              "no sleep mode: stop the server to free the GPU", takes_value=False),
     VllmFlag(("--model-impl",), "choosing vLLM's or transformers' model code", "Kiln runs its "
-             "own (Llama, Qwen2, Qwen3)", accepted=("auto",)),
+             "own (Llama, Qwen2, Qwen3, Phi-3, Granite, Gemma, OLMo-2)", accepted=("auto",)),
     VllmFlag(("--enable-server-load-tracking",), "counting requests in flight for GET /load",
              "Kiln always counts them", takes_value=False, accepted_alone=True),
     VllmFlag(("--prefix-caching-hash-algo",), "choosing the hash of prefix-cache blocks",

@@ -1,4 +1,4 @@
-"""The IR's per-layer ops (RMSNorm with and without the residual add, SiLU-and-mul, rotary
+"""The IR's per-layer ops (RMSNorm with and without the residual add, SiLU- and GELU-and-mul, rotary
 embedding, the dense linear): schema, fake and the plain-torch reference that defines each one's
 meaning.
 
@@ -43,6 +43,14 @@ def _silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 def _silu_and_mul_fake(x):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+def _gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2d] = [gate | up] -> dtype(gelu_tanh(gate)) * up [..., d], x's dtype (GeGLU: HF's
+    gelu_pytorch_tanh(gate_proj(x)) * up_proj(x)). Only the torch provider implements it, and
+    no fusion pass matches it (they match silu_and_mul)."""
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
 
 
 def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -118,6 +126,10 @@ fused_add_rms_norm = define(
 
 silu_and_mul = define(
     "silu_and_mul", "(Tensor x) -> Tensor", _silu_and_mul_ref, _silu_and_mul_fake,
+    lambda dtype, device: (_examples(dtype, device)(2, 64),))
+
+gelu_tanh_and_mul = define(
+    "gelu_tanh_and_mul", "(Tensor x) -> Tensor", _gelu_tanh_and_mul_ref, _silu_and_mul_fake,
     lambda dtype, device: (_examples(dtype, device)(2, 64),))
 
 rotary_embedding = define(

@@ -39,16 +39,20 @@ def head_dim_of(hf_config) -> int:
 
 
 class LlamaMLP(nn.Module):
+    # hidden_act -> the gated activation over [gate | up] (GemmaMLP names GeGLU's)
+    activations = {"silu": SiluAndMul}
+
     def __init__(self, hf_config, prefix: str):
         super().__init__()
         bias = config_bias(hf_config, "mlp_bias")
         act = getattr(hf_config, "hidden_act", "silu")
-        if act != "silu":
-            raise ConfigError(f"{prefix}: hidden_act {act!r} is not supported; only 'silu'")
+        if act not in self.activations:
+            raise ConfigError(f"{prefix}: hidden_act {act!r} is not supported; only "
+                              f"{', '.join(map(repr, self.activations))}")
         inter = hf_config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(hf_config.hidden_size, [inter, inter], bias)
         self.down_proj = RowParallelLinear(inter, hf_config.hidden_size, bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = self.activations[act]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -72,8 +76,11 @@ class LlamaAttention(nn.Module):
         # every position max_model_len may reach (a linear scaling's factor times more)
         self.rotary_emb = RotaryEmbedding(self.head_dim, max_positions_of(hf_config), theta,
                                           scaling)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5,
+        self.attn = Attention(self.num_heads, self.head_dim, self.softmax_scale(hf_config),
                               self.num_kv_heads, prefix=f"{prefix}.attn")
+
+    def softmax_scale(self, hf_config) -> float:
+        return self.head_dim ** -0.5
 
     def qkv_bias(self, hf_config) -> bool:
         return config_bias(hf_config, "attention_bias")
@@ -93,14 +100,16 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
+    mlp_cls = LlamaMLP
+    norm_cls = RMSNorm
 
     def __init__(self, hf_config, prefix: str):
         super().__init__()
         self.self_attn = self.attention_cls(hf_config, prefix=f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(hf_config, prefix=f"{prefix}.mlp")
+        self.mlp = self.mlp_cls(hf_config, prefix=f"{prefix}.mlp")
         eps = hf_config.rms_norm_eps
-        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps)
+        self.input_layernorm = self.norm_cls(hf_config.hidden_size, eps)
+        self.post_attention_layernorm = self.norm_cls(hf_config.hidden_size, eps)
 
     def forward(self, positions, hidden, residual):
         if residual is None:
@@ -132,15 +141,20 @@ class LlamaStyleModel(nn.Module):
             self.layer_cls(cfg, prefix=f"{prefix}.layers.{i}")
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last_stage \
+        self.norm = self.layer_cls.norm_cls(cfg.hidden_size, cfg.rms_norm_eps) \
+            if self.is_last_stage \
             else PPMissingLayer()
         share_rotary_embeddings(self.layers)  # one cos/sin cache, not one per layer
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first stage's input hidden states [T, H] (Granite and Gemma scale them)."""
+        return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden_states: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None):
         if self.is_first_stage:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden, residual = self.embed(input_ids), None
         else:
             hidden = hidden_states  # [T, H] from the previous stage, with its residual
         for layer in self.layers[self.start_layer:self.end_layer]:

@@ -7,11 +7,27 @@ import importlib
 from kiln.errors import ConfigError
 
 _MODELS = {
+    "GemmaForCausalLM": ("kiln.model.gemma", "GemmaForCausalLM"),
+    "GraniteForCausalLM": ("kiln.model.granite", "GraniteForCausalLM"),
     "LlamaForCausalLM": ("kiln.model.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("kiln.model.llama", "LlamaForCausalLM"),
+    "Olmo2ForCausalLM": ("kiln.model.olmo2", "Olmo2ForCausalLM"),
+    "Phi3ForCausalLM": ("kiln.model.phi3", "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": ("kiln.model.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("kiln.model.qwen3", "Qwen3ForCausalLM"),
 }
+
+
+# IR ops only some families call, by architecture (what `kiln compile`'s report lists as used).
+_F32_NORMS = ("rms_norm_f32_scale", "fused_add_rms_norm_f32_scale")
+_FAMILY_OPS = {"GemmaForCausalLM": (*_F32_NORMS, "gelu_tanh_and_mul"),
+               "Olmo2ForCausalLM": _F32_NORMS}
+
+
+def ir_ops_not_called(architecture: str) -> set[str]:
+    """The family-only IR ops (_FAMILY_OPS) that `architecture`'s model never calls."""
+    every = {op for ops in _FAMILY_OPS.values() for op in ops}
+    return every - set(_FAMILY_OPS.get(architecture, ()))
 
 
 def supported_architectures() -> list[str]:

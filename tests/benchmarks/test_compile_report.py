@@ -58,7 +58,10 @@ def test_cold_run_reports_pieces_shapes_and_compiles(cold, cache_dir):
                    "gguf_embedding": "native" if gguf_matmul.kernel_available() else "torch",
                    "gguf_linear": "native" if gguf_matmul.kernel_available() else "torch",
                    "linear": "native", "rms_norm": "native", "rotary_embedding": "native",
-                   "silu_and_mul": "native", "unified_attention": "native"}
+                   "silu_and_mul": "native", "unified_attention": "native",
+                   # Gemma / OLMo-2's ops: the torch reference only
+                   "rms_norm_f32_scale": "torch", "fused_add_rms_norm_f32_scale": "torch",
+                   "gelu_tanh_and_mul": "torch"}
     # quant, two GEMMs, the GEMM + SiLU + quant, three norm or activation + quant
     assert len(int8) == 7 and set(int8.values()) == {"native" if int8_ops.isa() else "torch"}
     assert cold["pieces"] == {"total": 2 * n + 1, "compiled": n + 1, "graphs": 1}
@@ -126,6 +129,7 @@ def test_ir_ops_line_lists_the_models_ops_only(tiny_llama_dir, capsys, quantizat
     report = json.loads(capsys.readouterr().out)
     (line,) = [x for x in format_report(report).splitlines() if x.startswith("ir ops")]
     assert "fp8" not in line and "gguf" not in line and "all_reduce" not in line
+    assert "f32_scale" not in line and "gelu" not in line  # Gemma's / OLMo-2's ops
     assert ("int8" in line) == (quantization == "int8") and "rms_norm " in line
     assert "gguf_linear" in report["ir_ops"]
 

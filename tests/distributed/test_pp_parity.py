@@ -6,7 +6,11 @@ from checkpoints import hf_greedy
 from parallel_helpers import MAX_TOKENS, PROMPTS, generate_ids, make_llm
 
 
-@pytest.mark.parametrize("arch", [pytest.param("llama", marks=pytest.mark.slow), "qwen2"])
+@pytest.mark.parametrize("arch", [pytest.param("llama", marks=pytest.mark.slow), "qwen2",
+                                  # scaled embedding on the first stage, tied head on the last
+                                  pytest.param("gemma", marks=pytest.mark.slow),
+                                  # a layer passing (MLP branch, h) on, not (out, residual)
+                                  pytest.param("olmo2", marks=pytest.mark.slow)])
 def test_pp2_greedy_matches_hf(arch, request, ranks_exit):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     llm = make_llm(model_dir, pipeline_parallel_size=2)

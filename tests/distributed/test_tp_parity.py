@@ -1,5 +1,6 @@
 """Tensor parallelism, 2 ranks on the mp executor: greedy tokens equal HF's (and so TP=1's) for
-Llama (GQA), Qwen2 (q/k/v bias, tied head) and Qwen3 (q/k norm); float32 logprobs within 1e-4
+Llama (GQA), Qwen2 (q/k/v bias, tied head), Qwen3 (q/k norm) and Phi-3 (fused qkv
+and gate_up in the checkpoint, split per rank); float32 logprobs within 1e-4
 of TP=1; chunked prefill, prefix caching and preemption change no token.
 """
 import pytest
@@ -42,8 +43,10 @@ def test_tp2_logprobs_match_tp1_within_1e4(tp2_llama, tiny_llama_dir):
                 assert abs(g_step[token].logprob - lp.logprob) < 1e-4
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_tp2_qwen_greedy_matches_hf(arch, request, ranks_exit):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3",  # phi3: fused qkv / gate_up split
+                                  pytest.param("granite", marks=pytest.mark.slow),
+                                  pytest.param("gemma", marks=pytest.mark.slow)])
+def test_tp2_greedy_matches_hf(arch, request, ranks_exit):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     llm = make_llm(model_dir, tensor_parallel_size=2)
     assert generate_ids(llm) == hf_greedy(model_dir, PROMPTS, MAX_TOKENS)

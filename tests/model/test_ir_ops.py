@@ -292,3 +292,30 @@ def test_native_rotary_equals_the_reference_bit_for_bit(dtype, is_neox):
     cache = torch.randn(64, hd, generator=g)
     (gq, gk), (wq, wk) = _run("rotary_embedding", "native", positions, q, k, cache, hd, is_neox)
     assert torch.equal(gq, wq) and torch.equal(gk, wk)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_ops_round_as_hf_gemma_does(dtype):
+    """Gemma's norm scales by (1 + w) in float32 and rounds after (Llama's rounds, then
+    scales), and its GeGLU is gelu_pytorch_tanh: the references equal HF's modules bit for bit
+    in bfloat16 too, where folding 1 + w into a plain rms_norm weight would not."""
+    from transformers.activations import ACT2FN
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    g = _gen(7)
+    x = (torch.randn(5, 96, generator=g) * 3).to(dtype)
+    res = torch.randn(5, 96, generator=g).to(dtype)
+    hf_norm = GemmaRMSNorm(96, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        hf_norm.weight.copy_(torch.randn(96, generator=g) * 0.3)
+        want = hf_norm(x)
+        assert torch.equal(ir.rms_norm_f32_scale.reference(x, hf_norm.weight, 1e-6, 1.0), want)
+        got, total = ir.fused_add_rms_norm_f32_scale.reference(x, res, hf_norm.weight,
+                                                                  1e-6, 1.0)
+        assert torch.equal(total, x + res) and torch.equal(got, hf_norm(x + res))
+        gate, up = x[:, :48], x[:, 48:]
+        assert torch.equal(ir.gelu_tanh_and_mul.reference(x),
+                           ACT2FN["gelu_pytorch_tanh"](gate) * up)
+    if dtype == torch.bfloat16:  # a plain rms_norm with 1 + w as its weight rounds elsewhere
+        folded = ir.rms_norm.reference(x, (1 + hf_norm.weight.float()).to(dtype), 1e-6)
+        assert not torch.equal(folded, want)

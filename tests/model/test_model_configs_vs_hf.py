@@ -80,6 +80,16 @@ CASES = {
     "llama_theta_and_eps": ("LlamaConfig", dict(rope_theta=500000.0, rms_norm_eps=1e-2)),
     "mistral_no_window": ("MistralConfig", dict(sliding_window=None)),
     "qwen2_untied": ("Qwen2Config", dict()),
+    "granite_biases_untied": ("GraniteConfig", dict(attention_bias=True, mlp_bias=True,
+                                                   embedding_multiplier=2.0,
+                                                   residual_multiplier=0.5,
+                                                   attention_multiplier=0.2, logits_scaling=2.0)),
+    "gemma_untied_bias_mqa": ("GemmaConfig", dict(head_dim=8, attention_bias=True,
+                                                  num_key_value_heads=1, pad_token_id=0)),
+    "olmo2_bias_tied_mqa": ("Olmo2Config", dict(attention_bias=True, tie_word_embeddings=True,
+                                                num_key_value_heads=1, pad_token_id=0)),
+    "phi3_tied_one_kv_head": ("Phi3Config", dict(tie_word_embeddings=True, sliding_window=None,
+                                                 num_key_value_heads=1, pad_token_id=0)),
     "qwen2_tied": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3_head_dim_wider": ("Qwen3Config", dict(head_dim=32)),
     "qwen3_bias_tied": ("Qwen3Config", dict(head_dim=16, attention_bias=True,
@@ -107,6 +117,19 @@ def test_config_variant_matches_hf(case, tmp_path):
 ])
 def test_unsupported_rope_scaling_is_refused(rope_scaling, what, tmp_path):
     path = make_checkpoint(tmp_path / "m", "LlamaConfig", rope_scaling=rope_scaling)
+    with pytest.raises(ValueError, match=what):
+        get_model(kiln_config_for(path))
+
+
+@pytest.mark.parametrize("overrides, what", [
+    (dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
+                        "long_factor": [2.0] * 8}, original_max_position_embeddings=256),
+     "rope_scaling type 'longrope' is not supported"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not supported"),
+])
+def test_phi3_settings_kiln_cannot_run_are_refused_naming_the_field(overrides, what, tmp_path):
+    path = make_checkpoint(tmp_path / "m", "Phi3Config", sliding_window=None, pad_token_id=0,
+                           **overrides)
     with pytest.raises(ValueError, match=what):
         get_model(kiln_config_for(path))
 
@@ -256,3 +279,13 @@ def test_a_length_key_that_is_not_a_positive_integer_is_refused_naming_it():
 
     with pytest.raises(ConfigError, match="seq_length must be an integer >= 1, got 'x'"):
         max_positions_of(HFConfigSnapshot({"max_position_embeddings": 16, "seq_length": "x"}))
+
+
+def test_olmo2_at_tensor_parallel_2_is_refused_naming_the_flag():
+    """Its q / k norms span the whole projection, which a rank holds only part of (a norm of
+    the rank's share would be silently wrong)."""
+    from kiln.model.olmo2 import Olmo2Attention
+
+    Olmo2Attention._check_tp(1)
+    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
+        Olmo2Attention._check_tp(2)

@@ -208,9 +208,11 @@ def test_w8a8_preset_is_what_compressed_tensors_writes():
             assert group[part][key] == getattr(getattr(preset, part), key), (part, key)
 
 
-def test_online_int8_quantizes_linears_per_channel(tiny_llama_dir):
-    float_model = get_model(kiln_config_for(tiny_llama_dir))
-    model = get_model(kiln_config_for(tiny_llama_dir, quantization="int8"))
+@pytest.mark.parametrize("arch", ["llama", "phi3", "granite", "gemma", "olmo2"])
+def test_online_int8_quantizes_linears_per_channel(arch, request):
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    float_model = get_model(kiln_config_for(model_dir))
+    model = get_model(kiln_config_for(model_dir, quantization="int8"))
     floats = _linears(float_model)
     for name, layer in _linears(model).items():
         w = floats[name].weight

@@ -22,3 +22,20 @@ class RMSNorm(nn.Module):
         if residual is None:
             return ir.rms_norm(x, self.weight, self.eps)
         return ir.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class F32ScaleRMSNorm(RMSNorm):
+    """OLMo-2's RMSNorm: scales by the weight in float32, then rounds to the input dtype (the IR
+    ops rms_norm_f32_scale / fused_add_rms_norm_f32_scale, kiln/ir/f32_scale_norm.py). Their
+    own ops, so no pass fuses it as a plain RMSNorm (which rounds, then scales)."""
+    offset = 0.0  # added to the weight
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return ir.rms_norm_f32_scale(x, self.weight, self.eps, self.offset)
+        return ir.fused_add_rms_norm_f32_scale(x, residual, self.weight, self.eps, self.offset)
+
+
+class GemmaRMSNorm(F32ScaleRMSNorm):
+    """Gemma's RMSNorm: scales by (1 + weight) in float32, then rounds."""
+    offset = 1.0
