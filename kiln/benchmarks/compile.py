@@ -55,15 +55,17 @@ def _timed_executor_class(base: type, timings: dict) -> type:
 
 def _ops_in_use(kiln_config) -> list[str]:
     """The IR ops the model can call: the int8, fp8 and GGUF ops only under their quantization
-    or load format, all_reduce only across tensor-parallel ranks, Gemma's / OLMo-2's ops only
-    for them (the text report listed the int8 ops of a float model)."""
+    or load format, all_reduce only across tensor-parallel ranks, lora_add only with
+    --enable-lora, Gemma's / OLMo-2's ops only for them (the text report listed the int8 ops of
+    a float model)."""
     from kiln.model.registry import ir_ops_not_called
 
     mc = kiln_config.model_config
     not_called = ir_ops_not_called(mc.architecture)  # another family's norms / activation
     kinds = {"int8": mc.quant_kind == "int8", "fp8": mc.quant_kind == "fp8",
              "gguf": mc.load_format == "gguf",
-             "all_reduce": kiln_config.parallel_config.tensor_parallel_size > 1}
+             "all_reduce": kiln_config.parallel_config.tensor_parallel_size > 1,
+             "lora": kiln_config.lora_config is not None}
     return [op for op in kiln_config.ir_selection.as_dict()
             if op not in not_called and all(on for kind, on in kinds.items() if kind in op)]
 
