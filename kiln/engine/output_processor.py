@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kiln.core.outputs import EngineCoreOutput, LogprobsLists
 from kiln.engine.detokenizer import IncrementalDetokenizer, decode_anchor, lone_token_text
+from kiln.engine.stop_string_steps import update_until_stop
 from kiln.engine.stream_detokenizer import NoTextDetokenizer, detokenizer_for_request
 from kiln.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
@@ -222,12 +223,6 @@ class OutputProcessor:
     def _update_sample(self, sample: SampleState, out: EngineCoreOutput) -> bool:
         """Apply one core output; True if a stop string ended a request the core still runs."""
         new_ids = list(out.new_token_ids)
-        sample.token_ids.extend(new_ids)
-        if sample.logprobs is not None:
-            decode = self._decode_token if self._has_text(sample) else _no_text
-            for lists in out.new_logprobs:
-                sample.logprobs.append(to_logprob_dict(lists, decode))
-                sample.cumulative_logprob += lists.logprobs[0]
         sample.updated = True
         # The text of the eos / stop token that ended the request is not part of the output
         # unless include_stop_str_in_output keeps it; the text before it is searched for stop
@@ -237,10 +232,18 @@ class OutputProcessor:
         keeps_stop_token = ended_by_token and bool(new_ids)
         if keeps_stop_token and not sample.params.include_stop_str_in_output:
             detok_ids, keeps_stop_token = new_ids[:-1], False
-        stop_str = None
+        stop_str, kept = None, len(new_ids)
         if sample.params.detokenize:  # else the text stays "" (stop strings are refused)
-            stop_str = sample.detokenizer.update(detok_ids, final=out.finished,
-                                                 stop_terminated=keeps_stop_token)
+            stop_str, kept = update_until_stop(sample.detokenizer, detok_ids, out.finished,
+                                               keeps_stop_token)
+            if stop_str is None:
+                kept = len(new_ids)  # (the stop token left out of detok_ids is output)
+        sample.token_ids.extend(new_ids[:kept])
+        if sample.logprobs is not None:
+            decode = self._decode_token if self._has_text(sample) else _no_text
+            for lists in out.new_logprobs[:kept]:
+                sample.logprobs.append(to_logprob_dict(lists, decode))
+                sample.cumulative_logprob += lists.logprobs[0]
         if stop_str is not None:
             sample.finish_reason, sample.stop_reason = "stop", stop_str
             return not out.finished

@@ -151,3 +151,23 @@ def test_prefix_cache_hits_blocks_filled_by_drafted_steps(engines):
         [list(o.token_ids) for o in generate(base, longer, short)]
     # the prompt's 30 tokens and the output's blocks: past the prompt's own
     assert spec.llm_engine.get_stats()["prefix_cache_hits"] - hits >= 48
+
+
+def test_stop_string_inside_an_accepted_run_cuts_its_tokens(engines):
+    """A stop string completed by a token in the middle of a step's accepted drafts ends the
+    output at that token: the tokens after it (and their logprobs) are no output, as they
+    would never have been sampled without speculation (min_tokens moves the stop into runs
+    of repeated tokens, which the drafts predict; "w33" also matches inside "w334")."""
+    spec, base = engines
+    cases = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0,
+                            stop=[stop], min_tokens=m, include_stop_str_in_output=inc)
+             for stop in ("w334", "w33") for m in range(1, 6) for inc in (False, True)]
+    before = spec_totals(spec)["spec_decode_num_accepted_tokens"]
+    got = generate(spec, PROMPTS[:1] * len(cases), cases)
+    want = generate(base, PROMPTS[:1] * len(cases), cases)
+    assert spec_totals(spec)["spec_decode_num_accepted_tokens"] > before
+    for g, w, p in zip(got, want, cases):
+        assert (list(g.token_ids), g.text, g.finish_reason, g.stop_reason) == \
+            (list(w.token_ids), w.text, w.finish_reason, w.stop_reason), p
+        assert len(g.logprobs) == len(w.logprobs)
+        assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-4)
