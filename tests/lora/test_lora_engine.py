@@ -99,3 +99,27 @@ def test_tensor_parallel_is_refused_clearly(lora_setup):
     with pytest.raises(ValueError, match="--enable-lora.*--tensor-parallel-size"):
         EngineArgs(model=str(lora_setup["base"]), enable_lora=True, tensor_parallel_size=2,
                    distributed_executor_backend="mp").create_kiln_config()
+
+
+def test_adapter_deleted_after_the_check_ends_only_its_requests(lora_setup, tmp_path):
+    """The front end checked the adapter; its files go before the core reloads it (evicted
+    with max_cpu_loras=1): its requests end with the error, the base model's in the same
+    batch finish, and the engine serves on (the core used to die)."""
+    import shutil
+
+    from kiln.lora.request import LoRARequest
+
+    copy = shutil.copytree(lora_setup["adapters"]["a1"], tmp_path / "a1")
+    gone = LoRARequest("gone", 7, str(copy))
+    llm = LLM(str(lora_setup["base"]), enforce_eager=True, enable_lora=True, max_loras=1,
+              max_cpu_loras=1, max_lora_rank=8, max_model_len=128)
+    prompt = lora_setup["prompts"][0]
+    assert _run(llm, [prompt], gone)[0].outputs[0].token_ids == lora_setup["refs"]["a1"][0]
+    _run(llm, [prompt], lora_setup["loras"]["a2"])  # evicts `gone` from host memory
+    shutil.rmtree(copy)
+    failed, base = _run(llm, [prompt, prompt], [gone, None])
+    assert failed.outputs[0].finish_reason == "abort" and "not a directory" in failed.outputs[0].error
+    assert list(base.outputs[0].token_ids) == lora_setup["refs"][None][0]
+    again = _run(llm, [prompt], lora_setup["loras"]["a2"])[0]
+    assert list(again.outputs[0].token_ids) == lora_setup["refs"]["a2"][0]
+    llm.shutdown()
