@@ -141,6 +141,7 @@ class Scheduler(Requeueing):
         # Then waiting ones in the queue's order; after a preemption the cache is too tight to
         # admit. A request whose grammar is still compiling keeps its place but lets later ones by.
         compiling: deque[Request] = deque()
+        lora_waits = False  # a request waits for a LoRA slot (kiln/lora/scheduling.py)
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and self.num_preemptions == preemptions_before):
             request = self.waiting.peek()
@@ -152,7 +153,8 @@ class Scheduler(Requeueing):
                 self.waiting.pop()
                 self._finish_grammar_error(request)
                 continue
-            if not fits_lora_slots(request, self.running, self.max_loras):
+            if not fits_lora_slots(request, self.running, self.max_loras, lora_waits):
+                lora_waits = True
                 compiling.append(self.waiting.pop())  # waits for a slot; others go by
                 continue
             if self._cannot_ever_fit(request):

@@ -123,3 +123,30 @@ def test_adapter_deleted_after_the_check_ends_only_its_requests(lora_setup, tmp_
     again = _run(llm, [prompt], lora_setup["loras"]["a2"])[0]
     assert list(again.outputs[0].token_ids) == lora_setup["refs"]["a2"][0]
     llm.shutdown()
+
+
+def test_a_request_for_another_adapter_does_not_starve(lora_setup):
+    """max_loras=1, a1 running and one a1 request arriving every step: the a2 request queued
+    among them runs within a few steps (a1's stream used to keep the slot for ever)."""
+    from kiln.engine.arg_utils import EngineArgs
+    from kiln.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineArgs(model=str(lora_setup["base"]), enforce_eager=True,
+                                  enable_lora=True, max_loras=1, max_lora_rank=8,
+                                  max_model_len=128).create_kiln_config())
+    a1, a2 = lora_setup["loras"]["a1"], lora_setup["loras"]["a2"]
+    prompt = lora_setup["prompts"][0]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    engine.add_request("a1-0", {"prompt_token_ids": prompt, "lora_request": a1}, params)
+    engine.step()
+    engine.add_request("a2", {"prompt_token_ids": prompt, "lora_request": a2}, params)
+    finished = {}
+    for step in range(1, 40):
+        engine.add_request(f"a1-{step}", {"prompt_token_ids": prompt, "lora_request": a1},
+                           params)
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        if "a2" in finished:
+            break
+    assert list(finished["a2"].outputs[0].token_ids) == lora_setup["refs"]["a2"][0]
+    assert list(finished["a1-0"].outputs[0].token_ids) == lora_setup["refs"]["a1"][0]
+    engine.shutdown()
