@@ -150,3 +150,21 @@ def test_a_request_for_another_adapter_does_not_starve(lora_setup):
     assert list(finished["a2"].outputs[0].token_ids) == lora_setup["refs"]["a2"][0]
     assert list(finished["a1-0"].outputs[0].token_ids) == lora_setup["refs"]["a1"][0]
     engine.shutdown()
+
+
+def test_a_cache_salt_cannot_spell_an_adapter_into_the_prefix_cache(lora_setup):
+    """The root block hash joined salt and adapter by text: a base-model request whose
+    cache_salt ended in the adapter's key hit the blocks that adapter computed (and answered
+    with the adapter's K/V)."""
+    llm = LLM(str(lora_setup["base"]), enforce_eager=True, enable_lora=True, max_lora_rank=8,
+              max_model_len=128, block_size=4)
+    a1, long = lora_setup["loras"]["a1"], lora_setup["prompts"][2]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": long, "cache_salt": "s"}], params, use_tqdm=False,
+                 lora_request=a1)
+    salt = "s|" + a1.hash_key().decode()
+    base = llm.generate([{"prompt_token_ids": long, "cache_salt": salt}], params,
+                        use_tqdm=False)[0]
+    assert base.num_cached_tokens == 0
+    assert list(base.outputs[0].token_ids) == lora_setup["refs"][None][2]
+    llm.shutdown()
