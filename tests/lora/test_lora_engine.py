@@ -168,3 +168,36 @@ def test_a_cache_salt_cannot_spell_an_adapter_into_the_prefix_cache(lora_setup):
     assert base.num_cached_tokens == 0
     assert list(base.outputs[0].token_ids) == lora_setup["refs"][None][2]
     llm.shutdown()
+
+
+def test_engine_add_request_and_async_generate_take_lora_request(lora_setup):
+    """vLLM's multilora example: LLMEngine.add_request(id, prompt, params,
+    lora_request=...), and AsyncLLM.generate(..., lora_request=...) (a TypeError before)."""
+    import asyncio
+
+    from kiln.engine.arg_utils import EngineArgs
+    from kiln.engine.async_llm import AsyncLLM
+    from kiln.engine.llm_engine import LLMEngine
+
+    args = EngineArgs(model=str(lora_setup["base"]), enforce_eager=True, enable_lora=True,
+                      max_lora_rank=8, max_model_len=128)
+    engine = LLMEngine(args.create_kiln_config())
+    prompt = {"prompt_token_ids": lora_setup["prompts"][0]}
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    engine.add_request("r", prompt, params, lora_request=lora_setup["loras"]["a2"])
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert list(finished[0].outputs[0].token_ids) == lora_setup["refs"]["a2"][0]
+    engine.shutdown()
+
+    async def run():
+        llm = AsyncLLM(LLMEngine(args.create_kiln_config()))
+        try:
+            outs = [out async for out in llm.generate(prompt, params, "q",
+                                                      lora_request=lora_setup["loras"]["a1"])]
+            return list(outs[-1].outputs[0].token_ids)
+        finally:
+            llm.shutdown()
+
+    assert asyncio.run(run()) == lora_setup["refs"]["a1"][0]
