@@ -218,6 +218,8 @@ class LLMEngine(EngineTokenStats, EngineVllmViews):
         child_ids = [cid for cid, _ in samples] if params.n > 1 else []
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
                                           samples, params.output_kind)
+        # vLLM's RequestOutput.lora_request, on every output of engine.step() too
+        self.output_processor.requests[request_id].lora_request = processed.lora_request
         try:
             core.add_request(core_request, child_ids)
         except BaseException:

@@ -189,6 +189,7 @@ def test_engine_add_request_and_async_generate_take_lora_request(lora_setup):
     while engine.has_unfinished_requests():
         finished += [o for o in engine.step() if o.finished]
     assert list(finished[0].outputs[0].token_ids) == lora_setup["refs"]["a2"][0]
+    assert finished[0].lora_request == lora_setup["loras"]["a2"]  # vLLM's field
     engine.shutdown()
 
     async def run():
