@@ -13,6 +13,7 @@ from kiln.core.scheduler import Scheduler
 from kiln.core.stats import SchedulerStats
 from kiln.errors import ConfigError
 from kiln.logger import init_logger
+from kiln.lora.load_failure import LoRALoadError, end_adapter_requests
 
 logger = init_logger(__name__)
 
@@ -152,13 +153,15 @@ class EngineCore:
                 model_runner_output = self.executor.execute_model(scheduler_output)
             else:  # only grammars still compiling, perhaps: wait a little rather than spin
                 self.scheduler.wait_for_grammars(timeout=0.01)
-        except BaseException:
+        except BaseException as error:
             # Ctrl-C in LLM.generate, a failed forward: the prefix cache must not keep blocks
             # this step registered but never wrote, or a later prompt reads garbage K/V; and
             # the step's requests computed nothing, so they are computed again.
             kv.forget_unwritten()
             if scheduler_output is not None:
                 self.scheduler.undo_step(scheduler_output)
+            if isinstance(error, LoRALoadError):  # that adapter's requests end, not the core
+                return end_adapter_requests(self.scheduler, error)
             raise
         kv.mark_written()
         return self.scheduler.update_from_output(scheduler_output, model_runner_output)

@@ -33,7 +33,8 @@ def root_block_hash(cache_salt: str | None, lora_request=None) -> BlockHash:
         return ROOT_BLOCK_HASH
     root = b"" if cache_salt is None else b"salt:" + cache_salt.encode()
     if lora_request is not None:
-        root += b"|" + lora_request.hash_key()
+        # the salt's digest, fixed-length, so no salt's text can spell an adapter's key
+        root = b"lora|" + hashlib.sha256(root).digest() + lora_request.hash_key()
     return hashlib.sha256(root).digest()
 
 

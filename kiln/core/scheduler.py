@@ -24,7 +24,7 @@ from kiln.core.request_progress import grammar_error_output, step_output, unsche
 from kiln.core.request_queue import WaitingQueue, order_key
 from kiln.core.requeueing import Requeueing
 from kiln.core.stats import SchedulerStats, spec_decode_stats
-from kiln.lora.scheduling import fits_lora_slots
+from kiln.lora.scheduling import fits_lora_slots, starves
 from kiln.spec_decode.scheduling import SpecDecodeScheduling
 from kiln.structured_output.manager import StructuredOutputManager
 
@@ -141,6 +141,7 @@ class Scheduler(Requeueing):
         # Then waiting ones in the queue's order; after a preemption the cache is too tight to
         # admit. A request whose grammar is still compiling keeps its place but lets later ones by.
         compiling: deque[Request] = deque()
+        lora_starving = False  # one waited too long for a LoRA slot (kiln/lora/scheduling.py)
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and self.num_preemptions == preemptions_before):
             request = self.waiting.peek()
@@ -152,7 +153,8 @@ class Scheduler(Requeueing):
                 self.waiting.pop()
                 self._finish_grammar_error(request)
                 continue
-            if not fits_lora_slots(request, self.running, self.max_loras):
+            if not fits_lora_slots(request, self.running, self.max_loras, lora_starving):
+                lora_starving = lora_starving or starves(request)
                 compiling.append(self.waiting.pop())  # waits for a slot; others go by
                 continue
             if self._cannot_ever_fit(request):

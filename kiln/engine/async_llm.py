@@ -18,6 +18,7 @@ from kiln.engine.request_stream import RequestStream
 from kiln.engine.step_loop import StepLoop
 from kiln.engine.text_encoding import check_request_id
 from kiln.logger import init_logger
+from kiln.lora.frontend import with_lora
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
@@ -140,7 +141,7 @@ class AsyncLLM(AsyncLLMLifecycle):
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
                           arrival_time: float | None = None, *,
                           max_tokens_must_fit: bool = False, processed=None,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, lora_request=None) -> RequestStream:
         """Queue a request; raises ValueError (bad prompt or params) before anything is queued.
         `arrival_time`: time.monotonic() when it arrived (vLLM's is time.time()).
         `max_tokens_must_fit`: refuse a max_tokens past max_model_len instead of cutting it.
@@ -156,8 +157,8 @@ class AsyncLLM(AsyncLLMLifecycle):
         stream = RequestStream(request_id, params, arrival_time)
         self._streams[request_id] = stream
         try:
-            if processed is None:
-                processed = await self.process_inputs(prompt, params,
+            if processed is None:  # vLLM's lora_request: the prompt carries it (kiln/lora/)
+                processed = await self.process_inputs(with_lora(prompt, lora_request), params,
                                                       max_tokens_must_fit=max_tokens_must_fit)
             self._check_alive()
             stream.accepted(processed)
@@ -189,9 +190,10 @@ class AsyncLLM(AsyncLLMLifecycle):
         stream.first_step = self._steps.steps_run + 1
 
     async def generate(self, prompt, sampling_params: SamplingParams, request_id: str, *,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request=None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request; leaving the loop early (or being cancelled) aborts it."""
-        stream = await self.add_request(request_id, prompt, sampling_params, priority=priority)
+        stream = await self.add_request(request_id, prompt, sampling_params, priority=priority,
+                                        lora_request=lora_request)
         try:
             async for out in stream:
                 yield out

@@ -23,7 +23,7 @@ from kiln.engine.output_processor import OutputProcessor
 from kiln.engine.text_encoding import check_encodable, check_request_id, encode_text
 from kiln.engine.tokenizer import config_eos_token_ids, generation_eos_token_ids, get_tokenizer
 from kiln.logger import init_logger
-from kiln.lora.frontend import LoRAChecker
+from kiln.lora.frontend import LoRAChecker, with_lora
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
 
@@ -172,11 +172,13 @@ class LLMEngine(EngineTokenStats, EngineVllmViews):
                                             max_tokens_must_fit=max_tokens_must_fit)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, *, max_tokens_must_fit: bool = False,
-                    priority: int = 0) -> None:
+                    arrival_time: float | None = None, lora_request=None, *,
+                    max_tokens_must_fit: bool = False, priority: int = 0) -> None:
         """`arrival_time`: time.monotonic() when it arrived (vLLM's is time.time(): queue
         order and latency metrics read this clock). `priority`: vLLM's; lower is served first
-        under --scheduling-policy priority, ignored under fcfs."""
+        under --scheduling-policy priority, ignored under fcfs. `lora_request`: vLLM's
+        LoRARequest (kiln/lora/), as its multilora example passes it."""
+        prompt = with_lora(prompt, lora_request)
         processed = self.process_inputs(prompt, params, max_tokens_must_fit=max_tokens_must_fit)
         self.add_processed_request(request_id, processed, arrival_time, priority=priority)
 
@@ -216,6 +218,8 @@ class LLMEngine(EngineTokenStats, EngineVllmViews):
         child_ids = [cid for cid, _ in samples] if params.n > 1 else []
         self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids,
                                           samples, params.output_kind)
+        # vLLM's RequestOutput.lora_request, on every output of engine.step() too
+        self.output_processor.requests[request_id].lora_request = processed.lora_request
         try:
             core.add_request(core_request, child_ids)
         except BaseException:

@@ -73,6 +73,7 @@ class RequestState:
     prompt_logprobs_sent: bool = False  # DELTA outputs carry them once
     metrics: RequestMetrics | None = None  # immutable: replaced, never changed under a reader
     pooled: list[float] | None = None  # a pooling request's vector (kiln/pooling/)
+    lora_request: object = None  # the request's LoRARequest (kiln/lora/); None: base model
 
     def note_scheduled(self, index: int, first_scheduled_time: float) -> None:
         """Sample `index`'s first scheduling (every output of it repeats the stamp); the
@@ -112,7 +113,8 @@ class RequestState:
                              prompt_token_ids=self.prompt_token_ids,
                              outputs=[s.completion(delta) for s in chosen], finished=finished,
                              num_cached_tokens=self.num_cached_tokens,
-                             prompt_logprobs=prompt_logprobs, metrics=self.metrics)
+                             prompt_logprobs=prompt_logprobs, metrics=self.metrics,
+                             lora_request=self.lora_request)
 
 
 @dataclass

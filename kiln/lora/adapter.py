@@ -106,6 +106,7 @@ def load_adapter(path: str, hf_config, max_lora_rank: int,
     """Read and check one adapter against the base model's config (shapes, layer count)."""
     from safetensors.torch import load_file
 
+    path = os.path.expanduser(path)  # vLLM's get_adapter_absolute_path expands `~` too
     config = _config(path)
     where = f"LoRA adapter {path!r} (adapter_config.json)"
     rank, scaling = check_config(config, where, max_lora_rank)

@@ -5,8 +5,10 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from kiln.errors import ConfigError
 from kiln.lora import layers as lora_layers
 from kiln.lora.adapter import LoRAAdapter, load_adapter
+from kiln.lora.load_failure import LoRALoadError
 
 
 class LoRAManager:
@@ -25,7 +27,10 @@ class LoRAManager:
     def _host_adapter(self, lora) -> LoRAAdapter:
         adapter = self.host.pop(lora.lora_int_id, None)
         if adapter is None:
-            adapter = load_adapter(lora.lora_path, self.hf_config, self.max_rank, self.dtype)
+            try:
+                adapter = load_adapter(lora.lora_path, self.hf_config, self.max_rank, self.dtype)
+            except ConfigError as e:  # checked by the front end, changed on disk since
+                raise LoRALoadError(lora.lora_int_id, str(e)) from None
         self.host[lora.lora_int_id] = adapter
         while len(self.host) > self.config.cpu_capacity:
             self.host.popitem(last=False)

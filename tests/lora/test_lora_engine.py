@@ -99,3 +99,106 @@ def test_tensor_parallel_is_refused_clearly(lora_setup):
     with pytest.raises(ValueError, match="--enable-lora.*--tensor-parallel-size"):
         EngineArgs(model=str(lora_setup["base"]), enable_lora=True, tensor_parallel_size=2,
                    distributed_executor_backend="mp").create_kiln_config()
+
+
+def test_adapter_deleted_after_the_check_ends_only_its_requests(lora_setup, tmp_path):
+    """The front end checked the adapter; its files go before the core reloads it (evicted
+    with max_cpu_loras=1): its requests end with the error, the base model's in the same
+    batch finish, and the engine serves on (the core used to die)."""
+    import shutil
+
+    from kiln.lora.request import LoRARequest
+
+    copy = shutil.copytree(lora_setup["adapters"]["a1"], tmp_path / "a1")
+    gone = LoRARequest("gone", 7, str(copy))
+    llm = LLM(str(lora_setup["base"]), enforce_eager=True, enable_lora=True, max_loras=1,
+              max_cpu_loras=1, max_lora_rank=8, max_model_len=128)
+    prompt = lora_setup["prompts"][0]
+    assert _run(llm, [prompt], gone)[0].outputs[0].token_ids == lora_setup["refs"]["a1"][0]
+    _run(llm, [prompt], lora_setup["loras"]["a2"])  # evicts `gone` from host memory
+    shutil.rmtree(copy)
+    failed, base = _run(llm, [prompt, prompt], [gone, None])
+    assert failed.outputs[0].finish_reason == "abort" and "not a directory" in failed.outputs[0].error
+    assert list(base.outputs[0].token_ids) == lora_setup["refs"][None][0]
+    again = _run(llm, [prompt], lora_setup["loras"]["a2"])[0]
+    assert list(again.outputs[0].token_ids) == lora_setup["refs"]["a2"][0]
+    llm.shutdown()
+
+
+def test_a_request_for_another_adapter_does_not_starve(lora_setup):
+    """max_loras=1, a1 running and one a1 request arriving every step: the a2 request queued
+    among them runs (a1's stream used to keep the slot for ever)."""
+    from kiln.engine.arg_utils import EngineArgs
+    from kiln.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineArgs(model=str(lora_setup["base"]), enforce_eager=True,
+                                  enable_lora=True, max_loras=1, max_lora_rank=8,
+                                  max_model_len=128).create_kiln_config())
+    a1, a2 = lora_setup["loras"]["a1"], lora_setup["loras"]["a2"]
+    prompt = lora_setup["prompts"][0]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    engine.add_request("a1-0", {"prompt_token_ids": prompt, "lora_request": a1}, params)
+    engine.step()
+    engine.add_request("a2", {"prompt_token_ids": prompt, "lora_request": a2}, params)
+    finished = {}
+    for step in range(1, 200):
+        engine.add_request(f"a1-{step}", {"prompt_token_ids": prompt, "lora_request": a1},
+                           params)
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        if "a2" in finished:
+            break
+    assert list(finished["a2"].outputs[0].token_ids) == lora_setup["refs"]["a2"][0]
+    assert list(finished["a1-0"].outputs[0].token_ids) == lora_setup["refs"]["a1"][0]
+    engine.shutdown()
+
+
+def test_a_cache_salt_cannot_spell_an_adapter_into_the_prefix_cache(lora_setup):
+    """The root block hash joined salt and adapter by text: a base-model request whose
+    cache_salt ended in the adapter's key hit the blocks that adapter computed (and answered
+    with the adapter's K/V)."""
+    llm = LLM(str(lora_setup["base"]), enforce_eager=True, enable_lora=True, max_lora_rank=8,
+              max_model_len=128, block_size=4)
+    a1, long = lora_setup["loras"]["a1"], lora_setup["prompts"][2]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": long, "cache_salt": "s"}], params, use_tqdm=False,
+                 lora_request=a1)
+    salt = "s|" + a1.hash_key().decode()
+    base = llm.generate([{"prompt_token_ids": long, "cache_salt": salt}], params,
+                        use_tqdm=False)[0]
+    assert base.num_cached_tokens == 0
+    assert list(base.outputs[0].token_ids) == lora_setup["refs"][None][2]
+    llm.shutdown()
+
+
+def test_engine_add_request_and_async_generate_take_lora_request(lora_setup):
+    """vLLM's multilora example: LLMEngine.add_request(id, prompt, params,
+    lora_request=...), and AsyncLLM.generate(..., lora_request=...) (a TypeError before)."""
+    import asyncio
+
+    from kiln.engine.arg_utils import EngineArgs
+    from kiln.engine.async_llm import AsyncLLM
+    from kiln.engine.llm_engine import LLMEngine
+
+    args = EngineArgs(model=str(lora_setup["base"]), enforce_eager=True, enable_lora=True,
+                      max_lora_rank=8, max_model_len=128)
+    engine = LLMEngine(args.create_kiln_config())
+    prompt = {"prompt_token_ids": lora_setup["prompts"][0]}
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    engine.add_request("r", prompt, params, lora_request=lora_setup["loras"]["a2"])
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert list(finished[0].outputs[0].token_ids) == lora_setup["refs"]["a2"][0]
+    assert finished[0].lora_request == lora_setup["loras"]["a2"]  # vLLM's field
+    engine.shutdown()
+
+    async def run():
+        llm = AsyncLLM(LLMEngine(args.create_kiln_config()))
+        try:
+            outs = [out async for out in llm.generate(prompt, params, "q",
+                                                      lora_request=lora_setup["loras"]["a1"])]
+            return list(outs[-1].outputs[0].token_ids)
+        finally:
+            llm.shutdown()
+
+    assert asyncio.run(run()) == lora_setup["refs"]["a1"][0]

@@ -112,3 +112,12 @@ def test_the_adapter_crosses_to_the_core_process():
     for value in (lora, None):
         request = Request("r", [1, 2], SamplingParams(max_tokens=1), lora_request=value)
         assert from_wire(decoder.decode(encoder.encode(to_wire(request)))).lora_request == value
+
+
+def test_a_home_relative_adapter_path_is_expanded(base, tmp_path, monkeypatch):
+    """vLLM expands `~` in an adapter path (a JSON --lora-modules value or the runtime load
+    API's lora_path, which no shell expands); Kiln said it was not a directory."""
+    path, config = base
+    write_adapter(tmp_path / "a", path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert load_adapter("~/a", config, max_lora_rank=16).rank == 4

@@ -82,3 +82,18 @@ def test_runtime_load_and_unload(served):
     assert r.status_code == 200 and "removed successfully" in r.text
     assert client.post("/v1/completions", json=body).status_code == 404
     assert client.post("/v1/unload_lora_adapter", json=dict(lora_name="sql2")).status_code == 404
+
+
+def test_embeddings_with_an_adapter_name_are_refused_not_base_vectors(lora_setup):
+    """A pooling server with --lora-modules: /v1/embeddings under an adapter's name answered
+    the base model's vectors (the adapter silently dropped); it is refused, naming `model`,
+    as offline LLM.embed(lora_request=...) is."""
+    args = EngineArgs(model=str(lora_setup["base"]), enforce_eager=True, max_model_len=64,
+                      enable_lora=True, runner="pooling")
+    llm = AsyncLLM(LLMEngine(args.create_kiln_config()))
+    settings = ServerSettings(served_model_names=["m"], lora_modules=[
+        lora_module_flag(f"sql={lora_setup['adapters']['a1']}")])
+    with TestClient(build_app(llm, settings)) as client:
+        assert client.post("/v1/embeddings", json=dict(model="m", input="w5 w6")).status_code == 200
+        r = client.post("/v1/embeddings", json=dict(model="sql", input="w5 w6"))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text

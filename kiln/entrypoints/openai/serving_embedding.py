@@ -93,6 +93,11 @@ class ServingEmbedding:
                               "embed) to serve /v1/embeddings", code="unsupported_endpoint")
         created = int(time.time())
         model = self.models.resolve(req.model)
+        lora = self.models.lora_request(model)
+        if lora is not None:  # as offline embed(): else the base model's vectors, silently
+            raise OpenAIError(f"`model` {model!r} is a LoRA adapter; /v1/embeddings does not "
+                              "apply LoRA adapters yet: ask for the base model",
+                              param="model", code="unsupported_parameter")
         prompts = _engine_prompts(req.input)
         if not req.add_special_tokens and self.llm.tokenizer is not None:
             from kiln.entrypoints.openai.serving_completion import without_special_tokens
