@@ -46,6 +46,8 @@ def test_embed_matches_hf(request, inprocess_core, arch, pooler, chunk):
             torch.testing.assert_close(g, ref, atol=ATOL, rtol=0)
         stats = llm.llm_engine.get_stats()  # every request finished, its blocks freed
         assert stats["num_running"] == stats["num_waiting"] == 0
+        # pooled prompts count, as vLLM's (they ended with no token)
+        assert stats["prompt_tokens_total"] == sum(LENGTHS) + 3 + 19
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
     finally:
         llm.shutdown()
