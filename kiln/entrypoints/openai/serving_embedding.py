@@ -93,6 +93,13 @@ class ServingEmbedding:
                               "embed) to serve /v1/embeddings", code="unsupported_endpoint")
         created = int(time.time())
         model = self.models.resolve(req.model)
+        if model in self.models.loras:
+            # the pooling runner applies no adapter (LLM.embed refuses lora_request too): the
+            # base model's vector under the adapter's name would be silently wrong
+            raise OpenAIError(f"model {model!r} is a LoRA adapter; the pooling runner does not "
+                              "apply LoRA adapters yet: ask for the base model "
+                              f"{self.models.default_name!r}", param="model",
+                              code="unsupported_model")
         prompts = _engine_prompts(req.input)
         if not req.add_special_tokens and self.llm.tokenizer is not None:
             from kiln.entrypoints.openai.serving_completion import without_special_tokens
