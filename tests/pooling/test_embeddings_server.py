@@ -75,6 +75,7 @@ def test_text_inputs_and_normalize(client, tiny_qwen3_dir):
     ({"input": [[5, 6], [9999]]}, "input", "outside the vocabulary"),
     ({"input": [5] * 70, "truncate_prompt_tokens": 65}, "truncate_prompt_tokens",
      "between 1 and max_model_len 64"),
+    ({"input": [5], "priority": 2**70}, "priority", "64-bit integer's range"),
 ])
 def test_errors_name_the_field(client, body, param, words):
     r = client.post(EMB, json=body)

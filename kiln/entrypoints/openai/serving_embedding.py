@@ -65,8 +65,8 @@ def _engine_prompts(value) -> list:
 
 def _field_error(e: ValueError) -> OpenAIError:
     message = str(e)
-    param = next((f for f in ("dimensions", "truncate_prompt_tokens") if message.startswith(f)),
-                 "input")
+    param = next((f for f in ("dimensions", "truncate_prompt_tokens", "priority")
+                  if message.startswith(f)), "input")
     code = "context_length_exceeded" if "maximum context length" in message else "invalid_value"
     return OpenAIError(message.replace("prompt", "input", 1) if message.startswith("prompt")
                        else message, param=param, code=code)
