@@ -121,3 +121,35 @@ def test_compiled_mode_3_equals_eager(tiny_qwen3_dir, inprocess_core, tmp_path):
             llm.shutdown()
     for a, b in zip(*vectors):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_sentence_transformers_checkpoint_runs_the_pooling_runner_by_default(
+        tiny_llama_dir, tmp_path, inprocess_core):
+    """vLLM's auto runner of a sentence-transformers checkpoint whose architecture is
+    *ForCausalLM (Qwen3-Embedding's) is pooling: no --runner needed. Kiln ran the generate
+    runner, so LLM(model).embed and /v1/embeddings refused; an explicit runner still wins."""
+    import json
+    import shutil
+
+    model_dir = tmp_path / "st"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    (model_dir / "modules.json").write_text(json.dumps([
+        {"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (model_dir / "1_Pooling").mkdir()
+    (model_dir / "1_Pooling" / "config.json").write_text(
+        json.dumps({"pooling_mode_mean_tokens": True}))
+    prompts = random_prompts(2, [5, 23], seed=8)
+    llm = LLM(model=str(model_dir), compilation_config=0, **ENGINE)
+    try:
+        assert llm.llm_engine.get_supported_tasks() == ("embed", "encode")
+        for g, ref in zip(embed(llm, prompts), hf_pooled(model_dir, prompts, "MEAN", True)):
+            torch.testing.assert_close(g, ref, atol=ATOL, rtol=0)
+    finally:
+        llm.shutdown()
+    llm = LLM(model=str(model_dir), runner="generate", compilation_config=0, **ENGINE)
+    try:
+        assert llm.llm_engine.get_supported_tasks() == ("generate",)
+    finally:
+        llm.shutdown()
