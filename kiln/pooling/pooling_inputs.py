@@ -15,6 +15,15 @@ def check_pooling_engine(engine) -> None:
         raise ValueError(NOT_POOLING)
 
 
+def refuse_pooling_bench(model_config, command: str) -> None:
+    """A generation benchmark of a pooling engine (its requests end at their prefill with no
+    token) said by its flag, not by the benchmark's own "produced 0 output tokens" error."""
+    if model_config.runner_type == "pooling":
+        raise ValueError(f"{command} measures generation, and this engine runs the pooling "
+                         "runner (--runner pooling / --task embed, or a sentence-transformers "
+                         "checkpoint), which generates nothing: give --runner generate")
+
+
 def check_dimensions(dimensions, model_config) -> None:
     if dimensions is None:
         return
