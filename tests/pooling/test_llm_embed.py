@@ -153,3 +153,23 @@ def test_sentence_transformers_checkpoint_runs_the_pooling_runner_by_default(
         assert llm.llm_engine.get_supported_tasks() == ("generate",)
     finally:
         llm.shutdown()
+
+
+def test_truncating_a_text_prompt_keeps_its_bos(inprocess_core):
+    """truncate_prompt_tokens on a text prompt keeps the tokenizer's BOS and the last tokens
+    after it, as HF's left truncation (vLLM's tokenizing) and Kiln's generate path: the
+    pooling path cut [BOS] off with the rest. Token ids are cut as given."""
+    from checkpoints import STORIES_DIR
+
+    llm = LLM(model=str(STORIES_DIR), runner="pooling", compilation_config=0, **ENGINE)
+    try:
+        text = "once upon a time there was a little cat who sat on the mat"
+        full = llm.embed(text, use_tqdm=False)[0].prompt_token_ids
+        assert full[0] == 1 and len(full) > 6  # the Llama tokenizer's <s>
+        cut = llm.embed(text, truncate_prompt_tokens=4, use_tqdm=False)[0].prompt_token_ids
+        assert cut == [1] + full[-3:]
+        ids = llm.embed({"prompt_token_ids": full}, truncate_prompt_tokens=4,
+                        use_tqdm=False)[0].prompt_token_ids
+        assert ids == full[-4:]
+    finally:
+        llm.shutdown()
