@@ -14,6 +14,7 @@ from kiln.benchmarks.latency_subject import Subject, start_subject
 from kiln.benchmarks.linear_floor import LinearFloor, above_floor, speedup_ceiling
 from kiln.config.compilation_config import spec_to_dict
 from kiln.engine.arg_utils import EngineArgs
+from kiln.pooling.pooling_inputs import refuse_pooling_bench
 
 DEFAULT_COMPARE = ["0", "3"]
 
@@ -106,6 +107,7 @@ def run_latency(engine_args: EngineArgs, batch_sizes: list[int], input_len: int,
         raise ValueError("--enforce-eager forces mode 0 on every --compare config; drop it and "
                          "list the configs in --compare")
     specs = [merge_spec(engine_args.compilation_config, item) for item in compare]  # checks all
+    refuse_pooling_bench(engine_args.create_kiln_config().model_config, "kiln bench latency")
     if interleave is None:
         interleave = default_interleave(engine_args)
     plan = {"batch_sizes": batch_sizes, "input_len": input_len, "num_steps": num_steps,

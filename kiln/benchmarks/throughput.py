@@ -16,6 +16,7 @@ from kiln.benchmarks.vllm_fields import throughput_fields
 from kiln.engine.arg_utils import EngineArgs
 from kiln.logger import init_logger
 from kiln.model.layers.quantization import ONLINE_METHODS
+from kiln.pooling.pooling_inputs import refuse_pooling_bench
 
 logger = init_logger(__name__)
 
@@ -232,6 +233,7 @@ def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, ou
                          "two engines)")
     kiln_config = engine_args.create_kiln_config()
     mc = kiln_config.model_config
+    refuse_pooling_bench(mc, "kiln bench throughput")
     check_lengths(input_len, output_len, mc.max_model_len)
 
     def seeded_prompts(engine, round_index: int = 0):

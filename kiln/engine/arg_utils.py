@@ -26,7 +26,12 @@ from kiln.config.hf_overrides import check_hf_overrides
 from kiln.config.speculative_config import SpeculativeConfig
 from kiln.engine.engine_flags import add_engine_flags
 from kiln.errors import ConfigError
-from kiln.pooling.pooler_config import pooler_config_json, resolve_pooler_config, resolve_runner
+from kiln.pooling.pooler_config import (
+    auto_runner,
+    pooler_config_json,
+    resolve_pooler_config,
+    resolve_runner,
+)
 
 _DEFAULT_MAX_NUM_SEQS = SchedulerConfig.__dataclass_fields__["max_num_seqs"].default
 
@@ -190,6 +195,11 @@ class EngineArgs:
                                    max_logprobs=self.max_logprobs,
                                    quantization=self.quantization, runner_type=runner,
                                    hf_overrides=self.hf_overrides)
+        if runner == "generate":
+            runner = model_config.runner_type = auto_runner(self.runner, self.task, runner,
+                                                            model_config.model_path)
+            if runner == "pooling":
+                check_pooling_engine(self)
         model_config.pooler_config = resolve_pooler_config(
             runner, self.pooler_config, self.override_pooler_config, model_config.model_path)
         if runner == "pooling" and model_config.pooler_config.pooling_type != "LAST":

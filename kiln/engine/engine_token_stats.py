@@ -26,6 +26,12 @@ class EngineTokenStats:
                     continue
                 seen = True
                 state, sample = entry
+                if getattr(out, "pooling_output", None) is not None:
+                    # a pooling request's prefill ends with its vector, no token (vLLM counts
+                    # its prompt all the same)
+                    self.num_prompt_tokens += len(state.prompt_token_ids)
+                    tokens += len(state.prompt_token_ids)
+                    continue
                 if not out.new_token_ids:
                     continue
                 if not sample.token_ids and out.request_id not in prefilled:

@@ -14,11 +14,13 @@ from kiln.sampling_params import RequestOutputKind, SamplingParams
 
 
 def to_logprob_dict(lists: LogprobsLists, decode) -> dict[int, Logprob]:
-    """The sampled token (with its rank) first, then the top-N by rank."""
+    """The sampled token (with its rank) first, then the top-N by rank. A sampled token among
+    the top-N takes its top-N position as its rank, as vLLM's dict of [sampled, top...] (a later
+    key wins): under a tie its counted rank (ties against it) is worse than its position."""
     sampled, sampled_lp = lists.token_ids[0], lists.logprobs[0]
     out = {sampled: Logprob(sampled_lp, lists.sampled_rank, decode(sampled))}
     for rank, (tid, lp) in enumerate(zip(lists.token_ids[1:], lists.logprobs[1:]), start=1):
-        out.setdefault(tid, Logprob(lp, rank, decode(tid)))
+        out[tid] = Logprob(lp, rank, decode(tid))
     return out
 
 

@@ -85,6 +85,8 @@ class RequestTimer:
         if delta.prompt_token_ids:
             self.num_prompt_tokens = len(delta.prompt_token_ids)
         self._metrics = delta.metrics or self._metrics
+        if getattr(delta, "pooled", None) is not None:
+            self._observe_pooled(now, stats)
         for out in delta.outputs:
             sample = self._samples[out.index]
             if out.token_ids:
@@ -104,6 +106,16 @@ class RequestTimer:
                 sample.finished = True
                 stats.finished_reasons.append("abort")
                 stats.e2e_latencies.append(now - self.arrival_time)
+
+    def _observe_pooled(self, now: float, stats: IterationStats) -> None:
+        """A pooling request's one output ends its prefill with no token: its prompt counts
+        and its latency is a first token's, as vLLM's first (is_prefilling) output of any
+        request; else prompt_tokens_total stayed 0 on a pooling server."""
+        sample = self._samples[0]
+        if sample.first_token is None:
+            sample.first_token = sample.last_token = now
+            stats.num_prompt_tokens += self.num_prompt_tokens
+            stats.time_to_first_tokens.append(now - self.arrival_time)
 
     def _observe_tokens(self, sample: _SampleTimes, count: int, now: float,
                         stats: IterationStats) -> None:

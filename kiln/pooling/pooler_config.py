@@ -44,6 +44,17 @@ def resolve_runner(runner: str | None, task: str | None) -> str:
     return "pooling" if chosen == "pooling" else "generate"
 
 
+def auto_runner(runner: str | None, task: str | None, resolved: str,
+                model_path: Path | None) -> str:
+    """The runner once the checkpoint is known: an auto runner (no --runner, no --task) of a
+    sentence-transformers checkpoint (a modules.json Pooling module, as Qwen3-Embedding's,
+    whose architecture is *ForCausalLM) is the pooling runner, as vLLM's
+    _get_default_runner_type makes it; else `resolved`."""
+    if runner not in (None, "auto") or task not in (None, "auto"):
+        return resolved
+    return "pooling" if "pooling_type" in checkpoint_pooling(model_path) else resolved
+
+
 def _parse(spec, flag: str) -> dict:
     if spec is None:
         return {}

@@ -2,6 +2,7 @@
 /v1/embeddings): the prompt may fill max_model_len (nothing is generated), `dimensions` only for a
 model that declares matryoshka embeddings, as vLLM."""
 from kiln.engine.input_processor import ProcessedPrompt, validate_prompt_token_ids
+from kiln.engine.prompt_length import truncate_prompt
 from kiln.pooling.outputs import PoolingParams
 from kiln.pooling.pooler_config import matryoshka_dimensions
 from kiln.sampling_params import RequestOutputKind, SamplingParams
@@ -13,6 +14,15 @@ NOT_POOLING = ("this engine runs the generate runner; start it with --runner poo
 def check_pooling_engine(engine) -> None:
     if engine.model_config.runner_type != "pooling":
         raise ValueError(NOT_POOLING)
+
+
+def refuse_pooling_bench(model_config, command: str) -> None:
+    """A generation benchmark of a pooling engine (its requests end at their prefill with no
+    token) said by its flag, not by the benchmark's own "produced 0 output tokens" error."""
+    if model_config.runner_type == "pooling":
+        raise ValueError(f"{command} measures generation, and this engine runs the pooling "
+                         "runner (--runner pooling / --task embed, or a sentence-transformers "
+                         "checkpoint), which generates nothing: give --runner generate")
 
 
 def check_dimensions(dimensions, model_config) -> None:
@@ -53,7 +63,11 @@ def process_pooling(engine, prompt, params: PoolingParams | None) -> ProcessedPr
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1 or keep > max_len:
             raise ValueError(f"truncate_prompt_tokens must be -1 or between 1 and max_model_len "
                              f"{max_len}, got {params.truncate_prompt_tokens!r}")
-        token_ids = token_ids[-keep:]  # the last tokens, as vLLM keeps them
+        # the last tokens, as vLLM keeps them; a text prompt keeps its special tokens (BOS)
+        # first, as HF's left truncation (vLLM's tokenizing) and Kiln's generate path do
+        from_text = not (isinstance(prompt, dict) and "prompt_token_ids" in prompt)
+        token_ids = truncate_prompt(token_ids, keep, max_len,
+                                    processor.special_prefix_len if from_text else 0)
     if len(token_ids) > max_len:
         raise ValueError(f"This model's maximum context length is {max_len} tokens. However, "
                          f"you requested {len(token_ids)} tokens in the input for embedding "

@@ -33,3 +33,22 @@ def test_figures_carry_vllm_bench_throughputs_names():
     assert (figures["elapsed_time"], figures["num_requests"], figures["total_num_tokens"]) == (
         2.0, 4, 48)
     assert RunResult(2.0, 4, 32, 16).figures("hf_")["hf_requests_per_second"] == 2.0
+
+
+def test_a_pooling_engine_is_refused_naming_the_runner(monkeypatch):
+    """A pooling engine's requests end at their prefill with no token: `kiln bench throughput
+    --runner pooling` (and latency) loaded the model, then failed with "the engine produced 0
+    output tokens" (latency: "prefill did not finish"); say --runner before any engine."""
+    from kiln.benchmarks.latency import run_latency
+    from kiln.engine import llm_engine
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was built before the runner was checked")
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", no_engine)
+    args = EngineArgs(model=str(STORIES_DIR), max_model_len=128, runner="pooling",
+                      compilation_config=0)
+    with pytest.raises(ValueError, match="bench throughput measures generation.*--runner"):
+        run_throughput(args, 2, 8, 4)
+    with pytest.raises(ValueError, match="bench latency measures generation.*--runner"):
+        run_latency(args, [1], 8, 2, compare=["0"])

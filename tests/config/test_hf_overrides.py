@@ -81,3 +81,15 @@ def test_sub_configs_merge_and_other_dicts_are_replaced():
     # the legacy key also reaches rope_parameters (what transformers 5 configs keep)
     assert out.rope_parameters == {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
     assert base.text_config["hidden_size"] == 8  # the original is untouched
+
+
+@pytest.mark.parametrize("overrides", [{"num_hidden_layers": 1}, {"vocab_size": 600}])
+def test_a_shape_override_the_weights_do_not_fit_names_the_flag(tiny_llama_dir, inprocess_core,
+                                                                 overrides):
+    """The checkpoint fits its config.json; an override of a shape key made it not fit, and the
+    refusal said "fix the config or use the checkpoint it came with", not --hf-overrides."""
+    from kiln import LLM
+
+    with pytest.raises(ValueError, match=r"--hf-overrides changed \['" + next(iter(overrides))):
+        LLM(model=str(tiny_llama_dir), compilation_config=0, hf_overrides=overrides,
+            kv_cache_memory=0.02, max_model_len=64)

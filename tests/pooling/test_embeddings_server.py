@@ -75,6 +75,7 @@ def test_text_inputs_and_normalize(client, tiny_qwen3_dir):
     ({"input": [[5, 6], [9999]]}, "input", "outside the vocabulary"),
     ({"input": [5] * 70, "truncate_prompt_tokens": 65}, "truncate_prompt_tokens",
      "between 1 and max_model_len 64"),
+    ({"input": [5], "priority": 2**70}, "priority", "64-bit integer's range"),
 ])
 def test_errors_name_the_field(client, body, param, words):
     r = client.post(EMB, json=body)
@@ -110,3 +111,23 @@ def test_a_generate_server_names_runner_pooling(tiny_llama_dir, inprocess_core):
         assert "/v1/embeddings" not in c.get("/openapi.json").json()["paths"]
     assert r.status_code == 400
     assert "--runner pooling" in r.json()["error"]["message"]
+
+
+def test_metrics_count_pooled_prompts(client):
+    """vLLM counts a pooling request's prompt (and its time to the pooled output as a first
+    token's): prompt_tokens_total stayed 0 on a pooling server."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def totals() -> dict:
+        return {s.name: s.value
+                for f in text_string_to_metric_families(client.get("/metrics").text)
+                for s in f.samples if s.name in ("kiln:prompt_tokens_total",
+                                                 "kiln:time_to_first_token_seconds_count")}
+
+    before = totals()
+    r = client.post(EMB, json={"input": random_prompts(2, [4, 37], seed=4)})
+    assert r.status_code == 200, r.json()
+    after = totals()
+    assert after["kiln:prompt_tokens_total"] - before["kiln:prompt_tokens_total"] == 41
+    assert (after["kiln:time_to_first_token_seconds_count"]
+            - before["kiln:time_to_first_token_seconds_count"]) == 2

@@ -46,6 +46,8 @@ def test_embed_matches_hf(request, inprocess_core, arch, pooler, chunk):
             torch.testing.assert_close(g, ref, atol=ATOL, rtol=0)
         stats = llm.llm_engine.get_stats()  # every request finished, its blocks freed
         assert stats["num_running"] == stats["num_waiting"] == 0
+        # pooled prompts count, as vLLM's (they ended with no token)
+        assert stats["prompt_tokens_total"] == sum(LENGTHS) + 3 + 19
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
     finally:
         llm.shutdown()
@@ -119,3 +121,55 @@ def test_compiled_mode_3_equals_eager(tiny_qwen3_dir, inprocess_core, tmp_path):
             llm.shutdown()
     for a, b in zip(*vectors):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_sentence_transformers_checkpoint_runs_the_pooling_runner_by_default(
+        tiny_llama_dir, tmp_path, inprocess_core):
+    """vLLM's auto runner of a sentence-transformers checkpoint whose architecture is
+    *ForCausalLM (Qwen3-Embedding's) is pooling: no --runner needed. Kiln ran the generate
+    runner, so LLM(model).embed and /v1/embeddings refused; an explicit runner still wins."""
+    import json
+    import shutil
+
+    model_dir = tmp_path / "st"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    (model_dir / "modules.json").write_text(json.dumps([
+        {"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (model_dir / "1_Pooling").mkdir()
+    (model_dir / "1_Pooling" / "config.json").write_text(
+        json.dumps({"pooling_mode_mean_tokens": True}))
+    prompts = random_prompts(2, [5, 23], seed=8)
+    llm = LLM(model=str(model_dir), compilation_config=0, **ENGINE)
+    try:
+        assert llm.llm_engine.get_supported_tasks() == ("embed", "encode")
+        for g, ref in zip(embed(llm, prompts), hf_pooled(model_dir, prompts, "MEAN", True)):
+            torch.testing.assert_close(g, ref, atol=ATOL, rtol=0)
+    finally:
+        llm.shutdown()
+    llm = LLM(model=str(model_dir), runner="generate", compilation_config=0, **ENGINE)
+    try:
+        assert llm.llm_engine.get_supported_tasks() == ("generate",)
+    finally:
+        llm.shutdown()
+
+
+def test_truncating_a_text_prompt_keeps_its_bos(inprocess_core):
+    """truncate_prompt_tokens on a text prompt keeps the tokenizer's BOS and the last tokens
+    after it, as HF's left truncation (vLLM's tokenizing) and Kiln's generate path: the
+    pooling path cut [BOS] off with the rest. Token ids are cut as given."""
+    from checkpoints import STORIES_DIR
+
+    llm = LLM(model=str(STORIES_DIR), runner="pooling", compilation_config=0, **ENGINE)
+    try:
+        text = "once upon a time there was a little cat who sat on the mat"
+        full = llm.embed(text, use_tqdm=False)[0].prompt_token_ids
+        assert full[0] == 1 and len(full) > 6  # the Llama tokenizer's <s>
+        cut = llm.embed(text, truncate_prompt_tokens=4, use_tqdm=False)[0].prompt_token_ids
+        assert cut == [1] + full[-3:]
+        ids = llm.embed({"prompt_token_ids": full}, truncate_prompt_tokens=4,
+                        use_tqdm=False)[0].prompt_token_ids
+        assert ids == full[-4:]
+    finally:
+        llm.shutdown()

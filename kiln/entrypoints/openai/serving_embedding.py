@@ -65,8 +65,8 @@ def _engine_prompts(value) -> list:
 
 def _field_error(e: ValueError) -> OpenAIError:
     message = str(e)
-    param = next((f for f in ("dimensions", "truncate_prompt_tokens") if message.startswith(f)),
-                 "input")
+    param = next((f for f in ("dimensions", "truncate_prompt_tokens", "priority")
+                  if message.startswith(f)), "input")
     code = "context_length_exceeded" if "maximum context length" in message else "invalid_value"
     return OpenAIError(message.replace("prompt", "input", 1) if message.startswith("prompt")
                        else message, param=param, code=code)
@@ -96,7 +96,8 @@ class ServingEmbedding:
         lora = self.models.lora_request(model)
         if lora is not None:  # as offline embed(): else the base model's vectors, silently
             raise OpenAIError(f"`model` {model!r} is a LoRA adapter; /v1/embeddings does not "
-                              "apply LoRA adapters yet: ask for the base model",
+                              "apply LoRA adapters yet: ask for the base model "
+                              f"{self.models.default_name!r}",
                               param="model", code="unsupported_parameter")
         prompts = _engine_prompts(req.input)
         if not req.add_special_tokens and self.llm.tokenizer is not None:

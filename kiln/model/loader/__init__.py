@@ -39,6 +39,19 @@ def build_model(kiln_config: KilnConfig) -> nn.Module:
 
 
 def load_weights_into(model: nn.Module, kiln_config: KilnConfig) -> None:
+    try:
+        _load_weights_into(model, kiln_config)
+    except ConfigError as e:
+        overrides = kiln_config.model_config.hf_overrides
+        if not overrides:
+            raise
+        # the checkpoint fits its own config.json: the flag that changed it is the one to fix
+        raise ConfigError(f"{e} (--hf-overrides changed {sorted(overrides)} of the model's "
+                          "config: keys that change shapes, such as num_hidden_layers or "
+                          "vocab_size, must match the checkpoint's weights)") from None
+
+
+def _load_weights_into(model: nn.Module, kiln_config: KilnConfig) -> None:
     model_config = kiln_config.model_config
     load_format = kiln_config.load_config.load_format
     if load_format == "auto":
