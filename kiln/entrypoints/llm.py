@@ -10,54 +10,18 @@ import threading
 from collections.abc import Callable, Sequence
 
 from kiln.beam_search import BeamSearchOutput, BeamSearchParams
-from kiln.core.request_queue import check_priority
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.chat_messages import chat_messages, chat_render_kwargs
 from kiln.engine.input_processor import ProcessedPrompt, PromptType
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.vllm_flags import check_vllm_only_kwargs
+from kiln.entrypoints.llm_arguments import refuse_lora, request_priorities, unsupported
 from kiln.lora.frontend import per_prompt as lora_per_prompt
 from kiln.lora.frontend import with_lora, with_lora_request
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
 _DEFAULT_MAX_NUM_SEQS = EngineArgs.max_num_seqs
-
-
-def refuse_lora(lora_request, method: str) -> None:
-    # vLLM takes one LoRARequest or one per prompt; None (or a list of Nones) asks for none
-    if isinstance(lora_request, (list, tuple)) and all(r is None for r in lora_request):
-        return
-    if lora_request is not None:
-        raise ValueError(f"lora_request is not supported by LLM.{method}() yet; use "
-                         "generate() or chat() with it")
-
-
-def request_priorities(priority, num_prompts: int) -> list[int]:
-    """vLLM's `priority` (one int per prompt; None: all 0) as one per prompt. Lower is served
-    first under scheduling_policy="priority"; under the default fcfs it is accepted and ignored,
-    as vLLM V1 does (V0 refused a non-zero one)."""
-    if priority is None:
-        return [0] * num_prompts
-    if not isinstance(priority, (list, tuple)) or len(priority) != num_prompts:
-        raise ValueError(f"priority must be a list of one int per prompt ({num_prompts}), got "
-                         f"{priority!r}")
-    for i, p in enumerate(priority):
-        try:
-            check_priority(p)
-        except ValueError as e:
-            raise ValueError(f"priority[{i}]: {e}") from None
-    return list(priority)
-
-
-def _unsupported(method: str, why: str):
-    """vLLM's LLM methods that Kiln does not have: a call says so by name (not an
-    AttributeError that reads like a typo)."""
-    def refuse(self, *args, **kwargs):
-        raise ValueError(f"LLM.{method}() is not supported: {why}")
-    refuse.__name__ = method
-    refuse.__doc__ = f"vLLM's LLM.{method}(): refused ({why})."
-    return refuse
 
 
 _POOLING = ("Kiln's pooling runner embeds only (LLM(model, runner=\"pooling\").embed()); "
@@ -185,9 +149,9 @@ class LLM:
         return run_pooling(self, prompts, pooling_params, truncate_prompt_tokens, use_tqdm,
                            lora_request)
 
-    classify = _unsupported("classify", _POOLING)
-    score = _unsupported("score", _POOLING)
-    reward = _unsupported("reward", _POOLING)
+    classify = unsupported("classify", _POOLING)
+    score = unsupported("score", _POOLING)
+    reward = unsupported("reward", _POOLING)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -35,7 +35,7 @@ def run_pooling(llm, prompts, pooling_params, truncate_prompt_tokens, use_tqdm,
                 lora_request) -> list[PoolingRequestOutput]:
     """Pool every prompt; each output's data is the vector as its PoolingParams asked for it
     (dimensions, normalize; the engine's --pooler-config normalize by default)."""
-    from kiln.entrypoints.llm import refuse_lora
+    from kiln.entrypoints.llm_arguments import refuse_lora
 
     refuse_lora(lora_request, "embed() or encode")
     engine = llm.llm_engine
