@@ -10,39 +10,21 @@ from checkpoints import STORIES_DIR, hf_greedy, make_tiny_checkpoint, random_pro
 pytest_plugins = ["skip_gate"]
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama", tie=False)
+def _tiny_checkpoint_fixture(kind: str, tie: bool):
+    """A session fixture: the directory of a tiny random-weight `kind` checkpoint."""
+    @pytest.fixture(scope="session")
+    def directory(tmp_path_factory) -> Path:
+        return make_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny_{kind}"), kind, tie=tie)
+    return directory
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen2_dir(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", tie=True)
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_dir(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", tie=False)
-
-
-@pytest.fixture(scope="session")
-def tiny_phi3_dir(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_phi3"), "phi3", tie=False)
-
-
-@pytest.fixture(scope="session")
-def tiny_granite_dir(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_granite"), "granite", tie=True)
-
-
-@pytest.fixture(scope="session")
-def tiny_gemma_dir(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_gemma"), "gemma", tie=True)
-
-
-@pytest.fixture(scope="session")
-def tiny_olmo2_dir(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_olmo2"), "olmo2", tie=False)
+tiny_llama_dir = _tiny_checkpoint_fixture("llama", tie=False)
+tiny_qwen2_dir = _tiny_checkpoint_fixture("qwen2", tie=True)
+tiny_qwen3_dir = _tiny_checkpoint_fixture("qwen3", tie=False)
+tiny_phi3_dir = _tiny_checkpoint_fixture("phi3", tie=False)
+tiny_granite_dir = _tiny_checkpoint_fixture("granite", tie=True)
+tiny_gemma_dir = _tiny_checkpoint_fixture("gemma", tie=True)
+tiny_olmo2_dir = _tiny_checkpoint_fixture("olmo2", tie=False)
 
 
 @pytest.fixture(scope="module")
