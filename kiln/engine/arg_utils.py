@@ -247,11 +247,14 @@ class EngineArgs:
                 for op, providers in value.items():
                     argv += [flag, f"{op}={','.join(providers)}"]
             elif f.name in ("pooler_config", "override_pooler_config"):
-                argv += [flag, pooler_config_json(value, flag)]
+                continue  # merged into one --pooler-config after the loop
             elif isinstance(value, bool):  # store_true, or --no- of a BooleanOptionalAction
                 argv.append(flag if value else "--no-" + flag[2:])
             else:
                 argv += [flag, str(value)]
+        pooler = pooler_config_json(self.pooler_config, self.override_pooler_config)
+        if pooler is not None:
+            argv += ["--pooler-config", pooler]
         return argv
 
     @classmethod

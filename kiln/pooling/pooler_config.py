@@ -89,10 +89,13 @@ def _parse(spec, flag: str) -> dict:
     return out
 
 
-def pooler_config_json(spec, flag: str = "--pooler-config") -> str:
-    """A pooler config (JSON text, dict or PoolerConfig) as the flag's JSON, for a child
-    command line."""
-    return json.dumps(_parse(spec, flag))
+def pooler_config_json(pooler_config, override_pooler_config=None) -> str | None:
+    """Both pooler configs (JSON text, dict or PoolerConfig) merged as resolve_pooler_config
+    merges them, as one --pooler-config JSON for a child command line (the two flags share one
+    destination, so writing both would keep only the last); None when neither says anything."""
+    merged = {**_parse(override_pooler_config, "--override-pooler-config"),
+              **_parse(pooler_config, "--pooler-config")}
+    return json.dumps(merged) if merged else None
 
 
 def checkpoint_pooling(model_path: Path | None) -> dict:

@@ -27,7 +27,12 @@ NON_DEFAULT = dict(
     generation_config="vllm", max_logprobs=5, quantization="int8",
     ir_op_priority={"rms_norm": ["torch"], "linear": ["native", "torch"]},
     trust_remote_code=True, enable_chunked_prefill=True, kv_cache_dtype="auto",
-    tokenizer_mode="hf", swap_space=2.0, disable_log_stats=True, scheduling_policy="priority")
+    tokenizer_mode="hf", swap_space=2.0, disable_log_stats=True, scheduling_policy="priority",
+    hf_overrides={"rms_norm_eps": 1e-5}, runner="pooling", task="embed",
+    pooler_config='{"pooling_type": "MEAN", "normalize": false}',
+    override_pooler_config='{"pooling_type": "CLS", "normalize": true}',
+    speculative_config='{"method": "ngram", "num_speculative_tokens": 2}',
+    enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3)
 
 
 def test_engine_args_round_trip_through_the_cli():
@@ -40,8 +45,23 @@ def test_engine_args_round_trip_through_the_cli():
     back = EngineArgs.from_cli_args(parser.parse_args(argv))
     assert spec_to_dict(back.compilation_config) == {"mode": 3, "compile_sizes": [1, 8]}
     back.compilation_config = args.compilation_config
-    assert back == args
+    # JSON-valued fields come back in their canonical form: the speculative config with its
+    # defaults filled in, the two pooler configs (one flag destination) merged into one
+    assert back == dataclasses.replace(
+        args, speculative_config='{"method": "ngram", "num_speculative_tokens": 2, '
+                                 '"prompt_lookup_max": 5, "prompt_lookup_min": 5}',
+        pooler_config='{"pooling_type": "MEAN", "normalize": false}', override_pooler_config=None)
     assert EngineArgs().to_cli_args() == []
+
+
+def test_both_pooler_configs_reach_a_child_merged_as_the_engine_merges_them():
+    """--pooler-config and vLLM's older --override-pooler-config share one flag destination:
+    writing both into a child's command line kept the last (the older name's) whole."""
+    args = EngineArgs(model="/m", runner="pooling", pooler_config='{"pooling_type": "MEAN"}',
+                      override_pooler_config='{"pooling_type": "CLS", "normalize": false}')
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    back = EngineArgs.from_cli_args(parser.parse_args(args.to_cli_args()))
+    assert json.loads(back.pooler_config) == {"pooling_type": "MEAN", "normalize": False}
 
 
 def test_spec_to_dict_accepts_every_form():
