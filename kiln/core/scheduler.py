@@ -139,15 +139,16 @@ class Scheduler(Requeueing):
             index += 1
 
         # Then waiting ones in the queue's order; after a preemption the cache is too tight to
-        # admit. A request whose grammar is still compiling keeps its place but lets later ones by.
-        compiling: deque[Request] = deque()
+        # admit. A request whose grammar is still compiling, or whose LoRA adapter has no free
+        # slot, keeps its place but lets later ones by.
+        held: deque[Request] = deque()
         lora_starving = False  # one waited too long for a LoRA slot (kiln/lora/scheduling.py)
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and self.num_preemptions == preemptions_before):
             request = self.waiting.peek()
             grammar = request.structured_output_request
             if grammar is not None and not grammar.is_ready():
-                compiling.append(self.waiting.pop())
+                held.append(self.waiting.pop())
                 continue
             if grammar is not None and grammar.error is not None:
                 self.waiting.pop()
@@ -155,7 +156,7 @@ class Scheduler(Requeueing):
                 continue
             if not fits_lora_slots(request, self.running, self.max_loras, lora_starving):
                 lora_starving = lora_starving or starves(request)
-                compiling.append(self.waiting.pop())  # waits for a slot; others go by
+                held.append(self.waiting.pop())  # waits for a slot; others go by
                 continue
             if self._cannot_ever_fit(request):
                 self.waiting.pop()
@@ -181,7 +182,7 @@ class Scheduler(Requeueing):
                 lora_request=request.lora_request))
             num_scheduled[request.request_id] = num_new
             budget -= num_new
-        self.waiting.prepend_all(compiling)
+        self.waiting.prepend_all(held)
 
         for req_id, num_new in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += num_new
