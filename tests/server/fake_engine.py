@@ -189,3 +189,26 @@ class FakeEngine:
 
     def shutdown(self):
         self.shut_down = True
+
+
+class RecordingEngine(FakeEngine):
+    """Keeps the SamplingParams of the last request it was given (`.params`)."""
+
+    def add_processed_request(self, request_id, processed, arrival_time=None, *, priority=0):
+        self.params = processed.params
+        super().add_processed_request(request_id, processed, arrival_time, priority=priority)
+
+
+class TextWritingEngine(FakeEngine):
+    """Writes `text` as its first token, then stops (max_tokens 1: its one token ends it)."""
+
+    def __init__(self, text: str):
+        super().__init__(max_model_len=64)
+        self.text = text
+
+    def step(self):
+        outputs = super().step()
+        for out in outputs:
+            for o in out.outputs:
+                o.text, o.finish_reason = self.text, o.finish_reason and "stop"
+        return outputs

@@ -18,7 +18,7 @@ from kiln.entrypoints.openai.responses_tools import call_items
 from kiln.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from kiln.entrypoints.openai.tool_parsers.base import ToolCallStream
 
-from .fake_engine import FakeEngine
+from .fake_engine import FakeEngine, RecordingEngine, TextWritingEngine
 from .test_api_fake_engine import assert_error
 
 
@@ -168,19 +168,13 @@ def test_vllms_variable_turns_the_store_on(monkeypatch):
     assert not ResponseStore().enabled
 
 
-class _Recording(FakeEngine):
-    def add_processed_request(self, request_id, processed, arrival_time=None, *, priority=0):
-        self.params = processed.params
-        super().add_processed_request(request_id, processed, arrival_time, priority=priority)
-
-
 @pytest.mark.parametrize("parser, tool_choice, skip", [
     ("mistral", "auto", False), ("internlm", "auto", False), ("mistral", "none", True),
     ("hermes", "auto", True)])
 def test_special_call_markers_are_decoded_on_responses_too(parser, tool_choice, skip):
     """mistral's [TOOL_CALLS] and internlm's <|action_start|> are special tokens: /v1/responses
     skipped them (chat kept them), so no function_call item could ever be read."""
-    engine = _Recording(max_model_len=64)
+    engine = RecordingEngine(max_model_len=64)
     settings = ServerSettings(tool_call_parser=parser, enable_auto_tool_choice=True)
     with TestClient(build_app(AsyncLLM(engine), settings)) as c:
         r = c.post("/v1/responses", json=dict(
@@ -188,21 +182,6 @@ def test_special_call_markers_are_decoded_on_responses_too(parser, tool_choice, 
             tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}}]))
     assert r.status_code == 200, r.text
     assert engine.params.skip_special_tokens is skip
-
-
-class _Writes(FakeEngine):
-    """Writes `text` as its first token, then stops."""
-
-    def __init__(self, text: str):
-        super().__init__(max_model_len=64)
-        self.text = text
-
-    def step(self):
-        outputs = super().step()
-        for out in outputs:
-            for o in out.outputs:
-                o.text, o.finish_reason = self.text, o.finish_reason and "stop"
-        return outputs
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -214,7 +193,7 @@ def test_mistral_call_ids_are_ones_its_template_takes_back(stream):
     settings = ServerSettings(tool_call_parser="mistral", enable_auto_tool_choice=True)
     body = dict(input="x", max_output_tokens=1,
                 tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}}])
-    with TestClient(build_app(AsyncLLM(_Writes(text)), settings)) as c:
+    with TestClient(build_app(AsyncLLM(TextWritingEngine(text)), settings)) as c:
         if stream:
             with c.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
                 events = [json.loads(line[6:]) for line in r.iter_lines()

@@ -14,7 +14,7 @@ from kiln.engine.async_llm import AsyncLLM
 from kiln.engine.llm_engine import LLMEngine
 from kiln.entrypoints.openai.api_server import ServerSettings, build_app
 
-from .fake_engine import FakeEngine
+from .fake_engine import RecordingEngine, TextWritingEngine
 from .test_api_fake_engine import sse_events
 from .test_structured_server import MESSAGES, WEATHER, tiny_qwen_chat
 
@@ -87,12 +87,6 @@ def test_a_forced_answer_reads_as_vllm_parser_reads_it(name, model, inprocess_co
     assert all(ids)
 
 
-class _Recording(FakeEngine):
-    def add_processed_request(self, request_id, processed, arrival_time=None, *, priority=0):
-        self.params = processed.params
-        super().add_processed_request(request_id, processed, arrival_time, priority=priority)
-
-
 @pytest.mark.parametrize("parser, tool_choice, skip", [
     ("mistral", "auto", False), ("mistral", "none", True), ("internlm", "auto", False),
     ("hermes", "auto", True)])
@@ -100,7 +94,7 @@ def test_special_call_markers_are_decoded_under_auto(parser, tool_choice, skip):
     """mistral's [TOOL_CALLS] and internlm's <|action_start|> are special tokens: skipped, no
     call could ever be read (vLLM's adjust_request keeps special tokens where tools may be
     called)."""
-    engine = _Recording(max_model_len=64)
+    engine = RecordingEngine(max_model_len=64)
     settings = ServerSettings(tool_call_parser=parser, enable_auto_tool_choice=True)
     with TestClient(build_app(AsyncLLM(engine), settings)) as c:
         r = c.post("/v1/chat/completions", json=dict(
@@ -108,21 +102,6 @@ def test_special_call_markers_are_decoded_under_auto(parser, tool_choice, skip):
             tools=[WEATHER], tool_choice=tool_choice))
     assert r.status_code == 200, r.text
     assert engine.params.skip_special_tokens is skip
-
-
-class _Writes(FakeEngine):
-    """Writes `text` as its first token, then stops."""
-
-    def __init__(self, text: str):
-        super().__init__(max_model_len=64)
-        self.text = text
-
-    def step(self):
-        outputs = super().step()
-        for out in outputs:
-            for o in out.outputs:  # max_tokens 1: its one token ends it
-                o.text, o.finish_reason = self.text, o.finish_reason and "stop"
-        return outputs
 
 
 DEEP = "[" * 5000 + "]" * 5000  # past json.loads's recursion limit
@@ -140,7 +119,7 @@ def test_a_call_nested_past_the_json_reader_limit_is_content(parser, text, strea
     settings = ServerSettings(tool_call_parser=parser, enable_auto_tool_choice=True)
     body = dict(model="fake-model", messages=[{"role": "user", "content": "x"}], max_tokens=1,
                 tools=[WEATHER])
-    with TestClient(build_app(AsyncLLM(_Writes(text)), settings)) as c:
+    with TestClient(build_app(AsyncLLM(TextWritingEngine(text)), settings)) as c:
         if stream:
             events = sse_events(c, "/v1/chat/completions", {**body, "stream": True})
             assert "".join(ch["delta"].get("content") or "" for e in events
