@@ -35,6 +35,24 @@ def terminate(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
+def install_terminate() -> None:
+    """Make SIGTERM unwind the `kiln` command (`terminate`). A SystemExit that lands in a
+    finalizer is printed by CPython as "Exception ignored in ... Traceback" before it is lost;
+    `exit_if_stopped` replays it, so the unraisable hook keeps that one quiet."""
+    signal.signal(signal.SIGTERM, terminate)
+    previous = sys.unraisablehook
+    if getattr(previous, "quiets_lost_stop", False):  # main() runs again in one process (tests)
+        return
+
+    def quiet_lost_stop(unraisable) -> None:
+        if isinstance(unraisable.exc_value, SystemExit) and _stopped_by is not None:
+            return
+        previous(unraisable)
+
+    quiet_lost_stop.quiets_lost_stop = True
+    sys.unraisablehook = quiet_lost_stop
+
+
 def stopped_by() -> int | None:
     """The stop signal `terminate` took, if one came."""
     return _stopped_by

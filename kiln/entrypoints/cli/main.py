@@ -5,7 +5,6 @@ A subcommand is a module with `register(subparsers)` that sets `func`; add it to
 import argparse
 import importlib
 import re
-import signal
 import sys
 
 from kiln import process_signals
@@ -177,7 +176,7 @@ def with_flag(message: str, parser: argparse.ArgumentParser) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     # `kiln serve` hands SIGTERM to uvicorn once it serves.
-    signal.signal(signal.SIGTERM, process_signals.terminate)
+    process_signals.install_terminate()
     parser = None
     try:  # Ctrl-C may come during the imports too: no traceback then either
         argv = underscored_flags_dashed(sys.argv[1:] if argv is None else argv)
