@@ -93,9 +93,12 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"  # vLLM's: auto (the model's), float16, bfloat16, float32
+    fully_sharded_loras: bool = False  # refused when True (kiln/lora/config.py)
 
     def __post_init__(self):
         self.dtype = _dtype_name(self.dtype)  # so to_cli_args and == see the name too
+        self.lora_dtype = _dtype_name(self.lora_dtype)
 
     def _check_types(self) -> None:
         """A value of the wrong type names its argument (LLM(max_model_len="64") used to fail
@@ -112,6 +115,7 @@ class EngineArgs:
             return isinstance(value, kind)
 
         self.dtype = _dtype_name(self.dtype)  # (set after construction, too)
+        self.lora_dtype = _dtype_name(self.lora_dtype)
         check_hf_overrides(self.hf_overrides)  # vLLM's function form is named as such
         if self.max_num_seqs is None:
             # vLLM's None: its default (lm-eval's vllm backend passes max_num_seqs=None unless
@@ -219,7 +223,8 @@ class EngineArgs:
         from kiln.lora.config import LoRAConfig
 
         return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
-                          max_cpu_loras=self.max_cpu_loras)
+                          max_cpu_loras=self.max_cpu_loras, lora_dtype=self.lora_dtype,
+                          fully_sharded_loras=self.fully_sharded_loras)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

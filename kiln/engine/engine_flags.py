@@ -212,6 +212,13 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                    help="the largest LoRA rank (r) an adapter may have")
     g.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras,
                    help="LoRA adapters kept in host memory (default: --max-loras)")
+    g.add_argument("--lora-dtype", default=d.lora_dtype,
+                   choices=["auto", "float16", "bfloat16", "float32"],
+                   help="the dtype LoRA adapters are held and applied in (auto: the model's)")
+    g.add_argument("--fully-sharded-loras", action=argparse.BooleanOptionalAction,
+                   default=d.fully_sharded_loras,
+                   help="vLLM's fully sharded LoRA under tensor parallelism; not supported "
+                        "(Kiln shards each adapter weight on its layer's split dimension)")
     v = parser.add_argument_group(
         "vLLM flags with one meaning here (taken so commands carry over)",
         "vLLM flags Kiln has no counterpart for (--kv-cache-memory-bytes, "

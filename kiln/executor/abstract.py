@@ -5,6 +5,7 @@ Uniproc runs one worker in-process; multiprocess and Ray executors fan the same 
 from abc import ABC, abstractmethod
 
 from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kiln.lora.load_failure import raise_rank_failure
 
 
 class Executor(ABC):
@@ -82,6 +83,7 @@ class RankFanOutExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         replies = self._run_on_all("execute_model", scheduler_output)
+        raise_rank_failure(replies)  # an adapter the ranks could not read (kiln/lora/)
         return next(r for r in replies if r is not None)
 
     def comm_stats(self) -> dict:

@@ -10,6 +10,7 @@ import time
 from kiln import envs
 from kiln.distributed import comm_timing
 from kiln.logger import init_logger
+from kiln.lora.load_failure import LoRALoadError, LoRALoadFailure
 
 logger = init_logger(__name__)
 
@@ -70,7 +71,10 @@ class RankWorker:
             comm_timing.reset()
             self.unpickle_seconds = 0.0
             return None
-        result = getattr(self.worker, method)(*args)
+        try:
+            result = getattr(self.worker, method)(*args)
+        except LoRALoadError as e:  # every rank's (load_failure.py): the engine ends its requests
+            return LoRALoadFailure.of(e)
         if method == "execute_model" and not self.is_output_rank:
             return None  # the output rank's tokens are the step's; the others' are the same
         return result

@@ -13,12 +13,14 @@ def _lora_add_ref(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor,
     (B^T, scaling folded in; a fused layer's slices as a block-diagonal R), indices int64 [T]
     (slot of each token's adapter, -1: none) -> base + (x @ A_s^T) @ B_s^T per token, s its
     slot. Written as two dense matmuls over every slot with the other slots' columns masked
-    out: no data-dependent shapes, nothing to break a trace."""
+    out: no data-dependent shapes, nothing to break a trace. The adapters' dtype
+    (--lora-dtype) may differ from the model's: the delta is computed in theirs."""
     slots, rank, fan_in = lora_a.shape
-    xa = x @ lora_a.reshape(slots * rank, fan_in).t()  # [T, S*R]
+    xa = x.to(lora_a.dtype) @ lora_a.reshape(slots * rank, fan_in).t()  # [T, S*R]
     column_slot = torch.arange(slots * rank, device=x.device) // rank
     mask = (indices.unsqueeze(1) == column_slot.unsqueeze(0)).to(xa.dtype)
-    return base + (xa * mask) @ lora_b.reshape(slots * rank, lora_b.shape[-1])
+    delta = (xa * mask) @ lora_b.reshape(slots * rank, lora_b.shape[-1])  # [T, out]
+    return base + delta.to(base.dtype)
 
 
 def _lora_add_fake(x, base, lora_a, lora_b, indices):

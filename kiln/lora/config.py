@@ -1,8 +1,12 @@
-"""`LoRAConfig`: vLLM's LoRA engine knobs (--max-loras, --max-lora-rank, --max-cpu-loras),
-checked where the engine is configured, naming the flag."""
+"""`LoRAConfig`: vLLM's LoRA engine knobs (--max-loras, --max-lora-rank, --max-cpu-loras,
+--lora-dtype, --fully-sharded-loras), checked where the engine is configured, naming the flag."""
 from dataclasses import dataclass
 
+import torch
+
 from kiln.errors import ConfigError
+
+LORA_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -10,6 +14,8 @@ class LoRAConfig:
     max_loras: int = 1  # adapters a batch may use at once (GPU slots)
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept loaded in host memory; None: max_loras
+    lora_dtype: str = "auto"  # the dtype adapters are held in; auto: the model's
+    fully_sharded_loras: bool = False
 
     def __post_init__(self):
         for flag, value in (("--max-loras", self.max_loras),
@@ -21,13 +27,25 @@ class LoRAConfig:
                                 or cpu < self.max_loras):
             raise ConfigError(f"--max-cpu-loras ({cpu!r}) must be an int >= --max-loras "
                               f"({self.max_loras})")
+        if self.lora_dtype != "auto" and self.lora_dtype not in LORA_DTYPES:
+            raise ConfigError(f"--lora-dtype must be auto, {', '.join(LORA_DTYPES)}; got "
+                              f"{self.lora_dtype!r}")
+        if self.fully_sharded_loras:
+            raise ConfigError("--fully-sharded-loras is not supported: Kiln shards only the "
+                              "LoRA weight on the layer's split dimension (B of column-parallel "
+                              "layers, A of row-parallel ones) and keeps the other whole on "
+                              "every rank; drop the flag (the outputs are the same)")
 
     @property
     def cpu_capacity(self) -> int:
         return self.max_cpu_loras or self.max_loras
 
+    def torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype adapters are held and applied in (vLLM's: auto is the model's)."""
+        return model_dtype if self.lora_dtype == "auto" else LORA_DTYPES[self.lora_dtype]
+
     def check_parallel(self, parallel_config) -> None:
-        if parallel_config.tensor_parallel_size > 1 or parallel_config.pipeline_parallel_size > 1:
-            raise ConfigError("--enable-lora is not supported with --tensor-parallel-size or "
-                              "--pipeline-parallel-size above 1 yet: serve LoRA adapters on one "
-                              "rank, or merge the adapter into the weights")
+        if parallel_config.pipeline_parallel_size > 1:
+            raise ConfigError("--enable-lora is not supported with --pipeline-parallel-size "
+                              "above 1 yet: serve LoRA adapters with --tensor-parallel-size "
+                              "alone, or merge the adapter into the weights")

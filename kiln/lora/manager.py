@@ -8,7 +8,7 @@ import torch
 from kiln.errors import ConfigError
 from kiln.lora import layers as lora_layers
 from kiln.lora.adapter import LoRAAdapter, load_adapter
-from kiln.lora.load_failure import LoRALoadError
+from kiln.lora.load_failure import LoRALoadError, agree_on_failure
 
 
 class LoRAManager:
@@ -36,6 +36,26 @@ class LoRAManager:
             self.host.popitem(last=False)
         return adapter
 
+    def _read_new(self, loras: list) -> None:
+        """Host copies of the step's adapters that hold no slot, read before any slot changes;
+        under tensor parallelism the ranks agree whether all read, so a rank that could not
+        raises with the others (rather than leave them waiting in the forward's all-reduce)
+        and every rank's slots stay the same (whether a step reads is decided by them)."""
+        new = {lora.lora_int_id: lora for lora in loras
+               if lora is not None and lora.lora_int_id not in self.slots}
+        if not new:
+            return
+        failure = None
+        for lora in new.values():
+            try:
+                self._host_adapter(lora)
+            except LoRALoadError as e:
+                failure = e if failure is None or e.lora_int_id > failure.lora_int_id else failure
+        failure = agree_on_failure(failure, self.indices.device)
+        if failure is not None:
+            self.host.pop(failure.lora_int_id, None)
+            raise failure
+
     def _slot_for(self, lora, needed: set[int]) -> int:
         if lora.lora_int_id in self.slots:
             return self.slots.index(lora.lora_int_id)
@@ -56,6 +76,7 @@ class LoRAManager:
         """Slots for this step's adapters (one LoRARequest or None per scheduled request, in
         batch order) and the per-token slot index; padding tokens get -1."""
         self._step += 1
+        self._read_new(loras)
         needed = {lora.lora_int_id for lora in loras if lora is not None}
         per_request = []
         for lora in loras:
@@ -78,4 +99,5 @@ def attach_lora(model, kiln_config, max_num_tokens: int, device) -> LoRAManager 
     if config is None:
         return None
     return LoRAManager(model, config, kiln_config.model_config.hf_config, max_num_tokens,
-                       torch.device(device), kiln_config.model_config.torch_dtype)
+                       torch.device(device),
+                       config.torch_dtype(kiln_config.model_config.torch_dtype))

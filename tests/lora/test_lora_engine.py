@@ -93,12 +93,15 @@ def test_lora_request_without_enable_lora_is_refused_by_name(lora_setup):
     llm.shutdown()
 
 
-def test_tensor_parallel_is_refused_clearly(lora_setup):
+def test_pipeline_parallel_and_fully_sharded_are_refused_clearly(lora_setup):
     from kiln.engine.arg_utils import EngineArgs
 
-    with pytest.raises(ValueError, match="--enable-lora.*--tensor-parallel-size"):
-        EngineArgs(model=str(lora_setup["base"]), enable_lora=True, tensor_parallel_size=2,
+    with pytest.raises(ValueError, match="--enable-lora.*--pipeline-parallel-size"):
+        EngineArgs(model=str(lora_setup["base"]), enable_lora=True, pipeline_parallel_size=2,
                    distributed_executor_backend="mp").create_kiln_config()
+    with pytest.raises(ValueError, match="--fully-sharded-loras is not supported"):
+        EngineArgs(model=str(lora_setup["base"]), enable_lora=True,
+                   fully_sharded_loras=True).create_kiln_config()
 
 
 def test_adapter_deleted_after_the_check_ends_only_its_requests(lora_setup, tmp_path):

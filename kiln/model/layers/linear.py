@@ -137,8 +137,12 @@ class RowParallelLinear(LinearBase):
     def _forward_bias(self) -> torch.Tensor | None:
         return self.bias if self.tp_rank == 0 else None  # the bias is added once, on rank 0
 
+    def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, hidden]: this rank's share of the output (LoRA adds its share here too)."""
+        return super().forward(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)  # [T, hidden], this rank's partial sum
+        out = self.partial_sum(x)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
 
