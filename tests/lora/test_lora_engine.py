@@ -2,6 +2,7 @@
 a batch mixing the base model and two adapters, max_loras=1 with two adapters (the scheduler
 keeps a batch within the slots), prefix caching kept apart per adapter, mode 3, refusals."""
 import pytest
+import torch
 from lora_adapters import token_logprobs
 
 from kiln.entrypoints.llm import LLM
@@ -205,3 +206,19 @@ def test_engine_add_request_and_async_generate_take_lora_request(lora_setup):
             llm.shutdown()
 
     assert asyncio.run(run()) == lora_setup["refs"]["a1"][0]
+
+
+def test_lora_dtype_holds_adapters_in_that_dtype(lora_setup):
+    """vLLM's --lora-dtype: a float32 model with bfloat16 adapters (the delta is computed in
+    theirs and added in the model's); logprobs stay near HF's on the merged float32 weights."""
+    llm = LLM(str(lora_setup["base"]), enforce_eager=True, enable_lora=True, max_lora_rank=8,
+              max_model_len=128, lora_dtype="bfloat16")
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    layer = next(iter(runner.lora_manager.layers.values()))
+    assert layer.lora_a.dtype == layer.lora_b.dtype == torch.bfloat16
+    prompt, a2 = lora_setup["prompts"][0], lora_setup["loras"]["a2"]
+    out = _run(llm, [prompt], a2, logprobs=0)[0].outputs[0]
+    got = [next(iter(step.values())).logprob for step in out.logprobs]
+    want = token_logprobs(lora_setup["models"]["a2"], prompt, list(out.token_ids))
+    assert got == pytest.approx(want, abs=0.05)
+    llm.shutdown()

@@ -4,6 +4,7 @@ flags' own checks."""
 import json
 
 import pytest
+import torch
 from lora_adapters import write_adapter
 
 from kiln.errors import ConfigError
@@ -94,9 +95,16 @@ def test_cli_flags_reach_the_engine_and_lm_eval_rank_is_harmless():
 
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     args = EngineArgs.from_cli_args(parser.parse_args(
-        ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "32", "--max-cpu-loras", "4"]))
-    assert args.lora_config() == LoRAConfig(max_loras=3, max_lora_rank=32, max_cpu_loras=4)
+        ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "32", "--max-cpu-loras", "4",
+         "--lora-dtype", "bfloat16", "--no-fully-sharded-loras"]))
+    assert args.lora_config() == LoRAConfig(max_loras=3, max_lora_rank=32, max_cpu_loras=4,
+                                            lora_dtype="bfloat16")
     assert EngineArgs.from_cli_args(parser.parse_args(args.to_cli_args())) == args
+    # vLLM takes a torch.dtype too; a name outside vLLM's is refused by the flag
+    assert EngineArgs(enable_lora=True, lora_dtype=torch.float16).lora_config().lora_dtype == \
+        "float16"
+    with pytest.raises(ConfigError, match="--lora-dtype"):
+        EngineArgs(enable_lora=True, lora_dtype="int8").lora_config()
     # lm-eval's vllm backend passes max_lora_rank=16 with enable_lora False: no LoRA
     assert EngineArgs(max_lora_rank=16).lora_config() is None
 
