@@ -24,7 +24,7 @@ from kiln.core.request_progress import grammar_error_output, step_output, unsche
 from kiln.core.request_queue import WaitingQueue, order_key
 from kiln.core.requeueing import Requeueing
 from kiln.core.stats import SchedulerStats, spec_decode_stats
-from kiln.lora.scheduling import fits_lora_slots, starves
+from kiln.lora.scheduling import fits_lora_slots, lora_stats, starves
 from kiln.spec_decode.scheduling import SpecDecodeScheduling
 from kiln.structured_output.manager import StructuredOutputManager
 
@@ -247,7 +247,8 @@ class Scheduler(Requeueing):
             kv_cache_usage=kv.usage(), num_free_blocks=kv.num_free_blocks,
             num_total_blocks=kv.num_blocks, prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits, num_preemptions=self.num_preemptions,
-            **spec_decode_stats(self.spec_decode))
+            **spec_decode_stats(self.spec_decode),
+            **({} if self.max_loras is None else lora_stats(self.running, self.waiting)))
 
     # ---- helpers ------------------------------------------------------------------------------
     def _key(self, request: Request) -> tuple:

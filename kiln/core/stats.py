@@ -20,6 +20,9 @@ class SchedulerStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # vLLM's lora_requests_info: the adapters (names) of running / waiting requests
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

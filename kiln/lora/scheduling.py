@@ -27,3 +27,14 @@ def starves(request) -> bool:
     """Count a step `request` waits for a slot; True once it has waited STARVATION_STEPS."""
     request.lora_slot_waits = getattr(request, "lora_slot_waits", 0) + 1
     return request.lora_slot_waits >= STARVATION_STEPS
+
+
+def adapter_names(requests) -> list[str]:
+    """The adapters `requests` use, by name, each once, sorted."""
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
+
+
+def lora_stats(running, waiting) -> dict:
+    """SchedulerStats' running_lora_adapters / waiting_lora_adapters."""
+    return {"running_lora_adapters": adapter_names(running),
+            "waiting_lora_adapters": adapter_names(waiting)}

@@ -189,6 +189,12 @@ def test_engine_add_request_and_async_generate_take_lora_request(lora_setup):
     prompt = {"prompt_token_ids": lora_setup["prompts"][0]}
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     engine.add_request("r", prompt, params, lora_request=lora_setup["loras"]["a2"])
+    # vLLM's lora_requests_info labels (kiln:lora_requests_info on /metrics)
+    stats = engine.get_stats()
+    assert (stats["waiting_lora_adapters"], stats["running_lora_adapters"]) == (["a2"], [])
+    engine.step()
+    stats = engine.get_stats()
+    assert (stats["waiting_lora_adapters"], stats["running_lora_adapters"]) == ([], ["a2"])
     finished = []
     while engine.has_unfinished_requests():
         finished += [o for o in engine.step() if o.finished]

@@ -97,3 +97,30 @@ def test_embeddings_with_an_adapter_name_are_refused_not_base_vectors(lora_setup
         assert client.post("/v1/embeddings", json=dict(model="m", input="w5 w6")).status_code == 200
         r = client.post("/v1/embeddings", json=dict(model="sql", input="w5 w6"))
         assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+
+
+def test_lora_requests_info_on_metrics(served):
+    """vLLM's vllm:lora_requests_info (kiln: for vllm:): the adapters in use as labels, the
+    time as the value; a series whose adapters changed is replaced, not kept."""
+    import time
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kiln.entrypoints.openai.metrics import ServerMetrics
+
+    client = served[0]
+
+    def series(text):
+        return [(s.labels, s.value) for f in text_string_to_metric_families(text)
+                for s in f.samples if s.name == "kiln:lora_requests_info"]
+
+    (labels, value), = series(client.get("/metrics").text)
+    assert labels == {"max_lora": "1", "waiting_lora_adapters": "",
+                      "running_lora_adapters": ""}
+    assert abs(value - time.time()) < 3600  # a timestamp (seconds), as vLLM's
+    metrics = ServerMetrics("m", log_interval=None, max_lora=2)
+    metrics.update_gauges({"running_lora_adapters": ["a", "b"], "waiting_lora_adapters": ["c"]})
+    metrics.update_gauges({"running_lora_adapters": ["a"], "waiting_lora_adapters": []})
+    (labels, _), = series(metrics.render().decode())
+    assert labels == {"max_lora": "2", "waiting_lora_adapters": "", "running_lora_adapters": "a"}
+    assert series(ServerMetrics("m", log_interval=None).render().decode()) == []  # no LoRA

@@ -61,7 +61,9 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
                                 "num_gpu_blocks": llm.num_blocks,
                                 "enable_prefix_caching": cache.enable_prefix_caching,
                                 "kv_cache_memory": cache.kv_cache_memory,
-                                "gpu_memory_utilization": cache.gpu_memory_utilization})
+                                "gpu_memory_utilization": cache.gpu_memory_utilization},
+                            max_lora=getattr(getattr(llm.kiln_config, "lora_config", None),
+                                             "max_loras", None))
     llm.stat_loggers.append(metrics)
     defaults = RequestDefaults(settings.default_chat_template_kwargs,
                                settings.return_tokens_as_token_ids,

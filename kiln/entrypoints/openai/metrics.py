@@ -92,9 +92,10 @@ class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, model_name: str, log_interval: float | None = 5.0,
-                 cache_info: dict | None = None):
+                 cache_info: dict | None = None, max_lora: int | None = None):
         """`log_interval`: seconds between stats log lines while busy; None: no log lines.
-        `cache_info`: the KV cache's settings, exposed as kiln:cache_config_info labels."""
+        `cache_info`: the KV cache's settings, exposed as kiln:cache_config_info labels.
+        `max_lora`: --max-loras under --enable-lora (kiln:lora_requests_info); None: off."""
         self.stats_log = LoggingStatLogger(log_interval) if log_interval else None
         self.registry = CollectorRegistry()
         labels = ["model_name"]
@@ -134,6 +135,12 @@ class ServerMetrics:
         # One observation per value of the IterationStats field each is keyed by.
         self.histograms = {field: histogram(name, doc, buckets)
                            for field, (name, doc, buckets) in _HISTOGRAMS.items()}
+        # vLLM's vllm:lora_requests_info: the adapters in use as labels, the time they were
+        # seen as the value (readers take the newest series); only the current series is kept
+        self.lora_info = None if max_lora is None else Gauge(
+            "kiln:lora_requests_info", "Running stats on lora requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=reg)
+        self._max_lora, self._lora_labels = str(max_lora), None
         if cache_info:
             Gauge("kiln:cache_config_info", "The KV cache's settings", sorted(cache_info),
                   registry=reg).labels(**{k: str(v) for k, v in cache_info.items()}).set(1)
@@ -162,12 +169,22 @@ class ServerMetrics:
             if total is not None and total > self._seen_totals[key]:
                 counter.inc(total - self._seen_totals[key])
                 self._seen_totals[key] = total
+        if self.lora_info is not None and "running_lora_adapters" in engine_stats:
+            self._set_lora_info(engine_stats)
         for pos, total in enumerate(engine_stats.get("spec_decode_num_accepted_tokens_per_pos")
                                     or ()):
             seen = self._seen_per_pos.get(pos, 0)
             if total > seen:
                 self.accepted_per_pos.labels(position=str(pos), **self._label).inc(total - seen)
                 self._seen_per_pos[pos] = total
+
+    def _set_lora_info(self, engine_stats: dict) -> None:
+        labels = (self._max_lora, ",".join(engine_stats["waiting_lora_adapters"]),
+                  ",".join(engine_stats["running_lora_adapters"]))
+        if self._lora_labels not in (None, labels):
+            self.lora_info.remove(*self._lora_labels)
+        self._lora_labels = labels
+        self.lora_info.labels(*labels).set_to_current_time()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
