@@ -1,10 +1,14 @@
 """The IR's LoRA op, `kiln::lora_add`: a linear layer's output plus each token's adapter delta,
 punica-style: every adapter slot stacked in one tensor and a per-token slot index, both runtime
 inputs, so one compiled graph serves any mix of adapters (kiln/lora/).
+
+Providers: the torch reference (every slot for every token, trace-friendly) and, on CPU, a
+by-slot kernel (`native`) that computes only the slots the batch uses, tokens grouped by slot.
 """
 import torch
 
-from kiln.ir.op import define
+from kiln.custom_ops import register_op
+from kiln.ir.op import Implementation, define
 
 
 def _lora_add_ref(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor,
@@ -23,6 +27,28 @@ def _lora_add_ref(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor,
     return base + delta.to(base.dtype)
 
 
+def _lora_add_by_slot(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor,
+                      lora_b: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """The reference's result with work for the slots present only: per slot some token
+    uses, its tokens' rows through that slot's A and B (the slots present are read on the
+    host: an opaque op in a graph, CPU only, where that read costs nothing)."""
+    used = torch.unique(indices).tolist()  # sorted: -1 (no adapter) first
+    adapters = [s for s in used if s >= 0]
+    if not adapters:
+        return base.clone()
+    if len(used) == 1:  # every token under one adapter: no gather
+        slot = adapters[0]
+        delta = (x.to(lora_a.dtype) @ lora_a[slot].t()) @ lora_b[slot]  # [T, out]
+        return base + delta.to(base.dtype)
+    out = base.clone()
+    for slot in adapters:
+        rows = (indices == slot).nonzero().squeeze(1)
+        xs = x.index_select(0, rows).to(lora_a.dtype)  # [T_s, in]
+        delta = (xs @ lora_a[slot].t()) @ lora_b[slot]  # [T_s, out]
+        out.index_add_(0, rows, delta.to(out.dtype))
+    return out
+
+
 def _lora_add_fake(x, base, lora_a, lora_b, indices):
     return torch.empty_like(base)
 
@@ -35,6 +61,9 @@ def _examples(dtype: torch.dtype, device: str):
             torch.tensor([0, -1], device=device))
 
 
-lora_add = define(
-    "lora_add", "(Tensor x, Tensor base, Tensor lora_a, Tensor lora_b, Tensor indices) -> Tensor",
-    _lora_add_ref, _lora_add_fake, _examples)
+_SCHEMA = "(Tensor x, Tensor base, Tensor lora_a, Tensor lora_b, Tensor indices) -> Tensor"
+lora_add = define("lora_add", _SCHEMA, _lora_add_ref, _lora_add_fake, _examples)
+register_op("lora_add_by_slot", _SCHEMA, _lora_add_by_slot, _lora_add_fake)
+lora_add.register(Implementation(
+    "native", _lora_add_by_slot, lambda x, *args: x.device.type == "cpu",
+    graph_op=torch.ops.kiln.lora_add_by_slot.default))

@@ -61,7 +61,8 @@ def test_cold_run_reports_pieces_shapes_and_compiles(cold, cache_dir):
                    "silu_and_mul": "native", "unified_attention": "native",
                    # Gemma / OLMo-2's ops: the torch reference only
                    "rms_norm_f32_scale": "torch", "fused_add_rms_norm_f32_scale": "torch",
-                   "gelu_tanh_and_mul": "torch", "lora_add": "torch"}
+                   "gelu_tanh_and_mul": "torch",
+                   "lora_add": "native"}  # the by-slot provider (kiln/ir/lora.py)
     # quant, two GEMMs, the GEMM + SiLU + quant, three norm or activation + quant
     assert len(int8) == 7 and set(int8.values()) == {"native" if int8_ops.isa() else "torch"}
     assert cold["pieces"] == {"total": 2 * n + 1, "compiled": n + 1, "graphs": 1}
