@@ -3,7 +3,7 @@ punica-style: every adapter slot stacked in one tensor and a per-token slot inde
 inputs, so one compiled graph serves any mix of adapters (kiln/lora/).
 
 Providers: the torch reference (every slot for every token, trace-friendly) and, on CPU, a
-by-slot kernel (`native`) that computes only the slots the batch uses, tokens grouped by slot.
+by-slot kernel (`native`) that computes only the slots the batch uses.
 """
 import torch
 
@@ -29,24 +29,22 @@ def _lora_add_ref(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor,
 
 def _lora_add_by_slot(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor,
                       lora_b: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """The reference's result with work for the slots present only: per slot some token
-    uses, its tokens' rows through that slot's A and B (the slots present are read on the
-    host: an opaque op in a graph, CPU only, where that read costs nothing)."""
+    """The reference's result with work for the slots present only: per slot some token uses,
+    x through its A (a view: no copy of the weights), masked to its tokens, through its B
+    into one delta (the slots present are read on the host: an opaque op in a graph, CPU
+    only, where that read costs nothing)."""
     used = torch.unique(indices).tolist()  # sorted: -1 (no adapter) first
-    adapters = [s for s in used if s >= 0]
-    if not adapters:
+    slots = [s for s in used if s >= 0]
+    if not slots:
         return base.clone()
-    if len(used) == 1:  # every token under one adapter: no gather
-        slot = adapters[0]
-        delta = (x.to(lora_a.dtype) @ lora_a[slot].t()) @ lora_b[slot]  # [T, out]
-        return base + delta.to(base.dtype)
-    out = base.clone()
-    for slot in adapters:
-        rows = (indices == slot).nonzero().squeeze(1)
-        xs = x.index_select(0, rows).to(lora_a.dtype)  # [T_s, in]
-        delta = (xs @ lora_a[slot].t()) @ lora_b[slot]  # [T_s, out]
-        out.index_add_(0, rows, delta.to(out.dtype))
-    return out
+    xin = x.to(lora_a.dtype)
+    delta = None  # [T, out]
+    for slot in slots:
+        xa = xin @ lora_a[slot].t()  # [T, R]
+        if len(used) > 1:  # other tokens' rows to zero (none to mask when one slot is all)
+            xa = xa * (indices == slot).unsqueeze(1).to(xa.dtype)
+        delta = xa @ lora_b[slot] if delta is None else delta.addmm_(xa, lora_b[slot])
+    return base + delta.to(base.dtype)
 
 
 def _lora_add_fake(x, base, lora_a, lora_b, indices):
