@@ -100,11 +100,19 @@ def test_stops_and_max_tokens_inside_an_accepted_run(engines):
     words = list(dict.fromkeys(full.text.split()))[:8]
     stops += [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[w])
               for w in words]
+    # three words from each place: some end inside a step's accepted drafts, which they cut
+    ws = full.text.split()
+    stops += [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[w])
+              for w in dict.fromkeys(" ".join(ws[i:i + 3]) for i in range(len(ws) - 2))]
+    generated = spec.llm_engine.get_stats()["generation_tokens_total"]
     got = generate(spec, [prompt] * len(stops), stops)
     want = generate(base, [prompt] * len(stops), stops)
     for g, w, p in zip(got, want, stops):
         assert (list(g.token_ids), g.text, g.finish_reason, g.stop_reason) == \
             (list(w.token_ids), w.text, w.finish_reason, w.stop_reason), p
+    # only the tokens emitted count: not those of a run a stop string cut
+    assert spec.llm_engine.get_stats()["generation_tokens_total"] - generated == \
+        sum(len(g.token_ids) for g in got)
 
 
 def test_seeded_sampling_repeats_and_accepts_drafts(engines):
