@@ -114,7 +114,7 @@ class LLMEngine(EngineTokenStats, EngineVllmViews):
         # (vLLM's iteration_tokens_total observes one value per such step).
         self.last_step_tokens: list[int] = []
         # do_log_stats()'s window: since when, and the totals then (engine_vllm_views.py)
-        self._last_logged = (time.monotonic(), 0, 0, 0, 0)
+        self._last_logged = (time.monotonic(), 0, 0, 0, 0, None)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, served: bool = False) -> "LLMEngine":
