@@ -316,6 +316,18 @@ def test_engine_death_while_streaming_is_the_same_error_in_band():
         assert r.text.rstrip().endswith("data: [DONE]")
 
 
+def test_a_request_after_shutdown_began_is_503_shutting_down_not_engine_dead():
+    """A deliberate stop has its own code (the shutdown gate's), apart from a crash's, so a
+    client can tell them apart: both were engine_dead."""
+    llm = AsyncLLM(FakeEngine(step_delay=0.01))
+    with TestClient(build_app(llm, ServerSettings())) as c:
+        c.portal.call(llm.abort_all, "the server is shutting down")  # on the app's loop
+        for stream in (False, True):
+            r = c.post("/v1/completions", json=dict(prompt="x", max_tokens=5, stream=stream))
+            err = assert_error(r, 503, None, "server_shutting_down")
+            assert "shutting down" in err["message"]
+
+
 def test_a_request_racing_the_engines_death_is_503(monkeypatch):
     """The core (or a rank) died before the watcher told the server: the request's own add
     found it, and its error was a 500."""
