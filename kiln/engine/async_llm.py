@@ -10,7 +10,11 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from kiln.core.request_queue import check_priority
-from kiln.engine.async_llm_lifecycle import AsyncLLMLifecycle, EngineDeadError
+from kiln.engine.async_llm_lifecycle import (  # noqa: F401 (EngineShutdownError re-exported)
+    AsyncLLMLifecycle,
+    EngineDeadError,
+    EngineShutdownError,
+)
 from kiln.engine.frontend_lanes import FrontendLanes
 from kiln.engine.in_flight_streams import InFlightStreams
 from kiln.engine.request_stats import IterationStats, StatLogger

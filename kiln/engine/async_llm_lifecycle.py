@@ -1,5 +1,6 @@
-"""`AsyncLLM`'s life's end: the engine dying (its step loop failed, its core process died) or
-shutting down, which ends every in-flight stream with `EngineDeadError` and refuses later requests.
+"""`AsyncLLM`'s life's end: the engine dying (its step loop failed, its core process died),
+which fails every in-flight stream with `EngineDeadError`, or shutting down, which ends them as
+aborted (finish_reason "abort", as vLLM's); later requests are refused either way.
 """
 import asyncio
 import time
@@ -8,6 +9,11 @@ import time
 class EngineDeadError(RuntimeError):
     """The step loop raised, the core process died, or the engine shut down; in-flight and
     later requests get this."""
+
+
+class EngineShutdownError(EngineDeadError):
+    """The engine is shutting down (or shut down) on purpose: later requests get this, so a
+    client can tell a deliberate stop (retry elsewhere) from a crash."""
 
 
 class AsyncLLMLifecycle:
@@ -37,21 +43,20 @@ class AsyncLLMLifecycle:
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop failed: {self._dead!r}; restart the server")
         if self._closed:
-            raise EngineDeadError("the engine is shut down")
+            raise EngineShutdownError("the engine is shut down")
         if self._refusing is not None:
-            raise EngineDeadError(self._refusing)
+            raise EngineShutdownError(self._refusing)
 
     async def abort_all(self, reason: str) -> int:
-        """Abort every in-flight request, each stream failing with EngineDeadError(reason) so
-        its handler reports it in-band, and refuse later requests with the same reason.
-        Returns how many were aborted."""
+        """Abort every in-flight request, as vLLM's engine does at shutdown: each stream ends
+        with what it generated and finish_reason "abort" (a crash fails them with an error
+        instead); later requests are refused with EngineShutdownError(reason). Returns how
+        many were aborted."""
         self._refusing = reason
         if self._dead is not None or self._closed or not self._streams:
             return 0
         streams = list(self._streams.values())
-        await self.abort([s.request_id for s in streams], end_streams=False)
-        for stream in streams:
-            stream.put_error(EngineDeadError(reason))
+        await self.abort([s.request_id for s in streams])
         return len(streams)
 
     async def shutdown(self, drain_timeout: float = 0.0) -> None:

@@ -40,17 +40,24 @@ class EngineVllmViews:
 
     def do_log_stats(self) -> None:
         """vLLM's: one stats line (throughput since the last call, running / waiting, KV cache
-        usage, prefix hit rate), the line kiln serve logs while busy."""
+        usage, prefix hit rate), the line kiln serve logs while busy; and the SpecDecoding line
+        after it where speculation drafted since the last call."""
         from kiln.engine.request_stats import format_stats_line
         from kiln.logger import init_logger
+        from kiln.spec_decode.stats_log import spec_decoding_line, spec_totals
 
         stats, now = self.get_stats(), time.monotonic()
-        since, prompt, generation, queries, hits = self._last_logged
+        since, prompt, generation, queries, hits, spec = self._last_logged
         elapsed = now - since
         d_queries = stats["prefix_cache_queries"] - queries
-        init_logger(__name__).info(format_stats_line(
+        log = init_logger(__name__).info
+        log(format_stats_line(
             (stats["prompt_tokens_total"] - prompt) / elapsed if elapsed > 0 else 0.0,
             (stats["generation_tokens_total"] - generation) / elapsed if elapsed > 0 else 0.0,
             stats, (stats["prefix_cache_hits"] - hits) / d_queries if d_queries > 0 else 0.0))
+        spec_now = spec_totals(stats)
+        spec_line = spec_decoding_line(spec_now, spec, elapsed)
+        if spec_line is not None:
+            log(spec_line)
         self._last_logged = (now, stats["prompt_tokens_total"], stats["generation_tokens_total"],
-                             stats["prefix_cache_queries"], stats["prefix_cache_hits"])
+                             stats["prefix_cache_queries"], stats["prefix_cache_hits"], spec_now)

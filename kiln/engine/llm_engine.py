@@ -114,7 +114,7 @@ class LLMEngine(EngineTokenStats, EngineVllmViews):
         # (vLLM's iteration_tokens_total observes one value per such step).
         self.last_step_tokens: list[int] = []
         # do_log_stats()'s window: since when, and the totals then (engine_vllm_views.py)
-        self._last_logged = (time.monotonic(), 0, 0, 0, 0)
+        self._last_logged = (time.monotonic(), 0, 0, 0, 0, None)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, served: bool = False) -> "LLMEngine":
@@ -256,9 +256,9 @@ class LLMEngine(EngineTokenStats, EngineVllmViews):
         if not core.has_unfinished_requests():
             return []
         steps = core.step()
-        self.last_step_tokens = self._count_tokens(steps)
         core_outputs = [out for outputs in steps for out in outputs]
         processed = self.output_processor.process_outputs(core_outputs)
+        self.last_step_tokens = self._count_tokens(steps, processed.seen_tokens)
         if processed.reqs_to_finish:
             # Stop strings are found here, not in the core: release those requests' blocks now.
             core.finish_requests(processed.reqs_to_finish, RequestStatus.FINISHED_STOPPED)

@@ -24,6 +24,16 @@ def to_logprob_dict(lists: LogprobsLists, decode) -> dict[int, Logprob]:
     return out
 
 
+def _seen_tokens(state, out: EngineCoreOutput, had: int, has: int) -> tuple[int, int]:
+    """(prompt, generated) tokens one output showed the user, as the server's metrics count
+    them: a sample's prompt with its first tokens (a pooling request's with its vector), and
+    the tokens kept: a stop string inside a step's accepted drafts cuts the rest."""
+    if out.pooling_output is not None:
+        return len(state.prompt_token_ids), 0
+    prompt = len(state.prompt_token_ids) if had == 0 and has > 0 else 0
+    return prompt, has - had
+
+
 def _no_text(token_id: int) -> None:
     """Logprob token text of a request with detokenize=False: none, as vLLM's."""
     return None
@@ -124,6 +134,10 @@ class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     # Core requests that hit a stop string: the engine finishes them (stopped) to free blocks.
     reqs_to_finish: list[str]
+    # Per core output, in order: (prompt, generated) tokens the user saw from it (its prompt
+    # with a sample's first tokens; only the tokens a stop string let through), or None for
+    # one the user never sees (aborted, or late tokens of a sample a stop string ended).
+    seen_tokens: list[tuple[int, int] | None] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -192,15 +206,19 @@ class OutputProcessor:
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         touched: dict[str, RequestState] = {}
         to_abort: list[str] = []
+        seen: list[tuple[int, int] | None] = []
         for out in outputs:
             entry = self.samples.get(out.request_id)
-            if entry is None:
-                continue  # aborted or already finished by a stop string
+            if entry is None or entry[1].finished:
+                # aborted, or finished by a stop string (one of n samples, or a batch holding
+                # several core steps of it): the core's late tokens
+                seen.append(None)
+                continue
             state, sample = entry
-            if sample.finished:
-                continue  # one of n samples a stop string ended: the core's late tokens
+            had = len(sample.token_ids)
             if self._update_sample(sample, out):
                 to_abort.append(sample.core_id)
+            seen.append(_seen_tokens(state, out, had, len(sample.token_ids)))
             if out.first_scheduled_time is not None:
                 state.note_scheduled(sample.index, out.first_scheduled_time)
             if out.num_cached_tokens and sample.index == 0:
@@ -222,7 +240,7 @@ class OutputProcessor:
                 del self.requests[state.request_id]
                 for s in state.samples:
                     self.samples.pop(s.core_id, None)
-        return ProcessedOutputs(results, to_abort)
+        return ProcessedOutputs(results, to_abort, seen)
 
     def _update_sample(self, sample: SampleState, out: EngineCoreOutput) -> bool:
         """Apply one core output; True if a stop string ended a request the core still runs."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kiln.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kiln.spec_decode.stats_log import spec_decoding_line, spec_totals
 
 
 @dataclass
@@ -162,7 +163,8 @@ class RequestTimer:
 
 
 class LoggingStatLogger:
-    """The periodic log line: throughput, running / waiting, KV cache usage, prefix hit rate.
+    """The periodic log line: throughput, running / waiting, KV cache usage, prefix hit rate
+    (and vLLM's SpecDecoding line after it, where the window ran drafts).
 
     A line every `interval` s while the engine is busy, and one when it drains (so the last line
     says it is idle); nothing while idle. A busy period's first window starts when its first
@@ -188,6 +190,7 @@ class LoggingStatLogger:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._prefix = (0, 0)  # (queries, hits) totals when the window started
+        self._spec: tuple | None = None  # spec-decode totals then (None: since start)
         self._schedule = schedule or _call_later
         self._last_line = float("-inf")
         self._drained: tuple[float, dict] | None = None  # a drain not logged yet: (when, stats)
@@ -242,9 +245,13 @@ class LoggingStatLogger:
             self._prompt_tokens / elapsed if elapsed > 0 else 0.0,
             self._generation_tokens / elapsed if elapsed > 0 else 0.0,
             engine_stats, d_hits / d_queries if d_queries > 0 else 0.0))
+        spec = spec_totals(engine_stats)
+        spec_line = spec_decoding_line(spec, self._spec, elapsed)
+        if spec_line is not None:
+            self._emit(spec_line)
         self._start, self._first_window, self._last_line = now, False, now
         self._prompt_tokens = self._generation_tokens = 0
-        self._prefix = (queries, hits)
+        self._prefix, self._spec = (queries, hits), spec
 
 
 def _call_later(delay: float, fn) -> bool:

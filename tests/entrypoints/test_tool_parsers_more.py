@@ -37,6 +37,9 @@ PYTHONIC = ('[get_weather(city="São Paulo", days=-3, opts={"a": [1, 2.5, None],
             "q='it\\'s ]) \"x\"', t=(1, 2)), get_time(), f(s=\"\"\"multi\nline\"\"\")]")
 MISTRAL = ('Checking.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Zürich", '
            '"q": "a}]\\"["}}, {"name": "get_time", "arguments": {}}]')
+# the v11 tokenizers' format: each call its marker and name, [ARGS] where the tokenizer has it
+MISTRAL_V11 = ('Checking.[TOOL_CALLS]get_weather{"city": "Zürich", "q": "a}]\\"[{"}'
+               '[TOOL_CALLS]get_time[ARGS]{}')
 QWEN3_CODER = ("Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n東京 "
                "<b>\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=temp>\n2.5\n"
                "</parameter>\n<parameter=metric>\nTrue\n</parameter>\n<parameter=opts>\n"
@@ -60,6 +63,8 @@ EXPECTED = {
         ("get_time", {}), ("f", {"s": "multi\nline"})]),
     "mistral": (MistralToolParser, MISTRAL, "Checking.", [
         ("get_weather", {"city": "Zürich", "q": 'a}]"['}), ("get_time", {})]),
+    "mistral_v11": (MistralToolParser, MISTRAL_V11, "Checking.", [
+        ("get_weather", {"city": "Zürich", "q": 'a}]"[{'}), ("get_time", {})]),
     "qwen3_coder": (qwen3_coder, QWEN3_CODER, "Let me look.\n", [
         ("get_weather", {"city": "東京 <b>", "days": 3, "temp": 2.5, "metric": True,
                          "opts": {"k": [1, {"n": None}]}, "tags": ["a", "b"], "other": "7"}),
@@ -300,3 +305,16 @@ def test_registry_and_cli_list_the_new_parsers(capsys):
         parser.parse_args(["--tool-call-parser", "nope"])
     err = capsys.readouterr().err
     assert all(name in err for name in names), err
+
+
+def test_mistral_v11_calls_and_what_is_none():
+    """v11's `[TOOL_CALLS]name{...}`: one call; a name cut before its arguments, a name with
+    spaces (prose) or arguments that are no object stay content, as a first call that is no
+    call does in the list format."""
+    parse = MistralToolParser().extract
+    content, calls = parse('[TOOL_CALLS]get_time{"zone": "UTC"}')
+    assert content is None and [(c.function.name, c.function.arguments) for c in calls] == \
+        [("get_time", '{"zone": "UTC"}')]
+    for text in ("Hi[TOOL_CALLS]get_time", "[TOOL_CALLS]I think so {}", "[TOOL_CALLS]f[1]",
+                 "[TOOL_CALLS]f[ARGS]7", '[TOOL_CALLS]f{"a": '):
+        assert parse(text) == (text, []), text

@@ -316,6 +316,18 @@ def test_engine_death_while_streaming_is_the_same_error_in_band():
         assert r.text.rstrip().endswith("data: [DONE]")
 
 
+def test_a_request_after_shutdown_began_is_503_shutting_down_not_engine_dead():
+    """A deliberate stop has its own code (the shutdown gate's), apart from a crash's, so a
+    client can tell them apart: both were engine_dead."""
+    llm = AsyncLLM(FakeEngine(step_delay=0.01))
+    with TestClient(build_app(llm, ServerSettings())) as c:
+        c.portal.call(llm.abort_all, "the server is shutting down")  # on the app's loop
+        for stream in (False, True):
+            r = c.post("/v1/completions", json=dict(prompt="x", max_tokens=5, stream=stream))
+            err = assert_error(r, 503, None, "server_shutting_down")
+            assert "shutting down" in err["message"]
+
+
 def test_a_request_racing_the_engines_death_is_503(monkeypatch):
     """The core (or a rank) died before the watcher told the server: the request's own add
     found it, and its error was a 500."""
@@ -479,3 +491,27 @@ def test_fields_nothing_reads_are_named_in_the_log(client, caplog):
             messages=[{"role": "user", "content": "x"}], modalities=["text"])).status_code == 200
     ignored = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
     assert ignored == ["request fields Kiln does not read, ignored: temprature"], ignored
+
+
+def test_prompt_logprobs_0_streams_as_vllm_takes_it(client):
+    """vLLM takes prompt_logprobs=0 with stream=true (no chunk shows them) and refuses more
+    (or -1): 0 was a 400 here. The engine is not asked to compute what no chunk carries; an
+    echo with logprobs still scores the echoed prompt at the request's count."""
+    from kiln.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+    from kiln.entrypoints.openai.sampling import chat_sampling_params, completion_sampling_params
+
+    chat = dict(messages=[{"role": "user", "content": "x"}], max_tokens=3)
+    for path, body in (("/v1/completions", dict(prompt="hello", max_tokens=3)),
+                       ("/v1/chat/completions", chat)):
+        events = sse_events(client, path, {**body, "stream": True, "prompt_logprobs": 0})
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert all(c.get("prompt_logprobs") is None for e in events for c in e["choices"])
+        for n in (1, -1):
+            r = client.post(path, json={**body, "stream": True, "prompt_logprobs": n})
+            assert_error(r, 400, "prompt_logprobs", "invalid_value")
+    assert chat_sampling_params(ChatCompletionRequest(
+        **chat, stream=True, prompt_logprobs=0)).prompt_logprobs is None
+    streamed = dict(prompt="hello", max_tokens=3, stream=True, prompt_logprobs=0)
+    assert completion_sampling_params(CompletionRequest(**streamed)).prompt_logprobs is None
+    assert completion_sampling_params(CompletionRequest(
+        **streamed, echo=True, logprobs=2)).prompt_logprobs == 0

@@ -51,15 +51,20 @@ def test_a_batch_with_several_steps_of_a_sample_counts_its_prompt_once():
     step that ended a request without a token (the core's abort)."""
     from types import SimpleNamespace
 
-    state = SimpleNamespace(prompt_token_ids=[5, 6, 7, 8, 9])
-    samples = {rid: (state, SimpleNamespace(token_ids=[], finished=False)) for rid in ("a", "b")}
-    fake = SimpleNamespace(output_processor=SimpleNamespace(samples=samples),
-                           num_prompt_tokens=0, num_generation_tokens=0)
-    steps = [[SimpleNamespace(request_id=rid, new_token_ids=[t]) for rid in ("a", "b")]
-             for t in (1, 2, 3)]
+    from kiln.core.outputs import EngineCoreOutput
+    from kiln.engine.output_processor import OutputProcessor
+    from kiln.sampling_params import RequestOutputKind
+
+    proc = OutputProcessor(None)
+    for rid in ("a", "b"):
+        proc.add_request(rid, None, [5, 6, 7, 8, 9], [(rid, SamplingParams(max_tokens=9))],
+                         RequestOutputKind.DELTA)
+    steps = [[EngineCoreOutput(rid, [t]) for rid in ("a", "b")] for t in (1, 2, 3)]
     steps.insert(1, [])
-    steps.append([SimpleNamespace(request_id="gone", new_token_ids=[4])])
-    steps.append([SimpleNamespace(request_id="a", new_token_ids=[])])
-    totals = LLMEngine._count_tokens(fake, steps)
+    steps.append([EngineCoreOutput("gone", [4])])
+    steps.append([EngineCoreOutput("a", [])])
+    fake = SimpleNamespace(num_prompt_tokens=0, num_generation_tokens=0)
+    seen = proc.process_outputs([out for outputs in steps for out in outputs]).seen_tokens
+    totals = LLMEngine._count_tokens(fake, steps, seen)
     assert fake.num_prompt_tokens == 2 * 5 and fake.num_generation_tokens == 6
     assert totals == [2 * 5 + 2, 2, 2, 0]

@@ -247,3 +247,41 @@ def test_the_server_stopping_with_requests_in_flight_logs_that_it_drained():
             time.sleep(0.05)
         time.sleep(0.3)
     assert len(lines) == 1 and "Running: 0 reqs, Waiting: 0 reqs" in lines[0], lines
+
+
+def spec(drafts, draft_tokens, accepted, per_pos):
+    return dict(spec_decode_num_drafts=drafts, spec_decode_num_draft_tokens=draft_tokens,
+                spec_decode_num_accepted_tokens=accepted,
+                spec_decode_num_accepted_tokens_per_pos=per_pos)
+
+
+def test_speculation_adds_vllms_spec_decoding_line_over_the_window():
+    """vLLM's "SpecDecoding metrics:" line follows the stats line, over the same window; none
+    without speculation (no positions) or in a window that ran no drafts."""
+    log, clock, lines = make()
+    log.record(IterationStats(num_generation_tokens=1), busy(**spec(0, 0, 0, [0, 0, 0])))
+    clock.t += 2.0
+    log.record(IterationStats(num_generation_tokens=30), IDLE | spec(10, 30, 15, [8, 5, 2]))
+    assert len(lines) == 2 and lines[0].startswith("Avg prompt throughput")
+    assert lines[1] == ("SpecDecoding metrics: Mean acceptance length: 2.50, Accepted "
+                        "throughput: 7.50 tokens/s, Drafted throughput: 15.00 tokens/s, "
+                        "Accepted: 15 tokens, Drafted: 30 tokens, Per-position acceptance "
+                        "rate: 0.800, 0.500, 0.200, Avg Draft acceptance rate: 50.0%")
+    clock.t += 10.0  # the next window: its own drafts only
+    log.record(IterationStats(num_generation_tokens=1), busy(**spec(10, 30, 15, [8, 5, 2])))
+    clock.t += 4.0
+    log.record(IterationStats(num_generation_tokens=9), IDLE | spec(14, 42, 18, [4 + 8, 5, 2 + 1]))
+    assert lines[-1].startswith("SpecDecoding metrics: Mean acceptance length: 1.75, Accepted "
+                                "throughput: 0.75 tokens/s, Drafted throughput: 3.00 tokens/s")
+    assert lines[-1].endswith("rate: 1.000, 0.000, 0.250, Avg Draft acceptance rate: 25.0%")
+    n = len(lines)
+    clock.t += 10.0  # no drafts this window (a grammar, a prompt with no n-gram match)
+    log.record(IterationStats(num_generation_tokens=1), busy(**spec(14, 42, 18, [12, 5, 3])))
+    clock.t += 4.0
+    log.record(IterationStats(num_generation_tokens=9), IDLE | spec(14, 42, 18, [12, 5, 3]))
+    assert len(lines) == n + 1 and lines[-1].startswith("Avg prompt throughput")
+    clock.t += 10.0  # without speculation: no line
+    log.record(IterationStats(num_generation_tokens=1), busy())
+    clock.t += 4.0
+    log.record(IterationStats(num_generation_tokens=9), IDLE)
+    assert len(lines) == n + 2 and lines[-1].startswith("Avg prompt throughput")

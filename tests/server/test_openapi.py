@@ -109,16 +109,19 @@ _TURN = {"messages": _CHAT, "continue_final_message": True}
       for extra in ({}, {"add_generation_prompt": None}, {"add_generation_prompt": False},
                     {"add_generation_prompt": True})],
     # top_logprobs needs logprobs=true; stream_options needs stream=true; prompt_logprobs
-    # are not streamed (a field null is as absent)
+    # are not streamed, but 0 is taken (as vLLM); a field null is as absent
     *[("/v1/chat/completions", "ChatCompletionRequest", {"messages": _CHAT, **extra})
       for extra in ({"top_logprobs": 2}, {"top_logprobs": 2, "logprobs": False},
                     {"top_logprobs": 2, "logprobs": True}, {"top_logprobs": None},
-                    {"stream_options": {}, "stream": True}, {"stream_options": {}})],
+                    {"stream_options": {}, "stream": True}, {"stream_options": {}},
+                    {"prompt_logprobs": 0, "stream": True},
+                    {"prompt_logprobs": 2, "stream": True})],
     *[("/v1/completions", "CompletionRequest", {"prompt": "hi", **extra})
       for extra in ({"stream_options": {"include_usage": True}},
                     {"stream_options": {}, "stream": False}, {"stream_options": None},
                     {"stream_options": {}, "stream": True}, {"prompt_logprobs": 1},
                     {"prompt_logprobs": 1, "stream": True},
+                    {"prompt_logprobs": 0, "stream": True},
                     {"prompt_logprobs": None, "stream": True})],
     # a max_tokens past max_model_len - 1 never fits
     ("/v1/completions", "CompletionRequest", {"prompt": "", "max_tokens": 1023}),

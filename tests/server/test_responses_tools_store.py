@@ -207,3 +207,48 @@ def test_mistral_call_ids_are_ones_its_template_takes_back(stream):
     ids = [o["call_id"] for o in output]
     assert [o["type"] for o in output] == ["function_call"] * 2
     assert all(len(i) == 9 and i.isalnum() for i in ids) and len(set(ids)) == 2, ids
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tool_calls_keeps_the_first_calls(stream):
+    """OpenAI's max_tool_calls: calls past it are ignored (it was refused). An "auto" answer
+    keeps its first calls, whole and streamed; the response echoes the limit."""
+    text = ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "f", "arguments": {"a": 2}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "f", "arguments": {"a": 3}}\n</tool_call>')
+    settings = ServerSettings(tool_call_parser="hermes", enable_auto_tool_choice=True)
+    body = dict(input="x", max_output_tokens=1, max_tool_calls=2,
+                tools=[{"type": "function", "name": "f", "parameters": {"type": "object"}}])
+    with TestClient(build_app(AsyncLLM(TextWritingEngine(text)), settings)) as c:
+        if stream:
+            with c.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+                events = [json.loads(line[6:]) for line in r.iter_lines()
+                          if line.startswith("data: ")]
+            response = events[-1]["response"]
+            added = [e["item"]["type"] for e in events
+                     if e["type"] == "response.output_item.added"]
+            assert added == ["function_call"] * 2
+        else:
+            response = c.post("/v1/responses", json=body).json()
+    assert [(o["type"], o["arguments"]) for o in response["output"]] == \
+        [("function_call", '{"a": 1}'), ("function_call", '{"a": 2}')]
+    assert response["max_tool_calls"] == 2
+
+
+def test_max_tool_calls_bounds_a_required_answers_grammar():
+    """tool_choice "required": the grammar allows no more calls than max_tool_calls (and one
+    without parallel calls); below 1 is a 400 pointing to tool_choice "none"."""
+    engine = RecordingEngine(max_model_len=256)
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    with TestClient(build_app(AsyncLLM(engine), ServerSettings())) as c:
+        for extra, most in (({"max_tool_calls": 3}, 3),
+                            ({"max_tool_calls": 3, "parallel_tool_calls": False}, 1), ({}, None)):
+            r = c.post("/v1/responses", json=dict(input="x", max_output_tokens=2, tools=tools,
+                                                   tool_choice="required", **extra))
+            assert r.status_code == 200, r.text
+            schema = json.loads(engine.params.structured_outputs.json) \
+                if isinstance(engine.params.structured_outputs.json, str) \
+                else engine.params.structured_outputs.json
+            assert schema.get("maxItems") == most, extra
+        r = c.post("/v1/responses", json=dict(input="x", tools=tools, max_tool_calls=0))
+        assert "tool_choice" in assert_error(r, 400, "max_tool_calls", "invalid_value")["message"]

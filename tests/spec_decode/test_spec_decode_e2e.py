@@ -153,7 +153,7 @@ def test_prefix_cache_hits_blocks_filled_by_drafted_steps(engines):
     assert spec.llm_engine.get_stats()["prefix_cache_hits"] - hits >= 48
 
 
-def test_stop_string_inside_an_accepted_run_cuts_its_tokens(engines):
+def test_stop_string_inside_an_accepted_run_cuts_its_tokens(engines, kiln_logs):
     """A stop string completed by a token in the middle of a step's accepted drafts ends the
     output at that token: the tokens after it (and their logprobs) are no output, as they
     would never have been sampled without speculation (min_tokens moves the stop into runs
@@ -163,11 +163,22 @@ def test_stop_string_inside_an_accepted_run_cuts_its_tokens(engines):
                             stop=[stop], min_tokens=m, include_stop_str_in_output=inc)
              for stop in ("w334", "w33") for m in range(1, 6) for inc in (False, True)]
     before = spec_totals(spec)["spec_decode_num_accepted_tokens"]
+    generated = spec.llm_engine.get_stats()["generation_tokens_total"]
     got = generate(spec, PROMPTS[:1] * len(cases), cases)
     want = generate(base, PROMPTS[:1] * len(cases), cases)
     assert spec_totals(spec)["spec_decode_num_accepted_tokens"] > before
+    # get_stats counts the tokens emitted, not those of the run the stop cut
+    assert spec.llm_engine.get_stats()["generation_tokens_total"] - generated == \
+        sum(len(g.token_ids) for g in got)
     for g, w, p in zip(got, want, cases):
         assert (list(g.token_ids), g.text, g.finish_reason, g.stop_reason) == \
             (list(w.token_ids), w.text, w.finish_reason, w.stop_reason), p
         assert len(g.logprobs) == len(w.logprobs)
         assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-4)
+    # vLLM's SpecDecoding line follows the stats line; the engine without speculation has none
+    spec.llm_engine.do_log_stats()
+    base.llm_engine.do_log_stats()
+    lines = [r.getMessage() for r in kiln_logs.records]
+    assert sum(line.startswith("Avg prompt throughput") for line in lines) == 2
+    (line,) = [line for line in lines if line.startswith("SpecDecoding metrics: ")]
+    assert "Mean acceptance length: " in line and "Per-position acceptance rate: " in line

@@ -22,11 +22,13 @@ GENERATE_NOTHING = {"required": ["max_tokens"], "properties": {"max_tokens": {"c
 _NULL_ONLY = {"type": "null"}
 # switch -> (what turns it on; field -> what it takes with the switch off; field -> what it
 # takes with it on): top_logprobs needs logprobs (sampling.py), stream_options needs stream
-# (serving_engine.check_stream_options), prompt_logprobs are not streamed (vLLM's rule).
+# (serving_engine.check_stream_options), prompt_logprobs are not streamed (vLLM's rule: 0,
+# which asks for no top entries, is taken).
 # parallel_tool_calls=false needing tools (tool_plan.py) as a third split, however spelled,
 # outgrows the canonicalizer's intersections beside the other rules: not stated.
 _SWITCHES = {
-    "stream": ({"const": True}, {"stream_options": _NULL_ONLY}, {"prompt_logprobs": _NULL_ONLY}),
+    "stream": ({"const": True}, {"stream_options": _NULL_ONLY},
+               {"prompt_logprobs": {"enum": [None, 0]}}),
     "logprobs": ({"const": True}, {"top_logprobs": _NULL_ONLY}, {})}
 
 

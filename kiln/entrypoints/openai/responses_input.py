@@ -30,8 +30,6 @@ REFUSED = {
                     "included"),
     "top_logprobs": (0, "logprobs are not returned on /v1/responses; use "
                         "/v1/chat/completions"),
-    "max_tool_calls": (None, "no limit on tool calls is enforced (parallel_tool_calls=false "
-                             "allows one)"),
     "prompt": (None, "stored prompt templates are not supported; send the text in input"),
     "context_management": (None, "context compaction is not supported"),
 }

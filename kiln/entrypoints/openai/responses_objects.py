@@ -85,6 +85,7 @@ class ResponsesResponse(OpenAIBase):
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     model: str
     output: list[ReasoningItem | OutputMessage | FunctionCallItem] = Field(default_factory=list)

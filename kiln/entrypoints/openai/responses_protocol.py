@@ -114,6 +114,7 @@ class ResponsesRequest(RequestBase):
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: StrictBool | None = None
+    max_tool_calls: JsonInt | None = None  # at most this many calls (tool_plan.call_limit)
     # Refused unless off / empty (responses_input.refuse_unsupported):
     conversation: Any = None
     background: StrictBool | None = None
@@ -121,7 +122,6 @@ class ResponsesRequest(RequestBase):
     truncation: str | None = None
     reasoning: dict[str, Any] | None = None
     top_logprobs: JsonInt | None = None
-    max_tool_calls: JsonInt | None = None
     prompt: Any = None
     context_management: Any = None
     # vLLM's extras

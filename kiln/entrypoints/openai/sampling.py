@@ -57,8 +57,12 @@ def refuse_unsupported(req: SamplingFields) -> None:
     if req.best_of is not None and req.best_of < n:  # OpenAI's and vLLM's rule
         raise OpenAIError(f"best_of must be >= n, got best_of={req.best_of} and n={n}",
                           param="best_of", code="invalid_value")
-    if req.prompt_logprobs is not None and req.stream:
-        raise OpenAIError("prompt_logprobs are not available with stream=true (as in vLLM)",
+    # vLLM's rule: stream chunks have no prompt_logprobs field; 0 (the prompt tokens' own
+    # logprobs, shown by no chunk) is taken, as vLLM takes it
+    if req.prompt_logprobs not in (None, 0) and req.stream:
+        raise OpenAIError(f"prompt_logprobs={req.prompt_logprobs} is not available with "
+                          "stream=true (as in vLLM): stream chunks carry no prompt_logprobs; "
+                          "give 0 or omit it, or set stream=false",
                           param="prompt_logprobs", code="invalid_value")
 
 
@@ -83,7 +87,8 @@ def _common_kwargs(req: SamplingFields, defaults: dict) -> dict:
               logit_bias=_logit_bias(req), allowed_token_ids=req.allowed_token_ids,
               bad_words=req.bad_words or None,
               truncate_prompt_tokens=req.truncate_prompt_tokens,
-              prompt_logprobs=req.prompt_logprobs)
+              # no stream chunk shows them: the engine is spared computing them
+              prompt_logprobs=None if req.stream else req.prompt_logprobs)
     # None means "the default": the model's (--generation-config), else SamplingParams'.
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
         value = getattr(req, name)
@@ -115,8 +120,10 @@ def completion_sampling_params(req: CompletionRequest,
         # The engine samples one token after the prompt, which the answer leaves out (vLLM's
         # way): the prompt's logprobs come from the step that ends in that sample.
         kw["max_tokens"] = 1
-    if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
-        kw["prompt_logprobs"] = req.logprobs  # the echoed prompt's tokens get logprobs too
+    if req.echo and req.logprobs is not None:
+        # the echoed prompt's tokens get logprobs too (the request's top count if it gave one)
+        kw["prompt_logprobs"] = req.logprobs if req.prompt_logprobs is None \
+            else req.prompt_logprobs
     names = {name: name for name in _SHARED_FIELDS}
     return _build(kw, names, req.stream)
 

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from kiln.engine.async_llm import AsyncLLM, EngineDeadError
+from kiln.engine.async_llm import AsyncLLM, EngineDeadError, EngineShutdownError
 from kiln.engine.request_stream import RequestStream
 from kiln.entrypoints.openai.errors import OpenAIError, in_api_terms
 from kiln.entrypoints.openai.structured_fields import constraint_failure
@@ -110,7 +110,10 @@ async def submit(llm: AsyncLLM, base_id: str, prompts: list,
 
 
 def _engine_dead(e: EngineDeadError) -> OpenAIError:
-    return OpenAIError(str(e), status=503, code="engine_dead")
+    """A 503: the engine crashed (engine_dead), or is shutting down on purpose
+    (server_shutting_down, the code the shutdown gate answers with too)."""
+    code = "server_shutting_down" if isinstance(e, EngineShutdownError) else "engine_dead"
+    return OpenAIError(str(e), status=503, code=code)
 
 
 def abort_unfinished(llm: AsyncLLM, streams: list[RequestStream]) -> None:

@@ -72,7 +72,8 @@ class ServingResponses:
             creq = chat_request(req, messages)
             if creq.tools:  # off the event loop, as chat's
                 plan = await self.llm.run_in_engine(plan_tools, creq, self.chat.tool_call_parser,
-                                                    self.chat.enable_auto_tool_choice)
+                                                    self.chat.enable_auto_tool_choice,
+                                                    req.max_tool_calls)
             else:
                 plan = plan_tools(creq, None, False)
             params = chat_sampling_params(
@@ -228,6 +229,7 @@ class _Shape:
             output=list(output), usage=usage,
             incomplete_details=IncompleteDetails() if status == "incomplete" else None,
             instructions=req.instructions, max_output_tokens=req.max_output_tokens,
+            max_tool_calls=req.max_tool_calls,
             metadata=req.metadata or {}, user=req.user,
             parallel_tool_calls=req.parallel_tool_calls is not False,
             temperature=self.params.temperature, top_p=self.params.top_p,

@@ -22,8 +22,8 @@ class ToolPlan:
     # finish_reason "tool_calls" when calls were made (auto, required; a named call keeps
     # "stop", as OpenAI and vLLM report it)
     calls_finish: bool = False
-    # parallel_tool_calls=false: at most one call (required: the grammar allows one; auto: the
-    # first is kept)
+    # parallel_tool_calls=false: at most one call; /v1/responses' max_tool_calls: at most that
+    # many (required: the grammar allows no more; auto: the first are kept, later ignored)
     max_calls: int | None = None
 
 
@@ -32,14 +32,29 @@ def template_tool_dicts(tools) -> list[dict] | None:
     return [t.model_dump(exclude_none=True) for t in tools] if tools else None
 
 
-def plan_tools(req, tool_call_parser: str | None, enable_auto_tool_choice: bool) -> ToolPlan:
-    plan = _plan(req, tool_call_parser, enable_auto_tool_choice)
+def plan_tools(req, tool_call_parser: str | None, enable_auto_tool_choice: bool,
+               max_tool_calls: int | None = None) -> ToolPlan:
+    """`max_tool_calls`: /v1/responses' limit on the calls one answer makes (OpenAI's: calls
+    past it are ignored); None: no limit."""
+    plan = _plan(req, tool_call_parser, enable_auto_tool_choice, max_tool_calls)
     if plan.parser is not None:
         plan.parser.max_calls = plan.max_calls
     return plan
 
 
-def _plan(req, tool_call_parser: str | None, enable_auto_tool_choice: bool) -> ToolPlan:
+def call_limit(parallel_tool_calls: bool, max_tool_calls: int | None) -> int | None:
+    """The most calls one answer may make: one without parallel calls, at most
+    max_tool_calls (which must allow one: no calls at all is tool_choice "none")."""
+    if max_tool_calls is not None and max_tool_calls < 1:
+        raise OpenAIError(f"max_tool_calls must be at least 1, got {max_tool_calls}; for no "
+                          'calls give tool_choice "none"', param="max_tool_calls",
+                          code="invalid_value")
+    limits = [n for n in (None if parallel_tool_calls else 1, max_tool_calls) if n is not None]
+    return min(limits) if limits else None
+
+
+def _plan(req, tool_call_parser: str | None, enable_auto_tool_choice: bool,
+          max_tool_calls: int | None) -> ToolPlan:
     tools = req.tools or []
     choice = req.tool_choice
     if choice is None:
@@ -53,7 +68,7 @@ def _plan(req, tool_call_parser: str | None, enable_auto_tool_choice: bool) -> T
                               param="parallel_tool_calls", code="invalid_value")
         return ToolPlan()
     check_tools(tools)
-    single = not req.parallel_tool_calls
+    limit = call_limit(req.parallel_tool_calls, max_tool_calls)
     names = [t.function.name for t in tools]
     template_tools = template_tool_dicts(tools)
     if choice == "none":
@@ -67,10 +82,10 @@ def _plan(req, tool_call_parser: str | None, enable_auto_tool_choice: bool) -> T
         parser = TOOL_PARSERS[tool_call_parser]()
         parser.tools = tuple(tools)
         return ToolPlan(template_tools=template_tools, parser=parser,
-                        calls_finish=True, max_calls=1 if single else None)
+                        calls_finish=True, max_calls=limit)
     if choice == "required":
         try:
-            schema = required_schema(tools, 1 if single else None)
+            schema = required_schema(tools, limit)
         except ValueError as e:
             raise OpenAIError(f"tools: {e}", param="tools", code="invalid_value") from None
         return ToolPlan(template_tools=template_tools, parser=RequiredToolParser(),
