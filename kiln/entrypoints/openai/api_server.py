@@ -34,11 +34,13 @@ from kiln.entrypoints.openai.serving_chat import ServingChat
 from kiln.entrypoints.openai.serving_completion import ServingCompletion
 from kiln.entrypoints.openai.serving_embedding import (
     EmbeddingRequest,
+    PoolingRequest,
     ServingEmbedding,
     refuse_generate,
 )
 from kiln.entrypoints.openai.serving_models import ServingModels, displayable
 from kiln.entrypoints.openai.serving_responses import ServingResponses
+from kiln.entrypoints.openai.serving_score import add_score_routes
 from kiln.entrypoints.openai.serving_tokenization import ServingTokenization
 from kiln.logger import init_logger
 from kiln.lora.serving import add_lora_routes, checked_lora_requests
@@ -188,9 +190,15 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         responses.store.cancel(response_id)
 
     # Each runner's schema states the endpoints it serves; the others answer their refusal.
-    @app.post("/v1/embeddings", include_in_schema=pooling)
+    @app.post("/v1/embeddings", include_in_schema=embedding.task == "embed")
     async def create_embedding(req: EmbeddingRequest, raw: Request):
         return await embedding.create(req, raw)
+
+    @app.post("/pooling", include_in_schema=pooling)
+    async def create_pooling(req: PoolingRequest, raw: Request):
+        return await embedding.pooling_create(req, raw)
+
+    add_score_routes(app, llm, models)
 
     if pooling:
         for route in app.routes:
