@@ -5,8 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoints import STORIES_DIR, hf_greedy, make_tiny_checkpoint, random_prompts  # noqa: F401 (re-exported)
-from checkpoints import make_tiny_classifier
+from checkpoints import STORIES_DIR, hf_greedy, make_tiny_checkpoint, make_tiny_classifier, random_prompts  # noqa: F401 (re-exported)
 
 pytest_plugins = ["skip_gate"]
 

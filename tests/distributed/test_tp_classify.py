@@ -1,10 +1,10 @@
 """Tensor parallelism (2 ranks, mp executor) on a classifier: the score head is replicated on
 every rank over the all-reduced final state, so probabilities match HF's as at TP=1."""
 import torch
+from pooling.hf_pooled import hf_logits
 
 from checkpoints import random_prompts
 from parallel_helpers import make_llm
-from pooling.hf_pooled import hf_logits
 
 
 def test_tp2_classify_matches_hf(tiny_cls_qwen3_dir, ranks_exit):

@@ -20,7 +20,7 @@ from kiln.entrypoints.openai.pooling_requests import (
 from kiln.entrypoints.openai.protocol_base import JsonInt
 from kiln.entrypoints.openai.request_fields import response_id
 from kiln.entrypoints.openai.serving_classify import ActivationFields, activation_params
-from kiln.entrypoints.openai.serving_engine import ClientDisconnected
+from kiln.entrypoints.openai.serving_engine import ClientDisconnected, check_num_sequences
 from kiln.entrypoints.openai.serving_models import ServingModels
 from kiln.pooling.pooling_inputs import check_cross_encoder
 from kiln.pooling.scoring import finish_scores, score_prompts
@@ -74,7 +74,7 @@ class ServingScore:
 
     async def score(self, req: ScoreRequest, raw: Request) -> Response:
         created = int(time.time())
-        self._check_runner("Score")
+        self.check_runner("Score")
         names, one, two = req.sides()
         request_id = response_id("score", req.request_id, raw)
         model, outs = await self._scores(req, raw, request_id, one, two, names)
@@ -87,7 +87,7 @@ class ServingScore:
                              "usage": usage(sum(len(o.prompt_token_ids) for o in outs))})
 
     async def rerank(self, req: RerankRequest, raw: Request) -> Response:
-        self._check_runner("Rerank")
+        self.check_runner("Rerank")
         documents = [req.documents] if isinstance(req.documents, str) else req.documents
         if not documents:
             raise OpenAIError("documents is empty: give at least one document to rank",
@@ -109,7 +109,7 @@ class ServingScore:
                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                              "results": results})
 
-    def _check_runner(self, api: str) -> None:
+    def check_runner(self, api: str) -> None:
         if self.task is None:
             raise refuse_task(api, None, "classify")
         if self.task == "classify":
@@ -125,6 +125,9 @@ class ServingScore:
         client went away."""
         llm = self.llm
         model = resolve_model(self.models, req.model, raw.url.path)
+        # the server's cap before any pair is tokenized
+        check_num_sequences(len(two) if isinstance(two, list) else 1, 1,
+                            llm.max_sequences_per_request, names[1])
         try:
             prompts, truncate, num_2 = await llm.run_in_engine(
                 score_prompts, llm.engine, one, two, req.truncate_prompt_tokens, names)
@@ -151,7 +154,7 @@ def add_score_routes(app, llm: AsyncLLM, models: ServingModels) -> None:
     classification = ServingClassification(llm, models)
     scores = ServingScore(llm, models)
     try:  # an embedding model scores too (cosine); a classifier with one label
-        scores._check_runner("Score")
+        scores.check_runner("Score")
         scoring = True
     except OpenAIError:
         scoring = False
