@@ -162,19 +162,19 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw: Request):
         if pooling:
-            raise refuse_generate("Completions")
+            raise refuse_generate("Completions", embedding.task)
         return await completion.create(req, raw)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request):
         if pooling:
-            raise refuse_generate("Chat Completions")
+            raise refuse_generate("Chat Completions", embedding.task)
         return await chat.create(req, raw)
 
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, raw: Request):
         if pooling:
-            raise refuse_generate("Responses")
+            raise refuse_generate("Responses", embedding.task)
         return await responses.create(req, raw)
 
     # The store's (KILN_ENABLE_RESPONSES_API_STORE; 404 without it): GET as vLLM's, DELETE

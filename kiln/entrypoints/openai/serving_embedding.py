@@ -43,11 +43,13 @@ class EmbeddingRequest(RequestBase):
     request_id: str | None = None
 
 
-def refuse_generate(api: str) -> OpenAIError:
+def refuse_generate(api: str, task: str = "embed") -> OpenAIError:
     """vLLM's answer to a generate endpoint on a pooling server (400)."""
+    fix = ("start it without --runner pooling to generate text" if task == "embed" else
+           "a classification model has no LM head: serve a *ForCausalLM checkpoint to "
+           "generate text")
     return OpenAIError(f"The model does not support {api} API: this server runs the pooling "
-                       "runner (--runner pooling); start it without --runner pooling to "
-                       "generate text", code="unsupported_endpoint")
+                       f"runner (--runner pooling); {fix}", code="unsupported_endpoint")
 
 
 def engine_prompts(value) -> list:
