@@ -2,7 +2,9 @@
 from kiln.version import __version__
 
 __all__ = ["LLM", "SamplingParams", "CompilationConfig", "RequestOutput", "CompletionOutput",
-           "PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput", "__version__"]
+           "PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput",
+           "ClassificationRequestOutput", "ScoringRequestOutput", "ClassificationOutput",
+           "ScoringOutput", "__version__"]
 
 
 def __getattr__(name):
@@ -22,4 +24,8 @@ def __getattr__(name):
     if name in ("PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput"):
         from kiln.pooling import outputs as pooling_outputs  # vLLM's names, as `from vllm`
         return getattr(pooling_outputs, name)
+    if name in ("ClassificationRequestOutput", "ScoringRequestOutput", "ClassificationOutput",
+                "ScoringOutput"):
+        from kiln.pooling import classify_outputs
+        return getattr(classify_outputs, name)
     raise AttributeError(f"module 'kiln' has no attribute {name!r}")

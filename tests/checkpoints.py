@@ -128,6 +128,31 @@ def make_tiny_checkpoint(path: Path, arch: str, *, tie: bool, seed: int = 0,
     return path
 
 
+def make_tiny_classifier(path: Path, arch: str, num_labels: int, seed: int = 0,
+                         **overrides) -> Path:
+    """A tiny random HF `arch` *ForSequenceClassification checkpoint (a score head of
+    `num_labels` over the last token; no pad token, so HF pools the last one as vLLM does)
+    with the word tokenizer."""
+    import transformers
+    from transformers import AutoModelForSequenceClassification
+
+    config_cls, extra = ARCH_CONFIGS[arch]
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                  max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1,
+                  eos_token_id=2, num_labels=num_labels, pad_token_id=None)
+    config = getattr(transformers, config_cls)(**{**extra, **common, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    save_tiny_tokenizer(path, common["vocab_size"])
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """HF transformers' greedy continuation of each prompt, EOS ignored (as Kiln's ignore_eos):
     exactly max_new_tokens each. One prompt at a time, so no padding enters the oracle."""

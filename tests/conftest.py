@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpoints import STORIES_DIR, hf_greedy, make_tiny_checkpoint, random_prompts  # noqa: F401 (re-exported)
+from checkpoints import STORIES_DIR, hf_greedy, make_tiny_checkpoint, make_tiny_classifier, random_prompts  # noqa: F401 (re-exported)
 
 pytest_plugins = ["skip_gate"]
 
@@ -25,6 +25,19 @@ tiny_phi3_dir = _tiny_checkpoint_fixture("phi3", tie=False)
 tiny_granite_dir = _tiny_checkpoint_fixture("granite", tie=True)
 tiny_gemma_dir = _tiny_checkpoint_fixture("gemma", tie=True)
 tiny_olmo2_dir = _tiny_checkpoint_fixture("olmo2", tie=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_cls_qwen3_dir(tmp_path_factory):
+    """Qwen3ForSequenceClassification, 3 labels with names."""
+    return make_tiny_classifier(tmp_path_factory.mktemp("cls_qwen3"), "qwen3", 3,
+                                id2label={0: "neg", 1: "neu", 2: "pos"})
+
+
+@pytest.fixture(scope="session")
+def tiny_ce_llama_dir(tmp_path_factory):
+    """LlamaForSequenceClassification with one label: a cross-encoder."""
+    return make_tiny_classifier(tmp_path_factory.mktemp("ce_llama"), "llama", 1, seed=1)
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ from kiln.pooling.pooler_config import (
     resolve_pooler_config,
     resolve_runner,
 )
+from kiln.pooling.pooling_task import check_convert, pooling_task
 
 _DEFAULT_MAX_NUM_SEQS = SchedulerConfig.__dataclass_fields__["max_num_seqs"].default
 
@@ -82,9 +83,11 @@ class EngineArgs:
     swap_space: float = 4.0  # GiB; unused: preempted requests are recomputed (vLLM V1's way)
     disable_log_stats: bool = False  # kiln serve: no periodic throughput line in the log
     # vLLM's pooling runner (kiln/pooling/): runner "pooling" (or its older task "embed") serves
-    # embeddings; pooler_config (older override_pooler_config): {"pooling_type", "normalize"}
+    # embeddings; pooler_config (older override_pooler_config): {"pooling_type", "normalize",
+    # "use_activation"}; convert (or task "classify"): the score head of a classifier
     runner: str = "auto"
     task: str | None = None
+    convert: str = "auto"
     pooler_config: Any = None
     override_pooler_config: Any = None
     # vLLM's LoRA knobs (kiln/lora/); the sizes are read only with enable_lora (lm-eval passes
@@ -182,7 +185,8 @@ class EngineArgs:
             pipeline_parallel_size=self.pipeline_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend)
         compilation_config = self.compilation()
-        runner = resolve_runner(self.runner, self.task)
+        check_convert(self.convert)
+        runner = resolve_runner(self.runner, self.task, self.convert)
         if runner == "pooling":
             check_pooling_engine(self)
         speculative_config = SpeculativeConfig.from_value(self.speculative_config)
@@ -200,12 +204,16 @@ class EngineArgs:
                                    quantization=self.quantization, runner_type=runner,
                                    hf_overrides=self.hf_overrides)
         if runner == "generate":
-            runner = model_config.runner_type = auto_runner(self.runner, self.task, runner,
-                                                            model_config.model_path)
+            runner = model_config.runner_type = auto_runner(
+                self.runner, self.task, runner, model_config.model_path,
+                model_config.architecture)
             if runner == "pooling":
                 check_pooling_engine(self)
+        task = pooling_task(self.convert, self.task, model_config.architecture) \
+            if runner == "pooling" else "embed"
         model_config.pooler_config = resolve_pooler_config(
-            runner, self.pooler_config, self.override_pooler_config, model_config.model_path)
+            runner, self.pooler_config, self.override_pooler_config, model_config.model_path,
+            task)
         if runner == "pooling" and model_config.pooler_config.pooling_type != "LAST":
             # The prefix cache skips the hidden states MEAN and CLS pool (vLLM's the same).
             cache_config.enable_prefix_caching = False

@@ -193,10 +193,17 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                    help="providers of an IR op in order of preference, e.g. "
                         "rms_norm=native,torch (repeatable; kiln compile reports the choice)")
     g.add_argument("--runner", default=d.runner, choices=["auto", "generate", "pooling"],
-                   help="pooling: serve embeddings (/v1/embeddings, LLM.embed) from the "
-                        "model's final hidden states instead of generating text")
-    g.add_argument("--task", default=d.task, choices=["auto", "generate", "embed"],
-                   help="vLLM's older name of --runner: embed is --runner pooling")
+                   help="pooling: serve embeddings (/v1/embeddings, LLM.embed), or a "
+                        "classifier's scores (/classify, /score, /rerank), instead of "
+                        "generating text")
+    g.add_argument("--task", default=d.task,
+                   choices=["auto", "generate", "embed", "classify", "score"],
+                   help="vLLM's older name of --runner: embed, classify and score are "
+                        "--runner pooling (classify: --convert classify)")
+    g.add_argument("--convert", default=d.convert, choices=["auto", "none", "embed", "classify"],
+                   help="what the pooling runner computes: embed (hidden states) or classify "
+                        "(the checkpoint's score head; a *ForSequenceClassification "
+                        "checkpoint's default)")
     g.add_argument("--pooler-config", "--override-pooler-config", dest="pooler_config",
                    default=d.pooler_config, metavar="JSON",
                    help="the pooling runner's pooler, e.g. '{\"pooling_type\": \"MEAN\", "

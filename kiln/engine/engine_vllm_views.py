@@ -33,10 +33,17 @@ class EngineVllmViews:
         return self.kiln_config.model_config
 
     def get_supported_tasks(self) -> tuple[str, ...]:
-        """vLLM's tasks this engine runs: its runner's (generate, or embed for --runner
-        pooling)."""
-        pooling = self.kiln_config.model_config.runner_type == "pooling"
-        return ("embed", "encode") if pooling else ("generate",)
+        """vLLM's tasks this engine runs: its runner's (generate; embed for --runner pooling;
+        classify, and score for a one-label classifier, for a classification model)."""
+        from kiln.pooling.pooling_task import num_labels
+
+        model_config = self.kiln_config.model_config
+        if model_config.runner_type != "pooling":
+            return ("generate",)
+        if model_config.pooler_config.task == "embed":
+            return ("embed", "encode")
+        one = num_labels(model_config.hf_config) == 1
+        return ("classify", "score", "encode") if one else ("classify", "encode")
 
     def do_log_stats(self) -> None:
         """vLLM's: one stats line (throughput since the last call, running / waiting, KV cache

@@ -24,8 +24,8 @@ from kiln.sampling_params import RequestOutputKind, SamplingParams
 _DEFAULT_MAX_NUM_SEQS = EngineArgs.max_num_seqs
 
 
-_POOLING = ("Kiln's pooling runner embeds only (LLM(model, runner=\"pooling\").embed()); "
-            "classification, scoring and reward need a model head its decoders lack")
+_REWARD = ("Kiln's pooling runner embeds, classifies and scores (embed(), classify(), "
+           "score()); reward needs a reward head Kiln's models lack")
 
 
 class LLM:
@@ -138,20 +138,39 @@ class LLM:
                      lora_request)
 
     def encode(self, prompts, pooling_params=None, *, truncate_prompt_tokens: int | None = None,
-               use_tqdm: bool | Callable = True, lora_request=None, pooling_task: str = "embed"):
-        """vLLM's: one PoolingRequestOutput per prompt (`.outputs.data`, a float32 tensor);
-        Kiln's pooling runner has the "embed" task only."""
+               use_tqdm: bool | Callable = True, lora_request=None,
+               pooling_task: str | None = None):
+        """vLLM's: one PoolingRequestOutput per prompt (`.outputs.data`, a float32 tensor: the
+        embedding, or a classifier's probabilities); pooling_task "embed" or "classify" must
+        be the engine's (None: whichever it runs)."""
         from kiln.pooling.offline import run_pooling
 
-        if pooling_task not in ("embed", None):
-            raise ValueError(f"pooling_task {pooling_task!r} is not supported: Kiln's pooling "
-                             "runner embeds (pooling_task=\"embed\")")
+        if pooling_task not in ("embed", "classify", None):
+            raise ValueError(f"pooling_task {pooling_task!r} is not supported: give \"embed\" "
+                             "or \"classify\" (the engine's pooling task)")
         return run_pooling(self, prompts, pooling_params, truncate_prompt_tokens, use_tqdm,
-                           lora_request)
+                           lora_request, api=pooling_task)
 
-    classify = unsupported("classify", _POOLING)
-    score = unsupported("score", _POOLING)
-    reward = unsupported("reward", _POOLING)
+    def classify(self, prompts, *, truncate_prompt_tokens: int | None = None,
+                 use_tqdm: bool | Callable = True, pooling_params=None, lora_request=None):
+        """vLLM's: one ClassificationRequestOutput per prompt (`.outputs.probs`), for a
+        classification model (a *ForSequenceClassification checkpoint, or convert="classify")."""
+        from kiln.pooling.offline import classify
+
+        return classify(self, prompts, truncate_prompt_tokens, use_tqdm, pooling_params,
+                        lora_request)
+
+    def score(self, data_1, data_2, /, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool | Callable = True, pooling_params=None, lora_request=None):
+        """vLLM's: one ScoringRequestOutput (`.outputs.score`) per (data_1, data_2) pair, 1:1,
+        1:N or N:N: a cross-encoder's score of the pair, or an embedding model's cosine
+        similarity."""
+        from kiln.pooling.scoring import score
+
+        return score(self, data_1, data_2, truncate_prompt_tokens, use_tqdm, pooling_params,
+                     lora_request)
+
+    reward = unsupported("reward", _REWARD)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -202,8 +221,9 @@ class LLM:
     def _check_generate_runner(self, method: str) -> None:
         if self.llm_engine.model_config.runner_type == "pooling":  # vLLM refuses it too
             raise ValueError(f"LLM.{method}() is only supported for generative models; this "
-                             "LLM runs the pooling runner (runner=\"pooling\"): use embed() or "
-                             "encode(), or build it without runner=\"pooling\" to generate")
+                             "LLM runs the pooling runner (runner=\"pooling\"): use embed(), "
+                             "classify(), score() or encode(), or build it without "
+                             "runner=\"pooling\" to generate")
 
     def _check_owner(self) -> None:
         if os.getpid() != self._owner_pid:  # its sockets' other ends are the parent's: a hang

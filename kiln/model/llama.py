@@ -173,15 +173,18 @@ class LlamaModel(LlamaStyleModel):
 class LlamaStyleForCausalLM(nn.Module):
     """Backbone + LM head, with HF-name weight loading into the merged parameters."""
     model_cls = LlamaModel
+    has_lm_head = True  # a classifier (kiln/model/seq_cls.py) has a score head instead
 
     def __init__(self, *, kiln_config, prefix: str = ""):
         super().__init__()
         cfg = kiln_config.model_config.hf_config
         self.config = cfg
         self.model = self.model_cls(kiln_config=kiln_config, prefix="model")
-        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) \
-            if self.model.is_last_stage else PPMissingLayer()
+        self.tie_word_embeddings = self.has_lm_head and bool(
+            getattr(cfg, "tie_word_embeddings", False))
+        if self.has_lm_head:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) \
+                if self.model.is_last_stage else PPMissingLayer()
         # A tied head on a last stage without the embedding loads the embedding's tensor.
         self.head_loads_embedding = self.tie_word_embeddings and not self.model.is_first_stage \
             and self.model.is_last_stage

@@ -16,6 +16,10 @@ _MODELS = {
     "Qwen2ForCausalLM": ("kiln.model.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("kiln.model.qwen3", "Qwen3ForCausalLM"),
 }
+# HF's *ForSequenceClassification: the family's backbone and a score head (seq_cls.py)
+_SEQ_CLS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
+            "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+            "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
 
 
 # IR ops only some families call, by architecture (what `kiln compile`'s report lists as used).
@@ -27,16 +31,22 @@ _FAMILY_OPS = {"GemmaForCausalLM": (*_F32_NORMS, "gelu_tanh_and_mul"),
 def ir_ops_not_called(architecture: str) -> set[str]:
     """The family-only IR ops (_FAMILY_OPS) that `architecture`'s model never calls."""
     every = {op for ops in _FAMILY_OPS.values() for op in ops}
-    return every - set(_FAMILY_OPS.get(architecture, ()))
+    return every - set(_FAMILY_OPS.get(_SEQ_CLS.get(architecture, architecture), ()))
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    return sorted([*_MODELS, *_SEQ_CLS])
 
 
-def get_model_class(architecture: str) -> type:
-    if architecture not in _MODELS:
+def get_model_class(architecture: str, classify: bool = False) -> type:
+    """The class of `architecture`; `classify` (--convert classify): its family's with a
+    score head in place of the LM head."""
+    if architecture not in _MODELS and architecture not in _SEQ_CLS:
         raise ConfigError(f"architecture {architecture} is not supported; supported: "
                           f"{', '.join(supported_architectures())}")
-    module, name = _MODELS[architecture]
-    return getattr(importlib.import_module(module), name)
+    module, name = _MODELS[_SEQ_CLS.get(architecture, architecture)]
+    model_cls = getattr(importlib.import_module(module), name)
+    if classify or architecture in _SEQ_CLS:
+        from kiln.model.seq_cls import for_sequence_classification
+        return for_sequence_classification(model_cls)
+    return model_cls

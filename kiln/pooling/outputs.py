@@ -14,15 +14,30 @@ from kiln.outputs import CompletionOutput, RequestOutput
 class PoolingParams:
     """vLLM's per-request pooling parameters. `dimensions`: keep the first N (matryoshka models
     only); `normalize`: None takes the engine's --pooler-config; `truncate_prompt_tokens`: keep
-    the prompt's last N tokens (-1: max_model_len)."""
+    the prompt's last N tokens (-1: max_model_len); `use_activation` (vLLM's older names
+    `activation`, `softmax`): a classifier's softmax / sigmoid, None the engine's."""
     dimensions: int | None = None
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
-    task: str | None = None  # vLLM's; "embed" or "encode" here
+    task: str | None = None  # vLLM's: "embed", "encode", "classify" or "score"
+    use_activation: bool | None = None
+    activation: bool | None = None
+    softmax: bool | None = None
+
+    def __post_init__(self):
+        for alias in ("activation", "softmax"):
+            value = getattr(self, alias)
+            if value is None:
+                continue
+            if self.use_activation is not None and self.use_activation != value:
+                raise ValueError(f"PoolingParams: {alias}={value} and use_activation="
+                                 f"{self.use_activation} disagree; give use_activation alone")
+            self.use_activation = value
+            setattr(self, alias, None)
 
     def clone(self) -> "PoolingParams":
         return PoolingParams(self.dimensions, self.normalize, self.truncate_prompt_tokens,
-                             self.task)
+                             self.task, self.use_activation)
 
 
 @dataclass
@@ -82,15 +97,6 @@ def pooled_request_output(request_id: str, pooled: list[float], prompt_token_ids
         request_id=request_id, prompt=None, prompt_token_ids=list(prompt_token_ids),
         outputs=[CompletionOutput(0, "", [], finish_reason="stop")], finished=True,
         num_cached_tokens=num_cached_tokens, metrics=metrics, pooled=list(pooled))
-
-
-def as_pooling_output(out: PooledRequestOutput, params: "PoolingParams | None",
-                      default_normalize: bool) -> PoolingRequestOutput:
-    """vLLM's PoolingRequestOutput of an engine output, its vector finished per `params`."""
-    return PoolingRequestOutput(out.request_id,
-                                PoolingOutput(finish_vector(out.pooled, params,
-                                                            default_normalize)),
-                                out.prompt_token_ids, out.finished, out.num_cached_tokens)
 
 
 def finish_vector(pooled: list[float], params: PoolingParams | None,

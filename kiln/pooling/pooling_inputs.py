@@ -1,6 +1,6 @@
-"""A pooling request's prompt and parameters checked before it is queued (LLM.embed / encode and
-/v1/embeddings): the prompt may fill max_model_len (nothing is generated), `dimensions` only for a
-model that declares matryoshka embeddings, as vLLM."""
+"""A pooling request's prompt and parameters checked before it is queued (LLM.embed / encode /
+classify / score and the server's pooling routes): the prompt may fill max_model_len (nothing
+is generated), `dimensions` only for a model that declares matryoshka embeddings, as vLLM."""
 from kiln.engine.input_processor import ProcessedPrompt, validate_prompt_token_ids
 from kiln.engine.prompt_length import truncate_prompt
 from kiln.pooling.outputs import PoolingParams
@@ -11,9 +11,32 @@ NOT_POOLING = ("this engine runs the generate runner; start it with --runner poo
                "--task embed; LLM(model, runner=\"pooling\")) to get embeddings")
 
 
-def check_pooling_engine(engine) -> None:
-    if engine.model_config.runner_type != "pooling":
-        raise ValueError(NOT_POOLING)
+# what each API needs of a pooling engine's task (pooling_task.py), and how to get it
+_API_TASK = {"embed": ("embed", "an embedding model (--runner pooling on a *ForCausalLM "
+                                "checkpoint, or --convert embed)"),
+             "classify": ("classify", "a classification model (a *ForSequenceClassification "
+                                      "checkpoint, or --convert classify)")}
+
+
+def check_pooling_engine(engine, api: str | None = None) -> None:
+    """`api`: "embed" or "classify" when the caller needs that task (None: any)."""
+    model_config = engine.model_config
+    if model_config.runner_type != "pooling":
+        raise ValueError(NOT_POOLING if api in (None, "embed") else
+                         NOT_POOLING.replace("to get embeddings", f"and {_API_TASK[api][1]}"))
+    if api in _API_TASK and model_config.pooler_config.task != _API_TASK[api][0]:
+        raise ValueError(f"{api} needs {_API_TASK[api][1]}; this engine's pooling task is "
+                         f"{model_config.pooler_config.task}")
+
+
+def check_cross_encoder(model_config) -> None:
+    """Scoring with a classifier needs one label: its score (vLLM's num_labels == 1)."""
+    from kiln.pooling.pooling_task import num_labels
+
+    labels = num_labels(model_config.hf_config)
+    if labels != 1:
+        raise ValueError(f"score needs a cross-encoder (a classifier with num_labels 1); this "
+                         f"model has {labels} labels: use classify for its probabilities")
 
 
 def refuse_pooling_bench(model_config, command: str) -> None:
@@ -54,6 +77,10 @@ def process_pooling(engine, prompt, params: PoolingParams | None) -> ProcessedPr
                          f"{type(params).__name__}")
     processor = engine.input_processor
     max_len = processor.max_model_len
+    classify = engine.model_config.pooler_config.task == "classify"
+    if classify and params.dimensions is not None:
+        raise ValueError("dimensions applies to embeddings; this engine classifies (leave "
+                         "dimensions unset)")
     check_dimensions(params.dimensions, engine.model_config)
     text, token_ids = processor.tokenize(prompt, whole=True)
     keep = params.truncate_prompt_tokens
@@ -70,8 +97,9 @@ def process_pooling(engine, prompt, params: PoolingParams | None) -> ProcessedPr
                                     processor.special_prefix_len if from_text else 0)
     if len(token_ids) > max_len:
         raise ValueError(f"This model's maximum context length is {max_len} tokens. However, "
-                         f"you requested {len(token_ids)} tokens in the input for embedding "
-                         "generation. Please reduce the length of the input (or set "
+                         f"you requested {len(token_ids)} tokens in the input for "
+                         f"{'classification' if classify else 'embedding generation'}. "
+                         "Please reduce the length of the input (or set "
                          "truncate_prompt_tokens).")
     # max_model_len + 1: a prompt may fill the context (nothing is generated after it)
     validate_prompt_token_ids(token_ids, processor.vocab_size, max_len + 1)

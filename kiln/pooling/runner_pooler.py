@@ -1,9 +1,11 @@
 """The pooling runner's step: the model's final hidden states (after the final norm, what the
 LM head would read) pooled per request once its prefill ends; nothing is sampled.
 
-A prompt prefilled in chunks pools over all its chunks: MEAN keeps a running float32 sum (and
-CLS the first position's state) between steps. A preempted request is recomputed from its first
-token (the prefix cache is off for MEAN and CLS), which starts its sum again.
+A classify engine's model (kiln/model/seq_cls.py) turns the pooled states into its score
+head's logits here, on the device. A prompt prefilled in chunks pools over all its chunks:
+MEAN keeps a running float32 sum (and CLS the first position's state) between steps. A
+preempted request is recomputed from its first token (the prefix cache is off for MEAN and
+CLS), which starts its sum again.
 """
 import torch
 
@@ -17,6 +19,12 @@ class RunnerPooler:
         self.device = device
         # req_id -> what the chunks so far left ([H] float32): MEAN's sum, CLS's first state
         self._partial: dict[str, torch.Tensor] = {}
+        self.classify = config.task == "classify"
+        self.head = None  # [N, H] -> [N, num_labels] float32, once the model is loaded
+
+    def attach(self, model) -> None:
+        if self.classify:
+            self.head = model.classify
 
     def step(self, so: SchedulerOutput, req_ids: list[str], hidden: torch.Tensor,
              requests: dict) -> ModelRunnerOutput:
@@ -36,7 +44,10 @@ class RunnerPooler:
                 done_ids.append(req_id)
                 vectors.append(vector)
         if vectors:
-            pooled = torch.stack(vectors).cpu().tolist()  # the read waits for the step
+            stacked = torch.stack(vectors)  # [N, H] float32
+            if self.head is not None:
+                stacked = self.head(stacked)  # [N, num_labels] float32
+            pooled = stacked.cpu().tolist()  # the read waits for the step
         else:
             pooled = []
             if self.device.type != "cpu":

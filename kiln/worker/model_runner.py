@@ -83,6 +83,8 @@ class ModelRunner(StepInputPreparation):
         self.lora_manager = attach_lora(model, self.kiln_config, self.max_num_tokens,
                                         self.device)
         self.model = wrap_model_for_full_cudagraph(model, self.compile_state.cudagraph_mode)
+        if self.pooler is not None:
+            self.pooler.attach(model)  # a classifier's score head
         self.stage_inputs = StageInputs(self.kiln_config.model_config.hf_config.hidden_size,
                                         self.kiln_config.model_config.torch_dtype)
         self.attention_layers = attention_layers(model)  # layer name -> Attention

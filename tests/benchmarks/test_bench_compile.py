@@ -28,7 +28,7 @@ NON_DEFAULT = dict(
     ir_op_priority={"rms_norm": ["torch"], "linear": ["native", "torch"]},
     trust_remote_code=True, enable_chunked_prefill=True, kv_cache_dtype="auto",
     tokenizer_mode="hf", swap_space=2.0, disable_log_stats=True, scheduling_policy="priority",
-    hf_overrides={"rms_norm_eps": 1e-5}, runner="pooling", task="embed",
+    hf_overrides={"rms_norm_eps": 1e-5}, runner="pooling", task="embed", convert="embed",
     pooler_config='{"pooling_type": "MEAN", "normalize": false}',
     override_pooler_config='{"pooling_type": "CLS", "normalize": true}',
     speculative_config='{"method": "ngram", "num_speculative_tokens": 2}',

@@ -76,8 +76,8 @@ def test_chunked_mean_equals_unchunked_and_encode(tiny_llama_dir, inprocess_core
 def test_errors_name_the_field(tiny_qwen3_dir, tiny_llama_dir, inprocess_core):
     with pytest.raises(ValueError, match="pooling_type 'MAX' is not supported"):
         LLM(model=str(tiny_qwen3_dir), runner="pooling", pooler_config={"pooling_type": "MAX"})
-    with pytest.raises(ValueError, match="--task 'classify' is not supported"):
-        LLM(model=str(tiny_qwen3_dir), task="classify")
+    with pytest.raises(ValueError, match="--task 'reward' is not supported"):
+        LLM(model=str(tiny_qwen3_dir), task="reward")
     with pytest.raises(ValueError, match="--pooler-config configures the pooling runner"):
         LLM(model=str(tiny_qwen3_dir), pooler_config={"pooling_type": "MEAN"})
     llm = LLM(model=str(tiny_qwen3_dir), runner="pooling", compilation_config=0, **ENGINE)

@@ -37,8 +37,14 @@ def test_pooler_config_defaults_flags_and_refusals(tmp_path):
     assert resolve_pooler_config("pooling", {"normalize": False}, {"pooling_type": "CLS"},
                                  None) == PoolerConfig("CLS", False)
     assert resolve_pooler_config("generate", None, None, None) is None
-    with pytest.raises(ConfigError, match=r"--pooler-config: \['softmax'\] not supported"):
-        resolve_pooler_config("pooling", {"softmax": True}, None, None)
+    with pytest.raises(ConfigError, match=r"--pooler-config: \['step_tag_id'\] not supported"):
+        resolve_pooler_config("pooling", {"step_tag_id": 3}, None, None)
+    # vLLM's older activation names are use_activation's
+    assert resolve_pooler_config("pooling", {"softmax": False}, None, None, "classify") == \
+        PoolerConfig("LAST", True, "classify", False)
+    with pytest.raises(ConfigError, match="activation and use_activation disagree"):
+        resolve_pooler_config("pooling", {"activation": False, "use_activation": True}, None,
+                              None)
     with pytest.raises(ConfigError, match="--pooler-config: normalize must be true or false"):
         resolve_pooler_config("pooling", {"normalize": "yes"}, None, None)
     with pytest.raises(ConfigError, match="--pooler-config must be a JSON object"):
@@ -73,8 +79,12 @@ def test_cli_flags_reach_engine_args_and_back():
     assert json.loads(again.pooler_config) == {"pooling_type": "CLS"}
     task = build_parser().parse_args(["serve", "--task", "embed"])
     assert EngineArgs.from_cli_args(task).task == "embed"
-    with pytest.raises(SystemExit):  # argparse: "argument --task: invalid choice: 'classify'"
-        build_parser().parse_args(["serve", "--task", "classify"])
+    for flags in (["--task", "classify"], ["--task", "score"], ["--convert", "classify"]):
+        parsed = EngineArgs.from_cli_args(build_parser().parse_args(["serve", *flags]))
+        assert getattr(parsed, flags[0][2:]) == flags[1]
+    for flags in (["--task", "reward"], ["--convert", "reward"]):
+        with pytest.raises(SystemExit):  # argparse: "argument --task: invalid choice"
+            build_parser().parse_args(["serve", *flags])
 
 
 class _Config:

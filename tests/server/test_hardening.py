@@ -26,11 +26,17 @@ BODIES = {"/v1/completions": dict(prompt="x", max_tokens=1),
                                        max_tokens=1),
           "/v1/responses": dict(input="x", max_output_tokens=1),
           "/tokenize": dict(prompt="x"), "/detokenize": dict(tokens=[5]),
-          "/v1/embeddings": dict(input="x")}
+          "/v1/embeddings": dict(input="x"), "/pooling": dict(input="x"),
+          "/classify": dict(input="x"), "/score": dict(text_1="x", text_2="y"),
+          "/v1/score": dict(text_1="x", text_2="y"),
+          **{p: dict(query="x", documents=["y"]) for p in ("/rerank", "/v1/rerank",
+                                                            "/v2/rerank")}}
 # Past the key, routes of the other runner and of the response store (off here) answer their
 # refusal, naming the flag or variable that serves them.
 STORE = "KILN_ENABLE_RESPONSES_API_STORE"
-REFUSED = {"/v1/embeddings": (400, "--runner pooling"),
+POOLING_ROUTES = ("/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank",
+                  "/v1/rerank", "/v2/rerank")
+REFUSED = {**{p: (400, "--runner pooling") for p in POOLING_ROUTES},
            "/v1/responses/{response_id}": (404, STORE),
            "/v1/responses/{response_id}/cancel": (404, STORE)}
 
@@ -47,7 +53,8 @@ def test_every_route_but_health_needs_the_key(metrics_public):
     open_paths = {"/health", "/ping"} | ({"/metrics"} if metrics_public else set())
     routes = app_routes(app)
     assert {path for _, path in routes} >= {"/tokenize", "/detokenize", "/openapi.json",
-                                            "/metrics", "/version", "/v1/models"}
+                                            "/metrics", "/version", "/v1/models",
+                                            *POOLING_ROUTES}
     with TestClient(app) as c:
         for method, path in routes:
             r = c.request(method, path, json=BODIES.get(path))

@@ -34,11 +34,13 @@ from kiln.entrypoints.openai.serving_chat import ServingChat
 from kiln.entrypoints.openai.serving_completion import ServingCompletion
 from kiln.entrypoints.openai.serving_embedding import (
     EmbeddingRequest,
+    PoolingRequest,
     ServingEmbedding,
     refuse_generate,
 )
 from kiln.entrypoints.openai.serving_models import ServingModels, displayable
 from kiln.entrypoints.openai.serving_responses import ServingResponses
+from kiln.entrypoints.openai.serving_score import add_score_routes
 from kiln.entrypoints.openai.serving_tokenization import ServingTokenization
 from kiln.logger import init_logger
 from kiln.lora.serving import add_lora_routes, checked_lora_requests
@@ -162,19 +164,19 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw: Request):
         if pooling:
-            raise refuse_generate("Completions")
+            raise refuse_generate("Completions", embedding.task)
         return await completion.create(req, raw)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request):
         if pooling:
-            raise refuse_generate("Chat Completions")
+            raise refuse_generate("Chat Completions", embedding.task)
         return await chat.create(req, raw)
 
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, raw: Request):
         if pooling:
-            raise refuse_generate("Responses")
+            raise refuse_generate("Responses", embedding.task)
         return await responses.create(req, raw)
 
     # The store's (KILN_ENABLE_RESPONSES_API_STORE; 404 without it): GET as vLLM's, DELETE
@@ -190,9 +192,15 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         responses.store.cancel(response_id)
 
     # Each runner's schema states the endpoints it serves; the others answer their refusal.
-    @app.post("/v1/embeddings", include_in_schema=pooling)
+    @app.post("/v1/embeddings", include_in_schema=embedding.task == "embed")
     async def create_embedding(req: EmbeddingRequest, raw: Request):
         return await embedding.create(req, raw)
+
+    @app.post("/pooling", include_in_schema=pooling)
+    async def create_pooling(req: PoolingRequest, raw: Request):
+        return await embedding.pooling_create(req, raw)
+
+    add_score_routes(app, llm, models)
 
     if pooling:
         for route in app.routes:

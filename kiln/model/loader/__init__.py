@@ -31,7 +31,9 @@ def build_model(kiln_config: KilnConfig) -> nn.Module:
     from kiln import ir
 
     model_config = kiln_config.model_config
-    model_cls = get_model_class(model_config.architecture)
+    pooler = model_config.pooler_config
+    model_cls = get_model_class(model_config.architecture,
+                                classify=pooler is not None and pooler.task == "classify")
     ir.apply(kiln_config.ir_selection)  # before the layers take their attention backend
     with set_current_kiln_config(kiln_config), _default_dtype(model_config.torch_dtype), \
             kiln_config.device_config.device_obj:
