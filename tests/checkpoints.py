@@ -1,5 +1,5 @@
 """Tiny random-weight HF checkpoints (ARCH_CONFIGS: Llama, Qwen2, Qwen3, Phi-3, Granite, Gemma,
-OLMo-2) and the HF greedy oracle for tests.
+OLMo-2, and the MoEs Mixtral, Qwen2-MoE, Qwen3-MoE) and the HF greedy oracle for tests.
 
 Imported by tests as `checkpoints` (pytest puts tests/ on sys.path through the root conftest).
 """
@@ -94,6 +94,16 @@ ARCH_CONFIGS = {
     # head_dim 32 (not hidden / heads), GeGLU, (1 + w) norms, sqrt(hidden)-scaled embeddings
     "gemma": ("GemmaConfig", {"head_dim": 32, "pad_token_id": 0}),
     "olmo2": ("Olmo2Config", {"pad_token_id": 0}),  # post-block norms, whole-projection q/k norms
+    # mixtures of experts: 4 experts, top 2; Mixtral renormalizes always
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # a sigmoid-gated shared expert, routing weights not renormalized, layer 1 dense
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 48,
+                                     "mlp_only_layers": [1]}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "head_dim": 16,
+                                     "norm_topk_prob": True}),
 }
 
 

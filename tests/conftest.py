@@ -25,6 +25,9 @@ tiny_phi3_dir = _tiny_checkpoint_fixture("phi3", tie=False)
 tiny_granite_dir = _tiny_checkpoint_fixture("granite", tie=True)
 tiny_gemma_dir = _tiny_checkpoint_fixture("gemma", tie=True)
 tiny_olmo2_dir = _tiny_checkpoint_fixture("olmo2", tie=False)
+tiny_mixtral_dir = _tiny_checkpoint_fixture("mixtral", tie=False)
+tiny_qwen2_moe_dir = _tiny_checkpoint_fixture("qwen2_moe", tie=False)
+tiny_qwen3_moe_dir = _tiny_checkpoint_fixture("qwen3_moe", tie=False)
 
 
 @pytest.fixture(scope="session")

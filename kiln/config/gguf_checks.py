@@ -64,7 +64,9 @@ def check_file(table: dict, gguf: Path) -> None:
     if (isinstance(experts, int) and experts > 0) or expert_tensors:
         what = f"{arch}.expert_count = {experts}" if experts else f"tensor {expert_tensors[0]}"
         raise ConfigError(f"GGUF file {gguf} holds a mixture-of-experts model ({what}); Kiln "
-                          "runs dense models only (Llama, Mistral, Qwen2, Qwen3)")
+                          "runs GGUF files of dense models only (Llama, Mistral, Qwen2, Qwen3): "
+                          "serve the model's Hugging Face checkpoint instead (Mixtral, "
+                          "Qwen2-MoE and Qwen3-MoE safetensors are supported)")
 
 
 def check_metadata(table: dict, gguf: Path) -> None:

@@ -71,6 +71,7 @@ class KilnConfig(FreezableConfig):
                 f"max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({sched.max_num_seqs}); raise --max-num-batched-tokens or lower --max-num-seqs")
         self._check_memory()
+        self._check_moe()
         check_speculative(self.speculative_config, self.parallel_config)
         self._check_binding()
         if self.lora_config is not None:
@@ -92,6 +93,25 @@ class KilnConfig(FreezableConfig):
                                   f"({sched.max_num_batched_tokens}): no step has that many "
                                   "tokens; drop it from compilation_config.compile_sizes or "
                                   "raise --max-num-batched-tokens")
+
+    def _check_moe(self) -> None:
+        """What Kiln's mixture-of-experts models do not run, refused by flag before loading."""
+        from kiln.model.registry import MOE_ARCHITECTURES
+
+        m = self.model_config
+        if m.architecture not in MOE_ARCHITECTURES:
+            return
+        if m.quantization == "compressed-tensors":
+            raise ConfigError(f"{m.architecture} with a quantization_config (compressed-tensors):"
+                              " Kiln has no quantized kernel for a mixture of experts' expert "
+                              "weights; serve the float checkpoint")
+        if m.quantization is not None:
+            raise ConfigError(f"--quantization {m.quantization}: Kiln has no quantized kernel "
+                              f"for the expert weights of {m.architecture} (a mixture of "
+                              "experts, where they are most of the model); drop --quantization")
+        if self.lora_config is not None:
+            raise ConfigError(f"--enable-lora: LoRA adapters on {m.architecture} (a mixture of "
+                              "experts) are not supported; drop --enable-lora")
 
     def _check_memory(self) -> None:
         """Sizes whose buffers no machine here could hold are refused by flag, before anything

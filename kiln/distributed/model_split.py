@@ -18,10 +18,12 @@ def parallel_split_errors(hf_config, tp: int, pp: int) -> list[str]:
     if kv_heads % tp and tp % kv_heads:
         errors.append(f"num_key_value_heads ({kv_heads}) and tensor_parallel_size ({tp}) must "
                       "divide one another (KV heads are split, or replicated past their count)")
-    inter = getattr(hf_config, "intermediate_size", 0)
-    if inter % tp:
-        errors.append(f"intermediate_size ({inter}) is not divisible by tensor_parallel_size "
-                      f"({tp})")
+    # the dense MLP's, each expert's (a mixture of experts splits every expert), the shared one's
+    for field in ("intermediate_size", "moe_intermediate_size",
+                  "shared_expert_intermediate_size"):
+        inter = getattr(hf_config, field, None) or 0
+        if inter % tp:
+            errors.append(f"{field} ({inter}) is not divisible by tensor_parallel_size ({tp})")
     layers = hf_config.num_hidden_layers
     if layers < pp:
         errors.append(f"num_hidden_layers ({layers}) is fewer than pipeline_parallel_size "

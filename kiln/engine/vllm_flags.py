@@ -119,7 +119,12 @@ VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--enable-sleep-mode",), "freeing GPU memory while the engine sleeps", "Kiln has "
              "no sleep mode: stop the server to free the GPU", takes_value=False),
     VllmFlag(("--model-impl",), "choosing vLLM's or transformers' model code", "Kiln runs its "
-             "own (Llama, Qwen2, Qwen3, Phi-3, Granite, Gemma, OLMo-2)", accepted=("auto",)),
+             "own (Llama, Qwen2, Qwen3, Phi-3, Granite, Gemma, OLMo-2, Mixtral, Qwen2-MoE, "
+             "Qwen3-MoE)", accepted=("auto",)),
+    VllmFlag(("--enable-expert-parallel",), "placing whole experts of a mixture of experts on "
+             "each rank", "Kiln splits every expert's intermediate dimension over the "
+             "--tensor-parallel-size ranks instead (vLLM's default without the flag)",
+             takes_value=False),
     VllmFlag(("--enable-server-load-tracking",), "counting requests in flight for GET /load",
              "Kiln always counts them", takes_value=False, accepted_alone=True),
     VllmFlag(("--prefix-caching-hash-algo",), "choosing the hash of prefix-cache blocks",

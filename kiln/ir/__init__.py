@@ -24,6 +24,7 @@ from kiln.ir.layer_ops import (
                                silu_and_mul,
 )
 from kiln.ir.lora import lora_add
+from kiln.ir.moe import fused_moe
 from kiln.ir.op import PROVIDERS, REGISTRY, Implementation, IrOp
 from kiln.ir.selection import (
                                Selection,
@@ -40,7 +41,7 @@ quant_fp8.register()
 
 __all__ = ["PROVIDERS", "REGISTRY", "Implementation", "IrOp", "Selection", "all_reduce",
            "applied", "apply", "check_priority", "fused_add_rms_norm",
-           "fused_add_rms_norm_f32_scale", "gelu_tanh_and_mul", "gguf_embedding",
+           "fused_add_rms_norm_f32_scale", "fused_moe", "gelu_tanh_and_mul", "gguf_embedding",
            "gguf_linear", "linear", "lora_add", "parse_cli", "resolve", "rms_norm",
            "rms_norm_f32_scale", "rotary_embedding", "silu_and_mul", "unified_attention", "quant",
            "int8_panels"]

@@ -1,5 +1,7 @@
-"""HF checkpoint tensor names against Kiln's parameters: the merged projections' parts, the bias
-tensors a config implies, and why a tensor fits no parameter (loaders and load_weights use them)."""
+"""HF checkpoint tensor names against Kiln's parameters: the merged projections' parts, the experts'
+stacked tensors, the bias tensors a config implies, and why a tensor fits no parameter."""
+import re
+from typing import NamedTuple
 
 
 def config_bias(hf_config, field: str) -> bool:
@@ -10,7 +12,8 @@ def config_bias(hf_config, field: str) -> bool:
     model_type = getattr(hf_config, "model_type", "llama")
     reads = {"mistral": (), "phi3": (), "gemma": ("attention_bias",),
              "olmo2": ("attention_bias",), "qwen2": ("attention_bias",),
-             "qwen3": ("attention_bias",)}
+             "qwen3": ("attention_bias",), "mixtral": (), "qwen2_moe": (),
+             "qwen3_moe": ("attention_bias",)}
     return field in reads.get(model_type, (field,)) and bool(getattr(hf_config, field, False))
 
 
@@ -24,8 +27,30 @@ STACKED_PARAMS = [
 ]
 
 
-def merged_target(name: str) -> tuple[str, str | int | None]:
+class ExpertShard(NamedTuple):
+    """One expert's part of a stacked expert tensor: w1 (gate), w3 (up) of w13_weight, or w2
+    (down) of w2_weight (kiln/model/layers/fused_moe.py)."""
+    expert: int
+    part: str
+
+    def __str__(self) -> str:
+        return f"expert {self.expert} {self.part}"
+
+
+# each expert's own tensor: Mixtral's w1 / w3 / w2, the Qwen MoEs' gate / up / down_proj
+_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_PARTS = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2",
+                 "down_proj": "w2"}
+
+
+def merged_target(name: str) -> tuple[str, str | int | ExpertShard | None]:
     """(Kiln parameter name, shard id) for an HF tensor name; shard id None when unmerged."""
+    expert = _EXPERT_TENSOR.search(name)
+    if expert is not None:
+        part = _EXPERT_PARTS[expert.group(2)]
+        stacked = "w2_weight" if part == "w2" else "w13_weight"
+        return (f"{name[:expert.start()]}.experts.{stacked}",
+                ExpertShard(int(expert.group(1)), part))
     for merged, part, shard_id in STACKED_PARAMS:
         if part + "." in name:
             return name.replace(part + ".", merged + "."), shard_id

@@ -42,16 +42,19 @@ class LlamaMLP(nn.Module):
     # hidden_act -> the gated activation over [gate | up] (GemmaMLP names GeGLU's)
     activations = {"silu": SiluAndMul}
 
-    def __init__(self, hf_config, prefix: str):
+    def __init__(self, hf_config, prefix: str, intermediate_size: int | None = None,
+                 reduce_results: bool = True):
         super().__init__()
         bias = config_bias(hf_config, "mlp_bias")
         act = getattr(hf_config, "hidden_act", "silu")
         if act not in self.activations:
             raise ConfigError(f"{prefix}: hidden_act {act!r} is not supported; only "
                               f"{', '.join(map(repr, self.activations))}")
-        inter = hf_config.intermediate_size
+        # a mixture-of-experts block's shared expert: its own size, summed with the experts'
+        inter = intermediate_size or hf_config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(hf_config.hidden_size, [inter, inter], bias)
-        self.down_proj = RowParallelLinear(inter, hf_config.hidden_size, bias)
+        self.down_proj = RowParallelLinear(inter, hf_config.hidden_size, bias,
+                                           reduce_results=reduce_results)
         self.act_fn = self.activations[act]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -269,11 +272,14 @@ class LlamaStyleForCausalLM(nn.Module):
 
     def _check_complete(self, params: dict, loaded: set[str]) -> None:
         missing = []
-        for name in params:
+        for name, param in params.items():
             if self.tie_word_embeddings and name == "lm_head.weight" \
                     and not self.head_loads_embedding:
                 continue
-            for _, shard in checkpoint_parts(name):
+            # stacked experts (kiln/model/layers/fused_moe.py) name their own parts
+            shards = getattr(param, "shard_ids", None)
+            parts = [(name, s) for s in shards] if shards else checkpoint_parts(name)
+            for _, shard in parts:
                 if shard is None and name not in loaded:
                     missing.append(name)
                 elif shard is not None and f"{name}#{shard}" not in loaded:

@@ -11,10 +11,13 @@ _MODELS = {
     "GraniteForCausalLM": ("kiln.model.granite", "GraniteForCausalLM"),
     "LlamaForCausalLM": ("kiln.model.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("kiln.model.llama", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ("kiln.model.mixtral", "MixtralForCausalLM"),
     "Olmo2ForCausalLM": ("kiln.model.olmo2", "Olmo2ForCausalLM"),
     "Phi3ForCausalLM": ("kiln.model.phi3", "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": ("kiln.model.qwen2", "Qwen2ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("kiln.model.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3ForCausalLM": ("kiln.model.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("kiln.model.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 # HF's *ForSequenceClassification: the family's backbone and a score head (seq_cls.py)
 _SEQ_CLS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
@@ -24,8 +27,11 @@ _SEQ_CLS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
 
 # IR ops only some families call, by architecture (what `kiln compile`'s report lists as used).
 _F32_NORMS = ("rms_norm_f32_scale", "fused_add_rms_norm_f32_scale")
+# The mixture-of-experts families (kiln/model/layers/fused_moe.py).
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _FAMILY_OPS = {"GemmaForCausalLM": (*_F32_NORMS, "gelu_tanh_and_mul"),
-               "Olmo2ForCausalLM": _F32_NORMS}
+               "Olmo2ForCausalLM": _F32_NORMS,
+               **{arch: ("fused_moe",) for arch in MOE_ARCHITECTURES}}
 
 
 def ir_ops_not_called(architecture: str) -> set[str]:

@@ -62,7 +62,9 @@ def test_cold_run_reports_pieces_shapes_and_compiles(cold, cache_dir):
                    # Gemma / OLMo-2's ops: the torch reference only
                    "rms_norm_f32_scale": "torch", "fused_add_rms_norm_f32_scale": "torch",
                    "gelu_tanh_and_mul": "torch",
-                   "lora_add": "native"}  # the by-slot provider (kiln/ir/lora.py)
+                   "lora_add": "native",  # the by-slot provider (kiln/ir/lora.py)
+                   # the MoE families' experts: the torch reference, one opaque node
+                   "fused_moe": "torch"}
     # quant, two GEMMs, the GEMM + SiLU + quant, three norm or activation + quant
     assert len(int8) == 7 and set(int8.values()) == {"native" if int8_ops.isa() else "torch"}
     assert cold["pieces"] == {"total": 2 * n + 1, "compiled": n + 1, "graphs": 1}
@@ -131,8 +133,18 @@ def test_ir_ops_line_lists_the_models_ops_only(tiny_llama_dir, capsys, quantizat
     (line,) = [x for x in format_report(report).splitlines() if x.startswith("ir ops")]
     assert "fp8" not in line and "gguf" not in line and "all_reduce" not in line
     assert "f32_scale" not in line and "gelu" not in line  # Gemma's / OLMo-2's ops
+    assert "fused_moe" not in line  # the MoE families' op
     assert ("int8" in line) == (quantization == "int8") and "rms_norm " in line
     assert "gguf_linear" in report["ir_ops"]
+
+
+def test_ir_ops_line_lists_fused_moe_for_a_moe_model(tiny_qwen3_moe_dir, capsys):
+    args = build_parser().parse_args(["compile", "--json", "--model", str(tiny_qwen3_moe_dir),
+                                      *SMALL, "-O0"])
+    assert args.func(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    (line,) = [x for x in format_report(report).splitlines() if x.startswith("ir ops")]
+    assert "fused_moe torch" in line and "gelu" not in line
 
 
 def test_mode0_text_report_in_process(tiny_llama_dir, capsys):

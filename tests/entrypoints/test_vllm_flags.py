@@ -102,7 +102,8 @@ TESTER_FLAGS = [
     "--disable-custom-all-reduce", "--enable-log-requests", "--chat-template-content-format",
     "--async-scheduling",
     "--cpu-offload-gb", "--enable-sleep-mode", "--model-impl", "--api-server-count",
-    "--rope-scaling", "--rope-theta", "--kv-cache-memory-bytes", "--logprobs-mode"]
+    "--rope-scaling", "--rope-theta", "--kv-cache-memory-bytes", "--logprobs-mode",
+    "--enable-expert-parallel"]
 
 
 def _engine_commands(parser=None, prefix=()):

@@ -1,5 +1,6 @@
 """Config variants real checkpoints use, against HF transformers (float32 logits through prefill
-and paged decode): explicit head_dim, biases, tying, MQA, rope scaling, sliding windows.
+and paged decode): explicit head_dim, biases, tying, MQA, rope scaling, sliding windows, MoE
+layouts.
 
 Every parameter is random here, biases and norm weights included, so a bias or norm loaded into
 the wrong place (or left out) shows in the logits.
@@ -100,6 +101,17 @@ CASES = {
     "qwen3_mlp_bias_unread": ("Qwen3Config", dict(head_dim=16, mlp_bias=True)),
     "mistral_biases_unread": ("MistralConfig", dict(sliding_window=None, attention_bias=True,
                                                     mlp_bias=True)),
+    # mixtures of experts: random q/k/v biases and norms, every second layer sparse, top-1
+    # routing renormalized (Qwen2-MoE's qkv_bias off: no bias tensors)
+    "qwen2_moe_sparse_step_bias": ("Qwen2MoeConfig", dict(
+        num_experts=3, num_experts_per_tok=1, moe_intermediate_size=16, norm_topk_prob=True,
+        shared_expert_intermediate_size=24, decoder_sparse_step=2)),
+    "qwen2_moe_no_qkv_bias": ("Qwen2MoeConfig", dict(
+        num_experts=4, num_experts_per_tok=3, moe_intermediate_size=16, qkv_bias=False,
+        shared_expert_intermediate_size=24)),
+    "qwen3_moe_bias_tied": ("Qwen3MoeConfig", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=16,
+        attention_bias=True, tie_word_embeddings=True)),
 }
 
 

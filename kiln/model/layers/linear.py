@@ -122,7 +122,14 @@ class ColumnParallelLinear(LinearBase):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial outputs are summed across ranks."""
+    """Input features split across ranks; partial outputs are summed across ranks (unless
+    `reduce_results` is False: the caller sums them, once with other partial sums, as a
+    mixture-of-experts block does with its shared expert)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_rank: int | None = None,
+                 tp_size: int | None = None, reduce_results: bool = True):
+        self.reduce_results = reduce_results
+        super().__init__(input_size, output_size, bias, tp_rank, tp_size)
 
     def _in_local(self) -> int:
         return _split(self.input_size, self.tp_size, "input size")
@@ -142,8 +149,10 @@ class RowParallelLinear(LinearBase):
         return super().forward(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.partial_sum(x)
-        return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
+        out = self.partial_sum(x)  # [T, hidden], this rank's partial sum
+        if self.tp_size > 1 and self.reduce_results:
+            return tensor_model_parallel_all_reduce(out)
+        return out
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
