@@ -3,8 +3,8 @@
 The fused tensors (`qkv_proj`, `gate_up_proj`, and any `weight_scale` / bias beside them) are
 split into their HF-style parts on load, so the merged layers' per-shard loaders place (and
 shard under tensor parallelism) each part as they do for Llama. Phi-3's rope is neox-style over
-the whole head; `longrope` (the 128k checkpoints) is refused by kiln/config/rope.py naming
-rope_scaling, and a partial rotary factor other than 1 is refused here.
+the whole head (`longrope`, the 128k checkpoints': kiln/model/layers/longrope.py); a partial
+rotary factor other than 1 is refused here.
 """
 from collections.abc import Iterable, Iterator
 
