@@ -79,6 +79,8 @@ def split_fused(name: str, tensor: torch.Tensor, hf_config) -> list[tuple[str, t
 
 class Phi3ForCausalLM(LlamaStyleForCausalLM):
     model_cls = Phi3Model
+    # the checkpoint's own module names: what a compressed-tensors ignore / targets list names
+    fused_checkpoint_modules = ("qkv_proj", "gate_up_proj")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def unfused() -> Iterator[tuple[str, torch.Tensor]]:
