@@ -133,7 +133,9 @@ def test_family_gguf_matches_hf(arch, tie, overrides, types, tmp_path):
 
 def test_phi3_longrope_gguf_matches_hf(tmp_path):
     """A 128k-style file: longrope's factors as rope_factors_long / _short tensors, the original
-    context length and attention factor as metadata; a sequence past the original length."""
+    context length and attention factor as metadata. An engine within the original length (the
+    short factors; its start saves the weight snapshot), then one past it: the snapshot kept
+    the first one's rotary cache, and the second ran the short factors."""
     hf_dir = make_tiny_checkpoint(
         tmp_path / "hf", "phi3", tie=False, original_max_position_embeddings=32,
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.2 * i for i in range(8)],
@@ -141,6 +143,7 @@ def test_phi3_longrope_gguf_matches_hf(tmp_path):
     path = write_family_gguf(tmp_path / "m.gguf", hf_dir, "phi3")
     config = gguf_metadata.load_config(path)
     assert config.rope_parameters["rope_type"] == "longrope" and config.sliding_window is None
+    assert logits_diff(path, hf_dir, seq_len=30, max_model_len=32) < TOL
     assert logits_diff(path, hf_dir, seq_len=45) < TOL
 
 

@@ -43,3 +43,14 @@ def longrope_mscale(scaling: dict) -> float:
     factor = float(scaling["factor"])
     original = float(scaling["original_max_position_embeddings"])
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def rope_variant(hf_config, max_model_len: int | None) -> str | None:
+    """"long" or "short": the factors a longrope model's rotary cache holds, for keys of what
+    is kept of a loaded model (weight_snapshot.py); None for any other rope."""
+    from kiln.config.rope import get_rope_config
+
+    _, scaling = get_rope_config(hf_config)
+    if scaling is None or scaling["rope_type"] != "longrope":
+        return None
+    return "long" if uses_long_factors(scaling, max_model_len) else "short"
