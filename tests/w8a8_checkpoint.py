@@ -9,7 +9,9 @@ from pathlib import Path
 
 import torch
 
-LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3's checkpoints hold q/k/v and gate/up fused: qkv_proj, gate_up_proj (one scale per row).
+LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                   "qkv_proj", "gate_up_proj")
 
 
 def w8a8_quantization_config(**overrides) -> dict:
@@ -38,8 +40,11 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def write_w8a8_checkpoint(src: Path, dst: Path, scale_dtype=torch.float32,
-                          **config_overrides) -> Path:
-    """Copy `src` to `dst` with every decoder linear stored W8A8 int8."""
+                          keep_float: str | None = None, **config_overrides) -> Path:
+    """Copy `src` to `dst` with every decoder linear stored W8A8 int8, except those whose
+    module name matches the regex `keep_float` (as an `ignore` list leaves them)."""
+    import re
+
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst, dirs_exist_ok=True)
@@ -47,7 +52,8 @@ def write_w8a8_checkpoint(src: Path, dst: Path, scale_dtype=torch.float32,
     out = {}
     for name, t in tensors.items():
         module = name.removesuffix(".weight")
-        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEAR_SUFFIXES:
+        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEAR_SUFFIXES and not (
+                keep_float and re.fullmatch(keep_float, module)):
             q, scale = quantize_rows(t)
             out[name], out[module + ".weight_scale"] = q, scale.to(scale_dtype)
         else:

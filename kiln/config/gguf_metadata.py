@@ -18,7 +18,7 @@ from typing import Any
 
 from kiln import envs
 from kiln.atomic_write import temporary_beside
-from kiln.config import gguf_checks
+from kiln.config import gguf_arch_config, gguf_checks
 from kiln.errors import ConfigError
 from kiln.logger import init_logger
 
@@ -29,8 +29,8 @@ logger = init_logger(__name__)
 # metadata gguf_checks reads, 7: more of it (sizes' types, token ids), 8: tensors' dims,
 # 9: the tokenizer's model and pre-tokenizer type (a tokenizer kept before splits no digits),
 # 10: rope scaling read as llama.cpp reads it (rope.scale_linear, a missing type or factor),
-# 11: rope.dimension_count.
-_FORMAT = 11
+# 11: rope.dimension_count, 12: gguf_arch_config's metadata (Phi-3, Gemma, Granite, OLMo-2).
+_FORMAT = 12
 
 
 def converted_dir(gguf: Path) -> Path:
@@ -92,19 +92,24 @@ def load_config(gguf: Path):
         from kiln.config.hf_config_snapshot import config_refused
 
         try:
-            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                trust_remote_code=False)
+            if table["architecture"] in gguf_arch_config.OWN_CONFIG_ARCHITECTURES:
+                config = gguf_arch_config.build_config(table)  # transformers converts none
+            else:
+                config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                    trust_remote_code=False)
         except StrictDataclassError as e:  # its validators: head_count not dividing, ...
             raise config_refused(e, gguf) from e
         config.name_or_path = str(gguf.parent)  # what transformers names it
-        _apply_rope_scaling(config, table.get("rope_scaling"))
+        if table["architecture"] == "phi3":
+            gguf_arch_config.complete_phi3(config, table, gguf)
+        apply_rope_scaling(config, table.get("rope_scaling"))
         _apply_head_size(config, table.get("head_size"), gguf)
         _check_rotary_dims(config, table, gguf)
         return config
     return cached_snapshot(converted_dir(gguf) / "config" / "config.json", convert)
 
 
-def _apply_rope_scaling(config, scaling: dict | None) -> None:
+def apply_rope_scaling(config, scaling: dict | None) -> None:
     """Put the file's `{arch}.rope.scaling.*` metadata into the config, which transformers'
     GGUF conversion drops: a linearly scaled model would run unscaled, positions all wrong
     (and a yarn one must be refused by the rotary embedding, not served unscaled)."""
@@ -174,7 +179,8 @@ def _tensor_table(gguf_path: Path) -> dict:
             "tokenizer": {"model": _field(reader, "tokenizer.ggml.model"),
                           "pre": _field(reader, "tokenizer.ggml.pre")},
             "metadata": {key: _summary(reader.fields[key])
-                         for key in gguf_checks.metadata_keys(arch) if key in reader.fields},
+                         for key in gguf_checks.metadata_keys(arch)
+                         + gguf_arch_config.metadata_keys(arch) if key in reader.fields},
             "tensors": [{"name": t.name, "type": int(t.tensor_type), "dtype": t.data.dtype.str,
                          "shape": list(t.data.shape), "dims": _dims(t),
                          "offset": int(t.data_offset),

@@ -16,14 +16,18 @@ def convert(gguf: Path, table: dict):
     type (`table["tokenizer"]`, from gguf_metadata's tensor table) says so."""
     from transformers import AutoTokenizer
 
+    from kiln.config.gguf_arch_config import OWN_CONFIG_ARCHITECTURES
     from kiln.config.remote_code import checkpoint_code_message, needs_checkpoint_code
     from kiln.errors import ConfigError
 
+    # AutoTokenizer converts the file's config first, which transformers cannot for these:
+    # its GGUF tokenizer conversion itself (by tokenizer.ggml.model) runs without it
+    reader = _backend_class() if table.get("architecture") in OWN_CONFIG_ARCHITECTURES \
+        else AutoTokenizer
     try:
         # transformers reads the folder's tokenizer_config.json beside the file too: one naming
         # its own code (auto_map) made it ask on stdin and run that code on "y"
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                            trust_remote_code=False)
+        tok = reader.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
     except ValueError as e:
         if not needs_checkpoint_code(e):
             raise
@@ -49,6 +53,15 @@ def _split_digits_first(tok) -> None:
         return  # a conversion that already splits this vocabulary's way
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), current])
+
+
+def _backend_class():
+    try:
+        from transformers import TokenizersBackend  # transformers 5
+        return TokenizersBackend
+    except ImportError:  # 4.x
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast
 
 
 def read(part: Path):

@@ -5,11 +5,16 @@ import numbers
 
 from kiln.errors import ConfigError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 # The numbers each type's formula divides by (kiln/model/layers/rotary_embedding.py).
 _POSITIVE_FIELDS = {"linear": ("factor",),
                     "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                               "original_max_position_embeddings")}
+                               "original_max_position_embeddings"),
+                    "longrope": ("factor", "original_max_position_embeddings")}
+# Fields a type may leave out, checked where given.
+_OPTIONAL_POSITIVE_FIELDS = {"longrope": ("attention_factor",)}
+# Per-frequency factor lists (their length, head_dim / 2, is checked by the rotary embedding).
+_FACTOR_LISTS = {"longrope": ("short_factor", "long_factor")}
 
 
 def _positive(value) -> bool:
@@ -21,11 +26,34 @@ def _check_numbers(scaling: dict) -> None:
     """transformers only warns about a factor that is not a number >= 1 and loads the config:
     "abc" then failed as 'could not convert string to float', and -2 (or 0) as a traceback
     building a rotary cache of negative length, neither naming the field."""
-    for name in _POSITIVE_FIELDS.get(scaling["rope_type"], ()):
+    rope_type = scaling["rope_type"]
+    optional = _OPTIONAL_POSITIVE_FIELDS.get(rope_type, ())
+    for name in _POSITIVE_FIELDS.get(rope_type, ()) + optional:
         value = scaling.get(name)
-        if not _positive(value):
+        if (value is not None or name not in optional) and not _positive(value):
             raise ConfigError(f"rope_scaling {name} must be a finite number > 0 for rope_type "
-                              f"{scaling['rope_type']!r}, got {value!r}")
+                              f"{rope_type!r}, got {value!r}")
+    for name in _FACTOR_LISTS.get(rope_type, ()):
+        value = scaling.get(name)
+        if not isinstance(value, (list, tuple)) or not value or \
+                not all(_positive(v) for v in value):
+            raise ConfigError(f"rope_scaling {name} must be a list of finite numbers > 0 (one "
+                              f"per rotary frequency, head_dim / 2) for rope_type "
+                              f"{rope_type!r}, got {value!r}")
+
+
+def _complete_longrope(scaling: dict, hf_config) -> None:
+    """HF's longrope reads original_max_position_embeddings from the config's top level where
+    set (Phi-3's configs keep it there), and without a `factor` takes max_position_embeddings
+    over it (which sets the attention factor): both put in the dict, so the rotary embedding
+    needs nothing else of the config."""
+    original = getattr(hf_config, "original_max_position_embeddings", None)
+    if original is not None:
+        scaling["original_max_position_embeddings"] = original
+    original = scaling.get("original_max_position_embeddings")
+    if scaling.get("factor") is None and _positive(original):
+        longest = getattr(hf_config, "max_position_embeddings", None) or original
+        scaling["factor"] = longest / original
 
 
 def get_rope_config(hf_config) -> tuple[float, dict | None]:
@@ -56,6 +84,8 @@ def get_rope_config(hf_config) -> tuple[float, dict | None]:
             raise ConfigError(f"rope_scaling type {rope_type!r} is not supported; supported: "
                               f"{', '.join(SUPPORTED_ROPE_TYPES)}")
         scaling["rope_type"] = rope_type
+        if rope_type == "longrope":
+            _complete_longrope(scaling, hf_config)
         _check_numbers(scaling)
         if rope_type == "default":
             scaling = None

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kiln.compilation.decorator import support_torch_compile
+from kiln.config import get_current_kiln_config
 from kiln.config.rope import get_rope_config, max_positions_of
 from kiln.distributed.parallel_state import get_pp_group
 from kiln.distributed.pipeline import PPMissingLayer, this_stage_layer_range
@@ -76,9 +77,11 @@ class LlamaAttention(nn.Module):
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size
         theta, scaling = get_rope_config(hf_config)
-        # every position max_model_len may reach (a linear scaling's factor times more)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, max_positions_of(hf_config), theta,
-                                          scaling)
+        # every position max_model_len may reach (a linear scaling's factor times more); the
+        # length also picks longrope's factors
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim, max_positions_of(hf_config), theta, scaling,
+            get_current_kiln_config().model_config.max_model_len)
         self.attn = Attention(self.num_heads, self.head_dim, self.softmax_scale(hf_config),
                               self.num_kv_heads, prefix=f"{prefix}.attn")
 

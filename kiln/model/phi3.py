@@ -3,8 +3,8 @@
 The fused tensors (`qkv_proj`, `gate_up_proj`, and any `weight_scale` / bias beside them) are
 split into their HF-style parts on load, so the merged layers' per-shard loaders place (and
 shard under tensor parallelism) each part as they do for Llama. Phi-3's rope is neox-style over
-the whole head; `longrope` (the 128k checkpoints) is refused by kiln/config/rope.py naming
-rope_scaling, and a partial rotary factor other than 1 is refused here.
+the whole head (`longrope`, the 128k checkpoints': kiln/model/layers/longrope.py); a partial
+rotary factor other than 1 is refused here.
 """
 from collections.abc import Iterable, Iterator
 
@@ -79,6 +79,8 @@ def split_fused(name: str, tensor: torch.Tensor, hf_config) -> list[tuple[str, t
 
 class Phi3ForCausalLM(LlamaStyleForCausalLM):
     model_cls = Phi3Model
+    # the checkpoint's own module names: what a compressed-tensors ignore / targets list names
+    fused_checkpoint_modules = ("qkv_proj", "gate_up_proj")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def unfused() -> Iterator[tuple[str, torch.Tensor]]:

@@ -12,7 +12,8 @@ from linear_calls import run_native
 from kiln.ir import gguf_layout
 from kiln.model.layers import cpu_gemm
 from kiln.model.loader import build_model
-from kiln.model.loader.gguf_loader import gguf_to_hf_name, load_gguf_weights, unpermute_rope_rows
+from kiln.model.loader.gguf_loader import load_gguf_weights
+from kiln.model.loader.gguf_names import gguf_to_hf_name, unpermute_rope_rows
 from kiln.native import gguf_matmul, linear_op
 from model._attn_helper import greedy_generate, kiln_config_for
 
@@ -416,15 +417,16 @@ def test_a_gguf_file_with_load_format_safetensors_names_the_flag(tiny_llama_dir,
 
 def test_an_architecture_kiln_lacks_is_refused_naming_the_file_and_what_it_runs(
         tiny_llama_dir, tmp_path):
-    """Before transformers reads the file: its own refusal ("GGUF model with architecture gemma
-    is not supported yet") named neither the file nor Kiln's architectures."""
+    """Before transformers reads the file: its own refusal ("GGUF model with architecture
+    starcoder2 is not supported yet") named neither the file nor Kiln's architectures."""
     from safetensors.torch import load_file
 
     from kiln.config import ModelConfig
 
-    path = tmp_path / "gemma.gguf"
+    path = tmp_path / "starcoder2.gguf"
     write_tiny_gguf(path, load_file(str(tiny_llama_dir / "model.safetensors")),
-                    kiln_config_for(tiny_llama_dir).model_config.hf_config, arch="gemma")
-    with pytest.raises(ValueError, match=r"gemma.gguf: architecture 'gemma' is not supported; "
-                                         r"supported: llama, mistral, qwen2, qwen3"):
+                    kiln_config_for(tiny_llama_dir).model_config.hf_config, arch="starcoder2")
+    with pytest.raises(ValueError, match=r"starcoder2.gguf: architecture 'starcoder2' is not "
+                       r"supported; supported: llama, mistral, qwen2, qwen3, phi3, gemma, "
+                       r"granite, olmo2"):
         ModelConfig(model=str(path))

@@ -95,11 +95,11 @@ def write_gguf(path, hf_dir, types: dict | None = None, extra: dict | None = Non
     return path
 
 
-def logits_diff(gguf_path, hf_dir, seq_len: int = 30) -> float:
+def logits_diff(gguf_path, hf_dir, seq_len: int = 30, **config_kw) -> float:
     """Kiln on the GGUF (prefill, then 4 decode steps) vs HF on the checkpoint, max abs diff."""
     from transformers import AutoModelForCausalLM
 
-    cfg = kiln_config_for(gguf_path)
+    cfg = kiln_config_for(gguf_path, **config_kw)
     model = get_model(cfg)
     allocate_kv_caches(model, cfg, 64, 4)
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()

@@ -134,9 +134,6 @@ def test_unsupported_rope_scaling_is_refused(rope_scaling, what, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, what", [
-    (dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
-                        "long_factor": [2.0] * 8}, original_max_position_embeddings=256),
-     "rope_scaling type 'longrope' is not supported"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not supported"),
 ])
 def test_phi3_settings_kiln_cannot_run_are_refused_naming_the_field(overrides, what, tmp_path):

@@ -1,7 +1,8 @@
 """Rotary position embedding (neox style, as HF Llama): a cos/sin cache indexed by positions, and
 the IR op `rotary_embedding` (kiln/ir/layer_ops.py) applying it.
 
-Its settings (theta, scaling) are read by kiln/config/rope.py.
+Its settings (theta, scaling) are read by kiln/config/rope.py; longrope's choice of factors is
+longrope.py's.
 """
 import math
 
@@ -10,11 +11,17 @@ from torch import nn
 
 from kiln import ir
 from kiln.errors import ConfigError
+from kiln.model.layers.longrope import longrope_factors, longrope_mscale
 
 
-def compute_inv_freq(rotary_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies [rotary_dim // 2] in float32, with HF's formulas for each rope type."""
+def compute_inv_freq(rotary_dim: int, base: float, scaling: dict | None,
+                     max_model_len: int | None = None) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim // 2] in float32, with HF's formulas for each rope type
+    (longrope's factors chosen by `max_model_len`: longrope.py)."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        factors = longrope_factors(scaling, rotary_dim, max_model_len)
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** exponents)
     inv_freq = 1.0 / (base ** exponents)
     if scaling is None:
         return inv_freq
@@ -35,10 +42,12 @@ def compute_inv_freq(rotary_dim: int, base: float, scaling: dict | None) -> torc
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_size: int, max_position: int, base: float,
-                 scaling: dict | None = None):
+                 scaling: dict | None = None, max_model_len: int | None = None):
         super().__init__()
         self.head_size, self.max_position, self.scaling = head_size, max_position, scaling
-        self.inv_freq = compute_inv_freq(head_size, base, scaling)  # [hd/2], float32
+        self.inv_freq = compute_inv_freq(head_size, base, scaling, max_model_len)  # [hd/2] f32
+        # longrope scales cos and sin (HF's attention_scaling): the logits' temperature
+        self.mscale = longrope_mscale(scaling) if scaling is not None else 1.0
         # float32 whatever the model dtype; cast at use, as HF does.
         self.register_buffer("cos_sin_cache", self._cos_sin(self.inv_freq),
                              persistent=False)  # [max_pos, hd]
@@ -46,7 +55,8 @@ class RotaryEmbedding(nn.Module):
     def _cos_sin(self, inv_freq: torch.Tensor) -> torch.Tensor:
         t = torch.arange(self.max_position, dtype=torch.float32, device=inv_freq.device)
         freqs = torch.outer(t, inv_freq.to(torch.float32))  # [max_pos, hd/2]
-        return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.float32)
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.float32)
+        return cos_sin if self.mscale == 1.0 else cos_sin * self.mscale
 
     def divide_frequencies(self, factors: torch.Tensor) -> None:
         """Divide each frequency by its factor [hd/2]: how llama.cpp files carry rope scaling

@@ -1,10 +1,10 @@
 """Loads a GGUF file: dequantizes each tensor with `gguf` and renames llama.cpp names to HF ones.
 
-llama.cpp stores Llama's q/k rows permuted for its rope layout; that permutation is undone here.
+llama.cpp stores Llama's q/k rows permuted for its rope layout (and Gemma's norms as 1 + w);
+that is undone here, by each architecture's rules in gguf_names.py.
 On CPU, linear weights in Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K also keep the file's blocks,
 which small decode steps read instead of the float32 copy (kiln/model/layers/cpu_gemm.py).
 """
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,63 +14,15 @@ from torch import nn
 
 from kiln.errors import ConfigError
 from kiln.logger import init_logger
+from kiln.model.loader.gguf_names import (
+    gguf_to_hf_name,
+    hf_to_gguf_name,
+    norm_shift,
+    permuted_heads,
+    unpermute_rope_rows,
+)
 
 logger = init_logger(__name__)
-
-# llama.cpp permutes q/k rows only for the architectures it ropes in the "normal" (GPT-J) style.
-_PERMUTED_ARCHITECTURES = ("llama", "mistral")
-
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-_GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
-
-
-def gguf_to_hf_name(name: str) -> str | None:
-    """HF parameter name for a llama.cpp tensor name; None for tensors Kiln does not use."""
-    m = _BLOCK_RE.match(name)
-    if m:
-        layer, part, kind = m.groups()
-        hf = _BLOCK_NAMES.get(part)
-        return f"model.layers.{layer}.{hf}.{kind}" if hf else None
-    m = _GLOBAL_RE.match(name)
-    if m and m.group(1) in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
-    return None
-
-
-def hf_to_gguf_name(hf_name: str) -> str | None:
-    """The llama.cpp tensor name that fills an HF parameter (gguf_to_hf_name's inverse)."""
-    m = re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$", hf_name)
-    if m:
-        part = next((k for k, v in _BLOCK_NAMES.items() if v == m.group(2)), None)
-        return None if part is None else f"blk.{m.group(1)}.{part}.{m.group(3)}"
-    base, _, kind = hf_name.rpartition(".")
-    part = next((k for k, v in _GLOBAL_NAMES.items() if v == base), None)
-    return None if part is None else f"{part}.{kind}"
-
-
-def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """Invert llama.cpp's q/k permutation: per head, rows [pairs interleaved] -> [halves]."""
-    half = w.shape[0] // num_heads // 2
-    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
 
 # Rows dequantized per call: ~1 MB of float32 out, cache-sized (gguf-py goes 16 rows at a time,
 # which costs its Python overhead 20,000 times for the default model: 3x slower to load).
@@ -132,7 +84,7 @@ def iterate_gguf(path: Path, hf_config,
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     data = np.memmap(path, mode="r")
     for t in table["tensors"]:
-        hf_name = gguf_to_hf_name(t["name"])
+        hf_name = gguf_to_hf_name(t["name"], arch)
         if hf_name is None:
             logger.debug("GGUF tensor %s has no Kiln parameter; skipped", t["name"])
             continue
@@ -145,12 +97,11 @@ def iterate_gguf(path: Path, hf_config,
         if (values.dtype != np.float32 or not values.flags.writeable
                 or np.may_share_memory(values, raw)):
             values = np.array(values, dtype=np.float32)
-        heads = None
-        if arch in _PERMUTED_ARCHITECTURES:
-            heads = num_heads if ".attn_q." in t["name"] else \
-                num_kv_heads if ".attn_k." in t["name"] else None
+        heads = permuted_heads(arch, t["name"], num_heads, num_kv_heads)
         if heads is not None:
             values = unpermute_rope_rows(values, heads)
+        if shift := norm_shift(arch, hf_name):
+            values -= shift
         if blocks is not None and qtype.name in QTYPES and raw.ndim == 2:
             rows = raw if heads is None else unpermute_rope_rows(raw, heads)  # rows of blocks
             blocks[hf_name] = (QTYPES[qtype.name], torch.from_numpy(np.array(rows)))
@@ -189,8 +140,9 @@ def check_tensor_sizes(model: nn.Module, path: Path, tp_size: int) -> None:
     from kiln.model.checkpoint_names import merged_target
 
     params = dict(model.named_parameters(remove_duplicate=False))
-    for t in load_tensor_table(path)["tensors"]:
-        hf_name = gguf_to_hf_name(t["name"])
+    table = load_tensor_table(path)
+    for t in table["tensors"]:
+        hf_name = gguf_to_hf_name(t["name"], table["architecture"])
         target = None if hf_name is None else merged_target(hf_name)[0]
         if target not in params:  # not used, another stage's, or refused by load_weights
             continue
@@ -208,16 +160,21 @@ def check_tensors_present(model: nn.Module, path: Path) -> None:
     from kiln.config.gguf_metadata import load_tensor_table
     from kiln.model.checkpoint_names import checkpoint_parts
 
-    present = {t["name"] for t in load_tensor_table(path)["tensors"]}
+    table = load_tensor_table(path)
+    present, arch = {t["name"] for t in table["tensors"]}, table["architecture"]
     tied = getattr(model, "tie_word_embeddings", False)
+    fused = getattr(model, "fused_checkpoint_modules", ())
     missing = []
     for name, _ in model.named_parameters():
-        for part, _ in checkpoint_parts(name):
-            if tied and part == "lm_head.weight":
-                part = "model.embed_tokens.weight"  # a tied head is the embedding's tensor
-            gguf_name = hf_to_gguf_name(part)
-            if gguf_name is not None and gguf_name not in present and gguf_name not in missing:
-                missing.append(gguf_name)
+        if tied and name == "lm_head.weight":
+            name = "model.embed_tokens.weight"  # a tied head is the embedding's tensor
+        # a module the file may store fused (Phi-3's attn_qkv) or as its parts
+        options = [[name]] if name.rsplit(".", 2)[-2] in fused else []
+        options.append([part for part, _ in checkpoint_parts(name)])
+        wanted = [[hf_to_gguf_name(part, arch) for part in option] for option in options]
+        if not any(all(g is None or g in present for g in option) for option in wanted):
+            missing += [g for g in wanted[0]
+                        if g is not None and g not in present and g not in missing]
     if missing:
         raise ConfigError(f"GGUF file {path} lacks the tensor(s) {', '.join(missing[:8])}"
                           f"{' ...' if len(missing) > 8 else ''} that its metadata's model "
@@ -228,7 +185,6 @@ def check_tensors_present(model: nn.Module, path: Path) -> None:
 def apply_rope_freqs(model: nn.Module, path: Path) -> bool:
     """Scale every rotary embedding by the file's `rope_freqs` tensor (Llama 3.1+ GGUFs keep
     their llama3 rope scaling there, not in metadata transformers reads); True if it had one."""
-    import gguf
 
     from kiln.config.gguf_metadata import load_tensor_table
     from kiln.model.layers.rotary_embedding import RotaryEmbedding
@@ -237,15 +193,22 @@ def apply_rope_freqs(model: nn.Module, path: Path) -> bool:
                   if t["name"] == "rope_freqs.weight"), None)
     if entry is None:
         return False
-    data = np.memmap(path, mode="r")
-    raw = data[entry["offset"]:entry["offset"] + entry["nbytes"]].view(entry["dtype"])
-    qtype = gguf.GGMLQuantizationType(entry["type"])
-    factors = torch.from_numpy(np.array(dequantize(raw.reshape(entry["shape"]), qtype,
-                                                   entry["name"], path), dtype=np.float32))
+    factors = torch.from_numpy(read_tensor(path, entry))
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.divide_frequencies(factors.reshape(-1))
     return True
+
+
+def read_tensor(path: Path, entry: dict) -> np.ndarray:
+    """One tensor of the file (an entry of its tensor table), dequantized: float32."""
+    import gguf
+
+    data = np.memmap(path, mode="r")
+    raw = data[entry["offset"]:entry["offset"] + entry["nbytes"]].view(entry["dtype"])
+    qtype = gguf.GGMLQuantizationType(entry["type"])
+    return np.array(dequantize(raw.reshape(entry["shape"]), qtype, entry["name"], path),
+                    dtype=np.float32)
 
 
 def attach_blocks(model: nn.Module, blocks: dict[str, tuple[int, torch.Tensor]]) -> int:
@@ -267,7 +230,9 @@ def attach_blocks(model: nn.Module, blocks: dict[str, tuple[int, torch.Tensor]])
     parts: dict[str, list[str]] = {}  # weight name -> the HF names of its parts, in order
     for name in blocks:
         target, _ = merged_target(name)
-        parts[target] = [part for part, _ in checkpoint_parts(target)]
+        # a tensor the file stores fused (Phi-3's attn_qkv) is the merged weight's rows whole
+        parts[target] = [name] if name == target else \
+            [part for part, _ in checkpoint_parts(target)]
     count = 0
     for target, names in parts.items():
         param = params.get(target)

@@ -53,6 +53,7 @@ def snapshot_path(kiln_config) -> Path | None:
     """Where this GGUF model's loaded weights are kept under this config; None where they are
     not (not a GGUF load on CPU, quantized on load, split across ranks, KILN_WEIGHT_SNAPSHOT=0)."""
     from kiln.config.gguf_metadata import converted_dir
+    from kiln.model.layers.longrope import rope_variant
     from kiln.native import build
 
     mc, pc = kiln_config.model_config, kiln_config.parallel_config
@@ -70,7 +71,9 @@ def snapshot_path(kiln_config) -> Path | None:
                repr(sorted((k, repr(v)) for k, v in hf.items() if k != "_name_or_path")),
                repr(kiln_config.ir_selection.chosen), torch.__version__,
                torch.get_float32_matmul_precision(), build.loaded_key(),
-               _loading_code_digest(), np.__version__]
+               _loading_code_digest(), np.__version__,
+               # the rotary cache (a buffer, kept) of longrope's factors max_model_len chose
+               rope_variant(mc.hf_config, mc.max_model_len)]
     key = hashlib.sha256(repr(factors).encode()).hexdigest()[:16]
     return converted_dir(mc.gguf_file) / f"weights-{key}.safetensors"
 

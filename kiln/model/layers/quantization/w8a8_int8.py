@@ -116,12 +116,15 @@ class Int8W8A8Config:
         from kiln.model.layers.quantization.compressed_tensors import is_quantized
 
         chosen = []
+        # a model whose checkpoint stores them fused (Phi-3) names them as Kiln does
+        fused = getattr(model, "fused_checkpoint_modules", ())
         for name, module in model.named_modules():
             if not isinstance(module, LinearBase):
                 continue
             if not self.online:
                 prefix, _, leaf = name.rpartition(".")
-                parts = [f"{prefix}.{p}" for p in MERGED_PARTS.get(leaf, ())]
+                parts = [] if leaf in fused else \
+                    [f"{prefix}.{p}" for p in MERGED_PARTS.get(leaf, ())]
                 if not is_quantized(name, parts, self.targets, self.ignore):
                     continue
             chosen.append((name, module))

@@ -1,0 +1,93 @@
+"""llama.cpp tensor names against HF ones, per GGUF architecture, and what llama.cpp's converter
+did to a tensor's values that loading undoes (q/k rows permuted, Gemma's norms stored as 1 + w).
+
+Phi-3 files keep q/k/v and gate/up fused (attn_qkv, and ffn_up holding gate then up), named
+here as the HF Phi-3 checkpoint's qkv_proj / gate_up_proj, which its model splits on load.
+"""
+import re
+
+import numpy as np
+
+# llama.cpp permutes q/k rows only for the architectures it ropes in the "normal" (GPT-J) style
+# (LlamaModel's converter and those built on it, Granite's).
+PERMUTED_ARCHITECTURES = ("llama", "mistral", "granite")
+# Architectures whose norms llama.cpp stores as 1 + w (Gemma's RMSNorm scales by 1 + w).
+_SHIFTED_NORM_ARCHITECTURES = ("gemma",)
+
+GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Each architecture's names that differ from (or add to) the common ones.
+_ARCH_BLOCK_NAMES = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # OLMo-2 normalises block outputs: no attn_norm / ffn_norm
+    "olmo2": {"post_attention_norm": "post_attention_layernorm",
+              "post_ffw_norm": "post_feedforward_layernorm"},
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
+
+
+def block_names(arch: str | None) -> dict[str, str]:
+    """llama.cpp block tensor part -> HF module path within a layer, for `arch` (one name per
+    HF module: OLMo-2's post_attention_layernorm is post_attention_norm, not ffn_norm)."""
+    own = _ARCH_BLOCK_NAMES.get(arch or "", {})
+    taken = set(own.values())
+    return {**{k: v for k, v in _BLOCK_NAMES.items() if v not in taken}, **own}
+
+
+def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
+    """HF parameter name for a llama.cpp tensor name; None for tensors Kiln does not use."""
+    m = _BLOCK_RE.match(name)
+    if m:
+        layer, part, kind = m.groups()
+        hf = block_names(arch).get(part)
+        return f"model.layers.{layer}.{hf}.{kind}" if hf else None
+    m = _GLOBAL_RE.match(name)
+    if m and m.group(1) in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
+    return None
+
+
+def hf_to_gguf_name(hf_name: str, arch: str | None = None) -> str | None:
+    """The llama.cpp tensor name that fills an HF parameter (gguf_to_hf_name's inverse)."""
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$", hf_name)
+    if m:
+        part = next((k for k, v in block_names(arch).items() if v == m.group(2)), None)
+        return None if part is None else f"blk.{m.group(1)}.{part}.{m.group(3)}"
+    base, _, kind = hf_name.rpartition(".")
+    part = next((k for k, v in GLOBAL_NAMES.items() if v == base), None)
+    return None if part is None else f"{part}.{kind}"
+
+
+def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Invert llama.cpp's q/k permutation: per head, rows [pairs interleaved] -> [halves]."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permuted_heads(arch: str | None, name: str, num_heads: int, num_kv_heads: int) -> int | None:
+    """The head count a tensor's rows were permuted over by llama.cpp, or None if they were not."""
+    if arch not in PERMUTED_ARCHITECTURES:
+        return None
+    return num_heads if ".attn_q." in name else num_kv_heads if ".attn_k." in name else None
+
+
+def norm_shift(arch: str | None, hf_name: str) -> float:
+    """What llama.cpp's converter added to a tensor (Gemma's norms: 1), to subtract on load."""
+    return 1.0 if arch in _SHIFTED_NORM_ARCHITECTURES and hf_name.endswith("norm.weight") else 0.0
