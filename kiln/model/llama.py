@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kiln.compilation.decorator import support_torch_compile
+from kiln.config import get_current_kiln_config
 from kiln.config.rope import get_rope_config, max_positions_of
 from kiln.distributed.parallel_state import get_pp_group
 from kiln.distributed.pipeline import PPMissingLayer, this_stage_layer_range
@@ -31,6 +32,14 @@ from kiln.model.layers.rotary_embedding import (
 from kiln.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
 logger = init_logger(__name__)
+
+
+def layer_window(prefix: str) -> int | None:
+    """The sliding window of the decoder layer a module prefix ("model.layers.3.self_attn")
+    names, from the engine's model config (None: full attention)."""
+    parts = prefix.split(".")
+    index = int(parts[parts.index("layers") + 1])
+    return get_current_kiln_config().model_config.layer_sliding_window(index)
 
 
 def head_dim_of(hf_config) -> int:
@@ -77,10 +86,16 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(self.head_dim, max_positions_of(hf_config), theta,
                                           scaling)
         self.attn = Attention(self.num_heads, self.head_dim, self.softmax_scale(hf_config),
-                              self.num_kv_heads, prefix=f"{prefix}.attn")
+                              self.num_kv_heads, prefix=f"{prefix}.attn",
+                              sliding_window=layer_window(prefix),
+                              logits_soft_cap=self.logits_soft_cap(hf_config))
 
     def softmax_scale(self, hf_config) -> float:
         return self.head_dim ** -0.5
+
+    def logits_soft_cap(self, hf_config) -> float | None:
+        """The attention scores' soft cap (Gemma-2's attn_logit_softcapping); None: none."""
+        return None
 
     def qkv_bias(self, hf_config) -> bool:
         return config_bias(hf_config, "attention_bias")
