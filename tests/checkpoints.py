@@ -1,5 +1,5 @@
 """Tiny random-weight HF checkpoints (ARCH_CONFIGS: Llama, Qwen2, Qwen3, Phi-3, Granite, Gemma,
-OLMo-2) and the HF greedy oracle for tests.
+OLMo-2, Mistral with a sliding window, Gemma-2) and the HF greedy oracle for tests.
 
 Imported by tests as `checkpoints` (pytest puts tests/ on sys.path through the root conftest).
 """
@@ -94,6 +94,13 @@ ARCH_CONFIGS = {
     # head_dim 32 (not hidden / heads), GeGLU, (1 + w) norms, sqrt(hidden)-scaled embeddings
     "gemma": ("GemmaConfig", {"head_dim": 32, "pad_token_id": 0}),
     "olmo2": ("Olmo2Config", {"pad_token_id": 0}),  # post-block norms, whole-projection q/k norms
+    # a sliding window of 8 in every layer, so 20-40 token prompts outgrow it
+    "mistral_window": ("MistralConfig", {"sliding_window": 8}),
+    # sliding (window 8) and global layers alternating, pre/post block norms, scale from
+    # query_pre_attn_scalar; soft caps small enough to bite on a tiny random model's scores
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
+                                "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0,
+                                "pad_token_id": 0}),
 }
 
 
@@ -128,12 +135,15 @@ def make_tiny_checkpoint(path: Path, arch: str, *, tie: bool, seed: int = 0,
     return path
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
+              attn_implementation: str | None = None) -> list[list[int]]:
     """HF transformers' greedy continuation of each prompt, EOS ignored (as Kiln's ignore_eos):
-    exactly max_new_tokens each. One prompt at a time, so no padding enters the oracle."""
+    exactly max_new_tokens each. One prompt at a time, so no padding enters the oracle.
+    attn_implementation: HF's ("eager" for its plain masked softmax; None: its default)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation=attn_implementation).eval()
     # No EOS at all: min_new_tokens would instead mask EOS out of the argmax.
     model.generation_config.eos_token_id = None
     outs = []

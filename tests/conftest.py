@@ -25,6 +25,8 @@ tiny_phi3_dir = _tiny_checkpoint_fixture("phi3", tie=False)
 tiny_granite_dir = _tiny_checkpoint_fixture("granite", tie=True)
 tiny_gemma_dir = _tiny_checkpoint_fixture("gemma", tie=True)
 tiny_olmo2_dir = _tiny_checkpoint_fixture("olmo2", tie=False)
+tiny_mistral_window_dir = _tiny_checkpoint_fixture("mistral_window", tie=False)
+tiny_gemma2_dir = _tiny_checkpoint_fixture("gemma2", tie=True)
 
 
 @pytest.fixture(scope="module")

@@ -50,13 +50,14 @@ def head_dim_of(hf_config) -> int:
 class LlamaMLP(nn.Module):
     # hidden_act -> the gated activation over [gate | up] (GemmaMLP names GeGLU's)
     activations = {"silu": SiluAndMul}
+    act_field = "hidden_act"  # the config field naming it (Gemma-2: hidden_activation)
 
     def __init__(self, hf_config, prefix: str):
         super().__init__()
         bias = config_bias(hf_config, "mlp_bias")
-        act = getattr(hf_config, "hidden_act", "silu")
+        act = getattr(hf_config, self.act_field, "silu")
         if act not in self.activations:
-            raise ConfigError(f"{prefix}: hidden_act {act!r} is not supported; only "
+            raise ConfigError(f"{prefix}: {self.act_field} {act!r} is not supported; only "
                               f"{', '.join(map(repr, self.activations))}")
         inter = hf_config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(hf_config.hidden_size, [inter, inter], bias)
