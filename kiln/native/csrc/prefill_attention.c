@@ -4,7 +4,10 @@
  *
  * A work unit is (request, kv head, 16 * tb query tokens): every query head sharing that kv head
  * takes the same key and value loads (GQA). Query j of a request sits at position ctx + j (ctx =
- * seq_len - query length: context cached by earlier steps) and sees keys 0 .. ctx + j. The tiles
+ * seq_len - query length: context cached by earlier steps) and sees keys 0 .. ctx + j (only the
+ * last `window` of them for a sliding-window layer: key blocks before a unit's first window are
+ * skipped, keys before each lane's window masked; scores soft-capped first where the layer has
+ * a cap). The tiles
  * (prefill_tiles.h) use AVX512-BF16 for bfloat16 (probabilities rounded to bfloat16 before P.V,
  * as SDPA does) and AVX512F for float32; AMX-BF16 tiles (prefill_amx.c) take bfloat16 where the
  * CPU has them and the head size is a multiple of 32; a scalar path serves any other CPU, head
