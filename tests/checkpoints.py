@@ -1,5 +1,6 @@
 """Tiny random-weight HF checkpoints (ARCH_CONFIGS: Llama, Qwen2, Qwen3, Phi-3, Granite, Gemma,
-OLMo-2, and the MoEs Mixtral, Qwen2-MoE, Qwen3-MoE) and the HF greedy oracle for tests.
+OLMo-2, Gemma-2, Mistral with a sliding window, and the MoEs Mixtral, Qwen2-MoE, Qwen3-MoE)
+and the HF greedy oracle for tests.
 
 Imported by tests as `checkpoints` (pytest puts tests/ on sys.path through the root conftest).
 """
@@ -104,6 +105,13 @@ ARCH_CONFIGS = {
     "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 32, "head_dim": 16,
                                      "norm_topk_prob": True}),
+    # a sliding window of 8 in every layer, so 20-40 token prompts outgrow it
+    "mistral_window": ("MistralConfig", {"sliding_window": 8}),
+    # sliding (window 8) and global layers alternating, pre/post block norms, scale from
+    # query_pre_attn_scalar; soft caps small enough to bite on a tiny random model's scores
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
+                                "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0,
+                                "pad_token_id": 0}),
 }
 
 
@@ -163,12 +171,15 @@ def make_tiny_classifier(path: Path, arch: str, num_labels: int, seed: int = 0,
     return path
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
+              attn_implementation: str | None = None) -> list[list[int]]:
     """HF transformers' greedy continuation of each prompt, EOS ignored (as Kiln's ignore_eos):
-    exactly max_new_tokens each. One prompt at a time, so no padding enters the oracle."""
+    exactly max_new_tokens each. One prompt at a time, so no padding enters the oracle.
+    attn_implementation: HF's ("eager" for its plain masked softmax; None: its default)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 attn_implementation=attn_implementation).eval()
     # No EOS at all: min_new_tokens would instead mask EOS out of the argmax.
     model.generation_config.eos_token_id = None
     outs = []

@@ -15,16 +15,28 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
 
 
 class AttentionImpl:
-    """Per-layer attention computation over the paged cache."""
+    """Per-layer attention computation over the paged cache.
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int):
+    sliding_window: a query sees only the last `sliding_window` keys, its own included (HF's and
+    vLLM's meaning; None: every key before it). logits_soft_cap: the scaled scores become
+    cap * tanh(score / cap) before the softmax (Gemma-2; None: none)."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
         if num_heads % num_kv_heads:
             raise ConfigError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                               f"({num_kv_heads})")
+        if sliding_window is not None and sliding_window < 1:
+            raise ConfigError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ConfigError(f"attn_logit_softcapping must be > 0 or None, got "
+                              f"{logits_soft_cap}")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor | None, attn_metadata: AttentionMetadata | None,

@@ -3,7 +3,8 @@ request's K/V blocks in place: short queries (decodes, small chunks) in the per-
 which also writes the step's K/V into the cache, long ones (prefills) in the blocked one.
 
 A step of short queries only is handed to the op's C++ kernel before its first layer
-(begin_step), and its layers reach the C kernel without Python. Long queries stay on SDPA where
+(begin_step), and its layers reach the C kernel without Python. Both kernels take a layer's
+sliding window and soft cap. Long queries stay on SDPA where
 the blocked kernel has no SIMD tiles for the layer (its scalar path is slower than SDPA).
 """
 from typing import NamedTuple
@@ -58,9 +59,11 @@ class CpuAttentionImpl(TorchAttentionImpl):
             return
         plan = self._plan(md, kv_cache.shape[2], kv_cache.dtype, self.head_size)
         # Writes every real token's k/v, then attends the short queries.
-        paged_attention.run(q, k, v, out, kv_cache, plan.short, self.scale)
+        window, cap = self.sliding_window, self.logits_soft_cap
+        paged_attention.run(q, k, v, out, kv_cache, plan.short, self.scale, window, cap)
         if plan.prefill is not None:  # their k/v are in the cache now
-            prefill_attention.run(q, out, kv_cache, plan.prefill, self.scale)
+            prefill_attention.run(q, out, kv_cache, plan.prefill, self.scale, window=window,
+                                  softcap=cap)
         num_tokens = q.shape[0]
         if plan.sdpa:
             nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_size
@@ -133,7 +136,7 @@ def _layer_table(layers: dict) -> attention_op.LayerTable | None:
         impl, kv_cache = getattr(layer, "impl", None), getattr(layer, "kv_cache", None)
         if (isinstance(impl, CpuAttentionImpl) and kv_cache is not None
                 and paged_attention.cache_supported(kv_cache)):
-            entries[name] = (kv_cache, impl.scale)
+            entries[name] = (kv_cache, impl.scale, impl.sliding_window, impl.logits_soft_cap)
     table = attention_op.LayerTable(entries) if entries else None
     if len(_tables) >= _MAX_TABLES:
         _tables.pop(next(iter(_tables)))

@@ -1,4 +1,5 @@
-"""Portable attention in plain torch (CPU and GPU): paged KV write, then causal attention.
+"""Portable attention in plain torch (CPU and GPU): paged KV write, then causal attention (within
+a layer's sliding window, with its scores soft-capped where the layer says so).
 
 Mixed batches loop over requests; a batch of single-token decodes takes batched matmuls. What
 every layer would recompute from the metadata is computed once per step (`step_cache`).
@@ -7,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.attention.backend import AttentionBackend, AttentionImpl
+from kiln.attention.masking import first_key, key_mask, soft_cap
 from kiln.attention.metadata import AttentionMetadata
 from kiln.core.kv_cache_utils import cdiv
 
@@ -86,7 +88,25 @@ class TorchAttentionImpl(AttentionImpl):
         # Warm-up / profiling: the batch is one causal sequence; the cache is left alone.
         qh = q.transpose(0, 1)  # [nh, T, hd]
         kh, vh = k.transpose(0, 1), v.transpose(0, 1)  # [nkv, T, hd]
-        out.copy_(self._sdpa(qh, kh, vh, is_causal=True).transpose(0, 1))
+        pos = torch.arange(q.shape[0], device=q.device)
+        out.copy_(self._masked(qh, kh, vh, pos, pos).transpose(0, 1))
+
+    def _masked(self, qh, kh, vh, query_pos, key_pos) -> torch.Tensor:
+        """qh [nh, L, hd] at query_pos [L] against kh/vh [nkv, S, hd] at key_pos [S]: causal,
+        within the layer's window, scores soft-capped where it has a cap -> [nh, L, hd]."""
+        if self.logits_soft_cap is None:
+            if self.sliding_window is None and torch.equal(query_pos, key_pos):
+                return self._sdpa(qh, kh, vh, is_causal=True)
+            return self._sdpa(qh, kh, vh, attn_mask=key_mask(query_pos, key_pos,
+                                                             self.sliding_window))
+        # SDPA has no soft cap: the scores in float32, capped, masked, softmaxed (HF's eager).
+        nkv, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        qg = qh.reshape(nkv, group * qh.shape[1], -1)  # [nkv, group*L, hd]
+        scores = torch.matmul(qg, kh.transpose(-1, -2)).float() * self.scale  # [nkv, group*L, S]
+        scores = soft_cap(scores, self.logits_soft_cap).view(nkv, group, qh.shape[1], -1)
+        scores.masked_fill_(~key_mask(query_pos, key_pos, self.sliding_window), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(vh.dtype).view(nkv, group * qh.shape[1], -1)
+        return torch.matmul(probs, vh).view(qh.shape)
 
     def _sdpa(self, qh, kh, vh, **mask) -> torch.Tensor:
         """SDPA over one sequence: qh [nh, L, hd], kh/vh [nkv, S, hd] -> [nh, L, hd]. Given a
@@ -107,22 +127,23 @@ class TorchAttentionImpl(AttentionImpl):
                 continue
             ctx_len = seq_len - q_len
             qh = q[qs:qe].transpose(0, 1)  # [nh, q_len, hd]
+            # Query j sits at absolute position ctx_len + j and sees keys up to it (within its
+            # window: blocks wholly before the first query's window are not read).
+            query_pos = torch.arange(ctx_len, seq_len, device=q.device)
             if ctx_len == 0:
                 # A fresh prefill attends only to its own tokens: they are this step's k/v, no
                 # need to read them back out of the cache.
                 kh, vh = k[qs:qe].transpose(0, 1), v[qs:qe].transpose(0, 1)  # [nkv, S, hd]
-                o = self._sdpa(qh, kh, vh, is_causal=True)
+                key_pos = query_pos
             else:
+                first_block = first_key(ctx_len, self.sliding_window) // block_size
                 num_blocks = cdiv(seq_len, block_size)
-                blocks = md.block_table[i:i + 1, :num_blocks].long()  # [1, n]
-                kh = _gather_context(kv_cache[0], blocks, seq_len)[0].to(q.dtype)  # [nkv, S, hd]
-                vh = _gather_context(kv_cache[1], blocks, seq_len)[0].to(q.dtype)
-                # Query j sits at absolute position ctx_len + j and sees keys up to it.
-                key_pos = torch.arange(seq_len, device=q.device)
-                query_pos = torch.arange(ctx_len, seq_len, device=q.device)
-                mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, S]
-                o = self._sdpa(qh, kh, vh, attn_mask=mask)
-            out[qs:qe] = o.transpose(0, 1)
+                blocks = md.block_table[i:i + 1, first_block:num_blocks].long()  # [1, n]
+                start = first_block * block_size
+                kh = _gather_context(kv_cache[0], blocks, seq_len - start)[0].to(q.dtype)
+                vh = _gather_context(kv_cache[1], blocks, seq_len - start)[0].to(q.dtype)
+                key_pos = torch.arange(start, seq_len, device=q.device)  # [S]
+            out[qs:qe] = self._masked(qh, kh, vh, query_pos, key_pos).transpose(0, 1)
 
     def _batched_decode(self, q, kv_cache, md: AttentionMetadata, out) -> None:
         # One query per request: plain batched matmuls, grouping the query heads that share a KV
@@ -139,7 +160,10 @@ class TorchAttentionImpl(AttentionImpl):
         v.masked_fill_(padding.transpose(-1, -2), 0)
         qg = q[:num_reqs].view(num_reqs, nkv, group, hd) * self.scale
         scores = torch.matmul(qg, k.transpose(-1, -2))  # [B, nkv, group, S]
+        scores = soft_cap(scores, self.logits_soft_cap)
         scores.masked_fill_(padding, float("-inf"))
+        if self.sliding_window is not None:
+            scores.masked_fill_(_outside_window(md, self.sliding_window), float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         o = torch.matmul(probs, v)  # [B, nkv, group, hd]
         out[:num_reqs] = o.view(num_reqs, nkv * group, hd)
@@ -156,6 +180,17 @@ def _decode_plan(md: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, 
         key_pos = torch.arange(max_seq, device=md.seq_lens.device)
         padding = key_pos[None, :] >= md.seq_lens[:num_reqs, None]  # [B, S]
         md.step_cache[key] = (blocks, padding[:, None, None, :])
+    return md.step_cache[key]
+
+
+def _outside_window(md: AttentionMetadata, window: int) -> torch.Tensor:
+    """Per step and window, shared by its layers: [B, 1, 1, S], True at the keys before each
+    decoding request's window."""
+    key = ("decode_window", window)
+    if key not in md.step_cache:
+        key_pos = torch.arange(md.max_seq_len, device=md.seq_lens.device)
+        before = key_pos[None, :] <= md.seq_lens[:md.num_reqs, None] - 1 - window  # [B, S]
+        md.step_cache[key] = before[:, None, None, :]
     return md.step_cache[key]
 
 

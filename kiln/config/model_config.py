@@ -12,24 +12,11 @@ import torch
 from kiln.config.frozen import FreezableConfig
 from kiln.config.hf_overrides import apply_hf_overrides, check_hf_overrides
 from kiln.config.rope import max_positions_of, trained_length_of
+from kiln.config.sliding_window import layer_sliding_windows, sliding_window_of
 from kiln.errors import ConfigError
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
-
-
-def sliding_window_of(hf_config) -> int | None:
-    """The attention window some layer of this config limits to (None: every layer full).
-
-    Mistral sets `sliding_window` alone; Qwen2/3 gate it with `use_sliding_window` and name the
-    windowed layers in `layer_types` (transformers 5)."""
-    window = getattr(hf_config, "sliding_window", None)
-    if not window or getattr(hf_config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
 
 
 def find_gguf_file(path: Path) -> Path | None:
@@ -77,6 +64,9 @@ class ModelConfig(FreezableConfig):
     pooler_config: Any = None  # kiln.pooling.pooler_config.PoolerConfig for "pooling"
     # vLLM's --hf-overrides: changes to the HF config before the model is built (hf_overrides.py)
     hf_overrides: dict | None = None
+    # vLLM's --disable-sliding-window: full attention in every layer, the context capped at
+    # the window (what Kiln did before its attention had windows)
+    disable_sliding_window: bool = False
 
     model_path: Path = field(init=False)
     tokenizer_path: Path | None = field(init=False, default=None)
@@ -127,17 +117,19 @@ class ModelConfig(FreezableConfig):
         self.requested_dtype = self.dtype
         self.torch_dtype = self.dtype = self.resolve_dtype(current_platform.default_dtype)
         limit = self.derived_max_model_len
-        # Kiln's attention has no sliding window: it is exact only while no sequence outgrows
-        # the window, so the window caps the length (as vLLM's does with the window disabled).
-        window = sliding_window_of(self.hf_config)
+        # With the window disabled every layer attends fully: exact only while no sequence
+        # outgrows the window, so the window caps the length (as vLLM's does).
+        window = sliding_window_of(self.hf_config) if self.disable_sliding_window else None
+        layer_sliding_windows(self.hf_config)  # layer_types Kiln cannot serve, refused here
         key, trained = trained_length_of(self.hf_config)
         why = f"{key}={limit}"
         if limit != trained:  # a linear rope scaling stretched it
             why = (f"{key}={trained} x linear rope_scaling factor {limit / trained:g} = "
                    f"{limit}")
         if window is not None and window < limit:
-            limit, why = window, (f"sliding_window={window} (Kiln's attention has no sliding "
-                                  "window: a longer sequence would give wrong outputs)")
+            limit, why = window, (f"sliding_window={window} (under --disable-sliding-window "
+                                  "a longer sequence would give wrong outputs; drop the flag "
+                                  "to serve longer ones)")
         if self.max_model_len == -1:
             # vLLM's auto-fit (--max-model-len -1 / auto): the model's length, lowered to what
             # the KV cache holds, which is what an unset one gets here; -1 was refused
@@ -291,7 +283,13 @@ class ModelConfig(FreezableConfig):
     def get_total_num_hidden_layers(self) -> int:
         return self.num_layers
 
-    def get_sliding_window(self) -> None:
-        """None, as vLLM's with --disable-sliding-window: Kiln's attention has no window (the
-        context is capped at it instead: max_model_len)."""
-        return None
+    def get_sliding_window(self) -> int | None:
+        """The model's attention window (vLLM's name); None without one or under
+        --disable-sliding-window (the context is capped at it instead: max_model_len)."""
+        return None if self.disable_sliding_window else sliding_window_of(self.hf_config)
+
+    def layer_sliding_window(self, layer_index: int) -> int | None:
+        """Decoder layer `layer_index`'s window (None: full attention)."""
+        if self.disable_sliding_window:
+            return None
+        return layer_sliding_windows(self.hf_config)[layer_index]

@@ -118,6 +118,11 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                    help="changes to the model's Hugging Face config, as vLLM's: a JSON object "
                         "('{\"rope_theta\": 1000000}'); a key naming a sub-config merges "
                         "into it, any other key replaces the value")
+    g.add_argument("--disable-sliding-window", action=argparse.BooleanOptionalAction,
+                   default=d.disable_sliding_window,
+                   help="attend fully in every layer of a sliding-window model (Mistral, "
+                        "Gemma-2, ...), as vLLM's flag: max_model_len is then capped at the "
+                        "window")
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                    help="most logprobs (and prompt_logprobs) a request may ask for; -1: "
                         "the whole vocabulary")

@@ -133,9 +133,10 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len = model_config.max_model_len  # the engine may lower it (its KV)
         self.config_max_model_len = model_config.max_model_len
-        # Kiln's attention has no sliding window: the model's caps max_model_len for good
+        # Under --disable-sliding-window the model's window caps max_model_len
         window = sliding_window_of(model_config.hf_config)
-        self.window_cap = window if window == model_config.max_model_len else None
+        self.window_cap = window if (model_config.disable_sliding_window
+                                     and window == model_config.max_model_len) else None
         self.vocab_size = model_config.vocab_size
         self.max_logprobs = model_config.logprobs_cap
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
@@ -159,9 +160,9 @@ class InputProcessor:
             return (f"raise {grow}: the KV cache capped max_model_len at {self.max_model_len}, "
                     f"below the model's {self.config_max_model_len}")
         if self.window_cap is not None:
-            # read after "shorten the prompt or ": no flag lengthens it
-            return (f"serve a model without a sliding window (this one's sliding_window="
-                    f"{self.window_cap} caps max_model_len: Kiln's attention has none)")
+            # read after "shorten the prompt or "
+            return (f"drop --disable-sliding-window (under it this model's sliding_window="
+                    f"{self.window_cap} caps max_model_len)")
         return "raise --max-model-len"
 
     def tokenize(self, prompt: PromptType, whole: bool = True) -> tuple[str | None, list[int]]:

@@ -99,9 +99,6 @@ VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--disable-custom-all-reduce",), "using NCCL's all-reduce instead of vLLM's own "
              "kernel", "Kiln's all-reduce is torch.distributed's (NCCL, gloo) already",
              takes_value=False, accepted_alone=True),
-    VllmFlag(("--disable-sliding-window",), "capping the context at the model's sliding "
-             "window", "Kiln always does so (its attention has no sliding window)",
-             takes_value=False, accepted_alone=True),
     VllmFlag(("--logprobs-mode",), "choosing what logprobs hold (raw or processed logprobs "
              "or logits)", "Kiln's logprobs and prompt_logprobs are always the model's raw "
              "log-probabilities, before penalties, temperature and top-k/top-p/min-p (vLLM's "

@@ -19,7 +19,8 @@ def run_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
               layer_name: str) -> None:
     """q [T, nh*hd], k, v [T, nkv*hd] (rows may be strided), out [T, nh*hd] (written: the
     caller owns it): the layer's k/v go into its cache at the step's slots, then out = causal
-    softmax(q k^T * scale) v over each request's cached tokens, by its backend."""
+    softmax(q k^T * scale) v over each request's cached tokens (within the layer's sliding
+    window, its scores soft-capped where the layer has a cap), by its backend."""
     from kiln.forward_context import get_forward_context
 
     context = get_forward_context()

@@ -39,9 +39,8 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
     norm_cls = GemmaRMSNorm
 
 
-@support_torch_compile
-class GemmaModel(LlamaStyleModel):
-    layer_cls = GemmaDecoderLayer
+class GemmaStyleModel(LlamaStyleModel):
+    """The undecorated backbone with Gemma's scaled embeddings (Gemma-2's reuses it)."""
 
     def __init__(self, *, kiln_config, prefix: str = "model"):
         super().__init__(kiln_config=kiln_config, prefix=prefix)
@@ -52,6 +51,11 @@ class GemmaModel(LlamaStyleModel):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, H]
         return hidden * self.normalizer.to(hidden.dtype)
+
+
+@support_torch_compile
+class GemmaModel(GemmaStyleModel):
+    layer_cls = GemmaDecoderLayer
 
 
 class GemmaForCausalLM(LlamaStyleForCausalLM):

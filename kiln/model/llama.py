@@ -34,6 +34,14 @@ from kiln.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbed
 logger = init_logger(__name__)
 
 
+def layer_window(prefix: str) -> int | None:
+    """The sliding window of the decoder layer a module prefix ("model.layers.3.self_attn")
+    names, from the engine's model config (None: full attention)."""
+    parts = prefix.split(".")
+    index = int(parts[parts.index("layers") + 1])
+    return get_current_kiln_config().model_config.layer_sliding_window(index)
+
+
 def head_dim_of(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or (
         hf_config.hidden_size // hf_config.num_attention_heads)
@@ -42,14 +50,15 @@ def head_dim_of(hf_config) -> int:
 class LlamaMLP(nn.Module):
     # hidden_act -> the gated activation over [gate | up] (GemmaMLP names GeGLU's)
     activations = {"silu": SiluAndMul}
+    act_field = "hidden_act"  # the config field naming it (Gemma-2: hidden_activation)
 
     def __init__(self, hf_config, prefix: str, intermediate_size: int | None = None,
                  reduce_results: bool = True):
         super().__init__()
         bias = config_bias(hf_config, "mlp_bias")
-        act = getattr(hf_config, "hidden_act", "silu")
+        act = getattr(hf_config, self.act_field, "silu")
         if act not in self.activations:
-            raise ConfigError(f"{prefix}: hidden_act {act!r} is not supported; only "
+            raise ConfigError(f"{prefix}: {self.act_field} {act!r} is not supported; only "
                               f"{', '.join(map(repr, self.activations))}")
         # a mixture-of-experts block's shared expert: its own size, summed with the experts'
         inter = intermediate_size or hf_config.intermediate_size
@@ -83,10 +92,16 @@ class LlamaAttention(nn.Module):
             self.head_dim, max_positions_of(hf_config), theta, scaling,
             get_current_kiln_config().model_config.max_model_len)
         self.attn = Attention(self.num_heads, self.head_dim, self.softmax_scale(hf_config),
-                              self.num_kv_heads, prefix=f"{prefix}.attn")
+                              self.num_kv_heads, prefix=f"{prefix}.attn",
+                              sliding_window=layer_window(prefix),
+                              logits_soft_cap=self.logits_soft_cap(hf_config))
 
     def softmax_scale(self, hf_config) -> float:
         return self.head_dim ** -0.5
+
+    def logits_soft_cap(self, hf_config) -> float | None:
+        """The attention scores' soft cap (Gemma-2's attn_logit_softcapping); None: none."""
+        return None
 
     def qkv_bias(self, hf_config) -> bool:
         return config_bias(hf_config, "attention_bias")

@@ -18,12 +18,14 @@ def available() -> bool:
 
 class LayerTable:
     """An engine's layers as the C++ kernel finds them by name: each one's KV cache [2, nb, bs,
-    nkv, hd] (held weakly there: a replaced cache is freed at once) and scale."""
+    nkv, hd] (held weakly there: a replaced cache is freed at once), scale, sliding window (None:
+    none) and attention logit soft cap (None: none)."""
 
-    def __init__(self, layers: dict[str, tuple[torch.Tensor, float]]):
+    def __init__(self, layers: dict[str, tuple[torch.Tensor, float, int | None, float | None]]):
+        entries = list(layers.values())
         self.layers = torch.classes.kiln.AttentionLayers(
-            list(layers), [kv_cache for kv_cache, _ in layers.values()],
-            [float(scale) for _, scale in layers.values()])
+            list(layers), [e[0] for e in entries], [float(e[1]) for e in entries],
+            [int(e[2] or 0) for e in entries], [float(e[3] or 0.0) for e in entries])
 
 
 def begin_step(table: LayerTable, step: paged_attention.StepArgs, num_actual_tokens: int) -> None:

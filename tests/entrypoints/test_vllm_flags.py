@@ -98,7 +98,7 @@ def test_cli_errors_name_the_flag_beside_the_field():
 TESTER_FLAGS = [
     "--max-num-partial-prefills", "--override-generation-config", "--response-role",
     "--limit-mm-per-prompt",
-    "--disable-sliding-window", "-dp", "--data-parallel-size", "--max-seq-len-to-capture",
+    "-dp", "--data-parallel-size", "--max-seq-len-to-capture",
     "--disable-custom-all-reduce", "--enable-log-requests", "--chat-template-content-format",
     "--async-scheduling",
     "--cpu-offload-gb", "--enable-sleep-mode", "--model-impl", "--api-server-count",
@@ -161,12 +161,20 @@ def test_vllm_flag_refusals_say_why_and_what_instead():
 def test_vllm_flags_at_kilns_one_meaning_are_taken():
     args = build_parser().parse_args([
         "serve", "-dp", "1", "--scheduling-policy",
-        "fcfs", "--disable-sliding-window", "--disable-custom-all-reduce", "--response-role",
+        "fcfs", "--disable-custom-all-reduce", "--response-role",
         "assistant", "--chat-template-content-format", "string", "--api-server-count", "1",
         "--enable-server-load-tracking", "--logprobs-mode", "raw_logprobs"])
     engine_args = EngineArgs.from_cli_args(args)
     assert engine_args == EngineArgs()
     assert "data_parallel_size" not in vars(args)
+
+
+def test_disable_sliding_window_is_an_engine_flag():
+    """Kiln's attention has sliding windows now: vLLM's flag asks for full attention capped at
+    the window (ModelConfig.disable_sliding_window), no longer a no-op."""
+    args = build_parser().parse_args(["serve", "--disable-sliding-window"])
+    assert EngineArgs.from_cli_args(args) == EngineArgs(disable_sliding_window=True)
+    assert EngineArgs(disable_sliding_window=True).to_cli_args() == ["--disable-sliding-window"]
 
 
 def test_prefix_caching_hash_algo_sha256_is_taken_others_refused():

@@ -23,24 +23,32 @@ needs_kernel = pytest.mark.skipif(not paged_attention.available(),
 IMPLS = [TorchAttentionImpl, pytest.param(CpuAttentionImpl, marks=needs_kernel)]
 
 
-def dense_reference(q, k, v):
-    """Causal attention of one whole sequence: q [S, NH, HD], k/v [S, NKV, HD] -> [S, NH, HD]."""
+def dense_reference(q, k, v, window=None, softcap=None):
+    """Causal attention of one whole sequence: q [S, NH, HD], k/v [S, NKV, HD] -> [S, NH, HD];
+    a query sees only the last `window` keys given one, scores soft-capped at `softcap`."""
     k = k.repeat_interleave(NH // NKV, dim=1)
     v = v.repeat_interleave(NH // NKV, dim=1)
     s = q.shape[0]
     scores = torch.einsum("qhd,khd->hqk", q, k) * HD ** -0.5
-    scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    seen = torch.ones(s, s, dtype=torch.bool).tril()
+    if window is not None:
+        seen &= ~torch.ones(s, s, dtype=torch.bool).tril(-window)
+    scores = scores.masked_fill(~seen, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
 def run_steps(lengths_per_step: list[list[int]], total: list[int], num_padding: int = 0,
-              impl_cls=TorchAttentionImpl, dtype=torch.float32, stale: float = 0.0):
+              impl_cls=TorchAttentionImpl, dtype=torch.float32, stale: float = 0.0,
+              window: int | None = None, softcap: float | None = None):
     """Feed random q/k/v for each step; returns the final step's output and expected rows.
-    `stale`: what the cache's slots hold before they are written."""
+    `stale`: what the cache's slots hold before they are written; window, softcap: the
+    layer's sliding window and logit soft cap."""
     g = torch.Generator().manual_seed(0)
     seqs = [tuple(torch.randn(n, h, HD, generator=g).to(dtype) for h in (NH, NKV, NKV))
             for n in total]
-    impl = impl_cls(NH, HD, HD ** -0.5, NKV)
+    impl = impl_cls(NH, HD, HD ** -0.5, NKV, window, softcap)
     cache = torch.full(kv_cache_shape(64, BS, NKV, HD), stale, dtype=dtype)
     pool = BlockPool(64, BS)
     reqs = [PagedRequest(list(range(n))) for n in total]
@@ -53,7 +61,7 @@ def run_steps(lengths_per_step: list[list[int]], total: list[int], num_padding: 
                                                                   7.0)]) for i in range(3))
         out = torch.empty(q.shape[0], NH * HD, dtype=dtype)
         impl.forward(q.flatten(1), k.flatten(1), v.flatten(1), cache, md, out)
-    expected = [dense_reference(*(t.float() for t in seq))[s:s + n]
+    expected = [dense_reference(*(t.float() for t in seq), window, softcap)[s:s + n]
                 for seq, s, n in zip(seqs, starts, q_lens)]
     return out.view(-1, NH, HD), torch.cat(expected), cache, md
 

@@ -174,27 +174,42 @@ def test_sliding_window_decisions():
     ("MistralConfig", dict(sliding_window=16)),
     ("Qwen2Config", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
 ])
-def test_sliding_window_caps_max_model_len_and_is_exact_within(config_cls, overrides,
-                                                               tmp_path):
-    """Kiln has no windowed attention (it used to run full attention past the window,
-    silently unlike HF): the window caps max_model_len, a larger one asked for is refused,
-    and within the window outputs match HF exactly."""
+def test_disable_sliding_window_caps_max_model_len_and_is_exact_within(config_cls, overrides,
+                                                                       tmp_path):
+    """Under --disable-sliding-window (vLLM's flag) every layer attends fully: the window caps
+    max_model_len, a larger one asked for is refused, and within the window outputs match HF
+    exactly. Without it the window is the attention's: past it too."""
     path = make_checkpoint(tmp_path / "m", config_cls, **overrides)
-    assert kiln_config_for(path).model_config.max_model_len == 16
+    disabled = dict(disable_sliding_window=True)
+    assert kiln_config_for(path, **disabled).model_config.max_model_len == 16
     with pytest.raises(ValueError, match=r"max_model_len=17 exceeds the model's "
                        r"sliding_window=16.*--max-model-len to 16"):
-        kiln_config_for(path, max_model_len=17)
-    # a prompt too long is told to shrink, not to raise --max-model-len (refused; helper-64)
+        kiln_config_for(path, max_model_len=17, **disabled)
+    # a prompt too long is told what lengthens it (helper-64, helper-80)
     from kiln.engine.input_processor import InputProcessor, validate_prompt_token_ids
 
-    fix = InputProcessor(kiln_config_for(path).model_config, None).longer_context_fix()
-    assert "sliding_window=16 caps max_model_len" in fix and "--max-model-len" not in fix, fix
-    # it follows "shorten the prompt or ": it read "... or the model's sliding_window=16 caps
-    # max_model_len (...): shorten the prompt" (helper-80)
+    fix = InputProcessor(kiln_config_for(path, **disabled).model_config, None).longer_context_fix()
+    assert fix.startswith("drop --disable-sliding-window"), fix
     with pytest.raises(ValueError) as e:
         validate_prompt_token_ids(list(range(20)), 512, 16, fix)
     assert str(e.value).count("shorten the prompt") == 1, e.value
-    assert max_logit_diff(path, seq_len=16) < TOL
+    assert max_logit_diff(path, seq_len=16, **disabled) < TOL
+    assert kiln_config_for(path).model_config.max_model_len == 512
+    assert max_logit_diff(path, seq_len=40) < TOL  # windowed, past the window
+
+
+def test_layer_types_kiln_cannot_serve_are_refused():
+    from kiln.config.hf_config_snapshot import HFConfigSnapshot
+    from kiln.config.sliding_window import layer_sliding_windows
+
+    config = HFConfigSnapshot({"sliding_window": 4, "num_hidden_layers": 2,
+                               "layer_types": ["sliding_attention", "chunked_attention"]})
+    with pytest.raises(ValueError, match="layer_types 'chunked_attention' are not supported"):
+        layer_sliding_windows(config)
+    config = HFConfigSnapshot({"sliding_window": 4, "num_hidden_layers": 3,
+                               "layer_types": ["sliding_attention", "full_attention"]})
+    with pytest.raises(ValueError, match="layer_types names 2 layers, num_hidden_layers is 3"):
+        layer_sliding_windows(config)
 
 
 def test_a_tied_checkpoint_storing_another_head_is_served_tied_with_a_warning(tmp_path,

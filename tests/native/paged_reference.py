@@ -20,10 +20,11 @@ def shuffled_block_tables(seq_lens: list[int], bs: int, rnd: random.Random,
 
 
 def reference_attention(q, kc, vc, tables, starts, seq_lens, nh, nkv, hd, bs, scale,
-                        reqs=None) -> dict[int, torch.Tensor]:
+                        reqs=None, window=None, softcap=None) -> dict[int, torch.Tensor]:
     """Token index -> its float64 attention output [nh * hd] for the requests `reqs` (default:
     all): query t of request r sits at the end of its context and sees the keys up to its own
-    position, read from the cache halves kc / vc [nb, bs, nkv, hd] through `tables`."""
+    position (only the last `window` of them, given one), read from the cache halves kc / vc
+    [nb, bs, nkv, hd] through `tables`; scores soft-capped at `softcap` (cap * tanh(s / cap))."""
     out = {}
     for r in range(len(tables)) if reqs is None else reqs:
         slots = [tables[r][s // bs] * bs + s % bs for s in range(seq_lens[r])]
@@ -31,6 +32,9 @@ def reference_attention(q, kc, vc, tables, starts, seq_lens, nh, nkv, hd, bs, sc
         v = vc.reshape(-1, nkv, hd)[slots].double().repeat_interleave(nh // nkv, 1)
         for t in range(starts[r], starts[r + 1]):
             n = seq_lens[r] - (starts[r + 1] - t) + 1  # causal: up to its own position
-            p = (torch.einsum("hd,nhd->hn", q[t].double().view(nh, hd), k[:n]) * scale).softmax(-1)
-            out[t] = torch.einsum("hn,nhd->hd", p, v[:n]).reshape(-1)
+            lo = 0 if window is None else max(0, n - window)
+            s = torch.einsum("hd,nhd->hn", q[t].double().view(nh, hd), k[lo:n]) * scale
+            if softcap is not None:
+                s = softcap * torch.tanh(s / softcap)
+            out[t] = torch.einsum("hn,nhd->hd", s.softmax(-1), v[lo:n]).reshape(-1)
     return out

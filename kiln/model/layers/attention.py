@@ -12,13 +12,18 @@ from kiln.config import get_current_kiln_config
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 prefix: str):
+                 prefix: str, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None):
+        """sliding_window: this layer's (None: full attention); logits_soft_cap: Gemma-2's
+        attention logit soft-capping (kiln/attention/backend.py's AttentionImpl)."""
         super().__init__()
         self.num_heads, self.head_size, self.scale = num_heads, head_size, scale
         self.num_kv_heads = num_kv_heads
         self.layer_name = prefix
+        self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
         self.backend = get_attn_backend(get_current_kiln_config().platform)
-        self.impl = self.backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads)
+        self.impl = self.backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads,
+                                                sliding_window, logits_soft_cap)
         # [2, num_blocks, block_size, nkv, hd], assigned by the worker once the cache is sized.
         self.kv_cache: torch.Tensor | None = None
 

@@ -7,7 +7,7 @@
  * Python, the forward-context lookup, the checks): ~0.55 ms of a batch-1 step of the 30-layer
  * default model. Python (kiln/attention/cpu_backend.py) plans each step before its first layer
  * and hands the step's metadata tensors (`kiln::attention_begin_step`) and an engine's layers
- * (an `AttentionLayers` object: name -> KV cache, scale) to this file for the step's layers.
+ * (an `AttentionLayers` object: name -> KV cache, scale, sliding window, soft cap) to this file for the step's layers.
  * Whatever that does not cover (no step handed over, a layer not in the table, another dtype)
  * goes to the Python implementation, registered as `kiln::unified_attention_python`. */
 #include <ATen/core/Tensor.h>
@@ -89,7 +89,7 @@ void check_rows(const char *name, const at::Tensor &t, at::ScalarType dtype, int
  * requests from q [T, nh*hd] and the cache. Rows may be strided; other rows of out untouched. */
 void run_kernel(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
                 const at::Tensor &out, const KilnKvCache &cache, const KilnAttnStep &step,
-                double scale, c10::string_view layer) {
+                double scale, int64_t window, double softcap, c10::string_view layer) {
     const at::ScalarType dtype = q.scalar_type();
     TORCH_CHECK_TYPE(kiln::dtype_code(dtype) == cache.dtype, "paged_attention (", layer,
                      "): q is ", dtype, ", the KV cache another dtype");
@@ -103,7 +103,8 @@ void run_kernel(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
     const int rc = kiln_paged_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
                                         v.data_ptr(), v.stride(0), out.data_ptr(), out.stride(0),
                                         static_cast<int32_t>(width / cache.head_size),
-                                        static_cast<float>(scale), &cache, &step,
+                                        static_cast<float>(scale), static_cast<int32_t>(window),
+                                        static_cast<float>(softcap), &cache, &step,
                                         kiln::threads());
     TORCH_CHECK_INDEX(!(rc & KILN_ATTN_BAD_SLOT), "paged_attention (", layer,
                       "): a slot is outside [-1, ", cache.num_slots,
@@ -118,11 +119,12 @@ void paged_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor 
                      const at::Tensor &out, const at::Tensor &kv_cache, double scale,
                      const at::Tensor &block_table, const at::Tensor &query_start_loc,
                      const at::Tensor &seq_lens, const at::Tensor &reqs,
-                     const at::Tensor &slot_mapping, int64_t num_tokens, int64_t max_seq_len) {
+                     const at::Tensor &slot_mapping, int64_t num_tokens, int64_t max_seq_len,
+                     int64_t window, double softcap) {
     const KilnKvCache cache = cache_struct(kv_cache);
     const StepPlan plan(block_table, query_start_loc, seq_lens, reqs, slot_mapping, num_tokens,
                         max_seq_len, cache.block_size);
-    run_kernel(q, k, v, out, cache, plan.args, scale, "paged_attention");
+    run_kernel(q, k, v, out, cache, plan.args, scale, window, softcap, "paged_attention");
 }
 
 /* out [T, nh*hd] for the selected requests (long queries) from q [T, nh*hd] and the cache,
@@ -130,7 +132,8 @@ void paged_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor 
 void prefill_attention(const at::Tensor &q, const at::Tensor &out, const at::Tensor &kv_cache,
                        double scale, const at::Tensor &block_table,
                        const at::Tensor &query_start_loc, const at::Tensor &seq_lens,
-                       const at::Tensor &reqs, int64_t max_seq_len, int64_t path) {
+                       const at::Tensor &reqs, int64_t max_seq_len, int64_t path, int64_t window,
+                       double softcap) {
     TORCH_CHECK_VALUE(path >= KILN_PREFILL_BEST && path <= KILN_PREFILL_PORTABLE,
                       "prefill_attention: path ", path, " is not 0 (best), 1 (avx512) or 2 "
                       "(portable)");
@@ -155,8 +158,9 @@ void prefill_attention(const at::Tensor &q, const at::Tensor &out, const at::Ten
                           num_reqs, " requests");
     const int rc = kiln_prefill_attention(
         q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), rows,
-        static_cast<int32_t>(width / cache.head_size), static_cast<float>(scale), &cache,
-        &plan.args, static_cast<int32_t>(path), kiln::threads());
+        static_cast<int32_t>(width / cache.head_size), static_cast<float>(scale),
+        static_cast<int32_t>(window), static_cast<float>(softcap), &cache, &plan.args,
+        static_cast<int32_t>(path), kiln::threads());
     TORCH_CHECK(rc == 0, "prefill_attention: the CPU kernel failed with code ", rc, ":",
                 (rc & KILN_ATTN_BAD_LENGTHS) ? " a query outside q's rows, or a seq_len above "
                 "max_seq_len or below its query length" : "",
@@ -179,6 +183,8 @@ bool prefill_attention_amx(at::ScalarType dtype, int64_t head_size) {
 struct Layer {
     KilnKvCache cache;
     float scale;
+    int64_t window;  /* keys a query sees (a sliding window); 0: all before it */
+    double softcap;  /* attention logit soft cap; 0: none */
     /* The cache tensor's storage, held weakly (a table must not keep an engine's KV cache
      * alive), and the data it had: a call finding it freed or moved goes to Python. */
     c10::weak_intrusive_ptr<c10::StorageImpl> storage{
@@ -195,14 +201,19 @@ struct AttentionLayers : torch::CustomClassHolder {
     std::unordered_map<std::string, Layer> layers;
 
     AttentionLayers(std::vector<std::string> names, std::vector<at::Tensor> kv_caches,
-                    std::vector<double> scales) {
-        TORCH_CHECK_VALUE(names.size() == kv_caches.size() && names.size() == scales.size(),
+                    std::vector<double> scales, std::vector<int64_t> windows,
+                    std::vector<double> softcaps) {
+        TORCH_CHECK_VALUE(names.size() == kv_caches.size() && names.size() == scales.size() &&
+                              names.size() == windows.size() && names.size() == softcaps.size(),
                           "AttentionLayers: ", names.size(), " names, ", kv_caches.size(),
-                          " caches and ", scales.size(), " scales");
+                          " caches, ", scales.size(), " scales, ", windows.size(),
+                          " windows and ", softcaps.size(), " soft caps");
         for (size_t i = 0; i < names.size(); ++i) {
             Layer &layer = layers[names[i]];
             layer.cache = cache_struct(kv_caches[i]);
             layer.scale = static_cast<float>(scales[i]);
+            layer.window = windows[i];
+            layer.softcap = softcaps[i];
             layer.storage = kv_caches[i].storage().getWeakStorageImpl();
             layer.data = kv_caches[i].storage().data();
         }
@@ -263,7 +274,8 @@ void unified_attention(const at::Tensor &q, const at::Tensor &k, const at::Tenso
     if (!layer || kiln::dtype_code(q.scalar_type()) != layer->cache.dtype || q.dim() != 2)
         return python_path(q, k, v, out, layer_name);
     calls[0].fetch_add(1, std::memory_order_relaxed);
-    run_kernel(q, k, v, out, layer->cache, s.plan->args, layer->scale, layer_name);
+    run_kernel(q, k, v, out, layer->cache, s.plan->args, layer->scale, layer->window,
+               layer->softcap, layer_name);
     if (s.plan->num_actual < q.size(0))
         out.narrow(0, s.plan->num_actual, q.size(0) - s.plan->num_actual).zero_();
 }
@@ -274,18 +286,20 @@ std::vector<int64_t> call_counts() { return {calls[0].load(), calls[1].load()}; 
 
 TORCH_LIBRARY_FRAGMENT(kiln, m) {
     m.class_<AttentionLayers>("AttentionLayers")
-        .def(torch::init<std::vector<std::string>, std::vector<at::Tensor>, std::vector<double>>())
+        .def(torch::init<std::vector<std::string>, std::vector<at::Tensor>, std::vector<double>,
+                         std::vector<int64_t>, std::vector<double>>())
         .def("size", &AttentionLayers::size);
     m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor kv_cache, "
           "float scale, Tensor block_table, Tensor query_start_loc, Tensor seq_lens, "
-          "Tensor reqs, Tensor slot_mapping, int num_tokens, int max_seq_len) -> ()");
+          "Tensor reqs, Tensor slot_mapping, int num_tokens, int max_seq_len, int window=0, "
+          "float softcap=0.) -> ()");
     m.def("attention_begin_step(__torch__.torch.classes.kiln.AttentionLayers layers, "
           "Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor reqs, "
           "Tensor slot_mapping, int num_tokens, int max_seq_len, int block_size, "
           "int num_actual) -> ()", &begin_step);
     m.def("prefill_attention(Tensor q, Tensor(a!) out, Tensor kv_cache, float scale, "
           "Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor reqs, "
-          "int max_seq_len, int path=0) -> ()");
+          "int max_seq_len, int path=0, int window=0, float softcap=0.) -> ()");
     m.def("paged_attention_bf16_dot(ScalarType dtype, int head_size) -> bool",
           &paged_attention_bf16_dot);
     m.def("prefill_attention_simd(ScalarType dtype, int head_size) -> bool",

@@ -102,8 +102,9 @@ int kiln_int8_gemm_silu_quant(const int8_t *a, int64_t a_stride, const float *a_
 /* paged_attention.c */
 int kiln_paged_attention(const void *q, int64_t q_stride, const void *k, int64_t k_stride,
                          const void *v, int64_t v_stride, void *out, int64_t out_stride,
-                         int32_t num_heads, float scale, const KilnKvCache *cache,
-                         const KilnAttnStep *step, int32_t num_threads);
+                         int32_t num_heads, float scale, int32_t window, float softcap,
+                         const KilnKvCache *cache, const KilnAttnStep *step,
+                         int32_t num_threads);
 /* 1 where a decode's query . key products of this dtype and head size run on AVX512-BF16 */
 int kiln_paged_attention_bf16_dot(int32_t dtype, int32_t head_size);
 
@@ -112,9 +113,9 @@ int kiln_prefill_attention_simd(int32_t dtype, int32_t head_size);
 int kiln_prefill_attention_amx(int32_t dtype, int32_t head_size);
 enum { KILN_PREFILL_BEST = 0, KILN_PREFILL_AVX512 = 1, KILN_PREFILL_PORTABLE = 2 };
 int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t out_stride,
-                           int64_t num_rows, int32_t num_heads, float scale,
-                           const KilnKvCache *cache, const KilnAttnStep *step, int32_t path,
-                           int32_t num_threads);
+                           int64_t num_rows, int32_t num_heads, float scale, int32_t window,
+                           float softcap, const KilnKvCache *cache, const KilnAttnStep *step,
+                           int32_t path, int32_t num_threads);
 
 #ifdef __cplusplus
 }

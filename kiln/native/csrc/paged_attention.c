@@ -189,7 +189,7 @@ static inline __attribute__((always_inline)) void attend_token(
     const float *qs, const uint16_t *qb, float scale, const void *k_cache, const void *v_cache,
     const int32_t *blocks, int block_size, int n_keys, int h0, int nh_kv, int64_t slot_stride,
     int group, int dtype, float *scores, float *acc, float *buf, float *denom, int64_t *slots,
-    int k0, float *mx, const int hd) {
+    int k0, float *mx, float softcap, const int hd) {
     const int rows = nh_kv * group, elem = dtype == KILN_F32 ? 4 : 2, nk = n_keys - k0;
     const int64_t head_off = (int64_t)h0 * hd, span = (int64_t)nh_kv * hd;
     for (int s = 0; s < nk; ++s) slots[s] = key_slot(blocks, block_size, k0 + s);
@@ -244,6 +244,9 @@ static inline __attribute__((always_inline)) void attend_token(
             }
         }
     }
+    if (softcap > 0.f) /* Gemma-2's soft cap of the scaled scores: cap * tanh(score / cap) */
+        for (int64_t i = 0; i < (int64_t)rows * nk; ++i)
+            scores[i] = softcap * tanhf(scores[i] / softcap);
     for (int r = 0; r < rows; ++r) {
         float *sr = scores + (int64_t)r * nk;
         float m = sr[0], sum = 0.f;
@@ -303,10 +306,10 @@ static inline __attribute__((always_inline)) void attend_token(
     const float *qs, const uint16_t *qb, float scale, const void *k_cache, const void *v_cache, \
         const int32_t *blocks, int block_size, int n_keys, int h0, int nh_kv,                \
         int64_t slot_stride, int group, int dtype, float *scores, float *acc, float *buf,    \
-        float *denom, int64_t *slots, int k0, float *mx
+        float *denom, int64_t *slots, int k0, float *mx, float softcap
 #define ATTEND_TOKEN_PASS                                                                    \
     qs, qb, scale, k_cache, v_cache, blocks, block_size, n_keys, h0, nh_kv, slot_stride,     \
-        group, dtype, scores, acc, buf, denom, slots, k0, mx
+        group, dtype, scores, acc, buf, denom, slots, k0, mx, softcap
 static void attend_token_64(ATTEND_TOKEN_ARGS) { attend_token(ATTEND_TOKEN_PASS, 64); }
 static void attend_token_128(ATTEND_TOKEN_ARGS) { attend_token(ATTEND_TOKEN_PASS, 128); }
 static void attend_token_any(ATTEND_TOKEN_ARGS, int hd) { attend_token(ATTEND_TOKEN_PASS, hd); }
@@ -337,7 +340,8 @@ static int key_parts(int64_t items, int num_threads, int max_seq_len, const int3
 
 /* Attention of the step's selected requests (their k/v already in the cache) into out. */
 static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride, int num_heads,
-                  float scale, const KilnKvCache *c, const KilnAttnStep *st, int num_threads) {
+                  float scale, int window, float softcap, const KilnKvCache *c,
+                  const KilnAttnStep *st, int num_threads) {
     const void *k_cache = c->key, *v_cache = c->value;
     const int32_t *block_table = st->block_table, *query_start = st->query_start;
     const int32_t *seq_lens = st->seq_lens, *reqs = st->reqs;
@@ -356,7 +360,9 @@ static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride
     const int per_req = num_kv_heads / heads_per_item;
     const int64_t items = (int64_t)num_sel * per_req;
     const size_t rows = (size_t)heads_per_item * group, unit_floats = rows * ((size_t)hd + 2);
-    const int parts = key_parts(items, num_threads, max_seq_len, reqs, num_sel, query_start);
+    /* a windowed layer's query reads at most `window` keys, however long its context */
+    const int most_keys = window > 0 && window < max_seq_len ? window : max_seq_len;
+    const int parts = key_parts(items, num_threads, most_keys, reqs, num_sel, query_start);
     /* parts > 1: per (item, part), rows x hd unnormalized outputs, then rows sums and maxima */
     float *partial =
         parts > 1 ? (float *)malloc(sizeof(float) * (size_t)(items * parts) * unit_floats) : NULL;
@@ -394,8 +400,10 @@ static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride
             const int32_t *blocks = block_table + (int64_t)r * bt_stride;
             for (int t = q_begin; t < q_end; ++t) {
                 const int n_keys = ctx + (t - q_begin) + 1;  /* causal: keys up to its position */
-                const int k0 = (int)((int64_t)n_keys * part / parts);
-                const int k1 = (int)((int64_t)n_keys * (part + 1) / parts);
+                /* a sliding window: only the last `window` keys, its own included */
+                const int lo = window > 0 && n_keys > window ? n_keys - window : 0;
+                const int k0 = lo + (int)((int64_t)(n_keys - lo) * part / parts);
+                const int k1 = lo + (int)((int64_t)(n_keys - lo) * (part + 1) / parts);
                 float *u = parts > 1 ? partial + unit * unit_floats : NULL;
                 float *o = parts > 1 ? u : acc, *sums = parts > 1 ? u + rows * hd : denom;
                 float *maxima = parts > 1 ? sums + rows : mx;
@@ -413,7 +421,7 @@ static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride
                 const uint16_t *qb = dtype == KILN_F32 ? NULL : (const uint16_t *)q + q_off;
                 attend_token_hd(qs, qb, scale, k_cache, v_cache, blocks, block_size, k1, h0,
                                 heads_per_item, slot_stride, group, dtype, scores, o, buf, sums,
-                                slots, k0, maxima, hd);
+                                slots, k0, maxima, softcap, hd);
                 if (parts > 1) continue;
                 const int64_t o_off = (int64_t)t * out_stride + (int64_t)h0 * group * hd;
                 for (size_t i = 0; i < rows; ++i)
@@ -482,15 +490,18 @@ static int write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_st
 }
 
 /* One layer's attention for a step: its new keys and values into the cache, then the selected
- * requests' queries against their whole context. One call per layer, since crossing from
+ * requests' queries against their context (its last `window` keys where window > 0; scores
+ * soft-capped at softcap where > 0). One call per layer, since crossing from
  * Python costs more than a decode's work here. Returns 0, or bits: 1 a seq_len above
  * max_seq_len or below its query length, 2 out of memory, 4 a slot outside the cache (then
  * nothing is written), 8 bad head counts. */
 int kiln_paged_attention(const void *q, int64_t q_stride, const void *k, int64_t k_stride,
                          const void *v, int64_t v_stride, void *out, int64_t out_stride,
-                         int32_t num_heads, float scale, const KilnKvCache *cache,
-                         const KilnAttnStep *step, int32_t num_threads) {
+                         int32_t num_heads, float scale, int32_t window, float softcap,
+                         const KilnKvCache *cache, const KilnAttnStep *step,
+                         int32_t num_threads) {
     const int rc = write_kv(k, k_stride, v, v_stride, cache, step);
     if (rc || step->num_sel == 0) return rc;
-    return attend(q, q_stride, out, out_stride, num_heads, scale, cache, step, num_threads);
+    return attend(q, q_stride, out, out_stride, num_heads, scale, window, softcap, cache, step,
+                  num_threads);
 }

@@ -50,8 +50,8 @@ static void pack_keys(const void *const *kp, int hd, int8_t *kt) {
 /* The online softmax over one key block of a row group, rows = tokens: scores scaled and masked
  * past each token's position, running maxima m and sums l, outputs o rescaled, probabilities
  * into pp as bfloat16. */
-static void softmax_rows(const float *s, int kb, const int *pos, float scale, float *m, float *l,
-                         float *o, int hd, uint16_t *pp) {
+static void softmax_rows(const Call *c, float *s, int kb, const int *pos, float scale, float *m,
+                         float *l, float *o, int hd, uint16_t *pp) {
     const __m512 vscale = _mm512_set1_ps(scale), masked = _mm512_set1_ps(MASKED);
     const __m512i lo = _mm512_add_epi32(_mm512_set1_epi32(kb),
                                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
@@ -61,8 +61,20 @@ static void softmax_rows(const float *s, int kb, const int *pos, float scale, fl
         const __m512i p = _mm512_set1_epi32(pos[i]);
         __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(s + PF_BK * i), vscale);
         __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(s + PF_BK * i + 16), vscale);
+        if (c->softcap > 0.f) {
+            _mm512_storeu_ps(s + PF_BK * i, x0);
+            _mm512_storeu_ps(s + PF_BK * i + 16, x1);
+            soft_cap(c, s + PF_BK * i, 32);
+            x0 = _mm512_loadu_ps(s + PF_BK * i);
+            x1 = _mm512_loadu_ps(s + PF_BK * i + 16);
+        }
         x0 = _mm512_mask_mov_ps(x0, _mm512_cmpgt_epi32_mask(lo, p), masked);
         x1 = _mm512_mask_mov_ps(x1, _mm512_cmpgt_epi32_mask(hi, p), masked);
+        if (kb < first_key(c, pos[i])) { /* keys before the row's sliding window */
+            const __m512i first = _mm512_set1_epi32(first_key(c, pos[i]));
+            x0 = _mm512_mask_mov_ps(x0, _mm512_cmpgt_epi32_mask(first, lo), masked);
+            x1 = _mm512_mask_mov_ps(x1, _mm512_cmpgt_epi32_mask(first, hi), masked);
+        }
         const float mx = fmaxf(m[i], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
         const __m512 vmx = _mm512_set1_ps(mx);
         const __m512 e0 = kiln_exp512(_mm512_sub_ps(x0, vmx)), e1 = kiln_exp512(_mm512_sub_ps(x1, vmx));
@@ -104,7 +116,7 @@ void unit_amx(const Call *c, const Unit *u, Scratch *w) {
     memset(w->o, 0, sizeof(float) * rgs * 16 * hd);
     for (int i = 0; i < rgs * 16; ++i) w->m[i] = MASKED, w->l[i] = 0.f;
     const int n_keys = pos[u->nt - 1] + 1;
-    for (int kb = 0; kb < n_keys; kb += PF_BK) {
+    for (int kb = first_key(c, pos[0]); kb < n_keys; kb += PF_BK) {
         const int nk = n_keys - kb < PF_BK ? n_keys - kb : PF_BK;
         key_rows(c, blocks, u->kv_head, kb, nk, PF_BK, w);
         pack_keys(w->kp, hd, kt);
@@ -128,7 +140,7 @@ void unit_amx(const Call *c, const Unit *u, Scratch *w) {
             }
             _tile_stored(0, s, PF_BK * 4);
             _tile_stored(1, s + 16, PF_BK * 4);
-            softmax_rows(s, kb, pos + 16 * (rg % tb), c->scale, w->m + rg * 16, w->l + rg * 16,
+            softmax_rows(c, s, kb, pos + 16 * (rg % tb), c->scale, w->m + rg * 16, w->l + rg * 16,
                          o, hd, pp);
             _tile_loadd(4, pp, PF_BK * 2);
             for (int d = 0; d < hd; d += 16) {

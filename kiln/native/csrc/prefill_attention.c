@@ -4,7 +4,10 @@
  *
  * A work unit is (request, kv head, 16 * tb query tokens): every query head sharing that kv head
  * takes the same key and value loads (GQA). Query j of a request sits at position ctx + j (ctx =
- * seq_len - query length: context cached by earlier steps) and sees keys 0 .. ctx + j. The tiles
+ * seq_len - query length: context cached by earlier steps) and sees keys 0 .. ctx + j (only the
+ * last `window` of them for a sliding-window layer: key blocks before a unit's first window are
+ * skipped, keys before each lane's window masked; scores soft-capped first where the layer has
+ * a cap). The tiles
  * (prefill_tiles.h) use AVX512-BF16 for bfloat16 (probabilities rounded to bfloat16 before P.V,
  * as SDPA does) and AVX512F for float32; AMX-BF16 tiles (prefill_amx.c) take bfloat16 where the
  * CPU has them and the head size is a multiple of 32; a scalar path serves any other CPU, head
@@ -33,7 +36,7 @@ static void unit_scalar(const Call *c, const Unit *u, Scratch *w) {
                 qf[d] = load_elem(c->q, t * c->q_stride + (int64_t)head * hd + d, c->dtype);
             float m = MASKED, l = 0.f;
             memset(acc, 0, sizeof(float) * hd);
-            for (int kb = 0; kb < n_keys; kb += PF_BK) {
+            for (int kb = first_key(c, n_keys - 1); kb < n_keys; kb += PF_BK) {
                 const int nk = n_keys - kb < PF_BK ? n_keys - kb : PF_BK;
                 float mx = m;
                 for (int j = 0; j < nk; ++j) {
@@ -42,6 +45,7 @@ static void unit_scalar(const Call *c, const Unit *u, Scratch *w) {
                     for (int d = 0; d < hd; ++d)
                         dot += qf[d] * load_elem(c->k_cache, off + d, c->dtype);
                     sc[j] = dot * c->scale;
+                    soft_cap(c, sc + j, 1);
                     mx = sc[j] > mx ? sc[j] : mx;
                 }
                 const float alpha = expf(m - mx);
@@ -65,18 +69,34 @@ static void unit_scalar(const Call *c, const Unit *u, Scratch *w) {
 /* One key block's softmax step for a row group (16 lanes): scores scaled, and masked past each
  * lane's position where the block reaches one; running maxima, sums and outputs rescaled;
  * scores to probabilities. */
-static void softmax_step(float *s, int nkp, int kb, const int *pos, float sscale, float *m,
-                         float *l, float *o, int hd) {
+static void softmax_step(const Call *c, float *s, int nkp, int kb, const int *pos, float sscale,
+                         float *m, float *l, float *o, int hd) {
     const __m512i lane_pos = _mm512_loadu_si512(pos);
+    /* each lane's first key (its window's start), for the keys before it to be masked */
+    const __m512i lane_lo = _mm512_set_epi32(
+        first_key(c, pos[15]), first_key(c, pos[14]), first_key(c, pos[13]),
+        first_key(c, pos[12]), first_key(c, pos[11]), first_key(c, pos[10]),
+        first_key(c, pos[9]), first_key(c, pos[8]), first_key(c, pos[7]), first_key(c, pos[6]),
+        first_key(c, pos[5]), first_key(c, pos[4]), first_key(c, pos[3]), first_key(c, pos[2]),
+        first_key(c, pos[1]), first_key(c, pos[0]));
     const __m512 scale = _mm512_set1_ps(sscale), masked = _mm512_set1_ps(MASKED);
     const int need_mask = kb + nkp - 1 > pos[0]; /* lanes' positions ascend */
+    const int need_lo_mask = kb < first_key(c, pos[15]);
     const __m512 m_old = _mm512_loadu_ps(m);
     __m512 mx = m_old, sum = _mm512_setzero_ps();
     for (int j = 0; j < nkp; ++j) {
         __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * j), scale);
+        if (c->softcap > 0.f) {
+            _mm512_storeu_ps(s + 16 * j, x);
+            soft_cap(c, s + 16 * j, 16);
+            x = _mm512_loadu_ps(s + 16 * j);
+        }
         if (need_mask)
             x = _mm512_mask_mov_ps(
                 x, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(kb + j), lane_pos), masked);
+        if (need_lo_mask)
+            x = _mm512_mask_mov_ps(
+                x, _mm512_cmpgt_epi32_mask(lane_lo, _mm512_set1_epi32(kb + j)), masked);
         _mm512_storeu_ps(s + 16 * j, x);
         mx = _mm512_max_ps(mx, x);
     }
@@ -124,7 +144,7 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
     memset(w->o, 0, sizeof(float) * rgs * rg_o);
     for (int i = 0; i < rgs * 16; ++i) w->m[i] = MASKED, w->l[i] = 0.f;
     const int n_keys = pos[u->nt - 1] + 1;
-    for (int kb = 0; kb < n_keys; kb += PF_BK) {
+    for (int kb = first_key(c, pos[0]); kb < n_keys; kb += PF_BK) {
         const int nk = n_keys - kb < PF_BK ? n_keys - kb : PF_BK;
         const int nkp = (nk + PF_KEYS - 1) / PF_KEYS * PF_KEYS;
         key_rows(c, blocks, u->kv_head, kb, nk, nkp, w);
@@ -144,7 +164,7 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
             }
         }
         for (int rg = 0; rg < rgs; ++rg)
-            softmax_step(w->s + rg * rg_s, nkp, kb, pos + 16 * (rg % tb), bf ? c->scale : 1.f,
+            softmax_step(c, w->s + rg * rg_s, nkp, kb, pos + 16 * (rg % tb), bf ? c->scale : 1.f,
                          w->m + rg * 16, w->l + rg * 16, w->o + rg * rg_o, hd);
 #if KILN_PREFILL_BF16_SIMD
         if (bf) {
@@ -201,9 +221,9 @@ int kiln_prefill_attention_amx(int32_t dtype, int32_t head_size) {
  * the AVX512 tiles even where AMX's serve, KILN_PREFILL_PORTABLE the scalar path (tests).
  * Returns 0 or paged_attention.h's error bits. */
 int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t out_stride,
-                           int64_t num_rows, int32_t num_heads, float scale,
-                           const KilnKvCache *cache, const KilnAttnStep *st, int32_t path,
-                           int32_t num_threads) {
+                           int64_t num_rows, int32_t num_heads, float scale, int32_t window,
+                           float softcap, const KilnKvCache *cache, const KilnAttnStep *st,
+                           int32_t path, int32_t num_threads) {
     const int nkv = cache->num_kv_heads, hd = cache->head_size;
     if (nkv <= 0 || num_heads % nkv || cache->block_size <= 0 || hd <= 0)
         return KILN_ATTN_BAD_HEADS;
@@ -236,7 +256,8 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
     const Call call = {q, cache->key, cache->value, out, q_stride, out_stride,
                        (int64_t)nkv * hd, st->bt_stride, st->block_table, st->query_start,
                        st->seq_lens, cache->block_size, hd, group, tb, cache->dtype,
-                       cache->dtype == KILN_F32 ? 4 : 2, scale};
+                       cache->dtype == KILN_F32 ? 4 : 2, scale, window > 0 ? window : 0,
+                       softcap > 0.f ? softcap : 0.f};
     const int rgs = group * tb;
     /* per row group qp, o, s, pp, m, l; then vpk, the scalar path's rows and the zero row */
     const size_t floats = (size_t)rgs * 16 * (2 * hd + PF_BK + PF_BK / 2 + 2) +

@@ -3,6 +3,7 @@
 #ifndef KILN_PREFILL_UNIT_H
 #define KILN_PREFILL_UNIT_H
 
+#include <math.h>
 #include <stdint.h>
 
 #if defined(__AVX512BW__)
@@ -22,6 +23,8 @@ typedef struct { /* what every unit of a call shares */
     const int32_t *block_table, *query_start, *seq_lens;
     int block_size, hd, group, tb, dtype, elem;
     float scale;
+    int window;    /* > 0: a query sees only the last `window` keys, its own included */
+    float softcap; /* > 0: scaled scores become softcap * tanh(score / softcap) */
 } Call;
 
 typedef struct { /* one thread's buffers; layouts in prefill_tiles.h (prefill_amx.c's its own) */
@@ -36,6 +39,17 @@ typedef struct { /* one thread's buffers; layouts in prefill_tiles.h (prefill_am
 static inline int64_t key_offset(const Call *c, const int32_t *blocks, int key, int kv_head) {
     const int64_t slot = (int64_t)blocks[key / c->block_size] * c->block_size + key % c->block_size;
     return slot * c->slot_stride + (int64_t)kv_head * c->hd;
+}
+
+/* The first key a query at position `pos` sees: 0, or the start of its sliding window. */
+static inline int first_key(const Call *c, int pos) {
+    return c->window > 0 && pos + 1 > c->window ? pos + 1 - c->window : 0;
+}
+
+/* n scaled scores soft-capped in place (Gemma-2's attention logit soft-capping). */
+static inline void soft_cap(const Call *c, float *s, int n) {
+    if (c->softcap > 0.f)
+        for (int i = 0; i < n; ++i) s[i] = c->softcap * tanhf(s[i] / c->softcap);
 }
 
 /* w->kp, w->vp [0, count): the cache rows of keys kb .. kb + nk - 1 of the unit's kv head, the
