@@ -1,7 +1,8 @@
 """/v1/responses function-call items and the response store without a model: input items as
 the chat messages they stand for, an "auto" answer's calls streamed as OpenAI's events (hermes'
 <tool_call> text), and the store (KILN_ENABLE_RESPONSES_API_STORE) against the fake engine:
-kept, retrieved, continued, deleted, bounded; refused with the variable named when off."""
+kept, retrieved, continued, deleted, bounded; refused with the variable named when off. A
+forced call's schema nested too deep is a 400 naming tools on chat's route and this one."""
 import json
 
 import pytest
@@ -207,3 +208,25 @@ def test_mistral_call_ids_are_ones_its_template_takes_back(stream):
     ids = [o["call_id"] for o in output]
     assert [o["type"] for o in output] == ["function_call"] * 2
     assert all(len(i) == 9 and i.isalnum() for i in ids) and len(set(ids)) == 2, ids
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "f"])
+def test_a_forced_call_to_a_too_deep_schema_is_a_400_naming_tools(monkeypatch, tool_choice):
+    """The forced call's grammar params refuse a schema nested past their limit: a 500 on both
+    routes (a ValueError out of plan_tools), where response_format's is a 400."""
+    deep = {"type": "object"}
+    for _ in range(60):
+        deep = {"type": "object", "properties": {"a": deep}}
+    chat_choice = tool_choice if tool_choice == "required" else \
+        {"type": "function", "function": {"name": "f"}}
+    flat_choice = tool_choice if tool_choice == "required" else {"type": "function", "name": "f"}
+    with _client(monkeypatch, None) as client:
+        r = client.post("/v1/chat/completions", json=dict(
+            messages=[{"role": "user", "content": "x"}], tool_choice=chat_choice,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": deep}}]))
+        err = assert_error(r, 400, "tools", "invalid_value")
+        assert "the schema of the tools' parameters nests" in err["message"]
+        r = client.post("/v1/responses", json=dict(
+            input="x", tool_choice=flat_choice,
+            tools=[{"type": "function", "name": "f", "parameters": deep}]))
+        assert_error(r, 400, "tools", "invalid_value")
