@@ -139,6 +139,20 @@ def test_the_store_keeps_retrieves_continues_and_deletes(monkeypatch):
         assert client.post("/v1/responses/resp_gone/cancel").status_code == 404
 
 
+def test_retrieving_a_stream_of_events_is_refused(monkeypatch):
+    """vLLM's GET stream=true replays a background response's events (none here): the body
+    alone left the openai SDK's retrieve(stream=True) an empty stream, silently."""
+    with _client(monkeypatch, "1") as client:
+        rid = client.post("/v1/responses", json=dict(input="hi", max_output_tokens=2)).json()["id"]
+        for query, param in (("stream=true", "stream"), ("starting_after=2", "starting_after")):
+            err = assert_error(client.get(f"/v1/responses/{rid}?{query}"), 400, param,
+                               "unsupported_parameter")
+            assert "background" in err["message"]
+        assert client.get(f"/v1/responses/{rid}?stream=false").json()["id"] == rid
+        assert_error(client.get("/v1/responses/resp_gone?stream=true"), 404, None)
+        assert_error(client.get(f"/v1/responses/{rid}?stream=maybe"), 400, "stream")
+
+
 def test_the_store_is_bounded():
     store = ResponseStore(enabled=True, max_stored=2)
     for k in range(3):
