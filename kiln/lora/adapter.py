@@ -63,8 +63,9 @@ def check_config(config: dict, where: str, max_lora_rank: int) -> tuple[int, flo
         raise ConfigError(f"{where}: r={rank} is above --max-lora-rank ({max_lora_rank}); "
                           f"raise --max-lora-rank to at least {rank}")
     alpha = config.get("lora_alpha", 8)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise ConfigError(f"{where}: lora_alpha must be a number, got {alpha!r}")
+    # json reads Infinity and NaN: such a scale turns every output of the adapter to NaN
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ConfigError(f"{where}: lora_alpha must be a finite number, got {alpha!r}")
     if config.get("use_dora"):
         raise ConfigError(f"{where}: use_dora is true; DoRA adapters are not supported")
     if config.get("modules_to_save"):
@@ -80,7 +81,10 @@ def check_config(config: dict, where: str, max_lora_rank: int) -> tuple[int, flo
             raise ConfigError(f"{where}: {field} is not supported (one r and lora_alpha for "
                               "every module)")
     targets = config.get("target_modules") or []
-    names = [targets] if isinstance(targets, str) else list(targets)
+    names = [targets] if isinstance(targets, str) else targets
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{where}: target_modules must be a module name or a list of them "
+                          f"(strings), got {targets!r}")
     for bad in _UNSUPPORTED_TARGETS:
         if any(n == bad or n.endswith("." + bad) for n in names):
             raise ConfigError(f"{where}: target_modules holds {bad!r}; LoRA on embeddings and "

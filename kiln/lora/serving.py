@@ -72,6 +72,8 @@ def add_lora_routes(app, llm, models) -> None:
     from fastapi import Response
     from pydantic import BaseModel
 
+    from kiln.entrypoints.openai.errors import OpenAIError
+
     class LoadLoRAAdapterRequest(BaseModel):
         lora_name: str
         lora_path: str
@@ -85,9 +87,12 @@ def add_lora_routes(app, llm, models) -> None:
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoRAAdapterRequest):
-        # the adapter is read and checked on the engine's thread, off the event loop
-        await llm.run_in_engine(models.add_lora, req.lora_name, req.lora_path, checker.check,
-                                req.load_inplace)
+        lora = models.lora_to_add(req.lora_name, req.lora_path, req.load_inplace)
+        try:  # the adapter is read and checked off the event loop
+            lora = await llm.run_in_engine(checker.check, lora)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="lora_path") from None
+        models.add_lora(lora, req.load_inplace)
         return Response(content=f"Success: LoRA adapter '{req.lora_name}' added successfully.",
                         status_code=200)
 

@@ -32,6 +32,12 @@ def base(tmp_path_factory):
     ({"bias": "all"}, "bias"),
     ({"rank_pattern": {"q_proj": 2}}, "rank_pattern"),
     ({"r": 32}, "--max-lora-rank"),
+    # a runtime load's files are the client's: a 500 (TypeError) before these were checked
+    ({"target_modules": 5}, "target_modules"),
+    ({"target_modules": ["q_proj", 1]}, "target_modules"),
+    # json reads Infinity: every output of the adapter was NaN
+    ({"lora_alpha": float("inf")}, "lora_alpha"),
+    ({"lora_alpha": float("nan")}, "lora_alpha"),
 ])
 def test_unsupported_adapter_fields_are_refused_by_name(base, tmp_path, extra, field):
     path, config = base

@@ -1,7 +1,8 @@
 """/v1/responses function-call items and the response store without a model: input items as
 the chat messages they stand for, an "auto" answer's calls streamed as OpenAI's events (hermes'
 <tool_call> text), and the store (KILN_ENABLE_RESPONSES_API_STORE) against the fake engine:
-kept, retrieved, continued, deleted, bounded; refused with the variable named when off."""
+kept, retrieved, continued, deleted, bounded; refused with the variable named when off. A
+forced call's schema nested too deep is a 400 naming tools on chat's route and this one."""
 import json
 
 import pytest
@@ -138,6 +139,20 @@ def test_the_store_keeps_retrieves_continues_and_deletes(monkeypatch):
         assert client.post("/v1/responses/resp_gone/cancel").status_code == 404
 
 
+def test_retrieving_a_stream_of_events_is_refused(monkeypatch):
+    """vLLM's GET stream=true replays a background response's events (none here): the body
+    alone left the openai SDK's retrieve(stream=True) an empty stream, silently."""
+    with _client(monkeypatch, "1") as client:
+        rid = client.post("/v1/responses", json=dict(input="hi", max_output_tokens=2)).json()["id"]
+        for query, param in (("stream=true", "stream"), ("starting_after=2", "starting_after")):
+            err = assert_error(client.get(f"/v1/responses/{rid}?{query}"), 400, param,
+                               "unsupported_parameter")
+            assert "background" in err["message"]
+        assert client.get(f"/v1/responses/{rid}?stream=false").json()["id"] == rid
+        assert_error(client.get("/v1/responses/resp_gone?stream=true"), 404, None)
+        assert_error(client.get(f"/v1/responses/{rid}?stream=maybe"), 400, "stream")
+
+
 def test_the_store_is_bounded():
     store = ResponseStore(enabled=True, max_stored=2)
     for k in range(3):
@@ -252,3 +267,25 @@ def test_max_tool_calls_bounds_a_required_answers_grammar():
             assert schema.get("maxItems") == most, extra
         r = c.post("/v1/responses", json=dict(input="x", tools=tools, max_tool_calls=0))
         assert "tool_choice" in assert_error(r, 400, "max_tool_calls", "invalid_value")["message"]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "f"])
+def test_a_forced_call_to_a_too_deep_schema_is_a_400_naming_tools(monkeypatch, tool_choice):
+    """The forced call's grammar params refuse a schema nested past their limit: a 500 on both
+    routes (a ValueError out of plan_tools), where response_format's is a 400."""
+    deep = {"type": "object"}
+    for _ in range(60):
+        deep = {"type": "object", "properties": {"a": deep}}
+    chat_choice = tool_choice if tool_choice == "required" else \
+        {"type": "function", "function": {"name": "f"}}
+    flat_choice = tool_choice if tool_choice == "required" else {"type": "function", "name": "f"}
+    with _client(monkeypatch, None) as client:
+        r = client.post("/v1/chat/completions", json=dict(
+            messages=[{"role": "user", "content": "x"}], tool_choice=chat_choice,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": deep}}]))
+        err = assert_error(r, 400, "tools", "invalid_value")
+        assert "the schema of the tools' parameters nests" in err["message"]
+        r = client.post("/v1/responses", json=dict(
+            input="x", tool_choice=flat_choice,
+            tools=[{"type": "function", "name": "f", "parameters": deep}]))
+        assert_error(r, 400, "tools", "invalid_value")

@@ -182,10 +182,11 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     # The store's (KILN_ENABLE_RESPONSES_API_STORE; 404 without it): GET as vLLM's, DELETE
     # as OpenAI's. One route, so that a 405 lists both methods in its Allow header.
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
-    async def stored_response(response_id: str, raw: Request):
+    async def stored_response(response_id: str, raw: Request, stream: bool = False,
+                              starting_after: int | None = None):
         if raw.method == "DELETE":
             return JSONResponse(responses.store.delete(response_id))
-        return JSONResponse(responses.store.get(response_id))
+        return JSONResponse(responses.store.retrieve(response_id, stream, starting_after))
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str):

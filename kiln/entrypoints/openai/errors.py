@@ -87,8 +87,9 @@ def in_api_terms(message: str, fields: dict[str, str],
 
 
 def _loc_to_param(loc: tuple) -> str | None:
-    """("body", "messages", 0, "content") -> "messages[0].content"; None for the whole body."""
-    parts = [p for p in loc if p != "body"]
+    """("body", "messages", 0, "content") -> "messages[0].content" (a query parameter's:
+    ("query", "stream") -> "stream"); None for the whole body."""
+    parts = list(loc[1:] if loc and loc[0] in ("body", "query") else loc)
     out = ""
     for p in parts:
         if isinstance(p, int):

@@ -1,11 +1,11 @@
 """The Responses API's store, as vLLM keeps it with VLLM_ENABLE_RESPONSES_API_STORE=1 (Kiln:
 KILN_ENABLE_RESPONSES_API_STORE, or vLLM's name): responses made with `store` (true by default)
 are kept in this process's memory, the newest MAX_STORED of them (vLLM's store is unbounded); GET
-/v1/responses/{id} returns one, DELETE /v1/responses/{id} forgets it (POST .../cancel: 400, as
-vLLM answers for a response that is not a background one), and a request's
-`previous_response_id` continues one: its input (and that of the responses it continued) and
-its output come before the new input, as history. Instructions are not carried over, as
-OpenAI's are not. Off (the default), nothing is kept and previous_response_id is refused.
+/v1/responses/{id} returns one (its stream=true refused), DELETE /v1/responses/{id} forgets it
+(POST .../cancel: 400, as vLLM answers for a response that is not a background one), and a
+request's `previous_response_id` continues one: its input (and that of the responses it
+continued) and its output come before the new input, as history. Instructions are not carried
+over, as OpenAI's are not. Off (the default), nothing is kept and previous_response_id is refused.
 """
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -97,6 +97,20 @@ class ResponseStore:
         if stored is None:
             raise self._missing(response_id)
         return stored.body
+
+    def retrieve(self, response_id: str, stream: bool = False,
+                 starting_after: int | None = None) -> dict:
+        """GET /v1/responses/{id}. vLLM's stream=true (from event starting_after) replays a
+        background response's events, and no response here has any: refused, where the body
+        alone left the openai SDK's retrieve(stream=True) an empty stream."""
+        body = self.get(response_id)
+        if stream or starting_after is not None:
+            param = "stream" if stream else "starting_after"
+            raise OpenAIError(f"{param} is refused: it replays a background response's events, "
+                              "and background responses are not supported; retrieve the "
+                              "response without stream and starting_after", param=param,
+                              code="unsupported_parameter")
+        return body
 
     def delete(self, response_id: str) -> dict:
         if self._items.pop(response_id, None) is None:

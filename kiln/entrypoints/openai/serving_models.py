@@ -40,12 +40,28 @@ class ServingModels:
                               code="model_not_found")
         return requested
 
-    def add_lora(self, name: str, path: str, check, replace: bool = False):
-        """A runtime-loaded adapter (vLLM's /v1/load_lora_adapter): a new lora_int_id, so a
-        replaced adapter's weights are never taken for its predecessor's. `check`: the
-        engine's LoRAChecker.check."""
+    def lora_to_add(self, name: str, path: str, replace: bool = False):
+        """The adapter a runtime load (vLLM's /v1/load_lora_adapter) adds, not yet read: a new
+        lora_int_id, so a replaced adapter's weights are never taken for its predecessor's."""
         from kiln.lora.request import LoRARequest
 
+        for field, value in (("lora_name", name), ("lora_path", path)):
+            if not value:
+                raise OpenAIError(f"{field} is empty: give the adapter's name and the path of "
+                                  "its PEFT directory", param=field, code="invalid_value")
+        self._refuse_taken(name, replace)
+        self._next_lora_id = max([getattr(self, "_next_lora_id", 0)]
+                                 + [lora.lora_int_id for lora in self.loras.values()]) + 1
+        return LoRARequest(name, self._next_lora_id, path)
+
+    def add_lora(self, lora, replace: bool = False) -> None:
+        """Serve `lora` (lora_to_add's, read and checked since). On the event loop, as every
+        read of `loras`: added from the thread that checked it, /v1/models iterating them
+        failed (dictionary changed size during iteration)."""
+        self._refuse_taken(lora.lora_name, replace)  # a load of the same name, meanwhile
+        self.loras[lora.lora_name] = lora
+
+    def _refuse_taken(self, name: str, replace: bool) -> None:
         if name in self.loras and not replace:
             raise OpenAIError(f"The lora adapter '{name}' has already been loaded. If you want "
                               "to load the adapter in place, set 'load_inplace' to True.",
@@ -53,13 +69,6 @@ class ServingModels:
         if name in self.names:
             raise OpenAIError(f"'{name}' is a served model name, not an adapter",
                               param="lora_name")
-        self._next_lora_id = max([getattr(self, "_next_lora_id", 0)]
-                                 + [lora.lora_int_id for lora in self.loras.values()]) + 1
-        try:
-            lora = check(LoRARequest(name, self._next_lora_id, path))
-        except ValueError as e:
-            raise OpenAIError(str(e), param="lora_path") from None
-        self.loras[name] = lora
 
     def remove_lora(self, name: str) -> None:
         if self.loras.pop(name, None) is None:

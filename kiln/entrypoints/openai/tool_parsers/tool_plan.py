@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 
 from kiln.entrypoints.openai.errors import OpenAIError
+from kiln.entrypoints.openai.structured_fields import build_params
 from kiln.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from kiln.entrypoints.openai.tool_parsers.base import ToolParser
 from kiln.entrypoints.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser, required_schema
@@ -140,8 +141,9 @@ def _shorten(value, limit: int = 80) -> str:
 
 def _forced(schema: dict) -> StructuredOutputsParams:
     """Forced calls are compact JSON: free whitespace only lets a weak model ramble on before
-    the arguments close (the call parses the same either way)."""
-    return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    the arguments close (the call parses the same either way). What the params refuse (a
+    schema nested too deep) is a 400 naming tools, as response_format's is (it was a 500)."""
+    return build_params(dict(json=schema, disable_any_whitespace=True), "tools")
 
 
 def _shown(choice) -> str:
