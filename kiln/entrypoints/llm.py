@@ -164,9 +164,8 @@ class LLM:
               use_tqdm: bool | Callable = True, pooling_params=None, lora_request=None,
               chat_template: str | None = None):
         """vLLM's: one ScoringRequestOutput (`.outputs.score`) per (data_1, data_2) pair, 1:1,
-        1:N or N:N: a cross-encoder's score of the pair (`chat_template`: a Jinja template
-        rendering it from "query" and "document" messages), or an embedding model's cosine
-        similarity."""
+        1:N or N:N: a cross-encoder's score (`chat_template` renders "query" and "document"
+        messages), or an embedding model's cosine similarity."""
         from kiln.pooling.scoring import score
 
         return score(self, data_1, data_2, truncate_prompt_tokens, use_tqdm, pooling_params,
