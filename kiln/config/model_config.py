@@ -109,6 +109,8 @@ class ModelConfig(FreezableConfig):
             self._check_architecture()
         else:
             self.hf_config = apply_hf_overrides(self.hf_config, self.hf_overrides)
+        from kiln.pooling.token_classifier import resolve_token_classifier
+        self.hf_config = resolve_token_classifier(self.hf_config)
         self._resolve_tokenizer_side()
         if self.load_format == "auto":
             self.load_format = "gguf" if self.gguf_file else "safetensors"

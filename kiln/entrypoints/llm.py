@@ -161,14 +161,15 @@ class LLM:
                         lora_request)
 
     def score(self, data_1, data_2, /, *, truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool | Callable = True, pooling_params=None, lora_request=None):
+              use_tqdm: bool | Callable = True, pooling_params=None, lora_request=None,
+              chat_template: str | None = None):
         """vLLM's: one ScoringRequestOutput (`.outputs.score`) per (data_1, data_2) pair, 1:1,
-        1:N or N:N: a cross-encoder's score of the pair, or an embedding model's cosine
-        similarity."""
+        1:N or N:N: a cross-encoder's score (`chat_template` renders "query" and "document"
+        messages), or an embedding model's cosine similarity."""
         from kiln.pooling.scoring import score
 
         return score(self, data_1, data_2, truncate_prompt_tokens, use_tqdm, pooling_params,
-                     lora_request)
+                     lora_request, chat_template)
 
     reward = unsupported("reward", _REWARD)
 

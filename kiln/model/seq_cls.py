@@ -2,6 +2,8 @@
 head a `score` linear [num_labels, hidden] (no bias) that the pooling runner applies to the
 pooled final-norm state (kiln/pooling/runner_pooler.py), as vLLM's as_seq_cls_model.
 
+A *ForCausalLM checkpoint converted by config keys (classifier_from_token, method; vLLM's
+Qwen3-Reranker overrides) gets its head from the LM head's rows (kiln/pooling/token_classifier.py).
 The head is float32 on every rank (vLLM's head_dtype default for classifiers): it is tiny, and
 a bf16 head would round the logits the probabilities come from.
 """
@@ -23,6 +25,7 @@ def for_sequence_classification(causal_cls: type) -> type:
 
         def __init__(self, *, kiln_config, prefix: str = ""):
             super().__init__(kiln_config=kiln_config, prefix=prefix)
+            self.model_config = kiln_config.model_config  # its tokenizer, for classifier tokens
             self.num_labels = num_labels(self.config)
             previous = torch.get_default_dtype()
             torch.set_default_dtype(torch.float32)
@@ -36,10 +39,25 @@ def for_sequence_classification(causal_cls: type) -> type:
             return name.startswith("score.") or super().owns(name)
 
         def load_weights(self, weights):
+            method = getattr(self.config, "method", None)
+            if method is not None:
+                from kiln.pooling.token_classifier import with_score_head
+                return super().load_weights(with_score_head(
+                    weights, method, self._classifier_token_ids(),
+                    bool(getattr(self.config, "tie_word_embeddings", False))))
             # a *ForCausalLM checkpoint converted to a classifier (--convert classify) still
             # holds its LM head: unused, as vLLM drops it
             return super().load_weights((n, t) for n, t in weights
                                         if not n.startswith("lm_head."))
+
+        def _classifier_token_ids(self) -> list[int]:
+            from kiln.engine.tokenizer import load_tokenizer
+            from kiln.pooling.token_classifier import classifier_token_ids
+
+            config = self.model_config  # the checkpoint's own tokenizer without one loaded
+            tokenizer = load_tokenizer(config.tokenizer_path or config.gguf_file
+                                       or config.model_path)
+            return classifier_token_ids(tokenizer, self.config.classifier_from_token)
 
         def _check_complete(self, params: dict, loaded: set[str]) -> None:
             if "score.weight" not in loaded:

@@ -1,6 +1,8 @@
 """vLLM's scoring (LLM.score, /score, /rerank): a cross-encoder (a classify engine whose model has
-one label) scores each (text_1, text_2) pair, tokenized as the tokenizer's pair encoding, by its
-activated logit; an embedding engine scores the cosine similarity of the two embeddings.
+one label) scores each (text_1, text_2) pair by its activated logit, the pair tokenized as the
+tokenizer's pair encoding, as text_1 + text_2 (an LLM reranker: use_sep_token false), or as an
+explicit chat template renders the query and document roles (--chat-template, chat_template=);
+an embedding engine scores the cosine similarity of the two embeddings.
 
 Inputs pair 1:1, 1:N (the one text_1 against each text_2) or N:N, as vLLM's."""
 import torch
@@ -9,6 +11,7 @@ from kiln.engine.text_encoding import check_encodable
 from kiln.pooling.classify_outputs import ScoringRequestOutput, finish_logits
 from kiln.pooling.outputs import PoolingOutput, PoolingParams, PoolingRequestOutput, finish_vector
 from kiln.pooling.pooling_inputs import check_cross_encoder, check_pooling_engine
+from kiln.pooling.token_classifier import uses_sep_token
 
 
 def score_lists(data_1, data_2, names=("text_1", "text_2")) -> tuple[list, list]:
@@ -30,11 +33,27 @@ def is_cross_encoder(model_config) -> bool:
     return model_config.pooler_config.task == "classify"
 
 
+def pair_text(engine, text_1: str, text_2: str, chat_template: str | None) -> str | None:
+    """The one text a pair is scored as: an explicit chat template's render of the query and
+    the document (vLLM applies none by default: base models' templates are no score
+    templates), text_1 + text_2 where the model has no separator (use_sep_token false), or
+    None for the tokenizer's pair encoding."""
+    if chat_template is not None:
+        return engine.apply_chat_template([{"role": "query", "content": text_1},
+                                           {"role": "document", "content": text_2}],
+                                          add_generation_prompt=False,
+                                          chat_template=chat_template)
+    if not uses_sep_token(engine.model_config.hf_config):
+        return text_1 + text_2
+    return None
+
+
 def pair_token_ids(tokenizer, text_1, text_2, truncate_prompt_tokens, max_model_len,
-                   names=("text_1", "text_2")) -> list[int]:
-    """The pair as one prompt, the tokenizer's pair encoding (its separators, vLLM's
-    use_sep_token default); truncate_prompt_tokens cuts it in the tokenizer (longest first),
-    as vLLM passes truncation to it."""
+                   names=("text_1", "text_2"), engine=None,
+                   chat_template: str | None = None) -> list[int]:
+    """The pair as one prompt: the tokenizer's pair encoding (its separators, vLLM's
+    use_sep_token default) or pair_text's; truncate_prompt_tokens cuts it in the tokenizer
+    (longest first), as vLLM passes truncation to it."""
     if tokenizer is None:
         raise ValueError("scoring a text pair needs a tokenizer; this engine runs with "
                          "skip_tokenizer_init=True")
@@ -43,6 +62,7 @@ def pair_token_ids(tokenizer, text_1, text_2, truncate_prompt_tokens, max_model_
             raise ValueError(f"{name}: a cross-encoder scores texts, got "
                              f"{type(text).__name__}")
         check_encodable(text, name)
+    joined = pair_text(engine, text_1, text_2, chat_template) if engine is not None else None
     kwargs = {}
     keep = truncate_prompt_tokens
     if keep is not None:
@@ -52,7 +72,8 @@ def pair_token_ids(tokenizer, text_1, text_2, truncate_prompt_tokens, max_model_
                              f"max_model_len {max_model_len}, got {truncate_prompt_tokens!r}")
         kwargs = dict(truncation=True, max_length=keep)
     try:
-        ids = tokenizer(text_1, text_pair=text_2, add_special_tokens=True, **kwargs)["input_ids"]
+        pair = dict(text=joined) if joined is not None else dict(text=text_1, text_pair=text_2)
+        ids = tokenizer(**pair, add_special_tokens=True, **kwargs)["input_ids"]
     except Exception as e:  # noqa: BLE001 - the tokenizer's refusal (a pair it cannot cut)
         raise ValueError(f"truncate_prompt_tokens: the tokenizer cannot encode the pair "
                          f"within {keep} tokens: {e}") from None
@@ -70,18 +91,22 @@ def cosine_output(one: PoolingRequestOutput, two: PoolingRequestOutput,
 
 
 def score_prompts(engine, data_1, data_2, truncate_prompt_tokens,
-                  names=("text_1", "text_2")) -> tuple[list, int | None, int]:
+                  names=("text_1", "text_2"),
+                  chat_template: str | None = None) -> tuple[list, int | None, int]:
     """(prompts to pool, their PoolingParams' truncation, the number of pairs) for `engine`'s
-    way of scoring: the pairs (a cross-encoder; truncated in the tokenizer) or text_1's then
-    text_2's texts (an embedding model; a single text_1 is pooled once)."""
+    way of scoring: the pairs (a cross-encoder; truncated in the tokenizer; `chat_template`,
+    else the engine's --chat-template, renders them where given) or text_1's then text_2's
+    texts (an embedding model; a single text_1 is pooled once)."""
     one, two = score_lists(data_1, data_2, names)
     if not is_cross_encoder(engine.model_config):
         return one + two, truncate_prompt_tokens, len(two)
     check_cross_encoder(engine.model_config)
     processor = engine.input_processor
+    template = chat_template or engine.model_config.chat_template
     return [{"prompt_token_ids": pair_token_ids(processor.tokenizer, a, b,
                                                 truncate_prompt_tokens,
-                                                processor.max_model_len, names)}
+                                                processor.max_model_len, names, engine,
+                                                template)}
             for a, b in zip(one * len(two) if len(one) == 1 else one, two)], None, len(two)
 
 
@@ -101,7 +126,8 @@ def finish_scores(model_config, outputs: list, params: PoolingParams, num_2: int
 
 
 def score(llm, data_1, data_2, truncate_prompt_tokens=None, use_tqdm=True,
-          pooling_params=None, lora_request=None) -> list[ScoringRequestOutput]:
+          pooling_params=None, lora_request=None,
+          chat_template: str | None = None) -> list[ScoringRequestOutput]:
     """LLM.score: one ScoringRequestOutput per pair (`.outputs.score`)."""
     from kiln.entrypoints.llm_arguments import refuse_lora
     from kiln.pooling.offline import engine_outputs
@@ -116,7 +142,7 @@ def score(llm, data_1, data_2, truncate_prompt_tokens=None, use_tqdm=True,
     if truncate_prompt_tokens is None:
         truncate_prompt_tokens = params.truncate_prompt_tokens
     prompts, truncate, num_2 = score_prompts(engine, data_1, data_2, truncate_prompt_tokens,
-                                             ("data_1", "data_2"))
+                                             ("data_1", "data_2"), chat_template)
     each = PoolingParams(truncate_prompt_tokens=truncate)
     outputs = engine_outputs(llm, prompts, [each] * len(prompts), use_tqdm)
     tokenizer = engine.input_processor.tokenizer

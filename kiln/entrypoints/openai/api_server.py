@@ -21,6 +21,7 @@ from kiln.entrypoints.openai.middleware import (
     ShutdownGate,
 )
 from kiln.entrypoints.openai.openapi import describe
+from kiln.entrypoints.openai.pooling_prompts import ChatSettings
 from kiln.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -82,7 +83,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
                        trust_request_chat_template=settings.trust_request_chat_template,
                        defaults=defaults)
     responses = ServingResponses(chat)
-    embedding = ServingEmbedding(llm, models)
+    pooling_chat = ChatSettings(settings.trust_request_chat_template, defaults)
+    embedding = ServingEmbedding(llm, models, pooling_chat)
     pooling = embedding.pooling  # --runner pooling: the generate endpoints refuse (vLLM's)
     tokenization = ServingTokenization(llm, models, model_config.vocab_size,
                                        settings.trust_request_chat_template, defaults)
@@ -201,7 +203,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     async def create_pooling(req: PoolingRequest, raw: Request):
         return await embedding.pooling_create(req, raw)
 
-    add_score_routes(app, llm, models)
+    add_score_routes(app, llm, models, pooling_chat)
 
     if pooling:
         for route in app.routes:

@@ -1,6 +1,6 @@
-"""POST /classify (vLLM's body and response) for a classification model's server: each input's
-probabilities over the labels (softmax / sigmoid, or the logits with use_activation false), its
-predicted label's name from the checkpoint's id2label."""
+"""POST /classify (vLLM's body and response, and its chat form, `messages`) for a classification
+model's server: each input's probabilities over the labels (softmax / sigmoid, or the logits
+with use_activation false), its predicted label's name from the checkpoint's id2label."""
 import time
 
 from fastapi.responses import JSONResponse, Response
@@ -9,6 +9,7 @@ from starlette.requests import Request
 
 from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai.errors import OpenAIError
+from kiln.entrypoints.openai.pooling_prompts import ChatSettings, PooledInputFields, request_prompts
 from kiln.entrypoints.openai.pooling_requests import (
     pool,
     pooling_task,
@@ -16,10 +17,8 @@ from kiln.entrypoints.openai.pooling_requests import (
     resolve_model,
     usage,
 )
-from kiln.entrypoints.openai.protocol import PromptInput
 from kiln.entrypoints.openai.protocol_base import JsonInt, RequestBase
 from kiln.entrypoints.openai.request_fields import response_id
-from kiln.entrypoints.openai.serving_embedding import engine_prompts
 from kiln.entrypoints.openai.serving_engine import ClientDisconnected
 from kiln.entrypoints.openai.serving_models import ServingModels
 from kiln.pooling.classify_outputs import finish_logits
@@ -40,12 +39,10 @@ class ActivationFields(RequestBase):
                              softmax=self.softmax)
 
 
-class ClassificationRequest(ActivationFields):
+class ClassificationRequest(ActivationFields, PooledInputFields):
     model: str | None = None
-    input: PromptInput
     user: str | None = None
     truncate_prompt_tokens: JsonInt | None = None
-    add_special_tokens: StrictBool = True
     priority: JsonInt = 0
     request_id: str | None = None
 
@@ -59,9 +56,10 @@ def activation_params(req: ActivationFields, truncate_prompt_tokens=None) -> Poo
 
 
 class ServingClassification:
-    def __init__(self, llm: AsyncLLM, models: ServingModels):
+    def __init__(self, llm: AsyncLLM, models: ServingModels, chat: ChatSettings | None = None):
         self.llm = llm
         self.models = models
+        self.chat = chat or ChatSettings()
         self.task = pooling_task(llm)
 
     async def create(self, req: ClassificationRequest, raw: Request) -> Response:
@@ -69,14 +67,11 @@ class ServingClassification:
             raise refuse_task("Classification", self.task, "classify")
         created = int(time.time())
         model = resolve_model(self.models, req.model, raw.url.path)
-        prompts = engine_prompts(req.input)
-        if not req.add_special_tokens and self.llm.tokenizer is not None:
-            from kiln.entrypoints.openai.serving_completion import without_special_tokens
-            prompts = await without_special_tokens(self.llm, prompts)
         params = activation_params(req, req.truncate_prompt_tokens)
+        prompts, field = await request_prompts(self.llm, req, self.chat)
         request_id = response_id("classify", req.request_id, raw)
         try:
-            finals = await pool(self.llm, raw, request_id, prompts, params, req.priority)
+            finals = await pool(self.llm, raw, request_id, prompts, params, req.priority, field)
         except ClientDisconnected:
             return Response(status_code=499)
         model_config = self.llm.kiln_config.model_config

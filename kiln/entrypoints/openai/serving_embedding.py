@@ -1,6 +1,6 @@
-"""POST /v1/embeddings (OpenAI's body and response, vLLM's extra fields) for a server started with
---runner pooling (or --task embed), and vLLM's /pooling (any pooling task's raw output); what
-the generate endpoints answer on a pooling server.
+"""POST /v1/embeddings (OpenAI's body and response, vLLM's extra fields and its chat form,
+`messages`) for a server started with --runner pooling (or --task embed), and vLLM's /pooling
+(any pooling task's raw output); what the generate endpoints answer on a pooling server.
 """
 import base64
 import time
@@ -13,6 +13,7 @@ from starlette.requests import Request
 
 from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai.errors import OpenAIError
+from kiln.entrypoints.openai.pooling_prompts import ChatSettings, PooledInputFields, request_prompts
 from kiln.entrypoints.openai.pooling_requests import (
     pool,
     pooling_task,
@@ -20,8 +21,7 @@ from kiln.entrypoints.openai.pooling_requests import (
     resolve_model,
     usage,
 )
-from kiln.entrypoints.openai.protocol import PromptInput
-from kiln.entrypoints.openai.protocol_base import JsonInt, RequestBase
+from kiln.entrypoints.openai.protocol_base import JsonInt
 from kiln.entrypoints.openai.request_fields import response_id
 from kiln.entrypoints.openai.serving_engine import ClientDisconnected
 from kiln.entrypoints.openai.serving_models import ServingModels
@@ -29,15 +29,13 @@ from kiln.pooling.classify_outputs import finish_pooled
 from kiln.pooling.outputs import PoolingParams
 
 
-class EmbeddingRequest(RequestBase):
+class EmbeddingRequest(PooledInputFields):
     model: str | None = None
-    input: PromptInput
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: JsonInt | None = None
     user: str | None = None  # OpenAI's end-user id: taken, changes nothing
     # vLLM's extra fields
     truncate_prompt_tokens: JsonInt | None = None
-    add_special_tokens: StrictBool = True
     normalize: StrictBool | None = None  # None: the server's --pooler-config
     priority: JsonInt = 0
     request_id: str | None = None
@@ -50,19 +48,6 @@ def refuse_generate(api: str, task: str = "embed") -> OpenAIError:
            "generate text")
     return OpenAIError(f"The model does not support {api} API: this server runs the pooling "
                        f"runner (--runner pooling); {fix}", code="unsupported_endpoint")
-
-
-def engine_prompts(value) -> list:
-    if isinstance(value, str):
-        return [value]
-    if not value:
-        raise OpenAIError("input is empty: give a string, a list of strings or token ids",
-                          param="input", code="invalid_value")
-    if isinstance(value[0], int):
-        return [{"prompt_token_ids": list(value)}]
-    if isinstance(value[0], list):
-        return [{"prompt_token_ids": list(p)} for p in value]
-    return list(value)
 
 
 def _encode(vector, encoding_format: str):
@@ -78,9 +63,10 @@ class PoolingRequest(EmbeddingRequest):
 
 
 class ServingEmbedding:
-    def __init__(self, llm: AsyncLLM, models: ServingModels):
+    def __init__(self, llm: AsyncLLM, models: ServingModels, chat: ChatSettings | None = None):
         self.llm = llm
         self.models = models
+        self.chat = chat or ChatSettings()
         self.task = pooling_task(llm)
         self.pooling = self.task is not None
 
@@ -97,16 +83,13 @@ class ServingEmbedding:
     async def _respond(self, req, raw: Request, prefix: str, kind: str, key: str) -> Response:
         created = int(time.time())
         model = resolve_model(self.models, req.model, raw.url.path)
-        prompts = engine_prompts(req.input)
-        if not req.add_special_tokens and self.llm.tokenizer is not None:
-            from kiln.entrypoints.openai.serving_completion import without_special_tokens
-            prompts = await without_special_tokens(self.llm, prompts)
+        prompts, field = await request_prompts(self.llm, req, self.chat)
         params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize,
                                truncate_prompt_tokens=req.truncate_prompt_tokens,
                                use_activation=getattr(req, "use_activation", None))
         request_id = response_id(prefix, req.request_id, raw)
         try:
-            finals = await pool(self.llm, raw, request_id, prompts, params, req.priority)
+            finals = await pool(self.llm, raw, request_id, prompts, params, req.priority, field)
         except ClientDisconnected:
             return Response(status_code=499)
         model_config = self.llm.kiln_config.model_config

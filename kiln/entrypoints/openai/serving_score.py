@@ -143,7 +143,7 @@ class ServingScore:
         return model, finish_scores(llm.kiln_config.model_config, finals, params, num_2, pad)
 
 
-def add_score_routes(app, llm: AsyncLLM, models: ServingModels) -> None:
+def add_score_routes(app, llm: AsyncLLM, models: ServingModels, chat=None) -> None:
     """/classify, the score and the rerank routes (vLLM's paths); each in the schema where this
     server's task serves it."""
     from kiln.entrypoints.openai.serving_classify import (
@@ -151,7 +151,7 @@ def add_score_routes(app, llm: AsyncLLM, models: ServingModels) -> None:
         ServingClassification,
     )
 
-    classification = ServingClassification(llm, models)
+    classification = ServingClassification(llm, models, chat)
     scores = ServingScore(llm, models)
     try:  # an embedding model scores too (cosine); a classifier with one label
         scores.check_runner("Score")
