@@ -169,9 +169,8 @@ def test_shutdown_aborts_in_flight_and_stops_engine():
         stream = await llm.add_request("a", "x", params(max_tokens=1000))
         await stream.__anext__()
         await llm.shutdown()
-        with pytest.raises(EngineDeadError, match="shut down"):
-            async for _ in stream:
-                pass
+        rest = [out async for out in stream]  # ended as vLLM's shutdown ends it, not an error
+        assert rest[-1].finished and rest[-1].outputs[-1].finish_reason == "abort"
         return engine
 
     engine = run(main())

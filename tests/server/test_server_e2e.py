@@ -379,10 +379,9 @@ def test_sigterm_mid_request_exits_cleanly(server):
     assert proc.wait(timeout=30) == 0
     t.join(timeout=30)
     # The stream always ends in-band with [DONE]: finished within the 0.5 s grace period, or
-    # aborted after it with an error event naming the shutdown (test_soak_server pins the
-    # latter down); the process exits with 0 either way.
+    # aborted after it as vLLM's shutdown ends a request, finish_reason "abort" (test_soak_server
+    # pins the latter down); the process exits with 0 either way.
     assert "error" not in result, result
     assert result["lines"][-1] == "data: [DONE]", result["lines"][-2:]
     last = json.loads(result["lines"][-2][len("data: "):])
-    assert ("shutting down" in last["error"]["message"] if "error" in last
-            else last["choices"][0]["finish_reason"] == "length"), last
+    assert last["choices"][0]["finish_reason"] in ("length", "abort"), last
