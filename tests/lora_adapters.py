@@ -8,6 +8,8 @@ import torch
 
 MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# Phi-3's fused projections (its PEFT adapters target these instead of q/k/v and gate/up)
+FUSED_MODULES = {"qkv_proj": "self_attn", "gate_up_proj": "mlp"}
 
 
 def write_adapter(path: Path, base_dir: Path, *, rank: int = 4, alpha: int = 8, seed: int = 1,
@@ -24,12 +26,15 @@ def write_adapter(path: Path, base_dir: Path, *, rank: int = 4, alpha: int = 8, 
               "gate_proj": (hidden, cfg.intermediate_size),
               "up_proj": (hidden, cfg.intermediate_size),
               "down_proj": (cfg.intermediate_size, hidden)}
+    shapes["qkv_proj"] = (hidden, (heads + 2 * kv) * head_dim)
+    shapes["gate_up_proj"] = (hidden, 2 * cfg.intermediate_size)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(cfg.num_hidden_layers):
         for module in targets:
             fan_in, fan_out = shapes[module]
-            prefix = f"base_model.model.model.layers.{layer}.{MODULES[module]}.{module}"
+            parent = {**MODULES, **FUSED_MODULES}[module]
+            prefix = f"base_model.model.model.layers.{layer}.{parent}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * 0.2
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.2
     path.mkdir(parents=True, exist_ok=True)

@@ -56,8 +56,8 @@ def _timed_executor_class(base: type, timings: dict) -> type:
 def _ops_in_use(kiln_config) -> list[str]:
     """The IR ops the model can call: the int8, fp8 and GGUF ops only under their quantization
     or load format, all_reduce only across tensor-parallel ranks, lora_add only with
-    --enable-lora, Gemma's / OLMo-2's ops only for them (the text report listed the int8 ops of
-    a float model)."""
+    --enable-lora, Gemma's / OLMo-2's ops only for them and not the Llama ops theirs replace (the
+    text report listed the int8 ops of a float model)."""
     from kiln.model.registry import ir_ops_not_called
 
     mc = kiln_config.model_config

@@ -5,12 +5,24 @@ recursively; any other key (a plain value, or a dict-valued parameter such as ro
 set whole. The result is the config everything reads, so the compile cache key and the GGUF
 weight snapshot key (both hash `hf_config.to_dict()`) follow the overrides."""
 import json
+import math
+import numbers
 
 from kiln.config.hf_config_snapshot import HFConfigSnapshot, snapshot_of
 from kiln.errors import ConfigError
 
 # The legacy rope fields transformers 5 folds into rope_parameters (what Kiln reads first).
 _LEGACY_ROPE = ("rope_scaling", "rope_theta")
+
+# Keys the models read as sizes, numbers or switches: transformers validates them in a
+# config.json, nothing did in an override ("abc", 0, null or a list failed as a TypeError or
+# ZeroDivisionError traceback in the engine core). Sizes marked True may be null (derived).
+_SIZES = {"hidden_size": False, "intermediate_size": False, "num_hidden_layers": False,
+          "num_attention_heads": False, "vocab_size": False, "num_key_value_heads": True,
+          "head_dim": True}
+_NUMBERS = ("rms_norm_eps", "embedding_multiplier", "residual_multiplier",
+            "attention_multiplier", "logits_scaling")  # the last three: Granite's
+_SWITCHES = ("tie_word_embeddings", "attention_bias", "mlp_bias")
 
 
 def parse_hf_overrides(text) -> dict | None:
@@ -40,6 +52,23 @@ def check_hf_overrides(overrides) -> None:
         json.dumps(overrides, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"hf_overrides (--hf-overrides) must hold JSON values: {e}") from None
+
+
+def _value_refused(key: str, value) -> str | None:
+    """What `key` must be, where the override's `value` is not that; None where it fits."""
+    if key in _SIZES:
+        if value is None and _SIZES[key]:
+            return None
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        return None if ok else "an integer >= 1" + (" or null" if _SIZES[key] else "")
+    if key in _NUMBERS:
+        ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
+              and math.isfinite(value) and (value != 0 or key != "logits_scaling"))
+        return None if ok else ("a finite number other than 0" if key == "logits_scaling"
+                                else "a finite number")
+    if key in _SWITCHES:
+        return None if isinstance(value, bool) else "true or false"
+    return None
 
 
 def _is_sub_config(value) -> bool:
@@ -82,6 +111,10 @@ def apply_hf_overrides(hf_config, overrides: dict | None):
     snapshot; unchanged when there are none."""
     if not overrides:
         return hf_config
+    for key, value in overrides.items():
+        if (must := _value_refused(key, value)) is not None:
+            raise ConfigError(f"hf_overrides (--hf-overrides) {key} must be {must}, got "
+                              f"{value!r}")
     snapshot = hf_config if isinstance(hf_config, HFConfigSnapshot) else snapshot_of(hf_config)
     values = snapshot.to_dict()
     for key, value in overrides.items():
@@ -91,5 +124,9 @@ def apply_hf_overrides(hf_config, overrides: dict | None):
             values[key] = value
     if any(key in overrides for key in _LEGACY_ROPE):
         _fold_legacy_rope(values, overrides)
+    if "torch_dtype" in overrides and "dtype" not in overrides:
+        # transformers 5's name, which Kiln reads first; its config's torch_dtype setter
+        # writes dtype too (so vLLM's setattr of this override takes effect)
+        values["dtype"] = overrides["torch_dtype"]
     return HFConfigSnapshot(values)
 

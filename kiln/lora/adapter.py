@@ -1,8 +1,9 @@
 """Reading a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) into
 per-module (A, B) pairs, refusing what Kiln cannot apply by the field that asks for it.
 
-Kiln applies LoRA to the decoder layers' q/k/v/o and gate/up/down projections; embedding and
-lm_head LoRA, modules_to_save, DoRA and LoRA biases are refused.
+Kiln applies LoRA to the decoder layers' q/k/v/o and gate/up/down projections (Phi-3's fused
+qkv_proj / gate_up_proj adapters are split into those parts); embedding and lm_head LoRA,
+modules_to_save, DoRA and LoRA biases are refused.
 """
 import json
 import math
@@ -21,6 +22,9 @@ TARGETS = {
     "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
     "down_proj": ("mlp.down_proj", 0),
 }
+# A fused projection's PEFT module (Phi-3's checkpoint names, so its adapters') -> its parts,
+# in row order: one A serves them all and B's rows split, B @ A's rows being each part's.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\."
                   r"lora_(A|B)(?:\.[\w-]+)?\.weight$")
 _UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
@@ -134,7 +138,7 @@ def load_adapter(path: str, hf_config, max_lora_rank: int,
             raise ConfigError(f"LoRA adapter {file}: {key}: LoRA on embeddings and lm_head is "
                               "not supported (only q/k/v/o/gate/up/down projections)")
         match = _KEY.match(key)
-        if match is None or match.group(3) not in TARGETS:
+        if match is None or match.group(3) not in TARGETS and match.group(3) not in FUSED:
             raise ConfigError(f"LoRA adapter {file}: tensor {key} is not a LoRA A/B weight of "
                               "a q/k/v/o/gate/up/down projection (modules_to_save, biases and "
                               "other modules are not supported)")
@@ -150,12 +154,17 @@ def load_adapter(path: str, hf_config, max_lora_rank: int,
             raise ConfigError(f"LoRA adapter {file}: {name} has lora_{next(iter(pair))} "
                               "without its other half")
         a, b = pair["A"], pair["B"]
-        fan_in, fan_out = shapes[module]
-        if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (fan_out, rank):
+        parts = FUSED.get(module, (module,))
+        fan_in, fan_outs = shapes[parts[0]][0], [shapes[part][1] for part in parts]
+        if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (sum(fan_outs), rank):
             raise ConfigError(f"LoRA adapter {file}: {name} has lora_A {tuple(a.shape)} and "
                               f"lora_B {tuple(b.shape)}; r={rank} on this base model needs "
-                              f"{(rank, fan_in)} and {(fan_out, rank)}")
-        weights[(layer, module)] = (a.to(dtype), (b.to(torch.float32) * scaling).to(dtype))
+                              f"{(rank, fan_in)} and {(sum(fan_outs), rank)}")
+        for part, b_rows in zip(parts, b.split(fan_outs)):  # [fan_out, r] each
+            if (layer, part) in weights:  # qkv_proj beside q_proj: which one is meant?
+                raise ConfigError(f"LoRA adapter {file}: layer {layer} has {part} twice (as "
+                                  f"itself and in {' / '.join(m for m in FUSED if part in FUSED[m])})")
+            weights[(layer, part)] = (a.to(dtype), (b_rows.to(torch.float32) * scaling).to(dtype))
     if not weights:
         raise ConfigError(f"LoRA adapter {file} holds no LoRA weights")
     return LoRAAdapter(rank=rank, scaling=scaling, weights=weights)

@@ -34,12 +34,22 @@ _FAMILY_OPS = {"GemmaForCausalLM": (*_F32_NORMS, "gelu_tanh_and_mul"),
                "Gemma2ForCausalLM": (*_F32_NORMS, "gelu_tanh_and_mul"),
                "Olmo2ForCausalLM": _F32_NORMS,
                **{arch: ("fused_moe",) for arch in MOE_ARCHITECTURES}}
+# The Llama ops those families' own replace, with the fusions the graph passes make of them
+# (a Gemma report listed rms_norm, silu_and_mul and their int8 fusions, which it never calls).
+_LLAMA_NORMS = ("rms_norm", "fused_add_rms_norm", "rms_norm_dynamic_int8_quant",
+                "fused_add_rms_norm_dynamic_int8_quant")
+_SILU = ("silu_and_mul", "silu_and_mul_dynamic_int8_quant", "int8_scaled_mm_panels_silu_quant")
+_REPLACED_OPS = {"GemmaForCausalLM": (*_LLAMA_NORMS, *_SILU),
+                 "Gemma2ForCausalLM": (*_LLAMA_NORMS, *_SILU), "Olmo2ForCausalLM": _LLAMA_NORMS}
 
 
 def ir_ops_not_called(architecture: str) -> set[str]:
-    """The family-only IR ops (_FAMILY_OPS) that `architecture`'s model never calls."""
+    """The family-only IR ops (_FAMILY_OPS) that `architecture`'s model never calls, and the
+    Llama ops its own replace (_REPLACED_OPS)."""
     every = {op for ops in _FAMILY_OPS.values() for op in ops}
-    return every - set(_FAMILY_OPS.get(_SEQ_CLS.get(architecture, architecture), ()))
+    architecture = _SEQ_CLS.get(architecture, architecture)
+    return (every - set(_FAMILY_OPS.get(architecture, ()))) | set(
+        _REPLACED_OPS.get(architecture, ()))
 
 
 def supported_architectures() -> list[str]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kiln.compilation.monitor import per_shape
+from kiln.engine.arg_utils import EngineArgs
 from kiln.entrypoints.cli.compile import format_report
 from kiln.entrypoints.cli.main import build_parser
 from kiln.native import gguf_matmul, int8_ops
@@ -198,3 +199,21 @@ def test_tp2_int8_report_is_each_ranks_compile(tiny_llama_dir, tmp_path):
     text = format_report(report)
     assert f"pieces     {2 * n + 1} total, {n + 1} compiled" in text
     assert f"rank 1: {2 * n + 1} pieces, {n + 1} compiled" in text and "FuseNormQuant" in text
+
+
+@pytest.mark.parametrize("arch, absent, present", [
+    ("gemma", ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rms_norm_dynamic_int8_quant",
+               "silu_and_mul_dynamic_int8_quant", "int8_scaled_mm_panels_silu_quant"),
+     ("rms_norm_f32_scale", "gelu_tanh_and_mul", "dynamic_int8_quant")),
+    ("olmo2", ("rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_dynamic_int8_quant",
+               "gelu_tanh_and_mul"),
+     ("fused_add_rms_norm_f32_scale", "silu_and_mul", "silu_and_mul_dynamic_int8_quant"))])
+def test_ops_in_use_leave_out_the_llama_ops_a_family_replaces(arch, absent, present, request):
+    """A Gemma report listed rms_norm, silu_and_mul and their int8 fusions, which its (1 + w)
+    norms and GeGLU replace; OLMo-2's listed the Llama norms."""
+    from kiln.benchmarks.compile import _ops_in_use
+
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    used = _ops_in_use(EngineArgs(model=str(model_dir), quantization="int8",
+                                  max_model_len=64).create_kiln_config())
+    assert not set(absent) & set(used) and set(present) <= set(used)

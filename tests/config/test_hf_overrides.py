@@ -93,3 +93,39 @@ def test_a_shape_override_the_weights_do_not_fit_names_the_flag(tiny_llama_dir, 
     with pytest.raises(ValueError, match=r"--hf-overrides changed \['" + next(iter(overrides))):
         LLM(model=str(tiny_llama_dir), compilation_config=0, hf_overrides=overrides,
             kv_cache_memory=0.02, max_model_len=64)
+
+
+def test_a_torch_dtype_override_reaches_the_dtype_kiln_reads(tiny_llama_dir):
+    """transformers 5 keeps `dtype` (and its config's torch_dtype setter writes it, which is
+    how vLLM's override takes effect); the snapshot kept both keys and Kiln read the stale
+    `dtype`: a GPU engine with dtype auto ignored the override."""
+    import torch
+
+    from kiln.config.model_config import ModelConfig
+
+    mc = ModelConfig(model=str(tiny_llama_dir), hf_overrides={"torch_dtype": "float16"})
+    assert mc.hf_config.dtype == "float16"
+    assert mc.resolve_dtype(torch.bfloat16) == torch.float16  # a GPU platform's default
+    both = apply_hf_overrides(mc.hf_config, {"torch_dtype": "float16", "dtype": "bfloat16"})
+    assert both.dtype == "bfloat16"  # `dtype` named too: it wins
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"num_attention_heads": 0}, "num_attention_heads must be an integer >= 1, got 0"),
+    ({"hidden_size": "abc"}, "hidden_size must be an integer >= 1, got 'abc'"),
+    ({"head_dim": 7.5}, "head_dim must be an integer >= 1 or null, got 7.5"),
+    ({"attention_multiplier": None}, "attention_multiplier must be a finite number, got None"),
+    ({"residual_multiplier": [1]}, "residual_multiplier must be a finite number, got"),
+    ({"logits_scaling": 0}, "logits_scaling must be a finite number other than 0, got 0"),
+    ({"rms_norm_eps": "1e-5"}, "rms_norm_eps must be a finite number"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
+])
+def test_values_the_models_cannot_read_are_refused_naming_the_key(overrides, message):
+    """They failed in the engine core as a TypeError / ZeroDivisionError traceback, or (Granite's
+    logits_scaling 0) served logits divided by zero."""
+    base = HFConfigSnapshot({"model_type": "granite", "hidden_size": 64,
+                             "num_attention_heads": 4})
+    with pytest.raises(ValueError, match=r"hf_overrides \(--hf-overrides\) " + message):
+        apply_hf_overrides(base, overrides)
+    assert apply_hf_overrides(base, {"head_dim": None, "num_key_value_heads": 2,
+                                     "attention_multiplier": 1}).num_key_value_heads == 2

@@ -228,3 +228,29 @@ def test_lora_dtype_holds_adapters_in_that_dtype(lora_setup):
     want = token_logprobs(lora_setup["models"]["a2"], prompt, list(out.token_ids))
     assert got == pytest.approx(want, abs=0.05)
     llm.shutdown()
+
+
+def test_phi3_adapter_of_fused_projections_matches_hf(tiny_phi3_dir, tmp_path):
+    """PEFT's Phi-3 adapters target the checkpoint's fused qkv_proj / gate_up_proj (one A, B
+    over every part's rows): they were refused as 'not a q/k/v/o/gate/up/down projection'."""
+    from lora_adapters import greedy, merged_model, write_adapter
+
+    from kiln.lora.request import LoRARequest
+
+    from checkpoints import random_prompts
+
+    adapter = write_adapter(tmp_path / "phi3_lora", tiny_phi3_dir,
+                            targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    prompts = random_prompts(2, [5, 21], seed=3)
+    merged = merged_model(tiny_phi3_dir, adapter)  # HF's Phi-3 has the fused modules too
+    want = greedy(merged, prompts, MAX_TOKENS)
+    llm = LLM(str(tiny_phi3_dir), enforce_eager=True, enable_lora=True, max_lora_rank=8,
+              max_model_len=128, kv_cache_memory=0.02)
+    outs = _run(llm, prompts, LoRARequest("fused", 1, str(adapter)), logprobs=0)
+    base = _run(llm, prompts, None)
+    llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert want != [o.outputs[0].token_ids for o in base]  # the adapter changes the answer
+    for out, prompt, tokens in zip(outs, prompts, want):
+        got = [next(iter(step.values())).logprob for step in out.outputs[0].logprobs]
+        assert got == pytest.approx(token_logprobs(merged, prompt, tokens), abs=2e-4)
