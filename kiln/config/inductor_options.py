@@ -13,7 +13,11 @@ Inductor sums RMSNorm's float32 squares in another order than ATen (the last bit
 third of rows, which no option changes), moving about one value in 10^6 by a bfloat16 / int8
 step (the default model quantized on load: same tokens, logprobs within 2e-3).
 
-Float models and the native kernels are left as they are: no int8 rounding there turns a
+Gemma, Gemma-2 and OLMo-2 in a 16-bit dtype: their norms (kiln/ir/f32_scale_norm.py) are
+torch references that round to the model dtype as HF's do, and Inductor kept float32 there
+too: bfloat16 logprobs differed from mode 0's by up to 0.03 where Llama's are bit-identical.
+
+Other float models and the native kernels are left as they are: no rounding there turns a
 float32 ulp into a token.
 """
 import torch
@@ -26,10 +30,17 @@ INT8_ACT_QUANT_OPS = ("dynamic_int8_quant", "rms_norm_dynamic_int8_quant",
 
 
 def needs_emulated_casts(kiln_config) -> bool:
-    """An int8 model in a 16-bit dtype with an activation quantization on its torch reference."""
+    """A 16-bit model with an int8 activation quantization on its torch reference, or a family
+    whose own norms round to the model dtype (F32_SCALE_NORM_OPS, torch references only)."""
+    from kiln.model.registry import F32_SCALE_NORM_OPS, ir_ops_not_called
+
+    model_config = kiln_config.model_config
+    if model_config.torch_dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if set(F32_SCALE_NORM_OPS) - ir_ops_not_called(model_config.architecture):
+        return True
     chosen = kiln_config.ir_selection.as_dict()
-    return (kiln_config.model_config.quant_kind == "int8"
-            and kiln_config.model_config.torch_dtype in (torch.bfloat16, torch.float16)
+    return (model_config.quant_kind == "int8"
             and any(chosen.get(op) == "torch" for op in INT8_ACT_QUANT_OPS))
 
 

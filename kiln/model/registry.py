@@ -27,12 +27,13 @@ _SEQ_CLS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
 
 
 # IR ops only some families call, by architecture (what `kiln compile`'s report lists as used).
-_F32_NORMS = ("rms_norm_f32_scale", "fused_add_rms_norm_f32_scale")
+# Gemma / Gemma-2 / OLMo-2's norms (kiln/ir/f32_scale_norm.py)
+F32_SCALE_NORM_OPS = ("rms_norm_f32_scale", "fused_add_rms_norm_f32_scale")
 # The mixture-of-experts families (kiln/model/layers/fused_moe.py).
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-_FAMILY_OPS = {"GemmaForCausalLM": (*_F32_NORMS, "gelu_tanh_and_mul"),
-               "Gemma2ForCausalLM": (*_F32_NORMS, "gelu_tanh_and_mul"),
-               "Olmo2ForCausalLM": _F32_NORMS,
+_FAMILY_OPS = {"GemmaForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),
+               "Gemma2ForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),
+               "Olmo2ForCausalLM": F32_SCALE_NORM_OPS,
                **{arch: ("fused_moe",) for arch in MOE_ARCHITECTURES}}
 # The Llama ops those families' own replace, with the fusions the graph passes make of them
 # (a Gemma report listed rms_norm, silu_and_mul and their int8 fusions, which it never calls).

@@ -2,8 +2,8 @@
 same greedy tokens. The references round to bfloat16 right before quantizing (rms_norm's
 output, SiLU); Inductor fusing them kept float32 there, some 7-10% of the int8 values moved a
 step, and a tiny Qwen3's tokens parted at the third step (logprobs by 0.57). Compiled with
-emulate_precision_casts, which Kiln sets for exactly these models (kiln/compilation/
-precision.py), they match.
+emulate_precision_casts, which Kiln sets for exactly these models (kiln/config/
+inductor_options.py), they match.
 """
 import pytest
 import torch
@@ -85,3 +85,25 @@ def test_the_cache_key_holds_the_emulated_casts():
     assert _config().compute_hash() == _config(inductor=EMULATE).compute_hash()
     assert _config().compute_hash() != _config(
         inductor={"emulate_precision_casts": False}).compute_hash()
+
+
+def _family_config(arch: str, dtype: str):
+    import transformers
+
+    config_cls = {"gemma": "GemmaConfig", "olmo2": "Olmo2Config", "llama": "LlamaConfig"}[arch]
+    hf = getattr(transformers, config_cls)(hidden_size=64, intermediate_size=128,
+                                           num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=2, vocab_size=256,
+                                           max_position_embeddings=128)
+    hf.architectures = [f"{config_cls[:-len('Config')]}ForCausalLM"]
+    return KilnConfig(model_config=ModelConfig(model="unused", hf_config=hf, load_format="dummy",
+                                               dtype=dtype))
+
+
+def test_emulated_casts_for_16_bit_families_whose_norms_round_as_hf_does():
+    """Gemma and OLMo-2's norms are torch references rounding to the model dtype; without the
+    emulated casts their bfloat16 logprobs in mode 3 differed from mode 0's by up to 0.03."""
+    assert inductor_options(_family_config("gemma", "bfloat16")) == EMULATE
+    assert inductor_options(_family_config("olmo2", "float16")) == EMULATE
+    assert inductor_options(_family_config("gemma", "float32")) == {}
+    assert inductor_options(_family_config("llama", "bfloat16")) == {}
