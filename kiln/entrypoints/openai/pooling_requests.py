@@ -58,16 +58,45 @@ def field_error(e: ValueError, prompt_param: str = "input") -> OpenAIError:
                        else message, param=param, code=code)
 
 
+def engine_prompts(value) -> list:
+    """A pooling request's `input` (PromptInput) as the engine's prompts."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise OpenAIError("input is empty: give a string, a list of strings or token ids",
+                          param="input", code="invalid_value")
+    if isinstance(value[0], int):
+        return [{"prompt_token_ids": list(value)}]
+    if isinstance(value[0], list):
+        return [{"prompt_token_ids": list(p)} for p in value]
+    return list(value)
+
+
+async def request_prompts(llm: AsyncLLM, value, add_special_tokens: bool) -> list:
+    """`input`'s prompts, the server's --max-sequences-per-request cap checked before any is
+    tokenized (add_special_tokens false tokenizes every text here)."""
+    prompts = engine_prompts(value)
+    check_num_sequences(len(prompts), 1, llm.max_sequences_per_request, "input")
+    if not add_special_tokens and llm.tokenizer is not None:
+        from kiln.entrypoints.openai.serving_completion import without_special_tokens
+        prompts = await without_special_tokens(llm, prompts)
+    return prompts
+
+
 def usage(num_tokens: int) -> dict:
     return {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0,
             "prompt_tokens_details": None}
 
 
 async def pool(llm: AsyncLLM, raw: Request, request_id: str, prompts: list,
-               params: PoolingParams, priority: int, prompt_param: str = "input") -> list:
+               params: PoolingParams, priority: int, prompt_param: str = "input",
+               num_sequences: int | None = None) -> list:
     """The engine's finished outputs (`.pooled`) of every prompt, in order; raises
-    ClientDisconnected when the client goes away (its requests aborted)."""
-    check_num_sequences(len(prompts), 1, llm.max_sequences_per_request, prompt_param)
+    ClientDisconnected when the client goes away (its requests aborted). `num_sequences`:
+    what the --max-sequences-per-request cap counts (default: the prompts; scoring counts
+    its pairs, which an embedding model pools as both sides' texts)."""
+    check_num_sequences(len(prompts) if num_sequences is None else num_sequences, 1,
+                        llm.max_sequences_per_request, prompt_param)
     return await until_disconnect(raw, _run(llm, request_id, prompts, params, priority,
                                             prompt_param))
 

@@ -13,13 +13,13 @@ from kiln.entrypoints.openai.pooling_requests import (
     pool,
     pooling_task,
     refuse_task,
+    request_prompts,
     resolve_model,
     usage,
 )
 from kiln.entrypoints.openai.protocol import PromptInput
 from kiln.entrypoints.openai.protocol_base import JsonInt, RequestBase
 from kiln.entrypoints.openai.request_fields import response_id
-from kiln.entrypoints.openai.serving_embedding import engine_prompts
 from kiln.entrypoints.openai.serving_engine import ClientDisconnected
 from kiln.entrypoints.openai.serving_models import ServingModels
 from kiln.pooling.classify_outputs import finish_logits
@@ -69,10 +69,7 @@ class ServingClassification:
             raise refuse_task("Classification", self.task, "classify")
         created = int(time.time())
         model = resolve_model(self.models, req.model, raw.url.path)
-        prompts = engine_prompts(req.input)
-        if not req.add_special_tokens and self.llm.tokenizer is not None:
-            from kiln.entrypoints.openai.serving_completion import without_special_tokens
-            prompts = await without_special_tokens(self.llm, prompts)
+        prompts = await request_prompts(self.llm, req.input, req.add_special_tokens)
         params = activation_params(req, req.truncate_prompt_tokens)
         request_id = response_id("classify", req.request_id, raw)
         try:

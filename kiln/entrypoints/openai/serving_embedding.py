@@ -17,6 +17,7 @@ from kiln.entrypoints.openai.pooling_requests import (
     pool,
     pooling_task,
     refuse_task,
+    request_prompts,
     resolve_model,
     usage,
 )
@@ -52,19 +53,6 @@ def refuse_generate(api: str, task: str = "embed") -> OpenAIError:
                        f"runner (--runner pooling); {fix}", code="unsupported_endpoint")
 
 
-def engine_prompts(value) -> list:
-    if isinstance(value, str):
-        return [value]
-    if not value:
-        raise OpenAIError("input is empty: give a string, a list of strings or token ids",
-                          param="input", code="invalid_value")
-    if isinstance(value[0], int):
-        return [{"prompt_token_ids": list(value)}]
-    if isinstance(value[0], list):
-        return [{"prompt_token_ids": list(p)} for p in value]
-    return list(value)
-
-
 def _encode(vector, encoding_format: str):
     if encoding_format == "base64":  # OpenAI's: little-endian float32 bytes
         return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
@@ -97,10 +85,7 @@ class ServingEmbedding:
     async def _respond(self, req, raw: Request, prefix: str, kind: str, key: str) -> Response:
         created = int(time.time())
         model = resolve_model(self.models, req.model, raw.url.path)
-        prompts = engine_prompts(req.input)
-        if not req.add_special_tokens and self.llm.tokenizer is not None:
-            from kiln.entrypoints.openai.serving_completion import without_special_tokens
-            prompts = await without_special_tokens(self.llm, prompts)
+        prompts = await request_prompts(self.llm, req.input, req.add_special_tokens)
         params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize,
                                truncate_prompt_tokens=req.truncate_prompt_tokens,
                                use_activation=getattr(req, "use_activation", None))
