@@ -63,7 +63,8 @@ def test_classify_matches_hf_in_vllms_shape(classifier, tiny_cls_qwen3_dir):
                                rtol=0)
     chat = classifier.post("/v1/chat/completions",
                            json={"messages": [{"role": "user", "content": "hi"}]})
-    assert chat.status_code == 400 and "has no LM head" in chat.json()["error"]["message"]
+    assert chat.status_code == 400 and "(a score head, no LM head)" in \
+        chat.json()["error"]["message"]
     paths = classifier.get("/openapi.json").json()["paths"]
     assert "/classify" in paths and "/pooling" in paths and "/v1/embeddings" not in paths
     assert "/score" not in paths  # 3 labels: no cross-encoder
