@@ -3,7 +3,9 @@ head a `score` linear [num_labels, hidden] (no bias) that the pooling runner app
 pooled final-norm state (kiln/pooling/runner_pooler.py), as vLLM's as_seq_cls_model.
 
 The head is float32 on every rank (vLLM's head_dtype default for classifiers): it is tiny, and
-a bf16 head would round the logits the probabilities come from.
+a bf16 head would round the logits the probabilities come from. It reads the prompt's last
+token, as vLLM's; HF's forward skips trailing pad_token_id tokens, so a prompt that ends in the
+config's pad id (an eos used as pad) scores another token there.
 """
 import functools
 
