@@ -220,11 +220,14 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _check_generate_runner(self, method: str) -> None:
-        if self.llm_engine.model_config.runner_type == "pooling":  # vLLM refuses it too
+        model_config = self.llm_engine.model_config
+        if model_config.runner_type == "pooling":  # vLLM refuses it too
+            from kiln.pooling.pooling_task import generate_fix
+
+            apis = ", ".join(f"{t}()" for t in self.llm_engine.get_supported_tasks())
             raise ValueError(f"LLM.{method}() is only supported for generative models; this "
-                             "LLM runs the pooling runner (runner=\"pooling\"): use embed(), "
-                             "classify(), score() or encode(), or build it without "
-                             "runner=\"pooling\" to generate")
+                             f"LLM runs the pooling runner: use {apis}; or "
+                             f"{generate_fix(model_config.architecture, offline=True)}")
 
     def _check_owner(self) -> None:
         if os.getpid() != self._owner_pid:  # its sockets' other ends are the parent's: a hang

@@ -5,7 +5,9 @@ pooled final-norm state (kiln/pooling/runner_pooler.py), as vLLM's as_seq_cls_mo
 A *ForCausalLM checkpoint converted by config keys (classifier_from_token, method; vLLM's
 Qwen3-Reranker overrides) gets its head from the LM head's rows (kiln/pooling/token_classifier.py).
 The head is float32 on every rank (vLLM's head_dtype default for classifiers): it is tiny, and
-a bf16 head would round the logits the probabilities come from.
+a bf16 head would round the logits the probabilities come from. It reads the prompt's last
+token, as vLLM's; HF's forward skips trailing pad_token_id tokens, so a prompt that ends in the
+config's pad id (an eos used as pad) scores another token there.
 """
 import functools
 

@@ -35,6 +35,18 @@ def check_runner_fits(architecture: str, runner: str, asked_runner, task) -> Non
                           "--task generate")
 
 
+def generate_fix(architecture: str, offline: bool) -> str:
+    """What a pooling engine's refusal to generate tells its user: a classification checkpoint
+    has no LM head to generate with (no flag helps), any other generates on the generate
+    runner (--convert / --task, or a sentence-transformers checkpoint, picked pooling)."""
+    if is_seq_cls(architecture):
+        return (f"{architecture} is a classification model (a score head, no LM head): "
+                "serve a *ForCausalLM checkpoint to generate text")
+    if offline:
+        return 'build it with runner="generate" (no convert / task) to generate'
+    return "start it with --runner generate (no --convert / --task) to generate text"
+
+
 def pooling_task(convert, task, architecture: str) -> str:
     """"embed" or "classify" for a pooling engine: --convert, else --task, else the
     checkpoint's (a *ForSequenceClassification classifies, a *ForCausalLM embeds)."""

@@ -91,6 +91,11 @@ def test_cross_encoder_scores_the_pair_encoding_as_hf(tiny_ce_llama_dir, inproce
             llm.score(docs[:2], docs, use_tqdm=False)
         with pytest.raises(ValueError, match="data_2 is empty"):
             llm.score(query, [], use_tqdm=False)
+        # the checkpoint picked the pooling runner, and no flag gives it an LM head
+        with pytest.raises(ValueError, match=r"pooling runner: use classify\(\), score\(\), "
+                                             r"encode\(\); or LlamaForSequenceClassification "
+                                             "is a classification model"):
+            llm.generate("w5")
     finally:
         llm.shutdown()
 

@@ -8,7 +8,13 @@ import torch
 
 from kiln.errors import ConfigError
 from kiln.pooling.pooler_config import auto_runner, resolve_runner
-from kiln.pooling.pooling_task import activate, activation_kind, num_labels, pooling_task
+from kiln.pooling.pooling_task import (
+    activate,
+    activation_kind,
+    generate_fix,
+    num_labels,
+    pooling_task,
+)
 from kiln.pooling.scoring import score_lists
 
 SEQ, CAUSAL = "Qwen3ForSequenceClassification", "Qwen3ForCausalLM"
@@ -33,6 +39,18 @@ def test_task_and_runner_from_flags_and_architecture():
     assert auto_runner(None, None, "generate", None, CAUSAL) == "generate"
     with pytest.raises(ConfigError, match="is a classification model"):
         auto_runner("generate", None, "generate", None, SEQ)
+
+
+def test_a_refusal_to_generate_names_what_can():
+    """A classification checkpoint has no LM head (no flag makes it generate: the checkpoint
+    picked the pooling runner by itself); a *ForCausalLM one generates on --runner generate,
+    whatever (--convert classify, --task embed) picked pooling."""
+    for offline in (True, False):
+        assert generate_fix(SEQ, offline).startswith(f"{SEQ} is a classification model (a "
+                                                     "score head, no LM head)")
+    assert generate_fix(CAUSAL, True) == ('build it with runner="generate" (no convert / '
+                                          'task) to generate')
+    assert "--runner generate (no --convert / --task)" in generate_fix(CAUSAL, False)
 
 
 def test_activation_as_vllms():

@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.async_llm import AsyncLLM
 from kiln.engine.llm_engine import LLMEngine
+from kiln.entrypoints.openai import serving_completion
 from kiln.entrypoints.openai.api_server import ServerSettings, build_app
 from pooling.hf_pooled import hf_logits
 
@@ -17,11 +18,12 @@ from checkpoints import random_prompts
 ATOL = 1e-5  # float32 both sides
 
 
-def _client(model_dir, **engine):
+def _client(model_dir, settings=None, **engine):
     args = EngineArgs(model=str(model_dir), compilation_config=0, max_model_len=64,
                       max_num_seqs=4, kv_cache_memory=0.02, **engine)
     llm = AsyncLLM(LLMEngine(args.create_kiln_config()))
-    return TestClient(build_app(llm, ServerSettings(served_model_names=["m"])))
+    return TestClient(build_app(llm, ServerSettings(served_model_names=["m"],
+                                                    **(settings or {}))))
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +63,8 @@ def test_classify_matches_hf_in_vllms_shape(classifier, tiny_cls_qwen3_dir):
                                rtol=0)
     chat = classifier.post("/v1/chat/completions",
                            json={"messages": [{"role": "user", "content": "hi"}]})
-    assert chat.status_code == 400 and "has no LM head" in chat.json()["error"]["message"]
+    assert chat.status_code == 400 and "(a score head, no LM head)" in \
+        chat.json()["error"]["message"]
     paths = classifier.get("/openapi.json").json()["paths"]
     assert "/classify" in paths and "/pooling" in paths and "/v1/embeddings" not in paths
     assert "/score" not in paths  # 3 labels: no cross-encoder
@@ -140,11 +143,29 @@ def test_score_errors_name_the_field(cross_encoder, path, body, param, words):
 
 
 def test_long_pairs_truncate_and_an_embedding_server_scores_by_cosine(
-        cross_encoder, tiny_qwen3_dir, inprocess_core):
+        cross_encoder, tiny_qwen3_dir, inprocess_core, monkeypatch):
     cut = cross_encoder.post("/score", json={"text_1": "w5 " * 40, "text_2": "w6 " * 40,
                                              "truncate_prompt_tokens": 64})
     assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == 64, cut.json()
-    with _client(tiny_qwen3_dir, runner="pooling") as c:
+    # --max-sequences-per-request 3: it counts the pairs (documents) an embedding model
+    # scores too, though it pools the query besides
+    with _client(tiny_qwen3_dir, {"max_sequences_per_request": 3}, runner="pooling") as c:
+        three = c.post("/rerank", json={"query": "w5", "documents": ["w6", "w7", "w8"]})
+        assert three.status_code == 200 and len(three.json()["results"]) == 3, three.json()
+        pairs = c.post("/score", json={"text_1": ["w5", "w6"], "text_2": ["w7", "w8"]})
+        assert pairs.status_code == 200, pairs.json()
+        four = c.post("/score", json={"text_1": "w5", "text_2": ["w6"] * 4}).json()["error"]
+        assert four["code"] == "too_many_sequences" and "asks for 4 prompt(s)" in \
+            four["message"] and four["param"] == "text_2", four
+
+        def tokenized(*_):
+            raise AssertionError("tokenized before the cap refused the request")
+        # the cap refuses before any text is tokenized (add_special_tokens false does it)
+        with monkeypatch.context() as m:
+            m.setattr(serving_completion, "without_special_tokens", tokenized)
+            for path in ("/v1/embeddings", "/pooling"):
+                many = c.post(path, json={"input": ["w5"] * 4, "add_special_tokens": False})
+                assert many.json()["error"]["code"] == "too_many_sequences", many.json()
         vecs = [torch.tensor(d["embedding"]) for d in
                 c.post("/v1/embeddings", json={"input": ["w5 w6", "w7", "w8 w9"]}).json()["data"]]
         r = c.post("/v1/score", json={"text_1": "w5 w6", "text_2": ["w7", "w8 w9"]})

@@ -166,19 +166,19 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw: Request):
         if pooling:
-            raise refuse_generate("Completions", embedding.task)
+            raise refuse_generate("Completions", model_config.architecture)
         return await completion.create(req, raw)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request):
         if pooling:
-            raise refuse_generate("Chat Completions", embedding.task)
+            raise refuse_generate("Chat Completions", model_config.architecture)
         return await chat.create(req, raw)
 
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, raw: Request):
         if pooling:
-            raise refuse_generate("Responses", embedding.task)
+            raise refuse_generate("Responses", model_config.architecture)
         return await responses.create(req, raw)
 
     # The store's (KILN_ENABLE_RESPONSES_API_STORE; 404 without it): GET as vLLM's, DELETE

@@ -15,6 +15,7 @@ from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.protocol import ChatMessage, PromptInput
 from kiln.entrypoints.openai.protocol_base import RequestBase
 from kiln.entrypoints.openai.request_defaults import RequestDefaults
+from kiln.entrypoints.openai.serving_engine import check_num_sequences
 
 
 class PooledInputFields(RequestBase):
@@ -62,6 +63,8 @@ async def request_prompts(llm: AsyncLLM, req: PooledInputFields,
                           "renders", param="input", code="invalid_value")
     if req.messages is None:
         prompts = engine_prompts(req.input)
+        # the --max-sequences-per-request cap before any text is tokenized (below)
+        check_num_sequences(len(prompts), 1, llm.max_sequences_per_request, "input")
         if req.add_special_tokens is False and llm.tokenizer is not None:
             from kiln.entrypoints.openai.serving_completion import without_special_tokens
             prompts = await without_special_tokens(llm, prompts)

@@ -64,10 +64,14 @@ def usage(num_tokens: int) -> dict:
 
 
 async def pool(llm: AsyncLLM, raw: Request, request_id: str, prompts: list,
-               params: PoolingParams, priority: int, prompt_param: str = "input") -> list:
+               params: PoolingParams, priority: int, prompt_param: str = "input",
+               num_sequences: int | None = None) -> list:
     """The engine's finished outputs (`.pooled`) of every prompt, in order; raises
-    ClientDisconnected when the client goes away (its requests aborted)."""
-    check_num_sequences(len(prompts), 1, llm.max_sequences_per_request, prompt_param)
+    ClientDisconnected when the client goes away (its requests aborted). `num_sequences`:
+    what the --max-sequences-per-request cap counts (default: the prompts; scoring counts
+    its pairs, which an embedding model pools as both sides' texts)."""
+    check_num_sequences(len(prompts) if num_sequences is None else num_sequences, 1,
+                        llm.max_sequences_per_request, prompt_param)
     return await until_disconnect(raw, _run(llm, request_id, prompts, params, priority,
                                             prompt_param))
 

@@ -27,6 +27,7 @@ from kiln.entrypoints.openai.serving_engine import ClientDisconnected
 from kiln.entrypoints.openai.serving_models import ServingModels
 from kiln.pooling.classify_outputs import finish_pooled
 from kiln.pooling.outputs import PoolingParams
+from kiln.pooling.pooling_task import generate_fix
 
 
 class EmbeddingRequest(PooledInputFields):
@@ -41,13 +42,11 @@ class EmbeddingRequest(PooledInputFields):
     request_id: str | None = None
 
 
-def refuse_generate(api: str, task: str = "embed") -> OpenAIError:
+def refuse_generate(api: str, architecture: str) -> OpenAIError:
     """vLLM's answer to a generate endpoint on a pooling server (400)."""
-    fix = ("start it without --runner pooling to generate text" if task == "embed" else
-           "a classification model has no LM head: serve a *ForCausalLM checkpoint to "
-           "generate text")
     return OpenAIError(f"The model does not support {api} API: this server runs the pooling "
-                       f"runner (--runner pooling); {fix}", code="unsupported_endpoint")
+                       f"runner; {generate_fix(architecture, offline=False)}",
+                       code="unsupported_endpoint")
 
 
 def _encode(vector, encoding_format: str):

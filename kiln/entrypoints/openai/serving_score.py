@@ -135,8 +135,9 @@ class ServingScore:
             raise field_error(e, names[1]) from None
         params = activation_params(req, truncate)
         try:
+            # the cap counts pairs, as checked above (an embedding model pools both sides)
             finals = await pool(llm, raw, request_id, prompts, params, req.priority,
-                                names[1])
+                                names[1], num_sequences=num_2)
         except ClientDisconnected:
             return model, None
         pad = getattr(llm.tokenizer, "pad_token_id", None)
