@@ -77,6 +77,9 @@ class ModelConfig(FreezableConfig):
     pooler_config: Any = None  # kiln.pooling.pooler_config.PoolerConfig for "pooling"
     # vLLM's --hf-overrides: changes to the HF config before the model is built (hf_overrides.py)
     hf_overrides: dict | None = None
+    # vLLM's --enable-sleep-mode: LLM.sleep / wake_up free and restore the KV cache and weights
+    # (kiln/core/core_sleep.py, kiln/worker/sleep_mode.py)
+    enable_sleep_mode: bool = False
 
     model_path: Path = field(init=False)
     tokenizer_path: Path | None = field(init=False, default=None)

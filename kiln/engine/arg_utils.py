@@ -71,6 +71,7 @@ class EngineArgs:
     max_logprobs: int = 20  # most (prompt_)logprobs a request may ask for; -1: the vocabulary
     quantization: str | None = None  # "int8": W8A8 on load; a quantized checkpoint sets it
     hf_overrides: dict | None = None  # vLLM's: changes to the model's HF config (JSON object)
+    enable_sleep_mode: bool = False  # vLLM's: LLM.sleep / wake_up may free KV cache and weights
     ir_op_priority: dict | None = None  # {"rms_norm": ["native", "torch"]}; see kiln/ir/
     # vLLM's: a dict, its JSON text or a SpeculativeConfig; only method "ngram" is served
     speculative_config: Any = None
@@ -202,7 +203,8 @@ class EngineArgs:
                                    generation_config=self.generation_config,
                                    max_logprobs=self.max_logprobs,
                                    quantization=self.quantization, runner_type=runner,
-                                   hf_overrides=self.hf_overrides)
+                                   hf_overrides=self.hf_overrides,
+                                   enable_sleep_mode=self.enable_sleep_mode)
         if runner == "generate":
             runner = model_config.runner_type = auto_runner(
                 self.runner, self.task, runner, model_config.model_path,
