@@ -141,14 +141,6 @@ def _layer_table(layers: dict) -> attention_op.LayerTable | None:
     return table
 
 
-def drop_stale_tables() -> None:
-    """Let go of tables built before the latest cache assignment: each holds the caches it was
-    built over, which a sleeping engine has given back (kiln/worker/sleep_mode.py)."""
-    generation = kv_cache_generation.current()
-    for key in [k for k, (built, _) in _tables.items() if built != generation]:
-        del _tables[key]
-
-
 def _hand_over(md: AttentionMetadata, step: paged_attention.StepArgs) -> None:
     """Let the C++ kernel of kiln::unified_attention serve the step's other layers with `step`
     until the forward context closes (kiln/native/attention_op.py)."""

@@ -90,11 +90,9 @@ class WorkerSleepMode:
         return bool(self.asleep)
 
     def _release_kv_cache(self) -> None:
-        from kiln.attention.cpu_backend import drop_stale_tables
-
+        # the C++ attention kernel's table holds the caches weakly (attention_op.LayerTable)
         for layer in self._attention_layers().values():
             layer.kv_cache = None
-        drop_stale_tables()  # the C++ kernel's table of the caches holds them too
 
     def _drop_packed(self, model) -> None:
         # a discarded weight's oneDNN copy is stale too: an empty stand-in until it is packed
