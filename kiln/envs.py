@@ -135,7 +135,8 @@ def disable_compile_cache() -> bool:
 
 def server_dev_mode() -> bool:
     """`KILN_SERVER_DEV_MODE=1` (vLLM's VLLM_SERVER_DEV_MODE): kiln serve adds vLLM's
-    POST /reset_prefix_cache (kiln/entrypoints/openai/dev_routes.py)."""
+    POST /reset_prefix_cache, /sleep, /wake_up, /collective_rpc and GET /is_sleeping
+    (kiln/entrypoints/openai/dev_routes.py)."""
     return _flag("KILN_SERVER_DEV_MODE", False)
 
 

@@ -16,8 +16,9 @@ UNHONOURED: dict[str, tuple[tuple[str, ...], str]] = {
     "VLLM_WORKER_MULTIPROC_METHOD": (
         ("spawn",), "Kiln always spawns its rank processes"),
     "VLLM_SERVER_DEV_MODE": (  # read as KILN_SERVER_DEV_MODE: only part of it is served
-        ("0", "false"), "kiln serve adds POST /reset_prefix_cache, not vLLM's /sleep, "
-        "/wake_up, /is_sleeping or /collective_rpc"),
+        ("0", "false"), "kiln serve adds POST /reset_prefix_cache, /sleep, /wake_up, "
+        "/collective_rpc and GET /is_sleeping, not vLLM's /pause, /resume or weight-transfer "
+        "routes (/init_weight_transfer_engine, /update_weights, ...)"),
     "VLLM_HOST_IP": ((), "ranks on one machine meet on 127.0.0.1; Ray ranks on the addresses "
                      "Ray gives them"),
     "VLLM_PORT": ((), "Kiln picks a free port for its ranks; kiln serve listens on --port"),

@@ -67,6 +67,9 @@ class ModelConfig(FreezableConfig):
     # vLLM's --disable-sliding-window: full attention in every layer, the context capped at
     # the window (what Kiln did before its attention had windows)
     disable_sliding_window: bool = False
+    # vLLM's --enable-sleep-mode: LLM.sleep / wake_up free and restore the KV cache and weights
+    # (kiln/core/core_sleep.py, kiln/worker/sleep_mode.py)
+    enable_sleep_mode: bool = False
 
     model_path: Path = field(init=False)
     tokenizer_path: Path | None = field(init=False, default=None)

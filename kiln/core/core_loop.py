@@ -13,6 +13,7 @@ from kiln.core.core_messages import (
     StepOutputs,
     UtilityCall,
     UtilityResult,
+    failure_report,
     from_wire,
     input_codec,
     output_codec,
@@ -89,15 +90,24 @@ class CoreLoop:
                 self.send(UtilityResult(message.call_id, error=f"no utility {message.method!r}"))
                 return False
             try:
-                result = getattr(core, message.method)(*message.args)
+                result = self._utility(message)
             except Exception as e:  # noqa: BLE001 - the caller gets it
-                self.send(UtilityResult(message.call_id, error=f"{type(e).__name__}: {e}"))
+                self.send(UtilityResult(message.call_id, error=f"{type(e).__name__}: {e}",
+                                        failure=failure_report(e)))
             else:
                 self.send(UtilityResult(message.call_id, result=result))
             return False
         if isinstance(message, Shutdown):
             self.running = False
         return False
+
+    def _utility(self, message: UtilityCall):
+        if message.method == "collective_rpc":  # (method, args, kwargs) and results pickled
+            from kiln.core import rpc_wire
+
+            return rpc_wire.dumps_results(self.core.collective_rpc(
+                *rpc_wire.loads(message.args[0])))
+        return getattr(self.core, message.method)(*message.args)
 
     def drain(self, timeout_ms: int) -> bool:
         """Handle every waiting input (waiting up to `timeout_ms` for the first); raises
@@ -130,14 +140,14 @@ class CoreLoop:
         check_every = core.executor.idle_check_s
         next_check = time.monotonic()
         while self.running:
-            busy = core.has_unfinished_requests()
+            busy = core.has_work()  # a sleeping core's requests wait: it idles
             changed = self.drain(0 if busy else _IDLE_POLL_MS)
             if not self.running:
                 break
             if not busy and check_every is not None and time.monotonic() >= next_check:
                 core.executor.check_health()  # ranks without a sentinel: Ray's actors
                 next_check = time.monotonic() + check_every
-            if core.has_unfinished_requests():
+            if core.has_work():
                 self.send(StepOutputs(outputs=core.step(), stats=core.make_stats(),
                                       inputs_handled=self.inputs_handled))
             elif changed:  # aborts freed blocks: the front's stats must show it

@@ -53,7 +53,8 @@ class Shutdown(msgspec.Struct, tag=True):
 
 
 CoreInput = EngineCoreRequest | AbortRequests | FinishRequests | UtilityCall | Shutdown
-UTILITY_METHODS = ("reset_prefix_cache", "make_stats", "get_num_unfinished_requests")
+UTILITY_METHODS = ("reset_prefix_cache", "make_stats", "get_num_unfinished_requests", "sleep",
+                   "wake_up", "is_sleeping", "sleep_status", "collective_rpc")
 
 
 # ---- core -> front ---------------------------------------------------------------------------
@@ -81,6 +82,7 @@ class UtilityResult(msgspec.Struct, tag=True):
     call_id: int
     result: Any = None
     error: str | None = None
+    failure: "CoreFailed | None" = None  # the error, to be raised as its own kind
 
 
 class CoreFailed(msgspec.Struct, tag=True):

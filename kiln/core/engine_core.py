@@ -6,6 +6,7 @@ serves steps. The engine front talks to it through add/abort/step only.
 import time
 from collections.abc import Iterable, Sequence
 
+from kiln.core.core_sleep import CoreSleepMode
 from kiln.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, EngineCoreOutput
 from kiln.core.parent_request import child_requests
 from kiln.core.request import Request, RequestStatus
@@ -48,7 +49,7 @@ def _amount(num_bytes: int) -> str:
     return f"{num_bytes} bytes"
 
 
-class EngineCore:
+class EngineCore(CoreSleepMode):
     def __init__(self, kiln_config, executor_class: type):
         self.kiln_config = kiln_config
         # What a request may reach: the config's, or lower where the KV cache holds less.
@@ -141,8 +142,16 @@ class EngineCore:
         self.scheduler.finish_requests(req_ids, finished_status)
 
     def step(self) -> list[EngineCoreOutput]:
-        if not self.scheduler.has_unfinished_requests():
-            return []
+        """One step's outputs (with those of requests a sleep ended); nothing runs while the
+        engine sleeps (core_sleep.py): its requests wait."""
+        outputs = self.take_sleep_outputs()
+        if self.paused or not self.scheduler.has_unfinished_requests():
+            if self.paused and not outputs:  # in-process, a caller polls: not a busy spin
+                time.sleep(0.01)
+            return outputs
+        return outputs + self._step()
+
+    def _step(self) -> list[EngineCoreOutput]:
         kv = self.scheduler.kv_cache_manager
         scheduler_output = None
         try:

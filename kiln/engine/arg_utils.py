@@ -73,6 +73,7 @@ class EngineArgs:
     hf_overrides: dict | None = None  # vLLM's: changes to the model's HF config (JSON object)
     # vLLM's: full attention in every layer, max_model_len capped at the model's window
     disable_sliding_window: bool = False
+    enable_sleep_mode: bool = False  # vLLM's: LLM.sleep / wake_up may free KV cache and weights
     ir_op_priority: dict | None = None  # {"rms_norm": ["native", "torch"]}; see kiln/ir/
     # vLLM's: a dict, its JSON text or a SpeculativeConfig; only method "ngram" is served
     speculative_config: Any = None
@@ -205,7 +206,8 @@ class EngineArgs:
                                    max_logprobs=self.max_logprobs,
                                    quantization=self.quantization, runner_type=runner,
                                    hf_overrides=self.hf_overrides,
-                                   disable_sliding_window=self.disable_sliding_window)
+                                   disable_sliding_window=self.disable_sliding_window,
+                                   enable_sleep_mode=self.enable_sleep_mode)
         if runner == "generate":
             runner = model_config.runner_type = auto_runner(
                 self.runner, self.task, runner, model_config.model_path,

@@ -246,6 +246,27 @@ class AsyncLLM(AsyncLLMLifecycle):
         return await self._on_engine_thread(self.engine.reset_prefix_cache,
                                             bool(reset_running_requests), bool(reset_connector))
 
+    # ---- sleep mode and collective_rpc (vLLM's EngineClient; kiln/core/core_sleep.py) -----------
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Between steps: requests in flight end ("abort", their streams finish with
+        finish_reason "abort") or are recomputed after wake_up ("keep"); new ones wait."""
+        self._check_alive()
+        await self._on_engine_thread(self.engine.sleep, level, mode)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        self._check_alive()
+        await self._on_engine_thread(self.engine.wake_up, tags)
+
+    async def is_sleeping(self) -> bool:
+        self._check_alive()
+        return await self._on_engine_thread(self.engine.is_sleeping)
+
+    async def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict | None = None) -> list:
+        self._check_alive()
+        return await self._on_engine_thread(self.engine.collective_rpc, method, timeout, args,
+                                            kwargs)
+
     async def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
         return await self.run_in_engine(self.engine.apply_chat_template, messages, **kwargs)
 

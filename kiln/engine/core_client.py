@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 
+from kiln.core import rpc_wire
 from kiln.core.core_messages import (
     AbortRequests,
     FinishRequests,
@@ -207,6 +208,8 @@ class CoreProcClient(CoreReceiver):
         while True:
             message = self._recv(1000)
             if isinstance(message, UtilityResult) and message.call_id == call_id:
+                if message.failure is not None:  # as its own kind: a bad argument's ValueError
+                    raise rpc_wire.error_from(message.failure)
                 if message.error is not None:
                     raise RuntimeError(f"engine core {method}: {message.error}")
                 return message.result
@@ -215,6 +218,24 @@ class CoreProcClient(CoreReceiver):
     def reset_prefix_cache(self, reset_running_requests: bool = False,
                            reset_connector: bool = False) -> bool:
         return bool(self._call("reset_prefix_cache", reset_running_requests, reset_connector))
+
+    # ---- sleep mode and collective_rpc (kiln/core/core_sleep.py) -----------------------------
+    def sleep(self, level: int, mode: str) -> None:
+        self._call("sleep", level, mode)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        self._call("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self._call("is_sleeping"))
+
+    def sleep_status(self) -> dict:
+        return self._call("sleep_status")
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Pickled both ways (kiln/core/rpc_wire.py): tensors and results cross as they are."""
+        return rpc_wire.loads(self._call("collective_rpc",
+                                         rpc_wire.dumps_call(method, args, kwargs)))
 
     def make_stats(self) -> SchedulerStats:
         """Fresh stats: taken by the core after every message sent before this call."""

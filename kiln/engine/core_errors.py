@@ -19,7 +19,7 @@ def engine_gone(e: BaseException) -> bool:
     return isinstance(e, (EngineCoreDeadError, WorkerFailedError))
 
 
-def _error_class(failure: CoreFailed):
+def error_class(failure: CoreFailed):
     """The class of the core's exception, where it is a built-in or Kiln's own."""
     if failure.error_module == "builtins":
         return getattr(builtins, failure.error_type, None)
@@ -35,7 +35,7 @@ def rebuild_error(failure: CoreFailed) -> BaseException:
     """The core's exception as the same kind where it is a built-in or Kiln's (ValueError stays
     ValueError, WorkerFailedError stays WorkerFailedError), else as an EngineCoreDeadError; the
     message is the core's own."""
-    kind = _error_class(failure)
+    kind = error_class(failure)
     if isinstance(kind, type) and issubclass(kind, Exception) and kind is not EngineCoreDeadError:
         try:
             return kind(failure.message)

@@ -98,6 +98,11 @@ def add_engine_flags(parser: argparse.ArgumentParser,
     g.add_argument("--skip-tokenizer-init", action=argparse.BooleanOptionalAction,
                    default=d.skip_tokenizer_init,
                    help="load no tokenizer: prompts are token ids, outputs carry no text")
+    g.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction,
+                   default=d.enable_sleep_mode,
+                   help="let the engine sleep (free its KV cache, and its weights at level 2) "
+                        "and wake up: LLM.sleep / wake_up, and POST /sleep, /wake_up under "
+                        "KILN_SERVER_DEV_MODE=1")
     g.add_argument("--chat-template", default=d.chat_template,
                    help="a Jinja chat template replacing the tokenizer's: a file, or the "
                         "template itself")

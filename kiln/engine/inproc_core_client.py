@@ -51,6 +51,21 @@ class InprocCoreClient:
                            reset_connector: bool = False) -> bool:
         return self.core.reset_prefix_cache(reset_running_requests, reset_connector)
 
+    def sleep(self, level: int, mode: str) -> None:
+        self.core.sleep(level, mode)
+
+    def wake_up(self, tags: list[str] | None) -> None:
+        self.core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.core.is_sleeping()
+
+    def sleep_status(self) -> dict:
+        return self.core.sleep_status()
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        return self.core.collective_rpc(method, args, kwargs)
+
     def make_stats(self) -> SchedulerStats:
         return self.core.make_stats()
 

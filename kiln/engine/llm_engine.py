@@ -16,6 +16,7 @@ from kiln.core.request import Request, RequestStatus
 from kiln.core.request_queue import check_priority
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.chat_template import render_chat_template
+from kiln.engine.engine_sleep import EngineSleepMode
 from kiln.engine.engine_token_stats import EngineTokenStats
 from kiln.engine.engine_vllm_views import EngineVllmViews
 from kiln.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
@@ -43,7 +44,7 @@ def get_executor_class(parallel_config: ParallelConfig) -> type:
     return MultiprocExecutor
 
 
-class LLMEngine(EngineTokenStats, EngineVllmViews):
+class LLMEngine(EngineTokenStats, EngineVllmViews, EngineSleepMode):
     def __init__(self, kiln_config: KilnConfig, executor_class: type | None = None,
                  core_interpreter=None, multiprocess: bool | None = None,
                  front_end_cores: int = 0):

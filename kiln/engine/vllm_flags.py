@@ -113,8 +113,6 @@ VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--cpu-offload-gb",), "keeping part of the weights in CPU memory", "Kiln holds "
              "all weights on the device: use a smaller dtype, --quantization or -tp / -pp",
              accepted=("0",)),
-    VllmFlag(("--enable-sleep-mode",), "freeing GPU memory while the engine sleeps", "Kiln has "
-             "no sleep mode: stop the server to free the GPU", takes_value=False),
     VllmFlag(("--model-impl",), "choosing vLLM's or transformers' model code", "Kiln runs its "
              "own (Llama, Qwen2, Qwen3, Phi-3, Granite, Gemma, OLMo-2, Mixtral, Qwen2-MoE, "
              "Qwen3-MoE)", accepted=("auto",)),

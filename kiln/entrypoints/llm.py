@@ -16,6 +16,7 @@ from kiln.engine.input_processor import ProcessedPrompt, PromptType
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.vllm_flags import check_vllm_only_kwargs
 from kiln.entrypoints.llm_arguments import refuse_lora, request_priorities, unsupported
+from kiln.entrypoints.llm_sleep import LLMSleepMode
 from kiln.lora.frontend import per_prompt as lora_per_prompt
 from kiln.lora.frontend import with_lora, with_lora_request
 from kiln.outputs import RequestOutput
@@ -28,7 +29,7 @@ _REWARD = ("Kiln's pooling runner embeds, classifies and scores (embed(), classi
            "score()); reward needs a reward head Kiln's models lack")
 
 
-class LLM:
+class LLM(LLMSleepMode):
     def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = _DEFAULT_MAX_NUM_SEQS,
                  max_num_batched_tokens: int | None = None, enforce_eager: bool = False,
@@ -263,6 +264,7 @@ class LLM:
         # None: every request at priority 0 (beam search's steps call this without any)
         priorities = priorities or [0] * len(processed)
         engine = self.llm_engine
+        engine.check_awake("LLM.generate")
         ids = [str(next(self._request_counter)) for _ in processed]
         order = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)

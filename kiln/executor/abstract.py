@@ -28,6 +28,11 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; returns the (driver) worker's sampled tokens."""
 
+    @abstractmethod
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """vLLM's: every worker's `method` (a Worker method's name, or a callable taking the
+        worker first) with `args` / `kwargs`; the results in rank order."""
+
     def comm_stats(self) -> dict | None:
         """Per-rank time in collectives and in delivering each step's scheduler output since
         the last reset (None: one rank, nothing to measure)."""
@@ -80,6 +85,11 @@ class RankFanOutExecutor(Executor):
 
     def compile_or_warm_up_model(self) -> None:
         self._run_on_all("compile_or_warm_up_model")
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        from kiln.core.rpc_wire import raise_failures
+
+        return raise_failures(self._run_on_all("collective_rpc", method, tuple(args), kwargs))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         replies = self._run_on_all("execute_model", scheduler_output)

@@ -16,7 +16,7 @@ logger = init_logger(__name__)
 
 # The executor methods a rank answers (anything else is a programming error in the executor).
 METHODS = ("determine_num_blocks", "initialize_cache", "compile_or_warm_up_model",
-           "execute_model", "comm_stats", "reset_comm_stats", "compile_stats")
+           "execute_model", "comm_stats", "reset_comm_stats", "compile_stats", "collective_rpc")
 
 
 class RankWorker:
@@ -71,6 +71,10 @@ class RankWorker:
             comm_timing.reset()
             self.unpickle_seconds = 0.0
             return None
+        if method == "collective_rpc":  # a worker's error is the caller's, not the rank's end
+            from kiln.core.rpc_wire import guarded
+
+            return guarded(self.worker.collective_rpc, *args)
         try:
             result = getattr(self.worker, method)(*args)
         except LoRALoadError as e:  # every rank's (load_failure.py): the engine ends its requests

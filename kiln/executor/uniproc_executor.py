@@ -32,6 +32,9 @@ class UniprocExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        return [self.worker.collective_rpc(method, tuple(args), kwargs)]
+
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()

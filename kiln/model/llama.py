@@ -195,6 +195,7 @@ class LlamaStyleForCausalLM(nn.Module):
     """Backbone + LM head, with HF-name weight loading into the merged parameters."""
     model_cls = LlamaModel
     has_lm_head = True  # a classifier (kiln/model/seq_cls.py) has a score head instead
+    require_all_weights = True  # load_weights refuses a checkpoint that leaves one out
 
     def __init__(self, *, kiln_config, prefix: str = ""):
         super().__init__()
@@ -240,7 +241,9 @@ class LlamaStyleForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; raises naming any tensor that fits no parameter and any
-        parameter the checkpoint did not provide (random weights must never be served)."""
+        parameter the checkpoint did not provide (random weights must never be served), unless
+        `require_all_weights` is off: a weight update (kiln/worker/weight_update.py) may bring
+        a few. Returns the parts loaded (`name` or `name#shard`)."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         stored_head = None
@@ -271,7 +274,8 @@ class LlamaStyleForCausalLM(nn.Module):
             except ValueError as e:  # a loader's bug: keep where it came from
                 raise ValueError(f"checkpoint tensor {name}: {e}") from e
             loaded.add(target if shard_id is None else f"{target}#{shard_id}")
-        self._check_complete(params, loaded)
+        if self.require_all_weights:
+            self._check_complete(params, loaded)
         if stored_head is not None:
             self._warn_if_head_differs(stored_head)
         return loaded
@@ -289,6 +293,15 @@ class LlamaStyleForCausalLM(nn.Module):
                        "tie_word_embeddings false in config.json to serve the stored head")
 
     def _check_complete(self, params: dict, loaded: set[str]) -> None:
+        missing = self.missing_weights(loaded, params)
+        if missing:
+            raise ConfigError(f"checkpoint is missing {len(missing)} parameter(s): "
+                              f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+
+    def missing_weights(self, loaded: set[str], params: dict | None = None) -> list[str]:
+        """The parameters (and shards) a checkpoint must give that `loaded` lacks."""
+        if params is None:
+            params = dict(self.named_parameters(remove_duplicate=False))
         missing = []
         for name, param in params.items():
             if self.tie_word_embeddings and name == "lm_head.weight" \
@@ -302,9 +315,7 @@ class LlamaStyleForCausalLM(nn.Module):
                     missing.append(name)
                 elif shard is not None and f"{name}#{shard}" not in loaded:
                     missing.append(f"{name} (shard {shard})")
-        if missing:
-            raise ConfigError(f"checkpoint is missing {len(missing)} parameter(s): "
-                              f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        return missing
 
 
 class LlamaForCausalLM(LlamaStyleForCausalLM):

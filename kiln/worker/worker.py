@@ -14,6 +14,7 @@ from kiln.logger import init_logger
 from kiln.worker import kv_cache_sizing
 from kiln.worker.host_memory import freeze_gc_heap, zeros_on_first_touch
 from kiln.worker.model_runner import ModelRunner
+from kiln.worker.sleep_mode import WorkerSleepMode
 
 logger = init_logger(__name__)
 
@@ -30,7 +31,7 @@ def warm_up_left_garbage(mode, before, after) -> bool:
             or after.num_inductor_compiles != before.num_inductor_compiles)
 
 
-class Worker:
+class Worker(WorkerSleepMode):
     def __init__(self, kiln_config, rank: int = 0, local_rank: int = 0,
                  local_world_size: int = 1):
         self.kiln_config = kiln_config
@@ -49,6 +50,7 @@ class Worker:
         self.platform = self.kiln_config.platform
         self.platform.seed_everything(self.kiln_config.model_config.seed)
         self.model_runner = ModelRunner(self.kiln_config, device)
+        self.check_sleep_mode_fits()
         freeze_gc_heap()
 
     def load_model(self) -> None:
@@ -138,6 +140,15 @@ class Worker:
     # ---- steps -----------------------------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def collective_rpc(self, method, args=(), kwargs=None):
+        """vLLM's: this worker's method `method` (a name), or `method(self, *args, **kwargs)`
+        for a callable."""
+        if isinstance(method, str):
+            if method.startswith("_") or not callable(getattr(self, method, None)):
+                raise ValueError(f"collective_rpc: the worker has no method {method!r}")
+            return getattr(self, method)(*args, **(kwargs or {}))
+        return method(self, *args, **(kwargs or {}))
 
     def shutdown(self) -> None:
         self.model_runner = None

@@ -34,7 +34,7 @@ NON_DEFAULT = dict(
     override_pooler_config='{"pooling_type": "CLS", "normalize": true}',
     speculative_config='{"method": "ngram", "num_speculative_tokens": 2}',
     enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=3,
-    lora_dtype="bfloat16", fully_sharded_loras=True)
+    lora_dtype="bfloat16", fully_sharded_loras=True, enable_sleep_mode=True)
 
 
 def test_engine_args_round_trip_through_the_cli():

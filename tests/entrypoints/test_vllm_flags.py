@@ -101,7 +101,7 @@ TESTER_FLAGS = [
     "-dp", "--data-parallel-size", "--max-seq-len-to-capture",
     "--disable-custom-all-reduce", "--enable-log-requests", "--chat-template-content-format",
     "--async-scheduling",
-    "--cpu-offload-gb", "--enable-sleep-mode", "--model-impl", "--api-server-count",
+    "--cpu-offload-gb", "--model-impl", "--api-server-count",
     "--rope-scaling", "--rope-theta", "--kv-cache-memory-bytes", "--logprobs-mode",
     "--enable-expert-parallel"]
 

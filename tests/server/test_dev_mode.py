@@ -43,3 +43,30 @@ def test_without_dev_mode_there_is_no_reset_endpoint(engine, monkeypatch):
     monkeypatch.delenv("KILN_SERVER_DEV_MODE", raising=False)
     with TestClient(build_app(AsyncLLM(engine), ServerSettings(served_model_names=["m"]))) as c:
         assert c.post("/reset_prefix_cache").status_code == 404
+
+
+def test_dev_mode_serves_sleep_wake_up_and_collective_rpc(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    args = EngineArgs(model=str(tiny_llama_dir), enforce_eager=True, max_model_len=64,
+                      enable_sleep_mode=True)
+    engine = LLMEngine(args.create_kiln_config(), multiprocess=False)
+    with TestClient(build_app(AsyncLLM(engine), ServerSettings(served_model_names=["m"]))) as c:
+        assert c.get("/is_sleeping").json() == {"is_sleeping": False}
+        assert c.post("/sleep?level=1").status_code == 200
+        assert c.get("/is_sleeping").json() == {"is_sleeping": True}
+        assert engine.engine_core.executor.worker.model_runner.attention_layers[
+            "model.layers.0.self_attn.attn"].kv_cache is None
+        assert c.post("/wake_up?tags=weights").status_code == 200
+        assert c.get("/is_sleeping").json() == {"is_sleeping": True}  # the KV cache sleeps
+        assert c.post("/wake_up?tags=kv_cache").status_code == 200
+        assert c.get("/is_sleeping").json() == {"is_sleeping": False}
+        r = c.post("/v1/completions", json={"model": "m", "prompt": [5, 6, 7], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        for bad in ("/sleep?level=5", "/sleep?mode=drop", "/wake_up?tags=gpu"):
+            r = c.post(bad)
+            assert r.status_code == 400 and "error" in r.json(), (bad, r.text)
+        r = c.post("/collective_rpc", json={"method": "weights_missing"})
+        assert r.json() == {"results": ["0"]}  # vLLM sends non-JSON results as str
+        r = c.post("/collective_rpc", json={"method": "nope"})
+        assert r.status_code == 400 and "no method 'nope'" in r.json()["error"]["message"]
+        assert c.post("/collective_rpc", json={"args": []}).status_code == 400

@@ -1,9 +1,13 @@
 """vLLM's development endpoints, served where `KILN_SERVER_DEV_MODE=1` (vLLM's
-VLLM_SERVER_DEV_MODE): POST /reset_prefix_cache, for benchmarks that must start cold.
-vLLM's /sleep, /wake_up and /collective_rpc have no counterpart here (kiln/vllm_envs.py says so
-at start-up)."""
-from fastapi import FastAPI, Query, Response
+VLLM_SERVER_DEV_MODE): POST /reset_prefix_cache, the sleep mode's POST /sleep, POST /wake_up and
+GET /is_sleeping, and POST /collective_rpc (a worker method by name, string arguments)."""
+import json
+from typing import Any
 
+from fastapi import FastAPI, Query, Request, Response
+from fastapi.responses import JSONResponse
+
+from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -19,3 +23,65 @@ def add_dev_routes(app: FastAPI, llm) -> None:
             logger.warning("the prefix cache was not reset: running requests hold its blocks "
                            "(POST /reset_prefix_cache?reset_running_requests=true)")
         return Response(status_code=200)
+
+    @app.post("/sleep")
+    async def sleep(level: int = Query(default=1), mode: str = Query(default="abort")):
+        """vLLM's: level 0 pauses scheduling, 1 frees the KV cache, 2 also the weights; requests
+        in flight end ("abort") or are recomputed after /wake_up ("keep"); new ones wait."""
+        await _engine_call(llm.sleep, level, mode)
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up(request: Request):
+        """vLLM's: `?tags=weights&tags=kv_cache` (or none: everything)."""
+        tags = request.query_params.getlist("tags")
+        logger.info("waking the engine up (tags: %s)", tags or "all")
+        await _engine_call(llm.wake_up, tags or None)
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        return JSONResponse({"is_sleeping": await llm.is_sleeping()})
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(request: Request):
+        """vLLM's: {"method": name, "args": [str, ...], "kwargs": {str: str}, "timeout": s};
+        200 with {"results": [...]} (results not JSON-ready as their str), or empty where
+        there are none."""
+        method, args, kwargs, timeout = _rpc_body(await request.body())
+        results = await _engine_call(llm.collective_rpc, method, timeout, tuple(args), kwargs)
+        if results is None:
+            return Response(status_code=200)
+        return JSONResponse({"results": [r if r is None or isinstance(r, (dict, list)) else
+                                         str(r) for r in results]})
+
+
+async def _engine_call(call, *args):
+    """An engine call whose bad argument (ValueError: a level, a tag, a worker method) is the
+    client's 400, not a 500."""
+    try:
+        return await call(*args)
+    except ValueError as e:
+        raise OpenAIError(str(e)) from None
+
+
+def _rpc_body(raw: bytes) -> tuple[str, list, dict, Any]:
+    try:
+        body = json.loads(raw or b"{}")
+    except ValueError as e:
+        raise OpenAIError(f"the body is not JSON: {e}") from None
+    if not isinstance(body, dict) or not isinstance(body.get("method"), str):
+        raise OpenAIError("the body must be a JSON object with 'method', a worker method's "
+                          "name", param="method")
+    args, kwargs = body.get("args", []), body.get("kwargs", {})
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise OpenAIError("'args' must be a list of strings (vLLM passes them serialized)",
+                          param="args")
+    if not isinstance(kwargs, dict) or not all(isinstance(v, str) for v in kwargs.values()):
+        raise OpenAIError("'kwargs' must be an object of strings (vLLM passes them serialized)",
+                          param="kwargs")
+    timeout = body.get("timeout")
+    if timeout is not None and (isinstance(timeout, bool) or
+                                not isinstance(timeout, (int, float))):
+        raise OpenAIError("'timeout' must be a number of seconds", param="timeout")
+    return body["method"], args, kwargs, timeout

@@ -89,18 +89,22 @@ def cpu_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and build.available())
 
 
-def prepack_for_cpu(model: nn.Module) -> int:
+def prepack_for_cpu(model: nn.Module, only: set[int] | None = None) -> int:
     """Pack the weight of every module that opts in (`supports_cpu_packing`); returns how many.
 
     Call once after the weights are loaded and in their dtype: the packed copy (a oneDNN tensor,
     which `module.to` cannot convert) is the layer's, so a weight changed afterwards must be
-    packed again."""
+    packed again: `only` (ids of weights) packs the modules of those weights alone (a weight
+    update, kiln/worker/weight_update.py; the new copy replaces the buffer, which compiled
+    graphs read off the layer on every call)."""
     count = 0
     packed_by_weight: dict[int, torch.Tensor] = {}  # tied weights are packed once
     for module in model.modules():
         if not (getattr(module, "supports_cpu_packing", False) and hasattr(module, "cpu_plan")):
             continue
         weight = module.weight
+        if only is not None and id(weight) not in only:
+            continue
         if not cpu_packing_available(weight.device, weight.dtype):
             continue
         if id(weight) not in packed_by_weight:
@@ -110,7 +114,7 @@ def prepack_for_cpu(model: nn.Module) -> int:
         serves = gemv.serves(weight, getattr(module, "bias", None))
         _plan(module)[_GEMV_ROWS] = gemv.MAX_ROWS if serves else 0
         count += 1
-    if count:
+    if count and only is None:
         logger.info("packed %d linear weights for oneDNN CPU GEMMs", count)
     return count
 

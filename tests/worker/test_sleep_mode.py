@@ -1,0 +1,122 @@
+"""Sleep mode and the RL weight hooks on an in-process engine (so the worker's tensors can be
+looked at): sleep frees the KV cache for real and wake_up gives the same greedy tokens; level 2
+discards the weights until they are loaded again; collective_rpc("load_weights") updates the
+model in place to another checkpoint's weights (HF on that checkpoint is the oracle), the
+prefix cache and the oneDNN-packed copies included."""
+import gc
+import weakref
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kiln import LLM, SamplingParams
+
+from checkpoints import hf_greedy, make_tiny_checkpoint, random_prompts
+
+PROMPTS = random_prompts(2, [5, 19], seed=4)
+NEW = 6
+
+
+def _tokens(llm):
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def other_llama_dir(tmp_path_factory):
+    """A second checkpoint of tiny_llama's shapes, other weights."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("other_llama"), "llama", tie=False,
+                                seed=1)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir, inprocess_core):
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", enforce_eager=True,
+              enable_sleep_mode=True, max_model_len=64, kv_cache_memory=0.01)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_tokens(tiny_llama_dir):
+    return hf_greedy(tiny_llama_dir, PROMPTS, NEW)
+
+
+def _worker(llm):
+    return llm.llm_engine.engine_core.executor.worker
+
+
+def test_level1_frees_the_kv_cache_and_wakes_to_the_same_tokens(llm, tiny_tokens):
+    assert _tokens(llm) == tiny_tokens
+    layers = _worker(llm).model_runner.attention_layers.values()
+    caches = [weakref.ref(layer.kv_cache) for layer in layers]
+    weight = _worker(llm).get_model().model.norm.weight
+    llm.sleep(level=1)
+    gc.collect()
+    assert llm.is_sleeping()
+    assert all(layer.kv_cache is None for layer in layers)
+    assert all(ref() is None for ref in caches)  # nothing holds the freed caches
+    assert weight.untyped_storage().nbytes() > 0  # level 1 keeps the weights
+    with pytest.raises(RuntimeError, match=r"sleeping.*wake_up\(\)"):
+        _tokens(llm)
+    llm.wake_up()
+    assert not llm.is_sleeping()
+    assert _tokens(llm) == tiny_tokens
+
+
+def test_level2_discards_the_weights_until_they_are_loaded(llm, tiny_llama_dir, tiny_tokens):
+    weight = _worker(llm).get_model().model.norm.weight
+    llm.sleep(level=2)
+    assert weight.untyped_storage().nbytes() == 0
+    llm.wake_up(tags=["weights"])
+    with pytest.raises(RuntimeError, match="sleeping"):
+        _tokens(llm)
+    # a partial load leaves the engine unable to step, saying so
+    part = load_file(str(tiny_llama_dir / "model.safetensors"))
+    llm.collective_rpc("load_weights", kwargs={"weights": [("model.norm.weight",
+                                                            part["model.norm.weight"])]})
+    llm.wake_up(tags=["kv_cache"])
+    assert not llm.is_sleeping()
+    with pytest.raises(RuntimeError, match="weight.*discarded by sleep.*reload_weights"):
+        _tokens(llm)
+    llm.collective_rpc("reload_weights")
+    assert _tokens(llm) == tiny_tokens
+
+
+def test_load_weights_updates_in_place_to_another_checkpoint(llm, tiny_llama_dir,
+                                                            other_llama_dir, tiny_tokens):
+    model = _worker(llm).get_model()
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    packed_before = qkv.cpu_packed
+    assert _tokens(llm) == tiny_tokens  # the prompts' blocks are in the prefix cache now
+    new = load_file(str(other_llama_dir / "model.safetensors"))
+    loaded = llm.collective_rpc("load_weights", kwargs={"weights": list(new.items())})[0]
+    assert "model.layers.0.self_attn.qkv_proj.weight#q" in loaded
+    if packed_before is not None:  # oneDNN packs float32 weights here: packed again
+        assert qkv.cpu_packed is not packed_before
+    assert _tokens(llm) == hf_greedy(other_llama_dir, PROMPTS, NEW)
+    # back, by name and dict, as trainers send them
+    old = load_file(str(tiny_llama_dir / "model.safetensors"))
+    llm.collective_rpc("load_weights", args=(old,))
+    assert _tokens(llm) == tiny_tokens
+
+
+def _norm_sum(worker, scale):
+    return float(worker.get_model().model.norm.weight.sum()) * scale
+
+
+def test_collective_rpc_runs_callables_and_names_bad_calls(llm):
+    assert llm.collective_rpc(_norm_sum, args=(0.0,)) == [0.0]
+    assert llm.collective_rpc(lambda worker: worker.rank) == [0]  # in-process: any callable
+    with pytest.raises(ValueError, match="no method 'nope'"):
+        llm.collective_rpc("nope")
+    with pytest.raises(ValueError, match="model.layers.9.x.weight"):
+        llm.collective_rpc("load_weights", args=([("model.layers.9.x.weight",
+                                                   torch.zeros(2))],))
+    with pytest.raises(ValueError, match=r"\(name, tensor\) pairs"):
+        llm.collective_rpc("load_weights", args=([("model.norm.weight", [1.0])],))
+    with pytest.raises(ValueError, match="call the engine's sleep"):
+        llm.collective_rpc("sleep", args=(1,))
+    assert not llm.is_sleeping()
