@@ -15,6 +15,7 @@ from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.protocol import ChatMessage, PromptInput
 from kiln.entrypoints.openai.protocol_base import RequestBase
 from kiln.entrypoints.openai.request_defaults import RequestDefaults
+from kiln.entrypoints.openai.serving_completion import engine_prompts, without_special_tokens
 from kiln.entrypoints.openai.serving_engine import check_num_sequences
 
 
@@ -40,19 +41,6 @@ class ChatSettings:
     defaults: RequestDefaults = field(default_factory=RequestDefaults)
 
 
-def engine_prompts(value) -> list:
-    if isinstance(value, str):
-        return [value]
-    if not value:
-        raise OpenAIError("input is empty: give a string, a list of strings or token ids",
-                          param="input", code="invalid_value")
-    if isinstance(value[0], int):
-        return [{"prompt_token_ids": list(value)}]
-    if isinstance(value[0], list):
-        return [{"prompt_token_ids": list(p)} for p in value]
-    return list(value)
-
-
 async def request_prompts(llm: AsyncLLM, req: PooledInputFields,
                           chat: ChatSettings) -> tuple[list, str]:
     """(the engine prompts, the field they came from: "input" or "messages")."""
@@ -62,11 +50,10 @@ async def request_prompts(llm: AsyncLLM, req: PooledInputFields,
                           "input for texts or token ids, messages for a chat the template "
                           "renders", param="input", code="invalid_value")
     if req.messages is None:
-        prompts = engine_prompts(req.input)
+        prompts = engine_prompts(req.input, "input")
         # the --max-sequences-per-request cap before any text is tokenized (below)
         check_num_sequences(len(prompts), 1, llm.max_sequences_per_request, "input")
         if req.add_special_tokens is False and llm.tokenizer is not None:
-            from kiln.entrypoints.openai.serving_completion import without_special_tokens
             prompts = await without_special_tokens(llm, prompts)
         return prompts, "input"
     check_generation_flags(req)

@@ -47,13 +47,14 @@ from kiln.reasoning import with_reasoning_end
 from kiln.sampling_params import SamplingParams
 
 
-def engine_prompts(prompt) -> list:
-    """The OpenAI `prompt` field as a list of engine prompts (text or token-id dicts)."""
+def engine_prompts(prompt, param: str = "prompt") -> list:
+    """The OpenAI `prompt` field (a pooling request's `input`: `param`) as a list of engine
+    prompts (text or token-id dicts)."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
-        raise OpenAIError("prompt is empty: give a string, a list of strings or token ids",
-                          param="prompt", code="invalid_value")
+        raise OpenAIError(f"{param} is empty: give a string, a list of strings or token ids",
+                          param=param, code="invalid_value")
     # Validated (protocol.PromptInput): one kind of item throughout, so the first one says which.
     if isinstance(prompt[0], int):
         return [{"prompt_token_ids": list(prompt)}]
