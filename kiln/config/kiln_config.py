@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from kiln.config.cache_config import CacheConfig
 from kiln.config.compilation_config import CompilationConfig, CompilationMode
 from kiln.config.device_config import DeviceConfig
+from kiln.config.draft_model_config import resolve_draft_model_config
 from kiln.config.frozen import FreezableConfig
 from kiln.config.load_config import LoadConfig
 from kiln.config.model_config import ModelConfig
@@ -33,7 +34,7 @@ class KilnConfig(FreezableConfig):
     enforce_eager: bool = False
     # IR op -> providers in order of preference, over the platform's defaults (kiln/ir/)
     ir_op_priority: dict = field(default_factory=dict)
-    # --speculative-config (n-gram prompt lookup only; kiln/spec_decode/), None: off
+    # --speculative-config (n-gram prompt lookup or a draft model; kiln/spec_decode/), None: off
     speculative_config: SpeculativeConfig | None = None
     # LoRA serving (--enable-lora): a kiln.lora.config.LoRAConfig, None when off
     lora_config: object = None
@@ -85,6 +86,7 @@ class KilnConfig(FreezableConfig):
             self.load_config.load_format = self.model_config.load_format
         else:
             self.model_config.load_format = self.load_config.load_format
+        resolve_draft_model_config(self.speculative_config, self.model_config)
         self.compilation_config.resolve_mode(self.enforce_eager)
         compiles = self.compilation_config.mode == CompilationMode.KILN_COMPILE
         for size in self.compilation_config.compile_sizes:

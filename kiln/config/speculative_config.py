@@ -1,38 +1,70 @@
 """`SpeculativeConfig`: vLLM's --speculative-config / LLM(speculative_config=...), of which Kiln
-serves the model-free n-gram method (prompt lookup, kiln/spec_decode/). Fields, defaults and
-limits are vLLM's; any other method (a draft model, eagle, medusa, mtp) is refused by name."""
+serves the model-free n-gram method (prompt lookup) and a separate draft model ("draft_model",
+kiln/spec_decode/). Fields, defaults and limits are vLLM's; eagle, medusa, mtp are refused."""
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from kiln.errors import ConfigError
 
-METHODS = ("ngram",)  # what Kiln takes ("[ngram]" and model="ngram" are vLLM's older spellings)
+METHODS = ("ngram", "draft_model")  # "[ngram]" and model="ngram" are vLLM's older spellings
 _FLAG = "--speculative-config"
+# vLLM's fields for a draft model that Kiln takes at one value only: (field, value, why)
+_FIXED = (("draft_sample_method", "greedy", "the draft proposes its argmax, one-hot in the "
+           "rejection sampler (vLLM's default)"),
+          ("rejection_sample_method", "standard", "vLLM's standard rejection sampler"),
+          ("quantization", None, "a quantized draft checkpoint is read by its own "
+           "quantization_config"),
+          ("max_model_len", None, "the draft runs to the target's max_model_len"),
+          ("parallel_drafting", False, "the draft proposes its tokens one forward at a time"))
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "ngram"
+    method: str | None = None  # None: "draft_model" when `model` names one, else "ngram"
     num_speculative_tokens: int | None = None
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
-    model: str | None = None  # vLLM's older way to say method="ngram"
+    model: str | None = None  # the draft model ("ngram": vLLM's older way to say the method)
+    draft_tensor_parallel_size: int | None = None  # vLLM's; 1 (the target's tp is 1)
+    enforce_eager: bool | None = None  # vLLM's; the draft always runs eagerly here
+    revision: str | None = None  # the draft's hub revision
+    draft_sample_method: str = "greedy"
+    rejection_sample_method: str = "standard"
+    quantization: str | None = None
+    max_model_len: int | None = None
+    parallel_drafting: bool = False
+    # The draft's resolved ModelConfig, set by KilnConfig (resolve_draft_model_config)
+    draft_model_config: object = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self):
         method = "ngram" if self.method == "[ngram]" else self.method
+        if method is None:  # vLLM infers it from `model`
+            method = "ngram" if self.model in (None, "ngram", "[ngram]") else "draft_model"
         if method not in METHODS:
             raise ConfigError(f"{_FLAG}: speculative_config.method={method!r} is not supported; "
-                              "Kiln takes only method='ngram' (prompt lookup, no draft model)")
-        if self.model is not None and self.model not in ("ngram", "[ngram]"):
-            raise ConfigError(f"{_FLAG}: speculative_config.model={self.model!r} names a "
-                              "draft model, which Kiln does not run; only "
-                              "speculative_config.method='ngram' (prompt lookup) is taken")
+                              "Kiln takes method='ngram' (prompt lookup) or 'draft_model' (a "
+                              "small model with the target's vocabulary, in 'model')")
         object.__setattr__(self, "method", method)
         k = self.num_speculative_tokens
         if k is None:
             raise ConfigError(f"{_FLAG}: speculative_config.num_speculative_tokens is required "
-                              "with method='ngram' (e.g. 3)")
+                              f"with method={method!r} (e.g. 3)")
         _check_int("num_speculative_tokens", k)
+        if method == "draft_model":
+            self._check_draft_model()
+        else:
+            self._check_ngram()
+
+    def _check_ngram(self) -> None:
+        if self.model is not None and self.model not in ("ngram", "[ngram]"):
+            raise ConfigError(f"{_FLAG}: speculative_config.model={self.model!r} names a draft "
+                              "model, which method='ngram' does not run; drop 'model' or use "
+                              "method='draft_model'")
+        draft_only = [f.name for f in fields(self) if f.name in _DRAFT_ONLY
+                      and getattr(self, f.name) != f.default]
+        if draft_only:
+            raise ConfigError(f"{_FLAG}: speculative_config.{draft_only[0]} is not supported "
+                              "with method='ngram' (it sets up a draft model)")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
             if value is not None:
@@ -50,6 +82,24 @@ class SpeculativeConfig:
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
 
+    def _check_draft_model(self) -> None:
+        if not isinstance(self.model, str) or self.model in ("", "ngram", "[ngram]"):
+            raise ConfigError(f"{_FLAG}: method='draft_model' needs speculative_config.model, "
+                              "the draft model's path or hub id (e.g. a smaller model of the "
+                              "target's family)")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            if getattr(self, name) is not None:
+                raise ConfigError(f"{_FLAG}: speculative_config.{name} is n-gram's; drop it "
+                                  "with method='draft_model'")
+        tp = self.draft_tensor_parallel_size
+        if tp is not None and (isinstance(tp, bool) or tp != 1):
+            raise ConfigError(f"{_FLAG}: speculative_config.draft_tensor_parallel_size={tp!r}: "
+                              "Kiln runs the draft model on one rank (1, or leave it unset)")
+        for name, value, why in _FIXED:
+            if getattr(self, name) != value:
+                raise ConfigError(f"{_FLAG}: speculative_config.{name}={getattr(self, name)!r} "
+                                  f"is not supported; Kiln takes {value!r} ({why})")
+
     @classmethod
     def from_value(cls, value) -> "SpeculativeConfig | None":
         """None / {} -> None; a SpeculativeConfig, a dict or its JSON text -> the config."""
@@ -66,17 +116,32 @@ class SpeculativeConfig:
             raise ConfigError(f"{_FLAG}: expected a JSON object, got {value!r}")
         if not value:
             return None
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(value) - known)
+        if "tensor_parallel_size" in unknown:  # vLLM warns about this one by name too
+            raise ConfigError(f"{_FLAG}: speculative_config.tensor_parallel_size: the draft's "
+                              "is draft_tensor_parallel_size")
         if unknown:
-            raise ConfigError(f"{_FLAG}: speculative_config.{unknown[0]} is not supported with "
-                              f"method='ngram' (Kiln takes {', '.join(sorted(known))})")
+            raise ConfigError(f"{_FLAG}: speculative_config.{unknown[0]} is not supported "
+                              f"(Kiln takes {', '.join(sorted(known))})")
         return cls(**value)
 
     def to_dict(self) -> dict:
-        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
-                "prompt_lookup_max": self.prompt_lookup_max,
-                "prompt_lookup_min": self.prompt_lookup_min}
+        if self.method == "ngram":
+            return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+                    "prompt_lookup_max": self.prompt_lookup_max,
+                    "prompt_lookup_min": self.prompt_lookup_min}
+        out = {"method": self.method, "model": self.model,
+               "num_speculative_tokens": self.num_speculative_tokens}
+        for name in ("draft_tensor_parallel_size", "enforce_eager", "revision"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+
+# fields that only a draft model reads: refused with n-gram when changed
+_DRAFT_ONLY = ("draft_tensor_parallel_size", "enforce_eager", "revision", "quantization",
+               "max_model_len")
 
 
 def _check_int(name: str, value) -> None:
@@ -87,7 +152,15 @@ def _check_int(name: str, value) -> None:
 
 def check_speculative(config: SpeculativeConfig | None, parallel) -> None:
     """Refuse what speculative decoding does not run with: pipeline parallelism (the stages
-    before the last learn one token per request a step)."""
-    if config is not None and parallel.pipeline_parallel_size > 1:
+    before the last learn one token per request a step), and a draft model under tensor
+    parallelism."""
+    if config is None:
+        return
+    if parallel.pipeline_parallel_size > 1:
         raise ConfigError(f"{_FLAG} is not supported with --pipeline-parallel-size "
-                          f"{parallel.pipeline_parallel_size}: drop one of them (-tp works)")
+                          f"{parallel.pipeline_parallel_size}: drop one of them (-tp works "
+                          "with method='ngram')")
+    if config.method == "draft_model" and parallel.tensor_parallel_size > 1:
+        raise ConfigError(f"{_FLAG}: method='draft_model' is not supported with "
+                          f"--tensor-parallel-size {parallel.tensor_parallel_size}; drop one "
+                          "of them (method='ngram' works with -tp)")

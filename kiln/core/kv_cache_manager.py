@@ -66,12 +66,14 @@ class KVCacheManager:
         return self.enable_caching and request.sampling_params.prompt_logprobs is None
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock] | None = None) -> list[int] | None:
+                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       num_lookahead_tokens: int = 0) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones.
 
         `new_computed_blocks` are prefix-cache hits (from `get_computed_blocks`) for a request being
-        admitted; they sit before the new tokens. Returns the ids of freshly allocated blocks (the
-        hits are not included), or None, changing nothing, when too few blocks are free.
+        admitted; they sit before the new tokens. `num_lookahead_tokens` more slots are held past
+        them (a draft model's proposals), never hashed. Returns the ids of freshly allocated blocks
+        (the hits are not included), or None, changing nothing, when too few blocks are free.
         """
         new_computed_blocks = new_computed_blocks or []
         req_id = request.request_id
@@ -79,7 +81,8 @@ class KVCacheManager:
         held = self.req_to_blocks.get(req_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_total = num_computed + num_new_tokens
-        num_new_blocks = max(0, self.num_blocks_for(num_total) - len(held) - len(new_computed_blocks))
+        num_new_blocks = max(0, self.num_blocks_for(num_total + num_lookahead_tokens) - len(held)
+                             - len(new_computed_blocks))
         # Hits that nobody holds are on the free list too: reviving them uses up free blocks.
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks + num_revived > self.block_pool.num_free_blocks:

@@ -70,6 +70,9 @@ class ModelRunnerOutput:
     # Pooling runner (kiln/pooling/): req_id -> its pooled hidden state (float32, not yet
     # normalized), for the requests whose prefill ended this step.
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    # A draft model's proposals after each request's last token, for the next step (vLLM's
+    # spec_token_ids; kiln/spec_decode/draft_model_proposer.py).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

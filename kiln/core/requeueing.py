@@ -27,14 +27,16 @@ class Requeueing:
                        "(reset_running_requests=True requeues them)")
         return False
 
-    def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
+    def _allocate_or_preempt(self, request: Request, num_new: int,
+                             num_lookahead: int = 0) -> list[int] | None:
         """Allocate for a running request, preempting lower-priority ones until it fits.
 
         Returns the new block ids, or None when `request` itself was preempted or ended.
         """
         kv = self.kv_cache_manager
         while True:
-            new_block_ids = kv.allocate_slots(request, num_new)
+            new_block_ids = kv.allocate_slots(request, num_new,
+                                              num_lookahead_tokens=num_lookahead)
             if new_block_ids is not None:
                 return new_block_ids
             # Running is in the policy's order: the victim was not scheduled yet (or is `request`).
@@ -78,6 +80,7 @@ class Requeueing:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []  # proposed after tokens it will compute again
         self.waiting.prepend(request)
         self.preempted_req_ids.add(request.request_id)
         self.finished_req_ids.add(request.request_id)

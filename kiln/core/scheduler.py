@@ -126,7 +126,8 @@ class Scheduler(Requeueing):
             drafts = (self.spec_decode.drafts(request, budget, self.max_model_len)
                       if self.spec_decode is not None else [])
             num_new = min(request.num_tokens - request.num_computed_tokens + len(drafts), budget)
-            new_block_ids = self._allocate_or_preempt(request, num_new)
+            new_block_ids = self._allocate_or_preempt(
+                request, num_new, self._lookahead(request.num_computed_tokens, num_new))
             if new_block_ids is None:
                 break  # `request` was the last running one and had to go
             if drafts:
@@ -164,7 +165,8 @@ class Scheduler(Requeueing):
                 continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
-            if kv.allocate_slots(request, num_new, hit_blocks) is None:
+            if kv.allocate_slots(request, num_new, hit_blocks,
+                                 self._lookahead(num_hit, num_new)) is None:
                 break  # nobody overtakes the head, which preempts no one (vLLM V1): it waits
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
@@ -226,6 +228,8 @@ class Scheduler(Requeueing):
             if drafts and row.get(req_id) is not None:
                 self.spec_decode.settle(request, drafts,
                                         model_runner_output.sampled_token_ids[row[req_id]])
+            if self.spec_decode is not None:  # a draft model's proposals for the next step
+                request.spec_token_ids = model_runner_output.spec_token_ids.get(req_id, [])
             output = step_output(request, model_runner_output, row.get(req_id),
                                  self.max_model_len)
             if output is None:
@@ -253,6 +257,15 @@ class Scheduler(Requeueing):
     # ---- helpers ------------------------------------------------------------------------------
     def _key(self, request: Request) -> tuple:
         return self._order[request.request_id]
+
+    def _lookahead(self, num_computed: int, num_new: int) -> int:
+        """Slots a draft model writes past the step's tokens (0 without one), within the
+        context and the whole cache."""
+        if self.spec_decode is None:
+            return 0
+        kv = self.kv_cache_manager
+        return self.spec_decode.lookahead(num_computed, num_new,
+                                          min(self.max_model_len, kv.num_blocks * kv.block_size))
 
     def _cannot_ever_fit(self, request: Request) -> bool:
         kv = self.kv_cache_manager

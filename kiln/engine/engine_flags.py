@@ -196,8 +196,10 @@ def add_engine_flags(parser: argparse.ArgumentParser,
     g.add_argument("--speculative-config", default=d.speculative_config, metavar="JSON",
                    help="speculative decoding, as vLLM's: '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, "
-                        "\"prompt_lookup_min\": 2}' (prompt lookup, no draft model; other "
-                        "methods are refused)")
+                        "\"prompt_lookup_min\": 2}' (prompt lookup) or '{\"method\": "
+                        "\"draft_model\", \"model\": \"path/to/small-model\", "
+                        "\"num_speculative_tokens\": 3}' (a draft model with the target's "
+                        "vocabulary); other methods are refused")
     g.add_argument("--ir-op-priority", dest="ir_op_priority", action=_IrOpPriority,
                    default=d.ir_op_priority, metavar="OP=PROVIDER[,PROVIDER...]",
                    help="providers of an IR op in order of preference, e.g. "

@@ -1,4 +1,5 @@
-"""vLLM's rejection sampler for a deterministic (one-hot) draft, as n-gram drafts are.
+"""vLLM's rejection sampler for a deterministic (one-hot) draft, as n-gram and greedy draft-model
+drafts are.
 
 A request with k drafts has k + 1 rows of logits: row j predicts the token after draft j - 1.
 Every row goes through the request's own logit edits (Sampler.process, with the tokens before

@@ -1,5 +1,6 @@
-"""The scheduler's side of n-gram speculative decoding: which drafts a decoding request runs
-this step, and, once the runner verified them, how far the request really advanced.
+"""The scheduler's side of speculative decoding: which drafts a decoding request runs this step
+(n-gram: proposed here; a draft model: proposed by the runner last step, kept on the request),
+and, once the runner verified them, how far the request really advanced.
 
 A drafted request is scheduled 1 + k tokens (KV slots for them all); its num_computed_tokens
 then moves back by the rejected drafts, whose slots the next steps overwrite. The prefix cache
@@ -43,7 +44,17 @@ class SpecDecodeScheduling:
             k = min(k, max_tokens - request.num_output_tokens - 1)
         if k <= 0:
             return []
+        if c.method == "draft_model":
+            return list(request.spec_token_ids[:k])
         return propose_ngram(token_array(request), c.prompt_lookup_min, c.prompt_lookup_max, k)
+
+    def lookahead(self, num_computed: int, num_new: int, max_model_len: int) -> int:
+        """KV slots past the step's tokens a draft model writes (its proposals, and the token
+        sampled after a full run of accepted drafts): up to k, within max_model_len."""
+        if self.config.method != "draft_model":
+            return 0
+        return max(0, min(self.config.num_speculative_tokens,
+                          max_model_len - num_computed - num_new))
 
     def settle(self, request: Request, drafts: list[int], sampled: list[int]) -> None:
         """After the runner verified `drafts`: it sampled the accepted ones and one more. The

@@ -57,8 +57,16 @@ class ModelRunner(StepInputPreparation):
         self._parked_generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(kiln_config.model_config.seed)
-        self.buffers = StepBuffers(self.max_num_tokens, self.max_num_reqs,
-                                   self.max_blocks_per_req, device)
+        # A draft model (kiln/spec_decode/draft_model_proposer.py), None without one.
+        self.drafter = None
+        spec = kiln_config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            from kiln.spec_decode.draft_model_proposer import DraftModelProposer
+            self.drafter = DraftModelProposer(kiln_config, device)
+        # The draft's catch-up runs a step's tokens and each request's sampled one: a row more
+        self.buffers = StepBuffers(self.max_num_tokens + (self.max_num_reqs if self.drafter
+                                                          else 0),
+                                   self.max_num_reqs, self.max_blocks_per_req, device)
         # Before the model compiles: the piecewise backend reads the resolved mode.
         self.cudagraph_dispatcher = setup_cudagraphs(kiln_config)
         # This engine's compile stack state (warm-up phase, the resolved graph mode).
@@ -91,6 +99,8 @@ class ModelRunner(StepInputPreparation):
         # The layers' attention backend (one for all), whose per-step work runs before them.
         layers = self.attention_layers
         self.attn_backend = next(iter(layers.values())).backend if layers else AttentionBackend
+        if self.drafter is not None:
+            self.drafter.load()
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    attn_metadata: AttentionMetadata | None, num_tokens: int) -> torch.Tensor:
@@ -213,11 +223,15 @@ class ModelRunner(StepInputPreparation):
                   if g is not None]
         drawn_from = [g.get_state() for g in seeded]
         try:
-            return self._sample(so, inputs, hidden)
+            output = self._sample(so, inputs, hidden)
         except BaseException:
             for generator, state in zip(seeded, drawn_from):
                 generator.set_state(state)
             raise
+        if self.drafter is not None:
+            output.spec_token_ids = self.drafter.propose(self, so, inputs.req_ids,
+                                                         inputs.sample_req_ids)
+        return output
 
     def _sample(self, so: SchedulerOutput, inputs: StepInputs,
                 hidden: torch.Tensor) -> ModelRunnerOutput:

@@ -31,6 +31,28 @@ class StepInputs:
     prompt_logprob_rows: dict[str, tuple[range, np.ndarray]] | None = None
 
 
+def fill_buffers(buf, batch, rows: np.ndarray, num_computed: np.ndarray, num_sched: np.ndarray,
+                 block_size: int, input_ids: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Lay requests (row rows[i] runs num_sched[i] tokens from position num_computed[i]) into
+    the step buffers: ids (the batch's token rows unless `input_ids` [T] is given), positions,
+    slots, block table, query starts and sequence lengths. Returns (query starts, seq lens)."""
+    num_reqs, num_tokens = rows.size, int(num_sched.sum())
+    qsl = input_prep.query_start_loc(num_sched)
+    req_idx = input_prep.token_request_indices(num_sched)
+    pos = input_prep.positions(num_computed, num_sched)
+    buf.block_table_np[:num_reqs] = batch.block_table[rows]
+    buf.input_ids_np[:num_tokens] = batch.token_ids[rows[req_idx], pos] if input_ids is None \
+        else input_ids
+    buf.positions_np[:num_tokens] = pos
+    buf.slot_mapping_np[:num_tokens] = input_prep.slot_mapping(buf.block_table_np, req_idx, pos,
+                                                               block_size)
+    buf.query_start_loc_np[:num_reqs + 1] = qsl
+    seq_lens = num_computed + num_sched
+    buf.seq_lens_np[:num_reqs] = seq_lens
+    return qsl, seq_lens
+
+
 class StepInputPreparation:
     """The model runner's input preparation (ModelRunner's base): reads the runner's requests,
     input_batch, buffers, block_size, max_num_tokens and cudagraph_dispatcher."""
@@ -69,21 +91,11 @@ class StepInputPreparation:
             raise RuntimeError(f"step of {num_input} tokens exceeds the input buffers "
                                f"(max_num_batched_tokens={self.max_num_tokens})")
 
-        qsl = input_prep.query_start_loc(num_sched)
-        req_idx = input_prep.token_request_indices(num_sched)
-        pos = input_prep.positions(num_computed, num_sched)
-        buf.block_table_np[:num_reqs] = batch.block_table[rows]
-        buf.input_ids_np[:num_tokens] = batch.token_ids[rows[req_idx], pos]
-        buf.positions_np[:num_tokens] = pos
-        buf.slot_mapping_np[:num_tokens] = input_prep.slot_mapping(
-            buf.block_table_np, req_idx, pos, self.block_size)
+        qsl, seq_lens = fill_buffers(buf, batch, rows, num_computed, num_sched, self.block_size)
         # Padding tokens: valid ids and positions, but they write no cache slot.
         buf.input_ids_np[num_tokens:num_input] = 0
         buf.positions_np[num_tokens:num_input] = 0
         buf.slot_mapping_np[num_tokens:num_input] = -1
-        buf.query_start_loc_np[:num_reqs + 1] = qsl
-        seq_lens = num_computed + num_sched
-        buf.seq_lens_np[:num_reqs] = seq_lens
         if md_reqs > num_reqs:
             buf.query_start_loc_np[num_reqs + 1:md_reqs + 1] = \
                 num_tokens + np.arange(1, md_reqs - num_reqs + 1)

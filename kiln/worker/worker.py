@@ -58,15 +58,18 @@ class Worker(WorkerSleepMode):
         freeze_gc_heap()
 
     # ---- KV cache --------------------------------------------------------------------------
-    def _attention_layers(self) -> dict:
+    def _attention_layers(self) -> list:
+        """Every Attention layer that gets a KV cache: the model's, and a draft model's
+        (speculative decoding; the same block tables, so the same block count)."""
         layers = self.model_runner.attention_layers
         if not layers:
             raise RuntimeError("the model has no Attention layers; was it loaded "
                                "(Worker.load_model)?")
-        return layers
+        drafter = self.model_runner.drafter
+        return [*layers.values(), *(drafter.attention_layers.values() if drafter else ())]
 
     def kv_cache_block_bytes(self) -> int:
-        layers = self._attention_layers().values()
+        layers = self._attention_layers()
         return kv_cache_sizing.bytes_per_block(
             self.kiln_config.cache_config.block_size,
             [(layer.num_kv_heads, layer.head_size) for layer in layers],
@@ -110,7 +113,7 @@ class Worker(WorkerSleepMode):
         """Allocate one KV cache tensor per Attention layer and hand it to the layer."""
         cache = self.kiln_config.cache_config
         dtype = self.kiln_config.model_config.torch_dtype
-        for layer in self._attention_layers().values():
+        for layer in self._attention_layers():
             shape = layer.backend.get_kv_cache_shape(num_blocks, cache.block_size,
                                                      layer.num_kv_heads, layer.head_size)
             layer.kv_cache = (zeros_on_first_touch(shape, dtype) if self.device.type == "cpu"

@@ -86,7 +86,8 @@ def test_config_defaults_and_limits_are_vllms():
            ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method='eagle'"),
            ({"method": "medusa", "num_speculative_tokens": 2}, "speculative_config.method"),
            ({"method": "mtp", "num_speculative_tokens": 1}, "speculative_config.method"),
-           ({"model": "org/draft", "num_speculative_tokens": 2}, "speculative_config.model"),
+           ({"method": "ngram", "model": "org/draft", "num_speculative_tokens": 2},
+            "speculative_config.model"),
            ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
             "speculative_config.draft_tensor_parallel_size"),
            ("{not json", "not a JSON object")]

@@ -1,0 +1,37 @@
+"""The draft model's ModelConfig under --speculative-config method='draft_model', built from the
+target's (dtype, max_model_len, seed, load format), and the checks that it can draft for it."""
+from kiln.config.model_config import ModelConfig
+from kiln.errors import ConfigError
+
+_FLAG = "--speculative-config"
+
+
+def resolve_draft_model_config(spec, target: ModelConfig) -> None:
+    """Set spec.draft_model_config (once: a config re-resolved keeps it)."""
+    if spec is None or spec.method != "draft_model" or spec.draft_model_config is not None:
+        return
+    if target.runner_type != "generate":
+        raise ConfigError(f"{_FLAG} drafts generated tokens; drop it with --runner "
+                          f"{target.runner_type}")
+    try:
+        draft = ModelConfig(model=spec.model, dtype=target.torch_dtype,
+                            max_model_len=target.max_model_len, seed=target.seed,
+                            load_format="dummy" if target.load_format == "dummy" else "auto",
+                            revision=spec.revision, download_dir=target.download_dir,
+                            skip_tokenizer_init=True, generation_config="vllm",
+                            max_logprobs=target.max_logprobs)
+    except (ConfigError, FileNotFoundError, OSError) as e:
+        raise ConfigError(f"{_FLAG}: draft model speculative_config.model={spec.model!r}: "
+                          f"{e}") from None
+    check_draft_fits(draft, target)
+    draft.freeze()
+    object.__setattr__(spec, "draft_model_config", draft)
+
+
+def check_draft_fits(draft: ModelConfig, target: ModelConfig) -> None:
+    """The draft proposes token ids the target verifies: one vocabulary for both."""
+    if draft.vocab_size != target.vocab_size:
+        raise ConfigError(f"{_FLAG}: the draft model {draft.model!r} has vocab_size="
+                          f"{draft.vocab_size} and the target {target.model!r} "
+                          f"{target.vocab_size}; a draft model must share the target's "
+                          "tokenizer and vocabulary (pick one of the target's family)")

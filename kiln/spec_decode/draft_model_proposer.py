@@ -1,0 +1,121 @@
+"""vLLM's method='draft_model': a smaller model with the target's vocabulary runs eagerly in the
+worker beside it, on its own KV tensors over the target's block tables (the worker sizes both
+from one budget). After each target step it catches up on what the target computed and the
+token just sampled, then proposes up to k tokens greedily (one forward over the batch each),
+which the scheduler runs as drafts next step; the rejection sampler takes them as one-hot, as
+vLLM's does under its default draft_sample_method='greedy'."""
+import numpy as np
+import torch
+
+from kiln.compilation.compile_state import CompileState, set_compile_state
+from kiln.config.compilation_config import CompilationConfig, CompilationMode
+from kiln.config.load_config import LoadConfig
+from kiln.core.outputs import SchedulerOutput
+from kiln.cudagraphs.mode import CUDAGraphMode
+from kiln.forward_context import set_forward_context
+from kiln.sample.row_reductions import row_argmax
+from kiln.worker.step_inputs import fill_buffers
+
+
+def draft_kiln_config(kiln_config):
+    """The target's engine config with the draft model in it, eager (mode 0, no graphs)."""
+    from kiln.config.kiln_config import KilnConfig
+
+    draft = kiln_config.speculative_config.draft_model_config
+    return KilnConfig(
+        model_config=draft, cache_config=kiln_config.cache_config,
+        scheduler_config=kiln_config.scheduler_config,
+        parallel_config=kiln_config.parallel_config,
+        load_config=LoadConfig(load_format=draft.load_format),
+        device_config=kiln_config.device_config,
+        compilation_config=CompilationConfig(mode=CompilationMode.NONE), enforce_eager=True,
+        ir_op_priority=dict(kiln_config.ir_op_priority))
+
+
+class DraftModelProposer:
+    def __init__(self, kiln_config, device: torch.device):
+        self.k = kiln_config.speculative_config.num_speculative_tokens
+        self.max_model_len = kiln_config.model_config.max_model_len
+        self.kiln_config = draft_kiln_config(kiln_config)
+        self.device = device
+        self.model: torch.nn.Module | None = None
+        self.attention_layers: dict = {}  # layer name -> the draft's Attention modules
+
+    def load(self) -> None:
+        from kiln.model.layers.attention import attention_layers
+        from kiln.model.loader import get_model
+
+        with set_compile_state(CompileState()):
+            self.model = get_model(self.kiln_config)
+        self.attention_layers = attention_layers(self.model)
+        self.attn_backend = next(iter(self.attention_layers.values())).backend
+
+    def _forward(self, runner, rows: np.ndarray, start: np.ndarray, count: np.ndarray,
+                 last: np.ndarray, input_ids: np.ndarray | None = None) -> list[int]:
+        """One draft forward: request i runs count[i] tokens from position start[i] (writing
+        their K/V); returns the argmax after the last token of the requests `last` indexes."""
+        buf, n = runner.buffers, rows.size
+        qsl, seq_lens = fill_buffers(buf, runner.input_batch, rows, start, count,
+                                     runner.block_size, input_ids)
+        num_tokens = int(qsl[-1])
+        md = buf.attention_metadata(num_tokens, n, int(count.max()), int(seq_lens.max()),
+                                    num_tokens, bool((count == 1).all()))
+        with set_forward_context(md, self.kiln_config, layers=self.attention_layers,
+                                 cudagraph_runtime_mode=CUDAGraphMode.NONE):
+            self.attn_backend.begin_step(md, runner.block_size)
+            hidden = self.model(buf.staged("input_ids", num_tokens),
+                                buf.staged("positions", num_tokens))  # [T, H]
+        if last.size == 0:
+            return []
+        index = torch.from_numpy(qsl[1:][last] - 1).to(hidden.device)
+        return row_argmax(self.model.compute_logits(hidden[index])).tolist()
+
+    @torch.inference_mode()
+    def propose(self, runner, so: SchedulerOutput, req_ids: list[str],
+                sample_req_ids: list[str]) -> dict[str, list[int]]:
+        """After the target's step: the draft's K/V for every position the target computed
+        and the token it sampled, then each sampling request's proposals."""
+        batch, block_size = runner.input_batch, runner.block_size
+        states = [runner.requests[r] for r in req_ids]
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        start = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64,
+                            count=len(states))
+        spec = so.scheduled_spec_decode_tokens
+        ran = np.fromiter((so.num_scheduled_tokens[r] - len(spec.get(r, ())) for r in req_ids),
+                          dtype=np.int64, count=len(states))
+        known = batch.num_tokens[rows]  # the sampled tokens appended
+        sampling = set(sample_req_ids)
+        sampled = np.fromiter((r in sampling for r in req_ids), dtype=bool, count=len(states))
+        held = batch.num_blocks[rows] * block_size  # slots the scheduler gave (lookahead too)
+        # the accepted tokens and the one sampled after them (a token sampled at
+        # max_model_len is never run); a partial prefill chunk: the chunk
+        end = np.minimum(np.where(sampled, known, start + ran),
+                         np.minimum(held, self.max_model_len))
+        # drafts at positions known.. (their K/V up to known + k - 2), all within the context
+        room = np.minimum(self.max_model_len - known, held + 1 - known)
+        ks = np.where(sampled & (end == known), np.minimum(self.k, room), 0)
+        for i, s in enumerate(states):
+            params = s.sampling_params
+            if ks[i] > 0 and params.max_tokens is not None:  # more would be cut off
+                ks[i] = min(ks[i], params.max_tokens - len(s.output_token_ids) - 1)
+            if params.structured_outputs is not None:  # decoded token by token
+                ks[i] = 0
+        runs = np.flatnonzero(end > start)
+        if runs.size == 0:
+            return {}
+        proposing = np.flatnonzero(ks[runs] > 0)  # into `runs`
+        first = self._forward(runner, rows[runs], start[runs], (end - start)[runs], proposing)
+        drafts = {int(runs[i]): [t] for i, t in zip(proposing, first)}
+        for j in range(1, self.k):
+            active = np.asarray([i for i in drafts if ks[i] > j], dtype=np.int64)
+            if active.size == 0:
+                break
+            tokens = np.asarray([drafts[i][-1] for i in active], dtype=np.int64)
+            nxt = self._forward(runner, rows[active], known[active] - 1 + j,
+                                np.ones(active.size, dtype=np.int64),
+                                np.arange(active.size), tokens)
+            for i, t in zip(active, nxt):
+                drafts[int(i)].append(t)
+        if self.device.type != "cpu":  # nothing may still read the host buffers next step
+            torch.cuda.current_stream(self.device).synchronize()
+        return {req_ids[i]: d for i, d in drafts.items()}

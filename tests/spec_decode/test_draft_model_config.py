@@ -1,0 +1,73 @@
+"""--speculative-config method='draft_model' as vLLM takes it: the method inferred from
+'model', the draft's ModelConfig built beside the target's, and what Kiln refuses by name (a
+draft of another vocabulary, tensor / pipeline parallelism, vLLM's other draft options)."""
+import pytest
+
+from kiln.config.speculative_config import SpeculativeConfig
+from kiln.engine.arg_utils import EngineArgs
+from kiln.errors import ConfigError
+
+
+def test_method_is_inferred_from_model_as_vllm_does():
+    assert SpeculativeConfig.from_value({"model": "org/small", "num_speculative_tokens": 2}
+                                        ).method == "draft_model"
+    assert SpeculativeConfig.from_value({"model": "ngram", "num_speculative_tokens": 2}
+                                        ).method == "ngram"
+    assert SpeculativeConfig.from_value({"num_speculative_tokens": 2}).method == "ngram"
+    spec = SpeculativeConfig.from_value(
+        '{"method": "draft_model", "model": "m", "num_speculative_tokens": 4, '
+        '"draft_tensor_parallel_size": 1, "enforce_eager": true}')
+    assert spec.to_dict() == {"method": "draft_model", "model": "m", "num_speculative_tokens": 4,
+                              "draft_tensor_parallel_size": 1, "enforce_eager": True}
+    assert SpeculativeConfig.from_value(spec.to_dict()) == spec
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs speculative_config.model"),
+    ({"method": "draft_model", "model": "m"}, "num_speculative_tokens is required"),
+    ({"model": "m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+     "draft_tensor_parallel_size=2"),
+    ({"model": "m", "num_speculative_tokens": 2, "tensor_parallel_size": 1},
+     "draft_tensor_parallel_size"),
+    ({"model": "m", "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"},
+     "draft_sample_method='probabilistic'"),
+    ({"model": "m", "num_speculative_tokens": 2, "rejection_sample_method": "block"},
+     "rejection_sample_method"),
+    ({"model": "m", "num_speculative_tokens": 2, "max_model_len": 64}, "max_model_len=64"),
+    ({"model": "m", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "n-gram's"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "enforce_eager": True},
+     "speculative_config.enforce_eager"),
+])
+def test_refusals_name_the_field(value, message):
+    with pytest.raises(ConfigError, match="--speculative-config") as e:
+        SpeculativeConfig.from_value(value)
+    assert message in str(e.value), str(e.value)
+
+
+def test_draft_model_config_follows_the_target(tiny_llama_dir, tmp_path):
+    from checkpoints import make_tiny_checkpoint
+
+    config = EngineArgs(model=str(tiny_llama_dir), dtype="float32", max_model_len=128,
+                        speculative_config={"model": str(tiny_llama_dir),
+                                            "num_speculative_tokens": 2}).create_kiln_config()
+    draft = config.speculative_config.draft_model_config
+    assert (draft.max_model_len, str(draft.torch_dtype), draft.vocab_size) == \
+        (128, "torch.float32", config.model_config.vocab_size)
+
+    def engine(draft, **kwargs):
+        return EngineArgs(model=str(tiny_llama_dir), max_model_len=128, speculative_config={
+            "model": str(draft), "num_speculative_tokens": 2}, **kwargs)
+
+    other_vocab = make_tiny_checkpoint(tmp_path / "v", "llama", tie=False, vocab_size=256)
+    with pytest.raises(ConfigError, match="vocab_size=256 .* must share the target's"):
+        engine(other_vocab).create_kiln_config()
+    with pytest.raises(ConfigError, match="speculative_config.model=.*missing"):
+        engine(tmp_path / "missing").create_kiln_config()
+    short = make_tiny_checkpoint(tmp_path / "s", "llama", tie=False, max_position_embeddings=64)
+    with pytest.raises(ConfigError, match="draft model .*max_position_embeddings=64"):
+        engine(short).create_kiln_config()
+    with pytest.raises(ConfigError, match="'draft_model' is not supported with "
+                                          "--tensor-parallel-size 2"):
+        engine(tiny_llama_dir, tensor_parallel_size=2).create_kiln_config()
+    with pytest.raises(ConfigError, match="--pipeline-parallel-size 2"):
+        engine(tiny_llama_dir, pipeline_parallel_size=2).create_kiln_config()
