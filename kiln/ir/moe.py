@@ -3,6 +3,7 @@ token's top-k experts (SiLU-gated MLPs, stacked weights) run and summed by their
 
 The reference runs only the experts some token was routed to, on those tokens: its shapes depend
 on the routing, so a compiled graph keeps the op as one opaque node (as all_reduce), never inlined.
+While a CUDA graph is recorded the op runs every expert on every token instead (_fused_moe_dense).
 """
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,38 @@ def _fused_moe_ref(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tens
     return out.to(x.dtype)
 
 
+def _fused_moe_dense(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
+                     w2: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+    """The reference's result with work that does not depend on the routing: every expert on
+    every token, the tokens that did not choose it masked out of its sum. A CUDA graph replays
+    what it recorded for any later routing, and the reference's host read of the expert counts
+    cannot be recorded at all (E / top_k times the expert FLOPs, for graph-sized batches)."""
+    weights, ids = route(router_logits, top_k, renormalize)
+    num_experts = w13.shape[0]
+    routed = torch.zeros(x.shape[0], num_experts, dtype=torch.float32, device=x.device)
+    routed.scatter_(1, ids, weights)  # [T, E]: each token's weight per expert, 0 if not chosen
+    chosen = torch.zeros_like(routed, dtype=torch.bool).scatter_(1, ids, True)  # [T, E]
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    for expert in range(num_experts):
+        y = F.linear(_silu_and_mul_ref(F.linear(x, w13[expert])), w2[expert])  # [T, H]
+        # where, not a product by 0: an expert's inf / NaN on a token that did not choose it
+        # stays out of that token's sum, as in the reference
+        out += torch.where(chosen[:, expert:expert + 1], y.float() * routed[:, expert:expert + 1],
+                           0.0)
+    return out.to(x.dtype)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _fused_moe_torch(x, router_logits, w13, w2, top_k, renormalize):
+    """The torch provider: the reference, or its routing-independent form while a CUDA graph
+    (piecewise or FULL, mode 3's default on CUDA) is recorded."""
+    run = _fused_moe_dense if _capturing() else _fused_moe_ref
+    return run(x, router_logits, w13, w2, top_k, renormalize)
+
+
 def _fused_moe_fake(x, router_logits, w13, w2, top_k, renormalize):
     return x.new_empty((x.shape[0], w2.shape[1]))
 
@@ -65,5 +98,5 @@ fused_moe = define(
     "fused_moe", "(Tensor x, Tensor router_logits, Tensor w13, Tensor w2, int top_k, "
     "bool renormalize) -> Tensor", _fused_moe_ref, _fused_moe_fake, _examples)
 # In a graph the node stays (its shapes inside depend on the routing); its kernel runs the
-# reference.
-fused_moe.register(Implementation("torch", _fused_moe_ref, graph_op=fused_moe.packet))
+# reference (the dense form while a CUDA graph records it).
+fused_moe.register(Implementation("torch", _fused_moe_torch, graph_op=fused_moe.packet))

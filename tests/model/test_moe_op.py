@@ -152,3 +152,43 @@ def test_fused_moe_is_listed_for_moe_families_only():
     for arch in MOE_ARCHITECTURES:
         assert "fused_moe" not in ir_ops_not_called(arch)
     assert "fused_moe" in ir_ops_not_called("LlamaForCausalLM")
+
+
+def _recorded_work(x, logits, w13, w2):
+    """The torch provider's aten calls and their argument shapes: what a CUDA graph records."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+            calls.append((str(func), shapes))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        out = ir.fused_moe.impls["torch"].fn(x, logits, w13, w2, K, True)
+    return calls, out
+
+
+def test_a_recorded_cuda_graph_holds_for_any_routing(monkeypatch):
+    """While a CUDA graph is recorded (mode 3's default on CUDA), the op reads nothing on the
+    host and does the same work whatever the routing (the graph replays it for every later
+    batch), with the reference's result; no-one-routed experts' NaNs stay out."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    hf = _hf_block(True, torch.float32)
+    w13, w2 = hf.experts.gate_up_proj.data.clone(), hf.experts.down_proj.data.clone()
+    w13[5], w2[5] = float("nan"), float("nan")
+    x = torch.randn(7, H)
+    recorded = []
+    for seed in (0, 1):
+        logits = torch.randn(7, E, generator=torch.Generator().manual_seed(seed))
+        logits[:, 5] = -1e4
+        if seed:  # another routing: every token on experts 0 and 1
+            logits[:, :2] += 100
+        calls, out = _recorded_work(x, logits, w13, w2)
+        assert not [c for c, _ in calls if "_local_scalar_dense" in c or "item" in c]
+        _close(out, ir.fused_moe.reference(x, logits, w13, w2, K, True), torch.float32)
+        recorded.append(calls)
+    assert recorded[0] == recorded[1]
