@@ -233,7 +233,8 @@ class ModelConfig(FreezableConfig):
         return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
-                "gemma": "GemmaForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                "gemma3_text": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM"}.get(model_type, model_type)
 

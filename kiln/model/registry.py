@@ -9,6 +9,7 @@ from kiln.errors import ConfigError
 _MODELS = {
     "GemmaForCausalLM": ("kiln.model.gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("kiln.model.gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("kiln.model.gemma3", "Gemma3ForCausalLM"),
     "GraniteForCausalLM": ("kiln.model.granite", "GraniteForCausalLM"),
     "LlamaForCausalLM": ("kiln.model.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("kiln.model.llama", "LlamaForCausalLM"),
@@ -32,6 +33,7 @@ _F32_NORMS = ("rms_norm_f32_scale", "fused_add_rms_norm_f32_scale")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _FAMILY_OPS = {"GemmaForCausalLM": (*_F32_NORMS, "gelu_tanh_and_mul"),
                "Gemma2ForCausalLM": (*_F32_NORMS, "gelu_tanh_and_mul"),
+               "Gemma3ForCausalLM": (*_F32_NORMS, "gelu_tanh_and_mul"),
                "Olmo2ForCausalLM": _F32_NORMS,
                **{arch: ("fused_moe",) for arch in MOE_ARCHITECTURES}}
 
