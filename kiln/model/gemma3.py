@@ -19,6 +19,11 @@ class Gemma3Attention(Gemma2Attention, Qwen3Attention):
     """Gemma-2's scale and (absent) soft cap; Qwen3's per-head q/k norms with Gemma's norm."""
     qk_norm_cls = GemmaRMSNorm
 
+    def logits_soft_cap(self, hf_config) -> float | None:
+        # HF's Gemma-3 attention never applies attn_logit_softcapping (the config keeps the
+        # field; vLLM's passes no cap, llama.cpp's converter asserts it unset)
+        return None
+
     def rope_config(self, hf_config, prefix: str) -> tuple[float, dict | None]:
         # the layer's kind, not its window: --disable-sliding-window keeps the local base
         return get_rope_config(hf_config, hf_config.layer_types[layer_index(prefix)])

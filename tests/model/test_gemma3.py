@@ -1,0 +1,69 @@
+"""Gemma-3's decisions without an engine: each kind of layer roped from its own entry of
+rope_parameters nested by layer type (also under --disable-sliding-window), the length not
+rescaled by the global layers' linear factor (as vLLM reads Gemma-3's), the legacy rope
+overrides landing in the right entry, no attention soft cap. Greedy tokens and logprobs against
+HF: tests/e2e/test_sliding_window.py; GGUF files: tests/model/test_gguf_families.py."""
+import pytest
+import torch
+
+from kiln.config.hf_config_snapshot import HFConfigSnapshot
+from kiln.config.hf_overrides import apply_hf_overrides
+from kiln.config.rope import get_rope_config
+from kiln.errors import ConfigError
+from kiln.model.loader import get_model
+from model._attn_helper import kiln_config_for
+
+LOCAL = {"rope_type": "default", "rope_theta": 100.0}
+GLOBAL = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+
+
+def _nested(**extra) -> HFConfigSnapshot:
+    return HFConfigSnapshot({"architectures": ["Gemma3ForCausalLM"], "rope_parameters": {
+        "sliding_attention": dict(LOCAL), "full_attention": dict(GLOBAL)}, **extra})
+
+
+def test_each_layer_type_reads_its_own_rope_entry():
+    config = _nested()
+    assert get_rope_config(config, "sliding_attention") == (100.0, None)
+    theta, scaling = get_rope_config(config, "full_attention")
+    assert theta == 10000.0 and scaling["rope_type"] == "linear" and scaling["factor"] == 4.0
+    with pytest.raises(ConfigError, match="no entry for the layer type 'chunked_attention'"):
+        get_rope_config(config, "chunked_attention")
+    # a family that ropes every layer alike still refuses the nested form, naming itself
+    with pytest.raises(ConfigError, match="nested by layer type .* not supported for "
+                                          "Gemma3ForCausalLM"):
+        get_rope_config(config)
+
+
+def test_the_legacy_rope_overrides_reach_their_layer_type():
+    out = apply_hf_overrides(_nested(), {"rope_theta": 5e5, "rope_local_base_freq": 50.0})
+    assert out.rope_parameters == {"sliding_attention": {**LOCAL, "rope_theta": 50.0},
+                                   "full_attention": {**GLOBAL, "rope_theta": 5e5}}
+    out = apply_hf_overrides(_nested(), {"rope_scaling": None})
+    assert get_rope_config(out, "full_attention") == (10000.0, None)
+    assert get_rope_config(out, "sliding_attention") == (100.0, None)
+
+
+def test_the_model_ropes_by_layer_type_and_keeps_the_length(tiny_gemma3_dir):
+    """Layer 0 slides (base 100), layer 1 is global (base 10000, positions / 4); the window
+    disabled keeps each layer's rope. max_position_embeddings is not multiplied by the factor."""
+    def inv_freq(base, factor=1.0):
+        return 1.0 / (base ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)) / factor
+
+    for disable in (False, True):
+        cfg = kiln_config_for(tiny_gemma3_dir, disable_sliding_window=disable)
+        assert cfg.model_config.max_model_len == (8 if disable else 512)
+        layers = get_model(cfg).model.layers
+        torch.testing.assert_close(layers[0].self_attn.rotary_emb.inv_freq, inv_freq(100.0))
+        torch.testing.assert_close(layers[1].self_attn.rotary_emb.inv_freq,
+                                   inv_freq(10000.0, 4.0))
+        assert [layer.self_attn.attn.sliding_window for layer in layers] == \
+            ([None, None] if disable else [8, None])
+
+
+def test_attention_soft_cap_is_not_applied():
+    """HF's Gemma-3 attention passes no soft cap to its attention, whatever the config says."""
+    from kiln.model.gemma3 import Gemma3Attention
+
+    config = HFConfigSnapshot({"attn_logit_softcapping": 50.0})
+    assert Gemma3Attention.logits_soft_cap(None, config) is None
