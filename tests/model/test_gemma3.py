@@ -67,3 +67,38 @@ def test_attention_soft_cap_is_not_applied():
 
     config = HFConfigSnapshot({"attn_logit_softcapping": 50.0})
     assert Gemma3Attention.logits_soft_cap(None, config) is None
+
+
+def _table(arch: str, layers: int, **meta) -> dict:
+    values = {"block_count": layers, "context_length": 4096, "embedding_length": 5376,
+              "feed_forward_length": 64, "attention.head_count": 32,
+              "attention.head_count_kv": 16, "attention.layer_norm_rms_epsilon": 1e-6,
+              "attention.key_length": 128, **meta}
+    metadata = {f"{arch}.{k}": {"type": "UINT32" if isinstance(v, int) else "FLOAT32",
+                                "value": v} for k, v in values.items()}
+    metadata["tokenizer.ggml.tokens"] = {"type": "ARRAY", "count": 1000}
+    return {"architecture": arch, "metadata": metadata,
+            "tensors": [{"name": "token_embd.weight"}]}
+
+
+@pytest.mark.parametrize("arch, layers_27b", [("gemma2", 46), ("gemma3", 62)])
+def test_gguf_configs_read_what_llama_cpp_reads(arch, layers_27b):
+    """llama.cpp's attention scale: 1 / sqrt(hidden / heads) for the 27B models (by layer
+    count), 1 / sqrt(head_dim) else; Gemma-2's soft caps 50 / 30 where the file has none;
+    Gemma-3's local base 10000; the vocabulary the file's tokens (Gemma-3 files drop rows)."""
+    from kiln.config.gguf_arch_config import build_config
+
+    small = build_config(_table(arch, 6, **{"attention.sliding_window": 16}))
+    big = build_config(_table(arch, layers_27b, **{"attention.sliding_window": 16}))
+    assert small.query_pre_attn_scalar == 128 and big.query_pre_attn_scalar == 5376 // 32
+    assert small.vocab_size == 1000 and small.sliding_window == 16
+    every = 2 if arch == "gemma2" else 6
+    assert small.layer_types == ["full_attention" if (i + 1) % every == 0 else
+                                 "sliding_attention" for i in range(6)]
+    if arch == "gemma2":
+        assert (small.attn_logit_softcapping, small.final_logit_softcapping) == (50.0, 30.0)
+    else:
+        assert small.final_logit_softcapping is None
+        assert get_rope_config(small, "sliding_attention") == (10000.0, None)
+        no_window = build_config(_table(arch, 6))  # llama.cpp: every layer global
+        assert set(no_window.layer_types) == {"full_attention"}
