@@ -151,11 +151,10 @@ class ModelConfig(FreezableConfig):
         """A checkpoint's architecture is refused here, not first where the model loads: a GPT-2
         one (n_embd, no hidden_size) failed before that, in the start-up memory checks, as an
         AttributeError traceback."""
-        from kiln.model.registry import supported_architectures
+        from kiln.model.registry import supported_architectures, unsupported_message
 
         if self.architecture not in supported_architectures():
-            raise ConfigError(f"architecture {self.architecture} is not supported; supported: "
-                              f"{', '.join(supported_architectures())}")
+            raise ConfigError(unsupported_message(self.architecture))
 
     def _resolve_tokenizer_side(self) -> None:
         from kiln.config.generation_defaults import load_chat_template, load_generation_defaults

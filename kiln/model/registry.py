@@ -48,12 +48,23 @@ def supported_architectures() -> list[str]:
     return sorted([*_MODELS, *_SEQ_CLS])
 
 
+# What to say of a well-known architecture Kiln does not serve, beside the list.
+_NEAREST = {"Gemma3ForConditionalGeneration": (
+    "its vision tower is not (Kiln serves text); Gemma-3's text-only checkpoints "
+    "(Gemma3ForCausalLM: gemma-3-270m, gemma-3-1b) are")}
+
+
+def unsupported_message(architecture: str) -> str:
+    hint = f" ({_NEAREST[architecture]})" if architecture in _NEAREST else ""
+    return (f"architecture {architecture} is not supported{hint}; supported: "
+            f"{', '.join(supported_architectures())}")
+
+
 def get_model_class(architecture: str, classify: bool = False) -> type:
     """The class of `architecture`; `classify` (--convert classify): its family's with a
     score head in place of the LM head."""
     if architecture not in _MODELS and architecture not in _SEQ_CLS:
-        raise ConfigError(f"architecture {architecture} is not supported; supported: "
-                          f"{', '.join(supported_architectures())}")
+        raise ConfigError(unsupported_message(architecture))
     module, name = _MODELS[_SEQ_CLS.get(architecture, architecture)]
     model_cls = getattr(importlib.import_module(module), name)
     if classify or architecture in _SEQ_CLS:

@@ -102,3 +102,19 @@ def test_gguf_configs_read_what_llama_cpp_reads(arch, layers_27b):
         assert get_rope_config(small, "sliding_attention") == (10000.0, None)
         no_window = build_config(_table(arch, 6))  # llama.cpp: every layer global
         assert set(no_window.layer_types) == {"full_attention"}
+
+
+def test_the_multimodal_checkpoint_is_refused_pointing_to_the_text_ones(tmp_path):
+    """gemma-3-4b and up are Gemma3ForConditionalGeneration (a vision tower beside the text)."""
+    import json
+
+    from kiln.config import ModelConfig
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": {"model_type": "gemma3_text", "hidden_size": 64,
+                        "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 16},
+        "vision_config": {"model_type": "siglip_vision_model"}}))
+    with pytest.raises(ConfigError, match=r"Gemma3ForConditionalGeneration is not supported "
+                       r"\(its vision tower is not .*Gemma3ForCausalLM: gemma-3-270m"):
+        ModelConfig(model=str(tmp_path))
