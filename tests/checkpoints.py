@@ -1,5 +1,6 @@
 """Tiny random-weight HF checkpoints (ARCH_CONFIGS: Llama, Qwen2, Qwen3, Phi-3, Granite, Gemma,
-OLMo-2, Gemma-2, Mistral with a sliding window, and the MoEs Mixtral, Qwen2-MoE, Qwen3-MoE)
+OLMo-2, Gemma-2, Gemma-3, Mistral with a sliding window, and the MoEs Mixtral, Qwen2-MoE,
+Qwen3-MoE)
 and the HF greedy oracle for tests.
 
 Imported by tests as `checkpoints` (pytest puts tests/ on sys.path through the root conftest).
@@ -112,6 +113,13 @@ ARCH_CONFIGS = {
     "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
                                 "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0,
                                 "pad_token_id": 0}),
+    # Gemma-2's blocks plus per-head (1 + w) q/k norms; sliding (window 8) and global layers
+    # alternating, each kind roped its own way: local base 100, global 10000 linearly scaled x4
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 8,
+                                    "sliding_window_pattern": 2, "query_pre_attn_scalar": 24,
+                                    "rope_local_base_freq": 100.0, "rope_theta": 10000.0,
+                                    "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+                                    "pad_token_id": 0}),
 }
 
 

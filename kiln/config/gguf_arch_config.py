@@ -1,6 +1,8 @@
-"""HF configs of the GGUF architectures transformers does not convert (Gemma, Granite, OLMo-2),
-built from a file's metadata as llama.cpp's converter wrote it, and what transformers' Phi-3
-conversion leaves out (the sliding window, the original context length, longrope's factors).
+"""HF configs of the GGUF architectures transformers does not convert (Gemma, Granite, OLMo-2) or
+converts leaving out what llama.cpp reads (Gemma-2 / 3: soft caps, attention scale, vocabulary
+size, local rope base), built from a file's metadata as llama.cpp's converter wrote it, and what
+transformers' Phi-3 conversion leaves out (the sliding window, the original context length,
+longrope's factors).
 
 The metadata read is kept in the tensor table (`metadata_keys`: gguf_metadata.py), so a start
 parses no file for it; longrope's factors are read from their two small tensors.
@@ -9,12 +11,24 @@ from pathlib import Path
 
 # general.architecture -> transformers' config class (and the architecture Kiln serves it as)
 OWN_CONFIG_ARCHITECTURES = {"gemma": ("GemmaConfig", "GemmaForCausalLM"),
+                            "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+                            "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
                             "granite": ("GraniteConfig", "GraniteForCausalLM"),
                             "olmo2": ("Olmo2Config", "Olmo2ForCausalLM")}
 # Granite's multipliers as its converter renames them (written only when not 0)
 _GRANITE_SCALES = {"attention.scale": "attention_multiplier",
                    "embedding_scale": "embedding_multiplier",
                    "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
+# What llama.cpp reads of a Gemma-2 / 3 file (llama_model's hparams): the soft caps (Gemma-2's
+# 50 / 30 where the file has none), the window, and the layers' kinds and local rope base it
+# fixes per architecture: every 2nd (Gemma-2) / 6th (Gemma-3) layer global, sliding layers of
+# Gemma-3 roped with base 10000 unscaled.
+_GEMMA_SOFT_CAPS = {"gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+                    "gemma3": {"final_logit_softcapping": None}}
+_GEMMA_GLOBAL_EVERY = {"gemma2": 2, "gemma3": 6}
+# llama.cpp scales attention by 1 / sqrt(hidden / heads) for the 27B models (their
+# query_pre_attn_scalar), known by their layer count, and by 1 / sqrt(head_dim) otherwise
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _TOKEN_IDS = {"bos_token_id": "tokenizer.ggml.bos_token_id",
               "eos_token_id": "tokenizer.ggml.eos_token_id",
               "pad_token_id": "tokenizer.ggml.padding_token_id"}
@@ -23,6 +37,9 @@ _TOKEN_IDS = {"bos_token_id": "tokenizer.ggml.bos_token_id",
 def metadata_keys(arch: str | None) -> list[str]:
     """The metadata keys read here beyond gguf_checks' (kept in the tensor table)."""
     keys = [f"{arch}.{key}" for key in _GRANITE_SCALES] if arch == "granite" else []
+    if arch in _GEMMA_SOFT_CAPS:
+        keys += [f"{arch}.{key}" for key in _GEMMA_SOFT_CAPS[arch]]
+        keys.append(f"{arch}.attention.sliding_window")
     if arch == "phi3":
         keys += [f"{arch}.attention.sliding_window", f"{arch}.rope.scaling.attn_factor",
                  f"{arch}.rope.scaling.original_context_length"]
@@ -63,6 +80,8 @@ def build_config(table: dict):
     if arch == "gemma":
         fields.update(head_dim=key("attention.key_length", fields["hidden_size"] // heads),
                       hidden_act="gelu_pytorch_tanh")
+    elif arch in _GEMMA_SOFT_CAPS:
+        fields.update(_gemma_fields(arch, fields, key))
     elif arch == "granite":
         fields["mlp_bias"] = "blk.0.ffn_up.bias" in names
         head_dim = fields["hidden_size"] // heads
@@ -71,6 +90,26 @@ def build_config(table: dict):
                                                   else 1.0))
                        for name, field in _GRANITE_SCALES.items()})
     return getattr(transformers, cls_name)(**fields)
+
+
+def _gemma_fields(arch: str, fields: dict, key) -> dict:
+    """Gemma-2 / 3's config fields as llama.cpp reads their files (see _GEMMA_SOFT_CAPS)."""
+    layers, heads = fields["num_hidden_layers"], fields["num_attention_heads"]
+    head_dim = key("attention.key_length", fields["hidden_size"] // heads)
+    window = key("attention.sliding_window", 4096 if arch == "gemma2" else None)
+    every = _GEMMA_GLOBAL_EVERY[arch]
+    # a Gemma-3 file without a window: llama.cpp attends and ropes every layer as a global one
+    kinds = ["full_attention" if not window or (i + 1) % every == 0 else "sliding_attention"
+             for i in range(layers)]
+    out = dict(head_dim=head_dim, hidden_activation="gelu_pytorch_tanh", layer_types=kinds,
+               sliding_window=int(window) if window else None,
+               query_pre_attn_scalar=(fields["hidden_size"] // heads
+                                      if layers == _GEMMA_27B_LAYERS[arch] else head_dim),
+               **{field: key(field, default) for field, default in
+                  _GEMMA_SOFT_CAPS[arch].items()})
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = 10000.0
+    return out
 
 
 def complete_phi3(config, table: dict, gguf: Path) -> None:

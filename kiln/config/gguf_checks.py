@@ -14,8 +14,8 @@ from pathlib import Path
 from kiln.errors import ConfigError
 
 # The GGUF architectures Kiln's models run (general.architecture).
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "granite",
-                                "olmo2")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2",
+                                "gemma3", "granite", "olmo2")
 # <arch>.key -> what its value must be: "count" a positive integer, "positive" a number above 0,
 # "scale" a number from 0 (a rope scaling factor: 0 is none, as llama.cpp reads it).
 # Required: without the model's shape transformers takes its defaults (32 layers, ...); without
@@ -66,9 +66,9 @@ def check_file(table: dict, gguf: Path) -> None:
         what = f"{arch}.expert_count = {experts}" if experts else f"tensor {expert_tensors[0]}"
         raise ConfigError(f"GGUF file {gguf} holds a mixture-of-experts model ({what}); Kiln "
                           "runs GGUF files of dense models only (Llama, Mistral, Qwen2, Qwen3, "
-                          "Phi-3, Gemma, Granite, OLMo-2): serve the model's Hugging Face "
-                          "checkpoint instead (Mixtral, Qwen2-MoE and Qwen3-MoE safetensors are "
-                          "supported)")
+                          "Phi-3, Gemma, Gemma-2, Gemma-3, Granite, OLMo-2): serve the model's "
+                          "Hugging Face checkpoint instead (Mixtral, Qwen2-MoE and Qwen3-MoE "
+                          "safetensors are supported)")
 
 
 def check_metadata(table: dict, gguf: Path) -> None:

@@ -29,8 +29,9 @@ logger = init_logger(__name__)
 # metadata gguf_checks reads, 7: more of it (sizes' types, token ids), 8: tensors' dims,
 # 9: the tokenizer's model and pre-tokenizer type (a tokenizer kept before splits no digits),
 # 10: rope scaling read as llama.cpp reads it (rope.scale_linear, a missing type or factor),
-# 11: rope.dimension_count, 12: gguf_arch_config's metadata (Phi-3, Gemma, Granite, OLMo-2).
-_FORMAT = 12
+# 11: rope.dimension_count, 12: gguf_arch_config's metadata (Phi-3, Gemma, Granite, OLMo-2),
+# 13: Gemma-2 / 3's (soft caps, window).
+_FORMAT = 13
 
 
 def converted_dir(gguf: Path) -> Path:
@@ -115,7 +116,11 @@ def apply_rope_scaling(config, scaling: dict | None) -> None:
     (and a yarn one must be refused by the rotary embedding, not served unscaled)."""
     if not scaling or scaling.get("rope_type") in (None, "none"):
         return
+    from kiln.config.rope import rope_nested
+
     params = getattr(config, "rope_parameters", None)  # transformers 5
+    if rope_nested(config):  # Gemma-3: llama.cpp scales the global layers only
+        params = params.get("full_attention")
     current = params if isinstance(params, dict) and params else (
         getattr(config, "rope_scaling", None) or {})
     if current.get("rope_type", current.get("type", "default")) != "default":

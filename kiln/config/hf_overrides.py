@@ -11,8 +11,9 @@ import numbers
 from kiln.config.hf_config_snapshot import HFConfigSnapshot, snapshot_of
 from kiln.errors import ConfigError
 
-# The legacy rope fields transformers 5 folds into rope_parameters (what Kiln reads first).
-_LEGACY_ROPE = ("rope_scaling", "rope_theta")
+# The legacy rope fields transformers 5 folds into rope_parameters (what Kiln reads first;
+# rope_local_base_freq: Gemma-3's sliding layers' base).
+_LEGACY_ROPE = ("rope_scaling", "rope_theta", "rope_local_base_freq")
 
 # Keys the models read as sizes, numbers or switches: transformers validates them in a
 # config.json, nothing did in an override ("abc", 0, null or a list failed as a TypeError or
@@ -85,13 +86,8 @@ def _merge_nested(target: dict, updates: dict) -> None:
             target[key] = value
 
 
-def _fold_legacy_rope(values: dict, overrides: dict) -> None:
-    """An override of rope_scaling / rope_theta where the config keeps rope_parameters
-    (transformers 5) goes there too, as vLLM's patch_rope_parameters does: else Kiln, which
-    reads rope_parameters first, would not see it."""
-    params = values.get("rope_parameters")
-    if not isinstance(params, dict) or "rope_parameters" in overrides:
-        return
+def _folded(params: dict, overrides: dict) -> dict:
+    """One flat rope_parameters dict with the legacy rope_scaling / rope_theta overrides in."""
     if "rope_scaling" in overrides:
         scaling = overrides["rope_scaling"]
         theta = params.get("rope_theta")
@@ -103,6 +99,28 @@ def _fold_legacy_rope(values: dict, overrides: dict) -> None:
             params.setdefault("rope_theta", theta)
     if "rope_theta" in overrides:
         params = {**params, "rope_theta": overrides["rope_theta"]}
+    return params
+
+
+def _fold_legacy_rope(values: dict, overrides: dict) -> None:
+    """An override of rope_scaling / rope_theta where the config keeps rope_parameters
+    (transformers 5) goes there too, as vLLM's patch_rope_parameters does: else Kiln, which
+    reads rope_parameters first, would not see it. Nested by layer type (Gemma-3), they are
+    the global layers' (full_attention), as transformers reads them, and rope_local_base_freq
+    the sliding layers' base."""
+    params = values.get("rope_parameters")
+    if not isinstance(params, dict) or "rope_parameters" in overrides:
+        return
+    if any(isinstance(v, dict) for v in params.values()):
+        params = dict(params)
+        if isinstance(params.get("full_attention"), dict):
+            params["full_attention"] = _folded(params["full_attention"], overrides)
+        if "rope_local_base_freq" in overrides and isinstance(params.get("sliding_attention"),
+                                                              dict):
+            params["sliding_attention"] = {**params["sliding_attention"],
+                                           "rope_theta": overrides["rope_local_base_freq"]}
+    else:
+        params = _folded(params, overrides)
     values["rope_parameters"] = params
 
 

@@ -156,11 +156,10 @@ class ModelConfig(FreezableConfig):
         """A checkpoint's architecture is refused here, not first where the model loads: a GPT-2
         one (n_embd, no hidden_size) failed before that, in the start-up memory checks, as an
         AttributeError traceback."""
-        from kiln.model.registry import supported_architectures
+        from kiln.model.registry import supported_architectures, unsupported_message
 
         if self.architecture not in supported_architectures():
-            raise ConfigError(f"architecture {self.architecture} is not supported; supported: "
-                              f"{', '.join(supported_architectures())}")
+            raise ConfigError(unsupported_message(self.architecture))
 
     def _resolve_tokenizer_side(self) -> None:
         from kiln.config.generation_defaults import load_chat_template, load_generation_defaults
@@ -238,7 +237,8 @@ class ModelConfig(FreezableConfig):
         return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "phi3": "Phi3ForCausalLM", "granite": "GraniteForCausalLM",
-                "gemma": "GemmaForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                "gemma3_text": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM"}.get(model_type, model_type)
 

@@ -56,15 +56,30 @@ def _complete_longrope(scaling: dict, hf_config) -> None:
         scaling["factor"] = longest / original
 
 
-def get_rope_config(hf_config) -> tuple[float, dict | None]:
-    """(rope_theta, scaling dict or None) from a transformers config of any recent version."""
+def rope_nested(hf_config) -> bool:
+    """Whether rope_parameters is transformers 5's per-layer-type form ({"full_attention":
+    {...}, "sliding_attention": {...}}: Gemma-3's local and global bases)."""
     params = getattr(hf_config, "rope_parameters", None)
-    if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
-        # transformers 5's per-layer-type form: read as one flat dict it gave theta 10000 and
-        # no scaling, silently (HF's Llama/Qwen classes cannot run it either).
-        raise ConfigError(f"rope_parameters nested by layer type ({', '.join(map(str, params))})"
-                          " are not supported; give one flat rope_parameters (rope_type, "
-                          "rope_theta, ...) for every layer")
+    return isinstance(params, dict) and any(isinstance(v, dict) for v in params.values())
+
+
+def get_rope_config(hf_config, layer_type: str | None = None) -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict or None) from a transformers config of any recent version;
+    `layer_type` (a model that ropes each kind of layer its own way: Gemma-3) picks the entry
+    of rope_parameters nested by layer type."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if rope_nested(hf_config):
+        if layer_type is None:
+            # read as one flat dict it gave theta 10000 and no scaling, silently (HF's
+            # Llama/Qwen classes cannot run it either)
+            raise ConfigError(f"rope_parameters nested by layer type "
+                              f"({', '.join(map(str, params))}) are not supported for "
+                              f"{_architecture(hf_config)}; give one flat rope_parameters "
+                              "(rope_type, rope_theta, ...) for every layer")
+        if not isinstance(params.get(layer_type), dict):
+            raise ConfigError(f"rope_parameters has no entry for the layer type {layer_type!r} "
+                              f"(it has {', '.join(map(str, params))}); add one")
+        params = params[layer_type]
     if isinstance(params, dict) and params:
         theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
         scaling = dict(params)
@@ -90,6 +105,10 @@ def get_rope_config(hf_config) -> tuple[float, dict | None]:
         if rope_type == "default":
             scaling = None
     return float(theta), scaling
+
+
+def _architecture(hf_config) -> str:
+    return (getattr(hf_config, "architectures", None) or ["this architecture"])[0]
 
 
 # The config keys vLLM reads a model's length from (_get_and_verify_max_len), smallest first
@@ -128,8 +147,12 @@ def trained_length_of(hf_config) -> tuple[str, int]:
 def max_positions_of(hf_config) -> int:
     """Positions the model serves: its trained length (trained_length_of), times a linear
     rope scaling's factor, which divides positions (vicuna-7b-v1.5-16k: 4096 x 4), as vLLM
-    derives its length; HF computes rotary angles for any position."""
+    derives its length; HF computes rotary angles for any position. Rope nested by layer type
+    (Gemma-3) scales nothing: its max_position_embeddings (128k) already counts the global
+    layers' linear factor, as vLLM reads Gemma-3's."""
     _, trained = trained_length_of(hf_config)
+    if rope_nested(hf_config):
+        return trained
     _, scaling = get_rope_config(hf_config)
     if scaling is None or scaling["rope_type"] != "linear":
         return trained

@@ -34,12 +34,16 @@ from kiln.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbed
 logger = init_logger(__name__)
 
 
-def layer_window(prefix: str) -> int | None:
-    """The sliding window of the decoder layer a module prefix ("model.layers.3.self_attn")
-    names, from the engine's model config (None: full attention)."""
+def layer_index(prefix: str) -> int:
+    """The decoder layer a module prefix ("model.layers.3.self_attn") names: 3."""
     parts = prefix.split(".")
-    index = int(parts[parts.index("layers") + 1])
-    return get_current_kiln_config().model_config.layer_sliding_window(index)
+    return int(parts[parts.index("layers") + 1])
+
+
+def layer_window(prefix: str) -> int | None:
+    """The sliding window of the decoder layer a module prefix names, from the engine's model
+    config (None: full attention)."""
+    return get_current_kiln_config().model_config.layer_sliding_window(layer_index(prefix))
 
 
 def head_dim_of(hf_config) -> int:
@@ -85,7 +89,7 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size
-        theta, scaling = get_rope_config(hf_config)
+        theta, scaling = self.rope_config(hf_config, prefix)
         # every position max_model_len may reach (a linear scaling's factor times more); the
         # length also picks longrope's factors
         self.rotary_emb = RotaryEmbedding(
@@ -95,6 +99,10 @@ class LlamaAttention(nn.Module):
                               self.num_kv_heads, prefix=f"{prefix}.attn",
                               sliding_window=layer_window(prefix),
                               logits_soft_cap=self.logits_soft_cap(hf_config))
+
+    def rope_config(self, hf_config, prefix: str) -> tuple[float, dict | None]:
+        """This layer's (rope_theta, scaling) (Gemma-3: its own for sliding layers)."""
+        return get_rope_config(hf_config)
 
     def softmax_scale(self, hf_config) -> float:
         return self.head_dim ** -0.5

@@ -10,10 +10,12 @@ from kiln.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaStyleForCau
 
 
 class Qwen3Attention(LlamaAttention):
+    qk_norm_cls = RMSNorm  # Gemma-3's: its (1 + w) norm
+
     def __init__(self, hf_config, prefix: str):
         super().__init__(hf_config, prefix)
-        self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps)
+        self.q_norm = self.qk_norm_cls(self.head_dim, hf_config.rms_norm_eps)
+        self.k_norm = self.qk_norm_cls(self.head_dim, hf_config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.split_qkv(x)

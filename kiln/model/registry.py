@@ -9,6 +9,7 @@ from kiln.errors import ConfigError
 _MODELS = {
     "GemmaForCausalLM": ("kiln.model.gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("kiln.model.gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("kiln.model.gemma3", "Gemma3ForCausalLM"),
     "GraniteForCausalLM": ("kiln.model.granite", "GraniteForCausalLM"),
     "LlamaForCausalLM": ("kiln.model.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("kiln.model.llama", "LlamaForCausalLM"),
@@ -33,6 +34,7 @@ F32_SCALE_NORM_OPS = ("rms_norm_f32_scale", "fused_add_rms_norm_f32_scale")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _FAMILY_OPS = {"GemmaForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),
                "Gemma2ForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),
+               "Gemma3ForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),
                "Olmo2ForCausalLM": F32_SCALE_NORM_OPS,
                **{arch: ("fused_moe",) for arch in MOE_ARCHITECTURES}}
 # The Llama ops those families' own replace, with the fusions the graph passes make of them
@@ -41,7 +43,8 @@ _LLAMA_NORMS = ("rms_norm", "fused_add_rms_norm", "rms_norm_dynamic_int8_quant",
                 "fused_add_rms_norm_dynamic_int8_quant")
 _SILU = ("silu_and_mul", "silu_and_mul_dynamic_int8_quant", "int8_scaled_mm_panels_silu_quant")
 _REPLACED_OPS = {"GemmaForCausalLM": (*_LLAMA_NORMS, *_SILU),
-                 "Gemma2ForCausalLM": (*_LLAMA_NORMS, *_SILU), "Olmo2ForCausalLM": _LLAMA_NORMS}
+                 "Gemma2ForCausalLM": (*_LLAMA_NORMS, *_SILU),
+                 "Gemma3ForCausalLM": (*_LLAMA_NORMS, *_SILU), "Olmo2ForCausalLM": _LLAMA_NORMS}
 
 
 def ir_ops_not_called(architecture: str) -> set[str]:
@@ -57,12 +60,23 @@ def supported_architectures() -> list[str]:
     return sorted([*_MODELS, *_SEQ_CLS])
 
 
+# What to say of a well-known architecture Kiln does not serve, beside the list.
+_NEAREST = {"Gemma3ForConditionalGeneration": (
+    "its vision tower is not (Kiln serves text); Gemma-3's text-only checkpoints "
+    "(Gemma3ForCausalLM: gemma-3-270m, gemma-3-1b) are")}
+
+
+def unsupported_message(architecture: str) -> str:
+    hint = f" ({_NEAREST[architecture]})" if architecture in _NEAREST else ""
+    return (f"architecture {architecture} is not supported{hint}; supported: "
+            f"{', '.join(supported_architectures())}")
+
+
 def get_model_class(architecture: str, classify: bool = False) -> type:
     """The class of `architecture`; `classify` (--convert classify): its family's with a
     score head in place of the LM head."""
     if architecture not in _MODELS and architecture not in _SEQ_CLS:
-        raise ConfigError(f"architecture {architecture} is not supported; supported: "
-                          f"{', '.join(supported_architectures())}")
+        raise ConfigError(unsupported_message(architecture))
     module, name = _MODELS[_SEQ_CLS.get(architecture, architecture)]
     model_cls = getattr(importlib.import_module(module), name)
     if classify or architecture in _SEQ_CLS:

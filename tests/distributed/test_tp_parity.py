@@ -45,7 +45,9 @@ def test_tp2_logprobs_match_tp1_within_1e4(tp2_llama, tiny_llama_dir):
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3",  # phi3: fused qkv / gate_up split
                                   pytest.param("granite", marks=pytest.mark.slow),
-                                  pytest.param("gemma", marks=pytest.mark.slow)])
+                                  pytest.param("gemma", marks=pytest.mark.slow),
+                                  # per-head q/k norms, sliding / global layers' own ropes
+                                  pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_tp2_greedy_matches_hf(arch, request, ranks_exit):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     llm = make_llm(model_dir, tensor_parallel_size=2)

@@ -1,6 +1,7 @@
 """Sliding-window models against HF transformers' eager attention (float32) on sequences longer
-than the window: Mistral (a window of 8 in every layer) and Gemma-2 (window-8 and global layers
-alternating, attention and final logits soft-capped), prompts of 20-40 tokens, chunked prefill
+than the window: Mistral (a window of 8 in every layer), Gemma-2 (window-8 and global layers
+alternating, attention and final logits soft-capped) and Gemma-3 (Gemma-2's layout, q/k norms,
+a rope base per kind of layer), prompts of 20-40 tokens, chunked prefill
 under a small token budget beside decodes, blocks of 4 (the window spans several): greedy tokens
 equal, logprobs within LOGPROB_TOL. --disable-sliding-window still caps max_model_len."""
 import pytest
@@ -46,6 +47,17 @@ def test_gemma2_compiled_matches_hf_eager(tiny_gemma2_dir, tmp_path):
     """Compiled by Inductor piecewise (mode 3): the soft cap and window inside the attention op
     (eager Gemma-2 is checked per backend in tests/model/test_attention_window.py)."""
     _run(tiny_gemma2_dir, compilation_config={"mode": 3, "cache_dir": str(tmp_path / "cc")})
+
+
+def test_gemma3_matches_hf_eager_past_the_window(tiny_gemma3_dir):
+    """Gemma-3: sliding and global layers roped with their own bases (local 100, global 10000
+    linearly scaled), per-head (1 + w) q/k norms, no soft caps."""
+    _run(tiny_gemma3_dir, enforce_eager=True)
+
+
+def test_gemma3_compiled_matches_hf_eager(tiny_gemma3_dir, tmp_path):
+    """Mode 3: the q/k norms and both rotary caches inside the compiled pieces."""
+    _run(tiny_gemma3_dir, compilation_config={"mode": 3, "cache_dir": str(tmp_path / "cc")})
 
 
 def test_disable_sliding_window_caps_max_model_len(tiny_mistral_window_dir):

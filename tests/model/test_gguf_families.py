@@ -1,5 +1,6 @@
-"""GGUF files of Phi-3, Gemma, Granite and OLMo-2 written as llama.cpp's converter writes them
-(Phi-3's fused attn_qkv and gate/up ffn_up, Gemma's norms stored as 1 + w and no rope base,
+"""GGUF files of Phi-3, Gemma, Gemma-2, Gemma-3, Granite and OLMo-2 written as llama.cpp's
+converter writes them (Phi-3's fused attn_qkv and gate/up ffn_up, Gemma's norms stored as 1 + w
+and no rope base, Gemma-2 / 3's pre/post block norms, soft caps and window as metadata,
 Granite's permuted q/k rows and its four scales as metadata, OLMo-2's post-block norms): Kiln's
 logits from the file against HF's from the checkpoint (the values gguf dequantizes the file's
 tensors to), in mixed storage types."""
@@ -23,7 +24,12 @@ _PARTS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 _FAMILY_PARTS = {"phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
                  "olmo2": {"post_attention_layernorm": "post_attention_norm",
-                           "post_feedforward_layernorm": "post_ffw_norm"}}
+                           "post_feedforward_layernorm": "post_ffw_norm"},
+                 **{arch: {"post_attention_layernorm": "post_attention_norm",
+                           "pre_feedforward_layernorm": "ffn_norm",
+                           "post_feedforward_layernorm": "post_ffw_norm"}
+                    for arch in ("gemma2", "gemma3")}}
+GEMMAS = ("gemma", "gemma2", "gemma3")
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
            "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 
@@ -34,7 +40,8 @@ def _cache(tmp_path, monkeypatch):
 
 
 def _metadata(w, arch: str, c) -> None:
-    """The metadata llama.cpp's converter writes for `arch` (gemma: no rope base)."""
+    """The metadata llama.cpp's converter writes for `arch` (gemma, gemma2: no rope base;
+    gemma2 / 3: the window and soft caps, gemma3's global rope base and linear scaling)."""
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -43,10 +50,22 @@ def _metadata(w, arch: str, c) -> None:
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    if arch == "gemma":
+    if arch in GEMMAS:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    else:
+    if arch in ("gemma2", "gemma3"):
+        w.add_sliding_window(c.sliding_window)
+        if c.final_logit_softcapping:
+            w.add_final_logit_softcapping(c.final_logit_softcapping)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+    elif arch == "gemma3":
+        rope = c.rope_parameters["full_attention"]
+        w.add_rope_freq_base(rope["rope_theta"])
+        if rope["rope_type"] == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["factor"])
+    elif arch != "gemma":
         w.add_rope_freq_base(c.rope_parameters["rope_theta"])
         w.add_rope_dimension_count(head_dim)
     if arch == "phi3":
@@ -58,7 +77,7 @@ def _metadata(w, arch: str, c) -> None:
         w.add_residual_scale(c.residual_multiplier)
         w.add_logit_scale(c.logits_scaling)
     tokens = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(3, c.vocab_size)]
-    w.add_tokenizer_model("llama" if arch in ("gemma", "phi3") else "gpt2")
+    w.add_tokenizer_model("llama" if arch in (*GEMMAS, "phi3") else "gpt2")
     w.add_token_list(tokens)
     w.add_token_scores([0.0] * len(tokens))
     w.add_token_types([1] * len(tokens))
@@ -85,7 +104,7 @@ def write_family_gguf(path, hf_dir, arch: str, types: dict | None = None, skip: 
     parts = {**_PARTS, **_FAMILY_PARTS.get(arch, {})}
     state = load_file(str(hf_dir / "model.safetensors"))
     for name, t in sorted(state.items()):
-        if name == "lm_head.weight" and (c.tie_word_embeddings or arch == "gemma"):
+        if name == "lm_head.weight" and (c.tie_word_embeddings or arch in GEMMAS):
             continue
         p = name.split(".")
         gname = _GLOBAL.get(name) or f"blk.{p[2]}.{parts['.'.join(p[3:-1])]}.{p[-1]}"
@@ -96,8 +115,8 @@ def write_family_gguf(path, hf_dir, arch: str, types: dict | None = None, skip: 
         if arch == "granite" and gname.split(".")[-2] in ("attn_q", "attn_k"):
             heads = c.num_attention_heads if ".attn_q." in gname else c.num_key_value_heads
             a = llama_cpp_permute(a, heads)
-        if arch == "gemma" and name.endswith("norm.weight"):
-            a = a + 1  # Gemma's (1 + w), as the converter stores it
+        if arch in GEMMAS and name.endswith("norm.weight"):
+            a = a + 1  # Gemma's (1 + w), as the converter stores it (q/k norms too)
         kind = (types or {}).get(gname.split(".")[-2], "F32") if t.dim() == 2 else "F32"
         qtype = getattr(gguf.GGMLQuantizationType, kind)
         data = a.astype(np.float32 if kind == "F32" else np.float16) if kind in ("F32", "F16") \
@@ -122,11 +141,18 @@ def write_family_gguf(path, hf_dir, arch: str, types: dict | None = None, skip: 
     ("gemma", True, {"attention_bias": True}, {"attn_q": "Q8_0", "ffn_gate": "F16"}),
     ("granite", False, {"rope_theta": 5e5}, {"attn_q": "Q8_0", "attn_k": "Q8_0"}),
     ("olmo2", True, {"rope_theta": 5e5}, {"attn_v": "Q8_0", "ffn_down": "Q4_0"}),
-], ids=["phi3", "gemma", "granite", "olmo2"])
+    # soft caps 2 / 3 from the file; query_pre_attn_scalar: llama.cpp's head_dim (not a 27B)
+    ("gemma2", True, {"query_pre_attn_scalar": 16}, {"attn_q": "Q8_0", "ffn_down": "F16"}),
+    # llama.cpp's fixed layout: every 6th layer global, sliding ones roped with base 10000; the
+    # global base 10000 and linear x4 from the file; window 8, so 30 tokens outgrow it
+    ("gemma3", True, {"num_hidden_layers": 6, "sliding_window_pattern": 6,
+                      "query_pre_attn_scalar": 16, "rope_local_base_freq": 10000.0,
+                      "rope_theta": 1e6}, {"attn_k": "Q8_0", "ffn_up": "Q4_0"}),
+], ids=["phi3", "gemma", "granite", "olmo2", "gemma2", "gemma3"])
 def test_family_gguf_matches_hf(arch, tie, overrides, types, tmp_path):
     hf_dir = make_tiny_checkpoint(tmp_path / "hf", arch, tie=tie, **overrides)
     path = write_family_gguf(tmp_path / "m.gguf", hf_dir, arch, types)
-    assert logits_diff(path, hf_dir) < TOL
+    assert logits_diff(path, hf_dir, hf_attn="eager") < TOL
     tok = gguf_metadata.load_tokenizer(path)  # transformers converts no config of Gemma / ...
     assert tok.convert_tokens_to_ids("w7") == 7 and tok.eos_token_id == 2
 

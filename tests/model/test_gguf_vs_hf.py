@@ -95,14 +95,17 @@ def write_gguf(path, hf_dir, types: dict | None = None, extra: dict | None = Non
     return path
 
 
-def logits_diff(gguf_path, hf_dir, seq_len: int = 30, **config_kw) -> float:
-    """Kiln on the GGUF (prefill, then 4 decode steps) vs HF on the checkpoint, max abs diff."""
+def logits_diff(gguf_path, hf_dir, seq_len: int = 30, hf_attn: str | None = None,
+                **config_kw) -> float:
+    """Kiln on the GGUF (prefill, then 4 decode steps) vs HF on the checkpoint, max abs diff
+    (hf_attn: HF's attn_implementation, "eager" for soft-capped attention)."""
     from transformers import AutoModelForCausalLM
 
     cfg = kiln_config_for(gguf_path, **config_kw)
     model = get_model(cfg)
     allocate_kv_caches(model, cfg, 64, 4)
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                              attn_implementation=hf_attn).eval()
     seq = torch.randint(3, 512, (seq_len,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([seq])).logits[0]

@@ -47,10 +47,14 @@ def longrope_mscale(scaling: dict) -> float:
 
 def rope_variant(hf_config, max_model_len: int | None) -> str | None:
     """"long" or "short": the factors a longrope model's rotary cache holds, for keys of what
-    is kept of a loaded model (weight_snapshot.py); None for any other rope."""
-    from kiln.config.rope import get_rope_config
+    is kept of a loaded model (weight_snapshot.py); None for any other rope. Rope nested by
+    layer type (Gemma-3) answers for each type that is longrope."""
+    from kiln.config.rope import get_rope_config, rope_nested
 
-    _, scaling = get_rope_config(hf_config)
-    if scaling is None or scaling["rope_type"] != "longrope":
-        return None
-    return "long" if uses_long_factors(scaling, max_model_len) else "short"
+    kinds = list(hf_config.rope_parameters) if rope_nested(hf_config) else [None]
+    variants = []
+    for kind in kinds:
+        _, scaling = get_rope_config(hf_config, kind)
+        if scaling is not None and scaling["rope_type"] == "longrope":
+            variants.append("long" if uses_long_factors(scaling, max_model_len) else "short")
+    return "+".join(variants) or None

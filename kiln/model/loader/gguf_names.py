@@ -1,5 +1,6 @@
 """llama.cpp tensor names against HF ones, per GGUF architecture, and what llama.cpp's converter
-did to a tensor's values that loading undoes (q/k rows permuted, Gemma's norms stored as 1 + w).
+did to a tensor's values that loading undoes (q/k rows permuted, Gemma-1/2/3's norms stored as
+1 + w, q/k norms included).
 
 Phi-3 files keep q/k/v and gate/up fused (attn_qkv, and ffn_up holding gate then up), named
 here as the HF Phi-3 checkpoint's qkv_proj / gate_up_proj, which its model splits on load.
@@ -12,7 +13,7 @@ import numpy as np
 # (LlamaModel's converter and those built on it, Granite's).
 PERMUTED_ARCHITECTURES = ("llama", "mistral", "granite")
 # Architectures whose norms llama.cpp stores as 1 + w (Gemma's RMSNorm scales by 1 + w).
-_SHIFTED_NORM_ARCHITECTURES = ("gemma",)
+_SHIFTED_NORM_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -38,6 +39,10 @@ _ARCH_BLOCK_NAMES = {
     # OLMo-2 normalises block outputs: no attn_norm / ffn_norm
     "olmo2": {"post_attention_norm": "post_attention_layernorm",
               "post_ffw_norm": "post_feedforward_layernorm"},
+    # Gemma-2 / 3 normalise each block's input and output: ffn_norm is the pre-feed-forward one
+    **{arch: {"post_attention_norm": "post_attention_layernorm",
+              "ffn_norm": "pre_feedforward_layernorm",
+              "post_ffw_norm": "post_feedforward_layernorm"} for arch in ("gemma2", "gemma3")},
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
