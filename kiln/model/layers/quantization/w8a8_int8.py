@@ -137,10 +137,11 @@ class Int8W8A8Config:
             if self.online and not getattr(module, "online_quantization", True):
                 continue  # an MoE router (kiln/model/layers/fused_moe.py)
             if not self.online:
-                prefix, _, leaf = checkpoint_module_name(model, name).rpartition(".")
+                stored = checkpoint_module_name(model, name)
+                prefix, _, leaf = stored.rpartition(".")
                 parts = [] if leaf in fused else \
                     [f"{prefix}.{p}" for p in MERGED_PARTS.get(leaf, ())]
-                if not is_quantized(name, parts, self.targets, self.ignore):
+                if not is_quantized(stored, parts, self.targets, self.ignore):
                     continue
             chosen.append((name, module))
         return chosen
