@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 # Phi-3's checkpoints hold q/k/v and gate/up fused: qkv_proj, gate_up_proj (one scale per row).
+# Mixtral's experts: w1 / w3 / w2 (the MoE routers, `gate`, stay float: ignore them).
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                   "qkv_proj", "gate_up_proj")
+                   "qkv_proj", "gate_up_proj", "w1", "w2", "w3")
 
 
 def w8a8_quantization_config(**overrides) -> dict:

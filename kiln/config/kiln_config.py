@@ -103,14 +103,10 @@ class KilnConfig(FreezableConfig):
         m = self.model_config
         if m.architecture not in MOE_ARCHITECTURES:
             return
-        if m.quantization == "compressed-tensors":
-            raise ConfigError(f"{m.architecture} with a quantization_config (compressed-tensors):"
-                              " Kiln has no quantized kernel for a mixture of experts' expert "
-                              "weights; serve the float checkpoint")
-        if m.quantization is not None:
-            raise ConfigError(f"--quantization {m.quantization}: Kiln has no quantized kernel "
-                              f"for the expert weights of {m.architecture} (a mixture of "
-                              "experts, where they are most of the model); drop --quantization")
+        if m.quant_kind == "fp8":  # int8 (online, compressed-tensors W8A8) runs the experts
+            raise ConfigError(f"--quantization {m.quantization}: Kiln has no fp8 kernel for the "
+                              f"expert weights of {m.architecture} (a mixture of experts, where "
+                              "they are most of the model); use --quantization int8 or drop it")
         if self.lora_config is not None:
             raise ConfigError(f"--enable-lora: LoRA adapters on {m.architecture} (a mixture of "
                               "experts) are not supported; drop --enable-lora")

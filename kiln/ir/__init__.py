@@ -25,6 +25,7 @@ from kiln.ir.layer_ops import (
 )
 from kiln.ir.lora import lora_add
 from kiln.ir.moe import fused_moe
+from kiln.ir.moe_int8 import fused_moe_int8
 from kiln.ir.op import PROVIDERS, REGISTRY, Implementation, IrOp
 from kiln.ir.selection import (
                                Selection,
@@ -41,7 +42,7 @@ quant_fp8.register()
 
 __all__ = ["PROVIDERS", "REGISTRY", "Implementation", "IrOp", "Selection", "all_reduce",
            "applied", "apply", "check_priority", "fused_add_rms_norm",
-           "fused_add_rms_norm_f32_scale", "fused_moe", "gelu_tanh_and_mul", "gguf_embedding",
-           "gguf_linear", "linear", "lora_add", "parse_cli", "resolve", "rms_norm",
+           "fused_add_rms_norm_f32_scale", "fused_moe", "fused_moe_int8", "gelu_tanh_and_mul",
+           "gguf_embedding", "gguf_linear", "linear", "lora_add", "parse_cli", "resolve", "rms_norm",
            "rms_norm_f32_scale", "rotary_embedding", "silu_and_mul", "unified_attention", "quant",
            "int8_panels"]

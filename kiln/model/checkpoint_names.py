@@ -38,7 +38,9 @@ class ExpertShard(NamedTuple):
 
 
 # each expert's own tensor: Mixtral's w1 / w3 / w2, the Qwen MoEs' gate / up / down_proj
-_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+# (and, W8A8 int8, its weight_scale)
+_EXPERT_TENSOR = re.compile(
+    r"\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.(weight|weight_scale)$")
 _EXPERT_PARTS = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2",
                  "down_proj": "w2"}
 
@@ -48,7 +50,7 @@ def merged_target(name: str) -> tuple[str, str | int | ExpertShard | None]:
     expert = _EXPERT_TENSOR.search(name)
     if expert is not None:
         part = _EXPERT_PARTS[expert.group(2)]
-        stacked = "w2_weight" if part == "w2" else "w13_weight"
+        stacked = ("w2_" if part == "w2" else "w13_") + expert.group(3)
         return (f"{name[:expert.start()]}.experts.{stacked}",
                 ExpertShard(int(expert.group(1)), part))
     for merged, part, shard_id in STACKED_PARAMS:

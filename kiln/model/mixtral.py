@@ -28,6 +28,13 @@ class MixtralModel(LlamaStyleModel):
 
 class MixtralForCausalLM(LlamaStyleForCausalLM):
     model_cls = MixtralModel
+    expert_checkpoint_parts = ("w1", "w3", "w2")  # gate, up, down
+
+    @staticmethod
+    def checkpoint_module_name(name: str) -> str:
+        """Kiln's module name as the checkpoint's (a quantization_config's ignore list names
+        the router `block_sparse_moe.gate`)."""
+        return name.replace(".mlp.", ".block_sparse_moe.")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # Kiln's layers hold the block as `mlp`, as every family's

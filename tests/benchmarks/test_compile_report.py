@@ -52,6 +52,8 @@ def test_cold_run_reports_pieces_shapes_and_compiles(cold, cache_dir):
     assert sum(r["matches"]["LowerIrOps"] for r in runs) >= 1
     assert all(r["matches"]["ReinplaceIrOps"] >= 1 for r in runs)  # each piece's rotary or norm
     ops = dict(cold["ir_ops"])
+    # the MoE families' int8 experts: the torch reference, one opaque node (as fused_moe)
+    assert ops.pop("fused_moe_int8") == "torch"
     int8 = {op: ops.pop(op) for op in list(ops) if "int8" in op}  # the W8A8 ops: VNNI CPUs only
     fp8 = {op: ops.pop(op) for op in list(ops) if "fp8" in op}  # GPU kernels only
     assert fp8 == {"dynamic_fp8_quant": "torch", "fp8_scaled_mm": "torch"}
@@ -139,13 +141,16 @@ def test_ir_ops_line_lists_the_models_ops_only(tiny_llama_dir, capsys, quantizat
     assert "gguf_linear" in report["ir_ops"]
 
 
-def test_ir_ops_line_lists_fused_moe_for_a_moe_model(tiny_qwen3_moe_dir, capsys):
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_ir_ops_line_lists_fused_moe_for_a_moe_model(tiny_qwen3_moe_dir, capsys, quantization):
+    flags = ["--quantization", quantization] if quantization else []
     args = build_parser().parse_args(["compile", "--json", "--model", str(tiny_qwen3_moe_dir),
-                                      *SMALL, "-O0"])
+                                      *SMALL, "-O0", *flags])
     assert args.func(args) == 0
     report = json.loads(capsys.readouterr().out)
     (line,) = [x for x in format_report(report).splitlines() if x.startswith("ir ops")]
     assert "fused_moe torch" in line and "gelu" not in line
+    assert ("fused_moe_int8 torch" in line) == (quantization == "int8")
 
 
 def test_mode0_text_report_in_process(tiny_llama_dir, capsys):

@@ -2,7 +2,7 @@
 transformers on tiny random checkpoints (float32, 4 experts, top 2): logits of a prefill and of
 decode steps through the paged cache within 1e-4; through LLM, greedy tokens equal HF's and their
 logprobs HF's log-softmax within 1e-4, eager (mode 0) and compiled (mode 3, one Dynamo graph, the
-MoE op kept whole); what the families refuse, refused by flag.
+MoE op kept whole); what the families refuse (fp8, LoRA), refused by flag.
 """
 import pytest
 import torch
@@ -93,14 +93,17 @@ def test_qwen2_moe_mode3_traces_one_graph_and_matches_hf(tiny_qwen2_moe_dir, tmp
     _check_against_hf(_generate(llm), tiny_qwen2_moe_dir)
 
 
-@pytest.mark.parametrize("flags, message", [
-    ({"quantization": "int8"}, "--quantization int8: Kiln has no quantized kernel for the expert "
-                               "weights of MixtralForCausalLM"),
-    ({"quantization": "fp8"}, "--quantization fp8: Kiln has no quantized kernel"),
-])
-def test_quantization_is_refused_for_experts(tiny_mixtral_dir, flags, message):
-    with pytest.raises(ConfigError, match=message):
-        kiln_config_for(tiny_mixtral_dir, **flags)
+@pytest.mark.parametrize("method", ["fp8", "ptpc_fp8"])
+def test_fp8_is_refused_for_experts(tiny_mixtral_dir, method):
+    with pytest.raises(ConfigError, match=f"--quantization {method}: Kiln has no fp8 kernel for "
+                                          "the expert weights of MixtralForCausalLM.*use "
+                                          "--quantization int8"):
+        kiln_config_for(tiny_mixtral_dir, quantization=method)
+
+
+def test_int8_is_accepted_for_experts(tiny_mixtral_dir):
+    # runs the experts through fused_moe_int8 (tests/quantization/test_moe_int8.py)
+    assert kiln_config_for(tiny_mixtral_dir, quantization="int8").model_config.quant_kind == "int8"
 
 
 def test_lora_is_refused(tiny_mixtral_dir):

@@ -53,6 +53,10 @@ class FusedMoE(nn.Module):
             param.weight_loader = self.weight_loader
             # what load_weights checks the checkpoint filled (each expert's own tensors)
             param.shard_ids = [ExpertShard(e, p) for e in range(num_experts) for p in parts]
+        # W8A8 int8 (kiln/model/layers/quantization/moe_int8.py): float32 [E, 2 I_rank] and
+        # [E, H], one scale per expert and output channel, beside int8 weights
+        self.register_parameter("w13_weight_scale", None)
+        self.register_parameter("w2_weight_scale", None)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: ExpertShard | None = None) -> None:
@@ -62,6 +66,11 @@ class FusedMoE(nn.Module):
             raise ConfigError(f"expert {shard_id.expert} is past the config's {self.num_experts} "
                               "experts (num_local_experts / num_experts)")
         size, rank, ranks = self.local_size, self.tp_rank, self.tp_size
+        if param.dim() == 2:  # a stacked scale: compressed-tensors stores each [N, 1]
+            loaded = loaded.reshape(-1)
+            if shard_id.part == "w2":  # per output channel: whole on every rank, like a bias
+                default_weight_loader(param.data[shard_id.expert], loaded)
+                return
         if shard_id.part == "w2":  # [H, I]: this rank's columns
             default_weight_loader(param.data[shard_id.expert],
                                   take_shard(loaded, 1, rank, size, ranks))
@@ -71,6 +80,10 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         # x [T, H], router_logits [T, E] -> [T, H], this rank's partial sum
+        if self.w13_weight_scale is not None:
+            return ir.fused_moe_int8(x, router_logits, self.w13_weight, self.w13_weight_scale,
+                                     self.w2_weight, self.w2_weight_scale, self.top_k,
+                                     self.renormalize)
         return ir.fused_moe(x, router_logits, self.w13_weight, self.w2_weight, self.top_k,
                             self.renormalize)
 
@@ -91,6 +104,9 @@ class SparseMoeBlock(nn.Module):
             raise ConfigError(f"{prefix}: hidden_act {hf_config.hidden_act!r} is not supported "
                               "for experts; only 'silu'")
         self.gate = ReplicatedLinear(hidden, num_experts, bias=False)
+        # online int8 leaves the routers in the model dtype, as vLLM (a checkpoint's
+        # quantization_config decides for its own)
+        self.gate.online_quantization = False
         self.experts = FusedMoE(num_experts, hf_config.num_experts_per_tok, hidden,
                                 intermediate_size, renormalize)
         self.tp_size = self.experts.tp_size
@@ -98,6 +114,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = LlamaMLP(hf_config, f"{prefix}.shared_expert", shared_size,
                                           reduce_results=False)
             self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False)
+            self.shared_expert_gate.online_quantization = False
         else:
             self.shared_expert = self.shared_expert_gate = None
 

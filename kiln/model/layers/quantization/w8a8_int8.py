@@ -16,7 +16,13 @@ from kiln.ir import int8_panels
 from kiln.ir import quant as ir_quant
 from kiln.logger import init_logger
 from kiln.model.layers.cpu_gemm import BUFFERS
+from kiln.model.layers.fused_moe import FusedMoE
 from kiln.model.layers.linear import LinearBase
+from kiln.model.layers.quantization.moe_int8 import (
+    expert_checkpoint_names,
+    experts_to_int8,
+    quantize_experts,
+)
 
 logger = init_logger(__name__)
 
@@ -105,6 +111,13 @@ def to_int8(layer: LinearBase, weight: torch.Tensor | None = None,
     layer.register_buffer("weight_panels", None, persistent=False)  # pack_for_cpu
 
 
+def checkpoint_module_name(model: nn.Module, name: str) -> str:
+    """Kiln module `name` as the checkpoint names it (Mixtral's `mlp` is its
+    `block_sparse_moe`): what an ignore list's patterns are written against."""
+    rename = getattr(model, "checkpoint_module_name", None)
+    return rename(name) if rename is not None else name
+
+
 @dataclass
 class Int8W8A8Config:
     online: bool  # quantize float weights on load (else: a compressed-tensors checkpoint)
@@ -121,14 +134,27 @@ class Int8W8A8Config:
         for name, module in model.named_modules():
             if not isinstance(module, LinearBase):
                 continue
+            if self.online and not getattr(module, "online_quantization", True):
+                continue  # an MoE router (kiln/model/layers/fused_moe.py)
             if not self.online:
-                prefix, _, leaf = name.rpartition(".")
+                stored = checkpoint_module_name(model, name)
+                prefix, _, leaf = stored.rpartition(".")
                 parts = [] if leaf in fused else \
                     [f"{prefix}.{p}" for p in MERGED_PARTS.get(leaf, ())]
-                if not is_quantized(name, parts, self.targets, self.ignore):
+                if not is_quantized(stored, parts, self.targets, self.ignore):
                     continue
             chosen.append((name, module))
         return chosen
+
+    def expert_layers(self, model: nn.Module) -> list[FusedMoE]:
+        """The stacked experts this config quantizes: all online; a checkpoint's where it
+        quantized every expert linear (some, not all: refused, they run as one op)."""
+        from kiln.model.layers.quantization.compressed_tensors import is_quantized
+
+        return [m for name, m in model.named_modules() if isinstance(m, FusedMoE) and (
+            self.online or is_quantized(
+                name, expert_checkpoint_names(model, checkpoint_module_name(model, name), m),
+                self.targets, self.ignore))]
 
     def prepare(self, model: nn.Module) -> int:
         """Before loading a quantized checkpoint: int8 parameters for it to fill."""
@@ -137,8 +163,11 @@ class Int8W8A8Config:
         chosen = self.layers(model)
         for _, layer in chosen:
             to_int8(layer)
-        logger.info("W8A8 int8: %d linear layers load int8 weights (compressed-tensors)",
-                    len(chosen))
+        experts = self.expert_layers(model)
+        for moe in experts:
+            experts_to_int8(moe)
+        logger.info("W8A8 int8: %d linear layers%s load int8 weights (compressed-tensors)",
+                    len(chosen), f" and {len(experts)} expert stacks" if experts else "")
         return len(chosen)
 
     @torch.no_grad()
@@ -150,8 +179,12 @@ class Int8W8A8Config:
         for _, layer in chosen:
             q, scale = quantize_weight_per_channel(layer.weight.data)
             to_int8(layer, q, scale)
+        experts = self.expert_layers(model) if self.online else []
+        for moe in experts:  # per expert and output channel
+            quantize_experts(moe)
         if chosen:
-            logger.info("W8A8 int8: quantized %d linear layers on load", len(chosen))
+            logger.info("W8A8 int8: quantized %d linear layers%s on load", len(chosen),
+                        f" and {len(experts)} expert stacks" if experts else "")
         packed = sum(pack_for_cpu(m) for m in model.modules()
                      if isinstance(m, LinearBase) and isinstance(m.quant_method, Int8LinearMethod))
         if packed:
