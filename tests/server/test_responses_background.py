@@ -166,6 +166,20 @@ def test_a_client_that_hangs_up_aborts_nothing(monkeypatch):
     assert not any(a.startswith(rid) for a in engine.aborted)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_one_the_engine_fails_is_failed_with_why(monkeypatch, stream):
+    app, engine = _app(monkeypatch)
+    engine.fail_next_step = True
+    with TestClient(app) as client:
+        r = client.post("/v1/responses", json=dict(input="hi", max_output_tokens=5,
+                                                   background=True, stream=stream))
+        assert r.status_code == 200, r.text
+        rid = _events(r.text)[0]["response"]["id"] if stream else r.json()["id"]
+        failed = _poll(client, rid)
+    assert failed["status"] == "failed" and failed["error"]["code"] == "engine_dead"
+    assert "injected engine failure" in failed["error"]["message"]
+
+
 def test_the_servers_shutdown_ends_them(monkeypatch):
     """Still running when the server stops: each ends cancelled, stored with what it wrote,
     a streamed one's events closed; nothing waits for them to finish."""
@@ -215,3 +229,34 @@ def test_an_event_log_wakes_every_reader():
         return [await r for r in readers]
 
     assert asyncio.run(main()) == [list("abc"), list("abc"), list("bc")]
+
+
+@pytest.mark.parametrize("grace_s, status", [(30.0, "incomplete"), (0.1, "cancelled")])
+def test_the_grace_period_waits_for_them(monkeypatch, grace_s, status):
+    """serve()'s stop: a background response holds no connection, yet it gets the grace
+    period as requests do (it ends on its own: incomplete at its limit), aborted at its end."""
+    import threading
+
+    import uvicorn
+
+    from kiln.entrypoints.openai.server_lifecycle import _Server
+    from kiln.executor.free_port import free_port
+
+    app, _ = _app(monkeypatch, step_delay=SLOW)
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                            lifespan="on", timeout_graceful_shutdown=grace_s + 5)
+    server = _Server(config, app.state.llm, grace_s, lambda: None)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.01)
+    rid = httpx.post(f"http://127.0.0.1:{port}/v1/responses", json=dict(
+        input="hi", max_output_tokens=20 if status == "incomplete" else 200,
+        background=True), timeout=30).json()["id"]
+    server.should_exit = True
+    thread.join(60)
+    assert not thread.is_alive()
+    assert app.state.background_responses.store.get(rid)["status"] == status

@@ -201,7 +201,11 @@ class BackgroundResponses:
     async def _end(self, runs: list[_Run]) -> None:
         """Abort `runs`' requests (their streams end "abort": each stores what it wrote,
         cancelled), then wait for their tasks; cancel any that do not end."""
-        await self.llm.abort([s.request_id for r in runs for s in r.streams if not s.finished])
+        try:
+            await self.llm.abort([s.request_id for r in runs for s in r.streams
+                                  if not s.finished])
+        except Exception as e:  # noqa: BLE001 - a dead engine failed their streams already
+            logger.warning("aborting background responses failed: %s", e)
         tasks = {r.task for r in runs}
         _, stuck = await asyncio.wait(tasks, timeout=_END_WAIT_S)
         for t in stuck:
