@@ -113,6 +113,7 @@ class BackgroundResponses:
         log = None if isinstance(work, Awaitable) else EventLog()
         run = self.runs[rid] = _Run(streams, log)
         if log is not None:
+            self.logs.pop(rid, None)  # a finished namesake's (a client's request_id again)
             self.logs[rid] = log
         run.task = asyncio.create_task(self._run(rid, run, work), name=f"background {rid}")
         if log is None:
