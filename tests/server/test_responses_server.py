@@ -5,6 +5,7 @@ with --reasoning-parser the thinking comes back as a reasoning item, as chat's
 reasoning_content."""
 import json
 import os
+import time
 
 import httpx
 import pytest
@@ -49,7 +50,8 @@ def _as_chat(input, instructions) -> list[dict]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = stories_with_chat_template(tmp_path_factory.mktemp("stories_chat"))
-    env = dict(os.environ, KILN_API_KEY=KEY, KILN_LOGGING_LEVEL="WARNING")
+    env = dict(os.environ, KILN_API_KEY=KEY, KILN_LOGGING_LEVEL="WARNING",
+               KILN_ENABLE_RESPONSES_API_STORE="1")  # background responses need it
     args = ["--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "16",
             "--kv-cache-memory", "0.05", "--disable-access-log", "--uvicorn-log-level",
             "warning", "--graceful-shutdown-timeout", "0.5"]
@@ -135,12 +137,32 @@ def test_text_format_is_chats_response_format(client):
 
 
 def test_refusal_is_an_api_error(client):
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.NotFoundError) as e:
         client.responses.create(model=NAME, input="hi", previous_response_id="resp_x")
     assert e.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=NAME, input="hi", max_output_tokens=100000)
     assert e.value.body["param"] == "max_output_tokens"
+
+
+def test_background_is_polled_to_the_foreground_answer(client):
+    """The openai SDK's background flow: created queued, retrieved until done, the greedy
+    answer the same as a foreground request's; a long one cancelled mid-run."""
+    kw = dict(model=NAME, input="Once upon a time", max_output_tokens=24, temperature=0)
+    fore = client.responses.create(**kw)
+    resp = client.responses.create(background=True, **kw)
+    assert resp.status == "queued" and resp.background is True
+    deadline = time.monotonic() + 60
+    while resp.status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.02)
+        resp = client.responses.retrieve(resp.id)
+    assert resp.status == fore.status and resp.output_text == fore.output_text
+    # (the prefix cache holds the prompt the second time)
+    assert (resp.usage.input_tokens, resp.usage.output_tokens) == \
+        (fore.usage.input_tokens, fore.usage.output_tokens)
+    long = client.responses.create(background=True, **dict(kw, max_output_tokens=480))
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(long.id) == cancelled
 
 
 def test_leaving_mid_stream_aborts(server):

@@ -120,7 +120,7 @@ def test_the_store_keeps_retrieves_continues_and_deletes(monkeypatch):
                 previous_response_id=chained["id"])) as r:
             last = json.loads(r.read().decode().strip().split("data: ")[-1])["response"]
         assert client.get(f"/v1/responses/{last['id']}").json() == last
-        # only background responses (refused) can be cancelled, as vLLM answers
+        # only background responses can be cancelled, as vLLM answers
         err = assert_error(client.post(f"/v1/responses/{first['id']}/cancel"), 400, None)
         assert "synchronous" in err["message"]
         assert client.delete(f"/v1/responses/{first['id']}").json() == \
@@ -139,27 +139,31 @@ def test_the_store_keeps_retrieves_continues_and_deletes(monkeypatch):
         assert client.post("/v1/responses/resp_gone/cancel").status_code == 404
 
 
-def test_retrieving_a_stream_of_events_is_refused(monkeypatch):
-    """vLLM's GET stream=true replays a background response's events (none here): the body
-    alone left the openai SDK's retrieve(stream=True) an empty stream, silently."""
+def test_retrieving_a_stream_of_events_of_a_synchronous_response_is_refused(monkeypatch):
+    """vLLM's GET stream=true replays a streamed background response's events (none for one
+    made without background): the body alone left the openai SDK's retrieve(stream=True) an
+    empty stream, silently."""
     with _client(monkeypatch, "1") as client:
         rid = client.post("/v1/responses", json=dict(input="hi", max_output_tokens=2)).json()["id"]
-        for query, param in (("stream=true", "stream"), ("starting_after=2", "starting_after")):
-            err = assert_error(client.get(f"/v1/responses/{rid}?{query}"), 400, param,
-                               "unsupported_parameter")
-            assert "background" in err["message"]
+        err = assert_error(client.get(f"/v1/responses/{rid}?stream=true"), 400, "stream",
+                           "invalid_value")
+        assert "background=true and stream=true" in err["message"]
+        assert_error(client.get(f"/v1/responses/{rid}?starting_after=2"), 400, "starting_after")
         assert client.get(f"/v1/responses/{rid}?stream=false").json()["id"] == rid
         assert_error(client.get("/v1/responses/resp_gone?stream=true"), 404, None)
         assert_error(client.get(f"/v1/responses/{rid}?stream=maybe"), 400, "stream")
 
 
 def test_the_store_is_bounded():
+    """The oldest forgotten first, but never a background response still running."""
     store = ResponseStore(enabled=True, max_stored=2)
+    store.put({"id": "bg", "status": "in_progress", "output": []}, None, [])
     for k in range(3):
-        store.put({"id": f"r{k}", "output": []}, None, [])
-    with pytest.raises(Exception, match="r0"):
-        store.get("r0")
-    assert [store.get(f"r{k}")["id"] for k in (1, 2)] == ["r1", "r2"]
+        store.put({"id": f"r{k}", "status": "completed", "output": []}, None, [])
+    for gone in ("r0", "r1"):
+        with pytest.raises(Exception, match=gone):
+            store.get(gone)
+    assert [store.get(rid)["id"] for rid in ("bg", "r2")] == ["bg", "r2"]
 
 
 @pytest.mark.parametrize("store", [None, "0"])

@@ -5,7 +5,7 @@ import contextlib
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kiln import envs
 from kiln.engine.async_llm import AsyncLLM
@@ -98,6 +98,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         # (docs/architecture.md has the figures).
         freeze_gc_heap(collect=True)
         yield
+        await responses.background.close()  # cancelled, each stored with what it wrote
         logger.info("shutting down: aborting %d in-flight request(s)", llm.num_in_flight)
         await llm.shutdown()
         if metrics.stats_log is not None:
@@ -115,6 +116,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     app.state.llm = llm
     app.state.metrics = metrics
     app.state.models = models
+    app.state.background_responses = responses.background  # the grace period waits for them
     install_error_handlers(app)
     tokenizer = llm.tokenizer
     open_paths = None  # every route takes the key but these (no key: none does)
@@ -181,18 +183,23 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
             raise refuse_generate("Responses", model_config.architecture)
         return await responses.create(req, raw)
 
-    # The store's (KILN_ENABLE_RESPONSES_API_STORE; 404 without it): GET as vLLM's, DELETE
-    # as OpenAI's. One route, so that a 405 lists both methods in its Allow header.
+    # The store's (KILN_ENABLE_RESPONSES_API_STORE; 404 without it): GET as vLLM's (stream=true
+    # replays a streamed background response's events), DELETE as OpenAI's. One route, so that
+    # a 405 lists both methods in its Allow header.
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     async def stored_response(response_id: str, raw: Request, stream: bool = False,
                               starting_after: int | None = None):
         if raw.method == "DELETE":
             return JSONResponse(responses.store.delete(response_id))
-        return JSONResponse(responses.store.retrieve(response_id, stream, starting_after))
+        if stream or starting_after is not None:
+            return StreamingResponse(
+                responses.background.replay(response_id, stream, starting_after),
+                media_type="text/event-stream")
+        return JSONResponse(responses.store.get(response_id))
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str):
-        responses.store.cancel(response_id)
+        return JSONResponse(await responses.background.cancel(response_id))
 
     # Each runner's schema states the endpoints it serves; the others answer their refusal.
     @app.post("/v1/embeddings", include_in_schema=embedding.task == "embed")

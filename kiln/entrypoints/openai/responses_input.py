@@ -24,8 +24,6 @@ TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
 REFUSED = {
     "conversation": (None, "conversations are not stored; send the whole conversation in "
                            "input"),
-    "background": (False, "background responses need a stored response to poll; stream "
-                          "instead"),
     "include": ([], "no extra output (logprobs, encrypted reasoning, tool results) is "
                     "included"),
     "top_logprobs": (0, "logprobs are not returned on /v1/responses; use "

@@ -80,7 +80,7 @@ class ResponsesResponse(OpenAIBase):
     id: str
     object: Literal["response"] = "response"
     created_at: int  # when the request came in (unix s)
-    status: Literal["completed", "incomplete", "in_progress", "cancelled", "failed"]
+    status: Literal["completed", "incomplete", "in_progress", "cancelled", "failed", "queued"]
     error: dict[str, Any] | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None

@@ -1,9 +1,9 @@
 """The request body of OpenAI's Responses API (POST /v1/responses), as Kiln takes it: what vLLM
 serves for a text model (input as text or message, reasoning, function_call and
 function_call_output items, instructions, max_output_tokens, temperature, top_p, stream,
-text.format, function tools and tool_choice, store and previous_response_id, metadata, user)
-plus vLLM's request_id, priority and cache_salt. Every other field of OpenAI's is here too, so
-that responses_input.py refuses it (400, naming it) rather than ignoring it.
+text.format, function tools and tool_choice, store, previous_response_id and background,
+metadata, user) plus vLLM's request_id, priority and cache_salt. Every other field of OpenAI's
+is here too, so that responses_input.py refuses it (400, naming it) rather than ignoring it.
 """
 from typing import Annotated, Any, Literal
 
@@ -115,9 +115,10 @@ class ResponsesRequest(RequestBase):
     tool_choice: Any = None
     parallel_tool_calls: StrictBool | None = None
     max_tool_calls: JsonInt | None = None  # at most this many calls (tool_plan.call_limit)
+    # Run detached, polled from the store (responses_background.py): needs the store
+    background: StrictBool | None = None
     # Refused unless off / empty (responses_input.refuse_unsupported):
     conversation: Any = None
-    background: StrictBool | None = None
     include: list[Any] | None = None
     truncation: str | None = None
     reasoning: dict[str, Any] | None = None

@@ -1,12 +1,14 @@
 """The Responses API's store, as vLLM keeps it with VLLM_ENABLE_RESPONSES_API_STORE=1 (Kiln:
 KILN_ENABLE_RESPONSES_API_STORE, or vLLM's name): responses made with `store` (true by default)
-are kept in this process's memory, the newest MAX_STORED of them (vLLM's store is unbounded); GET
-/v1/responses/{id} returns one (its stream=true refused), DELETE /v1/responses/{id} forgets it
-(POST .../cancel: 400, as vLLM answers for a response that is not a background one), and a
-request's `previous_response_id` continues one: its input (and that of the responses it
-continued) and its output come before the new input, as history. Instructions are not carried
-over, as OpenAI's are not. Off (the default), nothing is kept and previous_response_id is refused.
+are kept in this process's memory, the newest MAX_STORED of them (vLLM's store is unbounded; a
+background response still running is never the one forgotten); GET /v1/responses/{id} returns
+one, DELETE /v1/responses/{id} forgets it (a running one: cancel it first), and a request's
+`previous_response_id` continues one: its input (and that of the responses it continued) and
+its output come before the new input, as history. Instructions are not carried over, as
+OpenAI's are not. Off (the default), nothing is kept, and previous_response_id and background
+are refused. Background runs, their events and cancel: responses_background.py.
 """
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -17,7 +19,7 @@ from kiln.entrypoints.openai.responses_protocol import ResponseInputItem
 # Responses kept, the oldest forgotten first: a long-running server must not grow without end.
 MAX_STORED = 10_000
 ENV = "KILN_ENABLE_RESPONSES_API_STORE"
-_TURN_ON = f"{ENV}=1 (or vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1)"
+TURN_ON = f"{ENV}=1 (or vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1)"
 
 
 @dataclass
@@ -73,7 +75,7 @@ class ResponseStore:
             return None
         if not self.enabled:
             raise OpenAIError(f"previous_response_id={rid!r} is refused: responses are not "
-                              f"stored; start the server with {_TURN_ON} to keep them,"
+                              f"stored; start the server with {TURN_ON} to keep them,"
                               " or send the whole conversation in input",
                               param="previous_response_id", code="unsupported_parameter")
         stored = self._items.get(rid)
@@ -89,8 +91,18 @@ class ResponseStore:
             input: list[ResponseInputItem]) -> None:
         self._items[body["id"]] = _Stored(body, previous, input)
         self._items.move_to_end(body["id"])
-        while len(self._items) > self.max_stored:
-            self._items.popitem(last=False)
+        if len(self._items) > self.max_stored:
+            # the oldest first, but never a background response still running: its task
+            # stores its end there, and its client polls for it
+            excess = len(self._items) - self.max_stored
+            gone = itertools.islice((rid for rid, s in self._items.items()
+                                     if not running(s.body)), excess)
+            for rid in list(gone):
+                del self._items[rid]
+
+    def peek(self, response_id: str) -> dict | None:
+        stored = self._items.get(response_id)
+        return None if stored is None else stored.body
 
     def get(self, response_id: str) -> dict:
         stored = self._items.get(response_id)
@@ -98,36 +110,22 @@ class ResponseStore:
             raise self._missing(response_id)
         return stored.body
 
-    def retrieve(self, response_id: str, stream: bool = False,
-                 starting_after: int | None = None) -> dict:
-        """GET /v1/responses/{id}. vLLM's stream=true (from event starting_after) replays a
-        background response's events, and no response here has any: refused, where the body
-        alone left the openai SDK's retrieve(stream=True) an empty stream."""
-        body = self.get(response_id)
-        if stream or starting_after is not None:
-            param = "stream" if stream else "starting_after"
-            raise OpenAIError(f"{param} is refused: it replays a background response's events, "
-                              "and background responses are not supported; retrieve the "
-                              "response without stream and starting_after", param=param,
-                              code="unsupported_parameter")
-        return body
-
     def delete(self, response_id: str) -> dict:
-        if self._items.pop(response_id, None) is None:
-            raise self._missing(response_id)
+        if running(self.get(response_id)):
+            raise OpenAIError(f"Response {response_id!r} is still running: cancel it first "
+                              f"(POST /v1/responses/{response_id}/cancel), then delete it",
+                              code="invalid_value")
+        del self._items[response_id]
         return {"id": response_id, "object": "response", "deleted": True}
-
-    def cancel(self, response_id: str) -> None:
-        """vLLM's POST /v1/responses/{id}/cancel: only a background response (none here: they
-        are refused) can be cancelled; a kept one is finished."""
-        self.get(response_id)
-        raise OpenAIError("Cannot cancel a synchronous response: only background responses "
-                          "can be cancelled, and background is not supported", status=400,
-                          code="invalid_value")
 
     def _missing(self, response_id: str) -> OpenAIError:
         error = not_found(response_id)
         if not self.enabled:
             error.message += (f" Responses are not stored: start the server with "
-                              f"{_TURN_ON} to keep them.")
+                              f"{TURN_ON} to keep them.")
         return error
+
+
+def running(body: dict) -> bool:
+    """A background response not yet ended."""
+    return body["status"] in ("queued", "in_progress")

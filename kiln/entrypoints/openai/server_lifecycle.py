@@ -63,6 +63,14 @@ class _Server(uvicorn.Server):
         finally:
             ender.cancel()
 
+    async def _wait_tasks_to_complete(self) -> None:
+        await super()._wait_tasks_to_complete()
+        # Background responses hold no connection uvicorn waits for: they get the grace period
+        # too (its end aborts them with the rest; the app's shutdown cancels what is left).
+        background = getattr(self.config.app.state, "background_responses", None)
+        if background is not None and not self.force_exit:
+            await background.wait_idle()
+
     async def _end_in_flight(self) -> None:
         try:
             await asyncio.wait_for(self._grace_over.wait(), self.grace_s)

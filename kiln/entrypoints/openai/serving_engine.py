@@ -205,9 +205,14 @@ class ClientDisconnected(Exception):
     """The client hung up before a non-streaming response was ready."""
 
 
-def engine_error_event(e: Exception) -> str:
+def error_body_of(e: Exception) -> dict:
+    """What went wrong, as the error body a stream's in-band error carries."""
     if isinstance(e, OpenAIError):
-        return sse(e.body())
+        return e.body()
     if isinstance(e, EngineDeadError):  # the code a collected request's 503 has for it
-        return sse(_engine_dead(e).body())
-    return sse(OpenAIError(str(e), status=500, code="engine_error").body())
+        return _engine_dead(e).body()
+    return OpenAIError(str(e), status=500, code="engine_error").body()
+
+
+def engine_error_event(e: Exception) -> str:
+    return sse(error_body_of(e))

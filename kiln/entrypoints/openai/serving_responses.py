@@ -1,8 +1,8 @@
 """POST /v1/responses (OpenAI's Responses API, as vLLM serves it for a text model), on the chat
 path: the input rendered as a chat (responses_input.py), sampled and constrained as chat's
-fields say, the answer shaped as a response object or its event stream (responses_objects.py).
+fields say, the answer shaped as a response object or its event stream (responses_objects.py);
+with background, run detached (responses_background.py).
 """
-import json
 import time
 import uuid
 
@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kiln.entrypoints.openai.chat_rendering import generation_tail, render_chat_prompt
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.request_fields import with_cache_salt
+from kiln.entrypoints.openai.responses_background import BackgroundResponses
 from kiln.entrypoints.openai.responses_input import (
     chat_request,
     in_responses_terms,
@@ -37,7 +38,7 @@ from kiln.entrypoints.openai.serving_chat import ServingChat
 from kiln.entrypoints.openai.serving_engine import (
     ClientDisconnected,
     abort_unfinished,
-    engine_error_event,
+    error_body_of,
     merge_streams,
     submit,
     until_disconnect,
@@ -59,6 +60,7 @@ class ServingResponses:
         self.chat = chat
         self.llm = chat.llm
         self.store = store or ResponseStore()
+        self.background = BackgroundResponses(self.llm, self.store)
 
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
         created = int(time.time())
@@ -110,22 +112,34 @@ class ServingResponses:
         thinking_first = grammar_thinking_first(constraint)
         header = raw.headers.get("x-request-id")
         rid = f"resp_{header or req.request_id or uuid.uuid4().hex}"
+        self.background.check(req, rid)
         streams = await submit(self.llm, rid, [prompt], params, "input",
                                {"max_tokens": "max_output_tokens"}, priority=req.priority)
         shape = _Shape(req, model, rid, created, params, creq, prompt_text, thinking_first)
         shape.plan, shape.previous, shape.store = plan, previous, self.store.keeps(req)
+        if req.background:
+            queued = shape.response("queued", [], None)
+            work = self._stream(shape, streams, field) if req.stream else \
+                self._answer(shape, streams, field)
+            return self.background.start(queued, previous, req.input, streams, work)
         if req.stream:
             return StreamingResponse(self._stream(shape, streams, field),
                                      media_type="text/event-stream")
         try:
-            final = await until_disconnect(raw, self.chat._collect(streams[0], field))
+            response = await until_disconnect(raw, self._answer(shape, streams, field))
         except ClientDisconnected:
             return Response(status_code=499)
         finally:
             abort_unfinished(self.llm, streams)
+        return JSONResponse(response.model_dump())
+
+    async def _answer(self, shape: "_Shape", streams, field: str | None) -> ResponsesResponse:
+        """The whole response (kept where the request asks)."""
+        final = await self.chat._collect(streams[0], field)
+        plan, creq, prompt_text = shape.plan, shape.creq, shape.prompt_text
         o = final.outputs[0]
         reasoning, content = None, o.text
-        splitter = self.chat._splitter(creq, prompt_text, thinking_first)
+        splitter = self.chat._splitter(creq, prompt_text, shape.thinking_first)
         if splitter is not None:
             reasoning, content = splitter.split(o.text)
         calls = []
@@ -143,11 +157,11 @@ class ServingResponses:
         output += call_items(calls, plan.parser.template_checks_ids if calls else False)
         if calls:
             output[-1].status = last
-        counter = self.chat._counter(prompt_text, thinking_first, o.token_ids)
+        counter = self.chat._counter(prompt_text, shape.thinking_first, o.token_ids)
         usage = make_response_usage(len(final.prompt_token_ids), len(o.token_ids),
                                     final.num_cached_tokens,
                                     None if counter is None else counter.count)
-        return JSONResponse(self._kept(shape, shape.response(status, output, usage)).model_dump())
+        return self._kept(shape, shape.response(status, output, usage))
 
     async def _stream(self, shape: "_Shape", streams, field: str | None):
         event = EventWriter()
@@ -160,9 +174,9 @@ class ServingResponses:
         generated = cached = 0
         finish = None
         try:
-            start = shape.response("in_progress", [], None)
-            yield event("response.created", response=start)
-            yield event("response.in_progress", response=start)
+            queued = "queued" if shape.req.background else "in_progress"  # OpenAI's statuses
+            yield event("response.created", response=shape.response(queued, [], None))
+            yield event("response.in_progress", response=shape.response("in_progress", [], None))
             async for _, out in merge_streams(streams, field):
                 cached = max(cached, out.num_cached_tokens)
                 for o in out.outputs:
@@ -195,7 +209,7 @@ class ServingResponses:
                         response=self._kept(shape, shape.response(status, items.output, usage)))
         except Exception as e:  # noqa: BLE001 - the status line is sent; report in-band
             # OpenAI's error event: the error body's fields, beside the type
-            info = json.loads(engine_error_event(e).removeprefix("data: "))["error"]
+            info = error_body_of(e)["error"]
             yield event("error", code=info["code"], message=info["message"],
                         param=info["param"])
         finally:
@@ -235,4 +249,5 @@ class _Shape:
             temperature=self.params.temperature, top_p=self.params.top_p,
             tool_choice=req.tool_choice or "auto", tools=req.tools or [],
             store=self.store, previous_response_id=req.previous_response_id,
+            background=req.background is True,
             **({"text": text} if text is not None else {}))
