@@ -176,7 +176,9 @@ class EngineCore(CoreSleepMode):
         return self.scheduler.update_from_output(scheduler_output, model_runner_output)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        # requests a sleep(mode="abort") ended count until step() reports them: an in-process
+        # client steps only while this is true
+        return bool(self._sleep_outputs) or self.scheduler.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()

@@ -17,6 +17,12 @@ class RpcFailure:
 
 
 def dumps_call(method, args: tuple, kwargs: dict | None) -> bytes:
+    if callable(method) and getattr(method, "__module__", None) == "__main__":
+        # pickled as __main__.<name>, which the engine's process (its own __main__) lacks
+        raise ValueError(f"collective_rpc: {getattr(method, '__qualname__', method)!r} is "
+                         "defined in the script being run (__main__), which the engine's "
+                         "process cannot import; move it into a module it can import, or "
+                         "pass a worker method's name")
     try:
         return pickle.dumps((method, tuple(args), kwargs), protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, AttributeError, TypeError) as e:

@@ -90,8 +90,9 @@ class WorkerSleepMode:
         return bool(self.asleep)
 
     def _release_kv_cache(self) -> None:
-        # the C++ attention kernel's table holds the caches weakly (attention_op.LayerTable)
-        for layer in self._attention_layers().values():
+        # the C++ attention kernel's table holds the caches weakly (attention_op.LayerTable);
+        # a draft model's layers are among them (speculative decoding)
+        for layer in self._attention_layers():
             layer.kv_cache = None
 
     def _drop_packed(self, model) -> None:

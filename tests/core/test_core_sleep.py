@@ -42,6 +42,11 @@ def test_rpc_wire_sends_functions_by_name_and_refuses_lambdas():
     assert method is _module_level and args == (1,) and kwargs == {"y": 2}
     with pytest.raises(ValueError, match="module-level function"):
         rpc_wire.dumps_call(lambda worker: 1, (), None)
+    # a script's own function pickles by name, but the engine's process has another __main__
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_module_level, "__module__", "__main__")
+        with pytest.raises(ValueError, match=r"script being run \(__main__\).*module"):
+            rpc_wire.dumps_call(_module_level, (), None)
 
 
 def test_a_workers_error_comes_back_as_its_own_kind():

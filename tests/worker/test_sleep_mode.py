@@ -120,3 +120,47 @@ def test_collective_rpc_runs_callables_and_names_bad_calls(llm):
     with pytest.raises(ValueError, match="call the engine's sleep"):
         llm.collective_rpc("sleep", args=(1,))
     assert not llm.is_sleeping()
+
+
+def test_sleep_abort_reports_the_requests_it_ended(llm, tiny_tokens):
+    """In-process, the engine steps only while the core has requests: those a sleep ended
+    (finish_reason "abort") must still come out, or a server's streams hang."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"sleep-abort-{i}", {"prompt_token_ids": prompt}, params)
+    engine.step()
+    llm.sleep(level=1, mode="abort")
+    outs = engine.step()
+    assert sorted((o.request_id, o.finished, o.outputs[0].finish_reason) for o in outs) == [
+        (f"sleep-abort-{i}", True, "abort") for i in range(len(PROMPTS))]
+    assert not engine.has_unfinished_requests()
+    llm.wake_up()
+    assert _tokens(llm) == tiny_tokens
+
+
+def test_a_draft_models_kv_cache_sleeps_and_wakes_too(tiny_llama_dir, inprocess_core,
+                                                      tiny_tokens):
+    """Speculative decoding with a draft model: its KV tensors are freed with the target's,
+    and come back (its own checkpoint as the draft: every draft accepted after wake_up)."""
+    spec = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 2}
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", enforce_eager=True,
+              enable_sleep_mode=True, max_model_len=64, kv_cache_memory=0.01,
+              speculative_config=spec)
+    layers = list(_worker(llm).model_runner.drafter.attention_layers.values())
+    assert _tokens(llm) == tiny_tokens
+    for level in (1, 2):
+        llm.sleep(level=level)
+        assert all(layer.kv_cache is None for layer in layers)
+        llm.wake_up()
+        if level == 2:
+            llm.collective_rpc("reload_weights")
+        before = llm.llm_engine.get_stats()
+        assert _tokens(llm) == tiny_tokens
+        after = llm.llm_engine.get_stats()
+        drafted = (after["spec_decode_num_draft_tokens"]
+                   - before["spec_decode_num_draft_tokens"])
+        accepted = (after["spec_decode_num_accepted_tokens"]
+                    - before["spec_decode_num_accepted_tokens"])
+        assert drafted > 0 and accepted == drafted
+    llm.shutdown()
