@@ -79,9 +79,14 @@ class BackgroundResponses:
         self.logs: OrderedDict[str, EventLog] = OrderedDict()  # streamed ones', newest last
 
     def check(self, req, rid: str) -> None:
-        """Whether `req` (background true) can run as `rid`: the store on (400 naming the
-        variable), store not false (400), no response of that id running (a client's
-        request_id may come again: 400), fewer than the store's bound running (429)."""
+        """Whether `req` can run as `rid`: no background response of that id running (a
+        client's request_id may come again: 400), where its response is kept (it would take
+        that one's place in the store); with background, the store on (400 naming the
+        variable), store not false (400), fewer than the store's bound running (429)."""
+        if rid in self.runs and self.store.keeps(req):
+            raise OpenAIError(f"a background response with id {rid!r} is still running: give "
+                              "another request_id (or X-Request-Id), or cancel that one first",
+                              param="request_id", code="invalid_value")
         if not req.background:
             return
         if not self.store.enabled:
@@ -93,10 +98,6 @@ class BackgroundResponses:
             raise OpenAIError("background=true needs store=true (the default): a background "
                               "response is polled from the store", param="store",
                               code="invalid_value")
-        if rid in self.runs:
-            raise OpenAIError(f"a background response with id {rid!r} is still running: give "
-                              "another request_id (or X-Request-Id), or cancel that one first",
-                              param="request_id", code="invalid_value")
         if len(self.runs) >= self.store.max_stored:
             raise OpenAIError(f"{len(self.runs)} background responses are running, this "
                               f"server's most ({self.store.max_stored}, the response store's "

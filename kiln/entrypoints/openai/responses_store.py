@@ -3,10 +3,11 @@ KILN_ENABLE_RESPONSES_API_STORE, or vLLM's name): responses made with `store` (t
 are kept in this process's memory, the newest MAX_STORED of them (vLLM's store is unbounded; a
 background response still running is never the one forgotten); GET /v1/responses/{id} returns
 one, DELETE /v1/responses/{id} forgets it (a running one: cancel it first), and a request's
-`previous_response_id` continues one: its input (and that of the responses it continued) and
-its output come before the new input, as history. Instructions are not carried over, as
-OpenAI's are not. Off (the default), nothing is kept, and previous_response_id and background
-are refused. Background runs, their events and cancel: responses_background.py.
+`previous_response_id` continues one (a background one once it has ended): its input (and
+that of the responses it continued) and its output come before the new input, as history.
+Instructions are not carried over, as OpenAI's are not. Off (the default), nothing is kept,
+and previous_response_id and background are refused. Background runs, their events and
+cancel: responses_background.py.
 """
 import itertools
 from collections import OrderedDict
@@ -81,6 +82,11 @@ class ResponseStore:
         stored = self._items.get(rid)
         if stored is None:
             raise not_found(rid, "previous_response_id")
+        if running(stored.body):  # its output is not there yet: continuing it would drop it
+            raise OpenAIError(f"previous_response_id={rid!r} is a background response still "
+                              f"{stored.body['status']}: poll GET /v1/responses/{rid} until it "
+                              "ends, then continue it", param="previous_response_id",
+                              code="invalid_value")
         return stored
 
     def keeps(self, req) -> bool:

@@ -115,6 +115,11 @@ class ServingResponses:
         self.background.check(req, rid)
         streams = await submit(self.llm, rid, [prompt], params, "input",
                                {"max_tokens": "max_output_tokens"}, priority=req.priority)
+        try:  # again: a namesake (or the bound's last place) may have started during submit
+            self.background.check(req, rid)
+        except OpenAIError:  # refused: its requests never ran, as submit's own refusals
+            await self.llm.abort([s.request_id for s in streams], record=False)
+            raise
         shape = _Shape(req, model, rid, created, params, creq, prompt_text, thinking_first)
         shape.plan, shape.previous, shape.store = plan, previous, self.store.keeps(req)
         if req.background:
