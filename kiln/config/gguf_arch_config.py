@@ -46,28 +46,25 @@ def metadata_keys(arch: str | None) -> list[str]:
     return keys + ["tokenizer.ggml.padding_token_id"]
 
 
-def _values(table: dict) -> dict:
+def values(table: dict) -> dict:
     """The table's kept metadata as {key: value} (arrays as their length)."""
     return {key: entry.get("value", entry.get("count"))
             for key, entry in table["metadata"].items()}
 
 
-def build_config(table: dict):
-    """transformers' config for a file of one of OWN_CONFIG_ARCHITECTURES, as llama.cpp reads
-    the metadata: a missing rope base is 10000, a missing head_count_kv the head count, no
-    `output` tensor a head tied to the embedding, bias tensors the config's bias flags."""
-    import transformers
-
+def common_fields(table: dict) -> dict:
+    """The config fields every llama-style architecture has, as llama.cpp reads the metadata: a
+    missing rope base is 10000, a missing head_count_kv the head count, no `output` tensor a head
+    tied to the embedding, a q bias tensor the attention's bias flag."""
     arch = table["architecture"]
-    meta, names = _values(table), {t["name"] for t in table["tensors"]}
-    cls_name, architecture = OWN_CONFIG_ARCHITECTURES[arch]
+    meta, names = values(table), {t["name"] for t in table["tensors"]}
 
     def key(name, default=None):
         return meta.get(f"{arch}.{name}", default)
 
     heads = key("attention.head_count")
     fields = dict(
-        architectures=[architecture], num_hidden_layers=key("block_count"),
+        num_hidden_layers=key("block_count"),
         max_position_embeddings=key("context_length"), hidden_size=key("embedding_length"),
         intermediate_size=key("feed_forward_length"), num_attention_heads=heads,
         num_key_value_heads=key("attention.head_count_kv", heads),
@@ -77,6 +74,23 @@ def build_config(table: dict):
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names)
     fields.update({field: meta[k] for field, k in _TOKEN_IDS.items() if meta.get(k) is not None})
+    return fields
+
+
+def build_config(table: dict):
+    """transformers' config for a file of one of OWN_CONFIG_ARCHITECTURES (common_fields, and
+    each architecture's own)."""
+    import transformers
+
+    arch = table["architecture"]
+    meta, names = values(table), {t["name"] for t in table["tensors"]}
+    cls_name, architecture = OWN_CONFIG_ARCHITECTURES[arch]
+
+    def key(name, default=None):
+        return meta.get(f"{arch}.{name}", default)
+
+    fields = {"architectures": [architecture], **common_fields(table)}
+    heads = fields["num_attention_heads"]
     if arch == "gemma":
         fields.update(head_dim=key("attention.key_length", fields["hidden_size"] // heads),
                       hidden_act="gelu_pytorch_tanh")
@@ -116,7 +130,7 @@ def complete_phi3(config, table: dict, gguf: Path) -> None:
     """Put into transformers' Phi-3 config what its conversion drops: the sliding window
     (0: none, how the converter marks Phi-4's), the original context length, and a 128k file's
     longrope scaling (rope_factors_long / rope_factors_short, the attention factor)."""
-    meta = _values(table)
+    meta = values(table)
     window = meta.get("phi3.attention.sliding_window")
     if window is not None:
         config.sliding_window = int(window) or None

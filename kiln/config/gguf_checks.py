@@ -2,11 +2,12 @@
 
 Each refusal names the file and what fixes it, where transformers or the model's loading would
 fail without saying why: the second part of a split file has no general.architecture, the first
-lacks the other parts' tensors ("checkpoint is missing 9 parameters"), a mixture-of-experts
-file lacks the dense MLP's, and a size of 0, a string or an array where a number belongs failed
-in the rotary embedding, as a ZeroDivisionError or in transformers' validators (naming the HF
-field, not the file's). The checks read the tensor table (gguf_metadata.load_tensor_table),
-which keeps the metadata they need (`metadata_keys`), so a start parses no file for them.
+lacks the other parts' tensors ("checkpoint is missing 9 parameters"), experts in a file of an
+architecture Kiln runs dense only lack the dense MLP's, and a size of 0, a string or an array
+where a number belongs failed in the rotary embedding, as a ZeroDivisionError or in
+transformers' validators (naming the HF field, not the file's). The checks read the tensor
+table (gguf_metadata.load_tensor_table), which keeps the metadata they need (`metadata_keys`),
+so a start parses no file for them.
 """
 import math
 from pathlib import Path
@@ -15,7 +16,7 @@ from kiln.errors import ConfigError
 
 # The GGUF architectures Kiln's models run (general.architecture).
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2",
-                                "gemma3", "granite", "olmo2")
+                                "gemma3", "granite", "olmo2", "qwen2moe", "qwen3moe")
 # <arch>.key -> what its value must be: "count" a positive integer, "positive" a number above 0,
 # "scale" a number from 0 (a rope scaling factor: 0 is none, as llama.cpp reads it).
 # Required: without the model's shape transformers takes its defaults (32 layers, ...); without
@@ -28,6 +29,10 @@ _OPTIONAL = {"attention.head_count_kv": "count", "attention.key_length": "count"
              "rope.freq_base": "positive", "rope.dimension_count": "count",
              "rope.scaling.factor": "scale",
              "rope.scale_linear": "scale"}
+# A mixture of experts' (gguf_moe_config.is_moe): llama.cpp refuses a file without the counts.
+_MOE_REQUIRED = {"expert_count": "count", "expert_used_count": "count"}
+_MOE_OPTIONAL = {"expert_feed_forward_length": "count",
+                 "expert_shared_feed_forward_length": "count"}
 # Token ids the tokenizer and the engine use; each must be in the vocabulary.
 _TOKEN_IDS = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
 _TOKENS = "tokenizer.ggml.tokens"
@@ -45,8 +50,8 @@ def metadata_keys(arch: str | None) -> list[str]:
 
 def check_file(table: dict, gguf: Path) -> None:
     """Refuse a file Kiln's models cannot run: part of a split file, an architecture Kiln lacks
-    (before transformers, whose refusal named neither the file nor what Kiln runs), a
-    mixture of experts."""
+    (before transformers, whose refusal named neither the file nor what Kiln runs), experts
+    where Kiln runs the architecture dense only."""
     metadata = table["metadata"]
     split = metadata.get(_SPLIT_COUNT, {}).get("value")
     if isinstance(split, int) and split > 1:
@@ -60,15 +65,21 @@ def check_file(table: dict, gguf: Path) -> None:
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ConfigError(f"GGUF file {gguf}: architecture {arch!r} is not supported; "
                           f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+    from kiln.config.gguf_moe_config import is_moe
+
+    if is_moe(table):
+        return
     experts = metadata.get(f"{arch}.expert_count", {}).get("value")
     expert_tensors = [t["name"] for t in table["tensors"] if "_exps." in t["name"]]
     if (isinstance(experts, int) and experts > 0) or expert_tensors:
         what = f"{arch}.expert_count = {experts}" if experts else f"tensor {expert_tensors[0]}"
-        raise ConfigError(f"GGUF file {gguf} holds a mixture-of-experts model ({what}); Kiln "
-                          "runs GGUF files of dense models only (Llama, Mistral, Qwen2, Qwen3, "
-                          "Phi-3, Gemma, Gemma-2, Gemma-3, Granite, OLMo-2): serve the model's "
-                          "Hugging Face checkpoint instead (Mixtral, Qwen2-MoE and Qwen3-MoE "
-                          "safetensors are supported)")
+        fix = (f"its {arch}.expert_count (the number of experts, which llama.cpp's converter "
+               "writes) is missing or not a positive integer; convert the model again"
+               if arch == "llama" else
+               "Kiln runs GGUF mixtures of experts of the architectures llama (Mixtral), "
+               f"qwen2moe and qwen3moe only, {arch} files dense only: serve the model's Hugging "
+               "Face checkpoint instead")
+        raise ConfigError(f"GGUF file {gguf} holds a mixture-of-experts model ({what}); {fix}")
 
 
 def check_metadata(table: dict, gguf: Path) -> None:
@@ -76,16 +87,26 @@ def check_metadata(table: dict, gguf: Path) -> None:
     the engine: a missing model shape, context length or norm epsilon; a size that is not a
     positive integer (0, negative, a string, an array); a bos/eos token outside the vocabulary.
     Each error names the GGUF key and its value."""
+    from kiln.config.gguf_moe_config import is_moe
+
     arch, metadata = table["architecture"], table["metadata"]
-    missing = [f"{arch}.{key}" for key in _REQUIRED if f"{arch}.{key}" not in metadata]
+    required, optional = (_REQUIRED, _OPTIONAL) if not is_moe(table) else (
+        {**_REQUIRED, **_MOE_REQUIRED}, {**_OPTIONAL, **_MOE_OPTIONAL})
+    missing = [f"{arch}.{key}" for key in required if f"{arch}.{key}" not in metadata]
     if missing:
         raise ConfigError(f"GGUF file {gguf} lacks the metadata {', '.join(missing)}; "
                           f"{_NOT_LLAMA_CPP}")
-    for key, kind in {**_REQUIRED, **_OPTIONAL}.items():
+    for key, kind in {**required, **optional}.items():
         entry = metadata.get(f"{arch}.{key}")
         problem = None if entry is None else _value_problem(entry, kind)
         if problem:
             raise ConfigError(f"GGUF file {gguf}: {arch}.{key} is {problem}; {_NOT_LLAMA_CPP}")
+    if is_moe(table):
+        used = metadata[f"{arch}.expert_used_count"]["value"]
+        experts = metadata[f"{arch}.expert_count"]["value"]
+        if used > experts:
+            raise ConfigError(f"GGUF file {gguf}: {arch}.expert_used_count ({used}) is more "
+                              f"than {arch}.expert_count ({experts}); {_NOT_LLAMA_CPP}")
     vocab = metadata.get(_TOKENS, {}).get("count") or \
         metadata.get(f"{arch}.vocab_size", {}).get("value")
     for key in _TOKEN_IDS:

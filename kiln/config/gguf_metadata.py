@@ -18,7 +18,7 @@ from typing import Any
 
 from kiln import envs
 from kiln.atomic_write import temporary_beside
-from kiln.config import gguf_arch_config, gguf_checks
+from kiln.config import gguf_arch_config, gguf_checks, gguf_moe_config
 from kiln.errors import ConfigError
 from kiln.logger import init_logger
 
@@ -30,8 +30,8 @@ logger = init_logger(__name__)
 # 9: the tokenizer's model and pre-tokenizer type (a tokenizer kept before splits no digits),
 # 10: rope scaling read as llama.cpp reads it (rope.scale_linear, a missing type or factor),
 # 11: rope.dimension_count, 12: gguf_arch_config's metadata (Phi-3, Gemma, Granite, OLMo-2),
-# 13: Gemma-2 / 3's (soft caps, window).
-_FORMAT = 13
+# 13: Gemma-2 / 3's (soft caps, window), 14: gguf_moe_config's (the experts' counts and sizes).
+_FORMAT = 14
 
 
 def converted_dir(gguf: Path) -> Path:
@@ -95,6 +95,8 @@ def load_config(gguf: Path):
         try:
             if table["architecture"] in gguf_arch_config.OWN_CONFIG_ARCHITECTURES:
                 config = gguf_arch_config.build_config(table)  # transformers converts none
+            elif gguf_moe_config.is_moe(table):
+                config = gguf_moe_config.build_config(table)  # transformers' misses sizes
             else:
                 config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                     trust_remote_code=False)
@@ -185,7 +187,8 @@ def _tensor_table(gguf_path: Path) -> dict:
                           "pre": _field(reader, "tokenizer.ggml.pre")},
             "metadata": {key: _summary(reader.fields[key])
                          for key in gguf_checks.metadata_keys(arch)
-                         + gguf_arch_config.metadata_keys(arch) if key in reader.fields},
+                         + gguf_arch_config.metadata_keys(arch)
+                         + gguf_moe_config.metadata_keys(arch) if key in reader.fields},
             "tensors": [{"name": t.name, "type": int(t.tensor_type), "dtype": t.data.dtype.str,
                          "shape": list(t.data.shape), "dims": _dims(t),
                          "offset": int(t.data_offset),

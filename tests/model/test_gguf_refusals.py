@@ -33,9 +33,9 @@ def test_a_split_file_is_refused_saying_to_merge_it(hf_dir, tmp_path):
             kiln_config_for(part)
 
 
-def test_a_mixture_of_experts_file_is_refused(hf_dir, tmp_path):
-    """A Mixtral-style file (experts' stacked ffn_*_exps tensors for the dense MLP's) failed
-    with "checkpoint is missing 6 parameter(s)"."""
+def test_a_llama_file_of_experts_without_their_count_is_refused(hf_dir, tmp_path):
+    """Experts' stacked ffn_*_exps tensors for the dense MLP's, and no llama.expert_count to say
+    the file is Mixtral's: it failed with "checkpoint is missing 6 parameter(s)"."""
     experts, dense = {}, []
     for layer in range(2):
         for part, shape in (("ffn_gate", (4, 128, 64)), ("ffn_up", (4, 128, 64)),
@@ -43,14 +43,46 @@ def test_a_mixture_of_experts_file_is_refused(hf_dir, tmp_path):
             experts[f"blk.{layer}.{part}_exps.weight"] = np.zeros(shape, np.float32)
             dense.append(f"blk.{layer}.{part}.weight")
         experts[f"blk.{layer}.ffn_gate_inp.weight"] = np.zeros((4, 64), np.float32)
-    import gguf
+    path = write_gguf(tmp_path / "moe.gguf", hf_dir, extra=experts, skip=tuple(dense))
+    with pytest.raises(ConfigError, match=r"moe\.gguf holds a mixture-of-experts model \(tensor "
+                                          r"blk\.0\.ffn_gate_exps\.weight\); its llama\."
+                                          r"expert_count .* is missing or not a positive "
+                                          r"integer"):
+        kiln_config_for(path)
 
-    path = write_gguf(tmp_path / "moe.gguf", hf_dir, extra=experts, skip=tuple(dense),
-                      metadata={"llama.expert_count": (4, gguf.GGUFValueType.UINT32),
-                                "llama.expert_used_count": (2, gguf.GGUFValueType.UINT32)})
-    with pytest.raises(ConfigError, match=r"moe\.gguf holds a mixture-of-experts model "
-                                          r"\(llama\.expert_count = 4\); Kiln runs GGUF files of "
-                                          r"dense models only .*Mixtral, Qwen2-MoE"):
+
+def test_experts_of_an_architecture_kiln_runs_dense_only_are_refused(tmp_path):
+    from kiln.config.gguf_checks import check_file
+
+    table = {"architecture": "qwen2", "tensors": [],
+             "metadata": {"qwen2.expert_count": {"type": "UINT32", "value": 8}}}
+    with pytest.raises(ConfigError, match=r"m\.gguf holds a mixture-of-experts model \(qwen2\."
+                                          r"expert_count = 8\); Kiln runs GGUF mixtures of "
+                                          r"experts of the architectures llama \(Mixtral\), "
+                                          r"qwen2moe and qwen3moe only, qwen2 files dense only"):
+        check_file(table, tmp_path / "m.gguf")
+
+
+@pytest.mark.parametrize("key, entry, message", [
+    ("qwen3moe.expert_used_count", None, r"lacks the metadata qwen3moe\.expert_used_count"),
+    ("qwen3moe.expert_count", None, r"lacks the metadata qwen3moe\.expert_count"),
+    ("qwen3moe.expert_used_count", (5, "UINT32"),
+     r"qwen3moe\.expert_used_count \(5\) is more than qwen3moe\.expert_count \(4\)"),
+    ("qwen3moe.expert_feed_forward_length", (0, "UINT32"),
+     r"qwen3moe\.expert_feed_forward_length is 0; it must be above 0"),
+])
+def test_bad_expert_metadata_is_refused_naming_the_key(tmp_path, monkeypatch, key, entry,
+                                                       message):
+    """A top-k past the experts failed in the model's construction naming HF's
+    num_experts_per_tok; a missing count took transformers' default (128 experts, top 8)."""
+    from model.test_gguf_moe import write_moe_gguf
+
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
+    hf_dir = make_tiny_checkpoint(tmp_path / "hf", "qwen3_moe", tie=False)
+    if entry is not None:
+        entry = (entry[0], getattr(_types(), entry[1]))
+    path = write_moe_gguf(tmp_path / "m.gguf", hf_dir, "qwen3_moe", metadata={key: entry})
+    with pytest.raises(ConfigError, match=rf"GGUF file {path}:? {message}"):
         kiln_config_for(path)
 
 

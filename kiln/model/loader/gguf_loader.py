@@ -15,10 +15,12 @@ from torch import nn
 from kiln.errors import ConfigError
 from kiln.logger import init_logger
 from kiln.model.loader.gguf_names import (
+    expert_tensors,
+    gguf_sources,
     gguf_to_hf_name,
-    hf_to_gguf_name,
     norm_shift,
     permuted_heads,
+    to_hf_shape,
     unpermute_rope_rows,
 )
 
@@ -105,7 +107,11 @@ def iterate_gguf(path: Path, hf_config,
         if blocks is not None and qtype.name in QTYPES and raw.ndim == 2:
             rows = raw if heads is None else unpermute_rope_rows(raw, heads)  # rows of blocks
             blocks[hf_name] = (QTYPES[qtype.name], torch.from_numpy(np.array(rows)))
-        yield hf_name, torch.from_numpy(np.ascontiguousarray(values))
+        experts = expert_tensors(t["name"], values)
+        if experts is not None:  # a stack [E, out, in]: each expert's own, as HF names them
+            yield from ((name, torch.from_numpy(one)) for name, one in experts)
+            continue
+        yield hf_name, torch.from_numpy(np.ascontiguousarray(to_hf_shape(t["name"], values)))
 
 
 def load_gguf_weights(model: nn.Module, path: Path, hf_config) -> None:
@@ -171,7 +177,7 @@ def check_tensors_present(model: nn.Module, path: Path) -> None:
         # a module the file may store fused (Phi-3's attn_qkv) or as its parts
         options = [[name]] if name.rsplit(".", 2)[-2] in fused else []
         options.append([part for part, _ in checkpoint_parts(name)])
-        wanted = [[hf_to_gguf_name(part, arch) for part in option] for option in options]
+        wanted = [[g for part in option for g in gguf_sources(part, arch)] for option in options]
         if not any(all(g is None or g in present for g in option) for option in wanted):
             missing += [g for g in wanted[0]
                         if g is not None and g not in present and g not in missing]

@@ -4,6 +4,8 @@ did to a tensor's values that loading undoes (q/k rows permuted, Gemma-1/2/3's n
 
 Phi-3 files keep q/k/v and gate/up fused (attn_qkv, and ffn_up holding gate then up), named
 here as the HF Phi-3 checkpoint's qkv_proj / gate_up_proj, which its model splits on load.
+Mixtures of experts keep each layer's experts stacked (ffn_*_exps, [E, ...]): named here as
+Kiln's stacked parameters, and loaded as each expert's HF tensor (`expert_tensors`).
 """
 import re
 
@@ -32,7 +34,17 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixtures of experts: the router, Qwen2-MoE's shared expert and its sigmoid gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# llama.cpp's stacked expert tensors -> (Kiln's stacked parameter, each expert's HF tensor)
+EXPERT_STACKS = {"ffn_gate_exps": ("w13_weight", "gate_proj"),
+                 "ffn_up_exps": ("w13_weight", "up_proj"),
+                 "ffn_down_exps": ("w2_weight", "down_proj")}
 # Each architecture's names that differ from (or add to) the common ones.
 _ARCH_BLOCK_NAMES = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
@@ -61,6 +73,8 @@ def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
     m = _BLOCK_RE.match(name)
     if m:
         layer, part, kind = m.groups()
+        if part in EXPERT_STACKS and kind == "weight":
+            return f"model.layers.{layer}.mlp.experts.{EXPERT_STACKS[part][0]}"
         hf = block_names(arch).get(part)
         return f"model.layers.{layer}.{hf}.{kind}" if hf else None
     m = _GLOBAL_RE.match(name)
@@ -78,6 +92,35 @@ def hf_to_gguf_name(hf_name: str, arch: str | None = None) -> str | None:
     base, _, kind = hf_name.rpartition(".")
     part = next((k for k, v in GLOBAL_NAMES.items() if v == base), None)
     return None if part is None else f"{part}.{kind}"
+
+
+def gguf_sources(hf_name: str, arch: str | None = None) -> list[str | None]:
+    """The llama.cpp tensors that fill an HF tensor or Kiln parameter: hf_to_gguf_name's, or
+    for a stacked expert parameter the stacks it is made of (w13_weight: gate's, then up's)."""
+    m = re.match(r"^model\.layers\.(\d+)\.mlp\.experts\.(w13_weight|w2_weight)$", hf_name)
+    if m is None:
+        return [hf_to_gguf_name(hf_name, arch)]
+    return [f"blk.{m.group(1)}.{part}.weight" for part, (param, _) in EXPERT_STACKS.items()
+            if param == m.group(2)]
+
+
+def expert_tensors(name: str, values: np.ndarray) -> list[tuple[str, np.ndarray]] | None:
+    """Each expert's (HF tensor name, [out, in] values) of a stacked expert tensor ([E, out,
+    in]); None for any other tensor."""
+    m = _BLOCK_RE.match(name)
+    if m is None or m.group(2) not in EXPERT_STACKS or m.group(3) != "weight":
+        return None
+    part = EXPERT_STACKS[m.group(2)][1]
+    return [(f"model.layers.{m.group(1)}.mlp.experts.{e}.{part}.weight", values[e])
+            for e in range(values.shape[0])]
+
+
+def to_hf_shape(name: str, values: np.ndarray) -> np.ndarray:
+    """A tensor in its HF shape: Qwen2-MoE's shared-expert gate is one row, [1, H], that
+    llama.cpp's loader also takes as [H]."""
+    if ".ffn_gate_inp_shexp." in name and values.ndim == 1:
+        return values.reshape(1, -1)
+    return values
 
 
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
