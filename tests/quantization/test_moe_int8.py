@@ -175,3 +175,18 @@ def test_experts_quantized_in_part_are_refused(tiny_mixtral_dir):
     with pytest.raises(UnsupportedQuantization, match=r"quantization_config.ignore=.*the parts "
                        r"of model.layers.0.mlp.experts .*must all be quantized or all left"):
         config.expert_layers(model)
+
+
+@pytest.mark.parametrize("router", ["re:.*block_sparse_moe.gate", "re:.*mlp.gate$",
+                                    "model.layers.0.mlp.gate"])
+def test_mixtral_router_ignored_by_either_name_stays_float(tiny_mixtral_dir, router):
+    """Mixtral's checkpoint names its block `block_sparse_moe`; transformers 5 (and so
+    llm-compressor run under it) names it `mlp`. An ignore list in either spelling leaves the
+    router float: the transformers 5 one was read as quantized and the float router refused
+    as 'checkpoint dtype torch.float32 where torch.int8 is expected'."""
+    model = build_model(kiln_config_for(tiny_mixtral_dir))
+    config = Int8W8A8Config(online=False, ignore=["lm_head", router, "model.layers.1.mlp.gate"])
+    chosen = {name for name, _ in config.layers(model)}
+    assert "model.layers.0.mlp.gate" not in chosen
+    assert "model.layers.0.self_attn.qkv_proj" in chosen
+    assert len(config.expert_layers(model)) == 2

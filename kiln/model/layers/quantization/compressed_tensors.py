@@ -100,7 +100,7 @@ def parse_w8a8_int8(raw: dict) -> tuple[list[str], list[str]]:
                     "output activations are not quantized")
     targets = [t for s in config.config_groups.values() for t in s.targets]
     ignore = list(config.ignore or [])
-    if _targets_lm_head(targets) and not _ignored("lm_head", ignore):
+    if _targets_lm_head(targets) and not ignored("lm_head", ignore):
         _refuse("ignore", ignore, "the LM head stays in the model dtype: list 'lm_head' in "
                 "ignore (llm-compressor does by default)")
     return targets, ignore
@@ -112,7 +112,7 @@ def _targets_lm_head(targets: list[str]) -> bool:
     return any(t == "Linear" or match_name("lm_head", t) for t in targets)
 
 
-def _ignored(name: str, ignore: list[str]) -> bool:
+def ignored(name: str, ignore: list[str]) -> bool:
     from compressed_tensors.utils.match import match_name
 
     return any(match_name(name, pattern) for pattern in ignore)
@@ -127,8 +127,8 @@ def is_quantized(module_name: str, shard_names: list[str], targets: list[str],
 
     names = shard_names or [module_name]
     targeted = {n: any(t == "Linear" or match_name(n, t) for t in targets) for n in names}
-    ignored = {n: _ignored(n, ignore) for n in names}
-    flags = {n: targeted[n] and not ignored[n] for n in names}
+    skipped = {n: ignored(n, ignore) for n in names}
+    flags = {n: targeted[n] and not skipped[n] for n in names}
     if len(set(flags.values())) > 1:
         # name the list that splits them: the targets, else the ignore list
         field, value = (("targets", targets) if len(set(targeted.values())) > 1

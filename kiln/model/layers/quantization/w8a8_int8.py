@@ -126,35 +126,46 @@ class Int8W8A8Config:
 
     def layers(self, model: nn.Module) -> list[tuple[str, LinearBase]]:
         """The linears this config quantizes, by module name."""
-        from kiln.model.layers.quantization.compressed_tensors import is_quantized
-
-        chosen = []
         # a model whose checkpoint stores them fused (Phi-3) names them as Kiln does
         fused = getattr(model, "fused_checkpoint_modules", ())
+
+        def parts(module_name: str) -> list[str]:
+            prefix, _, leaf = module_name.rpartition(".")
+            return [] if leaf in fused else [f"{prefix}.{p}" for p in MERGED_PARTS.get(leaf, ())]
+
+        chosen = []
         for name, module in model.named_modules():
             if not isinstance(module, LinearBase):
                 continue
             if self.online and not getattr(module, "online_quantization", True):
                 continue  # an MoE router (kiln/model/layers/fused_moe.py)
-            if not self.online:
-                stored = checkpoint_module_name(model, name)
-                prefix, _, leaf = stored.rpartition(".")
-                parts = [] if leaf in fused else \
-                    [f"{prefix}.{p}" for p in MERGED_PARTS.get(leaf, ())]
-                if not is_quantized(stored, parts, self.targets, self.ignore):
-                    continue
+            if not self.online and not self._stored_quantized(model, name, parts):
+                continue
             chosen.append((name, module))
         return chosen
+
+    def _stored_quantized(self, model: nn.Module, name: str, parts_of) -> bool:
+        """Whether Kiln module `name` is stored quantized (`parts_of(module name)`: the
+        checkpoint names of a merged linear's parts, else []). Where the checkpoint's name
+        differs from Kiln's (Mixtral's `block_sparse_moe`), an ignore list written against
+        Kiln's, which is transformers 5's (`model.layers.0.mlp.gate`, as llm-compressor
+        run under it names the router), leaves the module float too."""
+        from kiln.model.layers.quantization.compressed_tensors import ignored, is_quantized
+
+        stored = checkpoint_module_name(model, name)
+        stored_parts = parts_of(stored)
+        # a refusal names Kiln's module, and its parts as stored
+        if not is_quantized(name if stored_parts else stored, stored_parts, self.targets,
+                            self.ignore):
+            return False
+        return stored == name or not all(ignored(n, self.ignore) for n in parts_of(name) or [name])
 
     def expert_layers(self, model: nn.Module) -> list[FusedMoE]:
         """The stacked experts this config quantizes: all online; a checkpoint's where it
         quantized every expert linear (some, not all: refused, they run as one op)."""
-        from kiln.model.layers.quantization.compressed_tensors import is_quantized
-
         return [m for name, m in model.named_modules() if isinstance(m, FusedMoE) and (
-            self.online or is_quantized(
-                name, expert_checkpoint_names(model, checkpoint_module_name(model, name), m),
-                self.targets, self.ignore))]
+            self.online or self._stored_quantized(
+                model, name, lambda module_name, m=m: expert_checkpoint_names(model, module_name, m)))]
 
     def prepare(self, model: nn.Module) -> int:
         """Before loading a quantized checkpoint: int8 parameters for it to fill."""
