@@ -124,8 +124,10 @@ class ModelConfig(FreezableConfig):
         limit = self.derived_max_model_len
         # With the window disabled every layer attends fully: exact only while no sequence
         # outgrows the window, so the window caps the length (as vLLM's does).
-        window = sliding_window_of(self.hf_config) if self.disable_sliding_window else None
-        layer_sliding_windows(self.hf_config)  # layer_types Kiln cannot serve, refused here
+        window = (sliding_window_of(self.hf_config, self.architecture)
+                  if self.disable_sliding_window else None)
+        # layer_types Kiln cannot serve, refused here
+        layer_sliding_windows(self.hf_config, self.architecture)
         key, trained = trained_length_of(self.hf_config)
         why = f"{key}={limit}"
         if limit != trained:  # a linear rope scaling stretched it
@@ -291,10 +293,12 @@ class ModelConfig(FreezableConfig):
     def get_sliding_window(self) -> int | None:
         """The model's attention window (vLLM's name); None without one or under
         --disable-sliding-window (the context is capped at it instead: max_model_len)."""
-        return None if self.disable_sliding_window else sliding_window_of(self.hf_config)
+        if self.disable_sliding_window:
+            return None
+        return sliding_window_of(self.hf_config, self.architecture)
 
     def layer_sliding_window(self, layer_index: int) -> int | None:
         """Decoder layer `layer_index`'s window (None: full attention)."""
         if self.disable_sliding_window:
             return None
-        return layer_sliding_windows(self.hf_config)[layer_index]
+        return layer_sliding_windows(self.hf_config, self.architecture)[layer_index]

@@ -1,32 +1,53 @@
-"""A checkpoint's sliding-window attention: the window, and which layers it limits (Mistral and
-Phi-3: every layer; Qwen2/3 and Gemma-2: those HF's `layer_types` names `sliding_attention`)."""
+"""A checkpoint's sliding-window attention: the window, and which layers it limits, as each HF
+model class reads them (Mixtral, Phi-3, Qwen3-MoE: every layer; Mistral, Qwen2/3, Qwen2-MoE,
+Gemma-2: those `layer_types` names `sliding_attention`, else every layer; the others: none)."""
 from kiln.errors import ConfigError
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
+# HF's attention of these classes takes `sliding_window` in every layer (layer_types unread).
+_EVERY_LAYER = ("MixtralForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM")
+# These window the layers their config's layer_types names (resolved from use_sliding_window
+# and max_window_layers by transformers' Qwen configs, alternating in Gemma-2's; a Mistral
+# config with layer_types is read by AutoConfig as Ministral's, which honours them).
+_BY_LAYER_TYPES = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                   "Qwen2MoeForCausalLM", "Gemma2ForCausalLM")
+# Every other family (Llama, Granite, Gemma, OLMo-2) attends fully whatever its config says:
+# HF's model classes never read a stray `sliding_window`.
 
-def sliding_window_of(hf_config) -> int | None:
-    """The attention window some layer of this config limits to (None: every layer full).
 
-    Mistral sets `sliding_window` alone; Qwen2/3 gate it with `use_sliding_window` and name the
-    windowed layers in `layer_types` (transformers 5)."""
+def _family(architecture: str) -> str:
+    """A *ForSequenceClassification's backbone family: its *ForCausalLM name."""
+    return architecture.replace("ForSequenceClassification", "ForCausalLM")
+
+
+def sliding_window_of(hf_config, architecture: str) -> int | None:
+    """The attention window some layer of `architecture` (the config's HF model class) limits
+    to (None: every layer full).
+
+    Qwen2/3 gate the window with `use_sliding_window` (transformers drops it when false) and
+    name the windowed layers in `layer_types`."""
+    family = _family(architecture)
+    if family not in _EVERY_LAYER and family not in _BY_LAYER_TYPES:
+        return None
     window = getattr(hf_config, "sliding_window", None)
     if not window or getattr(hf_config, "use_sliding_window", True) is False:
         return None
     layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
+    if (family in _BY_LAYER_TYPES and layer_types is not None
+            and "sliding_attention" not in layer_types):
         return None
     return int(window)
 
 
-def layer_sliding_windows(hf_config) -> list[int | None]:
+def layer_sliding_windows(hf_config, architecture: str) -> list[int | None]:
     """Each decoder layer's window (None: full attention), as HF's attention layers take it."""
     num_layers = getattr(hf_config, "num_hidden_layers", 0)
-    window = sliding_window_of(hf_config)
+    window = sliding_window_of(hf_config, architecture)
     layer_types = getattr(hf_config, "layer_types", None)
     if window is None:
         return [None] * num_layers
-    if layer_types is None:
+    if layer_types is None or _family(architecture) in _EVERY_LAYER:
         return [window] * num_layers
     if len(layer_types) != num_layers:
         raise ConfigError(f"layer_types names {len(layer_types)} layers, num_hidden_layers is "

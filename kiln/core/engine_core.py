@@ -87,7 +87,7 @@ class EngineCore(CoreSleepMode):
             raise ConfigError(f"no memory left for the KV cache (num_blocks={num_blocks}); raise "
                               "--kv-cache-memory / --gpu-memory-utilization or use a smaller model")
         self.max_model_len = self._fit_max_model_len(num_blocks)
-        self.executor.initialize_cache(num_blocks)
+        self.executor.initialize_cache(num_blocks, self.max_model_len)
         return num_blocks
 
     def _fit_max_model_len(self, num_blocks: int) -> int:

@@ -134,7 +134,7 @@ class InputProcessor:
         self.max_model_len = model_config.max_model_len  # the engine may lower it (its KV)
         self.config_max_model_len = model_config.max_model_len
         # Under --disable-sliding-window the model's window caps max_model_len
-        window = sliding_window_of(model_config.hf_config)
+        window = sliding_window_of(model_config.hf_config, model_config.architecture)
         self.window_cap = window if (model_config.disable_sliding_window
                                      and window == model_config.max_model_len) else None
         self.vocab_size = model_config.vocab_size

@@ -17,8 +17,9 @@ class Executor(ABC):
         """KV cache blocks every worker can hold (the minimum over workers)."""
 
     @abstractmethod
-    def initialize_cache(self, num_blocks: int) -> None:
-        """Allocate `num_blocks` KV blocks on every worker."""
+    def initialize_cache(self, num_blocks: int, max_model_len: int | None = None) -> None:
+        """Allocate `num_blocks` KV blocks on every worker; `max_model_len`: the engine's (the
+        KV cache may have capped it), which the models' longrope factors follow."""
 
     @abstractmethod
     def compile_or_warm_up_model(self) -> None:
@@ -80,8 +81,8 @@ class RankFanOutExecutor(Executor):
     def determine_num_blocks(self) -> int:
         return min(self._run_on_all("determine_num_blocks"))
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self._run_on_all("initialize_cache", num_blocks)
+    def initialize_cache(self, num_blocks: int, max_model_len: int | None = None) -> None:
+        self._run_on_all("initialize_cache", num_blocks, max_model_len)
 
     def compile_or_warm_up_model(self) -> None:
         self._run_on_all("compile_or_warm_up_model")

@@ -23,8 +23,8 @@ class UniprocExecutor(Executor):
     def kv_cache_block_bytes(self) -> int:
         return self.worker.kv_cache_block_bytes()
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_cache(num_blocks)
+    def initialize_cache(self, num_blocks: int, max_model_len: int | None = None) -> None:
+        self.worker.initialize_cache(num_blocks, max_model_len)
 
     def compile_or_warm_up_model(self) -> None:
         self.worker.compile_or_warm_up_model()

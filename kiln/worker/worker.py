@@ -109,8 +109,10 @@ class Worker(WorkerSleepMode):
                     block_bytes)
         return num_blocks
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        """Allocate one KV cache tensor per Attention layer and hand it to the layer."""
+    def initialize_cache(self, num_blocks: int, max_model_len: int | None = None) -> None:
+        """Allocate one KV cache tensor per Attention layer and hand it to the layer;
+        `max_model_len`: the engine's, which the KV cache may have capped below the config's
+        (longrope's factors follow it)."""
         cache = self.kiln_config.cache_config
         dtype = self.kiln_config.model_config.torch_dtype
         for layer in self._attention_layers():
@@ -119,6 +121,9 @@ class Worker(WorkerSleepMode):
             layer.kv_cache = (zeros_on_first_touch(shape, dtype) if self.device.type == "cpu"
                               else torch.zeros(shape, dtype=dtype, device=self.device))
         self.num_blocks = num_blocks
+        if max_model_len is not None:
+            from kiln.model.layers.rotary_embedding import fit_rotary_to_max_model_len
+            fit_rotary_to_max_model_len(self.model_runner.model, max_model_len)
 
     # ---- warm-up ---------------------------------------------------------------------------
     def compile_or_warm_up_model(self) -> None:

@@ -83,7 +83,7 @@ class PagedTokenExecutor:
         self.calls.append("determine_num_blocks")
         return self.measured_blocks
 
-    def initialize_cache(self, num_blocks: int) -> None:
+    def initialize_cache(self, num_blocks: int, max_model_len: int | None = None) -> None:
         self.calls.append("initialize_cache")
         self.cache = [[None] * self.block_size for _ in range(num_blocks)]
 

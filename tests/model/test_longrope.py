@@ -69,3 +69,17 @@ def test_greedy_tokens_match_hf_eager_and_compiled(longrope_dir, mode, tmp_path)
                             use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == hf_greedy(longrope_dir, prompts, 8)
         del llm
+
+
+def test_a_kv_cache_capping_max_model_len_within_the_original_length_runs_short_factors(
+        longrope_dir):
+    """max_model_len unset (the model's 512: long factors at build time), then a KV cache of
+    ORIGINAL tokens caps it at ORIGINAL: every sequence fits the original length, so HF runs
+    the short factors, and so must the engine (it ran the long ones, logprobs 0.3 off)."""
+    prompts = random_prompts(1, [20], seed=11)
+    llm = LLM(model=str(longrope_dir), dtype="float32", kv_cache_memory=0.05, block_size=16,
+              num_gpu_blocks_override=ORIGINAL // 16, enforce_eager=True)
+    assert llm.llm_engine.max_model_len == ORIGINAL
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(longrope_dir, prompts, 8)

@@ -112,6 +112,8 @@ CASES = {
     "qwen3_moe_bias_tied": ("Qwen3MoeConfig", dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=16,
         attention_bias=True, tie_word_embeddings=True)),
+    # a window HF's Llama never reads (Kiln windowed it: logits 3.2 off HF's)
+    "llama_stray_window_unread": ("LlamaConfig", dict(sliding_window=6)),
 }
 
 
@@ -157,17 +159,58 @@ def test_rope_parameters_nested_by_layer_type_are_refused():
 
 
 def test_sliding_window_decisions():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        GemmaConfig,
+        GraniteConfig,
+        LlamaConfig,
+        MistralConfig,
+        Olmo2Config,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
-    assert sliding_window_of(MistralConfig(sliding_window=4096)) == 4096
-    assert sliding_window_of(MistralConfig(sliding_window=None)) is None
-    assert sliding_window_of(LlamaConfig()) is None
+    from kiln.config.hf_config_snapshot import HFConfigSnapshot
+    from kiln.config.sliding_window import layer_sliding_windows
+
+    assert sliding_window_of(MistralConfig(sliding_window=4096), "MistralForCausalLM") == 4096
+    assert sliding_window_of(MistralConfig(sliding_window=None), "MistralForCausalLM") is None
+    assert sliding_window_of(LlamaConfig(), "LlamaForCausalLM") is None
+    # HF's Llama, Granite, Gemma and OLMo-2 never read a stray window
+    for config_cls in (LlamaConfig, GraniteConfig, GemmaConfig, Olmo2Config):
+        config = config_cls(sliding_window=16)
+        arch = config_cls.__name__.replace("Config", "ForCausalLM")
+        assert sliding_window_of(config, arch) is None, arch
+        assert layer_sliding_windows(config, arch) == [None] * config.num_hidden_layers
+    assert sliding_window_of(LlamaConfig(sliding_window=16),
+                             "LlamaForSequenceClassification") is None
     # Released Qwen2/3 configs carry a window with use_sliding_window false: full attention.
-    assert sliding_window_of(Qwen2Config(sliding_window=32768)) is None
+    qwen2, qwen3 = "Qwen2ForCausalLM", "Qwen3ForCausalLM"
+    assert sliding_window_of(Qwen2Config(sliding_window=32768), qwen2) is None
     assert sliding_window_of(Qwen3Config(use_sliding_window=True, sliding_window=64,
-                                         num_hidden_layers=4, max_window_layers=2)) == 64
+                                         num_hidden_layers=4, max_window_layers=2), qwen3) == 64
     assert sliding_window_of(Qwen2Config(use_sliding_window=True, sliding_window=64,
-                                         num_hidden_layers=4, max_window_layers=4)) is None
+                                         num_hidden_layers=4, max_window_layers=4), qwen2) is None
+    assert layer_sliding_windows(Qwen2Config(use_sliding_window=True, sliding_window=64,
+                                             num_hidden_layers=3, max_window_layers=1),
+                                 "Qwen2ForSequenceClassification") == [None, 64, 64]
+    # Qwen2-MoE: even layers below max_window_layers; Qwen3-MoE: every layer
+    moe = Qwen2MoeConfig(use_sliding_window=True, sliding_window=8, num_hidden_layers=4,
+                         max_window_layers=3)
+    assert layer_sliding_windows(moe, "Qwen2MoeForCausalLM") == [8, None, 8, None]
+    assert sliding_window_of(Qwen2MoeConfig(sliding_window=8), "Qwen2MoeForCausalLM") is None
+    moe3 = Qwen3MoeConfig(use_sliding_window=True, sliding_window=8, num_hidden_layers=2)
+    assert layer_sliding_windows(moe3, "Qwen3MoeForCausalLM") == [8, 8]
+    assert sliding_window_of(Qwen3MoeConfig(sliding_window=8), "Qwen3MoeForCausalLM") is None
+    # Mixtral / Phi-3's classes window every layer whatever layer_types says; a Mistral
+    # config's layer_types make AutoConfig read it as Ministral's, which honours them
+    both = ["full_attention", "sliding_attention"]
+    for arch in ("MixtralForCausalLM", "Phi3ForCausalLM"):
+        config = HFConfigSnapshot({"sliding_window": 4, "num_hidden_layers": 2,
+                                   "layer_types": both})
+        assert layer_sliding_windows(config, arch) == [4, 4], arch
+    assert layer_sliding_windows(config, "MistralForCausalLM") == [None, 4]
 
 
 @pytest.mark.parametrize("config_cls, overrides", [
@@ -205,11 +248,11 @@ def test_layer_types_kiln_cannot_serve_are_refused():
     config = HFConfigSnapshot({"sliding_window": 4, "num_hidden_layers": 2,
                                "layer_types": ["sliding_attention", "chunked_attention"]})
     with pytest.raises(ValueError, match="layer_types 'chunked_attention' are not supported"):
-        layer_sliding_windows(config)
+        layer_sliding_windows(config, "Qwen2ForCausalLM")
     config = HFConfigSnapshot({"sliding_window": 4, "num_hidden_layers": 3,
                                "layer_types": ["sliding_attention", "full_attention"]})
     with pytest.raises(ValueError, match="layer_types names 2 layers, num_hidden_layers is 3"):
-        layer_sliding_windows(config)
+        layer_sliding_windows(config, "Gemma2ForCausalLM")
 
 
 def test_a_tied_checkpoint_storing_another_head_is_served_tied_with_a_warning(tmp_path,

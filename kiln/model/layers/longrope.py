@@ -4,9 +4,11 @@ with, and the attention factor HF multiplies cos and sin by.
 HF switches per forward pass (long once a sequence outgrows original_max_position_embeddings,
 its generate() then recomputing the whole cache). A paged cache cannot re-rotate the keys it
 holds, so, as vLLM does, the engine's max_model_len decides once: the long factors where a
-sequence may outgrow the original length, else the short ones. Either way sequences HF runs with
-the same factors (any that fits a short engine; one whose prompt is longer than the original
-length in a long one) match HF exactly; a short prompt in a long engine runs the long factors.
+sequence may outgrow the original length, else the short ones (decided again before warm-up
+where the KV cache capped an unset max_model_len: fit_rotary_to_max_model_len). Either way
+sequences HF runs with the same factors (any that fits a short engine; one whose prompt is
+longer than the original length in a long one) match HF exactly; a short prompt in a long
+engine runs the long factors.
 """
 import math
 

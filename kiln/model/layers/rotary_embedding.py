@@ -45,6 +45,7 @@ class RotaryEmbedding(nn.Module):
                  scaling: dict | None = None, max_model_len: int | None = None):
         super().__init__()
         self.head_size, self.max_position, self.scaling = head_size, max_position, scaling
+        self.base = base
         self.inv_freq = compute_inv_freq(head_size, base, scaling, max_model_len)  # [hd/2] f32
         # longrope scales cos and sin (HF's attention_scaling): the logits' temperature
         self.mscale = longrope_mscale(scaling) if scaling is not None else 1.0
@@ -71,6 +72,14 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = self.inv_freq / factors.to(self.inv_freq.device, torch.float32)
         self.cos_sin_cache.copy_(self._cos_sin(self.inv_freq))
 
+    def fit_max_model_len(self, max_model_len: int) -> None:
+        """Longrope: the factors of the engine's final max_model_len, in place (the cache's
+        tensor stays the one graphs hold); other ropes do not depend on it."""
+        if self.scaling is None or self.scaling["rope_type"] != "longrope":
+            return
+        self.inv_freq = compute_inv_freq(self.head_size, self.base, self.scaling, max_model_len)
+        self.cos_sin_cache.copy_(self._cos_sin(self.inv_freq))
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T]; q [T, nh*hd], k [T, nkv*hd] -> rotated (q, k)."""
         return ir.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_size, True)
@@ -88,3 +97,12 @@ def share_rotary_embeddings(layers: nn.Module) -> int:
                    tuple(rotary.inv_freq.tolist()))
             module.rotary_emb = shared.setdefault(key, rotary)
     return len(shared)
+
+
+def fit_rotary_to_max_model_len(model: nn.Module, max_model_len: int) -> None:
+    """Every rotary embedding of `model` fitted to the engine's max_model_len: where the KV
+    cache capped it below the config's the model was built with, a longrope model whose
+    sequences all fit the original length then runs the short factors, as HF does."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.fit_max_model_len(max_model_len)
