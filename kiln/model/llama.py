@@ -3,7 +3,6 @@
 `LlamaStyleModel` is the undecorated backbone the Qwen models reuse; each architecture's
 backbone is its own class so the compile decorator can wrap each one once.
 """
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -14,13 +13,8 @@ from kiln.config.rope import get_rope_config, max_positions_of
 from kiln.distributed.parallel_state import get_pp_group
 from kiln.distributed.pipeline import PPMissingLayer, this_stage_layer_range
 from kiln.errors import ConfigError
-from kiln.logger import init_logger
-from kiln.model.checkpoint_names import (
-    checkpoint_parts,
-    config_bias,
-    merged_target,
-    unexpected_tensor_message,
-)
+from kiln.model.checkpoint_names import config_bias
+from kiln.model.hf_weight_loading import HFWeightLoading
 from kiln.model.layers.activation import SiluAndMul
 from kiln.model.layers.attention import Attention
 from kiln.model.layers.layernorm import RMSNorm
@@ -30,8 +24,6 @@ from kiln.model.layers.rotary_embedding import (
     share_rotary_embeddings,
 )
 from kiln.model.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-
-logger = init_logger(__name__)
 
 
 def layer_index(prefix: str) -> int:
@@ -199,8 +191,9 @@ class LlamaModel(LlamaStyleModel):
     pass
 
 
-class LlamaStyleForCausalLM(nn.Module):
-    """Backbone + LM head, with HF-name weight loading into the merged parameters."""
+class LlamaStyleForCausalLM(HFWeightLoading, nn.Module):
+    """Backbone + LM head, with HF-name weight loading into the merged parameters
+    (kiln/model/hf_weight_loading.py)."""
     model_cls = LlamaModel
     has_lm_head = True  # a classifier (kiln/model/seq_cls.py) has a score head instead
     require_all_weights = True  # load_weights refuses a checkpoint that leaves one out
@@ -246,84 +239,6 @@ class LlamaStyleForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)  # [N, V] float32
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors; raises naming any tensor that fits no parameter and any
-        parameter the checkpoint did not provide (random weights must never be served), unless
-        `require_all_weights` is off: a weight update (kiln/worker/weight_update.py) may bring
-        a few. Returns the parts loaded (`name` or `name#shard`)."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
-        stored_head = None
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if self.tie_word_embeddings and name == "lm_head.weight":
-                stored_head = tensor  # some tied checkpoints still store the head
-                continue
-            if not self.owns(name):
-                continue  # another pipeline stage's
-            if self.head_loads_embedding and name == "model.embed_tokens.weight":
-                name = "lm_head.weight"
-            target, shard_id = merged_target(name)
-            if target not in params:
-                raise ConfigError(unexpected_tensor_message(name, self.config))
-            param = params[target]
-            loader = getattr(param, "weight_loader", None)
-            if loader is None:
-                raise ValueError(f"parameter {target} has no weight_loader")
-            try:
-                if shard_id is None:
-                    loader(param, tensor)
-                else:
-                    loader(param, tensor, shard_id)
-            except ConfigError as e:  # the checkpoint does not fit the config
-                raise ConfigError(f"checkpoint tensor {name}: {e}") from None
-            except ValueError as e:  # a loader's bug: keep where it came from
-                raise ValueError(f"checkpoint tensor {name}: {e}") from e
-            loaded.add(target if shard_id is None else f"{target}#{shard_id}")
-        if self.require_all_weights:
-            self._check_complete(params, loaded)
-        if stored_head is not None:
-            self._warn_if_head_differs(stored_head)
-        return loaded
-
-    def _warn_if_head_differs(self, stored_head: torch.Tensor) -> None:
-        """A tied checkpoint whose stored head is not its embedding: Kiln ties them, as vLLM
-        does; transformers 5 unties them and uses the stored head, so outputs differ."""
-        embedding = getattr(self.model.embed_tokens, "weight", None)
-        if (embedding is None or embedding.is_meta or embedding.shape != stored_head.shape
-                or torch.equal(stored_head.to(embedding.dtype), embedding.data)):
-            return
-        logger.warning("tie_word_embeddings is true but the checkpoint's lm_head.weight differs "
-                       "from model.embed_tokens.weight: Kiln uses the embedding as the head (as "
-                       "vLLM does); transformers 5 uses the stored head. Set "
-                       "tie_word_embeddings false in config.json to serve the stored head")
-
-    def _check_complete(self, params: dict, loaded: set[str]) -> None:
-        missing = self.missing_weights(loaded, params)
-        if missing:
-            raise ConfigError(f"checkpoint is missing {len(missing)} parameter(s): "
-                              f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-
-    def missing_weights(self, loaded: set[str], params: dict | None = None) -> list[str]:
-        """The parameters (and shards) a checkpoint must give that `loaded` lacks."""
-        if params is None:
-            params = dict(self.named_parameters(remove_duplicate=False))
-        missing = []
-        for name, param in params.items():
-            if self.tie_word_embeddings and name == "lm_head.weight" \
-                    and not self.head_loads_embedding:
-                continue
-            # stacked experts (kiln/model/layers/fused_moe.py) name their own parts
-            shards = getattr(param, "shard_ids", None)
-            parts = [(name, s) for s in shards] if shards else checkpoint_parts(name)
-            for _, shard in parts:
-                if shard is None and name not in loaded:
-                    missing.append(name)
-                elif shard is not None and f"{name}#{shard}" not in loaded:
-                    missing.append(f"{name} (shard {shard})")
-        return missing
 
 
 class LlamaForCausalLM(LlamaStyleForCausalLM):
