@@ -123,6 +123,15 @@ ARCH_CONFIGS = {
 }
 
 
+def _widened(model):
+    """Random init is tiny; widen it so greedy tokens are decisive rather than near-ties."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    return model
+
+
 def make_tiny_checkpoint(path: Path, arch: str, *, tie: bool, seed: int = 0,
                          tokenizer: str = "words", **overrides) -> Path:
     """Save a tiny random `arch` (a key of ARCH_CONFIGS) checkpoint and a tokenizer:
@@ -140,12 +149,7 @@ def make_tiny_checkpoint(path: Path, arch: str, *, tie: bool, seed: int = 0,
     config_cls, extra = ARCH_CONFIGS[arch]
     config = getattr(transformers, config_cls)(**{**extra, **common})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Random init is tiny; widen it so greedy tokens are decisive rather than near-ties.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.08)
+    model = _widened(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
     if tokenizer == "chat":  # its <|im_end|> is id 2, the config's eos
         save_chat_tokenizer(path)
     else:
@@ -169,11 +173,7 @@ def make_tiny_classifier(path: Path, arch: str, num_labels: int, seed: int = 0,
                   eos_token_id=2, num_labels=num_labels, pad_token_id=None)
     config = getattr(transformers, config_cls)(**{**extra, **common, **overrides})
     torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.08)
+    model = _widened(AutoModelForSequenceClassification.from_config(config, dtype=torch.float32))
     save_tiny_tokenizer(path, common["vocab_size"])
     model.save_pretrained(path, safe_serialization=True)
     return path
