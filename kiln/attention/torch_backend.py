@@ -95,7 +95,9 @@ class TorchAttentionImpl(AttentionImpl):
         """qh [nh, L, hd] at query_pos [L] against kh/vh [nkv, S, hd] at key_pos [S]: causal,
         within the layer's window, scores soft-capped where it has a cap -> [nh, L, hd]."""
         if self.logits_soft_cap is None:
-            if self.sliding_window is None and torch.equal(query_pos, key_pos):
+            # A sequence against itself (its callers pass one tensor): plain causal SDPA, which
+            # a value comparison (torch.equal) would reach only after a device sync per layer
+            if self.sliding_window is None and key_pos is query_pos:
                 return self._sdpa(qh, kh, vh, is_causal=True)
             return self._sdpa(qh, kh, vh, attn_mask=key_mask(query_pos, key_pos,
                                                              self.sliding_window))

@@ -149,7 +149,7 @@ class EngineCore(CoreSleepMode):
             if self.paused and not outputs:  # in-process, a caller polls: not a busy spin
                 time.sleep(0.01)
             return outputs
-        return outputs + self._step()
+        return outputs + self._step() if outputs else self._step()
 
     def _step(self) -> list[EngineCoreOutput]:
         kv = self.scheduler.kv_cache_manager

@@ -228,7 +228,8 @@ class Scheduler(Requeueing):
             if drafts and row.get(req_id) is not None:
                 self.spec_decode.settle(request, drafts,
                                         model_runner_output.sampled_token_ids[row[req_id]])
-            if self.spec_decode is not None:  # a draft model's proposals for the next step
+            if self.spec_decode is not None and self.spec_decode.from_runner:
+                # a draft model's proposals for the next step
                 request.spec_token_ids = model_runner_output.spec_token_ids.get(req_id, [])
             output = step_output(request, model_runner_output, row.get(req_id),
                                  self.max_model_len)

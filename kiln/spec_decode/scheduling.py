@@ -28,6 +28,8 @@ class SpecDecodingStats:
 class SpecDecodeScheduling:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
+        # drafts proposed by the runner's draft model (kept on the request), not here
+        self.from_runner = config.method == "draft_model"
         self.stats = SpecDecodingStats(
             num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
 
@@ -44,14 +46,14 @@ class SpecDecodeScheduling:
             k = min(k, max_tokens - request.num_output_tokens - 1)
         if k <= 0:
             return []
-        if c.method == "draft_model":
+        if self.from_runner:
             return list(request.spec_token_ids[:k])
         return propose_ngram(token_array(request), c.prompt_lookup_min, c.prompt_lookup_max, k)
 
     def lookahead(self, num_computed: int, num_new: int, max_model_len: int) -> int:
         """KV slots past the step's tokens a draft model writes (its proposals, and the token
         sampled after a full run of accepted drafts): up to k, within max_model_len."""
-        if self.config.method != "draft_model":
+        if not self.from_runner:
             return 0
         return max(0, min(self.config.num_speculative_tokens,
                           max_model_len - num_computed - num_new))
