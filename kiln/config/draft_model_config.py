@@ -1,5 +1,6 @@
-"""The draft model's ModelConfig under --speculative-config method='draft_model', built from the
-target's (dtype, max_model_len, seed, load format), and the checks that it can draft for it."""
+"""The draft model's ModelConfig under --speculative-config method='draft_model' (or the EAGLE
+head's, method='eagle': eagle_config.py), built from the target's (dtype, max_model_len, seed,
+load format), and the checks that it can draft for it."""
 from kiln.config.model_config import ModelConfig
 from kiln.errors import ConfigError
 
@@ -8,11 +9,18 @@ _FLAG = "--speculative-config"
 
 def resolve_draft_model_config(spec, target: ModelConfig) -> None:
     """Set spec.draft_model_config (once: a config re-resolved keeps it)."""
-    if spec is None or spec.method != "draft_model" or spec.draft_model_config is not None:
+    if spec is None or not spec.runner_proposes or spec.draft_model_config is not None:
         return
     if target.runner_type != "generate":
         raise ConfigError(f"{_FLAG} drafts generated tokens; drop it with --runner "
                           f"{target.runner_type}")
+    if spec.method == "eagle":
+        from kiln.config.eagle_config import eagle_model_config
+
+        draft = eagle_model_config(spec, target)
+        draft.freeze()
+        object.__setattr__(spec, "draft_model_config", draft)
+        return
     try:
         draft = ModelConfig(model=spec.model, dtype=target.torch_dtype,
                             max_model_len=target.max_model_len, seed=target.seed,

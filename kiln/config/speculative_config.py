@@ -1,12 +1,22 @@
 """`SpeculativeConfig`: vLLM's --speculative-config / LLM(speculative_config=...), of which Kiln
-serves the model-free n-gram method (prompt lookup) and a separate draft model ("draft_model",
-kiln/spec_decode/). Fields, defaults and limits are vLLM's; eagle, medusa, mtp are refused."""
+serves the model-free n-gram method (prompt lookup), a separate draft model ("draft_model") and
+an EAGLE-1 head ("eagle"; kiln/spec_decode/). Fields, defaults and limits are vLLM's; eagle3,
+mtp, medusa are refused by name."""
 import json
 from dataclasses import dataclass, field, fields
 
 from kiln.errors import ConfigError
 
-METHODS = ("ngram", "draft_model")  # "[ngram]" and model="ngram" are vLLM's older spellings
+METHODS = ("ngram", "draft_model", "eagle")  # "[ngram]", model="ngram": vLLM's older spellings
+# the methods whose drafts a model in the worker proposes (the scheduler keeps them per request)
+RUNNER_METHODS = ("draft_model", "eagle")
+# vLLM's other methods, refused with what to use instead
+_REFUSED = {"eagle3": "EAGLE-3 heads (target hidden states from 3 layers) are not served; an "
+                      "EAGLE-1 head (EagleLlamaForCausalLM) runs under method='eagle'",
+            "mtp": "a model's own multi-token-prediction layers are not served",
+            "medusa": "Medusa heads are not served",
+            "mlp_speculator": "MLP speculators are not served",
+            "suffix": "suffix decoding is not served"}
 _FLAG = "--speculative-config"
 # vLLM's fields for a draft model that Kiln takes at one value only: (field, value, why)
 _FIXED = (("draft_sample_method", "greedy", "the draft proposes its argmax, one-hot in the "
@@ -20,7 +30,7 @@ _FIXED = (("draft_sample_method", "greedy", "the draft proposes its argmax, one-
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str | None = None  # None: "draft_model" when `model` names one, else "ngram"
+    method: str | None = None  # None: inferred from `model` (_method_of), as vLLM's
     num_speculative_tokens: int | None = None
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
@@ -39,18 +49,20 @@ class SpeculativeConfig:
     def __post_init__(self):
         method = "ngram" if self.method == "[ngram]" else self.method
         if method is None:  # vLLM infers it from `model`
-            method = "ngram" if self.model in (None, "ngram", "[ngram]") else "draft_model"
+            method = _method_of(self.model)
         if method not in METHODS:
-            raise ConfigError(f"{_FLAG}: speculative_config.method={method!r} is not supported; "
-                              "Kiln takes method='ngram' (prompt lookup) or 'draft_model' (a "
-                              "small model with the target's vocabulary, in 'model')")
+            why = f" ({_REFUSED[method]})" if method in _REFUSED else ""
+            raise ConfigError(f"{_FLAG}: speculative_config.method={method!r} is not supported"
+                              f"{why}; Kiln takes method='ngram' (prompt lookup), 'draft_model' "
+                              "(a small model with the target's vocabulary, in 'model') or "
+                              "'eagle' (an EAGLE-1 head for a Llama target, in 'model')")
         object.__setattr__(self, "method", method)
         k = self.num_speculative_tokens
         if k is None:
             raise ConfigError(f"{_FLAG}: speculative_config.num_speculative_tokens is required "
                               f"with method={method!r} (e.g. 3)")
         _check_int("num_speculative_tokens", k)
-        if method == "draft_model":
+        if method in RUNNER_METHODS:
             self._check_draft_model()
         else:
             self._check_ngram()
@@ -84,13 +96,15 @@ class SpeculativeConfig:
 
     def _check_draft_model(self) -> None:
         if not isinstance(self.model, str) or self.model in ("", "ngram", "[ngram]"):
-            raise ConfigError(f"{_FLAG}: method='draft_model' needs speculative_config.model, "
-                              "the draft model's path or hub id (e.g. a smaller model of the "
-                              "target's family)")
+            what = ("the EAGLE head's path or hub id (e.g. yuhuili/EAGLE-LLaMA3-Instruct-8B)"
+                    if self.method == "eagle" else "the draft model's path or hub id (e.g. a "
+                    "smaller model of the target's family)")
+            raise ConfigError(f"{_FLAG}: method={self.method!r} needs speculative_config.model, "
+                              f"{what}")
         for name in ("prompt_lookup_max", "prompt_lookup_min"):
             if getattr(self, name) is not None:
                 raise ConfigError(f"{_FLAG}: speculative_config.{name} is n-gram's; drop it "
-                                  "with method='draft_model'")
+                                  f"with method={self.method!r}")
         tp = self.draft_tensor_parallel_size
         if tp is not None and (isinstance(tp, bool) or tp != 1):
             raise ConfigError(f"{_FLAG}: speculative_config.draft_tensor_parallel_size={tp!r}: "
@@ -99,6 +113,11 @@ class SpeculativeConfig:
             if getattr(self, name) != value:
                 raise ConfigError(f"{_FLAG}: speculative_config.{name}={getattr(self, name)!r} "
                                   f"is not supported; Kiln takes {value!r} ({why})")
+
+    @property
+    def runner_proposes(self) -> bool:
+        """Whether a model in the worker proposes the drafts (not the scheduler's n-grams)."""
+        return self.method in RUNNER_METHODS
 
     @classmethod
     def from_value(cls, value) -> "SpeculativeConfig | None":
@@ -144,6 +163,16 @@ _DRAFT_ONLY = ("draft_tensor_parallel_size", "enforce_eager", "revision", "quant
                "max_model_len")
 
 
+def _method_of(model) -> str:
+    """vLLM's method for an unset one: ngram without a model, an EAGLE head by its name."""
+    if model in (None, "ngram", "[ngram]"):
+        return "ngram"
+    name = str(model).lower()
+    if "eagle3" in name:
+        return "eagle3"
+    return "eagle" if "eagle-" in name else "draft_model"
+
+
 def _check_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{_FLAG}: speculative_config.{name} must be an integer > 0, got "
@@ -160,7 +189,7 @@ def check_speculative(config: SpeculativeConfig | None, parallel) -> None:
         raise ConfigError(f"{_FLAG} is not supported with --pipeline-parallel-size "
                           f"{parallel.pipeline_parallel_size}: drop one of them (-tp works "
                           "with method='ngram')")
-    if config.method == "draft_model" and parallel.tensor_parallel_size > 1:
-        raise ConfigError(f"{_FLAG}: method='draft_model' is not supported with "
+    if config.runner_proposes and parallel.tensor_parallel_size > 1:
+        raise ConfigError(f"{_FLAG}: method={config.method!r} is not supported with "
                           f"--tensor-parallel-size {parallel.tensor_parallel_size}; drop one "
                           "of them (method='ngram' works with -tp)")

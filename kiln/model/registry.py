@@ -21,6 +21,8 @@ _MODELS = {
     "Qwen3ForCausalLM": ("kiln.model.qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("kiln.model.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
+# Draft heads, built only as a --speculative-config head (never served as --model)
+_DRAFT_HEADS = {"EagleLlamaForCausalLM": ("kiln.model.llama_eagle", "EagleLlamaForCausalLM")}
 # HF's *ForSequenceClassification: the family's backbone and a score head (seq_cls.py)
 _SEQ_CLS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
             "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
@@ -61,9 +63,13 @@ def supported_architectures() -> list[str]:
 
 
 # What to say of a well-known architecture Kiln does not serve, beside the list.
+_EAGLE_HEAD = ("an EAGLE draft head, not a model: pass it as --speculative-config "
+               "'{\"method\": \"eagle\", \"model\": ..., \"num_speculative_tokens\": 3}' "
+               "beside its target model")
 _NEAREST = {"Gemma3ForConditionalGeneration": (
     "its vision tower is not (Kiln serves text); Gemma-3's text-only checkpoints "
-    "(Gemma3ForCausalLM: gemma-3-270m, gemma-3-1b) are")}
+    "(Gemma3ForCausalLM: gemma-3-270m, gemma-3-1b) are"),
+    "EagleLlamaForCausalLM": _EAGLE_HEAD, "EAGLELlamaForCausalLM": _EAGLE_HEAD}
 
 
 def unsupported_message(architecture: str) -> str:
@@ -75,6 +81,9 @@ def unsupported_message(architecture: str) -> str:
 def get_model_class(architecture: str, classify: bool = False) -> type:
     """The class of `architecture`; `classify` (--convert classify): its family's with a
     score head in place of the LM head."""
+    if architecture in _DRAFT_HEADS:
+        return getattr(importlib.import_module(_DRAFT_HEADS[architecture][0]),
+                       _DRAFT_HEADS[architecture][1])
     if architecture not in _MODELS and architecture not in _SEQ_CLS:
         raise ConfigError(unsupported_message(architecture))
     module, name = _MODELS[_SEQ_CLS.get(architecture, architecture)]

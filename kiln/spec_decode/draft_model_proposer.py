@@ -4,6 +4,8 @@ from one budget). After each target step it catches up on what the target comput
 token just sampled, then proposes up to k tokens greedily (one forward over the batch each),
 which the scheduler runs as drafts next step; the rejection sampler takes them as one-hot, as
 vLLM's does under its default draft_sample_method='greedy'."""
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -15,6 +17,30 @@ from kiln.cudagraphs.mode import CUDAGraphMode
 from kiln.forward_context import set_forward_context
 from kiln.sample.row_reductions import row_argmax
 from kiln.worker.step_inputs import fill_buffers
+
+
+def make_drafter(kiln_config, device: torch.device):
+    """The worker's proposer for --speculative-config: None without one or for n-grams (the
+    scheduler proposes those)."""
+    spec = kiln_config.speculative_config
+    if spec is None or not spec.runner_proposes:
+        return None
+    if spec.method == "eagle":
+        from kiln.spec_decode.eagle_proposer import EagleProposer
+        return EagleProposer(kiln_config, device)
+    return DraftModelProposer(kiln_config, device)
+
+
+@dataclass
+class DraftPlan:
+    """Per request of the target's step (arrays in its order): its input-batch row, the
+    position its step began at, the end of the positions the draft catches up on, its known
+    tokens (the sampled ones included) and how many drafts it gets (0: none)."""
+    rows: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    known: np.ndarray
+    ks: np.ndarray
 
 
 def draft_kiln_config(kiln_config):
@@ -41,7 +67,9 @@ class DraftModelProposer:
         self.model: torch.nn.Module | None = None
         self.attention_layers: dict = {}  # layer name -> the draft's Attention modules
 
-    def load(self) -> None:
+    def load(self, target: torch.nn.Module | None = None) -> None:
+        """Build and load the draft (`target`: the target model, which EagleProposer's head
+        shares its embedding and LM head with)."""
         from kiln.model.layers.attention import attention_layers
         from kiln.model.loader import get_model
 
@@ -51,9 +79,13 @@ class DraftModelProposer:
         self.attn_backend = next(iter(self.attention_layers.values())).backend
 
     def _forward(self, runner, rows: np.ndarray, start: np.ndarray, count: np.ndarray,
-                 last: np.ndarray, input_ids: np.ndarray | None = None) -> list[int]:
+                 last: np.ndarray, input_ids: np.ndarray | None = None,
+                 target_hidden: torch.Tensor | None = None
+                 ) -> tuple[list[int], torch.Tensor | None]:
         """One draft forward: request i runs count[i] tokens from position start[i] (writing
-        their K/V); returns the argmax after the last token of the requests `last` indexes."""
+        their K/V); returns the argmax after the last token of the requests `last` indexes,
+        and the draft's hidden states there ([len(last), H]; an EAGLE head's next input).
+        `target_hidden` [T, H]: an EAGLE head's second input, row for row."""
         buf, n = runner.buffers, rows.size
         qsl, seq_lens = fill_buffers(buf, runner.input_batch, rows, start, count,
                                      runner.block_size, input_ids)
@@ -63,18 +95,18 @@ class DraftModelProposer:
         with set_forward_context(md, self.kiln_config, layers=self.attention_layers,
                                  cudagraph_runtime_mode=CUDAGraphMode.NONE):
             self.attn_backend.begin_step(md, runner.block_size)
+            extra = () if target_hidden is None else (target_hidden,)
             hidden = self.model(buf.staged("input_ids", num_tokens),
-                                buf.staged("positions", num_tokens))  # [T, H]
+                                buf.staged("positions", num_tokens), *extra)  # [T, H]
         if last.size == 0:
-            return []
+            return [], None
         index = torch.from_numpy(qsl[1:][last] - 1).to(hidden.device)
-        return row_argmax(self.model.compute_logits(hidden[index])).tolist()
+        hidden = hidden[index]  # [len(last), H]
+        return row_argmax(self.model.compute_logits(hidden)).tolist(), hidden
 
-    @torch.inference_mode()
-    def propose(self, runner, so: SchedulerOutput, req_ids: list[str],
-                sample_req_ids: list[str]) -> dict[str, list[int]]:
-        """After the target's step: the draft's K/V for every position the target computed
-        and the token it sampled, then each sampling request's proposals."""
+    def plan(self, runner, so: SchedulerOutput, req_ids: list[str],
+             sample_req_ids: list[str]) -> DraftPlan:
+        """Where each request of the target's step stands for the draft (DraftPlan)."""
         batch, block_size = runner.input_batch, runner.block_size
         states = [runner.requests[r] for r in req_ids]
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
@@ -100,22 +132,48 @@ class DraftModelProposer:
                 ks[i] = min(ks[i], params.max_tokens - len(s.output_token_ids) - 1)
             if params.structured_outputs is not None:  # decoded token by token
                 ks[i] = 0
-        runs = np.flatnonzero(end > start)
-        if runs.size == 0:
-            return {}
-        proposing = np.flatnonzero(ks[runs] > 0)  # into `runs`
-        first = self._forward(runner, rows[runs], start[runs], (end - start)[runs], proposing)
-        drafts = {int(runs[i]): [t] for i, t in zip(proposing, first)}
+        return DraftPlan(rows, start, end, known, ks)
+
+    def extend(self, runner, drafts: dict[int, list[int]], plan: DraftPlan,
+               hidden: torch.Tensor | None = None) -> None:
+        """Steps 2..k: each request still drafting runs its last draft (one forward over the
+        batch each) and appends the next. `hidden` [len(drafts), H]: an EAGLE head's state
+        after each request's last draft, row for row with `drafts`."""
+        rows, known, ks = plan.rows, plan.known, plan.ks
+        # a request's first draft's position, less 1: the draft model runs its own token
+        # there; an EAGLE head, one position behind (position i reads token i + 1)
+        base = known - 1 - (hidden is not None)
+        active = np.fromiter(drafts, dtype=np.int64, count=len(drafts))
         for j in range(1, self.k):
-            active = np.asarray([i for i in drafts if ks[i] > j], dtype=np.int64)
+            keep = ks[active] > j
+            active = active[keep]
             if active.size == 0:
                 break
+            if hidden is not None:
+                hidden = hidden[torch.from_numpy(np.flatnonzero(keep)).to(hidden.device)]
             tokens = np.asarray([drafts[i][-1] for i in active], dtype=np.int64)
-            nxt = self._forward(runner, rows[active], known[active] - 1 + j,
-                                np.ones(active.size, dtype=np.int64),
-                                np.arange(active.size), tokens)
+            nxt, out = self._forward(runner, rows[active], base[active] + j,
+                                     np.ones(active.size, dtype=np.int64),
+                                     np.arange(active.size), tokens, hidden)
+            hidden = None if hidden is None else out
             for i, t in zip(active, nxt):
                 drafts[int(i)].append(t)
         if self.device.type != "cpu":  # nothing may still read the host buffers next step
             torch.cuda.current_stream(self.device).synchronize()
+
+    @torch.inference_mode()
+    def propose(self, runner, so: SchedulerOutput, req_ids: list[str],
+                sample_req_ids: list[str], target_hidden: torch.Tensor | None = None
+                ) -> dict[str, list[int]]:
+        """After the target's step: the draft's K/V for every position the target computed
+        and the token it sampled, then each sampling request's proposals."""
+        p = self.plan(runner, so, req_ids, sample_req_ids)
+        runs = np.flatnonzero(p.end > p.start)
+        if runs.size == 0:
+            return {}
+        proposing = np.flatnonzero(p.ks[runs] > 0)  # into `runs`
+        first, _ = self._forward(runner, p.rows[runs], p.start[runs], (p.end - p.start)[runs],
+                                 proposing)
+        drafts = {int(runs[i]): [t] for i, t in zip(proposing, first)}
+        self.extend(runner, drafts, p)
         return {req_ids[i]: d for i, d in drafts.items()}

@@ -28,8 +28,8 @@ class SpecDecodingStats:
 class SpecDecodeScheduling:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
-        # drafts proposed by the runner's draft model (kept on the request), not here
-        self.from_runner = config.method == "draft_model"
+        # drafts proposed by the runner's draft model or EAGLE head (kept on the request)
+        self.from_runner = config.runner_proposes
         self.stats = SpecDecodingStats(
             num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
 

@@ -26,6 +26,7 @@ from kiln.sample.logprobs import to_logprobs_lists
 from kiln.sample.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs
 from kiln.sample.sampler import Sampler
 from kiln.sample.sampling_metadata import SamplingMetadata, build_sampling_metadata
+from kiln.spec_decode.draft_model_proposer import make_drafter
 from kiln.spec_decode.verifier import sample_with_drafts, write_drafts
 from kiln.worker.input_batch import CachedRequestState, InputBatch
 from kiln.worker.step_buffers import StepBuffers
@@ -57,12 +58,8 @@ class ModelRunner(StepInputPreparation):
         self._parked_generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=device)
         self.default_generator.manual_seed(kiln_config.model_config.seed)
-        # A draft model (kiln/spec_decode/draft_model_proposer.py), None without one.
-        self.drafter = None
-        spec = kiln_config.speculative_config
-        if spec is not None and spec.method == "draft_model":
-            from kiln.spec_decode.draft_model_proposer import DraftModelProposer
-            self.drafter = DraftModelProposer(kiln_config, device)
+        # A draft model or EAGLE head (kiln/spec_decode/), None without one.
+        self.drafter = make_drafter(kiln_config, device)
         # The draft's catch-up runs a step's tokens and each request's sampled one: a row more
         self.buffers = StepBuffers(self.max_num_tokens + (self.max_num_reqs if self.drafter
                                                           else 0),
@@ -100,7 +97,7 @@ class ModelRunner(StepInputPreparation):
         layers = self.attention_layers
         self.attn_backend = next(iter(layers.values())).backend if layers else AttentionBackend
         if self.drafter is not None:
-            self.drafter.load()
+            self.drafter.load(model)
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    attn_metadata: AttentionMetadata | None, num_tokens: int) -> torch.Tensor:
@@ -230,7 +227,7 @@ class ModelRunner(StepInputPreparation):
             raise
         if self.drafter is not None:
             output.spec_token_ids = self.drafter.propose(self, so, inputs.req_ids,
-                                                         inputs.sample_req_ids)
+                                                         inputs.sample_req_ids, hidden)
         return output
 
     def _sample(self, so: SchedulerOutput, inputs: StepInputs,

@@ -1,0 +1,65 @@
+"""The EAGLE head's ModelConfig under --speculative-config method='eagle': its config.json read
+as an EagleLlamaForCausalLM, and the checks that it can draft for the target (kiln/model/
+llama_eagle.py shares the target's embedding and LM head, so their sizes must be one)."""
+from kiln.config.hf_config_snapshot import HFConfigSnapshot, load_hf_dir_config
+from kiln.config.model_config import ModelConfig
+from kiln.errors import ConfigError
+
+_FLAG = "--speculative-config"
+EAGLE_ARCHITECTURE = "EagleLlamaForCausalLM"
+# the names an EAGLE-1 Llama head's config.json gives itself (yuhuili's say LlamaForCausalLM)
+_HEAD_ARCHITECTURES = ("EagleLlamaForCausalLM", "EAGLELlamaForCausalLM", "LlamaForCausalLM")
+# targets whose embedding and LM head an EAGLE Llama head can share as they are (no embedding
+# scale, no logit soft cap)
+_TARGETS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def eagle_model_config(spec, target: ModelConfig) -> ModelConfig:
+    """The head's ModelConfig, checked against the target's."""
+    from kiln.model.loader.hub import resolve_path
+
+    where = f"{_FLAG}: EAGLE head speculative_config.model={spec.model!r}"
+    if target.architecture not in _TARGETS:
+        raise ConfigError(f"{_FLAG}: method='eagle' drafts for {', '.join(_TARGETS)} targets; "
+                          f"the target is {target.architecture} (use method='draft_model' or "
+                          "'ngram' with it)")
+    try:
+        path = resolve_path(spec.model, revision=spec.revision,
+                            download_dir=target.download_dir)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} holds no config.json (an EAGLE head is a "
+                                    "directory with config.json and its weights)")
+        head = load_hf_dir_config(path)
+    except (ConfigError, FileNotFoundError, OSError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+    archs = list(getattr(head, "architectures", None) or [])
+    if not archs or archs[0] not in _HEAD_ARCHITECTURES:
+        raise ConfigError(f"{where}: architectures {archs} is not an EAGLE-1 Llama head (Kiln "
+                          f"takes {', '.join(_HEAD_ARCHITECTURES)}); EAGLE-3 heads "
+                          "(Eagle3LlamaForCausalLM) are not served")
+    check_head_fits(head, target, where)
+    values = {**head.to_dict(), "architectures": [EAGLE_ARCHITECTURE]}
+    try:
+        config = ModelConfig(model=str(path), hf_config=HFConfigSnapshot(values),
+                             dtype=target.torch_dtype, max_model_len=target.max_model_len,
+                             seed=target.seed,
+                             load_format="dummy" if target.load_format == "dummy" else "auto",
+                             skip_tokenizer_init=True, generation_config="vllm",
+                             max_logprobs=target.max_logprobs)
+    except (ConfigError, FileNotFoundError, OSError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if config.quantization is not None:
+        raise ConfigError(f"{where}: a quantized EAGLE head ({config.quantization}) is not "
+                          "served; use its float checkpoint")
+    return config
+
+
+def check_head_fits(head, target: ModelConfig, where: str) -> None:
+    """The head reads the target's token embeddings and last hidden states and writes through
+    its LM head: one hidden size and one vocabulary for both."""
+    for name, want in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
+        got = getattr(head, name, None)
+        if got != want:
+            raise ConfigError(f"{where} has {name}={got} and the target {target.model!r} "
+                              f"{want}; an EAGLE head must be trained for its target (same "
+                              f"{name}): pick the head made for this model")
