@@ -1,0 +1,112 @@
+"""EAGLE-1 speculative decoding (vLLM's method='eagle') on tiny random checkpoints: a random head
+drafts exactly what EAGLE's equations give from HF's target hidden states (eagle_heads.py's
+torch reference) and never changes greedy output; a head mirroring a 1-layer target whose next
+token depends on the last token alone has every draft accepted, eagerly and compiled; heads
+that do not fit the target are refused at config time."""
+import pytest
+
+from kiln import SamplingParams
+from kiln.config.speculative_config import SpeculativeConfig
+from kiln.errors import ConfigError
+
+from .eagle_heads import make_bigram_target, reference_drafts, write_head
+from .test_draft_model import all_accepted, assert_same
+from .test_spec_decode_e2e import PROMPTS, generate, make, spec_totals
+
+
+def eagle_spec(head_dir, k=3) -> dict:
+    return {"method": "eagle", "model": str(head_dir), "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def random_head(tmp_path_factory, tiny_llama_dir):
+    return write_head(tmp_path_factory.mktemp("eagle") / "head", tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def bigram(tmp_path_factory):
+    """(target, its mirroring head)."""
+    root = tmp_path_factory.mktemp("bigram")
+    target = make_bigram_target(root / "target")
+    return target, write_head(root / "head", target, mirror=True)
+
+
+def record_proposals(llm) -> list:
+    """Each proposal the runner's EAGLE head makes: (the request's known tokens, drafts)."""
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    seen, propose = [], runner.drafter.propose
+
+    def recording(r, so, req_ids, sample_req_ids, hidden=None):
+        out = propose(r, so, req_ids, sample_req_ids, hidden)
+        for req_id, drafts in out.items():
+            state = r.requests[req_id]
+            seen.append(([*state.prompt_token_ids, *state.output_token_ids], drafts))
+        return out
+    runner.drafter.propose = recording
+    return seen
+
+
+def test_random_head_drafts_eagles_tokens_and_keeps_greedy_output(
+        inprocess_core, tiny_llama_dir, random_head):
+    llm, base = make(tiny_llama_dir, eagle_spec(random_head)), make(tiny_llama_dir, None)
+    seen = record_proposals(llm)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    before = spec_totals(llm)
+    assert_same(generate(llm, PROMPTS, params), generate(base, PROMPTS, params), logprobs=True)
+    after = spec_totals(llm)
+    assert after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"] >= 3 * 4
+    assert len(after["spec_decode_num_accepted_tokens_per_pos"]) == 3
+    # after the prefill, after decodes and after rejected drafts: the head's K/V caught up on
+    # the accepted positions only, and read the target's hidden state of each
+    for tokens, drafts in seen[::4]:
+        assert drafts == reference_drafts(random_head, tiny_llama_dir, tokens, len(drafts))
+
+
+def test_mirroring_head_has_every_draft_accepted_eager_and_compiled(inprocess_core, bigram):
+    from checkpoints import hf_greedy
+
+    target, head = bigram
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = hf_greedy(target, PROMPTS, 20)
+    # mode 0 with a small budget: chunked prefills beside drafted decodes, each chunk's
+    # positions reading the next prompt token; mode 3: the compiled target's hidden states
+    for mode, kwargs in ((0, {"max_num_batched_tokens": 8, "max_num_seqs": 3}), (3, {})):
+        llm = make(target, eagle_spec(head, k=4), mode=mode, **kwargs)
+        assert llm.llm_engine.kiln_config.compilation_config.mode == mode
+        before = spec_totals(llm)
+        assert [list(o.token_ids) for o in generate(llm, PROMPTS, params)] == want
+        assert all_accepted(llm, before) >= 3 * 4 * 3
+
+
+def test_method_names_and_refusals(tiny_llama_dir, random_head, tmp_path):
+    from kiln.engine.arg_utils import EngineArgs
+
+    def kiln_config(spec, **kwargs):
+        return EngineArgs(model=str(tiny_llama_dir), speculative_config=spec,
+                          load_format="dummy", **kwargs).create_kiln_config()
+
+    config = kiln_config(eagle_spec(random_head)).speculative_config
+    assert config.draft_model_config.architecture == "EagleLlamaForCausalLM"
+    assert config.to_dict() == eagle_spec(random_head)
+    # vLLM infers the method from the head's name
+    assert SpeculativeConfig(model="yuhuili/EAGLE-LLaMA3-Instruct-8B",
+                             num_speculative_tokens=2).method == "eagle"
+    for method in ("eagle3", "mtp", "medusa"):
+        with pytest.raises(ConfigError, match=f"method='{method}' is not supported") as e:
+            SpeculativeConfig(method=method, model="x", num_speculative_tokens=2)
+        assert "'eagle'" in str(e.value)
+    with pytest.raises(ConfigError, match="method='eagle' needs speculative_config.model"):
+        SpeculativeConfig(method="eagle", num_speculative_tokens=2)
+    bad = {"hidden_size=32": write_head(tmp_path / "h", tiny_llama_dir, hidden_size=32),
+           "vocab_size=600": write_head(tmp_path / "v", tiny_llama_dir, vocab_size=600),
+           "not an EAGLE-1 Llama head": write_head(tmp_path / "a", tiny_llama_dir,
+                                                   architecture="Eagle3LlamaForCausalLM")}
+    for message, head in bad.items():
+        with pytest.raises(ConfigError, match="--speculative-config") as e:
+            kiln_config(eagle_spec(head))
+        assert message in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 2"):
+        kiln_config(eagle_spec(random_head), tensor_parallel_size=2)
+    # a head is no model to serve
+    with pytest.raises(ConfigError, match="an EAGLE draft head, not a model"):
+        EngineArgs(model=str(random_head), load_format="dummy").create_kiln_config()
