@@ -199,7 +199,9 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                         "\"prompt_lookup_min\": 2}' (prompt lookup) or '{\"method\": "
                         "\"draft_model\", \"model\": \"path/to/small-model\", "
                         "\"num_speculative_tokens\": 3}' (a draft model with the target's "
-                        "vocabulary); other methods are refused")
+                        "vocabulary) or '{\"method\": \"eagle\", \"model\": "
+                        "\"path/to/eagle-head\", \"num_speculative_tokens\": 3}' (an "
+                        "EAGLE-1 head for a Llama target); other methods are refused")
     g.add_argument("--ir-op-priority", dest="ir_op_priority", action=_IrOpPriority,
                    default=d.ir_op_priority, metavar="OP=PROVIDER[,PROVIDER...]",
                    help="providers of an IR op in order of preference, e.g. "
