@@ -37,6 +37,9 @@ def eagle_model_config(spec, target: ModelConfig) -> ModelConfig:
         raise ConfigError(f"{where}: architectures {archs} is not an EAGLE-1 Llama head (Kiln "
                           f"takes {', '.join(_HEAD_ARCHITECTURES)}); EAGLE-3 heads "
                           "(Eagle3LlamaForCausalLM) are not served")
+    if getattr(head, "add_para_norm", False):
+        raise ConfigError(f"{where}: a HASS head (add_para_norm: norms before fc) is not "
+                          "served; an EAGLE-1 head is")
     check_head_fits(head, target, where)
     values = {**head.to_dict(), "architectures": [EAGLE_ARCHITECTURE]}
     try:

@@ -20,9 +20,9 @@ class EagleLlamaModel(nn.Module):
     def __init__(self, *, kiln_config, prefix: str = "model"):
         super().__init__()
         cfg = kiln_config.model_config.hf_config
-        # EAGLE's own config names fc's bias `bias` (vLLM's class has none)
-        self.fc = ReplicatedLinear(2 * cfg.hidden_size, cfg.hidden_size,
-                                   bool(getattr(cfg, "bias", False)))
+        # EAGLE's own heads train fc with a bias, vLLM's class has none: taken when the
+        # checkpoint has one, else zero (EagleLlamaForCausalLM.load_weights)
+        self.fc = ReplicatedLinear(2 * cfg.hidden_size, cfg.hidden_size, True)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, prefix=f"{prefix}.layers.{i}")
                                     for i in range(cfg.num_hidden_layers))
         # the fc output is the layer's input as it is (EAGLE's cnets.py skips this norm)
@@ -71,9 +71,18 @@ class EagleLlamaForCausalLM(HFWeightLoading, nn.Module):
         return True
 
     def load_weights(self, weights) -> set[str]:
-        return super().load_weights(
+        loaded = super().load_weights(
             (name, tensor) for name, tensor in
             ((_kiln_name(n), t) for n, t in weights) if name is not None)
+        if _FC_BIAS not in loaded:
+            self.model.fc.bias.data.zero_()
+        return loaded
+
+    def missing_weights(self, loaded: set[str], params: dict | None = None) -> list[str]:
+        return [name for name in super().missing_weights(loaded, params) if name != _FC_BIAS]
+
+
+_FC_BIAS = "model.fc.bias"
 
 
 def _kiln_name(name: str) -> str | None:

@@ -17,8 +17,8 @@ def target_weights(target_dir: Path) -> dict[str, torch.Tensor]:
 
 def write_head(path: Path, target_dir: Path, *, seed: int = 0, mirror: bool = False,
                architecture: str = "EAGLELlamaForCausalLM", **overrides) -> Path:
-    """A 1-layer head over target_dir's config. mirror: fc = [I | 0] and the target's layer 0
-    (its input norm dropped), which drafts what a 1-layer target whose attention adds nothing
+    """A 1-layer head over target_dir's config. mirror: fc = [I | 0] (no bias) and the
+    target's layer 0 (its input norm dropped), which drafts what a 1-layer target whose attention adds nothing
     picks next (make_bigram_target); else random weights."""
     config = json.loads((target_dir / "config.json").read_text())
     config.update(architectures=[architecture], num_hidden_layers=1, **overrides)
@@ -28,10 +28,11 @@ def write_head(path: Path, target_dir: Path, *, seed: int = 0, mirror: bool = Fa
     if mirror:
         tensors = {f"layers.0.{n}.weight": src[f"model.layers.0.{n}.weight"] for n in _LAYER}
         tensors["fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
-    else:
+    else:  # random, fc with a bias
         tensors = {f"layers.0.{n}.weight": 0.2 * torch.randn(
             src[f"model.layers.0.{n}.weight"].shape, generator=gen) for n in _LAYER}
         tensors["fc.weight"] = 0.2 * torch.randn(h, 2 * h, generator=gen)
+        tensors["fc.bias"] = 0.2 * torch.randn(h, generator=gen)  # EAGLE's own heads have one
     tensors["layers.0.post_attention_layernorm.weight"] = \
         src["model.layers.0.post_attention_layernorm.weight"]
     tensors["embed_tokens.weight"] = torch.zeros(v, h)  # the target's copy: never read
@@ -88,6 +89,7 @@ def reference_drafts(head_dir: Path, target_dir: Path, tokens: list[int], k: int
         ids, states, drafts = list(tokens[1:]), list(hidden[:-1]), []
         for _ in range(k):
             x = torch.cat([embed[torch.tensor(ids)], torch.stack(states)], -1) @ w["fc.weight"].T
+            x = x + w.get("fc.bias", 0)
             t, d = x.shape[0], x.shape[1] // nh
             pos = torch.arange(t)
             q = _rope((x @ w["layers.0.self_attn.q_proj.weight"].T).view(t, nh, d), pos, theta)

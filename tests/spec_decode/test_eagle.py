@@ -100,7 +100,8 @@ def test_method_names_and_refusals(tiny_llama_dir, random_head, tmp_path):
     bad = {"hidden_size=32": write_head(tmp_path / "h", tiny_llama_dir, hidden_size=32),
            "vocab_size=600": write_head(tmp_path / "v", tiny_llama_dir, vocab_size=600),
            "not an EAGLE-1 Llama head": write_head(tmp_path / "a", tiny_llama_dir,
-                                                   architecture="Eagle3LlamaForCausalLM")}
+                                                   architecture="Eagle3LlamaForCausalLM"),
+           "a HASS head": write_head(tmp_path / "n", tiny_llama_dir, add_para_norm=True)}
     for message, head in bad.items():
         with pytest.raises(ConfigError, match="--speculative-config") as e:
             kiln_config(eagle_spec(head))
