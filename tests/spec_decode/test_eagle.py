@@ -106,6 +106,11 @@ def test_method_names_and_refusals(tiny_llama_dir, random_head, tmp_path):
         with pytest.raises(ConfigError, match="--speculative-config") as e:
             kiln_config(eagle_spec(head))
         assert message in str(e.value), str(e.value)
+    from types import SimpleNamespace
+
+    from kiln.config.eagle_config import eagle_model_config
+    with pytest.raises(ConfigError, match="the target is GemmaForCausalLM"):
+        eagle_model_config(config, SimpleNamespace(architecture="GemmaForCausalLM"))
     with pytest.raises(ConfigError, match="--tensor-parallel-size 2"):
         kiln_config(eagle_spec(random_head), tensor_parallel_size=2)
     # a head is no model to serve
