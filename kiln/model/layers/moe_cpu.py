@@ -46,3 +46,13 @@ def pack_int8_experts(moe) -> bool:
         meta.weight_loader, meta.shard_ids = w.weight_loader, w.shard_ids
         setattr(moe, name, meta)
     return True
+
+
+def int8_expert_weight(moe, name: str) -> torch.Tensor:
+    """The int8 stack `name` ("w13" or "w2") [E, N, K], from its panels where it was packed."""
+    from kiln.ir.moe_int8_panels import unpack_expert_panels
+
+    panels = getattr(moe, f"{name}_panels")
+    if panels is None:
+        return getattr(moe, f"{name}_weight")
+    return unpack_expert_panels(panels, getattr(moe, f"{name}_weight_scale").shape[1])
