@@ -26,6 +26,8 @@ def _float_expert(w13: torch.Tensor, w2: torch.Tensor, packed: list[torch.Tensor
     """Expert e's SiLU-gated MLP as the dense native linears run it (LlamaMLP's gate_up, then
     csrc's silu_mul_linear: the SiLU-and-mul kernel and the down projection)."""
     experts = w13.shape[0]
+    if packed and not packed[0].is_mkldnn:  # sleep mode's stand-ins for stale copies
+        packed = None
     linear, silu_mul_linear = (torch.ops.kiln.linear_native.default,
                                torch.ops.kiln.silu_mul_linear.default)
 
