@@ -6,6 +6,7 @@ Model code calls these ops only: `ir.rms_norm(x, weight, eps)`.
 from kiln.ir import (
                                fused,  # noqa: F401  (the fusion passes' ops)
                                int8_panels,
+                               moe_native,
                                native,
                                quant,
                                quant_fp8,
@@ -26,6 +27,7 @@ from kiln.ir.layer_ops import (
 from kiln.ir.lora import lora_add
 from kiln.ir.moe import fused_moe
 from kiln.ir.moe_int8 import fused_moe_int8
+from kiln.ir.moe_int8_panels import fused_moe_int8_panels
 from kiln.ir.op import PROVIDERS, REGISTRY, Implementation, IrOp
 from kiln.ir.selection import (
                                Selection,
@@ -39,10 +41,12 @@ from kiln.ir.selection import (
 native.register()
 quant_native.register()
 quant_fp8.register()
+moe_native.register()
 
 __all__ = ["PROVIDERS", "REGISTRY", "Implementation", "IrOp", "Selection", "all_reduce",
            "applied", "apply", "check_priority", "fused_add_rms_norm",
-           "fused_add_rms_norm_f32_scale", "fused_moe", "fused_moe_int8", "gelu_tanh_and_mul",
+           "fused_add_rms_norm_f32_scale", "fused_moe", "fused_moe_int8", "fused_moe_int8_panels",
+           "gelu_tanh_and_mul",
            "gguf_embedding", "gguf_linear", "linear", "lora_add", "parse_cli", "resolve", "rms_norm",
            "rms_norm_f32_scale", "rotary_embedding", "silu_and_mul", "unified_attention", "quant",
            "int8_panels"]

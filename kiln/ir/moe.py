@@ -77,18 +77,21 @@ def _float_expert(w13: torch.Tensor, w2: torch.Tensor):
 
 
 def _fused_moe_ref(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
-                   w2: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+                   w2: torch.Tensor, top_k: int, renormalize: bool,
+                   packed: list[torch.Tensor] | None = None) -> torch.Tensor:
     """x [T, H]; router_logits [T, E]; w13 [E, 2I, H] (each expert's [gate | up] rows); w2
     [E, H, I] -> [T, H] in x's dtype: sum over each token's top-k experts e (route()) of
     weight_e * down_e(silu(gate_e x) * up_e x). Each expert's MLP runs in x's dtype as HF's
     does; the weighted sum is taken in float32 and rounded once (HF rounds each expert's
     weighted output, then sums: within a rounding step in bfloat16, equal in float32). Under
-    tensor parallelism w13 / w2 hold this rank's slice of I and the result is its partial sum."""
+    tensor parallelism w13 / w2 hold this rank's slice of I and the result is its partial sum.
+    `packed`: oneDNN's blocked copies of the same values for the native kernel, each expert's
+    w13 then each expert's w2 (kiln/model/layers/moe_cpu.py); the reference ignores them."""
     return routed_sum(x, router_logits, w13.shape[0], w2.shape[1], _float_expert(w13, w2), top_k,
                       renormalize)
 
 
-def _fused_moe_dense(x, router_logits, w13, w2, top_k, renormalize):
+def _fused_moe_dense(x, router_logits, w13, w2, top_k, renormalize, packed=None):
     """The reference's result, every expert run on every token (dense_sum)."""
     return dense_sum(x, router_logits, w13.shape[0], w2.shape[1], _float_expert(w13, w2), top_k,
                      renormalize)
@@ -98,14 +101,14 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _fused_moe_torch(x, router_logits, w13, w2, top_k, renormalize):
+def _fused_moe_torch(x, router_logits, w13, w2, top_k, renormalize, packed=None):
     """The torch provider: the reference, or its routing-independent form while a CUDA graph
     (piecewise or FULL, mode 3's default on CUDA) is recorded."""
     run = _fused_moe_dense if capturing() else _fused_moe_ref
     return run(x, router_logits, w13, w2, top_k, renormalize)
 
 
-def _fused_moe_fake(x, router_logits, w13, w2, top_k, renormalize):
+def _fused_moe_fake(x, router_logits, w13, w2, top_k, renormalize, packed=None):
     return x.new_empty((x.shape[0], w2.shape[1]))
 
 
@@ -117,7 +120,7 @@ def _examples(dtype: torch.dtype, device: str):
 
 fused_moe = define(
     "fused_moe", "(Tensor x, Tensor router_logits, Tensor w13, Tensor w2, int top_k, "
-    "bool renormalize) -> Tensor", _fused_moe_ref, _fused_moe_fake, _examples)
+    "bool renormalize, Tensor[]? packed=None) -> Tensor", _fused_moe_ref, _fused_moe_fake, _examples)
 # In a graph the node stays (its shapes inside depend on the routing); its kernel runs the
 # reference (the dense form while a CUDA graph records it).
 fused_moe.register(Implementation("torch", _fused_moe_torch, graph_op=fused_moe.packet))

@@ -38,7 +38,8 @@ _FAMILY_OPS = {"GemmaForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),
                "Gemma2ForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),
                "Gemma3ForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),
                "Olmo2ForCausalLM": F32_SCALE_NORM_OPS,
-               **{arch: ("fused_moe", "fused_moe_int8") for arch in MOE_ARCHITECTURES}}
+               **{arch: ("fused_moe", "fused_moe_int8", "fused_moe_int8_panels")
+                  for arch in MOE_ARCHITECTURES}}
 # The Llama ops those families' own replace, with the fusions the graph passes make of them
 # (a Gemma report listed rms_norm, silu_and_mul and their int8 fusions, which it never calls).
 _LLAMA_NORMS = ("rms_norm", "fused_add_rms_norm", "rms_norm_dynamic_int8_quant",

@@ -99,7 +99,10 @@ class WorkerSleepMode:
         # a discarded weight's oneDNN copy is stale too: an empty stand-in until it is packed
         # again (a graph input must stay a tensor)
         for module in model.modules():
-            if getattr(module, "cpu_packed", None) is not None:
+            packed = getattr(module, "cpu_packed", None)
+            if isinstance(packed, list):  # a FusedMoE's, one per expert weight (moe_cpu.py)
+                module.cpu_packed = [torch.empty(0)] * len(packed)
+            elif packed is not None:
                 module.cpu_packed = torch.empty(0)
 
     def _give_back_memory(self) -> None:

@@ -52,8 +52,10 @@ def test_cold_run_reports_pieces_shapes_and_compiles(cold, cache_dir):
     assert sum(r["matches"]["LowerIrOps"] for r in runs) >= 1
     assert all(r["matches"]["ReinplaceIrOps"] >= 1 for r in runs)  # each piece's rotary or norm
     ops = dict(cold["ir_ops"])
-    # the MoE families' int8 experts: the torch reference, one opaque node (as fused_moe)
-    assert ops.pop("fused_moe_int8") == "torch"
+    # the MoE families' int8 experts, as stored or packed (one opaque node, as fused_moe): the
+    # native provider where the int8 kernels run (kiln/ir/moe_native.py)
+    moe_int8 = {op: ops.pop(op) for op in ("fused_moe_int8", "fused_moe_int8_panels")}
+    assert set(moe_int8.values()) == {"native" if int8_ops.isa() else "torch"}
     int8 = {op: ops.pop(op) for op in list(ops) if "int8" in op}  # the W8A8 ops: VNNI CPUs only
     fp8 = {op: ops.pop(op) for op in list(ops) if "fp8" in op}  # GPU kernels only
     assert fp8 == {"dynamic_fp8_quant": "torch", "fp8_scaled_mm": "torch"}
@@ -66,8 +68,8 @@ def test_cold_run_reports_pieces_shapes_and_compiles(cold, cache_dir):
                    "rms_norm_f32_scale": "torch", "fused_add_rms_norm_f32_scale": "torch",
                    "gelu_tanh_and_mul": "torch",
                    "lora_add": "native",  # the by-slot provider (kiln/ir/lora.py)
-                   # the MoE families' experts: the torch reference, one opaque node
-                   "fused_moe": "torch"}
+                   # the MoE families' experts: one opaque node, on the dense kernels
+                   "fused_moe": "native"}
     # quant, two GEMMs, the GEMM + SiLU + quant, three norm or activation + quant
     assert len(int8) == 7 and set(int8.values()) == {"native" if int8_ops.isa() else "torch"}
     assert cold["pieces"] == {"total": 2 * n + 1, "compiled": n + 1, "graphs": 1}
@@ -149,8 +151,11 @@ def test_ir_ops_line_lists_fused_moe_for_a_moe_model(tiny_qwen3_moe_dir, capsys,
     assert args.func(args) == 0
     report = json.loads(capsys.readouterr().out)
     (line,) = [x for x in format_report(report).splitlines() if x.startswith("ir ops")]
-    assert "fused_moe torch" in line and "gelu" not in line
-    assert ("fused_moe_int8 torch" in line) == (quantization == "int8")
+    assert "fused_moe native" in line and "gelu" not in line
+    # int8 experts run packed in panels on a CPU that reads them so, else as stored
+    int8_op = "fused_moe_int8_panels" if int8_ops.panel_cpu() else "fused_moe_int8"
+    provider = "native" if int8_ops.isa() else "torch"
+    assert (f"{int8_op} {provider}" in line) == (quantization == "int8")
 
 
 def test_mode0_text_report_in_process(tiny_llama_dir, capsys):

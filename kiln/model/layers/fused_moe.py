@@ -57,6 +57,11 @@ class FusedMoE(nn.Module):
         # [E, H], one scale per expert and output channel, beside int8 weights
         self.register_parameter("w13_weight_scale", None)
         self.register_parameter("w2_weight_scale", None)
+        # for the native kernels (kiln/model/layers/moe_cpu.py): int8 experts in VNNI panels,
+        # and oneDNN's packed copies of float experts (a list: w13's experts, then w2's)
+        self.register_buffer("w13_panels", None, persistent=False)
+        self.register_buffer("w2_panels", None, persistent=False)
+        self.cpu_packed: list[torch.Tensor] | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: ExpertShard | None = None) -> None:
@@ -80,12 +85,16 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         # x [T, H], router_logits [T, E] -> [T, H], this rank's partial sum
+        if self.w13_panels is not None:
+            return ir.fused_moe_int8_panels(x, router_logits, self.w13_panels,
+                                            self.w13_weight_scale, self.w2_panels,
+                                            self.w2_weight_scale, self.top_k, self.renormalize)
         if self.w13_weight_scale is not None:
             return ir.fused_moe_int8(x, router_logits, self.w13_weight, self.w13_weight_scale,
                                      self.w2_weight, self.w2_weight_scale, self.top_k,
                                      self.renormalize)
         return ir.fused_moe(x, router_logits, self.w13_weight, self.w2_weight, self.top_k,
-                            self.renormalize)
+                            self.renormalize, self.cpu_packed)
 
 
 class SparseMoeBlock(nn.Module):

@@ -18,6 +18,7 @@ from kiln.logger import init_logger
 from kiln.model.layers.cpu_gemm import BUFFERS
 from kiln.model.layers.fused_moe import FusedMoE
 from kiln.model.layers.linear import LinearBase
+from kiln.model.layers.moe_cpu import pack_int8_experts
 from kiln.model.layers.quantization.moe_int8 import (
     expert_checkpoint_names,
     experts_to_int8,
@@ -198,6 +199,8 @@ class Int8W8A8Config:
                         f" and {len(experts)} expert stacks" if experts else "")
         packed = sum(pack_for_cpu(m) for m in model.modules()
                      if isinstance(m, LinearBase) and isinstance(m.quant_method, Int8LinearMethod))
+        packed += 2 * sum(pack_int8_experts(m) for m in model.modules()
+                          if isinstance(m, FusedMoE))
         if packed:
             logger.info("W8A8 int8: packed %d weights into VNNI panels", packed)
         return len(chosen)

@@ -1,0 +1,111 @@
+"""Micro-benchmark of the MoE ops on the CPU: the native provider (kiln/ir/moe_native.py: experts
+on the dense kernels, weights packed once) against the torch reference, in one invocation, on a
+Mixtral-like layer; prints one JSON object (`python -m kiln.benchmarks.moe --help`).
+"""
+import argparse
+import json
+import platform
+import time
+
+import torch
+
+from kiln import ir
+from kiln.model.layers.fused_moe import FusedMoE
+from kiln.model.layers.moe_cpu import pack_float_experts, pack_int8_experts
+from kiln.model.layers.quantization.moe_int8 import quantize_experts
+from kiln.native import build, int8_ops
+
+_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8",
+              "amx_tile")
+
+
+def machine() -> dict:
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                  if line.startswith("model name")), platform.processor())
+    flags = build.cpu_flags()
+    return {"cpu": model, "isa_flags": [f for f in _ISA_FLAGS if f in flags],
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "int8_isa": int8_ops.isa()}
+
+
+def _time_ms(fn, iters: int) -> float:
+    fn()  # warm-up: oneDNN primitives, first-touch
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3  # the least disturbed run (a shared machine's others add noise)
+
+
+def _experts(args, quantized: bool) -> FusedMoE:
+    moe = FusedMoE(args.experts, args.top_k, args.hidden, args.intermediate, renormalize=True,
+                   tp_rank=0, tp_size=1)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        moe.w13_weight.normal_(0, 0.02, generator=g)
+        moe.w2_weight.normal_(0, 0.02, generator=g)
+    if quantized:
+        quantize_experts(moe)
+    return moe.to(torch.bfloat16) if not quantized else moe
+
+
+@torch.no_grad()
+def run(args) -> dict:
+    rows = []
+    for kind in args.dtypes:
+        moe = _experts(args, kind == "int8")
+        if kind == "int8":
+            stored = (moe.w13_weight, moe.w13_weight_scale, moe.w2_weight, moe.w2_weight_scale)
+            ref_fn = ir.fused_moe_int8.reference
+            packed = pack_int8_experts(moe)
+            op = ir.fused_moe_int8_panels if packed else ir.fused_moe_int8
+            weights = ((moe.w13_panels, moe.w13_weight_scale, moe.w2_panels, moe.w2_weight_scale)
+                       if packed else stored)
+            native_args, extra = weights, ()
+        else:
+            stored = (moe.w13_weight, moe.w2_weight)
+            ref_fn, op = ir.fused_moe.reference, ir.fused_moe
+            packed = pack_float_experts(moe)
+            native_args, extra = stored, (moe.cpu_packed,)
+        native = op.impls["native"].fn
+        for batch in args.batches:
+            g = torch.Generator().manual_seed(batch)
+            x = torch.randn(batch, args.hidden, generator=g).to(torch.bfloat16)
+            logits = torch.randn(batch, args.experts, generator=g).to(torch.bfloat16)
+            ref_call = (x, logits, *stored, args.top_k, True)
+            nat_call = (x, logits, *native_args, args.top_k, True, *extra)
+            diff = (native(*nat_call).float() - ref_fn(*ref_call).float()).abs().max().item()
+            ref_ms = _time_ms(lambda f=ref_fn, c=ref_call: f(*c), args.iters)
+            nat_ms = _time_ms(lambda f=native, c=nat_call: f(*c), args.iters)
+            rows.append({"weights": kind, "tokens": batch, "op": op.name, "packed": packed,
+                         "reference_ms": round(ref_ms, 3), "native_ms": round(nat_ms, 3),
+                         "speedup": round(ref_ms / nat_ms, 2), "max_abs_diff": diff})
+    return {"machine": machine(), "shape": {"hidden": args.hidden,
+                                            "intermediate": args.intermediate,
+                                            "experts": args.experts, "top_k": args.top_k,
+                                            "activations": "bfloat16"},
+            "results": rows}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--intermediate", type=int, default=2816)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 32, 512])
+    p.add_argument("--dtypes", nargs="+", choices=["bfloat16", "int8"],
+                   default=["bfloat16", "int8"])
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not build.available():
+        raise SystemExit("the native kernels are not built (no C++ compiler?): nothing to compare")
+    print(json.dumps(run(args)))
+
+
+if __name__ == "__main__":
+    main()

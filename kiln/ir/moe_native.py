@@ -1,0 +1,120 @@
+"""The `native` provider of the MoE IR ops (fused_moe, fused_moe_int8, fused_moe_int8_panels): the
+reference's routing and float32 weighted sum (kiln/ir/moe.py's routed_sum: tokens grouped by
+expert once, only routed experts run, on contiguous rows) with each expert's MLP on the dense
+linears' CPU kernels instead of aten's: GEMV for one or two rows and oneDNN's packed GEMM above
+(bfloat16 / float32), the VNNI / AMX panel kernels (int8). A Python kernel: its per-expert calls
+reach C++ ops directly; in compiled graphs the op stays one opaque node, as the reference's.
+
+Equal to running the dense layers' native ops per expert bit for bit (tests/model/
+test_moe_native.py); against the reference, within those kernels' rounding: the GEMMs' summation
+order (bfloat16: a rounding step of the output) and the SiLU's exp (int8: a quantization step).
+"""
+import torch
+
+from kiln.ir.moe import fused_moe, routed_sum
+from kiln.ir.moe_int8 import fused_moe_int8
+from kiln.ir.moe_int8_panels import fused_moe_int8_panels
+from kiln.ir.op import Implementation
+from kiln.native import build, gemv, int8_ops
+
+# The plan linear_native reads (csrc/linear_op.cpp): GEMV up to gemv.MAX_ROWS rows on the dense
+# weight, no GGUF blocks, default limbs. Read only by the kernel, never traced.
+_PLAN = torch.tensor([gemv.MAX_ROWS, 0, 3], dtype=torch.int64)
+
+
+def _float_expert(w13: torch.Tensor, w2: torch.Tensor, packed: list[torch.Tensor] | None):
+    """Expert e's SiLU-gated MLP as the dense native linears run it (LlamaMLP's gate_up, then
+    csrc's silu_mul_linear: the SiLU-and-mul kernel and the down projection)."""
+    experts = w13.shape[0]
+    if packed and not packed[0].is_mkldnn:  # sleep mode's stand-ins for stale copies
+        packed = None
+    linear, silu_mul_linear = (torch.ops.kiln.linear_native.default,
+                               torch.ops.kiln.silu_mul_linear.default)
+
+    def mlp(e: int, x: torch.Tensor) -> torch.Tensor:
+        p13, p2 = (packed[e], packed[experts + e]) if packed else (None, None)
+        gate_up = linear(x, w13[e], None, p13, _PLAN)  # [n, 2I]
+        return silu_mul_linear(gate_up, w2[e], None, p2, _PLAN)  # [n, H]
+    return mlp
+
+
+def _fused_moe_native(x, router_logits, w13, w2, top_k, renormalize, packed=None):
+    return routed_sum(x, router_logits, w13.shape[0], w2.shape[1],
+                      _float_expert(w13, w2, packed), top_k, renormalize)
+
+
+def _int8_expert(gemm, gemm_silu_quant, w13, w13_scale, w2, w2_scale):
+    """Expert e's W8A8 MLP on the int8 kernels, as the dense int8 LlamaMLP calls them natively:
+    quantize x, gate_up GEMM (+ SiLU-and-mul + quantization), down GEMM. `gemm_silu_quant` is
+    None where no fused kernel reads this weight layout (the stored one)."""
+    quant = torch.ops.kiln.dynamic_int8_quant_native.default
+    silu_quant = torch.ops.kiln.silu_and_mul_dynamic_int8_quant_native.default
+
+    def mlp(e: int, x: torch.Tensor) -> torch.Tensor:
+        q, scale = quant(x)  # [n, H] int8, [n, 1] float32
+        if gemm_silu_quant is not None:
+            q, scale = gemm_silu_quant(q, scale, w13[e], w13_scale[e], None, x.dtype)  # [n, I]
+        else:
+            q, scale = silu_quant(gemm(q, scale, w13[e], w13_scale[e], None, x.dtype))
+        return gemm(q, scale, w2[e], w2_scale[e], None, x.dtype)  # [n, H]
+    return mlp
+
+
+def _fused_moe_int8_native(x, router_logits, w13_q, w13_scale, w2_q, w2_scale, top_k,
+                           renormalize):
+    mlp = _int8_expert(torch.ops.kiln.int8_scaled_mm_native.default, None, w13_q, w13_scale, w2_q,
+                       w2_scale)
+    return routed_sum(x, router_logits, w13_q.shape[0], w2_q.shape[1], mlp, top_k, renormalize)
+
+
+def _fused_moe_int8_panels_native(x, router_logits, w13_panels, w13_scale, w2_panels, w2_scale,
+                                  top_k, renormalize):
+    mlp = _int8_expert(torch.ops.kiln.int8_scaled_mm_panels_native.default,
+                       torch.ops.kiln.int8_scaled_mm_panels_silu_quant_native.default,
+                       w13_panels, w13_scale, w2_panels, w2_scale)
+    return routed_sum(x, router_logits, w13_panels.shape[0], w2_scale.shape[1], mlp, top_k,
+                      renormalize)
+
+
+def _routing_fits(x, router_logits, experts: int) -> bool:
+    return (x.dim() == 2 and router_logits.dim() == 2 and router_logits.device.type == "cpu"
+            and router_logits.shape == (x.shape[0], experts))
+
+
+def _fused_moe_supported(x, router_logits, w13, w2, top_k, renormalize, packed=None) -> bool:
+    return (x.dtype in build.DTYPES and x.device.type == "cpu" and w13.dtype == w2.dtype == x.dtype
+            and w13.device.type == w2.device.type == "cpu" and w13.dim() == w2.dim() == 3
+            and w13.shape[2] == x.shape[1] and w13.shape[1] == 2 * w2.shape[2]
+            and _routing_fits(x, router_logits, w13.shape[0])
+            and (not packed or len(packed) == 2 * w13.shape[0]) and build.available())
+
+
+def _fused_moe_int8_supported(x, router_logits, w13_q, w13_scale, w2_q, w2_scale, top_k,
+                              renormalize) -> bool:
+    return (int8_ops.quant_supported(x) and _routing_fits(x, router_logits, w13_q.shape[0])
+            and w13_q.dim() == w2_q.dim() == 3 and w13_q.shape[1] % 2 == 0
+            and int8_ops.gemm_supported(x.new_empty(0, w13_q.shape[2], dtype=torch.int8),
+                                        w13_scale, w13_q[0], w13_scale[0], None, x.dtype)
+            and int8_ops.gemm_supported(x.new_empty(0, w2_q.shape[2], dtype=torch.int8),
+                                        w2_scale, w2_q[0], w2_scale[0], None, x.dtype))
+
+
+def _fused_moe_int8_panels_supported(x, router_logits, w13_panels, w13_scale, w2_panels,
+                                     w2_scale, top_k, renormalize) -> bool:
+    def fits(panels, scale):
+        return (panels.dim() == 5 and scale.dim() == 2 and panels.shape[0] == scale.shape[0]
+                and int8_ops.panels_gemm_supported(
+                    x.new_empty(0, 4 * panels.shape[2], dtype=torch.int8), scale, panels[0],
+                    scale[0], None, x.dtype))
+    return (int8_ops.quant_supported(x) and _routing_fits(x, router_logits, w13_panels.shape[0])
+            and fits(w13_panels, w13_scale) and fits(w2_panels, w2_scale)
+            and w13_scale.shape[1] % 2 == 0)
+
+
+def register() -> None:
+    # graph_op: the IR op itself, kept whole (its kernel runs the bound implementation)
+    for op, fn, supported in ((fused_moe, _fused_moe_native, _fused_moe_supported),
+                              (fused_moe_int8, _fused_moe_int8_native, _fused_moe_int8_supported),
+                              (fused_moe_int8_panels, _fused_moe_int8_panels_native,
+                               _fused_moe_int8_panels_supported)):
+        op.register(Implementation("native", fn, supported, graph_op=op.packet))
