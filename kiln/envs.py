@@ -145,6 +145,36 @@ def responses_api_store() -> bool:
     keeps /v1/responses answers in memory for GET /v1/responses/{id} and previous_response_id
     (kiln/entrypoints/openai/responses_store.py)."""
     return _flag("KILN_ENABLE_RESPONSES_API_STORE", False)
+
+
+def _positive_int(name: str, unit: str, default: int) -> int:
+    """`name`'s value as a whole number > 0; `default` where unset or empty."""
+    name, value = _read(name)
+    if value is None or not value.strip():
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ConfigError(f"{name}={value!r} must be a whole number of {unit} >= 1 (or unset "
+                          f"it for the default, {default})")
+    return number
+
+
+def responses_api_store_max_entries() -> int:
+    """`KILN_RESPONSES_API_STORE_MAX_ENTRIES`: the most responses the store keeps (default
+    10,000; vLLM's store has no bound); the oldest finished one is forgotten first."""
+    return _positive_int("KILN_RESPONSES_API_STORE_MAX_ENTRIES", "responses", 10_000)
+
+
+def responses_api_store_max_bytes() -> int:
+    """`KILN_RESPONSES_API_STORE_MAX_BYTES`: the most bytes (of JSON: the responses kept, their
+    inputs and the earlier ones they continue) the store holds (default 1 GiB); the oldest
+    finished response is forgotten first."""
+    return _positive_int("KILN_RESPONSES_API_STORE_MAX_BYTES", "bytes", 1 << 30)
+
+
 def allow_runtime_lora_updating() -> bool:
     """`KILN_ALLOW_RUNTIME_LORA_UPDATING=1` (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): kiln
     serve adds POST /v1/load_lora_adapter and /v1/unload_lora_adapter (kiln/lora/serving.py)."""

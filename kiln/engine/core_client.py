@@ -6,11 +6,13 @@ calls, so the engine front drives either the same way.
 """
 import collections
 import itertools
+import math
 import os
 import select
 import shutil
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 
@@ -36,6 +38,7 @@ from kiln.core.stats import SchedulerStats
 from kiln.engine.core_interpreter import CoreInterpreter
 from kiln.engine.core_proc_exit import exit_error, terminate
 from kiln.engine.core_receiver import CoreReceiver
+from kiln.engine.engine_sleep import rpc_timed_out
 from kiln.logger import init_logger
 
 logger = init_logger(__name__)
@@ -44,6 +47,10 @@ logger = init_logger(__name__)
 # an add or an abort); the core's death ends any wait at once.
 _STEP_WAIT_MS = 50
 _SHUTDOWN_WAIT_S = 10.0
+
+
+class _PastDeadline(Exception):
+    """A core call's answer did not come by its deadline."""
 
 
 class CoreProcClient(CoreReceiver):
@@ -202,11 +209,18 @@ class CoreProcClient(CoreReceiver):
                     self._unfinished.pop(out.request_id, None)
         return steps
 
-    def _call(self, method: str, *args):
+    def _call(self, method: str, *args, deadline: float | None = None):
+        """The core's `method(*args)`; past `deadline` (time.monotonic()), _PastDeadline."""
         call_id = next(self._call_ids)
         self._send(UtilityCall(call_id=call_id, method=method, args=list(args)))
         while True:
-            message = self._recv(1000)
+            wait_ms = 1000
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _PastDeadline
+                wait_ms = min(wait_ms, math.ceil(left * 1000))
+            message = self._recv(wait_ms)
             if isinstance(message, UtilityResult) and message.call_id == call_id:
                 if message.failure is not None:  # as its own kind: a bad argument's ValueError
                     raise rpc_wire.error_from(message.failure)
@@ -232,10 +246,17 @@ class CoreProcClient(CoreReceiver):
     def sleep_status(self) -> dict:
         return self._call("sleep_status")
 
-    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
-        """Pickled both ways (kiln/core/rpc_wire.py): tensors and results cross as they are."""
-        return rpc_wire.loads(self._call("collective_rpc",
-                                         rpc_wire.dumps_call(method, args, kwargs)))
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list:
+        """Pickled both ways (kiln/core/rpc_wire.py): tensors and results cross as they are.
+        Past `timeout` s, TimeoutError: the core runs the call on (its late result is
+        dropped: _take keeps step outputs only) and steps once it ends."""
+        payload = rpc_wire.dumps_call(method, args, kwargs)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            return rpc_wire.loads(self._call("collective_rpc", payload, deadline=deadline))
+        except _PastDeadline:
+            raise rpc_timed_out(method, timeout) from None
 
     def make_stats(self) -> SchedulerStats:
         """Fresh stats: taken by the core after every message sent before this call."""

@@ -1,5 +1,25 @@
 """`EngineSleepMode`: vLLM's LLMEngine sleep / wake_up / is_sleeping and collective_rpc, handed to
 the engine core (kiln/core/core_sleep.py), and the check that a batch can run now."""
+import math
+
+
+def check_rpc_timeout(timeout) -> float | None:
+    """collective_rpc's `timeout`: seconds > 0, or None (or infinity): no limit."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"collective_rpc timeout must be a number of seconds > 0 (or None: no "
+                         f"limit), got {timeout!r}")
+    return float(timeout) if math.isfinite(timeout) else None
+
+
+def rpc_timed_out(method, timeout: float) -> TimeoutError:
+    """What a collective_rpc call that outlived its `timeout` raises (vLLM's TimeoutError):
+    the worker's call runs on, and the engine runs nothing else until it ends."""
+    name = method if isinstance(method, str) else getattr(method, "__qualname__", repr(method))
+    return TimeoutError(f"collective_rpc {name!r} did not finish within its timeout of "
+                        f"{timeout:g} s; the workers' call goes on (the engine steps again once "
+                        "it ends): raise timeout, or make the call shorter")
 
 
 class EngineSleepMode:
@@ -25,13 +45,16 @@ class EngineSleepMode:
                        kwargs: dict | None = None) -> list:
         """vLLM's: every worker's `method` (a Worker method's name such as "load_weights",
         "reload_weights", "get_model", or a callable taking the worker first; across processes a
-        module-level function) with `args` / `kwargs`, the results in rank order. `timeout` is
-        accepted and not applied: a multi-rank step's own timeout still holds."""
+        module-level function) with `args` / `kwargs`, the results in rank order. `timeout`
+        (seconds): a call still running then raises TimeoutError naming the method and the
+        timeout (vLLM's); the call itself cannot be stopped, and the engine steps again once
+        it ends."""
+        timeout = check_rpc_timeout(timeout)
         if not isinstance(args, (tuple, list)):
             raise ValueError(f"collective_rpc args must be a tuple, got {type(args).__name__}")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError(f"collective_rpc kwargs must be a dict, got {type(kwargs).__name__}")
-        return self._core().collective_rpc(method, tuple(args), kwargs)
+        return self._core().collective_rpc(method, tuple(args), kwargs, timeout)
 
     def check_awake(self, what: str) -> None:
         """Refuse a batch that could never finish: nothing steps while the engine sleeps or

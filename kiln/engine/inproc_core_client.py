@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from kiln.core.outputs import EngineCoreOutput
 from kiln.core.request import Request, RequestStatus
 from kiln.core.stats import SchedulerStats
+from kiln.engine.engine_sleep import rpc_timed_out
 
 
 class InprocCoreClient:
@@ -19,8 +20,9 @@ class InprocCoreClient:
 
         from kiln.core.engine_core import EngineCore
 
-        self.core = EngineCore(kiln_config, executor_class)
-        self.executor = self.core.executor
+        self._core = EngineCore(kiln_config, executor_class)
+        self._late: threading.Thread | None = None  # a collective_rpc past its timeout
+        self.executor = self._core.executor
         self.startup_timings = dict(self.core.startup_timings)
         self.pid = os.getpid()
         self.num_blocks = self.core.num_blocks  # the KV cache's size, in blocks
@@ -30,6 +32,15 @@ class InprocCoreClient:
         self._watcher: threading.Thread | None = None
         self._closing = threading.Event()
         self._wake: tuple[int, int] | None = None  # a pipe that wakes the watcher at shutdown
+
+    @property
+    def core(self):
+        """The EngineCore, once a collective_rpc that outlived its timeout has ended: nothing
+        else runs beside it (as in the core's own process, which runs one call at a time)."""
+        if self._late is not None:
+            self._late.join()
+            self._late = None
+        return self._core
 
     def add_request(self, request: Request, child_ids: Sequence[str] = ()) -> None:
         self.core.add_request(request, child_ids)
@@ -63,8 +74,30 @@ class InprocCoreClient:
     def sleep_status(self) -> dict:
         return self.core.sleep_status()
 
-    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
-        return self.core.collective_rpc(method, args, kwargs)
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list:
+        """With a `timeout`, the call runs on a thread of its own: past it, TimeoutError, and
+        the call runs on (its result or error dropped) until `core` is next wanted."""
+        core = self.core
+        if timeout is None:
+            return core.collective_rpc(method, args, kwargs)
+        outcome = {}
+
+        def call():
+            try:
+                outcome["result"] = core.collective_rpc(method, args, kwargs)
+            except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
+                outcome["error"] = e
+
+        thread = threading.Thread(target=call, name="kiln-collective-rpc", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive():
+            self._late = thread
+            raise rpc_timed_out(method, timeout)
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["result"]
 
     def make_stats(self) -> SchedulerStats:
         return self.core.make_stats()

@@ -34,7 +34,8 @@ class LLMSleepMode:
         `weights`, HF-named (name, tensor) pairs, written in place, each rank taking its shard;
         "reload_weights" reads the checkpoint again; or a callable `f(worker, *args,
         **kwargs)`, a module-level function where the engine runs in its own process); returns
-        the workers' results in rank order."""
+        the workers' results in rank order. `timeout` (seconds): a call still running then
+        raises TimeoutError naming it (vLLM's); it runs on, and the engine waits for it."""
         self._check_owner()
         with self._one_batch("collective_rpc"):
             return self.llm_engine.collective_rpc(method, timeout, args, kwargs)

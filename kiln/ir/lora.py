@@ -3,8 +3,11 @@ punica-style: every adapter slot stacked in one tensor and a per-token slot inde
 inputs, so one compiled graph serves any mix of adapters (kiln/lora/).
 
 Providers: the torch reference (every slot for every token, trace-friendly) and, on CPU, a
-by-slot kernel (`native`) that computes only the slots the batch uses.
+by-slot kernel (`native`) that computes only the slots the batch uses: the model runner
+publishes them once per step (publish_step_slots), not read back per projection per layer.
 """
+import weakref
+
 import torch
 
 from kiln.custom_ops import register_op
@@ -27,21 +30,49 @@ def _lora_add_ref(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor,
     return base + delta.to(base.dtype)
 
 
+# The step's slots per per-token slot buffer (keyed by its data pointer; dropped when the
+# buffer goes, so a later tensor at that address is never mistaken for it): (the slots its
+# tokens use, sorted; how many tokens from the first all use the one slot, else 0).
+_STEP_SLOTS: dict[int, tuple[list[int], int]] = {}
+
+
+def publish_step_slots(buffer: torch.Tensor, slots: list[int], uniform: int) -> None:
+    """What the model runner just wrote into `buffer` (the per-token slot indices the LoRA
+    layers read, from its start): the `slots` its tokens use, and `uniform`, the number of
+    tokens from the first that all use slots[0] (0 where they are mixed). Once per step, in
+    place of a host read of the indices in every projection of every layer."""
+    key = buffer.data_ptr()
+    if key not in _STEP_SLOTS:
+        weakref.finalize(buffer, _STEP_SLOTS.pop, key, None)
+    _STEP_SLOTS[key] = (sorted(slots), uniform)
+
+
+def _slots_used(indices: torch.Tensor) -> tuple[list[int], bool]:
+    """(the adapter slots `indices` uses, sorted; whether its tokens' slots differ, no adapter
+    (-1) counting as one): as published for the step where `indices` is the runner's buffer
+    (a slice from its start), else read from the tensor."""
+    known = _STEP_SLOTS.get(indices.data_ptr())
+    if known is not None:
+        slots, uniform = known
+        return slots, not (len(slots) == 1 and indices.shape[0] <= uniform)
+    used = torch.unique(indices).tolist()  # sorted: -1 (no adapter) first
+    return [s for s in used if s >= 0], len(used) > 1
+
+
 def _lora_add_by_slot(x: torch.Tensor, base: torch.Tensor, lora_a: torch.Tensor,
                       lora_b: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """The reference's result with work for the slots present only: per slot some token uses,
     x through its A (a view: no copy of the weights), masked to its tokens, through its B
-    into one delta (the slots present are read on the host: an opaque op in a graph, CPU
-    only, where that read costs nothing)."""
-    used = torch.unique(indices).tolist()  # sorted: -1 (no adapter) first
-    slots = [s for s in used if s >= 0]
+    into one delta (the slots present are the step's, published by the model runner, else
+    read on the host: an opaque op in a graph, CPU only)."""
+    slots, mixed = _slots_used(indices)
     if not slots:
         return base.clone()
     xin = x.to(lora_a.dtype)
     delta = None  # [T, out]
     for slot in slots:
         xa = xin @ lora_a[slot].t()  # [T, R]
-        if len(used) > 1:  # other tokens' rows to zero (none to mask when one slot is all)
+        if mixed:  # other tokens' rows to zero (none to mask when one slot is all)
             xa = xa * (indices == slot).unsqueeze(1).to(xa.dtype)
         delta = xa @ lora_b[slot] if delta is None else delta.addmm_(xa, lora_b[slot])
     return base + delta.to(base.dtype)

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from kiln.errors import ConfigError
+from kiln.ir.lora import publish_step_slots
 from kiln.lora import layers as lora_layers
 from kiln.lora.adapter import LoRAAdapter, load_adapter
 from kiln.lora.load_failure import LoRALoadError, agree_on_failure
@@ -17,6 +18,7 @@ class LoRAManager:
         self.config, self.hf_config, self.dtype = lora_config, hf_config, dtype
         self.max_rank = lora_config.max_lora_rank
         self.indices = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
+        publish_step_slots(self.indices, [], 0)  # no token has an adapter yet
         self.layers = lora_layers.attach(model, lora_config.max_loras, self.max_rank,
                                          self.indices, dtype)
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_int_id -> adapter
@@ -91,6 +93,10 @@ class LoRAManager:
         host = np.full(self.indices.shape[0], -1, dtype=np.int64)
         host[:len(tokens)] = tokens
         self.indices.copy_(torch.from_numpy(host), non_blocking=False)
+        # the slots in use, once for the step (the CPU provider of every LoRA layer reads them)
+        slots = sorted({s for s, n in zip(per_request, num_scheduled) if s >= 0 and n > 0})
+        uniform = len(tokens) if len(slots) == 1 and bool((tokens == slots[0]).all()) else 0
+        publish_step_slots(self.indices, slots, uniform)
 
 
 def attach_lora(model, kiln_config, max_num_tokens: int, device) -> LoRAManager | None:

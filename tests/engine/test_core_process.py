@@ -90,6 +90,15 @@ def test_the_core_runs_in_another_process_and_matches_in_process(mp_llm, tiny_ll
             [sorted(d) for d in w.outputs[0].logprobs]
 
 
+def test_a_collective_rpc_past_its_timeout_raises_and_its_late_answer_is_dropped(mp_llm):
+    with pytest.raises(TimeoutError, match="'weights_missing' did not finish within its "
+                                           "timeout of 1e-09 s"):
+        mp_llm.collective_rpc("weights_missing", timeout=1e-9)
+    assert mp_llm.collective_rpc("weights_missing", timeout=60) == [0]
+    out = mp_llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
 def test_the_cores_openmp_threads_spin_briefly_unless_the_user_chose():
     from kiln.engine.core_interpreter import CORE_SPIN_COUNT, core_environment
 

@@ -8,6 +8,8 @@ from lora_adapters import token_logprobs
 from kiln.entrypoints.llm import LLM
 from kiln.sampling_params import SamplingParams
 
+from .test_lora_add_op import count_unique
+
 MAX_TOKENS = 6
 
 pytestmark = pytest.mark.usefixtures("inprocess_core")  # no core process to start per engine
@@ -32,11 +34,13 @@ def _mixed(lora_setup):
     return prompts, loras, expected
 
 
-def test_mixed_batch_matches_hf_on_merged_weights(lora_setup):
+def test_mixed_batch_matches_hf_on_merged_weights(lora_setup, monkeypatch):
     llm = LLM(str(lora_setup["base"]), enforce_eager=True, enable_lora=True, max_loras=2,
               max_lora_rank=8, max_model_len=128)
     prompts, loras, expected = _mixed(lora_setup)
+    calls = count_unique(monkeypatch)
     outs = _run(llm, prompts, loras, logprobs=0)
+    assert calls == []  # the CPU provider reads the step's slots, published once per step
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert [o.lora_request for o in outs] == loras  # vLLM's field
     assert [o.outputs[0].lora_request for o in outs] == loras
@@ -75,15 +79,18 @@ def test_one_slot_two_adapters_and_prefix_cache_kept_apart(lora_setup):
     llm.shutdown()
 
 
-def test_mode3_graph_serves_every_adapter_mix(lora_setup):
+def test_mode3_graph_serves_every_adapter_mix(lora_setup, monkeypatch):
     """The op traces into the piecewise graph (fullgraph: no breaks); one graph serves any mix,
-    the slot indices and adapter weights being runtime inputs."""
+    the slot indices and adapter weights being runtime inputs (the step's slots too, published
+    once per step for the graph's opaque CPU op)."""
     llm = LLM(str(lora_setup["base"]), enable_lora=True, max_loras=2, max_lora_rank=8,
               max_model_len=128, compilation_config={"mode": 3, "backend": "eager"})
     prompts, loras, expected = _mixed(lora_setup)
+    calls = count_unique(monkeypatch)
     assert [o.outputs[0].token_ids for o in _run(llm, prompts, loras)] == expected
     alone = _run(llm, lora_setup["prompts"], lora_setup["loras"]["a2"])
     assert [o.outputs[0].token_ids for o in alone] == lora_setup["refs"]["a2"]
+    assert calls == []
     llm.shutdown()
 
 

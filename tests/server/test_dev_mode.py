@@ -1,6 +1,8 @@
 """VLLM_SERVER_DEV_MODE=1 (KILN_SERVER_DEV_MODE): vLLM's POST /reset_prefix_cache, which a
 benchmark moved from vLLM calls between runs; it was a 404 and every run after the first
 measured a warm prefix cache."""
+import threading
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -70,3 +72,15 @@ def test_dev_mode_serves_sleep_wake_up_and_collective_rpc(tiny_llama_dir, monkey
         r = c.post("/collective_rpc", json={"method": "nope"})
         assert r.status_code == 400 and "no method 'nope'" in r.json()["error"]["message"]
         assert c.post("/collective_rpc", json={"args": []}).status_code == 400
+        # past its timeout: a 504 naming the method and the timeout; the call runs on and the
+        # engine waits for it
+        release = threading.Event()
+        engine.engine_core.executor.worker.held = release.wait
+        r = c.post("/collective_rpc", json={"method": "held", "timeout": 0.05})
+        assert r.status_code == 504 and r.json()["error"]["param"] == "timeout", r.text
+        assert "'held' did not finish within its timeout of 0.05 s" in \
+            r.json()["error"]["message"]
+        release.set()
+        assert c.post("/collective_rpc", json={"method": "held"}).json() == {"results": ["True"]}
+        r = c.post("/collective_rpc", json={"method": "held", "timeout": -1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "timeout"

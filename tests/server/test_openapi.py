@@ -171,6 +171,9 @@ def test_the_schema_says_what_requests_the_server_refuses():
         "anyOf"]
     assert schemas["TextContentPart"]["properties"]["type"]["enum"] == ["text"]
     assert len(schemas["TokenizeRequest"]["anyOf"]) == 2  # prompt or messages
+    # chat's max_tokens rule, which the schema leaves unbounded (_INEXPRESSIBLE_ON), is stated
+    rule = schemas["ChatCompletionRequest"]["properties"]["max_tokens"]["description"]
+    assert "max_completion_tokens is absent or null" in rule and "at most 1023" in rule
 
 
 @pytest.mark.parametrize("field,value", [("seed", True), ("n", "2"), ("echo", 1),

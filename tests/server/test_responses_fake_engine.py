@@ -205,6 +205,16 @@ BAD = [
      "input[0].arguments", "invalid_value"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id",
      "invalid_value"),
+    # an output answering no call before it (vLLM's "No call message found"): none, another
+    # call's id, or its call only after it
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
+     "input[0].call_id", "invalid_value"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "d", "output": "x"}]},
+     "input[1].call_id", "invalid_value"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]},
+     "input[0].call_id", "invalid_value"),
     ({"input": "hi", "previous_response_id": "resp_x"}, "previous_response_id",
      "unsupported_parameter"),
     ({"input": "hi", "conversation": "conv_1"}, "conversation", "unsupported_parameter"),

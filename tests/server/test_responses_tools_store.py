@@ -18,6 +18,7 @@ from kiln.entrypoints.openai.responses_stream import StreamItems
 from kiln.entrypoints.openai.responses_tools import call_items
 from kiln.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from kiln.entrypoints.openai.tool_parsers.base import ToolCallStream
+from kiln.errors import ConfigError
 
 from .fake_engine import FakeEngine, RecordingEngine, TextWritingEngine
 from .test_api_fake_engine import assert_error
@@ -164,6 +165,45 @@ def test_the_store_is_bounded():
         with pytest.raises(Exception, match=gone):
             store.get(gone)
     assert [store.get(rid)["id"] for rid in ("bg", "r2")] == ["bg", "r2"]
+
+
+def _body(rid: str, status: str = "completed", pad: int = 0) -> dict:
+    return {"id": rid, "status": status, "output": [], "pad": "x" * pad}
+
+
+def test_the_store_is_bounded_by_bytes():
+    """Past max_bytes the oldest finished response is forgotten first (never a running one);
+    one a kept response continues stays held, its bytes counted, until no
+    kept response continues it."""
+    size = len(json.dumps(_body("r0", pad=1000), separators=(",", ":"))) + 2  # + "[]" input
+    store = ResponseStore(enabled=True, max_stored=100, max_bytes=3 * size)
+    store.put(_body("bg", "queued", 1003), None, [])  # as long as a completed one
+    for k in range(4):
+        store.put(_body(f"r{k}", pad=1000), None, [])
+    assert store.bytes <= 3 * size
+    assert [rid for rid in ("bg", "r0", "r1", "r2", "r3") if store.peek(rid)] == \
+        ["bg", "r2", "r3"]
+    # r4 continues r3 (r2 forgotten for it); r3 deleted, but held by r4: its bytes count
+    store.put(_body("r4", pad=1000), store.check(type("R", (), {
+        "previous_response_id": "r3"})), [])
+    assert store.peek("r2") is None
+    store.delete("r3")
+    assert store.bytes == 3 * size
+    store.delete("r4")  # r3 held by nothing now
+    assert store.bytes == size  # bg alone
+    # one larger than the bound is not kept; a running one is never forgotten
+    store.put(_body("big", pad=10 * size), None, [])
+    assert store.peek("big") is None and store.peek("bg") and store.bytes == size
+
+
+def test_the_stores_bounds_are_read_from_their_variables(monkeypatch):
+    monkeypatch.setenv("KILN_RESPONSES_API_STORE_MAX_BYTES", "4096")
+    monkeypatch.setenv("KILN_RESPONSES_API_STORE_MAX_ENTRIES", "7")
+    store = ResponseStore(enabled=True)
+    assert (store.max_bytes, store.max_stored) == (4096, 7)
+    monkeypatch.setenv("KILN_RESPONSES_API_STORE_MAX_BYTES", "lots")
+    with pytest.raises(ConfigError, match="KILN_RESPONSES_API_STORE_MAX_BYTES='lots'"):
+        ResponseStore(enabled=True)
 
 
 @pytest.mark.parametrize("store", [None, "0"])

@@ -4,6 +4,7 @@ discards the weights until they are loaded again; collective_rpc("load_weights")
 model in place to another checkpoint's weights (HF on that checkpoint is the oracle), the
 prefix cache and the oneDNN-packed copies included."""
 import gc
+import threading
 import weakref
 
 import pytest
@@ -120,6 +121,26 @@ def test_collective_rpc_runs_callables_and_names_bad_calls(llm):
     with pytest.raises(ValueError, match="call the engine's sleep"):
         llm.collective_rpc("sleep", args=(1,))
     assert not llm.is_sleeping()
+
+
+def test_collective_rpc_past_its_timeout_raises_and_the_engine_waits_for_it(llm, tiny_tokens):
+    """vLLM's TimeoutError naming the method and the timeout; the call runs on, and nothing
+    else runs on the engine until it ends."""
+    release = threading.Event()
+
+    def held(worker):
+        release.wait()
+        return worker.rank
+
+    with pytest.raises(TimeoutError, match=r"'.*held' did not finish within its timeout of "
+                                           r"0\.05 s"):
+        llm.collective_rpc(held, timeout=0.05)
+    release.set()
+    assert llm.collective_rpc(held, timeout=60) == [0]
+    assert _tokens(llm) == tiny_tokens
+    for bad in (0, -1.0, float("nan"), "5", True):
+        with pytest.raises(ValueError, match="collective_rpc timeout must be a number"):
+            llm.collective_rpc("weights_missing", timeout=bad)
 
 
 def test_sleep_abort_reports_the_requests_it_ended(llm, tiny_tokens):

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 
+from kiln.engine.engine_sleep import check_rpc_timeout
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.logger import init_logger
 
@@ -47,9 +48,14 @@ def add_dev_routes(app: FastAPI, llm) -> None:
     async def collective_rpc(request: Request):
         """vLLM's: {"method": name, "args": [str, ...], "kwargs": {str: str}, "timeout": s};
         200 with {"results": [...]} (results not JSON-ready as their str), or empty where
-        there are none."""
+        there are none; 504 naming the method where it outlives `timeout`."""
         method, args, kwargs, timeout = _rpc_body(await request.body())
-        results = await _engine_call(llm.collective_rpc, method, timeout, tuple(args), kwargs)
+        try:
+            results = await _engine_call(llm.collective_rpc, method, timeout, tuple(args),
+                                         kwargs)
+        except TimeoutError as e:  # the workers' call runs on: not the client's error
+            raise OpenAIError(str(e), status=504, param="timeout", code="timeout",
+                              type="server_error") from None
         if results is None:
             return Response(status_code=200)
         return JSONResponse({"results": [r if r is None or isinstance(r, (dict, list)) else
@@ -80,8 +86,8 @@ def _rpc_body(raw: bytes) -> tuple[str, list, dict, Any]:
     if not isinstance(kwargs, dict) or not all(isinstance(v, str) for v in kwargs.values()):
         raise OpenAIError("'kwargs' must be an object of strings (vLLM passes them serialized)",
                           param="kwargs")
-    timeout = body.get("timeout")
-    if timeout is not None and (isinstance(timeout, bool) or
-                                not isinstance(timeout, (int, float))):
-        raise OpenAIError("'timeout' must be a number of seconds", param="timeout")
+    try:
+        timeout = check_rpc_timeout(body.get("timeout"))
+    except ValueError as e:
+        raise OpenAIError(str(e), param="timeout") from None
     return body["method"], args, kwargs, timeout

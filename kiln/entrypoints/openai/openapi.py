@@ -193,8 +193,7 @@ def patch_schema(schema: dict, vocab_size: int | None = None,
             for member in bias.get("anyOf", ()):
                 if "propertyNames" in member:  # its keys are token ids too
                     member["propertyNames"] = {"pattern": decimal_below(vocab_size)}
-    if max_model_len is not None:
-        _max_tokens_bounded(components, max_model_len)
+    _max_tokens_bounded(components, max_model_len)
     if "ResponsesRequest" in components:
         sampling_ranges(components["ResponsesRequest"], max_logprobs, vocab_size)
         responses_request(components, max_model_len)
@@ -213,16 +212,27 @@ def _key_required(schema: dict, open_paths: tuple[str, ...]) -> None:
             operation["security"] = []
 
 
-def _max_tokens_bounded(components: dict, max_model_len: int) -> None:
+def _max_tokens_bounded(components: dict, max_model_len: int | None) -> None:
     """More tokens to generate than max_model_len - 1 never fit beside a prompt (one token at
     least) and are refused (400 context_length_exceeded). Chat's max_tokens stays unbounded:
-    max_completion_tokens, when given, overrides it unchecked."""
+    max_completion_tokens, when given, overrides it unchecked; its description states the
+    rule (a third switch outgrows schemathesis' canonicalizer: openapi_cross_field)."""
     for model, name in (("CompletionRequest", "max_tokens"),
                         ("ChatCompletionRequest", "max_completion_tokens")):
         prop = components.get(model, {}).get("properties", {}).get(name, {})
         for member in prop.get("anyOf", [prop]):
-            if member.get("type") == "integer":
+            if member.get("type") == "integer" and max_model_len is not None:
                 member["maximum"] = max_model_len - 1
+    prop = components.get("ChatCompletionRequest", {}).get("properties", {}).get("max_tokens")
+    if prop is not None:
+        most = "max_model_len - 1" if max_model_len is None else f"{max_model_len - 1} " \
+            f"(max_model_len {max_model_len} - 1)"
+        prop["description"] = (
+            "Deprecated for max_completion_tokens, which overrides it: read only where "
+            "max_completion_tokens is absent or null, then at least 1 and at most "
+            f"{most}, and with the prompt within the context; else a 400 naming max_tokens. "
+            "Null or absent too: up to the context's end (or the model's generation_config "
+            "max_new_tokens, where it sets one).")
 
 
 def unique_operation_ids(schema: dict) -> dict:

@@ -3,6 +3,11 @@ a stream (a chunk's JSON, an in-band error, then `[DONE]`), as FastAPI describes
 """
 from pydantic import BaseModel
 
+from kiln.entrypoints.openai.pooling_responses import (
+    ClassificationResponse,
+    RerankResponse,
+    ScoreResponse,
+)
 from kiln.entrypoints.openai.response_models import (
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
@@ -21,7 +26,9 @@ _BODIES: dict[str, tuple[type[BaseModel], type[BaseModel] | None]] = {
     "/v1/chat/completions": (ChatCompletionResponse, ChatCompletionStreamResponse),
     "/v1/responses": (ResponsesResponse, ResponseStreamEvent),
     "/v1/models": (ModelList, None), "/tokenize": (TokenizeResponse, None),
-    "/detokenize": (DetokenizeResponse, None)}
+    "/detokenize": (DetokenizeResponse, None), "/classify": (ClassificationResponse, None),
+    **{path: (ScoreResponse, None) for path in ("/score", "/v1/score")},
+    **{path: (RerankResponse, None) for path in ("/rerank", "/v1/rerank", "/v2/rerank")}}
 _VERSION = {"type": "object", "required": ["version"],
             "properties": {"version": {"type": "string", "title": "Version"}}}
 DONE = SSE_DONE.removeprefix("data: ").strip()

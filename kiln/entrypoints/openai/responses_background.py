@@ -5,7 +5,7 @@ whole response (or cancelled / failed). A streamed one's events are kept, to rep
 /v1/responses/{id}?stream=true&starting_after=N. POST .../cancel aborts one; the server's
 shutdown ends those still running (cancelled, with what they wrote), after its grace period.
 
-Bounds: at most the store's MAX_STORED run at once (each stays in the store while it runs: it is
+Bounds: at most the store's max_stored run at once (each stays in the store while it runs: it is
 never the one forgotten), a 429 past that; the events of the newest MAX_EVENT_LOGS finished
 streams are kept (each as long as its answer), those of streams still running too.
 """

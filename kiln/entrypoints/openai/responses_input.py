@@ -126,6 +126,7 @@ def input_messages(req: ResponsesRequest, history: list[ResponseInputItem] = ()
 
     # history: checked when it was sent; what it becomes names where it came from
     items = [(None, item) for item in history] + list(enumerate(req.input))
+    calls = set()  # the call_ids of the function_call items so far
     for i, item in items:
         where = "previous_response_id" if i is None else f"input[{i}]"
         if item.type == "function_call":
@@ -133,9 +134,10 @@ def input_messages(req: ResponsesRequest, history: list[ResponseInputItem] = ()
                 alone()
                 reasoning = None
             add_function_call(messages, sources, i, item, where)
+            calls.add(item.call_id)
             continue
         if item.type == "function_call_output":
-            messages.append(function_output_message(i, item))
+            messages.append(function_output_message(i, item, calls))
             sources.append(where)
             continue
         if item.type == "reasoning":

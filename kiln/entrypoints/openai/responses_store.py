@@ -1,7 +1,10 @@
 """The Responses API's store, as vLLM keeps it with VLLM_ENABLE_RESPONSES_API_STORE=1 (Kiln:
 KILN_ENABLE_RESPONSES_API_STORE, or vLLM's name): responses made with `store` (true by default)
-are kept in this process's memory, the newest MAX_STORED of them (vLLM's store is unbounded; a
-background response still running is never the one forgotten); GET /v1/responses/{id} returns
+are kept in this process's memory, bounded by count and by bytes (vLLM's store is unbounded:
+KILN_RESPONSES_API_STORE_MAX_ENTRIES, default 10,000, and KILN_RESPONSES_API_STORE_MAX_BYTES,
+default 1 GiB, of JSON: each response, its input, and the earlier ones a kept response continues
+and so holds), the oldest finished forgotten first (never a background response still running:
+one larger than the bound is not kept); GET /v1/responses/{id} returns
 one, DELETE /v1/responses/{id} forgets it (a running one: cancel it first), and a request's
 `previous_response_id` continues one (a background one once it has ended): its input (and
 that of the responses it continued) and its output come before the new input, as history.
@@ -9,16 +12,15 @@ Instructions are not carried over, as OpenAI's are not. Off (the default), nothi
 and previous_response_id and background are refused. Background runs, their events and
 cancel: responses_background.py.
 """
-import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
+
+import pydantic_core
 
 from kiln import envs
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.responses_protocol import ResponseInputItem
 
-# Responses kept, the oldest forgotten first: a long-running server must not grow without end.
-MAX_STORED = 10_000
 ENV = "KILN_ENABLE_RESPONSES_API_STORE"
 TURN_ON = f"{ENV}=1 (or vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1)"
 
@@ -28,6 +30,8 @@ class _Stored:
     body: dict  # the response object as sent
     previous: "_Stored | None"  # the response it continued (kept alive by this link)
     input: list[ResponseInputItem]  # its own input items
+    size: int = 0  # bytes of its body's and input's JSON
+    holders: int = 0  # its place in the store, and the responses held that continue it
 
     def history(self) -> list[ResponseInputItem]:
         """Its conversation so far: the continued responses' input and output, its input, then
@@ -63,9 +67,15 @@ def not_found(response_id: str, param: str | None = None) -> OpenAIError:
 
 
 class ResponseStore:
-    def __init__(self, enabled: bool | None = None, max_stored: int = MAX_STORED):
+    def __init__(self, enabled: bool | None = None, max_stored: int | None = None,
+                 max_bytes: int | None = None):
+        """`max_stored`, `max_bytes`: None reads their variables."""
         self.enabled = envs.responses_api_store() if enabled is None else enabled
-        self.max_stored = max_stored
+        self.max_stored = envs.responses_api_store_max_entries() if max_stored is None \
+            else max_stored
+        self.max_bytes = envs.responses_api_store_max_bytes() if max_bytes is None \
+            else max_bytes
+        self.bytes = 0  # held: the responses in the store and those they continue
         self._items: OrderedDict[str, _Stored] = OrderedDict()
 
     def check(self, req) -> _Stored | None:
@@ -95,16 +105,41 @@ class ResponseStore:
 
     def put(self, body: dict, previous: _Stored | None,
             input: list[ResponseInputItem]) -> None:
-        self._items[body["id"]] = _Stored(body, previous, input)
-        self._items.move_to_end(body["id"])
-        if len(self._items) > self.max_stored:
-            # the oldest first, but never a background response still running: its task
-            # stores its end there, and its client polls for it
-            excess = len(self._items) - self.max_stored
-            gone = itertools.islice((rid for rid, s in self._items.items()
-                                     if not running(s.body)), excess)
-            for rid in list(gone):
-                del self._items[rid]
+        rid = body["id"]
+        size = len(pydantic_core.to_json(body)) + len(pydantic_core.to_json(input))
+        stored = _Stored(body, previous, input, size)
+        if rid in self._items:  # its namesake, or its own earlier state (a background one's)
+            self._release(self._items.pop(rid))
+        self._items[rid] = stored
+        self._hold(stored)
+        # the oldest first (this one last: one larger than max_bytes is not kept), but never
+        # a background response still running: its task stores its end there, and its
+        # client polls for it
+        while len(self._items) > self.max_stored or self.bytes > self.max_bytes:
+            gone = next((r for r, s in self._items.items() if not running(s.body)), None)
+            if gone is None:
+                break
+            self._release(self._items.pop(gone))
+
+    def _hold(self, stored: _Stored | None) -> None:
+        """One more holder of `stored`: held now, its bytes count, and so do those of the
+        responses it continues."""
+        while stored is not None:
+            stored.holders += 1
+            if stored.holders > 1:
+                return
+            self.bytes += stored.size
+            stored = stored.previous
+
+    def _release(self, stored: _Stored | None) -> None:
+        """One holder fewer: with none left, its bytes are free, and it holds its previous
+        response no longer."""
+        while stored is not None:
+            stored.holders -= 1
+            if stored.holders > 0:
+                return
+            self.bytes -= stored.size
+            stored = stored.previous
 
     def peek(self, response_id: str) -> dict | None:
         stored = self._items.get(response_id)
@@ -121,7 +156,7 @@ class ResponseStore:
             raise OpenAIError(f"Response {response_id!r} is still running: cancel it first "
                               f"(POST /v1/responses/{response_id}/cancel), then delete it",
                               code="invalid_value")
-        del self._items[response_id]
+        self._release(self._items.pop(response_id))
         return {"id": response_id, "object": "response", "deleted": True}
 
     def _missing(self, response_id: str) -> OpenAIError:

@@ -113,11 +113,19 @@ def add_function_call(messages: list[ChatMessage], sources: list[str], i, item,
     sources.append(where)
 
 
-def function_output_message(i: int, item) -> ChatMessage:
-    """A function_call_output item as the tool message answering its call."""
+def function_output_message(i: int, item, calls: set[str]) -> ChatMessage:
+    """A function_call_output item as the tool message answering its call, one of `calls`
+    (the call_ids of the function_call items before it, previous_response_id's too): an
+    output answering no call is refused, as vLLM's ("No call message found")."""
     if not isinstance(item.call_id, str):
         raise OpenAIError(f"input[{i}] (a function_call_output item) needs the call_id of the "
                           "call it answers", param=f"input[{i}].call_id", code="invalid_value")
+    if item.call_id not in calls:
+        raise OpenAIError(f"input[{i}].call_id={item.call_id!r} answers no function call: no "
+                          "function_call item with that call_id comes before it (in input, or "
+                          "in the response previous_response_id continues); send the call "
+                          "first, or continue the response that made it",
+                          param=f"input[{i}].call_id", code="invalid_value")
     output = item.output
     if isinstance(output, list):  # input_text parts
         texts = [p.get("text") if isinstance(p, dict) else None for p in output]

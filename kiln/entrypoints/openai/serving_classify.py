@@ -15,7 +15,11 @@ from kiln.entrypoints.openai.pooling_requests import (
     pooling_task,
     refuse_task,
     resolve_model,
-    usage,
+)
+from kiln.entrypoints.openai.pooling_responses import (
+    ClassificationData,
+    ClassificationResponse,
+    pooling_usage,
 )
 from kiln.entrypoints.openai.protocol_base import JsonInt, RequestBase
 from kiln.entrypoints.openai.request_fields import response_id
@@ -80,8 +84,9 @@ class ServingClassification:
         for i, out in enumerate(finals):
             probs = finish_logits(out.pooled, params, model_config).tolist()
             best = max(range(len(probs)), key=probs.__getitem__)
-            data.append({"index": i, "label": labels.get(best), "probs": probs,
-                         "num_classes": len(probs)})
+            data.append(ClassificationData(index=i, label=labels.get(best), probs=probs,
+                                           num_classes=len(probs)))
             num_tokens += len(out.prompt_token_ids)
-        return JSONResponse({"id": request_id, "object": "list", "created": created,
-                             "model": model, "data": data, "usage": usage(num_tokens)})
+        return JSONResponse(ClassificationResponse(
+            id=request_id, created=created, model=model, data=data,
+            usage=pooling_usage(num_tokens)).model_dump())

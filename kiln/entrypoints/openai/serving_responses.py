@@ -179,8 +179,12 @@ class ServingResponses:
         generated = cached = 0
         finish = None
         try:
-            queued = "queued" if shape.req.background else "in_progress"  # OpenAI's statuses
-            yield event("response.created", response=shape.response(queued, [], None))
+            if shape.req.background:  # OpenAI's order: created and queued (both queued)
+                queued = shape.response("queued", [], None)
+                yield event("response.created", response=queued)
+                yield event("response.queued", response=queued)
+            else:
+                yield event("response.created", response=shape.response("in_progress", [], None))
             yield event("response.in_progress", response=shape.response("in_progress", [], None))
             async for _, out in merge_streams(streams, field):
                 cached = max(cached, out.num_cached_tokens)

@@ -15,7 +15,15 @@ from kiln.entrypoints.openai.pooling_requests import (
     pooling_task,
     refuse_task,
     resolve_model,
-    usage,
+)
+from kiln.entrypoints.openai.pooling_responses import (
+    RerankDocument,
+    RerankResponse,
+    RerankResult,
+    RerankUsage,
+    ScoreData,
+    ScoreResponse,
+    pooling_usage,
 )
 from kiln.entrypoints.openai.protocol_base import JsonInt
 from kiln.entrypoints.openai.request_fields import response_id
@@ -63,7 +71,7 @@ class ScoreRequest(_ScoreFields):
 class RerankRequest(_ScoreFields):
     query: str
     documents: Texts
-    top_n: JsonInt = 0  # 0: every document
+    top_n: JsonInt = 0  # 0 (or less, as vLLM's): every document
 
 
 class ServingScore:
@@ -80,11 +88,10 @@ class ServingScore:
         model, outs = await self._scores(req, raw, request_id, one, two, names)
         if outs is None:
             return Response(status_code=499)
-        data = [{"index": i, "object": "score", "score": float(o.outputs.data)}
-                for i, o in enumerate(outs)]
-        return JSONResponse({"id": request_id, "object": "list", "created": created,
-                             "model": model, "data": data,
-                             "usage": usage(sum(len(o.prompt_token_ids) for o in outs))})
+        data = [ScoreData(index=i, score=float(o.outputs.data)) for i, o in enumerate(outs)]
+        return JSONResponse(ScoreResponse(
+            id=request_id, created=created, model=model, data=data,
+            usage=pooling_usage(sum(len(o.prompt_token_ids) for o in outs))).model_dump())
 
     async def rerank(self, req: RerankRequest, raw: Request) -> Response:
         self.check_runner("Rerank")
@@ -92,22 +99,20 @@ class ServingScore:
         if not documents:
             raise OpenAIError("documents is empty: give at least one document to rank",
                               param="documents", code="invalid_value")
-        if req.top_n < 0:
-            raise OpenAIError(f"top_n must be 0 (every document) or more, got {req.top_n}",
-                              param="top_n", code="invalid_value")
         request_id = response_id("rerank", req.request_id, raw)
         model, outs = await self._scores(req, raw, request_id, req.query, documents,
                                          ("query", "documents"))
         if outs is None:
             return Response(status_code=499)
         ranked = sorted(range(len(outs)), key=lambda i: -float(outs[i].outputs.data))
-        results = [{"index": i, "document": {"text": documents[i]},
-                    "relevance_score": float(outs[i].outputs.data)}
-                   for i in ranked[:req.top_n or len(ranked)]]
+        # top_n <= 0: every document, as vLLM's (a negative one too)
+        results = [RerankResult(index=i, document=RerankDocument(text=documents[i]),
+                                relevance_score=float(outs[i].outputs.data))
+                   for i in ranked[:req.top_n if req.top_n > 0 else len(ranked)]]
         tokens = sum(len(o.prompt_token_ids) for o in outs)
-        return JSONResponse({"id": request_id, "model": model,
-                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-                             "results": results})
+        return JSONResponse(RerankResponse(
+            id=request_id, model=model, results=results,
+            usage=RerankUsage(prompt_tokens=tokens, total_tokens=tokens)).model_dump())
 
     def check_runner(self, api: str) -> None:
         if self.task is None:
