@@ -25,11 +25,18 @@ class SpecDecodingStats:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
+def max_lookahead(config: SpeculativeConfig | None) -> int:
+    """The most KV slots a step holds past its tokens (a draft model's k; 0 otherwise)."""
+    if config is None or config.method != "draft_model":
+        return 0
+    return config.num_speculative_tokens
+
+
 class SpecDecodeScheduling:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         # drafts proposed by the runner's draft model (kept on the request), not here
-        self.from_runner = config.method == "draft_model"
+        self.from_runner = max_lookahead(config) > 0
         self.stats = SpecDecodingStats(
             num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
 
