@@ -2,6 +2,7 @@
 brute force over the keys each query reads, and the KV cache manager freeing them."""
 import itertools
 import random
+from types import SimpleNamespace
 
 from kiln.attention.masking import first_key
 from kiln.core.kv_cache_manager import NULL_BLOCK_ID, KVCacheManager
@@ -9,6 +10,7 @@ from kiln.core.kv_cache_utils import cdiv
 from kiln.core.sliding_window_blocks import (
     blocks_held,
     kv_window,
+    kv_window_of,
     longest_window_hit,
     num_skipped_blocks,
     peak_blocks,
@@ -23,6 +25,20 @@ def test_kv_window_needs_every_layer_windowed():
     assert kv_window([4, 8]) == 8  # the widest window bounds what any layer reads
     assert kv_window([8, None]) is None  # hybrid (Gemma-2/3): its global layers read every block
     assert kv_window([None, None]) is None and kv_window([]) is None
+
+
+def test_kv_window_of_a_config():
+    from kiln.config import ModelConfig
+
+    from .doubles import make_config
+
+    assert kv_window_of(make_config(window=8)) == 8  # a Mistral windowed in every layer
+    assert kv_window_of(make_config()) is None  # a Llama
+    hf = make_config(window=8).model_config.hf_config
+    full = ModelConfig(model="unused", hf_config=hf, load_format="dummy", max_model_len=8,
+                       disable_sliding_window=True)
+    # every layer attends fully under the flag
+    assert kv_window_of(SimpleNamespace(model_config=full)) is None
 
 
 def test_skipped_blocks_are_those_no_later_query_reads():
