@@ -41,7 +41,6 @@ class Scheduler(Requeueing):
         self.max_num_seqs = sched.max_num_seqs
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.max_model_len = max_model_len or sched.max_model_len
-        # every layer windowed: blocks behind the window are freed as requests advance
         self.kv_cache_manager = KVCacheManager(cache.block_size, num_blocks,
                                                cache.enable_prefix_caching,
                                                kv_window_of(kiln_config))
