@@ -152,48 +152,61 @@ class TorchAttentionImpl(AttentionImpl):
         # head, beat SDPA's CPU kernel (built for long queries) several times over.
         nkv, hd = self.num_kv_heads, self.head_size
         group = self.num_heads // nkv
-        num_reqs, max_seq = md.num_reqs, md.max_seq_len
-        blocks, padding = _decode_plan(md, kv_cache.shape[2])
-        k = _gather_context(kv_cache[0], blocks, max_seq).to(q.dtype)  # [B, nkv, S, hd]
-        v = _gather_context(kv_cache[1], blocks, max_seq).to(q.dtype)
-        # Slots past a request's length hold whatever their block held before, an inf or NaN
-        # of a float16 overflow too: masked, not added to (NaN + -inf is NaN), and V zeroed
-        # there (0 * NaN is NaN).
+        num_reqs = md.num_reqs
+        # a windowed layer reads each request's window's blocks only (those before it may be
+        # back in the pool, another request's now); else the whole context, padded
+        blocks, padding = _decode_plan(md, kv_cache.shape[2], self.sliding_window)
+        num_keys = padding.shape[-1]
+        k = _gather_context(kv_cache[0], blocks, num_keys).to(q.dtype)  # [B, nkv, S, hd]
+        v = _gather_context(kv_cache[1], blocks, num_keys).to(q.dtype)
+        # Slots past a request's length (or before its window) hold whatever their block held,
+        # an inf or NaN of a float16 overflow too: masked, not added to (NaN + -inf is NaN), and
+        # V zeroed there (0 * NaN is NaN).
         v.masked_fill_(padding.transpose(-1, -2), 0)
         qg = q[:num_reqs].view(num_reqs, nkv, group, hd) * self.scale
         scores = torch.matmul(qg, k.transpose(-1, -2))  # [B, nkv, group, S]
         scores = soft_cap(scores, self.logits_soft_cap)
         scores.masked_fill_(padding, float("-inf"))
-        if self.sliding_window is not None:
-            scores.masked_fill_(_outside_window(md, self.sliding_window), float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         o = torch.matmul(probs, v)  # [B, nkv, group, hd]
         out[:num_reqs] = o.view(num_reqs, nkv * group, hd)
 
 
-def _decode_plan(md: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per step, shared by every layer: each request's block ids [B, n] (int64) and the mask
-    [B, 1, 1, S] of the padded keys past its length."""
-    key = ("decode", block_size)
+def _decode_plan(md: AttentionMetadata, block_size: int,
+                 window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per step and window, shared by their layers: the blocks each request reads [B, n] (int64)
+    and the mask [B, 1, 1, n * block_size] of the keys it must not see (past its length, before
+    its window). With a window, n is the most blocks a window spans and a request's first is its
+    window's; without, its blocks from the first, as many as the longest request's."""
+    num_reqs, max_seq = md.num_reqs, md.max_seq_len
+    num_blocks = cdiv(max_seq, block_size)
+    key = ("decode", block_size, window)
     if key not in md.step_cache:
-        num_reqs, max_seq = md.num_reqs, md.max_seq_len
-        num_blocks = cdiv(max_seq, block_size)
-        blocks = md.block_table[:num_reqs, :num_blocks].long()
-        key_pos = torch.arange(max_seq, device=md.seq_lens.device)
-        padding = key_pos[None, :] >= md.seq_lens[:num_reqs, None]  # [B, S]
-        md.step_cache[key] = (blocks, padding[:, None, None, :])
+        seq_lens = md.seq_lens[:num_reqs, None]  # [B, 1]
+        if window is None or window_blocks(window, block_size) >= num_blocks:
+            # no window, or one that spans every block: the context from its first block
+            blocks = md.block_table[:num_reqs, :num_blocks].long()
+            key_pos = torch.arange(max_seq, device=seq_lens.device)[None, :]  # [1, S]
+            hidden = key_pos >= seq_lens  # [B, S]
+            if window is not None:
+                hidden = hidden | (key_pos < seq_lens - window)
+        else:
+            num_blocks = window_blocks(window, block_size)
+            first = (seq_lens - window).clamp(min=0) // block_size  # [B, 1]
+            cols = first + torch.arange(num_blocks, device=seq_lens.device)  # [B, n]
+            # columns past a short request's table are past its length, so only masked
+            cols = cols.clamp(max=md.block_table.shape[1] - 1)
+            blocks = md.block_table[:num_reqs].gather(1, cols.to(torch.int64)).long()
+            key_pos = first * block_size + torch.arange(num_blocks * block_size,
+                                                        device=seq_lens.device)  # [B, S]
+            hidden = (key_pos >= seq_lens) | (key_pos < seq_lens - window)
+        md.step_cache[key] = (blocks, hidden[:, None, None, :])
     return md.step_cache[key]
 
 
-def _outside_window(md: AttentionMetadata, window: int) -> torch.Tensor:
-    """Per step and window, shared by its layers: [B, 1, 1, S], True at the keys before each
-    decoding request's window."""
-    key = ("decode_window", window)
-    if key not in md.step_cache:
-        key_pos = torch.arange(md.max_seq_len, device=md.seq_lens.device)
-        before = key_pos[None, :] <= md.seq_lens[:md.num_reqs, None] - 1 - window  # [B, S]
-        md.step_cache[key] = before[:, None, None, :]
-    return md.step_cache[key]
+def window_blocks(window: int, block_size: int) -> int:
+    """The most blocks a decoding query's window (its last `window` keys) spans."""
+    return cdiv(window - 1, block_size) + 1
 
 
 class TorchAttentionBackend(AttentionBackend):

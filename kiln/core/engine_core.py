@@ -11,10 +11,12 @@ from kiln.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, EngineCoreOutput
 from kiln.core.parent_request import child_requests
 from kiln.core.request import Request, RequestStatus
 from kiln.core.scheduler import Scheduler
+from kiln.core.sliding_window_blocks import kv_window_of, peak_blocks
 from kiln.core.stats import SchedulerStats
 from kiln.errors import ConfigError
 from kiln.logger import init_logger
 from kiln.lora.load_failure import LoRALoadError, end_adapter_requests
+from kiln.spec_decode.scheduling import max_lookahead
 
 logger = init_logger(__name__)
 
@@ -99,6 +101,14 @@ class EngineCore(CoreSleepMode):
         max_model_len = model.max_model_len
         capacity = num_blocks * cache.block_size
         if capacity >= max_model_len:
+            return max_model_len
+        # every layer windowed: a request holds a bounded number of blocks however long it runs
+        # (vLLM sizes its sliding-window layers' need alike)
+        window = kv_window_of(self.kiln_config)
+        if window is not None and peak_blocks(
+                max_model_len, self.kiln_config.scheduler_config.max_num_batched_tokens,
+                max_lookahead(self.kiln_config.speculative_config), window,
+                cache.block_size) <= num_blocks:
             return max_model_len
         if model.max_model_len_from_model:
             logger.warning("the KV cache holds %d tokens, fewer than the model's max_model_len "

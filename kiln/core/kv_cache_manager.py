@@ -2,12 +2,20 @@
 
 The scheduler asks it which leading blocks of a request are already cached, to allocate slots
 for the tokens it schedules, and to free a request's blocks when it finishes or is preempted.
+When every attention layer is windowed, blocks behind the window go back to the pool as the
+request advances (sliding_window_blocks.py); its table keeps None there (NULL_BLOCK_ID to the
+runner), so positions keep their slots.
 """
 from dataclasses import dataclass
 
 from kiln.core.block_pool import BlockPool
 from kiln.core.kv_cache_utils import KVCacheBlock, cdiv, update_block_hashes
 from kiln.core.request import Request
+from kiln.core.sliding_window_blocks import blocks_held, longest_window_hit, num_skipped_blocks
+
+# The block id the runner's table gets for a slot freed behind the window: any valid id, since no
+# query reads it and no token is written there again.
+NULL_BLOCK_ID = 0
 
 
 @dataclass
@@ -17,12 +25,17 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = True):
+    def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = True,
+                 sliding_window: int | None = None):
+        """`sliding_window`: the window every attention layer keeps within (kv_window_of);
+        None keeps every block of a request until it ends."""
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # None: a block freed behind the window
+        self.req_to_blocks: dict[str, list[KVCacheBlock | None]] = {}
         # req_id -> how many leading blocks of the request were already offered to the cache.
         self._num_cached_blocks: dict[str, int] = {}
         # Blocks registered since the last step's forward finished: their K/V is written only
@@ -38,21 +51,33 @@ class KVCacheManager:
         return self.block_pool.usage()
 
     def get_block_ids(self, req_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(req_id, [])]
+        return [NULL_BLOCK_ID if b is None else b.block_id
+                for b in self.req_to_blocks.get(req_id, [])]
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+    def num_blocks_held(self, num_computed: int, num_slots: int) -> int:
+        """Blocks a request holds with slots for `num_slots` tokens and its next query at
+        `num_computed` (bounded by the window, where the cache frees behind one)."""
+        return blocks_held(num_computed, num_slots, self.sliding_window, self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock | None], int]:
         """Longest run of leading full blocks found in the prefix cache, and the tokens they hold.
 
         Never covers the whole request: the last token must be computed to get its logits.
-        Pure lookup: no references are taken until `allocate_slots` accepts the blocks.
+        Pure lookup: no references are taken until `allocate_slots` accepts the blocks. Under a
+        window only the blocks the next query's window reads must be cached (freed blocks keep
+        their hash until reused); the hit has None before them.
         """
         if not self._reads_cache(request):
             return [], 0
         hashes = update_block_hashes(request, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if self.sliding_window is not None:
+            hit = longest_window_hit(lambda i: self.block_pool.get_cached_block(hashes[i]),
+                                     max_blocks, self.sliding_window, self.block_size)
+            return hit, len(hit) * self.block_size
         hit: list[KVCacheBlock] = []
         for block_hash in hashes[:max_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
@@ -66,25 +91,33 @@ class KVCacheManager:
         return self.enable_caching and request.sampling_params.prompt_logprobs is None
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       new_computed_blocks: list[KVCacheBlock | None] | None = None,
                        num_lookahead_tokens: int = 0) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones.
 
         `new_computed_blocks` are prefix-cache hits (from `get_computed_blocks`) for a request being
         admitted; they sit before the new tokens. `num_lookahead_tokens` more slots are held past
         them (a draft model's proposals), never hashed. Returns the ids of freshly allocated blocks
-        (the hits are not included), or None, changing nothing, when too few blocks are free.
+        (the hits are not included), or None, changing nothing but the blocks behind the window
+        it frees first, when too few blocks are free.
         """
-        new_computed_blocks = new_computed_blocks or []
+        new_computed_blocks = list(new_computed_blocks or [])
         req_id = request.request_id
         is_new = req_id not in self.req_to_blocks
         held = self.req_to_blocks.get(req_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        if self.sliding_window is not None:
+            # hits behind the window are not taken at all
+            skipped = num_skipped_blocks(num_computed, self.sliding_window, self.block_size)
+            new_computed_blocks[:skipped] = [None] * min(skipped, len(new_computed_blocks))
+            if not is_new:
+                self._free_skipped(held, skipped)
         num_total = num_computed + num_new_tokens
         num_new_blocks = max(0, self.num_blocks_for(num_total + num_lookahead_tokens) - len(held)
                              - len(new_computed_blocks))
+        hits = [b for b in new_computed_blocks if b is not None]
         # Hits that nobody holds are on the free list too: reviving them uses up free blocks.
-        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_revived = sum(1 for b in hits if b.ref_cnt == 0)
         if num_new_blocks + num_revived > self.block_pool.num_free_blocks:
             return None
 
@@ -95,7 +128,7 @@ class KVCacheManager:
             self.prefix_cache_stats.hits += len(new_computed_blocks) * self.block_size
             request.prefix_stats_counted = True
         # Touch the hits before taking new blocks so eviction cannot recycle them under us.
-        self.block_pool.touch(new_computed_blocks)
+        self.block_pool.touch(hits)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks = self.req_to_blocks.setdefault(req_id, [])
         if is_new:
@@ -111,7 +144,18 @@ class KVCacheManager:
         self._num_cached_blocks.pop(request.request_id, None)
         if blocks:
             # Tail blocks first: they are the least likely to be shared, so evict them sooner.
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(b for b in reversed(blocks) if b is not None)
+
+    def _free_skipped(self, blocks: list[KVCacheBlock | None], skipped: int) -> None:
+        """Give back the request's blocks before index `skipped` (no query reads them again),
+        leaving None in their slots. Oldest first, so they are evicted first: a later prompt's
+        window hit needs the blocks nearest its end."""
+        start = skipped
+        while start > 0 and blocks[start - 1] is not None:  # the ones before were freed already
+            start -= 1
+        freed = blocks[start:skipped]
+        blocks[start:skipped] = [None] * len(freed)
+        self.block_pool.free_blocks(freed)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
@@ -139,6 +183,8 @@ class KVCacheManager:
         hashes = update_block_hashes(request, self.block_size)
         blocks = self.req_to_blocks[req_id]
         for i in range(start, num_full):
+            if blocks[i] is None:  # freed behind the window before it was offered
+                continue
             self._unwritten.append(blocks[i])  # first: an interrupt may come between the two
             self.block_pool.cache_block(blocks[i], hashes[i])
         self._num_cached_blocks[req_id] = num_full

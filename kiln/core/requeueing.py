@@ -46,7 +46,8 @@ class Requeueing:
                 self._preempt(victim)
                 continue
             needed = request.num_computed_tokens + num_new
-            if kv.num_blocks_for(needed) > kv.num_blocks:
+            if kv.num_blocks_held(request.num_computed_tokens,
+                                  needed + num_lookahead) > kv.num_blocks:
                 self._finish_unschedulable(request, needed)
             else:
                 self._preempt(request)

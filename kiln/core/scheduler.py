@@ -23,9 +23,10 @@ from kiln.core.request import Request, RequestStatus
 from kiln.core.request_progress import grammar_error_output, step_output, unschedulable_output
 from kiln.core.request_queue import WaitingQueue, order_key
 from kiln.core.requeueing import Requeueing
+from kiln.core.sliding_window_blocks import kv_window_of, peak_blocks
 from kiln.core.stats import SchedulerStats, spec_decode_stats
 from kiln.lora.scheduling import fits_lora_slots, lora_stats, starves
-from kiln.spec_decode.scheduling import SpecDecodeScheduling
+from kiln.spec_decode.scheduling import SpecDecodeScheduling, max_lookahead
 from kiln.structured_output.manager import StructuredOutputManager
 
 
@@ -41,7 +42,8 @@ class Scheduler(Requeueing):
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.max_model_len = max_model_len or sched.max_model_len
         self.kv_cache_manager = KVCacheManager(cache.block_size, num_blocks,
-                                               cache.enable_prefix_caching)
+                                               cache.enable_prefix_caching,
+                                               kv_window_of(kiln_config))
         self.larger_cache_flags = cache.larger_cache_flags()  # named when a request is cut
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.policy = sched.policy
@@ -58,6 +60,7 @@ class Scheduler(Requeueing):
         self.structured_output_manager = StructuredOutputManager(kiln_config)
         spec = kiln_config.speculative_config
         self.spec_decode = SpecDecodeScheduling(spec) if spec is not None else None
+        self.max_lookahead = max_lookahead(spec)
         # Adapters running requests use at most (kiln/lora/scheduling.py); None: no LoRA.
         lora = getattr(kiln_config, "lora_config", None)
         self.max_loras = None if lora is None else lora.max_loras
@@ -265,13 +268,17 @@ class Scheduler(Requeueing):
         if self.spec_decode is None:
             return 0
         kv = self.kv_cache_manager
-        return self.spec_decode.lookahead(num_computed, num_new,
-                                          min(self.max_model_len, kv.num_blocks * kv.block_size))
+        # under a window a request's blocks stay bounded however far it runs
+        limit = (self.max_model_len if kv.sliding_window is not None
+                 else min(self.max_model_len, kv.num_blocks * kv.block_size))
+        return self.spec_decode.lookahead(num_computed, num_new, limit)
 
     def _cannot_ever_fit(self, request: Request) -> bool:
         kv = self.kv_cache_manager
         return (request.num_tokens > self.max_model_len
-                or kv.num_blocks_for(request.num_tokens) > kv.num_blocks)
+                or peak_blocks(request.num_tokens, self.max_num_batched_tokens,
+                               self.max_lookahead, kv.sliding_window, kv.block_size)
+                > kv.num_blocks)
 
     def _finish_unschedulable(self, request: Request, num_tokens: int) -> None:
         self._finished_outputs.append(unschedulable_output(

@@ -25,6 +25,14 @@ class SpecDecodingStats:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
+def max_lookahead(config: SpeculativeConfig | None) -> int:
+    """The most KV slots a step holds past its tokens (a draft model's or EAGLE head's k;
+    0 for n-grams, which write nothing past the step)."""
+    if config is None or not config.runner_proposes:
+        return 0
+    return config.num_speculative_tokens
+
+
 class SpecDecodeScheduling:
     def __init__(self, config: SpeculativeConfig):
         self.config = config

@@ -2,11 +2,12 @@
 
 `PagedTokenExecutor` stores each token id in the KV slot its block table names, reads every
 request's whole context back before "sampling", and derives the next token from what it read, so
-a wrong block table, a bad prefix hit or a premature eviction changes the generated tokens.
+a wrong block table, a bad prefix hit or a premature eviction changes the generated tokens. Under
+a sliding window (make_config(window=...)) it reads and depends on each query's window only.
 """
 from dataclasses import dataclass, field
 
-from transformers import LlamaConfig
+from transformers import LlamaConfig, MistralConfig
 
 from kiln.config import CacheConfig, KilnConfig, ModelConfig, SchedulerConfig
 from kiln.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
@@ -18,12 +19,15 @@ VOCAB = 1000
 
 def make_config(*, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                 max_model_len=None, enable_prefix_caching=True, override=None,
-                policy="fcfs") -> KilnConfig:
+                policy="fcfs", window=None) -> KilnConfig:
+    """`window`: a Mistral with that sliding window in every layer (else a Llama)."""
     if max_model_len is None:  # 256, or what an overridden cache holds: a larger one is refused
         max_model_len = 256 if override is None else min(256, override * block_size)
-    hf = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                     max_position_embeddings=512)
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                 max_position_embeddings=512)
+    hf = (LlamaConfig(**sizes) if window is None else
+          MistralConfig(sliding_window=window, architectures=["MistralForCausalLM"], **sizes))
     config = KilnConfig(
         model_config=ModelConfig(model="unused", hf_config=hf, load_format="dummy",
                                  max_model_len=max_model_len),
@@ -50,10 +54,11 @@ def next_token(context: list[int]) -> int:
     return 3 + acc % (VOCAB - 3)  # never 0..2, so tests pick stop tokens explicitly
 
 
-def reference_tokens(prompt: list[int], n: int) -> list[int]:
+def reference_tokens(prompt: list[int], n: int, window: int | None = None) -> list[int]:
+    """The fake model's continuation; under a window each token depends on the last `window`."""
     seq = list(prompt)
     for _ in range(n):
-        seq.append(next_token(seq))
+        seq.append(next_token(seq if window is None else seq[-window:]))
     return seq[len(prompt):]
 
 
@@ -72,6 +77,7 @@ class PagedTokenExecutor:
     def __init__(self, kiln_config):
         self.config = kiln_config
         self.block_size = kiln_config.cache_config.block_size
+        self.window = kiln_config.model_config.get_sliding_window()
         self.reqs: dict[str, _RunnerRequest] = {}
         self.cache: list[list[int | None]] | None = None
         self.calls: list[str] = []
@@ -132,8 +138,13 @@ class PagedTokenExecutor:
             req = self.reqs[req_id]
             end = req.num_computed + n
             assert end <= len(req.tokens)
-            seen = [self.cache[b][o] for b, o in (self._slot(req, p) for p in range(end))]
-            assert seen == req.tokens[:end], f"{req_id}: KV cache content does not match its tokens"
+            # every key a query of the step sees: from the first one's window on
+            first = 0 if self.window is None else max(0, req.num_computed + 1 - self.window)
+            seen = [self.cache[b][o] for b, o in (self._slot(req, p) for p in range(first, end))]
+            assert seen == req.tokens[first:end], (
+                f"{req_id}: KV cache content does not match its tokens")
+            if self.window is not None:
+                seen = seen[-self.window:]
             req.num_computed = end
             req.history.append(n)
             req_ids.append(req_id)

@@ -3,6 +3,8 @@
 Random arrivals sharing prefixes, random cache sizes, budgets and limits, random aborts (waiting,
 preempted, mid-prefill, decoding), stop tokens that really fire; the executor double checks every
 K/V read against the tokens, and each finished request's tokens against the reference model.
+Under a sliding window in every layer, blocks behind it are freed and prefix hits need only the
+window's: a request holds a bounded number of blocks, and what its window reads is still its own.
 """
 import random
 from collections import Counter
@@ -13,6 +15,7 @@ from kiln.core.kv_cache_utils import cdiv
 from kiln.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from kiln.core.request import RequestStatus
 from kiln.core.scheduler import Scheduler
+from kiln.core.sliding_window_blocks import num_skipped_blocks, peak_blocks
 
 from .doubles import PagedTokenExecutor, make_config, make_request, reference_tokens
 
@@ -36,9 +39,17 @@ def check_invariants(sched: Scheduler) -> None:
         assert keys == sorted(keys)
     # Only running requests hold blocks; every reference is one holder; free list = ref 0.
     assert set(kv.req_to_blocks) <= set(running)
-    holders = Counter(b.block_id for blocks in kv.req_to_blocks.values() for b in blocks)
+    holders = Counter(b.block_id for blocks in kv.req_to_blocks.values() for b in blocks
+                      if b is not None)
     for rid, blocks in kv.req_to_blocks.items():
-        assert len({b.block_id for b in blocks}) == len(blocks), f"{rid} holds a block twice"
+        real = [b for b in blocks if b is not None]
+        assert len({b.block_id for b in real}) == len(real), f"{rid} holds a block twice"
+        if kv.sliding_window is None:
+            assert len(real) == len(blocks)
+        else:  # freed ones lead; the rest bounded by the window and a step's tokens
+            assert blocks[len(blocks) - len(real):] == real, rid
+            assert len(real) <= peak_blocks(10**9, sched.max_num_batched_tokens, 0,
+                                            kv.sliding_window, kv.block_size), rid
     for block in pool.blocks:
         assert block.ref_cnt == holders[block.block_id], block
         assert (block.ref_cnt == 0) == (block.block_id in pool.free_block_ids())
@@ -50,22 +61,27 @@ def check_invariants(sched: Scheduler) -> None:
         blocks = kv.req_to_blocks.get(request.request_id, [])
         assert request.num_computed_tokens <= request.num_tokens
         assert len(blocks) >= cdiv(request.num_computed_tokens, kv.block_size)
+        if kv.sliding_window is not None:  # no block the next query's window reads is freed
+            skipped = num_skipped_blocks(request.num_computed_tokens, kv.sliding_window,
+                                         kv.block_size)
+            assert None not in blocks[skipped:], request.request_id
         for i, block in enumerate(blocks):
-            if block.ref_cnt > 1:
+            if block is not None and block.ref_cnt > 1:
                 assert block.block_hash is not None and i < len(request.block_hashes)
                 assert request.block_hashes[i] == block.block_hash, (request.request_id, i)
 
 
-def run_workload(seed: int, steps: int, policy: str = "fcfs") -> int:
+def run_workload(seed: int, steps: int, policy: str = "fcfs", windowed: bool = False) -> int:
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 8])
     num_blocks = rng.randrange(2, 40)
     max_num_seqs = rng.randrange(1, 8)
     budget = rng.randrange(max_num_seqs, 40)
     max_model_len = rng.randrange(8, 120)
+    window = rng.randrange(1, 24) if windowed else None
     config = make_config(block_size=block_size, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=budget, max_model_len=max_model_len,
-                         enable_prefix_caching=rng.random() < 0.7, policy=policy)
+                         enable_prefix_caching=rng.random() < 0.7, policy=policy, window=window)
     executor = PagedTokenExecutor(config)
     executor.initialize_cache(num_blocks)
     sched = Scheduler(config, num_blocks)
@@ -99,7 +115,8 @@ def run_workload(seed: int, steps: int, policy: str = "fcfs") -> int:
                 max_tokens = rng.randrange(1, 30)
                 kw = {}
                 if rng.random() < 0.3:  # a stop token the fake model will actually produce
-                    kw["stop_token_ids"] = [rng.choice(reference_tokens(prompt, max_tokens))]
+                    kw["stop_token_ids"] = [rng.choice(reference_tokens(prompt, max_tokens,
+                                                                         window))]
                 made[rid] = make_request(rid, prompt, max_tokens=max_tokens,
                                          priority=rng.randrange(-2, 3), **kw)
                 sched.add_request(made[rid])
@@ -124,7 +141,8 @@ def run_workload(seed: int, steps: int, policy: str = "fcfs") -> int:
     for rid, request in made.items():
         if finished[rid] != "abort":
             produced = request.output_token_ids
-            assert produced == reference_tokens(request.prompt_token_ids, len(produced)), rid
+            assert produced == reference_tokens(request.prompt_token_ids, len(produced),
+                                                window), rid
             if finished[rid] == "stop":
                 assert produced[-1] in request.sampling_params.stop_token_ids
     return sched.num_preemptions
@@ -135,3 +153,9 @@ def run_workload(seed: int, steps: int, policy: str = "fcfs") -> int:
 def test_random_workloads_keep_invariants(seeds, policy):
     preemptions = sum(run_workload(seed, steps=250, policy=policy) for seed in seeds)
     assert preemptions > 0  # the random caches are small enough to exercise recompute
+
+
+def test_windowed_workloads_free_blocks_behind_the_window():
+    """Every layer windowed (1-23 keys): blocks behind the window go back to the pool mid-run,
+    prefix hits need only the window's blocks, preemption and aborts as above."""
+    assert sum(run_workload(seed, steps=250, windowed=True) for seed in range(100, 112)) > 0

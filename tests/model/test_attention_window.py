@@ -125,3 +125,35 @@ def test_gemma2_matches_hf_eager_past_the_window(backend, tmp_path, monkeypatch)
                            pad_token_id=0)
     assert _chunked_logits_diff(path, backend, CHUNKS, monkeypatch) < 1e-4  # measured 3e-6
 
+
+
+@pytest.mark.parametrize("impl_cls", IMPLS)
+@pytest.mark.parametrize("window", [1, 5, 9])
+def test_decode_reads_only_the_windows_blocks(impl_cls, window):
+    """Blocks wholly before a decoding query's window may be back in the pool (the KV cache frees
+    them when every layer is windowed): their table slots name a block of NaNs, which a read
+    (even masked: 0 * NaN) would spread into the output."""
+    from model._attn_helper import BlockPool, PagedRequest, build_step
+    from model.test_attention_backend import BS
+
+    total = [23, 9, 30]
+    g = torch.Generator().manual_seed(5)
+    seqs = [tuple(torch.randn(n, h, HD, generator=g) for h in (NH, NKV, NKV)) for n in total]
+    impl = impl_cls(NH, HD, HD ** -0.5, NKV, window)
+    cache = torch.zeros(2, 64, BS, NKV, HD)
+    pool, poisoned = BlockPool(63, BS), 63
+    cache[:, poisoned] = float("nan")
+    reqs = [PagedRequest(list(range(n))) for n in total]
+    for q_lens in ([n - 1 for n in total], [1] * len(total)):  # prefill, then one decode
+        starts = [r.num_computed for r in reqs]
+        _, _, md = build_step(pool, reqs, q_lens)
+        if q_lens[0] == 1:
+            assert md.uniform_decode
+            for i, n in enumerate(total):  # the blocks behind this query's window: freed
+                md.block_table[i, :first_key(n - 1, window) // BS] = poisoned
+        q, k, v = (torch.cat([seq[j][s:s + n] for seq, s, n in zip(seqs, starts, q_lens)])
+                   for j in range(3))
+        out = torch.empty(q.shape[0], NH * HD)
+        impl.forward(q.flatten(1), k.flatten(1), v.flatten(1), cache, md, out)
+    expected = torch.stack([dense_reference(*seq, window)[-1] for seq in seqs])
+    assert torch.allclose(out.view(-1, NH, HD), expected, atol=1e-5)
