@@ -129,12 +129,21 @@ ARCH_CONFIGS = {
 }
 
 
-def _widened(model):
+# Families whose biases and norm weights are drawn at random too (HF initialises them to 0 and
+# 1), so that one loaded into the wrong place, or the wrong rank's share, shows in the tokens.
+_RANDOM_BIASES = ("starcoder2", "gpt_neox")
+
+
+def _widened(model, biases: bool = False):
     """Random init is tiny; widen it so greedy tokens are decisive rather than near-ties."""
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.08)
+            elif biases and "norm" in name and name.endswith(".weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif biases:
+                p.normal_(0, 0.05)
     return model
 
 
@@ -159,7 +168,8 @@ def make_tiny_checkpoint(path: Path, arch: str, *, tie: bool, seed: int = 0,
               if k not in dropped or k in overrides}
     config = getattr(transformers, config_cls)(**common)
     torch.manual_seed(seed)
-    model = _widened(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    model = _widened(AutoModelForCausalLM.from_config(config, dtype=torch.float32),
+                     biases=arch in _RANDOM_BIASES)
     if tokenizer == "chat":  # its <|im_end|> is id 2, the config's eos
         save_chat_tokenizer(path)
     else:

@@ -18,7 +18,13 @@ from kiln.config.rope import get_rope_config, max_positions_of, partial_rotary_f
 from kiln.errors import ConfigError
 from kiln.model.layers.layernorm import LayerNorm
 from kiln.model.layers.rotary_embedding import PartialRotaryEmbedding
-from kiln.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaStyleForCausalLM, LlamaStyleModel
+from kiln.model.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaStyleForCausalLM,
+    LlamaStyleModel,
+    head_dim_of,
+)
 from kiln.model.starcoder2 import GeluMLP
 
 # checkpoint name part -> Kiln's, applied in order (the fused qkv is split after)
@@ -45,15 +51,30 @@ class GPTNeoXMLP(GeluMLP):
     bias_field = None  # HF's dense_h_to_4h / dense_4h_to_h always carry one
 
 
+def check_gpt_neox_heads(hf_config) -> None:
+    """HF's GPT-NeoX never reads num_key_value_heads or head_dim (every head has its own K/V
+    of hidden_size / num_attention_heads dims); Kiln's attention and KV cache would, so a
+    config where they say otherwise is refused rather than served as another model."""
+    heads = hf_config.num_attention_heads
+    implied = {"num_key_value_heads": heads, "head_dim": hf_config.hidden_size // heads}
+    for field, value in implied.items():
+        given = getattr(hf_config, field, None)
+        if given is not None and given != value:
+            raise ConfigError(f"GPTNeoXForCausalLM: config field {field}={given} is not read by "
+                              f"HF's GPT-NeoX, which uses {value}; remove it from config.json "
+                              f"(or --hf-overrides '{{\"{field}\": {value}}}')")
+
+
 class GPTNeoXAttention(LlamaAttention):
     def __init__(self, hf_config, prefix: str):
-        super().__init__(hf_config, prefix)
-        factor = partial_rotary_factor_of(hf_config)
-        rotary_dim = int(self.head_dim * factor)  # HF's rotary_ndims
+        check_gpt_neox_heads(hf_config)
+        factor, head_dim = partial_rotary_factor_of(hf_config), head_dim_of(hf_config)
+        rotary_dim = int(head_dim * factor)  # HF's rotary_ndims
         if rotary_dim < 2 or rotary_dim % 2:
             raise ConfigError(f"rotary_pct / partial_rotary_factor {factor} gives {rotary_dim} "
-                              f"rotary dims of head_dim {self.head_dim}; Kiln needs an even "
+                              f"rotary dims of head_dim {head_dim}; Kiln needs an even "
                               "number of at least 2")
+        super().__init__(hf_config, prefix)
         if rotary_dim < self.head_dim:
             theta, scaling = get_rope_config(hf_config)
             self.rotary_emb = PartialRotaryEmbedding(

@@ -34,6 +34,9 @@ _SEQ_CLS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
 F32_SCALE_NORM_OPS = ("rms_norm_f32_scale", "fused_add_rms_norm_f32_scale")
 # StarCoder2 / GPT-NeoX's LayerNorms and non-gated GELU MLPs (kiln/ir/layer_norm.py, layer_ops.py)
 LAYER_NORM_GELU_OPS = ("layer_norm", "gelu")
+# Families whose projections are none of LoRA's q/k/v/o, gate/up/down (kiln/lora/): a non-gated
+# c_fc / c_proj MLP. --enable-lora is refused for them by name.
+NO_LORA_ARCHITECTURES = ("Starcoder2ForCausalLM", "GPTNeoXForCausalLM")
 # The mixture-of-experts families (kiln/model/layers/fused_moe.py).
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _FAMILY_OPS = {"GemmaForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),

@@ -208,7 +208,8 @@ def test_w8a8_preset_is_what_compressed_tensors_writes():
             assert group[part][key] == getattr(getattr(preset, part), key), (part, key)
 
 
-@pytest.mark.parametrize("arch", ["llama", "phi3", "granite", "gemma", "olmo2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "phi3", "granite", "gemma", "olmo2", "gemma3",
+                                  "starcoder2", "gpt_neox"])
 def test_online_int8_quantizes_linears_per_channel(arch, request):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     float_model = get_model(kiln_config_for(model_dir))

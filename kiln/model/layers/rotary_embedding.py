@@ -98,14 +98,16 @@ class PartialRotaryEmbedding(RotaryEmbedding):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T]; q [T, nh*hd], k [T, nkv*hd] -> rotated (q, k), contiguous."""
+        # head counts spelled out, not -1: ambiguous in a batch of no tokens
         num_tokens, rot, hd = positions.shape[0], self.head_size, self.full_head_size
-        q3, k3 = q.reshape(num_tokens, -1, hd), k.reshape(num_tokens, -1, hd)  # [T, heads, hd]
-        q_rot, k_rot = ir.rotary_embedding(positions, q3[..., :rot].reshape(num_tokens, -1),
-                                           k3[..., :rot].reshape(num_tokens, -1),
+        nq, nk = q.shape[1] // hd, k.shape[1] // hd
+        q3, k3 = q.reshape(num_tokens, nq, hd), k.reshape(num_tokens, nk, hd)
+        q_rot, k_rot = ir.rotary_embedding(positions, q3[..., :rot].reshape(num_tokens, nq * rot),
+                                           k3[..., :rot].reshape(num_tokens, nk * rot),
                                            self.cos_sin_cache, rot, True)
-        q = torch.cat((q_rot.view(num_tokens, -1, rot), q3[..., rot:]), dim=-1)
-        k = torch.cat((k_rot.view(num_tokens, -1, rot), k3[..., rot:]), dim=-1)
-        return q.reshape(num_tokens, -1), k.reshape(num_tokens, -1)
+        q = torch.cat((q_rot.view(num_tokens, nq, rot), q3[..., rot:]), dim=-1)
+        k = torch.cat((k_rot.view(num_tokens, nk, rot), k3[..., rot:]), dim=-1)
+        return q.reshape(num_tokens, nq * hd), k.reshape(num_tokens, nk * hd)
 
 
 def share_rotary_embeddings(layers: nn.Module) -> int:
