@@ -96,6 +96,12 @@ ARCH_CONFIGS = {
     # head_dim 32 (not hidden / heads), GeGLU, (1 + w) norms, sqrt(hidden)-scaled embeddings
     "gemma": ("GemmaConfig", {"head_dim": 32, "pad_token_id": 0}),
     "olmo2": ("Olmo2Config", {"pad_token_id": 0}),  # post-block norms, whole-projection q/k norms
+    # LayerNorms with biases, biased linears, a GELU (tanh) MLP; a window of 8 in every layer
+    "starcoder2": ("Starcoder2Config", {"sliding_window": 8, "pad_token_id": 0}),
+    # Pythia: parallel residual, rope over a quarter of each head, fused per-head
+    # query_key_value, exact GELU; HF's GPT-NeoX has no KV-head grouping (the common 2 dropped)
+    "gpt_neox": ("GPTNeoXConfig", {"rotary_pct": 0.25, "pad_token_id": 0,
+                                   "num_key_value_heads": None}),
     # mixtures of experts: 4 experts, top 2; Mixtral renormalizes always
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # a sigmoid-gated shared expert, routing weights not renormalized, layer 1 dense
@@ -123,12 +129,21 @@ ARCH_CONFIGS = {
 }
 
 
-def _widened(model):
+# Families whose biases and norm weights are drawn at random too (HF initialises them to 0 and
+# 1), so that one loaded into the wrong place, or the wrong rank's share, shows in the tokens.
+_RANDOM_BIASES = ("starcoder2", "gpt_neox")
+
+
+def _widened(model, biases: bool = False):
     """Random init is tiny; widen it so greedy tokens are decisive rather than near-ties."""
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.08)
+            elif biases and "norm" in name and name.endswith(".weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif biases:
+                p.normal_(0, 0.05)
     return model
 
 
@@ -143,13 +158,18 @@ def make_tiny_checkpoint(path: Path, arch: str, *, tie: bool, seed: int = 0,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                   max_position_embeddings=512, tie_word_embeddings=tie, bos_token_id=1,
                   eos_token_id=2)
-    common.update(overrides)
     if arch not in ARCH_CONFIGS:
         raise ValueError(arch)
     config_cls, extra = ARCH_CONFIGS[arch]
-    config = getattr(transformers, config_cls)(**{**extra, **common})
+    # an arch's own fields win over the common ones; None there drops a common field its
+    # config lacks (GPT-NeoX's num_key_value_heads)
+    dropped = {k for k, v in extra.items() if v is None and k in common}
+    common = {k: v for k, v in {**common, **extra, **overrides}.items()
+              if k not in dropped or k in overrides}
+    config = getattr(transformers, config_cls)(**common)
     torch.manual_seed(seed)
-    model = _widened(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    model = _widened(AutoModelForCausalLM.from_config(config, dtype=torch.float32),
+                     biases=arch in _RANDOM_BIASES)
     if tokenizer == "chat":  # its <|im_end|> is id 2, the config's eos
         save_chat_tokenizer(path)
     else:

@@ -11,8 +11,11 @@ import torch
 
 # Phi-3's checkpoints hold q/k/v and gate/up fused: qkv_proj, gate_up_proj (one scale per row).
 # Mixtral's experts: w1 / w3 / w2 (the MoE routers, `gate`, stay float: ignore them).
+# StarCoder2's MLP: c_fc / c_proj; GPT-NeoX's: query_key_value (per head fused), dense,
+# dense_h_to_4h / dense_4h_to_h.
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                   "qkv_proj", "gate_up_proj", "w1", "w2", "w3")
+                   "qkv_proj", "gate_up_proj", "w1", "w2", "w3", "c_fc", "c_proj",
+                   "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 
 
 def w8a8_quantization_config(**overrides) -> dict:

@@ -17,6 +17,8 @@ from kiln.errors import ConfigError
 # The GGUF architectures Kiln's models run (general.architecture).
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2",
                                 "gemma3", "granite", "olmo2", "qwen2moe", "qwen3moe")
+# llama.cpp architectures whose HF checkpoints Kiln serves, and their GGUF files not
+_HF_ONLY = {"starcoder2": "Starcoder2ForCausalLM", "gptneox": "GPTNeoXForCausalLM"}
 # <arch>.key -> what its value must be: "count" a positive integer, "positive" a number above 0,
 # "scale" a number from 0 (a rope scaling factor: 0 is none, as llama.cpp reads it).
 # Required: without the model's shape transformers takes its defaults (32 layers, ...); without
@@ -63,8 +65,10 @@ def check_file(table: dict, gguf: Path) -> None:
     if arch is None:
         raise ConfigError(f"GGUF file {gguf} has no general.architecture field")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        hint = (f"; Kiln serves {_HF_ONLY[arch]} from its Hugging Face checkpoint (safetensors), "
+                "not GGUF" if arch in _HF_ONLY else "")
         raise ConfigError(f"GGUF file {gguf}: architecture {arch!r} is not supported; "
-                          f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+                          f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}{hint}")
     from kiln.config.gguf_moe_config import is_moe
 
     if is_moe(table):

@@ -97,10 +97,16 @@ class KilnConfig(FreezableConfig):
                                   "raise --max-num-batched-tokens")
 
     def _check_moe(self) -> None:
-        """What Kiln's mixture-of-experts models do not run, refused by flag before loading."""
-        from kiln.model.registry import MOE_ARCHITECTURES
+        """What Kiln's mixture-of-experts models (and the non-gated MLP families, LoRA) do not
+        run, refused by flag before loading."""
+        from kiln.model.registry import MOE_ARCHITECTURES, NO_LORA_ARCHITECTURES
 
         m = self.model_config
+        if self.lora_config is not None and m.architecture in NO_LORA_ARCHITECTURES:
+            raise ConfigError(f"--enable-lora: LoRA adapters on {m.architecture} are not "
+                              "supported (Kiln applies them to q/k/v/o and gate/up/down "
+                              "projections; its MLP is a non-gated c_fc / c_proj); drop "
+                              "--enable-lora")
         if m.architecture not in MOE_ARCHITECTURES:
             return
         if m.quant_kind == "fp8":  # int8 (online, compressed-tensors W8A8) runs the experts

@@ -242,7 +242,8 @@ class ModelConfig(FreezableConfig):
                 "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
                 "gemma3_text": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM"}.get(model_type, model_type)
+                "qwen3_moe": "Qwen3MoeForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
+                "gpt_neox": "GPTNeoXForCausalLM"}.get(model_type, model_type)
 
     @property
     def vocab_size(self) -> int:

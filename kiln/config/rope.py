@@ -107,6 +107,24 @@ def get_rope_config(hf_config, layer_type: str | None = None) -> tuple[float, di
     return float(theta), scaling
 
 
+def partial_rotary_factor_of(hf_config) -> float:
+    """The share of each head's dims the rope rotates: transformers 5 keeps it in
+    rope_parameters (GPT-NeoX's rotary_pct is put there), older configs as a top-level
+    partial_rotary_factor or GPT-NeoX's rotary_pct; 1.0 where none is set."""
+    factor = getattr(hf_config, "partial_rotary_factor", None)
+    if factor is None:
+        factor = getattr(hf_config, "rotary_pct", None)
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
+        factor = params["partial_rotary_factor"]
+    if factor is None:
+        return 1.0
+    if not _positive(factor) or factor > 1:
+        raise ConfigError(f"partial_rotary_factor (rotary_pct) must be a number in (0, 1], got "
+                          f"{factor!r}")
+    return float(factor)
+
+
 def _architecture(hf_config) -> str:
     return (getattr(hf_config, "architectures", None) or ["this architecture"])[0]
 

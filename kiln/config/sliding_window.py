@@ -1,19 +1,21 @@
 """A checkpoint's sliding-window attention: the window, and which layers it limits, as each HF
-model class reads them (Mixtral, Phi-3, Qwen3-MoE: every layer; Mistral, Qwen2/3, Qwen2-MoE,
-Gemma-2, Gemma-3: those `layer_types` names `sliding_attention`, else every layer; the others: none)."""
+model class reads them (Mixtral, Phi-3, Qwen3-MoE, StarCoder2: every layer; Mistral, Qwen2/3,
+Qwen2-MoE, Gemma-2, Gemma-3: those `layer_types` names `sliding_attention`, else every layer;
+the others: none)."""
 from kiln.errors import ConfigError
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # HF's attention of these classes takes `sliding_window` in every layer (layer_types unread).
-_EVERY_LAYER = ("MixtralForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM")
+_EVERY_LAYER = ("MixtralForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM",
+                "Starcoder2ForCausalLM")
 # These window the layers their config's layer_types names (resolved from use_sliding_window
 # and max_window_layers by transformers' Qwen configs, alternating in Gemma-2's, every sixth
 # layer global in Gemma-3's; a Mistral
 # config with layer_types is read by AutoConfig as Ministral's, which honours them).
 _BY_LAYER_TYPES = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                    "Qwen2MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-# Every other family (Llama, Granite, Gemma, OLMo-2) attends fully whatever its config says:
+# Every other family (Llama, Granite, Gemma, OLMo-2, GPT-NeoX) attends fully whatever its config says:
 # HF's model classes never read a stray `sliding_window`.
 
 

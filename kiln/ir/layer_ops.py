@@ -1,6 +1,6 @@
-"""The IR's per-layer ops (RMSNorm with and without the residual add, SiLU- and GELU-and-mul, rotary
-embedding, the dense linear): schema, fake and the plain-torch reference that defines each one's
-meaning.
+"""The IR's per-layer ops (RMSNorm with and without the residual add, SiLU- and GELU-and-mul,
+GELU, rotary embedding, the dense linear): schema, fake and the plain-torch reference that
+defines each one's meaning.
 
 References round where Hugging Face's torch code does (normalise in float32, scale in the input
 dtype), so an implementation that matches them matches HF in bfloat16 too.
@@ -51,6 +51,17 @@ def _gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     no fusion pass matches it (they match silu_and_mul)."""
     d = x.shape[-1] // 2
     return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
+def _gelu_ref(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    """x [..., d] -> gelu(x) [..., d], x's dtype: the erf form (approximate "none": HF's
+    "gelu") or the tanh one ("tanh": gelu_pytorch_tanh), as F.gelu. The non-gated MLPs'
+    activation (StarCoder2, GPT-NeoX); only the torch provider implements it."""
+    return F.gelu(x, approximate=approximate)
+
+
+def _gelu_fake(x, approximate):
+    return torch.empty_like(x)
 
 
 def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -131,6 +142,10 @@ silu_and_mul = define(
 gelu_tanh_and_mul = define(
     "gelu_tanh_and_mul", "(Tensor x) -> Tensor", _gelu_tanh_and_mul_ref, _silu_and_mul_fake,
     lambda dtype, device: (_examples(dtype, device)(2, 64),))
+
+gelu = define(
+    "gelu", "(Tensor x, str approximate) -> Tensor", _gelu_ref, _gelu_fake,
+    lambda dtype, device: (_examples(dtype, device)(2, 64), "none"))
 
 rotary_embedding = define(
     "rotary_embedding", "(Tensor positions, Tensor q, Tensor k, Tensor cos_sin_cache, "

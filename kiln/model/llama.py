@@ -123,12 +123,13 @@ class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
     mlp_cls = LlamaMLP
     norm_cls = RMSNorm
+    eps_field = "rms_norm_eps"  # the config field of the norms' epsilon (StarCoder2: norm_epsilon)
 
     def __init__(self, hf_config, prefix: str):
         super().__init__()
         self.self_attn = self.attention_cls(hf_config, prefix=f"{prefix}.self_attn")
         self.mlp = self.mlp_cls(hf_config, prefix=f"{prefix}.mlp")
-        eps = hf_config.rms_norm_eps
+        eps = getattr(hf_config, self.eps_field)
         self.input_layernorm = self.norm_cls(hf_config.hidden_size, eps)
         self.post_attention_layernorm = self.norm_cls(hf_config.hidden_size, eps)
 
@@ -162,7 +163,8 @@ class LlamaStyleModel(nn.Module):
             self.layer_cls(cfg, prefix=f"{prefix}.layers.{i}")
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(cfg.num_hidden_layers))
-        self.norm = self.layer_cls.norm_cls(cfg.hidden_size, cfg.rms_norm_eps) \
+        self.norm = self.layer_cls.norm_cls(cfg.hidden_size,
+                                            getattr(cfg, self.layer_cls.eps_field)) \
             if self.is_last_stage \
             else PPMissingLayer()
         share_rotary_embeddings(self.layers)  # one cos/sin cache, not one per layer

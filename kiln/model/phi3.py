@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from kiln.compilation.decorator import support_torch_compile
+from kiln.config.rope import partial_rotary_factor_of
 from kiln.errors import ConfigError
 from kiln.model.llama import (
     LlamaAttention,
@@ -22,12 +23,8 @@ from kiln.model.llama import (
 
 
 def _check_phi3_config(hf_config) -> None:
-    # transformers 5 keeps it in rope_parameters; older configs as a top-level field
-    factor = getattr(hf_config, "partial_rotary_factor", 1.0)
-    params = getattr(hf_config, "rope_parameters", None)
-    if isinstance(params, dict):
-        factor = params.get("partial_rotary_factor", factor)
-    if factor is not None and float(factor) != 1.0:
+    factor = partial_rotary_factor_of(hf_config)
+    if factor != 1.0:
         raise ConfigError(f"partial_rotary_factor {factor} is not supported for Phi3ForCausalLM "
                           "(Kiln rotates the whole head); only 1.0")
 

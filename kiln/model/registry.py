@@ -10,6 +10,7 @@ _MODELS = {
     "GemmaForCausalLM": ("kiln.model.gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("kiln.model.gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("kiln.model.gemma3", "Gemma3ForCausalLM"),
+    "GPTNeoXForCausalLM": ("kiln.model.gpt_neox", "GPTNeoXForCausalLM"),
     "GraniteForCausalLM": ("kiln.model.granite", "GraniteForCausalLM"),
     "LlamaForCausalLM": ("kiln.model.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("kiln.model.llama", "LlamaForCausalLM"),
@@ -20,6 +21,7 @@ _MODELS = {
     "Qwen2MoeForCausalLM": ("kiln.model.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3ForCausalLM": ("kiln.model.qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("kiln.model.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Starcoder2ForCausalLM": ("kiln.model.starcoder2", "Starcoder2ForCausalLM"),
 }
 # Draft heads, built only as a --speculative-config head (never served as --model)
 _DRAFT_HEADS = {"EagleLlamaForCausalLM": ("kiln.model.llama_eagle", "EagleLlamaForCausalLM")}
@@ -32,12 +34,19 @@ _SEQ_CLS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
 # IR ops only some families call, by architecture (what `kiln compile`'s report lists as used).
 # Gemma / Gemma-2 / OLMo-2's norms (kiln/ir/f32_scale_norm.py)
 F32_SCALE_NORM_OPS = ("rms_norm_f32_scale", "fused_add_rms_norm_f32_scale")
+# StarCoder2 / GPT-NeoX's LayerNorms and non-gated GELU MLPs (kiln/ir/layer_norm.py, layer_ops.py)
+LAYER_NORM_GELU_OPS = ("layer_norm", "gelu")
+# Families whose projections are none of LoRA's q/k/v/o, gate/up/down (kiln/lora/): a non-gated
+# c_fc / c_proj MLP. --enable-lora is refused for them by name.
+NO_LORA_ARCHITECTURES = ("Starcoder2ForCausalLM", "GPTNeoXForCausalLM")
 # The mixture-of-experts families (kiln/model/layers/fused_moe.py).
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _FAMILY_OPS = {"GemmaForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),
                "Gemma2ForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),
                "Gemma3ForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),
                "Olmo2ForCausalLM": F32_SCALE_NORM_OPS,
+               "Starcoder2ForCausalLM": LAYER_NORM_GELU_OPS,
+               "GPTNeoXForCausalLM": LAYER_NORM_GELU_OPS,
                **{arch: ("fused_moe", "fused_moe_int8", "fused_moe_int8_panels")
                   for arch in MOE_ARCHITECTURES}}
 # The Llama ops those families' own replace, with the fusions the graph passes make of them
@@ -47,7 +56,9 @@ _LLAMA_NORMS = ("rms_norm", "fused_add_rms_norm", "rms_norm_dynamic_int8_quant",
 _SILU = ("silu_and_mul", "silu_and_mul_dynamic_int8_quant", "int8_scaled_mm_panels_silu_quant")
 _REPLACED_OPS = {"GemmaForCausalLM": (*_LLAMA_NORMS, *_SILU),
                  "Gemma2ForCausalLM": (*_LLAMA_NORMS, *_SILU),
-                 "Gemma3ForCausalLM": (*_LLAMA_NORMS, *_SILU), "Olmo2ForCausalLM": _LLAMA_NORMS}
+                 "Gemma3ForCausalLM": (*_LLAMA_NORMS, *_SILU), "Olmo2ForCausalLM": _LLAMA_NORMS,
+                 "Starcoder2ForCausalLM": (*_LLAMA_NORMS, *_SILU),
+                 "GPTNeoXForCausalLM": (*_LLAMA_NORMS, *_SILU)}
 
 
 def ir_ops_not_called(architecture: str) -> set[str]:

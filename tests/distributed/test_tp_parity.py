@@ -1,7 +1,7 @@
 """Tensor parallelism, 2 ranks on the mp executor: greedy tokens equal HF's (and so TP=1's) for
-Llama (GQA), Qwen2 (q/k/v bias, tied head), Qwen3 (q/k norm) and Phi-3 (fused qkv
-and gate_up in the checkpoint, split per rank); float32 logprobs within 1e-4
-of TP=1; chunked prefill, prefix caching and preemption change no token.
+Llama (GQA), Qwen2 (q/k/v bias, tied head), Qwen3 (q/k norm), Phi-3 (fused qkv
+and gate_up in the checkpoint, split per rank) and GPT-NeoX (per-head fused qkv, biases);
+float32 logprobs within 1e-4 of TP=1; chunked prefill, prefix caching and preemption change no token.
 """
 import pytest
 
@@ -44,6 +44,10 @@ def test_tp2_logprobs_match_tp1_within_1e4(tp2_llama, tiny_llama_dir):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3",  # phi3: fused qkv / gate_up split
+                                  # per-head fused query_key_value split by heads, random
+                                  # biases sharded (column) or added once (row), partial rope
+                                  "gpt_neox",
+                                  pytest.param("starcoder2", marks=pytest.mark.slow),
                                   pytest.param("granite", marks=pytest.mark.slow),
                                   pytest.param("gemma", marks=pytest.mark.slow),
                                   # per-head q/k norms, sliding / global layers' own ropes

@@ -319,3 +319,40 @@ def test_gemma_ops_round_as_hf_gemma_does(dtype):
     if dtype == torch.bfloat16:  # a plain rms_norm with 1 + w as its weight rounds elsewhere
         folded = ir.rms_norm.reference(x, (1 + hf_norm.weight.float()).to(dtype), 1e-6)
         assert not torch.equal(folded, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_and_gelu_equal_hf_modules(dtype):
+    """StarCoder2 / GPT-NeoX's ops: layer_norm is HF's nn.LayerNorm (bias included) and gelu
+    each hidden_act those families name, bit for bit in bfloat16 too; the partial rope rotates
+    the first dims of each head as HF's GPT-NeoX does, passing the rest through."""
+    from transformers.activations import ACT2FN
+    from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb
+
+    from kiln.model.layers.activation import GELU_APPROXIMATIONS
+    from kiln.model.layers.rotary_embedding import PartialRotaryEmbedding
+
+    g = _gen(11)
+    x = (torch.randn(5, 96, generator=g) * 3).to(dtype)
+    hf_norm = torch.nn.LayerNorm(96, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        hf_norm.weight.copy_(1 + torch.randn(96, generator=g) * 0.3)
+        hf_norm.bias.copy_(torch.randn(96, generator=g) * 0.3)
+        assert torch.equal(ir.layer_norm.reference(x, hf_norm.weight, hf_norm.bias, 1e-5),
+                           hf_norm(x))
+        for act, approximate in GELU_APPROXIMATIONS.items():
+            if act in ("gelu", "gelu_pytorch_tanh"):  # gelu_new / gelu_fast: HF's own rounding
+                assert torch.equal(ir.gelu.reference(x, approximate), ACT2FN[act](x)), act
+            else:
+                close(ir.gelu.reference(x, approximate), ACT2FN[act](x), dtype)
+    rope = PartialRotaryEmbedding(16, 4, 64, 10000.0)
+    positions = torch.tensor([0, 3, 7])
+    q, k = torch.randn(3, 4 * 16, generator=g), torch.randn(3, 2 * 16, generator=g)
+    got_q, got_k = rope(positions, q, k)
+    cos, sin = rope.cos_sin_cache[positions].chunk(2, dim=-1)  # HF's cos / sin: halves doubled
+    cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)  # [T, 4]
+    want_q, want_k = apply_rotary_pos_emb(q.view(3, 4, 16), k.view(3, 2, 16), cos, sin)
+    close(got_q, want_q.reshape(3, -1), torch.float32)
+    close(got_k, want_k.reshape(3, -1), torch.float32)
+    empty = rope(torch.zeros(0, dtype=torch.long), torch.randn(0, 64), torch.randn(0, 32))
+    assert [t.shape for t in empty] == [(0, 64), (0, 32)]

@@ -112,6 +112,18 @@ CASES = {
     "qwen3_moe_bias_tied": ("Qwen3MoeConfig", dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=16,
         attention_bias=True, tie_word_embeddings=True)),
+    # LayerNorm families, every bias and norm random: StarCoder2 without biases and a window
+    # of 6; with them, exact GELU, MQA, tied
+    "starcoder2_no_bias_window": ("Starcoder2Config", dict(use_bias=False, sliding_window=6)),
+    "starcoder2_bias_gelu_mqa_tied": ("Starcoder2Config", dict(
+        hidden_act="gelu", num_key_value_heads=1, tie_word_embeddings=True)),
+    # GPT-NeoX sequential residual over a whole-head rope; no attention biases, half-head
+    # rope, gelu_new, tied (HF's GPT-NeoX has no KV grouping: 4 KV heads of 4)
+    "gpt_neox_sequential_full_rotary": ("GPTNeoXConfig", dict(
+        use_parallel_residual=False, rotary_pct=1.0, num_key_value_heads=4)),
+    "gpt_neox_no_bias_half_rotary_tied": ("GPTNeoXConfig", dict(
+        attention_bias=False, rotary_pct=0.5, hidden_act="gelu_new", num_key_value_heads=4,
+        tie_word_embeddings=True)),
     # a window HF's Llama never reads (Kiln windowed it: logits 3.2 off HF's)
     "llama_stray_window_unread": ("LlamaConfig", dict(sliding_window=6)),
 }
@@ -356,3 +368,37 @@ def test_olmo2_at_tensor_parallel_2_is_refused_naming_the_flag():
     Olmo2Attention._check_tp(1)
     with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
         Olmo2Attention._check_tp(2)
+
+
+@pytest.mark.parametrize("fields, what", [
+    (dict(num_key_value_heads=2), "num_key_value_heads=2 is not read by HF's GPT-NeoX, which "
+                                  "uses 4"),
+    (dict(head_dim=8), "head_dim=8 is not read by HF's GPT-NeoX, which uses 16"),
+    (dict(rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.1}),
+     "gives 1 rotary dims of head_dim 16"),
+    (dict(rotary_pct=1.5), r"must be a number in \(0, 1\], got 1.5")])
+def test_gpt_neox_configs_kiln_would_misread_are_refused_naming_the_field(fields, what):
+    """HF's GPT-NeoX ignores num_key_value_heads / head_dim, which Kiln's attention and KV
+    cache read; a rotary share leaving an odd (or no) number of dims cannot be roped."""
+    from kiln.config.hf_config_snapshot import HFConfigSnapshot
+    from kiln.errors import ConfigError
+    from kiln.model.gpt_neox import GPTNeoXAttention
+
+    cfg = HFConfigSnapshot({"hidden_size": 64, "num_attention_heads": 4,
+                            "max_position_embeddings": 64, **fields})
+    with pytest.raises(ConfigError, match=what):
+        GPTNeoXAttention(cfg, "model.layers.0.self_attn")
+
+
+@pytest.mark.parametrize("arch", ["starcoder2", "gpt_neox"])
+def test_lora_on_the_non_gated_mlp_families_is_refused_by_flag(arch, request):
+    """Kiln's LoRA layers are q/k/v/o, gate/up/down: attaching them failed as an
+    AttributeError (no mlp.gate_up_proj) once the model was loaded."""
+    from kiln.config import DeviceConfig, KilnConfig, ModelConfig
+    from kiln.errors import ConfigError
+    from kiln.lora.config import LoRAConfig
+
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    with pytest.raises(ConfigError, match="--enable-lora: LoRA adapters on .*drop --enable-lora"):
+        KilnConfig(ModelConfig(model=str(model_dir)), device_config=DeviceConfig("cpu"),
+                   enforce_eager=True, lora_config=LoRAConfig())

@@ -208,7 +208,8 @@ def test_w8a8_preset_is_what_compressed_tensors_writes():
             assert group[part][key] == getattr(getattr(preset, part), key), (part, key)
 
 
-@pytest.mark.parametrize("arch", ["llama", "phi3", "granite", "gemma", "olmo2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "phi3", "granite", "gemma", "olmo2", "gemma3",
+                                  "starcoder2", "gpt_neox"])
 def test_online_int8_quantizes_linears_per_channel(arch, request):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     float_model = get_model(kiln_config_for(model_dir))
@@ -223,6 +224,24 @@ def test_online_int8_quantizes_linears_per_channel(arch, request):
         err = (int8_weight(layer).float() * layer.weight_scale[:, None] - w).abs()
         assert (err <= layer.weight_scale[:, None] * 0.5 * (1 + 1e-5)).all()
     assert model.lm_head.weight.dtype == torch.float32
+
+
+def test_gpt_neox_checkpoint_loads_by_its_own_names(tiny_gpt_neox_dir, tmp_path):
+    """GPT-NeoX's W8A8 checkpoint: its per-head fused query_key_value and scales split into
+    q / k / v rows, an ignore list and the head written against its names (embed_out)."""
+    d = write_w8a8_checkpoint(tiny_gpt_neox_dir, tmp_path / "q", keep_float=r".*dense_4h_to_h",
+                              ignore=["embed_out", "re:.*dense_4h_to_h$"])
+    model = get_model(kiln_config_for(d))
+    layers = _linears(model)
+    assert layers["model.layers.0.mlp.c_proj"].weight.dtype == torch.float32
+    qkv = layers["model.layers.1.self_attn.qkv_proj"]
+    stored = load_file(str(d / "model.safetensors"))
+    name = "gpt_neox.layers.1.attention.query_key_value."
+    per_head = [stored[name + t].reshape(4, 3, 16, -1) for t in ("weight", "weight_scale")]
+    weight, scale = (t.transpose(0, 1).reshape(3 * 64, -1) for t in per_head)  # q | k | v
+    assert torch.equal(int8_weight(qkv), weight)
+    assert torch.equal(qkv.weight_scale, scale.float().reshape(-1))
+    assert layers["model.layers.0.mlp.c_fc"].weight.dtype == torch.int8
 
 
 def test_online_int8_on_a_gguf_file(tiny_llama_dir, tmp_path):

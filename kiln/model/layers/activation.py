@@ -1,6 +1,7 @@
-"""SiLU-and-multiply: the gated activation of Llama-style MLPs over a merged gate_up output.
+"""The MLPs' activations: SiLU- and GELU-and-multiply over a merged gate_up output (Llama,
+Gemma), and plain GELU (StarCoder2, GPT-NeoX).
 
-The IR op `silu_and_mul` (kiln/ir/) carries its meaning and its chosen implementation.
+Each is an IR op (kiln/ir/layer_ops.py) carrying its meaning and its chosen implementation.
 """
 import torch
 from torch import nn
@@ -18,3 +19,20 @@ class GeluTanhAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ir.gelu_tanh_and_mul(x)  # [T, 2 * intermediate] = [gate | up] -> [T, intermediate]
+
+
+# HF's hidden_act names of GELU -> F.gelu's `approximate`: gelu_new and gelu_fast are HF's own
+# writings of the tanh form (equal up to rounding)
+GELU_APPROXIMATIONS = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh",
+                       "gelu_fast": "tanh"}
+
+
+class Gelu(nn.Module):
+    """GELU of a non-gated MLP (StarCoder2, GPT-NeoX), the IR op gelu."""
+
+    def __init__(self, hidden_act: str):
+        super().__init__()
+        self.approximate = GELU_APPROXIMATIONS[hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ir.gelu(x, self.approximate)  # [T, intermediate]

@@ -1,4 +1,5 @@
-"""RMSNorm, optionally fused with the residual add that precedes it in a decoder layer.
+"""RMSNorm (and LayerNorm), optionally fused with the residual add that precedes it in a decoder
+layer.
 
 Normalises in float32 and scales in the input dtype, as Hugging Face's Llama does: the IR ops
 `rms_norm` and `fused_add_rms_norm` (kiln/ir/layer_ops.py) define it.
@@ -39,3 +40,23 @@ class F32ScaleRMSNorm(RMSNorm):
 class GemmaRMSNorm(F32ScaleRMSNorm):
     """Gemma's RMSNorm: scales by (1 + weight) in float32, then rounds."""
     offset = 1.0
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias (StarCoder2, GPT-NeoX: HF's nn.LayerNorm), the IR op
+    layer_norm; called as RMSNorm is, so Llama's decoder layer takes it. Its residual add is
+    plain torch: a compiled graph fuses it with the op's inlined reference."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.bias.weight_loader = default_weight_loader
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with residual: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return ir.layer_norm(x, self.weight, self.bias, self.eps)
+        total = x + residual  # [T, hidden]
+        return ir.layer_norm(total, self.weight, self.bias, self.eps), total

@@ -1,5 +1,6 @@
-"""Rotary position embedding (neox style, as HF Llama): a cos/sin cache indexed by positions, and
-the IR op `rotary_embedding` (kiln/ir/layer_ops.py) applying it.
+"""Rotary position embedding (neox style, as HF Llama; over part of each head for GPT-NeoX): a
+cos/sin cache indexed by positions, and the IR op `rotary_embedding` (kiln/ir/layer_ops.py)
+applying it.
 
 Its settings (theta, scaling) are read by kiln/config/rope.py; longrope's choice of factors is
 longrope.py's.
@@ -85,6 +86,30 @@ class RotaryEmbedding(nn.Module):
         return ir.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_size, True)
 
 
+class PartialRotaryEmbedding(RotaryEmbedding):
+    """Rope over the first `rotary_dim` of each head's `head_size` dims, the rest passed
+    through (GPT-NeoX's rotary_pct, HF's partial_rotary_factor): the rotary_embedding op on
+    those dims alone, its cache built for them (HF's frequencies are over rotary_dim too)."""
+
+    def __init__(self, head_size: int, rotary_dim: int, max_position: int, base: float,
+                 scaling: dict | None = None, max_model_len: int | None = None):
+        super().__init__(rotary_dim, max_position, base, scaling, max_model_len)
+        self.full_head_size = head_size
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """positions [T]; q [T, nh*hd], k [T, nkv*hd] -> rotated (q, k), contiguous."""
+        # head counts spelled out, not -1: ambiguous in a batch of no tokens
+        num_tokens, rot, hd = positions.shape[0], self.head_size, self.full_head_size
+        nq, nk = q.shape[1] // hd, k.shape[1] // hd
+        q3, k3 = q.reshape(num_tokens, nq, hd), k.reshape(num_tokens, nk, hd)
+        q_rot, k_rot = ir.rotary_embedding(positions, q3[..., :rot].reshape(num_tokens, nq * rot),
+                                           k3[..., :rot].reshape(num_tokens, nk * rot),
+                                           self.cos_sin_cache, rot, True)
+        q = torch.cat((q_rot.view(num_tokens, nq, rot), q3[..., rot:]), dim=-1)
+        k = torch.cat((k_rot.view(num_tokens, nk, rot), k3[..., rot:]), dim=-1)
+        return q.reshape(num_tokens, nq * hd), k.reshape(num_tokens, nk * hd)
+
+
 def share_rotary_embeddings(layers: nn.Module) -> int:
     """Point every `rotary_emb` under `layers` at one module per distinct rotary (head size,
     positions, frequencies): each layer building its own kept a float32 [max_pos, hd] cache per
@@ -93,7 +118,8 @@ def share_rotary_embeddings(layers: nn.Module) -> int:
     for module in layers.modules():
         rotary = getattr(module, "rotary_emb", None)
         if isinstance(rotary, RotaryEmbedding):
-            key = (rotary.head_size, rotary.max_position, repr(rotary.scaling),
+            key = (type(rotary), getattr(rotary, "full_head_size", rotary.head_size),
+                   rotary.head_size, rotary.max_position, repr(rotary.scaling),
                    tuple(rotary.inv_freq.tolist()))
             module.rotary_emb = shared.setdefault(key, rotary)
     return len(shared)

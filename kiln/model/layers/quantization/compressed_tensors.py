@@ -100,7 +100,9 @@ def parse_w8a8_int8(raw: dict) -> tuple[list[str], list[str]]:
                     "output activations are not quantized")
     targets = [t for s in config.config_groups.values() for t in s.targets]
     ignore = list(config.ignore or [])
-    if _targets_lm_head(targets) and not ignored("lm_head", ignore):
+    # the head as the checkpoint names it: lm_head, GPT-NeoX's embed_out
+    if _targets_lm_head(targets) and not any(ignored(head, ignore)
+                                             for head in ("lm_head", "embed_out")):
         _refuse("ignore", ignore, "the LM head stays in the model dtype: list 'lm_head' in "
                 "ignore (llm-compressor does by default)")
     return targets, ignore
