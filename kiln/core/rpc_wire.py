@@ -1,5 +1,6 @@
 """collective_rpc across processes: the call and its results pickled (tensors and a callable by
-reference), and an error a worker raised carried back as itself, not as the engine's death.
+reference; a rank pickles its own result, so one that does not pickle is the caller's error), and
+an error a worker raised carried back as itself, not as the engine's death.
 
 A callable crosses by its qualified name, so it must be importable where the workers run (a
 module-level function): Kiln has no cloudpickle to send a lambda's code.
@@ -36,12 +37,37 @@ def loads(data: bytes):
     return pickle.loads(data)
 
 
+@dataclass
+class PickledResult:
+    """A rank's result, pickled in the rank, so one that does not pickle is found there."""
+    data: bytes
+
+
+def _unsendable(results, e: Exception) -> ValueError:
+    # Any error: a model's oneDNN-packed tensors raise NotImplementedError, not PicklingError
+    kinds = ", ".join(sorted({type(r).__name__ for r in results})) \
+        if isinstance(results, list) else type(results).__name__
+    return ValueError(f"collective_rpc: the workers' results ({kinds}) cannot "
+                      f"be sent back across processes ({type(e).__name__}: {e}); return values "
+                      "that pickle (plain data, tensors), e.g. not the model itself")
+
+
 def dumps_results(results: list) -> bytes:
     try:
         return pickle.dumps(results, protocol=pickle.HIGHEST_PROTOCOL)
-    except (pickle.PicklingError, AttributeError, TypeError) as e:
-        raise ValueError(f"collective_rpc: the workers' results cannot be sent back ({e}); "
-                         "return values that pickle") from None
+    except Exception as e:  # noqa: BLE001 - whatever pickling raises is the caller's error
+        raise _unsendable(results, e) from None
+
+
+def rank_result(result):
+    """A rank's collective_rpc result as it goes back to the engine: pickled here, so one that
+    does not pickle is the caller's error (RpcFailure), not the rank's death mid-reply."""
+    if isinstance(result, RpcFailure):
+        return result
+    try:
+        return PickledResult(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as e:  # noqa: BLE001 - whatever pickling raises is the caller's error
+        return RpcFailure(failure_report(_unsendable(result, e)))
 
 
 def guarded(call, *args):
@@ -58,7 +84,7 @@ def raise_failures(results: list) -> list:
     for rank, result in enumerate(results):
         if isinstance(result, RpcFailure):
             raise error_from(result.failure, f"worker rank {rank}: " if len(results) > 1 else "")
-    return results
+    return [loads(r.data) if isinstance(r, PickledResult) else r for r in results]
 
 
 def error_from(failure: CoreFailed, where: str = "") -> Exception:

@@ -72,9 +72,9 @@ class RankWorker:
             self.unpickle_seconds = 0.0
             return None
         if method == "collective_rpc":  # a worker's error is the caller's, not the rank's end
-            from kiln.core.rpc_wire import guarded
+            from kiln.core.rpc_wire import guarded, rank_result
 
-            return guarded(self.worker.collective_rpc, *args)
+            return rank_result(guarded(self.worker.collective_rpc, *args))
         try:
             result = getattr(self.worker, method)(*args)
         except LoRALoadError as e:  # every rank's (load_failure.py): the engine ends its requests

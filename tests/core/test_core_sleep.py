@@ -57,3 +57,34 @@ def test_a_workers_error_comes_back_as_its_own_kind():
     with pytest.raises(ValueError, match="worker rank 1: no such weight"):
         rpc_wire.raise_failures(results)
     assert isinstance(rpc_wire.error_from(failure_report(KeyError("k"))), KeyError)
+
+
+class _Unpicklable:
+    """As a model's oneDNN-packed tensors: pickling raises NotImplementedError."""
+
+    def __reduce__(self):
+        raise NotImplementedError("Cannot access storage of OpaqueTensorImpl")
+
+
+class _FakeWorker:
+    def collective_rpc(self, method, args, kwargs):
+        return _Unpicklable() if method == "get_model" else {"ok": args}
+
+
+def test_a_result_that_does_not_pickle_is_the_callers_error_not_a_ranks_death():
+    """collective_rpc('get_model') crossing processes: the core's reply to the front end, and a
+    rank's reply to the engine (its pipe pickled it outside any guard, so the rank died and the
+    engine with it)."""
+    import pickle
+
+    from kiln.executor.rank_worker import RankWorker
+
+    with pytest.raises(ValueError, match="_Unpicklable.*cannot be sent back.*OpaqueTensorImpl"):
+        rpc_wire.dumps_results([_Unpicklable()])
+    rank = RankWorker.__new__(RankWorker)
+    rank.rank, rank.worker = 0, _FakeWorker()
+    replies = [pickle.loads(pickle.dumps(rank.call("collective_rpc", (m, (1,), None))))
+               for m in ("echo", "get_model")]  # as the rank's pipe sends them
+    assert rpc_wire.raise_failures(replies[:1]) == [{"ok": (1,)}]
+    with pytest.raises(ValueError, match="worker rank 1: collective_rpc: .*cannot be sent"):
+        rpc_wire.raise_failures(replies)

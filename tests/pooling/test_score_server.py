@@ -69,7 +69,8 @@ def test_classify_matches_hf_in_vllms_shape(classifier, tiny_cls_qwen3_dir):
                                atol=ATOL, rtol=0)
     text = classifier.post("/classify", json={"input": ["w5 w6", "w7"]}).json()
     assert [d["index"] for d in text["data"]] == [0, 1]
-    pooled = classifier.post("/pooling", json={"input": prompts[0]}).json()["data"][0]
+    pooled = classifier.post("/pooling", json={"input": prompts[0], "task": "classify"}
+                             ).json()["data"][0]
     assert pooled["object"] == "pooling"
     torch.testing.assert_close(torch.tensor(pooled["data"]), refs[0].softmax(-1), atol=ATOL,
                                rtol=0)
@@ -88,6 +89,9 @@ def test_classify_matches_hf_in_vllms_shape(classifier, tiny_cls_qwen3_dir):
     ("/classify", {"input": "x", "activation": True, "use_activation": False},
      "use_activation", "disagree"),
     ("/classify", {"input": [[5], [9999]]}, "input", "outside the vocabulary"),
+    # vLLM's /pooling task: another task's is refused, not answered with the classifier's
+    ("/pooling", {"input": "x", "task": "embed"}, "task", "runs the pooling runner's classify"),
+    ("/pooling", {"input": "x", "task": "token_classify"}, "task", "'token_classify' is not"),
     ("/v1/embeddings", {"input": "x"}, None, "does not support Embeddings API"),
     ("/score", {"text_1": "x", "text_2": "y"}, None, "this model has 3 labels"),
     ("/rerank", {"query": "x", "documents": ["y"]}, None, "does not support Rerank API"),

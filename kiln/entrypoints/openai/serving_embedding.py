@@ -59,6 +59,7 @@ class PoolingRequest(EmbeddingRequest):
     """vLLM's /pooling: the engine's pooled output as its task makes it (an embedding, or a
     classifier's probabilities)."""
     use_activation: StrictBool | None = None
+    task: str | None = None  # vLLM's: the pooling task asked for; the server's, or refused
 
 
 class ServingEmbedding:
@@ -77,6 +78,10 @@ class ServingEmbedding:
     async def pooling_create(self, req: PoolingRequest, raw: Request) -> Response:
         if self.task is None:
             raise refuse_task("Pooling", None, "embed")
+        if req.task is not None and req.task != self.task:  # not another task's output, silently
+            raise OpenAIError(f"task {req.task!r} is not supported: this server runs the pooling "
+                              f"runner's {self.task} task; give task {self.task!r} or leave it "
+                              "out", param="task", code="unsupported_parameter")
         return await self._respond(req, raw, "pool", "pooling", "data")
 
     async def _respond(self, req, raw: Request, prefix: str, kind: str, key: str) -> Response:
