@@ -153,7 +153,9 @@ def test_vllm_flag_refusals_say_why_and_what_instead():
                         (["serve", "--kv-cache-memory-bytes", "4G"], "--kv-cache-memory 4)"),
                         (["serve", "--override-generation-config", "{}"],
                          "--generation-config DIR"),
-                        (["serve", "-dp", "2"], "only -dp 1 is taken"),
+                        (["serve", "-dpa", "10.0.0.1"], "all run on this machine (-dp N)"),
+                        (["serve", "-dph"], "balances its replicas itself"),
+                        (["serve", "-dpr", "1"], "only -dpr 0 is taken"),
                         (["serve", "--logprobs-mode", "processed_logprobs"],
                          "always the model's raw log-probabilities")):
         with pytest.raises(VllmOnlyFlagError, match=re.escape(words)):
