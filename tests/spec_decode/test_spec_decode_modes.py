@@ -37,6 +37,8 @@ def test_spec_decode_counters_in_metrics():
     for line in ('kiln:spec_decode_num_drafts_total{engine="0",model_name="m"} 4.0',
                  'kiln:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 11.0',
                  'kiln:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 6.0',
-                 'kiln:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 5.0',
-                 'kiln:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 1.0'):
+                 'kiln:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",'
+                 'position="0"} 5.0',
+                 'kiln:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",'
+                 'position="2"} 1.0'):
         assert line in text
