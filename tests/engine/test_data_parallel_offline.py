@@ -19,9 +19,14 @@ def replica_index(worker) -> int:
 @pytest.fixture(scope="module")
 def dp_llm(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), enforce_eager=True, data_parallel_size=2,
-              kv_cache_memory=0.01)
+              kv_cache_memory=0.01, enable_lora=True, max_lora_rank=8)
     yield llm
     llm.llm_engine.shutdown()
+
+
+def adapters_read(worker) -> list[int]:
+    """collective_rpc's function: the lora_int_ids a worker has read."""
+    return list(worker.model_runner.lora_manager.host)
 
 
 def _tokens(llm) -> list:
@@ -49,6 +54,20 @@ def test_utility_calls_reach_every_replica(dp_llm):
     dp_llm.wake_up()
     assert [c.is_sleeping() for c in clients] == [False, False]
     assert len(_tokens(dp_llm)) == len(PROMPTS)
+
+
+def test_an_adapter_given_at_run_time_runs_on_every_replica(dp_llm, tiny_llama_dir, tmp_path):
+    from lora_adapters import greedy, merged_model, write_adapter
+
+    from kiln.lora.request import LoRARequest
+
+    adapter = write_adapter(tmp_path / "a1", tiny_llama_dir, seed=1)
+    lora = LoRARequest("a1", 1, str(adapter))
+    prompts = [p["prompt_token_ids"] for p in PROMPTS[:4]]
+    outs = dp_llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False, lora_request=lora)
+    assert dp_llm.collective_rpc(adapters_read) == [[1], [1]]  # each replica read it
+    want = greedy(merged_model(tiny_llama_dir, adapter), prompts, GREEDY.max_tokens)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
 
 
 def test_dp_needs_core_processes(tiny_llama_dir, monkeypatch):
