@@ -2,7 +2,7 @@
 what to do instead, so `kiln serve --speculative-config ...` and `LLM(hf_overrides=...)` say so by name
 rather than failing as an unknown argument.
 
-A few take the value that has Kiln's one meaning (`-dp 1`, `--model-impl auto`) and
+A few take the value that has Kiln's one meaning (`-dpr 0`, `--model-impl auto`) and
 ignore it, as EngineArgs does with --swap-space; any other value is refused with the reason.
 """
 import argparse
