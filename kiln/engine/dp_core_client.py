@@ -16,7 +16,7 @@ from kiln.core.outputs import EngineCoreOutput
 from kiln.core.request import Request, RequestStatus
 from kiln.core.stats import SchedulerStats
 from kiln.engine.core_client import _STEP_WAIT_MS, CoreProcClient
-from kiln.engine.core_errors import EngineCoreDeadError
+from kiln.engine.core_errors import EngineCoreDeadError, engine_gone
 from kiln.engine.dp_balance import pick_replica, replica_load
 from kiln.errors import ConfigError
 
@@ -144,7 +144,12 @@ class DPCoreClient:
         index = pick_replica(self.loads(), self._turn)
         self._turn = (index + 1) % len(self.clients)
         client = self.clients[index]
-        client.add_request(request, child_ids)
+        try:
+            client.add_request(request, child_ids)
+        except Exception as e:
+            if engine_gone(e):
+                raise self._named_error(index, e) from e
+            raise
         self._unseen[index].extend([client.num_sent] * max(1, len(child_ids)))
         return index
 
@@ -176,7 +181,7 @@ class DPCoreClient:
         """Every replica's core steps since the last call, waiting up to _STEP_WAIT_MS for one
         of them (any replica's outputs or death ends the wait)."""
         busy = [c for c in self.clients if c.has_unfinished_requests()]
-        steps = [s for c in busy for s in c.step(0)]
+        steps = [s for c in busy for s in self._step(c)]
         if steps or not busy:
             return steps
         poller = zmq.Poller()
@@ -191,7 +196,16 @@ class DPCoreClient:
         finally:
             for lock in locks:
                 lock.release()
-        return [s for c in busy for s in c.step(0)]
+        return [s for c in busy for s in self._step(c)]
+
+    def _step(self, client: CoreProcClient) -> list[list[EngineCoreOutput]]:
+        """The replica's steps so far; its death raised naming it."""
+        try:
+            return client.step(0)
+        except Exception as e:
+            if engine_gone(e):
+                raise self._named_error(self.clients.index(client), e) from e
+            raise
 
     # ---- utility calls: every replica --------------------------------------------------------
     def _each(self, method: str, *args) -> list:
@@ -237,11 +251,14 @@ class DPCoreClient:
 
     def _named(self, index: int, callback):
         def told(error: BaseException) -> None:
-            named = EngineCoreDeadError(f"data-parallel engine {index} of {len(self.clients)} "
-                                        f"(pid {self.clients[index].pid}) died: {error}")
-            named.__cause__ = error
-            callback(named)
+            callback(self._named_error(index, error))
         return told
+
+    def _named_error(self, index: int, error: BaseException) -> EngineCoreDeadError:
+        named = EngineCoreDeadError(f"data-parallel engine {index} of {len(self.clients)} (pid "
+                                    f"{self.clients[index].pid}) died: {error}")
+        named.__cause__ = error
+        return named
 
     def shutdown(self) -> None:
         """Every replica at once: each waits for its core's goodbye."""
