@@ -137,6 +137,9 @@ class KilnConfig(FreezableConfig):
                                            m.head_dim, m.torch_dtype.itemsize)
                 needs[f"--num-gpu-blocks-override {c.num_gpu_blocks_override}"] = \
                     c.num_gpu_blocks_override * block
+        dp = self.parallel_config.data_parallel_size  # every replica has its own buffers
+        if dp > 1:
+            needs = {f"{k} x --data-parallel-size {dp}": v * dp for k, v in needs.items()}
         mem.check_fits(needs, for_device("cpu").mem_get_info()[1])
 
     def _check_binding(self) -> None:

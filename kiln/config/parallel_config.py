@@ -1,7 +1,9 @@
-"""Parallelism configuration: tensor / pipeline parallel sizes, executor backend, this rank.
+"""Parallelism configuration: tensor / pipeline parallel sizes, executor backend, this rank, and
+the data-parallel replicas (each a whole engine core of tp x pp ranks: dp_core_client.py).
 
 Ranks are laid out as vLLM lays them out: rank = pp_rank * tensor_parallel_size + tp_rank.
 """
+import dataclasses
 import importlib.util
 from dataclasses import dataclass
 
@@ -9,6 +11,7 @@ from kiln.config.frozen import FreezableConfig
 from kiln.errors import ConfigError
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+DATA_PARALLEL_BACKENDS = ("mp",)  # vLLM's "ray" places replicas over a cluster: not built
 
 
 def resolve_executor_backend(backend: str | None, world_size: int,
@@ -38,12 +41,31 @@ class ParallelConfig(FreezableConfig):
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None (resolved) | "uni" | "mp" | "ray"
     rank: int = 0  # this process's global rank (set by the executor in each worker)
+    # vLLM's data parallel: engine core replicas on this machine, requests balanced over them
+    data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None  # None: all of them (one machine)
+    data_parallel_backend: str = "mp"
+    data_parallel_rank: int = 0  # the replica this config's core is (set per replica)
 
     def __post_init__(self):
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.data_parallel_size_local is None:
+            self.data_parallel_size_local = self.data_parallel_size
+        if self.data_parallel_size_local != self.data_parallel_size:
+            raise ConfigError(f"data_parallel_size_local={self.data_parallel_size_local!r} with "
+                              f"data_parallel_size={self.data_parallel_size}: Kiln runs every "
+                              "replica on this machine (multi-node data parallel is not built); "
+                              "leave --data-parallel-size-local out or give it the same value")
+        if self.data_parallel_backend not in DATA_PARALLEL_BACKENDS:
+            raise ConfigError(f"data_parallel_backend must be 'mp' (one process per replica on "
+                              f"this machine), got {self.data_parallel_backend!r}; Ray-placed "
+                              "replicas are not built")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ConfigError(f"data_parallel_rank {self.data_parallel_rank} is outside the "
+                              f"{self.data_parallel_size} replicas")
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise ConfigError("distributed_executor_backend must be one of uni, mp, ray; got "
                               f"{self.distributed_executor_backend!r}")
@@ -57,6 +79,11 @@ class ParallelConfig(FreezableConfig):
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
+    def world_size_across_dp(self) -> int:
+        """vLLM's: every rank of every replica."""
+        return self.world_size * self.data_parallel_size
+
+    @property
     def tp_rank(self) -> int:
         return self.rank % self.tensor_parallel_size
 
@@ -66,5 +93,4 @@ class ParallelConfig(FreezableConfig):
 
     def for_rank(self, rank: int) -> "ParallelConfig":
         """A copy naming another rank (each worker process gets its own)."""
-        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
-                              self.distributed_executor_backend, rank)
+        return dataclasses.replace(self, rank=rank)

@@ -54,6 +54,10 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    # vLLM's data parallel: engine core replicas, requests balanced over them (dp_core_client.py)
+    data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None
+    data_parallel_backend: str = "mp"
     seed: int | None = 0  # None: a fresh random seed per engine (vLLM's LLM(seed=None))
     load_format: str = "auto"
     block_size: int = 16
@@ -186,7 +190,10 @@ class EngineArgs:
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
-            distributed_executor_backend=self.distributed_executor_backend)
+            distributed_executor_backend=self.distributed_executor_backend,
+            data_parallel_size=self.data_parallel_size,
+            data_parallel_size_local=self.data_parallel_size_local,
+            data_parallel_backend=self.data_parallel_backend)
         compilation_config = self.compilation()
         check_convert(self.convert)
         runner = resolve_runner(self.runner, self.task, self.convert)

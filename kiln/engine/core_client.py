@@ -83,6 +83,7 @@ class CoreProcClient(CoreReceiver):
         # caller reused its id; those from before the core took the new add are dropped.
         self._unfinished: dict[str, int] = {}
         self._num_sent = 0
+        self.stats_inputs_handled = 0  # messages the core had taken when `_last_stats` was made
         self._last_stats = SchedulerStats()
         self._call_ids = itertools.count()
         # Told by Ready: the KV cache's size in blocks, and the config's max_model_len or the
@@ -185,12 +186,25 @@ class CoreProcClient(CoreReceiver):
     def has_unfinished_requests(self) -> bool:
         return bool(self._unfinished)
 
-    def step(self) -> list[list[EngineCoreOutput]]:
+    def owns(self, req_id: str) -> bool:
+        """Whether `req_id` (a core request id) is unfinished in this core."""
+        return req_id in self._unfinished
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._unfinished)
+
+    @property
+    def num_sent(self) -> int:
+        """Messages sent to the core so far (StepOutputs.inputs_handled counts the same)."""
+        return self._num_sent
+
+    def step(self, wait_ms: int = _STEP_WAIT_MS) -> list[list[EngineCoreOutput]]:
         """Outputs of every core step since the last call, one list per core step (a core
         that ran ahead sent several: the step metrics observe each apart), waiting up to
-        _STEP_WAIT_MS for one ([] then: the caller may queue work and call again)."""
+        `wait_ms` for one ([] then: the caller may queue work and call again)."""
         if not self._pending:
-            message = self._recv(_STEP_WAIT_MS)
+            message = self._recv(wait_ms)
             self._take(message)
         while True:  # catch up: take every message already here
             message = self._recv(0)
@@ -204,6 +218,7 @@ class CoreProcClient(CoreReceiver):
                        if self._unfinished.get(out.request_id, 0) <= message.inputs_handled]
             steps.append(outputs)
             self._last_stats = message.stats
+            self.stats_inputs_handled = message.inputs_handled
             for out in outputs:
                 if out.finished:
                     self._unfinished.pop(out.request_id, None)
@@ -261,6 +276,7 @@ class CoreProcClient(CoreReceiver):
     def make_stats(self) -> SchedulerStats:
         """Fresh stats: taken by the core after every message sent before this call."""
         self._last_stats = msgspec.convert(self._call("make_stats"), SchedulerStats)
+        self.stats_inputs_handled = self._num_sent
         return self._last_stats
 
     def step_stats(self) -> SchedulerStats:

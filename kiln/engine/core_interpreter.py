@@ -69,15 +69,20 @@ class CoreInterpreter:
     torch and the engine (seconds) while this process resolves the config and loads the
     tokenizer, then waits on stdin for its start-up arguments."""
 
-    def __init__(self):
+    def __init__(self, env: dict | None = None, cores: list[int] | None = None):
+        """`env`: variables set for this core only (a data-parallel replica's devices);
+        `cores`: the CPU cores it (and the ranks it starts) may run on, from its first line."""
         self.launched_at = time.monotonic()
         # The core writes a byte here as its last act: then only the kernel's teardown of its
         # memory is left (0.16 s for the default model on 2 cores), which shutdown need not wait.
         self.goodbye, goodbye_w = os.pipe()
+        # Pinned before exec: OpenMP sizes its pool by the cores the process may use, once.
+        pin = None if cores is None else (lambda: os.sched_setaffinity(0, cores))
         try:
             self.proc = subprocess.Popen([sys.executable, "-c", _BOOT, _MODULE],
-                                         stdin=subprocess.PIPE, env=core_environment(os.environ),
-                                         pass_fds=(goodbye_w,))
+                                         stdin=subprocess.PIPE,
+                                         env={**core_environment(os.environ), **(env or {})},
+                                         pass_fds=(goodbye_w,), preexec_fn=pin)
         except BaseException:
             os.close(self.goodbye)
             raise

@@ -164,6 +164,14 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                    choices=["uni", "mp", "ray"],
                    help="how ranks run: uni (in-process, one rank), mp (one process per "
                         "rank; the default for more than one), ray (Ray actors)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
+                   help="engine replicas on this machine, each with its own -tp x -pp ranks; "
+                        "requests go to the least loaded one")
+    g.add_argument("--data-parallel-size-local", "-dpl", type=int,
+                   default=d.data_parallel_size_local,
+                   help="replicas on this machine: all of them (multi-node is not built)")
+    g.add_argument("--data-parallel-backend", "-dpb", default=d.data_parallel_backend,
+                   choices=["mp"], help="how replicas run: mp (one process each)")
     g.add_argument("--seed", type=int, default=d.seed,
                    help="random seed of the engine (dummy weights, sampling without a "
                         "request seed); kiln generate/chat also seed their sampling with it")

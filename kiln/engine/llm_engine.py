@@ -55,7 +55,7 @@ class LLMEngine(EngineTokenStats, EngineVllmViews, EngineSleepMode):
         once warm (in-process, none: this process's threads are the caller's)."""
         if multiprocess is None:
             multiprocess = envs.enable_multiprocessing()
-        from kiln.engine.core_client import CoreProcClient
+        from kiln.engine.dp_core_client import start_core_process
         from kiln.engine.inproc_core_client import InprocCoreClient
 
         self.kiln_config = kiln_config
@@ -73,8 +73,8 @@ class LLMEngine(EngineTokenStats, EngineVllmViews, EngineSleepMode):
         # Seconds per start-up phase of this process (the core's are in engine_core's).
         self.startup_timings: dict[str, float] = {}
         clock = time.perf_counter()
-        starting = (CoreProcClient(kiln_config, executor_class, core_interpreter,
-                                   front_end_cores) if multiprocess else None)
+        starting = start_core_process(kiln_config, executor_class, core_interpreter,
+                                      front_end_cores, multiprocess)
         try:
             self.tokenizer = get_tokenizer(self.model_config)  # None: skip_tokenizer_init
             eos_ids = generation_eos_token_ids(self.model_config)

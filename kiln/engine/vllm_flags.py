@@ -2,7 +2,7 @@
 what to do instead, so `kiln serve --speculative-config ...` and `LLM(hf_overrides=...)` say so by name
 rather than failing as an unknown argument.
 
-A few take the value that has Kiln's one meaning (`-dp 1`, `--model-impl auto`) and
+A few take the value that has Kiln's one meaning (`-dpr 0`, `--model-impl auto`) and
 ignore it, as EngineArgs does with --swap-space; any other value is refused with the reason.
 """
 import argparse
@@ -67,6 +67,11 @@ class VllmFlag:
         return text
 
 
+_ONE_NODE = ("Kiln's data-parallel replicas all run on this machine (-dp N); for more machines "
+             "run one kiln serve per machine behind a load balancer")
+_EXTERNAL_LB = ("Kiln's server balances its replicas itself (-dp N, by load); for an external "
+                "balancer run one kiln serve per replica")
+
 VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--max-num-partial-prefills",), "how many prompts may be prefilled in chunks at "
              "once", "Kiln's scheduler has no such limit; --max-num-batched-tokens bounds the "
@@ -88,9 +93,21 @@ VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
              "\"linear\", \"factor\": 2.0}}'"),
     VllmFlag(("--rope-theta",), "overriding the model's RoPE theta (removed from vLLM)",
              "give it as vLLM now does: --hf-overrides '{\"rope_theta\": 1000000}'"),
-    VllmFlag(("--data-parallel-size", "-dp"), "data-parallel engine replicas", "Kiln runs one "
-             "engine: start one kiln serve per replica behind a load balancer (-tp / -pp split "
-             "one model over ranks)", accepted=("1",)),
+    # -dp N runs N replicas on this machine behind the server's own balancer (dp_core_client.py)
+    VllmFlag(("--data-parallel-address", "-dpa"), "the head node of a multi-node data-parallel "
+             "deployment", _ONE_NODE),
+    VllmFlag(("--data-parallel-rpc-port", "-dpp"), "the head node's port of a multi-node "
+             "data-parallel deployment", _ONE_NODE),
+    VllmFlag(("--data-parallel-start-rank", "-dpr"), "the first replica a node of a multi-node "
+             "data-parallel deployment runs", _ONE_NODE, accepted=("0",)),
+    VllmFlag(("--data-parallel-rank", "-dpn"), "the one replica an externally balanced server "
+             "runs", _EXTERNAL_LB),
+    VllmFlag(("--data-parallel-hybrid-lb", "-dph"), "balancing replicas per node behind an "
+             "external balancer", _EXTERNAL_LB, takes_value=False),
+    VllmFlag(("--data-parallel-external-lb", "-dpe"), "leaving data-parallel balancing to an "
+             "external balancer", _EXTERNAL_LB, takes_value=False),
+    VllmFlag(("--data-parallel-multi-port-external-lb",), "one port per replica behind an "
+             "external balancer", _EXTERNAL_LB, takes_value=False),
     VllmFlag(("--api-server-count",), "several API server processes", "kiln serve runs one",
              accepted=("1",)),
     VllmFlag(("--max-seq-len-to-capture",), "the longest sequence CUDA graphs cover",

@@ -100,7 +100,8 @@ class Worker(WorkerSleepMode):
                                  cache.block_size))
             warning = kv_cache_sizing.cpu_budget_warning(num_blocks * block_bytes,
                                                          self.platform.mem_get_info()[0],
-                                                         self.local_world_size)
+                                                         self.local_world_size * self.kiln_config
+                                                         .parallel_config.data_parallel_size)
             if warning:
                 logger.warning("%s; lower --kv-cache-memory (or %s)", warning,
                                envs.source("KILN_CPU_KVCACHE_SPACE"))

@@ -45,3 +45,20 @@ def test_no_seed_is_a_fresh_random_one_as_in_vllm():
     seeds = {EngineArgs(model=str(STORIES_DIR), device="cpu", seed=None)
              .create_kiln_config().model_config.seed for _ in range(2)}
     assert len(seeds) == 2 and all(0 <= s < 2 ** 63 for s in seeds)
+
+
+def test_data_parallel_replicas_each_need_their_buffers():
+    """-dp N runs N cores, each with the buffers one needs: a size one fits and N do not is
+    refused, naming the replicas."""
+    from kiln.platforms import for_device
+
+    total = for_device("cpu").mem_get_info()[1]
+    tokens = 1024
+    while mem.activation_bytes(tokens, 64, 172) < total / 16:  # stories260K's sizes
+        tokens *= 2
+    # one replica's buffers fit in the machine; a thousand replicas' do not
+    EngineArgs(model=str(STORIES_DIR), device="cpu",
+               max_num_batched_tokens=tokens).create_kiln_config()
+    with pytest.raises(ConfigError, match=r"x --data-parallel-size 1000 needs about"):
+        EngineArgs(model=str(STORIES_DIR), device="cpu", max_num_batched_tokens=tokens,
+                   data_parallel_size=1000).create_kiln_config()

@@ -98,7 +98,9 @@ def test_cli_errors_name_the_flag_beside_the_field():
 TESTER_FLAGS = [
     "--max-num-partial-prefills", "--override-generation-config", "--response-role",
     "--limit-mm-per-prompt",
-    "-dp", "--data-parallel-size", "--max-seq-len-to-capture",
+    "--data-parallel-address", "-dpa", "--data-parallel-rpc-port", "--data-parallel-start-rank",
+    "--data-parallel-rank", "--data-parallel-hybrid-lb", "-dph", "--data-parallel-external-lb",
+    "--data-parallel-multi-port-external-lb", "--max-seq-len-to-capture",
     "--disable-custom-all-reduce", "--enable-log-requests", "--chat-template-content-format",
     "--async-scheduling",
     "--cpu-offload-gb", "--model-impl", "--api-server-count",
@@ -151,7 +153,9 @@ def test_vllm_flag_refusals_say_why_and_what_instead():
                         (["serve", "--kv-cache-memory-bytes", "4G"], "--kv-cache-memory 4)"),
                         (["serve", "--override-generation-config", "{}"],
                          "--generation-config DIR"),
-                        (["serve", "-dp", "2"], "only -dp 1 is taken"),
+                        (["serve", "-dpa", "10.0.0.1"], "all run on this machine (-dp N)"),
+                        (["serve", "-dph"], "balances its replicas itself"),
+                        (["serve", "-dpr", "1"], "only -dpr 0 is taken"),
                         (["serve", "--logprobs-mode", "processed_logprobs"],
                          "always the model's raw log-probabilities")):
         with pytest.raises(VllmOnlyFlagError, match=re.escape(words)):
@@ -166,7 +170,6 @@ def test_vllm_flags_at_kilns_one_meaning_are_taken():
         "--enable-server-load-tracking", "--logprobs-mode", "raw_logprobs"])
     engine_args = EngineArgs.from_cli_args(args)
     assert engine_args == EngineArgs()
-    assert "data_parallel_size" not in vars(args)
 
 
 def test_disable_sliding_window_is_an_engine_flag():
@@ -213,11 +216,16 @@ def test_llm_refuses_vllm_only_arguments_with_the_same_reason():
                                    "multimodal inputs per prompt")
     with pytest.raises(ValueError, match=r"rope_theta=1000000 is vLLM's argument .*hf-overrides"):
         LLM(model="/nowhere", rope_theta=1000000)
-    with pytest.raises(ValueError, match="only data_parallel_size=1 is taken"):
-        LLM(model="/nowhere", data_parallel_size=2)
+    with pytest.raises(ValueError, match="data_parallel_address='10.0.0.1' is vLLM's argument "
+                       "for the head node of a multi-node data-parallel deployment"):
+        LLM(model="/nowhere", data_parallel_address="10.0.0.1")
+    with pytest.raises(ValueError, match="data_parallel_hybrid_lb=True is vLLM's argument .*"
+                       "balances its replicas itself"):
+        LLM(model="/nowhere", data_parallel_hybrid_lb=True)
     # vLLM's defaults ask for nothing: taken, and the next error is the missing model's
     with pytest.raises(FileNotFoundError, match="/nowhere"):
-        LLM(model="/nowhere", enable_lora=False, hf_overrides={}, data_parallel_size=1)
+        LLM(model="/nowhere", enable_lora=False, hf_overrides={}, data_parallel_size=1,
+            data_parallel_hybrid_lb=False)
 
 
 def test_unknown_flags_are_reported_by_the_subcommand(capsys):

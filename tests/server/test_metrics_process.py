@@ -18,7 +18,9 @@ def test_metrics_has_the_process_series():
     assert 3 < samples["process_open_fds"].value <= samples["process_max_fds"].value
     assert samples["process_cpu_seconds_total"].value > 0
     assert "python_gc_objects_collected_total" in samples and "python_info" in samples
-    assert samples["kiln:num_requests_running"].labels == {"model_name": "fake-model"}
+    # the engine core's series name their engine, as vLLM's (one per data-parallel replica)
+    assert samples["kiln:num_requests_running"].labels == {"model_name": "fake-model",
+                                                           "engine": "0"}
 
 
 def test_two_servers_in_one_process_each_have_them():

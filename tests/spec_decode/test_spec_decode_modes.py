@@ -34,9 +34,11 @@ def test_spec_decode_counters_in_metrics():
                            "spec_decode_num_accepted_tokens_per_pos": [4, 2, 0]})
     metrics.update_gauges({"spec_decode_num_accepted_tokens_per_pos": [5, 2, 1]})
     text = metrics.render().decode()
-    for line in ('kiln:spec_decode_num_drafts_total{model_name="m"} 4.0',
-                 'kiln:spec_decode_num_draft_tokens_total{model_name="m"} 11.0',
-                 'kiln:spec_decode_num_accepted_tokens_total{model_name="m"} 6.0',
-                 'kiln:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 5.0',
-                 'kiln:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0'):
+    for line in ('kiln:spec_decode_num_drafts_total{engine="0",model_name="m"} 4.0',
+                 'kiln:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 11.0',
+                 'kiln:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 6.0',
+                 'kiln:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",'
+                 'position="0"} 5.0',
+                 'kiln:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",'
+                 'position="2"} 1.0'):
         assert line in text

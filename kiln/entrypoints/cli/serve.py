@@ -273,9 +273,15 @@ def _threads(llm) -> str:
     threads = llm.num_threads
     if not threads:
         return ""
-    cores = usable_cores()
-    left = f", {cores - threads} core(s) left to the front end" if cores > threads else ""
-    return f"engine threads {threads}{left} | "
+    dp = llm.kiln_config.parallel_config.data_parallel_size
+    cores, used = usable_cores(), threads * dp  # each data-parallel replica has its own
+    left = f", {cores - used} core(s) left to the front end" if cores > used else ""
+    return f"engine threads {threads}{' per replica' if dp > 1 else ''}{left} | "
+
+
+def _replicas(llm) -> str:
+    dp = llm.kiln_config.parallel_config.data_parallel_size
+    return f" in each of {dp} data-parallel replicas" if dp > 1 else ""
 
 
 def banner(llm, settings) -> str:
@@ -291,7 +297,7 @@ def banner(llm, settings) -> str:
     dtype = str(model.torch_dtype).removeprefix("torch.")
     return (f"kiln serve: model {name} | dtype {dtype} | compile mode {int(mode)} "
             f"({getattr(mode, 'name', mode)}) | KV cache {llm.num_blocks} blocks x "
-            f"{cache.block_size} tokens | max_model_len {llm.max_model_len} | "
+            f"{cache.block_size} tokens{_replicas(llm)} | max_model_len {llm.max_model_len} | "
             f"{_threads(llm)}"
             f"{'https' if settings.ssl_certfile else 'http'}://{settings.host}:{settings.port}"
             f"{settings.root_path} | API key "

@@ -112,18 +112,22 @@ class ServerMetrics:
             return Histogram(name, doc, labels, buckets=buckets, registry=reg
                              ).labels(**self._label)
 
-        self.gauges = {key: Gauge(name, doc, labels, registry=reg).labels(**self._label)
+        # The engine core's own series, one per data-parallel replica (vLLM's engine="0", ...)
+        engine_labels = labels + ["engine"]
+        self.gauges = {key: Gauge(name, doc, engine_labels, registry=reg)
                        for key, (name, doc) in _GAUGES.items()}
-        self.totals = {key: Counter(name, doc, labels, registry=reg).labels(**self._label)
+        self.totals = {key: Counter(name, doc, engine_labels, registry=reg)
                        for key, (name, doc) in _TOTALS.items()}
-        # Engine totals already counted: stats can arrive out of order (a stale snapshot after
-        # a fresh scrape), so a counter only ever moves up to the largest total seen.
-        self._seen_totals = {key: 0 for key in _TOTALS}
+        for family in (*self.gauges.values(), *self.totals.values()):
+            family.labels(engine="0", **self._label)  # there before the first stats
+        # Engine totals already counted, by (engine, key): stats can arrive out of order (a
+        # stale snapshot after a fresh scrape), so a counter only moves up to the largest seen.
+        self._seen_totals: dict[tuple[str, str], int] = {}
         # vLLM's vllm:spec_decode_num_accepted_tokens_per_pos, by draft position (0-based)
         self.accepted_per_pos = Counter("kiln:spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted at each draft position",
-                                        labels + ["position"], registry=reg)
-        self._seen_per_pos: dict[int, int] = {}
+                                        engine_labels + ["position"], registry=reg)
+        self._seen_per_pos: dict[tuple[str, int], int] = {}
         self.prompt_tokens = Counter("kiln:prompt_tokens", "Prefilled prompt tokens", labels,
                                      registry=reg).labels(**self._label)
         self.generation_tokens = Counter("kiln:generation_tokens", "Generated tokens", labels,
@@ -160,23 +164,29 @@ class ServerMetrics:
             self.stats_log.record(iteration, engine_stats)
 
     def update_gauges(self, engine_stats: dict) -> None:
-        """Gauges from an engine stats snapshot, and counters from its totals."""
-        for key, gauge in self.gauges.items():
-            if key in engine_stats:
-                gauge.set(float(engine_stats[key]))
-        for key, counter in self.totals.items():
-            total = engine_stats.get(key)
-            if total is not None and total > self._seen_totals[key]:
-                counter.inc(total - self._seen_totals[key])
-                self._seen_totals[key] = total
+        """Gauges from an engine stats snapshot, and counters from its totals: per replica
+        where it has them (`engines`, data parallel), else as engine "0"."""
+        per_engine = engine_stats.get("engines") or [engine_stats]
+        for index, stats in enumerate(per_engine):
+            self._update_engine(str(index), stats)
         if self.lora_info is not None and "running_lora_adapters" in engine_stats:
             self._set_lora_info(engine_stats)
-        for pos, total in enumerate(engine_stats.get("spec_decode_num_accepted_tokens_per_pos")
-                                    or ()):
-            seen = self._seen_per_pos.get(pos, 0)
+
+    def _update_engine(self, engine: str, stats: dict) -> None:
+        label = {"engine": engine, **self._label}
+        for key, gauge in self.gauges.items():
+            if key in stats:
+                gauge.labels(**label).set(float(stats[key]))
+        for key, counter in self.totals.items():
+            total, seen = stats.get(key), self._seen_totals.get((engine, key), 0)
+            if total is not None and total > seen:
+                counter.labels(**label).inc(total - seen)
+                self._seen_totals[engine, key] = total
+        for pos, total in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos") or ()):
+            seen = self._seen_per_pos.get((engine, pos), 0)
             if total > seen:
-                self.accepted_per_pos.labels(position=str(pos), **self._label).inc(total - seen)
-                self._seen_per_pos[pos] = total
+                self.accepted_per_pos.labels(position=str(pos), **label).inc(total - seen)
+                self._seen_per_pos[engine, pos] = total
 
     def _set_lora_info(self, engine_stats: dict) -> None:
         labels = (self._max_lora, ",".join(engine_stats["waiting_lora_adapters"]),
