@@ -17,8 +17,7 @@ from kiln.pooling.token_classifier import uses_sep_token
 def score_lists(data_1, data_2, names=("text_1", "text_2")) -> tuple[list, list]:
     """Both sides as lists that pair (1:1, 1:N or N:N); ValueError names the side when they
     do not."""
-    one = [data_1] if isinstance(data_1, (str, dict)) else list(data_1)
-    two = [data_2] if isinstance(data_2, (str, dict)) else list(data_2)
+    one, two = _side(data_1, names[0]), _side(data_2, names[1])
     if not one:
         raise ValueError(f"{names[0]} is empty: give at least one text")
     if not two:
@@ -27,6 +26,15 @@ def score_lists(data_1, data_2, names=("text_1", "text_2")) -> tuple[list, list]
         raise ValueError(f"{names[0]} has {len(one)} texts and {names[1]} {len(two)}: input "
                          "lengths must be either 1:1, 1:N or N:N")
     return one, two
+
+
+def _side(data, name: str) -> list:
+    if isinstance(data, (str, dict)):
+        return [data]
+    if not isinstance(data, (list, tuple)):
+        raise ValueError(f"{name} must be a text or a list of texts, got "
+                         f"{type(data).__name__}")
+    return list(data)
 
 
 def is_cross_encoder(model_config) -> bool:

@@ -77,3 +77,18 @@ def test_score_inputs_pair_1_1_1_n_or_n_n():
         score_lists(["q", "r"], ["a", "b", "c"])
     with pytest.raises(ValueError, match="text_1 is empty"):
         score_lists([], ["a"])
+    # LLM.score(None, ...) was a bare TypeError from list(None)
+    with pytest.raises(ValueError, match="text_1 must be a text or a list of texts, got NoneType"):
+        score_lists(None, ["a"])
+    with pytest.raises(ValueError, match="text_2 must be .* got int"):
+        score_lists("q", 5)
+
+
+def test_a_score_body_with_a_field_of_another_pair_is_refused_not_half_read():
+    from kiln.entrypoints.openai.errors import OpenAIError
+    from kiln.entrypoints.openai.serving_score import ScoreRequest
+
+    assert ScoreRequest(queries="q", items=["a"]).sides()[0] == ("queries", "items")
+    with pytest.raises(OpenAIError, match="queries is given beside text_1 / text_2") as err:
+        ScoreRequest(text_1="q", text_2="a", queries=["x"]).sides()
+    assert err.value.param == "queries"

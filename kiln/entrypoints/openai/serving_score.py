@@ -61,6 +61,13 @@ class ScoreRequest(_ScoreFields):
         for names in _PAIRS:
             one, two = getattr(self, names[0]), getattr(self, names[1])
             if one is not None and two is not None:
+                # a field of another pair beside it would be dropped unread: say so
+                stray = [f for pair in _PAIRS for f in pair
+                         if f not in names and getattr(self, f) is not None]
+                if stray:
+                    raise OpenAIError(f"{stray[0]} is given beside {names[0]} / {names[1]}: "
+                                      "give the texts to score as one pair of fields",
+                                      param=stray[0], code="invalid_value")
                 return names, one, two
         missing = "text_2" if self.text_1 is not None else "text_1"
         raise OpenAIError(f"{missing} is missing: give the texts to score as text_1 and "
