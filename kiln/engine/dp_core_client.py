@@ -7,6 +7,7 @@ go to every replica; stats add up over replicas and keep each one's (`engines`).
 """
 import dataclasses
 import os
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +19,7 @@ from kiln.core.stats import SchedulerStats
 from kiln.engine.core_client import _STEP_WAIT_MS, CoreProcClient
 from kiln.engine.core_errors import EngineCoreDeadError, engine_gone
 from kiln.engine.dp_balance import pick_replica, replica_load
+from kiln.engine.engine_sleep import rpc_timed_out
 from kiln.errors import ConfigError
 
 
@@ -232,9 +234,21 @@ class DPCoreClient:
         merged["weights_missing"] = max(s["weights_missing"] for s in statuses)
         return merged
 
-    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
-        """Every rank of every replica: results by replica, then by rank within it."""
-        return [r for rs in self._each("collective_rpc", method, args, kwargs) for r in rs]
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list:
+        """Every rank of every replica: results by replica, then by rank within it. The
+        replicas run one after another, so `timeout` bounds them together."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results = []
+        for client in self.clients:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise rpc_timed_out(method, timeout)
+            try:
+                results += client.collective_rpc(method, args, kwargs, left)
+            except TimeoutError:
+                raise rpc_timed_out(method, timeout) from None
+        return results
 
     def make_stats(self) -> DPSchedulerStats:
         return merged_stats(self._each("make_stats"))

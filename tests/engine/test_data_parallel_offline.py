@@ -24,6 +24,14 @@ def dp_llm(tiny_llama_dir):
     llm.llm_engine.shutdown()
 
 
+def slow_on_replica_1(worker) -> int:
+    """collective_rpc's function: replica 1 takes 3 s, replica 0 answers at once."""
+    import time
+    if replica_index(worker) == 1:
+        time.sleep(3)
+    return replica_index(worker)
+
+
 def adapters_read(worker) -> list[int]:
     """collective_rpc's function: the lora_int_ids a worker has read."""
     return list(worker.model_runner.lora_manager.host)
@@ -48,6 +56,10 @@ def test_dp2_returns_dp1s_greedy_tokens_in_input_order(dp_llm, tiny_llama_dir):
 def test_utility_calls_reach_every_replica(dp_llm):
     assert dp_llm.collective_rpc(replica_index) == [0, 1]
     assert dp_llm.llm_engine.reset_prefix_cache() is True
+    # the timeout bounds both replicas' calls together
+    with pytest.raises(TimeoutError, match="slow_on_replica_1.* timeout of 1 s"):
+        dp_llm.collective_rpc(slow_on_replica_1, timeout=1)
+    assert dp_llm.collective_rpc(slow_on_replica_1, timeout=30) == [0, 1]
     dp_llm.sleep(level=0)
     clients = dp_llm.llm_engine.engine_core.clients
     assert [c.is_sleeping() for c in clients] == [True, True]
