@@ -35,6 +35,10 @@ def eagle3_model_config(spec, target: ModelConfig) -> ModelConfig:
             raise ConfigError(f"{where} has {name}={got} and the target {target.model!r} "
                               f"{want}; an EAGLE-3 head must be trained for its target (same "
                               f"{name}): pick the head made for this model")
+    layers = getattr(head, "num_hidden_layers", None)
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise ConfigError(f"{where} has num_hidden_layers={layers!r}; an EAGLE-3 head has at "
+                          "least its one decoder layer (1)")
     draft_vocab = getattr(head, "draft_vocab_size", None)
     if draft_vocab is not None and (isinstance(draft_vocab, bool) or not isinstance(
             draft_vocab, int) or not 0 < draft_vocab <= target.vocab_size):

@@ -27,8 +27,9 @@ class EagleProposer(DraftModelProposer):
     def propose(self, runner, so: SchedulerOutput, req_ids: list[str],
                 sample_req_ids: list[str], target_hidden: torch.Tensor | None = None
                 ) -> dict[str, list[int]]:
-        """target_hidden [T, H]: the target's last hidden states of this step, its requests'
-        scheduled tokens (drafts included) in `req_ids` order."""
+        """target_hidden [T, H]: the target's last hidden states of this step (EAGLE-3: its
+        auxiliary states, [T, 3H]), its requests' scheduled tokens (drafts included) in
+        `req_ids` order."""
         p = self.plan(runner, so, req_ids, sample_req_ids)
         # positions start..end-2 (the last one's next token is the one just sampled); a
         # prefill chunk's last position reads the next prompt token

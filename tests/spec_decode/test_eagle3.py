@@ -78,6 +78,7 @@ def test_refusals(tiny_llama_dir, heads, tmp_path):
            "target_hidden_size=32": head("t", target_hidden_size=32),
            "vocab_size=600": head("v", vocab_size=600),
            "draft_vocab_size=900": head("d", draft_vocab_size=900),
+           "num_hidden_layers=0": head("n", num_hidden_layers=0),
            # a 2-layer target: vLLM's default (2, 1, -1) names no layer -1
            "layer(s) [-1] outside the target's 0..2": head("a", aux_ids=None),
            "layer(s) [5] outside": head("b", aux_ids=[0, 1, 5]),
