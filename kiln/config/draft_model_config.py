@@ -1,6 +1,6 @@
 """The draft model's ModelConfig under --speculative-config method='draft_model' (or the EAGLE
-head's, method='eagle': eagle_config.py), built from the target's (dtype, max_model_len, seed,
-load format), and the checks that it can draft for it."""
+head's, method='eagle' / 'eagle3': eagle_config.py, eagle3_config.py), built from the target's
+(dtype, max_model_len, seed, load format), and the checks that it can draft for it."""
 from kiln.config.model_config import ModelConfig
 from kiln.errors import ConfigError
 
@@ -14,10 +14,12 @@ def resolve_draft_model_config(spec, target: ModelConfig) -> None:
     if target.runner_type != "generate":
         raise ConfigError(f"{_FLAG} drafts generated tokens; drop it with --runner "
                           f"{target.runner_type}")
-    if spec.method == "eagle":
+    if spec.method in ("eagle", "eagle3"):
+        from kiln.config.eagle3_config import eagle3_model_config
         from kiln.config.eagle_config import eagle_model_config
 
-        draft = eagle_model_config(spec, target)
+        draft = (eagle_model_config if spec.method == "eagle" else eagle3_model_config)(
+            spec, target)
         draft.freeze()
         object.__setattr__(spec, "draft_model_config", draft)
         return

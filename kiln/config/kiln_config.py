@@ -204,6 +204,7 @@ class KilnConfig(FreezableConfig):
 
     def compute_hash(self) -> str:
         """Hash of the factors that change the traced graph (part of the compile cache key)."""
+        from kiln.config.eagle3_config import target_aux_layer_ids
         from kiln.config.inductor_options import inductor_options
 
         m, c = self.model_config, self.compilation_config
@@ -222,6 +223,8 @@ class KilnConfig(FreezableConfig):
             self._int8_weight_layout(),
             # LoRA layers add their op and buffers to the graph
             None if self.lora_config is None else repr(self.lora_config),
+            # an EAGLE-3 head's auxiliary hidden states are graph outputs too
+            target_aux_layer_ids(self),
         ]
         return hashlib.sha256(repr(factors).encode()).hexdigest()[:16]
 

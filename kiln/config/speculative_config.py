@@ -1,19 +1,17 @@
 """`SpeculativeConfig`: vLLM's --speculative-config / LLM(speculative_config=...), of which Kiln
 serves the model-free n-gram method (prompt lookup), a separate draft model ("draft_model") and
-an EAGLE-1 head ("eagle"; kiln/spec_decode/). Fields, defaults and limits are vLLM's; eagle3,
-mtp, medusa are refused by name."""
+an EAGLE-1 head ("eagle") and an EAGLE-3 head ("eagle3"; kiln/spec_decode/). Fields, defaults and
+limits are vLLM's; mtp, medusa are refused by name."""
 import json
 from dataclasses import dataclass, field, fields
 
 from kiln.errors import ConfigError
 
-METHODS = ("ngram", "draft_model", "eagle")  # "[ngram]", model="ngram": vLLM's older spellings
+METHODS = ("ngram", "draft_model", "eagle", "eagle3")  # "[ngram]", model="ngram": vLLM's older spellings
 # the methods whose drafts a model in the worker proposes (the scheduler keeps them per request)
-RUNNER_METHODS = ("draft_model", "eagle")
+RUNNER_METHODS = ("draft_model", "eagle", "eagle3")
 # vLLM's other methods, refused with what to use instead
-_REFUSED = {"eagle3": "EAGLE-3 heads (target hidden states from 3 layers) are not served; an "
-                      "EAGLE-1 head (EagleLlamaForCausalLM) runs under method='eagle'",
-            "mtp": "a model's own multi-token-prediction layers are not served",
+_REFUSED = {"mtp": "a model's own multi-token-prediction layers are not served",
             "medusa": "Medusa heads are not served",
             "mlp_speculator": "MLP speculators are not served",
             "suffix": "suffix decoding is not served"}
@@ -55,7 +53,8 @@ class SpeculativeConfig:
             raise ConfigError(f"{_FLAG}: speculative_config.method={method!r} is not supported"
                               f"{why}; Kiln takes method='ngram' (prompt lookup), 'draft_model' "
                               "(a small model with the target's vocabulary, in 'model') or "
-                              "'eagle' (an EAGLE-1 head for a Llama target, in 'model')")
+                              "'eagle' / 'eagle3' (an EAGLE-1 / EAGLE-3 head for a Llama "
+                              "target, in 'model')")
         object.__setattr__(self, "method", method)
         k = self.num_speculative_tokens
         if k is None:
@@ -96,9 +95,12 @@ class SpeculativeConfig:
 
     def _check_draft_model(self) -> None:
         if not isinstance(self.model, str) or self.model in ("", "ngram", "[ngram]"):
-            what = ("the EAGLE head's path or hub id (e.g. yuhuili/EAGLE-LLaMA3-Instruct-8B)"
-                    if self.method == "eagle" else "the draft model's path or hub id (e.g. a "
-                    "smaller model of the target's family)")
+            what = {"eagle": "the EAGLE head's path or hub id (e.g. "
+                             "yuhuili/EAGLE-LLaMA3-Instruct-8B)",
+                    "eagle3": "the EAGLE-3 head's path or hub id (e.g. "
+                              "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B)"}.get(
+                self.method, "the draft model's path or hub id (e.g. a smaller model of the "
+                "target's family)")
             raise ConfigError(f"{_FLAG}: method={self.method!r} needs speculative_config.model, "
                               f"{what}")
         for name in ("prompt_lookup_max", "prompt_lookup_min"):

@@ -209,7 +209,8 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                         "\"num_speculative_tokens\": 3}' (a draft model with the target's "
                         "vocabulary) or '{\"method\": \"eagle\", \"model\": "
                         "\"path/to/eagle-head\", \"num_speculative_tokens\": 3}' (an "
-                        "EAGLE-1 head for a Llama target); other methods are refused")
+                        "EAGLE-1 head for a Llama target; method \"eagle3\": an EAGLE-3 "
+                        "head); other methods are refused")
     g.add_argument("--ir-op-priority", dest="ir_op_priority", action=_IrOpPriority,
                    default=d.ir_op_priority, metavar="OP=PROVIDER[,PROVIDER...]",
                    help="providers of an IR op in order of preference, e.g. "

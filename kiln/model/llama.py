@@ -168,6 +168,9 @@ class LlamaStyleModel(nn.Module):
             if self.is_last_stage \
             else PPMissingLayer()
         share_rotary_embeddings(self.layers)  # one cos/sin cache, not one per layer
+        # EAGLE-3: the layers whose input states (num_layers: the last one's output) forward
+        # also returns, concatenated; set before the first (tracing) call, () when off
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The first stage's input hidden states [T, H] (Granite and Gemma scale them)."""
@@ -180,12 +183,19 @@ class LlamaStyleModel(nn.Module):
             hidden, residual = self.embed(input_ids), None
         else:
             hidden = hidden_states  # [T, H] from the previous stage, with its residual
-        for layer in self.layers[self.start_layer:self.end_layer]:
-            hidden, residual = layer(positions, hidden, residual)
+        aux = []
+        for i in range(self.start_layer, self.end_layer):
+            if i in self.aux_hidden_state_layers:  # a Python test: traced away when off
+                aux.append(hidden if residual is None else hidden + residual)
+            hidden, residual = self.layers[i](positions, hidden, residual)
         if not self.is_last_stage:
             return hidden, residual
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        hidden, prenorm = self.norm(hidden, residual)
+        if not self.aux_hidden_state_layers:
+            return hidden
+        if len(self.layers) in self.aux_hidden_state_layers:
+            aux.append(prenorm)
+        return hidden, torch.cat(aux, dim=-1)  # [T, H], [T, len(aux) * H]
 
 
 @support_torch_compile
@@ -222,6 +232,11 @@ class LlamaStyleForCausalLM(HFWeightLoading, nn.Module):
         if hidden_states is None:
             return self.model(input_ids, positions)
         return self.model(input_ids, positions, hidden_states, residual)
+
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        """Make forward return (hidden, the listed layers' input states concatenated) for an
+        EAGLE-3 head (kiln/config/eagle3_config.py aux_layer_ids; before the first call)."""
+        self.model.aux_hidden_state_layers = tuple(layers)
 
     def owns(self, name: str) -> bool:
         """Whether a checkpoint tensor belongs to this pipeline stage."""

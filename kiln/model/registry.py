@@ -24,7 +24,8 @@ _MODELS = {
     "Starcoder2ForCausalLM": ("kiln.model.starcoder2", "Starcoder2ForCausalLM"),
 }
 # Draft heads, built only as a --speculative-config head (never served as --model)
-_DRAFT_HEADS = {"EagleLlamaForCausalLM": ("kiln.model.llama_eagle", "EagleLlamaForCausalLM")}
+_DRAFT_HEADS = {"EagleLlamaForCausalLM": ("kiln.model.llama_eagle", "EagleLlamaForCausalLM"),
+                "Eagle3LlamaForCausalLM": ("kiln.model.llama_eagle3", "Eagle3LlamaForCausalLM")}
 # HF's *ForSequenceClassification: the family's backbone and a score head (seq_cls.py)
 _SEQ_CLS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
             "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
@@ -81,7 +82,9 @@ _EAGLE_HEAD = ("an EAGLE draft head, not a model: pass it as --speculative-confi
 _NEAREST = {"Gemma3ForConditionalGeneration": (
     "its vision tower is not (Kiln serves text); Gemma-3's text-only checkpoints "
     "(Gemma3ForCausalLM: gemma-3-270m, gemma-3-1b) are"),
-    "EagleLlamaForCausalLM": _EAGLE_HEAD, "EAGLELlamaForCausalLM": _EAGLE_HEAD}
+    "EagleLlamaForCausalLM": _EAGLE_HEAD, "EAGLELlamaForCausalLM": _EAGLE_HEAD,
+    **dict.fromkeys(("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3"),
+                    _EAGLE_HEAD.replace('"eagle"', '"eagle3"'))}
 
 
 def unsupported_message(architecture: str) -> str:

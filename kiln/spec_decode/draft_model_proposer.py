@@ -25,9 +25,10 @@ def make_drafter(kiln_config, device: torch.device):
     spec = kiln_config.speculative_config
     if spec is None or not spec.runner_proposes:
         return None
-    if spec.method == "eagle":
-        from kiln.spec_decode.eagle_proposer import EagleProposer
-        return EagleProposer(kiln_config, device)
+    if spec.method in ("eagle", "eagle3"):
+        from kiln.spec_decode.eagle_proposer import Eagle3Proposer, EagleProposer
+        return (EagleProposer if spec.method == "eagle" else Eagle3Proposer)(kiln_config,
+                                                                              device)
     return DraftModelProposer(kiln_config, device)
 
 

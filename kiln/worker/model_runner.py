@@ -10,6 +10,7 @@ import torch
 from kiln.attention.backend import AttentionBackend
 from kiln.attention.metadata import AttentionMetadata
 from kiln.compilation.compile_state import CompileState, set_compile_state
+from kiln.config.eagle3_config import target_aux_layer_ids
 from kiln.core.kv_cache_utils import cdiv
 from kiln.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from kiln.cudagraphs.capture import setup_cudagraphs
@@ -60,6 +61,9 @@ class ModelRunner(StepInputPreparation):
         self.default_generator.manual_seed(kiln_config.model_config.seed)
         # A draft model or EAGLE head (kiln/spec_decode/), None without one.
         self.drafter = make_drafter(kiln_config, device)
+        # The target layers whose hidden states an EAGLE-3 head reads (the model then returns
+        # (hidden, aux)); () otherwise
+        self.aux_layers = target_aux_layer_ids(kiln_config)
         # The draft's catch-up runs a step's tokens and each request's sampled one: a row more
         self.buffers = StepBuffers(self.max_num_tokens + (self.max_num_reqs if self.drafter
                                                           else 0),
@@ -84,6 +88,8 @@ class ModelRunner(StepInputPreparation):
 
         with set_compile_state(self.compile_state):
             model = get_model(self.kiln_config)
+        if self.aux_layers:  # before the first call traces the graph
+            model.set_aux_hidden_state_layers(self.aux_layers)
         # LoRA buffers join the layers before the first (tracing) call (kiln/lora/)
         self.lora_manager = attach_lora(model, self.kiln_config, self.max_num_tokens,
                                         self.device)
@@ -128,7 +134,8 @@ class ModelRunner(StepInputPreparation):
                              f"max_num_batched_tokens={self.max_num_tokens}]")
         input_ids, positions = self.buffers.dummy_tokens(
             num_tokens, np.arange(num_tokens) % self.max_model_len)
-        return self._run_model(input_ids, positions, None, num_tokens)
+        out = self._run_model(input_ids, positions, None, num_tokens)
+        return out[0] if self.aux_layers else out
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -205,10 +212,12 @@ class ModelRunner(StepInputPreparation):
                                            [so.num_scheduled_tokens[r] for r in inputs.req_ids])
         self._cudagraph_step = (inputs.cudagraph_mode, inputs.batch_descriptor)
         try:
-            hidden = self._run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata,
-                                     inputs.num_input_tokens)  # [num_input_tokens, H]
+            out = self._run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata,
+                                  inputs.num_input_tokens)
         finally:
             self._cudagraph_step = (CUDAGraphMode.NONE, None)
+        # [num_input_tokens, H]; EAGLE-3's [num_input_tokens, 3H]
+        hidden, aux = out if self.aux_layers else (out, None)
         if not self.stage.is_last_rank:
             return self._finish_earlier_stage(inputs, hidden)
         if self.pooler is not None:
@@ -225,9 +234,9 @@ class ModelRunner(StepInputPreparation):
             for generator, state in zip(seeded, drawn_from):
                 generator.set_state(state)
             raise
-        if self.drafter is not None:
-            output.spec_token_ids = self.drafter.propose(self, so, inputs.req_ids,
-                                                         inputs.sample_req_ids, hidden)
+        if self.drafter is not None:  # an EAGLE-3 head reads the auxiliary states
+            output.spec_token_ids = self.drafter.propose(
+                self, so, inputs.req_ids, inputs.sample_req_ids, hidden if aux is None else aux)
         return output
 
     def _sample(self, so: SchedulerOutput, inputs: StepInputs,

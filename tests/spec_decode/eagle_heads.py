@@ -68,6 +68,29 @@ def _rope(x, pos, theta):  # x [T, heads, d]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
+def attention(x, w, cfg, prefix: str = "layers.0."):
+    """A Llama layer's causal self-attention in plain torch: x [t, in] at positions 0..t-1."""
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta")
+    t, d = x.shape[0], cfg["hidden_size"] // nh
+    pos = torch.arange(t)
+    q = _rope((x @ w[f"{prefix}self_attn.q_proj.weight"].T).view(t, nh, d), pos, theta)
+    kk = _rope((x @ w[f"{prefix}self_attn.k_proj.weight"].T).view(t, nkv, d), pos, theta)
+    v = (x @ w[f"{prefix}self_attn.v_proj.weight"].T).view(t, nkv, d)
+    kk, v = (z.repeat_interleave(nh // nkv, 1) for z in (kk, v))
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), kk.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+    return o.transpose(0, 1).reshape(t, nh * d) @ w[f"{prefix}self_attn.o_proj.weight"].T
+
+
+def mlp_block(x, w, cfg, prefix: str = "layers.0."):
+    """x + MLP(post_attention_layernorm(x)): a Llama layer's second half."""
+    n = _rms(x, w[f"{prefix}post_attention_layernorm.weight"], cfg["rms_norm_eps"])
+    g = torch.nn.functional.silu(n @ w[f"{prefix}mlp.gate_proj.weight"].T) * \
+        (n @ w[f"{prefix}mlp.up_proj.weight"].T)
+    return x + g @ w[f"{prefix}mlp.down_proj.weight"].T
+
+
 @functools.cache
 def _hf_model(target_dir: Path):
     from transformers import AutoModelForCausalLM
@@ -84,25 +107,11 @@ def reference_drafts(head_dir: Path, target_dir: Path, tokens: list[int], k: int
     with torch.no_grad():
         hidden = target.model(torch.tensor([tokens])).last_hidden_state[0]  # [n, H]
         embed, lm_head = target.model.embed_tokens.weight, target.lm_head.weight
-        nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta")
         ids, states, drafts = list(tokens[1:]), list(hidden[:-1]), []
         for _ in range(k):
             x = torch.cat([embed[torch.tensor(ids)], torch.stack(states)], -1) @ w["fc.weight"].T
             x = x + w.get("fc.bias", 0)
-            t, d = x.shape[0], x.shape[1] // nh
-            pos = torch.arange(t)
-            q = _rope((x @ w["layers.0.self_attn.q_proj.weight"].T).view(t, nh, d), pos, theta)
-            kk = _rope((x @ w["layers.0.self_attn.k_proj.weight"].T).view(t, nkv, d), pos, theta)
-            v = (x @ w["layers.0.self_attn.v_proj.weight"].T).view(t, nkv, d)
-            kk, v = (z.repeat_interleave(nh // nkv, 1) for z in (kk, v))
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(0, 1), kk.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-            x = x + o.transpose(0, 1).reshape(t, nh * d) @ w["layers.0.self_attn.o_proj.weight"].T
-            n = _rms(x, w["layers.0.post_attention_layernorm.weight"], cfg["rms_norm_eps"])
-            g = torch.nn.functional.silu(n @ w["layers.0.mlp.gate_proj.weight"].T) * \
-                (n @ w["layers.0.mlp.up_proj.weight"].T)
-            out = x + g @ w["layers.0.mlp.down_proj.weight"].T  # [t, H]
+            out = mlp_block(x + attention(x, w, cfg), w, cfg)  # [t, H]
             drafts.append(int((out[-1] @ lm_head.T).argmax()))
             ids.append(drafts[-1])
             states.append(out[-1])

@@ -91,7 +91,7 @@ def test_method_names_and_refusals(tiny_llama_dir, random_head, tmp_path):
     # vLLM infers the method from the head's name
     assert SpeculativeConfig(model="yuhuili/EAGLE-LLaMA3-Instruct-8B",
                              num_speculative_tokens=2).method == "eagle"
-    for method in ("eagle3", "mtp", "medusa"):
+    for method in ("mtp", "medusa"):
         with pytest.raises(ConfigError, match=f"method='{method}' is not supported") as e:
             SpeculativeConfig(method=method, model="x", num_speculative_tokens=2)
         assert "'eagle'" in str(e.value)

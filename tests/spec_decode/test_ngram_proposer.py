@@ -84,7 +84,9 @@ def test_config_defaults_and_limits_are_vllms():
            ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
              "prompt_lookup_max": 2}, "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
            ({"method": "eagle3", "num_speculative_tokens": 2},
-            "speculative_config.method='eagle3'"),
+            "needs speculative_config.model, the EAGLE-3 head"),
+           ({"method": "suffix", "num_speculative_tokens": 2},
+            "speculative_config.method='suffix'"),
            ({"method": "medusa", "num_speculative_tokens": 2}, "speculative_config.method"),
            ({"method": "mtp", "num_speculative_tokens": 1}, "speculative_config.method"),
            ({"method": "ngram", "model": "org/draft", "num_speculative_tokens": 2},
@@ -114,8 +116,8 @@ def test_flag_is_taken_by_engine_commands_and_refuses_other_methods(capsys):
         # a child command gets it back
         again = parser.parse_args([*argv, *engine_args.to_cli_args()])
         assert EngineArgs.from_cli_args(again) .speculative_config is not None
-    with pytest.raises(ConfigError, match="speculative_config.method='eagle3'"):
-        EngineArgs(speculative_config={"method": "eagle3", "num_speculative_tokens": 2,
+    with pytest.raises(ConfigError, match="speculative_config.method='medusa'"):
+        EngineArgs(speculative_config={"method": "medusa", "num_speculative_tokens": 2,
                                        "model": "x"}).create_kiln_config()
     with pytest.raises(ConfigError, match="--pipeline-parallel-size 2"):
         EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2},
