@@ -3,6 +3,8 @@ stacked tensors, the bias tensors a config implies, and why a tensor fits no par
 import re
 from typing import NamedTuple
 
+from kiln.errors import ConfigError
+
 
 def config_bias(hf_config, field: str) -> bool:
     """`attention_bias` / `mlp_bias` as HF's class for the config reads it: Llama and Granite
@@ -43,6 +45,34 @@ _EXPERT_TENSOR = re.compile(
     r"\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.(weight|weight_scale)$")
 _EXPERT_PARTS = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3", "w2": "w2",
                  "down_proj": "w2"}
+
+
+# transformers 5's own layout of a layer's experts (its checkpoints since, and any re-saved with
+# save_original_format=False): every expert in two 3-D tensors, no ".weight" suffix
+_FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+
+
+def split_fused_experts(name: str, tensor) -> list[tuple[str, object]] | None:
+    """Each expert's own tensors (as older checkpoints name them) of a fused expert tensor:
+    experts.gate_up_proj [E, 2I, H] (each expert's gate rows, then its up rows, as HF's chunk)
+    or experts.down_proj [E, H, I]; None for any other tensor. Kiln refused such checkpoints
+    as not matching their config, where transformers and vLLM load them."""
+    fused = _FUSED_EXPERTS.search(name)
+    if fused is None:
+        return None
+    prefix, part = name[:fused.start()], fused.group(1)
+    if tensor.dim() != 3 or (part == "gate_up_proj" and tensor.shape[1] % 2):
+        want = "[experts, 2 x intermediate, hidden]" if part == "gate_up_proj" else \
+            "[experts, hidden, intermediate]"
+        raise ConfigError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected "
+                          f"{want}; the checkpoint does not match its config")
+    if part == "down_proj":
+        return [(f"{prefix}.experts.{e}.down_proj.weight", tensor[e])
+                for e in range(tensor.shape[0])]
+    gates, ups = tensor.chunk(2, dim=1)  # [E, I, H] each
+    return [(f"{prefix}.experts.{e}.{kind}.weight", half[e])
+            for e in range(tensor.shape[0]) for kind, half in (("gate_proj", gates),
+                                                                ("up_proj", ups))]
 
 
 def merged_target(name: str) -> tuple[str, str | int | ExpertShard | None]:

@@ -10,7 +10,12 @@ import torch
 
 from kiln.errors import ConfigError
 from kiln.logger import init_logger
-from kiln.model.checkpoint_names import checkpoint_parts, merged_target, unexpected_tensor_message
+from kiln.model.checkpoint_names import (
+    checkpoint_parts,
+    merged_target,
+    split_fused_experts,
+    unexpected_tensor_message,
+)
 
 logger = init_logger(__name__)
 
@@ -24,7 +29,7 @@ class HFWeightLoading:
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         stored_head = None
-        for name, tensor in weights:
+        for name, tensor in _each_expert_apart(weights):
             if "rotary_emb.inv_freq" in name:
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
@@ -93,3 +98,14 @@ class HFWeightLoading:
                 elif shard is not None and f"{name}#{shard}" not in loaded:
                     missing.append(f"{name} (shard {shard})")
         return missing
+
+
+def _each_expert_apart(weights: Iterable[tuple[str, torch.Tensor]]):
+    """The checkpoint's tensors, a fused expert tensor (transformers 5's layout) as each
+    expert's own (split_fused_experts)."""
+    for name, tensor in weights:
+        experts = split_fused_experts(name, tensor)
+        if experts is None:
+            yield name, tensor
+        else:
+            yield from experts

@@ -2,7 +2,8 @@
 transformers on tiny random checkpoints (float32, 4 experts, top 2): logits of a prefill and of
 decode steps through the paged cache within 1e-4; through LLM, greedy tokens equal HF's and their
 logprobs HF's log-softmax within 1e-4, eager (mode 0) and compiled (mode 3, one Dynamo graph, the
-MoE op kept whole); what the families refuse (fp8, LoRA), refused by flag.
+MoE op kept whole); transformers 5's fused expert tensors load; what the families refuse (fp8,
+LoRA), refused by flag.
 """
 import pytest
 import torch
@@ -37,13 +38,41 @@ def _hf(ckpt_dir):
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_prefill_and_decode_logits_match_hf(arch, request):
-    ckpt_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    _assert_logits_match_hf(request.getfixturevalue(f"tiny_{arch}_dir"))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_transformers_5_fused_expert_checkpoints_load(arch, request, tmp_path):
+    """transformers 5 keeps a layer's experts as two 3-D tensors (experts.gate_up_proj,
+    experts.down_proj) and writes them so with save_original_format=False (and newer hub
+    checkpoints ship them): Kiln refused them as 'matches no parameter ... does not match its
+    config', where transformers and vLLM load them."""
+    src = request.getfixturevalue(f"tiny_{arch}_dir")
+    hf = _hf(src)
+    hf.save_pretrained(tmp_path, save_original_format=False)
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert "model.layers.0.mlp.experts.gate_up_proj" in f.keys()
+    _assert_logits_match_hf(tmp_path, hf)
+
+
+def test_a_fused_expert_tensor_of_the_wrong_rank_is_named():
+    from kiln.model.checkpoint_names import split_fused_experts
+
+    with pytest.raises(ConfigError, match=r"model.layers.0.mlp.experts.gate_up_proj has shape "
+                       r"\(8, 64\), expected \[experts, 2 x intermediate, hidden\]"):
+        split_fused_experts("model.layers.0.mlp.experts.gate_up_proj", torch.zeros(8, 64))
+    assert split_fused_experts("model.layers.0.mlp.gate.weight", torch.zeros(4, 64)) is None
+
+
+def _assert_logits_match_hf(ckpt_dir, hf=None):
     cfg = kiln_config_for(ckpt_dir)
     model = get_model(cfg)
     allocate_kv_caches(model, cfg, 32, 4)
     seq = _tokens(22, seed=1)
     with torch.no_grad():
-        ref = _hf(ckpt_dir)(torch.tensor([seq])).logits[0]  # [S, V]
+        ref = (hf or _hf(ckpt_dir))(torch.tensor([seq])).logits[0]  # [S, V]
     pool, req = BlockPool(32, 4), PagedRequest(seq)
     ids, pos, md = build_step(pool, [req], [18])
     assert (run_step(model, cfg, ids, pos, md) - ref[:18]).abs().max() < TOL
