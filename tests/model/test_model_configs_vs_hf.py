@@ -39,7 +39,7 @@ def make_checkpoint(path, config_cls: str, **overrides):
         getattr(transformers, config_cls)(**kw), dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() > 1:
+            if p.dim() > 1 and "norm" not in name:  # (Cohere's q / k norms are 2-D)
                 p.normal_(0, 0.08)
             elif "norm" in name:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
