@@ -22,7 +22,10 @@ NUM_BLOCKS, BLOCK_SIZE = 64, 4
 
 
 @pytest.fixture(params=["llama", "qwen2", "qwen3", "phi3", "granite", "gemma", "olmo2",
-                        "starcoder2", "gpt_neox", "phi", "cohere"])
+                        "starcoder2", "gpt_neox",
+                        # their e2e parity and config variants run in `make test`
+                        pytest.param("phi", marks=pytest.mark.slow),
+                        pytest.param("cohere", marks=pytest.mark.slow)])
 def ckpt_dir(request):
     return request.getfixturevalue(f"tiny_{request.param}_dir")
 
