@@ -1,7 +1,6 @@
 """Tiny random-weight HF checkpoints (ARCH_CONFIGS: Llama, Qwen2, Qwen3, Phi-3, Granite, Gemma,
-OLMo-2, Gemma-2, Gemma-3, Mistral with a sliding window, and the MoEs Mixtral, Qwen2-MoE,
-Qwen3-MoE)
-and the HF greedy oracle for tests.
+OLMo-2, StarCoder2, GPT-NeoX, Phi, Cohere, Gemma-2, Gemma-3, Mistral with a sliding window, and
+the MoEs Mixtral, Qwen2-MoE, Qwen3-MoE) and the HF greedy oracle for tests.
 
 Imported by tests as `checkpoints` (pytest puts tests/ on sys.path through the root conftest).
 """
@@ -102,6 +101,12 @@ ARCH_CONFIGS = {
     # query_key_value, exact GELU; HF's GPT-NeoX has no KV-head grouping (the common 2 dropped)
     "gpt_neox": ("GPTNeoXConfig", {"rotary_pct": 0.25, "pad_token_id": 0,
                                    "num_key_value_heads": None}),
+    # Phi-2: one LayerNorm feeding attention and a gelu_new MLP in parallel, rope over half of
+    # each head, biases everywhere (the LM head's too)
+    "phi": ("PhiConfig", {"partial_rotary_factor": 0.5, "pad_token_id": 0}),
+    # Command-R: a bias-free LayerNorm feeding attention and a SiLU-gated MLP in parallel,
+    # rope over interleaved pairs, logits scaled
+    "cohere": ("CohereConfig", {"logit_scale": 0.5, "pad_token_id": 0}),
     # mixtures of experts: 4 experts, top 2; Mixtral renormalizes always
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # a sigmoid-gated shared expert, routing weights not renormalized, layer 1 dense
@@ -131,17 +136,18 @@ ARCH_CONFIGS = {
 
 # Families whose biases and norm weights are drawn at random too (HF initialises them to 0 and
 # 1), so that one loaded into the wrong place, or the wrong rank's share, shows in the tokens.
-_RANDOM_BIASES = ("starcoder2", "gpt_neox")
+_RANDOM_BIASES = ("starcoder2", "gpt_neox", "phi", "cohere")
 
 
 def _widened(model, biases: bool = False):
     """Random init is tiny; widen it so greedy tokens are decisive rather than near-ties."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.08)
-            elif biases and "norm" in name and name.endswith(".weight"):
+            # (norms first: Cohere's q / k norms hold a [heads, head_dim] weight)
+            if biases and "norm" in name and name.endswith(".weight"):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif p.dim() > 1:
+                p.normal_(0, 0.08)
             elif biases:
                 p.normal_(0, 0.05)
     return model

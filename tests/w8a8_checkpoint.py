@@ -15,7 +15,7 @@ import torch
 # dense_h_to_4h / dense_4h_to_h.
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                    "qkv_proj", "gate_up_proj", "w1", "w2", "w3", "c_fc", "c_proj",
-                   "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
+                   "query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h", "fc1", "fc2")
 
 
 def w8a8_quantization_config(**overrides) -> dict:

@@ -243,7 +243,8 @@ class ModelConfig(FreezableConfig):
                 "gemma3_text": "Gemma3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
-                "gpt_neox": "GPTNeoXForCausalLM"}.get(model_type, model_type)
+                "gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM",
+                "cohere": "CohereForCausalLM"}.get(model_type, model_type)
 
     @property
     def vocab_size(self) -> int:

@@ -15,8 +15,8 @@ _EVERY_LAYER = ("MixtralForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM",
 # config with layer_types is read by AutoConfig as Ministral's, which honours them).
 _BY_LAYER_TYPES = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                    "Qwen2MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-# Every other family (Llama, Granite, Gemma, OLMo-2, GPT-NeoX) attends fully whatever its config says:
-# HF's model classes never read a stray `sliding_window`.
+# Every other family (Llama, Granite, Gemma, OLMo-2, GPT-NeoX, Phi, Cohere) attends fully
+# whatever its config says: HF's model classes never read a stray `sliding_window`.
 
 
 def _family(architecture: str) -> str:

@@ -8,14 +8,15 @@ from kiln.errors import ConfigError
 
 def config_bias(hf_config, field: str) -> bool:
     """`attention_bias` / `mlp_bias` as HF's class for the config reads it: Llama and Granite
-    read both, Qwen2, Qwen3, Gemma and OLMo-2 no mlp_bias, Mistral and Phi-3 neither (a
+    read both, Qwen2, Qwen3, Gemma, OLMo-2 and Cohere no mlp_bias, Mistral and Phi-3 neither (a
     checkpoint with the flag set and no such tensors was refused as missing them, where HF
     loads it)."""
     model_type = getattr(hf_config, "model_type", "llama")
     reads = {"mistral": (), "phi3": (), "gemma": ("attention_bias",),
              "olmo2": ("attention_bias",), "qwen2": ("attention_bias",),
              "qwen3": ("attention_bias",), "mixtral": (), "qwen2_moe": (),
-             "qwen3_moe": ("attention_bias",)}
+             "qwen3_moe": ("attention_bias",),
+             "cohere": ("attention_bias",)}
     return field in reads.get(model_type, (field,)) and bool(getattr(hf_config, field, False))
 
 

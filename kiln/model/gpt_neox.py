@@ -13,18 +13,10 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from kiln.compilation.decorator import support_torch_compile
-from kiln.config import get_current_kiln_config
-from kiln.config.rope import get_rope_config, max_positions_of, partial_rotary_factor_of
 from kiln.errors import ConfigError
 from kiln.model.layers.layernorm import LayerNorm
-from kiln.model.layers.rotary_embedding import PartialRotaryEmbedding
-from kiln.model.llama import (
-    LlamaAttention,
-    LlamaDecoderLayer,
-    LlamaStyleForCausalLM,
-    LlamaStyleModel,
-    head_dim_of,
-)
+from kiln.model.llama import LlamaDecoderLayer, LlamaStyleForCausalLM, LlamaStyleModel
+from kiln.model.partial_rotary import PartialRotaryAttention
 from kiln.model.starcoder2 import GeluMLP
 
 # checkpoint name part -> Kiln's, applied in order (the fused qkv is split after)
@@ -65,21 +57,10 @@ def check_gpt_neox_heads(hf_config) -> None:
                               f"(or --hf-overrides '{{\"{field}\": {value}}}')")
 
 
-class GPTNeoXAttention(LlamaAttention):
+class GPTNeoXAttention(PartialRotaryAttention):
     def __init__(self, hf_config, prefix: str):
         check_gpt_neox_heads(hf_config)
-        factor, head_dim = partial_rotary_factor_of(hf_config), head_dim_of(hf_config)
-        rotary_dim = int(head_dim * factor)  # HF's rotary_ndims
-        if rotary_dim < 2 or rotary_dim % 2:
-            raise ConfigError(f"rotary_pct / partial_rotary_factor {factor} gives {rotary_dim} "
-                              f"rotary dims of head_dim {head_dim}; Kiln needs an even "
-                              "number of at least 2")
         super().__init__(hf_config, prefix)
-        if rotary_dim < self.head_dim:
-            theta, scaling = get_rope_config(hf_config)
-            self.rotary_emb = PartialRotaryEmbedding(
-                self.head_dim, rotary_dim, max_positions_of(hf_config), theta, scaling,
-                get_current_kiln_config().model_config.max_model_len)
 
     def qkv_bias(self, hf_config) -> bool:
         return bool(getattr(hf_config, "attention_bias", True))

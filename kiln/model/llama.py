@@ -68,6 +68,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    rotary_cls = RotaryEmbedding  # Cohere's: over interleaved pairs
+
     def __init__(self, hf_config, prefix: str):
         super().__init__()
         total_heads = hf_config.num_attention_heads
@@ -84,7 +86,7 @@ class LlamaAttention(nn.Module):
         theta, scaling = self.rope_config(hf_config, prefix)
         # every position max_model_len may reach (a linear scaling's factor times more); the
         # length also picks longrope's factors
-        self.rotary_emb = RotaryEmbedding(
+        self.rotary_emb = self.rotary_cls(
             self.head_dim, max_positions_of(hf_config), theta, scaling,
             get_current_kiln_config().model_config.max_model_len)
         self.attn = Attention(self.num_heads, self.head_dim, self.softmax_scale(hf_config),
@@ -209,6 +211,7 @@ class LlamaStyleForCausalLM(HFWeightLoading, nn.Module):
     model_cls = LlamaModel
     has_lm_head = True  # a classifier (kiln/model/seq_cls.py) has a score head instead
     require_all_weights = True  # load_weights refuses a checkpoint that leaves one out
+    lm_head_bias = False  # Phi's head carries a bias
 
     def __init__(self, *, kiln_config, prefix: str = ""):
         super().__init__()
@@ -218,7 +221,8 @@ class LlamaStyleForCausalLM(HFWeightLoading, nn.Module):
         self.tie_word_embeddings = self.has_lm_head and bool(
             getattr(cfg, "tie_word_embeddings", False))
         if self.has_lm_head:
-            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) \
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size,
+                                          bias=self.lm_head_bias) \
                 if self.model.is_last_stage else PPMissingLayer()
         # A tied head on a last stage without the embedding loads the embedding's tensor.
         self.head_loads_embedding = self.tie_word_embeddings and not self.model.is_first_stage \

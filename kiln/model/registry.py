@@ -7,6 +7,7 @@ import importlib
 from kiln.errors import ConfigError
 
 _MODELS = {
+    "CohereForCausalLM": ("kiln.model.cohere", "CohereForCausalLM"),
     "GemmaForCausalLM": ("kiln.model.gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("kiln.model.gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("kiln.model.gemma3", "Gemma3ForCausalLM"),
@@ -16,6 +17,7 @@ _MODELS = {
     "MistralForCausalLM": ("kiln.model.llama", "LlamaForCausalLM"),
     "MixtralForCausalLM": ("kiln.model.mixtral", "MixtralForCausalLM"),
     "Olmo2ForCausalLM": ("kiln.model.olmo2", "Olmo2ForCausalLM"),
+    "PhiForCausalLM": ("kiln.model.phi", "PhiForCausalLM"),
     "Phi3ForCausalLM": ("kiln.model.phi3", "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": ("kiln.model.qwen2", "Qwen2ForCausalLM"),
     "Qwen2MoeForCausalLM": ("kiln.model.qwen2_moe", "Qwen2MoeForCausalLM"),
@@ -35,11 +37,12 @@ _SEQ_CLS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
 # IR ops only some families call, by architecture (what `kiln compile`'s report lists as used).
 # Gemma / Gemma-2 / OLMo-2's norms (kiln/ir/f32_scale_norm.py)
 F32_SCALE_NORM_OPS = ("rms_norm_f32_scale", "fused_add_rms_norm_f32_scale")
-# StarCoder2 / GPT-NeoX's LayerNorms and non-gated GELU MLPs (kiln/ir/layer_norm.py, layer_ops.py)
+# StarCoder2 / GPT-NeoX / Phi's LayerNorms and non-gated GELU MLPs (kiln/ir/layer_norm.py,
+# layer_ops.py)
 LAYER_NORM_GELU_OPS = ("layer_norm", "gelu")
 # Families whose projections are none of LoRA's q/k/v/o, gate/up/down (kiln/lora/): a non-gated
-# c_fc / c_proj MLP. --enable-lora is refused for them by name.
-NO_LORA_ARCHITECTURES = ("Starcoder2ForCausalLM", "GPTNeoXForCausalLM")
+# c_fc / c_proj MLP (Phi's fc1 / fc2). --enable-lora is refused for them by name.
+NO_LORA_ARCHITECTURES = ("Starcoder2ForCausalLM", "GPTNeoXForCausalLM", "PhiForCausalLM")
 # The mixture-of-experts families (kiln/model/layers/fused_moe.py).
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _FAMILY_OPS = {"GemmaForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),
@@ -48,6 +51,8 @@ _FAMILY_OPS = {"GemmaForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),
                "Olmo2ForCausalLM": F32_SCALE_NORM_OPS,
                "Starcoder2ForCausalLM": LAYER_NORM_GELU_OPS,
                "GPTNeoXForCausalLM": LAYER_NORM_GELU_OPS,
+               "PhiForCausalLM": LAYER_NORM_GELU_OPS,
+               "CohereForCausalLM": ("layer_norm",),  # its MLP is Llama's SiLU-gated one
                **{arch: ("fused_moe", "fused_moe_int8", "fused_moe_int8_panels")
                   for arch in MOE_ARCHITECTURES}}
 # The Llama ops those families' own replace, with the fusions the graph passes make of them
@@ -59,7 +64,8 @@ _REPLACED_OPS = {"GemmaForCausalLM": (*_LLAMA_NORMS, *_SILU),
                  "Gemma2ForCausalLM": (*_LLAMA_NORMS, *_SILU),
                  "Gemma3ForCausalLM": (*_LLAMA_NORMS, *_SILU), "Olmo2ForCausalLM": _LLAMA_NORMS,
                  "Starcoder2ForCausalLM": (*_LLAMA_NORMS, *_SILU),
-                 "GPTNeoXForCausalLM": (*_LLAMA_NORMS, *_SILU)}
+                 "GPTNeoXForCausalLM": (*_LLAMA_NORMS, *_SILU),
+                 "PhiForCausalLM": (*_LLAMA_NORMS, *_SILU), "CohereForCausalLM": _LLAMA_NORMS}
 
 
 def ir_ops_not_called(architecture: str) -> set[str]:

@@ -48,6 +48,9 @@ def test_tp2_logprobs_match_tp1_within_1e4(tp2_llama, tiny_llama_dir):
                                   # biases sharded (column) or added once (row), partial rope
                                   "gpt_neox",
                                   pytest.param("starcoder2", marks=pytest.mark.slow),
+                                  # the LM head's bias split with its rows / interleaved rope
+                                  pytest.param("phi", marks=pytest.mark.slow),
+                                  pytest.param("cohere", marks=pytest.mark.slow),
                                   pytest.param("granite", marks=pytest.mark.slow),
                                   pytest.param("gemma", marks=pytest.mark.slow),
                                   # per-head q/k norms, sliding / global layers' own ropes

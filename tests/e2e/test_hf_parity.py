@@ -85,17 +85,21 @@ def test_logprobs_match_hf_log_softmax(tiny_qwen2_dir):
 # rms_norm / silu_and_mul. Phi-3's graph is Llama's once its fused tensors are split and
 # Granite's adds only scalar multiplies: slow (a cold compile costs ~20 s a family).
 # StarCoder2 / GPT-NeoX's LayerNorm and GELU ops compile alike: GPT-NeoX's (its partial rope
-# and parallel residual too) in `make test`, StarCoder2's slow.
+# and parallel residual too) in `make test`, StarCoder2's slow. Phi / Cohere add no op (the
+# same LayerNorm / GELU, the rotary op's GPT-J form): compiled, slow.
 @pytest.mark.parametrize("arch, mode", [
     ("phi3", 0), ("granite", 0), ("gemma", 0), ("olmo2", 0), ("gemma", 3), ("olmo2", 3),
-    ("starcoder2", 0), ("gpt_neox", 0), ("gpt_neox", 3),
+    ("starcoder2", 0), ("gpt_neox", 0), ("gpt_neox", 3), ("phi", 0), ("cohere", 0),
+    pytest.param("phi", 3, marks=pytest.mark.slow),
+    pytest.param("cohere", 3, marks=pytest.mark.slow),
     pytest.param("phi3", 3, marks=pytest.mark.slow),
     pytest.param("granite", 3, marks=pytest.mark.slow),
     pytest.param("starcoder2", 3, marks=pytest.mark.slow)])
 def test_more_families_greedy_and_logprobs_match_hf(arch, mode, request, tmp_path):
     """Phi-3 (fused qkv / gate_up in the checkpoint), Granite (multipliers), Gemma, OLMo-2,
-    StarCoder2 (sliding window 8), GPT-NeoX: greedy tokens equal HF's, logprobs within
-    LOGPROB_TOL, eager and compiled."""
+    StarCoder2 (sliding window 8), GPT-NeoX, Phi (parallel block, LM head bias), Cohere
+    (interleaved rope, logit scale): greedy tokens equal HF's, logprobs within LOGPROB_TOL,
+    eager and compiled."""
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     prompts = random_prompts(3, [5, 30, 70], seed=7)
     compiled = dict(compilation_config={"mode": 3, "cache_dir": str(tmp_path / "cc")})

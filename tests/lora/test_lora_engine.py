@@ -261,3 +261,28 @@ def test_phi3_adapter_of_fused_projections_matches_hf(tiny_phi3_dir, tmp_path):
     for out, prompt, tokens in zip(outs, prompts, want):
         got = [next(iter(step.values())).logprob for step in out.outputs[0].logprobs]
         assert got == pytest.approx(token_logprobs(merged, prompt, tokens), abs=2e-4)
+
+
+def test_cohere_adapter_matches_hf(tiny_cohere_dir, tmp_path):
+    """Command-R's projections are Llama's (q/k/v/o, gate/up/down) in a parallel block: its
+    adapters apply as Llama's do."""
+    from lora_adapters import greedy, merged_model, write_adapter
+
+    from kiln.lora.request import LoRARequest
+
+    from checkpoints import random_prompts
+
+    adapter = write_adapter(tmp_path / "cohere_lora", tiny_cohere_dir)
+    prompts = random_prompts(2, [5, 21], seed=3)
+    merged = merged_model(tiny_cohere_dir, adapter)
+    want = greedy(merged, prompts, MAX_TOKENS)
+    llm = LLM(str(tiny_cohere_dir), enforce_eager=True, enable_lora=True, max_lora_rank=8,
+              max_model_len=128, kv_cache_memory=0.02)
+    outs = _run(llm, prompts, LoRARequest("cohere", 1, str(adapter)), logprobs=0)
+    base = _run(llm, prompts, None)
+    llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert want != [o.outputs[0].token_ids for o in base]  # the adapter changes the answer
+    for out, prompt, tokens in zip(outs, prompts, want):
+        got = [next(iter(step.values())).logprob for step in out.outputs[0].logprobs]
+        assert got == pytest.approx(token_logprobs(merged, prompt, tokens), abs=2e-4)

@@ -63,6 +63,19 @@ def test_experts_of_an_architecture_kiln_runs_dense_only_are_refused(tmp_path):
         check_file(table, tmp_path / "m.gguf")
 
 
+@pytest.mark.parametrize("arch, served", [("phi2", "PhiForCausalLM"),
+                                           ("command-r", "CohereForCausalLM")])
+def test_gguf_of_a_family_kiln_serves_from_hf_only_names_the_hf_class(arch, served, tmp_path):
+    """Phi-2 / Command-R GGUF files: refused naming the HF checkpoint Kiln does serve (their
+    llama.cpp tensor layouts, fused qkv and per-layer norms, are not mapped)."""
+    from kiln.config.gguf_checks import check_file
+
+    table = {"architecture": arch, "tensors": [], "metadata": {}}
+    with pytest.raises(ConfigError, match=rf"architecture '{arch}' is not supported; .* Kiln "
+                                          rf"serves {served} from its Hugging Face checkpoint"):
+        check_file(table, tmp_path / "m.gguf")
+
+
 @pytest.mark.parametrize("key, entry, message", [
     ("qwen3moe.expert_used_count", None, r"lacks the metadata qwen3moe\.expert_used_count"),
     ("qwen3moe.expert_count", None, r"lacks the metadata qwen3moe\.expert_count"),

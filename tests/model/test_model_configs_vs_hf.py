@@ -39,7 +39,7 @@ def make_checkpoint(path, config_cls: str, **overrides):
         getattr(transformers, config_cls)(**kw), dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() > 1:
+            if p.dim() > 1 and "norm" not in name:  # (Cohere's q / k norms are 2-D)
                 p.normal_(0, 0.08)
             elif "norm" in name:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
@@ -124,6 +124,15 @@ CASES = {
     "gpt_neox_no_bias_half_rotary_tied": ("GPTNeoXConfig", dict(
         attention_bias=False, rotary_pct=0.5, hidden_act="gelu_new", num_key_value_heads=4,
         tie_word_embeddings=True)),
+    # Phi with per-head q/k LayerNorms, rope over the whole head, MQA, tied (the head's bias
+    # still its own); Cohere with per-head q/k norms (a weight per head), attention biases,
+    # MQA, untied, another logit scale
+    "phi_qk_layernorm_full_rotary_mqa_tied": ("PhiConfig", dict(
+        qk_layernorm=True, partial_rotary_factor=1.0, num_key_value_heads=1,
+        tie_word_embeddings=True)),
+    "cohere_qk_norm_bias_mqa_untied": ("CohereConfig", dict(
+        use_qk_norm=True, attention_bias=True, num_key_value_heads=1, logit_scale=0.25,
+        pad_token_id=0)),
     # a window HF's Llama never reads (Kiln windowed it: logits 3.2 off HF's)
     "llama_stray_window_unread": ("LlamaConfig", dict(sliding_window=6)),
 }
@@ -390,7 +399,7 @@ def test_gpt_neox_configs_kiln_would_misread_are_refused_naming_the_field(fields
         GPTNeoXAttention(cfg, "model.layers.0.self_attn")
 
 
-@pytest.mark.parametrize("arch", ["starcoder2", "gpt_neox"])
+@pytest.mark.parametrize("arch", ["starcoder2", "gpt_neox", "phi"])
 def test_lora_on_the_non_gated_mlp_families_is_refused_by_flag(arch, request):
     """Kiln's LoRA layers are q/k/v/o, gate/up/down: attaching them failed as an
     AttributeError (no mlp.gate_up_proj) once the model was loaded."""
@@ -402,3 +411,17 @@ def test_lora_on_the_non_gated_mlp_families_is_refused_by_flag(arch, request):
     with pytest.raises(ConfigError, match="--enable-lora: LoRA adapters on .*drop --enable-lora"):
         KilnConfig(ModelConfig(model=str(model_dir)), device_config=DeviceConfig("cpu"),
                    enforce_eager=True, lora_config=LoRAConfig())
+
+
+def test_cohere_per_head_qk_norm_loads_this_ranks_heads():
+    """Command-R+'s q / k norms hold a weight per head ([heads, head_dim]): a rank loads its
+    heads' rows (the tp=2 runs with use_qk_norm matched HF through this)."""
+    from kiln.errors import ConfigError
+    from kiln.model.cohere import HeadLayerNorm
+
+    whole = torch.arange(4 * 8, dtype=torch.float32).view(4, 8)
+    norm = HeadLayerNorm(2, 8, 1e-5, shard=1, num_shards=2)
+    norm.weight.weight_loader(norm.weight, whole)
+    assert torch.equal(norm.weight, whole[2:])
+    with pytest.raises(ConfigError, match="expected 4"):
+        norm.weight.weight_loader(norm.weight, whole[:3])

@@ -1,5 +1,5 @@
-"""Kiln's Llama / Qwen2 / Qwen3 / Phi-3 / Granite / Gemma / OLMo-2 / StarCoder2 / GPT-NeoX against
-HF transformers on tiny random checkpoints (float32).
+"""Kiln's Llama / Qwen2 / Qwen3 / Phi-3 / Granite / Gemma / OLMo-2 / StarCoder2 / GPT-NeoX / Phi /
+Cohere against HF transformers on tiny random checkpoints (float32).
 
 Covers one-shot prefill, decode through the paged cache, chunked prefill and a mixed batch.
 """
@@ -22,7 +22,10 @@ NUM_BLOCKS, BLOCK_SIZE = 64, 4
 
 
 @pytest.fixture(params=["llama", "qwen2", "qwen3", "phi3", "granite", "gemma", "olmo2",
-                        "starcoder2", "gpt_neox"])
+                        "starcoder2", "gpt_neox",
+                        # their e2e parity and config variants run in `make test`
+                        pytest.param("phi", marks=pytest.mark.slow),
+                        pytest.param("cohere", marks=pytest.mark.slow)])
 def ckpt_dir(request):
     return request.getfixturevalue(f"tiny_{request.param}_dir")
 

@@ -209,7 +209,7 @@ def test_w8a8_preset_is_what_compressed_tensors_writes():
 
 
 @pytest.mark.parametrize("arch", ["llama", "phi3", "granite", "gemma", "olmo2", "gemma3",
-                                  "starcoder2", "gpt_neox"])
+                                  "starcoder2", "gpt_neox", "phi", "cohere"])
 def test_online_int8_quantizes_linears_per_channel(arch, request):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     float_model = get_model(kiln_config_for(model_dir))
@@ -242,6 +242,23 @@ def test_gpt_neox_checkpoint_loads_by_its_own_names(tiny_gpt_neox_dir, tmp_path)
     assert torch.equal(int8_weight(qkv), weight)
     assert torch.equal(qkv.weight_scale, scale.float().reshape(-1))
     assert layers["model.layers.0.mlp.c_fc"].weight.dtype == torch.int8
+
+
+def test_phi_checkpoint_loads_by_its_own_names(tiny_phi_dir, tmp_path):
+    """Phi's W8A8 checkpoint: dense / fc1 / fc2 and their scales load into o_proj / c_fc /
+    c_proj, an ignore list written against its names keeps fc2 float; the head's bias loads."""
+    d = write_w8a8_checkpoint(tiny_phi_dir, tmp_path / "q", keep_float=r".*fc2",
+                              ignore=["lm_head", "re:.*fc2$"])
+    model = get_model(kiln_config_for(d))
+    layers = _linears(model)
+    stored = load_file(str(d / "model.safetensors"))
+    assert layers["model.layers.0.mlp.c_proj"].weight.dtype == torch.float32
+    assert torch.equal(int8_weight(layers["model.layers.1.mlp.c_fc"]),
+                       stored["model.layers.1.mlp.fc1.weight"])
+    dense = layers["model.layers.1.self_attn.o_proj"]
+    assert torch.equal(int8_weight(dense), stored["model.layers.1.self_attn.dense.weight"])
+    assert torch.equal(dense.bias, stored["model.layers.1.self_attn.dense.bias"])
+    assert torch.equal(model.lm_head.bias, stored["lm_head.bias"])
 
 
 def test_online_int8_on_a_gguf_file(tiny_llama_dir, tmp_path):

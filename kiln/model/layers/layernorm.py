@@ -43,16 +43,21 @@ class GemmaRMSNorm(F32ScaleRMSNorm):
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm with weight and bias (StarCoder2, GPT-NeoX: HF's nn.LayerNorm), the IR op
-    layer_norm; called as RMSNorm is, so Llama's decoder layer takes it. Its residual add is
-    plain torch: a compiled graph fuses it with the op's inlined reference."""
+    """LayerNorm with weight and bias (StarCoder2, GPT-NeoX, Phi: HF's nn.LayerNorm; Cohere's
+    has no bias), the IR op layer_norm; called as RMSNorm is, so Llama's decoder layer takes
+    it. Its residual add is plain torch: a compiled graph fuses it with the op's inlined
+    reference."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5):
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
-        self.weight.weight_loader = self.bias.weight_loader = default_weight_loader
+        self.weight.weight_loader = default_weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+            self.bias.weight_loader = default_weight_loader
+        else:
+            self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with residual: (norm(x + residual), x + residual)."""

@@ -1,6 +1,6 @@
-"""Rotary position embedding (neox style, as HF Llama; over part of each head for GPT-NeoX): a
-cos/sin cache indexed by positions, and the IR op `rotary_embedding` (kiln/ir/layer_ops.py)
-applying it.
+"""Rotary position embedding (neox style, as HF Llama; over part of each head for GPT-NeoX and
+Phi; over interleaved pairs for Cohere): a cos/sin cache indexed by positions, and the IR op
+`rotary_embedding` (kiln/ir/layer_ops.py) applying it.
 
 Its settings (theta, scaling) are read by kiln/config/rope.py; longrope's choice of factors is
 longrope.py's.
@@ -42,6 +42,8 @@ def compute_inv_freq(rotary_dim: int, base: float, scaling: dict | None,
 
 
 class RotaryEmbedding(nn.Module):
+    is_neox = True  # each head's halves rotate together; GPT-J style (Cohere): its pairs
+
     def __init__(self, head_size: int, max_position: int, base: float,
                  scaling: dict | None = None, max_model_len: int | None = None):
         super().__init__()
@@ -83,7 +85,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """positions [T]; q [T, nh*hd], k [T, nkv*hd] -> rotated (q, k)."""
-        return ir.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_size, True)
+        return ir.rotary_embedding(positions, q, k, self.cos_sin_cache, self.head_size,
+                                   self.is_neox)
+
+
+class InterleavedRotaryEmbedding(RotaryEmbedding):
+    """Rope over each head's interleaved pairs (x[2i], x[2i+1]) (Cohere: HF's rotate_half
+    there takes x[..., ::2] and x[..., 1::2], its cos / sin repeat_interleave'd), the
+    rotary_embedding op's GPT-J form; the frequencies are Llama's."""
+    is_neox = False
 
 
 class PartialRotaryEmbedding(RotaryEmbedding):
@@ -104,7 +114,7 @@ class PartialRotaryEmbedding(RotaryEmbedding):
         q3, k3 = q.reshape(num_tokens, nq, hd), k.reshape(num_tokens, nk, hd)
         q_rot, k_rot = ir.rotary_embedding(positions, q3[..., :rot].reshape(num_tokens, nq * rot),
                                            k3[..., :rot].reshape(num_tokens, nk * rot),
-                                           self.cos_sin_cache, rot, True)
+                                           self.cos_sin_cache, rot, self.is_neox)
         q = torch.cat((q_rot.view(num_tokens, nq, rot), q3[..., rot:]), dim=-1)
         k = torch.cat((k_rot.view(num_tokens, nk, rot), k3[..., rot:]), dim=-1)
         return q.reshape(num_tokens, nq * hd), k.reshape(num_tokens, nk * hd)

@@ -63,15 +63,31 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(EagerCall, VocabParallelEmbedding):
+    """The LM head; `bias` (Phi's lm_head): a bias per vocabulary row, split with the rows
+    (zero on the padding rows), never tied."""
     supports_cpu_packing = True  # see kiln/model/layers/cpu_gemm.py
     call_fields = cpu_gemm.CALL_FIELDS
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, bias: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.rows_per_rank), requires_grad=False)
+            self.bias.weight_loader = self._bias_loader
+        else:
+            self.register_parameter("bias", None)
         cpu_gemm.init_cpu_forms(self)
 
+    def _bias_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if tuple(loaded.shape) != (self.num_embeddings,):
+            raise ConfigError(f"weight shape mismatch: LM head bias ({self.num_embeddings},) "
+                              f"(vocab_size) vs checkpoint {tuple(loaded.shape)}")
+        rows = self.vocab_end - self.vocab_start
+        default_weight_loader(param.data.narrow(0, 0, rows),
+                              loaded.narrow(0, self.vocab_start, rows))
+        param.data[rows:].zero_()
+
     def _build_call(self) -> tuple:
-        return cpu_gemm.linear_call(self, None)
+        return cpu_gemm.linear_call(self, self.bias)
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight

@@ -1,0 +1,23 @@
+"""Llama's attention with rope over the first `partial_rotary_factor` of each head (GPT-NeoX's
+rotary_pct, Phi's partial_rotary_factor), the rest of each head passed through unroped."""
+from kiln.config import get_current_kiln_config
+from kiln.config.rope import get_rope_config, max_positions_of, partial_rotary_factor_of
+from kiln.errors import ConfigError
+from kiln.model.layers.rotary_embedding import PartialRotaryEmbedding
+from kiln.model.llama import LlamaAttention, head_dim_of
+
+
+class PartialRotaryAttention(LlamaAttention):
+    def __init__(self, hf_config, prefix: str):
+        factor, head_dim = partial_rotary_factor_of(hf_config), head_dim_of(hf_config)
+        rotary_dim = int(head_dim * factor)  # HF's rotary_ndims
+        if rotary_dim < 2 or rotary_dim % 2:
+            raise ConfigError(f"rotary_pct / partial_rotary_factor {factor} gives {rotary_dim} "
+                              f"rotary dims of head_dim {head_dim}; Kiln needs an even "
+                              "number of at least 2")
+        super().__init__(hf_config, prefix)
+        if rotary_dim < self.head_dim:
+            theta, scaling = get_rope_config(hf_config)
+            self.rotary_emb = PartialRotaryEmbedding(
+                self.head_dim, rotary_dim, max_positions_of(hf_config), theta, scaling,
+                get_current_kiln_config().model_config.max_model_len)
