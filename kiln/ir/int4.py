@@ -15,14 +15,18 @@ from kiln.ir.op import define
 
 PACK = 8  # 4-bit values an int32 holds
 Q4_1 = 3  # ggml type id of the blocks the native kernel takes (a q + b per 32 values)
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+def _shifts(device, trailing: int) -> torch.Tensor:
+    # made per call, not a module constant: the reference is inlined into compiled graphs,
+    # where a captured real tensor is not allowed
+    return torch.arange(0, 32, 4, dtype=torch.int32, device=device).view(-1, *([1] * trailing))
 
 
 def unpack_int4(packed: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """int32 words of 8 unsigned 4-bit values (low bits first) -> int32 values, `dim` 8x longer."""
     dim = dim % packed.dim()
-    nibbles = (packed.unsqueeze(dim + 1) >> _SHIFTS.to(packed.device).view(
-        -1, *([1] * (packed.dim() - dim - 1)))) & 15
+    nibbles = (packed.unsqueeze(dim + 1) >> _shifts(packed.device, packed.dim() - dim - 1)) & 15
     return nibbles.flatten(dim, dim + 1)
 
 
@@ -31,18 +35,18 @@ def pack_int4(values: torch.Tensor, dim: int = -1) -> torch.Tensor:
     int32 words."""
     dim = dim % values.dim()
     shape = (*values.shape[:dim], values.shape[dim] // PACK, PACK, *values.shape[dim + 1:])
-    v = values.to(torch.int32).reshape(shape) << _SHIFTS.to(values.device).view(
-        -1, *([1] * (values.dim() - dim - 1)))
+    v = values.to(torch.int32).reshape(shape) << _shifts(values.device, values.dim() - dim - 1)
     return v.sum(dim + 1, dtype=torch.int32)  # disjoint bits: the sum is their OR
 
 
 def dequantize_int4(w_packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                     group_size: int) -> torch.Tensor:
     """The canonical layout's values, float32 [N, K] (exact: a 4-bit difference times a scale)."""
-    u = unpack_int4(w_packed)  # [N, K]
-    z = 8 if zeros is None else zeros.to(torch.int32).repeat_interleave(group_size, dim=1)
-    s = scales.to(torch.float32).repeat_interleave(group_size, dim=1)  # [N, K]
-    return (u - z).to(torch.float32) * s
+    n, groups = scales.shape
+    u = unpack_int4(w_packed).view(n, groups, group_size)  # [N, K / G, G]
+    z = 8 if zeros is None else zeros.to(torch.int32).unsqueeze(-1)
+    w = (u - z).to(torch.float32) * scales.to(torch.float32).unsqueeze(-1)
+    return w.view(n, groups * group_size)
 
 
 def _int4_linear_ref(x: torch.Tensor, w_packed: torch.Tensor, scales: torch.Tensor,
