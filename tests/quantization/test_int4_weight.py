@@ -209,3 +209,20 @@ def test_quantization_flag_must_match_the_checkpoint(src, tmp_path):
     with pytest.raises(ConfigError, match="quant_method 'gptq'"):
         kiln_config_for(src, quantization="gptq")
     assert quantization_config("awq", 32, False)["version"] == "gemm"
+
+
+def test_4bit_models_report_their_ops_and_refuse_moe_experts(src, tmp_path):
+    from kiln.benchmarks.compile import _ops_in_use
+
+    q, _ = write_int4_checkpoint(src, tmp_path / "q", tmp_path / "o", "awq", 32)
+    config = kiln_config_for(q)
+    assert config.model_config.quant_kind == "int4"
+    ops = _ops_in_use(config)
+    assert {"int4_weight_linear", "gguf_linear"} <= set(ops) and "gguf_embedding" not in ops
+    assert "int4_weight_linear" not in _ops_in_use(kiln_config_for(src))
+    moe = make_tiny_checkpoint(tmp_path / "moe", "mixtral", tie=False, num_hidden_layers=1)
+    config = json.loads((moe / "config.json").read_text())
+    config["quantization_config"] = quantization_config("gptq", 32, True)
+    (moe / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="4-bit weight-only experts of MixtralForCausalLM"):
+        kiln_config_for(moe)
