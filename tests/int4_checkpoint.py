@@ -100,9 +100,13 @@ def quantization_config(fmt: str, group: int, symmetric: bool) -> dict:
 
 
 def write_int4_checkpoint(src: Path, dst: Path, oracle: Path, fmt: str, group: int,
-                          symmetric: bool = False) -> tuple[Path, Path]:
-    """`dst`: `src` with every decoder linear stored 4-bit in `fmt`; `oracle`: `src` with those
-    weights replaced by their dequantized values (float32). AWQ is asymmetric only."""
+                          symmetric: bool = False, keep_float: str | None = None,
+                          ) -> tuple[Path, Path]:
+    """`dst`: `src` with every decoder linear stored 4-bit in `fmt` (but those whose module
+    name contains `keep_float`, listed in AWQ's modules_to_not_convert); `oracle`: `src` with
+    those weights replaced by their dequantized values (float32). AWQ is asymmetric only."""
+    import re
+
     from safetensors.torch import load_file, save_file
 
     for d in (dst, oracle):
@@ -112,7 +116,8 @@ def write_int4_checkpoint(src: Path, dst: Path, oracle: Path, fmt: str, group: i
     scale_dtype = torch.bfloat16 if fmt == "compressed-tensors" else torch.float16
     for name, t in tensors.items():
         module = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEAR_SUFFIXES):
+        if not (name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEAR_SUFFIXES) or (
+                keep_float and re.search(re.escape(keep_float), module)):
             out[name] = floats[name] = t
             continue
         u, scale, zero = quantize_groups(t, group, symmetric, scale_dtype,
@@ -128,5 +133,7 @@ def write_int4_checkpoint(src: Path, dst: Path, oracle: Path, fmt: str, group: i
     save_file(floats, str(oracle / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((dst / "config.json").read_text())
     config["quantization_config"] = quantization_config(fmt, group, symmetric)
+    if keep_float:
+        config["quantization_config"]["modules_to_not_convert"] = [keep_float]
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst, oracle

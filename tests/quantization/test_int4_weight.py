@@ -226,3 +226,18 @@ def test_4bit_models_report_their_ops_and_refuse_moe_experts(src, tmp_path):
     (moe / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="4-bit weight-only experts of MixtralForCausalLM"):
         kiln_config_for(moe)
+
+
+def test_awq_modules_to_not_convert_stay_float(src, tmp_path):
+    q, _ = write_int4_checkpoint(src, tmp_path / "q", tmp_path / "o", "awq", 32,
+                                 keep_float="layers.1.mlp")
+    model = get_model(kiln_config_for(q))
+    for name, layer in model.named_modules():
+        if isinstance(layer, LinearBase):
+            floats = name.startswith("model.layers.1.mlp")
+            assert layer.weight.is_meta != floats and hasattr(layer, "int4_group") != floats
+    config = json.loads((q / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = ["layers.0.self_attn.q_proj"]
+    (q / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="modules_to_not_convert.*list all or none"):
+        get_model(kiln_config_for(q))

@@ -81,11 +81,23 @@ class Int4WeightConfig:
 
             return Int8W8A8Config(online=False, targets=self.targets,
                                   ignore=self.ignore).layers(model)
-        from kiln.model.layers.quantization.w8a8_int8 import checkpoint_module_name
-
         return [(name, m) for name, m in model.named_modules()
                 if isinstance(m, LinearBase) and getattr(m, "online_quantization", True)
-                and not any(s in checkpoint_module_name(model, name) for s in self.skip)]
+                and not self._skipped(model, name)]
+
+    def _skipped(self, model: nn.Module, name: str) -> bool:
+        """AWQ's modules_to_not_convert (names contained in a module's, as AutoAWQ and vLLM
+        match them), over a merged linear's parts; parts that disagree are refused."""
+        from kiln.model.layers.quantization.w8a8_int8 import MERGED_PARTS, checkpoint_module_name
+
+        stored = checkpoint_module_name(model, name)
+        prefix, _, leaf = stored.rpartition(".")
+        names = [f"{prefix}.{p}" for p in MERGED_PARTS.get(leaf, ())] or [stored]
+        flags = {any(s in n for s in self.skip) for n in names}
+        if len(flags) > 1:
+            int4_formats.refuse("modules_to_not_convert", self.skip,
+                                f"the parts of {name} run as one matmul: list all or none")
+        return flags.pop()
 
     def _group(self, name: str, layer: LinearBase) -> int:
         """The layer's group size, refusing one its input width does not split into."""
