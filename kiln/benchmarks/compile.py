@@ -63,11 +63,15 @@ def _ops_in_use(kiln_config) -> list[str]:
     mc = kiln_config.model_config
     not_called = ir_ops_not_called(mc.architecture)  # another family's norms / activation
     kinds = {"int8": mc.quant_kind == "int8", "fp8": mc.quant_kind == "fp8",
+             "int4": mc.quant_kind == "int4",
              "gguf": mc.load_format == "gguf",
              "all_reduce": kiln_config.parallel_config.tensor_parallel_size > 1,
              "lora": kiln_config.lora_config is not None}
+    # W4A16 runs its weights as Q4_1 blocks where the blocks kernel serves them
+    blocks = {"gguf_linear"} if mc.quant_kind == "int4" else set()
     return [op for op in kiln_config.ir_selection.as_dict()
-            if op not in not_called and all(on for kind, on in kinds.items() if kind in op)]
+            if op not in not_called and (op in blocks or all(
+                on for kind, on in kinds.items() if kind in op))]
 
 
 def _since(after: dict, before: dict) -> dict:

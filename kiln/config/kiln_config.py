@@ -113,6 +113,10 @@ class KilnConfig(FreezableConfig):
             raise ConfigError(f"--quantization {m.quantization}: Kiln has no fp8 kernel for the "
                               f"expert weights of {m.architecture} (a mixture of experts, where "
                               "they are most of the model); use --quantization int8 or drop it")
+        if m.quant_kind == "int4":
+            raise ConfigError(f"quantization_config ({m.quantization}): 4-bit weight-only "
+                              f"experts of {m.architecture} (a mixture of experts) are not "
+                              "supported; use a W8A8 int8 or a float checkpoint")
         if self.lora_config is not None:
             raise ConfigError(f"--enable-lora: LoRA adapters on {m.architecture} (a mixture of "
                               "experts) are not supported; drop --enable-lora")

@@ -225,9 +225,14 @@ class ModelConfig(FreezableConfig):
     @property
     def quant_kind(self) -> str | None:
         """The number format of the quantized linears: "int8" (online int8, compressed-tensors
-        W8A8), "fp8" (fp8, ptpc_fp8), or None for a float model."""
-        return {"int8": "int8", "compressed-tensors": "int8", "fp8": "fp8",
-                "ptpc_fp8": "fp8"}.get(self.quantization or "")
+        W8A8), "fp8" (fp8, ptpc_fp8), "int4" (W4A16: GPTQ, AWQ, compressed-tensors
+        pack-quantized), or None for a float model."""
+        if self.quantization == "compressed-tensors":
+            from kiln.model.layers.quantization.compressed_tensors import is_weight_only_4bit
+
+            return "int4" if is_weight_only_4bit(self.hf_config.quantization_config) else "int8"
+        return {"int8": "int8", "fp8": "fp8", "ptpc_fp8": "fp8", "gptq": "int4",
+                "awq": "int4"}.get(self.quantization or "")
 
     @property
     def architecture(self) -> str:

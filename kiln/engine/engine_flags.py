@@ -195,12 +195,12 @@ def add_engine_flags(parser: argparse.ArgumentParser,
     g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"],
                    help="where the model runs; auto: CUDA if available, else CPU")
     g.add_argument("--quantization", "-q", default=d.quantization,
-                   choices=["int8", "fp8", "ptpc_fp8", "compressed-tensors"],
+                   choices=["int8", "fp8", "ptpc_fp8", "compressed-tensors", "gptq", "awq"],
                    help="int8: quantize the float checkpoint's linear layers on load (W8A8: "
                         "per-channel int8 weights, dynamic per-token int8 activations); "
                         "fp8 / ptpc_fp8: the same in e4m3 with per-tensor / per-channel "
                         "weight scales (fast on GPUs with fp8 tensor cores); a "
-                        "compressed-tensors checkpoint needs no flag")
+                        "compressed-tensors, GPTQ or AWQ checkpoint needs no flag")
     g.add_argument("--speculative-config", default=d.speculative_config, metavar="JSON",
                    help="speculative decoding, as vLLM's: '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, "

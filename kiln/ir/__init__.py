@@ -16,6 +16,7 @@ from kiln.ir.attention import unified_attention
 from kiln.ir.collectives import all_reduce
 from kiln.ir.f32_scale_norm import fused_add_rms_norm_f32_scale, rms_norm_f32_scale
 from kiln.ir.gguf import gguf_embedding, gguf_linear
+from kiln.ir.int4 import int4_weight_linear
 from kiln.ir.layer_norm import layer_norm
 from kiln.ir.layer_ops import (
                                fused_add_rms_norm,
@@ -48,7 +49,8 @@ moe_native.register()
 __all__ = ["PROVIDERS", "REGISTRY", "Implementation", "IrOp", "Selection", "all_reduce",
            "applied", "apply", "check_priority", "fused_add_rms_norm",
            "fused_add_rms_norm_f32_scale", "fused_moe", "fused_moe_int8", "fused_moe_int8_panels",
-           "gelu", "gelu_tanh_and_mul", "gguf_embedding", "gguf_linear", "layer_norm", "linear",
+           "gelu", "gelu_tanh_and_mul", "gguf_embedding", "gguf_linear", "int4_weight_linear",
+           "layer_norm", "linear",
            "lora_add", "parse_cli", "resolve", "rms_norm",
            "rms_norm_f32_scale", "rotary_embedding", "silu_and_mul", "unified_attention", "quant",
            "int8_panels"]

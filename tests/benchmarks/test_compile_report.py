@@ -62,6 +62,9 @@ def test_cold_run_reports_pieces_shapes_and_compiles(cold, cache_dir):
     assert ops == {"all_reduce": "torch", "fused_add_rms_norm": "native",
                    "gguf_embedding": "native" if gguf_matmul.kernel_available() else "torch",
                    "gguf_linear": "native" if gguf_matmul.kernel_available() else "torch",
+                   # W4A16's canonical layout: the torch reference only (the native kernel
+                   # reads those weights as Q4_1 blocks, through gguf_linear)
+                   "int4_weight_linear": "torch",
                    "linear": "native", "rms_norm": "native", "rotary_embedding": "native",
                    "silu_and_mul": "native", "unified_attention": "native",
                    # Gemma / OLMo-2's ops: the torch reference only

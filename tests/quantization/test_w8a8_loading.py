@@ -176,8 +176,9 @@ def test_other_quant_methods_and_conflicting_flags_are_refused(tiny_llama_dir, w
                                                                 tmp_path):
     with pytest.raises(ConfigError, match="drop --quantization"):
         kiln_config_for(w8a8_dir, quantization="int8")
-    d = _edited(tiny_llama_dir, tmp_path / "awq", lambda qc: qc.update(quant_method="awq"))
-    with pytest.raises(ConfigError, match="quant_method='awq' is not supported"):
+    d = _edited(tiny_llama_dir, tmp_path / "bnb",
+                lambda qc: qc.update(quant_method="bitsandbytes"))
+    with pytest.raises(ConfigError, match="quant_method='bitsandbytes' is not supported"):
         kiln_config_for(d)
     with pytest.raises(ConfigError, match="quantization must be one of int8, fp8, ptpc_fp8, "
                                           "compressed-tensors"):

@@ -24,6 +24,10 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
             raise ConfigError(f"checkpoint dtype {loaded.dtype} where {param.dtype} is expected "
                               "(a quantized layer's int8 weight, or a float weight the "
                               "quantization_config does not quantize)")
+    elif not param.is_floating_point():  # a 4-bit layer's packed weight or zero points
+        if loaded.dtype != param.dtype:
+            raise ConfigError(f"checkpoint dtype {loaded.dtype} where {param.dtype} is expected "
+                              "(a 4-bit layer's packed weight or zero points)")
     elif not loaded.is_floating_point():
         raise ConfigError(f"checkpoint dtype {loaded.dtype} is not a floating-point type; "
                           "Kiln loads float32, float16 or bfloat16 weights, and int8 ones where "

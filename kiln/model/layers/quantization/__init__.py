@@ -1,14 +1,16 @@
 """Quantized serving: which method a model runs with (`quantization`, vLLM's name) and the config
 that converts its linear layers: W8A8 int8 from a compressed-tensors checkpoint or online, W8A8
-fp8 online (per-tensor `fp8` or per-channel `ptpc_fp8` weight scales).
+fp8 online (per-tensor `fp8` or per-channel `ptpc_fp8` weight scales), W4A16 4-bit weights from
+a compressed-tensors (pack-quantized), GPTQ or AWQ checkpoint.
 
 `resolve_quantization` decides from the flag and the checkpoint's `quantization_config`;
 `get_quant_config` builds the method's config for a ModelConfig (None: unquantized).
 """
 from kiln.errors import ConfigError
 
-QUANTIZATION_METHODS = ("int8", "fp8", "ptpc_fp8", "compressed-tensors")
+QUANTIZATION_METHODS = ("int8", "fp8", "ptpc_fp8", "compressed-tensors", "gptq", "awq")
 ONLINE_METHODS = ("int8", "fp8", "ptpc_fp8")
+CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq")
 
 
 def checkpoint_quant_method(hf_config) -> str | None:
@@ -30,26 +32,32 @@ def resolve_quantization(requested: str | None, hf_config) -> str | None:
                           f"unset), got {requested!r}")
     stored = checkpoint_quant_method(hf_config)
     if stored is not None:
-        if stored != "compressed-tensors":
+        if stored not in CHECKPOINT_METHODS:
             raise ConfigError(f"quantization_config.quant_method={stored!r} is not supported; "
-                              "Kiln serves compressed-tensors W8A8 int8 checkpoints, or "
-                              "quantizes a float checkpoint on load (--quantization int8, fp8 or "
-                              "ptpc_fp8)")
-        if requested not in (None, "compressed-tensors"):
-            raise ConfigError(f"--quantization {requested} quantizes a float checkpoint, but this "
-                              "one is already quantized (quantization_config.quant_method="
-                              "'compressed-tensors'); drop --quantization")
+                              "Kiln serves compressed-tensors (W8A8 int8, W4A16), GPTQ and AWQ "
+                              "4-bit checkpoints, or quantizes a float checkpoint on load "
+                              "(--quantization int8, fp8 or ptpc_fp8)")
+        if requested not in (None, stored):
+            raise ConfigError(f"--quantization {requested} does not match this checkpoint: it "
+                              f"is already quantized (quantization_config.quant_method="
+                              f"{stored!r}); drop --quantization")
         return stored
-    if requested == "compressed-tensors":
-        raise ConfigError("--quantization compressed-tensors needs a checkpoint whose config.json "
-                          "has a quantization_config; for a float checkpoint use --quantization "
-                          "int8 (or fp8, ptpc_fp8)")
+    if requested in CHECKPOINT_METHODS:
+        raise ConfigError(f"--quantization {requested} needs a checkpoint whose config.json "
+                          f"has a quantization_config (quant_method {requested!r}); for a "
+                          "float checkpoint use "
+                          "--quantization int8 (or fp8, ptpc_fp8)")
     return requested
 
 
+def _raw_config(hf_config) -> dict:
+    qc = hf_config.quantization_config
+    return qc if isinstance(qc, dict) else qc.to_dict()
+
+
 def get_quant_config(model_config):
-    """The W8A8 config of the model (None when unquantized); a compressed-tensors scheme Kiln
-    cannot run is refused here, before any weight is read."""
+    """The quantization config of the model (None when unquantized); a scheme Kiln cannot run
+    is refused here, before any weight is read."""
     from kiln.model.layers.quantization.w8a8_int8 import Int8W8A8Config
 
     method = model_config.quantization
@@ -61,7 +69,19 @@ def get_quant_config(model_config):
         from kiln.model.layers.quantization.fp8 import Fp8W8A8Config
 
         return Fp8W8A8Config(per_channel=method == "ptpc_fp8")
-    from kiln.model.layers.quantization.compressed_tensors import parse_w8a8_int8
+    from kiln.model.layers.quantization import compressed_tensors as ct
+    from kiln.model.layers.quantization import int4_formats
+    from kiln.model.layers.quantization.int4_weight import Int4WeightConfig
 
-    targets, ignore = parse_w8a8_int8(model_config.hf_config.quantization_config)
+    raw = _raw_config(model_config.hf_config)
+    if method == "gptq":
+        group, symmetric = int4_formats.parse_gptq(raw)
+        return Int4WeightConfig("gptq", group, symmetric)
+    if method == "awq":
+        group, skip = int4_formats.parse_awq(raw)
+        return Int4WeightConfig("awq", group, False, skip=skip)
+    if ct.is_weight_only_4bit(raw):
+        targets, ignore, group, symmetric = ct.parse_w4a16(raw)
+        return Int4WeightConfig("compressed-tensors", group, symmetric, targets, ignore)
+    targets, ignore = ct.parse_w8a8_int8(raw)
     return Int8W8A8Config(online=False, targets=targets, ignore=ignore)

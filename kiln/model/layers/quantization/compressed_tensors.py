@@ -1,7 +1,7 @@
 """Reading a compressed-tensors `quantization_config` (with the `compressed-tensors` package) and
-accepting only the scheme Kiln runs: int8 W8A8, symmetric per-channel weights, dynamic per-token
-activations, format int-quantized (or naive-quantized). Anything else is refused naming the
-field and its value.
+accepting only the schemes Kiln runs: int8 W8A8 (symmetric per-channel weights, dynamic per-token
+activations, format int-quantized or naive-quantized) and W4A16 (4-bit weights by group or
+channel, format pack-quantized). Anything else is refused naming the field and its value.
 """
 from typing import Any
 
@@ -21,14 +21,15 @@ def _refuse(field: str, value: Any, want: str) -> None:
     raise UnsupportedQuantization(
         f"quantization_config.{field}={value!r} is not supported: Kiln serves compressed-tensors "
         f"W8A8 int8 (8-bit symmetric per-channel weights, dynamic per-token 8-bit symmetric "
-        f"activations, format int-quantized); {want}")
+        f"activations, format int-quantized) and W4A16 (4-bit weights, unquantized "
+        f"activations, format pack-quantized); {want}")
 
 
 def _check_args(field: str, args, strategy: str, dynamic: bool) -> None:
     if args is None:
         _refuse(field, None, "both weights and input_activations must be quantized "
-                "(weight-only int8 is not supported)")
-    checks = [("num_bits", args.num_bits, 8, "8 bits (4-bit and others are not supported)"),
+                "(weight-only is 4-bit only: W8A16 is not supported)")
+    checks = [("num_bits", args.num_bits, 8, "8 bits (4-bit only weight-only, as W4A16)"),
               ("type", str(args.type), "int", "integer quantization"),
               ("symmetric", args.symmetric, True, "symmetric (asymmetric zero points are not "
                "supported)"),
@@ -63,20 +64,91 @@ def _check_unread_sections(raw: dict) -> None:
                 "supported (only 'dense')")
 
 
-def parse_w8a8_int8(raw: dict) -> tuple[list[str], list[str]]:
-    """Validate `raw` (config.json's quantization_config) as W8A8 int8; returns its targets
-    and its `ignore` list (module names or `re:` patterns; those stay in the model dtype)."""
+def _validated(raw: dict):
     from compressed_tensors.quantization import QuantizationConfig
     from pydantic import ValidationError
 
-    if not isinstance(raw, dict):
-        raw = raw.to_dict()
     _check_unread_sections(raw)
     try:
-        config = QuantizationConfig.model_validate(raw)
+        return QuantizationConfig.model_validate(raw)
     except (ValidationError, ValueError, KeyError) as e:
         raise UnsupportedQuantization(f"quantization_config is not a valid compressed-tensors "
                                       f"config: {e}") from None
+
+
+def is_weight_only_4bit(raw: dict) -> bool:
+    """Whether every group of `raw` quantizes weights to 4 bits and leaves activations alone
+    (W4A16, parse_w4a16's); any other scheme is W8A8's to accept or refuse."""
+    if not isinstance(raw, dict):
+        raw = raw.to_dict()
+    groups = (raw.get("config_groups") or {}).values()
+    return bool(groups) and all(isinstance(g, dict) and g.get("input_activations") is None
+                                and (g.get("weights") or {}).get("num_bits") == 4
+                                for g in groups)
+
+
+def parse_w4a16(raw: dict) -> tuple[list[str], list[str], int, bool]:
+    """Validate `raw` as W4A16 (format pack-quantized, int4 weights by group or channel,
+    symmetric or not); returns its targets, ignore list, group size (-1: per channel) and
+    whether it is symmetric. Groups must agree on the last two."""
+    if not isinstance(raw, dict):
+        raw = raw.to_dict()
+    config = _validated(raw)
+    if config.kv_cache_scheme is not None:
+        _refuse("kv_cache_scheme", config.kv_cache_scheme.model_dump(), "KV cache quantization "
+                "is not supported")
+    top_format = raw.get("format")
+    seen = set()
+    for name, scheme in config.config_groups.items():
+        where = f"config_groups.{name}"
+        fmt = (raw["config_groups"].get(name) or {}).get("format") or top_format
+        if fmt != "pack-quantized":
+            field = f"{where}.format" if top_format in (None, "mixed-precision") else "format"
+            _refuse(field, fmt, "4-bit weights need format 'pack-quantized'")
+        w = scheme.weights
+        strategy = str(w.strategy)
+        for name_, value, ok, why in (
+                ("type", str(w.type), str(w.type) == "int", "integer 4-bit weights"),
+                ("strategy", strategy, strategy in ("group", "channel"),
+                 "strategy 'group' or 'channel' for 4-bit weights"),
+                ("dynamic", w.dynamic, not w.dynamic, "static weight scales"),
+                ("block_structure", w.block_structure, w.block_structure is None,
+                 "no block-wise scales")):
+            if not ok:
+                _refuse(f"{where}.weights.{name_}", value, f"needs {why}")
+        if scheme.output_activations is not None:
+            _refuse(f"{where}.output_activations", scheme.output_activations.model_dump(),
+                    "output activations are not quantized")
+        group = w.group_size if strategy == "group" else -1
+        if group is None or (group != -1 and (group <= 0 or group % 8)):
+            _refuse(f"{where}.weights.group_size", w.group_size, "needs a positive multiple "
+                    "of 8")
+        seen.add((group, bool(w.symmetric)))
+    if len(seen) > 1:
+        _refuse("config_groups", sorted(config.config_groups), "4-bit groups must share one "
+                "group_size and symmetric setting")
+    targets, ignore = _targets_and_ignore(config)
+    group, symmetric = seen.pop()
+    return targets, ignore, group, symmetric
+
+
+def _targets_and_ignore(config) -> tuple[list[str], list[str]]:
+    targets = [t for s in config.config_groups.values() for t in s.targets]
+    ignore = list(config.ignore or [])
+    # the head as the checkpoint names it: lm_head, GPT-NeoX's embed_out
+    if _targets_lm_head(targets) and not any(ignored(head, ignore)
+                                             for head in ("lm_head", "embed_out")):
+        _refuse("ignore", ignore, "the LM head stays in the model dtype: list 'lm_head' in "
+                "ignore (llm-compressor does by default)")
+    return targets, ignore
+
+
+def parse_w8a8_int8(raw: dict) -> tuple[list[str], list[str]]:
+    """Validate `raw` (config.json's quantization_config) as W8A8 int8; returns its targets
+    and its `ignore` list (module names or `re:` patterns; those stay in the model dtype)."""
+    if not isinstance(raw, dict):
+        raw = raw.to_dict()
+    config = _validated(raw)
     # Read from the raw dict: the package's model fills a missing one with "fakequant". None or
     # "mixed-precision" defers to each group's own format (as vLLM reads it), checked below.
     top_format = raw.get("format")
@@ -98,14 +170,7 @@ def parse_w8a8_int8(raw: dict) -> tuple[list[str], list[str]]:
         if scheme.output_activations is not None:
             _refuse(f"{where}.output_activations", scheme.output_activations.model_dump(),
                     "output activations are not quantized")
-    targets = [t for s in config.config_groups.values() for t in s.targets]
-    ignore = list(config.ignore or [])
-    # the head as the checkpoint names it: lm_head, GPT-NeoX's embed_out
-    if _targets_lm_head(targets) and not any(ignored(head, ignore)
-                                             for head in ("lm_head", "embed_out")):
-        _refuse("ignore", ignore, "the LM head stays in the model dtype: list 'lm_head' in "
-                "ignore (llm-compressor does by default)")
-    return targets, ignore
+    return _targets_and_ignore(config)
 
 
 def _targets_lm_head(targets: list[str]) -> bool:

@@ -1,0 +1,243 @@
+"""W4A16: 4-bit weight-only checkpoints (compressed-tensors pack-quantized, GPTQ, AWQ GEMM), written
+here as each tool packs them, generate HF transformers' greedy tokens on the dequantized float
+weights, logprobs within LOGPROB_TOL (float32 both sides; the Q4_1 blocks kernel holds float32 x
+in three int8 limbs, within a few times float32's rounding). The layouts convert exactly (unit
+tests), unsupported schemes are refused naming the field and value.
+"""
+import json
+
+import pytest
+import torch
+from int4_checkpoint import quantization_config, write_int4_checkpoint
+from model._attn_helper import kiln_config_for
+
+from kiln import LLM, SamplingParams
+from kiln.errors import ConfigError
+from kiln.ir import gguf_layout, int4
+from kiln.model.layers.linear import LinearBase
+from kiln.model.loader import get_model
+from kiln.native import gguf_matmul
+
+from checkpoints import make_tiny_checkpoint, random_prompts
+
+LENGTHS = [3, 17, 40]
+NEW_TOKENS = 6
+LOGPROB_TOL = 2e-4
+
+pytestmark = pytest.mark.usefixtures("inprocess_core")
+
+
+def test_canonical_layout_matches_compressed_tensors_and_q4_1_blocks():
+    from compressed_tensors.compressors.pack_quantized.helpers import (
+        pack_to_int32,
+        unpack_from_int32,
+    )
+
+    torch.manual_seed(0)
+    q = torch.randint(-8, 8, (40, 64), dtype=torch.int8)
+    packed = pack_to_int32(q, 4)
+    assert torch.equal(int4.pack_int4(q.int() + 8), packed)
+    assert torch.equal(int4.unpack_int4(packed) - 8, unpack_from_int32(packed, 4, q.shape).int())
+    for group, zeros in ((32, None), (64, torch.randint(0, 17, (40, 1), dtype=torch.uint8))):
+        scales = torch.rand(40, 64 // group).to(torch.bfloat16).float()
+        want = int4.dequantize_int4(packed, scales, zeros, group)
+        blocks = int4.to_q4_1_blocks(packed, scales, zeros, group)
+        assert gguf_layout.fits(blocks, int4.Q4_1, 40, 64)
+        assert torch.equal(gguf_layout.dequantize(blocks, int4.Q4_1, 40, 64), want)  # exact
+        x = torch.randn(3, 64)
+        assert torch.allclose(int4.int4_weight_linear(x, packed, scales, zeros, group),
+                              x @ want.t(), atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("float"), "llama", tie=False)
+
+
+@pytest.fixture(scope="module")
+def src_one_layer(tmp_path_factory):
+    """For the compiled run: one layer, fewer pieces to compile."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("float1"), "llama", tie=False,
+                                num_hidden_layers=1)
+
+
+def _hf(oracle, prompts, n):
+    """HF's greedy tokens and their logprobs, one prompt at a time."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(oracle, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    tokens, logprobs = [], []
+    with torch.no_grad():
+        for ids in prompts:
+            y = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                               pad_token_id=0)[0]
+            lp = torch.log_softmax(model(y[None]).logits[0, len(ids) - 1:-1].float(), -1)
+            new = y[len(ids):]
+            tokens.append(new.tolist())
+            logprobs.append(lp.gather(1, new[:, None])[:, 0].tolist())
+    return tokens, logprobs
+
+
+# End to end, one engine each: GPTQ in groups of 16 (the IR op int4_weight_linear's torch
+# reference) eagerly; compressed-tensors in groups of 32 (whole Q4_1 blocks: the native blocks
+# kernel through gguf_linear) compiled, on one layer (fewer pieces to compile). The formats'
+# loaders are checked exactly below.
+CASES = [("gptq", 16, True, 0, "src"), ("compressed-tensors", 32, False, 3, "src_one_layer")]
+
+
+@pytest.mark.parametrize("fmt, group, symmetric, mode, source", CASES,
+                         ids=["gptq-g16-sym-mode0", "ct-g32-asym-mode3"])
+def test_generates_hf_tokens_on_the_dequantized_weights(request, tmp_path, fmt, group, symmetric,
+                                                        mode, source):
+    src = request.getfixturevalue(source)
+    q, oracle = write_int4_checkpoint(src, tmp_path / "q", tmp_path / "o", fmt, group, symmetric)
+    prompts = random_prompts(len(LENGTHS), LENGTHS, seed=7)
+    llm = LLM(model=str(q), dtype="float32", kv_cache_memory=0.02, max_num_seqs=4,
+              compilation_config={"mode": mode, "cache_dir": str(tmp_path / "cc")})
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [[next(iter(s.values())).logprob for s in o.outputs[0].logprobs] for o in outs]
+    hf_tokens, hf_logprobs = _hf(oracle, prompts, NEW_TOKENS)
+    assert tokens == hf_tokens
+    diff = max(abs(a - b) for ra, rb in zip(logprobs, hf_logprobs) for a, b in zip(ra, rb))
+    assert diff < LOGPROB_TOL, diff
+
+
+def _served_weight(layer) -> torch.Tensor:
+    """The values a loaded 4-bit layer multiplies by, float32 [N, K], from what it holds."""
+    n, k = layer.weight.shape
+    if layer.cpu_blocks is not None:
+        return gguf_layout.dequantize(layer.cpu_blocks, int4.Q4_1, n, k)
+    return int4.dequantize_int4(layer.weight_packed, layer.weight_scale,
+                                layer.weight_zero_point, layer.quant_method.group_size)
+
+
+@pytest.mark.parametrize("fmt, group, symmetric", [
+    ("compressed-tensors", 32, False), ("compressed-tensors", -1, True),
+    ("compressed-tensors", 16, False), ("gptq", -1, False), ("awq", 64, False),
+    ("awq", 16, False)])
+def test_each_format_loads_exactly_the_dequantized_weights(src, tmp_path, fmt, group, symmetric):
+    """Every linear of the loaded model (merged q/k/v and gate/up included) holds exactly the
+    oracle's float weights, in Q4_1 blocks where the native kernel reads groups of 32s, else in
+    the canonical layout."""
+    from safetensors.torch import load_file
+
+    q, oracle = write_int4_checkpoint(src, tmp_path / "q", tmp_path / "o", fmt, group, symmetric)
+    want = load_file(str(oracle / "model.safetensors"))
+    model = get_model(kiln_config_for(q))
+    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    checked = 0
+    for name, layer in model.named_modules():
+        if not isinstance(layer, LinearBase):
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        expected = torch.cat([want[f"{prefix}.{p}.weight"] for p in parts.get(leaf, (leaf,))])
+        assert torch.equal(_served_weight(layer), expected), name
+        assert (layer.cpu_blocks is not None) == (gguf_matmul.available() and group % 32 == 0
+                                                   or group == -1 and gguf_matmul.available())
+        checked += 1
+    assert checked == 8
+
+
+def _linears(model):
+    return [m for m in model.modules() if isinstance(m, LinearBase)]
+
+
+def test_weights_stay_4_bit_in_the_served_model(src, tmp_path):
+    q, _ = write_int4_checkpoint(src, tmp_path / "q", tmp_path / "o", "compressed-tensors", 32)
+    layers = _linears(get_model(kiln_config_for(q)))
+    assert len(layers) == 8
+    for layer in layers:
+        n, k = layer.weight.shape
+        assert layer.weight.is_meta and layer.cpu_packed is None  # no float copy held
+        if gguf_matmul.available():  # Q4_1 blocks: 4 bits a value + float32 a and b per 32
+            assert layer.cpu_blocks.numel() == -(-n // 16) * 16 * k * 6 // 8
+            assert layer.weight_packed is None and layer.quant_method is None
+        else:  # the canonical layout: 4 bits a value + a float32 scale and zero byte a group
+            assert layer.weight_packed.numel() * 4 == n * k // 2
+
+
+def _edited(src, tmp_path, fmt, group, edit, symmetric=False):
+    q, _ = write_int4_checkpoint(src, tmp_path / "q", tmp_path / "o", fmt, group, symmetric)
+    config = json.loads((q / "config.json").read_text())
+    edit(config["quantization_config"])
+    (q / "config.json").write_text(json.dumps(config))
+    return q
+
+
+def _weights(qc):
+    return qc["config_groups"]["group_0"]["weights"]
+
+
+@pytest.mark.parametrize("fmt, edit, field", [
+    ("gptq", lambda qc: qc.update(desc_act=True), "desc_act=True"),
+    ("gptq", lambda qc: qc.update(bits=8), "bits=8"),
+    ("gptq", lambda qc: qc.update(checkpoint_format="gptq_v2"), "checkpoint_format='gptq_v2'"),
+    ("awq", lambda qc: qc.update(version="gemv"), "version='gemv'"),
+    ("awq", lambda qc: qc.update(zero_point=False), "zero_point=False"),
+    ("compressed-tensors", lambda qc: qc.update(format="int-quantized"),
+     "format='int-quantized'"),
+    ("compressed-tensors", lambda qc: _weights(qc).update(group_size=48), "group_size=48"),
+    ("compressed-tensors", lambda qc: _weights(qc).update(type="float"),
+     "weights.type='float'"),
+], ids=["act-order", "gptq-8bit", "gptq-v2", "awq-gemv", "awq-no-zero", "ct-format",
+        "group-not-dividing-k", "ct-float"])
+def test_unsupported_4bit_schemes_are_refused_naming_the_field(src, tmp_path, fmt, edit, field):
+    q = _edited(src, tmp_path, fmt, 32, edit)
+    with pytest.raises(ConfigError, match=f"quantization_config.*{field}"):
+        get_model(kiln_config_for(q))
+
+
+def test_act_order_g_idx_is_refused_even_with_desc_act_false(src, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    q, _ = write_int4_checkpoint(src, tmp_path / "q", tmp_path / "o", "gptq", 32)
+    state = load_file(str(q / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.g_idx"
+    state[name] = state[name].flip(0).contiguous()
+    save_file(state, str(q / "model.safetensors"))
+    with pytest.raises(ConfigError, match="down_proj.g_idx.*desc_act"):
+        get_model(kiln_config_for(q))
+
+
+def test_quantization_flag_must_match_the_checkpoint(src, tmp_path):
+    q, _ = write_int4_checkpoint(src, tmp_path / "q", tmp_path / "o", "awq", 32)
+    with pytest.raises(ConfigError, match="drop --quantization"):
+        kiln_config_for(q, quantization="gptq")
+    with pytest.raises(ConfigError, match="quant_method 'gptq'"):
+        kiln_config_for(src, quantization="gptq")
+    assert quantization_config("awq", 32, False)["version"] == "gemm"
+
+
+def test_4bit_models_report_their_ops_and_refuse_moe_experts(src, tmp_path):
+    from kiln.benchmarks.compile import _ops_in_use
+
+    q, _ = write_int4_checkpoint(src, tmp_path / "q", tmp_path / "o", "awq", 32)
+    config = kiln_config_for(q)
+    assert config.model_config.quant_kind == "int4"
+    ops = _ops_in_use(config)
+    assert {"int4_weight_linear", "gguf_linear"} <= set(ops) and "gguf_embedding" not in ops
+    assert "int4_weight_linear" not in _ops_in_use(kiln_config_for(src))
+    moe = make_tiny_checkpoint(tmp_path / "moe", "mixtral", tie=False, num_hidden_layers=1)
+    config = json.loads((moe / "config.json").read_text())
+    config["quantization_config"] = quantization_config("gptq", 32, True)
+    (moe / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="4-bit weight-only experts of MixtralForCausalLM"):
+        kiln_config_for(moe)
+
+
+def test_awq_modules_to_not_convert_stay_float(src, tmp_path):
+    q, _ = write_int4_checkpoint(src, tmp_path / "q", tmp_path / "o", "awq", 32,
+                                 keep_float="layers.1.mlp")
+    model = get_model(kiln_config_for(q))
+    for name, layer in model.named_modules():
+        if isinstance(layer, LinearBase):
+            floats = name.startswith("model.layers.1.mlp")
+            assert layer.weight.is_meta != floats and hasattr(layer, "int4_group") != floats
+    config = json.loads((q / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = ["layers.0.self_attn.q_proj"]
+    (q / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="modules_to_not_convert.*list all or none"):
+        get_model(kiln_config_for(q))
