@@ -77,15 +77,19 @@ class InprocCoreClient:
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None,
                        timeout: float | None = None) -> list:
         """With a `timeout`, the call runs on a thread of its own: past it, TimeoutError, and
-        the call runs on (its result or error dropped) until `core` is next wanted."""
-        core = self.core
+        the call runs on (its result or error dropped) until `core` is next wanted. An earlier
+        call still running counts against the timeout (the core's process, running one call
+        at a time, answers it as late): this one runs once that one ends."""
         if timeout is None:
-            return core.collective_rpc(method, args, kwargs)
+            return self.core.collective_rpc(method, args, kwargs)
+        earlier, self._late = self._late, None
         outcome = {}
 
         def call():
+            if earlier is not None:
+                earlier.join()
             try:
-                outcome["result"] = core.collective_rpc(method, args, kwargs)
+                outcome["result"] = self._core.collective_rpc(method, args, kwargs)
             except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
                 outcome["error"] = e
 
@@ -93,7 +97,7 @@ class InprocCoreClient:
         thread.start()
         thread.join(timeout)
         if thread.is_alive():
-            self._late = thread
+            self._late = thread  # after `earlier`: waiting for it waits for both
             raise rpc_timed_out(method, timeout)
         if "error" in outcome:
             raise outcome["error"]

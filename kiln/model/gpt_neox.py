@@ -130,9 +130,11 @@ class GPTNeoXForCausalLM(LlamaStyleForCausalLM):
             name = name.replace(ours, theirs)
         return name
 
+    def kiln_named(self, weights: Iterable[tuple[str, torch.Tensor]]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            if not _IGNORED.search(name):
+                yield from split_query_key_value(kiln_name(name), tensor, self.config)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def renamed() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if not _IGNORED.search(name):
-                    yield from split_query_key_value(kiln_name(name), tensor, self.config)
-        return super().load_weights(renamed())
+        return super().load_weights(self.kiln_named(weights))

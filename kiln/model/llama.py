@@ -4,6 +4,8 @@
 backbone is its own class so the compile decorator can wrap each one once.
 """
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -257,6 +259,13 @@ class LlamaStyleForCausalLM(HFWeightLoading, nn.Module):
         if name.startswith(("model.norm.", "lm_head.")):
             return self.model.is_last_stage
         return True
+
+    def kiln_named(self, weights: Iterable[tuple[str, torch.Tensor]]
+                   ) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors under Kiln's names (lm_head., model.layers. ...): what a
+        wrapper (the classifier, seq_cls.py) reads them by. A family whose checkpoint names
+        its own (GPT-NeoX: embed_out) maps them; the names must map to themselves again."""
+        return weights
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)  # [N, V] float32

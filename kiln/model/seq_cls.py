@@ -41,6 +41,8 @@ def for_sequence_classification(causal_cls: type) -> type:
             return name.startswith("score.") or super().owns(name)
 
         def load_weights(self, weights):
+            # by Kiln's names: GPT-NeoX's LM head is embed_out in its checkpoint
+            weights = self.kiln_named(weights)
             method = getattr(self.config, "method", None)
             if method is not None:
                 from kiln.pooling.token_classifier import with_score_head

@@ -134,3 +134,24 @@ def test_rerank_and_score_routes_are_hfs_p_yes(reranker_dir, inprocess_core):
         assert r.json()["data"][0]["score"] == pytest.approx(refs[2], abs=ATOL)
         paths = client.get("/openapi.json").json()["paths"]
         assert "/rerank" in paths and "/v1/chat/completions" not in paths
+
+
+def test_gpt_neox_converted_reads_its_head_by_its_checkpoint_name(tiny_gpt_neox_dir,
+                                                                   inprocess_core):
+    """GPT-NeoX's LM head is embed_out in its checkpoint: a converted classifier dropped (or
+    took rows of) lm_head by that name and failed as 'lm_head.weight matches no parameter'."""
+    ids = [5, 9, 11]
+    prompt = list(range(10, 30))
+    model = AutoModelForCausalLM.from_pretrained(tiny_gpt_neox_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0, -1, ids].softmax(-1)
+    engine = {**ENGINE, "hf_overrides": {"method": "no_post_processing",
+                                         "classifier_from_token": [f"w{i}" for i in ids]}}
+    llm = LLM(model=str(tiny_gpt_neox_dir), convert="classify", **engine)
+    try:
+        got = llm.classify([{"prompt_token_ids": prompt}], use_tqdm=False)[0].outputs.probs
+        torch.testing.assert_close(torch.tensor(got), ref, atol=ATOL, rtol=0)
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="checkpoint has no score.weight"):
+        LLM(model=str(tiny_gpt_neox_dir), convert="classify", **ENGINE | {"hf_overrides": {}})

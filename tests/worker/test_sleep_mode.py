@@ -143,6 +143,32 @@ def test_collective_rpc_past_its_timeout_raises_and_the_engine_waits_for_it(llm,
             llm.collective_rpc("weights_missing", timeout=bad)
 
 
+def test_collective_rpc_timeout_counts_an_earlier_late_call(llm, tiny_tokens):
+    """A call made while an earlier one runs past its timeout times out too (as the core's
+    process answers it): it waited for the earlier call with no limit. It runs after it."""
+    release, ran = threading.Event(), []
+
+    def held(worker):
+        release.wait()
+
+    def after(worker):
+        ran.append(release.is_set())
+
+    with pytest.raises(TimeoutError, match="held"):
+        llm.collective_rpc(held, timeout=0.05)
+    unblock = threading.Timer(30, release.set)  # without the bound, the second call waited
+    unblock.start()
+    try:
+        with pytest.raises(TimeoutError, match="after' did not finish"):
+            llm.collective_rpc(after, timeout=0.05)
+        assert not release.is_set() and ran == []
+    finally:
+        release.set()
+        unblock.cancel()
+    assert _tokens(llm) == tiny_tokens  # the engine waits for both
+    assert ran == [True]
+
+
 def test_sleep_abort_reports_the_requests_it_ended(llm, tiny_tokens):
     """In-process, the engine steps only while the core has requests: those a sleep ended
     (finish_reason "abort") must still come out, or a server's streams hang."""
