@@ -7,11 +7,11 @@ import time
 from collections.abc import Iterable, Sequence
 
 from kiln.core.core_sleep import CoreSleepMode
+from kiln.core.kv_cache_groups import kv_cache_groups_of, max_fitting_tokens
 from kiln.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, EngineCoreOutput
 from kiln.core.parent_request import child_requests
 from kiln.core.request import Request, RequestStatus
 from kiln.core.scheduler import Scheduler
-from kiln.core.kv_cache_groups import kv_cache_groups_of, max_fitting_tokens
 from kiln.core.stats import SchedulerStats
 from kiln.errors import ConfigError
 from kiln.logger import init_logger

@@ -10,9 +10,9 @@ runner), so positions keep their slots. A hybrid model's layers form KV cache gr
 from dataclasses import dataclass
 
 from kiln.core.block_pool import BlockPool
+from kiln.core.kv_cache_groups import group_blocks_held, longest_group_hit
 from kiln.core.kv_cache_utils import KVCacheBlock, cdiv, update_block_hashes
 from kiln.core.request import Request
-from kiln.core.kv_cache_groups import group_blocks_held, longest_group_hit
 from kiln.core.sliding_window_blocks import num_skipped_blocks
 
 # The block id the runner's table gets for a slot freed behind the window: any valid id, since no

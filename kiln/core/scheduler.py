@@ -11,6 +11,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
+from kiln.core.kv_cache_groups import group_peak_blocks, kv_cache_groups_of
 from kiln.core.kv_cache_manager import KVCacheManager
 from kiln.core.outputs import (
     CachedRequestData,
@@ -23,7 +24,6 @@ from kiln.core.request import Request, RequestStatus
 from kiln.core.request_progress import grammar_error_output, step_output, unschedulable_output
 from kiln.core.request_queue import WaitingQueue, order_key
 from kiln.core.requeueing import Requeueing
-from kiln.core.kv_cache_groups import group_peak_blocks, kv_cache_groups_of
 from kiln.core.stats import SchedulerStats, spec_decode_stats
 from kiln.lora.scheduling import fits_lora_slots, lora_stats, starves
 from kiln.spec_decode.scheduling import SpecDecodeScheduling, max_lookahead

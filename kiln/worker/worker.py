@@ -8,10 +8,10 @@ import gc
 import torch
 
 from kiln import envs
+from kiln.core.kv_cache_groups import group_peak_blocks, kv_cache_groups_of
 from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kiln.cudagraphs.capture import capture_model
 from kiln.logger import init_logger
-from kiln.core.kv_cache_groups import group_peak_blocks, kv_cache_groups_of
 from kiln.worker import kv_cache_layout, kv_cache_sizing
 from kiln.worker.host_memory import freeze_gc_heap, zeros_on_first_touch
 from kiln.worker.model_runner import ModelRunner
