@@ -72,11 +72,10 @@ def ir_selection_turn(selection):
 @contextlib.contextmanager
 def set_forward_context(attn_metadata: AttentionMetadata | None, kiln_config, *,
                         layers: dict[str, Any], batch_descriptor=None,
-                        cudagraph_runtime_mode=None,
-                        group_metadata: list[AttentionMetadata] | None = None):
-    """`layers`: layer name -> Attention module (kiln.model.layers.attention.attention_layers);
-    `group_metadata`: each KV cache group's metadata where there are several (attn_metadata is
-    the first)."""
+                        cudagraph_runtime_mode=None):
+    """`layers`: layer name -> Attention module (kiln.model.layers.attention.attention_layers).
+    A layer reads its KV cache group's metadata (attn_metadata.group_metadata) where there are
+    several."""
     global _forward_context, _holder
     if _holder == threading.get_ident():
         raise RuntimeError("set_forward_context() is not re-entrant: a forward context is active")
@@ -89,8 +88,7 @@ def set_forward_context(attn_metadata: AttentionMetadata | None, kiln_config, *,
                 no_compile_layers=layers,
                 attn_metadata=attn_metadata, batch_descriptor=batch_descriptor,
                 cudagraph_runtime_mode=cudagraph_runtime_mode,
-                group_metadata=group_metadata if group_metadata and len(group_metadata) > 1
-                else None)
+                group_metadata=getattr(attn_metadata, "group_metadata", None))
             context = _forward_context
             try:
                 yield context

@@ -74,9 +74,7 @@ def capture_model(runner, dispatcher: CudagraphDispatcher, platform=None) -> int
             for step_mode in (CUDAGraphMode.NONE, mode):
                 with set_forward_context(md, runner.kiln_config, layers=runner.attention_layers,
                                          batch_descriptor=desc,
-                                         cudagraph_runtime_mode=step_mode,
-                                         group_metadata=(None if md is None else
-                                                         runner.buffers.group_metadata(md))):
+                                         cudagraph_runtime_mode=step_mode):
                     runner.model(ids, pos)
     platform.synchronize()
     return len(plan)

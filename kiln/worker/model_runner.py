@@ -104,16 +104,14 @@ class ModelRunner(StepInputPreparation):
             self.drafter.load(model)
 
     def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                   attn_metadata: AttentionMetadata | None, num_tokens: int,
-                   group_metadata: list[AttentionMetadata] | None = None) -> torch.Tensor:
+                   attn_metadata: AttentionMetadata | None, num_tokens: int) -> torch.Tensor:
         """One forward of the model over `num_tokens` (possibly padded) tokens -> hidden
         [num_tokens, H], as the graph the dispatcher chose for this step (self._cudagraph_step:
-        (mode, descriptor), set by execute_model; NONE for dummy runs). `group_metadata`:
-        every KV cache group's metadata (attn_metadata first) where there are several."""
+        (mode, descriptor), set by execute_model; NONE for dummy runs)."""
         mode, desc = self._cudagraph_step
         with set_forward_context(attn_metadata, self.kiln_config, layers=self.attention_layers,
                                  batch_descriptor=desc,
-                                 cudagraph_runtime_mode=mode, group_metadata=group_metadata):
+                                 cudagraph_runtime_mode=mode):
             if attn_metadata is not None:
                 self.attn_backend.begin_step(attn_metadata, self.block_size)
             if self.stage.is_first_rank:
@@ -216,8 +214,7 @@ class ModelRunner(StepInputPreparation):
         self._cudagraph_step = (inputs.cudagraph_mode, inputs.batch_descriptor)
         try:
             hidden = self._run_model(inputs.input_ids, inputs.positions, inputs.attn_metadata,
-                                     inputs.num_input_tokens,
-                                     inputs.group_metadata)  # [num_input_tokens, H]
+                                     inputs.num_input_tokens)  # [num_input_tokens, H]
         finally:
             self._cudagraph_step = (CUDAGraphMode.NONE, None)
         if not self.stage.is_last_rank:

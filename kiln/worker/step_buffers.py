@@ -75,8 +75,8 @@ class StepBuffers:
                            max_seq_len: int, num_input_tokens: int,
                            uniform_decode: bool) -> AttentionMetadata:
         """Attention metadata over the first `num_reqs` rows and `num_input_tokens` slots the
-        caller filled."""
-        return AttentionMetadata(
+        caller filled (group 0's, with every group's in its group_metadata)."""
+        md = AttentionMetadata(
             num_actual_tokens=num_tokens, num_reqs=num_reqs, max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             query_start_loc=self.staged("query_start_loc", num_reqs + 1),
@@ -85,8 +85,10 @@ class StepBuffers:
             slot_mapping=self.staged("slot_mapping", num_input_tokens),
             query_start_loc_cpu=self.query_start_loc_cpu[:num_reqs + 1],
             seq_lens_cpu=self.seq_lens_cpu[:num_reqs], uniform_decode=uniform_decode)
+        md.group_metadata = self._group_metadata(md)
+        return md
 
-    def group_metadata(self, md: AttentionMetadata) -> list[AttentionMetadata] | None:
+    def _group_metadata(self, md: AttentionMetadata) -> list[AttentionMetadata] | None:
         """Every KV cache group's metadata: `md` (group 0's) and, over the same requests, each
         other group's with its own block table and slots; None with one group."""
         if self.num_groups == 1:
@@ -94,7 +96,7 @@ class StepBuffers:
         return [md] + [dataclasses.replace(
             md, block_table=self.staged(f"block_table{g}", md.num_reqs),
             slot_mapping=self.staged(f"slot_mapping{g}", md.slot_mapping.shape[0]),
-            step_cache={}) for g in range(1, self.num_groups)]
+            step_cache={}, group_metadata=None) for g in range(1, self.num_groups)]
 
     def dummy_tokens(self, n: int, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Token id 0 at each of `positions` ([n]): a warm-up's or a graph capture's inputs."""

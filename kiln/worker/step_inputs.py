@@ -29,8 +29,6 @@ class StepInputs:
     # req_id -> (positions whose hidden state predicts a prompt token, their rows): requests
     # that asked for prompt logprobs and run prompt positions this step.
     prompt_logprob_rows: dict[str, tuple[range, np.ndarray]] | None = None
-    # every KV cache group's metadata, attn_metadata first; None with one group
-    group_metadata: list[AttentionMetadata] | None = None
 
 
 def fill_buffers(buf, batch, rows: np.ndarray, num_computed: np.ndarray, num_sched: np.ndarray,
@@ -120,7 +118,7 @@ class StepInputPreparation:
             prompt_logprob_rows=prompt_logprob_rows(states, num_computed, num_sched, qsl),
             input_ids=buf.staged("input_ids", num_input),
             positions=buf.staged("positions", num_input),
-            attn_metadata=attn_metadata, group_metadata=buf.group_metadata(attn_metadata),
+            attn_metadata=attn_metadata,
             sample_req_ids=[r for r, s in zip(req_ids, samples) if s],
             logits_indices=logits_rows,
             cudagraph_mode=cg_mode, batch_descriptor=desc)
