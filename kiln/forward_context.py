@@ -23,6 +23,14 @@ class ForwardContext:
     cudagraph_runtime_mode: Any = None  # kiln.cudagraphs.mode.CUDAGraphMode
     # Called as the context closes, even on an error: undo per-step state kept elsewhere.
     on_exit: list[Callable[[], None]] = field(default_factory=list)
+    # One per KV cache group (kiln/core/kv_cache_groups.py), attn_metadata the first; a layer
+    # reads its group's (its kv_group). None: one group, attn_metadata for every layer.
+    group_metadata: list[AttentionMetadata] | None = None
+
+    def layer_metadata(self, layer) -> AttentionMetadata | None:
+        if self.group_metadata is None:
+            return self.attn_metadata
+        return self.group_metadata[layer.kv_group]
 
 
 _forward_context: ForwardContext | None = None
@@ -65,7 +73,9 @@ def ir_selection_turn(selection):
 def set_forward_context(attn_metadata: AttentionMetadata | None, kiln_config, *,
                         layers: dict[str, Any], batch_descriptor=None,
                         cudagraph_runtime_mode=None):
-    """`layers`: layer name -> Attention module (kiln.model.layers.attention.attention_layers)."""
+    """`layers`: layer name -> Attention module (kiln.model.layers.attention.attention_layers).
+    A layer reads its KV cache group's metadata (attn_metadata.group_metadata) where there are
+    several."""
     global _forward_context, _holder
     if _holder == threading.get_ident():
         raise RuntimeError("set_forward_context() is not re-entrant: a forward context is active")
@@ -77,7 +87,8 @@ def set_forward_context(attn_metadata: AttentionMetadata | None, kiln_config, *,
             _forward_context = ForwardContext(
                 no_compile_layers=layers,
                 attn_metadata=attn_metadata, batch_descriptor=batch_descriptor,
-                cudagraph_runtime_mode=cudagraph_runtime_mode)
+                cudagraph_runtime_mode=cudagraph_runtime_mode,
+                group_metadata=getattr(attn_metadata, "group_metadata", None))
             context = _forward_context
             try:
                 yield context

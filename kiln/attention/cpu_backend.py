@@ -126,7 +126,9 @@ _MAX_TABLES = 8
 
 def _layer_table(layers: dict) -> attention_op.LayerTable | None:
     """The C++ kernel's table of the layers it can serve, rebuilt after any layer's cache was
-    assigned anew; None when it can serve none."""
+    assigned anew; None when it can serve none. It takes one step's metadata, the forward
+    context's attn_metadata, which is KV cache group 0's: a hybrid model's other groups' layers
+    stay on the Python path with their own group's (kiln/core/kv_cache_groups.py)."""
     generation = kv_cache_generation.current()
     known = _tables.get(id(layers))
     if known is not None and known[0] == generation:
@@ -135,6 +137,7 @@ def _layer_table(layers: dict) -> attention_op.LayerTable | None:
     for name, layer in layers.items():
         impl, kv_cache = getattr(layer, "impl", None), getattr(layer, "kv_cache", None)
         if (isinstance(impl, CpuAttentionImpl) and kv_cache is not None
+                and getattr(layer, "kv_group", 0) == 0
                 and paged_attention.cache_supported(kv_cache)):
             entries[name] = (kv_cache, impl.scale, impl.sliding_window, impl.logits_soft_cap)
     table = attention_op.LayerTable(entries) if entries else None

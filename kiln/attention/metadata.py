@@ -27,3 +27,7 @@ class AttentionMetadata:
     # Tensors a backend derives from the above once per step (begin_step or first layer) and
     # every layer reuses: gather indices, masks. Keyed by the backend; never part of a traced graph.
     step_cache: dict = field(default_factory=dict, repr=False, compare=False)
+    # Every KV cache group's metadata (kiln/core/kv_cache_groups.py), this one first, each with
+    # its own block table and slots over the same requests; None with one group.
+    group_metadata: list["AttentionMetadata"] | None = field(default=None, repr=False,
+                                                            compare=False)

@@ -14,6 +14,9 @@ class SchedulerConfig(FreezableConfig):
     # vLLM's --scheduling-policy: "fcfs" (arrival order) or "priority" (lower request priority
     # first, then arrival); kiln/core/request_queue.py
     policy: str = "fcfs"
+    # vLLM's: a hybrid sliding-window model's layers share one block table (every block kept)
+    # instead of KV cache groups (kiln/core/kv_cache_groups.py)
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self):
         if self.policy not in ("fcfs", "priority"):

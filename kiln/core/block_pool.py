@@ -10,6 +10,13 @@ from kiln.core.kv_cache_utils import BlockHash, KVCacheBlock
 from kiln.errors import ConfigError
 
 
+def group_key(block_hash: BlockHash, group: int) -> BlockHash:
+    """The cache key of a block of KV cache group `group`: each group holds its own layers' K/V
+    for the same tokens. Group 0 keeps the plain hash; block hashes are fixed-length digests, so
+    a suffix cannot make one group's key another's."""
+    return block_hash if group == 0 else block_hash + b"#" + group.to_bytes(2, "little")
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True):
         if num_blocks < 1:
@@ -35,8 +42,9 @@ class BlockPool:
         """Free blocks in eviction order (next to be reused first)."""
         return list(self._free)
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        return self._cached.get(block_hash) if self.enable_caching else None
+    def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> KVCacheBlock | None:
+        """The block of KV cache group `group` (kv_cache_groups.py) cached under the hash."""
+        return self._cached.get(group_key(block_hash, group)) if self.enable_caching else None
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` from the head of the free list, evicting their cached hashes."""
@@ -66,10 +74,12 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Register a full block under its hash so later requests with that prefix can reuse it."""
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, group: int = 0) -> None:
+        """Register a full block of KV cache group `group` under its hash so later requests with
+        that prefix can reuse it."""
         if not self.enable_caching or block.block_hash is not None:
             return
+        block_hash = group_key(block_hash, group)
         # Two requests may fill identical blocks concurrently; keep the first, the second block
         # simply stays unregistered and is recycled when its owner frees it.
         if block_hash in self._cached:

@@ -7,11 +7,11 @@ import time
 from collections.abc import Iterable, Sequence
 
 from kiln.core.core_sleep import CoreSleepMode
+from kiln.core.kv_cache_groups import kv_cache_groups_of, max_fitting_tokens
 from kiln.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, EngineCoreOutput
 from kiln.core.parent_request import child_requests
 from kiln.core.request import Request, RequestStatus
 from kiln.core.scheduler import Scheduler
-from kiln.core.sliding_window_blocks import kv_window_of, peak_blocks
 from kiln.core.stats import SchedulerStats
 from kiln.errors import ConfigError
 from kiln.logger import init_logger
@@ -25,10 +25,13 @@ _GIB = 1 << 30
 
 
 def kv_cache_too_small_message(max_model_len: int, block_size: int, num_blocks: int,
-                               block_bytes: int | None, override: int | None = None) -> str:
+                               block_bytes: int | None, override: int | None = None,
+                               capacity: int | None = None) -> str:
     """vLLM's refusal when one max_model_len request does not fit the KV cache; with
-    --num-gpu-blocks-override set (`override`) only it resizes the cache, so it is named."""
-    capacity = num_blocks * block_size
+    --num-gpu-blocks-override set (`override`) only it resizes the cache, so it is named.
+    `capacity`: the longest request that fits (default: a block per block_size tokens)."""
+    if capacity is None:
+        capacity = num_blocks * block_size
     if block_bytes is None:  # an executor that does not say: in tokens
         need, have = f"{max_model_len} tokens of", f"{capacity} tokens"
     else:
@@ -99,18 +102,16 @@ class EngineCore(CoreSleepMode):
         what fits (returned; the config keeps the one it resolved)."""
         model, cache = self.kiln_config.model_config, self.kiln_config.cache_config
         max_model_len = model.max_model_len
-        capacity = num_blocks * cache.block_size
+        # A windowed group holds a bounded number of blocks however long a request runs, so the
+        # KV cache may serve more tokens than it has slots (vLLM sizes sliding layers' need
+        # alike); a full-attention group needs a block per block_size tokens.
+        capacity = max_fitting_tokens(
+            kv_cache_groups_of(self.kiln_config).windows, num_blocks,
+            self.kiln_config.scheduler_config.max_num_batched_tokens,
+            max_lookahead(self.kiln_config.speculative_config), cache.block_size, max_model_len)
         if capacity >= max_model_len:
             return max_model_len
-        # every layer windowed: a request holds a bounded number of blocks however long it runs
-        # (vLLM sizes its sliding-window layers' need alike)
-        window = kv_window_of(self.kiln_config)
-        if window is not None and peak_blocks(
-                max_model_len, self.kiln_config.scheduler_config.max_num_batched_tokens,
-                max_lookahead(self.kiln_config.speculative_config), window,
-                cache.block_size) <= num_blocks:
-            return max_model_len
-        if model.max_model_len_from_model:
+        if model.max_model_len_from_model and capacity > 0:
             logger.warning("the KV cache holds %d tokens, fewer than the model's max_model_len "
                            "%d: max_model_len is capped at %d. Raise %s for longer requests",
                            capacity, max_model_len, capacity, cache.larger_cache_flags())
@@ -120,7 +121,8 @@ class EngineCore(CoreSleepMode):
         block_bytes = getattr(self.executor, "kv_cache_block_bytes", None)
         raise ConfigError(kv_cache_too_small_message(
             max_model_len, cache.block_size, num_blocks,
-            block_bytes() if block_bytes is not None else None, cache.num_gpu_blocks_override))
+            block_bytes() if block_bytes is not None else None, cache.num_gpu_blocks_override,
+            capacity))
 
     def add_request(self, request: Request, child_ids: Sequence[str] = ()) -> None:
         """`child_ids`: `request` is an n > 1 request, and its samples are added as child

@@ -4,14 +4,16 @@ The scheduler asks it which leading blocks of a request are already cached, to a
 for the tokens it schedules, and to free a request's blocks when it finishes or is preempted.
 When every attention layer is windowed, blocks behind the window go back to the pool as the
 request advances (sliding_window_blocks.py); its table keeps None there (NULL_BLOCK_ID to the
-runner), so positions keep their slots.
+runner), so positions keep their slots. A hybrid model's layers form KV cache groups
+(kv_cache_groups.py), each with its own table per request over the one pool, all equally long.
 """
 from dataclasses import dataclass
 
 from kiln.core.block_pool import BlockPool
+from kiln.core.kv_cache_groups import group_blocks_held, longest_group_hit
 from kiln.core.kv_cache_utils import KVCacheBlock, cdiv, update_block_hashes
 from kiln.core.request import Request
-from kiln.core.sliding_window_blocks import blocks_held, longest_window_hit, num_skipped_blocks
+from kiln.core.sliding_window_blocks import num_skipped_blocks
 
 # The block id the runner's table gets for a slot freed behind the window: any valid id, since no
 # query reads it and no token is written there again.
@@ -26,15 +28,24 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = True,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None,
+                 group_windows: tuple[int | None, ...] | None = None):
         """`sliding_window`: the window every attention layer keeps within (kv_window_of);
-        None keeps every block of a request until it ends."""
+        None keeps every block of a request until it ends. `group_windows`: each KV cache
+        group's window instead (kv_cache_groups.py; None entries: full attention)."""
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.sliding_window = sliding_window
+        self.group_windows = tuple(group_windows) if group_windows else (sliding_window,)
+        self.num_groups = len(self.group_windows)
+        # the window a single group frees behind (None: hybrid, or full attention)
+        self.sliding_window = self.group_windows[0] if self.num_groups == 1 else None
+        # a request's blocks stay bounded however long it runs
+        self.bounded = None not in self.group_windows
         self.block_pool = BlockPool(num_blocks, enable_caching)
-        # None: a block freed behind the window
+        # req_id -> one table per group (None: a block freed behind the window)
+        self.req_to_group_blocks: dict[str, list[list[KVCacheBlock | None]]] = {}
+        # req_id -> group 0's table (the only one without hybrid grouping)
         self.req_to_blocks: dict[str, list[KVCacheBlock | None]] = {}
         # req_id -> how many leading blocks of the request were already offered to the cache.
         self._num_cached_blocks: dict[str, int] = {}
@@ -50,9 +61,18 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.usage()
 
-    def get_block_ids(self, req_id: str) -> list[int]:
-        return [NULL_BLOCK_ID if b is None else b.block_id
-                for b in self.req_to_blocks.get(req_id, [])]
+    def get_block_ids(self, req_id: str, group: int = 0) -> list[int]:
+        tables = self.req_to_group_blocks.get(req_id)
+        return [] if tables is None else [NULL_BLOCK_ID if b is None else b.block_id
+                                          for b in tables[group]]
+
+    def other_group_block_ids(self, req_id: str, last: int | None = None) -> list[list[int]]:
+        """The tables of groups 1.. (empty without hybrid grouping); `last`: only each table's
+        last `last` ids (a step's new blocks: every group's table grows alike)."""
+        ids = [self.get_block_ids(req_id, g) for g in range(1, self.num_groups)]
+        if last is not None:
+            ids = [table[len(table) - last:] for table in ids]
+        return ids
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -60,89 +80,101 @@ class KVCacheManager:
     def num_blocks_held(self, num_computed: int, num_slots: int) -> int:
         """Blocks a request holds with slots for `num_slots` tokens and its next query at
         `num_computed` (bounded by the window, where the cache frees behind one)."""
-        return blocks_held(num_computed, num_slots, self.sliding_window, self.block_size)
+        return group_blocks_held(self.group_windows, num_computed, num_slots, self.block_size)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock | None], int]:
-        """Longest run of leading full blocks found in the prefix cache, and the tokens they hold.
+    def get_computed_blocks(self, request: Request) -> tuple[list, int]:
+        """Longest run of leading full blocks found in the prefix cache, and the tokens they hold:
+        a list of blocks, or with several groups one such list per group, all as long.
 
         Never covers the whole request: the last token must be computed to get its logits.
         Pure lookup: no references are taken until `allocate_slots` accepts the blocks. Under a
         window only the blocks the next query's window reads must be cached (freed blocks keep
-        their hash until reused); the hit has None before them.
+        their hash until reused); the hit has None before them. Every group must serve the hit
+        (longest_group_hit).
         """
         if not self._reads_cache(request):
-            return [], 0
+            return ([] if self.num_groups == 1 else [[] for _ in self.group_windows]), 0
         hashes = update_block_hashes(request, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        if self.sliding_window is not None:
-            hit = longest_window_hit(lambda i: self.block_pool.get_cached_block(hashes[i]),
-                                     max_blocks, self.sliding_window, self.block_size)
-            return hit, len(hit) * self.block_size
-        hit: list[KVCacheBlock] = []
-        for block_hash in hashes[:max_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hit.append(block)
-        return hit, len(hit) * self.block_size
+        pool = self.block_pool
+        lookups = [lambda i, g=g: pool.get_cached_block(hashes[i], g)
+                   for g in range(self.num_groups)]
+        hits = longest_group_hit(lookups, self.group_windows, max_blocks, self.block_size)
+        num_tokens = len(hits[0]) * self.block_size
+        return (hits[0] if self.num_groups == 1 else hits), num_tokens
 
     def _reads_cache(self, request: Request) -> bool:
         # Prompt logprobs need every prompt position computed (vLLM skips the cache alike).
         return self.enable_caching and request.sampling_params.prompt_logprobs is None
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock | None] | None = None,
+                       new_computed_blocks: list | None = None,
                        num_lookahead_tokens: int = 0) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones.
 
         `new_computed_blocks` are prefix-cache hits (from `get_computed_blocks`) for a request being
         admitted; they sit before the new tokens. `num_lookahead_tokens` more slots are held past
-        them (a draft model's proposals), never hashed. Returns the ids of freshly allocated blocks
-        (the hits are not included), or None, changing nothing but the blocks behind the window
-        it frees first, when too few blocks are free.
+        them (a draft model's proposals), never hashed. Returns the ids of group 0's freshly
+        allocated blocks (the hits are not included; the other groups' are the same number at
+        the end of their tables: other_group_block_ids), or None, changing nothing but the
+        blocks behind the window it frees first, when too few blocks are free.
         """
-        new_computed_blocks = list(new_computed_blocks or [])
+        hits_by_group = [list(h) for h in self._per_group(new_computed_blocks)]
         req_id = request.request_id
-        is_new = req_id not in self.req_to_blocks
-        held = self.req_to_blocks.get(req_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        if self.sliding_window is not None:
+        is_new = req_id not in self.req_to_group_blocks
+        held = self.req_to_group_blocks.get(req_id) or [[] for _ in self.group_windows]
+        num_computed = request.num_computed_tokens + len(hits_by_group[0]) * self.block_size
+        for window, hits, blocks in zip(self.group_windows, hits_by_group, held):
+            if window is None:
+                continue
             # hits behind the window are not taken at all
-            skipped = num_skipped_blocks(num_computed, self.sliding_window, self.block_size)
-            new_computed_blocks[:skipped] = [None] * min(skipped, len(new_computed_blocks))
+            skipped = num_skipped_blocks(num_computed, window, self.block_size)
+            hits[:skipped] = [None] * min(skipped, len(hits))
             if not is_new:
-                self._free_skipped(held, skipped)
+                self._free_skipped(blocks, skipped)
         num_total = num_computed + num_new_tokens
-        num_new_blocks = max(0, self.num_blocks_for(num_total + num_lookahead_tokens) - len(held)
-                             - len(new_computed_blocks))
-        hits = [b for b in new_computed_blocks if b is not None]
+        num_table = self.num_blocks_for(num_total + num_lookahead_tokens)
+        num_new_blocks = [max(0, num_table - len(blocks) - len(hits))
+                          for blocks, hits in zip(held, hits_by_group)]
+        taken = [b for hits in hits_by_group for b in hits if b is not None]
         # Hits that nobody holds are on the free list too: reviving them uses up free blocks.
-        num_revived = sum(1 for b in hits if b.ref_cnt == 0)
-        if num_new_blocks + num_revived > self.block_pool.num_free_blocks:
+        num_revived = sum(1 for b in taken if b.ref_cnt == 0)
+        if sum(num_new_blocks) + num_revived > self.block_pool.num_free_blocks:
             return None
 
         # A prompt's first admission only: a requeued one's return finds its own blocks (and
         # holds generated tokens), and one that skips the cache looked nothing up.
         if is_new and not request.prefix_stats_counted and self._reads_cache(request):
             self.prefix_cache_stats.queries += request.num_tokens
-            self.prefix_cache_stats.hits += len(new_computed_blocks) * self.block_size
+            self.prefix_cache_stats.hits += len(hits_by_group[0]) * self.block_size
             request.prefix_stats_counted = True
         # Touch the hits before taking new blocks so eviction cannot recycle them under us.
-        self.block_pool.touch(hits)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        blocks = self.req_to_blocks.setdefault(req_id, [])
+        self.block_pool.touch(taken)
         if is_new:
-            self._num_cached_blocks[req_id] = len(new_computed_blocks)
-        blocks.extend(new_computed_blocks)
-        blocks.extend(new_blocks)
+            self.req_to_group_blocks[req_id] = held
+            self.req_to_blocks[req_id] = held[0]
+            self._num_cached_blocks[req_id] = len(hits_by_group[0])
+        new_ids = []
+        for blocks, hits, num in zip(held, hits_by_group, num_new_blocks):
+            new_blocks = self.block_pool.get_new_blocks(num)
+            blocks.extend(hits)
+            blocks.extend(new_blocks)
+            new_ids.append([b.block_id for b in new_blocks])
         self._cache_full_blocks(request, min(num_total, request.num_tokens))
-        return [b.block_id for b in new_blocks]
+        return new_ids[0]
+
+    def _per_group(self, blocks: list | None) -> list[list]:
+        """`get_computed_blocks`' hit as one list per group."""
+        if not blocks:
+            return [[] for _ in self.group_windows]
+        return [blocks] if self.num_groups == 1 else list(blocks)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks. Its full blocks stay findable by hash until reused."""
-        blocks = self.req_to_blocks.pop(request.request_id, None)
+        tables = self.req_to_group_blocks.pop(request.request_id, None)
+        self.req_to_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
-        if blocks:
+        for blocks in tables or ():
             # Tail blocks first: they are the least likely to be shared, so evict them sooner.
             self.block_pool.free_blocks(b for b in reversed(blocks) if b is not None)
 
@@ -150,7 +182,7 @@ class KVCacheManager:
         """Give back the request's blocks before index `skipped` (no query reads them again),
         leaving None in their slots. Oldest first, so they are evicted first: a later prompt's
         window hit needs the blocks nearest its end."""
-        start = skipped
+        start = min(skipped, len(blocks))
         while start > 0 and blocks[start - 1] is not None:  # the ones before were freed already
             start -= 1
         freed = blocks[start:skipped]
@@ -181,10 +213,10 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = update_block_hashes(request, self.block_size)
-        blocks = self.req_to_blocks[req_id]
-        for i in range(start, num_full):
-            if blocks[i] is None:  # freed behind the window before it was offered
-                continue
-            self._unwritten.append(blocks[i])  # first: an interrupt may come between the two
-            self.block_pool.cache_block(blocks[i], hashes[i])
+        for group, blocks in enumerate(self.req_to_group_blocks[req_id]):
+            for i in range(start, num_full):
+                if blocks[i] is None:  # freed behind the window before it was offered
+                    continue
+                self._unwritten.append(blocks[i])  # first: an interrupt may come between the two
+                self.block_pool.cache_block(blocks[i], hashes[i], group)
         self._num_cached_blocks[req_id] = num_full

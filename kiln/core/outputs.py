@@ -21,6 +21,9 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     lora_request: object = None  # kiln.lora.request.LoRARequest, None: the base model
+    # KV cache groups 1.. of a hybrid model (kiln/core/kv_cache_groups.py): their tables, each
+    # as long as block_ids (group 0's); empty with one group.
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -29,6 +32,8 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)  # appended to the block table
     num_computed_tokens: list[int] = field(default_factory=list)
+    # per request, groups 1..'s new blocks, as many as new_block_ids' (empty with one group)
+    new_group_block_ids: list[list[list[int]]] = field(default_factory=list)
 
 
 @dataclass

@@ -11,6 +11,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
+from kiln.core.kv_cache_groups import group_peak_blocks, kv_cache_groups_of
 from kiln.core.kv_cache_manager import KVCacheManager
 from kiln.core.outputs import (
     CachedRequestData,
@@ -23,7 +24,6 @@ from kiln.core.request import Request, RequestStatus
 from kiln.core.request_progress import grammar_error_output, step_output, unschedulable_output
 from kiln.core.request_queue import WaitingQueue, order_key
 from kiln.core.requeueing import Requeueing
-from kiln.core.sliding_window_blocks import kv_window_of, peak_blocks
 from kiln.core.stats import SchedulerStats, spec_decode_stats
 from kiln.lora.scheduling import fits_lora_slots, lora_stats, starves
 from kiln.spec_decode.scheduling import SpecDecodeScheduling, max_lookahead
@@ -41,9 +41,9 @@ class Scheduler(Requeueing):
         self.max_num_seqs = sched.max_num_seqs
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.max_model_len = max_model_len or sched.max_model_len
-        self.kv_cache_manager = KVCacheManager(cache.block_size, num_blocks,
-                                               cache.enable_prefix_caching,
-                                               kv_window_of(kiln_config))
+        self.kv_cache_manager = KVCacheManager(
+            cache.block_size, num_blocks, cache.enable_prefix_caching,
+            group_windows=kv_cache_groups_of(kiln_config).windows)
         self.larger_cache_flags = cache.larger_cache_flags()  # named when a request is cut
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.policy = sched.policy
@@ -137,6 +137,9 @@ class Scheduler(Requeueing):
                 spec_tokens[request.request_id] = drafts
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append(new_block_ids)
+            if kv.num_groups > 1:
+                cached.new_group_block_ids.append(
+                    kv.other_group_block_ids(request.request_id, len(new_block_ids)))
             cached.num_computed_tokens.append(request.num_computed_tokens)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
@@ -184,6 +187,7 @@ class Scheduler(Requeueing):
                 output_token_ids=list(request.output_token_ids),
                 sampling_params=request.sampling_params,
                 block_ids=kv.get_block_ids(request.request_id), num_computed_tokens=num_hit,
+                group_block_ids=kv.other_group_block_ids(request.request_id),
                 lora_request=request.lora_request))
             num_scheduled[request.request_id] = num_new
             budget -= num_new
@@ -269,16 +273,16 @@ class Scheduler(Requeueing):
             return 0
         kv = self.kv_cache_manager
         # under a window a request's blocks stay bounded however far it runs
-        limit = (self.max_model_len if kv.sliding_window is not None
+        limit = (self.max_model_len if kv.bounded
                  else min(self.max_model_len, kv.num_blocks * kv.block_size))
         return self.spec_decode.lookahead(num_computed, num_new, limit)
 
     def _cannot_ever_fit(self, request: Request) -> bool:
         kv = self.kv_cache_manager
         return (request.num_tokens > self.max_model_len
-                or peak_blocks(request.num_tokens, self.max_num_batched_tokens,
-                               self.max_lookahead, kv.sliding_window, kv.block_size)
-                > kv.num_blocks)
+                or group_peak_blocks(kv.group_windows, request.num_tokens,
+                                     self.max_num_batched_tokens, self.max_lookahead,
+                                     kv.block_size) > kv.num_blocks)
 
     def _finish_unschedulable(self, request: Request, num_tokens: int) -> None:
         self._finished_outputs.append(unschedulable_output(

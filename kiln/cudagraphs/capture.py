@@ -50,10 +50,10 @@ def fill_dummy_step(runner, desc: BatchDescriptor, with_metadata: bool):
     r = len(lens)
     qsl = np.zeros(r + 1, dtype=np.int32)
     np.cumsum(lens, out=qsl[1:])
-    buf.slot_mapping_np[:n] = -1
+    buf.group_slot_mapping_np[:, :n] = -1
     buf.query_start_loc_np[:r + 1] = qsl
     buf.seq_lens_np[:r] = lens
-    buf.block_table_np[:r] = 0
+    buf.group_block_table_np[:, :r] = 0
     md = buf.attention_metadata(n, r, int(lens.max()), int(lens.max()), n, desc.uniform_decode)
     return (*buf.dummy_tokens(n, np.arange(n) - np.repeat(qsl[:-1], lens)), md)
 

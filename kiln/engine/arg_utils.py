@@ -77,6 +77,9 @@ class EngineArgs:
     hf_overrides: dict | None = None  # vLLM's: changes to the model's HF config (JSON object)
     # vLLM's: full attention in every layer, max_model_len capped at the model's window
     disable_sliding_window: bool = False
+    # vLLM's: one KV block table for every layer of a hybrid sliding-window model (each layer
+    # then keeps every block), instead of KV cache groups (kiln/core/kv_cache_groups.py)
+    disable_hybrid_kv_cache_manager: bool = False
     enable_sleep_mode: bool = False  # vLLM's: LLM.sleep / wake_up may free KV cache and weights
     ir_op_priority: dict | None = None  # {"rms_norm": ["native", "torch"]}; see kiln/ir/
     # vLLM's: a dict, its JSON text or a SpeculativeConfig; only method "ngram" is served
@@ -186,7 +189,9 @@ class EngineArgs:
             num_gpu_blocks_override=self.num_gpu_blocks_override)
         scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                            max_num_batched_tokens=self.max_num_batched_tokens,
-                                           policy=self.scheduling_policy)
+                                           policy=self.scheduling_policy,
+                                           disable_hybrid_kv_cache_manager=(
+                                               self.disable_hybrid_kv_cache_manager))
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,

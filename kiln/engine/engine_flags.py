@@ -128,6 +128,11 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                    help="attend fully in every layer of a sliding-window model (Mistral, "
                         "Gemma-2, ...), as vLLM's flag: max_model_len is then capped at the "
                         "window")
+    g.add_argument("--disable-hybrid-kv-cache-manager", action=argparse.BooleanOptionalAction,
+                   default=d.disable_hybrid_kv_cache_manager,
+                   help="as vLLM's: a hybrid sliding-window model (Gemma-2/3) keeps every KV "
+                        "block in every layer instead of freeing its window layers' blocks "
+                        "behind the window")
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                    help="most logprobs (and prompt_logprobs) a request may ask for; -1: "
                         "the whole vocabulary")

@@ -29,7 +29,7 @@ def run_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
     except KeyError:
         raise KeyError(f"attention layer {layer_name!r} is not in the forward context; was the "
                        "model built inside set_current_kiln_config() with this config?") from None
-    layer.impl.forward(q, k, v, layer.kv_cache, context.attn_metadata, out)
+    layer.impl.forward(q, k, v, layer.kv_cache, context.layer_metadata(layer), out)
 
 
 def _fake(q, k, v, out, layer_name) -> None:

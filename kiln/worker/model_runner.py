@@ -11,6 +11,7 @@ from kiln.attention.backend import AttentionBackend
 from kiln.attention.metadata import AttentionMetadata
 from kiln.compilation.compile_state import CompileState, set_compile_state
 from kiln.config.eagle3_config import target_aux_layer_ids
+from kiln.core.kv_cache_groups import kv_cache_groups_of
 from kiln.core.kv_cache_utils import cdiv
 from kiln.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from kiln.cudagraphs.capture import setup_cudagraphs
@@ -53,8 +54,10 @@ class ModelRunner(StepInputPreparation):
         self.attention_layers: dict = {}  # layer name -> Attention, filled by load_model
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        # the scheduler's KV cache groups: a block table per group (kiln/core/kv_cache_groups.py)
+        self.num_kv_groups = len(kv_cache_groups_of(kiln_config).groups)
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len,
-                                      self.max_blocks_per_req)
+                                      self.max_blocks_per_req, self.num_kv_groups)
         # Generators of preempted seeded requests, so a resumed request continues its stream.
         self._parked_generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=device)
@@ -67,7 +70,8 @@ class ModelRunner(StepInputPreparation):
         # The draft's catch-up runs a step's tokens and each request's sampled one: a row more
         self.buffers = StepBuffers(self.max_num_tokens + (self.max_num_reqs if self.drafter
                                                           else 0),
-                                   self.max_num_reqs, self.max_blocks_per_req, device)
+                                   self.max_num_reqs, self.max_blocks_per_req, device,
+                                   self.num_kv_groups)
         # Before the model compiles: the piecewise backend reads the resolved mode.
         self.cudagraph_dispatcher = setup_cudagraphs(kiln_config)
         # This engine's compile stack state (warm-up phase, the resolved graph mode).
@@ -174,13 +178,15 @@ class ModelRunner(StepInputPreparation):
                 req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
                 output_token_ids=list(new.output_token_ids), sampling_params=params,
                 generator=generator, block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens, lora_request=new.lora_request)
+                num_computed_tokens=new.num_computed_tokens, lora_request=new.lora_request,
+                group_block_ids=[list(ids) for ids in new.group_block_ids])
             self.input_batch.add(state)
             self.requests[new.req_id] = state
 
         cached = so.scheduled_cached_reqs
-        for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
-                                                    cached.num_computed_tokens):
+        group_ids = cached.new_group_block_ids or [[]] * len(cached.req_ids)
+        for req_id, new_blocks, num_computed, new_group_blocks in zip(
+                cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, group_ids):
             state = self.requests.get(req_id)
             if state is None:
                 raise RuntimeError(f"scheduler sent cached request {req_id!r} the model runner "
@@ -188,7 +194,9 @@ class ModelRunner(StepInputPreparation):
             state.num_computed_tokens = num_computed
             if new_blocks:
                 state.block_ids.extend(new_blocks)
-                self.input_batch.append_block_ids(state.row, new_blocks)
+                for ids, new_ids in zip(state.group_block_ids, new_group_blocks):
+                    ids.extend(new_ids)
+                self.input_batch.append_block_ids(state.row, new_blocks, new_group_blocks)
 
     # ---- inputs --------------------------------------------------------------------------
     def _sampling_metadata(self, states: list[CachedRequestState],

@@ -41,12 +41,13 @@ def fill_buffers(buf, batch, rows: np.ndarray, num_computed: np.ndarray, num_sch
     qsl = input_prep.query_start_loc(num_sched)
     req_idx = input_prep.token_request_indices(num_sched)
     pos = input_prep.positions(num_computed, num_sched)
-    buf.block_table_np[:num_reqs] = batch.block_table[rows]
     buf.input_ids_np[:num_tokens] = batch.token_ids[rows[req_idx], pos] if input_ids is None \
         else input_ids
     buf.positions_np[:num_tokens] = pos
-    buf.slot_mapping_np[:num_tokens] = input_prep.slot_mapping(buf.block_table_np, req_idx, pos,
-                                                               block_size)
+    for table, slots, batch_table in zip(buf.group_block_table_np, buf.group_slot_mapping_np,
+                                         batch.block_tables):  # each KV cache group's
+        table[:num_reqs] = batch_table[rows]
+        slots[:num_tokens] = input_prep.slot_mapping(table, req_idx, pos, block_size)
     buf.query_start_loc_np[:num_reqs + 1] = qsl
     seq_lens = num_computed + num_sched
     buf.seq_lens_np[:num_reqs] = seq_lens
@@ -95,12 +96,12 @@ class StepInputPreparation:
         # Padding tokens: valid ids and positions, but they write no cache slot.
         buf.input_ids_np[num_tokens:num_input] = 0
         buf.positions_np[num_tokens:num_input] = 0
-        buf.slot_mapping_np[num_tokens:num_input] = -1
+        buf.group_slot_mapping_np[:, num_tokens:num_input] = -1
         if md_reqs > num_reqs:
             buf.query_start_loc_np[num_reqs + 1:md_reqs + 1] = \
                 num_tokens + np.arange(1, md_reqs - num_reqs + 1)
             buf.seq_lens_np[num_reqs:md_reqs] = 1
-            buf.block_table_np[num_reqs:md_reqs] = 0
+            buf.group_block_table_np[:, num_reqs:md_reqs] = 0
 
         samples = input_prep.sampling_mask(num_computed, num_sched, known)
         sample_rows = input_prep.logits_indices(qsl, samples) if drafts is None \

@@ -8,10 +8,11 @@ import gc
 import torch
 
 from kiln import envs
+from kiln.core.kv_cache_groups import group_peak_blocks, kv_cache_groups_of
 from kiln.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kiln.cudagraphs.capture import capture_model
 from kiln.logger import init_logger
-from kiln.worker import kv_cache_sizing
+from kiln.worker import kv_cache_layout, kv_cache_sizing
 from kiln.worker.host_memory import freeze_gc_heap, zeros_on_first_touch
 from kiln.worker.model_runner import ModelRunner
 from kiln.worker.sleep_mode import WorkerSleepMode
@@ -40,6 +41,7 @@ class Worker(WorkerSleepMode):
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
         self.num_blocks: int | None = None  # the KV cache's size once allocated
+        self.kv_groups = kv_cache_groups_of(kiln_config)  # the scheduler's, layer by layer
 
     def init_device(self) -> None:
         device = self.kiln_config.device_config.device_obj
@@ -69,11 +71,9 @@ class Worker(WorkerSleepMode):
         return [*layers.values(), *(drafter.attention_layers.values() if drafter else ())]
 
     def kv_cache_block_bytes(self) -> int:
-        layers = self._attention_layers()
-        return kv_cache_sizing.bytes_per_block(
-            self.kiln_config.cache_config.block_size,
-            [(layer.num_kv_heads, layer.head_size) for layer in layers],
-            self.kiln_config.model_config.torch_dtype)
+        return kv_cache_layout.block_bytes(self._attention_layers(), self.kv_groups,
+                                           self.kiln_config.cache_config.block_size,
+                                           self.kiln_config.model_config.torch_dtype)
 
     def determine_num_blocks(self) -> int:
         """KV blocks that fit this worker's budget (CUDA: measured after a profiling forward).
@@ -94,10 +94,14 @@ class Worker(WorkerSleepMode):
             budget = kv_cache_sizing.cpu_kv_cache_bytes(cache.kv_cache_memory,
                                                         envs.cpu_kvcache_space_gib())
             sched = self.kiln_config.scheduler_config
+            max_len = self.kiln_config.model_config.max_model_len
+            if self.kv_groups.hybrid:  # a request's need across the groups, in tokens
+                max_len = cache.block_size * group_peak_blocks(
+                    self.kv_groups.windows, max_len, sched.max_num_batched_tokens, 0,
+                    cache.block_size)
             num_blocks = min(kv_cache_sizing.num_blocks_for(budget, block_bytes),
-                             kv_cache_sizing.useful_block_cap(
-                                 sched.max_num_seqs, self.kiln_config.model_config.max_model_len,
-                                 cache.block_size))
+                             kv_cache_sizing.useful_block_cap(sched.max_num_seqs, max_len,
+                                                              cache.block_size))
             warning = kv_cache_sizing.cpu_budget_warning(num_blocks * block_bytes,
                                                          self.platform.mem_get_info()[0],
                                                          self.local_world_size * self.kiln_config
@@ -111,16 +115,19 @@ class Worker(WorkerSleepMode):
         return num_blocks
 
     def initialize_cache(self, num_blocks: int, max_model_len: int | None = None) -> None:
-        """Allocate one KV cache tensor per Attention layer and hand it to the layer;
-        `max_model_len`: the engine's, which the KV cache may have capped below the config's
-        (longrope's factors follow it)."""
+        """Allocate the KV cache tensors (one per Attention layer, or per slot of the KV cache
+        groups: kv_cache_layout.py) and hand them to the layers; `max_model_len`: the engine's,
+        which the KV cache may have capped below the config's (longrope's factors follow it)."""
         cache = self.kiln_config.cache_config
         dtype = self.kiln_config.model_config.torch_dtype
-        for layer in self._attention_layers():
+
+        def new_tensor(layer):
             shape = layer.backend.get_kv_cache_shape(num_blocks, cache.block_size,
                                                      layer.num_kv_heads, layer.head_size)
-            layer.kv_cache = (zeros_on_first_touch(shape, dtype) if self.device.type == "cpu"
-                              else torch.zeros(shape, dtype=dtype, device=self.device))
+            return (zeros_on_first_touch(shape, dtype) if self.device.type == "cpu"
+                    else torch.zeros(shape, dtype=dtype, device=self.device))
+
+        kv_cache_layout.assign_kv_caches(self._attention_layers(), self.kv_groups, new_tensor)
         self.num_blocks = num_blocks
         if max_model_len is not None:
             from kiln.model.layers.rotary_embedding import fit_rotary_to_max_model_len

@@ -30,6 +30,7 @@ NON_DEFAULT = dict(
     trust_remote_code=True, enable_chunked_prefill=True, kv_cache_dtype="auto",
     tokenizer_mode="hf", swap_space=2.0, disable_log_stats=True, scheduling_policy="priority",
     hf_overrides={"rms_norm_eps": 1e-5}, disable_sliding_window=True, runner="pooling",
+    disable_hybrid_kv_cache_manager=True,
     task="embed", convert="embed",
     pooler_config='{"pooling_type": "MEAN", "normalize": false}',
     override_pooler_config='{"pooling_type": "CLS", "normalize": true}',

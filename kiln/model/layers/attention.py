@@ -26,6 +26,9 @@ class Attention(nn.Module):
                                                 sliding_window, logits_soft_cap)
         # [2, num_blocks, block_size, nkv, hd], assigned by the worker once the cache is sized.
         self.kv_cache: torch.Tensor | None = None
+        # Its KV cache group (kiln/core/kv_cache_groups.py), whose block table it reads; set
+        # with the cache (kiln/worker/kv_cache_layout.py).
+        self.kv_group = 0
 
     @property
     def kv_cache(self) -> torch.Tensor | None:

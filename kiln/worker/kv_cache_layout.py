@@ -1,0 +1,42 @@
+"""Which KV cache tensor each attention layer gets, and the bytes one block id costs: one tensor
+per layer, or, in KV cache groups (kiln/core/kv_cache_groups.py), one per slot shared by the
+slot's layer of every group, so a block id is one layer's block in whichever group holds it."""
+from kiln.core.kv_cache_groups import KVCacheGroups
+from kiln.errors import ConfigError
+from kiln.worker import kv_cache_sizing
+
+
+def layer_slots(layers: list, groups: KVCacheGroups) -> list[tuple[int, int]]:
+    """(group, tensor slot) of each of `layers` (Attention modules: the model's, then a draft's)
+    in order. One group: each layer its own slot, as before grouping."""
+    if not groups.hybrid:
+        return [(0, i) for i in range(len(layers))]
+    from kiln.model.llama import layer_index
+
+    where = groups.layer_slots()
+    slots = [where[layer_index(layer.layer_name)] for layer in layers]
+    shapes = {(layer.num_kv_heads, layer.head_size) for layer in layers}
+    if len(shapes) > 1:  # kv_cache_groups_of assumes the model config's one shape
+        raise ConfigError(f"KV cache groups need one K/V shape in every layer, got {shapes}; "
+                          "pass --disable-hybrid-kv-cache-manager")
+    return slots
+
+
+def block_bytes(layers: list, groups: KVCacheGroups, block_size: int, dtype) -> int:
+    """Bytes a block id costs: K and V of one block in each tensor (each slot's first layer)."""
+    first: dict[int, object] = {}
+    for layer, (_, slot) in zip(layers, layer_slots(layers, groups)):
+        first.setdefault(slot, layer)
+    return kv_cache_sizing.bytes_per_block(
+        block_size, [(layer.num_kv_heads, layer.head_size) for layer in first.values()], dtype)
+
+
+def assign_kv_caches(layers: list, groups: KVCacheGroups, new_tensor) -> None:
+    """Give each layer its tensor (`new_tensor(layer)` makes one of num_blocks blocks for a
+    slot's first layer) and its group (`kv_group`: which block table its attention reads)."""
+    tensors: dict[int, object] = {}
+    for layer, (group, slot) in zip(layers, layer_slots(layers, groups)):
+        if slot not in tensors:
+            tensors[slot] = new_tensor(layer)
+        layer.kv_cache = tensors[slot]
+        layer.kv_group = group
