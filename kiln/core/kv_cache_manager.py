@@ -26,13 +26,15 @@ class PrefixCacheStats:
 
 class KVCacheManager:
     def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = True,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, use_eagle: bool = False):
         """`sliding_window`: the window every attention layer keeps within (kv_window_of);
-        None keeps every block of a request until it ends."""
+        None keeps every block of a request until it ends. `use_eagle`: an EAGLE head's K/V
+        shares the blocks (prefix hits drop their last block, as vLLM's)."""
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.sliding_window = sliding_window
+        self.use_eagle = use_eagle
         self.block_pool = BlockPool(num_blocks, enable_caching)
         # None: a block freed behind the window
         self.req_to_blocks: dict[str, list[KVCacheBlock | None]] = {}
@@ -69,21 +71,29 @@ class KVCacheManager:
         Pure lookup: no references are taken until `allocate_slots` accepts the blocks. Under a
         window only the blocks the next query's window reads must be cached (freed blocks keep
         their hash until reused); the hit has None before them.
+
+        With an EAGLE head the last block found is dropped: the head's K/V at a block's last
+        position read the token after the block, which the block's hash does not cover (the
+        request that wrote it may have gone on otherwise), so it is computed again.
         """
         if not self._reads_cache(request):
             return [], 0
         hashes = update_block_hashes(request, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
         if self.sliding_window is not None:
+            # with EAGLE, one cached block more than the window reads: the one dropped
+            window = self.sliding_window + self.block_size * self.use_eagle
             hit = longest_window_hit(lambda i: self.block_pool.get_cached_block(hashes[i]),
-                                     max_blocks, self.sliding_window, self.block_size)
-            return hit, len(hit) * self.block_size
-        hit: list[KVCacheBlock] = []
-        for block_hash in hashes[:max_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hit.append(block)
+                                     max_blocks, window, self.block_size)
+        else:
+            hit = []
+            for block_hash in hashes[:max_blocks]:
+                block = self.block_pool.get_cached_block(block_hash)
+                if block is None:
+                    break
+                hit.append(block)
+        if self.use_eagle and hit:
+            hit.pop()
         return hit, len(hit) * self.block_size
 
     def _reads_cache(self, request: Request) -> bool:
