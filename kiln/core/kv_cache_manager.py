@@ -29,10 +29,11 @@ class PrefixCacheStats:
 class KVCacheManager:
     def __init__(self, block_size: int, num_blocks: int, enable_caching: bool = True,
                  sliding_window: int | None = None,
-                 group_windows: tuple[int | None, ...] | None = None):
+                 group_windows: tuple[int | None, ...] | None = None, use_eagle: bool = False):
         """`sliding_window`: the window every attention layer keeps within (kv_window_of);
         None keeps every block of a request until it ends. `group_windows`: each KV cache
-        group's window instead (kv_cache_groups.py; None entries: full attention)."""
+        group's window instead (kv_cache_groups.py; None entries: full attention). `use_eagle`:
+        an EAGLE head's K/V shares the blocks (prefix hits drop their last block, as vLLM's)."""
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
@@ -42,6 +43,7 @@ class KVCacheManager:
         self.sliding_window = self.group_windows[0] if self.num_groups == 1 else None
         # a request's blocks stay bounded however long it runs
         self.bounded = None not in self.group_windows
+        self.use_eagle = use_eagle
         self.block_pool = BlockPool(num_blocks, enable_caching)
         # req_id -> one table per group (None: a block freed behind the window)
         self.req_to_group_blocks: dict[str, list[list[KVCacheBlock | None]]] = {}
@@ -91,6 +93,10 @@ class KVCacheManager:
         window only the blocks the next query's window reads must be cached (freed blocks keep
         their hash until reused); the hit has None before them. Every group must serve the hit
         (longest_group_hit).
+
+        With an EAGLE head the last block found is dropped: the head's K/V at a block's last
+        position read the token after the block, which the block's hash does not cover (the
+        request that wrote it may have gone on otherwise), so it is computed again.
         """
         if not self._reads_cache(request):
             return ([] if self.num_groups == 1 else [[] for _ in self.group_windows]), 0
@@ -99,7 +105,13 @@ class KVCacheManager:
         pool = self.block_pool
         lookups = [lambda i, g=g: pool.get_cached_block(hashes[i], g)
                    for g in range(self.num_groups)]
-        hits = longest_group_hit(lookups, self.group_windows, max_blocks, self.block_size)
+        windows = self.group_windows
+        if self.use_eagle:
+            # one cached block more than each window reads: the one dropped below
+            windows = tuple(None if w is None else w + self.block_size for w in windows)
+        hits = longest_group_hit(lookups, windows, max_blocks, self.block_size)
+        if self.use_eagle and hits[0]:
+            hits = [hit[:-1] for hit in hits]
         num_tokens = len(hits[0]) * self.block_size
         return (hits[0] if self.num_groups == 1 else hits), num_tokens
 

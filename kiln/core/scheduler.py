@@ -41,9 +41,11 @@ class Scheduler(Requeueing):
         self.max_num_seqs = sched.max_num_seqs
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.max_model_len = max_model_len or sched.max_model_len
+        spec = kiln_config.speculative_config
         self.kv_cache_manager = KVCacheManager(
             cache.block_size, num_blocks, cache.enable_prefix_caching,
-            group_windows=kv_cache_groups_of(kiln_config).windows)
+            group_windows=kv_cache_groups_of(kiln_config).windows,
+            use_eagle=spec is not None and spec.method in ("eagle", "eagle3"))
         self.larger_cache_flags = cache.larger_cache_flags()  # named when a request is cut
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.policy = sched.policy
@@ -58,7 +60,6 @@ class Scheduler(Requeueing):
         self._arrival_counter = itertools.count()
         self.num_preemptions = 0
         self.structured_output_manager = StructuredOutputManager(kiln_config)
-        spec = kiln_config.speculative_config
         self.spec_decode = SpecDecodeScheduling(spec) if spec is not None else None
         self.max_lookahead = max_lookahead(spec)
         # Adapters running requests use at most (kiln/lora/scheduling.py); None: no LoRA.

@@ -35,6 +35,15 @@ def kv_window_of(kiln_config) -> int | None:
     return kv_window(windows)
 
 
+def prompt_tokens_cached(kiln_config, num_blocks: int) -> int | None:
+    """The longest prompt a KV cache of `num_blocks` ever holds (None: no bound past
+    max_model_len): under a window every layer keeps, a request holds a bounded number of blocks
+    however long it is, which the engine core already fit max_model_len to (peak_blocks)."""
+    if kv_window_of(kiln_config) is not None:
+        return None
+    return num_blocks * kiln_config.cache_config.block_size
+
+
 def num_skipped_blocks(num_computed: int, window: int, block_size: int) -> int:
     """Leading blocks no query at position `num_computed` or later reads: every key in them lies
     before the first query's window. Drafts and a draft model's catch-up start at num_computed

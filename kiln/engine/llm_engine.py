@@ -14,6 +14,7 @@ from kiln.config.settled_length import with_settled_max_model_len
 from kiln.core.parent_request import child_params, child_request_id
 from kiln.core.request import Request, RequestStatus
 from kiln.core.request_queue import check_priority
+from kiln.core.sliding_window_blocks import prompt_tokens_cached
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.chat_template import render_chat_template
 from kiln.engine.engine_sleep import EngineSleepMode
@@ -96,8 +97,8 @@ class LLMEngine(EngineTokenStats, EngineVllmViews, EngineSleepMode):
             if starting is not None:
                 starting.shutdown()
             raise
-        self.input_processor.kv_cache_tokens = (self.engine_core.num_blocks
-                                                * kiln_config.cache_config.block_size)
+        self.input_processor.kv_cache_tokens = prompt_tokens_cached(kiln_config,
+                                                                    self.engine_core.num_blocks)
         self.input_processor.larger_cache_flags = kiln_config.cache_config.larger_cache_flags()
         # The core may have lowered it to what the KV cache holds: so do the configs read.
         self.input_processor.max_model_len = self.engine_core.max_model_len

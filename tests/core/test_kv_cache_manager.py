@@ -138,3 +138,21 @@ def test_blocks_filled_by_generated_tokens_get_cached():
         a.num_computed_tokens += 1
     follow_up = make_request("b", list(range(6)) + [70, 71, 5])
     assert kv.get_computed_blocks(follow_up)[1] == 8
+
+
+def test_eagle_prefix_hits_drop_their_last_block():
+    """An EAGLE head's K/V at a block's last position read the token after it, which the hash
+    does not cover: a hit leaves its last block to be computed again (vLLM's use_eagle), with
+    and without a window (then the window's blocks before the new end stay cached)."""
+    prompt = list(range(50, 63))  # 13 tokens: 3 full blocks
+    for window in (None, 6, 1):
+        kv = KVCacheManager(BS, 20, sliding_window=window, use_eagle=True)
+        assert admit(kv, make_request("a", prompt)) == 0
+        b = make_request("b", prompt[:12] + [7, 8])
+        blocks, num_hit = kv.get_computed_blocks(b)
+        assert num_hit == 8
+        # a window of 1: the query after the hit reads its own key only
+        assert blocks == ([None, None] if window == 1 else kv.req_to_blocks["a"][:2])
+    plain = KVCacheManager(BS, 20)
+    admit(plain, make_request("a", prompt))
+    assert plain.get_computed_blocks(make_request("b", prompt[:12] + [7, 8]))[1] == 12

@@ -14,6 +14,7 @@ from kiln.core.sliding_window_blocks import (
     longest_window_hit,
     num_skipped_blocks,
     peak_blocks,
+    prompt_tokens_cached,
     window_hit_blocks,
 )
 
@@ -34,6 +35,10 @@ def test_kv_window_of_a_config():
 
     assert kv_window_of(make_config(window=8)) == 8  # a Mistral windowed in every layer
     assert kv_window_of(make_config()) is None  # a Llama
+    # the front end's bound on a prompt: the whole cache, or none past max_model_len under a window
+    full = make_config()
+    assert prompt_tokens_cached(full, 10) == 10 * full.cache_config.block_size
+    assert prompt_tokens_cached(make_config(window=8), 10) is None
     hf = make_config(window=8).model_config.hf_config
     full = ModelConfig(model="unused", hf_config=hf, load_format="dummy", max_model_len=8,
                        disable_sliding_window=True)

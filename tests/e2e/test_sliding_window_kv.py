@@ -1,7 +1,8 @@
 """A Mistral with a window of 8 in every layer generating far past it on a KV cache of 16 blocks
 of 4 (64 slots, fewer than one max_model_len=128 request's tokens): blocks behind the window go
 back to the pool, so the engine starts, three requests of up to 76 tokens run side by side
-without preemption, each holding a bounded number of blocks, and the tokens equal HF's."""
+without preemption, each holding a bounded number of blocks, a prompt longer than the whole cache
+is taken, and the tokens equal HF's."""
 import pytest
 
 from kiln import LLM, SamplingParams
@@ -15,11 +16,14 @@ NEW_TOKENS = 40
 BUDGET = 16
 FIRST = random_prompts(2, [20, 33], seed=7)
 PROMPTS = FIRST + [FIRST[0] + [5, 6, 7]]  # the last one hits the first one's blocks
+# longer than the whole cache (64 slots): its window's blocks fit all the same
+LONG = random_prompts(1, [80], seed=8)
 
 
 @pytest.fixture(scope="module")
 def hf_tokens(tiny_mistral_window_dir):
-    return hf_greedy(tiny_mistral_window_dir, PROMPTS, NEW_TOKENS, attn_implementation="eager")
+    return hf_greedy(tiny_mistral_window_dir, PROMPTS + LONG, NEW_TOKENS,
+                     attn_implementation="eager")
 
 
 @pytest.mark.parametrize("prefix_caching, backend", [(True, "cpu"), (False, "torch")])
@@ -45,10 +49,14 @@ def test_windowed_generation_holds_bounded_blocks(tiny_mistral_window_dir, hf_to
     scheduler.schedule = recording_schedule
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == hf_tokens
+    assert [o.outputs[0].token_ids for o in outs] == hf_tokens[:3]
     # a prefill chunk's window and blocks, at most (a decode: 3), never a whole request's
     assert max(held) <= peak_blocks(128, BUDGET, 0, 8, 4) == 7
     stats = scheduler.make_stats()
     assert stats.num_preemptions == 0
     assert (stats.prefix_cache_hits > 0) == prefix_caching
     assert kv.num_free_blocks == 16 and all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+    if prefix_caching:  # once is enough
+        (out,) = llm.generate([{"prompt_token_ids": LONG[0]}], params, use_tqdm=False)
+        assert out.outputs[0].token_ids == hf_tokens[3]
+        assert kv.num_free_blocks == 16

@@ -60,6 +60,17 @@ def test_random_head_drafts_eagles_tokens_and_keeps_greedy_output(
     # the accepted positions only, and read the target's hidden state of each
     for tokens, drafts in seen[::4]:
         assert drafts == reference_drafts(random_head, tiny_llama_dir, tokens, len(drafts))
+    # a prompt hitting the blocks another cached, then going on otherwise: the head's K/V at
+    # the hit's last position read the other prompt's next token, so it is computed again
+    shared = list(range(100, 140))
+    generate(llm, [shared], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    hits = llm.llm_engine.get_stats()["prefix_cache_hits"]
+    seen.clear()
+    generate(llm, [shared[:32] + [7, 8, 9, 10]],
+             SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for tokens, drafts in seen:
+        assert drafts == reference_drafts(random_head, tiny_llama_dir, tokens, len(drafts))
+    assert llm.llm_engine.get_stats()["prefix_cache_hits"] - hits == 16  # 2 blocks, less 1
 
 
 def test_mirroring_head_has_every_draft_accepted_eager_and_compiled(inprocess_core, bigram):
