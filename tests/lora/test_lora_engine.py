@@ -237,23 +237,21 @@ def test_lora_dtype_holds_adapters_in_that_dtype(lora_setup):
     llm.shutdown()
 
 
-def test_phi3_adapter_of_fused_projections_matches_hf(tiny_phi3_dir, tmp_path):
-    """PEFT's Phi-3 adapters target the checkpoint's fused qkv_proj / gate_up_proj (one A, B
-    over every part's rows): they were refused as 'not a q/k/v/o/gate/up/down projection'."""
-    from lora_adapters import greedy, merged_model, write_adapter
+def _adapter_matches_hf(model_dir, adapter, name: str) -> None:
+    """The adapter's greedy tokens and logprobs equal HF's on the merged weights, and differ
+    from the base model's."""
+    from lora_adapters import greedy, merged_model
 
     from kiln.lora.request import LoRARequest
 
     from checkpoints import random_prompts
 
-    adapter = write_adapter(tmp_path / "phi3_lora", tiny_phi3_dir,
-                            targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
     prompts = random_prompts(2, [5, 21], seed=3)
-    merged = merged_model(tiny_phi3_dir, adapter)  # HF's Phi-3 has the fused modules too
+    merged = merged_model(model_dir, adapter)
     want = greedy(merged, prompts, MAX_TOKENS)
-    llm = LLM(str(tiny_phi3_dir), enforce_eager=True, enable_lora=True, max_lora_rank=8,
+    llm = LLM(str(model_dir), enforce_eager=True, enable_lora=True, max_lora_rank=8,
               max_model_len=128, kv_cache_memory=0.02)
-    outs = _run(llm, prompts, LoRARequest("fused", 1, str(adapter)), logprobs=0)
+    outs = _run(llm, prompts, LoRARequest(name, 1, str(adapter)), logprobs=0)
     base = _run(llm, prompts, None)
     llm.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == want
@@ -261,28 +259,23 @@ def test_phi3_adapter_of_fused_projections_matches_hf(tiny_phi3_dir, tmp_path):
     for out, prompt, tokens in zip(outs, prompts, want):
         got = [next(iter(step.values())).logprob for step in out.outputs[0].logprobs]
         assert got == pytest.approx(token_logprobs(merged, prompt, tokens), abs=2e-4)
+
+
+def test_phi3_adapter_of_fused_projections_matches_hf(tiny_phi3_dir, tmp_path):
+    """PEFT's Phi-3 adapters target the checkpoint's fused qkv_proj / gate_up_proj (one A, B
+    over every part's rows): they were refused as 'not a q/k/v/o/gate/up/down projection'.
+    HF's Phi-3 has the fused modules too."""
+    from lora_adapters import write_adapter
+
+    adapter = write_adapter(tmp_path / "phi3_lora", tiny_phi3_dir,
+                            targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    _adapter_matches_hf(tiny_phi3_dir, adapter, "fused")
 
 
 def test_cohere_adapter_matches_hf(tiny_cohere_dir, tmp_path):
     """Command-R's projections are Llama's (q/k/v/o, gate/up/down) in a parallel block: its
     adapters apply as Llama's do."""
-    from lora_adapters import greedy, merged_model, write_adapter
+    from lora_adapters import write_adapter
 
-    from kiln.lora.request import LoRARequest
-
-    from checkpoints import random_prompts
-
-    adapter = write_adapter(tmp_path / "cohere_lora", tiny_cohere_dir)
-    prompts = random_prompts(2, [5, 21], seed=3)
-    merged = merged_model(tiny_cohere_dir, adapter)
-    want = greedy(merged, prompts, MAX_TOKENS)
-    llm = LLM(str(tiny_cohere_dir), enforce_eager=True, enable_lora=True, max_lora_rank=8,
-              max_model_len=128, kv_cache_memory=0.02)
-    outs = _run(llm, prompts, LoRARequest("cohere", 1, str(adapter)), logprobs=0)
-    base = _run(llm, prompts, None)
-    llm.shutdown()
-    assert [o.outputs[0].token_ids for o in outs] == want
-    assert want != [o.outputs[0].token_ids for o in base]  # the adapter changes the answer
-    for out, prompt, tokens in zip(outs, prompts, want):
-        got = [next(iter(step.values())).logprob for step in out.outputs[0].logprobs]
-        assert got == pytest.approx(token_logprobs(merged, prompt, tokens), abs=2e-4)
+    _adapter_matches_hf(tiny_cohere_dir, write_adapter(tmp_path / "cohere_lora",
+                                                       tiny_cohere_dir), "cohere")
