@@ -205,24 +205,43 @@ def make_tiny_classifier(path: Path, arch: str, num_labels: int, seed: int = 0,
     return path
 
 
+# (checkpoint signature, prompt, max_new_tokens, attn_implementation) -> HF's continuation:
+# many tests ask the oracle the same question of the same session checkpoint (HF's generate
+# costs tens of ms a token here), and a greedy run of one prompt depends on nothing else.
+_HF_GREEDY_CACHE: dict[tuple, list[int]] = {}
+
+
+def _checkpoint_signature(model_dir: Path) -> tuple:
+    """The checkpoint's directory and each file's name, size and mtime: a checkpoint rewritten
+    in place is a new one."""
+    root = Path(model_dir).resolve()
+    files = sorted(p for p in root.iterdir() if p.is_file())
+    return (str(root), *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+
+
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
               attn_implementation: str | None = None) -> list[list[int]]:
     """HF transformers' greedy continuation of each prompt, EOS ignored (as Kiln's ignore_eos):
-    exactly max_new_tokens each. One prompt at a time, so no padding enters the oracle.
+    exactly max_new_tokens each. One prompt at a time, so no padding enters the oracle; each
+    answer is remembered for the session (_HF_GREEDY_CACHE).
     attn_implementation: HF's ("eager" for its plain masked softmax; None: its default)."""
-    from transformers import AutoModelForCausalLM
+    signature = _checkpoint_signature(model_dir)
+    keys = [(signature, tuple(ids), max_new_tokens, attn_implementation) for ids in prompts]
+    missing = [(key, ids) for key, ids in zip(keys, prompts) if key not in _HF_GREEDY_CACHE]
+    if missing:
+        from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                 attn_implementation=attn_implementation).eval()
-    # No EOS at all: min_new_tokens would instead mask EOS out of the argmax.
-    model.generation_config.eos_token_id = None
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = model.generate(x, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-            outs.append(y[0, len(ids):].tolist())
-    return outs
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, attn_implementation=attn_implementation).eval()
+        # No EOS at all: min_new_tokens would instead mask EOS out of the argmax.
+        model.generation_config.eos_token_id = None
+        with torch.no_grad():
+            for key, ids in missing:
+                x = torch.tensor([ids])
+                y = model.generate(x, max_new_tokens=max_new_tokens, do_sample=False,
+                                   pad_token_id=0)
+                _HF_GREEDY_CACHE[key] = y[0, len(ids):].tolist()
+    return [list(_HF_GREEDY_CACHE[key]) for key in keys]
 
 
 def random_prompts(n: int, lengths: list[int], vocab: int = 512, seed: int = 0) -> list[list[int]]:

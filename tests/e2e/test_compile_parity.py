@@ -54,16 +54,19 @@ def _llm(model_dir, tmp_path, compilation_config, **kw):
                compilation_config={**compilation_config, "cache_dir": str(tmp_path / "cc")}, **kw)
 
 
-@pytest.mark.parametrize("config", [
-    {"mode": 0}, {"mode": 1}, {"mode": 2}, {"mode": 3, "backend": "eager"},
-], ids=["mode0", "mode1", "mode2", "mode3-eager"])
+# Mode 3 (eager backend): the cold engine of test_mode3_eager_cold_and_warm_start_match_hf.
+@pytest.mark.parametrize("config", [{"mode": 0}, {"mode": 1}, {"mode": 2}],
+                         ids=["mode0", "mode1", "mode2"])
 def test_modes_match_hf(llama4_dir, tmp_path, oracle, config):
     prompts, expected = oracle
     llm = _llm(llama4_dir, tmp_path, config)
     assert _generate(llm, prompts) == expected
 
 
-def test_mode3_inductor_matches_hf_and_serves_without_compiling(llama4_dir, tmp_path, oracle):
+def test_mode3_inductor_matches_hf_serves_without_compiling_and_warm_starts(llama4_dir, tmp_path,
+                                                                           oracle):
+    """Cold: piece counts, no compile or Dynamo entry while serving, the lowered providers and
+    fused ops in Inductor's code; then a second engine on the same cache loads the saved graph."""
     prompts, expected = oracle
     before, environ = compilation_counter.clone(), dict(os.environ)
     lower_ir.reset_record()
@@ -94,21 +97,31 @@ def test_mode3_inductor_matches_hf_and_serves_without_compiling(llama4_dir, tmp_
         for op in ("rotary_embedding_native", "fused_add_rms_norm_native"):
             assert any(f"torch.ops.kiln.{op}_.default(" in c for c in code), op
             assert not any(f"torch.ops.kiln.{op}.default(" in c for c in code), op
+    del llm
+    _assert_warm_start_matches_hf(llama4_dir, tmp_path, {"mode": 3, "backend": "inductor"},
+                                  prompts, expected)
 
 
-@pytest.mark.parametrize("backend", ["inductor", "eager"])
-def test_mode3_warm_start_skips_dynamo_and_matches_hf(llama4_dir, tmp_path, oracle, backend):
-    """A second engine on the same compile cache runs the saved graph: no Dynamo trace."""
-    prompts, expected = oracle
+def _assert_warm_start_matches_hf(model_dir, tmp_path, config, prompts, expected):
+    """A second engine on the cold one's compile cache runs the saved graph: no Dynamo trace."""
     environ = dict(os.environ)
-    cold = _llm(llama4_dir, tmp_path, {"mode": 3, "backend": backend})
-    assert _generate(cold, prompts) == expected
-    del cold
     with compilation_counter.expect(num_dynamo_traces=0, num_graphs_seen=0,
                                     num_saved_graph_loads=1, num_inductor_compiles=0):
-        warm = _llm(llama4_dir, tmp_path, {"mode": 3, "backend": backend})
+        warm = _llm(model_dir, tmp_path, config)
     assert _generate(warm, prompts) == expected
     assert dict(os.environ) == environ  # no engine writes the process's environment
+
+
+def test_mode3_eager_cold_and_warm_start_match_hf(llama4_dir, tmp_path, oracle):
+    """Mode 3 with the eager backend (traced and split, no Inductor), cold and then warm."""
+    prompts, expected = oracle
+    environ = dict(os.environ)
+    cold = _llm(llama4_dir, tmp_path, {"mode": 3, "backend": "eager"})
+    assert _generate(cold, prompts) == expected
+    assert dict(os.environ) == environ
+    del cold
+    _assert_warm_start_matches_hf(llama4_dir, tmp_path, {"mode": 3, "backend": "eager"},
+                                  prompts, expected)
 
 
 @pytest.mark.parametrize("config", [{"mode": 0}, {"mode": 2}, {"mode": 3, "backend": "inductor"}],
