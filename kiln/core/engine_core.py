@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 from kiln.core.core_sleep import CoreSleepMode
-from kiln.core.kv_cache_groups import kv_cache_groups_of, max_fitting_tokens
+from kiln.core.kv_cache_groups import group_peak_blocks, kv_cache_groups_of, max_fitting_tokens
 from kiln.core.outputs import EMPTY_MODEL_RUNNER_OUTPUT, EngineCoreOutput
 from kiln.core.parent_request import child_requests
 from kiln.core.request import Request, RequestStatus
@@ -26,17 +26,21 @@ _GIB = 1 << 30
 
 def kv_cache_too_small_message(max_model_len: int, block_size: int, num_blocks: int,
                                block_bytes: int | None, override: int | None = None,
-                               capacity: int | None = None) -> str:
+                               capacity: int | None = None,
+                               needed_blocks: int | None = None) -> str:
     """vLLM's refusal when one max_model_len request does not fit the KV cache; with
     --num-gpu-blocks-override set (`override`) only it resizes the cache, so it is named.
-    `capacity`: the longest request that fits (default: a block per block_size tokens)."""
+    `capacity`: the longest request that fits (default: a block per block_size tokens);
+    `needed_blocks`: the blocks a max_model_len request holds at once (default: a block per
+    block_size tokens; KV cache groups need each group's, kv_cache_groups.group_peak_blocks)."""
     if capacity is None:
         capacity = num_blocks * block_size
+    if needed_blocks is None:
+        needed_blocks = -(-max_model_len // block_size)
     if block_bytes is None:  # an executor that does not say: in tokens
         need, have = f"{max_model_len} tokens of", f"{capacity} tokens"
     else:
-        needed = -(-max_model_len // block_size) * block_bytes
-        need, have = _amount(needed), _amount(num_blocks * block_bytes)
+        need, have = _amount(needed_blocks * block_bytes), _amount(num_blocks * block_bytes)
     grow = ("`gpu_memory_utilization` (`--kv-cache-memory` on CPU)" if override is None else
             f"`--num-gpu-blocks-override` (set to {override})")
     return (f"To serve at least one request with the model's max seq len ({max_model_len}), "
@@ -105,10 +109,11 @@ class EngineCore(CoreSleepMode):
         # A windowed group holds a bounded number of blocks however long a request runs, so the
         # KV cache may serve more tokens than it has slots (vLLM sizes sliding layers' need
         # alike); a full-attention group needs a block per block_size tokens.
-        capacity = max_fitting_tokens(
-            kv_cache_groups_of(self.kiln_config).windows, num_blocks,
-            self.kiln_config.scheduler_config.max_num_batched_tokens,
-            max_lookahead(self.kiln_config.speculative_config), cache.block_size, max_model_len)
+        windows = kv_cache_groups_of(self.kiln_config).windows
+        chunk = self.kiln_config.scheduler_config.max_num_batched_tokens
+        lookahead = max_lookahead(self.kiln_config.speculative_config)
+        capacity = max_fitting_tokens(windows, num_blocks, chunk, lookahead, cache.block_size,
+                                      max_model_len)
         if capacity >= max_model_len:
             return max_model_len
         if model.max_model_len_from_model and capacity > 0:
@@ -122,7 +127,8 @@ class EngineCore(CoreSleepMode):
         raise ConfigError(kv_cache_too_small_message(
             max_model_len, cache.block_size, num_blocks,
             block_bytes() if block_bytes is not None else None, cache.num_gpu_blocks_override,
-            capacity))
+            capacity, group_peak_blocks(windows, max_model_len, chunk, lookahead,
+                                        cache.block_size)))
 
     def add_request(self, request: Request, child_ids: Sequence[str] = ()) -> None:
         """`child_ids`: `request` is an n > 1 request, and its samples are added as child

@@ -5,6 +5,7 @@ import itertools
 import random
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from kiln.core.block_pool import BlockPool
@@ -18,6 +19,7 @@ from kiln.core.kv_cache_groups import (
 from kiln.core.kv_cache_manager import KVCacheManager
 from kiln.core.kv_cache_utils import cdiv
 from kiln.core.sliding_window_blocks import peak_blocks, window_hit_blocks
+from kiln.errors import ConfigError
 from kiln.worker import kv_cache_layout
 
 from .doubles import make_request
@@ -139,3 +141,20 @@ def test_worker_shares_a_tensor_per_slot():
     assert [layer.kv_group for layer in layers] == [1, 0, 1, 0]
     assert layers[0].kv_cache is layers[1].kv_cache and layers[2].kv_cache is layers[3].kv_cache
     assert layers[0].kv_cache is not layers[2].kv_cache
+
+
+def test_refusal_counts_every_groups_blocks():
+    """A cache too small for one max_model_len request in groups is refused naming what the
+    groups need: it said 25 KiB were needed, 'larger than' the 30 KiB there were (one block per
+    4 tokens, as one full-attention table needs)."""
+    from kiln.core.engine_core import EngineCore
+
+    config = _config([8] * 5 + [None], max_num_batched_tokens=16)  # Gemma-3's six groups
+    config.model_config.max_model_len, config.model_config.max_model_len_from_model = 100, False
+    config.cache_config = SimpleNamespace(block_size=4, num_gpu_blocks_override=30)
+    core = SimpleNamespace(kiln_config=config,
+                           executor=SimpleNamespace(kv_cache_block_bytes=lambda: 1024))
+    with pytest.raises(ConfigError, match=r"\(60.00 KiB KV cache is needed, which is larger "
+                       r"than the available KV cache memory \(30.00 KiB\).*maximum model "
+                       r"length is 20\."):
+        EngineCore._fit_max_model_len(core, 30)
