@@ -116,6 +116,8 @@ class Eagle3LlamaForCausalLM(HFWeightLoading, nn.Module):
         self._draft_to_target = None if self.draft_vocab_size == self.vocab_size and not bool(
             self.d2t.any()) else torch.arange(self.draft_vocab_size,
                                               device=self.d2t.device) + self.d2t.data
+        if self._draft_to_target is not None:
+            _check_draft_to_target(self._draft_to_target, self.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden: torch.Tensor) -> torch.Tensor:
@@ -160,6 +162,22 @@ class Eagle3LlamaForCausalLM(HFWeightLoading, nn.Module):
                               "draft-to-target token id map); use the head's full checkpoint, "
                               "or one whose draft vocabulary is the target's")
         super()._check_complete(params, loaded)
+
+
+def _check_draft_to_target(ids: torch.Tensor, vocab_size: int) -> None:
+    """Refuse a d2t naming ids outside the target's vocabulary, or one id twice: the first
+    failed the first draft step with an IndexError (the engine down, every request with it)."""
+    bad = torch.nonzero((ids < 0) | (ids >= vocab_size)).flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise ConfigError(f"{_WHERE}: its d2t maps draft id {i} to target id {int(ids[i])} "
+                          f"({bad.numel()} id(s) outside the target's vocab_size={vocab_size}); "
+                          "the head was made for another tokenizer: pick the head made for "
+                          "this model")
+    if torch.unique(ids).numel() != ids.numel():
+        raise ConfigError(f"{_WHERE}: its d2t maps {ids.numel() - torch.unique(ids).numel()} "
+                          "draft id(s) onto a target id another draft id has; each draft id "
+                          "needs a target id of its own (draft id i is target id i + d2t[i])")
 
 
 def _load_d2t(param: nn.Parameter, loaded: torch.Tensor) -> None:

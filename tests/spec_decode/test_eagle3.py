@@ -6,6 +6,7 @@ target are refused at config or load time."""
 from types import SimpleNamespace
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from kiln import SamplingParams
 from kiln.config.speculative_config import SpeculativeConfig
@@ -109,9 +110,24 @@ def test_checkpoints_that_cannot_map_draft_ids_are_refused_at_load(tiny_llama_di
         with set_current_kiln_config(proposer.kiln_config):
             proposer.load(target)
 
+    def with_d2t(name, edit):  # a head with its own embedding whose d2t `edit` changes
+        path = write_eagle3_head(tmp_path / name, tiny_llama_dir, draft_vocab=200,
+                                 own_embed=True)
+        weights = load_file(str(path / "model.safetensors"))
+        edit(weights["d2t"])
+        save_file(weights, str(path / "model.safetensors"))
+        return path
+
+    def duplicate(d2t):  # draft id 1 onto draft id 0's target id
+        d2t[1] = d2t[0] - 1
+
     for message, path in (
             ("has no d2t", write_eagle3_head(tmp_path / "d", tiny_llama_dir, draft_vocab=200,
                                               d2t=False)),
+            # the first draft step failed with an IndexError, taking the engine down
+            ("maps draft id 197 to target id", with_d2t("far", lambda d: d[-3:].add_(600))),
+            ("maps draft id 0 to target id -", with_d2t("neg", lambda d: d[:1].sub_(1000))),
+            (r"1 draft id\(s\) onto a target id another", with_d2t("dup", duplicate)),
             ("has no lm_head.weight, and its draft_vocab_size=200", write_eagle3_head(
                 tmp_path / "l", tiny_llama_dir, draft_vocab=200, own_embed=True,
                 own_lm_head=False))):
