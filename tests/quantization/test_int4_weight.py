@@ -241,3 +241,27 @@ def test_awq_modules_to_not_convert_stay_float(src, tmp_path):
     (q / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="modules_to_not_convert.*list all or none"):
         get_model(kiln_config_for(q))
+
+
+# Families whose checkpoints store a linear fused (GPT-NeoX's per-head query_key_value, Phi-3's
+# qkv_proj and gate_up_proj): each 4-bit tensor is split by the rows it keeps (GPTQ / AWQ in
+# packed columns); Phi-3's key/value parts of 12 rows pad their packed zero points.
+FUSED = {"gpt_neox": (("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"), {}),
+         "phi3": (("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+                  dict(hidden_size=48, intermediate_size=80, num_key_value_heads=1))}
+
+
+@pytest.mark.parametrize("arch, fmt, group", [
+    ("gpt_neox", "awq", 32), ("gpt_neox", "compressed-tensors", 16), ("phi3", "gptq", 16),
+    ("phi3", "compressed-tensors", 16)])
+def test_fused_checkpoint_linears_split_their_4bit_tensors(tmp_path, arch, fmt, group):
+    linears, overrides = FUSED[arch]
+    src = make_tiny_checkpoint(tmp_path / "f", arch, tie=False, num_hidden_layers=1, **overrides)
+    q, oracle = write_int4_checkpoint(src, tmp_path / "q", tmp_path / "o", fmt, group,
+                                      linears=linears)
+    prompts = random_prompts(2, [3, 17], seed=7)
+    llm = LLM(model=str(q), dtype="float32", kv_cache_memory=0.01, max_num_seqs=2,
+              enforce_eager=True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == _hf(oracle, prompts, 4)[0]
