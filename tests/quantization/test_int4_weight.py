@@ -182,8 +182,13 @@ def _weights(qc):
     ("compressed-tensors", lambda qc: _weights(qc).update(group_size=48), "group_size=48"),
     ("compressed-tensors", lambda qc: _weights(qc).update(type="float"),
      "weights.type='float'"),
+    # pack-quantized but not W4A16: the field that makes it so, not the format
+    ("compressed-tensors", lambda qc: _weights(qc).update(num_bits=8), "weights.num_bits=8"),
+    ("compressed-tensors", lambda qc: qc["config_groups"]["group_0"].update(
+        input_activations={"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True,
+                           "strategy": "token"}), r"group_0.input_activations=\{"),
 ], ids=["act-order", "gptq-8bit", "gptq-v2", "awq-gemv", "awq-no-zero", "ct-format",
-        "group-not-dividing-k", "ct-float"])
+        "group-not-dividing-k", "ct-float", "ct-w8a16", "ct-w4a8"])
 def test_unsupported_4bit_schemes_are_refused_naming_the_field(src, tmp_path, fmt, edit, field):
     q = _edited(src, tmp_path, fmt, 32, edit)
     with pytest.raises(ConfigError, match=f"quantization_config.*{field}"):
