@@ -256,14 +256,17 @@ FUSED = {"gpt_neox": (("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to
                   dict(hidden_size=48, intermediate_size=80, num_key_value_heads=1))}
 
 
-@pytest.mark.parametrize("arch, fmt, group", [
-    ("gpt_neox", "awq", 32), ("gpt_neox", "compressed-tensors", 16), ("phi3", "gptq", 16),
-    ("phi3", "compressed-tensors", 16)])
-def test_fused_checkpoint_linears_split_their_4bit_tensors(tmp_path, arch, fmt, group):
+@pytest.mark.parametrize("arch, fmt, group, keep_float", [
+    ("gpt_neox", "awq", 32, None), ("gpt_neox", "compressed-tensors", 16, None),
+    ("phi3", "gptq", 16, None), ("phi3", "compressed-tensors", 16, None),
+    # AWQ's modules_to_not_convert naming the fused module as Phi-3 stores it
+    ("phi3", "awq", 16, "layers.0.self_attn.qkv_proj")])
+def test_fused_checkpoint_linears_split_their_4bit_tensors(tmp_path, arch, fmt, group,
+                                                          keep_float):
     linears, overrides = FUSED[arch]
     src = make_tiny_checkpoint(tmp_path / "f", arch, tie=False, num_hidden_layers=1, **overrides)
     q, oracle = write_int4_checkpoint(src, tmp_path / "q", tmp_path / "o", fmt, group,
-                                      linears=linears)
+                                      keep_float=keep_float, linears=linears)
     prompts = random_prompts(2, [3, 17], seed=7)
     llm = LLM(model=str(q), dtype="float32", kv_cache_memory=0.01, max_num_seqs=2,
               enforce_eager=True)
