@@ -207,6 +207,19 @@ def test_act_order_g_idx_is_refused_even_with_desc_act_false(src, tmp_path):
         get_model(kiln_config_for(q))
 
 
+def test_a_gptq_checkpoint_without_g_idx_loads_in_order(src, tmp_path):
+    """Older GPTQ tools saved no g_idx: groups in order, as desc_act false says."""
+    from safetensors.torch import load_file, save_file
+
+    q, oracle = write_int4_checkpoint(src, tmp_path / "q", tmp_path / "o", "gptq", 16)
+    state = load_file(str(q / "model.safetensors"))
+    save_file({k: v for k, v in state.items() if not k.endswith(".g_idx")},
+              str(q / "model.safetensors"))
+    want = load_file(str(oracle / "model.safetensors"))
+    down = get_model(kiln_config_for(q)).model.layers[0].mlp.down_proj
+    assert torch.equal(_served_weight(down), want["model.layers.0.mlp.down_proj.weight"])
+
+
 def test_quantization_flag_must_match_the_checkpoint(src, tmp_path):
     q, _ = write_int4_checkpoint(src, tmp_path / "q", tmp_path / "o", "awq", 32)
     with pytest.raises(ConfigError, match="drop --quantization"):

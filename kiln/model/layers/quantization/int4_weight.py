@@ -137,8 +137,12 @@ class Int4WeightConfig:
             if spec.checked is not None:
                 shards = len(getattr(layer, "output_sizes", ())) or (
                     3 if hasattr(layer, "q_size") else 1)
-                setattr(layer, spec.checked, _param(torch.zeros(shards, dtype=torch.int8),
-                                                    self._checker(layer, spec.checked, g)))
+                checked = _param(torch.zeros(shards, dtype=torch.int8),
+                                 self._checker(layer, spec.checked, g))
+                # older GPTQ tools saved no g_idx: in order, as desc_act false says (vLLM
+                # loads such checkpoints too)
+                checked.optional_in_checkpoint = spec.checked == "g_idx"
+                setattr(layer, spec.checked, checked)
             layer.int4_roles = (spec.packed[0], spec.scales[0],
                                 spec.zeros[0] if len(roles) == 3 else None, spec.checked)
             layer.int4_group = g
