@@ -101,10 +101,12 @@ def quantization_config(fmt: str, group: int, symmetric: bool) -> dict:
 
 def write_int4_checkpoint(src: Path, dst: Path, oracle: Path, fmt: str, group: int,
                           symmetric: bool = False, keep_float: str | None = None,
-                          ) -> tuple[Path, Path]:
+                          linears: tuple[str, ...] = LINEAR_SUFFIXES) -> tuple[Path, Path]:
     """`dst`: `src` with every decoder linear stored 4-bit in `fmt` (but those whose module
     name contains `keep_float`, listed in AWQ's modules_to_not_convert); `oracle`: `src` with
-    those weights replaced by their dequantized values (float32). AWQ is asymmetric only."""
+    those weights replaced by their dequantized values (float32). AWQ is asymmetric only.
+    `linears`: the family's linear module names (fused ones, GPT-NeoX's query_key_value, are
+    quantized whole, as the tools do)."""
     import re
 
     from safetensors.torch import load_file, save_file
@@ -116,7 +118,7 @@ def write_int4_checkpoint(src: Path, dst: Path, oracle: Path, fmt: str, group: i
     scale_dtype = torch.bfloat16 if fmt == "compressed-tensors" else torch.float16
     for name, t in tensors.items():
         module = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEAR_SUFFIXES) or (
+        if not (name.endswith(".weight") and module.rsplit(".", 1)[-1] in linears) or (
                 keep_float and re.search(re.escape(keep_float), module)):
             out[name] = floats[name] = t
             continue

@@ -15,6 +15,7 @@ import torch
 from kiln.compilation.decorator import support_torch_compile
 from kiln.errors import ConfigError
 from kiln.model.layers.layernorm import LayerNorm
+from kiln.model.layers.quantization import int4_formats
 from kiln.model.llama import LlamaDecoderLayer, LlamaStyleForCausalLM, LlamaStyleModel
 from kiln.model.partial_rotary import PartialRotaryAttention
 from kiln.model.starcoder2 import GeluMLP
@@ -105,14 +106,21 @@ def split_query_key_value(name: str, tensor: torch.Tensor,
         return [(name, tensor)]
     heads = hf_config.num_attention_heads
     rows = 3 * hf_config.hidden_size
+    names = [name.replace(".qkv_proj.", f".{part}_proj.") for part in ("q", "k", "v")]
+
+    def split(t: torch.Tensor) -> list[torch.Tensor]:
+        per_head = t.reshape(heads, 3, -1, *t.shape[1:])  # [heads, 3, hd, ...]
+        return [per_head[:, i].reshape(-1, *t.shape[1:]) for i in range(3)]
+
+    # a 4-bit checkpoint's tensors keep the rows elsewhere (GPTQ / AWQ: columns, packed)
+    parts = int4_formats.split_rows(hf_config, name.rpartition(".")[2], tensor, rows, split)
+    if parts is not None:
+        return list(zip(names, parts))
     if tensor.dim() == 0 or tensor.shape[0] != rows:
         raise ConfigError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected "
                           f"{rows} rows (3 x hidden_size); the checkpoint does not match its "
                           "config (hidden_size, num_attention_heads)")
-    per_head = tensor.reshape(heads, 3, -1, *tensor.shape[1:])  # [heads, 3, hd, ...]
-    return [(name.replace(".qkv_proj.", f".{part}_proj."),
-             per_head[:, i].reshape(-1, *tensor.shape[1:]))
-            for i, part in enumerate(("q", "k", "v"))]
+    return list(zip(names, split(tensor)))
 
 
 def kiln_name(name: str) -> str:

@@ -89,6 +89,8 @@ class HFWeightLoading:
             if self.tie_word_embeddings and name == "lm_head.weight" \
                     and not self.head_loads_embedding:
                 continue
+            if getattr(param, "optional_in_checkpoint", False):  # a check only (GPTQ's g_idx)
+                continue
             # stacked experts (kiln/model/layers/fused_moe.py) name their own parts
             shards = getattr(param, "shard_ids", None)
             parts = [(name, s) for s in shards] if shards else checkpoint_parts(name)

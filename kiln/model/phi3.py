@@ -13,6 +13,7 @@ import torch
 from kiln.compilation.decorator import support_torch_compile
 from kiln.config.rope import partial_rotary_factor_of
 from kiln.errors import ConfigError
+from kiln.model.layers.quantization import int4_formats
 from kiln.model.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -66,12 +67,17 @@ def split_fused(name: str, tensor: torch.Tensor, hf_config) -> list[tuple[str, t
         parts = (".gate_proj.", ".up_proj."), ".gate_up_proj."
     else:
         return [(name, tensor)]
+    names = [name.replace(parts[1], part) for part in parts[0]]
+    # a 4-bit checkpoint's tensors keep the rows elsewhere (GPTQ / AWQ: columns, packed)
+    pieces = int4_formats.split_rows(hf_config, name.rpartition(".")[2], tensor, sum(sizes),
+                                     lambda t: t.split(sizes, dim=0))
+    if pieces is not None:
+        return list(zip(names, pieces))
     if tensor.dim() == 0 or tensor.shape[0] != sum(sizes):
         raise ConfigError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected "
                           f"{sum(sizes)} rows ({' + '.join(map(str, sizes))}); the checkpoint "
                           "does not match its config (sizes, head counts, head_dim)")
-    pieces = tensor.split(sizes, dim=0)
-    return [(name.replace(parts[1], part), piece) for part, piece in zip(parts[0], pieces)]
+    return list(zip(names, tensor.split(sizes, dim=0)))
 
 
 class Phi3ForCausalLM(LlamaStyleForCausalLM):

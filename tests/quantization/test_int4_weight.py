@@ -182,8 +182,13 @@ def _weights(qc):
     ("compressed-tensors", lambda qc: _weights(qc).update(group_size=48), "group_size=48"),
     ("compressed-tensors", lambda qc: _weights(qc).update(type="float"),
      "weights.type='float'"),
+    # pack-quantized but not W4A16: the field that makes it so, not the format
+    ("compressed-tensors", lambda qc: _weights(qc).update(num_bits=8), "weights.num_bits=8"),
+    ("compressed-tensors", lambda qc: qc["config_groups"]["group_0"].update(
+        input_activations={"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True,
+                           "strategy": "token"}), r"group_0.input_activations=\{"),
 ], ids=["act-order", "gptq-8bit", "gptq-v2", "awq-gemv", "awq-no-zero", "ct-format",
-        "group-not-dividing-k", "ct-float"])
+        "group-not-dividing-k", "ct-float", "ct-w8a16", "ct-w4a8"])
 def test_unsupported_4bit_schemes_are_refused_naming_the_field(src, tmp_path, fmt, edit, field):
     q = _edited(src, tmp_path, fmt, 32, edit)
     with pytest.raises(ConfigError, match=f"quantization_config.*{field}"):
@@ -200,6 +205,19 @@ def test_act_order_g_idx_is_refused_even_with_desc_act_false(src, tmp_path):
     save_file(state, str(q / "model.safetensors"))
     with pytest.raises(ConfigError, match="down_proj.g_idx.*desc_act"):
         get_model(kiln_config_for(q))
+
+
+def test_a_gptq_checkpoint_without_g_idx_loads_in_order(src, tmp_path):
+    """Older GPTQ tools saved no g_idx: groups in order, as desc_act false says."""
+    from safetensors.torch import load_file, save_file
+
+    q, oracle = write_int4_checkpoint(src, tmp_path / "q", tmp_path / "o", "gptq", 16)
+    state = load_file(str(q / "model.safetensors"))
+    save_file({k: v for k, v in state.items() if not k.endswith(".g_idx")},
+              str(q / "model.safetensors"))
+    want = load_file(str(oracle / "model.safetensors"))
+    down = get_model(kiln_config_for(q)).model.layers[0].mlp.down_proj
+    assert torch.equal(_served_weight(down), want["model.layers.0.mlp.down_proj.weight"])
 
 
 def test_quantization_flag_must_match_the_checkpoint(src, tmp_path):
@@ -241,3 +259,30 @@ def test_awq_modules_to_not_convert_stay_float(src, tmp_path):
     (q / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="modules_to_not_convert.*list all or none"):
         get_model(kiln_config_for(q))
+
+
+# Families whose checkpoints store a linear fused (GPT-NeoX's per-head query_key_value, Phi-3's
+# qkv_proj and gate_up_proj): each 4-bit tensor is split by the rows it keeps (GPTQ / AWQ in
+# packed columns); Phi-3's key/value parts of 12 rows pad their packed zero points.
+FUSED = {"gpt_neox": (("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"), {}),
+         "phi3": (("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+                  dict(hidden_size=48, intermediate_size=80, num_key_value_heads=1))}
+
+
+@pytest.mark.parametrize("arch, fmt, group, keep_float", [
+    ("gpt_neox", "awq", 32, None), ("gpt_neox", "compressed-tensors", 16, None),
+    ("phi3", "gptq", 16, None), ("phi3", "compressed-tensors", 16, None),
+    # AWQ's modules_to_not_convert naming the fused module as Phi-3 stores it
+    ("phi3", "awq", 16, "layers.0.self_attn.qkv_proj")])
+def test_fused_checkpoint_linears_split_their_4bit_tensors(tmp_path, arch, fmt, group,
+                                                          keep_float):
+    linears, overrides = FUSED[arch]
+    src = make_tiny_checkpoint(tmp_path / "f", arch, tie=False, num_hidden_layers=1, **overrides)
+    q, oracle = write_int4_checkpoint(src, tmp_path / "q", tmp_path / "o", fmt, group,
+                                      keep_float=keep_float, linears=linears)
+    prompts = random_prompts(2, [3, 17], seed=7)
+    llm = LLM(model=str(q), dtype="float32", kv_cache_memory=0.01, max_num_seqs=2,
+              enforce_eager=True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == _hf(oracle, prompts, 4)[0]

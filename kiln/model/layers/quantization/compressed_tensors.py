@@ -149,6 +149,7 @@ def parse_w8a8_int8(raw: dict) -> tuple[list[str], list[str]]:
     if not isinstance(raw, dict):
         raw = raw.to_dict()
     config = _validated(raw)
+    _refuse_packed_beyond_w4a16(raw)
     # Read from the raw dict: the package's model fills a missing one with "fakequant". None or
     # "mixed-precision" defers to each group's own format (as vLLM reads it), checked below.
     top_format = raw.get("format")
@@ -171,6 +172,25 @@ def parse_w8a8_int8(raw: dict) -> tuple[list[str], list[str]]:
             _refuse(f"{where}.output_activations", scheme.output_activations.model_dump(),
                     "output activations are not quantized")
     return _targets_and_ignore(config)
+
+
+def _refuse_packed_beyond_w4a16(raw: dict) -> None:
+    """A pack-quantized group one field away from W4A16 (is_weight_only_4bit sent it here) is
+    refused naming that field: W8A16's weights.num_bits, W4A8's input_activations (a W8A8 one
+    stored pack-quantized is refused naming its format, below)."""
+    for name, group in (raw.get("config_groups") or {}).items():
+        group = group or {}
+        if (group.get("format") or raw.get("format")) != "pack-quantized":
+            continue
+        where = f"config_groups.{name}"
+        bits = (group.get("weights") or {}).get("num_bits")
+        acts = group.get("input_activations")
+        if bits != 4 and acts is None:
+            _refuse(f"{where}.weights.num_bits", bits, "pack-quantized weights run at 4 bits "
+                    "only (W4A16); W8A16 is not supported")
+        if bits == 4 and acts is not None:
+            _refuse(f"{where}.input_activations", acts, "4-bit weights "
+                    "run with unquantized activations (W4A16); W4A8 is not supported")
 
 
 def _targets_lm_head(targets: list[str]) -> bool:

@@ -144,3 +144,75 @@ def check_g_idx(g_idx: torch.Tensor, group_size: int) -> None:
     if not torch.equal(g_idx.to(torch.int64), want):
         refuse("desc_act", False, "the checkpoint's g_idx is not in order (act-order weights "
                "saved with desc_act false); requantize without act-order")
+
+
+# Where each format's stored tensors keep a linear's output rows: (dim, packing along it:
+# None, "int4" in order, "awq" in AWQ_ORDER). weight_shape and g_idx have no rows.
+_ROWS = {"compressed-tensors": {"weight_packed": (0, None), "weight_scale": (0, None),
+                                "weight_zero_point": (0, "int4")},
+         "gptq": {"qweight": (1, None), "scales": (1, None), "qzeros": (1, "int4")},
+         "awq": {"qweight": (1, "awq"), "scales": (1, None), "qzeros": (1, "awq")}}
+_ROWLESS = ("weight_shape", "g_idx")
+
+
+def checkpoint_format(hf_config) -> str | None:
+    """The 4-bit format (a key of FORMATS) of a checkpoint's quantization_config; None: none."""
+    from kiln.model.layers.quantization.compressed_tensors import is_weight_only_4bit
+
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    raw = qc if isinstance(qc, dict) else qc.to_dict()
+    method = raw.get("quant_method")
+    if method in ("gptq", "awq"):
+        return method
+    return "compressed-tensors" if method == "compressed-tensors" and is_weight_only_4bit(
+        raw) else None
+
+
+def split_rows(hf_config, leaf: str, tensor: torch.Tensor, rows: int, split):
+    """A fused linear's stored 4-bit tensor `leaf` (qweight, weight_zero_point, ...) as its
+    parts', each in the stored layout; `split(t)` takes t rows first ([rows, ...]) and returns
+    the parts' tensors rows first, as it does for a float weight. None: `leaf` is no 4-bit
+    tensor of the checkpoint's format (the caller splits it as a float one)."""
+    fmt = checkpoint_format(hf_config)
+    if fmt is None:
+        return None
+    if leaf in _ROWLESS:  # every part keeps the input width (and g_idx, which is per input)
+        parts = split(torch.arange(rows))
+        if leaf == "g_idx":
+            return [tensor] * len(parts)
+        return [torch.tensor([len(p), int(tensor.reshape(-1)[-1])], dtype=tensor.dtype)
+                for p in parts]
+    if leaf not in _ROWS[fmt]:
+        return None
+    dim, packing = _ROWS[fmt][leaf]
+    t = tensor
+    if packing == "int4":
+        t = unpack_int4(_int32(t, leaf), dim)
+    elif packing == "awq":
+        t = _awq_unpack(_int32(t, leaf))
+    t = t.narrow(dim, 0, rows) if packing else t  # packing pads the rows to words of 8
+    if t.shape[dim] != rows:
+        raise ConfigError(f"checkpoint tensor {leaf} of a fused linear holds {t.shape[dim]} "
+                          f"output rows where the config gives {rows}; the checkpoint does not "
+                          "match its config")
+    out = []
+    for part in split(t.movedim(dim, 0)):
+        part = part.movedim(0, dim)
+        if packing:
+            pad = -part.shape[dim] % PACK_ROWS
+            part = torch.nn.functional.pad(part, (0, pad) if dim == part.dim() - 1 else
+                                           (0, 0, 0, pad))
+            part = _awq_pack(part) if packing == "awq" else pack_int4(part, dim)
+        out.append(part.contiguous())
+    return out
+
+
+PACK_ROWS = 8  # values an int32 word holds
+
+
+def _awq_pack(values: torch.Tensor) -> torch.Tensor:
+    """_awq_unpack's inverse: int32 [R, C] in column order -> [R, C / 8] in AWQ's order."""
+    v = values.reshape(values.shape[0], -1, 8)[..., list(AWQ_ORDER)]
+    return pack_int4(v.reshape(values.shape[0], -1))

@@ -87,12 +87,15 @@ class Int4WeightConfig:
 
     def _skipped(self, model: nn.Module, name: str) -> bool:
         """AWQ's modules_to_not_convert (names contained in a module's, as AutoAWQ and vLLM
-        match them), over a merged linear's parts; parts that disagree are refused."""
+        match them), over a merged linear's parts as the checkpoint names them (Phi-3 stores
+        qkv_proj / gate_up_proj fused: one name); parts that disagree are refused."""
         from kiln.model.layers.quantization.w8a8_int8 import MERGED_PARTS, checkpoint_module_name
 
         stored = checkpoint_module_name(model, name)
         prefix, _, leaf = stored.rpartition(".")
-        names = [f"{prefix}.{p}" for p in MERGED_PARTS.get(leaf, ())] or [stored]
+        fused = getattr(model, "fused_checkpoint_modules", ())
+        names = [] if leaf in fused else [f"{prefix}.{p}" for p in MERGED_PARTS.get(leaf, ())]
+        names = names or [stored]
         flags = {any(s in n for s in self.skip) for n in names}
         if len(flags) > 1:
             int4_formats.refuse("modules_to_not_convert", self.skip,
@@ -134,8 +137,12 @@ class Int4WeightConfig:
             if spec.checked is not None:
                 shards = len(getattr(layer, "output_sizes", ())) or (
                     3 if hasattr(layer, "q_size") else 1)
-                setattr(layer, spec.checked, _param(torch.zeros(shards, dtype=torch.int8),
-                                                    self._checker(layer, spec.checked, g)))
+                checked = _param(torch.zeros(shards, dtype=torch.int8),
+                                 self._checker(layer, spec.checked, g))
+                # older GPTQ tools saved no g_idx: in order, as desc_act false says (vLLM
+                # loads such checkpoints too)
+                checked.optional_in_checkpoint = spec.checked == "g_idx"
+                setattr(layer, spec.checked, checked)
             layer.int4_roles = (spec.packed[0], spec.scales[0],
                                 spec.zeros[0] if len(roles) == 3 else None, spec.checked)
             layer.int4_group = g
