@@ -123,26 +123,14 @@ def split_query_key_value(name: str, tensor: torch.Tensor,
     return list(zip(names, split(tensor)))
 
 
-def kiln_name(name: str) -> str:
-    for pattern, replacement in _RENAMES:
-        name = pattern.sub(replacement, name)
-    return name
-
-
 class GPTNeoXForCausalLM(LlamaStyleForCausalLM):
     model_cls = GPTNeoXModel
 
-    @staticmethod
-    def checkpoint_module_name(name: str) -> str:
-        for ours, theirs in _MODULE_NAMES:
-            name = name.replace(ours, theirs)
-        return name
+    checkpoint_renames = _RENAMES
+    checkpoint_module_names = _MODULE_NAMES
 
     def kiln_named(self, weights: Iterable[tuple[str, torch.Tensor]]
                    ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             if not _IGNORED.search(name):
-                yield from split_query_key_value(kiln_name(name), tensor, self.config)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(self.kiln_named(weights))
+                yield from split_query_key_value(self.kiln_name(name), tensor, self.config)

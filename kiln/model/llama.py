@@ -4,6 +4,7 @@
 backbone is its own class so the compile decorator can wrap each one once.
 """
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -260,12 +261,33 @@ class LlamaStyleForCausalLM(HFWeightLoading, nn.Module):
             return self.model.is_last_stage
         return True
 
+    # A family whose checkpoint names its tensors otherwise (GPT-NeoX, Phi): (pattern, Kiln's
+    # name part) rules applied on load, and Kiln's module name part -> the checkpoint's (what a
+    # quantization_config's ignore list names)
+    checkpoint_renames: tuple[tuple[re.Pattern, str], ...] = ()
+    checkpoint_module_names: tuple[tuple[str, str], ...] = ()
+
+    def kiln_name(self, name: str) -> str:
+        for pattern, replacement in self.checkpoint_renames:
+            name = pattern.sub(replacement, name)
+        return name
+
+    def checkpoint_module_name(self, name: str) -> str:
+        for ours, theirs in self.checkpoint_module_names:
+            name = name.replace(ours, theirs)
+        return name
+
     def kiln_named(self, weights: Iterable[tuple[str, torch.Tensor]]
                    ) -> Iterable[tuple[str, torch.Tensor]]:
-        """The checkpoint's tensors under Kiln's names (lm_head., model.layers. ...): what a
-        wrapper (the classifier, seq_cls.py) reads them by. A family whose checkpoint names
-        its own (GPT-NeoX: embed_out) maps them; the names must map to themselves again."""
-        return weights
+        """The checkpoint's tensors under Kiln's names (lm_head., model.layers. ...): what
+        load_weights and a wrapper (the classifier, seq_cls.py) read them by; the names must
+        map to themselves again."""
+        if not self.checkpoint_renames:
+            return weights
+        return ((self.kiln_name(name), tensor) for name, tensor in weights)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(self.kiln_named(weights))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)  # [N, V] float32

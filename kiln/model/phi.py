@@ -7,7 +7,6 @@ The checkpoint's names (self_attn.dense, mlp.fc1 / fc2, model.final_layernorm) a
 Kiln's modules on load; q / k / v load into the merged QKV layer as Llama's do.
 """
 import re
-from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -69,24 +68,9 @@ class PhiModel(LlamaStyleModel):
     layer_cls = PhiDecoderLayer
 
 
-def kiln_name(name: str) -> str:
-    for pattern, replacement in _RENAMES:
-        name = pattern.sub(replacement, name)
-    return name
-
-
 class PhiForCausalLM(LlamaStyleForCausalLM):
     model_cls = PhiModel
     lm_head_bias = True
 
-    @staticmethod
-    def checkpoint_module_name(name: str) -> str:
-        for ours, theirs in _MODULE_NAMES:
-            name = name.replace(ours, theirs)
-        return name
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def renamed() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                yield kiln_name(name), tensor
-        return super().load_weights(renamed())
+    checkpoint_renames = _RENAMES
+    checkpoint_module_names = _MODULE_NAMES
