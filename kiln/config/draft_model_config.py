@@ -14,7 +14,7 @@ def resolve_draft_model_config(spec, target: ModelConfig) -> None:
     if target.runner_type != "generate":
         raise ConfigError(f"{_FLAG} drafts generated tokens; drop it with --runner "
                           f"{target.runner_type}")
-    if spec.method in ("eagle", "eagle3"):
+    if spec.is_eagle:
         from kiln.config.eagle3_config import eagle3_model_config
         from kiln.config.eagle_config import eagle_model_config
 

@@ -121,6 +121,12 @@ class SpeculativeConfig:
         """Whether a model in the worker proposes the drafts (not the scheduler's n-grams)."""
         return self.method in RUNNER_METHODS
 
+    @property
+    def is_eagle(self) -> bool:
+        """An EAGLE head (1 or 3): it reads the target's hidden states, and its K/V at a
+        block's last position read the token after the block."""
+        return self.method in ("eagle", "eagle3")
+
     @classmethod
     def from_value(cls, value) -> "SpeculativeConfig | None":
         """None / {} -> None; a SpeculativeConfig, a dict or its JSON text -> the config."""

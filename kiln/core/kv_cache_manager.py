@@ -47,8 +47,6 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching)
         # req_id -> one table per group (None: a block freed behind the window)
         self.req_to_group_blocks: dict[str, list[list[KVCacheBlock | None]]] = {}
-        # req_id -> group 0's table (the only one without hybrid grouping)
-        self.req_to_blocks: dict[str, list[KVCacheBlock | None]] = {}
         # req_id -> how many leading blocks of the request were already offered to the cache.
         self._num_cached_blocks: dict[str, int] = {}
         # Blocks registered since the last step's forward finished: their K/V is written only
@@ -62,6 +60,11 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.block_pool.usage()
+
+    @property
+    def req_to_blocks(self) -> dict[str, list[KVCacheBlock | None]]:
+        """req_id -> group 0's table (the only one without hybrid grouping)."""
+        return {req_id: tables[0] for req_id, tables in self.req_to_group_blocks.items()}
 
     def get_block_ids(self, req_id: str, group: int = 0) -> list[int]:
         tables = self.req_to_group_blocks.get(req_id)
@@ -164,7 +167,6 @@ class KVCacheManager:
         self.block_pool.touch(taken)
         if is_new:
             self.req_to_group_blocks[req_id] = held
-            self.req_to_blocks[req_id] = held[0]
             self._num_cached_blocks[req_id] = len(hits_by_group[0])
         new_ids = []
         for blocks, hits, num in zip(held, hits_by_group, num_new_blocks):
@@ -184,7 +186,6 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks. Its full blocks stay findable by hash until reused."""
         tables = self.req_to_group_blocks.pop(request.request_id, None)
-        self.req_to_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         for blocks in tables or ():
             # Tail blocks first: they are the least likely to be shared, so evict them sooner.

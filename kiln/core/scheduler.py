@@ -45,7 +45,7 @@ class Scheduler(Requeueing):
         self.kv_cache_manager = KVCacheManager(
             cache.block_size, num_blocks, cache.enable_prefix_caching,
             group_windows=kv_cache_groups_of(kiln_config).windows,
-            use_eagle=spec is not None and spec.method in ("eagle", "eagle3"))
+            use_eagle=spec is not None and spec.is_eagle)
         self.larger_cache_flags = cache.larger_cache_flags()  # named when a request is cut
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.policy = sched.policy

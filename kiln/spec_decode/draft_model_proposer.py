@@ -25,7 +25,7 @@ def make_drafter(kiln_config, device: torch.device):
     spec = kiln_config.speculative_config
     if spec is None or not spec.runner_proposes:
         return None
-    if spec.method in ("eagle", "eagle3"):
+    if spec.is_eagle:
         from kiln.spec_decode.eagle_proposer import Eagle3Proposer, EagleProposer
         return (EagleProposer if spec.method == "eagle" else Eagle3Proposer)(kiln_config,
                                                                               device)
