@@ -189,8 +189,8 @@ class AsyncLLM(AsyncLLMLifecycle):
 
     def _add_on_engine_thread(self, stream: RequestStream, processed, arrival_time,
                               priority: int = 0) -> None:
-        self.engine.add_processed_request(stream.request_id, processed, arrival_time,
-                                          priority=priority)
+        stream.engine = self.engine.add_processed_request(stream.request_id, processed,
+                                                          arrival_time, priority=priority)
         stream.first_step = self._steps.steps_run + 1
 
     async def generate(self, prompt, sampling_params: SamplingParams, request_id: str, *,
@@ -274,8 +274,8 @@ class AsyncLLM(AsyncLLMLifecycle):
         """{"prompt": rendered text, "prompt_token_ids": ids} for a conversation."""
         return await self.run_in_engine(self.engine.chat_prompt, messages, **kwargs)
 
-    def _on_step(self, outputs: list[RequestOutput], step_tokens: list[int], stats: dict,
-                 step: int) -> None:
+    def _on_step(self, outputs: list[RequestOutput], step_tokens: list[tuple[int, int]],
+                 stats: dict, step: int) -> None:
         """The step loop's outputs, on the event loop."""
         self.last_stats = stats
         self._streams.dispatch(outputs, step_tokens, step)

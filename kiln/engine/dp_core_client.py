@@ -112,6 +112,7 @@ class DPCoreClient:
         # Per replica: the num_sent of each add its latest stats have not seen yet.
         self._unseen: list[list[int]] = [[] for _ in self.clients]
         self._turn = 0  # where ties start: equal replicas take new requests in turn
+        self.last_step_engines: list[int] = []  # the replica of each of step()'s last steps
         self.startup_timings: dict = {}
 
     def wait_until_ready(self) -> None:
@@ -183,7 +184,7 @@ class DPCoreClient:
         """Every replica's core steps since the last call, waiting up to _STEP_WAIT_MS for one
         of them (any replica's outputs or death ends the wait)."""
         busy = [c for c in self.clients if c.has_unfinished_requests()]
-        steps = [s for c in busy for s in self._step(c)]
+        steps = self._steps(busy)
         if steps or not busy:
             return steps
         poller = zmq.Poller()
@@ -198,7 +199,16 @@ class DPCoreClient:
         finally:
             for lock in locks:
                 lock.release()
-        return [s for c in busy for s in self._step(c)]
+        return self._steps(busy)
+
+    def _steps(self, busy: list[CoreProcClient]) -> list[list[EngineCoreOutput]]:
+        """The `busy` replicas' steps so far, noting each one's replica (last_step_engines)."""
+        steps, self.last_step_engines = [], []
+        for client in busy:
+            mine = self._step(client)
+            steps += mine
+            self.last_step_engines += [self.clients.index(client)] * len(mine)
+        return steps
 
     def _step(self, client: CoreProcClient) -> list[list[EngineCoreOutput]]:
         """The replica's steps so far; its death raised naming it."""

@@ -6,16 +6,18 @@ and the stats it reports (the scheduler's, with those totals).
 class EngineTokenStats:
     """Mixed into `LLMEngine` (llm_engine.py), whose state and helpers these methods use."""
 
-    def _count_tokens(self, steps: list[list], seen: list[tuple[int, int] | None]) -> list[int]:
+    def _count_tokens(self, steps: list[list], seen: list[tuple[int, int] | None],
+                      engines: list[int]) -> list[tuple[int, int]]:
         """Add up what core steps' outputs (one list per step) showed the user: `seen`, the
         output processor's (prompt, generated) tokens per output in the steps' order (None:
-        never shown). Returns each step's prompt + generated tokens, for every step with an
+        never shown); `engines`: each step's data-parallel replica. Returns (replica, prompt +
+        generated tokens) of each step, for every step with an
         output the user sees (as vLLM observes iteration tokens: a step of a partial prefill
         sends none; nor does one that only finished requests aborted meanwhile count here).
         Generated tokens are those the output kept: a stop string inside a run of accepted
         drafts cuts the rest, which no step without drafts would have made."""
         totals, i = [], 0
-        for outputs in steps:
+        for outputs, engine in zip(steps, engines):
             counted = [c for c in seen[i:i + len(outputs)] if c is not None]
             i += len(outputs)
             if not counted:
@@ -24,7 +26,7 @@ class EngineTokenStats:
             generated = sum(g for _, g in counted)
             self.num_prompt_tokens += prompt
             self.num_generation_tokens += generated
-            totals.append(prompt + generated)
+            totals.append((engine, prompt + generated))
         return totals
 
     def get_stats(self) -> dict:

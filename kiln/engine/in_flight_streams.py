@@ -36,15 +36,24 @@ class InFlightStreams(dict[str, RequestStream]):
         return ids
 
     def _record_abort(self, stream: RequestStream) -> None:
-        stats = IterationStats()
+        stats = IterationStats(engine=stream.engine)
         stream.timer.observe_abort(time.monotonic(), stats)
         self._record(stats)
 
-    def dispatch(self, outputs: list[RequestOutput], step_tokens: list[int], step: int) -> None:
-        """`step_tokens`: the engine's last_step_tokens (none for a poll that found no step).
-        `step`: which engine step made `outputs` (StepLoop.steps_run)."""
+    def dispatch(self, outputs: list[RequestOutput], step_tokens: list[tuple[int, int]],
+                 step: int) -> None:
+        """`step_tokens`: (replica, tokens) of each core step the engine counted (its
+        last_step_engines and last_step_tokens; none for a poll that found no step).
+        `step`: which engine step made `outputs` (StepLoop.steps_run). The stat loggers get one
+        IterationStats per replica with steps or outputs (replica 0's when there are none)."""
         now = time.monotonic()
-        stats = IterationStats(step_tokens=step_tokens)
+        by_engine: dict[int, IterationStats] = {}
+
+        def of(engine: int) -> IterationStats:
+            return by_engine.setdefault(engine, IterationStats(engine=engine))
+
+        for engine, tokens in step_tokens:
+            of(engine).step_tokens.append(tokens)
         for out in outputs:
             stream = self.get(out.request_id)
             if stream is None or stream.first_step is None or step < stream.first_step:
@@ -52,11 +61,12 @@ class InFlightStreams(dict[str, RequestStream]):
                 # its namesake's (the step ran before the new add: its outputs reached the
                 # new stream, whose text then began with the old request's tokens)
                 continue
-            stream.timer.observe(out, now, stats)
+            stream.timer.observe(out, now, of(stream.engine))
             stream.put_delta(out)
             if out.finished:
                 del self[out.request_id]
-        self._record(stats)
+        for stats in by_engine.values() or [IterationStats()]:
+            self._record(stats)
 
     def fail_all(self, error: BaseException) -> None:
         """The engine is gone: every stream ends with `error`."""

@@ -115,6 +115,7 @@ class LLMEngine(EngineTokenStats, EngineVllmViews, EngineSleepMode):
         # Prompt + generated tokens of each core step the last step() took in that had outputs
         # (vLLM's iteration_tokens_total observes one value per such step).
         self.last_step_tokens: list[int] = []
+        self.last_step_engines: list[int] = []  # each counted step's data-parallel replica
         # do_log_stats()'s window: since when, and the totals then (engine_vllm_views.py)
         self._last_logged = (time.monotonic(), 0, 0, 0, 0, None)
 
@@ -185,7 +186,8 @@ class LLMEngine(EngineTokenStats, EngineVllmViews, EngineSleepMode):
         self.add_processed_request(request_id, processed, arrival_time, priority=priority)
 
     def add_processed_request(self, request_id: str, processed: ProcessedPrompt,
-                              arrival_time: float | None = None, *, priority: int = 0) -> None:
+                              arrival_time: float | None = None, *, priority: int = 0) -> int:
+        """Returns the data-parallel replica it went to (0 without data parallel)."""
         check_priority(priority)
         check_request_id(request_id)
         core = self._core()
@@ -223,12 +225,13 @@ class LLMEngine(EngineTokenStats, EngineVllmViews, EngineSleepMode):
         # vLLM's RequestOutput.lora_request, on every output of engine.step() too
         self.output_processor.requests[request_id].lora_request = processed.lora_request
         try:
-            core.add_request(core_request, child_ids)
+            replica = core.add_request(core_request, child_ids)
         except BaseException:
             # Leave no half-added request behind (the core adds a parent's samples all or
             # none): other requests must be unaffected.
             self.output_processor.abort_requests([request_id])
             raise
+        return replica if isinstance(replica, int) else 0  # only DPCoreClient's picks one
 
     def reset_prefix_cache(self, reset_running_requests: bool = False,
                            reset_connector: bool = False) -> bool:
@@ -254,13 +257,17 @@ class LLMEngine(EngineTokenStats, EngineVllmViews, EngineSleepMode):
 
     def step(self) -> list[RequestOutput]:
         core = self._core()
-        self.last_step_tokens = []
+        self.last_step_tokens, self.last_step_engines = [], []
         if not core.has_unfinished_requests():
             return []
         steps = core.step()
         core_outputs = [out for outputs in steps for out in outputs]
         processed = self.output_processor.process_outputs(core_outputs)
-        self.last_step_tokens = self._count_tokens(steps, processed.seen_tokens)
+        # Only a data-parallel client's steps come from several replicas (core index per step).
+        engines = getattr(core, "last_step_engines", None) or [0] * len(steps)
+        counted = self._count_tokens(steps, processed.seen_tokens, engines)
+        self.last_step_engines = [engine for engine, _ in counted]
+        self.last_step_tokens = [tokens for _, tokens in counted]
         if processed.reqs_to_finish:
             # Stop strings are found here, not in the core: release those requests' blocks now.
             core.finish_requests(processed.reqs_to_finish, RequestStatus.FINISHED_STOPPED)

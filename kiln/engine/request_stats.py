@@ -21,6 +21,9 @@ from kiln.spec_decode.stats_log import spec_decoding_line, spec_totals
 
 @dataclass
 class IterationStats:
+    # The data-parallel replica (engine core) whose requests and steps these are: 0 without
+    # data parallel. One IterationStats holds one replica's (vLLM's `engine` label).
+    engine: int = 0
     # Prompt + generated tokens of each engine core step with outputs that this batch took in
     # (the engine's last_step_tokens): none for a poll that found no step, or an abort.
     step_tokens: list[int] = field(default_factory=list)

@@ -26,6 +26,7 @@ class RequestStream:
         # The first engine step after this request's add (AsyncLLM): earlier steps' outputs
         # under its id are a namesake's. None until the engine has added it.
         self.first_step: int | None = None
+        self.engine = 0  # the data-parallel replica the engine sent it to (its metrics' label)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._merged = DeltaAccumulator()  # for CUMULATIVE / FINAL_ONLY
 

@@ -55,10 +55,10 @@ class StepLoop:
             self._task.cancel()  # it would step beside the new loop's if the old ran again
         self._wake, self._task = None, None
 
-    def _step(self) -> tuple[list[RequestOutput], list[int], bool, dict, int]:
+    def _step(self) -> tuple[list[RequestOutput], list[tuple[int, int]], bool, dict, int]:
         outputs = self.engine.step()
         self.steps_run += 1
-        return (outputs, list(self.engine.last_step_tokens),
+        return (outputs, list(zip(self.engine.last_step_engines, self.engine.last_step_tokens)),
                 self.engine.has_unfinished_requests(), self.engine.step_stats(), self.steps_run)
 
     async def _run(self) -> None:

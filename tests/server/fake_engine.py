@@ -8,7 +8,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-from kiln.config import CacheConfig
+from kiln.config import CacheConfig, ParallelConfig
 from kiln.engine.input_processor import (
     ProcessedPrompt,
     check_logprobs_cap,
@@ -45,7 +45,8 @@ class FakeEngine:
                                        vocab_size=VOCAB, generation_defaults={},
                                        logprobs_cap=20, runner_type="generate")
         self.kiln_config = SimpleNamespace(model_config=model_config,
-                                           cache_config=CacheConfig(block_size=16))
+                                           cache_config=CacheConfig(block_size=16),
+                                           parallel_config=ParallelConfig())
         self.step_delay = step_delay
         self.requests: dict[str, dict] = {}
         self.num_total_blocks = 32
@@ -56,6 +57,11 @@ class FakeEngine:
         self.busy = threading.Lock()  # proves no two engine calls overlap
         self.fail_next_step = False
         self.last_step_tokens: list[int] = []  # as LLMEngine's: one step a call
+
+    @property
+    def last_step_engines(self) -> list[int]:
+        """As LLMEngine's: each counted step's data-parallel replica (one replica here)."""
+        return [0] * len(self.last_step_tokens)
 
     @contextlib.contextmanager
     def _exclusive(self):
@@ -69,7 +75,7 @@ class FakeEngine:
     def add_request(self, request_id, prompt, params: SamplingParams, arrival_time=None, *,
                     max_tokens_must_fit=False, priority=0):
         processed = self.process_inputs(prompt, params, max_tokens_must_fit=max_tokens_must_fit)
-        self.add_processed_request(request_id, processed, arrival_time, priority=priority)
+        return self.add_processed_request(request_id, processed, arrival_time, priority=priority)
 
     def process_inputs(self, prompt, params: SamplingParams, *, max_tokens_must_fit=False):
         """Tokenize and check (the front-end thread: it may overlap a step)."""
@@ -105,6 +111,7 @@ class FakeEngine:
                                              ids=processed.prompt_token_ids, params=params,
                                              k=0, max_tokens=params.max_tokens,
                                              out=[[] for _ in range(params.n)])
+        return 0  # the data-parallel replica it went to, as LLMEngine's
 
     def abort_request(self, request_ids):
         with self._exclusive():
@@ -196,7 +203,8 @@ class RecordingEngine(FakeEngine):
 
     def add_processed_request(self, request_id, processed, arrival_time=None, *, priority=0):
         self.params = processed.params
-        super().add_processed_request(request_id, processed, arrival_time, priority=priority)
+        return super().add_processed_request(request_id, processed, arrival_time,
+                                             priority=priority)
 
 
 class TextWritingEngine(FakeEngine):

@@ -66,7 +66,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
                                 "kv_cache_memory": cache.kv_cache_memory,
                                 "gpu_memory_utilization": cache.gpu_memory_utilization},
                             max_lora=getattr(getattr(llm.kiln_config, "lora_config", None),
-                                             "max_loras", None))
+                                             "max_loras", None),
+                            num_engines=llm.kiln_config.parallel_config.data_parallel_size)
     llm.stat_loggers.append(metrics)
     defaults = RequestDefaults(settings.default_chat_template_kwargs,
                                settings.return_tokens_as_token_ids,

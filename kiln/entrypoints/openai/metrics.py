@@ -1,4 +1,5 @@
-"""Prometheus metrics for GET /metrics, all named `kiln:*` and labelled with the model name.
+"""Prometheus metrics for GET /metrics, all named `kiln:*` and labelled with the model name
+(and, as vLLM's, the engine's: the data-parallel replica that served or holds it).
 
 A `StatLogger` for AsyncLLM: token counters and latency histograms per step, gauges and
 engine-total counters from the engine's stats (refreshed again on every scrape). Names and types
@@ -92,10 +93,12 @@ class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, model_name: str, log_interval: float | None = 5.0,
-                 cache_info: dict | None = None, max_lora: int | None = None):
+                 cache_info: dict | None = None, max_lora: int | None = None,
+                 num_engines: int = 1):
         """`log_interval`: seconds between stats log lines while busy; None: no log lines.
         `cache_info`: the KV cache's settings, exposed as kiln:cache_config_info labels.
-        `max_lora`: --max-loras under --enable-lora (kiln:lora_requests_info); None: off."""
+        `max_lora`: --max-loras under --enable-lora (kiln:lora_requests_info); None: off.
+        `num_engines`: --data-parallel-size (each replica's series exist from the start)."""
         self.stats_log = LoggingStatLogger(log_interval) if log_interval else None
         self.registry = CollectorRegistry()
         labels = ["model_name"]
@@ -108,18 +111,14 @@ class ServerMetrics:
         GCCollector(registry=reg)
         self._label = {"model_name": model_name}
 
-        def histogram(name, doc, buckets):
-            return Histogram(name, doc, labels, buckets=buckets, registry=reg
-                             ).labels(**self._label)
-
-        # The engine core's own series, one per data-parallel replica (vLLM's engine="0", ...)
+        # Every series is per data-parallel replica, as vLLM's (engine="0", "1", ...): a
+        # request's latencies, tokens and finish under the replica that served it.
         engine_labels = labels + ["engine"]
+        engines = [str(i) for i in range(max(1, num_engines))]
         self.gauges = {key: Gauge(name, doc, engine_labels, registry=reg)
                        for key, (name, doc) in _GAUGES.items()}
         self.totals = {key: Counter(name, doc, engine_labels, registry=reg)
                        for key, (name, doc) in _TOTALS.items()}
-        for family in (*self.gauges.values(), *self.totals.values()):
-            family.labels(engine="0", **self._label)  # there before the first stats
         # Engine totals already counted, by (engine, key): stats can arrive out of order (a
         # stale snapshot after a fresh scrape), so a counter only moves up to the largest seen.
         self._seen_totals: dict[tuple[str, str], int] = {}
@@ -128,17 +127,23 @@ class ServerMetrics:
                                         "Draft tokens accepted at each draft position",
                                         engine_labels + ["position"], registry=reg)
         self._seen_per_pos: dict[tuple[str, int], int] = {}
-        self.prompt_tokens = Counter("kiln:prompt_tokens", "Prefilled prompt tokens", labels,
-                                     registry=reg).labels(**self._label)
-        self.generation_tokens = Counter("kiln:generation_tokens", "Generated tokens", labels,
-                                         registry=reg).labels(**self._label)
+        self.prompt_tokens = Counter("kiln:prompt_tokens", "Prefilled prompt tokens",
+                                     engine_labels, registry=reg)
+        self.generation_tokens = Counter("kiln:generation_tokens", "Generated tokens",
+                                         engine_labels, registry=reg)
         self.request_success = Counter("kiln:request_success", "Finished requests by reason",
-                                       labels + ["finished_reason"], registry=reg)
-        for reason in FINISH_REASONS:
-            self.request_success.labels(finished_reason=reason, **self._label)
+                                       engine_labels + ["finished_reason"], registry=reg)
         # One observation per value of the IterationStats field each is keyed by.
-        self.histograms = {field: histogram(name, doc, buckets)
+        self.histograms = {field: Histogram(name, doc, engine_labels, buckets=buckets,
+                                            registry=reg)
                            for field, (name, doc, buckets) in _HISTOGRAMS.items()}
+        for engine in engines:  # there before the first stats and the first request
+            for family in (*self.gauges.values(), *self.totals.values(), self.prompt_tokens,
+                           self.generation_tokens, *self.histograms.values()):
+                family.labels(engine=engine, **self._label)
+            for reason in FINISH_REASONS:
+                self.request_success.labels(finished_reason=reason, engine=engine,
+                                            **self._label)
         # vLLM's vllm:lora_requests_info: the adapters in use as labels, the time they were
         # seen as the value (readers take the newest series); only the current series is kept
         self.lora_info = None if max_lora is None else Gauge(
@@ -150,15 +155,19 @@ class ServerMetrics:
                   registry=reg).labels(**{k: str(v) for k, v in cache_info.items()}).set(1)
 
     def record(self, iteration: IterationStats, engine_stats: dict) -> None:
+        label = {"engine": str(iteration.engine), **self._label}
         if iteration.num_prompt_tokens:
-            self.prompt_tokens.inc(iteration.num_prompt_tokens)
+            self.prompt_tokens.labels(**label).inc(iteration.num_prompt_tokens)
         if iteration.num_generation_tokens:
-            self.generation_tokens.inc(iteration.num_generation_tokens)
-        for field, hist in self.histograms.items():
-            for v in getattr(iteration, field):
-                hist.observe(v)
+            self.generation_tokens.labels(**label).inc(iteration.num_generation_tokens)
+        for field, family in self.histograms.items():
+            values = getattr(iteration, field)
+            if values:
+                hist = family.labels(**label)
+                for v in values:
+                    hist.observe(v)
         for reason in iteration.finished_reasons:
-            self.request_success.labels(finished_reason=reason, **self._label).inc()
+            self.request_success.labels(finished_reason=reason, **label).inc()
         self.update_gauges(engine_stats)
         if self.stats_log is not None:
             self.stats_log.record(iteration, engine_stats)
