@@ -26,6 +26,7 @@ VLLM_NAMES = {
     "KILN_HTTP_TIMEOUT_KEEP_ALIVE": "VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
     "KILN_ENABLE_RESPONSES_API_STORE": "VLLM_ENABLE_RESPONSES_API_STORE",
     "KILN_ALLOW_RUNTIME_LORA_UPDATING": "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+    "KILN_ALLOW_LONG_MAX_MODEL_LEN": "VLLM_ALLOW_LONG_MAX_MODEL_LEN",
 }
 
 
@@ -173,6 +174,13 @@ def responses_api_store_max_bytes() -> int:
     inputs and the earlier ones they continue) the store holds (default 1 GiB); the oldest
     finished response is forgotten first."""
     return _positive_int("KILN_RESPONSES_API_STORE_MAX_BYTES", "bytes", 1 << 30)
+
+
+def allow_long_max_model_len() -> bool:
+    """`KILN_ALLOW_LONG_MAX_MODEL_LEN` (vLLM's `VLLM_ALLOW_LONG_MAX_MODEL_LEN`): a
+    --max-model-len past the model's own length is served, with a warning, not refused (the
+    positions past it are the user's risk: the model never trained on them)."""
+    return _flag("KILN_ALLOW_LONG_MAX_MODEL_LEN", False)
 
 
 def allow_runtime_lora_updating() -> bool:

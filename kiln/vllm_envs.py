@@ -11,8 +11,6 @@ from kiln import envs
 UNHONOURED: dict[str, tuple[tuple[str, ...], str]] = {
     "VLLM_USE_V1": (("1", "true"), "Kiln has only vLLM's V1 engine"),
     "VLLM_CACHE_ROOT": ((), "Kiln caches under KILN_CACHE_ROOT (default ~/.cache/kiln)"),
-    "VLLM_ALLOW_LONG_MAX_MODEL_LEN": (
-        ("0", "false"), "Kiln refuses a --max-model-len beyond the model's length"),
     "VLLM_WORKER_MULTIPROC_METHOD": (
         ("spawn",), "Kiln always spawns its rank processes"),
     "VLLM_SERVER_DEV_MODE": (  # read as KILN_SERVER_DEV_MODE: only part of it is served

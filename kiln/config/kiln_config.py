@@ -156,8 +156,9 @@ class KilnConfig(FreezableConfig):
         bind, pc = envs.cpu_omp_threads_bind(), self.parallel_config
         if self.device_config.device != "cpu":
             return
-        if pc.distributed_executor_backend == "mp":
-            check_binding(bind, pc.world_size)
+        dp = pc.data_parallel_size  # a replica's one-process engine is pinned to its list
+        if pc.distributed_executor_backend == "mp" or (dp > 1 and bind != "auto"):
+            check_binding(bind, pc.world_size, dp)
         if pc.distributed_executor_backend in ("mp", "ray"):
             if envs.cpu_num_reserved_cpu(default=0):  # set, and read by no rank: said so
                 init_logger(__name__).warning(
@@ -166,7 +167,7 @@ class KilnConfig(FreezableConfig):
                     "some free", envs.source("KILN_CPU_NUM_OF_RESERVED_CPU"),
                     envs.cpu_num_reserved_cpu(default=0), envs.source("KILN_CPU_OMP_THREADS_BIND"),
                     bind)
-        elif pc.distributed_executor_backend == "uni" and bind != "auto":
+        elif pc.distributed_executor_backend == "uni" and bind != "auto" and dp == 1:
             init_logger(__name__).warning(
                 "%s=%r is ignored: it pins the ranks of a multi-process "
                 "engine (tensor or pipeline parallel), and this one runs in one process "

@@ -151,8 +151,17 @@ class ModelConfig(FreezableConfig):
         elif self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         elif self.max_model_len > limit:
-            raise ConfigError(f"max_model_len={self.max_model_len} exceeds the model's {why}; "
-                              f"lower --max-model-len to {limit} or less")
+            from kiln import envs
+
+            allow = envs.source("KILN_ALLOW_LONG_MAX_MODEL_LEN")
+            if not envs.allow_long_max_model_len():
+                raise ConfigError(f"max_model_len={self.max_model_len} exceeds the model's "
+                                  f"{why}; lower --max-model-len to {limit} or less (or set "
+                                  f"{allow}=1 to serve it anyway)")
+            from kiln.logger import init_logger
+            init_logger(__name__).warning(
+                "max_model_len=%d exceeds the model's %s; served as %s=1 asks: make sure the "
+                "model is correct past that length", self.max_model_len, why, allow)
 
     def _check_architecture(self) -> None:
         """A checkpoint's architecture is refused here, not first where the model loads: a GPT-2

@@ -60,9 +60,10 @@ class ParallelConfig(FreezableConfig):
                               "replica on this machine (multi-node data parallel is not built); "
                               "leave --data-parallel-size-local out or give it the same value")
         if self.data_parallel_backend not in DATA_PARALLEL_BACKENDS:
-            raise ConfigError(f"data_parallel_backend must be 'mp' (one process per replica on "
-                              f"this machine), got {self.data_parallel_backend!r}; Ray-placed "
-                              "replicas are not built")
+            raise ConfigError(f"--data-parallel-backend (data_parallel_backend) "
+                              f"{self.data_parallel_backend!r} is not built: Ray-placed replicas "
+                              "are not; use mp (one process per replica on this machine, the "
+                              "default)")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ConfigError(f"data_parallel_rank {self.data_parallel_rank} is outside the "
                               f"{self.data_parallel_size} replicas")

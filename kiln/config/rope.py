@@ -162,6 +162,12 @@ def trained_length_of(hf_config) -> tuple[str, int]:
     return min(lengths.items(), key=lambda item: item[1])
 
 
+def rope_positions(hf_config, max_model_len: int | None) -> int:
+    """Positions a rotary cache holds: every one the model serves, and every one a longer
+    --max-model-len reaches (KILN_ALLOW_LONG_MAX_MODEL_LEN; HF computes any position's angle)."""
+    return max(max_positions_of(hf_config), max_model_len or 0)
+
+
 def max_positions_of(hf_config) -> int:
     """Positions the model serves: its trained length (trained_length_of), times a linear
     rope scaling's factor, which divides positions (vicuna-7b-v1.5-16k: 4096 x 4), as vLLM

@@ -58,6 +58,22 @@ def cores_for_rank(bind: str, local_rank: int, local_world_size: int,
     return parse_core_list(lists[local_rank])
 
 
+def replica_binding(bind: str, replica: int, num_replicas: int, world_size: int) -> str:
+    """The binding of data-parallel replica `replica`'s ranks, as vLLM-CPU splits it: `auto`
+    and `nobind` as they are; a list of cores per rank gives every replica its own, in turn
+    (replica d's rank r takes list d * world_size + r), so replicas never share cores."""
+    if bind in ("auto", "nobind") or num_replicas == 1:
+        return bind
+    lists = bind.split("|")
+    needed = num_replicas * world_size
+    if len(lists) != needed:
+        raise ConfigError(f"{_name()}={bind!r} gives {len(lists)} core list(s); "
+                          f"--data-parallel-size {num_replicas} x {world_size} rank(s) per "
+                          f"replica needs {needed}, one per rank separated by '|' (replica 0's "
+                          "ranks first), or use auto / nobind")
+    return "|".join(lists[replica * world_size:(replica + 1) * world_size])
+
+
 def threads_left(threads: int, reserved: int) -> int:
     """OpenMP threads an engine keeps when `reserved` of its `threads` cores go to the front
     end: at least one."""
@@ -99,13 +115,15 @@ def checked_cores(bind: str, local_rank: int, local_world_size: int,
     return cores
 
 
-def check_binding(bind: str, local_world_size: int) -> None:
-    """Every rank's cores checked in the front end, before any rank starts (a bad list was
-    each rank's traceback, stacked)."""
+def check_binding(bind: str, local_world_size: int, num_replicas: int = 1) -> None:
+    """Every rank's cores (of every data-parallel replica) checked in the front end, before
+    any rank starts (a bad list was each rank's traceback, stacked)."""
     if hasattr(os, "sched_getaffinity"):
         available = sorted(os.sched_getaffinity(0))
-        for rank in range(local_world_size):
-            checked_cores(bind, rank, local_world_size, available)
+        for replica in range(num_replicas):
+            mine = replica_binding(bind, replica, num_replicas, local_world_size)
+            for rank in range(local_world_size):
+                checked_cores(mine, rank, local_world_size, available)
 
 
 def bind_this_process(bind: str, local_rank: int, local_world_size: int) -> list[int] | None:

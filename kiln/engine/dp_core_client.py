@@ -3,7 +3,8 @@ CoreProcClient with its own executor (tp x pp ranks), new requests sent to the l
 
 It offers CoreProcClient's calls, so LLMEngine drives it the same way: a request's abort and
 finish go to the replica that has it; utility calls (sleep, reset_prefix_cache, collective_rpc)
-go to every replica; stats add up over replicas and keep each one's (`engines`).
+go to every replica (collective_rpc returns replica 0's results, as vLLM's); stats add up over
+replicas and keep each one's (`engines`).
 """
 import dataclasses
 import os
@@ -54,7 +55,9 @@ def replica_placement(index: int, kiln_config, available_cores: Sequence[int],
                       front_end_cores: int, cuda_devices: Sequence[str] | None) -> tuple:
     """(environment, cores) of replica `index`: on CUDA its own tp x pp devices of the visible
     ones; on CPU (KILN_CPU_OMP_THREADS_BIND auto) an equal share of the cores left once the
-    front end has its own (where enough are left), so replicas' OpenMP threads never share."""
+    front end has its own (where enough are left), so replicas' OpenMP threads never share;
+    with core lists, its own tp x pp of them (cpu_binding.replica_binding), which its ranks
+    read (and a one-process replica is pinned to)."""
     pc = kiln_config.parallel_config
     dp, world = pc.data_parallel_size, pc.world_size
     if kiln_config.device_config.device_obj.type == "cuda":
@@ -65,10 +68,16 @@ def replica_placement(index: int, kiln_config, available_cores: Sequence[int],
         mine = cuda_devices[index * world:(index + 1) * world]
         return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}, None
     from kiln import envs
-    from kiln.distributed.cpu_binding import cores_for_rank
+    from kiln.distributed.cpu_binding import cores_for_rank, parse_core_list, replica_binding
 
-    if envs.cpu_omp_threads_bind() != "auto":
+    bind = envs.cpu_omp_threads_bind()
+    if bind == "nobind":
         return {}, None
+    if bind != "auto":
+        mine = replica_binding(bind, index, dp, world)
+        one_process = pc.distributed_executor_backend == "uni"
+        return ({"KILN_CPU_OMP_THREADS_BIND": mine},
+                parse_core_list(mine) if one_process else None)
     cores = sorted(available_cores)
     if len(cores) - front_end_cores >= dp:
         cores = cores[:len(cores) - front_end_cores]
@@ -246,8 +255,10 @@ class DPCoreClient:
 
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None,
                        timeout: float | None = None) -> list:
-        """Every rank of every replica: results by replica, then by rank within it. The
-        replicas run one after another, so `timeout` bounds them together."""
+        """Runs on every rank of every replica; returns replica 0's results, one per rank, as
+        vLLM's data-parallel client (each replica holds the same model, and a caller written
+        for one engine gets world_size results). The replicas run one after another, so
+        `timeout` bounds them together."""
         deadline = None if timeout is None else time.monotonic() + timeout
         results = []
         for client in self.clients:
@@ -255,10 +266,10 @@ class DPCoreClient:
             if left is not None and left <= 0:
                 raise rpc_timed_out(method, timeout)
             try:
-                results += client.collective_rpc(method, args, kwargs, left)
+                results.append(client.collective_rpc(method, args, kwargs, left))
             except TimeoutError:
                 raise rpc_timed_out(method, timeout) from None
-        return results
+        return results[0]
 
     def make_stats(self) -> DPSchedulerStats:
         return merged_stats(self._each("make_stats"))

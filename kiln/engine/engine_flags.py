@@ -176,7 +176,8 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                    default=d.data_parallel_size_local,
                    help="replicas on this machine: all of them (multi-node is not built)")
     g.add_argument("--data-parallel-backend", "-dpb", default=d.data_parallel_backend,
-                   choices=["mp"], help="how replicas run: mp (one process each)")
+                   choices=["mp", "ray"],  # vLLM's; ray is refused by ParallelConfig
+                   help="how replicas run: mp (one process each); ray is not built")
     g.add_argument("--seed", type=int, default=d.seed,
                    help="random seed of the engine (dummy weights, sampling without a "
                         "request seed); kiln generate/chat also seed their sampling with it")

@@ -12,7 +12,7 @@ from torch import nn
 
 from kiln.compilation.decorator import support_torch_compile
 from kiln.config import get_current_kiln_config
-from kiln.config.rope import get_rope_config, max_positions_of
+from kiln.config.rope import get_rope_config, rope_positions
 from kiln.distributed.parallel_state import get_pp_group
 from kiln.distributed.pipeline import PPMissingLayer, this_stage_layer_range
 from kiln.errors import ConfigError
@@ -89,9 +89,10 @@ class LlamaAttention(nn.Module):
         theta, scaling = self.rope_config(hf_config, prefix)
         # every position max_model_len may reach (a linear scaling's factor times more); the
         # length also picks longrope's factors
+        max_model_len = get_current_kiln_config().model_config.max_model_len
         self.rotary_emb = self.rotary_cls(
-            self.head_dim, max_positions_of(hf_config), theta, scaling,
-            get_current_kiln_config().model_config.max_model_len)
+            self.head_dim, rope_positions(hf_config, max_model_len), theta, scaling,
+            max_model_len)
         self.attn = Attention(self.num_heads, self.head_dim, self.softmax_scale(hf_config),
                               self.num_kv_heads, prefix=f"{prefix}.attn",
                               sliding_window=layer_window(prefix),

@@ -1,7 +1,7 @@
 """Llama's attention with rope over the first `partial_rotary_factor` of each head (GPT-NeoX's
 rotary_pct, Phi's partial_rotary_factor), the rest of each head passed through unroped."""
 from kiln.config import get_current_kiln_config
-from kiln.config.rope import get_rope_config, max_positions_of, partial_rotary_factor_of
+from kiln.config.rope import get_rope_config, partial_rotary_factor_of, rope_positions
 from kiln.errors import ConfigError
 from kiln.model.layers.rotary_embedding import PartialRotaryEmbedding
 from kiln.model.llama import LlamaAttention, head_dim_of
@@ -18,6 +18,7 @@ class PartialRotaryAttention(LlamaAttention):
         super().__init__(hf_config, prefix)
         if rotary_dim < self.head_dim:
             theta, scaling = get_rope_config(hf_config)
+            max_model_len = get_current_kiln_config().model_config.max_model_len
             self.rotary_emb = PartialRotaryEmbedding(
-                self.head_dim, rotary_dim, max_positions_of(hf_config), theta, scaling,
-                get_current_kiln_config().model_config.max_model_len)
+                self.head_dim, rotary_dim, rope_positions(hf_config, max_model_len), theta,
+                scaling, max_model_len)

@@ -98,6 +98,10 @@ def test_a_bad_binding_is_refused_before_any_rank_starts(monkeypatch, kiln_logs)
     monkeypatch.setenv("KILN_CPU_OMP_THREADS_BIND", "0")
     EngineArgs(model=str(STORIES_DIR), device="cpu").create_kiln_config()
     assert "KILN_CPU_OMP_THREADS_BIND='0' is ignored" in kiln_logs.text
+    # data parallel: one list per rank of every replica (vLLM-CPU's), checked at config time
+    with pytest.raises(ConfigError, match="KILN_CPU_OMP_THREADS_BIND='0' gives 1 core list"):
+        EngineArgs(model=str(STORIES_DIR), device="cpu",
+                   data_parallel_size=2).create_kiln_config()
 
 
 def test_model_split_errors_name_the_field():

@@ -5,6 +5,7 @@ import pytest
 
 from kiln.config import ParallelConfig
 from kiln.core.stats import SchedulerStats
+from kiln.distributed.cpu_binding import check_binding, replica_binding
 from kiln.engine.dp_balance import pick_replica, replica_load
 from kiln.engine.dp_core_client import merged_stats, replica_placement
 from kiln.errors import ConfigError
@@ -84,11 +85,46 @@ def test_cpu_replicas_split_the_cores_left_to_them(monkeypatch):
     assert replica_placement(1, config, cores, 1, None) == ({}, None)
 
 
+def test_core_lists_are_split_between_replicas(monkeypatch):
+    """vLLM-CPU's rule: replica d's rank r takes list d * world_size + r; a list of the wrong
+    length names the variable and the count needed."""
+    assert replica_binding("0-1|2-3|4-5|6-7", 1, 2, 2) == "4-5|6-7"
+    assert replica_binding("0|1", 0, 1, 2) == "0|1"  # no data parallel: as it is
+    assert replica_binding("auto", 1, 2, 2) == "auto"
+    monkeypatch.delenv("KILN_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1|2-3")
+    with pytest.raises(ConfigError, match=r"VLLM_CPU_OMP_THREADS_BIND='0-1\|2-3' gives 2 core "
+                       r"list\(s\); --data-parallel-size 2 x 2 rank\(s\) per replica needs 4"):
+        replica_binding("0-1|2-3", 0, 2, 2)
+    # a one-process replica is pinned to its list; a multi-rank one's ranks read theirs
+    config = _Config("cpu", dp=2)
+    assert replica_placement(1, config, list(range(8)), 1, None) == (
+        {"KILN_CPU_OMP_THREADS_BIND": "2-3"}, [2, 3])
+    config = _Config("cpu", dp=2, tp=2)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1|2|3")
+    assert replica_placement(1, config, list(range(8)), 1, None) == (
+        {"KILN_CPU_OMP_THREADS_BIND": "2|3"}, None)
+    with pytest.raises(ConfigError, match="needs 4"):
+        check_binding("0|1", 2, 2)
+
+
 def test_parallel_config_refuses_multi_node_and_ray_replicas():
     assert ParallelConfig(data_parallel_size=2).world_size_across_dp == 2
     with pytest.raises(ConfigError, match="multi-node data parallel is not built"):
         ParallelConfig(data_parallel_size=4, data_parallel_size_local=2)
-    with pytest.raises(ConfigError, match="data_parallel_backend must be 'mp'"):
+    with pytest.raises(ConfigError, match=r"--data-parallel-backend \(data_parallel_backend\) "
+                       "'ray' is not built.*use mp"):
         ParallelConfig(data_parallel_size=2, data_parallel_backend="ray")
     with pytest.raises(ConfigError, match="data_parallel_size must be an integer >= 1"):
         ParallelConfig(data_parallel_size=0)
+
+
+def test_the_ray_backend_flag_is_refused_by_kilns_message():
+    """argparse's choices error ("invalid choice: 'ray'") named no reason and no way out."""
+    from kiln.engine.arg_utils import EngineArgs
+    from kiln.entrypoints.cli.main import build_parser
+
+    args = build_parser().parse_args(["generate", "hi", "--model", "/nowhere", "-dp", "2",
+                                      "--data-parallel-backend", "ray"])
+    with pytest.raises(ConfigError, match=r"--data-parallel-backend .*'ray' is not built"):
+        EngineArgs.from_cli_args(args).create_kiln_config()
