@@ -9,11 +9,13 @@ _FLAG = "--speculative-config"
 
 def resolve_draft_model_config(spec, target: ModelConfig) -> None:
     """Set spec.draft_model_config (once: a config re-resolved keeps it)."""
+    if spec is not None and target.runner_type != "generate":
+        # every method drafts generated tokens: an n-gram config was accepted and did nothing
+        raise ConfigError(f"{_FLAG} (method={spec.method!r}) drafts generated tokens, and "
+                          f"--runner {target.runner_type} (--task embed / classify / score) "
+                          f"generates none; drop {_FLAG} or --runner {target.runner_type}")
     if spec is None or not spec.runner_proposes or spec.draft_model_config is not None:
         return
-    if target.runner_type != "generate":
-        raise ConfigError(f"{_FLAG} drafts generated tokens; drop it with --runner "
-                          f"{target.runner_type}")
     if spec.is_eagle:
         from kiln.config.eagle3_config import eagle3_model_config
         from kiln.config.eagle_config import eagle_model_config

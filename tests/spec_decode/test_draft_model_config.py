@@ -71,3 +71,14 @@ def test_draft_model_config_follows_the_target(tiny_llama_dir, tmp_path):
         engine(tiny_llama_dir, tensor_parallel_size=2).create_kiln_config()
     with pytest.raises(ConfigError, match="--pipeline-parallel-size 2"):
         engine(tiny_llama_dir, pipeline_parallel_size=2).create_kiln_config()
+
+
+@pytest.mark.parametrize("kwargs", [dict(runner="pooling"), dict(task="embed")])
+def test_ngram_speculation_with_a_pooling_runner_is_refused(tiny_llama_dir, kwargs):
+    """It was accepted and did nothing: a pooling model generates no tokens to draft."""
+    with pytest.raises(ConfigError, match=r"--speculative-config \(method='ngram'\) drafts "
+                       r"generated tokens, and --runner pooling .*drop --speculative-config or "
+                       "--runner pooling"):
+        EngineArgs(model=str(tiny_llama_dir), speculative_config={
+            "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
+            **kwargs).create_kiln_config()
