@@ -1,6 +1,7 @@
 """The draft model's ModelConfig under --speculative-config method='draft_model' (or the EAGLE
 head's, method='eagle' / 'eagle3': eagle_config.py, eagle3_config.py), built from the target's
-(dtype, max_model_len, seed, load format), and the checks that it can draft for it."""
+(dtype, seed, load format; its length capped as vLLM's), and the checks that it can draft for
+it."""
 from kiln.config.model_config import ModelConfig
 from kiln.errors import ConfigError
 
@@ -22,12 +23,15 @@ def resolve_draft_model_config(spec, target: ModelConfig) -> None:
 
         draft = (eagle_model_config if spec.method == "eagle" else eagle3_model_config)(
             spec, target)
+        draft.max_model_len = draft_max_model_len(draft.max_model_len, target.max_model_len,
+                                                  spec.max_model_len)
         draft.freeze()
         object.__setattr__(spec, "draft_model_config", draft)
         return
     try:
+        # its own length first (None: the model's), then capped (draft_max_model_len)
         draft = ModelConfig(model=spec.model, dtype=target.torch_dtype,
-                            max_model_len=target.max_model_len, seed=target.seed,
+                            max_model_len=None, seed=target.seed,
                             load_format="dummy" if target.load_format == "dummy" else "auto",
                             revision=spec.revision, download_dir=target.download_dir,
                             skip_tokenizer_init=True, generation_config="vllm",
@@ -36,8 +40,17 @@ def resolve_draft_model_config(spec, target: ModelConfig) -> None:
         raise ConfigError(f"{_FLAG}: draft model speculative_config.model={spec.model!r}: "
                           f"{e}") from None
     check_draft_fits(draft, target)
+    draft.max_model_len = draft_max_model_len(draft.max_model_len, target.max_model_len,
+                                              spec.max_model_len)
     draft.freeze()
     object.__setattr__(spec, "draft_model_config", draft)
+
+
+def draft_max_model_len(draft_own: int, target: int, asked: int | None) -> int:
+    """The longest sequence the draft drafts for, as vLLM caps it: the least of its own length,
+    the target's max_model_len and speculative_config.max_model_len. A request past it goes on
+    without drafts (DraftModelProposer.plan)."""
+    return min(draft_own, target, asked or target)
 
 
 def check_draft_fits(draft: ModelConfig, target: ModelConfig) -> None:

@@ -22,7 +22,6 @@ _FIXED = (("draft_sample_method", "greedy", "the draft proposes its argmax, one-
           ("rejection_sample_method", "standard", "vLLM's standard rejection sampler"),
           ("quantization", None, "a quantized draft checkpoint is read by its own "
            "quantization_config"),
-          ("max_model_len", None, "the draft runs to the target's max_model_len"),
           ("parallel_drafting", False, "the draft proposes its tokens one forward at a time"))
 
 
@@ -111,6 +110,8 @@ class SpeculativeConfig:
         if tp is not None and (isinstance(tp, bool) or tp != 1):
             raise ConfigError(f"{_FLAG}: speculative_config.draft_tensor_parallel_size={tp!r}: "
                               "Kiln runs the draft model on one rank (1, or leave it unset)")
+        if self.max_model_len is not None:  # the draft's: it drafts for shorter requests only
+            _check_int("max_model_len", self.max_model_len)
         for name, value, why in _FIXED:
             if getattr(self, name) != value:
                 raise ConfigError(f"{_FLAG}: speculative_config.{name}={getattr(self, name)!r} "
@@ -160,7 +161,8 @@ class SpeculativeConfig:
                     "prompt_lookup_min": self.prompt_lookup_min}
         out = {"method": self.method, "model": self.model,
                "num_speculative_tokens": self.num_speculative_tokens}
-        for name in ("draft_tensor_parallel_size", "enforce_eager", "revision"):
+        for name in ("draft_tensor_parallel_size", "enforce_eager", "revision",
+                     "max_model_len"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out

@@ -63,6 +63,8 @@ class DraftModelProposer:
     def __init__(self, kiln_config, device: torch.device):
         self.k = kiln_config.speculative_config.num_speculative_tokens
         self.max_model_len = kiln_config.model_config.max_model_len
+        # the draft's own (capped) length: past it a request goes on without drafts, as vLLM
+        self.draft_len = kiln_config.speculative_config.draft_model_config.max_model_len
         self.kiln_config = draft_kiln_config(kiln_config)
         self.device = device
         self.model: torch.nn.Module | None = None
@@ -122,10 +124,13 @@ class DraftModelProposer:
         held = batch.num_blocks[rows] * block_size  # slots the scheduler gave (lookahead too)
         # the accepted tokens and the one sampled after them (a token sampled at
         # max_model_len is never run); a partial prefill chunk: the chunk
+        # (positions past the draft's length it never runs: the request drafts no more)
         end = np.minimum(np.where(sampled, known, start + ran),
-                         np.minimum(held, self.max_model_len))
+                         np.minimum(held, min(self.max_model_len, self.draft_len)))
         # drafts at positions known.. (their K/V up to known + k - 2), all within the context
-        room = np.minimum(self.max_model_len - known, held + 1 - known)
+        # and the draft's length
+        room = np.minimum(np.minimum(self.max_model_len - known, held + 1 - known),
+                          self.draft_len + 1 - known)
         ks = np.where(sampled & (end == known), np.minimum(self.k, room), 0)
         for i, s in enumerate(states):
             params = s.sampling_params

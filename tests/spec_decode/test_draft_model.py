@@ -187,3 +187,30 @@ def test_draft_counters_reach_the_spec_decoding_line(engines, kiln_logs):
     assert (f"Accepted: {totals['spec_decode_num_accepted_tokens']} tokens, Drafted: "
             f"{totals['spec_decode_num_draft_tokens']} tokens") in line
 
+
+
+def test_a_shorter_draft_stops_drafting_past_its_length(engines, tiny_llama_dir, tmp_path):
+    """A draft whose max_position_embeddings (24) is below --max-model-len was refused; as
+    vLLM it is capped at its length, and a request past it goes on without drafts. The draft is
+    the target's own weights, so every draft it makes is accepted."""
+    from checkpoints import make_tiny_checkpoint
+
+    short = make_tiny_checkpoint(tmp_path / "short", "llama", tie=False,
+                                 max_position_embeddings=24)
+    llm = make(tiny_llama_dir, draft_spec(short))
+    try:
+        base = engines[2]
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        # 21 prompt tokens: drafted once (3 at positions 22..24), then past 24 no more
+        before = spec_totals(llm)
+        assert_same(generate(llm, [PROMPTS[2]], params), generate(base, [PROMPTS[2]], params))
+        after = spec_totals(llm)
+        assert after["spec_decode_num_draft_tokens"] - \
+            before["spec_decode_num_draft_tokens"] == 3
+        assert after["spec_decode_num_accepted_tokens"] - \
+            before["spec_decode_num_accepted_tokens"] == 3
+        # a 30-token prompt is past it from the start: never drafted, the same tokens
+        assert_same(generate(llm, [PROMPTS[0]], params), generate(base, [PROMPTS[0]], params))
+        assert spec_totals(llm)["spec_decode_num_drafts"] == after["spec_decode_num_drafts"]
+    finally:
+        llm.llm_engine.shutdown()

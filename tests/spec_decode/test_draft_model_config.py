@@ -33,7 +33,7 @@ def test_method_is_inferred_from_model_as_vllm_does():
      "draft_sample_method='probabilistic'"),
     ({"model": "m", "num_speculative_tokens": 2, "rejection_sample_method": "block"},
      "rejection_sample_method"),
-    ({"model": "m", "num_speculative_tokens": 2, "max_model_len": 64}, "max_model_len=64"),
+    ({"model": "m", "num_speculative_tokens": 2, "max_model_len": 0}, "max_model_len must be"),
     ({"model": "m", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "n-gram's"),
     ({"method": "ngram", "num_speculative_tokens": 2, "enforce_eager": True},
      "speculative_config.enforce_eager"),
@@ -63,9 +63,13 @@ def test_draft_model_config_follows_the_target(tiny_llama_dir, tmp_path):
         engine(other_vocab).create_kiln_config()
     with pytest.raises(ConfigError, match="speculative_config.model=.*missing"):
         engine(tmp_path / "missing").create_kiln_config()
+    # a shorter draft is capped at its own length, as vLLM's (requests past it run undrafted)
     short = make_tiny_checkpoint(tmp_path / "s", "llama", tie=False, max_position_embeddings=64)
-    with pytest.raises(ConfigError, match="draft model .*max_position_embeddings=64"):
-        engine(short).create_kiln_config()
+    spec = engine(short).create_kiln_config().speculative_config
+    assert spec.draft_model_config.max_model_len == 64
+    capped = EngineArgs(model=str(tiny_llama_dir), max_model_len=128, speculative_config={
+        "model": str(tiny_llama_dir), "num_speculative_tokens": 2, "max_model_len": 32})
+    assert capped.create_kiln_config().speculative_config.draft_model_config.max_model_len == 32
     with pytest.raises(ConfigError, match="'draft_model' is not supported with "
                                           "--tensor-parallel-size 2"):
         engine(tiny_llama_dir, tensor_parallel_size=2).create_kiln_config()
