@@ -86,6 +86,11 @@ def test_streams_spread_over_replicas_and_a_cancelled_one_frees_its_replica(dp_s
         s.stop.set()
         s.join(30)
     assert wait_for_running(url, {"0": 0.0, "1": 0.0}) == {"0": 0.0, "1": 0.0}
+    # each request's metrics under its replica (vLLM's engine label): a and c on 0, b on 1
+    ttft = {m[1]: float(m[2]) for m in re.finditer(
+        r'kiln:time_to_first_token_seconds_count\{engine="(\d+)",model_name="stories"\} '
+        r'(\S+)', httpx.get(f"{url}/metrics").text)}
+    assert ttft == {"0": 2.0, "1": 1.0}, ttft
 
 
 def test_a_killed_replica_fails_requests_by_name_and_the_server_goes_down(dp_server):
