@@ -10,6 +10,9 @@ MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 # Phi-3's fused projections (its PEFT adapters target these instead of q/k/v and gate/up)
 FUSED_MODULES = {"qkv_proj": "self_attn", "gate_up_proj": "mlp"}
+# Phi-1/2's output projection and non-gated MLP
+PHI_MODULES = {"dense": "self_attn", "fc1": "mlp", "fc2": "mlp"}
+PHI_TARGETS = ("q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2")
 
 
 def write_adapter(path: Path, base_dir: Path, *, rank: int = 4, alpha: int = 8, seed: int = 1,
@@ -28,12 +31,13 @@ def write_adapter(path: Path, base_dir: Path, *, rank: int = 4, alpha: int = 8, 
               "down_proj": (cfg.intermediate_size, hidden)}
     shapes["qkv_proj"] = (hidden, (heads + 2 * kv) * head_dim)
     shapes["gate_up_proj"] = (hidden, 2 * cfg.intermediate_size)
+    shapes.update(dense=shapes["o_proj"], fc1=shapes["up_proj"], fc2=shapes["down_proj"])
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(cfg.num_hidden_layers):
         for module in targets:
             fan_in, fan_out = shapes[module]
-            parent = {**MODULES, **FUSED_MODULES}[module]
+            parent = {**MODULES, **FUSED_MODULES, **PHI_MODULES}[module]
             prefix = f"base_model.model.model.layers.{layer}.{parent}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * 0.2
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.2

@@ -17,7 +17,7 @@ from kiln.ir.collectives import all_reduce
 from kiln.ir.f32_scale_norm import fused_add_rms_norm_f32_scale, rms_norm_f32_scale
 from kiln.ir.gguf import gguf_embedding, gguf_linear
 from kiln.ir.int4 import int4_weight_linear
-from kiln.ir.layer_norm import layer_norm
+from kiln.ir.layer_norm import fused_add_layer_norm, layer_norm
 from kiln.ir.layer_ops import (
                                fused_add_rms_norm,
                                gelu,
@@ -47,7 +47,7 @@ quant_fp8.register()
 moe_native.register()
 
 __all__ = ["PROVIDERS", "REGISTRY", "Implementation", "IrOp", "Selection", "all_reduce",
-           "applied", "apply", "check_priority", "fused_add_rms_norm",
+           "applied", "apply", "check_priority", "fused_add_layer_norm", "fused_add_rms_norm",
            "fused_add_rms_norm_f32_scale", "fused_moe", "fused_moe_int8", "fused_moe_int8_panels",
            "gelu", "gelu_tanh_and_mul", "gguf_embedding", "gguf_linear", "int4_weight_linear",
            "layer_norm", "linear",

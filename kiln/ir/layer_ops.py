@@ -56,7 +56,7 @@ def _gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 def _gelu_ref(x: torch.Tensor, approximate: str) -> torch.Tensor:
     """x [..., d] -> gelu(x) [..., d], x's dtype: the erf form (approximate "none": HF's
     "gelu") or the tanh one ("tanh": gelu_pytorch_tanh), as F.gelu. The non-gated MLPs'
-    activation (StarCoder2, GPT-NeoX); only the torch provider implements it."""
+    activation (StarCoder2, GPT-NeoX, Phi); native provider: csrc/layer_norm.c."""
     return F.gelu(x, approximate=approximate)
 
 

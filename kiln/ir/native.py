@@ -6,6 +6,7 @@ import torch
 
 from kiln.custom_ops import LIB
 from kiln.ir import gguf, gguf_layout
+from kiln.ir import layer_norm as ln
 from kiln.ir import layer_ops as ir
 from kiln.ir.op import Implementation, InplaceVariant, LazyOp
 from kiln.native import build, gguf_matmul
@@ -29,6 +30,24 @@ def _fused_supported(x, residual, weight, eps) -> bool:
 
 def _silu_supported(x) -> bool:
     return _cpu_kernel_dtype(x) and x.shape[-1] % 2 == 0 and build.available()
+
+
+def _layer_norm_supported(x, weight, bias, eps) -> bool:
+    # weight and bias [hidden] of x's dtype (a float32 weight on bfloat16 x: the reference)
+    hidden = x.shape[-1] if x.dim() else -1
+    return (_cpu_kernel_dtype(x, weight, *([bias] if bias is not None else []))
+            and weight.dim() == 1 and weight.numel() == hidden
+            and (bias is None or (bias.dim() == 1 and bias.numel() == hidden))
+            and build.available())
+
+
+def _fused_add_layer_norm_supported(x, residual, weight, bias, eps) -> bool:
+    return (_layer_norm_supported(x, weight, bias, eps) and _cpu_kernel_dtype(x, residual)
+            and residual.shape == x.shape)
+
+
+def _gelu_supported(x, approximate) -> bool:
+    return _cpu_kernel_dtype(x) and approximate in ("none", "tanh") and build.available()
 
 
 def _rotary_supported(positions, q, k, cos_sin_cache, head_size, is_neox) -> bool:
@@ -91,6 +110,11 @@ NATIVE_OPS = {
                             ir._fused_add_rms_norm_fake),
     ir.silu_and_mul: ("silu_and_mul_native", _silu_supported, ir._silu_and_mul_fake),
     ir.rotary_embedding: ("rotary_embedding_native", _rotary_supported, ir._rotary_fake),
+    # csrc/layer_norm.c: the LayerNorm families' norm (bias optional) and non-gated GELU
+    ln.layer_norm: ("layer_norm_native", _layer_norm_supported, ln._layer_norm_fake),
+    ln.fused_add_layer_norm: ("fused_add_layer_norm_native", _fused_add_layer_norm_supported,
+                              ln._fused_add_layer_norm_fake),
+    ir.gelu: ("gelu_native", _gelu_supported, ir._gelu_fake),
     # csrc/linear_op.cpp: per call GEMV or oneDNN's packed weight the layer hands over
     # (kiln/model/layers/cpu_gemm.py), else aten's linear; gguf_linear: the blocks up to the
     # plan's row limit, the dense copy's kernels above it.

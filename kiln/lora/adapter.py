@@ -2,8 +2,8 @@
 per-module (A, B) pairs, refusing what Kiln cannot apply by the field that asks for it.
 
 Kiln applies LoRA to the decoder layers' q/k/v/o and gate/up/down projections (Phi-3's fused
-qkv_proj / gate_up_proj adapters are split into those parts); embedding and lm_head LoRA,
-modules_to_save, DoRA and LoRA biases are refused.
+qkv_proj / gate_up_proj adapters are split into those parts; Phi-1/2's q/k/v, dense, fc1 / fc2);
+embedding and lm_head LoRA, modules_to_save, DoRA and LoRA biases are refused.
 """
 import json
 import math
@@ -22,9 +22,30 @@ TARGETS = {
     "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
     "down_proj": ("mlp.down_proj", 0),
 }
+# Phi-1 / 1.5 / 2 (model_type "phi"): its checkpoint's module names, on Kiln's layers (phi.py)
+PHI_TARGETS = {
+    "q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2), "dense": ("self_attn.o_proj", 0),
+    "fc1": ("mlp.c_fc", 0), "fc2": ("mlp.c_proj", 0),
+}
+# model_type -> its PEFT modules, where they are not Llama's
+_FAMILY_TARGETS = {"phi": PHI_TARGETS}
+# Every family's PEFT module -> Kiln layer (the families agree where they share a name)
+ALL_TARGETS = {**TARGETS, **PHI_TARGETS}
 # A fused projection's PEFT module (Phi-3's checkpoint names, so its adapters') -> its parts,
 # in row order: one A serves them all and B's rows split, B @ A's rows being each part's.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def targets_for(hf_config) -> dict[str, tuple[str, int]]:
+    """The PEFT modules an adapter of this model may target -> (Kiln's layer, slice in it)."""
+    return _FAMILY_TARGETS.get(getattr(hf_config, "model_type", None), TARGETS)
+
+
+def _fused_for(hf_config) -> dict[str, tuple[str, ...]]:
+    """The fused PEFT modules of this model's checkpoints: Llama-style ones' (Phi's has none:
+    HF's Phi holds no qkv_proj, so no adapter of it names one)."""
+    return {} if getattr(hf_config, "model_type", None) in _FAMILY_TARGETS else FUSED
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\."
                   r"lora_(A|B)(?:\.[\w-]+)?\.weight$")
 _UNSUPPORTED_TARGETS = ("embed_tokens", "lm_head")
@@ -104,9 +125,13 @@ def expected_shapes(hf_config) -> dict[str, tuple[int, int]]:
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
     inter = hf_config.intermediate_size
-    return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
-            "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
-            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
+              "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
+              "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+              "down_proj": (inter, hidden)}
+    # Phi's names of the output projection and the non-gated MLP's up / down
+    shapes.update(dense=shapes["o_proj"], fc1=shapes["up_proj"], fc2=shapes["down_proj"])
+    return shapes
 
 
 def load_adapter(path: str, hf_config, max_lora_rank: int,
@@ -128,6 +153,7 @@ def load_adapter(path: str, hf_config, max_lora_rank: int,
     except Exception as e:  # a damaged file is the adapter's fault, not the engine's
         raise ConfigError(f"LoRA adapter {file}: unreadable safetensors ({e})") from None
     shapes = expected_shapes(hf_config)
+    targets, fused = targets_for(hf_config), _fused_for(hf_config)
     num_layers = hf_config.num_hidden_layers
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -138,10 +164,12 @@ def load_adapter(path: str, hf_config, max_lora_rank: int,
             raise ConfigError(f"LoRA adapter {file}: {key}: LoRA on embeddings and lm_head is "
                               "not supported (only q/k/v/o/gate/up/down projections)")
         match = _KEY.match(key)
-        if match is None or match.group(3) not in TARGETS and match.group(3) not in FUSED:
+        if match is None or match.group(3) not in targets and match.group(3) not in fused:
+            names = "/".join([*targets, *fused])
+            model = getattr(hf_config, "model_type", None) or "this model"
             raise ConfigError(f"LoRA adapter {file}: tensor {key} is not a LoRA A/B weight of "
-                              "a q/k/v/o/gate/up/down projection (modules_to_save, biases and "
-                              "other modules are not supported)")
+                              f"one of {model}'s {names} projections (modules_to_save, biases "
+                              "and other modules are not supported)")
         layer, module, half = int(match.group(1)), match.group(3), match.group(4)
         if layer >= num_layers:
             raise ConfigError(f"LoRA adapter {file}: tensor {key} is for layer {layer}; the "
@@ -154,7 +182,7 @@ def load_adapter(path: str, hf_config, max_lora_rank: int,
             raise ConfigError(f"LoRA adapter {file}: {name} has lora_{next(iter(pair))} "
                               "without its other half")
         a, b = pair["A"], pair["B"]
-        parts = FUSED.get(module, (module,))
+        parts = fused.get(module, (module,))
         fan_in, fan_outs = shapes[parts[0]][0], [shapes[part][1] for part in parts]
         if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (sum(fan_outs), rank):
             raise ConfigError(f"LoRA adapter {file}: {name} has lora_A {tuple(a.shape)} and "
@@ -163,7 +191,7 @@ def load_adapter(path: str, hf_config, max_lora_rank: int,
         for part, b_rows in zip(parts, b.split(fan_outs)):  # [fan_out, r] each
             if (layer, part) in weights:  # qkv_proj beside q_proj: which one is meant?
                 raise ConfigError(f"LoRA adapter {file}: layer {layer} has {part} twice (as "
-                                  f"itself and in {' / '.join(m for m in FUSED if part in FUSED[m])})")
+                                  f"itself and in {' / '.join(m for m in fused if part in fused[m])})")
             weights[(layer, part)] = (a.to(dtype), (b_rows.to(torch.float32) * scaling).to(dtype))
     if not weights:
         raise ConfigError(f"LoRA adapter {file} holds no LoRA weights")

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from kiln import ir
-from kiln.lora.adapter import TARGETS
+from kiln.lora.adapter import ALL_TARGETS, targets_for
 from kiln.model.layers.linear import QKVParallelLinear, RowParallelLinear, take_shard
 
 _SUBCLASSES: dict[type, type] = {}
@@ -52,7 +52,7 @@ def slice_sizes(layer: nn.Module, layer_name: str) -> list[int]:
         return [layer.q_size, layer.kv_size, layer.kv_size]
     if layer_name.endswith("gate_up_proj"):
         return [size // layer.tp_size for size in layer.output_sizes]
-    return [layer.output_size]
+    return [layer._out_local()]  # a column-parallel layer's rows (Phi's fc1), else all
 
 
 def rank_shard(layer: nn.Module, part: int, a: torch.Tensor,
@@ -76,11 +76,12 @@ def rank_shard(layer: nn.Module, part: int, a: torch.Tensor,
 
 def attach(model: nn.Module, max_loras: int, max_rank: int, indices: torch.Tensor,
            dtype: torch.dtype) -> dict[tuple[int, str], nn.Module]:
-    """Give every decoder layer's q/k/v/o, gate/up/down projection its LoRA buffers (this
-    rank's shard under tensor parallelism); returns (layer index, fused layer name) -> layer.
-    `indices`: the shared per-token slot buffer."""
+    """Give every decoder layer's projections an adapter may target (q/k/v/o, gate/up/down;
+    Phi's q/k/v, dense, fc1 / fc2) their LoRA buffers (this rank's shard under tensor
+    parallelism); returns (layer index, Kiln layer name) -> layer. `indices`: the shared
+    per-token slot buffer."""
     layers = {}
-    fused = sorted({name for name, _ in TARGETS.values()})
+    fused = sorted({name for name, _ in targets_for(model.config).values()})
     for index, decoder in enumerate(model.model.layers):
         for name in fused:
             layer = decoder.get_submodule(name)
@@ -108,7 +109,7 @@ def write_slot(layers: dict, slot: int, adapter, max_rank: int) -> None:
         layer.lora_a[slot].zero_()
         layer.lora_b[slot].zero_()
     for (index, module), (a, b) in adapter.weights.items():
-        name, part = TARGETS[module]
+        name, part = ALL_TARGETS[module]
         layer = layers[(index, name)]
         a, b = rank_shard(layer, part, a, b)
         rows = slice(part * max_rank, part * max_rank + a.shape[0])

@@ -39,10 +39,11 @@ _SEQ_CLS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
 F32_SCALE_NORM_OPS = ("rms_norm_f32_scale", "fused_add_rms_norm_f32_scale")
 # StarCoder2 / GPT-NeoX / Phi's LayerNorms and non-gated GELU MLPs (kiln/ir/layer_norm.py,
 # layer_ops.py)
-LAYER_NORM_GELU_OPS = ("layer_norm", "gelu")
-# Families whose projections are none of LoRA's q/k/v/o, gate/up/down (kiln/lora/): a non-gated
-# c_fc / c_proj MLP (Phi's fc1 / fc2). --enable-lora is refused for them by name.
-NO_LORA_ARCHITECTURES = ("Starcoder2ForCausalLM", "GPTNeoXForCausalLM", "PhiForCausalLM")
+LAYER_NORM_GELU_OPS = ("layer_norm", "fused_add_layer_norm", "gelu")
+# Families whose projections are none of LoRA's targets (kiln/lora/adapter.py: Llama's
+# q/k/v/o, gate/up/down, Phi's q/k/v, dense, fc1 / fc2): a non-gated c_fc / c_proj MLP under
+# other names. --enable-lora is refused for them by name.
+NO_LORA_ARCHITECTURES = ("Starcoder2ForCausalLM", "GPTNeoXForCausalLM")
 # The mixture-of-experts families (kiln/model/layers/fused_moe.py).
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _FAMILY_OPS = {"GemmaForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),
@@ -52,7 +53,8 @@ _FAMILY_OPS = {"GemmaForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),
                "Starcoder2ForCausalLM": LAYER_NORM_GELU_OPS,
                "GPTNeoXForCausalLM": LAYER_NORM_GELU_OPS,
                "PhiForCausalLM": LAYER_NORM_GELU_OPS,
-               "CohereForCausalLM": ("layer_norm",),  # its MLP is Llama's SiLU-gated one
+               # Cohere's MLP is Llama's SiLU-gated one
+               "CohereForCausalLM": ("layer_norm", "fused_add_layer_norm"),
                **{arch: ("fused_moe", "fused_moe_int8", "fused_moe_int8_panels")
                   for arch in MOE_ARCHITECTURES}}
 # The Llama ops those families' own replace, with the fusions the graph passes make of them

@@ -70,8 +70,8 @@ def test_cold_run_reports_pieces_shapes_and_compiles(cold, cache_dir):
                    # Gemma / OLMo-2's ops: the torch reference only
                    "rms_norm_f32_scale": "torch", "fused_add_rms_norm_f32_scale": "torch",
                    "gelu_tanh_and_mul": "torch",
-                   # StarCoder2 / GPT-NeoX's: the torch reference only
-                   "layer_norm": "torch", "gelu": "torch",
+                   # the LayerNorm families' (StarCoder2, GPT-NeoX, Phi, Cohere)
+                   "layer_norm": "native", "fused_add_layer_norm": "native", "gelu": "native",
                    "lora_add": "native",  # the by-slot provider (kiln/ir/lora.py)
                    # the MoE families' experts: one opaque node, on the dense kernels
                    "fused_moe": "native"}
@@ -225,11 +225,12 @@ def test_tp2_int8_report_is_each_ranks_compile(tiny_llama_dir, tmp_path):
      ("fused_add_rms_norm_f32_scale", "silu_and_mul", "silu_and_mul_dynamic_int8_quant")),
     ("gpt_neox", ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul",
                   "rms_norm_f32_scale", "fused_add_rms_norm_dynamic_int8_quant"),
-     ("layer_norm", "gelu", "rotary_embedding", "dynamic_int8_quant")),
+     ("layer_norm", "fused_add_layer_norm", "gelu", "rotary_embedding", "dynamic_int8_quant")),
     # Cohere: LayerNorms, but Llama's SiLU-gated MLP (and its int8 fusion) kept
     ("cohere", ("rms_norm", "fused_add_rms_norm", "gelu", "gelu_tanh_and_mul",
                 "fused_add_rms_norm_dynamic_int8_quant"),
-     ("layer_norm", "silu_and_mul", "silu_and_mul_dynamic_int8_quant", "rotary_embedding"))])
+     ("layer_norm", "fused_add_layer_norm", "silu_and_mul", "silu_and_mul_dynamic_int8_quant",
+      "rotary_embedding"))])
 def test_ops_in_use_leave_out_the_llama_ops_a_family_replaces(arch, absent, present, request):
     """A Gemma report listed rms_norm, silu_and_mul and their int8 fusions, which its (1 + w)
     norms and GeGLU replace; OLMo-2's listed the Llama norms."""

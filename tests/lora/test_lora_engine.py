@@ -279,3 +279,12 @@ def test_cohere_adapter_matches_hf(tiny_cohere_dir, tmp_path):
 
     _adapter_matches_hf(tiny_cohere_dir, write_adapter(tmp_path / "cohere_lora",
                                                        tiny_cohere_dir), "cohere")
+
+
+def test_phi_adapter_of_dense_and_fc_projections_matches_hf(tiny_phi_dir, tmp_path):
+    """Phi-1/2's adapters target q/k/v, dense and the non-gated MLP's fc1 / fc2 (its biased
+    projections): --enable-lora was refused for PhiForCausalLM."""
+    from lora_adapters import PHI_TARGETS, write_adapter
+
+    adapter = write_adapter(tmp_path / "phi_lora", tiny_phi_dir, targets=PHI_TARGETS)
+    _adapter_matches_hf(tiny_phi_dir, adapter, "phi")

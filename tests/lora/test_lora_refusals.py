@@ -135,3 +135,32 @@ def test_a_home_relative_adapter_path_is_expanded(base, tmp_path, monkeypatch):
     write_adapter(tmp_path / "a", path)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert load_adapter("~/a", config, max_lora_rank=16).rank == 4
+
+
+def test_a_phi_adapter_of_modules_phi_lacks_is_refused_by_name(tmp_path, tiny_phi_dir):
+    """Phi's targets are q/k/v, dense, fc1 / fc2: Llama's o_proj / down_proj, the fused
+    qkv_proj and modules that are no projection (q_layernorm) are refused naming the tensor
+    and Phi's names; its own modules load, on Kiln's layers."""
+    from lora_adapters import PHI_TARGETS
+    from transformers import AutoConfig
+
+    from kiln.lora.adapter import PHI_TARGETS as KILN_PHI_TARGETS
+
+    cfg = AutoConfig.from_pretrained(tiny_phi_dir)
+    adapter = load_adapter(str(write_adapter(tmp_path / "ok", tiny_phi_dir, targets=PHI_TARGETS)),
+                           cfg, 16)
+    assert {m for _, m in adapter.weights} == set(PHI_TARGETS) == set(KILN_PHI_TARGETS)
+    for bad in ("o_proj", "down_proj", "qkv_proj"):
+        path = write_adapter(tmp_path / bad, tiny_phi_dir, targets=("q_proj", bad))
+        with pytest.raises(ConfigError, match=rf"\.{bad}\.lora_A.* one of phi's q_proj/k_proj/"
+                                              r"v_proj/dense/fc1/fc2 projections"):
+            load_adapter(str(path), cfg, 16)
+    path = write_adapter(tmp_path / "norm", tiny_phi_dir, targets=("q_proj",))
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    tensors["base_model.model.model.layers.0.self_attn.q_layernorm.lora_A.weight"] = \
+        torch.zeros(4, 8)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    with pytest.raises(ConfigError, match=r"q_layernorm\.lora_A.*one of phi's"):
+        load_adapter(str(path), cfg, 16)

@@ -399,10 +399,10 @@ def test_gpt_neox_configs_kiln_would_misread_are_refused_naming_the_field(fields
         GPTNeoXAttention(cfg, "model.layers.0.self_attn")
 
 
-@pytest.mark.parametrize("arch", ["starcoder2", "gpt_neox", "phi"])
+@pytest.mark.parametrize("arch", ["starcoder2", "gpt_neox"])
 def test_lora_on_the_non_gated_mlp_families_is_refused_by_flag(arch, request):
-    """Kiln's LoRA layers are q/k/v/o, gate/up/down: attaching them failed as an
-    AttributeError (no mlp.gate_up_proj) once the model was loaded."""
+    """Kiln's LoRA layers are q/k/v/o, gate/up/down (Phi's q/k/v, dense, fc1 / fc2): attaching
+    them failed as an AttributeError (no mlp.gate_up_proj) once the model was loaded."""
     from kiln.config import DeviceConfig, KilnConfig, ModelConfig
     from kiln.errors import ConfigError
     from kiln.lora.config import LoRAConfig

@@ -44,9 +44,8 @@ class GemmaRMSNorm(F32ScaleRMSNorm):
 
 class LayerNorm(nn.Module):
     """LayerNorm with weight and bias (StarCoder2, GPT-NeoX, Phi: HF's nn.LayerNorm; Cohere's
-    has no bias), the IR op layer_norm; called as RMSNorm is, so Llama's decoder layer takes
-    it. Its residual add is plain torch: a compiled graph fuses it with the op's inlined
-    reference."""
+    has no bias), the IR ops layer_norm and fused_add_layer_norm; called as RMSNorm is, so
+    Llama's decoder layer takes it."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True):
         super().__init__()
@@ -63,5 +62,4 @@ class LayerNorm(nn.Module):
         """norm(x), or with residual: (norm(x + residual), x + residual)."""
         if residual is None:
             return ir.layer_norm(x, self.weight, self.bias, self.eps)
-        total = x + residual  # [T, hidden]
-        return ir.layer_norm(total, self.weight, self.bias, self.eps), total
+        return ir.fused_add_layer_norm(x, residual, self.weight, self.bias, self.eps)

@@ -26,6 +26,14 @@ int kiln_rotary(const int64_t *positions, const void *q, int64_t q_stride, const
                 int64_t max_pos, int64_t num_tokens, int32_t nq, int32_t nk, int32_t hd,
                 int32_t is_neox, int32_t dtype, int32_t num_threads);
 
+/* layer_norm.c */
+int kiln_layer_norm(const void *x, int64_t x_stride, const void *residual, int64_t res_stride,
+                    void *residual_out, const void *weight, const void *bias, void *out,
+                    int64_t out_stride, int64_t rows, int32_t hidden, float eps, int32_t dtype,
+                    int32_t num_threads);
+int kiln_gelu(const void *x, int64_t x_stride, void *out, int64_t rows, int32_t d,
+              int32_t tanh_form, int32_t dtype, int32_t num_threads);
+
 /* gemv.c */
 int kiln_gemv(const void *x, const void *weight, const void *bias, void *out, int32_t m,
               int64_t n, int64_t k, int32_t dtype, int32_t num_threads);
