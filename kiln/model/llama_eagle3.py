@@ -12,6 +12,7 @@ with or without `model.`, or `layers.0.*`.
 import torch
 from torch import nn
 
+from kiln.compilation.decorator import support_torch_compile
 from kiln.errors import ConfigError
 from kiln.model.hf_weight_loading import HFWeightLoading
 from kiln.model.layers.layernorm import RMSNorm
@@ -46,6 +47,7 @@ class Eagle3FirstLayer(LlamaDecoderLayer):
         return self.mlp(x), residual
 
 
+@support_torch_compile
 class Eagle3LlamaModel(nn.Module):
     def __init__(self, *, kiln_config, prefix: str = "model"):
         super().__init__()

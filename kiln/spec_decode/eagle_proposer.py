@@ -19,6 +19,12 @@ class EagleProposer(DraftModelProposer):
         super().load()
         self.model.share_target(target)
 
+    def dummy_inputs(self, runner, num_tokens: int) -> tuple:
+        """Dummy tokens and a zero hidden state per token ([T, the head's hidden size])."""
+        hf = self.kiln_config.model_config
+        zeros = torch.zeros(num_tokens, hf.hidden_size, dtype=hf.torch_dtype, device=self.device)
+        return (*super().dummy_inputs(runner, num_tokens), zeros)
+
     def head_input(self, states: torch.Tensor) -> torch.Tensor:
         """The target's states at the caught-up positions -> the head's hidden input [T, H]."""
         return states

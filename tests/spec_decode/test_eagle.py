@@ -73,20 +73,35 @@ def test_random_head_drafts_eagles_tokens_and_keeps_greedy_output(
     assert llm.llm_engine.get_stats()["prefix_cache_hits"] - hits == 16  # 2 blocks, less 1
 
 
-def test_mirroring_head_has_every_draft_accepted_eager_and_compiled(inprocess_core, bigram):
+def test_mirroring_head_has_every_draft_accepted_eager_and_compiled(inprocess_core, bigram,
+                                                                     tmp_path):
     from checkpoints import hf_greedy
+
+    from kiln.compilation.counters import compilation_counter as c
 
     target, head = bigram
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     want = hf_greedy(target, PROMPTS, 20)
     # mode 0 with a small budget: chunked prefills beside drafted decodes, each chunk's
-    # positions reading the next prompt token; mode 3: the compiled target's hidden states
-    for mode, kwargs in ((0, {"max_num_batched_tokens": 8, "max_num_seqs": 3}), (3, {})):
-        llm = make(target, eagle_spec(head, k=4), mode=mode, **kwargs)
+    # positions reading the next prompt token; mode 3: the target and the head compiled
+    # (each traced once, split at its 1 attention layer: 3 pieces, 2 compiled), then a
+    # second engine on the same cache runs both saved graphs (no trace)
+    cache = {"cache_dir": str(tmp_path / "cc")}
+    for mode, kwargs, counts in (
+            (0, {"max_num_batched_tokens": 8, "max_num_seqs": 3}, {"num_dynamo_traces": 0}),
+            (3, {}, {"num_dynamo_traces": 2, "num_piecewise_graphs_seen": 6,
+                     "num_piecewise_capturable_graphs_seen": 4}),
+            (3, {}, {"num_dynamo_traces": 0, "num_saved_graph_loads": 2})):
+        with c.expect(**counts):
+            llm = make(target, eagle_spec(head, k=4), mode=mode, compilation=cache, **kwargs)
         assert llm.llm_engine.kiln_config.compilation_config.mode == mode
+        drafter = llm.llm_engine.engine_core.executor.worker.model_runner.drafter
+        assert drafter.compiles == (mode == 3)
         before = spec_totals(llm)
-        assert [list(o.token_ids) for o in generate(llm, PROMPTS, params)] == want
+        with c.expect(num_dynamo_traces=0, num_backend_compilations=0):  # none while serving
+            assert [list(o.token_ids) for o in generate(llm, PROMPTS, params)] == want
         assert all_accepted(llm, before) >= 3 * 4 * 3
+        del llm
 
 
 def test_method_names_and_refusals(tiny_llama_dir, random_head, tmp_path):
