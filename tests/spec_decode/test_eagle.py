@@ -75,9 +75,9 @@ def test_random_head_drafts_eagles_tokens_and_keeps_greedy_output(
 
 def test_mirroring_head_has_every_draft_accepted_eager_and_compiled(inprocess_core, bigram,
                                                                      tmp_path):
-    from checkpoints import hf_greedy
-
     from kiln.compilation.counters import compilation_counter as c
+
+    from checkpoints import hf_greedy
 
     target, head = bigram
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
