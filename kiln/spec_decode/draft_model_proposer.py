@@ -47,8 +47,10 @@ class DraftPlan:
 
 def draft_compiles(kiln_config) -> bool:
     """Whether the draft compiles: an EAGLE head does when the target runs under mode 3, as
-    vLLM's does under VLLM_COMPILE; a draft model, and any draft under modes 0-2, run eagerly."""
-    return (kiln_config.speculative_config.is_eagle
+    vLLM's does under VLLM_COMPILE, unless speculative_config.enforce_eager; a draft model, and
+    any draft under modes 0-2, run eagerly."""
+    spec = kiln_config.speculative_config
+    return (spec.is_eagle and not spec.enforce_eager
             and kiln_config.compilation_config.mode == CompilationMode.KILN_COMPILE)
 
 

@@ -137,8 +137,17 @@ def test_method_names_and_refusals(tiny_llama_dir, random_head, tmp_path):
     from kiln.config.eagle_config import eagle_model_config
     with pytest.raises(ConfigError, match="the target is GemmaForCausalLM"):
         eagle_model_config(config, SimpleNamespace(architecture="GemmaForCausalLM"))
-    with pytest.raises(ConfigError, match="--tensor-parallel-size 2"):
-        kiln_config(eagle_spec(random_head), tensor_parallel_size=2)
+    # the head compiles with a mode-3 target unless the draft's enforce_eager says not
+    from kiln.spec_decode.draft_model_proposer import draft_compiles
+    for mode, eager, compiles in ((3, None, True), (3, True, False), (0, None, False)):
+        assert draft_compiles(kiln_config({**eagle_spec(random_head), "enforce_eager": eager},
+                                          compilation_config={"mode": mode})) == compiles
+    # the head is sharded over the target's ranks (tests/distributed/test_tp_spec_decode.py)
+    assert kiln_config(eagle_spec(random_head), tensor_parallel_size=2).speculative_config
+    with pytest.raises(ConfigError, match="draft_tensor_parallel_size=1 differs from "
+                                          "--tensor-parallel-size 2"):
+        kiln_config({**eagle_spec(random_head), "draft_tensor_parallel_size": 1},
+                    tensor_parallel_size=2)
     # a head is no model to serve
     with pytest.raises(ConfigError, match="an EAGLE draft head, not a model"):
         EngineArgs(model=str(random_head), load_format="dummy").create_kiln_config()
