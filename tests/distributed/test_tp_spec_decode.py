@@ -1,5 +1,6 @@
-"""N-gram speculative decoding at tensor parallel 2: every rank verifies the drafts alike (same
-logits, same generators), so greedy output is HF's and seeded sampling is TP=1's."""
+"""Speculative decoding at tensor parallel 2: n-gram drafts every rank verifies alike (same
+logits, same generators), so greedy output is HF's and seeded sampling is TP=1's; an EAGLE-3
+head sharded over the ranks drafts as at TP=1."""
 from kiln import SamplingParams
 
 from checkpoints import hf_greedy

@@ -1,7 +1,8 @@
 """EAGLE-1 speculative decoding (vLLM's method='eagle') on tiny random checkpoints: a random head
 drafts exactly what EAGLE's equations give from HF's target hidden states (eagle_heads.py's
 torch reference) and never changes greedy output; a head mirroring a 1-layer target whose next
-token depends on the last token alone has every draft accepted, eagerly and compiled; heads
+token depends on the last token alone has every draft accepted, eagerly and compiled (the head
+traced once, then loaded from the compile cache by a second engine); heads
 that do not fit the target are refused at config time."""
 import pytest
 
