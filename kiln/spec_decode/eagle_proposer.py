@@ -1,10 +1,11 @@
 """vLLM's method='eagle': an EAGLE-1 head (kiln/model/llama_eagle.py) drafts from the target's
 last hidden states. It runs as the draft model does (draft_model_proposer.py: its own K/V over
-the target's block tables, greedy proposals; compiled under a mode-3 target), one position behind: head position i reads
-token i + 1 and the target's hidden state at i, so after each target step it catches up on the
-positions whose next token is known, then feeds its own output hidden state to the next draft.
-method='eagle3' (Eagle3Proposer, kiln/model/llama_eagle3.py) reads the target's auxiliary hidden
-states from 3 layers instead, folded by the head's fc, and drafts over its own vocabulary.
+the target's block tables, greedy proposals; compiled under a mode-3 target), one position
+behind: head position i reads token i + 1 and the target's hidden state at i, so after each
+target step it catches up on the positions whose next token is known, then feeds its own output
+hidden state to the next draft. method='eagle3' (Eagle3Proposer, kiln/model/llama_eagle3.py)
+reads the target's auxiliary hidden states from 3 layers instead, folded by the head's fc, and
+drafts over its own vocabulary.
 """
 import numpy as np
 import torch
