@@ -25,16 +25,17 @@ def eagle3_model_config(spec, target: ModelConfig) -> ModelConfig:
         raise ConfigError(f"{where}: eagle_config.use_aux_hidden_state=false (a head reading "
                           "the target's last hidden state alone) is not served; an EAGLE-3 "
                           "head that folds 3 of the target's layers is")
-    for name, want in (("hidden_size", target.hidden_size),
-                       ("target_hidden_size", target.hidden_size),
-                       ("vocab_size", target.vocab_size)):
+    # vLLM's target_hidden_size: the width of the target states fc reads (the head's own
+    # hidden_size may differ; unset, it is the head's)
+    width = ("target_hidden_size" if getattr(head, "target_hidden_size", None) is not None
+             else "hidden_size")
+    for name, want in ((width, target.hidden_size), ("vocab_size", target.vocab_size)):
         got = getattr(head, name, None)
-        if name == "target_hidden_size" and got is None:
-            continue
         if got != want:
             raise ConfigError(f"{where} has {name}={got} and the target {target.model!r} "
                               f"{want}; an EAGLE-3 head must be trained for its target (same "
-                              f"{name}): pick the head made for this model")
+                              f"{name}; a head of another width names the target's in "
+                              "target_hidden_size): pick the head made for this model")
     layers = getattr(head, "num_hidden_layers", None)
     if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
         raise ConfigError(f"{where} has num_hidden_layers={layers!r}; an EAGLE-3 head has at "

@@ -33,7 +33,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     model: str | None = None  # the draft model ("ngram": vLLM's older way to say the method)
     draft_tensor_parallel_size: int | None = None  # vLLM's; 1 (the target's tp is 1)
-    enforce_eager: bool | None = None  # vLLM's; the draft always runs eagerly here
+    enforce_eager: bool | None = None  # vLLM's; True: an EAGLE head stays eager under mode 3
     revision: str | None = None  # the draft's hub revision
     draft_sample_method: str = "greedy"
     rejection_sample_method: str = "standard"
@@ -107,9 +107,12 @@ class SpeculativeConfig:
                 raise ConfigError(f"{_FLAG}: speculative_config.{name} is n-gram's; drop it "
                                   f"with method={self.method!r}")
         tp = self.draft_tensor_parallel_size
-        if tp is not None and (isinstance(tp, bool) or tp != 1):
+        if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or (
+                tp != 1 and not self.is_eagle)):
             raise ConfigError(f"{_FLAG}: speculative_config.draft_tensor_parallel_size={tp!r}: "
-                              "Kiln runs the draft model on one rank (1, or leave it unset)")
+                              "Kiln runs a draft model on one rank (1, or leave it unset), "
+                              "an EAGLE head on the target's ranks (its "
+                              "--tensor-parallel-size, or leave it unset)")
         if self.max_model_len is not None:  # the draft's: it drafts for shorter requests only
             _check_int("max_model_len", self.max_model_len)
         for name, value, why in _FIXED:
@@ -192,14 +195,22 @@ def _check_int(name: str, value) -> None:
 def check_speculative(config: SpeculativeConfig | None, parallel) -> None:
     """Refuse what speculative decoding does not run with: pipeline parallelism (the stages
     before the last learn one token per request a step), and a draft model under tensor
-    parallelism."""
+    parallelism. An EAGLE head is sharded over the target's ranks, as vLLM's."""
     if config is None:
         return
     if parallel.pipeline_parallel_size > 1:
         raise ConfigError(f"{_FLAG} is not supported with --pipeline-parallel-size "
                           f"{parallel.pipeline_parallel_size}: drop one of them (-tp works "
-                          "with method='ngram')")
-    if config.runner_proposes and parallel.tensor_parallel_size > 1:
+                          "with method='ngram' and the EAGLE methods)")
+    tp, draft_tp = parallel.tensor_parallel_size, config.draft_tensor_parallel_size
+    if config.is_eagle:
+        if draft_tp not in (None, tp):
+            raise ConfigError(f"{_FLAG}: speculative_config.draft_tensor_parallel_size="
+                              f"{draft_tp} differs from --tensor-parallel-size {tp}; an EAGLE "
+                              "head runs on the target's ranks: set it to "
+                              f"{tp} or leave it unset")
+        return
+    if config.runner_proposes and tp > 1:
         raise ConfigError(f"{_FLAG}: method={config.method!r} is not supported with "
                           f"--tensor-parallel-size {parallel.tensor_parallel_size}; drop one "
                           "of them (method='ngram' works with -tp)")

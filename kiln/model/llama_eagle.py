@@ -9,6 +9,7 @@ a stored embed_tokens / lm_head copy is the target's and skipped.
 import torch
 from torch import nn
 
+from kiln.compilation.decorator import support_torch_compile
 from kiln.errors import ConfigError
 from kiln.model.hf_weight_loading import HFWeightLoading
 from kiln.model.layers.linear import ReplicatedLinear
@@ -16,6 +17,7 @@ from kiln.model.layers.rotary_embedding import share_rotary_embeddings
 from kiln.model.llama import LlamaDecoderLayer
 
 
+@support_torch_compile
 class EagleLlamaModel(nn.Module):
     def __init__(self, *, kiln_config, prefix: str = "model"):
         super().__init__()

@@ -12,6 +12,7 @@ with or without `model.`, or `layers.0.*`.
 import torch
 from torch import nn
 
+from kiln.compilation.decorator import support_torch_compile
 from kiln.errors import ConfigError
 from kiln.model.hf_weight_loading import HFWeightLoading
 from kiln.model.layers.layernorm import RMSNorm
@@ -46,6 +47,7 @@ class Eagle3FirstLayer(LlamaDecoderLayer):
         return self.mlp(x), residual
 
 
+@support_torch_compile
 class Eagle3LlamaModel(nn.Module):
     def __init__(self, *, kiln_config, prefix: str = "model"):
         super().__init__()
@@ -53,7 +55,9 @@ class Eagle3LlamaModel(nn.Module):
 
         cfg = kiln_config.model_config.hf_config
         h = cfg.hidden_size
-        self.fc = ReplicatedLinear(NUM_AUX_LAYERS * h, h, False)
+        # vLLM's target_hidden_size: a head narrower or wider than its target folds the
+        # target's states into its own width
+        self.fc = ReplicatedLinear(NUM_AUX_LAYERS * target_hidden_size(cfg), h, False)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, h)
         self.layers = nn.ModuleList(
             (Eagle3FirstLayer if i == 0 else LlamaDecoderLayer)(cfg, prefix=f"{prefix}.layers.{i}")
@@ -97,12 +101,24 @@ class Eagle3LlamaForCausalLM(HFWeightLoading, nn.Module):
         """Read the target's token embedding and LM head where the checkpoint has none."""
         inner = getattr(target, "model", None)
         embed, head = getattr(inner, "embed_tokens", None), getattr(target, "lm_head", None)
+        own_width = target_hidden_size(self.config) == self.config.hidden_size
         if not self.has_own_embed:
+            if not own_width:
+                raise ConfigError(f"{_WHERE}: its hidden_size={self.config.hidden_size} "
+                                  "differs from the target's (target_hidden_size="
+                                  f"{target_hidden_size(self.config)}) and its checkpoint has no "
+                                  "embed_tokens, so the target's embedding cannot stand in; use "
+                                  "the head's full checkpoint")
             if embed is None:
                 raise ConfigError(f"{_WHERE}: its checkpoint has no embed_tokens and the target "
                                   "has no model.embed_tokens to share")
             self.model.embed_tokens, self.model._embed = None, (embed,)
         if not self.has_own_lm_head:
+            if not own_width:
+                raise ConfigError(f"{_WHERE}: its hidden_size={self.config.hidden_size} "
+                                  "differs from the target's and its checkpoint has no "
+                                  "lm_head.weight, so the target's LM head cannot stand in; use "
+                                  "the head's full checkpoint")
             if self.draft_vocab_size != self.vocab_size:
                 raise ConfigError(f"{_WHERE}: its checkpoint has no lm_head.weight, and its "
                                   f"draft_vocab_size={self.draft_vocab_size} differs from the "
@@ -162,6 +178,12 @@ class Eagle3LlamaForCausalLM(HFWeightLoading, nn.Module):
                               "draft-to-target token id map); use the head's full checkpoint, "
                               "or one whose draft vocabulary is the target's")
         super()._check_complete(params, loaded)
+
+
+def target_hidden_size(hf_config) -> int:
+    """The width of the target's hidden states the head's fc reads (vLLM's draft config field
+    target_hidden_size; the head's own hidden_size when unset)."""
+    return getattr(hf_config, "target_hidden_size", None) or hf_config.hidden_size
 
 
 def _check_draft_to_target(ids: torch.Tensor, vocab_size: int) -> None:

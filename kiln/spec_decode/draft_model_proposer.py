@@ -4,6 +4,7 @@ from one budget). After each target step it catches up on what the target comput
 token just sampled, then proposes up to k tokens greedily (one forward over the batch each),
 which the scheduler runs as drafts next step; the rejection sampler takes them as one-hot, as
 vLLM's does under its default draft_sample_method='greedy'."""
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,19 +45,31 @@ class DraftPlan:
     ks: np.ndarray
 
 
+def draft_compiles(kiln_config) -> bool:
+    """Whether the draft compiles: an EAGLE head does when the target runs under mode 3, as
+    vLLM's does under VLLM_COMPILE, unless speculative_config.enforce_eager; a draft model, and
+    any draft under modes 0-2, run eagerly."""
+    spec = kiln_config.speculative_config
+    return (spec.is_eagle and not spec.enforce_eager
+            and kiln_config.compilation_config.mode == CompilationMode.KILN_COMPILE)
+
+
 def draft_kiln_config(kiln_config):
-    """The target's engine config with the draft model in it, eager (mode 0, no graphs)."""
+    """The target's engine config with the draft model in it: eager (mode 0, no graphs), or
+    the target's compilation settings where draft_compiles (its cache key differs by model)."""
     from kiln.config.kiln_config import KilnConfig
 
     draft = kiln_config.speculative_config.draft_model_config
+    compiled = draft_compiles(kiln_config)
     return KilnConfig(
         model_config=draft, cache_config=kiln_config.cache_config,
         scheduler_config=kiln_config.scheduler_config,
         parallel_config=kiln_config.parallel_config,
         load_config=LoadConfig(load_format=draft.load_format),
         device_config=kiln_config.device_config,
-        compilation_config=CompilationConfig(mode=CompilationMode.NONE), enforce_eager=True,
-        ir_op_priority=dict(kiln_config.ir_op_priority))
+        compilation_config=(copy.deepcopy(kiln_config.compilation_config) if compiled
+                            else CompilationConfig(mode=CompilationMode.NONE)),
+        enforce_eager=not compiled, ir_op_priority=dict(kiln_config.ir_op_priority))
 
 
 class DraftModelProposer:
@@ -69,6 +82,8 @@ class DraftModelProposer:
         self.device = device
         self.model: torch.nn.Module | None = None
         self.attention_layers: dict = {}  # layer name -> the draft's Attention modules
+        # the draft's own warm-up phase and graph mode (none: it runs without CUDA graphs)
+        self.compile_state = CompileState()
 
     def load(self, target: torch.nn.Module | None = None) -> None:
         """Build and load the draft (`target`: the target model, which EagleProposer's head
@@ -76,10 +91,27 @@ class DraftModelProposer:
         from kiln.model.layers.attention import attention_layers
         from kiln.model.loader import get_model
 
-        with set_compile_state(CompileState()):
+        with set_compile_state(self.compile_state):
             self.model = get_model(self.kiln_config)
         self.attention_layers = attention_layers(self.model)
         self.attn_backend = next(iter(self.attention_layers.values())).backend
+
+    @property
+    def compiles(self) -> bool:
+        return self.kiln_config.compilation_config.mode != CompilationMode.NONE
+
+    def dummy_inputs(self, runner, num_tokens: int) -> tuple:
+        """The draft's forward arguments for `num_tokens` dummy tokens."""
+        return runner.buffers.dummy_tokens(num_tokens, np.arange(num_tokens)
+                                           % self.max_model_len)
+
+    @torch.inference_mode()
+    def dummy_run(self, runner, num_tokens: int) -> None:
+        """A draft forward over dummy tokens without attention metadata: the warm-up that
+        traces and compiles a compiled draft before serving (worker.compile_or_warm_up_model)."""
+        with set_forward_context(None, self.kiln_config, layers=self.attention_layers,
+                                 cudagraph_runtime_mode=CUDAGraphMode.NONE):
+            self.model(*self.dummy_inputs(runner, num_tokens))
 
     def _forward(self, runner, rows: np.ndarray, start: np.ndarray, count: np.ndarray,
                  last: np.ndarray, input_ids: np.ndarray | None = None,

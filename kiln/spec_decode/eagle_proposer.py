@@ -1,10 +1,11 @@
 """vLLM's method='eagle': an EAGLE-1 head (kiln/model/llama_eagle.py) drafts from the target's
-last hidden states. It runs as the draft model does (draft_model_proposer.py: eager, its own K/V
-over the target's block tables, greedy proposals), one position behind: head position i reads
-token i + 1 and the target's hidden state at i, so after each target step it catches up on the
-positions whose next token is known, then feeds its own output hidden state to the next draft.
-method='eagle3' (Eagle3Proposer, kiln/model/llama_eagle3.py) reads the target's auxiliary hidden
-states from 3 layers instead, folded by the head's fc, and drafts over its own vocabulary.
+last hidden states. It runs as the draft model does (draft_model_proposer.py: its own K/V over
+the target's block tables, greedy proposals; compiled under a mode-3 target), one position
+behind: head position i reads token i + 1 and the target's hidden state at i, so after each
+target step it catches up on the positions whose next token is known, then feeds its own output
+hidden state to the next draft. method='eagle3' (Eagle3Proposer, kiln/model/llama_eagle3.py)
+reads the target's auxiliary hidden states from 3 layers instead, folded by the head's fc, and
+drafts over its own vocabulary.
 """
 import numpy as np
 import torch
@@ -18,6 +19,12 @@ class EagleProposer(DraftModelProposer):
     def load(self, target: torch.nn.Module | None = None) -> None:
         super().load()
         self.model.share_target(target)
+
+    def dummy_inputs(self, runner, num_tokens: int) -> tuple:
+        """Dummy tokens and a zero hidden state per token ([T, the head's hidden size])."""
+        hf = self.kiln_config.model_config
+        zeros = torch.zeros(num_tokens, hf.hidden_size, dtype=hf.torch_dtype, device=self.device)
+        return (*super().dummy_inputs(runner, num_tokens), zeros)
 
     def head_input(self, states: torch.Tensor) -> torch.Tensor:
         """The target's states at the caught-up positions -> the head's hidden input [T, H]."""

@@ -3,6 +3,7 @@
 The executor drives it: init_device, load_model, determine_num_blocks, initialize_cache,
 compile_or_warm_up_model, then execute_model once per engine step.
 """
+import functools
 import gc
 
 import torch
@@ -145,6 +146,11 @@ class Worker(WorkerSleepMode):
         compile_and_warm_up(self.model_runner.dummy_run, self.kiln_config,
                             self.model_runner.compile_state.warmup_phase,
                             extra_sizes=[1, min(sched.max_num_seqs, sched.max_num_batched_tokens)])
+        drafter = self.model_runner.drafter
+        if drafter is not None and drafter.compiles:  # a compiled EAGLE head: its own shapes
+            compile_and_warm_up(functools.partial(drafter.dummy_run, self.model_runner),
+                                drafter.kiln_config, drafter.compile_state.warmup_phase,
+                                extra_sizes=[1])
         # Record every CUDA graph now, after compiling and before serving (no-op on CPU).
         capture_model(self.model_runner, self.model_runner.cudagraph_dispatcher, self.platform)
         self.platform.synchronize()

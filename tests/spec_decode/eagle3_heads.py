@@ -7,29 +7,32 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .eagle_heads import _hf_model, _rms, attention, mlp_block, target_weights
+from .eagle_heads import _hf_model, _rms, attention, mlp_block
 
 _NORMS = ("input_layernorm", "hidden_norm", "post_attention_layernorm")
 
 
 def write_eagle3_head(path: Path, target_dir: Path, *, seed: int = 0, draft_vocab: int | None = None,
                       aux_ids=(2, 0, 1), yuhuili: bool = True, own_embed: bool = False,
-                      own_lm_head: bool = True, d2t: bool = True, **overrides) -> Path:
+                      own_lm_head: bool = True, d2t: bool = True, width: int | None = None,
+                      **overrides) -> Path:
     """A 1-layer random head over target_dir's config. draft_vocab: its vocabulary, a random
     subset of the target's (d2t maps it); yuhuili: names as yuhuili's checkpoints (midlayer.*,
     no model.), else model.layers.0.*; own_embed / own_lm_head: store them (else the target's
-    are read)."""
+    are read); width: the head's own hidden_size, the target's in target_hidden_size."""
     config = json.loads((target_dir / "config.json").read_text())
     config.update(architectures=["LlamaForCausalLMEagle3" if yuhuili
                                  else "Eagle3LlamaForCausalLM"], num_hidden_layers=1)
     if aux_ids is not None:
         config["eagle_aux_hidden_state_layer_ids"] = list(aux_ids)
-    h, v = config["hidden_size"], config["vocab_size"]
-    dv = draft_vocab or v
+    th, v = config["hidden_size"], config["vocab_size"]
+    if width is not None:
+        config.update(hidden_size=width, target_hidden_size=th,
+                      head_dim=width // config["num_attention_heads"])
+    h, dv = config["hidden_size"], draft_vocab or v
     if draft_vocab is not None:
         config["draft_vocab_size"] = dv
     config.update(overrides)
-    src = target_weights(target_dir)
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape, scale=0.2):
@@ -38,14 +41,16 @@ def write_eagle3_head(path: Path, target_dir: Path, *, seed: int = 0, draft_voca
     kv = config["num_key_value_heads"] * h // config["num_attention_heads"]
     layer = {"self_attn.q_proj.weight": rand(h, 2 * h), "self_attn.k_proj.weight": rand(kv, 2 * h),
              "self_attn.v_proj.weight": rand(kv, 2 * h), "self_attn.o_proj.weight": rand(h, h)}
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        layer[f"mlp.{name}.weight"] = rand(*src[f"model.layers.0.mlp.{name}.weight"].shape)
+    inter = config["intermediate_size"]
+    for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)),
+                        ("down_proj", (h, inter))):
+        layer[f"mlp.{name}.weight"] = rand(*shape)
     for name in _NORMS:
         layer[f"{name}.weight"] = 1 + rand(h, scale=0.1)
     prefix = "midlayer." if yuhuili else "model.layers.0."
     tensors = {prefix + n: t for n, t in layer.items()}
     top = "" if yuhuili else "model."
-    tensors[f"{top}fc.weight"] = rand(h, 3 * h)
+    tensors[f"{top}fc.weight"] = rand(h, 3 * th)
     tensors[f"{top}norm.weight"] = 1 + rand(h, scale=0.1)
     if own_embed:
         tensors[f"{top}embed_tokens.weight"] = rand(v, h, scale=1.0)

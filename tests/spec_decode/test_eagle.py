@@ -1,7 +1,8 @@
 """EAGLE-1 speculative decoding (vLLM's method='eagle') on tiny random checkpoints: a random head
 drafts exactly what EAGLE's equations give from HF's target hidden states (eagle_heads.py's
 torch reference) and never changes greedy output; a head mirroring a 1-layer target whose next
-token depends on the last token alone has every draft accepted, eagerly and compiled; heads
+token depends on the last token alone has every draft accepted, eagerly and compiled (the head
+traced once, then loaded from the compile cache by a second engine); heads
 that do not fit the target are refused at config time."""
 import pytest
 
@@ -73,20 +74,35 @@ def test_random_head_drafts_eagles_tokens_and_keeps_greedy_output(
     assert llm.llm_engine.get_stats()["prefix_cache_hits"] - hits == 16  # 2 blocks, less 1
 
 
-def test_mirroring_head_has_every_draft_accepted_eager_and_compiled(inprocess_core, bigram):
+def test_mirroring_head_has_every_draft_accepted_eager_and_compiled(inprocess_core, bigram,
+                                                                     tmp_path):
+    from kiln.compilation.counters import compilation_counter as c
+
     from checkpoints import hf_greedy
 
     target, head = bigram
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     want = hf_greedy(target, PROMPTS, 20)
     # mode 0 with a small budget: chunked prefills beside drafted decodes, each chunk's
-    # positions reading the next prompt token; mode 3: the compiled target's hidden states
-    for mode, kwargs in ((0, {"max_num_batched_tokens": 8, "max_num_seqs": 3}), (3, {})):
-        llm = make(target, eagle_spec(head, k=4), mode=mode, **kwargs)
+    # positions reading the next prompt token; mode 3: the target and the head compiled
+    # (each traced once, split at its 1 attention layer: 3 pieces, 2 compiled), then a
+    # second engine on the same cache runs both saved graphs (no trace)
+    cache = {"cache_dir": str(tmp_path / "cc")}
+    for mode, kwargs, counts in (
+            (0, {"max_num_batched_tokens": 8, "max_num_seqs": 3}, {"num_dynamo_traces": 0}),
+            (3, {}, {"num_dynamo_traces": 2, "num_piecewise_graphs_seen": 6,
+                     "num_piecewise_capturable_graphs_seen": 4}),
+            (3, {}, {"num_dynamo_traces": 0, "num_saved_graph_loads": 2})):
+        with c.expect(**counts):
+            llm = make(target, eagle_spec(head, k=4), mode=mode, compilation=cache, **kwargs)
         assert llm.llm_engine.kiln_config.compilation_config.mode == mode
+        drafter = llm.llm_engine.engine_core.executor.worker.model_runner.drafter
+        assert drafter.compiles == (mode == 3)
         before = spec_totals(llm)
-        assert [list(o.token_ids) for o in generate(llm, PROMPTS, params)] == want
+        with c.expect(num_dynamo_traces=0, num_backend_compilations=0):  # none while serving
+            assert [list(o.token_ids) for o in generate(llm, PROMPTS, params)] == want
         assert all_accepted(llm, before) >= 3 * 4 * 3
+        del llm
 
 
 def test_method_names_and_refusals(tiny_llama_dir, random_head, tmp_path):
@@ -122,8 +138,17 @@ def test_method_names_and_refusals(tiny_llama_dir, random_head, tmp_path):
     from kiln.config.eagle_config import eagle_model_config
     with pytest.raises(ConfigError, match="the target is GemmaForCausalLM"):
         eagle_model_config(config, SimpleNamespace(architecture="GemmaForCausalLM"))
-    with pytest.raises(ConfigError, match="--tensor-parallel-size 2"):
-        kiln_config(eagle_spec(random_head), tensor_parallel_size=2)
+    # the head compiles with a mode-3 target unless the draft's enforce_eager says not
+    from kiln.spec_decode.draft_model_proposer import draft_compiles
+    for mode, eager, compiles in ((3, None, True), (3, True, False), (0, None, False)):
+        assert draft_compiles(kiln_config({**eagle_spec(random_head), "enforce_eager": eager},
+                                          compilation_config={"mode": mode})) == compiles
+    # the head is sharded over the target's ranks (tests/distributed/test_tp_spec_decode.py)
+    assert kiln_config(eagle_spec(random_head), tensor_parallel_size=2).speculative_config
+    with pytest.raises(ConfigError, match="draft_tensor_parallel_size=1 differs from "
+                                          "--tensor-parallel-size 2"):
+        kiln_config({**eagle_spec(random_head), "draft_tensor_parallel_size": 1},
+                    tensor_parallel_size=2)
     # a head is no model to serve
     with pytest.raises(ConfigError, match="an EAGLE draft head, not a model"):
         EngineArgs(model=str(random_head), load_format="dummy").create_kiln_config()

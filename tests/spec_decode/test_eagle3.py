@@ -27,12 +27,15 @@ def eagle3_spec(head_dir, k=3) -> dict:
 def heads(tmp_path_factory, tiny_llama_dir):
     """yuhuili's layout with a draft vocabulary (own lm_head, d2t; the target's embedding), and
     model.layers.0.* with the target's vocabulary (own embedding; the target's LM head, no
-    d2t), whose residual is taken after hidden_norm."""
+    d2t), whose residual is taken after hidden_norm; and one 96 wide over the 64-wide target
+    (vLLM's target_hidden_size), its own embedding and LM head."""
     root = tmp_path_factory.mktemp("eagle3")
     return (write_eagle3_head(root / "draft_vocab", tiny_llama_dir, draft_vocab=200),
             write_eagle3_head(root / "full_vocab", tiny_llama_dir, seed=1, yuhuili=False,
                               own_embed=True, own_lm_head=False, d2t=False,
-                              norm_before_residual=True, aux_ids=[1, 0, 2]))
+                              norm_before_residual=True, aux_ids=[1, 0, 2]),
+            write_eagle3_head(root / "wide", tiny_llama_dir, seed=2, draft_vocab=300,
+                              own_embed=True, width=96))
 
 
 def test_random_heads_draft_eagle3s_tokens_and_keep_greedy_output(
@@ -40,7 +43,7 @@ def test_random_heads_draft_eagle3s_tokens_and_keep_greedy_output(
     base = make(tiny_llama_dir, None)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     want = generate(base, PROMPTS, params)
-    for mode, head in ((0, heads[0]), (3, heads[1])):
+    for mode, head in ((0, heads[0]), (3, heads[1]), (3, heads[2])):
         llm = make(tiny_llama_dir, eagle3_spec(head), mode=mode)
         assert llm.llm_engine.kiln_config.compilation_config.mode == mode
         seen = record_proposals(llm)
@@ -75,8 +78,11 @@ def test_refusals(tiny_llama_dir, heads, tmp_path):
 
     def head(name, **kwargs):
         return write_eagle3_head(tmp_path / name, tiny_llama_dir, **kwargs)
+    config = kiln_config(eagle3_spec(heads[2])).speculative_config.draft_model_config
+    assert (config.hidden_size, config.hf_config.target_hidden_size) == (96, 64)
     bad = {"hidden_size=32": head("h", hidden_size=32),
            "target_hidden_size=32": head("t", target_hidden_size=32),
+           "names the target's in target_hidden_size": head("w", hidden_size=32),
            "vocab_size=600": head("v", vocab_size=600),
            "draft_vocab_size=900": head("d", draft_vocab_size=900),
            "num_hidden_layers=0": head("n", num_hidden_layers=0),
@@ -128,6 +134,11 @@ def test_checkpoints_that_cannot_map_draft_ids_are_refused_at_load(tiny_llama_di
             ("maps draft id 197 to target id", with_d2t("far", lambda d: d[-3:].add_(600))),
             ("maps draft id 0 to target id -", with_d2t("neg", lambda d: d[:1].sub_(1000))),
             (r"1 draft id\(s\) onto a target id another", with_d2t("dup", duplicate)),
+            # a head of another width: the target's embedding / LM head cannot stand in
+            ("hidden_size=96 differs from the target's .* no embed_tokens", write_eagle3_head(
+                tmp_path / "we", tiny_llama_dir, draft_vocab=200, width=96)),
+            ("hidden_size=96 differs .* no lm_head.weight", write_eagle3_head(
+                tmp_path / "wl", tiny_llama_dir, own_embed=True, own_lm_head=False, width=96)),
             ("has no lm_head.weight, and its draft_vocab_size=200", write_eagle3_head(
                 tmp_path / "l", tiny_llama_dir, draft_vocab=200, own_embed=True,
                 own_lm_head=False))):

@@ -11,8 +11,9 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 PROMPTS = [[5, 6, 7, 8, 9] * 6, list(range(10, 30)) * 2, [40, 41, 42, 43] * 5 + [44]]
 
 
-def make(model_dir, spec, mode=0, **kwargs):
-    compilation = {"mode": mode, "backend": "eager"} if mode == 3 else {"mode": mode}
+def make(model_dir, spec, mode=0, compilation=None, **kwargs):
+    compilation = {**({"mode": mode, "backend": "eager"} if mode == 3 else {"mode": mode}),
+                   **(compilation or {})}
     kwargs.setdefault("max_model_len", 256)
     return LLM(model=str(model_dir), dtype="float32", compilation_config=compilation,
                speculative_config=spec, **kwargs)
