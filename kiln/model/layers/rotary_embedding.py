@@ -1,5 +1,6 @@
 """Rotary position embedding (neox style, as HF Llama; over part of each head for GPT-NeoX and
-Phi; over interleaved pairs for Cohere): a cos/sin cache indexed by positions, and the IR op
+Phi; over interleaved pairs for Cohere, ERNIE-4.5 and, over part of each head, GLM-4; none on
+the NoPE layers of SmolLM3 / EXAONE-4): a cos/sin cache indexed by positions, and the IR op
 `rotary_embedding` (kiln/ir/layer_ops.py) applying it.
 
 Its settings (theta, scaling) are read by kiln/config/rope.py; longrope's choice of factors is
@@ -118,6 +119,20 @@ class PartialRotaryEmbedding(RotaryEmbedding):
         q = torch.cat((q_rot.view(num_tokens, nq, rot), q3[..., rot:]), dim=-1)
         k = torch.cat((k_rot.view(num_tokens, nk, rot), k3[..., rot:]), dim=-1)
         return q.reshape(num_tokens, nq * hd), k.reshape(num_tokens, nk * hd)
+
+
+class InterleavedPartialRotaryEmbedding(PartialRotaryEmbedding):
+    """GLM-4: interleaved pairs over the first rotary_dim of each head (HF's Glm4 rotate_half
+    on q[..., :rotary_dim])."""
+    is_neox = False
+
+
+class NoRotaryEmbedding(nn.Module):
+    """A NoPE layer's (SmolLM3's no_rope_layers, EXAONE-4's global layers): q and k unroped.
+    Not a RotaryEmbedding, so neither shared nor fitted."""
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        return q, k
 
 
 def share_rotary_embeddings(layers: nn.Module) -> int:
