@@ -133,6 +133,25 @@ CASES = {
     "cohere_qk_norm_bias_mqa_untied": ("CohereConfig", dict(
         use_qk_norm=True, attention_bias=True, num_key_value_heads=1, logit_scale=0.25,
         pad_token_id=0)),
+    # OLMo-3: biases, tied, MQA, the global layer first (window 6); SmolLM3: layer 0 NoPE,
+    # biases; EXAONE-4 without a window: every layer global and roped; GLM-4 roping the whole
+    # head, no biases, tied, MQA; Seed-OSS with MLP biases, none on o_proj; ERNIE-4.5 bias-free,
+    # tied
+    "olmo3_bias_tied_mqa_global_first": ("Olmo3Config", dict(
+        attention_bias=True, tie_word_embeddings=True, num_key_value_heads=1, sliding_window=6,
+        layer_types=["full_attention", "sliding_attention"], pad_token_id=0)),
+    "smollm3_nope_first_biases": ("SmolLM3Config", dict(
+        no_rope_layers=[0, 1], attention_bias=True, mlp_bias=True, pad_token_id=0)),
+    "exaone4_no_window_all_roped": ("Exaone4Config", dict(
+        sliding_window=None, layer_types=["full_attention"] * 2, pad_token_id=0)),
+    "glm4_full_rotary_tied_mqa_no_bias": ("Glm4Config", dict(
+        head_dim=16, partial_rotary_factor=1.0, attention_bias=False, tie_word_embeddings=True,
+        num_key_value_heads=1, pad_token_id=0)),
+    "seed_oss_mlp_bias_no_out_bias": ("SeedOssConfig", dict(
+        head_dim=8, attention_bias=True, attention_out_bias=False, mlp_bias=True,
+        pad_token_id=0)),
+    "ernie4_5_no_bias_tied": ("Ernie4_5Config", dict(head_dim=16, use_bias=False,
+                                                     tie_word_embeddings=True, pad_token_id=0)),
     # a window HF's Llama never reads (Kiln windowed it: logits 3.2 off HF's)
     "llama_stray_window_unread": ("LlamaConfig", dict(sliding_window=6)),
 }
