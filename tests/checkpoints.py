@@ -1,6 +1,7 @@
 """Tiny random-weight HF checkpoints (ARCH_CONFIGS: Llama, Qwen2, Qwen3, Phi-3, Granite, Gemma,
 OLMo-2, StarCoder2, GPT-NeoX, Phi, Cohere, Gemma-2, Gemma-3, OLMo-3, SmolLM3, EXAONE-4, GLM-4,
-Seed-OSS, ERNIE-4.5, Mistral with a sliding window, and the MoEs Mixtral, Qwen2-MoE, Qwen3-MoE) and the HF greedy oracle for tests.
+Seed-OSS, ERNIE-4.5, Mistral with a sliding window, and the MoEs Mixtral, Qwen2-MoE, Qwen3-MoE)
+and the HF greedy oracle for tests.
 
 Imported by tests as `checkpoints` (pytest puts tests/ on sys.path through the root conftest).
 """

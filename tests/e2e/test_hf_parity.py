@@ -109,8 +109,8 @@ def test_more_families_greedy_and_logprobs_match_hf(arch, mode, request, tmp_pat
     StarCoder2 (sliding window 8), GPT-NeoX, Phi (parallel block, LM head bias), Cohere
     (interleaved rope, logit scale), OLMo-3 / EXAONE-4 (sliding and global layers; EXAONE's
     global ones NoPE), SmolLM3 (a NoPE layer), GLM-4 (sandwich norms, interleaved half-head
-    rope), Seed-OSS, ERNIE-4.5 (interleaved rope, biases): greedy tokens equal HF's, logprobs within LOGPROB_TOL,
-    eager and compiled."""
+    rope), Seed-OSS, ERNIE-4.5 (interleaved rope, biases): greedy tokens equal HF's, logprobs
+    within LOGPROB_TOL, eager and compiled."""
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     prompts = random_prompts(3, [5, 30, 70], seed=7)
     compiled = dict(compilation_config={"mode": 3, "cache_dir": str(tmp_path / "cc")})

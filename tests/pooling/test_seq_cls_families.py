@@ -3,9 +3,9 @@ HF transformers' on a tiny random checkpoint: float32 logits of the last token o
 in one paged prefill of two, within ATOL."""
 import pytest
 import torch
+from model._attn_helper import BlockPool, PagedRequest, allocate_kv_caches, build_step, kiln_config_for
 
 from kiln.model.loader import get_model
-from model._attn_helper import BlockPool, PagedRequest, allocate_kv_caches, build_step, kiln_config_for
 from pooling.hf_pooled import hf_logits
 
 from checkpoints import make_tiny_classifier, random_prompts
