@@ -4,7 +4,7 @@ the NoPE layers of SmolLM3 / EXAONE-4): a cos/sin cache indexed by positions, an
 `rotary_embedding` (kiln/ir/layer_ops.py) applying it.
 
 Its settings (theta, scaling) are read by kiln/config/rope.py; longrope's choice of factors is
-longrope.py's.
+longrope.py's; yarn's frequencies yarn.py's.
 """
 import math
 
@@ -14,6 +14,7 @@ from torch import nn
 from kiln import ir
 from kiln.errors import ConfigError
 from kiln.model.layers.longrope import longrope_factors, longrope_mscale
+from kiln.model.layers.yarn import yarn_inv_freq, yarn_mscale
 
 
 def compute_inv_freq(rotary_dim: int, base: float, scaling: dict | None,
@@ -24,6 +25,8 @@ def compute_inv_freq(rotary_dim: int, base: float, scaling: dict | None,
     if scaling is not None and scaling["rope_type"] == "longrope":
         factors = longrope_factors(scaling, rotary_dim, max_model_len)
         return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** exponents)
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        return yarn_inv_freq(rotary_dim, base, scaling)
     inv_freq = 1.0 / (base ** exponents)
     if scaling is None:
         return inv_freq
@@ -52,7 +55,8 @@ class RotaryEmbedding(nn.Module):
         self.base = base
         self.inv_freq = compute_inv_freq(head_size, base, scaling, max_model_len)  # [hd/2] f32
         # longrope scales cos and sin (HF's attention_scaling): the logits' temperature
-        self.mscale = longrope_mscale(scaling) if scaling is not None else 1.0
+        self.mscale = 1.0 if scaling is None else (
+            yarn_mscale(scaling) if scaling["rope_type"] == "yarn" else longrope_mscale(scaling))
         # float32 whatever the model dtype; cast at use, as HF does.
         self.register_buffer("cos_sin_cache", self._cos_sin(self.inv_freq),
                              persistent=False)  # [max_pos, hd]
