@@ -1,6 +1,7 @@
 """Tiny random-weight HF checkpoints (ARCH_CONFIGS: Llama, Qwen2, Qwen3, Phi-3, Granite, Gemma,
-OLMo-2, StarCoder2, GPT-NeoX, Phi, Cohere, Gemma-2, Gemma-3, Mistral with a sliding window, and
-the MoEs Mixtral, Qwen2-MoE, Qwen3-MoE) and the HF greedy oracle for tests.
+OLMo-2, StarCoder2, GPT-NeoX, Phi, Cohere, Gemma-2, Gemma-3, OLMo-3, SmolLM3, EXAONE-4, GLM-4,
+Seed-OSS, ERNIE-4.5, Mistral with a sliding window, and the MoEs Mixtral, Qwen2-MoE, Qwen3-MoE)
+and the HF greedy oracle for tests.
 
 Imported by tests as `checkpoints` (pytest puts tests/ on sys.path through the root conftest).
 """
@@ -131,12 +132,33 @@ ARCH_CONFIGS = {
                                     "rope_local_base_freq": 100.0, "rope_theta": 10000.0,
                                     "rope_scaling": {"rope_type": "linear", "factor": 4.0},
                                     "pad_token_id": 0}),
+    # OLMo-2's layers, a sliding (window 8, rope base 100) and a global layer (10000, linear x2)
+    "olmo3": ("Olmo3Config", {"sliding_window": 8, "pad_token_id": 0,
+                              "layer_types": ["sliding_attention", "full_attention"],
+                              "rope_parameters": {
+                                  "sliding_attention": {"rope_type": "default",
+                                                        "rope_theta": 100.0},
+                                  "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                     "rope_theta": 10000.0}}}),
+    # layer 1 NoPE
+    "smollm3": ("SmolLM3Config", {"no_rope_layers": [1, 0], "pad_token_id": 0}),
+    # post-block norms, per-head q/k norms; a sliding layer (window 8, roped), a global NoPE one
+    "exaone4": ("Exaone4Config", {"sliding_window": 8, "pad_token_id": 0,
+                                  "layer_types": ["sliding_attention", "full_attention"]}),
+    # sandwich norms, interleaved rope over half of each head, q/k/v biases, fused gate_up
+    "glm4": ("Glm4Config", {"head_dim": 16, "attention_bias": True, "pad_token_id": 0}),
+    # q/k/v biases and the o_proj's own
+    "seed_oss": ("SeedOssConfig", {"head_dim": 16, "attention_bias": True,
+                                   "attention_out_bias": True, "pad_token_id": 0}),
+    # interleaved rope, use_bias on every linear
+    "ernie4_5": ("Ernie4_5Config", {"head_dim": 16, "use_bias": True, "pad_token_id": 0}),
 }
 
 
 # Families whose biases and norm weights are drawn at random too (HF initialises them to 0 and
 # 1), so that one loaded into the wrong place, or the wrong rank's share, shows in the tokens.
-_RANDOM_BIASES = ("starcoder2", "gpt_neox", "phi", "cohere")
+_RANDOM_BIASES = ("starcoder2", "gpt_neox", "phi", "cohere", "olmo3", "smollm3", "exaone4",
+                  "glm4", "seed_oss", "ernie4_5")
 
 
 def _widened(model, biases: bool = False):

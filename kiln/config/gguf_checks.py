@@ -19,7 +19,10 @@ SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "g
                                 "gemma3", "granite", "olmo2", "qwen2moe", "qwen3moe")
 # llama.cpp architectures whose HF checkpoints Kiln serves, and their GGUF files not
 _HF_ONLY = {"starcoder2": "Starcoder2ForCausalLM", "gptneox": "GPTNeoXForCausalLM",
-            "phi2": "PhiForCausalLM", "command-r": "CohereForCausalLM"}
+            "phi2": "PhiForCausalLM", "command-r": "CohereForCausalLM",
+            "glm4": "Glm4ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+            "exaone4": "Exaone4ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM",
+            "seed_oss": "SeedOssForCausalLM"}
 # <arch>.key -> what its value must be: "count" a positive integer, "positive" a number above 0,
 # "scale" a number from 0 (a rope scaling factor: 0 is none, as llama.cpp reads it).
 # Required: without the model's shape transformers takes its defaults (32 layers, ...); without

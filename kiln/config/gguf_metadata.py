@@ -115,9 +115,14 @@ def load_config(gguf: Path):
 def apply_rope_scaling(config, scaling: dict | None) -> None:
     """Put the file's `{arch}.rope.scaling.*` metadata into the config, which transformers'
     GGUF conversion drops: a linearly scaled model would run unscaled, positions all wrong
-    (and a yarn one must be refused by the rotary embedding, not served unscaled)."""
+    (and a yarn one is refused, not served unscaled)."""
     if not scaling or scaling.get("rope_type") in (None, "none"):
         return
+    if scaling["rope_type"] == "yarn":
+        # llama.cpp's yarn keys (attn_factor, yarn_beta_*, yarn_log_multiplier) are not mapped
+        raise ConfigError("rope_scaling type 'yarn' is not supported in a GGUF file (its yarn "
+                          "metadata is not mapped to HF's); serve the model's Hugging Face "
+                          "checkpoint, whose yarn scaling Kiln runs")
     from kiln.config.rope import rope_nested
 
     params = getattr(config, "rope_parameters", None)  # transformers 5

@@ -99,15 +99,20 @@ class KilnConfig(FreezableConfig):
     def _check_moe(self) -> None:
         """What Kiln's mixture-of-experts models (and the non-gated MLP families, LoRA) do not
         run, refused by flag before loading."""
-        from kiln.model.registry import MOE_ARCHITECTURES, NO_LORA_ARCHITECTURES
+        from kiln.model.registry import (
+            MOE_ARCHITECTURES,
+            NO_LORA_ARCHITECTURES,
+            causal_architecture,
+        )
 
         m = self.model_config
-        if self.lora_config is not None and m.architecture in NO_LORA_ARCHITECTURES:
+        family = causal_architecture(m.architecture)  # a classifier: its backbone's
+        if self.lora_config is not None and family in NO_LORA_ARCHITECTURES:
             raise ConfigError(f"--enable-lora: LoRA adapters on {m.architecture} are not "
                               "supported (Kiln applies them to q/k/v/o and gate/up/down "
                               "projections; its MLP is a non-gated c_fc / c_proj); drop "
                               "--enable-lora")
-        if m.architecture not in MOE_ARCHITECTURES:
+        if family not in MOE_ARCHITECTURES:
             return
         if m.quant_kind == "fp8":  # int8 (online, compressed-tensors W8A8) runs the experts
             raise ConfigError(f"--quantization {m.quantization}: Kiln has no fp8 kernel for the "

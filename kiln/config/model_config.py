@@ -11,7 +11,7 @@ import torch
 
 from kiln.config.frozen import FreezableConfig
 from kiln.config.hf_overrides import apply_hf_overrides, check_hf_overrides
-from kiln.config.rope import max_positions_of, trained_length_of
+from kiln.config.rope import max_positions_of, scaled_length_reason, trained_length_of
 from kiln.config.sliding_window import layer_sliding_windows, sliding_window_of
 from kiln.errors import ConfigError
 
@@ -130,9 +130,8 @@ class ModelConfig(FreezableConfig):
         layer_sliding_windows(self.hf_config, self.architecture)
         key, trained = trained_length_of(self.hf_config)
         why = f"{key}={limit}"
-        if limit != trained:  # a linear rope scaling stretched it
-            why = (f"{key}={trained} x linear rope_scaling factor {limit / trained:g} = "
-                   f"{limit}")
+        if limit != trained:  # a linear or yarn rope scaling stretched it
+            why = scaled_length_reason(self.hf_config, key, trained, limit)
         if window is not None and window < limit:
             limit, why = window, (f"sliding_window={window} (under --disable-sliding-window "
                                   "a longer sequence would give wrong outputs; drop the flag "

@@ -5,14 +5,17 @@ import numbers
 
 from kiln.errors import ConfigError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 # The numbers each type's formula divides by (kiln/model/layers/rotary_embedding.py).
 _POSITIVE_FIELDS = {"linear": ("factor",),
                     "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                "original_max_position_embeddings"),
-                    "longrope": ("factor", "original_max_position_embeddings")}
+                    "longrope": ("factor", "original_max_position_embeddings"),
+                    "yarn": ("factor", "original_max_position_embeddings")}
 # Fields a type may leave out, checked where given.
-_OPTIONAL_POSITIVE_FIELDS = {"longrope": ("attention_factor",)}
+_OPTIONAL_POSITIVE_FIELDS = {"longrope": ("attention_factor",),
+                             "yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale",
+                                      "mscale_all_dim")}
 # Per-frequency factor lists (their length, head_dim / 2, is checked by the rotary embedding).
 _FACTOR_LISTS = {"longrope": ("short_factor", "long_factor")}
 
@@ -43,7 +46,7 @@ def _check_numbers(scaling: dict) -> None:
 
 
 def _complete_longrope(scaling: dict, hf_config) -> None:
-    """HF's longrope reads original_max_position_embeddings from the config's top level where
+    """(yarn's too) HF's longrope reads original_max_position_embeddings from the config's top level where
     set (Phi-3's configs keep it there), and without a `factor` takes max_position_embeddings
     over it (which sets the attention factor): both put in the dict, so the rotary embedding
     needs nothing else of the config."""
@@ -99,8 +102,11 @@ def get_rope_config(hf_config, layer_type: str | None = None) -> tuple[float, di
             raise ConfigError(f"rope_scaling type {rope_type!r} is not supported; supported: "
                               f"{', '.join(SUPPORTED_ROPE_TYPES)}")
         scaling["rope_type"] = rope_type
-        if rope_type == "longrope":
+        if rope_type in ("longrope", "yarn"):
             _complete_longrope(scaling, hf_config)
+        if rope_type == "yarn":  # HF's default where a config gives no original length
+            scaling.setdefault("original_max_position_embeddings",
+                               getattr(hf_config, "max_position_embeddings", None))
         _check_numbers(scaling)
         if rope_type == "default":
             scaling = None
@@ -173,11 +179,26 @@ def max_positions_of(hf_config) -> int:
     rope scaling's factor, which divides positions (vicuna-7b-v1.5-16k: 4096 x 4), as vLLM
     derives its length; HF computes rotary angles for any position. Rope nested by layer type
     (Gemma-3) scales nothing: its max_position_embeddings (128k) already counts the global
-    layers' linear factor, as vLLM reads Gemma-3's."""
+    layers' linear factor, as vLLM reads Gemma-3's. A yarn scaling serves its
+    original_max_position_embeddings x factor (vLLM's rule)."""
     _, trained = trained_length_of(hf_config)
     if rope_nested(hf_config):
         return trained
     _, scaling = get_rope_config(hf_config)
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        # vLLM's rule: the original length times the factor
+        return int(float(scaling["original_max_position_embeddings"]) * float(scaling["factor"]))
     if scaling is None or scaling["rope_type"] != "linear":
         return trained
     return int(trained * float(scaling["factor"]))
+
+
+def scaled_length_reason(hf_config, key: str, trained: int, limit: int) -> str:
+    """Why max_positions_of gave `limit` past the trained length (`key`=`trained`): for the
+    errors that name the model's limit."""
+    _, scaling = get_rope_config(hf_config)
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        return (f"original_max_position_embeddings="
+                f"{int(float(scaling['original_max_position_embeddings']))} x yarn rope_scaling "
+                f"factor {float(scaling['factor']):g} = {limit}")
+    return f"{key}={trained} x linear rope_scaling factor {limit / trained:g} = {limit}"

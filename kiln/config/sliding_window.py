@@ -1,8 +1,10 @@
 """A checkpoint's sliding-window attention: the window, and which layers it limits, as each HF
 model class reads them (Mixtral, Phi-3, Qwen3-MoE, StarCoder2: every layer; Mistral, Qwen2/3,
-Qwen2-MoE, Gemma-2, Gemma-3: those `layer_types` names `sliding_attention`, else every layer;
+Qwen2-MoE, Gemma-2, Gemma-3, OLMo-3, SmolLM3, EXAONE-4: those `layer_types` names
+`sliding_attention`, else every layer;
 the others: none)."""
 from kiln.errors import ConfigError
+from kiln.model.registry import causal_architecture
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -11,17 +13,20 @@ _EVERY_LAYER = ("MixtralForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM",
                 "Starcoder2ForCausalLM")
 # These window the layers their config's layer_types names (resolved from use_sliding_window
 # and max_window_layers by transformers' Qwen configs, alternating in Gemma-2's, every sixth
-# layer global in Gemma-3's; a Mistral
+# layer global in Gemma-3's, every fourth in OLMo-3's and EXAONE-4's; SmolLM3's gated by
+# use_sliding_window as Qwen's; a Mistral
 # config with layer_types is read by AutoConfig as Ministral's, which honours them).
 _BY_LAYER_TYPES = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                   "Qwen2MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-# Every other family (Llama, Granite, Gemma, OLMo-2, GPT-NeoX, Phi, Cohere) attends fully
+                   "Qwen2MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                   "Olmo3ForCausalLM", "SmolLM3ForCausalLM", "Exaone4ForCausalLM")
+# Every other family (Llama, Granite, Gemma, OLMo-2, GPT-NeoX, Phi, Cohere, GLM-4, Seed-OSS,
+# ERNIE-4.5) attends fully
 # whatever its config says: HF's model classes never read a stray `sliding_window`.
 
 
 def _family(architecture: str) -> str:
     """A *ForSequenceClassification's backbone family: its *ForCausalLM name."""
-    return architecture.replace("ForSequenceClassification", "ForCausalLM")
+    return causal_architecture(architecture)
 
 
 def sliding_window_of(hf_config, architecture: str) -> int | None:

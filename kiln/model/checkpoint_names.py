@@ -10,13 +10,17 @@ def config_bias(hf_config, field: str) -> bool:
     """`attention_bias` / `mlp_bias` as HF's class for the config reads it: Llama and Granite
     read both, Qwen2, Qwen3, Gemma, OLMo-2 and Cohere no mlp_bias, Mistral and Phi-3 neither (a
     checkpoint with the flag set and no such tensors was refused as missing them, where HF
-    loads it)."""
+    loads it); OLMo-3 and GLM-4 attention_bias only, EXAONE-4 neither; ERNIE-4.5's one
+    use_bias stands for both."""
     model_type = getattr(hf_config, "model_type", "llama")
+    if model_type == "ernie4_5":
+        return bool(getattr(hf_config, "use_bias", False))
     reads = {"mistral": (), "phi3": (), "gemma": ("attention_bias",),
              "olmo2": ("attention_bias",), "qwen2": ("attention_bias",),
              "qwen3": ("attention_bias",), "mixtral": (), "qwen2_moe": (),
              "qwen3_moe": ("attention_bias",),
-             "cohere": ("attention_bias",)}
+             "cohere": ("attention_bias",), "olmo3": ("attention_bias",),
+             "glm4": ("attention_bias",), "exaone4": ()}
     return field in reads.get(model_type, (field,)) and bool(getattr(hf_config, field, False))
 
 

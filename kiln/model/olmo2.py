@@ -17,6 +17,8 @@ from kiln.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaStyleForCau
 
 
 class Olmo2Attention(LlamaAttention):
+    family = "Olmo2ForCausalLM"  # named in the tensor-parallel refusal
+
     def __init__(self, hf_config, prefix: str):
         super().__init__(hf_config, prefix)
         self._check_tp(self.qkv_proj.tp_size)
@@ -24,10 +26,10 @@ class Olmo2Attention(LlamaAttention):
         self.q_norm = F32ScaleRMSNorm(self.q_size, eps)
         self.k_norm = F32ScaleRMSNorm(self.kv_size, eps)
 
-    @staticmethod
-    def _check_tp(tp_size: int) -> None:
+    @classmethod
+    def _check_tp(cls, tp_size: int) -> None:
         if tp_size > 1:
-            raise ConfigError("Olmo2ForCausalLM runs with tensor_parallel_size 1 only: its q / k "
+            raise ConfigError(f"{cls.family} runs with tensor_parallel_size 1 only: its q / k "
                               "norms span every head of the projection, which a rank holds a "
                               "share of; use pipeline parallelism (-pp) to split it")
 

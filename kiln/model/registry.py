@@ -8,7 +8,10 @@ from kiln.errors import ConfigError
 
 _MODELS = {
     "CohereForCausalLM": ("kiln.model.cohere", "CohereForCausalLM"),
+    "Ernie4_5ForCausalLM": ("kiln.model.ernie4_5", "Ernie4_5ForCausalLM"),
+    "Exaone4ForCausalLM": ("kiln.model.exaone4", "Exaone4ForCausalLM"),
     "GemmaForCausalLM": ("kiln.model.gemma", "GemmaForCausalLM"),
+    "Glm4ForCausalLM": ("kiln.model.glm4", "Glm4ForCausalLM"),
     "Gemma2ForCausalLM": ("kiln.model.gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("kiln.model.gemma3", "Gemma3ForCausalLM"),
     "GPTNeoXForCausalLM": ("kiln.model.gpt_neox", "GPTNeoXForCausalLM"),
@@ -17,25 +20,34 @@ _MODELS = {
     "MistralForCausalLM": ("kiln.model.llama", "LlamaForCausalLM"),
     "MixtralForCausalLM": ("kiln.model.mixtral", "MixtralForCausalLM"),
     "Olmo2ForCausalLM": ("kiln.model.olmo2", "Olmo2ForCausalLM"),
+    "Olmo3ForCausalLM": ("kiln.model.olmo3", "Olmo3ForCausalLM"),
     "PhiForCausalLM": ("kiln.model.phi", "PhiForCausalLM"),
     "Phi3ForCausalLM": ("kiln.model.phi3", "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": ("kiln.model.qwen2", "Qwen2ForCausalLM"),
     "Qwen2MoeForCausalLM": ("kiln.model.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3ForCausalLM": ("kiln.model.qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("kiln.model.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "SeedOssForCausalLM": ("kiln.model.seed_oss", "SeedOssForCausalLM"),
+    "SmolLM3ForCausalLM": ("kiln.model.smollm3", "SmolLM3ForCausalLM"),
     "Starcoder2ForCausalLM": ("kiln.model.starcoder2", "Starcoder2ForCausalLM"),
 }
 # Draft heads, built only as a --speculative-config head (never served as --model)
 _DRAFT_HEADS = {"EagleLlamaForCausalLM": ("kiln.model.llama_eagle", "EagleLlamaForCausalLM"),
                 "Eagle3LlamaForCausalLM": ("kiln.model.llama_eagle3", "Eagle3LlamaForCausalLM")}
 # HF's *ForSequenceClassification: the family's backbone and a score head (seq_cls.py)
-_SEQ_CLS = {"LlamaForSequenceClassification": "LlamaForCausalLM",
-            "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
-            "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}
+# (Gemma-3's text classifier is Gemma3Text*: Gemma3ForSequenceClassification is the vision
+# model's; Granite, Cohere and ERNIE-4.5 have no HF classifier class)
+_SEQ_CLS = {name.replace("ForCausalLM", "ForSequenceClassification"): name for name in (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "GemmaForCausalLM", "Gemma2ForCausalLM", "GPTNeoXForCausalLM", "Starcoder2ForCausalLM",
+    "PhiForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM",
+    "Exaone4ForCausalLM", "SeedOssForCausalLM", "Glm4ForCausalLM")}
+_SEQ_CLS["Gemma3TextForSequenceClassification"] = "Gemma3ForCausalLM"
 
 
 # IR ops only some families call, by architecture (what `kiln compile`'s report lists as used).
-# Gemma / Gemma-2 / OLMo-2's norms (kiln/ir/f32_scale_norm.py)
+# Gemma / Gemma-2 / OLMo-2 / OLMo-3's norms (kiln/ir/f32_scale_norm.py)
 F32_SCALE_NORM_OPS = ("rms_norm_f32_scale", "fused_add_rms_norm_f32_scale")
 # StarCoder2 / GPT-NeoX / Phi's LayerNorms and non-gated GELU MLPs (kiln/ir/layer_norm.py,
 # layer_ops.py)
@@ -49,7 +61,7 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
 _FAMILY_OPS = {"GemmaForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),
                "Gemma2ForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),
                "Gemma3ForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),
-               "Olmo2ForCausalLM": F32_SCALE_NORM_OPS,
+               "Olmo2ForCausalLM": F32_SCALE_NORM_OPS, "Olmo3ForCausalLM": F32_SCALE_NORM_OPS,
                "Starcoder2ForCausalLM": LAYER_NORM_GELU_OPS,
                "GPTNeoXForCausalLM": LAYER_NORM_GELU_OPS,
                "PhiForCausalLM": LAYER_NORM_GELU_OPS,
@@ -65,16 +77,23 @@ _SILU = ("silu_and_mul", "silu_and_mul_dynamic_int8_quant", "int8_scaled_mm_pane
 _REPLACED_OPS = {"GemmaForCausalLM": (*_LLAMA_NORMS, *_SILU),
                  "Gemma2ForCausalLM": (*_LLAMA_NORMS, *_SILU),
                  "Gemma3ForCausalLM": (*_LLAMA_NORMS, *_SILU), "Olmo2ForCausalLM": _LLAMA_NORMS,
+                 "Olmo3ForCausalLM": _LLAMA_NORMS,
                  "Starcoder2ForCausalLM": (*_LLAMA_NORMS, *_SILU),
                  "GPTNeoXForCausalLM": (*_LLAMA_NORMS, *_SILU),
                  "PhiForCausalLM": (*_LLAMA_NORMS, *_SILU), "CohereForCausalLM": _LLAMA_NORMS}
+
+
+def causal_architecture(architecture: str) -> str:
+    """The *ForCausalLM family a *ForSequenceClassification architecture runs (itself for any
+    other): what the per-family tables (windows, LoRA, MoE, IR ops) are keyed by."""
+    return _SEQ_CLS.get(architecture, architecture)
 
 
 def ir_ops_not_called(architecture: str) -> set[str]:
     """The family-only IR ops (_FAMILY_OPS) that `architecture`'s model never calls, and the
     Llama ops its own replace (_REPLACED_OPS)."""
     every = {op for ops in _FAMILY_OPS.values() for op in ops}
-    architecture = _SEQ_CLS.get(architecture, architecture)
+    architecture = causal_architecture(architecture)
     return (every - set(_FAMILY_OPS.get(architecture, ()))) | set(
         _REPLACED_OPS.get(architecture, ()))
 

@@ -88,10 +88,17 @@ def test_logprobs_match_hf_log_softmax(tiny_qwen2_dir):
 # Granite's adds only scalar multiplies: slow (a cold compile costs ~20 s a family).
 # StarCoder2 / GPT-NeoX's LayerNorm and GELU ops compile alike: GPT-NeoX's (its partial rope
 # and parallel residual too) in `make test`, StarCoder2's slow. Phi / Cohere add no op (the
-# same LayerNorm / GELU, the rotary op's GPT-J form): compiled, slow.
+# same LayerNorm / GELU, the rotary op's GPT-J form): compiled, slow. Of OLMo-3, SmolLM3,
+# EXAONE-4, GLM-4, Seed-OSS, ERNIE-4.5 (no new op) EXAONE-4 compiles in `make test`: its NoPE
+# layers skip the rotary op, its windows alternate and its post-block norms are Llama's; their
+# eager runs are slow (tests/model/test_model_configs_vs_hf.py checks each against HF's logits
+# through prefill and paged decode in `make test`, test_tp_parity.py GLM-4's tokens at tp=2).
 @pytest.mark.parametrize("arch, mode", [
     ("phi3", 0), ("granite", 0), ("gemma", 0), ("olmo2", 0), ("gemma", 3), ("olmo2", 3),
     ("starcoder2", 0), ("gpt_neox", 0), ("gpt_neox", 3), ("phi", 0), ("cohere", 0),
+    ("exaone4", 3),
+    *(pytest.param(arch, 0, marks=pytest.mark.slow)
+      for arch in ("olmo3", "smollm3", "exaone4", "glm4", "seed_oss", "ernie4_5")),
     pytest.param("phi", 3, marks=pytest.mark.slow),
     pytest.param("cohere", 3, marks=pytest.mark.slow),
     pytest.param("phi3", 3, marks=pytest.mark.slow),
@@ -100,8 +107,10 @@ def test_logprobs_match_hf_log_softmax(tiny_qwen2_dir):
 def test_more_families_greedy_and_logprobs_match_hf(arch, mode, request, tmp_path):
     """Phi-3 (fused qkv / gate_up in the checkpoint), Granite (multipliers), Gemma, OLMo-2,
     StarCoder2 (sliding window 8), GPT-NeoX, Phi (parallel block, LM head bias), Cohere
-    (interleaved rope, logit scale): greedy tokens equal HF's, logprobs within LOGPROB_TOL,
-    eager and compiled."""
+    (interleaved rope, logit scale), OLMo-3 / EXAONE-4 (sliding and global layers; EXAONE's
+    global ones NoPE), SmolLM3 (a NoPE layer), GLM-4 (sandwich norms, interleaved half-head
+    rope), Seed-OSS, ERNIE-4.5 (interleaved rope, biases): greedy tokens equal HF's, logprobs
+    within LOGPROB_TOL, eager and compiled."""
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     prompts = random_prompts(3, [5, 30, 70], seed=7)
     compiled = dict(compilation_config={"mode": 3, "cache_dir": str(tmp_path / "cc")})

@@ -272,6 +272,17 @@ def test_phi3_adapter_of_fused_projections_matches_hf(tiny_phi3_dir, tmp_path):
     _adapter_matches_hf(tiny_phi3_dir, adapter, "fused")
 
 
+@pytest.mark.slow
+def test_glm4_adapter_of_its_fused_gate_up_matches_hf(tiny_glm4_dir, tmp_path):
+    """GLM-4's checkpoint (and HF's module) fuses gate_up_proj, as Phi-3's, beside separate
+    q/k/v: PEFT's adapters on them apply as on HF's merged weights."""
+    from lora_adapters import write_adapter
+
+    adapter = write_adapter(tmp_path / "glm4_lora", tiny_glm4_dir, targets=(
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"))
+    _adapter_matches_hf(tiny_glm4_dir, adapter, "glm4")
+
+
 def test_cohere_adapter_matches_hf(tiny_cohere_dir, tmp_path):
     """Command-R's projections are Llama's (q/k/v/o, gate/up/down) in a parallel block: its
     adapters apply as Llama's do."""

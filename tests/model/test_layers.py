@@ -29,11 +29,18 @@ def test_rope_config_legacy_attributes_and_rejects_unknown():
     theta, scaling = get_rope_config(Legacy())
     assert theta == 5e5 and scaling["rope_type"] == "llama3"
 
-    class Yarn:
+    class Dynamic:
+        rope_parameters = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}
+
+    with pytest.raises(ValueError, match="'dynamic' is not supported"):
+        get_rope_config(Dynamic())
+
+    class YarnWithoutLength:  # HF's default original length is max_position_embeddings
         rope_parameters = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
 
-    with pytest.raises(ValueError, match="yarn"):
-        get_rope_config(Yarn())
+    with pytest.raises(ValueError, match="original_max_position_embeddings must be a finite "
+                                         "number > 0 for rope_type 'yarn', got None"):
+        get_rope_config(YarnWithoutLength())
 
 
 @pytest.mark.parametrize("scaling", [None, LLAMA3, {"rope_type": "linear", "factor": 2.0}])

@@ -133,6 +133,37 @@ CASES = {
     "cohere_qk_norm_bias_mqa_untied": ("CohereConfig", dict(
         use_qk_norm=True, attention_bias=True, num_key_value_heads=1, logit_scale=0.25,
         pad_token_id=0)),
+    # OLMo-3: biases, tied, MQA, the global layer first (window 6); SmolLM3: layer 0 NoPE,
+    # biases; EXAONE-4 without a window: every layer global and roped; GLM-4 roping the whole
+    # head, no biases, tied, MQA; Seed-OSS with MLP biases, none on o_proj; ERNIE-4.5 bias-free,
+    # tied
+    "olmo3_bias_tied_mqa_global_first": ("Olmo3Config", dict(
+        attention_bias=True, tie_word_embeddings=True, num_key_value_heads=1, sliding_window=6,
+        layer_types=["full_attention", "sliding_attention"], pad_token_id=0)),
+    # yarn past the original 16 positions (OLMo-3's long-context configs: on the global layers
+    # only; Qwen3's on every layer), HF's attention factor and an explicit one
+    "olmo3_yarn_global_layers": ("Olmo3Config", dict(
+        sliding_window=6, layer_types=["sliding_attention", "full_attention"], pad_token_id=0,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+                         "full_attention": {"rope_type": "yarn", "factor": 4.0,
+                                            "original_max_position_embeddings": 16,
+                                            "rope_theta": 10000.0}})),
+    "qwen3_yarn_attention_factor": ("Qwen3Config", dict(
+        head_dim=16, rope_scaling={"rope_type": "yarn", "factor": 2.0, "beta_fast": 8.0,
+                                   "original_max_position_embeddings": 16,
+                                   "attention_factor": 1.3})),
+    "smollm3_nope_first_biases": ("SmolLM3Config", dict(
+        no_rope_layers=[0, 1], attention_bias=True, mlp_bias=True, pad_token_id=0)),
+    "exaone4_no_window_all_roped": ("Exaone4Config", dict(
+        sliding_window=None, layer_types=["full_attention"] * 2, pad_token_id=0)),
+    "glm4_full_rotary_tied_mqa_no_bias": ("Glm4Config", dict(
+        head_dim=16, partial_rotary_factor=1.0, attention_bias=False, tie_word_embeddings=True,
+        num_key_value_heads=1, pad_token_id=0)),
+    "seed_oss_mlp_bias_no_out_bias": ("SeedOssConfig", dict(
+        head_dim=8, attention_bias=True, attention_out_bias=False, mlp_bias=True,
+        pad_token_id=0)),
+    "ernie4_5_no_bias_tied": ("Ernie4_5Config", dict(head_dim=16, use_bias=False,
+                                                     tie_word_embeddings=True, pad_token_id=0)),
     # a window HF's Llama never reads (Kiln windowed it: logits 3.2 off HF's)
     "llama_stray_window_unread": ("LlamaConfig", dict(sliding_window=6)),
 }
@@ -147,8 +178,6 @@ def test_config_variant_matches_hf(case, tmp_path):
 
 @pytest.mark.parametrize("rope_scaling, what", [
     ({"rope_type": "dynamic", "factor": 2.0}, "'dynamic' is not supported"),
-    ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256},
-     "'yarn' is not supported"),
 ])
 def test_unsupported_rope_scaling_is_refused(rope_scaling, what, tmp_path):
     path = make_checkpoint(tmp_path / "m", "LlamaConfig", rope_scaling=rope_scaling)
@@ -306,6 +335,17 @@ def test_linear_rope_scaling_serves_factor_times_the_trained_positions(rope_scal
     assert kiln_config_for(path).model_config.max_model_len == 64
     with pytest.raises(ValueError, match=r"max_model_len=65 exceeds the model's "
                        r"max_position_embeddings=16 x linear rope_scaling factor 4 = 64"):
+        kiln_config_for(path, max_model_len=65)
+    assert max_logit_diff(path, seq_len=60) < TOL
+
+
+def test_yarn_serves_its_original_length_times_the_factor(tmp_path):
+    """vLLM's rule (Qwen3 with yarn x4 over 32768: 131072); within it outputs match HF's."""
+    path = make_checkpoint(tmp_path / "m", "LlamaConfig", rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
+    assert kiln_config_for(path).model_config.max_model_len == 64
+    with pytest.raises(ValueError, match=r"max_model_len=65 exceeds the model's "
+                       r"original_max_position_embeddings=16 x yarn rope_scaling factor 4 = 64"):
         kiln_config_for(path, max_model_len=65)
     assert max_logit_diff(path, seq_len=60) < TOL
 

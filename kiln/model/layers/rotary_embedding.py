@@ -1,9 +1,10 @@
 """Rotary position embedding (neox style, as HF Llama; over part of each head for GPT-NeoX and
-Phi; over interleaved pairs for Cohere): a cos/sin cache indexed by positions, and the IR op
+Phi; over interleaved pairs for Cohere, ERNIE-4.5 and, over part of each head, GLM-4; none on
+the NoPE layers of SmolLM3 / EXAONE-4): a cos/sin cache indexed by positions, and the IR op
 `rotary_embedding` (kiln/ir/layer_ops.py) applying it.
 
 Its settings (theta, scaling) are read by kiln/config/rope.py; longrope's choice of factors is
-longrope.py's.
+longrope.py's; yarn's frequencies yarn.py's.
 """
 import math
 
@@ -13,6 +14,7 @@ from torch import nn
 from kiln import ir
 from kiln.errors import ConfigError
 from kiln.model.layers.longrope import longrope_factors, longrope_mscale
+from kiln.model.layers.yarn import yarn_inv_freq, yarn_mscale
 
 
 def compute_inv_freq(rotary_dim: int, base: float, scaling: dict | None,
@@ -23,6 +25,8 @@ def compute_inv_freq(rotary_dim: int, base: float, scaling: dict | None,
     if scaling is not None and scaling["rope_type"] == "longrope":
         factors = longrope_factors(scaling, rotary_dim, max_model_len)
         return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base ** exponents)
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        return yarn_inv_freq(rotary_dim, base, scaling)
     inv_freq = 1.0 / (base ** exponents)
     if scaling is None:
         return inv_freq
@@ -51,7 +55,8 @@ class RotaryEmbedding(nn.Module):
         self.base = base
         self.inv_freq = compute_inv_freq(head_size, base, scaling, max_model_len)  # [hd/2] f32
         # longrope scales cos and sin (HF's attention_scaling): the logits' temperature
-        self.mscale = longrope_mscale(scaling) if scaling is not None else 1.0
+        self.mscale = 1.0 if scaling is None else (
+            yarn_mscale(scaling) if scaling["rope_type"] == "yarn" else longrope_mscale(scaling))
         # float32 whatever the model dtype; cast at use, as HF does.
         self.register_buffer("cos_sin_cache", self._cos_sin(self.inv_freq),
                              persistent=False)  # [max_pos, hd]
@@ -118,6 +123,20 @@ class PartialRotaryEmbedding(RotaryEmbedding):
         q = torch.cat((q_rot.view(num_tokens, nq, rot), q3[..., rot:]), dim=-1)
         k = torch.cat((k_rot.view(num_tokens, nk, rot), k3[..., rot:]), dim=-1)
         return q.reshape(num_tokens, nq * hd), k.reshape(num_tokens, nk * hd)
+
+
+class InterleavedPartialRotaryEmbedding(PartialRotaryEmbedding):
+    """GLM-4: interleaved pairs over the first rotary_dim of each head (HF's Glm4 rotate_half
+    on q[..., :rotary_dim])."""
+    is_neox = False
+
+
+class NoRotaryEmbedding(nn.Module):
+    """A NoPE layer's (SmolLM3's no_rope_layers, EXAONE-4's global layers): q and k unroped.
+    Not a RotaryEmbedding, so neither shared nor fitted."""
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        return q, k
 
 
 def share_rotary_embeddings(layers: nn.Module) -> int:
