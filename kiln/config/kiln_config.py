@@ -99,7 +99,7 @@ class KilnConfig(FreezableConfig):
     def _check_moe(self) -> None:
         """What Kiln's mixture-of-experts models (and the non-gated MLP families, LoRA) do not
         run, refused by flag before loading."""
-        from kiln.model.registry import MOE_ARCHITECTURES, NO_LORA_ARCHITECTURES
+        from kiln.model.registry import MLA_ARCHITECTURES, MOE_ARCHITECTURES, NO_LORA_ARCHITECTURES
 
         m = self.model_config
         if self.lora_config is not None and m.architecture in NO_LORA_ARCHITECTURES:
@@ -109,6 +109,10 @@ class KilnConfig(FreezableConfig):
                               "--enable-lora")
         if m.architecture not in MOE_ARCHITECTURES:
             return
+        if m.architecture in MLA_ARCHITECTURES and m.quantization is not None:
+            raise ConfigError(f"quantization {m.quantization!r}: quantized {m.architecture} "
+                              "(latent attention, DeepSeek's experts) is not supported; use a "
+                              "float checkpoint and drop --quantization")
         if m.quant_kind == "fp8":  # int8 (online, compressed-tensors W8A8) runs the experts
             raise ConfigError(f"--quantization {m.quantization}: Kiln has no fp8 kernel for the "
                               f"expert weights of {m.architecture} (a mixture of experts, where "

@@ -6,13 +6,18 @@ import numbers
 from kiln.errors import ConfigError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+# YaRN (kiln/model/layers/yarn.py), served only where it is built and checked against HF: the
+# MLA families, whose softmax scale takes its mscale too
+YARN_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 # The numbers each type's formula divides by (kiln/model/layers/rotary_embedding.py).
 _POSITIVE_FIELDS = {"linear": ("factor",),
                     "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                "original_max_position_embeddings"),
-                    "longrope": ("factor", "original_max_position_embeddings")}
+                    "longrope": ("factor", "original_max_position_embeddings"),
+                    "yarn": ("factor", "original_max_position_embeddings")}
 # Fields a type may leave out, checked where given.
-_OPTIONAL_POSITIVE_FIELDS = {"longrope": ("attention_factor",)}
+_OPTIONAL_POSITIVE_FIELDS = {"longrope": ("attention_factor",),
+                             "yarn": ("attention_factor", "beta_fast", "beta_slow")}
 # Per-frequency factor lists (their length, head_dim / 2, is checked by the rotary embedding).
 _FACTOR_LISTS = {"longrope": ("short_factor", "long_factor")}
 
@@ -95,12 +100,20 @@ def get_rope_config(hf_config, layer_type: str | None = None) -> tuple[float, di
         raise ConfigError(f"rope_theta must be a finite number > 0, got {theta!r}")
     if scaling is not None:
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ConfigError(f"rope_scaling type {rope_type!r} is not supported; supported: "
-                              f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+        arch = _architecture(hf_config)
+        supported = SUPPORTED_ROPE_TYPES + (("yarn",) if arch in YARN_ARCHITECTURES else ())
+        if rope_type not in supported:
+            only = (f" for {arch} (only for {', '.join(YARN_ARCHITECTURES)})"
+                    if rope_type == "yarn" else "")
+            raise ConfigError(f"rope_scaling type {rope_type!r} is not supported{only}; "
+                              f"supported: {', '.join(supported)}")
         scaling["rope_type"] = rope_type
         if rope_type == "longrope":
             _complete_longrope(scaling, hf_config)
+        if rope_type == "yarn" and scaling.get("original_max_position_embeddings") is None:
+            # HF reads it from the config's top level too
+            scaling["original_max_position_embeddings"] = getattr(
+                hf_config, "original_max_position_embeddings", None)
         _check_numbers(scaling)
         if rope_type == "default":
             scaling = None

@@ -16,7 +16,7 @@ def config_bias(hf_config, field: str) -> bool:
              "olmo2": ("attention_bias",), "qwen2": ("attention_bias",),
              "qwen3": ("attention_bias",), "mixtral": (), "qwen2_moe": (),
              "qwen3_moe": ("attention_bias",),
-             "cohere": ("attention_bias",)}
+             "cohere": ("attention_bias",), "deepseek_v3": ("attention_bias",)}
     return field in reads.get(model_type, (field,)) and bool(getattr(hf_config, field, False))
 
 

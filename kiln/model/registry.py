@@ -8,6 +8,8 @@ from kiln.errors import ConfigError
 
 _MODELS = {
     "CohereForCausalLM": ("kiln.model.cohere", "CohereForCausalLM"),
+    "DeepseekV2ForCausalLM": ("kiln.model.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("kiln.model.deepseek_v2", "DeepseekV3ForCausalLM"),
     "GemmaForCausalLM": ("kiln.model.gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("kiln.model.gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("kiln.model.gemma3", "Gemma3ForCausalLM"),
@@ -44,7 +46,11 @@ LAYER_NORM_GELU_OPS = ("layer_norm", "gelu")
 # c_fc / c_proj MLP (Phi's fc1 / fc2). --enable-lora is refused for them by name.
 NO_LORA_ARCHITECTURES = ("Starcoder2ForCausalLM", "GPTNeoXForCausalLM", "PhiForCausalLM")
 # The mixture-of-experts families (kiln/model/layers/fused_moe.py).
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+# DeepSeek's Multi-head Latent Attention families (kiln/model/layers/mla.py): no quantization
+# (nothing of theirs is checked quantized), no GGUF
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                     *MLA_ARCHITECTURES)
 _FAMILY_OPS = {"GemmaForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),
                "Gemma2ForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),
                "Gemma3ForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),
