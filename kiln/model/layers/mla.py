@@ -7,7 +7,6 @@ op: V is zero-padded to K's head size (the op needs one head size) and the paddi
 its output. Storing the compressed latent (vLLM's MLA cache) is not built.
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kiln.config import get_current_kiln_config
@@ -66,7 +65,9 @@ class MLAttention(nn.Module):
     def _pad(self, t: torch.Tensor) -> torch.Tensor:
         """[T, nh, d] -> [T, nh * head_size], zeros after d (which change no score or sum)."""
         if t.shape[-1] < self.head_size:
-            t = F.pad(t, (0, self.head_size - t.shape[-1]))
+            # cat, not F.pad: a traced pad read the token count as a constant (mode 3)
+            zeros = t.new_zeros(t.shape[0], self.num_heads, self.head_size - t.shape[-1])
+            t = torch.cat((t, zeros), dim=-1)
         return t.reshape(t.shape[0], self.num_heads * self.head_size)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
