@@ -26,7 +26,9 @@ def test_v2_eager_greedy_and_logprobs_match_hf(tiny_deepseek_v2_dir):
     _check_against_hf(_generate(llm), tiny_deepseek_v2_dir)
 
 
-def test_v3_mode3_matches_hf(tiny_deepseek_v3_dir, tmp_path, inprocess_core):
+def test_v3_mode3_matches_hf(tiny_deepseek_v3_dir, inprocess_core):
+    """Traced whole (Dynamo, Kiln's passes and piecewise split); the eager backend keeps
+    Inductor's minute of compiling out of the suite."""
     llm = LLM(model=str(tiny_deepseek_v3_dir), dtype="float32", max_model_len=64,
-              compilation_config={"mode": 3, "cache_dir": str(tmp_path / "cc")})
+              compilation_config={"mode": 3, "backend": "eager"})
     _check_against_hf(_generate(llm), tiny_deepseek_v3_dir)
