@@ -81,8 +81,9 @@ def test_routing_matches_hf_router():
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    from checkpoints import ARCH_CONFIGS
     from kiln.model.layers.deepseek_routing import deepseek_topk, routing_of
+
+    from checkpoints import ARCH_CONFIGS
 
     torch.manual_seed(0)
     x = torch.randn(16, 64)
