@@ -116,3 +116,27 @@ def test_yarn_stays_refused_for_other_families():
 
     with pytest.raises(ConfigError, match="'yarn' is not supported for LlamaForCausalLM"):
         get_rope_config(Llama())
+
+
+def test_fused_moe_runs_a_given_routing():
+    """fused_moe's topk_weights / topk_ids (DeepSeek's routing) replace its softmax top-k, in
+    the reference, its CUDA-graph form and the native provider: the same sum of each token's
+    chosen experts by the given weights."""
+    from kiln import ir
+    from kiln.ir.moe import _fused_moe_dense
+    from kiln.ir.moe_native import _fused_moe_native, _fused_moe_supported
+
+    torch.manual_seed(0)
+    x, logits = torch.randn(5, 32), torch.randn(5, 6)
+    w13, w2 = torch.randn(6, 48, 32) * 0.2, torch.randn(6, 32, 24) * 0.2
+    weights, ids = torch.rand(5, 2) * 2, torch.stack([torch.randperm(6)[:2] for _ in range(5)])
+    want = torch.zeros(5, 32)
+    for t in range(5):
+        for w, e in zip(weights[t], ids[t]):
+            gate, up = (x[t] @ w13[e].T).chunk(2)
+            want[t] += w * ((torch.nn.functional.silu(gate) * up) @ w2[e].T)
+    args = (x, logits, w13, w2, 2, True, None, weights, ids)
+    assert torch.allclose(ir.fused_moe.reference(*args), want, atol=1e-5)
+    assert torch.allclose(_fused_moe_dense(*args), want, atol=1e-5)
+    if _fused_moe_supported(*args):  # where the native kernels are built
+        assert torch.allclose(_fused_moe_native(*args), want, atol=1e-5)
