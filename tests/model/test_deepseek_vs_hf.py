@@ -101,6 +101,13 @@ def test_routing_matches_hf_router():
         assert torch.allclose(torch.zeros(16, 8).scatter_(1, got_ids, got_w), want)
 
 
+def test_cache_shape_is_the_expanded_heads(tiny_deepseek_v2_dir):
+    """The cache holds every head's K (nope 16 + rope 8) and V padded to it: what the memory
+    estimates read (the config's head_dim is the rope part's, num_key_value_heads unused)."""
+    m = kiln_config_for(tiny_deepseek_v2_dir).model_config
+    assert (m.num_kv_heads, m.head_dim) == (4, 24)
+
+
 def test_quantization_is_refused(tiny_deepseek_v2_dir):
     with pytest.raises(ConfigError, match="quantization 'int8': quantized DeepseekV2ForCausalLM"):
         kiln_config_for(tiny_deepseek_v2_dir, quantization="int8")
