@@ -1,5 +1,6 @@
 """DeepSeek-V2 (no q LoRA, group_limited_greedy, layer 0 dense; with a q LoRA, greedy routing and
-YaRN) and V3 (noaux_tc, a routing bias, renormalized, q LoRA) against HF transformers on tiny
+YaRN) and V3 (noaux_tc, a routing bias, renormalized, q LoRA; rope halves without rope_interleave)
+against HF transformers on tiny
 random float32 checkpoints: logits of a prefill and of decode steps through the paged cache within
 1e-4 (TOL); through LLM compiled (mode 3), V2's greedy tokens equal HF's and their logprobs HF's
 log-softmax within 1e-4 (V3's tokens under tensor parallelism: tests/distributed/
@@ -22,6 +23,14 @@ ARCHS = ["deepseek_v2", "deepseek_v2_yarn", "deepseek_v3"]
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefill_and_decode_logits_match_hf(arch, request):
     _assert_logits_match_hf(request.getfixturevalue(f"tiny_{arch}_dir"))
+
+
+def test_v3_without_rope_interleave_matches_hf(tmp_path):
+    """rope_interleave false: each head's rope halves rotate together (Llama's form)."""
+    from checkpoints import make_tiny_checkpoint
+
+    _assert_logits_match_hf(make_tiny_checkpoint(tmp_path, "deepseek_v3", tie=False,
+                                                 rope_interleave=False))
 
 
 def test_v2_mode3_greedy_and_logprobs_match_hf(tiny_deepseek_v2_dir, inprocess_core):

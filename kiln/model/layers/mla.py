@@ -48,8 +48,10 @@ class MLAttention(nn.Module):
         # one head size for q / k / v in the cache and the op: the larger of K's and V's
         self.head_size = max(self.qk_dim, self.v_dim)
         theta, scaling = get_rope_config(hf_config)
-        # V2 (HF: complex products) and V3 with rope_interleave rotate interleaved pairs
-        interleaved = bool(getattr(hf_config, "rope_interleave", True))
+        # V2 (HF: complex products, always) and V3 with rope_interleave (its default) rotate
+        # interleaved pairs; V3 without it, each head's halves
+        interleaved = getattr(hf_config, "model_type", "") != "deepseek_v3" or bool(
+            getattr(hf_config, "rope_interleave", True))
         rotary_cls = InterleavedRotaryEmbedding if interleaved else RotaryEmbedding
         self.rotary_emb = rotary_cls(self.rope, max_positions_of(hf_config), theta, scaling,
                                      get_current_kiln_config().model_config.max_model_len)
