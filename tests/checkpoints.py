@@ -118,6 +118,29 @@ ARCH_CONFIGS = {
     "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 32, "head_dim": 16,
                                      "norm_topk_prob": True}),
+    # DeepSeek-V2(-Lite): latent attention without a q LoRA (V 16 beside K 24: padded in the
+    # cache), 8 experts in 4 groups (2 chosen) top 2, a shared expert, layer 0 dense, 3 layers
+    "deepseek_v2": ("DeepseekV2Config", {**(_DEEPSEEK := {
+        "num_key_value_heads": 4, "num_hidden_layers": 3, "n_routed_experts": 8,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8, "v_head_dim": 16, "n_group": 4, "topk_group": 2}),
+        "q_lora_rank": None, "topk_method": "group_limited_greedy",
+        "routed_scaling_factor": 1.5}),
+    # DeepSeek-V2 with a q LoRA and DeepSeek's YaRN (mscale_all_dim scales the softmax too);
+    # greedy routing
+    "deepseek_v2_yarn": ("DeepseekV2Config", {**_DEEPSEEK, "q_lora_rank": 24,
+                                              "topk_method": "greedy",
+                                              "rope_parameters": {
+                                                  "rope_type": "yarn", "rope_theta": 10000.0,
+                                                  "factor": 4.0, "mscale": 0.707,
+                                                  "mscale_all_dim": 0.707, "beta_fast": 32,
+                                                  "beta_slow": 1,
+                                                  "original_max_position_embeddings": 128}}),
+    # DeepSeek-V3: noaux_tc (sigmoid scores, a random e_score_correction_bias), renormalized
+    # and scaled by 2.5, q LoRA, rope over interleaved pairs
+    "deepseek_v3": ("DeepseekV3Config", {**_DEEPSEEK, "q_lora_rank": 24, "norm_topk_prob": True,
+                                         "routed_scaling_factor": 2.5}),
     # a sliding window of 8 in every layer, so 20-40 token prompts outgrow it
     "mistral_window": ("MistralConfig", {"sliding_window": 8}),
     # sliding (window 8) and global layers alternating, pre/post block norms, scale from
@@ -172,6 +195,9 @@ def _widened(model, biases: bool = False):
                 p.normal_(0, 0.08)
             elif biases:
                 p.normal_(0, 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias
+                b.normal_(0, 0.1)
     return model
 
 

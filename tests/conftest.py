@@ -41,6 +41,9 @@ tiny_ernie4_5_dir = _tiny_checkpoint_fixture("ernie4_5", tie=True)
 tiny_mixtral_dir = _tiny_checkpoint_fixture("mixtral", tie=False)
 tiny_qwen2_moe_dir = _tiny_checkpoint_fixture("qwen2_moe", tie=False)
 tiny_qwen3_moe_dir = _tiny_checkpoint_fixture("qwen3_moe", tie=False)
+tiny_deepseek_v2_dir = _tiny_checkpoint_fixture("deepseek_v2", tie=False)
+tiny_deepseek_v2_yarn_dir = _tiny_checkpoint_fixture("deepseek_v2_yarn", tie=False)
+tiny_deepseek_v3_dir = _tiny_checkpoint_fixture("deepseek_v3", tie=False)
 
 
 @pytest.fixture(scope="session")

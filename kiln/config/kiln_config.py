@@ -100,6 +100,7 @@ class KilnConfig(FreezableConfig):
         """What Kiln's mixture-of-experts models (and the non-gated MLP families, LoRA) do not
         run, refused by flag before loading."""
         from kiln.model.registry import (
+            MLA_ARCHITECTURES,
             MOE_ARCHITECTURES,
             NO_LORA_ARCHITECTURES,
             causal_architecture,
@@ -114,6 +115,10 @@ class KilnConfig(FreezableConfig):
                               "--enable-lora")
         if family not in MOE_ARCHITECTURES:
             return
+        if m.architecture in MLA_ARCHITECTURES and m.quantization is not None:
+            raise ConfigError(f"quantization {m.quantization!r}: quantized {m.architecture} "
+                              "(latent attention, DeepSeek's experts) is not supported; use a "
+                              "float checkpoint and drop --quantization")
         if m.quant_kind == "fp8":  # int8 (online, compressed-tensors W8A8) runs the experts
             raise ConfigError(f"--quantization {m.quantization}: Kiln has no fp8 kernel for the "
                               f"expert weights of {m.architecture} (a mixture of experts, where "

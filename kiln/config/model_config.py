@@ -257,7 +257,8 @@ class ModelConfig(FreezableConfig):
                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
                 "gpt_neox": "GPTNeoXForCausalLM", "phi": "PhiForCausalLM",
-                "cohere": "CohereForCausalLM"}.get(model_type, model_type)
+                "cohere": "CohereForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                "deepseek_v3": "DeepseekV3ForCausalLM"}.get(model_type, model_type)
 
     @property
     def vocab_size(self) -> int:
@@ -278,7 +279,14 @@ class ModelConfig(FreezableConfig):
 
     @property
     def num_kv_heads(self) -> int:
+        if self.is_mla:  # the cache holds each head's expanded K and V (kiln/model/layers/mla.py)
+            return self.num_heads
         return getattr(self.hf_config, "num_key_value_heads", None) or self.num_heads
+
+    @property
+    def is_mla(self) -> bool:
+        """DeepSeek's latent attention (its config's head_dim is the rope part's)."""
+        return getattr(self.hf_config, "kv_lora_rank", None) is not None
 
     @property
     def num_heads(self) -> int:
@@ -286,6 +294,9 @@ class ModelConfig(FreezableConfig):
 
     @property
     def head_dim(self) -> int:
+        if self.is_mla:  # the cache's head size: K's (nope + rope), V padded to it
+            c = self.hf_config
+            return max(c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim)
         return getattr(self.hf_config, "head_dim", None) or self.hidden_size // self.num_heads
 
     # ---- vLLM's ModelConfig getters, read by scripts ported from vLLM ------------------------

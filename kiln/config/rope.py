@@ -104,9 +104,11 @@ def get_rope_config(hf_config, layer_type: str | None = None) -> tuple[float, di
         scaling["rope_type"] = rope_type
         if rope_type in ("longrope", "yarn"):
             _complete_longrope(scaling, hf_config)
-        if rope_type == "yarn":  # HF's default where a config gives no original length
-            scaling.setdefault("original_max_position_embeddings",
-                               getattr(hf_config, "max_position_embeddings", None))
+        if rope_type == "yarn" and scaling.get("original_max_position_embeddings") is None:
+            # HF's: the config's top-level original length, else its max_position_embeddings
+            scaling["original_max_position_embeddings"] = getattr(
+                hf_config, "original_max_position_embeddings", None) or getattr(
+                hf_config, "max_position_embeddings", None)
         _check_numbers(scaling)
         if rope_type == "default":
             scaling = None

@@ -12,11 +12,16 @@ from kiln.ir.layer_ops import _silu_and_mul_ref
 from kiln.ir.op import Implementation, define
 
 
-def route(router_logits: torch.Tensor, top_k: int,
-          renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+          topk_weights: torch.Tensor | None = None,
+          topk_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights float32 [T, k], expert ids int64 [T, k]): softmax in
     float32, the k largest, divided by their sum when `renormalize` (HF's norm_topk_prob;
-    Mixtral always). HF's routers compute exactly this."""
+    Mixtral always). HF's routers compute exactly this. A model whose router follows another
+    rule (DeepSeek's grouped / sigmoid top-k: kiln/model/layers/deepseek_routing.py) passes
+    its routing as topk_weights [T, k] and topk_ids [T, k], used as given."""
+    if topk_ids is not None:
+        return topk_weights.float(), topk_ids.long()
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -25,12 +30,14 @@ def route(router_logits: torch.Tensor, top_k: int,
 
 
 def routed_sum(x: torch.Tensor, router_logits: torch.Tensor, num_experts: int, out_size: int,
-               expert_mlp, top_k: int, renormalize: bool) -> torch.Tensor:
+               expert_mlp, top_k: int, renormalize: bool, topk_weights=None,
+               topk_ids=None) -> torch.Tensor:
     """sum over each token's top-k experts e (route()) of weight_e * expert_mlp(e, x_e) [n, out],
     x_e the rows of x routed to e; only experts some token chose run. The weighted sum is taken
-    in float32 and rounded once to x's dtype (what fused_moe and fused_moe_int8 share)."""
+    in float32 and rounded once to x's dtype (what fused_moe and fused_moe_int8 share).
+    topk_weights / topk_ids: a routing given (route())."""
     num_tokens = x.shape[0]
-    weights, ids = route(router_logits, top_k, renormalize)
+    weights, ids = route(router_logits, top_k, renormalize, topk_weights, topk_ids)
     flat_ids = ids.reshape(-1)  # [T*k], token t's slots at t*k ... t*k+k-1
     order = torch.argsort(flat_ids, stable=True)  # slots grouped by expert
     counts = torch.bincount(flat_ids, minlength=num_experts).tolist()  # one sync per call
@@ -49,13 +56,14 @@ def routed_sum(x: torch.Tensor, router_logits: torch.Tensor, num_experts: int, o
 
 
 def dense_sum(x: torch.Tensor, router_logits: torch.Tensor, num_experts: int, out_size: int,
-              expert_mlp, top_k: int, renormalize: bool) -> torch.Tensor:
+              expert_mlp, top_k: int, renormalize: bool, topk_weights=None,
+              topk_ids=None) -> torch.Tensor:
     """routed_sum's result with work that does not depend on the routing: every expert on
     every token, the tokens that did not choose it masked out of its sum. A CUDA graph replays
     what it recorded for any later routing, and routed_sum's host read of the expert counts
     cannot be recorded at all (E / top_k times the expert FLOPs, for graph-sized batches).
     Equal to routed_sum where expert_mlp treats each row alone (every expert MLP here does)."""
-    weights, ids = route(router_logits, top_k, renormalize)
+    weights, ids = route(router_logits, top_k, renormalize, topk_weights, topk_ids)
     routed = torch.zeros(x.shape[0], num_experts, dtype=torch.float32, device=x.device)
     routed.scatter_(1, ids, weights)  # [T, E]: each token's weight per expert, 0 if not chosen
     chosen = torch.zeros_like(routed, dtype=torch.bool).scatter_(1, ids, True)  # [T, E]
@@ -78,7 +86,9 @@ def _float_expert(w13: torch.Tensor, w2: torch.Tensor):
 
 def _fused_moe_ref(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
                    w2: torch.Tensor, top_k: int, renormalize: bool,
-                   packed: list[torch.Tensor] | None = None) -> torch.Tensor:
+                   packed: list[torch.Tensor] | None = None,
+                   topk_weights: torch.Tensor | None = None,
+                   topk_ids: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H]; router_logits [T, E]; w13 [E, 2I, H] (each expert's [gate | up] rows); w2
     [E, H, I] -> [T, H] in x's dtype: sum over each token's top-k experts e (route()) of
     weight_e * down_e(silu(gate_e x) * up_e x). Each expert's MLP runs in x's dtype as HF's
@@ -86,29 +96,34 @@ def _fused_moe_ref(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tens
     weighted output, then sums: within a rounding step in bfloat16, equal in float32). Under
     tensor parallelism w13 / w2 hold this rank's slice of I and the result is its partial sum.
     `packed`: oneDNN's blocked copies of the same values for the native kernel, each expert's
-    w13 then each expert's w2 (kiln/model/layers/moe_cpu.py); the reference ignores them."""
+    w13 then each expert's w2 (kiln/model/layers/moe_cpu.py); the reference ignores them.
+    topk_weights / topk_ids [T, k]: a routing the model computed itself, used instead of
+    route()'s softmax top-k of router_logits (DeepSeek's)."""
     return routed_sum(x, router_logits, w13.shape[0], w2.shape[1], _float_expert(w13, w2), top_k,
-                      renormalize)
+                      renormalize, topk_weights, topk_ids)
 
 
-def _fused_moe_dense(x, router_logits, w13, w2, top_k, renormalize, packed=None):
+def _fused_moe_dense(x, router_logits, w13, w2, top_k, renormalize, packed=None,
+                     topk_weights=None, topk_ids=None):
     """The reference's result, every expert run on every token (dense_sum)."""
     return dense_sum(x, router_logits, w13.shape[0], w2.shape[1], _float_expert(w13, w2), top_k,
-                     renormalize)
+                     renormalize, topk_weights, topk_ids)
 
 
 def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _fused_moe_torch(x, router_logits, w13, w2, top_k, renormalize, packed=None):
+def _fused_moe_torch(x, router_logits, w13, w2, top_k, renormalize, packed=None,
+                     topk_weights=None, topk_ids=None):
     """The torch provider: the reference, or its routing-independent form while a CUDA graph
     (piecewise or FULL, mode 3's default on CUDA) is recorded."""
     run = _fused_moe_dense if capturing() else _fused_moe_ref
-    return run(x, router_logits, w13, w2, top_k, renormalize)
+    return run(x, router_logits, w13, w2, top_k, renormalize, None, topk_weights, topk_ids)
 
 
-def _fused_moe_fake(x, router_logits, w13, w2, top_k, renormalize, packed=None):
+def _fused_moe_fake(x, router_logits, w13, w2, top_k, renormalize, packed=None,
+                    topk_weights=None, topk_ids=None):
     return x.new_empty((x.shape[0], w2.shape[1]))
 
 
@@ -120,7 +135,8 @@ def _examples(dtype: torch.dtype, device: str):
 
 fused_moe = define(
     "fused_moe", "(Tensor x, Tensor router_logits, Tensor w13, Tensor w2, int top_k, "
-    "bool renormalize, Tensor[]? packed=None) -> Tensor", _fused_moe_ref, _fused_moe_fake, _examples)
+    "bool renormalize, Tensor[]? packed=None, Tensor? topk_weights=None, Tensor? topk_ids=None) "
+    "-> Tensor", _fused_moe_ref, _fused_moe_fake, _examples)
 # In a graph the node stays (its shapes inside depend on the routing); its kernel runs the
 # reference (the dense form while a CUDA graph records it).
 fused_moe.register(Implementation("torch", _fused_moe_torch, graph_op=fused_moe.packet))

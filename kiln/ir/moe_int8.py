@@ -27,27 +27,31 @@ def _int8_expert(w13_q, w13_scale, w2_q, w2_scale):
 
 def _fused_moe_int8_ref(x: torch.Tensor, router_logits: torch.Tensor, w13_q: torch.Tensor,
                         w13_scale: torch.Tensor, w2_q: torch.Tensor, w2_scale: torch.Tensor,
-                        top_k: int, renormalize: bool) -> torch.Tensor:
+                        top_k: int, renormalize: bool, topk_weights: torch.Tensor | None = None,
+                        topk_ids: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H]; router_logits [T, E]; w13_q int8 [E, 2I, H] with w13_scale float32 [E, 2I];
     w2_q int8 [E, H, I] with w2_scale float32 [E, H] -> [T, H] in x's dtype: sum over each
     token's top-k experts (kiln/ir/moe.py's route) of weight_e * the expert's W8A8 MLP
     (_int8_expert), in float32, rounded once. Under tensor parallelism: this rank's slice of I,
-    its partial sum (each rank quantizes its own slice's activations, as a row-parallel layer)."""
+    its partial sum (each rank quantizes its own slice's activations, as a row-parallel layer).
+    topk_weights / topk_ids: a routing given, as fused_moe's."""
     return routed_sum(x, router_logits, w13_q.shape[0], w2_q.shape[1],
-                      _int8_expert(w13_q, w13_scale, w2_q, w2_scale), top_k, renormalize)
+                      _int8_expert(w13_q, w13_scale, w2_q, w2_scale), top_k, renormalize,
+                      topk_weights, topk_ids)
 
 
 def _fused_moe_int8_torch(x, router_logits, w13_q, w13_scale, w2_q, w2_scale, top_k,
-                          renormalize):
+                          renormalize, topk_weights=None, topk_ids=None):
     """The reference, or while a CUDA graph is recorded every expert on every token (dense_sum:
     per-token quantization and exact int32 sums treat each row alone, so the result is equal)."""
     run = dense_sum if capturing() else routed_sum
     return run(x, router_logits, w13_q.shape[0], w2_q.shape[1],
-               _int8_expert(w13_q, w13_scale, w2_q, w2_scale), top_k, renormalize)
+               _int8_expert(w13_q, w13_scale, w2_q, w2_scale), top_k, renormalize, topk_weights,
+               topk_ids)
 
 
 def _fused_moe_int8_fake(x, router_logits, w13_q, w13_scale, w2_q, w2_scale, top_k,
-                         renormalize):
+                         renormalize, topk_weights=None, topk_ids=None):
     return x.new_empty((x.shape[0], w2_q.shape[1]))
 
 
@@ -63,7 +67,8 @@ def _examples(dtype: torch.dtype, device: str):
 
 fused_moe_int8 = define(
     "fused_moe_int8", "(Tensor x, Tensor router_logits, Tensor w13_q, Tensor w13_scale, "
-    "Tensor w2_q, Tensor w2_scale, int top_k, bool renormalize) -> Tensor",
+    "Tensor w2_q, Tensor w2_scale, int top_k, bool renormalize, Tensor? topk_weights=None, "
+    "Tensor? topk_ids=None) -> Tensor",
     _fused_moe_int8_ref, _fused_moe_int8_fake, _examples)
 # kept whole in graphs (its shapes inside depend on the routing), as fused_moe
 fused_moe_int8.register(Implementation("torch", _fused_moe_int8_torch,

@@ -21,15 +21,16 @@ def unpack_expert_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _fused_moe_int8_panels_ref(x, router_logits, w13_panels, w13_scale, w2_panels, w2_scale,
-                               top_k, renormalize):
+                               top_k, renormalize, topk_weights=None, topk_ids=None):
     """fused_moe_int8 with each weight in panels; N is its scale's second dimension."""
     return _fused_moe_int8_ref(x, router_logits,
                                unpack_expert_panels(w13_panels, w13_scale.shape[1]), w13_scale,
                                unpack_expert_panels(w2_panels, w2_scale.shape[1]), w2_scale,
-                               top_k, renormalize)
+                               top_k, renormalize, topk_weights, topk_ids)
 
 
-def _fake(x, router_logits, w13_panels, w13_scale, w2_panels, w2_scale, top_k, renormalize):
+def _fake(x, router_logits, w13_panels, w13_scale, w2_panels, w2_scale, top_k, renormalize,
+          topk_weights=None, topk_ids=None):
     return x.new_empty((x.shape[0], w2_scale.shape[1]))
 
 
@@ -43,7 +44,8 @@ def _examples(dtype: torch.dtype, device: str):
 
 fused_moe_int8_panels = define(
     "fused_moe_int8_panels", "(Tensor x, Tensor router_logits, Tensor w13_panels, "
-    "Tensor w13_scale, Tensor w2_panels, Tensor w2_scale, int top_k, bool renormalize) -> Tensor",
+    "Tensor w13_scale, Tensor w2_panels, Tensor w2_scale, int top_k, bool renormalize, "
+    "Tensor? topk_weights=None, Tensor? topk_ids=None) -> Tensor",
     _fused_moe_int8_panels_ref, _fake, _examples)
 # Kept whole in graphs (its shapes inside depend on the routing). Panels are packed only where the
 # native kernel runs them (kiln/model/layers/moe_cpu.py), never on CUDA: no dense form to record.

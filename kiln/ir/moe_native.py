@@ -38,9 +38,10 @@ def _float_expert(w13: torch.Tensor, w2: torch.Tensor, packed: list[torch.Tensor
     return mlp
 
 
-def _fused_moe_native(x, router_logits, w13, w2, top_k, renormalize, packed=None):
+def _fused_moe_native(x, router_logits, w13, w2, top_k, renormalize, packed=None,
+                      topk_weights=None, topk_ids=None):
     return routed_sum(x, router_logits, w13.shape[0], w2.shape[1],
-                      _float_expert(w13, w2, packed), top_k, renormalize)
+                      _float_expert(w13, w2, packed), top_k, renormalize, topk_weights, topk_ids)
 
 
 def _int8_expert(gemm, gemm_silu_quant, w13, w13_scale, w2, w2_scale):
@@ -61,37 +62,41 @@ def _int8_expert(gemm, gemm_silu_quant, w13, w13_scale, w2, w2_scale):
 
 
 def _fused_moe_int8_native(x, router_logits, w13_q, w13_scale, w2_q, w2_scale, top_k,
-                           renormalize):
+                           renormalize, topk_weights=None, topk_ids=None):
     mlp = _int8_expert(torch.ops.kiln.int8_scaled_mm_native.default, None, w13_q, w13_scale, w2_q,
                        w2_scale)
-    return routed_sum(x, router_logits, w13_q.shape[0], w2_q.shape[1], mlp, top_k, renormalize)
+    return routed_sum(x, router_logits, w13_q.shape[0], w2_q.shape[1], mlp, top_k, renormalize,
+                      topk_weights, topk_ids)
 
 
 def _fused_moe_int8_panels_native(x, router_logits, w13_panels, w13_scale, w2_panels, w2_scale,
-                                  top_k, renormalize):
+                                  top_k, renormalize, topk_weights=None, topk_ids=None):
     mlp = _int8_expert(torch.ops.kiln.int8_scaled_mm_panels_native.default,
                        torch.ops.kiln.int8_scaled_mm_panels_silu_quant_native.default,
                        w13_panels, w13_scale, w2_panels, w2_scale)
     return routed_sum(x, router_logits, w13_panels.shape[0], w2_scale.shape[1], mlp, top_k,
-                      renormalize)
+                      renormalize, topk_weights, topk_ids)
 
 
-def _routing_fits(x, router_logits, experts: int) -> bool:
+def _routing_fits(x, router_logits, experts: int, topk_ids=None) -> bool:
     return (x.dim() == 2 and router_logits.dim() == 2 and router_logits.device.type == "cpu"
-            and router_logits.shape == (x.shape[0], experts))
+            and router_logits.shape == (x.shape[0], experts)
+            and (topk_ids is None or topk_ids.device.type == "cpu"))
 
 
-def _fused_moe_supported(x, router_logits, w13, w2, top_k, renormalize, packed=None) -> bool:
+def _fused_moe_supported(x, router_logits, w13, w2, top_k, renormalize, packed=None,
+                         topk_weights=None, topk_ids=None) -> bool:
     return (x.dtype in build.DTYPES and x.device.type == "cpu" and w13.dtype == w2.dtype == x.dtype
             and w13.device.type == w2.device.type == "cpu" and w13.dim() == w2.dim() == 3
             and w13.shape[2] == x.shape[1] and w13.shape[1] == 2 * w2.shape[2]
-            and _routing_fits(x, router_logits, w13.shape[0])
+            and _routing_fits(x, router_logits, w13.shape[0], topk_ids)
             and (not packed or len(packed) == 2 * w13.shape[0]) and build.available())
 
 
 def _fused_moe_int8_supported(x, router_logits, w13_q, w13_scale, w2_q, w2_scale, top_k,
-                              renormalize) -> bool:
-    return (int8_ops.quant_supported(x) and _routing_fits(x, router_logits, w13_q.shape[0])
+                              renormalize, topk_weights=None, topk_ids=None) -> bool:
+    return (int8_ops.quant_supported(x)
+            and _routing_fits(x, router_logits, w13_q.shape[0], topk_ids)
             and w13_q.dim() == w2_q.dim() == 3 and w13_q.shape[1] % 2 == 0
             and int8_ops.gemm_supported(x.new_empty(0, w13_q.shape[2], dtype=torch.int8),
                                         w13_scale, w13_q[0], w13_scale[0], None, x.dtype)
@@ -100,13 +105,15 @@ def _fused_moe_int8_supported(x, router_logits, w13_q, w13_scale, w2_q, w2_scale
 
 
 def _fused_moe_int8_panels_supported(x, router_logits, w13_panels, w13_scale, w2_panels,
-                                     w2_scale, top_k, renormalize) -> bool:
+                                     w2_scale, top_k, renormalize, topk_weights=None,
+                                     topk_ids=None) -> bool:
     def fits(panels, scale):
         return (panels.dim() == 5 and scale.dim() == 2 and panels.shape[0] == scale.shape[0]
                 and int8_ops.panels_gemm_supported(
                     x.new_empty(0, 4 * panels.shape[2], dtype=torch.int8), scale, panels[0],
                     scale[0], None, x.dtype))
-    return (int8_ops.quant_supported(x) and _routing_fits(x, router_logits, w13_panels.shape[0])
+    return (int8_ops.quant_supported(x)
+            and _routing_fits(x, router_logits, w13_panels.shape[0], topk_ids)
             and fits(w13_panels, w13_scale) and fits(w2_panels, w2_scale)
             and w13_scale.shape[1] % 2 == 0)
 

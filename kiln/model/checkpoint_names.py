@@ -20,7 +20,7 @@ def config_bias(hf_config, field: str) -> bool:
              "qwen3": ("attention_bias",), "mixtral": (), "qwen2_moe": (),
              "qwen3_moe": ("attention_bias",),
              "cohere": ("attention_bias",), "olmo3": ("attention_bias",),
-             "glm4": ("attention_bias",), "exaone4": ()}
+             "glm4": ("attention_bias",), "exaone4": (), "deepseek_v3": ("attention_bias",)}
     return field in reads.get(model_type, (field,)) and bool(getattr(hf_config, field, False))
 
 

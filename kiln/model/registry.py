@@ -8,6 +8,8 @@ from kiln.errors import ConfigError
 
 _MODELS = {
     "CohereForCausalLM": ("kiln.model.cohere", "CohereForCausalLM"),
+    "DeepseekV2ForCausalLM": ("kiln.model.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("kiln.model.deepseek_v2", "DeepseekV3ForCausalLM"),
     "Ernie4_5ForCausalLM": ("kiln.model.ernie4_5", "Ernie4_5ForCausalLM"),
     "Exaone4ForCausalLM": ("kiln.model.exaone4", "Exaone4ForCausalLM"),
     "GemmaForCausalLM": ("kiln.model.gemma", "GemmaForCausalLM"),
@@ -57,7 +59,11 @@ LAYER_NORM_GELU_OPS = ("layer_norm", "fused_add_layer_norm", "gelu")
 # other names. --enable-lora is refused for them by name.
 NO_LORA_ARCHITECTURES = ("Starcoder2ForCausalLM", "GPTNeoXForCausalLM")
 # The mixture-of-experts families (kiln/model/layers/fused_moe.py).
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+# DeepSeek's Multi-head Latent Attention families (kiln/model/layers/mla.py): no quantization
+# (nothing of theirs is checked quantized), no GGUF
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                     *MLA_ARCHITECTURES)
 _FAMILY_OPS = {"GemmaForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),
                "Gemma2ForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),
                "Gemma3ForCausalLM": (*F32_SCALE_NORM_OPS, "gelu_tanh_and_mul"),

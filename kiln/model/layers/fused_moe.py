@@ -83,18 +83,22 @@ class FusedMoE(nn.Module):
         rows = param.data[shard_id.expert].narrow(0, 0 if shard_id.part == "w1" else size, size)
         default_weight_loader(rows, take_shard(loaded, 0, rank, size, ranks))
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        # x [T, H], router_logits [T, E] -> [T, H], this rank's partial sum
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
+                topk_weights: torch.Tensor | None = None,
+                topk_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # x [T, H], router_logits [T, E] -> [T, H], this rank's partial sum; topk_weights /
+        # topk_ids [T, k]: the model's own routing (DeepSeek's), else the op's softmax top-k
         if self.w13_panels is not None:
             return ir.fused_moe_int8_panels(x, router_logits, self.w13_panels,
                                             self.w13_weight_scale, self.w2_panels,
-                                            self.w2_weight_scale, self.top_k, self.renormalize)
+                                            self.w2_weight_scale, self.top_k, self.renormalize,
+                                            topk_weights, topk_ids)
         if self.w13_weight_scale is not None:
             return ir.fused_moe_int8(x, router_logits, self.w13_weight, self.w13_weight_scale,
                                      self.w2_weight, self.w2_weight_scale, self.top_k,
-                                     self.renormalize)
+                                     self.renormalize, topk_weights, topk_ids)
         return ir.fused_moe(x, router_logits, self.w13_weight, self.w2_weight, self.top_k,
-                            self.renormalize, self.cpu_packed)
+                            self.renormalize, self.cpu_packed, topk_weights, topk_ids)
 
 
 class SparseMoeBlock(nn.Module):

@@ -14,7 +14,7 @@ from torch import nn
 from kiln import ir
 from kiln.errors import ConfigError
 from kiln.model.layers.longrope import longrope_factors, longrope_mscale
-from kiln.model.layers.yarn import yarn_inv_freq, yarn_mscale
+from kiln.model.layers.yarn import yarn_attention_factor, yarn_inv_freq
 
 
 def compute_inv_freq(rotary_dim: int, base: float, scaling: dict | None,
@@ -54,9 +54,9 @@ class RotaryEmbedding(nn.Module):
         self.head_size, self.max_position, self.scaling = head_size, max_position, scaling
         self.base = base
         self.inv_freq = compute_inv_freq(head_size, base, scaling, max_model_len)  # [hd/2] f32
-        # longrope scales cos and sin (HF's attention_scaling): the logits' temperature
-        self.mscale = 1.0 if scaling is None else (
-            yarn_mscale(scaling) if scaling["rope_type"] == "yarn" else longrope_mscale(scaling))
+        # longrope and yarn scale cos and sin (HF's attention_scaling): the logits' temperature
+        self.mscale = 1.0 if scaling is None else yarn_attention_factor(scaling) \
+            if scaling["rope_type"] == "yarn" else longrope_mscale(scaling)
         # float32 whatever the model dtype; cast at use, as HF does.
         self.register_buffer("cos_sin_cache", self._cos_sin(self.inv_freq),
                              persistent=False)  # [max_pos, hd]

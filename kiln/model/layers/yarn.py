@@ -1,44 +1,60 @@
-"""YaRN rope scaling (Qwen3's and OLMo-3's long-context configs): HF's inverse frequencies, a
-ramp from the original frequencies (fast dims) to ones slowed by `factor` (slow dims) between
-the beta_fast / beta_slow rotation counts, and the attention factor cos and sin are scaled by."""
+"""YaRN rope scaling (Qwen3's, OLMo-3's and DeepSeek-V2/V3's long-context configs): frequencies
+blended between interpolated and original by a linear ramp over the rotary dims, and its two
+magnitude factors.
+
+HF's formulas (modeling_rope_utils' yarn): cos / sin scaled by the attention factor
+(mscale / mscale_all_dim), and the MLA models' softmax scale by mscale_all_dim's factor squared.
+"""
 import math
 
 import torch
 
 
-def yarn_inv_freq(rotary_dim: int, base: float, scaling: dict) -> torch.Tensor:
-    """[rotary_dim // 2] float32; rope.py has filled factor and original_max_position_embeddings."""
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's 0.1 * mscale * ln(scale) + 1, 1 for no extension."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_attention_factor(scaling: dict) -> float:
+    """What cos and sin are multiplied by: attention_factor where given, else the ratio of
+    mscale's and mscale_all_dim's factors where both are set, else mscale of the factor alone."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
     factor = float(scaling["factor"])
-    original = float(scaling["original_max_position_embeddings"])
-    beta_fast = scaling.get("beta_fast") or 32
-    beta_slow = scaling.get("beta_slow") or 1
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)
+    return yarn_get_mscale(factor)
 
-    def dim_of(rotations: float) -> float:  # the dim that turns `rotations` times in original
-        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low, high = dim_of(beta_fast), dim_of(beta_slow)
+def yarn_softmax_mscale(scaling: dict | None) -> float:
+    """The factor an MLA model's softmax scale takes (mscale_all_dim's, squared; 1 without)."""
+    if scaling is None or scaling["rope_type"] != "yarn" or not scaling.get("mscale_all_dim"):
+        return 1.0
+    m = yarn_get_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
+    return m * m
+
+
+def _correction_dim(rotations: float, dim: int, base: float, length: int) -> float:
+    return dim * math.log(length / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+
+def yarn_inv_freq(rotary_dim: int, base: float, scaling: dict) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim // 2] float32: original ones where a dim turns fast
+    enough (beta_fast), divided by `factor` where slow (beta_slow), a linear ramp between."""
+    factor = float(scaling["factor"])
+    original = int(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    low = _correction_dim(beta_fast, rotary_dim, base, original)
+    high = _correction_dim(beta_slow, rotary_dim, base, original)
     if scaling.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
-        high += 0.001  # no zero width ramp
-    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    extrapolated = 1.0 / base ** (torch.arange(0, rotary_dim, 2).to(torch.float32) / rotary_dim)
-    kept = 1 - ramp  # 1: the dim keeps its original frequency
-    return extrapolated / factor * (1 - kept) + extrapolated * kept
-
-
-def _mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def yarn_mscale(scaling: dict) -> float:
-    """HF's attention factor: the config's attention_factor, else from factor (and DeepSeek's
-    mscale / mscale_all_dim where both are set)."""
-    if scaling.get("attention_factor") is not None:
-        return float(scaling["attention_factor"])
-    factor = float(scaling["factor"])
-    mscale, all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-    if mscale and all_dim:
-        return _mscale(factor, float(mscale)) / _mscale(factor, float(all_dim))
-    return _mscale(factor)
+        high += 0.001  # no division by zero in the ramp
+    ramp = torch.clamp((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low),
+                       0, 1)
+    keep = 1 - ramp  # 1: the original frequency, 0: the interpolated one
+    return interpolation * (1 - keep) + extrapolation * keep

@@ -1,0 +1,145 @@
+"""DeepSeek-V2 (no q LoRA, group_limited_greedy, layer 0 dense; with a q LoRA, greedy routing and
+YaRN) and V3 (noaux_tc, a routing bias, renormalized, q LoRA; rope halves without rope_interleave)
+against HF transformers on tiny random float32 checkpoints: logits of a prefill and of decode
+steps through the paged cache within 1e-4 (TOL); through LLM compiled (mode 3), V2's greedy tokens equal HF's and their logprobs HF's
+log-softmax within 1e-4 (V3's tokens under tensor parallelism: tests/distributed/
+test_tp_deepseek.py); MTP layers skipped on load; what the family refuses, by field.
+"""
+import shutil
+
+import pytest
+import torch
+
+from kiln import LLM
+from kiln.errors import ConfigError
+from kiln.model.loader import get_model
+from model._attn_helper import kiln_config_for
+from model.test_moe_vs_hf import _assert_logits_match_hf, _check_against_hf, _generate
+
+ARCHS = ["deepseek_v2", "deepseek_v2_yarn", "deepseek_v3"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_and_decode_logits_match_hf(arch, request):
+    _assert_logits_match_hf(request.getfixturevalue(f"tiny_{arch}_dir"))
+
+
+def test_v3_without_rope_interleave_matches_hf(tmp_path):
+    """rope_interleave false: each head's rope halves rotate together (Llama's form)."""
+    from checkpoints import make_tiny_checkpoint
+
+    _assert_logits_match_hf(make_tiny_checkpoint(tmp_path, "deepseek_v3", tie=False,
+                                                 rope_interleave=False))
+
+
+def test_v2_mode3_greedy_and_logprobs_match_hf(tiny_deepseek_v2_dir, inprocess_core):
+    """Traced whole (Dynamo, Kiln's passes, the piecewise split); the eager backend keeps
+    Inductor's minute of compiling out of the suite."""
+    llm = LLM(model=str(tiny_deepseek_v2_dir), dtype="float32", max_model_len=64,
+              compilation_config={"mode": 3, "backend": "eager"})
+    _check_against_hf(_generate(llm), tiny_deepseek_v2_dir)
+
+
+def _with_extra_layer(src, dst, index: int):
+    """A copy of checkpoint `src` with layer 2's tensors stored again as layer `index`."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    tensors.update({k.replace("model.layers.2.", f"model.layers.{index}."): v.clone()
+                    for k, v in tensors.items() if k.startswith("model.layers.2.")})
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_mtp_layers_are_skipped_and_a_layer_past_them_refused(tiny_deepseek_v3_dir, tmp_path):
+    """V3 checkpoints store num_nextn_predict_layers MTP layers after the decoder's: Kiln refused
+    them as tensors of no layer; they are skipped (as vLLM without speculation)."""
+    get_model(kiln_config_for(_with_extra_layer(tiny_deepseek_v3_dir, tmp_path / "mtp", 3)))
+    with pytest.raises(ConfigError, match=r"model.layers.4.* num_hidden_layers=3"):
+        get_model(kiln_config_for(_with_extra_layer(tiny_deepseek_v3_dir, tmp_path / "x", 4)))
+
+
+def _config(**fields):
+    from transformers import DeepseekV3Config
+
+    from checkpoints import ARCH_CONFIGS
+
+    return DeepseekV3Config(hidden_size=64, num_attention_heads=4, vocab_size=512,
+                            **{**ARCH_CONFIGS["deepseek_v3"][1], **fields})
+
+
+@pytest.mark.parametrize("fields, what", [
+    (dict(topk_method="sinkhorn"), "topk_method 'sinkhorn' is not supported"),
+    (dict(scoring_func="relu"), "scoring_func 'relu' is not supported"),
+    (dict(n_group=3), r"n_group \(3\) must divide n_routed_experts \(8\)"),
+    (dict(topk_group=5), r"topk_group \(5\) must be between 1 and n_group \(4\)"),
+    (dict(num_experts_per_tok=6), r"num_experts_per_tok \(6\) is more than"),
+])
+def test_routing_settings_kiln_cannot_run_are_refused_by_field(fields, what):
+    from kiln.model.layers.deepseek_routing import routing_of
+
+    with pytest.raises(ConfigError, match=what):
+        routing_of(_config(**fields), v3=True)
+
+
+def test_routing_matches_hf_router():
+    """noaux_tc and group_limited_greedy against HF's routers (the same weights chosen)."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from kiln.model.layers.deepseek_routing import deepseek_topk, routing_of
+
+    from checkpoints import ARCH_CONFIGS
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 64)
+    v2 = DeepseekV2Config(hidden_size=64, num_attention_heads=4, **ARCH_CONFIGS["deepseek_v2"][1])
+    for config, router_cls, v3 in ((v2, DeepseekV2TopkRouter, False),
+                                   (_config(), DeepseekV3TopkRouter, True)):
+        router = router_cls(config)
+        torch.nn.init.normal_(router.weight)
+        bias = getattr(router, "e_score_correction_bias", None)
+        if bias is not None:
+            bias.normal_(0, 0.1)
+        logits, want_w, want_ids = router(x)
+        got_w, got_ids = deepseek_topk(logits, routing_of(config, v3), bias)
+        want = torch.zeros(16, 8).scatter_(1, want_ids, want_w)
+        assert torch.allclose(torch.zeros(16, 8).scatter_(1, got_ids, got_w), want)
+
+
+def test_cache_shape_is_the_expanded_heads(tiny_deepseek_v2_dir):
+    """The cache holds every head's K (nope 16 + rope 8) and V padded to it: what the memory
+    estimates read (the config's head_dim is the rope part's, num_key_value_heads unused)."""
+    m = kiln_config_for(tiny_deepseek_v2_dir).model_config
+    assert (m.num_kv_heads, m.head_dim) == (4, 24)
+
+
+def test_quantization_is_refused(tiny_deepseek_v2_dir):
+    with pytest.raises(ConfigError, match="quantization 'int8': quantized DeepseekV2ForCausalLM"):
+        kiln_config_for(tiny_deepseek_v2_dir, quantization="int8")
+
+
+def test_fused_moe_runs_a_given_routing():
+    """fused_moe's topk_weights / topk_ids (DeepSeek's routing) replace its softmax top-k, in
+    the reference, its CUDA-graph form and the native provider: the same sum of each token's
+    chosen experts by the given weights."""
+    from kiln import ir
+    from kiln.ir.moe import _fused_moe_dense
+    from kiln.ir.moe_native import _fused_moe_native, _fused_moe_supported
+
+    torch.manual_seed(0)
+    x, logits = torch.randn(5, 32), torch.randn(5, 6)
+    w13, w2 = torch.randn(6, 48, 32) * 0.2, torch.randn(6, 32, 24) * 0.2
+    weights, ids = torch.rand(5, 2) * 2, torch.stack([torch.randperm(6)[:2] for _ in range(5)])
+    want = torch.zeros(5, 32)
+    for t in range(5):
+        for w, e in zip(weights[t], ids[t]):
+            gate, up = (x[t] @ w13[e].T).chunk(2)
+            want[t] += w * ((torch.nn.functional.silu(gate) * up) @ w2[e].T)
+    args = (x, logits, w13, w2, 2, True, None, weights, ids)
+    assert torch.allclose(ir.fused_moe.reference(*args), want, atol=1e-5)
+    assert torch.allclose(_fused_moe_dense(*args), want, atol=1e-5)
+    if _fused_moe_supported(*args):  # where the native kernels are built
+        assert torch.allclose(_fused_moe_native(*args), want, atol=1e-5)
