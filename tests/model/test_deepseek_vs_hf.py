@@ -1,9 +1,10 @@
 """DeepSeek-V2 (no q LoRA, group_limited_greedy, layer 0 dense; with a q LoRA, greedy routing and
 YaRN) and V3 (noaux_tc, a routing bias, renormalized, q LoRA; rope halves without rope_interleave)
 against HF transformers on tiny random float32 checkpoints: logits of a prefill and of decode
-steps through the paged cache within 1e-4 (TOL); through LLM compiled (mode 3), V2's greedy tokens equal HF's and their logprobs HF's
-log-softmax within 1e-4 (V3's tokens under tensor parallelism: tests/distributed/
-test_tp_deepseek.py); MTP layers skipped on load; what the family refuses, by field.
+steps through the paged cache within 1e-4 (TOL); through LLM compiled (mode 3), V2's greedy
+tokens equal HF's and their logprobs HF's log-softmax within 1e-4 (V3's tokens under tensor
+parallelism: tests/distributed/test_tp_deepseek.py); MTP layers skipped on load; what the
+family refuses, by field.
 """
 import shutil
 
