@@ -124,22 +124,45 @@ _tables: dict[int, tuple[int, attention_op.LayerTable]] = {}
 _MAX_TABLES = 8
 
 
-def _layer_table(layers: dict) -> attention_op.LayerTable | None:
-    """The C++ kernel's table of the layers it can serve, rebuilt after any layer's cache was
-    assigned anew; None when it can serve none. It takes one step's metadata, the forward
-    context's attn_metadata, which is KV cache group 0's: a hybrid model's other groups' layers
-    stay on the Python path with their own group's (kiln/core/kv_cache_groups.py)."""
-    generation = kv_cache_generation.current()
-    known = _tables.get(id(layers))
-    if known is not None and known[0] == generation:
-        return known[1]
+def kernel_layers(layers: dict) -> dict[str, attention_op.LayerEntry]:
+    """The layers the C++ kernel serves: each CPU attention layer whose KV cache it reads, of
+    any KV cache group (kiln/core/kv_cache_groups.py; each attends with its group's block table
+    and slots, group_steps)."""
     entries = {}
     for name, layer in layers.items():
         impl, kv_cache = getattr(layer, "impl", None), getattr(layer, "kv_cache", None)
         if (isinstance(impl, CpuAttentionImpl) and kv_cache is not None
-                and getattr(layer, "kv_group", 0) == 0
                 and paged_attention.cache_supported(kv_cache)):
-            entries[name] = (kv_cache, impl.scale, impl.sliding_window, impl.logits_soft_cap)
+            entries[name] = attention_op.LayerEntry(kv_cache, getattr(layer, "kv_group", 0),
+                                                    impl.scale, impl.sliding_window,
+                                                    impl.logits_soft_cap)
+    return entries
+
+
+def group_steps(md: AttentionMetadata,
+                step: paged_attention.StepArgs) -> list[paged_attention.StepArgs]:
+    """`step` (KV cache group 0's, from `md`) for every group: the same requests with each
+    group's block table and slots (md.group_metadata); [step] with one group."""
+    groups = md.group_metadata or [md]
+    return [step] + [paged_attention.StepArgs(
+        g.block_table, step.query_start_loc, step.seq_lens, step.reqs, step.max_seq_len,
+        step.block_size, g.slot_mapping, step.num_tokens) for g in groups[1:]]
+
+
+# id(an engine's layer dict) -> (the KV caches' generation when built, its LayerTable); a few
+# engines at most share a process.
+_tables: dict[int, tuple[int, attention_op.LayerTable]] = {}
+_MAX_TABLES = 8
+
+
+def _layer_table(layers: dict) -> attention_op.LayerTable | None:
+    """The C++ kernel's table of kernel_layers, rebuilt after any layer's cache was assigned
+    anew; None when it can serve none."""
+    generation = kv_cache_generation.current()
+    known = _tables.get(id(layers))
+    if known is not None and known[0] == generation:
+        return known[1]
+    entries = kernel_layers(layers)
     table = attention_op.LayerTable(entries) if entries else None
     if len(_tables) >= _MAX_TABLES:
         _tables.pop(next(iter(_tables)))
@@ -148,8 +171,9 @@ def _layer_table(layers: dict) -> attention_op.LayerTable | None:
 
 
 def _hand_over(md: AttentionMetadata, step: paged_attention.StepArgs) -> None:
-    """Let the C++ kernel of kiln::unified_attention serve the step's other layers with `step`
-    until the forward context closes (kiln/native/attention_op.py)."""
+    """Let the C++ kernel of kiln::unified_attention serve the step's other layers, each with
+    its KV cache group's `step` (group_steps), until the forward context closes
+    (kiln/native/attention_op.py)."""
     if not (attention_op.available() and is_forward_context_available()):
         return
     context = get_forward_context()
@@ -157,7 +181,7 @@ def _hand_over(md: AttentionMetadata, step: paged_attention.StepArgs) -> None:
         return
     table = _layer_table(context.no_compile_layers)
     if table is not None:
-        attention_op.begin_step(table, step, md.num_actual_tokens)
+        attention_op.begin_step(table, group_steps(md, step), md.num_actual_tokens)
         context.on_exit.append(attention_op.end_step)
 
 

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from kiln.core.sliding_window_blocks import blocks_held, kv_window, longest_window_hit, peak_blocks
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
 
 Block = TypeVar("Block")
 
@@ -67,34 +70,52 @@ def group_layers(windows: Sequence[int | None]) -> KVCacheGroups:
     return KVCacheGroups(groups, size)
 
 
+def _models(kiln_config) -> list:
+    """The models whose layers take KV cache: the target's and, with a draft model or EAGLE
+    head (the runner proposes), the draft's, its layers numbered after the target's."""
+    models = [kiln_config.model_config]
+    spec = getattr(kiln_config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None) if spec is not None else None
+    if draft is not None and getattr(spec, "runner_proposes", True):
+        models.append(draft)
+    return models
+
+
+def all_layer_windows(kiln_config) -> list[int | None]:
+    """Each KV cache layer's window, over every pipeline stage (each stage allocates its own
+    layers' share of the groups, as vLLM groups every worker's layers together): the target's
+    layers, then a draft model's or EAGLE head's (they join the groups of their kind, vLLM's
+    choice for draft layers)."""
+    return [m.layer_sliding_window(i) for m in _models(kiln_config) for i in range(m.num_layers)]
+
+
 def hybrid_refusal(kiln_config) -> str | None:
-    """Why an engine keeps one group for a hybrid model (today's behaviour: every block kept),
-    or None: it may group."""
+    """Why an engine keeps one group for a hybrid model (every block kept), or None: it may
+    group."""
     sched = getattr(kiln_config, "scheduler_config", None)
     if getattr(sched, "disable_hybrid_kv_cache_manager", False):
         return "--disable-hybrid-kv-cache-manager"
-    spec = getattr(kiln_config, "speculative_config", None)
-    if spec is not None and getattr(spec, "method", None) != "ngram":
-        return "a draft model or EAGLE head (it reads the target's block tables)"
-    parallel = getattr(kiln_config, "parallel_config", None)
-    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
-        return "pipeline parallelism"
+    shapes = {(m.num_kv_heads, m.head_dim) for m in _models(kiln_config)}
+    if len(shapes) > 1:  # a slot's tensor serves one layer of each group
+        return (f"the draft model's K/V shape (kv heads, head size) differs from the target's: "
+                f"{sorted(shapes)}")
     return None
 
 
 def kv_cache_groups_of(kiln_config) -> KVCacheGroups:
-    """The engine's KV cache groups: the target model's layers grouped by window, or one group
-    (the widest window when every layer, a draft model's too, has one) where hybrid_refusal
-    says so."""
-    from kiln.core.sliding_window_blocks import kv_window_of
+    """The engine's KV cache groups over every layer (all_layer_windows), or one group (the
+    widest window when every layer has one) where hybrid_refusal says so."""
+    windows = all_layer_windows(kiln_config)
+    reason = hybrid_refusal(kiln_config)
+    groups = group_layers(windows) if reason is None else single_group(windows)
+    if reason is not None and group_layers(windows).hybrid and not _told.get(reason):
+        _told[reason] = True
+        logger.info("KV cache groups: one group for every layer (every block kept): %s",
+                    reason)
+    return groups
 
-    model = kiln_config.model_config
-    windows = [model.layer_sliding_window(i) for i in range(model.num_layers)]
-    if hybrid_refusal(kiln_config) is not None:
-        groups = single_group(windows)
-        return KVCacheGroups((KVCacheGroup(kv_window_of(kiln_config), groups.groups[0].layers),),
-                             groups.num_slots)
-    return group_layers(windows)
+
+_told: dict[str, bool] = {}  # fallback reasons logged in this process (once each)
 
 
 def group_blocks_held(windows: Sequence[int | None], num_computed: int, num_slots: int,

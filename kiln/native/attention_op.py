@@ -4,6 +4,8 @@ it each step's metadata and an engine's table of layers (a torch custom-class ob
 The C++ kernel serves a step's layers only once a step was handed over (`begin_step`), and only
 those in the table; every other call goes to the Python implementation, as before.
 """
+from typing import NamedTuple
+
 import torch
 
 from kiln.native import build, paged_attention
@@ -16,23 +18,38 @@ def available() -> bool:
     return build.available()
 
 
-class LayerTable:
-    """An engine's layers as the C++ kernel finds them by name: each one's KV cache [2, nb, bs,
-    nkv, hd] (held weakly there: a replaced cache is freed at once), scale, sliding window (None:
-    none) and attention logit soft cap (None: none)."""
+class LayerEntry(NamedTuple):
+    """A layer as the C++ kernel serves it."""
+    kv_cache: torch.Tensor  # [2, nb, bs, nkv, hd], held weakly there: a replaced one is freed
+    group: int  # its KV cache group (kiln/core/kv_cache_groups.py): the step it attends with
+    scale: float
+    window: int | None  # None: no sliding window
+    softcap: float | None  # attention logit soft cap; None: none
 
-    def __init__(self, layers: dict[str, tuple[torch.Tensor, float, int | None, float | None]]):
+
+class LayerTable:
+    """An engine's layers as the C++ kernel finds them by name."""
+
+    def __init__(self, layers: dict[str, LayerEntry]):
         entries = list(layers.values())
         self.layers = torch.classes.kiln.AttentionLayers(
-            list(layers), [e[0] for e in entries], [float(e[1]) for e in entries],
-            [int(e[2] or 0) for e in entries], [float(e[3] or 0.0) for e in entries])
+            list(layers), [e.kv_cache for e in entries], [int(e.group) for e in entries],
+            [float(e.scale) for e in entries], [int(e.window or 0) for e in entries],
+            [float(e.softcap or 0.0) for e in entries])
 
 
-def begin_step(table: LayerTable, step: paged_attention.StepArgs, num_actual_tokens: int) -> None:
-    """Until `end_step`, calls for the table's layers attend with `step` (whose tensors the C++
-    side holds until then); rows from num_actual_tokens on are padding, zeroed."""
-    torch.ops.kiln.attention_begin_step(table.layers, *step.tensors(), step.block_size,
-                                        num_actual_tokens)
+def begin_step(table: LayerTable, steps: list[paged_attention.StepArgs],
+               num_actual_tokens: int) -> None:
+    """Until `end_step`, calls for the table's layers attend with their group's step of `steps`
+    (one per KV cache group, over the same requests: only the block table and slot mapping
+    differ; the C++ side holds their tensors until then); rows from num_actual_tokens on are
+    padding, zeroed. A layer of a group past `steps` takes the Python path."""
+    first = steps[0]
+    _, query_start_loc, seq_lens, reqs, _, num_tokens, max_seq_len = first.tensors()
+    torch.ops.kiln.attention_begin_step(
+        table.layers, [s.block_table for s in steps], query_start_loc, seq_lens, reqs,
+        [s.slot_mapping for s in steps], num_tokens, max_seq_len, first.block_size,
+        num_actual_tokens)
 
 
 def end_step() -> None:

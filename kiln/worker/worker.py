@@ -71,10 +71,20 @@ class Worker(WorkerSleepMode):
         drafter = self.model_runner.drafter
         return [*layers.values(), *(drafter.attention_layers.values() if drafter else ())]
 
+    def _layer_indices(self) -> list[int]:
+        """_attention_layers' numbers among the KV cache groups' layers (the draft's after the
+        target's)."""
+        drafter = self.model_runner.drafter
+        return kv_cache_layout.layer_indices(
+            list(self.model_runner.attention_layers.values()),
+            list(drafter.attention_layers.values()) if drafter else [],
+            self.kiln_config.model_config.num_layers)
+
     def kv_cache_block_bytes(self) -> int:
         return kv_cache_layout.block_bytes(self._attention_layers(), self.kv_groups,
                                            self.kiln_config.cache_config.block_size,
-                                           self.kiln_config.model_config.torch_dtype)
+                                           self.kiln_config.model_config.torch_dtype,
+                                           self._layer_indices())
 
     def determine_num_blocks(self) -> int:
         """KV blocks that fit this worker's budget (CUDA: measured after a profiling forward).
@@ -128,7 +138,8 @@ class Worker(WorkerSleepMode):
             return (zeros_on_first_touch(shape, dtype) if self.device.type == "cpu"
                     else torch.zeros(shape, dtype=dtype, device=self.device))
 
-        kv_cache_layout.assign_kv_caches(self._attention_layers(), self.kv_groups, new_tensor)
+        kv_cache_layout.assign_kv_caches(self._attention_layers(), self.kv_groups, new_tensor,
+                                         self._layer_indices())
         self.num_blocks = num_blocks
         if max_model_len is not None:
             from kiln.model.layers.rotary_embedding import fit_rotary_to_max_model_len

@@ -2,6 +2,7 @@
 a hit every group serves against brute force, each group's need, the longest request that fits,
 the KV cache manager keeping a table per group, and the worker's tensor per slot."""
 import itertools
+import logging
 import random
 from types import SimpleNamespace
 
@@ -42,23 +43,44 @@ def test_grouping_follows_vllm():
     assert mixed.windows == (None, None, 4, 8) and mixed.num_slots == 1
 
 
+def _model(windows, kv_heads=2, head_dim=16):
+    return SimpleNamespace(num_layers=len(windows), layer_sliding_window=windows.__getitem__,
+                           num_kv_heads=kv_heads, head_dim=head_dim)
+
+
 def _config(windows, **extra):
-    model = SimpleNamespace(num_layers=len(windows), layer_sliding_window=windows.__getitem__)
-    return SimpleNamespace(model_config=model, scheduler_config=SimpleNamespace(**extra),
+    return SimpleNamespace(model_config=_model(windows), scheduler_config=SimpleNamespace(**extra),
                            speculative_config=None,
                            parallel_config=SimpleNamespace(pipeline_parallel_size=1))
 
 
-def test_refused_setups_keep_one_group():
+def test_draft_layers_join_the_groups_and_refusals_keep_one(caplog):
     assert kv_cache_groups_of(_config([8, None])).windows == (None, 8)
     flag = _config([8, None], disable_hybrid_kv_cache_manager=True)
     assert kv_cache_groups_of(flag).windows == (None,)  # every block kept, as before
     ngram = _config([8, None])
-    ngram.speculative_config = SimpleNamespace(method="ngram")
+    ngram.speculative_config = SimpleNamespace(method="ngram", runner_proposes=False,
+                                               draft_model_config=None)
     assert kv_cache_groups_of(ngram).hybrid  # no model reads the block tables
+    # a draft model's layers (numbered after the target's) join the groups of their kind
     draft = _config([8, None])
-    draft.speculative_config = SimpleNamespace(method="draft_model", draft_model_config=None)
-    assert kv_cache_groups_of(draft).windows == (None,)
+    draft.speculative_config = SimpleNamespace(method="draft_model", runner_proposes=True,
+                                               draft_model_config=_model([8, None]))
+    groups = kv_cache_groups_of(draft)
+    assert [(g.window, g.layers) for g in groups.groups] == [(None, (1, 3)), (8, (0, 2))]
+    # an EAGLE head's full-attention layer joins the full group
+    eagle = _config([8, 8, None])
+    eagle.speculative_config = SimpleNamespace(method="eagle", runner_proposes=True,
+                                               draft_model_config=_model([None]))
+    assert [(g.window, g.layers) for g in kv_cache_groups_of(eagle).groups] == [
+        (None, (2, 3)), (8, (0, 1))]
+    # K/V of another shape cannot share a slot's tensor: one group, said at INFO
+    other = _config([8, None])
+    other.speculative_config = SimpleNamespace(method="draft_model", runner_proposes=True,
+                                               draft_model_config=_model([8], kv_heads=1))
+    with caplog.at_level(logging.INFO, logger="kiln.core.kv_cache_groups"):
+        assert kv_cache_groups_of(other).windows == (None,)
+    assert "K/V shape" in caplog.text and "one group" in caplog.text
 
 
 def _valid(cached: set[int], n: int, window: int | None, bs: int) -> bool:
@@ -127,6 +149,26 @@ def test_group_blocks_are_cached_apart():
     pool.cache_block(b, b"h" * 32, group=1)
     assert pool.get_cached_block(b"h" * 32) is a and pool.get_cached_block(b"h" * 32, 1) is b
     assert pool.get_cached_block(b"h" * 32, 2) is None
+
+
+def test_draft_and_stage_layers_find_their_slots():
+    """A draft's layers (named as the target's) are numbered after the target's; a pipeline
+    stage's layers keep their model numbers, so a stage allocates only its own slots."""
+    def named(*indices):
+        return [SimpleNamespace(layer_name=f"model.layers.{i}.self_attn.attn", num_kv_heads=2,
+                                head_size=16) for i in indices]
+
+    target, draft = named(0, 1), named(0, 1)
+    assert kv_cache_layout.layer_indices(target, draft, 2) == [0, 1, 2, 3]
+    groups = group_layers([8, None, 8, None])
+    layers, indices = target + draft, kv_cache_layout.layer_indices(target, draft, 2)
+    kv_cache_layout.assign_kv_caches(layers, groups, lambda layer: torch.zeros(1), indices)
+    assert [layer.kv_group for layer in layers] == [1, 0, 1, 0]
+    assert layers[2].kv_cache is layers[3].kv_cache is not layers[0].kv_cache
+    stage = named(2, 3)  # the second stage of a 4-layer model: slot 1 only
+    assert kv_cache_layout.layer_slots(stage, groups) == [(1, 1), (0, 1)]
+    assert (kv_cache_layout.block_bytes(stage, groups, 4, torch.float32)
+            == kv_cache_layout.block_bytes(named(0), group_layers([None]), 4, torch.float32))
 
 
 def test_worker_shares_a_tensor_per_slot():

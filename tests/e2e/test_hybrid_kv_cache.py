@@ -84,3 +84,35 @@ def test_gemma3_five_window_groups_hold_bounded_blocks(tmp_path, monkeypatch):
     tokens = _generate_in_groups(model_dir, monkeypatch, True, "cpu", [1, 2, 3, 4, 5, 0],
                                  num_blocks=120, prompts=prompts, new_tokens=20)
     assert tokens == hf_greedy(model_dir, prompts, 20, attn_implementation="eager")
+
+
+def test_every_groups_layers_take_the_cpp_kernel(tiny_gemma3_dir, monkeypatch):
+    """Decode steps of a two-group model go to the C++ kernel in every layer, each with its
+    group's block table (cpu_backend.group_steps), and give the Python path's tokens and
+    logprobs; the Python path alone before (_hand_over off)."""
+    from kiln.attention import cpu_backend
+    from kiln.native import attention_op
+
+    monkeypatch.setenv("KILN_ATTENTION_BACKEND", "cpu")
+    llm = LLM(model=str(tiny_gemma3_dir), dtype="float32", enforce_eager=True, block_size=4,
+              num_gpu_blocks_override=40, max_model_len=64, max_num_batched_tokens=16,
+              max_num_seqs=4, enable_prefix_caching=False)
+    assert llm.llm_engine.engine_core.core.scheduler.kv_cache_manager.group_windows == (None, 8)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10]}, {"prompt_token_ids": [11, 12, 13]}]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+
+    def run() -> tuple[list, dict]:
+        before = attention_op.call_counts()
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        return outs, {k: v - before[k] for k, v in attention_op.call_counts().items()}
+
+    fast, counts = run()  # every query at most 8 tokens: every step is handed over
+    assert counts["python"] == 0 and counts["kernel"] >= 2 * 20
+    monkeypatch.setattr(cpu_backend, "_hand_over", lambda md, step: None)
+    slow, counts = run()
+    assert counts["kernel"] == 0 and counts["python"] >= 2 * 20
+    assert [o.token_ids for o in fast] == [o.token_ids for o in slow]
+    for f, s in zip(fast, slow):
+        for lf, ls in zip(f.logprobs, s.logprobs):
+            assert {t: p.logprob for t, p in lf.items()} == pytest.approx(
+                {t: p.logprob for t, p in ls.items()}, abs=1e-6)

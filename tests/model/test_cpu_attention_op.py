@@ -189,3 +189,25 @@ def test_the_cpp_kernel_names_what_is_wrong():
         with pytest.raises(IndexError, match=r"slot is outside \[-1, 256\)"):
             engine.layers[1](*good)
         md.slot_mapping.copy_(md_slots)
+
+
+def test_each_kv_cache_group_gets_its_own_table_and_slots():
+    """group_steps (pure): group 0's step for every group, with each group's block table and
+    slot mapping over the same requests; one group: the step alone."""
+    from types import SimpleNamespace
+
+    from kiln.attention.cpu_backend import group_steps
+    from kiln.native.paged_attention import StepArgs
+
+    qsl, seq_lens, reqs = (torch.tensor(x, dtype=torch.int32) for x in ([0, 1, 2], [5, 9], [0, 1]))
+    tables = [torch.full((2, 3), g, dtype=torch.int32) for g in range(3)]
+    slots = [torch.full((2,), g, dtype=torch.int64) for g in range(3)]
+    step = StepArgs(tables[0], qsl, seq_lens, reqs, 9, BS, slots[0], 2)
+    groups = [SimpleNamespace(block_table=t, slot_mapping=s) for t, s in zip(tables, slots)]
+    steps = group_steps(SimpleNamespace(group_metadata=groups), step)
+    assert steps[0] is step and len(steps) == 3
+    for g, s in enumerate(steps):
+        assert s.block_table is tables[g] and s.slot_mapping is slots[g]
+        assert (s.query_start_loc, s.seq_lens, s.reqs) == (qsl, seq_lens, reqs)
+        assert (s.num_tokens, s.max_seq_len, s.block_size) == (2, 9, BS)
+    assert group_steps(SimpleNamespace(group_metadata=None), step) == [step]

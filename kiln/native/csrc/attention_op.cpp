@@ -6,8 +6,9 @@
  * Through Python, a layer cost ~19 us a step besides the kernel (the dispatcher's trip into
  * Python, the forward-context lookup, the checks): ~0.55 ms of a batch-1 step of the 30-layer
  * default model. Python (kiln/attention/cpu_backend.py) plans each step before its first layer
- * and hands the step's metadata tensors (`kiln::attention_begin_step`) and an engine's layers
- * (an `AttentionLayers` object: name -> KV cache, scale, sliding window, soft cap) to this file for the step's layers.
+ * and hands the step's metadata tensors (`kiln::attention_begin_step`: a block table and slot
+ * mapping per KV cache group) and an engine's layers (an `AttentionLayers` object: name -> KV
+ * cache, group, scale, sliding window, soft cap) to this file for the step's layers.
  * Whatever that does not cover (no step handed over, a layer not in the table, another dtype)
  * goes to the Python implementation, registered as `kiln::unified_attention_python`. */
 #include <ATen/core/Tensor.h>
@@ -182,6 +183,7 @@ bool prefill_attention_amx(at::ScalarType dtype, int64_t head_size) {
 
 struct Layer {
     KilnKvCache cache;
+    int64_t group;   /* its KV cache group: which of the step's plans (block table, slots) */
     float scale;
     int64_t window;  /* keys a query sees (a sliding window); 0: all before it */
     double softcap;  /* attention logit soft cap; 0: none */
@@ -201,16 +203,20 @@ struct AttentionLayers : torch::CustomClassHolder {
     std::unordered_map<std::string, Layer> layers;
 
     AttentionLayers(std::vector<std::string> names, std::vector<at::Tensor> kv_caches,
-                    std::vector<double> scales, std::vector<int64_t> windows,
-                    std::vector<double> softcaps) {
-        TORCH_CHECK_VALUE(names.size() == kv_caches.size() && names.size() == scales.size() &&
-                              names.size() == windows.size() && names.size() == softcaps.size(),
+                    std::vector<int64_t> groups, std::vector<double> scales,
+                    std::vector<int64_t> windows, std::vector<double> softcaps) {
+        TORCH_CHECK_VALUE(names.size() == kv_caches.size() && names.size() == groups.size() &&
+                              names.size() == scales.size() && names.size() == windows.size() &&
+                              names.size() == softcaps.size(),
                           "AttentionLayers: ", names.size(), " names, ", kv_caches.size(),
-                          " caches, ", scales.size(), " scales, ", windows.size(),
-                          " windows and ", softcaps.size(), " soft caps");
+                          " caches, ", groups.size(), " groups, ", scales.size(), " scales, ",
+                          windows.size(), " windows and ", softcaps.size(), " soft caps");
         for (size_t i = 0; i < names.size(); ++i) {
+            TORCH_CHECK_VALUE(groups[i] >= 0, "AttentionLayers: layer ", names[i], "'s KV cache "
+                              "group is ", groups[i]);
             Layer &layer = layers[names[i]];
             layer.cache = cache_struct(kv_caches[i]);
+            layer.group = groups[i];
             layer.scale = static_cast<float>(scales[i]);
             layer.window = windows[i];
             layer.softcap = softcaps[i];
@@ -222,26 +228,36 @@ struct AttentionLayers : torch::CustomClassHolder {
     int64_t size() const { return static_cast<int64_t>(layers.size()); }
 };
 
-/* The step handed over: the engine's layers and the step's plan. None: every call takes the
- * Python path. The forward context it belongs to is process-wide, and so is this. */
+/* The step handed over: the engine's layers and the step's plan per KV cache group (each
+ * group's block table and slots over the same requests). None: every call takes the Python
+ * path. The forward context it belongs to is process-wide, and so is this. */
 struct Step {
     c10::intrusive_ptr<AttentionLayers> table;
-    std::shared_ptr<const StepPlan> plan;
+    std::vector<std::shared_ptr<const StepPlan>> plans;
 };
 
 std::mutex mutex; /* guards step */
 Step step;
 std::atomic<int64_t> calls[2]; /* through the kernel here, through Python */
 
-void begin_step(const c10::intrusive_ptr<AttentionLayers> &table, const at::Tensor &block_table,
-                const at::Tensor &query_start_loc, const at::Tensor &seq_lens,
-                const at::Tensor &reqs, const at::Tensor &slot_mapping, int64_t num_tokens,
-                int64_t max_seq_len, int64_t block_size, int64_t num_actual) {
-    auto plan = std::make_shared<StepPlan>(block_table, query_start_loc, seq_lens, reqs,
-                                           slot_mapping, num_tokens, max_seq_len, block_size);
-    plan->num_actual = num_actual;
+void begin_step(const c10::intrusive_ptr<AttentionLayers> &table,
+                std::vector<at::Tensor> block_tables, const at::Tensor &query_start_loc,
+                const at::Tensor &seq_lens, const at::Tensor &reqs,
+                std::vector<at::Tensor> slot_mappings, int64_t num_tokens, int64_t max_seq_len,
+                int64_t block_size, int64_t num_actual) {
+    TORCH_CHECK_VALUE(!block_tables.empty() && block_tables.size() == slot_mappings.size(),
+                      "attention_begin_step: ", block_tables.size(), " block tables and ",
+                      slot_mappings.size(), " slot mappings (one of each per KV cache group)");
+    std::vector<std::shared_ptr<const StepPlan>> plans;
+    for (size_t g = 0; g < block_tables.size(); ++g) {
+        auto plan = std::make_shared<StepPlan>(block_tables[g], query_start_loc, seq_lens, reqs,
+                                               slot_mappings[g], num_tokens, max_seq_len,
+                                               block_size);
+        plan->num_actual = num_actual;
+        plans.push_back(std::move(plan));
+    }
     std::lock_guard<std::mutex> lock(mutex);
-    step = Step{table, std::move(plan)};
+    step = Step{table, std::move(plans)};
 }
 
 void end_step() {
@@ -269,15 +285,18 @@ void unified_attention(const at::Tensor &q, const at::Tensor &k, const at::Tenso
     const Layer *layer = nullptr;
     if (s.table) {
         auto it = s.table->layers.find(std::string(layer_name.data(), layer_name.size()));
-        if (it != s.table->layers.end() && it->second.cache_alive()) layer = &it->second;
+        if (it != s.table->layers.end() && it->second.cache_alive() &&
+            it->second.group < static_cast<int64_t>(s.plans.size()))
+            layer = &it->second;
     }
     if (!layer || kiln::dtype_code(q.scalar_type()) != layer->cache.dtype || q.dim() != 2)
         return python_path(q, k, v, out, layer_name);
     calls[0].fetch_add(1, std::memory_order_relaxed);
-    run_kernel(q, k, v, out, layer->cache, s.plan->args, layer->scale, layer->window,
+    const StepPlan &plan = *s.plans[layer->group];
+    run_kernel(q, k, v, out, layer->cache, plan.args, layer->scale, layer->window,
                layer->softcap, layer_name);
-    if (s.plan->num_actual < q.size(0))
-        out.narrow(0, s.plan->num_actual, q.size(0) - s.plan->num_actual).zero_();
+    if (plan.num_actual < q.size(0))
+        out.narrow(0, plan.num_actual, q.size(0) - plan.num_actual).zero_();
 }
 
 std::vector<int64_t> call_counts() { return {calls[0].load(), calls[1].load()}; }
@@ -286,16 +305,17 @@ std::vector<int64_t> call_counts() { return {calls[0].load(), calls[1].load()}; 
 
 TORCH_LIBRARY_FRAGMENT(kiln, m) {
     m.class_<AttentionLayers>("AttentionLayers")
-        .def(torch::init<std::vector<std::string>, std::vector<at::Tensor>, std::vector<double>,
-                         std::vector<int64_t>, std::vector<double>>())
+        .def(torch::init<std::vector<std::string>, std::vector<at::Tensor>,
+                         std::vector<int64_t>, std::vector<double>, std::vector<int64_t>,
+                         std::vector<double>>())
         .def("size", &AttentionLayers::size);
     m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor kv_cache, "
           "float scale, Tensor block_table, Tensor query_start_loc, Tensor seq_lens, "
           "Tensor reqs, Tensor slot_mapping, int num_tokens, int max_seq_len, int window=0, "
           "float softcap=0.) -> ()");
     m.def("attention_begin_step(__torch__.torch.classes.kiln.AttentionLayers layers, "
-          "Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor reqs, "
-          "Tensor slot_mapping, int num_tokens, int max_seq_len, int block_size, "
+          "Tensor[] block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor reqs, "
+          "Tensor[] slot_mappings, int num_tokens, int max_seq_len, int block_size, "
           "int num_actual) -> ()", &begin_step);
     m.def("prefill_attention(Tensor q, Tensor(a!) out, Tensor kv_cache, float scale, "
           "Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor reqs, "
