@@ -1,7 +1,7 @@
 /* The `native` implementation of the IR op int4_weight_linear (kiln/ir/int4.py defines its
  * result) over int4_linear.c: up to KILN_INT4_GEMV_MAX_ROWS rows the in-register GEMV; more rows
  * (prefill), or groups not of 32s, dequantize a tile of weight rows at a time into x's dtype and multiply it with
- * aten's mm (oneDNN), so each weight is unpacked once per call, not once per row. */
+ * aten's mm (MKL / oneDNN), so each weight is unpacked once per call, not once per row. */
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <torch/library.h>
@@ -14,9 +14,9 @@
 
 namespace {
 
-/* Bytes of dequantized weight a tile holds: large enough that oneDNN's GEMM runs at its pace,
- * small enough to stay in the caches between its dequantization and its GEMM. */
-constexpr int64_t TILE_BYTES = 4 << 20;
+/* Bytes of dequantized weight a tile holds: a small model's whole weight (one GEMM: the fastest),
+ * a large one's in parts, so that a call never holds a float copy of a large weight. */
+constexpr int64_t TILE_BYTES = 32 << 20;
 
 int32_t scale_code(const at::Tensor &s) {
     switch (s.scalar_type()) {
@@ -77,16 +77,15 @@ at::Tensor int4_linear(const at::Tensor &x, const at::Tensor &w_packed, const at
     at::Tensor tile = at::empty({tile_rows, k}, x.options());  // [tile_rows, k]
     for (int64_t r0 = 0; r0 < n; r0 += tile_rows) {
         const int64_t r = std::min(tile_rows, n - r0);
-        // torch's own threads, which run the GEMM next: the kernels' OpenMP team would spin
-        // on the cores the GEMM then needs
-        char *dst_tile = static_cast<char *>(tile.data_ptr());
-        at::parallel_for(0, r, 16, [&](int64_t b, int64_t e) {
-            kiln::check_rc(kiln_int4_dequant(w, scales.data_ptr(), s_code, z, r0 + b, e - b, k,
-                                             group_size, dst_tile + b * k * elem, dtype, 1),
-                           "kiln_int4_dequant");
-        });
-        at::Tensor dst = out.narrow(1, r0, r);  // [m, r], row stride n
-        at::mm_out(dst, rows, tile.narrow(0, 0, r).t());
+        kiln::check_rc(kiln_int4_dequant(w, scales.data_ptr(), s_code, z, r0, r, k, group_size,
+                                         tile.data_ptr(), dtype, kiln::threads()),
+                       "kiln_int4_dequant");
+        const at::Tensor weight = tile.narrow(0, 0, r).t();  // [k, r]
+        if (r == n) {
+            at::mm_out(out, rows, weight);
+        } else {  // a GEMM into a strided slice of out runs far slower than this copy
+            out.narrow(1, r0, r).copy_(at::mm(rows, weight));
+        }
     }
     if (bias) out.add_(*bias);
     return out.view(shape);
