@@ -67,11 +67,8 @@ def _ops_in_use(kiln_config) -> list[str]:
              "gguf": mc.load_format == "gguf",
              "all_reduce": kiln_config.parallel_config.tensor_parallel_size > 1,
              "lora": kiln_config.lora_config is not None}
-    # W4A16 runs its weights as Q4_1 blocks where the blocks kernel serves them
-    blocks = {"gguf_linear"} if mc.quant_kind == "int4" else set()
     return [op for op in kiln_config.ir_selection.as_dict()
-            if op not in not_called and (op in blocks or all(
-                on for kind, on in kinds.items() if kind in op))]
+            if op not in not_called and all(on for kind, on in kinds.items() if kind in op)]
 
 
 def _since(after: dict, before: dict) -> dict:

@@ -5,11 +5,11 @@ call the same `torch.ops.kiln.*_native` op (compiled graphs also its in-place fo
 import torch
 
 from kiln.custom_ops import LIB
-from kiln.ir import gguf, gguf_layout
+from kiln.ir import gguf, gguf_layout, int4
 from kiln.ir import layer_norm as ln
 from kiln.ir import layer_ops as ir
 from kiln.ir.op import Implementation, InplaceVariant, LazyOp
-from kiln.native import build, gguf_matmul
+from kiln.native import build, gguf_matmul, int4_linear
 
 
 def _cpu_kernel_dtype(*tensors: torch.Tensor) -> bool:
@@ -123,6 +123,10 @@ NATIVE_OPS = {
     # csrc/gguf_rows.c: each id's row decoded from its group of 16
     gguf.gguf_embedding: ("gguf_embedding_native", _gguf_embedding_supported,
                           gguf._gguf_embedding_fake),
+    # csrc/ops_int4.cpp: W4A16 on the canonical layout as loaded (in-register GEMV for decode
+    # rows, dequantized tiles and oneDNN's GEMM for prefill)
+    int4.int4_weight_linear: ("int4_weight_linear_native", int4_linear.supported,
+                              int4._int4_linear_fake),
 }
 
 

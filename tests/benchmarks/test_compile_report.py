@@ -11,7 +11,7 @@ from kiln.compilation.monitor import per_shape
 from kiln.engine.arg_utils import EngineArgs
 from kiln.entrypoints.cli.compile import format_report
 from kiln.entrypoints.cli.main import build_parser
-from kiln.native import gguf_matmul, int8_ops
+from kiln.native import gguf_matmul, int4_linear, int8_ops
 
 NUM_LAYERS = 2  # the tiny_llama_dir fixture's checkpoint
 SMALL = ["--kv-cache-memory", "0.01", "--max-model-len", "64", "--max-num-seqs", "8",
@@ -62,9 +62,8 @@ def test_cold_run_reports_pieces_shapes_and_compiles(cold, cache_dir):
     assert ops == {"all_reduce": "torch", "fused_add_rms_norm": "native",
                    "gguf_embedding": "native" if gguf_matmul.kernel_available() else "torch",
                    "gguf_linear": "native" if gguf_matmul.kernel_available() else "torch",
-                   # W4A16's canonical layout: the torch reference only (the native kernel
-                   # reads those weights as Q4_1 blocks, through gguf_linear)
-                   "int4_weight_linear": "torch",
+                   # W4A16's canonical layout: csrc/ops_int4.cpp where built with AVX-512
+                   "int4_weight_linear": "native" if int4_linear.kernel_available() else "torch",
                    "linear": "native", "rms_norm": "native", "rotary_embedding": "native",
                    "silu_and_mul": "native", "unified_attention": "native",
                    # Gemma / OLMo-2's ops: the torch reference only

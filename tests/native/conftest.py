@@ -5,7 +5,7 @@ import pytest
 
 from kiln import envs, ir
 from kiln.ir import selection
-from kiln.native import build, gguf_matmul, int8_ops
+from kiln.native import build, gguf_matmul, int4_linear, int8_ops
 
 
 @pytest.fixture
@@ -26,7 +26,8 @@ def fresh_kernels(monkeypatch, tmp_path):
 
 
 def _clear_memos() -> None:
-    for memo in (build.available, int8_ops.isa, gguf_matmul.rows_worth_it):
+    for memo in (build.available, int8_ops.isa, gguf_matmul.rows_worth_it,
+                 int4_linear.kernel_available):
         memo.cache_clear()
 
 

@@ -177,14 +177,3 @@ def attach_gguf_blocks(module: nn.Module, qtype: int, blocks: torch.Tensor) -> b
     # torch's float32 matmul precision as the model loads sets how precisely float32 x is held
     plan[_LIMBS] = gguf_matmul.float32_limbs()
     return True
-
-
-def attach_kernel_blocks(module: nn.Module, qtype: int, blocks: torch.Tensor) -> None:
-    """Keep `blocks`, already in the kernel's layout, as the layer's one weight (a 4-bit
-    checkpoint's, converted at load: kiln/model/layers/quantization/int4_weight.py): with no
-    dense or packed copy beside them they serve every row count."""
-    module.cpu_blocks = blocks
-    module.cpu_qtype = qtype
-    plan = _plan(module)
-    plan[_BLOCK_ROWS] = gguf_matmul.rows_worth_it(module.weight.dtype, qtype)
-    plan[_LIMBS] = gguf_matmul.float32_limbs()

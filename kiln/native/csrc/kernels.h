@@ -38,6 +38,16 @@ int kiln_gelu(const void *x, int64_t x_stride, void *out, int64_t rows, int32_t 
 int kiln_gemv(const void *x, const void *weight, const void *bias, void *out, int32_t m,
               int64_t n, int64_t k, int32_t dtype, int32_t num_threads);
 
+/* int4_linear.c (W4A16 over the canonical int4 layout; scale codes 0 f32, 1 bf16, 2 f16) */
+#define KILN_INT4_GEMV_MAX_ROWS 8
+int kiln_int4_simd(void);
+int kiln_int4_gemv(const void *x, const uint8_t *w, const void *scales, int32_t s_code,
+                   const uint8_t *zeros, const void *bias, void *out, int32_t m, int64_t n,
+                   int64_t k, int64_t group, int32_t dtype, int32_t num_threads);
+int kiln_int4_dequant(const uint8_t *w, const void *scales, int32_t s_code, const uint8_t *zeros,
+                      int64_t row0, int64_t rows, int64_t k, int64_t group, void *out,
+                      int32_t dtype, int32_t num_threads);
+
 /* gguf_matmul.c, gguf_layout.c */
 int kiln_gguf_simd(void);
 int kiln_gguf_block_bytes(int32_t qtype);

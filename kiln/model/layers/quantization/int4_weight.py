@@ -3,8 +3,9 @@ the model dtype, read from compressed-tensors pack-quantized, GPTQ or AWQ checkp
 
 `Int4WeightConfig.prepare(model)` gives each quantized linear parameters named as its format
 stores them, whose loaders convert to Kiln's canonical int4 layout (kiln/ir/int4.py);
-`quantize_loaded` then, where the native GGUF kernel runs, turns each into Q4_1 kernel blocks
-once (the layer calls gguf_linear on them), else the layer runs the IR op int4_weight_linear.
+`quantize_loaded` then keeps each in that layout (scales narrowed to the 16-bit dtype the
+checkpoint stored them in) and the layer runs the IR op int4_weight_linear on it. At tensor
+parallelism a column-parallel layer loads its output rows, a row-parallel one its input groups.
 """
 from dataclasses import dataclass, field
 
@@ -17,9 +18,9 @@ from kiln.ir import int4
 from kiln.logger import init_logger
 from kiln.model.layers import cpu_gemm
 from kiln.model.layers.fused_moe import FusedMoE
-from kiln.model.layers.linear import LinearBase
+from kiln.model.layers.linear import LinearBase, RowParallelLinear, default_weight_loader
 from kiln.model.layers.quantization import int4_formats
-from kiln.native import build, gguf_matmul
+from kiln.native import int4_linear
 
 logger = init_logger(__name__)
 
@@ -39,8 +40,10 @@ class Int4LinearMethod:
 
 def _full_rows(layer: LinearBase, shard_id) -> int:
     """Output rows of the checkpoint tensor a shard loads from (before tensor parallelism)."""
-    if shard_id in ("q", "k", "v"):
-        return layer.q_size if shard_id == "q" else layer.kv_size
+    if shard_id == "q":
+        return layer.q_size * layer.tp_size
+    if shard_id in ("k", "v"):
+        return layer.kv_size * (layer.tp_size // layer.kv_replicas)
     if shard_id is not None:
         return layer.output_sizes[shard_id]
     return layer.output_size
@@ -52,10 +55,15 @@ def _param(tensor: torch.Tensor, loader) -> nn.Parameter:
     return p
 
 
-def _converting_loader(layer: LinearBase, convert):
+def _converting_loader(layer: LinearBase, convert, whole: bool = False):
+    """Loads a checkpoint tensor converted to the canonical layout into this rank's slice;
+    `whole`: loaded unsharded (a row-parallel layer's per-channel scales and zero points, the
+    same for every rank's part of a row)."""
     def load(param, loaded: torch.Tensor, shard_id=None) -> None:
         canonical = convert(loaded, _full_rows(layer, shard_id))
-        if shard_id is None:
+        if whole:
+            default_weight_loader(param, canonical)
+        elif shard_id is None:
             layer.weight_loader(param, canonical)
         else:
             layer.weight_loader(param, canonical, shard_id)
@@ -103,16 +111,24 @@ class Int4WeightConfig:
         return flags.pop()
 
     def _group(self, name: str, layer: LinearBase) -> int:
-        """The layer's group size, refusing one its input width does not split into."""
-        if layer.tp_size > 1:
-            raise ConfigError("4-bit weight-only checkpoints run with tensor_parallel_size 1 "
-                              f"only (got {layer.tp_size}): sharded int4 groups are not built")
-        k = layer.input_size
+        """The layer's group size on this rank, refusing one its input width does not split into
+        (a row-parallel layer's share of the inputs: a group may not straddle two ranks)."""
+        k, local = layer.input_size, layer.weight.shape[1]
         g = k if self.group_size == -1 else self.group_size
         if k % g or k % int4.PACK:
             int4_formats.refuse("group_size", self.group_size,
                                 f"{name} has {k} input features, which groups of {g} (and "
                                 f"words of 8 values) must divide")
+        if local == k:
+            return g
+        if self.group_size == -1:  # per channel: each rank's part of a row keeps its scale
+            return local
+        if local % g or local % int4.PACK:
+            raise ConfigError(
+                f"tensor_parallel_size {layer.tp_size}: {name} splits its {k} input features "
+                f"into {local} a rank, which quantization_config.group_size={g} (and words of "
+                f"8 values) does not divide: a group would straddle two ranks; use a "
+                f"tensor_parallel_size whose share of {k} is a multiple of {g}")
         return g
 
     def prepare(self, model: nn.Module) -> int:
@@ -131,9 +147,12 @@ class Int4WeightConfig:
             if spec.zeros is not None and not (self.fmt == "compressed-tensors"
                                                and self.symmetric):
                 roles.append((spec.zeros, torch.empty(n, k // g, dtype=torch.uint8)))
-            for (pname, convert), tensor in roles:
-                setattr(layer, pname, _param(tensor.to(device), _converting_loader(layer,
-                                                                                    convert)))
+            # per channel at tp > 1: a row-parallel rank's scales and zeros are the whole rows'
+            per_rank_rows = isinstance(layer, RowParallelLinear) and (
+                k != layer.input_size and self.group_size == -1)
+            for i, ((pname, convert), tensor) in enumerate(roles):
+                loader = _converting_loader(layer, convert, whole=per_rank_rows and i > 0)
+                setattr(layer, pname, _param(tensor.to(device), loader))
             if spec.checked is not None:
                 shards = len(getattr(layer, "output_sizes", ())) or (
                     3 if hasattr(layer, "q_size") else 1)
@@ -165,44 +184,22 @@ class Int4WeightConfig:
 
     @torch.no_grad()
     def quantize_loaded(self, model: nn.Module) -> int:
-        """The loaded tensors under their canonical names; then Q4_1 kernel blocks where the
-        native GGUF kernel serves the layer (the canonical tensors let go)."""
-        converted = 0
+        """The loaded tensors under their canonical names, the scales in the narrowest 16-bit
+        dtype that holds them exactly (int4_linear.compact_scales)."""
         layers = [m for m in model.modules() if hasattr(m, "int4_roles")]
+        bits = 0.0
         for layer in layers:
             packed, scales, zeros, checked = layer.int4_roles
-            tensors = {"weight_packed": getattr(layer, packed), "weight_scale": getattr(layer, scales),
-                       "weight_zero_point": getattr(layer, zeros) if zeros else None}
+            tensors = {"weight_packed": getattr(layer, packed).data,
+                       "weight_scale": int4_linear.compact_scales(getattr(layer, scales).data),
+                       "weight_zero_point": getattr(layer, zeros).data if zeros else None}
             for name in {packed, scales, zeros, checked} - {None}:
                 delattr(layer, name)
             for name, t in tensors.items():
-                setattr(layer, name, t)
+                setattr(layer, name, None if t is None else nn.Parameter(t, requires_grad=False))
             del layer.int4_roles
-            converted += to_blocks(layer)
-        if converted:
-            logger.info("W4A16: %d of %d layers' weights in Q4_1 kernel blocks (%.2f bits a "
-                        "weight)", converted, len(layers), 8 * 24 / 32)
+            bits = max(bits, int4_linear.bits_per_weight(*tensors.values()))
+        if layers:
+            logger.info("W4A16: %d layers hold %.2f bits a weight (scales and zero points "
+                        "included)", len(layers), bits)
         return len(layers)
-
-
-def blocks_serve(layer: LinearBase) -> bool:
-    """Whether the native GGUF kernel would run this layer from Q4_1 blocks."""
-    w, device = layer.weight, layer.weight_packed.device  # the weight is a meta stand-in
-    return (device.type == "cpu" and w.dtype in build.DTYPES
-            and int4.converts_to_blocks(w.shape[1], layer.int4_group)
-            and ir.gguf_linear.chosen(device.type, w.dtype) == "native"
-            and build.available() and gguf_matmul.available())
-
-
-def to_blocks(layer: LinearBase) -> bool:
-    """Turn the layer's canonical int4 weight into Q4_1 kernel blocks, served at every row count
-    (no dense or packed copy), where `blocks_serve`; the layer then takes the gguf_linear call."""
-    if not blocks_serve(layer):
-        return False
-    blocks = int4.to_q4_1_blocks(layer.weight_packed, layer.weight_scale,
-                                 layer.weight_zero_point, layer.int4_group)
-    cpu_gemm.attach_kernel_blocks(layer, int4.Q4_1, blocks)
-    for name in ("weight_packed", "weight_scale", "weight_zero_point"):
-        setattr(layer, name, None)
-    layer.quant_method = None
-    return True
