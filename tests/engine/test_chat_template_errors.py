@@ -61,7 +61,10 @@ def test_an_empty_render_blames_the_template_not_the_messages(engine):
 
 def test_kiln_chat_stops_on_a_template_error_in_one_line(tiny_llama_dir, monkeypatch):
     """The first turn's template error is a usage error (the CLI prints it in one line and
-    exits 2), not a traceback; an empty render too, which used to fail every turn."""
+    exits 2), not a traceback; an empty render too, which used to fail every turn. (The engine
+    core in this process: the template renders in the front end; `kiln chat` with a core
+    process is test_chat_cli.py's.)"""
+    monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")
     for template in ("{{ 1/0 }}", "{% if false %}x{% endif %}"):
         monkeypatch.setattr(sys, "stdin", io.StringIO("w5\nw6\n"))
         args = build_parser().parse_args([

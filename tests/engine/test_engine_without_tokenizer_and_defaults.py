@@ -8,6 +8,11 @@ import pytest
 from kiln import LLM, SamplingParams
 from kiln.config.generation_defaults import default_max_tokens, load_generation_defaults
 
+# All of this is the front end's; the core in this process saves a core start-up per engine.
+# The same flags through a core process: test_request_fields.py's server tests (no tokenizer,
+# --generation-config defaults).
+pytestmark = pytest.mark.usefixtures("inprocess_core")
+
 PROMPT = {"prompt_token_ids": [5, 6, 7, 8, 9]}
 
 

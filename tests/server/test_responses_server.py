@@ -18,7 +18,7 @@ from .test_server_e2e import (
     running_server,
     stories_with_chat_template,
 )
-from .test_structured_server import _serve, tiny_qwen_chat
+from .test_structured_server import tiny_qwen_chat
 
 openai = pytest.importorskip("openai")
 
@@ -193,15 +193,31 @@ THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['
                      "<|im_start|>assistant\n<think>\n{% endif %}")
 
 
-def test_reasoning_item_is_chats_reasoning(tmp_path_factory):
+def test_reasoning_item_is_chats_reasoning(tmp_path_factory, monkeypatch):
+    """Through the server app in this process (a `kiln serve` start-up saved: the CLI's
+    --reasoning-parser reaching the app is test_reasoning_server.py's), with _serve's engine."""
+    from fastapi.testclient import TestClient
+
+    from kiln.engine.arg_utils import EngineArgs
+    from kiln.engine.async_llm import AsyncLLM
+    from kiln.entrypoints.openai.api_server import build_app
+    from kiln.entrypoints.openai.server_settings import ServerSettings
+
     model = tiny_qwen_chat(tmp_path_factory)
     config = json.loads((model / "tokenizer_config.json").read_text())
     config["chat_template"] = THINKING_TEMPLATE
     (model / "tokenizer_config.json").write_text(json.dumps(config))
     if (model / "chat_template.jinja").exists():  # where newer transformers save it
         (model / "chat_template.jinja").write_text(THINKING_TEMPLATE)
-    with _serve(model, tmp_path_factory, "--reasoning-parser", "qwen3") as (url, _):
-        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")  # no core process to start
+    llm = AsyncLLM.from_engine_args(EngineArgs(
+        model=str(model), enforce_eager=True, max_model_len=2048, max_num_seqs=64,
+        kv_cache_memory=0.05))
+    settings = ServerSettings(api_key=KEY, served_model_names=[NAME], reasoning_parser="qwen3",
+                              disable_any_whitespace=True)
+    with TestClient(build_app(llm, settings)) as http:
+        client = openai.OpenAI(base_url=str(http.base_url) + "/v1", api_key=KEY,
+                               max_retries=0, http_client=http)
         messages = [{"role": "user", "content": "What is the weather in Paris?"}]
         chat = client.chat.completions.create(model=NAME, messages=messages,
                                               max_completion_tokens=12, temperature=0)

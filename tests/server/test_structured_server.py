@@ -35,11 +35,6 @@ def tiny_qwen_chat(tmp_path_factory):
                                 tokenizer="chat", max_position_embeddings=2048)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return tiny_qwen_chat(tmp_path_factory)
-
-
 def _serve(model, tmp_path_factory, *flags, env: dict | None = None):
     env = dict(os.environ, KILN_API_KEY=KEY, KILN_LOGGING_LEVEL="WARNING", **(env or {}))
     args = ["--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "64",
@@ -50,10 +45,9 @@ def _serve(model, tmp_path_factory, *flags, env: dict | None = None):
 
 
 @pytest.fixture(scope="module")
-def client(model, tmp_path_factory):
-    with _serve(model, tmp_path_factory, "--tool-call-parser", "hermes",
-                "--enable-auto-tool-choice") as (url, _):
-        yield openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+def client(hermes_client):
+    """The hermes server (conftest.py), shared with test_tool_calls_server."""
+    return hermes_client
 
 
 def random_schema(rng: random.Random, depth: int = 0) -> dict:

@@ -8,14 +8,12 @@ import json
 
 import pytest
 
-from .test_server_e2e import KEY, NAME
+from .test_server_e2e import NAME
 from .test_structured_server import (
     MESSAGES,
     TIME,
     WEATHER,
     _reassemble,
-    _serve,
-    tiny_qwen_chat,
 )
 
 openai = pytest.importorskip("openai")
@@ -31,12 +29,10 @@ BOOK = {"type": "function", "function": {"name": "book", "parameters": {
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    # the store on for /v1/responses' tests (test_responses_tools_server.py's)
-    with _serve(tiny_qwen_chat(tmp_path_factory), tmp_path_factory, "--tool-call-parser",
-                "hermes", "--enable-auto-tool-choice",
-                env={"KILN_ENABLE_RESPONSES_API_STORE": "1"}) as (url, _):
-        yield openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+def client(hermes_client):
+    """The hermes server with the responses store on (conftest.py), shared with
+    test_structured_server."""
+    return hermes_client
 
 
 def both(client, **kw):
