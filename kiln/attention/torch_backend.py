@@ -53,12 +53,8 @@ def _gather_context(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> 
 
 class TorchAttentionImpl(AttentionImpl):
     def forward(self, q, k, v, kv_cache, attn_metadata, out) -> None:
-        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_size
         num_tokens = q.shape[0]
-        q = q.view(num_tokens, nh, hd)
-        k = k.view(num_tokens, nkv, hd)
-        v = v.view(num_tokens, nkv, hd)
-        out = out.view(num_tokens, nh, hd)
+        q, k, v, out = self._heads(q, k, v, out)
         if attn_metadata is None:
             self._whole_batch_causal(q, k, v, out)
             return
@@ -74,8 +70,20 @@ class TorchAttentionImpl(AttentionImpl):
             self._write_kv(k, v, kv_cache, attn_metadata.slot_mapping, attn_metadata.step_cache)
         self._attend(q, k, v, kv_cache, attn_metadata, out)
 
+    def _heads(self, q, k, v, out) -> tuple:
+        """The op's rows split into heads: q, out [T, nh, hd]; k, v [T, nkv, hd]."""
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_size
+        num_tokens = q.shape[0]
+        return (q.view(num_tokens, nh, hd), k.view(num_tokens, nkv, hd),
+                v.view(num_tokens, nkv, hd), out.view(num_tokens, nh, hd))
+
     def _write_kv(self, k, v, kv_cache, slot_mapping, step_cache) -> None:
         write_kv_cache(k, v, kv_cache, slot_mapping, step_cache)
+
+    def _read_kv(self, kv_cache, blocks, num_keys: int, dtype) -> tuple:
+        """Keys and values of `blocks` [B, n], their first num_keys slots: [B, nkv, S, hd]."""
+        return (_gather_context(kv_cache[0], blocks, num_keys).to(dtype),
+                _gather_context(kv_cache[1], blocks, num_keys).to(dtype))
 
     def _attend(self, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
         """Attention of the real tokens, with this step's k/v already in the cache."""
@@ -108,7 +116,7 @@ class TorchAttentionImpl(AttentionImpl):
         scores = soft_cap(scores, self.logits_soft_cap).view(nkv, group, qh.shape[1], -1)
         scores.masked_fill_(~key_mask(query_pos, key_pos, self.sliding_window), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(vh.dtype).view(nkv, group * qh.shape[1], -1)
-        return torch.matmul(probs, vh).view(qh.shape)
+        return torch.matmul(probs, vh).view(*qh.shape[:-1], vh.shape[-1])
 
     def _sdpa(self, qh, kh, vh, **mask) -> torch.Tensor:
         """SDPA over one sequence: qh [nh, L, hd], kh/vh [nkv, S, hd] -> [nh, L, hd]. Given a
@@ -142,8 +150,8 @@ class TorchAttentionImpl(AttentionImpl):
                 num_blocks = cdiv(seq_len, block_size)
                 blocks = md.block_table[i:i + 1, first_block:num_blocks].long()  # [1, n]
                 start = first_block * block_size
-                kh = _gather_context(kv_cache[0], blocks, seq_len - start)[0].to(q.dtype)
-                vh = _gather_context(kv_cache[1], blocks, seq_len - start)[0].to(q.dtype)
+                kh, vh = (t[0] for t in self._read_kv(kv_cache, blocks, seq_len - start,
+                                                      q.dtype))
                 key_pos = torch.arange(start, seq_len, device=q.device)  # [S]
             out[qs:qe] = self._masked(qh, kh, vh, query_pos, key_pos).transpose(0, 1)
 
@@ -157,8 +165,7 @@ class TorchAttentionImpl(AttentionImpl):
         # back in the pool, another request's now); else the whole context, padded
         blocks, padding = _decode_plan(md, kv_cache.shape[2], self.sliding_window)
         num_keys = padding.shape[-1]
-        k = _gather_context(kv_cache[0], blocks, num_keys).to(q.dtype)  # [B, nkv, S, hd]
-        v = _gather_context(kv_cache[1], blocks, num_keys).to(q.dtype)
+        k, v = self._read_kv(kv_cache, blocks, num_keys, q.dtype)  # [B, nkv, S, hd]
         # Slots past a request's length (or before its window) hold whatever their block held,
         # an inf or NaN of a float16 overflow too: masked, not added to (NaN + -inf is NaN), and
         # V zeroed there (0 * NaN is NaN).
@@ -168,8 +175,8 @@ class TorchAttentionImpl(AttentionImpl):
         scores = soft_cap(scores, self.logits_soft_cap)
         scores.masked_fill_(padding, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        o = torch.matmul(probs, v)  # [B, nkv, group, hd]
-        out[:num_reqs] = o.view(num_reqs, nkv * group, hd)
+        o = torch.matmul(probs, v)  # [B, nkv, group, hd of V]
+        out[:num_reqs] = o.view(num_reqs, nkv * group, -1)
 
 
 def _decode_plan(md: AttentionMetadata, block_size: int,

@@ -148,7 +148,7 @@ class KilnConfig(FreezableConfig):
                 mem.logits_bytes(s.max_num_seqs, m.vocab_size)
             if c.num_gpu_blocks_override is not None:
                 block = mem.kv_block_bytes(c.block_size, m.num_layers, m.num_kv_heads,
-                                           m.head_dim, m.torch_dtype.itemsize)
+                                           m.head_dim, m.torch_dtype.itemsize, m.kv_cache_parts)
                 needs[f"--num-gpu-blocks-override {c.num_gpu_blocks_override}"] = \
                     c.num_gpu_blocks_override * block
         dp = self.parallel_config.data_parallel_size  # every replica has its own buffers

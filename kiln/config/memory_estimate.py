@@ -28,9 +28,9 @@ def logits_bytes(max_num_seqs: int, vocab: int) -> int:
 
 
 def kv_block_bytes(block_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                   elem_size: int) -> int:
-    """K and V of one block across every layer."""
-    return 2 * block_size * num_layers * num_kv_heads * head_dim * elem_size
+                   elem_size: int, parts: int = 2) -> int:
+    """One block across every layer: K and V (parts 2), or an MLA latent alone (parts 1)."""
+    return parts * block_size * num_layers * num_kv_heads * head_dim * elem_size
 
 
 def check_fits(needs: dict[str, int], total_bytes: int) -> None:

@@ -279,8 +279,8 @@ class ModelConfig(FreezableConfig):
 
     @property
     def num_kv_heads(self) -> int:
-        if self.is_mla:  # the cache holds each head's expanded K and V (kiln/model/layers/mla.py)
-            return self.num_heads
+        if self.is_mla:  # one latent "head" per token (kiln/attention/mla_backend.py)
+            return 1
         return getattr(self.hf_config, "num_key_value_heads", None) or self.num_heads
 
     @property
@@ -289,14 +289,23 @@ class ModelConfig(FreezableConfig):
         return getattr(self.hf_config, "kv_lora_rank", None) is not None
 
     @property
+    def use_mla(self) -> bool:
+        """vLLM's name for is_mla."""
+        return self.is_mla
+
+    @property
+    def kv_cache_parts(self) -> int:
+        """Tensors a layer's cache holds per token: K and V, or the latent alone (MLA)."""
+        return 1 if self.is_mla else 2
+
+    @property
     def num_heads(self) -> int:
         return self.hf_config.num_attention_heads
 
     @property
     def head_dim(self) -> int:
-        if self.is_mla:  # the cache's head size: K's (nope + rope), V padded to it
-            c = self.hf_config
-            return max(c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim)
+        if self.is_mla:  # the cache row: the latent and the roped k_pe (as vLLM's)
+            return self.hf_config.kv_lora_rank + self.hf_config.qk_rope_head_dim
         return getattr(self.hf_config, "head_dim", None) or self.hidden_size // self.num_heads
 
     # ---- vLLM's ModelConfig getters, read by scripts ported from vLLM ------------------------

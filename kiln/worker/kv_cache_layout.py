@@ -35,13 +35,14 @@ def layer_slots(layers: list, groups: KVCacheGroups,
 
 def block_bytes(layers: list, groups: KVCacheGroups, block_size: int, dtype,
                 indices: list[int] | None = None) -> int:
-    """Bytes a block id costs: K and V of one block in each tensor (each slot's first layer;
-    a pipeline stage's slots only)."""
+    """Bytes a block id costs: one block of each tensor (each slot's first layer; a pipeline
+    stage's slots only), in its backend's layout (K and V; an MLA latent alone)."""
     first: dict[int, object] = {}
     for layer, (_, slot) in zip(layers, layer_slots(layers, groups, indices)):
         first.setdefault(slot, layer)
     return kv_cache_sizing.bytes_per_block(
-        block_size, [(layer.num_kv_heads, layer.head_size) for layer in first.values()], dtype)
+        [layer.backend.get_kv_cache_shape(1, block_size, layer.num_kv_heads, layer.head_size)
+         for layer in first.values()], dtype)
 
 
 def assign_kv_caches(layers: list, groups: KVCacheGroups, new_tensor,

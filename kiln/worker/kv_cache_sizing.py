@@ -2,19 +2,20 @@
 
 The worker supplies the budget (CPU: configured GiB; CUDA: measured after a profiling run).
 """
+import math
 from collections.abc import Iterable
 
 import torch
 
-from kiln.config.memory_estimate import GiB, kv_block_bytes
+from kiln.config.memory_estimate import GiB
 
 DEFAULT_CPU_KV_CACHE_GIB = 4.0
 
 
-def bytes_per_block(block_size: int, layer_shapes: Iterable[tuple[int, int]],
-                    dtype: torch.dtype) -> int:
-    """K and V of one block across every layer; layer_shapes: (num_kv_heads, head_size) each."""
-    return sum(kv_block_bytes(block_size, 1, nkv, hd, dtype.itemsize) for nkv, hd in layer_shapes)
+def bytes_per_block(block_shapes: Iterable[tuple[int, ...]], dtype: torch.dtype) -> int:
+    """One block across every layer; block_shapes: each layer's cache shape at one block (its
+    backend's: K and V, [2, 1, bs, nkv, hd], or an MLA latent alone, [1, 1, bs, 1, hd])."""
+    return sum(math.prod(shape) for shape in block_shapes) * dtype.itemsize
 
 
 def cpu_kv_cache_bytes(kv_cache_memory_gib: float | None, env_gib: float | None) -> int:

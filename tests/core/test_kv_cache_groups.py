@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kiln.attention.backend import AttentionBackend
 from kiln.core.block_pool import BlockPool
 from kiln.core.kv_cache_groups import (
     group_layers,
@@ -173,7 +174,7 @@ def test_draft_and_stage_layers_find_their_slots():
 
 def test_worker_shares_a_tensor_per_slot():
     layers = [SimpleNamespace(layer_name=f"model.layers.{i}.self_attn.attn", num_kv_heads=2,
-                              head_size=16) for i in range(4)]
+                              head_size=16, backend=AttentionBackend) for i in range(4)]
     groups = group_layers([8, None, 8, None])
     single = group_layers([None] * 4)
     # a block id costs one layer per slot: half of every layer's

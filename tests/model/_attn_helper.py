@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.attention.backend import kv_cache_shape
 from kiln.attention.metadata import AttentionMetadata
 from kiln.forward_context import set_forward_context
 from kiln.model.layers.attention import attention_layers
@@ -17,7 +16,8 @@ def allocate_kv_caches(model, kiln_config, num_blocks: int, block_size: int,
     """Give every Attention layer of the built model a zeroed paged cache."""
     dtype = dtype or kiln_config.model_config.torch_dtype
     for layer in attention_layers(model).values():
-        shape = kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
+        shape = layer.backend.get_kv_cache_shape(num_blocks, block_size, layer.num_kv_heads,
+                                                 layer.head_size)
         layer.kv_cache = torch.zeros(shape, dtype=dtype)
 
 

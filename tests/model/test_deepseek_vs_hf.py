@@ -1,10 +1,11 @@
 """DeepSeek-V2 (no q LoRA, group_limited_greedy, layer 0 dense; with a q LoRA, greedy routing and
 YaRN) and V3 (noaux_tc, a routing bias, renormalized, q LoRA; rope halves without rope_interleave)
 against HF transformers on tiny random float32 checkpoints: logits of a prefill and of decode
-steps through the paged cache within 1e-4 (TOL); through LLM compiled (mode 3), V2's greedy
-tokens equal HF's and their logprobs HF's log-softmax within 1e-4 (V3's tokens under tensor
-parallelism: tests/distributed/test_tp_deepseek.py); MTP layers skipped on load; what the
-family refuses, by field.
+steps through the latent paged cache (weight-absorbed) within 1e-4 (TOL; measured 2.2e-6 at
+most); through LLM compiled (mode 3), V2's greedy tokens equal HF's and their logprobs HF's
+log-softmax within 1e-4; V3's in mode 0 with prefix caching and chunked prefill (and under
+tensor parallelism: tests/distributed/test_tp_deepseek.py); the cache one latent row per token
+and layer; MTP layers skipped on load; what the family refuses, by field.
 """
 import shutil
 
@@ -110,11 +111,52 @@ def test_routing_matches_hf_router():
         assert torch.allclose(torch.zeros(16, 8).scatter_(1, got_ids, got_w), want)
 
 
-def test_cache_shape_is_the_expanded_heads(tiny_deepseek_v2_dir):
-    """The cache holds every head's K (nope 16 + rope 8) and V padded to it: what the memory
-    estimates read (the config's head_dim is the rope part's, num_key_value_heads unused)."""
-    m = kiln_config_for(tiny_deepseek_v2_dir).model_config
-    assert (m.num_kv_heads, m.head_dim) == (4, 24)
+def test_cache_holds_the_latent_and_rope_per_token(tiny_deepseek_v2_dir):
+    """vLLM's MLA layout: per token per layer one row of kv_lora_rank (32) + qk_rope_head_dim
+    (8) values and no V, on whichever backend is chosen: what the model config reports, the
+    tensor each layer gets and the bytes a block costs (the expanded cache: 4 heads x 24 x 2)."""
+    from kiln.attention.mla_backend import LatentAttentionImpl
+    from kiln.config.memory_estimate import kv_block_bytes
+    from kiln.core.kv_cache_groups import single_group
+    from kiln.model.layers.attention import attention_layers
+    from kiln.worker import kv_cache_layout
+
+    cfg = kiln_config_for(tiny_deepseek_v2_dir)
+    m = cfg.model_config
+    assert (m.num_kv_heads, m.head_dim, m.kv_cache_parts, m.use_mla) == (1, 40, 1, True)
+    layers = list(attention_layers(get_model(cfg)).values())
+    assert all(isinstance(layer.impl, LatentAttentionImpl) for layer in layers)
+    shapes = {layer.backend.get_kv_cache_shape(7, 4, layer.num_kv_heads, layer.head_size)
+              for layer in layers}
+    assert shapes == {(1, 7, 4, 1, 40)}
+    groups = single_group([None] * len(layers))
+    block = kv_cache_layout.block_bytes(layers, groups, 4, torch.float32)
+    assert block == 3 * 4 * 40 * 4
+    # the start-up estimate (--num-gpu-blocks-override's fit) counts the same bytes
+    assert kv_block_bytes(4, m.num_layers, m.num_kv_heads, m.head_dim, 4, m.kv_cache_parts) == block
+
+
+def test_v3_eager_prefix_caching_and_chunked_prefill_match_hf(tiny_deepseek_v3_dir):
+    """Through LLM in mode 0, prompts of 27-30 tokens prefilled in chunks of at most 16 (a
+    chunk's absorbed queries against the latent cached by the chunks before it), the second
+    and third prompts' first 24 tokens read from the first's cached blocks, then decoded
+    together (unequal lengths: padded keys masked): HF's greedy tokens."""
+    from kiln import SamplingParams
+
+    from checkpoints import hf_greedy
+
+    base = [(7 * i + 3) % 500 for i in range(24)]
+    prompts = [base + [11, 12, 13, 14, 15, 16], base + [400, 401, 402, 403, 404, 405],
+               base + [9, 8, 7]]
+    llm = LLM(model=str(tiny_deepseek_v3_dir), dtype="float32", enforce_eager=True,
+              max_model_len=64, block_size=8, enable_prefix_caching=True,
+              max_num_batched_tokens=16, max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+    rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in rest] == [24, 24]
+    got = [list(o.outputs[0].token_ids) for o in first + rest]
+    assert got == hf_greedy(tiny_deepseek_v3_dir, prompts, 6)
 
 
 def test_quantization_is_refused(tiny_deepseek_v2_dir):

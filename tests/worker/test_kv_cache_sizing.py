@@ -6,8 +6,11 @@ from kiln.worker import kv_cache_sizing as kvs
 
 def test_bytes_per_block_sums_layers():
     # 2 (K, V) * 16 tokens * 8 heads * 64 dims * 2 bytes, per layer, two layers
-    assert kvs.bytes_per_block(16, [(8, 64), (8, 64)], torch.bfloat16) == 2 * 2 * 16 * 8 * 64 * 2
-    assert kvs.bytes_per_block(16, [(2, 128)], torch.float32) == 2 * 16 * 2 * 128 * 4
+    kv = (2, 1, 16, 8, 64)
+    assert kvs.bytes_per_block([kv, kv], torch.bfloat16) == 2 * 2 * 16 * 8 * 64 * 2
+    assert kvs.bytes_per_block([(2, 1, 16, 2, 128)], torch.float32) == 2 * 16 * 2 * 128 * 4
+    # an MLA layer's latent cache (kiln/attention/mla_backend.py): no V
+    assert kvs.bytes_per_block([(1, 1, 16, 1, 576)], torch.bfloat16) == 16 * 576 * 2
 
 
 def test_cpu_budget_precedence():

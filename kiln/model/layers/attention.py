@@ -21,14 +21,21 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.layer_name = prefix
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
-        self.backend = get_attn_backend(get_current_kiln_config().platform)
-        self.impl = self.backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads,
-                                                sliding_window, logits_soft_cap)
+        self.backend = self._choose_backend()
+        self.impl = self._new_impl()
         # [2, num_blocks, block_size, nkv, hd], assigned by the worker once the cache is sized.
         self.kv_cache: torch.Tensor | None = None
         # Its KV cache group (kiln/core/kv_cache_groups.py), whose block table it reads; set
         # with the cache (kiln/worker/kv_cache_layout.py).
         self.kv_group = 0
+
+    def _choose_backend(self):
+        return get_attn_backend(get_current_kiln_config().platform)
+
+    def _new_impl(self):
+        return self.backend.get_impl_cls()(self.num_heads, self.head_size, self.scale,
+                                           self.num_kv_heads, self.sliding_window,
+                                           self.logits_soft_cap)
 
     @property
     def kv_cache(self) -> torch.Tensor | None:
