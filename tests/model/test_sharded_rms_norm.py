@@ -32,7 +32,7 @@ def test_sharded_whole_projection_norm_equals_one_rank(tp_size, kv_heads, monkey
         # the all-reduce: every rank's mean square summed (replicated heads counted per rank)
         total = sum(s.pow(2).mean(-1, keepdim=True) for s in shares)
         monkeypatch.setattr(sharded_rms_norm, "tensor_model_parallel_all_reduce",
-                            lambda x: total)
+                            lambda x, total=total: total)
         # each shard once (replicas give the same output), in head order
         got = torch.cat([n(s) for i, (n, s) in enumerate(zip(norms, shares))
                          if all(m.shard != n.shard for m in norms[:i])], dim=1)
