@@ -5,33 +5,21 @@ HF: h = h + post_attention_layernorm(attn(h)); h = h + post_feedforward_layernor
 Here a layer takes (hidden, residual) whose sum is h, as the Llama layers pass it, and returns
 (mlp branch, h after attention): the next layer (or the final norm's fused add) adds them, the
 same sum HF takes. Every norm scales in float32 before rounding (Olmo2RMSNorm), the IR op
-rms_norm_f32_scale. The q / k norms span every head, so they would need all of a projection
-across tensor-parallel ranks: tensor_parallel_size > 1 is refused.
+rms_norm_f32_scale. The q / k norms span every head: under tensor parallelism the ranks sum
+their shares' mean squares (sharded_rms_norm.py).
 """
 import torch
 
 from kiln.compilation.decorator import support_torch_compile
-from kiln.errors import ConfigError
 from kiln.model.layers.layernorm import F32ScaleRMSNorm
+from kiln.model.layers.sharded_rms_norm import whole_projection_norms
 from kiln.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaStyleForCausalLM, LlamaStyleModel
 
 
 class Olmo2Attention(LlamaAttention):
-    family = "Olmo2ForCausalLM"  # named in the tensor-parallel refusal
-
     def __init__(self, hf_config, prefix: str):
         super().__init__(hf_config, prefix)
-        self._check_tp(self.qkv_proj.tp_size)
-        eps = hf_config.rms_norm_eps
-        self.q_norm = F32ScaleRMSNorm(self.q_size, eps)
-        self.k_norm = F32ScaleRMSNorm(self.kv_size, eps)
-
-    @classmethod
-    def _check_tp(cls, tp_size: int) -> None:
-        if tp_size > 1:
-            raise ConfigError(f"{cls.family} runs with tensor_parallel_size 1 only: its q / k "
-                              "norms span every head of the projection, which a rank holds a "
-                              "share of; use pipeline parallelism (-pp) to split it")
+        self.q_norm, self.k_norm = whole_projection_norms(self.qkv_proj, hf_config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.split_qkv(x)

@@ -1,7 +1,7 @@
 """Tensor parallelism, 2 ranks on the mp executor: greedy tokens equal HF's (and so TP=1's) for
 Llama (GQA), Qwen2 (q/k/v bias, tied head), Qwen3 (q/k norm), Phi-3 (fused qkv
-and gate_up in the checkpoint, split per rank), GPT-NeoX (per-head fused qkv, biases) and GLM-4
-(fused gate_up, interleaved partial rope);
+and gate_up in the checkpoint, split per rank), GPT-NeoX (per-head fused qkv, biases), GLM-4
+(fused gate_up, interleaved partial rope) and OLMo-3 (whole-projection q / k norms);
 float32 logprobs within 1e-4 of TP=1; chunked prefill, prefix caching and preemption change no token.
 """
 import pytest
@@ -58,7 +58,10 @@ def test_tp2_logprobs_match_tp1_within_1e4(tp2_llama, tiny_llama_dir):
                                   pytest.param("gemma3", marks=pytest.mark.slow),
                                   # the checkpoint's gate_up split before sharding, q/k/v
                                   # biases, interleaved half-head rope, sandwich norms
-                                  "glm4"])
+                                  "glm4",
+                                  # q / k norms over the whole projection (mean squares
+                                  # all-reduced), sliding and global layers
+                                  "olmo3"])
 def test_tp2_greedy_matches_hf(arch, request, ranks_exit):
     model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
     llm = make_llm(model_dir, tensor_parallel_size=2)

@@ -63,10 +63,3 @@ def test_classifier_architectures_map_to_their_backbone_family():
     config = HFConfigSnapshot({"sliding_window": 4, "num_hidden_layers": 2,
                                "layer_types": ["sliding_attention", "full_attention"]})
     assert layer_sliding_windows(config, "Gemma3TextForSequenceClassification") == [4, None]
-
-
-def test_olmo3_at_tensor_parallel_2_is_refused_naming_its_class():
-    from kiln.model.olmo3 import Olmo3Attention
-
-    with pytest.raises(ConfigError, match="Olmo3ForCausalLM runs with tensor_parallel_size 1"):
-        Olmo3Attention._check_tp(2)

@@ -409,16 +409,6 @@ def test_a_length_key_that_is_not_a_positive_integer_is_refused_naming_it():
         max_positions_of(HFConfigSnapshot({"max_position_embeddings": 16, "seq_length": "x"}))
 
 
-def test_olmo2_at_tensor_parallel_2_is_refused_naming_the_flag():
-    """Its q / k norms span the whole projection, which a rank holds only part of (a norm of
-    the rank's share would be silently wrong)."""
-    from kiln.model.olmo2 import Olmo2Attention
-
-    Olmo2Attention._check_tp(1)
-    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
-        Olmo2Attention._check_tp(2)
-
-
 @pytest.mark.parametrize("fields, what", [
     (dict(num_key_value_heads=2), "num_key_value_heads=2 is not read by HF's GPT-NeoX, which "
                                   "uses 4"),
