@@ -157,7 +157,7 @@ def test_draft_and_stage_layers_find_their_slots():
     stage's layers keep their model numbers, so a stage allocates only its own slots."""
     def named(*indices):
         return [SimpleNamespace(layer_name=f"model.layers.{i}.self_attn.attn", num_kv_heads=2,
-                                head_size=16) for i in indices]
+                                head_size=16, backend=AttentionBackend) for i in indices]
 
     target, draft = named(0, 1), named(0, 1)
     assert kv_cache_layout.layer_indices(target, draft, 2) == [0, 1, 2, 3]
