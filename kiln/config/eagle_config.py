@@ -39,11 +39,13 @@ def read_head_config(spec, target: ModelConfig):
 
 def head_model_config(path, head, architecture: str, target: ModelConfig,
                       where: str) -> ModelConfig:
-    """The head's ModelConfig as `architecture`, with the target's dtype, length and seed."""
+    """The head's ModelConfig as `architecture`, with the target's dtype and seed; its length its
+    own (resolve_draft_model_config caps it: a head shorter than the target drafts for shorter
+    requests only, as a draft model does)."""
     values = {**head.to_dict(), "architectures": [architecture]}
     try:
         config = ModelConfig(model=str(path), hf_config=HFConfigSnapshot(values),
-                             dtype=target.torch_dtype, max_model_len=target.max_model_len,
+                             dtype=target.torch_dtype, max_model_len=None,
                              seed=target.seed,
                              load_format="dummy" if target.load_format == "dummy" else "auto",
                              skip_tokenizer_init=True, generation_config="vllm",

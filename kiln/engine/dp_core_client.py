@@ -8,7 +8,6 @@ replicas and keep each one's (`engines`).
 """
 import dataclasses
 import os
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,7 +19,6 @@ from kiln.core.stats import SchedulerStats
 from kiln.engine.core_client import _STEP_WAIT_MS, CoreProcClient
 from kiln.engine.core_errors import EngineCoreDeadError, engine_gone
 from kiln.engine.dp_balance import pick_replica, replica_load
-from kiln.engine.engine_sleep import rpc_timed_out
 from kiln.errors import ConfigError
 
 
@@ -257,18 +255,13 @@ class DPCoreClient:
                        timeout: float | None = None) -> list:
         """Runs on every rank of every replica; returns replica 0's results, one per rank, as
         vLLM's data-parallel client (each replica holds the same model, and a caller written
-        for one engine gets world_size results). The replicas run one after another, so
-        `timeout` bounds them together."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        results = []
-        for client in self.clients:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise rpc_timed_out(method, timeout)
-            try:
-                results.append(client.collective_rpc(method, args, kwargs, left))
-            except TimeoutError:
-                raise rpc_timed_out(method, timeout) from None
+        for one engine gets world_size results). The replicas run it at once, as vLLM's
+        (`timeout` bounds each): one after another, a timeout fit for one engine ran out with
+        two, and a replica past it left the later ones without the call."""
+        with ThreadPoolExecutor(len(self.clients), thread_name_prefix="kiln-dp-rpc") as pool:
+            calls = [pool.submit(client.collective_rpc, method, args, kwargs, timeout)
+                     for client in self.clients]
+            results = [call.result() for call in calls]
         return results[0]
 
     def make_stats(self) -> DPSchedulerStats:

@@ -32,6 +32,19 @@ def slow_on_replica_1(worker) -> int:
     return replica_index(worker)
 
 
+def meet_the_other_replica(worker, where: str) -> bool:
+    """collective_rpc's function: leaves its replica's mark in `where`, then waits (up to 10 s)
+    for the other's; True once both are there."""
+    import os
+    import time
+    os.close(os.open(os.path.join(where, str(replica_index(worker))), os.O_CREAT))
+    for _ in range(1000):
+        if len(os.listdir(where)) == 2:
+            return True
+        time.sleep(0.01)
+    return False
+
+
 def adapters_read(worker) -> list[int]:
     """collective_rpc's function: the lora_int_ids a worker has read."""
     return list(worker.model_runner.lora_manager.host)
@@ -53,7 +66,7 @@ def test_dp2_returns_dp1s_greedy_tokens_in_input_order(dp_llm, tiny_llama_dir):
         one.llm_engine.shutdown()
 
 
-def test_utility_calls_reach_every_replica(dp_llm):
+def test_utility_calls_reach_every_replica(dp_llm, tmp_path):
     # it runs on every replica; replica 0's results come back, one per rank (as vLLM's)
     assert dp_llm.collective_rpc(replica_index) == [0]
     assert dp_llm.llm_engine.reset_prefix_cache() is True
@@ -61,6 +74,10 @@ def test_utility_calls_reach_every_replica(dp_llm):
     with pytest.raises(TimeoutError, match="slow_on_replica_1.* timeout of 1 s"):
         dp_llm.collective_rpc(slow_on_replica_1, timeout=1)
     assert dp_llm.collective_rpc(slow_on_replica_1, timeout=30) == [0]
+    # the replicas run it at the same time, as vLLM's (one after another, replica 0 waited
+    # for replica 1, which had not started): a timeout fit for one replica fits both
+    assert dp_llm.collective_rpc(meet_the_other_replica, args=(str(tmp_path),),
+                                 timeout=30) == [True]
     dp_llm.sleep(level=0)
     clients = dp_llm.llm_engine.engine_core.clients
     assert [c.is_sleeping() for c in clients] == [True, True]

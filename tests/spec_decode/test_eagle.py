@@ -152,3 +152,28 @@ def test_method_names_and_refusals(tiny_llama_dir, random_head, tmp_path):
     # a head is no model to serve
     with pytest.raises(ConfigError, match="an EAGLE draft head, not a model"):
         EngineArgs(model=str(random_head), load_format="dummy").create_kiln_config()
+
+
+def test_a_head_shorter_than_max_model_len_drafts_for_shorter_requests(inprocess_core, bigram,
+                                                                       tmp_path):
+    """A head whose max_position_embeddings (24) is below --max-model-len was refused (its
+    config took the target's length); as a draft model it is capped at its own, the tokens
+    unchanged and no draft made past it (EAGLE-3 heads ship 2048 beside 128k targets)."""
+    from checkpoints import hf_greedy
+
+    target, _ = bigram
+    short = write_head(tmp_path / "short", target, mirror=True, max_position_embeddings=24)
+    llm = make(target, eagle_spec(short, k=4), max_model_len=64)
+    spec = llm.llm_engine.kiln_config.speculative_config
+    assert spec.draft_model_config.max_model_len == 24
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for length, drafted in ((18, 5), (24, 0)):  # drafted and caught up to its end; past it
+        prompt = list(range(3, 3 + length))
+        before = spec_totals(llm)
+        assert [list(o.token_ids) for o in generate(llm, [prompt], params)] == \
+            hf_greedy(target, [prompt], 12)
+        after = spec_totals(llm)
+        assert after["spec_decode_num_draft_tokens"] - \
+            before["spec_decode_num_draft_tokens"] == drafted
+        assert after["spec_decode_num_accepted_tokens"] - \
+            before["spec_decode_num_accepted_tokens"] == drafted
