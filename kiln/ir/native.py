@@ -47,7 +47,9 @@ def _fused_add_layer_norm_supported(x, residual, weight, bias, eps) -> bool:
 
 
 def _gelu_supported(x, approximate) -> bool:
-    return _cpu_kernel_dtype(x) and approximate in ("none", "tanh") and build.available()
+    # rows of the last dim: a 0-dim x has none (the reference takes it)
+    return (_cpu_kernel_dtype(x) and x.dim() >= 1 and approximate in ("none", "tanh")
+            and build.available())
 
 
 def _rotary_supported(positions, q, k, cos_sin_cache, head_size, is_neox) -> bool:

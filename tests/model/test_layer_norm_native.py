@@ -86,6 +86,7 @@ def test_native_refuses_what_it_does_not_take():
                                                     1e-5)
     assert not ir.gelu.supported_by("native", x.half(), "none")
     assert not ir.gelu.supported_by("native", x, "sigmoid")
+    assert not ir.gelu.supported_by("native", x[0, 0], "none")  # 0-dim: no rows
     with pytest.raises(ValueError, match="approximate must be 'none' or 'tanh'"):
         torch.ops.kiln.gelu_native(x, "sigmoid")
     with pytest.raises(ValueError, match="bias has 32 values for hidden size 64"):
@@ -130,3 +131,13 @@ def test_cohere_layer_norm_rounds_once_as_hfs_float32_norm():
         assert (got != want).float().mean() < 0.005
         twice = ir.layer_norm.reference(x, torch.ones_like(hf.weight), None, 1e-5) * hf.weight
         assert (twice != want).float().mean() > 0.05
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_erf_form_is_torchs_kernel(dtype):
+    """The erf form runs torch's own kernel (twice as fast here as the C loop over libmvec's
+    erfcf): bit for bit F.gelu's, strides too; the tanh form stays Kiln's."""
+    x = (torch.randn(3, 40, 33) * 4).to(dtype).transpose(0, 1)  # dense, permuted
+    got = torch.ops.kiln.gelu_native(x, "none")
+    want = torch.nn.functional.gelu(x)
+    assert torch.equal(got, want) and got.stride() == want.stride()

@@ -53,6 +53,17 @@ def layer_ops(g: torch.Generator) -> None:
                 # rounds the other way, and the product takes that step on
                 check(close(k.silu_and_mul_native(x * 4), ref._silu_and_mul_ref(x * 4), dtype, 2),
                       f"silu_and_mul {tag}")
+            # layer_norm.c: LayerNorm (bias, residual add) and GELU's tanh form
+            b = torch.randn(hidden, generator=g).to(dtype)
+            check(close(k.layer_norm_native(x, w, b, 1e-5), ir.layer_norm.reference(x, w, b, 1e-5),
+                        dtype), f"layer_norm {tag}")
+            (got, total), (want, want_total) = (
+                k.fused_add_layer_norm_native(x, res, w, None, 1e-5),
+                ir.fused_add_layer_norm.reference(x, res, w, None, 1e-5))
+            check(close(got, want, dtype) and torch.equal(total, want_total),
+                  f"fused_add_layer_norm {tag}")
+            check(close(k.gelu_native(x * 4, "tanh"), ir.gelu.reference(x * 4, "tanh"), dtype),
+                  f"gelu tanh {tag}")
         # a row whose squares overflow is 0 (torch's rsqrt(inf)), also where x * w overflows
         x, w = torch.tensor([[1.0, 3e38, -2.0]]).to(dtype), torch.tensor([-1.5, 2.0, 3.0]).to(dtype)
         check(close(k.rms_norm_native(x, w, 1e-6), ref._rms_norm_ref(x, w, 1e-6), dtype),

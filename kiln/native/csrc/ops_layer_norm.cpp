@@ -1,6 +1,7 @@
 /* The `native` implementations of the LayerNorm families' IR ops (kiln/ir/layer_norm.py,
  * kiln/ir/layer_ops.py's gelu): LayerNorm with or without a bias, and with the residual add
  * before it, and GELU (erf or tanh form), as torch ops over layer_norm.c's kernels. */
+#include <ATen/ops/gelu.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -82,6 +83,10 @@ at::Tensor gelu(const at::Tensor &x, c10::string_view approximate) {
     TORCH_CHECK_VALUE(approximate == "none" || approximate == "tanh", op,
                       ": approximate must be 'none' or 'tanh', got '", std::string(approximate),
                       "'");
+    /* The erf form is torch's own: its inline vector erf runs 2x layer_norm.c's loop over
+     * libmvec's erfcf (256x8192 float32 and bfloat16, one thread's CPU time); the tanh form
+     * is 2.5x faster here than torch's. */
+    if (approximate == "none") return at::gelu(x, "none");
     at::Tensor out = kiln::empty_cpu_like(x.sizes(), x);
     if (x.numel() == 0) return out;
     const at::Tensor rows = rows_of(x);
