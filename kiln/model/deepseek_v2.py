@@ -131,6 +131,8 @@ class DeepseekV2ForCausalLM(LlamaStyleForCausalLM):
     checkpoint_module_names = ((".self_attn.q_heads_proj", ".self_attn.q_proj"),)
 
     def owns(self, name: str) -> bool:
+        if ".mlp.shared_experts." in name and not getattr(self.config, "n_shared_experts", None):
+            return False  # n_shared_experts 0: HF saves its shared MLP empty ([0, hidden])
         if name.startswith("model.layers."):
             index = name.split(".")[2]
             first = self.config.num_hidden_layers

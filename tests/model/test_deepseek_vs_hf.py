@@ -3,8 +3,8 @@ YaRN) and V3 (noaux_tc, a routing bias, renormalized, q LoRA; rope halves withou
 against HF transformers on tiny random float32 checkpoints: logits of a prefill and of decode
 steps through the paged cache within 1e-4 (TOL); through LLM compiled (mode 3), V2's greedy
 tokens equal HF's and their logprobs HF's log-softmax within 1e-4 (V3's tokens under tensor
-parallelism: tests/distributed/test_tp_deepseek.py); MTP layers skipped on load; what the
-family refuses, by field.
+parallelism: tests/distributed/test_tp_deepseek.py); MTP layers skipped on load; HF's empty
+shared MLP (n_shared_experts 0) loads; what the family refuses, by field.
 """
 import shutil
 
@@ -144,3 +144,12 @@ def test_fused_moe_runs_a_given_routing():
     assert torch.allclose(_fused_moe_dense(*args), want, atol=1e-5)
     if _fused_moe_supported(*args):  # where the native kernels are built
         assert torch.allclose(_fused_moe_native(*args), want, atol=1e-5)
+
+
+def test_no_shared_experts_loads_hf_checkpoint(tmp_path):
+    """n_shared_experts 0: HF saves each MoE layer's shared MLP with 0 rows and adds nothing;
+    Kiln refused the empty tensors as matching no parameter."""
+    from checkpoints import make_tiny_checkpoint
+
+    _assert_logits_match_hf(make_tiny_checkpoint(tmp_path, "deepseek_v2", tie=False,
+                                                 n_shared_experts=0))
