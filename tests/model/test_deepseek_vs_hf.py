@@ -153,3 +153,20 @@ def test_no_shared_experts_loads_hf_checkpoint(tmp_path):
 
     _assert_logits_match_hf(make_tiny_checkpoint(tmp_path, "deepseek_v2", tie=False,
                                                  n_shared_experts=0))
+
+
+@pytest.mark.parametrize("params", [
+    {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+     "original_max_position_embeddings": 4096},
+    {"rope_type": "linear", "factor": 4.0, "mscale_all_dim": 0.707},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    {"rope_type": "default"},
+])
+def test_softmax_mscale_is_hfs(params):
+    """mscale_all_dim scales the softmax under any rope scaling (HF's yarn_apply_mscale, and
+    vLLM): Kiln scaled it under yarn only, so a linear one's tokens differed from HF's."""
+    from transformers.modeling_rope_utils import yarn_apply_mscale
+
+    from kiln.model.layers.yarn import yarn_softmax_mscale
+
+    assert yarn_softmax_mscale(params) == pytest.approx(yarn_apply_mscale(params, 1.0))
