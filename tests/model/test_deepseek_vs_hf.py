@@ -170,3 +170,19 @@ def test_softmax_mscale_is_hfs(params):
     from kiln.model.layers.yarn import yarn_softmax_mscale
 
     assert yarn_softmax_mscale(params) == pytest.approx(yarn_apply_mscale(params, 1.0))
+
+
+def test_bfloat16_router_is_hfs_float32_one(tiny_deepseek_v3_dir):
+    """In a bfloat16 model the router runs in float32 on a float32 gate, as HF's (it keeps
+    gate.weight float32) and vLLM's: Kiln rounded its logits to bfloat16, which moved every
+    routing weight (and flipped near-tied expert choices)."""
+    from transformers import AutoModelForCausalLM
+
+    model = get_model(kiln_config_for(tiny_deepseek_v3_dir, dtype="bfloat16"))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_deepseek_v3_dir, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    x = torch.randn(16, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        want = hf.model.layers[1].mlp.gate(x)[0]
+        got = model.model.layers[1].mlp.router_logits(x)
+    assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-6)
