@@ -4,7 +4,8 @@ against HF transformers on tiny random float32 checkpoints: logits of a prefill 
 steps through the paged cache within 1e-4 (TOL); through LLM compiled (mode 3), V2's greedy
 tokens equal HF's and their logprobs HF's log-softmax within 1e-4 (V3's tokens under tensor
 parallelism: tests/distributed/test_tp_deepseek.py); MTP layers skipped on load; HF's empty
-shared MLP (n_shared_experts 0) loads; what the family refuses, by field.
+shared MLP (n_shared_experts 0) loads; a bfloat16 model's router is HF's float32 one; the softmax
+scale's mscale_all_dim is HF's; what the family refuses, by field.
 """
 import shutil
 
