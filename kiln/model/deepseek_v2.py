@@ -8,6 +8,7 @@ speculating with them.
 import re
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kiln.compilation.decorator import support_torch_compile
@@ -49,6 +50,10 @@ class DeepseekMoE(nn.Module):
         self.routing = routing_of(hf_config, v3)
         self.gate = ReplicatedLinear(hidden, self.routing.num_experts, bias=False)
         self.gate.online_quantization = False
+        # a float32 router, as HF (gate.weight kept float32) and vLLM run it: logits rounded to
+        # bfloat16 moved every routing weight and flipped near-tied expert choices
+        self.gate.weight.data = self.gate.weight.data.float()
+        self.gate.supports_cpu_packing = False  # router_logits runs it, not the packed GEMM
         if self.routing.uses_bias:
             self.gate.e_score_correction_bias = nn.Parameter(
                 torch.zeros(self.routing.num_experts, dtype=torch.float32), requires_grad=False)
@@ -62,8 +67,11 @@ class DeepseekMoE(nn.Module):
         self.shared_experts = LlamaMLP(hf_config, f"{prefix}.shared_experts", shared,
                                        reduce_results=False) if shared else None
 
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.gate.weight)  # [T, E] float32
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)  # [T, E]
+        logits = self.router_logits(x)  # [T, E]
         bias = getattr(self.gate, "e_score_correction_bias", None)
         weights, ids = deepseek_topk(logits, self.routing, bias)  # [T, k] each
         out = self.experts(x, logits, weights, ids)  # [T, H]
@@ -131,6 +139,8 @@ class DeepseekV2ForCausalLM(LlamaStyleForCausalLM):
     checkpoint_module_names = ((".self_attn.q_heads_proj", ".self_attn.q_proj"),)
 
     def owns(self, name: str) -> bool:
+        if ".mlp.shared_experts." in name and not getattr(self.config, "n_shared_experts", None):
+            return False  # n_shared_experts 0: HF saves its shared MLP empty ([0, hidden])
         if name.startswith("model.layers."):
             index = name.split(".")[2]
             first = self.config.num_hidden_layers

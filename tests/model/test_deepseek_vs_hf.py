@@ -5,7 +5,9 @@ steps through the latent paged cache (weight-absorbed) within 1e-4 (TOL; measure
 most); through LLM compiled (mode 3), V2's greedy tokens equal HF's and their logprobs HF's
 log-softmax within 1e-4; V3's in mode 0 with prefix caching and chunked prefill (and under
 tensor parallelism: tests/distributed/test_tp_deepseek.py); the cache one latent row per token
-and layer; MTP layers skipped on load; what the family refuses, by field.
+and layer; MTP layers skipped on load; HF's empty shared MLP (n_shared_experts 0) loads; a
+bfloat16 model's router is HF's float32 one; the softmax scale's mscale_all_dim is HF's; what the
+family refuses, by field.
 """
 import shutil
 
@@ -186,3 +188,45 @@ def test_fused_moe_runs_a_given_routing():
     assert torch.allclose(_fused_moe_dense(*args), want, atol=1e-5)
     if _fused_moe_supported(*args):  # where the native kernels are built
         assert torch.allclose(_fused_moe_native(*args), want, atol=1e-5)
+
+
+def test_no_shared_experts_loads_hf_checkpoint(tmp_path):
+    """n_shared_experts 0: HF saves each MoE layer's shared MLP with 0 rows and adds nothing;
+    Kiln refused the empty tensors as matching no parameter."""
+    from checkpoints import make_tiny_checkpoint
+
+    _assert_logits_match_hf(make_tiny_checkpoint(tmp_path, "deepseek_v2", tie=False,
+                                                 n_shared_experts=0))
+
+
+@pytest.mark.parametrize("params", [
+    {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+     "original_max_position_embeddings": 4096},
+    {"rope_type": "linear", "factor": 4.0, "mscale_all_dim": 0.707},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    {"rope_type": "default"},
+])
+def test_softmax_mscale_is_hfs(params):
+    """mscale_all_dim scales the softmax under any rope scaling (HF's yarn_apply_mscale, and
+    vLLM): Kiln scaled it under yarn only, so a linear one's tokens differed from HF's."""
+    from transformers.modeling_rope_utils import yarn_apply_mscale
+
+    from kiln.model.layers.yarn import yarn_softmax_mscale
+
+    assert yarn_softmax_mscale(params) == pytest.approx(yarn_apply_mscale(params, 1.0))
+
+
+def test_bfloat16_router_is_hfs_float32_one(tiny_deepseek_v3_dir):
+    """In a bfloat16 model the router runs in float32 on a float32 gate, as HF's (it keeps
+    gate.weight float32) and vLLM's: Kiln rounded its logits to bfloat16, which moved every
+    routing weight (and flipped near-tied expert choices)."""
+    from transformers import AutoModelForCausalLM
+
+    model = get_model(kiln_config_for(tiny_deepseek_v3_dir, dtype="bfloat16"))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_deepseek_v3_dir, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    x = torch.randn(16, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        want = hf.model.layers[1].mlp.gate(x)[0]
+        got = model.model.layers[1].mlp.router_logits(x)
+    assert got.dtype == torch.float32 and torch.allclose(got, want, atol=1e-6)

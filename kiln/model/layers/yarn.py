@@ -28,8 +28,10 @@ def yarn_attention_factor(scaling: dict) -> float:
 
 
 def yarn_softmax_mscale(scaling: dict | None) -> float:
-    """The factor an MLA model's softmax scale takes (mscale_all_dim's, squared; 1 without)."""
-    if scaling is None or scaling["rope_type"] != "yarn" or not scaling.get("mscale_all_dim"):
+    """The factor an MLA model's softmax scale takes (mscale_all_dim's, squared; 1 without).
+    Any rope scaling that sets mscale_all_dim, not only yarn (HF's yarn_apply_mscale, vLLM)."""
+    if scaling is None or scaling["rope_type"] == "default" or not scaling.get("mscale_all_dim") \
+            or not scaling.get("factor"):
         return 1.0
     m = yarn_get_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
     return m * m
