@@ -95,10 +95,13 @@ def hybrid_refusal(kiln_config) -> str | None:
     sched = getattr(kiln_config, "scheduler_config", None)
     if getattr(sched, "disable_hybrid_kv_cache_manager", False):
         return "--disable-hybrid-kv-cache-manager"
-    shapes = {(m.num_kv_heads, m.head_dim) for m in _models(kiln_config)}
-    if len(shapes) > 1:  # a slot's tensor serves one layer of each group
-        return (f"the draft model's K/V shape (kv heads, head size) differs from the target's: "
-                f"{sorted(shapes)}")
+    # a slot's tensor serves one layer of each group: one layout (an MLA latent, one part per
+    # token, is not K and V of the same head size)
+    shapes = {(m.num_kv_heads, m.head_dim, getattr(m, "kv_cache_parts", 2))
+              for m in _models(kiln_config)}
+    if len(shapes) > 1:
+        return (f"the draft model's K/V shape (kv heads, head size, parts: 2 K and V, 1 an MLA "
+                f"latent) differs from the target's: {sorted(shapes)}")
     return None
 
 

@@ -26,7 +26,8 @@ def layer_slots(layers: list, groups: KVCacheGroups,
         return [(0, i) for i in range(len(layers))]
     where = groups.layer_slots()
     slots = [where[i] for i in (indices or layer_indices(layers))]
-    shapes = {(layer.num_kv_heads, layer.head_size) for layer in layers}
+    # one block of each layer's cache in its backend's layout (an MLA latent has no V part)
+    shapes = {_block_shape(layer, 1) for layer in layers}
     if len(shapes) > 1:  # kv_cache_groups_of assumes the model config's one shape
         raise ConfigError(f"KV cache groups need one K/V shape in every layer, got {shapes}; "
                           "pass --disable-hybrid-kv-cache-manager")
@@ -41,8 +42,11 @@ def block_bytes(layers: list, groups: KVCacheGroups, block_size: int, dtype,
     for layer, (_, slot) in zip(layers, layer_slots(layers, groups, indices)):
         first.setdefault(slot, layer)
     return kv_cache_sizing.bytes_per_block(
-        [layer.backend.get_kv_cache_shape(1, block_size, layer.num_kv_heads, layer.head_size)
-         for layer in first.values()], dtype)
+        [_block_shape(layer, block_size) for layer in first.values()], dtype)
+
+
+def _block_shape(layer, block_size: int) -> tuple[int, ...]:
+    return layer.backend.get_kv_cache_shape(1, block_size, layer.num_kv_heads, layer.head_size)
 
 
 def assign_kv_caches(layers: list, groups: KVCacheGroups, new_tensor,

@@ -82,6 +82,13 @@ def test_draft_layers_join_the_groups_and_refusals_keep_one(caplog):
     with caplog.at_level(logging.INFO, logger="kiln.core.kv_cache_groups"):
         assert kv_cache_groups_of(other).windows == (None,)
     assert "K/V shape" in caplog.text and "one group" in caplog.text
+    # an MLA draft of the target's (kv heads, head size) still has another layout: its layer's
+    # slot tensor [1, ...] held no V for the target's layer sharing it (IndexError in a step)
+    latent = _config([8, None])
+    latent.speculative_config = SimpleNamespace(
+        method="draft_model", runner_proposes=True,
+        draft_model_config=SimpleNamespace(**vars(_model([None])), kv_cache_parts=1))
+    assert kv_cache_groups_of(latent).windows == (None,)
 
 
 def _valid(cached: set[int], n: int, window: int | None, bs: int) -> bool:
@@ -170,6 +177,17 @@ def test_draft_and_stage_layers_find_their_slots():
     assert kv_cache_layout.layer_slots(stage, groups) == [(1, 1), (0, 1)]
     assert (kv_cache_layout.block_bytes(stage, groups, 4, torch.float32)
             == kv_cache_layout.block_bytes(named(0), group_layers([None]), 4, torch.float32))
+
+
+def test_a_latent_and_a_kv_layer_never_share_a_slot():
+    """Equal (kv heads, head size) but the latent backend's cache has no V part."""
+    from kiln.attention.mla_backend import LatentAttentionBackend
+
+    layers = [SimpleNamespace(layer_name=f"model.layers.{i}.self_attn.attn", num_kv_heads=1,
+                              head_size=40, backend=backend)
+              for i, backend in enumerate((AttentionBackend, LatentAttentionBackend))]
+    with pytest.raises(ConfigError, match="--disable-hybrid-kv-cache-manager"):
+        kv_cache_layout.layer_slots(layers, group_layers([8, None]))
 
 
 def test_worker_shares_a_tensor_per_slot():
