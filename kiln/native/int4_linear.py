@@ -34,6 +34,13 @@ def supported(x, w_packed, scales, zeros, group_size, bias=None) -> bool:
                        None if bias is None else bias.dtype, kernel_available()))
 
 
+def gemv_row_limit(x_dtype: torch.dtype) -> int:
+    """Rows of x (of a kernel dtype) up to which the kernel runs its GEMV, 8 rows a pass, rather
+    than dequantizing the weight for one GEMM (groups of 32s; csrc/int4_linear.c decides)."""
+    kernel_available()  # loads the library
+    return torch.ops.kiln.int4_gemv_row_limit(x_dtype == torch.float32)
+
+
 def compact_scales(scales: torch.Tensor) -> torch.Tensor:
     """`scales` (float32 as loaded) in the narrowest of bfloat16, float16 that holds every one
     exactly (checkpoints save one of them: 16 bits a group, not 32); float32 where neither does."""

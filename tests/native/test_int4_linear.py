@@ -36,7 +36,7 @@ def test_native_int4_linear_is_the_exact_product_up_to_float32_rounding(group, z
     packed, scales, z, size = _weight(n, k, group, zeros, scale_dtype)
     w = int4.dequantize_int4(packed, scales, z, size).double()  # exact values
     bound_w = 15 * scales.double().repeat_interleave(size, 1)  # >= |u - z| s
-    for m in (1, 3, 8, 9, 33):
+    for m in (1, 3, 8, 9, 20, 32, 33):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         bias = torch.randn(n)
         out = torch.ops.kiln.int4_weight_linear_native(x, packed, scales, z, size, bias)
@@ -58,6 +58,14 @@ def test_native_int4_linear_in_bfloat16_rounds_as_the_torch_reference(m):
     tol = 2.0 ** -8 * (exact.abs() + x.double().abs() @ w.abs().t())
     assert (ref.double() - exact).abs().le(tol).all()
     assert (out.double() - exact).abs().le(tol).all()
+
+
+def test_the_gemv_serves_prefill_rows_up_to_where_it_beats_dequantizing():
+    """Up to the limit the GEMV runs 8 rows a pass (reading the packed weight each pass): measured
+    faster than dequantizing a float32 weight for a GEMM up to 32 rows, a bfloat16 one up to 12
+    (docs/measurements.md)."""
+    assert int4_linear.gemv_row_limit(torch.float32) == 32
+    assert int4_linear.gemv_row_limit(torch.bfloat16) == 12
 
 
 def test_which_arguments_the_native_kernel_serves():

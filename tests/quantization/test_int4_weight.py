@@ -154,6 +154,12 @@ def test_weights_stay_4_bit_in_the_served_model(src, tmp_path):
         assert layer.weight_packed.numel() * 4 == n * k // 2
         assert int4_linear.bits_per_weight(layer.weight_packed, layer.weight_scale,
                                            layer.weight_zero_point) == 4 + 24 / 32
+    # symmetric GPTQ stores zero points (all 8, the implied value): not kept
+    q, _ = write_int4_checkpoint(src, tmp_path / "q2", tmp_path / "o2", "gptq", 32, True)
+    for layer in _linears(get_model(kiln_config_for(q))):
+        assert layer.weight_zero_point is None
+        assert int4_linear.bits_per_weight(layer.weight_packed, layer.weight_scale,
+                                           None) == 4 + 16 / 32
 
 
 def _edited(src, tmp_path, fmt, group, edit, symmetric=False):

@@ -50,6 +50,11 @@ int kiln_int4_simd(void) {
 #endif
 }
 
+/* Rows of x up to which the GEMV, in passes of KILN_INT4_GEMV_MAX_ROWS rows (each reading the
+ * packed weight once more), beats dequantizing the whole weight for one GEMM (docs/measurements.md:
+ * a float32 tile is twice a bfloat16 one's bytes and its GEMM gains little from few rows). */
+int64_t kiln_int4_gemv_row_limit(int32_t dtype) { return dtype == KILN_F32 ? 32 : 12; }
+
 /* The GEMV reads groups of whole 16-byte chunks; dequantization any even group size. */
 static int shapes_ok(int64_t n, int64_t k, int64_t group, int64_t multiple) {
     return n >= 0 && k > 0 && group > 0 && k % group == 0 && group % multiple == 0;

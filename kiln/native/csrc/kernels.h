@@ -41,6 +41,7 @@ int kiln_gemv(const void *x, const void *weight, const void *bias, void *out, in
 /* int4_linear.c (W4A16 over the canonical int4 layout; scale codes 0 f32, 1 bf16, 2 f16) */
 #define KILN_INT4_GEMV_MAX_ROWS 8
 int kiln_int4_simd(void);
+int64_t kiln_int4_gemv_row_limit(int32_t dtype);
 int kiln_int4_gemv(const void *x, const uint8_t *w, const void *scales, int32_t s_code,
                    const uint8_t *zeros, const void *bias, void *out, int32_t m, int64_t n,
                    int64_t k, int64_t group, int32_t dtype, int32_t num_threads);

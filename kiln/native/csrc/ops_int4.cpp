@@ -1,7 +1,8 @@
 /* The `native` implementation of the IR op int4_weight_linear (kiln/ir/int4.py defines its
- * result) over int4_linear.c: up to KILN_INT4_GEMV_MAX_ROWS rows the in-register GEMV; more rows
- * (prefill), or groups not of 32s, dequantize a tile of weight rows at a time into x's dtype and multiply it with
- * aten's mm (MKL / oneDNN), so each weight is unpacked once per call, not once per row. */
+ * result) over int4_linear.c: up to kiln_int4_gemv_row_limit rows the in-register GEMV (8 rows a
+ * pass); more rows (prefill), or groups not of 32s, dequantize a tile of weight rows at a time
+ * into x's dtype and multiply it with aten's mm (MKL / oneDNN), so each weight is unpacked once
+ * per call, not once per row. */
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <torch/library.h>
@@ -63,13 +64,19 @@ at::Tensor int4_linear(const at::Tensor &x, const at::Tensor &w_packed, const at
     at::Tensor out = at::empty({m, n}, x.options());
     const auto *w = reinterpret_cast<const uint8_t *>(w_packed.data_ptr<int32_t>());
     if (m == 0 || n == 0) return out.view(shape);
-    if (m <= KILN_INT4_GEMV_MAX_ROWS && group_size % 32 == 0) {
+    if (group_size % 32 == 0 && m <= kiln_int4_gemv_row_limit(dtype)) {
         const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
-        kiln::check_rc(kiln_int4_gemv(rows.data_ptr(), w, scales.data_ptr(), s_code, z,
-                                      b.defined() ? b.data_ptr() : nullptr, out.data_ptr(),
-                                      static_cast<int32_t>(m), n, k, group_size, dtype,
-                                      kiln::threads()),
-                       "kiln_int4_gemv");
+        const int64_t elem = x.element_size();
+        for (int64_t r0 = 0; r0 < m; r0 += KILN_INT4_GEMV_MAX_ROWS) {  // [<= 8, k] a pass
+            const int64_t r = std::min<int64_t>(KILN_INT4_GEMV_MAX_ROWS, m - r0);
+            kiln::check_rc(kiln_int4_gemv(static_cast<const char *>(rows.data_ptr()) + r0 * k * elem,
+                                          w, scales.data_ptr(), s_code, z,
+                                          b.defined() ? b.data_ptr() : nullptr,
+                                          static_cast<char *>(out.data_ptr()) + r0 * n * elem,
+                                          static_cast<int32_t>(r), n, k, group_size, dtype,
+                                          kiln::threads()),
+                           "kiln_int4_gemv");
+        }
         return out.view(shape);
     }
     const int64_t elem = x.element_size();
@@ -93,10 +100,13 @@ at::Tensor int4_linear(const at::Tensor &x, const at::Tensor &w_packed, const at
 
 int64_t simd() { return kiln_int4_simd(); }
 
+int64_t gemv_row_limit(bool float32) { return kiln_int4_gemv_row_limit(float32 ? 0 : 1); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kiln, m) {
     m.def("int4_simd() -> int", &simd);
+    m.def("int4_gemv_row_limit(bool float32) -> int", &gemv_row_limit);
     m.def("int4_weight_linear_native(Tensor x, Tensor w_packed, Tensor scales, Tensor? zeros, "
           "int group_size, Tensor? bias=None) -> Tensor");
 }

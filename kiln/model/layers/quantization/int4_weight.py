@@ -70,6 +70,12 @@ def _converting_loader(layer: LinearBase, convert, whole: bool = False):
     return load
 
 
+def _stored_zeros(zeros: torch.Tensor | None) -> torch.Tensor | None:
+    """Zero points to keep: none where every one is 8, the implied value (symmetric GPTQ / AWQ
+    checkpoints store them anyway: a byte a group saved)."""
+    return None if zeros is None or bool((zeros == 8).all()) else zeros
+
+
 @dataclass
 class Int4WeightConfig:
     fmt: str  # a key of int4_formats.FORMATS
@@ -185,14 +191,15 @@ class Int4WeightConfig:
     @torch.no_grad()
     def quantize_loaded(self, model: nn.Module) -> int:
         """The loaded tensors under their canonical names, the scales in the narrowest 16-bit
-        dtype that holds them exactly (int4_linear.compact_scales)."""
+        dtype that holds them exactly (int4_linear.compact_scales), zero points all 8 dropped."""
         layers = [m for m in model.modules() if hasattr(m, "int4_roles")]
         bits = 0.0
         for layer in layers:
             packed, scales, zeros, checked = layer.int4_roles
             tensors = {"weight_packed": getattr(layer, packed).data,
                        "weight_scale": int4_linear.compact_scales(getattr(layer, scales).data),
-                       "weight_zero_point": getattr(layer, zeros).data if zeros else None}
+                       "weight_zero_point": _stored_zeros(getattr(layer, zeros).data
+                                                          if zeros else None)}
             for name in {packed, scales, zeros, checked} - {None}:
                 delattr(layer, name)
             for name, t in tensors.items():
