@@ -1,5 +1,5 @@
-"""`kiln bench latency`: the pure decisions (percentiles, spec merging, plan checks) and one real
-run comparing two compilation configs in one process."""
+"""`kiln bench latency`: the pure decisions (percentiles, spec merging, plan checks) and real
+runs comparing two compilation configs in one process (as a command and in this process)."""
 import json
 import subprocess
 import sys
@@ -76,15 +76,26 @@ EAGER_MODE3 = json.dumps({"mode": 3, "backend": "eager"})  # traced and split, n
 
 
 @pytest.mark.parametrize("interleave", ["--interleave", "--no-interleave"])
-def test_bench_latency_compares_two_configs_in_one_run(tiny_llama_dir, interleave):
+def test_bench_latency_compares_two_configs_in_one_run(tiny_llama_dir, interleave, capsys):
+    """`kiln bench latency` as a command for --interleave; --no-interleave through the same
+    parser and command function in this process (an interpreter start-up spared: main()'s
+    wrapper is the first case's)."""
     spec = EAGER_MODE3
-    r = subprocess.run([sys.executable, "-m", "kiln.entrypoints.cli.main", "bench", "latency",
-                        "--model", str(tiny_llama_dir), *SMALL, "--load-format", "dummy",
-                        "--batch-sizes", "1", "2", "--input-len", "4", "--num-steps", "3",
-                        "--warmup-steps", "1", "--compare", "0", spec, interleave],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    (line,) = r.stdout.splitlines()
+    argv = ["bench", "latency", "--model", str(tiny_llama_dir), *SMALL, "--load-format", "dummy",
+            "--batch-sizes", "1", "2", "--input-len", "4", "--num-steps", "3",
+            "--warmup-steps", "1", "--compare", "0", spec, interleave]
+    if interleave == "--interleave":
+        r = subprocess.run([sys.executable, "-m", "kiln.entrypoints.cli.main", *argv],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        stdout = r.stdout
+    else:
+        from kiln.entrypoints.cli.main import build_parser, parse_args
+
+        args = parse_args(build_parser(), argv)
+        assert args.func(args) == 0
+        stdout = capsys.readouterr().out
+    (line,) = stdout.splitlines()
     report = json.loads(line)
     assert report["batch_sizes"] == [1, 2] and report["num_steps"] == 3
     assert report["interleaved"] is (interleave == "--interleave")

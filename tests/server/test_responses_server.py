@@ -4,7 +4,6 @@ same messages, streamed deltas make the whole text, a client leaving mid-stream 
 with --reasoning-parser the thinking comes back as a reasoning item, as chat's
 reasoning_content."""
 import json
-import os
 import time
 
 import httpx
@@ -15,8 +14,6 @@ from .test_server_e2e import (
     NAME,
     _wait_for_abort,
     metric_samples,
-    running_server,
-    stories_with_chat_template,
 )
 from .test_structured_server import tiny_qwen_chat
 
@@ -48,16 +45,10 @@ def _as_chat(input, instructions) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = stories_with_chat_template(tmp_path_factory.mktemp("stories_chat"))
-    env = dict(os.environ, KILN_API_KEY=KEY, KILN_LOGGING_LEVEL="WARNING",
-               KILN_ENABLE_RESPONSES_API_STORE="1")  # background responses need it
-    args = ["--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "16",
-            "--kv-cache-memory", "0.05", "--disable-access-log", "--uvicorn-log-level",
-            "warning", "--graceful-shutdown-timeout", "0.5"]
-    with running_server(model, args, tmp_path_factory.mktemp("log") / "serve.log",
-                        env) as (url, _):
-        yield url
+def server(stories_chat_server):
+    """The package's stories server (tests/server/conftest.py, shared with test_server_e2e; its
+    responses store is on: background responses need it)."""
+    return stories_chat_server()[0]
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """End to end: the official `openai` client against a live `kiln serve` on stories260K.
 
-One server per module (eager, small context, KILN_API_KEY set), on a free loopback port; the last
-test stops it with SIGTERM mid-request and requires a clean exit.
+One server (eager, small context, KILN_API_KEY set; conftest.py's, shared with
+test_responses_server), on a free loopback port; the last test stops it with SIGTERM mid-request
+and requires a clean exit.
 """
 import asyncio
 import contextlib
@@ -84,15 +85,10 @@ def running_server(model: Path, args: list[str], log_path: Path, env: dict,
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    env = dict(os.environ, KILN_API_KEY=KEY, KILN_LOGGING_LEVEL="WARNING")
-    args = ["--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "64",
-            "--kv-cache-memory", "0.05", "--max-request-body-bytes", "200000",
-            "--disable-access-log", "--graceful-shutdown-timeout", "0.5",
-            "--uvicorn-log-level", "warning"]
-    with running_server(model_dir, args, tmp_path_factory.mktemp("serve_log") / "serve.log",
-                        env) as (url, proc):
-        yield url, proc
+def server(stories_chat_server):
+    """(url, process): the package's stories server (tests/server/conftest.py), shared with
+    test_responses_server; the last test here stops it."""
+    return stories_chat_server()
 
 
 @pytest.fixture(scope="module")

@@ -30,25 +30,29 @@ def model_dir(tmp_path_factory):
                                 tokenizer="chat")
 
 
+@pytest.fixture(scope="module")
+def eager_llm(model_dir):
+    """One eager engine for the tests here that need nothing else of it (512 tokens: the chat
+    with tools' prompt; a request never changes a later one's answer)."""
+    llm = LLM(model=str(model_dir), max_model_len=512, kv_cache_memory=0.02,
+              enforce_eager=True)
+    yield llm
+    llm.shutdown()
+
+
 def _params(**kw):
     so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
     return SamplingParams(max_tokens=120, structured_outputs=so, **kw)
 
 
-def _run(model_dir, **llm_kw):
-    llm = LLM(model=str(model_dir), max_model_len=256, kv_cache_memory=0.02, **llm_kw)
-    try:
-        outs = llm.generate(
-            ["alpha", "beta", "gamma", "delta"],
-            [_params(temperature=0, logprobs=1), _params(temperature=1.0, seed=3, n=3,
-                                                         logprobs=2),
-             SamplingParams(temperature=0.7, max_tokens=12,
-                            structured_outputs=StructuredOutputsParams(regex=r"[xy]{2}\d")),
-             SamplingParams(temperature=0, max_tokens=12, structured_outputs={
-                 "choice": ["left", "right", "up"]})], use_tqdm=False)
-    finally:
-        llm.shutdown()
-    return outs
+def _run(llm):
+    return llm.generate(
+        ["alpha", "beta", "gamma", "delta"],
+        [_params(temperature=0, logprobs=1), _params(temperature=1.0, seed=3, n=3, logprobs=2),
+         SamplingParams(temperature=0.7, max_tokens=12,
+                        structured_outputs=StructuredOutputsParams(regex=r"[xy]{2}\d")),
+         SamplingParams(temperature=0, max_tokens=12, structured_outputs={
+             "choice": ["left", "right", "up"]})], use_tqdm=False)
 
 
 def _check(outs):
@@ -64,80 +68,73 @@ def _check(outs):
     assert choice.outputs[0].text in ("left", "right", "up")
 
 
-def test_eager_and_mode_3_follow_the_grammar_alike(model_dir):
-    eager = _run(model_dir, enforce_eager=True)
+def test_eager_and_mode_3_follow_the_grammar_alike(model_dir, eager_llm):
+    eager = _run(eager_llm)
     _check(eager)
-    compiled = _run(model_dir, compilation_config={"mode": 3, "backend": "eager"})
+    llm = LLM(model=str(model_dir), max_model_len=256, kv_cache_memory=0.02,
+              compilation_config={"mode": 3, "backend": "eager"})
+    try:
+        compiled = _run(llm)
+    finally:
+        llm.shutdown()
     _check(compiled)
     assert eager[0].outputs[0].token_ids == compiled[0].outputs[0].token_ids
 
 
-def test_bad_schema_is_refused_before_queueing(model_dir):
-    llm = LLM(model=str(model_dir), max_model_len=128, kv_cache_memory=0.01,
-              enforce_eager=True)
-    try:
-        with pytest.raises(ValueError, match="structured_outputs.json is not a JSON schema"):
-            llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(
-                json={"type": "nope"})), use_tqdm=False)
-        assert not llm.llm_engine.has_unfinished_requests()
-        out = llm.generate("x", SamplingParams(max_tokens=2, structured_outputs={
-            "regex": "[a-z]{9}"}), use_tqdm=False)[0].outputs[0]
-        assert out.finish_reason == "length" and len(out.token_ids) == 2
-        # A grammar that reaches a dead end (no token allowed) ends its request there: the
-        # sampler drew token 0 outside it, with a NaN logprob, and generation went on
-        # unconstrained. Its neighbour in the batch is untouched.
-        dead, alive = llm.generate(["x", "x"], [
-            SamplingParams(max_tokens=8, logprobs=1, structured_outputs={"regex": "ab[^\\s\\S]"}),
-            SamplingParams(max_tokens=3, temperature=0, structured_outputs={"regex": "[a-z]{9}"})],
-            use_tqdm=False)
-        assert dead.outputs[0].finish_reason == "abort" and dead.outputs[0].text == "ab"
-        assert dead.outputs[0].error == ("structured_outputs.regex allows no token after 2 "
-                                         "generated token(s); check that the constraint can "
-                                         "be satisfied")
-        assert alive.outputs[0].error is None
-        assert all(math.isfinite(next(iter(lp.values())).logprob)
-                   for lp in dead.outputs[0].logprobs)
-        assert alive.outputs[0].finish_reason == "length"
-        assert re.fullmatch("[a-z]+", alive.outputs[0].text) and len(alive.outputs[0].token_ids) == 3
-    finally:
-        llm.shutdown()
+def test_bad_schema_is_refused_before_queueing(eager_llm):
+    llm = eager_llm
+    with pytest.raises(ValueError, match="structured_outputs.json is not a JSON schema"):
+        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(
+            json={"type": "nope"})), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate("x", SamplingParams(max_tokens=2, structured_outputs={
+        "regex": "[a-z]{9}"}), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 2
+    # A grammar that reaches a dead end (no token allowed) ends its request there: the
+    # sampler drew token 0 outside it, with a NaN logprob, and generation went on
+    # unconstrained. Its neighbour in the batch is untouched.
+    dead, alive = llm.generate(["x", "x"], [
+        SamplingParams(max_tokens=8, logprobs=1, structured_outputs={"regex": "ab[^\\s\\S]"}),
+        SamplingParams(max_tokens=3, temperature=0, structured_outputs={"regex": "[a-z]{9}"})],
+        use_tqdm=False)
+    assert dead.outputs[0].finish_reason == "abort" and dead.outputs[0].text == "ab"
+    assert dead.outputs[0].error == ("structured_outputs.regex allows no token after 2 "
+                                     "generated token(s); check that the constraint can "
+                                     "be satisfied")
+    assert alive.outputs[0].error is None
+    assert all(math.isfinite(next(iter(lp.values())).logprob)
+               for lp in dead.outputs[0].logprobs)
+    assert alive.outputs[0].finish_reason == "length"
+    assert re.fullmatch("[a-z]+", alive.outputs[0].text) and len(alive.outputs[0].token_ids) == 3
 
 
-def test_chat_with_tools_renders_them_and_a_forced_call_parses(model_dir):
+def test_chat_with_tools_renders_them_and_a_forced_call_parses(eager_llm):
     tool = {"type": "function", "function": {"name": "ping", "parameters": {
         "type": "object", "properties": {"n": {"type": "integer"}}}}}
     call = '<tool_call>\n\\{"name": "ping", "arguments": \\{"n": [1-9]\\}\\}\n</tool_call>'
-    llm = LLM(model=str(model_dir), max_model_len=512, kv_cache_memory=0.01,
-              enforce_eager=True)
-    try:
-        messages = [{"role": "user", "content": "ping"}]
-        plain, with_tools = (llm.chat(messages, SamplingParams(
-            max_tokens=40, temperature=0, structured_outputs={"regex": call}), tools=t,
-            use_tqdm=False)[0] for t in (None, [tool]))
-        assert len(with_tools.prompt_token_ids) > len(plain.prompt_token_ids)
-        assert '"name": "ping"' in llm.get_tokenizer().decode(with_tools.prompt_token_ids)
-        _, (parsed,) = HermesToolParser().extract(with_tools.outputs[0].text)
-        assert parsed.function.name == "ping" and 1 <= json.loads(
-            parsed.function.arguments)["n"] <= 9
-        with pytest.raises(ValueError, match="tools must be"):
-            llm.chat(messages, tools={"name": "ping"})
-    finally:
-        llm.shutdown()
+    llm = eager_llm
+    messages = [{"role": "user", "content": "ping"}]
+    plain, with_tools = (llm.chat(messages, SamplingParams(
+        max_tokens=40, temperature=0, structured_outputs={"regex": call}), tools=t,
+        use_tqdm=False)[0] for t in (None, [tool]))
+    assert len(with_tools.prompt_token_ids) > len(plain.prompt_token_ids)
+    assert '"name": "ping"' in llm.get_tokenizer().decode(with_tools.prompt_token_ids)
+    _, (parsed,) = HermesToolParser().extract(with_tools.outputs[0].text)
+    assert parsed.function.name == "ping" and 1 <= json.loads(
+        parsed.function.arguments)["n"] <= 9
+    with pytest.raises(ValueError, match="tools must be"):
+        llm.chat(messages, tools={"name": "ping"})
 
 
-def test_a_clients_stop_token_is_text_to_the_grammar_and_stops_where_it_fits(model_dir):
+def test_a_clients_stop_token_is_text_to_the_grammar_and_stops_where_it_fits(eager_llm):
     """As in vLLM: a stop token id that is not an end token is allowed where its text fits the
     grammar and ends the request there; as a grammar end it was masked until the grammar ended
     (here, with every first token a stop id, the request failed: no token allowed)."""
-    llm = LLM(model=str(model_dir), max_model_len=128, kv_cache_memory=0.01,
-              enforce_eager=True)
-    try:
-        tok = llm.get_tokenizer()
-        ids = [tok.encode(c, add_special_tokens=False)[0] for c in "xy"]
-        out = llm.generate("alpha", SamplingParams(
-            temperature=0, max_tokens=12, stop_token_ids=ids,
-            structured_outputs=StructuredOutputsParams(regex=r"[xy]{2}\d")),
-            use_tqdm=False)[0].outputs[0]
-    finally:
-        llm.shutdown()
+    llm = eager_llm
+    tok = llm.get_tokenizer()
+    ids = [tok.encode(c, add_special_tokens=False)[0] for c in "xy"]
+    out = llm.generate("alpha", SamplingParams(
+        temperature=0, max_tokens=12, stop_token_ids=ids,
+        structured_outputs=StructuredOutputsParams(regex=r"[xy]{2}\d")),
+        use_tqdm=False)[0].outputs[0]
     assert (out.finish_reason, out.stop_reason in ids, len(out.token_ids)) == ("stop", True, 1)
