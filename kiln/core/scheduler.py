@@ -9,7 +9,6 @@ import bisect
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterable
 
 from kiln.core.kv_cache_groups import group_peak_blocks, kv_cache_groups_of
 from kiln.core.kv_cache_manager import KVCacheManager
@@ -21,16 +20,17 @@ from kiln.core.outputs import (
     SchedulerOutput,
 )
 from kiln.core.request import Request, RequestStatus
-from kiln.core.request_progress import grammar_error_output, step_output, unschedulable_output
-from kiln.core.request_queue import WaitingQueue, order_key
+from kiln.core.request_progress import step_output
+from kiln.core.request_queue import WaitingQueue
 from kiln.core.requeueing import Requeueing
+from kiln.core.scheduler_requests import SchedulerRequests
 from kiln.core.stats import SchedulerStats, spec_decode_stats
 from kiln.lora.scheduling import fits_lora_slots, lora_stats, starves
 from kiln.spec_decode.scheduling import SpecDecodeScheduling, max_lookahead
 from kiln.structured_output.manager import StructuredOutputManager
 
 
-class Scheduler(Requeueing):
+class Scheduler(SchedulerRequests, Requeueing):
     def __init__(self, kiln_config, num_blocks: int, max_model_len: int | None = None):
         """`num_blocks`: the KV cache's size in blocks, as the engine core settled it;
         `max_model_len`: the length it settled (below the config's where the cache caps it)."""
@@ -65,53 +65,6 @@ class Scheduler(Requeueing):
         # Adapters running requests use at most (kiln/lora/scheduling.py); None: no LoRA.
         lora = getattr(kiln_config, "lora_config", None)
         self.max_loras = None if lora is None else lora.max_loras
-
-    # ---- requests in and out ------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        if not request.prompt_token_ids:
-            # Nothing to compute means no logits to sample from: it would sit running forever.
-            raise ValueError(f"request {request.request_id!r} has an empty prompt_token_ids; "
-                             "give at least one token")
-        if request.sampling_params.structured_outputs is not None:
-            # Compiles on the manager's threads; schedule() passes the request by until then.
-            self.structured_output_manager.grammar_init(request)
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
-        self._order[request.request_id] = order_key(self.policy, request, next(self._arrival_counter))
-        self.waiting.add(request)
-
-    def finish_requests(self, req_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
-        """End requests from outside (abort, stop string); unknown or finished ids are ignored."""
-        if not RequestStatus.is_finished(finished_status):
-            raise ValueError(f"finished_status must be a FINISHED_* status, got {finished_status!r}")
-        if isinstance(req_ids, str):
-            req_ids = [req_ids]
-        ending = [self.requests[r] for r in set(req_ids) if r in self.requests]
-        if not ending:
-            return
-        gone = {id(r) for r in ending}
-        self.running = [r for r in self.running if id(r) not in gone]
-        self.waiting.remove_all(gone)
-        for request in ending:
-            request.status = finished_status
-            self._release(request)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    def wait_for_grammars(self, timeout: float) -> None:
-        """After a step with nothing to run: wait (up to `timeout` s) for a grammar still
-        compiling, instead of spinning on empty steps."""
-        for request in self.waiting:
-            grammar = request.structured_output_request
-            if grammar is not None and not grammar.is_ready():
-                grammar.wait(timeout)
-                return
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
 
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -284,22 +237,3 @@ class Scheduler(Requeueing):
                 or group_peak_blocks(kv.group_windows, request.num_tokens,
                                      self.max_num_batched_tokens, self.max_lookahead,
                                      kv.block_size) > kv.num_blocks)
-
-    def _finish_unschedulable(self, request: Request, num_tokens: int) -> None:
-        self._finished_outputs.append(unschedulable_output(
-            request, num_tokens, self.kv_cache_manager, self.max_model_len,
-            self.larger_cache_flags))
-        self._release(request)
-
-    def _finish_grammar_error(self, request: Request) -> None:
-        self._finished_outputs.append(grammar_error_output(request))
-        self._release(request)
-
-    def _release(self, request: Request) -> None:
-        """Forget a finished request (already off the queues): blocks back, runner told."""
-        self.kv_cache_manager.free(request)
-        self.requests.pop(request.request_id, None)
-        self._order.pop(request.request_id, None)
-        # A finished request is forgotten for good, not parked as a preempted one would be.
-        self.preempted_req_ids.discard(request.request_id)
-        self.finished_req_ids.add(request.request_id)

@@ -7,7 +7,6 @@ import argparse
 import dataclasses
 import json
 import os
-import typing
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -22,8 +21,8 @@ from kiln.config import (
     SchedulerConfig,
 )
 from kiln.config.compilation_config import CompilationMode, spec_to_dict
-from kiln.config.hf_overrides import check_hf_overrides
 from kiln.config.speculative_config import SpeculativeConfig
+from kiln.engine.engine_args_checks import DEFAULT_MAX_NUM_SEQS, EngineArgsChecks, dtype_name
 from kiln.engine.engine_flags import add_engine_flags
 from kiln.errors import ConfigError
 from kiln.pooling.pooler_config import (
@@ -34,16 +33,14 @@ from kiln.pooling.pooler_config import (
 )
 from kiln.pooling.pooling_task import check_convert, pooling_task
 
-_DEFAULT_MAX_NUM_SEQS = SchedulerConfig.__dataclass_fields__["max_num_seqs"].default
-
 
 @dataclass
-class EngineArgs:
+class EngineArgs(EngineArgsChecks):
     model: str | None = None  # None: the embedded default model
     tokenizer: str | None = None  # None: the model's own tokenizer
     dtype: str = "auto"
     max_model_len: int | None = None
-    max_num_seqs: int = _DEFAULT_MAX_NUM_SEQS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int | None = None
     scheduling_policy: str = "fcfs"  # vLLM's: "fcfs" or "priority" (requests' priority)
     enforce_eager: bool = False
@@ -110,58 +107,8 @@ class EngineArgs:
     fully_sharded_loras: bool = False  # refused when True (kiln/lora/config.py)
 
     def __post_init__(self):
-        self.dtype = _dtype_name(self.dtype)  # so to_cli_args and == see the name too
-        self.lora_dtype = _dtype_name(self.lora_dtype)
-
-    def _check_types(self) -> None:
-        """A value of the wrong type names its argument (LLM(max_model_len="64") used to fail
-        deep inside a config)."""
-        def fits(value, kind) -> bool:
-            if kind is type(None):
-                return value is None
-            if kind is bool:
-                return isinstance(value, bool)
-            if kind is int:
-                return isinstance(value, int) and not isinstance(value, bool)
-            if kind is float:
-                return isinstance(value, (int, float)) and not isinstance(value, bool)
-            return isinstance(value, kind)
-
-        self.dtype = _dtype_name(self.dtype)  # (set after construction, too)
-        self.lora_dtype = _dtype_name(self.lora_dtype)
-        check_hf_overrides(self.hf_overrides)  # vLLM's function form is named as such
-        if self.max_num_seqs is None:
-            # vLLM's None: its default (lm-eval's vllm backend passes max_num_seqs=None unless
-            # given max_batch_size)
-            self.max_num_seqs = _DEFAULT_MAX_NUM_SEQS
-        for name in ("model", "tokenizer", "download_dir", "chat_template",
-                     "generation_config"):  # a pathlib.Path is a path too
-            if isinstance(getattr(self, name), os.PathLike):
-                setattr(self, name, os.fspath(getattr(self, name)))
-        for f in fields(self):
-            if f.type is Any:
-                continue
-            kinds = typing.get_args(f.type) or (f.type,)
-            value = getattr(self, f.name)
-            if not any(fits(value, kind) for kind in kinds):
-                names = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
-                raise ValueError(f"{f.name} must be {names}, got {value!r} "
-                                 f"({type(value).__name__})")
-
-    def _check_vllm_only_defaults(self) -> None:
-        if self.enable_chunked_prefill is False:
-            raise ValueError("enable_chunked_prefill=False is not supported: a prompt longer "
-                             "than --max-num-batched-tokens is always prefilled in chunks; to "
-                             "prefill each prompt in one step, raise --max-num-batched-tokens "
-                             "to --max-model-len")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: the KV "
-                             "cache holds the model's dtype ('auto')")
-        if self.tokenizer_mode not in ("auto", "hf"):
-            raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} is not supported: the "
-                             "model's fast tokenizer is used ('auto' or 'hf')")
-        if not self.swap_space >= 0:
-            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        self.dtype = dtype_name(self.dtype)  # so to_cli_args and == see the name too
+        self.lora_dtype = dtype_name(self.lora_dtype)
 
     def compilation(self) -> CompilationConfig:
         """compilation_config with the optimization level's mode where it names none (a copy:
@@ -297,15 +244,6 @@ def check_pooling_engine(args: EngineArgs) -> None:
     if args.pipeline_parallel_size != 1:
         raise ConfigError("--runner pooling runs without pipeline parallelism: drop "
                           "--pipeline-parallel-size (tensor parallelism works)")
-
-
-def _dtype_name(dtype):
-    """vLLM takes a torch.dtype too (LLM(dtype=torch.bfloat16), common in RL trainers): its
-    name. A torch.dtype kept as given became `--dtype torch.bfloat16` in to_cli_args' child
-    command line, which refuses it."""
-    if type(dtype).__name__ == "dtype" and str(dtype).startswith("torch."):
-        return str(dtype).removeprefix("torch.")
-    return dtype
 
 
 def _random_seed() -> int:

@@ -16,13 +16,13 @@ from kiln.core.request import Request, RequestStatus
 from kiln.core.request_queue import check_priority
 from kiln.core.sliding_window_blocks import prompt_tokens_cached
 from kiln.engine.arg_utils import EngineArgs
-from kiln.engine.chat_template import render_chat_template
+from kiln.engine.engine_chat import EngineChat
 from kiln.engine.engine_sleep import EngineSleepMode
 from kiln.engine.engine_token_stats import EngineTokenStats
 from kiln.engine.engine_vllm_views import EngineVllmViews
 from kiln.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from kiln.engine.output_processor import OutputProcessor
-from kiln.engine.text_encoding import check_encodable, check_request_id, encode_text
+from kiln.engine.text_encoding import check_request_id
 from kiln.engine.tokenizer import config_eos_token_ids, generation_eos_token_ids, get_tokenizer
 from kiln.logger import init_logger
 from kiln.lora.frontend import LoRAChecker, with_lora
@@ -45,7 +45,7 @@ def get_executor_class(parallel_config: ParallelConfig) -> type:
     return MultiprocExecutor
 
 
-class LLMEngine(EngineTokenStats, EngineVllmViews, EngineSleepMode):
+class LLMEngine(EngineChat, EngineTokenStats, EngineVllmViews, EngineSleepMode):
     def __init__(self, kiln_config: KilnConfig, executor_class: type | None = None,
                  core_interpreter=None, multiprocess: bool | None = None,
                  front_end_cores: int = 0):
@@ -276,28 +276,6 @@ class LLMEngine(EngineTokenStats, EngineVllmViews, EngineSleepMode):
     def add_death_callback(self, callback) -> None:
         """`callback(error)` runs (on another thread) if the core process dies unasked."""
         self._core().add_death_callback(callback)
-
-    # ---- chat --------------------------------------------------------------------------------
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None, **kwargs) -> str:
-        """Render a conversation with the tokenizer's chat template (HF's sandboxed Jinja);
-        --chat-template, if given, stands for the tokenizer's."""
-        if chat_template is None:
-            chat_template = self.model_config.chat_template
-        return render_chat_template(self.tokenizer, messages, add_generation_prompt,
-                                    chat_template, self.model_config.model, **kwargs)
-
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
-                    chat_template: str | None = None, **kwargs) -> dict:
-        """A rendered conversation as a prompt; the template already wrote BOS, so no extra one."""
-        text = self.apply_chat_template(messages, add_generation_prompt, chat_template, **kwargs)
-        if not text:  # not the messages' fault: "prompt is empty" sent users looking there
-            raise ValueError("the chat template rendered an empty prompt for these messages; "
-                             "check the template (chat_template=, --chat-template)")
-        check_encodable(text, "messages")  # a name or a template variable may hold one too
-        return {"prompt": text,
-                "prompt_token_ids": encode_text(self.tokenizer, text, add_special_tokens=False)}
 
     def _core(self):
         if self.engine_core is None:

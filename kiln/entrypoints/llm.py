@@ -2,23 +2,22 @@
 
 Every prompt is validated before any is queued, so a bad prompt leaves the engine untouched.
 """
-import contextlib
 import itertools
 import os
-import sys
 import threading
 from collections.abc import Callable, Sequence
 
 from kiln.beam_search import BeamSearchOutput, BeamSearchParams
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.chat_messages import chat_messages, chat_render_kwargs
-from kiln.engine.input_processor import ProcessedPrompt, PromptType
+from kiln.engine.input_processor import PromptType
 from kiln.engine.llm_engine import LLMEngine
 from kiln.engine.vllm_flags import check_vllm_only_kwargs
 from kiln.entrypoints.llm_arguments import refuse_lora, request_priorities, unsupported
+from kiln.entrypoints.llm_batches import LLMBatchRunner
 from kiln.entrypoints.llm_sleep import LLMSleepMode
 from kiln.lora.frontend import per_prompt as lora_per_prompt
-from kiln.lora.frontend import with_lora, with_lora_request
+from kiln.lora.frontend import with_lora
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
@@ -29,7 +28,7 @@ _REWARD = ("Kiln's pooling runner embeds, classifies and scores (embed(), classi
            "score()); reward needs a reward head Kiln's models lack")
 
 
-class LLM(LLMSleepMode):
+class LLM(LLMBatchRunner, LLMSleepMode):
     def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = _DEFAULT_MAX_NUM_SEQS,
                  max_num_batched_tokens: int | None = None, enforce_eager: bool = False,
@@ -229,69 +228,6 @@ class LLM(LLMSleepMode):
             raise ValueError(f"LLM.{method}() is only supported for generative models; this "
                              f"LLM runs the pooling runner: use {apis}; or "
                              f"{generate_fix(model_config.architecture, offline=True)}")
-
-    def _check_owner(self) -> None:
-        if os.getpid() != self._owner_pid:  # its sockets' other ends are the parent's: a hang
-            raise RuntimeError("this LLM was made in the parent of this forked process, whose "
-                               "engine it cannot drive; make a new LLM in the child (or fork "
-                               "before making one)")
-
-    @contextlib.contextmanager
-    def _one_batch(self, method: str):
-        """Hold the one-batch lock. A call from inside this thread's own batch (a use_tqdm bar,
-        a signal handler) would wait on itself forever: refused instead."""
-        if self._running_thread == threading.get_ident():
-            raise RuntimeError(f"LLM.{method}() was called from inside this LLM's running "
-                               "generate()/chat() on the same thread (e.g. from a use_tqdm bar "
-                               "or a signal handler); call it after that batch returns")
-        with self._running:
-            self._running_thread = threading.get_ident()
-            try:
-                yield
-            finally:
-                self._running_thread = None
-
-    def _run(self, processed: list[ProcessedPrompt], use_tqdm,
-             priorities: list[int] | None = None) -> list[RequestOutput]:
-        self._check_owner()
-        with self._one_batch("generate"):
-            return self._run_batch(processed, use_tqdm, priorities)
-
-    def _run_batch(self, processed: list[ProcessedPrompt], use_tqdm,
-                   priorities: list[int] | None = None) -> list[RequestOutput]:
-        from tqdm import tqdm
-
-        # None: every request at priority 0 (beam search's steps call this without any)
-        priorities = priorities or [0] * len(processed)
-        engine = self.llm_engine
-        engine.check_awake("LLM.generate")
-        ids = [str(next(self._request_counter)) for _ in processed]
-        order = {rid: i for i, rid in enumerate(ids)}
-        results: list[RequestOutput | None] = [None] * len(ids)
-        pending = set()
-        try:
-            for rid, item, priority in zip(ids, processed, priorities):
-                engine.add_processed_request(rid, item, priority=priority)
-                pending.add(rid)
-            # vLLM's use_tqdm may be a callable that makes the bar (a tqdm subclass, e.g.
-            # tqdm.notebook.tqdm); it is called with tqdm's arguments
-            bar_type = use_tqdm if callable(use_tqdm) else tqdm
-            with bar_type(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
-                          file=sys.stderr, dynamic_ncols=True) as bar:
-                while pending:
-                    for out in engine.step():
-                        if out.finished and out.request_id in pending:
-                            results[order[out.request_id]] = with_lora_request(
-                                out, processed[order[out.request_id]].lora_request)
-                            pending.discard(out.request_id)
-                            bar.update(1)
-                    if pending and not engine.has_unfinished_requests():
-                        raise RuntimeError(f"engine dropped requests {sorted(pending)}")
-        finally:
-            if pending:
-                # Interrupted or failed: do not leave our requests running into the next call.
-                engine.abort_request(sorted(pending))
-        return results
 
     def reset_prefix_cache(self, reset_running_requests: bool = False,
                            reset_connector: bool = False) -> bool:

@@ -140,10 +140,10 @@ def test_a_step_undone_after_its_draws_leaves_seeded_streams_unchanged(tiny_llam
     """A step that raised after the sampler drew (Ctrl-C while another request's prompt
     logprobs were computed) is undone and recomputed; the seeded request's generator kept the
     lost draw, so its later tokens differed from a run without the failure (helper-21)."""
-    import kiln.worker.model_runner as model_runner
+    import kiln.worker.step_sampling as step_sampling
     from kiln import LLM
 
-    scoring = model_runner.compute_prompt_logprobs
+    scoring = step_sampling.compute_prompt_logprobs
 
     def run(interrupt: bool) -> list[int]:
         engine = LLM(model=str(tiny_llama_dir), enforce_eager=True, dtype="float32",
@@ -156,7 +156,7 @@ def test_a_step_undone_after_its_draws_leaves_seeded_streams_unchanged(tiny_llam
                 raise KeyboardInterrupt
             return scoring(*args, **kwargs)
 
-        monkeypatch.setattr(model_runner, "compute_prompt_logprobs", interrupted)
+        monkeypatch.setattr(step_sampling, "compute_prompt_logprobs", interrupted)
         engine.add_request("seeded", {"prompt_token_ids": list(range(10, 40))},
                            SamplingParams(temperature=1.0, seed=1234, max_tokens=8,
                                           ignore_eos=True))

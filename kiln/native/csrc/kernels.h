@@ -31,8 +31,8 @@ int kiln_layer_norm(const void *x, int64_t x_stride, const void *residual, int64
                     void *residual_out, const void *weight, const void *bias, void *out,
                     int64_t out_stride, int64_t rows, int32_t hidden, float eps, int32_t dtype,
                     int32_t num_threads);
-int kiln_gelu(const void *x, int64_t x_stride, void *out, int64_t rows, int32_t d,
-              int32_t tanh_form, int32_t dtype, int32_t num_threads);
+int kiln_gelu_tanh(const void *x, int64_t x_stride, void *out, int64_t rows, int32_t d,
+                   int32_t dtype, int32_t num_threads);
 
 /* gemv.c */
 int kiln_gemv(const void *x, const void *weight, const void *bias, void *out, int32_t m,

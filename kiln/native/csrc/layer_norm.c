@@ -1,10 +1,11 @@
 /* CPU kernels for the LayerNorm families' per-layer ops (StarCoder2, GPT-NeoX, Phi, Cohere):
- * LayerNorm (bias optional, residual add optional) and the non-gated MLPs' GELU, erf or tanh.
+ * LayerNorm (bias optional, residual add optional) and the non-gated MLPs' tanh-form GELU (the
+ * erf form is torch's own: ops_layer_norm.cpp).
  *
  * Both compute in float32 and round once on store, as torch's CPU layer_norm and gelu do for
  * bfloat16 (and as HF's CohereLayerNorm does explicitly). Plain loops over a row: GCC
- * vectorizes them under -march=native -ffast-math (erfcf and expf through libmvec where glibc
- * has them), so one source serves every CPU tier. dtype: dtype.h's codes; strides in elements.
+ * vectorizes them under -march=native -ffast-math (expf through libmvec where glibc has it),
+ * so one source serves every CPU tier. dtype: dtype.h's codes; strides in elements.
  */
 #include <math.h>
 #include <stdint.h>
@@ -76,42 +77,30 @@ int kiln_layer_norm(const void *x, int64_t x_stride, const void *residual, int64
     return 0;
 }
 
-/* gelu(x) = x * Phi(x) in the two forms F.gelu has:
- *   erf:  x / 2 * erfc(-x / sqrt 2)            (= x / 2 * (1 + erf(x / sqrt 2)), without its
- *         cancellation for negative x)
- *   tanh: x / (1 + e^-2u), u = sqrt(2 / pi) (x + 0.044715 x^3)   (= x / 2 * (1 + tanh u))
+/* gelu(x) = x * Phi(x) in F.gelu's tanh form:
+ *   x / (1 + e^-2u), u = sqrt(2 / pi) (x + 0.044715 x^3)   (= x / 2 * (1 + tanh u))
  * The exponent stops short of float32 overflow: under -ffast-math the vector division is a
  * reciprocal estimate, NaN for an infinite divisor (from there on the quotient is 0 within a
  * subnormal, as torch's). */
-static inline __attribute__((always_inline)) void gelu_row(const void *x, void *out, int d,
-                                                           int tanh_form, int dtype) {
-    if (tanh_form) {
-        for (int i = 0; i < d; ++i) {
-            const float v = load_elem(x, i, dtype);
-            const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
-            store_elem(out, i, v / (1.f + expf(fminf(-2.f * u, 88.7f))), dtype);
-        }
-    } else {
-        for (int i = 0; i < d; ++i) {
-            const float v = load_elem(x, i, dtype);
-            store_elem(out, i, 0.5f * v * erfcf(-0.7071067811865476f * v), dtype);
-        }
+static inline __attribute__((always_inline)) void gelu_tanh_row(const void *x, void *out, int d,
+                                                                int dtype) {
+    for (int i = 0; i < d; ++i) {
+        const float v = load_elem(x, i, dtype);
+        const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
+        store_elem(out, i, v / (1.f + expf(fminf(-2.f * u, 88.7f))), dtype);
     }
 }
 
-/* out [rows, d] = gelu(x [rows, d]) (tanh_form: the tanh approximation). */
-int kiln_gelu(const void *x, int64_t x_stride, void *out, int64_t rows, int32_t d,
-              int32_t tanh_form, int32_t dtype, int32_t num_threads) {
+/* out [rows, d] = gelu(x [rows, d], approximate="tanh"). */
+int kiln_gelu_tanh(const void *x, int64_t x_stride, void *out, int64_t rows, int32_t d,
+                   int32_t dtype, int32_t num_threads) {
     const int64_t es = dtype == KILN_F32 ? 4 : 2;
 #pragma omp parallel for num_threads(num_threads) if (rows >= LN_PARALLEL_MIN_ROWS)
     for (int64_t r = 0; r < rows; ++r) {
         const char *xr = (const char *)x + r * x_stride * es;
         char *o = (char *)out + r * (int64_t)d * es;
-        if (dtype == KILN_F32) {
-            if (tanh_form) gelu_row(xr, o, d, 1, KILN_F32); else gelu_row(xr, o, d, 0, KILN_F32);
-        } else {
-            if (tanh_form) gelu_row(xr, o, d, 1, KILN_BF16); else gelu_row(xr, o, d, 0, KILN_BF16);
-        }
+        if (dtype == KILN_F32) gelu_tanh_row(xr, o, d, KILN_F32);
+        else gelu_tanh_row(xr, o, d, KILN_BF16);
     }
     return 0;
 }
