@@ -5,9 +5,8 @@ layers alternating with global ones (HF's layer_types: even layers slide).
 
 HF: h = h + post_attention_layernorm(attn(input_layernorm(h)));
     h = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h))).
-Here a layer takes (hidden, residual) whose sum is h, as the Llama layers pass it: the
-pre-feed-forward norm's fused add takes the attention branch into the residual, and the layer
-returns (the feed-forward branch, h after attention) for the next layer's input norm to add.
+The layer is sandwich_norm.py's: the pre-feed-forward norm's fused add takes the attention
+branch into the residual.
 The attention soft cap is the attention backends' (a parameter of each layer's impl), so it
 stays inside the opaque attention op under compile.
 """
@@ -16,7 +15,8 @@ import torch
 from kiln.compilation.decorator import support_torch_compile
 from kiln.model.gemma import GemmaAttention, GemmaMLP, GemmaStyleModel
 from kiln.model.layers.layernorm import GemmaRMSNorm
-from kiln.model.llama import LlamaDecoderLayer, LlamaStyleForCausalLM
+from kiln.model.llama import LlamaStyleForCausalLM
+from kiln.model.sandwich_norm import SandwichNormDecoderLayer
 
 
 class Gemma2MLP(GemmaMLP):
@@ -31,26 +31,13 @@ class Gemma2Attention(GemmaAttention):
         return getattr(hf_config, "attn_logit_softcapping", None) or None
 
 
-class Gemma2DecoderLayer(LlamaDecoderLayer):
+class Gemma2DecoderLayer(SandwichNormDecoderLayer):
     attention_cls = Gemma2Attention
     mlp_cls = Gemma2MLP
     norm_cls = GemmaRMSNorm
-
-    def __init__(self, hf_config, prefix: str):
-        super().__init__(hf_config, prefix)
-        eps, hidden = hf_config.rms_norm_eps, hf_config.hidden_size
-        self.pre_feedforward_layernorm = self.norm_cls(hidden, eps)
-        self.post_feedforward_layernorm = self.norm_cls(hidden, eps)
-
-    def forward(self, positions, hidden, residual):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.post_attention_layernorm(self.self_attn(positions, hidden))
-        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
-        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+    attn_out_norm = "post_attention_layernorm"
+    mlp_in_norm = "pre_feedforward_layernorm"
+    mlp_out_norm = "post_feedforward_layernorm"
 
 
 @support_torch_compile

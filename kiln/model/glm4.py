@@ -4,18 +4,18 @@ biases on q / k / v only, and the gate / up projections fused in the checkpoint 
 Phi-3's).
 
 HF: h = h + post_self_attn_layernorm(attn(input_layernorm(h)));
-    h = h + post_mlp_layernorm(mlp(post_attention_layernorm(h))).
-As Gemma-2's layer: the norm before the MLP adds the attention branch into the residual, and
-the layer returns (the MLP branch, h after attention) for the next layer's input norm to add.
+    h = h + post_mlp_layernorm(mlp(post_attention_layernorm(h))): Gemma-2's layer
+(sandwich_norm.py) under other names.
 """
 from kiln.compilation.decorator import support_torch_compile
 from kiln.model.layers.rotary_embedding import (
     InterleavedPartialRotaryEmbedding,
     InterleavedRotaryEmbedding,
 )
-from kiln.model.llama import LlamaDecoderLayer, LlamaStyleModel
+from kiln.model.llama import LlamaStyleModel
 from kiln.model.partial_rotary import PartialRotaryAttention
 from kiln.model.phi3 import Phi3ForCausalLM
+from kiln.model.sandwich_norm import SandwichNormDecoderLayer
 
 
 class Glm4Attention(PartialRotaryAttention):
@@ -26,24 +26,11 @@ class Glm4Attention(PartialRotaryAttention):
         return False  # HF's o_proj has none whatever attention_bias says
 
 
-class Glm4DecoderLayer(LlamaDecoderLayer):
+class Glm4DecoderLayer(SandwichNormDecoderLayer):
     attention_cls = Glm4Attention
-
-    def __init__(self, hf_config, prefix: str):
-        super().__init__(hf_config, prefix)
-        eps, hidden = hf_config.rms_norm_eps, hf_config.hidden_size
-        self.post_self_attn_layernorm = self.norm_cls(hidden, eps)
-        self.post_mlp_layernorm = self.norm_cls(hidden, eps)
-
-    def forward(self, positions, hidden, residual):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.post_self_attn_layernorm(self.self_attn(positions, hidden))
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.post_mlp_layernorm(self.mlp(hidden)), residual
+    attn_out_norm = "post_self_attn_layernorm"
+    mlp_in_norm = "post_attention_layernorm"
+    mlp_out_norm = "post_mlp_layernorm"
 
 
 @support_torch_compile
