@@ -58,6 +58,18 @@ class CoreProcClient(CoreUtilityCalls, CoreReceiver):
         # mkdtemp, removed by _terminate: a TemporaryDirectory's own exit hook would also run in
         # a forked child, removing this process's sockets' directory.
         self._dir = tempfile.mkdtemp(prefix="kiln-core-")
+        try:  # a SIGTERM (or any error) before the core knows the directory: nobody else would
+            self._connect_and_start(kiln_config, executor_class, interpreter, front_end_cores)
+        except BaseException:
+            if hasattr(self, "proc") and not hasattr(self, "_finalizer"):
+                self.proc.kill()  # started, but nothing would stop it
+            if hasattr(self, "_ctx"):
+                self._ctx.destroy(linger=0)
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+
+    def _connect_and_start(self, kiln_config, executor_class: type,
+                           interpreter: "CoreInterpreter | None", front_end_cores: int) -> None:
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
@@ -91,13 +103,8 @@ class CoreProcClient(CoreUtilityCalls, CoreReceiver):
         # A fresh interpreter, not fork (the caller may hold OpenMP threads, CUDA, or the
         # tokenizer's pool) and not multiprocessing's spawn (it re-runs an unguarded script).
         interpreter = interpreter or CoreInterpreter()
-        try:
-            self.proc = interpreter.start(kiln_config, executor_class, input_address,
-                                          output_address, front_end_cores)
-        except BaseException:
-            self._ctx.destroy(linger=0)
-            shutil.rmtree(self._dir, ignore_errors=True)
-            raise
+        self.proc = interpreter.start(kiln_config, executor_class, input_address,
+                                      output_address, front_end_cores)
         self.pid = self.proc.pid
         # Readable once the process has exited: polled beside the output socket.
         self._sentinel = os.pidfd_open(self.pid)

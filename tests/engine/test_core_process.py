@@ -545,3 +545,21 @@ def test_the_core_loads_under_the_callers_float32_matmul_precision(tiny_llama_di
                 LLMEngine(config, executor_class=PrecisionNamingExecutor, multiprocess=True)
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_an_interrupt_before_the_core_knows_its_directory_removes_it(tmp_path, monkeypatch):
+    """SIGTERM lands between the socket directory's creation and the core's start (the test
+    above caught it there now and then): the directory was left in the temporary folder, since
+    no core knew of it to remove it."""
+    import tempfile
+
+    from kiln.engine import core_client
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(core_client.zmq, "Context", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        core_client.CoreProcClient(None, object)
+    assert not list(tmp_path.glob("kiln-core-*"))
