@@ -118,12 +118,6 @@ def _int32_tensor(indices: list[int], every: int) -> torch.Tensor:
     return _arange[:every]
 
 
-# id(an engine's layer dict) -> (the KV caches' generation when built, its LayerTable); a few
-# engines at most share a process.
-_tables: dict[int, tuple[int, attention_op.LayerTable]] = {}
-_MAX_TABLES = 8
-
-
 def kernel_layers(layers: dict) -> dict[str, attention_op.LayerEntry]:
     """The layers the C++ kernel serves: each CPU attention layer whose KV cache it reads, of
     any KV cache group (kiln/core/kv_cache_groups.py; each attends with its group's block table

@@ -102,8 +102,7 @@ class DraftModelProposer:
 
     def dummy_inputs(self, runner, num_tokens: int) -> tuple:
         """The draft's forward arguments for `num_tokens` dummy tokens."""
-        return runner.buffers.dummy_tokens(num_tokens, np.arange(num_tokens)
-                                           % self.max_model_len)
+        return runner.buffers.dummy_tokens(num_tokens, np.arange(num_tokens) % self.draft_len)
 
     @torch.inference_mode()
     def dummy_run(self, runner, num_tokens: int) -> None:
@@ -158,7 +157,7 @@ class DraftModelProposer:
         # max_model_len is never run); a partial prefill chunk: the chunk
         # (positions past the draft's length it never runs: the request drafts no more)
         end = np.minimum(np.where(sampled, known, start + ran),
-                         np.minimum(held, min(self.max_model_len, self.draft_len)))
+                         np.minimum(held, self.draft_len))  # draft_len <= max_model_len
         # drafts at positions known.. (their K/V up to known + k - 2), all within the context
         # and the draft's length
         room = np.minimum(np.minimum(self.max_model_len - known, held + 1 - known),

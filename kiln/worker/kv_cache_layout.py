@@ -25,7 +25,7 @@ def layer_slots(layers: list, groups: KVCacheGroups,
     if not groups.hybrid:
         return [(0, i) for i in range(len(layers))]
     where = groups.layer_slots()
-    slots = [where[i] for i in (indices or layer_indices(layers))]
+    slots = [where[i] for i in (layer_indices(layers) if indices is None else indices)]
     # one block of each layer's cache in its backend's layout (an MLA latent has no V part)
     shapes = {_block_shape(layer, 1) for layer in layers}
     if len(shapes) > 1:  # kv_cache_groups_of assumes the model config's one shape
