@@ -3,15 +3,16 @@ q_lora_rank is set), one latent per token (kv_a_proj_with_mqa: kv_lora_rank dims
 rope part shared by every head), expanded per head by kv_b_proj into K's nope part and V.
 
 The paged cache holds only the latent and the roped k_pe per token (vLLM's MLA layout:
-kiln/attention/mla_backend.py). Every step, prefill included, runs the weight-absorbed form
-(vLLM's decode form): q_nope through kv_b_proj's K part (W_UK) into the latent space, MQA over
-the latent, the output through its V part (W_UV); kv_b_proj is never applied to the cache.
+kiln/attention/mla_backend.py). The attention op takes the roped queries and the cache rows and
+chooses per request, as vLLM: prefills expand the latent through kv_b_proj (multi-head
+attention), decodes absorb kv_b_proj into the queries and the output (MQA over the latent).
 """
 import torch
 from torch import nn
 
 from kiln import ir
 from kiln.attention.mla_backend import LatentAttentionBackend, LatentAttentionImpl
+from kiln.attention.mla_prefill import MLADims
 from kiln.config import get_current_kiln_config
 from kiln.config.rope import get_rope_config, max_positions_of
 from kiln.model.checkpoint_names import config_bias
@@ -26,21 +27,26 @@ LATENT_NORM_EPS = 1e-6
 
 
 class LatentAttention(Attention):
-    """The attention op over a latent cache: num_heads absorbed queries of latent + rope dims
-    against one KV head of the same, out [T, num_heads * latent] (V: the keys' latent part)."""
+    """The attention op over a latent cache: num_heads roped queries of nope + rope dims and
+    each token's cache row (latent + rope), out [T, num_heads * v_dim]; the impl reads
+    kv_b_proj's weight (kiln/attention/mla_backend.py)."""
 
-    def __init__(self, num_heads: int, latent: int, rope: int, scale: float, prefix: str):
-        self.latent = latent
-        super().__init__(num_heads, latent + rope, scale, 1, prefix)
+    def __init__(self, dims: MLADims, scale: float, kv_b_proj: nn.Module, prefix: str):
+        # set before Module.__init__ (which builds the impl): plain values, no submodule
+        self.dims, self.kv_b_weight = dims, lambda: kv_b_proj.weight
+        super().__init__(dims.num_heads, dims.latent + dims.rope, scale, 1, prefix)
 
     def _choose_backend(self):
         return LatentAttentionBackend
 
     def _new_impl(self):
-        return LatentAttentionImpl(self.num_heads, self.head_size, self.scale, self.latent)
+        spec = get_current_kiln_config().speculative_config
+        # a verify step (1 + k tokens) decodes absorbed, as vLLM's spec-as-decode MLA backends
+        threshold = 1 + ((spec.num_speculative_tokens or 0) if spec is not None else 0)
+        return LatentAttentionImpl(self.dims, self.scale, self.kv_b_weight, threshold)
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        out = q.new_empty(q.shape[0], self.num_heads * self.latent)  # [T, nh * latent]
+        out = q.new_empty(q.shape[0], self.num_heads * self.dims.v_dim)  # [T, nh * v]
         ir.unified_attention(q, kv, kv, out, self.layer_name)
         return out
 
@@ -67,7 +73,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank,
                                               total_heads * (self.nope + self.v_dim), False)
         self.o_proj = RowParallelLinear(total_heads * self.v_dim, hidden, bias)
-        # only its weight is read (absorbed into the queries and the output): no packed copy
+        # only its weight is read (by the attention impl, for both forms): no packed copy
         self.kv_b_proj.supports_cpu_packing = False
         self.num_heads = _split(total_heads, self.kv_b_proj.tp_size, "num_attention_heads")
         theta, scaling = get_rope_config(hf_config)
@@ -80,8 +86,8 @@ class MLAttention(nn.Module):
                                      get_current_kiln_config().model_config.max_model_len)
         # q_latent . c_kv is q_nope . k_nope: the expanded form's scale
         scale = self.qk_dim ** -0.5 * yarn_softmax_mscale(scaling)
-        self.attn = LatentAttention(self.num_heads, self.kv_lora_rank, self.rope, scale,
-                                    prefix=f"{prefix}.attn")
+        dims = MLADims(self.num_heads, self.nope, self.rope, self.kv_lora_rank, self.v_dim)
+        self.attn = LatentAttention(dims, scale, self.kv_b_proj, prefix=f"{prefix}.attn")
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         if self.q_lora_rank:
@@ -95,13 +101,7 @@ class MLAttention(nn.Module):
         latent = self.kv_a_layernorm(latent.contiguous())  # [T, kv_lora_rank]
         q_pe, k_pe = self.rotary_emb(positions, q[..., self.nope:].reshape(num_tokens, nh * self.rope),
                                      k_pe.contiguous())  # [T, nh * rope], [T, rope]: one head
-        # this rank's heads of kv_b_proj: W_UK [nh, nope, L] and W_UV [nh, v, L]
-        w_uk, w_uv = self.kv_b_proj.weight.view(nh, self.nope + self.v_dim,
-                                                self.kv_lora_rank).split([self.nope, self.v_dim], 1)
-        q_latent = torch.bmm(q[..., :self.nope].transpose(0, 1), w_uk)  # [nh, T, L]
-        q = torch.cat((q_latent.transpose(0, 1), q_pe.view(num_tokens, nh, self.rope)), dim=-1)
+        q = torch.cat((q[..., :self.nope], q_pe.view(num_tokens, nh, self.rope)), dim=-1)
         kv = torch.cat((latent, k_pe), dim=-1)  # [T, L + rope]: the cache row
-        out = self.attn(q.reshape(num_tokens, -1), kv)  # [T, nh * L]
-        out = torch.bmm(out.view(num_tokens, nh, self.kv_lora_rank).transpose(0, 1),
-                        w_uv.transpose(1, 2))  # [nh, T, v]
-        return self.o_proj(out.transpose(0, 1).reshape(num_tokens, nh * self.v_dim))
+        out = self.attn(q.reshape(num_tokens, -1), kv)  # [T, nh * v]
+        return self.o_proj(out)
