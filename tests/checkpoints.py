@@ -268,19 +268,21 @@ def _checkpoint_signature(model_dir: Path) -> tuple:
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
-              attn_implementation: str | None = None) -> list[list[int]]:
+              attn_implementation: str | None = None,
+              dtype: torch.dtype = torch.float32) -> list[list[int]]:
     """HF transformers' greedy continuation of each prompt, EOS ignored (as Kiln's ignore_eos):
     exactly max_new_tokens each. One prompt at a time, so no padding enters the oracle; each
     answer is remembered for the session (_HF_GREEDY_CACHE).
-    attn_implementation: HF's ("eager" for its plain masked softmax; None: its default)."""
+    attn_implementation: HF's ("eager" for its plain masked softmax; None: its default); dtype:
+    the one HF runs in."""
     signature = _checkpoint_signature(model_dir)
-    keys = [(signature, tuple(ids), max_new_tokens, attn_implementation) for ids in prompts]
+    keys = [(signature, tuple(ids), max_new_tokens, attn_implementation, dtype) for ids in prompts]
     missing = [(key, ids) for key, ids in zip(keys, prompts) if key not in _HF_GREEDY_CACHE]
     if missing:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32, attn_implementation=attn_implementation).eval()
+            model_dir, dtype=dtype, attn_implementation=attn_implementation).eval()
         # No EOS at all: min_new_tokens would instead mask EOS out of the argmax.
         model.generation_config.eos_token_id = None
         with torch.no_grad():

@@ -1,13 +1,13 @@
 """DeepSeek-V2 (no q LoRA, group_limited_greedy, layer 0 dense; with a q LoRA, greedy routing and
 YaRN) and V3 (noaux_tc, a routing bias, renormalized, q LoRA; rope halves without rope_interleave)
 against HF transformers on tiny random float32 checkpoints: logits of a prefill and of decode
-steps through the latent paged cache (weight-absorbed) within 1e-4 (TOL; measured 2.2e-6 at
-most); through LLM compiled (mode 3), V2's greedy tokens equal HF's and their logprobs HF's
-log-softmax within 1e-4; V3's in mode 0 with prefix caching and chunked prefill (and under
-tensor parallelism: tests/distributed/test_tp_deepseek.py); the cache one latent row per token
-and layer; MTP layers skipped on load; HF's empty shared MLP (n_shared_experts 0) loads; a
-bfloat16 model's router is HF's float32 one; the softmax scale's mscale_all_dim is HF's; what the
-family refuses, by field.
+steps through the latent paged cache (prefill expanded, decode weight-absorbed) within 1e-4
+(TOL; measured 2.2e-6 at most); through LLM compiled (mode 3), V2's greedy tokens equal HF's and
+their logprobs HF's log-softmax within 1e-4; V3's in mode 0 with prefix caching and chunked
+prefill, float32 and bfloat16 (and under tensor parallelism: tests/distributed/
+test_tp_deepseek.py); the cache one latent row per token and layer; MTP layers skipped on load;
+HF's empty shared MLP (n_shared_experts 0) loads; a bfloat16 model's router is HF's float32 one;
+the softmax scale's mscale_all_dim is HF's; what the family refuses, by field.
 """
 import shutil
 
@@ -138,11 +138,13 @@ def test_cache_holds_the_latent_and_rope_per_token(tiny_deepseek_v2_dir):
     assert kv_block_bytes(4, m.num_layers, m.num_kv_heads, m.head_dim, 4, m.kv_cache_parts) == block
 
 
-def test_v3_eager_prefix_caching_and_chunked_prefill_match_hf(tiny_deepseek_v3_dir):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_v3_eager_prefix_caching_and_chunked_prefill_match_hf(tiny_deepseek_v3_dir, dtype):
     """Through LLM in mode 0, prompts of 27-30 tokens prefilled in chunks of at most 16 (a
-    chunk's absorbed queries against the latent cached by the chunks before it), the second
-    and third prompts' first 24 tokens read from the first's cached blocks, then decoded
-    together (unequal lengths: padded keys masked): HF's greedy tokens."""
+    chunk's queries against K/V expanded from the latent cached by the chunks before it), the
+    second and third prompts' first 24 tokens read from the first's cached blocks, then decoded
+    together (unequal lengths: padded keys masked): HF's greedy tokens in the same dtype (in
+    bfloat16 HF too expands K/V from the bfloat16 latent)."""
     from kiln import SamplingParams
 
     from checkpoints import hf_greedy
@@ -150,7 +152,7 @@ def test_v3_eager_prefix_caching_and_chunked_prefill_match_hf(tiny_deepseek_v3_d
     base = [(7 * i + 3) % 500 for i in range(24)]
     prompts = [base + [11, 12, 13, 14, 15, 16], base + [400, 401, 402, 403, 404, 405],
                base + [9, 8, 7]]
-    llm = LLM(model=str(tiny_deepseek_v3_dir), dtype="float32", enforce_eager=True,
+    llm = LLM(model=str(tiny_deepseek_v3_dir), dtype=dtype, enforce_eager=True,
               max_model_len=64, block_size=8, enable_prefix_caching=True,
               max_num_batched_tokens=16, max_num_seqs=4)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -158,7 +160,7 @@ def test_v3_eager_prefix_caching_and_chunked_prefill_match_hf(tiny_deepseek_v3_d
     rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
     assert [o.num_cached_tokens for o in rest] == [24, 24]
     got = [list(o.outputs[0].token_ids) for o in first + rest]
-    assert got == hf_greedy(tiny_deepseek_v3_dir, prompts, 6)
+    assert got == hf_greedy(tiny_deepseek_v3_dir, prompts, 6, dtype=getattr(torch, dtype))
 
 
 def test_quantization_is_refused(tiny_deepseek_v2_dir):
