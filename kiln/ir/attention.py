@@ -20,7 +20,8 @@ def run_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
     """q [T, nh*hd], k, v [T, nkv*hd] (rows may be strided), out [T, nh*hd] (written: the
     caller owns it): the layer's k/v go into its cache at the step's slots, then out = causal
     softmax(q k^T * scale) v over each request's cached tokens (within the layer's sliding
-    window, its scores soft-capped where the layer has a cap), by its backend."""
+    window, its scores soft-capped where the layer has a cap), by its backend. An MLA layer's q
+    is [T, nh*(nope+rope)], k its cache rows, out [T, nh*v_head_dim] (mla_backend.py)."""
     from kiln.forward_context import get_forward_context
 
     context = get_forward_context()
