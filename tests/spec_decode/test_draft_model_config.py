@@ -86,3 +86,29 @@ def test_ngram_speculation_with_a_pooling_runner_is_refused(tiny_llama_dir, kwar
         EngineArgs(model=str(tiny_llama_dir), speculative_config={
             "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
             **kwargs).create_kiln_config()
+
+
+def test_the_draft_compiles_under_mode_3_under_its_own_cache_key(tiny_llama_dir):
+    """As an EAGLE head: compiled with a mode-3 target unless the draft's enforce_eager says
+    not, keyed apart from the target even when it is the target's own checkpoint (its compiled
+    range one sampled token a request wider than the target's budget)."""
+    import dataclasses
+
+    from kiln.spec_decode.draft_model_proposer import draft_compiles, draft_kiln_config
+
+    def config(mode, **spec):
+        return EngineArgs(model=str(tiny_llama_dir), max_model_len=128, max_num_seqs=4,
+                          compilation_config={"mode": mode}, speculative_config={
+                              "model": str(tiny_llama_dir), "num_speculative_tokens": 2,
+                              **spec}).create_kiln_config()
+
+    for mode, eager, compiles in ((3, None, True), (3, True, False), (0, None, False)):
+        assert draft_compiles(config(mode, enforce_eager=eager)) == compiles
+        assert draft_kiln_config(config(mode, enforce_eager=eager)).compilation_config.mode \
+            == (3 if compiles else 0)
+    target = config(3)
+    draft = draft_kiln_config(target)
+    assert draft.scheduler_config.max_num_batched_tokens == \
+        target.scheduler_config.max_num_batched_tokens + 4
+    assert draft.compute_hash() != target.compute_hash()
+    assert draft.compute_hash() != dataclasses.replace(draft, is_draft=False).compute_hash()
