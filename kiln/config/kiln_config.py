@@ -38,6 +38,9 @@ class KilnConfig(FreezableConfig):
     speculative_config: SpeculativeConfig | None = None
     # LoRA serving (--enable-lora): a kiln.lora.config.LoRAConfig, None when off
     lora_config: object = None
+    # the config a draft model or EAGLE head is built under (draft_kiln_config), which keys its
+    # compile cache apart from the target's even when the draft is the target's own checkpoint
+    is_draft: bool = False
 
     SUB_CONFIGS = ("model_config", "cache_config", "scheduler_config", "parallel_config",
                    "load_config", "device_config", "compilation_config")
@@ -239,7 +242,7 @@ class KilnConfig(FreezableConfig):
             # LoRA layers add their op and buffers to the graph
             None if self.lora_config is None else repr(self.lora_config),
             # an EAGLE-3 head's auxiliary hidden states are graph outputs too
-            target_aux_layer_ids(self),
+            target_aux_layer_ids(self), self.is_draft,
         ]
         return hashlib.sha256(repr(factors).encode()).hexdigest()[:16]
 

@@ -32,8 +32,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     model: str | None = None  # the draft model ("ngram": vLLM's older way to say the method)
-    draft_tensor_parallel_size: int | None = None  # vLLM's; 1 (the target's tp is 1)
-    enforce_eager: bool | None = None  # vLLM's; True: an EAGLE head stays eager under mode 3
+    draft_tensor_parallel_size: int | None = None  # vLLM's; the target's (unset: it)
+    enforce_eager: bool | None = None  # vLLM's; True: the draft stays eager under mode 3
     revision: str | None = None  # the draft's hub revision
     draft_sample_method: str = "greedy"
     rejection_sample_method: str = "standard"
@@ -106,13 +106,8 @@ class SpeculativeConfig:
             if getattr(self, name) is not None:
                 raise ConfigError(f"{_FLAG}: speculative_config.{name} is n-gram's; drop it "
                                   f"with method={self.method!r}")
-        tp = self.draft_tensor_parallel_size
-        if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or (
-                tp != 1 and not self.is_eagle)):
-            raise ConfigError(f"{_FLAG}: speculative_config.draft_tensor_parallel_size={tp!r}: "
-                              "Kiln runs a draft model on one rank (1, or leave it unset), "
-                              "an EAGLE head on the target's ranks (its "
-                              "--tensor-parallel-size, or leave it unset)")
+        if self.draft_tensor_parallel_size is not None:  # the target's: check_speculative
+            _check_int("draft_tensor_parallel_size", self.draft_tensor_parallel_size)
         if self.max_model_len is not None:  # the draft's: it drafts for shorter requests only
             _check_int("max_model_len", self.max_model_len)
         for name, value, why in _FIXED:
@@ -194,23 +189,17 @@ def _check_int(name: str, value) -> None:
 
 def check_speculative(config: SpeculativeConfig | None, parallel) -> None:
     """Refuse what speculative decoding does not run with: pipeline parallelism (the stages
-    before the last learn one token per request a step), and a draft model under tensor
-    parallelism. An EAGLE head is sharded over the target's ranks, as vLLM's."""
+    before the last learn one token per request a step), and a draft on other ranks than the
+    target's. A draft model or EAGLE head is sharded over the target's ranks, as vLLM's."""
     if config is None:
         return
     if parallel.pipeline_parallel_size > 1:
         raise ConfigError(f"{_FLAG} is not supported with --pipeline-parallel-size "
                           f"{parallel.pipeline_parallel_size}: drop one of them (-tp works "
-                          "with method='ngram' and the EAGLE methods)")
+                          "with every method)")
     tp, draft_tp = parallel.tensor_parallel_size, config.draft_tensor_parallel_size
-    if config.is_eagle:
-        if draft_tp not in (None, tp):
-            raise ConfigError(f"{_FLAG}: speculative_config.draft_tensor_parallel_size="
-                              f"{draft_tp} differs from --tensor-parallel-size {tp}; an EAGLE "
-                              "head runs on the target's ranks: set it to "
-                              f"{tp} or leave it unset")
-        return
-    if config.runner_proposes and tp > 1:
-        raise ConfigError(f"{_FLAG}: method={config.method!r} is not supported with "
-                          f"--tensor-parallel-size {parallel.tensor_parallel_size}; drop one "
-                          "of them (method='ngram' works with -tp)")
+    if config.runner_proposes and draft_tp not in (None, tp):
+        raise ConfigError(f"{_FLAG}: speculative_config.draft_tensor_parallel_size="
+                          f"{draft_tp} differs from --tensor-parallel-size {tp}; the draft "
+                          f"(method={config.method!r}) runs on the target's ranks: set it to "
+                          f"{tp} or leave it unset")

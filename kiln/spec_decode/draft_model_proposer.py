@@ -1,10 +1,12 @@
-"""vLLM's method='draft_model': a smaller model with the target's vocabulary runs eagerly in the
-worker beside it, on its own KV tensors over the target's block tables (the worker sizes both
-from one budget). After each target step it catches up on what the target computed and the
-token just sampled, then proposes up to k tokens greedily (one forward over the batch each),
-which the scheduler runs as drafts next step; the rejection sampler takes them as one-hot, as
-vLLM's does under its default draft_sample_method='greedy'."""
+"""vLLM's method='draft_model': a smaller model with the target's vocabulary runs in the worker
+beside it (compiled under a mode-3 target, sharded over its ranks under -tp), on its own KV
+tensors over the target's block tables (the worker sizes both from one budget). After each
+target step it catches up on what the target computed and the token just sampled, then
+proposes up to k tokens greedily (one forward over the batch each), which the scheduler runs
+as drafts next step; the rejection sampler takes them as one-hot, as vLLM's does under its
+default draft_sample_method='greedy'."""
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,30 +48,34 @@ class DraftPlan:
 
 
 def draft_compiles(kiln_config) -> bool:
-    """Whether the draft compiles: an EAGLE head does when the target runs under mode 3, as
-    vLLM's does under VLLM_COMPILE, unless speculative_config.enforce_eager; a draft model, and
-    any draft under modes 0-2, run eagerly."""
-    spec = kiln_config.speculative_config
-    return (spec.is_eagle and not spec.enforce_eager
+    """Whether the draft (a draft model or an EAGLE head) compiles: when the target runs under
+    mode 3, as vLLM's does under VLLM_COMPILE, unless speculative_config.enforce_eager; under
+    modes 0-2 it runs eagerly."""
+    return (not kiln_config.speculative_config.enforce_eager
             and kiln_config.compilation_config.mode == CompilationMode.KILN_COMPILE)
 
 
 def draft_kiln_config(kiln_config):
-    """The target's engine config with the draft model in it: eager (mode 0, no graphs), or
-    the target's compilation settings where draft_compiles (its cache key differs by model)."""
+    """The target's engine config with the draft model in it, on the target's ranks: eager
+    (mode 0, no graphs), or the target's compilation settings where draft_compiles (its cache
+    key its own: KilnConfig.is_draft). Its token budget takes the catch-up's sampled token per
+    request beyond the step's (the compiled range serves up to it)."""
     from kiln.config.kiln_config import KilnConfig
 
     draft = kiln_config.speculative_config.draft_model_config
     compiled = draft_compiles(kiln_config)
+    sched = kiln_config.scheduler_config
     return KilnConfig(
         model_config=draft, cache_config=kiln_config.cache_config,
-        scheduler_config=kiln_config.scheduler_config,
+        scheduler_config=dataclasses.replace(
+            sched, max_num_batched_tokens=sched.max_num_batched_tokens + sched.max_num_seqs),
         parallel_config=kiln_config.parallel_config,
         load_config=LoadConfig(load_format=draft.load_format),
         device_config=kiln_config.device_config,
         compilation_config=(copy.deepcopy(kiln_config.compilation_config) if compiled
                             else CompilationConfig(mode=CompilationMode.NONE)),
-        enforce_eager=not compiled, ir_op_priority=dict(kiln_config.ir_op_priority))
+        enforce_eager=not compiled, ir_op_priority=dict(kiln_config.ir_op_priority),
+        is_draft=True)
 
 
 class DraftModelProposer:

@@ -158,7 +158,7 @@ class Worker(WorkerSleepMode):
                             self.model_runner.compile_state.warmup_phase,
                             extra_sizes=[1, min(sched.max_num_seqs, sched.max_num_batched_tokens)])
         drafter = self.model_runner.drafter
-        if drafter is not None and drafter.compiles:  # a compiled EAGLE head: its own shapes
+        if drafter is not None and drafter.compiles:  # a compiled draft: its own shapes
             compile_and_warm_up(functools.partial(drafter.dummy_run, self.model_runner),
                                 drafter.kiln_config, drafter.compile_state.warmup_phase,
                                 extra_sizes=[1])

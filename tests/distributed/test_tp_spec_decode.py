@@ -1,6 +1,7 @@
 """Speculative decoding at tensor parallel 2: n-gram drafts every rank verifies alike (same
 logits, same generators), so greedy output is HF's and seeded sampling is TP=1's; an EAGLE-3
-head sharded over the ranks drafts as at TP=1."""
+head sharded over the ranks drafts as at TP=1; a draft model sharded as the target drafts what
+the target picks."""
 from kiln import SamplingParams
 
 from checkpoints import hf_greedy
@@ -57,3 +58,19 @@ def test_tp2_eagle3_head_drafts_and_outputs_as_tp1(tiny_llama_dir, tmp_path, ran
     assert sum(len(d) for step in runs[0][1] for d in step) >= 2 * 4 * 3
     assert runs[0] == runs[1]
     assert runs[0][0] == hf_greedy(tiny_llama_dir, PROMPTS, 16)
+
+
+def test_tp2_draft_model_sharded_as_the_target_has_every_draft_accepted(tiny_llama_dir,
+                                                                       ranks_exit):
+    """A draft model (here the target's own checkpoint) sharded over the target's 2 ranks as
+    the target is: each rank's draft shard proposes what the target picks, so every draft is
+    accepted, and the greedy output is the one without speculation (HF's)."""
+    spec = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3}
+    llm = make_llm(tiny_llama_dir, tensor_parallel_size=2, speculative_config=spec)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
+    stats = llm.llm_engine.get_stats()
+    ranks_exit(llm)
+    assert [list(o.outputs[0].token_ids) for o in outs] == hf_greedy(tiny_llama_dir, PROMPTS, 16)
+    drafted = stats["spec_decode_num_draft_tokens"]
+    assert drafted >= 2 * 3 * 3 and stats["spec_decode_num_accepted_tokens"] == drafted

@@ -55,7 +55,7 @@ def assert_same(got, want, logprobs=False):
 
 def test_greedy_is_without_speculation_with_either_draft(engines):
     """(Without speculation these are HF's tokens: test_spec_decode_e2e.py; with a draft in
-    mode 3, test_mode_3_target_with_an_eager_draft.)"""
+    mode 3, test_mode_3_compiles_the_draft_and_a_restart_traces_nothing.)"""
     same, other, base = engines
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
     want = generate(base, PROMPTS, params)
@@ -165,16 +165,31 @@ def test_sampling_keeps_the_target_distribution(engines):
     assert chi2 < 18.47, (chi2, top, seconds)  # the 0.999 quantile at 4 degrees of freedom
 
 
-def test_mode_3_target_with_an_eager_draft(inprocess_core, tiny_llama_dir):
+def test_mode_3_compiles_the_draft_and_a_restart_traces_nothing(inprocess_core, tiny_llama_dir,
+                                                                tmp_path):
+    """Under mode 3 the draft (the target's own checkpoint, under its own cache key) is traced
+    and compiled at warm-up beside the target, then a second engine on the same cache loads
+    both saved graphs; neither compiles while serving. A small budget chunks the prefills, so
+    a draft catch-up runs a full step's tokens plus each request's sampled one."""
+    from kiln.compilation.counters import compilation_counter as c
+
     from checkpoints import hf_greedy
 
-    llm = make(tiny_llama_dir, draft_spec(tiny_llama_dir, k=2), mode=3)
-    assert llm.llm_engine.kiln_config.compilation_config.mode == 3
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    before = spec_totals(llm)
-    outs = generate(llm, PROMPTS, params)
-    all_accepted(llm, before)
-    assert [list(o.token_ids) for o in outs] == hf_greedy(tiny_llama_dir, PROMPTS, 20)
+    want = hf_greedy(tiny_llama_dir, PROMPTS, 20)
+    cache = {"cache_dir": str(tmp_path / "cc")}
+    for counts in ({"num_dynamo_traces": 2, "num_saved_graph_loads": 0},
+                   {"num_dynamo_traces": 0, "num_saved_graph_loads": 2}):
+        with c.expect(**counts):
+            llm = make(tiny_llama_dir, draft_spec(tiny_llama_dir, k=2), mode=3,
+                       compilation=cache, max_num_batched_tokens=16, max_num_seqs=4)
+        assert llm.llm_engine.engine_core.executor.worker.model_runner.drafter.compiles
+        before = spec_totals(llm)
+        with c.expect(num_dynamo_traces=0, num_backend_compilations=0):  # none while serving
+            outs = generate(llm, PROMPTS, params)
+        all_accepted(llm, before)
+        assert [list(o.token_ids) for o in outs] == want
+        llm.llm_engine.shutdown()
 
 
 def test_draft_counters_reach_the_spec_decoding_line(engines, kiln_logs):

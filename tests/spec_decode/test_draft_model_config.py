@@ -25,8 +25,8 @@ def test_method_is_inferred_from_model_as_vllm_does():
 @pytest.mark.parametrize("value, message", [
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs speculative_config.model"),
     ({"method": "draft_model", "model": "m"}, "num_speculative_tokens is required"),
-    ({"model": "m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
-     "draft_tensor_parallel_size=2"),
+    ({"model": "m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 0},
+     "draft_tensor_parallel_size must be"),
     ({"model": "m", "num_speculative_tokens": 2, "tensor_parallel_size": 1},
      "draft_tensor_parallel_size"),
     ({"model": "m", "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"},
@@ -70,9 +70,18 @@ def test_draft_model_config_follows_the_target(tiny_llama_dir, tmp_path):
     capped = EngineArgs(model=str(tiny_llama_dir), max_model_len=128, speculative_config={
         "model": str(tiny_llama_dir), "num_speculative_tokens": 2, "max_model_len": 32})
     assert capped.create_kiln_config().speculative_config.draft_model_config.max_model_len == 32
-    with pytest.raises(ConfigError, match="'draft_model' is not supported with "
-                                          "--tensor-parallel-size 2"):
-        engine(tiny_llama_dir, tensor_parallel_size=2).create_kiln_config()
+    # on the target's ranks (tests/distributed/test_tp_spec_decode.py); a draft tp other
+    # than the target's is refused by field
+    assert engine(tiny_llama_dir, tensor_parallel_size=2).create_kiln_config()
+    for tp, draft_tp in ((2, 1), (1, 2)):
+        with pytest.raises(ConfigError, match=f"draft_tensor_parallel_size={draft_tp} differs "
+                                              f"from --tensor-parallel-size {tp}; the draft "
+                                              r"\(method='draft_model'\) runs on the target's"):
+            EngineArgs(model=str(tiny_llama_dir), max_model_len=128, tensor_parallel_size=tp,
+                       speculative_config={"model": str(tiny_llama_dir),
+                                           "num_speculative_tokens": 2,
+                                           "draft_tensor_parallel_size": draft_tp}
+                       ).create_kiln_config()
     with pytest.raises(ConfigError, match="--pipeline-parallel-size 2"):
         engine(tiny_llama_dir, pipeline_parallel_size=2).create_kiln_config()
 
@@ -86,3 +95,29 @@ def test_ngram_speculation_with_a_pooling_runner_is_refused(tiny_llama_dir, kwar
         EngineArgs(model=str(tiny_llama_dir), speculative_config={
             "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
             **kwargs).create_kiln_config()
+
+
+def test_the_draft_compiles_under_mode_3_under_its_own_cache_key(tiny_llama_dir):
+    """As an EAGLE head: compiled with a mode-3 target unless the draft's enforce_eager says
+    not, keyed apart from the target even when it is the target's own checkpoint (its compiled
+    range one sampled token a request wider than the target's budget)."""
+    import dataclasses
+
+    from kiln.spec_decode.draft_model_proposer import draft_compiles, draft_kiln_config
+
+    def config(mode, **spec):
+        return EngineArgs(model=str(tiny_llama_dir), max_model_len=128, max_num_seqs=4,
+                          compilation_config={"mode": mode}, speculative_config={
+                              "model": str(tiny_llama_dir), "num_speculative_tokens": 2,
+                              **spec}).create_kiln_config()
+
+    for mode, eager, compiles in ((3, None, True), (3, True, False), (0, None, False)):
+        assert draft_compiles(config(mode, enforce_eager=eager)) == compiles
+        assert draft_kiln_config(config(mode, enforce_eager=eager)).compilation_config.mode \
+            == (3 if compiles else 0)
+    target = config(3)
+    draft = draft_kiln_config(target)
+    assert draft.scheduler_config.max_num_batched_tokens == \
+        target.scheduler_config.max_num_batched_tokens + 4
+    assert draft.compute_hash() != target.compute_hash()
+    assert draft.compute_hash() != dataclasses.replace(draft, is_draft=False).compute_hash()
