@@ -106,7 +106,9 @@ def build_config(table: dict):
         own = gguf_family_fields.family_fields(table, fields, names, key)
         if "rope_parameters" in own:  # nested by layer kind: the base is in it
             fields.pop("rope_theta")
-        fields.update(own)
+        # no padding token where the file names none (the class's default, GLM-4's 151329, lies
+        # outside a smaller vocabulary)
+        fields.update(own, pad_token_id=fields.get("pad_token_id"))
     elif arch == "gemma":
         fields.update(head_dim=key("attention.key_length", fields["hidden_size"] // heads),
                       hidden_act="gelu_pytorch_tanh")
