@@ -1,4 +1,5 @@
-"""HF configs of the GGUF architectures transformers does not convert (Gemma, Granite, OLMo-2) or
+"""HF configs of the GGUF architectures transformers does not convert (Gemma, Granite, OLMo-2 / 3,
+SmolLM3, EXAONE-4, GLM-4, Seed-OSS, ERNIE-4.5: gguf_family_fields.py) or
 converts leaving out what llama.cpp reads (Gemma-2 / 3: soft caps, attention scale, vocabulary
 size, local rope base), built from a file's metadata as llama.cpp's converter wrote it, and what
 transformers' Phi-3 conversion leaves out (the sliding window, the original context length,
@@ -9,12 +10,21 @@ parses no file for it; longrope's factors are read from their two small tensors.
 """
 from pathlib import Path
 
+from kiln.config import gguf_family_fields
+
 # general.architecture -> transformers' config class (and the architecture Kiln serves it as)
 OWN_CONFIG_ARCHITECTURES = {"gemma": ("GemmaConfig", "GemmaForCausalLM"),
                             "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
                             "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
                             "granite": ("GraniteConfig", "GraniteForCausalLM"),
-                            "olmo2": ("Olmo2Config", "Olmo2ForCausalLM")}
+                            "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+                            "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+                            "exaone4": ("Exaone4Config", "Exaone4ForCausalLM"),
+                            "glm4": ("Glm4Config", "Glm4ForCausalLM"),
+                            "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM"),
+                            "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM")}
+# an olmo2 file with a window (gguf_family_fields.is_olmo3)
+_OLMO3 = ("Olmo3Config", "Olmo3ForCausalLM")
 # Granite's multipliers as its converter renames them (written only when not 0)
 _GRANITE_SCALES = {"attention.scale": "attention_multiplier",
                    "embedding_scale": "embedding_multiplier",
@@ -43,7 +53,7 @@ def metadata_keys(arch: str | None) -> list[str]:
     if arch == "phi3":
         keys += [f"{arch}.attention.sliding_window", f"{arch}.rope.scaling.attn_factor",
                  f"{arch}.rope.scaling.original_context_length"]
-    return keys + ["tokenizer.ggml.padding_token_id"]
+    return keys + gguf_family_fields.metadata_keys(arch) + ["tokenizer.ggml.padding_token_id"]
 
 
 def values(table: dict) -> dict:
@@ -84,14 +94,22 @@ def build_config(table: dict):
 
     arch = table["architecture"]
     meta, names = values(table), {t["name"] for t in table["tensors"]}
-    cls_name, architecture = OWN_CONFIG_ARCHITECTURES[arch]
+    olmo3 = gguf_family_fields.is_olmo3(table, meta)
+    cls_name, architecture = _OLMO3 if olmo3 else OWN_CONFIG_ARCHITECTURES[arch]
 
     def key(name, default=None):
         return meta.get(f"{arch}.{name}", default)
 
     fields = {"architectures": [architecture], **common_fields(table)}
     heads = fields["num_attention_heads"]
-    if arch == "gemma":
+    if arch in gguf_family_fields.FAMILY_ARCHITECTURES or olmo3:
+        own = gguf_family_fields.family_fields(table, fields, names, key)
+        if "rope_parameters" in own:  # nested by layer kind: the base is in it
+            fields.pop("rope_theta")
+        # no padding token where the file names none (the class's default, GLM-4's 151329, lies
+        # outside a smaller vocabulary)
+        fields.update(own, pad_token_id=fields.get("pad_token_id"))
+    elif arch == "gemma":
         fields.update(head_dim=key("attention.key_length", fields["hidden_size"] // heads),
                       hidden_act="gelu_pytorch_tanh")
     elif arch in _GEMMA_SOFT_CAPS:

@@ -16,13 +16,11 @@ from kiln.errors import ConfigError
 
 # The GGUF architectures Kiln's models run (general.architecture).
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2",
-                                "gemma3", "granite", "olmo2", "qwen2moe", "qwen3moe")
+                                "gemma3", "granite", "olmo2", "smollm3", "exaone4", "glm4",
+                                "seed_oss", "ernie4_5", "qwen2moe", "qwen3moe")
 # llama.cpp architectures whose HF checkpoints Kiln serves, and their GGUF files not
 _HF_ONLY = {"starcoder2": "Starcoder2ForCausalLM", "gptneox": "GPTNeoXForCausalLM",
-            "phi2": "PhiForCausalLM", "command-r": "CohereForCausalLM",
-            "glm4": "Glm4ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-            "exaone4": "Exaone4ForCausalLM", "ernie4_5": "Ernie4_5ForCausalLM",
-            "seed_oss": "SeedOssForCausalLM"}
+            "phi2": "PhiForCausalLM", "command-r": "CohereForCausalLM"}
 # <arch>.key -> what its value must be: "count" a positive integer, "positive" a number above 0,
 # "scale" a number from 0 (a rope scaling factor: 0 is none, as llama.cpp reads it).
 # Required: without the model's shape transformers takes its defaults (32 layers, ...); without

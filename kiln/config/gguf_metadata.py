@@ -30,8 +30,9 @@ logger = init_logger(__name__)
 # 9: the tokenizer's model and pre-tokenizer type (a tokenizer kept before splits no digits),
 # 10: rope scaling read as llama.cpp reads it (rope.scale_linear, a missing type or factor),
 # 11: rope.dimension_count, 12: gguf_arch_config's metadata (Phi-3, Gemma, Granite, OLMo-2),
-# 13: Gemma-2 / 3's (soft caps, window), 14: gguf_moe_config's (the experts' counts and sizes).
-_FORMAT = 14
+# 13: Gemma-2 / 3's (soft caps, window), 14: gguf_moe_config's (the experts' counts and sizes),
+# 15: gguf_family_fields' (windows and their per-layer pattern's values).
+_FORMAT = 15
 
 
 def converted_dir(gguf: Path) -> Path:
@@ -152,17 +153,22 @@ def _apply_head_size(config, head_size: dict | None, gguf: Path) -> None:
 
 
 def _check_rotary_dims(config, table: dict, gguf: Path) -> None:
-    """Refuse a file that ropes only part of each head (`{arch}.rope.dimension_count` below the
-    head size): llama.cpp ropes that many dimensions (and refuses it for llama), Kiln's rotary
-    embedding ropes them all; such a file ran with every position rotated wrong."""
+    """Refuse a file that ropes another part of each head (`{arch}.rope.dimension_count`) than
+    its config's model does (the whole head; GLM-4's partial_rotary_factor of it): llama.cpp
+    ropes that many dimensions (and refuses it for llama); such a file ran with every position
+    rotated wrong."""
+    from kiln.config.rope import partial_rotary_factor_of
+
     key = f"{table['architecture']}.rope.dimension_count"
     rotary = table["metadata"].get(key, {}).get("value")
     head_dim = getattr(config, "head_dim", None) or \
         config.hidden_size // config.num_attention_heads
-    if rotary is not None and rotary != head_dim:
-        raise ConfigError(f"GGUF file {gguf}: {key} is {rotary}, but each attention head has "
-                          f"{head_dim} dimensions; Kiln ropes whole heads only (partial rotary "
-                          "embeddings are not supported)")
+    roped = int(head_dim * partial_rotary_factor_of(config))
+    if rotary is not None and rotary != roped:
+        model = (getattr(config, "architectures", None) or [config.model_type])[0]
+        raise ConfigError(f"GGUF file {gguf}: {key} is {rotary}, but Kiln's {model} ropes "
+                          f"{roped} of each head's {head_dim} dimensions (a partial rotary "
+                          "embedding is read from GLM-4 files only)")
 
 
 def load_tokenizer(gguf: Path):
@@ -208,12 +214,16 @@ def _dims(tensor) -> list[int]:
 
 def _summary(field) -> dict:
     """A metadata field as JSON: {"type": gguf's value type name, and "value" for one value or
-    "count" for an array} (an array's values are not read: a vocabulary's are 2.5 s)."""
+    "count" for an array} (an array's values are not read: a vocabulary's are 2.5 s; a bool
+    array's, one per layer such as a sliding-window pattern, are: "values")."""
     import gguf
 
     kind = gguf.GGUFValueType(field.types[0]).name
     if field.types[0] == gguf.GGUFValueType.ARRAY:
-        return {"type": kind, "count": len(field.data)}
+        summary = {"type": kind, "count": len(field.data)}
+        if field.types[1:] == [gguf.GGUFValueType.BOOL]:
+            summary["values"] = [bool(v) for v in field.contents()]
+        return summary
     return {"type": kind, "value": field.contents()}
 
 

@@ -428,7 +428,8 @@ def test_an_architecture_kiln_lacks_is_refused_naming_the_file_and_what_it_runs(
                     kiln_config_for(tiny_llama_dir).model_config.hf_config, arch="starcoder2")
     with pytest.raises(ValueError, match=r"starcoder2.gguf: architecture 'starcoder2' is not "
                        r"supported; supported: llama, mistral, qwen2, qwen3, phi3, gemma, "
-                       r"gemma2, gemma3, granite, olmo2, qwen2moe, qwen3moe; Kiln serves "
+                       r"gemma2, gemma3, granite, olmo2, smollm3, exaone4, glm4, seed_oss, "
+                       r"ernie4_5, qwen2moe, qwen3moe; Kiln serves "
                        r"Starcoder2ForCausalLM from its Hugging Face checkpoint \(safetensors\), "
                        r"not GGUF"):
         ModelConfig(model=str(path))

@@ -23,13 +23,18 @@ _PARTS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
           "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 _FAMILY_PARTS = {"phi3": {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
-                 "olmo2": {"post_attention_layernorm": "post_attention_norm",
-                           "post_feedforward_layernorm": "post_ffw_norm"},
+                 **{arch: {"post_attention_layernorm": "post_attention_norm",
+                           "post_feedforward_layernorm": "post_ffw_norm"}
+                    for arch in ("olmo2", "exaone4")},
+                 "glm4": {"post_self_attn_layernorm": "post_attention_norm",
+                          "post_mlp_layernorm": "post_ffw_norm", "mlp.gate_up_proj": "ffn_up"},
+                 "seed_oss": {"post_attention_layernorm": "post_attention_norm"},
                  **{arch: {"post_attention_layernorm": "post_attention_norm",
                            "pre_feedforward_layernorm": "ffn_norm",
                            "post_feedforward_layernorm": "post_ffw_norm"}
                     for arch in ("gemma2", "gemma3")}}
 GEMMAS = ("gemma", "gemma2", "gemma3")
+PERMUTED = ("granite", "smollm3")  # llama.cpp's LlamaModel-style q/k row permutation
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
            "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 
@@ -66,8 +71,15 @@ def _metadata(w, arch: str, c) -> None:
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(rope["factor"])
     elif arch != "gemma":
-        w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-        w.add_rope_dimension_count(head_dim)
+        rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # OLMo-3's nested
+        w.add_rope_freq_base(rope["rope_theta"])
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1)))
+        if rope["rope_type"] == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["factor"])
+    if arch in ("olmo2", "exaone4") and getattr(c, "sliding_window", None):  # OLMo-3 / EXAONE-4
+        w.add_sliding_window(c.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
     if arch == "phi3":
         w.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
         w.add_sliding_window(0)
@@ -112,7 +124,7 @@ def write_family_gguf(path, hf_dir, arch: str, types: dict | None = None, skip: 
             continue
         a = t.float().numpy()
         heads = None
-        if arch == "granite" and gname.split(".")[-2] in ("attn_q", "attn_k"):
+        if arch in PERMUTED and gname.split(".")[-2] in ("attn_q", "attn_k"):
             heads = c.num_attention_heads if ".attn_q." in gname else c.num_key_value_heads
             a = llama_cpp_permute(a, heads)
         if arch in GEMMAS and name.endswith("norm.weight"):

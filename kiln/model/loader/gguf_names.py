@@ -3,7 +3,8 @@ did to a tensor's values that loading undoes (q/k rows permuted, Gemma-1/2/3's n
 1 + w, q/k norms included).
 
 Phi-3 files keep q/k/v and gate/up fused (attn_qkv, and ffn_up holding gate then up), named
-here as the HF Phi-3 checkpoint's qkv_proj / gate_up_proj, which its model splits on load.
+here as the HF Phi-3 checkpoint's qkv_proj / gate_up_proj, which its model splits on load (GLM-4
+files their gate_up_proj alike).
 Mixtures of experts keep each layer's experts stacked (ffn_*_exps, [E, ...]): named here as
 Kiln's stacked parameters, and loaded as each expert's HF tensor (`expert_tensors`).
 """
@@ -12,8 +13,9 @@ import re
 import numpy as np
 
 # llama.cpp permutes q/k rows only for the architectures it ropes in the "normal" (GPT-J) style
-# (LlamaModel's converter and those built on it, Granite's).
-PERMUTED_ARCHITECTURES = ("llama", "mistral", "granite")
+# (LlamaModel's converter and those built on it: Granite's, SmolLM3's). GLM-4 and ERNIE-4.5 are
+# roped that way too, but their HF checkpoints already pair dimensions so: written unpermuted.
+PERMUTED_ARCHITECTURES = ("llama", "mistral", "granite", "smollm3")
 # Architectures whose norms llama.cpp stores as 1 + w (Gemma's RMSNorm scales by 1 + w).
 _SHIFTED_NORM_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
@@ -48,9 +50,14 @@ EXPERT_STACKS = {"ffn_gate_exps": ("w13_weight", "gate_proj"),
 # Each architecture's names that differ from (or add to) the common ones.
 _ARCH_BLOCK_NAMES = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-    # OLMo-2 normalises block outputs: no attn_norm / ffn_norm
-    "olmo2": {"post_attention_norm": "post_attention_layernorm",
-              "post_ffw_norm": "post_feedforward_layernorm"},
+    # OLMo-2 / 3 and EXAONE-4 normalise block outputs: no attn_norm / ffn_norm
+    **{arch: {"post_attention_norm": "post_attention_layernorm",
+              "post_ffw_norm": "post_feedforward_layernorm"} for arch in ("olmo2", "exaone4")},
+    # GLM-4's sandwich norms under its own HF names; ffn_up holds gate then up, as Phi-3's
+    "glm4": {"post_attention_norm": "post_self_attn_layernorm",
+             "post_ffw_norm": "post_mlp_layernorm", "ffn_up": "mlp.gate_up_proj"},
+    # Seed-OSS's pre-MLP norm is post_attention_norm in llama.cpp (its ffn_norm elsewhere)
+    "seed_oss": {"post_attention_norm": "post_attention_layernorm"},
     # Gemma-2 / 3 normalise each block's input and output: ffn_norm is the pre-feed-forward one
     **{arch: {"post_attention_norm": "post_attention_layernorm",
               "ffn_norm": "pre_feedforward_layernorm",
