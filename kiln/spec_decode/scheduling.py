@@ -33,6 +33,32 @@ def max_lookahead(config: SpeculativeConfig | None) -> int:
     return config.num_speculative_tokens
 
 
+def draft_lag(config: SpeculativeConfig) -> int:
+    """Positions the draft runs behind the tokens: an EAGLE head's position i reads token i + 1
+    (and the target's state at i), so it proposes the token at `known` from position known - 2;
+    a draft model from known - 1, its own last token."""
+    return 1 if config.is_eagle else 0
+
+
+def target_room(num_tokens: int, num_output_tokens: int, max_tokens: int | None,
+                max_model_len: int) -> int:
+    """The most drafts worth verifying after a request's `num_tokens` tokens: the target keeps
+    the accepted ones and samples one more, and all must fit max_model_len and max_tokens; a
+    further draft could only be cut off (vLLM's scheduler keeps a step's positions below
+    max_model_len - 1). May be <= 0: none."""
+    room = max_model_len - num_tokens
+    if max_tokens is not None:
+        room = min(room, max_tokens - num_output_tokens)
+    return room - 1
+
+
+def draft_room(known, draft_end, lag: int):
+    """The most drafts the draft can propose after `known` tokens when it runs positions below
+    `draft_end` only (its length, the KV slots held): its k-th comes from position known + k -
+    2 - lag (draft_lag). May be <= 0: none. Takes numpy arrays too."""
+    return draft_end + 1 + lag - known
+
+
 class SpecDecodeScheduling:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
@@ -48,10 +74,9 @@ class SpecDecodeScheduling:
                 or request.structured_output_request is not None):
             return []
         c = self.config
-        k = min(c.num_speculative_tokens, budget - 1, max_model_len - request.num_tokens)
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None:  # more could only be cut off
-            k = min(k, max_tokens - request.num_output_tokens - 1)
+        k = min(c.num_speculative_tokens, budget - 1,
+                target_room(request.num_tokens, request.num_output_tokens,
+                            request.sampling_params.max_tokens, max_model_len))
         if k <= 0:
             return []
         if self.from_runner:

@@ -5,7 +5,12 @@ from kiln.config.speculative_config import SpeculativeConfig
 from kiln.core.kv_cache_manager import KVCacheManager
 from kiln.core.request import Request
 from kiln.sampling_params import SamplingParams
-from kiln.spec_decode.scheduling import SpecDecodeScheduling
+from kiln.spec_decode.scheduling import (
+    SpecDecodeScheduling,
+    draft_lag,
+    draft_room,
+    target_room,
+)
 
 DRAFT = SpeculativeConfig(method="draft_model", model="m", num_speculative_tokens=3)
 
@@ -23,13 +28,30 @@ def test_drafts_are_the_runners_proposals_cut_to_budget_length_and_max_tokens():
     request.spec_token_ids = [4, 5, 6]
     assert sd.drafts(request, budget=100, max_model_len=100) == [4, 5, 6]
     assert sd.drafts(request, budget=3, max_model_len=100) == [4, 5]
-    assert sd.drafts(request, budget=100, max_model_len=13) == [4]
+    # 12 tokens: a 13th and 14th fit; the second is the token sampled after the draft
+    assert sd.drafts(request, budget=100, max_model_len=14) == [4]
+    assert sd.drafts(request, budget=100, max_model_len=13) == []
     assert sd.drafts(decoding(10, 17, max_tokens=20), 100, 100) == []  # none proposed
     request = decoding(10, 17, max_tokens=20)
     request.spec_token_ids = [4, 5, 6]
     assert sd.drafts(request, 100, 100) == [4, 5]  # the 20th token is the last
     request.num_computed_tokens -= 3  # a prefill (after preemption): no drafts
     assert sd.drafts(request, 100, 100) == []
+
+
+def test_the_most_drafts_that_still_fit():
+    """The target keeps the accepted drafts and one token more: a draft that only an extra token
+    past max_model_len or max_tokens could follow is never worth verifying (as vLLM's scheduler,
+    which runs no position past max_model_len - 2). The draft's own length bounds the position
+    it proposes from: known + k - 2 for a draft model, one less for an EAGLE head (its position
+    i reads token i + 1), which so drafts once more at the boundary."""
+    assert target_room(10, 2, None, 14) == 3  # 4 more tokens: 3 drafts and the sampled one
+    assert target_room(10, 2, 5, 100) == 2 and target_room(10, 5, 5, 100) == -1
+    assert draft_room(known=20, draft_end=24, lag=0) == 5  # last from position 23
+    assert draft_room(20, 24, lag=1) == 6
+    assert draft_room(25, 24, lag=1) == 1 and draft_room(25, 24, lag=0) == 0
+    eagle = SpeculativeConfig(method="eagle", model="m", num_speculative_tokens=3)
+    assert draft_lag(eagle) == 1 and draft_lag(DRAFT) == 0
 
 
 def test_lookahead_is_k_within_the_context_and_none_for_ngram():
