@@ -64,6 +64,9 @@ class SpecDecodeScheduling:
         self.config = config
         # drafts proposed by the runner's draft model or EAGLE head (kept on the request)
         self.from_runner = config.runner_proposes
+        self.lag = draft_lag(config)
+        draft = config.draft_model_config  # its capped length (None: not resolved, no cap)
+        self.draft_len = None if draft is None else draft.max_model_len
         self.stats = SpecDecodingStats(
             num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
 
@@ -83,13 +86,25 @@ class SpecDecodeScheduling:
             return list(request.spec_token_ids[:k])
         return propose_ngram(token_array(request), c.prompt_lookup_min, c.prompt_lookup_max, k)
 
-    def lookahead(self, num_computed: int, num_new: int, max_model_len: int) -> int:
-        """KV slots past the step's tokens a draft model writes (its proposals, and the token
-        sampled after a full run of accepted drafts): up to k, within max_model_len."""
-        if not self.from_runner:
+    def lookahead(self, request: Request, num_computed: int, num_new: int, max_model_len: int,
+                  limit: int) -> int:
+        """KV slots past the step's tokens that the runner's draft writes after the step: the
+        K/V of the drafts it proposes then, reckoned for every draft accepted (which puts the
+        last proposal furthest). None for a request that will not draft: a prefill chunk that
+        samples nothing, one under a grammar, one past the draft's length or at the end of
+        max_model_len or max_tokens. `limit`: the most slots a request may hold."""
+        end = num_computed + num_new
+        if (not self.from_runner or end < request.num_tokens
+                or request.structured_output_request is not None):
             return 0
-        return max(0, min(self.config.num_speculative_tokens,
-                          max_model_len - num_computed - num_new))
+        known = end + 1
+        k = min(self.config.num_speculative_tokens,
+                target_room(known, request.num_output_tokens + known - request.num_tokens,
+                            request.sampling_params.max_tokens, max_model_len))
+        if self.draft_len is not None:
+            k = min(k, draft_room(known, self.draft_len, self.lag))
+        # its last proposal comes from position known + k - 2 - lag: end + k - 1 - lag
+        return max(0, min(k - self.lag, limit - end))
 
     def settle(self, request: Request, drafts: list[int], sampled: list[int]) -> None:
         """After the runner verified `drafts`: it sampled the accepted ones and one more. The
