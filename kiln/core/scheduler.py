@@ -84,7 +84,7 @@ class Scheduler(SchedulerRequests, Requeueing):
                       if self.spec_decode is not None else [])
             num_new = min(request.num_tokens - request.num_computed_tokens + len(drafts), budget)
             new_block_ids = self._allocate_or_preempt(
-                request, num_new, self._lookahead(request.num_computed_tokens, num_new))
+                request, num_new, self._lookahead(request, request.num_computed_tokens, num_new))
             if new_block_ids is None:
                 break  # `request` was the last running one and had to go
             if drafts:
@@ -126,7 +126,7 @@ class Scheduler(SchedulerRequests, Requeueing):
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
             if kv.allocate_slots(request, num_new, hit_blocks,
-                                 self._lookahead(num_hit, num_new)) is None:
+                                 self._lookahead(request, num_hit, num_new)) is None:
                 break  # nobody overtakes the head, which preempts no one (vLLM V1): it waits
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
@@ -220,16 +220,17 @@ class Scheduler(SchedulerRequests, Requeueing):
     def _key(self, request: Request) -> tuple:
         return self._order[request.request_id]
 
-    def _lookahead(self, num_computed: int, num_new: int) -> int:
-        """Slots a draft model writes past the step's tokens (0 without one), within the
-        context and the whole cache."""
+    def _lookahead(self, request: Request, num_computed: int, num_new: int) -> int:
+        """Slots a draft model writes past the step's tokens (0 without one, or for a request
+        it will not draft for), within the context and the whole cache."""
         if self.spec_decode is None:
             return 0
         kv = self.kv_cache_manager
         # under a window a request's blocks stay bounded however far it runs
         limit = (self.max_model_len if kv.bounded
                  else min(self.max_model_len, kv.num_blocks * kv.block_size))
-        return self.spec_decode.lookahead(num_computed, num_new, limit)
+        return self.spec_decode.lookahead(request, num_computed, num_new, self.max_model_len,
+                                          limit)
 
     def _cannot_ever_fit(self, request: Request) -> bool:
         kv = self.kv_cache_manager

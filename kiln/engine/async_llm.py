@@ -15,6 +15,7 @@ from kiln.engine.async_llm_lifecycle import (  # noqa: F401 (EngineShutdownError
     EngineDeadError,
     EngineShutdownError,
 )
+from kiln.engine.engine_token_stats import StepTokens
 from kiln.engine.frontend_lanes import FrontendLanes
 from kiln.engine.in_flight_streams import InFlightStreams
 from kiln.engine.request_stats import IterationStats, StatLogger
@@ -274,11 +275,11 @@ class AsyncLLM(AsyncLLMLifecycle):
         """{"prompt": rendered text, "prompt_token_ids": ids} for a conversation."""
         return await self.run_in_engine(self.engine.chat_prompt, messages, **kwargs)
 
-    def _on_step(self, outputs: list[RequestOutput], step_tokens: list[tuple[int, int]],
+    def _on_step(self, outputs: list[RequestOutput], core_steps: list[StepTokens],
                  stats: dict, step: int) -> None:
         """The step loop's outputs, on the event loop."""
         self.last_stats = stats
-        self._streams.dispatch(outputs, step_tokens, step)
+        self._streams.dispatch(outputs, core_steps, step)
 
     def _record_stats(self, stats: IterationStats) -> None:
         """A step's or an abort's stats to every stat logger, with the engine's latest."""

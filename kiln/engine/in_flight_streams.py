@@ -4,6 +4,7 @@ step's outputs routed to theirs, and streams ended by an abort or by the engine'
 import time
 from collections.abc import Callable
 
+from kiln.engine.engine_token_stats import StepTokens
 from kiln.engine.request_stats import IterationStats
 from kiln.engine.request_stream import RequestStream
 from kiln.outputs import RequestOutput
@@ -40,20 +41,19 @@ class InFlightStreams(dict[str, RequestStream]):
         stream.timer.observe_abort(time.monotonic(), stats)
         self._record(stats)
 
-    def dispatch(self, outputs: list[RequestOutput], step_tokens: list[tuple[int, int]],
+    def dispatch(self, outputs: list[RequestOutput], core_steps: list[StepTokens],
                  step: int) -> None:
-        """`step_tokens`: (replica, tokens) of each core step the engine counted (its
-        last_step_engines and last_step_tokens; none for a poll that found no step).
-        `step`: which engine step made `outputs` (StepLoop.steps_run). The stat loggers get one
-        IterationStats per replica with steps or outputs (replica 0's when there are none)."""
+        """`core_steps`: each core step the engine counted (its last_steps; none for a poll
+        that found no step). `step`: which engine step made `outputs` (StepLoop.steps_run). The
+        stat loggers get one IterationStats per replica with steps or outputs (replica 0's when
+        there are none)."""
         now = time.monotonic()
         by_engine: dict[int, IterationStats] = {}
 
         def of(engine: int) -> IterationStats:
             return by_engine.setdefault(engine, IterationStats(engine=engine))
 
-        for engine, tokens in step_tokens:
-            of(engine).step_tokens.append(tokens)
+        handed_on = set()  # requests whose outputs reached their stream: what the counters count
         for out in outputs:
             stream = self.get(out.request_id)
             if stream is None or stream.first_step is None or step < stream.first_step:
@@ -61,10 +61,17 @@ class InFlightStreams(dict[str, RequestStream]):
                 # its namesake's (the step ran before the new add: its outputs reached the
                 # new stream, whose text then began with the old request's tokens)
                 continue
+            handed_on.add(out.request_id)
             stream.timer.observe(out, now, of(stream.engine))
             stream.put_delta(out)
             if out.finished:
                 del self[out.request_id]
+        # As vLLM's iteration stats: a step's tokens are those the counters count, not an
+        # aborted request's that the engine computed meanwhile (its outputs were dropped above).
+        for core_step in core_steps:
+            kept = core_step.kept(handed_on)
+            if kept is not None:
+                of(kept.engine).step_tokens.append(kept.tokens)
         for stats in by_engine.values() or [IterationStats()]:
             self._record(stats)
 

@@ -18,7 +18,7 @@ from kiln.core.sliding_window_blocks import prompt_tokens_cached
 from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.engine_chat import EngineChat
 from kiln.engine.engine_sleep import EngineSleepMode
-from kiln.engine.engine_token_stats import EngineTokenStats
+from kiln.engine.engine_token_stats import EngineTokenStats, StepTokens
 from kiln.engine.engine_vllm_views import EngineVllmViews
 from kiln.engine.input_processor import InputProcessor, ProcessedPrompt, PromptType
 from kiln.engine.output_processor import OutputProcessor
@@ -112,10 +112,9 @@ class LLMEngine(EngineChat, EngineTokenStats, EngineVllmViews, EngineSleepMode):
         # a prompt once per sample, when that sample's first token shows its prefill is done.
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        # Prompt + generated tokens of each core step the last step() took in that had outputs
-        # (vLLM's iteration_tokens_total observes one value per such step).
-        self.last_step_tokens: list[int] = []
-        self.last_step_engines: list[int] = []  # each counted step's data-parallel replica
+        # Each core step the last step() took in that had outputs the user saw: its replica
+        # and tokens (vLLM's iteration_tokens_total observes one value per such step).
+        self.last_steps: list[StepTokens] = []
         # do_log_stats()'s window: since when, and the totals then (engine_vllm_views.py)
         self._last_logged = (time.monotonic(), 0, 0, 0, 0, None)
 
@@ -257,7 +256,7 @@ class LLMEngine(EngineChat, EngineTokenStats, EngineVllmViews, EngineSleepMode):
 
     def step(self) -> list[RequestOutput]:
         core = self._core()
-        self.last_step_tokens, self.last_step_engines = [], []
+        self.last_steps = []
         if not core.has_unfinished_requests():
             return []
         steps = core.step()
@@ -265,9 +264,7 @@ class LLMEngine(EngineChat, EngineTokenStats, EngineVllmViews, EngineSleepMode):
         processed = self.output_processor.process_outputs(core_outputs)
         # Only a data-parallel client's steps come from several replicas (core index per step).
         engines = getattr(core, "last_step_engines", None) or [0] * len(steps)
-        counted = self._count_tokens(steps, processed.seen_tokens, engines)
-        self.last_step_engines = [engine for engine, _ in counted]
-        self.last_step_tokens = [tokens for _, tokens in counted]
+        self.last_steps = self._count_tokens(steps, processed.seen_tokens, engines)
         if processed.reqs_to_finish:
             # Stop strings are found here, not in the core: release those requests' blocks now.
             core.finish_requests(processed.reqs_to_finish, RequestStatus.FINISHED_STOPPED)

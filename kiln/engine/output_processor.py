@@ -24,14 +24,14 @@ def to_logprob_dict(lists: LogprobsLists, decode) -> dict[int, Logprob]:
     return out
 
 
-def _seen_tokens(state, out: EngineCoreOutput, had: int, has: int) -> tuple[int, int]:
-    """(prompt, generated) tokens one output showed the user, as the server's metrics count
-    them: a sample's prompt with its first tokens (a pooling request's with its vector), and
+def _seen_tokens(state, out: EngineCoreOutput, had: int, has: int) -> tuple[str, int, int]:
+    """(user request id, prompt, generated tokens) one output showed the user, as the server's
+    metrics count them: a sample's prompt with its first tokens (a pooling request's with its vector), and
     the tokens kept: a stop string inside a step's accepted drafts cuts the rest."""
     if out.pooling_output is not None:
-        return len(state.prompt_token_ids), 0
+        return state.request_id, len(state.prompt_token_ids), 0
     prompt = len(state.prompt_token_ids) if had == 0 and has > 0 else 0
-    return prompt, has - had
+    return state.request_id, prompt, has - had
 
 
 def _no_text(token_id: int) -> None:
@@ -134,10 +134,11 @@ class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     # Core requests that hit a stop string: the engine finishes them (stopped) to free blocks.
     reqs_to_finish: list[str]
-    # Per core output, in order: (prompt, generated) tokens the user saw from it (its prompt
-    # with a sample's first tokens; only the tokens a stop string let through), or None for
-    # one the user never sees (aborted, or late tokens of a sample a stop string ended).
-    seen_tokens: list[tuple[int, int] | None] = field(default_factory=list)
+    # Per core output, in order: (user request id, prompt, generated) tokens the user saw from
+    # it (its prompt with a sample's first tokens; only the tokens a stop string let through),
+    # or None for one the user never sees (aborted, or late tokens of a sample a stop string
+    # ended).
+    seen_tokens: list[tuple[str, int, int] | None] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -206,7 +207,7 @@ class OutputProcessor:
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         touched: dict[str, RequestState] = {}
         to_abort: list[str] = []
-        seen: list[tuple[int, int] | None] = []
+        seen: list[tuple[str, int, int] | None] = []
         for out in outputs:
             entry = self.samples.get(out.request_id)
             if entry is None or entry[1].finished:

@@ -25,7 +25,8 @@ class IterationStats:
     # data parallel. One IterationStats holds one replica's (vLLM's `engine` label).
     engine: int = 0
     # Prompt + generated tokens of each engine core step with outputs that this batch took in
-    # (the engine's last_step_tokens): none for a poll that found no step, or an abort.
+    # and handed on (the engine's last_steps, less requests aborted meanwhile): none for a poll
+    # that found no step, or an abort.
     step_tokens: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0  # prompt once per sample that produced its first token
     num_generation_tokens: int = 0

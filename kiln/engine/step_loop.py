@@ -6,6 +6,7 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import Any
 
+from kiln.engine.engine_token_stats import StepTokens
 from kiln.logger import init_logger
 from kiln.outputs import RequestOutput
 
@@ -13,7 +14,7 @@ logger = init_logger(__name__)
 
 
 class StepLoop:
-    """`on_step(outputs, step_tokens, stats, step)` gets each step's outputs on the event loop;
+    """`on_step(outputs, core_steps, stats, step)` gets each step's outputs on the event loop;
     `on_failure(error)` the error a step raised, after which the loop has stopped."""
 
     def __init__(self, engine, on_step: Callable, on_failure: Callable[[BaseException], None]):
@@ -55,11 +56,11 @@ class StepLoop:
             self._task.cancel()  # it would step beside the new loop's if the old ran again
         self._wake, self._task = None, None
 
-    def _step(self) -> tuple[list[RequestOutput], list[tuple[int, int]], bool, dict, int]:
+    def _step(self) -> tuple[list[RequestOutput], list[StepTokens], bool, dict, int]:
         outputs = self.engine.step()
         self.steps_run += 1
-        return (outputs, list(zip(self.engine.last_step_engines, self.engine.last_step_tokens)),
-                self.engine.has_unfinished_requests(), self.engine.step_stats(), self.steps_run)
+        return (outputs, list(self.engine.last_steps), self.engine.has_unfinished_requests(),
+                self.engine.step_stats(), self.steps_run)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -70,9 +71,9 @@ class StepLoop:
                 self._wake.clear()
                 more = True
                 while more and not self._stopped:
-                    outputs, step_tokens, more, stats, step = \
+                    outputs, core_steps, more, stats, step = \
                         await loop.run_in_executor(self._pool, self._step)
-                    self._on_step(outputs, step_tokens, stats, step)
+                    self._on_step(outputs, core_steps, stats, step)
         except (asyncio.CancelledError, GeneratorExit):
             # GeneratorExit: a loop closed without cancelling this task (run_until_complete,
             # then close) and the task was collected after a later loop took over; no step

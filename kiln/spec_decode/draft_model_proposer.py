@@ -19,6 +19,7 @@ from kiln.core.outputs import SchedulerOutput
 from kiln.cudagraphs.mode import CUDAGraphMode
 from kiln.forward_context import set_forward_context
 from kiln.sample.row_reductions import row_argmax
+from kiln.spec_decode.scheduling import draft_lag, draft_room, target_room
 from kiln.worker.step_inputs import fill_buffers
 
 
@@ -84,6 +85,7 @@ class DraftModelProposer:
         self.max_model_len = kiln_config.model_config.max_model_len
         # the draft's own (capped) length: past it a request goes on without drafts, as vLLM
         self.draft_len = kiln_config.speculative_config.draft_model_config.max_model_len
+        self.lag = draft_lag(kiln_config.speculative_config)  # 1: an EAGLE head
         self.kiln_config = draft_kiln_config(kiln_config)
         self.device = device
         self.model: torch.nn.Module | None = None
@@ -164,17 +166,18 @@ class DraftModelProposer:
         # (positions past the draft's length it never runs: the request drafts no more)
         end = np.minimum(np.where(sampled, known, start + ran),
                          np.minimum(held, self.draft_len))  # draft_len <= max_model_len
-        # drafts at positions known.. (their K/V up to known + k - 2), all within the context
-        # and the draft's length
-        room = np.minimum(np.minimum(self.max_model_len - known, held + 1 - known),
-                          self.draft_len + 1 - known)
-        ks = np.where(sampled & (end == known), np.minimum(self.k, room), 0)
+        # drafts at positions known.., as many as the draft's length and the slots held let it
+        # run (an EAGLE head's one position behind) and the target could keep
+        ks = np.where(sampled, np.minimum(self.k, draft_room(
+            known, np.minimum(held, self.draft_len), self.lag)), 0)
         for i, s in enumerate(states):
             params = s.sampling_params
-            if ks[i] > 0 and params.max_tokens is not None:  # more would be cut off
-                ks[i] = min(ks[i], params.max_tokens - len(s.output_token_ids) - 1)
+            if ks[i] > 0:
+                ks[i] = min(ks[i], target_room(int(known[i]), len(s.output_token_ids),
+                                               params.max_tokens, self.max_model_len))
             if params.structured_outputs is not None:  # decoded token by token
                 ks[i] = 0
+        ks = np.maximum(ks, 0)
         return DraftPlan(rows, start, end, known, ks)
 
     def extend(self, runner, drafts: dict[int, list[int]], plan: DraftPlan,
@@ -185,7 +188,7 @@ class DraftModelProposer:
         rows, known, ks = plan.rows, plan.known, plan.ks
         # a request's first draft's position, less 1: the draft model runs its own token
         # there; an EAGLE head, one position behind (position i reads token i + 1)
-        base = known - 1 - (hidden is not None)
+        base = known - 1 - self.lag
         active = np.fromiter(drafts, dtype=np.int64, count=len(drafts))
         for j in range(1, self.k):
             keep = ks[active] > j

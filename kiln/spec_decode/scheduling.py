@@ -33,11 +33,40 @@ def max_lookahead(config: SpeculativeConfig | None) -> int:
     return config.num_speculative_tokens
 
 
+def draft_lag(config: SpeculativeConfig) -> int:
+    """Positions the draft runs behind the tokens: an EAGLE head's position i reads token i + 1
+    (and the target's state at i), so it proposes the token at `known` from position known - 2;
+    a draft model from known - 1, its own last token."""
+    return 1 if config.is_eagle else 0
+
+
+def target_room(num_tokens: int, num_output_tokens: int, max_tokens: int | None,
+                max_model_len: int) -> int:
+    """The most drafts worth verifying after a request's `num_tokens` tokens: the target keeps
+    the accepted ones and samples one more, and all must fit max_model_len and max_tokens; a
+    further draft could only be cut off (vLLM's scheduler keeps a step's positions below
+    max_model_len - 1). May be <= 0: none."""
+    room = max_model_len - num_tokens
+    if max_tokens is not None:
+        room = min(room, max_tokens - num_output_tokens)
+    return room - 1
+
+
+def draft_room(known, draft_end, lag: int):
+    """The most drafts the draft can propose after `known` tokens when it runs positions below
+    `draft_end` only (its length, the KV slots held): its k-th comes from position known + k -
+    2 - lag (draft_lag). May be <= 0: none. Takes numpy arrays too."""
+    return draft_end + 1 + lag - known
+
+
 class SpecDecodeScheduling:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         # drafts proposed by the runner's draft model or EAGLE head (kept on the request)
         self.from_runner = config.runner_proposes
+        self.lag = draft_lag(config)
+        draft = config.draft_model_config  # its capped length (None: not resolved, no cap)
+        self.draft_len = None if draft is None else draft.max_model_len
         self.stats = SpecDecodingStats(
             num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
 
@@ -48,23 +77,34 @@ class SpecDecodeScheduling:
                 or request.structured_output_request is not None):
             return []
         c = self.config
-        k = min(c.num_speculative_tokens, budget - 1, max_model_len - request.num_tokens)
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None:  # more could only be cut off
-            k = min(k, max_tokens - request.num_output_tokens - 1)
+        k = min(c.num_speculative_tokens, budget - 1,
+                target_room(request.num_tokens, request.num_output_tokens,
+                            request.sampling_params.max_tokens, max_model_len))
         if k <= 0:
             return []
         if self.from_runner:
             return list(request.spec_token_ids[:k])
         return propose_ngram(token_array(request), c.prompt_lookup_min, c.prompt_lookup_max, k)
 
-    def lookahead(self, num_computed: int, num_new: int, max_model_len: int) -> int:
-        """KV slots past the step's tokens a draft model writes (its proposals, and the token
-        sampled after a full run of accepted drafts): up to k, within max_model_len."""
-        if not self.from_runner:
+    def lookahead(self, request: Request, num_computed: int, num_new: int, max_model_len: int,
+                  limit: int) -> int:
+        """KV slots past the step's tokens that the runner's draft writes after the step: the
+        K/V of the drafts it proposes then, reckoned for every draft accepted (which puts the
+        last proposal furthest). None for a request that will not draft: a prefill chunk that
+        samples nothing, one under a grammar, one past the draft's length or at the end of
+        max_model_len or max_tokens. `limit`: the most slots a request may hold."""
+        end = num_computed + num_new
+        if (not self.from_runner or end < request.num_tokens
+                or request.structured_output_request is not None):
             return 0
-        return max(0, min(self.config.num_speculative_tokens,
-                          max_model_len - num_computed - num_new))
+        known = end + 1
+        k = min(self.config.num_speculative_tokens,
+                target_room(known, request.num_output_tokens + known - request.num_tokens,
+                            request.sampling_params.max_tokens, max_model_len))
+        if self.draft_len is not None:
+            k = min(k, draft_room(known, self.draft_len, self.lag))
+        # its last proposal comes from position known + k - 2 - lag: end + k - 1 - lag
+        return max(0, min(k - self.lag, limit - end))
 
     def settle(self, request: Request, drafts: list[int], sampled: list[int]) -> None:
         """After the runner verified `drafts`: it sampled the accepted ones and one more. The

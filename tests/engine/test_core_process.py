@@ -142,7 +142,7 @@ def test_each_core_steps_tokens_are_reported_apart(mp_llm):
     totals = []
     while engine.has_unfinished_requests():
         engine.step()
-        totals += engine.last_step_tokens
+        totals += [s.tokens for s in engine.last_steps]
     assert totals == [3 + 1] + [1] * 5
 
 

@@ -9,6 +9,7 @@ import time
 from types import SimpleNamespace
 
 from kiln.config import CacheConfig, ParallelConfig
+from kiln.engine.engine_token_stats import StepTokens
 from kiln.engine.input_processor import (
     ProcessedPrompt,
     check_logprobs_cap,
@@ -56,12 +57,7 @@ class FakeEngine:
         self.shut_down = False
         self.busy = threading.Lock()  # proves no two engine calls overlap
         self.fail_next_step = False
-        self.last_step_tokens: list[int] = []  # as LLMEngine's: one step a call
-
-    @property
-    def last_step_engines(self) -> list[int]:
-        """As LLMEngine's: each counted step's data-parallel replica (one replica here)."""
-        return [0] * len(self.last_step_tokens)
+        self.last_steps: list[StepTokens] = []  # as LLMEngine's: one step a call, replica 0
 
     @contextlib.contextmanager
     def _exclusive(self):
@@ -129,11 +125,11 @@ class FakeEngine:
             if self.step_delay:
                 time.sleep(self.step_delay)
             outputs = []
-            tokens = 0
+            tokens = {}
             for rid, req in list(self.requests.items()):
                 params = req["params"]
                 # Each sample's first token ends its prefill; each sample makes one token.
-                tokens += params.n * ((len(req["ids"]) if req["k"] == 0 else 0) + 1)
+                tokens[rid] = params.n * ((len(req["ids"]) if req["k"] == 0 else 0) + 1)
                 samples = []
                 for i in range(params.n):
                     tid = self._token(req, i)
@@ -167,7 +163,7 @@ class FakeEngine:
                                              prompt_logprobs=prompt_lps))
                 if finished:
                     del self.requests[rid]
-            self.last_step_tokens = [tokens] if outputs else []
+            self.last_steps = [StepTokens(0, tokens)] if outputs else []
             return outputs
 
     def has_unfinished_requests(self):

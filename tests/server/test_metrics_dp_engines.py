@@ -2,11 +2,13 @@
 counters, finish reasons and step tokens carry the `engine` label of the replica that served
 the request (vllm/v1/metrics/loggers.py labels every series with engine = its index)."""
 import asyncio
+import threading
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from kiln.engine.async_llm import AsyncLLM
 from kiln.engine.dp_core_client import DPCoreClient
+from kiln.engine.engine_token_stats import StepTokens
 from kiln.entrypoints.openai.metrics import ServerMetrics
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
@@ -20,7 +22,6 @@ class TwoReplicaEngine(FakeEngine):
     def __init__(self):
         super().__init__()
         self.replica: dict[str, int] = {}
-        self._steps: list[tuple[int, int]] = []
 
     def add_processed_request(self, request_id, processed, arrival_time=None, *, priority=0):
         super().add_processed_request(request_id, processed, arrival_time, priority=priority)
@@ -28,26 +29,12 @@ class TwoReplicaEngine(FakeEngine):
         return self.replica[request_id]
 
     def step(self):
-        first = {rid for rid, req in self.requests.items() if req["k"] == 0}
         outputs = super().step()
-        tokens = [0, 0]
-        for out in outputs:
-            tokens[self.replica[out.request_id]] += 1 + (len(out.prompt_token_ids)
-                                                         if out.request_id in first else 0)
-        self._steps = [(r, t) for r, t in enumerate(tokens) if t]
+        by_request = self.last_steps[0].by_request if self.last_steps else {}
+        steps = [StepTokens(r, {rid: n for rid, n in by_request.items()
+                                if self.replica[rid] == r}) for r in (0, 1)]
+        self.last_steps = [s for s in steps if s.by_request]
         return outputs
-
-    @property
-    def last_step_engines(self):
-        return [r for r, _ in self._steps]
-
-    @property
-    def last_step_tokens(self):
-        return [t for _, t in self._steps]
-
-    @last_step_tokens.setter
-    def last_step_tokens(self, value):  # FakeEngine.step sets it; the split above stands
-        pass
 
 
 def samples(metrics: ServerMetrics) -> dict:
@@ -81,6 +68,46 @@ def test_request_metrics_are_labelled_with_the_replica_that_served_them():
         assert s["kiln:prompt_tokens_total", engine, None] == prompt
         assert s["kiln:generation_tokens_total", engine, None] == generated
         assert s["kiln:iteration_tokens_total_sum", engine, None] == prompt + generated
+
+
+def test_a_replicas_step_tokens_leave_out_a_request_aborted_while_its_step_ran():
+    """Replica 1's request is aborted on the event loop while the engine thread runs a step
+    that computed its second token: that token reaches no stream, so no counter, and (as
+    vLLM's iteration stats) not replica 1's iteration_tokens_total either, which read one
+    more than its prompt + generated tokens."""
+    metrics = ServerMetrics("m", log_interval=None, num_engines=2)
+    engine = TwoReplicaEngine()
+    stepped, resume = threading.Event(), threading.Event()
+    step = engine.step
+
+    def gated_step():
+        outputs = step()
+        if engine.requests.get("b", {}).get("k") == 2:
+            stepped.set()
+            resume.wait(30)
+        return outputs
+
+    engine.step = gated_step
+    llm = AsyncLLM(engine, [metrics])
+
+    async def one(rid, prompt, max_tokens):
+        params = SamplingParams(max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA)
+        return [out async for out in llm.generate(prompt, params, rid)]
+
+    async def main():
+        a = asyncio.create_task(one("a", "abc", 4))
+        b = asyncio.create_task(one("b", "abcdefg", 8))
+        await asyncio.get_running_loop().run_in_executor(None, stepped.wait, 30)
+        llm.abort_nowait("b")
+        resume.set()
+        await asyncio.gather(a, b)
+
+    asyncio.run(main())
+    s = samples(metrics)
+    for engine_label, prompt, generated in (("0", 4, 4), ("1", 8, 1)):  # prompts with BOS
+        assert s["kiln:prompt_tokens_total", engine_label, None] == prompt
+        assert s["kiln:generation_tokens_total", engine_label, None] == generated
+        assert s["kiln:iteration_tokens_total_sum", engine_label, None] == prompt + generated
 
 
 def test_the_dp_client_names_each_steps_replica():

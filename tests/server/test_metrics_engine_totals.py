@@ -67,4 +67,5 @@ def test_a_batch_with_several_steps_of_a_sample_counts_its_prompt_once():
     seen = proc.process_outputs([out for outputs in steps for out in outputs]).seen_tokens
     totals = LLMEngine._count_tokens(fake, steps, seen, [0, 0, 1, 1, 0, 1])
     assert fake.num_prompt_tokens == 2 * 5 and fake.num_generation_tokens == 6
-    assert totals == [(0, 2 * 5 + 2), (1, 2), (1, 2), (1, 0)]  # (replica, tokens)
+    assert [(s.engine, s.tokens) for s in totals] == [(0, 2 * 5 + 2), (1, 2), (1, 2), (1, 0)]
+    assert totals[0].by_request == {"a": 5 + 1, "b": 5 + 1}  # the front end drops an abort's

@@ -46,14 +46,14 @@ class PollingEngine(FakeEngine):
     def step(self):
         self.calls += 1
         if self.calls % 2:
-            self.last_step_tokens = []
+            self.last_steps = []
             return []
         outputs = super().step()
-        tokens = list(self.last_step_tokens)
+        steps = list(self.last_steps)
         if self.requests:
             outputs += super().step()
-            tokens += self.last_step_tokens
-        self.last_step_tokens = tokens
+            steps += self.last_steps
+        self.last_steps = steps
         return outputs
 
 

@@ -2,6 +2,7 @@
 first-scheduled stamps, consistent with TTFT and decode time, and not observed for aborts."""
 import asyncio
 import math
+import threading
 import time
 
 import pytest
@@ -255,3 +256,40 @@ def test_an_abort_ends_each_sample_still_running():
     assert stats.finished_reasons == ["length", "abort", "abort"]
     assert stats.e2e_latencies == [1.0, 2.0, 2.0]
     assert stats.request_params_n == []  # the request did not finish
+
+
+def test_a_step_that_ran_while_its_request_was_aborted_counts_no_iteration_token(
+        engine, monkeypatch):
+    """The engine thread steps while the event loop aborts: that step's token of the aborted
+    request reaches no stream, so it is in no token counter, and (as vLLM's iteration stats,
+    which drop an aborted request's outputs) not in iteration_tokens_total either; it read one
+    more than prompt + generated tokens per such abort."""
+    metrics = ServerMetrics("tiny", log_interval=None)
+    llm = AsyncLLM(engine, [metrics])
+    stepped, resume = threading.Event(), threading.Event()
+    step, tokens = engine.step, []
+
+    def gated_step():
+        outputs = step()
+        tokens.extend(t for o in outputs if o.request_id == "late" for t in o.outputs[0].token_ids)
+        if len(tokens) == 2:  # its second token's step
+            stepped.set()
+            resume.wait(30)  # the request is aborted before its step's outputs are handed on
+        return outputs
+
+    monkeypatch.setattr(engine, "step", gated_step)
+
+    async def abort_during_a_step():
+        params = SamplingParams(max_tokens=60, ignore_eos=True, temperature=0)
+        stream = await llm.add_request("late", {"prompt_token_ids": [5, 6, 7]}, params)
+        await asyncio.get_running_loop().run_in_executor(None, stepped.wait, 30)
+        llm.abort_nowait("late")
+        resume.set()
+        assert [out async for out in stream][-1].outputs[0].finish_reason == "abort"
+        await llm.get_stats()  # after the abort ran on the engine thread
+
+    before = scrape(metrics)
+    asyncio.run(abort_during_a_step())
+    d = delta(before, scrape(metrics))
+    assert (d["kiln:prompt_tokens_total"], d["kiln:generation_tokens_total"]) == (3, 1)
+    assert d["kiln:iteration_tokens_total_sum"] == 3 + 1

@@ -158,7 +158,9 @@ def test_a_head_shorter_than_max_model_len_drafts_for_shorter_requests(inprocess
                                                                        tmp_path):
     """A head whose max_position_embeddings (24) is below --max-model-len was refused (its
     config took the target's length); as a draft model it is capped at its own, the tokens
-    unchanged and no draft made past it (EAGLE-3 heads ship 2048 beside 128k targets)."""
+    unchanged and no draft made past it (EAGLE-3 heads ship 2048 beside 128k targets). The
+    head runs one position behind the tokens, so it drafts once more than a draft model would
+    at its end: a 24-token prompt still gets a draft (from head position 23)."""
     from checkpoints import hf_greedy
 
     target, _ = bigram
@@ -167,7 +169,8 @@ def test_a_head_shorter_than_max_model_len_drafts_for_shorter_requests(inprocess
     spec = llm.llm_engine.kiln_config.speculative_config
     assert spec.draft_model_config.max_model_len == 24
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    for length, drafted in ((18, 5), (24, 0)):  # drafted and caught up to its end; past it
+    # drafted up to its end (4, then 2 from positions 22 and 23); at its end; past it
+    for length, drafted in ((18, 6), (24, 1), (25, 0)):
         prompt = list(range(3, 3 + length))
         before = spec_totals(llm)
         assert [list(o.token_ids) for o in generate(llm, [prompt], params)] == \
