@@ -1,6 +1,7 @@
-"""Micro-benchmark of the MoE ops on the CPU: the native provider (kiln/ir/moe_native.py: experts
-on the dense kernels, weights packed once) against the torch reference, in one invocation, on a
-Mixtral-like layer; prints one JSON object (`python -m kiln.benchmarks.moe --help`).
+"""Micro-benchmark of the MoE ops on the CPU: the native provider (kiln/ir/moe_native.py: float
+experts in one C++ call a layer on the weights as stored, int8 experts in panels) against the
+torch reference, in one invocation, on a Mixtral-like layer; prints one JSON object
+(`python -m kiln.benchmarks.moe --help`).
 """
 import argparse
 import json
@@ -11,7 +12,7 @@ import torch
 
 from kiln import ir
 from kiln.model.layers.fused_moe import FusedMoE
-from kiln.model.layers.moe_cpu import pack_float_experts, pack_int8_experts
+from kiln.model.layers.moe_cpu import pack_int8_experts
 from kiln.model.layers.quantization.moe_int8 import quantize_experts
 from kiln.native import build, int8_ops
 
@@ -66,8 +67,8 @@ def run(args) -> dict:
         else:
             stored = (moe.w13_weight, moe.w2_weight)
             ref_fn, op = ir.fused_moe.reference, ir.fused_moe
-            packed = pack_float_experts(moe)
-            native_args, extra = stored, (moe.cpu_packed,)
+            packed = False  # read as stored (csrc/moe_experts.cpp)
+            native_args, extra = stored, ()
         native = op.impls["native"].fn
         for batch in args.batches:
             g = torch.Generator().manual_seed(batch)

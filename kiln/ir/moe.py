@@ -95,8 +95,8 @@ def _fused_moe_ref(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tens
     does; the weighted sum is taken in float32 and rounded once (HF rounds each expert's
     weighted output, then sums: within a rounding step in bfloat16, equal in float32). Under
     tensor parallelism w13 / w2 hold this rank's slice of I and the result is its partial sum.
-    `packed`: oneDNN's blocked copies of the same values for the native kernel, each expert's
-    w13 then each expert's w2 (kiln/model/layers/moe_cpu.py); the reference ignores them.
+    `packed`: read by no provider (the native kernel runs on w13 / w2 as stored,
+    csrc/moe_experts.cpp); kept in the schema so that callers passing it still bind.
     topk_weights / topk_ids [T, k]: a routing the model computed itself, used instead of
     route()'s softmax top-k of router_logits (DeepSeek's)."""
     return routed_sum(x, router_logits, w13.shape[0], w2.shape[1], _float_expert(w13, w2), top_k,

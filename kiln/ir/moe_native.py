@@ -1,47 +1,28 @@
-"""The `native` provider of the MoE IR ops (fused_moe, fused_moe_int8, fused_moe_int8_panels): the
-reference's routing and float32 weighted sum (kiln/ir/moe.py's routed_sum: tokens grouped by
-expert once, only routed experts run, on contiguous rows) with each expert's MLP on the dense
-linears' CPU kernels instead of aten's: GEMV for one or two rows and oneDNN's packed GEMM above
-(bfloat16 / float32), the VNNI / AMX panel kernels (int8). A Python kernel: its per-expert calls
-reach C++ ops directly; in compiled graphs the op stays one opaque node, as the reference's.
+"""The `native` provider of the MoE IR ops (fused_moe, fused_moe_int8, fused_moe_int8_panels). Float
+experts: the routing here, then one C++ call per layer (csrc/moe_experts.cpp: tokens grouped by
+expert once, each routed expert's gate_up -> SiLU-and-mul -> down on the GEMV kernel or aten's
+GEMM over the weights as stored, the float32 weighted sum). int8: the reference's routed_sum with
+each expert's MLP on the VNNI / AMX panel kernels, called per expert from Python.
+In compiled graphs each op stays one opaque node, as the reference's.
 
-Equal to running the dense layers' native ops per expert bit for bit (tests/model/
-test_moe_native.py); against the reference, within those kernels' rounding: the GEMMs' summation
-order (bfloat16: a rounding step of the output) and the SiLU's exp (int8: a quantization step).
+Against the reference: float within the GEMMs' summation order (bfloat16: a rounding step of
+the output), int8 bit for bit (tests/model/test_moe_native.py).
 """
 import torch
 
-from kiln.ir.moe import fused_moe, routed_sum
+from kiln.ir.moe import fused_moe, route, routed_sum
 from kiln.ir.moe_int8 import fused_moe_int8
 from kiln.ir.moe_int8_panels import fused_moe_int8_panels
 from kiln.ir.op import Implementation
-from kiln.native import build, gemv, int8_ops
-
-# The plan linear_native reads (csrc/linear_op.cpp): GEMV up to gemv.MAX_ROWS rows on the dense
-# weight, no GGUF blocks, default limbs. Read only by the kernel, never traced.
-_PLAN = torch.tensor([gemv.MAX_ROWS, 0, 3], dtype=torch.int64)
-
-
-def _float_expert(w13: torch.Tensor, w2: torch.Tensor, packed: list[torch.Tensor] | None):
-    """Expert e's SiLU-gated MLP as the dense native linears run it (LlamaMLP's gate_up, then
-    csrc's silu_mul_linear: the SiLU-and-mul kernel and the down projection)."""
-    experts = w13.shape[0]
-    if packed and not packed[0].is_mkldnn:  # sleep mode's stand-ins for stale copies
-        packed = None
-    linear, silu_mul_linear = (torch.ops.kiln.linear_native.default,
-                               torch.ops.kiln.silu_mul_linear.default)
-
-    def mlp(e: int, x: torch.Tensor) -> torch.Tensor:
-        p13, p2 = (packed[e], packed[experts + e]) if packed else (None, None)
-        gate_up = linear(x, w13[e], None, p13, _PLAN)  # [n, 2I]
-        return silu_mul_linear(gate_up, w2[e], None, p2, _PLAN)  # [n, H]
-    return mlp
+from kiln.native import build, int8_ops
 
 
 def _fused_moe_native(x, router_logits, w13, w2, top_k, renormalize, packed=None,
                       topk_weights=None, topk_ids=None):
-    return routed_sum(x, router_logits, w13.shape[0], w2.shape[1],
-                      _float_expert(w13, w2, packed), top_k, renormalize, topk_weights, topk_ids)
+    # one C++ call runs every routed expert (csrc/moe_experts.cpp); `packed` is not read: the
+    # experts' GEMMs run on the weights as stored
+    weights, ids = route(router_logits, top_k, renormalize, topk_weights, topk_ids)  # [T, k]
+    return torch.ops.kiln.fused_experts_native(x, weights, ids, w13, w2)
 
 
 def _int8_expert(gemm, gemm_silu_quant, w13, w13_scale, w2, w2_scale):
@@ -89,8 +70,7 @@ def _fused_moe_supported(x, router_logits, w13, w2, top_k, renormalize, packed=N
     return (x.dtype in build.DTYPES and x.device.type == "cpu" and w13.dtype == w2.dtype == x.dtype
             and w13.device.type == w2.device.type == "cpu" and w13.dim() == w2.dim() == 3
             and w13.shape[2] == x.shape[1] and w13.shape[1] == 2 * w2.shape[2]
-            and _routing_fits(x, router_logits, w13.shape[0], topk_ids)
-            and (not packed or len(packed) == 2 * w13.shape[0]) and build.available())
+            and _routing_fits(x, router_logits, w13.shape[0], topk_ids) and build.available())
 
 
 def _fused_moe_int8_supported(x, router_logits, w13_q, w13_scale, w2_q, w2_scale, top_k,

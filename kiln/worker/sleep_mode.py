@@ -100,9 +100,7 @@ class WorkerSleepMode:
         # again (a graph input must stay a tensor)
         for module in model.modules():
             packed = getattr(module, "cpu_packed", None)
-            if isinstance(packed, list):  # a FusedMoE's, one per expert weight (moe_cpu.py)
-                module.cpu_packed = [torch.empty(0)] * len(packed)
-            elif packed is not None:
+            if packed is not None:
                 module.cpu_packed = torch.empty(0)
 
     def _give_back_memory(self) -> None:

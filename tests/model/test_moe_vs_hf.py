@@ -66,9 +66,22 @@ def test_a_fused_expert_tensor_of_the_wrong_rank_is_named():
     assert split_fused_experts("model.layers.0.mlp.gate.weight", torch.zeros(4, 64)) is None
 
 
+def _native_calls() -> int:
+    """Calls of the native float experts kernel so far (csrc/moe_experts.cpp), -1 without it."""
+    from kiln.native import build
+
+    return torch.ops.kiln.fused_experts_calls() if build.available() else -1
+
+
+def _assert_native_ran(before: int) -> None:
+    """The native kernel ran (KILN_REQUIRE_NATIVE=1, as the suite runs, makes it the one built)."""
+    assert before == -1 or _native_calls() > before
+
+
 def _assert_logits_match_hf(ckpt_dir, hf=None):
     cfg = kiln_config_for(ckpt_dir)
     model = get_model(cfg)
+    calls = _native_calls()
     allocate_kv_caches(model, cfg, 32, 4)
     seq = _tokens(22, seed=1)
     with torch.no_grad():
@@ -79,6 +92,7 @@ def _assert_logits_match_hf(ckpt_dir, hf=None):
     for p in range(18, 22):
         ids, pos, md = build_step(pool, [req], [1])
         assert (run_step(model, cfg, ids, pos, md)[0] - ref[p]).abs().max() < TOL
+    _assert_native_ran(calls)
 
 
 def _generate(llm: LLM):
@@ -102,10 +116,13 @@ def _check_against_hf(outputs, ckpt_dir):
             assert abs(step[token].logprob - want) < TOL
 
 
-def test_qwen3_moe_eager_greedy_and_logprobs_match_hf(tiny_qwen3_moe_dir):
-    llm = LLM(model=str(tiny_qwen3_moe_dir), dtype="float32", enforce_eager=True,
-              max_model_len=64)
-    _check_against_hf(_generate(llm), tiny_qwen3_moe_dir)
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_eager_greedy_and_logprobs_match_hf(arch, request, inprocess_core):
+    ckpt_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    calls = _native_calls()
+    llm = LLM(model=str(ckpt_dir), dtype="float32", enforce_eager=True, max_model_len=64)
+    _check_against_hf(_generate(llm), ckpt_dir)
+    _assert_native_ran(calls)
 
 
 def test_qwen2_moe_mode3_traces_one_graph_and_matches_hf(tiny_qwen2_moe_dir, tmp_path,
@@ -113,17 +130,19 @@ def test_qwen2_moe_mode3_traces_one_graph_and_matches_hf(tiny_qwen2_moe_dir, tmp
     from kiln.compilation.passes import lower_ir
 
     lower_ir.reset_record()
+    calls = _native_calls()
     # 2 attention layers: 5 pieces from one Dynamo graph (a graph break would make more graphs)
     with compilation_counter.expect(num_graphs_seen=1, num_piecewise_graphs_seen=5):
         llm = LLM(model=str(tiny_qwen2_moe_dir), dtype="float32", max_model_len=64,
                   compilation_config={"mode": 3, "cache_dir": str(tmp_path / "cc")})
     # the op stays one node (its shapes depend on the routing), run by the native provider
-    # (kiln/ir/moe_native.py) where the kernels are built, with the experts' packed copies
+    # (kiln/ir/moe_native.py) where the kernels are built: one C++ call a layer
     from kiln.native import build
 
     assert lower_ir.lowered_providers()["fused_moe"] == {"native" if build.available() else
                                                          "torch"}
     _check_against_hf(_generate(llm), tiny_qwen2_moe_dir)
+    _assert_native_ran(calls)
 
 
 @pytest.mark.parametrize("method", ["fp8", "ptpc_fp8"])

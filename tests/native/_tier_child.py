@@ -1,7 +1,8 @@
 """Child process of test_isa_tiers.py: builds the CPU kernels with extra compile flags (a CPU below
 this one: -march=native with features turned off), loads them (a process loads one library,
-so a child) and checks what that CPU runs against the references. Prints one JSON line:
-what the library was built with, and every mismatch found (none expected).
+so a child) and checks what that CPU runs against the references (layer ops, int8, MoE experts,
+attention). Prints one JSON line: what the library was built with, and every mismatch found
+(none expected).
 
 Usage: python _tier_child.py FLAG [FLAG ...]
 """
@@ -112,6 +113,25 @@ def int8_ops(g: torch.Generator) -> None:
                       f"int8_scaled_mm_panels_silu_quant {tag}")
 
 
+def moe(g: torch.Generator) -> None:
+    """The float experts kernel (csrc/moe_experts.cpp: GEMV and SiLU-and-mul of this tier, aten's
+    GEMM) against the reference, as tests/model/test_moe_native.py does."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for tokens, k in [(1, 2), (3, 8), (40, 2)]:
+            x = torch.randn(tokens, 64, generator=g).to(dtype)
+            w13, w2 = (torch.randn(*s, generator=g).mul(0.2).to(dtype)
+                       for s in ((10, 96, 64), (10, 64, 48)))
+            ids = torch.stack([torch.randperm(10, generator=g)[:k] for _ in range(tokens)])
+            weights = torch.rand(tokens, k, generator=g)
+            got = torch.ops.kiln.fused_experts_native(x, weights, ids, w13, w2)
+            want = ir.fused_moe.reference(x, x.new_empty(tokens, 10), w13, w2, k, False, None,
+                                          weights, ids)
+            # float32: the GEMMs' summation order apart (test_moe_native.py's tolerance)
+            ok = (close(got, want, dtype, 2) if dtype == torch.bfloat16
+                  else torch.allclose(got, want, rtol=1e-5, atol=1e-5))
+            check(ok, f"fused_experts {dtype} T {tokens} k {k}")
+
+
 def attention(g: torch.Generator) -> None:
     """The CPU backend's layer call on a mixed step (decodes, a chunk over a cached prefix, a
     fresh prefill and a long one: the per-token kernel, the blocked one or SDPA) against a
@@ -159,6 +179,7 @@ if __name__ == "__main__":
     isa = native_int8.isa()
     if isa is not None:
         int8_ops(g)
+    moe(g)
     attention(g)
     chosen = ir.resolve({}, "cpu", torch.bfloat16).as_dict()
     print(json.dumps({

@@ -100,12 +100,6 @@ def prepack_for_cpu(model: nn.Module, only: set[int] | None = None) -> int:
     count = 0
     packed_by_weight: dict[int, torch.Tensor] = {}  # tied weights are packed once
     for module in model.modules():
-        if hasattr(module, "cpu_packed") and hasattr(module, "w13_weight"):  # a FusedMoE
-            from kiln.model.layers.moe_cpu import pack_float_experts
-
-            if only is None or {id(module.w13_weight), id(module.w2_weight)} & only:
-                count += pack_float_experts(module)
-            continue
         if not (getattr(module, "supports_cpu_packing", False) and hasattr(module, "cpu_plan")):
             continue
         weight = module.weight

@@ -57,11 +57,10 @@ class FusedMoE(nn.Module):
         # [E, H], one scale per expert and output channel, beside int8 weights
         self.register_parameter("w13_weight_scale", None)
         self.register_parameter("w2_weight_scale", None)
-        # for the native kernels (kiln/model/layers/moe_cpu.py): int8 experts in VNNI panels,
-        # and oneDNN's packed copies of float experts (a list: w13's experts, then w2's)
+        # for the native int8 kernels (kiln/model/layers/moe_cpu.py): int8 experts in VNNI
+        # panels. Float experts run natively on w13_weight / w2_weight as they are.
         self.register_buffer("w13_panels", None, persistent=False)
         self.register_buffer("w2_panels", None, persistent=False)
-        self.cpu_packed: list[torch.Tensor] | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: ExpertShard | None = None) -> None:
@@ -98,7 +97,7 @@ class FusedMoE(nn.Module):
                                      self.w2_weight, self.w2_weight_scale, self.top_k,
                                      self.renormalize, topk_weights, topk_ids)
         return ir.fused_moe(x, router_logits, self.w13_weight, self.w2_weight, self.top_k,
-                            self.renormalize, self.cpu_packed, topk_weights, topk_ids)
+                            self.renormalize, None, topk_weights, topk_ids)
 
 
 class SparseMoeBlock(nn.Module):

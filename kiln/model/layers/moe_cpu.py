@@ -1,28 +1,13 @@
-"""What a CPU FusedMoE holds beside its stacked expert weights for the native MoE kernels
-(kiln/ir/moe_native.py), packed once after loading as dense linears' weights are: oneDNN's
-blocked copy of each float expert weight (cpu_gemm.prepack_for_cpu), and int8 experts in VNNI
-panels, the int8 stacks let go (w8a8_int8.quantize_loaded), so that experts run at dense speed.
+"""What a CPU FusedMoE holds for the native int8 MoE kernels (kiln/ir/moe_native.py): its int8
+experts in VNNI panels, packed once after loading, the int8 stacks let go (w8a8_int8.quantize_loaded).
+Float experts hold nothing more: their native kernel runs on the stacks as stored
+(csrc/moe_experts.cpp), so no second copy of them is kept.
 """
 import torch
 
 from kiln import ir
 from kiln.ir.moe_int8_panels import pack_expert_panels
-from kiln.model.layers.cpu_gemm import _BATCH_HINT, cpu_packing_available
 from kiln.native import int8_ops
-
-
-def pack_float_experts(moe) -> bool:
-    """oneDNN-pack each expert's w13 and w2 (`moe.cpu_packed`: w13's experts, then w2's) where
-    fused_moe runs the native kernel, in a dtype oneDNN packs; False (nothing held) otherwise.
-    A weight changed later must be packed again (this replaces the list)."""
-    w13, w2 = moe.w13_weight, moe.w2_weight
-    if (moe.w13_weight_scale is not None or w13.is_meta
-            or not cpu_packing_available(w13.device, w13.dtype)
-            or ir.fused_moe.chosen(w13.device.type, w13.dtype) != "native"):
-        return False
-    moe.cpu_packed = [torch.ops.mkldnn._reorder_linear_weight(w.detach(), _BATCH_HINT)
-                      for stack in (w13, w2) for w in stack]
-    return True
 
 
 def pack_int8_experts(moe) -> bool:

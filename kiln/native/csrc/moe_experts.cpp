@@ -1,0 +1,189 @@
+/* The CPU kernel of the float IR op fused_moe's experts (`kiln::fused_experts_native`): one call per
+ * MoE layer takes the routing (topk_weights, topk_ids [T, k]) and the stacked experts as stored
+ * (w13 [E, 2I, H], w2 [E, H, I]), groups the tokens by expert once (a counting sort), gathers each
+ * expert's rows, runs gate_up -> SiLU-and-mul -> down, and sums each token's k outputs by their
+ * weights in float32 (in ascending expert order, as the reference's index_add_), rounded once.
+ *
+ * An expert with up to GEMV_ROWS rows (a decode's experts) runs on the GEMV kernel over the dense
+ * weight, the experts side by side on the threads (each single-threaded) when there are enough
+ * of them; more rows take aten's matmul (oneDNN / MKL, threaded) on the same weight, the row
+ * count rounded up as linear_op.cpp's gemm_rows does (bounds oneDNN's primitive cache). No
+ * packed copy of the experts is read or needed (kiln/model/layers/moe_cpu.py). */
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <vector>
+
+#include "dtype.h"
+#include "torch_ops.h"
+
+namespace {
+
+/* Up to this many rows an expert's GEMMs are the GEMV kernel's (csrc/gemv.c takes up to 4; a
+ * MoE's few rows a step are its common case, where streaming the weight once is the cost). */
+constexpr int64_t GEMV_ROWS = 4;
+
+/* linear_op.cpp's gemm_rows: rows itself up to 32, above that one of 8 steps per power of two. */
+int64_t gemm_rows(int64_t rows) {
+    if (rows <= 32) return rows;
+    const int64_t step = int64_t(1) << (63 - __builtin_clzll(static_cast<uint64_t>(rows)) - 3);
+    return (rows + step - 1) / step * step;
+}
+
+/* Calls so far (process-wide), for tests to see the kernel is the one that ran. */
+std::atomic<int64_t> calls{0};
+
+int64_t call_count() { return calls.load(); }
+
+/* Each expert's rows in the gathered buffers: [start, start + padded), n of them real. */
+struct Group {
+    int64_t expert, start, n, padded;
+};
+
+/* One expert's MLP on its gathered rows xs [padded, H] -> ys [padded, H], through gu [padded, 2I]
+ * and act [padded, I]; `nthreads` for its kernels (1 inside a parallel region). */
+void run_expert(const Group &g, const at::Tensor &xs, const at::Tensor &gu, const at::Tensor &act,
+                const at::Tensor &ys, const at::Tensor &w13, const at::Tensor &w2, int32_t dtype,
+                int32_t nthreads) {
+    const int64_t h = w13.size(2), two_i = w13.size(1), inter = w2.size(2);
+    const at::Tensor x = xs.narrow(0, g.start, g.padded), a = act.narrow(0, g.start, g.padded);
+    const at::Tensor u = gu.narrow(0, g.start, g.padded), y = ys.narrow(0, g.start, g.padded);
+    if (g.padded <= GEMV_ROWS) {
+        const int32_t m = static_cast<int32_t>(g.padded);
+        kiln::check_rc(kiln_gemv(x.data_ptr(), w13[g.expert].data_ptr(), nullptr, u.data_ptr(), m,
+                                 two_i, h, dtype, nthreads), "kiln::fused_experts (gate_up)");
+        kiln::check_rc(kiln_silu_and_mul(u.data_ptr(), two_i, a.data_ptr(), m,
+                                         static_cast<int32_t>(inter), dtype, nthreads),
+                       "kiln::fused_experts (silu_and_mul)");
+        kiln::check_rc(kiln_gemv(a.data_ptr(), w2[g.expert].data_ptr(), nullptr, y.data_ptr(), m,
+                                 h, inter, dtype, nthreads), "kiln::fused_experts (down)");
+        return;
+    }
+    at::mm_out(const_cast<at::Tensor &>(u), x, w13[g.expert].t());
+    kiln::check_rc(kiln_silu_and_mul(u.data_ptr(), two_i, a.data_ptr(), g.padded,
+                                     static_cast<int32_t>(inter), dtype, nthreads),
+                   "kiln::fused_experts (silu_and_mul)");
+    at::mm_out(const_cast<at::Tensor &>(y), a, w2[g.expert].t());
+}
+
+at::Tensor fused_experts(const at::Tensor &x_in, const at::Tensor &topk_weights_in,
+                         const at::Tensor &topk_ids_in, const at::Tensor &w13_in,
+                         const at::Tensor &w2_in) {
+    const char *op = "kiln::fused_experts_native";
+    calls.fetch_add(1, std::memory_order_relaxed);
+    const int32_t dtype = kiln::kernel_dtype(x_in, op);
+    TORCH_CHECK_VALUE(x_in.dim() == 2 && w13_in.dim() == 3 && w2_in.dim() == 3 &&
+                          topk_ids_in.dim() == 2 && topk_weights_in.sizes() == topk_ids_in.sizes() &&
+                          topk_ids_in.size(0) == x_in.size(0) && w13_in.size(2) == x_in.size(1) &&
+                          w13_in.size(1) == 2 * w2_in.size(2) && w2_in.size(1) == x_in.size(1) &&
+                          w13_in.size(0) == w2_in.size(0),
+                      op, ": x [T, H] ", x_in.sizes(), ", topk_weights / topk_ids [T, k] ",
+                      topk_weights_in.sizes(), " / ", topk_ids_in.sizes(), ", w13 [E, 2I, H] ",
+                      w13_in.sizes(), " and w2 [E, H, I] ", w2_in.sizes(), " do not fit");
+    TORCH_CHECK_TYPE(w13_in.scalar_type() == x_in.scalar_type() &&
+                         w2_in.scalar_type() == x_in.scalar_type(),
+                     op, ": the experts (", w13_in.scalar_type(), ", ", w2_in.scalar_type(),
+                     ") must be in x's dtype ", x_in.scalar_type());
+    const at::Tensor x = x_in.contiguous(), w13 = w13_in.contiguous(), w2 = w2_in.contiguous();
+    const at::Tensor weights = kiln::contiguous_as(topk_weights_in, at::kFloat);
+    const at::Tensor ids = kiln::contiguous_as(topk_ids_in, at::kLong);
+    const int64_t tokens = x.size(0), h = x.size(1), k = ids.size(1), experts = w13.size(0);
+    const int64_t slots = tokens * k;
+    at::Tensor out = at::empty({tokens, h}, x.options());
+    if (tokens == 0 || h == 0) return out;
+    const int64_t *id = ids.data_ptr<int64_t>();
+    std::vector<int64_t> counts(experts, 0);
+    for (int64_t s = 0; s < slots; ++s) {
+        TORCH_CHECK_INDEX(id[s] >= 0 && id[s] < experts, op, ": topk_ids holds expert ", id[s],
+                          ", past the ", experts, " experts");
+        ++counts[id[s]];
+    }
+    /* each chosen expert's rows, padded where aten's GEMM takes them */
+    std::vector<Group> groups;
+    int64_t rows = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+        if (counts[e] == 0) continue;  /* no token chose it: never run, its weights never read */
+        const int64_t padded = counts[e] <= GEMV_ROWS ? counts[e] : gemm_rows(counts[e]);
+        groups.push_back({e, rows, counts[e], padded});
+        rows += padded;
+    }
+    /* slot s (token s / k's choice s % k) -> its row; slots in ascending order within an expert */
+    std::vector<int64_t> next(experts, 0), row_of(slots);
+    for (const Group &g : groups) next[g.expert] = g.start;
+    for (int64_t s = 0; s < slots; ++s) row_of[s] = next[id[s]]++;
+    const int64_t two_i = w13.size(1), inter = w2.size(2);
+    at::Tensor xs = at::empty({rows, h}, x.options());  // [rows, H]: each expert's tokens
+    at::Tensor gu = at::empty({rows, two_i}, x.options());
+    at::Tensor act = at::empty({rows, inter}, x.options());
+    at::Tensor ys = at::empty({rows, h}, x.options());
+    const int64_t row_bytes = h * x.element_size();
+    char *xs_p = static_cast<char *>(xs.data_ptr());
+    const char *x_p = static_cast<const char *>(x.data_ptr());
+    at::parallel_for(0, slots, 64, [&](int64_t s0, int64_t s1) {
+        for (int64_t s = s0; s < s1; ++s)
+            std::memcpy(xs_p + row_of[s] * row_bytes, x_p + (s / k) * row_bytes, row_bytes);
+    });
+    for (const Group &g : groups)  /* the padding rows: zeros, whose outputs nothing reads */
+        if (g.padded > g.n) xs.narrow(0, g.start + g.n, g.padded - g.n).zero_();
+    std::vector<Group> small, large;
+    for (const Group &g : groups) (g.padded <= GEMV_ROWS ? small : large).push_back(g);
+    const int32_t nthreads = kiln::threads();
+    if (static_cast<int64_t>(small.size()) >= nthreads && nthreads > 1) {
+        /* a decode's experts: side by side, each kernel on one thread */
+        at::parallel_for(0, static_cast<int64_t>(small.size()), 1, [&](int64_t a, int64_t b) {
+            for (int64_t i = a; i < b; ++i) run_expert(small[i], xs, gu, act, ys, w13, w2, dtype, 1);
+        });
+    } else {
+        for (const Group &g : small) run_expert(g, xs, gu, act, ys, w13, w2, dtype, nthreads);
+    }
+    for (const Group &g : large) run_expert(g, xs, gu, act, ys, w13, w2, dtype, nthreads);
+    /* the weighted sum per token, in float32, its slots in ascending expert order */
+    const float *wt = weights.data_ptr<float>();
+    const void *ys_p = ys.data_ptr();
+    void *out_p = out.data_ptr();
+    at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
+        std::vector<float> acc(h);
+        std::vector<int64_t> order(k);
+        for (int64_t t = t0; t < t1; ++t) {
+            for (int64_t j = 0; j < k; ++j) order[j] = t * k + j;
+            std::stable_sort(order.begin(), order.end(),
+                             [&](int64_t a, int64_t b) { return id[a] < id[b]; });
+            std::fill(acc.begin(), acc.end(), 0.f);
+            for (int64_t s : order) {
+                const float w = wt[s];
+                const int64_t base = row_of[s] * h;
+                if (dtype == KILN_F32) {
+                    const float *y = static_cast<const float *>(ys_p) + base;
+                    for (int64_t i = 0; i < h; ++i) acc[i] += y[i] * w;
+                } else {
+                    const uint16_t *y = static_cast<const uint16_t *>(ys_p) + base;
+                    for (int64_t i = 0; i < h; ++i) acc[i] += bf16_to_f32(y[i]) * w;
+                }
+            }
+            if (dtype == KILN_F32) {
+                std::memcpy(static_cast<float *>(out_p) + t * h, acc.data(), h * sizeof(float));
+            } else {
+                uint16_t *o = static_cast<uint16_t *>(out_p) + t * h;
+                for (int64_t i = 0; i < h; ++i) o[i] = f32_to_bf16(acc[i]);
+            }
+        }
+    });
+    return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kiln, m) {
+    m.def("fused_experts_native(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, "
+          "Tensor w2) -> Tensor");
+    m.def("fused_experts_calls() -> int", &call_count);
+}
+
+TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("fused_experts_native", &fused_experts); }
