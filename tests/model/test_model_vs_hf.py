@@ -21,16 +21,17 @@ TOL = 1e-4
 NUM_BLOCKS, BLOCK_SIZE = 64, 4
 
 
-@pytest.fixture(params=["llama", "qwen2", "qwen3", "phi3", "granite", "gemma", "olmo2",
-                        "starcoder2", "gpt_neox",
-                        # their e2e parity and config variants run in `make test`
-                        pytest.param("phi", marks=pytest.mark.slow),
-                        pytest.param("cohere", marks=pytest.mark.slow)])
+# Module scope: one Kiln model and one HF model per family serve its five tests (a test's
+# requests write each block of the shared cache before they read it).
+@pytest.fixture(scope="module", params=[
+    "llama", "qwen2", "qwen3", "phi3", "granite", "gemma", "olmo2", "starcoder2", "gpt_neox",
+    # their e2e parity and config variants run in `make test`
+    pytest.param("phi", marks=pytest.mark.slow), pytest.param("cohere", marks=pytest.mark.slow)])
 def ckpt_dir(request):
     return request.getfixturevalue(f"tiny_{request.param}_dir")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def models(ckpt_dir):
     from transformers import AutoModelForCausalLM
 

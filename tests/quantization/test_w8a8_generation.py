@@ -30,10 +30,10 @@ def dirs(tmp_path_factory):
     return src, write_w8a8_checkpoint(src, tmp_path_factory.mktemp("w8a8"))
 
 
-def _run(model_dir, tmp_path, mode, **kw):
+def _run(model_dir, tmp_path, mode, backend="inductor", **kw):
     llm = LLM(model=str(model_dir), dtype="float32", max_num_batched_tokens=64, max_num_seqs=8,
-              kv_cache_memory=0.05,
-              compilation_config={"mode": mode, "cache_dir": str(tmp_path / "cc")}, **kw)
+              kv_cache_memory=0.05, compilation_config={
+                  "mode": mode, "backend": backend, "cache_dir": str(tmp_path / "cc")}, **kw)
     if mode == 3:
         _run.last_llm = llm
     prompts = random_prompts(len(LENGTHS), LENGTHS, seed=5)

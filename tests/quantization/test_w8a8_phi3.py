@@ -51,7 +51,9 @@ def test_ignore_naming_the_fused_module_leaves_it_float(dirs, tmp_path):
 def test_modes_0_and_3_give_identical_greedy_tokens(dirs, tmp_path):
     src, w8a8 = dirs
     eager_tokens, eager_lp = _run(w8a8, tmp_path, 0)
-    compiled_tokens, compiled_lp = _run(w8a8, tmp_path, 3)
+    # the eager backend: Phi-3's int8 graph is Llama's once its fused rows are split at load,
+    # and test_w8a8_generation compiles that with Inductor and its fusion passes
+    compiled_tokens, compiled_lp = _run(w8a8, tmp_path, 3, backend="eager")
     assert compiled_tokens == eager_tokens
     assert _max_diff(compiled_lp, eager_lp) < 1e-3
     float_tokens, float_lp = _run(src, tmp_path, 0)

@@ -20,7 +20,7 @@ def make(model_dir, spec, mode=0, compilation=None, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_llama_dir):
+def engines(inprocess_core, tiny_llama_dir):  # in-process: no core process to start per engine
     return make(tiny_llama_dir, SPEC), make(tiny_llama_dir, None)
 
 

@@ -6,7 +6,7 @@ from kiln.sampling_params import StructuredOutputsParams
 from .test_spec_decode_e2e import PROMPTS, SPEC, generate, make, spec_totals
 
 
-def test_mode_3_greedy_is_hf_greedy_with_drafts_accepted(tiny_llama_dir):
+def test_mode_3_greedy_is_hf_greedy_with_drafts_accepted(inprocess_core, tiny_llama_dir):
     from checkpoints import hf_greedy
 
     llm = make(tiny_llama_dir, SPEC, mode=3)  # piecewise, Inductor's compile left out
