@@ -43,14 +43,3 @@ def mp_llm(tiny_llama_dir):
     yield llm
     llm.shutdown()
 
-
-@pytest.fixture(scope="session")
-def here_llm(tiny_llama_dir):
-    """The same engine with its core in this process: what mp_llm's answers are compared with."""
-    from kiln.entrypoints.llm import LLM
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")
-        llm = LLM(model=str(tiny_llama_dir), **SHARED_ENGINE)
-    yield llm
-    llm.shutdown()

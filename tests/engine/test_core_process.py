@@ -64,15 +64,21 @@ def test_a_field_left_out_takes_its_default():
     assert decode_params(fields) == SamplingParams(max_tokens=3)
 
 
-# mp_llm and here_llm: tests/engine/conftest.py's (one engine of ENGINE's settings each).
+# mp_llm: tests/engine/conftest.py's (ENGINE's settings, its core in a process of its own).
 
 
-def test_the_core_runs_in_another_process_and_matches_in_process(mp_llm, here_llm):
+def test_the_core_runs_in_another_process_and_matches_in_process(mp_llm, tiny_llama_dir,
+                                                                  monkeypatch):
     assert mp_llm.llm_engine.engine_core.pid != os.getpid()
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     got = mp_llm.generate(PROMPTS, params, use_tqdm=False)
-    assert here_llm.llm_engine.engine_core.pid == os.getpid()
-    want = here_llm.generate(PROMPTS, params, use_tqdm=False)
+    monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")
+    here = LLM(model=str(tiny_llama_dir), **ENGINE)
+    try:
+        assert here.llm_engine.engine_core.pid == os.getpid()
+        want = here.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        here.shutdown()
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         assert g.outputs[0].text == w.outputs[0].text

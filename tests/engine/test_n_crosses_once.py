@@ -4,13 +4,14 @@ n samples: seeded per sample, merged into one output, aborted together."""
 import pytest
 
 from kiln.core.core_messages import EngineCoreRequest
+from kiln.entrypoints.llm import LLM
 from kiln.sampling_params import SamplingParams
 
+ENGINE = dict(enforce_eager=True, max_model_len=64, kv_cache_memory=0.01)
 PROMPT = {"prompt_token_ids": [1, 2, 3, 4]}
 
 
-# mp_llm (its core in a process of its own) and here_llm (in this one), both tiny Llama
-# engines of the same settings: tests/engine/conftest.py's, shared.
+# mp_llm: tests/engine/conftest.py's (ENGINE's settings, its core in a process of its own).
 
 
 @pytest.fixture
@@ -63,9 +64,14 @@ def test_aborting_the_parent_ends_every_sample_in_the_core(mp_llm):
     assert stats.num_running == 0 and stats.num_waiting == 0
 
 
-def test_an_in_process_core_makes_the_same_samples(mp_llm, here_llm):
+def test_an_in_process_core_makes_the_same_samples(mp_llm, tiny_llama_dir, monkeypatch):
     params = SamplingParams(n=3, seed=9, temperature=1.0, max_tokens=5, ignore_eos=True,
                             logit_bias={7: 3.0})
     [there] = mp_llm.generate([PROMPT], params, use_tqdm=False)
-    [local] = here_llm.generate([PROMPT], params, use_tqdm=False)
+    monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")
+    here = LLM(model=str(tiny_llama_dir), **ENGINE)
+    try:
+        [local] = here.generate([PROMPT], params, use_tqdm=False)
+    finally:
+        here.shutdown()
     assert [c.token_ids for c in local.outputs] == [c.token_ids for c in there.outputs]
