@@ -44,7 +44,11 @@ def test_tp2_logprobs_match_tp1_within_1e4(tp2_llama, tiny_llama_dir):
                 assert abs(g_step[token].logprob - lp.logprob) < 1e-4
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3",  # phi3: fused qkv / gate_up split
+@pytest.mark.parametrize("arch", ["qwen2",
+                                  # slow: Qwen3's q / k norms over each rank's heads give HF's
+                                  # tokens at tp=2 in test_tp_warm_start.py (same PROMPTS)
+                                  pytest.param("qwen3", marks=pytest.mark.slow),
+                                  "phi3",  # phi3: fused qkv / gate_up split
                                   # per-head fused query_key_value split by heads, random
                                   # biases sharded (column) or added once (row), partial rope
                                   "gpt_neox",

@@ -38,14 +38,28 @@ def test_killed_worker_fails_requests_in_flight_naming_its_rank(tiny_llama_dir, 
     engine.engine_core.shutdown()  # a second shutdown is harmless
 
 
-def test_a_step_interrupted_before_every_rank_answered_stops_the_engine(tiny_llama_dir, bounded):
-    """Ctrl-C between sending a step and reading the ranks' replies (an in-process engine in a
-    REPL) leaves replies in the pipes: the next step would read them as its own, a step behind,
-    with wrong tokens. The engine stops instead, and says why."""
+def test_a_long_step_timeout_is_waited_in_slices_and_an_interrupted_step_stops_the_engine(
+        tiny_llama_dir, bounded, monkeypatch):
+    """VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=1e7 (a deployment's "never"): the wait for the ranks
+    passed it whole to poll, whose milliseconds are a C int: OverflowError at the first step,
+    and the engine was stopped. A request now runs to its end.
+
+    Then Ctrl-C between sending a step and reading the ranks' replies (an in-process engine in
+    a REPL) leaves replies in the pipes: the next step would read them as its own, a step
+    behind, with wrong tokens. The engine stops instead, and says why. (One engine for both:
+    each start of two ranks costs seconds.)"""
+    monkeypatch.delenv("KILN_EXECUTE_MODEL_TIMEOUT_SECONDS", raising=False)
+    monkeypatch.setenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "1e7")
     llm = make_llm(tiny_llama_dir, tensor_parallel_size=2)
     engine = llm.llm_engine
     executor = engine.engine_core.executor
     procs = list(executor.procs)
+    engine.add_request("short", {"prompt_token_ids": [5, 6, 7, 8]}, greedy(3))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert len(outs[-1].outputs[0].token_ids) == 3
+
     engine.add_request("r0", {"prompt_token_ids": [5, 6, 7, 8]}, greedy(50))
     engine.step()
     collect = executor._collect
@@ -94,22 +108,6 @@ def test_a_stopped_rank_fails_the_step_once_the_timeout_passes(tiny_llama_dir, b
                 proc.join(5)
     with pytest.raises(WorkerFailedError, match="workers are gone: execute_model"):
         engine.step()
-
-
-def test_a_step_timeout_beyond_what_poll_takes_is_waited_in_slices(tiny_llama_dir, bounded,
-                                                                    monkeypatch):
-    """VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=1e7 (a deployment's "never"): the wait for the ranks
-    passed it whole to poll, whose milliseconds are a C int: OverflowError at the first step,
-    and the engine was stopped."""
-    monkeypatch.delenv("KILN_EXECUTE_MODEL_TIMEOUT_SECONDS", raising=False)
-    monkeypatch.setenv("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "1e7")
-    llm = make_llm(tiny_llama_dir, tensor_parallel_size=2)
-    engine = llm.llm_engine
-    engine.add_request("r0", {"prompt_token_ids": [5, 6, 7, 8]}, greedy(3))
-    outs = []
-    while engine.has_unfinished_requests():
-        outs += engine.step()
-    assert len(outs[-1].outputs[0].token_ids) == 3
 
 
 def test_the_step_timeout_is_checked_before_any_rank_starts(tiny_llama_dir, monkeypatch):

@@ -64,11 +64,7 @@ def test_a_field_left_out_takes_its_default():
     assert decode_params(fields) == SamplingParams(max_tokens=3)
 
 
-@pytest.fixture(scope="module")
-def mp_llm(tiny_llama_dir):
-    llm = LLM(model=str(tiny_llama_dir), **ENGINE)
-    yield llm
-    llm.shutdown()
+# mp_llm: tests/engine/conftest.py's (ENGINE's settings, its core in a process of its own).
 
 
 def test_the_core_runs_in_another_process_and_matches_in_process(mp_llm, tiny_llama_dir,

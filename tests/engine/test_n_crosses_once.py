@@ -11,11 +11,7 @@ ENGINE = dict(enforce_eager=True, max_model_len=64, kv_cache_memory=0.01)
 PROMPT = {"prompt_token_ids": [1, 2, 3, 4]}
 
 
-@pytest.fixture(scope="module")
-def mp_llm(tiny_llama_dir):
-    llm = LLM(model=str(tiny_llama_dir), **ENGINE)
-    yield llm
-    llm.shutdown()
+# mp_llm: tests/engine/conftest.py's (ENGINE's settings, its core in a process of its own).
 
 
 @pytest.fixture

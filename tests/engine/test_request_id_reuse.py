@@ -10,18 +10,12 @@ from kiln.core.core_messages import StepOutputs
 from kiln.core.outputs import EngineCoreOutput
 from kiln.core.stats import SchedulerStats
 from kiln.engine.core_client import CoreProcClient
-from kiln.entrypoints.llm import LLM
 from kiln.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def mp_llm(tiny_llama_dir):
-    llm = LLM(model=str(tiny_llama_dir), enforce_eager=True, max_model_len=64,
-              kv_cache_memory=0.01)
-    yield llm
-    llm.shutdown()
+# mp_llm: tests/engine/conftest.py's (its core in a process of its own, shared).
 
 
 def test_outputs_from_before_the_core_took_the_new_add_are_dropped():
