@@ -147,10 +147,28 @@ def _build_lock(folder: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+# Set by a process that loaded the library, read by the processes it starts (engine core, ranks):
+# a child whose KILN_CACHE_ROOT differs (a test's or a user's own) loads its parent's copy of the
+# same build instead of compiling the whole library again, minutes on a few cores.
+INHERITED_LIBRARY_ENV = "KILN_NATIVE_LIBRARY"
+
+
+def inherited_library(cxx: str) -> Path | None:
+    """The library the parent process loaded, when it is this build (same key) and intact."""
+    path = os.environ.get(INHERITED_LIBRARY_ENV)
+    if not path:
+        return None
+    library = Path(path)
+    return library if library.parent.name == build_key(cxx) and intact(library) else None
+
+
 def build(cxx: str, rebuild: bool = False) -> Path:
     """The library in the cache, compiled on first use, when its checksum fails, or when
     `rebuild` (under the key's lock, then an atomic rename: a reader sees a whole file or
-    none). Raises RuntimeError (the compiler's error) when the build fails."""
+    none); the parent process's copy of this build when there is one. Raises RuntimeError (the
+    compiler's error) when the build fails."""
+    if not rebuild and (inherited := inherited_library(cxx)) is not None:
+        return inherited
     target = library_path(cxx)
     if not rebuild and intact(target):
         return target
@@ -250,6 +268,7 @@ def _load(path: Path, cxx: str) -> None:
         path = build(cxx, rebuild=True)
         torch.ops.load_library(str(path))
     _loaded = path
+    os.environ[INHERITED_LIBRARY_ENV] = str(path)
     for fn in _on_load:
         fn()
 

@@ -17,6 +17,7 @@ def fresh_kernels(monkeypatch, tmp_path):
     bindings = {name: (op.provider, op.bound) for name, op in ir.REGISTRY.items()}
     applied = selection._applied
     monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
+    monkeypatch.delenv(build.INHERITED_LIBRARY_ENV, raising=False)  # a cache, not a parent's
     _clear_memos()
     yield tmp_path
     _clear_memos()
@@ -38,6 +39,7 @@ def cached_kernels(tmp_path, monkeypatch):
     cxx = build.compiler()
     built = build.build(cxx)  # the machine's cache: built once, reused
     monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
+    monkeypatch.delenv(build.INHERITED_LIBRARY_ENV, raising=False)
     target = build.library_path(cxx)
     target.parent.mkdir(parents=True)
     for path in (built, built.parent / (built.name + ".sha256")):

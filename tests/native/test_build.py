@@ -1,6 +1,8 @@
 """Building the CPU kernels: one library, cached by key and reused, and a clean fallback to the
 torch code (one warning, nothing else changes) when no compiler is there or the build fails."""
 import logging
+import os
+import shutil
 
 import pytest
 import torch
@@ -17,6 +19,24 @@ def test_a_built_library_is_reused(cached_kernels):
     mtime = cached_kernels.stat().st_mtime_ns
     assert build.build(cxx) == cached_kernels and cached_kernels.stat().st_mtime_ns == mtime
     assert build.intact(cached_kernels)
+
+
+@needs_compiler
+def test_a_child_loads_its_parents_library_under_another_cache_root(monkeypatch, tmp_path):
+    """An engine core or rank started with another KILN_CACHE_ROOT (tests set one for their GGUF
+    caches) compiled the whole library again: minutes on 2 cores, per process."""
+    cxx = build.compiler()
+    built = build.build(cxx)
+    assert build.available() and os.environ[build.INHERITED_LIBRARY_ENV] == str(build._loaded)
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
+    monkeypatch.setenv(build.INHERITED_LIBRARY_ENV, str(built))
+    assert build.build(cxx) == built and not (tmp_path / "kernels").exists()
+    stale = tmp_path / "another-key" / built.name  # another build's library: not this one
+    stale.parent.mkdir()
+    shutil.copyfile(built, stale)
+    shutil.copyfile(build._checksum_file(built), build._checksum_file(stale))
+    monkeypatch.setenv(build.INHERITED_LIBRARY_ENV, str(stale))
+    assert build.inherited_library(cxx) is None
 
 
 @needs_compiler
