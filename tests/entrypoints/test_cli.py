@@ -81,15 +81,13 @@ def test_generate_prints_only_text(stories):
 
 
 def test_generate_logprobs_go_to_stderr(stories):
-    r = kiln("generate", "Tom", "--model", stories, "--max-tokens", "3", "--logprobs", "2",
-             *ENGINE)
-    assert r.returncode == 0, r.stderr
-    rows = [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
-    assert len(rows) == 3 and all(len(row["top"]) >= 2 for row in rows)
-    r = kiln("generate", "Tom went", "--model", stories, "--max-tokens", "2",
+    # one run for both: each row says which it is (a prompt row has its prompt_position)
+    r = kiln("generate", "Tom went", "--model", stories, "--max-tokens", "3", "--logprobs", "2",
              "--prompt-logprobs", "1", *ENGINE)
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
+    sampled = [row for row in rows if "prompt_position" not in row]
+    assert len(sampled) == 3 and all(len(row["top"]) >= 2 for row in sampled)
     prompt = [row for row in rows if "prompt_position" in row]
     assert len(prompt) >= 2 and prompt[0]["top"] is None
     for row in prompt[1:]:
