@@ -9,6 +9,10 @@ from kiln import LLM, SamplingParams
 
 from checkpoints import STORIES_DIR, hf_greedy, random_prompts
 
+# The engine core in this process: what is tested is the engine, not its process (a core
+# process costs an interpreter start per engine; test_core_process.py covers that one).
+pytestmark = pytest.mark.usefixtures("inprocess_core")
+
 LENGTHS = [1, 3, 17, 40, 64, 100, 150, 200]  # mixed prompt lengths, 1 to 200 tokens
 NEW_TOKENS = 32
 MIXED_NEW_TOKENS = 16

@@ -9,6 +9,10 @@ from kiln.sampling_params import RequestOutputKind
 
 from checkpoints import random_prompts
 
+# The engine core in this process: what is tested is the engine, not its process (a core
+# process costs an interpreter start per engine; test_core_process.py covers that one).
+pytestmark = pytest.mark.usefixtures("inprocess_core")
+
 TOL = 1e-4
 
 

@@ -11,6 +11,10 @@ from kiln import LLM, SamplingParams
 
 from checkpoints import hf_greedy, random_prompts
 
+# The engine core in this process: what is tested is the engine, not its process (a core
+# process costs an interpreter start per engine; test_core_process.py covers that one).
+pytestmark = pytest.mark.usefixtures("inprocess_core")
+
 LOGPROB_TOL = 1e-4  # float32: measured worst 3e-6 on these models
 NEW_TOKENS = 12
 

@@ -4,6 +4,10 @@ import pytest
 
 from kiln import LLM, SamplingParams
 
+# The engine core in this process: what is tested is the engine, not its process (a core
+# process costs an interpreter start per engine; test_core_process.py covers that one).
+pytestmark = pytest.mark.usefixtures("inprocess_core")
+
 ENGINE = dict(enforce_eager=True, max_model_len=64, max_num_seqs=8, kv_cache_memory=0.02)
 
 

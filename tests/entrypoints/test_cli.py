@@ -18,6 +18,40 @@ def kiln(*argv, stdin: str | None = None, timeout: int = 300) -> subprocess.Comp
                           input=stdin, capture_output=True, text=True, timeout=timeout)
 
 
+def kiln_exits(*argv, stdin: str = "") -> tuple[int, str, str]:
+    """`kiln ARGV` run by its main() in this process: (exit code, stdout, stderr with Kiln's
+    log lines), for a command that ends before any engine is built (a usage error): the same
+    parser and error handling as the subprocess, without an interpreter's start."""
+    import contextlib
+    import io
+    import logging
+    import signal
+
+    from kiln.entrypoints.cli import main as cli
+    from kiln.logger import init_logger
+
+    init_logger("kiln")  # its handler stays on the session's stderr, not on this one
+    out, err = io.StringIO(), io.StringIO()
+    logs = logging.StreamHandler(err)
+    saved = (signal.getsignal(signal.SIGTERM), sys.unraisablehook, cli._prestart_core,
+             cli.exit_without_teardown, sys.stdin)
+    logging.getLogger("kiln").addHandler(logs)
+    cli._prestart_core = lambda argv: None  # no core interpreter for a command that ends first
+    cli.exit_without_teardown = sys.exit  # its os._exit would end pytest
+    sys.stdin = io.StringIO(stdin)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            cli.main(list(argv))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    finally:
+        logging.getLogger("kiln").removeHandler(logs)
+        signal.signal(signal.SIGTERM, saved[0])
+        sys.unraisablehook, cli._prestart_core, cli.exit_without_teardown, sys.stdin = saved[1:]
+    return code, out.getvalue(), err.getvalue()
+
+
 @pytest.fixture(scope="module")
 def stories():
     return str(STORIES_DIR)
@@ -47,15 +81,13 @@ def test_generate_prints_only_text(stories):
 
 
 def test_generate_logprobs_go_to_stderr(stories):
-    r = kiln("generate", "Tom", "--model", stories, "--max-tokens", "3", "--logprobs", "2",
-             *ENGINE)
-    assert r.returncode == 0, r.stderr
-    rows = [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
-    assert len(rows) == 3 and all(len(row["top"]) >= 2 for row in rows)
-    r = kiln("generate", "Tom went", "--model", stories, "--max-tokens", "2",
+    # one run for both: each row says which it is (a prompt row has its prompt_position)
+    r = kiln("generate", "Tom went", "--model", stories, "--max-tokens", "3", "--logprobs", "2",
              "--prompt-logprobs", "1", *ENGINE)
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
+    sampled = [row for row in rows if "prompt_position" not in row]
+    assert len(sampled) == 3 and all(len(row["top"]) >= 2 for row in sampled)
     prompt = [row for row in rows if "prompt_position" in row]
     assert len(prompt) >= 2 and prompt[0]["top"] is None
     for row in prompt[1:]:
@@ -69,12 +101,12 @@ def test_generate_logprobs_go_to_stderr(stories):
 ])
 def test_user_errors_exit_2_without_traceback(stories, argv, message):
     argv = argv if argv[0] == "--model" else ["--model", stories, *argv]
-    r = kiln("generate", "hi", *argv)
-    assert r.returncode == 2
+    code, out, err = kiln_exits("generate", "hi", *argv)
+    assert code == 2
     # ours say "error: ...", argparse's "kiln generate: error: ..."
-    errors = [line for line in r.stderr.splitlines() if "error: " in line]
+    errors = [line for line in err.splitlines() if "error: " in line]
     assert len(errors) == 1 and message in errors[0]
-    assert "Traceback" not in r.stderr and r.stdout == ""
+    assert "Traceback" not in err and out == ""
 
 
 @pytest.mark.parametrize("argv", [["generate", "hi"], ["chat", "--quick", "hi"]])
@@ -124,8 +156,8 @@ def test_chat_says_when_a_reply_is_empty(stories):
 
 
 def test_chat_without_template_is_a_user_error(stories):
-    r = kiln("chat", "--model", stories, *ENGINE, stdin="Hi\n")
-    assert r.returncode == 2 and "chat template" in r.stderr and "Traceback" not in r.stderr
+    code, _, err = kiln_exits("chat", "--model", stories, *ENGINE, stdin="Hi\n")
+    assert code == 2 and "chat template" in err and "Traceback" not in err
 
 
 def test_chat_template_file_and_bad_flags(tiny_llama_dir, tmp_path):
@@ -142,9 +174,9 @@ def test_chat_template_file_and_bad_flags(tiny_llama_dir, tmp_path):
                             "no valid Jinja template"),
                            (["--chat-template", str(tmp_path / "missing.jinja")], "no such file"),
                            (["--temperature", "-1"], "temperature (--temperature) must be")):
-        r = kiln("chat", *model, *flags, stdin="w5\n")
-        assert r.returncode == 2, (flags, r.stderr)
-        assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
+        code, _, err = kiln_exits("chat", *model, *flags, stdin="w5\n")
+        assert code == 2, (flags, err)
+        assert message in err and "Traceback" not in err, err
 
 
 def test_bench_throughput_dummy_with_hf(stories):
@@ -174,8 +206,9 @@ def test_bench_throughput_int8_against_unquantized_in_one_run(stories):
     # int8 weights (plus per-channel scales) against float32 ones; embeddings stay float32
     assert 0.2 < report["weight_bytes_vs_unquantized"] < 1
     assert report["model_weight_bytes"] < report["unquantized_model_weight_bytes"]
-    r = kiln("bench", "throughput", "--model", stories, "--compare-unquantized", *ENGINE)
-    assert r.returncode == 2 and "--compare-unquantized needs --quantization" in r.stderr
+    code, _, err = kiln_exits("bench", "throughput", "--model", stories, "--compare-unquantized",
+                              *ENGINE)
+    assert code == 2 and "--compare-unquantized needs --quantization" in err
 
 
 def test_bench_throughput_alternated_rounds(stories):
@@ -192,11 +225,12 @@ def test_bench_throughput_alternated_rounds(stories):
     assert report["speedup_vs_unquantized"] == sorted(speedups)[1] or abs(
         report["speedup_vs_unquantized"] / sorted(speedups)[1] - 1) < 1e-3  # unrounded median
     assert 0.2 < report["weight_bytes_vs_unquantized"] < 1
-    r = kiln("bench", "throughput", "--model", stories, "--rounds", "2", *ENGINE)
-    assert r.returncode == 2 and "--rounds 2" in r.stderr
-    r = kiln("bench", "throughput", "--model", stories, "--quantization", "int8",
-             "--compare-unquantized", "--rounds", "2", "--backend", "hf", *ENGINE)
-    assert r.returncode == 2 and "the kiln backend" in r.stderr
+    code, _, err = kiln_exits("bench", "throughput", "--model", stories, "--rounds", "2", *ENGINE)
+    assert code == 2 and "--rounds 2" in err
+    code, _, err = kiln_exits("bench", "throughput", "--model", stories, "--quantization", "int8",
+                              "--compare-unquantized", "--rounds", "2", "--backend", "hf",
+                              *ENGINE)
+    assert code == 2 and "the kiln backend" in err
 
 
 def test_bench_throughput_with_the_core_in_its_own_process(stories):
@@ -209,9 +243,9 @@ def test_bench_throughput_with_the_core_in_its_own_process(stories):
 
 
 def test_bench_rejects_lengths_over_max_model_len(stories):
-    r = kiln("bench", "throughput", "--model", stories, "--input-len", "100", "--output-len",
-             "100", *ENGINE)
-    assert r.returncode == 2 and "--max-model-len" in r.stderr
+    code, _, err = kiln_exits("bench", "throughput", "--model", stories, "--input-len", "100",
+                              "--output-len", "100", *ENGINE)
+    assert code == 2 and "--max-model-len" in err
     # A KV cache too small for the lengths caps max_model_len: a larger cache is the fix, and
     # no report counts fewer output tokens than asked for.
     r = kiln("bench", "throughput", "--model", stories, "--input-len", "20", "--output-len",
@@ -224,9 +258,9 @@ def test_bench_compares_only_what_is_quantized_on_load(stories, tmp_path):
     from w8a8_checkpoint import write_w8a8_checkpoint
 
     ckpt = write_w8a8_checkpoint(Path(stories), tmp_path / "w8a8")
-    r = kiln("bench", "throughput", "--model", str(ckpt), "--quantization", "compressed-tensors",
-             "--compare-unquantized", *ENGINE)
-    assert r.returncode == 2 and "no float weights to compare" in r.stderr, r.stderr
+    code, _, err = kiln_exits("bench", "throughput", "--model", str(ckpt), "--quantization",
+                              "compressed-tensors", "--compare-unquantized", *ENGINE)
+    assert code == 2 and "no float weights to compare" in err, err
 
 
 def _all_parsers(parser, prog="kiln"):

@@ -8,6 +8,10 @@ from tqdm import tqdm
 from kiln.entrypoints.llm import LLM
 from kiln.sampling_params import SamplingParams
 
+# The engine core in this process: what is tested is the engine, not its process (a core
+# process costs an interpreter start per engine; test_core_process.py covers that one).
+pytestmark = pytest.mark.usefixtures("inprocess_core")
+
 ENGINE = dict(enforce_eager=True, max_model_len=64, max_num_seqs=2, kv_cache_memory=0.02)
 PROMPTS = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}]
 PARAMS = SamplingParams(temperature=0, max_tokens=2)

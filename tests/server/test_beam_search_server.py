@@ -14,6 +14,10 @@ from kiln.entrypoints.openai.api_server import ServerSettings, build_app
 
 from checkpoints import random_prompts
 
+# The engine core in this process: what is tested is the engine, not its process (a core
+# process costs an interpreter start per engine; test_core_process.py covers that one).
+pytestmark = pytest.mark.usefixtures("inprocess_core")
+
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 
 

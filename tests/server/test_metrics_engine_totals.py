@@ -6,6 +6,10 @@ from kiln.engine.arg_utils import EngineArgs
 from kiln.engine.llm_engine import LLMEngine
 from kiln.sampling_params import SamplingParams
 
+# The engine core in this process: what is tested is the engine, not its process (a core
+# process costs an interpreter start per engine; test_core_process.py covers that one).
+pytestmark = pytest.mark.usefixtures("inprocess_core")
+
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir):

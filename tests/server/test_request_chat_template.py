@@ -11,6 +11,10 @@ from kiln.entrypoints.cli.main import build_parser
 from kiln.entrypoints.cli.serve import settings_from_args
 from kiln.entrypoints.openai.api_server import ServerSettings, build_app
 
+# The engine core in this process: what is tested is the engine, not its process (a core
+# process costs an interpreter start per engine; test_core_process.py covers that one).
+pytestmark = pytest.mark.usefixtures("inprocess_core")
+
 SERVER_TEMPLATE = "{% for m in messages %}w4 {{ m['content'] }} {% endfor %}w3"
 # Renders every message twice, so its prompt is visibly not the server's.
 REQUEST_TEMPLATE = "{% for m in messages %}w9 {{ m['content'] }} {{ m['content'] }} {% endfor %}"

@@ -16,6 +16,10 @@ from kiln.engine.llm_engine import LLMEngine
 from kiln.entrypoints.openai.api_server import ServerSettings, build_app
 from kiln.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
+# The engine core in this process: what is tested is the engine, not its process (a core
+# process costs an interpreter start per engine; test_core_process.py covers that one).
+pytestmark = pytest.mark.usefixtures("inprocess_core")
+
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 BASE = {CMPL: dict(prompt="w5 w6 w7 w8", max_tokens=6, temperature=0),
         CHAT: dict(messages=[{"role": "user", "content": "w5 w6 w7"}], max_tokens=6,

@@ -126,7 +126,13 @@ def test_a_rank_killed_while_idle_turns_health_503_and_the_server_exits(tiny_lla
                      r"SIGKILL between steps\)", log.read_text()), log.read_text()[-3000:]
 
 
-@pytest.mark.parametrize("core", ["own process", "in process"])
+# The core in its own process is also what `serve` runs: the idle test above sees that death
+# (the same error, through the same dead_callbacks, in the log) and its exit; the kind crossing
+# the process is test_core_process's test_a_kiln_error_from_the_core_is_raised_as_its_own_kind,
+# and /health's 503 once the engine is dead is the in-process case's. Its own engine (two ranks)
+# runs in the slow suite.
+@pytest.mark.parametrize("core", [pytest.param("own process", marks=pytest.mark.slow),
+                                  "in process"])
 def test_health_is_503_once_an_idle_rank_died(tiny_llama_dir, core, monkeypatch):
     """The same death seen through the app without `serve` (which would exit): /health answers
     503, and the engine's error names the rank and how it died. With the core in this process

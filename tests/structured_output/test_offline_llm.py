@@ -14,6 +14,10 @@ from kiln.sampling_params import StructuredOutputsParams
 
 from checkpoints import make_tiny_checkpoint
 
+# The engine core in this process: what is tested is the engine, not its process (a core
+# process costs an interpreter start per engine; test_core_process.py covers that one).
+pytestmark = pytest.mark.usefixtures("inprocess_core")
+
 jsonschema = pytest.importorskip("jsonschema")
 
 SCHEMA = {"type": "object", "properties": {
