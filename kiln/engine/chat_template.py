@@ -18,20 +18,27 @@ def raised_in_template(e: BaseException) -> bool:
     return False
 
 
+def require_chat_template(tokenizer, chat_template: str | None, model: str) -> None:
+    """A ValueError naming the model and the flag when there is no template to render with
+    (`chat_template` None: the tokenizer's own)."""
+    from kiln.model.loader.default_model import model_display_name
+
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer of {model_display_name(model)!r} has no chat template; "
+                         "pass one (chat_template=, --chat-template) or use a chat model")
+
+
 def render_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool,
                          chat_template: str | None, model: str, **kwargs) -> str:
     """The conversation as text; `chat_template` None: the tokenizer's own. `model` names the
     checkpoint where it has no template."""
     from jinja2 import TemplateError
 
-    from kiln.model.loader.default_model import model_display_name
 
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer to render and tokenize the conversation; "
                          "this engine runs with skip_tokenizer_init=True")
-    if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"the tokenizer of {model_display_name(model)!r} has no chat template; "
-                         "pass one (chat_template=, --chat-template) or use a chat model")
+    require_chat_template(tokenizer, chat_template, model)
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m):
             raise ValueError(f"messages[{i}] must be a dict with 'role' (str) and 'content', "

@@ -155,9 +155,14 @@ def test_chat_says_when_a_reply_is_empty(stories):
     assert r.stdout.strip() == "" and "(empty reply" in r.stderr
 
 
-def test_chat_without_template_is_a_user_error(stories):
+def test_chat_without_template_is_a_user_error_before_the_model_loads(stories, monkeypatch):
+    from kiln.engine.llm_engine import LLMEngine
+
+    built = []  # the tokenizer alone says there is no template: no engine is built for it
+    monkeypatch.setattr(LLMEngine, "from_engine_args",
+                        classmethod(lambda cls, *a, **k: built.append(1) or 1 / 0))
     code, _, err = kiln_exits("chat", "--model", stories, *ENGINE, stdin="Hi\n")
-    assert code == 2 and "chat template" in err and "Traceback" not in err
+    assert code == 2 and "chat template" in err and "Traceback" not in err and not built
 
 
 def test_chat_template_file_and_bad_flags(tiny_llama_dir, tmp_path):

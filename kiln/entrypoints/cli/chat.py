@@ -54,7 +54,9 @@ def stream_reply(engine, request_id: str, prompt: dict, params, out=None) -> str
 
 
 def run(args: argparse.Namespace) -> int:
+    from kiln.engine.chat_template import require_chat_template
     from kiln.engine.llm_engine import LLMEngine
+    from kiln.engine.tokenizer import get_tokenizer
 
     # Checked before the model loads: a bad flag is a usage error, not one per turn.
     sampling_params_from_args(args)
@@ -68,7 +70,13 @@ def run(args: argparse.Namespace) -> int:
     if args.skip_tokenizer_init:  # found after the model loaded, at the first turn
         raise ValueError("kiln chat renders and tokenizes text, which needs the tokenizer: "
                          "drop --skip-tokenizer-init")
-    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    engine_args = EngineArgs.from_cli_args(args)
+    # No template at all is known from the tokenizer alone: found at the first turn, it cost a
+    # whole model load and compile first.
+    model_config = engine_args.create_kiln_config().model_config
+    require_chat_template(get_tokenizer(model_config), model_config.chat_template,
+                          model_config.model)
+    engine = LLMEngine.from_engine_args(engine_args)
     exit_if_stopped()
     try:  # the flags given, over the model's sampling defaults
         params = sampling_params_from_args(args, engine.model_config.generation_defaults,
