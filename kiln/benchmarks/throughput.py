@@ -151,9 +151,9 @@ def _timed_engine_run(kiln_config, prompts_for, output_len: int, multiprocess: b
     from kiln.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(kiln_config, multiprocess=multiprocess)
-    prompts = prompts_for(engine)
     executor = getattr(getattr(engine, "engine_core", None), "executor", None)
     try:
+        prompts = prompts_for(engine)  # may refuse (a prompt past max_model_len): shut down too
         if executor is not None:
             executor.reset_comm_stats()  # warm-up's collectives are not the run's
         weight_bytes = model_weight_bytes(engine)  # None when the model lives in other ranks

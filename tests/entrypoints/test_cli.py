@@ -247,16 +247,24 @@ def test_bench_throughput_with_the_core_in_its_own_process(stories):
     assert report["output_tokens_per_s"] > 0 and report["model_weight_bytes"] is None
 
 
-def test_bench_rejects_lengths_over_max_model_len(stories):
+def test_bench_rejects_lengths_over_max_model_len(stories, monkeypatch):
+    from kiln.engine.llm_engine import LLMEngine
+
     code, _, err = kiln_exits("bench", "throughput", "--model", stories, "--input-len", "100",
                               "--output-len", "100", *ENGINE)
     assert code == 2 and "--max-model-len" in err
     # A KV cache too small for the lengths caps max_model_len: a larger cache is the fix, and
-    # no report counts fewer output tokens than asked for.
-    r = kiln("bench", "throughput", "--model", stories, "--input-len", "20", "--output-len",
-             "30", "--enforce-eager", "--kv-cache-memory", "0.00004")  # 32 tokens
-    assert r.returncode == 2 and "raise --kv-cache-memory" in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr and not r.stdout
+    # no report counts fewer output tokens than asked for. The engine built before the lengths
+    # were known is shut down (it was left running).
+    shutdowns = []
+    real_shutdown = LLMEngine.shutdown
+    monkeypatch.setattr(LLMEngine, "shutdown",
+                        lambda self: shutdowns.append(1) or real_shutdown(self))
+    code, out, err = kiln_exits("bench", "throughput", "--model", stories, "--input-len", "20",
+                                "--output-len", "30", "--enforce-eager", "--kv-cache-memory",
+                                "0.00004")  # 32 tokens
+    assert code == 2 and "raise --kv-cache-memory" in err, err
+    assert "Traceback" not in err and not out and shutdowns
 
 
 def test_bench_compares_only_what_is_quantized_on_load(stories, tmp_path):
