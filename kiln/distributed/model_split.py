@@ -32,11 +32,21 @@ def parallel_split_errors(hf_config, tp: int, pp: int) -> list[str]:
 
 
 def check_parallel_split(kiln_config) -> None:
+    """The target, and a draft model or EAGLE head (sharded over the target's ranks), split
+    over the requested ranks; else one error naming the model, its field and the flag."""
     pc = kiln_config.parallel_config
-    errors = parallel_split_errors(kiln_config.model_config.hf_config,
-                                   pc.tensor_parallel_size, pc.pipeline_parallel_size)
+    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+    errors = parallel_split_errors(kiln_config.model_config.hf_config, tp, pp)
     if errors:
         raise ConfigError(f"{kiln_config.model_config.architecture} cannot run with "
-                          f"--tensor-parallel-size {pc.tensor_parallel_size} "
-                          f"--pipeline-parallel-size {pc.pipeline_parallel_size}: "
+                          f"--tensor-parallel-size {tp} --pipeline-parallel-size {pp}: "
                           + "; ".join(errors))
+    spec = kiln_config.speculative_config
+    draft = None if spec is None else spec.draft_model_config
+    # (the draft's errors came from a rank's layer build, naming neither the draft nor the flag)
+    errors = [] if draft is None else parallel_split_errors(draft.hf_config, tp, 1)
+    if errors:
+        raise ConfigError(f"--speculative-config: the draft speculative_config.model="
+                          f"{spec.model!r} ({draft.architecture}) runs sharded over the target's "
+                          f"--tensor-parallel-size {tp} ranks and cannot: " + "; ".join(errors)
+                          + f"; pick a draft that splits {tp} ways or lower -tp")

@@ -117,6 +117,29 @@ def test_model_split_errors_name_the_field():
     assert "num_hidden_layers (30)" in parallel_split_errors(Cfg, 1, 31)[0]
 
 
+def test_a_draft_that_does_not_split_is_refused_naming_it(tiny_llama_dir, tmp_path):
+    """A draft model is sharded over the target's ranks: one whose heads do not split was
+    refused by a rank's layer build, naming neither the draft nor the flag."""
+    import json
+
+    from kiln.distributed.model_split import check_parallel_split
+
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    config.update(hidden_size=48, num_attention_heads=3, num_key_value_heads=1)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    def config(draft):
+        spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+        return EngineArgs(model=str(tiny_llama_dir), tensor_parallel_size=2, max_model_len=64,
+                          speculative_config=spec).create_kiln_config()
+
+    check_parallel_split(config(tiny_llama_dir))  # 4 heads, 2 KV heads: split
+    with pytest.raises(ConfigError, match=r"the draft speculative_config.model='.*' "
+                       r"\(LlamaForCausalLM\) runs sharded over the target's "
+                       r"--tensor-parallel-size 2 ranks and cannot: num_attention_heads "
+                       r"\(3\) is not divisible"):
+        check_parallel_split(config(tmp_path))
+
+
 def test_ray_local_ranks_follow_node_ips():
     assert local_ranks(["a", "a", "b", "b"]) == [(0, 2), (1, 2), (0, 2), (1, 2)]
     assert local_ranks(["a", "b", "a"]) == [(0, 2), (0, 1), (1, 2)]
