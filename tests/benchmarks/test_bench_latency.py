@@ -77,25 +77,18 @@ EAGER_MODE3 = json.dumps({"mode": 3, "backend": "eager"})  # traced and split, n
 
 @pytest.mark.parametrize("interleave", ["--interleave", "--no-interleave"])
 def test_bench_latency_compares_two_configs_in_one_run(tiny_llama_dir, interleave, capsys):
-    """`kiln bench latency` as a command for --interleave; --no-interleave through the same
-    parser and command function in this process (an interpreter start-up spared: main()'s
-    wrapper is the first case's)."""
+    """`kiln bench latency` through the command's parser and function in this process (an
+    interpreter start-up spared: main()'s wrapper and the process's stdout are the -tp 2
+    test's, which runs the command)."""
+    from kiln.entrypoints.cli.main import build_parser, parse_args
+
     spec = EAGER_MODE3
     argv = ["bench", "latency", "--model", str(tiny_llama_dir), *SMALL, "--load-format", "dummy",
             "--batch-sizes", "1", "2", "--input-len", "4", "--num-steps", "3",
             "--warmup-steps", "1", "--compare", "0", spec, interleave]
-    if interleave == "--interleave":
-        r = subprocess.run([sys.executable, "-m", "kiln.entrypoints.cli.main", *argv],
-                           capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
-        stdout = r.stdout
-    else:
-        from kiln.entrypoints.cli.main import build_parser, parse_args
-
-        args = parse_args(build_parser(), argv)
-        assert args.func(args) == 0
-        stdout = capsys.readouterr().out
-    (line,) = stdout.splitlines()
+    args = parse_args(build_parser(), argv)
+    assert args.func(args) == 0
+    (line,) = capsys.readouterr().out.splitlines()
     report = json.loads(line)
     assert report["batch_sizes"] == [1, 2] and report["num_steps"] == 3
     assert report["interleaved"] is (interleave == "--interleave")
@@ -128,13 +121,14 @@ def test_bench_latency_compares_two_configs_in_one_run(tiny_llama_dir, interleav
 
 def test_bench_latency_with_tensor_parallel_ranks(tiny_llama_dir):
     """-tp 2: the model lives in the ranks, which the report says (it read the in-process
-    worker's runner and failed)."""
+    worker's runner and failed). As a command: main()'s wrapper, stdout the report alone."""
     r = subprocess.run([sys.executable, "-m", "kiln.entrypoints.cli.main", "bench", "latency",
                         "--model", str(tiny_llama_dir), *SMALL, "-tp", "2", "--batch-sizes",
                         "1", "--input-len", "4", "--num-steps", "2", "--warmup-steps", "1",
                         "--compare", "0"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    report = json.loads(r.stdout)
+    (line,) = r.stdout.splitlines()
+    report = json.loads(line)
     assert report["model_weight_bytes"] is None
     assert report["configs"][0]["results"]["1"]["num_steps"] == 2
 

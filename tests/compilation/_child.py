@@ -1,7 +1,8 @@
 """Child process for the cache tests: build the toy model on a cache dir, warm it up, report.
 
-Usage: python _child.py <cache_dir> <out.pt> [<JSON of more compilation_config fields>]; writes
-outputs, counters and the C++ builds Inductor ran (compiles and preprocessing alike) to out.pt.
+Usage: python _child.py <cache_dir> <out.pt> [<JSON of compilation_config fields>] (compile
+sizes 1 and 8 unless the JSON names others); writes outputs, counters and the C++ builds
+Inductor ran (compiles and preprocessing alike) to out.pt.
 """
 import json
 import sys
@@ -21,8 +22,8 @@ if __name__ == "__main__":
     cache_dir, out_path = sys.argv[1], sys.argv[2]
     builds, build = [], cpp_builder.CppBuilder.build
     cpp_builder.CppBuilder.build = lambda self: builds.append(self.get_command_line()) or build(self)
-    more = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
-    config = tm.toy_config(mode=3, compile_sizes=[1, 8], cache_dir=cache_dir, **more)
+    fields = {"compile_sizes": [1, 8], **(json.loads(sys.argv[3]) if len(sys.argv) > 3 else {})}
+    config = tm.toy_config(mode=3, cache_dir=cache_dir, **fields)
     model = tm.build(config)
     with torch.no_grad():
         compile_and_warm_up(lambda n: model(*tm.inputs(n)), config,
