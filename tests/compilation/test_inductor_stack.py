@@ -130,15 +130,17 @@ def test_warm_start_in_second_process_compiles_nothing(cold, tmp_path):
         assert torch.equal(result["outputs"][n], _run(cold["model"], n))
 
 
-def test_artifacts_load_under_the_inductor_options_they_were_compiled_with(cold, tmp_path):
+def test_artifacts_load_under_the_inductor_options_they_were_compiled_with(tmp_path):
     """inductor_compile_config {"cpp.simdlen": 256} on an AVX-512 machine: Inductor writes AVX2
     kernels. Loading an artifact (right after saving it, and at a warm start) built them again
     under the process's own options, for AVX-512 vectors: the first forward corrupted the heap
     (glibc abort). Both processes must serve the eager model's outputs, the warm one building
-    nothing. The range shape alone: each compiled artifact is loaded back the same way, and
-    a child's cold compile of sizes 1 and 8 too would triple its time."""
-    more = json.dumps({"inductor_compile_config": {"cpp.simdlen": 256}, "compile_sizes": []})
-    reference = {n: _run(cold["reference"], n) for n in SIZES}
+    nothing. One layer and the range shape alone: each compiled artifact is loaded back the same
+    way, and the child's cold compile is 2 pieces where 2 layers and sizes 1 and 8 made it 9."""
+    more = json.dumps({"inductor_compile_config": {"cpp.simdlen": 256}, "compile_sizes": [],
+                       "num_layers": 1})
+    eager = tm.build(tm.toy_config(mode=0, num_layers=1))
+    reference = {n: _run(eager, n) for n in SIZES}
     for run in ("cold", "warm"):
         out = tmp_path / f"{run}.pt"
         child = subprocess.run([sys.executable, str(HERE / "_child.py"), str(tmp_path / "cache"),
