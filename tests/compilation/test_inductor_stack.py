@@ -130,15 +130,17 @@ def test_warm_start_in_second_process_compiles_nothing(cold, tmp_path):
         assert torch.equal(result["outputs"][n], _run(cold["model"], n))
 
 
-def test_artifacts_load_under_the_inductor_options_they_were_compiled_with(cold, tmp_path):
+def test_artifacts_load_under_the_inductor_options_they_were_compiled_with(tmp_path):
     """inductor_compile_config {"cpp.simdlen": 256} on an AVX-512 machine: Inductor writes AVX2
     kernels. Loading an artifact (right after saving it, and at a warm start) built them again
     under the process's own options, for AVX-512 vectors: the first forward corrupted the heap
     (glibc abort). Both processes must serve the eager model's outputs, the warm one building
-    nothing. The range shape alone: each compiled artifact is loaded back the same way, and
-    a child's cold compile of sizes 1 and 8 too would triple its time."""
-    more = json.dumps({"inductor_compile_config": {"cpp.simdlen": 256}, "compile_sizes": []})
-    reference = {n: _run(cold["reference"], n) for n in SIZES}
+    nothing. One layer and the range shape alone: each compiled artifact is loaded back the same
+    way, and the child's cold compile is 2 pieces where 2 layers and sizes 1 and 8 made it 9."""
+    more = json.dumps({"inductor_compile_config": {"cpp.simdlen": 256}, "compile_sizes": [],
+                       "num_layers": 1})
+    eager = tm.build(tm.toy_config(mode=0, num_layers=1))
+    reference = {n: _run(eager, n) for n in SIZES}
     for run in ("cold", "warm"):
         out = tmp_path / f"{run}.pt"
         child = subprocess.run([sys.executable, str(HERE / "_child.py"), str(tmp_path / "cache"),
@@ -429,8 +431,9 @@ def test_unwritable_cache_serves_without_it(cold, tmp_path, kiln_logs, monkeypat
     cache = tmp_path / "cache"
     shutil.copytree(cold["root"] / "cache", cache)
     monkeypatch.setattr(CompileCache, "check_writable", read_only)
+    # The range shape alone: compiled in Inductor's usual cache, cold on a clean machine.
     model = _warm_model(cache, dict(num_saved_graph_loads=0, num_compiled_artifacts_loaded=0,
-                                    num_compiled_artifacts_saved=0))
+                                    num_compiled_artifacts_saved=0), compile_sizes=())
     assert "cannot be written" in kiln_logs.text and "KILN_CACHE_ROOT" in kiln_logs.text
     for n in (8, 3):
         torch.testing.assert_close(_run(model, n), _run(cold["reference"], n))
@@ -581,17 +584,13 @@ def test_warm_start_checks_each_artifact_file_once(cold, monkeypatch):
         2: [0, 2, 4]}  # a size never compiled
 
 
-def _record_many(args):
-    cache_dir, worker = args
-    cache = CompileCache(Path(cache_dir), "rank_0", "M")
-    for i in range(20):
-        cache.record(i, worker, "c", {"file": f"{worker}_{i}", "fingerprint": "f"})
-
-
 def test_concurrent_index_writers_keep_every_entry(tmp_path):
     import multiprocessing as mp
+
+    from _index_writer import record_many
+
     with mp.get_context("spawn").Pool(2) as pool:
-        pool.map(_record_many, [(str(tmp_path), 0), (str(tmp_path), 1)])
+        pool.map(record_many, [(str(tmp_path), 0), (str(tmp_path), 1)])
     assert len(CompileCache(tmp_path, "rank_0", "M").index) == 40
 
 

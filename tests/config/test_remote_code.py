@@ -62,26 +62,47 @@ def test_a_tokenizer_needing_its_own_code_is_refused_unrun(tiny_llama_dir, tmp_p
     assert answer_yes == [] and not (path / "RAN").exists()
 
 
+def _llama_gguf(path):
+    """A llama GGUF of metadata alone (no tensors), its tokenizer a 4-token byte-level BPE:
+    enough for transformers to convert its config and tokenizer (the default model's took a
+    cold conversion of 49,152 tokens)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key in ("block_count", "context_length", "embedding_length", "feed_forward_length",
+                "head_count", "head_count_kv"):
+        getattr(w, f"add_{key}")(64)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["a", "b", "ab", "<|end|>"])
+    w.add_token_types([1, 1, 1, 3])
+    w.add_token_merges(["a b"])
+    w.add_eos_token_id(3)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def test_a_gguf_beside_a_tokenizer_config_needing_its_own_code_is_refused_unrun(
         tmp_path, answer_yes, monkeypatch):
     """transformers reads the tokenizer_config.json in the GGUF file's folder too: one naming
     its own code asked on stdin and, on "y", loaded the folder's tokenizer class (its code
     ran), though the file's own tokenizer is complete."""
     from kiln.config import gguf_metadata
-    from kiln.model.loader.default_model import default_model_path
 
-    gguf = default_model_path()  # under the real cache root, before KILN_CACHE_ROOT moves it
     monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
     folder = tmp_path / "m"
     folder.mkdir()
-    (folder / "m.gguf").symlink_to(gguf)
+    gguf = _llama_gguf(folder / "m.gguf")
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "FooTokenizer",
          "auto_map": {"AutoTokenizer": ["tokenization_foo.FooTokenizer", None]}}))
     (folder / "tokenization_foo.py").write_text(CODE.format(
         base="PreTrainedTokenizerFast", cls="FooTokenizer", attr="pass"))
-    gguf_metadata.load_config(folder / "m.gguf")
+    gguf_metadata.load_config(gguf)
     with pytest.raises(ConfigError, match=r"the tokenizer at .* needs the checkpoint's own Python "
                        r"code.*beside the GGUF file.*--tokenizer"):
-        gguf_metadata.load_tokenizer(folder / "m.gguf")
-    assert answer_yes == []
+        gguf_metadata.load_tokenizer(gguf)
+    assert answer_yes == [] and not (folder / "RAN").exists()
