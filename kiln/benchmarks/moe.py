@@ -63,19 +63,19 @@ def run(args) -> dict:
             op = ir.fused_moe_int8_panels if packed else ir.fused_moe_int8
             weights = ((moe.w13_panels, moe.w13_weight_scale, moe.w2_panels, moe.w2_weight_scale)
                        if packed else stored)
-            native_args, extra = weights, ()
+            native_args = weights
         else:
             stored = (moe.w13_weight, moe.w2_weight)
             ref_fn, op = ir.fused_moe.reference, ir.fused_moe
             packed = False  # read as stored (csrc/moe_experts.cpp)
-            native_args, extra = stored, ()
+            native_args = stored
         native = op.impls["native"].fn
         for batch in args.batches:
             g = torch.Generator().manual_seed(batch)
             x = torch.randn(batch, args.hidden, generator=g).to(torch.bfloat16)
             logits = torch.randn(batch, args.experts, generator=g).to(torch.bfloat16)
             ref_call = (x, logits, *stored, args.top_k, True)
-            nat_call = (x, logits, *native_args, args.top_k, True, *extra)
+            nat_call = (x, logits, *native_args, args.top_k, True)
             diff = (native(*nat_call).float() - ref_fn(*ref_call).float()).abs().max().item()
             ref_ms = _time_ms(lambda f=ref_fn, c=ref_call: f(*c), args.iters)
             nat_ms = _time_ms(lambda f=native, c=nat_call: f(*c), args.iters)

@@ -34,7 +34,6 @@ def render_chat_template(tokenizer, messages: list[dict], add_generation_prompt:
     checkpoint where it has no template."""
     from jinja2 import TemplateError
 
-
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer to render and tokenize the conversation; "
                          "this engine runs with skip_tokenizer_init=True")

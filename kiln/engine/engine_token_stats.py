@@ -47,8 +47,8 @@ class EngineTokenStats:
             for request_id, prompt, generated in counted:  # an n > 1 request's samples add up
                 self.num_prompt_tokens += prompt
                 self.num_generation_tokens += generated
-                step.by_request[request_id] = step.by_request.get(request_id, 0) + prompt + \
-                    generated
+                shown = step.by_request.get(request_id, 0)
+                step.by_request[request_id] = shown + prompt + generated
             totals.append(step)
         return totals
 

@@ -26,8 +26,8 @@ def to_logprob_dict(lists: LogprobsLists, decode) -> dict[int, Logprob]:
 
 def _seen_tokens(state, out: EngineCoreOutput, had: int, has: int) -> tuple[str, int, int]:
     """(user request id, prompt, generated tokens) one output showed the user, as the server's
-    metrics count them: a sample's prompt with its first tokens (a pooling request's with its vector), and
-    the tokens kept: a stop string inside a step's accepted drafts cuts the rest."""
+    metrics count them: a sample's prompt with its first tokens (a pooling request's with its
+    vector), and the tokens kept: a stop string inside a step's accepted drafts cuts the rest."""
     if out.pooling_output is not None:
         return state.request_id, len(state.prompt_token_ids), 0
     prompt = len(state.prompt_token_ids) if had == 0 and has > 0 else 0

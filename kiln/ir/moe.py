@@ -86,7 +86,6 @@ def _float_expert(w13: torch.Tensor, w2: torch.Tensor):
 
 def _fused_moe_ref(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
                    w2: torch.Tensor, top_k: int, renormalize: bool,
-                   packed: list[torch.Tensor] | None = None,
                    topk_weights: torch.Tensor | None = None,
                    topk_ids: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H]; router_logits [T, E]; w13 [E, 2I, H] (each expert's [gate | up] rows); w2
@@ -95,16 +94,13 @@ def _fused_moe_ref(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tens
     does; the weighted sum is taken in float32 and rounded once (HF rounds each expert's
     weighted output, then sums: within a rounding step in bfloat16, equal in float32). Under
     tensor parallelism w13 / w2 hold this rank's slice of I and the result is its partial sum.
-    `packed`: read by no provider (the native kernel runs on w13 / w2 as stored,
-    csrc/moe_experts.cpp); kept in the schema so that callers passing it still bind.
     topk_weights / topk_ids [T, k]: a routing the model computed itself, used instead of
     route()'s softmax top-k of router_logits (DeepSeek's)."""
     return routed_sum(x, router_logits, w13.shape[0], w2.shape[1], _float_expert(w13, w2), top_k,
                       renormalize, topk_weights, topk_ids)
 
 
-def _fused_moe_dense(x, router_logits, w13, w2, top_k, renormalize, packed=None,
-                     topk_weights=None, topk_ids=None):
+def _fused_moe_dense(x, router_logits, w13, w2, top_k, renormalize, topk_weights=None, topk_ids=None):
     """The reference's result, every expert run on every token (dense_sum)."""
     return dense_sum(x, router_logits, w13.shape[0], w2.shape[1], _float_expert(w13, w2), top_k,
                      renormalize, topk_weights, topk_ids)
@@ -114,16 +110,14 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _fused_moe_torch(x, router_logits, w13, w2, top_k, renormalize, packed=None,
-                     topk_weights=None, topk_ids=None):
+def _fused_moe_torch(x, router_logits, w13, w2, top_k, renormalize, topk_weights=None, topk_ids=None):
     """The torch provider: the reference, or its routing-independent form while a CUDA graph
     (piecewise or FULL, mode 3's default on CUDA) is recorded."""
     run = _fused_moe_dense if capturing() else _fused_moe_ref
-    return run(x, router_logits, w13, w2, top_k, renormalize, None, topk_weights, topk_ids)
+    return run(x, router_logits, w13, w2, top_k, renormalize, topk_weights, topk_ids)
 
 
-def _fused_moe_fake(x, router_logits, w13, w2, top_k, renormalize, packed=None,
-                    topk_weights=None, topk_ids=None):
+def _fused_moe_fake(x, router_logits, w13, w2, top_k, renormalize, topk_weights=None, topk_ids=None):
     return x.new_empty((x.shape[0], w2.shape[1]))
 
 
@@ -135,7 +129,7 @@ def _examples(dtype: torch.dtype, device: str):
 
 fused_moe = define(
     "fused_moe", "(Tensor x, Tensor router_logits, Tensor w13, Tensor w2, int top_k, "
-    "bool renormalize, Tensor[]? packed=None, Tensor? topk_weights=None, Tensor? topk_ids=None) "
+    "bool renormalize, Tensor? topk_weights=None, Tensor? topk_ids=None) "
     "-> Tensor", _fused_moe_ref, _fused_moe_fake, _examples)
 # In a graph the node stays (its shapes inside depend on the routing); its kernel runs the
 # reference (the dense form while a CUDA graph records it).

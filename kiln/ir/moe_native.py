@@ -17,10 +17,9 @@ from kiln.ir.op import Implementation
 from kiln.native import build, int8_ops
 
 
-def _fused_moe_native(x, router_logits, w13, w2, top_k, renormalize, packed=None,
-                      topk_weights=None, topk_ids=None):
-    # one C++ call runs every routed expert (csrc/moe_experts.cpp); `packed` is not read: the
-    # experts' GEMMs run on the weights as stored
+def _fused_moe_native(x, router_logits, w13, w2, top_k, renormalize, topk_weights=None,
+                      topk_ids=None):
+    # one C++ call runs every routed expert on the weights as stored (csrc/moe_experts.cpp)
     weights, ids = route(router_logits, top_k, renormalize, topk_weights, topk_ids)  # [T, k]
     return torch.ops.kiln.fused_experts_native(x, weights, ids, w13, w2)
 
@@ -65,8 +64,8 @@ def _routing_fits(x, router_logits, experts: int, topk_ids=None) -> bool:
             and (topk_ids is None or topk_ids.device.type == "cpu"))
 
 
-def _fused_moe_supported(x, router_logits, w13, w2, top_k, renormalize, packed=None,
-                         topk_weights=None, topk_ids=None) -> bool:
+def _fused_moe_supported(x, router_logits, w13, w2, top_k, renormalize, topk_weights=None,
+                         topk_ids=None) -> bool:
     return (x.dtype in build.DTYPES and x.device.type == "cpu" and w13.dtype == w2.dtype == x.dtype
             and w13.device.type == w2.device.type == "cpu" and w13.dim() == w2.dim() == 3
             and w13.shape[2] == x.shape[1] and w13.shape[1] == 2 * w2.shape[2]

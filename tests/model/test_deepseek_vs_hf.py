@@ -185,7 +185,7 @@ def test_fused_moe_runs_a_given_routing():
         for w, e in zip(weights[t], ids[t]):
             gate, up = (x[t] @ w13[e].T).chunk(2)
             want[t] += w * ((torch.nn.functional.silu(gate) * up) @ w2[e].T)
-    args = (x, logits, w13, w2, 2, True, None, weights, ids)
+    args = (x, logits, w13, w2, 2, True, weights, ids)
     assert torch.allclose(ir.fused_moe.reference(*args), want, atol=1e-5)
     assert torch.allclose(_fused_moe_dense(*args), want, atol=1e-5)
     if _fused_moe_supported(*args):  # where the native kernels are built

@@ -79,7 +79,7 @@ def test_one_native_call_runs_every_expert(dtype, top_k, tokens):
     w2[9] = float("nan")  # expert 9 is never chosen: its weights are never read
     ids = torch.stack([torch.randperm(experts - 1, generator=g)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=g)
-    args = (x, x.new_empty(tokens, experts), w13, w2, top_k, False, None, weights, ids)
+    args = (x, x.new_empty(tokens, experts), w13, w2, top_k, False, weights, ids)
     want = ir.fused_moe.reference(*args)
     calls, linears = torch.ops.kiln.fused_experts_calls(), linear_op.path_counts()
     got = ir.fused_moe.impls["native"].fn(*args)

@@ -97,7 +97,7 @@ class FusedMoE(nn.Module):
                                      self.w2_weight, self.w2_weight_scale, self.top_k,
                                      self.renormalize, topk_weights, topk_ids)
         return ir.fused_moe(x, router_logits, self.w13_weight, self.w2_weight, self.top_k,
-                            self.renormalize, None, topk_weights, topk_ids)
+                            self.renormalize, topk_weights, topk_ids)
 
 
 class SparseMoeBlock(nn.Module):
