@@ -124,7 +124,7 @@ def moe(g: torch.Generator) -> None:
             ids = torch.stack([torch.randperm(10, generator=g)[:k] for _ in range(tokens)])
             weights = torch.rand(tokens, k, generator=g)
             got = torch.ops.kiln.fused_experts_native(x, weights, ids, w13, w2)
-            want = ir.fused_moe.reference(x, x.new_empty(tokens, 10), w13, w2, k, False, None,
+            want = ir.fused_moe.reference(x, x.new_empty(tokens, 10), w13, w2, k, False,
                                           weights, ids)
             # float32: the GEMMs' summation order apart (test_moe_native.py's tolerance)
             ok = (close(got, want, dtype, 2) if dtype == torch.bfloat16
