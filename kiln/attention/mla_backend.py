@@ -2,10 +2,11 @@
 normed latent c_kv (kv_lora_rank) then the roped k_pe, and no separate V.
 
 As vLLM's MLA backends, a step's requests split by query length: prefill requests take the
-expanded form (kiln/attention/mla_prefill.py), decode requests the weight-absorbed one (q_nope
-through kv_b_proj's W_UK into the latent, MQA of one KV head over the cache rows, the latent
-output through W_UV), each written back at its tokens' rows. The torch backend's code on every
-platform: the C kernels (K and V of one head size) do not serve it.
+expanded form (kiln/attention/mla_prefill.py; a cached context a bounded chunk at a time),
+decode requests the weight-absorbed one (q_nope through kv_b_proj's W_UK into the latent, MQA
+of one KV head over the cache rows, the latent output through W_UV), each written back at its
+tokens' rows. The torch backend's code on every platform: the C kernels (K and V of one head
+size) do not serve it.
 """
 from collections.abc import Callable
 from dataclasses import replace
@@ -15,14 +16,18 @@ import torch
 
 from kiln.attention.backend import AttentionImpl
 from kiln.attention.metadata import AttentionMetadata
-from kiln.attention.mla_prefill import MLADims, expanded_attention
+from kiln.attention.mla_context_chunks import (
+    chunk_rows,
+    default_workspace_tokens,
+    plan_context_chunks,
+)
+from kiln.attention.mla_prefill import MLADims, chunked_context_attention, expanded_attention
 from kiln.attention.torch_backend import (
     TorchAttentionBackend,
     TorchAttentionImpl,
     _gather_context,
     _valid_slots,
 )
-from kiln.core.kv_cache_utils import cdiv
 from kiln.errors import ConfigError
 
 
@@ -88,10 +93,28 @@ def _step_split(md: AttentionMetadata, threshold: int) -> tuple:
     return md.step_cache[key]
 
 
+def _step_chunks(md: AttentionMetadata, requests: list[int], context_lens: list[int],
+                 workspace_tokens: int, block_size: int) -> list[tuple]:
+    """Once per step, shared by the layers: the context chunks of the prefill `requests`
+    (slice.request indexes the requests with context), each with its flat cache rows."""
+    key = ("mla_chunks", workspace_tokens)
+    if key not in md.step_cache:
+        with_context = [i for i, n in zip(requests, context_lens) if n > 0]
+        plan = plan_context_chunks([n for n in context_lens if n > 0], workspace_tokens)
+        md.step_cache[key] = [(chunk, chunk_rows(chunk, with_context, md.block_table,
+                                                 block_size)) for chunk in plan]
+    return md.step_cache[key]
+
+
 class LatentAttentionImpl(TorchAttentionImpl):
     """q [T, nh * (nope + rope)] (roped, not absorbed), k [T, latent + rope] (this step's cache
     rows; v is ignored) -> out [T, nh * v_dim]; kv_b_weight() is kv_b_proj's weight
-    [nh * (nope + v_dim), latent], read per call (weights may be reloaded)."""
+    [nh * (nope + v_dim), latent], read per call (weights may be reloaded).
+
+    workspace_tokens: the context tokens a prefill step expands at a time; None sizes it from
+    the heads and dtype (mla_context_chunks.default_workspace_tokens)."""
+
+    workspace_tokens: int | None = None
 
     def __init__(self, dims: MLADims, scale: float, kv_b_weight: Callable[[], torch.Tensor],
                  decode_threshold: int = 1):
@@ -127,18 +150,31 @@ class LatentAttentionImpl(TorchAttentionImpl):
                     kv_cache, decode_md))
 
     def _prefill(self, q, k, kv_cache, md: AttentionMetadata, out, requests) -> None:
-        """The expanded form, request by request: its cached context's rows then this step's."""
-        block_size, w = kv_cache.shape[2], self.kv_b_weight()
+        """The expanded form: a fresh prompt over its own rows; requests over cached context
+        with that context's rows expanded a bounded chunk at a time, the step's requests'
+        slices of a chunk together (vLLM's chunked-context workspace)."""
+        dims, w = self.dims, self.kv_b_weight()
         starts, seq_lens = md.query_start_loc_cpu.tolist(), md.seq_lens_cpu.tolist()
-        for i in requests:
-            qs, qe = starts[i], starts[i + 1]
-            rows = k[qs:qe, 0]  # [L, latent + rope]
-            ctx_len = seq_lens[i] - (qe - qs)
+        spans = [(starts[i], starts[i + 1]) for i in requests]
+        context_lens = [seq_lens[i] - (qe - qs) for i, (qs, qe) in zip(requests, spans)]
+        with_context = []
+        for (qs, qe), ctx_len in zip(spans, context_lens):
             if ctx_len > 0:
-                blocks = md.block_table[i:i + 1, :cdiv(ctx_len, block_size)].long()
-                context = _gather_context(kv_cache[0], blocks, ctx_len)[0, 0]  # [C, L + R]
-                rows = torch.cat((context.to(rows.dtype), rows))
-            out[qs:qe] = expanded_attention(q[qs:qe], rows, w, self.dims, self.scale)
+                with_context.append((qs, qe))
+            else:
+                out[qs:qe] = expanded_attention(q[qs:qe], k[qs:qe, 0], w, dims, self.scale)
+        if not with_context:
+            return
+        workspace = self.workspace_tokens
+        if workspace is None:
+            workspace = default_workspace_tokens(dims.num_heads, dims.qk_dim, q.dtype.itemsize)
+        cache = kv_cache[0].view(-1, self.head_size)  # [nb*bs, L + R]
+        plan = _step_chunks(md, requests, context_lens, workspace, kv_cache.shape[2])
+        outs = chunked_context_attention(
+            [q[qs:qe] for qs, qe in with_context], [k[qs:qe, 0] for qs, qe in with_context],
+            ((chunk, cache.index_select(0, rows)) for chunk, rows in plan), w, dims, self.scale)
+        for (qs, qe), o in zip(with_context, outs):
+            out[qs:qe] = o
 
     def _absorbed(self, q, k, kv_cache, md: AttentionMetadata) -> torch.Tensor:
         """Decode tokens q [Td, nh, nope + rope], k [Td, 1, L + R] -> [Td, nh, v_dim]: MQA of

@@ -1,8 +1,10 @@
 """DeepSeek MLA's prefill / decode split (kiln/attention/mla_backend.py, mla_prefill.py), as
 vLLM's: prefill requests attend in the expanded form (kv_b_proj over the latent rows), decode
 requests in the absorbed one. The split by query length as a pure function; a step mixing a
-prefill over cached context, a decode and a fresh prefill (decode first, padding rows after)
-against HF's logits within 1e-4 in float32, each request through the form its length picks.
+prefill over cached context (expanded 4 context tokens at a time), a decode and a fresh prefill
+(decode first, padding rows after) against HF's logits within 1e-4 in float32, each request
+through the form its length picks. The chunk planning and the chunked result against the
+unchunked one: tests/model/test_mla_context_chunks.py.
 Through LLM (chunked prefill, prefix-cache hits) in float32 and bfloat16:
 tests/model/test_deepseek_vs_hf.py.
 """
@@ -41,18 +43,25 @@ def test_split_threshold_below_one_is_refused():
 
 def test_mixed_step_splits_by_form_and_matches_hf(tiny_deepseek_v3_dir, monkeypatch):
     """Step 1 prefills A's first 10 tokens and all 12 of B's; step 2 runs B's decode token, A's
-    next 8 over its 10 cached (the expanded context read back from the latent cache) and C's 6
-    fresh, then 2 padding rows; step 3 decodes A and B together (batched)."""
+    next 8 over its 10 cached (the expanded context read back from the latent cache, 4 tokens
+    at a time) and C's 6 fresh, then 2 padding rows; step 3 decodes A and B together."""
     from transformers import AutoModelForCausalLM
 
     calls = []
-    expanded = mla_backend.expanded_attention
+    expanded, chunked = mla_backend.expanded_attention, mla_backend.chunked_context_attention
 
     def spy(q, rows, *args):
         calls.append((q.shape[0], rows.shape[0]))
         return expanded(q, rows, *args)
 
+    def chunked_spy(queries, rows, chunks, *args):
+        chunks = list(chunks)
+        calls.append(([q.shape[0] for q in queries], [len(c) for _, c in chunks]))
+        return chunked(queries, rows, chunks, *args)
+
     monkeypatch.setattr(mla_backend, "expanded_attention", spy)
+    monkeypatch.setattr(mla_backend, "chunked_context_attention", chunked_spy)
+    monkeypatch.setattr(mla_backend.LatentAttentionImpl, "workspace_tokens", 4)
     cfg = kiln_config_for(tiny_deepseek_v3_dir)
     model = get_model(cfg)
     num_layers = cfg.model_config.num_layers
@@ -65,8 +74,9 @@ def test_mixed_step_splits_by_form_and_matches_hf(tiny_deepseek_v3_dir, monkeypa
     a, b, c = (PagedRequest(s) for s in seqs)
     pool = BlockPool(32, 4)
     steps = [([a, b], [10, 12], 0), ([b, a, c], [1, 8, 6], 2), ([a, b], [1, 1], 0)]
-    # (queries, keys) of each expanded call, per layer; decodes never expand
-    forms = [[(10, 10), (12, 12)], [(8, 18), (6, 6)], []]
+    # (queries, keys) of each fresh expanded call, per layer, and (queries, context rows per
+    # chunk) of each chunked one; decodes never expand
+    forms = [[(10, 10), (12, 12)], [(6, 6), ([8], [4, 4, 2])], []]
     for (reqs, lens, padding), form in zip(steps, forms):
         before = [r.num_computed for r in reqs]
         calls.clear()
