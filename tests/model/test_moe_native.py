@@ -1,9 +1,9 @@
 """The native CPU provider of the MoE ops (kiln/ir/moe_native.py) against their references:
 float32 within 1e-5 and bfloat16 within a rounding step of the output (rtol 2^-7, atol 2e-2: only
-the GEMMs' summation order differs, GEMV up to 4 rows an expert, aten's GEMM above); int8 bit for
-bit with the experts as stored and packed into panels. Shapes include no tokens, a single token,
-k = 1, 2, 8 and experts no token chose; float experts run in one C++ call a layer and are held
-once.
+the GEMMs' summation order differs: GEMV up to 4 rows an expert, above that AMX-BF16 tiles where
+granted, else aten's GEMM); int8 bit for bit with the experts as stored and packed into panels.
+Shapes include no tokens, a single token, k = 1, 2, 8, experts no token chose and the tiles' row
+and width edges; float experts run in one C++ call a layer and are held once.
 """
 import pytest
 import torch
@@ -85,6 +85,41 @@ def test_one_native_call_runs_every_expert(dtype, top_k, tokens):
     got = ir.fused_moe.impls["native"].fn(*args)
     assert torch.ops.kiln.fused_experts_calls() == calls + 1
     assert linear_op.path_counts() == linears
+    _close(got, want, dtype)
+
+
+GEMV, TILES, ATEN = 0, 1, 2  # csrc/moe_experts.cpp's routes
+
+
+def test_an_experts_rows_choose_its_kernel():
+    """Up to 4 rows the GEMV kernel; more, bfloat16 on AMX tiles where granted, else aten."""
+    route = torch.ops.kiln.fused_experts_route
+    for tiles in (True, False):
+        assert [route(r, 1, tiles) for r in (1, 4)] == [GEMV, GEMV]
+        assert [route(r, 1, tiles) for r in (5, 16, 17, 33, 512)] == [TILES if tiles else ATEN] * 5
+        assert [route(r, 0, tiles) for r in (4, 5, 33)] == [GEMV, ATEN, ATEN]  # float32
+    has = {"amx_tile", "amx_bf16", "avx512_bf16"} <= build.cpu_flags()
+    assert torch.ops.kiln.fused_experts_tiles() == has
+
+
+@pytest.mark.parametrize("rows", [4, 5, 16, 17, 33])
+@pytest.mark.parametrize("hidden, inter", [(64, 96), (80, 40)])
+def test_bfloat16_tiles_at_the_row_boundaries(rows, hidden, inter):
+    """`rows` rows to expert 0 (the others fewer), on widths that fill whole 32 x 32 tile blocks
+    and on ones that leave edges (k and weight rows past a tile's end: zero-padded copies)."""
+    experts, dtype = 4, torch.bfloat16
+    g = torch.Generator().manual_seed(rows * 1000 + hidden)
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) * 0.2).to(dtype)
+    ids = torch.stack([torch.zeros(rows, dtype=torch.long), 1 + torch.arange(rows) % 3], 1)
+    weights = torch.rand(rows, 2, generator=g)
+    want = ir.fused_moe.reference(x, x.new_empty(rows, experts), w13, w2, 2, False, weights, ids)
+    before = torch.ops.kiln.fused_experts_route_counts()
+    got = torch.ops.kiln.fused_experts_native(x, weights, ids, w13, w2)
+    ran = [a - b for a, b in zip(torch.ops.kiln.fused_experts_route_counts(), before)]
+    big = GEMV if rows <= 4 else TILES if torch.ops.kiln.fused_experts_tiles() else ATEN
+    assert ran[big] >= 1 and sum(ran) == min(rows, 3) + 1
     _close(got, want, dtype)
 
 

@@ -115,7 +115,7 @@ def int8_ops(g: torch.Generator) -> None:
 
 def moe(g: torch.Generator) -> None:
     """The float experts kernel (csrc/moe_experts.cpp: GEMV and SiLU-and-mul of this tier, aten's
-    GEMM) against the reference, as tests/model/test_moe_native.py does."""
+    GEMM where no AMX tiles) against the reference, as tests/model/test_moe_native.py does."""
     for dtype in (torch.float32, torch.bfloat16):
         for tokens, k in [(1, 2), (3, 8), (40, 2)]:
             x = torch.randn(tokens, 64, generator=g).to(dtype)
@@ -189,4 +189,5 @@ if __name__ == "__main__":
         "prefill_simd": [prefill_attention.simd(d, 128) for d in (torch.float32, torch.bfloat16)],
         "prefill_amx": prefill_attention.amx(torch.bfloat16, 128),
         "bf16_dot": paged_attention.bf16_dot(torch.bfloat16, 128),
+        "moe_tiles": torch.ops.kiln.fused_experts_tiles(),
         "chosen": chosen, "failures": failures}))

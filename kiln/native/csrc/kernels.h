@@ -87,6 +87,12 @@ int kiln_int8_gemm(const int8_t *a, int64_t a_stride, const float *a_scale, cons
 /* amx.c */
 int kiln_amx_ready(void);
 
+/* bf16_amx_gemm.c: out [m, n] (row stride ldo) = x [m, k] @ w [n, k]^T, bfloat16, on AMX-BF16
+ * tiles over the weight as stored; _ready 0 where built without them or the OS refuses them */
+int kiln_bf16_amx_gemm_ready(void);
+int kiln_bf16_amx_gemm(const void *x, const void *w, void *out, int64_t ldo, int64_t m, int64_t n,
+                       int64_t k, int32_t num_threads);
+
 /* int8_vnni_gemm.c: kiln_int8_gemm over the weight in 64-column panels (k a multiple of 4),
  * packed at load (_packed) or for this call (_panels, for many rows); from
  * kiln_int8_amx_min_rows() rows on AMX tiles (int8_amx_panels.c) */

@@ -6,9 +6,11 @@
  *
  * An expert with up to GEMV_ROWS rows (a decode's experts) runs on the GEMV kernel over the dense
  * weight, the experts side by side on the threads (each single-threaded) when there are enough
- * of them; more rows take aten's matmul (oneDNN / MKL, threaded) on the same weight, the row
- * count rounded up as linear_op.cpp's gemm_rows does (bounds oneDNN's primitive cache). No
- * packed copy of the experts is read or needed (kiln/model/layers/moe_cpu.py). */
+ * of them; more rows take, in bfloat16 where the CPU grants AMX tiles, bf16_amx_gemm.c's tile
+ * GEMM on the weight as stored, else aten's matmul (oneDNN / MKL, threaded; on the weight as
+ * stored it ran 1.5-2x slower than oneDNN on a packed copy did), the row count rounded up as
+ * linear_op.cpp's gemm_rows does (bounds oneDNN's primitive cache). No packed copy of the
+ * experts is read or needed (kiln/model/layers/moe_cpu.py). */
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -30,6 +32,14 @@ namespace {
  * MoE's few rows a step are its common case, where streaming the weight once is the cost). */
 constexpr int64_t GEMV_ROWS = 4;
 
+/* Which kernel runs an expert's GEMMs: `choose_route`. */
+enum Route { ROUTE_GEMV, ROUTE_TILES, ROUTE_ATEN, NUM_ROUTES };
+
+int64_t choose_route(int64_t rows, int64_t dtype, bool tiles) {
+    if (rows <= GEMV_ROWS) return ROUTE_GEMV;
+    return dtype == KILN_BF16 && tiles ? ROUTE_TILES : ROUTE_ATEN;
+}
+
 /* linear_op.cpp's gemm_rows: rows itself up to 32, above that one of 8 steps per power of two. */
 int64_t gemm_rows(int64_t rows) {
     if (rows <= 32) return rows;
@@ -37,14 +47,23 @@ int64_t gemm_rows(int64_t rows) {
     return (rows + step - 1) / step * step;
 }
 
-/* Calls so far (process-wide), for tests to see the kernel is the one that ran. */
-std::atomic<int64_t> calls{0};
+/* Calls so far and experts run by route (process-wide), for tests to see which kernel ran. */
+std::atomic<int64_t> calls{0}, route_calls[NUM_ROUTES];
 
 int64_t call_count() { return calls.load(); }
+
+std::vector<int64_t> route_counts() {
+    std::vector<int64_t> counts;
+    for (auto &c : route_calls) counts.push_back(c.load());
+    return counts;
+}
+
+bool tiles_ready() { return kiln_bf16_amx_gemm_ready() != 0; }
 
 /* Each expert's rows in the gathered buffers: [start, start + padded), n of them real. */
 struct Group {
     int64_t expert, start, n, padded;
+    int route;
 };
 
 /* One expert's MLP on its gathered rows xs [padded, H] -> ys [padded, H], through gu [padded, 2I]
@@ -55,7 +74,20 @@ void run_expert(const Group &g, const at::Tensor &xs, const at::Tensor &gu, cons
     const int64_t h = w13.size(2), two_i = w13.size(1), inter = w2.size(2);
     const at::Tensor x = xs.narrow(0, g.start, g.padded), a = act.narrow(0, g.start, g.padded);
     const at::Tensor u = gu.narrow(0, g.start, g.padded), y = ys.narrow(0, g.start, g.padded);
-    if (g.padded <= GEMV_ROWS) {
+    route_calls[g.route].fetch_add(1, std::memory_order_relaxed);
+    if (g.route == ROUTE_TILES) {
+        kiln::check_rc(kiln_bf16_amx_gemm(x.data_ptr(), w13[g.expert].data_ptr(), u.data_ptr(),
+                                          two_i, g.padded, two_i, h, nthreads),
+                       "kiln::fused_experts (gate_up tiles)");
+        kiln::check_rc(kiln_silu_and_mul(u.data_ptr(), two_i, a.data_ptr(), g.padded,
+                                         static_cast<int32_t>(inter), dtype, nthreads),
+                       "kiln::fused_experts (silu_and_mul)");
+        kiln::check_rc(kiln_bf16_amx_gemm(a.data_ptr(), w2[g.expert].data_ptr(), y.data_ptr(), h,
+                                          g.padded, h, inter, nthreads),
+                       "kiln::fused_experts (down tiles)");
+        return;
+    }
+    if (g.route == ROUTE_GEMV) {
         const int32_t m = static_cast<int32_t>(g.padded);
         kiln::check_rc(kiln_gemv(x.data_ptr(), w13[g.expert].data_ptr(), nullptr, u.data_ptr(), m,
                                  two_i, h, dtype, nthreads), "kiln::fused_experts (gate_up)");
@@ -108,10 +140,12 @@ at::Tensor fused_experts(const at::Tensor &x_in, const at::Tensor &topk_weights_
     /* each chosen expert's rows, padded where aten's GEMM takes them */
     std::vector<Group> groups;
     int64_t rows = 0;
+    const bool tiles = dtype == KILN_BF16 && tiles_ready();
     for (int64_t e = 0; e < experts; ++e) {
         if (counts[e] == 0) continue;  /* no token chose it: never run, its weights never read */
-        const int64_t padded = counts[e] <= GEMV_ROWS ? counts[e] : gemm_rows(counts[e]);
-        groups.push_back({e, rows, counts[e], padded});
+        const int route = static_cast<int>(choose_route(counts[e], dtype, tiles));
+        const int64_t padded = route == ROUTE_ATEN ? gemm_rows(counts[e]) : counts[e];
+        groups.push_back({e, rows, counts[e], padded, route});
         rows += padded;
     }
     /* slot s (token s / k's choice s % k) -> its row; slots in ascending order within an expert */
@@ -133,7 +167,7 @@ at::Tensor fused_experts(const at::Tensor &x_in, const at::Tensor &topk_weights_
     for (const Group &g : groups)  /* the padding rows: zeros, whose outputs nothing reads */
         if (g.padded > g.n) xs.narrow(0, g.start + g.n, g.padded - g.n).zero_();
     std::vector<Group> small, large;
-    for (const Group &g : groups) (g.padded <= GEMV_ROWS ? small : large).push_back(g);
+    for (const Group &g : groups) (g.route == ROUTE_GEMV ? small : large).push_back(g);
     const int32_t nthreads = kiln::threads();
     if (static_cast<int64_t>(small.size()) >= nthreads && nthreads > 1) {
         /* a decode's experts: side by side, each kernel on one thread */
@@ -184,6 +218,9 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
     m.def("fused_experts_native(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor w13, "
           "Tensor w2) -> Tensor");
     m.def("fused_experts_calls() -> int", &call_count);
+    m.def("fused_experts_route_counts() -> int[]", &route_counts);
+    m.def("fused_experts_route(int rows, int dtype, bool tiles) -> int", &choose_route);
+    m.def("fused_experts_tiles() -> bool", &tiles_ready);
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("fused_experts_native", &fused_experts); }
