@@ -114,31 +114,18 @@ def test_a_file_changed_with_its_size_and_mtime_kept_gets_a_new_conversion(tmp_p
 def _qwen2_gguf(path):
     """A qwen2 GGUF holding only metadata: checkpoints' byte-level chat tokenizer as llama.cpp's
     converter writes a gpt2-model one (tokens, types, merges), no tensors."""
-    import gguf
     from transformers import AutoTokenizer
 
     from checkpoints import save_chat_tokenizer
+    from gguf_metadata_file import write_metadata_gguf
 
     save_chat_tokenizer(path.parent / "hf")
     tok = AutoTokenizer.from_pretrained(path.parent / "hf")
     model = json.loads(tok.backend_tokenizer.to_str())["model"]
     tokens = sorted(tok.get_vocab(), key=tok.get_vocab().get)
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    for key in ("block_count", "context_length", "embedding_length", "feed_forward_length",
-                "head_count", "head_count_kv"):
-        getattr(w, f"add_{key}")(64)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model["merges"]])
-    w.add_eos_token_id(tok.eos_token_id)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_metadata_gguf(path, "qwen2", tokens,
+                               [3 if t.startswith("<|") else 1 for t in tokens],
+                               model["merges"], tok.eos_token_id, pre="qwen2")
 
 
 def test_a_qwen2_files_tokenizer_reads_back_as_converted(tmp_path, monkeypatch):
