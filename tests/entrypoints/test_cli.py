@@ -165,29 +165,6 @@ def test_chat_without_template_is_a_user_error_before_the_model_loads(stories, m
     assert code == 2 and "chat template" in err and "Traceback" not in err and not built
 
 
-def test_chat_builds_the_engine_config_once(tiny_llama_dir, monkeypatch):
-    """The chat template check's config was built again by LLMEngine.from_engine_args: the
-    model's config read and its max-model-len settled twice before the model loaded."""
-    from kiln.engine.arg_utils import EngineArgs
-    from kiln.engine.llm_engine import LLMEngine
-
-    monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")  # no core interpreter to start
-    made, given = [], []
-    create = EngineArgs.create_kiln_config
-    monkeypatch.setattr(EngineArgs, "create_kiln_config",
-                        lambda self: made.append(create(self)) or made[-1])
-
-    def no_model(self, kiln_config, **kwargs):
-        given.append(kiln_config)
-        raise LookupError("no model loads in this test")
-    monkeypatch.setattr(LLMEngine, "__init__", no_model)
-    args = build_parser().parse_args(["chat", "--quick", "hi", "--model", str(tiny_llama_dir),
-                                      "--chat-template", "{{ messages[0].content }}", *ENGINE])
-    with pytest.raises(LookupError, match="no model loads"):
-        args.func(args)
-    assert len(made) == 1 and given == made
-
-
 def test_chat_template_file_and_bad_flags(tiny_llama_dir, tmp_path):
     """--chat-template takes a file, as vLLM's does; a broken template or a bad sampling flag
     is a usage error before any turn, not a traceback or an error per turn."""
