@@ -31,8 +31,9 @@ logger = init_logger(__name__)
 # 10: rope scaling read as llama.cpp reads it (rope.scale_linear, a missing type or factor),
 # 11: rope.dimension_count, 12: gguf_arch_config's metadata (Phi-3, Gemma, Granite, OLMo-2),
 # 13: Gemma-2 / 3's (soft caps, window), 14: gguf_moe_config's (the experts' counts and sizes),
-# 15: gguf_family_fields' (windows and their per-layer pattern's values).
-_FORMAT = 15
+# 15: gguf_family_fields' (windows and their per-layer pattern's values), 16: GLM-4's and
+# Seed-Coder's splits (gguf_tokenizer.REGEX_SPLIT_PRE_TYPES; a tokenizer kept before had GPT-2's).
+_FORMAT = 16
 
 
 def converted_dir(gguf: Path) -> Path:

@@ -8,12 +8,26 @@ from pathlib import Path
 # SmolLM2's "\n\n1" was "Ċ", "Ċ", "1" where HF and llama.cpp give "ĊĊ", "1" (spaces and
 # newlines before a digit were each a token of their own).
 DIGITS_FIRST_PRE_TYPES = ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone",
-                          "minerva-7b")
+                          "minerva-7b", "mellum2")
+
+# llama.cpp's pre-tokenizer types whose split transformers' conversion does not know either (it
+# splits by the GPT-2 regex), each with the Split regex of its HF tokenizer.json (llama-vocab.cpp
+# splits by the same): GLM-4's ("glm4", "chatglm-bpe") is Llama-3's, numbers cut in threes;
+# Seed-Coder's ("seed-coder", Seed-OSS's too) cuts every digit alone and keeps a newline off
+# punctuation. EXAONE-4's "exaone4" is llama.cpp's GPT-2 type, what the conversion does already
+# (EXAONE-3's "exaone" splits digits first: DIGITS_FIRST_PRE_TYPES).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SEED_CODER_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                     r"| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+")
+REGEX_SPLIT_PRE_TYPES = {"glm4": _LLAMA3_SPLIT, "chatglm-bpe": _LLAMA3_SPLIT,
+                         "seed-coder": _SEED_CODER_SPLIT}
 
 
 def convert(gguf: Path, table: dict):
-    """transformers' tokenizer of `gguf`, digits split off where llama.cpp's pre-tokenizer
-    type (`table["tokenizer"]`, from gguf_metadata's tensor table) says so."""
+    """transformers' tokenizer of `gguf`, its text split as llama.cpp's pre-tokenizer type
+    (`table["tokenizer"]`, from gguf_metadata's tensor table) says where the conversion
+    does not."""
     from transformers import AutoTokenizer
 
     from kiln.config.gguf_arch_config import OWN_CONFIG_ARCHITECTURES
@@ -36,23 +50,27 @@ def convert(gguf: Path, table: dict):
                           "file to a folder of its own or pass a tokenizer with --tokenizer") \
             from None
     info = table.get("tokenizer") or {}
-    if info.get("model") == "gpt2" and info.get("pre") in DIGITS_FIRST_PRE_TYPES:
-        _split_digits_first(tok)
+    if info.get("model") == "gpt2":
+        _split_as_llama_cpp(tok.backend_tokenizer, info.get("pre"))
     return tok
 
 
-def _split_digits_first(tok) -> None:
+def _split_as_llama_cpp(backend, pre) -> None:
     import json
 
-    from tokenizers import pre_tokenizers
+    from tokenizers import Regex, pre_tokenizers
 
-    backend = tok.backend_tokenizer
     current = backend.pre_tokenizer
     described = json.dumps(json.loads(backend.to_str()).get("pre_tokenizer"))
     if current is None or '"Digits"' in described or '"Split"' in described:
         return  # a conversion that already splits this vocabulary's way
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), current])
+    if pre in DIGITS_FIRST_PRE_TYPES:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), current])
+    elif pre in REGEX_SPLIT_PRE_TYPES:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(REGEX_SPLIT_PRE_TYPES[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 def _backend_class():

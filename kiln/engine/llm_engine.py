@@ -119,26 +119,31 @@ class LLMEngine(EngineChat, EngineTokenStats, EngineVllmViews, EngineSleepMode):
         self._last_logged = (time.monotonic(), 0, 0, 0, 0, None)
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, served: bool = False) -> "LLMEngine":
+    def from_engine_args(cls, engine_args: EngineArgs, served: bool = False,
+                         kiln_config: KilnConfig | None = None) -> "LLMEngine":
         """`served`: the front end is a server (AsyncLLM), whose event loop and tokenizing
         need a core of their own: the core leaves it one unless KILN_CPU_NUM_OF_RESERVED_CPU
-        says otherwise. `LLM`'s front end only waits for outputs: it leaves none."""
+        says otherwise. `LLM`'s front end only waits for outputs: it leaves none.
+        `kiln_config`: `engine_args.create_kiln_config()` where the caller made it already
+        (`kiln chat` checks the chat template before the model loads), not made again."""
         from kiln import vllm_envs
         from kiln.engine import core_interpreter
 
         vllm_envs.warn_unhonoured_once(os.environ)
         front_end_cores = envs.cpu_num_reserved_cpu(default=1 if served else 0)
         interpreter = core_interpreter.take() if envs.enable_multiprocessing() else None
-        try:
-            start = time.perf_counter()
-            kiln_config = engine_args.create_kiln_config()
-            config_s = time.perf_counter() - start
-        except BaseException:
-            if interpreter is not None:
-                interpreter.discard()
-            raise
+        timings = {}
+        if kiln_config is None:
+            try:
+                start = time.perf_counter()
+                kiln_config = engine_args.create_kiln_config()
+                timings["config_s"] = time.perf_counter() - start
+            except BaseException:
+                if interpreter is not None:
+                    interpreter.discard()
+                raise
         engine = cls(kiln_config, core_interpreter=interpreter, front_end_cores=front_end_cores)
-        engine.startup_timings = {"config_s": config_s, **engine.startup_timings}
+        engine.startup_timings = {**timings, **engine.startup_timings}
         return engine
 
     @property

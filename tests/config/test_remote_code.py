@@ -66,23 +66,10 @@ def _llama_gguf(path):
     """A llama GGUF of metadata alone (no tensors), its tokenizer a 4-token byte-level BPE:
     enough for transformers to convert its config and tokenizer (the default model's took a
     cold conversion of 49,152 tokens)."""
-    import gguf
+    from gguf_metadata_file import write_metadata_gguf
 
-    w = gguf.GGUFWriter(str(path), "llama")
-    for key in ("block_count", "context_length", "embedding_length", "feed_forward_length",
-                "head_count", "head_count_kv"):
-        getattr(w, f"add_{key}")(64)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(["a", "b", "ab", "<|end|>"])
-    w.add_token_types([1, 1, 1, 3])
-    w.add_token_merges(["a b"])
-    w.add_eos_token_id(3)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_metadata_gguf(path, "llama", ["a", "b", "ab", "<|end|>"], [1, 1, 1, 3],
+                               ["a b"], 3)
 
 
 def test_a_gguf_beside_a_tokenizer_config_needing_its_own_code_is_refused_unrun(

@@ -92,3 +92,25 @@ def test_an_empty_quick_message_is_refused_before_the_model_loads(monkeypatch):
     args = build_parser().parse_args(["chat", "--quick", " "])
     with pytest.raises(ValueError, match="--quick needs a message"):
         args.func(args)
+
+
+def test_the_engine_config_is_built_once(tiny_llama_dir, monkeypatch):
+    """The chat template check's config was built again by LLMEngine.from_engine_args: the
+    model's config read and its max-model-len settled twice before the model loaded."""
+    from kiln.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")  # no core interpreter to start
+    made, given = [], []
+    create = EngineArgs.create_kiln_config
+    monkeypatch.setattr(EngineArgs, "create_kiln_config",
+                        lambda self: made.append(create(self)) or made[-1])
+
+    def no_model(self, kiln_config, **kwargs):
+        given.append(kiln_config)
+        raise LookupError("no model loads in this test")
+    monkeypatch.setattr(LLMEngine, "__init__", no_model)
+    args = build_parser().parse_args(["chat", "--quick", "w5", "--model", str(tiny_llama_dir),
+                                      *ENGINE_FLAGS])
+    with pytest.raises(LookupError, match="no model loads"):
+        args.func(args)
+    assert len(made) == 1 and given == made

@@ -114,31 +114,18 @@ def test_a_file_changed_with_its_size_and_mtime_kept_gets_a_new_conversion(tmp_p
 def _qwen2_gguf(path):
     """A qwen2 GGUF holding only metadata: checkpoints' byte-level chat tokenizer as llama.cpp's
     converter writes a gpt2-model one (tokens, types, merges), no tensors."""
-    import gguf
     from transformers import AutoTokenizer
 
     from checkpoints import save_chat_tokenizer
+    from gguf_metadata_file import write_metadata_gguf
 
     save_chat_tokenizer(path.parent / "hf")
     tok = AutoTokenizer.from_pretrained(path.parent / "hf")
     model = json.loads(tok.backend_tokenizer.to_str())["model"]
     tokens = sorted(tok.get_vocab(), key=tok.get_vocab().get)
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    for key in ("block_count", "context_length", "embedding_length", "feed_forward_length",
-                "head_count", "head_count_kv"):
-        getattr(w, f"add_{key}")(64)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model["merges"]])
-    w.add_eos_token_id(tok.eos_token_id)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_metadata_gguf(path, "qwen2", tokens,
+                               [3 if t.startswith("<|") else 1 for t in tokens],
+                               model["merges"], tok.eos_token_id, pre="qwen2")
 
 
 def test_a_qwen2_files_tokenizer_reads_back_as_converted(tmp_path, monkeypatch):
@@ -204,6 +191,61 @@ def test_smollm2_splits_digits_off_first_as_its_hf_tokenizer(default_gguf, tmp_p
     again = gguf_metadata.load_tokenizer(default_gguf)
     for text in texts:
         assert first(text).input_ids == again(text).input_ids == hf.encode(text).ids, text
+
+
+# Each type's split as its HF tokenizer.json writes it (GLM-4-9B's, Seed-Coder-8B's; EXAONE-4's is
+# GPT-2's ByteLevel regex, Mellum-2's digits first), and the pieces it cuts "x 12345!\n" into.
+_SPLITS = {
+    "glm4": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+             r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+             ["x", "Ġ", "123", "45", "!Ċ"]),
+    "seed-coder": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}"
+                   r"| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+",
+                   ["x", "Ġ", "1", "2", "3", "4", "5", "!", "Ċ"]),
+    "exaone4": (None, ["x", "Ġ12345", "!", "Ċ"]),
+    "mellum2": ("digits", ["x", "Ġ", "1", "2", "3", "4", "5", "!", "Ċ"]),  # as "smollm"
+}
+
+
+@pytest.mark.parametrize("pre", sorted(_SPLITS))
+def test_a_pre_tokenizer_type_splits_as_its_hf_tokenizer(pre, tmp_path, monkeypatch):
+    """GLM-4's ("glm4") and Seed-Coder's / Seed-OSS's ("seed-coder") files split by transformers'
+    GPT-2 regex, which their HF tokenizers do not: numbers and the spaces before them were cut
+    otherwise ("x 12345" gave "x", " 12345" where GLM-4's gives "x", " ", "123", "45").
+    EXAONE-4's ("exaone4") is GPT-2's in llama.cpp too: left as converted. Mellum-2's
+    ("mellum2") splits digits first, as SmolLM2's."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+
+    from gguf_metadata_file import write_metadata_gguf
+
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path / "cache"))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    texts = ["In 2024, 12345 people said: it's 42!\n\n1. Mix", "x  1 a 99 b\t\t7 I'LL we've 3.14"]
+    trained = Tokenizer(models.BPE())  # merges across every split, so each split shows
+    trained.pre_tokenizer = byte_level
+    trained.train_from_iterator(texts * 4, trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    model = json.loads(trained.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    path = write_metadata_gguf(tmp_path / "m.gguf", "llama", tokens + ["<|end|>"],
+                               [1] * len(tokens) + [3], model["merges"], len(tokens), pre=pre)
+    split, pieces = _SPLITS[pre]
+    hf = Tokenizer(models.BPE(model["vocab"], [tuple(m.split(" ")) if isinstance(m, str) else
+                                               tuple(m) for m in model["merges"]]))
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.pre_tokenizer = {
+        None: gpt2,
+        "digits": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2]),
+    }.get(split) or pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
+    first = gguf_metadata.load_tokenizer(path)
+    again = gguf_metadata.load_tokenizer(path)
+    for tok in (first, again):
+        cut = tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str("x 12345!\n")
+        assert [piece for piece, _ in cut] == pieces
+        for text in texts + ["x 12345!\n", "a.\n\n  7"]:
+            assert tok(text).input_ids == hf.encode(text).ids, text
 
 
 def test_a_negative_linear_rope_scaling_factor_is_refused_naming_it(tmp_path, monkeypatch):

@@ -73,10 +73,11 @@ def run(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     # No template at all is known from the tokenizer alone: found at the first turn, it cost a
     # whole model load and compile first.
-    model_config = engine_args.create_kiln_config().model_config
+    kiln_config = engine_args.create_kiln_config()
+    model_config = kiln_config.model_config
     require_chat_template(get_tokenizer(model_config), model_config.chat_template,
                           model_config.model)
-    engine = LLMEngine.from_engine_args(engine_args)
+    engine = LLMEngine.from_engine_args(engine_args, kiln_config=kiln_config)
     exit_if_stopped()
     try:  # the flags given, over the model's sampling defaults
         params = sampling_params_from_args(args, engine.model_config.generation_defaults,
@@ -141,10 +142,3 @@ def run(args: argparse.Namespace) -> int:
         engine.shutdown()
     return 0
 
-
-def _not_utf8(line: str) -> str | None:
-    """Why a line read from stdin cannot be a turn, or None."""
-    problem = not_utf8(line)
-    if problem is None:
-        return None
-    return f"the line {problem}; nothing was sent, type the turn again in UTF-8"
