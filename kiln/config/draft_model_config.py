@@ -54,7 +54,16 @@ def draft_max_model_len(draft_own: int, target: int, asked: int | None) -> int:
 
 
 def check_draft_fits(draft: ModelConfig, target: ModelConfig) -> None:
-    """The draft proposes token ids the target verifies: one vocabulary for both."""
+    """The draft proposes token ids the target verifies: one vocabulary for both, and an LM
+    head to propose them with (a classifier's score head has none: its first step killed the
+    engine core)."""
+    from kiln.pooling.pooling_task import is_seq_cls
+
+    if is_seq_cls(draft.architecture):
+        raise ConfigError(f"{_FLAG}: the draft model {draft.model!r} is a {draft.architecture} "
+                          "(a score head, no LM head) and cannot propose tokens; give "
+                          "speculative_config.model a *ForCausalLM checkpoint of the target's "
+                          "family")
     if draft.vocab_size != target.vocab_size:
         raise ConfigError(f"{_FLAG}: the draft model {draft.model!r} has vocab_size="
                           f"{draft.vocab_size} and the target {target.model!r} "

@@ -130,7 +130,8 @@ def intact(library: Path) -> bool:
     """The library is there and its bytes are those its build recorded (a file truncated or
     altered since, mapped by the loader, would crash the process on first touch: SIGBUS)."""
     try:
-        return _checksum_file(library).read_text().strip() == _digest(library)
+        # bytes, not text: a checksum file of garbage (non-UTF-8) is a mismatch, not a crash
+        return _checksum_file(library).read_bytes().strip() == _digest(library).encode()
     except OSError:
         return False
 

@@ -40,6 +40,22 @@ def test_a_child_loads_its_parents_library_under_another_cache_root(monkeypatch,
 
 
 @needs_compiler
+def test_a_parents_library_with_a_garbage_checksum_is_not_loaded(monkeypatch, tmp_path):
+    """A checksum file of non-UTF-8 bytes beside the library a parent named (or in the
+    cache) killed the engine core with UnicodeDecodeError; it is a mismatch like any other,
+    and the child loads its own cache's copy instead."""
+    cxx = build.compiler()
+    built = build.build(cxx)
+    damaged = tmp_path / built.parent.name / built.name  # this build's key, a bad checksum
+    damaged.parent.mkdir()
+    shutil.copyfile(built, damaged)
+    build._checksum_file(damaged).write_bytes(b"\xff\xfe" + b"\x00" * 8)
+    assert not build.intact(damaged)
+    monkeypatch.setenv(build.INHERITED_LIBRARY_ENV, str(damaged))
+    assert build.inherited_library(cxx) is None and build.build(cxx) == built
+
+
+@needs_compiler
 def test_the_key_follows_sources_flags_and_compiler(monkeypatch, tmp_path):
     cxx = build.compiler()
     key = build.build_key(cxx)

@@ -86,6 +86,16 @@ def test_draft_model_config_follows_the_target(tiny_llama_dir, tmp_path):
         engine(tiny_llama_dir, pipeline_parallel_size=2).create_kiln_config()
 
 
+def test_a_classifier_draft_is_refused_by_field(tiny_llama_dir, tiny_ce_llama_dir):
+    """A *ForSequenceClassification checkpoint of the target's vocabulary was accepted as the
+    draft and killed the engine core at its first step (no LM head to propose with)."""
+    with pytest.raises(ConfigError, match=r"--speculative-config: the draft model .* is a "
+                       r"LlamaForSequenceClassification \(a score head, no LM head\).*"
+                       r"speculative_config.model a \*ForCausalLM checkpoint"):
+        EngineArgs(model=str(tiny_llama_dir), max_model_len=128, speculative_config={
+            "model": str(tiny_ce_llama_dir), "num_speculative_tokens": 2}).create_kiln_config()
+
+
 @pytest.mark.parametrize("kwargs", [dict(runner="pooling"), dict(task="embed")])
 def test_ngram_speculation_with_a_pooling_runner_is_refused(tiny_llama_dir, kwargs):
     """It was accepted and did nothing: a pooling model generates no tokens to draft."""
