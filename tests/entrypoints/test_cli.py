@@ -1,7 +1,9 @@
 """The `kiln` command run as a user would: a subprocess; stdout carries only results."""
 import json
+import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -13,15 +15,27 @@ from checkpoints import STORIES_DIR
 ENGINE = ["--enforce-eager", "--kv-cache-memory", "0.02", "--max-model-len", "128"]
 
 
-def kiln(*argv, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+def kiln(*argv, stdin: str | bytes | None = None, timeout: int = 300,
+         env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kiln.entrypoints.cli.main", *argv],
-                          input=stdin, capture_output=True, text=True, timeout=timeout)
+                          input=stdin, capture_output=True, text=not isinstance(stdin, bytes),
+                          timeout=timeout, env=env)
+
+
+def kilns(*runs: tuple) -> list[subprocess.CompletedProcess]:
+    """`kiln ARGV` for each (argv, stdin) at once: a run is mostly one core's interpreter start
+    and imports, and the suite's machine has two."""
+    env = dict(os.environ)  # as now: a test may set its own process's variables meanwhile
+    with ThreadPoolExecutor(len(runs)) as pool:
+        return list(pool.map(lambda run: kiln(*run[0], stdin=run[1], env=env), runs))
 
 
 def kiln_exits(*argv, stdin: str = "") -> tuple[int, str, str]:
     """`kiln ARGV` run by its main() in this process: (exit code, stdout, stderr with Kiln's
-    log lines), for a command that ends before any engine is built (a usage error): the same
-    parser and error handling as the subprocess, without an interpreter's start."""
+    log lines), for a command that ends before any engine is built (a usage error), or whose
+    engine core runs in this process (bench throughput; KILN_ENABLE_V1_MULTIPROCESSING=0) where
+    what it prints, not its process, is the subject: the same parser and error handling as the
+    subprocess, without an interpreter's start."""
     import contextlib
     import io
     import logging
@@ -65,19 +79,28 @@ def test_subcommands_registered():
     assert (args.num_prompts, args.tensor_parallel_size, args.backend) == (3, 2, "kiln")
 
 
-def test_generate_prints_only_text(stories):
+def test_generate_prints_only_text_and_a_piped_prompt_loses_its_last_newline(stories,
+                                                                             monkeypatch):
+    """`echo PROMPT | kiln generate` generated after the echo's newline (the stories tokenizer
+    spells the newline): the piped prompt's text is the given one's."""
     from kiln.entrypoints.llm import LLM
     from kiln.sampling_params import SamplingParams
 
-    r = kiln("generate", "Once upon a time", "--model", stories, "--temperature", "0",
-             "--max-tokens", "16", *ENGINE)
-    assert r.returncode == 0, r.stderr
-    llm = LLM(model=stories, enforce_eager=True, kv_cache_memory=0.02, max_model_len=128)
-    (expected,) = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=16),
-                               use_tqdm=False)
-    llm.shutdown()
-    assert r.stdout == expected.outputs[0].text + "\n"
-    assert "INFO" in r.stderr and "INFO" not in r.stdout
+    argv = ["--model", stories, "--temperature", "0", "--max-tokens", "16", *ENGINE]
+    with ThreadPoolExecutor(1) as pool:
+        runs = pool.submit(kilns, (["generate", "Once upon a time", *argv], None),
+                           (["generate", *argv], "Once upon a time\n"))
+        monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")  # the reference's core here
+        llm = LLM(model=stories, enforce_eager=True, kv_cache_memory=0.02, max_model_len=128)
+        (expected,) = llm.generate("Once upon a time",
+                                   SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+        llm.shutdown()
+        given, piped = runs.result()
+    assert given.returncode == 0, given.stderr
+    assert given.stdout == expected.outputs[0].text + "\n"
+    assert "INFO" in given.stderr and "INFO" not in given.stdout
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == given.stdout
 
 
 def test_generate_logprobs_go_to_stderr(stories):
@@ -135,24 +158,21 @@ def test_a_non_utf8_chat_flag_is_refused_before_the_model_loads(flags):
         args.func(args)
 
 
-def test_chat_streams_and_keeps_history(stories):
+def test_chat_streams_and_keeps_history_and_says_when_a_reply_is_empty(stories):
+    """History: one reply per turn, none after "exit". Empty: every character a stop string,
+    each reply ends before its first, and the user is told so rather than shown a bare blank
+    line."""
     template = "{% for m in messages %}[{{ m.role }}] {{ m.content }} {% endfor %}"
-    r = kiln("chat", "--model", stories, "--temperature", "0", "--max-tokens", "6",
-             "--chat-template", template, *ENGINE, stdin="Lily saw a\nThen\nexit\nignored\n")
-    assert r.returncode == 0, r.stderr
-    assert len(r.stdout.splitlines()) == 2  # one reply per turn, none after "exit"
-
-
-def test_chat_says_when_a_reply_is_empty(stories):
-    """Every character a stop string: each reply ends before its first, and the user is told
-    so rather than shown a bare blank line."""
-    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }} {% endfor %}"
+    chat = ["chat", "--model", stories, "--temperature", "0", "--max-tokens", "6",
+            "--chat-template", template, *ENGINE]
     stops = [a for c in " .,!?'\"0123456789abcdefghijklmnopqrstuvwxyz" for a in ("--stop", c)]
     stops += [a for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ\n" for a in ("--stop", c)]
-    r = kiln("chat", "--model", stories, "--temperature", "0", "--max-tokens", "6",
-             "--chat-template", template, *stops, *ENGINE, stdin="Lily saw a\nexit\n")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "" and "(empty reply" in r.stderr
+    history, empty = kilns((chat, "Lily saw a\nThen\nexit\nignored\n"),
+                           ([*chat, *stops], "Lily saw a\nexit\n"))
+    assert history.returncode == 0, history.stderr
+    assert len(history.stdout.splitlines()) == 2  # one reply per turn, none after "exit"
+    assert empty.returncode == 0, empty.stderr
+    assert empty.stdout.strip() == "" and "(empty reply" in empty.stderr
 
 
 def test_chat_without_template_is_a_user_error_before_the_model_loads(stories, monkeypatch):
@@ -165,16 +185,19 @@ def test_chat_without_template_is_a_user_error_before_the_model_loads(stories, m
     assert code == 2 and "chat template" in err and "Traceback" not in err and not built
 
 
-def test_chat_template_file_and_bad_flags(tiny_llama_dir, tmp_path):
+def test_chat_template_file_bad_flags_and_a_non_utf8_turn(tiny_llama_dir, tmp_path):
     """--chat-template takes a file, as vLLM's does; a broken template or a bad sampling flag
-    is a usage error before any turn, not a traceback or an error per turn."""
+    is a usage error before any turn, not a traceback or an error per turn. A chat line that is
+    not UTF-8 was reported at an offset into the rendered template, with a needless /reset."""
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}{{ m.content }} {% endfor %}")
     model = ["--model", str(tiny_llama_dir), *ENGINE]
     r = kiln("chat", *model, "--chat-template", str(template), "--temperature", "0",
-             "--max-tokens", "3", stdin="w5 w6\nexit\n")
-    assert r.returncode == 0, r.stderr
-    assert len(r.stdout.splitlines()) == 1
+             "--max-tokens", "3", stdin=b"w5 \xff\nw5 w6\nexit\n")
+    err = r.stderr.decode()
+    assert r.returncode == 0, err
+    assert "not UTF-8 text (byte 0xff at character 3)" in err and "/reset" not in err, err
+    assert len(r.stdout.splitlines()) == 1  # the next turn is answered
     for flags, message in ((["--chat-template", "{% for m in messages %}"],
                             "no valid Jinja template"),
                            (["--chat-template", str(tmp_path / "missing.jinja")], "no such file"),
@@ -200,10 +223,12 @@ def test_bench_throughput_dummy_with_hf(stories):
 
 
 def test_bench_throughput_int8_against_unquantized_in_one_run(stories):
-    r = kiln("bench", "throughput", "--model", stories, "--num-prompts", "2", "--input-len", "8",
-             "--output-len", "3", "--quantization", "int8", "--compare-unquantized", *ENGINE)
-    assert r.returncode == 0, r.stderr
-    report = json.loads(r.stdout)
+    # Its report, not its process, is the subject (the core is in-process as in the command).
+    code, out, err = kiln_exits("bench", "throughput", "--model", stories, "--num-prompts", "2",
+                                "--input-len", "8", "--output-len", "3", "--quantization", "int8",
+                                "--compare-unquantized", *ENGINE)
+    assert code == 0, err
+    report = json.loads(out)
     assert report["quantization"] == "int8" and report["dtype"] == "float32"
     assert report["num_output_tokens"] == 6 and report["unquantized_output_tokens_per_s"] > 0
     ratio = report["output_tokens_per_s"] / report["unquantized_output_tokens_per_s"]
@@ -219,11 +244,12 @@ def test_bench_throughput_int8_against_unquantized_in_one_run(stories):
 def test_bench_throughput_alternated_rounds(stories):
     """--rounds: both engines built first, then alternated rounds on fresh prompts; the median
     round's figures and every round's listed."""
-    r = kiln("bench", "throughput", "--model", stories, "--num-prompts", "2", "--input-len", "8",
-             "--output-len", "3", "--quantization", "int8", "--compare-unquantized",
-             "--rounds", "3", *ENGINE)
-    assert r.returncode == 0, r.stderr
-    report = json.loads(r.stdout)
+    # Its report, not its process, is the subject (the core is in-process as in the command).
+    code, out, err = kiln_exits("bench", "throughput", "--model", stories, "--num-prompts", "2",
+                                "--input-len", "8", "--output-len", "3", "--quantization", "int8",
+                                "--compare-unquantized", "--rounds", "3", *ENGINE)
+    assert code == 0, err
+    report = json.loads(out)
     assert report["rounds"] == 3 and report["num_output_tokens"] == 6
     speedups = report["round_speedups"]
     assert len(speedups) == len(report["round_output_tokens_per_s"]) == 3
@@ -309,11 +335,13 @@ def test_every_flag_has_help_and_shows_its_default():
     assert "(default: True)" in text
 
 
-def test_generate_takes_the_models_sampling_defaults(tiny_llama_dir, tmp_path):
+def test_generate_takes_the_models_sampling_defaults(tiny_llama_dir, tmp_path, monkeypatch):
     """Flags left out take the model's generation_config.json (its own, or --generation-config
     DIR's), as LLM.generate does: the CLI passed temperature 1.0 and 128 tokens whatever the
-    model said. Flags given still win."""
+    model said. Flags given still win. The flags, not the process, are the subject: run here."""
     import shutil
+
+    monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")
 
     model = tmp_path / "model"
     shutil.copytree(tiny_llama_dir, model)
@@ -321,9 +349,10 @@ def test_generate_takes_the_models_sampling_defaults(tiny_llama_dir, tmp_path):
                                                               "max_new_tokens": 3}))
 
     def tokens(*argv):
-        r = kiln("generate", "w5 w6", "--logprobs", "0", "--ignore-eos", *argv, *ENGINE)
-        assert r.returncode == 0, r.stderr
-        return r.stdout, sum(line.startswith('{"index"') for line in r.stderr.splitlines())
+        code, out, err = kiln_exits("generate", "w5 w6", "--logprobs", "0", "--ignore-eos",
+                                    *argv, *ENGINE)
+        assert code == 0, err
+        return out, sum(line.startswith('{"index"') for line in err.splitlines())
 
     first = tokens("--model", str(model), "--seed", "1")
     assert first[1] == 3  # max_new_tokens
@@ -331,28 +360,6 @@ def test_generate_takes_the_models_sampling_defaults(tiny_llama_dir, tmp_path):
     # --generation-config DIR on a model without one; --max-tokens over its max_new_tokens
     assert tokens("--model", str(tiny_llama_dir), "--generation-config", str(model),
                   "--max-tokens", "2")[1] == 2
-
-
-def test_a_piped_prompt_loses_its_last_newline_and_a_non_utf8_turn_is_named(tiny_llama_dir,
-                                                                              tmp_path):
-    """`echo PROMPT | kiln generate` generated after the echo's newline; a chat line that is
-    not UTF-8 was reported at an offset into the rendered template, with a needless /reset."""
-    greedy = [*ENGINE, "--temperature", "0", "--max-tokens", "4"]
-    stories = ["--model", str(STORIES_DIR), *greedy]  # its tokenizer spells the newline
-    piped = kiln("generate", *stories, stdin="Lily saw a\n")
-    given = kiln("generate", "Lily saw a", *stories)
-    assert piped.returncode == given.returncode == 0, piped.stderr
-    assert piped.stdout == given.stdout
-    model = ["--model", str(tiny_llama_dir), *greedy]
-    template = tmp_path / "chat.jinja"
-    template.write_text("{% for m in messages %}{{ m.content }} {% endfor %}")
-    r = subprocess.run([sys.executable, "-m", "kiln.entrypoints.cli.main", "chat", *model,
-                        "--chat-template", str(template)], input=b"w5 \xff\nw6\nexit\n",
-                       capture_output=True, timeout=300)
-    err = r.stderr.decode()
-    assert r.returncode == 0, err
-    assert "not UTF-8 text (byte 0xff at character 3)" in err and "/reset" not in err, err
-    assert len(r.stdout.splitlines()) == 1  # the next turn is answered
 
 
 def test_an_engine_death_is_one_line_not_a_traceback():
@@ -389,30 +396,27 @@ def test_a_piece_that_will_not_compile_ends_in_one_line_naming_it_and_the_way_ou
         tiny_llama_dir, tmp_path):
     """No working C++ compiler: the command ended in Dynamo's wrapper of Inductor's error
     (the backend object's address, "Set TORCHDYNAMO_VERBOSE=1", compiler output) with no word
-    of the piece or of serving without compiling (helper-58)."""
-    config = {"mode": 3, "cache_dir": str(tmp_path / "cc"),
-              "inductor_compile_config": {"cpp.cxx": [None, "/nonexistent/g++"]}}
-    r = kiln("generate", "hello", "--model", str(tiny_llama_dir), "--max-model-len", "64",
-             "--max-tokens", "4", "--compilation-config", json.dumps(config))
-    last = r.stderr.strip().splitlines()[-1]
-    assert r.returncode == 1 and last.startswith("error: compiling piece 0 (range) failed ("), \
-        r.stderr[-3000:]
+    of the piece or of serving without compiling (helper-58). `kiln compile` and `kiln bench
+    throughput` run the engine core in the command's own process, where Dynamo's
+    BackendCompilerFailed wraps the PieceCompileError: they ended in that wrapper's traceback
+    (helper-63). The three commands run at once, each on its own cache."""
+    def config(name):
+        return json.dumps({"mode": 3, "cache_dir": str(tmp_path / name),
+                           "inductor_compile_config": {"cpp.cxx": [None, "/nonexistent/g++"]}})
+
+    model = ["--model", str(tiny_llama_dir), "--max-model-len", "64"]
+    generate, compiled, bench = kilns(
+        (["generate", "hello", *model, "--max-tokens", "4", "--compilation-config",
+          config("generate")], None),
+        (["compile", *model, "--compilation-config", config("compile")], None),
+        (["bench", "throughput", "--num-prompts", "1", "--input-len", "4", "--output-len", "2",
+          *model, "--compilation-config", config("bench")], None))
+    for r in (generate, compiled, bench):
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 1 and last.startswith("error: compiling piece 0 (range) failed ("), \
+            r.stderr[-3000:]
+    last = generate.stderr.strip().splitlines()[-1]
     assert "/nonexistent/g++" in last and last.endswith("--enforce-eager (-O0) serves the model "
                                                         "without compiling")
-
-
-@pytest.mark.parametrize("command", [["compile"], ["bench", "throughput", "--num-prompts", "1",
-                                                   "--input-len", "4", "--output-len", "2"]])
-def test_a_piece_that_will_not_compile_in_this_process_ends_in_one_line(tiny_llama_dir, tmp_path,
-                                                                        command):
-    """`kiln compile` and `kiln bench throughput` run the engine core in their own process,
-    where Dynamo's BackendCompilerFailed wraps the PieceCompileError: they ended in that
-    wrapper's traceback (the backend object's address, TORCHDYNAMO_VERBOSE) (helper-63)."""
-    config = {"mode": 3, "cache_dir": str(tmp_path / "cc"),
-              "inductor_compile_config": {"cpp.cxx": [None, "/nonexistent/g++"]}}
-    r = kiln(*command, "--model", str(tiny_llama_dir), "--max-model-len", "64",
-             "--compilation-config", json.dumps(config))
-    last = r.stderr.strip().splitlines()[-1]
-    assert r.returncode == 1 and last.startswith("error: compiling piece 0 (range) failed ("), \
-        r.stderr[-3000:]
-    assert "engine core failed" in r.stderr  # the traceback is still logged, as a core's is
+    for r in (compiled, bench):  # the traceback is still logged, as a core's is
+        assert "engine core failed" in r.stderr
