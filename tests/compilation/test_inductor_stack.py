@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -43,9 +44,36 @@ def _own_cache_root(tmp_path_factory):
         yield root
 
 
+def _simdlen_children(cache: Path, env: dict) -> list:
+    """test_artifacts_load_under_the_inductor_options_they_were_compiled_with's two starts on
+    one cache, cold then warm: [(run, returncode, stderr, out path)]."""
+    more = json.dumps({"inductor_compile_config": {"cpp.simdlen": 256}, "compile_sizes": [],
+                       "num_layers": 1})
+    runs = []
+    for run in ("cold", "warm"):
+        out = cache.parent / f"{run}.pt"
+        child = subprocess.run([sys.executable, str(HERE / "_child.py"), str(cache), str(out),
+                                more], cwd=HERE, timeout=300, capture_output=True, text=True,
+                               env=env)
+        runs.append((run, child.returncode, child.stderr, out))
+        if child.returncode:
+            break
+    return runs
+
+
 @pytest.fixture(scope="module")
-def cold(tmp_path_factory):
-    """Cold-compile the toy model (range + sizes 1 and 8) into an empty cache."""
+def simdlen_children(_own_cache_root, tmp_path_factory):
+    """Started with the module: the two children run while this process compiles `cold` (the
+    suite's machine has two cores). The environment as now, before any test changes it."""
+    env = {k: v for k, v in os.environ.items() if k != "KILN_DISABLE_COMPILE_CACHE"}
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(_simdlen_children, tmp_path_factory.mktemp("simdlen") / "cache", env)
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory, simdlen_children):
+    """Cold-compile the toy model (range + sizes 1 and 8) into an empty cache (the simdlen
+    children started first, to run meanwhile)."""
     os.environ.pop("KILN_DISABLE_COMPILE_CACHE", None)
     root = tmp_path_factory.mktemp("compile")
     config = tm.toy_config(mode=3, compile_sizes=[1, 8], cache_dir=str(root / "cache"),
@@ -130,23 +158,19 @@ def test_warm_start_in_second_process_compiles_nothing(cold, tmp_path):
         assert torch.equal(result["outputs"][n], _run(cold["model"], n))
 
 
-def test_artifacts_load_under_the_inductor_options_they_were_compiled_with(tmp_path):
+def test_artifacts_load_under_the_inductor_options_they_were_compiled_with(simdlen_children):
     """inductor_compile_config {"cpp.simdlen": 256} on an AVX-512 machine: Inductor writes AVX2
     kernels. Loading an artifact (right after saving it, and at a warm start) built them again
     under the process's own options, for AVX-512 vectors: the first forward corrupted the heap
     (glibc abort). Both processes must serve the eager model's outputs, the warm one building
     nothing. One layer and the range shape alone: each compiled artifact is loaded back the same
     way, and the child's cold compile is 2 pieces where 2 layers and sizes 1 and 8 made it 9."""
-    more = json.dumps({"inductor_compile_config": {"cpp.simdlen": 256}, "compile_sizes": [],
-                       "num_layers": 1})
     eager = tm.build(tm.toy_config(mode=0, num_layers=1))
     reference = {n: _run(eager, n) for n in SIZES}
-    for run in ("cold", "warm"):
-        out = tmp_path / f"{run}.pt"
-        child = subprocess.run([sys.executable, str(HERE / "_child.py"), str(tmp_path / "cache"),
-                                str(out), more], cwd=HERE, timeout=300, capture_output=True,
-                               text=True)
-        assert child.returncode == 0, f"{run} start: {child.stderr[-2000:]}"
+    runs = simdlen_children.result()
+    assert [run for run, *_ in runs] == ["cold", "warm"], runs[-1][2][-2000:]
+    for run, returncode, stderr, out in runs:
+        assert returncode == 0, f"{run} start: {stderr[-2000:]}"
         result = torch.load(out)
         for n in SIZES:
             torch.testing.assert_close(result["outputs"][n], reference[n])
