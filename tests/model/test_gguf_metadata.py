@@ -19,6 +19,26 @@ def default_gguf():
     return default_model_path()  # under the real cache root, before a test moves it
 
 
+@pytest.fixture(scope="module")
+def direct(default_gguf):
+    """transformers' own tokenizer and config of the default model's file (a parse each)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    return (AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name),
+            AutoConfig.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name))
+
+
+@pytest.fixture(scope="module")
+def converted(default_gguf, tmp_path_factory):
+    """A cache root where Kiln converted the default model's config and tokenizer and kept
+    them (a parse each): (root, the first load's config, the first load's tokenizer)."""
+    root = tmp_path_factory.mktemp("converted")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KILN_CACHE_ROOT", str(root))
+        return (root, gguf_metadata.load_config(default_gguf),
+                gguf_metadata.load_tokenizer(default_gguf))
+
+
 def _no_gguf_parsing(monkeypatch):
     import gguf.gguf_reader
 
@@ -27,15 +47,10 @@ def _no_gguf_parsing(monkeypatch):
     monkeypatch.setattr(gguf.gguf_reader.GGUFReader, "__init__", refuse)
 
 
-def test_second_load_reads_the_cache_and_matches_transformers(default_gguf, tmp_path,
+def test_second_load_reads_the_cache_and_matches_transformers(default_gguf, direct, converted,
                                                               monkeypatch):
-    from transformers import AutoConfig, AutoTokenizer
-
-    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
-    direct_tok = AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
-    direct_cfg = AutoConfig.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
-    gguf_metadata.load_config(default_gguf)  # converts and keeps
-    gguf_metadata.load_tokenizer(default_gguf)
+    direct_tok, direct_cfg = direct
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(converted[0]))  # converted and kept there
     with monkeypatch.context() as m:
         _no_gguf_parsing(m)
         cfg = gguf_metadata.load_config(default_gguf)
@@ -61,15 +76,19 @@ def test_second_load_reads_the_cache_and_matches_transformers(default_gguf, tmp_
         assert tok(text)["input_ids"] == ids and tok.decode(ids) == direct_tok.decode(ids)
 
 
-def test_damaged_copy_is_converted_again(default_gguf, tmp_path, monkeypatch, caplog):
+def test_damaged_copy_is_converted_again(default_gguf, converted, tmp_path, monkeypatch,
+                                         caplog):
+    import shutil
+
     monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
+    # A copy of the kept conversion (not converted again here), then each part damaged.
+    shutil.copytree(converted[0] / "gguf", tmp_path / "gguf")
     part = gguf_metadata.converted_dir(default_gguf) / "config"
-    part.mkdir(parents=True)
+    assert (part / "config.json").is_file()
     (part / "config.json").write_text("{ not json")
     cfg = gguf_metadata.load_config(default_gguf)
     assert cfg.num_hidden_layers == 30 and "config.json" in os.listdir(part)
     assert '"num_hidden_layers": 30' in (part / "config.json").read_text()
-    gguf_metadata.load_tokenizer(default_gguf)
     tokenizer_json = gguf_metadata.converted_dir(default_gguf) / "tokenizer" / "tokenizer.json"
     tokenizer_json.write_text('{"model": {"type": "nothing like a tokenizer"}}')
     tok = gguf_metadata.load_tokenizer(default_gguf)
@@ -165,7 +184,7 @@ def test_a_damaged_tokenizer_file_is_named(tmp_path, monkeypatch, damage):
         gguf_metadata.load_tokenizer(path)
 
 
-def test_smollm2_splits_digits_off_first_as_its_hf_tokenizer(default_gguf, tmp_path,
+def test_smollm2_splits_digits_off_first_as_its_hf_tokenizer(default_gguf, direct, converted,
                                                              monkeypatch):
     """SmolLM2's HF tokenizer (and llama.cpp's "smollm" pre-tokenizer type) splits digits off
     before the GPT-2 regex; transformers' GGUF conversion knows no "smollm" and ran the regex
@@ -173,9 +192,7 @@ def test_smollm2_splits_digits_off_first_as_its_hf_tokenizer(default_gguf, tmp_p
     "1" where the model was trained on "ĊĊ", "1")."""
     import gguf
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoTokenizer
 
-    monkeypatch.setenv("KILN_CACHE_ROOT", str(tmp_path))
     fields = gguf.GGUFReader(default_gguf).fields
     assert fields["tokenizer.ggml.pre"].contents() == "smollm"
     vocab = {t: i for i, t in enumerate(fields["tokenizer.ggml.tokens"].contents())}
@@ -185,10 +202,10 @@ def test_smollm2_splits_digits_off_first_as_its_hf_tokenizer(default_gguf, tmp_p
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     texts = ["Steps:\n\n1. Mix", "a  1", "x   2024", "in 2024,  42 ", "v1.2.3\t\t7"]
-    direct = AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
-    assert direct(texts[0]).input_ids != hf.encode(texts[0]).ids  # what transformers does
-    first = gguf_metadata.load_tokenizer(default_gguf)
-    again = gguf_metadata.load_tokenizer(default_gguf)
+    assert direct[0](texts[0]).input_ids != hf.encode(texts[0]).ids  # what transformers does
+    first = converted[2]  # the converting load
+    monkeypatch.setenv("KILN_CACHE_ROOT", str(converted[0]))
+    again = gguf_metadata.load_tokenizer(default_gguf)  # read back from the cache
     for text in texts:
         assert first(text).input_ids == again(text).input_ids == hf.encode(text).ids, text
 
