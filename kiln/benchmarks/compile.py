@@ -71,17 +71,6 @@ def _ops_in_use(kiln_config) -> list[str]:
             if op not in not_called and all(on for kind, on in kinds.items() if kind in op)]
 
 
-def _since(after: dict, before: dict) -> dict:
-    """The part of `after` (a process_compile_state) that came after `before`."""
-    return {"counters": {k: v - before["counters"][k] for k, v in after["counters"].items()},
-            "pass_runs": after["pass_runs"][len(before["pass_runs"]):],
-            "events": after["events"][len(before["events"]):],
-            "cache_dirs": {p: st for p, st in after["cache_dirs"].items()
-                           if p not in before["cache_dirs"]},
-            "inductor_cache_dir": after["inductor_cache_dir"],
-            **{k: after[k] - before[k] for k in ("trace_s", "compile_s", "load_s")}}
-
-
 def _compile_fields(state: dict) -> dict:
     """The report's compile fields from one process's compile state."""
     d = state["counters"]
@@ -106,6 +95,33 @@ def _compile_fields(state: dict) -> dict:
     }
 
 
+def _times(state: dict) -> dict:
+    return {k: state[k] for k in ("trace_s", "compile_s", "load_s")}
+
+
+def _draft_report(kiln_config, state: dict | None) -> dict:
+    """{"draft": ...}: a speculative draft model's or EAGLE head's own compile (rank 0's),
+    which runs in the target's process but is not the target's; {} without one."""
+    from kiln.spec_decode.draft_model_proposer import draft_kiln_config
+
+    spec = kiln_config.speculative_config
+    if spec is None or not spec.runner_proposes:
+        return {}
+    draft = draft_kiln_config(kiln_config)
+    dc, cc = draft.model_config, draft.compilation_config
+    mode = CompilationMode(cc.mode)
+    if state is None:  # it ran eagerly: nothing of the compile stack's is its
+        state = monitor.state_since(monitor.process_compile_state(),
+                                    monitor.process_compile_state())
+    return {"draft": {"model": dc.model, "method": spec.method,
+                      "architecture": dc.architecture, "num_layers": dc.num_layers,
+                      "compilation_mode": int(mode), "compilation_mode_name": mode.name,
+                      "splitting_ops": list(cc.splitting_ops),
+                      "shapes": {"range": [1, draft.scheduler_config.max_num_batched_tokens],
+                                 "compile_sizes": list(cc.compile_sizes)},
+                      **_compile_fields(state), "times": _times(state)}}
+
+
 def compile_report(engine_args: EngineArgs) -> dict:
     """Build the engine's config, load the model, size the KV cache, compile and warm up every
     shape (all the engine does before serving), and report what the compile stack did. With
@@ -127,11 +143,14 @@ def compile_report(engine_args: EngineArgs) -> dict:
         mc, cc = kiln_config.model_config, kiln_config.compilation_config
         # a rank process is started for this engine: all its compile state is this start-up's
         rank_states = core.executor.compile_stats()
-        states = rank_states or [{"rank": 0, **_since(monitor.process_compile_state(), before)}]
-        ranks = [{"rank": st["rank"], **_compile_fields(st),
-                  "times": {k: st[k] for k in ("trace_s", "compile_s", "load_s")}}
-                 for st in states]
-        first = states[0]
+        # (the target's part, the draft's part or None) for each rank
+        parts = ([monitor.split_section(st, None, "draft") for st in rank_states] if rank_states
+                 else [monitor.split_section(monitor.process_compile_state(), before, "draft")])
+        ranks = [{"rank": st["rank"], **_compile_fields(target), "times": _times(target),
+                  **({"draft": {**_compile_fields(draft), "times": _times(draft)}}
+                     if draft is not None else {})}
+                 for st, (target, draft) in zip(rank_states or [{"rank": 0}], parts)]
+        first, first_draft = parts[0]
         return {
             "model": mc.model, "architecture": mc.architecture, "num_layers": mc.num_layers,
             "device": kiln_config.device_config.device,
@@ -147,6 +166,7 @@ def compile_report(engine_args: EngineArgs) -> dict:
                       "trace_s": first["trace_s"], "compile_s": first["compile_s"],
                       "artifact_load_s": first["load_s"]},
             **({"ranks": ranks} if rank_states else {}),
+            **_draft_report(kiln_config, first_draft),
         }
     finally:
         core.shutdown()
@@ -181,7 +201,17 @@ def start_figures(report: dict, wall_s: float) -> dict:
             "num_compiled_artifacts_loaded": report["inductor"]["artifacts_loaded"],
             "num_compiled_artifacts_saved": report["inductor"]["artifacts_saved"],
             "cache_hits": report["cache"]["hits"], "cache_misses": report["cache"]["misses"],
-            "cache_dirs": report["cache"]["dirs"]}
+            "cache_dirs": report["cache"]["dirs"],
+            **({"draft": _draft_figures(report["draft"])} if "draft" in report else {})}
+
+
+def _draft_figures(d: dict) -> dict:
+    """A speculative draft's part of a start (its own compile, inside the warm-up)."""
+    t = d["times"]
+    return {"torch_compile_s": t["trace_s"] + t["compile_s"] + t["load_s"],
+            "num_inductor_compiles": d["inductor"]["compiles"],
+            "num_compiled_artifacts_loaded": d["inductor"]["artifacts_loaded"],
+            "cache_hits": d["cache"]["hits"], "cache_misses": d["cache"]["misses"]}
 
 
 def _ratio(a, b):

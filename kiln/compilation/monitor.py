@@ -1,7 +1,9 @@
 """Compile-time accounting and log lines: trace time, per-shape compile/load time, cache state.
 
-`compile_report()` gives the totals (also used by `kiln compile`).
+`compile_report()` gives the totals (also used by `kiln compile`); `section` marks a part of
+them as another model's (a speculative draft's compile), which `split_section` takes apart.
 """
+import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -18,6 +20,8 @@ class CompileStats:
     events: list[dict] = field(default_factory=list)  # one per (piece, shape)
     cache_dirs: dict[str, str] = field(default_factory=dict)  # cache dir -> "hit" | "miss"
     inductor_cache_dir: str | None = None  # where the latest opened cache keeps Inductor's
+    # {"name", "start", "end"}: the compile state around a `section` block
+    sections: list[dict] = field(default_factory=list)
 
 
 stats = CompileStats()
@@ -93,9 +97,7 @@ class Timer:
         self.seconds = time.perf_counter() - self.start
 
 
-def process_compile_state() -> dict:
-    """What this process's compile stack has done so far: counters, pass runs, per-piece events,
-    cache directories and times (a rank answers `compile_stats` with it)."""
+def _snapshot() -> dict:
     from kiln.compilation.counters import compilation_counter
     from kiln.compilation.passes import pass_manager
 
@@ -104,3 +106,59 @@ def process_compile_state() -> dict:
             "pass_runs": list(pass_manager.RUNS), "events": list(s.events),
             "cache_dirs": dict(s.cache_dirs), "inductor_cache_dir": s.inductor_cache_dir,
             "trace_s": s.trace_s, "compile_s": s.compile_s, "load_s": s.load_s}
+
+
+def process_compile_state() -> dict:
+    """What this process's compile stack has done so far: counters, pass runs, per-piece events,
+    cache directories and times (a rank answers `compile_stats` with it), and its sections."""
+    return {**_snapshot(), "sections": list(stats.sections)}
+
+
+@contextlib.contextmanager
+def section(name: str):
+    """What the compile stack does inside the block is `name`'s: a speculative draft compiles
+    in the target's process, and `kiln compile` reports the two apart."""
+    start = _snapshot()
+    try:
+        yield
+    finally:
+        stats.sections.append({"name": name, "start": start, "end": _snapshot()})
+
+
+_TIMES = ("trace_s", "compile_s", "load_s")
+
+
+def state_since(after: dict, before: dict | None) -> dict:
+    """The part of `after` (a process_compile_state) that came after `before` (None: all)."""
+    if before is None:
+        return {k: v for k, v in after.items() if k != "sections"}
+    return {"counters": {k: v - before["counters"][k] for k, v in after["counters"].items()},
+            "pass_runs": after["pass_runs"][len(before["pass_runs"]):],
+            "events": after["events"][len(before["events"]):],
+            "cache_dirs": {p: st for p, st in after["cache_dirs"].items()
+                           if p not in before["cache_dirs"]},
+            "inductor_cache_dir": after["inductor_cache_dir"],
+            **{k: after[k] - before[k] for k in _TIMES}}
+
+
+def split_section(after: dict, before: dict | None, name: str) -> tuple[dict, dict | None]:
+    """state_since(after, before) less the latest section `name` recorded in between, and that
+    section's own part (None: no such section)."""
+    whole = state_since(after, before)
+    new = after.get("sections", [])[len(before["sections"]) if before else 0:]
+    found = [sec for sec in new if sec["name"] == name]
+    if not found:
+        return whole, None
+    start, end = found[-1]["start"], found[-1]["end"]
+    part = state_since(end, start)
+    rest = {**whole,
+            "counters": {k: v - part["counters"][k] for k, v in whole["counters"].items()},
+            "cache_dirs": {p: st for p, st in whole["cache_dirs"].items()
+                           if p not in part["cache_dirs"]},
+            # the latest cache opened before the section (the section's own otherwise)
+            "inductor_cache_dir": start["inductor_cache_dir"] or whole["inductor_cache_dir"],
+            **{k: whole[k] - part[k] for k in _TIMES}}
+    for key in ("pass_runs", "events"):  # the section's entries are a run of the lists
+        i = len(start[key]) - (len(before[key]) if before else 0)
+        rest[key] = whole[key][:i] + whole[key][i + len(part[key]):]
+    return rest, part

@@ -69,4 +69,6 @@ class EngineSleepMode:
             raise RuntimeError(f"{what}: {status['weights_missing']} weight(s) discarded by "
                                "sleep(level=2) are not loaded again; call "
                                "collective_rpc('reload_weights') or load them all with "
-                               "collective_rpc('load_weights', kwargs={'weights': ...})")
+                               "collective_rpc('load_weights', kwargs={'weights': ...}) (a "
+                               "speculative draft's with kwargs={'weights': ..., 'model': "
+                               "'draft'})")

@@ -31,8 +31,9 @@ class LLMSleepMode:
     def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
                        kwargs: dict | None = None) -> list:
         """Run `method` on every worker (a Worker method's name: "load_weights" takes
-        `weights`, HF-named (name, tensor) pairs, written in place, each rank taking its shard;
-        "reload_weights" reads the checkpoint again; or a callable `f(worker, *args,
+        `weights`, HF-named (name, tensor) pairs, written in place, each rank taking its shard,
+        into the target or, with `model="draft"`, a speculative draft model / EAGLE head;
+        "reload_weights" reads the checkpoints again (both, or `model`'s); or a callable `f(worker, *args,
         **kwargs)`, a module-level function where the engine runs in its own process); returns
         the workers' results in rank order. `timeout` (seconds): a call still running then
         raises TimeoutError naming it (vLLM's); it runs on, and the engine waits for it."""

@@ -6,6 +6,9 @@ Level 1 keeps the weights (on CUDA in host memory, copied back on wake_up; on CP
 host memory already and stay); level 2 discards them: wake_up(["weights"]) gives their memory
 back uninitialised and they must be loaded (`load_weights` with every weight, or
 `reload_weights`) before the engine steps again (`weights_missing` says how many are not).
+A speculative draft model or EAGLE head sleeps with the target, as under vLLM's allocator
+(its weights and KV cache are the worker's too); `load_weights(model="draft")` updates it and
+`reload_weights()` reads both checkpoints again.
 """
 import gc
 
@@ -25,8 +28,8 @@ class WorkerSleepMode:
 
     asleep: frozenset = frozenset()  # the tags whose memory is given back
     sleep_level = 0
-    weights_discarded = False  # by level 2, until every weight is loaded again
-    _parts_loaded: set = set()  # what load_weights filled since the discard
+    # by level 2: each model ("target", "draft") with weights to load -> the parts loaded since
+    _parts_loaded: dict = {}
 
     def check_sleep_mode_fits(self) -> None:
         """CUDA graphs replay the addresses they were recorded with; a KV cache and weights that
@@ -46,6 +49,24 @@ class WorkerSleepMode:
         model = self.model_runner.model
         return model.unwrap() if hasattr(model, "unwrap") else model
 
+    def _models(self) -> dict[str, tuple[torch.nn.Module, object]]:
+        """Each model whose weights sleep and update: "target", and "draft" where speculative
+        decoding runs a draft model or EAGLE head -> (module, its engine config)."""
+        models = {"target": (self.get_model(), self.kiln_config)}
+        drafter = self.model_runner.drafter
+        if drafter is not None:
+            models["draft"] = (drafter.model, drafter.kiln_config)
+        return models
+
+    def _parameters(self) -> list[torch.nn.Parameter]:
+        """Every model's parameters, once each (an EAGLE head reads the target's embedding and
+        LM head without holding them, but a tied parameter is listed under two names)."""
+        seen: dict[int, torch.nn.Parameter] = {}
+        for model, _ in self._models().values():
+            for param in model.parameters():
+                seen.setdefault(id(param), param)
+        return list(seen.values())
+
     # ---- sleep / wake_up -----------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
         if level not in (1, 2):
@@ -53,19 +74,21 @@ class WorkerSleepMode:
         if self.asleep:
             logger.warning("sleep(level=%d): the worker is already asleep", level)
             return
-        model = self.get_model()
+        models = self._models()
         if level == 2:  # refused before anything is let go
-            weight_update.check_updatable(model, self.kiln_config.model_config.quantization,
-                                          "sleep(level=2) discards the weights to be loaded "
-                                          "again")
+            for name, (model, config) in models.items():
+                weight_update.check_updatable(model, config.model_config.quantization,
+                                              f"sleep(level=2) discards the {name} model's "
+                                              "weights to be loaded again")
         self._release_kv_cache()
         if level == 2:
-            for param in model.parameters():  # the same tensor, its storage emptied
+            for param in self._parameters():  # the same tensor, its storage emptied
                 param.untyped_storage().resize_(0)
-            self._drop_packed(model)
-            self.weights_discarded, self._parts_loaded = True, set()
+            for model, _ in models.values():
+                self._drop_packed(model)
+            self._parts_loaded = {name: set() for name in models}
         elif self.device.type == "cuda":
-            for param in model.parameters():
+            for param in self._parameters():
                 param.data = param.data.to("cpu").pin_memory()
         self.asleep, self.sleep_level = frozenset(TAGS), level
         self._give_back_memory()
@@ -74,7 +97,7 @@ class WorkerSleepMode:
         """`tags`: of TAGS (None: all), checked by the engine core (kiln/core/core_sleep.py)."""
         tags = TAGS if tags is None else tags
         if "weights" in tags and "weights" in self.asleep:
-            for param in self.get_model().parameters():
+            for param in self._parameters():
                 storage = param.untyped_storage()
                 if storage.nbytes() == 0 and param.numel():  # discarded (level 2): memory
                     storage.resize_((param.storage_offset() + param.numel())  # again, unset
@@ -109,31 +132,49 @@ class WorkerSleepMode:
             torch.cuda.empty_cache()
 
     # ---- weights -------------------------------------------------------------------------------
-    def load_weights(self, weights) -> list[str]:
-        """vLLM's RL hook: HF-named (name, tensor) pairs written into the model in place (each
-        rank takes its shard); the parts loaded, sorted."""
-        self._check_weights_awake("load_weights")
-        loaded = weight_update.load_in_place(self.get_model(), weights, self.kiln_config)
-        if self.weights_discarded:
-            self._parts_loaded |= loaded
-            self.weights_discarded = bool(self.get_model().missing_weights(self._parts_loaded))
+    def load_weights(self, weights, model: str = "target") -> list[str]:
+        """vLLM's RL hook: HF-named (name, tensor) pairs written into `model` ("target", or
+        "draft": the speculative draft model / EAGLE head, as vLLM's start_draft_weight_update
+        aims an update at it) in place (each rank takes its shard); the parts loaded, sorted."""
+        module, config = self._model_named(model, "load_weights")
+        self._check_weights_awake("load_weights", {model: (module, config)})
+        loaded = weight_update.load_in_place(module, weights, config)
+        if model in self._parts_loaded:
+            self._parts_loaded[model] |= loaded
+            if not module.missing_weights(self._parts_loaded[model]):
+                del self._parts_loaded[model]
         return sorted(loaded)
 
-    def reload_weights(self) -> None:
-        """vLLM's: every weight read again from the engine's checkpoint."""
-        self._check_weights_awake("reload_weights")
-        weight_update.reload_from_checkpoint(self.get_model(), self.kiln_config)
-        self.weights_discarded = False
+    def reload_weights(self, model: str | None = None) -> None:
+        """vLLM's: every weight read again from the engine's checkpoint; a draft model's (or
+        EAGLE head's) from its own checkpoint too (`model`: "target" or "draft" for one)."""
+        models = self._models()
+        if model is not None:
+            models = {model: self._model_named(model, "reload_weights")}
+        self._check_weights_awake("reload_weights", models)
+        for name, (module, config) in models.items():
+            weight_update.reload_from_checkpoint(module, config)
+            self._parts_loaded.pop(name, None)
 
     def weights_missing(self) -> int:
-        """How many weights a level-2 sleep discarded that are not loaded again."""
-        if not self.weights_discarded:
-            return 0
-        return len(self.get_model().missing_weights(self._parts_loaded))
+        """How many weights a level-2 sleep discarded that are not loaded again (the draft's
+        included)."""
+        models = self._models()
+        return sum(len(models[name][0].missing_weights(parts))
+                   for name, parts in self._parts_loaded.items())
 
-    def _check_weights_awake(self, what: str) -> None:
+    def _model_named(self, model, what: str) -> tuple:
+        models = self._models()
+        if model not in models:
+            raise ValueError(f"{what}: model must be one of {sorted(models)}, got {model!r}"
+                             + ("" if "draft" in models else " (no --speculative-config runs a "
+                                "draft model or EAGLE head here)"))
+        return models[model]
+
+    def _check_weights_awake(self, what: str, models: dict) -> None:
         if "weights" in self.asleep:
             raise ConfigError(f"{what}: the weights are asleep; call wake_up(tags=['weights']) "
                               "first")
-        weight_update.check_updatable(self.get_model(),
-                                      self.kiln_config.model_config.quantization, what)
+        for name, (module, config) in models.items():
+            weight_update.check_updatable(module, config.model_config.quantization,
+                                          what if name == "target" else f"{what} (the draft)")

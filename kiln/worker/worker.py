@@ -159,9 +159,12 @@ class Worker(WorkerSleepMode):
                             extra_sizes=[1, min(sched.max_num_seqs, sched.max_num_batched_tokens)])
         drafter = self.model_runner.drafter
         if drafter is not None and drafter.compiles:  # a compiled draft: its own shapes
-            compile_and_warm_up(functools.partial(drafter.dummy_run, self.model_runner),
-                                drafter.kiln_config, drafter.compile_state.warmup_phase,
-                                extra_sizes=[1])
+            from kiln.compilation import monitor
+
+            with monitor.section("draft"):  # `kiln compile` reports it apart from the target
+                compile_and_warm_up(functools.partial(drafter.dummy_run, self.model_runner),
+                                    drafter.kiln_config, drafter.compile_state.warmup_phase,
+                                    extra_sizes=[1])
         # Record every CUDA graph now, after compiling and before serving (no-op on CPU).
         capture_model(self.model_runner, self.model_runner.cudagraph_dispatcher, self.platform)
         self.platform.synchronize()

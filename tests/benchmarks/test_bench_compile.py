@@ -102,6 +102,14 @@ def test_start_figures_split_compile_from_load():
     f = start_figures(report, 12.0)
     assert (f["startup_s"], f["process_wall_s"], f["torch_compile_s"]) == (10.0, 12.0, 7.5)
     assert (f["compile_s"], f["artifact_load_s"], f["num_inductor_compiles"]) == (6.0, 0.5, 3)
+    assert "draft" not in f
+    draft = {"times": {"trace_s": 0.5, "compile_s": 2.0, "load_s": 0.0},
+             "inductor": {"compiles": 2, "artifacts_loaded": 0},
+             "cache": {"hits": 0, "misses": 2}}
+    f = start_figures({**report, "draft": draft}, 12.0)  # the target's figures, its own apart
+    assert f["torch_compile_s"] == 7.5 and f["draft"] == {
+        "torch_compile_s": 2.5, "num_inductor_compiles": 2, "num_compiled_artifacts_loaded": 0,
+        "cache_hits": 0, "cache_misses": 2}
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kiln.compilation import monitor
 from kiln.compilation.monitor import per_shape
 from kiln.engine.arg_utils import EngineArgs
 from kiln.entrypoints.cli.compile import format_report
@@ -104,6 +105,67 @@ def test_second_process_same_cache_compiles_nothing(cold, tiny_llama_dir, cache_
     (row,) = warm["per_shape"]
     assert row["compiled"] == 0 and row["loaded"] == cold["inductor"]["artifacts_saved"]
     assert warm["times"]["compile_s"] == 0 and warm["times"]["artifact_load_s"] > 0
+
+
+def test_a_speculative_draft_is_reported_apart_from_the_target(cold, tiny_llama_dir, cache_dir,
+                                                               tmp_path, capsys):
+    """A draft model compiles in the target's process: its pieces, compiles and cache were added
+    to the target's. Now each section counts its own: the target (on the cold run's cache)
+    loads its pieces and compiles nothing, the 1-layer draft compiles its 3 pieces cold."""
+    from checkpoints import make_tiny_checkpoint
+
+    draft_dir = make_tiny_checkpoint(tmp_path / "draft", "llama", tie=False, seed=1,
+                                     num_hidden_layers=1, hidden_size=32,
+                                     num_attention_heads=2, num_key_value_heads=1)
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2}
+    args = build_parser().parse_args([
+        "compile", "--json", "--model", str(tiny_llama_dir), *SMALL, "-O",
+        json.dumps({"mode": 3, "cache_dir": str(cache_dir)}),
+        "--speculative-config", json.dumps(spec)])
+    assert args.func(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["pieces"] == cold["pieces"]  # the target's alone
+    assert report["inductor"]["compiles"] == 0 and report["counters"]["num_dynamo_traces"] == 0
+    assert report["inductor"]["artifacts_loaded"] == cold["inductor"]["artifacts_saved"]
+    assert list(report["cache"]["dirs"].values()) == ["hit"] and report["pass_runs"] == []
+    draft = report["draft"]
+    assert (draft["model"], draft["method"], draft["num_layers"]) == (str(draft_dir),
+                                                                       "draft_model", 1)
+    assert draft["compilation_mode"] == 3 and draft["counters"]["num_dynamo_traces"] == 1
+    assert draft["pieces"] == {"total": 3, "compiled": 2, "graphs": 1}
+    ind = draft["inductor"]
+    assert 1 <= ind["compiles"] == ind["artifacts_saved"] == len(draft["pass_runs"]) <= 2
+    assert ind["artifacts_loaded"] == 0 and list(draft["cache"]["dirs"].values()) == ["miss"]
+    assert sum(row["compiled"] + row["reused"] for row in draft["per_shape"]) == 2
+    assert draft["times"]["compile_s"] > 0 and report["times"]["compile_s"] == 0
+    text = format_report(report)
+    assert f"pieces     {2 * NUM_LAYERS + 1} total, {NUM_LAYERS + 1} compiled" in text
+    assert f"draft      {draft_dir} (draft_model, LlamaForCausalLM, 1 layers)" in text
+    assert "  pieces     3 total, 2 compiled" in text
+
+
+@pytest.mark.parametrize("from_start", [False, True])  # in this process / a rank's own
+def test_split_section_takes_a_drafts_part_out_of_the_compile_state(from_start):
+    def state(n, events, dirs, inductor, sections=()):
+        return {"counters": {"num_inductor_compiles": n}, "pass_runs": [f"run{e}" for e in events],
+                "events": list(events), "cache_dirs": dict.fromkeys(dirs, "miss"),
+                "inductor_cache_dir": inductor, "trace_s": n, "compile_s": 2 * n,
+                "load_s": 0, "sections": list(sections)}
+
+    before = state(1, [0], ["old"], "old/ind")
+    start = state(3, [0, 1, 2], ["old", "t"], "t/ind")
+    end = state(5, [0, 1, 2, 3, 4], ["old", "t", "d"], "d/ind")
+    after = state(6, [0, 1, 2, 3, 4, 5], ["old", "t", "d"], "d/ind",
+                  [{"name": "draft", "start": start, "end": end}])
+    target, draft = monitor.split_section(after, None if from_start else before, "draft")
+    assert draft["counters"] == {"num_inductor_compiles": 2} and draft["events"] == [3, 4]
+    assert draft["pass_runs"] == ["run3", "run4"] and list(draft["cache_dirs"]) == ["d"]
+    assert draft["compile_s"] == 4 and draft["inductor_cache_dir"] == "d/ind"
+    assert target["events"] == ([0] if from_start else []) + [1, 2, 5]
+    assert target["counters"] == {"num_inductor_compiles": 4 if from_start else 3}
+    assert list(target["cache_dirs"]) == (["old"] if from_start else []) + ["t"]
+    assert target["inductor_cache_dir"] == "t/ind" and "sections" not in target
+    assert monitor.split_section(after, after, "draft")[1] is None  # none recorded since
 
 
 def test_text_report_names_pieces_cache_and_times(cold):

@@ -186,28 +186,64 @@ def test_sleep_abort_reports_the_requests_it_ended(llm, tiny_tokens):
     assert _tokens(llm) == tiny_tokens
 
 
-def test_a_draft_models_kv_cache_sleeps_and_wakes_too(tiny_llama_dir, inprocess_core,
-                                                      tiny_tokens):
-    """Speculative decoding with a draft model: its KV tensors are freed with the target's,
-    and come back (its own checkpoint as the draft: every draft accepted after wake_up)."""
+def _acceptance(llm, before: dict) -> tuple[int, int]:
+    """(accepted, drafted) since the engine stats `before`."""
+    after = llm.llm_engine.get_stats()
+    return tuple(after[f"spec_decode_num_{k}_tokens"] - before[f"spec_decode_num_{k}_tokens"]
+                 for k in ("accepted", "draft"))
+
+
+def _tokens_and_acceptance(llm):
+    before = llm.llm_engine.get_stats()
+    tokens = _tokens(llm)
+    return tokens, _acceptance(llm, before)
+
+
+def test_a_draft_model_sleeps_wakes_and_updates_with_the_target(
+        tiny_llama_dir, other_llama_dir, inprocess_core, tiny_tokens):
+    """Speculative decoding with a draft model (the target's own checkpoint: every draft
+    accepted): its KV tensors are freed with the target's, level 1 keeps and level 2 discards
+    its weights too (as vLLM's allocator does), and after wake_up its acceptance is what it was
+    before the sleep. The engine waits for the draft's weights as for the target's;
+    load_weights(model="draft") updates the draft, reload_weights reads both checkpoints."""
     spec = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 2}
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", enforce_eager=True,
               enable_sleep_mode=True, max_model_len=64, kv_cache_memory=0.01,
               speculative_config=spec)
-    layers = list(_worker(llm).model_runner.drafter.attention_layers.values())
-    assert _tokens(llm) == tiny_tokens
+    drafter = _worker(llm).model_runner.drafter
+    layers = list(drafter.attention_layers.values())
+    draft_weight = drafter.model.model.norm.weight
+    tokens, (accepted, drafted) = _tokens_and_acceptance(llm)
+    assert tokens == tiny_tokens and drafted > 0 and accepted == drafted
+    old = load_file(str(tiny_llama_dir / "model.safetensors"))
     for level in (1, 2):
         llm.sleep(level=level)
         assert all(layer.kv_cache is None for layer in layers)
+        assert (draft_weight.untyped_storage().nbytes() == 0) == (level == 2)
         llm.wake_up()
-        if level == 2:
-            llm.collective_rpc("reload_weights")
-        before = llm.llm_engine.get_stats()
-        assert _tokens(llm) == tiny_tokens
-        after = llm.llm_engine.get_stats()
-        drafted = (after["spec_decode_num_draft_tokens"]
-                   - before["spec_decode_num_draft_tokens"])
-        accepted = (after["spec_decode_num_accepted_tokens"]
-                    - before["spec_decode_num_accepted_tokens"])
-        assert drafted > 0 and accepted == drafted
+        if level == 2:  # the target's weights alone: the draft's still to load
+            llm.collective_rpc("load_weights", kwargs={"weights": list(old.items())})
+            assert sum(llm.collective_rpc("weights_missing")) > 0
+            with pytest.raises(RuntimeError, match="discarded by sleep.*'model': 'draft'"):
+                _tokens(llm)
+            llm.collective_rpc("load_weights", kwargs={"weights": list(old.items()),
+                                                       "model": "draft"})
+        assert _tokens_and_acceptance(llm) == (tiny_tokens, (accepted, drafted))
+    # an update reaches the model it names: the target alone leaves a stale draft (fewer
+    # accepted), the draft too brings every draft back
+    new = load_file(str(other_llama_dir / "model.safetensors"))
+    want = hf_greedy(other_llama_dir, PROMPTS, NEW)
+    llm.collective_rpc("load_weights", kwargs={"weights": list(new.items())})
+    tokens, (stale, tried) = _tokens_and_acceptance(llm)
+    assert tokens == want and stale < tried
+    llm.collective_rpc("load_weights", kwargs={"weights": list(new.items()), "model": "draft"})
+    tokens, (fresh, n) = _tokens_and_acceptance(llm)
+    assert tokens == want and n > 0 and fresh == n
+    # level 2 then reload_weights: both read from their checkpoints again
+    llm.sleep(level=2)
+    llm.wake_up()
+    llm.collective_rpc("reload_weights")
+    assert _tokens_and_acceptance(llm) == (tiny_tokens, (accepted, drafted))
+    with pytest.raises(ValueError, match="model must be one of"):
+        llm.collective_rpc("reload_weights", kwargs={"model": "drafter"})
     llm.shutdown()

@@ -36,9 +36,39 @@ def _pass_totals(r: dict) -> str:
             + f" rewrites over {len(r['pass_runs'])} cold piece compiles")
 
 
+def _piece_lines(r: dict) -> list[str]:
+    """Pieces, shapes, cache, passes and Inductor of a piecewise compile (the target's or a
+    draft's section of the report)."""
+    c = r["cache"]
+    lines = []
+    p = r["pieces"]
+    lines.append(f"pieces     {p['total']} total, {p['compiled']} compiled (split at "
+                 f"{', '.join(r['splitting_ops']) or 'nothing'})")
+    lo, hi = r["shapes"]["range"]
+    sizes = ", ".join(map(str, r["shapes"]["compile_sizes"])) or "none"
+    lines.append(f"shapes     range [{lo}, {hi}]; compile sizes: {sizes}")
+    for i, row in enumerate(r["per_shape"]):
+        parts = [f"{row[a]} {a}" for a in ("compiled", "loaded", "reused") if row[a]]
+        lines.append(f"{'per shape' if i == 0 else '':<10} {row['shape']:<10} "
+                     f"{', '.join(parts)}; compile {_s(row['compile_s'])}, load "
+                     f"{_s(row['load_s'])}")
+    if not c["enabled"]:
+        lines.append("cache      disabled (KILN_DISABLE_COMPILE_CACHE)")
+    for path, state in c["dirs"].items():
+        lines.append(f"cache      {path} [{state}]")
+    lines.append(f"           {c['hits']} hits, {c['misses']} misses, {c['corrupt']} corrupt "
+                 f"artifacts; Inductor cache {c['inductor_cache_dir']}")
+    if _pass_totals(r):
+        lines.append(f"passes     {_pass_totals(r)}")
+    ind = r["inductor"]
+    lines.append(f"inductor   {ind['compiles']} compiles, {ind['artifacts_loaded']} artifacts "
+                 f"loaded, {ind['artifacts_saved']} saved")
+    return lines
+
+
 def format_report(r: dict) -> str:
     """The human-readable report (pure: tests check it on a hand-made dict)."""
-    t, c = r["times"], r["cache"]
+    t = r["times"]
     lines = [f"model      {r['model']} ({r['architecture']}, {r['num_layers']} layers) on "
              f"{r['device']}, {r['dtype']}",
              f"mode       {r['compilation_mode']} ({r['compilation_mode_name']}), backend "
@@ -53,28 +83,7 @@ def format_report(r: dict) -> str:
         lines.append("           plain torch.compile, without Kiln's split, shapes or cache; "
                      "its compile time is in the warm-up below")
     else:
-        p = r["pieces"]
-        lines.append(f"pieces     {p['total']} total, {p['compiled']} compiled (split at "
-                     f"{', '.join(r['splitting_ops']) or 'nothing'})")
-        lo, hi = r["shapes"]["range"]
-        sizes = ", ".join(map(str, r["shapes"]["compile_sizes"])) or "none"
-        lines.append(f"shapes     range [{lo}, {hi}]; compile sizes: {sizes}")
-        for i, row in enumerate(r["per_shape"]):
-            parts = [f"{row[a]} {a}" for a in ("compiled", "loaded", "reused") if row[a]]
-            lines.append(f"{'per shape' if i == 0 else '':<10} {row['shape']:<10} "
-                         f"{', '.join(parts)}; compile {_s(row['compile_s'])}, load "
-                         f"{_s(row['load_s'])}")
-        if not c["enabled"]:
-            lines.append("cache      disabled (KILN_DISABLE_COMPILE_CACHE)")
-        for path, state in c["dirs"].items():
-            lines.append(f"cache      {path} [{state}]")
-        lines.append(f"           {c['hits']} hits, {c['misses']} misses, {c['corrupt']} corrupt "
-                     f"artifacts; Inductor cache {c['inductor_cache_dir']}")
-        if _pass_totals(r):
-            lines.append(f"passes     {_pass_totals(r)}")
-        ind = r["inductor"]
-        lines.append(f"inductor   {ind['compiles']} compiles, {ind['artifacts_loaded']} artifacts "
-                     f"loaded, {ind['artifacts_saved']} saved")
+        lines += _piece_lines(r)
         captured = r["counters"].get("num_cudagraph_captured", 0)
         if captured:
             lines.append(f"cudagraphs {captured} captured")
@@ -89,6 +98,8 @@ def format_report(r: dict) -> str:
             if cached > 0:
                 lines.append(f"{'':<10} rank {rank['rank']}: {cached} of its compiles found in "
                              "Inductor's cache (a graph another rank compiled and rewrote)")
+    if "draft" in r:  # compiled in the same process, reported apart from the target
+        lines += _draft_lines(r["draft"])
     lines.append(f"time       total {_s(t['total_s'])}: config {_s(t['config_s'])}, load model "
                  f"{_s(t.get('load_model_s'))}, profile + KV cache "
                  f"{_s(t.get('profile_kv_cache_s'))}, warm-up {_s(t.get('warmup_s'))}")
@@ -96,6 +107,17 @@ def format_report(r: dict) -> str:
         lines.append(f"           of which Dynamo trace {_s(t['trace_s'])}, compile "
                      f"{_s(t['compile_s'])}, artifact load {_s(t['artifact_load_s'])}")
     return "\n".join(lines)
+
+
+def _draft_lines(d: dict) -> list[str]:
+    lines = [f"draft      {d['model']} ({d['method']}, {d['architecture']}, {d['num_layers']} "
+             f"layers), mode {d['compilation_mode']} ({d['compilation_mode_name']})"]
+    if d["compilation_mode"] != 3:
+        return lines + ["           nothing compiled (the draft runs eagerly)"]
+    t = d["times"]
+    return lines + [f"  {line}" for line in _piece_lines(d)] + [
+        f"  time     Dynamo trace {_s(t['trace_s'])}, compile {_s(t['compile_s'])}, artifact "
+        f"load {_s(t['load_s'])}"]
 
 
 def run(args: argparse.Namespace) -> int:
