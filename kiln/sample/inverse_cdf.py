@@ -3,7 +3,8 @@ inverting the row's cumulative distribution in two levels (blocks, then one bloc
 
 It replaced an exponential race (argmax of p / q, q ~ Exp(1) per entry): drawing a vocabulary's
 worth of exponentials cost more than a decode step's attention on CPU (figures:
-docs/measurements.md); this takes one uniform a row and two short scans.
+docs/measurements.md); this takes one uniform a row and two short scans. On CPU, `sample_rows`
+runs it fused with the softmax in one kernel (csrc/sample_rows.c): no probability table.
 """
 import torch
 import torch.nn.functional as F
@@ -38,3 +39,20 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     j = torch.searchsorted(inner_cdf, (target - before).unsqueeze(1), right=True).squeeze(1)
     j = torch.minimum(j, _last_positive(inner))
     return b * BLOCK + j
+
+
+def kernel_draws(device: torch.device, dtype: torch.dtype, built: bool) -> bool:
+    """Whether sample_rows runs Kiln's CPU kernel: float32 logits on the CPU, the kernels built."""
+    return device.type == "cpu" and dtype == torch.float32 and built
+
+
+def sample_rows(logits: torch.Tensor, scale: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """inverse_cdf(softmax(logits * scale[:, None]), u) for logits [N, V], scale [N] float32 and
+    u [N] float64 in [0, 1) -> int64 [N]. The kernel sums exp(x * scale - max) without the
+    softmax's division and rounding: the same draw except where u falls within rounding of a
+    token's edge."""
+    from kiln.native import build
+
+    if kernel_draws(logits.device, logits.dtype, build.available()):
+        return torch.ops.kiln.sample_rows_native(logits, scale.float(), u.to(torch.float64))
+    return inverse_cdf((logits * scale.unsqueeze(1)).softmax(dim=1, dtype=torch.float32), u)

@@ -2,7 +2,8 @@
 
 Order (vLLM v1's): the grammar bitmask (structured outputs), raw logprobs, penalties, min_tokens
 mask, greedy argmax / temperature, min-p, top-k, top-p, then one draw a row from the
-probabilities (inverse_cdf.py), from the row's own generator when the request is seeded.
+probabilities (inverse_cdf.py's sample_rows: on CPU fused with the softmax), from the row's own
+generator when the request is seeded.
 """
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ import torch
 
 from kiln.sample.filters import apply_min_p, apply_top_k, apply_top_p
 from kiln.sample.grammar_mask import apply_token_bitmask
-from kiln.sample.inverse_cdf import inverse_cdf
+from kiln.sample.inverse_cdf import sample_rows
 from kiln.sample.logit_masks import apply_allowed_token_ids, apply_logit_bias
 from kiln.sample.logprobs import gather_logprobs
 from kiln.sample.nonfinite import log_softmax_of_sanitized, sanitize_logits
@@ -30,16 +31,16 @@ class SamplerOutput:
     nonfinite_rows: torch.Tensor | None = None  # [N] bool
 
 
-def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
-                  default_generator: torch.Generator | None) -> torch.Tensor:
-    """Draw one token per row from probs [N, V]; rows in `generators` use their own generator,
-    so a seeded row's draw does not depend on the other rows of the batch."""
-    u = torch.empty(probs.shape[0], dtype=torch.float64, device=probs.device)  # [N] in [0, 1)
-    if len(generators) < probs.shape[0]:
+def uniforms(rows: int, generators: dict[int, torch.Generator],
+             default_generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """One uniform in [0, 1) a row (float64 [rows]); rows in `generators` draw from their own
+    generator, so a seeded row's draw does not depend on the other rows of the batch."""
+    u = torch.empty(rows, dtype=torch.float64, device=device)
+    if len(generators) < rows:
         u.uniform_(generator=default_generator)
     for row, gen in generators.items():
         u[row:row + 1].uniform_(generator=gen)
-    return inverse_cdf(probs, u)
+    return u
 
 
 class Sampler(torch.nn.Module):
@@ -99,8 +100,12 @@ class Sampler(torch.nn.Module):
         if meta.all_greedy:
             return row_argmax(logits)
         greedy = None if meta.all_random else row_argmax(logits)
-        probs = Sampler.probs(logits, meta)
-        sampled = random_sample(probs, meta.generators, meta.default_generator)
+        u = uniforms(logits.shape[0], meta.generators, meta.default_generator, logits.device)
+        if Sampler.filters(meta):
+            sampled = sample_rows(Sampler.filtered(logits, meta),
+                                  torch.ones_like(meta.temperature, dtype=torch.float32), u)
+        else:  # the temperature goes into the draw's exponent: no divided copy of the logits
+            sampled = sample_rows(logits, meta.temperature.reciprocal(), u)
         if greedy is not None:
             sampled = torch.where(meta.greedy_mask, greedy, sampled)
         return sampled
@@ -109,6 +114,15 @@ class Sampler(torch.nn.Module):
     def probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """The random rows' distribution: temperature, then min-p, top-k, top-p ([N, V]; the
         greedy rows' are at temperature 1 and unused)."""
+        return Sampler.filtered(logits, meta).softmax(dim=1, dtype=torch.float32)
+
+    @staticmethod
+    def filters(meta: SamplingMetadata) -> bool:
+        return meta.min_p is not None or meta.top_k is not None or meta.top_p is not None
+
+    @staticmethod
+    def filtered(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The logits at temperature, min-p, top-k and top-p applied (what probs softmaxes)."""
         logits = logits / meta.temperature.unsqueeze(1)
         # min-p first, as vLLM's v1 sampler: top-p then measures its mass among the tokens
         # min-p kept (min-p itself gives the same set before or after top-k / top-p).
@@ -118,4 +132,4 @@ class Sampler(torch.nn.Module):
             logits = apply_top_k(logits, meta.top_k)
         if meta.top_p is not None:
             logits = apply_top_p(logits, meta.top_p)
-        return logits.softmax(dim=1, dtype=torch.float32)
+        return logits

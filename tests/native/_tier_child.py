@@ -1,8 +1,8 @@
 """Child process of test_isa_tiers.py: builds the CPU kernels with extra compile flags (a CPU below
 this one: -march=native with features turned off), loads them (a process loads one library,
 so a child) and checks what that CPU runs against the references (layer ops, int8, MoE experts,
-attention). Prints one JSON line: what the library was built with, and every mismatch found
-(none expected).
+the sampler's draw, attention). Prints one JSON line: what the library was built with, and every
+mismatch found (none expected).
 
 Usage: python _tier_child.py FLAG [FLAG ...]
 """
@@ -132,6 +132,20 @@ def moe(g: torch.Generator) -> None:
             check(ok, f"fused_experts {dtype} T {tokens} k {k}")
 
 
+def sample(g: torch.Generator) -> None:
+    """The sampler's fused draw (csrc/sample_rows.c: this tier's e^x) against inverse_cdf over
+    the softmax, as tests/sample/test_sample_rows.py does."""
+    from kiln.sample.inverse_cdf import inverse_cdf
+    for vocab in (1, 255, 257, 5000):
+        x = torch.randn(32, vocab, generator=g) * 4
+        x[:, 1::3] = float("-inf")
+        scale = torch.rand(32, generator=g) + 0.5
+        u = torch.rand(32, dtype=torch.float64, generator=g)
+        got = torch.ops.kiln.sample_rows_native(x, scale, u)
+        check(torch.equal(got, inverse_cdf((x * scale[:, None]).softmax(dim=1), u)),
+              f"sample_rows vocab {vocab}")
+
+
 def attention(g: torch.Generator) -> None:
     """The CPU backend's layer call on a mixed step (decodes, a chunk over a cached prefix, a
     fresh prefill and a long one: the per-token kernel, the blocked one or SDPA) against a
@@ -180,6 +194,7 @@ if __name__ == "__main__":
     if isa is not None:
         int8_ops(g)
     moe(g)
+    sample(g)
     attention(g)
     chosen = ir.resolve({}, "cpu", torch.bfloat16).as_dict()
     print(json.dumps({

@@ -142,6 +142,10 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
                            float softcap, const KilnKvCache *cache, const KilnAttnStep *step,
                            int32_t path, int32_t num_threads);
 
+/* sample_rows.c */
+int kiln_sample_rows(const float *logits, int64_t x_stride, int64_t rows, int64_t vocab,
+                     const float *scale, const double *u, int64_t *out, int32_t num_threads);
+
 #ifdef __cplusplus
 }
 #endif
