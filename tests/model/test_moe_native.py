@@ -92,17 +92,18 @@ GEMV, TILES, ATEN = 0, 1, 2  # csrc/moe_experts.cpp's routes
 
 
 def test_an_experts_rows_choose_its_kernel():
-    """Up to 4 rows the GEMV kernel; more, bfloat16 on AMX tiles where granted, else aten."""
+    """bfloat16 on AMX tiles where granted, from one row; else up to 4 rows the GEMV kernel,
+    more aten."""
     route = torch.ops.kiln.fused_experts_route
+    assert [route(r, 1, True) for r in (1, 4, 5, 16, 17, 33, 512)] == [TILES] * 7
+    assert [route(r, 1, False) for r in (1, 4, 5, 33)] == [GEMV, GEMV, ATEN, ATEN]
     for tiles in (True, False):
-        assert [route(r, 1, tiles) for r in (1, 4)] == [GEMV, GEMV]
-        assert [route(r, 1, tiles) for r in (5, 16, 17, 33, 512)] == [TILES if tiles else ATEN] * 5
         assert [route(r, 0, tiles) for r in (4, 5, 33)] == [GEMV, ATEN, ATEN]  # float32
     has = {"amx_tile", "amx_bf16", "avx512_bf16"} <= build.cpu_flags()
     assert torch.ops.kiln.fused_experts_tiles() == has
 
 
-@pytest.mark.parametrize("rows", [4, 5, 16, 17, 33])
+@pytest.mark.parametrize("rows", [1, 4, 5, 16, 17, 33])
 @pytest.mark.parametrize("hidden, inter", [(64, 96), (80, 40)])
 def test_bfloat16_tiles_at_the_row_boundaries(rows, hidden, inter):
     """`rows` rows to expert 0 (the others fewer), on widths that fill whole 32 x 32 tile blocks
@@ -118,7 +119,7 @@ def test_bfloat16_tiles_at_the_row_boundaries(rows, hidden, inter):
     before = torch.ops.kiln.fused_experts_route_counts()
     got = torch.ops.kiln.fused_experts_native(x, weights, ids, w13, w2)
     ran = [a - b for a, b in zip(torch.ops.kiln.fused_experts_route_counts(), before)]
-    big = GEMV if rows <= 4 else TILES if torch.ops.kiln.fused_experts_tiles() else ATEN
+    big = (TILES if torch.ops.kiln.fused_experts_tiles() else GEMV if rows <= 4 else ATEN)
     assert ran[big] >= 1 and sum(ran) == min(rows, 3) + 1
     _close(got, want, dtype)
 

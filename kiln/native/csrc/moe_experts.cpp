@@ -4,13 +4,14 @@
  * expert's rows, runs gate_up -> SiLU-and-mul -> down, and sums each token's k outputs by their
  * weights in float32 (in ascending expert order, as the reference's index_add_), rounded once.
  *
- * An expert with up to GEMV_ROWS rows (a decode's experts) runs on the GEMV kernel over the dense
- * weight, the experts side by side on the threads (each single-threaded) when there are enough
- * of them; more rows take, in bfloat16 where the CPU grants AMX tiles, bf16_amx_gemm.c's tile
- * GEMM on the weight as stored, else aten's matmul (oneDNN / MKL, threaded; on the weight as
- * stored it ran 1.5-2x slower than oneDNN on a packed copy did), the row count rounded up as
- * linear_op.cpp's gemm_rows does (bounds oneDNN's primitive cache). No packed copy of the
- * experts is read or needed (kiln/model/layers/moe_cpu.py). */
+ * In bfloat16 where the CPU grants AMX tiles, every expert runs on bf16_amx_gemm.c's tile GEMM
+ * over the weight as stored, from one row up (it streams the weight at least as fast as the
+ * GEMV kernel: docs/measurements.md). Otherwise an expert with up to GEMV_ROWS rows (a decode's
+ * experts) runs on the GEMV kernel over the dense weight, the experts side by side on the threads
+ * (each single-threaded) when there are enough of them, and more rows take aten's matmul (oneDNN
+ * / MKL, threaded), the row count rounded up as linear_op.cpp's gemm_rows does (bounds oneDNN's
+ * primitive cache). No packed copy of the experts is read or needed
+ * (kiln/model/layers/moe_cpu.py). */
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -36,8 +37,8 @@ constexpr int64_t GEMV_ROWS = 4;
 enum Route { ROUTE_GEMV, ROUTE_TILES, ROUTE_ATEN, NUM_ROUTES };
 
 int64_t choose_route(int64_t rows, int64_t dtype, bool tiles) {
-    if (rows <= GEMV_ROWS) return ROUTE_GEMV;
-    return dtype == KILN_BF16 && tiles ? ROUTE_TILES : ROUTE_ATEN;
+    if (dtype == KILN_BF16 && tiles) return ROUTE_TILES;
+    return rows <= GEMV_ROWS ? ROUTE_GEMV : ROUTE_ATEN;
 }
 
 /* linear_op.cpp's gemm_rows: rows itself up to 32, above that one of 8 steps per power of two. */
