@@ -20,7 +20,7 @@ from kiln.attention.mla_context_chunks import (
     default_workspace_tokens,
     plan_context_chunks,
 )
-from kiln.attention.mla_prefill import MLADims, expanded_attention
+from kiln.attention.mla_prefill import MLADims, chunked_context_attention, expanded_attention
 from model._attn_helper import BlockPool, PagedRequest, build_step
 
 TOL = 1e-5
@@ -133,3 +133,23 @@ def test_chunked_context_equals_unchunked_expansion():
             assert (got[start:start + n] - want).abs().max() < TOL
         start += n
     assert (got - once).abs().max() < TOL
+
+
+def test_bfloat16_chunks_merge_without_drift():
+    """A bfloat16 context expanded a token a chunk: the merged state stays float32 between
+    merges, so its error against float64 is the unchunked bfloat16 form's (rounded at every
+    merge it was 14x that over the 300 here)."""
+    dims, scale, ctx = MLADims(num_heads=4, nope=16, rope=8, latent=32, v_dim=16), 0.2, 300
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(dims.num_heads * (dims.nope + dims.v_dim), dims.latent, generator=g) * 0.2
+    rows = torch.randn(ctx + 4, dims.latent + dims.rope, generator=g)
+    q = torch.randn(4, dims.num_heads, dims.qk_dim, generator=g)
+    want = expanded_attention(q.double(), rows.double(), w.double(), dims, scale)
+    bf = torch.bfloat16
+    chunks = [(chunk, rows[chunk[0].start:chunk[0].start + 1].to(bf))
+              for chunk in plan_context_chunks([ctx], 1)]
+    got = chunked_context_attention([q.to(bf)], [rows[ctx:].to(bf)], chunks, w.to(bf), dims,
+                                    scale)[0]
+    once = expanded_attention(q.to(bf), rows.to(bf), w.to(bf), dims, scale)
+    assert got.dtype == bf
+    assert (got.double() - want).abs().max() <= 1.5 * (once.double() - want).abs().max()
