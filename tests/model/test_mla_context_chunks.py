@@ -153,3 +153,22 @@ def test_bfloat16_chunks_merge_without_drift():
     once = expanded_attention(q.to(bf), rows.to(bf), w.to(bf), dims, scale)
     assert got.dtype == bf
     assert (got.double() - want).abs().max() <= 1.5 * (once.double() - want).abs().max()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_math_attention_holds_a_bounded_block_of_scores(causal, monkeypatch):
+    """Off CPU the scores are materialized: a block of queries at a time within SCORE_BYTES
+    (a request's own rows are L x L; at 16 heads and 8192 tokens they were 4 GiB at once),
+    equal to the whole at once."""
+    from kiln.attention import lse_merge
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(3, 50, 8, generator=g) for _ in range(3))
+    whole = math_attention_with_lse(q, k, v, 0.3, causal)
+    monkeypatch.setattr(lse_merge, "SCORE_BYTES", 4 * 3 * 50 * 7)  # 7 queries a block
+    shapes, matmul = [], torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda a, b: shapes.append(a.shape) or matmul(a, b))
+    blocked = math_attention_with_lse(q, k, v, 0.3, causal)
+    assert max(s[1] for s in shapes) == 7
+    for got, want in zip(blocked, whole):
+        assert (got - want).abs().max() < TOL
