@@ -3,7 +3,9 @@ vLLM's chunked-context workspace: the chunk plan as a pure function (every conte
 no chunk over the workspace), the workspace's default size, attention merged by log-sum-exp
 against attention over all keys, and a step of several prefill requests over cached contexts of
 different lengths (plus a fresh prompt and a decode) expanded 5 context tokens at a time equal to
-the unchunked expanded form within float32 rounding (TOL).
+the unchunked expanded form within float32 rounding (TOL); a bfloat16 context a token a chunk
+no further from float64 than unchunked bfloat16, and the off-CPU math attention a bounded block
+of queries at a time.
 """
 import pytest
 import torch
