@@ -6,6 +6,9 @@ and get, within float rounding, what one attention over all of them gives.
 """
 import torch
 
+# Bytes of float32 scores math_attention_with_lse holds for one block of queries.
+SCORE_BYTES = 256 * 2**20
+
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                        causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,11 +27,33 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 
 def math_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """attention_with_lse off CPU: the scores in float32, [nh, L, S] (bounded by the caller's
-    key chunk)."""
+    """attention_with_lse off CPU: the scores in float32, a block of queries at a time, each
+    block's [nh, rows, S] within SCORE_BYTES (score_rows). The key chunk bounds S for the
+    context, but a request's own rows are L x L: 16 heads at 8192 tokens were 4 GiB of scores
+    at once, twice that with their exponentials."""
+    num_queries = q.shape[1]
+    rows = score_rows(q.shape[0], k.shape[1])
+    if rows >= num_queries:
+        return _attend_rows(q, k, v, scale, causal, 0)
+    parts = [_attend_rows(q[:, i:i + rows], k, v, scale, causal, i)
+             for i in range(0, num_queries, rows)]
+    return torch.cat([o for o, _ in parts], dim=1), torch.cat([lse for _, lse in parts], dim=1)
+
+
+def score_rows(num_heads: int, num_keys: int) -> int:
+    """Queries a block of math_attention_with_lse takes: SCORE_BYTES of float32 scores over
+    num_keys keys per head, at least 1."""
+    return max(1, SCORE_BYTES // (4 * num_heads * max(1, num_keys)))
+
+
+def _attend_rows(q, k, v, scale, causal, first) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries first .. first + q.shape[1] - 1 of the square causal case (or of unmasked
+    attention) over every key: (out in q's dtype, lse float32)."""
+    if causal:  # these queries see the keys up to their own
+        k, v = k[:, :first + q.shape[1]], v[:, :first + q.shape[1]]
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if causal:
-        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(first)
         scores.masked_fill_(~keep, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     o = torch.matmul(torch.exp(scores - lse[..., None]), v.float())

@@ -3,7 +3,9 @@ vLLM's chunked-context workspace: the chunk plan as a pure function (every conte
 no chunk over the workspace), the workspace's default size, attention merged by log-sum-exp
 against attention over all keys, and a step of several prefill requests over cached contexts of
 different lengths (plus a fresh prompt and a decode) expanded 5 context tokens at a time equal to
-the unchunked expanded form within float32 rounding (TOL).
+the unchunked expanded form within float32 rounding (TOL); a bfloat16 context a token a chunk
+no further from float64 than unchunked bfloat16, and the off-CPU math attention a bounded block
+of queries at a time.
 """
 import pytest
 import torch
@@ -20,7 +22,7 @@ from kiln.attention.mla_context_chunks import (
     default_workspace_tokens,
     plan_context_chunks,
 )
-from kiln.attention.mla_prefill import MLADims, expanded_attention
+from kiln.attention.mla_prefill import MLADims, chunked_context_attention, expanded_attention
 from model._attn_helper import BlockPool, PagedRequest, build_step
 
 TOL = 1e-5
@@ -133,3 +135,42 @@ def test_chunked_context_equals_unchunked_expansion():
             assert (got[start:start + n] - want).abs().max() < TOL
         start += n
     assert (got - once).abs().max() < TOL
+
+
+def test_bfloat16_chunks_merge_without_drift():
+    """A bfloat16 context expanded a token a chunk: the merged state stays float32 between
+    merges, so its error against float64 is the unchunked bfloat16 form's (rounded at every
+    merge it was 14x that over the 300 here)."""
+    dims, scale, ctx = MLADims(num_heads=4, nope=16, rope=8, latent=32, v_dim=16), 0.2, 300
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(dims.num_heads * (dims.nope + dims.v_dim), dims.latent, generator=g) * 0.2
+    rows = torch.randn(ctx + 4, dims.latent + dims.rope, generator=g)
+    q = torch.randn(4, dims.num_heads, dims.qk_dim, generator=g)
+    want = expanded_attention(q.double(), rows.double(), w.double(), dims, scale)
+    bf = torch.bfloat16
+    chunks = [(chunk, rows[chunk[0].start:chunk[0].start + 1].to(bf))
+              for chunk in plan_context_chunks([ctx], 1)]
+    got = chunked_context_attention([q.to(bf)], [rows[ctx:].to(bf)], chunks, w.to(bf), dims,
+                                    scale)[0]
+    once = expanded_attention(q.to(bf), rows.to(bf), w.to(bf), dims, scale)
+    assert got.dtype == bf
+    assert (got.double() - want).abs().max() <= 1.5 * (once.double() - want).abs().max()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_math_attention_holds_a_bounded_block_of_scores(causal, monkeypatch):
+    """Off CPU the scores are materialized: a block of queries at a time within SCORE_BYTES
+    (a request's own rows are L x L; at 16 heads and 8192 tokens they were 4 GiB at once),
+    equal to the whole at once."""
+    from kiln.attention import lse_merge
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(3, 50, 8, generator=g) for _ in range(3))
+    whole = math_attention_with_lse(q, k, v, 0.3, causal)
+    monkeypatch.setattr(lse_merge, "SCORE_BYTES", 4 * 3 * 50 * 7)  # 7 queries a block
+    shapes, matmul = [], torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda a, b: shapes.append(a.shape) or matmul(a, b))
+    blocked = math_attention_with_lse(q, k, v, 0.3, causal)
+    assert max(s[1] for s in shapes) == 7
+    for got, want in zip(blocked, whole):
+        assert (got - want).abs().max() < TOL
