@@ -17,6 +17,9 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     if causal and q.shape[1] != k.shape[1]:
         raise ValueError(f"causal attention_with_lse wants as many queries as keys, got "
                          f"{q.shape[1]} queries and {k.shape[1]} keys")
+    if k.shape[1] == 0:  # no keys: nothing attended (CPU torch's kernel dies of SIGFPE here)
+        return (q.new_zeros(*q.shape[:2], v.shape[2]),
+                torch.full(q.shape[:2], float("-inf"), device=q.device))
     if q.device.type == "cpu":
         # CPU torch's flash kernel returns the lse SDPA keeps to itself (4-D, one head size)
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(

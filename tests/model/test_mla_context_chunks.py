@@ -84,6 +84,10 @@ def test_lse_merge_of_split_keys_is_attention_over_all(attend):
     # a side with no keys (lse -inf) passes the other through
     empty = torch.full((3, 5), float("-inf"))
     assert torch.equal(merge_attn_states(o, lse, torch.zeros_like(o), empty)[0], o)
+    # no keys at all: that empty side itself (CPU torch's flash kernel died of SIGFPE on it)
+    none = attend(q, k[:, :0], v[:, :0], 0.4, False)
+    assert torch.equal(none[1], empty) and not none[0].any()
+    assert torch.equal(merge_attn_states(o, lse, *none)[0], o)
 
 
 def _fill_context(pool, req, cache, context_len, g):
