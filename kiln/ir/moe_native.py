@@ -1,8 +1,8 @@
 """The `native` provider of the MoE IR ops (fused_moe, fused_moe_int8, fused_moe_int8_panels). Float
 experts: the routing here, then one C++ call per layer (csrc/moe_experts.cpp: tokens grouped by
 expert once, each routed expert's gate_up -> SiLU-and-mul -> down on the GEMV kernel or aten's
-GEMM over the weights as stored, the float32 weighted sum). int8: the reference's routed_sum with
-each expert's MLP on the VNNI / AMX panel kernels, called per expert from Python.
+GEMM over the weights as stored, the float32 weighted sum). int8 experts, packed in panels or as
+stored: the same in one C++ call (csrc/moe_experts_int8.cpp) on the dense int8 MLP's kernels.
 In compiled graphs each op stays one opaque node, as the reference's.
 
 Against the reference: float within the GEMMs' summation order (bfloat16: a rounding step of
@@ -10,7 +10,7 @@ the output), int8 bit for bit (tests/model/test_moe_native.py).
 """
 import torch
 
-from kiln.ir.moe import fused_moe, route, routed_sum
+from kiln.ir.moe import fused_moe, route
 from kiln.ir.moe_int8 import fused_moe_int8
 from kiln.ir.moe_int8_panels import fused_moe_int8_panels
 from kiln.ir.op import Implementation
@@ -24,38 +24,21 @@ def _fused_moe_native(x, router_logits, w13, w2, top_k, renormalize, topk_weight
     return torch.ops.kiln.fused_experts_native(x, weights, ids, w13, w2)
 
 
-def _int8_expert(gemm, gemm_silu_quant, w13, w13_scale, w2, w2_scale):
-    """Expert e's W8A8 MLP on the int8 kernels, as the dense int8 LlamaMLP calls them natively:
-    quantize x, gate_up GEMM (+ SiLU-and-mul + quantization), down GEMM. `gemm_silu_quant` is
-    None where no fused kernel reads this weight layout (the stored one)."""
-    quant = torch.ops.kiln.dynamic_int8_quant_native.default
-    silu_quant = torch.ops.kiln.silu_and_mul_dynamic_int8_quant_native.default
-
-    def mlp(e: int, x: torch.Tensor) -> torch.Tensor:
-        q, scale = quant(x)  # [n, H] int8, [n, 1] float32
-        if gemm_silu_quant is not None:
-            q, scale = gemm_silu_quant(q, scale, w13[e], w13_scale[e], None, x.dtype)  # [n, I]
-        else:
-            q, scale = silu_quant(gemm(q, scale, w13[e], w13_scale[e], None, x.dtype))
-        return gemm(q, scale, w2[e], w2_scale[e], None, x.dtype)  # [n, H]
-    return mlp
-
-
 def _fused_moe_int8_native(x, router_logits, w13_q, w13_scale, w2_q, w2_scale, top_k,
                            renormalize, topk_weights=None, topk_ids=None):
-    mlp = _int8_expert(torch.ops.kiln.int8_scaled_mm_native.default, None, w13_q, w13_scale, w2_q,
-                       w2_scale)
-    return routed_sum(x, router_logits, w13_q.shape[0], w2_q.shape[1], mlp, top_k, renormalize,
-                      topk_weights, topk_ids)
+    # one C++ call runs every routed expert on the dense int8 ops (csrc/moe_experts_int8.cpp)
+    weights, ids = route(router_logits, top_k, renormalize, topk_weights, topk_ids)  # [T, k]
+    return torch.ops.kiln.fused_experts_int8_native(x, weights, ids, w13_q, w13_scale, w2_q,
+                                                    w2_scale, False)
 
 
 def _fused_moe_int8_panels_native(x, router_logits, w13_panels, w13_scale, w2_panels, w2_scale,
                                   top_k, renormalize, topk_weights=None, topk_ids=None):
-    mlp = _int8_expert(torch.ops.kiln.int8_scaled_mm_panels_native.default,
-                       torch.ops.kiln.int8_scaled_mm_panels_silu_quant_native.default,
-                       w13_panels, w13_scale, w2_panels, w2_scale)
-    return routed_sum(x, router_logits, w13_panels.shape[0], w2_scale.shape[1], mlp, top_k,
-                      renormalize, topk_weights, topk_ids)
+    # the same call over the experts packed at load: their gate_up GEMM, SiLU-and-mul and quant
+    # in one kernel, the down GEMM, each on VNNI or AMX-INT8 tiles by its rows
+    weights, ids = route(router_logits, top_k, renormalize, topk_weights, topk_ids)  # [T, k]
+    return torch.ops.kiln.fused_experts_int8_native(x, weights, ids, w13_panels, w13_scale,
+                                                    w2_panels, w2_scale, True)
 
 
 def _routing_fits(x, router_logits, experts: int, topk_ids=None) -> bool:

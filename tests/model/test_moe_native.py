@@ -184,3 +184,90 @@ def test_a_loaded_model_holds_its_float_experts_once(tiny_mixtral_dir):
     assert all(not t.is_mkldnn for t in held)
     assert sum(t.numel() for t in held) == sum(m.w13_weight.numel() + m.w2_weight.numel()
                                                for m in experts)
+
+
+def _int8_stacks(experts: int, hidden: int, inter: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    moe = FusedMoE(experts, 2, hidden, inter, renormalize=False, tp_rank=0, tp_size=1)
+    with torch.no_grad():
+        moe.w13_weight.copy_(torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2)
+        moe.w2_weight.copy_(torch.randn(experts, hidden, inter, generator=g) * 0.2)
+    quantize_experts(moe)
+    return moe
+
+
+def _dense_int8_ops_per_expert(packed: bool, x, w13, w13_scale, w2, w2_scale, top_k, weights,
+                               ids):
+    """What the provider ran before its one C++ call: routed_sum over each expert's dense int8
+    ops (quant, gate_up GEMM, SiLU-and-mul + quant, down GEMM), called one by one."""
+    from kiln.ir.moe import routed_sum
+
+    k = torch.ops.kiln
+    gemm = k.int8_scaled_mm_panels_native if packed else k.int8_scaled_mm_native
+
+    def mlp(e, xe):
+        q, scale = k.dynamic_int8_quant_native(xe)
+        if packed:
+            q, scale = k.int8_scaled_mm_panels_silu_quant_native(q, scale, w13[e], w13_scale[e],
+                                                                 None, xe.dtype)
+        else:
+            q, scale = k.silu_and_mul_dynamic_int8_quant_native(
+                gemm(q, scale, w13[e], w13_scale[e], None, xe.dtype))
+        return gemm(q, scale, w2[e], w2_scale[e], None, xe.dtype)
+    return routed_sum(x, None, w13.shape[0], w2_scale.shape[1], mlp, top_k, False, weights, ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden, inter", [(64, 48), (80, 40)])
+def test_int8_experts_run_in_one_call_at_the_row_boundaries(dtype, hidden, inter):
+    """Experts of 0, 1, 12 and 13 rows (AMX-INT8 tiles from 12 where granted) and one of 283
+    (the fused gate_up + SiLU + quant's row blocks from 256), each token's other choice that
+    one, first or second in its slots; then a decode's few tokens over all experts (side by side
+    on the threads): one C++ call a layer, as stored and packed, bit for bit the dense int8 ops
+    run per expert. Those equal the reference in bfloat16; in float32 the native SiLU's expf
+    can be an ulp off torch's (a row's scale then is), so there within a rounding step."""
+    if int8_ops.isa() is None:  # no AVX512-VNNI: the reference runs
+        return
+    moe = _int8_stacks(6, hidden, inter, hidden)
+    g = torch.Generator().manual_seed(inter)
+    chosen = torch.tensor([1] * 1 + [2] * 12 + [3] * 13 + [4] * 257)
+    chosen = chosen[torch.randperm(len(chosen), generator=g)]
+    tokens = len(chosen)
+    ids = torch.stack([chosen, torch.full_like(chosen, 5)], 1)
+    ids[::3] = ids[::3].flip(1)  # the larger id first in some tokens' slots
+    routings = [(ids, torch.rand(tokens, 2, generator=g)),
+                (torch.stack([torch.randperm(6, generator=g) for _ in range(3)]),
+                 torch.rand(3, 6, generator=g))]
+    stored = (moe.w13_weight.data, moe.w13_weight_scale, moe.w2_weight.data, moe.w2_weight_scale)
+    assert pack_int8_experts(moe)
+    packed = (moe.w13_panels, moe.w13_weight_scale, moe.w2_panels, moe.w2_weight_scale)
+    for ids, weights in routings:
+        x = torch.randn(ids.shape[0], hidden, generator=g).to(dtype)
+        top_k = ids.shape[1]
+        logits = x.new_empty(ids.shape[0], 6)
+        want = ir.fused_moe_int8.reference(x, logits, *stored, top_k, False, weights, ids)
+        for op, w in ((ir.fused_moe_int8, stored), (ir.fused_moe_int8_panels, packed)):
+            args = (x, logits, *w, top_k, False, weights, ids)
+            native = op.impls["native"]
+            assert native.supported(*args)
+            calls = torch.ops.kiln.fused_experts_int8_calls()
+            got = native.fn(*args)
+            assert torch.ops.kiln.fused_experts_int8_calls() == calls + 1
+            assert torch.equal(got, _dense_int8_ops_per_expert(
+                op is ir.fused_moe_int8_panels, x, *w, top_k, weights, ids)), op.name
+            if dtype == torch.bfloat16:
+                assert torch.equal(got, want), op.name
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_int8_kernel_names_what_does_not_fit():
+    moe = _int8_stacks(3, 8, 4, 0)
+    x, weights = torch.randn(2, 8), torch.ones(2, 1)
+    args = (moe.w13_weight.data, moe.w13_weight_scale, moe.w2_weight.data, moe.w2_weight_scale)
+    with pytest.raises(IndexError, match="expert 3, past the 3 experts"):
+        torch.ops.kiln.fused_experts_int8_native(x, weights, torch.tensor([[0], [3]]), *args,
+                                                 False)
+    with pytest.raises(ValueError, match=r"panels: uint8 \[E, ceil\(N / 64\), K / 4, 64, 4\]"):
+        torch.ops.kiln.fused_experts_int8_native(x, weights, torch.tensor([[0], [1]]), *args,
+                                                 True)

@@ -146,6 +146,33 @@ def sample(g: torch.Generator) -> None:
               f"sample_rows vocab {vocab}")
 
 
+def moe_int8(g: torch.Generator, isa) -> None:
+    """The int8 experts kernel (csrc/moe_experts_int8.cpp) on this tier's int8 kernels, experts of
+    0, 1, 12, 13 and 26 rows, as stored and packed: bit for bit the reference in bfloat16 (as
+    tests/model/test_moe_native.py). Without AVX512-VNNI it refuses, naming why."""
+    from kiln.ir.moe_int8_panels import pack_expert_panels
+    w13 = torch.randint(-128, 128, (6, 96, 64), dtype=torch.int8, generator=g)
+    w2 = torch.randint(-128, 128, (6, 64, 48), dtype=torch.int8, generator=g)
+    s13, s2 = torch.rand(6, 96, generator=g) / 500, torch.rand(6, 64, generator=g) / 500
+    chosen = torch.tensor([1] + [2] * 12 + [3] * 13)
+    ids = torch.stack([chosen, torch.full_like(chosen, 4)], 1)
+    ids[::3] = ids[::3].flip(1)
+    weights = torch.rand(len(chosen), 2, generator=g)
+    x = torch.randn(len(chosen), 64, generator=g).to(torch.bfloat16)
+    if isa is None:
+        try:
+            torch.ops.kiln.fused_experts_int8_native(x, weights, ids, w13, s13, w2, s2, False)
+            check(False, "fused_experts_int8 ran without AVX512-VNNI")
+        except RuntimeError as e:
+            check("without AVX512-VNNI" in str(e), f"fused_experts_int8 refusal: {e}")
+        return
+    want = ir.fused_moe_int8.reference(x, x.new_empty(len(chosen), 6), w13, s13, w2, s2, 2,
+                                       False, weights, ids)
+    for packed, a, b in ((False, w13, w2), (True, pack_expert_panels(w13), pack_expert_panels(w2))):
+        got = torch.ops.kiln.fused_experts_int8_native(x, weights, ids, a, s13, b, s2, packed)
+        check(torch.equal(got, want), f"fused_experts_int8 packed={packed}")
+
+
 def attention(g: torch.Generator) -> None:
     """The CPU backend's layer call on a mixed step (decodes, a chunk over a cached prefix, a
     fresh prefill and a long one: the per-token kernel, the blocked one or SDPA) against a
@@ -195,6 +222,7 @@ if __name__ == "__main__":
         int8_ops(g)
     moe(g)
     sample(g)
+    moe_int8(g, isa)
     attention(g)
     chosen = ir.resolve({}, "cpu", torch.bfloat16).as_dict()
     print(json.dumps({

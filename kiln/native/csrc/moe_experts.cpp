@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "dtype.h"
+#include "moe_slots.h"
 #include "torch_ops.h"
 
 namespace {
@@ -132,12 +133,7 @@ at::Tensor fused_experts(const at::Tensor &x_in, const at::Tensor &topk_weights_
     at::Tensor out = at::empty({tokens, h}, x.options());
     if (tokens == 0 || h == 0) return out;
     const int64_t *id = ids.data_ptr<int64_t>();
-    std::vector<int64_t> counts(experts, 0);
-    for (int64_t s = 0; s < slots; ++s) {
-        TORCH_CHECK_INDEX(id[s] >= 0 && id[s] < experts, op, ": topk_ids holds expert ", id[s],
-                          ", past the ", experts, " experts");
-        ++counts[id[s]];
-    }
+    const std::vector<int64_t> counts = kiln::moe::expert_counts(id, slots, experts, op);
     /* each chosen expert's rows, padded where aten's GEMM takes them */
     std::vector<Group> groups;
     int64_t rows = 0;
@@ -150,21 +146,15 @@ at::Tensor fused_experts(const at::Tensor &x_in, const at::Tensor &topk_weights_
         rows += padded;
     }
     /* slot s (token s / k's choice s % k) -> its row; slots in ascending order within an expert */
-    std::vector<int64_t> next(experts, 0), row_of(slots);
-    for (const Group &g : groups) next[g.expert] = g.start;
-    for (int64_t s = 0; s < slots; ++s) row_of[s] = next[id[s]]++;
+    std::vector<int64_t> first_row(experts, 0);
+    for (const Group &g : groups) first_row[g.expert] = g.start;
+    const std::vector<int64_t> row_of = kiln::moe::slot_rows(id, slots, std::move(first_row));
     const int64_t two_i = w13.size(1), inter = w2.size(2);
     at::Tensor xs = at::empty({rows, h}, x.options());  // [rows, H]: each expert's tokens
     at::Tensor gu = at::empty({rows, two_i}, x.options());
     at::Tensor act = at::empty({rows, inter}, x.options());
     at::Tensor ys = at::empty({rows, h}, x.options());
-    const int64_t row_bytes = h * x.element_size();
-    char *xs_p = static_cast<char *>(xs.data_ptr());
-    const char *x_p = static_cast<const char *>(x.data_ptr());
-    at::parallel_for(0, slots, 64, [&](int64_t s0, int64_t s1) {
-        for (int64_t s = s0; s < s1; ++s)
-            std::memcpy(xs_p + row_of[s] * row_bytes, x_p + (s / k) * row_bytes, row_bytes);
-    });
+    kiln::moe::gather_rows(x.data_ptr(), xs.data_ptr(), h * x.element_size(), row_of, k);
     for (const Group &g : groups)  /* the padding rows: zeros, whose outputs nothing reads */
         if (g.padded > g.n) xs.narrow(0, g.start + g.n, g.padded - g.n).zero_();
     std::vector<Group> small, large;
@@ -180,36 +170,8 @@ at::Tensor fused_experts(const at::Tensor &x_in, const at::Tensor &topk_weights_
     }
     for (const Group &g : large) run_expert(g, xs, gu, act, ys, w13, w2, dtype, nthreads);
     /* the weighted sum per token, in float32, its slots in ascending expert order */
-    const float *wt = weights.data_ptr<float>();
-    const void *ys_p = ys.data_ptr();
-    void *out_p = out.data_ptr();
-    at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
-        std::vector<float> acc(h);
-        std::vector<int64_t> order(k);
-        for (int64_t t = t0; t < t1; ++t) {
-            for (int64_t j = 0; j < k; ++j) order[j] = t * k + j;
-            std::stable_sort(order.begin(), order.end(),
-                             [&](int64_t a, int64_t b) { return id[a] < id[b]; });
-            std::fill(acc.begin(), acc.end(), 0.f);
-            for (int64_t s : order) {
-                const float w = wt[s];
-                const int64_t base = row_of[s] * h;
-                if (dtype == KILN_F32) {
-                    const float *y = static_cast<const float *>(ys_p) + base;
-                    for (int64_t i = 0; i < h; ++i) acc[i] += y[i] * w;
-                } else {
-                    const uint16_t *y = static_cast<const uint16_t *>(ys_p) + base;
-                    for (int64_t i = 0; i < h; ++i) acc[i] += bf16_to_f32(y[i]) * w;
-                }
-            }
-            if (dtype == KILN_F32) {
-                std::memcpy(static_cast<float *>(out_p) + t * h, acc.data(), h * sizeof(float));
-            } else {
-                uint16_t *o = static_cast<uint16_t *>(out_p) + t * h;
-                for (int64_t i = 0; i < h; ++i) o[i] = f32_to_bf16(acc[i]);
-            }
-        }
-    });
+    kiln::moe::weighted_sum(id, weights.data_ptr<float>(), row_of, tokens, k, h, ys.data_ptr(),
+                            out.data_ptr(), dtype);
     return out;
 }
 

@@ -15,6 +15,7 @@
 #include <string>
 #include <tuple>
 
+#include "ops_int8.h"
 #include "torch_ops.h"
 
 namespace {
@@ -85,6 +86,10 @@ struct Operands {
     const void *bias_ptr() const { return bias.defined() ? bias.data_ptr() : nullptr; }
 };
 
+}  // namespace
+
+namespace kiln {
+
 at::Tensor int8_scaled_mm(const at::Tensor &q_in, const at::Tensor &scale_in,
                           const at::Tensor &w_q_in, const at::Tensor &w_scale_in,
                           const std::optional<at::Tensor> &bias_in, at::ScalarType out_dtype) {
@@ -125,6 +130,10 @@ at::Tensor int8_scaled_mm(const at::Tensor &q_in, const at::Tensor &scale_in,
           "kiln_int8_gemm");
     return out;
 }
+
+}  // namespace kiln
+
+namespace {
 
 /* The weight packed at load, w_panels uint8 [ceil(N / 64), K / 4, 64, 4] (kiln/ir/int8_panels.py)
  * with N the length of w_scale, checked against q [M, K] and the scales and 64-byte aligned for
@@ -235,6 +244,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_quant(const at::Tens
     return norm_quant(x, residual, weight, eps);
 }
 
+}  // namespace
+
+namespace kiln {
+
 std::tuple<at::Tensor, at::Tensor> silu_and_mul_quant(const at::Tensor &x) {
     const int32_t dtype = kiln::kernel_dtype(x, "kiln::silu_and_mul_dynamic_int8_quant_native");
     TORCH_CHECK_VALUE(x.size(-1) % 2 == 0, "silu_and_mul quant: the last dimension (",
@@ -249,6 +262,10 @@ std::tuple<at::Tensor, at::Tensor> silu_and_mul_quant(const at::Tensor &x) {
           "kiln_silu_and_mul_int8_quant");
     return {q, scale};
 }
+
+}  // namespace kiln
+
+namespace {
 
 /* "avx512_vnni" when the kernels were built with those instructions ("amx_int8+avx512_vnni"
  * where the packed GEMM also runs on AMX tiles), else "". */
@@ -286,10 +303,10 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
     m.impl("dynamic_int8_quant_native", &dynamic_int8_quant);
-    m.impl("int8_scaled_mm_native", &int8_scaled_mm);
+    m.impl("int8_scaled_mm_native", &kiln::int8_scaled_mm);
     m.impl("int8_scaled_mm_panels_native", &int8_scaled_mm_panels);
     m.impl("rms_norm_dynamic_int8_quant_native", &rms_norm_quant);
     m.impl("fused_add_rms_norm_dynamic_int8_quant_native", &add_rms_norm_quant);
-    m.impl("silu_and_mul_dynamic_int8_quant_native", &silu_and_mul_quant);
+    m.impl("silu_and_mul_dynamic_int8_quant_native", &kiln::silu_and_mul_quant);
     m.impl("int8_scaled_mm_panels_silu_quant_native", &int8_scaled_mm_panels_silu_quant);
 }
