@@ -3,6 +3,7 @@ same cache directory loads every artifact and compiles nothing."""
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,15 +20,36 @@ SMALL = ["--kv-cache-memory", "0.01", "--max-model-len", "64", "--max-num-seqs",
          "--max-num-batched-tokens", "32"]
 
 
-def kiln_compile(model: Path, cache_dir: Path, *extra: str) -> dict:
+def start_compile(model: Path, cache_dir: Path, *extra: str) -> subprocess.Popen:
+    """`kiln compile --json` (mode 3) on `model`, started; its output goes to temporary files
+    (nobody drains a pipe meanwhile), read by compile_report."""
     spec = json.dumps({"mode": 3, "cache_dir": str(cache_dir)})
-    r = subprocess.run([sys.executable, "-m", "kiln.entrypoints.cli.main", "compile", "--json",
-                        "--model", str(model), *SMALL, "-O", spec, *extra],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    lines = r.stdout.splitlines()
-    assert len(lines) == 1, r.stdout  # stdout holds the report only; logs go to stderr
+    stdout, stderr = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.entrypoints.cli.main", "compile",
+                             "--json", "--model", str(model), *SMALL, "-O", spec, *extra],
+                            stdout=stdout, stderr=stderr, text=True)
+    proc.outputs = (stdout, stderr)
+    return proc
+
+
+def _read_and_close(f) -> str:
+    with f:
+        f.seek(0)
+        return f.read()
+
+
+def compile_report(proc: subprocess.Popen) -> dict:
+    """The report of a start_compile run, once it has ended."""
+    returncode = proc.wait(timeout=600)
+    stdout, stderr = map(_read_and_close, proc.outputs)
+    assert returncode == 0, stderr[-3000:]
+    lines = stdout.splitlines()
+    assert len(lines) == 1, stdout  # stdout holds the report only; logs go to stderr
     return json.loads(lines[0])
+
+
+def kiln_compile(model: Path, cache_dir: Path, *extra: str) -> dict:
+    return compile_report(start_compile(model, cache_dir, *extra))
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +57,139 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("compile_cache")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def cold_started(tiny_llama_dir, cache_dir):
+    """The cold `kiln compile`, started with the module's first test: it compiles in its own
+    process while the in-process tests above the cold ones run (the suite's machine has two
+    cores). Stopped at the module's end if no test waited for it."""
+    proc = start_compile(tiny_llama_dir, cache_dir)
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.fixture(scope="module")
-def cold(tiny_llama_dir, cache_dir) -> dict:
-    return kiln_compile(tiny_llama_dir, cache_dir)
+def cold(cold_started) -> dict:
+    return compile_report(cold_started)
+
+
+def test_report_names_every_ir_op_implementation_and_an_override(tiny_llama_dir, capsys):
+    from kiln import ir
+
+    natives = {name: "native" if "native" in op.impls else "torch"
+               for name, op in ir.REGISTRY.items()}
+    args = build_parser().parse_args(["compile", "--json", "--model", str(tiny_llama_dir),
+                                      *SMALL, "-O0", "--ir-op-priority", "rms_norm=torch"])
+    assert args.func(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ir_ops"] == {**natives, "rms_norm": "torch"}
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_ir_ops_line_lists_the_models_ops_only(tiny_llama_dir, capsys, quantization):
+    """A float model's report listed the int8, fp8 and GGUF ops and all_reduce at one rank
+    (helper-90); the JSON keeps every op's choice."""
+    flags = ["--quantization", quantization] if quantization else []
+    args = build_parser().parse_args(["compile", "--json", "--model", str(tiny_llama_dir),
+                                      *SMALL, "-O0", *flags])
+    assert args.func(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    (line,) = [x for x in format_report(report).splitlines() if x.startswith("ir ops")]
+    assert "fp8" not in line and "gguf" not in line and "all_reduce" not in line
+    assert "f32_scale" not in line and "gelu" not in line  # Gemma's / OLMo-2's ops
+    assert "fused_moe" not in line  # the MoE families' op
+    assert ("int8" in line) == (quantization == "int8") and "rms_norm " in line
+    assert "gguf_linear" in report["ir_ops"]
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_ir_ops_line_lists_fused_moe_for_a_moe_model(tiny_qwen3_moe_dir, capsys, quantization):
+    flags = ["--quantization", quantization] if quantization else []
+    args = build_parser().parse_args(["compile", "--json", "--model", str(tiny_qwen3_moe_dir),
+                                      *SMALL, "-O0", *flags])
+    assert args.func(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    (line,) = [x for x in format_report(report).splitlines() if x.startswith("ir ops")]
+    assert "fused_moe native" in line and "gelu" not in line
+    # int8 experts run packed in panels on a CPU that reads them so, else as stored
+    int8_op = "fused_moe_int8_panels" if int8_ops.panel_cpu() else "fused_moe_int8"
+    provider = "native" if int8_ops.isa() else "torch"
+    assert (f"{int8_op} {provider}" in line) == (quantization == "int8")
+
+
+def test_mode0_text_report_in_process(tiny_llama_dir, capsys):
+    args = build_parser().parse_args(["compile", "--model", str(tiny_llama_dir), *SMALL, "-O0"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "mode       0 (NONE)" in out and "nothing compiled" in out
+    assert "pieces" not in out and "load model" in out
+
+
+def test_per_shape_groups_and_orders_shapes():
+    events = [{"piece": 0, "shape": "size 8", "action": "compiled", "s": 1.0},
+              {"piece": 0, "shape": "range", "action": "loaded", "s": 0.5},
+              {"piece": 2, "shape": "size 8", "action": "reused", "s": 0.0},
+              {"piece": 0, "shape": "size 1", "action": "compiled", "s": 2.0},
+              {"piece": 2, "shape": "range", "action": "loaded", "s": 0.25}]
+    rows = per_shape(events)
+    assert [r["shape"] for r in rows] == ["range", "size 1", "size 8"]
+    assert rows[0] == {"shape": "range", "compiled": 0, "loaded": 2, "reused": 0,
+                       "compile_s": 0.0, "load_s": 0.75}
+    assert (rows[2]["compiled"], rows[2]["reused"], rows[2]["compile_s"]) == (1, 1, 1.0)
+
+
+@pytest.mark.slow  # two ranks each compile their pieces cold (about 2 minutes on 2 cores)
+def test_tp2_int8_report_is_each_ranks_compile(tiny_llama_dir, tmp_path):
+    """At -tp 2 the ranks compile in their own processes: the report counted this process's
+    compiles, so it said '0 total, 0 compiled', no passes and no cache at all (helper-94)."""
+    report = kiln_compile(tiny_llama_dir, tmp_path / "cc", "-tp", "2", "--quantization", "int8")
+    n = NUM_LAYERS
+    assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    for rank in report["ranks"]:
+        assert rank["pieces"] == {"total": 2 * n + 1, "compiled": n + 1, "graphs": 1}
+        assert rank["inductor"]["compiles"] >= 1 and list(rank["cache"]["dirs"].values()) == [
+            "miss"]
+    # The ranks' graphs are alike and share Inductor's cache: the rank compiling a piece first
+    # runs the passes on it, the other finds it rewritten. Every layer's input and
+    # post-attention norms' quant and its activation's are fused on some rank.
+    runs = [r["matches"] for rank in report["ranks"] for r in rank["pass_runs"]]
+    assert sum(m["FuseNormQuant"] for m in runs) >= 2 * n
+    assert sum(m["FuseActQuant"] for m in runs) >= n
+    assert report["pieces"] == report["ranks"][0]["pieces"]
+    assert report["times"]["compile_s"] > 0
+    text = format_report(report)
+    assert f"pieces     {2 * n + 1} total, {n + 1} compiled" in text
+    assert f"rank 1: {2 * n + 1} pieces, {n + 1} compiled" in text and "FuseNormQuant" in text
+
+
+@pytest.mark.parametrize("arch, absent, present", [
+    ("gemma", ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rms_norm_dynamic_int8_quant",
+               "silu_and_mul_dynamic_int8_quant", "int8_scaled_mm_panels_silu_quant"),
+     ("rms_norm_f32_scale", "gelu_tanh_and_mul", "dynamic_int8_quant")),
+    ("olmo2", ("rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_dynamic_int8_quant",
+               "gelu_tanh_and_mul"),
+     ("fused_add_rms_norm_f32_scale", "silu_and_mul", "silu_and_mul_dynamic_int8_quant")),
+    ("gpt_neox", ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul",
+                  "rms_norm_f32_scale", "fused_add_rms_norm_dynamic_int8_quant"),
+     ("layer_norm", "fused_add_layer_norm", "gelu", "rotary_embedding", "dynamic_int8_quant")),
+    # Cohere: LayerNorms, but Llama's SiLU-gated MLP (and its int8 fusion) kept
+    ("cohere", ("rms_norm", "fused_add_rms_norm", "gelu", "gelu_tanh_and_mul",
+                "fused_add_rms_norm_dynamic_int8_quant"),
+     ("layer_norm", "fused_add_layer_norm", "silu_and_mul", "silu_and_mul_dynamic_int8_quant",
+      "rotary_embedding"))])
+def test_ops_in_use_leave_out_the_llama_ops_a_family_replaces(arch, absent, present, request):
+    """A Gemma report listed rms_norm, silu_and_mul and their int8 fusions, which its (1 + w)
+    norms and GeGLU replace; OLMo-2's listed the Llama norms."""
+    from kiln.benchmarks.compile import _ops_in_use
+
+    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
+    used = _ops_in_use(EngineArgs(model=str(model_dir), quantization="int8",
+                                  max_model_len=64).create_kiln_config())
+    assert not set(absent) & set(used) and set(present) <= set(used)
+
+
+# The cold run's tests, last: the in-process tests above run while it compiles (cold_started).
 
 
 def test_cold_run_reports_pieces_shapes_and_compiles(cold, cache_dir):
@@ -180,124 +332,9 @@ def test_text_report_names_pieces_cache_and_times(cold):
     assert "cold piece compiles" in text
 
 
-def test_report_names_every_ir_op_implementation_and_an_override(tiny_llama_dir, capsys):
-    from kiln import ir
-
-    natives = {name: "native" if "native" in op.impls else "torch"
-               for name, op in ir.REGISTRY.items()}
-    args = build_parser().parse_args(["compile", "--json", "--model", str(tiny_llama_dir),
-                                      *SMALL, "-O0", "--ir-op-priority", "rms_norm=torch"])
-    assert args.func(args) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["ir_ops"] == {**natives, "rms_norm": "torch"}
-
-
-@pytest.mark.parametrize("quantization", [None, "int8"])
-def test_ir_ops_line_lists_the_models_ops_only(tiny_llama_dir, capsys, quantization):
-    """A float model's report listed the int8, fp8 and GGUF ops and all_reduce at one rank
-    (helper-90); the JSON keeps every op's choice."""
-    flags = ["--quantization", quantization] if quantization else []
-    args = build_parser().parse_args(["compile", "--json", "--model", str(tiny_llama_dir),
-                                      *SMALL, "-O0", *flags])
-    assert args.func(args) == 0
-    report = json.loads(capsys.readouterr().out)
-    (line,) = [x for x in format_report(report).splitlines() if x.startswith("ir ops")]
-    assert "fp8" not in line and "gguf" not in line and "all_reduce" not in line
-    assert "f32_scale" not in line and "gelu" not in line  # Gemma's / OLMo-2's ops
-    assert "fused_moe" not in line  # the MoE families' op
-    assert ("int8" in line) == (quantization == "int8") and "rms_norm " in line
-    assert "gguf_linear" in report["ir_ops"]
-
-
-@pytest.mark.parametrize("quantization", [None, "int8"])
-def test_ir_ops_line_lists_fused_moe_for_a_moe_model(tiny_qwen3_moe_dir, capsys, quantization):
-    flags = ["--quantization", quantization] if quantization else []
-    args = build_parser().parse_args(["compile", "--json", "--model", str(tiny_qwen3_moe_dir),
-                                      *SMALL, "-O0", *flags])
-    assert args.func(args) == 0
-    report = json.loads(capsys.readouterr().out)
-    (line,) = [x for x in format_report(report).splitlines() if x.startswith("ir ops")]
-    assert "fused_moe native" in line and "gelu" not in line
-    # int8 experts run packed in panels on a CPU that reads them so, else as stored
-    int8_op = "fused_moe_int8_panels" if int8_ops.panel_cpu() else "fused_moe_int8"
-    provider = "native" if int8_ops.isa() else "torch"
-    assert (f"{int8_op} {provider}" in line) == (quantization == "int8")
-
-
-def test_mode0_text_report_in_process(tiny_llama_dir, capsys):
-    args = build_parser().parse_args(["compile", "--model", str(tiny_llama_dir), *SMALL, "-O0"])
-    assert args.func(args) == 0
-    out = capsys.readouterr().out
-    assert "mode       0 (NONE)" in out and "nothing compiled" in out
-    assert "pieces" not in out and "load model" in out
-
-
 def test_mode1_text_report_does_not_claim_pieces(cold):
     """Modes 1 and 2 are torch.compile's own path: no split, no Kiln cache, no trace split."""
     text = format_report({**cold, "compilation_mode": 1,
                           "compilation_mode_name": "STOCK_TORCH_COMPILE"})
     assert "plain torch.compile" in text
     assert "pieces     " not in text and "Dynamo trace" not in text and "cache      " not in text
-
-
-def test_per_shape_groups_and_orders_shapes():
-    events = [{"piece": 0, "shape": "size 8", "action": "compiled", "s": 1.0},
-              {"piece": 0, "shape": "range", "action": "loaded", "s": 0.5},
-              {"piece": 2, "shape": "size 8", "action": "reused", "s": 0.0},
-              {"piece": 0, "shape": "size 1", "action": "compiled", "s": 2.0},
-              {"piece": 2, "shape": "range", "action": "loaded", "s": 0.25}]
-    rows = per_shape(events)
-    assert [r["shape"] for r in rows] == ["range", "size 1", "size 8"]
-    assert rows[0] == {"shape": "range", "compiled": 0, "loaded": 2, "reused": 0,
-                       "compile_s": 0.0, "load_s": 0.75}
-    assert (rows[2]["compiled"], rows[2]["reused"], rows[2]["compile_s"]) == (1, 1, 1.0)
-
-
-@pytest.mark.slow  # two ranks each compile their pieces cold (about 2 minutes on 2 cores)
-def test_tp2_int8_report_is_each_ranks_compile(tiny_llama_dir, tmp_path):
-    """At -tp 2 the ranks compile in their own processes: the report counted this process's
-    compiles, so it said '0 total, 0 compiled', no passes and no cache at all (helper-94)."""
-    report = kiln_compile(tiny_llama_dir, tmp_path / "cc", "-tp", "2", "--quantization", "int8")
-    n = NUM_LAYERS
-    assert [r["rank"] for r in report["ranks"]] == [0, 1]
-    for rank in report["ranks"]:
-        assert rank["pieces"] == {"total": 2 * n + 1, "compiled": n + 1, "graphs": 1}
-        assert rank["inductor"]["compiles"] >= 1 and list(rank["cache"]["dirs"].values()) == [
-            "miss"]
-    # The ranks' graphs are alike and share Inductor's cache: the rank compiling a piece first
-    # runs the passes on it, the other finds it rewritten. Every layer's input and
-    # post-attention norms' quant and its activation's are fused on some rank.
-    runs = [r["matches"] for rank in report["ranks"] for r in rank["pass_runs"]]
-    assert sum(m["FuseNormQuant"] for m in runs) >= 2 * n
-    assert sum(m["FuseActQuant"] for m in runs) >= n
-    assert report["pieces"] == report["ranks"][0]["pieces"]
-    assert report["times"]["compile_s"] > 0
-    text = format_report(report)
-    assert f"pieces     {2 * n + 1} total, {n + 1} compiled" in text
-    assert f"rank 1: {2 * n + 1} pieces, {n + 1} compiled" in text and "FuseNormQuant" in text
-
-
-@pytest.mark.parametrize("arch, absent, present", [
-    ("gemma", ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rms_norm_dynamic_int8_quant",
-               "silu_and_mul_dynamic_int8_quant", "int8_scaled_mm_panels_silu_quant"),
-     ("rms_norm_f32_scale", "gelu_tanh_and_mul", "dynamic_int8_quant")),
-    ("olmo2", ("rms_norm", "fused_add_rms_norm", "fused_add_rms_norm_dynamic_int8_quant",
-               "gelu_tanh_and_mul"),
-     ("fused_add_rms_norm_f32_scale", "silu_and_mul", "silu_and_mul_dynamic_int8_quant")),
-    ("gpt_neox", ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul",
-                  "rms_norm_f32_scale", "fused_add_rms_norm_dynamic_int8_quant"),
-     ("layer_norm", "fused_add_layer_norm", "gelu", "rotary_embedding", "dynamic_int8_quant")),
-    # Cohere: LayerNorms, but Llama's SiLU-gated MLP (and its int8 fusion) kept
-    ("cohere", ("rms_norm", "fused_add_rms_norm", "gelu", "gelu_tanh_and_mul",
-                "fused_add_rms_norm_dynamic_int8_quant"),
-     ("layer_norm", "fused_add_layer_norm", "silu_and_mul", "silu_and_mul_dynamic_int8_quant",
-      "rotary_embedding"))])
-def test_ops_in_use_leave_out_the_llama_ops_a_family_replaces(arch, absent, present, request):
-    """A Gemma report listed rms_norm, silu_and_mul and their int8 fusions, which its (1 + w)
-    norms and GeGLU replace; OLMo-2's listed the Llama norms."""
-    from kiln.benchmarks.compile import _ops_in_use
-
-    model_dir = request.getfixturevalue(f"tiny_{arch}_dir")
-    used = _ops_in_use(EngineArgs(model=str(model_dir), quantization="int8",
-                                  max_model_len=64).create_kiln_config())
-    assert not set(absent) & set(used) and set(present) <= set(used)

@@ -29,11 +29,21 @@ def _groups_left(ray) -> list:
     return [pg for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"]
 
 
-def test_tp2_on_ray_matches_hf_and_its_actors_get_the_engines_kiln_settings(
-        local_ray, tiny_llama_dir, monkeypatch):
+def test_tp2_on_ray_matches_hf_with_the_kiln_settings_and_names_a_dead_rank_over_its_peer(
+        local_ray, tiny_llama_dir, monkeypatch, bounded):
+    """One engine for three checks (a Ray engine's start is one of this module's costliest
+    steps): its actors get the engine's Kiln settings, it gives HF's greedy tokens, and then a
+    dead rank is named over its peer's error. A rank SIGKILLed mid-step makes its peers'
+    collective fail at once (gloo: connection reset by peer), and that error could reach the
+    engine before Ray saw the actor die: the engine then blamed the survivor, with its gloo
+    traceback. Forced order here: rank 1's call fails at once (a call no rank answers), rank 0
+    is stopped and dies 0.5 s later. (A clean shutdown removing the placement group is
+    test_an_engine_core_process_joins_the_callers_ray's.)"""
+    import pickle
+    import threading
+
     # Set after the cluster started, so its workers' own environment lacks it, as on a cluster
-    # started by `ray start`: the actors must still bind no cores. (One engine for both: a Ray
-    # engine's start is one of this module's costliest steps.)
+    # started by `ray start`: the actors must still bind no cores.
     monkeypatch.setenv("KILN_CPU_OMP_THREADS_BIND", "nobind")
     llm = make_llm(tiny_llama_dir, tensor_parallel_size=2, distributed_executor_backend="ray")
     executor = llm.llm_engine.engine_core.executor
@@ -43,8 +53,18 @@ def test_tp2_on_ray_matches_hf_and_its_actors_get_the_engines_kiln_settings(
                                for actor in executor.actors])
         assert cores == [None, None]
         assert generate_ids(llm) == hf_greedy(tiny_llama_dir, PROMPTS, MAX_TOKENS)
-    finally:
+    except BaseException:
         llm.llm_engine.engine_core.shutdown()
+        raise
+    actors = list(executor.actors)
+    pid0 = local_ray.get(actors[0].pid.remote())
+    os.kill(pid0, signal.SIGSTOP)
+    threading.Timer(0.5, os.kill, (pid0, signal.SIGKILL)).start()
+    bad = pickle.dumps(("no_such_call", ()))
+    refs = [actors[0].call_pickled.remote(bad), actors[1].call_pickled.remote(bad)]
+    with pytest.raises(WorkerFailedError, match=r"^worker rank 0 \(Ray actor\) died during "
+                                                r"execute_model: "):
+        executor._gather(refs, "execute_model")
     assert executor.actors == [] and executor.pg is None
 
 
@@ -107,29 +127,6 @@ def test_a_stopped_rank_fails_the_step_once_the_timeout_passes(local_ray, tiny_l
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-    assert executor.actors == [] and executor.pg is None
-
-
-def test_a_peers_error_caused_by_a_dead_rank_names_the_dead_rank(local_ray, tiny_llama_dir,
-                                                                  bounded):
-    """A rank SIGKILLed mid-step makes its peers' collective fail at once (gloo: connection
-    reset by peer), and that error could reach the engine before Ray saw the actor die: the
-    engine then blamed the survivor, with its gloo traceback. Forced order here: rank 1's call
-    fails at once (a call no rank answers), rank 0 is stopped and dies 0.5 s later."""
-    import pickle
-    import threading
-
-    llm = make_llm(tiny_llama_dir, tensor_parallel_size=2, distributed_executor_backend="ray")
-    executor = llm.llm_engine.engine_core.executor
-    actors = list(executor.actors)
-    pid0 = local_ray.get(actors[0].pid.remote())
-    os.kill(pid0, signal.SIGSTOP)
-    threading.Timer(0.5, os.kill, (pid0, signal.SIGKILL)).start()
-    bad = pickle.dumps(("no_such_call", ()))
-    refs = [actors[0].call_pickled.remote(bad), actors[1].call_pickled.remote(bad)]
-    with pytest.raises(WorkerFailedError, match=r"^worker rank 0 \(Ray actor\) died during "
-                                                r"execute_model: "):
-        executor._gather(refs, "execute_model")
     assert executor.actors == [] and executor.pg is None
 
 

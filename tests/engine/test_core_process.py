@@ -286,12 +286,16 @@ def test_shutdown_returns_at_the_cores_goodbye_and_the_process_is_reaped(tiny_ll
 
 
 def test_a_core_that_never_says_goodbye_is_terminated(tiny_llama_dir, monkeypatch):
-    from kiln.engine import core_client
+    from kiln.engine import core_client, core_proc_exit
 
     llm = LLM(model=str(tiny_llama_dir), **ENGINE)
     core = llm.llm_engine.engine_core
     os.kill(core.pid, signal.SIGSTOP)  # deaf to Shutdown: it can neither exit nor say goodbye
     monkeypatch.setattr(core_client, "_SHUTDOWN_WAIT_S", 0.5)
+    # nor to the stop signal: its 5 s wait before the kill, shortened (the same path)
+    wait_briefly = core_proc_exit.wait_briefly
+    monkeypatch.setattr(core_proc_exit, "wait_briefly",
+                        lambda proc, timeout: wait_briefly(proc, min(timeout, 0.5)))
     llm.shutdown()
     assert not core._said_goodbye.is_set() and core.proc.returncode is not None
     assert _reaped(core.pid)
