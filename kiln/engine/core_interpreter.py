@@ -6,6 +6,7 @@ Light on purpose (no torch, no zmq): the CLI imports it first thing.
 import atexit
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import time
@@ -54,14 +55,25 @@ def _float32_matmul_precision() -> str | None:
     return None if torch is None else torch.get_float32_matmul_precision()
 
 
-# `python -m kiln.core.core_process`, deaf to Ctrl-C and SIGTERM from its first line: the
-# terminal and service managers signal the whole process group, and the front end decides what
-# stops (a Ctrl-C while the core imported torch printed its KeyboardInterrupt traceback).
+# `python -m kiln.core.core_process`, deaf to Ctrl-C and SIGTERM from its exec: the terminal and
+# service managers signal the whole process group, and the front end decides what stops (a
+# Ctrl-C while the core imported torch printed its KeyboardInterrupt traceback). Ignored
+# dispositions survive exec and Python leaves an ignored SIGINT alone, so the interpreter's own
+# start-up, before this first line runs, is covered too (`_deaf`); the line keeps them so.
 # The module is an argument of its own, so `ps` (and a test) still sees the process's job.
 _BOOT = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
          "signal.signal(signal.SIGTERM, signal.SIG_IGN); import runpy; "
          "runpy.run_module(sys.argv[1], run_name='__main__', alter_sys=True)")
 _MODULE = "kiln.core.core_process"
+
+
+def _deaf(cores: list[int] | None) -> None:
+    """In the child, before exec: SIGINT and SIGTERM ignored, and pinned to `cores` (OpenMP
+    sizes its pool by the cores the process may use, once)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
 
 
 class CoreInterpreter:
@@ -76,13 +88,11 @@ class CoreInterpreter:
         # The core writes a byte here as its last act: then only the kernel's teardown of its
         # memory is left (0.16 s for the default model on 2 cores), which shutdown need not wait.
         self.goodbye, goodbye_w = os.pipe()
-        # Pinned before exec: OpenMP sizes its pool by the cores the process may use, once.
-        pin = None if cores is None else (lambda: os.sched_setaffinity(0, cores))
         try:
             self.proc = subprocess.Popen([sys.executable, "-c", _BOOT, _MODULE],
                                          stdin=subprocess.PIPE,
                                          env={**core_environment(os.environ), **(env or {})},
-                                         pass_fds=(goodbye_w,), preexec_fn=pin)
+                                         pass_fds=(goodbye_w,), preexec_fn=lambda: _deaf(cores))
         except BaseException:
             os.close(self.goodbye)
             raise
