@@ -2,8 +2,10 @@
 at their boundaries, never onto a zero-probability entry."""
 import math
 
+import pytest
 import torch
 
+from kiln.native import build
 from kiln.sample.inverse_cdf import BLOCK, inverse_cdf
 
 
@@ -40,14 +42,22 @@ def test_zero_probability_entries_are_never_drawn_even_at_the_ends():
     assert draw(probs, 1.0) == BLOCK + 9
 
 
-def test_draws_follow_the_probabilities():
+@pytest.mark.parametrize("fused", [False, True])
+def test_draws_follow_the_probabilities(fused):
+    """inverse_cdf over the probabilities, and the CPU kernel that fuses it with the softmax
+    (csrc/sample_rows.c, over their logs: tests/sample/test_sample_rows.py)."""
     g = torch.Generator().manual_seed(0)
     vocab, n = 700, 200_000
     probs = torch.rand(vocab, generator=g) ** 4
     probs[::7] = 0
     probs /= probs.sum()
     u = torch.rand(n, dtype=torch.float64, generator=g)
-    counts = torch.bincount(inverse_cdf(probs.expand(n, vocab), u), minlength=vocab).double()
+    if fused:
+        assert build.available()
+        drawn = torch.ops.kiln.sample_rows_native(probs.log().expand(n, vocab), torch.ones(n), u)
+    else:
+        drawn = inverse_cdf(probs.expand(n, vocab), u)
+    counts = torch.bincount(drawn, minlength=vocab).double()
     assert counts[::7].sum() == 0
     expected = probs.double() * n
     seen = expected > 50

@@ -1,6 +1,7 @@
 """sample_rows: the draw of inverse_cdf over softmax(logits * scale), fused on CPU into one
 kernel (csrc/sample_rows.c) that never builds the probability table: the same index on the
-same uniform, masked (-inf) tokens never drawn, blocks and their boundaries as inverse_cdf's."""
+same uniform, masked (-inf) tokens never drawn, blocks and their boundaries as inverse_cdf's
+(the draws' distribution: test_inverse_cdf.py)."""
 import math
 
 import pytest
@@ -76,23 +77,6 @@ def test_masked_entries_are_never_drawn_even_at_the_ends():
         assert draw(x, u) in (BLOCK + 3, BLOCK + 9)
     assert draw([0.0] * 300 + [NEG] * 10, 1.0) == 299
     assert draw([NEG] * 5, 0.5) == 0  # nothing to draw: index 0, as inverse_cdf gives
-
-
-def test_draws_follow_the_probabilities():
-    g = torch.Generator().manual_seed(0)
-    vocab, n = 700, 200_000
-    probs = torch.rand(vocab, generator=g) ** 4
-    probs[::7] = 0
-    probs /= probs.sum()
-    u = torch.rand(n, dtype=torch.float64, generator=g)
-    counts = torch.bincount(kernel(probs.log().expand(n, vocab), torch.ones(n), u),
-                            minlength=vocab).double()
-    assert counts[::7].sum() == 0
-    expected = probs.double() * n
-    seen = expected > 50
-    chi2 = float(((counts[seen] - expected[seen]) ** 2 / expected[seen]).sum())
-    dof = int(seen.sum()) - 1
-    assert chi2 < dof + 5 * math.sqrt(2 * dof)  # ~5 standard deviations of chi-square
 
 
 def test_bad_arguments_are_named():
