@@ -9,6 +9,8 @@ runs it fused with the softmax in one kernel (csrc/sample_rows.c): no probabilit
 import torch
 import torch.nn.functional as F
 
+from kiln.native import build
+
 BLOCK = 256  # entries summed together at the first level
 
 
@@ -46,13 +48,15 @@ def kernel_draws(device: torch.device, dtype: torch.dtype, built: bool) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and built
 
 
-def sample_rows(logits: torch.Tensor, scale: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """inverse_cdf(softmax(logits * scale[:, None]), u) for logits [N, V], scale [N] float32 and
-    u [N] float64 in [0, 1) -> int64 [N]. The kernel sums exp(x * scale - max) without the
+def sample_rows(logits: torch.Tensor, scale: torch.Tensor | None,
+                u: torch.Tensor) -> torch.Tensor:
+    """inverse_cdf(softmax(logits * scale[:, None]), u) for logits [N, V], scale [N] float32 (None:
+    1) and u [N] float64 in [0, 1) -> int64 [N]. The kernel sums exp(x * scale - max) without the
     softmax's division and rounding: the same draw except where u falls within rounding of a
     token's edge."""
-    from kiln.native import build
-
     if kernel_draws(logits.device, logits.dtype, build.available()):
+        if scale is None:
+            scale = logits.new_ones(logits.shape[0])
         return torch.ops.kiln.sample_rows_native(logits, scale.float(), u.to(torch.float64))
-    return inverse_cdf((logits * scale.unsqueeze(1)).softmax(dim=1, dtype=torch.float32), u)
+    scaled = logits if scale is None else logits * scale.unsqueeze(1)
+    return inverse_cdf(scaled.softmax(dim=1, dtype=torch.float32), u)

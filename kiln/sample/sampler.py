@@ -102,8 +102,7 @@ class Sampler(torch.nn.Module):
         greedy = None if meta.all_random else row_argmax(logits)
         u = uniforms(logits.shape[0], meta.generators, meta.default_generator, logits.device)
         if Sampler.filters(meta):
-            sampled = sample_rows(Sampler.filtered(logits, meta),
-                                  torch.ones_like(meta.temperature, dtype=torch.float32), u)
+            sampled = sample_rows(Sampler.filtered(logits, meta), None, u)
         else:  # the temperature goes into the draw's exponent: no divided copy of the logits
             sampled = sample_rows(logits, meta.temperature.reciprocal(), u)
         if greedy is not None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kiln.native import build
+from kiln.sample import inverse_cdf as inverse_cdf_module
 from kiln.sample.inverse_cdf import BLOCK, inverse_cdf, kernel_draws, sample_rows
 from kiln.sample.sampler import Sampler
 from kiln.sample.sampling_metadata import build_sampling_metadata
@@ -39,7 +40,7 @@ def test_the_choice_of_the_kernel():
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 255, 256, 257, 5000, 49152])
-def test_the_kernel_draws_what_inverse_cdf_of_the_softmax_draws(vocab):
+def test_the_kernel_draws_what_inverse_cdf_of_the_softmax_draws(vocab, monkeypatch):
     """Each index is the entry whose interval of the float64 cdf holds u (within rounding of the
     softmax's division, which the kernel leaves out), never a masked one, and on these rows the
     very index inverse_cdf picks."""
@@ -53,7 +54,13 @@ def test_the_kernel_draws_what_inverse_cdf_of_the_softmax_draws(vocab):
     got = kernel(x, scale, u)
     probs = (x * scale[:, None]).softmax(dim=1)
     assert torch.equal(got, inverse_cdf(probs, u))
-    assert torch.equal(got, sample_rows(x, scale, u))
+    assert torch.equal(got, sample_rows(x, scale, u))  # CPU float32: the kernel
+    assert torch.equal(sample_rows(x * scale[:, None], None, u), kernel(x * scale[:, None],
+                                                                          torch.ones(64), u))
+    with monkeypatch.context() as m:  # elsewhere (CUDA, other dtypes): torch's softmax
+        m.setattr(inverse_cdf_module, "kernel_draws", lambda *args: False)
+        assert torch.equal(sample_rows(x, scale, u), got)
+        assert torch.equal(sample_rows(x * scale[:, None], None, u), inverse_cdf(probs, u))
     cdf = probs.double().cumsum(dim=1)
     p, hi = probs.double().gather(1, got[:, None])[:, 0], cdf.gather(1, got[:, None])[:, 0]
     target = u * cdf[:, -1]
