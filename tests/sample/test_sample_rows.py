@@ -109,3 +109,13 @@ def test_the_sampler_draws_at_temperature_with_and_without_filters():
         u = torch.stack([torch.empty(1, dtype=torch.float64).uniform_(
             generator=torch.Generator().manual_seed(7 + i))[0] for i in range(4)])
         assert torch.equal(got, inverse_cdf(Sampler.probs(logits, meta), u)), extra
+
+
+def test_a_sharp_temperature_on_huge_logits_still_draws_the_top_token():
+    """Logits near 3e4 at temperature 1e-5 (a repetition penalty of 0.001 and a logit of 30
+    make them): x * scale is near 3e9, where x * scale - max * scale contracted into an FMA
+    left the top token exp(+-128), a row of zeros (token 0 drawn) or of infinities."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 255, generator=g) * 1e4
+    u = torch.rand(64, dtype=torch.float64, generator=g)
+    assert torch.equal(kernel(x, torch.full((64,), 1e5), u), x.argmax(dim=1))

@@ -1,6 +1,6 @@
 /* One draw a row from softmax(logits * scale) in two passes over the logits, without the
  * probability table: kiln/sample/inverse_cdf.py's two-level inverse CDF (blocks of 256, sums in
- * float64) over exp(x * scale - max), which the softmax's division only rescales.
+ * float64) over exp((x - max) * scale), which the softmax's division only rescales.
  *
  * The library builds with -ffast-math, which lets GCC assume no infinities: a masked logit
  * (-inf) is never compared as a float here. The AVX-512 e^x gives 0 for it (simd_exp.h); the
@@ -31,13 +31,13 @@ static float row_max(const float *x, int64_t n) {
     return _mm512_reduce_max_ps(m);
 }
 
-/* exp(x * scale - top) of x [n <= SAMPLE_BLOCK] into e (if not NULL), their float64 sum */
+/* exp((x - top) * scale) of x [n <= SAMPLE_BLOCK] into e (if not NULL), their float64 sum */
 static double block_exp(const float *x, int64_t n, float scale, float top, float *e) {
     const __m512 s = _mm512_set1_ps(scale), t = _mm512_set1_ps(top);
     __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
-        const __m512 y = _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), s), t);
+        const __m512 y = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), t), s);
         const __m512 v = _mm512_maskz_mov_ps(k, kiln_exp512(y));
         if (e) _mm512_mask_storeu_ps(e + i, k, v);
         lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
@@ -63,7 +63,7 @@ static float row_max(const float *x, int64_t n) {
 static double block_exp(const float *x, int64_t n, float scale, float top, float *e) {
     double sum = 0;
     for (int64_t i = 0; i < n; ++i) {
-        const float v = neg_inf(x[i]) ? 0.f : expf(x[i] * scale - top);
+        const float v = neg_inf(x[i]) ? 0.f : expf((x[i] - top) * scale);
         if (e) e[i] = v;
         sum += v;
     }
@@ -82,7 +82,10 @@ static int all_masked(float top) {
  * as inverse_cdf does where rounding would step past it. */
 static int64_t sample_row(const float *x, int64_t vocab, float scale, double u, double *sums) {
     if (vocab == 0) return 0;
-    const float top = row_max(x, vocab) * scale; /* rounding is monotone: the scaled maximum */
+    /* The maximum subtracted before the scale, not x * scale - max * scale: GCC contracts that
+     * into an FMA, whose unrounded product left the top token e^(+-128) at logits * scale near
+     * 2^31 (a sharp temperature on penalized logits), a row of zeros or infinities. */
+    const float top = row_max(x, vocab);
     if (all_masked(top)) return 0;
     const int64_t blocks = (vocab + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
     double total = 0;
