@@ -53,11 +53,11 @@ class CpuAttentionImpl(TorchAttentionImpl):
 
     def forward(self, q, k, v, kv_cache, attn_metadata, out) -> None:
         md = attn_metadata
-        if (md is None or kv_cache is None or q.dtype != kv_cache.dtype
-                or not paged_attention.cache_supported(kv_cache)):
+        if (md is None or kv_cache is None
+                or not paged_attention.cache_supported(kv_cache, q.dtype)):
             super().forward(q, k, v, kv_cache, md, out)
             return
-        plan = self._plan(md, kv_cache.shape[2], kv_cache.dtype, self.head_size)
+        plan = self._plan(md, kv_cache.shape[2], q.dtype, self.head_size)
         # Writes every real token's k/v, then attends the short queries.
         window, cap = self.sliding_window, self.logits_soft_cap
         paged_attention.run(q, k, v, out, kv_cache, plan.short, self.scale, window, cap)

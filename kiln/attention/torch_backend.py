@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.attention.backend import AttentionBackend, AttentionImpl
+from kiln.attention.kv_cache_dtype import is_fp8, through_cache, to_cache
 from kiln.attention.masking import first_key, key_mask, soft_cap
 from kiln.attention.metadata import AttentionMetadata
 from kiln.core.kv_cache_utils import cdiv
@@ -28,15 +29,20 @@ def _valid_slots(slot_mapping: torch.Tensor, num_tokens: int,
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, step_cache: dict | None = None) -> None:
-    """Scatter k/v [T, nkv, hd] into kv_cache [2, nb, bs, nkv, hd] at slot_mapping [T]; skip -1."""
+    """Scatter k/v [T, nkv, hd] into kv_cache [2, nb, bs, nkv, hd] at slot_mapping [T]; skip -1.
+    An fp8 cache takes them rounded and saturated (kv_cache_dtype.to_cache)."""
     num_kv_heads, head_size = kv_cache.shape[-2:]
     key_cache = kv_cache[0].view(-1, num_kv_heads, head_size)  # [nb*bs, nkv, hd]
     value_cache = kv_cache[1].view(-1, num_kv_heads, head_size)
     slots, owners = _valid_slots(slot_mapping, k.shape[0], step_cache)
     if owners is not None:
         k, v = k.index_select(0, owners), v.index_select(0, owners)
-    key_cache.index_copy_(0, slots, k.to(key_cache.dtype))
-    value_cache.index_copy_(0, slots, v.to(value_cache.dtype))
+    k, v = to_cache(k, key_cache.dtype), to_cache(v, value_cache.dtype)
+    if is_fp8(key_cache.dtype):  # torch's CPU index_copy_ has no fp8 kernel: copy the bytes
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+        k, v = k.view(torch.uint8), v.view(torch.uint8)
+    key_cache.index_copy_(0, slots, k)
+    value_cache.index_copy_(0, slots, v)
 
 
 def _gather_context(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -142,8 +148,10 @@ class TorchAttentionImpl(AttentionImpl):
             query_pos = torch.arange(ctx_len, seq_len, device=q.device)
             if ctx_len == 0:
                 # A fresh prefill attends only to its own tokens: they are this step's k/v, no
-                # need to read them back out of the cache.
-                kh, vh = k[qs:qe].transpose(0, 1), v[qs:qe].transpose(0, 1)  # [nkv, S, hd]
+                # need to read them back out of the cache (as an fp8 cache holds them, so that
+                # every path attends over the same keys).
+                kh = through_cache(k[qs:qe], kv_cache.dtype).transpose(0, 1)  # [nkv, S, hd]
+                vh = through_cache(v[qs:qe], kv_cache.dtype).transpose(0, 1)
                 key_pos = query_pos
             else:
                 first_block = first_key(ctx_len, self.sliding_window) // block_size

@@ -2,6 +2,7 @@
 import math
 from dataclasses import dataclass
 
+from kiln.attention.kv_cache_dtype import check_cache_dtype, torch_cache_dtype
 from kiln.config.frozen import FreezableConfig
 from kiln.errors import ConfigError
 
@@ -19,6 +20,9 @@ class CacheConfig(FreezableConfig):
     # Overrides the memory-derived block count (tests use it to force preemption). The count
     # the engine settles on is its state (EngineCore.num_blocks, Worker.num_blocks), no setting.
     num_gpu_blocks_override: int | None = None
+    # The KV cache's elements (vLLM's --kv-cache-dtype): "auto" the model's dtype, "fp8" /
+    # "fp8_e4m3" float8_e4m3fn, "fp8_e5m2" float8_e5m2 (half a bfloat16 cache's bytes).
+    cache_dtype: str = "auto"
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -29,9 +33,14 @@ class CacheConfig(FreezableConfig):
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        check_cache_dtype(self.cache_dtype)
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ConfigError(
                 f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+
+    def torch_cache_dtype(self, model_dtype):
+        """The KV cache tensors' dtype for a model of model_dtype."""
+        return torch_cache_dtype(self.cache_dtype, model_dtype)
 
     def larger_cache_flags(self) -> str:
         """The flags that make the KV cache hold more tokens, for error messages. With

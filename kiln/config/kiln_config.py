@@ -76,6 +76,7 @@ class KilnConfig(FreezableConfig):
                 f"({sched.max_num_seqs}); raise --max-num-batched-tokens or lower --max-num-seqs")
         self._check_memory()
         self._check_moe()
+        self._check_kv_cache_dtype()
         check_speculative(self.speculative_config, self.parallel_config)
         self._check_binding()
         if self.lora_config is not None:
@@ -134,6 +135,17 @@ class KilnConfig(FreezableConfig):
             raise ConfigError(f"--enable-lora: LoRA adapters on {m.architecture} (a mixture of "
                               "experts) are not supported; drop --enable-lora")
 
+    def _check_kv_cache_dtype(self) -> None:
+        """An fp8 KV cache where it is not built is refused by flag."""
+        m, name = self.model_config, self.cache_config.cache_dtype
+        if name == "auto":
+            return
+        if m.is_mla:
+            raise ConfigError(f"--kv-cache-dtype {name}: an fp8 KV cache for {m.architecture}'s "
+                              "MLA latent cache is not supported; use --kv-cache-dtype auto")
+        # a checkpoint's own KV scales (compressed-tensors kv_cache_scheme) are refused where
+        # its quantization config is read (compressed_tensors.py): every fp8 cache's scale is 1
+
     def _check_memory(self) -> None:
         """Sizes whose buffers no machine here could hold are refused by flag, before anything
         is built (they failed deep in an allocation, or got the core killed minutes later)."""
@@ -151,7 +163,8 @@ class KilnConfig(FreezableConfig):
                 mem.logits_bytes(s.max_num_seqs, m.vocab_size)
             if c.num_gpu_blocks_override is not None:
                 block = mem.kv_block_bytes(c.block_size, m.num_layers, m.num_kv_heads,
-                                           m.head_dim, m.torch_dtype.itemsize, m.kv_cache_parts)
+                                           m.head_dim, c.torch_cache_dtype(m.torch_dtype).itemsize,
+                                           m.kv_cache_parts)
                 needs[f"--num-gpu-blocks-override {c.num_gpu_blocks_override}"] = \
                     c.num_gpu_blocks_override * block
         dp = self.parallel_config.data_parallel_size  # every replica has its own buffers

@@ -85,7 +85,7 @@ class EngineArgs(EngineArgsChecks):
     # (other values are refused by _check_vllm_only_defaults).
     trust_remote_code: bool = False  # no checkpoint code ever runs: Kiln's own models only
     enable_chunked_prefill: bool | None = None  # prompts longer than a step's budget are chunked
-    kv_cache_dtype: str = "auto"  # the model's dtype
+    kv_cache_dtype: str = "auto"  # the model's dtype; fp8 (= fp8_e4m3), fp8_e5m2
     tokenizer_mode: str = "auto"  # a fast (tokenizers) tokenizer; "hf" is the same
     swap_space: float = 4.0  # GiB; unused: preempted requests are recomputed (vLLM V1's way)
     disable_log_stats: bool = False  # kiln serve: no periodic throughput line in the log
@@ -133,7 +133,8 @@ class EngineArgs(EngineArgsChecks):
             block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enable_prefix_caching=self.enable_prefix_caching,
-            num_gpu_blocks_override=self.num_gpu_blocks_override)
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            cache_dtype=self.kv_cache_dtype)
         scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                            max_num_batched_tokens=self.max_num_batched_tokens,
                                            policy=self.scheduling_policy,

@@ -55,9 +55,6 @@ class EngineArgsChecks:
                              "than --max-num-batched-tokens is always prefilled in chunks; to "
                              "prefill each prompt in one step, raise --max-num-batched-tokens "
                              "to --max-model-len")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: the KV "
-                             "cache holds the model's dtype ('auto')")
         if self.tokenizer_mode not in ("auto", "hf"):
             raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} is not supported: the "
                              "model's fast tokenizer is used ('auto' or 'hf')")

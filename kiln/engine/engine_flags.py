@@ -5,6 +5,7 @@ import argparse
 import re
 from typing import TYPE_CHECKING
 
+from kiln.attention.kv_cache_dtype import CACHE_DTYPES
 from kiln.config.compilation_config import cli_fields, level_as_mode, merged_fields
 from kiln.config.hf_overrides import parse_hf_overrides
 from kiln.config.load_config import LOAD_FORMATS
@@ -266,8 +267,9 @@ def add_engine_flags(parser: argparse.ArgumentParser,
     v.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=d.enable_chunked_prefill,
                    help="long prompts are always prefilled in chunks (--no-... is refused)")
-    v.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto"],
-                   help="the KV cache holds the model's dtype")
+    v.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(CACHE_DTYPES),
+                   help="the KV cache's elements: auto (the model's dtype), fp8 (= fp8_e4m3, "
+                        "float8_e4m3fn) or fp8_e5m2: half a bfloat16 cache's bytes; scales 1.0")
     v.add_argument("--tokenizer-mode", default=d.tokenizer_mode, choices=["auto", "hf"],
                    help="the model's fast tokenizer")
     v.add_argument("--swap-space", type=float, default=d.swap_space,

@@ -9,6 +9,7 @@ import functools
 
 import torch
 
+from kiln.attention.kv_cache_dtype import is_fp8
 from kiln.native import build
 
 
@@ -24,9 +25,14 @@ def bf16_dot(dtype: torch.dtype, head_size: int) -> bool:
     return available() and bool(torch.ops.kiln.paged_attention_bf16_dot(dtype, head_size))
 
 
-def cache_supported(kv_cache: torch.Tensor) -> bool:
-    """Whether the kernel reads this layer's cache [2, nb, bs, nkv, hd] as it is."""
-    return (kv_cache.device.type == "cpu" and kv_cache.dtype in build.DTYPES
+def cache_supported(kv_cache: torch.Tensor, q_dtype: torch.dtype | None = None) -> bool:
+    """Whether the kernel reads this layer's cache [2, nb, bs, nkv, hd] as it is (float32,
+    bfloat16 or an fp8 cache), for queries of q_dtype where given (the cache's own dtype, or
+    float32 / bfloat16 over an fp8 cache)."""
+    fp8 = is_fp8(kv_cache.dtype)
+    if q_dtype is not None and q_dtype != kv_cache.dtype and not (fp8 and q_dtype in build.DTYPES):
+        return False
+    return (kv_cache.device.type == "cpu" and (kv_cache.dtype in build.DTYPES or fp8)
             and kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.is_contiguous())
 
 

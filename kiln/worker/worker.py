@@ -83,8 +83,11 @@ class Worker(WorkerSleepMode):
     def kv_cache_block_bytes(self) -> int:
         return kv_cache_layout.block_bytes(self._attention_layers(), self.kv_groups,
                                            self.kiln_config.cache_config.block_size,
-                                           self.kiln_config.model_config.torch_dtype,
-                                           self._layer_indices())
+                                           self._kv_cache_dtype(), self._layer_indices())
+
+    def _kv_cache_dtype(self):
+        return self.kiln_config.cache_config.torch_cache_dtype(
+            self.kiln_config.model_config.torch_dtype)
 
     def determine_num_blocks(self) -> int:
         """KV blocks that fit this worker's budget (CUDA: measured after a profiling forward).
@@ -130,7 +133,7 @@ class Worker(WorkerSleepMode):
         groups: kv_cache_layout.py) and hand them to the layers; `max_model_len`: the engine's,
         which the KV cache may have capped below the config's (longrope's factors follow it)."""
         cache = self.kiln_config.cache_config
-        dtype = self.kiln_config.model_config.torch_dtype
+        dtype = self._kv_cache_dtype()
 
         def new_tensor(layer):
             shape = layer.backend.get_kv_cache_shape(num_blocks, cache.block_size,

@@ -27,7 +27,7 @@ NON_DEFAULT = dict(
     tokenizer_revision="tr", download_dir="/d", skip_tokenizer_init=True, chat_template="t",
     generation_config="vllm", max_logprobs=5, quantization="int8",
     ir_op_priority={"rms_norm": ["torch"], "linear": ["native", "torch"]},
-    trust_remote_code=True, enable_chunked_prefill=True, kv_cache_dtype="auto",
+    trust_remote_code=True, enable_chunked_prefill=True, kv_cache_dtype="fp8",
     tokenizer_mode="hf", swap_space=2.0, disable_log_stats=True, scheduling_policy="priority",
     hf_overrides={"rms_norm_eps": 1e-5}, disable_sliding_window=True, runner="pooling",
     disable_hybrid_kv_cache_manager=True,

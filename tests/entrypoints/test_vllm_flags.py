@@ -71,7 +71,7 @@ def test_disable_log_requests_is_taken_wherever_engine_flags_are(command):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(enable_chunked_prefill=False), "raise --max-num-batched-tokens to --max-model-len"),
-    (dict(kv_cache_dtype="fp8"), "the KV cache holds the model's dtype"),
+    (dict(kv_cache_dtype="int8"), "kv_cache_dtype .* must be one of auto, fp8, fp8_e4m3"),
     (dict(tokenizer_mode="mistral"), "fast tokenizer"),
     (dict(swap_space=-1.0), "swap_space must be >= 0"),
 ])
@@ -424,9 +424,10 @@ def test_vllm_deployment_flags_say_why_not_unrecognized():
     for argv, words in ((["--hf-token", "t"], "HF_TOKEN"), (["--uds", "/tmp/s"], "TCP"),
                         (["--enable-log-outputs"], "never logs them"),
                         (["--guided-decoding-backend", "outlines"], "xgrammar"),
-                        (["--otlp-traces-endpoint", "x"], "/metrics")):
+                        (["--otlp-traces-endpoint", "x"], "/metrics"),
+                        (["--calculate-kv-scales"], "keeps scales of 1.0")):
         with pytest.raises(VllmOnlyFlagError, match=re.escape(words)):
             parser.parse_args(["serve", *argv])
     args = parser.parse_args(["serve", "--guided-decoding-backend", "xgrammar",
-                              "--long-prefill-token-threshold", "0", "--calculate-kv-scales"])
+                              "--long-prefill-token-threshold", "0"])
     assert EngineArgs.from_cli_args(args) == EngineArgs()

@@ -23,6 +23,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "dtype.h"
 #include "torch_ops.h"
 
 namespace {
@@ -34,18 +35,45 @@ void check_int(const char *name, const at::Tensor &t, at::ScalarType dtype) {
                       t.strides());
 }
 
-/* kv_cache [2, num_blocks, block_size, nkv, hd] as the kernel reads it (pointers into it). */
+/* A KV cache's element code (dtype.h): float32, bfloat16, or an fp8 (--kv-cache-dtype). */
+int32_t cache_dtype(const at::Tensor &kv_cache) {
+    const at::ScalarType t = kv_cache.scalar_type();
+    if (t == at::kFloat8_e4m3fn) return KILN_FP8E4M3;
+    if (t == at::kFloat8_e5m2) return KILN_FP8E5M2;
+    TORCH_CHECK_TYPE(kiln::dtype_code(t) >= 0, "paged_attention: the KV cache must be float32, "
+                     "bfloat16, float8_e4m3fn or float8_e5m2, got ", t);
+    return kiln::dtype_code(t);
+}
+
+/* kv_cache [2, num_blocks, block_size, nkv, hd] as the kernel reads it (pointers into it). An
+ * fp8 cache's query dtype is left unset (-1): for_query sets it. */
 KilnKvCache cache_struct(const at::Tensor &kv_cache) {
     TORCH_CHECK_VALUE(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
                       "paged_attention: the KV cache must be contiguous [2, num_blocks, "
                       "block_size, num_kv_heads, head_size], got ", kv_cache.sizes());
-    const int32_t dtype = kiln::kernel_dtype(kv_cache, "paged_attention (KV cache)");
+    const int32_t kv_dtype = cache_dtype(kv_cache);
     const int64_t half = kv_cache[0].numel() * kv_cache.element_size();
     char *base = static_cast<char *>(kv_cache.data_ptr());
     return KilnKvCache{base, base + half, kv_cache.size(1) * kv_cache.size(2),
                        static_cast<int32_t>(kv_cache.size(3)),
                        static_cast<int32_t>(kv_cache.size(4)),
-                       static_cast<int32_t>(kv_cache.size(2)), dtype};
+                       static_cast<int32_t>(kv_cache.size(2)),
+                       kv_dtype <= KILN_BF16 ? kv_dtype : -1, kv_dtype};
+}
+
+/* Whether a query of `dtype` attends over this cache: the cache's own dtype, or (an fp8 cache)
+ * float32 or bfloat16. */
+bool serves_query(const KilnKvCache &cache, at::ScalarType dtype) {
+    const int32_t code = kiln::dtype_code(dtype);
+    return code >= 0 && (cache.dtype < 0 || cache.dtype == code);
+}
+
+/* cache with the query's dtype set (an fp8 cache computes in it), after serves_query. */
+KilnKvCache for_query(KilnKvCache cache, at::ScalarType dtype, const char *op) {
+    TORCH_CHECK_TYPE(serves_query(cache, dtype), op, ": q is ", dtype, ", the KV cache another "
+                     "dtype");
+    cache.dtype = kiln::dtype_code(dtype);
+    return cache;
 }
 
 /* One step's metadata and the tensors it points into (held: the plan outlives no tensor). */
@@ -89,11 +117,10 @@ void check_rows(const char *name, const at::Tensor &t, at::ScalarType dtype, int
 /* k, v [T, nkv*hd] into the cache at the step's slots, then out [T, nh*hd] for the step's
  * requests from q [T, nh*hd] and the cache. Rows may be strided; other rows of out untouched. */
 void run_kernel(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
-                const at::Tensor &out, const KilnKvCache &cache, const KilnAttnStep &step,
+                const at::Tensor &out, const KilnKvCache &layer_cache, const KilnAttnStep &step,
                 double scale, int64_t window, double softcap, c10::string_view layer) {
     const at::ScalarType dtype = q.scalar_type();
-    TORCH_CHECK_TYPE(kiln::dtype_code(dtype) == cache.dtype, "paged_attention (", layer,
-                     "): q is ", dtype, ", the KV cache another dtype");
+    const KilnKvCache cache = for_query(layer_cache, dtype, "paged_attention");
     const int64_t width = q.size(-1), kv_width = int64_t{cache.num_kv_heads} * cache.head_size;
     check_rows("q", q, dtype, width, step.num_tokens);
     check_rows("k", k, dtype, kv_width, step.num_tokens);
@@ -138,13 +165,11 @@ void prefill_attention(const at::Tensor &q, const at::Tensor &out, const at::Ten
     TORCH_CHECK_VALUE(path >= KILN_PREFILL_BEST && path <= KILN_PREFILL_PORTABLE,
                       "prefill_attention: path ", path, " is not 0 (best), 1 (avx512) or 2 "
                       "(portable)");
-    const KilnKvCache cache = cache_struct(kv_cache);
+    const at::ScalarType dtype = q.scalar_type();
+    const KilnKvCache cache = for_query(cache_struct(kv_cache), dtype, "prefill_attention");
     const StepPlan plan(block_table, query_start_loc, seq_lens, reqs,
                         at::Tensor(at::detail::empty_cpu({0}, at::kLong, false, std::nullopt)),
                         0, max_seq_len, cache.block_size);
-    const at::ScalarType dtype = q.scalar_type();
-    TORCH_CHECK_TYPE(kiln::dtype_code(dtype) == cache.dtype, "prefill_attention: q is ", dtype,
-                     ", the KV cache another dtype");
     const int64_t width = q.size(-1), rows = q.dim() == 2 ? q.size(0) : 0;
     check_rows("q", q, dtype, width, rows);
     check_rows("out", out, dtype, width, rows);
@@ -289,7 +314,7 @@ void unified_attention(const at::Tensor &q, const at::Tensor &k, const at::Tenso
             it->second.group < static_cast<int64_t>(s.plans.size()))
             layer = &it->second;
     }
-    if (!layer || kiln::dtype_code(q.scalar_type()) != layer->cache.dtype || q.dim() != 2)
+    if (!layer || !serves_query(layer->cache, q.scalar_type()) || q.dim() != 2)
         return python_path(q, k, v, out, layer_name);
     calls[0].fetch_add(1, std::memory_order_relaxed);
     const StepPlan &plan = *s.plans[layer->group];

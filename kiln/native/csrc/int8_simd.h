@@ -15,7 +15,6 @@
 
 #define RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
-static inline size_t elem_size(int dtype) { return dtype == KILN_F32 ? 4 : 2; }
 
 static inline __mmask16 tail16(int64_t left) {
     return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);

@@ -51,8 +51,7 @@ int kiln_paged_attention_bf16_dot(int32_t dtype, int32_t head_size) {
  * converted into buf. */
 static inline const float *row_f32(const void *base, int64_t off, int n, int dtype, float *buf) {
     if (dtype == KILN_F32) return (const float *)base + off;
-    const uint16_t *src = (const uint16_t *)base + off;
-    for (int i = 0; i < n; ++i) buf[i] = bf16_to_f32(src[i]);
+    for (int i = 0; i < n; ++i) buf[i] = load_elem(base, off + i, dtype);
     return buf;
 }
 
@@ -89,11 +88,24 @@ static inline void prefetch_rows(const void *cache, const int32_t *blocks, int b
 }
 
 #if KILN_ATTN_SIMD
-/* 16 values at element offset `off` of `base` (float32 or bfloat16) as floats. */
+/* 16 values at element offset `off` of `base` (float32, bfloat16 or fp8) as floats. fp8 goes
+ * through fp16, exactly: e5m2 is an fp16's top byte; e4m3fn's exponent and mantissa shifted
+ * into an fp16's read as fp16 is the value times 2^-8 (its bias 7 against fp16's 15), its
+ * subnormals as fp16 subnormals, so a multiply by 256 restores it (its NaN is never stored:
+ * the writes saturate). */
 static inline __m512 load16(const void *base, int64_t off, int dtype) {
     if (dtype == KILN_F32) return _mm512_loadu_ps((const float *)base + off);
-    const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    if (dtype == KILN_BF16) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    const __m256i w = _mm256_cvtepu8_epi16(
+        _mm_loadu_si128((const __m128i *)((const uint8_t *)base + off)));
+    if (dtype == KILN_FP8E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+    const __m256i h = _mm256_or_si256(
+        _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
+        _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
 }
 
 static inline __m256 halves(__m512 v) {  /* v's two 8-lane halves added */
@@ -161,7 +173,7 @@ static inline __attribute__((always_inline)) void pv_tile(
         for (int c = 0; c < hd / 16; ++c) out[r][c] = _mm512_setzero_ps();
     for (int s = 0; s < nk; ++s) {
         prefetch_rows(v_cache, blocks, block_size, k0 + s + PREFETCH_AHEAD, k0 + nk, slot_stride,
-                      h_off, hd, dtype == KILN_F32 ? 4 : 2);
+                      h_off, hd, elem_size(dtype));
         const int64_t off = slots[s] * slot_stride + h_off;
         for (int c = 0; c < hd / 16; ++c) {
             const __m512 v = load16(v_cache, off + 16 * c, dtype);
@@ -190,7 +202,7 @@ static inline __attribute__((always_inline)) void attend_token(
     const int32_t *blocks, int block_size, int n_keys, int h0, int nh_kv, int64_t slot_stride,
     int group, int dtype, float *scores, float *acc, float *buf, float *denom, int64_t *slots,
     int k0, float *mx, float softcap, const int hd) {
-    const int rows = nh_kv * group, elem = dtype == KILN_F32 ? 4 : 2, nk = n_keys - k0;
+    const int rows = nh_kv * group, elem = elem_size(dtype), nk = n_keys - k0;
     const int64_t head_off = (int64_t)h0 * hd, span = (int64_t)nh_kv * hd;
     for (int s = 0; s < nk; ++s) slots[s] = key_slot(blocks, block_size, k0 + s);
     /* The loops below ask for key s + PREFETCH_AHEAD while on key s: ask for the first ones
@@ -420,7 +432,8 @@ static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride
                 /* bfloat16: the query rows as they are, for the bfloat16 dot products */
                 const uint16_t *qb = dtype == KILN_F32 ? NULL : (const uint16_t *)q + q_off;
                 attend_token_hd(qs, qb, scale, k_cache, v_cache, blocks, block_size, k1, h0,
-                                heads_per_item, slot_stride, group, dtype, scores, o, buf, sums,
+                                heads_per_item, slot_stride, group, c->kv_dtype, scores, o, buf,
+                                sums,
                                 slots, k0, maxima, softcap, hd);
                 if (parts > 1) continue;
                 const int64_t o_off = (int64_t)t * out_stride + (int64_t)h0 * group * hd;
@@ -471,20 +484,34 @@ static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride
     return failed; /* KILN_ATTN_BAD_LENGTHS and/or KILN_ATTN_NO_MEMORY */
 }
 
+/* n values of src (dtype) as fp8 (kv_dtype) into dst: an fp8 cache's write. */
+static void quantize_row(uint8_t *dst, const void *src, int64_t n, int dtype, int kv_dtype) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_fp8(load_elem(src, i, dtype), kv_dtype);
+}
+
 /* Row t of k and v (num_kv_heads * head_size values each) into cache slot slots[t]; slot -1
- * writes nowhere (a padding token). All slots are checked before any is written. */
+ * writes nowhere (a padding token). All slots are checked before any is written. An fp8 cache
+ * takes them rounded (to nearest even, saturated: f32_to_fp8). */
 static int write_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
                     const KilnKvCache *c, const KilnAttnStep *st) {
-    const size_t elem = c->dtype == KILN_F32 ? 4 : 2;
-    const size_t row_bytes = (size_t)c->num_kv_heads * c->head_size * elem;
+    const size_t elem = elem_size(c->dtype), kv_elem = elem_size(c->kv_dtype);
+    const int64_t width = (int64_t)c->num_kv_heads * c->head_size;
+    const size_t row_bytes = (size_t)width * kv_elem;
     for (int64_t t = 0; t < st->num_tokens; ++t)
         if (st->slots[t] < -1 || st->slots[t] >= c->num_slots) return KILN_ATTN_BAD_SLOT;
     for (int64_t t = 0; t < st->num_tokens; ++t) {
         const int64_t s = st->slots[t];
         if (s < 0) continue;
-        memcpy((char *)c->key + s * row_bytes, (const char *)k + t * k_stride * elem, row_bytes);
-        memcpy((char *)c->value + s * row_bytes, (const char *)v + t * v_stride * elem,
-               row_bytes);
+        char *kd = (char *)c->key + s * row_bytes, *vd = (char *)c->value + s * row_bytes;
+        const char *ks = (const char *)k + t * k_stride * elem;
+        const char *vs = (const char *)v + t * v_stride * elem;
+        if (c->kv_dtype != c->dtype) {
+            quantize_row((uint8_t *)kd, ks, width, c->dtype, c->kv_dtype);
+            quantize_row((uint8_t *)vd, vs, width, c->dtype, c->kv_dtype);
+            continue;
+        }
+        memcpy(kd, ks, row_bytes);
+        memcpy(vd, vs, row_bytes);
     }
     return 0;
 }

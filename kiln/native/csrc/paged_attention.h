@@ -14,7 +14,10 @@ extern "C" {
 typedef struct {
     void *key, *value;
     int64_t num_slots; /* num_blocks * block_size */
-    int32_t num_kv_heads, head_size, block_size, dtype;
+    int32_t num_kv_heads, head_size, block_size;
+    /* dtype: the queries' and outputs' (dtype.h; -1 until a call's query says, for an fp8
+     * cache); kv_dtype: the cache's elements (the same, or an fp8 code) */
+    int32_t dtype, kv_dtype;
 } KilnKvCache;
 
 typedef struct {

@@ -43,7 +43,7 @@ static void unit_scalar(const Call *c, const Unit *u, Scratch *w) {
                     const int64_t off = key_offset(c, blocks, kb + j, u->kv_head);
                     float dot = 0.f;
                     for (int d = 0; d < hd; ++d)
-                        dot += qf[d] * load_elem(c->k_cache, off + d, c->dtype);
+                        dot += qf[d] * load_elem(c->k_cache, off + d, c->kv_dtype);
                     sc[j] = dot * c->scale;
                     soft_cap(c, sc + j, 1);
                     mx = sc[j] > mx ? sc[j] : mx;
@@ -56,7 +56,7 @@ static void unit_scalar(const Call *c, const Unit *u, Scratch *w) {
                     const int64_t off = key_offset(c, blocks, kb + j, u->kv_head);
                     l += p;
                     for (int d = 0; d < hd; ++d)
-                        acc[d] += pr * load_elem(c->v_cache, off + d, c->dtype);
+                        acc[d] += pr * load_elem(c->v_cache, off + d, c->kv_dtype);
                 }
                 m = mx;
             }
@@ -256,13 +256,15 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
     const Call call = {q, cache->key, cache->value, out, q_stride, out_stride,
                        (int64_t)nkv * hd, st->bt_stride, st->block_table, st->query_start,
                        st->seq_lens, cache->block_size, hd, group, tb, cache->dtype,
-                       cache->dtype == KILN_F32 ? 4 : 2, scale, window > 0 ? window : 0,
-                       softcap > 0.f ? softcap : 0.f};
+                       elem_size(cache->kv_dtype), cache->kv_dtype, scale,
+                       window > 0 ? window : 0, softcap > 0.f ? softcap : 0.f};
     const int rgs = group * tb;
-    /* per row group qp, o, s, pp, m, l; then vpk, the scalar path's rows and the zero row */
+    /* per row group qp, o, s, pp, m, l; then vpk, the scalar path's rows and the zero row, the
+     * AMX K tiles, an fp8 cache's dequantized key block */
+    const size_t kt_floats = amx ? PREFILL_AMX_KT_BYTES(hd) / sizeof(float) : 0;
     const size_t floats = (size_t)rgs * 16 * (2 * hd + PF_BK + PF_BK / 2 + 2) +
-                          (size_t)PF_BK / 2 * hd + 3 * (size_t)hd + PF_BK +
-                          (amx ? PREFILL_AMX_KT_BYTES(hd) / sizeof(float) : 0);
+                          (size_t)PF_BK / 2 * hd + 3 * (size_t)hd + PF_BK + kt_floats +
+                          (cache->kv_dtype != cache->dtype ? (size_t)2 * PF_BK * hd : 0);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -281,6 +283,7 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
             w.buf = (float *)(w.vpk + (size_t)PF_BK / 2 * hd);
             w.zero = w.buf + 2 * hd + PF_BK; /* hd floats, never written */
             w.kt = (float *)w.zero + hd;
+            w.kv = (float *)w.kt + kt_floats;
             w.kp = ptrs;
             w.vp = ptrs + PF_BK;
         } else {

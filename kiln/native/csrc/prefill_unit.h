@@ -6,6 +6,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "dtype.h"
+
 #if defined(__AVX512BW__)
 #include <immintrin.h>
 #endif
@@ -21,7 +23,8 @@ typedef struct { /* what every unit of a call shares */
     void *out;
     int64_t q_stride, out_stride, slot_stride, bt_stride;
     const int32_t *block_table, *query_start, *seq_lens;
-    int block_size, hd, group, tb, dtype, elem;
+    int block_size, hd, group, tb, dtype, elem; /* elem: bytes of a cache element */
+    int kv_dtype; /* the cache's elements: dtype, or fp8 (dequantized a key block at a time) */
     float scale;
     int window;    /* > 0: a query sees only the last `window` keys, its own included */
     float softcap; /* > 0: scaled scores become softcap * tanh(score / softcap) */
@@ -31,6 +34,7 @@ typedef struct { /* one thread's buffers; layouts in prefill_tiles.h (prefill_am
     float *qp, *s, *o, *m, *l, *buf;
     int32_t *pp, *vpk;
     void *kt; /* the AMX path's K tiles of a key block */
+    void *kv; /* an fp8 cache's key block, K then V rows, dequantized to dtype (2 * PF_BK * hd) */
     const void **kp, **vp;
     void *zero; /* a zero key/value row, standing in for the keys past a block's end */
 } Scratch;
@@ -52,14 +56,36 @@ static inline void soft_cap(const Call *c, float *s, int n) {
         for (int i = 0; i < n; ++i) s[i] = c->softcap * tanhf(s[i] / c->softcap);
 }
 
+/* A cache row of hd fp8 values (kv_dtype) as dtype (exact: fp8 values are bfloat16's too). */
+static inline void dequantize_row(const uint8_t *src, int hd, int kv_dtype, int dtype, void *dst) {
+    for (int d = 0; d < hd; ++d) {
+        const float f = fp8_to_f32(src[d], kv_dtype);
+        if (dtype == KILN_F32)
+            ((float *)dst)[d] = f;
+        else
+            ((uint16_t *)dst)[d] = f32_to_bf16(f);
+    }
+}
+
 /* w->kp, w->vp [0, count): the cache rows of keys kb .. kb + nk - 1 of the unit's kv head, the
- * zero row for the rest (count >= nk). */
+ * zero row for the rest (count >= nk, count <= PF_BK). An fp8 cache's rows are dequantized into
+ * w->kv first, so every tile reads the query's dtype. */
 static inline void key_rows(const Call *c, const int32_t *blocks, int kv_head, int kb, int nk,
                             int count, Scratch *w) {
+    const int fp8 = c->kv_dtype != c->dtype, qe = elem_size(c->dtype);
     for (int j = 0; j < count; ++j) {
         const int64_t off = j < nk ? key_offset(c, blocks, kb + j, kv_head) : -1;
-        w->kp[j] = off < 0 ? w->zero : (const char *)c->k_cache + off * c->elem;
-        w->vp[j] = off < 0 ? w->zero : (const char *)c->v_cache + off * c->elem;
+        const char *kr = (const char *)c->k_cache + off * c->elem;
+        const char *vr = (const char *)c->v_cache + off * c->elem;
+        if (off >= 0 && fp8) {
+            char *kd = (char *)w->kv + (size_t)j * c->hd * qe;
+            char *vd = (char *)w->kv + (size_t)(PF_BK + j) * c->hd * qe;
+            dequantize_row((const uint8_t *)kr, c->hd, c->kv_dtype, c->dtype, kd);
+            dequantize_row((const uint8_t *)vr, c->hd, c->kv_dtype, c->dtype, vd);
+            kr = kd, vr = vd;
+        }
+        w->kp[j] = off < 0 ? w->zero : kr;
+        w->vp[j] = off < 0 ? w->zero : vr;
     }
 }
 

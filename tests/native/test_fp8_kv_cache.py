@@ -1,0 +1,117 @@
+"""The CPU kernels over an fp8 KV cache (--kv-cache-dtype fp8 / fp8_e5m2): their cache write
+rounds K/V exactly as the torch path's (saturated, to nearest even), and each read path (the
+per-token kernel, the blocked prefill kernel's AMX / AVX512 / portable paths, the layer call on a
+mixed step) attends over the fp8 values as a float64 softmax over the same cache does."""
+import random
+
+import pytest
+import torch
+from paged_reference import reference_attention, shuffled_block_tables
+
+from kiln.attention.cpu_backend import CpuAttentionImpl
+from kiln.attention.kv_cache_dtype import to_cache
+from kiln.attention.metadata import AttentionMetadata
+from kiln.attention.torch_backend import TorchAttentionImpl, write_kv_cache
+from kiln.native import paged_attention as pa
+from kiln.native import prefill_attention as pf
+
+pytestmark = pytest.mark.skipif(not pa.available(), reason="no C compiler")
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_cache_write_rounds_as_torch(dtype, kv_dtype):
+    # normals, subnormals, ties, overflows (saturated), zeros of both signs
+    top = torch.finfo(kv_dtype)
+    g = torch.Generator().manual_seed(0)
+    values = torch.cat([torch.randn(300, generator=g) * 4, torch.randn(100, generator=g) * 1e-3,
+                        torch.randn(100, generator=g) * top.tiny, torch.tensor(
+                            [0.0, -0.0, 1e6, -1e6, top.max, -top.max, top.max * 1.05,
+                             1.0625, 1.1875, 3 * top.tiny / 8, 2 ** -10, 2 ** -17])])
+    nkv, hd = 2, 16
+    x = values[:values.numel() // (nkv * hd) * nkv * hd].to(dtype).view(-1, nkv * hd)
+    n = x.shape[0]
+    got = torch.zeros(2, n, 1, nkv, hd, dtype=kv_dtype)
+    want = got.clone()
+    slots = torch.randperm(n, generator=g)
+    step = pa.StepArgs(torch.zeros(1, n, dtype=torch.int32), torch.tensor([0, 0], dtype=torch.int32),
+                       torch.tensor([0], dtype=torch.int32), torch.zeros(0, dtype=torch.int32), 0,
+                       1, slots, n)
+    pa.run(x, x, x, torch.empty_like(x), got, step, 1.0)
+    write_kv_cache(x.view(n, nkv, hd), x.view(n, nkv, hd), want, slots)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(want[0].view(n, -1)[slots].float(), to_cache(x, kv_dtype).float())
+    assert not want.float().isnan().any()  # saturated, never NaN
+
+
+def _fp8_step(bs, hd, nh, nkv, q_lens, ctx, dtype, kv_dtype, seed):
+    rnd, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in zip(ctx, q_lens)]
+    tables, block_table, num_blocks = shuffled_block_tables(seq_lens, bs, rnd)
+    kv = torch.zeros((2, num_blocks, bs, nkv, hd), dtype=kv_dtype)
+    for r, table in enumerate(tables):
+        for s in range(ctx[r]):
+            kv[:, table[s // bs], s % bs] = to_cache(torch.randn(2, nkv, hd, generator=g) * 3,
+                                                     kv_dtype)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    slots = torch.tensor([tables[r][p // bs] * bs + p % bs for r in range(len(q_lens))
+                          for p in range(ctx[r], seq_lens[r])], dtype=torch.int64)
+    qkv = (torch.randn(starts[-1], (nh + 2 * nkv) * hd + 3, generator=g) * 3).to(dtype)[:, 3:]
+    q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=1)
+    loc, lens = (torch.tensor(t, dtype=torch.int32) for t in (starts, seq_lens))
+    md = AttentionMetadata(starts[-1], len(q_lens), max(q_lens), max(seq_lens), loc, lens,
+                           block_table, slots, loc, lens)
+    return q, k, v, kv, md, tables, starts, seq_lens
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mixed_step_over_an_fp8_cache_matches_the_reference_and_the_torch_path(dtype, kv_dtype):
+    # decodes (one long enough for the split-keys path), a chunk over a cached prefix, a fresh
+    # prefill and a long one: the per-token kernel and the blocked one
+    bs, hd, nh, nkv = 16, 64, 8, 2
+    q_lens, ctx = [1, 1, 5, 40, 9], [300, 0, 33, 0, bs + 1]
+    q, k, v, kv, md, tables, starts, seq_lens = _fp8_step(bs, hd, nh, nkv, q_lens, ctx, dtype,
+                                                          kv_dtype, 1)
+    kv_torch = kv.clone()
+    out = torch.full((starts[-1], nh * hd), 7.0, dtype=dtype)
+    CpuAttentionImpl(nh, hd, hd ** -0.5, nkv).forward(q, k, v, kv, md, out)
+    want = reference_attention(q, kv[0], kv[1], tables, starts, seq_lens, nh, nkv, hd, bs,
+                               hd ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -6
+    worst = max(float((out[t].double() - row).abs().max() / max(1.0, row.abs().max()))
+                for t, row in want.items())
+    assert worst <= tol
+    # the torch path (CUDA's, and the CPU's fallback) writes the same bytes and attends alike
+    out_torch = torch.full_like(out, 7.0)
+    TorchAttentionImpl(nh, hd, hd ** -0.5, nkv).forward(q, k, v, kv_torch, md, out_torch)
+    assert torch.equal(kv_torch.view(torch.uint8), kv.view(torch.uint8))
+    torch.testing.assert_close(out_torch.float(), out.float(), rtol=tol, atol=tol * 4)
+
+
+@pytest.mark.parametrize("path", list(pf.PATHS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_prefill_path_reads_an_fp8_cache(path, dtype):
+    bs, hd, nh, nkv = 16, 64, 6, 2
+    for kv_dtype in FP8:
+        q_lens, ctx = [37, 20], [45, 0]
+        q, _, _, kv, md, tables, starts, seq_lens = _fp8_step(bs, hd, nh, nkv, q_lens, ctx,
+                                                              dtype, kv_dtype, 2)
+        for r, table in enumerate(tables):  # the queries' own keys, as a step has written them
+            for s in range(ctx[r], seq_lens[r]):
+                kv[:, table[s // bs], s % bs] = to_cache(torch.randn(2, nkv, hd) * 3, kv_dtype)
+        step = pa.StepArgs(md.block_table, md.query_start_loc, md.seq_lens,
+                           torch.tensor([0, 1], dtype=torch.int32), md.max_seq_len, bs,
+                           torch.zeros(0, dtype=torch.int64), 0)
+        out = torch.full((starts[-1], nh * hd), 7.0, dtype=dtype)
+        pf.run(q, out, kv, step, hd ** -0.5, path=path)
+        want = reference_attention(q, kv[0], kv[1], tables, starts, seq_lens, nh, nkv, hd, bs,
+                                   hd ** -0.5)
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -6
+        worst = max(float((out[t].double() - row).abs().max() / max(1.0, row.abs().max()))
+                    for t, row in want.items())
+        assert worst <= tol, (kv_dtype, worst)
