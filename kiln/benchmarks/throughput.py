@@ -2,8 +2,9 @@
 or the same engine unquantized (`--compare-unquantized`) as the baseline, in one invocation
 (`--rounds N`: the two engines alternate N rounds, for hosts whose speed drifts).
 
-Every run gets the same prompts, dtype and greedy decoding with exactly `output_len` new tokens
-per request; engine construction (load, compile, warm-up) is outside the timed region.
+Every run gets the same prompts, dtype and sampling (vLLM's bench throughput's: temperature 1.0,
+top_p 1.0, ignore_eos; seeded by --seed) with exactly `output_len` new tokens per request; engine
+construction (load, compile, warm-up) is outside the timed region.
 """
 import dataclasses
 import random
@@ -70,11 +71,20 @@ def check_lengths(input_len: int, output_len: int, max_model_len: int,
                          f"max_model_len {max_model_len}; shorten them or {longer}")
 
 
-def run_kiln(engine, prompts: list[list[int]], output_len: int) -> RunResult:
+def bench_params(output_len: int, temperature: float = 1.0, top_p: float = 1.0):
+    """Every engine's request: vLLM's bench throughput samples at temperature 1.0 and top_p 1.0
+    with ignore_eos; SamplingParams refuses a bad --temperature / --top-p before any engine."""
     from kiln.sampling_params import RequestOutputKind, SamplingParams
 
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len,
-                            min_tokens=output_len, output_kind=RequestOutputKind.FINAL_ONLY)
+    return SamplingParams(temperature=temperature, top_p=top_p, ignore_eos=True,
+                          max_tokens=output_len, min_tokens=output_len,
+                          output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def run_kiln(engine, prompts: list[list[int]], params) -> RunResult:
+    """`params`: bench_params(...) (the engine's generator, seeded by --seed, draws the
+    samples: the same seed gives the same run)."""
+    output_len = params.max_tokens
     processed = [engine.process_inputs({"prompt_token_ids": p}, params) for p in prompts]
     num_out = 0
     start = time.perf_counter()
@@ -90,59 +100,7 @@ def run_kiln(engine, prompts: list[list[int]], output_len: int) -> RunResult:
     return RunResult(elapsed, len(prompts), sum(map(len, prompts)), num_out)
 
 
-def load_hf_model(kiln_config):
-    """The same checkpoint through transformers (random weights for --load-format dummy)."""
-    from transformers import AutoModelForCausalLM
-
-    mc = kiln_config.model_config
-    if kiln_config.load_config.load_format == "dummy":
-        from kiln.config.hf_config_snapshot import as_transformers_config
-
-        model = AutoModelForCausalLM.from_config(as_transformers_config(mc.hf_config),
-                                                 dtype=mc.torch_dtype)
-    elif mc.gguf_file is not None:
-        model = AutoModelForCausalLM.from_pretrained(mc.gguf_file.parent,
-                                                     gguf_file=mc.gguf_file.name,
-                                                     dtype=mc.torch_dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(mc.model_path, dtype=mc.torch_dtype)
-    return model.to(kiln_config.device_config.device_obj).eval()
-
-
-def left_pad(batch: list[list[int]], pad_id: int):
-    import torch
-
-    width = max(map(len, batch))
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-    return ids, mask
-
-
-def run_hf(model, prompts: list[list[int]], output_len: int, batch_size: int,
-           pad_id: int) -> RunResult:
-    import torch
-
-    device = next(model.parameters()).device
-    with torch.inference_mode():  # untimed warm-up, as Kiln warms up while it is built
-        ids, mask = left_pad(prompts[:1], pad_id)
-        model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                       max_new_tokens=2, min_new_tokens=2, pad_token_id=pad_id)
-    num_out = 0
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for i in range(0, len(prompts), batch_size):
-            ids, mask = left_pad(prompts[i:i + batch_size], pad_id)
-            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                 do_sample=False, max_new_tokens=output_len,
-                                 min_new_tokens=output_len, pad_token_id=pad_id)
-            num_out += (out.shape[1] - ids.shape[1]) * ids.shape[0]
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    return RunResult(elapsed, len(prompts), sum(map(len, prompts)), num_out)
-
-
-def _timed_engine_run(kiln_config, prompts_for, output_len: int, multiprocess: bool = False):
+def _timed_engine_run(kiln_config, prompts_for, params, multiprocess: bool = False):
     """Build an engine, time one run over prompts_for(engine): (result, comm figures, weight
     bytes, prompts, tokenizer). In this process by default (as the latency benchmark): the
     figures read the executor and the model. `multiprocess`: the core in its own process, as
@@ -157,14 +115,14 @@ def _timed_engine_run(kiln_config, prompts_for, output_len: int, multiprocess: b
         if executor is not None:
             executor.reset_comm_stats()  # warm-up's collectives are not the run's
         weight_bytes = model_weight_bytes(engine)  # None when the model lives in other ranks
-        result = run_kiln(engine, prompts, output_len)
+        result = run_kiln(engine, prompts, params)
         comm = comm_figures(executor.comm_stats() if executor is not None else None)
     finally:
         engine.shutdown()
     return result, comm, weight_bytes, prompts, engine.tokenizer
 
 
-def alternated_rounds(engines: list, prompts_for_round, output_len: int,
+def alternated_rounds(engines: list, prompts_for_round, params,
                       rounds: int) -> list[list[RunResult]]:
     """Each engine's results over `rounds` rounds, the engines taking turns within a round on
     that round's prompts (fresh ones each round: the prefix cache must not serve a later round),
@@ -173,11 +131,11 @@ def alternated_rounds(engines: list, prompts_for_round, output_len: int,
     for r in range(rounds):
         prompts = prompts_for_round(r)
         for engine, mine in zip(engines, results):
-            mine.append(run_kiln(engine, prompts, output_len))
+            mine.append(run_kiln(engine, prompts, params))
     return results
 
 
-def _compare_rounds(quant_config, base_config, seeded_prompts, output_len: int, rounds: int,
+def _compare_rounds(quant_config, base_config, seeded_prompts, params, rounds: int,
                     multiprocess: bool) -> dict:
     """Both engines built up front, then alternated rounds (alternated_rounds): the report's
     per-round figures and the median round's (the lower middle one of an even count)."""
@@ -189,7 +147,7 @@ def _compare_rounds(quant_config, base_config, seeded_prompts, output_len: int, 
         for config in (quant_config, base_config):
             engines.append(LLMEngine(config, multiprocess=multiprocess))
         quant, base = alternated_rounds(engines, lambda r: seeded_prompts(engines[0], r),
-                                        output_len, rounds)
+                                        params, rounds)
         weights = [model_weight_bytes(e) for e in engines]
     finally:
         for engine in engines:
@@ -212,12 +170,15 @@ def _compare_rounds(quant_config, base_config, seeded_prompts, output_len: int, 
 
 def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, output_len: int,
                    backend: str = "kiln", compare_unquantized: bool = False,
-                   multiprocess: bool = False, rounds: int = 1) -> dict:
-    """Benchmark; returns the one-line JSON report as a dict. compare_unquantized: then the
+                   multiprocess: bool = False, rounds: int = 1, temperature: float = 1.0,
+                   top_p: float = 1.0) -> dict:
+    """Benchmark; returns the one-line JSON report as a dict. temperature / top_p: every
+    engine's sampling (vLLM's defaults; 0: greedy). compare_unquantized: then the
     same prompts through the same engine without --quantization (the baseline), and ratios;
     with rounds > 1 both engines alternate that many rounds (the median round reported).
     multiprocess: each engine's core in its own process, as `LLM` runs it."""
     check_counts(num_prompts, input_len)  # said before the model loads and compiles
+    params = bench_params(max(output_len, 1), temperature, top_p)
     if backend not in ("kiln", "hf"):
         raise ValueError(f"--backend must be kiln or hf, got {backend!r}")
     if compare_unquantized and engine_args.quantization is None:
@@ -242,11 +203,13 @@ def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, ou
                       engine.input_processor.longer_context_fix())
         exclude = set(getattr(engine.tokenizer, "all_special_ids", []))
         return random_prompts(num_prompts, input_len, mc.vocab_size,
-                              engine_args.seed + round_index, exclude)
+                              seed + round_index, exclude)
 
+    seed = mc.seed  # --seed: the prompts, the engines' samples, HF's (a random one if None)
     pc = kiln_config.parallel_config
     report = {"backend": backend, "num_prompts": num_prompts, "input_len": input_len,
-              "output_len": output_len, "model": mc.model,
+              "output_len": output_len, "temperature": params.temperature,
+              "top_p": params.top_p, "ignore_eos": True, "seed": seed, "model": mc.model,
               "dtype": str(mc.torch_dtype).removeprefix("torch."),
               "quantization": mc.quantization, "device": kiln_config.device_config.device,
               "compilation_mode": int(kiln_config.compilation_config.mode),
@@ -258,18 +221,18 @@ def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, ou
     base_config = dataclasses.replace(engine_args, quantization=None).create_kiln_config() \
         if compare_unquantized else None
     if rounds > 1:
-        report.update(_compare_rounds(kiln_config, base_config, seeded_prompts, output_len,
-                                      rounds, multiprocess))
+        report.update(_compare_rounds(kiln_config, base_config, seeded_prompts, params, rounds,
+                                      multiprocess))
         return report
     result, comm, weight_bytes, prompts, tokenizer = _timed_engine_run(
-        kiln_config, seeded_prompts, output_len, multiprocess)
+        kiln_config, seeded_prompts, params, multiprocess)
     report.update(result.figures(), num_output_tokens=result.num_output_tokens,
                   model_weight_bytes=weight_bytes)
     if comm:
         report["communication"] = comm
     if compare_unquantized:
         base, _, base_bytes, _, _ = _timed_engine_run(base_config, lambda engine: prompts,
-                                                      output_len, multiprocess)
+                                                      params, multiprocess)
         report.update(base.figures("unquantized_"),
                       unquantized_model_weight_bytes=base_bytes,
                       speedup_vs_unquantized=result.output_tokens_per_s
@@ -277,10 +240,13 @@ def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, ou
         if weight_bytes and base_bytes:
             report["weight_bytes_vs_unquantized"] = weight_bytes / base_bytes
     if backend == "hf":
+        from kiln.benchmarks.throughput_hf import load_hf_model, run_hf
+
         model = load_hf_model(kiln_config)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
             tokenizer.eos_token_id or 0)
-        hf = run_hf(model, prompts, output_len, kiln_config.scheduler_config.max_num_seqs, pad_id)
+        hf = run_hf(model, prompts, params, kiln_config.scheduler_config.max_num_seqs, pad_id,
+                    seed)
         report.update(hf.figures("hf_"), hf_num_output_tokens=hf.num_output_tokens,
                       kiln_vs_hf_output_tokens_per_s=(
                           result.output_tokens_per_s / hf.output_tokens_per_s))

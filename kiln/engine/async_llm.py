@@ -5,6 +5,7 @@ a step (step_loop.py); tokenizing and templates run on a front-end thread, so a 
 delays a step; each request's outputs reach its stream (in_flight_streams.py).
 """
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
@@ -45,6 +46,9 @@ class AsyncLLM(AsyncLLMLifecycle):
         self._dead: BaseException | None = None
         self._closed = False
         self._refusing: str | None = None  # set by abort_all: new requests are refused
+        # shutdown() may come from any thread, twice at once: the second waits for the first.
+        self._shutdown_lock = threading.Lock()
+        self._engine_stopped = False  # shutdown() has stopped the engine and its threads
         self.last_stats: dict = {}
         # The server's cap on one call's prompts x n (None: no cap): serving_engine.submit.
         self.max_sequences_per_request: int | None = None
@@ -104,6 +108,8 @@ class AsyncLLM(AsyncLLMLifecycle):
 
     async def _on_engine_thread(self, fn: Callable, *args, **kwargs) -> Any:
         """Run an engine call on the engine thread, between steps."""
+        if self._engine_stopped:
+            self._check_alive()  # the engine thread is gone: say why
         self.start()
         return await self._steps.run(fn, *args, **kwargs)
 
@@ -218,7 +224,7 @@ class AsyncLLM(AsyncLLMLifecycle):
         # request, already forgotten, ran on in the engine with no consumer.
         self.start()
         ids = self._streams.forget(request_ids, record, end_streams)
-        if ids:
+        if ids and not self._engine_stopped:  # after shutdown nothing runs to abort
             await self._on_engine_thread(self.engine.abort_request, ids)
 
     def abort_nowait(self, request_ids: str | list[str]) -> None:

@@ -5,6 +5,8 @@ aborted (finish_reason "abort", as vLLM's); later requests are refused either wa
 import asyncio
 import time
 
+_SHUT_DOWN = "the engine shut down (AsyncLLM.shutdown()); request aborted"
+
 
 class EngineDeadError(RuntimeError):
     """The step loop raised, the core process died, or the engine shut down; in-flight and
@@ -43,7 +45,8 @@ class AsyncLLMLifecycle:
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop failed: {self._dead!r}; restart the server")
         if self._closed:
-            raise EngineShutdownError("the engine is shut down")
+            raise EngineShutdownError("this AsyncLLM was shut down (shutdown()); create a new "
+                                      "one to generate again")
         if self._refusing is not None:
             raise EngineShutdownError(self._refusing)
 
@@ -59,18 +62,69 @@ class AsyncLLMLifecycle:
         await self.abort([s.request_id for s in streams])
         return len(streams)
 
-    async def shutdown(self, drain_timeout: float = 0.0) -> None:
-        """Let in-flight requests finish for up to `drain_timeout` s, abort the rest, stop."""
+    async def drain_and_shutdown(self, drain_timeout: float = 0.0,
+                                 timeout: float | None = None) -> None:
+        """The server's graceful end: let in-flight requests finish for up to `drain_timeout`
+        s, abort the rest (each stream ends with finish_reason "abort"), stop the step loop
+        cleanly on this event loop, then `shutdown(timeout)` off it (the core's exit never
+        stalls the handlers still reporting their aborts)."""
         if self._closed:
             return
         deadline = time.monotonic() + drain_timeout
         while self._streams and self._dead is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        await self.abort_all("the engine shut down; request aborted")
-        self._closed = True
+        await self.abort_all(_SHUT_DOWN)
         await self._steps.stop()
-        shutdown = getattr(self.engine, "shutdown", None)
-        if shutdown is not None:
-            await self._on_engine_thread(shutdown)
-        self._steps.close()
-        self._frontend.shutdown()
+        await asyncio.to_thread(self.shutdown, timeout)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """vLLM's AsyncLLM.shutdown: synchronous and idempotent, callable from any thread,
+        inside a running event loop too. Requests in flight end as aborted (finish_reason
+        "abort"), the step loop stops, the engine core is stopped (`timeout`: the seconds its
+        process gets to exit in order before it is killed; None: the client's default), and
+        later requests raise EngineShutdownError. `drain_and_shutdown` lets them finish first."""
+        with self._shutdown_lock:
+            if self._closed and self._engine_stopped:
+                return
+            self._closed = True
+            self._refusing = self._refusing or _SHUT_DOWN
+            in_flight = list(self._streams)
+            self._on_loop(self._end_streams_and_steps)
+            # The engine thread finishes the step it is in, then stops the engine; nothing there
+            # waits for the event loop, so blocking the loop's own thread here cannot deadlock.
+            if in_flight and self._dead is None:  # the engine frees them before it stops
+                self._steps.submit(self._abort_logged, in_flight)
+            stop = getattr(self.engine, "shutdown", None)
+            stopping = None if stop is None else self._steps.submit(stop, timeout=timeout)
+            self._engine_stopped = True
+            try:
+                self._steps.close()
+            finally:
+                self._frontend.shutdown()
+            if stopping is not None:
+                stopping.result()  # the engine's own shutdown error, if any, to the caller
+
+    def _on_loop(self, fn) -> None:
+        """`fn(loop_gone)` where the event loop's objects (streams, the step task) may be touched: now
+        on the loop's own thread or with no loop running, else queued to the loop."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            fn(loop_gone=loop is not None)  # a closed loop's waiters can no longer be woken
+            return
+        if not loop.is_running():
+            fn(loop_gone=False)
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            fn(loop_gone=False)
+        else:
+            loop.call_soon_threadsafe(fn, False)
+
+    def _end_streams_and_steps(self, loop_gone: bool = False) -> None:
+        """Every stream in flight ends as aborted (unended where its loop is gone: nobody waits
+        there), and the step task stops."""
+        self._streams.forget(list(self._streams), end_streams=not loop_gone)
+        self._steps.cancel()

@@ -43,6 +43,10 @@ _STEP_WAIT_MS = 50
 _SHUTDOWN_WAIT_S = 10.0
 
 
+def _wait_s(timeout: float | None) -> float:
+    return _SHUTDOWN_WAIT_S if timeout is None else max(0.0, float(timeout))
+
+
 class CoreProcClient(CoreUtilityCalls, CoreReceiver):
     """The core in its own process. Requests go out on one PUSH socket, outputs come back on
     one PULL socket; the process sentinel is polled with it, so a dead core ends every wait
@@ -225,7 +229,9 @@ class CoreProcClient(CoreUtilityCalls, CoreReceiver):
         """The stats that came with the latest step (no round trip)."""
         return self._last_stats
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
+        """`timeout`: how long the core gets to say goodbye and exit (None: 10 s); after it,
+        it is signalled, then killed (core_proc_exit.terminate)."""
         if not self._finalizer.alive:
             return  # already shut down
         if os.getpid() != self._owner_pid:
@@ -243,7 +249,7 @@ class CoreProcClient(CoreUtilityCalls, CoreReceiver):
                 except zmq.ZMQError:
                     pass
             ready, _, _ = select.select([self._goodbye, self._sentinel], [], [],
-                                        _SHUTDOWN_WAIT_S if told else 0)
+                                        _wait_s(timeout) if told else 0)
             if self._goodbye in ready:
                 self._said_goodbye.set()
                 if not self._watched:  # someone must reap it

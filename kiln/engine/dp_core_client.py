@@ -247,15 +247,15 @@ class DPCoreClient:
         named.__cause__ = error
         return named
 
-    def shutdown(self) -> None:
-        """Every replica at once: each waits for its core's goodbye."""
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Every replica at once: each waits for its core's goodbye (up to `timeout` s)."""
         clients = [c for c in getattr(self, "clients", ()) if c is not None]
         if len(clients) <= 1:
             for c in clients:
-                c.shutdown()
+                c.shutdown(timeout)
             return
         with ThreadPoolExecutor(len(clients), thread_name_prefix="kiln-dp-stop") as pool:
-            list(pool.map(lambda c: c.shutdown(), clients))
+            list(pool.map(lambda c: c.shutdown(timeout), clients))
 
 
 

@@ -139,7 +139,8 @@ class InprocCoreClient:
                         callback(e)
                 return
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
+        """`timeout` (vLLM's) has nothing to bound here: no core process to wait for."""
         if self._closing.is_set():
             return
         self._closing.set()  # the ranks' exits below are no deaths to report

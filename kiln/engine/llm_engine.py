@@ -285,7 +285,12 @@ class LLMEngine(EngineChat, EngineTokenStats, EngineVllmViews, EngineSleepMode):
                                "engine to generate again")
         return self.engine_core
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the engine core, once. `timeout` (vLLM's): the seconds its process gets to exit
+        in order before it is stopped by force (None: the core client's default)."""
         self.engine_core = None
-        if hasattr(self, "_shutdown"):
-            self._shutdown()  # EngineCore.shutdown, once
+        finalizer = getattr(self, "_shutdown", None)
+        pending = finalizer.detach() if finalizer is not None else None  # None: done already
+        if pending is not None:
+            _, core_shutdown, _, _ = pending
+            core_shutdown(timeout=timeout)

@@ -35,10 +35,12 @@ class StepLoop:
         return await asyncio.get_running_loop().run_in_executor(
             self._pool, lambda: fn(*args, **kwargs))
 
-    def submit(self, fn: Callable, *args) -> None:
-        """`fn(*args)` on the engine thread, not waited for; nothing once the thread is closed."""
-        if not self._pool_closed:
-            self._pool.submit(fn, *args)
+    def submit(self, fn: Callable, *args, **kwargs) -> concurrent.futures.Future | None:
+        """`fn(*args, **kwargs)` on the engine thread, not waited for; nothing (None) once the
+        thread is closed."""
+        if self._pool_closed:
+            return None
+        return self._pool.submit(fn, *args, **kwargs)
 
     def kick(self) -> None:
         """Step until no request is left (the task starts on the running event loop)."""
@@ -94,6 +96,14 @@ class StepLoop:
                 await self._task
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - already logged
                 pass
+
+    def cancel(self) -> None:
+        """`stop` for code that cannot await (a synchronous shutdown), on the task's loop's
+        thread or with that loop stopped: the task ends at its next turn on the loop."""
+        self._stopped = True
+        task = self._task
+        if task is not None and not task.done() and not task.get_loop().is_closed():
+            task.cancel()
 
     def close(self) -> None:
         """End the engine thread, once its queued calls have run."""

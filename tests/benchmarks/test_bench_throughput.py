@@ -1,5 +1,7 @@
 """`kiln bench throughput`'s counts and lengths are checked before an engine is built: with
 the default model and mode 3, building one is a compile of minutes."""
+from types import SimpleNamespace
+
 import pytest
 
 from kiln.benchmarks.throughput import RunResult, run_throughput
@@ -52,3 +54,76 @@ def test_a_pooling_engine_is_refused_naming_the_runner(monkeypatch):
         run_throughput(args, 2, 8, 4)
     with pytest.raises(ValueError, match="bench latency measures generation.*--runner"):
         run_latency(args, [1], 8, 2, compare=["0"])
+
+
+class _FakeEngine:
+    """Stands in for LLMEngine: the test is about what each engine is asked to do."""
+
+    def __init__(self, kiln_config, multiprocess=False):
+        self.quantization = kiln_config.model_config.quantization
+        self.max_model_len = kiln_config.model_config.max_model_len
+        self.tokenizer = None
+        self.input_processor = SimpleNamespace(longer_context_fix=lambda: "raise it")
+
+    def shutdown(self, timeout=None):
+        pass
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_both_engines_of_a_comparison_sample_as_vllms_bench(monkeypatch, rounds):
+    """vLLM's bench throughput samples at temperature 1.0, top_p 1.0 with ignore_eos; Kiln's
+    decoded greedily, so its figures were for another workload. Both engines of a comparison get
+    the same params, and the report says which."""
+    from kiln.benchmarks import engine_probe, throughput
+    from kiln.engine import llm_engine
+
+    asked = []
+
+    def fake_run(engine, prompts, params):
+        asked.append((engine.quantization, params, prompts))
+        n = len(prompts)
+        return RunResult(1.0, n, n * len(prompts[0]), n * params.max_tokens)
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", _FakeEngine)
+    monkeypatch.setattr(engine_probe, "model_weight_bytes", lambda engine: None)
+    monkeypatch.setattr(throughput, "run_kiln", fake_run)
+    args = EngineArgs(model=str(STORIES_DIR), enforce_eager=True, max_model_len=128,
+                      quantization="int8", seed=7)
+    report = run_throughput(args, 2, 8, 4, compare_unquantized=True, rounds=rounds)
+    assert [q for q, _, _ in asked] == ["int8", None] * rounds
+    for _, params, _ in asked:
+        assert (params.temperature, params.top_p, params.ignore_eos, params.max_tokens) == (
+            1.0, 1.0, True, 4)
+    assert asked[0][2] == asked[1][2]  # the same prompts too
+    assert (report["temperature"], report["top_p"], report["ignore_eos"], report["seed"]) == (
+        1.0, 1.0, True, 7)
+    asked.clear()
+    report = run_throughput(args, 2, 8, 4, compare_unquantized=True, temperature=0.0,
+                            top_p=0.5)
+    assert {(p.temperature, p.top_p) for _, p, _ in asked} == {(0.0, 0.5)}
+    assert report["temperature"] == 0.0
+
+
+def test_bad_sampling_flags_are_refused_before_an_engine_is_built(monkeypatch):
+    from kiln.engine import llm_engine
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was built before the flags were checked")
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", no_engine)
+    args = EngineArgs(model=str(STORIES_DIR), enforce_eager=True, max_model_len=128)
+    with pytest.raises(ValueError, match="temperature"):
+        run_throughput(args, 2, 8, 4, temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        run_throughput(args, 2, 8, 4, top_p=0.0)
+
+
+def test_the_cli_defaults_are_vllms():
+    import argparse
+
+    from kiln.entrypoints.cli.bench_throughput import register
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    register(sub)
+    args = sub.choices["bench"].parse_args(["throughput"])
+    assert (args.temperature, args.top_p, args.seed) == (1.0, 1.0, 0)

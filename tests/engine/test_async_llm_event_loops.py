@@ -22,7 +22,7 @@ def engine(tiny_llama_dir):
         model=str(tiny_llama_dir), enforce_eager=True, max_model_len=128, max_num_seqs=4,
         kv_cache_memory=0.02))
     yield engine
-    asyncio.run(engine.shutdown())
+    engine.shutdown()
 
 
 async def tokens(engine, request_id):

@@ -20,7 +20,7 @@ def engine(tiny_llama_dir):
         block_size=4, num_gpu_blocks_override=32, max_num_seqs=4,
         scheduling_policy="priority"))
     yield engine
-    asyncio.run(engine.shutdown())
+    engine.shutdown()
 
 
 async def _generate(engine, tag: str, reset: bool) -> list[list[int]]:

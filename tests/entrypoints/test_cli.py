@@ -230,6 +230,8 @@ def test_bench_throughput_int8_against_unquantized_in_one_run(stories):
     assert code == 0, err
     report = json.loads(out)
     assert report["quantization"] == "int8" and report["dtype"] == "float32"
+    # vLLM's bench throughput's sampling, for both engines; --seed's default
+    assert (report["temperature"], report["top_p"], report["seed"]) == (1.0, 1.0, 0)
     assert report["num_output_tokens"] == 6 and report["unquantized_output_tokens_per_s"] > 0
     ratio = report["output_tokens_per_s"] / report["unquantized_output_tokens_per_s"]
     assert abs(report["speedup_vs_unquantized"] / ratio - 1) < 1e-3  # from unrounded figures

@@ -216,7 +216,7 @@ def test_engine_add_request_and_async_generate_take_lora_request(lora_setup):
                                                       lora_request=lora_setup["loras"]["a1"])]
             return list(outs[-1].outputs[0].token_ids)
         finally:
-            await llm.shutdown()  # a coroutine: un-awaited, the engine was never stopped
+            llm.shutdown()
 
     assert asyncio.run(run()) == lora_setup["refs"]["a1"][0]
 

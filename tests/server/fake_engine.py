@@ -190,7 +190,7 @@ class FakeEngine:
         text = self.apply_chat_template(messages, add_generation_prompt, **kw)
         return {"prompt": text, "prompt_token_ids": self.tokenizer(text, False).input_ids}
 
-    def shutdown(self):
+    def shutdown(self, timeout=None):
         self.shut_down = True
 
 

@@ -64,7 +64,7 @@ def test_output_kinds_and_many_concurrent_requests():
 
         await asyncio.gather(*(consume(i) for i in range(16)), consume_cumulative(),
                              consume_final())
-        await llm.shutdown()
+        llm.shutdown()
         return delta_ids, cumulative, finals
 
     delta_ids, cumulative, finals = run(main())
@@ -93,7 +93,7 @@ def test_add_request_error_surfaces_and_others_continue():
             await llm.add_request("a\ud800", "ok", params())
         assert add_request_error(odd.value, "prompt").param == "request_id"
         outs = await good
-        await llm.shutdown()
+        llm.shutdown()
         return outs
 
     outs = run(main())
@@ -121,7 +121,7 @@ def test_cancelling_the_consumer_aborts_the_request():
         with pytest.raises(asyncio.CancelledError):
             await task
         stats = await llm.get_stats()  # runs after the queued abort, on the engine thread
-        await llm.shutdown()
+        llm.shutdown()
         return engine, stats
 
     engine, stats = run(main())
@@ -137,7 +137,7 @@ def test_abort_ends_stream_and_frees_at_once():
         await stream.__anext__()
         await llm.abort("a")
         running = engine.has_unfinished_requests()
-        await llm.shutdown()
+        llm.shutdown()
         return running, engine
 
     running, engine = run(main())
@@ -157,7 +157,7 @@ def test_engine_failure_fails_in_flight_requests_and_later_ones():
         assert not llm.is_running
         with pytest.raises(EngineDeadError):
             await llm.add_request("b", "x", params())
-        await llm.shutdown()
+        llm.shutdown()
 
     run(main())
 
@@ -168,7 +168,7 @@ def test_shutdown_aborts_in_flight_and_stops_engine():
         llm = AsyncLLM(engine)
         stream = await llm.add_request("a", "x", params(max_tokens=1000))
         await stream.__anext__()
-        await llm.shutdown()
+        llm.shutdown()
         rest = [out async for out in stream]  # ended as vLLM's shutdown ends it, not an error
         assert rest[-1].finished and rest[-1].outputs[-1].finish_reason == "abort"
         return engine
@@ -184,7 +184,7 @@ def test_shutdown_drain_lets_short_requests_finish():
         task = asyncio.create_task(_collect(llm.generate("x", params(max_tokens=5), "a")))
         await asyncio.sleep(0)
         await asyncio.sleep(0.01)
-        await llm.shutdown(drain_timeout=5.0)
+        await llm.drain_and_shutdown(drain_timeout=5.0)
         return await task, engine
 
     outs, engine = run(main())
@@ -207,7 +207,7 @@ def test_an_id_used_again_at_once_gets_none_of_its_namesakes_outputs():
             got = [o.outputs[0].token_ids async for o in llm.generate(
                 {"prompt_token_ids": [9, 8]}, params(max_tokens=4), "x")]
             assert got == want
-        await llm.shutdown()
+        llm.shutdown()
 
     run(main())
 
@@ -230,7 +230,7 @@ def test_an_abort_by_another_caller_ends_the_consumers_stream(kind):
             await asyncio.sleep(0.005)
         await llm.abort("a")
         await asyncio.wait_for(task, 5)
-        await llm.shutdown()
+        llm.shutdown()
         return seen
 
     seen = run(main())
@@ -265,7 +265,7 @@ def test_an_abort_while_the_prompt_is_read_keeps_the_request_out_of_the_engine()
         stream = await adding
         out = await asyncio.wait_for(stream.__anext__(), 5)
         stats = await llm.get_stats()
-        await llm.shutdown()
+        llm.shutdown()
         return out, stats
 
     out, stats = run(main())
@@ -285,7 +285,7 @@ def test_an_old_consumer_leaving_after_an_abort_spares_the_ids_new_request():
         outs = [await new.__anext__()]
         await old.aclose()
         outs += [o async for o in new]
-        await llm.shutdown()
+        llm.shutdown()
         return outs
 
     outs = run(main())
@@ -306,7 +306,7 @@ def test_a_refused_add_after_an_abort_spares_the_ids_new_request():
         with pytest.raises(ValueError):
             await bad
         outs = [o async for o in await good]
-        await llm.shutdown()
+        llm.shutdown()
         return outs
 
     outs = run(main())

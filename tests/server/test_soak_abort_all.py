@@ -31,6 +31,6 @@ def test_abort_all_fails_open_streams_and_refuses_new_requests():
         with pytest.raises(EngineShutdownError, match=REASON):
             await llm.add_request("late", "prompt", params)
         assert await llm.abort_all(REASON) == 0
-        await llm.shutdown()
+        llm.shutdown()
 
     asyncio.run(main())

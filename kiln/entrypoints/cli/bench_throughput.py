@@ -26,7 +26,8 @@ def register(subparsers) -> None:
     kinds = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK")
     parser = kinds.add_parser("throughput", help="offline throughput on random prompts",
                               description="Offline throughput on seeded random-token prompts "
-                                          "with a fixed output length (ignore_eos, greedy).")
+                                          "with a fixed output length (ignore_eos; sampled at "
+                                          "--temperature 1.0 as vLLM's, seeded by --seed).")
     parser.add_argument("--num-prompts", type=int, default=64, help="prompts in the batch")
     # vLLM's random dataset names them --random-input-len / --random-output-len (as bench serve)
     parser.add_argument("--input-len", "--random-input-len", type=int, default=128,
@@ -42,6 +43,12 @@ def register(subparsers) -> None:
                         help="with --compare-unquantized: build both engines first, then "
                              "alternate this many rounds on fresh prompts and report the "
                              "median round (for hosts whose speed drifts)")
+    # vLLM's bench throughput samples every request at temperature 1.0, top_p 1.0 (ignore_eos)
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="every engine's sampling temperature (vLLM's bench: 1.0; 0: "
+                             "greedy); --seed seeds the prompts and the samples")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="every engine's top_p (vLLM's bench: 1.0)")
     parser.add_argument("--multiprocess", action="store_true",
                         help="the engine core in its own process, as LLM runs it by default "
                              "(default: in this process, which also reports weight bytes and "
@@ -60,6 +67,6 @@ def run(args: argparse.Namespace) -> int:
 
     report = run_throughput(EngineArgs.from_cli_args(args), args.num_prompts, args.input_len,
                             args.output_len, args.backend, args.compare_unquantized,
-                            args.multiprocess, args.rounds)
+                            args.multiprocess, args.rounds, args.temperature, args.top_p)
     print(json.dumps(report), flush=True)
     return 0

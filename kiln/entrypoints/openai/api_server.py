@@ -101,7 +101,7 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
         yield
         await responses.background.close()  # cancelled, each stored with what it wrote
         logger.info("shutting down: aborting %d in-flight request(s)", llm.num_in_flight)
-        await llm.shutdown()
+        await llm.drain_and_shutdown()
         if metrics.stats_log is not None:
             metrics.stats_log.flush(stopped=True)  # the last line says the engine drained
         tokenization.close()

@@ -1,0 +1,68 @@
+"""vLLM's synchronous `AsyncLLM.shutdown()` on a real engine core process: a plain call (not
+awaited) inside a running event loop stops the core, aborts what is in flight, and later calls
+are harmless; from another thread too (fake engine)."""
+import asyncio
+import os
+import threading
+
+import pytest
+
+from kiln.engine.arg_utils import EngineArgs
+from kiln.engine.async_llm import AsyncLLM, EngineShutdownError
+from kiln.sampling_params import SamplingParams
+
+from .fake_engine import FakeEngine
+
+
+def _exited(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:  # a zombie nobody reaped yet is gone too
+        return f.read().split()[2] == "Z"
+
+
+def test_plain_shutdown_in_a_running_loop_stops_the_core_process(tiny_llama_dir):
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_llama_dir), enforce_eager=True,
+                                               dtype="float32", max_model_len=64))
+    pid = llm.core_pid
+    assert pid is not None and pid != os.getpid()
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        stream = await llm.add_request("a", "hello", params)
+        await stream.__anext__()
+        assert llm.shutdown() is None  # vLLM's: a plain method, no coroutine to forget
+        rest = [out async for out in stream]
+        assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+        llm.shutdown()  # twice: nothing more to do
+        llm.shutdown(timeout=1.0)
+        with pytest.raises(EngineShutdownError, match=r"shut down \(shutdown\(\)\)"):
+            async for _ in llm.generate("hello", params, "b"):
+                pass
+        await asyncio.sleep(0)  # the cancelled step task ends on its next turn
+
+    asyncio.run(main())
+    assert _exited(pid), "the engine core process outlived AsyncLLM.shutdown()"
+    assert llm.engine.engine_core is None
+    assert not llm.is_running
+
+
+def test_shutdown_from_another_thread_ends_the_loops_streams():
+    """A thread other than the loop's (a signal handler's, a test harness's): the streams end on
+    their own loop, the engine thread stops the engine."""
+    async def main():
+        engine = FakeEngine(step_delay=0.01)
+        llm = AsyncLLM(engine)
+        stream = await llm.add_request("a", "x", SamplingParams(temperature=0, max_tokens=1000))
+        await stream.__anext__()
+        stopper = threading.Thread(target=llm.shutdown)
+        stopper.start()
+        rest = [out async for out in stream]
+        stopper.join()
+        assert rest[-1].outputs[0].finish_reason == "abort"
+        return engine
+
+    engine = asyncio.run(main())
+    assert engine.shut_down and engine.aborted == ["a"]
