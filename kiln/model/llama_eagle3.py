@@ -88,10 +88,9 @@ class Eagle3LlamaForCausalLM(HFWeightLoading, nn.Module):
         self.draft_vocab_size = getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size
         self.model = Eagle3LlamaModel(kiln_config=kiln_config, prefix="model")
         self.lm_head = ParallelLMHead(self.draft_vocab_size, cfg.hidden_size)
-        # draft id i is target id i + d2t[i] (EAGLE-3's own layout)
         self.d2t = nn.Parameter(torch.zeros(self.draft_vocab_size, dtype=torch.int64),
                                 requires_grad=False)
-        self.d2t.weight_loader = _load_d2t
+        self.d2t.weight_loader = self._load_d2t
         # what the checkpoint brought (a dummy load: neither, so the target's are read)
         self.has_own_embed = self.has_own_lm_head = False
         self._lm_head: tuple = ()  # (the target's lm_head,) where the checkpoint has none
@@ -128,12 +127,24 @@ class Eagle3LlamaForCausalLM(HFWeightLoading, nn.Module):
                 raise ConfigError(f"{_WHERE}: its checkpoint has no lm_head and the target has "
                                   "no lm_head to share")
             self.lm_head, self._lm_head = None, (head,)
-        # None: draft ids are target ids (read once here, not a device sync per draft)
-        self._draft_to_target = None if self.draft_vocab_size == self.vocab_size and not bool(
-            self.d2t.any()) else torch.arange(self.draft_vocab_size,
-                                              device=self.d2t.device) + self.d2t.data
-        if self._draft_to_target is not None:
-            _check_draft_to_target(self._draft_to_target, self.vocab_size)
+        self._map_draft_ids()
+
+    def _map_draft_ids(self) -> None:
+        """The target id of each draft id from d2t, read once per load (not a device sync per
+        draft); None: draft ids are target ids."""
+        if self.draft_vocab_size == self.vocab_size and not bool(self.d2t.any()):
+            self._draft_to_target = None
+        else:  # _load_d2t checked the ids
+            self._draft_to_target = _draft_to_target(self.d2t.data)
+
+    def _load_d2t(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.is_floating_point() or loaded.shape != param.shape:
+            raise ConfigError(f"d2t: expected integer ids of shape {tuple(param.shape)} (one "
+                              f"per draft_vocab_size entry), got {loaded.dtype} "
+                              f"{tuple(loaded.shape)}")
+        # checked before it is written: an update refused leaves the head drafting as it did
+        _check_draft_to_target(_draft_to_target(loaded), self.vocab_size)
+        param.data.copy_(loaded)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden: torch.Tensor) -> torch.Tensor:
@@ -163,6 +174,8 @@ class Eagle3LlamaForCausalLM(HFWeightLoading, nn.Module):
             ((_kiln_name(n), t) for n, t in weights) if name is not None)
         self.has_own_embed = "model.embed_tokens.weight" in loaded
         self.has_own_lm_head = "lm_head.weight" in loaded
+        if "d2t" in loaded:  # an update's d2t maps the drafts from now on
+            self._map_draft_ids()
         return loaded
 
     def missing_weights(self, loaded: set[str], params: dict | None = None) -> list[str]:
@@ -202,11 +215,9 @@ def _check_draft_to_target(ids: torch.Tensor, vocab_size: int) -> None:
                           "needs a target id of its own (draft id i is target id i + d2t[i])")
 
 
-def _load_d2t(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    if loaded.is_floating_point() or loaded.shape != param.shape:
-        raise ConfigError(f"d2t: expected integer ids of shape {tuple(param.shape)} (one per "
-                          f"draft_vocab_size entry), got {loaded.dtype} {tuple(loaded.shape)}")
-    param.data.copy_(loaded)
+def _draft_to_target(d2t: torch.Tensor) -> torch.Tensor:
+    """Draft id i is target id i + d2t[i] (EAGLE-3's own layout): each draft id's target id."""
+    return torch.arange(d2t.numel(), device=d2t.device) + d2t.to(torch.int64)
 
 
 def _kiln_name(name: str) -> str | None:
