@@ -18,7 +18,9 @@ class CompileStats:
     compile_s: float = 0.0
     load_s: float = 0.0
     events: list[dict] = field(default_factory=list)  # one per (piece, shape)
-    cache_dirs: dict[str, str] = field(default_factory=dict)  # cache dir -> "hit" | "miss"
+    # each cache directory opened, in order: (path, "hit" | "miss"); a list, not a dict by
+    # path, so a second start-up in this process that opens the same one again shows it
+    cache_opens: list[tuple[str, str]] = field(default_factory=list)
     inductor_cache_dir: str | None = None  # where the latest opened cache keeps Inductor's
     # {"name", "start", "end"}: the compile state around a `section` block
     sections: list[dict] = field(default_factory=list)
@@ -39,7 +41,7 @@ def log_graph_load(prefix: str, seconds: float) -> None:
 
 
 def log_cache_dir(path, warm: bool, inductor_dir=None) -> None:
-    stats.cache_dirs[str(path)] = "hit" if warm else "miss"
+    stats.cache_opens.append((str(path), "hit" if warm else "miss"))
     if inductor_dir is not None:
         stats.inductor_cache_dir = str(inductor_dir)
     logger.info("compile cache %s: %s", "hit" if warm else "miss", path)
@@ -104,7 +106,8 @@ def _snapshot() -> dict:
     s = stats
     return {"counters": asdict(compilation_counter),
             "pass_runs": list(pass_manager.RUNS), "events": list(s.events),
-            "cache_dirs": dict(s.cache_dirs), "inductor_cache_dir": s.inductor_cache_dir,
+            "cache_opens": list(s.cache_opens), "cache_dirs": dict(s.cache_opens),
+            "inductor_cache_dir": s.inductor_cache_dir,
             "trace_s": s.trace_s, "compile_s": s.compile_s, "load_s": s.load_s}
 
 
@@ -126,17 +129,16 @@ def section(name: str):
 
 
 _TIMES = ("trace_s", "compile_s", "load_s")
+_RUNS = ("pass_runs", "events", "cache_opens")  # lists only ever appended to
 
 
 def state_since(after: dict, before: dict | None) -> dict:
     """The part of `after` (a process_compile_state) that came after `before` (None: all)."""
     if before is None:
         return {k: v for k, v in after.items() if k != "sections"}
+    runs = {k: after[k][len(before[k]):] for k in _RUNS}
     return {"counters": {k: v - before["counters"][k] for k, v in after["counters"].items()},
-            "pass_runs": after["pass_runs"][len(before["pass_runs"]):],
-            "events": after["events"][len(before["events"]):],
-            "cache_dirs": {p: st for p, st in after["cache_dirs"].items()
-                           if p not in before["cache_dirs"]},
+            **runs, "cache_dirs": dict(runs["cache_opens"]),
             "inductor_cache_dir": after["inductor_cache_dir"],
             **{k: after[k] - before[k] for k in _TIMES}}
 
@@ -153,12 +155,11 @@ def split_section(after: dict, before: dict | None, name: str) -> tuple[dict, di
     part = state_since(end, start)
     rest = {**whole,
             "counters": {k: v - part["counters"][k] for k, v in whole["counters"].items()},
-            "cache_dirs": {p: st for p, st in whole["cache_dirs"].items()
-                           if p not in part["cache_dirs"]},
             # the latest cache opened before the section (the section's own otherwise)
             "inductor_cache_dir": start["inductor_cache_dir"] or whole["inductor_cache_dir"],
             **{k: whole[k] - part[k] for k in _TIMES}}
-    for key in ("pass_runs", "events"):  # the section's entries are a run of the lists
+    for key in _RUNS:  # the section's entries are a run of the lists
         i = len(start[key]) - (len(before[key]) if before else 0)
         rest[key] = whole[key][:i] + whole[key][i + len(part[key]):]
+    rest["cache_dirs"] = dict(rest["cache_opens"])
     return rest, part

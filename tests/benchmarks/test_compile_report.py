@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from kiln.compilation import monitor
 from kiln.compilation.monitor import per_shape
 from kiln.engine.arg_utils import EngineArgs
 from kiln.entrypoints.cli.compile import format_report
@@ -296,28 +295,19 @@ def test_a_speculative_draft_is_reported_apart_from_the_target(cold, tiny_llama_
     assert "  pieces     3 total, 2 compiled" in text
 
 
-@pytest.mark.parametrize("from_start", [False, True])  # in this process / a rank's own
-def test_split_section_takes_a_drafts_part_out_of_the_compile_state(from_start):
-    def state(n, events, dirs, inductor, sections=()):
-        return {"counters": {"num_inductor_compiles": n}, "pass_runs": [f"run{e}" for e in events],
-                "events": list(events), "cache_dirs": dict.fromkeys(dirs, "miss"),
-                "inductor_cache_dir": inductor, "trace_s": n, "compile_s": 2 * n,
-                "load_s": 0, "sections": list(sections)}
-
-    before = state(1, [0], ["old"], "old/ind")
-    start = state(3, [0, 1, 2], ["old", "t"], "t/ind")
-    end = state(5, [0, 1, 2, 3, 4], ["old", "t", "d"], "d/ind")
-    after = state(6, [0, 1, 2, 3, 4, 5], ["old", "t", "d"], "d/ind",
-                  [{"name": "draft", "start": start, "end": end}])
-    target, draft = monitor.split_section(after, None if from_start else before, "draft")
-    assert draft["counters"] == {"num_inductor_compiles": 2} and draft["events"] == [3, 4]
-    assert draft["pass_runs"] == ["run3", "run4"] and list(draft["cache_dirs"]) == ["d"]
-    assert draft["compile_s"] == 4 and draft["inductor_cache_dir"] == "d/ind"
-    assert target["events"] == ([0] if from_start else []) + [1, 2, 5]
-    assert target["counters"] == {"num_inductor_compiles": 4 if from_start else 3}
-    assert list(target["cache_dirs"]) == (["old"] if from_start else []) + ["t"]
-    assert target["inductor_cache_dir"] == "t/ind" and "sections" not in target
-    assert monitor.split_section(after, after, "draft")[1] is None  # none recorded since
+def test_warm_runs_in_one_process_list_the_cache_they_loaded(cold, tiny_llama_dir, cache_dir,
+                                                              capsys):
+    """A second `kiln compile` in this process on the same cache opens the directory the first
+    opened: each lists it (the second listed none: only directories new to the process were)."""
+    args = build_parser().parse_args([
+        "compile", "--json", "--model", str(tiny_llama_dir), *SMALL, "-O",
+        json.dumps({"mode": 3, "cache_dir": str(cache_dir)})])
+    for _ in range(2):
+        assert args.func(args) == 0
+        warm = json.loads(capsys.readouterr().out)
+        assert warm["cache"]["dirs"] == {p: "hit" for p in cold["cache"]["dirs"]}
+        assert warm["cache"]["key_dirs"] == cold["cache"]["key_dirs"]
+        assert warm["inductor"]["compiles"] == 0 and warm["cache"]["misses"] == 0
 
 
 def test_text_report_names_pieces_cache_and_times(cold):
