@@ -225,6 +225,13 @@ def require_native() -> bool:
     return _flag("KILN_REQUIRE_NATIVE", False)
 
 
+def native_cflags() -> list[str]:
+    """`KILN_NATIVE_CFLAGS`: extra compile flags for the CPU kernels, after `-march=native`
+    (`-mno-amx-tile -mno-amx-int8 -mno-amx-bf16`: the kernels a CPU without AMX runs, built and
+    cached under a key of their own; tests/native/test_isa_tiers.py and kiln.benchmarks.moe)."""
+    return (os.environ.get("KILN_NATIVE_CFLAGS") or "").split()
+
+
 def native_cpu_ops() -> bool:
     """`KILN_NATIVE_CPU_OPS=0`: the torch reference first for every IR op (kiln/ir/selection.py),
     and the linear kernel's GEMV, GGUF and SiLU-and-mul paths off."""

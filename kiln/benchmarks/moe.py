@@ -1,16 +1,18 @@
 """Micro-benchmark of the MoE ops on the CPU: the native provider (kiln/ir/moe_native.py: float
 experts in one C++ call a layer on the weights as stored, int8 experts in panels) against the
 torch reference, in one invocation, on a Mixtral-like layer; prints one JSON object
-(`python -m kiln.benchmarks.moe --help`).
+(`python -m kiln.benchmarks.moe --help`). A CPU without AMX, on one with it:
+KILN_NATIVE_CFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16.
 """
 import argparse
 import json
+import os
 import platform
 import time
 
 import torch
 
-from kiln import ir
+from kiln import envs, ir
 from kiln.model.layers.fused_moe import FusedMoE
 from kiln.model.layers.moe_cpu import pack_int8_experts
 from kiln.model.layers.quantization.moe_int8 import quantize_experts
@@ -26,7 +28,13 @@ def machine() -> dict:
     flags = build.cpu_flags()
     return {"cpu": model, "isa_flags": [f for f in _ISA_FLAGS if f in flags],
             "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "int8_isa": int8_ops.isa()}
+            "int8_isa": int8_ops.isa(),
+            # a lower CPU's kernels on this one (KILN_NATIVE_CFLAGS="-mno-amx-tile ...": no AMX)
+            # and oneDNN's (ONEDNN_MAX_CPU_ISA, for aten's GEMMs and the reference)
+            "native_cflags": envs.native_cflags(),
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+            "moe_tiles": torch.ops.kiln.fused_experts_tiles(),
+            "moe_rows_isa": [torch.ops.kiln.fused_experts_rows_isa(d) for d in (0, 1)]}
 
 
 def _time_ms(fn, iters: int) -> float:
@@ -39,7 +47,7 @@ def _time_ms(fn, iters: int) -> float:
     return min(times) * 1e3  # the least disturbed run (a shared machine's others add noise)
 
 
-def _experts(args, quantized: bool) -> FusedMoE:
+def _experts(args, quantized: bool, dtype: torch.dtype) -> FusedMoE:
     moe = FusedMoE(args.experts, args.top_k, args.hidden, args.intermediate, renormalize=True,
                    tp_rank=0, tp_size=1)
     g = torch.Generator().manual_seed(0)
@@ -48,14 +56,16 @@ def _experts(args, quantized: bool) -> FusedMoE:
         moe.w2_weight.normal_(0, 0.02, generator=g)
     if quantized:
         quantize_experts(moe)
-    return moe.to(torch.bfloat16) if not quantized else moe
+    return moe.to(dtype) if not quantized else moe
 
 
 @torch.no_grad()
 def run(args) -> dict:
     rows = []
     for kind in args.dtypes:
-        moe = _experts(args, kind == "int8")
+        # float32 experts take float32 activations; bfloat16 and int8 ones bfloat16
+        act = torch.float32 if kind == "float32" else torch.bfloat16
+        moe = _experts(args, kind == "int8", act)
         if kind == "int8":
             stored = (moe.w13_weight, moe.w13_weight_scale, moe.w2_weight, moe.w2_weight_scale)
             ref_fn = ir.fused_moe_int8.reference
@@ -72,8 +82,8 @@ def run(args) -> dict:
         native = op.impls["native"].fn
         for batch in args.batches:
             g = torch.Generator().manual_seed(batch)
-            x = torch.randn(batch, args.hidden, generator=g).to(torch.bfloat16)
-            logits = torch.randn(batch, args.experts, generator=g).to(torch.bfloat16)
+            x = torch.randn(batch, args.hidden, generator=g).to(act)
+            logits = torch.randn(batch, args.experts, generator=g).to(act)
             ref_call = (x, logits, *stored, args.top_k, True)
             nat_call = (x, logits, *native_args, args.top_k, True)
             diff = (native(*nat_call).float() - ref_fn(*ref_call).float()).abs().max().item()
@@ -85,7 +95,8 @@ def run(args) -> dict:
     return {"machine": machine(), "shape": {"hidden": args.hidden,
                                             "intermediate": args.intermediate,
                                             "experts": args.experts, "top_k": args.top_k,
-                                            "activations": "bfloat16"},
+                                            "activations": "float32 experts: float32, else "
+                                                           "bfloat16"},
             "results": rows}
 
 
@@ -96,7 +107,7 @@ def main(argv=None) -> None:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32, 512])
-    p.add_argument("--dtypes", nargs="+", choices=["bfloat16", "int8"],
+    p.add_argument("--dtypes", nargs="+", choices=["bfloat16", "float32", "int8"],
                    default=["bfloat16", "int8"])
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

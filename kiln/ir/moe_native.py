@@ -1,7 +1,8 @@
 """The `native` provider of the MoE IR ops (fused_moe, fused_moe_int8, fused_moe_int8_panels). Float
 experts: the routing here, then one C++ call per layer (csrc/moe_experts.cpp: tokens grouped by
-expert once, each routed expert's gate_up -> SiLU-and-mul -> down on AMX-BF16 tiles, the GEMV
-kernel or aten's GEMM over the weights as stored, the float32 weighted sum). int8 experts, packed
+expert once, each routed expert's gate_up -> SiLU-and-mul -> down on AMX-BF16 tiles, the multi-row
+AVX-512 kernel (csrc/rows_gemm.c), the GEMV kernel or aten's GEMM over the weights as stored, the
+float32 weighted sum). int8 experts, packed
 in panels or as stored: the same in one C++ call (csrc/moe_experts_int8.cpp) on the dense int8
 MLP's kernels.
 In compiled graphs each op stays one opaque node, as the reference's.

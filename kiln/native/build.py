@@ -36,6 +36,12 @@ NAME = "kiln_native"
 # library loads, flushing subnormals to zero in torch's own math too.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 LDFLAGS = ["-fopenmp"]
+
+
+def cflags() -> list[str]:
+    """CFLAGS, then `KILN_NATIVE_CFLAGS` (a lower CPU's tier on this one: `-mno-...`)."""
+    return CFLAGS + envs.native_cflags()
+
 # __FILE__ (in the registration and error messages) names Kiln's sources and torch's headers
 # from their packages, not from the checkout or virtual environment, so that the library a key
 # names is the same whichever checkout built it.
@@ -105,7 +111,7 @@ def build_key(cxx: str) -> str:
         raise RuntimeError(f"cannot run the C++ compiler {cxx!r}: {e}") from e
     h = hashlib.sha256()
     for part in (NAME.encode(), sources_digest().encode(),
-                 version.encode(), " ".join(CFLAGS + PATH_FLAGS + ["|"] + LDFLAGS).encode(),
+                 version.encode(), " ".join(cflags() + PATH_FLAGS + ["|"] + LDFLAGS).encode(),
                  platform.machine().encode(), _cpu_flags().encode(), torch.__version__.encode(),
                  str(torch.compiled_with_cxx11_abi()).encode(), sys.version.encode()):
         h.update(part)
@@ -202,8 +208,8 @@ def _compile(cxx: str, target: Path) -> None:
     work = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
     try:
         torch_dir = Path(torch.__file__).parent
-        cflags = CFLAGS + [flag.format(csrc=CSRC, torch=torch_dir) for flag in PATH_FLAGS]
-        args = {"name": NAME, "sources": [str(p) for p in sources()], "cflags": cflags,
+        flags = cflags() + [flag.format(csrc=CSRC, torch=torch_dir) for flag in PATH_FLAGS]
+        args = {"name": NAME, "sources": [str(p) for p in sources()], "cflags": flags,
                 "ldflags": LDFLAGS, "include": str(CSRC), "build_directory": str(work)}
         env = {**os.environ, "CXX": cxx, "PATH": _ninja_path(),
                "MAX_JOBS": os.environ.get("MAX_JOBS", str(max(1, min(4, os.cpu_count() or 1))))}

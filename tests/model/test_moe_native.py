@@ -1,9 +1,10 @@
 """The native CPU provider of the MoE ops (kiln/ir/moe_native.py) against their references:
 float32 within 1e-5 and bfloat16 within a rounding step of the output (rtol 2^-7, atol 2e-2: only
-the GEMMs' summation order differs: GEMV up to 4 rows an expert, above that AMX-BF16 tiles where
-granted, else aten's GEMM); int8 bit for bit with the experts as stored and packed into panels.
-Shapes include no tokens, a single token, k = 1, 2, 8, experts no token chose and the tiles' row
-and width edges; float experts run in one C++ call a layer and are held once.
+the GEMMs' summation order differs: AMX-BF16 tiles where granted, else the multi-row kernel
+(csrc/rows_gemm.c, AVX-512) up to its rows, else GEMV up to 4 rows an expert, and aten's GEMM);
+int8 bit for bit with the experts as stored and packed into panels. Shapes include no tokens, a
+single token, k = 1, 2, 8, experts no token chose and the tiles' row and width edges; float
+experts run in one C++ call a layer and are held once.
 """
 import pytest
 import torch
@@ -88,27 +89,43 @@ def test_one_native_call_runs_every_expert(dtype, top_k, tokens):
     _close(got, want, dtype)
 
 
-GEMV, TILES, ATEN = 0, 1, 2  # csrc/moe_experts.cpp's routes
+GEMV, TILES, ATEN, ROWS = 0, 1, 2, 3  # csrc/moe_experts.cpp's routes
+NONE, AVX512F, BF16_DOT = 0, 1, 2  # csrc/kernels.h's KILN_ROWS_* (kiln_rows_gemm_isa)
 
 
 def test_an_experts_rows_choose_its_kernel():
-    """bfloat16 on AMX tiles where granted, from one row; else up to 4 rows the GEMV kernel,
-    more aten."""
+    """bfloat16 on AMX tiles where granted, from one row. Else the rows kernel where the build has
+    one: bfloat16 on AVX512-BF16 dot products up to 8 rows, widened (AVX-512F alone) at any
+    rows, float32 up to 16; above them aten. Without AVX-512 the GEMV kernel up to 4 rows, aten
+    above."""
     route = torch.ops.kiln.fused_experts_route
-    assert [route(r, 1, True) for r in (1, 4, 5, 16, 17, 33, 512)] == [TILES] * 7
-    assert [route(r, 1, False) for r in (1, 4, 5, 33)] == [GEMV, GEMV, ATEN, ATEN]
-    for tiles in (True, False):
-        assert [route(r, 0, tiles) for r in (4, 5, 33)] == [GEMV, ATEN, ATEN]  # float32
+    for isa in (NONE, AVX512F, BF16_DOT):
+        assert [route(r, 1, True, isa) for r in (1, 4, 5, 16, 17, 33, 512)] == [TILES] * 7
+    for dtype in (0, 1):
+        assert [route(r, dtype, False, NONE) for r in (1, 4, 5, 33)] == [GEMV, GEMV, ATEN, ATEN]
+    assert [route(r, 1, False, BF16_DOT) for r in (1, 4, 5, 8, 9, 512)] == [ROWS] * 4 + [ATEN] * 2
+    assert [route(r, 1, False, AVX512F) for r in (1, 33, 512, 4096)] == [ROWS] * 4
+    for tiles in (True, False):  # float32
+        assert [route(r, 0, tiles, AVX512F) for r in (1, 16, 17, 33)] == [ROWS, ROWS, ATEN, ATEN]
     has = {"amx_tile", "amx_bf16", "avx512_bf16"} <= build.cpu_flags()
     assert torch.ops.kiln.fused_experts_tiles() == has
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 16, 17, 33])
+def _route_of(rows: int, dtype: torch.dtype) -> int:
+    """The route this build takes for an expert of `rows` rows."""
+    code = build.DTYPES[dtype]
+    return torch.ops.kiln.fused_experts_route(rows, code, torch.ops.kiln.fused_experts_tiles(),
+                                              torch.ops.kiln.fused_experts_rows_isa(code))
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 8, 9, 16, 17, 33])
 @pytest.mark.parametrize("hidden, inter", [(64, 96), (80, 40)])
-def test_bfloat16_tiles_at_the_row_boundaries(rows, hidden, inter):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_at_the_row_boundaries(rows, hidden, inter, dtype):
     """`rows` rows to expert 0 (the others fewer), on widths that fill whole 32 x 32 tile blocks
-    and on ones that leave edges (k and weight rows past a tile's end: zero-padded copies)."""
-    experts, dtype = 4, torch.bfloat16
+    and on ones that leave edges (k and weight rows past a tile's end: zero-padded copies; past
+    the rows kernel's 4 x 4 blocks and 16 / 32 k a step), on this build's route for them."""
+    experts = 4
     g = torch.Generator().manual_seed(rows * 1000 + hidden)
     x = torch.randn(rows, hidden, generator=g).to(dtype)
     w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2).to(dtype)
@@ -119,8 +136,7 @@ def test_bfloat16_tiles_at_the_row_boundaries(rows, hidden, inter):
     before = torch.ops.kiln.fused_experts_route_counts()
     got = torch.ops.kiln.fused_experts_native(x, weights, ids, w13, w2)
     ran = [a - b for a, b in zip(torch.ops.kiln.fused_experts_route_counts(), before)]
-    big = (TILES if torch.ops.kiln.fused_experts_tiles() else GEMV if rows <= 4 else ATEN)
-    assert ran[big] >= 1 and sum(ran) == min(rows, 3) + 1
+    assert ran[_route_of(rows, dtype)] >= 1 and sum(ran) == min(rows, 3) + 1
     _close(got, want, dtype)
 
 

@@ -4,11 +4,10 @@ so a child) and checks what that CPU runs against the references (layer ops, int
 the sampler's draw, attention). Prints one JSON line: what the library was built with, and every
 mismatch found (none expected).
 
-Usage: python _tier_child.py FLAG [FLAG ...]
+Usage: KILN_NATIVE_CFLAGS="FLAG ..." python _tier_child.py
 """
 import json
 import random
-import sys
 
 import torch
 from paged_reference import reference_attention, shuffled_block_tables
@@ -130,6 +129,38 @@ def moe(g: torch.Generator) -> None:
             ok = (close(got, want, dtype, 2) if dtype == torch.bfloat16
                   else torch.allclose(got, want, rtol=1e-5, atol=1e-5))
             check(ok, f"fused_experts {dtype} T {tokens} k {k}")
+    rows_gemm(g)
+
+
+def rows_gemm(g: torch.Generator) -> None:
+    """csrc/rows_gemm.c of this tier (AVX-512F FMA, bfloat16 widened, where no AVX512-BF16)
+    alone at odd sizes, NaN and infinity, and as the experts' route, as
+    tests/native/test_rows_gemm.py and test_moe_native.py check this machine's."""
+    k = torch.ops.kiln
+    for dtype in (torch.float32, torch.bfloat16):
+        if k.fused_experts_rows_isa(build.DTYPES[dtype]) == 0:
+            continue
+        for m, n, kd in [(1, 5, 7), (3, 37, 33), (5, 96, 64), (9, 33, 17), (17, 130, 257)]:
+            x, w = (torch.randn(r, kd, generator=g).to(dtype) for r in (m, n))
+            x[m - 1, kd // 2] = float("inf")
+            w[n // 2, 0] = float("nan")
+            got, want = k.rows_gemm_native(x, w), x @ w.t()
+            ok = (close(got, want, dtype, 2) if dtype == torch.bfloat16
+                  else torch.allclose(got, want, rtol=1e-5, atol=1e-5, equal_nan=True))
+            check(ok and torch.equal(got.isinf(), want.isinf()), f"rows_gemm {dtype} {m}x{n}x{kd}")
+        # 9 rows to expert 0, 3 to each of 1..3, one to 4: the route counts say the kernel ran
+        ids = torch.tensor([[0, 1 + i % 3] for i in range(9)] + [[4, 5]])
+        x = torch.randn(len(ids), 80, generator=g).to(dtype)
+        w13, w2 = (torch.randn(*s, generator=g).mul(0.2).to(dtype)
+                   for s in ((6, 80, 80), (6, 80, 40)))
+        weights = torch.rand(len(ids), 2, generator=g)
+        before = k.fused_experts_route_counts()
+        got = k.fused_experts_native(x, weights, ids, w13, w2)
+        ran = [a - b for a, b in zip(k.fused_experts_route_counts(), before)]
+        want = ir.fused_moe.reference(x, x.new_empty(len(ids), 6), w13, w2, 2, False, weights, ids)
+        ok = (close(got, want, dtype, 2) if dtype == torch.bfloat16
+              else torch.allclose(got, want, rtol=1e-5, atol=1e-5))
+        check(ok and ran[3] >= 1, f"fused_experts on rows_gemm {dtype}: routes {ran}")
 
 
 def sample(g: torch.Generator) -> None:
@@ -210,8 +241,7 @@ def attention(g: torch.Generator) -> None:
 
 
 if __name__ == "__main__":
-    build.CFLAGS = [*build.CFLAGS, *sys.argv[1:]]
-    assert build.available(), "the kernels did not build with " + " ".join(sys.argv[1:])
+    assert build.available(), "the kernels did not build with " + " ".join(build.cflags())
     from kiln.native import gguf_matmul, paged_attention, prefill_attention
     from kiln.native import int8_ops as native_int8
     g = torch.Generator().manual_seed(0)
@@ -233,4 +263,5 @@ if __name__ == "__main__":
         "prefill_amx": prefill_attention.amx(torch.bfloat16, 128),
         "bf16_dot": paged_attention.bf16_dot(torch.bfloat16, 128),
         "moe_tiles": torch.ops.kiln.fused_experts_tiles(),
+        "rows_isa": [torch.ops.kiln.fused_experts_rows_isa(d) for d in (0, 1)],
         "chosen": chosen, "failures": failures}))

@@ -113,3 +113,16 @@ def test_failed_build_falls_back_with_the_compiler_error(fresh_kernels, monkeypa
         assert not gemv.available()  # asked again: the same verdict, no second warning
     assert caplog.text.count("could not build Kiln's CPU kernels") == 1
     assert "no such flag" in caplog.text
+
+
+@needs_compiler
+def test_native_cflags_build_a_lower_cpus_kernels_under_a_key_of_their_own(monkeypatch):
+    """KILN_NATIVE_CFLAGS (the ISA tier tests' and kiln.benchmarks.moe's way to run a CPU
+    without AMX on one with it) follow -march=native and change the library's key."""
+    cxx = build.compiler()
+    monkeypatch.delenv("KILN_NATIVE_CFLAGS", raising=False)
+    native = build.build_key(cxx)
+    assert build.cflags() == build.CFLAGS
+    monkeypatch.setenv("KILN_NATIVE_CFLAGS", " -mno-amx-tile  -mno-amx-bf16 ")
+    assert build.cflags() == [*build.CFLAGS, "-mno-amx-tile", "-mno-amx-bf16"]
+    assert build.build_key(cxx) != native

@@ -36,9 +36,9 @@ INT8_OPS = ("dynamic_int8_quant", "int8_scaled_mm", "int8_scaled_mm_panels",
 
 
 def _run_tier(flags: list[str]) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    env = {**os.environ, "KILN_NATIVE_CFLAGS": " ".join(flags), "PYTHONPATH": os.pathsep.join(
         [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([sys.executable, str(HERE / "_tier_child.py"), *flags],
+    proc = subprocess.run([sys.executable, str(HERE / "_tier_child.py")],
                           capture_output=True, text=True, env=env, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -65,6 +65,10 @@ def test_a_lower_cpus_kernels_match_the_references(tier):
     bf16 = {"avx512f", "avx512bw", "avx512_bf16"} <= has
     assert report["bf16_dot"] == bf16
     assert report["prefill_simd"] == ["avx512f" in has, bf16]
+    # the MoE experts' rows kernel (csrc/rows_gemm.c): AVX-512 FMA, bfloat16 on AVX512-BF16 dot
+    # products where the CPU has them; none without AVX-512 (the GEMV kernel and aten)
+    avx512 = {"avx512f", "avx512bw"} <= has
+    assert report["rows_isa"] == ([1, 2 if bf16 else 1] if avx512 else [0, 0])
     # the GGUF blocks kernel needs AVX-512; without it the reference runs
     assert report["gguf_kernel"] == ({"avx512f", "avx512bw"} <= has)
     assert report["chosen"]["gguf_linear"] == ("native" if report["gguf_kernel"] else "torch")

@@ -93,6 +93,14 @@ int kiln_bf16_amx_gemm_ready(void);
 int kiln_bf16_amx_gemm(const void *x, const void *w, void *out, int64_t ldo, int64_t m, int64_t n,
                        int64_t k, int32_t num_threads);
 
+/* rows_gemm.c: out [m, n] (row stride ldo) = x [m, k] @ w [n, k]^T, float32 or bfloat16, several
+ * rows of x against the weight as stored, for CPUs without AMX tiles; _isa: how this build runs
+ * the dtype (KILN_ROWS_NONE where built without AVX-512: the call returns 1) */
+enum { KILN_ROWS_NONE = 0, KILN_ROWS_AVX512F = 1, KILN_ROWS_BF16_DOT = 2 };
+int kiln_rows_gemm_isa(int32_t dtype);
+int kiln_rows_gemm(const void *x, const void *w, void *out, int64_t ldo, int64_t m, int64_t n,
+                   int64_t k, int32_t dtype, int32_t num_threads);
+
 /* int8_vnni_gemm.c: kiln_int8_gemm over the weight in 64-column panels (k a multiple of 4),
  * packed at load (_packed) or for this call (_panels, for many rows); from
  * kiln_int8_amx_min_rows() rows on AMX tiles (int8_amx_panels.c) */

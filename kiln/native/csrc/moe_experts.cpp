@@ -6,11 +6,12 @@
  *
  * In bfloat16 where the CPU grants AMX tiles, every expert runs on bf16_amx_gemm.c's tile GEMM
  * over the weight as stored, from one row up (it streams the weight at least as fast as the
- * GEMV kernel: docs/measurements.md). Otherwise an expert with up to GEMV_ROWS rows (a decode's
- * experts) runs on the GEMV kernel over the dense weight, the experts side by side on the threads
- * (each single-threaded) when there are enough of them, and more rows take aten's matmul (oneDNN
- * / MKL, threaded), the row count rounded up as linear_op.cpp's gemm_rows does (bounds oneDNN's
- * primitive cache). No packed copy of the experts is read or needed
+ * GEMV kernel: docs/measurements.md). Otherwise, where built with AVX-512, an expert of up to
+ * rows_max rows runs on rows_gemm.c's multi-row kernel (AVX512-BF16 dot products, or FMA), else
+ * one of up to GEMV_ROWS rows on the GEMV kernel; experts of up to GEMV_ROWS rows (a decode's)
+ * side by side on the threads (each single-threaded) when there are enough of them; more rows
+ * take aten's matmul (oneDNN / MKL, threaded), the row count rounded up as linear_op.cpp's
+ * gemm_rows does (bounds oneDNN's primitive cache). No packed copy of the experts is read or needed
  * (kiln/model/layers/moe_cpu.py). */
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -31,14 +32,29 @@
 namespace {
 
 /* Up to this many rows an expert's GEMMs are the GEMV kernel's (csrc/gemv.c takes up to 4; a
- * MoE's few rows a step are its common case, where streaming the weight once is the cost). */
+ * MoE's few rows a step are its common case, where streaming the weight once is the cost), and
+ * an expert of this many rows or fewer runs beside the others, each on one thread. */
 constexpr int64_t GEMV_ROWS = 4;
 
-/* Which kernel runs an expert's GEMMs: `choose_route`. */
-enum Route { ROUTE_GEMV, ROUTE_TILES, ROUTE_ATEN, NUM_ROUTES };
+/* Up to this many rows an expert's GEMMs are rows_gemm.c's where this build has that kernel for
+ * the dtype (rows_isa: kiln_rows_gemm_isa), from one row (it streams the weight faster than the
+ * GEMV kernel), more rows aten's: bfloat16 on AVX512-BF16 dot products up to 8 (oneDNN's
+ * AVX512-BF16 GEMM as fast from about 8 rows an expert, faster from 16); bfloat16 widened to
+ * float32 (AVX-512F without BF16) at every row count (oneDNN converts there too, and took about
+ * twice as long from 4 rows to 512 tokens); float32 up to 16 (MKL's SGEMM faster above).
+ * Measured: docs/measurements.md. */
+int64_t rows_max(int64_t dtype, int64_t rows_isa) {
+    if (rows_isa == KILN_ROWS_BF16_DOT) return 8;
+    if (rows_isa == KILN_ROWS_AVX512F) return dtype == KILN_F32 ? 16 : INT64_MAX;
+    return 0;
+}
 
-int64_t choose_route(int64_t rows, int64_t dtype, bool tiles) {
+/* Which kernel runs an expert's GEMMs: `choose_route` (rows_isa: kiln_rows_gemm_isa(dtype)). */
+enum Route { ROUTE_GEMV, ROUTE_TILES, ROUTE_ATEN, ROUTE_ROWS, NUM_ROUTES };
+
+int64_t choose_route(int64_t rows, int64_t dtype, bool tiles, int64_t rows_isa) {
     if (dtype == KILN_BF16 && tiles) return ROUTE_TILES;
+    if (rows <= rows_max(dtype, rows_isa)) return ROUTE_ROWS;
     return rows <= GEMV_ROWS ? ROUTE_GEMV : ROUTE_ATEN;
 }
 
@@ -61,6 +77,28 @@ std::vector<int64_t> route_counts() {
 }
 
 bool tiles_ready() { return kiln_bf16_amx_gemm_ready() != 0; }
+
+int64_t rows_isa(int64_t dtype) { return kiln_rows_gemm_isa(static_cast<int32_t>(dtype)); }
+
+/* x [m, k] @ w [n, k]^T on rows_gemm.c alone (tests: the kernel of this build's tier against
+ * torch's matmul at any size). */
+at::Tensor rows_gemm(const at::Tensor &x_in, const at::Tensor &w_in) {
+    const char *op = "kiln::rows_gemm_native";
+    const int32_t dtype = kiln::kernel_dtype(x_in, op);
+    TORCH_CHECK_VALUE(x_in.dim() == 2 && w_in.dim() == 2 && w_in.size(1) == x_in.size(1) &&
+                          w_in.scalar_type() == x_in.scalar_type(),
+                      op, ": x [m, k] ", x_in.sizes(), " and w [n, k] ", w_in.sizes(),
+                      " must share k and dtype");
+    const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+    at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
+    if (out.numel() == 0) return out;
+    TORCH_CHECK(x.size(1) > 0 && kiln_rows_gemm_isa(dtype) != KILN_ROWS_NONE, op,
+                ": k 0, or this build has no rows kernel for the dtype (no AVX-512)");
+    kiln::check_rc(kiln_rows_gemm(x.data_ptr(), w.data_ptr(), out.data_ptr(), w.size(0),
+                                  x.size(0), w.size(0), x.size(1), dtype, kiln::threads()),
+                   op);
+    return out;
+}
 
 /* Each expert's rows in the gathered buffers: [start, start + padded), n of them real. */
 struct Group {
@@ -87,6 +125,18 @@ void run_expert(const Group &g, const at::Tensor &xs, const at::Tensor &gu, cons
         kiln::check_rc(kiln_bf16_amx_gemm(a.data_ptr(), w2[g.expert].data_ptr(), y.data_ptr(), h,
                                           g.padded, h, inter, nthreads),
                        "kiln::fused_experts (down tiles)");
+        return;
+    }
+    if (g.route == ROUTE_ROWS) {
+        kiln::check_rc(kiln_rows_gemm(x.data_ptr(), w13[g.expert].data_ptr(), u.data_ptr(), two_i,
+                                      g.padded, two_i, h, dtype, nthreads),
+                       "kiln::fused_experts (gate_up rows)");
+        kiln::check_rc(kiln_silu_and_mul(u.data_ptr(), two_i, a.data_ptr(), g.padded,
+                                         static_cast<int32_t>(inter), dtype, nthreads),
+                       "kiln::fused_experts (silu_and_mul)");
+        kiln::check_rc(kiln_rows_gemm(a.data_ptr(), w2[g.expert].data_ptr(), y.data_ptr(), h,
+                                      g.padded, h, inter, dtype, nthreads),
+                       "kiln::fused_experts (down rows)");
         return;
     }
     if (g.route == ROUTE_GEMV) {
@@ -138,9 +188,10 @@ at::Tensor fused_experts(const at::Tensor &x_in, const at::Tensor &topk_weights_
     std::vector<Group> groups;
     int64_t rows = 0;
     const bool tiles = dtype == KILN_BF16 && tiles_ready();
+    const int64_t isa = rows_isa(dtype);
     for (int64_t e = 0; e < experts; ++e) {
         if (counts[e] == 0) continue;  /* no token chose it: never run, its weights never read */
-        const int route = static_cast<int>(choose_route(counts[e], dtype, tiles));
+        const int route = static_cast<int>(choose_route(counts[e], dtype, tiles, isa));
         const int64_t padded = route == ROUTE_ATEN ? gemm_rows(counts[e]) : counts[e];
         groups.push_back({e, rows, counts[e], padded, route});
         rows += padded;
@@ -158,7 +209,8 @@ at::Tensor fused_experts(const at::Tensor &x_in, const at::Tensor &topk_weights_
     for (const Group &g : groups)  /* the padding rows: zeros, whose outputs nothing reads */
         if (g.padded > g.n) xs.narrow(0, g.start + g.n, g.padded - g.n).zero_();
     std::vector<Group> small, large;
-    for (const Group &g : groups) (g.route == ROUTE_GEMV ? small : large).push_back(g);
+    for (const Group &g : groups)
+        (g.route != ROUTE_TILES && g.n <= GEMV_ROWS ? small : large).push_back(g);
     const int32_t nthreads = kiln::threads();
     if (static_cast<int64_t>(small.size()) >= nthreads && nthreads > 1) {
         /* a decode's experts: side by side, each kernel on one thread */
@@ -182,8 +234,14 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
           "Tensor w2) -> Tensor");
     m.def("fused_experts_calls() -> int", &call_count);
     m.def("fused_experts_route_counts() -> int[]", &route_counts);
-    m.def("fused_experts_route(int rows, int dtype, bool tiles) -> int", &choose_route);
+    m.def("fused_experts_route(int rows, int dtype, bool tiles, int rows_isa) -> int",
+          &choose_route);
+    m.def("fused_experts_rows_isa(int dtype) -> int", &rows_isa);
+    m.def("rows_gemm_native(Tensor x, Tensor w) -> Tensor");
     m.def("fused_experts_tiles() -> bool", &tiles_ready);
 }
 
-TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("fused_experts_native", &fused_experts); }
+TORCH_LIBRARY_IMPL(kiln, CPU, m) {
+    m.impl("fused_experts_native", &fused_experts);
+    m.impl("rows_gemm_native", &rows_gemm);
+}
