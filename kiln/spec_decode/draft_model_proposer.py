@@ -17,6 +17,7 @@ from kiln.config.compilation_config import CompilationConfig, CompilationMode
 from kiln.config.load_config import LoadConfig
 from kiln.core.outputs import SchedulerOutput
 from kiln.cudagraphs.mode import CUDAGraphMode
+from kiln.errors import ConfigError
 from kiln.forward_context import set_forward_context
 from kiln.sample.row_reductions import row_argmax
 from kiln.spec_decode.scheduling import draft_lag, draft_room, target_room
@@ -87,6 +88,10 @@ class DraftModelProposer:
         self.draft_len = kiln_config.speculative_config.draft_model_config.max_model_len
         self.lag = draft_lag(kiln_config.speculative_config)  # 1: an EAGLE head
         self.kiln_config = draft_kiln_config(kiln_config)
+        spec = kiln_config.speculative_config
+        # what a load error names: the user's flag, not only a tensor of some model
+        self.named = (f"--speculative-config: speculative_config.model={spec.model!r} "
+                      f"(method={spec.method!r})")
         self.device = device
         self.model: torch.nn.Module | None = None
         self.attention_layers: dict = {}  # layer name -> the draft's Attention modules
@@ -99,8 +104,11 @@ class DraftModelProposer:
         from kiln.model.layers.attention import attention_layers
         from kiln.model.loader import get_model
 
-        with set_compile_state(self.compile_state):
-            self.model = get_model(self.kiln_config)
+        try:
+            with set_compile_state(self.compile_state):
+                self.model = get_model(self.kiln_config)
+        except ConfigError as e:
+            raise ConfigError(f"{self.named}: {e}") from None
         self.attention_layers = attention_layers(self.model)
         self.attn_backend = next(iter(self.attention_layers.values())).backend
 

@@ -120,9 +120,19 @@ def _group(qc):
      "sparsity_config.format='sparse-24-bitmask'"),
     # only q_proj targeted: Kiln's merged q/k/v would be part int8; the targets split it
     (lambda qc: _group(qc).update(targets=["re:.*q_proj$"]), "targets=['re:.*q_proj$']"),
+    # a class other than Linear, or none: read as quantizing no linear, these were refused only
+    # by the first int8 tensor's dtype, naming no field
+    (lambda qc: _group(qc).update(targets=["Embedding"]),
+     "config_groups.group_0.targets=['Embedding']"),
+    (lambda qc: _group(qc).update(targets=["Linear", "LlamaAttention"]),
+     "config_groups.group_0.targets=['Linear', 'LlamaAttention']"),
+    (lambda qc: _group(qc).update(targets=[]), "config_groups.group_0.targets=[]"),
+    (lambda qc: _group(qc).update(targets=["re:.*no_such_proj$"]),
+     "config_groups targets=['re:.*no_such_proj$']"),
 ], ids=["static-activations", "asymmetric", "group-wise", "4-bit", "weight-only", "format",
         "no-format",
-        "lm-head-quantized", "online-rotation", "sparse", "part-of-merged-targeted"])
+        "lm-head-quantized", "online-rotation", "sparse", "part-of-merged-targeted",
+        "class-target", "class-target-beside-linear", "no-targets", "targets-match-nothing"])
 def test_other_schemes_are_refused_naming_the_field(tiny_llama_dir, tmp_path, edit, field):
     d = _edited(tiny_llama_dir, tmp_path / "q", edit)
     with pytest.raises(UnsupportedQuantization, match=re.escape(f"quantization_config.{field}")):
@@ -275,3 +285,22 @@ def test_online_int8_on_a_gguf_file(tiny_llama_dir, tmp_path):
     assert model.model.embed_tokens.weight.dtype == torch.float32
     if linear_op.available():  # the float weights' GGUF blocks went with them
         assert not any(cpu_gemm.held(m).blocks for m in layers.values())
+
+
+@pytest.mark.parametrize("arch, tensor", [
+    ("llama", "model.layers.0.self_attn.q_proj.weight_scale"),
+    ("mixtral", "model.layers.1.block_sparse_moe.experts.2.w2.weight_scale")])
+def test_a_scale_holding_nan_is_refused_naming_it(arch, tensor, request, tmp_path):
+    """A damaged scale loaded and ran: its rows computed NaN and the model generated token 0
+    forever."""
+    from safetensors.torch import save_file
+
+    d = write_w8a8_checkpoint(request.getfixturevalue(f"tiny_{arch}_dir"), tmp_path / "q",
+                              ignore=["lm_head", "re:.*block_sparse_moe.gate$"])
+    state = load_file(str(d / "model.safetensors"))
+    state[tensor][3] = float("nan")
+    save_file(state, str(d / "model.safetensors"))
+    # (the loader names Mixtral's block `mlp`, as transformers 5 does)
+    named = tensor.split("layers.")[1].split(".", 2)[2]
+    with pytest.raises(ConfigError, match=re.escape(named) + ": weight_scale holds 1 NaN"):
+        get_model(kiln_config_for(d))

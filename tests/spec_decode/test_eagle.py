@@ -180,3 +180,18 @@ def test_a_head_shorter_than_max_model_len_drafts_for_shorter_requests(inprocess
             before["spec_decode_num_draft_tokens"] == drafted
         assert after["spec_decode_num_accepted_tokens"] - \
             before["spec_decode_num_accepted_tokens"] == drafted
+
+
+def test_a_model_given_as_a_head_is_refused_naming_the_flag(tiny_llama_dir):
+    """A whole Llama given as method='eagle' (its config reads as a head's) failed to load
+    naming a tensor and 'fix the config', not the flag that named the checkpoint."""
+    import torch
+
+    from kiln.engine.arg_utils import EngineArgs
+    from kiln.spec_decode.eagle_proposer import EagleProposer
+
+    config = EngineArgs(model=str(tiny_llama_dir), speculative_config=eagle_spec(tiny_llama_dir),
+                        enforce_eager=True).create_kiln_config()
+    with pytest.raises(ConfigError, match=r"^--speculative-config: speculative_config\.model="
+                       r".*\(method='eagle'\): checkpoint tensor model\.layers\.0\."):
+        EagleProposer(config, torch.device("cpu")).load()

@@ -14,6 +14,7 @@ from kiln.model.checkpoint_names import ExpertShard
 from kiln.model.layers.linear import (
     ReplicatedLinear,
     _split,
+    check_scale,
     default_weight_loader,
     take_shard,
     tp_rank_and_size,
@@ -71,7 +72,7 @@ class FusedMoE(nn.Module):
                               "experts (num_local_experts / num_experts)")
         size, rank, ranks = self.local_size, self.tp_rank, self.tp_size
         if param.dim() == 2:  # a stacked scale: compressed-tensors stores each [N, 1]
-            loaded = loaded.reshape(-1)
+            loaded = check_scale(loaded).reshape(-1)
             if shard_id.part == "w2":  # per output channel: whole on every rank, like a bias
                 default_weight_loader(param.data[shard_id.expert], loaded)
                 return

@@ -39,6 +39,15 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+def check_scale(loaded: torch.Tensor) -> torch.Tensor:
+    """A quantized weight's stored scale, refused when it holds NaN or infinity: the
+    weight's rows would then compute NaN, and a model of them generate garbage (token 0)."""
+    if loaded.is_floating_point() and not bool(torch.isfinite(loaded).all()):
+        raise ConfigError(f"weight_scale holds {int((~torch.isfinite(loaded)).sum())} NaN or "
+                          "infinite values; the checkpoint is damaged: quantize it again")
+    return loaded
+
+
 def take_shard(loaded: torch.Tensor, dim: int, rank: int, size: int,
                num_shards: int) -> torch.Tensor:
     """This rank's `size` slice of `loaded` along dim, after checking the full extent."""

@@ -133,6 +133,8 @@ def parse_w4a16(raw: dict) -> tuple[list[str], list[str], int, bool]:
 
 
 def _targets_and_ignore(config) -> tuple[list[str], list[str]]:
+    for name, scheme in config.config_groups.items():
+        _check_targets(f"config_groups.{name}.targets", list(scheme.targets))
     targets = [t for s in config.config_groups.values() for t in s.targets]
     ignore = list(config.ignore or [])
     # the head as the checkpoint names it: lm_head, GPT-NeoX's embed_out
@@ -191,6 +193,20 @@ def _refuse_packed_beyond_w4a16(raw: dict) -> None:
         if bits == 4 and acts is not None:
             _refuse(f"{where}.input_activations", acts, "4-bit weights "
                     "run with unquantized activations (W4A16); W4A8 is not supported")
+
+
+def _check_targets(field: str, targets: list[str]) -> None:
+    """Kiln matches a group's targets against its linear layers only: 'Linear', a module name
+    or an `re:` pattern. Another class name (Embedding, LlamaAttention: CamelCase, as
+    compressed-tensors matches classes) would quantize modules Kiln keeps float, and no target
+    at all quantizes nothing; either was refused only later, by a tensor's dtype."""
+    if not targets:
+        _refuse(field, targets, "needs at least one target ('Linear', a module name or an "
+                "'re:' pattern)")
+    for target in targets:
+        if target != "Linear" and not target.startswith("re:") and target[:1].isupper():
+            _refuse(field, targets, f"{target!r} names a module class; Kiln quantizes linear "
+                    "layers only: target 'Linear', module names or 're:' patterns")
 
 
 def _targets_lm_head(targets: list[str]) -> bool:

@@ -17,7 +17,7 @@ from kiln.ir import quant as ir_quant
 from kiln.logger import init_logger
 from kiln.model.layers.cpu_gemm import BUFFERS
 from kiln.model.layers.fused_moe import FusedMoE
-from kiln.model.layers.linear import LinearBase
+from kiln.model.layers.linear import LinearBase, check_scale
 from kiln.model.layers.moe_cpu import pack_int8_experts
 from kiln.model.layers.quantization.moe_int8 import (
     expert_checkpoint_names,
@@ -82,6 +82,7 @@ def _scale_loader(layer: LinearBase):
     def load(param, loaded: torch.Tensor, shard_id=None) -> None:
         # compressed-tensors stores [N, 1] in the model dtype; Kiln keeps [N] float32, sharded
         # as the weight's rows are (a row-parallel layer's scales are whole, like a bias).
+        check_scale(loaded)
         if loaded.dim() == 2 and loaded.shape[1] == 1:
             loaded = loaded.reshape(-1)
         if shard_id is None:
@@ -172,10 +173,16 @@ class Int8W8A8Config:
         """Before loading a quantized checkpoint: int8 parameters for it to fill."""
         if self.online:
             return 0
-        chosen = self.layers(model)
+        chosen, experts = self.layers(model), self.expert_layers(model)
+        if not chosen and not experts:  # a checkpoint of int8 tensors read as all float
+            from kiln.model.layers.quantization.compressed_tensors import UnsupportedQuantization
+
+            raise UnsupportedQuantization(
+                f"quantization_config.config_groups targets={self.targets!r} (ignore="
+                f"{self.ignore!r}) select no linear layer of this model; target 'Linear', "
+                "its module names or 're:' patterns over them")
         for _, layer in chosen:
             to_int8(layer)
-        experts = self.expert_layers(model)
         for moe in experts:
             experts_to_int8(moe)
         logger.info("W8A8 int8: %d linear layers%s load int8 weights (compressed-tensors)",
