@@ -1,7 +1,8 @@
 """An engine with an fp8 KV cache (--kv-cache-dtype fp8 / fp8_e5m2) on a tiny random-weight model:
 about 4x (float32 model) the blocks of an "auto" cache in the same memory, greedy logprobs near
-the auto cache's, the C kernels' equal to the torch backend's over the same fp8 cache with
-prefix caching, chunked prefill and preemption in play; MLA's latent cache refused by flag."""
+the auto cache's, compiled (mode 3) equal to eager, the C kernels' equal to the torch backend's
+over the same fp8 cache with prefix caching, chunked prefill and preemption in play; MLA's latent
+cache refused by flag."""
 import pytest
 
 from kiln.entrypoints.llm import LLM
@@ -16,8 +17,8 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=T
 
 def _run(model_dir, max_num_seqs=128, **kwargs):
     # 128 sequences: the CPU cache's cap (2 x max_num_seqs x max_model_len) is above both counts
-    llm = LLM(model=str(model_dir), enforce_eager=True, max_model_len=64,
-              max_num_seqs=max_num_seqs, **kwargs)
+    kwargs = {"enforce_eager": True, **kwargs}
+    llm = LLM(model=str(model_dir), max_model_len=64, max_num_seqs=max_num_seqs, **kwargs)
     try:
         outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
         blocks = llm.llm_engine.num_blocks
@@ -50,6 +51,13 @@ def test_an_fp8_cache_holds_more_blocks_and_stays_near_the_auto_cache(tiny_llama
     assert [t[0] for t in fp8_tokens] == [t[0] for t in tokens]
     print("fp8 vs auto logprobs: worst", _worst(fp8_tokens, fp8_logprobs, tokens, logprobs))
     assert _worst(fp8_tokens, fp8_logprobs, tokens, logprobs) < 0.1
+    # compiled (mode 3, piecewise): the attention op reached from the split graph over the fp8
+    # cache. Dynamo's backend "eager" runs the pieces Inductor would compile, without its C++
+    # compile (the cache never enters a piece, only the op splitting them)
+    compiled = _run(tiny_llama_dir, kv_cache_memory=0.001, kv_cache_dtype="fp8",
+                    enforce_eager=False, compilation_config={"mode": 3, "backend": "eager"})
+    assert compiled[0] == fp8_tokens
+    assert _worst(*compiled[:2], fp8_tokens, fp8_logprobs) < 1e-4
     # chunked prefill (8-token steps), a shared prefix from the cache, preemption (6 blocks for
     # three requests of up to 35 tokens), on the torch backend (the fp8 reference path: K/V
     # rounded through fp8 on write, dequantized on read): the C kernels' run within float32 noise

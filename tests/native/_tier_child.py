@@ -207,19 +207,23 @@ def moe_int8(g: torch.Generator, isa) -> None:
 def attention(g: torch.Generator) -> None:
     """The CPU backend's layer call on a mixed step (decodes, a chunk over a cached prefix, a
     fresh prefill and a long one: the per-token kernel, the blocked one or SDPA) against a
-    float64 softmax, as tests/native/test_fuzz_attention.py does."""
+    float64 softmax, as tests/native/test_fuzz_attention.py does; over the model's dtype and
+    over fp8 caches (--kv-cache-dtype: this tier's fp8 loads and cache write)."""
     from kiln.attention.cpu_backend import CpuAttentionImpl
+    from kiln.attention.kv_cache_dtype import to_cache
     from kiln.attention.metadata import AttentionMetadata
     rnd = random.Random(0)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, kv_dtype in [(d, kd) for d in (torch.float32, torch.bfloat16)
+                            for kd in (d, torch.float8_e4m3fn, torch.float8_e5m2)]:
         for bs, hd, nh, nkv in [(16, 64, 8, 2), (3, 80, 7, 1), (32, 128, 4, 4)]:
             q_lens, ctx = [1, 1, 5, 40, 9], [17, 0, 33, 0, bs + 1]
             seq_lens = [c + n for c, n in zip(ctx, q_lens)]
             tables, block_table, num_blocks = shuffled_block_tables(seq_lens, bs, rnd)
-            kv = torch.full((2, num_blocks, bs, nkv, hd), float("nan"), dtype=dtype)
+            kv = torch.full((2, num_blocks, bs, nkv, hd), float("nan"), dtype=kv_dtype)
             for r, table in enumerate(tables):
                 for p in range(ctx[r]):
-                    kv[:, table[p // bs], p % bs] = torch.randn(2, nkv, hd, generator=g).to(dtype)
+                    kv[:, table[p // bs], p % bs] = to_cache(
+                        torch.randn(2, nkv, hd, generator=g).to(dtype), kv_dtype)
             starts = [0]
             for n in q_lens:
                 starts.append(starts[-1] + n)
@@ -232,12 +236,17 @@ def attention(g: torch.Generator) -> None:
             md = AttentionMetadata(starts[-1], len(q_lens), max(q_lens), max(seq_lens), loc,
                                    lens, block_table, slots, loc, lens)
             CpuAttentionImpl(nh, hd, hd ** -0.5, nkv).forward(q, k, v, kv, md, out)
+            written = kv.view(2, -1, nkv * hd)[:, slots]  # the step's k, v as the cache holds them
+            check(torch.equal(written.view(torch.uint8), torch.stack(
+                [to_cache(k, kv_dtype), to_cache(v, kv_dtype)]).view(torch.uint8)),
+                f"cache write {dtype} into {kv_dtype} hd {hd}")
             want = reference_attention(q, kv[0], kv[1], tables, starts, seq_lens, nh, nkv, hd, bs,
                                        hd ** -0.5)
             tol = 1e-5 if dtype == torch.float32 else 2 ** -6
             worst = max(float((out[t].double() - row).abs().max() / max(1.0, row.abs().max()))
                         for t, row in want.items())
-            check(worst <= tol, f"attention {dtype} bs {bs} hd {hd}: off by {worst:.2e}")
+            check(worst <= tol, f"attention {dtype} over {kv_dtype} bs {bs} hd {hd}: off by "
+                  f"{worst:.2e}")
 
 
 if __name__ == "__main__":

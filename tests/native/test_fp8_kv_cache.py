@@ -115,3 +115,21 @@ def test_each_prefill_path_reads_an_fp8_cache(path, dtype):
         worst = max(float((out[t].double() - row).abs().max() / max(1.0, row.abs().max()))
                     for t, row in want.items())
         assert worst <= tol, (kv_dtype, worst)
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
+def test_a_nan_in_the_cache_stays_nan_in_the_decode_kernel(kv_dtype):
+    # A NaN K/V (a diverged model) is stored as the format's NaN, not saturated: decoding over
+    # it gives NaN, as over an "auto" cache and on the torch path (the AVX512 e4m3 load read it
+    # as 480, a finite answer); the other request is untouched
+    bs, hd, nh, nkv = 16, 64, 4, 2
+    for which in (0, 1):  # K, V
+        q, k, v, kv, md, tables, starts, _ = _fp8_step(bs, hd, nh, nkv, [1, 1], [40, 20],
+                                                       torch.float32, kv_dtype, 3)
+        kv[which, tables[0][0], 3, 0, 5] = float("nan")
+        kv_torch = kv.clone()
+        out, out_torch = (torch.zeros(starts[-1], nh * hd) for _ in range(2))
+        CpuAttentionImpl(nh, hd, hd ** -0.5, nkv).forward(q, k, v, kv, md, out)
+        TorchAttentionImpl(nh, hd, hd ** -0.5, nkv).forward(q, k, v, kv_torch, md, out_torch)
+        assert out_torch[0].isnan().any() and not out_torch[1].isnan().any()
+        assert torch.equal(out.isnan().any(1), out_torch.isnan().any(1)), "KV"[which]

@@ -4,6 +4,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from kiln.config import CacheConfig
 from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai.api_server import ServerSettings, build_app
 from kiln.sampling_params import RequestOutputKind, SamplingParams
@@ -235,6 +236,16 @@ def test_engine_totals_are_exported_as_counters(server):
     d = delta(before, samples(c))
     assert d["kiln:prefix_cache_queries_total"] == 80
     assert d["kiln:prefix_cache_hits_total"] == 32  # a second scrape adds nothing new
+
+
+def test_the_cache_config_info_names_the_kv_cache_dtype():
+    """vLLM's cache_config_info carries cache_dtype: whether the KV cache is fp8 shows."""
+    engine = CountingEngine()
+    engine.kiln_config.cache_config = CacheConfig(block_size=16, cache_dtype="fp8_e5m2")
+    with TestClient(build_app(AsyncLLM(engine), ServerSettings())) as c:
+        (info,) = [s for f in text_string_to_metric_families(c.get("/metrics").text)
+                   for s in f.samples if s.name == "kiln:cache_config_info"]
+    assert info.labels["cache_dtype"] == "fp8_e5m2" and info.labels["block_size"] == "16"
 
 
 def test_metric_types_match_vllms():

@@ -64,7 +64,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
                                 "num_gpu_blocks": llm.num_blocks,
                                 "enable_prefix_caching": cache.enable_prefix_caching,
                                 "kv_cache_memory": cache.kv_cache_memory,
-                                "gpu_memory_utilization": cache.gpu_memory_utilization},
+                                "gpu_memory_utilization": cache.gpu_memory_utilization,
+                                "cache_dtype": cache.cache_dtype},  # vLLM's label: fp8 or not
                             max_lora=getattr(getattr(llm.kiln_config, "lora_config", None),
                                              "max_loras", None),
                             num_engines=llm.kiln_config.parallel_config.data_parallel_size)

@@ -91,8 +91,9 @@ static inline void prefetch_rows(const void *cache, const int32_t *blocks, int b
 /* 16 values at element offset `off` of `base` (float32, bfloat16 or fp8) as floats. fp8 goes
  * through fp16, exactly: e5m2 is an fp16's top byte; e4m3fn's exponent and mantissa shifted
  * into an fp16's read as fp16 is the value times 2^-8 (its bias 7 against fp16's 15), its
- * subnormals as fp16 subnormals, so a multiply by 256 restores it (its NaN is never stored:
- * the writes saturate). */
+ * subnormals as fp16 subnormals, so a multiply by 256 restores it. Its NaN (0x7f / 0xff: the
+ * writes saturate finite values, but a NaN K/V is stored as NaN) gets fp16's all-ones exponent:
+ * shifted alone it read as 480, and a NaN in the model came out as finite attention. */
 static inline __m512 load16(const void *base, int64_t off, int dtype) {
     if (dtype == KILN_F32) return _mm512_loadu_ps((const float *)base + off);
     if (dtype == KILN_BF16) {
@@ -102,8 +103,11 @@ static inline __m512 load16(const void *base, int64_t off, int dtype) {
     const __m256i w = _mm256_cvtepu8_epi16(
         _mm_loadu_si128((const __m128i *)((const uint8_t *)base + off)));
     if (dtype == KILN_FP8E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+    const __m256i m7 = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
+    const __m256i nan = _mm256_and_si256(_mm256_cmpeq_epi16(m7, _mm256_set1_epi16(0x7f)),
+                                         _mm256_set1_epi16(0x7c00));
     const __m256i h = _mm256_or_si256(
-        _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
+        _mm256_or_si256(_mm256_slli_epi16(m7, 7), nan),
         _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
     return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
 }
