@@ -66,3 +66,48 @@ def test_shutdown_from_another_thread_ends_the_loops_streams():
 
     engine = asyncio.run(main())
     assert engine.shut_down and engine.aborted == ["a"]
+
+
+class _GatedEngine(FakeEngine):
+    """Its second step waits for `gate`."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+        self.in_step = threading.Event()
+        self.steps = 0
+
+    def step(self):
+        self.steps += 1
+        if self.steps == 2:
+            self.in_step.set()
+            self.gate.wait()
+        return super().step()
+
+
+def test_shutdown_from_another_thread_racing_a_finished_step_aborts():
+    """A step ends, then another thread's shutdown closes the engine thread before the event
+    loop resumes the step task: the task's next step could not be scheduled, and that was
+    taken for the engine's death (every stream failed with EngineDeadError, a traceback)."""
+    async def main():
+        engine = _GatedEngine()
+        llm = AsyncLLM(engine)
+        stream = await llm.add_request("a", "x", SamplingParams(temperature=0, max_tokens=1000))
+        await stream.__anext__()
+        await asyncio.to_thread(engine.in_step.wait)
+        # The loop's thread is held while the step ends; one turn of the loop moves its result
+        # to the step task's future (the task's wake-up is queued); the loop's thread is held
+        # again while the shutdown runs: the step task resumes before the shutdown's callback.
+        engine.gate.set()
+        llm._steps.submit(lambda: None).result()  # the step's result is queued to the loop
+        await asyncio.sleep(0)
+        stopper = threading.Thread(target=llm.shutdown)
+        stopper.start()
+        stopper.join()
+        rest = [out async for out in stream]
+        assert rest[-1].outputs[0].finish_reason == "abort"
+        assert llm._dead is None and not llm.is_running
+        with pytest.raises(EngineShutdownError):
+            await llm.get_stats()
+
+    asyncio.run(main())
