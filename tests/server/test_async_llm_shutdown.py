@@ -1,9 +1,12 @@
 """vLLM's synchronous `AsyncLLM.shutdown()` on a real engine core process: a plain call (not
 awaited) inside a running event loop stops the core, aborts what is in flight, and later calls
-are harmless; from another thread too (fake engine)."""
+are harmless; from another thread too (fake engine), racing a step's end; a dropped AsyncLLM
+stops its core too."""
 import asyncio
+import gc
 import os
 import threading
+import weakref
 
 import pytest
 
@@ -111,3 +114,17 @@ def test_shutdown_from_another_thread_racing_a_finished_step_aborts():
             await llm.get_stats()
 
     asyncio.run(main())
+
+
+def test_a_dropped_async_llm_stops_its_core_process(tiny_llama_dir):
+    """vLLM's AsyncLLM stops its core when dropped (__del__); Kiln's engine finalizer does,
+    once the engine is collected: the death callback AsyncLLM gave the core client held it (and
+    so the engine) alive from the finalizer's own reference, and the core process ran on."""
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_llama_dir), enforce_eager=True,
+                                               dtype="float32", max_model_len=64))
+    pid = llm.core_pid
+    engine = weakref.ref(llm.engine)
+    del llm
+    gc.collect()
+    assert engine() is None, "a dropped AsyncLLM's engine was never collected"
+    assert _exited(pid), "a dropped AsyncLLM's engine core process ran on"
