@@ -7,7 +7,6 @@ delays a step; each request's outputs reach its stream (in_flight_streams.py).
 import asyncio
 import threading
 import time
-import weakref
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
@@ -16,6 +15,7 @@ from kiln.engine.async_llm_lifecycle import (  # noqa: F401 (EngineShutdownError
     AsyncLLMLifecycle,
     EngineDeadError,
     EngineShutdownError,
+    weakly,
 )
 from kiln.engine.engine_token_stats import StepTokens
 from kiln.engine.frontend_lanes import FrontendLanes
@@ -30,17 +30,6 @@ from kiln.outputs import RequestOutput
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger(__name__)
-
-
-def _weakly(method: Callable) -> Callable:
-    """`method`, called only while its object lives (a callback that must not keep it alive)."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(*args)
-    return call
 
 
 class AsyncLLM(AsyncLLMLifecycle):
@@ -69,7 +58,7 @@ class AsyncLLM(AsyncLLMLifecycle):
             # Held weakly: the engine's finalizer holds its core client, which holds the
             # callbacks, so a strong one kept this AsyncLLM and the engine alive for good (a
             # dropped AsyncLLM never stopped its engine core process, as vLLM's __del__ does).
-            add_death_callback(_weakly(self._core_died))
+            add_death_callback(weakly(self._core_died))
 
     @classmethod
     def from_engine_args(cls, engine_args, stat_loggers: Iterable[StatLogger] = ()) -> "AsyncLLM":
