@@ -5,6 +5,7 @@ stops its core too."""
 import asyncio
 import gc
 import os
+import select
 import threading
 import weakref
 
@@ -18,6 +19,16 @@ from .fake_engine import FakeEngine
 
 
 def _exited(pid: int) -> bool:
+    """Whether `pid` exits (within a minute): a core that said goodbye may still be exiting
+    when shutdown() returns, a while on a loaded machine."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        select.select([fd], [], [], 60)  # readable once it exited (zombie or reaped)
+    finally:
+        os.close(fd)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
