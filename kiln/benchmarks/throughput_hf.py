@@ -43,6 +43,9 @@ def run_hf(model, prompts: list[list[int]], params, batch_size: int, pad_id: int
     # top_k 0: a checkpoint's generation config (HF's default: 50) would cut what Kiln samples
     sampling = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p,
                     top_k=0) if params.temperature > 0 else dict(do_sample=False)
+    # Nor may its other sampling defaults apply (Kiln's requests take none: vLLM's bench
+    # neither): a generation_config.json's repetition_penalty made HF's run other work.
+    sampling.update(repetition_penalty=1.0, min_p=None, typical_p=1.0, no_repeat_ngram_size=0)
     torch.manual_seed(seed)
     device = next(model.parameters()).device
     with torch.inference_mode():  # untimed warm-up, as Kiln warms up while it is built

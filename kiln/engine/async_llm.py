@@ -15,6 +15,7 @@ from kiln.engine.async_llm_lifecycle import (  # noqa: F401 (EngineShutdownError
     AsyncLLMLifecycle,
     EngineDeadError,
     EngineShutdownError,
+    weakly,
 )
 from kiln.engine.engine_token_stats import StepTokens
 from kiln.engine.frontend_lanes import FrontendLanes
@@ -54,7 +55,10 @@ class AsyncLLM(AsyncLLMLifecycle):
         self.max_sequences_per_request: int | None = None
         add_death_callback = getattr(engine, "add_death_callback", None)
         if add_death_callback is not None:
-            add_death_callback(self._core_died)
+            # Held weakly: the engine's finalizer holds its core client, which holds the
+            # callbacks, so a strong one kept this AsyncLLM and the engine alive for good (a
+            # dropped AsyncLLM never stopped its engine core process, as vLLM's __del__ does).
+            add_death_callback(weakly(self._core_died))
 
     @classmethod
     def from_engine_args(cls, engine_args, stat_loggers: Iterable[StatLogger] = ()) -> "AsyncLLM":

@@ -4,8 +4,21 @@ aborted (finish_reason "abort", as vLLM's); later requests are refused either wa
 """
 import asyncio
 import time
+import weakref
+from collections.abc import Callable
 
 _SHUT_DOWN = "the engine shut down (AsyncLLM.shutdown()); request aborted"
+
+
+def weakly(method: Callable) -> Callable:
+    """`method`, called only while its object lives (a callback that must not keep it alive)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+    return call
 
 
 class EngineDeadError(RuntimeError):

@@ -82,6 +82,11 @@ class StepLoop:
             # failed, and failing the engine here refused every later request
             raise
         except BaseException as e:  # noqa: BLE001 - every waiter must learn the engine died
+            if self._stopped or self._pool_closed:
+                # A shutdown from another thread closed the engine thread (or stopped the
+                # engine) before its cancel reached this task: no death, the shutdown ends
+                # the streams as aborted.
+                return
             logger.exception("engine step loop failed; failing all in-flight requests")
             self._on_failure(e)
 

@@ -84,6 +84,14 @@ class BeamSearch:
                       for cum, beam, step, token in candidates[:self.params.beam_width]]
         self.steps += 1
 
+    def abort(self) -> None:
+        """The search ends now (a step was aborted: the server is shutting down, the engine
+        went to sleep): the live beams end with finish_reason "abort", as a sampled request
+        would, and result() ranks them with the finished."""
+        for b in self.beams:
+            b.finish_reason = "abort"
+        self.steps = self.params.max_tokens
+
     def result(self) -> list[BeamSearchSequence]:
         """The best beam_width of the finished and the live, best first; live ones (and those
         max_model_len ended) finish by "length"."""

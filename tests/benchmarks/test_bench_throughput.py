@@ -127,3 +127,29 @@ def test_the_cli_defaults_are_vllms():
     register(sub)
     args = sub.choices["bench"].parse_args(["throughput"])
     assert (args.temperature, args.top_p, args.seed) == (1.0, 1.0, 0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_the_hf_baseline_ignores_the_checkpoints_sampling_defaults(tiny_llama_dir, temperature):
+    """HF generate applies a checkpoint's generation_config (repetition_penalty, ...) where
+    Kiln's bench requests take none: the baseline then sampled (and worked) otherwise."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kiln.benchmarks.throughput import bench_params
+    from kiln.benchmarks.throughput_hf import run_hf
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    model.generation_config.update(repetition_penalty=1.5, min_p=0.2, typical_p=0.5,
+                                   no_repeat_ngram_size=2)
+    seen = []
+    processors = model._get_logits_processor
+
+    def spy(*args, **kwargs):
+        chosen = processors(*args, **kwargs)
+        seen.extend(type(p).__name__ for p in chosen)
+        return chosen
+    model._get_logits_processor = spy
+    run_hf(model, [[5, 6, 7]], bench_params(2, temperature), 1, 0)
+    assert seen and not [n for n in seen if n.startswith(("Repetition", "MinP", "Typical",
+                                                          "NoRepeat"))], seen

@@ -1,9 +1,13 @@
 """vLLM's synchronous `AsyncLLM.shutdown()` on a real engine core process: a plain call (not
 awaited) inside a running event loop stops the core, aborts what is in flight, and later calls
-are harmless; from another thread too (fake engine)."""
+are harmless; from another thread too (fake engine), racing a step's end; a dropped AsyncLLM
+stops its core too."""
 import asyncio
+import gc
 import os
+import select
 import threading
+import weakref
 
 import pytest
 
@@ -15,6 +19,16 @@ from .fake_engine import FakeEngine
 
 
 def _exited(pid: int) -> bool:
+    """Whether `pid` exits (within a minute): a core that said goodbye may still be exiting
+    when shutdown() returns, a while on a loaded machine."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        select.select([fd], [], [], 60)  # readable once it exited (zombie or reaped)
+    finally:
+        os.close(fd)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -66,3 +80,62 @@ def test_shutdown_from_another_thread_ends_the_loops_streams():
 
     engine = asyncio.run(main())
     assert engine.shut_down and engine.aborted == ["a"]
+
+
+class _GatedEngine(FakeEngine):
+    """Its second step waits for `gate`."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+        self.in_step = threading.Event()
+        self.steps = 0
+
+    def step(self):
+        self.steps += 1
+        if self.steps == 2:
+            self.in_step.set()
+            self.gate.wait()
+        return super().step()
+
+
+def test_shutdown_from_another_thread_racing_a_finished_step_aborts():
+    """A step ends, then another thread's shutdown closes the engine thread before the event
+    loop resumes the step task: the task's next step could not be scheduled, and that was
+    taken for the engine's death (every stream failed with EngineDeadError, a traceback)."""
+    async def main():
+        engine = _GatedEngine()
+        llm = AsyncLLM(engine)
+        stream = await llm.add_request("a", "x", SamplingParams(temperature=0, max_tokens=1000))
+        await stream.__anext__()
+        await asyncio.to_thread(engine.in_step.wait)
+        # The loop's thread is held while the step ends; one turn of the loop moves its result
+        # to the step task's future (the task's wake-up is queued); the loop's thread is held
+        # again while the shutdown runs: the step task resumes before the shutdown's callback.
+        engine.gate.set()
+        llm._steps.submit(lambda: None).result()  # the step's result is queued to the loop
+        await asyncio.sleep(0)
+        stopper = threading.Thread(target=llm.shutdown)
+        stopper.start()
+        stopper.join()
+        rest = [out async for out in stream]
+        assert rest[-1].outputs[0].finish_reason == "abort"
+        assert llm._dead is None and not llm.is_running
+        with pytest.raises(EngineShutdownError):
+            await llm.get_stats()
+
+    asyncio.run(main())
+
+
+def test_a_dropped_async_llm_stops_its_core_process(tiny_llama_dir):
+    """vLLM's AsyncLLM stops its core when dropped (__del__); Kiln's engine finalizer does,
+    once the engine is collected: the death callback AsyncLLM gave the core client held it (and
+    so the engine) alive from the finalizer's own reference, and the core process ran on."""
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=str(tiny_llama_dir), enforce_eager=True,
+                                               dtype="float32", max_model_len=64))
+    pid = llm.core_pid
+    engine = weakref.ref(llm.engine)
+    del llm
+    gc.collect()
+    assert engine() is None, "a dropped AsyncLLM's engine was never collected"
+    assert _exited(pid), "a dropped AsyncLLM's engine core process ran on"

@@ -120,6 +120,10 @@ async def beam_search(llm: AsyncLLM, base_id: str, prompts: list, params: Sampli
                 finals[k] = out
         finally:  # cancelled (the client left): the step's requests go too
             abort_unfinished(llm, streams)
+        if any(out is None or out.outputs[0].finish_reason == "abort" for out in finals):
+            for search, _ in searches:  # a step aborted: the answer is what was found so far
+                search.abort()
+            break
         offered: dict[int, list] = {}
         for k, ((i, _), out) in enumerate(zip(work, finals)):
             offered.setdefault(i, []).append(step_logprobs(out, k))

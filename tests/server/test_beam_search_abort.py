@@ -1,0 +1,58 @@
+"""A beam search whose step is aborted (the server's shutdown after its grace period, sleep
+with mode "abort") answers what it found with finish_reason "abort", as a sampled request does:
+the aborted step's output, with no token to offer, was a 500."""
+import threading
+import time
+from types import SimpleNamespace
+
+from fastapi.testclient import TestClient
+
+from kiln.engine.async_llm import AsyncLLM
+from kiln.entrypoints.openai.api_server import ServerSettings, build_app
+
+from .fake_engine import EOS, VOCAB, FakeEngine
+
+
+class _HeldEngine(FakeEngine):
+    """From its third step on, a step with requests waits for `go`; `held` says one waits."""
+
+    def __init__(self):
+        super().__init__(max_model_len=64)
+        self.input_processor = SimpleNamespace(vocab_size=VOCAB, max_logprobs=20,
+                                               eos_token_id=EOS)  # what beam search reads
+        self.tokenizer = None  # token ids in and out (its text needs a real tokenizer)
+        self.go, self.held = threading.Event(), threading.Event()
+        self.steps = 0
+
+    def step(self):
+        self.steps += 1
+        if self.steps >= 3 and self.requests:
+            self.held.set()
+            self.go.wait()
+        return super().step()
+
+
+def test_an_aborted_beam_search_answers_abort_not_500():
+    engine = _HeldEngine()
+    llm = AsyncLLM(engine)
+    with TestClient(build_app(llm, ServerSettings()), raise_server_exceptions=False) as c:
+        answers = []
+        body = dict(prompt=[5, 6], use_beam_search=True, n=2, max_tokens=40, ignore_eos=True,
+                    return_token_ids=True)
+        search = threading.Thread(target=lambda: answers.append(
+            c.post("/v1/completions", json=body)))
+        search.start()
+        engine.held.wait()
+        # The streams end as aborted at once; the abort itself waits for the held step.
+        aborting = c.portal.start_task_soon(llm.abort_all, "the server is shutting down")
+        while llm.num_in_flight:
+            time.sleep(0.001)
+        engine.go.set()
+        aborting.result()
+        search.join()
+    r = answers[0]
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 2 and {ch["finish_reason"] for ch in choices} == {"abort"}
+    # what the steps before the held one found
+    assert len({len(ch["token_ids"]) for ch in choices}) == 1 and choices[0]["token_ids"]
