@@ -46,6 +46,34 @@ def test_the_kernels_cache_write_rounds_as_torch(dtype, kv_dtype):
     assert not want.float().isnan().any()  # saturated, never NaN
 
 
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cache_write_rounds_every_boundary_as_torch(dtype, kv_dtype):
+    # Every bfloat16 (each fp8 value, tie and subnormal step is one; NaNs, infinities, zeros) and,
+    # in float32, the values one step either side of it: the AVX512 write (16 at a time) and the
+    # scalar tail give torch's bytes
+    words = torch.arange(1 << 16, dtype=torch.int32) << 16
+    if dtype == torch.float32:
+        words = torch.stack([words - 1, words, words + 1], 1).flatten()
+    x = (words.view(torch.float32) if dtype == torch.float32
+         else (words >> 16).to(torch.int16).view(torch.bfloat16))
+    hd = 48  # 3 SIMD steps a row, and rows of 2 heads leave no tail; 40 leaves one of 8
+    for width in (2 * hd, 40):
+        n = x.numel() // width
+        rows = x[:n * width].view(n, width)
+        got = torch.zeros(2, n, 1, 1, width, dtype=kv_dtype)
+        step = pa.StepArgs(torch.zeros(1, n, dtype=torch.int32), torch.tensor([0, 0], dtype=torch.int32),
+                           torch.tensor([0], dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                           0, 1, torch.arange(n), n)
+        pa.run(rows, rows, rows, torch.empty_like(rows), got, step, 1.0)
+        want = to_cache(rows, kv_dtype)
+        nan = want.float().isnan()  # the sign of a NaN is torch's own (a bfloat16 +NaN: -NaN)
+        for half in got:
+            half = half.view(n, width)
+            assert torch.equal(half.float().isnan(), nan), width
+            assert torch.equal(half.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan]), width
+
+
 def _fp8_step(bs, hd, nh, nkv, q_lens, ctx, dtype, kv_dtype, seed):
     rnd, g = random.Random(seed), torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in zip(ctx, q_lens)]
