@@ -145,19 +145,28 @@ def test_each_prefill_path_reads_an_fp8_cache(path, dtype):
         assert worst <= tol, (kv_dtype, worst)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # float32 FMAs, BF16 dots
 @pytest.mark.parametrize("kv_dtype", FP8)
-def test_a_nan_in_the_cache_stays_nan_in_the_decode_kernel(kv_dtype):
+def test_a_nan_in_the_cache_stays_nan_in_the_decode_kernel(kv_dtype, dtype):
     # A NaN K/V (a diverged model) is stored as the format's NaN, not saturated: decoding over
     # it gives NaN, as over an "auto" cache and on the torch path (the AVX512 e4m3 load read it
     # as 480, a finite answer); the other request is untouched
     bs, hd, nh, nkv = 16, 64, 4, 2
     for which in (0, 1):  # K, V
         q, k, v, kv, md, tables, starts, _ = _fp8_step(bs, hd, nh, nkv, [1, 1], [40, 20],
-                                                       torch.float32, kv_dtype, 3)
+                                                       dtype, kv_dtype, 3)
         kv[which, tables[0][0], 3, 0, 5] = float("nan")
         kv_torch = kv.clone()
-        out, out_torch = (torch.zeros(starts[-1], nh * hd) for _ in range(2))
+        out, out_torch = (torch.zeros(starts[-1], nh * hd, dtype=dtype) for _ in range(2))
         CpuAttentionImpl(nh, hd, hd ** -0.5, nkv).forward(q, k, v, kv, md, out)
         TorchAttentionImpl(nh, hd, hd ** -0.5, nkv).forward(q, k, v, kv_torch, md, out_torch)
         assert out_torch[0].isnan().any() and not out_torch[1].isnan().any()
         assert torch.equal(out.isnan().any(1), out_torch.isnan().any(1)), "KV"[which]
+
+
+def test_bfloat16_queries_over_an_fp8_cache_take_the_bf16_dot_products():
+    # the key rows converted to bfloat16 (exact) for VDPBF16PS where a bfloat16 cache takes it:
+    # the float32 FMA path converted each row once per query head (2x a bfloat16 cache's time)
+    for kv_dtype in FP8:
+        for hd in (64, 80, 128):
+            assert pa.bf16_dot(kv_dtype, hd) == pa.bf16_dot(torch.bfloat16, hd), (kv_dtype, hd)
