@@ -124,9 +124,21 @@ def test_a_mixed_step_over_an_fp8_cache_matches_the_reference_and_the_torch_path
 @pytest.mark.parametrize("path", list(pf.PATHS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_prefill_path_reads_an_fp8_cache(path, dtype):
-    bs, hd, nh, nkv = 16, 64, 6, 2
+    _prefill_over_fp8(path, dtype, 6, 2, [37, 20], [45, 0])
+
+
+@pytest.mark.parametrize("path", ["best", "avx512"])
+def test_long_prefills_over_an_fp8_cache_take_units_of_4_lanes(path):
+    # over an fp8 cache a unit takes as many 16-token lanes as the longest query fills (up to 4,
+    # the key blocks' dequantization shared): 9 heads over 3 (1 lane over a bfloat16 cache), a
+    # query of 70 (units of 64 and 6) and one of 5 beside it
+    for dtype in (torch.float32, torch.bfloat16):
+        _prefill_over_fp8(path, dtype, 9, 3, [70, 5], [30, 50])
+
+
+def _prefill_over_fp8(path, dtype, nh, nkv, q_lens, ctx):
+    bs, hd = 16, 64
     for kv_dtype in FP8:
-        q_lens, ctx = [37, 20], [45, 0]
         q, _, _, kv, md, tables, starts, seq_lens = _fp8_step(bs, hd, nh, nkv, q_lens, ctx,
                                                               dtype, kv_dtype, 2)
         for r, table in enumerate(tables):  # the queries' own keys, as a step has written them
