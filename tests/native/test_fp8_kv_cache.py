@@ -46,6 +46,34 @@ def test_the_kernels_cache_write_rounds_as_torch(dtype, kv_dtype):
     assert not want.float().isnan().any()  # saturated, never NaN
 
 
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cache_write_rounds_every_boundary_as_torch(dtype, kv_dtype):
+    # Every bfloat16 (each fp8 value, tie and subnormal step is one; NaNs, infinities, zeros) and,
+    # in float32, the values one step either side of it: the AVX512 write (16 at a time) and the
+    # scalar tail give torch's bytes
+    words = torch.arange(1 << 16, dtype=torch.int32) << 16
+    if dtype == torch.float32:
+        words = torch.stack([words - 1, words, words + 1], 1).flatten()
+    x = (words.view(torch.float32) if dtype == torch.float32
+         else (words >> 16).to(torch.int16).view(torch.bfloat16))
+    hd = 48  # 3 SIMD steps a row, and rows of 2 heads leave no tail; 40 leaves one of 8
+    for width in (2 * hd, 40):
+        n = x.numel() // width
+        rows = x[:n * width].view(n, width)
+        got = torch.zeros(2, n, 1, 1, width, dtype=kv_dtype)
+        step = pa.StepArgs(torch.zeros(1, n, dtype=torch.int32), torch.tensor([0, 0], dtype=torch.int32),
+                           torch.tensor([0], dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                           0, 1, torch.arange(n), n)
+        pa.run(rows, rows, rows, torch.empty_like(rows), got, step, 1.0)
+        want = to_cache(rows, kv_dtype)
+        nan = want.float().isnan()  # the sign of a NaN is torch's own (a bfloat16 +NaN: -NaN)
+        for half in got:
+            half = half.view(n, width)
+            assert torch.equal(half.float().isnan(), nan), width
+            assert torch.equal(half.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan]), width
+
+
 def _fp8_step(bs, hd, nh, nkv, q_lens, ctx, dtype, kv_dtype, seed):
     rnd, g = random.Random(seed), torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in zip(ctx, q_lens)]
@@ -96,9 +124,21 @@ def test_a_mixed_step_over_an_fp8_cache_matches_the_reference_and_the_torch_path
 @pytest.mark.parametrize("path", list(pf.PATHS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_prefill_path_reads_an_fp8_cache(path, dtype):
-    bs, hd, nh, nkv = 16, 64, 6, 2
+    _prefill_over_fp8(path, dtype, 6, 2, [37, 20], [45, 0])
+
+
+@pytest.mark.parametrize("path", ["best", "avx512"])
+def test_long_prefills_over_an_fp8_cache_take_units_of_4_lanes(path):
+    # over an fp8 cache a unit takes as many 16-token lanes as the longest query fills (up to 4,
+    # the key blocks' dequantization shared): 9 heads over 3 (1 lane over a bfloat16 cache), a
+    # query of 70 (units of 64 and 6) and one of 5 beside it
+    for dtype in (torch.float32, torch.bfloat16):
+        _prefill_over_fp8(path, dtype, 9, 3, [70, 5], [30, 50])
+
+
+def _prefill_over_fp8(path, dtype, nh, nkv, q_lens, ctx):
+    bs, hd = 16, 64
     for kv_dtype in FP8:
-        q_lens, ctx = [37, 20], [45, 0]
         q, _, _, kv, md, tables, starts, seq_lens = _fp8_step(bs, hd, nh, nkv, q_lens, ctx,
                                                               dtype, kv_dtype, 2)
         for r, table in enumerate(tables):  # the queries' own keys, as a step has written them
@@ -117,19 +157,28 @@ def test_each_prefill_path_reads_an_fp8_cache(path, dtype):
         assert worst <= tol, (kv_dtype, worst)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # float32 FMAs, BF16 dots
 @pytest.mark.parametrize("kv_dtype", FP8)
-def test_a_nan_in_the_cache_stays_nan_in_the_decode_kernel(kv_dtype):
+def test_a_nan_in_the_cache_stays_nan_in_the_decode_kernel(kv_dtype, dtype):
     # A NaN K/V (a diverged model) is stored as the format's NaN, not saturated: decoding over
     # it gives NaN, as over an "auto" cache and on the torch path (the AVX512 e4m3 load read it
     # as 480, a finite answer); the other request is untouched
     bs, hd, nh, nkv = 16, 64, 4, 2
     for which in (0, 1):  # K, V
         q, k, v, kv, md, tables, starts, _ = _fp8_step(bs, hd, nh, nkv, [1, 1], [40, 20],
-                                                       torch.float32, kv_dtype, 3)
+                                                       dtype, kv_dtype, 3)
         kv[which, tables[0][0], 3, 0, 5] = float("nan")
         kv_torch = kv.clone()
-        out, out_torch = (torch.zeros(starts[-1], nh * hd) for _ in range(2))
+        out, out_torch = (torch.zeros(starts[-1], nh * hd, dtype=dtype) for _ in range(2))
         CpuAttentionImpl(nh, hd, hd ** -0.5, nkv).forward(q, k, v, kv, md, out)
         TorchAttentionImpl(nh, hd, hd ** -0.5, nkv).forward(q, k, v, kv_torch, md, out_torch)
         assert out_torch[0].isnan().any() and not out_torch[1].isnan().any()
         assert torch.equal(out.isnan().any(1), out_torch.isnan().any(1)), "KV"[which]
+
+
+def test_bfloat16_queries_over_an_fp8_cache_take_the_bf16_dot_products():
+    # the key rows converted to bfloat16 (exact) for VDPBF16PS where a bfloat16 cache takes it:
+    # the float32 FMA path converted each row once per query head (2x a bfloat16 cache's time)
+    for kv_dtype in FP8:
+        for hd in (64, 80, 128):
+            assert pa.bf16_dot(kv_dtype, hd) == pa.bf16_dot(torch.bfloat16, hd), (kv_dtype, hd)

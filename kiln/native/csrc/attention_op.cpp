@@ -198,8 +198,12 @@ bool prefill_attention_simd(at::ScalarType dtype, int64_t head_size) {
     return kiln_prefill_attention_simd(kiln::dtype_code(dtype), static_cast<int32_t>(head_size));
 }
 
+/* dtype: the cache's (bfloat16 queries over an fp8 cache take them too) */
 bool paged_attention_bf16_dot(at::ScalarType dtype, int64_t head_size) {
-    return kiln_paged_attention_bf16_dot(kiln::dtype_code(dtype), static_cast<int32_t>(head_size));
+    const int32_t code = dtype == at::kFloat8_e4m3fn ? KILN_FP8E4M3
+                         : dtype == at::kFloat8_e5m2 ? KILN_FP8E5M2
+                                                     : kiln::dtype_code(dtype);
+    return kiln_paged_attention_bf16_dot(code, static_cast<int32_t>(head_size));
 }
 
 bool prefill_attention_amx(at::ScalarType dtype, int64_t head_size) {

@@ -230,8 +230,20 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
     const int group = num_heads / nkv;
     const int simd = path != KILN_PREFILL_PORTABLE && simd_serves(cache->dtype, hd);
     const int amx = simd && path == KILN_PREFILL_BEST && prefill_amx_serves(cache->dtype, hd);
-    /* tokens per unit in lanes of 16: enough row groups for a tile of 3, at most 4 lanes' worth */
-    const int tb = group >= 3 ? 1 : 3 / group;
+    /* tokens per unit in lanes of 16: enough row groups for a tile of 3, at most 4 lanes' worth.
+     * Over an fp8 cache a unit dequantizes each key block it reads, so units take as many lanes
+     * as the longest query fills: 2 requests of 512 over 1024, 9 heads over 3, 1 / 2 threads,
+     * 16 tokens a unit 18 / 9.5 ms, 64 14 / 8.1 (a bfloat16 cache 14-17 / 8-8.4). */
+    int tb = group >= 3 ? 1 : 3 / group;
+    if (cache->kv_dtype != cache->dtype) {
+        int longest = 0;
+        for (int i = 0; i < st->num_sel; ++i) {
+            const int r = st->reqs[i], n = st->query_start[r + 1] - st->query_start[r];
+            longest = n > longest ? n : longest;
+        }
+        const int lanes = (longest + 15) / 16;
+        tb = lanes > 4 ? 4 : lanes > tb ? lanes : tb;
+    }
     const int per_unit = simd ? 16 * tb : 16;
     int64_t num_units = 0;
     for (int i = 0; i < st->num_sel; ++i) {
