@@ -37,6 +37,10 @@ enum {
     KILN_ATTN_BAD_HEADS = 8 /* num_heads not a multiple of num_kv_heads */
 };
 
+/* Row t of k and v into cache slot step->slots[t] (kv_cache_write.c): 0, or KILN_ATTN_BAD_SLOT
+ * with nothing written. */
+int kiln_kv_cache_write(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
+                        const KilnKvCache *c, const KilnAttnStep *st);
 
 #ifdef __cplusplus
 }
