@@ -45,6 +45,10 @@ class SpeculativeConfig:
 
     def __post_init__(self):
         method = "ngram" if self.method == "[ngram]" else self.method
+        if method is None and self.model is None:  # vLLM refuses it too
+            raise ConfigError(f"{_FLAG}: speculative_config has neither a method nor a model (a "
+                              "num_speculative_tokens without a speculative model); add "
+                              "\"method\": \"ngram\" for prompt lookup, or a draft \"model\"")
         if method is None:  # vLLM infers it from `model`
             method = _method_of(self.model)
         if method not in METHODS:
@@ -172,8 +176,9 @@ _DRAFT_ONLY = ("draft_tensor_parallel_size", "enforce_eager", "revision", "quant
 
 
 def _method_of(model) -> str:
-    """vLLM's method for an unset one: ngram without a model, an EAGLE head by its name."""
-    if model in (None, "ngram", "[ngram]"):
+    """vLLM's method for an unset one: ngram for its older spellings, an EAGLE head by its
+    name."""
+    if model in ("ngram", "[ngram]"):
         return "ngram"
     name = str(model).lower()
     if "eagle3" in name:

@@ -13,7 +13,6 @@ def test_method_is_inferred_from_model_as_vllm_does():
                                         ).method == "draft_model"
     assert SpeculativeConfig.from_value({"model": "ngram", "num_speculative_tokens": 2}
                                         ).method == "ngram"
-    assert SpeculativeConfig.from_value({"num_speculative_tokens": 2}).method == "ngram"
     spec = SpeculativeConfig.from_value(
         '{"method": "draft_model", "model": "m", "num_speculative_tokens": 4, '
         '"draft_tensor_parallel_size": 1, "enforce_eager": true}')

@@ -70,7 +70,7 @@ def test_config_defaults_and_limits_are_vllms():
     c = SpeculativeConfig.from_value({"method": "ngram", "num_speculative_tokens": 2,
                                       "prompt_lookup_max": 4})
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
-    c = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=2)
+    c = SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_min=2)
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (2, 2)
     assert SpeculativeConfig.from_value({"model": "[ngram]", "num_speculative_tokens": 1}
                                         ).method == "ngram"
@@ -78,6 +78,8 @@ def test_config_defaults_and_limits_are_vllms():
     with pytest.raises(AttributeError):
         c.num_speculative_tokens = 4  # frozen
     bad = [({"method": "ngram"}, "num_speculative_tokens is required"),
+           # vLLM: "num_speculative_tokens was provided but without speculative model"
+           ({"num_speculative_tokens": 3}, "neither a method nor a model"),
            ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
            ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},
             "prompt_lookup_min must be"),
