@@ -218,8 +218,9 @@ def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, ou
               "pipeline_parallel_size": pc.pipeline_parallel_size,
               "distributed_executor_backend": pc.distributed_executor_backend,
               "engine_core": "own process" if multiprocess else "in-process"}
-    base_config = dataclasses.replace(engine_args, quantization=None).create_kiln_config() \
-        if compare_unquantized else None
+    # the baseline samples with the seed reported (seed=None drew a random one just above)
+    base_config = dataclasses.replace(engine_args, quantization=None, seed=seed
+                                      ).create_kiln_config() if compare_unquantized else None
     if rounds > 1:
         report.update(_compare_rounds(kiln_config, base_config, seeded_prompts, params, rounds,
                                       multiprocess))

@@ -1,5 +1,6 @@
 """`kiln bench throughput`'s counts and lengths are checked before an engine is built: with
 the default model and mode 3, building one is a compile of minutes."""
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -61,6 +62,7 @@ class _FakeEngine:
 
     def __init__(self, kiln_config, multiprocess=False):
         self.quantization = kiln_config.model_config.quantization
+        self.seed = kiln_config.model_config.seed
         self.max_model_len = kiln_config.model_config.max_model_len
         self.tokenizer = None
         self.input_processor = SimpleNamespace(longer_context_fix=lambda: "raise it")
@@ -77,10 +79,11 @@ def test_both_engines_of_a_comparison_sample_as_vllms_bench(monkeypatch, rounds)
     from kiln.benchmarks import engine_probe, throughput
     from kiln.engine import llm_engine
 
-    asked = []
+    asked, seeds = [], []
 
     def fake_run(engine, prompts, params):
         asked.append((engine.quantization, params, prompts))
+        seeds.append(engine.seed)
         n = len(prompts)
         return RunResult(1.0, n, n * len(prompts[0]), n * params.max_tokens)
 
@@ -97,6 +100,11 @@ def test_both_engines_of_a_comparison_sample_as_vllms_bench(monkeypatch, rounds)
     assert asked[0][2] == asked[1][2]  # the same prompts too
     assert (report["temperature"], report["top_p"], report["ignore_eos"], report["seed"]) == (
         1.0, 1.0, True, 7)
+    seeds.clear()
+    # seed=None (a random one): both engines sample with the one the report records
+    report = run_throughput(dataclasses.replace(args, seed=None), 2, 8, 4,
+                            compare_unquantized=True)
+    assert seeds == [report["seed"]] * 2
     asked.clear()
     report = run_throughput(args, 2, 8, 4, compare_unquantized=True, temperature=0.0,
                             top_p=0.5)
