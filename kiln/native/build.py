@@ -37,17 +37,18 @@ NAME = "kiln_native"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 LDFLAGS = ["-fopenmp"]
 
-
-def cflags() -> list[str]:
-    """CFLAGS, then `KILN_NATIVE_CFLAGS` (a lower CPU's tier on this one: `-mno-...`)."""
-    return CFLAGS + envs.native_cflags()
-
 # __FILE__ (in the registration and error messages) names Kiln's sources and torch's headers
 # from their packages, not from the checkout or virtual environment, so that the library a key
 # names is the same whichever checkout built it.
 PATH_FLAGS = ["-fmacro-prefix-map={csrc}/=kiln/native/csrc/", "-fmacro-prefix-map={torch}/=torch/"]
 # torch dtype -> the kernels' dtype code (csrc/dtype.h).
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def cflags() -> list[str]:
+    """CFLAGS, then `KILN_NATIVE_CFLAGS` (a lower CPU's tier on this one: `-mno-...`)."""
+    return CFLAGS + envs.native_cflags()
+
 
 # The build, run in a child process: cpp_extension.load builds and loads at once, and this
 # process must load only a library whose checksum it has checked (and loads it once: a
