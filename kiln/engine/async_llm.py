@@ -49,7 +49,6 @@ class AsyncLLM(AsyncLLMLifecycle):
         self._refusing: str | None = None  # set by abort_all: new requests are refused
         # shutdown() may come from any thread, twice at once: the second waits for the first.
         self._shutdown_lock = threading.Lock()
-        self._engine_stopped = False  # shutdown() has stopped the engine and its threads
         self.last_stats: dict = {}
         # The server's cap on one call's prompts x n (None: no cap): serving_engine.submit.
         self.max_sequences_per_request: int | None = None
@@ -112,7 +111,7 @@ class AsyncLLM(AsyncLLMLifecycle):
 
     async def _on_engine_thread(self, fn: Callable, *args, **kwargs) -> Any:
         """Run an engine call on the engine thread, between steps."""
-        if self._engine_stopped:
+        if self._steps.closed:
             self._check_alive()  # the engine thread is gone: say why
         self.start()
         return await self._steps.run(fn, *args, **kwargs)
@@ -228,7 +227,7 @@ class AsyncLLM(AsyncLLMLifecycle):
         # request, already forgotten, ran on in the engine with no consumer.
         self.start()
         ids = self._streams.forget(request_ids, record, end_streams)
-        if ids and not self._engine_stopped:  # after shutdown nothing runs to abort
+        if ids and not self._steps.closed:  # after shutdown nothing runs to abort
             await self._on_engine_thread(self.engine.abort_request, ids)
 
     def abort_nowait(self, request_ids: str | list[str]) -> None:

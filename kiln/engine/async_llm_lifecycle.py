@@ -97,7 +97,7 @@ class AsyncLLMLifecycle:
         process gets to exit in order before it is killed; None: the client's default), and
         later requests raise EngineShutdownError. `drain_and_shutdown` lets them finish first."""
         with self._shutdown_lock:
-            if self._closed and self._engine_stopped:
+            if self._steps.closed:  # shut down already
                 return
             self._closed = True
             self._refusing = self._refusing or _SHUT_DOWN
@@ -109,7 +109,6 @@ class AsyncLLMLifecycle:
                 self._steps.submit(self._abort_logged, in_flight)
             stop = getattr(self.engine, "shutdown", None)
             stopping = None if stop is None else self._steps.submit(stop, timeout=timeout)
-            self._engine_stopped = True
             try:
                 self._steps.close()
             finally:

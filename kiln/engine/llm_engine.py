@@ -292,5 +292,5 @@ class LLMEngine(EngineChat, EngineTokenStats, EngineVllmViews, EngineSleepMode):
         finalizer = getattr(self, "_shutdown", None)
         pending = finalizer.detach() if finalizer is not None else None  # None: done already
         if pending is not None:
-            _, core_shutdown, _, _ = pending
-            core_shutdown(timeout=timeout)
+            _, core_shutdown, args, kwargs = pending
+            core_shutdown(*args, **kwargs, timeout=timeout)

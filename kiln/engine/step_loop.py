@@ -110,6 +110,11 @@ class StepLoop:
         if task is not None and not task.done() and not task.get_loop().is_closed():
             task.cancel()
 
+    @property
+    def closed(self) -> bool:
+        """The engine thread is closed (shutdown): nothing more runs on it."""
+        return self._pool_closed
+
     def close(self) -> None:
         """End the engine thread, once its queued calls have run."""
         self._pool_closed = True

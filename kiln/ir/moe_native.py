@@ -2,9 +2,8 @@
 experts: the routing here, then one C++ call per layer (csrc/moe_experts.cpp: tokens grouped by
 expert once, each routed expert's gate_up -> SiLU-and-mul -> down on AMX-BF16 tiles, the multi-row
 AVX-512 kernel (csrc/rows_gemm.c), the GEMV kernel or aten's GEMM over the weights as stored, the
-float32 weighted sum). int8 experts, packed
-in panels or as stored: the same in one C++ call (csrc/moe_experts_int8.cpp) on the dense int8
-MLP's kernels.
+float32 weighted sum). int8 experts, packed in panels or as stored: the same in one C++ call
+(csrc/moe_experts_int8.cpp) on the dense int8 MLP's kernels.
 In compiled graphs each op stays one opaque node, as the reference's.
 
 Against the reference: float within the GEMMs' summation order (bfloat16: a rounding step of

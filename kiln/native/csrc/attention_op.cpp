@@ -35,14 +35,18 @@ void check_int(const char *name, const at::Tensor &t, at::ScalarType dtype) {
                       t.strides());
 }
 
-/* A KV cache's element code (dtype.h): float32, bfloat16, or an fp8 (--kv-cache-dtype). */
-int32_t cache_dtype(const at::Tensor &kv_cache) {
-    const at::ScalarType t = kv_cache.scalar_type();
+/* A KV cache element's code (dtype.h): float32, bfloat16, an fp8 (--kv-cache-dtype); -1 else. */
+int32_t cache_code(at::ScalarType t) {
     if (t == at::kFloat8_e4m3fn) return KILN_FP8E4M3;
     if (t == at::kFloat8_e5m2) return KILN_FP8E5M2;
-    TORCH_CHECK_TYPE(kiln::dtype_code(t) >= 0, "paged_attention: the KV cache must be float32, "
-                     "bfloat16, float8_e4m3fn or float8_e5m2, got ", t);
     return kiln::dtype_code(t);
+}
+
+int32_t cache_dtype(const at::Tensor &kv_cache) {
+    const int32_t code = cache_code(kv_cache.scalar_type());
+    TORCH_CHECK_TYPE(code >= 0, "paged_attention: the KV cache must be float32, bfloat16, "
+                     "float8_e4m3fn or float8_e5m2, got ", kv_cache.scalar_type());
+    return code;
 }
 
 /* kv_cache [2, num_blocks, block_size, nkv, hd] as the kernel reads it (pointers into it). An
@@ -200,10 +204,7 @@ bool prefill_attention_simd(at::ScalarType dtype, int64_t head_size) {
 
 /* dtype: the cache's (bfloat16 queries over an fp8 cache take them too) */
 bool paged_attention_bf16_dot(at::ScalarType dtype, int64_t head_size) {
-    const int32_t code = dtype == at::kFloat8_e4m3fn ? KILN_FP8E4M3
-                         : dtype == at::kFloat8_e5m2 ? KILN_FP8E5M2
-                                                     : kiln::dtype_code(dtype);
-    return kiln_paged_attention_bf16_dot(code, static_cast<int32_t>(head_size));
+    return kiln_paged_attention_bf16_dot(cache_code(dtype), static_cast<int32_t>(head_size));
 }
 
 bool prefill_attention_amx(at::ScalarType dtype, int64_t head_size) {
