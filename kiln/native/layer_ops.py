@@ -1,5 +1,6 @@
-"""The CPU kernels of the per-layer IR ops (csrc/ops_layer.cpp over layer_ops.c): fused RMSNorm,
-SiLU-and-mul and rotary (neox, gpt-j), called as torch ops (kiln/ir/native.py says what each supports).
+"""The CPU kernels of the per-layer IR ops (csrc/ops_layer.cpp over layer_ops.c, rotary.c): fused
+RMSNorm, SiLU-and-mul and rotary (neox, gpt-j), called as torch ops (kiln/ir/native.py says what
+each supports).
 """
 import torch
 

@@ -9,6 +9,10 @@
 
 #include "paged_attention.h"
 
+/* The row-wise layer ops (layer_ops.c, layer_norm.c, rotary.c) keep fewer rows on one thread: a
+ * decode batch's few microseconds of work there are of the order of waking the OpenMP team. */
+#define KILN_ROW_OPS_PARALLEL_MIN_ROWS 64
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -20,6 +24,8 @@ int kiln_rms_norm(const void *x, int64_t x_stride, const void *residual, int64_t
     __attribute__((noipa));
 int kiln_silu_and_mul(const void *x, int64_t x_stride, void *out, int64_t rows, int32_t d,
                       int32_t dtype, int32_t num_threads) __attribute__((noipa));
+
+/* rotary.c */
 int kiln_rotary(const int64_t *positions, const void *q, int64_t q_stride, const void *k,
                 int64_t k_stride, void *q_out, int64_t q_out_stride, void *k_out,
                 int64_t k_out_stride, const float *cos_sin_cache,

@@ -13,9 +13,6 @@
 #include "dtype.h"
 #include "kernels.h"
 
-/* Fewer rows stay on one thread (a decode step's rows: waking the team costs more). */
-#define LN_PARALLEL_MIN_ROWS 64
-
 /* One row's LayerNorm. Statistics in two passes (mean, then the squared deviations: no
  * cancellation of E[x^2] - mean^2 for rows far from zero), in float32 as torch's. */
 static inline __attribute__((always_inline)) void layer_norm_row(
@@ -62,7 +59,7 @@ int kiln_layer_norm(const void *x, int64_t x_stride, const void *residual, int64
                     int32_t num_threads) {
     if (hidden <= 0) return rows > 0 ? 1 : 0;
     const int64_t es = dtype == KILN_F32 ? 4 : 2;
-#pragma omp parallel for num_threads(num_threads) if (rows >= LN_PARALLEL_MIN_ROWS)
+#pragma omp parallel for num_threads(num_threads) if (rows >= KILN_ROW_OPS_PARALLEL_MIN_ROWS)
     for (int64_t r = 0; r < rows; ++r) {
         const char *xr = (const char *)x + r * x_stride * es;
         const char *rr = residual ? (const char *)residual + r * res_stride * es : NULL;
@@ -95,7 +92,7 @@ static inline __attribute__((always_inline)) void gelu_tanh_row(const void *x, v
 int kiln_gelu_tanh(const void *x, int64_t x_stride, void *out, int64_t rows, int32_t d,
                    int32_t dtype, int32_t num_threads) {
     const int64_t es = dtype == KILN_F32 ? 4 : 2;
-#pragma omp parallel for num_threads(num_threads) if (rows >= LN_PARALLEL_MIN_ROWS)
+#pragma omp parallel for num_threads(num_threads) if (rows >= KILN_ROW_OPS_PARALLEL_MIN_ROWS)
     for (int64_t r = 0; r < rows; ++r) {
         const char *xr = (const char *)x + r * x_stride * es;
         char *o = (char *)out + r * (int64_t)d * es;

@@ -1,7 +1,7 @@
 /* The `native` implementations of the IR's per-layer ops (kiln/ir/layer_ops.py defines what each
  * computes): RMSNorm with and without the residual add, SiLU-and-mul and rotary (neox and gpt-j
- * layouts), as torch ops over layer_ops.c's kernels, plus in-place forms of the residual-add norm
- * and rotary for compiled graphs whose inputs are theirs to overwrite
+ * layouts), as torch ops over layer_ops.c's and rotary.c's kernels, plus in-place forms of the
+ * residual-add norm and rotary for compiled graphs whose inputs are theirs to overwrite
  * (kiln/compilation/passes/reinplace_ir_ops.py). A decode step calls these ~100 times: the
  * wrappers make no dispatcher call a tensor already in the kernel's layout does not need. */
 #include <torch/library.h>
