@@ -1,6 +1,5 @@
 """Kiln's IR: layer ops with one meaning (a plain-torch reference) and implementations registered
-by providers (`torch`, `native`, `cuda`: so far fp8's `torch._scaled_mm`), one chosen per op
-at start-up (selection.py).
+by providers (`torch`, `native`, `cuda`), one chosen per op at start-up (selection.py).
 
 Model code calls these ops only: `ir.rms_norm(x, weight, eps)`.
 """
