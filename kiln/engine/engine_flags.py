@@ -259,7 +259,7 @@ def add_engine_flags(parser: argparse.ArgumentParser,
     v = parser.add_argument_group(
         "vLLM flags with one meaning here (taken so commands carry over)",
         "vLLM flags Kiln has no counterpart for (--kv-cache-memory-bytes, "
-        "-dp, ...) are refused with the reason and what to use instead")
+        "--api-server-count, ...) are refused with the reason and what to use instead")
     v.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction,
                    default=d.trust_remote_code,
                    help="accepted; Kiln runs no code from checkpoints (its own model "

@@ -1,6 +1,6 @@
 """vLLM's engine and server flags that Kiln has no counterpart for: one table, each with why and
-what to do instead, so `kiln serve --speculative-config ...` and `LLM(hf_overrides=...)` say so by name
-rather than failing as an unknown argument.
+what to do instead, so `kiln serve --api-server-count 4` and `LLM(model_impl="vllm")` say so by
+name rather than failing as an unknown argument.
 
 A few take the value that has Kiln's one meaning (`-dpr 0`, `--model-impl auto`) and
 ignore it, as EngineArgs does with --swap-space; any other value is refused with the reason.
@@ -131,8 +131,8 @@ VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
              "all weights on the device: use a smaller dtype, --quantization or -tp / -pp",
              accepted=("0",)),
     VllmFlag(("--model-impl",), "choosing vLLM's or transformers' model code", "Kiln runs its "
-             "own (Llama, Qwen2, Qwen3, Phi-3, Granite, Gemma, OLMo-2, Mixtral, Qwen2-MoE, "
-             "Qwen3-MoE)", accepted=("auto",)),
+             "own for every architecture it serves (kiln/model/registry.py)",
+             accepted=("auto",)),
     VllmFlag(("--enable-expert-parallel",), "placing whole experts of a mixture of experts on "
              "each rank", "Kiln splits every expert's intermediate dimension over the "
              "--tensor-parallel-size ranks instead (vLLM's default without the flag)",
