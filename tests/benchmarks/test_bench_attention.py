@@ -9,9 +9,8 @@ import torch
 from kiln.benchmarks import attention
 from kiln.native import build
 
-pytestmark = pytest.mark.skipif(not build.available(), reason="no C compiler")
 
-
+@pytest.mark.skipif(not build.available(), reason="no C compiler")  # as tests/native's
 def test_a_tiny_run_reports_every_case_dtype_and_thread_count(capsys):
     threads = torch.get_num_threads()
     try:
