@@ -7,28 +7,20 @@ KILN_NATIVE_CFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" ONEDNN_MAX_CPU_IS
 import argparse
 import json
 import os
-import platform
 import time
 
 import torch
 
 from kiln import envs, ir
+from kiln.benchmarks.cpu_info import cpu
 from kiln.model.layers.fused_moe import FusedMoE
 from kiln.model.layers.moe_cpu import pack_int8_experts
 from kiln.model.layers.quantization.moe_int8 import quantize_experts
 from kiln.native import build, int8_ops
 
-_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8",
-              "amx_tile")
-
 
 def machine() -> dict:
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                  if line.startswith("model name")), platform.processor())
-    flags = build.cpu_flags()
-    return {"cpu": model, "isa_flags": [f for f in _ISA_FLAGS if f in flags],
-            "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "int8_isa": int8_ops.isa(),
+    return {**cpu(), "int8_isa": int8_ops.isa(),
             # a lower CPU's kernels on this one (KILN_NATIVE_CFLAGS="-mno-amx-tile ...": no AMX)
             # and oneDNN's (ONEDNN_MAX_CPU_ISA, for aten's GEMMs and the reference)
             "native_cflags": envs.native_cflags(),
