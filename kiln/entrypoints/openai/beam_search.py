@@ -8,9 +8,10 @@ What the search would ignore (vLLM ignores it silently) is refused with a 400 wh
 opens with the field (param use_beam_search): streaming (the answer exists only once the search
 ends), logprobs, and every sampling field beyond those above.
 
-A shutdown (or sleep) that aborts a step, or that begins between two steps, ends the search
-with what it found (200, finish_reason "abort"), as a sampled request in flight ends; one that
-begins before the first step's requests reach the engine refuses it (503), as a late request.
+A shutdown that aborts a step (as sleep with mode "abort" does) or begins between two steps
+ends the search with what it found (200, finish_reason "abort"), as a sampled request in flight
+ends; one that begins before the first step's requests reach the engine refuses it (503), as it
+refuses a late request.
 """
 import math
 import secrets
