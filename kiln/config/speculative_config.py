@@ -38,12 +38,13 @@ class SpeculativeConfig:
     draft_sample_method: str = "greedy"
     rejection_sample_method: str = "standard"
     quantization: str | None = None
-    max_model_len: int | None = None
+    max_model_len: int | None = None  # the draft's: it drafts for shorter requests only
     parallel_drafting: bool = False
     # The draft's resolved ModelConfig, set by KilnConfig (resolve_draft_model_config)
     draft_model_config: object = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self):
+        self._check_types()
         method = "ngram" if self.method == "[ngram]" else self.method
         if method is None and self.model is None:  # vLLM refuses it too
             raise ConfigError(f"{_FLAG}: speculative_config has neither a method nor a model (a "
@@ -63,11 +64,24 @@ class SpeculativeConfig:
         if k is None:
             raise ConfigError(f"{_FLAG}: speculative_config.num_speculative_tokens is required "
                               f"with method={method!r} (e.g. 3)")
-        _check_int("num_speculative_tokens", k)
         if method in RUNNER_METHODS:
             self._check_draft_model()
         else:
             self._check_ngram()
+
+    def _check_types(self) -> None:
+        """Each set field's JSON type, named (a `revision: 5` reached the hub as a revision, a
+        `parallel_drafting: 0` passed as False); integers are > 0 and never a bool."""
+        for name, kind in _TYPES.items():
+            value = getattr(self, name)
+            if value is None and name not in _NOT_NONE:
+                continue
+            if kind is int:
+                _check_int(name, value)
+            elif not isinstance(value, kind):
+                what = "a string" if kind is str else "true or false"
+                raise ConfigError(f"{_FLAG}: speculative_config.{name} must be {what}, got "
+                                  f"{value!r}")
 
     def _check_ngram(self) -> None:
         if self.model is not None and self.model not in ("ngram", "[ngram]"):
@@ -80,9 +94,6 @@ class SpeculativeConfig:
             raise ConfigError(f"{_FLAG}: speculative_config.{draft_only[0]} is not supported "
                               "with method='ngram' (it sets up a draft model)")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-            if value is not None:
-                _check_int(name, value)
         # vLLM's defaults: both unset -> 5 and 5; one set -> the other equals it
         if lo is None and hi is None:
             lo = hi = 5
@@ -110,10 +121,6 @@ class SpeculativeConfig:
             if getattr(self, name) is not None:
                 raise ConfigError(f"{_FLAG}: speculative_config.{name} is n-gram's; drop it "
                                   f"with method={self.method!r}")
-        if self.draft_tensor_parallel_size is not None:  # the target's: check_speculative
-            _check_int("draft_tensor_parallel_size", self.draft_tensor_parallel_size)
-        if self.max_model_len is not None:  # the draft's: it drafts for shorter requests only
-            _check_int("max_model_len", self.max_model_len)
         for name, value, why in _FIXED:
             if getattr(self, name) != value:
                 raise ConfigError(f"{_FLAG}: speculative_config.{name}={getattr(self, name)!r} "
@@ -170,6 +177,13 @@ class SpeculativeConfig:
         return out
 
 
+# Each init field's type (None also taken, except for those in _NOT_NONE); int: an integer > 0.
+_TYPES = {"method": str, "num_speculative_tokens": int, "prompt_lookup_max": int,
+          "prompt_lookup_min": int, "model": str, "draft_tensor_parallel_size": int,
+          "enforce_eager": bool, "revision": str, "draft_sample_method": str,
+          "rejection_sample_method": str, "quantization": str, "max_model_len": int,
+          "parallel_drafting": bool}
+_NOT_NONE = ("draft_sample_method", "rejection_sample_method", "parallel_drafting")
 # fields that only a draft model reads: refused with n-gram when changed
 _DRAFT_ONLY = ("draft_tensor_parallel_size", "enforce_eager", "revision", "quantization",
                "max_model_len")

@@ -184,6 +184,14 @@ class AsyncLLM(AsyncLLMLifecycle):
         except ValueError:
             self._streams.drop(stream)  # refused: nothing entered the engine
             raise
+        except EngineShutdownError:
+            # The shutdown (or abort_all) began after this request was accepted, while its
+            # prompt was read: it ends as aborted, as those already in the engine do (only a
+            # request that arrives after the shutdown began is refused, by the check above).
+            if self._streams.get(request_id) is stream:  # a shutdown from another thread:
+                self._streams.forget(request_id)  # its end of the streams is still queued
+            stream.put_abort()
+            return stream
         except BaseException as e:
             # Cancelled while the engine thread was adding it: it may be in; take it out again
             # (unless an abort took it already: the id may name a new request by now).

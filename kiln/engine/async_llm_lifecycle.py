@@ -1,6 +1,10 @@
 """`AsyncLLM`'s life's end: the engine dying (its step loop failed, its core process died),
 which fails every in-flight stream with `EngineDeadError`, or shutting down, which ends them as
 aborted (finish_reason "abort", as vLLM's); later requests are refused either way.
+
+In flight means accepted: past add_request's (generate's) first check, as vLLM's add_request
+checks the engine's state on entry only; a request whose prompt is still being read when the
+shutdown begins ends as aborted too, and one that arrives after is refused (EngineShutdownError).
 """
 import asyncio
 import time
@@ -65,9 +69,9 @@ class AsyncLLMLifecycle:
 
     async def abort_all(self, reason: str) -> int:
         """Abort every in-flight request, as vLLM's engine does at shutdown: each stream ends
-        with what it generated and finish_reason "abort" (a crash fails them with an error
-        instead); later requests are refused with EngineShutdownError(reason). Returns how
-        many were aborted."""
+        with what it generated and finish_reason "abort" (those whose prompt is still being
+        read too; a crash fails them with an error instead); later requests are refused
+        with EngineShutdownError(reason). Returns how many were aborted."""
         self._refusing = reason
         if self._dead is not None or self._closed or not self._streams:
             return 0
@@ -93,9 +97,10 @@ class AsyncLLMLifecycle:
     def shutdown(self, timeout: float | None = None) -> None:
         """vLLM's AsyncLLM.shutdown: synchronous and idempotent, callable from any thread,
         inside a running event loop too. Requests in flight end as aborted (finish_reason
-        "abort"), the step loop stops, the engine core is stopped (`timeout`: the seconds its
-        process gets to exit in order before it is killed; None: the client's default), and
-        later requests raise EngineShutdownError. `drain_and_shutdown` lets them finish first."""
+        "abort"; those whose prompt is still being read too), the step loop stops, the
+        engine core is stopped (`timeout`: the seconds its process gets to exit in order before
+        it is killed; None: the client's default), and later requests raise
+        EngineShutdownError. `drain_and_shutdown` lets them finish first."""
         with self._shutdown_lock:
             if self._steps.closed:  # shut down already
                 return

@@ -85,9 +85,9 @@ class BeamSearch:
         self.steps += 1
 
     def abort(self) -> None:
-        """The search ends now (a step was aborted: the server is shutting down, the engine
-        went to sleep): the live beams end with finish_reason "abort", as a sampled request
-        would, and result() ranks them with the finished."""
+        """The search ends now (a step was aborted, or the next refused: the server is shutting
+        down, the engine went to sleep): the live beams end with finish_reason "abort", as a
+        sampled request would, and result() ranks them with the finished."""
         for b in self.beams:
             b.finish_reason = "abort"
         self.steps = self.params.max_tokens

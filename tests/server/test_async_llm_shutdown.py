@@ -139,3 +139,62 @@ def test_a_dropped_async_llm_stops_its_core_process(tiny_llama_dir):
     gc.collect()
     assert engine() is None, "a dropped AsyncLLM's engine was never collected"
     assert _exited(pid), "a dropped AsyncLLM's engine core process ran on"
+
+
+class _HeldReadEngine(FakeEngine):
+    """Reading the prompt "held" waits for `go`, which its shutdown sets: the read ends only
+    once a shutdown has begun."""
+
+    def __init__(self):
+        super().__init__()
+        self.reading, self.go = threading.Event(), threading.Event()
+
+    def process_inputs(self, prompt, params, **kwargs):
+        if prompt == "held":
+            self.reading.set()
+            self.go.wait()
+        return super().process_inputs(prompt, params, **kwargs)
+
+    def shutdown(self, timeout=None):
+        self.go.set()
+        super().shutdown(timeout)
+
+
+async def _outputs(agen) -> list:
+    return [out async for out in agen]
+
+
+_LONG = SamplingParams(temperature=0, max_tokens=1000)
+
+
+@pytest.mark.parametrize("how", ["shutdown in the loop", "shutdown from another thread",
+                                 "abort_all"])
+def test_a_request_whose_prompt_is_read_when_shutdown_begins_ends_as_aborted(how):
+    """generate() accepted it before the shutdown began: it ends as those in the engine do
+    (finish_reason "abort", test_plain_shutdown_in_a_running_loop_stops_the_core_process),
+    where it raised EngineShutdownError; one that arrives after the shutdown began is
+    refused."""
+    async def main():
+        engine = _HeldReadEngine()
+        llm = AsyncLLM(engine)
+        reading = asyncio.create_task(_outputs(llm.generate("held", _LONG, "reading")))
+        await asyncio.to_thread(engine.reading.wait)
+        if how == "shutdown in the loop":
+            llm.shutdown()  # blocks until the read ends: its engine's shutdown lets it end
+        elif how == "shutdown from another thread":
+            await asyncio.to_thread(llm.shutdown)
+        else:
+            assert await llm.abort_all("draining") == 1
+            engine.go.set()
+        outs = await reading
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+        assert outs[-1].outputs[0].token_ids == []
+        with pytest.raises(EngineShutdownError):
+            await llm.add_request("late", "x", _LONG)
+        assert not llm.num_in_flight and "reading" not in engine.requests
+        if how != "abort_all":
+            assert engine.shut_down
+        else:
+            llm.shutdown()
+
+    asyncio.run(main())

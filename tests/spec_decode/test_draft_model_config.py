@@ -130,3 +130,46 @@ def test_the_draft_compiles_under_mode_3_under_its_own_cache_key(tiny_llama_dir)
         target.scheduler_config.max_num_batched_tokens + 4
     assert draft.compute_hash() != target.compute_hash()
     assert draft.compute_hash() != dataclasses.replace(draft, is_draft=False).compute_hash()
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"model": "m", "num_speculative_tokens": 2, "revision": 5},
+     "speculative_config.revision must be a string, got 5"),
+    ({"model": "m", "num_speculative_tokens": 2, "quantization": 8},
+     "speculative_config.quantization must be a string"),
+    ({"method": ["ngram"], "num_speculative_tokens": 2}, "speculative_config.method must be"),
+    ({"model": 5, "num_speculative_tokens": 2}, "speculative_config.model must be a string"),
+    ({"model": "m", "num_speculative_tokens": 2, "enforce_eager": "yes"},
+     "speculative_config.enforce_eager must be true or false"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "parallel_drafting": 0},
+     "speculative_config.parallel_drafting must be true or false, got 0"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": 5},
+     "speculative_config.rejection_sample_method must be a string"),
+    ({"method": "ngram", "num_speculative_tokens": [3]},
+     "num_speculative_tokens must be an integer > 0, got [3]"),
+    ({"method": "ngram", "num_speculative_tokens": True},
+     "num_speculative_tokens must be an integer > 0, got True"),
+    ({"method": "ngram", "num_speculative_tokens": 2.0}, "num_speculative_tokens must be"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
+    ({"method": "ngram", "num_speculative_tokens": -1}, "num_speculative_tokens must be"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": [4]},
+     "prompt_lookup_max must be an integer > 0"),
+    ({"model": "m", "num_speculative_tokens": 2, "max_model_len": False},
+     "max_model_len must be an integer > 0, got False"),
+    ({"model": "m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": "1"},
+     "draft_tensor_parallel_size must be an integer > 0"),
+])
+def test_a_field_of_the_wrong_type_is_refused_by_name(value, message):
+    """Types as JSON gives them: a number where a string belongs (a revision), a bool where an
+    int belongs (bool is an int in Python), a list anywhere."""
+    with pytest.raises(ConfigError, match="--speculative-config") as e:
+        SpeculativeConfig.from_value(value)
+    assert message in str(e.value), str(e.value)
+
+
+def test_num_speculative_tokens_has_no_cap():
+    """vLLM sets none: a large k is the caller's trade (more drafts wasted per rejection)."""
+    assert SpeculativeConfig.from_value({"method": "ngram", "num_speculative_tokens": 4096}
+                                        ).num_speculative_tokens == 4096
+    assert SpeculativeConfig.from_value({"model": "m", "num_speculative_tokens": 64,
+                                         "revision": "main"}).revision == "main"

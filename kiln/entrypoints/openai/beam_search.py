@@ -7,6 +7,11 @@ n best sequences, best first, which the handlers turn into choices as any other.
 What the search would ignore (vLLM ignores it silently) is refused with a 400 whose message
 opens with the field (param use_beam_search): streaming (the answer exists only once the search
 ends), logprobs, and every sampling field beyond those above.
+
+A shutdown that aborts a step (as sleep with mode "abort" does) or begins between two steps
+ends the search with what it found (200, finish_reason "abort"), as a sampled request in flight
+ends; one that begins before the first step's requests reach the engine refuses it (503), as it
+refuses a late request.
 """
 import math
 import secrets
@@ -17,6 +22,7 @@ from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.entrypoints.beam_search import BeamSearch, step_logprobs, step_params
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.serving_engine import (
+    ServerShuttingDown,
     abort_unfinished,
     add_request_error,
     check_num_sequences,
@@ -111,9 +117,18 @@ async def beam_search(llm: AsyncLLM, base_id: str, prompts: list, params: Sampli
         work = [(i, b) for i, (s, _) in enumerate(searches) for b in s.live()]
         if not work:
             break
-        streams = await submit(llm, f"{step_id}-{step}",
-                               [{"prompt_token_ids": b.tokens, **salts[i]} for i, b in work],
-                               sp, prompt_param, renamed, priority=priority)
+        try:
+            streams = await submit(llm, f"{step_id}-{step}",
+                                   [{"prompt_token_ids": b.tokens, **salts[i]} for i, b in work],
+                                   sp, prompt_param, renamed, priority=priority)
+        except ServerShuttingDown:
+            if step == 0:  # none of its requests reached the engine: refused as a late one
+                raise
+            # The shutdown began between steps: the answer is what was found so far, as when
+            # it aborts a step (below): a sampled request in flight ends the same way.
+            for search, _ in searches:
+                search.abort()
+            break
         try:
             finals: list = [None] * len(work)
             async for k, out in merge_streams(streams):

@@ -3,8 +3,9 @@ the grace period, then in-flight requests aborted in-band, and the exit code.
 
 SIGINT / SIGTERM: uvicorn stops accepting, in-flight requests get the grace period, then the engine
 aborts what is left, as vLLM's does: each ends with what it generated and finish_reason "abort"
-(a stream's last chunk, then `data: [DONE]`; a waiting non-streamed request's answer), apart from
-a crash's error (code engine_dead); later requests get a 503 with code server_shutting_down; the
+(a stream's last chunk, then `data: [DONE]`; a waiting non-streamed request's answer; a beam
+search's beams so far, whether a step or the gap between two was cut), apart from a crash's
+error (code engine_dead); later requests get a 503 with code server_shutting_down; the
 app's shutdown stops the engine; the process exits with 0.
 A second signal ends the grace period at once; a third exits at once (128 + the signal).
 An engine core that dies fails every request in flight at once; the server then exits with 1.

@@ -109,11 +109,19 @@ async def submit(llm: AsyncLLM, base_id: str, prompts: list,
     return streams
 
 
+class ServerShuttingDown(OpenAIError):
+    """The 503 of a request the engine refused because the server is shutting down (code
+    server_shutting_down, the code the shutdown gate answers with too)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, status=503, code="server_shutting_down")
+
+
 def _engine_dead(e: EngineDeadError) -> OpenAIError:
-    """A 503: the engine crashed (engine_dead), or is shutting down on purpose
-    (server_shutting_down, the code the shutdown gate answers with too)."""
-    code = "server_shutting_down" if isinstance(e, EngineShutdownError) else "engine_dead"
-    return OpenAIError(str(e), status=503, code=code)
+    """A 503: the engine crashed (engine_dead), or is shutting down on purpose."""
+    if isinstance(e, EngineShutdownError):
+        return ServerShuttingDown(str(e))
+    return OpenAIError(str(e), status=503, code="engine_dead")
 
 
 def abort_unfinished(llm: AsyncLLM, streams: list[RequestStream]) -> None:
