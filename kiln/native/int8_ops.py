@@ -28,8 +28,12 @@ def onednn_int8_exact(cpu_flags: set[str], max_isa: str | None) -> bool:
     """Whether oneDNN's int8 GEMM (torch._int_mm on the CPU) sums exactly: the CPU has VNNI or
     AMX-INT8 dot products (`cpu_flags` as /proc/cpuinfo names them) and `max_isa`
     (ONEDNN_MAX_CPU_ISA) does not hold oneDNN below them."""
-    if max_isa and max_isa.strip().upper() in _NO_DOT_PRODUCT_ISAS:
+    cap = max_isa.strip().upper() if max_isa else ""
+    if cap in _NO_DOT_PRODUCT_ISAS:
         return False
+    if cap.startswith("AVX2_VNNI"):
+        # AVX-VNNI only: a CPU with AVX512-VNNI and no AVX-VNNI (Zen 4) runs plain AVX2 there
+        return "avx_vnni" in cpu_flags
     return bool(_DOT_PRODUCT_FLAGS & cpu_flags)
 
 
