@@ -270,3 +270,23 @@ def test_the_kernels_refuse_a_scale_that_is_not_finite_and_positive():
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="k_scale and v_scale must be finite and > 0"):
             pa.run(x, x, x, torch.empty_like(x), kv, step, 1.0, v_scale=bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cache_in_the_model_dtype_ignores_the_scales_on_both_paths(dtype):
+    # K/V stored as they are ("auto"): the scales only mean something to an fp8 cache
+    bs, hd, nh, nkv = 16, 64, 4, 2
+    q, k, v, _, md, _, starts, _ = _fp8_step(bs, hd, nh, nkv, [1, 12], [20, 0], dtype,
+                                             torch.float8_e4m3fn, 7)
+    outs, caches = [], []
+    for cls in (CpuAttentionImpl, TorchAttentionImpl):
+        for scales in ((1.0, 1.0), (K_SCALE, V_SCALE)):
+            impl = cls(nh, hd, hd ** -0.5, nkv)
+            impl.k_scale, impl.v_scale = scales
+            kv = torch.zeros(2, md.block_table.max() + 1, bs, nkv, hd, dtype=dtype)
+            out = torch.zeros(starts[-1], nh * hd, dtype=dtype)
+            impl.forward(q, k, v, kv, md, out)
+            outs.append(out)
+            caches.append(kv)
+    for i in (1, 3):
+        assert torch.equal(caches[i], caches[i - 1]) and torch.equal(outs[i], outs[i - 1])

@@ -67,8 +67,8 @@ KilnKvCache cache_struct(const at::Tensor &kv_cache) {
                        kv_dtype <= KILN_BF16 ? kv_dtype : -1, kv_dtype, 1.f, 1.f};
 }
 
-/* cache_struct with an fp8 cache's per-tensor scales (a checkpoint's k_scale / v_scale; the
- * kernels ignore them over a float32 / bfloat16 cache, whose callers pass 1). */
+/* cache_struct with an fp8 cache's per-tensor scales (a checkpoint's k_scale / v_scale); a
+ * float32 / bfloat16 cache keeps 1 (it stores K/V as they are). */
 /* x finite and > 0, from its bits: -ffast-math folds std::isfinite and NaN compares away. */
 bool finite_positive(double x) {
     const uint64_t bits = std::bit_cast<uint64_t>(x);
@@ -80,8 +80,10 @@ KilnKvCache scaled_cache(const at::Tensor &kv_cache, double k_scale, double v_sc
                       "paged_attention: k_scale and v_scale must be finite and > 0, got ",
                       k_scale, " and ", v_scale);
     KilnKvCache cache = cache_struct(kv_cache);
-    cache.k_scale = static_cast<float>(k_scale);
-    cache.v_scale = static_cast<float>(v_scale);
+    if (cache.kv_dtype > KILN_BF16) {
+        cache.k_scale = static_cast<float>(k_scale);
+        cache.v_scale = static_cast<float>(v_scale);
+    }
     return cache;
 }
 
