@@ -8,7 +8,8 @@
  * default model. Python (kiln/attention/cpu_backend.py) plans each step before its first layer
  * and hands the step's metadata tensors (`kiln::attention_begin_step`: a block table and slot
  * mapping per KV cache group) and an engine's layers (an `AttentionLayers` object: name -> KV
- * cache, group, scale, sliding window, soft cap, an fp8 cache's k / v scales) to this file for the step's layers.
+ * cache, group, scale, sliding window, soft cap, an fp8 cache's k / v scales) to this file for
+ * the step's layers.
  * Whatever that does not cover (no step handed over, a layer not in the table, another dtype)
  * goes to the Python implementation, registered as `kiln::unified_attention_python`. */
 #include <ATen/core/Tensor.h>
