@@ -19,7 +19,8 @@ class AttentionImpl:
 
     sliding_window: a query sees only the last `sliding_window` keys, its own included (HF's and
     vLLM's meaning; None: every key before it). logits_soft_cap: the scaled scores become
-    cap * tanh(score / cap) before the softmax (Gemma-2; None: none)."""
+    cap * tanh(score / cap) before the softmax (Gemma-2; None: none). k_scale / v_scale: an fp8
+    cache's scales (1.0 unless the checkpoint gives them)."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None):
@@ -37,6 +38,9 @@ class AttentionImpl:
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        # an fp8 cache's per-tensor scales (kiln/attention/kv_cache_scales.py): it stores
+        # x / scale and reads stored * scale; set by the layer from its checkpoint
+        self.k_scale = self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor | None, attn_metadata: AttentionMetadata | None,

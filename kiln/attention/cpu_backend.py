@@ -60,10 +60,11 @@ class CpuAttentionImpl(TorchAttentionImpl):
         plan = self._plan(md, kv_cache.shape[2], q.dtype, self.head_size)
         # Writes every real token's k/v, then attends the short queries.
         window, cap = self.sliding_window, self.logits_soft_cap
-        paged_attention.run(q, k, v, out, kv_cache, plan.short, self.scale, window, cap)
+        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}  # an fp8 cache's
+        paged_attention.run(q, k, v, out, kv_cache, plan.short, self.scale, window, cap, **scales)
         if plan.prefill is not None:  # their k/v are in the cache now
             prefill_attention.run(q, out, kv_cache, plan.prefill, self.scale, window=window,
-                                  softcap=cap)
+                                  softcap=cap, **scales)
         num_tokens = q.shape[0]
         if plan.sdpa:
             nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_size
@@ -129,7 +130,8 @@ def kernel_layers(layers: dict) -> dict[str, attention_op.LayerEntry]:
                 and paged_attention.cache_supported(kv_cache)):
             entries[name] = attention_op.LayerEntry(kv_cache, getattr(layer, "kv_group", 0),
                                                     impl.scale, impl.sliding_window,
-                                                    impl.logits_soft_cap)
+                                                    impl.logits_soft_cap, impl.k_scale,
+                                                    impl.v_scale)
     return entries
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.attention.backend import AttentionBackend, AttentionImpl
-from kiln.attention.kv_cache_dtype import is_fp8, through_cache, to_cache
+from kiln.attention.kv_cache_dtype import from_cache, is_fp8, through_cache, to_cache
 from kiln.attention.masking import first_key, key_mask, soft_cap
 from kiln.attention.metadata import AttentionMetadata
 from kiln.core.kv_cache_utils import cdiv
@@ -28,16 +28,17 @@ def _valid_slots(slot_mapping: torch.Tensor, num_tokens: int,
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor, step_cache: dict | None = None) -> None:
+                   slot_mapping: torch.Tensor, step_cache: dict | None = None,
+                   k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Scatter k/v [T, nkv, hd] into kv_cache [2, nb, bs, nkv, hd] at slot_mapping [T]; skip -1.
-    An fp8 cache takes them rounded and saturated (kv_cache_dtype.to_cache)."""
+    An fp8 cache takes them divided by its scales, rounded and saturated (to_cache)."""
     num_kv_heads, head_size = kv_cache.shape[-2:]
     key_cache = kv_cache[0].view(-1, num_kv_heads, head_size)  # [nb*bs, nkv, hd]
     value_cache = kv_cache[1].view(-1, num_kv_heads, head_size)
     slots, owners = _valid_slots(slot_mapping, k.shape[0], step_cache)
     if owners is not None:
         k, v = k.index_select(0, owners), v.index_select(0, owners)
-    k, v = to_cache(k, key_cache.dtype), to_cache(v, value_cache.dtype)
+    k, v = to_cache(k, key_cache.dtype, k_scale), to_cache(v, value_cache.dtype, v_scale)
     if is_fp8(key_cache.dtype):  # torch's CPU index_copy_ has no fp8 kernel: copy the bytes
         key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
         k, v = k.view(torch.uint8), v.view(torch.uint8)
@@ -84,12 +85,12 @@ class TorchAttentionImpl(AttentionImpl):
                 v.view(num_tokens, nkv, hd), out.view(num_tokens, nh, hd))
 
     def _write_kv(self, k, v, kv_cache, slot_mapping, step_cache) -> None:
-        write_kv_cache(k, v, kv_cache, slot_mapping, step_cache)
+        write_kv_cache(k, v, kv_cache, slot_mapping, step_cache, self.k_scale, self.v_scale)
 
     def _read_kv(self, kv_cache, blocks, num_keys: int, dtype) -> tuple:
         """Keys and values of `blocks` [B, n], their first num_keys slots: [B, nkv, S, hd]."""
-        return (_gather_context(kv_cache[0], blocks, num_keys).to(dtype),
-                _gather_context(kv_cache[1], blocks, num_keys).to(dtype))
+        return (from_cache(_gather_context(kv_cache[0], blocks, num_keys), dtype, self.k_scale),
+                from_cache(_gather_context(kv_cache[1], blocks, num_keys), dtype, self.v_scale))
 
     def _attend(self, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
         """Attention of the real tokens, with this step's k/v already in the cache."""
@@ -150,8 +151,8 @@ class TorchAttentionImpl(AttentionImpl):
                 # A fresh prefill attends only to its own tokens: they are this step's k/v, no
                 # need to read them back out of the cache (as an fp8 cache holds them, so that
                 # every path attends over the same keys).
-                kh = through_cache(k[qs:qe], kv_cache.dtype).transpose(0, 1)  # [nkv, S, hd]
-                vh = through_cache(v[qs:qe], kv_cache.dtype).transpose(0, 1)
+                kh = through_cache(k[qs:qe], kv_cache.dtype, self.k_scale).transpose(0, 1)
+                vh = through_cache(v[qs:qe], kv_cache.dtype, self.v_scale).transpose(0, 1)
                 key_pos = query_pos
             else:
                 first_block = first_key(ctx_len, self.sliding_window) // block_size

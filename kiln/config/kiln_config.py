@@ -143,8 +143,15 @@ class KilnConfig(FreezableConfig):
         if m.is_mla:
             raise ConfigError(f"--kv-cache-dtype {name}: an fp8 KV cache for {m.architecture}'s "
                               "MLA latent cache is not supported; use --kv-cache-dtype auto")
-        # a checkpoint's own KV scales (compressed-tensors kv_cache_scheme) are refused where
-        # its quantization config is read (compressed_tensors.py): every fp8 cache's scale is 1
+        # a checkpoint's KV scales: kv_cache_scheme checked where its quantization config is
+        # read (compressed_tensors.py), the k_scale / v_scale tensors by the Attention layers
+        quant = getattr(m.hf_config, "quantization_config", None) or {}
+        if not isinstance(quant, dict):
+            quant = quant.to_dict()
+        if name == "fp8_e5m2" and quant.get("kv_cache_scheme"):
+            raise ConfigError("--kv-cache-dtype fp8_e5m2: the checkpoint's kv_cache_scheme "
+                              "gives e4m3 KV cache scales (vLLM refuses e5m2 with them too); "
+                              "use --kv-cache-dtype fp8")
 
     def _check_memory(self) -> None:
         """Sizes whose buffers no machine here could hold are refused by flag, before anything

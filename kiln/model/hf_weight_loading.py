@@ -1,5 +1,6 @@
 """HF-name weight loading for the decoder models: each checkpoint tensor into its (merged,
-sharded) parameter, refusing a tensor that fits none and a checkpoint that leaves one out.
+sharded) parameter, refusing a tensor that fits none and a checkpoint that leaves one out; an
+fp8 KV cache's scales (k_scale / v_scale) into their attention layer.
 
 A mixin of LlamaStyleForCausalLM, which gives `config`, `model`, `owns`,
 `tie_word_embeddings`, `head_loads_embedding` and `require_all_weights`.
@@ -8,6 +9,7 @@ from collections.abc import Iterable
 
 import torch
 
+from kiln.attention.kv_cache_scales import kv_scale_target
 from kiln.errors import ConfigError
 from kiln.logger import init_logger
 from kiln.model.checkpoint_names import (
@@ -29,6 +31,7 @@ class HFWeightLoading:
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         stored_head = None
+        attention = None  # module name -> Attention layer, found at the first KV scale
         for name, tensor in _each_expert_apart(weights):
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -39,6 +42,13 @@ class HFWeightLoading:
                 continue  # another pipeline stage's
             if self.head_loads_embedding and name == "model.embed_tokens.weight":
                 name = "lm_head.weight"
+            scale = kv_scale_target(name)
+            if scale is not None:
+                if attention is None:
+                    attention = _attention_layers(self)
+                if scale[0] in attention:
+                    attention[scale[0]].load_kv_scale(name, scale[1], tensor)
+                    continue
             target, shard_id = merged_target(name)
             if target not in params:
                 raise ConfigError(unexpected_tensor_message(name, self.config))
@@ -100,6 +110,13 @@ class HFWeightLoading:
                 elif shard is not None and f"{name}#{shard}" not in loaded:
                     missing.append(f"{name} (shard {shard})")
         return missing
+
+
+def _attention_layers(model: torch.nn.Module) -> dict:
+    """The model's Attention layers by module name (where the checkpoint's KV scales go)."""
+    from kiln.model.layers.attention import Attention
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, Attention)}
 
 
 def _each_expert_apart(weights: Iterable[tuple[str, torch.Tensor]]):

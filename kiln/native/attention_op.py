@@ -25,6 +25,8 @@ class LayerEntry(NamedTuple):
     scale: float
     window: int | None  # None: no sliding window
     softcap: float | None  # attention logit soft cap; None: none
+    k_scale: float = 1.0  # an fp8 cache's per-tensor scales (kiln/attention/kv_cache_scales.py)
+    v_scale: float = 1.0
 
 
 class LayerTable:
@@ -35,7 +37,8 @@ class LayerTable:
         self.layers = torch.classes.kiln.AttentionLayers(
             list(layers), [e.kv_cache for e in entries], [int(e.group) for e in entries],
             [float(e.scale) for e in entries], [int(e.window or 0) for e in entries],
-            [float(e.softcap or 0.0) for e in entries])
+            [float(e.softcap or 0.0) for e in entries], [float(e.k_scale) for e in entries],
+            [float(e.v_scale) for e in entries])
 
 
 def begin_step(table: LayerTable, steps: list[paged_attention.StepArgs],

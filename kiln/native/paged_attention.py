@@ -62,14 +62,15 @@ class StepArgs:
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         kv_cache: torch.Tensor, step: StepArgs, scale: float, window: int | None = None,
-        softcap: float | None = None) -> None:
+        softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write k, v [T, nkv*hd] into kv_cache [2, nb, bs, nkv, hd] at the step's slots, then fill
     out [T, nh*hd] for the step's requests from q [T, nh*hd] and the cache. Rows may be strided
     (column slices of the fused qkv projection); the other rows of out are left alone.
     window: a query sees only the last `window` keys (its own included); softcap: the scaled
-    scores become softcap * tanh(score / softcap) (Gemma-2)."""
+    scores become softcap * tanh(score / softcap) (Gemma-2). k_scale, v_scale: an fp8 cache's
+    (stored = x / scale, read = stored * scale; kiln/attention/kv_cache_scales.py)."""
     if not build.available():
         raise RuntimeError("the CPU paged-attention kernel is not available; see the warning "
                            "logged when it was first requested")
     torch.ops.kiln.paged_attention(q, k, v, out, kv_cache, scale, *step.tensors(), window or 0,
-                                   softcap or 0.0)
+                                   softcap or 0.0, k_scale, v_scale)

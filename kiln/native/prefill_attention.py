@@ -33,13 +33,15 @@ PATHS = {"best": 0, "avx512": 1, "portable": 2}
 
 
 def run(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, step: StepArgs, scale: float,
-        path: str = "best", window: int | None = None, softcap: float | None = None) -> None:
+        path: str = "best", window: int | None = None, softcap: float | None = None,
+        k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Fill out [T, nh*hd] for the step's requests `step.reqs` from q [T, nh*hd] and kv_cache
     [2, nb, bs, nkv, hd]; rows may be strided, other rows of out are left alone. path: one of
-    PATHS (tests pin the slower ones); window and softcap as paged_attention.run's."""
+    PATHS (tests pin the slower ones); window, softcap and the scales as paged_attention.run's."""
     if not build.available():
         raise RuntimeError("the CPU prefill-attention kernel is not available; see the warning "
                            "logged when it was first requested")
     torch.ops.kiln.prefill_attention(q, out, kv_cache, scale, step.block_table,
                                      step.query_start_loc, step.seq_lens, step.reqs,
-                                     step.max_seq_len, PATHS[path], window or 0, softcap or 0.0)
+                                     step.max_seq_len, PATHS[path], window or 0, softcap or 0.0,
+                                     k_scale, v_scale)

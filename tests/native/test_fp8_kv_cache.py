@@ -182,3 +182,111 @@ def test_bfloat16_queries_over_an_fp8_cache_take_the_bf16_dot_products():
     for kv_dtype in FP8:
         for hd in (64, 80, 128):
             assert pa.bf16_dot(kv_dtype, hd) == pa.bf16_dot(torch.bfloat16, hd), (kv_dtype, hd)
+
+
+# A checkpoint's per-layer scales (kiln/attention/kv_cache_scales.py): K/V stored / scale, read
+# back * scale; the kernels fold k_scale into the scores' scale and v_scale into the outputs'.
+K_SCALE, V_SCALE = 0.37, 3.1
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_scaled_write_stores_torchs_to_cache_of_x_over_the_scale(dtype, kv_dtype):
+    g = torch.Generator().manual_seed(4)
+    top = torch.finfo(kv_dtype).max
+    # 16 at a time and a tail of 8; past the scaled saturation point too
+    x = torch.cat([torch.randn(50 * 40, generator=g) * 4, torch.randn(40, generator=g) * top])
+    x = x.to(dtype).view(-1, 40)
+    n = x.shape[0]
+    got = torch.zeros(2, n, 1, 1, 40, dtype=kv_dtype)
+    want = got.clone()
+    slots = torch.randperm(n, generator=g)
+    step = pa.StepArgs(torch.zeros(1, n, dtype=torch.int32), torch.tensor([0, 0], dtype=torch.int32),
+                       torch.tensor([0], dtype=torch.int32), torch.zeros(0, dtype=torch.int32), 0,
+                       1, slots, n)
+    pa.run(x, x, x, torch.empty_like(x), got, step, 1.0, k_scale=K_SCALE, v_scale=V_SCALE)
+    write_kv_cache(x.view(n, 1, 40), x.view(n, 1, 40), want, slots, None, K_SCALE, V_SCALE)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    for half, scale in zip(want, (K_SCALE, V_SCALE)):
+        stored = half.view(n, -1)[slots]
+        assert torch.equal(stored.view(torch.uint8),
+                           to_cache(x.float() / scale, kv_dtype).view(torch.uint8))
+    unscaled = torch.zeros_like(got)
+    pa.run(x, x, x, torch.empty_like(x), unscaled, step, 1.0)
+    assert not torch.equal(unscaled[0].view(torch.uint8), got[0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mixed_step_over_a_scaled_fp8_cache_matches_the_reference_and_the_torch_path(
+        dtype, kv_dtype):
+    bs, hd, nh, nkv = 16, 64, 8, 2
+    q_lens, ctx = [1, 1, 5, 40, 9], [300, 0, 33, 0, bs + 1]
+    q, k, v, kv, md, tables, starts, seq_lens = _fp8_step(bs, hd, nh, nkv, q_lens, ctx, dtype,
+                                                          kv_dtype, 5)
+    kv_torch = kv.clone()
+    impls = [cls(nh, hd, hd ** -0.5, nkv) for cls in (CpuAttentionImpl, TorchAttentionImpl)]
+    for impl in impls:
+        impl.k_scale, impl.v_scale = K_SCALE, V_SCALE
+    out, out_torch = (torch.full((starts[-1], nh * hd), 7.0, dtype=dtype) for _ in range(2))
+    impls[0].forward(q, k, v, kv, md, out)
+    impls[1].forward(q, k, v, kv_torch, md, out_torch)
+    assert torch.equal(kv_torch.view(torch.uint8), kv.view(torch.uint8))
+    want = reference_attention(q, kv[0].double() * K_SCALE, kv[1].double() * V_SCALE, tables,
+                               starts, seq_lens, nh, nkv, hd, bs, hd ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -6
+    for got in (out, out_torch):
+        worst = max(float((got[t].double() - row).abs().max() / max(1.0, row.abs().max()))
+                    for t, row in want.items())
+        assert worst <= tol * V_SCALE
+    torch.testing.assert_close(out_torch.float(), out.float(), rtol=tol, atol=tol * 4 * V_SCALE)
+
+
+@pytest.mark.parametrize("path", list(pf.PATHS))
+def test_each_prefill_path_reads_a_scaled_fp8_cache(path):
+    bs, hd, nh, nkv, q_lens, ctx = 16, 64, 6, 2, [37, 20], [45, 0]
+    for dtype in (torch.float32, torch.bfloat16):
+        q, _, _, kv, md, tables, starts, seq_lens = _fp8_step(bs, hd, nh, nkv, q_lens, ctx,
+                                                              dtype, torch.float8_e4m3fn, 6)
+        step = pa.StepArgs(md.block_table, md.query_start_loc, md.seq_lens,
+                           torch.tensor([0, 1], dtype=torch.int32), md.max_seq_len, bs,
+                           torch.zeros(0, dtype=torch.int64), 0)
+        out = torch.full((starts[-1], nh * hd), 7.0, dtype=dtype)
+        pf.run(q, out, kv, step, hd ** -0.5, path=path, k_scale=K_SCALE, v_scale=V_SCALE)
+        want = reference_attention(q, kv[0].double() * K_SCALE, kv[1].double() * V_SCALE,
+                                   tables, starts, seq_lens, nh, nkv, hd, bs, hd ** -0.5)
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -6
+        worst = max(float((out[t].double() - row).abs().max() / max(1.0, row.abs().max()))
+                    for t, row in want.items())
+        assert worst <= tol * V_SCALE, (dtype, worst)
+
+
+def test_the_kernels_refuse_a_scale_that_is_not_finite_and_positive():
+    kv = torch.zeros(2, 1, 16, 1, 64, dtype=torch.float8_e4m3fn)
+    x = torch.zeros(1, 64)
+    step = pa.StepArgs(torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                       torch.tensor([1], dtype=torch.int32), torch.zeros(0, dtype=torch.int32), 1,
+                       16, torch.zeros(1, dtype=torch.int64), 1)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="k_scale and v_scale must be finite and > 0"):
+            pa.run(x, x, x, torch.empty_like(x), kv, step, 1.0, v_scale=bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cache_in_the_model_dtype_ignores_the_scales_on_both_paths(dtype):
+    # K/V stored as they are ("auto"): the scales only mean something to an fp8 cache
+    bs, hd, nh, nkv = 16, 64, 4, 2
+    q, k, v, _, md, _, starts, _ = _fp8_step(bs, hd, nh, nkv, [1, 12], [20, 0], dtype,
+                                             torch.float8_e4m3fn, 7)
+    outs, caches = [], []
+    for cls in (CpuAttentionImpl, TorchAttentionImpl):
+        for scales in ((1.0, 1.0), (K_SCALE, V_SCALE)):
+            impl = cls(nh, hd, hd ** -0.5, nkv)
+            impl.k_scale, impl.v_scale = scales
+            kv = torch.zeros(2, md.block_table.max() + 1, bs, nkv, hd, dtype=dtype)
+            out = torch.zeros(starts[-1], nh * hd, dtype=dtype)
+            impl.forward(q, k, v, kv, md, out)
+            outs.append(out)
+            caches.append(kv)
+    for i in (1, 3):
+        assert torch.equal(caches[i], caches[i - 1]) and torch.equal(outs[i], outs[i - 1])

@@ -7,6 +7,7 @@ from torch import nn
 from kiln import ir
 from kiln.attention import kv_cache_generation
 from kiln.attention.backend import get_attn_backend
+from kiln.attention.kv_cache_scales import checkpoint_scale, effective_scales
 from kiln.config import get_current_kiln_config
 
 
@@ -21,6 +22,10 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.layer_name = prefix
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
+        # --kv-cache-dtype, and the fp8 cache scales its checkpoint gave (kv_cache_scales.py)
+        cache_config = getattr(get_current_kiln_config(), "cache_config", None)
+        self.kv_cache_dtype = cache_config.cache_dtype if cache_config else "auto"
+        self.checkpoint_scales: dict[str, float] = {}
         self.backend = self._choose_backend()
         self.impl = self._new_impl()
         # [2, num_blocks, block_size, nkv, hd], assigned by the worker once the cache is sized.
@@ -36,6 +41,17 @@ class Attention(nn.Module):
         return self.backend.get_impl_cls()(self.num_heads, self.head_size, self.scale,
                                            self.num_kv_heads, self.sliding_window,
                                            self.logits_soft_cap)
+
+    def load_kv_scale(self, name: str, kind: str, tensor: torch.Tensor) -> None:
+        """Checkpoint tensor `name` as this layer's `kind` scale (kv_cache_scales.KINDS; "kv"
+        sets both), checked; the impl's scales follow (vLLM's rules: effective_scales)."""
+        value = checkpoint_scale(name, tensor)
+        for which in ("k", "v") if kind == "kv" else (kind,):
+            self.checkpoint_scales[which] = value
+        k, v = effective_scales(self.kv_cache_dtype, self.checkpoint_scales.get("k"),
+                                self.checkpoint_scales.get("v"))
+        self.impl.k_scale, self.impl.v_scale = k, v
+        kv_cache_generation.bump()  # the C++ kernel's layer table holds the scales
 
     @property
     def kv_cache(self) -> torch.Tensor | None:

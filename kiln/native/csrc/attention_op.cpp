@@ -8,7 +8,8 @@
  * default model. Python (kiln/attention/cpu_backend.py) plans each step before its first layer
  * and hands the step's metadata tensors (`kiln::attention_begin_step`: a block table and slot
  * mapping per KV cache group) and an engine's layers (an `AttentionLayers` object: name -> KV
- * cache, group, scale, sliding window, soft cap) to this file for the step's layers.
+ * cache, group, scale, sliding window, soft cap, an fp8 cache's k / v scales) to this file for
+ * the step's layers.
  * Whatever that does not cover (no step handed over, a layer not in the table, another dtype)
  * goes to the Python implementation, registered as `kiln::unified_attention_python`. */
 #include <ATen/core/Tensor.h>
@@ -17,6 +18,8 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <bit>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -62,7 +65,27 @@ KilnKvCache cache_struct(const at::Tensor &kv_cache) {
                        static_cast<int32_t>(kv_cache.size(3)),
                        static_cast<int32_t>(kv_cache.size(4)),
                        static_cast<int32_t>(kv_cache.size(2)),
-                       kv_dtype <= KILN_BF16 ? kv_dtype : -1, kv_dtype};
+                       kv_dtype <= KILN_BF16 ? kv_dtype : -1, kv_dtype, 1.f, 1.f};
+}
+
+/* cache_struct with an fp8 cache's per-tensor scales (a checkpoint's k_scale / v_scale); a
+ * float32 / bfloat16 cache keeps 1 (it stores K/V as they are). */
+/* x finite and > 0, from its bits: -ffast-math folds std::isfinite and NaN compares away. */
+bool finite_positive(double x) {
+    const uint64_t bits = std::bit_cast<uint64_t>(x);
+    return bits != 0 && (bits >> 63) == 0 && ((bits >> 52) & 0x7ff) != 0x7ff;
+}
+
+KilnKvCache scaled_cache(const at::Tensor &kv_cache, double k_scale, double v_scale) {
+    TORCH_CHECK_VALUE(finite_positive(k_scale) && finite_positive(v_scale),
+                      "paged_attention: k_scale and v_scale must be finite and > 0, got ",
+                      k_scale, " and ", v_scale);
+    KilnKvCache cache = cache_struct(kv_cache);
+    if (cache.kv_dtype > KILN_BF16) {
+        cache.k_scale = static_cast<float>(k_scale);
+        cache.v_scale = static_cast<float>(v_scale);
+    }
+    return cache;
 }
 
 /* Whether a query of `dtype` attends over this cache: the cache's own dtype, or (an fp8 cache)
@@ -152,8 +175,8 @@ void paged_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor 
                      const at::Tensor &block_table, const at::Tensor &query_start_loc,
                      const at::Tensor &seq_lens, const at::Tensor &reqs,
                      const at::Tensor &slot_mapping, int64_t num_tokens, int64_t max_seq_len,
-                     int64_t window, double softcap) {
-    const KilnKvCache cache = cache_struct(kv_cache);
+                     int64_t window, double softcap, double k_scale, double v_scale) {
+    const KilnKvCache cache = scaled_cache(kv_cache, k_scale, v_scale);
     const StepPlan plan(block_table, query_start_loc, seq_lens, reqs, slot_mapping, num_tokens,
                         max_seq_len, cache.block_size);
     run_kernel(q, k, v, out, cache, plan.args, scale, window, softcap, "paged_attention");
@@ -165,12 +188,13 @@ void prefill_attention(const at::Tensor &q, const at::Tensor &out, const at::Ten
                        double scale, const at::Tensor &block_table,
                        const at::Tensor &query_start_loc, const at::Tensor &seq_lens,
                        const at::Tensor &reqs, int64_t max_seq_len, int64_t path, int64_t window,
-                       double softcap) {
+                       double softcap, double k_scale, double v_scale) {
     TORCH_CHECK_VALUE(path >= KILN_PREFILL_BEST && path <= KILN_PREFILL_PORTABLE,
                       "prefill_attention: path ", path, " is not 0 (best), 1 (avx512) or 2 "
                       "(portable)");
     const at::ScalarType dtype = q.scalar_type();
-    const KilnKvCache cache = for_query(cache_struct(kv_cache), dtype, "prefill_attention");
+    const KilnKvCache cache = for_query(scaled_cache(kv_cache, k_scale, v_scale), dtype,
+                                        "prefill_attention");
     const StepPlan plan(block_table, query_start_loc, seq_lens, reqs,
                         at::Tensor(at::detail::empty_cpu({0}, at::kLong, false, std::nullopt)),
                         0, max_seq_len, cache.block_size);
@@ -234,18 +258,21 @@ struct AttentionLayers : torch::CustomClassHolder {
 
     AttentionLayers(std::vector<std::string> names, std::vector<at::Tensor> kv_caches,
                     std::vector<int64_t> groups, std::vector<double> scales,
-                    std::vector<int64_t> windows, std::vector<double> softcaps) {
+                    std::vector<int64_t> windows, std::vector<double> softcaps,
+                    std::vector<double> k_scales, std::vector<double> v_scales) {
         TORCH_CHECK_VALUE(names.size() == kv_caches.size() && names.size() == groups.size() &&
                               names.size() == scales.size() && names.size() == windows.size() &&
-                              names.size() == softcaps.size(),
+                              names.size() == softcaps.size() &&
+                              names.size() == k_scales.size() && names.size() == v_scales.size(),
                           "AttentionLayers: ", names.size(), " names, ", kv_caches.size(),
                           " caches, ", groups.size(), " groups, ", scales.size(), " scales, ",
-                          windows.size(), " windows and ", softcaps.size(), " soft caps");
+                          windows.size(), " windows, ", softcaps.size(), " soft caps, ",
+                          k_scales.size(), " k_scales and ", v_scales.size(), " v_scales");
         for (size_t i = 0; i < names.size(); ++i) {
             TORCH_CHECK_VALUE(groups[i] >= 0, "AttentionLayers: layer ", names[i], "'s KV cache "
                               "group is ", groups[i]);
             Layer &layer = layers[names[i]];
-            layer.cache = cache_struct(kv_caches[i]);
+            layer.cache = scaled_cache(kv_caches[i], k_scales[i], v_scales[i]);
             layer.group = groups[i];
             layer.scale = static_cast<float>(scales[i]);
             layer.window = windows[i];
@@ -337,19 +364,20 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
     m.class_<AttentionLayers>("AttentionLayers")
         .def(torch::init<std::vector<std::string>, std::vector<at::Tensor>,
                          std::vector<int64_t>, std::vector<double>, std::vector<int64_t>,
-                         std::vector<double>>())
+                         std::vector<double>, std::vector<double>, std::vector<double>>())
         .def("size", &AttentionLayers::size);
     m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor kv_cache, "
           "float scale, Tensor block_table, Tensor query_start_loc, Tensor seq_lens, "
           "Tensor reqs, Tensor slot_mapping, int num_tokens, int max_seq_len, int window=0, "
-          "float softcap=0.) -> ()");
+          "float softcap=0., float k_scale=1., float v_scale=1.) -> ()");
     m.def("attention_begin_step(__torch__.torch.classes.kiln.AttentionLayers layers, "
           "Tensor[] block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor reqs, "
           "Tensor[] slot_mappings, int num_tokens, int max_seq_len, int block_size, "
           "int num_actual) -> ()", &begin_step);
     m.def("prefill_attention(Tensor q, Tensor(a!) out, Tensor kv_cache, float scale, "
           "Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor reqs, "
-          "int max_seq_len, int path=0, int window=0, float softcap=0.) -> ()");
+          "int max_seq_len, int path=0, int window=0, float softcap=0., float k_scale=1., "
+          "float v_scale=1.) -> ()");
     m.def("paged_attention_bf16_dot(ScalarType dtype, int head_size) -> bool",
           &paged_attention_bf16_dot);
     m.def("prefill_attention_simd(ScalarType dtype, int head_size) -> bool",

@@ -7,27 +7,48 @@
 #include "fp8_simd.h"
 #include "paged_attention.h"
 
-/* n values of src (dtype) as fp8 (kv_dtype) into dst: an fp8 cache's write. 16 at a time where
- * the CPU has AVX512 (a scalar loop took 7x a bfloat16 cache's copy, measured), the same bytes. */
-static void quantize_row(uint8_t *dst, const void *src, int64_t n, int dtype, int kv_dtype) {
+/* x / scale rounded once, as torch's to_cache(x / scale): -ffast-math would take x times a
+ * hoisted 1 / scale, an ulp off at times, which moves a value across an fp8 rounding tie. */
+static inline float divide(float x, float scale) {
+#if KILN_FP8_SIMD
+    return _mm_cvtss_f32(_mm_div_round_ss(_mm_set_ss(x), _mm_set_ss(scale),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+    volatile float s = scale; /* read each time: no reciprocal to hoist */
+    return x / s;
+#endif
+}
+
+/* n values of src (dtype), divided by scale in float32, as fp8 (kv_dtype) into dst: an fp8
+ * cache's write. 16 at a time where the CPU has AVX512 (a scalar loop took 7x a bfloat16
+ * cache's copy, measured), the same bytes. A scale of 1 divides by nothing (the same bytes). */
+static void quantize_row(uint8_t *dst, const void *src, int64_t n, int dtype, int kv_dtype,
+                         float scale) {
     int64_t i = 0;
 #if KILN_FP8_SIMD
+    const __m512 vscale = _mm512_set1_ps(scale);
     for (; i + 16 <= n; i += 16) {
-        const __m512i u =
+        __m512i u =
             dtype == KILN_F32
                 ? _mm512_loadu_si512((const float *)src + i)
                 : _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
                                         (const __m256i *)((const uint16_t *)src + i))),
                                     16);
+        if (scale != 1.f) /* rounded as divide's */
+            u = _mm512_castps_si512(_mm512_div_round_ps(
+                _mm512_castsi512_ps(u), vscale, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         _mm_storeu_si128((__m128i *)(dst + i), f32x16_fp8(u, kv_dtype));
     }
 #endif
-    for (; i < n; ++i) dst[i] = f32_to_fp8(load_elem(src, i, dtype), kv_dtype);
+    for (; i < n; ++i) {
+        const float x = load_elem(src, i, dtype);
+        dst[i] = f32_to_fp8(scale != 1.f ? divide(x, scale) : x, kv_dtype);
+    }
 }
 
 /* Row t of k and v (num_kv_heads * head_size values each) into cache slot slots[t]; slot -1
  * writes nowhere (a padding token). All slots are checked before any is written. An fp8 cache
- * takes them rounded (to nearest even, saturated: f32_to_fp8). */
+ * takes them divided by its scales, rounded (to nearest even, saturated: f32_to_fp8). */
 int kiln_kv_cache_write(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
                         const KilnKvCache *c, const KilnAttnStep *st) {
     const size_t elem = elem_size(c->dtype), kv_elem = elem_size(c->kv_dtype);
@@ -42,8 +63,8 @@ int kiln_kv_cache_write(const void *k, int64_t k_stride, const void *v, int64_t 
         const char *ks = (const char *)k + t * k_stride * elem;
         const char *vs = (const char *)v + t * v_stride * elem;
         if (c->kv_dtype != c->dtype) {
-            quantize_row((uint8_t *)kd, ks, width, c->dtype, c->kv_dtype);
-            quantize_row((uint8_t *)vd, vs, width, c->dtype, c->kv_dtype);
+            quantize_row((uint8_t *)kd, ks, width, c->dtype, c->kv_dtype, c->k_scale);
+            quantize_row((uint8_t *)vd, vs, width, c->dtype, c->kv_dtype, c->v_scale);
             continue;
         }
         memcpy(kd, ks, row_bytes);

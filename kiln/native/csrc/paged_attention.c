@@ -228,6 +228,9 @@ static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride
     const int num_sel = st->num_sel, max_seq_len = st->max_seq_len;
     const int num_kv_heads = c->num_kv_heads, head_size = c->head_size;
     const int block_size = c->block_size, dtype = c->dtype;
+    /* an fp8 cache's scales: K's folds into the scores' scale, V's into the outputs' 1 / sum */
+    const float v_scale = c->v_scale;
+    scale *= c->k_scale;
     if (num_kv_heads <= 0 || num_heads % num_kv_heads || block_size <= 0 || head_size <= 0)
         return KILN_ATTN_BAD_HEADS;
     const int group = num_heads / num_kv_heads, hd = head_size;
@@ -305,8 +308,8 @@ static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride
                 if (parts > 1) continue;
                 const int64_t o_off = (int64_t)t * out_stride + (int64_t)h0 * group * hd;
                 for (size_t i = 0; i < rows; ++i)
-                    store_row(out, o_off + (int64_t)i * hd, acc + i * hd, 1.f / denom[i], hd,
-                              dtype);
+                    store_row(out, o_off + (int64_t)i * hd, acc + i * hd, v_scale / denom[i],
+                              hd, dtype);
             }
         }
         if (parts > 1) { /* after the loop's barrier: every part is in */
@@ -335,7 +338,7 @@ static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride
                         sum += w * u[rows * hd + i];
                         for (int d = 0; d < hd; ++d) acc[d] += w * u[i * hd + d];
                     }
-                    store_row(out, o_off + (int64_t)i * hd, acc, 1.f / sum, hd, dtype);
+                    store_row(out, o_off + (int64_t)i * hd, acc, v_scale / sum, hd, dtype);
                 }
             }
         }

@@ -18,6 +18,9 @@ typedef struct {
     /* dtype: the queries' and outputs' (dtype.h; -1 until a call's query says, for an fp8
      * cache); kv_dtype: the cache's elements (the same, or an fp8 code) */
     int32_t dtype, kv_dtype;
+    /* an fp8 cache's per-tensor scales (a checkpoint's; 1 else): stored = x / scale when
+     * written, x = stored * scale when read (as vLLM's k_scale / v_scale) */
+    float k_scale, v_scale;
 } KilnKvCache;
 
 typedef struct {

@@ -158,7 +158,8 @@ void unit_amx(const Call *c, const Unit *u, Scratch *w) {
         const int b = rg % tb;
         for (int i = 0; i < 16 && 16 * b + i < u->nt; ++i) {
             const int64_t row = (u->t0 + 16 * b + i) * c->out_stride + head_of(c, u, rg) * hd;
-            const float inv = 1.f / w->l[rg * 16 + i], *o = w->o + ((int64_t)rg * 16 + i) * hd;
+            const float inv = c->v_scale / w->l[rg * 16 + i];
+            const float *o = w->o + ((int64_t)rg * 16 + i) * hd;
             uint16_t *dst = (uint16_t *)c->out + row; /* bfloat16: the only dtype served here */
             const __m512 vinv = _mm512_set1_ps(inv);
             for (int d = 0; d < hd; d += 32) { /* hd a multiple of 32 (prefill_amx_serves) */

@@ -61,7 +61,8 @@ static void unit_scalar(const Call *c, const Unit *u, Scratch *w) {
                 m = mx;
             }
             const int64_t row = t * c->out_stride + (int64_t)head * hd;
-            for (int d = 0; d < hd; ++d) store_elem(c->out, row + d, acc[d] / l, c->dtype);
+            for (int d = 0; d < hd; ++d)
+                store_elem(c->out, row + d, acc[d] / l * c->v_scale, c->dtype);
         }
 }
 
@@ -194,7 +195,7 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
         for (int i = 0; i < 16 && 16 * b + i < u->nt; ++i) {
             const int64_t row = (u->t0 + 16 * b + i) * c->out_stride +
                                 (int64_t)(u->kv_head * c->group + g) * hd;
-            const float inv = 1.f / w->l[rg * 16 + i];
+            const float inv = c->v_scale / w->l[rg * 16 + i];
             for (int d = 0; d < hd; ++d)
                 store_elem(c->out, row + d, w->o[rg * rg_o + d * 16 + i] * inv, c->dtype);
         }
@@ -268,8 +269,9 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
     const Call call = {q, cache->key, cache->value, out, q_stride, out_stride,
                        (int64_t)nkv * hd, st->bt_stride, st->block_table, st->query_start,
                        st->seq_lens, cache->block_size, hd, group, tb, cache->dtype,
-                       elem_size(cache->kv_dtype), cache->kv_dtype, scale,
-                       window > 0 ? window : 0, softcap > 0.f ? softcap : 0.f};
+                       elem_size(cache->kv_dtype), cache->kv_dtype,
+                       scale * cache->k_scale, cache->v_scale, window > 0 ? window : 0,
+                       softcap > 0.f ? softcap : 0.f};
     const int rgs = group * tb;
     /* per row group qp, o, s, pp, m, l; then vpk, the scalar path's rows and the zero row, the
      * AMX K tiles, an fp8 cache's dequantized key block */

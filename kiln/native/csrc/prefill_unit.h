@@ -26,7 +26,8 @@ typedef struct { /* what every unit of a call shares */
     const int32_t *block_table, *query_start, *seq_lens;
     int block_size, hd, group, tb, dtype, elem; /* elem: bytes of a cache element */
     int kv_dtype; /* the cache's elements: dtype, or fp8 (dequantized a key block at a time) */
-    float scale;
+    float scale;   /* the scores' (an fp8 cache's k_scale folded in) */
+    float v_scale; /* an fp8 cache's: the outputs' factor (1 else) */
     int window;    /* > 0: a query sees only the last `window` keys, its own included */
     float softcap; /* > 0: scaled scores become softcap * tanh(score / softcap) */
 } Call;

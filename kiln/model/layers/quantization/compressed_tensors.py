@@ -1,7 +1,8 @@
 """Reading a compressed-tensors `quantization_config` (with the `compressed-tensors` package) and
 accepting only the schemes Kiln runs: int8 W8A8 (symmetric per-channel weights, dynamic per-token
 activations, format int-quantized or naive-quantized) and W4A16 (4-bit weights by group or
-channel, format pack-quantized). Anything else is refused naming the field and its value.
+channel, format pack-quantized), either with an fp8 KV cache's per-tensor static scales
+(kv_cache_scheme). Anything else is refused naming the field and its value.
 """
 from typing import Any
 
@@ -64,6 +65,25 @@ def _check_unread_sections(raw: dict) -> None:
                 "supported (only 'dense')")
 
 
+def check_kv_cache_scheme(scheme) -> None:
+    """A kv_cache_scheme as vLLM runs it: static symmetric 8-bit float scales, one per layer's K
+    and V (strategy 'tensor'; the checkpoint's k_scale / v_scale, read by the Attention layers
+    and used under --kv-cache-dtype fp8). None: no KV cache scales."""
+    if scheme is None:
+        return
+    checks = [("num_bits", scheme.num_bits, 8), ("type", str(scheme.type), "float"),
+              ("strategy", str(scheme.strategy), "tensor"), ("dynamic", scheme.dynamic, False),
+              ("symmetric", scheme.symmetric, True), ("group_size", scheme.group_size, None),
+              ("block_structure", scheme.block_structure, None)]
+    for name, value, want in checks:
+        if value != want:
+            raise UnsupportedQuantization(
+                f"quantization_config.kv_cache_scheme.{name}={value!r} is not supported: Kiln's "
+                f"fp8 KV cache takes static symmetric 8-bit float scales, one per layer "
+                f"(num_bits 8, type 'float', strategy 'tensor', dynamic false, symmetric true); "
+                f"needs {name} {want!r}, or a checkpoint without kv_cache_scheme")
+
+
 def _validated(raw: dict):
     from compressed_tensors.quantization import QuantizationConfig
     from pydantic import ValidationError
@@ -94,9 +114,7 @@ def parse_w4a16(raw: dict) -> tuple[list[str], list[str], int, bool]:
     if not isinstance(raw, dict):
         raw = raw.to_dict()
     config = _validated(raw)
-    if config.kv_cache_scheme is not None:
-        _refuse("kv_cache_scheme", config.kv_cache_scheme.model_dump(), "KV cache quantization "
-                "is not supported")
+    check_kv_cache_scheme(config.kv_cache_scheme)
     top_format = raw.get("format")
     seen = set()
     for name, scheme in config.config_groups.items():
@@ -158,9 +176,7 @@ def parse_w8a8_int8(raw: dict) -> tuple[list[str], list[str]]:
     if top_format not in (*INT8_FORMATS, None, "mixed-precision"):
         _refuse("format", top_format, _FORMAT_WANTED)
     groups = raw.get("config_groups") or {}
-    if config.kv_cache_scheme is not None:
-        _refuse("kv_cache_scheme", config.kv_cache_scheme.model_dump(), "KV cache quantization "
-                "is not supported")
+    check_kv_cache_scheme(config.kv_cache_scheme)
     if not config.config_groups:
         _refuse("config_groups", {}, "needs at least one group")
     for name, scheme in config.config_groups.items():
