@@ -144,11 +144,14 @@ def prefill_step(engine, prompts: list[list[int]], tag: str, profile: bool):
         raise RuntimeError(f"{tag}: the step did not prefill all {len(prompts)} prompts "
                            f"({len(done)} finished); lower --num-prompts or raise "
                            "--max-num-batched-tokens")
-    events = [e for e in prof.events() if e.thread == threading_id(prof)] if prof else None
+    events = None
+    if prof is not None:
+        thread = step_thread(prof)
+        events = [e for e in prof.events() if e.thread == thread]
     return wall, cpu, events
 
 
-def threading_id(prof) -> int:
+def step_thread(prof) -> int:
     """The thread that ran the step (the one with the most events)."""
     counts: dict[int, int] = {}
     for e in prof.events():
