@@ -81,7 +81,7 @@ def panels_min_rows() -> int:
 def mm_silu_quant_min_rows() -> int:
     """From this many rows the GEMM + SiLU-and-mul + quant op runs blocks of rows through all
     three in each thread (csrc/int8_gemm_silu_quant.c), below it the three kernels one after
-    the other; 0 where it never does (no AMX-INT8 tiles, or no kernels)."""
+    the other; 0 where there are no kernels."""
     return torch.ops.kiln.int8_mm_silu_quant_min_rows() if isa() is not None else 0
 
 

@@ -1,12 +1,12 @@
 /* dynamic_int8_quant(silu_and_mul(int8_scaled_mm(a, a weight in VNNI panels))) in one call: an
  * MLP's gate/up projection, its activation and the down projection's input quantization.
  *
- * From kiln_int8_gemm_silu_quant_min_rows() rows (where the GEMM runs on AMX-INT8 tiles) each
- * thread takes blocks of rows through all three steps, the block's [gate | up] values in its own
- * scratch, which stays in its L2: the [M, 2d] projection, a prefill chunk's largest activation,
- * is never written to memory and read back. Fewer rows (a decode step) run the GEMM over the
- * whole matrix, its channels split among the threads, then the fused SiLU + quant kernel: the
- * unfused sequence. Every value is the one the unfused kernels give, since the same functions
+ * From kiln_int8_gemm_silu_quant_min_rows() rows each thread takes blocks of rows through all
+ * three steps (the GEMM on AMX-INT8 tiles where granted, else VNNI register tiles), the block's
+ * [gate | up] values in its own scratch, which stays in its L2: the [M, 2d] projection, a prefill
+ * chunk's largest activation, is never written to memory and read back. Fewer rows (a decode
+ * step) run the GEMM over the whole matrix, its channels split among the threads, then the fused
+ * SiLU + quant kernel: the unfused sequence. Every value is the one the unfused kernels give, since the same functions
  * compute it (a row's sums do not depend on which rows share its call).
  */
 #include <stdint.h>
@@ -24,7 +24,7 @@
 
 #if KILN_INT8_SIMD
 
-int kiln_int8_gemm_silu_quant_min_rows(void) { return kiln_int8_amx_min_rows() ? MIN_ROWS : 0; }
+int kiln_int8_gemm_silu_quant_min_rows(void) { return MIN_ROWS; }
 
 int kiln_int8_gemm_silu_quant(const int8_t *a, int64_t a_stride, const float *a_scale,
                               const uint8_t *panels, const float *w_scale, const void *bias,
@@ -55,9 +55,9 @@ int kiln_int8_gemm_silu_quant(const int8_t *a, int64_t a_stride, const float *a_
         for (int64_t b = 0; b < blocks; ++b) {
             if (failed) continue;
             const int64_t r0 = b * BLOCK_ROWS, rows = m - r0 < BLOCK_ROWS ? m - r0 : BLOCK_ROWS;
-            failed = kiln_int8_gemm_amx_panels(a + r0 * a_stride, a_stride, a_scale + r0, panels,
-                                               w_scale, bias, bias_dtype, h, n, rows, n, k,
-                                               dtype, 1);
+            /* one thread's block: the packed GEMM picks AMX tiles or VNNI registers by rows */
+            failed = kiln_int8_gemm_packed(a + r0 * a_stride, a_stride, a_scale + r0, panels,
+                                           w_scale, bias, bias_dtype, h, n, rows, n, k, dtype, 1);
             if (!failed)
                 failed = kiln_silu_and_mul_int8_quant(h, n, q + r0 * d, scale + r0, rows,
                                                       (int32_t)d, dtype, 1);

@@ -1,0 +1,31 @@
+"""The GEMM rates benchmark times the calls the engines make, with results that are right."""
+import torch
+
+from kiln.benchmarks import gemm_rates
+from kiln.ir import int8_panels, quant
+from kiln.native import int8_ops
+
+
+def test_the_timed_calls_compute_the_linear():
+    if int8_ops.isa() is None:  # no kernels: the benchmark refuses to run
+        return
+    calls = gemm_rates.gemm_calls(5, 70, 64)
+    g = torch.Generator().manual_seed(0)  # the inputs gemm_calls draws
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    w = (torch.randn(70, 64, generator=g) * 0.05).to(torch.bfloat16)
+    assert torch.allclose(calls["bf16"]().float(), torch.nn.functional.linear(x, w).float(),
+                          rtol=2e-2, atol=2e-2)
+    q, scale = quant.dynamic_int8_quant.reference(x)
+    w_q, w_scale = quant.dynamic_int8_quant.reference(w)
+    want = int8_panels.int8_scaled_mm_panels.reference(
+        q, scale, int8_panels.pack_int8_panels(w_q), w_scale.reshape(-1), None, torch.bfloat16)
+    assert torch.equal(calls["int8"](), want)
+
+
+def test_report_names_every_projection():
+    if int8_ops.isa() is None:
+        return
+    report = gemm_rates.main(["--rows", "8", "--rounds", "1"])
+    assert set(gemm_rates.SHAPES) <= set(report)
+    assert all(report[p]["int8_gmacs"] > 0 and report[p]["bf16_gmacs"] > 0
+               for p in gemm_rates.SHAPES)
