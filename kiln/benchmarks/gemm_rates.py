@@ -10,6 +10,8 @@ import time
 
 import torch
 
+from kiln.benchmarks.cpu_info import cpu
+
 # SmolLM2-135M (hidden 576, intermediate 1536, 9 query and 3 kv heads of 64): (out, in)
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 
@@ -55,7 +57,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    report = {"rows": args.rows, "threads": 1}
+    report = {**cpu(), "rows": args.rows}  # cpu(): the machine, threads (1) and torch
     for name, (n, k) in SHAPES.items():
         calls = gemm_calls(args.rows, n, k)
         for fn in calls.values():

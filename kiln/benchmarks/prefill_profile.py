@@ -229,7 +229,7 @@ def main(argv=None) -> dict:
                     scale = cpu_p / wall_p / 1000
                     steps[name].append({c: us * scale
                                         for c, us in attribute(events, dims).items()})
-        report = {"model": cfg.model_config.model, "dtype": args.dtype,
+        report = {**cpu(), "model": cfg.model_config.model, "dtype": args.dtype,
                   "rows_per_step": n * args.input_len, "max_num_batched_tokens": batched,
                   "threads": torch.get_num_threads(), "steps": args.steps,
                   "load_avg": os.getloadavg()}
