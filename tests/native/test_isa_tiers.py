@@ -7,6 +7,11 @@ Each tier builds with the features such a CPU lacks turned off (-mno-...), in th
 kernel cache (a key of its own, built once and reused like the native build), and a child
 process (a process loads one library) checks its layer ops, int8 ops and attention against
 the references and reports what the build chose (tests/native/_tier_child.py).
+No tier of AVX512-BF16 without AMX (AMD Zen 4), a third build each time the sources change: its
+MoE route is covered in parts. rows_gemm.c's AVX512-BF16 dot kernel runs at every shape on any
+AVX512-BF16 CPU, AMX or not (kiln::rows_gemm_native, test_rows_gemm.py); choose_route's limit
+for it is a pure function (test_moe_native.py); the experts' rows route in bfloat16, the same
+code for either kernel, runs in the tier below (widened). On a Zen 4 the native suite runs it whole.
 """
 import json
 import os

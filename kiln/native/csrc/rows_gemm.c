@@ -8,8 +8,10 @@
  * reuse it from cache. bfloat16: AVX512-BF16's VDPBF16PS, 32 k a step, on the bfloat16 rows as
  * they are; without it (AVX-512F) x widened to float32 once a call and each weight vector on
  * load, FMA 16 k a step; float32 the same FMA kernel. float32 sums rounded once, as oneDNN's GEMM
- * rounds them. k past a multiple of the step: masked loads (zeros, never read past a row); weight
- * rows past n: the last row again, its sums dropped. */
+ * rounds them. VDPBF16PS reads bfloat16 subnormals (below 2^-126) as zero and flushes subnormal
+ * sums, as it is defined to; the FMA kernels and torch's GEMM keep them (a difference below
+ * 2^-126 |w| k, unseen next to a normal row's products). k past a multiple of the step: masked
+ * loads (zeros, never read past a row); weight rows past n: the last row again, sums dropped. */
 #include <stdint.h>
 #include <stdlib.h>
 
