@@ -2,14 +2,25 @@
 same model in bfloat16: top-1 agreement over 32 prompts x 64 greedy steps, teacher-forced on the
 bfloat16 tokens, and perplexity on a fixed text shipped in tests/fixtures/quality/.
 
-Measured on a 2-core AMD EPYC (AVX512-VNNI, no AMX): agreement 0.919 (1883 of 2048 steps),
-perplexity 17.99 (int8) vs 17.47 (bfloat16), ratio 1.0297. On a 2-core Xeon with AMX the ratio
-depends on which of the prefill attention kernel's three paths runs, although all three are
-equally close to a float64 softmax (the same max and mean error): 18.01 / 17.41 = 1.034 with the
-AVX512-BF16 tiles, 18.11 / 17.37 = 1.043 with the scalar loop, 18.10 / 17.37 = 1.042 with the
-AMX tiles (agreement 0.918-0.925; an earlier exp polynomial in the tiles gave 1.029 and 1.047).
-The int8 model amplifies last-bit differences in attention that the bfloat16 one does not (its
-perplexity moves 0.2%). Asserted: agreement >= 0.90 and a ratio
+A step agrees where the bfloat16 token has the int8 model's best logprob, ties included: ranks
+count a tie against the token (vLLM's, since 215cf370), and bfloat16 logits tie often enough
+that reading rank == 1 scored 0.8975 at 02c03ed5 (0.901 on 8251944e's tokens, 33 ties fewer).
+
+Measured on a 2-core AMD EPYC (Zen 4: AVX512-VNNI and AVX512-BF16, no AMX) at 02c03ed5
+(2026-12-07): agreement 0.911 (1866 of 2048 steps), perplexity 18.005 (int8) vs 17.413
+(bfloat16), ratio 1.034. At 8251944e the same machine gave 0.917 (1879) and the same
+perplexities (not the 0.919 and 17.99 / 17.47 once written here); the int8 model still scores
+0.917 on that commit's bfloat16 tokens. What moved is the reference's greedy tokens: 17 of 32
+continuations differ, 29 of 32 come back with decode attention's VDPBF16PS dot products
+(f2b9c4c2) compiled out, and both sets are equally close to a float32 model (its argmax at 2007
+vs 2003 of the 2048 steps, mean logprob shortfall 0.0011 both).
+
+On a 2-core Xeon with AMX the ratio depends on which of the prefill attention kernel's three paths
+runs, although all three are equally close to a float64 softmax (the same max and mean error):
+18.01 / 17.41 = 1.034 with the AVX512-BF16 tiles, 18.11 / 17.37 = 1.043 with the scalar loop,
+18.10 / 17.37 = 1.042 with the AMX tiles (agreement 0.918-0.925; an earlier exp polynomial in the
+tiles gave 1.029 and 1.047). The int8 model amplifies last-bit differences in attention that
+the bfloat16 one does not (its perplexity moves 0.2%). Asserted: agreement >= 0.90 and a ratio
 <= 1.06, the largest measured plus a margin of that spread.
 """
 import math
@@ -18,12 +29,13 @@ from pathlib import Path
 import pytest
 
 from kiln import LLM, SamplingParams
+from kiln.outputs import Logprob
 
 TEXT = Path(__file__).resolve().parent.parent / "fixtures" / "quality" / "text.txt"
 NUM_PROMPTS, STEPS = 32, 64
 MIN_AGREEMENT, MAX_PPL_RATIO = 0.90, 1.06
 
-pytestmark = pytest.mark.slow  # ~5 min on 2 busy cores; the tiny-model tests cover the same path
+# The model tests are slow (~5 min on 2 busy cores); the tiny-model tests cover the same path.
 
 
 def _llm(**kw):
@@ -36,12 +48,20 @@ def _prompts(tokenizer) -> list[list[int]]:
     return [tokenizer.encode(" ".join(line.split()[:6])) for line in lines]
 
 
-def _top1(llm, sequences: list[list[int]]) -> list[list[int | None]]:
-    """Each position's most likely next token given the sequence before it (teacher forcing)."""
+def _ranks_first(entry: dict[int, Logprob], token: int) -> bool:
+    """Whether `token` has the entry's best logprob, ties included. Not `rank == 1`: ranks count
+    a tie against the token (vLLM's), so a token tied for the top with a lower id ranks 2."""
+    return entry[token].logprob >= max(lp.logprob for lp in entry.values())
+
+
+def _agreement(llm, sequences: list[list[int]], starts: list[int]) -> float:
+    """Share of positions from starts[i] on whose token the model ranks first given the
+    sequence before it (teacher forcing)."""
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     outs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
-    return [[None] + [next(t for t, lp in entry.items() if lp.rank == 1)
-                      for entry in o.prompt_logprobs[1:]] for o in outs]
+    hits = [_ranks_first(o.prompt_logprobs[j], s[j])
+            for s, start, o in zip(sequences, starts, outs) for j in range(start, len(s))]
+    return sum(hits) / len(hits)
 
 
 def _perplexity(llm, ids: list[int]) -> float:
@@ -63,18 +83,25 @@ def measured():
     ref_ppl = _perplexity(ref, text_ids)
     ref.llm_engine.shutdown()
     int8 = _llm(quantization="int8")
-    top1 = _top1(int8, sequences)
-    hits = sum(top1[i][j] == sequences[i][j]
-               for i, p in enumerate(prompts) for j in range(len(p), len(sequences[i])))
-    figures = {"agreement": hits / (NUM_PROMPTS * STEPS), "ppl_bf16": ref_ppl,
+    figures = {"agreement": _agreement(int8, sequences, [len(p) for p in prompts]),
+               "ppl_bf16": ref_ppl,
                "ppl_int8": _perplexity(int8, text_ids)}
     print(figures)
     return figures
 
 
+def test_a_token_tied_for_the_top_ranks_first():
+    tied = {30: Logprob(-2.2984, rank=2), 28: Logprob(-2.2984, rank=1)}  # 30 sampled, 28 top-1
+    assert _ranks_first(tied, 30) and _ranks_first(tied, 28)
+    below = {7: Logprob(-2.5, rank=3), 28: Logprob(-2.2984, rank=1)}
+    assert not _ranks_first(below, 7)
+
+
+@pytest.mark.slow
 def test_top1_agreement_with_bfloat16(measured):
     assert measured["agreement"] >= MIN_AGREEMENT, measured
 
 
+@pytest.mark.slow
 def test_perplexity_within_bound_of_bfloat16(measured):
     assert measured["ppl_int8"] / measured["ppl_bf16"] <= MAX_PPL_RATIO, measured
