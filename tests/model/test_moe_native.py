@@ -95,7 +95,7 @@ NONE, AVX512F, BF16_DOT = 0, 1, 2  # csrc/kernels.h's KILN_ROWS_* (kiln_rows_gem
 
 def test_an_experts_rows_choose_its_kernel():
     """bfloat16 on AMX tiles where granted, from one row. Else the rows kernel where the build has
-    one: bfloat16 on AVX512-BF16 dot products up to 8 rows, widened (AVX-512F alone) at any
+    one: bfloat16 on AVX512-BF16 dot products up to 4 rows, widened (AVX-512F alone) at any
     rows, float32 up to 16; above them aten. Without AVX-512 the GEMV kernel up to 4 rows, aten
     above."""
     route = torch.ops.kiln.fused_experts_route
@@ -103,7 +103,7 @@ def test_an_experts_rows_choose_its_kernel():
         assert [route(r, 1, True, isa) for r in (1, 4, 5, 16, 17, 33, 512)] == [TILES] * 7
     for dtype in (0, 1):
         assert [route(r, dtype, False, NONE) for r in (1, 4, 5, 33)] == [GEMV, GEMV, ATEN, ATEN]
-    assert [route(r, 1, False, BF16_DOT) for r in (1, 4, 5, 8, 9, 512)] == [ROWS] * 4 + [ATEN] * 2
+    assert [route(r, 1, False, BF16_DOT) for r in (1, 4, 5, 8, 9, 512)] == [ROWS] * 2 + [ATEN] * 4
     assert [route(r, 1, False, AVX512F) for r in (1, 33, 512, 4096)] == [ROWS] * 4
     for tiles in (True, False):  # float32
         assert [route(r, 0, tiles, AVX512F) for r in (1, 16, 17, 33)] == [ROWS, ROWS, ATEN, ATEN]
