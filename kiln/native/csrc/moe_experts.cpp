@@ -38,12 +38,10 @@ constexpr int64_t GEMV_ROWS = 4;
 
 /* Up to this many rows an expert's GEMMs are rows_gemm.c's where this build has that kernel for
  * the dtype (rows_isa: kiln_rows_gemm_isa), from one row (it streams the weight faster than the
- * GEMV kernel), more rows aten's: bfloat16 on AVX512-BF16 dot products up to 4 (on a Zen 4
- * oneDNN's AVX512-BF16 GEMM took 12-25% less time an expert at 5-8 rows, the layer at 32 tokens
- * 7-13% less than with up to 8; on a Xeon held to Zen 4's ISA about even); bfloat16 widened to
- * float32 (AVX-512F without BF16) at every row count (oneDNN converts there too, and took about
- * twice as long from 4 rows to 512 tokens); float32 up to 16 (MKL's SGEMM faster above).
- * Measured: docs/measurements.md. */
+ * GEMV kernel), more rows aten's: bfloat16 on AVX512-BF16 dot products up to 4 (oneDNN's
+ * AVX512-BF16 GEMM faster from 5 rows an expert on a Zen 4); bfloat16 widened to float32
+ * (AVX-512F without BF16) at every row count (oneDNN converts there too, and is slower at every
+ * size); float32 up to 16 (MKL's SGEMM faster above). Measured: docs/measurements.md. */
 int64_t rows_max(int64_t dtype, int64_t rows_isa) {
     if (rows_isa == KILN_ROWS_BF16_DOT) return 4;
     if (rows_isa == KILN_ROWS_AVX512F) return dtype == KILN_F32 ? 16 : INT64_MAX;
