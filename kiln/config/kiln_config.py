@@ -70,6 +70,15 @@ class KilnConfig(FreezableConfig):
         sched.max_model_len = self.model_config.max_model_len
         if sched.max_num_batched_tokens is None:
             sched.max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, sched.max_num_seqs)
+            if not sched.enable_chunked_prefill:  # vLLM's default without chunking
+                sched.max_num_batched_tokens = max(sched.max_num_batched_tokens,
+                                                   sched.max_model_len)
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < sched.max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens ({sched.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({sched.max_model_len}): without chunked prefill a longer prompt "
+                "could never be scheduled; raise --max-num-batched-tokens, lower "
+                "--max-model-len, or drop --no-enable-chunked-prefill")
         if sched.max_num_batched_tokens < sched.max_num_seqs:
             raise ConfigError(
                 f"max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= max_num_seqs "

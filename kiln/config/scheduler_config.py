@@ -17,6 +17,10 @@ class SchedulerConfig(FreezableConfig):
     # vLLM's: a hybrid sliding-window model's layers share one block table (every block kept)
     # instead of KV cache groups (kiln/core/kv_cache_groups.py)
     disable_hybrid_kv_cache_manager: bool = False
+    # vLLM's --enable-chunked-prefill: False prefills each prompt in one step (one that does not
+    # fit what is left of a step's budget waits, letting later ones by); the budget is then at
+    # least max_model_len (KilnConfig), so every prompt fits an empty step.
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self):
         if self.policy not in ("fcfs", "priority"):

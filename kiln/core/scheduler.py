@@ -40,6 +40,7 @@ class Scheduler(SchedulerRequests, Requeueing):
                              f"sizes the cache); got num_blocks={num_blocks!r}")
         self.max_num_seqs = sched.max_num_seqs
         self.max_num_batched_tokens = sched.max_num_batched_tokens
+        self.chunked_prefill = sched.enable_chunked_prefill
         self.max_model_len = max_model_len or sched.max_model_len
         spec = kiln_config.speculative_config
         self.kv_cache_manager = KVCacheManager(
@@ -100,8 +101,9 @@ class Scheduler(SchedulerRequests, Requeueing):
             index += 1
 
         # Then waiting ones in the queue's order; after a preemption the cache is too tight to
-        # admit. A request whose grammar is still compiling, or whose LoRA adapter has no free
-        # slot, keeps its place but lets later ones by.
+        # admit. A request whose grammar is still compiling, whose LoRA adapter has no free
+        # slot, or (chunked prefill off) whose prompt does not fit what is left of the budget
+        # keeps its place but lets later ones by.
         held: deque[Request] = deque()
         lora_starving = False  # one waited too long for a LoRA slot (kiln/lora/scheduling.py)
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
@@ -124,6 +126,9 @@ class Scheduler(SchedulerRequests, Requeueing):
                 self._finish_unschedulable(request, request.num_tokens)
                 continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
+            if not self.chunked_prefill and request.num_tokens - num_hit > budget:
+                held.append(self.waiting.pop())  # whole or not at all: a later one may fit
+                continue
             num_new = min(request.num_tokens - num_hit, budget)
             if kv.allocate_slots(request, num_new, hit_blocks,
                                  self._lookahead(request, num_hit, num_new)) is None:

@@ -84,7 +84,7 @@ class EngineArgs(EngineArgsChecks):
     # vLLM's arguments that have one meaning here, taken so users' scripts and flags carry over
     # (other values are refused by _check_vllm_only_defaults).
     trust_remote_code: bool = False  # no checkpoint code ever runs: Kiln's own models only
-    enable_chunked_prefill: bool | None = None  # prompts longer than a step's budget are chunked
+    enable_chunked_prefill: bool | None = None  # None / True: chunked; False: whole prompts
     kv_cache_dtype: str = "auto"  # the model's dtype; fp8 (= fp8_e4m3), fp8_e5m2
     tokenizer_mode: str = "auto"  # a fast (tokenizers) tokenizer; "hf" is the same
     swap_space: float = 4.0  # GiB; unused: preempted requests are recomputed (vLLM V1's way)
@@ -138,6 +138,8 @@ class EngineArgs(EngineArgsChecks):
         scheduler_config = SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                            max_num_batched_tokens=self.max_num_batched_tokens,
                                            policy=self.scheduling_policy,
+                                           enable_chunked_prefill=(
+                                               self.enable_chunked_prefill is not False),
                                            disable_hybrid_kv_cache_manager=(
                                                self.disable_hybrid_kv_cache_manager))
         parallel_config = ParallelConfig(

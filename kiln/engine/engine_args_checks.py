@@ -50,11 +50,6 @@ class EngineArgsChecks:
                                  f"({type(value).__name__})")
 
     def _check_vllm_only_defaults(self) -> None:
-        if self.enable_chunked_prefill is False:
-            raise ValueError("enable_chunked_prefill=False is not supported: a prompt longer "
-                             "than --max-num-batched-tokens is always prefilled in chunks; to "
-                             "prefill each prompt in one step, raise --max-num-batched-tokens "
-                             "to --max-model-len")
         if self.tokenizer_mode not in ("auto", "hf"):
             raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} is not supported: the "
                              "model's fast tokenizer is used ('auto' or 'hf')")

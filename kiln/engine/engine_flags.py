@@ -266,7 +266,10 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                         "classes only)")
     v.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=d.enable_chunked_prefill,
-                   help="long prompts are always prefilled in chunks (--no-... is refused)")
+                   help="prompts longer than what is left of a step's token budget are "
+                        "prefilled in chunks (the default); --no-enable-chunked-prefill "
+                        "prefills each in one step (--max-num-batched-tokens then defaults to "
+                        "at least --max-model-len)")
     v.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(CACHE_DTYPES),
                    help="the KV cache's elements: auto (the model's dtype), fp8 (= fp8_e4m3, "
                         "float8_e4m3fn) or fp8_e5m2: half a bfloat16 cache's bytes; scaled by the "

@@ -19,7 +19,7 @@ VOCAB = 1000
 
 def make_config(*, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                 max_model_len=None, enable_prefix_caching=True, override=None,
-                policy="fcfs", window=None) -> KilnConfig:
+                policy="fcfs", window=None, chunked_prefill=True) -> KilnConfig:
     """`window`: a Mistral with that sliding window in every layer (else a Llama)."""
     if max_model_len is None:  # 256, or what an overridden cache holds: a larger one is refused
         max_model_len = 256 if override is None else min(256, override * block_size)
@@ -35,7 +35,8 @@ def make_config(*, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
                                  num_gpu_blocks_override=override),
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
                                          max_num_batched_tokens=max_num_batched_tokens,
-                                         policy=policy))
+                                         policy=policy,
+                                         enable_chunked_prefill=chunked_prefill))
     return config
 
 

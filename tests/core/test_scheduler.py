@@ -51,6 +51,26 @@ def test_chunked_prefill_splits_by_budget_and_reports_only_when_done():
     assert so.num_scheduled_tokens == {"a": 1} and outs[0].finish_reason == "length"
 
 
+def test_without_chunked_prefill_a_prompt_waits_whole_and_lets_a_shorter_one_by():
+    """vLLM's --no-enable-chunked-prefill: a prompt that does not fit what is left of the
+    step's budget is not cut; it keeps its place and a later one that fits goes first."""
+    for chunked, first in ((True, {"a": 40, "b": 24}), (False, {"a": 40, "c": 10})):
+        sched, ex = make_scheduler(max_num_batched_tokens=64, max_model_len=64,
+                                   chunked_prefill=chunked)
+        prompts = {"a": range(10, 50), "b": range(100, 140), "c": range(200, 210)}
+        for i, (rid, prompt) in enumerate(prompts.items()):
+            sched.add_request(make_request(rid, prompt, max_tokens=3, arrival=float(i)))
+        so, outs = step(sched, ex)
+        assert so.num_scheduled_tokens == first
+        if not chunked:
+            so, more = step(sched, ex)
+            assert so.num_scheduled_tokens == {"a": 1, "c": 1, "b": 40}
+            outs += more
+        results = drain(sched, ex, earlier_outputs=outs)
+        for rid, prompt in prompts.items():
+            assert results[rid]["tokens"] == reference_tokens(list(prompt), 3), rid
+
+
 def test_running_decodes_are_scheduled_before_waiting_prefills():
     sched, ex = make_scheduler(max_num_batched_tokens=16)
     sched.add_request(make_request("a", range(6), max_tokens=5, arrival=1.0))

@@ -70,7 +70,6 @@ def test_disable_log_requests_is_taken_wherever_engine_flags_are(command):
     EngineArgs.from_cli_args(args)._check_vllm_only_defaults()
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(enable_chunked_prefill=False), "raise --max-num-batched-tokens to --max-model-len"),
     (dict(kv_cache_dtype="int8"), "kv_cache_dtype .* must be one of auto, fp8, fp8_e4m3"),
     (dict(tokenizer_mode="mistral"), "fast tokenizer"),
     (dict(swap_space=-1.0), "swap_space must be >= 0"),
