@@ -114,6 +114,74 @@ static void softmax_step(const Call *c, float *s, int nkp, int kb, const int *po
     _mm512_storeu_ps(m, mx);
 }
 
+/* A row group's queries into qp (prefill_tiles.h's layout): tokens t0 + i0 .. + 15 of the unit
+ * (the last repeated past its end) of head `head`, 16 dims (or bfloat16 pairs) a transpose. */
+static void pack_queries(const Call *c, const Unit *u, int head, int i0, float *qp) {
+    const int hd = c->hd, bf = c->dtype == KILN_BF16, words = bf ? hd / 2 : hd;
+    const char *rows[16];
+    for (int i = 0; i < 16; ++i) {
+        const int t = u->t0 + (i0 + i < u->nt ? i0 + i : u->nt - 1);
+        rows[i] = (const char *)c->q + (t * c->q_stride + (int64_t)head * hd) * (bf ? 2 : 4);
+    }
+    const __m512 scale = _mm512_set1_ps(bf ? 1.f : c->scale); /* bfloat16's goes on the scores */
+    int d0 = 0;
+    for (; d0 + 16 <= words; d0 += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) {
+            r[i] = _mm512_loadu_si512(rows[i] + 4 * d0);
+            if (!bf) r[i] = _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(r[i]), scale));
+        }
+        pf_transpose16(r);
+        for (int k = 0; k < 16; ++k) _mm512_storeu_si512(qp + (d0 + k) * 16, r[k]);
+    }
+    for (; d0 < words; ++d0)
+        for (int i = 0; i < 16; ++i)
+            if (bf)
+                ((int32_t *)qp)[d0 * 16 + i] = pf_word(rows[i] + 4 * d0);
+            else
+                qp[d0 * 16 + i] = ((const float *)rows[i])[d0] * c->scale;
+}
+
+/* 16 float32 lanes rounded to bfloat16 as f32_to_bf16 rounds them (NaN kept quiet). */
+static inline __m256i bf16x16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                         _mm512_and_si512(hi, _mm512_set1_epi32(1))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    return _mm512_cvtepi32_epi16(
+        _mm512_mask_or_epi32(rounded, nan, hi, _mm512_set1_epi32(0x40)));
+}
+
+/* A row group's outputs o [hd][16] / l into the out rows of tokens t0 + i0 .. (those of the unit)
+ * of head `head`, 16 dims a transpose. */
+static void store_outputs(const Call *c, const Unit *u, int head, int i0, const float *o,
+                          const float *l) {
+    const int hd = c->hd, n = u->nt - i0 < 16 ? u->nt - i0 : 16;
+    const int64_t row0 = (u->t0 + i0) * c->out_stride + (int64_t)head * hd;
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(c->v_scale), _mm512_loadu_ps(l));
+    int d0 = 0;
+    for (; d0 + 16 <= hd; d0 += 16) {
+        __m512i r[16];
+        for (int k = 0; k < 16; ++k)
+            r[k] = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(o + (d0 + k) * 16), inv));
+        pf_transpose16(r);
+        for (int i = 0; i < n; ++i) {
+            const int64_t at = row0 + i * c->out_stride + d0;
+            if (c->dtype == KILN_BF16)
+                _mm256_storeu_si256((__m256i *)((uint16_t *)c->out + at),
+                                    bf16x16(_mm512_castsi512_ps(r[i])));
+            else
+                _mm512_storeu_si512((float *)c->out + at, r[i]);
+        }
+    }
+    for (; d0 < hd; ++d0)
+        for (int i = 0; i < n; ++i)
+            store_elem(c->out, row0 + i * c->out_stride + d0, o[d0 * 16 + i] * (c->v_scale / l[i]),
+                       c->dtype);
+}
+
 /* Tiles of up to 3 row groups: constant R keeps the accumulators in registers. */
 #define PF_DISPATCH(fn, R, ...)                 \
     switch (R) {                                \
@@ -129,19 +197,10 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
     const int32_t *blocks = c->block_table + (int64_t)u->req * c->bt_stride;
     const int64_t rg_q = (int64_t)(bf ? hd / 2 : hd) * 16, rg_s = PF_BK * 16, rg_o = hd * 16;
     int pos[16 * 4]; /* each lane's query position; padding lanes repeat the unit's last token */
-    for (int i = 0; i < 16 * tb; ++i) {
-        const int t = u->t0 + (i < u->nt ? i : u->nt - 1);
-        pos[i] = ctx + (t - q_begin);
-        for (int g = 0; g < c->group; ++g) {
-            const int64_t row = t * c->q_stride + (int64_t)(u->kv_head * c->group + g) * hd;
-            float *qp = w->qp + (g * tb + i / 16) * rg_q + i % 16;
-            if (bf)
-                for (int d = 0; d < hd / 2; ++d)
-                    ((int32_t *)qp)[d * 16] = pf_word((const uint16_t *)c->q + row + 2 * d);
-            else
-                for (int d = 0; d < hd; ++d) qp[d * 16] = ((const float *)c->q)[row + d] * c->scale;
-        }
-    }
+    for (int i = 0; i < 16 * tb; ++i) pos[i] = ctx + (u->t0 + (i < u->nt ? i : u->nt - 1) - q_begin);
+    for (int g = 0; g < c->group; ++g)
+        for (int b = 0; b < tb; ++b)
+            pack_queries(c, u, u->kv_head * c->group + g, 16 * b, w->qp + (g * tb + b) * rg_q);
     memset(w->o, 0, sizeof(float) * rgs * rg_o);
     for (int i = 0; i < rgs * 16; ++i) w->m[i] = MASKED, w->l[i] = 0.f;
     const int n_keys = pos[u->nt - 1] + 1;
@@ -192,13 +251,7 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
     }
     for (int rg = 0; rg < rgs; ++rg) {
         const int g = rg / tb, b = rg % tb;
-        for (int i = 0; i < 16 && 16 * b + i < u->nt; ++i) {
-            const int64_t row = (u->t0 + 16 * b + i) * c->out_stride +
-                                (int64_t)(u->kv_head * c->group + g) * hd;
-            const float inv = c->v_scale / w->l[rg * 16 + i];
-            for (int d = 0; d < hd; ++d)
-                store_elem(c->out, row + d, w->o[rg * rg_o + d * 16 + i] * inv, c->dtype);
-        }
+        store_outputs(c, u, u->kv_head * c->group + g, 16 * b, w->o + rg * rg_o, w->l + rg * 16);
     }
 }
 #endif
