@@ -67,51 +67,68 @@ static void unit_scalar(const Call *c, const Unit *u, Scratch *w) {
 }
 
 #if KILN_PREFILL_F32_SIMD
-/* One key block's softmax step for a row group (16 lanes): scores scaled, and masked past each
- * lane's position where the block reaches one; running maxima, sums and outputs rescaled;
- * scores to probabilities. */
-static void softmax_step(const Call *c, float *s, int nkp, int kb, const int *pos, float sscale,
-                         float *m, float *l, float *o, int hd) {
+/* How far a lane's block maximum may pass the maximum its probabilities are taken against
+ * before that moves (and its sums and outputs are rescaled): probabilities up to e^8 are exact
+ * enough in float32 and bfloat16 alike, and the rescale, a pass over the outputs, comes seldom. */
+#define PF_LAZY_MAX 8.f
+
+/* One key block's softmax step for a row group (16 lanes): raw scores s [nkp][16] masked past
+ * each lane's position (and before its window) where the block reaches it, soft-capped where the
+ * layer caps; the running maximum m moved where the block's passes it by PF_LAZY_MAX, its factor
+ * into alpha (1 where it stays); probabilities exp(s * sscale - m) summed into l and, for
+ * bfloat16, rounded into pp in key pairs (else back into s). Returns whether any alpha is not 1. */
+static int softmax_step(const Call *c, float *s, int nkp, int kb, const int *pos, __m512i lane_lo,
+                        float sscale, float *m, float *l, float *alpha, int32_t *pp) {
     const __m512i lane_pos = _mm512_loadu_si512(pos);
-    /* each lane's first key (its window's start), for the keys before it to be masked */
-    const __m512i lane_lo = _mm512_set_epi32(
-        first_key(c, pos[15]), first_key(c, pos[14]), first_key(c, pos[13]),
-        first_key(c, pos[12]), first_key(c, pos[11]), first_key(c, pos[10]),
-        first_key(c, pos[9]), first_key(c, pos[8]), first_key(c, pos[7]), first_key(c, pos[6]),
-        first_key(c, pos[5]), first_key(c, pos[4]), first_key(c, pos[3]), first_key(c, pos[2]),
-        first_key(c, pos[1]), first_key(c, pos[0]));
-    const __m512 scale = _mm512_set1_ps(sscale), masked = _mm512_set1_ps(MASKED);
     const int need_mask = kb + nkp - 1 > pos[0]; /* lanes' positions ascend */
     const int need_lo_mask = kb < first_key(c, pos[15]);
-    const __m512 m_old = _mm512_loadu_ps(m);
-    __m512 mx = m_old, sum = _mm512_setzero_ps();
-    for (int j = 0; j < nkp; ++j) {
-        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * j), scale);
-        if (c->softcap > 0.f) {
-            _mm512_storeu_ps(s + 16 * j, x);
+    const __m512 masked = _mm512_set1_ps(MASKED);
+    if (c->softcap > 0.f) { /* the cap takes scaled scores: scale them here, once */
+        for (int j = 0; j < nkp; ++j) {
+            _mm512_storeu_ps(s + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(s + 16 * j),
+                                                       _mm512_set1_ps(sscale)));
             soft_cap(c, s + 16 * j, 16);
-            x = _mm512_loadu_ps(s + 16 * j);
         }
-        if (need_mask)
-            x = _mm512_mask_mov_ps(
-                x, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(kb + j), lane_pos), masked);
-        if (need_lo_mask)
-            x = _mm512_mask_mov_ps(
-                x, _mm512_cmpgt_epi32_mask(lane_lo, _mm512_set1_epi32(kb + j)), masked);
-        _mm512_storeu_ps(s + 16 * j, x);
+        sscale = 1.f;
+    }
+    __m512 mx = masked;
+    for (int j = 0; j < nkp; ++j) {
+        __m512 x = _mm512_loadu_ps(s + 16 * j);
+        if (need_mask | need_lo_mask) {
+            __mmask16 k = 0;
+            if (need_mask) k = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(kb + j), lane_pos);
+            if (need_lo_mask) k |= _mm512_cmpgt_epi32_mask(lane_lo, _mm512_set1_epi32(kb + j));
+            x = _mm512_mask_mov_ps(x, k, masked);
+            _mm512_storeu_ps(s + 16 * j, x);
+        }
         mx = _mm512_max_ps(mx, x);
     }
-    const __m512 alpha = kiln_exp512(_mm512_sub_ps(m_old, mx));
-    if (_mm512_cmp_ps_mask(mx, m_old, _CMP_NEQ_OQ)) /* maxima seldom move after a few blocks */
-        for (int d = 0; d < hd; ++d)
-            _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * d), alpha));
-    for (int j = 0; j < nkp; ++j) {
-        const __m512 p = kiln_exp512(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * j), mx));
-        _mm512_storeu_ps(s + 16 * j, p);
-        sum = _mm512_add_ps(sum, p);
+    /* scale > 0: the maximum of the scaled scores is the scaled maximum (rounding is monotone) */
+    const __m512 sc = _mm512_set1_ps(sscale), m_old = _mm512_loadu_ps(m);
+    mx = _mm512_mul_ps(mx, sc);
+    const __mmask16 move = _mm512_cmp_ps_mask(mx, _mm512_add_ps(m_old, _mm512_set1_ps(PF_LAZY_MAX)),
+                                              _CMP_GT_OQ);
+    const __m512 m_new = _mm512_mask_mov_ps(m_old, move, mx);
+    const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), move,
+                                        kiln_exp512(_mm512_sub_ps(m_old, m_new)));
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
+    for (int j = 0; j < nkp; j += 2) {
+        const __m512 p0 = kiln_exp512(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * j), sc, m_new));
+        const __m512 p1 = kiln_exp512(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * j + 16), sc, m_new));
+        sum0 = _mm512_add_ps(sum0, p0), sum1 = _mm512_add_ps(sum1, p1);
+#if KILN_PREFILL_BF16_SIMD
+        if (pp) {
+            _mm512_storeu_si512(pp + 8 * j, pf_pair_words(p0, p1));
+            continue;
+        }
+#endif
+        _mm512_storeu_ps(s + 16 * j, p0);
+        _mm512_storeu_ps(s + 16 * j + 16, p1);
     }
-    _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), alpha, sum));
-    _mm512_storeu_ps(m, mx);
+    _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), a, _mm512_add_ps(sum0, sum1)));
+    _mm512_storeu_ps(m, m_new);
+    _mm512_storeu_ps(alpha, a);
+    return move != 0;
 }
 
 /* A row group's queries into qp (prefill_tiles.h's layout): tokens t0 + i0 .. + 15 of the unit
@@ -201,6 +218,12 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
     for (int g = 0; g < c->group; ++g)
         for (int b = 0; b < tb; ++b)
             pack_queries(c, u, u->kv_head * c->group + g, 16 * b, w->qp + (g * tb + b) * rg_q);
+    __m512i lane_lo[4]; /* each lane's first key (its window's start): keys before it are masked */
+    for (int b = 0; b < tb; ++b) {
+        int lo[16];
+        for (int i = 0; i < 16; ++i) lo[i] = first_key(c, pos[16 * b + i]);
+        lane_lo[b] = _mm512_loadu_si512(lo);
+    }
     memset(w->o, 0, sizeof(float) * rgs * rg_o);
     for (int i = 0; i < rgs * 16; ++i) w->m[i] = MASKED, w->l[i] = 0.f;
     const int n_keys = pos[u->nt - 1] + 1;
@@ -223,21 +246,23 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
                             hd, w->s + r0 * rg_s + j0 * 16, rg_s)
             }
         }
+        const int64_t rg_p = PF_BK / 2 * 16;
+        int rescale = 0;
         for (int rg = 0; rg < rgs; ++rg)
-            softmax_step(c, w->s + rg * rg_s, nkp, kb, pos + 16 * (rg % tb), bf ? c->scale : 1.f,
-                         w->m + rg * 16, w->l + rg * 16, w->o + rg * rg_o, hd);
+            rescale |= softmax_step(c, w->s + rg * rg_s, nkp, kb, pos + 16 * (rg % tb),
+                                    lane_lo[rg % tb], bf ? c->scale : 1.f, w->m + rg * 16,
+                                    w->l + rg * 16, w->alpha + rg * 16,
+                                    bf ? w->pp + rg * rg_p : NULL);
+        const float *alpha = rescale ? w->alpha : NULL;
 #if KILN_PREFILL_BF16_SIMD
         if (bf) {
             const int pairs = (nk + 1) / 2; /* vp holds nkp >= 2 * pairs rows, zeros past nk */
-            const int64_t rg_p = PF_BK / 2 * 16;
             pack_value_pairs(w->vp, pairs, hd, w->vpk);
-            for (int rg = 0; rg < rgs; ++rg)
-                pack_probs_bf16(w->s + rg * rg_s, pairs, w->pp + rg * rg_p);
             for (int r0 = 0; r0 < rgs; r0 += 3) {
                 const int R = rgs - r0 < 3 ? rgs - r0 : 3;
                 for (int c0 = 0; c0 < hd; c0 += PF_DIMS)
                     PF_DISPATCH(pv_bf16, R, w->pp + r0 * rg_p, rg_p, w->vpk, hd, pairs, c0,
-                                w->o + r0 * rg_o, rg_o)
+                                w->o + r0 * rg_o, rg_o, alpha ? alpha + 16 * r0 : NULL)
             }
             continue;
         }
@@ -246,7 +271,7 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
             const int R = rgs - r0 < 3 ? rgs - r0 : 3;
             for (int c0 = 0; c0 < hd; c0 += PF_DIMS)
                 PF_DISPATCH(pv_f32, R, w->s + r0 * rg_s, rg_s, (const float *const *)w->vp, nk,
-                            c0, w->o + r0 * rg_o, rg_o)
+                            c0, w->o + r0 * rg_o, rg_o, alpha ? alpha + 16 * r0 : NULL)
         }
     }
     for (int rg = 0; rg < rgs; ++rg) {
@@ -326,10 +351,10 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
                        scale * cache->k_scale, cache->v_scale, window > 0 ? window : 0,
                        softcap > 0.f ? softcap : 0.f};
     const int rgs = group * tb;
-    /* per row group qp, o, s, pp, m, l; then vpk, the scalar path's rows and the zero row, the
+    /* per row group qp, o, s, pp, m, l, alpha; then vpk, the scalar path's rows and the zero row, the
      * AMX K tiles, an fp8 cache's dequantized key block */
     const size_t kt_floats = amx ? PREFILL_AMX_KT_BYTES(hd) / sizeof(float) : 0;
-    const size_t floats = (size_t)rgs * 16 * (2 * hd + PF_BK + PF_BK / 2 + 2) +
+    const size_t floats = (size_t)rgs * 16 * (2 * hd + PF_BK + PF_BK / 2 + 3) +
                           (size_t)PF_BK / 2 * hd + 3 * (size_t)hd + PF_BK + kt_floats +
                           (cache->kv_dtype != cache->dtype ? (size_t)2 * PF_BK * hd : 0);
     int failed = 0;
@@ -346,7 +371,8 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
             w.pp = (int32_t *)(w.s + (size_t)rgs * PF_BK * 16);
             w.m = (float *)(w.pp + (size_t)rgs * PF_BK / 2 * 16);
             w.l = w.m + rgs * 16;
-            w.vpk = (int32_t *)(w.l + rgs * 16);
+            w.alpha = w.l + rgs * 16;
+            w.vpk = (int32_t *)(w.alpha + rgs * 16);
             w.buf = (float *)(w.vpk + (size_t)PF_BK / 2 * hd);
             w.zero = w.buf + 2 * hd + PF_BK; /* hd floats, never written */
             w.kt = (float *)w.zero + hd;

@@ -64,12 +64,16 @@ PF_INLINE void qk_f32(const float *qp, int64_t rg_q, const float *const *kp, int
         for (int j = 0; j < PF_KEYS; ++j) _mm512_storeu_ps(s + r * rg_s + j * 16, acc[r][j]);
 }
 
-/* o[r][c0 .. c0 + PF_DIMS) += sum over the block's keys j of s[r][j] * v[j][c]. */
+/* o[r][c0 .. c0 + PF_DIMS) = alpha[r] (1 where NULL) * o[r][...] + sum over the block's keys j of s[r][j] * v[j][c]. */
 PF_INLINE void pv_f32(const float *s, int64_t rg_s, const float *const *vp, int nk, int c0,
-                      float *o, int64_t rg_o, const int R) {
+                      float *o, int64_t rg_o, const float *alpha, const int R) {
     __m512 acc[3][PF_DIMS];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < PF_DIMS; ++c) acc[r][c] = _mm512_loadu_ps(o + r * rg_o + (c0 + c) * 16);
+    if (alpha) /* the softmax's rescale, folded into the accumulators' loads */
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < PF_DIMS; ++c)
+                acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_loadu_ps(alpha + 16 * r));
     for (int j = 0; j < nk; ++j) {
         __m512 p[3];
         for (int r = 0; r < R; ++r) p[r] = _mm512_loadu_ps(s + r * rg_s + j * 16);
@@ -129,10 +133,14 @@ PF_INLINE void qk_bf16(const int32_t *qp, int64_t rg_q, const uint16_t *const *k
 
 /* As pv_f32 over key pairs: pp's probability pairs against vpk's value pairs. */
 PF_INLINE void pv_bf16(const int32_t *pp, int64_t rg_p, const int32_t *vpk, int hd, int pairs,
-                       int c0, float *o, int64_t rg_o, const int R) {
+                       int c0, float *o, int64_t rg_o, const float *alpha, const int R) {
     __m512 acc[3][PF_DIMS];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < PF_DIMS; ++c) acc[r][c] = _mm512_loadu_ps(o + r * rg_o + (c0 + c) * 16);
+    if (alpha) /* the softmax's rescale, folded into the accumulators' loads */
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < PF_DIMS; ++c)
+                acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_loadu_ps(alpha + 16 * r));
     for (int j = 0; j < pairs; ++j) {
         __m512bh p[3];
         for (int r = 0; r < R; ++r) p[r] = (__m512bh)_mm512_loadu_si512(pp + r * rg_p + j * 16);
@@ -145,16 +153,14 @@ PF_INLINE void pv_bf16(const int32_t *pp, int64_t rg_p, const int32_t *vpk, int 
         for (int c = 0; c < PF_DIMS; ++c) _mm512_storeu_ps(o + r * rg_o + (c0 + c) * 16, acc[r][c]);
 }
 
-/* pp [pairs][16] from s [2 * pairs][16]: probabilities rounded to bfloat16 (as SDPA rounds them
- * before its P.V), two keys to a lane's word. */
-static inline void pack_probs_bf16(const float *s, int pairs, int32_t *pp) {
-    for (int j = 0; j < pairs; ++j) {
-        const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
-            _mm512_loadu_ps(s + 32 * j)));
-        const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
-            _mm512_loadu_ps(s + 32 * j + 16)));
-        _mm512_storeu_si512(pp + 16 * j, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-    }
+/* A pp row (prefill_tiles.h's layout) from the probabilities of keys 2j (p0) and 2j + 1 (p1):
+ * rounded to bfloat16 (as SDPA rounds them before its P.V), word 2i p0's lane i, 2i + 1 p1's. */
+static inline __m512i pf_pair_words(__m512 p0, __m512 p1) {
+    const __m512i lanes = _mm512_setr_epi32(0x100000, 0x110001, 0x120002, 0x130003, 0x140004,
+                                            0x150005, 0x160006, 0x170007, 0x180008, 0x190009,
+                                            0x1a000a, 0x1b000b, 0x1c000c, 0x1d000d, 0x1e000e,
+                                            0x1f000f);
+    return _mm512_permutexvar_epi16(lanes, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
 }
 #endif
 
