@@ -46,6 +46,31 @@ static inline int32_t pf_word(const void *p) { /* an unaligned 32-bit load */
 }
 
 #if KILN_PREFILL_F32_SIMD
+/* r[0..15] (16 rows of 16 32-bit words) transposed in place: rounds swapping the off-diagonal
+ * blocks of rows 8, 4, 2, 1 apart (row i, bit s of i clear, takes row i + s's lanes l - s into
+ * its lanes with bit s set; row i + s row i's lanes l + s into those with it clear). */
+static inline void pf_transpose16(__m512i r[16]) {
+    static const int32_t lo[4][16] = {
+        {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+        {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+        {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+        {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
+    static const int32_t hi[4][16] = {
+        {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+        {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+        {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+        {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
+    for (int k = 0, s = 8; k < 4; ++k, s /= 2) {
+        const __m512i pa = _mm512_loadu_si512(lo[k]), pb = _mm512_loadu_si512(hi[k]);
+        for (int i = 0; i < 16; ++i)
+            if (!(i & s)) {
+                const __m512i a = r[i], b = r[i + s];
+                r[i] = _mm512_permutex2var_epi32(a, pa, b);
+                r[i + s] = _mm512_permutex2var_epi32(a, pb, b);
+            }
+    }
+}
+
 /* s[r][j] = qp[r] . k[j] for PF_KEYS keys from kp and R row groups. */
 PF_INLINE void qk_f32(const float *qp, int64_t rg_q, const float *const *kp, int hd, float *s,
                       int64_t rg_s, const int R) {
@@ -86,31 +111,6 @@ PF_INLINE void pv_f32(const float *s, int64_t rg_s, const float *const *vp, int 
         for (int c = 0; c < PF_DIMS; ++c) _mm512_storeu_ps(o + r * rg_o + (c0 + c) * 16, acc[r][c]);
 }
 #endif
-
-/* r[0..15] (16 rows of 16 32-bit words) transposed in place: rounds swapping the off-diagonal
- * blocks of rows 8, 4, 2, 1 apart (row i, bit s of i clear, takes row i + s's lanes l - s into
- * its lanes with bit s set; row i + s row i's lanes l + s into those with it clear). */
-static inline void pf_transpose16(__m512i r[16]) {
-    static const int32_t lo[4][16] = {
-        {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
-        {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
-        {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
-        {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
-    static const int32_t hi[4][16] = {
-        {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
-        {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
-        {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
-        {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
-    for (int k = 0, s = 8; k < 4; ++k, s /= 2) {
-        const __m512i pa = _mm512_loadu_si512(lo[k]), pb = _mm512_loadu_si512(hi[k]);
-        for (int i = 0; i < 16; ++i)
-            if (!(i & s)) {
-                const __m512i a = r[i], b = r[i + s];
-                r[i] = _mm512_permutex2var_epi32(a, pa, b);
-                r[i + s] = _mm512_permutex2var_epi32(a, pb, b);
-            }
-    }
-}
 
 #if KILN_PREFILL_BF16_SIMD
 /* As qk_f32, bfloat16 pairs (hd even): one dpbf16 covers two dims. */
