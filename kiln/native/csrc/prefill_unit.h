@@ -85,19 +85,22 @@ static inline void dequantize_row(const uint8_t *src, int hd, int kv_dtype, int 
 static inline void key_rows(const Call *c, const int32_t *blocks, int kv_head, int kb, int nk,
                             int count, Scratch *w) {
     const int fp8 = c->kv_dtype != c->dtype, qe = elem_size(c->dtype);
-    for (int j = 0; j < count; ++j) {
-        const int64_t off = j < nk ? key_offset(c, blocks, kb + j, kv_head) : -1;
+    int64_t off = 0;
+    for (int j = 0; j < count; ++j, off += c->slot_stride) {
+        /* one division a cache block (a key's division and remainder took a fifth of a unit) */
+        if (j < nk && (j == 0 || (kb + j) % c->block_size == 0))
+            off = key_offset(c, blocks, kb + j, kv_head);
         const char *kr = (const char *)c->k_cache + off * c->elem;
         const char *vr = (const char *)c->v_cache + off * c->elem;
-        if (off >= 0 && fp8) {
+        if (j < nk && fp8) {
             char *kd = (char *)w->kv + (size_t)j * c->hd * qe;
             char *vd = (char *)w->kv + (size_t)(PF_BK + j) * c->hd * qe;
             dequantize_row((const uint8_t *)kr, c->hd, c->kv_dtype, c->dtype, kd);
             dequantize_row((const uint8_t *)vr, c->hd, c->kv_dtype, c->dtype, vd);
             kr = kd, vr = vd;
         }
-        w->kp[j] = off < 0 ? w->zero : kr;
-        w->vp[j] = off < 0 ? w->zero : vr;
+        w->kp[j] = j < nk ? kr : w->zero;
+        w->vp[j] = j < nk ? vr : w->zero;
     }
 }
 
