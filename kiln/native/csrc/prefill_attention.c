@@ -281,6 +281,22 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
 }
 #endif
 
+/* Asks for a unit's query rows (into L2) and out rows (for writing) while the unit before it is
+ * computed: they come from memory once, and waiting on them in the unit's query packing and
+ * output stores took about a tenth of the kernel (4 x 512 tokens, 9 heads of 64 over 3). */
+static void prefetch_unit(const Call *c, const Unit *u) {
+    const int qe = c->dtype == KILN_BF16 ? 2 : 4, bytes = c->group * c->hd * qe;
+    const int64_t head0 = (int64_t)u->kv_head * c->group * c->hd;
+    for (int t = u->t0; t < u->t0 + u->nt; ++t) {
+        const char *q = (const char *)c->q + (t * c->q_stride + head0) * qe;
+        char *o = (char *)c->out + (t * c->out_stride + head0) * qe;
+        for (int b = 0; b < bytes; b += 64) {
+            __builtin_prefetch(q + b, 0, 2);
+            __builtin_prefetch(o + b, 1, 2);
+        }
+    }
+}
+
 /* Whether the SIMD tiles serve this dtype and head size (the tiles step dims by PF_DIMS). */
 static int simd_serves(int dtype, int hd) {
     if (hd % PF_DIMS) return 0;
@@ -386,6 +402,7 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_units; ++i) {
             if (failed) continue;
+            if (i + 1 < num_units) prefetch_unit(&call, &units[i + 1]);
             if (amx) {
                 unit_amx(&call, &units[i], &w);
                 continue;

@@ -60,15 +60,48 @@ static inline void pf_transpose16(__m512i r[16]) {
         {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
         {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
         {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
-    for (int k = 0, s = 8; k < 4; ++k, s /= 2) {
-        const __m512i pa = _mm512_loadu_si512(lo[k]), pb = _mm512_loadu_si512(hi[k]);
-        for (int i = 0; i < 16; ++i)
-            if (!(i & s)) {
-                const __m512i a = r[i], b = r[i + s];
-                r[i] = _mm512_permutex2var_epi32(a, pa, b);
-                r[i + s] = _mm512_permutex2var_epi32(a, pb, b);
-            }
-    }
+    /* spelled out: as a loop, GCC kept r in memory */
+    __m512i pa, pb, a;
+#define PF_SWAP(i, j)                                     \
+    a = r[i], r[i] = _mm512_permutex2var_epi32(a, pa, r[j]), \
+    r[j] = _mm512_permutex2var_epi32(a, pb, r[j])
+    pa = _mm512_loadu_si512(lo[0]), pb = _mm512_loadu_si512(hi[0]);
+    PF_SWAP(0, 8);
+    PF_SWAP(1, 9);
+    PF_SWAP(2, 10);
+    PF_SWAP(3, 11);
+    PF_SWAP(4, 12);
+    PF_SWAP(5, 13);
+    PF_SWAP(6, 14);
+    PF_SWAP(7, 15);
+    pa = _mm512_loadu_si512(lo[1]), pb = _mm512_loadu_si512(hi[1]);
+    PF_SWAP(0, 4);
+    PF_SWAP(1, 5);
+    PF_SWAP(2, 6);
+    PF_SWAP(3, 7);
+    PF_SWAP(8, 12);
+    PF_SWAP(9, 13);
+    PF_SWAP(10, 14);
+    PF_SWAP(11, 15);
+    pa = _mm512_loadu_si512(lo[2]), pb = _mm512_loadu_si512(hi[2]);
+    PF_SWAP(0, 2);
+    PF_SWAP(1, 3);
+    PF_SWAP(4, 6);
+    PF_SWAP(5, 7);
+    PF_SWAP(8, 10);
+    PF_SWAP(9, 11);
+    PF_SWAP(12, 14);
+    PF_SWAP(13, 15);
+    pa = _mm512_loadu_si512(lo[3]), pb = _mm512_loadu_si512(hi[3]);
+    PF_SWAP(0, 1);
+    PF_SWAP(2, 3);
+    PF_SWAP(4, 5);
+    PF_SWAP(6, 7);
+    PF_SWAP(8, 9);
+    PF_SWAP(10, 11);
+    PF_SWAP(12, 13);
+    PF_SWAP(14, 15);
+#undef PF_SWAP
 }
 
 /* s[r][j] = qp[r] . k[j] for PF_KEYS keys from kp and R row groups. */
