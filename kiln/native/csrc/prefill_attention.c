@@ -220,9 +220,10 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
     const int q_begin = c->query_start[u->req];
     const int ctx = c->seq_lens[u->req] - (c->query_start[u->req + 1] - q_begin);
     const int32_t *blocks = c->block_table + (int64_t)u->req * c->bt_stride;
-    const int64_t rg_q = (int64_t)(bf ? hd / 2 : hd) * 16, rg_s = PF_BK * 16, rg_o = hd * 16;
+    const int64_t rg_q = (int64_t)(bf ? hd / 2 : hd) * 16, rg_s = PF_SBK * 16, rg_o = hd * 16;
     int pos[16 * 4]; /* each lane's query position; padding lanes repeat the unit's last token */
-    for (int i = 0; i < 16 * tb; ++i) pos[i] = ctx + (u->t0 + (i < u->nt ? i : u->nt - 1) - q_begin);
+    for (int i = 0; i < 16 * tb; ++i)
+        pos[i] = ctx + (u->t0 + (i < u->nt ? i : u->nt - 1) - q_begin);
     for (int g = 0; g < c->group; ++g)
         for (int b = 0; b < tb; ++b)
             pack_queries(c, u, u->kv_head * c->group + g, 16 * b, w->qp + (g * tb + b) * rg_q);
@@ -235,8 +236,8 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
     memset(w->o, 0, sizeof(float) * rgs * rg_o);
     for (int i = 0; i < rgs * 16; ++i) w->m[i] = MASKED, w->l[i] = 0.f;
     const int n_keys = pos[u->nt - 1] + 1;
-    for (int kb = first_key(c, pos[0]); kb < n_keys; kb += PF_BK) {
-        const int nk = n_keys - kb < PF_BK ? n_keys - kb : PF_BK;
+    for (int kb = first_key(c, pos[0]); kb < n_keys; kb += PF_SBK) {
+        const int nk = n_keys - kb < PF_SBK ? n_keys - kb : PF_SBK;
         const int nkp = (nk + PF_KEYS - 1) / PF_KEYS * PF_KEYS;
         key_rows(c, blocks, u->kv_head, kb, nk, nkp, w);
         for (int r0 = 0; r0 < rgs; r0 += 3) {
@@ -254,7 +255,7 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
                             hd, w->s + r0 * rg_s + j0 * 16, rg_s)
             }
         }
-        const int64_t rg_p = PF_BK / 2 * 16;
+        const int64_t rg_p = PF_SBK / 2 * 16;
         int rescale = 0;
         for (int rg = 0; rg < rgs; ++rg)
             rescale |= softmax_step(c, w->s + rg * rg_s, nkp, kb, pos + 16 * (rg % tb),
@@ -375,34 +376,34 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
                        scale * cache->k_scale, cache->v_scale, window > 0 ? window : 0,
                        softcap > 0.f ? softcap : 0.f};
     const int rgs = group * tb;
-    /* per row group qp, o, s, pp, m, l, alpha; then vpk, the scalar path's rows and the zero row, the
-     * AMX K tiles, an fp8 cache's dequantized key block */
+    /* per row group qp, o, s, pp, m, l, alpha; then vpk, the scalar path's rows and the zero row,
+     * the AMX K tiles, an fp8 cache's dequantized key block */
     const size_t kt_floats = amx ? PREFILL_AMX_KT_BYTES(hd) / sizeof(float) : 0;
-    const size_t floats = (size_t)rgs * 16 * (2 * hd + PF_BK + PF_BK / 2 + 3) +
-                          (size_t)PF_BK / 2 * hd + 3 * (size_t)hd + PF_BK + kt_floats +
-                          (cache->kv_dtype != cache->dtype ? (size_t)2 * PF_BK * hd : 0);
+    const size_t floats = (size_t)rgs * 16 * (2 * hd + PF_ROWS + PF_ROWS / 2 + 3) +
+                          (size_t)PF_ROWS / 2 * hd + 3 * (size_t)hd + PF_ROWS + kt_floats +
+                          (cache->kv_dtype != cache->dtype ? (size_t)2 * PF_ROWS * hd : 0);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         float *mem = (float *)calloc(floats, sizeof(float));
-        const void **ptrs = (const void **)malloc(sizeof(void *) * 2 * PF_BK);
+        const void **ptrs = (const void **)malloc(sizeof(void *) * 2 * PF_ROWS);
         Scratch w;
         memset(&w, 0, sizeof w);
         if (mem && ptrs) { /* carved from one block; every part a multiple of 16 floats */
             w.qp = mem;
             w.o = w.qp + (size_t)rgs * hd * 16;
             w.s = w.o + (size_t)rgs * hd * 16;
-            w.pp = (int32_t *)(w.s + (size_t)rgs * PF_BK * 16);
-            w.m = (float *)(w.pp + (size_t)rgs * PF_BK / 2 * 16);
+            w.pp = (int32_t *)(w.s + (size_t)rgs * PF_ROWS * 16);
+            w.m = (float *)(w.pp + (size_t)rgs * PF_ROWS / 2 * 16);
             w.l = w.m + rgs * 16;
             w.alpha = w.l + rgs * 16;
             w.vpk = (int32_t *)(w.alpha + rgs * 16);
-            w.buf = (float *)(w.vpk + (size_t)PF_BK / 2 * hd);
-            w.zero = w.buf + 2 * hd + PF_BK; /* hd floats, never written */
+            w.buf = (float *)(w.vpk + (size_t)PF_ROWS / 2 * hd);
+            w.zero = w.buf + 2 * hd + PF_ROWS; /* hd floats, never written */
             w.kt = (float *)w.zero + hd;
             w.kv = (float *)w.kt + kt_floats;
             w.kp = ptrs;
-            w.vp = ptrs + PF_BK;
+            w.vp = ptrs + PF_ROWS;
         } else {
             failed = KILN_ATTN_NO_MEMORY;
         }

@@ -9,10 +9,10 @@
  * Layouts, per row group (`rg_*` floats or words apart):
  *   qp   float32: [hd][16] (scale folded in); bfloat16: [hd / 2][16] words, a token's
  *        (q[2d], q[2d+1]) per lane
- *   s    [BK][16] float32 scores, then probabilities
- *   pp   bfloat16 probabilities: [BK / 2][16] words, (p[2j], p[2j+1]) per lane
+ *   s    [SBK][16] float32 scores, then probabilities
+ *   pp   bfloat16 probabilities: [SBK / 2][16] words, (p[2j], p[2j+1]) per lane
  *   o    [hd][16] float32 unnormalised outputs
- *   vpk  bfloat16 V of a key block: [BK / 2][hd] words, (v[2j][c], v[2j+1][c])
+ *   vpk  bfloat16 V of a key block: [SBK / 2][hd] words, (v[2j][c], v[2j+1][c])
  * Key rows kp[j] / vp[j] point into the cache (padding keys at a zero row). */
 #ifndef KILN_PREFILL_TILES_H
 #define KILN_PREFILL_TILES_H
@@ -34,7 +34,10 @@
 #define KILN_PREFILL_BF16_SIMD 0
 #endif
 
-#define PF_BK 32   /* keys per block */
+#define PF_BK 32   /* keys per block of the AMX tiles and the scalar path */
+#define PF_SBK 64  /* keys per block of the AVX512 tiles: at 32 their per-block softmax set-up
+                    * and P.V accumulator loads made the kernel 5% slower (4 x 512 tokens) */
+#define PF_ROWS (PF_SBK > PF_BK ? PF_SBK : PF_BK) /* the scratch's keys, for either */
 #define PF_KEYS 8  /* keys per score tile */
 #define PF_DIMS 8  /* output dims per P.V tile */
 #define PF_INLINE static inline __attribute__((always_inline))
@@ -122,7 +125,8 @@ PF_INLINE void qk_f32(const float *qp, int64_t rg_q, const float *const *kp, int
         for (int j = 0; j < PF_KEYS; ++j) _mm512_storeu_ps(s + r * rg_s + j * 16, acc[r][j]);
 }
 
-/* o[r][c0 .. c0 + PF_DIMS) = alpha[r] (1 where NULL) * o[r][...] + sum over the block's keys j of s[r][j] * v[j][c]. */
+/* o[r][c0 .. c0 + PF_DIMS) = alpha[r] (1 where NULL) * o[r][...] + sum over the block's keys j
+ * of s[r][j] * v[j][c]. */
 PF_INLINE void pv_f32(const float *s, int64_t rg_s, const float *const *vp, int nk, int c0,
                       float *o, int64_t rg_o, const float *alpha, const int R) {
     __m512 acc[3][PF_DIMS];

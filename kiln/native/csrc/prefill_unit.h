@@ -36,7 +36,7 @@ typedef struct { /* one thread's buffers; layouts in prefill_tiles.h (prefill_am
     float *qp, *s, *o, *m, *l, *alpha, *buf; /* alpha: the softmax's rescale factors */
     int32_t *pp, *vpk;
     void *kt; /* the AMX path's K tiles of a key block */
-    void *kv; /* an fp8 cache's key block, K then V rows, dequantized to dtype (2 * PF_BK * hd) */
+    void *kv; /* an fp8 cache's key block, K then V rows, dequantized to dtype (2 * PF_ROWS * hd) */
     const void **kp, **vp;
     void *zero; /* a zero key/value row, standing in for the keys past a block's end */
 } Scratch;
@@ -80,7 +80,7 @@ static inline void dequantize_row(const uint8_t *src, int hd, int kv_dtype, int 
 }
 
 /* w->kp, w->vp [0, count): the cache rows of keys kb .. kb + nk - 1 of the unit's kv head, the
- * zero row for the rest (count >= nk, count <= PF_BK). An fp8 cache's rows are dequantized into
+ * zero row for the rest (count >= nk, count <= PF_ROWS). An fp8 cache's rows are dequantized into
  * w->kv first, so every tile reads the query's dtype. */
 static inline void key_rows(const Call *c, const int32_t *blocks, int kv_head, int kb, int nk,
                             int count, Scratch *w) {
@@ -94,7 +94,7 @@ static inline void key_rows(const Call *c, const int32_t *blocks, int kv_head, i
         const char *vr = (const char *)c->v_cache + off * c->elem;
         if (j < nk && fp8) {
             char *kd = (char *)w->kv + (size_t)j * c->hd * qe;
-            char *vd = (char *)w->kv + (size_t)(PF_BK + j) * c->hd * qe;
+            char *vd = (char *)w->kv + (size_t)(PF_ROWS + j) * c->hd * qe;
             dequantize_row((const uint8_t *)kr, c->hd, c->kv_dtype, c->dtype, kd);
             dequantize_row((const uint8_t *)vr, c->hd, c->kv_dtype, c->dtype, vd);
             kr = kd, vr = vd;
