@@ -6,13 +6,13 @@
  * takes the same key and value loads (GQA). Query j of a request sits at position ctx + j (ctx =
  * seq_len - query length: context cached by earlier steps) and sees keys 0 .. ctx + j (only the
  * last `window` of them for a sliding-window layer: key blocks before a unit's first window are
- * skipped, keys before each lane's window masked; scores soft-capped first where the layer has
- * a cap). The tiles
- * (prefill_tiles.h) use AVX512-BF16 for bfloat16 (probabilities rounded to bfloat16 before P.V,
+ * skipped, keys before each lane's window masked; scores soft-capped first where the layer has a
+ * cap). The tiles (prefill_tiles.h; their online softmax prefill_softmax.h, their query and output
+ * rows prefill_rows.h) use AVX512-BF16 for bfloat16 (probabilities rounded to bfloat16 before P.V,
  * as SDPA does) and AVX512F for float32; AMX-BF16 tiles (prefill_amx.c) take bfloat16 where the
  * CPU has them and the head size is a multiple of 32; a scalar path serves any other CPU, head
- * size, or a caller asking for it (tests). Layouts: paged_attention.c's (q/out rows, cache,
- * block table). */
+ * size, or a caller asking for it (tests). Layouts: paged_attention.c's (q/out rows, cache, block
+ * table). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -20,6 +20,8 @@
 
 #include "dtype.h"
 #include "kernels.h"
+#include "prefill_rows.h"
+#include "prefill_softmax.h"
 #include "prefill_tiles.h"
 #include "prefill_unit.h"
 
@@ -67,146 +69,6 @@ static void unit_scalar(const Call *c, const Unit *u, Scratch *w) {
 }
 
 #if KILN_PREFILL_F32_SIMD
-/* How far (in powers of 2) a lane's block maximum may pass the maximum its probabilities are
- * taken against before that moves (and its sums and outputs are rescaled): probabilities up to
- * 2^12 are exact enough in float32 and bfloat16 alike, and the rescale, a pass over the outputs,
- * comes seldom. */
-#define PF_LAZY_MAX 12.f
-#define PF_LOG2E 1.44269504088896341f
-
-/* One key block's softmax step for a row group (16 lanes): raw scores s [nkp][16] masked past
- * each lane's position (and before its window) where the block reaches it, soft-capped where the
- * layer caps; the running maximum m (in powers of 2: scaled scores times log2(e)) moved where the
- * block's passes it by PF_LAZY_MAX, its factor into alpha (1 where it stays); probabilities
- * 2^(s * sscale * log2(e) - m) = e^(s * sscale - m / log2(e)) summed into l and, for bfloat16,
- * rounded into pp in key pairs (else back into s). Returns whether any alpha is not 1. */
-static int softmax_step(const Call *c, float *s, int nkp, int kb, const int *pos, __m512i lane_lo,
-                        float sscale, float *m, float *l, float *alpha, int32_t *pp) {
-    const __m512i lane_pos = _mm512_loadu_si512(pos);
-    const int need_mask = kb + nkp - 1 > pos[0]; /* lanes' positions ascend */
-    const int need_lo_mask = kb < first_key(c, pos[15]);
-    const __m512 masked = _mm512_set1_ps(MASKED);
-    if (c->softcap > 0.f) { /* the cap takes scaled scores: scale them here, once */
-        for (int j = 0; j < nkp; ++j) {
-            _mm512_storeu_ps(s + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(s + 16 * j),
-                                                       _mm512_set1_ps(sscale)));
-            soft_cap(c, s + 16 * j, 16);
-        }
-        sscale = 1.f;
-    }
-    __m512 mx = masked;
-    for (int j = 0; j < nkp; ++j) {
-        __m512 x = _mm512_loadu_ps(s + 16 * j);
-        if (need_mask | need_lo_mask) {
-            __mmask16 k = 0;
-            if (need_mask) k = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(kb + j), lane_pos);
-            if (need_lo_mask) k |= _mm512_cmpgt_epi32_mask(lane_lo, _mm512_set1_epi32(kb + j));
-            x = _mm512_mask_mov_ps(x, k, masked);
-            _mm512_storeu_ps(s + 16 * j, x);
-        }
-        mx = _mm512_max_ps(mx, x);
-    }
-    /* scale > 0: the maximum of the scaled scores is the scaled maximum (rounding is monotone) */
-    const __m512 sc = _mm512_set1_ps(sscale * PF_LOG2E), m_old = _mm512_loadu_ps(m);
-    mx = _mm512_mul_ps(mx, sc);
-    const __mmask16 move = _mm512_cmp_ps_mask(mx, _mm512_add_ps(m_old, _mm512_set1_ps(PF_LAZY_MAX)),
-                                              _CMP_GT_OQ);
-    const __m512 m_new = _mm512_mask_mov_ps(m_old, move, mx);
-    const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), move,
-                                        kiln_exp2_512(_mm512_sub_ps(m_old, m_new)));
-    __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
-#define PF_PAIR                                                                           \
-    const __m512 p0 = kiln_exp2_512(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * j), sc, m_new));      \
-    const __m512 p1 = kiln_exp2_512(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * j + 16), sc, m_new)); \
-    sum0 = _mm512_add_ps(sum0, p0), sum1 = _mm512_add_ps(sum1, p1)
-#if KILN_PREFILL_BF16_SIMD
-    if (pp)
-        for (int j = 0; j < nkp; j += 2) {
-            PF_PAIR;
-            _mm512_storeu_si512(pp + 8 * j, pf_pair_words(p0, p1));
-        }
-    else
-#endif
-        for (int j = 0; j < nkp; j += 2) {
-            PF_PAIR;
-            _mm512_storeu_ps(s + 16 * j, p0);
-            _mm512_storeu_ps(s + 16 * j + 16, p1);
-        }
-#undef PF_PAIR
-    _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), a, _mm512_add_ps(sum0, sum1)));
-    _mm512_storeu_ps(m, m_new);
-    _mm512_storeu_ps(alpha, a);
-    return move != 0;
-}
-
-/* A row group's queries into qp (prefill_tiles.h's layout): tokens t0 + i0 .. + 15 of the unit
- * (the last repeated past its end) of head `head`, 16 dims (or bfloat16 pairs) a transpose. */
-static void pack_queries(const Call *c, const Unit *u, int head, int i0, float *qp) {
-    const int hd = c->hd, bf = c->dtype == KILN_BF16, words = bf ? hd / 2 : hd;
-    const char *rows[16];
-    for (int i = 0; i < 16; ++i) {
-        const int t = u->t0 + (i0 + i < u->nt ? i0 + i : u->nt - 1);
-        rows[i] = (const char *)c->q + (t * c->q_stride + (int64_t)head * hd) * (bf ? 2 : 4);
-    }
-    const __m512 scale = _mm512_set1_ps(bf ? 1.f : c->scale); /* bfloat16's goes on the scores */
-    int d0 = 0;
-    for (; d0 + 16 <= words; d0 += 16) {
-        __m512i r[16];
-        for (int i = 0; i < 16; ++i) {
-            r[i] = _mm512_loadu_si512(rows[i] + 4 * d0);
-            if (!bf) r[i] = _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(r[i]), scale));
-        }
-        pf_transpose16(r);
-        for (int k = 0; k < 16; ++k) _mm512_storeu_si512(qp + (d0 + k) * 16, r[k]);
-    }
-    for (; d0 < words; ++d0)
-        for (int i = 0; i < 16; ++i)
-            if (bf)
-                ((int32_t *)qp)[d0 * 16 + i] = pf_word(rows[i] + 4 * d0);
-            else
-                qp[d0 * 16 + i] = ((const float *)rows[i])[d0] * c->scale;
-}
-
-/* 16 float32 lanes rounded to bfloat16 as f32_to_bf16 rounds them (NaN kept quiet). */
-static inline __m256i bf16x16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
-    const __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
-                         _mm512_and_si512(hi, _mm512_set1_epi32(1))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-    return _mm512_cvtepi32_epi16(
-        _mm512_mask_or_epi32(rounded, nan, hi, _mm512_set1_epi32(0x40)));
-}
-
-/* A row group's outputs o [hd][16] / l into the out rows of tokens t0 + i0 .. (those of the unit)
- * of head `head`, 16 dims a transpose. */
-static void store_outputs(const Call *c, const Unit *u, int head, int i0, const float *o,
-                          const float *l) {
-    const int hd = c->hd, n = u->nt - i0 < 16 ? u->nt - i0 : 16;
-    const int64_t row0 = (u->t0 + i0) * c->out_stride + (int64_t)head * hd;
-    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(c->v_scale), _mm512_loadu_ps(l));
-    int d0 = 0;
-    for (; d0 + 16 <= hd; d0 += 16) {
-        __m512i r[16];
-        for (int k = 0; k < 16; ++k)
-            r[k] = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(o + (d0 + k) * 16), inv));
-        pf_transpose16(r);
-        for (int i = 0; i < n; ++i) {
-            const int64_t at = row0 + i * c->out_stride + d0;
-            if (c->dtype == KILN_BF16)
-                _mm256_storeu_si256((__m256i *)((uint16_t *)c->out + at),
-                                    bf16x16(_mm512_castsi512_ps(r[i])));
-            else
-                _mm512_storeu_si512((float *)c->out + at, r[i]);
-        }
-    }
-    for (; d0 < hd; ++d0)
-        for (int i = 0; i < n; ++i)
-            store_elem(c->out, row0 + i * c->out_stride + d0, o[d0 * 16 + i] * (c->v_scale / l[i]),
-                       c->dtype);
-}
-
 /* Tiles of up to 3 row groups: constant R keeps the accumulators in registers. */
 #define PF_DISPATCH(fn, R, ...)                 \
     switch (R) {                                \
