@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from kiln.benchmarks.cpu_info import cpu
+
 # Ops whose time counts as a linear projection, by (out, in) features at the call: the IR ops'
 # kernels (csrc/linear_op.cpp, ops_int8.cpp; the int8 gate_up op's SiLU-and-mul + quant with
 # it) and aten's. A norm or SiLU fused before a float linear (kiln::add_rms_norm_linear) is a
@@ -219,11 +221,11 @@ def main(argv=None) -> dict:
             prompts = [[rng.randrange(1000, dims["vocab"] - 1) for _ in range(args.input_len)]
                        for _ in range(n)]
             for name, engine in engines.items():
-                _, cpu, _ = prefill_step(engine, prompts, f"{name}-t{r}", False)
+                _, step_cpu, _ = prefill_step(engine, prompts, f"{name}-t{r}", False)
                 wall_p, cpu_p, events = prefill_step(
                     engine, [[t + 1 for t in p] for p in prompts], f"{name}-p{r}", True)
                 if r:
-                    cpus[name].append(cpu)
+                    cpus[name].append(step_cpu)
                     # the profiler times ops by the wall clock, which a loaded host stretches:
                     # ms of the step's CPU time, in the profiled step's proportions
                     scale = cpu_p / wall_p / 1000

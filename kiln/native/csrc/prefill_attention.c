@@ -6,13 +6,13 @@
  * takes the same key and value loads (GQA). Query j of a request sits at position ctx + j (ctx =
  * seq_len - query length: context cached by earlier steps) and sees keys 0 .. ctx + j (only the
  * last `window` of them for a sliding-window layer: key blocks before a unit's first window are
- * skipped, keys before each lane's window masked; scores soft-capped first where the layer has
- * a cap). The tiles
- * (prefill_tiles.h) use AVX512-BF16 for bfloat16 (probabilities rounded to bfloat16 before P.V,
+ * skipped, keys before each lane's window masked; scores soft-capped first where the layer has a
+ * cap). The tiles (prefill_tiles.h; their online softmax prefill_softmax.h, their query and output
+ * rows prefill_rows.h) use AVX512-BF16 for bfloat16 (probabilities rounded to bfloat16 before P.V,
  * as SDPA does) and AVX512F for float32; AMX-BF16 tiles (prefill_amx.c) take bfloat16 where the
  * CPU has them and the head size is a multiple of 32; a scalar path serves any other CPU, head
- * size, or a caller asking for it (tests). Layouts: paged_attention.c's (q/out rows, cache,
- * block table). */
+ * size, or a caller asking for it (tests). Layouts: paged_attention.c's (q/out rows, cache, block
+ * table). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -20,6 +20,8 @@
 
 #include "dtype.h"
 #include "kernels.h"
+#include "prefill_rows.h"
+#include "prefill_softmax.h"
 #include "prefill_tiles.h"
 #include "prefill_unit.h"
 
@@ -67,53 +69,6 @@ static void unit_scalar(const Call *c, const Unit *u, Scratch *w) {
 }
 
 #if KILN_PREFILL_F32_SIMD
-/* One key block's softmax step for a row group (16 lanes): scores scaled, and masked past each
- * lane's position where the block reaches one; running maxima, sums and outputs rescaled;
- * scores to probabilities. */
-static void softmax_step(const Call *c, float *s, int nkp, int kb, const int *pos, float sscale,
-                         float *m, float *l, float *o, int hd) {
-    const __m512i lane_pos = _mm512_loadu_si512(pos);
-    /* each lane's first key (its window's start), for the keys before it to be masked */
-    const __m512i lane_lo = _mm512_set_epi32(
-        first_key(c, pos[15]), first_key(c, pos[14]), first_key(c, pos[13]),
-        first_key(c, pos[12]), first_key(c, pos[11]), first_key(c, pos[10]),
-        first_key(c, pos[9]), first_key(c, pos[8]), first_key(c, pos[7]), first_key(c, pos[6]),
-        first_key(c, pos[5]), first_key(c, pos[4]), first_key(c, pos[3]), first_key(c, pos[2]),
-        first_key(c, pos[1]), first_key(c, pos[0]));
-    const __m512 scale = _mm512_set1_ps(sscale), masked = _mm512_set1_ps(MASKED);
-    const int need_mask = kb + nkp - 1 > pos[0]; /* lanes' positions ascend */
-    const int need_lo_mask = kb < first_key(c, pos[15]);
-    const __m512 m_old = _mm512_loadu_ps(m);
-    __m512 mx = m_old, sum = _mm512_setzero_ps();
-    for (int j = 0; j < nkp; ++j) {
-        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * j), scale);
-        if (c->softcap > 0.f) {
-            _mm512_storeu_ps(s + 16 * j, x);
-            soft_cap(c, s + 16 * j, 16);
-            x = _mm512_loadu_ps(s + 16 * j);
-        }
-        if (need_mask)
-            x = _mm512_mask_mov_ps(
-                x, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(kb + j), lane_pos), masked);
-        if (need_lo_mask)
-            x = _mm512_mask_mov_ps(
-                x, _mm512_cmpgt_epi32_mask(lane_lo, _mm512_set1_epi32(kb + j)), masked);
-        _mm512_storeu_ps(s + 16 * j, x);
-        mx = _mm512_max_ps(mx, x);
-    }
-    const __m512 alpha = kiln_exp512(_mm512_sub_ps(m_old, mx));
-    if (_mm512_cmp_ps_mask(mx, m_old, _CMP_NEQ_OQ)) /* maxima seldom move after a few blocks */
-        for (int d = 0; d < hd; ++d)
-            _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * d), alpha));
-    for (int j = 0; j < nkp; ++j) {
-        const __m512 p = kiln_exp512(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * j), mx));
-        _mm512_storeu_ps(s + 16 * j, p);
-        sum = _mm512_add_ps(sum, p);
-    }
-    _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), alpha, sum));
-    _mm512_storeu_ps(m, mx);
-}
-
 /* Tiles of up to 3 row groups: constant R keeps the accumulators in registers. */
 #define PF_DISPATCH(fn, R, ...)                 \
     switch (R) {                                \
@@ -127,26 +82,24 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
     const int q_begin = c->query_start[u->req];
     const int ctx = c->seq_lens[u->req] - (c->query_start[u->req + 1] - q_begin);
     const int32_t *blocks = c->block_table + (int64_t)u->req * c->bt_stride;
-    const int64_t rg_q = (int64_t)(bf ? hd / 2 : hd) * 16, rg_s = PF_BK * 16, rg_o = hd * 16;
+    const int64_t rg_q = (int64_t)(bf ? hd / 2 : hd) * 16, rg_s = PF_SBK * 16, rg_o = hd * 16;
     int pos[16 * 4]; /* each lane's query position; padding lanes repeat the unit's last token */
-    for (int i = 0; i < 16 * tb; ++i) {
-        const int t = u->t0 + (i < u->nt ? i : u->nt - 1);
-        pos[i] = ctx + (t - q_begin);
-        for (int g = 0; g < c->group; ++g) {
-            const int64_t row = t * c->q_stride + (int64_t)(u->kv_head * c->group + g) * hd;
-            float *qp = w->qp + (g * tb + i / 16) * rg_q + i % 16;
-            if (bf)
-                for (int d = 0; d < hd / 2; ++d)
-                    ((int32_t *)qp)[d * 16] = pf_word((const uint16_t *)c->q + row + 2 * d);
-            else
-                for (int d = 0; d < hd; ++d) qp[d * 16] = ((const float *)c->q)[row + d] * c->scale;
-        }
+    for (int i = 0; i < 16 * tb; ++i)
+        pos[i] = ctx + (u->t0 + (i < u->nt ? i : u->nt - 1) - q_begin);
+    for (int g = 0; g < c->group; ++g)
+        for (int b = 0; b < tb; ++b)
+            pack_queries(c, u, u->kv_head * c->group + g, 16 * b, w->qp + (g * tb + b) * rg_q);
+    __m512i lane_lo[4]; /* each lane's first key (its window's start): keys before it are masked */
+    for (int b = 0; b < tb; ++b) {
+        int lo[16];
+        for (int i = 0; i < 16; ++i) lo[i] = first_key(c, pos[16 * b + i]);
+        lane_lo[b] = _mm512_loadu_si512(lo);
     }
     memset(w->o, 0, sizeof(float) * rgs * rg_o);
     for (int i = 0; i < rgs * 16; ++i) w->m[i] = MASKED, w->l[i] = 0.f;
     const int n_keys = pos[u->nt - 1] + 1;
-    for (int kb = first_key(c, pos[0]); kb < n_keys; kb += PF_BK) {
-        const int nk = n_keys - kb < PF_BK ? n_keys - kb : PF_BK;
+    for (int kb = first_key(c, pos[0]); kb < n_keys; kb += PF_SBK) {
+        const int nk = n_keys - kb < PF_SBK ? n_keys - kb : PF_SBK;
         const int nkp = (nk + PF_KEYS - 1) / PF_KEYS * PF_KEYS;
         key_rows(c, blocks, u->kv_head, kb, nk, nkp, w);
         for (int r0 = 0; r0 < rgs; r0 += 3) {
@@ -164,21 +117,23 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
                             hd, w->s + r0 * rg_s + j0 * 16, rg_s)
             }
         }
+        const int64_t rg_p = PF_SBK / 2 * 16;
+        int rescale = 0;
         for (int rg = 0; rg < rgs; ++rg)
-            softmax_step(c, w->s + rg * rg_s, nkp, kb, pos + 16 * (rg % tb), bf ? c->scale : 1.f,
-                         w->m + rg * 16, w->l + rg * 16, w->o + rg * rg_o, hd);
+            rescale |= softmax_step(c, w->s + rg * rg_s, nkp, kb, pos + 16 * (rg % tb),
+                                    lane_lo[rg % tb], bf ? c->scale : 1.f, w->m + rg * 16,
+                                    w->l + rg * 16, w->alpha + rg * 16,
+                                    bf ? w->pp + rg * rg_p : NULL);
+        const float *alpha = rescale ? w->alpha : NULL;
 #if KILN_PREFILL_BF16_SIMD
         if (bf) {
             const int pairs = (nk + 1) / 2; /* vp holds nkp >= 2 * pairs rows, zeros past nk */
-            const int64_t rg_p = PF_BK / 2 * 16;
             pack_value_pairs(w->vp, pairs, hd, w->vpk);
-            for (int rg = 0; rg < rgs; ++rg)
-                pack_probs_bf16(w->s + rg * rg_s, pairs, w->pp + rg * rg_p);
             for (int r0 = 0; r0 < rgs; r0 += 3) {
                 const int R = rgs - r0 < 3 ? rgs - r0 : 3;
                 for (int c0 = 0; c0 < hd; c0 += PF_DIMS)
                     PF_DISPATCH(pv_bf16, R, w->pp + r0 * rg_p, rg_p, w->vpk, hd, pairs, c0,
-                                w->o + r0 * rg_o, rg_o)
+                                w->o + r0 * rg_o, rg_o, alpha ? alpha + 16 * r0 : NULL)
             }
             continue;
         }
@@ -187,21 +142,31 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
             const int R = rgs - r0 < 3 ? rgs - r0 : 3;
             for (int c0 = 0; c0 < hd; c0 += PF_DIMS)
                 PF_DISPATCH(pv_f32, R, w->s + r0 * rg_s, rg_s, (const float *const *)w->vp, nk,
-                            c0, w->o + r0 * rg_o, rg_o)
+                            c0, w->o + r0 * rg_o, rg_o, alpha ? alpha + 16 * r0 : NULL)
         }
     }
     for (int rg = 0; rg < rgs; ++rg) {
         const int g = rg / tb, b = rg % tb;
-        for (int i = 0; i < 16 && 16 * b + i < u->nt; ++i) {
-            const int64_t row = (u->t0 + 16 * b + i) * c->out_stride +
-                                (int64_t)(u->kv_head * c->group + g) * hd;
-            const float inv = c->v_scale / w->l[rg * 16 + i];
-            for (int d = 0; d < hd; ++d)
-                store_elem(c->out, row + d, w->o[rg * rg_o + d * 16 + i] * inv, c->dtype);
-        }
+        store_outputs(c, u, u->kv_head * c->group + g, 16 * b, w->o + rg * rg_o, w->l + rg * 16);
     }
 }
 #endif
+
+/* Asks for a unit's query rows (into L2) and out rows (for writing) while the unit before it is
+ * computed: they come from memory once, and waiting on them in the unit's query packing and
+ * output stores took about a tenth of the kernel (4 x 512 tokens, 9 heads of 64 over 3). */
+static void prefetch_unit(const Call *c, const Unit *u) {
+    const int qe = c->dtype == KILN_BF16 ? 2 : 4, bytes = c->group * c->hd * qe;
+    const int64_t head0 = (int64_t)u->kv_head * c->group * c->hd;
+    for (int t = u->t0; t < u->t0 + u->nt; ++t) {
+        const char *q = (const char *)c->q + (t * c->q_stride + head0) * qe;
+        char *o = (char *)c->out + (t * c->out_stride + head0) * qe;
+        for (int b = 0; b < bytes; b += 64) {
+            __builtin_prefetch(q + b, 0, 2);
+            __builtin_prefetch(o + b, 1, 2);
+        }
+    }
+}
 
 /* Whether the SIMD tiles serve this dtype and head size (the tiles step dims by PF_DIMS). */
 static int simd_serves(int dtype, int hd) {
@@ -273,33 +238,34 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
                        scale * cache->k_scale, cache->v_scale, window > 0 ? window : 0,
                        softcap > 0.f ? softcap : 0.f};
     const int rgs = group * tb;
-    /* per row group qp, o, s, pp, m, l; then vpk, the scalar path's rows and the zero row, the
-     * AMX K tiles, an fp8 cache's dequantized key block */
+    /* per row group qp, o, s, pp, m, l, alpha; then vpk, the scalar path's rows and the zero row,
+     * the AMX K tiles, an fp8 cache's dequantized key block */
     const size_t kt_floats = amx ? PREFILL_AMX_KT_BYTES(hd) / sizeof(float) : 0;
-    const size_t floats = (size_t)rgs * 16 * (2 * hd + PF_BK + PF_BK / 2 + 2) +
-                          (size_t)PF_BK / 2 * hd + 3 * (size_t)hd + PF_BK + kt_floats +
-                          (cache->kv_dtype != cache->dtype ? (size_t)2 * PF_BK * hd : 0);
+    const size_t floats = (size_t)rgs * 16 * (2 * hd + PF_ROWS + PF_ROWS / 2 + 3) +
+                          (size_t)PF_ROWS / 2 * hd + 3 * (size_t)hd + PF_ROWS + kt_floats +
+                          (cache->kv_dtype != cache->dtype ? (size_t)2 * PF_ROWS * hd : 0);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         float *mem = (float *)calloc(floats, sizeof(float));
-        const void **ptrs = (const void **)malloc(sizeof(void *) * 2 * PF_BK);
+        const void **ptrs = (const void **)malloc(sizeof(void *) * 2 * PF_ROWS);
         Scratch w;
         memset(&w, 0, sizeof w);
         if (mem && ptrs) { /* carved from one block; every part a multiple of 16 floats */
             w.qp = mem;
             w.o = w.qp + (size_t)rgs * hd * 16;
             w.s = w.o + (size_t)rgs * hd * 16;
-            w.pp = (int32_t *)(w.s + (size_t)rgs * PF_BK * 16);
-            w.m = (float *)(w.pp + (size_t)rgs * PF_BK / 2 * 16);
+            w.pp = (int32_t *)(w.s + (size_t)rgs * PF_ROWS * 16);
+            w.m = (float *)(w.pp + (size_t)rgs * PF_ROWS / 2 * 16);
             w.l = w.m + rgs * 16;
-            w.vpk = (int32_t *)(w.l + rgs * 16);
-            w.buf = (float *)(w.vpk + (size_t)PF_BK / 2 * hd);
-            w.zero = w.buf + 2 * hd + PF_BK; /* hd floats, never written */
+            w.alpha = w.l + rgs * 16;
+            w.vpk = (int32_t *)(w.alpha + rgs * 16);
+            w.buf = (float *)(w.vpk + (size_t)PF_ROWS / 2 * hd);
+            w.zero = w.buf + 2 * hd + PF_ROWS; /* hd floats, never written */
             w.kt = (float *)w.zero + hd;
             w.kv = (float *)w.kt + kt_floats;
             w.kp = ptrs;
-            w.vp = ptrs + PF_BK;
+            w.vp = ptrs + PF_ROWS;
         } else {
             failed = KILN_ATTN_NO_MEMORY;
         }
@@ -307,6 +273,7 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_units; ++i) {
             if (failed) continue;
+            if (i + 1 < num_units) prefetch_unit(&call, &units[i + 1]);
             if (amx) {
                 unit_amx(&call, &units[i], &w);
                 continue;

@@ -33,10 +33,10 @@ typedef struct { /* what every unit of a call shares */
 } Call;
 
 typedef struct { /* one thread's buffers; layouts in prefill_tiles.h (prefill_amx.c's its own) */
-    float *qp, *s, *o, *m, *l, *buf;
+    float *qp, *s, *o, *m, *l, *alpha, *buf; /* alpha: the softmax's rescale factors */
     int32_t *pp, *vpk;
     void *kt; /* the AMX path's K tiles of a key block */
-    void *kv; /* an fp8 cache's key block, K then V rows, dequantized to dtype (2 * PF_BK * hd) */
+    void *kv; /* an fp8 cache's key block, K then V rows, dequantized to dtype (2 * PF_ROWS * hd) */
     const void **kp, **vp;
     void *zero; /* a zero key/value row, standing in for the keys past a block's end */
 } Scratch;
@@ -80,24 +80,27 @@ static inline void dequantize_row(const uint8_t *src, int hd, int kv_dtype, int 
 }
 
 /* w->kp, w->vp [0, count): the cache rows of keys kb .. kb + nk - 1 of the unit's kv head, the
- * zero row for the rest (count >= nk, count <= PF_BK). An fp8 cache's rows are dequantized into
+ * zero row for the rest (count >= nk, count <= PF_ROWS). An fp8 cache's rows are dequantized into
  * w->kv first, so every tile reads the query's dtype. */
 static inline void key_rows(const Call *c, const int32_t *blocks, int kv_head, int kb, int nk,
                             int count, Scratch *w) {
     const int fp8 = c->kv_dtype != c->dtype, qe = elem_size(c->dtype);
-    for (int j = 0; j < count; ++j) {
-        const int64_t off = j < nk ? key_offset(c, blocks, kb + j, kv_head) : -1;
+    int64_t off = 0;
+    for (int j = 0; j < count; ++j, off += c->slot_stride) {
+        /* one division a cache block (a key's division and remainder took a fifth of a unit) */
+        if (j < nk && (j == 0 || (kb + j) % c->block_size == 0))
+            off = key_offset(c, blocks, kb + j, kv_head);
         const char *kr = (const char *)c->k_cache + off * c->elem;
         const char *vr = (const char *)c->v_cache + off * c->elem;
-        if (off >= 0 && fp8) {
+        if (j < nk && fp8) {
             char *kd = (char *)w->kv + (size_t)j * c->hd * qe;
-            char *vd = (char *)w->kv + (size_t)(PF_BK + j) * c->hd * qe;
+            char *vd = (char *)w->kv + (size_t)(PF_ROWS + j) * c->hd * qe;
             dequantize_row((const uint8_t *)kr, c->hd, c->kv_dtype, c->dtype, kd);
             dequantize_row((const uint8_t *)vr, c->hd, c->kv_dtype, c->dtype, vd);
             kr = kd, vr = vd;
         }
-        w->kp[j] = off < 0 ? w->zero : kr;
-        w->vp[j] = off < 0 ? w->zero : vr;
+        w->kp[j] = j < nk ? kr : w->zero;
+        w->vp[j] = j < nk ? vr : w->zero;
     }
 }
 
