@@ -142,15 +142,21 @@ def run(args) -> dict:
             "rounds": args.rounds, "results": rows}
 
 
-def _shape(text: str) -> tuple[int, ...]:
-    """"32x2048" -> (32, 2048): positive integers joined by x."""
+def _shape(text: str, last_min: int = 1) -> tuple[int, ...]:
+    """"32x2048" -> (32, 2048): positive integers joined by x (the last >= last_min)."""
     try:
         parts = tuple(int(p) for p in text.lower().split("x"))
     except ValueError:
         parts = ()
-    if not parts or min(parts) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not positive integers joined by 'x'")
+    if not parts or min(parts[:-1], default=1) < 1 or parts[-1] < last_min:
+        what = "positive integers" if last_min else "positive integers (the last may be 0)"
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what} joined by 'x'")
     return parts
+
+
+def _prefill_shape(text: str) -> tuple[int, ...]:
+    """SEQSxNEWxCONTEXT: a prefill with no cached context (CONTEXT 0) is the usual one."""
+    return _shape(text, last_min=0)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -162,7 +168,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     p.add_argument("--decode", type=_shape, nargs="+", default=[(32, 2048), (32, 512)],
                    metavar="SEQSxKEYS", help="decode steps: sequences x keys each")
-    p.add_argument("--prefill", type=_shape, default=(2, 512, 1024),
+    p.add_argument("--prefill", type=_prefill_shape, default=(2, 512, 1024),
                    metavar="SEQSxNEWxCONTEXT", help="a prefill step: sequences x new tokens x "
                                                     "cached tokens before them")
     p.add_argument("--write-rows", type=int, default=32768, help="K/V rows the write case stores")

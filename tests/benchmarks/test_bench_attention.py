@@ -15,7 +15,7 @@ def test_a_tiny_run_reports_every_case_dtype_and_thread_count(capsys):
     threads = torch.get_num_threads()
     try:
         attention.main(["--heads", "4", "--kv-heads", "2", "--head-size", "32", "--decode",
-                        "2x40", "3x17", "--prefill", "2x20x17", "--write-rows", "50",
+                        "2x40", "3x17", "--prefill", "2x20x0", "--write-rows", "50",
                         "--rounds", "1", "--threads", "1", "2"])
     finally:
         torch.set_num_threads(threads)
@@ -25,7 +25,7 @@ def test_a_tiny_run_reports_every_case_dtype_and_thread_count(capsys):
                                "queries": "bfloat16"}
     dtypes = ["auto", "fp8_e4m3", "fp8_e5m2"]
     assert set(report["machine"]["decode_bf16_dot"]) == set(dtypes)
-    labels = ["decode 2 x 40 keys", "decode 3 x 17 keys", "prefill 2 x 20 over 17",
+    labels = ["decode 2 x 40 keys", "decode 3 x 17 keys", "prefill 2 x 20 over 0",
               "write 50 rows"]
     rows = report["results"]
     assert [(r["label"], r["threads"]) for r in rows] == [(lb, t) for lb in labels for t in (1, 2)]
@@ -46,6 +46,8 @@ def test_a_tiny_run_reports_every_case_dtype_and_thread_count(capsys):
     (["--decode", "32"], "--decode"),
     (["--decode", "32xa"], "--decode"),
     (["--prefill", "2x512"], "--prefill"),
+    (["--prefill", "0x512x0"], "--prefill"),
+    (["--decode", "32x0"], "--decode"),
     (["--cache-dtypes", "fp8"], "--cache-dtypes"),
     (["--cache-dtypes", "int8"], "--cache-dtypes"),
 ])
