@@ -34,16 +34,22 @@ class _HeldEngine(FakeEngine):
         return super().step()
 
 
+def _start_search(client):
+    """A beam search posted from its own thread: (the thread, the list its answer lands in)."""
+    answers = []
+    body = dict(prompt=[5, 6], use_beam_search=True, n=2, max_tokens=40, ignore_eos=True,
+                return_token_ids=True)
+    search = threading.Thread(target=lambda: answers.append(
+        client.post("/v1/completions", json=body)))
+    search.start()
+    return search, answers
+
+
 def test_an_aborted_beam_search_answers_abort_not_500():
     engine = _HeldEngine()
     llm = AsyncLLM(engine)
     with TestClient(build_app(llm, ServerSettings()), raise_server_exceptions=False) as c:
-        answers = []
-        body = dict(prompt=[5, 6], use_beam_search=True, n=2, max_tokens=40, ignore_eos=True,
-                    return_token_ids=True)
-        search = threading.Thread(target=lambda: answers.append(
-            c.post("/v1/completions", json=body)))
-        search.start()
+        search, answers = _start_search(c)
         engine.held.wait()
         # The streams end as aborted at once; the abort itself waits for the held step.
         aborting = c.portal.start_task_soon(llm.abort_all, "the server is shutting down")
@@ -89,12 +95,7 @@ def test_a_shutdown_between_steps_answers_what_was_found(hold_at, steps_done):
     engine = _HeldReadEngine(hold_at)
     llm = AsyncLLM(engine)
     with TestClient(build_app(llm, ServerSettings()), raise_server_exceptions=False) as c:
-        answers = []
-        body = dict(prompt=[5, 6], use_beam_search=True, n=2, max_tokens=40, ignore_eos=True,
-                    return_token_ids=True)
-        search = threading.Thread(target=lambda: answers.append(
-            c.post("/v1/completions", json=body)))
-        search.start()
+        search, answers = _start_search(c)
         engine.reading.wait()
         assert c.portal.call(llm.abort_all, "the server is shutting down") == 0  # between
         engine.go.set()
