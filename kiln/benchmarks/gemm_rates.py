@@ -56,7 +56,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", type=int, default=2048, help="max_num_batched_tokens' default")
     ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args(argv)
+    threads = torch.get_num_threads()  # the caller's, restored: later compile cache keys read it
     torch.set_num_threads(1)
+    try:
+        report = _measure(args)
+    finally:
+        torch.set_num_threads(threads)
+    print(json.dumps(report))
+    return report
+
+
+def _measure(args) -> dict:
     report = {**cpu(), "rows": args.rows}  # cpu(): the machine, threads (1) and torch
     for name, (n, k) in SHAPES.items():
         calls = gemm_calls(args.rows, n, k)
@@ -70,7 +80,6 @@ def main(argv=None) -> dict:
                         "bf16_gmacs": round(macs / s["bf16"] / 1e9, 1),
                         "int8_gmacs": round(macs / s["int8"] / 1e9, 1),
                         "int8_speedup": round(s["bf16"] / s["int8"], 3)}
-    print(json.dumps(report))
     return report
 
 

@@ -199,7 +199,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     # one thread: the step's CPU time is then this thread's, which a loaded host does not
-    # stretch as it does the wall clock
+    # stretch as it does the wall clock (the caller's count restored at the end: a compile
+    # cache key read later in the process includes it)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     base_args = EngineArgs(model=args.model, dtype=args.dtype, seed=args.seed,
                            enable_prefix_caching=False)
@@ -242,6 +244,7 @@ def main(argv=None) -> dict:
     finally:
         for engine in engines.values():
             engine.shutdown()
+        torch.set_num_threads(threads)
     print(json.dumps(report))
     return report
 

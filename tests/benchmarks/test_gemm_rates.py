@@ -29,3 +29,17 @@ def test_report_names_every_projection():
     assert set(gemm_rates.SHAPES) <= set(report)
     assert all(report[p]["int8_gmacs"] > 0 and report[p]["bf16_gmacs"] > 0
                for p in gemm_rates.SHAPES)
+
+
+def test_the_callers_thread_count_is_restored():
+    """main() times one thread; a compile cache key read later in the process includes the
+    count, so leaving 1 made a warm start in another process compile everything again."""
+    if int8_ops.isa() is None:
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gemm_rates.main(["--rows", "2", "--rounds", "1"])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
