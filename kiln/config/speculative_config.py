@@ -5,6 +5,7 @@ limits are vLLM's; mtp, medusa are refused by name."""
 import json
 from dataclasses import dataclass, field, fields
 
+from kiln.config.field_types import annotation_kinds, fits
 from kiln.errors import ConfigError
 
 METHODS = ("ngram", "draft_model", "eagle", "eagle3")  # "[ngram]", model="ngram": vLLM's older spellings
@@ -70,17 +71,20 @@ class SpeculativeConfig:
             self._check_ngram()
 
     def _check_types(self) -> None:
-        """Each set field's JSON type, named (a `revision: 5` reached the hub as a revision, a
-        `parallel_drafting: 0` passed as False); integers are > 0 and never a bool."""
-        for name, kind in _TYPES.items():
-            value = getattr(self, name)
-            if value is None and name not in _NOT_NONE:
+        """Each init field's JSON type against its annotation, named (a `revision: 5` reached
+        the hub as a revision, a `parallel_drafting: 0` passed as False); None only where the
+        annotation takes it; integers are > 0 and never a bool."""
+        for f in fields(self):
+            kinds = annotation_kinds(f.type)
+            value = getattr(self, f.name)
+            if not f.init or (value is None and type(None) in kinds):
                 continue
+            kind = next(k for k in kinds if k is not type(None))
             if kind is int:
-                _check_int(name, value)
-            elif not isinstance(value, kind):
+                _check_int(f.name, value)
+            elif not fits(value, kind):
                 what = "a string" if kind is str else "true or false"
-                raise ConfigError(f"{_FLAG}: speculative_config.{name} must be {what}, got "
+                raise ConfigError(f"{_FLAG}: speculative_config.{f.name} must be {what}, got "
                                   f"{value!r}")
 
     def _check_ngram(self) -> None:
@@ -177,13 +181,6 @@ class SpeculativeConfig:
         return out
 
 
-# Each init field's type (None also taken, except for those in _NOT_NONE); int: an integer > 0.
-_TYPES = {"method": str, "num_speculative_tokens": int, "prompt_lookup_max": int,
-          "prompt_lookup_min": int, "model": str, "draft_tensor_parallel_size": int,
-          "enforce_eager": bool, "revision": str, "draft_sample_method": str,
-          "rejection_sample_method": str, "quantization": str, "max_model_len": int,
-          "parallel_drafting": bool}
-_NOT_NONE = ("draft_sample_method", "rejection_sample_method", "parallel_drafting")
 # fields that only a draft model reads: refused with n-gram when changed
 _DRAFT_ONLY = ("draft_tensor_parallel_size", "enforce_eager", "revision", "quantization",
                "max_model_len")

@@ -1,11 +1,11 @@
 """EngineArgs' own checks, before any config is built: each argument's type (named when wrong),
 a torch.dtype taken by its name, and vLLM's arguments whose other values Kiln refuses."""
 import os
-import typing
 from dataclasses import fields
 from typing import Any
 
 from kiln.config import SchedulerConfig
+from kiln.config.field_types import annotation_kinds, fits
 from kiln.config.hf_overrides import check_hf_overrides
 
 DEFAULT_MAX_NUM_SEQS = SchedulerConfig.__dataclass_fields__["max_num_seqs"].default
@@ -17,17 +17,6 @@ class EngineArgsChecks:
     def _check_types(self) -> None:
         """A value of the wrong type names its argument (LLM(max_model_len="64") used to fail
         deep inside a config)."""
-        def fits(value, kind) -> bool:
-            if kind is type(None):
-                return value is None
-            if kind is bool:
-                return isinstance(value, bool)
-            if kind is int:
-                return isinstance(value, int) and not isinstance(value, bool)
-            if kind is float:
-                return isinstance(value, (int, float)) and not isinstance(value, bool)
-            return isinstance(value, kind)
-
         self.dtype = dtype_name(self.dtype)  # (set after construction, too)
         self.lora_dtype = dtype_name(self.lora_dtype)
         check_hf_overrides(self.hf_overrides)  # vLLM's function form is named as such
@@ -42,7 +31,7 @@ class EngineArgsChecks:
         for f in fields(self):
             if f.type is Any:
                 continue
-            kinds = typing.get_args(f.type) or (f.type,)
+            kinds = annotation_kinds(f.type)
             value = getattr(self, f.name)
             if not any(fits(value, kind) for kind in kinds):
                 names = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
