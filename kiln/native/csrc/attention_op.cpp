@@ -18,8 +18,8 @@
 #include <torch/library.h>
 
 #include <atomic>
-#include <bit>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -68,14 +68,15 @@ KilnKvCache cache_struct(const at::Tensor &kv_cache) {
                        kv_dtype <= KILN_BF16 ? kv_dtype : -1, kv_dtype, 1.f, 1.f};
 }
 
-/* cache_struct with an fp8 cache's per-tensor scales (a checkpoint's k_scale / v_scale); a
- * float32 / bfloat16 cache keeps 1 (it stores K/V as they are). */
 /* x finite and > 0, from its bits: -ffast-math folds std::isfinite and NaN compares away. */
 bool finite_positive(double x) {
-    const uint64_t bits = std::bit_cast<uint64_t>(x);
+    uint64_t bits;
+    std::memcpy(&bits, &x, sizeof bits); /* std::bit_cast is C++20; torch 2.11 may build C++17 */
     return bits != 0 && (bits >> 63) == 0 && ((bits >> 52) & 0x7ff) != 0x7ff;
 }
 
+/* cache_struct with an fp8 cache's per-tensor scales (a checkpoint's k_scale / v_scale); a
+ * float32 / bfloat16 cache keeps 1 (it stores K/V as they are). */
 KilnKvCache scaled_cache(const at::Tensor &kv_cache, double k_scale, double v_scale) {
     TORCH_CHECK_VALUE(finite_positive(k_scale) && finite_positive(v_scale),
                       "paged_attention: k_scale and v_scale must be finite and > 0, got ",
