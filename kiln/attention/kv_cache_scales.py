@@ -21,7 +21,6 @@ _SUFFIXES = (
     (".k_scale", "k"), (".v_scale", "v"), (".q_scale", "q"), (".prob_scale", "prob"),
     (".kv_scale", "kv"),
 )
-KINDS = ("k", "v", "q", "prob", "kv")
 
 
 def kv_scale_target(name: str) -> tuple[str, str] | None:

@@ -43,8 +43,9 @@ class Attention(nn.Module):
                                            self.logits_soft_cap)
 
     def load_kv_scale(self, name: str, kind: str, tensor: torch.Tensor) -> None:
-        """Checkpoint tensor `name` as this layer's `kind` scale (kv_cache_scales.KINDS; "kv"
-        sets both), checked; the impl's scales follow (vLLM's rules: effective_scales)."""
+        """Checkpoint tensor `name` as this layer's `kind` scale (kv_scale_target's: k, v, q,
+        prob; "kv" sets both), checked; the impl's scales follow (vLLM's rules:
+        effective_scales)."""
         value = checkpoint_scale(name, tensor)
         for which in ("k", "v") if kind == "kv" else (kind,):
             self.checkpoint_scales[which] = value
