@@ -60,11 +60,11 @@ class CpuAttentionImpl(TorchAttentionImpl):
         plan = self._plan(md, kv_cache.shape[2], q.dtype, self.head_size)
         # Writes every real token's k/v, then attends the short queries.
         window, cap = self.sliding_window, self.logits_soft_cap
-        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}  # an fp8 cache's
-        paged_attention.run(q, k, v, out, kv_cache, plan.short, self.scale, window, cap, **scales)
+        ks, vs = self.k_scale, self.v_scale  # an fp8 cache's
+        paged_attention.run(q, k, v, out, kv_cache, plan.short, self.scale, window, cap, ks, vs)
         if plan.prefill is not None:  # their k/v are in the cache now
             prefill_attention.run(q, out, kv_cache, plan.prefill, self.scale, window=window,
-                                  softcap=cap, **scales)
+                                  softcap=cap, k_scale=ks, v_scale=vs)
         num_tokens = q.shape[0]
         if plan.sdpa:
             nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_size
