@@ -5,32 +5,47 @@ A cache stores x / scale (rounded to fp8) and reads back stored * scale; a scale
 plain cast. They are scalars per layer (vLLM's per-tensor case); anything else is refused.
 """
 import math
+import re
 
 import torch
 
 from kiln.errors import ConfigError
 
-# checkpoint name suffix (after the attention block's prefix, e.g. model.layers.0.self_attn)
-# -> the scale it holds. llm-compressor wrote k/v_proj.output_scale, later self_attn.k_scale;
-# vLLM names them self_attn.attn.k_scale; `kv_scale` is the deprecated single scale of both.
-# q / prob scales serve fp8 attention of the queries, which Kiln does not run: read, unused.
-_SUFFIXES = (
-    (".attn.k_scale", "k"), (".attn.v_scale", "v"), (".attn.q_scale", "q"),
-    (".attn.prob_scale", "prob"),
-    (".k_proj.output_scale", "k"), (".v_proj.output_scale", "v"), (".q_proj.output_scale", "q"),
-    (".k_scale", "k"), (".v_scale", "v"), (".q_scale", "q"), (".prob_scale", "prob"),
-    (".kv_scale", "kv"),
-)
+# Checkpoint names of a KV scale -> the scale it holds, as vLLM reads them (its compressed-tensors
+# get_cache_scale and maybe_remap_kv_scale_name), in order of precedence: `X.attn.k_scale`
+# (vLLM's own), `X.k_proj.k_scale` (ModelOpt), `X.qkv_proj.k_scale` (a fused projection's),
+# `X.k_cache.scale` / `X.q.scale` (Hunyuan), `X.k_proj.output_scale` (llm-compressor's older
+# names), `X.k_scale` (its current ones) and `X.kv_scale` (the deprecated one of both); X is the
+# attention block (model.layers.0.self_attn), its Attention layer `X.attn`. q / prob scales
+# serve fp8 attention of the queries, which Kiln does not run: read, unused.
+_SCALE_NAMES = tuple((re.compile(pattern + "$"), kind) for pattern, kind in (
+    (r"\.attn\.(?P<kind>[qkv]|prob)_scale", None),
+    (r"\.[kv]_proj\.(?P<kind>[kv])_scale", None),
+    (r"\.qkv_proj\.(?P<kind>[kv])_scale", None),
+    (r"(?<=\.self_attn)\.(?P<kind>[kv])_cache\.scale", None),
+    (r"(?<=\.self_attn)\.q\.scale", "q"),
+    (r"\.(?P<kind>[qkv])_proj\.output_scale", None), (r"\.prob_output_scale", "prob"),
+    (r"\.(?P<kind>[qkv]|prob|kv)_scale", None),
+))
 
 
 def kv_scale_target(name: str) -> tuple[str, str] | None:
-    """(the Attention module's name, which scale) for a checkpoint tensor holding a KV cache
-    scale, as vLLM remaps it (maybe_remap_kv_scale_name): `X.k_proj.output_scale`,
-    `X.k_scale` and `X.attn.k_scale` are all module `X.attn`'s k scale. None: not a KV scale."""
-    for suffix, kind in _SUFFIXES:
-        if name.endswith(suffix):
-            return name[:-len(suffix)] + ".attn", kind
+    """(the Attention module's name, which scale: k, v, q, prob or kv for both) for a
+    checkpoint tensor holding a KV cache scale (_SCALE_NAMES); None: not a KV scale."""
+    for pattern, kind in _SCALE_NAMES:
+        match = pattern.search(name)
+        if match is not None:
+            return name[:match.start()] + ".attn", kind or match.group("kind")
     return None
+
+
+def unplaced_scales_warning(names: list[str], modules: list[str]) -> str:
+    """The warning for KV scale tensors whose attention layer the model lacks (vLLM skips them
+    with a warning too): each tensor and the layer it would go to, the first few named."""
+    shown = ", ".join(f"{n} (for {m})" for n, m in zip(names[:4], modules[:4]))
+    more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+    return (f"{len(names)} KV cache scale tensor(s) of the checkpoint name an attention layer "
+            f"this model does not have, and are not loaded: {shown}{more}")
 
 
 def checkpoint_scale(name: str, tensor: torch.Tensor) -> float:

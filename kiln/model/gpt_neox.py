@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from kiln.attention.kv_cache_scales import kv_scale_target
 from kiln.compilation.decorator import support_torch_compile
 from kiln.errors import ConfigError
 from kiln.model.layers.layernorm import LayerNorm
@@ -28,7 +29,9 @@ _RENAMES = ((re.compile(r"^gpt_neox\.embed_in\."), "model.embed_tokens."),
             (re.compile(r"\.attention\.query_key_value\."), ".self_attn.qkv_proj."),
             (re.compile(r"\.attention\.dense\."), ".self_attn.o_proj."),
             (re.compile(r"\.mlp\.dense_h_to_4h\."), ".mlp.c_fc."),
-            (re.compile(r"\.mlp\.dense_4h_to_h\."), ".mlp.c_proj."))
+            (re.compile(r"\.mlp\.dense_4h_to_h\."), ".mlp.c_proj."),
+            # what else the attention block holds: an fp8 KV cache's k_scale / v_scale
+            (re.compile(r"^(model\.layers\.\d+)\.attention\."), r"\1.self_attn."))
 # Kiln module name part -> the checkpoint's (what a quantization_config's ignore list names)
 _MODULE_NAMES = (("model.embed_tokens", "gpt_neox.embed_in"),
                  ("model.norm", "gpt_neox.final_layer_norm"), ("lm_head", "embed_out"),
@@ -102,7 +105,7 @@ def split_query_key_value(name: str, tensor: torch.Tensor,
                           hf_config) -> list[tuple[str, torch.Tensor]]:
     """A (Kiln-named) qkv_proj tensor (weight, bias, weight_scale) as its q / k / v parts: rows
     [heads, 3, head_dim] unbound along the 3. Any other tensor is returned as it is."""
-    if ".qkv_proj." not in name:
+    if ".qkv_proj." not in name or kv_scale_target(name) is not None:  # a KV scale: whole
         return [(name, tensor)]
     heads = hf_config.num_attention_heads
     rows = 3 * hf_config.hidden_size

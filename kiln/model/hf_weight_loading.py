@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 import torch
 
-from kiln.attention.kv_cache_scales import kv_scale_target
+from kiln.attention.kv_cache_scales import kv_scale_target, unplaced_scales_warning
 from kiln.errors import ConfigError
 from kiln.logger import init_logger
 from kiln.model.checkpoint_names import (
@@ -32,6 +32,7 @@ class HFWeightLoading:
         loaded: set[str] = set()
         stored_head = None
         attention = None  # module name -> Attention layer, found at the first KV scale
+        unplaced: list[tuple[str, str]] = []  # KV scales for a layer the model lacks
         for name, tensor in _each_expert_apart(weights):
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -48,7 +49,9 @@ class HFWeightLoading:
                     attention = _attention_layers(self)
                 if scale[0] in attention:
                     attention[scale[0]].load_kv_scale(name, scale[1], tensor)
-                    continue
+                else:  # skipped with a warning, as vLLM does (maybe_remap_kv_scale_name)
+                    unplaced.append((name, scale[0]))
+                continue
             target, shard_id = merged_target(name)
             if target not in params:
                 raise ConfigError(unexpected_tensor_message(name, self.config))
@@ -66,6 +69,8 @@ class HFWeightLoading:
             except ValueError as e:  # a loader's bug: keep where it came from
                 raise ValueError(f"checkpoint tensor {name}: {e}") from e
             loaded.add(target if shard_id is None else f"{target}#{shard_id}")
+        if unplaced:
+            logger.warning(unplaced_scales_warning(*map(list, zip(*unplaced))))
         if self.require_all_weights:
             self._check_complete(params, loaded)
         if stored_head is not None:

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from kiln.attention.kv_cache_scales import kv_scale_target
 from kiln.compilation.decorator import support_torch_compile
 from kiln.config.rope import partial_rotary_factor_of
 from kiln.errors import ConfigError
@@ -55,6 +56,8 @@ def split_fused(name: str, tensor: torch.Tensor, hf_config) -> list[tuple[str, t
     """A fused Phi-3 tensor as its HF-style parts: qkv_proj.* rows -> q_proj / k_proj /
     v_proj, gate_up_proj.* rows -> gate_proj / up_proj (gate first, as HF's chunk). Any other
     tensor is returned as it is."""
+    if kv_scale_target(name) is not None:  # qkv_proj.k_scale: an fp8 KV cache's, whole
+        return [(name, tensor)]
     if ".qkv_proj." in name:
         hd = head_dim_of(hf_config)
         heads = hf_config.num_attention_heads

@@ -27,8 +27,23 @@ KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": Fa
     ("model.layers.3.self_attn.attn.v_scale", ("model.layers.3.self_attn.attn", "v")),
     ("model.layers.3.self_attn.kv_scale", ("model.layers.3.self_attn.attn", "kv")),
     ("model.layers.3.self_attn.q_proj.output_scale", ("model.layers.3.self_attn.attn", "q")),
+    ("model.layers.3.self_attn.attn.prob_scale", ("model.layers.3.self_attn.attn", "prob")),
+    # vLLM's other remapped names: ModelOpt's, a fused projection's (Phi-3, GPT-NeoX after
+    # Kiln's renames), Hunyuan's, the fp8 config's prob scale
+    ("model.layers.3.self_attn.k_proj.k_scale", ("model.layers.3.self_attn.attn", "k")),
+    ("model.layers.3.self_attn.v_proj.v_scale", ("model.layers.3.self_attn.attn", "v")),
+    ("model.layers.3.self_attn.qkv_proj.k_scale", ("model.layers.3.self_attn.attn", "k")),
+    ("model.layers.3.self_attn.qkv_proj.v_scale", ("model.layers.3.self_attn.attn", "v")),
+    ("model.layers.3.self_attn.k_cache.scale", ("model.layers.3.self_attn.attn", "k")),
+    ("model.layers.3.self_attn.v_cache.scale", ("model.layers.3.self_attn.attn", "v")),
+    ("model.layers.3.self_attn.q.scale", ("model.layers.3.self_attn.attn", "q")),
+    ("model.layers.3.self_attn.prob_output_scale", ("model.layers.3.self_attn.attn", "prob")),
     ("model.layers.3.self_attn.k_proj.weight_scale", None),
+    ("model.layers.3.self_attn.qkv_proj.weight_scale", None),
+    ("model.layers.3.self_attn.qkv_proj.output_scale", None),
+    ("model.layers.3.self_attn.k_proj.input_scale", None),
     ("model.layers.3.self_attn.k_proj.weight", None),
+    ("model.layers.3.mlp.q.scale", None),  # Hunyuan's names only inside self_attn
 ])
 def test_checkpoint_names_map_to_their_attention_layer_as_vllm_remaps_them(name, want):
     assert kv_scale_target(name) == want
