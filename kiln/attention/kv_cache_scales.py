@@ -1,5 +1,6 @@
 """An fp8 KV cache's per-layer scales from a checkpoint (vLLM's k_scale / v_scale): the checkpoint
-tensor names that carry them, their checks, and the scales a layer runs with.
+tensor names that carry them, their checks, the scales a layer runs with, and the cache dtype a
+compressed-tensors kv_cache_scheme implies.
 
 A cache stores x / scale (rounded to fp8) and reads back stored * scale; a scale of 1.0 is the
 plain cast. They are scalars per layer (vLLM's per-tensor case); anything else is refused.
@@ -46,6 +47,21 @@ def unplaced_scales_warning(names: list[str], modules: list[str]) -> str:
     more = f" and {len(names) - 4} more" if len(names) > 4 else ""
     return (f"{len(names)} KV cache scale tensor(s) of the checkpoint name an attention layer "
             f"this model does not have, and are not loaded: {shown}{more}")
+
+
+def checkpoint_cache_dtype(requested: str, quantization_config) -> str:
+    """The KV cache dtype for --kv-cache-dtype `requested` over a checkpoint with this
+    quantization_config (None: a float one): a compressed-tensors kv_cache_scheme makes "auto"
+    fp8 (e4m3, the scales' format), as vLLM's Attention layers do for one, so the checkpoint's
+    scales are used; any other request stays (fp8_e5m2 is refused with the scheme)."""
+    if requested != "auto" or quantization_config is None:
+        return requested
+    if not isinstance(quantization_config, dict):
+        quantization_config = quantization_config.to_dict()
+    if (quantization_config.get("quant_method") == "compressed-tensors"
+            and quantization_config.get("kv_cache_scheme")):
+        return "fp8"
+    return requested
 
 
 def checkpoint_scale(name: str, tensor: torch.Tensor) -> float:

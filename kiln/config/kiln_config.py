@@ -83,6 +83,7 @@ class KilnConfig(FreezableConfig):
             raise ConfigError(
                 f"max_num_batched_tokens ({sched.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({sched.max_num_seqs}); raise --max-num-batched-tokens or lower --max-num-seqs")
+        self._resolve_cache_dtype()
         self._check_memory()
         self._check_moe()
         self._check_kv_cache_dtype()
@@ -143,6 +144,21 @@ class KilnConfig(FreezableConfig):
         if self.lora_config is not None:
             raise ConfigError(f"--enable-lora: LoRA adapters on {m.architecture} (a mixture of "
                               "experts) are not supported; drop --enable-lora")
+
+    def _resolve_cache_dtype(self) -> None:
+        """--kv-cache-dtype auto over a compressed-tensors checkpoint with a kv_cache_scheme:
+        an fp8 cache with its scales, as vLLM serves one (kv_cache_scales.py)."""
+        from kiln.attention.kv_cache_scales import checkpoint_cache_dtype
+        from kiln.logger import init_logger
+
+        cache, m = self.cache_config, self.model_config
+        resolved = checkpoint_cache_dtype(cache.cache_dtype,
+                                          getattr(m.hf_config, "quantization_config", None))
+        if resolved != cache.cache_dtype:
+            init_logger(__name__).info(
+                "--kv-cache-dtype auto: the checkpoint's kv_cache_scheme quantizes the KV cache, "
+                "which runs in %s with its per-layer scales (as vLLM does)", resolved)
+            cache.cache_dtype = resolved
 
     def _check_kv_cache_dtype(self) -> None:
         """An fp8 KV cache where it is not built is refused by flag."""

@@ -235,11 +235,15 @@ class ModelConfig(ModelShape, FreezableConfig):
     def quant_kind(self) -> str | None:
         """The number format of the quantized linears: "int8" (online int8, compressed-tensors
         W8A8), "fp8" (fp8, ptpc_fp8), "int4" (W4A16: GPTQ, AWQ, compressed-tensors
-        pack-quantized), or None for a float model."""
+        pack-quantized), or None for float linears (a float model, or a compressed-tensors one
+        that quantizes only its KV cache)."""
         if self.quantization == "compressed-tensors":
-            from kiln.model.layers.quantization.compressed_tensors import is_weight_only_4bit
+            from kiln.model.layers.quantization import compressed_tensors as ct
 
-            return "int4" if is_weight_only_4bit(self.hf_config.quantization_config) else "int8"
+            raw = self.hf_config.quantization_config
+            if ct.is_kv_cache_only(raw):  # only the KV cache is: the linears are float
+                return None
+            return "int4" if ct.is_weight_only_4bit(raw) else "int8"
         return {"int8": "int8", "fp8": "fp8", "ptpc_fp8": "fp8", "gptq": "int4",
                 "awq": "int4"}.get(self.quantization or "")
 

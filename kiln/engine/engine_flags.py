@@ -271,7 +271,8 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                         "prefills each in one step (--max-num-batched-tokens then defaults to "
                         "at least --max-model-len)")
     v.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(CACHE_DTYPES),
-                   help="the KV cache's elements: auto (the model's dtype), fp8 (= fp8_e4m3, "
+                   help="the KV cache's elements: auto (the model's dtype; fp8 over a "
+                        "compressed-tensors checkpoint with a kv_cache_scheme), fp8 (= fp8_e4m3, "
                         "float8_e4m3fn) or fp8_e5m2: half a bfloat16 cache's bytes; scaled by the "
                         "checkpoint's per-layer k_scale / v_scale, else 1.0")
     v.add_argument("--tokenizer-mode", default=d.tokenizer_mode, choices=["auto", "hf"],

@@ -1,8 +1,9 @@
 """An engine over a checkpoint with per-layer fp8 KV cache scales (a compressed-tensors W8A8
 checkpoint with kv_cache_scheme, the k_scale / v_scale tensors under both names vLLM reads): the
 scales reach every layer, the C kernels (eager and compiled) run as the torch backend does over
-the same scaled cache, the cache holds x / scale (not what scales 1.0 store), "auto" reads and
-ignores them (as vLLM does), and bad scales or schemes are refused naming the tensor or field."""
+the same scaled cache, the cache holds x / scale (not what scales 1.0 store), "auto" runs a
+kv_cache_scheme's in fp8 and ignores scales without one (as vLLM does), and bad scales or schemes
+are refused naming the tensor or field."""
 import json
 import shutil
 
@@ -110,10 +111,25 @@ def test_checkpoint_scales_run_on_every_path_as_the_torch_backend(scaled_dir, ti
             assert error < 0.1, (name, half)
 
 
-def test_an_auto_cache_reads_the_scales_and_leaves_them_unused(scaled_dir, monkeypatch):
+def test_auto_runs_a_kv_cache_scheme_in_fp8_and_leaves_plain_scales_unused(
+        scaled_dir, tiny_llama_dir, tmp_path, monkeypatch):
+    """vLLM's Attention layers make a compressed-tensors kv_cache_scheme's cache fp8 whatever
+    --kv-cache-dtype says; scale tensors without one are read and, under auto, unused (a cache
+    in the model dtype: BaseKVCacheMethod's 1.0)."""
     monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")
     _, _, layers = _run(scaled_dir, kv_cache_dtype="auto")
+    for i, (name, k_scale, v_scale, cache) in enumerate(layers):
+        assert (k_scale, v_scale) == pytest.approx(_scales(i)), name
+        assert cache.dtype == torch.float8_e4m3fn
+    plain = shutil.copytree(tiny_llama_dir, tmp_path / "plain")
+    tensors = load_file(str(plain / "model.safetensors"))
+    for i in range(len(layers)):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(_scales(i)[0])
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(_scales(i)[1])
+    save_file(tensors, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    _, _, layers = _run(plain, kv_cache_dtype="auto")
     assert {(k, v) for _, k, v, _ in layers} == {(1.0, 1.0)}
+    assert {cache.dtype for *_, cache in layers} == {torch.float32}
 
 
 @pytest.mark.parametrize("bad", [float("nan"), 0.0])

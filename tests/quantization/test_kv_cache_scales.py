@@ -5,10 +5,17 @@ import pytest
 import torch
 
 from kiln.attention.kv_cache_dtype import from_cache, through_cache, to_cache
-from kiln.attention.kv_cache_scales import checkpoint_scale, effective_scales, kv_scale_target
+from kiln.attention.kv_cache_scales import (
+    checkpoint_cache_dtype,
+    checkpoint_scale,
+    effective_scales,
+    kv_scale_target,
+)
 from kiln.errors import ConfigError
 from kiln.model.layers.quantization.compressed_tensors import (
     UnsupportedQuantization,
+    is_kv_cache_only,
+    parse_kv_cache_only,
     parse_w8a8_int8,
 )
 
@@ -92,3 +99,26 @@ def test_any_other_kv_cache_scheme_is_refused_naming_its_field(field, value):
     with pytest.raises(UnsupportedQuantization,
                        match=rf"kv_cache_scheme\.{field}={value!r} is not supported"):
         parse_w8a8_int8(w8a8_quantization_config(kv_cache_scheme=scheme))
+
+
+def test_a_kv_cache_scheme_makes_auto_an_fp8_cache_as_vllm_does():
+    ct = {"quant_method": "compressed-tensors", "kv_cache_scheme": KV_SCHEME}
+    assert checkpoint_cache_dtype("auto", ct) == "fp8"
+    assert checkpoint_cache_dtype("fp8_e4m3", ct) == "fp8_e4m3"  # asked for: kept
+    assert checkpoint_cache_dtype("fp8_e5m2", ct) == "fp8_e5m2"  # refused later, by flag
+    assert checkpoint_cache_dtype("auto", {**ct, "kv_cache_scheme": None}) == "auto"
+    assert checkpoint_cache_dtype("auto", None) == "auto"
+    assert checkpoint_cache_dtype("auto", {"quant_method": "gptq", "bits": 4}) == "auto"
+
+
+def test_a_kv_cache_scheme_alone_quantizes_no_linear():
+    kv_only = w8a8_quantization_config(config_groups={}, kv_cache_scheme=KV_SCHEME)
+    assert is_kv_cache_only(kv_only)
+    parse_kv_cache_only(kv_only)
+    assert not is_kv_cache_only(w8a8_quantization_config(kv_cache_scheme=KV_SCHEME))
+    assert not is_kv_cache_only(w8a8_quantization_config(config_groups={}))
+    with pytest.raises(UnsupportedQuantization, match=r"config_groups=\{\} is not supported.*"
+                                                      r"needs at least one group"):
+        parse_w8a8_int8(w8a8_quantization_config(config_groups={}))
+    with pytest.raises(UnsupportedQuantization, match=r"kv_cache_scheme\.dynamic=True"):
+        parse_kv_cache_only({**kv_only, "kv_cache_scheme": {**KV_SCHEME, "dynamic": True}})

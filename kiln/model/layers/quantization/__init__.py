@@ -4,9 +4,13 @@ fp8 online (per-tensor `fp8` or per-channel `ptpc_fp8` weight scales), W4A16 4-b
 a compressed-tensors (pack-quantized), GPTQ or AWQ checkpoint.
 
 `resolve_quantization` decides from the flag and the checkpoint's `quantization_config`;
-`get_quant_config` builds the method's config for a ModelConfig (None: unquantized).
+`get_quant_config` builds the method's config for a ModelConfig (None: unquantized linears, as
+a compressed-tensors checkpoint quantizing only its KV cache has).
 """
 from kiln.errors import ConfigError
+from kiln.logger import init_logger
+
+logger = init_logger(__name__)
 
 QUANTIZATION_METHODS = ("int8", "fp8", "ptpc_fp8", "compressed-tensors", "gptq", "awq")
 ONLINE_METHODS = ("int8", "fp8", "ptpc_fp8")
@@ -74,6 +78,11 @@ def get_quant_config(model_config):
     from kiln.model.layers.quantization.int4_weight import Int4WeightConfig
 
     raw = _raw_config(model_config.hf_config)
+    if method == "compressed-tensors" and ct.is_kv_cache_only(raw):
+        ct.parse_kv_cache_only(raw)
+        logger.info("compressed-tensors: only the KV cache is quantized (kv_cache_scheme, "
+                    "its per-layer scales); the linear layers run unquantized")
+        return None
     if method == "gptq":
         group, symmetric = int4_formats.parse_gptq(raw)
         return Int4WeightConfig("gptq", group, symmetric)

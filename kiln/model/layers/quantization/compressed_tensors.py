@@ -2,7 +2,8 @@
 accepting only the schemes Kiln runs: int8 W8A8 (symmetric per-channel weights, dynamic per-token
 activations, format int-quantized or naive-quantized) and W4A16 (4-bit weights by group or
 channel, format pack-quantized), either with an fp8 KV cache's per-tensor static scales
-(kv_cache_scheme). Anything else is refused naming the field and its value.
+(kv_cache_scheme), or those scales alone (no config_groups: the linears stay in the model dtype).
+Anything else is refused naming the field and its value.
 """
 from typing import Any
 
@@ -77,9 +78,12 @@ def check_kv_cache_scheme(scheme) -> None:
               ("block_structure", scheme.block_structure, None)]
     for name, value, want in checks:
         if value != want:
+            # vLLM runs per-head scales on FlashAttention 3 (CUDA) only, not on its CPU backend
+            per_head = (" (per-head K/V scales need attention kernels that take a scale per "
+                        "head, which Kiln's do not)" if value == "attn_head" else "")
             raise UnsupportedQuantization(
-                f"quantization_config.kv_cache_scheme.{name}={value!r} is not supported: Kiln's "
-                f"fp8 KV cache takes static symmetric 8-bit float scales, one per layer "
+                f"quantization_config.kv_cache_scheme.{name}={value!r} is not supported{per_head}"
+                f": Kiln's fp8 KV cache takes static symmetric 8-bit float scales, one per layer "
                 f"(num_bits 8, type 'float', strategy 'tensor', dynamic false, symmetric true); "
                 f"needs {name} {want!r}, or a checkpoint without kv_cache_scheme")
 
@@ -94,6 +98,23 @@ def _validated(raw: dict):
     except (ValidationError, ValueError, KeyError) as e:
         raise UnsupportedQuantization(f"quantization_config is not a valid compressed-tensors "
                                       f"config: {e}") from None
+
+
+def is_kv_cache_only(raw) -> bool:
+    """Whether `raw` quantizes the KV cache alone: a kv_cache_scheme and no config_groups (as
+    llm-compressor writes for KV cache quantization of a float model); its linears stay in the
+    model dtype, as vLLM runs them (UnquantizedLinearMethod)."""
+    if not isinstance(raw, dict):
+        raw = raw.to_dict()
+    return not raw.get("config_groups") and bool(raw.get("kv_cache_scheme"))
+
+
+def parse_kv_cache_only(raw: dict) -> None:
+    """Validate a KV-cache-only `raw` (is_kv_cache_only): its kv_cache_scheme as
+    check_kv_cache_scheme takes it, and nothing beside it that changes the weights."""
+    if not isinstance(raw, dict):
+        raw = raw.to_dict()
+    check_kv_cache_scheme(_validated(raw).kv_cache_scheme)
 
 
 def is_weight_only_4bit(raw: dict) -> bool:
@@ -178,7 +199,8 @@ def parse_w8a8_int8(raw: dict) -> tuple[list[str], list[str]]:
     groups = raw.get("config_groups") or {}
     check_kv_cache_scheme(config.kv_cache_scheme)
     if not config.config_groups:
-        _refuse("config_groups", {}, "needs at least one group")
+        _refuse("config_groups", {}, "needs at least one group (or, for a KV cache scheme "
+                "alone, a kv_cache_scheme)")
     for name, scheme in config.config_groups.items():
         where = f"config_groups.{name}"
         own = (groups.get(name) or {}).get("format")  # raw: the model may fill it in

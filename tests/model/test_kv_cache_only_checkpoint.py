@@ -1,0 +1,96 @@
+"""A compressed-tensors checkpoint that quantizes only its KV cache (a kv_cache_scheme, no
+config_groups, weights in the model dtype: what llm-compressor writes for KV cache quantization
+alone) is served as vLLM serves it: unquantized linears and, with no --kv-cache-dtype, an fp8 KV
+cache running the checkpoint's per-layer scales."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kiln.entrypoints.llm import LLM
+from kiln.errors import ConfigError
+from kiln.sampling_params import SamplingParams
+
+PROMPTS = [{"prompt_token_ids": [7, 3, 9, 1, 4, 4, 8, 2, 6, 5, 3, 3, 7, 1, 2, 9, 8, 8, 4, 6, 11]},
+           {"prompt_token_ids": [31, 32, 33, 34, 35, 36, 37, 38, 39]}]
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True)
+KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+             "symmetric": True}
+
+
+def kv_only_checkpoint(src, dst, scales=lambda layer: (0.3 + 0.1 * layer, 2.5 + 0.5 * layer),
+                       scheme=KV_SCHEME):
+    """`src` (a float checkpoint) with llm-compressor's KV-cache-only quantization_config and
+    each layer's self_attn.k_scale / v_scale."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
+        "quantization_status": "compressed", "ignore": [], "kv_cache_scheme": scheme}
+    (dst / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(dst / "model.safetensors"))
+    for i in range(config["num_hidden_layers"]):
+        k, v = scales(i)
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(v)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _layers(worker) -> list:
+    return [(name, layer.impl.k_scale, layer.impl.v_scale, layer.kv_cache.dtype)
+            for name, layer in sorted(worker.model_runner.attention_layers.items())]
+
+
+def _run(model_dir, **kwargs):
+    llm = LLM(model=str(model_dir), max_model_len=64, max_num_seqs=8, kv_cache_memory=0.001,
+              enforce_eager=True, **kwargs)
+    try:
+        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        layers = llm.collective_rpc(_layers)[0]
+        quantized = llm.llm_engine.model_config.quant_kind
+    finally:
+        llm.shutdown()
+    return ([o.outputs[0].token_ids for o in outs],
+            [[next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs] for o in outs],
+            layers, quantized)
+
+
+def test_scales_of_one_run_as_the_float_checkpoint_with_an_fp8_cache(tiny_llama_dir, tmp_path,
+                                                                      monkeypatch):
+    """The same float weights (the linears unquantized), and no --kv-cache-dtype giving the
+    fp8 cache --kv-cache-dtype fp8 gives the float checkpoint: equal tokens and logprobs."""
+    monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")
+    model = kv_only_checkpoint(tiny_llama_dir, tmp_path / "kv", scales=lambda layer: (1.0, 1.0))
+    tokens, logprobs, layers, quantized = _run(model)
+    assert quantized is None
+    assert {dtype for *_, dtype in layers} == {torch.float8_e4m3fn}
+    want_tokens, want_logprobs, _, _ = _run(tiny_llama_dir, kv_cache_dtype="fp8")
+    assert tokens == want_tokens
+    assert logprobs == want_logprobs
+
+
+def test_the_checkpoint_scales_run_by_default_as_the_torch_backend(tiny_llama_dir, tmp_path,
+                                                                   monkeypatch):
+    monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")
+    model = kv_only_checkpoint(tiny_llama_dir, tmp_path / "kv")
+    tokens, logprobs, layers, _ = _run(model)
+    for i, (name, k_scale, v_scale, dtype) in enumerate(layers):
+        assert (k_scale, v_scale) == pytest.approx((0.3 + 0.1 * i, 2.5 + 0.5 * i)), name
+        assert dtype == torch.float8_e4m3fn
+    monkeypatch.setenv("KILN_ATTENTION_BACKEND", "torch")
+    ref_tokens, ref_logprobs, _, _ = _run(model)
+    assert ref_tokens == tokens
+    assert max(abs(a - b) for x, y in zip(ref_logprobs, logprobs) for a, b in zip(x, y)) < 1e-4
+
+
+def test_a_per_head_scheme_is_refused_naming_its_strategy(tiny_llama_dir, tmp_path,
+                                                          monkeypatch):
+    monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")
+    model = kv_only_checkpoint(tiny_llama_dir, tmp_path / "kv",
+                               scheme={**KV_SCHEME, "strategy": "attn_head"})
+    with pytest.raises(ConfigError, match=r"kv_cache_scheme\.strategy='attn_head' is not "
+                                          r"supported \(per-head K/V scales need .*one per layer"):
+        _run(model)
