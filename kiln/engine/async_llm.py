@@ -22,7 +22,7 @@ from kiln.engine.frontend_lanes import FrontendLanes
 from kiln.engine.in_flight_streams import InFlightStreams
 from kiln.engine.request_stats import IterationStats, StatLogger
 from kiln.engine.request_stream import RequestStream
-from kiln.engine.step_loop import StepLoop
+from kiln.engine.step_loop import StepLoop, StepLoopClosed
 from kiln.engine.text_encoding import check_request_id
 from kiln.logger import init_logger
 from kiln.lora.frontend import with_lora
@@ -107,14 +107,23 @@ class AsyncLLM(AsyncLLMLifecycle):
         when they shared one). Pass the text as an argument, not inside a closure: its size
         picks the thread (frontend_lanes.py), so short inputs never wait behind a huge one."""
         self.start()
-        return await asyncio.wrap_future(self._frontend.submit(fn, *args, **kwargs))
+        try:
+            future = self._frontend.submit(fn, *args, **kwargs)
+        except RuntimeError:  # its threads are gone: a shutdown (maybe from another thread)
+            self._check_alive()
+            raise
+        return await asyncio.wrap_future(future)
 
     async def _on_engine_thread(self, fn: Callable, *args, **kwargs) -> Any:
         """Run an engine call on the engine thread, between steps."""
         if self._steps.closed:
             self._check_alive()  # the engine thread is gone: say why
         self.start()
-        return await self._steps.run(fn, *args, **kwargs)
+        try:
+            return await self._steps.run(fn, *args, **kwargs)
+        except StepLoopClosed:  # a shutdown from another thread closed it since the check
+            self._check_alive()
+            raise
 
     def start(self) -> None:
         """Note the event loop (the server calls it at start-up): a core that dies while no
