@@ -5,6 +5,7 @@ a step (step_loop.py); tokenizing and templates run on a front-end thread, so a 
 delays a step; each request's outputs reach its stream (in_flight_streams.py).
 """
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -245,7 +246,8 @@ class AsyncLLM(AsyncLLMLifecycle):
         self.start()
         ids = self._streams.forget(request_ids, record, end_streams)
         if ids and not self._steps.closed:  # after shutdown nothing runs to abort
-            await self._on_engine_thread(self.engine.abort_request, ids)
+            with contextlib.suppress(StepLoopClosed):  # a shutdown since: it aborts them all
+                await self._steps.run(self.engine.abort_request, ids)
 
     def abort_nowait(self, request_ids: str | list[str]) -> None:
         """Abort from code that cannot await (a cancelled coroutine's cleanup)."""

@@ -244,3 +244,27 @@ def test_a_shutdown_from_another_thread_between_a_check_and_a_submit_aborts(nth_
         assert not llm.num_in_flight
 
     asyncio.run(main())
+
+
+def test_an_abort_that_meets_a_shutdown_from_another_thread_returns():
+    """abort() checked the engine thread open, then another thread's shutdown closed it
+    before the abort was handed over: the shutdown aborts everything itself; abort() raised
+    (RuntimeError, then EngineShutdownError) into callers such as abort_all."""
+    async def main():
+        llm = AsyncLLM(FakeEngine())
+        stream = await llm.add_request("a", "x", _LONG)
+        await stream.__anext__()
+        run = llm._steps.run
+
+        async def shutdown_then_run(fn, *args):
+            stopper = threading.Thread(target=llm.shutdown)  # as if it ran just here
+            stopper.start()
+            stopper.join()
+            return await run(fn, *args)
+
+        llm._steps.run = shutdown_then_run
+        assert await llm.abort_all("draining") == 1
+        rest = [out async for out in stream]
+        assert rest[-1].outputs[0].finish_reason == "abort"
+
+    asyncio.run(main())
