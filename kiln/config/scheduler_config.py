@@ -18,7 +18,7 @@ class SchedulerConfig(FreezableConfig):
     # instead of KV cache groups (kiln/core/kv_cache_groups.py)
     disable_hybrid_kv_cache_manager: bool = False
     # vLLM's --enable-chunked-prefill: False prefills each prompt in one step (one that does not
-    # fit what is left of a step's budget waits, letting later ones by); the budget is then at
+    # fit what is left of a step's budget waits, and later ones behind it); the budget is then at
     # least max_model_len (KilnConfig), so every prompt fits an empty step.
     enable_chunked_prefill: bool = True
 

@@ -158,7 +158,7 @@ class SpeculativeConfig:
         if not value:
             return None
         known = {f.name for f in fields(cls) if f.init}
-        unknown = sorted(set(value) - known)
+        unknown = sorted(set(value) - known, key=str)  # a Python dict's keys may be any type
         if "tensor_parallel_size" in unknown:  # vLLM warns about this one by name too
             raise ConfigError(f"{_FLAG}: speculative_config.tensor_parallel_size: the draft's "
                               "is draft_tensor_parallel_size")

@@ -101,9 +101,10 @@ class Scheduler(SchedulerRequests, Requeueing):
             index += 1
 
         # Then waiting ones in the queue's order; after a preemption the cache is too tight to
-        # admit. A request whose grammar is still compiling, whose LoRA adapter has no free
-        # slot, or (chunked prefill off) whose prompt does not fit what is left of the budget
-        # keeps its place but lets later ones by.
+        # admit. A request whose grammar is still compiling, or whose LoRA adapter has no free
+        # slot, keeps its place but lets later ones by. Chunked prefill off, a prompt that does
+        # not fit what is left of the budget ends the step's admissions (vLLM V1's): letting
+        # shorter ones by would starve it behind a steady stream of them.
         held: deque[Request] = deque()
         lora_starving = False  # one waited too long for a LoRA slot (kiln/lora/scheduling.py)
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
@@ -127,8 +128,7 @@ class Scheduler(SchedulerRequests, Requeueing):
                 continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             if not self.chunked_prefill and request.num_tokens - num_hit > budget:
-                held.append(self.waiting.pop())  # whole or not at all: a later one may fit
-                continue
+                break  # whole or not at all: it goes first once running ones leave room
             num_new = min(request.num_tokens - num_hit, budget)
             if kv.allocate_slots(request, num_new, hit_blocks,
                                  self._lookahead(request, num_hit, num_new)) is None:

@@ -5,6 +5,7 @@ a step (step_loop.py); tokenizing and templates run on a front-end thread, so a 
 delays a step; each request's outputs reach its stream (in_flight_streams.py).
 """
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -22,7 +23,7 @@ from kiln.engine.frontend_lanes import FrontendLanes
 from kiln.engine.in_flight_streams import InFlightStreams
 from kiln.engine.request_stats import IterationStats, StatLogger
 from kiln.engine.request_stream import RequestStream
-from kiln.engine.step_loop import StepLoop
+from kiln.engine.step_loop import StepLoop, StepLoopClosed
 from kiln.engine.text_encoding import check_request_id
 from kiln.logger import init_logger
 from kiln.lora.frontend import with_lora
@@ -107,14 +108,23 @@ class AsyncLLM(AsyncLLMLifecycle):
         when they shared one). Pass the text as an argument, not inside a closure: its size
         picks the thread (frontend_lanes.py), so short inputs never wait behind a huge one."""
         self.start()
-        return await asyncio.wrap_future(self._frontend.submit(fn, *args, **kwargs))
+        try:
+            future = self._frontend.submit(fn, *args, **kwargs)
+        except RuntimeError:  # its threads are gone: a shutdown (maybe from another thread)
+            self._check_alive()
+            raise
+        return await asyncio.wrap_future(future)
 
     async def _on_engine_thread(self, fn: Callable, *args, **kwargs) -> Any:
         """Run an engine call on the engine thread, between steps."""
         if self._steps.closed:
             self._check_alive()  # the engine thread is gone: say why
         self.start()
-        return await self._steps.run(fn, *args, **kwargs)
+        try:
+            return await self._steps.run(fn, *args, **kwargs)
+        except StepLoopClosed:  # a shutdown from another thread closed it since the check
+            self._check_alive()
+            raise
 
     def start(self) -> None:
         """Note the event loop (the server calls it at start-up): a core that dies while no
@@ -236,7 +246,8 @@ class AsyncLLM(AsyncLLMLifecycle):
         self.start()
         ids = self._streams.forget(request_ids, record, end_streams)
         if ids and not self._steps.closed:  # after shutdown nothing runs to abort
-            await self._on_engine_thread(self.engine.abort_request, ids)
+            with contextlib.suppress(StepLoopClosed):  # a shutdown since: it aborts them all
+                await self._steps.run(self.engine.abort_request, ids)
 
     def abort_nowait(self, request_ids: str | list[str]) -> None:
         """Abort from code that cannot await (a cancelled coroutine's cleanup)."""

@@ -13,6 +13,10 @@ from kiln.outputs import RequestOutput
 logger = init_logger(__name__)
 
 
+class StepLoopClosed(RuntimeError):
+    """An engine call came after the engine thread closed (AsyncLLM.shutdown)."""
+
+
 class StepLoop:
     """`on_step(outputs, core_steps, stats, step)` gets each step's outputs on the event loop;
     `on_failure(error)` the error a step raised, after which the loop has stopped."""
@@ -31,9 +35,16 @@ class StepLoop:
         self.steps_run = 0
 
     async def run(self, fn: Callable, *args, **kwargs) -> Any:
-        """`fn(*args, **kwargs)` on the engine thread, between steps."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool, lambda: fn(*args, **kwargs))
+        """`fn(*args, **kwargs)` on the engine thread, between steps; StepLoopClosed where
+        the thread is closed (a shutdown from another thread may close it at any time)."""
+        try:
+            future = asyncio.get_running_loop().run_in_executor(
+                self._pool, lambda: fn(*args, **kwargs))
+        except RuntimeError:
+            if self._pool_closed:
+                raise StepLoopClosed("the engine thread is closed (shutdown)") from None
+            raise
+        return await future
 
     def submit(self, fn: Callable, *args, **kwargs) -> concurrent.futures.Future | None:
         """`fn(*args, **kwargs)` on the engine thread, not waited for; nothing (None) once the

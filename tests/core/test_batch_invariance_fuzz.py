@@ -3,11 +3,12 @@ batch around it or on how the engine scheduled it.
 
 Requests arrive over random steps (prompts of 1-300 tokens, many sharing long prefixes) with
 logprobs, prompt logprobs, stop ids and strings, min_tokens, n > 1, penalties and priorities,
-some aborted mid-way, into an engine with a small budget (chunked prefill), few sequences, a
-cache barely one request long (preemption and recompute), prefix caching, priority scheduling,
-n-gram speculation. Each finished request's tokens, text, finish reason and logprobs must equal
-those of the same request run alone in a roomy engine (no chunking, no prefix cache, no
-speculation), and every block must be free at the end.
+some aborted mid-way, into an engine with a small budget (chunked prefill; or whole prompts,
+--no-enable-chunked-prefill), few sequences, a cache barely one request long (preemption and
+recompute), prefix caching, priority scheduling, n-gram speculation. Each finished request's
+tokens, text, finish reason and logprobs must equal those of the same request run alone in a
+roomy engine (no chunking, no prefix cache, no speculation), and every block must be free at
+the end.
 """
 import random
 
@@ -60,10 +61,13 @@ def _workload(rng: random.Random, n_req: int) -> list[tuple[list[int], dict, int
     return reqs
 
 
-def _engine_config(rng: random.Random, need: int, spec: bool) -> dict:
+def _engine_config(rng: random.Random, need: int, spec: bool, chunked: bool = True) -> dict:
+    """`chunked=False`: --no-enable-chunked-prefill, the budget raised to max_model_len."""
     block = rng.choice([4, 8, 16])
     max_len = need + rng.choice([0, 5, 50])
     budget = rng.choice([8, 16, 33, 64, 512])
+    if not chunked:
+        budget = max(budget, max_len)
     cfg = dict(block_size=block, max_model_len=max_len, max_num_batched_tokens=budget,
                enable_prefix_caching=rng.random() < 0.6, max_num_seqs=rng.choice([1, 2, 3, 8]),
                # a cache about one longest request long: preemption and recompute
@@ -71,6 +75,8 @@ def _engine_config(rng: random.Random, need: int, spec: bool) -> dict:
                scheduling_policy=rng.choice(["fcfs", "priority"]))
     if budget < max_len:
         cfg["enable_chunked_prefill"] = True
+    if not chunked:
+        cfg["enable_chunked_prefill"] = False
     if spec:
         cfg["speculative_config"] = {"method": "ngram", "prompt_lookup_max": 3,
                                      "prompt_lookup_min": 1,
@@ -146,11 +152,13 @@ def alone(tiny_llama_dir):
     return run
 
 
-def check_seed(model_dir, alone, seed: int, spec: bool = False, n_req: int = 16):
+def check_seed(model_dir, alone, seed: int, spec: bool = False, n_req: int = 16,
+               chunked: bool = True):
     """Run seed's workload and engine; returns the engine's stats and how many were aborted."""
     rng = random.Random(seed)
     reqs = _workload(rng, n_req)
-    cfg = _engine_config(rng, max(len(p) + kw["max_tokens"] for p, kw, _ in reqs), spec)
+    cfg = _engine_config(rng, max(len(p) + kw["max_tokens"] for p, kw, _ in reqs), spec,
+                         chunked)
     llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, **cfg)
     done, num_aborted = _run(llm, reqs, rng)
     for i, got in done.items():
@@ -160,17 +168,21 @@ def check_seed(model_dir, alone, seed: int, spec: bool = False, n_req: int = 16)
     return stats, num_aborted
 
 
-# Seeds whose engines chunk prefills, preempt and hit the prefix cache; 72 serves a prompt
-# logprobs request whose prompt another left cached, 71 speculates and aborts requests.
-@pytest.mark.parametrize("seed,spec", [(72, False), (71, True)])
-def test_outputs_do_not_depend_on_the_batch(tiny_llama_dir, alone, seed, spec):
-    stats, num_aborted = check_seed(tiny_llama_dir, alone, seed, spec, n_req=10)
+# Seeds whose engines preempt and hit the prefix cache; 72 chunks prefills and serves a prompt
+# logprobs request whose prompt another left cached, 71 speculates and aborts requests (and
+# without chunked prefill, whole prompts only).
+@pytest.mark.parametrize("seed,spec,chunked", [(72, False, True), (71, True, True),
+                                               (71, True, False)])
+def test_outputs_do_not_depend_on_the_batch(tiny_llama_dir, alone, seed, spec, chunked):
+    stats, num_aborted = check_seed(tiny_llama_dir, alone, seed, spec, n_req=10,
+                                    chunked=chunked)
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert not spec or (stats.spec_decode_num_accepted_tokens > 0 and num_aborted > 0)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", [False, True])
-def test_outputs_do_not_depend_on_the_batch_many_seeds(tiny_llama_dir, alone, spec):
+@pytest.mark.parametrize("chunked", [True, False])
+def test_outputs_do_not_depend_on_the_batch_many_seeds(tiny_llama_dir, alone, spec, chunked):
     for seed in range(1000, 1030):
-        check_seed(tiny_llama_dir, alone, seed, spec)
+        check_seed(tiny_llama_dir, alone, seed, spec, chunked=chunked)

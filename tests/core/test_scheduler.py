@@ -51,10 +51,10 @@ def test_chunked_prefill_splits_by_budget_and_reports_only_when_done():
     assert so.num_scheduled_tokens == {"a": 1} and outs[0].finish_reason == "length"
 
 
-def test_without_chunked_prefill_a_prompt_waits_whole_and_lets_a_shorter_one_by():
+def test_without_chunked_prefill_a_prompt_waits_whole_and_holds_later_ones():
     """vLLM's --no-enable-chunked-prefill: a prompt that does not fit what is left of the
-    step's budget is not cut; it keeps its place and a later one that fits goes first."""
-    for chunked, first in ((True, {"a": 40, "b": 24}), (False, {"a": 40, "c": 10})):
+    step's budget is not cut; it ends the step's admissions (vLLM V1's), later ones wait."""
+    for chunked, first in ((True, {"a": 40, "b": 24}), (False, {"a": 40})):
         sched, ex = make_scheduler(max_num_batched_tokens=64, max_model_len=64,
                                    chunked_prefill=chunked)
         prompts = {"a": range(10, 50), "b": range(100, 140), "c": range(200, 210)}
@@ -64,11 +64,32 @@ def test_without_chunked_prefill_a_prompt_waits_whole_and_lets_a_shorter_one_by(
         assert so.num_scheduled_tokens == first
         if not chunked:
             so, more = step(sched, ex)
-            assert so.num_scheduled_tokens == {"a": 1, "c": 1, "b": 40}
+            assert so.num_scheduled_tokens == {"a": 1, "b": 40, "c": 10}
             outs += more
         results = drain(sched, ex, earlier_outputs=outs)
         for rid, prompt in prompts.items():
             assert results[rid]["tokens"] == reference_tokens(list(prompt), 3), rid
+
+
+def test_without_chunked_prefill_a_long_prompt_is_not_starved_by_short_ones():
+    """Short prompts arriving every step keep decodes running; were they let past a long
+    prompt that needs an almost empty step, it would never be scheduled."""
+    sched, ex = make_scheduler(max_num_batched_tokens=64, max_model_len=64,
+                               chunked_prefill=False)
+    for i in range(4):
+        sched.add_request(make_request(f"p{i}", range(300 + i, 310 + i), max_tokens=4,
+                                       arrival=float(i)))
+    step(sched, ex)
+    sched.add_request(make_request("long", range(10, 72), max_tokens=2, arrival=10.0))
+    for i in range(12):
+        sched.add_request(make_request(f"s{i}", range(400 + i, 410 + i), max_tokens=4,
+                                       arrival=20.0 + i))
+        so, _ = step(sched, ex)
+        if "long" in so.num_scheduled_tokens:
+            assert so.num_scheduled_tokens["long"] == 62
+            break
+    else:
+        raise AssertionError("the long prompt waited 12 steps behind short ones")
 
 
 def test_running_decodes_are_scheduled_before_waiting_prefills():

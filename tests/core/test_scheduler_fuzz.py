@@ -71,7 +71,9 @@ def check_invariants(sched: Scheduler) -> None:
                 assert request.block_hashes[i] == block.block_hash, (request.request_id, i)
 
 
-def run_workload(seed: int, steps: int, policy: str = "fcfs", windowed: bool = False) -> int:
+def run_workload(seed: int, steps: int, policy: str = "fcfs", windowed: bool = False,
+                 chunked: bool = True) -> int:
+    """`chunked=False`: --no-enable-chunked-prefill, the budget raised to max_model_len."""
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 8])
     num_blocks = rng.randrange(2, 40)
@@ -79,9 +81,12 @@ def run_workload(seed: int, steps: int, policy: str = "fcfs", windowed: bool = F
     budget = rng.randrange(max_num_seqs, 40)
     max_model_len = rng.randrange(8, 120)
     window = rng.randrange(1, 24) if windowed else None
+    if not chunked:
+        budget = max(budget, max_model_len)
     config = make_config(block_size=block_size, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=budget, max_model_len=max_model_len,
-                         enable_prefix_caching=rng.random() < 0.7, policy=policy, window=window)
+                         enable_prefix_caching=rng.random() < 0.7, policy=policy, window=window,
+                         chunked_prefill=chunked)
     executor = PagedTokenExecutor(config)
     executor.initialize_cache(num_blocks)
     sched = Scheduler(config, num_blocks)
@@ -96,6 +101,9 @@ def run_workload(seed: int, steps: int, policy: str = "fcfs", windowed: bool = F
         assert so.total_num_scheduled_tokens <= budget
         assert len(so.num_scheduled_tokens) <= max_num_seqs
         assert all(n > 0 for n in so.num_scheduled_tokens.values())
+        if not chunked:  # every prompt (or recompute) whole: a step ends on a request's end
+            assert all(sched.requests[r].num_computed_tokens == sched.requests[r].num_tokens
+                       for r in so.num_scheduled_tokens)
         out = executor.execute_model(so) if so.total_num_scheduled_tokens else EMPTY_MODEL_RUNNER_OUTPUT
         outs = sched.update_from_output(so, out)
         for o in outs:
@@ -153,6 +161,13 @@ def run_workload(seed: int, steps: int, policy: str = "fcfs", windowed: bool = F
 def test_random_workloads_keep_invariants(seeds, policy):
     preemptions = sum(run_workload(seed, steps=250, policy=policy) for seed in seeds)
     assert preemptions > 0  # the random caches are small enough to exercise recompute
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_whole_prompt_workloads_keep_invariants(policy):
+    """--no-enable-chunked-prefill: the same workloads, each prefill whole in its step."""
+    assert sum(run_workload(seed, steps=250, policy=policy, chunked=False)
+               for seed in range(200, 224)) > 0
 
 
 def test_windowed_workloads_free_blocks_behind_the_window():

@@ -198,3 +198,73 @@ def test_a_request_whose_prompt_is_read_when_shutdown_begins_ends_as_aborted(how
             llm.shutdown()
 
     asyncio.run(main())
+
+
+def test_front_end_work_after_shutdown_is_refused_as_a_shutdown():
+    """chat_prompt / apply_chat_template / run_in_engine after shutdown(): the front-end
+    threads are gone; that raised the executor's RuntimeError ("cannot schedule new futures
+    after shutdown", a 500 at the server) instead of EngineShutdownError."""
+    async def main():
+        llm = AsyncLLM(FakeEngine())
+        llm.start()
+        llm.shutdown()
+        messages = [{"role": "user", "content": "hi"}]
+        for call in (lambda: llm.chat_prompt(messages),
+                     lambda: llm.apply_chat_template(messages),
+                     lambda: llm.run_in_engine(len, "abc")):
+            with pytest.raises(EngineShutdownError):
+                await call()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("nth_start", [2, 3])
+def test_a_shutdown_from_another_thread_between_a_check_and_a_submit_aborts(nth_start):
+    """Another thread's shutdown lands after add_request checked the engine but before it
+    hands work to a thread the shutdown closed (2: the prompt's read, on the front end; 3: the
+    add, on the engine thread): the request, accepted, ends as aborted; it raised RuntimeError
+    ("cannot schedule new futures after shutdown")."""
+    async def main():
+        llm = AsyncLLM(FakeEngine())
+        starts = 0
+        start = llm.start
+
+        def start_then_shutdown():
+            nonlocal starts
+            start()
+            starts += 1
+            if starts == nth_start:  # as if the other thread ran just here
+                stopper = threading.Thread(target=llm.shutdown)
+                stopper.start()
+                stopper.join()
+
+        llm.start = start_then_shutdown
+        outs = await _outputs(llm.generate("x", _LONG, "racing"))
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+        assert not llm.num_in_flight
+
+    asyncio.run(main())
+
+
+def test_an_abort_that_meets_a_shutdown_from_another_thread_returns():
+    """abort() checked the engine thread open, then another thread's shutdown closed it
+    before the abort was handed over: the shutdown aborts everything itself; abort() raised
+    (RuntimeError, then EngineShutdownError) into callers such as abort_all."""
+    async def main():
+        llm = AsyncLLM(FakeEngine())
+        stream = await llm.add_request("a", "x", _LONG)
+        await stream.__anext__()
+        run = llm._steps.run
+
+        async def shutdown_then_run(fn, *args):
+            stopper = threading.Thread(target=llm.shutdown)  # as if it ran just here
+            stopper.start()
+            stopper.join()
+            return await run(fn, *args)
+
+        llm._steps.run = shutdown_then_run
+        assert await llm.abort_all("draining") == 1
+        rest = [out async for out in stream]
+        assert rest[-1].outputs[0].finish_reason == "abort"
+
+    asyncio.run(main())

@@ -158,6 +158,9 @@ def test_the_draft_compiles_under_mode_3_under_its_own_cache_key(tiny_llama_dir)
      "max_model_len must be an integer > 0, got False"),
     ({"model": "m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": "1"},
      "draft_tensor_parallel_size must be an integer > 0"),
+    # LLM(speculative_config={...}): keys of mixed types made sorted() raise TypeError
+    ({"method": "ngram", "num_speculative_tokens": 2, 1: 2, "x": 3},
+     "speculative_config.1 is not supported"),
 ])
 def test_a_field_of_the_wrong_type_is_refused_by_name(value, message):
     """Types as JSON gives them: a number where a string belongs (a revision), a bool where an
