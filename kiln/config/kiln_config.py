@@ -87,7 +87,8 @@ class KilnConfig(FreezableConfig):
         self._check_memory()
         self._check_moe()
         self._check_kv_cache_dtype()
-        check_speculative(self.speculative_config, self.parallel_config)
+        check_speculative(self.speculative_config, self.parallel_config,
+                          self.model_config.max_model_len)
         self._check_binding()
         if self.lora_config is not None:
             self.lora_config.check_parallel(self.parallel_config)

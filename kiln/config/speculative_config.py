@@ -203,12 +203,19 @@ def _check_int(name: str, value) -> None:
                           f"{value!r}")
 
 
-def check_speculative(config: SpeculativeConfig | None, parallel) -> None:
+def check_speculative(config: SpeculativeConfig | None, parallel, max_model_len: int) -> None:
     """Refuse what speculative decoding does not run with: pipeline parallelism (the stages
-    before the last learn one token per request a step), and a draft on other ranks than the
-    target's. A draft model or EAGLE head is sharded over the target's ranks, as vLLM's."""
+    before the last learn one token per request a step), a draft on other ranks than the
+    target's (a draft model or EAGLE head is sharded over the target's ranks, as vLLM's), and
+    more drafts a step than a sequence can hold (the scheduler keeps a counter per draft
+    position: 2**63 of them crashed the engine core, 10**8 took gigabytes)."""
     if config is None:
         return
+    if config.num_speculative_tokens >= max_model_len:
+        raise ConfigError(f"{_FLAG}: speculative_config.num_speculative_tokens="
+                          f"{config.num_speculative_tokens} must be below --max-model-len "
+                          f"{max_model_len} (a sequence holds at most {max_model_len - 1} "
+                          "drafted tokens after its first); lower it")
     if parallel.pipeline_parallel_size > 1:
         raise ConfigError(f"{_FLAG} is not supported with --pipeline-parallel-size "
                           f"{parallel.pipeline_parallel_size}: drop one of them (-tp works "

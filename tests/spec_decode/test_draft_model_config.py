@@ -170,9 +170,21 @@ def test_a_field_of_the_wrong_type_is_refused_by_name(value, message):
     assert message in str(e.value), str(e.value)
 
 
-def test_num_speculative_tokens_has_no_cap():
-    """vLLM sets none: a large k is the caller's trade (more drafts wasted per rejection)."""
+def test_num_speculative_tokens_is_capped_by_the_sequence_length_only(tiny_llama_dir):
+    """vLLM sets no cap of its own: a large k is the caller's trade (more drafts wasted per
+    rejection). Kiln refuses only a k no sequence can hold: 2**63 crashed the engine core on
+    start (a counter per draft position), 10**8 took gigabytes."""
     assert SpeculativeConfig.from_value({"method": "ngram", "num_speculative_tokens": 4096}
                                         ).num_speculative_tokens == 4096
     assert SpeculativeConfig.from_value({"model": "m", "num_speculative_tokens": 64,
                                          "revision": "main"}).revision == "main"
+
+    def config(k):
+        return EngineArgs(model=str(tiny_llama_dir), max_model_len=128, speculative_config={
+            "method": "ngram", "num_speculative_tokens": k}).create_kiln_config()
+
+    assert config(127).speculative_config.num_speculative_tokens == 127
+    for k in (128, 2**63):
+        with pytest.raises(ConfigError, match=f"num_speculative_tokens={k} must be below "
+                                              "--max-model-len 128"):
+            config(k)
