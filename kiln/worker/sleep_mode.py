@@ -77,7 +77,7 @@ class WorkerSleepMode:
         models = self._models()
         if level == 2:  # refused before anything is let go
             for name, (model, config) in models.items():
-                weight_update.check_updatable(model, config.model_config.quantization,
+                weight_update.check_updatable(model, config.model_config,
                                               f"sleep(level=2) discards the {name} model's "
                                               "weights to be loaded again")
         self._release_kv_cache()
@@ -176,5 +176,5 @@ class WorkerSleepMode:
             raise ConfigError(f"{what}: the weights are asleep; call wake_up(tags=['weights']) "
                               "first")
         for name, (module, config) in models.items():
-            weight_update.check_updatable(module, config.model_config.quantization,
+            weight_update.check_updatable(module, config.model_config,
                                           what if name == "target" else f"{what} (the draft)")

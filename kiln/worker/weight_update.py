@@ -15,12 +15,14 @@ from torch import nn
 from kiln.errors import ConfigError
 
 
-def update_refusal(model: nn.Module, quantization: str | None) -> str | None:
-    """Why this model's weights cannot be replaced by HF-named tensors (None: they can)."""
-    if quantization is not None:
-        return (f"the model is quantized (quantization={quantization!r}): its layers hold int8 "
-                "or fp8 weights and scales derived at load, which HF-named float tensors cannot "
-                "update; serve the unquantized checkpoint to update weights")
+def update_refusal(model: nn.Module, model_config) -> str | None:
+    """Why this model's weights cannot be replaced by HF-named tensors (None: they can). A
+    checkpoint quantizing only its KV cache has float linears: those update."""
+    if model_config.quant_kind is not None:
+        return (f"the model is quantized (quantization={model_config.quantization!r}): its "
+                f"layers hold {model_config.quant_kind} weights and scales derived at load, which "
+                "HF-named float tensors cannot update; serve the unquantized checkpoint to update "
+                "weights")
     for name, module in model.named_modules():
         if getattr(module, "cpu_blocks", None) is not None or \
                 getattr(module, "table_blocks", None) is not None:
@@ -32,8 +34,8 @@ def update_refusal(model: nn.Module, quantization: str | None) -> str | None:
     return None
 
 
-def check_updatable(model: nn.Module, quantization: str | None, what: str) -> None:
-    refusal = update_refusal(model, quantization)
+def check_updatable(model: nn.Module, model_config, what: str) -> None:
+    refusal = update_refusal(model, model_config)
     if refusal is not None:
         raise ConfigError(f"{what}: {refusal}")
 

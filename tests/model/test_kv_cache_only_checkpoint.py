@@ -94,3 +94,28 @@ def test_a_per_head_scheme_is_refused_naming_its_strategy(tiny_llama_dir, tmp_pa
     with pytest.raises(ConfigError, match=r"kv_cache_scheme\.strategy='attn_head' is not "
                                           r"supported \(per-head K/V scales need .*one per layer"):
         _run(model)
+
+
+def test_its_float_weights_update_in_place_where_quantized_linears_are_refused(
+        tiny_llama_dir, tmp_path, monkeypatch):
+    """load_weights (vLLM's RL hook) goes by the linears' format: float ones update, as any
+    float model's; int8 ones are refused naming it (it named a KV-cache-only checkpoint
+    quantized before)."""
+    from types import SimpleNamespace
+
+    from kiln.worker.weight_update import update_refusal
+
+    monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")
+    w8a8 = SimpleNamespace(quant_kind="int8", quantization="compressed-tensors")
+    assert "(quantization='compressed-tensors'): its layers hold int8 weights" in \
+        update_refusal(torch.nn.Linear(2, 2), w8a8)
+    llm = LLM(model=str(kv_only_checkpoint(tiny_llama_dir, tmp_path / "kv")), max_model_len=64,
+              max_num_seqs=8, kv_cache_memory=0.001, enforce_eager=True)
+    try:
+        before = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        norm = load_file(str(tiny_llama_dir / "model.safetensors"))["model.norm.weight"]
+        llm.collective_rpc("load_weights", kwargs={"weights": [("model.norm.weight", -norm)]})
+        after = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in before] != [o.outputs[0].token_ids for o in after]
