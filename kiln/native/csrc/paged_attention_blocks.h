@@ -51,7 +51,7 @@ static inline void prefetch_kv(const void *k_cache, const void *v_cache, int64_t
 /* o [rows, w] (row stride hd) = o * alpha[r] (nothing where `first`) + sum over the chunk's n keys
  * of p [rows, CHUNK_KEYS] (j) * value row j's w values at element offset `off` + j * slot_stride.
  * `rows` query heads share that kv head, so each value row is read once per tile; w <= 128.
- * `paired` (a 16-bit or fp8 cache, w a multiple of 32): each 32 values as bfloat16 widen to
+ * `paired` (a bfloat16 or e4m3 cache, w a multiple of 32): each 32 values as bfloat16 widen to
  * float32 in two registers, their even and odd dims (a shift, a mask: half load16's work), so o
  * holds each 32 in that order (unpair_rows puts them back). */
 static inline __attribute__((always_inline)) void pv_chunk(
@@ -181,7 +181,9 @@ static inline __attribute__((always_inline)) void attend_blocks(
     const void *tab = NULL;
 #endif
     const int tile = hd <= 64 ? 4 : 2; /* query heads whose outputs fit the registers */
-    const int paired = hd % 32 == 0 && (dtype == KILN_BF16 || (KILN_FP8_SIMD && dtype != KILN_F32));
+    /* not e5m2, whose load16 (an fp16's top byte) is cheaper than the table (measured) */
+    const int paired =
+        hd % 32 == 0 && (dtype == KILN_BF16 || (KILN_FP8_SIMD && dtype == KILN_FP8E4M3));
     int64_t ahead[CHUNK_AHEAD > CHUNK_KEYS ? CHUNK_AHEAD : CHUNK_KEYS];
     chunk_rows(ahead, blocks, block_size, k0, CHUNK_AHEAD, n_keys, slot_stride, head_off, elem);
     for (int j = 0; j < CHUNK_AHEAD; ++j) prefetch_kv(k_cache, v_cache, ahead[j], bytes);
