@@ -71,3 +71,43 @@ def test_bfloat16_dot_products_where_the_cpu_has_them():
         assert pa.bf16_dot(torch.bfloat16, hd) == has, hd
     assert not pa.bf16_dot(torch.bfloat16, 80) and not pa.bf16_dot(torch.float32, 64)
     assert not pa.bf16_dot(torch.float16, 64) and not pa.bf16_dot(torch.bfloat16, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_scores_that_climb_past_the_running_maximum(threads, dtype):
+    # The AVX-512 kernel keeps a lazy running maximum over 16-key chunks and rescales what it has
+    # summed when a score passes it by more than 8: random keys never do. Here each block's
+    # scores sit at a level of 0-40 (head 0's exactly, the others' loosely), up and down, so the
+    # maximum moves many times, with blocks just below it left to weigh in; 2 threads split the
+    # keys into parts merged by their maxima.
+    bs, hd, nh, nkv, ctx = 16, 64, 3, 1, 600
+    rnd, g = random.Random(7), torch.Generator().manual_seed(7)
+    tables, block_table, num_blocks = shuffled_block_tables([ctx + 1], bs, rnd)
+    scale = hd ** -0.5
+    qkv = torch.randn(1, (nh + 2 * nkv) * hd, generator=g).to(dtype)
+    q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=1)
+    q0 = q[0, :hd].double()
+    kc = torch.zeros(num_blocks, bs, nkv, hd, dtype=dtype)
+    vc = torch.randn(num_blocks, bs, nkv, hd, generator=g).to(dtype)
+    levels = [rnd.uniform(0, 40) for _ in range(-(-ctx // bs))]
+    for s in range(ctx):
+        along = (levels[s // bs] + rnd.gauss(0, 1)) / (scale * q0.dot(q0))
+        noise = 0.1 * torch.randn(hd, generator=g, dtype=torch.float64)
+        kc[tables[0][s // bs], s % bs, 0] = (along * q0 + noise).to(dtype)
+    kv = torch.stack([kc, vc])
+    out = torch.zeros(1, nh * hd, dtype=dtype)
+    step = pa.StepArgs(block_table, torch.tensor([0, 1], dtype=torch.int32),
+                       torch.tensor([ctx + 1], dtype=torch.int32),
+                       torch.tensor([0], dtype=torch.int32), ctx + 1, bs,
+                       torch.tensor([tables[0][ctx // bs] * bs + ctx % bs]), 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        pa.run(q, k, v, out, kv, step, scale)
+    finally:
+        torch.set_num_threads(before)
+    want = reference_attention(q, kv[0], kv[1], tables, [0, 1], [ctx + 1], nh, nkv, hd, bs,
+                               scale)[0]
+    tol = 4e-6 if dtype == torch.float32 else 2 ** -6
+    assert (out[0].double() - want).abs().max() <= tol * max(1.0, want.abs().max())

@@ -22,7 +22,9 @@
 #include "dtype.h"
 #include "kernels.h"
 #include "paged_attention.h"
+#include "paged_attention_blocks.h"
 #include "paged_attention_rows.h"
+#include "paged_attention_split.h"
 
 /* Whether attend_token takes them for bfloat16 queries over a cache of `dtype` (reported to
  * Python by the same function): a bfloat16 cache as it is, an fp8 cache's key rows converted to
@@ -36,18 +38,24 @@ int kiln_paged_attention_bf16_dot(int32_t dtype, int32_t head_size) {
 /* One query token against keys [k0, n_keys) of kv heads [h0, h0 + nh_kv), each shared by `group`
  * query heads. qs [nh_kv * group, hd] is pre-scaled; qb, where not NULL, the same rows as the
  * bfloat16 query holds them (unscaled: `scale` is applied to their dot products); scores
- * [nh_kv * group, n_keys - k0]; slots [n_keys - k0]: each key's cache slot. Out: acc (like qs) = sum of exp(score - mx) * value,
- * denom = sum of exp(score - mx), mx = the row's largest score. A key's heads sit next to each
- * other, so taking them together reads the cache in whole rows.
- * The value rows are prefetched with the key rows, so that memory is read in one stream and the
- * value pass finds them in L2 or L3 (measured on top of the prefetch distance above, ms: 32
- * requests of 1000 keys 2.86 / 2.32, 8 of 2000 1.67 / 1.30, 8 of 250 0.195 / 0.168; no loss at
- * 8000 keys, whose values outgrow L2). */
+ * [nh_kv * group, max(n_keys - k0, CHUNK_SCRATCH)]; slots [n_keys - k0]. Out: acc (like qs) =
+ * sum of exp(score - mx) * value, denom = sum of exp(score - mx), mx = the row's largest score
+ * (the AVX-512 path's: up to LAZY_MAX below it).
+ * A key's heads sit next to each other, so taking them together reads the cache in whole rows.
+ * AVX-512: by chunks of a block (paged_attention_blocks.h); else all scores, then all values,
+ * the value rows prefetched with the key rows, so that memory is read in one stream. */
 static inline __attribute__((always_inline)) void attend_token(
     const float *qs, const uint16_t *qb, float scale, const void *k_cache, const void *v_cache,
     const int32_t *blocks, int block_size, int n_keys, int h0, int nh_kv, int64_t slot_stride,
     int group, int dtype, float *scores, float *acc, float *buf, float *denom, int64_t *slots,
     int k0, float *mx, float softcap, const int hd) {
+#if KILN_ATTN_SIMD
+    if (hd % 16 == 0) {
+        attend_blocks(qs, qb, scale, k_cache, v_cache, blocks, block_size, n_keys, h0, nh_kv,
+                      slot_stride, group, dtype, scores, acc, buf, denom, k0, mx, softcap, hd);
+        return;
+    }
+#endif
     const int rows = nh_kv * group, elem = elem_size(dtype), nk = n_keys - k0;
     const int64_t head_off = (int64_t)h0 * hd, span = (int64_t)nh_kv * hd;
     for (int s = 0; s < nk; ++s) slots[s] = key_slot(blocks, block_size, k0 + s);
@@ -61,52 +69,7 @@ static inline __attribute__((always_inline)) void attend_token(
         prefetch_rows(v_cache, blocks, block_size, k0 + s, n_keys, slot_stride, head_off, span,
                       elem);
     }
-    int done = 0; /* keys whose scores are in (relative to k0) */
-#if KILN_ATTN_SIMD
-    if (hd % 16 == 0) {  /* four keys at a time, their dot products reduced together */
-        const int bf16_dot = qb && kiln_paged_attention_bf16_dot(dtype, hd);
-#if KILN_FP8_SIMD
-        /* an fp8 cache's 4 key rows of a head as bfloat16 in buf, once for the group's heads */
-        const int fp8_dot = bf16_dot && dtype != KILN_BF16;
-        const Fp8Tab tab = fp8_tab(dtype);
-        uint16_t *kb = (uint16_t *)buf;
-        const int64_t kb_off[4] = {0, hd, 2 * hd, 3 * hd};
-#endif
-        for (int s = 0; s + 4 <= nk; s += 4, done = s) {
-            for (int j = 0; j < 4; ++j) {
-                prefetch_rows(k_cache, blocks, block_size, k0 + s + j + PREFETCH_AHEAD, n_keys,
-                              slot_stride, head_off, span, elem);
-                prefetch_rows(v_cache, blocks, block_size, k0 + s + j + PREFETCH_AHEAD, n_keys,
-                              slot_stride, head_off, span, elem);
-            }
-            for (int h = 0; h < nh_kv; ++h) {
-                int64_t off[4];
-                for (int j = 0; j < 4; ++j) off[j] = slots[s + j] * slot_stride + (h0 + h) * hd;
-#if KILN_FP8_SIMD
-                if (fp8_dot) {
-                    for (int j = 0; j < 4; ++j)
-                        for (int d = 0; d < hd; d += 32)
-                            _mm512_storeu_si512(
-                                kb + j * hd + d,
-                                fp8x32_bf16((const uint8_t *)k_cache + off[j] + d, &tab));
-                    for (int g = 0; g < group; ++g)
-                        _mm_storeu_ps(scores + (int64_t)(h * group + g) * nk + s,
-                                      dot4_bf16(qb + (int64_t)(h * group + g) * hd, kb, kb_off,
-                                                scale, hd));
-                    continue;
-                }
-#endif
-                for (int g = 0; g < group; ++g) {
-                    const int64_t row = (int64_t)(h * group + g) * hd;
-                    _mm_storeu_ps(scores + (int64_t)(h * group + g) * nk + s,
-                                  bf16_dot ? dot4_bf16(qb + row, k_cache, off, scale, hd)
-                                           : dot4(qs + row, k_cache, off, dtype, hd));
-                }
-            }
-        }
-    }
-#endif
-    for (int s = done; s < nk; ++s) {
+    for (int s = 0; s < nk; ++s) {
         prefetch_rows(k_cache, blocks, block_size, k0 + s + PREFETCH_AHEAD, n_keys, slot_stride,
                       head_off, span, elem);
         prefetch_rows(v_cache, blocks, block_size, k0 + s + PREFETCH_AHEAD, n_keys, slot_stride,
@@ -137,31 +100,6 @@ static inline __attribute__((always_inline)) void attend_token(
         denom[r] = sum;
         mx[r] = m;
     }
-#if KILN_ATTN_SIMD
-    if (hd % 16 == 0 && hd <= 128) {
-        /* Query heads of one kv head in tiles whose outputs fit the vector registers (4 heads of
-         * 64, 2 of 128), so each value row is read once per tile. */
-        const int tile = hd <= 64 ? 4 : 2;
-        for (int h = 0; h < nh_kv; ++h)
-            for (int g = 0; g < group; g += tile) {
-                const int r = h * group + g, n = group - g < tile ? group - g : tile;
-                const float *p = scores + (int64_t)r * nk;
-                float *o = acc + (int64_t)r * hd;
-                const int64_t h_off = (int64_t)(h0 + h) * hd;
-                switch (n) { /* constant tile sizes, so the outputs stay in registers */
-                    case 4: pv_tile(p, k0, nk, v_cache, slots, slot_stride, h_off, blocks,
-                                    block_size, dtype, o, 4, hd); break;
-                    case 3: pv_tile(p, k0, nk, v_cache, slots, slot_stride, h_off, blocks,
-                                    block_size, dtype, o, 3, hd); break;
-                    case 2: pv_tile(p, k0, nk, v_cache, slots, slot_stride, h_off, blocks,
-                                    block_size, dtype, o, 2, hd); break;
-                    default: pv_tile(p, k0, nk, v_cache, slots, slot_stride, h_off, blocks,
-                                     block_size, dtype, o, 1, hd);
-                }
-            }
-        return;
-    }
-#endif
     memset(acc, 0, sizeof(float) * rows * hd);
     for (int s = 0; s < nk; ++s) {
         prefetch_rows(v_cache, blocks, block_size, k0 + s + PREFETCH_AHEAD, n_keys, slot_stride,
@@ -202,21 +140,6 @@ static void attend_token_hd(ATTEND_TOKEN_ARGS, int hd) {
         attend_token_any(ATTEND_TOKEN_PASS, hd);
 }
 
-/* Decodes whose work items are fewer than twice the threads (one request's few kv heads: 3 over
- * 2 threads left one with twice the work) split each item's keys into parts of at least this
- * many, computed apart and merged by their softmax maxima, as flash-decoding does. */
-#define SPLIT_MIN_KEYS 128
-
-/* How many parts each item's keys are split into (1: none). */
-static int key_parts(int64_t items, int num_threads, int max_seq_len, const int32_t *reqs,
-                     int num_sel, const int32_t *query_start) {
-    if (items >= 2 * num_threads || max_seq_len < 2 * SPLIT_MIN_KEYS) return 1;
-    for (int i = 0; i < num_sel; ++i)
-        if (query_start[reqs[i] + 1] - query_start[reqs[i]] != 1) return 1; /* decodes only */
-    const int64_t want = (2 * num_threads + items - 1) / items, most = max_seq_len / SPLIT_MIN_KEYS;
-    return (int)(want < most ? want : most);
-}
-
 /* Attention of the step's selected requests (their k/v already in the cache) into out. */
 static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride, int num_heads,
                   float scale, int window, float softcap, const KilnKvCache *c,
@@ -252,10 +175,11 @@ static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride
     int failed = 0, any_failed = 0; /* any_failed: shared, so every thread skips the merge */
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scores = (float *)malloc(sizeof(float) * rows * (size_t)max_seq_len);
+        const size_t score_cols = max_seq_len > CHUNK_SCRATCH ? (size_t)max_seq_len : CHUNK_SCRATCH;
+        float *scores = (float *)malloc(sizeof(float) * rows * score_cols);
         float *qs = (float *)malloc(sizeof(float) * rows * (size_t)hd);
         float *acc = (float *)malloc(sizeof(float) * rows * (size_t)hd);
-        float *buf = (float *)malloc(sizeof(float) * 2 * (size_t)hd); /* or 4 bfloat16 rows */
+        float *buf = (float *)malloc(sizeof(float) * 8 * (size_t)hd); /* or 16 bf16 rows */
         float *denom = (float *)malloc(sizeof(float) * rows);
         float *mx = (float *)malloc(sizeof(float) * rows);
         int64_t *slots = (int64_t *)malloc(sizeof(int64_t) * (size_t)max_seq_len);
@@ -322,24 +246,8 @@ static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride
                 const int r = reqs[item / per_req], h0 = (int)(item % per_req) * heads_per_item;
                 const int64_t o_off = (int64_t)query_start[r] * out_stride +
                                       (int64_t)h0 * group * hd;
-                const float *first = partial + item * parts * unit_floats;
-                for (size_t i = 0; i < rows; ++i) {
-                    float m = -INFINITY, sum = 0.f;
-                    for (int p = 0; p < parts; ++p) {
-                        const float *u = first + p * unit_floats;
-                        if (u[rows * hd + i] > 0.f && u[rows * hd + rows + i] > m)
-                            m = u[rows * hd + rows + i];
-                    }
-                    for (int d = 0; d < hd; ++d) acc[d] = 0.f;
-                    for (int p = 0; p < parts; ++p) {
-                        const float *u = first + p * unit_floats;
-                        if (u[rows * hd + i] == 0.f) continue; /* an empty part */
-                        const float w = expf(u[rows * hd + rows + i] - m);
-                        sum += w * u[rows * hd + i];
-                        for (int d = 0; d < hd; ++d) acc[d] += w * u[i * hd + d];
-                    }
-                    store_row(out, o_off + (int64_t)i * hd, acc, v_scale / sum, hd, dtype);
-                }
+                merge_parts(partial + item * parts * unit_floats, parts, rows, hd, acc, out, o_off,
+                            v_scale, dtype);
             }
         }
         free(scores);

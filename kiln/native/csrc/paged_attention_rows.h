@@ -1,5 +1,5 @@
 /* The decode kernel's building blocks over the paged KV cache: a key's cache slot, row
- * prefetches, and the 16-lane loads, query . key dots and P . V tiles paged_attention.c runs. */
+ * prefetches, the 16-lane loads and the query . key dots its AVX-512 path runs. */
 #ifndef KILN_PAGED_ATTENTION_ROWS_H
 #define KILN_PAGED_ATTENTION_ROWS_H
 
@@ -121,101 +121,49 @@ static inline __attribute__((always_inline)) __m128 dot4(const float *qg, const 
 }
 
 #if KILN_ATTN_BF16_DOT
-/* dot4 of a bfloat16 query row (unscaled: the scale goes on the sums) against a bfloat16 cache,
- * hd a multiple of 32. */
-static inline __attribute__((always_inline)) __m128 dot4_bf16(const uint16_t *qg,
-                                                              const void *k_cache,
-                                                              const int64_t off[4], float scale,
-                                                              const int hd) {
-    const uint16_t *k = (const uint16_t *)k_cache;
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+/* The lane sums of a[0..15] as one vector, lane j a[j]'s: halves, quarters, pairs, then lanes of
+ * the 16 vectors added pairwise (46 instructions, where sum4 four times took about 64). */
+static inline __attribute__((always_inline)) __m512 sum16(const __m512 *a) {
+    __m512 c[8], d[4], e[2];
+    for (int i = 0; i < 8; ++i) /* c[i]: 256-bit halves of keys i, i + 8 */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44),
+                             _mm512_shuffle_f32x4(a[i], a[i + 8], 0xee));
+    for (int i = 0; i < 4; ++i) /* d[i]: 128-bit lanes of keys i, i + 8, i + 4, i + 12 */
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[i], c[i + 4], 0x88),
+                             _mm512_shuffle_f32x4(c[i], c[i + 4], 0xdd));
+    for (int i = 0; i < 2; ++i) { /* e[i]: in each 128-bit lane, pairs of keys k + 2i, k + 2i + 1 */
+        const __m512d x = _mm512_castps_pd(d[2 * i]), y = _mm512_castps_pd(d[2 * i + 1]);
+        e[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    /* f: 128-bit lanes of keys 0-3, 8-11, 4-7, 12-15 */
+    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88),
+                                   _mm512_shuffle_ps(e[0], e[1], 0xdd));
+    return _mm512_shuffle_f32x4(f, f, 0xd8);
+}
+
+/* A bfloat16 query row against 16 key rows of a bfloat16 cache (or rows converted to it), key j's
+ * at element offset off + j * stride, or key n - 1's from j = n on: their scores times scale, lane
+ * j key j's. hd a multiple of 32. */
+static inline __attribute__((always_inline)) __m512 dot16_bf16(const uint16_t *qg,
+                                                               const uint16_t *k, int64_t off,
+                                                               int64_t stride, int n, float scale,
+                                                               const int hd) {
+    __m512 a[16];
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
     for (int d = 0; d < hd; d += 32) {
         const __m512bh qv = (__m512bh)_mm512_loadu_si512(qg + d);
-        a0 = _mm512_dpbf16_ps(a0, qv, (__m512bh)_mm512_loadu_si512(k + off[0] + d));
-        a1 = _mm512_dpbf16_ps(a1, qv, (__m512bh)_mm512_loadu_si512(k + off[1] + d));
-        a2 = _mm512_dpbf16_ps(a2, qv, (__m512bh)_mm512_loadu_si512(k + off[2] + d));
-        a3 = _mm512_dpbf16_ps(a3, qv, (__m512bh)_mm512_loadu_si512(k + off[3] + d));
+        for (int j = 0; j < 16; ++j)
+            a[j] = _mm512_dpbf16_ps(
+                a[j], qv,
+                (__m512bh)_mm512_loadu_si512(k + off + (j < n ? j : n - 1) * stride + d));
     }
-    return _mm_mul_ps(sum4(a0, a1, a2, a3), _mm_set1_ps(scale));
+    return _mm512_mul_ps(sum16(a), _mm512_set1_ps(scale));
 }
 #else
-#define dot4_bf16(qg, k_cache, off, scale, hd) _mm_setzero_ps() /* never taken: bf16_dot is 0 */
+/* never taken: bf16_dot is 0 */
+#define dot16_bf16(qg, k, off, stride, n, scale, hd) _mm512_setzero_ps()
 #endif
-#endif
-
-
-#if KILN_ATTN_SIMD && KILN_FP8_SIMD
-/* pv_tile over an fp8 cache, hd a multiple of 32: each 32 values of a row by table as bfloat16,
- * widened to float32 in two registers of its even and odd dims (a shift, a mask), so the sums
- * are kept in that order and put back in dim order at the end. */
-static inline __attribute__((always_inline)) void pv_tile_fp8(
-    const float *p, int k0, int nk, const void *v_cache, const int64_t *slots,
-    int64_t slot_stride, int64_t h_off, const int32_t *blocks, int block_size, int dtype,
-    float *o, const int rows, const int hd) {
-    const Fp8Tab tab = fp8_tab(dtype);
-    const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
-    __m512 out[4][8]; /* [r][2c]: dims 32c + 2i, [r][2c + 1]: dims 32c + 2i + 1 */
-    for (int r = 0; r < rows; ++r)
-        for (int c = 0; c < hd / 16; ++c) out[r][c] = _mm512_setzero_ps();
-    for (int s = 0; s < nk; ++s) {
-        prefetch_rows(v_cache, blocks, block_size, k0 + s + PREFETCH_AHEAD, k0 + nk, slot_stride,
-                      h_off, hd, 1);
-        const uint8_t *row = (const uint8_t *)v_cache + slots[s] * slot_stride + h_off;
-        for (int c = 0; c < hd / 32; ++c) {
-            const __m512i w = fp8x32_bf16(row + 32 * c, &tab);
-            const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-            const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(w, top));
-            for (int r = 0; r < rows; ++r) {
-                const __m512 pr = _mm512_set1_ps(p[(int64_t)r * nk + s]);
-                out[r][2 * c] = _mm512_fmadd_ps(pr, even, out[r][2 * c]);
-                out[r][2 * c + 1] = _mm512_fmadd_ps(pr, odd, out[r][2 * c + 1]);
-            }
-        }
-    }
-    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
-    for (int r = 0; r < rows; ++r)
-        for (int c = 0; c < hd / 32; ++c) {
-            float *dst = o + (int64_t)r * hd + 32 * c;
-            _mm512_storeu_ps(dst, _mm512_permutex2var_ps(out[r][2 * c], lo, out[r][2 * c + 1]));
-            _mm512_storeu_ps(dst + 16,
-                             _mm512_permutex2var_ps(out[r][2 * c], hi, out[r][2 * c + 1]));
-        }
-}
-#endif
-
-#if KILN_ATTN_SIMD
-/* o [rows, hd] = sum over keys k0 + s (s < nk) of p [rows, nk] (s) * that key's value row (at
- * head offset h_off), for `rows` query heads sharing that kv head; slots relative to k0 too.
- * hd <= 128, a multiple of 16. */
-static inline __attribute__((always_inline)) void pv_tile(
-    const float *p, int k0, int nk, const void *v_cache, const int64_t *slots,
-    int64_t slot_stride, int64_t h_off, const int32_t *blocks, int block_size, int dtype,
-    float *o, const int rows, const int hd) {
-    __m512 out[4][8];
-    for (int r = 0; r < rows; ++r)
-        for (int c = 0; c < hd / 16; ++c) out[r][c] = _mm512_setzero_ps();
-#if KILN_FP8_SIMD
-    if (dtype == KILN_FP8E4M3 && hd % 32 == 0) { /* load16's e4m3 took 12 instructions per 16 */
-        pv_tile_fp8(p, k0, nk, v_cache, slots, slot_stride, h_off, blocks, block_size, dtype, o,
-                    rows, hd);
-        return;
-    }
-#endif
-    for (int s = 0; s < nk; ++s) {
-        prefetch_rows(v_cache, blocks, block_size, k0 + s + PREFETCH_AHEAD, k0 + nk, slot_stride,
-                      h_off, hd, elem_size(dtype));
-        const int64_t off = slots[s] * slot_stride + h_off;
-        for (int c = 0; c < hd / 16; ++c) {
-            const __m512 v = load16(v_cache, off + 16 * c, dtype);
-            for (int r = 0; r < rows; ++r)
-                out[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[(int64_t)r * nk + s]), v,
-                                            out[r][c]);
-        }
-    }
-    for (int r = 0; r < rows; ++r)
-        for (int c = 0; c < hd / 16; ++c) _mm512_storeu_ps(o + (int64_t)r * hd + 16 * c, out[r][c]);
-}
 #endif
 
 #endif
