@@ -1,5 +1,5 @@
 """Where a decode step's time goes, and how a step scales over threads: decode steps of N running
-requests at a given context (the `--input-len 512 --output-len 32` bench's 31 steps of 32 rows),
+requests at a given context (the `--input-len 512 --output-len 32` bench's steps of 32 rows),
 each engine's step profiled by category as prefill_profile does, and timed on each thread count.
 
 `python -m kiln.benchmarks.decode_profile --quantization int8 --threads 1 2` runs the
