@@ -21,7 +21,8 @@ def summarize_ms(seconds: list[float]) -> dict:
             "mean_ms": statistics.fmean(ms), "min_ms": min(ms), "max_ms": max(ms),
             "num_steps": len(ms)}
 
-def _check_decode_step(outs, batch_size: int, what: str) -> None:
+
+def check_decode_step(outs, batch_size: int, what: str) -> None:
     tokens = [len(o.outputs[0].token_ids) for o in outs if o.outputs]
     if len(outs) != batch_size or tokens != [1] * batch_size or any(o.finished for o in outs):
         raise RuntimeError(f"{what}: expected {batch_size} requests each decoding one token, got "
@@ -38,12 +39,12 @@ def turn_lengths(num_steps: int, per_turn: int = STEPS_PER_TURN) -> list[int]:
 
 
 def start_batch(engine, prompts: list[list[int]], warmup_steps: int, max_tokens: int,
-                tag: str) -> list[str]:
+                tag: str, temperature: float = 0.0) -> list[str]:
     """Add the prompts, step until every one has its first token, then `warmup_steps` untimed
     decode steps; returns the request ids (abort them when done)."""
     from kiln.sampling_params import RequestOutputKind, SamplingParams
 
-    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens,
+    params = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=max_tokens,
                             output_kind=RequestOutputKind.DELTA)
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts):
@@ -58,7 +59,7 @@ def start_batch(engine, prompts: list[list[int]], warmup_steps: int, max_tokens:
         else:
             raise RuntimeError(f"{tag}: prefill did not finish for every request")
         for i in range(warmup_steps):
-            _check_decode_step(engine.step(), len(prompts), f"{tag} warm-up step {i}")
+            check_decode_step(engine.step(), len(prompts), f"{tag} warm-up step {i}")
     except BaseException:
         engine.abort_request(ids)
         raise
@@ -72,7 +73,7 @@ def time_steps(engine, num_steps: int, batch_size: int, tag: str) -> list[float]
         start = time.perf_counter()
         outs = engine.step()  # returns sampled tokens on the host: the step has finished
         times.append(time.perf_counter() - start)
-        _check_decode_step(outs, batch_size, f"{tag} step {i}")
+        check_decode_step(outs, batch_size, f"{tag} step {i}")
     return times
 
 

@@ -135,28 +135,40 @@ int kiln_int8_gemm_packed(const int8_t *a, int64_t a_stride, const float *a_scal
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; ++r) sums[r] = row_offset(a + r * a_stride, k);
-#pragma omp for collapse(2) schedule(static)
-        for (int64_t t = 0; t < tiles; ++t)
-            for (int64_t p = 0; p < panel_count; ++p) {
-                const uint8_t *panel = panels + p * panel_bytes;
-                const int64_t end = (t + 1) * TILE_M < m ? (t + 1) * TILE_M : m;
-                for (int64_t r = t * TILE_M; r < end; r += MR) {
-                    const int8_t *ar = a + r * a_stride;
-                    char *o = (char *)out + r * out_stride * es;
+        /* rows [r, end) x panel p, register tile by register tile */
 #define TILE(R)                                                                                 \
-    tile(R, ar, a_stride, a_scale + r, sums + r, panel, k, w_scale, bias, bias_dtype, o,        \
-         out_stride, p * PANEL, n, out_dtype)
-                    switch (end - r < MR ? end - r : MR) {
-                        case 6: TILE(6); break;
-                        case 5: TILE(5); break;
-                        case 4: TILE(4); break;
-                        case 3: TILE(3); break;
-                        case 2: TILE(2); break;
-                        default: TILE(1); break;
-                    }
-#undef TILE
-                }
+    tile(R, a + r * a_stride, a_stride, a_scale + r, sums + r, panels + p * panel_bytes, k,     \
+         w_scale, bias, bias_dtype, (char *)out + r * out_stride * es, out_stride, p * PANEL, n, \
+         out_dtype)
+#define TILES(r0, end)                                                                          \
+    for (int64_t r = (r0); r < (end); r += MR) {                                                \
+        switch ((end) - r < MR ? (end) - r : MR) {                                              \
+            case 6: TILE(6); break;                                                             \
+            case 5: TILE(5); break;                                                             \
+            case 4: TILE(4); break;                                                             \
+            case 3: TILE(3); break;                                                             \
+            case 2: TILE(2); break;                                                             \
+            default: TILE(1); break;                                                            \
+        }                                                                                       \
+    }
+        if (tiles == 1 && num_threads > 1) {
+            /* one row tile (a decode step): tasks of one register tile x one panel, in panel
+             * order, so that a few panels split evenly (o's and down's 9 went 5 / 4 to two
+             * threads); each row's sums are the same whichever rows share its register tile */
+            const int64_t row_tiles = (m + MR - 1) / MR;
+#pragma omp for schedule(static)
+            for (int64_t task = 0; task < panel_count * row_tiles; ++task) {
+                const int64_t p = task / row_tiles, r0 = task % row_tiles * MR;
+                TILES(r0, r0 + MR < m ? r0 + MR : m);
             }
+        } else {
+#pragma omp for collapse(2) schedule(static)
+            for (int64_t t = 0; t < tiles; ++t)
+                for (int64_t p = 0; p < panel_count; ++p)
+                    TILES(t * TILE_M, (t + 1) * TILE_M < m ? (t + 1) * TILE_M : m);
+        }
+#undef TILES
+#undef TILE
     }
     free(sums);
     return 0;

@@ -7,7 +7,6 @@
  * GEMM from PANELS_MIN_ROWS rows, oneDNN's int8 GEMM through aten's _int_mm from ONEDNN_MIN_ROWS,
  * the epilogue here after it, the VNNI kernel below). */
 #include <ATen/ops/_int_mm.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -48,6 +47,13 @@ at::Tensor rows_apart(const at::Tensor &x) {
     return x.stride(0) >= x.size(1) ? x : x.contiguous();
 }
 
+/* at::empty(sizes, dtype) on the CPU without the dispatcher (~0.4 us a call; a decode step
+ * makes some 400 of these ops' results). */
+at::Tensor empty_of(at::IntArrayRef sizes, at::ScalarType dtype) {
+    return at::Tensor(at::detail::empty_cpu(sizes, dtype, /*pin_memory=*/false,
+                                            /*memory_format_opt=*/std::nullopt));
+}
+
 std::vector<int64_t> with_last(const at::Tensor &x, int64_t last) {
     std::vector<int64_t> shape = x.sizes().vec();
     shape.back() = last;
@@ -57,8 +63,8 @@ std::vector<int64_t> with_last(const at::Tensor &x, int64_t last) {
 std::tuple<at::Tensor, at::Tensor> dynamic_int8_quant(const at::Tensor &x) {
     const int32_t dtype = kiln::kernel_dtype(x, "kiln::dynamic_int8_quant_native");
     const at::Tensor rows = rows_of(x);
-    at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kChar));
-    at::Tensor scale = at::empty(with_last(x, 1), x.options().dtype(at::kFloat));
+    at::Tensor q = empty_of(x.sizes(), at::kChar);
+    at::Tensor scale = empty_of(with_last(x, 1), at::kFloat);
     check(kiln_dynamic_int8_quant(rows.data_ptr(), rows.stride(0), q.data_ptr<int8_t>(),
                                   scale.data_ptr<float>(), rows.size(0), rows.size(1), dtype,
                                   kiln::threads()),
@@ -74,8 +80,8 @@ struct Operands {
     Operands(const at::Tensor &q_in, const at::Tensor &scale_in, const at::Tensor &w_scale_in,
              const std::optional<at::Tensor> &bias_in, at::ScalarType out_dtype, const char *op)
         : q(q_in.stride(-1) == 1 ? q_in : q_in.contiguous()),
-          scale(scale_in.to(at::kFloat).contiguous()),
-          w_scale(w_scale_in.to(at::kFloat).contiguous()),
+          scale(kiln::contiguous_as(scale_in, at::kFloat)),
+          w_scale(kiln::contiguous_as(w_scale_in, at::kFloat)),
           out_code(kiln::dtype_code(out_dtype)) {
         TORCH_CHECK_TYPE(out_code >= 0, op, ": out_dtype ", out_dtype);
         if (bias_in) {
@@ -107,7 +113,7 @@ at::Tensor int8_scaled_mm(const at::Tensor &q_in, const at::Tensor &scale_in,
     const void *b = ops.bias_ptr();
     const int32_t bias_code = ops.bias_code, out_code = ops.out_code;
     const at::Tensor w_q = w_q_in.stride(-1) == 1 ? w_q_in : w_q_in.contiguous();
-    at::Tensor out = at::empty({m, n}, q.options().dtype(out_dtype));
+    at::Tensor out = empty_of({m, n}, out_dtype);
     if (m >= PANELS_MIN_ROWS && k > 0 && k % 4 == 0) {
         check(kiln_int8_gemm_panels(q.data_ptr<int8_t>(), q.stride(0), scale.data_ptr<float>(),
                                     w_q.data_ptr<int8_t>(), w_q.stride(0),
@@ -171,7 +177,7 @@ at::Tensor int8_scaled_mm_panels(const at::Tensor &q_in, const at::Tensor &scale
         checked_panels(q_in, scale_in, w_panels_in, w_scale_in, bias_in, op);
     const Operands ops(q_in, scale_in, w_scale_in, bias_in, out_dtype, op);
     const int64_t m = q_in.size(0), k = q_in.size(1), n = w_scale_in.numel();
-    at::Tensor out = at::empty({m, n}, ops.q.options().dtype(out_dtype));
+    at::Tensor out = empty_of({m, n}, out_dtype);
     check(kiln_int8_gemm_packed(ops.q.data_ptr<int8_t>(), ops.q.stride(0),
                                 ops.scale.data_ptr<float>(), w_panels.data_ptr<uint8_t>(),
                                 ops.w_scale.data_ptr<float>(), ops.bias_ptr(), ops.bias_code,
@@ -192,8 +198,8 @@ std::tuple<at::Tensor, at::Tensor> int8_scaled_mm_panels_silu_quant(
     const int64_t m = q_in.size(0), k = q_in.size(1), n = w_scale_in.numel();
     TORCH_CHECK_VALUE(n % 2 == 0, op, ": the weight's ", n, " channels must be even [gate | up]");
     const Operands ops(q_in, scale_in, w_scale_in, bias_in, out_dtype, op);
-    at::Tensor q = at::empty({m, n / 2}, ops.q.options());
-    at::Tensor scale = at::empty({m, 1}, ops.q.options().dtype(at::kFloat));
+    at::Tensor q = empty_of({m, n / 2}, ops.q.scalar_type());
+    at::Tensor scale = empty_of({m, 1}, at::kFloat);
     check(kiln_int8_gemm_silu_quant(ops.q.data_ptr<int8_t>(), ops.q.stride(0),
                                     ops.scale.data_ptr<float>(), w_panels.data_ptr<uint8_t>(),
                                     ops.w_scale.data_ptr<float>(), ops.bias_ptr(), ops.bias_code,
@@ -212,14 +218,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_quant(
     TORCH_CHECK_VALUE(!residual || residual->sizes().equals(x.sizes()),
                       "rms_norm quant: residual shape ", residual ? residual->sizes() : x.sizes(),
                       " != x shape ", x.sizes());
-    const at::Tensor rows = rows_of(x), w = weight.to(x.scalar_type()).contiguous();
+    const at::Tensor rows = rows_of(x), w = kiln::contiguous_as(weight, x.scalar_type());
     at::Tensor res_rows, res_out;
     if (residual) {
         res_rows = rows_of(*residual);
-        res_out = at::empty(x.sizes(), x.options());
+        res_out = empty_of(x.sizes(), x.scalar_type());
     }
-    at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kChar));
-    at::Tensor scale = at::empty(with_last(x, 1), x.options().dtype(at::kFloat));
+    at::Tensor q = empty_of(x.sizes(), at::kChar);
+    at::Tensor scale = empty_of(with_last(x, 1), at::kFloat);
     check(kiln_rms_norm_int8_quant(rows.data_ptr(), rows.stride(0),
                                    residual ? res_rows.data_ptr() : nullptr,
                                    residual ? res_rows.stride(0) : 0,
@@ -254,8 +260,8 @@ std::tuple<at::Tensor, at::Tensor> silu_and_mul_quant(const at::Tensor &x) {
                       x.size(-1), ") must be even [gate | up]");
     const at::Tensor rows = rows_of(x);
     const int64_t d = rows.size(1) / 2;
-    at::Tensor q = at::empty(with_last(x, d), x.options().dtype(at::kChar));
-    at::Tensor scale = at::empty(with_last(x, 1), x.options().dtype(at::kFloat));
+    at::Tensor q = empty_of(with_last(x, d), at::kChar);
+    at::Tensor scale = empty_of(with_last(x, 1), at::kFloat);
     check(kiln_silu_and_mul_int8_quant(rows.data_ptr(), rows.stride(0), q.data_ptr<int8_t>(),
                                        scale.data_ptr<float>(), rows.size(0),
                                        static_cast<int32_t>(d), dtype, kiln::threads()),
