@@ -10,9 +10,10 @@
  * cap). The tiles (prefill_tiles.h; their online softmax prefill_softmax.h, their query and output
  * rows prefill_rows.h) use AVX512-BF16 for bfloat16 (probabilities rounded to bfloat16 before P.V,
  * as SDPA does) and AVX512F for float32; AMX-BF16 tiles (prefill_amx.c) take bfloat16 where the
- * CPU has them and the head size is a multiple of 32; a scalar path serves any other CPU, head
- * size, or a caller asking for it (tests). Layouts: paged_attention.c's (q/out rows, cache, block
- * table). */
+ * CPU has them and the head size is a multiple of 32; a scalar path (prefill_scalar.h) serves any
+ * other CPU, head size, or a caller asking for it (tests). The AVX512-BF16 tiles read a long
+ * request's keys gathered once a call (prefill_gather.h). Layouts: paged_attention.c's (q/out
+ * rows, cache, block table). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -22,52 +23,10 @@
 #include "kernels.h"
 #include "prefill_gather.h"
 #include "prefill_rows.h"
+#include "prefill_scalar.h"
 #include "prefill_softmax.h"
 #include "prefill_tiles.h"
 #include "prefill_unit.h"
-
-/* The portable path: one (token, head) at a time, keys in blocks, the same rounding points. */
-static void unit_scalar(const Call *c, const Unit *u, Scratch *w) {
-    const int hd = c->hd, q_begin = c->query_start[u->req];
-    const int ctx = c->seq_lens[u->req] - (c->query_start[u->req + 1] - q_begin);
-    const int32_t *blocks = c->block_table + (int64_t)u->req * c->bt_stride;
-    float *qf = w->buf, *acc = w->buf + hd, *sc = w->buf + 2 * hd;
-    for (int t = u->t0; t < u->t0 + u->nt; ++t)
-        for (int g = 0; g < c->group; ++g) {
-            const int head = u->kv_head * c->group + g, n_keys = ctx + (t - q_begin) + 1;
-            for (int d = 0; d < hd; ++d)
-                qf[d] = load_elem(c->q, t * c->q_stride + (int64_t)head * hd + d, c->dtype);
-            float m = MASKED, l = 0.f;
-            memset(acc, 0, sizeof(float) * hd);
-            for (int kb = first_key(c, n_keys - 1); kb < n_keys; kb += PF_BK) {
-                const int nk = n_keys - kb < PF_BK ? n_keys - kb : PF_BK;
-                float mx = m;
-                for (int j = 0; j < nk; ++j) {
-                    const int64_t off = key_offset(c, blocks, kb + j, u->kv_head);
-                    float dot = 0.f;
-                    for (int d = 0; d < hd; ++d)
-                        dot += qf[d] * load_elem(c->k_cache, off + d, c->kv_dtype);
-                    sc[j] = dot * c->scale;
-                    soft_cap(c, sc + j, 1);
-                    mx = sc[j] > mx ? sc[j] : mx;
-                }
-                const float alpha = expf(m - mx);
-                l *= alpha;
-                for (int d = 0; d < hd; ++d) acc[d] *= alpha;
-                for (int j = 0; j < nk; ++j) {
-                    const float p = expf(sc[j] - mx), pr = round_to(p, c->dtype);
-                    const int64_t off = key_offset(c, blocks, kb + j, u->kv_head);
-                    l += p;
-                    for (int d = 0; d < hd; ++d)
-                        acc[d] += pr * load_elem(c->v_cache, off + d, c->kv_dtype);
-                }
-                m = mx;
-            }
-            const int64_t row = t * c->out_stride + (int64_t)head * hd;
-            for (int d = 0; d < hd; ++d)
-                store_elem(c->out, row + d, acc[d] / l * c->v_scale, c->dtype);
-        }
-}
 
 #if KILN_PREFILL_F32_SIMD
 /* Tiles of up to 3 row groups: constant R keeps the accumulators in registers. */
@@ -134,7 +93,8 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
 #if KILN_PREFILL_BF16_SIMD
         if (bf) {
             const int pairs = (nk + 1) / 2; /* vp holds nkp >= 2 * pairs rows, zeros past nk */
-            const int32_t *vpk = g ? (const int32_t *)(g + nkr * hd) + (int64_t)kb / 2 * hd : w->vpk;
+            const int32_t *vpk =
+                g ? (const int32_t *)(g + nkr * hd) + (int64_t)kb / 2 * hd : w->vpk;
             if (!g) pack_value_pairs(w->vp, pairs, hd, w->vpk);
             for (int r0 = 0; r0 < rgs; r0 += 3) {
                 const int R = rgs - r0 < 3 ? rgs - r0 : 3;
@@ -205,8 +165,9 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
     const int amx = simd && path == KILN_PREFILL_BEST && prefill_amx_serves(cache->dtype, hd);
     /* tokens per unit in lanes of 16: enough row groups for a tile of 3, at most 4 lanes' worth.
      * Over an fp8 cache a unit dequantizes each key block it reads, so units take as many lanes
-     * as the longest query fills: 2 requests of 512 over 1024, 9 heads over 3, 1 / 2 threads,
-     * 16 tokens a unit 18 / 9.5 ms, 64 14 / 8.1 (a bfloat16 cache 14-17 / 8-8.4). */
+     * as the longest query whose keys are not gathered fills: 2 requests of 512 over 1024, 9
+     * heads over 3, 1 / 2 threads, 16 tokens a unit 18 / 9.5 ms, 64 14 / 8.1 (a bfloat16 cache
+     * 14-17 / 8-8.4; both before keys were gathered). */
     int tb = group >= 3 ? 1 : 3 / group;
     /* the bfloat16 tiles' keys gathered once a call (prefill_gather.h) where no window moves
      * their blocks' starts: an fp8 cache's are then dequantized once, and units stay small */

@@ -12,8 +12,9 @@
 #include "prefill_tiles.h"
 #include "prefill_unit.h"
 
-/* The call's gathered rows at most (past it, the units read the cache as they find it). */
-#define PF_GATHER_MAX_BYTES ((int64_t)256 << 20)
+/* The call's gathered rows at most (past it, the units read the cache as they find it: a
+ * buffer this large is mapped and its pages faulted in anew every call). */
+#define PF_GATHER_MAX_BYTES ((int64_t)64 << 20)
 
 /* Keys a request's gathered rows hold: its seq_len rounded up to whole score tiles (the tiles
  * read up to PF_KEYS - 1 zero keys past the last). */
