@@ -43,7 +43,7 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
     const int ctx = c->seq_lens[u->req] - (c->query_start[u->req + 1] - q_begin);
     const int32_t *blocks = c->block_table + (int64_t)u->req * c->bt_stride;
     const int64_t rg_q = (int64_t)(bf ? hd / 2 : hd) * 16, rg_s = PF_SBK * 16, rg_o = hd * 16;
-    const uint16_t *g = u->gathered >= 0 ? c->gather + u->gathered : NULL; /* K, then V pairs */
+    uint16_t *g = u->gathered >= 0 ? c->gather + u->gathered : NULL; /* K, then V pairs */
     const int64_t nkr = g ? gather_keys(c->seq_lens[u->req]) : 0;
     int pos[16 * 4]; /* each lane's query position; padding lanes repeat the unit's last token */
     for (int i = 0; i < 16 * tb; ++i)
@@ -63,7 +63,8 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
     for (int kb = first_key(c, pos[0]); kb < n_keys; kb += PF_SBK) {
         const int nk = n_keys - kb < PF_SBK ? n_keys - kb : PF_SBK;
         const int nkp = (nk + PF_KEYS - 1) / PF_KEYS * PF_KEYS;
-        if (g)
+        const int gathered = g && take_block(c, u, kb, g, w);
+        if (gathered)
             for (int j = 0; j < nkp; ++j) w->kp[j] = g + (int64_t)(kb + j) * hd;
         else
             key_rows(c, blocks, u->kv_head, kb, nk, nkp, w);
@@ -94,8 +95,8 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
         if (bf) {
             const int pairs = (nk + 1) / 2; /* vp holds nkp >= 2 * pairs rows, zeros past nk */
             const int32_t *vpk =
-                g ? (const int32_t *)(g + nkr * hd) + (int64_t)kb / 2 * hd : w->vpk;
-            if (!g) pack_value_pairs(w->vp, pairs, hd, w->vpk);
+                gathered ? (const int32_t *)(g + nkr * hd) + (int64_t)kb / 2 * hd : w->vpk;
+            if (!gathered) pack_value_pairs(w->vp, pairs, hd, w->vpk);
             for (int r0 = 0; r0 < rgs; r0 += 3) {
                 const int R = rgs - r0 < 3 ? rgs - r0 : 3;
                 for (int c0 = 0; c0 < hd; c0 += PF_DIMS)
@@ -192,28 +193,31 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
         num_units += (int64_t)(q1 - q0 + per_unit - 1) / per_unit * nkv;
     }
     if (num_units == 0) return 0;
-    Unit *units = (Unit *)malloc(sizeof(Unit) * num_units), *tasks = NULL;
+    Unit *units = (Unit *)malloc(sizeof(Unit) * num_units);
     if (!units) return KILN_ATTN_NO_MEMORY;
-    int64_t num_tasks = 0, n = 0, at = 0;
-    uint16_t *gathered = can_gather ? plan_gather(st, nkv, hd, &tasks, &num_tasks) : NULL;
+    int64_t n = 0, at = 0, task = 0;
+    int *gather_state = NULL;
+    uint16_t *gathered = can_gather ? plan_gather(st, nkv, hd, &gather_state) : NULL;
     for (int i = 0; i < st->num_sel; ++i) { /* a request's last tokens first: they cost most */
         const int r = st->reqs[i], q0 = st->query_start[r], q1 = st->query_start[r + 1];
         const int64_t head_rows = gathered && gathers(st, r)
                                       ? gather_bytes(st->seq_lens[r], hd) / 2 : 0;
+        const int blocks = head_rows ? (st->seq_lens[r] + PF_SBK - 1) / PF_SBK : 0;
         for (int t0 = q0 + (q1 - q0 - 1) / per_unit * per_unit; q1 > q0 && t0 >= q0; t0 -= per_unit)
             for (int h = 0; h < nkv; ++h, ++n) {
                 units[n].req = r, units[n].kv_head = h, units[n].t0 = t0;
                 units[n].nt = q1 - t0 < per_unit ? q1 - t0 : per_unit;
                 units[n].gathered = head_rows ? at + h * head_rows : -1; /* plan_gather's order */
+                units[n].task0 = task + (int64_t)h * blocks;
             }
-        at += head_rows * nkv;
+        at += head_rows * nkv, task += (int64_t)blocks * nkv;
     }
     const Call call = {q, cache->key, cache->value, out, q_stride, out_stride,
                        (int64_t)nkv * hd, st->bt_stride, st->block_table, st->query_start,
                        st->seq_lens, cache->block_size, hd, group, tb, cache->dtype,
                        elem_size(cache->kv_dtype), cache->kv_dtype,
                        scale * cache->k_scale, cache->v_scale, window > 0 ? window : 0,
-                       softcap > 0.f ? softcap : 0.f, gathered};
+                       softcap > 0.f ? softcap : 0.f, gathered, gather_state};
     const int rgs = group * tb;
     /* per row group qp, o, s, pp, m, l, alpha; then vpk, the scalar path's rows and the zero row,
      * the AMX K tiles, an fp8 cache's dequantized key block */
@@ -248,12 +252,6 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
         }
         if (amx) prefill_amx_begin();
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < num_tasks; ++i)
-            if (!failed)
-                gather_block(&call, call.block_table + (int64_t)tasks[i].req * call.bt_stride,
-                             tasks[i].kv_head, call.seq_lens[tasks[i].req], tasks[i].t0,
-                             gathered + tasks[i].gathered, &w);
-#pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_units; ++i) {
             if (failed) continue;
             if (i + 1 < num_units) prefetch_unit(&call, &units[i + 1]);
@@ -274,7 +272,7 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
         free(ptrs);
     }
     free(units);
-    free(tasks);
+    free(gather_state);
     free(gathered);
     return failed;
 }

@@ -1,5 +1,5 @@
-/* The prefill kernel's AVX512-BF16 tiles' keys gathered once a call: a request's K rows and V key
- * pairs per kv head (an fp8 cache's dequantized), contiguous, for all of its units to read. */
+/* The prefill kernel's AVX512-BF16 tiles' keys gathered once a call, by the first unit to reach
+ * each key block: a request's K rows and V key pairs per kv head (fp8 dequantized), contiguous. */
 #ifndef KILN_PREFILL_GATHER_H
 #define KILN_PREFILL_GATHER_H
 
@@ -39,17 +39,16 @@ static inline void gather_block(const Call *c, const int32_t *blocks, int kv_hea
 }
 
 /* Whether request r's keys are gathered: a query of 3 units of 16 tokens or more over 256 keys
- * or more (2 units over 2000 keys were 7% slower gathered, 3 4% faster; 32 x 64 tokens 3% slower,
- * 4 x 512 8-9% faster). */
+ * or more (measured with a gathering phase before the units: 2 units over 2000 keys were 7%
+ * slower gathered, 3 4% faster; 32 x 64 tokens 3% slower, 4 x 512 8-9% faster). */
 static inline int gathers(const KilnAttnStep *st, int r) {
     return st->query_start[r + 1] - st->query_start[r] > 32 && st->seq_lens[r] >= 4 * PF_SBK;
 }
 
 /* The call's gathered rows, requests in st's order, kv heads within (NULL where there are none:
- * nothing to gather, the cap passed, no memory), and their tasks: request, kv head, the key
- * block at t0 and the rows at `gathered` (elements into the buffer). */
-static inline uint16_t *plan_gather(const KilnAttnStep *st, int nkv, int hd, Unit **tasks,
-                                    int64_t *num_tasks) {
+ * nothing to gather, the cap passed, no memory), and *state, one word a key block of each
+ * (request, kv head), 0: not gathered yet (take_block's). */
+static inline uint16_t *plan_gather(const KilnAttnStep *st, int nkv, int hd, int **state) {
     int64_t bytes = 0, n = 0;
     for (int i = 0; i < st->num_sel; ++i) {
         const int r = st->reqs[i];
@@ -57,24 +56,32 @@ static inline uint16_t *plan_gather(const KilnAttnStep *st, int nkv, int hd, Uni
         bytes += gather_bytes(st->seq_lens[r], hd) * nkv;
         n += (int64_t)(st->seq_lens[r] + PF_SBK - 1) / PF_SBK * nkv;
     }
-    *tasks = NULL, *num_tasks = 0;
+    *state = NULL;
     if (n == 0 || bytes > PF_GATHER_MAX_BYTES) return NULL;
     uint16_t *rows = (uint16_t *)malloc((size_t)bytes);
-    Unit *t = (Unit *)malloc(sizeof(Unit) * n);
-    if (!rows || !t) {
-        free(rows), free(t);
+    int *s = (int *)calloc((size_t)n, sizeof(int));
+    if (!rows || !s) {
+        free(rows), free(s);
         return NULL;
     }
-    int64_t at = 0, k = 0;
-    for (int i = 0; i < st->num_sel; ++i) {
-        const int r = st->reqs[i], len = st->seq_lens[r];
-        if (!gathers(st, r)) continue;
-        for (int h = 0; h < nkv; ++h, at += gather_bytes(len, hd) / 2)
-            for (int kb = 0; kb < len; kb += PF_SBK, ++k)
-                t[k].req = r, t[k].kv_head = h, t[k].t0 = kb, t[k].nt = 0, t[k].gathered = at;
-    }
-    *tasks = t, *num_tasks = n;
+    *state = s;
     return rows;
+}
+
+/* Whether key block kb of the unit's (request, kv head) is in its gathered rows g: the first
+ * unit to reach a block gathers it (no thread waits on another: a unit finding it under way
+ * reads the cache itself), so the units that overlap it afterwards read it from g. */
+static inline int take_block(const Call *c, const Unit *u, int kb, uint16_t *g, Scratch *w) {
+    int *state = c->gather_state + u->task0 + kb / PF_SBK;
+    int s = __atomic_load_n(state, __ATOMIC_ACQUIRE);
+    if (s == 0 &&
+        __atomic_compare_exchange_n(state, &s, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        gather_block(c, c->block_table + (int64_t)u->req * c->bt_stride, u->kv_head,
+                     c->seq_lens[u->req], kb, g, w);
+        __atomic_store_n(state, 2, __ATOMIC_RELEASE);
+        return 1;
+    }
+    return s == 2;
 }
 
 #endif
