@@ -44,7 +44,6 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
     const int32_t *blocks = c->block_table + (int64_t)u->req * c->bt_stride;
     const int64_t rg_q = (int64_t)(bf ? hd / 2 : hd) * 16, rg_s = PF_SBK * 16, rg_o = hd * 16;
     uint16_t *g = u->gathered >= 0 ? c->gather + u->gathered : NULL; /* K, then V pairs */
-    const int64_t nkr = g ? gather_keys(c->seq_lens[u->req]) : 0;
     int pos[16 * 4]; /* each lane's query position; padding lanes repeat the unit's last token */
     for (int i = 0; i < 16 * tb; ++i)
         pos[i] = ctx + (u->t0 + (i < u->nt ? i : u->nt - 1) - q_begin);
@@ -94,8 +93,10 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
 #if KILN_PREFILL_BF16_SIMD
         if (bf) {
             const int pairs = (nk + 1) / 2; /* vp holds nkp >= 2 * pairs rows, zeros past nk */
-            const int32_t *vpk =
-                gathered ? (const int32_t *)(g + nkr * hd) + (int64_t)kb / 2 * hd : w->vpk;
+            const int32_t *vpk = /* V pairs after the gathered K rows */
+                gathered ? (const int32_t *)(g + gather_keys(c->seq_lens[u->req]) * hd) +
+                               (int64_t)kb / 2 * hd
+                         : w->vpk;
             if (!gathered) pack_value_pairs(w->vp, pairs, hd, w->vpk);
             for (int r0 = 0; r0 < rgs; r0 += 3) {
                 const int R = rgs - r0 < 3 ? rgs - r0 : 3;
