@@ -136,6 +136,14 @@ def test_long_prefills_over_an_fp8_cache_take_units_of_4_lanes(path):
         _prefill_over_fp8(path, dtype, 9, 3, [70, 5], [30, 50])
 
 
+@pytest.mark.parametrize("path", ["best", "avx512"])
+def test_long_prefills_over_an_fp8_cache_dequantize_their_gathered_keys_once(path):
+    # queries of over 32 tokens over 256 keys or more: bfloat16 queries' keys gathered (and
+    # dequantized) once a call, units of 1 lane
+    for dtype in (torch.float32, torch.bfloat16):
+        _prefill_over_fp8(path, dtype, 9, 3, [100, 40], [200, 300])
+
+
 def _prefill_over_fp8(path, dtype, nh, nkv, q_lens, ctx):
     bs, hd = 16, 64
     for kv_dtype in FP8:
@@ -242,9 +250,10 @@ def test_a_mixed_step_over_a_scaled_fp8_cache_matches_the_reference_and_the_torc
     torch.testing.assert_close(out_torch.float(), out.float(), rtol=tol, atol=tol * 4 * V_SCALE)
 
 
+@pytest.mark.parametrize("q_lens, ctx", [([37, 20], [45, 0]), ([40, 100], [260, 200])])
 @pytest.mark.parametrize("path", list(pf.PATHS))
-def test_each_prefill_path_reads_a_scaled_fp8_cache(path):
-    bs, hd, nh, nkv, q_lens, ctx = 16, 64, 6, 2, [37, 20], [45, 0]
+def test_each_prefill_path_reads_a_scaled_fp8_cache(path, q_lens, ctx):
+    bs, hd, nh, nkv = 16, 64, 6, 2
     for dtype in (torch.float32, torch.bfloat16):
         q, _, _, kv, md, tables, starts, seq_lens = _fp8_step(bs, hd, nh, nkv, q_lens, ctx,
                                                               dtype, torch.float8_e4m3fn, 6)

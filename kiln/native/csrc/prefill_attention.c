@@ -10,9 +10,10 @@
  * cap). The tiles (prefill_tiles.h; their online softmax prefill_softmax.h, their query and output
  * rows prefill_rows.h) use AVX512-BF16 for bfloat16 (probabilities rounded to bfloat16 before P.V,
  * as SDPA does) and AVX512F for float32; AMX-BF16 tiles (prefill_amx.c) take bfloat16 where the
- * CPU has them and the head size is a multiple of 32; a scalar path serves any other CPU, head
- * size, or a caller asking for it (tests). Layouts: paged_attention.c's (q/out rows, cache, block
- * table). */
+ * CPU has them and the head size is a multiple of 32; a scalar path (prefill_scalar.h) serves any
+ * other CPU, head size, or a caller asking for it (tests). The AVX512-BF16 tiles read a long
+ * request's keys gathered once a call (prefill_gather.h). Layouts: paged_attention.c's (q/out
+ * rows, cache, block table). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -20,53 +21,12 @@
 
 #include "dtype.h"
 #include "kernels.h"
+#include "prefill_gather.h"
 #include "prefill_rows.h"
+#include "prefill_scalar.h"
 #include "prefill_softmax.h"
 #include "prefill_tiles.h"
 #include "prefill_unit.h"
-
-/* The portable path: one (token, head) at a time, keys in blocks, the same rounding points. */
-static void unit_scalar(const Call *c, const Unit *u, Scratch *w) {
-    const int hd = c->hd, q_begin = c->query_start[u->req];
-    const int ctx = c->seq_lens[u->req] - (c->query_start[u->req + 1] - q_begin);
-    const int32_t *blocks = c->block_table + (int64_t)u->req * c->bt_stride;
-    float *qf = w->buf, *acc = w->buf + hd, *sc = w->buf + 2 * hd;
-    for (int t = u->t0; t < u->t0 + u->nt; ++t)
-        for (int g = 0; g < c->group; ++g) {
-            const int head = u->kv_head * c->group + g, n_keys = ctx + (t - q_begin) + 1;
-            for (int d = 0; d < hd; ++d)
-                qf[d] = load_elem(c->q, t * c->q_stride + (int64_t)head * hd + d, c->dtype);
-            float m = MASKED, l = 0.f;
-            memset(acc, 0, sizeof(float) * hd);
-            for (int kb = first_key(c, n_keys - 1); kb < n_keys; kb += PF_BK) {
-                const int nk = n_keys - kb < PF_BK ? n_keys - kb : PF_BK;
-                float mx = m;
-                for (int j = 0; j < nk; ++j) {
-                    const int64_t off = key_offset(c, blocks, kb + j, u->kv_head);
-                    float dot = 0.f;
-                    for (int d = 0; d < hd; ++d)
-                        dot += qf[d] * load_elem(c->k_cache, off + d, c->kv_dtype);
-                    sc[j] = dot * c->scale;
-                    soft_cap(c, sc + j, 1);
-                    mx = sc[j] > mx ? sc[j] : mx;
-                }
-                const float alpha = expf(m - mx);
-                l *= alpha;
-                for (int d = 0; d < hd; ++d) acc[d] *= alpha;
-                for (int j = 0; j < nk; ++j) {
-                    const float p = expf(sc[j] - mx), pr = round_to(p, c->dtype);
-                    const int64_t off = key_offset(c, blocks, kb + j, u->kv_head);
-                    l += p;
-                    for (int d = 0; d < hd; ++d)
-                        acc[d] += pr * load_elem(c->v_cache, off + d, c->kv_dtype);
-                }
-                m = mx;
-            }
-            const int64_t row = t * c->out_stride + (int64_t)head * hd;
-            for (int d = 0; d < hd; ++d)
-                store_elem(c->out, row + d, acc[d] / l * c->v_scale, c->dtype);
-        }
-}
 
 #if KILN_PREFILL_F32_SIMD
 /* Tiles of up to 3 row groups: constant R keeps the accumulators in registers. */
@@ -83,6 +43,7 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
     const int ctx = c->seq_lens[u->req] - (c->query_start[u->req + 1] - q_begin);
     const int32_t *blocks = c->block_table + (int64_t)u->req * c->bt_stride;
     const int64_t rg_q = (int64_t)(bf ? hd / 2 : hd) * 16, rg_s = PF_SBK * 16, rg_o = hd * 16;
+    uint16_t *g = u->gathered >= 0 ? c->gather + u->gathered : NULL; /* K, then V pairs */
     int pos[16 * 4]; /* each lane's query position; padding lanes repeat the unit's last token */
     for (int i = 0; i < 16 * tb; ++i)
         pos[i] = ctx + (u->t0 + (i < u->nt ? i : u->nt - 1) - q_begin);
@@ -101,7 +62,11 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
     for (int kb = first_key(c, pos[0]); kb < n_keys; kb += PF_SBK) {
         const int nk = n_keys - kb < PF_SBK ? n_keys - kb : PF_SBK;
         const int nkp = (nk + PF_KEYS - 1) / PF_KEYS * PF_KEYS;
-        key_rows(c, blocks, u->kv_head, kb, nk, nkp, w);
+        const int gathered = g && take_block(c, u, kb, g, w);
+        if (gathered)
+            for (int j = 0; j < nkp; ++j) w->kp[j] = g + (int64_t)(kb + j) * hd;
+        else
+            key_rows(c, blocks, u->kv_head, kb, nk, nkp, w);
         for (int r0 = 0; r0 < rgs; r0 += 3) {
             const int R = rgs - r0 < 3 ? rgs - r0 : 3;
             for (int j0 = 0; j0 < nkp; j0 += PF_KEYS) {
@@ -128,11 +93,15 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
 #if KILN_PREFILL_BF16_SIMD
         if (bf) {
             const int pairs = (nk + 1) / 2; /* vp holds nkp >= 2 * pairs rows, zeros past nk */
-            pack_value_pairs(w->vp, pairs, hd, w->vpk);
+            const int32_t *vpk = /* V pairs after the gathered K rows */
+                gathered ? (const int32_t *)(g + gather_keys(c->seq_lens[u->req]) * hd) +
+                               (int64_t)kb / 2 * hd
+                         : w->vpk;
+            if (!gathered) pack_value_pairs(w->vp, pairs, hd, w->vpk);
             for (int r0 = 0; r0 < rgs; r0 += 3) {
                 const int R = rgs - r0 < 3 ? rgs - r0 : 3;
                 for (int c0 = 0; c0 < hd; c0 += PF_DIMS)
-                    PF_DISPATCH(pv_bf16, R, w->pp + r0 * rg_p, rg_p, w->vpk, hd, pairs, c0,
+                    PF_DISPATCH(pv_bf16, R, w->pp + r0 * rg_p, rg_p, vpk, hd, pairs, c0,
                                 w->o + r0 * rg_o, rg_o, alpha ? alpha + 16 * r0 : NULL)
             }
             continue;
@@ -198,13 +167,18 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
     const int amx = simd && path == KILN_PREFILL_BEST && prefill_amx_serves(cache->dtype, hd);
     /* tokens per unit in lanes of 16: enough row groups for a tile of 3, at most 4 lanes' worth.
      * Over an fp8 cache a unit dequantizes each key block it reads, so units take as many lanes
-     * as the longest query fills: 2 requests of 512 over 1024, 9 heads over 3, 1 / 2 threads,
-     * 16 tokens a unit 18 / 9.5 ms, 64 14 / 8.1 (a bfloat16 cache 14-17 / 8-8.4). */
+     * as the longest query whose keys are not gathered fills: 2 requests of 512 over 1024, 9
+     * heads over 3, 1 / 2 threads, 16 tokens a unit 18 / 9.5 ms, 64 14 / 8.1 (a bfloat16 cache
+     * 14-17 / 8-8.4; both before keys were gathered). */
     int tb = group >= 3 ? 1 : 3 / group;
+    /* the bfloat16 tiles' keys gathered once a call (prefill_gather.h) where no window moves
+     * their blocks' starts: an fp8 cache's are then dequantized once, and units stay small */
+    const int can_gather = simd && !amx && cache->dtype == KILN_BF16 && window <= 0;
     if (cache->kv_dtype != cache->dtype) {
         int longest = 0;
         for (int i = 0; i < st->num_sel; ++i) {
             const int r = st->reqs[i], n = st->query_start[r + 1] - st->query_start[r];
+            if (can_gather && gathers(st, r)) continue;
             longest = n > longest ? n : longest;
         }
         const int lanes = (longest + 15) / 16;
@@ -222,21 +196,29 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
     if (num_units == 0) return 0;
     Unit *units = (Unit *)malloc(sizeof(Unit) * num_units);
     if (!units) return KILN_ATTN_NO_MEMORY;
-    int64_t n = 0;
+    int64_t n = 0, at = 0, task = 0;
+    int *gather_state = NULL;
+    uint16_t *gathered = can_gather ? plan_gather(st, nkv, hd, &gather_state) : NULL;
     for (int i = 0; i < st->num_sel; ++i) { /* a request's last tokens first: they cost most */
         const int r = st->reqs[i], q0 = st->query_start[r], q1 = st->query_start[r + 1];
+        const int64_t head_rows = gathered && gathers(st, r)
+                                      ? gather_bytes(st->seq_lens[r], hd) / 2 : 0;
+        const int blocks = head_rows ? (st->seq_lens[r] + PF_SBK - 1) / PF_SBK : 0;
         for (int t0 = q0 + (q1 - q0 - 1) / per_unit * per_unit; q1 > q0 && t0 >= q0; t0 -= per_unit)
             for (int h = 0; h < nkv; ++h, ++n) {
                 units[n].req = r, units[n].kv_head = h, units[n].t0 = t0;
                 units[n].nt = q1 - t0 < per_unit ? q1 - t0 : per_unit;
+                units[n].gathered = head_rows ? at + h * head_rows : -1; /* plan_gather's order */
+                units[n].task0 = task + (int64_t)h * blocks;
             }
+        at += head_rows * nkv, task += (int64_t)blocks * nkv;
     }
     const Call call = {q, cache->key, cache->value, out, q_stride, out_stride,
                        (int64_t)nkv * hd, st->bt_stride, st->block_table, st->query_start,
                        st->seq_lens, cache->block_size, hd, group, tb, cache->dtype,
                        elem_size(cache->kv_dtype), cache->kv_dtype,
                        scale * cache->k_scale, cache->v_scale, window > 0 ? window : 0,
-                       softcap > 0.f ? softcap : 0.f};
+                       softcap > 0.f ? softcap : 0.f, gathered, gather_state};
     const int rgs = group * tb;
     /* per row group qp, o, s, pp, m, l, alpha; then vpk, the scalar path's rows and the zero row,
      * the AMX K tiles, an fp8 cache's dequantized key block */
@@ -291,5 +273,7 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
         free(ptrs);
     }
     free(units);
+    free(gather_state);
+    free(gathered);
     return failed;
 }

@@ -17,6 +17,8 @@
 
 typedef struct {
     int req, kv_head, t0, nt; /* query rows [t0, t0 + nt) of request req */
+    int64_t gathered; /* where its keys' gathered rows start in Call.gather, or -1 (none) */
+    int64_t task0;    /* its (request, kv head)'s first key block's word in Call.gather_state */
 } Unit;
 
 typedef struct { /* what every unit of a call shares */
@@ -30,6 +32,8 @@ typedef struct { /* what every unit of a call shares */
     float v_scale; /* an fp8 cache's: the outputs' factor (1 else) */
     int window;    /* > 0: a query sees only the last `window` keys, its own included */
     float softcap; /* > 0: scaled scores become softcap * tanh(score / softcap) */
+    uint16_t *gather; /* keys gathered once a call (prefill_gather.h), or NULL */
+    int *gather_state; /* per gathered key block: 0 not yet, 1 under way, 2 done */
 } Call;
 
 typedef struct { /* one thread's buffers; layouts in prefill_tiles.h (prefill_amx.c's its own) */
