@@ -148,10 +148,14 @@ class KilnConfig(FreezableConfig):
 
     def _resolve_cache_dtype(self) -> None:
         """--kv-cache-dtype auto over a compressed-tensors checkpoint with a kv_cache_scheme:
-        an fp8 cache with its scales, as vLLM serves one (kv_cache_scales.py)."""
+        an fp8 cache with its scales, as vLLM serves one (kv_cache_scales.py). Only the
+        target's checkpoint decides: a draft writes into the caches the target's dtype sized,
+        so a draft's own kv_cache_scheme left its layers reading fp8 from a float cache."""
         from kiln.attention.kv_cache_scales import checkpoint_cache_dtype
         from kiln.logger import init_logger
 
+        if self.is_draft:
+            return
         cache, m = self.cache_config, self.model_config
         resolved = checkpoint_cache_dtype(cache.cache_dtype,
                                           getattr(m.hf_config, "quantization_config", None))

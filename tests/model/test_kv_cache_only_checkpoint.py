@@ -119,3 +119,19 @@ def test_its_float_weights_update_in_place_where_quantized_linears_are_refused(
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in before] != [o.outputs[0].token_ids for o in after]
+
+
+def test_a_draft_quantizing_its_kv_cache_follows_the_targets_cache_dtype(tiny_llama_dir,
+                                                                          tmp_path):
+    """The draft writes into caches sized in the target's dtype: a float target's engine keeps
+    "auto" for a KV-cache-only draft (its layers read fp8 from a float cache before), and a
+    KV-cache-only target's fp8 reaches a float draft."""
+    from kiln.engine.arg_utils import EngineArgs
+    from kiln.spec_decode.draft_model_proposer import draft_kiln_config
+
+    kv = kv_only_checkpoint(tiny_llama_dir, tmp_path / "kv")
+    for target, draft, want in ((tiny_llama_dir, kv, "auto"), (kv, tiny_llama_dir, "fp8")):
+        config = EngineArgs(model=str(target), max_model_len=64, speculative_config={
+            "model": str(draft), "num_speculative_tokens": 2}).create_kiln_config()
+        assert config.cache_config.cache_dtype == want
+        assert draft_kiln_config(config).cache_config.cache_dtype == want, (target, draft)
