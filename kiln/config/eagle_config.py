@@ -52,7 +52,7 @@ def head_model_config(path, head, architecture: str, target: ModelConfig,
                              max_logprobs=target.max_logprobs)
     except (ConfigError, FileNotFoundError, OSError) as e:
         raise ConfigError(f"{where}: {e}") from None
-    if config.quantization is not None:
+    if config.quant_kind is not None:  # one quantizing only its KV cache has float linears
         raise ConfigError(f"{where}: a quantized EAGLE head ({config.quantization}) is not "
                           "served; use its float checkpoint")
     return config

@@ -130,7 +130,7 @@ class KilnConfig(FreezableConfig):
                               "--enable-lora")
         if family not in MOE_ARCHITECTURES:
             return
-        if m.architecture in MLA_ARCHITECTURES and m.quantization is not None:
+        if m.architecture in MLA_ARCHITECTURES and m.quant_kind is not None:
             raise ConfigError(f"quantization {m.quantization!r}: quantized {m.architecture} "
                               "(latent attention, DeepSeek's experts) is not supported; use a "
                               "float checkpoint and drop --quantization")
@@ -148,13 +148,24 @@ class KilnConfig(FreezableConfig):
 
     def _resolve_cache_dtype(self) -> None:
         """--kv-cache-dtype auto over a compressed-tensors checkpoint with a kv_cache_scheme:
-        an fp8 cache with its scales, as vLLM serves one (kv_cache_scales.py)."""
+        an fp8 cache with its scales, as vLLM serves one (kv_cache_scales.py). Only the
+        target's checkpoint decides: a draft writes into the caches the target's dtype sized,
+        so a draft's own kv_cache_scheme left its layers reading fp8 from a float cache."""
         from kiln.attention.kv_cache_scales import checkpoint_cache_dtype
         from kiln.logger import init_logger
 
+        if self.is_draft:
+            return
         cache, m = self.cache_config, self.model_config
         resolved = checkpoint_cache_dtype(cache.cache_dtype,
                                           getattr(m.hf_config, "quantization_config", None))
+        if resolved != cache.cache_dtype and m.is_mla:
+            # no fp8 latent cache (_check_kv_cache_dtype), and no flag would undo the fp8
+            init_logger(__name__).warning(
+                "the checkpoint's kv_cache_scheme quantizes the KV cache, but %s's MLA latent "
+                "cache has no fp8 form in Kiln: it runs in the model dtype, its scales unused",
+                m.architecture)
+            return
         if resolved != cache.cache_dtype:
             init_logger(__name__).info(
                 "--kv-cache-dtype auto: the checkpoint's kv_cache_scheme quantizes the KV cache, "

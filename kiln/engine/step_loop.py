@@ -48,10 +48,15 @@ class StepLoop:
 
     def submit(self, fn: Callable, *args, **kwargs) -> concurrent.futures.Future | None:
         """`fn(*args, **kwargs)` on the engine thread, not waited for; nothing (None) once the
-        thread is closed."""
+        thread is closed (a shutdown from another thread may close it after the check)."""
         if self._pool_closed:
             return None
-        return self._pool.submit(fn, *args, **kwargs)
+        try:
+            return self._pool.submit(fn, *args, **kwargs)
+        except RuntimeError:
+            if self._pool_closed:
+                return None
+            raise
 
     def kick(self) -> None:
         """Step until no request is left (the task starts on the running event loop)."""

@@ -119,3 +119,36 @@ def test_its_float_weights_update_in_place_where_quantized_linears_are_refused(
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in before] != [o.outputs[0].token_ids for o in after]
+
+
+def test_a_draft_quantizing_its_kv_cache_follows_the_targets_cache_dtype(tiny_llama_dir,
+                                                                          tmp_path):
+    """The draft writes into caches sized in the target's dtype: a float target's engine keeps
+    "auto" for a KV-cache-only draft (its layers read fp8 from a float cache before), and a
+    KV-cache-only target's fp8 reaches a float draft."""
+    from kiln.engine.arg_utils import EngineArgs
+    from kiln.spec_decode.draft_model_proposer import draft_kiln_config
+
+    kv = kv_only_checkpoint(tiny_llama_dir, tmp_path / "kv")
+    for target, draft, want in ((tiny_llama_dir, kv, "auto"), (kv, tiny_llama_dir, "fp8")):
+        config = EngineArgs(model=str(target), max_model_len=64, speculative_config={
+            "model": str(draft), "num_speculative_tokens": 2}).create_kiln_config()
+        assert config.cache_config.cache_dtype == want
+        assert draft_kiln_config(config).cache_config.cache_dtype == want, (target, draft)
+
+
+def test_an_mla_checkpoint_quantizing_its_kv_cache_runs_its_latent_cache_in_the_model_dtype(
+        tiny_deepseek_v2_dir, tmp_path, monkeypatch, kiln_logs):
+    """DeepSeek's latent cache has no fp8 form, and no flag undoes auto's fp8: auto keeps the
+    model dtype (warned), serving the float checkpoint's tokens; it was refused as a quantized
+    DeepSeek, telling to drop a --quantization never given. --kv-cache-dtype fp8 is refused."""
+    monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")
+    model = kv_only_checkpoint(tiny_deepseek_v2_dir, tmp_path / "kv")
+    tokens, logprobs, layers, quantized = _run(model)
+    assert quantized is None
+    assert {(k, v, dtype) for _, k, v, dtype in layers} == {(1.0, 1.0, torch.float32)}
+    assert "MLA latent cache has no fp8 form in Kiln: it runs in the model dtype" in kiln_logs.text
+    assert (tokens, logprobs) == _run(tiny_deepseek_v2_dir)[:2]
+    with pytest.raises(ConfigError, match="--kv-cache-dtype fp8: an fp8 KV cache for "
+                                          "DeepseekV2ForCausalLM's MLA latent cache"):
+        _run(model, kv_cache_dtype="fp8")

@@ -122,3 +122,17 @@ def test_a_kv_cache_scheme_alone_quantizes_no_linear():
         parse_w8a8_int8(w8a8_quantization_config(config_groups={}))
     with pytest.raises(UnsupportedQuantization, match=r"kv_cache_scheme\.dynamic=True"):
         parse_kv_cache_only({**kv_only, "kv_cache_scheme": {**KV_SCHEME, "dynamic": True}})
+
+
+def test_a_kv_cache_scheme_alone_may_leave_config_groups_out_or_null():
+    """is_kv_cache_only takes a config without config_groups (left out, as vLLM reads it, or
+    null) as KV-cache-only, and the engine resolves it so (float linears, an fp8 cache): its
+    check must take it too; compressed-tensors' own model requires the field, so it was
+    refused at load as 'not a valid compressed-tensors config'."""
+    kv_only = w8a8_quantization_config(config_groups={}, kv_cache_scheme=KV_SCHEME)
+    for raw in ({k: v for k, v in kv_only.items() if k != "config_groups"},
+                {**kv_only, "config_groups": None}):
+        assert is_kv_cache_only(raw)
+        parse_kv_cache_only(raw)
+        with pytest.raises(UnsupportedQuantization, match=r"kv_cache_scheme\.dynamic=True"):
+            parse_kv_cache_only({**raw, "kv_cache_scheme": {**KV_SCHEME, "dynamic": True}})

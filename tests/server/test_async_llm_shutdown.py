@@ -268,3 +268,29 @@ def test_an_abort_that_meets_a_shutdown_from_another_thread_returns():
         assert rest[-1].outputs[0].finish_reason == "abort"
 
     asyncio.run(main())
+
+
+def test_a_consumer_leaving_as_a_shutdown_closes_the_engine_thread_leaves_quietly():
+    """A consumer that leaves early hands its abort over without waiting (abort_nowait, from
+    the generator's cleanup); a shutdown from another thread that closed the engine thread
+    between the step loop's check and its submit raised the executor's RuntimeError ('cannot
+    schedule new futures after shutdown') out of that cleanup. The shutdown aborts it."""
+    async def main():
+        llm = AsyncLLM(FakeEngine())
+        pool = llm._steps._pool
+        submit = pool.submit
+
+        def shutdown_then_submit(fn, *args, **kwargs):
+            pool.submit = submit  # the shutdown's own submits go through
+            stopper = threading.Thread(target=llm.shutdown)  # as if it ran just here
+            stopper.start()
+            stopper.join()
+            return submit(fn, *args, **kwargs)
+
+        outputs = llm.generate("x", _LONG, "a")
+        await outputs.__anext__()
+        pool.submit = shutdown_then_submit
+        await outputs.aclose()  # leaves early: abort_nowait
+        assert not llm.num_in_flight
+
+    asyncio.run(main())

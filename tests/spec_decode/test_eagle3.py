@@ -144,3 +144,34 @@ def test_checkpoints_that_cannot_map_draft_ids_are_refused_at_load(tiny_llama_di
                 own_lm_head=False))):
         with pytest.raises(ConfigError, match=message):
             load(path)
+
+
+def test_a_head_quantizing_only_its_kv_cache_is_served_in_the_targets_cache(
+        inprocess_core, tiny_llama_dir, heads, tmp_path):
+    """A compressed-tensors head with a kv_cache_scheme and no config_groups has float linears:
+    served (it was refused as a quantized head, to be replaced by its float checkpoint), its
+    scales read into its layer, which runs in the float target's cache (auto: 1.0)."""
+    import json
+    import shutil
+
+    import torch
+
+    head = tmp_path / "kv_head"
+    shutil.copytree(heads[0], head)
+    config = json.loads((head / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
+        "ignore": [], "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                          "dynamic": False, "symmetric": True}}
+    (head / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(head / "model.safetensors"))
+    tensors.update({"midlayer.self_attn.k_scale": torch.tensor(0.5),
+                    "midlayer.self_attn.v_scale": torch.tensor(2.0)})
+    save_file(tensors, str(head / "model.safetensors"))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = generate(make(tiny_llama_dir, eagle3_spec(heads[0])), PROMPTS, params)
+    llm = make(tiny_llama_dir, eagle3_spec(head))
+    assert [o.token_ids for o in generate(llm, PROMPTS, params)] == [o.token_ids for o in want]
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    layers = list(runner.drafter.attention_layers.values())
+    assert [(a.checkpoint_scales, a.impl.k_scale) for a in layers] == [({"k": 0.5, "v": 2.0}, 1.0)]

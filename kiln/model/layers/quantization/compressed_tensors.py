@@ -114,7 +114,8 @@ def parse_kv_cache_only(raw: dict) -> None:
     check_kv_cache_scheme takes it, and nothing beside it that changes the weights."""
     if not isinstance(raw, dict):
         raw = raw.to_dict()
-    check_kv_cache_scheme(_validated(raw).kv_cache_scheme)
+    # left out or null, as is_kv_cache_only takes it: compressed-tensors' model requires it
+    check_kv_cache_scheme(_validated({**raw, "config_groups": {}}).kv_cache_scheme)
 
 
 def is_weight_only_4bit(raw: dict) -> bool:
