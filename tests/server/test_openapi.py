@@ -202,6 +202,23 @@ _INEXPRESSIBLE = {"guided_json", "guided_regex", "guided_grammar", "structured_o
                   "text.format"}  # /v1/responses' response_format: a schema that compiles
 
 
+@pytest.mark.parametrize("store", ["0", "1"])
+def test_responses_fields_that_need_the_store_are_off_without_it(store, monkeypatch):
+    """previous_response_id and background are refused (400) without the response store: the
+    schema says null / false then, so schemathesis' positive data never sends them (it drew a
+    previous_response_id once and failed positive_data_acceptance)."""
+    monkeypatch.setenv("KILN_ENABLE_RESPONSES_API_STORE", store)
+    monkeypatch.delenv("VLLM_ENABLE_RESPONSES_API_STORE", raising=False)
+    app = build_app(AsyncLLM(FakeEngine(max_model_len=1024)), ServerSettings())
+    props = app.openapi()["components"]["schemas"]["ResponsesRequest"]["properties"]
+    if store == "1":
+        assert {"type": "string"} in props["previous_response_id"]["anyOf"]
+        assert {"type": "boolean"} in props["background"]["anyOf"]
+    else:
+        assert props["previous_response_id"] == {"type": "null", "title": "Previous Response Id"}
+        assert props["background"] == {"enum": [None, False], "title": "Background"}
+
+
 @pytest.mark.parametrize("n", [1, 2, 10, 100, 101, 49152])
 def test_token_id_keys_pattern_is_exactly_the_vocabulary(n):
     """logit_bias keys are token ids as decimal strings: the schema's pattern takes exactly the

@@ -131,7 +131,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
              reasoning_parser=settings.reasoning_parser is not None,
              max_model_len=model_config.max_model_len, open_paths=open_paths,
              request_chat_template=settings.trust_request_chat_template,
-             max_logprobs=model_config.logprobs_cap)
+             max_logprobs=model_config.logprobs_cap,
+             responses_store=responses.store.enabled)
 
     @app.get("/health", response_class=Response, responses={
         200: {"description": "The engine is running", "content": {}},

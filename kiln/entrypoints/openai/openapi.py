@@ -104,14 +104,17 @@ def patch_schema(schema: dict, vocab_size: int | None = None,
                  empty_text_has_tokens: bool = True, reasoning_parser: bool = False,
                  max_model_len: int | None = None,
                  open_paths: tuple[str, ...] | None = None,
-                 request_chat_template: bool = False, max_logprobs: int = 20) -> dict:
+                 request_chat_template: bool = False, max_logprobs: int = 20,
+                 responses_store: bool = False) -> dict:
     """`vocab_size`: the served model's, bounding the token-id fields (None: unbounded).
     `empty_text_has_tokens`: the tokenizer adds BOS, so "" is a prompt (else refused).
     `reasoning_parser`: the server splits reasoning off (include_reasoning may be false).
     `max_model_len`: the served context, bounding the tokens to generate.
     `open_paths`: with --api-key, the paths that take no key (None: no key anywhere).
     `request_chat_template`: --trust-request-chat-template (else chat_template is null only).
-    `max_logprobs`: the engine's cap on (top_/prompt_)logprobs (--max-logprobs, resolved)."""
+    `max_logprobs`: the engine's cap on (top_/prompt_)logprobs (--max-logprobs, resolved).
+    `responses_store`: /v1/responses keeps responses (else previous_response_id and background
+    are refused, so null / false only)."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components["ErrorResponse"] = ErrorResponse.model_json_schema(
         ref_template="#/components/schemas/{model}")
@@ -196,7 +199,7 @@ def patch_schema(schema: dict, vocab_size: int | None = None,
     _max_tokens_bounded(components, max_model_len)
     if "ResponsesRequest" in components:
         sampling_ranges(components["ResponsesRequest"], max_logprobs, vocab_size)
-        responses_request(components, max_model_len)
+        responses_request(components, max_model_len, responses_store)
     if open_paths is not None:
         _key_required(schema, open_paths)
     return schema

@@ -69,9 +69,10 @@ def _off(value) -> dict:
     return {"enum": [None, value]}
 
 
-def responses_request(components: dict, max_model_len: int | None) -> None:
+def responses_request(components: dict, max_model_len: int | None, store: bool) -> None:
     """Patch ResponsesRequest and what it holds in `components` (after the null defaults and
-    sampling ranges are stated)."""
+    sampling ranges are stated); `store`: whether the server keeps responses, which
+    previous_response_id and background need (responses_store.py refuses them without)."""
     request = components.get("ResponsesRequest")
     if request is None:
         return
@@ -84,6 +85,9 @@ def responses_request(components: dict, max_model_len: int | None) -> None:
                       **({"title": title} if title else {})}
     for name, (off, _) in REFUSED.items():
         props[name] = {**_off(off), "title": props[name].get("title", name)}
+    if not store:
+        for name, off in (("previous_response_id", None), ("background", False)):
+            props[name] = {**_off(off), "title": props[name].get("title", name)}
     props["tools"] = _tools()
     props["tool_choice"] = {"anyOf": [{"enum": [None, "auto", "none", "required"]}, {
         "type": "object", "required": ["type", "name"], "properties": {
