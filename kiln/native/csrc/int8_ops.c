@@ -25,6 +25,7 @@
  * or activated values are the very ones the unfused op writes. */
 #include "kernels.h"
 #include "int8_simd.h"
+#include "int8_quant_row.h"
 
 /* Fewer rows stay on one thread: from two chunks (CHUNK_ROWS) on, so a decode step's quant ops
  * split across threads (layer_ops.c's unfused kernels start at 64 rows). */
@@ -46,46 +47,6 @@ int kiln_int8_isa(void) { return 1; }
  * whatever the alignment and row count of their call (layer_ops.c), which the fused ops'
  * equality with them rests on. */
 static char *scratch(size_t bytes) { return (char *)aligned_alloc(64, (bytes + 63) / 64 * 64); }
-
-/* From the bits: -ffast-math lets the compiler assume every float finite (isfinite: true). */
-static inline int finite_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return (u & 0x7f800000u) != 0x7f800000u;
-}
-
-/* One row x[0:k] -> q[0:k] = round(x * (127 / amax)) and *scale = amax / 127. */
-static void quant_row(const void *x, int64_t k, int dtype, int8_t *q, float *scale) {
-    __m512 amax = _mm512_setzero_ps();
-    __mmask16 nan = 0;
-    for (int64_t i = 0; i < k; i += 16) {
-        const __m512 v = load16(x, i, dtype, tail16(k - i));
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
-    }
-    if (nan) { /* as the reference: amax NaN, so scale NaN and every q 0 (max_ps drops NaN) */
-        *scale = __builtin_nanf("");
-        for (int64_t i = 0; i < k; ++i) q[i] = 0;
-        return;
-    }
-    const __m128 a = _mm_set_ss(_mm512_reduce_max_ps(amax)), c = _mm_set_ss(127.f);
-    *scale = _mm_cvtss_f32(_mm_div_round_ss(a, c, RNE));
-    const float inv = _mm_cvtss_f32(a) > 0.f ? _mm_cvtss_f32(_mm_div_round_ss(c, a, RNE)) : 0.f;
-    const __m512 vinv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
-    /* x * inv is non-finite only where 127 / amax overflowed (a row of tiny values) or amax is
-     * inf: there 0 * inf is 0 and +-inf saturates, as the reference says (the conversion alone
-     * gave -128 for all three). Other rows skip the check. */
-    const int finite = finite_bits(inv) && finite_bits(_mm_cvtss_f32(a));
-    for (int64_t i = 0; i < k; i += 16) {
-        const __mmask16 m = tail16(k - i);
-        __m512 p = _mm512_mul_round_ps(load16(x, i, dtype, m), vinv, RNE);
-        if (!finite) {
-            p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(p, p, _CMP_ORD_Q), p);
-            p = _mm512_min_ps(_mm512_max_ps(p, lo), hi);
-        }
-        _mm512_mask_cvtsepi32_storeu_epi8(q + i, m, _mm512_cvt_roundps_epi32(p, RNE));
-    }
-}
 
 /* q [rows, k] int8, scale [rows] = dynamic_int8_quant(x [rows, k] with row stride x_stride). */
 int kiln_dynamic_int8_quant(const void *x, int64_t x_stride, int8_t *q, float *scale,
