@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from kiln.core.request_queue import check_priority
+from kiln.engine.async_llm_control import AsyncLLMControl
 from kiln.engine.async_llm_lifecycle import (  # noqa: F401 (EngineShutdownError re-exported)
     AsyncLLMLifecycle,
     EngineDeadError,
@@ -33,7 +34,7 @@ from kiln.sampling_params import RequestOutputKind, SamplingParams
 logger = init_logger(__name__)
 
 
-class AsyncLLM(AsyncLLMLifecycle):
+class AsyncLLM(AsyncLLMLifecycle, AsyncLLMControl):
     def __init__(self, engine, stat_loggers: Iterable[StatLogger] = ()):
         self.engine = engine
         self.stat_loggers = list(stat_loggers)
@@ -265,36 +266,6 @@ class AsyncLLM(AsyncLLMLifecycle):
         """Fresh engine stats, taken between steps (after any queued abort has run)."""
         self.last_stats = await self._on_engine_thread(self.engine.get_stats)
         return self.last_stats
-
-    async def reset_prefix_cache(self, reset_running_requests: bool = False,
-                                 reset_connector: bool = False) -> bool:
-        """vLLM's AsyncLLM.reset_prefix_cache (after a weight update): forget every cached
-        block; False while running requests hold blocks, unless `reset_running_requests` sends
-        them back to the queue to be recomputed (their streams go on). Between steps."""
-        self._check_alive()
-        return await self._on_engine_thread(self.engine.reset_prefix_cache,
-                                            bool(reset_running_requests), bool(reset_connector))
-
-    # ---- sleep mode and collective_rpc (vLLM's EngineClient; kiln/core/core_sleep.py) -----------
-    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        """Between steps: requests in flight end ("abort", their streams finish with
-        finish_reason "abort") or are recomputed after wake_up ("keep"); new ones wait."""
-        self._check_alive()
-        await self._on_engine_thread(self.engine.sleep, level, mode)
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        self._check_alive()
-        await self._on_engine_thread(self.engine.wake_up, tags)
-
-    async def is_sleeping(self) -> bool:
-        self._check_alive()
-        return await self._on_engine_thread(self.engine.is_sleeping)
-
-    async def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
-                             kwargs: dict | None = None) -> list:
-        self._check_alive()
-        return await self._on_engine_thread(self.engine.collective_rpc, method, timeout, args,
-                                            kwargs)
 
     async def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
         return await self.run_in_engine(self.engine.apply_chat_template, messages, **kwargs)
