@@ -40,12 +40,12 @@ def kv_scale_target(name: str) -> tuple[str, str] | None:
     return None
 
 
-def unplaced_scales_warning(names: list[str], modules: list[str]) -> str:
+def unplaced_scales_warning(unplaced: list[tuple[str, str]]) -> str:
     """The warning for KV scale tensors whose attention layer the model lacks (vLLM skips them
-    with a warning too): each tensor and the layer it would go to, the first few named."""
-    shown = ", ".join(f"{n} (for {m})" for n, m in zip(names[:4], modules[:4]))
-    more = f" and {len(names) - 4} more" if len(names) > 4 else ""
-    return (f"{len(names)} KV cache scale tensor(s) of the checkpoint name an attention layer "
+    with a warning too): (tensor, the layer it would go to) pairs, the first few named."""
+    shown = ", ".join(f"{n} (for {m})" for n, m in unplaced[:4])
+    more = f" and {len(unplaced) - 4} more" if len(unplaced) > 4 else ""
+    return (f"{len(unplaced)} KV cache scale tensor(s) of the checkpoint name an attention layer "
             f"this model does not have, and are not loaded: {shown}{more}")
 
 

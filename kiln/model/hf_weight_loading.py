@@ -70,7 +70,7 @@ class HFWeightLoading:
                 raise ValueError(f"checkpoint tensor {name}: {e}") from e
             loaded.add(target if shard_id is None else f"{target}#{shard_id}")
         if unplaced:
-            logger.warning(unplaced_scales_warning(*map(list, zip(*unplaced))))
+            logger.warning(unplaced_scales_warning(unplaced))
         if self.require_all_weights:
             self._check_complete(params, loaded)
         if stored_head is not None:
