@@ -84,3 +84,26 @@ def test_dev_mode_serves_sleep_wake_up_and_collective_rpc(tiny_llama_dir, monkey
         assert c.post("/collective_rpc", json={"method": "held"}).json() == {"results": ["True"]}
         r = c.post("/collective_rpc", json={"method": "held", "timeout": -1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "timeout"
+
+
+def test_dev_routes_answer_a_shutdown_or_a_dead_engine_with_a_503(monkeypatch):
+    """/sleep, /wake_up, /is_sleeping, /reset_prefix_cache and /collective_rpc once the server
+    is shutting down (or the engine died) answer as a generation request does: a 503,
+    server_shutting_down or engine_dead. They were 500 internal_error, logged as unhandled."""
+    from .fake_engine import FakeEngine
+
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    calls = (("get", "/is_sleeping"), ("post", "/sleep"), ("post", "/wake_up"),
+             ("post", "/reset_prefix_cache"), ("post", "/collective_rpc"))
+    for end, code in (("abort_all", "server_shutting_down"), ("died", "engine_dead")):
+        llm = AsyncLLM(FakeEngine())
+        with TestClient(build_app(llm, ServerSettings()), raise_server_exceptions=False) as c:
+            if end == "abort_all":
+                c.portal.call(llm.abort_all, "the server is shutting down")
+            else:
+                c.portal.call(llm.start)
+                c.portal.call(llm._fail_all, RuntimeError("core gone"))
+            for method, path in calls:
+                r = c.request(method, path, json={"method": "weights_missing"})
+                assert r.status_code == 503, (path, r.text)
+                assert r.json()["error"]["code"] == code, (path, r.text)

@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kiln.engine.async_llm_lifecycle import EngineDeadError
 from kiln.entrypoints.openai.response_models import ErrorInfo, ErrorResponse
 from kiln.logger import init_logger
 
@@ -152,6 +153,14 @@ def install_error_handlers(app: FastAPI) -> None:
         err = OpenAIError(message, status=exc.status_code,
                           code=phrase.lower().replace(" ", "_"))
         return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_gone(_: Request, exc: EngineDeadError):
+        # any route's engine call (/sleep, /collective_rpc, /metrics' stats ...) as a
+        # generation request's: a 503, engine_dead or server_shutting_down; it was a 500
+        from kiln.entrypoints.openai.serving_engine import engine_unavailable
+
+        return engine_unavailable(exc).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

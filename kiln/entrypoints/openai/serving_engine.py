@@ -102,7 +102,7 @@ async def submit(llm: AsyncLLM, base_id: str, prompts: list,
         raise add_request_error(e, prompt_param, renamed) from None
     except EngineDeadError as e:
         await llm.abort([s.request_id for s in streams])
-        raise _engine_dead(e) from None
+        raise engine_unavailable(e) from None
     except BaseException:
         llm.abort_nowait([s.request_id for s in streams])
         raise
@@ -117,7 +117,7 @@ class ServerShuttingDown(OpenAIError):
         super().__init__(message, status=503, code="server_shutting_down")
 
 
-def _engine_dead(e: EngineDeadError) -> OpenAIError:
+def engine_unavailable(e: EngineDeadError) -> OpenAIError:
     """A 503: the engine crashed (engine_dead), or is shutting down on purpose."""
     if isinstance(e, EngineShutdownError):
         return ServerShuttingDown(str(e))
@@ -206,7 +206,7 @@ async def until_disconnect(request: Request, work: Awaitable):
     try:
         return work_task.result()
     except EngineDeadError as e:
-        raise _engine_dead(e) from None
+        raise engine_unavailable(e) from None
 
 
 class ClientDisconnected(Exception):
@@ -218,7 +218,7 @@ def error_body_of(e: Exception) -> dict:
     if isinstance(e, OpenAIError):
         return e.body()
     if isinstance(e, EngineDeadError):  # the code a collected request's 503 has for it
-        return _engine_dead(e).body()
+        return engine_unavailable(e).body()
     return OpenAIError(str(e), status=500, code="engine_error").body()
 
 
