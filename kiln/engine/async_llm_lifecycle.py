@@ -112,8 +112,8 @@ class AsyncLLMLifecycle:
             # waits for the event loop, so blocking the loop's own thread here cannot deadlock.
             if in_flight and self._dead is None:  # the engine frees them before it stops
                 self._steps.submit(self._abort_logged, in_flight)
-            stop = getattr(self.engine, "shutdown", None)
-            stopping = None if stop is None else self._steps.submit(stop, timeout=timeout)
+            stop = getattr(self.engine, "shutdown", None) or (lambda timeout: None)
+            stopping = self._steps.submit_last(stop, timeout=timeout)
             try:
                 self._steps.close()
             finally:

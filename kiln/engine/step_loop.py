@@ -27,6 +27,9 @@ class StepLoop:
         self._on_failure = on_failure
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kiln-engine")
         self._pool_closed = False
+        # Set on the engine thread by its last call (submit_last): a call handed over after
+        # it, in a shutdown's race, must not run on the stopped engine.
+        self._ended = False
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._stopped = False
@@ -39,7 +42,7 @@ class StepLoop:
         the thread is closed (a shutdown from another thread may close it at any time)."""
         try:
             future = asyncio.get_running_loop().run_in_executor(
-                self._pool, lambda: fn(*args, **kwargs))
+                self._pool, lambda: self._unless_ended(fn, args, kwargs))
         except RuntimeError:
             if self._pool_closed:
                 raise StepLoopClosed("the engine thread is closed (shutdown)") from None
@@ -52,11 +55,25 @@ class StepLoop:
         if self._pool_closed:
             return None
         try:
-            return self._pool.submit(fn, *args, **kwargs)
+            return self._pool.submit(self._unless_ended, fn, args, kwargs)
         except RuntimeError:
             if self._pool_closed:
                 return None
             raise
+
+    def submit_last(self, fn: Callable, *args, **kwargs) -> concurrent.futures.Future | None:
+        """`submit` as the engine thread's last call (the engine's stop): a call handed over
+        after it (a shutdown from another thread queues it before closing the thread) raises
+        StepLoopClosed there instead of running on the stopped engine."""
+        def last():
+            self._ended = True
+            return fn(*args, **kwargs)
+        return self.submit(last)
+
+    def _unless_ended(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        if self._ended:
+            raise StepLoopClosed("the engine thread is closed (shutdown)")
+        return fn(*args, **kwargs)
 
     def kick(self) -> None:
         """Step until no request is left (the task starts on the running event loop)."""
@@ -89,8 +106,8 @@ class StepLoop:
                 self._wake.clear()
                 more = True
                 while more and not self._stopped:
-                    outputs, core_steps, more, stats, step = \
-                        await loop.run_in_executor(self._pool, self._step)
+                    outputs, core_steps, more, stats, step = await loop.run_in_executor(
+                        self._pool, self._unless_ended, self._step, (), {})
                     self._on_step(outputs, core_steps, stats, step)
         except (asyncio.CancelledError, GeneratorExit):
             # GeneratorExit: a loop closed without cancelling this task (run_until_complete,
@@ -98,7 +115,7 @@ class StepLoop:
             # failed, and failing the engine here refused every later request
             raise
         except BaseException as e:  # noqa: BLE001 - every waiter must learn the engine died
-            if self._stopped or self._pool_closed:
+            if self._stopped or self._pool_closed or self._ended:
                 # A shutdown from another thread closed the engine thread (or stopped the
                 # engine) before its cancel reached this task: no death, the shutdown ends
                 # the streams as aborted.

@@ -294,3 +294,66 @@ def test_a_consumer_leaving_as_a_shutdown_closes_the_engine_thread_leaves_quietl
         assert not llm.num_in_flight
 
     asyncio.run(main())
+
+
+class _StopsForGoodEngine(FakeEngine):
+    """As LLMEngine: a call after its shutdown raises RuntimeError."""
+
+    def add_processed_request(self, *args, **kwargs):
+        if self.shut_down:
+            raise RuntimeError("this engine was shut down (shutdown())")
+        return super().add_processed_request(*args, **kwargs)
+
+    def get_stats(self):
+        if self.shut_down:
+            raise RuntimeError("this engine was shut down (shutdown())")
+        return super().get_stats()
+
+
+@pytest.mark.parametrize("call", ["add", "get_stats"])
+def test_an_engine_call_handed_over_just_after_a_shutdowns_stop_is_refused(call):
+    """Another thread's shutdown has queued the engine's stop but not yet closed the engine
+    thread when the loop hands over an engine call (it checked the engine alive just before):
+    the call ran after the stop, on a stopped engine, and its RuntimeError reached the caller
+    (a 500 at the server) where the request ends as aborted, a control call as a shutdown."""
+    async def main():
+        llm = AsyncLLM(_StopsForGoodEngine())
+        await llm.get_stats()
+        steps = llm._steps
+        at_close, handed = threading.Event(), threading.Event()
+        close, submit = steps.close, steps._pool.submit
+
+        def close_once_handed():  # the shutdown's thread, its stop queued
+            at_close.set()
+            handed.wait()
+            close()
+
+        def submit_then_release(*args, **kwargs):
+            future = submit(*args, **kwargs)
+            if at_close.is_set():
+                handed.set()
+            return future
+
+        def start_then_race():  # the loop's thread, the engine checked alive
+            nonlocal starts
+            start()
+            starts += 1
+            if starts == nth_start:  # _on_engine_thread's, before it hands the call over
+                steps.close = close_once_handed
+                steps._pool.submit = submit_then_release
+                stopper.start()
+                at_close.wait()
+
+        start, starts, stopper = llm.start, 0, threading.Thread(target=llm.shutdown)
+        nth_start = 3 if call == "add" else 1  # add_request's and the prompt read's first
+        llm.start = start_then_race
+        if call == "add":
+            outs = await _outputs(llm.generate("x", _LONG, "racing"))
+            assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+        else:
+            with pytest.raises(EngineShutdownError):
+                await llm.get_stats()
+        await asyncio.to_thread(stopper.join)
+        assert not llm.num_in_flight
+
+    asyncio.run(main())
