@@ -19,9 +19,10 @@ def available() -> bool:
 
 @functools.cache  # fixed for the process: the library is built for this machine's CPU
 def bf16_dot(dtype: torch.dtype, head_size: int) -> bool:
-    """Whether a decode's bfloat16 query . key products run on AVX512-BF16 dot products for this
-    cache dtype and head size (bfloat16 or fp8, head sizes a multiple of 32, the library built
-    for a CPU with AVX512-BF16); otherwise on float32 FMAs."""
+    """Whether a decode's bfloat16 query . key products, and its weights . values with the
+    softmax weights rounded to bfloat16, run on AVX512-BF16 dot products for this cache dtype and
+    head size (bfloat16 or fp8, head sizes a multiple of 32, the library built for a CPU with
+    AVX512-BF16); otherwise on float32 FMAs."""
     return available() and bool(torch.ops.kiln.paged_attention_bf16_dot(dtype, head_size))
 
 

@@ -28,7 +28,8 @@
 
 /* Whether attend_token takes them for bfloat16 queries over a cache of `dtype` (reported to
  * Python by the same function): a bfloat16 cache as it is, an fp8 cache's key rows converted to
- * bfloat16 by table (exact; the float32 path converted each row once per query head). */
+ * bfloat16 by table (exact; the float32 path converted each row once per query head). Its p . v
+ * then runs on them too, the softmax weights rounded to bfloat16 (paged_attention_pv.h). */
 int kiln_paged_attention_bf16_dot(int32_t dtype, int32_t head_size) {
     const int fp8 = KILN_FP8_SIMD && (dtype == KILN_FP8E4M3 || dtype == KILN_FP8E5M2);
     return KILN_ATTN_BF16_DOT && (dtype == KILN_BF16 || fp8) && head_size > 0 &&

@@ -20,6 +20,7 @@
 #define LAZY_MAX 8.f
 
 #if KILN_ATTN_SIMD
+#include "paged_attention_pv.h"
 #include "simd_exp.h"
 
 /* Keys ahead whose K and V rows are asked for while a chunk is computed (into L2), over a 16- or
@@ -163,7 +164,8 @@ static inline __attribute__((always_inline)) void chunk_scores(
 
 /* attend_token's AVX-512 path (same arguments and results; hd a multiple of 16), in chunks of
  * CHUNK_KEYS keys within a block: their scores, the online softmax (the outputs and sums so far
- * rescaled by e^(old max - new max) when a chunk raises a row's maximum), then their values. The
+ * rescaled by e^(old max - new max) when a chunk raises a row's maximum), then their values (for
+ * bfloat16 queries over a bfloat16 or fp8 cache, on VDPBF16PS: paged_attention_pv.h). The
  * scores buffer holds rows * (CHUNK_KEYS + 1) floats: a chunk's probabilities, then the rows'
  * rescale factors. (Two passes, all scores then all values, read the values a second time, out
  * of L2 or L3, once per kv head.) */
@@ -220,7 +222,10 @@ static inline __attribute__((always_inline)) void attend_blocks(
                 live, kiln_exp512(_mm512_sub_ps(x, _mm512_set1_ps(mx[r]))));
             /* kiln_exp512 takes NaN to 0: a NaN key's score stays NaN, as the output must */
             e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
-            _mm512_storeu_ps(pr, e);
+            if (bf16_dot) /* the weights p . v takes, as bfloat16 (the sums keep float32's) */
+                round_weights(e, pr);
+            else
+                _mm512_storeu_ps(pr, e);
             _mm512_storeu_ps(lane_sums + r * 16, _mm512_add_ps(sums, e));
         }
         for (int h = 0; h < nh_kv; ++h)
@@ -231,8 +236,13 @@ static inline __attribute__((always_inline)) void attend_blocks(
                     const float *pr = p + r * CHUNK_KEYS;
                     float *o = acc + (int64_t)r * hd + c;
                     const int w = hd - c < 128 ? hd - c : 128;
-#define KILN_PV(T) pv_chunk(pr, alpha + r, v_cache, off, slot_stride, n, dtype, tab, o, first, \
-                            paired, T, w, hd)
+#define KILN_PV(T)                                                                       \
+    if (bf16_dot)                                                                        \
+        pv_chunk_bf16(pr, alpha + r, v_cache, off, slot_stride, n, dtype, tab, o, first, T, w, \
+                      hd);                                                               \
+    else                                                                                 \
+        pv_chunk(pr, alpha + r, v_cache, off, slot_stride, n, dtype, tab, o, first, paired, T, \
+                 w, hd)
                     switch (t) { /* constant tile sizes, so the outputs stay in registers */
                         case 4: KILN_PV(4); break;
                         case 3: KILN_PV(3); break;
@@ -246,7 +256,10 @@ static inline __attribute__((always_inline)) void attend_blocks(
     }
     for (int r = 0; r < rows; ++r)
         denom[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(lane_sums + r * 16));
-    if (paired) unpair_rows(acc, rows, hd);
+    if (bf16_dot)
+        unpermute_rows(acc, rows, hd);
+    else if (paired)
+        unpair_rows(acc, rows, hd);
 }
 #endif
 
