@@ -26,6 +26,7 @@
 #include "kernels.h"
 #include "int8_simd.h"
 #include "int8_quant_row.h"
+#include "int8_norm_quant_row.h"
 
 /* Fewer rows stay on one thread: from two chunks (CHUNK_ROWS) on, so a decode step's quant ops
  * split across threads (layer_ops.c's unfused kernels start at 64 rows). */
@@ -58,7 +59,8 @@ int kiln_dynamic_int8_quant(const void *x, int64_t x_stride, int8_t *q, float *s
     return 0;
 }
 
-/* dynamic_int8_quant(rms_norm(x (+ residual))): chunks of rows through kiln_rms_norm into a
+/* dynamic_int8_quant(rms_norm(x (+ residual))): bfloat16 rows one by one through
+ * int8_norm_quant_row.h's single pass; float32's in chunks through kiln_rms_norm into a
  * per-thread scratch, quantized from there. residual_out [rows, hidden] gets x + residual. */
 int kiln_rms_norm_int8_quant(const void *x, int64_t x_stride, const void *residual,
                              int64_t res_stride, void *residual_out, const void *weight, int8_t *q,
@@ -67,6 +69,29 @@ int kiln_rms_norm_int8_quant(const void *x, int64_t x_stride, const void *residu
     const size_t es = elem_size(dtype);
     const int64_t chunks = (rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
     int failed = 0;
+#if KILN_INT8_NORM_QUANT_ROW
+    if (dtype == KILN_BF16) {
+        const size_t padded = ((size_t)hidden + KILN_BLOCK - 1) / KILN_BLOCK * KILN_BLOCK;
+#pragma omp parallel num_threads(num_threads) if (rows >= PARALLEL_MIN_ROWS) reduction(| : failed)
+        {
+            float *buf = (float *)scratch(padded * sizeof(float));
+            uint16_t *row = (uint16_t *)scratch(padded * sizeof(uint16_t));
+            if (!buf || !row) failed = 1;
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; ++r) {
+                if (!buf || !row) continue;
+                rms_norm_int8_quant_row(
+                    (const char *)x + r * x_stride * es,
+                    residual ? (const char *)residual + r * res_stride * es : NULL,
+                    residual_out ? (char *)residual_out + r * hidden * es : NULL, weight,
+                    q + r * hidden, scale + r, buf, row, hidden, eps);
+            }
+            free(buf);
+            free(row);
+        }
+        return failed ? 2 : 0;
+    }
+#endif
 #pragma omp parallel num_threads(num_threads) if (rows >= PARALLEL_MIN_ROWS) reduction(| : failed)
     {
         char *buf = scratch((size_t)CHUNK_ROWS * hidden * es);
