@@ -276,6 +276,23 @@ def test_fused_norm_quant_equals_unfused_native_on_rows_whose_scale_is_not_finit
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [100, 1536])
+def test_fused_silu_quant_equals_unfused_native_on_rows_whose_scale_is_not_finite(dtype, d):
+    """As the norm's: the bfloat16 rows in one pass, a row whose absmax is NaN or inf or whose
+    127 / absmax overflows by the quant kernel's own handling, as the unfused kernels give."""
+    x = _x(70, 2 * d, dtype)
+    if not _native_or_skip_check(x):
+        return
+    x[3, 7] = float("nan")
+    x[4, d + 1] = float("inf")  # an up value: that product inf
+    x[5] = 1e-19  # silu(1e-19) * 1e-19 ~ 5e-39: 127 / absmax overflows
+    q, s = native.silu_and_mul_dynamic_int8_quant(x)
+    uq, us = native.dynamic_int8_quant(layer_ops.silu_and_mul(x))
+    assert torch.equal(q, uq) and _same(s, us)
+    assert s[3].isnan() and s[4].isinf() and s[1] == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,d", [(1, 768), (5, 50), (70, 64), (130, 100)])
 def test_fused_silu_quant_equals_unfused_native(dtype, rows, d):
     """Bit for bit: the SiLU-and-mul kernel takes every value through the same path whatever the

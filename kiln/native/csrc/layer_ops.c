@@ -23,35 +23,12 @@
  * that every value takes the same path (the same exp, its square summed in the same place)
  * whatever the row's length, position or alignment and however many rows the call has. The
  * fused int8 kernels (int8_ops.c) call these whole on chunks of rows into their own scratch, or
- * (the bfloat16 norm + quant) run rms_norm_rows.h's same passes, and must equal the unfused op
+ * (their bfloat16 rows) run row_blocks.h's same passes, and must equal the unfused op
  * bit for bit: a vector expf and a scalar one differ in the last bit, so a scalar tail or a peel
  * for alignment would break that. */
-#include "rms_norm_rows.h"
+#include "row_blocks.h"
 
-#if KILN_NORM_ROWS_AVX512
-#include "simd_exp.h"
-
-/* dtype(silu(g)) = dtype(g / (1 + e^-g)), the division exact as torch's; a masked-off lane
- * holds 0 (e^0 = 1). */
-KILN_INLINE __m512 silu_lanes(__m512 g, int dtype) {
-    const __m512 e = kiln_exp512(_mm512_sub_round_ps(_mm512_setzero_ps(), g, KILN_RNE));
-    const __m512 s = _mm512_div_round_ps(
-        g, _mm512_add_round_ps(_mm512_set1_ps(1.f), e, KILN_RNE), KILN_RNE);
-    return round_lanes(s, dtype);
-}
-
-KILN_INLINE void silu_and_mul_block(const void *x, void *out, int d, int64_t i, int dtype,
-                                    __mmask32 m) {
-    const f32x32 g = load_block(x, i, dtype, m);
-    f32x32 o;
-    o.a = silu_lanes(g.a, dtype);
-    o.b = silu_lanes(g.b, dtype);
-    const f32x32 u = load_block(x, (int64_t)d + i, dtype, m);
-    o.a = _mm512_mul_round_ps(o.a, u.a, KILN_RNE);
-    o.b = _mm512_mul_round_ps(o.b, u.b, KILN_RNE);
-    store_block(out, i, o, dtype, m, 0);
-}
-
+#if KILN_ROW_BLOCKS_AVX512
 /* One row: see kiln_silu_and_mul. */
 KILN_INLINE void silu_and_mul_row(const void *x, void *out, int d, int dtype) {
     const int whole = d - d % KILN_BLOCK;

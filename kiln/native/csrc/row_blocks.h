@@ -1,7 +1,8 @@
-/* RMSNorm's row passes on AVX-512 for layer_ops.c's norm and int8_ops.c's norm + quant in one
- * pass (int8_norm_quant_row.h), so that both compute every value the same way. */
-#ifndef KILN_RMS_NORM_ROWS_H
-#define KILN_RMS_NORM_ROWS_H
+/* RMSNorm's and SiLU-and-mul's row passes on AVX-512, in blocks of 32 values, for layer_ops.c's
+ * kernels and int8_fused_quant_rows.h's bfloat16 rows of them with the int8 quant in one pass,
+ * so that both compute every value the same way. */
+#ifndef KILN_ROW_BLOCKS_H
+#define KILN_ROW_BLOCKS_H
 
 #include <stdint.h>
 
@@ -10,7 +11,7 @@
 #define KILN_INLINE static inline __attribute__((always_inline))
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-#define KILN_NORM_ROWS_AVX512 1
+#define KILN_ROW_BLOCKS_AVX512 1
 /* AVX-512: blocks of 32 values in two registers, the last block masked. A bfloat16 block is one
  * 64-byte load split into its even and odd values (a shift and a mask, no shuffles) and joined
  * back the same way on store; float32's is two loads. The float steps use the explicitly
@@ -18,6 +19,8 @@
  * reassociate plain vector arithmetic or turn a division into a reciprocal estimate, and each
  * step must round as the torch op it stands for does. */
 #include <immintrin.h>
+
+#include "simd_exp.h"
 
 #define KILN_RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define KILN_BLOCK 32
@@ -96,15 +99,22 @@ KILN_INLINE void rms_norm_sum_block(const void *x, const void *residual, void *r
     *sq_b = _mm512_fmadd_round_ps(v.b, v.b, *sq_b, KILN_RNE);
 }
 
-KILN_INLINE void rms_norm_out_block(const void *weight, void *out, const float *buf, int64_t i,
-                                    __m512 inv, int dtype, __mmask32 m) {
+/* weight * dtype(x * inv) of the block at i of a row's values in buf, before its rounding to
+ * the dtype (store_block's). */
+KILN_INLINE f32x32 rms_norm_values(const void *weight, const float *buf, int64_t i, __m512 inv,
+                                   int dtype, __mmask32 m) {
     const f32x32 w = load_block(weight, i, dtype, m);
     f32x32 o;
     o.a = round_lanes(_mm512_mul_round_ps(_mm512_load_ps(buf + i), inv, KILN_RNE), dtype);
     o.b = round_lanes(_mm512_mul_round_ps(_mm512_load_ps(buf + i + 16), inv, KILN_RNE), dtype);
     o.a = _mm512_mul_round_ps(o.a, w.a, KILN_RNE);
     o.b = _mm512_mul_round_ps(o.b, w.b, KILN_RNE);
-    store_block(out, i, o, dtype, m, 0);
+    return o;
+}
+
+KILN_INLINE void rms_norm_out_block(const void *weight, void *out, const float *buf, int64_t i,
+                                    __m512 inv, int dtype, __mmask32 m) {
+    store_block(out, i, rms_norm_values(weight, buf, i, inv, dtype, m), dtype, m, 0);
 }
 
 /* A row's first pass (see kiln_rms_norm): its values (with the residual added, written to
@@ -142,8 +152,35 @@ KILN_INLINE void rms_norm_row(const void *x, const void *residual, void *residua
     if (whole < hidden) rms_norm_out_block(weight, out, buf, whole, inv, dtype, last);
 }
 
+/* dtype(silu(g)) = dtype(g / (1 + e^-g)), the division exact as torch's; a masked-off lane
+ * holds 0 (e^0 = 1). */
+KILN_INLINE __m512 silu_lanes(__m512 g, int dtype) {
+    const __m512 e = kiln_exp512(_mm512_sub_round_ps(_mm512_setzero_ps(), g, KILN_RNE));
+    const __m512 s = _mm512_div_round_ps(
+        g, _mm512_add_round_ps(_mm512_set1_ps(1.f), e, KILN_RNE), KILN_RNE);
+    return round_lanes(s, dtype);
+}
+
+/* dtype(silu(gate)) * up of the block at i of a row x = [gate | up] (d each), before its
+ * rounding to the dtype (store_block's). */
+KILN_INLINE f32x32 silu_and_mul_values(const void *x, int d, int64_t i, int dtype, __mmask32 m) {
+    const f32x32 g = load_block(x, i, dtype, m);
+    f32x32 o;
+    o.a = silu_lanes(g.a, dtype);
+    o.b = silu_lanes(g.b, dtype);
+    const f32x32 u = load_block(x, (int64_t)d + i, dtype, m);
+    o.a = _mm512_mul_round_ps(o.a, u.a, KILN_RNE);
+    o.b = _mm512_mul_round_ps(o.b, u.b, KILN_RNE);
+    return o;
+}
+
+KILN_INLINE void silu_and_mul_block(const void *x, void *out, int d, int64_t i, int dtype,
+                                    __mmask32 m) {
+    store_block(out, i, silu_and_mul_values(x, d, i, dtype, m), dtype, m, 0);
+}
+
 #else
-#define KILN_NORM_ROWS_AVX512 0
+#define KILN_ROW_BLOCKS_AVX512 0
 #endif
 
 #endif
