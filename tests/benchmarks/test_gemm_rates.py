@@ -29,6 +29,18 @@ def test_report_names_every_projection():
     assert set(gemm_rates.SHAPES) <= set(report)
     assert all(report[p]["int8_gmacs"] > 0 and report[p]["bf16_gmacs"] > 0
                for p in gemm_rates.SHAPES)
+    assert report["gate_up"]["int8_silu_quant_ms"] > 0
+    assert set(report["add_rms_norm"]) == {"bf16_ms", "int8_quant_ms"}
+
+
+def test_the_timed_norm_calls_compute_the_norm_and_its_quant():
+    if int8_ops.isa() is None:
+        return
+    calls = gemm_rates.norm_calls(3, 40)
+    normed, _ = calls["bf16"]()
+    q, scale, _ = calls["int8"]()
+    want_q, want_scale = quant.dynamic_int8_quant.reference(normed)
+    assert torch.equal(q, want_q) and torch.equal(scale, want_scale)
 
 
 def test_the_callers_thread_count_is_restored():

@@ -243,6 +243,55 @@ def test_fused_norm_quant_equals_unfused_native_and_reference(dtype, rows, k):
     assert torch.allclose(s, rs, rtol=2 ** -7, atol=0)
 
 
+def _same(a, b):
+    """Equal, NaN where NaN."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [100, 576])
+def test_fused_norm_quant_equals_unfused_native_on_rows_whose_scale_is_not_finite(dtype, k):
+    """The bfloat16 norm + quant takes each row in one pass and hands a row whose absmax is NaN
+    or inf, or whose 127 / absmax overflows, to the quant kernel's own handling: every row as
+    the norm kernel then the quant kernel give it, beside ordinary and all-zero rows."""
+    x = _x(70, k, dtype)
+    if not _native_or_skip_check(x):
+        return
+    x[3, 7] = float("nan")
+    x[4, 0] = float("inf")  # squares inf: rsqrt 0, the normed inf * 0 NaN
+    x[5] = 1e30  # squares overflow: rsqrt 0, the normed row 0
+    g = torch.Generator().manual_seed(5)
+    residual = torch.randn(70, k, generator=g).to(dtype)
+    # 5e-38: every row's absmax below 4e-37, where 127 / absmax overflows
+    for weight in (torch.randn(k, generator=g).to(dtype), torch.full((k,), 5e-38, dtype=dtype)):
+        q, s = native.rms_norm_dynamic_int8_quant(x, weight, 1e-5)
+        uq, us = native.dynamic_int8_quant(layer_ops.rms_norm(x, weight, 1e-5))
+        assert torch.equal(q, uq) and _same(s, us)
+        assert s[3].isnan() and s[4].isnan() and s[5] == 0 and s[1] == 0
+        q, s, total = native.fused_add_rms_norm_dynamic_int8_quant(x, residual, weight, 1e-5)
+        normed, utotal = layer_ops.rms_norm(x, weight, 1e-5, residual)
+        uq, us = native.dynamic_int8_quant(normed)
+        assert torch.equal(q, uq) and _same(s, us) and _same(total, utotal)
+        assert s[3].isnan() and s[5] == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [100, 1536])
+def test_fused_silu_quant_equals_unfused_native_on_rows_whose_scale_is_not_finite(dtype, d):
+    """As the norm's: the bfloat16 rows in one pass, a row whose absmax is NaN or inf or whose
+    127 / absmax overflows by the quant kernel's own handling, as the unfused kernels give."""
+    x = _x(70, 2 * d, dtype)
+    if not _native_or_skip_check(x):
+        return
+    x[3, 7] = float("nan")
+    x[4, d + 1] = float("inf")  # an up value: that product inf
+    x[5] = 1e-19  # silu(1e-19) * 1e-19 ~ 5e-39: 127 / absmax overflows
+    q, s = native.silu_and_mul_dynamic_int8_quant(x)
+    uq, us = native.dynamic_int8_quant(layer_ops.silu_and_mul(x))
+    assert torch.equal(q, uq) and _same(s, us)
+    assert s[3].isnan() and s[4].isinf() and s[1] == 0
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,d", [(1, 768), (5, 50), (70, 64), (130, 100)])
 def test_fused_silu_quant_equals_unfused_native(dtype, rows, d):

@@ -26,6 +26,7 @@
 #include "kernels.h"
 #include "int8_simd.h"
 #include "int8_quant_row.h"
+#include "int8_fused_quant_rows.h"
 
 /* Fewer rows stay on one thread: from two chunks (CHUNK_ROWS) on, so a decode step's quant ops
  * split across threads (layer_ops.c's unfused kernels start at 64 rows). */
@@ -58,7 +59,8 @@ int kiln_dynamic_int8_quant(const void *x, int64_t x_stride, int8_t *q, float *s
     return 0;
 }
 
-/* dynamic_int8_quant(rms_norm(x (+ residual))): chunks of rows through kiln_rms_norm into a
+/* dynamic_int8_quant(rms_norm(x (+ residual))): bfloat16 rows one by one through
+ * int8_fused_quant_rows.h's single pass; float32's in chunks through kiln_rms_norm into a
  * per-thread scratch, quantized from there. residual_out [rows, hidden] gets x + residual. */
 int kiln_rms_norm_int8_quant(const void *x, int64_t x_stride, const void *residual,
                              int64_t res_stride, void *residual_out, const void *weight, int8_t *q,
@@ -67,6 +69,29 @@ int kiln_rms_norm_int8_quant(const void *x, int64_t x_stride, const void *residu
     const size_t es = elem_size(dtype);
     const int64_t chunks = (rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
     int failed = 0;
+#if KILN_INT8_FUSED_QUANT_ROWS
+    if (dtype == KILN_BF16) {
+        const size_t padded = ((size_t)hidden + KILN_BLOCK - 1) / KILN_BLOCK * KILN_BLOCK;
+#pragma omp parallel num_threads(num_threads) if (rows >= PARALLEL_MIN_ROWS) reduction(| : failed)
+        {
+            float *buf = (float *)scratch(padded * sizeof(float));
+            uint16_t *row = (uint16_t *)scratch(padded * sizeof(uint16_t));
+            if (!buf || !row) failed = 1;
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; ++r) {
+                if (!buf || !row) continue;
+                rms_norm_int8_quant_row(
+                    (const char *)x + r * x_stride * es,
+                    residual ? (const char *)residual + r * res_stride * es : NULL,
+                    residual_out ? (char *)residual_out + r * hidden * es : NULL, weight,
+                    q + r * hidden, scale + r, buf, row, hidden, eps);
+            }
+            free(buf);
+            free(row);
+        }
+        return failed ? 2 : 0;
+    }
+#endif
 #pragma omp parallel num_threads(num_threads) if (rows >= PARALLEL_MIN_ROWS) reduction(| : failed)
     {
         char *buf = scratch((size_t)CHUNK_ROWS * hidden * es);
@@ -92,12 +117,34 @@ int kiln_rms_norm_int8_quant(const void *x, int64_t x_stride, const void *residu
     return failed ? 2 : 0;
 }
 
-/* dynamic_int8_quant(silu_and_mul(x [rows, 2d])) -> q [rows, d], scale [rows]. */
+/* dynamic_int8_quant(silu_and_mul(x [rows, 2d])) -> q [rows, d], scale [rows]: bfloat16 rows
+ * one by one in a single pass, float32's in chunks through kiln_silu_and_mul into a per-thread
+ * scratch, quantized from there. */
 int kiln_silu_and_mul_int8_quant(const void *x, int64_t x_stride, int8_t *q, float *scale,
                                  int64_t rows, int32_t d, int32_t dtype, int32_t num_threads) {
     const size_t es = elem_size(dtype);
     const int64_t chunks = (rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
     int failed = 0;
+#if KILN_INT8_FUSED_QUANT_ROWS
+    if (dtype == KILN_BF16) { /* rows one by one through int8_fused_quant_rows.h's single pass */
+        const size_t padded = ((size_t)d + KILN_BLOCK - 1) / KILN_BLOCK * KILN_BLOCK;
+#pragma omp parallel num_threads(num_threads) if (rows >= PARALLEL_MIN_ROWS) reduction(| : failed)
+        {
+            float *buf = (float *)scratch(padded * sizeof(float));
+            uint16_t *row = (uint16_t *)scratch(padded * sizeof(uint16_t));
+            if (!buf || !row) failed = 1;
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < rows; ++r) {
+                if (!buf || !row) continue;
+                silu_and_mul_int8_quant_row((const char *)x + r * x_stride * es, d, q + r * d,
+                                            scale + r, buf, row);
+            }
+            free(buf);
+            free(row);
+        }
+        return failed ? 2 : 0;
+    }
+#endif
 #pragma omp parallel num_threads(num_threads) if (rows >= PARALLEL_MIN_ROWS) reduction(| : failed)
     {
         char *buf = scratch((size_t)CHUNK_ROWS * d * es);

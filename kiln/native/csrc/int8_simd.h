@@ -38,15 +38,22 @@ static inline void store16(void *base, int64_t i, __m512 v, int dtype, __mmask16
     _mm256_mask_storeu_epi16((uint16_t *)base + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
 }
 
-/* float32(acc - off) * sa * w_scale[j:j+16] (+ bias[j:j+16]) on lanes m, each step rounded as
- * torch's float32 ops round it: the GEMMs' epilogue on 16 sums in a register. */
+/* float32(sums) * sa * ws (+ b where has_bias), each step rounded as torch's float32 ops round
+ * it: the GEMMs' epilogue on 16 sums in a register (the offset already taken off), with the
+ * scales (and bias) already in registers (int8_vnni_gemm.c loads a panel's once for all of a
+ * register tile's rows). */
+static inline __m512 scaled16_of(__m512i sums, __m512 sa, __m512 ws, __m512 b, int has_bias) {
+    __m512 f = _mm512_mul_round_ps(_mm512_cvt_roundepi32_ps(sums, RNE), sa, RNE);
+    f = _mm512_mul_round_ps(f, ws, RNE);
+    if (has_bias) f = _mm512_add_round_ps(f, b, RNE);
+    return f;
+}
+
+/* scaled16_of(acc - off) with w_scale[j:j+16] (+ bias[j:j+16]) on lanes m. */
 static inline __m512 scaled16(__m512i acc, __m512i off, __m512 sa, const float *w_scale,
                               const void *bias, int bias_dtype, int64_t j, __mmask16 m) {
-    __m512 f = _mm512_mul_round_ps(_mm512_cvt_roundepi32_ps(_mm512_sub_epi32(acc, off), RNE), sa,
-                                   RNE);
-    f = _mm512_mul_round_ps(f, _mm512_maskz_loadu_ps(m, w_scale + j), RNE);
-    if (bias) f = _mm512_add_round_ps(f, load16(bias, j, bias_dtype, m), RNE);
-    return f;
+    return scaled16_of(_mm512_sub_epi32(acc, off), sa, _mm512_maskz_loadu_ps(m, w_scale + j),
+                       bias ? load16(bias, j, bias_dtype, m) : _mm512_setzero_ps(), bias != NULL);
 }
 
 /* out[j:j+16] (lanes m) = dtype(scaled16(...)). */
@@ -56,18 +63,22 @@ static inline void scale16(__m512i acc, __m512i off, __m512 sa, const float *w_s
     store16(out, j, scaled16(acc, off, sa, w_scale, bias, bias_dtype, j, m), out_dtype, m);
 }
 
-/* out[j:j+32] = scale16 of two whole registers of sums: bfloat16 in one instruction where the
- * CPU has AVX512-BF16 (dtype.h's store_bf16x32; store16 rounds 16 values in six). */
-static inline void scale32(__m512i acc0, __m512i acc1, __m512i off, __m512 sa,
-                           const float *w_scale, const void *bias, int bias_dtype, void *out,
-                           int64_t j, int out_dtype) {
-    const __m512 f0 = scaled16(acc0, off, sa, w_scale, bias, bias_dtype, j, 0xffff);
-    const __m512 f1 = scaled16(acc1, off, sa, w_scale, bias, bias_dtype, j + 16, 0xffff);
+/* out[j:j+32] = f0 then f1 in the dtype: bfloat16 in one instruction where the CPU has
+ * AVX512-BF16 (dtype.h's store_bf16x32; store16 rounds 16 values in six). */
+static inline void store32(void *out, int64_t j, __m512 f0, __m512 f1, int out_dtype) {
 #if defined(__AVX512BF16__)
     if (out_dtype != KILN_F32 && store_bf16x32((uint16_t *)out + j, f0, f1)) return;
 #endif
     store16(out, j, f0, out_dtype, 0xffff);
     store16(out, j + 16, f1, out_dtype, 0xffff);
+}
+
+/* out[j:j+32] = scale16 of two whole registers of sums. */
+static inline void scale32(__m512i acc0, __m512i acc1, __m512i off, __m512 sa,
+                           const float *w_scale, const void *bias, int bias_dtype, void *out,
+                           int64_t j, int out_dtype) {
+    store32(out, j, scaled16(acc0, off, sa, w_scale, bias, bias_dtype, j, 0xffff),
+            scaled16(acc1, off, sa, w_scale, bias, bias_dtype, j + 16, 0xffff), out_dtype);
 }
 
 /* out[0:n] = scale16 over int32 sums acc[0:n] in memory. */

@@ -39,7 +39,9 @@ static void pack_panel(const int8_t *w, int64_t w_stride, int64_t n, int64_t k, 
     }
 }
 
-/* The sums of rows [0, R) x one panel into acc (R <= MR, a constant at each call: unrolled, the
+/* The sums of rows [0, R) x one panel less each row's offset (its accumulators start at
+ * -offset[r], which wraps as the sums do: the same int32 as subtracting after, one instruction
+ * a register fewer in the epilogue) into acc (R <= MR, a constant at each call: unrolled, the
  * accumulators named one by one so that they all stay in registers). */
 #define DOT(r)                                                                                  \
     do {                                                                                        \
@@ -59,12 +61,16 @@ static void pack_panel(const int8_t *w, int64_t w_stride, int64_t n, int64_t k, 
     } while (0)
 
 static inline __attribute__((always_inline)) void sums_of(const int R, const int8_t *a,
-                                                          int64_t a_stride, const uint8_t *panel,
-                                                          int64_t k, __m512i acc[MR][NR]) {
-    const __m512i z = _mm512_setzero_si512();
-    __m512i c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z;
-    __m512i c20 = z, c21 = z, c22 = z, c23 = z, c30 = z, c31 = z, c32 = z, c33 = z;
-    __m512i c40 = z, c41 = z, c42 = z, c43 = z, c50 = z, c51 = z, c52 = z, c53 = z;
+                                                          int64_t a_stride, const int32_t *offset,
+                                                          const uint8_t *panel, int64_t k,
+                                                          __m512i acc[MR][NR]) {
+#define START(r) _mm512_set1_epi32(R > r ? (int32_t)(0u - (uint32_t)offset[r]) : 0)
+    const __m512i z0 = START(0), z1 = START(1), z2 = START(2), z3 = START(3), z4 = START(4);
+    const __m512i z5 = START(5);
+#undef START
+    __m512i c00 = z0, c01 = z0, c02 = z0, c03 = z0, c10 = z1, c11 = z1, c12 = z1, c13 = z1;
+    __m512i c20 = z2, c21 = z2, c22 = z2, c23 = z2, c30 = z3, c31 = z3, c32 = z3, c33 = z3;
+    __m512i c40 = z4, c41 = z4, c42 = z4, c43 = z4, c50 = z5, c51 = z5, c52 = z5, c53 = z5;
     const int8_t *a0 = a, *a1 = a + a_stride, *a2 = a + 2 * a_stride, *a3 = a + 3 * a_stride;
     const int8_t *a4 = a + 4 * a_stride, *a5 = a + 5 * a_stride;
     for (int64_t g = 0; g < k / 4; ++g) {
@@ -92,25 +98,42 @@ static inline __attribute__((always_inline)) void sums_of(const int R, const int
 #undef DOT
 #undef SAVE
 
-/* rows [0, R) x one panel (columns from c0), sums and epilogue. */
+/* rows [0, R) x one panel (columns from c0), sums and epilogue; next_rows rows of `next` (from
+ * the byte at next, next_bytes of each) prefetched for writing. The output of a prefill chunk
+ * (MBs) is not in cache: each store missed, and a tile's 12-24 lines fetched for ownership
+ * while its stores waited cost 10% of the GEMM's time, which fetching the next tile's lines
+ * during this one's sums hides. */
 static inline __attribute__((always_inline)) void tile(
     const int R, const int8_t *a, int64_t a_stride, const float *a_scale, const int32_t *sums,
     const uint8_t *panel, int64_t k, const float *w_scale, const void *bias, int bias_dtype,
-    void *out, int64_t out_stride, int64_t c0, int64_t n, int out_dtype) {
-    __m512i acc[MR][NR];
-    sums_of(R, a, a_stride, panel, k, acc);
+    void *out, int64_t out_stride, int64_t c0, int64_t n, int out_dtype, const char *next,
+    int64_t next_rows, int64_t next_bytes) {
     const size_t es = elem_size(out_dtype);
+    for (int64_t i = 0; i < next_rows; ++i)
+        for (int64_t byte = 0; byte < next_bytes; byte += 64)
+            _mm_prefetch(next + i * out_stride * es + byte, _MM_HINT_ET0);
+    __m512i acc[MR][NR];
+    sums_of(R, a, a_stride, sums, panel, k, acc);
+    /* the panel's scales and bias, loaded once for the tile's rows */
+    __m512 ws[NR], bs[NR];
+    __mmask16 lanes[NR];
+    for (int j = 0; j < NR; ++j) {
+        lanes[j] = c0 + 16 * j < n ? tail16(n - c0 - 16 * j) : 0;
+        ws[j] = _mm512_maskz_loadu_ps(lanes[j], w_scale + c0 + 16 * j);
+        bs[j] = bias ? load16(bias, c0 + 16 * j, bias_dtype, lanes[j]) : _mm512_setzero_ps();
+    }
     for (int r = 0; r < R; ++r) {
         const __m512 sa = _mm512_set1_ps(a_scale[r]);
-        const __m512i off = _mm512_set1_epi32(sums[r]);
         char *row = (char *)out + r * out_stride * es;
         int j = 0;
         for (; j + 1 < NR && c0 + 16 * j + 32 <= n; j += 2)
-            scale32(acc[r][j], acc[r][j + 1], off, sa, w_scale, bias, bias_dtype, row,
-                    c0 + 16 * j, out_dtype);
+            store32(row, c0 + 16 * j, scaled16_of(acc[r][j], sa, ws[j], bs[j], bias != NULL),
+                    scaled16_of(acc[r][j + 1], sa, ws[j + 1], bs[j + 1], bias != NULL),
+                    out_dtype);
         for (; j < NR && c0 + 16 * j < n; ++j)
-            scale16(acc[r][j], off, sa, w_scale, bias, bias_dtype, row, c0 + 16 * j,
-                    tail16(n - c0 - 16 * j), out_dtype);
+            store16(row, c0 + 16 * j,
+                    scaled16_of(acc[r][j], sa, ws[j], bs[j], bias != NULL), out_dtype,
+                    lanes[j]);
     }
 }
 
@@ -135,13 +158,23 @@ int kiln_int8_gemm_packed(const int8_t *a, int64_t a_stride, const float *a_scal
     {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; ++r) sums[r] = row_offset(a + r * a_stride, k);
-        /* rows [r, end) x panel p, register tile by register tile */
+        /* rows [r, end) x panel p, register tile by register tile; with `ahead`, each tile
+         * prefetches the next one's output: the next rows of [r0, end) in this panel, after
+         * the last the first of the next panel (a thread's next task under the static
+         * schedules below) */
 #define TILE(R)                                                                                 \
     tile(R, a + r * a_stride, a_stride, a_scale + r, sums + r, panels + p * panel_bytes, k,     \
          w_scale, bias, bias_dtype, (char *)out + r * out_stride * es, out_stride, p * PANEL, n, \
-         out_dtype)
-#define TILES(r0, end)                                                                          \
+         out_dtype, (const char *)out + (next_r * out_stride + next_p * PANEL) * es, next_rows, \
+         next_bytes)
+#define TILES(r0, end, ahead)                                                                   \
     for (int64_t r = (r0); r < (end); r += MR) {                                                \
+        const int64_t next_r = r + MR < (end) ? r + MR : (r0);                                  \
+        const int64_t next_p = r + MR < (end) ? p : p + 1;                                      \
+        const int64_t next_rows = !(ahead) || next_p >= panel_count ? 0                         \
+                                  : (end) - next_r < MR ? (end) - next_r : MR;                  \
+        const int64_t next_bytes =                                                              \
+            (n - next_p * PANEL < PANEL ? n - next_p * PANEL : PANEL) * (int64_t)es;            \
         switch ((end) - r < MR ? (end) - r : MR) {                                              \
             case 6: TILE(6); break;                                                             \
             case 5: TILE(5); break;                                                             \
@@ -159,13 +192,13 @@ int kiln_int8_gemm_packed(const int8_t *a, int64_t a_stride, const float *a_scal
 #pragma omp for schedule(static)
             for (int64_t task = 0; task < panel_count * row_tiles; ++task) {
                 const int64_t p = task / row_tiles, r0 = task % row_tiles * MR;
-                TILES(r0, r0 + MR < m ? r0 + MR : m);
+                TILES(r0, r0 + MR < m ? r0 + MR : m, 0);
             }
         } else {
 #pragma omp for collapse(2) schedule(static)
             for (int64_t t = 0; t < tiles; ++t)
                 for (int64_t p = 0; p < panel_count; ++p)
-                    TILES(t * TILE_M, (t + 1) * TILE_M < m ? (t + 1) * TILE_M : m);
+                    TILES(t * TILE_M, (t + 1) * TILE_M < m ? (t + 1) * TILE_M : m, 1);
         }
 #undef TILES
 #undef TILE
