@@ -67,6 +67,7 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
             for (int j = 0; j < nkp; ++j) w->kp[j] = g + (int64_t)(kb + j) * hd;
         else
             key_rows(c, blocks, u->kv_head, kb, nk, nkp, w);
+        for (int i = 0; i < rgs * 16; ++i) w->bm[i] = MASKED;
         for (int r0 = 0; r0 < rgs; r0 += 3) {
             const int R = rgs - r0 < 3 ? rgs - r0 : 3;
             for (int j0 = 0; j0 < nkp; j0 += PF_KEYS) {
@@ -74,7 +75,7 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
                 if (bf) {
                     PF_DISPATCH(qk_bf16, R, (const int32_t *)w->qp + r0 * rg_q, rg_q,
                                 (const uint16_t *const *)w->kp + j0, hd,
-                                w->s + r0 * rg_s + j0 * 16, rg_s)
+                                w->s + r0 * rg_s + j0 * 16, rg_s, w->bm + 16 * r0)
                     continue;
                 }
 #endif
@@ -88,7 +89,7 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
             rescale |= softmax_step(c, w->s + rg * rg_s, nkp, kb, pos + 16 * (rg % tb),
                                     lane_lo[rg % tb], bf ? c->scale : 1.f, w->m + rg * 16,
                                     w->l + rg * 16, w->alpha + rg * 16,
-                                    bf ? w->pp + rg * rg_p : NULL);
+                                    bf ? w->pp + rg * rg_p : NULL, bf ? w->bm + rg * 16 : NULL);
         const float *alpha = rescale ? w->alpha : NULL;
 #if KILN_PREFILL_BF16_SIMD
         if (bf) {
@@ -220,10 +221,10 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
                        scale * cache->k_scale, cache->v_scale, window > 0 ? window : 0,
                        softcap > 0.f ? softcap : 0.f, gathered, gather_state};
     const int rgs = group * tb;
-    /* per row group qp, o, s, pp, m, l, alpha; then vpk, the scalar path's rows and the zero row,
-     * the AMX K tiles, an fp8 cache's dequantized key block */
+    /* per row group qp, o, s, pp, m, l, alpha, bm; then vpk, the scalar path's rows and the zero
+     * row, the AMX K tiles, an fp8 cache's dequantized key block */
     const size_t kt_floats = amx ? PREFILL_AMX_KT_BYTES(hd) / sizeof(float) : 0;
-    const size_t floats = (size_t)rgs * 16 * (2 * hd + PF_ROWS + PF_ROWS / 2 + 3) +
+    const size_t floats = (size_t)rgs * 16 * (2 * hd + PF_ROWS + PF_ROWS / 2 + 4) +
                           (size_t)PF_ROWS / 2 * hd + 3 * (size_t)hd + PF_ROWS + kt_floats +
                           (cache->kv_dtype != cache->dtype ? (size_t)2 * PF_ROWS * hd : 0);
     int failed = 0;
@@ -241,7 +242,8 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
             w.m = (float *)(w.pp + (size_t)rgs * PF_ROWS / 2 * 16);
             w.l = w.m + rgs * 16;
             w.alpha = w.l + rgs * 16;
-            w.vpk = (int32_t *)(w.alpha + rgs * 16);
+            w.bm = w.alpha + rgs * 16;
+            w.vpk = (int32_t *)(w.bm + rgs * 16);
             w.buf = (float *)(w.vpk + (size_t)PF_ROWS / 2 * hd);
             w.zero = w.buf + 2 * hd + PF_ROWS; /* hd floats, never written */
             w.kt = (float *)w.zero + hd;

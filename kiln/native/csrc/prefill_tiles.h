@@ -150,9 +150,11 @@ PF_INLINE void pv_f32(const float *s, int64_t rg_s, const float *const *vp, int 
 #endif
 
 #if KILN_PREFILL_BF16_SIMD
-/* As qk_f32, bfloat16 pairs (hd even): one dpbf16 covers two dims. */
+/* As qk_f32, bfloat16 pairs (hd even): one dpbf16 covers two dims. mx[r] (16 floats a row
+ * group): each lane's running maximum of the scores, taken from the accumulators, so that the
+ * softmax need not read a block's scores twice (1-2% of the kernel at 4 x 512). */
 PF_INLINE void qk_bf16(const int32_t *qp, int64_t rg_q, const uint16_t *const *kp, int hd,
-                       float *s, int64_t rg_s, const int R) {
+                       float *s, int64_t rg_s, float *mx, const int R) {
     __m512 acc[3][PF_KEYS];
     for (int r = 0; r < R; ++r)
         for (int j = 0; j < PF_KEYS; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -164,8 +166,14 @@ PF_INLINE void qk_bf16(const int32_t *qp, int64_t rg_q, const uint16_t *const *k
             for (int r = 0; r < R; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], q[r], k);
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int j = 0; j < PF_KEYS; ++j) _mm512_storeu_ps(s + r * rg_s + j * 16, acc[r][j]);
+    for (int r = 0; r < R; ++r) {
+        __m512 m = _mm512_loadu_ps(mx + 16 * r);
+        for (int j = 0; j < PF_KEYS; ++j) {
+            _mm512_storeu_ps(s + r * rg_s + j * 16, acc[r][j]);
+            m = _mm512_max_ps(m, acc[r][j]);
+        }
+        _mm512_storeu_ps(mx + 16 * r, m);
+    }
 }
 
 /* As pv_f32 over key pairs: pp's probability pairs against vpk's value pairs. */
