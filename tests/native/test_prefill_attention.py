@@ -22,11 +22,12 @@ CASES = [  # block size, head size, heads, kv heads, query lengths, cached conte
 ]
 
 
-def _step(case, dtype):
-    """A cache holding every request's context and query K/V (NaN in the slots no request owns),
-    q as strided rows of a fused qkv, the step's metadata with the last request left out when
-    there are several (its rows must stay untouched)."""
-    bs, hd, nh, nkv, q_lens, ctx = CASES[case]
+def _step(case, dtype, cases=CASES, grow=0.0):
+    """A cache holding every request's context and query K/V (NaN in the slots no request owns;
+    the key of position s times 1 + grow * s), q as strided rows of a fused qkv, the step's
+    metadata with the last request left out when there are several (its rows must stay
+    untouched)."""
+    bs, hd, nh, nkv, q_lens, ctx = cases[case]
     rnd, g = random.Random(case), torch.Generator().manual_seed(case)
     seq_lens = [c + n for c, n in zip(ctx, q_lens)]
     tables, block_table, num_blocks = shuffled_block_tables(seq_lens, bs, rnd)
@@ -34,6 +35,7 @@ def _step(case, dtype):
     for r, table in enumerate(tables):
         for s in range(seq_lens[r]):
             kv[:, table[s // bs], s % bs] = torch.randn(2, nkv, hd, generator=g).to(dtype)
+            kv[0, table[s // bs], s % bs] *= 1 + grow * s
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
@@ -71,6 +73,25 @@ def test_matches_float64_softmax(case, dtype, path):
             assert (out[t].double() - row).abs().max() <= tol * max(1.0, row.abs().max()), t
         else:  # a request not selected: its rows untouched
             assert (out[t] == 7.0).all(), t
+
+
+# one request whose units see up to 8 key blocks (gathered: the bfloat16 tiles take two blocks'
+# P.V in one pass), and one of 3 over 2 blocks
+GROWING = [(16, 64, 9, 3, [64, 40], [448, 100])]
+
+
+@pytest.mark.parametrize("path", ["avx512", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_running_maximum_moves_in_later_key_blocks(dtype, path):
+    """Keys growing with their position (by 1/16 a key: a key block's largest score passes the
+    running maximum's by more than the tiles' lazy margin of 2^12), so the outputs and sums are
+    rescaled between key blocks, held blocks' too; random keys almost never move it."""
+    q, kv, step, want = _step(0, dtype, GROWING, grow=1 / 16)
+    out = torch.full((q.shape[0], q.shape[1]), 7.0, dtype=dtype)
+    pf.run(q, out, kv, step, kv.shape[-1] ** -0.5, path=path)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    for t, row in want.items():
+        assert (out[t].double() - row).abs().max() <= tol * max(1.0, row.abs().max()), t
 
 
 def test_simd_tiles_cover_the_common_head_sizes():

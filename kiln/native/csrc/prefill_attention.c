@@ -37,6 +37,23 @@
         default: fn(__VA_ARGS__, 1);            \
     }
 
+#if KILN_PREFILL_BF16_SIMD
+#define PF_RG_P (PF_SBK * 16) /* pp words a row group: a held block's pairs, then the next's */
+/* The P.V tiles of every row group over pp's pairs from word pp0 (a second block's from split,
+ * else split = pairs) against vpk: pv_bf16's arguments. */
+static inline void pf_values(const Call *c, Scratch *w, int64_t pp0, int pairs, int split,
+                             const int32_t *vpk, const float *alpha, const float *alpha2) {
+    const int hd = c->hd, rgs = c->group * c->tb;
+    for (int r0 = 0; r0 < rgs; r0 += 3) {
+        const int R = rgs - r0 < 3 ? rgs - r0 : 3;
+        for (int c0 = 0; c0 < hd; c0 += PF_DIMS)
+            PF_DISPATCH(pv_bf16, R, w->pp + pp0 + r0 * PF_RG_P, PF_RG_P, vpk, hd, pairs, split,
+                        c0, w->o + r0 * hd * 16, hd * 16, alpha ? alpha + 16 * r0 : NULL,
+                        alpha2 ? alpha2 + 16 * r0 : NULL)
+    }
+}
+#endif
+
 static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
     const int hd = c->hd, tb = c->tb, rgs = c->group * tb, bf = c->dtype == KILN_BF16;
     const int q_begin = c->query_start[u->req];
@@ -59,6 +76,11 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
     memset(w->o, 0, sizeof(float) * rgs * rg_o);
     for (int i = 0; i < rgs * 16; ++i) w->m[i] = MASKED, w->l[i] = 0.f;
     const int n_keys = pos[u->nt - 1] + 1;
+    /* a gathered block's P.V waits for the next block's where that is gathered too: one pass of
+     * the P.V tiles over both, their accumulators loaded and stored once */
+    int held = 0, cur = 0; /* w->alpha's half that this block's factors go to */
+    const int32_t *held_vpk = NULL;
+    const float *held_alpha = NULL; /* the held block's factors (NULL: all 1) */
     for (int kb = first_key(c, pos[0]); kb < n_keys; kb += PF_SBK) {
         const int nk = n_keys - kb < PF_SBK ? n_keys - kb : PF_SBK;
         const int nkp = (nk + PF_KEYS - 1) / PF_KEYS * PF_KEYS;
@@ -67,6 +89,7 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
             for (int j = 0; j < nkp; ++j) w->kp[j] = g + (int64_t)(kb + j) * hd;
         else
             key_rows(c, blocks, u->kv_head, kb, nk, nkp, w);
+        for (int i = 0; i < rgs * 16; ++i) w->bm[i] = MASKED;
         for (int r0 = 0; r0 < rgs; r0 += 3) {
             const int R = rgs - r0 < 3 ? rgs - r0 : 3;
             for (int j0 = 0; j0 < nkp; j0 += PF_KEYS) {
@@ -74,7 +97,7 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
                 if (bf) {
                     PF_DISPATCH(qk_bf16, R, (const int32_t *)w->qp + r0 * rg_q, rg_q,
                                 (const uint16_t *const *)w->kp + j0, hd,
-                                w->s + r0 * rg_s + j0 * 16, rg_s)
+                                w->s + r0 * rg_s + j0 * 16, rg_s, w->bm + 16 * r0)
                     continue;
                 }
 #endif
@@ -82,14 +105,14 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
                             hd, w->s + r0 * rg_s + j0 * 16, rg_s)
             }
         }
-        const int64_t rg_p = PF_SBK / 2 * 16;
+        int32_t *pp = w->pp + (held ? PF_SBK / 2 * 16 : 0); /* a held block's pairs first */
         int rescale = 0;
         for (int rg = 0; rg < rgs; ++rg)
             rescale |= softmax_step(c, w->s + rg * rg_s, nkp, kb, pos + 16 * (rg % tb),
                                     lane_lo[rg % tb], bf ? c->scale : 1.f, w->m + rg * 16,
-                                    w->l + rg * 16, w->alpha + rg * 16,
-                                    bf ? w->pp + rg * rg_p : NULL);
-        const float *alpha = rescale ? w->alpha : NULL;
+                                    w->l + rg * 16, w->alpha + (cur * rgs + rg) * 16,
+                                    bf ? pp + rg * PF_RG_P : NULL, bf ? w->bm + rg * 16 : NULL);
+        const float *alpha = rescale ? w->alpha + cur * rgs * 16 : NULL;
 #if KILN_PREFILL_BF16_SIMD
         if (bf) {
             const int pairs = (nk + 1) / 2; /* vp holds nkp >= 2 * pairs rows, zeros past nk */
@@ -97,13 +120,18 @@ static void unit_simd(const Call *c, const Unit *u, Scratch *w) {
                 gathered ? (const int32_t *)(g + gather_keys(c->seq_lens[u->req]) * hd) +
                                (int64_t)kb / 2 * hd
                          : w->vpk;
-            if (!gathered) pack_value_pairs(w->vp, pairs, hd, w->vpk);
-            for (int r0 = 0; r0 < rgs; r0 += 3) {
-                const int R = rgs - r0 < 3 ? rgs - r0 : 3;
-                for (int c0 = 0; c0 < hd; c0 += PF_DIMS)
-                    PF_DISPATCH(pv_bf16, R, w->pp + r0 * rg_p, rg_p, vpk, hd, pairs, c0,
-                                w->o + r0 * rg_o, rg_o, alpha ? alpha + 16 * r0 : NULL)
+            if (!held && gathered && kb + PF_SBK < n_keys) { /* a full block, not the last */
+                held = 1, held_vpk = vpk, held_alpha = alpha, cur ^= 1;
+                continue;
             }
+            if (held && !gathered) /* this block's V pairs do not follow the held one's */
+                pf_values(c, w, 0, PF_SBK / 2, PF_SBK / 2, held_vpk, held_alpha, NULL);
+            if (!gathered) pack_value_pairs(w->vp, pairs, hd, w->vpk);
+            if (held && gathered)
+                pf_values(c, w, 0, PF_SBK / 2 + pairs, PF_SBK / 2, held_vpk, held_alpha, alpha);
+            else
+                pf_values(c, w, pp - w->pp, pairs, pairs, vpk, alpha, NULL);
+            held = 0;
             continue;
         }
 #endif
@@ -220,10 +248,10 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
                        scale * cache->k_scale, cache->v_scale, window > 0 ? window : 0,
                        softcap > 0.f ? softcap : 0.f, gathered, gather_state};
     const int rgs = group * tb;
-    /* per row group qp, o, s, pp, m, l, alpha; then vpk, the scalar path's rows and the zero row,
-     * the AMX K tiles, an fp8 cache's dequantized key block */
+    /* per row group qp, o, s, pp, m, l, alpha, bm; then vpk, the scalar path's rows and the zero
+     * row, the AMX K tiles, an fp8 cache's dequantized key block */
     const size_t kt_floats = amx ? PREFILL_AMX_KT_BYTES(hd) / sizeof(float) : 0;
-    const size_t floats = (size_t)rgs * 16 * (2 * hd + PF_ROWS + PF_ROWS / 2 + 3) +
+    const size_t floats = (size_t)rgs * 16 * (2 * hd + PF_ROWS + PF_ROWS + 5) +
                           (size_t)PF_ROWS / 2 * hd + 3 * (size_t)hd + PF_ROWS + kt_floats +
                           (cache->kv_dtype != cache->dtype ? (size_t)2 * PF_ROWS * hd : 0);
     int failed = 0;
@@ -238,10 +266,11 @@ int kiln_prefill_attention(const void *q, int64_t q_stride, void *out, int64_t o
             w.o = w.qp + (size_t)rgs * hd * 16;
             w.s = w.o + (size_t)rgs * hd * 16;
             w.pp = (int32_t *)(w.s + (size_t)rgs * PF_ROWS * 16);
-            w.m = (float *)(w.pp + (size_t)rgs * PF_ROWS / 2 * 16);
+            w.m = (float *)(w.pp + (size_t)rgs * PF_ROWS * 16);
             w.l = w.m + rgs * 16;
             w.alpha = w.l + rgs * 16;
-            w.vpk = (int32_t *)(w.alpha + rgs * 16);
+            w.bm = w.alpha + 2 * rgs * 16;
+            w.vpk = (int32_t *)(w.bm + rgs * 16);
             w.buf = (float *)(w.vpk + (size_t)PF_ROWS / 2 * hd);
             w.zero = w.buf + 2 * hd + PF_ROWS; /* hd floats, never written */
             w.kt = (float *)w.zero + hd;

@@ -19,10 +19,12 @@
  * layer caps; the running maximum m (in powers of 2: scaled scores times log2(e)) moved where the
  * block's passes it by PF_LAZY_MAX, its factor into alpha (1 where it stays); probabilities
  * 2^(s * sscale * log2(e) - m) = e^(s * sscale - m / log2(e)) summed into l and, for bfloat16,
- * rounded into pp in key pairs (else back into s). Returns whether any alpha is not 1. */
+ * rounded into pp in key pairs (else back into s). tile_max: the block's raw maximum per lane
+ * where the score tiles took it (NULL else), used where no lane masks a key of the block and
+ * no cap applies. Returns whether any alpha is not 1. */
 static inline int softmax_step(const Call *c, float *s, int nkp, int kb, const int *pos,
                                __m512i lane_lo, float sscale, float *m, float *l, float *alpha,
-                               int32_t *pp) {
+                               int32_t *pp, const float *tile_max) {
     const __m512i lane_pos = _mm512_loadu_si512(pos);
     const int need_mask = kb + nkp - 1 > pos[0]; /* lanes' positions ascend */
     const int need_lo_mask = kb < first_key(c, pos[15]);
@@ -36,17 +38,20 @@ static inline int softmax_step(const Call *c, float *s, int nkp, int kb, const i
         sscale = 1.f;
     }
     __m512 mx = masked;
-    for (int j = 0; j < nkp; ++j) {
-        __m512 x = _mm512_loadu_ps(s + 16 * j);
-        if (need_mask | need_lo_mask) {
-            __mmask16 k = 0;
-            if (need_mask) k = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(kb + j), lane_pos);
-            if (need_lo_mask) k |= _mm512_cmpgt_epi32_mask(lane_lo, _mm512_set1_epi32(kb + j));
-            x = _mm512_mask_mov_ps(x, k, masked);
-            _mm512_storeu_ps(s + 16 * j, x);
+    if (tile_max && !(need_mask | need_lo_mask) && c->softcap <= 0.f)
+        mx = _mm512_loadu_ps(tile_max);
+    else
+        for (int j = 0; j < nkp; ++j) {
+            __m512 x = _mm512_loadu_ps(s + 16 * j);
+            if (need_mask | need_lo_mask) {
+                __mmask16 k = 0;
+                if (need_mask) k = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(kb + j), lane_pos);
+                if (need_lo_mask) k |= _mm512_cmpgt_epi32_mask(lane_lo, _mm512_set1_epi32(kb + j));
+                x = _mm512_mask_mov_ps(x, k, masked);
+                _mm512_storeu_ps(s + 16 * j, x);
+            }
+            mx = _mm512_max_ps(mx, x);
         }
-        mx = _mm512_max_ps(mx, x);
-    }
     /* scale > 0: the maximum of the scaled scores is the scaled maximum (rounding is monotone) */
     const __m512 sc = _mm512_set1_ps(sscale * PF_LOG2E), m_old = _mm512_loadu_ps(m);
     mx = _mm512_mul_ps(mx, sc);

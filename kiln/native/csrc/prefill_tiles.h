@@ -10,7 +10,8 @@
  *   qp   float32: [hd][16] (scale folded in); bfloat16: [hd / 2][16] words, a token's
  *        (q[2d], q[2d+1]) per lane
  *   s    [SBK][16] float32 scores, then probabilities
- *   pp   bfloat16 probabilities: [SBK / 2][16] words, (p[2j], p[2j+1]) per lane
+ *   pp   bfloat16 probabilities: [SBK / 2][16] words, (p[2j], p[2j+1]) per lane; room for two
+ *        key blocks' (prefill_attention.c holds a block's for the next one's P.V pass)
  *   o    [hd][16] float32 unnormalised outputs
  *   vpk  bfloat16 V of a key block: [SBK / 2][hd] words, (v[2j][c], v[2j+1][c])
  * Key rows kp[j] / vp[j] point into the cache (padding keys at a zero row). */
@@ -150,9 +151,11 @@ PF_INLINE void pv_f32(const float *s, int64_t rg_s, const float *const *vp, int 
 #endif
 
 #if KILN_PREFILL_BF16_SIMD
-/* As qk_f32, bfloat16 pairs (hd even): one dpbf16 covers two dims. */
+/* As qk_f32, bfloat16 pairs (hd even): one dpbf16 covers two dims. mx[r] (16 floats a row
+ * group): each lane's running maximum of the scores, taken from the accumulators, so that the
+ * softmax need not read a block's scores twice (1-2% of the kernel at 4 x 512). */
 PF_INLINE void qk_bf16(const int32_t *qp, int64_t rg_q, const uint16_t *const *kp, int hd,
-                       float *s, int64_t rg_s, const int R) {
+                       float *s, int64_t rg_s, float *mx, const int R) {
     __m512 acc[3][PF_KEYS];
     for (int r = 0; r < R; ++r)
         for (int j = 0; j < PF_KEYS; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -164,13 +167,22 @@ PF_INLINE void qk_bf16(const int32_t *qp, int64_t rg_q, const uint16_t *const *k
             for (int r = 0; r < R; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], q[r], k);
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int j = 0; j < PF_KEYS; ++j) _mm512_storeu_ps(s + r * rg_s + j * 16, acc[r][j]);
+    for (int r = 0; r < R; ++r) {
+        __m512 m = _mm512_loadu_ps(mx + 16 * r);
+        for (int j = 0; j < PF_KEYS; ++j) {
+            _mm512_storeu_ps(s + r * rg_s + j * 16, acc[r][j]);
+            m = _mm512_max_ps(m, acc[r][j]);
+        }
+        _mm512_storeu_ps(mx + 16 * r, m);
+    }
 }
 
-/* As pv_f32 over key pairs: pp's probability pairs against vpk's value pairs. */
+/* As pv_f32 over key pairs: pp's probability pairs against vpk's value pairs; where two key
+ * blocks' pairs come at once, the second's from `split` on, alpha2 (1 where NULL) is the
+ * rescale between them (the same operations, in the same order, as one block a call). */
 PF_INLINE void pv_bf16(const int32_t *pp, int64_t rg_p, const int32_t *vpk, int hd, int pairs,
-                       int c0, float *o, int64_t rg_o, const float *alpha, const int R) {
+                       int split, int c0, float *o, int64_t rg_o, const float *alpha,
+                       const float *alpha2, const int R) {
     __m512 acc[3][PF_DIMS];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < PF_DIMS; ++c) acc[r][c] = _mm512_loadu_ps(o + r * rg_o + (c0 + c) * 16);
@@ -179,6 +191,10 @@ PF_INLINE void pv_bf16(const int32_t *pp, int64_t rg_p, const int32_t *vpk, int 
             for (int c = 0; c < PF_DIMS; ++c)
                 acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_loadu_ps(alpha + 16 * r));
     for (int j = 0; j < pairs; ++j) {
+        if (j == split && alpha2)
+            for (int r = 0; r < R; ++r)
+                for (int c = 0; c < PF_DIMS; ++c)
+                    acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_loadu_ps(alpha2 + 16 * r));
         __m512bh p[3];
         for (int r = 0; r < R; ++r) p[r] = (__m512bh)_mm512_loadu_si512(pp + r * rg_p + j * 16);
         for (int c = 0; c < PF_DIMS; ++c) {

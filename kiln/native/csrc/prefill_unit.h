@@ -38,6 +38,7 @@ typedef struct { /* what every unit of a call shares */
 
 typedef struct { /* one thread's buffers; layouts in prefill_tiles.h (prefill_amx.c's its own) */
     float *qp, *s, *o, *m, *l, *alpha, *buf; /* alpha: the softmax's rescale factors */
+    float *bm; /* the AVX512-BF16 score tiles' maximum of a key block, per row group */
     int32_t *pp, *vpk;
     void *kt; /* the AMX path's K tiles of a key block */
     void *kv; /* an fp8 cache's key block, K then V rows, dequantized to dtype (2 * PF_ROWS * hd) */
