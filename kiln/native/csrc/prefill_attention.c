@@ -37,8 +37,9 @@
         default: fn(__VA_ARGS__, 1);            \
     }
 
-#if KILN_PREFILL_BF16_SIMD
+/* Used by the softmax on every build, by the P.V tiles only with AVX512-BF16. */
 #define PF_RG_P (PF_SBK * 16) /* pp words a row group: a held block's pairs, then the next's */
+#if KILN_PREFILL_BF16_SIMD
 /* The P.V tiles of every row group over pp's pairs from word pp0 (a second block's from split,
  * else split = pairs) against vpk: pv_bf16's arguments. */
 static inline void pf_values(const Call *c, Scratch *w, int64_t pp0, int pairs, int split,
