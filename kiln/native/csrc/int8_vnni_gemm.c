@@ -39,31 +39,61 @@ static void pack_panel(const int8_t *w, int64_t w_stride, int64_t n, int64_t k, 
     }
 }
 
-/* The sums of rows [0, R) x one panel less each row's offset (its accumulators start at
- * -offset[r], which wraps as the sums do: the same int32 as subtracting after, one instruction
- * a register fewer in the epilogue) into acc (R <= MR, a constant at each call: unrolled, the
- * accumulators named one by one so that they all stay in registers). */
+/* Row r's step of the sums (R <= MR, a constant at each call: unrolled, the accumulators named
+ * one by one so that they all stay in registers). */
 #define DOT(r)                                                                                  \
     do {                                                                                        \
         if (R > r) {                                                                            \
-            const __m512i av = _mm512_set1_epi32(*(const int32_t *)(a##r + 4 * g));            \
+            const __m512i av = _mm512_set1_epi32(*(const int32_t *)(a + r * a_stride + 4 * g)); \
             c##r##0 = _mm512_dpbusd_epi32(c##r##0, b0, av);                                     \
             c##r##1 = _mm512_dpbusd_epi32(c##r##1, b1, av);                                     \
             c##r##2 = _mm512_dpbusd_epi32(c##r##2, b2, av);                                     \
             c##r##3 = _mm512_dpbusd_epi32(c##r##3, b3, av);                                     \
         }                                                                                       \
     } while (0)
-#define SAVE(r)                                                                                 \
+/* Row r's epilogue straight from its four accumulators. */
+#define EPILOGUE(r)                                                                             \
     do {                                                                                        \
         if (R > r) {                                                                            \
-            acc[r][0] = c##r##0, acc[r][1] = c##r##1, acc[r][2] = c##r##2, acc[r][3] = c##r##3; \
+            const __m512 sa = _mm512_set1_ps(a_scale[r]);                                       \
+            char *row = (char *)out + r * out_stride * es;                                      \
+            if (c0 + PANEL <= n) {                                                              \
+                store32(row, c0, scaled16_of(c##r##0, sa, ws[0], bs[0], has_bias),              \
+                        scaled16_of(c##r##1, sa, ws[1], bs[1], has_bias), out_dtype);           \
+                store32(row, c0 + 32, scaled16_of(c##r##2, sa, ws[2], bs[2], has_bias),         \
+                        scaled16_of(c##r##3, sa, ws[3], bs[3], has_bias), out_dtype);           \
+            } else {                                                                            \
+                const __m512i v[NR] = {c##r##0, c##r##1, c##r##2, c##r##3};                     \
+                int j = 0;                                                                      \
+                for (; j + 1 < NR && c0 + 16 * j + 32 <= n; j += 2)                             \
+                    store32(row, c0 + 16 * j, scaled16_of(v[j], sa, ws[j], bs[j], has_bias),    \
+                            scaled16_of(v[j + 1], sa, ws[j + 1], bs[j + 1], has_bias),          \
+                            out_dtype);                                                         \
+                for (; j < NR && c0 + 16 * j < n; ++j)                                          \
+                    store16(row, c0 + 16 * j, scaled16_of(v[j], sa, ws[j], bs[j], has_bias),    \
+                            out_dtype, lanes[j]);                                               \
+            }                                                                                   \
         }                                                                                       \
     } while (0)
 
-static inline __attribute__((always_inline)) void sums_of(const int R, const int8_t *a,
-                                                          int64_t a_stride, const int32_t *offset,
-                                                          const uint8_t *panel, int64_t k,
-                                                          __m512i acc[MR][NR]) {
+/* rows [0, R) x one panel (columns from c0): the sums less each row's offset (its accumulators
+ * start at -offset[r], which wraps as the sums do: the same int32 as subtracting after), then the
+ * epilogue from the same registers; next_rows rows of `next` (from the byte at next, next_bytes
+ * of each) prefetched for writing. The output of a prefill chunk (MBs) is not in cache: each
+ * store missed, and a tile's 12-24 lines fetched for ownership while its stores waited cost 10%
+ * of the GEMM's time, which fetching the next tile's lines during this one's sums hides.
+ * The panel's scales and bias are loaded after the K loop: loaded before (or hoisted out of the
+ * caller's row loop) they held registers the 24 accumulators need, and passing the sums through
+ * an array in memory cost ~4% (docs/measurements.md). */
+static inline __attribute__((always_inline)) void tile(
+    const int R, const int8_t *a, int64_t a_stride, const float *a_scale, const int32_t *offset,
+    const uint8_t *panel, int64_t k, const float *w_scale, const void *bias, int bias_dtype,
+    void *out, int64_t out_stride, int64_t c0, int64_t n, int out_dtype, const char *next,
+    int64_t next_rows, int64_t next_bytes) {
+    const size_t es = elem_size(out_dtype);
+    for (int64_t i = 0; i < next_rows; ++i)
+        for (int64_t byte = 0; byte < next_bytes; byte += 64)
+            _mm_prefetch(next + i * out_stride * es + byte, _MM_HINT_ET0);
 #define START(r) _mm512_set1_epi32(R > r ? (int32_t)(0u - (uint32_t)offset[r]) : 0)
     const __m512i z0 = START(0), z1 = START(1), z2 = START(2), z3 = START(3), z4 = START(4);
     const __m512i z5 = START(5);
@@ -71,8 +101,6 @@ static inline __attribute__((always_inline)) void sums_of(const int R, const int
     __m512i c00 = z0, c01 = z0, c02 = z0, c03 = z0, c10 = z1, c11 = z1, c12 = z1, c13 = z1;
     __m512i c20 = z2, c21 = z2, c22 = z2, c23 = z2, c30 = z3, c31 = z3, c32 = z3, c33 = z3;
     __m512i c40 = z4, c41 = z4, c42 = z4, c43 = z4, c50 = z5, c51 = z5, c52 = z5, c53 = z5;
-    const int8_t *a0 = a, *a1 = a + a_stride, *a2 = a + 2 * a_stride, *a3 = a + 3 * a_stride;
-    const int8_t *a4 = a + 4 * a_stride, *a5 = a + 5 * a_stride;
     for (int64_t g = 0; g < k / 4; ++g) {
         const uint8_t *bp = panel + g * 4 * PANEL;
         for (int line = 0; line < 4; ++line)
@@ -88,54 +116,23 @@ static inline __attribute__((always_inline)) void sums_of(const int R, const int
         DOT(4);
         DOT(5);
     }
-    SAVE(0);
-    SAVE(1);
-    SAVE(2);
-    SAVE(3);
-    SAVE(4);
-    SAVE(5);
-}
-#undef DOT
-#undef SAVE
-
-/* rows [0, R) x one panel (columns from c0), sums and epilogue; next_rows rows of `next` (from
- * the byte at next, next_bytes of each) prefetched for writing. The output of a prefill chunk
- * (MBs) is not in cache: each store missed, and a tile's 12-24 lines fetched for ownership
- * while its stores waited cost 10% of the GEMM's time, which fetching the next tile's lines
- * during this one's sums hides. */
-static inline __attribute__((always_inline)) void tile(
-    const int R, const int8_t *a, int64_t a_stride, const float *a_scale, const int32_t *sums,
-    const uint8_t *panel, int64_t k, const float *w_scale, const void *bias, int bias_dtype,
-    void *out, int64_t out_stride, int64_t c0, int64_t n, int out_dtype, const char *next,
-    int64_t next_rows, int64_t next_bytes) {
-    const size_t es = elem_size(out_dtype);
-    for (int64_t i = 0; i < next_rows; ++i)
-        for (int64_t byte = 0; byte < next_bytes; byte += 64)
-            _mm_prefetch(next + i * out_stride * es + byte, _MM_HINT_ET0);
-    __m512i acc[MR][NR];
-    sums_of(R, a, a_stride, sums, panel, k, acc);
-    /* the panel's scales and bias, loaded once for the tile's rows */
     __m512 ws[NR], bs[NR];
     __mmask16 lanes[NR];
+    const int has_bias = bias != NULL;
     for (int j = 0; j < NR; ++j) {
         lanes[j] = c0 + 16 * j < n ? tail16(n - c0 - 16 * j) : 0;
         ws[j] = _mm512_maskz_loadu_ps(lanes[j], w_scale + c0 + 16 * j);
         bs[j] = bias ? load16(bias, c0 + 16 * j, bias_dtype, lanes[j]) : _mm512_setzero_ps();
     }
-    for (int r = 0; r < R; ++r) {
-        const __m512 sa = _mm512_set1_ps(a_scale[r]);
-        char *row = (char *)out + r * out_stride * es;
-        int j = 0;
-        for (; j + 1 < NR && c0 + 16 * j + 32 <= n; j += 2)
-            store32(row, c0 + 16 * j, scaled16_of(acc[r][j], sa, ws[j], bs[j], bias != NULL),
-                    scaled16_of(acc[r][j + 1], sa, ws[j + 1], bs[j + 1], bias != NULL),
-                    out_dtype);
-        for (; j < NR && c0 + 16 * j < n; ++j)
-            store16(row, c0 + 16 * j,
-                    scaled16_of(acc[r][j], sa, ws[j], bs[j], bias != NULL), out_dtype,
-                    lanes[j]);
-    }
+    EPILOGUE(0);
+    EPILOGUE(1);
+    EPILOGUE(2);
+    EPILOGUE(3);
+    EPILOGUE(4);
+    EPILOGUE(5);
 }
+#undef DOT
+#undef EPILOGUE
 
 /* kiln_int8_gemm's contract (int8_ops.c) with the weight as `panels` (uint8 [ceil(n / 64), k / 4,
  * 64, 4], 64-byte aligned), k a multiple of 4; 1 otherwise. */
