@@ -131,6 +131,13 @@ bool paged_attention_bf16_dot(at::ScalarType dtype, int64_t head_size) {
     return kiln_paged_attention_bf16_dot(cache_code(dtype), static_cast<int32_t>(head_size));
 }
 
+/* The threads a KV cache write of num_tokens rows of row_bytes takes (kv_cache_write.c). */
+int64_t kv_cache_write_threads(int64_t num_tokens, int64_t row_bytes, int64_t num_threads) {
+    return kiln_kv_cache_write_threads(num_tokens, row_bytes, static_cast<int32_t>(num_threads));
+}
+
+int64_t kv_cache_parallel_writes() { return kiln_kv_cache_parallel_writes(); }
+
 bool prefill_attention_amx(at::ScalarType dtype, int64_t head_size) {
     return kiln_prefill_attention_amx(kiln::dtype_code(dtype), static_cast<int32_t>(head_size));
 }
@@ -280,6 +287,9 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
           "float v_scale=1.) -> ()");
     m.def("paged_attention_bf16_dot(ScalarType dtype, int head_size) -> bool",
           &paged_attention_bf16_dot);
+    m.def("kv_cache_write_threads(int num_tokens, int row_bytes, int num_threads) -> int",
+          &kv_cache_write_threads);
+    m.def("kv_cache_parallel_writes() -> int", &kv_cache_parallel_writes);
     m.def("prefill_attention_simd(ScalarType dtype, int head_size) -> bool",
           &prefill_attention_simd);
     m.def("prefill_attention_amx(ScalarType dtype, int head_size) -> bool",

@@ -275,7 +275,8 @@ int kiln_paged_attention(const void *q, int64_t q_stride, const void *k, int64_t
                          int32_t num_heads, float scale, int32_t window, float softcap,
                          const KilnKvCache *cache, const KilnAttnStep *step,
                          int32_t num_threads) {
-    const int rc = kiln_kv_cache_write(k, k_stride, v, v_stride, cache, step);
+    const int rc = kiln_kv_cache_write(k, k_stride, v, v_stride, cache, step,
+                                         num_threads);
     if (rc || step->num_sel == 0) return rc;
     return attend(q, q_stride, out, out_stride, num_heads, scale, window, softcap, cache, step,
                   num_threads);

@@ -40,10 +40,14 @@ enum {
     KILN_ATTN_BAD_HEADS = 8 /* num_heads not a multiple of num_kv_heads */
 };
 
-/* Row t of k and v into cache slot step->slots[t] (kv_cache_write.c): 0, or KILN_ATTN_BAD_SLOT
- * with nothing written. */
+/* Row t of k and v into cache slot step->slots[t] (kv_cache_write.c), over up to num_threads
+ * threads for a step of many rows: 0, or KILN_ATTN_BAD_SLOT with nothing written. */
 int kiln_kv_cache_write(const void *k, int64_t k_stride, const void *v, int64_t v_stride,
-                        const KilnKvCache *c, const KilnAttnStep *st);
+                        const KilnKvCache *c, const KilnAttnStep *st, int32_t num_threads);
+/* The threads a write of num_tokens rows of row_bytes (each of K and V) takes, of num_threads. */
+int32_t kiln_kv_cache_write_threads(int64_t num_tokens, int64_t row_bytes, int32_t num_threads);
+/* How many writes have run on more than one thread in this process (for tests). */
+int64_t kiln_kv_cache_parallel_writes(void);
 
 #ifdef __cplusplus
 }
