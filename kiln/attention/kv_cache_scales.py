@@ -1,6 +1,7 @@
 """An fp8 KV cache's per-layer scales from a checkpoint (vLLM's k_scale / v_scale): the checkpoint
-tensor names that carry them, their checks, the scales a layer runs with, and the cache dtype a
-compressed-tensors kv_cache_scheme implies.
+tensor names that carry them, which quantization methods read them, their checks, the scales a
+layer runs with, the warning for a cache left at 1.0, and the cache dtype a compressed-tensors
+kv_cache_scheme implies.
 
 A cache stores x / scale (rounded to fp8) and reads back stored * scale; a scale of 1.0 is the
 plain cast. They are scalars per layer (vLLM's per-tensor case); anything else is refused.
@@ -38,6 +39,38 @@ def kv_scale_target(name: str) -> tuple[str, str] | None:
         if match is not None:
             return name[:match.start()] + ".attn", kind or match.group("kind")
     return None
+
+
+# The --quantization methods whose attention layers read a checkpoint's KV scales: those vLLM
+# gives its Attention layers a KV cache method (BaseKVCacheMethod) for: compressed-tensors, and
+# online fp8 (Fp8Config, PTPCFp8Config). Kiln's online int8, which vLLM lacks, follows online fp8.
+SCALE_READING_METHODS = ("compressed-tensors", "fp8", "ptpc_fp8", "int8")
+# The caches vLLM warns about at scale 1.0 (its e4m3 ones; e5m2 runs unscaled by design)
+_E4M3_CACHES = ("fp8", "fp8_e4m3")
+
+
+def reads_checkpoint_scales(quantization: str | None) -> bool:
+    """Whether a model running with `quantization` (its resolved method, None: unquantized)
+    reads the checkpoint's KV cache scales into its attention layers."""
+    return quantization in SCALE_READING_METHODS
+
+
+def default_scale_warning(cache_dtype: str, unscaled: int, layers: int,
+                          quantization_config) -> str | None:
+    """The warning for `unscaled` of the model's `layers` attention layers that read checkpoint
+    scales and got none, whose `cache_dtype` cache then runs at scale 1.0 (vLLM's
+    BaseKVCacheMethod warns so, once); None when there is nothing to warn about."""
+    if unscaled == 0 or cache_dtype not in _E4M3_CACHES:
+        return None
+    if not isinstance(quantization_config, dict):
+        quantization_config = quantization_config.to_dict() if quantization_config else {}
+    asked = ("the checkpoint's quantization_config asks for an fp8 KV cache (kv_cache_scheme)"
+             if quantization_config.get("kv_cache_scheme") else
+             f"--kv-cache-dtype {cache_dtype} runs an fp8 KV cache")
+    return (f"{asked} but the checkpoint has no k_scale / v_scale for {unscaled} of its {layers} "
+            "attention layer(s): those use the default scale 1.0, which may cost accuracy (K/V "
+            "values beyond e4m3's range saturate, small ones lose precision). Calibrate per-layer "
+            "scales with llm-compressor (a recipe with a kv_cache_scheme, saved with the model)")
 
 
 def unplaced_scales_warning(unplaced: list[tuple[str, str]]) -> str:

@@ -9,7 +9,11 @@ from collections.abc import Iterable
 
 import torch
 
-from kiln.attention.kv_cache_scales import kv_scale_target, unplaced_scales_warning
+from kiln.attention.kv_cache_scales import (
+    default_scale_warning,
+    kv_scale_target,
+    unplaced_scales_warning,
+)
 from kiln.errors import ConfigError
 from kiln.logger import init_logger
 from kiln.model.checkpoint_names import (
@@ -71,11 +75,24 @@ class HFWeightLoading:
             loaded.add(target if shard_id is None else f"{target}#{shard_id}")
         if unplaced:
             logger.warning(unplaced_scales_warning(unplaced))
-        if self.require_all_weights:
+        if self.require_all_weights:  # a whole model's load
             self._check_complete(params, loaded)
+            self._warn_default_kv_scales(attention or _attention_layers(self))
         if stored_head is not None:
             self._warn_if_head_differs(stored_head)
         return loaded
+
+    def _warn_default_kv_scales(self, attention: dict) -> None:
+        """Once per load: layers reading checkpoint KV scales (Attention.reads_checkpoint_scales)
+        whose fp8 cache got none run at 1.0 (default_scale_warning)."""
+        reading = [layer for layer in attention.values() if layer.reads_checkpoint_scales]
+        if not reading:
+            return
+        unscaled = sum(1 for layer in reading if not {"k", "v"} & layer.checkpoint_scales.keys())
+        warning = default_scale_warning(reading[0].kv_cache_dtype, unscaled, len(attention),
+                                        getattr(self.config, "quantization_config", None))
+        if warning is not None:
+            logger.warning(warning)
 
     def _warn_if_head_differs(self, stored_head: torch.Tensor) -> None:
         """A tied checkpoint whose stored head is not its embedding: Kiln ties them, as vLLM

@@ -136,3 +136,16 @@ def test_a_kv_cache_scheme_alone_may_leave_config_groups_out_or_null():
         parse_kv_cache_only(raw)
         with pytest.raises(UnsupportedQuantization, match=r"kv_cache_scheme\.dynamic=True"):
             parse_kv_cache_only({**raw, "kv_cache_scheme": {**KV_SCHEME, "dynamic": True}})
+
+
+def test_the_default_scale_warning_is_for_an_e4m3_cache_left_at_one():
+    from kiln.attention.kv_cache_scales import default_scale_warning
+
+    scheme = {"quant_method": "compressed-tensors", "kv_cache_scheme": KV_SCHEME}
+    text = default_scale_warning("fp8", 3, 4, scheme)
+    assert "kv_cache_scheme" in text and "3 of its 4 attention layer(s)" in text
+    assert "llm-compressor" in text
+    assert "--kv-cache-dtype fp8_e4m3 runs" in default_scale_warning("fp8_e4m3", 1, 1, None)
+    assert default_scale_warning("fp8", 0, 4, scheme) is None  # every layer scaled
+    assert default_scale_warning("fp8_e5m2", 4, 4, None) is None  # vLLM: e5m2 runs unscaled
+    assert default_scale_warning("auto", 4, 4, scheme) is None

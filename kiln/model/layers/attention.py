@@ -7,7 +7,11 @@ from torch import nn
 from kiln import ir
 from kiln.attention import kv_cache_generation
 from kiln.attention.backend import get_attn_backend
-from kiln.attention.kv_cache_scales import checkpoint_scale, effective_scales
+from kiln.attention.kv_cache_scales import (
+    checkpoint_scale,
+    effective_scales,
+    reads_checkpoint_scales,
+)
 from kiln.config import get_current_kiln_config
 
 
@@ -23,8 +27,12 @@ class Attention(nn.Module):
         self.layer_name = prefix
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
         # --kv-cache-dtype, and the fp8 cache scales its checkpoint gave (kv_cache_scales.py)
-        cache_config = getattr(get_current_kiln_config(), "cache_config", None)
+        kiln_config = get_current_kiln_config()
+        cache_config = getattr(kiln_config, "cache_config", None)
         self.kv_cache_dtype = cache_config.cache_dtype if cache_config else "auto"
+        # whether its quantization method reads a checkpoint's k_scale / v_scale (vLLM's rule)
+        self.reads_checkpoint_scales = reads_checkpoint_scales(
+            getattr(getattr(kiln_config, "model_config", None), "quantization", None))
         self.checkpoint_scales: dict[str, float] = {}
         self.backend = self._choose_backend()
         self.impl = self._new_impl()

@@ -1,0 +1,97 @@
+"""Which checkpoints' KV cache scales a model load reads, and what it says about them, as vLLM
+does: a quantization config that asks for an fp8 cache and ships no k_scale / v_scale runs it at
+1.0 with one warning naming how many layers and what fixes it."""
+import json
+import shutil
+
+import torch
+from safetensors.torch import load_file
+
+from kiln.engine.arg_utils import EngineArgs
+from kiln.model.layers.attention import Attention
+from kiln.model.layers.quantization import get_quant_config
+from kiln.model.loader import build_model
+
+from w8a8_checkpoint import write_w8a8_checkpoint
+
+KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+             "symmetric": True}
+DEFAULT_SCALE = "use the default scale 1.0"
+
+
+def with_quantization_config(src, dst, quantization_config):
+    """`src` (a float checkpoint) with `quantization_config` in its config.json."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def kv_only_config(**overrides) -> dict:
+    """llm-compressor's KV-cache-only quantization_config (no config_groups)."""
+    return {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
+            "quantization_status": "compressed", "ignore": [], "kv_cache_scheme": KV_SCHEME,
+            **overrides}
+
+
+def load(model_dir, extra: dict | None = None, **engine_args):
+    """The model of `model_dir` loaded with `extra` tensors beside the checkpoint's: its
+    attention layers by name, and the parts load_weights reported."""
+    config = EngineArgs(model=str(model_dir), **engine_args).create_kiln_config()
+    quant_config = get_quant_config(config.model_config)
+    model = build_model(config)
+    if quant_config is not None:  # W8A8's int8 parameters, as the loader makes them
+        quant_config.prepare(model)
+    tensors = {**load_file(str(model_dir / "model.safetensors")), **(extra or {})}
+    with torch.no_grad():
+        loaded = model.load_weights(iter(tensors.items()))
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, Attention)}
+    return layers, loaded
+
+
+def _scales(layers) -> list[tuple[float, float]]:
+    return [(a.impl.k_scale, a.impl.v_scale) for _, a in sorted(layers.items())]
+
+
+def test_a_kv_cache_scheme_without_scales_warns_once_naming_the_layers_and_the_fix(
+        tiny_llama_dir, tmp_path, kiln_logs):
+    model = with_quantization_config(tiny_llama_dir, tmp_path / "kv", kv_only_config())
+    layers, _ = load(model)  # auto: the scheme's fp8
+    assert _scales(layers) == [(1.0, 1.0)] * 2
+    warnings = [r.getMessage() for r in kiln_logs.records if DEFAULT_SCALE in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "asks for an fp8 KV cache (kv_cache_scheme)" in warnings[0]
+    assert "no k_scale / v_scale for 2 of its 2 attention layer(s)" in warnings[0]
+    assert "llm-compressor" in warnings[0]
+
+
+def test_the_warning_counts_only_the_layers_left_at_one(tiny_llama_dir, tmp_path, kiln_logs):
+    model = with_quantization_config(tiny_llama_dir, tmp_path / "kv", kv_only_config())
+    layers, _ = load(model, {"model.layers.1.self_attn.k_scale": torch.tensor(0.5),
+                             "model.layers.1.self_attn.v_scale": torch.tensor(2.0)})
+    assert _scales(layers) == [(1.0, 1.0), (0.5, 2.0)]
+    assert "no k_scale / v_scale for 1 of its 2 attention layer(s)" in kiln_logs.text
+
+
+def test_an_fp8_cache_of_a_w8a8_checkpoint_without_scales_warns_as_vllm_does(
+        tiny_llama_dir, tmp_path, kiln_logs):
+    """vLLM's compressed-tensors layers read KV scales with or without a kv_cache_scheme, and
+    warn for an e4m3 cache left at 1.0; e5m2 and a model-dtype cache are not warned about."""
+    model = write_w8a8_checkpoint(tiny_llama_dir, tmp_path / "w8a8")
+    load(model, kv_cache_dtype="fp8")
+    assert "--kv-cache-dtype fp8 runs an fp8 KV cache but the checkpoint has no k_scale / " \
+           "v_scale for 2 of its 2" in kiln_logs.text
+    kiln_logs.clear()
+    load(model, kv_cache_dtype="fp8_e5m2")
+    load(model)
+    assert DEFAULT_SCALE not in kiln_logs.text
+
+
+def test_a_checkpoint_with_every_scale_is_not_warned_about(tiny_llama_dir, tmp_path,
+                                                           kiln_logs):
+    model = with_quantization_config(tiny_llama_dir, tmp_path / "kv", kv_only_config())
+    layers, _ = load(model, {f"model.layers.{i}.self_attn.kv_scale": torch.tensor(0.25)
+                             for i in range(2)})
+    assert _scales(layers) == [(0.25, 0.25)] * 2
+    assert DEFAULT_SCALE not in kiln_logs.text
