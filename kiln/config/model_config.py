@@ -236,12 +236,12 @@ class ModelConfig(ModelShape, FreezableConfig):
         """The number format of the quantized linears: "int8" (online int8, compressed-tensors
         W8A8), "fp8" (fp8, ptpc_fp8), "int4" (W4A16: GPTQ, AWQ, compressed-tensors
         pack-quantized), or None for float linears (a float model, or a compressed-tensors one
-        that quantizes only its KV cache)."""
+        without config_groups: its KV cache alone quantized, or nothing)."""
         if self.quantization == "compressed-tensors":
             from kiln.model.layers.quantization import compressed_tensors as ct
 
             raw = self.hf_config.quantization_config
-            if ct.is_kv_cache_only(raw):  # only the KV cache is: the linears are float
+            if ct.quantizes_no_linear(raw):  # the KV cache alone, or nothing: float linears
                 return None
             return "int4" if ct.is_weight_only_4bit(raw) else "int8"
         return {"int8": "int8", "fp8": "fp8", "ptpc_fp8": "fp8", "gptq": "int4",

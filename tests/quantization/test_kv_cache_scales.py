@@ -14,9 +14,9 @@ from kiln.attention.kv_cache_scales import (
 from kiln.errors import ConfigError
 from kiln.model.layers.quantization.compressed_tensors import (
     UnsupportedQuantization,
-    is_kv_cache_only,
-    parse_kv_cache_only,
+    parse_no_linear,
     parse_w8a8_int8,
+    quantizes_no_linear,
 )
 
 from w8a8_checkpoint import w8a8_quantization_config
@@ -113,29 +113,28 @@ def test_a_kv_cache_scheme_makes_auto_an_fp8_cache_as_vllm_does():
 
 def test_a_kv_cache_scheme_alone_quantizes_no_linear():
     kv_only = w8a8_quantization_config(config_groups={}, kv_cache_scheme=KV_SCHEME)
-    assert is_kv_cache_only(kv_only)
-    parse_kv_cache_only(kv_only)
-    assert not is_kv_cache_only(w8a8_quantization_config(kv_cache_scheme=KV_SCHEME))
-    assert not is_kv_cache_only(w8a8_quantization_config(config_groups={}))
+    assert quantizes_no_linear(kv_only)
+    assert "only the KV cache is quantized" in parse_no_linear(kv_only)
+    assert not quantizes_no_linear(w8a8_quantization_config(kv_cache_scheme=KV_SCHEME))
     with pytest.raises(UnsupportedQuantization, match=r"config_groups=\{\} is not supported.*"
                                                       r"needs at least one group"):
         parse_w8a8_int8(w8a8_quantization_config(config_groups={}))
     with pytest.raises(UnsupportedQuantization, match=r"kv_cache_scheme\.dynamic=True"):
-        parse_kv_cache_only({**kv_only, "kv_cache_scheme": {**KV_SCHEME, "dynamic": True}})
+        parse_no_linear({**kv_only, "kv_cache_scheme": {**KV_SCHEME, "dynamic": True}})
 
 
 def test_a_kv_cache_scheme_alone_may_leave_config_groups_out_or_null():
-    """is_kv_cache_only takes a config without config_groups (left out, as vLLM reads it, or
+    """quantizes_no_linear takes a config without config_groups (left out, as vLLM reads it, or
     null) as KV-cache-only, and the engine resolves it so (float linears, an fp8 cache): its
     check must take it too; compressed-tensors' own model requires the field, so it was
     refused at load as 'not a valid compressed-tensors config'."""
     kv_only = w8a8_quantization_config(config_groups={}, kv_cache_scheme=KV_SCHEME)
     for raw in ({k: v for k, v in kv_only.items() if k != "config_groups"},
                 {**kv_only, "config_groups": None}):
-        assert is_kv_cache_only(raw)
-        parse_kv_cache_only(raw)
+        assert quantizes_no_linear(raw)
+        parse_no_linear(raw)
         with pytest.raises(UnsupportedQuantization, match=r"kv_cache_scheme\.dynamic=True"):
-            parse_kv_cache_only({**raw, "kv_cache_scheme": {**KV_SCHEME, "dynamic": True}})
+            parse_no_linear({**raw, "kv_cache_scheme": {**KV_SCHEME, "dynamic": True}})
 
 
 def test_the_default_scale_warning_is_for_an_e4m3_cache_left_at_one():

@@ -5,7 +5,7 @@ a compressed-tensors (pack-quantized), GPTQ or AWQ checkpoint.
 
 `resolve_quantization` decides from the flag and the checkpoint's `quantization_config`;
 `get_quant_config` builds the method's config for a ModelConfig (None: unquantized linears, as
-a compressed-tensors checkpoint quantizing only its KV cache has).
+a compressed-tensors checkpoint without config_groups has: KV cache scales or sparsity alone).
 """
 from kiln.errors import ConfigError
 from kiln.logger import init_logger
@@ -78,10 +78,10 @@ def get_quant_config(model_config):
     from kiln.model.layers.quantization.int4_weight import Int4WeightConfig
 
     raw = _raw_config(model_config.hf_config)
-    if method == "compressed-tensors" and ct.is_kv_cache_only(raw):
-        ct.parse_kv_cache_only(raw)
-        logger.info("compressed-tensors: only the KV cache is quantized (kv_cache_scheme, "
-                    "its per-layer scales); the linear layers run unquantized")
+    if method == "compressed-tensors" and ct.quantizes_no_linear(raw):
+        line = ct.parse_no_linear(raw)
+        # vLLM warns for float linears under compressed-tensors: nothing to accelerate
+        (logger.info if raw.get("kv_cache_scheme") else logger.warning)(line)
         return None
     if method == "gptq":
         group, symmetric = int4_formats.parse_gptq(raw)

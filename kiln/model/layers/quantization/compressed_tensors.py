@@ -2,7 +2,8 @@
 accepting only the schemes Kiln runs: int8 W8A8 (symmetric per-channel weights, dynamic per-token
 activations, format int-quantized or naive-quantized) and W4A16 (4-bit weights by group or
 channel, format pack-quantized), either with an fp8 KV cache's per-tensor static scales
-(kv_cache_scheme), or those scales alone (no config_groups: the linears stay in the model dtype).
+(kv_cache_scheme), or those scales alone; no config_groups at all (KV cache scales alone, sparsity
+stored dense, or nothing) leaves the linears in the model dtype, as vLLM serves them.
 Anything else is refused naming the field and its value.
 """
 from typing import Any
@@ -100,22 +101,35 @@ def _validated(raw: dict):
                                       f"config: {e}") from None
 
 
-def is_kv_cache_only(raw) -> bool:
-    """Whether `raw` quantizes the KV cache alone: a kv_cache_scheme and no config_groups (as
-    llm-compressor writes for KV cache quantization of a float model); its linears stay in the
-    model dtype, as vLLM runs them (UnquantizedLinearMethod)."""
+def quantizes_no_linear(raw) -> bool:
+    """Whether `raw` quantizes none of the linear layers: no config_groups (left out, null or
+    empty). llm-compressor writes that for KV cache quantization alone (a kv_cache_scheme) and
+    for a sparsified model stored dense (a sparsity_config alone); vLLM runs such linears
+    unquantized (UnquantizedLinearMethod), in the model dtype."""
     if not isinstance(raw, dict):
         raw = raw.to_dict()
-    return not raw.get("config_groups") and bool(raw.get("kv_cache_scheme"))
+    return not raw.get("config_groups")
 
 
-def parse_kv_cache_only(raw: dict) -> None:
-    """Validate a KV-cache-only `raw` (is_kv_cache_only): its kv_cache_scheme as
-    check_kv_cache_scheme takes it, and nothing beside it that changes the weights."""
+def parse_no_linear(raw: dict) -> str:
+    """Validate a `raw` that quantizes no linear (quantizes_no_linear): its kv_cache_scheme as
+    check_kv_cache_scheme takes it, and nothing beside it that changes the weights (sparse
+    storage Kiln cannot read is refused naming sparsity_config.format). Returns the line to
+    log: what is quantized, and that the linears run in the model dtype."""
     if not isinstance(raw, dict):
         raw = raw.to_dict()
-    # left out or null, as is_kv_cache_only takes it: compressed-tensors' model requires it
-    check_kv_cache_scheme(_validated({**raw, "config_groups": {}}).kv_cache_scheme)
+    # left out or null: compressed-tensors' model requires the field
+    scheme = _validated({**raw, "config_groups": {}}).kv_cache_scheme
+    check_kv_cache_scheme(scheme)
+    if scheme is not None:
+        return ("compressed-tensors: only the KV cache is quantized (kv_cache_scheme, its "
+                "per-layer scales); the linear layers run unquantized")
+    sparsity = raw.get("sparsity_config") or {}
+    what = (f"sparsity_config with structure {sparsity.get('sparsity_structure')!r} stored "
+            f"{sparsity.get('format', 'dense')!r}" if sparsity else "nothing")
+    return (f"compressed-tensors quantization_config quantizes no layer (no config_groups, no "
+            f"kv_cache_scheme; {what}): the weights are served as stored, dense in the model "
+            "dtype, as vLLM falls back to unquantized linears")
 
 
 def is_weight_only_4bit(raw: dict) -> bool:
