@@ -73,6 +73,19 @@ def default_scale_warning(cache_dtype: str, unscaled: int, layers: int,
             "scales with llm-compressor (a recipe with a kv_cache_scheme, saved with the model)")
 
 
+def unread_scales_warning(unread: list[str], quantization: str | None) -> str:
+    """The warning for KV scale tensors a model running `quantization` does not read
+    (reads_checkpoint_scales): vLLM finds no k_scale parameter in such a model and skips them
+    with a warning (maybe_remap_kv_scale_name), so an fp8 cache runs at 1.0."""
+    method = f"quantization {quantization!r}" if quantization else "no quantization_config"
+    more = f" and {len(unread) - 1} more" if len(unread) > 1 else ""
+    return (f"the checkpoint holds KV cache scale tensors ({unread[0]}{more}), but with {method} "
+            "they are not loaded (as vLLM skips them: only a compressed-tensors or fp8 "
+            "quantization config reads them); an fp8 KV cache runs at scale 1.0. To use them, "
+            "give config.json a compressed-tensors quantization_config with a kv_cache_scheme, "
+            "as llm-compressor writes with the scales")
+
+
 def unplaced_scales_warning(unplaced: list[tuple[str, str]]) -> str:
     """The warning for KV scale tensors whose attention layer the model lacks (vLLM skips them
     with a warning too): (tensor, the layer it would go to) pairs, the first few named."""

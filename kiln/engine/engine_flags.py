@@ -274,7 +274,8 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                    help="the KV cache's elements: auto (the model's dtype; fp8 over a "
                         "compressed-tensors checkpoint with a kv_cache_scheme), fp8 (= fp8_e4m3, "
                         "float8_e4m3fn) or fp8_e5m2: half a bfloat16 cache's bytes; scaled by the "
-                        "checkpoint's per-layer k_scale / v_scale, else 1.0")
+                        "checkpoint's per-layer k_scale / v_scale (read under a "
+                        "compressed-tensors config or online fp8 / int8, as vLLM), else 1.0")
     v.add_argument("--tokenizer-mode", default=d.tokenizer_mode, choices=["auto", "hf"],
                    help="the model's fast tokenizer")
     v.add_argument("--swap-space", type=float, default=d.swap_space,

@@ -1,6 +1,7 @@
 """HF-name weight loading for the decoder models: each checkpoint tensor into its (merged,
 sharded) parameter, refusing a tensor that fits none and a checkpoint that leaves one out; an
-fp8 KV cache's scales (k_scale / v_scale) into their attention layer.
+fp8 KV cache's scales (k_scale / v_scale) into their attention layer, where the model's
+quantization method reads them (vLLM's rule, kv_cache_scales.py).
 
 A mixin of LlamaStyleForCausalLM, which gives `config`, `model`, `owns`,
 `tie_word_embeddings`, `head_loads_embedding` and `require_all_weights`.
@@ -13,6 +14,7 @@ from kiln.attention.kv_cache_scales import (
     default_scale_warning,
     kv_scale_target,
     unplaced_scales_warning,
+    unread_scales_warning,
 )
 from kiln.errors import ConfigError
 from kiln.logger import init_logger
@@ -37,6 +39,7 @@ class HFWeightLoading:
         stored_head = None
         attention = None  # module name -> Attention layer, found at the first KV scale
         unplaced: list[tuple[str, str]] = []  # KV scales for a layer the model lacks
+        unread: list[tuple[str, str | None]] = []  # KV scales, and the method not reading them
         for name, tensor in _each_expert_apart(weights):
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -51,8 +54,11 @@ class HFWeightLoading:
             if scale is not None:
                 if attention is None:
                     attention = _attention_layers(self)
-                if scale[0] in attention:
-                    attention[scale[0]].load_kv_scale(name, scale[1], tensor)
+                layer = attention.get(scale[0])
+                if layer is not None and not layer.reads_checkpoint_scales:
+                    unread.append((name, layer.quantization))
+                elif layer is not None:
+                    layer.load_kv_scale(name, scale[1], tensor)
                 else:  # skipped with a warning, as vLLM does (maybe_remap_kv_scale_name)
                     unplaced.append((name, scale[0]))
                 continue
@@ -75,6 +81,8 @@ class HFWeightLoading:
             loaded.add(target if shard_id is None else f"{target}#{shard_id}")
         if unplaced:
             logger.warning(unplaced_scales_warning(unplaced))
+        if unread:
+            logger.warning(unread_scales_warning([n for n, _ in unread], unread[0][1]))
         if self.require_all_weights:  # a whole model's load
             self._check_complete(params, loaded)
             self._warn_default_kv_scales(attention or _attention_layers(self))

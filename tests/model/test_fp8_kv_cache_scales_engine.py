@@ -114,8 +114,8 @@ def test_checkpoint_scales_run_on_every_path_as_the_torch_backend(scaled_dir, ti
 def test_auto_runs_a_kv_cache_scheme_in_fp8_and_leaves_plain_scales_unused(
         scaled_dir, tiny_llama_dir, tmp_path, monkeypatch):
     """vLLM's Attention layers make a compressed-tensors kv_cache_scheme's cache fp8 whatever
-    --kv-cache-dtype says; scale tensors without one are read and, under auto, unused (a cache
-    in the model dtype: BaseKVCacheMethod's 1.0)."""
+    --kv-cache-dtype says; scale tensors of a float checkpoint are not read (no KV cache method
+    holds them), and its cache stays in the model dtype."""
     monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")
     _, _, layers = _run(scaled_dir, kv_cache_dtype="auto")
     for i, (name, k_scale, v_scale, cache) in enumerate(layers):

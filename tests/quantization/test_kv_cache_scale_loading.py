@@ -1,9 +1,7 @@
 """Which checkpoints' KV cache scales a model load reads, and what it says about them, as vLLM
 does: a quantization config that asks for an fp8 cache and ships no k_scale / v_scale runs it at
 1.0 with one warning naming how many layers and what fixes it."""
-import json
-import shutil
-
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -12,27 +10,10 @@ from kiln.model.layers.attention import Attention
 from kiln.model.layers.quantization import get_quant_config
 from kiln.model.loader import build_model
 
+from kv_cache_checkpoint import kv_only_config, with_quantization_config
 from w8a8_checkpoint import write_w8a8_checkpoint
 
-KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
-             "symmetric": True}
 DEFAULT_SCALE = "use the default scale 1.0"
-
-
-def with_quantization_config(src, dst, quantization_config):
-    """`src` (a float checkpoint) with `quantization_config` in its config.json."""
-    shutil.copytree(src, dst)
-    config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = quantization_config
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst
-
-
-def kv_only_config(**overrides) -> dict:
-    """llm-compressor's KV-cache-only quantization_config (no config_groups)."""
-    return {"quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
-            "quantization_status": "compressed", "ignore": [], "kv_cache_scheme": KV_SCHEME,
-            **overrides}
 
 
 def load(model_dir, extra: dict | None = None, **engine_args):
@@ -95,3 +76,47 @@ def test_a_checkpoint_with_every_scale_is_not_warned_about(tiny_llama_dir, tmp_p
                              for i in range(2)})
     assert _scales(layers) == [(0.25, 0.25)] * 2
     assert DEFAULT_SCALE not in kiln_logs.text
+
+
+SCALES = {"model.layers.0.self_attn.k_scale": torch.tensor(0.5),
+          "model.layers.0.self_attn.v_scale": torch.tensor(2.0),
+          "model.layers.1.self_attn.k_proj.output_scale": torch.tensor(0.25),
+          "model.layers.1.self_attn.v_proj.output_scale": torch.tensor(4.0)}
+
+
+def _gptq(tiny_llama_dir, tmp_path):
+    from int4_checkpoint import write_int4_checkpoint
+
+    return write_int4_checkpoint(tiny_llama_dir, tmp_path / "gptq", tmp_path / "oracle", "gptq",
+                                 32)[0]
+
+
+@pytest.mark.parametrize("checkpoint,args,method", [
+    (lambda src, tmp: src, {}, "no quantization_config"),
+    (_gptq, {}, "quantization 'gptq'"),
+], ids=["float", "gptq"])
+def test_scales_a_quantization_method_does_not_read_are_skipped_with_a_warning(
+        tiny_llama_dir, tmp_path, kiln_logs, checkpoint, args, method):
+    """vLLM's Attention layers hold k_scale / v_scale parameters only under a quantization
+    config with a KV cache method (compressed-tensors, fp8); a float or GPTQ checkpoint's scale
+    tensors find none and are skipped with a warning: its fp8 cache runs at 1.0 (they ran at
+    the checkpoint's scales)."""
+    layers, _ = load(checkpoint(tiny_llama_dir, tmp_path), SCALES, kv_cache_dtype="fp8", **args)
+    assert _scales(layers) == [(1.0, 1.0)] * 2
+    assert all(not a.checkpoint_scales for a in layers.values())
+    assert "KV cache scale tensors (model.layers.0.self_attn.k_scale and 3 more), but with " \
+           f"{method} they are not loaded" in kiln_logs.text
+    assert "compressed-tensors quantization_config with a kv_cache_scheme" in kiln_logs.text
+    assert DEFAULT_SCALE not in kiln_logs.text  # vLLM: no KV cache method, no 1.0 warning
+
+
+@pytest.mark.parametrize("checkpoint,args", [
+    (lambda src, tmp: with_quantization_config(src, tmp / "kv"), {}),
+    (lambda src, tmp: write_w8a8_checkpoint(src, tmp / "w8a8"), {}),
+    (lambda src, tmp: src, {"quantization": "fp8"}),
+], ids=["kv-cache-scheme", "w8a8-without-scheme", "online-fp8"])
+def test_scales_are_read_where_vllm_reads_them(tiny_llama_dir, tmp_path, kiln_logs,
+                                               checkpoint, args):
+    layers, _ = load(checkpoint(tiny_llama_dir, tmp_path), SCALES, kv_cache_dtype="fp8", **args)
+    assert _scales(layers) == [(0.5, 2.0), (0.25, 4.0)]
+    assert "not loaded" not in kiln_logs.text

@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 from kiln.entrypoints.llm import LLM
 from kiln.errors import ConfigError
 from kiln.sampling_params import SamplingParams
-from quantization.test_kv_cache_scale_loading import with_quantization_config
+
+from kv_cache_checkpoint import with_quantization_config
 
 PROMPTS = [{"prompt_token_ids": [7, 3, 9, 1, 4, 4, 8, 2, 6, 5, 3, 3, 7, 1, 2, 9, 8, 8, 4, 6, 11]},
            {"prompt_token_ids": [31, 32, 33, 34, 35, 36, 37, 38, 39]}]

@@ -30,9 +30,11 @@ class Attention(nn.Module):
         kiln_config = get_current_kiln_config()
         cache_config = getattr(kiln_config, "cache_config", None)
         self.kv_cache_dtype = cache_config.cache_dtype if cache_config else "auto"
-        # whether its quantization method reads a checkpoint's k_scale / v_scale (vLLM's rule)
-        self.reads_checkpoint_scales = reads_checkpoint_scales(
-            getattr(getattr(kiln_config, "model_config", None), "quantization", None))
+        # the model's quantization method, and whether it reads a checkpoint's k_scale /
+        # v_scale (vLLM's rule: kv_cache_scales.py)
+        self.quantization = getattr(getattr(kiln_config, "model_config", None), "quantization",
+                                    None)
+        self.reads_checkpoint_scales = reads_checkpoint_scales(self.quantization)
         self.checkpoint_scales: dict[str, float] = {}
         self.backend = self._choose_backend()
         self.impl = self._new_impl()
