@@ -33,7 +33,8 @@ class HFWeightLoading:
         """Load HF-named tensors; raises naming any tensor that fits no parameter and any
         parameter the checkpoint did not provide (random weights must never be served), unless
         `require_all_weights` is off: a weight update (kiln/worker/weight_update.py) may bring
-        a few. Returns the parts loaded (`name` or `name#shard`)."""
+        a few. Returns the parts loaded (`name` or `name#shard`; a KV cache scale as its
+        layer's `X.attn.k_scale`, as vLLM's parameter is named)."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         stored_head = None
@@ -57,8 +58,9 @@ class HFWeightLoading:
                 layer = attention.get(scale[0])
                 if layer is not None and not layer.reads_checkpoint_scales:
                     unread.append((name, layer.quantization))
-                elif layer is not None:
-                    layer.load_kv_scale(name, scale[1], tensor)
+                elif layer is not None:  # reported as vLLM names its parameter: X.attn.k_scale
+                    loaded.update(f"{scale[0]}.{kind}_scale"
+                                  for kind in layer.load_kv_scale(name, scale[1], tensor))
                 else:  # skipped with a warning, as vLLM does (maybe_remap_kv_scale_name)
                     unplaced.append((name, scale[0]))
                 continue

@@ -16,9 +16,10 @@ from w8a8_checkpoint import write_w8a8_checkpoint
 DEFAULT_SCALE = "use the default scale 1.0"
 
 
-def load(model_dir, extra: dict | None = None, **engine_args):
+def load(model_dir, extra: dict | None = None, model_out: list | None = None, **engine_args):
     """The model of `model_dir` loaded with `extra` tensors beside the checkpoint's: its
-    attention layers by name, and the parts load_weights reported."""
+    attention layers by name, and the parts load_weights reported (the model and its config
+    appended to `model_out`)."""
     config = EngineArgs(model=str(model_dir), **engine_args).create_kiln_config()
     quant_config = get_quant_config(config.model_config)
     model = build_model(config)
@@ -28,6 +29,8 @@ def load(model_dir, extra: dict | None = None, **engine_args):
     with torch.no_grad():
         loaded = model.load_weights(iter(tensors.items()))
     layers = {n: m for n, m in model.named_modules() if isinstance(m, Attention)}
+    if model_out is not None:
+        model_out += [model, config]
     return layers, loaded
 
 
@@ -120,3 +123,32 @@ def test_scales_are_read_where_vllm_reads_them(tiny_llama_dir, tmp_path, kiln_lo
     layers, _ = load(checkpoint(tiny_llama_dir, tmp_path), SCALES, kv_cache_dtype="fp8", **args)
     assert _scales(layers) == [(0.5, 2.0), (0.25, 4.0)]
     assert "not loaded" not in kiln_logs.text
+
+
+def test_load_weights_reports_the_scales_it_loaded_as_vllm_names_them(tiny_llama_dir,
+                                                                      tmp_path):
+    """load_weights returns the parts it loaded; vLLM's holds each layer's `attn.k_scale` /
+    `attn.v_scale` parameter, so a checkpoint shard or an update of scales alone reports them
+    (it returned nothing for them, as if no tensor had been taken)."""
+    from kiln.worker.weight_update import load_in_place
+
+    built = []
+    layers, loaded = load(with_quantization_config(tiny_llama_dir, tmp_path / "kv"), SCALES,
+                          built)
+    scale_parts = {"model.layers.0.self_attn.attn.k_scale",
+                   "model.layers.0.self_attn.attn.v_scale",
+                   "model.layers.1.self_attn.attn.k_scale",
+                   "model.layers.1.self_attn.attn.v_scale"}
+    assert scale_parts <= loaded
+    model, config = built
+    # an update of one layer's scales alone: those, a kv_scale as both; no weight counted
+    update = {"model.layers.1.self_attn.kv_scale": torch.tensor(3.0)}
+    got = load_in_place(model, update, config)
+    assert got == {"model.layers.1.self_attn.attn.k_scale",
+                   "model.layers.1.self_attn.attn.v_scale"}
+    assert _scales(layers) == [(0.5, 2.0), (3.0, 3.0)]
+    assert len(model.missing_weights(got)) == len(model.missing_weights(set()))
+    # scales a float model does not read are not reported as loaded
+    float_built = []
+    load(tiny_llama_dir, None, float_built, kv_cache_dtype="fp8")
+    assert load_in_place(float_built[0], update, float_built[1]) == set()

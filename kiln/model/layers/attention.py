@@ -52,17 +52,19 @@ class Attention(nn.Module):
                                            self.num_kv_heads, self.sliding_window,
                                            self.logits_soft_cap)
 
-    def load_kv_scale(self, name: str, kind: str, tensor: torch.Tensor) -> None:
+    def load_kv_scale(self, name: str, kind: str, tensor: torch.Tensor) -> tuple[str, ...]:
         """Checkpoint tensor `name` as this layer's `kind` scale (kv_scale_target's: k, v, q,
         prob; "kv" sets both), checked; the impl's scales follow (vLLM's rules:
-        effective_scales)."""
+        effective_scales). Returns the scales set (k, v, q, prob)."""
         value = checkpoint_scale(name, tensor)
-        for which in ("k", "v") if kind == "kv" else (kind,):
+        kinds = ("k", "v") if kind == "kv" else (kind,)
+        for which in kinds:
             self.checkpoint_scales[which] = value
         k, v = effective_scales(self.kv_cache_dtype, self.checkpoint_scales.get("k"),
                                 self.checkpoint_scales.get("v"))
         self.impl.k_scale, self.impl.v_scale = k, v
         kv_cache_generation.bump()  # the C++ kernel's layer table holds the scales
+        return kinds
 
     @property
     def kv_cache(self) -> torch.Tensor | None:
