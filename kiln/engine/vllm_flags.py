@@ -157,8 +157,9 @@ VLLM_ONLY_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--otlp-traces-endpoint",), "exporting OpenTelemetry traces", "Kiln exports "
              "none: scrape GET /metrics (Prometheus)"),
     VllmFlag(("--calculate-kv-scales",), "fp8 KV-cache scales computed from the first batch",
-             "Kiln's fp8 KV cache (--kv-cache-dtype fp8) keeps scales of 1.0, vLLM's default "
-             "without this flag: drop it", takes_value=False),
+             "Kiln's fp8 KV cache (--kv-cache-dtype fp8) reads the checkpoint's k/v scales where "
+             "it has them and otherwise keeps scales of 1.0, vLLM's default without this flag: "
+             "drop it", takes_value=False),
     VllmFlag(("--uds",), "serving on a Unix domain socket", "kiln serve listens on TCP "
              "(--host, --port): put a proxy on the socket"),
 )
