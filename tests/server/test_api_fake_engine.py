@@ -211,6 +211,8 @@ def test_chat_whole_streamed_and_logprobs(client):
     ("/v1/completions", dict(prompt="x", temperature="hot"), "temperature", None),
     ("/v1/completions", dict(prompt="x", stop=5), "stop", None),
     ("/v1/completions", dict(temperature=0.5), "prompt", "missing"),
+    # vLLM's embeddings-only prompt (no prompt field): refused by name, not "missing 'prompt'"
+    ("/v1/completions", dict(prompt_embeds="AAAA"), "prompt_embeds", "unsupported_parameter"),
     ("/v1/completions", dict(prompt="x", logit_bias={"five": 1}), "logit_bias", None),
     ("/v1/completions", dict(prompt="x", allowed_token_ids=[]), "allowed_token_ids", None),
     ("/v1/completions", dict(prompt="x", use_beam_search=True, stream=True), "use_beam_search",

@@ -104,6 +104,25 @@ def _loc_to_param(loc: tuple) -> str | None:
     return out or None
 
 
+# A field vLLM takes in place of a required one (prompt_embeds without a prompt, as vLLM's
+# completions accept it) -> the field it stands in for.
+_STAND_INS = {"prompt_embeds": "prompt"}
+
+
+def _refused_stand_in(kind: str, param: str | None, body) -> OpenAIError | None:
+    """The refusal of the field a client sent in place of a missing one, which says what to
+    do: "missing required field 'prompt'" did not, to a client that sent prompt_embeds."""
+    if kind != "missing" or not isinstance(body, dict):
+        return None
+    from kiln.entrypoints.openai.sampling import OFF_ONLY  # it imports this module
+
+    for name, replaces in _STAND_INS.items():
+        if replaces == param and body.get(name) is not None:
+            return OpenAIError(f"{name} is refused: {OFF_ONLY[name][1]}; give {replaces}",
+                               param=name, code="unsupported_parameter")
+    return None
+
+
 def validation_error(exc: RequestValidationError) -> OpenAIError:
     errors = exc.errors()
     if not errors:
@@ -119,6 +138,9 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
         return OpenAIError("the request body was not read as JSON: send it with the header "
                            "'Content-Type: application/json'", code="invalid_content_type")
     msg = first.get("msg", "invalid value")
+    refused = _refused_stand_in(kind, param, first.get("input"))
+    if refused is not None:
+        return refused
     if kind == "missing":
         text = f"missing required field {param!r}" if param else "missing request body"
     elif param is None:

@@ -4,6 +4,7 @@ JSON has no -inf, so impossible tokens report a large negative number instead.
 """
 import math
 
+from kiln.engine.token_bytes import token_bytes
 from kiln.entrypoints.openai.response_models import CompletionLogprobs, TokenLogprob, TopLogprob
 from kiln.outputs import Logprob
 
@@ -71,9 +72,11 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], toke
         sampled = _sampled(tid, step)
         text = token_text(tid, sampled, tokenizer, as_token_ids)
         top = [TopLogprob(token=(t := token_text(cid, c, tokenizer, as_token_ids)),
-                          logprob=_finite(c.logprob), bytes=list(t.encode("utf-8")))
+                          logprob=_finite(c.logprob),
+                          bytes=token_bytes(None if as_token_ids else tokenizer, cid, t))
                for cid, c in _top(step, num_top)]
         entries.append(TokenLogprob(
             token=text, logprob=_finite(sampled.logprob) if sampled is not None else _FLOOR,
-            bytes=list(text.encode("utf-8")), top_logprobs=top))
+            bytes=token_bytes(None if as_token_ids else tokenizer, tid, text),
+            top_logprobs=top))
     return entries
