@@ -12,17 +12,10 @@ _FFFD = "\ufffd"
 
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte-level BPE spelling, inverted: the printable character that stands for each
-    byte in a byte-level vocabulary (bytes that are printable themselves, then the rest from
-    U+0100 up) -> the byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    chars = {b: chr(b) for b in printable}
-    shifted = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = chr(256 + shifted)
-            shifted += 1
-    return {c: b for b, c in chars.items()}
+    byte in a byte-level vocabulary -> the byte."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 def _decoder_types(tokenizer) -> set[str]:
