@@ -2,8 +2,8 @@
 request's K/V blocks in place: short queries (decodes, small chunks) in the per-token kernel,
 which also writes the step's K/V into the cache, long ones (prefills) in the blocked one.
 
-A step of short queries only is handed to the op's C++ kernel before its first layer
-(begin_step), and its layers reach the C kernel without Python. Both kernels take a layer's
+A step is handed to the op's C++ kernel before its first layer (begin_step), and its layers
+reach the C kernels without Python, unless SDPA takes some of its queries. Both kernels take a layer's
 sliding window and soft cap. Long queries stay on SDPA where
 the blocked kernel has no SIMD tiles for the layer (its scalar path is slower than SDPA).
 """
@@ -78,7 +78,7 @@ class CpuAttentionImpl(TorchAttentionImpl):
     def _plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype | None = None,
               head_size: int | None = None) -> "_StepPlan":
         """The kernels' arguments for the step, once per step (and layer kind), shared by every
-        layer. A step of short queries only is handed to the C++ kernel as it is planned."""
+        layer. A step with no query for SDPA is handed to the C++ kernel as it is planned."""
         simd = dtype is None or prefill_attention.simd(dtype, head_size)
         key = ("cpu_split", simd)
         if key not in md.step_cache:
@@ -94,8 +94,8 @@ class CpuAttentionImpl(TorchAttentionImpl):
             plan = _StepPlan(args(routes.short), args(routes.prefill) if routes.prefill else None,
                              routes.sdpa)
             md.step_cache[key] = plan
-            if not (routes.prefill or routes.sdpa):
-                _hand_over(md, plan.short)
+            if not routes.sdpa:
+                _hand_over(md, plan.short, plan.prefill.reqs if plan.prefill else None)
         return md.step_cache[key]
 
 
@@ -166,10 +166,11 @@ def _layer_table(layers: dict) -> attention_op.LayerTable | None:
     return table
 
 
-def _hand_over(md: AttentionMetadata, step: paged_attention.StepArgs) -> None:
+def _hand_over(md: AttentionMetadata, step: paged_attention.StepArgs,
+               prefill_reqs: torch.Tensor | None) -> None:
     """Let the C++ kernel of kiln::unified_attention serve the step's other layers, each with
-    its KV cache group's `step` (group_steps), until the forward context closes
-    (kiln/native/attention_op.py)."""
+    its KV cache group's `step` (group_steps) and, where the step has long queries, the prefill
+    kernel over `prefill_reqs`, until the forward context closes (kiln/native/attention_op.py)."""
     if not (attention_op.available() and is_forward_context_available()):
         return
     context = get_forward_context()
@@ -177,7 +178,8 @@ def _hand_over(md: AttentionMetadata, step: paged_attention.StepArgs) -> None:
         return
     table = _layer_table(context.no_compile_layers)
     if table is not None:
-        attention_op.begin_step(table, group_steps(md, step), md.num_actual_tokens)
+        attention_op.begin_step(table, group_steps(md, step), md.num_actual_tokens,
+                                prefill_reqs)
         context.on_exit.append(attention_op.end_step)
 
 
@@ -186,9 +188,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     @staticmethod
     def begin_step(attn_metadata: AttentionMetadata, block_size: int) -> None:
-        # Planned (and handed to the C++ kernel) before the first layer, every layer of a step
-        # of short queries skips Python: the first one's plan and checks took ~110 of its ~125
-        # us in a decode step.
+        # Planned (and handed to the C++ kernel) before the first layer, every layer of the step
+        # skips Python: the first one's plan and checks took ~110 of its ~125 us in a decode
+        # step. Planned for the prefill kernel's SIMD tiles; a layer they do not serve goes
+        # back to Python, which plans SDPA's share for it.
         CpuAttentionImpl._plan(attn_metadata, block_size)
 
     @staticmethod

@@ -2,7 +2,7 @@
 it each step's metadata and an engine's table of layers (a torch custom-class object).
 
 The C++ kernel serves a step's layers only once a step was handed over (`begin_step`), and only
-those in the table; every other call goes to the Python implementation, as before.
+those in the table; every other call goes to the Python implementation.
 """
 from typing import NamedTuple
 
@@ -42,17 +42,20 @@ class LayerTable:
 
 
 def begin_step(table: LayerTable, steps: list[paged_attention.StepArgs],
-               num_actual_tokens: int) -> None:
+               num_actual_tokens: int, prefill_reqs: torch.Tensor | None = None) -> None:
     """Until `end_step`, calls for the table's layers attend with their group's step of `steps`
     (one per KV cache group, over the same requests: only the block table and slot mapping
     differ; the C++ side holds their tensors until then); rows from num_actual_tokens on are
-    padding, zeroed. A layer of a group past `steps` takes the Python path."""
+    padding, zeroed. prefill_reqs (int32): the step's long queries' requests, which the prefill
+    kernel then attends after each layer's K/V write (a layer whose dtype and head size it has
+    no SIMD tiles for takes the Python path, SDPA). A layer of a group past `steps` takes the
+    Python path."""
     first = steps[0]
     _, query_start_loc, seq_lens, reqs, _, num_tokens, max_seq_len = first.tensors()
     torch.ops.kiln.attention_begin_step(
         table.layers, [s.block_table for s in steps], query_start_loc, seq_lens, reqs,
         [s.slot_mapping for s in steps], num_tokens, max_seq_len, first.block_size,
-        num_actual_tokens)
+        num_actual_tokens, prefill_reqs)
 
 
 def end_step() -> None:

@@ -1,6 +1,7 @@
-"""The C++ CPU kernel of kiln::unified_attention (kiln/native/csrc/attention_op.cpp): a step of
-short queries is handed to it before its first layer (or at it, unplanned), and its layers then
-never reach Python."""
+"""The C++ CPU kernel of kiln::unified_attention (kiln/native/csrc/attention_op.cpp): a step is
+handed to it before its first layer (or at it, unplanned), and its layers then never reach
+Python, unless SDPA takes some of its queries (long ones the prefill kernel has no SIMD tiles
+for)."""
 import pytest
 import torch
 
@@ -31,17 +32,19 @@ class Engine:
     """Attention layers as a model builds them, their caches, and a torch-backend reference
     run over copies of the same caches."""
 
-    def __init__(self, num_layers: int = 3, dtype=torch.float32, seed: int = 0):
-        self.cfg, self.dtype = _Config(), dtype
+    def __init__(self, num_layers: int = 3, dtype=torch.float32, seed: int = 0,
+                 head_size: int = HD):
+        self.cfg, self.dtype, self.hd = _Config(), dtype, head_size
+        hd = head_size
         with set_current_kiln_config(self.cfg):
-            self.layers = [Attention(NH, HD, HD ** -0.5, NKV, prefix=f"model.layers.{i}.attn")
+            self.layers = [Attention(NH, hd, hd ** -0.5, NKV, prefix=f"model.layers.{i}.attn")
                            for i in range(num_layers)]
         assert all(isinstance(layer.impl, CpuAttentionImpl) for layer in self.layers)
         self.table = attention_layers(torch.nn.ModuleList(self.layers))
         for layer in self.layers:
-            layer.kv_cache = torch.zeros(kv_cache_shape(NUM_BLOCKS, BS, NKV, HD), dtype=dtype)
+            layer.kv_cache = torch.zeros(kv_cache_shape(NUM_BLOCKS, BS, NKV, hd), dtype=dtype)
         self.reference = [torch.zeros_like(layer.kv_cache) for layer in self.layers]
-        self.torch_impl = TorchAttentionImpl(NH, HD, HD ** -0.5, NKV)
+        self.torch_impl = TorchAttentionImpl(NH, hd, hd ** -0.5, NKV)
         self.pool, self.g = BlockPool(NUM_BLOCKS, BS), torch.Generator().manual_seed(seed)
         self.reqs = [PagedRequest(list(range(40))) for _ in range(2)]
 
@@ -57,7 +60,7 @@ class Engine:
             if begin_step:
                 CpuAttentionBackend.begin_step(md, BS)
             for layer, ref_cache in zip(self.layers, self.reference):
-                q, k, v = (torch.randn(tokens, h * HD, generator=self.g).to(self.dtype)
+                q, k, v = (torch.randn(tokens, h * self.hd, generator=self.g).to(self.dtype)
                            for h in (NH, NKV, NKV))
                 outs.append(layer(q, k, v))
                 want = torch.empty_like(q)
@@ -89,9 +92,9 @@ def test_a_step_planned_before_its_layers_takes_the_cpp_kernel_in_all():
         counts, outs, wants = engine.step(q_lens, begin_step=True)
         assert_same(outs, wants)
         assert counts == {"kernel": 3, "python": 0}
-    counts, outs, wants = engine.step([20, 1], begin_step=True)  # long queries: Python
+    counts, outs, wants = engine.step([20, 1], begin_step=True)  # a long query: prefill kernel
     assert_same(outs, wants)
-    assert counts == {"kernel": 0, "python": 3}
+    assert counts == {"kernel": 3, "python": 0}
 
 
 def test_the_model_runner_plans_each_step_before_its_layers(tiny_llama_dir, monkeypatch):
@@ -110,11 +113,47 @@ def test_the_model_runner_plans_each_step_before_its_layers(tiny_llama_dir, monk
     assert after["kernel"] - before["kernel"] == 2 * 4  # 2 layers, 4 steps
 
 
-def test_a_step_with_long_queries_stays_in_python():
-    engine = Engine(num_layers=3)
-    counts, outs, wants = engine.step([20, 3])  # 20 tokens: SDPA's share, in Python
-    assert_same(outs, wants)
+# A head size the prefill kernel's SIMD tiles do not serve (they step by 8 dims): its long
+# queries go to SDPA.
+SDPA_HEAD_SIZE = 12
+
+
+def test_a_step_with_queries_for_sdpa_stays_in_python():
+    from kiln.native import prefill_attention
+
+    assert not prefill_attention.simd(torch.float32, SDPA_HEAD_SIZE)
+    for begin_step in (False, True):
+        engine = Engine(num_layers=3, head_size=SDPA_HEAD_SIZE)
+        counts, outs, wants = engine.step([20, 3], begin_step=begin_step)
+        assert_same(outs, wants)
+        assert counts == {"kernel": 0, "python": 3}
+        counts, outs, wants = engine.step([1, 1], begin_step=begin_step)  # short: C++ again
+        assert_same(outs, wants)
+        assert counts == ({"kernel": 3, "python": 0} if begin_step
+                          else {"kernel": 2, "python": 1})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_lens", [[20, 3], [33, 17], [0, 12]])
+def test_a_step_with_long_queries_takes_the_cpp_kernel_with_the_same_outputs(
+        q_lens, dtype, monkeypatch):
+    """Prefill steps (and mixed ones) reach the prefill kernel from C++ after their first layer,
+    bit for bit as the Python path (the same kernels with the same arguments) runs them."""
+    from kiln.attention import cpu_backend
+
+    engine, python = Engine(num_layers=3, dtype=dtype), Engine(num_layers=3, dtype=dtype)
+    counts, outs, wants = engine.step(q_lens)
+    assert counts == {"kernel": 2, "python": 1}
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for out, want in zip(outs, wants):
+        torch.testing.assert_close(out.float(), want.float(), rtol=tol, atol=tol)
+    monkeypatch.setattr(cpu_backend, "_hand_over", lambda *args: None)
+    counts, reference, _ = python.step(q_lens)
     assert counts == {"kernel": 0, "python": 3}
+    for out, ref in zip(outs, reference):
+        assert torch.equal(out, ref)
+    for a, b in zip(engine.layers, python.layers):
+        assert torch.equal(a.kv_cache, b.kv_cache)
 
 
 def test_padding_rows_are_zeroed_by_the_cpp_kernel():
@@ -211,3 +250,15 @@ def test_each_kv_cache_group_gets_its_own_table_and_slots():
         assert (s.query_start_loc, s.seq_lens, s.reqs) == (qsl, seq_lens, reqs)
         assert (s.num_tokens, s.max_seq_len, s.block_size) == (2, 9, BS)
     assert group_steps(SimpleNamespace(group_metadata=None), step) == [step]
+
+
+def test_a_prefill_request_outside_the_step_is_refused_at_hand_over():
+    engine = Engine(num_layers=1)
+    _, _, md = build_step(engine.pool, engine.reqs, [20, 1])
+    step = CpuAttentionImpl._plan(md, BS).short
+    table = attention_op.LayerTable({"x": attention_op.LayerEntry(engine.layers[0].kv_cache, 0,
+                                                                   1.0, None, None)})
+    with pytest.raises(IndexError, match="attention_begin_step: request 2 is outside the "
+                                         "step's 2 requests"):
+        attention_op.begin_step(table, [step], 21, torch.tensor([0, 2], dtype=torch.int32))
+    attention_op.end_step()

@@ -26,7 +26,9 @@ def _packed_layer():
     return layer
 
 
-@pytest.mark.parametrize("shape", [(33, 64), (100, 64), (257, 64), (3, 41, 64), (1000, 64)])
+# padded rows (2-D and 3-D x), and row counts that need none (the result returned as it is)
+@pytest.mark.parametrize("shape", [(33, 64), (100, 64), (257, 64), (3, 41, 64), (1000, 64),
+                                   (64, 64), (2, 32, 64)])
 def test_rounded_row_counts_give_the_dense_result(shape):
     layer = _packed_layer()
     x = torch.randn(shape)

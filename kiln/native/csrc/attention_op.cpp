@@ -1,7 +1,7 @@
 /* The CPU paged-attention kernel (paged_attention.c) as torch ops: `kiln::paged_attention`, one
- * call with its tensors, and the CPU kernel of `kiln::unified_attention`, which within a decode
- * step goes from the dispatcher straight to the kernel, with no Python; and the long queries'
- * kernel (prefill_attention.c) as `kiln::prefill_attention`.
+ * call with its tensors, and the CPU kernel of `kiln::unified_attention`, which within a step
+ * goes from the dispatcher straight to the kernels, with no Python (the K/V write and short
+ * queries, then the long queries' kernel, prefill_attention.c, also `kiln::prefill_attention`).
  *
  * Through Python, a layer cost ~19 us a step besides the kernel (the dispatcher's trip into
  * Python, the forward-context lookup, the checks): ~0.55 ms of a batch-1 step of the 30-layer
@@ -9,9 +9,11 @@
  * and hands the step's metadata tensors (`kiln::attention_begin_step`: a block table and slot
  * mapping per KV cache group) and an engine's layers (an `AttentionLayers` object: name -> KV
  * cache, group, scale, sliding window, soft cap, an fp8 cache's k / v scales) to this file for
- * the step's layers.
- * Whatever that does not cover (no step handed over, a layer not in the table, another dtype)
- * goes to the Python implementation, registered as `kiln::unified_attention_python`. */
+ * the step's layers, with its long queries' requests where it has any (a prefill step's Python
+ * trip was ~160 us a layer under the profiler, 1 thread).
+ * Whatever that does not cover (no step handed over, a layer not in the table, another dtype,
+ * long queries the prefill kernel has no SIMD tiles for) goes to the Python implementation,
+ * registered as `kiln::unified_attention_python`. */
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
@@ -21,6 +23,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -82,8 +85,51 @@ void paged_attention(const at::Tensor &q, const at::Tensor &k, const at::Tensor 
     run_kernel(q, k, v, out, cache, plan.args, scale, window, softcap, "paged_attention");
 }
 
-/* out [T, nh*hd] for the selected requests (long queries) from q [T, nh*hd] and the cache,
- * which holds the step's K/V already (written by paged_attention); other rows of out untouched. */
+/* Each of plan's requests is one of the step's: the prefill kernel reads their rows unchecked. */
+void check_requests(const StepPlan &plan, const char *op) {
+    const int64_t num_reqs = plan.seq_lens.numel();
+    const int32_t *r = plan.reqs.data_ptr<int32_t>();
+    for (int64_t i = 0; i < plan.reqs.numel(); ++i)
+        TORCH_CHECK_INDEX(0 <= r[i] && r[i] < num_reqs && r[i] < plan.block_table.size(0) &&
+                              r[i] + 1 < plan.query_start.numel(),
+                          op, ": request ", r[i], " is outside the step's ", num_reqs,
+                          " requests");
+}
+
+/* The prefill plan of a step (its long queries' requests, no slots: the K/V are written). */
+StepPlan prefill_plan(const at::Tensor &block_table, const at::Tensor &query_start_loc,
+                      const at::Tensor &seq_lens, const at::Tensor &reqs, int64_t max_seq_len,
+                      int64_t block_size, const char *op) {
+    StepPlan plan(block_table, query_start_loc, seq_lens, reqs,
+                  at::Tensor(at::detail::empty_cpu({0}, at::kLong, false, std::nullopt)), 0,
+                  max_seq_len, block_size);
+    check_requests(plan, op);
+    return plan;
+}
+
+/* out [T, nh*hd] for the plan's requests (long queries) from q [T, nh*hd] and the cache, which
+ * holds the step's K/V already; other rows of out untouched. cache: for_query's. */
+void run_prefill(const at::Tensor &q, const at::Tensor &out, const KilnKvCache &cache,
+                 const KilnAttnStep &step, double scale, int64_t window, double softcap,
+                 int64_t path) {
+    const at::ScalarType dtype = q.scalar_type();
+    const int64_t width = q.size(-1), rows = q.dim() == 2 ? q.size(0) : 0;
+    check_rows("q", q, dtype, width, rows);
+    check_rows("out", out, dtype, width, rows);
+    TORCH_CHECK_VALUE(width % cache.head_size == 0, "prefill_attention: q's width ", width,
+                      " is not whole heads of ", cache.head_size, " values");
+    const int rc = kiln_prefill_attention(
+        q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), rows,
+        static_cast<int32_t>(width / cache.head_size), static_cast<float>(scale),
+        static_cast<int32_t>(window), static_cast<float>(softcap), &cache, &step,
+        static_cast<int32_t>(path), kiln::threads());
+    TORCH_CHECK(rc == 0, "prefill_attention: the CPU kernel failed with code ", rc, ":",
+                (rc & KILN_ATTN_BAD_LENGTHS) ? " a query outside q's rows, or a seq_len above "
+                "max_seq_len or below its query length" : "",
+                (rc & KILN_ATTN_NO_MEMORY) ? " out of memory" : "",
+                (rc & KILN_ATTN_BAD_HEADS) ? " num_heads not a multiple of num_kv_heads" : "");
+}
+
 void prefill_attention(const at::Tensor &q, const at::Tensor &out, const at::Tensor &kv_cache,
                        double scale, const at::Tensor &block_table,
                        const at::Tensor &query_start_loc, const at::Tensor &seq_lens,
@@ -92,34 +138,11 @@ void prefill_attention(const at::Tensor &q, const at::Tensor &out, const at::Ten
     TORCH_CHECK_VALUE(path >= KILN_PREFILL_BEST && path <= KILN_PREFILL_PORTABLE,
                       "prefill_attention: path ", path, " is not 0 (best), 1 (avx512) or 2 "
                       "(portable)");
-    const at::ScalarType dtype = q.scalar_type();
-    const KilnKvCache cache = for_query(scaled_cache(kv_cache, k_scale, v_scale), dtype,
-                                        "prefill_attention");
-    const StepPlan plan(block_table, query_start_loc, seq_lens, reqs,
-                        at::Tensor(at::detail::empty_cpu({0}, at::kLong, false, std::nullopt)),
-                        0, max_seq_len, cache.block_size);
-    const int64_t width = q.size(-1), rows = q.dim() == 2 ? q.size(0) : 0;
-    check_rows("q", q, dtype, width, rows);
-    check_rows("out", out, dtype, width, rows);
-    TORCH_CHECK_VALUE(width % cache.head_size == 0, "prefill_attention: q's width ", width,
-                      " is not whole heads of ", cache.head_size, " values");
-    const int64_t num_reqs = seq_lens.numel();
-    const int32_t *r = reqs.data_ptr<int32_t>();
-    for (int64_t i = 0; i < reqs.numel(); ++i)
-        TORCH_CHECK_INDEX(0 <= r[i] && r[i] < num_reqs && r[i] < block_table.size(0) &&
-                              r[i] + 1 < query_start_loc.numel(),
-                          "prefill_attention: request ", r[i], " is outside the step's ",
-                          num_reqs, " requests");
-    const int rc = kiln_prefill_attention(
-        q.data_ptr(), q.stride(0), out.data_ptr(), out.stride(0), rows,
-        static_cast<int32_t>(width / cache.head_size), static_cast<float>(scale),
-        static_cast<int32_t>(window), static_cast<float>(softcap), &cache, &plan.args,
-        static_cast<int32_t>(path), kiln::threads());
-    TORCH_CHECK(rc == 0, "prefill_attention: the CPU kernel failed with code ", rc, ":",
-                (rc & KILN_ATTN_BAD_LENGTHS) ? " a query outside q's rows, or a seq_len above "
-                "max_seq_len or below its query length" : "",
-                (rc & KILN_ATTN_NO_MEMORY) ? " out of memory" : "",
-                (rc & KILN_ATTN_BAD_HEADS) ? " num_heads not a multiple of num_kv_heads" : "");
+    const KilnKvCache cache = for_query(scaled_cache(kv_cache, k_scale, v_scale),
+                                        q.scalar_type(), "prefill_attention");
+    const StepPlan plan = prefill_plan(block_table, query_start_loc, seq_lens, reqs,
+                                       max_seq_len, cache.block_size, "prefill_attention");
+    run_prefill(q, out, cache, plan.args, scale, window, softcap, path);
 }
 
 bool prefill_attention_simd(at::ScalarType dtype, int64_t head_size) {
@@ -193,11 +216,13 @@ struct AttentionLayers : torch::CustomClassHolder {
 };
 
 /* The step handed over: the engine's layers and the step's plan per KV cache group (each
- * group's block table and slots over the same requests). None: every call takes the Python
+ * group's block table and slots over the same requests), and where the step has long queries
+ * (prefills) their plan per group, for the prefill kernel. None: every call takes the Python
  * path. The forward context it belongs to is process-wide, and so is this. */
 struct Step {
     c10::intrusive_ptr<AttentionLayers> table;
     std::vector<std::shared_ptr<const StepPlan>> plans;
+    std::vector<std::shared_ptr<const StepPlan>> prefill_plans; /* empty: no long queries */
 };
 
 std::mutex mutex; /* guards step */
@@ -208,12 +233,17 @@ void begin_step(const c10::intrusive_ptr<AttentionLayers> &table,
                 std::vector<at::Tensor> block_tables, const at::Tensor &query_start_loc,
                 const at::Tensor &seq_lens, const at::Tensor &reqs,
                 std::vector<at::Tensor> slot_mappings, int64_t num_tokens, int64_t max_seq_len,
-                int64_t block_size, int64_t num_actual) {
+                int64_t block_size, int64_t num_actual,
+                const std::optional<at::Tensor> &prefill_reqs) {
     TORCH_CHECK_VALUE(!block_tables.empty() && block_tables.size() == slot_mappings.size(),
                       "attention_begin_step: ", block_tables.size(), " block tables and ",
                       slot_mappings.size(), " slot mappings (one of each per KV cache group)");
-    std::vector<std::shared_ptr<const StepPlan>> plans;
+    std::vector<std::shared_ptr<const StepPlan>> plans, prefill_plans;
     for (size_t g = 0; g < block_tables.size(); ++g) {
+        if (prefill_reqs.has_value())
+            prefill_plans.push_back(std::make_shared<StepPlan>(prefill_plan(
+                block_tables[g], query_start_loc, seq_lens, *prefill_reqs, max_seq_len,
+                block_size, "attention_begin_step")));
         auto plan = std::make_shared<StepPlan>(block_tables[g], query_start_loc, seq_lens, reqs,
                                                slot_mappings[g], num_tokens, max_seq_len,
                                                block_size);
@@ -221,7 +251,7 @@ void begin_step(const c10::intrusive_ptr<AttentionLayers> &table,
         plans.push_back(std::move(plan));
     }
     std::lock_guard<std::mutex> lock(mutex);
-    step = Step{table, std::move(plans)};
+    step = Step{table, std::move(plans), std::move(prefill_plans)};
 }
 
 void end_step() {
@@ -253,12 +283,20 @@ void unified_attention(const at::Tensor &q, const at::Tensor &k, const at::Tenso
             it->second.group < static_cast<int64_t>(s.plans.size()))
             layer = &it->second;
     }
-    if (!layer || !serves_query(layer->cache, q.scalar_type()) || q.dim() != 2)
+    /* Long queries where the prefill kernel has no SIMD tiles go to SDPA, in Python. */
+    const bool prefill = !s.prefill_plans.empty();
+    if (!layer || !serves_query(layer->cache, q.scalar_type()) || q.dim() != 2 ||
+        (prefill && !kiln_prefill_attention_simd(kiln::dtype_code(q.scalar_type()),
+                                                 layer->cache.head_size)))
         return python_path(q, k, v, out, layer_name);
     calls[0].fetch_add(1, std::memory_order_relaxed);
     const StepPlan &plan = *s.plans[layer->group];
     run_kernel(q, k, v, out, layer->cache, plan.args, layer->scale, layer->window,
                layer->softcap, layer_name);
+    if (prefill) /* their K/V are in the cache now */
+        run_prefill(q, out, for_query(layer->cache, q.scalar_type(), "prefill_attention"),
+                    s.prefill_plans[layer->group]->args, layer->scale, layer->window,
+                    layer->softcap, KILN_PREFILL_BEST);
     if (plan.num_actual < q.size(0))
         out.narrow(0, plan.num_actual, q.size(0) - plan.num_actual).zero_();
 }
@@ -280,7 +318,7 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
     m.def("attention_begin_step(__torch__.torch.classes.kiln.AttentionLayers layers, "
           "Tensor[] block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor reqs, "
           "Tensor[] slot_mappings, int num_tokens, int max_seq_len, int block_size, "
-          "int num_actual) -> ()", &begin_step);
+          "int num_actual, Tensor? prefill_reqs=None) -> ()", &begin_step);
     m.def("prefill_attention(Tensor q, Tensor(a!) out, Tensor kv_cache, float scale, "
           "Tensor block_table, Tensor query_start_loc, Tensor seq_lens, Tensor reqs, "
           "int max_seq_len, int path=0, int window=0, float softcap=0., float k_scale=1., "
