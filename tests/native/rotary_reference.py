@@ -103,8 +103,9 @@ def edge_cache(g: torch.Generator, max_pos: int, hd: int) -> torch.Tensor:
 
 
 # the cases' inputs: normal values; with specials in x; with specials in x and the cache; x
-# near 2^-118, whose products with cos / sin are often subnormal, and so are their sums
-INPUTS = ("plain", "edges", "edge_cache", "tiny")
+# near 2^-118, whose products with cos / sin are often subnormal, and so are their sums; a cache
+# near 2^-128 (subnormal), the same with normal x
+INPUTS = ("plain", "edges", "edge_cache", "tiny", "tiny_cache")
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -124,6 +125,8 @@ def run_case(g: torch.Generator, dtype: torch.dtype, neox: bool, in_place: bool,
     max_pos = 37
     cache = (edge_cache(g, max_pos, hd) if inputs == "edge_cache"
              else RotaryEmbedding(hd, max_position=max_pos, base=10000.0).cos_sin_cache)
+    if inputs == "tiny_cache":
+        cache = cache * 2.0**-128
     positions = torch.randint(0, max_pos, (tokens,), generator=g)
     positions[0], positions[-1] = max_pos - 1, 0
     width = (nq + 2 * nk) * hd + 3
