@@ -76,6 +76,22 @@ def layer_ops(g: torch.Generator) -> None:
             want = ref._rotary_ref(pos, q, kk, cache, hd, neox)
             # bit for bit: each product rounded, then the sum, as torch's ops (no FMA)
             check(all(torch.equal(a, b) for a, b in zip(got, want)), f"rotary {dtype} hd {hd}")
+    rotary_bits(g)
+
+
+def rotary_bits(g: torch.Generator) -> None:
+    """test_rotary_kernel.py's cases, fewer: this CPU's path (the bit trick without
+    AVX512-BF16, the portable loop without AVX-512) bit for bit against the same replay."""
+    import rotary_reference as rr
+    for dtype in (torch.float32, torch.bfloat16):
+        for neox in (True, False):
+            for in_place, (tokens, hd, nq, nk) in [(True, (7, 80, 3, 1)), (False, (67, 64, 2, 1)),
+                                                   (True, (3, 6, 1, 1))]:
+                for inputs in rr.INPUTS:
+                    (gq, gk), (wq, wk) = rr.run_case(g, dtype, neox, in_place, tokens, hd, nq, nk,
+                                                     inputs)
+                    check(rr.same_bits(gq, wq) and rr.same_bits(gk, wk),
+                          f"rotary bits {dtype} neox {neox} hd {hd} {inputs}")
 
 
 def int8_ops(g: torch.Generator) -> None:

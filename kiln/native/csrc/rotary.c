@@ -7,6 +7,7 @@
 
 #include "dtype.h"
 #include "kernels.h"
+#include "rotary_simd.h"
 
 /* Rotation of one [heads, hd] row into out, with cos/sin already in the model dtype:
  * (x1 * cos - x2 * sin, x2 * cos + x1 * sin), each product rounded as torch does; (x1, x2) are
@@ -54,8 +55,27 @@ KILN_NO_CONTRACT int kiln_rotary(const int64_t *positions, const void *q, int64_
             bad = 1;
             continue;
         }
-        float cs[hd];
         const float *src = cos_sin_cache + positions[t] * hd;
+#if KILN_ROTARY_SIMD
+        /* bfloat16 rows take the vector path (rotary_simd.h), each token's cos / sin rounded
+         * once into the order it reads them: GCC's vectorized code of the loop below is a few
+         * times slower (its scalar rounding bit tricks). float32 keeps the loop, bound by the
+         * caches' bandwidth already (an AVX-512 float32 path measured no faster), and so do
+         * CPUs without AVX-512. */
+        if (dtype == KILN_BF16) {
+            float tab[2 * rotary_tab_len(hd)];
+            const RotaryPerm perm = rotary_perm(is_neox);
+            const int tiny = rotary_bf16_tab(src, hd, is_neox, tab);
+            rotary_bf16_row((const uint16_t *)q + t * q_stride,
+                            (uint16_t *)q_out + t * q_out_stride, nq, hd, tab, tiny, &perm,
+                            is_neox);
+            rotary_bf16_row((const uint16_t *)k + t * k_stride,
+                            (uint16_t *)k_out + t * k_out_stride, nk, hd, tab, tiny, &perm,
+                            is_neox);
+            continue;
+        }
+#endif
+        float cs[hd];
         for (int i = 0; i < hd; ++i) cs[i] = round_to(src[i], dtype);
         /* Each (layout, dtype) gets its own inlined loop: with both known the loop vectorizes
          * (a runtime dtype left bfloat16 6x slower than float32). */
