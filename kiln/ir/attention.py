@@ -45,8 +45,8 @@ def _examples(dtype, device):
 SCHEMA = "(Tensor q, Tensor k, Tensor v, Tensor(a!) out, str layer_name) -> ()"
 unified_attention = define("unified_attention", SCHEMA, run_layer, _fake, _examples,
                            kernel=run_layer)
-# Its twin, where the op's C++ CPU kernel (kiln/native/csrc/attention_op.cpp) sends back what it
-# does not serve itself.
+# Its twin, where the op's C++ CPU kernel (kiln/native/csrc/unified_attention_op.cpp) sends back
+# what it does not serve itself.
 register_op("unified_attention_python", SCHEMA, run_layer, _fake)
 
 

@@ -1,6 +1,6 @@
 """The fused ops Kiln's passes put in compiled graphs in place of an IR op and the linear it feeds
 (kiln/compilation/passes/fuse_*.py), one per linear IR op (`linear`, `gguf_linear`); their CPU
-kernels are in kiln/native/csrc/linear_op.cpp.
+kernels are in kiln/native/csrc/fused_linear_op.cpp.
 
 Defined here with the composition of the IR references as their meaning (what runs off the CPU).
 """

@@ -1,5 +1,5 @@
-"""Python side of the C++ CPU kernel of `kiln::unified_attention` (csrc/attention_op.cpp): handing
-it each step's metadata and an engine's table of layers (a torch custom-class object).
+"""Python side of the C++ CPU kernel of `kiln::unified_attention` (csrc/unified_attention_op.cpp):
+handing it each step's metadata and an engine's table of layers (a torch custom-class object).
 
 The C++ kernel serves a step's layers only once a step was handed over (`begin_step`), and only
 those in the table; every other call goes to the Python implementation.

@@ -51,7 +51,7 @@ def _inputs(dtype=torch.float32, rows=3, h=64, out=48, weight_dtype=None):
 
 
 def test_the_fused_op_kernel_is_built():
-    assert linear_op.available(), "csrc/linear_op.cpp did not build (see the warning)"
+    assert linear_op.available(), "csrc/fused_linear_op.cpp did not build (see the warning)"
 
 
 @pytest.mark.parametrize("rows", [1, 3, 200])  # 200: the kernel's rows in parallel

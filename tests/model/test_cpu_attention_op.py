@@ -1,7 +1,7 @@
-"""The C++ CPU kernel of kiln::unified_attention (kiln/native/csrc/attention_op.cpp): a step is
-handed to it before its first layer (or at it, unplanned), and its layers then never reach
-Python, unless SDPA takes some of its queries (long ones the prefill kernel has no SIMD tiles
-for)."""
+"""The C++ CPU kernel of kiln::unified_attention (kiln/native/csrc/unified_attention_op.cpp): a
+step is handed to it before its first layer (or at it, unplanned), and its layers then never
+reach Python, unless SDPA takes some of its queries (long ones the prefill kernel has no SIMD
+tiles for)."""
 import pytest
 import torch
 

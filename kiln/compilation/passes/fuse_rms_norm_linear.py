@@ -1,6 +1,6 @@
 """Post-grad pass: the IR op fused_add_rms_norm whose normed output feeds only a linear IR op
 (`linear`, `gguf_linear`) becomes one `kiln::add_rms_norm_linear` (`add_rms_norm_gguf_linear`)
-call (its CPU kernel in csrc/linear_op.cpp).
+call (its CPU kernel in csrc/fused_linear_op.cpp).
 
 Inductor or a native call would otherwise run the norm on its own between two linears: a call
 that cost 3-5 us in a decode step, two a layer. The fused op returns the sum too, for the

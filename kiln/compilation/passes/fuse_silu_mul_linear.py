@@ -1,7 +1,7 @@
 """Post-grad pass: the IR op silu_and_mul feeding only a linear IR op (`linear`, `gguf_linear`: an
 MLP's down projection) becomes one `kiln::silu_mul_linear` (`silu_mul_gguf_linear`) call (its
-CPU kernel in csrc/linear_op.cpp, the activation by the native C kernel), saving a call between
-the two. Float32 only.
+CPU kernel in csrc/fused_linear_op.cpp, the activation by the native C kernel), saving a call
+between the two. Float32 only.
 """
 from torch import fx
 

@@ -1,39 +1,32 @@
-/* The CPU kernels of the IR ops `linear` (`kiln::linear_native`: the GEMV kernel or oneDNN's packed
- * GEMM on the dense weight, else aten) and `gguf_linear` (`kiln::gguf_linear_native`: the GGUF
- * blocks kernel, or the dense copy's kernels above the blocks' row limit), choosing per call
- * from what the layer holds and hands over (kiln/model/layers/cpu_gemm.py): a oneDNN-packed
- * copy, the blocks in the kernel's layout, and a plan, int64 [gemv_rows, block_rows, limbs] (up
- * to how many rows the GEMV kernel takes the dense weight, 0: never; up to how many the blocks
- * serve; float32 x's int8 limbs in their kernel). One rule picks: `choose_path`. In C++
- * because a decode step makes ~120 of these calls, and the dispatcher reaches a C++ kernel in
- * ~1.5 us against ~8 us through a Python kernel (measured on 2 cores). Also the CPU kernels of
- * the fused ops compiled graphs fold into either linear from before it (a residual add and
- * RMSNorm; SiLU-and-mul). */
-#include <ATen/Parallel.h>
+/* The CPU kernels of the IR ops `linear` and `gguf_linear`, each call on the path its rows and
+ * the layer's copies choose (`kiln::linear_native`, `kiln::gguf_linear_native`).
+ *
+ * `linear_native`: the GEMV kernel or oneDNN's packed GEMM on the dense weight, else aten;
+ * `gguf_linear_native`: the GGUF blocks kernel, or the dense copy's kernels above the blocks'
+ * row limit. Each chooses per call from what the layer holds and hands over
+ * (kiln/model/layers/cpu_gemm.py): a oneDNN-packed copy, the blocks in the kernel's layout, and
+ * a plan, int64 [gemv_rows, block_rows, limbs] (up to how many rows the GEMV kernel takes the
+ * dense weight, 0: never; up to how many the blocks serve; float32 x's int8 limbs in their
+ * kernel). One rule picks: `choose_path`. In C++ because a decode step makes ~120 of these
+ * calls, and the dispatcher reaches a C++ kernel in ~1.5 us against ~8 us through a Python
+ * kernel (measured on 2 cores). The fused ops that end in either linear: fused_linear_op.cpp. */
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
-#include <ATen/ops/mean.h>
-#include <ATen/ops/mul.h>
-#include <ATen/ops/pow.h>
-#include <ATen/ops/rsqrt.h>
-#include <ATen/ops/silu.h>
 #include <torch/library.h>
 
 #include <atomic>
-#include <cmath>
 #include <optional>
-#include <tuple>
 #include <vector>
 
 #include "gguf_sizes.h"
+#include "linear_cpu.h"
 #include "torch_ops.h"
 
 namespace {
 
-using OptTensor = std::optional<at::Tensor>;
+using namespace kiln::linear;
 
 /* Calls by path (blocks, GEMV, packed, dense), for tests and benchmarks to see the choice. */
 enum { PATH_BLOCKS, PATH_GEMV, PATH_PACKED, PATH_DENSE, NUM_PATHS };
@@ -115,18 +108,22 @@ bool bias_fits(const OptTensor &bias, int64_t n, at::ScalarType dtype) {
                      bias->scalar_type() == dtype);
 }
 
-at::Tensor out_like(const at::Tensor &x, int64_t n) {
-    std::vector<int64_t> shape = x.sizes().vec();
-    shape.back() = n;
-    return at::empty(shape, x.options());
-}
-
 /* The kernels read x's and the weight's memory: a meta tensor (a layer's let-go dense copy,
  * cpu_gemm.release_dense_copies) reaching them would be a null pointer. */
 void check_on_cpu(const at::Tensor &x, const OptTensor &weight, const char *op) {
     TORCH_CHECK_VALUE(x.is_cpu() && (!weight || weight->is_cpu()), op, ": x (", x.device(),
                       ") and the dense weight (", weight ? weight->device() : x.device(),
                       ") must be CPU tensors");
+}
+
+}  // namespace
+
+namespace kiln::linear {
+
+at::Tensor out_like(const at::Tensor &x, int64_t n) {
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = n;
+    return at::empty(shape, x.options());
 }
 
 at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &weight, const OptTensor &bias,
@@ -197,91 +194,9 @@ at::Tensor gguf_linear_cpu(const at::Tensor &x, const at::Tensor &blocks, int64_
     return out;
 }
 
-/* (rms_norm(a + b) * norm_weight, a + b): a residual add and the RMSNorm after it, done here
- * before a linear instead of in one of Inductor's kernels (compiled graphs only:
- * kiln/compilation/passes/fuse_rms_norm_linear.py). The same float32 operations in the same
- * order per element as the IR reference; the sum of squares is summed in another order. */
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor &a, const at::Tensor &b,
-                                                const at::Tensor &norm_weight, double eps) {
-    const int64_t h = a.size(-1);
-    const bool direct = a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat &&
-                        norm_weight.scalar_type() == at::kFloat && a.sizes().equals(b.sizes()) &&
-                        norm_weight.dim() == 1 && norm_weight.size(0) == h && h > 0;
-    if (!direct) { /* the IR reference (kiln/ir/layer_ops.py), in aten: norm in float32 */
-        at::Tensor residual = at::add(a, b);
-        const at::Tensor r32 = residual.to(at::kFloat);
-        at::Tensor normed = at::mul(norm_weight, at::mul(r32, at::rsqrt(at::add(
-            at::mean(at::pow(r32, 2), {-1}, true), eps))).to(residual.scalar_type()));
-        return {normed, residual};
-    }
-    const at::Tensor ac = a.contiguous(), bc = b.contiguous(), wc = norm_weight.contiguous();
-    at::Tensor residual = at::empty(a.sizes(), a.options());
-    at::Tensor normed = at::empty(a.sizes(), a.options());
-    const float *pa = ac.data_ptr<float>(), *pb = bc.data_ptr<float>(), *pw = wc.data_ptr<float>();
-    float *pr = residual.data_ptr<float>(), *pn = normed.data_ptr<float>();
-    const float feps = static_cast<float>(eps), fh = static_cast<float>(h);
-    /* Rows apart: serial for a decode's few rows, in parallel for a prefill's thousands. */
-    at::parallel_for(0, a.numel() / h, 64, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) {
-            const int64_t o = r * h;
-            float ss = 0.f;
-            for (int64_t i = 0; i < h; ++i) {
-                const float v = pa[o + i] + pb[o + i];
-                pr[o + i] = v;
-                ss += v * v;
-            }
-            const float scale = 1.f / std::sqrt(ss / fh + feps);
-            for (int64_t i = 0; i < h; ++i) pn[o + i] = pw[i] * (pr[o + i] * scale);
-        }
-    });
-    return {normed, residual};
-}
+}  // namespace kiln::linear
 
-/* silu(x[..., :d]) * x[..., d:]: the SiLU-and-mul before a down projection, done by
- * layer_ops.c's kernel (the eager forward's) instead of one of Inductor's kernels (compiled
- * graphs only: kiln/compilation/passes/fuse_silu_mul_linear.py). */
-at::Tensor silu_mul(const at::Tensor &x) {
-    const int64_t d = x.size(-1) / 2;
-    const int32_t dtype = kiln::dtype_code(x.scalar_type());
-    if (dtype < 0 || x.size(-1) != 2 * d || d == 0 || x.stride(-1) != 1)
-        return at::mul(at::silu(x.narrow(-1, 0, d)), x.narrow(-1, d, d));
-    const at::Tensor rows = x.reshape({-1, 2 * d});
-    at::Tensor act = out_like(x, d);
-    kiln::check_rc(kiln_silu_and_mul(rows.data_ptr(), rows.stride(0), act.data_ptr(),
-                                     rows.size(0), static_cast<int32_t>(d), dtype,
-                                     kiln::threads()),
-                   "kiln::silu_mul_linear (kiln_silu_and_mul)");
-    return act;
-}
-
-std::tuple<at::Tensor, at::Tensor> add_rms_norm_linear(
-    const at::Tensor &a, const at::Tensor &b, const at::Tensor &norm_weight, double eps,
-    const at::Tensor &weight, const OptTensor &bias, const OptTensor &packed,
-    const OptTensor &plan) {
-    auto [normed, residual] = add_rms_norm(a, b, norm_weight, eps);
-    return {linear_cpu(normed, weight, bias, packed, plan), residual};
-}
-
-std::tuple<at::Tensor, at::Tensor> add_rms_norm_gguf_linear(
-    const at::Tensor &a, const at::Tensor &b, const at::Tensor &norm_weight, double eps,
-    const at::Tensor &blocks, int64_t qtype, int64_t out_features, const OptTensor &bias,
-    const OptTensor &weight, const OptTensor &packed, const OptTensor &plan) {
-    auto [normed, residual] = add_rms_norm(a, b, norm_weight, eps);
-    return {gguf_linear_cpu(normed, blocks, qtype, out_features, bias, weight, packed, plan),
-            residual};
-}
-
-at::Tensor silu_mul_linear(const at::Tensor &x, const at::Tensor &weight, const OptTensor &bias,
-                           const OptTensor &packed, const OptTensor &plan) {
-    return linear_cpu(silu_mul(x), weight, bias, packed, plan);
-}
-
-at::Tensor silu_mul_gguf_linear(const at::Tensor &x, const at::Tensor &blocks, int64_t qtype,
-                                int64_t out_features, const OptTensor &bias,
-                                const OptTensor &weight, const OptTensor &packed,
-                                const OptTensor &plan) {
-    return gguf_linear_cpu(silu_mul(x), blocks, qtype, out_features, bias, weight, packed, plan);
-}
+namespace {
 
 std::vector<int64_t> path_counts() {
     std::vector<int64_t> counts;
@@ -304,13 +219,9 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
 
 /* CPU, and MkldnnCPU: oneDNN's packed copy is an MKLDNN tensor, and a call holding one
  * dispatches there. */
-#define KILN_LINEAR_IMPLS(m)                                       \
-    m.impl("linear_native", &linear_cpu);                          \
-    m.impl("gguf_linear_native", &gguf_linear_cpu);                \
-    m.impl("add_rms_norm_linear", &add_rms_norm_linear);           \
-    m.impl("add_rms_norm_gguf_linear", &add_rms_norm_gguf_linear); \
-    m.impl("silu_mul_linear", &silu_mul_linear);                   \
-    m.impl("silu_mul_gguf_linear", &silu_mul_gguf_linear)
+#define KILN_LINEAR_IMPLS(m)                        \
+    m.impl("linear_native", &linear_cpu);           \
+    m.impl("gguf_linear_native", &gguf_linear_cpu)
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) { KILN_LINEAR_IMPLS(m); }
 
