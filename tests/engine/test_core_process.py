@@ -162,7 +162,7 @@ def _wait_gone(pid: int, timeout: float = 30.0) -> bool:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().split()[2] == "Z":
                     return True
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # reaped at the open or the read
             return True
         time.sleep(0.05)
     return False
