@@ -1,4 +1,4 @@
-/* rotary.c's bfloat16 rows 32 pairs a step (AVX512BW), bit for bit its portable loop: the same
+/* rotary.c's bfloat16 rows 32 pairs a step (AVX-512), bit for bit its portable loop: the same
  * products and sums, each rounded to nearest even as dtype.h's f32_to_bf16 rounds. */
 #ifndef KILN_ROTARY_SIMD_H
 #define KILN_ROTARY_SIMD_H
@@ -6,14 +6,11 @@
 #include <stdint.h>
 
 #include "dtype.h"
+#include "row_blocks.h" /* round_lanes; KILN_RNE: explicitly rounded steps under -ffast-math */
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
+#if KILN_ROW_BLOCKS_AVX512
 #define KILN_ROTARY_SIMD 1
 
-/* Explicit rounding: GCC may rewrite plain vector arithmetic under -ffast-math (an FMA of a
- * product and a sum, one rounding fewer than torch's), never these builtins. */
-#define KILN_RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define KILN_HI16 _mm512_set1_epi32((int)0xffff0000u)
 
 /* f32_to_bf16's u + 0x7fff + lsb: the bfloat16 in the high half of each lane. Its NaN branch
@@ -28,17 +25,6 @@ static inline __m512i rotary_bf16_sum(__m512 v) {
 
 static inline __m512 rotary_round(__m512 v) { /* round_to(v, KILN_BF16) */
     return _mm512_castsi512_ps(_mm512_and_si512(rotary_bf16_sum(v), KILN_HI16));
-}
-
-/* round_to(v, KILN_BF16) with its NaN branch, for the cos/sin cache's float32 values. */
-static inline __m512 rotary_round_any(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-    const __m512i quiet = _mm512_and_si512(_mm512_or_si512(u, _mm512_set1_epi32(0x400000)),
-                                           KILN_HI16);
-    return _mm512_castsi512_ps(
-        _mm512_mask_blend_epi32(nan, _mm512_and_si512(rotary_bf16_sum(v), KILN_HI16), quiet));
 }
 
 /* 32 bfloat16 in a register as float32: even elements (low halves) and odd (high halves). */
@@ -114,8 +100,8 @@ static inline void rotary_round_tab_trick(__m512 lo, __m512 hi, int split, float
     const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
                                             28, 30);
     const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
-    lo = rotary_round_any(lo);
-    hi = rotary_round_any(hi);
+    lo = round_lanes(lo, KILN_BF16);
+    hi = round_lanes(hi, KILN_BF16);
     _mm512_storeu_ps(to, split ? _mm512_permutex2var_ps(lo, evens, hi) : lo);
     _mm512_storeu_ps(to + 16, split ? _mm512_permutex2var_ps(lo, odds, hi) : hi);
 }
