@@ -1,5 +1,5 @@
 """Each rank computes under the engine's torch float32 matmul precision: a rank's interpreter
-(spawned by mp, or a Ray actor) started at torch's default, so the README's
+(spawned by mp, or a Ray actor) started at torch's default, so docs/models.md's
 set_float32_matmul_precision("high") before building reached the core but not its ranks, and a
 GGUF model's float32 kernels (gguf_matmul.float32_limbs) ran another path at tp 2 than at tp 1."""
 import torch

@@ -1,4 +1,4 @@
-"""An existing Ray cluster named by RAY_ADDRESS (`ray start --head`, as the README's two-machine
+"""An existing Ray cluster named by RAY_ADDRESS (`ray start --head`, as docs/parallelism.md's two-machine
 run starts one): PP=2 rank actors placed on it give HF's greedy tokens, and leave nothing
 behind on the cluster. Slow: starting a Ray head takes tens of seconds on 2 cores."""
 import os

@@ -529,7 +529,7 @@ class PrecisionNamingExecutor:
 
 
 def test_the_core_loads_under_the_callers_float32_matmul_precision(tiny_llama_dir):
-    # The README's torch.set_float32_matmul_precision("high") before loading (a GGUF model's
+    # docs/models.md's torch.set_float32_matmul_precision("high") before loading (a GGUF model's
     # float32 kernels read it at load) reached only an in-process core: the core's own
     # interpreter kept torch's default.
     import torch

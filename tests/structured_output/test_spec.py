@@ -310,7 +310,7 @@ def test_values_that_are_no_json_name_the_field():
 
 
 def test_disable_any_whitespace_keeps_jsons_item_separators():
-    """What the README says of --structured-outputs-config's disable_any_whitespace: the
+    """What docs/structured-outputs.md says of --structured-outputs-config's disable_any_whitespace: the
     optional whitespace goes, and items are still joined by ", " and ": "."""
     from transformers import AutoTokenizer
 
