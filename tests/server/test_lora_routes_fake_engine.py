@@ -10,8 +10,8 @@ from fastapi.testclient import TestClient
 from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai.api_server import ServerSettings, build_app
 
+from .fake_api import assert_error
 from .fake_engine import FakeEngine
-from .test_api_fake_engine import assert_error
 
 
 class _LoopOnlyDict(dict):

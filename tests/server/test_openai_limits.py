@@ -3,8 +3,8 @@ and on a json_schema format's `name` (^[a-zA-Z0-9_-]{1,64}$, a string) are refus
 naming the field; they were taken (metadata echoed whatever came, a name of 5 or "a b" passed)."""
 import pytest
 
-from .test_api_fake_engine import assert_error
-from .test_api_fake_engine import client as chat_client  # noqa: F401
+from .fake_api import assert_error
+from .fake_api import client as chat_client  # noqa: F401
 from .test_responses_fake_engine import client  # noqa: F401
 
 SCHEMA = {"type": "object"}

@@ -14,8 +14,8 @@ from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai.api_server import ServerSettings, build_app
 from kiln.entrypoints.openai.responses_background import EventLog
 
+from .fake_api import assert_error
 from .fake_engine import FakeEngine
-from .test_api_fake_engine import assert_error
 from .uvicorn_thread import uvicorn_in_thread
 
 SLOW = 0.02  # s a step: a 200-token answer runs for seconds, time enough to act on it

@@ -8,7 +8,7 @@ import time
 import httpx
 from fastapi.testclient import TestClient
 
-from .test_api_fake_engine import assert_error
+from .fake_api import assert_error
 from .test_responses_background import SLOW, _app
 from .uvicorn_thread import uvicorn_in_thread
 

@@ -13,8 +13,8 @@ from kiln.entrypoints.openai.api_server import ServerSettings, build_app
 from kiln.entrypoints.openai.responses_input import input_messages
 from kiln.entrypoints.openai.responses_protocol import ResponsesRequest
 
+from .fake_api import assert_error
 from .fake_engine import FakeEngine
-from .test_api_fake_engine import assert_error
 from .uvicorn_thread import uvicorn_in_thread
 
 MODEL = "fake-model"
@@ -348,7 +348,7 @@ def test_items_are_read_on_a_front_end_thread(client, monkeypatch):
     item's type may be absent or null (a message)."""
     from kiln.entrypoints.openai import serving_responses
 
-    from .test_api_fake_engine import threads_calling
+    from .fake_api import threads_calling
 
     threads = threads_calling(monkeypatch, serving_responses, "input_messages")
     items = [{"role": "user", "content": "a"}, {"type": None, "role": "user", "content": "b"}]

@@ -20,8 +20,8 @@ from kiln.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from kiln.entrypoints.openai.tool_parsers.base import ToolCallStream
 from kiln.errors import ConfigError
 
+from .fake_api import assert_error
 from .fake_engine import FakeEngine, RecordingEngine, TextWritingEngine
-from .test_api_fake_engine import assert_error
 
 
 def test_call_items_are_the_assistants_tool_calls_and_tool_messages():

@@ -9,8 +9,8 @@ from fastapi.testclient import TestClient
 from kiln.engine.async_llm import AsyncLLM
 from kiln.entrypoints.openai.api_server import ServerSettings, build_app
 
+from .fake_api import MODEL, sse_events
 from .fake_engine import FakeEngine
-from .test_api_fake_engine import MODEL, sse_events
 
 # The model's text, token by token: a sentence, then one hermes tool call.
 SCRIPT = ["Let", " me", " check", ".", "\n", "<tool_call>", "\n", '{"name', '": "', "get",

@@ -14,8 +14,8 @@ from kiln.engine.async_llm import AsyncLLM
 from kiln.engine.llm_engine import LLMEngine
 from kiln.entrypoints.openai.api_server import ServerSettings, build_app
 
+from .fake_api import sse_events
 from .fake_engine import RecordingEngine, TextWritingEngine
-from .test_api_fake_engine import sse_events
 from .test_structured_server import MESSAGES, WEATHER, tiny_qwen_chat
 
 # name -> (the answer the regex forces, its content, its calls)

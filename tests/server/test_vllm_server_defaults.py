@@ -9,8 +9,8 @@ from kiln.entrypoints.cli.main import build_parser
 from kiln.entrypoints.cli.serve import settings_from_args
 from kiln.entrypoints.openai.api_server import ServerSettings, build_app
 
+from .fake_api import MODEL, sse_events
 from .fake_engine import FakeEngine
-from .test_api_fake_engine import MODEL, sse_events
 
 CHAT = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
 
