@@ -7,6 +7,9 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file, save_file
+
 # llm-compressor's fp8 KV cache scheme: static symmetric per-tensor e4m3 scales
 KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
              "symmetric": True}
@@ -27,3 +30,16 @@ def with_quantization_config(src: Path, dst: Path, quantization_config: dict | N
     config["quantization_config"] = quantization_config or kv_only_config()
     (dst / "config.json").write_text(json.dumps(config))
     return dst
+
+
+def with_kv_scales(model_dir: Path, scales) -> Path:
+    """`model_dir`'s model.safetensors with each layer's self_attn.k_scale / v_scale:
+    `scales(layer)` -> (k, v)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    for i in range(config["num_hidden_layers"]):
+        k, v = scales(i)
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(v)
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    return model_dir

@@ -120,12 +120,28 @@ class CoreSleepMode:
         if method in ("sleep", "wake_up"):  # the core must know, to pause its scheduling
             raise ValueError(f"collective_rpc({method!r}): call the engine's {method}() "
                              "(LLM.sleep / LLM.wake_up), which tells every worker")
-        results = self.executor.collective_rpc(method, tuple(args), kwargs)
-        if method in _NEW_WEIGHTS:
-            # cached blocks hold the old weights' K/V (those running requests hold stay)
-            self.scheduler.kv_cache_manager.reset_prefix_cache()
+        scales = self.executor.collective_rpc("kv_cache_scales")
+        try:
+            results = self.executor.collective_rpc(method, tuple(args), kwargs)
+        finally:  # a load that failed part way may have changed some
+            self._forget_stale_kv(method, scales)
         self._refresh_weights_missing()
         return results
+
+    def _forget_stale_kv(self, method, scales_before: list) -> None:
+        """After a worker call: a layer's new k_scale / v_scale would decode every block its
+        cache holds, written as x / old scale, wrong (running requests' own blocks too), so
+        those requests are recomputed (vLLM leaves this to the caller's reset_prefix_cache);
+        new weights with the same scales leave cached blocks stale, not wrong: only those
+        no request holds are forgotten (running requests keep theirs, as in vLLM)."""
+        if self.executor.collective_rpc("kv_cache_scales") != scales_before:
+            logger.info("collective_rpc(%r) changed the KV cache scales: the prefix cache is "
+                        "reset and running requests are recomputed", method)
+            if not self.scheduler.reset_prefix_cache(reset_running_requests=True):
+                logger.warning("the prefix cache could not be reset after the KV cache scales "
+                               "changed")
+        elif method in _NEW_WEIGHTS:
+            self.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def _refresh_weights_missing(self) -> None:
         if self.kiln_config.model_config.enable_sleep_mode:

@@ -156,6 +156,11 @@ class WorkerSleepMode:
             weight_update.reload_from_checkpoint(module, config)
             self._parts_loaded.pop(name, None)
 
+    def kv_cache_scales(self) -> list[tuple[float, float]]:
+        """Each attention layer's fp8 cache (k_scale, v_scale), the draft's included: the
+        engine core compares them around a collective_rpc (kiln/core/core_sleep.py)."""
+        return [(layer.impl.k_scale, layer.impl.v_scale) for layer in self._attention_layers()]
+
     def weights_missing(self) -> int:
         """How many weights a level-2 sleep discarded that are not loaded again (the draft's
         included)."""

@@ -2,41 +2,28 @@
 config_groups, weights in the model dtype: what llm-compressor writes for KV cache quantization
 alone) is served as vLLM serves it: unquantized linears and, with no --kv-cache-dtype, an fp8 KV
 cache running the checkpoint's per-layer scales."""
-import json
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from kiln.entrypoints.llm import LLM
 from kiln.errors import ConfigError
 from kiln.sampling_params import SamplingParams
 
+from kv_cache_checkpoint import kv_only_config, with_kv_scales, with_quantization_config
+
 PROMPTS = [{"prompt_token_ids": [7, 3, 9, 1, 4, 4, 8, 2, 6, 5, 3, 3, 7, 1, 2, 9, 8, 8, 4, 6, 11]},
            {"prompt_token_ids": [31, 32, 33, 34, 35, 36, 37, 38, 39]}]
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True)
-KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
-             "symmetric": True}
+KV_SCHEME = kv_only_config()["kv_cache_scheme"]
 
 
 def kv_only_checkpoint(src, dst, scales=lambda layer: (0.3 + 0.1 * layer, 2.5 + 0.5 * layer),
                        scheme=KV_SCHEME):
     """`src` (a float checkpoint) with llm-compressor's KV-cache-only quantization_config and
     each layer's self_attn.k_scale / v_scale."""
-    shutil.copytree(src, dst)
-    config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "dense", "config_groups": {},
-        "quantization_status": "compressed", "ignore": [], "kv_cache_scheme": scheme}
-    (dst / "config.json").write_text(json.dumps(config))
-    tensors = load_file(str(dst / "model.safetensors"))
-    for i in range(config["num_hidden_layers"]):
-        k, v = scales(i)
-        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(k)
-        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(v)
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
+    return with_kv_scales(with_quantization_config(src, dst, kv_only_config(
+        kv_cache_scheme=scheme)), scales)
 
 
 def _layers(worker) -> list:
