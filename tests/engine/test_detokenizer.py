@@ -88,6 +88,8 @@ def test_find_stop_string_only_in_new_text():
     assert find_stop_string("abc STOP", 2, ["STOP"], False) == ("STOP", 4)
     # The earliest of several stop strings wins.
     assert find_stop_string("x b a", 5, ["a", "b"], False) == ("b", 2)
+    # not the list's first, as vLLM's would ("cd": the text "ab", itself a stop string)
+    assert find_stop_string("abcd", 4, ["cd", "ab"], False) == ("ab", 0)
 
 
 def test_the_stop_that_completes_first_wins_however_the_text_came():
