@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from kiln.engine.text_encoding import check_texts
+from kiln.repetition_detection import RepetitionDetectionParams  # vLLM's users import it here
 from kiln.structured_output.params import (
     STRUCTURED_OUTPUT_KEYWORDS,
     TAKEN_STRUCTURED_OUTPUT_KEYWORDS,
@@ -78,6 +79,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Constrain the output to a schema, regex, choice or grammar (vLLM's name).
     structured_outputs: StructuredOutputsParams | None = None
+    # End the request where its output repeats a pattern (vLLM's; a dict of its fields too).
+    repetition_detection: RepetitionDetectionParams | None = None
     # Filled by the engine: every token id that ends the request (eos + stop_token_ids).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the engine: the end-of-sequence token id where it ends the request (not
@@ -189,6 +192,16 @@ class SamplingParams:
         if so is not None:
             so.verify()
 
+        rd = self.repetition_detection
+        if isinstance(rd, dict):
+            check(set(rd) <= {"max_pattern_size", "min_pattern_size", "min_count"},
+                  "repetition_detection", "a dict of max_pattern_size, min_pattern_size and "
+                  "min_count", rd)
+            rd = self.repetition_detection = RepetitionDetectionParams(**rd)
+        check(rd is None or isinstance(rd, RepetitionDetectionParams), "repetition_detection",
+              "None or a RepetitionDetectionParams", rd)
+        if rd is not None:
+            rd.verify()
         check(self.spaces_between_special_tokens is True, "spaces_between_special_tokens",
               "True (special tokens are decoded with the tokenizer's own spacing; False is not "
               "supported)", self.spaces_between_special_tokens)

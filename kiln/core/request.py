@@ -14,6 +14,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3  # eos, stop token or stop string
     FINISHED_LENGTH_CAPPED = 4  # max_tokens or max_model_len
     FINISHED_ABORTED = 5
+    FINISHED_REPETITION = 6  # the output repeats a pattern (repetition_detection)
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -23,7 +24,8 @@ class RequestStatus(enum.IntEnum):
     def finish_reason(status: "RequestStatus") -> str | None:
         return {RequestStatus.FINISHED_STOPPED: "stop",
                 RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-                RequestStatus.FINISHED_ABORTED: "abort"}.get(status)
+                RequestStatus.FINISHED_ABORTED: "abort",
+                RequestStatus.FINISHED_REPETITION: "repetition"}.get(status)
 
 
 @dataclass

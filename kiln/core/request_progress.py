@@ -5,6 +5,7 @@ from kiln.core.kv_cache_manager import KVCacheManager
 from kiln.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from kiln.core.request import Request, RequestStatus
 from kiln.logger import init_logger
+from kiln.repetition_detection import REPETITION_STOP_REASON, ends_in_repetition
 
 logger = init_logger(__name__)
 
@@ -26,6 +27,11 @@ def check_stop(request: Request, max_model_len: int, grammar_ended: bool = False
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
     elif request.num_tokens >= max_model_len:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    elif (params.repetition_detection is not None and params.repetition_detection.enabled
+          and request.num_output_tokens >= params.min_tokens
+          and ends_in_repetition(request.output_token_ids, params.repetition_detection)):
+        request.status = RequestStatus.FINISHED_REPETITION
+        request.stop_reason = REPETITION_STOP_REASON
     else:
         return False
     return True

@@ -26,6 +26,7 @@ BASE = {CMPL: dict(prompt="w5 w6 w7 w8", max_tokens=6, temperature=0),
                    temperature=0)}
 # Renders documents and one template variable, so both visibly change the prompt.
 TEMPLATE = ("{% for d in documents or [] %}w9 {% endfor %}{% if extra %}w8 {% endif %}"
+            "{% if reasoning_effort == 'low' %}w7 {% endif %}"
             "{% for m in messages %}w4 {{ m['content'] }} w10 {% endfor %}"
             "{% if add_generation_prompt %}w3{% endif %}")
 # Fields whose effect is no part of the response by OpenAI's definition.
@@ -144,6 +145,38 @@ def probe_allowed(c, path):
     assert set(texts(body)[0].split()) <= {"w11", "w12"}
 
 
+def probe_repetition(c, path):
+    """One allowed token repeats from the start: a pattern of 1 token 3 times ends the answer
+    there (vLLM's finish_reason and stop_reason), where max_tokens would end it at 6; a bad
+    setting is refused naming its field."""
+    base = dict(allowed_token_ids=[11])
+    assert ok(c, path, **base)["choices"][0]["finish_reason"] == "length"
+    body = ok(c, path, **base, max_repetition_pattern_size=2, repetition_min_count=3)
+    choice = body["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("repetition",
+                                                                "repetition_detected")
+    assert texts(body)[0].split() == ["w11"] * 3 and body["usage"]["completion_tokens"] == 3
+    # patterns of 2 and more only: "w11 w11" twice is the first, at 4 tokens
+    body = ok(c, path, **base, max_repetition_pattern_size=2, min_repetition_pattern_size=2,
+              repetition_min_count=2)
+    assert body["usage"]["completion_tokens"] == 4
+    refused(c, path, dict(max_repetition_pattern_size=2, repetition_min_count=1),
+            "repetition_min_count")
+    refused(c, path, dict(max_repetition_pattern_size=2, min_repetition_pattern_size=3,
+                          repetition_min_count=2), "min_repetition_pattern_size")
+    refused(c, path, dict(repetition_min_count=3), "max_repetition_pattern_size")
+
+
+def probe_reasoning_effort(c, path):
+    """The template's reasoning_effort variable (vLLM's), over chat_template_kwargs' own."""
+    changed(c, path, dict(reasoning_effort="low"))
+    low = comparable(ok(c, path, reasoning_effort="low"))
+    assert comparable(ok(c, path, reasoning_effort="low", chat_template_kwargs={
+        "reasoning_effort": "high"})) == low
+    assert comparable(ok(c, path, chat_template_kwargs={"reasoning_effort": "low"})) == low
+    refused(c, path, dict(reasoning_effort="max"), "reasoning_effort")
+
+
 def probe_bad_words(c, path):
     first = texts(ok(c, path))[0].split()[0]
     assert texts(ok(c, path, bad_words=[first]))[0].split()[0] != first
@@ -222,6 +255,15 @@ PROBES = {
                                                dict(max_tokens=24)),
     "logit_bias": lambda c, p: changed(c, p, dict(logit_bias={"42": 100})),
     "allowed_token_ids": probe_allowed,
+    # each refused naming it where set wrong; what they do: test_repetition_detection_fields
+    "max_repetition_pattern_size": lambda c, p: refused(
+        c, p, dict(max_repetition_pattern_size=-1), "max_repetition_pattern_size"),
+    "min_repetition_pattern_size": lambda c, p: refused(
+        c, p, dict(max_repetition_pattern_size=1, min_repetition_pattern_size=2,
+                   repetition_min_count=2), "min_repetition_pattern_size"),
+    "repetition_min_count": lambda c, p: refused(
+        c, p, dict(max_repetition_pattern_size=1, repetition_min_count=1),
+        "repetition_min_count"),
     "bad_words": probe_bad_words,
     "truncate_prompt_tokens": probe_truncate,
     "prompt_logprobs": probe_prompt_logprobs,
@@ -283,8 +325,7 @@ PROBES = {
     "tool_choice": lambda c, p: refused(c, p, dict(tool_choice="required"), "tool_choice"),
     "parallel_tool_calls": lambda c, p: refused(c, p, dict(parallel_tool_calls=False),
                                                 "parallel_tool_calls"),
-    "reasoning_effort": lambda c, p: refused_or_changed(c, p, dict(reasoning_effort="low"),
-                                                        "reasoning_effort"),
+    "reasoning_effort": probe_reasoning_effort,
     "include_reasoning": lambda c, p: refused_or_changed(c, p, dict(include_reasoning=False),
                                                          "include_reasoning"),
 }
@@ -302,6 +343,12 @@ def test_every_field_has_a_probe():
                          ids=lambda v: v.strip("/").replace("/", "_") if "/" in v else v)
 def test_field_changes_the_response_or_is_refused(client, path, field):
     PROBES[field](client, path)
+
+
+@pytest.mark.parametrize("path", [CMPL, CHAT])
+def test_repetition_detection_fields(client, path):
+    """vLLM's max/min_repetition_pattern_size and repetition_min_count (ignored before)."""
+    probe_repetition(client, path)
 
 
 def test_logit_bias_outside_the_vocabulary_names_the_field(client):

@@ -30,7 +30,7 @@ _TOKEN_BUCKETS = [m * 10 ** e for e in range(7) for m in (1, 2, 5) if m * 10 ** 
 _STEP_BUCKETS = [2 ** e for e in range(17)]
 _N_BUCKETS = [1, 2, 5, 10, 20]
 # Every finish reason the engine gives, so each series exists (at 0) before its first request.
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 # get_stats() key -> (gauge name, help)
 _GAUGES = {

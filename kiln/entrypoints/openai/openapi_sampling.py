@@ -9,6 +9,7 @@ def sampling_ranges(model_schema: dict, max_logprobs: int,
     """The sampling fields' ranges, as SamplingParams and the engine check them (outside is a
     400); `max_logprobs`: the engine's cap on (top_/prompt_)logprobs; `vocab_size`: what -1
     (the whole vocabulary) asks for, refused above the cap."""
+    from kiln.repetition_detection import MAX_PATTERN_SIZE
     from kiln.sampling_params import (
         _INT64,
         _MAX_REPETITION_PENALTY,
@@ -32,6 +33,9 @@ def sampling_ranges(model_schema: dict, max_logprobs: int,
                                      "maximum": _MAX_REPETITION_PENALTY},
               "max_tokens": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
               "min_tokens": {"minimum": 0},
+              # repetition detection's pattern sizes (min <= max: across fields, unstated)
+              **{name: {"minimum": 0, "maximum": MAX_PATTERN_SIZE}
+                 for name in ("max_repetition_pattern_size", "min_repetition_pattern_size")},
               "seed": {"minimum": _INT64[0], "maximum": _INT64[1]},  # torch's 64-bit seeds
               # -1: the whole vocabulary (vLLM's), where max_logprobs allows it
               **{name: {"minimum": whole_vocab, "maximum": max_logprobs}
@@ -75,14 +79,12 @@ def sampling_ranges(model_schema: dict, max_logprobs: int,
 
 
 def off_only(model_schema: dict, reasoning_parser: bool) -> None:
-    """Fields that ask for what Kiln does not do (sampling.OFF_ONLY; reasoning_effort) take
-    only their off value or null; include_reasoning=false needs a reasoning parser."""
+    """Fields that ask for what Kiln does not do (sampling.OFF_ONLY) take only their off value
+    or null; include_reasoning=false needs a reasoning parser."""
     from kiln.entrypoints.openai.sampling import OFF_ONLY
 
     props = model_schema.get("properties", {})
     offs = {name: off for name, (off, _) in OFF_ONLY.items()}
-    offs["reasoning_effort"] = None
-    null_only = {"reasoning_effort"}  # any value, an empty one too, is refused
     if not reasoning_parser:
         offs["include_reasoning"] = True
     empties = {"string": {"const": ""}, "object": {"type": "object", "maxProperties": 0},
@@ -92,8 +94,6 @@ def off_only(model_schema: dict, reasoning_parser: bool) -> None:
             types = {m.get("type") for m in props[name].get("anyOf", [props[name]])}
             if None in types:  # any JSON value: each empty one is off
                 types = set(empties)
-            if name in null_only:
-                types = set()
             # an empty value is off too (sampling.refuse_unsupported): truncation_side "",
             # modalities []
             allowed = [{"type": "null"}] + [empties[t] for t in sorted(types & set(empties))]

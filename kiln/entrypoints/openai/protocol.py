@@ -91,6 +91,11 @@ class SamplingFields(RequestBase):
     kv_transfer_params: dict[str, Any] | None = None  # refused: no disaggregated serving
     vllm_xargs: dict[str, Any] | None = None  # refused: no custom extensions read them
     return_token_ids: StrictBool | None = None  # choices carry token_ids, the response prompt's
+    # vLLM's repetition detection (kiln/repetition_detection.py): the output ending in a pattern
+    # of min..max tokens repeated repetition_min_count times ends it (finish_reason "repetition")
+    max_repetition_pattern_size: JsonInt = Field(0, ge=0)
+    min_repetition_pattern_size: JsonInt = Field(0, ge=0)
+    repetition_min_count: JsonInt = Field(0, ge=0)
     # Structured outputs (structured_fields.py): OpenAI's response_format, vLLM's
     # structured_outputs ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}) and
     # its older guided_* names.
@@ -198,7 +203,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
     include_reasoning: StrictBool = True  # false: no reasoning_content (needs --reasoning-parser)
-    reasoning_effort: str | None = None  # refused: no template here reads it
+    # vLLM's: the chat template's reasoning_effort variable (over chat_template_kwargs')
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     # vLLM extras for the template
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False

@@ -8,6 +8,7 @@ from kiln.config.generation_defaults import default_max_tokens
 from kiln.entrypoints.openai.beam_search import check_beam_fields
 from kiln.entrypoints.openai.errors import OpenAIError, in_api_terms
 from kiln.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kiln.repetition_detection import RepetitionDetectionParams, check_fields
 from kiln.sampling_params import RequestOutputKind, SamplingParams
 
 # SamplingParams field -> the request field that set it (identity unless listed).
@@ -77,6 +78,23 @@ def _logit_bias(req: SamplingFields) -> dict[int, float] | None:
     return {int(k): v for k, v in req.logit_bias.items()}
 
 
+# RepetitionDetectionParams' fields -> the requests' names for them (vLLM's)
+_REPETITION_FIELDS = {"max_pattern_size": "max_repetition_pattern_size",
+                      "min_pattern_size": "min_repetition_pattern_size",
+                      "min_count": "repetition_min_count"}
+
+
+def _repetition_detection(req: SamplingFields) -> RepetitionDetectionParams | None:
+    given = {field: getattr(req, name) for field, name in _REPETITION_FIELDS.items()}
+    if not any(given.values()):
+        return None
+    try:
+        check_fields(given, _REPETITION_FIELDS)
+    except ValueError as e:
+        raise OpenAIError(str(e), param=str(e).split(" ", 1)[0], code="invalid_value") from None
+    return RepetitionDetectionParams(**given)
+
+
 def _common_kwargs(req: SamplingFields, defaults: dict) -> dict:
     refuse_unsupported(req)
     kw = dict(n=req.n, seed=req.seed, presence_penalty=req.presence_penalty,
@@ -87,6 +105,7 @@ def _common_kwargs(req: SamplingFields, defaults: dict) -> dict:
               logit_bias=_logit_bias(req), allowed_token_ids=req.allowed_token_ids,
               bad_words=req.bad_words or None,
               truncate_prompt_tokens=req.truncate_prompt_tokens,
+              repetition_detection=_repetition_detection(req),
               # no stream chunk shows them: the engine is spared computing them
               prompt_logprobs=None if req.stream else req.prompt_logprobs)
     # None means "the default": the model's (--generation-config), else SamplingParams'.

@@ -101,7 +101,7 @@ class ServingChat(ChatAnswers):
             await check_compiles(constraint, field)
         render_args = dict(messages=req.messages, add_generation_prompt=req.add_generation_prompt,
                            continue_final_message=req.continue_final_message,
-                           template_kwargs=req.chat_template_kwargs,
+                           template_kwargs=_template_kwargs(req),
                            add_special_tokens=req.add_special_tokens,
                            tools=plan.template_tools, documents=req.documents,
                            chat_template=request_chat_template(
@@ -171,11 +171,6 @@ class ServingChat(ChatAnswers):
             abort_unfinished(self.llm, streams)
 
     def _check_reasoning_fields(self, req: ChatCompletionRequest) -> None:
-        if req.reasoning_effort is not None:
-            raise OpenAIError("reasoning_effort is not supported: the chat templates this "
-                              "server renders do not read it; pass what the template takes "
-                              "in chat_template_kwargs", param="reasoning_effort",
-                              code="unsupported_parameter")
         if not req.include_reasoning and self.reasoning_parser is None:
             raise OpenAIError("include_reasoning=false needs the server started with "
                               "--reasoning-parser (without one, no reasoning is split off)",
@@ -210,3 +205,11 @@ class ServingChat(ChatAnswers):
         async for _, out in merge_streams([stream], field):
             final = out
         return final
+
+
+def _template_kwargs(req: ChatCompletionRequest) -> dict | None:
+    """chat_template_kwargs with the request's reasoning_effort, which wins where both give
+    it (vLLM's merge: a field the request sets over the kwargs)."""
+    if req.reasoning_effort is None:
+        return req.chat_template_kwargs
+    return {**(req.chat_template_kwargs or {}), "reasoning_effort": req.reasoning_effort}
