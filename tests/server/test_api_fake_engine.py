@@ -3,7 +3,7 @@ echo. Errors and auth: test_api_fake_engine_errors.py; tokenize and metrics: _fr
 import pytest
 
 from . import fake_api
-from .fake_api import MODEL, assert_error, sse_events, threads_calling  # noqa: F401 (older imports)
+from .fake_api import MODEL, assert_error, sse_events
 
 client = fake_api.client  # the fixture: this module's client on a fake engine
 
