@@ -4,7 +4,6 @@
 #define KILN_BF16_SIMD_H
 
 #if defined(__AVX512F__)
-#define KILN_BF16_SIMD 1
 #include <immintrin.h>
 
 #define KILN_BF16_HI _mm512_set1_epi32((int)0xffff0000u)
@@ -58,8 +57,6 @@ static inline __m512i bf16_join(__m512i even, __m512i odd) {
     return _mm512_ternarylogic_epi32(odd, _mm512_srli_epi32(even, 16), KILN_BF16_HI, 0xEC);
 }
 
-#else
-#define KILN_BF16_SIMD 0
 #endif
 
 #endif
