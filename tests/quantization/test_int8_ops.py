@@ -199,6 +199,22 @@ def test_gemm_of_rows_that_share_memory():
                                    exact)
 
 
+def test_a_nan_bias_stays_nan_in_bfloat16_outputs():
+    """A float32 NaN bias with all payload bits set (0x7fffffff, which the sum keeps) is a
+    bfloat16 NaN in every column, the 16-wide tail's included: its rounding once carried the
+    payload into the sign bit and wrote -0.0 there (csrc/bf16_simd.h's bf16x16 now)."""
+    if native.isa() is None:
+        return
+    g = torch.Generator().manual_seed(5)
+    for rows, n in ((3, 13), (40, 48)):  # the VNNI kernel: a tail alone, 32 columns then one
+        q = torch.randint(-128, 128, (rows, 64), dtype=torch.int8, generator=g)
+        s, w = torch.rand(rows, 1), torch.randint(-128, 128, (n, 64), dtype=torch.int8, generator=g)
+        bias = torch.full((n,), 0x7fffffff, dtype=torch.int32).view(torch.float32)
+        assert native.gemm_supported(q, s, w, torch.rand(n), bias, torch.bfloat16)
+        out = native.int8_scaled_mm(q, s, w, torch.rand(n), bias, torch.bfloat16)
+        assert out.isnan().all(), (rows, n)
+
+
 def test_gemm_over_no_columns_is_the_bias_at_every_row_count():
     """K == 0 (no path may refuse it: the panel GEMM takes K a positive multiple of 4)."""
     for rows in (3, 100, 1030):

@@ -30,11 +30,9 @@ class Attention(nn.Module):
         kiln_config = get_current_kiln_config()
         cache_config = getattr(kiln_config, "cache_config", None)
         self.kv_cache_dtype = cache_config.cache_dtype if cache_config else "auto"
-        # the model's quantization method, and whether it reads a checkpoint's k_scale /
-        # v_scale (vLLM's rule: kv_cache_scales.py)
+        # the model's quantization method (reads_checkpoint_scales follows from it)
         self.quantization = getattr(getattr(kiln_config, "model_config", None), "quantization",
                                     None)
-        self.reads_checkpoint_scales = reads_checkpoint_scales(self.quantization)
         self.checkpoint_scales: dict[str, float] = {}
         self.backend = self._choose_backend()
         self.impl = self._new_impl()
@@ -43,6 +41,12 @@ class Attention(nn.Module):
         # Its KV cache group (kiln/core/kv_cache_groups.py), whose block table it reads; set
         # with the cache (kiln/worker/kv_cache_layout.py).
         self.kv_group = 0
+
+    @property
+    def reads_checkpoint_scales(self) -> bool:
+        """Whether this layer reads a checkpoint's k_scale / v_scale (vLLM's rule, by the
+        quantization method: kv_cache_scales.py)."""
+        return reads_checkpoint_scales(self.quantization)
 
     def _choose_backend(self):
         return get_attn_backend(get_current_kiln_config().platform)

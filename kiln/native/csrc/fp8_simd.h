@@ -3,6 +3,7 @@
 #ifndef KILN_FP8_SIMD_H
 #define KILN_FP8_SIMD_H
 
+#include "bf16_simd.h"
 #include "dtype.h"
 
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -67,7 +68,7 @@ static inline __m512 fp8x16_f32(const uint8_t *src, const Fp8Tab *tab) {
         _mm512_mask_blend_epi16(_mm512_test_epi16_mask(wz, _mm512_set1_epi16(0x40)), lo, hi));
     const __m256i b = _mm256_ternarylogic_epi32(mag, _mm256_slli_epi16(w, 8),
                                                 _mm256_set1_epi16(-0x8000), 0xf8);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+    return bf16x16_f32(b);
 }
 
 /* 16 float32 lanes (as bits) as fp8 bytes, exactly as f32_to_fp8: saturated at the format's

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_simd.h"
 #include "dtype.h"
 #include "gguf_blocks.h"
 
@@ -67,8 +68,7 @@ static inline XLimbs xlimbs_from(const XLimbs *x, int64_t r, int64_t k, int limb
 /* 16 values at element offset `off` of x (dtype) as floats. */
 static inline __m512 x_load16(const void *x, int dtype, int64_t off) {
     return dtype == KILN_F32 ? _mm512_loadu_ps((const float *)x + off)
-        : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-              (const __m256i *)((const uint16_t *)x + off))), 16));
+        : bf16x16_f32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + off)));
 }
 
 /* Below 2^TINY_ROW_EXP a row's largest value makes the row tiny: held scaled up. */

@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16_simd.h"
 #include "int8_simd.h"
 
 #if KILN_INT8_SIMD
@@ -39,8 +40,8 @@ static inline uint32_t bf16_abs_max_bits(const uint16_t *x, int64_t k) {
 
 /* round(x[i:i+16] * inv) in int32 for 16 bfloat16 values (a finite row). */
 static inline __m512i bf16_q16(const uint16_t *x, __m512 vinv) {
-    const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x));
-    const __m512 p = _mm512_mul_round_ps(_mm512_castsi512_ps(_mm512_slli_epi32(u, 16)), vinv, RNE);
+    const __m512 v = bf16x16_f32(_mm256_loadu_si256((const __m256i *)x));
+    const __m512 p = _mm512_mul_round_ps(v, vinv, RNE);
     return _mm512_cvt_roundps_epi32(p, RNE);
 }
 

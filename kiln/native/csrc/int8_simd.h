@@ -13,6 +13,8 @@
 #define KILN_INT8_SIMD 1
 #include <immintrin.h>
 
+#include "bf16_simd.h"
+
 #define RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
 
@@ -22,8 +24,7 @@ static inline __mmask16 tail16(int64_t left) {
 
 static inline __m512 load16(const void *base, int64_t i, int dtype, __mmask16 m) {
     if (dtype == KILN_F32) return _mm512_maskz_loadu_ps(m, (const float *)base + i);
-    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)base + i);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return bf16x16_f32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)base + i));
 }
 
 static inline void store16(void *base, int64_t i, __m512 v, int dtype, __mmask16 m) {
@@ -31,11 +32,7 @@ static inline void store16(void *base, int64_t i, __m512 v, int dtype, __mmask16
         _mm512_mask_storeu_ps((float *)base + i, m, v);
         return;
     }
-    /* round to nearest even, as dtype.h's f32_to_bf16 (finite values) */
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-    _mm256_mask_storeu_epi16((uint16_t *)base + i, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+    _mm256_mask_storeu_epi16((uint16_t *)base + i, m, bf16x16(v));
 }
 
 /* float32(sums) * sa * ws (+ b where has_bias), each step rounded as torch's float32 ops round
@@ -64,7 +61,7 @@ static inline void scale16(__m512i acc, __m512i off, __m512 sa, const float *w_s
 }
 
 /* out[j:j+32] = f0 then f1 in the dtype: bfloat16 in one instruction where the CPU has
- * AVX512-BF16 (dtype.h's store_bf16x32; store16 rounds 16 values in six). */
+ * AVX512-BF16 (dtype.h's store_bf16x32; store16 takes bf16_simd.h's integer steps). */
 static inline void store32(void *out, int64_t j, __m512 f0, __m512 f1, int out_dtype) {
 #if defined(__AVX512BF16__)
     if (out_dtype != KILN_F32 && store_bf16x32((uint16_t *)out + j, f0, f1)) return;

@@ -4,6 +4,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16_simd.h"
 #include "dtype.h"
 #include "fp8_simd.h"
 #include "paged_attention.h"
@@ -32,9 +33,8 @@ static void quantize_row(uint8_t *dst, const void *src, int64_t n, int dtype, in
         __m512i u =
             dtype == KILN_F32
                 ? _mm512_loadu_si512((const float *)src + i)
-                : _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                        (const __m256i *)((const uint16_t *)src + i))),
-                                    16);
+                : _mm512_castps_si512(bf16x16_f32(
+                      _mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i))));
         if (scale != 1.f) /* rounded as divide's */
             u = _mm512_castps_si512(_mm512_div_round_ps(
                 _mm512_castsi512_ps(u), vscale, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "bf16_simd.h"
 #include "dtype.h"
 #include "fp8_simd.h"
 #include "paged_attention_rows.h"
@@ -71,15 +72,13 @@ static inline __attribute__((always_inline)) void pv_chunk(
     for (int j = 0; j < n; ++j, off += slot_stride)                                          \
         for (int c = 0; c < w / 32; ++c) {                                                   \
             const __m512i x = LOAD;                                                          \
-            const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));               \
-            const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(x, top));                \
+            const __m512 even = bf16_even(x), odd = bf16_odd(x);                             \
             for (int r = 0; r < rows; ++r) {                                                 \
                 const __m512 pr = _mm512_set1_ps(p[r * CHUNK_KEYS + j]);                     \
                 out[r][2 * c] = _mm512_fmadd_ps(pr, even, out[r][2 * c]);                    \
                 out[r][2 * c + 1] = _mm512_fmadd_ps(pr, odd, out[r][2 * c + 1]);             \
             }                                                                                \
         }
-    const __m512i top = _mm512_set1_epi32((int)0xffff0000u);
     if (paired && dtype == KILN_BF16) {
         KILN_PV_PAIRS(_mm512_loadu_si512((const uint16_t *)v_cache + off + 32 * c))
 #if KILN_FP8_SIMD

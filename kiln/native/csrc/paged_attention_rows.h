@@ -5,6 +5,7 @@
 
 #include <stdint.h>
 
+#include "bf16_simd.h"
 #include "dtype.h"
 #include "fp8_simd.h"
 
@@ -77,8 +78,7 @@ static inline void prefetch_rows(const void *cache, const int32_t *blocks, int b
 static inline __m512 load16(const void *base, int64_t off, int dtype) {
     if (dtype == KILN_F32) return _mm512_loadu_ps((const float *)base + off);
     if (dtype == KILN_BF16) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+        return bf16x16_f32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + off)));
     }
     const __m256i w = _mm256_cvtepu8_epi16(
         _mm_loadu_si128((const __m128i *)((const uint8_t *)base + off)));

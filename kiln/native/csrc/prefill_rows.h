@@ -3,6 +3,7 @@
 #ifndef KILN_PREFILL_ROWS_H
 #define KILN_PREFILL_ROWS_H
 
+#include "bf16_simd.h" /* bf16x16 */
 #include "dtype.h"
 #include "prefill_tiles.h"
 #include "prefill_unit.h"
@@ -34,18 +35,6 @@ static inline void pack_queries(const Call *c, const Unit *u, int head, int i0, 
                 ((int32_t *)qp)[d0 * 16 + i] = pf_word(rows[i] + 4 * d0);
             else
                 qp[d0 * 16 + i] = ((const float *)rows[i])[d0] * c->scale;
-}
-
-/* 16 float32 lanes rounded to bfloat16 as f32_to_bf16 rounds them (NaN kept quiet). */
-static inline __m256i bf16x16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
-    const __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
-                         _mm512_and_si512(hi, _mm512_set1_epi32(1))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-    return _mm512_cvtepi32_epi16(
-        _mm512_mask_or_epi32(rounded, nan, hi, _mm512_set1_epi32(0x40)));
 }
 
 /* A row group's outputs o [hd][16] / l into the out rows of tokens t0 + i0 .. (those of the unit)

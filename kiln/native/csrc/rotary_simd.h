@@ -5,41 +5,19 @@
 
 #include <stdint.h>
 
+#include "bf16_simd.h"
 #include "dtype.h"
-#include "row_blocks.h" /* round_lanes; KILN_RNE: explicitly rounded steps under -ffast-math */
+#include "row_blocks.h" /* block_mask; KILN_RNE: explicitly rounded steps under -ffast-math */
 
 #if KILN_ROW_BLOCKS_AVX512
 #define KILN_ROTARY_SIMD 1
 
-#define KILN_HI16 _mm512_set1_epi32((int)0xffff0000u)
-
-/* f32_to_bf16's u + 0x7fff + lsb: the bfloat16 in the high half of each lane. Its NaN branch
- * ((u >> 16) | 0x40) is no step here: every value rounded is a product or sum of bfloat16
+/* bf16_round without its NaN test: every value rounded here is a product or sum of bfloat16
  * values, so a NaN is one the hardware made quiet with a zero low half (an input NaN's payload,
  * quieted, or the default NaN), which the sum leaves as it is. */
-static inline __m512i rotary_bf16_sum(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    return _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-}
-
-static inline __m512 rotary_round(__m512 v) { /* round_to(v, KILN_BF16) */
-    return _mm512_castsi512_ps(_mm512_and_si512(rotary_bf16_sum(v), KILN_HI16));
-}
-
-/* 32 bfloat16 in a register as float32: even elements (low halves) and odd (high halves). */
-static inline __m512 rotary_even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
-static inline __m512 rotary_odd(__m512i v) {
-    return _mm512_castsi512_ps(_mm512_and_si512(v, KILN_HI16));
-}
-
-/* Back to 32 bfloat16: the even elements' roundings into the low halves, the odd's kept high. */
-static inline __m512i rotary_pack(__m512i even, __m512i odd) {
-    return _mm512_mask_blend_epi16(0xaaaaaaaau, _mm512_srli_epi32(even, 16), odd);
-}
-
-static inline __mmask32 rotary_tail32(int left) {
-    return left <= 0 ? 0 : left >= 32 ? 0xffffffffu : (__mmask32)((1u << left) - 1);
+static inline __m512 rotary_round(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_and_si512(bf16_round_bits(_mm512_castps_si512(v)),
+                                                KILN_BF16_HI));
 }
 
 /* 32 bfloat16 of a row, 1.0 past its end (not tiny); masked only there: on Zen 4 masked loads
@@ -67,10 +45,10 @@ typedef struct {
 static inline RotaryStep rotary_step(__m512i v1, __m512i v2, const float *cos, const float *sin,
                                      int neox) {
     RotaryStep p;
-    p.x1[0] = rotary_even(v1);
-    p.x1[1] = neox ? rotary_odd(v1) : rotary_even(v2);
-    p.x2[0] = neox ? rotary_even(v2) : rotary_odd(v1);
-    p.x2[1] = rotary_odd(v2);
+    p.x1[0] = bf16_even(v1);
+    p.x1[1] = neox ? bf16_odd(v1) : bf16_even(v2);
+    p.x2[0] = neox ? bf16_even(v2) : bf16_odd(v1);
+    p.x2[1] = bf16_odd(v2);
     for (int h = 0; h < 2; ++h) {
         p.c[h] = _mm512_loadu_ps(cos + 16 * h);
         p.s[h] = _mm512_loadu_ps(sin + 16 * h);
@@ -87,11 +65,11 @@ static inline void rotary_step_trick(const RotaryStep *p, int neox, __m512i *o1,
         const __m512 b = rotary_round(_mm512_mul_round_ps(p->x2[h], p->s[h], KILN_RNE));
         const __m512 e = rotary_round(_mm512_mul_round_ps(p->x2[h], p->c[h], KILN_RNE));
         const __m512 f = rotary_round(_mm512_mul_round_ps(p->x1[h], p->s[h], KILN_RNE));
-        r1[h] = rotary_bf16_sum(_mm512_sub_round_ps(a, b, KILN_RNE));
-        r2[h] = rotary_bf16_sum(_mm512_add_round_ps(e, f, KILN_RNE));
+        r1[h] = bf16_round_bits(_mm512_castps_si512(_mm512_sub_round_ps(a, b, KILN_RNE)));
+        r2[h] = bf16_round_bits(_mm512_castps_si512(_mm512_add_round_ps(e, f, KILN_RNE)));
     }
-    *o1 = neox ? rotary_pack(r1[0], r1[1]) : rotary_pack(r1[0], r2[0]);
-    *o2 = neox ? rotary_pack(r2[0], r2[1]) : rotary_pack(r1[1], r2[1]);
+    *o1 = neox ? bf16_join(r1[0], r1[1]) : bf16_join(r1[0], r2[0]);
+    *o2 = neox ? bf16_join(r2[0], r2[1]) : bf16_join(r1[1], r2[1]);
 }
 
 /* to[0:32] = 32 cos (or sin) values lo, hi rounded as round_to does, NaN included, in
@@ -100,8 +78,8 @@ static inline void rotary_round_tab_trick(__m512 lo, __m512 hi, int split, float
     const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
                                             28, 30);
     const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
-    lo = round_lanes(lo, KILN_BF16);
-    hi = round_lanes(hi, KILN_BF16);
+    lo = bf16_round(lo);
+    hi = bf16_round(hi);
     _mm512_storeu_ps(to, split ? _mm512_permutex2var_ps(lo, evens, hi) : lo);
     _mm512_storeu_ps(to + 16, split ? _mm512_permutex2var_ps(lo, odds, hi) : hi);
 }
@@ -121,7 +99,7 @@ static inline int rotary_bf16_tab(const float *src, int hd, int neox, float *tab
         const float *from = src + part * half;
         float *to = tab + part * len;
         for (int i = 0; i < half; i += 32) {
-            const __mmask32 m = rotary_tail32(half - i);
+            const __mmask32 m = block_mask(half - i);
             const __m512 lo = _mm512_maskz_loadu_ps((__mmask16)m, from + i);
             const __m512 hi = _mm512_maskz_loadu_ps((__mmask16)(m >> 16), from + i + 16);
             const int t = rotary_tiny_cs(lo, hi);
@@ -143,8 +121,8 @@ static inline __attribute__((always_inline)) void rotary_bf16_row(
     for (int i = 0; i < half; i += 32) {
         /* neox: x1 at x[i:], x2 at x[half + i:]; gpt-j: the step's 64 elements in order */
         const int64_t at1 = neox ? i : 2 * i, at2 = neox ? half + i : 2 * i + 32;
-        const __mmask32 m1 = rotary_tail32(neox ? half - i : 2 * (half - i));
-        const __mmask32 m2 = neox ? m1 : rotary_tail32(2 * (half - i) - 32);
+        const __mmask32 m1 = block_mask(neox ? half - i : 2 * (half - i));
+        const __mmask32 m2 = neox ? m1 : block_mask(2 * (half - i) - 32);
         for (int h = 0; h < heads; ++h) {
             const __m512i v1 = rotary_load(x + h * hd + at1, m1);
             const __m512i v2 = rotary_load(x + h * hd + at2, m2);

@@ -28,7 +28,7 @@ static inline int rotary_tiny_x(__m512i v1, __m512i v2) {
 }
 
 /* Where each output element sits in the rounded sums. Rounding set A's 16 values and set B's
- * into one register and taking its even and odd elements apart (rotary_even / rotary_odd) puts
+ * into one register and taking its even and odd elements apart (bf16_even / bf16_odd) puts
  * lane l of set S at lane (l & 1 ? odd : even)[S * 8 + l / 2]; the last rounding, of even's
  * lanes then odd's, at element (l & 1) * 16 + S * 8 + l / 2 of r1 (32 + that of r2). */
 typedef struct {
@@ -56,8 +56,8 @@ static inline RotaryPerm rotary_perm(int neox) {
 /* 32 values rounded together (lo's 16, then hi's), then taken apart as even and odd lanes. */
 static inline void rotary_round2(__m512 lo, __m512 hi, __m512 *even, __m512 *odd) {
     const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-    *even = rotary_even(w);
-    *odd = rotary_odd(w);
+    *even = bf16_even(w);
+    *odd = bf16_odd(w);
 }
 
 /* rotary_round_tab_trick, by the instruction where no value is tiny. */
@@ -70,10 +70,8 @@ static inline void rotary_round_tab(__m512 lo, __m512 hi, int split, int tiny, f
         _mm512_storeu_ps(to, even);
         _mm512_storeu_ps(to + 16, odd);
     } else {
-        const __m512i rlo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
-        const __m512i rhi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
-        _mm512_storeu_ps(to, _mm512_castsi512_ps(_mm512_slli_epi32(rlo, 16)));
-        _mm512_storeu_ps(to + 16, _mm512_castsi512_ps(_mm512_slli_epi32(rhi, 16)));
+        _mm512_storeu_ps(to, bf16x16_f32((__m256i)_mm512_cvtneps_pbh(lo)));
+        _mm512_storeu_ps(to + 16, bf16x16_f32((__m256i)_mm512_cvtneps_pbh(hi)));
     }
 }
 

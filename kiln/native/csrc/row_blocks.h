@@ -13,13 +13,14 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define KILN_ROW_BLOCKS_AVX512 1
 /* AVX-512: blocks of 32 values in two registers, the last block masked. A bfloat16 block is one
- * 64-byte load split into its even and odd values (a shift and a mask, no shuffles) and joined
- * back the same way on store; float32's is two loads. The float steps use the explicitly
+ * 64-byte load split into its even and odd values (bf16_simd.h's bf16_even / bf16_odd) and
+ * joined back the same way on store; float32's is two loads. The float steps use the explicitly
  * rounded intrinsics (_round_ps): the library builds with -ffast-math, under which GCC could
  * reassociate plain vector arithmetic or turn a division into a reciprocal estimate, and each
  * step must round as the torch op it stands for does. */
 #include <immintrin.h>
 
+#include "bf16_simd.h"
 #include "simd_exp.h"
 
 #define KILN_RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
@@ -30,8 +31,11 @@ typedef struct {
     __m512 a, b;
 } f32x32;
 
+/* The lanes of a block of 32 with `left` values still to go (none where left <= 0). */
 KILN_INLINE __mmask32 block_mask(int left) {
-    return left >= KILN_BLOCK ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1);
+    return left <= 0           ? (__mmask32)0
+           : left >= KILN_BLOCK ? (__mmask32)0xffffffffu
+                                : (__mmask32)((1u << left) - 1);
 }
 
 KILN_INLINE f32x32 load_block(const void *base, int64_t i, int dtype, __mmask32 m) {
@@ -41,28 +45,16 @@ KILN_INLINE f32x32 load_block(const void *base, int64_t i, int dtype, __mmask32 
         v.b = _mm512_maskz_loadu_ps((__mmask16)(m >> 16), (const float *)base + i + 16);
     } else {
         const __m512i w = _mm512_maskz_loadu_epi16(m, (const uint16_t *)base + i);
-        v.a = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-        v.b = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000u)));
+        v.a = bf16_even(w);
+        v.b = bf16_odd(w);
     }
     return v;
-}
-
-/* v rounded to bfloat16 as dtype.h's f32_to_bf16 (nearest even; a NaN stays a NaN, made quiet),
- * its bits in the top half of each lane; the bottom half is left over. Not VCVTNEPS2BF16: it
- * flushes subnormals to zero. */
-KILN_INLINE __m512i bf16_top(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __mmask16 nan = _mm512_fpclass_ps_mask(v, 0x81); /* quiet or signalling NaN */
-    const __mmask16 odd = _mm512_test_epi32_mask(u, _mm512_set1_epi32(0x10000));
-    __m512i r = _mm512_add_epi32(u, _mm512_set1_epi32(0x7fff));
-    r = _mm512_mask_add_epi32(r, odd, r, _mm512_set1_epi32(1));
-    return _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000));
 }
 
 /* v as the dtype holds it (round_to). */
 KILN_INLINE __m512 round_lanes(__m512 v, int dtype) {
     if (dtype == KILN_F32) return v;
-    return _mm512_castsi512_ps(_mm512_and_si512(bf16_top(v), _mm512_set1_epi32((int)0xffff0000u)));
+    return bf16_round(v);
 }
 
 /* Stores v, rounding it to the dtype unless `exact` (its values already are bfloat16's). */
@@ -74,10 +66,7 @@ KILN_INLINE void store_block(void *base, int64_t i, f32x32 v, int dtype, __mmask
     }
     const __m512i a = exact ? _mm512_castps_si512(v.a) : bf16_top(v.a);
     const __m512i b = exact ? _mm512_castps_si512(v.b) : bf16_top(v.b);
-    /* (b & 0xffff0000) | (a >> 16): the odd values' top halves over the even ones' */
-    const __m512i w = _mm512_ternarylogic_epi32(b, _mm512_srli_epi32(a, 16),
-                                                _mm512_set1_epi32((int)0xffff0000u), 0xEC);
-    _mm512_mask_storeu_epi16((uint16_t *)base + i, m, w);
+    _mm512_mask_storeu_epi16((uint16_t *)base + i, m, bf16_join(a, b));
 }
 
 /* One block of a row's first pass: the values (with the residual added, rounded, and written

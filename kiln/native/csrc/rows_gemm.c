@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "bf16_simd.h"
 #include "dtype.h"
 #include "kernels.h"
 
@@ -58,8 +59,7 @@ static inline __attribute__((always_inline)) __m512 load_w(const void *w, int64_
     if (mode == MODE_F32) return _mm512_maskz_loadu_ps((__mmask16)mask, (const float *)w + i);
     const uint16_t *p = (const uint16_t *)w + i;
     if (mode == MODE_BF16) return _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(mask, p));
-    const __m256i h = _mm256_maskz_loadu_epi16((__mmask16)mask, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return bf16x16_f32(_mm256_maskz_loadu_epi16((__mmask16)mask, p));
 }
 
 static inline __attribute__((always_inline)) __m512 load_x(const void *x, int64_t i, int mode,
