@@ -7,6 +7,9 @@ from dataclasses import dataclass
 # Patterns longer than this are refused: a token's check, on the core's step loop, visits each
 # earlier copy of it among the last max_pattern_size tokens (RepetitionTracker).
 MAX_PATTERN_SIZE = 1024
+# A larger min_count could not cross to the engine core (msgpack's integers are 64-bit); no
+# output is that long anyway.
+MAX_MIN_COUNT = 2 ** 63 - 1
 # What the core reports as the stop_reason of a request it ended for repeating (vLLM's).
 REPETITION_STOP_REASON = "repetition_detected"
 
@@ -47,6 +50,8 @@ def check_fields(fields: dict, names: dict[str, str] | None = None) -> None:
     size = name("max_pattern_size")
     if most > MAX_PATTERN_SIZE:
         raise ValueError(f"{size} must be at most {MAX_PATTERN_SIZE} tokens, got {most}")
+    if count > MAX_MIN_COUNT:
+        raise ValueError(f"{name('min_count')} must be at most {MAX_MIN_COUNT}, got {count}")
     if least > most:
         raise ValueError(f"{name('min_pattern_size')} must be <= {size}, got {least} > {most}")
     if most and count < 2:

@@ -95,6 +95,8 @@ def test_each_tokens_check_reads_the_new_token_only_not_the_output():
     (dict(max_pattern_size=2, min_pattern_size=3, min_count=2), r"min_pattern_size must be <="),
     (dict(min_count=3), r"max_pattern_size must be > 0 where"),
     (dict(max_pattern_size=5000, min_count=2), r"max_pattern_size must be at most 1024"),
+    # no 64-bit integer on the process wire (msgpack) holds it: refused, not a crash there
+    (dict(max_pattern_size=2, min_count=10 ** 30), r"min_count must be at most 9223372036854775807"),
 ])
 def test_bad_settings_are_refused_naming_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -147,3 +149,6 @@ def test_it_crosses_to_the_core_process():
     params = SamplingParams(repetition_detection=dict(max_pattern_size=4, min_count=2))
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(encode_params(params)))
     assert decode_params(wire).repetition_detection == _rd(4, 2)
+    most = SamplingParams(repetition_detection=dict(max_pattern_size=1024, min_count=2 ** 63 - 1))
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(encode_params(most)))
+    assert decode_params(wire).repetition_detection == most.repetition_detection

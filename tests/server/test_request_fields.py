@@ -165,6 +165,9 @@ def probe_repetition(c, path):
     refused(c, path, dict(max_repetition_pattern_size=2, min_repetition_pattern_size=3,
                           repetition_min_count=2), "min_repetition_pattern_size")
     refused(c, path, dict(repetition_min_count=3), "max_repetition_pattern_size")
+    # past what the engine core's 64-bit wire holds: a 400, not a failure handing it over
+    refused(c, path, dict(max_repetition_pattern_size=2, repetition_min_count=10 ** 30),
+            "repetition_min_count")
 
 
 def probe_reasoning_effort(c, path):
