@@ -203,8 +203,10 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
     include_reasoning: StrictBool = True  # false: no reasoning_content (needs --reasoning-parser)
-    # vLLM's: the chat template's reasoning_effort variable (over chat_template_kwargs')
-    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    # vLLM's: the chat template's reasoning_effort variable (over chat_template_kwargs'), and
+    # enable_thinking (serving_chat.reasoning_effort_variables); OpenAI's values and vLLM's "max"
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | \
+        None = None
     # vLLM extras for the template
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
