@@ -82,6 +82,14 @@ def test_reasoning_effort_sets_enable_thinking_over_the_defaults_not_over_the_re
         assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
         assert "reasoning_effort" not in engine.template_kwargs[-1]
         assert engine.template_kwargs[-1]["enable_thinking"] is True  # the default's, alone
+        # /v1/responses' reasoning.effort is the same variable (vLLM's)
+        for effort, thinking in (("none", False), ("high", True)):
+            r = client.post("/v1/responses", json={"model": MODEL, "input": "hi",
+                                                   "max_output_tokens": 2,
+                                                   "reasoning": {"effort": effort}})
+            kw = engine.template_kwargs[-1]
+            assert r.status_code == 200, r.text
+            assert (kw["reasoning_effort"], kw["enable_thinking"]) == (effort, thinking)
 
 
 def test_return_tokens_as_token_ids_is_the_default_a_request_can_turn_off():
