@@ -64,8 +64,8 @@ def check_fields(fields: dict, names: dict[str, str] | None = None) -> None:
 
 def ends_in_repetition(token_ids: list[int], params: RepetitionDetectionParams) -> bool:
     """Whether the last size x min_count tokens are one pattern of `size` tokens min_count
-    times, for a size in [min_pattern_size (at least 1), max_pattern_size] (vLLM's check, on
-    the whole list: the reference RepetitionTracker follows)."""
+    times, for a size in [min_pattern_size (at least 1), max_pattern_size] (vLLM's check),
+    from scratch: RepetitionTracker keeps it for a growing list."""
     return RepetitionTracker(params).update(token_ids)
 
 
@@ -81,6 +81,7 @@ class RepetitionTracker:
 
     def _start(self) -> None:
         self.seen = 0  # tokens of the output taken so far
+        self.found = False  # whether they end in a repetition
         self._last_at: dict[int, deque] = {}  # token -> its latest positions, ascending
         # size -> (first, last) position of the latest run of tokens equal to the one `size`
         # before them; the output ends in a pattern of `size` repeated min_count times where
@@ -92,11 +93,10 @@ class RepetitionTracker:
         repetition now."""
         if len(token_ids) < self.seen:  # not the list that grew: start over
             self._start()
-        found = False
         for i in range(self.seen, len(token_ids)):
-            found = self._take(token_ids[i], i)
+            self.found = self._take(token_ids[i], i)
         self.seen = len(token_ids)
-        return found
+        return self.found
 
     def _take(self, token: int, i: int) -> bool:
         earlier = self._last_at.setdefault(token, deque())

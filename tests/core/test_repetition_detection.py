@@ -55,6 +55,7 @@ def test_the_running_check_agrees_with_vllms_after_every_token_and_multi_token_s
         while len(tokens) < 40:
             tokens += [rng.randint(0, vocab) for _ in range(rng.choice((1, 1, 3)))]
             assert tracker.update(tokens) == _vllm_check(tokens, params), (tokens, params)
+            assert tracker.update(tokens) == _vllm_check(tokens, params)  # nothing new
             assert ends_in_repetition(tokens, params) == _vllm_check(tokens, params)
     tracker = RepetitionTracker(_rd(2, 2))
     assert not tracker.update([1, 2, 1, 3, 3, 1])
