@@ -1,11 +1,15 @@
 """vLLM's repetition detection (SamplingParams.repetition_detection, the OpenAI requests'
 max/min_repetition_pattern_size and repetition_min_count): a request whose output ends in a run
 of one token pattern repeated min_count times ends (finish_reason "repetition")."""
+from collections import deque
 from dataclasses import dataclass
 
-# Patterns longer than this are refused: each step checks every size up to max_pattern_size
-# (most at one comparison, a near repeat at up to size x min_count), on the core's step loop.
+# Patterns longer than this are refused: a token's check, on the core's step loop, visits each
+# earlier copy of it among the last max_pattern_size tokens (RepetitionTracker).
 MAX_PATTERN_SIZE = 1024
+# A larger min_count could not cross to the engine core (msgpack's integers are 64-bit); no
+# output is that long anyway.
+MAX_MIN_COUNT = 2 ** 63 - 1
 # What the core reports as the stop_reason of a request it ended for repeating (vLLM's).
 REPETITION_STOP_REASON = "repetition_detected"
 
@@ -46,6 +50,8 @@ def check_fields(fields: dict, names: dict[str, str] | None = None) -> None:
     size = name("max_pattern_size")
     if most > MAX_PATTERN_SIZE:
         raise ValueError(f"{size} must be at most {MAX_PATTERN_SIZE} tokens, got {most}")
+    if count > MAX_MIN_COUNT:
+        raise ValueError(f"{name('min_count')} must be at most {MAX_MIN_COUNT}, got {count}")
     if least > most:
         raise ValueError(f"{name('min_pattern_size')} must be <= {size}, got {least} > {most}")
     if most and count < 2:
@@ -58,15 +64,52 @@ def check_fields(fields: dict, names: dict[str, str] | None = None) -> None:
 
 def ends_in_repetition(token_ids: list[int], params: RepetitionDetectionParams) -> bool:
     """Whether the last size x min_count tokens are one pattern of `size` tokens min_count
-    times, for a size in [min_pattern_size (at least 1), max_pattern_size]."""
-    n, count = len(token_ids), params.min_count
-    for size in range(max(params.min_pattern_size, 1), params.max_pattern_size + 1):
-        span = size * count
-        if span > n:
-            return False  # longer patterns need more tokens still
-        # periodic with period `size` over the span; the last token's own match first, which
-        # rules most sizes out at one comparison
-        if token_ids[-1] == token_ids[-1 - size] and \
-                token_ids[n - span:n - size] == token_ids[n - span + size:]:
-            return True
-    return False
+    times, for a size in [min_pattern_size (at least 1), max_pattern_size] (vLLM's check),
+    from scratch: RepetitionTracker keeps it for a growing list."""
+    return RepetitionTracker(params).update(token_ids)
+
+
+class RepetitionTracker:
+    """ends_in_repetition for one request's growing output, each new token's work bounded by
+    the earlier copies of that token among the last max_pattern_size (not by the output's
+    length or size x min_count, which a request chooses: the core's step loop runs it)."""
+
+    def __init__(self, params: RepetitionDetectionParams):
+        self.least = max(params.min_pattern_size, 1)
+        self.most, self.count = params.max_pattern_size, params.min_count
+        self._start()
+
+    def _start(self) -> None:
+        self.seen = 0  # tokens of the output taken so far
+        self.found = False  # whether they end in a repetition
+        self._last_at: dict[int, deque] = {}  # token -> its latest positions, ascending
+        # size -> (first, last) position of the latest run of tokens equal to the one `size`
+        # before them; the output ends in a pattern of `size` repeated min_count times where
+        # such a run ends at its last token and is size x (min_count - 1) long
+        self._runs: dict[int, tuple[int, int]] = {}
+
+    def update(self, token_ids: list[int]) -> bool:
+        """Take the tokens appended since the last call; whether the output ends in a
+        repetition now."""
+        if len(token_ids) < self.seen:  # not the list that grew: start over
+            self._start()
+        for i in range(self.seen, len(token_ids)):
+            self.found = self._take(token_ids[i], i)
+        self.seen = len(token_ids)
+        return self.found
+
+    def _take(self, token: int, i: int) -> bool:
+        earlier = self._last_at.setdefault(token, deque())
+        while earlier and earlier[0] < i - self.most:
+            earlier.popleft()
+        found = False
+        for p in earlier:  # the sizes at which this token repeats the one `size` before it
+            size = i - p
+            if size < self.least:
+                break  # later positions are nearer still
+            first, last = self._runs.get(size, (i, i - 2))
+            first = first if last == i - 1 else i
+            self._runs[size] = (first, i)
+            found = found or i - first + 1 >= size * (self.count - 1)
+        earlier.append(i)
+        return found

@@ -64,6 +64,8 @@ class Request:
     structured_output_request: object = field(default=None, repr=False)
     # Its tokens as a growing numpy array, for the n-gram proposer (kiln/spec_decode/).
     spec_token_buffer: object = field(default=None, repr=False)
+    # Its output's repetition so far (kiln/repetition_detection.py), where it asks for the check.
+    repetition_tracker: object = field(default=None, repr=False)
     # A draft model's proposals after its last token (the runner's last step; vLLM's name).
     spec_token_ids: list[int] = field(default_factory=list, repr=False)
 

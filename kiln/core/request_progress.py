@@ -5,7 +5,7 @@ from kiln.core.kv_cache_manager import KVCacheManager
 from kiln.core.outputs import EngineCoreOutput, ModelRunnerOutput
 from kiln.core.request import Request, RequestStatus
 from kiln.logger import init_logger
-from kiln.repetition_detection import REPETITION_STOP_REASON, ends_in_repetition
+from kiln.repetition_detection import REPETITION_STOP_REASON, RepetitionTracker
 
 logger = init_logger(__name__)
 
@@ -27,14 +27,23 @@ def check_stop(request: Request, max_model_len: int, grammar_ended: bool = False
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
     elif request.num_tokens >= max_model_len:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    elif (params.repetition_detection is not None and params.repetition_detection.enabled
-          and request.num_output_tokens >= params.min_tokens
-          and ends_in_repetition(request.output_token_ids, params.repetition_detection)):
+    elif _repeats(request) and request.num_output_tokens >= params.min_tokens:
         request.status = RequestStatus.FINISHED_REPETITION
         request.stop_reason = REPETITION_STOP_REASON
     else:
         return False
     return True
+
+
+def _repeats(request: Request) -> bool:
+    """Whether its output ends in a repetition (repetition_detection); every token is taken,
+    those before min_tokens too, so the check after them is as vLLM's on the whole output."""
+    params = request.sampling_params.repetition_detection
+    if params is None or not params.enabled:
+        return False
+    if request.repetition_tracker is None:
+        request.repetition_tracker = RepetitionTracker(params)
+    return request.repetition_tracker.update(request.output_token_ids)
 
 
 def append_sampled(request: Request, sampled: list[int],

@@ -66,7 +66,14 @@ def load_in_place(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     if isinstance(weights, dict):
         weights = weights.items()
     with ir_selection_turn(kiln_config.ir_selection), torch.no_grad(), partial_load(model):
-        loaded = model.load_weights(_checked(weights))
+        try:
+            loaded = model.load_weights(_checked(weights))
+        except BaseException:
+            # the tensors before the one that failed are written, and which those were is
+            # unknown here: every packed copy is redone, or their layers would compute with
+            # the old weights' (neither the old model nor the new)
+            prepack_for_cpu(model)
+            raise
         prepack_for_cpu(model, only=changed_parameters(model, loaded))
     return loaded
 

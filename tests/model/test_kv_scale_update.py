@@ -35,8 +35,11 @@ def _logprobs(completion) -> list[float]:
     return [next(iter(lp.values())).logprob for lp in completion.logprobs]
 
 
+@pytest.mark.parametrize("fails_after", [False, True])
 def test_new_kv_scales_recompute_running_requests_and_forget_cached_blocks(
-        tiny_llama_dir, tmp_path, monkeypatch):
+        tiny_llama_dir, tmp_path, monkeypatch, fails_after):
+    """`fails_after`: the update raises on a name no parameter has, after the scales before it
+    were written: what it changed is handled as a whole update's."""
     monkeypatch.setenv("KILN_ENABLE_V1_MULTIPROCESSING", "0")
     new_dir = _checkpoint(tiny_llama_dir, tmp_path / "new", _new)
     scales = [(n, t) for n, t in load_file(str(new_dir / "model.safetensors")).items()
@@ -48,7 +51,12 @@ def test_new_kv_scales_recompute_running_requests_and_forget_cached_blocks(
         for _ in range(3):  # the prompt's prefill and two decodes, under the old scales
             for out in engine.step():
                 before = len(out.outputs[0].token_ids)
-        llm.collective_rpc("load_weights", kwargs={"weights": scales})
+        if fails_after:
+            with pytest.raises(Exception, match="model.no_such_weight"):
+                llm.collective_rpc("load_weights", kwargs={
+                    "weights": [*scales, ("model.no_such_weight", scales[0][1])]})
+        else:
+            llm.collective_rpc("load_weights", kwargs={"weights": scales})
         while engine.has_unfinished_requests():
             final += [o for o in engine.step() if o.finished]
         (running,) = [o.outputs[0] for o in final]

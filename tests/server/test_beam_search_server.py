@@ -95,6 +95,11 @@ BEAM = "use_beam_search"
     (CMPL, dict(stop=["w9"]), "stop", BEAM),
     (CMPL, dict(seed=3), "seed", BEAM),
     (CMPL, dict(min_tokens=2), "min_tokens", BEAM),
+    # repetition detection ends no beam: refused rather than ignored (vLLM ignores it)
+    (CMPL, dict(max_repetition_pattern_size=2, repetition_min_count=2),
+     "max_repetition_pattern_size", BEAM),
+    (CHAT, dict(max_repetition_pattern_size=2, repetition_min_count=2),
+     "max_repetition_pattern_size", BEAM),
     (CHAT, dict(response_format={"type": "json_object"}), "response_format", BEAM),
     (CMPL, dict(n=11), "n=11", "n"),  # 22 logprobs a step: past --max-logprobs 20
     (CMPL, dict(max_tokens=100), "max_tokens", "max_tokens"),  # past max_model_len

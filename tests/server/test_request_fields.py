@@ -27,6 +27,7 @@ BASE = {CMPL: dict(prompt="w5 w6 w7 w8", max_tokens=6, temperature=0),
 # Renders documents and one template variable, so both visibly change the prompt.
 TEMPLATE = ("{% for d in documents or [] %}w9 {% endfor %}{% if extra %}w8 {% endif %}"
             "{% if reasoning_effort == 'low' %}w7 {% endif %}"
+            "{% if enable_thinking is defined and not enable_thinking %}w6 {% endif %}"
             "{% for m in messages %}w4 {{ m['content'] }} w10 {% endfor %}"
             "{% if add_generation_prompt %}w3{% endif %}")
 # Fields whose effect is no part of the response by OpenAI's definition.
@@ -165,16 +166,26 @@ def probe_repetition(c, path):
     refused(c, path, dict(max_repetition_pattern_size=2, min_repetition_pattern_size=3,
                           repetition_min_count=2), "min_repetition_pattern_size")
     refused(c, path, dict(repetition_min_count=3), "max_repetition_pattern_size")
+    # past what the engine core's 64-bit wire holds: a 400, not a failure handing it over
+    refused(c, path, dict(max_repetition_pattern_size=2, repetition_min_count=10 ** 30),
+            "repetition_min_count")
 
 
 def probe_reasoning_effort(c, path):
-    """The template's reasoning_effort variable (vLLM's), over chat_template_kwargs' own."""
+    """The template's reasoning_effort variable (vLLM's), over chat_template_kwargs' own, and
+    its enable_thinking: off for "none" unless chat_template_kwargs set it; vLLM's values."""
     changed(c, path, dict(reasoning_effort="low"))
     low = comparable(ok(c, path, reasoning_effort="low"))
     assert comparable(ok(c, path, reasoning_effort="low", chat_template_kwargs={
         "reasoning_effort": "high"})) == low
     assert comparable(ok(c, path, chat_template_kwargs={"reasoning_effort": "low"})) == low
-    refused(c, path, dict(reasoning_effort="max"), "reasoning_effort")
+    thinking = comparable(ok(c, path, reasoning_effort="minimal"))
+    assert comparable(ok(c, path, reasoning_effort="none")) != thinking
+    assert comparable(ok(c, path, reasoning_effort="none", chat_template_kwargs={
+        "enable_thinking": True})) == thinking
+    for effort in ("medium", "high", "xhigh", "max"):  # OpenAI's, and vLLM's "max"
+        assert comparable(ok(c, path, reasoning_effort=effort)) == thinking
+    refused(c, path, dict(reasoning_effort="maximum"), "reasoning_effort")
 
 
 def probe_bad_words(c, path):

@@ -67,6 +67,31 @@ def test_default_chat_template_kwargs_go_under_the_requests():
         assert r.status_code == 200 and engine.template_kwargs[-1]["enable_thinking"] is False
 
 
+def test_reasoning_effort_sets_enable_thinking_over_the_defaults_not_over_the_request():
+    """vLLM's build_chat_params: reasoning_effort implies enable_thinking (off for "none")
+    unless the request's own chat_template_kwargs set it; a server default does not count."""
+    engine, client = _client(default_chat_template_kwargs={"enable_thinking": True})
+    with client:
+        for effort, given, thinking in (("none", None, False), ("minimal", None, True),
+                                        ("none", {"enable_thinking": True}, True),
+                                        ("max", {"enable_thinking": False}, False)):
+            body = {**CHAT, "reasoning_effort": effort, "chat_template_kwargs": given}
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+            kw = engine.template_kwargs[-1]
+            assert (kw["reasoning_effort"], kw["enable_thinking"]) == (effort, thinking), body
+        assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+        assert "reasoning_effort" not in engine.template_kwargs[-1]
+        assert engine.template_kwargs[-1]["enable_thinking"] is True  # the default's, alone
+        # /v1/responses' reasoning.effort is the same variable (vLLM's)
+        for effort, thinking in (("none", False), ("high", True)):
+            r = client.post("/v1/responses", json={"model": MODEL, "input": "hi",
+                                                   "max_output_tokens": 2,
+                                                   "reasoning": {"effort": effort}})
+            kw = engine.template_kwargs[-1]
+            assert r.status_code == 200, r.text
+            assert (kw["reasoning_effort"], kw["enable_thinking"]) == (effort, thinking)
+
+
 def test_return_tokens_as_token_ids_is_the_default_a_request_can_turn_off():
     _, client = _client(return_tokens_as_token_ids=True)
     with client:

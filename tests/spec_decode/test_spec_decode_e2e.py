@@ -183,3 +183,19 @@ def test_stop_string_inside_an_accepted_run_cuts_its_tokens(engines, kiln_logs):
     assert sum(line.startswith("Avg prompt throughput") for line in lines) == 2
     (line,) = [line for line in lines if line.startswith("SpecDecoding metrics: ")]
     assert "Mean acceptance length: " in line and "Per-position acceptance rate: " in line
+
+
+def test_repetition_inside_an_accepted_run_cuts_it_as_without_speculation(engines):
+    """vLLM's repetition detection checks each accepted token as it is appended: an output
+    whose repetition completes inside a step's accepted drafts ends at that token, with its
+    logprobs, exactly as without speculation."""
+    spec, base = engines
+    for rd in ({"max_pattern_size": 4, "min_count": 2}, {"max_pattern_size": 1, "min_count": 3},
+               {"max_pattern_size": 6, "min_pattern_size": 3, "min_count": 2}):
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1,
+                                repetition_detection=rd)
+        got, want = generate(spec, PROMPTS, params), generate(base, PROMPTS, params)
+        assert [(list(o.token_ids), o.finish_reason, o.stop_reason) for o in got] == \
+            [(list(o.token_ids), o.finish_reason, o.stop_reason) for o in want]
+        assert [len(o.logprobs) for o in got] == [len(o.token_ids) for o in got]
+        assert any(o.finish_reason == "repetition" for o in got)

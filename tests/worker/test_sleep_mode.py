@@ -104,6 +104,24 @@ def test_load_weights_updates_in_place_to_another_checkpoint(llm, tiny_llama_dir
     assert _tokens(llm) == tiny_tokens
 
 
+def test_an_update_failing_part_way_leaves_what_it_wrote_packed_too(llm, tiny_llama_dir,
+                                                                     other_llama_dir,
+                                                                     tiny_tokens):
+    """load_weights raising at a name no parameter has, after every weight before it was
+    written: the model is the one those weights make (each packed copy redone), not the old
+    packed copies beside the new weights (its tokens were neither checkpoint's)."""
+    new = load_file(str(other_llama_dir / "model.safetensors"))
+    try:
+        with pytest.raises(ValueError, match="model.layers.9.x.weight"):
+            llm.collective_rpc("load_weights", kwargs={"weights": [
+                *new.items(), ("model.layers.9.x.weight", torch.zeros(2))]})
+        assert _tokens(llm) == hf_greedy(other_llama_dir, PROMPTS, NEW)
+    finally:
+        llm.collective_rpc("load_weights", args=(load_file(str(tiny_llama_dir /
+                                                                "model.safetensors")),))
+    assert _tokens(llm) == tiny_tokens
+
+
 def _norm_sum(worker, scale):
     return float(worker.get_model().model.norm.weight.sum()) * scale
 

@@ -4,6 +4,7 @@ function_call and function_call_output items, function tools and tool_choice, th
 at their off values only, and the sampling fields' ranges.
 """
 from kiln.entrypoints.openai.openapi_cross_field import switched_fields
+from kiln.entrypoints.openai.protocol import REASONING_EFFORTS
 from kiln.entrypoints.openai.responses_input import REFUSED, ROLES, TEXT_PARTS
 
 _NULL = {"type": "null"}
@@ -94,9 +95,9 @@ def responses_request(components: dict, max_model_len: int | None, store: bool) 
             "type": {"const": "function"}, "name": {"type": "string"}}}],
         "title": "Tool Choice"}
     props["truncation"] = {"enum": [None, "disabled"], "title": "Truncation"}
-    props["reasoning"] = {"anyOf": [_NULL, {"type": "object",
-                                            "additionalProperties": _NULL}],
-                          "title": "Reasoning"}
+    props["reasoning"] = {"anyOf": [_NULL, {
+        "type": "object", "properties": {"effort": {"enum": [None, *REASONING_EFFORTS]}},
+        "additionalProperties": _NULL}], "title": "Reasoning"}
     maximum = {} if max_model_len is None else {"maximum": max_model_len - 1}
     props["max_output_tokens"] = {"anyOf": [{"type": "integer", "minimum": 1, **maximum},
                                             _NULL], "title": "Max Output Tokens"}

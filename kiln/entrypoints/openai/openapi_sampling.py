@@ -9,7 +9,7 @@ def sampling_ranges(model_schema: dict, max_logprobs: int,
     """The sampling fields' ranges, as SamplingParams and the engine check them (outside is a
     400); `max_logprobs`: the engine's cap on (top_/prompt_)logprobs; `vocab_size`: what -1
     (the whole vocabulary) asks for, refused above the cap."""
-    from kiln.repetition_detection import MAX_PATTERN_SIZE
+    from kiln.repetition_detection import MAX_MIN_COUNT, MAX_PATTERN_SIZE
     from kiln.sampling_params import (
         _INT64,
         _MAX_REPETITION_PENALTY,
@@ -36,6 +36,7 @@ def sampling_ranges(model_schema: dict, max_logprobs: int,
               # repetition detection's pattern sizes (min <= max: across fields, unstated)
               **{name: {"minimum": 0, "maximum": MAX_PATTERN_SIZE}
                  for name in ("max_repetition_pattern_size", "min_repetition_pattern_size")},
+              "repetition_min_count": {"minimum": 0, "maximum": MAX_MIN_COUNT},
               "seed": {"minimum": _INT64[0], "maximum": _INT64[1]},  # torch's 64-bit seeds
               # -1: the whole vocabulary (vLLM's), where max_logprobs allows it
               **{name: {"minimum": whole_vocab, "maximum": max_logprobs}

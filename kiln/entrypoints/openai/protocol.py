@@ -6,7 +6,7 @@ Unknown request fields are ignored with a warning in the log, as vLLM does; wron
 validation. Every field vLLM accepts is here, and is honoured or refused
 (entrypoints/openai/sampling.py), as are OpenAI's that would change the output.
 """
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import Discriminator, Field, StrictBool, Tag, WithJsonSchema, model_validator
 
@@ -26,6 +26,11 @@ logger = init_logger(__name__)
 # OpenAI's limit on choices per prompt; each is a sequence in the engine, built at once.
 MAX_N = 128
 
+
+# OpenAI's reasoning efforts and vLLM's "max": chat's reasoning_effort, /v1/responses'
+# reasoning.effort
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+REASONING_EFFORTS = get_args(ReasoningEffort)
 
 class StreamOptions(RequestBase):
     include_usage: StrictBool = False
@@ -203,8 +208,9 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
     include_reasoning: StrictBool = True  # false: no reasoning_content (needs --reasoning-parser)
-    # vLLM's: the chat template's reasoning_effort variable (over chat_template_kwargs')
-    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    # vLLM's: the chat template's reasoning_effort variable (over chat_template_kwargs'), and
+    # enable_thinking (serving_chat.reasoning_effort_variables)
+    reasoning_effort: ReasoningEffort | None = None
     # vLLM extras for the template
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False

@@ -7,7 +7,12 @@ import re
 
 from kiln.entrypoints.openai.errors import OpenAIError
 from kiln.entrypoints.openai.openai_limits import check_format_name, check_metadata
-from kiln.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ResponseFormat
+from kiln.entrypoints.openai.protocol import (
+    REASONING_EFFORTS,
+    ChatCompletionRequest,
+    ChatMessage,
+    ResponseFormat,
+)
 from kiln.entrypoints.openai.responses_protocol import ResponseInputItem, ResponsesRequest
 from kiln.entrypoints.openai.responses_tools import (
     add_function_call,
@@ -44,10 +49,7 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
         raise OpenAIError(f"truncation={req.truncation!r} is refused: an input longer than the "
                           "context is refused, never cut; omit it (or give \"disabled\")",
                           param="truncation", code="unsupported_parameter")
-    if req.reasoning is not None and any(v is not None for v in req.reasoning.values()):
-        raise OpenAIError(f"reasoning={req.reasoning!r} is refused: the chat templates this "
-                          "server renders read no effort or summary setting; omit it",
-                          param="reasoning", code="unsupported_parameter")
+    _check_reasoning(req.reasoning)
     if req.text is not None and req.text.verbosity not in (None, "medium"):
         raise OpenAIError(f"text.verbosity={req.text.verbosity!r} is refused: no template reads "
                           "it; omit it", param="text.verbosity", code="unsupported_parameter")
@@ -98,6 +100,20 @@ def _reasoning_text(i: int, item) -> str:
                 raise OpenAIError(f"input[{i}].{key}[{j}] has no 'text' (a string)",
                                   param=f"input[{i}].{key}[{j}].text", code="invalid_value")
     return "\n".join(part.text for part in item.content or item.summary or [])
+
+
+def _check_reasoning(reasoning: dict | None) -> None:
+    """reasoning.effort is the template's reasoning_effort (as chat's); a summary is refused."""
+    asked = {k: v for k, v in (reasoning or {}).items() if v is not None and k != "effort"}
+    if asked:
+        name = next(iter(asked))
+        raise OpenAIError(f"reasoning.{name}={asked[name]!r} is refused: no reasoning summary "
+                          "is written; omit it (reasoning.effort is taken)",
+                          param=f"reasoning.{name}", code="unsupported_parameter")
+    effort = (reasoning or {}).get("effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise OpenAIError(f"reasoning.effort must be one of {list(REASONING_EFFORTS)}, got "
+                          f"{effort!r:.100}", param="reasoning.effort", code="invalid_value")
 
 
 def input_messages(req: ResponsesRequest, history: list[ResponseInputItem] = ()

@@ -80,6 +80,9 @@ class ServingChat(ChatAnswers):
         created = int(time.time())  # the response's, whole or streamed: the request's start
         model = self.models.resolve(req.model)
         check_stream_options(req)
+        # before the server's defaults join chat_template_kwargs: its enable_thinking is the
+        # request's own only
+        effort_vars = reasoning_effort_variables(req.reasoning_effort, req.chat_template_kwargs)
         self.defaults.apply(req)
         check_generation_flags(req)
         self._check_reasoning_fields(req)
@@ -101,7 +104,7 @@ class ServingChat(ChatAnswers):
             await check_compiles(constraint, field)
         render_args = dict(messages=req.messages, add_generation_prompt=req.add_generation_prompt,
                            continue_final_message=req.continue_final_message,
-                           template_kwargs=_template_kwargs(req),
+                           template_kwargs={**(req.chat_template_kwargs or {}), **effort_vars} or None,
                            add_special_tokens=req.add_special_tokens,
                            tools=plan.template_tools, documents=req.documents,
                            chat_template=request_chat_template(
@@ -207,9 +210,14 @@ class ServingChat(ChatAnswers):
         return final
 
 
-def _template_kwargs(req: ChatCompletionRequest) -> dict | None:
-    """chat_template_kwargs with the request's reasoning_effort, which wins where both give
-    it (vLLM's merge: a field the request sets over the kwargs)."""
-    if req.reasoning_effort is None:
-        return req.chat_template_kwargs
-    return {**(req.chat_template_kwargs or {}), "reasoning_effort": req.reasoning_effort}
+def reasoning_effort_variables(effort: str | None, given: dict | None) -> dict:
+    """The template variables chat's reasoning_effort sets, over `given` (the request's
+    chat_template_kwargs) and the server's defaults, as vLLM's build_chat_params: the effort,
+    and enable_thinking (off for "none") where `given` leaves it unset, for templates that
+    think only when asked (Gemma 4's)."""
+    if effort is None:
+        return {}
+    out = {"reasoning_effort": effort}
+    if "enable_thinking" not in (given or {}):
+        out["enable_thinking"] = effort != "none"
+    return out

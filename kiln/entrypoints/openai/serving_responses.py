@@ -34,7 +34,7 @@ from kiln.entrypoints.openai.responses_store import ResponseStore
 from kiln.entrypoints.openai.responses_stream import StreamItems
 from kiln.entrypoints.openai.responses_tools import call_items
 from kiln.entrypoints.openai.sampling import chat_sampling_params
-from kiln.entrypoints.openai.serving_chat import ServingChat
+from kiln.entrypoints.openai.serving_chat import ServingChat, reasoning_effort_variables
 from kiln.entrypoints.openai.serving_engine import (
     ClientDisconnected,
     abort_unfinished,
@@ -96,7 +96,10 @@ class ServingResponses:
                 await check_compiles(constraint, field)
             render_args = dict(messages=messages, add_generation_prompt=True,
                                continue_final_message=False,
-                               template_kwargs=self.chat.defaults.template_kwargs(None),
+                               template_kwargs={
+                                   **(self.chat.defaults.template_kwargs(None) or {}),
+                                   **reasoning_effort_variables(
+                                       (req.reasoning or {}).get("effort"), None)} or None,
                                add_special_tokens=False, tools=plan.template_tools,
                                documents=None, chat_template=None)
             prompt = await render_chat_prompt(self.llm, **render_args)
