@@ -177,6 +177,10 @@ class LlamaStyleModel(nn.Module):
         # EAGLE-3: the layers whose input states (num_layers: the last one's output) forward
         # also returns, concatenated; set before the first (tracing) call, () when off
         self.aux_hidden_state_layers: tuple[int, ...] = ()
+        # --quantization-rotation: the residual stream carried as h Q ([H, H], set at load by
+        # kiln/model/residual_rotation.py, None when off), and Q^T diag(final norm's weight)
+        self.register_buffer("residual_rotation", None, persistent=False)
+        self.register_buffer("residual_unrotation", None, persistent=False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The first stage's input hidden states [T, H] (Granite and Gemma scale them)."""
@@ -187,6 +191,8 @@ class LlamaStyleModel(nn.Module):
                 residual: torch.Tensor | None = None):
         if self.is_first_stage:
             hidden, residual = self.embed(input_ids), None
+            if self.residual_rotation is not None:  # a Python test: traced away when off
+                hidden = hidden @ self.residual_rotation
         else:
             hidden = hidden_states  # [T, H] from the previous stage, with its residual
         aux = []
@@ -197,6 +203,8 @@ class LlamaStyleModel(nn.Module):
         if not self.is_last_stage:
             return hidden, residual
         hidden, prenorm = self.norm(hidden, residual)
+        if self.residual_unrotation is not None:
+            hidden = hidden @ self.residual_unrotation
         if not self.aux_hidden_state_layers:
             return hidden
         if len(self.layers) in self.aux_hidden_state_layers:
