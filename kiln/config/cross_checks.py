@@ -55,6 +55,10 @@ def check_quantization_rotation(config: "KilnConfig") -> None:
     if p.tensor_parallel_size * p.pipeline_parallel_size != 1:
         raise ConfigError(f"{flag} runs only unsplit models; drop it or use -tp 1 -pp 1 (got "
                           f"-tp {p.tensor_parallel_size} -pp {p.pipeline_parallel_size})")
+    if m.runner_type != "generate":
+        raise ConfigError(f"{flag}: the {m.runner_type} runner reads the final hidden states, "
+                          "which stay rotated (only the LM head's input is rotated back); "
+                          "drop the flag")
     if config.lora_config is not None:
         raise ConfigError(f"{flag}: LoRA adapters are trained on the unrotated layers; drop "
                           "--enable-lora or the flag")

@@ -178,7 +178,8 @@ class LlamaStyleModel(nn.Module):
         # also returns, concatenated; set before the first (tracing) call, () when off
         self.aux_hidden_state_layers: tuple[int, ...] = ()
         # --quantization-rotation: the residual stream carried as h Q ([H, H], set at load by
-        # kiln/model/residual_rotation.py, None when off), and Q^T diag(final norm's weight)
+        # kiln/model/residual_rotation.py, None when off), and Q^T diag(final norm's weight),
+        # which compute_logits applies to the rows it is given (not to every prefill row)
         self.register_buffer("residual_rotation", None, persistent=False)
         self.register_buffer("residual_unrotation", None, persistent=False)
 
@@ -203,8 +204,6 @@ class LlamaStyleModel(nn.Module):
         if not self.is_last_stage:
             return hidden, residual
         hidden, prenorm = self.norm(hidden, residual)
-        if self.residual_unrotation is not None:
-            hidden = hidden @ self.residual_unrotation
         if not self.aux_hidden_state_layers:
             return hidden
         if len(self.layers) in self.aux_hidden_state_layers:
@@ -299,6 +298,9 @@ class LlamaStyleForCausalLM(HFWeightLoading, nn.Module):
         return super().load_weights(self.kiln_named(weights))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        unrotation = getattr(self.model, "residual_unrotation", None)
+        if unrotation is not None:  # forward's output is normed in the rotated basis
+            hidden = hidden @ unrotation
         return self.lm_head.compute_logits(hidden)  # [N, V] float32
 
 

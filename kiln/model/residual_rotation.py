@@ -1,13 +1,5 @@
-"""Calibration-free residual-stream rotation for W8A8 int8 (`--quantization-rotation hadamard`,
-QuaRot's computational invariance): a load-time transform of a Llama model's float weights.
-
-The residual stream is carried as h Q for a fixed orthogonal Q [d, d]: each RMSNorm's weight is
-folded into the linears it feeds (W <- W diag(g) Q, the norm then scales by 1, so the fused
-norm + int8 quant ops still apply), the linears writing into the stream get W <- Q^T W (b <- b Q),
-the embedding's rows are rotated per token and the final norm's output un-rotated (with its
-weight folded in), so the tied LM head keeps sharing the embedding table. Exact in real
-arithmetic; it spreads the stream's outlier channels over all of them, which is what per-token
-int8 activations lose least on. v_proj / o_proj are also rotated per head by a Hadamard matrix.
+"""Calibration-free residual-stream rotation for online W8A8 int8 (`--quantization-rotation
+hadamard`, QuaRot-style): the rotation matrix and the load-time transform of a Llama model.
 """
 import math
 
@@ -17,7 +9,7 @@ from torch import nn
 from kiln.errors import ConfigError
 
 ROTATIONS = ("hadamard",)
-# Llama-family classes whose layers transform_llama knows (no q/k norms, plain RMSNorms).
+# Llama-family classes whose layers rotate_llama knows (no q/k norms, plain RMSNorms).
 ROTATABLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 MAX_HADAMARD = 64  # Q = H_64 (x) a random orthogonal d/64 x d/64 where d allows
 SEED = 0
@@ -109,7 +101,14 @@ def _rotate_heads_vo(attn: nn.Module, hidden: int) -> None:
 @torch.no_grad()
 def rotate_llama(model: nn.Module, q: torch.Tensor, heads: bool = True) -> None:
     """Transform a loaded Llama model (LlamaStyleForCausalLM, one rank and stage, float
-    weights) to carry its residual stream as h Q, in place; `heads`: also v / o per head."""
+    weights) to carry its residual stream as h Q, in place; `heads`: also v / o per head.
+
+    Each RMSNorm's weight g goes into the linears it feeds (W <- W diag(g) Q; the norm then
+    scales by 1, so the fused norm + int8 quant ops still apply), the linears writing into the
+    stream get W <- Q^T W (b <- b Q), the embedding's output is rotated per token and the final
+    norm's un-rotated before the LM head (its weight folded in), so a tied head keeps sharing
+    the embedding table. Exact in real arithmetic; Q spreads the stream's outlier channels over all of them,
+    which per-token int8 activation scales then fit better."""
     backbone = model.model
     d = q.shape[0]
     q = q.double()
@@ -130,7 +129,8 @@ def rotate_llama(model: nn.Module, q: torch.Tensor, heads: bool = True) -> None:
     dtype, device = backbone.norm.weight.dtype, backbone.norm.weight.device
     g = backbone.norm.weight.data.double()
     backbone.residual_rotation = q.to(dtype=dtype, device=device)
-    # norm(h Q) Q^T diag(g) == norm(h) diag(g): the RMS is the same for h Q and h
+    # norm(h Q) Q^T diag(g) == norm(h) diag(g): the RMS is the same for h Q and h; applied by
+    # compute_logits, so forward's output stays rotated (what pooling would read: refused)
     backbone.residual_unrotation = (q.t() * g).to(dtype=dtype, device=device)
     backbone.norm.weight.data.fill_(1.0)
 

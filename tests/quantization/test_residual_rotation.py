@@ -118,6 +118,8 @@ def test_int8_rotation_modes_0_and_3_give_identical_greedy_tokens(llama_dir, tmp
       "tensor_parallel_size": 2}, "runs only unsplit models.*-tp 2 -pp 1"),
     ({"quantization_rotation": "hadamard", "quantization": "int8", "enable_lora": True},
      "LoRA adapters.*drop --enable-lora"),
+    ({"quantization_rotation": "hadamard", "quantization": "int8", "runner": "pooling"},
+     "the pooling runner reads the final hidden states"),
 ])
 def test_refusals_name_the_flag(tiny_llama_dir, kw, message):
     with pytest.raises(ConfigError, match=message):
@@ -129,3 +131,11 @@ def test_refused_on_other_families(tiny_qwen2_dir):
                                           "is not supported"):
         EngineArgs(model=str(tiny_qwen2_dir), quantization="int8",
                    quantization_rotation="hadamard").create_kiln_config()
+
+
+def test_rotation_is_part_of_the_compile_cache_key(tiny_llama_dir):
+    """A graph compiled without the rotation's two products must not be served with it."""
+    def key(**kw):
+        return EngineArgs(model=str(tiny_llama_dir), quantization="int8",
+                          **kw).create_kiln_config().compute_hash()
+    assert key() != key(quantization_rotation="hadamard")
