@@ -140,6 +140,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default="int8")
+    ap.add_argument("--quantization-rotation", default=None, choices=["hadamard"],
+                    help="the quantized engine's (residual_rotation.py); the baseline unrotated")
     ap.add_argument("--num-requests", type=int, default=32, help="rows a decode step")
     ap.add_argument("--context", type=int, default=528,
                     help="tokens each request holds (512 in + 16 of 32 out)")
@@ -156,7 +158,8 @@ def main(argv=None) -> dict:
     threads_before = torch.get_num_threads()  # restored: later compile cache keys read it
     base_args = EngineArgs(model=args.model, dtype=args.dtype, seed=args.seed,
                            enable_prefix_caching=False)
-    quant_args = dataclasses.replace(base_args, quantization=args.quantization)
+    quant_args = dataclasses.replace(base_args, quantization=args.quantization,
+                                     quantization_rotation=args.quantization_rotation)
     engines = {"unquantized": LLMEngine(base_args.create_kiln_config(), multiprocess=False),
                args.quantization: LLMEngine(quant_args.create_kiln_config(), multiprocess=False)}
     try:
@@ -167,6 +170,7 @@ def main(argv=None) -> dict:
         batched = cfg.scheduler_config.max_num_batched_tokens
         runs, profiles = decode_rounds(engines, args, args.threads, dims, batched, rng)
         report = {**cpu(), "model": cfg.model_config.model, "dtype": args.dtype,
+                  "quantization_rotation": args.quantization_rotation,
                   "num_requests": args.num_requests, "context": args.context,
                   "threads": args.threads, "steps": args.steps,
                   "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),

@@ -211,7 +211,8 @@ def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, ou
               "output_len": output_len, "temperature": params.temperature,
               "top_p": params.top_p, "ignore_eos": True, "seed": seed, "model": mc.model,
               "dtype": str(mc.torch_dtype).removeprefix("torch."),
-              "quantization": mc.quantization, "device": kiln_config.device_config.device,
+              "quantization": mc.quantization,
+              "quantization_rotation": mc.quantization_rotation, "device": kiln_config.device_config.device,
               "compilation_mode": int(kiln_config.compilation_config.mode),
               "max_num_seqs": kiln_config.scheduler_config.max_num_seqs,
               "tensor_parallel_size": pc.tensor_parallel_size,
@@ -219,8 +220,9 @@ def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, ou
               "distributed_executor_backend": pc.distributed_executor_backend,
               "engine_core": "own process" if multiprocess else "in-process"}
     # the baseline samples with the seed reported (seed=None drew a random one just above)
-    base_config = dataclasses.replace(engine_args, quantization=None, seed=seed
-                                      ).create_kiln_config() if compare_unquantized else None
+    base_config = dataclasses.replace(
+        engine_args, quantization=None, quantization_rotation=None, seed=seed
+    ).create_kiln_config() if compare_unquantized else None
     if rounds > 1:
         report.update(_compare_rounds(kiln_config, base_config, seeded_prompts, params, rounds,
                                       multiprocess))

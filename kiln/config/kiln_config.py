@@ -87,6 +87,7 @@ class KilnConfig(FreezableConfig):
         cross_checks.resolve_cache_dtype(self)
         cross_checks.check_memory(self)
         cross_checks.check_moe(self)
+        cross_checks.check_quantization_rotation(self)
         cross_checks.check_kv_cache_dtype(self)
         check_speculative(self.speculative_config, self.parallel_config,
                           self.model_config.max_model_len)
@@ -155,7 +156,8 @@ class KilnConfig(FreezableConfig):
             m.architecture, repr(sorted((k, v) for k, v in m.hf_config.to_dict().items()
                                         if k != "_name_or_path"))  # the same model moved
             if hasattr(m.hf_config, "to_dict") else repr(m.hf_config),
-            str(m.torch_dtype), m.quantization, self.device_config.device,
+            str(m.torch_dtype), m.quantization, m.quantization_rotation,
+            self.device_config.device,
             self.cache_config.block_size,
             self.parallel_config.tensor_parallel_size,
             self.parallel_config.pipeline_parallel_size, self.scheduler_config.max_num_batched_tokens,

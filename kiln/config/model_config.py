@@ -45,6 +45,9 @@ class ModelConfig(ModelShape, FreezableConfig):
     # checkpoint's own); a checkpoint with a quantization_config sets it (kiln/model/layers/
     # quantization/).
     quantization: str | None = None
+    # "hadamard": rotate the residual stream before online int8 quantization (QuaRot-style,
+    # calibration-free; kiln/model/residual_rotation.py); None: off
+    quantization_rotation: str | None = None
     # Only for load_format="dummy" without a checkpoint: a transformers config to build from.
     hf_config: Any = None
     revision: str | None = None  # hub revision (branch, tag or commit) of a hub-id model
@@ -120,6 +123,8 @@ class ModelConfig(ModelShape, FreezableConfig):
             self.load_format = "gguf" if self.gguf_file else "safetensors"
         from kiln.model.layers.quantization import resolve_quantization
         self.quantization = resolve_quantization(self.quantization, self.hf_config)
+        from kiln.model.residual_rotation import check_rotation
+        check_rotation(self.quantization_rotation, self.quantization, self.architecture)
         self.requested_dtype = self.dtype
         self.torch_dtype = self.dtype = self.resolve_dtype(current_platform.default_dtype)
         limit = self.derived_max_model_len

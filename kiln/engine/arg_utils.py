@@ -71,6 +71,8 @@ class EngineArgs(EngineArgsChecks):
     generation_config: str = "auto"  # auto | vllm | a directory with generation_config.json
     max_logprobs: int = 20  # most (prompt_)logprobs a request may ask for; -1: the vocabulary
     quantization: str | None = None  # "int8": W8A8 on load; a quantized checkpoint sets it
+    # "hadamard": rotate the residual stream before --quantization int8 (residual_rotation.py)
+    quantization_rotation: str | None = None
     hf_overrides: dict | None = None  # vLLM's: changes to the model's HF config (JSON object)
     # vLLM's: full attention in every layer, max_model_len capped at the model's window
     disable_sliding_window: bool = False
@@ -166,7 +168,9 @@ class EngineArgs(EngineArgsChecks):
                                    chat_template=self.chat_template,
                                    generation_config=self.generation_config,
                                    max_logprobs=self.max_logprobs,
-                                   quantization=self.quantization, runner_type=runner,
+                                   quantization=self.quantization,
+                                   quantization_rotation=self.quantization_rotation,
+                                   runner_type=runner,
                                    hf_overrides=self.hf_overrides,
                                    disable_sliding_window=self.disable_sliding_window,
                                    enable_sleep_mode=self.enable_sleep_mode)

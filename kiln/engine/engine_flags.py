@@ -208,6 +208,12 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                         "fp8 / ptpc_fp8: the same in e4m3 with per-tensor / per-channel "
                         "weight scales (fast on GPUs with fp8 tensor cores); a "
                         "compressed-tensors, GPTQ or AWQ checkpoint needs no flag")
+    g.add_argument("--quantization-rotation", default=d.quantization_rotation,
+                   choices=["hadamard"],
+                   help="with --quantization int8 on a Llama model: rotate the residual stream "
+                        "by a fixed orthogonal matrix (Hadamard x seeded random, QuaRot-style, "
+                        "no calibration) before quantizing, which spreads its outlier channels "
+                        "and brings int8's perplexity closer to the float model's (default: off)")
     g.add_argument("--speculative-config", default=d.speculative_config, metavar="JSON",
                    help="speculative decoding, as vLLM's: '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, "

@@ -177,6 +177,11 @@ class LlamaStyleModel(nn.Module):
         # EAGLE-3: the layers whose input states (num_layers: the last one's output) forward
         # also returns, concatenated; set before the first (tracing) call, () when off
         self.aux_hidden_state_layers: tuple[int, ...] = ()
+        # --quantization-rotation: the residual stream carried as h Q ([H, H], set at load by
+        # kiln/model/residual_rotation.py, None when off), and Q^T diag(final norm's weight),
+        # which compute_logits applies to the rows it is given (not to every prefill row)
+        self.register_buffer("residual_rotation", None, persistent=False)
+        self.register_buffer("residual_unrotation", None, persistent=False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The first stage's input hidden states [T, H] (Granite and Gemma scale them)."""
@@ -187,6 +192,8 @@ class LlamaStyleModel(nn.Module):
                 residual: torch.Tensor | None = None):
         if self.is_first_stage:
             hidden, residual = self.embed(input_ids), None
+            if self.residual_rotation is not None:  # a Python test: traced away when off
+                hidden = hidden @ self.residual_rotation
         else:
             hidden = hidden_states  # [T, H] from the previous stage, with its residual
         aux = []
@@ -291,6 +298,9 @@ class LlamaStyleForCausalLM(HFWeightLoading, nn.Module):
         return super().load_weights(self.kiln_named(weights))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        unrotation = getattr(self.model, "residual_unrotation", None)
+        if unrotation is not None:  # forward's output is normed in the rotated basis
+            hidden = hidden @ unrotation
         return self.lm_head.compute_logits(hidden)  # [N, V] float32
 
 

@@ -85,6 +85,7 @@ def _get_model(kiln_config: KilnConfig, use_snapshot: bool) -> nn.Module:
     from kiln.model.layers.cpu_gemm import prepack_for_cpu, release_dense_copies
     from kiln.model.layers.quantization import get_quant_config
     from kiln.model.loader import weight_snapshot
+    from kiln.model.residual_rotation import apply_rotation
 
     quant_config = get_quant_config(kiln_config.model_config)  # refuses a bad scheme first
     model = build_model(kiln_config)
@@ -92,6 +93,8 @@ def _get_model(kiln_config: KilnConfig, use_snapshot: bool) -> nn.Module:
         if quant_config is not None:
             quant_config.prepare(model)
         check = _load_or_restore(model, kiln_config, use_snapshot)
+        # on the float weights, before they are quantized
+        apply_rotation(model, kiln_config.model_config.quantization_rotation)
         if quant_config is not None:
             quant_config.quantize_loaded(model)
         prepack_for_cpu(model)

@@ -1,0 +1,143 @@
+"""Calibration-free residual-stream rotation for online W8A8 int8 (`--quantization-rotation
+hadamard`, QuaRot-style): the rotation matrix and the load-time transform of a Llama model.
+"""
+import math
+
+import torch
+from torch import nn
+
+from kiln.errors import ConfigError
+
+ROTATIONS = ("hadamard",)
+# Llama-family classes whose layers rotate_llama knows (no q/k norms, plain RMSNorms).
+ROTATABLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+MAX_HADAMARD = 64  # Q = H_64 (x) a random orthogonal d/64 x d/64 where d allows
+SEED = 0
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """Sylvester's normalised Hadamard matrix [n, n] float64 (n a power of two): orthogonal,
+    every entry +-1/sqrt(n)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power of two, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def random_orthogonal(n: int, seed: int) -> torch.Tensor:
+    """A seeded random orthogonal [n, n] float64 (QR of a Gaussian, signs fixed so the same
+    seed gives the same matrix on every machine)."""
+    g = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))).contiguous()  # QR gives column-major
+
+
+def hadamard_block(d: int) -> int:
+    """The Hadamard factor of the rotation for hidden size d: the largest power of two dividing
+    d, at most MAX_HADAMARD (576 -> 64, 192 -> 64, 96 -> 32)."""
+    return min(d & -d, MAX_HADAMARD)
+
+
+def rotation_matrix(d: int, seed: int = SEED) -> torch.Tensor:
+    """The residual stream's rotation Q [d, d] float64: H_b (x) R, b = hadamard_block(d), R a
+    seeded random orthogonal (d/b x d/b). Deterministic in (d, seed)."""
+    b = hadamard_block(d)
+    return torch.kron(hadamard(b), random_orthogonal(d // b, seed))
+
+
+def check_rotation(rotation: str | None, quantization: str | None, architecture: str) -> None:
+    """The model-level conditions of --quantization-rotation (the engine-level ones, -tp / -pp,
+    LoRA, speculative decoding: cross_checks.check_quantization_rotation)."""
+    if rotation is None:
+        return
+    if rotation not in ROTATIONS:
+        raise ConfigError(f"quantization_rotation (--quantization-rotation) must be one of "
+                          f"{', '.join(ROTATIONS)} (or unset), got {rotation!r}")
+    if quantization != "int8":
+        raise ConfigError(f"--quantization-rotation {rotation} rotates weights before online "
+                          f"int8 quantization; it needs --quantization int8 (got quantization="
+                          f"{quantization!r}); add --quantization int8 or drop the flag")
+    if architecture not in ROTATABLE_ARCHITECTURES:
+        raise ConfigError(f"--quantization-rotation {rotation}: {architecture} is not supported "
+                          f"(only {', '.join(ROTATABLE_ARCHITECTURES)}); drop the flag")
+
+
+def _set(param: torch.Tensor, value: torch.Tensor) -> None:
+    param.data.copy_(value.to(param.dtype))  # in place: the tensor the module holds stays
+
+
+def _cleared(layer: nn.Module) -> nn.Module:
+    """A linear whose weight changes: its CPU forms derived from the old one (a GGUF file's
+    blocks, a packed copy) go; prepack_for_cpu derives new ones from the new weight."""
+    from kiln.model.layers.cpu_gemm import BUFFERS
+
+    for name in BUFFERS:
+        setattr(layer, name, None)
+    layer.cpu_qtype = 0
+    return layer
+
+
+def _rotate_heads_vo(attn: nn.Module, hidden: int) -> None:
+    """v_proj's output and o_proj's input rotated per head by H_hd: o(attn(v H)) H^T = o(attn v),
+    attention mixing whole heads. Skipped where head_dim is not a power of two."""
+    hd = attn.head_dim
+    if hd & (hd - 1):
+        return
+    h = hadamard(hd)
+    qkv, o = attn.qkv_proj, attn.o_proj
+    start = attn.q_size + attn.kv_size
+    wv = qkv.weight.data[start:].double().reshape(-1, hd, hidden)  # [kv heads, hd, d]
+    qkv.weight.data[start:] = torch.einsum("ji,hjk->hik", h, wv).reshape(-1, hidden).to(
+        qkv.weight.dtype)
+    if qkv.bias is not None:
+        bv = qkv.bias.data[start:].double().reshape(-1, hd)
+        qkv.bias.data[start:] = (bv @ h).reshape(-1).to(qkv.bias.dtype)
+    wo = o.weight.data.double().reshape(hidden, -1, hd)  # [d, heads, hd]
+    _set(o.weight, (wo @ h).reshape(hidden, -1))
+
+
+@torch.no_grad()
+def rotate_llama(model: nn.Module, q: torch.Tensor, heads: bool = True) -> None:
+    """Transform a loaded Llama model (LlamaStyleForCausalLM, one rank and stage, float
+    weights) to carry its residual stream as h Q, in place; `heads`: also v / o per head.
+
+    Each RMSNorm's weight g goes into the linears it feeds (W <- W diag(g) Q; the norm then
+    scales by 1, so the fused norm + int8 quant ops still apply), the linears writing into the
+    stream get W <- Q^T W (b <- b Q), the embedding's output is rotated per token and the final
+    norm's un-rotated before the LM head (its weight folded in), so a tied head keeps sharing
+    the embedding table. Exact in real arithmetic; Q spreads the stream's outlier channels over all of them,
+    which per-token int8 activation scales then fit better."""
+    backbone = model.model
+    d = q.shape[0]
+    q = q.double()
+    for layer in backbone.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if heads:
+            _rotate_heads_vo(attn, d)
+        for norm, readers in ((layer.input_layernorm, (attn.qkv_proj,)),
+                              (layer.post_attention_layernorm, (mlp.gate_up_proj,))):
+            g = norm.weight.data.double()
+            for lin in readers:
+                _set(_cleared(lin).weight, (lin.weight.data.double() * g) @ q)
+            norm.weight.data.fill_(1.0)
+        for lin in (attn.o_proj, mlp.down_proj):  # they write into the stream
+            _set(_cleared(lin).weight, q.t() @ lin.weight.data.double())
+            if lin.bias is not None:
+                _set(lin.bias, lin.bias.data.double() @ q)
+    dtype, device = backbone.norm.weight.dtype, backbone.norm.weight.device
+    g = backbone.norm.weight.data.double()
+    backbone.residual_rotation = q.to(dtype=dtype, device=device)
+    # norm(h Q) Q^T diag(g) == norm(h) diag(g): the RMS is the same for h Q and h; applied by
+    # compute_logits, so forward's output stays rotated (what pooling would read: refused)
+    backbone.residual_unrotation = (q.t() * g).to(dtype=dtype, device=device)
+    backbone.norm.weight.data.fill_(1.0)
+
+
+def apply_rotation(model: nn.Module, rotation: str | None) -> None:
+    """The loader's hook: rotate a loaded model's float weights before they are quantized."""
+    if rotation is None:
+        return
+    hidden = model.model.norm.weight.shape[0]
+    rotate_llama(model, rotation_matrix(hidden))
