@@ -25,7 +25,7 @@ NON_DEFAULT = dict(
     block_size=32, kv_cache_memory=0.5, gpu_memory_utilization=0.5,
     enable_prefix_caching=False, num_gpu_blocks_override=10, device="cpu", revision="r",
     tokenizer_revision="tr", download_dir="/d", skip_tokenizer_init=True, chat_template="t",
-    generation_config="vllm", max_logprobs=5, quantization="int8",
+    generation_config="vllm", max_logprobs=5, quantization="int8", quantization_rotation="hadamard",
     ir_op_priority={"rms_norm": ["torch"], "linear": ["native", "torch"]},
     trust_remote_code=True, enable_chunked_prefill=True, kv_cache_dtype="fp8",
     tokenizer_mode="hf", swap_space=2.0, disable_log_stats=True, scheduling_policy="priority",
