@@ -4,12 +4,14 @@ of one token pattern repeated min_count times ends (finish_reason "repetition").
 from collections import deque
 from dataclasses import dataclass
 
+from kiln.wire_ints import INT64_MAX
+
 # Patterns longer than this are refused: a token's check, on the core's step loop, visits each
 # earlier copy of it among the last max_pattern_size tokens (RepetitionTracker).
 MAX_PATTERN_SIZE = 1024
 # A larger min_count could not cross to the engine core (msgpack's integers are 64-bit); no
 # output is that long anyway.
-MAX_MIN_COUNT = 2 ** 63 - 1
+MAX_MIN_COUNT = INT64_MAX
 # What the core reports as the stop_reason of a request it ended for repeating (vLLM's).
 REPETITION_STOP_REASON = "repetition_detected"
 

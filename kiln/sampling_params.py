@@ -4,7 +4,7 @@ Every invalid value raises ValueError naming the field and its allowed range.
 """
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from kiln.engine.text_encoding import check_texts
 from kiln.repetition_detection import RepetitionDetectionParams  # vLLM's users import it here
@@ -13,6 +13,7 @@ from kiln.structured_output.params import (
     TAKEN_STRUCTURED_OUTPUT_KEYWORDS,
     StructuredOutputsParams,
 )
+from kiln.wire_ints import INT64_MAX, INT64_MIN, check_wire_ints
 
 _GREEDY_EPS = 1e-5
 # The sampler divides logits by the penalty in float32: a smaller one overflows them.
@@ -24,7 +25,7 @@ _MAX_REPETITION_PENALTY = 1e6
 # masked token's -inf logit over it NaN, and the row sampled token 0 (outside
 # allowed_token_ids too). float32's largest finite value.
 _MAX_TEMPERATURE = 3.4028234663852886e38
-_INT64 = (-2 ** 63, 2 ** 63 - 1)  # seeds: torch generators take 64 bits
+_INT64 = (INT64_MIN, INT64_MAX)  # seeds: torch generators take 64 bits
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -208,6 +209,11 @@ class SamplingParams:
         check(self.detokenize is not False or not self.stop, "stop",
               "empty when detokenize=False (stop strings are found in the text; set "
               "detokenize=True or use stop_token_ids)", self.stop)
+        # Every field crosses to the engine core as msgpack: an int past 64 bits anywhere
+        # (max_tokens, n, a logit_bias key, a number in a JSON schema) is refused here, before
+        # anything is queued, not met by the core client's encoder as an OverflowError.
+        for f in fields(self):
+            check_wire_ints(f.name, getattr(self, f.name))
 
     def _validate_token_fields(self, check, integer, number) -> None:
         if isinstance(self.allowed_token_ids, tuple):

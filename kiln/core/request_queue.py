@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
 from kiln.core.request import Request
+from kiln.wire_ints import INT64_MAX, INT64_MIN
 
 POLICIES = ("fcfs", "priority")
 
@@ -25,7 +26,7 @@ def check_priority(priority) -> None:
     """A request's priority: any int that crosses to the core process (msgpack's int64)."""
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise ValueError(f"priority must be an int, got {priority!r}")
-    if not -2**63 <= priority < 2**63:
+    if not INT64_MIN <= priority <= INT64_MAX:
         raise ValueError(f"priority must be within a 64-bit integer's range, got {priority}")
 
 

@@ -263,3 +263,20 @@ def test_the_core_loads_under_the_callers_float32_matmul_precision(tiny_llama_di
                 LLMEngine(config, executor_class=PrecisionNamingExecutor, multiprocess=True)
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_an_int_past_64_bits_is_refused_before_the_batch_is_queued(mp_llm):
+    """A number past 64 bits in a schema (or any field, set after the params were built) reached
+    the core client's msgpack encoder: an OverflowError with the batch's earlier prompts already
+    queued. It is a ValueError naming the field, raised before any prompt is queued."""
+    params = SamplingParams(temperature=0, max_tokens=4)
+    want = [o.outputs[0].token_ids for o in mp_llm.generate(PROMPTS, params, use_tqdm=False)]
+    bad = SamplingParams(temperature=0, max_tokens=4,
+                         structured_outputs=StructuredOutputsParams(json={"enum": [1, 2]}))
+    bad.structured_outputs.json["enum"][1] = 2 ** 64  # a schema the grammar compiler takes
+    with pytest.raises(ValueError, match=r"prompt 1: structured_outputs.json\['enum'\]\[1\] "
+                                         r"must be within a 64-bit integer's range"):
+        mp_llm.generate(PROMPTS, [params, bad], use_tqdm=False)
+    assert not mp_llm.llm_engine.has_unfinished_requests()
+    assert [o.outputs[0].token_ids for o in mp_llm.generate(PROMPTS, params, use_tqdm=False)] \
+        == want

@@ -29,6 +29,26 @@ def test_bad_values_name_the_field(field, value):
         SamplingParams(**{field: value})
 
 
+@pytest.mark.parametrize("fields,where", [
+    (dict(max_tokens=2 ** 64), "max_tokens"), (dict(n=2 ** 64), "n"),
+    (dict(min_tokens=2 ** 64, max_tokens=None), "min_tokens"), (dict(top_k=10 ** 30), "top_k"),
+    (dict(logprobs=2 ** 63), "logprobs"), (dict(truncate_prompt_tokens=2 ** 63),
+                                           "truncate_prompt_tokens"),
+    (dict(stop_token_ids=[3, 2 ** 64]), r"stop_token_ids\[1\]"),
+    (dict(allowed_token_ids=[2 ** 64]), r"allowed_token_ids\[0\]"),
+    (dict(logit_bias={2 ** 64: 1.0}), "logit_bias key"),
+    (dict(structured_outputs={"json": {"enum": ["a", 2 ** 64]}}),
+     r"structured_outputs.json\['enum'\]\[1\]"),
+])
+def test_an_int_past_64_bits_is_refused_naming_where_and_the_limit(fields, where):
+    """Every field crosses to the engine core as msgpack: past 64 bits the core client's encoder
+    failed (OverflowError) as LLM.generate handed the request over, or the engine ran out of
+    memory making 2**64 samples' requests first."""
+    with pytest.raises(ValueError, match=rf"^{where} must be within a 64-bit integer's range "
+                                         r"\[-9223372036854775808, 9223372036854775807\]"):
+        SamplingParams(**fields)
+
+
 def test_edges_that_are_allowed():
     SamplingParams(seed=2 ** 63 - 1, n=4)  # the samples' seeds go past int64: fine for torch
     assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed": it was a fixed seed
@@ -42,7 +62,7 @@ def test_edges_that_are_allowed():
 
 
 def test_top_k_of_the_vocabulary_or_more_is_off():
-    p = SamplingParams(top_k=10 ** 30)  # past int64: the sampler never sees it
+    p = SamplingParams(top_k=2 ** 63 - 1)  # the most that crosses to the core: off
     p.update_from_tokenizer(eos_token_id=2, vocab_size=512)
     assert p.top_k == 0
     p = SamplingParams(top_k=511)

@@ -30,6 +30,7 @@ def _schema_takes(model: str, body: dict) -> bool:
 
 _CASES = [(field, value) for field in ("logprobs", "prompt_logprobs") for value in (-1, 0, 20)] \
     + [("seed", v) for v in (2**63 - 1, 2**63, -2**63, -2**63 - 1)] \
+    + [("top_k", v) for v in (2**63 - 1, 2**63)] \
     + [("temperature", 3e38), ("temperature", 1e39)] \
     + [("cache_salt", ""), ("cache_salt", "s"), ("truncation_side", ""),
        ("truncation_side", "left"), ("truncation_side", "right")]

@@ -26,7 +26,8 @@ def sampling_ranges(model_schema: dict, max_logprobs: int,
 
     ranges = {"temperature": {"minimum": 0, "maximum": _MAX_TEMPERATURE},
               "top_p": {"exclusiveMinimum": 0, "maximum": 1},
-              "min_p": {"minimum": 0, "maximum": 1}, "top_k": {"minimum": -1},
+              "min_p": {"minimum": 0, "maximum": 1},
+              "top_k": {"minimum": -1, "maximum": _INT64[1]},  # what crosses to the core
               "presence_penalty": {"minimum": -2, "maximum": 2},
               "frequency_penalty": {"minimum": -2, "maximum": 2},
               "repetition_penalty": {"minimum": _MIN_REPETITION_PENALTY,
