@@ -123,8 +123,16 @@ class CoreSleepMode:
         scales = self.executor.collective_rpc("kv_cache_scales")
         try:
             results = self.executor.collective_rpc(method, tuple(args), kwargs)
-        finally:  # a load that failed part way may have changed some
-            self._forget_stale_kv(method, scales)
+        except BaseException:
+            # a load that failed part way may have changed some; its own error is the one the
+            # caller gets, a failure to check after it only logged
+            try:
+                self._forget_stale_kv(method, scales)
+            except Exception:
+                logger.exception("checking the KV cache scales after collective_rpc(%r) "
+                                 "failed too; its own error follows", method)
+            raise
+        self._forget_stale_kv(method, scales)
         self._refresh_weights_missing()
         return results
 
@@ -134,14 +142,23 @@ class CoreSleepMode:
         those requests are recomputed (vLLM leaves this to the caller's reset_prefix_cache);
         new weights with the same scales leave cached blocks stale, not wrong: only those
         no request holds are forgotten (running requests keep theirs, as in vLLM)."""
-        if self.executor.collective_rpc("kv_cache_scales") != scales_before:
-            logger.info("collective_rpc(%r) changed the KV cache scales: the prefix cache is "
-                        "reset and running requests are recomputed", method)
-            if not self.scheduler.reset_prefix_cache(reset_running_requests=True):
-                logger.warning("the prefix cache could not be reset after the KV cache scales "
-                               "changed")
+        try:
+            changed = self.executor.collective_rpc("kv_cache_scales") != scales_before
+        except Exception:  # scales unknown: taken as changed, no block read with the wrong one
+            self._recompute_under_new_scales(method)
+            raise
+        if changed:
+            self._recompute_under_new_scales(method)
         elif method in _NEW_WEIGHTS:
             self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def _recompute_under_new_scales(self, method) -> None:
+        logger.info("collective_rpc(%r) changed the KV cache scales (or they could not be read "
+                    "back): the prefix cache is reset and running requests are recomputed",
+                    method)
+        if not self.scheduler.reset_prefix_cache(reset_running_requests=True):
+            logger.warning("the prefix cache could not be reset after the KV cache scales "
+                           "changed")
 
     def _refresh_weights_missing(self) -> None:
         if self.kiln_config.model_config.enable_sleep_mode:

@@ -88,3 +88,57 @@ def test_a_result_that_does_not_pickle_is_the_callers_error_not_a_ranks_death():
     assert rpc_wire.raise_failures(replies[:1]) == [{"ok": (1,)}]
     with pytest.raises(ValueError, match="worker rank 1: collective_rpc: .*cannot be sent"):
         rpc_wire.raise_failures(replies)
+
+
+class _Executor:
+    """Workers whose weight update fails, and whose KV-scale query fails after it."""
+
+    def __init__(self):
+        self.scale_queries = 0
+
+    def collective_rpc(self, method, args=(), kwargs=None):
+        if method == "kv_cache_scales":
+            self.scale_queries += 1
+            if self.scale_queries > 1:
+                raise RuntimeError("rank 0 could not read its scales")
+            return [[(1.0, 1.0)]]
+        raise KeyError("model.no_such_weight")
+
+
+class _Scheduler:
+    def __init__(self):
+        self.resets = []
+
+    def reset_prefix_cache(self, reset_running_requests=False):
+        self.resets.append(reset_running_requests)
+        return True
+
+
+def test_a_failed_update_raises_its_own_error_when_the_scale_check_after_it_fails_too(
+        kiln_logs):
+    """The check after a failed update ran in a `finally`: its error replaced the update's
+    (which showed only as its context). The update's error is raised, the check's logged, and
+    scales that could not be read back are taken as changed (running requests recomputed)."""
+    from kiln.core.core_sleep import CoreSleepMode
+
+    core = CoreSleepMode()
+    core.executor, core.scheduler = _Executor(), _Scheduler()
+    with pytest.raises(KeyError, match="model.no_such_weight"):
+        core.collective_rpc("load_weights", kwargs={"weights": []})
+    assert core.scheduler.resets == [True]
+    (record,) = [r for r in kiln_logs.records if "failed too" in r.getMessage()]
+    assert "could not read its scales" in str(record.exc_info[1])
+
+
+def test_a_scale_check_that_fails_after_a_good_update_is_raised():
+    from kiln.core.core_sleep import CoreSleepMode
+
+    class Executor(_Executor):
+        def collective_rpc(self, method, args=(), kwargs=None):
+            return super().collective_rpc(method) if method == "kv_cache_scales" else ["ok"]
+
+    core = CoreSleepMode()
+    core.executor, core.scheduler = Executor(), _Scheduler()
+    with pytest.raises(RuntimeError, match="could not read its scales"):
+        core.collective_rpc("load_weights")
+    assert core.scheduler.resets == [True]
