@@ -102,6 +102,17 @@ def test_null_means_the_default(client):
     assert_error(client.post("/v1/completions", json=dict(prompt=None)), 400, "prompt")
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", dict(prompt="hello", max_tokens=2)),
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "hi"}], max_tokens=2))])
+@pytest.mark.parametrize("field", ["max_repetition_pattern_size", "min_repetition_pattern_size",
+                                   "repetition_min_count"])
+def test_repetition_detection_fields_refuse_null_as_vllm_does(client, path, body, field):
+    """vLLM types them int (not optional): a null is a 400 there, which Kiln took as 0 (off)."""
+    err = assert_error(client.post(path, json={**body, field: None}), 400, field)
+    assert err["message"].startswith(f"{field}: ")
+
+
 def test_errors_name_the_field_the_client_sent(client):
     chat = dict(messages=[{"role": "user", "content": "x"}])
     err = assert_error(client.post("/v1/chat/completions",

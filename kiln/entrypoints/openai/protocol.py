@@ -52,6 +52,11 @@ _NO_EFFECT_FIELDS = frozenset({"metadata", "store", "service_tier", "prediction"
 class SamplingFields(RequestBase):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
+    # vLLM types repetition detection's fields int, not optional: null is a 400 naming the
+    # field there, not 0 (off)
+    null_kept: ClassVar[frozenset[str]] = frozenset({
+        "max_repetition_pattern_size", "min_repetition_pattern_size", "repetition_min_count"})
+
     @model_validator(mode="before")
     @classmethod
     def _log_ignored(cls, data):
@@ -148,7 +153,7 @@ PromptInput = Annotated[
 
 class CompletionRequest(SamplingFields):
     # max_tokens null: up to the context's end (vLLM's), where absent is 16.
-    null_kept: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
+    null_kept: ClassVar[frozenset[str]] = SamplingFields.null_kept | {"max_tokens"}
     prompt: PromptInput
     max_tokens: JsonInt | None = 16
     logprobs: JsonInt | None = None
