@@ -135,3 +135,17 @@ def test_request_id_headers_and_no_docs():
     with client:
         assert "x-request-id" not in client.get("/health").headers
         assert client.get("/openapi.json").status_code == 200
+
+
+def test_the_requests_documents_field_wins_over_chat_template_kwargs_documents():
+    """vLLM's build_chat_params merges documents over chat_template_kwargs (a None field
+    leaves theirs); Kiln let the kwargs' documents win."""
+    engine, client = _client()
+    field, kwargs = [{"title": "f", "text": "field"}], [{"title": "k", "text": "kwargs"}]
+    with client:
+        for documents, want in ((field, field), (None, kwargs)):
+            body = {**CHAT, "documents": documents,
+                    "chat_template_kwargs": {"documents": kwargs, "x": 1}}
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+            assert engine.template_kwargs[-1]["documents"] == want, documents
+            assert engine.template_kwargs[-1]["x"] == 1

@@ -34,8 +34,9 @@ async def render_chat_prompt(llm: AsyncLLM, messages: list[ChatMessage],
     """The engine prompt for a conversation: {"prompt": text, "prompt_token_ids": ids}.
     Templates write their own BOS, so no special tokens are added unless asked (vLLM's
     add_special_tokens, default false). `tools` and `documents` go to the template."""
-    if documents is not None:  # HF's apply_chat_template hands them to the template
-        template_kwargs = {"documents": documents, **(template_kwargs or {})}
+    if documents is not None:  # HF's apply_chat_template hands them to the template; the
+        # request's field wins over chat_template_kwargs' "documents" (vLLM's merge)
+        template_kwargs = {**(template_kwargs or {}), "documents": documents}
     if not messages:
         raise OpenAIError("messages is empty: give at least one message", param="messages",
                           code="invalid_value")
