@@ -38,6 +38,9 @@ class BeamSearchParams:
 
         check(integer(self.beam_width) and self.beam_width >= 1, "beam_width",
               "an integer >= 1")
+        from kiln.sampling_params import check_num_sequences
+
+        check_num_sequences("beam_width", self.beam_width)
         check(integer(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
               "an integer >= 1")
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool")

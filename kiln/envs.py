@@ -27,6 +27,7 @@ VLLM_NAMES = {
     "KILN_ENABLE_RESPONSES_API_STORE": "VLLM_ENABLE_RESPONSES_API_STORE",
     "KILN_ALLOW_RUNTIME_LORA_UPDATING": "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
     "KILN_ALLOW_LONG_MAX_MODEL_LEN": "VLLM_ALLOW_LONG_MAX_MODEL_LEN",
+    "KILN_MAX_N_SEQUENCES": "VLLM_MAX_N_SEQUENCES",
 }
 
 
@@ -161,6 +162,13 @@ def _positive_int(name: str, unit: str, default: int) -> int:
         raise ConfigError(f"{name}={value!r} must be a whole number of {unit} >= 1 (or unset "
                           f"it for the default, {default})")
     return number
+
+
+def max_n_sequences() -> int:
+    """`KILN_MAX_N_SEQUENCES` (vLLM's VLLM_MAX_N_SEQUENCES): the largest n (and beam_width) a
+    request may ask for, default 16,384 as vLLM's; each sample is a request in the engine,
+    and n=2**40 ran the front end out of memory making them."""
+    return _positive_int("KILN_MAX_N_SEQUENCES", "sequences", 16_384)
 
 
 def responses_api_store_max_entries() -> int:

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 from kiln.engine.text_encoding import check_texts
+from kiln.envs import max_n_sequences, source
 from kiln.repetition_detection import RepetitionDetectionParams  # vLLM's users import it here
 from kiln.structured_output.params import (
     STRUCTURED_OUTPUT_KEYWORDS,
@@ -26,6 +27,14 @@ _MAX_REPETITION_PENALTY = 1e6
 # allowed_token_ids too). float32's largest finite value.
 _MAX_TEMPERATURE = 3.4028234663852886e38
 _INT64 = (INT64_MIN, INT64_MAX)  # seeds: torch generators take 64 bits
+
+
+def check_num_sequences(name: str, n: int) -> None:
+    """Refuse more samples (n, beam_width) than KILN_MAX_N_SEQUENCES allows (vLLM's cap)."""
+    most = max_n_sequences()
+    if n > most:
+        raise ValueError(f"{name} must be at most {most}, got {n}; to raise the limit, set "
+                         f"{source('KILN_MAX_N_SEQUENCES')}")
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -133,6 +142,7 @@ class SamplingParams:
             check(number(v) and lo <= v <= hi, name, rule, v)
 
         check(integer(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
+        check_num_sequences("n", self.n)
         in_range("temperature", 0, _MAX_TEMPERATURE, f"in [0, {_MAX_TEMPERATURE:.4g}]")
         v = self.top_p
         check(number(v) and 0 < v <= 1, "top_p", "in (0, 1]", v)

@@ -30,7 +30,7 @@ def test_bad_values_name_the_field(field, value):
 
 
 @pytest.mark.parametrize("fields,where", [
-    (dict(max_tokens=2 ** 64), "max_tokens"), (dict(n=2 ** 64), "n"),
+    (dict(max_tokens=2 ** 64), "max_tokens"),
     (dict(min_tokens=2 ** 64, max_tokens=None), "min_tokens"), (dict(top_k=10 ** 30), "top_k"),
     (dict(logprobs=2 ** 63), "logprobs"), (dict(truncate_prompt_tokens=2 ** 63),
                                            "truncate_prompt_tokens"),
@@ -42,8 +42,7 @@ def test_bad_values_name_the_field(field, value):
 ])
 def test_an_int_past_64_bits_is_refused_naming_where_and_the_limit(fields, where):
     """Every field crosses to the engine core as msgpack: past 64 bits the core client's encoder
-    failed (OverflowError) as LLM.generate handed the request over, or the engine ran out of
-    memory making 2**64 samples' requests first."""
+    failed (OverflowError) as LLM.generate handed the request over. (n: its own cap, below.)"""
     with pytest.raises(ValueError, match=rf"^{where} must be within a 64-bit integer's range "
                                          r"\[-9223372036854775808, 9223372036854775807\]"):
         SamplingParams(**fields)
@@ -93,3 +92,22 @@ def test_a_lone_surrogate_in_structured_outputs_names_the_field(kind, value):
     with pytest.raises(ValueError, match=r"^structured_outputs\.reasoning_end contains a lone"):
         StructuredOutputsParams(regex="a", reasoning_end="</think>\ud800")
     StructuredOutputsParams(choice=["a\x00", "é"])
+
+
+def test_n_and_beam_width_past_vllms_sequence_cap_are_refused_naming_the_variable(monkeypatch):
+    """Each sample is a request in the engine: n=2**40 ran LLM.generate out of memory making
+    them. vLLM's cap (VLLM_MAX_N_SEQUENCES, default 16,384), read under Kiln's name first."""
+    from kiln.beam_search import BeamSearchParams
+
+    SamplingParams(n=16384, temperature=1.0)
+    with pytest.raises(ValueError, match=r"^n must be at most 16384, got 16385; .*"
+                                         r"KILN_MAX_N_SEQUENCES"):
+        SamplingParams(n=16385)
+    monkeypatch.setenv("VLLM_MAX_N_SEQUENCES", "4")
+    SamplingParams(n=4)
+    with pytest.raises(ValueError, match=r"^n must be at most 4, got 5; .*VLLM_MAX_N_SEQUENCES"):
+        SamplingParams(n=5)
+    with pytest.raises(ValueError, match=r"^beam_width must be at most 4, got 5"):
+        BeamSearchParams(beam_width=5, max_tokens=2)
+    monkeypatch.setenv("KILN_MAX_N_SEQUENCES", "8")  # Kiln's wins where both are set
+    SamplingParams(n=8)
