@@ -3,33 +3,59 @@ check that finds one outside them anywhere in a request's data, naming where it 
 import dataclasses
 
 INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
+_CONTAINERS = (list, tuple, set, frozenset, dict)
+_SCALARS = frozenset({float, str, bool, type(None)})
 
 
 def check_wire_ints(name: str, value) -> None:
     """Raise ValueError naming the place in `value` (the field `name`'s) that holds an int past
     64 bits: through lists, tuples, sets, dict keys and values, and dataclasses' fields. Past
     this the core client's encoder fails (OverflowError) as the request is handed over."""
-    todo, seen = [(name, value)], set()
-    while todo:
-        path, v = todo.pop()
-        if isinstance(v, int):  # bools and IntEnums too: always in range
-            if not INT64_MIN <= v <= INT64_MAX:
-                raise ValueError(f"{path} must be within a 64-bit integer's range [{INT64_MIN}, "
-                                 f"{INT64_MAX}] (what crosses to the engine core), got {v}")
-            continue
-        if not isinstance(v, (list, tuple, set, frozenset, dict)) \
-                and not (dataclasses.is_dataclass(v) and not isinstance(v, type)):
-            continue
+    _check(name, value)
+    todo, seen = [(name, value)] if _nested(value) else [], set()
+    while todo:  # a path is written only for a container or a value refused (a logit_bias
+        path, v = todo.pop()  # of a whole vocabulary is one pass of comparisons)
         if id(v) in seen:  # a container holding itself
             continue
         seen.add(id(v))
         if isinstance(v, dict):
-            for key, item in v.items():
-                todo.append((f"{path} key", key))
-                todo.append((f"{path}[{key!r}]", item))
+            items = v.items()
+            bad = next((k for k in v if isinstance(k, int) and not INT64_MIN <= k <= INT64_MAX),
+                       None)
+            if bad is not None:
+                _check(f"{path} key", bad)
         elif isinstance(v, (list, tuple)):
-            todo.extend((f"{path}[{i}]", item) for i, item in enumerate(v))
+            items = enumerate(v)
         elif isinstance(v, (set, frozenset)):
-            todo.extend((f"{path} item", item) for item in v)
-        else:
-            todo.extend((f"{path}.{f.name}", getattr(v, f.name)) for f in dataclasses.fields(v))
+            items = ((None, item) for item in v)
+        else:  # a dataclass
+            items = ((f.name, getattr(v, f.name)) for f in dataclasses.fields(v))
+        for where, item in items:
+            if type(item) in _SCALARS:  # most items: nothing to check
+                continue
+            if isinstance(item, int):
+                if not INT64_MIN <= item <= INT64_MAX:
+                    _check(_where(path, v, where), item)
+            elif _nested(item):
+                todo.append((_where(path, v, where), item))
+
+
+def _nested(v) -> bool:
+    return isinstance(v, _CONTAINERS) or (dataclasses.is_dataclass(v)
+                                          and not isinstance(v, type))
+
+
+def _where(path: str, container, where) -> str:
+    if isinstance(container, (set, frozenset)):
+        return f"{path} item"
+    if isinstance(container, (list, tuple)):
+        return f"{path}[{where}]"
+    if isinstance(container, dict):
+        return f"{path}[{where!r}]"
+    return f"{path}.{where}"
+
+
+def _check(path: str, v) -> None:
+    if isinstance(v, int) and not INT64_MIN <= v <= INT64_MAX:  # bools, IntEnums: in range
+        raise ValueError(f"{path} must be within a 64-bit integer's range [{INT64_MIN}, "
+                         f"{INT64_MAX}] (what crosses to the engine core), got {v}")
