@@ -1,14 +1,11 @@
-"""Calibration-free residual-stream rotation for online W8A8 int8 (`--quantization-rotation
-hadamard`, QuaRot-style): the rotation matrix and the load-time transform of a Llama model.
+"""Calibration-free residual-stream rotation for online W8A8 int8 (QuaRot-style; on by default
+where it applies: kiln/config/quantization_rotation.py): the matrix and a Llama model's transform.
 """
 import math
 
 import torch
 from torch import nn
 
-from kiln.errors import ConfigError
-
-ROTATIONS = ("hadamard",)
 # Llama-family classes whose layers rotate_llama knows (no q/k norms, plain RMSNorms).
 ROTATABLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 MAX_HADAMARD = 64  # Q = H_64 (x) a random orthogonal d/64 x d/64 where d allows
@@ -45,23 +42,6 @@ def rotation_matrix(d: int, seed: int = SEED) -> torch.Tensor:
     seeded random orthogonal (d/b x d/b). Deterministic in (d, seed)."""
     b = hadamard_block(d)
     return torch.kron(hadamard(b), random_orthogonal(d // b, seed))
-
-
-def check_rotation(rotation: str | None, quantization: str | None, architecture: str) -> None:
-    """The model-level conditions of --quantization-rotation (the engine-level ones, -tp / -pp,
-    LoRA, speculative decoding: cross_checks.check_quantization_rotation)."""
-    if rotation is None:
-        return
-    if rotation not in ROTATIONS:
-        raise ConfigError(f"quantization_rotation (--quantization-rotation) must be one of "
-                          f"{', '.join(ROTATIONS)} (or unset), got {rotation!r}")
-    if quantization != "int8":
-        raise ConfigError(f"--quantization-rotation {rotation} rotates weights before online "
-                          f"int8 quantization; it needs --quantization int8 (got quantization="
-                          f"{quantization!r}); add --quantization int8 or drop the flag")
-    if architecture not in ROTATABLE_ARCHITECTURES:
-        raise ConfigError(f"--quantization-rotation {rotation}: {architecture} is not supported "
-                          f"(only {', '.join(ROTATABLE_ARCHITECTURES)}); drop the flag")
 
 
 def _set(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -135,9 +115,13 @@ def rotate_llama(model: nn.Module, q: torch.Tensor, heads: bool = True) -> None:
     backbone.norm.weight.data.fill_(1.0)
 
 
-def apply_rotation(model: nn.Module, rotation: str | None) -> None:
-    """The loader's hook: rotate a loaded model's float weights before they are quantized."""
-    if rotation is None:
+def apply_rotation(model: nn.Module, rotation: str) -> None:
+    """The loader's hook: rotate a loaded model's float weights before they are quantized
+    (`rotation`: the resolved quantization_rotation, "hadamard" or "none")."""
+    if rotation == "none":
         return
+    if rotation != "hadamard":  # "auto" is KilnConfig's to resolve, before any load
+        raise ValueError(f"apply_rotation: quantization_rotation={rotation!r} is unresolved; "
+                         "load through a KilnConfig, which resolves it to hadamard or none")
     hidden = model.model.norm.weight.shape[0]
     rotate_llama(model, rotation_matrix(hidden))
