@@ -76,6 +76,20 @@ def test_rotation_is_orthogonal_and_deterministic(d, block):
         assert not torch.equal(q, rr.rotation_matrix(d, seed=1))
 
 
+@pytest.mark.parametrize("d", [576, 192, 96, 64])
+def test_factored_products_equal_the_dense_ones(d):
+    """The load-time transform multiplies by Q through its factors (d (b + m) a row, not d^2)."""
+    rot = rr.stream_rotation(d)
+    q = rot.dense()
+    g = torch.Generator().manual_seed(2)
+    w, v = (torch.randn(shape, generator=g, dtype=torch.float64) for shape in ((7, d), (d, 5)))
+    assert torch.allclose(rot.right(w), w @ q, atol=1e-12)
+    assert torch.allclose(rot.left_t(v), q.t() @ v, atol=1e-12)
+    dense = rr.Rotation(q, torch.ones(1, 1))  # a dense Q, as rotate_llama takes one
+    assert torch.allclose(dense.right(w), w @ q, atol=1e-12)
+    assert torch.allclose(dense.left_t(v), q.t() @ v, atol=1e-12)
+
+
 def test_hadamard_needs_a_power_of_two():
     h = rr.hadamard(8)
     assert torch.allclose(h.abs(), torch.full((8, 8), 8 ** -0.5, dtype=torch.float64))
