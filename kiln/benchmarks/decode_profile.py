@@ -21,6 +21,7 @@ import torch
 from kiln.benchmarks import prefill_profile as pp
 from kiln.benchmarks.cpu_info import cpu
 from kiln.benchmarks.decode_steps import check_decode_step, start_batch
+from kiln.config.quantization_rotation import CHOICES as ROTATION_CHOICES
 
 
 def timed(fn):
@@ -140,8 +141,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default="int8")
-    ap.add_argument("--quantization-rotation", default=None, choices=["hadamard"],
-                    help="the quantized engine's (residual_rotation.py); the baseline unrotated")
+    ap.add_argument("--quantization-rotation", default="auto", choices=ROTATION_CHOICES,
+                    help="the quantized engine's (kiln/config/quantization_rotation.py); the "
+                         "unquantized baseline runs none")
     ap.add_argument("--num-requests", type=int, default=32, help="rows a decode step")
     ap.add_argument("--context", type=int, default=528,
                     help="tokens each request holds (512 in + 16 of 32 out)")
@@ -170,7 +172,9 @@ def main(argv=None) -> dict:
         batched = cfg.scheduler_config.max_num_batched_tokens
         runs, profiles = decode_rounds(engines, args, args.threads, dims, batched, rng)
         report = {**cpu(), "model": cfg.model_config.model, "dtype": args.dtype,
-                  "quantization_rotation": args.quantization_rotation,
+                  # as resolved ("auto" says nothing of what ran)
+                  "quantization_rotation":
+                      engines[args.quantization].kiln_config.model_config.quantization_rotation,
                   "num_requests": args.num_requests, "context": args.context,
                   "threads": args.threads, "steps": args.steps,
                   "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),

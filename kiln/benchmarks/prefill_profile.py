@@ -18,6 +18,7 @@ import time
 import torch
 
 from kiln.benchmarks.cpu_info import cpu
+from kiln.config.quantization_rotation import CHOICES as ROTATION_CHOICES
 
 # Ops whose time counts as a linear projection, by (out, in) features at the call: the IR ops'
 # kernels (csrc/linear_op.cpp, ops_int8.cpp; the int8 gate_up op's SiLU-and-mul + quant with
@@ -192,6 +193,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", default="int8")
+    ap.add_argument("--quantization-rotation", default="auto", choices=ROTATION_CHOICES,
+                    help="the quantized engine's (kiln/config/quantization_rotation.py); the "
+                         "unquantized baseline runs none")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--num-prompts", type=int, default=None,
                     help="prompts a step (default: max_num_batched_tokens / input_len)")
@@ -205,7 +209,8 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     base_args = EngineArgs(model=args.model, dtype=args.dtype, seed=args.seed,
                            enable_prefix_caching=False)
-    quant_args = dataclasses.replace(base_args, quantization=args.quantization)
+    quant_args = dataclasses.replace(base_args, quantization=args.quantization,
+                                     quantization_rotation=args.quantization_rotation)
     # in this process: the steps run on this thread, whose CPU time is the step's
     engines = {"unquantized": LLMEngine(base_args.create_kiln_config(), multiprocess=False),
                args.quantization: LLMEngine(quant_args.create_kiln_config(), multiprocess=False)}
@@ -233,8 +238,10 @@ def main(argv=None) -> dict:
                     scale = cpu_p / wall_p / 1000
                     steps[name].append({c: us * scale
                                         for c, us in attribute(events, dims).items()})
+        rotation = engines[args.quantization].kiln_config.model_config.quantization_rotation
         report = {**cpu(), "model": cfg.model_config.model, "dtype": args.dtype,
-                  "rows_per_step": n * args.input_len, "max_num_batched_tokens": batched,
+                  "quantization_rotation": rotation, "rows_per_step": n * args.input_len,
+                  "max_num_batched_tokens": batched,
                   "threads": torch.get_num_threads(), "steps": args.steps,
                   "load_avg": os.getloadavg()}
         for name in engines:

@@ -221,7 +221,7 @@ def run_throughput(engine_args: EngineArgs, num_prompts: int, input_len: int, ou
               "engine_core": "own process" if multiprocess else "in-process"}
     # the baseline samples with the seed reported (seed=None drew a random one just above)
     base_config = dataclasses.replace(
-        engine_args, quantization=None, quantization_rotation=None, seed=seed
+        engine_args, quantization=None, quantization_rotation="none", seed=seed
     ).create_kiln_config() if compare_unquantized else None
     if rounds > 1:
         report.update(_compare_rounds(kiln_config, base_config, seeded_prompts, params, rounds,

@@ -44,31 +44,6 @@ def check_moe(config: "KilnConfig") -> None:
                           "experts) are not supported; drop --enable-lora")
 
 
-def check_quantization_rotation(config: "KilnConfig") -> None:
-    """--quantization-rotation transforms one whole model's weights and reads its own residual
-    stream: refused by flag where the weights are split or something else reads that stream."""
-    m, p = config.model_config, config.parallel_config
-    rotation = m.quantization_rotation
-    if rotation is None:
-        return
-    flag = f"--quantization-rotation {rotation}"
-    if p.tensor_parallel_size * p.pipeline_parallel_size != 1:
-        raise ConfigError(f"{flag} runs only unsplit models; drop it or use -tp 1 -pp 1 (got "
-                          f"-tp {p.tensor_parallel_size} -pp {p.pipeline_parallel_size})")
-    if m.runner_type != "generate":
-        raise ConfigError(f"{flag}: the {m.runner_type} runner reads the final hidden states, "
-                          "which stay rotated (only the LM head's input is rotated back); "
-                          "drop the flag")
-    if config.lora_config is not None:
-        raise ConfigError(f"{flag}: LoRA adapters are trained on the unrotated layers; drop "
-                          "--enable-lora or the flag")
-    spec = config.speculative_config
-    if spec is not None and spec.method not in ("ngram", "draft_model"):
-        raise ConfigError(f"{flag}: speculative_config.method={spec.method!r} reads the target's "
-                          "hidden states, which the rotation changes; use 'ngram' or "
-                          "'draft_model', or drop the flag")
-
-
 def resolve_cache_dtype(config: "KilnConfig") -> None:
     """--kv-cache-dtype auto over a compressed-tensors checkpoint with a kv_cache_scheme:
     an fp8 cache with its scales, as vLLM serves one (kv_cache_scales.py). Only the

@@ -16,6 +16,7 @@ from kiln.config.frozen import FreezableConfig
 from kiln.config.load_config import LoadConfig
 from kiln.config.model_config import ModelConfig
 from kiln.config.parallel_config import ParallelConfig
+from kiln.config.quantization_rotation import resolve_quantization_rotation
 from kiln.config.scheduler_config import SchedulerConfig
 from kiln.config.speculative_config import SpeculativeConfig, check_speculative
 from kiln.errors import ConfigError
@@ -87,7 +88,7 @@ class KilnConfig(FreezableConfig):
         cross_checks.resolve_cache_dtype(self)
         cross_checks.check_memory(self)
         cross_checks.check_moe(self)
-        cross_checks.check_quantization_rotation(self)
+        resolve_quantization_rotation(self)
         cross_checks.check_kv_cache_dtype(self)
         check_speculative(self.speculative_config, self.parallel_config,
                           self.model_config.max_model_len)

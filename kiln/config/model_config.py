@@ -45,9 +45,11 @@ class ModelConfig(ModelShape, FreezableConfig):
     # checkpoint's own); a checkpoint with a quantization_config sets it (kiln/model/layers/
     # quantization/).
     quantization: str | None = None
-    # "hadamard": rotate the residual stream before online int8 quantization (QuaRot-style,
-    # calibration-free; kiln/model/residual_rotation.py); None: off
-    quantization_rotation: str | None = None
+    # Requested: "auto" (rotate where online int8 can take it), "hadamard" (refused where it
+    # cannot) or "none" (None too); once KilnConfig resolved it, "hadamard" or "none": the
+    # residual stream rotated before online int8 quantization (QuaRot-style, calibration-free;
+    # kiln/model/residual_rotation.py, kiln/config/quantization_rotation.py)
+    quantization_rotation: str | None = "auto"
     # Only for load_format="dummy" without a checkpoint: a transformers config to build from.
     hf_config: Any = None
     revision: str | None = None  # hub revision (branch, tag or commit) of a hub-id model
@@ -84,6 +86,7 @@ class ModelConfig(ModelShape, FreezableConfig):
     # caps it (with a warning) instead of refusing to start.
     max_model_len_from_model: bool = field(init=False, default=False)
     requested_dtype: Any = field(init=False, default="auto")
+    requested_rotation: str = field(init=False, default="auto")  # what quantization_rotation asked
     torch_dtype: torch.dtype = field(init=False)
 
     def __post_init__(self):
@@ -123,8 +126,9 @@ class ModelConfig(ModelShape, FreezableConfig):
             self.load_format = "gguf" if self.gguf_file else "safetensors"
         from kiln.model.layers.quantization import resolve_quantization
         self.quantization = resolve_quantization(self.quantization, self.hf_config)
-        from kiln.model.residual_rotation import check_rotation
-        check_rotation(self.quantization_rotation, self.quantization, self.architecture)
+        from kiln.config.quantization_rotation import requested_rotation
+        self.quantization_rotation = self.requested_rotation = requested_rotation(
+            self.quantization_rotation)
         self.requested_dtype = self.dtype
         self.torch_dtype = self.dtype = self.resolve_dtype(current_platform.default_dtype)
         limit = self.derived_max_model_len

@@ -71,8 +71,9 @@ class EngineArgs(EngineArgsChecks):
     generation_config: str = "auto"  # auto | vllm | a directory with generation_config.json
     max_logprobs: int = 20  # most (prompt_)logprobs a request may ask for; -1: the vocabulary
     quantization: str | None = None  # "int8": W8A8 on load; a quantized checkpoint sets it
-    # "hadamard": rotate the residual stream before --quantization int8 (residual_rotation.py)
-    quantization_rotation: str | None = None
+    # auto | hadamard | none (None: none): the residual stream rotated before online int8
+    # quantization; auto where it applies (kiln/config/quantization_rotation.py)
+    quantization_rotation: str | None = "auto"
     hf_overrides: dict | None = None  # vLLM's: changes to the model's HF config (JSON object)
     # vLLM's: full attention in every layer, max_model_len capped at the model's window
     disable_sliding_window: bool = False
@@ -111,6 +112,8 @@ class EngineArgs(EngineArgsChecks):
     def __post_init__(self):
         self.dtype = dtype_name(self.dtype)  # so to_cli_args and == see the name too
         self.lora_dtype = dtype_name(self.lora_dtype)
+        if self.quantization_rotation is None:  # off, as before "auto"; a name for the CLI
+            self.quantization_rotation = "none"
 
     def compilation(self) -> CompilationConfig:
         """compilation_config with the optimization level's mode where it names none (a copy:

@@ -9,6 +9,7 @@ from kiln.attention.kv_cache_dtype import CACHE_DTYPES
 from kiln.config.compilation_config import cli_fields, level_as_mode, merged_fields
 from kiln.config.hf_overrides import parse_hf_overrides
 from kiln.config.load_config import LOAD_FORMATS
+from kiln.config.quantization_rotation import CHOICES as ROTATION_CHOICES
 from kiln.engine.vllm_flags import add_vllm_only_flags, max_model_len_flag
 
 if TYPE_CHECKING:
@@ -209,11 +210,14 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                         "weight scales (fast on GPUs with fp8 tensor cores); a "
                         "compressed-tensors, GPTQ or AWQ checkpoint needs no flag")
     g.add_argument("--quantization-rotation", default=d.quantization_rotation,
-                   choices=["hadamard"],
-                   help="with --quantization int8 on a Llama model: rotate the residual stream "
-                        "by a fixed orthogonal matrix (Hadamard x seeded random, QuaRot-style, "
-                        "no calibration) before quantizing, which spreads its outlier channels "
-                        "and brings int8's perplexity closer to the float model's (default: off)")
+                   choices=ROTATION_CHOICES,
+                   help="with --quantization int8: rotate a Llama model's residual stream by a "
+                        "fixed orthogonal matrix (Hadamard x seeded random, QuaRot-style, no "
+                        "calibration) before quantizing, which spreads its outlier channels "
+                        "and brings int8's perplexity closer to the float model's; auto "
+                        "(default): where it applies (online int8, Llama / Mistral, -tp 1 "
+                        "-pp 1, no LoRA, no EAGLE, the generate runner), else none; "
+                        "hadamard: refused where it does not apply")
     g.add_argument("--speculative-config", default=d.speculative_config, metavar="JSON",
                    help="speculative decoding, as vLLM's: '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, "

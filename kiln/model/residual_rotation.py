@@ -1,14 +1,11 @@
-"""Calibration-free residual-stream rotation for online W8A8 int8 (`--quantization-rotation
-hadamard`, QuaRot-style): the rotation matrix and the load-time transform of a Llama model.
+"""Calibration-free residual-stream rotation for online W8A8 int8 (QuaRot-style; on by default
+where it applies: kiln/config/quantization_rotation.py): the matrix and a Llama model's transform.
 """
 import math
 
 import torch
 from torch import nn
 
-from kiln.errors import ConfigError
-
-ROTATIONS = ("hadamard",)
 # Llama-family classes whose layers rotate_llama knows (no q/k norms, plain RMSNorms).
 ROTATABLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 MAX_HADAMARD = 64  # Q = H_64 (x) a random orthogonal d/64 x d/64 where d allows
@@ -40,28 +37,43 @@ def hadamard_block(d: int) -> int:
     return min(d & -d, MAX_HADAMARD)
 
 
-def rotation_matrix(d: int, seed: int = SEED) -> torch.Tensor:
-    """The residual stream's rotation Q [d, d] float64: H_b (x) R, b = hadamard_block(d), R a
+class Rotation:
+    """Q = H (x) R [d, d] float64, held as its factors H [b, b] and R [m, m] (d = b m): W Q and
+    Q^T W then cost d (b + m) multiply-adds a row of W, not d^2 (576: 73 against 576). A dense
+    Q is Rotation(q, 1 x 1)."""
+
+    def __init__(self, h: torch.Tensor, r: torch.Tensor):
+        self.h, self.r = h.double(), r.double()
+        self.b, self.m = h.shape[0], r.shape[0]
+        self.d = self.b * self.m
+
+    def to(self, device) -> "Rotation":
+        return Rotation(self.h.to(device), self.r.to(device))
+
+    def dense(self) -> torch.Tensor:
+        return torch.kron(self.h, self.r)
+
+    def right(self, w: torch.Tensor) -> torch.Tensor:
+        """w Q, w [n, d]: Q[(k, l), (i, j)] = H[k, i] R[l, j]."""
+        t = torch.einsum("nkl,ki->nil", w.reshape(-1, self.b, self.m), self.h)
+        return (t @ self.r).reshape(-1, self.d)
+
+    def left_t(self, w: torch.Tensor) -> torch.Tensor:
+        """Q^T w, w [d, c]."""
+        t = torch.einsum("ki,klc->ilc", self.h, w.reshape(self.b, self.m, -1))
+        return torch.einsum("lj,ilc->ijc", self.r, t).reshape(self.d, -1)
+
+
+def stream_rotation(d: int, seed: int = SEED) -> Rotation:
+    """The residual stream's rotation for hidden size d: H_b (x) R, b = hadamard_block(d), R a
     seeded random orthogonal (d/b x d/b). Deterministic in (d, seed)."""
     b = hadamard_block(d)
-    return torch.kron(hadamard(b), random_orthogonal(d // b, seed))
+    return Rotation(hadamard(b), random_orthogonal(d // b, seed))
 
 
-def check_rotation(rotation: str | None, quantization: str | None, architecture: str) -> None:
-    """The model-level conditions of --quantization-rotation (the engine-level ones, -tp / -pp,
-    LoRA, speculative decoding: cross_checks.check_quantization_rotation)."""
-    if rotation is None:
-        return
-    if rotation not in ROTATIONS:
-        raise ConfigError(f"quantization_rotation (--quantization-rotation) must be one of "
-                          f"{', '.join(ROTATIONS)} (or unset), got {rotation!r}")
-    if quantization != "int8":
-        raise ConfigError(f"--quantization-rotation {rotation} rotates weights before online "
-                          f"int8 quantization; it needs --quantization int8 (got quantization="
-                          f"{quantization!r}); add --quantization int8 or drop the flag")
-    if architecture not in ROTATABLE_ARCHITECTURES:
-        raise ConfigError(f"--quantization-rotation {rotation}: {architecture} is not supported "
-                          f"(only {', '.join(ROTATABLE_ARCHITECTURES)}); drop the flag")
+def rotation_matrix(d: int, seed: int = SEED) -> torch.Tensor:
+    """stream_rotation(d, seed) as its dense Q [d, d] float64."""
+    return stream_rotation(d, seed).dense()
 
 
 def _set(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -85,8 +97,8 @@ def _rotate_heads_vo(attn: nn.Module, hidden: int) -> None:
     hd = attn.head_dim
     if hd & (hd - 1):
         return
-    h = hadamard(hd)
     qkv, o = attn.qkv_proj, attn.o_proj
+    h = hadamard(hd).to(qkv.weight.device)
     start = attn.q_size + attn.kv_size
     wv = qkv.weight.data[start:].double().reshape(-1, hd, hidden)  # [kv heads, hd, d]
     qkv.weight.data[start:] = torch.einsum("ji,hjk->hik", h, wv).reshape(-1, hidden).to(
@@ -99,7 +111,7 @@ def _rotate_heads_vo(attn: nn.Module, hidden: int) -> None:
 
 
 @torch.no_grad()
-def rotate_llama(model: nn.Module, q: torch.Tensor, heads: bool = True) -> None:
+def rotate_llama(model: nn.Module, q: "torch.Tensor | Rotation", heads: bool = True) -> None:
     """Transform a loaded Llama model (LlamaStyleForCausalLM, one rank and stage, float
     weights) to carry its residual stream as h Q, in place; `heads`: also v / o per head.
 
@@ -108,10 +120,14 @@ def rotate_llama(model: nn.Module, q: torch.Tensor, heads: bool = True) -> None:
     stream get W <- Q^T W (b <- b Q), the embedding's output is rotated per token and the final
     norm's un-rotated before the LM head (its weight folded in), so a tied head keeps sharing
     the embedding table. Exact in real arithmetic; Q spreads the stream's outlier channels over all of them,
-    which per-token int8 activation scales then fit better."""
+    which per-token int8 activation scales then fit better. `q`: a Rotation, or a dense
+    [d, d]; the products run in float64 on the weights' device."""
     backbone = model.model
-    d = q.shape[0]
-    q = q.double()
+    dtype, device = backbone.norm.weight.dtype, backbone.norm.weight.device
+    if isinstance(q, torch.Tensor):
+        q = Rotation(q, torch.ones(1, 1))
+    q = q.to(device)
+    d = q.d
     for layer in backbone.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if heads:
@@ -120,24 +136,27 @@ def rotate_llama(model: nn.Module, q: torch.Tensor, heads: bool = True) -> None:
                               (layer.post_attention_layernorm, (mlp.gate_up_proj,))):
             g = norm.weight.data.double()
             for lin in readers:
-                _set(_cleared(lin).weight, (lin.weight.data.double() * g) @ q)
+                _set(_cleared(lin).weight, q.right(lin.weight.data.double() * g))
             norm.weight.data.fill_(1.0)
         for lin in (attn.o_proj, mlp.down_proj):  # they write into the stream
-            _set(_cleared(lin).weight, q.t() @ lin.weight.data.double())
+            _set(_cleared(lin).weight, q.left_t(lin.weight.data.double()))
             if lin.bias is not None:
-                _set(lin.bias, lin.bias.data.double() @ q)
-    dtype, device = backbone.norm.weight.dtype, backbone.norm.weight.device
+                _set(lin.bias, q.right(lin.bias.data.double()[None]).reshape(-1))
     g = backbone.norm.weight.data.double()
-    backbone.residual_rotation = q.to(dtype=dtype, device=device)
+    dense = q.dense()
+    backbone.residual_rotation = dense.to(dtype=dtype)
     # norm(h Q) Q^T diag(g) == norm(h) diag(g): the RMS is the same for h Q and h; applied by
     # compute_logits, so forward's output stays rotated (what pooling would read: refused)
-    backbone.residual_unrotation = (q.t() * g).to(dtype=dtype, device=device)
+    backbone.residual_unrotation = (dense.t() * g).to(dtype=dtype)
     backbone.norm.weight.data.fill_(1.0)
 
 
-def apply_rotation(model: nn.Module, rotation: str | None) -> None:
-    """The loader's hook: rotate a loaded model's float weights before they are quantized."""
-    if rotation is None:
+def apply_rotation(model: nn.Module, rotation: str) -> None:
+    """The loader's hook: rotate a loaded model's float weights before they are quantized
+    (`rotation`: the resolved quantization_rotation, "hadamard" or "none")."""
+    if rotation == "none":
         return
-    hidden = model.model.norm.weight.shape[0]
-    rotate_llama(model, rotation_matrix(hidden))
+    if rotation != "hadamard":  # "auto" is KilnConfig's to resolve, before any load
+        raise ValueError(f"apply_rotation: quantization_rotation={rotation!r} is unresolved; "
+                         "load through a KilnConfig, which resolves it to hadamard or none")
+    rotate_llama(model, stream_rotation(model.model.norm.weight.shape[0]))

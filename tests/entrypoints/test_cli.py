@@ -230,6 +230,7 @@ def test_bench_throughput_int8_against_unquantized_in_one_run(stories):
     assert code == 0, err
     report = json.loads(out)
     assert report["quantization"] == "int8" and report["dtype"] == "float32"
+    assert report["quantization_rotation"] == "hadamard"  # auto, resolved: what ran
     # vLLM's bench throughput's sampling, for both engines; --seed's default
     assert (report["temperature"], report["top_p"], report["seed"]) == (1.0, 1.0, 0)
     assert report["num_output_tokens"] == 6 and report["unquantized_output_tokens_per_s"] > 0

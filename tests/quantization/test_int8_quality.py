@@ -1,6 +1,9 @@
 """Quality of W8A8 int8 on the default model (SmolLM2-135M, GGUF, quantized on load) against the
 same model in bfloat16: top-1 agreement over 32 prompts x 64 greedy steps, teacher-forced on the
-bfloat16 tokens, and perplexity on a fixed text shipped in tests/fixtures/quality/.
+bfloat16 tokens, and perplexity on a fixed text shipped in tests/fixtures/quality/. The engine as
+shipped (`LLM(quantization="int8")`: its residual stream rotated, --quantization-rotation auto)
+is held to issue 23's bound and tighter; vLLM's unrotated arithmetic (`quantization_rotation=
+"none"`) to the looser one measured for it below.
 
 A step agrees where the bfloat16 token has the int8 model's best logprob, ties included: ranks
 count a tie against the token (vLLM's, since 215cf370), and bfloat16 logits tie often enough
@@ -21,7 +24,7 @@ runs, although all three are equally close to a float64 softmax (the same max an
 18.10 / 17.37 = 1.042 with the AMX tiles (agreement 0.918-0.925; an earlier exp polynomial in the
 tiles gave 1.029 and 1.047). The int8 model amplifies last-bit differences in attention that
 the bfloat16 one does not (its perplexity moves 0.2%). Asserted: agreement >= 0.90 and a ratio
-<= 1.06, the largest measured plus a margin of that spread.
+<= 1.06, the largest measured plus a margin of that spread (now for quantization_rotation="none").
 
 At d28fcc72 the same machine gives agreement 0.916-0.917 (two runs) and 18.170 / 17.428 =
 1.043. The ratio is that noisy by nature: on this text (782 tokens) a fake-quantized float32
@@ -31,11 +34,12 @@ stays at 0.021-0.023 nats. By that KL the loss is the activations' (0.021 with i
 alone, 0.003 with int8 weights alone), spread over every layer (0.001-0.002 each) but the last,
 whose gate_up input (one channel 50x its median) alone costs 0.005.
 
-With --quantization-rotation hadamard (the residual stream rotated before quantizing; same machine,
+With the rotation (the residual stream rotated before quantizing, the default since; same machine,
 2026-12-07, d28fcc72 plus the rotation) agreement 0.947 and ratio 17.660 / 17.428 = 1.013, and
 over three seeds of the rotation's random factor 0.943-0.947 and 1.005-1.020 (without the per-head
-v / o Hadamard 0.942-0.953 and 1.004-1.028). Asserted: agreement >= 0.93 and a ratio <= 1.03, the
-largest measured plus that margin and clear of the unrotated model's 0.911-0.925 / 1.034-1.043.
+v / o Hadamard 0.942-0.953 and 1.004-1.028). Asserted for the default engine: agreement >= 0.93
+and a ratio <= 1.03 (issue 23 asks >= 0.90 and 3%), the largest measured plus that margin and
+clear of the unrotated model's 0.911-0.925 / 1.034-1.043.
 """
 import math
 from pathlib import Path
@@ -47,9 +51,10 @@ from kiln.outputs import Logprob
 
 TEXT = Path(__file__).resolve().parent.parent / "fixtures" / "quality" / "text.txt"
 NUM_PROMPTS, STEPS = 32, 64
-MIN_AGREEMENT, MAX_PPL_RATIO = 0.90, 1.06
-# --quantization-rotation hadamard (kiln/model/residual_rotation.py), measured below
-MIN_ROTATED_AGREEMENT, MAX_ROTATED_PPL_RATIO = 0.93, 1.03
+# LLM(quantization="int8") as shipped: rotated (kiln/config/quantization_rotation.py)
+MIN_AGREEMENT, MAX_PPL_RATIO = 0.93, 1.03
+# quantization_rotation="none": vLLM's plain online int8
+MIN_UNROTATED_AGREEMENT, MAX_UNROTATED_PPL_RATIO = 0.90, 1.06
 
 # The model tests are slow (~5 min on 2 busy cores); the tiny-model tests cover the same path.
 
@@ -99,13 +104,16 @@ def measured():
     ref_ppl = _perplexity(ref, text_ids)
     ref.llm_engine.shutdown()
     int8 = _llm(quantization="int8")
-    figures = {"agreement": _agreement(int8, sequences, [len(p) for p in prompts]),
+    figures = {"rotation": int8.llm_engine.kiln_config.model_config.quantization_rotation,
+               "agreement": _agreement(int8, sequences, [len(p) for p in prompts]),
                "ppl_bf16": ref_ppl,
                "ppl_int8": _perplexity(int8, text_ids)}
     int8.llm_engine.shutdown()
-    rotated = _llm(quantization="int8", quantization_rotation="hadamard")
-    figures.update(agreement_rotated=_agreement(rotated, sequences, [len(p) for p in prompts]),
-                   ppl_int8_rotated=_perplexity(rotated, text_ids))
+    unrotated = _llm(quantization="int8", quantization_rotation="none")
+    figures.update(agreement_unrotated=_agreement(unrotated, sequences,
+                                                  [len(p) for p in prompts]),
+                   ppl_int8_unrotated=_perplexity(unrotated, text_ids))
+    unrotated.llm_engine.shutdown()
     print(figures)
     return figures
 
@@ -119,6 +127,7 @@ def test_a_token_tied_for_the_top_ranks_first():
 
 @pytest.mark.slow
 def test_top1_agreement_with_bfloat16(measured):
+    assert measured["rotation"] == "hadamard", measured  # the default engine's
     assert measured["agreement"] >= MIN_AGREEMENT, measured
 
 
@@ -128,6 +137,7 @@ def test_perplexity_within_bound_of_bfloat16(measured):
 
 
 @pytest.mark.slow
-def test_rotation_brings_int8_closer_to_bfloat16(measured):
-    assert measured["agreement_rotated"] >= MIN_ROTATED_AGREEMENT, measured
-    assert measured["ppl_int8_rotated"] / measured["ppl_bf16"] <= MAX_ROTATED_PPL_RATIO, measured
+def test_unrotated_int8_within_its_bound(measured):
+    assert measured["agreement_unrotated"] >= MIN_UNROTATED_AGREEMENT, measured
+    ratio = measured["ppl_int8_unrotated"] / measured["ppl_bf16"]
+    assert ratio <= MAX_UNROTATED_PPL_RATIO, measured

@@ -1,8 +1,10 @@
-"""--quantization-rotation hadamard (kiln/model/residual_rotation.py): the rotation is orthogonal
-and deterministic; a float model so transformed gives the unrotated model's greedy tokens, its
-logprobs within 2e-4 in float32 and 0.1 in bfloat16 (0.052 measured: weights and stream rounded
-after the rotation); online int8 with it gives the same greedy tokens eagerly and compiled; the
-flag is refused where it cannot apply, naming it.
+"""The residual-stream rotation (kiln/model/residual_rotation.py; online int8's default on a
+Llama model): the rotation is orthogonal and deterministic; a float model so transformed gives
+the unrotated model's greedy tokens, its logprobs within 2e-4 in float32 and 0.1 in bfloat16
+(0.052 measured: weights and stream rounded after the rotation); online int8 with it gives the
+same greedy tokens eagerly and compiled; an explicit --quantization-rotation hadamard is refused
+where it cannot apply, naming the flag (each case of auto's resolution:
+tests/config/test_quantization_rotation.py).
 """
 import pytest
 import torch
@@ -74,6 +76,20 @@ def test_rotation_is_orthogonal_and_deterministic(d, block):
         assert not torch.equal(q, rr.rotation_matrix(d, seed=1))
 
 
+@pytest.mark.parametrize("d", [576, 192, 96, 64])
+def test_factored_products_equal_the_dense_ones(d):
+    """The load-time transform multiplies by Q through its factors (d (b + m) a row, not d^2)."""
+    rot = rr.stream_rotation(d)
+    q = rot.dense()
+    g = torch.Generator().manual_seed(2)
+    w, v = (torch.randn(shape, generator=g, dtype=torch.float64) for shape in ((7, d), (d, 5)))
+    assert torch.allclose(rot.right(w), w @ q, atol=1e-12)
+    assert torch.allclose(rot.left_t(v), q.t() @ v, atol=1e-12)
+    dense = rr.Rotation(q, torch.ones(1, 1))  # a dense Q, as rotate_llama takes one
+    assert torch.allclose(dense.right(w), w @ q, atol=1e-12)
+    assert torch.allclose(dense.left_t(v), q.t() @ v, atol=1e-12)
+
+
 def test_hadamard_needs_a_power_of_two():
     h = rr.hadamard(8)
     assert torch.allclose(h.abs(), torch.full((8, 8), 8 ** -0.5, dtype=torch.float64))
@@ -98,11 +114,11 @@ def test_rotated_float_model_matches_unrotated(llama_dir, tmp_path, monkeypatch,
 
 
 def test_int8_rotation_modes_0_and_3_give_identical_greedy_tokens(llama_dir, tmp_path):
-    kw = {"quantization": "int8", "quantization_rotation": "hadamard"}
+    kw = {"quantization": "int8"}  # rotated as shipped (quantization_rotation "auto")
     eager_tokens, eager_lp, rotated = _run(llama_dir, tmp_path, 0, **kw)
     assert rotated
-    compiled_tokens, compiled_lp, _ = _run(llama_dir, tmp_path, 3, **kw)
-    assert compiled_tokens == eager_tokens
+    compiled_tokens, compiled_lp, rotated = _run(llama_dir, tmp_path, 3, **kw)
+    assert rotated and compiled_tokens == eager_tokens
     # the int8 path ran, close to the float model's
     _, float_lp, _ = _run(llama_dir, tmp_path, 0)
     assert 0 < _max_diff(eager_lp, float_lp) < 0.5
@@ -113,7 +129,7 @@ def test_int8_rotation_modes_0_and_3_give_identical_greedy_tokens(llama_dir, tmp
     ({"quantization_rotation": "hadamard", "quantization": "fp8"},
      "needs --quantization int8 \\(got quantization='fp8'\\)"),
     ({"quantization_rotation": "givens", "quantization": "int8"},
-     "--quantization-rotation\\) must be one of hadamard"),
+     "--quantization-rotation\\) must be one of auto, hadamard, none"),
     ({"quantization_rotation": "hadamard", "quantization": "int8",
       "tensor_parallel_size": 2}, "runs only unsplit models.*-tp 2 -pp 1"),
     ({"quantization_rotation": "hadamard", "quantization": "int8", "enable_lora": True},
@@ -134,8 +150,10 @@ def test_refused_on_other_families(tiny_qwen2_dir):
 
 
 def test_rotation_is_part_of_the_compile_cache_key(tiny_llama_dir):
-    """A graph compiled without the rotation's two products must not be served with it."""
+    """A graph compiled without the rotation's two products must not be served with it; the
+    key holds the resolved rotation, so auto and the hadamard it resolves to share graphs."""
     def key(**kw):
         return EngineArgs(model=str(tiny_llama_dir), quantization="int8",
                           **kw).create_kiln_config().compute_hash()
-    assert key() != key(quantization_rotation="hadamard")
+    assert key(quantization_rotation="none") != key(quantization_rotation="hadamard")
+    assert key() == key(quantization_rotation="hadamard")

@@ -1,6 +1,7 @@
 """W8A8 int8 engines generate the same greedy tokens eagerly (mode 0) and compiled (mode 3): a
-compressed-tensors checkpoint and online `quantization="int8"`, mixed lengths with chunked
-prefill. Their logprobs differ from the float model's (the int8 path runs) but stay close. In
+compressed-tensors checkpoint and online `quantization="int8"`, as shipped (its residual stream
+rotated: kiln/model/residual_rotation.py) and unrotated (vLLM's arithmetic), mixed lengths with
+chunked prefill. Their logprobs differ from the float model's (the int8 path runs) but stay close. In
 mode 3 (a cold cache: the passes run on every piece) fuse_norm_quant matches twice a layer (the
 input and post-attention norms), fuse_act_quant once, and fuse_mm_act_quant once where weights
 are packed at load (the gate/up GEMM then joins the SiLU-and-mul + quant), and the compiled code
@@ -60,13 +61,34 @@ def _max_diff(a, b):
     return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
 
-@pytest.mark.parametrize("which", ["compressed-tensors", "online"])
-def test_modes_0_and_3_give_identical_greedy_tokens(dirs, tmp_path, which):
+def _max_diff_on_shared_steps(tokens_a, a, tokens_b, b):
+    """Over the steps where both greedy sequences so far hold the same tokens: past a near tie
+    that int8 flips, the logprobs are of other tokens in other contexts (this random model's
+    are near-uniform: the rotated engine flips one at step 2 while matching the float model's
+    logprobs as closely as the unrotated one does, 0.030 vs 0.031)."""
+    diffs = []
+    for ta, ra, tb, rb in zip(tokens_a, a, tokens_b, b):
+        for j, (x, y) in enumerate(zip(ra, rb)):
+            if ta[:j + 1] != tb[:j + 1]:
+                break
+            diffs.append(abs(x - y))
+    assert len(diffs) >= len(tokens_a), "fewer shared steps than prompts"
+    return max(diffs)
+
+
+@pytest.mark.parametrize("which, kw, rotated", [
+    ("compressed-tensors", {}, False),
+    ("online", {"quantization": "int8"}, True),  # quantization_rotation "auto"
+    ("online", {"quantization": "int8", "quantization_rotation": "none"}, False),
+], ids=["compressed-tensors", "online", "online-unrotated"])
+def test_modes_0_and_3_give_identical_greedy_tokens(dirs, tmp_path, which, kw, rotated):
     src, w8a8 = dirs
-    model, kw = (w8a8, {}) if which == "compressed-tensors" else (src, {"quantization": "int8"})
+    model = w8a8 if which == "compressed-tensors" else src
     eager_tokens, eager_lp = _run(model, tmp_path, 0, **kw)
     compiled_tokens, compiled_lp = _run(model, tmp_path, 3, **kw)
     assert compiled_tokens == eager_tokens
+    backbone = engine_model(_run.last_llm.llm_engine).model
+    assert (backbone.residual_rotation is not None) == rotated
     matches = pass_matches(_run.last_llm)
     assert matches["FuseNormQuant"] == 2 * NUM_LAYERS and matches["FuseActQuant"] == NUM_LAYERS
     packed = int8_ops.packs_weights(64, "cpu")
@@ -81,4 +103,5 @@ def test_modes_0_and_3_give_identical_greedy_tokens(dirs, tmp_path, which):
             assert op in code, op
     assert _max_diff(compiled_lp, eager_lp) < 1e-3
     float_tokens, float_lp = _run(src, tmp_path, 0)
-    assert 0 < _max_diff(eager_lp, float_lp) < 0.2  # quantized, and close to the float model
+    # quantized, and close to the float model
+    assert 0 < _max_diff_on_shared_steps(eager_tokens, eager_lp, float_tokens, float_lp) < 0.2
