@@ -47,6 +47,20 @@ static inline __attribute__((always_inline)) __m512 kiln_exp2_512(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-150.f), _CMP_GT_OQ), p, k);
 }
+
+/* 2^x as kiln_exp2_512 for values to be rounded to bfloat16 (the prefill attention's
+ * probabilities before P.V): a degree-3 polynomial (fitted near-minimax on [-1/2, 1/2], 2^0
+ * exact), within 1.0e-4 of 2^x relative, a twentieth of bfloat16's half ulp (2^-9). Three FMAs
+ * fewer than kiln_exp2_512. */
+static inline __attribute__((always_inline)) __m512 kiln_exp2_bf16_512(__m512 x) {
+    const __m512 k = _mm512_roundscale_ps(x, KILN_EXP_RNE);
+    const __m512 r = _mm512_sub_ps(x, k);
+    __m512 p = _mm512_set1_ps(0.05500893294811249f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.2422109693288803f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.6932829022407532f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-150.f), _CMP_GT_OQ), p, k);
+}
 #endif
 
 #endif
