@@ -2,6 +2,8 @@
 a name, an id unique per adapter (> 0) and the PEFT directory it loads from."""
 from dataclasses import dataclass
 
+from kiln.wire_ints import INT64_MAX
+
 
 @dataclass(frozen=True)
 class LoRARequest:
@@ -15,9 +17,12 @@ class LoRARequest:
             raise ValueError(f"LoRARequest.lora_name must be a non-empty str, got "
                              f"{self.lora_name!r}")
         if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) \
-                or self.lora_int_id < 1:
-            raise ValueError(f"LoRARequest.lora_int_id must be an int >= 1 (vLLM's), got "
-                             f"{self.lora_int_id!r}")
+                or not 1 <= self.lora_int_id <= INT64_MAX:
+            # past 64 bits the id could not cross to the engine core: msgpack's OverflowError
+            # met it in the core client as the request was handed over
+            raise ValueError(f"LoRARequest.lora_int_id must be an int in [1, {INT64_MAX}] "
+                             f"(>= 1 as vLLM's; a 64-bit integer to cross to the engine "
+                             f"core), got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError(f"LoRARequest.lora_path must name the adapter's PEFT directory, "
                              f"got {self.lora_path!r}")

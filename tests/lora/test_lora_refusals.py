@@ -82,6 +82,10 @@ def test_flags_and_requests_check_their_values():
         LoRAConfig(max_loras=2, max_cpu_loras=1)
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("a", 0, "/x")
+    # past 64 bits the core client's encoder raised OverflowError as the request was handed over
+    with pytest.raises(ValueError, match=r"lora_int_id must be an int in \[1, 9223372036854775807\]"):
+        LoRARequest("a", 2 ** 64, "/x")
+    assert LoRARequest("a", 2 ** 63 - 1, "/x").lora_int_id == 2 ** 63 - 1
     assert lora_module_flag("sql=/a/b") == {"name": "sql", "path": "/a/b",
                                            "base_model_name": None}
     assert lora_module_flag('{"name": "s", "path": "/p", "base_model_name": "m"}')[
