@@ -11,6 +11,9 @@ def check_wire_ints(name: str, value) -> None:
     """Raise ValueError naming the place in `value` (the field `name`'s) that holds an int past
     64 bits: through lists, tuples, sets, dict keys and values, and dataclasses' fields. Past
     this the core client's encoder fails (OverflowError) as the request is handed over."""
+    if type(value) in _SCALARS or (type(value) is int and INT64_MIN <= value <= INT64_MAX) \
+            or (type(value) in _CONTAINERS and not value):
+        return  # most of SamplingParams' fields: a verify() checks each
     _check(name, value)
     todo, seen = [(name, value)] if _nested(value) else [], set()
     while todo:  # a path is written only for a container or a value refused (a logit_bias
