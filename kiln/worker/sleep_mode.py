@@ -67,6 +67,11 @@ class WorkerSleepMode:
                 seen.setdefault(id(param), param)
         return list(seen.values())
 
+    def _held_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters holding data: a dense copy let go at load (on the meta device, where
+        a quantized or GGUF-packed form serves the layer) has none to offload or bring back."""
+        return [param for param in self._parameters() if not param.is_meta]
+
     # ---- sleep / wake_up -----------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
         if level not in (1, 2):
@@ -88,7 +93,7 @@ class WorkerSleepMode:
                 self._drop_packed(model)
             self._parts_loaded = {name: set() for name in models}
         elif self.device.type == "cuda":
-            for param in self._parameters():
+            for param in self._held_parameters():
                 param.data = param.data.to("cpu").pin_memory()
         self.asleep, self.sleep_level = frozenset(TAGS), level
         self._give_back_memory()
@@ -97,7 +102,7 @@ class WorkerSleepMode:
         """`tags`: of TAGS (None: all), checked by the engine core (kiln/core/core_sleep.py)."""
         tags = TAGS if tags is None else tags
         if "weights" in tags and "weights" in self.asleep:
-            for param in self._parameters():
+            for param in self._held_parameters():
                 storage = param.untyped_storage()
                 if storage.nbytes() == 0 and param.numel():  # discarded (level 2): memory
                     storage.resize_((param.storage_offset() + param.numel())  # again, unset

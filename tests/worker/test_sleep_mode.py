@@ -67,6 +67,27 @@ def test_level1_frees_the_kv_cache_and_wakes_to_the_same_tokens(llm, tiny_tokens
     assert _tokens(llm) == tiny_tokens
 
 
+def test_level1_wakes_a_model_whose_dense_copies_were_let_go(tiny_llama_dir, inprocess_core):
+    """Online int8 (rotated, as by default) lets the float weights go at load (meta tensors):
+    wake_up copied them back and failed (NotImplementedError: meta tensor), as a GGUF model's
+    let-go dense copies would; level 2 stays refused on it."""
+    llm = LLM(model=str(tiny_llama_dir), dtype="bfloat16", quantization="int8",
+              enforce_eager=True, enable_sleep_mode=True, max_model_len=64,
+              kv_cache_memory=0.01)
+    try:
+        assert any(p.is_meta for p in _worker(llm).get_model().parameters())
+        before = _tokens(llm)
+        llm.sleep(level=1)
+        llm.wake_up()
+        assert not llm.is_sleeping()
+        assert _tokens(llm) == before
+        with pytest.raises(Exception, match="quantized"):
+            llm.sleep(level=2)
+        assert _tokens(llm) == before
+    finally:
+        llm.shutdown()
+
+
 def test_level2_discards_the_weights_until_they_are_loaded(llm, tiny_llama_dir, tiny_tokens):
     weight = _worker(llm).get_model().model.norm.weight
     llm.sleep(level=2)
