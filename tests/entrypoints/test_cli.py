@@ -276,6 +276,27 @@ def test_bench_throughput_with_the_core_in_its_own_process(stories):
     assert report["output_tokens_per_s"] > 0 and report["model_weight_bytes"] is None
 
 
+def test_an_engine_in_the_commands_process_waits_as_the_cores_openmp_threads():
+    """`kiln` sets the core's OpenMP wait (core_interpreter.set_openmp_wait) in its own process
+    before torch loads libgomp, which reads it once: an in-process engine (bench throughput's
+    default) then spins as LLM's core does, not libgomp's ~5-8 ms after every region. libgomp
+    says what it read (OMP_DISPLAY_ENV); a user's spin count or wait policy stays."""
+    from kiln.engine.core_interpreter import CORE_SPIN_COUNT
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    env["OMP_DISPLAY_ENV"] = "VERBOSE"
+    with ThreadPoolExecutor(3) as pool:  # each run is mostly its interpreter importing torch
+        runs = list(pool.map(
+            lambda extra: kiln("bench", "throughput", "--help", env={**env, **extra}, timeout=120),
+            ({}, {"GOMP_SPINCOUNT": "7"}, {"OMP_WAIT_POLICY": "PASSIVE"})))
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    ours, users_count, users_policy = (r.stderr for r in runs)
+    assert f"GOMP_SPINCOUNT = '{CORE_SPIN_COUNT}'" in ours, ours
+    assert "GOMP_SPINCOUNT = '7'" in users_count
+    assert "GOMP_SPINCOUNT = '0'" in users_policy  # libgomp's own count for PASSIVE
+
+
 def test_bench_rejects_lengths_over_max_model_len(stories, monkeypatch):
     from kiln.engine.llm_engine import LLMEngine
 

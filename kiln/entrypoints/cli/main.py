@@ -108,6 +108,21 @@ def _prestart_core(argv: list[str]) -> None:
         core_interpreter.prestart()
 
 
+def _openmp_wait_as_the_core() -> None:
+    """This process's OpenMP threads wait as an engine core's do (core_interpreter's
+    set_openmp_wait): an engine in this process (`kiln bench throughput` without
+    --multiprocess, `bench latency`, KILN_ENABLE_V1_MULTIPROCESSING=0) then runs as `LLM`'s core
+    does, not at libgomp's default, whose ~5-8 ms spin after every parallel region doubled a
+    loaded host's bench rounds (docs/measurements.md). libgomp reads it once, when torch loads
+    it: before any import of torch."""
+    import os
+
+    if "torch" not in sys.modules:
+        from kiln.engine.core_interpreter import set_openmp_wait
+
+        set_openmp_wait(os.environ)
+
+
 _LEVELS = ("0", "1", "2", "3")
 
 
@@ -180,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = None
     try:  # Ctrl-C may come during the imports too: no traceback then either
         argv = underscored_flags_dashed(sys.argv[1:] if argv is None else argv)
+        _openmp_wait_as_the_core()
         _prestart_core(argv)
         parser = build_parser()
         argv = dotted_flags_as_O(flags_from_config_file(argv, parser))
