@@ -71,8 +71,8 @@ client = fake_api.client  # the fixture: this module's client on a fake engine
     ("/v1/completions", dict(prompt="x", prompt_logprobs=-1), "prompt_logprobs", None),
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}], logprobs=True,
                                   top_logprobs=-1), "top_logprobs", None),
-    # OpenAI's cap: each choice is built in the engine at once
-    ("/v1/completions", dict(prompt="x", n=129), "n", None),
+    # --max-sequences-per-request (256 here): each choice is built in the engine at once
+    ("/v1/completions", dict(prompt="x", n=257), "n", "too_many_sequences"),
     ("/v1/completions", dict(prompt=[True, False]), "prompt", None),  # no token ids
     ("/v1/completions", dict(prompt="x", seed=2 ** 64), "seed", "invalid_value"),
     ("/v1/completions", dict(prompt="x", repetition_penalty=1e-50), "repetition_penalty",

@@ -9,6 +9,7 @@ def sampling_ranges(model_schema: dict, max_logprobs: int,
     """The sampling fields' ranges, as SamplingParams and the engine check them (outside is a
     400); `max_logprobs`: the engine's cap on (top_/prompt_)logprobs; `vocab_size`: what -1
     (the whole vocabulary) asks for, refused above the cap."""
+    from kiln.envs import max_n_sequences
     from kiln.repetition_detection import MAX_MIN_COUNT, MAX_PATTERN_SIZE
     from kiln.sampling_params import (
         _INT64,
@@ -24,7 +25,8 @@ def sampling_ranges(model_schema: dict, max_logprobs: int,
     if vocab_size is not None:  # a --max-logprobs past the vocabulary: no more than it holds
         max_logprobs = min(max_logprobs, vocab_size)
 
-    ranges = {"temperature": {"minimum": 0, "maximum": _MAX_TEMPERATURE},
+    ranges = {"n": {"minimum": 1, "maximum": max_n_sequences()},  # the env var, read now
+              "temperature": {"minimum": 0, "maximum": _MAX_TEMPERATURE},
               "top_p": {"exclusiveMinimum": 0, "maximum": 1},
               "min_p": {"minimum": 0, "maximum": 1},
               "top_k": {"minimum": -1, "maximum": _INT64[1]},  # what crosses to the core

@@ -23,9 +23,6 @@ from kiln.logger import init_logger
 
 logger = init_logger(__name__)
 
-# OpenAI's limit on choices per prompt; each is a sequence in the engine, built at once.
-MAX_N = 128
-
 
 # OpenAI's reasoning efforts and vLLM's "max": chat's reasoning_effort, /v1/responses'
 # reasoning.effort
@@ -65,7 +62,8 @@ class SamplingFields(RequestBase):
     model: str | None = None
     temperature: JsonFloat | None = None
     top_p: JsonFloat | None = None
-    n: JsonInt = Field(1, ge=1, le=MAX_N)
+    # at most KILN_MAX_N_SEQUENCES (vLLM's VLLM_MAX_N_SEQUENCES), which SamplingParams checks
+    n: JsonInt = Field(1, ge=1)
     stop: str | list[str] | None = None
     seed: JsonInt | None = None
     presence_penalty: JsonFloat = 0.0

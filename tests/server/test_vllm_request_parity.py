@@ -1,0 +1,62 @@
+"""Request fields as vLLM's server takes them: n up to KILN_MAX_N_SEQUENCES (vLLM's
+VLLM_MAX_N_SEQUENCES) rather than OpenAI's 128, beams included."""
+import pytest
+from fastapi.testclient import TestClient
+
+from kiln.engine.async_llm import AsyncLLM
+from kiln.entrypoints.openai.api_server import ServerSettings, build_app
+
+from .fake_api import assert_error
+from .fake_engine import FakeEngine
+
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+_BODIES = {CMPL: dict(prompt="x", max_tokens=1),
+           CHAT: dict(messages=[{"role": "user", "content": "x"}], max_tokens=1)}
+
+
+@pytest.fixture(scope="module")
+def client():
+    app = build_app(AsyncLLM(FakeEngine(max_model_len=64)), ServerSettings())
+    with TestClient(app) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def _no_n_limit_set(monkeypatch):
+    for name in ("KILN_MAX_N_SEQUENCES", "VLLM_MAX_N_SEQUENCES"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_n_past_openais_128_is_served(client):
+    r = client.post(CMPL, json={**_BODIES[CMPL], "n": 200})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 200
+
+
+@pytest.mark.parametrize("path", [CMPL, CHAT])
+@pytest.mark.parametrize("beam", [False, True])
+@pytest.mark.parametrize("variable", ["KILN_MAX_N_SEQUENCES", "VLLM_MAX_N_SEQUENCES"])
+def test_n_past_the_variables_limit_is_a_400_naming_n_and_the_variable(
+        client, monkeypatch, path, beam, variable):
+    monkeypatch.setenv(variable, "4")
+    extra = {"use_beam_search": True} if beam else {}
+    err = assert_error(client.post(path, json={**_BODIES[path], "n": 5, **extra}), 400, "n",
+                       "invalid_value")
+    assert "at most 4" in err["message"] and variable in err["message"], err
+    if not beam:  # the fake engine runs no beam search (test_beam_search_server.py does)
+        assert client.post(path, json={**_BODIES[path], "n": 4}).status_code == 200
+
+
+def test_the_schema_states_the_n_limit(monkeypatch):
+    def n_bounds():  # a new app: the schema is built once, at its first request
+        app = build_app(AsyncLLM(FakeEngine(max_model_len=64)), ServerSettings())
+        schemas = app.openapi()["components"]["schemas"]
+        return [next(m for m in schemas[model]["properties"]["n"]["anyOf"]
+                     if m.get("type") == "integer")
+                for model in ("CompletionRequest", "ChatCompletionRequest")]
+
+    for bounds in n_bounds():
+        assert (bounds["minimum"], bounds["maximum"]) == (1, 16_384)
+    monkeypatch.setenv("VLLM_MAX_N_SEQUENCES", "7")
+    for bounds in n_bounds():
+        assert bounds["maximum"] == 7
