@@ -48,15 +48,16 @@ def test_n_past_the_variables_limit_is_a_400_naming_n_and_the_variable(
 
 
 def test_the_schema_states_the_n_limit(monkeypatch):
-    def n_bounds():  # a new app: the schema is built once, at its first request
-        app = build_app(AsyncLLM(FakeEngine(max_model_len=64)), ServerSettings())
+    """The smaller of the variable's limit and --max-sequences-per-request (prompts x n)."""
+    def n_bounds(**settings):  # a new app: the schema is built once, at its first request
+        app = build_app(AsyncLLM(FakeEngine(max_model_len=64)), ServerSettings(**settings))
         schemas = app.openapi()["components"]["schemas"]
-        return [next(m for m in schemas[model]["properties"]["n"]["anyOf"]
-                     if m.get("type") == "integer")
-                for model in ("CompletionRequest", "ChatCompletionRequest")]
+        return {(b["minimum"], b["maximum"])
+                for model in ("CompletionRequest", "ChatCompletionRequest")
+                for b in schemas[model]["properties"]["n"]["anyOf"]
+                if b.get("type") == "integer"}
 
-    for bounds in n_bounds():
-        assert (bounds["minimum"], bounds["maximum"]) == (1, 16_384)
+    assert n_bounds(max_sequences_per_request=100_000) == {(1, 16_384)}
+    assert n_bounds() == {(1, 256)}
     monkeypatch.setenv("VLLM_MAX_N_SEQUENCES", "7")
-    for bounds in n_bounds():
-        assert bounds["maximum"] == 7
+    assert n_bounds() == {(1, 7)}

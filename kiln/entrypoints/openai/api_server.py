@@ -132,7 +132,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
              max_model_len=model_config.max_model_len, open_paths=open_paths,
              request_chat_template=settings.trust_request_chat_template,
              max_logprobs=model_config.logprobs_cap,
-             responses_store=responses.store.enabled)
+             responses_store=responses.store.enabled,
+             max_sequences=settings.max_sequences_per_request)
 
     @app.get("/health", response_class=Response, responses={
         200: {"description": "The engine is running", "content": {}},

@@ -105,7 +105,7 @@ def patch_schema(schema: dict, vocab_size: int | None = None,
                  max_model_len: int | None = None,
                  open_paths: tuple[str, ...] | None = None,
                  request_chat_template: bool = False, max_logprobs: int = 20,
-                 responses_store: bool = False) -> dict:
+                 responses_store: bool = False, max_sequences: int | None = None) -> dict:
     """`vocab_size`: the served model's, bounding the token-id fields (None: unbounded).
     `empty_text_has_tokens`: the tokenizer adds BOS, so "" is a prompt (else refused).
     `reasoning_parser`: the server splits reasoning off (include_reasoning may be false).
@@ -113,6 +113,7 @@ def patch_schema(schema: dict, vocab_size: int | None = None,
     `open_paths`: with --api-key, the paths that take no key (None: no key anywhere).
     `request_chat_template`: --trust-request-chat-template (else chat_template is null only).
     `max_logprobs`: the engine's cap on (top_/prompt_)logprobs (--max-logprobs, resolved).
+    `max_sequences`: --max-sequences-per-request, which bounds n beside KILN_MAX_N_SEQUENCES.
     `responses_store`: /v1/responses keeps responses (else previous_response_id and background
     are refused, so null / false only)."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
@@ -171,7 +172,7 @@ def patch_schema(schema: dict, vocab_size: int | None = None,
         if model in components:
             off_only(components[model], reasoning_parser)
             switched_fields(components[model])
-            sampling_ranges(components[model], max_logprobs, vocab_size)
+            sampling_ranges(components[model], max_logprobs, vocab_size, max_sequences)
             so = components[model]["properties"].get("structured_outputs", {})
             so["anyOf"] = [structured_outputs_object() if m.get("type") == "object" else m
                            for m in so.get("anyOf", ())]

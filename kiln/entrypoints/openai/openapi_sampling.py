@@ -4,11 +4,13 @@ checks them: their ranges, the fields only their off value passes, and structure
 from kiln.entrypoints.openai.openapi_cross_field import NULL
 
 
-def sampling_ranges(model_schema: dict, max_logprobs: int,
-                     vocab_size: int | None = None) -> None:
+def sampling_ranges(model_schema: dict, max_logprobs: int, vocab_size: int | None = None,
+                    max_sequences: int | None = None) -> None:
     """The sampling fields' ranges, as SamplingParams and the engine check them (outside is a
     400); `max_logprobs`: the engine's cap on (top_/prompt_)logprobs; `vocab_size`: what -1
-    (the whole vocabulary) asks for, refused above the cap."""
+    (the whole vocabulary) asks for, refused above the cap; `max_sequences`: the server's cap
+    on prompts x n (--max-sequences-per-request), which bounds n beside
+    KILN_MAX_N_SEQUENCES."""
     from kiln.envs import max_n_sequences
     from kiln.repetition_detection import MAX_MIN_COUNT, MAX_PATTERN_SIZE
     from kiln.sampling_params import (
@@ -25,7 +27,8 @@ def sampling_ranges(model_schema: dict, max_logprobs: int,
     if vocab_size is not None:  # a --max-logprobs past the vocabulary: no more than it holds
         max_logprobs = min(max_logprobs, vocab_size)
 
-    ranges = {"n": {"minimum": 1, "maximum": max_n_sequences()},  # the env var, read now
+    most_n = min(max_n_sequences(), max_sequences or max_n_sequences())  # the variable's, now
+    ranges = {"n": {"minimum": 1, "maximum": most_n},
               "temperature": {"minimum": 0, "maximum": _MAX_TEMPERATURE},
               "top_p": {"exclusiveMinimum": 0, "maximum": 1},
               "min_p": {"minimum": 0, "maximum": 1},
