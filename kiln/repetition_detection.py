@@ -1,6 +1,6 @@
-"""vLLM's repetition detection (SamplingParams.repetition_detection, the OpenAI requests'
-max/min_repetition_pattern_size and repetition_min_count): a request whose output ends in a run
-of one token pattern repeated min_count times ends (finish_reason "repetition")."""
+"""vLLM's repetition detection (SamplingParams.repetition_detection, the OpenAI requests' object
+of that name or their flat fields): a request whose output ends in a run of one token pattern
+repeated min_count times ends (finish_reason "repetition")."""
 from collections import deque
 from dataclasses import dataclass
 

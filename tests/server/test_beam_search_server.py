@@ -100,6 +100,8 @@ BEAM = "use_beam_search"
      "max_repetition_pattern_size", BEAM),
     (CHAT, dict(max_repetition_pattern_size=2, repetition_min_count=2),
      "max_repetition_pattern_size", BEAM),
+    (CHAT, dict(repetition_detection={"max_pattern_size": 2, "min_count": 2}),
+     "repetition_detection", BEAM),
     (CHAT, dict(response_format={"type": "json_object"}), "response_format", BEAM),
     (CMPL, dict(n=11), "n=11", "n"),  # 22 logprobs a step: past --max-logprobs 20
     (CMPL, dict(max_tokens=100), "max_tokens", "max_tokens"),  # past max_model_len

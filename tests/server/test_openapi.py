@@ -198,11 +198,14 @@ def test_json_types_are_not_coerced(base_url, field, value):
 # without it: another split past the canonicalizer's budget (it gave up on the chat schema).
 # Repetition detection: min_repetition_pattern_size above max_repetition_pattern_size (a
 # comparison), and repetition_min_count >= 2 where a pattern size is set, a size where a count
-# is (one more split).
+# is (one more split); the same inside the repetition_detection object, and the object beside
+# the flat fields.
 _INEXPRESSIBLE = {"guided_json", "guided_regex", "guided_grammar", "structured_outputs",
                   "response_format", "tool_choice", "min_tokens", "parallel_tool_calls",
                   "use_beam_search", "min_repetition_pattern_size", "repetition_min_count",
-                  "max_repetition_pattern_size",
+                  "max_repetition_pattern_size", "repetition_detection",
+                  "repetition_detection.min_pattern_size", "repetition_detection.min_count",
+                  "repetition_detection.max_pattern_size",
                   "text.format"}  # /v1/responses' response_format: a schema that compiles
 
 

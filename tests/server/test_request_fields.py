@@ -171,6 +171,20 @@ def probe_repetition(c, path):
             "repetition_min_count")
 
 
+def probe_repetition_object(c, path):
+    """Current vLLM's repetition_detection object does what the flat fields do (vLLM's names
+    inside it); a bad setting is refused naming the field inside it."""
+    base = dict(allowed_token_ids=[11])
+    body = ok(c, path, **base, repetition_detection={"max_pattern_size": 2, "min_count": 3})
+    assert (body["choices"][0]["finish_reason"], body["usage"]["completion_tokens"]) == \
+        ("repetition", 3)
+    body = ok(c, path, **base, repetition_detection={"max_pattern_size": 2,
+                                                     "min_pattern_size": 2, "min_count": 2})
+    assert body["usage"]["completion_tokens"] == 4
+    refused(c, path, dict(repetition_detection={"max_pattern_size": 2, "min_count": 1}),
+            "repetition_detection.min_count")
+
+
 def probe_reasoning_effort(c, path):
     """The template's reasoning_effort variable (vLLM's), over chat_template_kwargs' own, and
     its enable_thinking: off for "none" unless chat_template_kwargs set it; vLLM's values."""
@@ -275,6 +289,7 @@ PROBES = {
     "repetition_min_count": lambda c, p: refused(
         c, p, dict(max_repetition_pattern_size=1, repetition_min_count=1),
         "repetition_min_count"),
+    "repetition_detection": probe_repetition_object,
     "bad_words": probe_bad_words,
     "truncate_prompt_tokens": probe_truncate,
     "prompt_logprobs": probe_prompt_logprobs,

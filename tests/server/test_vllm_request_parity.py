@@ -1,5 +1,7 @@
 """Request fields as vLLM's server takes them: n up to KILN_MAX_N_SEQUENCES (vLLM's
-VLLM_MAX_N_SEQUENCES) rather than OpenAI's 128, beams included."""
+VLLM_MAX_N_SEQUENCES) rather than OpenAI's 128, beams included; current vLLM's
+`repetition_detection` object beside its earlier flat fields (what it does:
+test_request_fields.py, on a real engine)."""
 import pytest
 from fastapi.testclient import TestClient
 
@@ -61,3 +63,49 @@ def test_the_schema_states_the_n_limit(monkeypatch):
     assert n_bounds() == {(1, 256)}
     monkeypatch.setenv("VLLM_MAX_N_SEQUENCES", "7")
     assert n_bounds() == {(1, 7)}
+
+
+_DETECTION = {"max_pattern_size": 2, "min_count": 3}
+
+
+@pytest.mark.parametrize("path", [CMPL, CHAT])
+@pytest.mark.parametrize("extra,param,code", [
+    # null inside is a 400, as vLLM's int fields make it (not off)
+    (dict(repetition_detection={"max_pattern_size": None}), "repetition_detection.max_pattern_size",
+     None),
+    (dict(repetition_detection={"max_pattern_size": -1}), "repetition_detection.max_pattern_size",
+     None),
+    (dict(repetition_detection={"max_pattern_size": 2, "min_count": 1}),
+     "repetition_detection.min_count", "invalid_value"),
+    (dict(repetition_detection={"max_pattern_size": 1, "min_pattern_size": 2, "min_count": 2}),
+     "repetition_detection.min_pattern_size", "invalid_value"),
+    (dict(repetition_detection="on"), "repetition_detection", None),
+    # the object and the flat fields are one setting: given both, neither is picked
+    (dict(repetition_detection=_DETECTION, repetition_min_count=3), "repetition_detection",
+     "invalid_value"),
+    (dict(repetition_detection=_DETECTION, use_beam_search=True), "use_beam_search",
+     "unsupported_parameter"),
+])
+def test_the_repetition_detection_object_is_checked_as_vllm_checks_it(client, path, extra, param,
+                                                                      code):
+    err = assert_error(client.post(path, json={**_BODIES[path], **extra}), 400, param, code)
+    assert param.split(".")[-1] in err["message"] or "repetition_detection" in err["message"]
+
+
+@pytest.mark.parametrize("detection", [None, {}, {"max_pattern_size": 0}, _DETECTION])
+def test_the_repetition_detection_object_is_taken(client, detection):
+    body = {**_BODIES[CHAT], "repetition_detection": detection}
+    assert client.post(CHAT, json=body).status_code == 200
+
+
+def test_the_schema_states_the_repetition_detection_object():
+    app = build_app(AsyncLLM(FakeEngine(max_model_len=64)), ServerSettings())
+    schemas = app.openapi()["components"]["schemas"]
+    for model in ("CompletionRequest", "ChatCompletionRequest"):
+        assert {"$ref": "#/components/schemas/RepetitionDetection"} in \
+            schemas[model]["properties"]["repetition_detection"]["anyOf"]
+    props = schemas["RepetitionDetection"]["properties"]
+    assert props["max_pattern_size"]["type"] == "integer"  # not null: a 400, as vLLM's
+    assert (props["max_pattern_size"]["minimum"], props["max_pattern_size"]["maximum"]) == \
+        (0, 1024)
+    assert set(props) == {"max_pattern_size", "min_pattern_size", "min_count"}

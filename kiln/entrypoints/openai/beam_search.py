@@ -21,6 +21,7 @@ from kiln.engine.async_llm import AsyncLLM
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.entrypoints.beam_search import BeamSearch, step_logprobs, step_params
 from kiln.entrypoints.openai.errors import OpenAIError
+from kiln.entrypoints.openai.protocol import RepetitionDetection
 from kiln.entrypoints.openai.serving_engine import (
     ServerShuttingDown,
     abort_unfinished,
@@ -43,7 +44,7 @@ _UNAPPLIED = {
     "guided_choice": (None,), "guided_grammar": (None,),
     # repetition detection: the search's steps are one token each, never checked
     "max_repetition_pattern_size": (0,), "min_repetition_pattern_size": (0,),
-    "repetition_min_count": (0,),
+    "repetition_min_count": (0,), "repetition_detection": (None, RepetitionDetection()),
 }
 
 

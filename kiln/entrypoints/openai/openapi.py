@@ -20,7 +20,12 @@ from kiln.entrypoints.openai.openapi_cross_field import (
 )
 from kiln.entrypoints.openai.openapi_responses import describe_bodies
 from kiln.entrypoints.openai.openapi_responses_request import responses_request
-from kiln.entrypoints.openai.openapi_sampling import off_only, sampling_ranges, structured_outputs_object
+from kiln.entrypoints.openai.openapi_sampling import (
+    off_only,
+    repetition_detection_object,
+    sampling_ranges,
+    structured_outputs_object,
+)
 from kiln.entrypoints.openai.protocol_base import RequestBase, RequestPart
 from kiln.entrypoints.openai.response_models import ErrorResponse
 
@@ -181,6 +186,8 @@ def patch_schema(schema: dict, vocab_size: int | None = None,
                 for member in components[model]["properties"].get(name, {}).get("anyOf", ()):
                     if member.get("type") == "string":  # an empty pattern is refused
                         member["minLength"] = 1
+    if "RepetitionDetection" in components:
+        repetition_detection_object(components["RepetitionDetection"])
     if "CompletionRequest" in components:
         refuse(components["CompletionRequest"], EMPTY_TEXT_BARE)
         refuse(components["CompletionRequest"], GENERATE_NOTHING)

@@ -127,3 +127,17 @@ def structured_outputs_object() -> dict:
         "oneOf": [{"required": [kind], "properties": {kind: kinds[kind], **{
             other: off.get(other, NULL) for other in kinds if other != kind}}}
             for kind in kinds]}
+
+
+def repetition_detection_object(model_schema: dict) -> None:
+    """The `repetition_detection` object's fields as the server takes them: integers (null is
+    a 400, as vLLM's) within RepetitionDetectionParams' bounds; min <= max and min_count >= 2
+    where a size is set are rules across its fields, unstated."""
+    from kiln.repetition_detection import MAX_MIN_COUNT, MAX_PATTERN_SIZE
+
+    props = model_schema.get("properties", {})
+    for name, most in (("max_pattern_size", MAX_PATTERN_SIZE),
+                       ("min_pattern_size", MAX_PATTERN_SIZE), ("min_count", MAX_MIN_COUNT)):
+        if name in props:
+            keep = {k: props[name][k] for k in ("title", "default") if k in props[name]}
+            props[name] = {"type": "integer", "minimum": 0, "maximum": most, **keep}

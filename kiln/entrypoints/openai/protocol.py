@@ -41,6 +41,17 @@ class ResponseFormat(RequestBase):
         "properties": {"name": {"type": "string", **FORMAT_NAME_SCHEMA}}})
 
 
+class RepetitionDetection(RequestBase):
+    """vLLM's request field `repetition_detection` (its RepetitionDetectionParams): null inside
+    is a 400 as there, not 0; kiln/repetition_detection.check_fields checks the rest (its
+    schema: openapi_sampling.repetition_detection_object)."""
+    null_kept: ClassVar[frozenset[str]] = frozenset({
+        "max_pattern_size", "min_pattern_size", "min_count"})
+    max_pattern_size: JsonInt = Field(0, ge=0)
+    min_pattern_size: JsonInt = Field(0, ge=0)
+    min_count: JsonInt = Field(0, ge=0)
+
+
 # OpenAI's request fields that change nothing a local model writes: ignored without a warning.
 _NO_EFFECT_FIELDS = frozenset({"metadata", "store", "service_tier", "prediction",
                                "prompt_cache_key", "safety_identifier"})
@@ -100,7 +111,9 @@ class SamplingFields(RequestBase):
     vllm_xargs: dict[str, Any] | None = None  # refused: no custom extensions read them
     return_token_ids: StrictBool | None = None  # choices carry token_ids, the response prompt's
     # vLLM's repetition detection (kiln/repetition_detection.py): the output ending in a pattern
-    # of min..max tokens repeated repetition_min_count times ends it (finish_reason "repetition")
+    # of min..max tokens repeated min_count times ends it (finish_reason "repetition"). Current
+    # vLLM's object, or its earlier flat fields (not both: sampling.py)
+    repetition_detection: RepetitionDetection | None = None
     max_repetition_pattern_size: JsonInt = Field(0, ge=0)
     min_repetition_pattern_size: JsonInt = Field(0, ge=0)
     repetition_min_count: JsonInt = Field(0, ge=0)

@@ -85,11 +85,21 @@ _REPETITION_FIELDS = {"max_pattern_size": "max_repetition_pattern_size",
 
 
 def _repetition_detection(req: SamplingFields) -> RepetitionDetectionParams | None:
+    """Current vLLM's `repetition_detection` object or its earlier flat fields, checked as
+    RepetitionDetectionParams is, naming the field as the request gave it."""
     given = {field: getattr(req, name) for field, name in _REPETITION_FIELDS.items()}
+    names = _REPETITION_FIELDS
+    if req.repetition_detection is not None:
+        if any(given.values()):  # two settings of one thing: neither can be picked for them
+            flat = next(name for field, name in names.items() if given[field])
+            raise OpenAIError(f"repetition_detection and {flat} are the same setting (vLLM's "
+                              "object and its earlier flat fields): give one of them",
+                              param="repetition_detection", code="invalid_value")
+        given, names = req.repetition_detection.model_dump(), None
     if not any(given.values()):
         return None
     try:
-        check_fields(given, _REPETITION_FIELDS)
+        check_fields(given, names)
     except ValueError as e:
         raise OpenAIError(str(e), param=str(e).split(" ", 1)[0], code="invalid_value") from None
     return RepetitionDetectionParams(**given)
