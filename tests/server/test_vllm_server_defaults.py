@@ -149,3 +149,26 @@ def test_the_requests_documents_field_wins_over_chat_template_kwargs_documents()
             assert client.post("/v1/chat/completions", json=body).status_code == 200
             assert engine.template_kwargs[-1]["documents"] == want, documents
             assert engine.template_kwargs[-1]["x"] == 1
+
+
+def _tool(name):
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+
+
+def test_chat_template_kwargs_tools_win_over_the_requests_tools_field():
+    """vLLM merges the tools field into the server's template defaults, under the request's
+    chat_template_kwargs: their non-null "tools" is what the template sees; a null there, or
+    only the server's default, leaves the field's. Kiln let the field win."""
+    field, kwargs, default = [_tool("f")], [_tool("k")], [_tool("d")]
+    engine, client = _client(default_chat_template_kwargs={"tools": default})
+    with client:
+        for given, template_kwargs, want in (
+                (field, {"tools": kwargs}, kwargs), (None, {"tools": kwargs}, kwargs),
+                (field, {"tools": None}, field), (field, {}, field), (None, {}, default)):
+            body = {**CHAT, "tools": given, "tool_choice": "none",
+                    "chat_template_kwargs": {**template_kwargs, "x": 1}}
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+            seen = engine.template_kwargs[-1]
+            assert [t["function"]["name"] for t in seen["tools"]] == \
+                [t["function"]["name"] for t in want], (given, template_kwargs)
+            assert seen["x"] == 1

@@ -83,6 +83,9 @@ class ServingChat(ChatAnswers):
         # before the server's defaults join chat_template_kwargs: its enable_thinking is the
         # request's own only
         effort_vars = reasoning_effort_variables(req.reasoning_effort, req.chat_template_kwargs)
+        # vLLM merges the tools field under the request's chat_template_kwargs (over the
+        # server's): a non-null "tools" there is what the template sees
+        kwargs_tools = (req.chat_template_kwargs or {}).get("tools")
         self.defaults.apply(req)
         check_generation_flags(req)
         self._check_reasoning_fields(req)
@@ -106,7 +109,8 @@ class ServingChat(ChatAnswers):
                            continue_final_message=req.continue_final_message,
                            template_kwargs={**(req.chat_template_kwargs or {}), **effort_vars} or None,
                            add_special_tokens=req.add_special_tokens,
-                           tools=plan.template_tools, documents=req.documents,
+                           tools=plan.template_tools if kwargs_tools is None else kwargs_tools,
+                           documents=req.documents,
                            chat_template=request_chat_template(
                                req, self.trust_request_chat_template))
         prompt = await render_chat_prompt(self.llm, **render_args)
