@@ -80,6 +80,8 @@ _DETECTION = {"max_pattern_size": 2, "min_count": 3}
     (dict(repetition_detection={"max_pattern_size": 1, "min_pattern_size": 2, "min_count": 2}),
      "repetition_detection.min_pattern_size", "invalid_value"),
     (dict(repetition_detection="on"), "repetition_detection", None),
+    (dict(repetition_detection={"min_pattern_size": 2}), "repetition_detection.min_pattern_size",
+     "invalid_value"),  # a size with none above it: vLLM's min <= max
     # the object and the flat fields are one setting: given both, neither is picked
     (dict(repetition_detection=_DETECTION, repetition_min_count=3), "repetition_detection",
      "invalid_value"),
@@ -92,7 +94,9 @@ def test_the_repetition_detection_object_is_checked_as_vllm_checks_it(client, pa
     assert param.split(".")[-1] in err["message"] or "repetition_detection" in err["message"]
 
 
-@pytest.mark.parametrize("detection", [None, {}, {"max_pattern_size": 0}, _DETECTION])
+# off with a min_count but no size, as vLLM's RepetitionDetectionParams takes it
+@pytest.mark.parametrize("detection", [None, {}, {"max_pattern_size": 0}, {"min_count": 3},
+                                       _DETECTION])
 def test_the_repetition_detection_object_is_taken(client, detection):
     body = {**_BODIES[CHAT], "repetition_detection": detection}
     assert client.post(CHAT, json=body).status_code == 200

@@ -96,6 +96,8 @@ def _repetition_detection(req: SamplingFields) -> RepetitionDetectionParams | No
                               "object and its earlier flat fields): give one of them",
                               param="repetition_detection", code="invalid_value")
         given, names = req.repetition_detection.model_dump(), None
+        if not given["max_pattern_size"] and not given["min_pattern_size"]:
+            return None  # off, whatever min_count says: vLLM's object takes that
     if not any(given.values()):
         return None
     try:
