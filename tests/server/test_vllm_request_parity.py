@@ -82,6 +82,8 @@ _DETECTION = {"max_pattern_size": 2, "min_count": 3}
     (dict(repetition_detection="on"), "repetition_detection", None),
     (dict(repetition_detection={"min_pattern_size": 2}), "repetition_detection.min_pattern_size",
      "invalid_value"),  # a size with none above it: vLLM's min <= max
+    # past what crosses to the engine core, even where no size turns it on
+    (dict(repetition_detection={"min_count": 2**63}), "repetition_detection.min_count", None),
     # the object and the flat fields are one setting: given both, neither is picked
     (dict(repetition_detection=_DETECTION, repetition_min_count=3), "repetition_detection",
      "invalid_value"),

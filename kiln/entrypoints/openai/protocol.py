@@ -20,6 +20,7 @@ from kiln.entrypoints.openai.protocol_base import (
     warn_ignored_fields,
 )
 from kiln.logger import init_logger
+from kiln.repetition_detection import MAX_MIN_COUNT
 
 logger = init_logger(__name__)
 
@@ -49,7 +50,7 @@ class RepetitionDetection(RequestBase):
         "max_pattern_size", "min_pattern_size", "min_count"})
     max_pattern_size: JsonInt = Field(0, ge=0)
     min_pattern_size: JsonInt = Field(0, ge=0)
-    min_count: JsonInt = Field(0, ge=0)
+    min_count: JsonInt = Field(0, ge=0, le=MAX_MIN_COUNT)  # checked where no size is set too
 
 
 # OpenAI's request fields that change nothing a local model writes: ignored without a warning.
