@@ -294,6 +294,18 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
     return [list(_HF_GREEDY_CACHE[key]) for key in keys]
 
 
+def greedy_tokens_and_logprobs(llm, prompts: list[list[int]], new_tokens: int):
+    """Each token-id prompt's greedy tokens from `llm` (eos ignored) and each token's logprob."""
+    from kiln import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logprobs = [[next(iter(step.values())).logprob for step in o.outputs[0].logprobs]
+                for o in outs]
+    return tokens, logprobs
+
+
 def random_prompts(n: int, lengths: list[int], vocab: int = 512, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=g).tolist()

@@ -10,13 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kiln import LLM, SamplingParams
+from kiln import LLM
 from kiln.benchmarks.engine_probe import engine_model
 from kiln.engine.arg_utils import EngineArgs
 from kiln.errors import ConfigError
 from kiln.model import residual_rotation as rr
 
-from checkpoints import make_tiny_checkpoint, random_prompts
+from checkpoints import greedy_tokens_and_logprobs, make_tiny_checkpoint, random_prompts
 
 LENGTHS = [1, 9, 40, 90]  # 90 > the 64-token budget: chunked prefill
 NEW_TOKENS = 8
@@ -48,12 +48,8 @@ def _run(model_dir, tmp_path, mode=0, dtype="float32", **kw):
     llm = LLM(model=str(model_dir), dtype=dtype, max_num_batched_tokens=64, max_num_seqs=8,
               kv_cache_memory=0.05, compilation_config={
                   "mode": mode, "cache_dir": str(tmp_path / "cc")}, **kw)
-    prompts = random_prompts(len(LENGTHS), LENGTHS, seed=5)
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    tokens = [o.outputs[0].token_ids for o in outs]
-    logprobs = [[next(iter(step.values())).logprob for step in o.outputs[0].logprobs]
-                for o in outs]
+    tokens, logprobs = greedy_tokens_and_logprobs(
+        llm, random_prompts(len(LENGTHS), LENGTHS, seed=5), NEW_TOKENS)
     rotated = engine_model(llm.llm_engine).model.residual_rotation is not None
     llm.llm_engine.shutdown()
     return tokens, logprobs, rotated

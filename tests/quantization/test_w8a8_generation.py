@@ -9,11 +9,11 @@ calls the fused ops' native kernels.
 """
 import pytest
 
-from kiln import LLM, SamplingParams
+from kiln import LLM
 from kiln.benchmarks.engine_probe import engine_model
 from kiln.native import int8_ops
 
-from checkpoints import make_tiny_checkpoint, random_prompts
+from checkpoints import greedy_tokens_and_logprobs, make_tiny_checkpoint, random_prompts
 from w8a8_checkpoint import write_w8a8_checkpoint
 
 LENGTHS = [1, 9, 40, 90]  # 90 > the 64-token budget: chunked prefill
@@ -37,12 +37,8 @@ def _run(model_dir, tmp_path, mode, backend="inductor", **kw):
                   "mode": mode, "backend": backend, "cache_dir": str(tmp_path / "cc")}, **kw)
     if mode == 3:
         _run.last_llm = llm
-    prompts = random_prompts(len(LENGTHS), LENGTHS, seed=5)
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    tokens = [o.outputs[0].token_ids for o in outs]
-    logprobs = [[next(iter(step.values())).logprob for step in o.outputs[0].logprobs]
-                for o in outs]
+    tokens, logprobs = greedy_tokens_and_logprobs(
+        llm, random_prompts(len(LENGTHS), LENGTHS, seed=5), NEW_TOKENS)
     return tokens, logprobs
 
 
