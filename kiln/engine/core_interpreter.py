@@ -21,10 +21,9 @@ def set_openmp_wait(env) -> None:
     """In `env` (a dict, or os.environ before torch loads libgomp): OpenMP threads that spin
     briefly between parallel regions, then sleep, unless the user chose a wait policy or spin
     count. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) wakes a thread for every region of a step,
-    which made batch-1 decode several times slower; spinning for long (libgomp's default, ~5-8
-    ms after each region on a 2-core EPYC) keeps a core from the front end's tokenizing, and a
-    spinning thread that loses its core stalls every step (docs/architecture.md has the
-    figures)."""
+    which made batch-1 decode several times slower; spinning for long (libgomp's default)
+    keeps a core from the front end's tokenizing, and a spinning thread that loses its core
+    stalls every step (docs/architecture.md and docs/measurements.md have the figures)."""
     if "OMP_WAIT_POLICY" not in env:
         env.setdefault("GOMP_SPINCOUNT", str(CORE_SPIN_COUNT))
 

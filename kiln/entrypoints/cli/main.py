@@ -112,9 +112,9 @@ def _openmp_wait_as_the_core() -> None:
     """This process's OpenMP threads wait as an engine core's do (core_interpreter's
     set_openmp_wait): an engine in this process (`kiln bench throughput` without
     --multiprocess, `bench latency`, KILN_ENABLE_V1_MULTIPROCESSING=0) then runs as `LLM`'s core
-    does, not at libgomp's default, whose ~5-8 ms spin after every parallel region doubled a
-    loaded host's bench rounds (docs/measurements.md). libgomp reads it once, when torch loads
-    it: before any import of torch."""
+    does, not at libgomp's default, whose long spin after every parallel region slowed a
+    loaded host's bench rounds (figures in docs/measurements.md). libgomp reads it once, when
+    torch loads it: before any import of torch."""
     import os
 
     if "torch" not in sys.modules:
