@@ -6,6 +6,7 @@ A service manager stops a service by signalling every process of it (systemd's d
 server's grace period was about to finish. So a child deafens itself while its parent lives, and
 its parent stops it by message, by STOP_SIGNAL (the core) or by SIGKILL (the others).
 """
+import contextlib
 import os
 import signal
 import sys
@@ -63,6 +64,30 @@ def exit_if_stopped() -> None:
     engine and would go on working, or wait for input, regardless)."""
     if _stopped_by is not None:
         raise SystemExit(128 + _stopped_by)
+
+
+@contextlib.contextmanager
+def stops_deferred():
+    """Ctrl-C and SIGTERM that come inside the block wait for its end, where they reach their
+    handlers as they came. For a few calls that an exception must not split: one landing in
+    pyzmq's Context.socket() leaves a socket its context does not know, and the context's
+    destroy() then waits for it forever. Only the main thread is ever interrupted; elsewhere,
+    and for a signal whose handler is not Python's (the default, ignored), nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if callable(signal.getsignal(sig)):
+            previous[sig] = signal.signal(sig, lambda signum, _frame: came.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for signum in came:
+            signal.raise_signal(signum)
 
 
 def exit_once(*_) -> None:

@@ -34,6 +34,7 @@ from kiln.engine.core_proc_exit import exit_error, terminate
 from kiln.engine.core_receiver import CoreReceiver
 from kiln.engine.core_utility_calls import CoreUtilityCalls
 from kiln.logger import init_logger
+from kiln.process_signals import stops_deferred
 
 logger = init_logger(__name__)
 
@@ -74,11 +75,12 @@ class CoreProcClient(CoreUtilityCalls, CoreReceiver):
 
     def _connect_and_start(self, kiln_config, executor_class: type,
                            interpreter: "CoreInterpreter | None", front_end_cores: int) -> None:
-        self._ctx = zmq.Context()
-        self._input = self._ctx.socket(zmq.PUSH)
-        self._input.setsockopt(zmq.LINGER, 0)
-        self._output = self._ctx.socket(zmq.PULL)
-        self._output.setsockopt(zmq.LINGER, 0)
+        with stops_deferred():  # a SystemExit inside socket() hung the error path's destroy()
+            self._ctx = zmq.Context()
+            self._input = self._ctx.socket(zmq.PUSH)
+            self._input.setsockopt(zmq.LINGER, 0)
+            self._output = self._ctx.socket(zmq.PULL)
+            self._output.setsockopt(zmq.LINGER, 0)
         input_address = f"ipc://{self._dir}/input"
         output_address = f"ipc://{self._dir}/output"
         self._input.bind(input_address)
