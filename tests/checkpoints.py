@@ -232,6 +232,24 @@ def make_tiny_checkpoint(path: Path, arch: str, *, tie: bool, seed: int = 0,
     return path
 
 
+def with_random_norms_and_biases(path: Path, seed: int = 1) -> Path:
+    """Rewrite a tiny checkpoint's norm weights as 1 + 0.5 N(0, 1) and its biases as 0.1 N(0, 1)
+    (HF initialises them to 1 and 0, which a transform folding norms into linears, or moving
+    biases, would not test)."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    g = torch.Generator().manual_seed(seed)
+    for name, t in tensors.items():
+        if "norm" in name:
+            tensors[name] = 1 + 0.5 * torch.randn(t.shape, generator=g)
+        elif name.endswith(".bias"):
+            tensors[name] = 0.1 * torch.randn(t.shape, generator=g)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return path
+
+
 def make_tiny_classifier(path: Path, arch: str, num_labels: int, seed: int = 0,
                          **overrides) -> Path:
     """A tiny random HF `arch` *ForSequenceClassification checkpoint (a score head of

@@ -8,7 +8,6 @@ tests/config/test_quantization_rotation.py).
 """
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from kiln import LLM
 from kiln.benchmarks.engine_probe import engine_model
@@ -16,32 +15,13 @@ from kiln.engine.arg_utils import EngineArgs
 from kiln.errors import ConfigError
 from kiln.model import residual_rotation as rr
 
-from checkpoints import greedy_tokens_and_logprobs, make_tiny_checkpoint, random_prompts
+from checkpoints import greedy_tokens_and_logprobs, random_prompts
 
 LENGTHS = [1, 9, 40, 90]  # 90 > the 64-token budget: chunked prefill
 NEW_TOKENS = 8
-HIDDEN = 192  # 64 x 3: Q = H_64 (x) a random 3 x 3, the default model's (576 = 64 x 9) form
 
 pytestmark = pytest.mark.usefixtures("inprocess_core")  # the model is read off the engine
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    """A tiny Llama with head_dim 32 (v / o rotated per head too) and norm weights other than 1
-    (HF initialises them to 1, which folding would not test)."""
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("rot"), "llama", tie=True,
-                                hidden_size=HIDDEN, num_attention_heads=6,
-                                num_key_value_heads=2)
-    file = path / "model.safetensors"
-    tensors = load_file(file)
-    g = torch.Generator().manual_seed(1)
-    for name, t in tensors.items():
-        if "norm" in name:
-            tensors[name] = 1 + 0.5 * torch.randn(t.shape, generator=g)
-    # one stream channel 20x the rest, as real models have: what the rotation spreads
-    tensors["model.embed_tokens.weight"][:, 7] *= 20
-    save_file(tensors, file, metadata={"format": "pt"})
-    return path
+# llama_dir: conftest.py
 
 
 def _run(model_dir, tmp_path, mode=0, dtype="float32", **kw):
@@ -101,8 +81,8 @@ def test_rotated_float_model_matches_unrotated(llama_dir, tmp_path, monkeypatch,
     asks for int8), the tokens stay and the logprobs move by rounding only."""
     tokens, logprobs, rotated = _run(llama_dir, tmp_path, dtype=dtype)
     assert not rotated
-    monkeypatch.setattr(rr, "apply_rotation",
-                        lambda model, rotation: rr.rotate_llama(model, rr.rotation_matrix(HIDDEN)))
+    monkeypatch.setattr(rr, "apply_rotation", lambda model, rotation: rr.rotate_llama(
+        model, rr.rotation_matrix(model.model.norm.weight.shape[0])))  # a dense Q
     rot_tokens, rot_logprobs, rotated = _run(llama_dir, tmp_path, dtype=dtype)
     assert rotated
     assert rot_tokens == tokens
@@ -138,10 +118,22 @@ def test_refusals_name_the_flag(tiny_llama_dir, kw, message):
         EngineArgs(model=str(tiny_llama_dir), **kw).create_kiln_config()
 
 
-def test_refused_on_other_families(tiny_qwen2_dir):
-    with pytest.raises(ConfigError, match="--quantization-rotation hadamard: Qwen2ForCausalLM "
+@pytest.mark.parametrize("family, architecture", [
+    ("qwen2", "Qwen2ForCausalLM"),
+    ("gemma", "GemmaForCausalLM"),  # (1 + w) norms: a folded weight is not 1 after
+    ("olmo2", "Olmo2ForCausalLM"),  # norms after the blocks, before the residual add
+    ("gemma2", "Gemma2ForCausalLM"),  # norms before and after each block
+    ("phi", "PhiForCausalLM"),  # LayerNorm: its mean is not rotation invariant
+])
+def test_other_families_run_int8_unrotated(request, family, architecture):
+    """rotate_llama folds each norm's weight into the linears after it: wrong where the norms
+    differ from Llama's, so auto runs their int8 unrotated and hadamard is refused."""
+    model = str(request.getfixturevalue(f"tiny_{family}_dir"))
+    config = EngineArgs(model=model, quantization="int8").create_kiln_config()
+    assert config.model_config.quantization_rotation == "none"
+    with pytest.raises(ConfigError, match=f"--quantization-rotation hadamard: {architecture} "
                                           "is not supported"):
-        EngineArgs(model=str(tiny_qwen2_dir), quantization="int8",
+        EngineArgs(model=model, quantization="int8",
                    quantization_rotation="hadamard").create_kiln_config()
 
 
