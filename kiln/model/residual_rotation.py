@@ -6,8 +6,9 @@ import math
 import torch
 from torch import nn
 
-# Llama-family classes whose layers rotate_llama knows (no q/k norms, plain RMSNorms).
-ROTATABLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+# Classes of Llama's layout, whose layers rotate_llama knows (plain RMSNorms before attention
+# and the MLP, no q/k norms, no post-norms; Qwen2: Llama's with q/k/v biases).
+ROTATABLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 MAX_HADAMARD = 64  # Q = H_64 (x) a random orthogonal d/64 x d/64 where d allows
 SEED = 0
 

@@ -1,7 +1,8 @@
 """quantization_rotation's resolution (kiln/config/quantization_rotation.py): "auto" (the default)
-is "hadamard" for online int8 on a Llama-family model run unsplit by the generate runner without
-LoRA or an EAGLE head, else "none", saying why; an explicit "hadamard" is refused where "auto"
-would be "none"; what runs is never "auto", and a config resolved again decides again.
+is "hadamard" for online int8 on a Llama / Mistral / Qwen2 model run unsplit by the generate
+runner without LoRA or an EAGLE head, else "none", saying why; an explicit "hadamard" is refused
+where "auto" would be "none"; what runs is never "auto", and a config resolved again decides
+again.
 """
 import argparse
 import dataclasses
@@ -27,7 +28,7 @@ APPLIES = {"quantization": "int8", "architecture": LLAMA}
     ({"quantization": "fp8"}, "quantization='fp8'"),
     ({"quantization": "compressed-tensors"}, "quantization='compressed-tensors'"),
     ({"quantization": "gptq"}, "quantization='gptq'"),
-    ({"architecture": "Qwen2ForCausalLM"}, "Qwen2ForCausalLM (only LlamaForCausalLM"),
+    ({"architecture": "GemmaForCausalLM"}, "GemmaForCausalLM (only LlamaForCausalLM"),
     ({"architecture": "LlamaForSequenceClassification"}, "LlamaForSequenceClassification"),
     ({"tensor_parallel_size": 2}, "tensor_parallel_size=2, pipeline_parallel_size=1"),
     ({"pipeline_parallel_size": 2}, "tensor_parallel_size=1, pipeline_parallel_size=2"),
@@ -47,7 +48,7 @@ def test_each_blocker_turns_auto_off_and_refuses_hadamard(change, fact):
 
 @pytest.mark.parametrize("spec", [None, "ngram", "draft_model"])
 def test_auto_rotates_online_int8_llama(spec):
-    for arch in ("LlamaForCausalLM", "MistralForCausalLM"):
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
         blocker = qr.rotation_blocker("int8", arch, speculative_method=spec)
         assert blocker is None
         assert qr.resolve_rotation("auto", blocker) == "hadamard"

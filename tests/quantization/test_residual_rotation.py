@@ -119,7 +119,6 @@ def test_refusals_name_the_flag(tiny_llama_dir, kw, message):
 
 
 @pytest.mark.parametrize("family, architecture", [
-    ("qwen2", "Qwen2ForCausalLM"),
     ("gemma", "GemmaForCausalLM"),  # (1 + w) norms: a folded weight is not 1 after
     ("olmo2", "Olmo2ForCausalLM"),  # norms after the blocks, before the residual add
     ("gemma2", "Gemma2ForCausalLM"),  # norms before and after each block
