@@ -27,8 +27,7 @@ def requested_rotation(value) -> str:
 
 
 def rotation_blocker(quantization: str | None, architecture: str, runner_type: str = "generate",
-                     tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                     lora: bool = False,
+                     pipeline_parallel_size: int = 1, lora: bool = False,
                      speculative_method: str | None = None) -> tuple[str, str] | None:
     """Why the rotation cannot run on this engine, as (the fact, for auto's log line; what an
     explicit --quantization-rotation is refused with, after the flag), or None where it can."""
@@ -43,11 +42,11 @@ def rotation_blocker(quantization: str | None, architecture: str, runner_type: s
         return (f"{architecture} (only {', '.join(ROTATABLE_ARCHITECTURES)})",
                 f"{architecture} is not supported (only {', '.join(ROTATABLE_ARCHITECTURES)}); "
                 f"drop the flag")
-    if tensor_parallel_size * pipeline_parallel_size != 1:
-        return (f"tensor_parallel_size={tensor_parallel_size}, "
-                f"pipeline_parallel_size={pipeline_parallel_size}",
-                f"runs only unsplit models; drop it or use -tp 1 -pp 1 (got -tp "
-                f"{tensor_parallel_size} -pp {pipeline_parallel_size})")
+    # (-tp splits no rotation: every rank's shards hold the hidden dimension whole)
+    if pipeline_parallel_size != 1:
+        return (f"pipeline_parallel_size={pipeline_parallel_size}",
+                "runs on one pipeline stage only (the first stage rotates the stream, the "
+                f"last un-rotates it); drop it or use -pp 1 (got -pp {pipeline_parallel_size})")
     if runner_type != "generate":
         return (f"runner={runner_type!r}",
                 f"the {runner_type} runner reads the final hidden states, which stay rotated "
@@ -83,8 +82,7 @@ def resolve_quantization_rotation(config: "KilnConfig") -> None:
     m, p = config.model_config, config.parallel_config
     spec = config.speculative_config
     blocker = rotation_blocker(m.quantization, m.architecture, m.runner_type,
-                               p.tensor_parallel_size, p.pipeline_parallel_size,
-                               config.lora_config is not None,
+                               p.pipeline_parallel_size, config.lora_config is not None,
                                None if spec is None else spec.method)
     m.quantization_rotation = resolve_rotation(m.requested_rotation, blocker)
     if m.requested_rotation == "auto" and m.quantization == "int8" and blocker is not None:

@@ -215,7 +215,7 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                         "fixed orthogonal matrix (Hadamard x seeded random, QuaRot-style, no "
                         "calibration) before quantizing, which spreads its outlier channels "
                         "and brings int8's perplexity closer to the float model's; auto "
-                        "(default): where it applies (online int8, Llama / Mistral / Qwen2, -tp 1 "
+                        "(default): where it applies (online int8, Llama / Mistral / Qwen2, "
                         "-pp 1, no LoRA, no EAGLE, the generate runner), else none; "
                         "hadamard: refused where it does not apply")
     g.add_argument("--speculative-config", default=d.speculative_config, metavar="JSON",

@@ -113,8 +113,9 @@ def _rotate_heads_vo(attn: nn.Module, hidden: int) -> None:
 
 @torch.no_grad()
 def rotate_llama(model: nn.Module, q: "torch.Tensor | Rotation", heads: bool = True) -> None:
-    """Transform a loaded Llama model (LlamaStyleForCausalLM, one rank and stage, float
-    weights) to carry its residual stream as h Q, in place; `heads`: also v / o per head.
+    """Transform a loaded Llama model (LlamaStyleForCausalLM, one pipeline stage, float weights;
+    at -tp a rank's shards, each holding the hidden dimension whole and whole heads) to carry
+    its residual stream as h Q, in place; `heads`: also v / o per head.
 
     Each RMSNorm's weight g goes into the linears it feeds (W <- W diag(g) Q; the norm then
     scales by 1, so the fused norm + int8 quant ops still apply), the linears writing into the

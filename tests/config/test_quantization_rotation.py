@@ -1,8 +1,8 @@
 """quantization_rotation's resolution (kiln/config/quantization_rotation.py): "auto" (the default)
-is "hadamard" for online int8 on a Llama / Mistral / Qwen2 model run unsplit by the generate
-runner without LoRA or an EAGLE head, else "none", saying why; an explicit "hadamard" is refused
-where "auto" would be "none"; what runs is never "auto", and a config resolved again decides
-again.
+is "hadamard" for online int8 on a Llama / Mistral / Qwen2 model on one pipeline stage (any
+-tp), by the generate runner, without LoRA or an EAGLE head, else "none", saying why; an
+explicit "hadamard" is refused where "auto" would be "none"; what runs is never "auto", and a
+config resolved again decides again.
 """
 import argparse
 import dataclasses
@@ -30,8 +30,7 @@ APPLIES = {"quantization": "int8", "architecture": LLAMA}
     ({"quantization": "gptq"}, "quantization='gptq'"),
     ({"architecture": "GemmaForCausalLM"}, "GemmaForCausalLM (only LlamaForCausalLM"),
     ({"architecture": "LlamaForSequenceClassification"}, "LlamaForSequenceClassification"),
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size=2, pipeline_parallel_size=1"),
-    ({"pipeline_parallel_size": 2}, "tensor_parallel_size=1, pipeline_parallel_size=2"),
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
     ({"runner_type": "pooling"}, "runner='pooling'"),
     ({"lora": True}, "--enable-lora"),
     ({"speculative_method": "eagle"}, "speculative_config.method='eagle'"),
@@ -78,6 +77,7 @@ def _config(model_dir, **kw):
 
 @pytest.mark.parametrize("kw, want", [
     ({"quantization": "int8"}, "hadamard"),
+    ({"quantization": "int8", "tensor_parallel_size": 2}, "hadamard"),
     ({"quantization": "int8", "quantization_rotation": "none"}, "none"),
     ({"quantization": "int8", "quantization_rotation": None}, "none"),
     ({}, "none"),
@@ -90,10 +90,10 @@ def test_engine_config_holds_the_resolved_value(tiny_llama_dir, kw, want):
 
 def test_auto_off_says_why_once(tiny_llama_dir, caplog):
     with caplog.at_level(logging.INFO, logger="kiln"):
-        m = _config(tiny_llama_dir, quantization="int8", tensor_parallel_size=2).model_config
+        m = _config(tiny_llama_dir, quantization="int8", pipeline_parallel_size=2).model_config
     assert m.quantization_rotation == "none"
     said = [r.getMessage() for r in caplog.records if "quantization-rotation" in r.getMessage()]
-    assert len(said) == 1 and "tensor_parallel_size=2" in said[0], said
+    assert len(said) == 1 and "pipeline_parallel_size=2" in said[0], said
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="kiln"):
         _config(tiny_llama_dir)  # not int8: nothing to say
@@ -107,7 +107,7 @@ def test_a_resolved_config_resolved_again_decides_again(tiny_llama_dir):
     config = _config(tiny_llama_dir, quantization="int8")
     assert config.model_config.quantization_rotation == "hadamard"
     split = KilnConfig(model_config=config.model_config,
-                       parallel_config=ParallelConfig(tensor_parallel_size=2))
+                       parallel_config=ParallelConfig(pipeline_parallel_size=2))
     assert split.model_config.quantization_rotation == "none"
     again = dataclasses.replace(config, parallel_config=ParallelConfig())
     assert again.model_config.quantization_rotation == "hadamard"

@@ -107,7 +107,7 @@ def test_int8_rotation_modes_0_and_3_give_identical_greedy_tokens(llama_dir, tmp
     ({"quantization_rotation": "givens", "quantization": "int8"},
      "--quantization-rotation\\) must be one of auto, hadamard, none"),
     ({"quantization_rotation": "hadamard", "quantization": "int8",
-      "tensor_parallel_size": 2}, "runs only unsplit models.*-tp 2 -pp 1"),
+      "pipeline_parallel_size": 2}, "runs on one pipeline stage only.*-pp 2"),
     ({"quantization_rotation": "hadamard", "quantization": "int8", "enable_lora": True},
      "LoRA adapters.*drop --enable-lora"),
     ({"quantization_rotation": "hadamard", "quantization": "int8", "runner": "pooling"},
