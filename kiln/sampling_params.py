@@ -14,7 +14,7 @@ from kiln.structured_output.params import (
     TAKEN_STRUCTURED_OUTPUT_KEYWORDS,
     StructuredOutputsParams,
 )
-from kiln.wire_ints import INT64_MAX, INT64_MIN, check_wire_ints
+from kiln.wire_ints import INT64_MAX, INT64_MIN, check_wire_ints, plain_items, plain_number
 
 _GREEDY_EPS = 1e-5
 # The sampler divides logits by the penalty in float32: a smaller one overflows them.
@@ -27,6 +27,12 @@ _MAX_REPETITION_PENALTY = 1e6
 # allowed_token_ids too). float32's largest finite value.
 _MAX_TEMPERATURE = 3.4028234663852886e38
 _INT64 = (INT64_MIN, INT64_MAX)  # seeds: torch generators take 64 bits
+# The fields that hold a number, and those that hold token ids (and biases): numpy's numbers in
+# them are taken as the Python ones they equal (plain_number), as vLLM takes them.
+_NUMBER_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens",
+                  "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
+_TOKEN_ID_FIELDS = ("stop_token_ids", "allowed_token_ids", "logit_bias")
 
 
 def check_num_sequences(name: str, n: int) -> None:
@@ -111,6 +117,10 @@ class SamplingParams:
     def verify(self) -> None:
         """Normalize (stop as a list, top_k -1 as 0) and check every field, raising ValueError
         that names it. The engine calls it again on its copy: the dataclass is mutable."""
+        for name in _NUMBER_FIELDS:
+            setattr(self, name, plain_number(getattr(self, name)))
+        for name in _TOKEN_ID_FIELDS:
+            setattr(self, name, plain_items(getattr(self, name)))
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.stop, (list, tuple)) or self.stop is None:
