@@ -125,6 +125,36 @@ def test_errors_name_the_field_the_client_sent(client):
     assert err["message"].startswith("top_logprobs must be")
 
 
+_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("extra, param, shown", [
+    (dict(repetition_detection={"max_pattern_size": 2, "min_count": 2}), "use_beam_search",
+     'repetition_detection={"max_pattern_size": 2, "min_count": 2} is refused with '
+     "use_beam_search=true: beam search does not apply it; omit it"),
+    (dict(tools=_TOOLS, tool_choice={"type": "function", "function": {"name": "f"}}),
+     "tool_choice", 'tool_choice={"type": "function", "function": {"name": "f"}} is refused '
+     'with use_beam_search=true: beam search follows no grammar; give tool_choice "auto" or '
+     '"none", or drop use_beam_search'),
+    (dict(stream=True), "use_beam_search", "stream=true is refused"),
+    (dict(response_format={"type": "json_object"}), "use_beam_search",
+     'response_format={"type": "json_object"} is refused with use_beam_search=true: beam '
+     "search follows no grammar; omit it"),
+    (dict(use_beam_search=False, modalities=["audio"]), "modalities",
+     'modalities=["audio"] is refused: the model writes text only; omit it'),
+])
+def test_refusals_show_the_value_as_the_client_wrote_it(client, extra, param, shown):
+    """Beam search's refusals showed Python's repr of what read the field
+    (RepetitionDetection(max_pattern_size=2, ...), NamedToolChoice(type='function', ...),
+    stream=True): now the JSON the client sent, with the fix."""
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+            "use_beam_search": True, "n": 2, **extra}
+    err = assert_error(client.post("/v1/chat/completions", json=body), 400, param,
+                       "unsupported_parameter")
+    assert err["message"].startswith(shown), err
+    assert "(" not in err["message"].split(" is refused")[0], err
+
+
 def test_engine_death_while_collecting_is_503():
     llm = AsyncLLM(FakeEngine(step_delay=0.01))
     with TestClient(build_app(llm, ServerSettings())) as c:

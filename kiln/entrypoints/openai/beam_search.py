@@ -20,7 +20,7 @@ from kiln.beam_search import BeamSearchParams
 from kiln.engine.async_llm import AsyncLLM
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.entrypoints.beam_search import BeamSearch, step_logprobs, step_params
-from kiln.entrypoints.openai.errors import OpenAIError
+from kiln.entrypoints.openai.errors import OpenAIError, request_value
 from kiln.entrypoints.openai.protocol import RepetitionDetection
 from kiln.entrypoints.openai.serving_engine import (
     ServerShuttingDown,
@@ -68,7 +68,7 @@ def check_beam_fields(req) -> None:
         raise _refused("logprobs", req.logprobs, "beam search returns no logprobs; omit it")
     rf = getattr(req, "response_format", None)
     if rf is not None and rf.type != "text":
-        raise _refused("response_format", rf.type, "beam search follows no grammar")
+        raise _refused("response_format", rf, "beam search follows no grammar; omit it")
     for name, off in _UNAPPLIED.items():
         if name in fields and getattr(req, name) not in off:
             raise _refused(name, getattr(req, name), "beam search does not apply it; omit it")
@@ -77,9 +77,10 @@ def check_beam_fields(req) -> None:
 def _refused(name: str, value, why: str) -> OpenAIError:
     """The message opens with the field; the param is use_beam_search, the switch the field
     conflicts with (a rule across fields that /openapi.json cannot state beside the others)."""
-    return OpenAIError(f"{name}={value!r} is refused with use_beam_search=true: {why}"
+    shown = request_value(value)
+    return OpenAIError(f"{name}={shown} is refused with use_beam_search=true: {why}"
                        if name != "length_penalty" else
-                       f"length_penalty={value!r} is refused: {why}",
+                       f"length_penalty={shown} is refused: {why}",
                        param="use_beam_search", code="unsupported_parameter")
 
 

@@ -6,7 +6,7 @@ field) every vLLM field whose requested behaviour Kiln does not have.
 """
 from kiln.config.generation_defaults import default_max_tokens
 from kiln.entrypoints.openai.beam_search import check_beam_fields
-from kiln.entrypoints.openai.errors import OpenAIError, in_api_terms
+from kiln.entrypoints.openai.errors import OpenAIError, in_api_terms, request_value
 from kiln.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kiln.repetition_detection import RepetitionDetectionParams, check_fields
 from kiln.sampling_params import RequestOutputKind, SamplingParams
@@ -45,7 +45,8 @@ def refuse_unsupported(req: SamplingFields) -> None:
     check_beam_fields(req)
     for name, (off, why) in OFF_ONLY.items():
         if name in type(req).model_fields and getattr(req, name) not in (None, off, "", {}, []):
-            raise OpenAIError(f"{name}={getattr(req, name)!r} is refused: {why}; omit it",
+            raise OpenAIError(f"{name}={request_value(getattr(req, name))} is refused: {why}; "
+                              "omit it",
                               param=name, code="unsupported_parameter")
     # 1 (or unset) is one sample per choice; more would be ranked by logprob, which vLLM V1
     # does not do either ("does not yet support best_of"). A field of its own: the schema
