@@ -79,7 +79,8 @@ class SamplingParams:
     # Per prompt token after the first: its logprob and rank, and the top-N (N = this value).
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
-    # vLLM's field; only True: special tokens keep the tokenizer's own spacing.
+    # False (with skip_special_tokens=False): no spaces between two added tokens in a row, as
+    # vLLM's detokenizer writes them (kiln/engine/added_token_spacing.py).
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # False: outputs carry token ids only (text "", logprob token strings None), as vLLM's.
@@ -196,8 +197,8 @@ class SamplingParams:
               or (type(self.output_kind) is int and self.output_kind in set(RequestOutputKind)),
               "output_kind",
               f"one of {[k.name for k in RequestOutputKind]}", self.output_kind)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
-                     "detokenize"):
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "include_stop_str_in_output", "detokenize"):
             check(isinstance(getattr(self, name), bool), name, "True or False",
                   getattr(self, name))
 
@@ -223,9 +224,6 @@ class SamplingParams:
               "None or a RepetitionDetectionParams", rd)
         if rd is not None:
             rd.verify()
-        check(self.spaces_between_special_tokens is True, "spaces_between_special_tokens",
-              "True (special tokens are decoded with the tokenizer's own spacing; False is not "
-              "supported)", self.spaces_between_special_tokens)
         check(self.detokenize is not False or not self.stop, "stop",
               "empty when detokenize=False (stop strings are found in the text; set "
               "detokenize=True or use stop_token_ids)", self.stop)

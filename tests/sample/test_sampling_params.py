@@ -18,9 +18,7 @@ from kiln.sampling_params import SamplingParams
     ("logprobs", 1.5),  # above the cap (--max-logprobs) is the engine's to refuse
     # torch generators take 64 bits
     ("seed", 2 ** 63), ("seed", -2 ** 63 - 1), ("seed", 1.5),
-    ("stop", [""]), ("stop_token_ids", [-1]),
-    # vLLM's field is taken (a TypeError before), at its default only
-    ("spaces_between_special_tokens", False),
+    ("stop", [""]), ("stop_token_ids", [-1]), ("spaces_between_special_tokens", 0),
     ("stop", [f"s{i}" for i in range(257)]),  # each is searched after every token
     ("stop_token_ids", list(range(1025))),
 ])

@@ -166,7 +166,8 @@ def test_the_schema_says_what_requests_the_server_refuses():
         assert {"type": "array", "items": {"type": "string", "minLength": 1},
                 "maxItems": MAX_BAD_WORDS_PER_REQUEST} in words
     # refused fields take only their off value; an optional field takes null
-    assert {"const": True} in completion["spaces_between_special_tokens"]["anyOf"]
+    assert {"const": "left"} in completion["truncation_side"]["anyOf"]
+    assert {"type": "boolean"} in completion["spaces_between_special_tokens"]["anyOf"]
     assert {"type": "null"} in schemas["TokenizeRequest"]["properties"]["return_token_strs"][
         "anyOf"]
     assert schemas["TextContentPart"]["properties"]["type"]["enum"] == ["text"]

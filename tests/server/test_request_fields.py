@@ -245,6 +245,13 @@ def logprobs_of(path, value):
     return extra
 
 
+def probe_special_spacing(c, path):
+    base = dict(skip_special_tokens=False, logit_bias={"1": 100})
+    changed(c, path, dict(spaces_between_special_tokens=False), base)
+    text = texts(ok(c, path, **base, spaces_between_special_tokens=False))[0]
+    assert text.strip() == "<s>" * 6, text
+
+
 def probe_priority(c, p):
     # fcfs (this server's policy) ignores it, as vLLM V1 does; test_priority_server.py runs
     # --scheduling-policy priority. Out of int64 it could not reach the core: a 400.
@@ -317,8 +324,8 @@ PROBES = {
     "use_beam_search": lambda c, p: changed(c, p, dict(use_beam_search=True), dict(n=2)),
     # scores beam search's sequences only (tests/server/test_beam_search_server.py)
     "length_penalty": lambda c, p: refused(c, p, dict(length_penalty=0.5), "use_beam_search"),
-    "spaces_between_special_tokens": lambda c, p: refused(
-        c, p, dict(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
+    # <s> x 6 written "<s><s>...", not "<s> <s> ..." (the word tokenizer's decoder spaces them)
+    "spaces_between_special_tokens": lambda c, p: probe_special_spacing(c, p),
     "priority": probe_priority,
     "logits_processors": lambda c, p: refused(c, p, dict(logits_processors=["m.P"]),
                                               "logits_processors"),

@@ -165,7 +165,8 @@ async def _output(llm: AsyncLLM, request_id: str, search: BeamSearch, prompt_tex
         shown = tokens if (params.include_stop_str_in_output or not ended_by_eos) \
             else tokens[:-1]
         text = await llm.run_in_engine(_text, llm.tokenizer, search.prompt_token_ids, shown,
-                                       params.skip_special_tokens)
+                                       params.skip_special_tokens,
+                                       params.spaces_between_special_tokens)
         outputs.append(CompletionOutput(index=j, text=text, token_ids=shown,
                                         cumulative_logprob=beam.cum_logprob,
                                         finish_reason=beam.finish_reason,
@@ -176,10 +177,11 @@ async def _output(llm: AsyncLLM, request_id: str, search: BeamSearch, prompt_tex
 
 
 def _text(tokenizer, prompt_token_ids: list[int], token_ids: list[int],
-          skip_special_tokens: bool) -> str:
+          skip_special_tokens: bool, spaces_between_special_tokens: bool) -> str:
     if tokenizer is None:  # --skip-tokenizer-init: token ids only
         return ""
-    detok = IncrementalDetokenizer.for_request(tokenizer, prompt_token_ids,
-                                               skip_special_tokens=skip_special_tokens)
+    detok = IncrementalDetokenizer.for_request(
+        tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens,
+        spaces_between_special_tokens=spaces_between_special_tokens)
     detok.update(token_ids, final=True)
     return detok.output_text

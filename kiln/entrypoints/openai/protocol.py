@@ -96,7 +96,7 @@ class SamplingFields(RequestBase):
     best_of: JsonInt | None = None  # only 1: no ranking of extra samples
     use_beam_search: StrictBool = False  # beam search: n beams (openai/beam_search.py)
     length_penalty: JsonFloat = 1.0  # beam search only: refused without use_beam_search
-    # refused when false (fast tokenizers ignore it)
+    # false (with skip_special_tokens false): no spaces between two special tokens in a row
     spaces_between_special_tokens: StrictBool = True
     truncate_prompt_tokens: JsonInt | None = Field(None, ge=-1)
     allowed_token_ids: list[JsonInt] | None = None

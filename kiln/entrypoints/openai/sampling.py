@@ -19,8 +19,6 @@ _SHARED_FIELDS = ["n", "temperature", "top_p", "top_k", "min_p", "seed", "presen
 # Fields whose default is "off": any other value asks for what Kiln does not do.
 # field -> (its off value, why it is refused)
 OFF_ONLY = {
-    "spaces_between_special_tokens": (True, "special tokens are always decoded with the "
-                                            "tokenizer's own spacing"),
     "logits_processors": (None, "custom logits processors are not supported"),
     "kv_transfer_params": (None, "disaggregated serving (KV transfer) is not supported"),
     "vllm_xargs": (None, "no extension reads extra arguments"),
@@ -114,6 +112,7 @@ def _common_kwargs(req: SamplingFields, defaults: dict) -> dict:
               frequency_penalty=req.frequency_penalty, stop=req.stop,
               stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
               min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
+              spaces_between_special_tokens=req.spaces_between_special_tokens,
               include_stop_str_in_output=req.include_stop_str_in_output,
               logit_bias=_logit_bias(req), allowed_token_ids=req.allowed_token_ids,
               bad_words=req.bad_words or None,
