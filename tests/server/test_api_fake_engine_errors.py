@@ -61,11 +61,14 @@ client = fake_api.client  # the fixture: this module's client on a fake engine
        "unsupported_parameter") for k, v in [
         ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"),
         ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
-        ("structural_tag", "{}"), ("guided_whitespace_pattern", " *"),
+        ("guided_whitespace_pattern", " *"),
         ("truncation_side", "right"), ("logprob_token_ids", [1]),
         ("thinking_token_budget", 10)]],
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}],
                                   max_completion_tokens=3, min_tokens=5), "min_tokens", None),
+    # a structural tag (vLLM's older top-level field) without its format
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}],
+                                  structural_tag="{}"), "structural_tag", "invalid_value"),
     # -1 (the whole vocabulary) past --max-logprobs names the field sent (it said "prompt")
     ("/v1/completions", dict(prompt="x", logprobs=-1), "logprobs", None),
     ("/v1/completions", dict(prompt="x", prompt_logprobs=-1), "prompt_logprobs", None),

@@ -336,7 +336,7 @@ PROBES = {
     "mm_processor_kwargs": lambda c, p: refused(c, p, dict(mm_processor_kwargs={"a": 1}),
                                                 "mm_processor_kwargs"),
     **{name: (lambda c, p, name=name, value=value: refused(c, p, {name: value}, name))
-       for name, value in [("structural_tag", "{}"), ("guided_whitespace_pattern", " *"),
+       for name, value in [("guided_whitespace_pattern", " *"),
                            ("logprob_token_ids", [1]),
                            ("thinking_token_budget", 10), ("truncation_side", "right"),
                            ("functions", [{"name": "f"}]), ("function_call", "auto"),
@@ -349,6 +349,8 @@ PROBES = {
     "guided_choice": lambda c, p: changed(c, p, dict(guided_choice=["w9"])),
     "guided_regex": lambda c, p: changed(c, p, dict(guided_regex="w9")),
     "guided_grammar": lambda c, p: changed(c, p, dict(guided_grammar='root ::= "w9"')),
+    "structural_tag": lambda c, p: changed(c, p, dict(structural_tag=json.dumps({
+        "type": "structural_tag", "format": {"type": "const_string", "value": "w9"}}))),
     "guided_json": lambda c, p: refused(c, p, dict(guided_json={"type": "nope"}), "guided_json"),
     "response_format": lambda c, p: refused(c, p, dict(response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),

@@ -41,7 +41,7 @@ _UNAPPLIED = {
     "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}),
     "allowed_token_ids": (None, []), "bad_words": (None, []), "prompt_logprobs": (None,),
     "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,),
-    "guided_choice": (None,), "guided_grammar": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "structural_tag": (None,),
     # repetition detection: the search's steps are one token each, never checked
     "max_repetition_pattern_size": (0,), "min_repetition_pattern_size": (0,),
     "repetition_min_count": (0,), "repetition_detection": (None, RepetitionDetection()),

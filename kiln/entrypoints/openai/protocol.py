@@ -36,10 +36,15 @@ class StreamOptions(RequestBase):
 
 
 class ResponseFormat(RequestBase):
-    type: Literal["text", "json_object", "json_schema"] = "text"
+    type: Literal["text", "json_object", "json_schema", "structural_tag"] = "text"
     # {"name": ..., "schema": {...}, "strict": ...} for type json_schema
     json_schema: dict[str, Any] | None = Field(None, json_schema_extra={
         "properties": {"name": {"type": "string", **FORMAT_NAME_SCHEMA}}})
+    # type structural_tag (vLLM's): xgrammar's format object, or vLLM's legacy structures
+    # ([{"begin", "schema", "end"}]) with their triggers (structured_fields.py)
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
 
 class RepetitionDetection(RequestBase):
@@ -119,16 +124,16 @@ class SamplingFields(RequestBase):
     min_repetition_pattern_size: JsonInt = Field(0, ge=0)
     repetition_min_count: JsonInt = Field(0, ge=0)
     # Structured outputs (structured_fields.py): OpenAI's response_format, vLLM's
-    # structured_outputs ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}) and
-    # its older guided_* names.
+    # structured_outputs ({"json" | "regex" | "choice" | "grammar" | "json_object" |
+    # "structural_tag": ...}) and its older guided_* names and structural_tag (a JSON text).
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structural_tag: str | None = None
     # vLLM's, refused (sampling.OFF_ONLY): each would change the output if honoured
-    structural_tag: Any = None
     guided_whitespace_pattern: str | None = None
     logprob_token_ids: Any = None
     thinking_token_budget: Any = None

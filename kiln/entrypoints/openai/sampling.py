@@ -25,7 +25,6 @@ OFF_ONLY = {
     "prompt_embeds": (None, "prompts are text or token ids (no embeddings)"),
     "suffix": (None, "suffix (insertion) is not supported"),
     "mm_processor_kwargs": (None, "the model is text-only"),
-    "structural_tag": (None, "structural tags are not supported; use structured_outputs"),
     "guided_whitespace_pattern": (None, "whitespace follows JSON's grammar (or none with "
                                         "structured_outputs.disable_any_whitespace)"),
     "logprob_token_ids": (None, "logprobs are of the top tokens (logprobs=N), not given ids"),
