@@ -4,7 +4,7 @@ Every invalid value raises ValueError naming the field and its allowed range.
 """
 import enum
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import InitVar, dataclass, field, fields
 
 from kiln.engine.text_encoding import check_texts
 from kiln.envs import max_n_sequences, source
@@ -111,8 +111,14 @@ class SamplingParams:
     end_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the engine: bad_words as token id sequences (with and without a leading space).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # vLLM's arguments for custom logits processors and plugins (its server's vllm_xargs): Kiln
+    # loads none, so none is taken; not a field (nothing crosses to the core).
+    extra_args: InitVar[dict | None] = None
 
-    def __post_init__(self):
+    def __post_init__(self, extra_args: dict | None = None):
+        if extra_args:
+            raise ValueError("extra_args is not supported: it carries arguments for custom "
+                             "logits processors and plugins, and Kiln loads none; omit it")
         self.verify()
 
     def verify(self) -> None:

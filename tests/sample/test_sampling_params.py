@@ -156,3 +156,15 @@ def _msgpack_roundtrip(encoder, fields: dict) -> dict:
     import msgspec
 
     return msgspec.msgpack.decode(encoder.encode(fields))
+
+
+def test_extra_args_are_refused_saying_why_and_their_default_taken():
+    """vLLM's extra_args feed custom logits processors and plugins, which Kiln does not load
+    (its server refuses vllm_xargs likewise): a TypeError (unexpected keyword) before."""
+    from dataclasses import fields
+
+    with pytest.raises(ValueError, match="^extra_args is not supported: .*custom logits "
+                                         "processors and plugins"):
+        SamplingParams(extra_args={"target_token": 67})
+    assert SamplingParams(extra_args=None) == SamplingParams(extra_args={}) == SamplingParams()
+    assert "extra_args" not in {f.name for f in fields(SamplingParams)}  # nothing to the core

@@ -114,7 +114,8 @@ class SamplingFields(RequestBase):
     return_tokens_as_token_ids: StrictBool | None = None  # logprob tokens as "token_id:<id>"
     cache_salt: str | None = None  # prefix-cache blocks are shared only with the same salt
     kv_transfer_params: dict[str, Any] | None = None  # refused: no disaggregated serving
-    vllm_xargs: dict[str, Any] | None = None  # refused: no custom extensions read them
+    # refused: for custom logits processors and plugins (vLLM's extra_args), none loaded here
+    vllm_xargs: dict[str, Any] | None = None
     return_token_ids: StrictBool | None = None  # choices carry token_ids, the response prompt's
     # vLLM's repetition detection (kiln/repetition_detection.py): the output ending in a pattern
     # of min..max tokens repeated min_count times ends it (finish_reason "repetition"). Current

@@ -21,7 +21,8 @@ _SHARED_FIELDS = ["n", "temperature", "top_p", "top_k", "min_p", "seed", "presen
 OFF_ONLY = {
     "logits_processors": (None, "custom logits processors are not supported"),
     "kv_transfer_params": (None, "disaggregated serving (KV transfer) is not supported"),
-    "vllm_xargs": (None, "no extension reads extra arguments"),
+    "vllm_xargs": (None, "it carries arguments for custom logits processors and plugins "
+                         "(vLLM's SamplingParams.extra_args), and this server loads none"),
     "prompt_embeds": (None, "prompts are text or token ids (no embeddings)"),
     "suffix": (None, "suffix (insertion) is not supported"),
     "mm_processor_kwargs": (None, "the model is text-only"),
