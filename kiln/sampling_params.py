@@ -33,6 +33,7 @@ _NUMBER_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presen
                   "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens",
                   "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
 _TOKEN_ID_FIELDS = ("stop_token_ids", "allowed_token_ids", "logit_bias")
+_PLAIN_TYPES = frozenset({int, float, type(None)})
 
 
 def check_num_sequences(name: str, n: int) -> None:
@@ -125,9 +126,12 @@ class SamplingParams:
         """Normalize (stop as a list, top_k -1 as 0) and check every field, raising ValueError
         that names it. The engine calls it again on its copy: the dataclass is mutable."""
         for name in _NUMBER_FIELDS:
-            setattr(self, name, plain_number(getattr(self, name)))
+            v = getattr(self, name)
+            if type(v) not in _PLAIN_TYPES:
+                setattr(self, name, plain_number(v))
         for name in _TOKEN_ID_FIELDS:
-            setattr(self, name, plain_items(getattr(self, name)))
+            if v := getattr(self, name):
+                setattr(self, name, plain_items(v))
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.stop, (list, tuple)) or self.stop is None:
