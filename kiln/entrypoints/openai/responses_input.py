@@ -44,8 +44,7 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
         value = getattr(req, name)
         if value is not None and value != off:
             raise OpenAIError(f"{name}={request_value(value)} is refused: {why}; omit it",
-                              param=name,
-                              code="unsupported_parameter")
+                              param=name, code="unsupported_parameter")
     if req.truncation not in (None, "disabled"):
         raise OpenAIError(f"truncation={req.truncation!r} is refused: an input longer than the "
                           "context is refused, never cut; omit it (or give \"disabled\")",
@@ -197,8 +196,7 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatComp
                       parallel_tool_calls=req.parallel_tool_calls is not False)
     elif choice not in (None, "auto", "none"):  # "auto" and "none" choose among no tools
         raise OpenAIError(f"tool_choice={request_value(req.tool_choice)} needs tools: give "
-                          "tools or drop "
-                          "tool_choice", param="tool_choice", code="invalid_value")
+                          "tools or drop tool_choice", param="tool_choice", code="invalid_value")
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type != "text":
         schema = None if fmt.schema_ is None else {"schema": fmt.schema_}

@@ -44,8 +44,7 @@ def refuse_unsupported(req: SamplingFields) -> None:
     for name, (off, why) in OFF_ONLY.items():
         if name in type(req).model_fields and getattr(req, name) not in (None, off, "", {}, []):
             raise OpenAIError(f"{name}={request_value(getattr(req, name))} is refused: {why}; "
-                              "omit it",
-                              param=name, code="unsupported_parameter")
+                              "omit it", param=name, code="unsupported_parameter")
     # 1 (or unset) is one sample per choice; more would be ranked by logprob, which vLLM V1
     # does not do either ("does not yet support best_of"). A field of its own: the schema
     # says 1 or null (not an equality with n, which a schema cannot state cheaply).

@@ -101,8 +101,8 @@ class ServingChat(ChatAnswers):
         if plan.constraint is not None:
             if constraint is not None:
                 raise OpenAIError(f"tool_choice {request_value(req.tool_choice)} fixes the "
-                                  "answer's shape; "
-                                  f"drop {field}", param=field, code="invalid_value")
+                                  f"answer's shape; drop {field}", param=field,
+                                  code="invalid_value")
             constraint, field = plan.constraint, "tools"
         if constraint is not None:
             await check_compiles(constraint, field)
