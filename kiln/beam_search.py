@@ -26,6 +26,11 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self):
+        from kiln.wire_ints import plain_number
+
+        for name in ("beam_width", "max_tokens", "temperature", "length_penalty"):
+            setattr(self, name, plain_number(getattr(self, name)))  # np.int64(4) as 4
+
         def integer(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 

@@ -4,7 +4,7 @@ repeated min_count times ends (finish_reason "repetition")."""
 from collections import deque
 from dataclasses import dataclass
 
-from kiln.wire_ints import INT64_MAX
+from kiln.wire_ints import INT64_MAX, plain_number
 
 # Patterns longer than this are refused: a token's check, on the core's step loop, visits each
 # earlier copy of it among the last max_pattern_size tokens (RepetitionTracker).
@@ -30,6 +30,8 @@ class RepetitionDetectionParams:
         self.verify()
 
     def verify(self) -> None:
+        for name, value in vars(self).items():  # numpy's integers as Python's (vLLM takes them)
+            setattr(self, name, plain_number(value))
         check_fields(vars(self))
 
     @property

@@ -4,7 +4,7 @@ Every invalid value raises ValueError naming the field and its allowed range.
 """
 import enum
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import InitVar, dataclass, field, fields
 
 from kiln.engine.text_encoding import check_texts
 from kiln.envs import max_n_sequences, source
@@ -14,7 +14,7 @@ from kiln.structured_output.params import (
     TAKEN_STRUCTURED_OUTPUT_KEYWORDS,
     StructuredOutputsParams,
 )
-from kiln.wire_ints import INT64_MAX, INT64_MIN, check_wire_ints
+from kiln.wire_ints import INT64_MAX, INT64_MIN, check_wire_ints, plain_items, plain_number
 
 _GREEDY_EPS = 1e-5
 # The sampler divides logits by the penalty in float32: a smaller one overflows them.
@@ -27,6 +27,13 @@ _MAX_REPETITION_PENALTY = 1e6
 # allowed_token_ids too). float32's largest finite value.
 _MAX_TEMPERATURE = 3.4028234663852886e38
 _INT64 = (INT64_MIN, INT64_MAX)  # seeds: torch generators take 64 bits
+# The fields that hold a number, and those that hold token ids (and biases): numpy's numbers in
+# them are taken as the Python ones they equal (plain_number), as vLLM takes them.
+_NUMBER_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens",
+                  "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
+_TOKEN_ID_FIELDS = ("stop_token_ids", "allowed_token_ids", "logit_bias")
+_PLAIN_TYPES = frozenset({int, float, type(None)})
 
 
 def check_num_sequences(name: str, n: int) -> None:
@@ -73,7 +80,8 @@ class SamplingParams:
     # Per prompt token after the first: its logprob and rank, and the top-N (N = this value).
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
-    # vLLM's field; only True: special tokens keep the tokenizer's own spacing.
+    # False (with skip_special_tokens=False): no spaces between two added tokens in a row, as
+    # vLLM's detokenizer writes them (kiln/engine/added_token_spacing.py).
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # False: outputs carry token ids only (text "", logprob token strings None), as vLLM's.
@@ -104,13 +112,26 @@ class SamplingParams:
     end_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled by the engine: bad_words as token id sequences (with and without a leading space).
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    # vLLM's arguments for custom logits processors and plugins (its server's vllm_xargs): Kiln
+    # loads none, so none is taken; not a field (nothing crosses to the core).
+    extra_args: InitVar[dict | None] = None
 
-    def __post_init__(self):
+    def __post_init__(self, extra_args: dict | None = None):
+        if extra_args:
+            raise ValueError("extra_args is not supported: it carries arguments for custom "
+                             "logits processors and plugins, and Kiln loads none; omit it")
         self.verify()
 
     def verify(self) -> None:
         """Normalize (stop as a list, top_k -1 as 0) and check every field, raising ValueError
         that names it. The engine calls it again on its copy: the dataclass is mutable."""
+        for name in _NUMBER_FIELDS:
+            v = getattr(self, name)
+            if type(v) not in _PLAIN_TYPES:
+                setattr(self, name, plain_number(v))
+        for name in _TOKEN_ID_FIELDS:
+            if v := getattr(self, name):
+                setattr(self, name, plain_items(v))
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.stop, (list, tuple)) or self.stop is None:
@@ -186,8 +207,8 @@ class SamplingParams:
               or (type(self.output_kind) is int and self.output_kind in set(RequestOutputKind)),
               "output_kind",
               f"one of {[k.name for k in RequestOutputKind]}", self.output_kind)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
-                     "detokenize"):
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "include_stop_str_in_output", "detokenize"):
             check(isinstance(getattr(self, name), bool), name, "True or False",
                   getattr(self, name))
 
@@ -213,9 +234,6 @@ class SamplingParams:
               "None or a RepetitionDetectionParams", rd)
         if rd is not None:
             rd.verify()
-        check(self.spaces_between_special_tokens is True, "spaces_between_special_tokens",
-              "True (special tokens are decoded with the tokenizer's own spacing; False is not "
-              "supported)", self.spaces_between_special_tokens)
         check(self.detokenize is not False or not self.stop, "stop",
               "empty when detokenize=False (stop strings are found in the text; set "
               "detokenize=True or use stop_token_ids)", self.stop)

@@ -1,10 +1,42 @@
 """The integers a request may carry to the engine core process (msgpack's are 64-bit), and the
-check that finds one outside them anywhere in a request's data, naming where it lies."""
+check that finds one outside them anywhere in a request's data, naming where it lies; numpy's
+numbers taken as the Python ones they equal (msgpack encodes only those)."""
 import dataclasses
+import enum
+import numbers
+import operator
 
 INT64_MIN, INT64_MAX = -2 ** 63, 2 ** 63 - 1
 _CONTAINERS = (list, tuple, set, frozenset, dict)
 _SCALARS = frozenset({float, str, bool, type(None)})
+_PLAIN = frozenset({int, float, bool})
+
+
+def plain_number(value):
+    """A numpy integer or float (any numbers.Real but Python's own) as the Python int or float
+    it equals: np.int64(8) -> 8, as vLLM takes them; anything else (bools, enums, text, None)
+    as it is, for the field's own check to judge."""
+    if type(value) in _PLAIN or not isinstance(value, numbers.Real) \
+            or isinstance(value, enum.Enum):
+        return value
+    if isinstance(value, numbers.Integral):
+        return operator.index(value)
+    return float(value)
+
+
+def plain_items(value):
+    """A list / tuple's items (as a list), or a dict's keys and values, as plain_number makes
+    them; the same object where all are Python's already (one pass over the types: a
+    logit_bias may hold a whole vocabulary)."""
+    if isinstance(value, (list, tuple)):
+        if set(map(type, value)) <= _PLAIN:
+            return value
+        return list(map(plain_number, value))
+    if isinstance(value, dict):
+        if set(map(type, value)) <= _PLAIN and set(map(type, value.values())) <= _PLAIN:
+            return value
+        return {plain_number(k): plain_number(v) for k, v in value.items()}
+    return value
 
 
 def check_wire_ints(name: str, value) -> None:

@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kiln.engine.added_token_spacing import AddedTokenJoin, added_token_join
 from kiln.engine.byte_runs import ByteRunRelease, byte_token_values, cached_anchor
 from kiln.engine.text_encoding import keeps_stock
 from kiln.engine.tokenizer_cache import cached_on
@@ -118,6 +119,8 @@ class IncrementalDetokenizer(ByteRunRelease):
     tokenizer: object
     skip_special_tokens: bool = True
     stop: list[str] = field(default_factory=list)
+    # False: no spaces between two added tokens in a row (vLLM's; added_token_spacing.py)
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # All ids decoded so far: the prompt's last few tokens (context) then the output tokens.
     token_ids: list[int] = field(default_factory=list)
@@ -144,6 +147,7 @@ class IncrementalDetokenizer(ByteRunRelease):
     _run_start: int = 0
     _skipped_ids: frozenset = frozenset()
     _decode_ids: Callable[..., str] | None = None
+    _join: AddedTokenJoin | None = None
 
     def __post_init__(self):
         self._byte_token_ids = byte_fallback_token_ids(self.tokenizer)
@@ -153,18 +157,22 @@ class IncrementalDetokenizer(ByteRunRelease):
         self._decode_ids = fast_decode(self.tokenizer)
         if self.skip_special_tokens:
             self._skipped_ids = skipped_special_ids(self.tokenizer)
+        self._join = added_token_join(self.tokenizer, self.skip_special_tokens,
+                                      self.spaces_between_special_tokens)
 
     @classmethod
     def for_request(cls, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
                     stop: list[str] | None = None, include_stop_str_in_output: bool = False,
-                    min_tokens: int = 0) -> "IncrementalDetokenizer":
+                    min_tokens: int = 0, spaces_between_special_tokens: bool = True
+                    ) -> "IncrementalDetokenizer":
         context = list(prompt_token_ids[-INITIAL_CONTEXT_TOKENS:])
         stop = list(stop or [])
         buffer = 0 if include_stop_str_in_output or not stop else max(map(len, stop)) - 1
         return cls(tokenizer=tokenizer, skip_special_tokens=skip_special_tokens, stop=stop,
                    include_stop_str_in_output=include_stop_str_in_output, token_ids=context,
                    prefix_offset=0, read_offset=len(context), stop_buffer_length=buffer,
-                   min_tokens=min_tokens, num_context_tokens=len(context))
+                   min_tokens=min_tokens, num_context_tokens=len(context),
+                   spaces_between_special_tokens=spaces_between_special_tokens)
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_ids(ids, skip_special_tokens=self.skip_special_tokens)
@@ -225,6 +233,8 @@ class IncrementalDetokenizer(ByteRunRelease):
             self.token_ids.append(tid)
             self._num_output_tokens += 1
             piece = self._decode_next(final and not stop_token and i == len(searched) - 1)
+            if self._join is not None:
+                piece = self._join.piece(tid, piece)
             self.output_text += piece
             # text up to the min_tokens-th token cannot end a stop string
             new_chars = 0 if self._num_output_tokens <= self.min_tokens else new_chars + len(piece)
@@ -246,6 +256,8 @@ class IncrementalDetokenizer(ByteRunRelease):
                 stop_text = stop_text[len(held):]
                 if self._num_output_tokens - 1 > self.min_tokens:
                     new_chars += len(held)
+            if self._join is not None:
+                stop_text = self._join.piece(stop_token[0], stop_text)
             self.output_text += stop_text
             if self._num_output_tokens > self.min_tokens:
                 new_chars += len(stop_text)

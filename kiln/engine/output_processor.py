@@ -179,6 +179,7 @@ class OutputProcessor:
             detok = detokenizer_for_request(
                 self.tokenizer, prompt_token_ids, detokenize=params.detokenize,
                 skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
                 stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
                 min_tokens=params.min_tokens)
             want_logprobs = params.logprobs is not None

@@ -7,16 +7,18 @@ from dataclasses import dataclass
 
 from kiln.engine.text_encoding import check_texts
 from kiln.structured_output.json_schema_rules import MAX_SCHEMA_DEPTH, schema_depth
+from kiln.structured_output.structural_tag import tag_object
 
 # The constraints of StructuredOutputsParams: exactly one is set.
-STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass
 class StructuredOutputsParams:
     """vLLM's constraint on what a request may generate, as plain data (it crosses to the
     engine core as is): a JSON schema (dict or its text), a regex, a list of choices, an EBNF or
-    Lark grammar, or any JSON object. The core compiles it (kiln/structured_output)."""
+    Lark grammar, any JSON object, or an xgrammar structural tag (dict or its text). The core
+    compiles it (kiln/structured_output)."""
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
@@ -28,6 +30,10 @@ class StructuredOutputsParams:
     # a thinking model thinks freely first, as vLLM does with a reasoning parser. The server
     # sets it; None: from the first token.
     reasoning_end: str | None = None
+    # xgrammar's structural tag, vLLM's field: {"type": "structural_tag", "format": {...}}, or
+    # its legacy {"structures": [{"begin", "schema", "end"}], "triggers": [...]} (any text until
+    # a trigger, then the structure it begins). JSON text, as vLLM takes it, or a dict.
+    structural_tag: str | dict | None = None
 
     def __post_init__(self):
         self.verify()
@@ -68,6 +74,7 @@ class StructuredOutputsParams:
         if depth > MAX_SCHEMA_DEPTH:
             raise ValueError(f"structured_outputs.json nests {depth} objects and arrays deep; "
                              f"at most {MAX_SCHEMA_DEPTH} are accepted")
+        tag_text = self._check_structural_tag()
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, str) and v):
@@ -92,17 +99,39 @@ class StructuredOutputsParams:
                              f"got {self.disable_any_whitespace!r}")
         for name, texts in (("json", [json_text]), ("regex", [self.regex]),
                             ("choice", self.choice or ()), ("grammar", [self.grammar]),
-                            ("reasoning_end", [self.reasoning_end])):
+                            ("reasoning_end", [self.reasoning_end]),
+                            ("structural_tag", [tag_text])):
             # the grammar compiler's codec error named no character; reasoning_end's failed
             # on its way to the engine core
             check_texts(f"structured_outputs.{name}", [t for t in texts if t is not None])
+
+    def _check_structural_tag(self) -> str | None:
+        """The structural tag's JSON text (None without one): a JSON object, of JSON values,
+        nested no deeper than a schema may be (it holds schemas)."""
+        if self.structural_tag is None:
+            return None
+        name = "structured_outputs.structural_tag"
+        if not isinstance(self.structural_tag, (str, dict)):
+            raise ValueError(f"{name} must be a structural tag (a JSON object or its text), "
+                             f"got {type(self.structural_tag).__name__}")
+        try:
+            tag = tag_object(self.structural_tag)
+        except ValueError as e:
+            raise ValueError(f"{name} {e}") from None
+        depth = schema_depth(tag)
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"{name} nests {depth} objects and arrays deep; at most "
+                             f"{MAX_SCHEMA_DEPTH} are accepted")
+        try:
+            return json.dumps(tag, ensure_ascii=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{name} must hold JSON values only: {e}") from None
 
 
 # vLLM's StructuredOutputsParams fields with no counterpart here: a script passing one got a
 # bare TypeError ("unexpected keyword argument"); now a ValueError saying why. vLLM's
 # disable_fallback is taken: Kiln has one grammar backend, nothing to fall back to.
 _VLLM_ONLY_STRUCTURED_FIELDS = {
-    "structural_tag": "structural tags are not supported; use json, regex, choice or grammar",
     "whitespace_pattern": "JSON's whitespace follows JSON's grammar (none with "
                           "disable_any_whitespace=True)",
     "disable_additional_properties": "it is vLLM's guidance-backend option; Kiln's grammars "

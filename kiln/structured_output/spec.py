@@ -10,8 +10,9 @@ from kiln.structured_output.params import StructuredOutputsParams
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    kind: str  # "json" | "json_object" | "regex" | "ebnf" | "lark"
-    text: str  # the schema's JSON text, the regex or the grammar ("" for json_object)
+    kind: str  # "json" | "json_object" | "regex" | "ebnf" | "lark" | "structural_tag"
+    # the schema's or structural tag's JSON text, the regex or the grammar ("" for json_object)
+    text: str
     any_whitespace: bool = True
     field: str = "structured_outputs.json"  # the request field it came from, for errors
 
@@ -34,6 +35,10 @@ def grammar_spec(params: StructuredOutputsParams) -> GrammarSpec:
         return GrammarSpec("regex", params.regex, field="structured_outputs.regex")
     if kind == "choice":
         return GrammarSpec("ebnf", choice_ebnf(params.choice), field="structured_outputs.choice")
+    if kind == "structural_tag":
+        tag = params.structural_tag
+        text = tag if isinstance(tag, str) else json.dumps(tag, ensure_ascii=False)
+        return GrammarSpec("structural_tag", text, field="structured_outputs.structural_tag")
     # vLLM's rule: EBNF (GBNF) has `::=` rules; anything else is read as Lark.
     grammar = params.grammar
     return GrammarSpec("ebnf" if "::=" in grammar else "lark", grammar,

@@ -10,6 +10,12 @@ from kiln.engine.text_encoding import encode_text
 from kiln.structured_output.json_schema_rules import regex_anchor_problem, unenforced_keywords
 from kiln.structured_output.params import StructuredOutputsParams
 from kiln.structured_output.spec import GrammarSpec, grammar_spec
+from kiln.structured_output.structural_tag import (
+    inner_constraints,
+    is_legacy,
+    legacy_problem,
+    tag_object,
+)
 
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:123: ": the user needs the rest.
 _ANY_OBJECT = '{"type": "object"}'
@@ -61,11 +67,15 @@ def _spec_error(spec: GrammarSpec) -> str | None:
 def check_spec(spec: GrammarSpec) -> None:
     xgr = _import_xgrammar()
     if spec.kind == "json":
-        _check_enforceable(spec)
-    elif spec.kind == "regex" and (problem := regex_anchor_problem(spec.text)) is not None:
-        raise ValueError(f"{spec.field} has {problem}, which this server's grammar (xgrammar) "
-                         "would misread: the regex always matches the whole output, so drop "
-                         "the anchor")
+        try:
+            schema = json.loads(spec.text)
+        except ValueError:
+            schema = None  # not JSON: xgrammar's own error names what is wrong
+        _check_enforceable(schema, spec.field)
+    elif spec.kind == "regex":
+        _check_anchors(spec.text, spec.field)
+    elif spec.kind == "structural_tag":
+        _check_structural_tag(spec)
     try:
         if spec.kind == "json":
             xgr.Grammar.from_json_schema(spec.text, any_whitespace=spec.any_whitespace,
@@ -76,25 +86,55 @@ def check_spec(spec: GrammarSpec) -> None:
             xgr.Grammar.from_ebnf(spec.text)
         elif spec.kind == "lark":
             xgr.Grammar.from_lark(spec.text)
+        elif spec.kind == "structural_tag":
+            xgr.Grammar.from_structural_tag(_structural_tag_text(xgr, spec))
     except (RuntimeError, ValueError, TypeError) as e:
         what = {"json": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar",
-                "lark": "Lark grammar"}[spec.kind]
+                "lark": "Lark grammar", "structural_tag": "structural tag"}[spec.kind]
         raise ValueError(f"{spec.field} is not a {what} this server can compile: "
                          f"{_clean(e)}") from None
 
 
-def _check_enforceable(spec: GrammarSpec) -> None:
+def _check_enforceable(schema, where: str) -> None:
     """Refuse a schema with keywords the grammar would not enforce (vLLM refuses some of them
     too): served, its outputs could break the schema while finishing as `stop`."""
-    try:
-        unenforced = unenforced_keywords(json.loads(spec.text))
-    except ValueError:
-        return  # not JSON: xgrammar's own error names what is wrong
+    unenforced = unenforced_keywords(schema) if schema is not None else []
     if unenforced:
-        raise ValueError(f"{spec.field} uses JSON Schema keywords this server's grammar "
+        raise ValueError(f"{where} uses JSON Schema keywords this server's grammar "
                          f"(xgrammar) does not enforce, so outputs could break them: "
                          f"{', '.join(unenforced)}; remove them (and check them after "
                          "generation)")
+
+
+def _check_anchors(regex: str, where: str) -> None:
+    if (problem := regex_anchor_problem(regex)) is not None:
+        raise ValueError(f"{where} has {problem}, which this server's grammar (xgrammar) "
+                         "would misread: the regex always matches the whole output, so drop "
+                         "the anchor")
+
+
+def _check_structural_tag(spec: GrammarSpec) -> None:
+    """A legacy tag's shape, and the checks its schemas and regexes get as json and regex
+    constraints (a JSON pointer into the tag names each)."""
+    tag = tag_object(spec.text)
+    if is_legacy(tag) and (problem := legacy_problem(tag)) is not None:
+        raise ValueError(f"{spec.field}.{problem}")
+    schemas, regexes = inner_constraints(tag)
+    for pointer, schema in schemas:
+        _check_enforceable(schema, f"{spec.field} (its schema at {pointer})")
+    for pointer, regex in regexes:
+        _check_anchors(regex, f"{spec.field} (its regex at {pointer})")
+
+
+def _structural_tag_text(xgr, spec: GrammarSpec) -> str:
+    """The structural tag as xgrammar's current form takes it: a legacy one converted, as vLLM
+    converts it."""
+    tag = tag_object(spec.text)
+    if not is_legacy(tag):
+        return spec.text
+    items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]),
+                                   end=s["end"]) for s in tag["structures"]]
+    return xgr.StructuralTag.from_legacy_structural_tag(items, tag["triggers"]).model_dump_json()
 
 
 class XgrammarBackend:
@@ -129,6 +169,8 @@ class XgrammarBackend:
             return c.compile_grammar(spec.text)
         if spec.kind == "lark":
             return c.compile_lark(spec.text)
+        if spec.kind == "structural_tag":
+            return c.compile_structural_tag(_structural_tag_text(self.xgr, spec))
         raise ValueError(f"unknown grammar kind {spec.kind!r}")
 
     def token_ids(self, text: str) -> list[int]:

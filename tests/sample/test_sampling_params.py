@@ -18,9 +18,7 @@ from kiln.sampling_params import SamplingParams
     ("logprobs", 1.5),  # above the cap (--max-logprobs) is the engine's to refuse
     # torch generators take 64 bits
     ("seed", 2 ** 63), ("seed", -2 ** 63 - 1), ("seed", 1.5),
-    ("stop", [""]), ("stop_token_ids", [-1]),
-    # vLLM's field is taken (a TypeError before), at its default only
-    ("spaces_between_special_tokens", False),
+    ("stop", [""]), ("stop_token_ids", [-1]), ("spaces_between_special_tokens", 0),
     ("stop", [f"s{i}" for i in range(257)]),  # each is searched after every token
     ("stop_token_ids", list(range(1025))),
 ])
@@ -111,3 +109,62 @@ def test_n_and_beam_width_past_vllms_sequence_cap_are_refused_naming_the_variabl
         BeamSearchParams(beam_width=5, max_tokens=2)
     monkeypatch.setenv("KILN_MAX_N_SEQUENCES", "8")  # Kiln's wins where both are set
     SamplingParams(n=8)
+
+
+def test_numpy_numbers_are_taken_as_the_python_numbers_they_equal():
+    """vLLM takes max_tokens=np.int64(8), seed=np.int64(1); Kiln's checks refused them ("must be
+    an integer"), and msgpack, which carries the params to the engine core, encodes no numpy
+    scalar. They become Python's, which the checks (the 64-bit one too) then judge."""
+    np = pytest.importorskip("numpy")
+    from kiln.beam_search import BeamSearchParams
+    from kiln.core.core_messages import decode_params, encode_params, input_codec
+
+    p = SamplingParams(n=np.int32(2), max_tokens=np.int64(8), seed=np.int64(1),
+                       temperature=np.float32(0.5), top_p=np.float16(0.5), top_k=np.uint8(3),
+                       min_tokens=np.int64(2), logprobs=np.int64(1),
+                       stop_token_ids=(np.int64(3), 4), allowed_token_ids=[np.int16(5)],
+                       logit_bias={np.int64(6): np.float32(2.0), 7: -1.0},
+                       repetition_detection={"max_pattern_size": np.int64(2),
+                                             "min_count": np.int64(3)})
+    got = {name: getattr(p, name) for name in ("n", "max_tokens", "seed", "temperature",
+                                               "top_p", "top_k", "min_tokens", "logprobs")}
+    assert got == dict(n=2, max_tokens=8, seed=1, temperature=0.5, top_p=0.5, top_k=3,
+                       min_tokens=2, logprobs=1)
+    assert all(type(v) in (int, float) for v in got.values()), got
+    assert p.stop_token_ids == [3, 4] and p.allowed_token_ids == [5]
+    assert p.logit_bias == {6: 2.0, 7: -1.0}
+    assert {type(v) for v in (*p.stop_token_ids, *p.allowed_token_ids, *p.logit_bias,
+                              *p.logit_bias.values())} <= {int, float}
+    assert type(p.repetition_detection.min_count) is int
+    encoder, _ = input_codec()
+    assert decode_params(_msgpack_roundtrip(encoder, encode_params(p))) == p
+    beams = BeamSearchParams(beam_width=np.int64(2), max_tokens=np.int64(4),
+                             temperature=np.float32(0.0))
+    assert (beams.beam_width, beams.max_tokens) == (2, 4) and type(beams.beam_width) is int
+
+    with pytest.raises(ValueError, match=r"^seed must be None or an integer in \[-9223372036"):
+        SamplingParams(seed=np.uint64(2 ** 64 - 1))
+    with pytest.raises(ValueError, match=r"^max_tokens must be within a 64-bit integer's range"):
+        SamplingParams(max_tokens=np.uint64(2 ** 63))
+    with pytest.raises(ValueError, match=r"^max_tokens must be an integer >= 1"):
+        SamplingParams(max_tokens=np.float64(8.0))  # a float, as 8.0 is
+    with pytest.raises(ValueError, match=r"^ignore_eos must be True or False"):
+        SamplingParams(ignore_eos=np.True_)  # no number: left to the field's check
+
+
+def _msgpack_roundtrip(encoder, fields: dict) -> dict:
+    import msgspec
+
+    return msgspec.msgpack.decode(encoder.encode(fields))
+
+
+def test_extra_args_are_refused_saying_why_and_their_default_taken():
+    """vLLM's extra_args feed custom logits processors and plugins, which Kiln does not load
+    (its server refuses vllm_xargs likewise): a TypeError (unexpected keyword) before."""
+    from dataclasses import fields
+
+    with pytest.raises(ValueError, match="^extra_args is not supported: .*custom logits "
+                                         "processors and plugins"):
+        SamplingParams(extra_args={"target_token": 67})
+    assert SamplingParams(extra_args=None) == SamplingParams(extra_args={}) == SamplingParams()
+    assert "extra_args" not in {f.name for f in fields(SamplingParams)}  # nothing to the core

@@ -61,11 +61,14 @@ client = fake_api.client  # the fixture: this module's client on a fake engine
        "unsupported_parameter") for k, v in [
         ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"),
         ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
-        ("structural_tag", "{}"), ("guided_whitespace_pattern", " *"),
+        ("guided_whitespace_pattern", " *"),
         ("truncation_side", "right"), ("logprob_token_ids", [1]),
         ("thinking_token_budget", 10)]],
     ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}],
                                   max_completion_tokens=3, min_tokens=5), "min_tokens", None),
+    # a structural tag (vLLM's older top-level field) without its format
+    ("/v1/chat/completions", dict(messages=[{"role": "user", "content": "x"}],
+                                  structural_tag="{}"), "structural_tag", "invalid_value"),
     # -1 (the whole vocabulary) past --max-logprobs names the field sent (it said "prompt")
     ("/v1/completions", dict(prompt="x", logprobs=-1), "logprobs", None),
     ("/v1/completions", dict(prompt="x", prompt_logprobs=-1), "prompt_logprobs", None),
@@ -123,6 +126,36 @@ def test_errors_name_the_field_the_client_sent(client):
                                    json={**chat, "logprobs": True, "top_logprobs": 21}),
                        400, "top_logprobs")
     assert err["message"].startswith("top_logprobs must be")
+
+
+_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("extra, param, shown", [
+    (dict(repetition_detection={"max_pattern_size": 2, "min_count": 2}), "use_beam_search",
+     'repetition_detection={"max_pattern_size": 2, "min_count": 2} is refused with '
+     "use_beam_search=true: beam search does not apply it; omit it"),
+    (dict(tools=_TOOLS, tool_choice={"type": "function", "function": {"name": "f"}}),
+     "tool_choice", 'tool_choice={"type": "function", "function": {"name": "f"}} is refused '
+     'with use_beam_search=true: beam search follows no grammar; give tool_choice "auto" or '
+     '"none", or drop use_beam_search'),
+    (dict(stream=True), "use_beam_search", "stream=true is refused"),
+    (dict(response_format={"type": "json_object"}), "use_beam_search",
+     'response_format={"type": "json_object"} is refused with use_beam_search=true: beam '
+     "search follows no grammar; omit it"),
+    (dict(use_beam_search=False, modalities=["audio"]), "modalities",
+     'modalities=["audio"] is refused: the model writes text only; omit it'),
+])
+def test_refusals_show_the_value_as_the_client_wrote_it(client, extra, param, shown):
+    """Beam search's refusals showed Python's repr of what read the field
+    (RepetitionDetection(max_pattern_size=2, ...), NamedToolChoice(type='function', ...),
+    stream=True): now the JSON the client sent, with the fix."""
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+            "use_beam_search": True, "n": 2, **extra}
+    err = assert_error(client.post("/v1/chat/completions", json=body), 400, param,
+                       "unsupported_parameter")
+    assert err["message"].startswith(shown), err
+    assert "(" not in err["message"].split(" is refused")[0], err
 
 
 def test_engine_death_while_collecting_is_503():

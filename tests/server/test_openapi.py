@@ -166,7 +166,8 @@ def test_the_schema_says_what_requests_the_server_refuses():
         assert {"type": "array", "items": {"type": "string", "minLength": 1},
                 "maxItems": MAX_BAD_WORDS_PER_REQUEST} in words
     # refused fields take only their off value; an optional field takes null
-    assert {"const": True} in completion["spaces_between_special_tokens"]["anyOf"]
+    assert {"const": "left"} in completion["truncation_side"]["anyOf"]
+    assert {"type": "boolean"} in completion["spaces_between_special_tokens"]["anyOf"]
     assert {"type": "null"} in schemas["TokenizeRequest"]["properties"]["return_token_strs"][
         "anyOf"]
     assert schemas["TextContentPart"]["properties"]["type"]["enum"] == ["text"]
@@ -188,19 +189,20 @@ def test_json_types_are_not_coerced(base_url, field, value):
                       timeout=30).status_code == 200  # an integral number is an integer
 
 
-# Refusals no JSON schema can state, each a 400 naming its field: a JSON schema, regex or
-# grammar that does not compile; a named tool_choice that `tools` does not define; min_tokens
-# above max_tokens (no comparison between fields); a prompt and max_tokens past max_model_len
-# (counted in tokens). And one a JSON schema can state but schemathesis cannot take beside the
-# others (openapi._SWITCHES): parallel_tool_calls=false needs tools. schemathesis' positive
-# data may hit them.
+# Refusals no JSON schema can state, each a 400 naming its field: a JSON schema, regex, grammar
+# or structural tag that does not compile; a named tool_choice that `tools` does not define;
+# min_tokens above max_tokens (no comparison between fields); a prompt and max_tokens past
+# max_model_len (counted in tokens). And one a JSON schema can state but schemathesis cannot
+# take beside the others (openapi._SWITCHES): parallel_tool_calls=false needs tools.
+# schemathesis' positive data may hit them.
 # use_beam_search=true with a field the search ignores (stream, stop, ...), or length_penalty
 # without it: another split past the canonicalizer's budget (it gave up on the chat schema).
 # Repetition detection: min_repetition_pattern_size above max_repetition_pattern_size (a
 # comparison), and repetition_min_count >= 2 where a pattern size is set, a size where a count
 # is (one more split); the same inside the repetition_detection object, and the object beside
 # the flat fields.
-_INEXPRESSIBLE = {"guided_json", "guided_regex", "guided_grammar", "structured_outputs",
+_INEXPRESSIBLE = {"guided_json", "guided_regex", "guided_grammar", "structural_tag",
+                  "structured_outputs",
                   "response_format", "tool_choice", "min_tokens", "parallel_tool_calls",
                   "use_beam_search", "min_repetition_pattern_size", "repetition_min_count",
                   "max_repetition_pattern_size", "repetition_detection",

@@ -245,6 +245,13 @@ def logprobs_of(path, value):
     return extra
 
 
+def probe_special_spacing(c, path):
+    base = dict(skip_special_tokens=False, logit_bias={"1": 100})
+    changed(c, path, dict(spaces_between_special_tokens=False), base)
+    text = texts(ok(c, path, **base, spaces_between_special_tokens=False))[0]
+    assert text.strip() == "<s>" * 6, text
+
+
 def probe_priority(c, p):
     # fcfs (this server's policy) ignores it, as vLLM V1 does; test_priority_server.py runs
     # --scheduling-policy priority. Out of int64 it could not reach the core: a 400.
@@ -317,8 +324,8 @@ PROBES = {
     "use_beam_search": lambda c, p: changed(c, p, dict(use_beam_search=True), dict(n=2)),
     # scores beam search's sequences only (tests/server/test_beam_search_server.py)
     "length_penalty": lambda c, p: refused(c, p, dict(length_penalty=0.5), "use_beam_search"),
-    "spaces_between_special_tokens": lambda c, p: refused(
-        c, p, dict(spaces_between_special_tokens=False), "spaces_between_special_tokens"),
+    # <s> x 6 written "<s><s>...", not "<s> <s> ..." (the word tokenizer's decoder spaces them)
+    "spaces_between_special_tokens": lambda c, p: probe_special_spacing(c, p),
     "priority": probe_priority,
     "logits_processors": lambda c, p: refused(c, p, dict(logits_processors=["m.P"]),
                                               "logits_processors"),
@@ -329,7 +336,7 @@ PROBES = {
     "mm_processor_kwargs": lambda c, p: refused(c, p, dict(mm_processor_kwargs={"a": 1}),
                                                 "mm_processor_kwargs"),
     **{name: (lambda c, p, name=name, value=value: refused(c, p, {name: value}, name))
-       for name, value in [("structural_tag", "{}"), ("guided_whitespace_pattern", " *"),
+       for name, value in [("guided_whitespace_pattern", " *"),
                            ("logprob_token_ids", [1]),
                            ("thinking_token_budget", 10), ("truncation_side", "right"),
                            ("functions", [{"name": "f"}]), ("function_call", "auto"),
@@ -342,6 +349,8 @@ PROBES = {
     "guided_choice": lambda c, p: changed(c, p, dict(guided_choice=["w9"])),
     "guided_regex": lambda c, p: changed(c, p, dict(guided_regex="w9")),
     "guided_grammar": lambda c, p: changed(c, p, dict(guided_grammar='root ::= "w9"')),
+    "structural_tag": lambda c, p: changed(c, p, dict(structural_tag=json.dumps({
+        "type": "structural_tag", "format": {"type": "const_string", "value": "w9"}}))),
     "guided_json": lambda c, p: refused(c, p, dict(guided_json={"type": "nope"}), "guided_json"),
     "response_format": lambda c, p: refused(c, p, dict(response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),

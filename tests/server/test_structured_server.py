@@ -154,6 +154,42 @@ def test_regex_choice_grammar_on_both_endpoints(client):
     assert re.fullmatch(pattern, text) and finish == "stop"
 
 
+def test_structural_tags_in_each_field_vllm_takes_them(client):
+    """response_format {"type": "structural_tag"} (xgrammar's format, or vLLM's legacy
+    structures and triggers), structured_outputs.structural_tag and the older top-level
+    structural_tag (their JSON text), streamed or not: the tag forces a tool call here."""
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+              "required": ["city"]}
+    call = {"type": "tag", "begin": "<tool_call>", "end": "</tool_call>", "content": {
+        "type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}}
+    tag = {"type": "structural_tag", "format": call}
+
+    def city(text: str) -> str:
+        match = re.fullmatch(r"<tool_call>(.*)</tool_call>", text, re.S)
+        assert match, text
+        return json.loads(match.group(1))["city"]
+
+    r = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=60,
+                                       temperature=0, response_format=tag)
+    assert r.choices[0].finish_reason == "stop" and city(r.choices[0].message.content)
+    for body in ({"structured_outputs": {"structural_tag": json.dumps(tag)}},
+                 {"structural_tag": json.dumps(tag)}):
+        r = client.completions.create(model=NAME, prompt="call:", max_tokens=60, n=2,
+                                      temperature=1.0, seed=2, extra_body=body)
+        assert all(c.finish_reason == "stop" and city(c.text) for c in r.choices)
+    text, finish = _stream_text(client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=60, temperature=0, stream=True,
+        response_format=tag))
+    assert finish == "stop" and city(text)
+    # legacy: free text until a trigger, so a random model may write anything; only its
+    # request is checked (the grammar: tests/structured_output/test_structural_tag.py)
+    legacy = {"type": "structural_tag", "triggers": ["<tool_call>"], "structures": [
+        {"begin": "<tool_call>", "schema": schema, "end": "</tool_call>"}]}
+    r = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=5,
+                                       response_format=legacy)
+    assert r.choices[0].message.content is not None
+
+
 def test_cut_by_max_tokens_says_length(client):
     r = client.completions.create(model=NAME, prompt="j", max_tokens=2, temperature=0,
                                   extra_body={"structured_outputs": {"regex": "[a-z]{30}"}})
@@ -175,6 +211,14 @@ def test_cut_by_max_tokens_says_length(client):
     ({"guided_json": json.dumps({"type": "array", "items": {"type": "array", "items": {}}})
       .replace('{}', '{"type": "array", "items": ' * 500 + '{}' + '}' * 500)}, "guided_json"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    # structural tags: none, both forms at once, a keyword the grammar would not enforce
+    ({"response_format": {"type": "structural_tag"}}, "response_format"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "any_text"},
+                          "triggers": ["<f"]}}, "response_format"),
+    ({"structural_tag": json.dumps({"type": "structural_tag", "format": {
+        "type": "json_schema", "json_schema": {"type": "array", "uniqueItems": True}}})},
+     "structural_tag"),
+    ({"structured_outputs": {"structural_tag": '{"format": 1}'}}, "structured_outputs"),
 ])
 def test_bad_constraint_is_400_naming_it(client, body, param):
     with pytest.raises(openai.BadRequestError) as e:

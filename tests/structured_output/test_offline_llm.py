@@ -142,3 +142,27 @@ def test_a_clients_stop_token_is_text_to_the_grammar_and_stops_where_it_fits(eag
         structured_outputs=StructuredOutputsParams(regex=r"[xy]{2}\d")),
         use_tqdm=False)[0].outputs[0]
     assert (out.finish_reason, out.stop_reason in ids, len(out.token_ids)) == ("stop", True, 1)
+
+
+def test_a_structural_tag_shapes_the_output(eager_llm):
+    """vLLM's structural_tag (xgrammar's tag format, its dict and its text): every output is a
+    hermes tool call of the schema, ended by the grammar (whitespace bounded: a random model
+    may spin it out to the limit)."""
+    schema = {"type": "object", "properties": {
+        "name": {"const": "ping"},
+        "arguments": {"type": "object", "properties": {
+            "n": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["n"]}},
+        "required": ["name", "arguments"]}
+    tag = {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<tool_call>\n", "end": "\n</tool_call>",
+        "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}}}
+    greedy, sampled = eager_llm.generate(["alpha", "beta"], [
+        SamplingParams(max_tokens=120, temperature=0, structured_outputs={"structural_tag": tag}),
+        SamplingParams(max_tokens=120, temperature=1.0, seed=1, n=2,
+                       structured_outputs=StructuredOutputsParams(structural_tag=json.dumps(tag)))],
+        use_tqdm=False)
+    for out in greedy.outputs + sampled.outputs:
+        assert out.finish_reason == "stop", out.text
+        _, (call,) = HermesToolParser().extract(out.text)
+        assert call.function.name == "ping", out.text
+        assert 1 <= json.loads(call.function.arguments)["n"] <= 9

@@ -33,12 +33,10 @@ def test_bad_params_name_the_field(kw, message):
 
 
 def test_vllms_other_fields_are_refused_saying_why_or_taken():
-    """vLLM's StructuredOutputsParams(structural_tag=..., whitespace_pattern=...,
-    disable_additional_properties=True) raised a bare TypeError (unexpected keyword);
-    disable_fallback (nothing to fall back to here) is taken."""
-    tag = json.dumps({"type": "structural_tag", "structures": [], "triggers": []})
-    for kw in ({"structural_tag": tag}, {"whitespace_pattern": " "},
-               {"disable_additional_properties": True}):
+    """vLLM's StructuredOutputsParams(whitespace_pattern=..., disable_additional_properties=True)
+    raised a bare TypeError (unexpected keyword); disable_fallback (nothing to fall back to
+    here) is taken, and structural_tag (a constraint of its own: test_structural_tag.py)."""
+    for kw in ({"whitespace_pattern": " "}, {"disable_additional_properties": True}):
         with pytest.raises(ValueError, match=f"structured_outputs.{next(iter(kw))} is not "
                                              "supported"):
             StructuredOutputsParams(json={"type": "object"}, **kw)
@@ -46,11 +44,13 @@ def test_vllms_other_fields_are_refused_saying_why_or_taken():
         StructuredOutputsParams(regex="a")
     assert StructuredOutputsParams(regex="a", structural_tag=None,
                                    disable_additional_properties=False).regex == "a"
+    with pytest.raises(ValueError, match=r"exactly one of .*got \['json', 'structural_tag'\]"):
+        StructuredOutputsParams(json={"type": "object"}, structural_tag="{}")
 
 def test_the_dict_forms_take_what_the_class_takes():
     """SamplingParams(structured_outputs={...}) and a request's structured_outputs refused
     vLLM's disable_fallback as an unknown field though StructuredOutputsParams takes it, and
-    named structural_tag unknown rather than saying why."""
+    named whitespace_pattern unknown rather than saying why."""
     from kiln.entrypoints.openai.errors import OpenAIError
     from kiln.entrypoints.openai.structured_fields import build_params
 
@@ -58,10 +58,10 @@ def test_the_dict_forms_take_what_the_class_takes():
     assert SamplingParams(structured_outputs=dict(taken)).structured_outputs == \
         StructuredOutputsParams(regex="a")
     assert build_params(dict(taken), "structured_outputs") == StructuredOutputsParams(regex="a")
-    vllm_only = {"regex": "a", "structural_tag": "{}"}
-    with pytest.raises(ValueError, match="structural_tag is not supported: structural tags"):
+    vllm_only = {"regex": "a", "whitespace_pattern": " "}
+    with pytest.raises(ValueError, match="whitespace_pattern is not supported: JSON's"):
         SamplingParams(structured_outputs=dict(vllm_only))
-    with pytest.raises(OpenAIError, match="structural_tag is not supported: structural tags"):
+    with pytest.raises(OpenAIError, match="whitespace_pattern is not supported: JSON's"):
         build_params(dict(vllm_only), "structured_outputs")
     with pytest.raises(OpenAIError, match=r"unknown field\(s\) \['jsn'\]; known: \[.*"
                                           r"'disable_fallback'"):

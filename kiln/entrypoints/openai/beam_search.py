@@ -20,7 +20,7 @@ from kiln.beam_search import BeamSearchParams
 from kiln.engine.async_llm import AsyncLLM
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.entrypoints.beam_search import BeamSearch, step_logprobs, step_params
-from kiln.entrypoints.openai.errors import OpenAIError
+from kiln.entrypoints.openai.errors import OpenAIError, request_value
 from kiln.entrypoints.openai.protocol import RepetitionDetection
 from kiln.entrypoints.openai.serving_engine import (
     ServerShuttingDown,
@@ -41,7 +41,7 @@ _UNAPPLIED = {
     "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}),
     "allowed_token_ids": (None, []), "bad_words": (None, []), "prompt_logprobs": (None,),
     "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,),
-    "guided_choice": (None,), "guided_grammar": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "structural_tag": (None,),
     # repetition detection: the search's steps are one token each, never checked
     "max_repetition_pattern_size": (0,), "min_repetition_pattern_size": (0,),
     "repetition_min_count": (0,), "repetition_detection": (None, RepetitionDetection()),
@@ -68,7 +68,7 @@ def check_beam_fields(req) -> None:
         raise _refused("logprobs", req.logprobs, "beam search returns no logprobs; omit it")
     rf = getattr(req, "response_format", None)
     if rf is not None and rf.type != "text":
-        raise _refused("response_format", rf.type, "beam search follows no grammar")
+        raise _refused("response_format", rf, "beam search follows no grammar; omit it")
     for name, off in _UNAPPLIED.items():
         if name in fields and getattr(req, name) not in off:
             raise _refused(name, getattr(req, name), "beam search does not apply it; omit it")
@@ -77,9 +77,10 @@ def check_beam_fields(req) -> None:
 def _refused(name: str, value, why: str) -> OpenAIError:
     """The message opens with the field; the param is use_beam_search, the switch the field
     conflicts with (a rule across fields that /openapi.json cannot state beside the others)."""
-    return OpenAIError(f"{name}={value!r} is refused with use_beam_search=true: {why}"
+    shown = request_value(value)
+    return OpenAIError(f"{name}={shown} is refused with use_beam_search=true: {why}"
                        if name != "length_penalty" else
-                       f"length_penalty={value!r} is refused: {why}",
+                       f"length_penalty={shown} is refused: {why}",
                        param="use_beam_search", code="unsupported_parameter")
 
 
@@ -164,7 +165,8 @@ async def _output(llm: AsyncLLM, request_id: str, search: BeamSearch, prompt_tex
         shown = tokens if (params.include_stop_str_in_output or not ended_by_eos) \
             else tokens[:-1]
         text = await llm.run_in_engine(_text, llm.tokenizer, search.prompt_token_ids, shown,
-                                       params.skip_special_tokens)
+                                       params.skip_special_tokens,
+                                       params.spaces_between_special_tokens)
         outputs.append(CompletionOutput(index=j, text=text, token_ids=shown,
                                         cumulative_logprob=beam.cum_logprob,
                                         finish_reason=beam.finish_reason,
@@ -175,10 +177,11 @@ async def _output(llm: AsyncLLM, request_id: str, search: BeamSearch, prompt_tex
 
 
 def _text(tokenizer, prompt_token_ids: list[int], token_ids: list[int],
-          skip_special_tokens: bool) -> str:
+          skip_special_tokens: bool, spaces_between_special_tokens: bool) -> str:
     if tokenizer is None:  # --skip-tokenizer-init: token ids only
         return ""
-    detok = IncrementalDetokenizer.for_request(tokenizer, prompt_token_ids,
-                                               skip_special_tokens=skip_special_tokens)
+    detok = IncrementalDetokenizer.for_request(
+        tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens,
+        spaces_between_special_tokens=spaces_between_special_tokens)
     detok.update(token_ids, final=True)
     return detok.output_text

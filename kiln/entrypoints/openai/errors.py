@@ -2,6 +2,7 @@
 
 Validation failures become HTTP 400 (not FastAPI's 422) and name the offending field in `param`.
 """
+import json
 import re
 from http import HTTPStatus
 
@@ -54,6 +55,19 @@ class OpenAIBodyError(StarletteHTTPException):
 def error_body(message: str, status: int, param: str | None = None,
                code: str | None = None) -> dict:
     return OpenAIError(message, status=status, param=param, code=code).body()
+
+
+def request_value(value, limit: int = 80) -> str:
+    """A request field's value as the client wrote it, in JSON (true, {"type": ...}): not
+    Python's repr of what read it (True, NamedToolChoice(type='function', ...)); cut to
+    `limit` characters."""
+    from pydantic import BaseModel
+    from pydantic_core import to_jsonable_python
+
+    if isinstance(value, BaseModel):
+        value = value.model_dump(mode="json", exclude_unset=True)
+    text = json.dumps(to_jsonable_python(value, fallback=repr), ensure_ascii=False)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def param_from_message(message: str, fields: dict[str, str]) -> str | None:

@@ -182,7 +182,7 @@ def patch_schema(schema: dict, vocab_size: int | None = None,
             so["anyOf"] = [structured_outputs_object() if m.get("type") == "object" else m
                            for m in so.get("anyOf", ())]
             one_constraint(components[model])
-            for name in ("guided_regex", "guided_grammar", "guided_json"):
+            for name in ("guided_regex", "guided_grammar", "guided_json", "structural_tag"):
                 for member in components[model]["properties"].get(name, {}).get("anyOf", ()):
                     if member.get("type") == "string":  # an empty pattern is refused
                         member["minLength"] = 1

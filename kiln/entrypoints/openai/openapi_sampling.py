@@ -118,7 +118,8 @@ def structured_outputs_object() -> dict:
     text = {"type": "string", "minLength": 1}
     kinds = {"json": {"anyOf": [text, {"type": "object"}]}, "regex": text,
              "choice": {"type": "array", "minItems": 1, "items": text}, "grammar": text,
-             "json_object": {"const": True}}
+             "json_object": {"const": True},
+             "structural_tag": {"anyOf": [text, {"type": "object"}]}}
     off = {"json_object": {"enum": [None, False]}}
     assert set(kinds) == set(STRUCTURED_OUTPUT_KINDS)
     return {"type": "object", "additionalProperties": False, "properties": {

@@ -36,10 +36,15 @@ class StreamOptions(RequestBase):
 
 
 class ResponseFormat(RequestBase):
-    type: Literal["text", "json_object", "json_schema"] = "text"
+    type: Literal["text", "json_object", "json_schema", "structural_tag"] = "text"
     # {"name": ..., "schema": {...}, "strict": ...} for type json_schema
     json_schema: dict[str, Any] | None = Field(None, json_schema_extra={
         "properties": {"name": {"type": "string", **FORMAT_NAME_SCHEMA}}})
+    # type structural_tag (vLLM's): xgrammar's format object, or vLLM's legacy structures
+    # ([{"begin", "schema", "end"}]) with their triggers (structured_fields.py)
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
 
 class RepetitionDetection(RequestBase):
@@ -96,7 +101,7 @@ class SamplingFields(RequestBase):
     best_of: JsonInt | None = None  # only 1: no ranking of extra samples
     use_beam_search: StrictBool = False  # beam search: n beams (openai/beam_search.py)
     length_penalty: JsonFloat = 1.0  # beam search only: refused without use_beam_search
-    # refused when false (fast tokenizers ignore it)
+    # false (with skip_special_tokens false): no spaces between two special tokens in a row
     spaces_between_special_tokens: StrictBool = True
     truncate_prompt_tokens: JsonInt | None = Field(None, ge=-1)
     allowed_token_ids: list[JsonInt] | None = None
@@ -109,7 +114,8 @@ class SamplingFields(RequestBase):
     return_tokens_as_token_ids: StrictBool | None = None  # logprob tokens as "token_id:<id>"
     cache_salt: str | None = None  # prefix-cache blocks are shared only with the same salt
     kv_transfer_params: dict[str, Any] | None = None  # refused: no disaggregated serving
-    vllm_xargs: dict[str, Any] | None = None  # refused: no custom extensions read them
+    # refused: for custom logits processors and plugins (vLLM's extra_args), none loaded here
+    vllm_xargs: dict[str, Any] | None = None
     return_token_ids: StrictBool | None = None  # choices carry token_ids, the response prompt's
     # vLLM's repetition detection (kiln/repetition_detection.py): the output ending in a pattern
     # of min..max tokens repeated min_count times ends it (finish_reason "repetition"). Current
@@ -119,16 +125,16 @@ class SamplingFields(RequestBase):
     min_repetition_pattern_size: JsonInt = Field(0, ge=0)
     repetition_min_count: JsonInt = Field(0, ge=0)
     # Structured outputs (structured_fields.py): OpenAI's response_format, vLLM's
-    # structured_outputs ({"json" | "regex" | "choice" | "grammar" | "json_object": ...}) and
-    # its older guided_* names.
+    # structured_outputs ({"json" | "regex" | "choice" | "grammar" | "json_object" |
+    # "structural_tag": ...}) and its older guided_* names and structural_tag (a JSON text).
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structural_tag: str | None = None
     # vLLM's, refused (sampling.OFF_ONLY): each would change the output if honoured
-    structural_tag: Any = None
     guided_whitespace_pattern: str | None = None
     logprob_token_ids: Any = None
     thinking_token_budget: Any = None

@@ -5,7 +5,7 @@ items as chat messages, its fields as chat's; what it asks for that Kiln does no
 import contextlib
 import re
 
-from kiln.entrypoints.openai.errors import OpenAIError
+from kiln.entrypoints.openai.errors import OpenAIError, request_value
 from kiln.entrypoints.openai.openai_limits import check_format_name, check_metadata
 from kiln.entrypoints.openai.protocol import (
     REASONING_EFFORTS,
@@ -43,8 +43,8 @@ def refuse_unsupported(req: ResponsesRequest) -> None:
     for name, (off, why) in REFUSED.items():
         value = getattr(req, name)
         if value is not None and value != off:
-            raise OpenAIError(f"{name}={value!r} is refused: {why}; omit it", param=name,
-                              code="unsupported_parameter")
+            raise OpenAIError(f"{name}={request_value(value)} is refused: {why}; omit it",
+                              param=name, code="unsupported_parameter")
     if req.truncation not in (None, "disabled"):
         raise OpenAIError(f"truncation={req.truncation!r} is refused: an input longer than the "
                           "context is refused, never cut; omit it (or give \"disabled\")",
@@ -195,8 +195,8 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatComp
         fields.update(tools=tools, tool_choice=choice,
                       parallel_tool_calls=req.parallel_tool_calls is not False)
     elif choice not in (None, "auto", "none"):  # "auto" and "none" choose among no tools
-        raise OpenAIError(f"tool_choice={req.tool_choice!r} needs tools: give tools or drop "
-                          "tool_choice", param="tool_choice", code="invalid_value")
+        raise OpenAIError(f"tool_choice={request_value(req.tool_choice)} needs tools: give "
+                          "tools or drop tool_choice", param="tool_choice", code="invalid_value")
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type != "text":
         schema = None if fmt.schema_ is None else {"schema": fmt.schema_}

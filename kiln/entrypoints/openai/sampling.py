@@ -6,7 +6,7 @@ field) every vLLM field whose requested behaviour Kiln does not have.
 """
 from kiln.config.generation_defaults import default_max_tokens
 from kiln.entrypoints.openai.beam_search import check_beam_fields
-from kiln.entrypoints.openai.errors import OpenAIError, in_api_terms
+from kiln.entrypoints.openai.errors import OpenAIError, in_api_terms, request_value
 from kiln.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kiln.repetition_detection import RepetitionDetectionParams, check_fields
 from kiln.sampling_params import RequestOutputKind, SamplingParams
@@ -19,15 +19,13 @@ _SHARED_FIELDS = ["n", "temperature", "top_p", "top_k", "min_p", "seed", "presen
 # Fields whose default is "off": any other value asks for what Kiln does not do.
 # field -> (its off value, why it is refused)
 OFF_ONLY = {
-    "spaces_between_special_tokens": (True, "special tokens are always decoded with the "
-                                            "tokenizer's own spacing"),
     "logits_processors": (None, "custom logits processors are not supported"),
     "kv_transfer_params": (None, "disaggregated serving (KV transfer) is not supported"),
-    "vllm_xargs": (None, "no extension reads extra arguments"),
+    "vllm_xargs": (None, "it carries arguments for custom logits processors and plugins "
+                         "(vLLM's SamplingParams.extra_args), and this server loads none"),
     "prompt_embeds": (None, "prompts are text or token ids (no embeddings)"),
     "suffix": (None, "suffix (insertion) is not supported"),
     "mm_processor_kwargs": (None, "the model is text-only"),
-    "structural_tag": (None, "structural tags are not supported; use structured_outputs"),
     "guided_whitespace_pattern": (None, "whitespace follows JSON's grammar (or none with "
                                         "structured_outputs.disable_any_whitespace)"),
     "logprob_token_ids": (None, "logprobs are of the top tokens (logprobs=N), not given ids"),
@@ -45,8 +43,8 @@ def refuse_unsupported(req: SamplingFields) -> None:
     check_beam_fields(req)
     for name, (off, why) in OFF_ONLY.items():
         if name in type(req).model_fields and getattr(req, name) not in (None, off, "", {}, []):
-            raise OpenAIError(f"{name}={getattr(req, name)!r} is refused: {why}; omit it",
-                              param=name, code="unsupported_parameter")
+            raise OpenAIError(f"{name}={request_value(getattr(req, name))} is refused: {why}; "
+                              "omit it", param=name, code="unsupported_parameter")
     # 1 (or unset) is one sample per choice; more would be ranked by logprob, which vLLM V1
     # does not do either ("does not yet support best_of"). A field of its own: the schema
     # says 1 or null (not an equality with n, which a schema cannot state cheaply).
@@ -113,6 +111,7 @@ def _common_kwargs(req: SamplingFields, defaults: dict) -> dict:
               frequency_penalty=req.frequency_penalty, stop=req.stop,
               stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
               min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
+              spaces_between_special_tokens=req.spaces_between_special_tokens,
               include_stop_str_in_output=req.include_stop_str_in_output,
               logit_bias=_logit_bias(req), allowed_token_ids=req.allowed_token_ids,
               bad_words=req.bad_words or None,

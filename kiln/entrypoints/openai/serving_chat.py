@@ -19,7 +19,7 @@ from kiln.entrypoints.openai.chat_rendering import (
     render_chat_prompt,
     request_chat_template,
 )
-from kiln.entrypoints.openai.errors import OpenAIError
+from kiln.entrypoints.openai.errors import OpenAIError, request_value
 from kiln.entrypoints.openai.protocol import ChatCompletionRequest
 from kiln.entrypoints.openai.request_defaults import RequestDefaults
 from kiln.entrypoints.openai.request_fields import (
@@ -100,8 +100,9 @@ class ServingChat(ChatAnswers):
         constraint, field = request_structured_outputs(req, self.disable_any_whitespace)
         if plan.constraint is not None:
             if constraint is not None:
-                raise OpenAIError(f"tool_choice {req.tool_choice!r} fixes the answer's shape; "
-                                  f"drop {field}", param=field, code="invalid_value")
+                raise OpenAIError(f"tool_choice {request_value(req.tool_choice)} fixes the "
+                                  f"answer's shape; drop {field}", param=field,
+                                  code="invalid_value")
             constraint, field = plan.constraint, "tools"
         if constraint is not None:
             await check_compiles(constraint, field)
@@ -130,8 +131,9 @@ class ServingChat(ChatAnswers):
         if req.use_beam_search:
             refuse_lora_beam_search(self.models.lora_request(model))
             if constraint is not None:  # a tool_choice's grammar: the search follows none
-                raise OpenAIError(f"tool_choice={req.tool_choice!r} is refused with "
-                                  "use_beam_search=true: beam search follows no grammar",
+                raise OpenAIError(f"tool_choice={request_value(req.tool_choice)} is refused "
+                                  "with use_beam_search=true: beam search follows no grammar; "
+                                  'give tool_choice "auto" or "none", or drop use_beam_search',
                                   param="tool_choice", code="unsupported_parameter")
             try:
                 (final,) = await until_disconnect(raw, beam_search(

@@ -14,7 +14,7 @@ from kiln.structured_output.params import (
 
 # vLLM's older names -> the StructuredOutputsParams field they set.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-           "guided_grammar": "grammar"}
+           "guided_grammar": "grammar", "structural_tag": "structural_tag"}
 # The request fields that each constrain the output: at most one may (openapi.py says so too).
 CONSTRAINT_FIELDS = ("response_format", "structured_outputs", *_GUIDED)
 
@@ -28,11 +28,28 @@ def _from_response_format(fmt) -> dict | None:
         return None
     if fmt.type == "json_object":
         return {"json_object": True}
+    if fmt.type == "structural_tag":
+        return {"structural_tag": _structural_tag(fmt)}
     spec = fmt.json_schema or {}
     schema = spec.get("schema")
     if schema is None:  # OpenAI requires one; vLLM reads its absence as any JSON object
         return {"json_object": True}
     return {"json": schema}
+
+
+def _structural_tag(fmt) -> dict:
+    """vLLM's response_format of type structural_tag as the tag it stands for: xgrammar's
+    format, or the legacy structures and triggers (one of the two forms)."""
+    legacy = {k: getattr(fmt, k) for k in ("structures", "triggers") if getattr(fmt, k) is not None}
+    if (fmt.format is None) == (not legacy):
+        raise OpenAIError("response_format of type structural_tag takes format (a structural "
+                          "tag's format object) or vLLM's legacy structures and triggers, "
+                          f"one of the two; got {'both' if legacy else 'neither'}",
+                          param="response_format", code="invalid_value")
+    if fmt.format is not None:
+        return {"type": "structural_tag", "format": fmt.format}
+    return {"type": "structural_tag", "structures": legacy.get("structures"),
+            "triggers": legacy.get("triggers")}
 
 
 def request_structured_outputs(req, disable_any_whitespace: bool = False
