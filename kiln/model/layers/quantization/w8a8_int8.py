@@ -5,7 +5,7 @@ quantized per token at run time (dynamic, symmetric), the GEMM in int8 with int3
 compressed-tensors checkpoint loads into them; `quantize_loaded(model)` (online, `--quantization
 int8`) quantizes float weights already loaded, then packs every int8 weight into VNNI panels on
 CPUs whose GEMM reads them so (kiln/ir/int8_panels.py; the weight as stored is let go).
-Embeddings and the LM head stay in the model dtype.
+Embeddings, the LM head and a classifier's score head stay in the model dtype.
 """
 from dataclasses import dataclass, field
 
@@ -139,8 +139,8 @@ class Int8W8A8Config:
         for name, module in model.named_modules():
             if not isinstance(module, LinearBase):
                 continue
-            if self.online and not getattr(module, "online_quantization", True):
-                continue  # an MoE router (kiln/model/layers/fused_moe.py)
+            if self.online and not module.online_quantization:
+                continue  # an MoE router, a classifier's score head
             if not self.online and not self._stored_quantized(model, name, parts):
                 continue
             chosen.append((name, module))
