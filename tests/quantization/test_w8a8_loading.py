@@ -161,6 +161,19 @@ def test_int8_formats_load(tiny_llama_dir, tmp_path, edit):
         "model.layers.0.mlp.down_proj"].weight.dtype == torch.int8
 
 
+def test_a_scheme_kept_as_compression_config_loads(tiny_llama_dir, tmp_path):
+    """llm-compressor's first releases wrote it under config.json's compression_config (vLLM
+    reads either): the checkpoint loaded as a float one and failed at its first int8 tensor."""
+    d = write_w8a8_checkpoint(tiny_llama_dir, tmp_path / "q")
+    config = json.loads((d / "config.json").read_text())
+    config["compression_config"] = config.pop("quantization_config")
+    (d / "config.json").write_text(json.dumps(config))
+    cfg = kiln_config_for(d)
+    assert cfg.model_config.quantization == "compressed-tensors"
+    assert cfg.model_config.quant_kind == "int8"
+    assert _linears(get_model(cfg))["model.layers.0.mlp.down_proj"].weight.dtype == torch.int8
+
+
 @pytest.mark.parametrize("tensor, dtype, says", [
     # A GPTQ column order stored as a g_idx would change what the weight means: not read.
     ("weight_g_idx", torch.int32, "a group index"),
