@@ -113,6 +113,13 @@ def to_int8(layer: LinearBase, weight: torch.Tensor | None = None,
     layer.register_buffer("weight_panels", None, persistent=False)  # pack_for_cpu
 
 
+def _holds_part(model: nn.Module) -> bool:
+    """Whether `model` is one pipeline stage's part of the model (others hold the rest)."""
+    from kiln.distributed.pipeline import PPMissingLayer
+
+    return any(isinstance(m, PPMissingLayer) for m in model.modules())
+
+
 def checkpoint_module_name(model: nn.Module, name: str) -> str:
     """Kiln module `name` as the checkpoint names it (Mixtral's `mlp` is its
     `block_sparse_moe`): what an ignore list's patterns are written against."""
@@ -174,7 +181,9 @@ class Int8W8A8Config:
         if self.online:
             return 0
         chosen, experts = self.layers(model), self.expert_layers(model)
-        if not chosen and not experts:  # a checkpoint of int8 tensors read as all float
+        # a checkpoint of int8 tensors read as all float; a pipeline stage holds some layers
+        # only, which may all be ignored while another stage's are not
+        if not chosen and not experts and not _holds_part(model):
             from kiln.model.layers.quantization.compressed_tensors import UnsupportedQuantization
 
             raise UnsupportedQuantization(
