@@ -36,6 +36,14 @@ def for_sequence_classification(causal_cls: type) -> type:
                                               bias=False)
             finally:
                 torch.set_default_dtype(previous)
+            self.score.online_quantization = False  # the head stays float32, as the LM head
+
+        def checkpoint_module_name(self, name: str) -> str:
+            # a head built from the LM head's rows (tied: the embedding's, which is that head)
+            # is stored as the LM head is: what a quantization_config's lm_head entry says
+            if name == "score" and getattr(self.config, "method", None) is not None:
+                name = "lm_head"
+            return super().checkpoint_module_name(name)
 
         def owns(self, name: str) -> bool:
             return name.startswith("score.") or super().owns(name)

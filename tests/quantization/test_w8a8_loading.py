@@ -161,6 +161,41 @@ def test_int8_formats_load(tiny_llama_dir, tmp_path, edit):
         "model.layers.0.mlp.down_proj"].weight.dtype == torch.int8
 
 
+def test_a_scheme_kept_as_compression_config_loads(tiny_llama_dir, tmp_path):
+    """llm-compressor's first releases wrote it under config.json's compression_config (vLLM
+    reads either): the checkpoint loaded as a float one and failed at its first int8 tensor."""
+    d = write_w8a8_checkpoint(tiny_llama_dir, tmp_path / "q")
+    config = json.loads((d / "config.json").read_text())
+    config["compression_config"] = config.pop("quantization_config")
+    (d / "config.json").write_text(json.dumps(config))
+    cfg = kiln_config_for(d)
+    assert cfg.model_config.quantization == "compressed-tensors"
+    assert cfg.model_config.quant_kind == "int8"
+    assert _linears(get_model(cfg))["model.layers.0.mlp.down_proj"].weight.dtype == torch.int8
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_pipeline_stage_whose_layers_are_all_ignored_loads_them_float(tiny_llama_dir, tmp_path,
+                                                                        monkeypatch, stage):
+    """Layer 0 int8, layer 1 stored float (ignored), a stage each at -pp 2: the stage holding
+    layer 1 alone was refused as if targets / ignore selected no linear of the model."""
+    from kiln.distributed import parallel_state
+
+    d = write_w8a8_checkpoint(tiny_llama_dir, tmp_path / "q", keep_float=r"model\.layers\.1\..*",
+                              ignore=["lm_head", r"re:model\.layers\.1\..*"])
+    monkeypatch.setitem(parallel_state._groups, "pp",
+                        parallel_state.GroupInfo("pp", (0, 1), stage))
+    layers = _linears(get_model(kiln_config_for(d)))
+    assert layers and {name.split(".")[2] for name in layers} == {str(stage)}
+    dtype = torch.float32 if stage else torch.int8
+    assert all(m.weight.dtype == dtype for m in layers.values())
+    # targets selecting nothing anywhere are still refused at -pp, by the first int8 tensor
+    nothing = _edited(tiny_llama_dir, tmp_path / "none",
+                      lambda qc: _group(qc).update(targets=["re:.*no_such_proj$"]))
+    with pytest.raises(ConfigError, match="checkpoint dtype torch.int8 where torch.float32"):
+        get_model(kiln_config_for(nothing))
+
+
 @pytest.mark.parametrize("tensor, dtype, says", [
     # A GPTQ column order stored as a g_idx would change what the weight means: not read.
     ("weight_g_idx", torch.int32, "a group index"),

@@ -72,6 +72,10 @@ class LinearBase(EagerCall):
 
     supports_cpu_packing = True  # see kiln/model/layers/cpu_gemm.py
     quant_method = None  # set by kiln/model/layers/quantization/ for a quantized layer
+    # False: the methods that quantize every linear (online int8 / fp8; GPTQ and AWQ, whose
+    # tools quantize the decoder layers) leave this one in its dtype: an MoE router, a
+    # classifier's score head. A compressed-tensors checkpoint's targets / ignore decide alone.
+    online_quantization = True
     call_fields = cpu_gemm.CALL_FIELDS
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_rank: int | None = None,

@@ -17,6 +17,23 @@ ONLINE_METHODS = ("int8", "fp8", "ptpc_fp8")
 CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq")
 
 
+def with_compression_config(hf_config):
+    """`hf_config` with its `compression_config` as its quantization_config, which every reader
+    then finds: compressed-tensors checkpoints of mid-2024 (llm-compressor's first releases)
+    kept their scheme under that key, and vLLM reads either (quantization_config first). Such
+    a checkpoint loaded as a float one and failed at its first int8 tensor. Unchanged where
+    there is none, or a quantization_config too."""
+    compression = getattr(hf_config, "compression_config", None)
+    if compression is None or getattr(hf_config, "quantization_config", None) is not None:
+        return hf_config
+    from kiln.config.hf_config_snapshot import HFConfigSnapshot, snapshot_of
+
+    snapshot = hf_config if isinstance(hf_config, HFConfigSnapshot) else snapshot_of(hf_config)
+    logger.info("config.json's compression_config is read as its quantization_config (the key "
+                "compressed-tensors checkpoints used before)")
+    return HFConfigSnapshot({**snapshot.to_dict(), "quantization_config": compression})
+
+
 def checkpoint_quant_method(hf_config) -> str | None:
     """The checkpoint's `quantization_config.quant_method`, or None for a float checkpoint."""
     qc = getattr(hf_config, "quantization_config", None)

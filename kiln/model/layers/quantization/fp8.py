@@ -2,7 +2,7 @@
 e4m3 weights with a float32 scale per tensor (fp8) or per output channel (ptpc_fp8), activations
 quantized per token at run time; the GEMM is the IR's fp8_scaled_mm (torch._scaled_mm on GPU).
 
-Embeddings and the LM head stay in the model dtype, as under int8.
+Embeddings, the LM head and a classifier's score head stay in the model dtype, as under int8.
 """
 from dataclasses import dataclass
 
@@ -46,7 +46,8 @@ class Fp8W8A8Config:
     def quantize_loaded(self, model: nn.Module) -> int:
         """Each linear's loaded float weight -> e4m3 (the float copy, and any GGUF blocks
         attached to it, are freed)."""
-        chosen = [m for m in model.modules() if isinstance(m, LinearBase)]
+        chosen = [m for m in model.modules()
+                  if isinstance(m, LinearBase) and m.online_quantization]
         for layer in chosen:
             q, scale = quantize_weight_fp8(layer.weight.data, self.per_channel)
             layer.weight = nn.Parameter(q, requires_grad=False)

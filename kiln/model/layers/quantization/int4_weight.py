@@ -96,7 +96,7 @@ class Int4WeightConfig:
             return Int8W8A8Config(online=False, targets=self.targets,
                                   ignore=self.ignore).layers(model)
         return [(name, m) for name, m in model.named_modules()
-                if isinstance(m, LinearBase) and getattr(m, "online_quantization", True)
+                if isinstance(m, LinearBase) and m.online_quantization
                 and not self._skipped(model, name)]
 
     def _skipped(self, model: nn.Module, name: str) -> bool:

@@ -5,7 +5,7 @@ quantized per token at run time (dynamic, symmetric), the GEMM in int8 with int3
 compressed-tensors checkpoint loads into them; `quantize_loaded(model)` (online, `--quantization
 int8`) quantizes float weights already loaded, then packs every int8 weight into VNNI panels on
 CPUs whose GEMM reads them so (kiln/ir/int8_panels.py; the weight as stored is let go).
-Embeddings and the LM head stay in the model dtype.
+Embeddings, the LM head and a classifier's score head stay in the model dtype.
 """
 from dataclasses import dataclass, field
 
@@ -113,6 +113,13 @@ def to_int8(layer: LinearBase, weight: torch.Tensor | None = None,
     layer.register_buffer("weight_panels", None, persistent=False)  # pack_for_cpu
 
 
+def _holds_part(model: nn.Module) -> bool:
+    """Whether `model` is one pipeline stage's part of the model (others hold the rest)."""
+    from kiln.distributed.pipeline import PPMissingLayer
+
+    return any(isinstance(m, PPMissingLayer) for m in model.modules())
+
+
 def checkpoint_module_name(model: nn.Module, name: str) -> str:
     """Kiln module `name` as the checkpoint names it (Mixtral's `mlp` is its
     `block_sparse_moe`): what an ignore list's patterns are written against."""
@@ -139,8 +146,8 @@ class Int8W8A8Config:
         for name, module in model.named_modules():
             if not isinstance(module, LinearBase):
                 continue
-            if self.online and not getattr(module, "online_quantization", True):
-                continue  # an MoE router (kiln/model/layers/fused_moe.py)
+            if self.online and not module.online_quantization:
+                continue  # an MoE router, a classifier's score head
             if not self.online and not self._stored_quantized(model, name, parts):
                 continue
             chosen.append((name, module))
@@ -174,7 +181,9 @@ class Int8W8A8Config:
         if self.online:
             return 0
         chosen, experts = self.layers(model), self.expert_layers(model)
-        if not chosen and not experts:  # a checkpoint of int8 tensors read as all float
+        # a checkpoint of int8 tensors read as all float; a pipeline stage holds some layers
+        # only, which may all be ignored while another stage's are not
+        if not chosen and not experts and not _holds_part(model):
             from kiln.model.layers.quantization.compressed_tensors import UnsupportedQuantization
 
             raise UnsupportedQuantization(
