@@ -211,12 +211,13 @@ def add_engine_flags(parser: argparse.ArgumentParser,
                         "compressed-tensors, GPTQ or AWQ checkpoint needs no flag")
     g.add_argument("--quantization-rotation", default=d.quantization_rotation,
                    choices=ROTATION_CHOICES,
-                   help="with --quantization int8: rotate a Llama model's residual stream by a "
-                        "fixed orthogonal matrix (Hadamard x seeded random, QuaRot-style, no "
-                        "calibration) before quantizing, which spreads its outlier channels "
-                        "and brings int8's perplexity closer to the float model's; auto "
-                        "(default): where it applies (online int8, Llama / Mistral / Qwen2, "
-                        "-pp 1, no LoRA, no EAGLE, the generate runner), else none; "
+                   help="with --quantization int8: rotate a Llama-style model's residual "
+                        "stream by a fixed orthogonal matrix (Hadamard x seeded random, "
+                        "QuaRot-style, no calibration) before quantizing, which spreads its "
+                        "outlier channels and brings int8's perplexity closer to the float "
+                        "model's; auto (default): where it applies (online int8, Llama / "
+                        "Mistral / Qwen2 / Qwen3 / Granite / ERNIE-4.5 / Seed-OSS / SmolLM3 / "
+                        "Phi-3, -pp 1, no LoRA, no EAGLE, the generate runner), else none; "
                         "hadamard: refused where it does not apply")
     g.add_argument("--speculative-config", default=d.speculative_config, metavar="JSON",
                    help="speculative decoding, as vLLM's: '{\"method\": \"ngram\", "

@@ -6,9 +6,14 @@ import math
 import torch
 from torch import nn
 
-# Classes of Llama's layout, whose layers rotate_llama knows (plain RMSNorms before attention
-# and the MLP, no q/k norms, no post-norms; Qwen2: Llama's with q/k/v biases).
-ROTATABLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Classes of Llama's residual stream, whose layers rotate_llama knows: plain RMSNorms before
+# attention and a dense MLP, no post-norms. What they add leaves the stream alone: biases
+# (which it moves), Qwen3's per-head q/k norms (on W_q x, after Q is folded into W_q), Granite's
+# scalar multipliers (a scalar commutes with Q), ERNIE-4.5's interleaved rope, SmolLM3's NoPE
+# layers, Phi-3's fused checkpoint tensors (split on load, before the rotation).
+ROTATABLE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM", "GraniteForCausalLM", "Ernie4_5ForCausalLM",
+                           "SeedOssForCausalLM", "SmolLM3ForCausalLM", "Phi3ForCausalLM")
 MAX_HADAMARD = 64  # Q = H_64 (x) a random orthogonal d/64 x d/64 where d allows
 SEED = 0
 

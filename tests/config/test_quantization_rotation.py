@@ -1,8 +1,9 @@
 """quantization_rotation's resolution (kiln/config/quantization_rotation.py): "auto" (the default)
-is "hadamard" for online int8 on a Llama / Mistral / Qwen2 model on one pipeline stage (any
--tp), by the generate runner, without LoRA or an EAGLE head, else "none", saying why; an
-explicit "hadamard" is refused where "auto" would be "none"; what runs is never "auto", and a
-config resolved again decides again.
+is "hadamard" for online int8 on a model of Llama's residual stream (Llama, Mistral, Qwen2 / 3,
+Granite, ERNIE-4.5, Seed-OSS, SmolLM3, Phi-3) on one pipeline stage (any -tp), by the generate
+runner, without LoRA or an EAGLE head, else "none", saying why; an explicit "hadamard" is
+refused where "auto" would be "none"; what runs is never "auto", and a config resolved again
+decides again.
 """
 import argparse
 import dataclasses
@@ -29,6 +30,7 @@ APPLIES = {"quantization": "int8", "architecture": LLAMA}
     ({"quantization": "compressed-tensors"}, "quantization='compressed-tensors'"),
     ({"quantization": "gptq"}, "quantization='gptq'"),
     ({"architecture": "GemmaForCausalLM"}, "GemmaForCausalLM (only LlamaForCausalLM"),
+    ({"architecture": "Qwen3MoeForCausalLM"}, "Qwen3MoeForCausalLM (only LlamaForCausalLM"),
     ({"architecture": "LlamaForSequenceClassification"}, "LlamaForSequenceClassification"),
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
     ({"runner_type": "pooling"}, "runner='pooling'"),
@@ -47,7 +49,9 @@ def test_each_blocker_turns_auto_off_and_refuses_hadamard(change, fact):
 
 @pytest.mark.parametrize("spec", [None, "ngram", "draft_model"])
 def test_auto_rotates_online_int8_llama(spec):
-    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                 "GraniteForCausalLM", "Ernie4_5ForCausalLM", "SeedOssForCausalLM",
+                 "SmolLM3ForCausalLM", "Phi3ForCausalLM"):
         blocker = qr.rotation_blocker("int8", arch, speculative_method=spec)
         assert blocker is None
         assert qr.resolve_rotation("auto", blocker) == "hadamard"

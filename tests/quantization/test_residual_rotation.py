@@ -123,10 +123,17 @@ def test_refusals_name_the_flag(tiny_llama_dir, kw, message):
     ("olmo2", "Olmo2ForCausalLM"),  # norms after the blocks, before the residual add
     ("gemma2", "Gemma2ForCausalLM"),  # norms before and after each block
     ("phi", "PhiForCausalLM"),  # LayerNorm: its mean is not rotation invariant
+    ("exaone4", "Exaone4ForCausalLM"),  # OLMo-2's post-block norms
+    ("glm4", "Glm4ForCausalLM"),  # Gemma-2's sandwich norms
+    # Llama's stream with experts: rotate_llama knows no MoE block
+    ("mixtral", "MixtralForCausalLM"),
+    ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    ("qwen3_moe", "Qwen3MoeForCausalLM"),
 ])
 def test_other_families_run_int8_unrotated(request, family, architecture):
     """rotate_llama folds each norm's weight into the linears after it: wrong where the norms
-    differ from Llama's, so auto runs their int8 unrotated and hadamard is refused."""
+    differ from Llama's, or where it knows no block reading the stream, so auto runs their int8
+    unrotated and hadamard is refused."""
     model = str(request.getfixturevalue(f"tiny_{family}_dir"))
     config = EngineArgs(model=model, quantization="int8").create_kiln_config()
     assert config.model_config.quantization_rotation == "none"

@@ -1,10 +1,11 @@
 """Online int8's residual-stream rotation (`quantization_rotation` auto) on the engine paths beside
 test_residual_rotation.py's plain Llama engine: a GGUF file, each rotatable family (Llama with
-biases, Mistral with a sliding window, Qwen2), data parallel replicas, prefix-cache hits, n-gram
-and draft-model speculation. Forced onto a float model the transform is exact (logprobs within
-2e-4, measured 1e-5); rotated int8 answers as the same engine does without the path (1e-4,
-measured 4e-6). Where it cannot apply auto runs unrotated: LoRA (here), other norm layouts
-(test_residual_rotation.py).
+biases, Mistral with a sliding window, Qwen2, Qwen3's q/k norms, Granite's multipliers, ERNIE-4.5,
+Seed-OSS, SmolLM3, Phi-3), data parallel replicas, prefix-cache hits, n-gram and draft-model
+speculation. Forced onto a float model the transform is exact (logprobs within 2e-4, measured
+1e-5); rotated int8 answers as the same engine does without the path (1e-4, measured 4e-6).
+Where it cannot apply auto runs unrotated: LoRA (here), other norm layouts and the mixtures of
+experts (test_residual_rotation.py).
 """
 import os
 from pathlib import Path
@@ -28,13 +29,21 @@ from checkpoints import (
 
 EXACT = 2e-4  # float32 rounding of a transform exact in real arithmetic
 SAME_ENGINE = 1e-4  # one int8 engine's answers computed another way (measured 4e-6)
-# int8 against HF's float logprobs of the same tokens (measured 0.12-0.17; the rotation with
+# int8 against HF's float logprobs of the same tokens (measured 0.06-0.17; the rotation with
 # the o / down biases left unrotated: 1.9, the v biases: 1.5-1.8)
 FROM_FLOAT = 0.3
-# rotatable architecture -> (tiny checkpoint kind, its fields): every one is checked here
-FAMILIES = {"LlamaForCausalLM": ("llama", {"attention_bias": True, "mlp_bias": True}),
+_BIASES = {"attention_bias": True, "mlp_bias": True}
+# rotatable architecture -> (tiny checkpoint kind, its fields): every one is checked here, with
+# every bias the family can have
+FAMILIES = {"LlamaForCausalLM": ("llama", _BIASES),
             "MistralForCausalLM": ("mistral_window", {}),
-            "Qwen2ForCausalLM": ("qwen2", {})}  # q/k/v biases
+            "Qwen2ForCausalLM": ("qwen2", {}),  # q/k/v biases
+            "Qwen3ForCausalLM": ("qwen3", {"attention_bias": True}),  # per-head q/k norms
+            "GraniteForCausalLM": ("granite", _BIASES),  # four multipliers, none of them 1
+            "Ernie4_5ForCausalLM": ("ernie4_5", {}),  # use_bias: every linear's
+            "SeedOssForCausalLM": ("seed_oss", {"mlp_bias": True}),  # o_proj's own switch
+            "SmolLM3ForCausalLM": ("smollm3", _BIASES),  # layer 1 NoPE
+            "Phi3ForCausalLM": ("phi3", {})}  # fused qkv / gate_up, split on load
 
 
 def force_rotation(monkeypatch) -> None:
@@ -87,9 +96,10 @@ def test_every_rotatable_architecture_is_checked_here():
 @pytest.mark.parametrize("architecture", sorted(FAMILIES))
 def test_each_rotatable_family_is_exact_and_int8_runs_rotated(architecture, tmp_path,
                                                               monkeypatch):
-    """Norms folded, biases moved (q/k/v, o, down: drawn at random, not HF's zeros), Mistral's
-    window: the transform forced onto the float model is exact; int8 as shipped rotates and
-    stays near HF's float logprobs of the tokens it chose."""
+    """Norms folded (Qwen3's q/k norms left as drawn), biases moved (q/k/v, o, gate/up, down:
+    drawn at random, not HF's zeros), Mistral's window, Granite's multipliers: the transform
+    forced onto the float model is exact; int8 as shipped rotates and stays near HF's float
+    logprobs of the tokens it chose."""
     from transformers import AutoModelForCausalLM
 
     kind, fields = FAMILIES[architecture]
