@@ -180,7 +180,8 @@ static int attend(const void *q, int64_t q_stride, void *out, int64_t out_stride
         float *scores = (float *)malloc(sizeof(float) * rows * score_cols);
         float *qs = (float *)malloc(sizeof(float) * rows * (size_t)hd);
         float *acc = (float *)malloc(sizeof(float) * rows * (size_t)hd);
-        float *buf = (float *)malloc(sizeof(float) * 8 * (size_t)hd); /* or 16 bf16 rows */
+        /* 16 bfloat16 key rows, then the query rows in pair_query's form (attend_blocks) */
+        float *buf = (float *)malloc(sizeof(float) * (8 + rows) * (size_t)hd);
         float *denom = (float *)malloc(sizeof(float) * rows);
         float *mx = (float *)malloc(sizeof(float) * rows);
         int64_t *slots = (int64_t *)malloc(sizeof(int64_t) * (size_t)max_seq_len);

@@ -26,7 +26,10 @@
 
 /* Keys ahead whose K and V rows are asked for while a chunk is computed (into L2), over a 16- or
  * 32-bit cache; over fp8, whose rows are half as long, twice as many (measured: 32 took 1-4%
- * longer than the two-pass kernel at 32 x 2048 keys out of L3, 64 about as long or less). */
+ * longer than the two-pass kernel at 32 x 2048 keys out of L3, 64 about as long or less). The K
+ * rows are asked for among the dot products, the V rows among the softmax rows: all of them among
+ * the dot products, now shorter, came in bursts that took up to 20% longer over caches out of L3
+ * (docs/measurements.md). */
 #define CHUNK_AHEAD 32
 
 /* The byte offsets of keys [s, s + n)'s rows (from head offset head_off) into at, -1 past
@@ -42,14 +45,10 @@ static inline void chunk_rows(int64_t *at, const int32_t *blocks, int block_size
     }
 }
 
-/* Asks for the K and V rows (`bytes` each) at byte offset at (none for -1) into L2. */
-static inline void prefetch_kv(const void *k_cache, const void *v_cache, int64_t at,
-                               int64_t bytes) {
+/* Asks for the row (`bytes`) at byte offset at of a cache (none for -1) into L2. */
+static inline void prefetch_row(const void *cache, int64_t at, int64_t bytes) {
     if (at < 0) return;
-    for (int64_t x = 0; x < bytes; x += 64) {
-        __builtin_prefetch((const char *)k_cache + at + x, 0, 2);
-        __builtin_prefetch((const char *)v_cache + at + x, 0, 2);
-    }
+    for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch((const char *)cache + at + x, 0, 2);
 }
 
 /* o [rows, w] (row stride hd) = o * alpha[r] (nothing where `first`) + sum over the chunk's n keys
@@ -113,13 +112,15 @@ static inline void unpair_rows(float *o, int rows, const int hd) {
 }
 
 /* The scores of the chunk's keys from slot0 on (n <= CHUNK_KEYS, in one block) into p [rows,
- * CHUNK_KEYS], four keys at a time (the last four repeat the chunk's last key where n is not a
- * multiple of 4; their lanes are never read). Arguments as attend_blocks'. */
+ * CHUNK_KEYS], asking for the K rows of the keys at ahead[0..CHUNK_KEYS) on the way: with
+ * bf16_dot from the query rows in pair_query's form qx [rows, 2 * hd], up to DOT_TILE query
+ * heads of a kv head at a time; else four keys at a time (the last four repeat the chunk's last
+ * key where n is not a multiple of 4; their lanes are never read). Other arguments as
+ * attend_blocks'. */
 static inline __attribute__((always_inline)) void chunk_scores(
-    const float *qs, const uint16_t *qb, float scale, const void *k_cache, int64_t slot0, int n,
+    const float *qs, const uint16_t *qx, float scale, const void *k_cache, int64_t slot0, int n,
     int h0, int nh_kv, int64_t slot_stride, int group, int dtype, int bf16_dot, uint16_t *kb,
-    const void *tab, float *p, const void *v_cache, const int64_t *ahead, int64_t bytes,
-    const int hd) {
+    const void *tab, float *p, const int64_t *ahead, int64_t bytes, const int hd) {
     (void)kb, (void)tab;
     const int calls = nh_kv * group;
     int asked = 0; /* the prefetches go among the dot products: in one burst they stalled */
@@ -139,17 +140,23 @@ static inline __attribute__((always_inline)) void chunk_scores(
                 k = kb, at = 0, stride = hd;
             }
 #endif
-            for (int g = 0; g < group; ++g) {
-                const int upto = (int)((row + g + 1) * CHUNK_KEYS / calls);
-                for (; asked < upto; ++asked) prefetch_kv(k_cache, v_cache, ahead[asked], bytes);
-                _mm512_storeu_ps(p + (row + g) * CHUNK_KEYS,
-                                 dot16_bf16(qb + (row + g) * hd, k, at, stride, n, scale, hd));
+            for (int g = 0; g < group; g += DOT_TILE) {
+                const int t = group - g < DOT_TILE ? group - g : DOT_TILE;
+                const int upto = (int)((row + g + t) * CHUNK_KEYS / calls);
+                for (; asked < upto; ++asked) prefetch_row(k_cache, ahead[asked], bytes);
+                const uint16_t *q = qx + (row + g) * 2 * hd;
+                float *pr = p + (row + g) * CHUNK_KEYS;
+                switch (t) { /* constant tile sizes, so the sums stay in registers */
+                    case 3: dots16_bf16(q, k, at, stride, n, scale, pr, 3, hd); break;
+                    case 2: dots16_bf16(q, k, at, stride, n, scale, pr, 2, hd); break;
+                    default: dots16_bf16(q, k, at, stride, n, scale, pr, 1, hd);
+                }
             }
         }
         return;
     }
     for (int j = 0; j < n; j += 4) {
-        for (int i = 0; i < 4; ++i) prefetch_kv(k_cache, v_cache, ahead[j + i], bytes);
+        for (int i = 0; i < 4; ++i) prefetch_row(k_cache, ahead[j + i], bytes);
         int64_t off[4];
         for (int i = 0; i < 4; ++i)
             off[i] = (slot0 + (j + i < n ? j + i : n - 1)) * slot_stride + (int64_t)h0 * hd;
@@ -166,7 +173,8 @@ static inline __attribute__((always_inline)) void chunk_scores(
  * rescaled by e^(old max - new max) when a chunk raises a row's maximum), then their values (for
  * bfloat16 queries over a bfloat16 or fp8 cache, on VDPBF16PS: paged_attention_pv.h). The
  * scores buffer holds rows * (CHUNK_KEYS + 1) floats: a chunk's probabilities, then the rows'
- * rescale factors. (Two passes, all scores then all values, read the values a second time, out
+ * rescale factors; buf (8 + rows) * hd: 16 bfloat16 key rows, then the query rows in
+ * pair_query's form. (Two passes, all scores then all values, read the values a second time, out
  * of L2 or L3, once per kv head.) */
 static inline __attribute__((always_inline)) void attend_blocks(
     const float *qs, const uint16_t *qb, float scale, const void *k_cache, const void *v_cache,
@@ -176,6 +184,10 @@ static inline __attribute__((always_inline)) void attend_blocks(
     const int rows = nh_kv * group, elem = elem_size(dtype);
     const int64_t head_off = (int64_t)h0 * hd, bytes = (int64_t)nh_kv * hd * elem;
     const int bf16_dot = qb && kiln_paged_attention_bf16_dot(dtype, hd);
+    uint16_t *qx = (uint16_t *)(buf + 8 * hd);
+    if (bf16_dot)
+        for (int r = 0; r < rows; ++r)
+            pair_query(qb + (int64_t)r * hd, qx + (int64_t)r * 2 * hd, hd);
     float *alpha = p + rows * CHUNK_KEYS, *lane_sums = alpha + rows;
 #if KILN_FP8_SIMD
     const Fp8Tab tab_regs = fp8_tab(dtype);
@@ -190,7 +202,8 @@ static inline __attribute__((always_inline)) void attend_blocks(
     const int lead = elem == 1 ? 2 * CHUNK_AHEAD : CHUNK_AHEAD;
     int64_t ahead[2 * CHUNK_AHEAD > CHUNK_KEYS ? 2 * CHUNK_AHEAD : CHUNK_KEYS];
     chunk_rows(ahead, blocks, block_size, k0, lead, n_keys, slot_stride, head_off, elem);
-    for (int j = 0; j < lead; ++j) prefetch_kv(k_cache, v_cache, ahead[j], bytes);
+    for (int j = 0; j < lead; ++j)
+        prefetch_row(k_cache, ahead[j], bytes), prefetch_row(v_cache, ahead[j], bytes);
     for (int s = k0, first = 1; s < n_keys; first = 0) {
         const int in = s % block_size, left = n_keys - s;
         int n = block_size - in < CHUNK_KEYS ? block_size - in : CHUNK_KEYS;
@@ -198,10 +211,12 @@ static inline __attribute__((always_inline)) void attend_blocks(
         for (int j = 0; j < CHUNK_KEYS; ++j) ahead[j] = -1;
         chunk_rows(ahead, blocks, block_size, s + lead, n, n_keys, slot_stride, head_off, elem);
         const int64_t slot0 = (int64_t)blocks[s / block_size] * block_size + in;
-        chunk_scores(qs, qb, scale, k_cache, slot0, n, h0, nh_kv, slot_stride, group, dtype,
-                     bf16_dot, (uint16_t *)buf, tab, p, v_cache, ahead, bytes, hd);
+        chunk_scores(qs, qx, scale, k_cache, slot0, n, h0, nh_kv, slot_stride, group, dtype,
+                     bf16_dot, (uint16_t *)buf, tab, p, ahead, bytes, hd);
         const __mmask16 live = (__mmask16)((1u << n) - 1);
-        for (int r = 0; r < rows; ++r) {
+        for (int r = 0, asked = 0; r < rows; ++r) {
+            for (const int upto = (r + 1) * CHUNK_KEYS / rows; asked < upto; ++asked)
+                prefetch_row(v_cache, ahead[asked], bytes);
             float *pr = p + r * CHUNK_KEYS;
             if (softcap > 0.f) /* Gemma-2's soft cap of the scaled scores */
                 for (int j = 0; j < n; ++j) pr[j] = softcap * tanhf(pr[j] / softcap);

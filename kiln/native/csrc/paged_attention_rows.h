@@ -121,48 +121,78 @@ static inline __attribute__((always_inline)) __m128 dot4(const float *qg, const 
 }
 
 #if KILN_ATTN_BF16_DOT
-/* The lane sums of a[0..15] as one vector, lane j a[j]'s: halves, quarters, pairs, then lanes of
- * the 16 vectors added pairwise (46 instructions, where sum4 four times took about 64). */
-static inline __attribute__((always_inline)) __m512 sum16(const __m512 *a) {
-    __m512 c[8], d[4], e[2];
-    for (int i = 0; i < 8; ++i) /* c[i]: 256-bit halves of keys i, i + 8 */
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 8], 0x44),
-                             _mm512_shuffle_f32x4(a[i], a[i + 8], 0xee));
+/* Query heads of a GQA group whose scores one pass over a chunk's key rows computes: their 8
+ * sums each, 24 registers at 3 beside 6 of queries and 4 of keys (GCC spills 3; tiles of 2, which
+ * read the keys twice for SmolLM2's group of 3, took 7% longer). */
+#define DOT_TILE 3
+
+/* A bfloat16 query row q [hd] as dots16_bf16 reads it, into qx [2 * hd]: each 32 dims' first 16
+ * twice (both 256-bit halves of a register), then their last 16 twice. */
+static inline void pair_query(const uint16_t *q, uint16_t *qx, int hd) {
+    for (int d = 0; d < hd; d += 32)
+        for (int h = 0; h < 2; ++h)
+            _mm512_storeu_si512(qx + 2 * d + 32 * h,
+                                _mm512_broadcast_i64x4(
+                                    _mm256_loadu_si256((const __m256i *)(q + d + 16 * h))));
+}
+
+/* The 16 keys' dot products, lane j key j's, from c[0..7], each 256-bit half of which holds 8
+ * sums of one key's: c[i]'s keys i and i + 4 for i < 4, i + 4 and i + 8 else (the order in which
+ * the tree leaves them in key order). */
+static inline __attribute__((always_inline)) __m512 sum8_halves(const __m512 *c) {
+    __m512 d[4], e[2];
     for (int i = 0; i < 4; ++i) /* d[i]: 128-bit lanes of keys i, i + 8, i + 4, i + 12 */
         d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[i], c[i + 4], 0x88),
                              _mm512_shuffle_f32x4(c[i], c[i + 4], 0xdd));
-    for (int i = 0; i < 2; ++i) { /* e[i]: in each 128-bit lane, pairs of keys k + 2i, k + 2i + 1 */
+    for (int i = 0; i < 2; ++i) { /* e[i]: in each 128-bit lane, pairs of keys */
         const __m512d x = _mm512_castps_pd(d[2 * i]), y = _mm512_castps_pd(d[2 * i + 1]);
         e[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
                              _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
     }
-    /* f: 128-bit lanes of keys 0-3, 8-11, 4-7, 12-15 */
-    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88),
-                                   _mm512_shuffle_ps(e[0], e[1], 0xdd));
-    return _mm512_shuffle_f32x4(f, f, 0xd8);
+    return _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xdd));
 }
 
-/* A bfloat16 query row against 16 key rows of a bfloat16 cache (or rows converted to it), key j's
- * at element offset off + j * stride, or key n - 1's from j = n on: their scores times scale, lane
- * j key j's. hd a multiple of 32. */
-static inline __attribute__((always_inline)) __m512 dot16_bf16(const uint16_t *qg,
-                                                               const uint16_t *k, int64_t off,
-                                                               int64_t stride, int n, float scale,
-                                                               const int hd) {
-    __m512 a[16];
-    for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+/* `rows` (<= DOT_TILE) query heads of one kv head, in pair_query's form 2 * hd apart, against 16
+ * key rows of a bfloat16 cache (or rows converted to it), key j's at element offset off + j *
+ * stride, or key n - 1's from j = n on: their scores times scale into p [rows, 16]. hd a multiple
+ * of 32. Each 32 dims of two keys a, b become two registers, [a's first 16 | b's first 16] and
+ * [a's last 16 | b's last 16] (a 128-bit-lane shuffle each), read by all the rows, whose
+ * products so land in 8 vectors of two keys' sums: 21 shuffles and adds a row from there to 16
+ * scores, where a vector per key (16) took 46 (and each row read the keys again). */
+static inline __attribute__((always_inline)) void dots16_bf16(const uint16_t *qx,
+                                                              const uint16_t *k, int64_t off,
+                                                              int64_t stride, int n, float scale,
+                                                              float *p, const int rows,
+                                                              const int hd) {
+    __m512 c[DOT_TILE][8];
+    for (int r = 0; r < rows; ++r)
+        for (int i = 0; i < 8; ++i) c[r][i] = _mm512_setzero_ps();
     for (int d = 0; d < hd; d += 32) {
-        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qg + d);
-        for (int j = 0; j < 16; ++j)
-            a[j] = _mm512_dpbf16_ps(
-                a[j], qv,
-                (__m512bh)_mm512_loadu_si512(k + off + (j < n ? j : n - 1) * stride + d));
+        __m512bh qa[DOT_TILE], qb[DOT_TILE]; /* each row's first and last 16 dims, twice */
+        for (int r = 0; r < rows; ++r) {
+            qa[r] = (__m512bh)_mm512_loadu_si512(qx + (int64_t)r * 2 * hd + 2 * d);
+            qb[r] = (__m512bh)_mm512_loadu_si512(qx + (int64_t)r * 2 * hd + 2 * d + 32);
+        }
+        for (int i = 0; i < 8; ++i) {
+            const int ka = (i & 3) + (i & 4 ? 8 : 0), kb = ka + 4; /* sum8_halves' order */
+            const __m512i a = _mm512_loadu_si512(k + off + (ka < n ? ka : n - 1) * stride + d);
+            const __m512i b = _mm512_loadu_si512(k + off + (kb < n ? kb : n - 1) * stride + d);
+            const __m512bh x = (__m512bh)_mm512_shuffle_i32x4(a, b, 0x44);
+            const __m512bh y = (__m512bh)_mm512_shuffle_i32x4(a, b, 0xee);
+            for (int r = 0; r < rows; ++r)
+                c[r][i] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(c[r][i], x, qa[r]), y, qb[r]);
+        }
     }
-    return _mm512_mul_ps(sum16(a), _mm512_set1_ps(scale));
+    for (int r = 0; r < rows; ++r)
+        _mm512_storeu_ps(p + r * 16,
+                         _mm512_mul_ps(sum8_halves(c[r]), _mm512_set1_ps(scale)));
 }
 #else
 /* never taken: bf16_dot is 0 */
-#define dot16_bf16(qg, k, off, stride, n, scale, hd) _mm512_setzero_ps()
+#define DOT_TILE 1
+#define pair_query(q, qx, hd) ((void)0)
+#define dots16_bf16(qx, k, off, stride, n, scale, p, rows, hd)                                   \
+    ((void)(qx), (void)(k), (void)(off), (void)(stride), (void)(scale), (void)(p))
 #endif
 #endif
 
