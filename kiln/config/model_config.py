@@ -124,8 +124,11 @@ class ModelConfig(ModelShape, FreezableConfig):
         self._resolve_tokenizer_side()
         if self.load_format == "auto":
             self.load_format = "gguf" if self.gguf_file else "safetensors"
-        from kiln.model.layers.quantization import resolve_quantization, with_compression_config
-        self.hf_config = with_compression_config(self.hf_config)
+        from kiln.model.layers.quantization import (
+            resolve_quantization,
+            with_quantization_config_as_read,
+        )
+        self.hf_config = with_quantization_config_as_read(self.hf_config)
         self.quantization = resolve_quantization(self.quantization, self.hf_config)
         from kiln.config.quantization_rotation import requested_rotation
         self.quantization_rotation = self.requested_rotation = requested_rotation(

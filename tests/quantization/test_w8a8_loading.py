@@ -174,6 +174,17 @@ def test_a_scheme_kept_as_compression_config_loads(tiny_llama_dir, tmp_path):
     assert _linears(get_model(cfg))["model.layers.0.mlp.down_proj"].weight.dtype == torch.int8
 
 
+def test_quant_method_is_read_in_any_case(tiny_llama_dir, tmp_path):
+    """vLLM lowercases quant_method; Kiln refused "Compressed-Tensors" as an unknown method."""
+    d = write_w8a8_checkpoint(tiny_llama_dir, tmp_path / "q")
+    config = json.loads((d / "config.json").read_text())
+    config["quantization_config"]["quant_method"] = "Compressed-Tensors"
+    (d / "config.json").write_text(json.dumps(config))
+    cfg = kiln_config_for(d)
+    assert cfg.model_config.quantization == "compressed-tensors"
+    assert _linears(get_model(cfg))["model.layers.0.mlp.down_proj"].weight.dtype == torch.int8
+
+
 @pytest.mark.parametrize("stage", [0, 1])
 def test_a_pipeline_stage_whose_layers_are_all_ignored_loads_them_float(tiny_llama_dir, tmp_path,
                                                                         monkeypatch, stage):

@@ -17,21 +17,30 @@ ONLINE_METHODS = ("int8", "fp8", "ptpc_fp8")
 CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq")
 
 
-def with_compression_config(hf_config):
-    """`hf_config` with its `compression_config` as its quantization_config, which every reader
-    then finds: compressed-tensors checkpoints of mid-2024 (llm-compressor's first releases)
-    kept their scheme under that key, and vLLM reads either (quantization_config first). Such
-    a checkpoint loaded as a float one and failed at its first int8 tensor. Unchanged where
-    there is none, or a quantization_config too."""
-    compression = getattr(hf_config, "compression_config", None)
-    if compression is None or getattr(hf_config, "quantization_config", None) is not None:
-        return hf_config
+def with_quantization_config_as_read(hf_config):
+    """`hf_config` with its quantization config where, and as, every reader expects it, as vLLM
+    reads it: a `compression_config` as its quantization_config (compressed-tensors checkpoints
+    of mid-2024, llm-compressor's first releases, kept their scheme under that key; such a
+    checkpoint loaded as a float one and failed at its first int8 tensor), and its quant_method
+    lowercased ("Compressed-Tensors", "GPTQ": vLLM lowercases it; Kiln refused it). Unchanged
+    where neither applies."""
     from kiln.config.hf_config_snapshot import HFConfigSnapshot, snapshot_of
 
+    config = getattr(hf_config, "quantization_config", None)
+    compression = getattr(hf_config, "compression_config", None)
+    if config is None and compression is not None:
+        logger.info("config.json's compression_config is read as its quantization_config (the "
+                    "key compressed-tensors checkpoints used before)")
+        config = compression
+    elif config is None or not isinstance(config, dict):
+        return hf_config  # none, or a transformers config object the checkpoint readers take
+    method = config.get("quant_method")
+    if isinstance(method, str) and method != method.lower():
+        config = {**config, "quant_method": method.lower()}
+    if config is getattr(hf_config, "quantization_config", None):
+        return hf_config
     snapshot = hf_config if isinstance(hf_config, HFConfigSnapshot) else snapshot_of(hf_config)
-    logger.info("config.json's compression_config is read as its quantization_config (the key "
-                "compressed-tensors checkpoints used before)")
-    return HFConfigSnapshot({**snapshot.to_dict(), "quantization_config": compression})
+    return HFConfigSnapshot({**snapshot.to_dict(), "quantization_config": config})
 
 
 def checkpoint_quant_method(hf_config) -> str | None:
