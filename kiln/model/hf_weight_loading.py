@@ -66,6 +66,8 @@ class HFWeightLoading:
                 continue
             target, shard_id = merged_target(name)
             if target not in params:
+                if name.endswith(".weight_zero_point") and not tensor.any():
+                    continue  # symmetric weights' zero points, all 0 (older llm-compressor)
                 raise ConfigError(unexpected_tensor_message(name, self.config))
             param = params[target]
             loader = getattr(param, "weight_loader", None)

@@ -185,6 +185,25 @@ def test_quant_method_is_read_in_any_case(tiny_llama_dir, tmp_path):
     assert _linears(get_model(cfg))["model.layers.0.mlp.down_proj"].weight.dtype == torch.int8
 
 
+def test_symmetric_weights_zero_points_of_zero_are_skipped(tiny_llama_dir, tmp_path):
+    """Older llm-compressor wrote a weight_zero_point of zeros beside symmetric int8 weights:
+    nothing to apply, so it loads (it was refused as asymmetric); a nonzero one still is
+    (test_tensors_of_unserved_schemes_are_refused_saying_what_they_are)."""
+    from safetensors.torch import load_file, save_file
+
+    d = write_w8a8_checkpoint(tiny_llama_dir, tmp_path / "q")
+    files = sorted(d.glob("*.safetensors"))
+    tensors = load_file(files[0])
+    scales = [n for n in tensors if n.endswith(".weight_scale")]
+    assert scales
+    for n in scales:
+        tensors[n.replace(".weight_scale", ".weight_zero_point")] = torch.zeros(
+            tensors[n].shape, dtype=torch.int8)
+    save_file(tensors, files[0], metadata={"format": "pt"})
+    assert _linears(get_model(kiln_config_for(d)))[
+        "model.layers.0.mlp.down_proj"].weight.dtype == torch.int8
+
+
 @pytest.mark.parametrize("stage", [0, 1])
 def test_a_pipeline_stage_whose_layers_are_all_ignored_loads_them_float(tiny_llama_dir, tmp_path,
                                                                         monkeypatch, stage):
@@ -221,7 +240,7 @@ def test_tensors_of_unserved_schemes_are_refused_saying_what_they_are(tiny_llama
 
     d = write_w8a8_checkpoint(tiny_llama_dir, tmp_path / "q")
     state = load_file(str(d / "model.safetensors"))
-    state[f"model.layers.0.mlp.down_proj.{tensor}"] = torch.zeros(128, dtype=dtype)
+    state[f"model.layers.0.mlp.down_proj.{tensor}"] = torch.ones(128, dtype=dtype)
     save_file(state, str(d / "model.safetensors"))
     with pytest.raises(ConfigError, match=f"down_proj.{tensor} is {says}") as e:
         get_model(kiln_config_for(d))
