@@ -115,11 +115,25 @@ class SamplingParams:
     # vLLM's arguments for custom logits processors and plugins (its server's vllm_xargs): Kiln
     # loads none, so none is taken; not a field (nothing crosses to the core).
     extra_args: InitVar[dict | None] = None
+    # vLLM's other arguments, taken so its callers' code runs: custom logits processors (none
+    # loadable here: refused when given), guided_decoding (its old name for structured_outputs:
+    # refused naming it), skip_clone (a copy vLLM may skip; Kiln's engine copies anyway).
+    logits_processors: InitVar[list | None] = None
+    guided_decoding: InitVar[object | None] = None
+    skip_clone: InitVar[bool] = False
 
-    def __post_init__(self, extra_args: dict | None = None):
+    def __post_init__(self, extra_args: dict | None = None, logits_processors: list | None = None,
+                      guided_decoding: object | None = None, skip_clone: bool = False):
         if extra_args:
             raise ValueError("extra_args is not supported: it carries arguments for custom "
                              "logits processors and plugins, and Kiln loads none; omit it")
+        if logits_processors:
+            raise ValueError("logits_processors is not supported: Kiln runs no per-request "
+                             "Python logits processors; use logit_bias, allowed_token_ids, "
+                             "bad_words or structured_outputs, or omit it")
+        if guided_decoding is not None:
+            raise ValueError("guided_decoding is vLLM's old name for structured_outputs: pass "
+                             "structured_outputs=StructuredOutputsParams(...) instead")
         self.verify()
 
     def verify(self) -> None:

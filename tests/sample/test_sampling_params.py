@@ -168,3 +168,18 @@ def test_extra_args_are_refused_saying_why_and_their_default_taken():
         SamplingParams(extra_args={"target_token": 67})
     assert SamplingParams(extra_args=None) == SamplingParams(extra_args={}) == SamplingParams()
     assert "extra_args" not in {f.name for f in fields(SamplingParams)}  # nothing to the core
+
+
+def test_vllms_other_arguments_are_taken_or_refused_naming_the_replacement():
+    """vLLM callers' SamplingParams(...) met a bare TypeError (unexpected keyword)."""
+    from dataclasses import fields
+
+    with pytest.raises(ValueError, match="^logits_processors is not supported: .*logit_bias"):
+        SamplingParams(logits_processors=[lambda ids, logits: logits])
+    with pytest.raises(ValueError, match="^guided_decoding is vLLM's old name for "
+                                         "structured_outputs"):
+        SamplingParams(guided_decoding={"json": {}})
+    assert SamplingParams(logits_processors=[], skip_clone=True, guided_decoding=None) == \
+        SamplingParams()
+    assert not {"logits_processors", "guided_decoding", "skip_clone"} & {
+        f.name for f in fields(SamplingParams)}  # nothing crosses to the core
